@@ -1,0 +1,136 @@
+/*
+ * td_kv: the paged KV-cache block manager. It does the accounting only (which block
+ * belongs to whom); the bytes live in a pool a backend allocated (td_kv_layout.h gives
+ * their shape). Used by the engine, the decode node's lease manager and the prefill
+ * node's prefix cache.
+ *
+ * Blocks: ids 0..n_blocks-1, each with a reference count. A block is in exactly one of
+ * three states: free (on the free list, ref 0), in use (ref > 0), or cached (ref 0 but
+ * holding a full block registered in the prefix cache, on an LRU list; allocation evicts
+ * the least recently used cached block only when the free list is empty).
+ *
+ * Prefix caching: a full block is keyed by a chained hash of its tokens and the hash of
+ * the block before it (so equal keys mean equal whole prefixes). A new sequence attaches
+ * the longest chain of cached blocks matching its prompt and computes only the rest.
+ *
+ * Copy-on-write: a block shared by several sequences (fork) is copied before one of them
+ * writes into it; td_kv_seq_reserve() reports the copies the caller must perform on the
+ * pool bytes before the write.
+ *
+ * Threads: a cache and its sequences are used by one thread.
+ */
+#ifndef TD_KV_H
+#define TD_KV_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "td_status.h"
+
+typedef struct td_kv_cache td_kv_cache_t;
+
+typedef struct td_kv_config {
+    int32_t n_blocks;     /* blocks in the pool */
+    int32_t block_size;   /* tokens per block */
+    bool prefix_cache;    /* keep full blocks for reuse after their sequences end */
+} td_kv_config_t;
+
+/* A sequence's view of the cache. Caller-allocated; td_kv_seq_init / td_kv_seq_free. */
+typedef struct td_kv_seq {
+    int32_t *blocks;      /* [n_blocks] block table, in position order */
+    int32_t n_blocks;
+    int32_t cap_blocks;
+    int32_t n_tokens;     /* tokens whose K/V are in the cache (committed) */
+    int32_t *tokens;      /* [n_tokens] the committed tokens (for prefix hashes) */
+    int32_t cap_tokens;
+    int32_t n_hashed;     /* full blocks already registered in the prefix cache */
+    uint64_t last_hash;   /* chained hash of block n_hashed - 1 (0 when none) */
+} td_kv_seq_t;
+
+/* Pending copy-on-write copies: the caller copies block src[i] to dst[i] in the pool. */
+#define TD_KV_MAX_COW 4
+typedef struct td_kv_cow {
+    int32_t n;
+    int32_t src[TD_KV_MAX_COW];
+    int32_t dst[TD_KV_MAX_COW];
+} td_kv_cow_t;
+
+typedef struct td_kv_stats {
+    int32_t n_blocks;
+    int32_t free;          /* on the free list */
+    int32_t cached;        /* unreferenced but holding a reusable prefix block */
+    int32_t used;          /* referenced */
+    uint64_t prefix_lookups;   /* full blocks looked up by td_kv_seq_match_prefix */
+    uint64_t prefix_hits;      /* of those, found */
+    uint64_t evictions;
+} td_kv_stats_t;
+
+/* Errors: TD_ERR_INVALID for n_blocks <= 0 or block_size <= 0, TD_ERR_NOMEM. */
+td_status_t td_kv_cache_create(const td_kv_config_t *cfg, td_kv_cache_t **cache_p);
+void td_kv_cache_destroy(td_kv_cache_t *cache);
+
+int32_t td_kv_block_size(const td_kv_cache_t *cache);
+
+/* Blocks an allocation could get right now (free + cached). */
+int32_t td_kv_available(const td_kv_cache_t *cache);
+
+void td_kv_get_stats(const td_kv_cache_t *cache, td_kv_stats_t *stats);
+
+/*
+ * Allocates n blocks (ref 1 each) into ids[0..n). All or nothing: TD_ERR_EXHAUSTED
+ * (not logged; the caller decides) when fewer than n are available, nothing changed.
+ */
+td_status_t td_kv_alloc_blocks(td_kv_cache_t *cache, int32_t n, int32_t *ids);
+
+/* Reference counting of single blocks. Unref of the last reference frees the block (or
+ * parks it on the LRU list if it holds a registered prefix block). */
+void td_kv_ref_block(td_kv_cache_t *cache, int32_t id);
+void td_kv_unref_block(td_kv_cache_t *cache, int32_t id);
+int32_t td_kv_block_refs(const td_kv_cache_t *cache, int32_t id);
+
+void td_kv_seq_init(td_kv_seq_t *seq);
+/* Drops every block reference of seq and frees its arrays. seq may be reused after
+ * td_kv_seq_init. */
+void td_kv_seq_free(td_kv_cache_t *cache, td_kv_seq_t *seq);
+
+/*
+ * For an empty sequence: attaches the longest run of cached full blocks matching
+ * tokens[0..n) (at most max_tokens tokens, rounded down to whole blocks), taking a
+ * reference on each, and commits those tokens. *n_cached_p = tokens attached.
+ */
+td_status_t td_kv_seq_match_prefix(td_kv_cache_t *cache, td_kv_seq_t *seq, const int32_t *tokens,
+                                   int32_t n, int32_t max_tokens, int32_t *n_cached_p);
+
+/*
+ * Makes room for the sequence to hold n_total tokens: allocates missing blocks and, if
+ * the block that the next token goes into is shared (refs > 1), replaces it by a private
+ * copy recorded in *cow (the caller copies the bytes before writing). All or nothing:
+ * TD_ERR_EXHAUSTED (not logged) leaves seq and cache unchanged.
+ */
+td_status_t td_kv_seq_reserve(td_kv_cache_t *cache, td_kv_seq_t *seq, int32_t n_total,
+                              td_kv_cow_t *cow);
+
+/*
+ * Records that tokens[0..n) now follow the committed ones (their K/V were written) and
+ * registers every newly full block in the prefix cache. Requires reserve first.
+ */
+td_status_t td_kv_seq_commit(td_kv_cache_t *cache, td_kv_seq_t *seq, const int32_t *tokens,
+                             int32_t n);
+
+/* Drops the last n committed tokens (blocks no longer needed are released). */
+void td_kv_seq_truncate(td_kv_cache_t *cache, td_kv_seq_t *seq, int32_t n_keep);
+
+/* dst (empty) shares every block of src (refs taken) and copies its tokens. */
+td_status_t td_kv_seq_fork(td_kv_cache_t *cache, const td_kv_seq_t *src, td_kv_seq_t *dst);
+
+/*
+ * Makes an empty sequence own already-allocated blocks (one reference each is transferred
+ * from the caller, e.g. a lease) holding tokens[0..n) computed elsewhere (KV transfer).
+ */
+td_status_t td_kv_seq_adopt(td_kv_cache_t *cache, td_kv_seq_t *seq, const int32_t *blocks,
+                            int32_t n_blocks, const int32_t *tokens, int32_t n);
+
+/* The chained hash of one full block given its predecessor's hash (0 for the first). */
+uint64_t td_kv_block_hash(uint64_t prev, const int32_t *tokens, int32_t block_size);
+
+#endif /* TD_KV_H */

@@ -1,0 +1,138 @@
+/*
+ * td_model: a transformer's hyperparameters (td_model_config_t) and its weights as host
+ * tensors (td_model_weights_t), loaded from a llama2.c checkpoint or a Hugging Face model
+ * directory. Weights stay where the loader found them: memory-mapped files, never copied.
+ * Backends take them from here (converting or uploading as they need).
+ *
+ * Weight matrices are [out][in] (a PyTorch Linear weight), rows contiguous.
+ */
+#ifndef TD_MODEL_H
+#define TD_MODEL_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "td_backend.h"
+#include "td_dtype.h"
+#include "td_status.h"
+
+typedef enum td_arch {
+    TD_ARCH_LLAMA = 0,   /* LlamaForCausalLM and llama2.c checkpoints */
+    TD_ARCH_MISTRAL = 1, /* MistralForCausalLM */
+    TD_ARCH_QWEN2 = 2,   /* Qwen2ForCausalLM: q/k/v biases */
+    TD_ARCH_QWEN3 = 3,   /* Qwen3ForCausalLM: q/k RMS norms */
+} td_arch_t;
+
+#define TD_MAX_EOS 8
+
+typedef struct td_model_config {
+    td_arch_t arch;
+    char arch_name[64];     /* as in config.json "architectures"[0], or "llama2.c" */
+    int32_t dim;            /* hidden_size */
+    int32_t hidden_dim;     /* intermediate_size (FFN) */
+    int32_t n_layers;
+    int32_t n_heads;        /* query heads */
+    int32_t n_kv_heads;     /* key/value heads (GQA when < n_heads) */
+    int32_t head_dim;       /* dim / n_heads unless config.json gives head_dim */
+    int32_t vocab_size;
+    int32_t max_seq_len;    /* max_position_embeddings / llama2.c seq_len */
+    float norm_eps;         /* rms_norm_eps */
+    float rope_theta;
+    td_rope_style_t rope_style;
+    bool rope_llama3;       /* rope_scaling.rope_type == "llama3" */
+    float rope_factor;
+    float rope_low_freq_factor;
+    float rope_high_freq_factor;
+    int32_t rope_original_max_pos;
+    bool tie_embeddings;    /* lm_head shares the embedding table */
+    bool qkv_bias;          /* Qwen2 */
+    bool qk_norm;           /* Qwen3 */
+    td_dtype_t dtype;       /* dtype the weights are stored in */
+    int32_t bos_id;         /* -1 when none */
+    int32_t eos_ids[TD_MAX_EOS]; /* generation stops on any of these */
+    int32_t n_eos;
+} td_model_config_t;
+
+/* A host tensor: a view into a mapped file (or synthesized buffer) owned by the model. */
+typedef struct td_tensor {
+    const void *data;       /* NULL when absent (optional tensors) */
+    td_dtype_t dtype;
+    int32_t n_dims;
+    int64_t shape[4];       /* outermost first: a [out][in] matrix is {out, in} */
+} td_tensor_t;
+
+typedef struct td_layer_weights {
+    td_tensor_t attn_norm;  /* (dim) */
+    td_tensor_t wq;         /* (n_heads * head_dim, dim) */
+    td_tensor_t wk;         /* (n_kv_heads * head_dim, dim) */
+    td_tensor_t wv;         /* (n_kv_heads * head_dim, dim) */
+    td_tensor_t bq;         /* (n_heads * head_dim) Qwen2 only */
+    td_tensor_t bk;         /* (n_kv_heads * head_dim) Qwen2 only */
+    td_tensor_t bv;         /* (n_kv_heads * head_dim) Qwen2 only */
+    td_tensor_t q_norm;     /* (head_dim) Qwen3 only */
+    td_tensor_t k_norm;     /* (head_dim) Qwen3 only */
+    td_tensor_t wo;         /* (dim, n_heads * head_dim) */
+    td_tensor_t ffn_norm;   /* (dim) */
+    td_tensor_t w_gate;     /* (hidden_dim, dim)  llama2.c w1 */
+    td_tensor_t w_up;       /* (hidden_dim, dim)  llama2.c w3 */
+    td_tensor_t w_down;     /* (dim, hidden_dim)  llama2.c w2 */
+} td_layer_weights_t;
+
+typedef struct td_model_weights {
+    td_tensor_t embed;          /* (vocab_size, dim) */
+    td_layer_weights_t *layers; /* [n_layers] */
+    td_tensor_t final_norm;     /* (dim) */
+    td_tensor_t lm_head;        /* (vocab_size, dim); same data as embed when tied */
+} td_model_weights_t;
+
+typedef struct td_model td_model_t;
+
+struct td_model {
+    td_model_config_t config;
+    td_model_weights_t weights;
+    uint64_t fingerprint;       /* td_model_fingerprint(&config) */
+    char path[4096];            /* what was loaded */
+    char tokenizer_path[4096];  /* tokenizer found beside the model ("" if none) */
+    void *priv;                 /* loader-owned storage (maps, buffers) */
+};
+
+/*
+ * Loads a model. `path` is a llama2.c checkpoint file (.bin) or a Hugging Face model
+ * directory (config.json + model.safetensors or model.safetensors.index.json shards).
+ * Errors name the file and the problem: TD_ERR_IO, TD_ERR_FORMAT (bad JSON, truncated
+ * file, wrong shape, missing tensor), TD_ERR_UNSUPPORTED (architecture, dtype).
+ */
+td_status_t td_model_load(const char *path, td_model_t **model_p);
+void td_model_destroy(td_model_t *model);
+
+/*
+ * Parses a Hugging Face config.json text (and optional tokenizer_config/generation
+ * defaults already merged by the caller) into cfg. `origin` names the file in messages.
+ * Used by the loader and by processes that need the shape without the weights.
+ */
+td_status_t td_model_config_from_json(const char *json, const char *origin, td_model_config_t *cfg);
+
+/* A stable 64-bit hash of everything that shapes the KV cache and the math: arch, dims,
+ * heads, layers, vocab, rope settings, norms. Two nodes with equal fingerprints compute
+ * interchangeable KV. */
+uint64_t td_model_fingerprint(const td_model_config_t *cfg);
+
+/* Named preset shapes for synthesis: "tinyllama-1.1b", "llama-3.2-1b", "llama-3-8b",
+ * "qwen2-7b", "tiny" (a few MB, for tests). Returns TD_ERR_NOT_FOUND for other names. */
+td_status_t td_model_preset(const char *name, td_model_config_t *cfg);
+
+typedef struct td_synth_params {
+    td_model_config_t config; /* shape and arch to write */
+    uint64_t seed;
+    td_dtype_t dtype;         /* dtype of the written tensors */
+} td_synth_params_t;
+
+/*
+ * Writes a random-weight model in the Hugging Face format to directory `out_dir`
+ * (created if missing): config.json, model.safetensors, and a tokenizer.json when
+ * `tokenizer_src` is non-NULL (copied). Weights ~ N(0, 0.02)-like from the seed, norms 1,
+ * so generation is deterministic per seed.
+ */
+td_status_t td_model_synth(const td_synth_params_t *p, const char *out_dir, const char *tokenizer_src);
+
+#endif /* TD_MODEL_H */

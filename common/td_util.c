@@ -1,0 +1,274 @@
+/*
+ * td_util: assertions, clocks, file reads and maps, checked arithmetic, half floats.
+ */
+#define _GNU_SOURCE
+#include "td_util.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+void td_assert_fail(const char *expr, const char *file, int line)
+{
+    fprintf(stderr, "tandem: assertion failed: %s (%s:%d)\n", expr, file, line);
+    abort();
+}
+
+uint64_t td_now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+double td_now_s(void)
+{
+    return (double)td_now_ns() * 1e-9;
+}
+
+td_status_t td_file_read_all(const char *path, size_t max_bytes, char **data_p, size_t *len_p)
+{
+    FILE *f = fopen(path, "rb");
+    if (!f)
+        return td_errorf(TD_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
+    td_status_t st = TD_OK;
+    char *buf = NULL;
+    size_t len = 0, cap = 0;
+    for (;;) {
+        if (len + 1 >= cap) {
+            size_t ncap = cap ? cap * 2 : 65536;
+            if (ncap > max_bytes + 1)
+                ncap = max_bytes + 1;
+            if (len + 1 >= ncap) {
+                st = td_errorf(TD_ERR_RANGE, "%s: larger than the %zu-byte limit", path, max_bytes);
+                goto err_buf;
+            }
+            char *nb = realloc(buf, ncap);
+            if (!nb) {
+                st = td_errorf(TD_ERR_NOMEM, "%s: out of memory reading file", path);
+                goto err_buf;
+            }
+            buf = nb;
+            cap = ncap;
+        }
+        size_t n = fread(buf + len, 1, cap - 1 - len, f);
+        len += n;
+        if (n == 0) {
+            if (ferror(f)) {
+                st = td_errorf(TD_ERR_IO, "%s: read failed: %s", path, strerror(errno));
+                goto err_buf;
+            }
+            break;
+        }
+    }
+    fclose(f);
+    if (!buf) {
+        buf = malloc(1);
+        if (!buf)
+            return td_errorf(TD_ERR_NOMEM, "%s: out of memory", path);
+    }
+    buf[len] = '\0';
+    *data_p = buf;
+    if (len_p)
+        *len_p = len;
+    return TD_OK;
+
+err_buf:
+    free(buf);
+    fclose(f);
+    return st;
+}
+
+td_status_t td_mmap_init(td_mmap_t *m, const char *path)
+{
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return td_errorf(TD_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
+    struct stat sb;
+    if (fstat(fd, &sb) != 0) {
+        int e = errno;
+        close(fd);
+        return td_errorf(TD_ERR_IO, "%s: cannot stat: %s", path, strerror(e));
+    }
+    if (!S_ISREG(sb.st_mode)) {
+        close(fd);
+        return td_errorf(TD_ERR_IO, "%s: not a regular file", path);
+    }
+    void *p = NULL;
+    if (sb.st_size > 0) {
+        p = mmap(NULL, (size_t)sb.st_size, PROT_READ, MAP_PRIVATE, fd, 0);
+        if (p == MAP_FAILED) {
+            int e = errno;
+            close(fd);
+            return td_errorf(TD_ERR_IO, "%s: cannot map: %s", path, strerror(e));
+        }
+    }
+    close(fd);
+    m->data = p;
+    m->size = (size_t)sb.st_size;
+    return TD_OK;
+}
+
+void td_mmap_free(td_mmap_t *m)
+{
+    if (m && m->data)
+        munmap(m->data, m->size);
+    if (m) {
+        m->data = NULL;
+        m->size = 0;
+    }
+}
+
+bool td_mul_size(size_t a, size_t b, size_t *out)
+{
+    size_t r;
+    if (__builtin_mul_overflow(a, b, &r))
+        return false;
+    *out = r;
+    return true;
+}
+
+bool td_add_size(size_t a, size_t b, size_t *out)
+{
+    size_t r;
+    if (__builtin_add_overflow(a, b, &r))
+        return false;
+    *out = r;
+    return true;
+}
+
+float td_f16_to_f32(uint16_t h)
+{
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    uint32_t exp = (h >> 10) & 0x1f;
+    uint32_t mant = h & 0x3ff;
+    uint32_t bits;
+    if (exp == 0) {
+        if (mant == 0) {
+            bits = sign;
+        } else { /* subnormal: normalise */
+            exp = 127 - 15 + 1;
+            while ((mant & 0x400) == 0) {
+                mant <<= 1;
+                exp--;
+            }
+            mant &= 0x3ff;
+            bits = sign | (exp << 23) | (mant << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (mant << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+uint16_t td_f32_to_f16(float f)
+{
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    uint32_t sign = (x >> 16) & 0x8000;
+    int32_t exp = (int32_t)((x >> 23) & 0xff) - 127 + 15;
+    uint32_t mant = x & 0x7fffff;
+    if (((x >> 23) & 0xff) == 0xff) /* inf / nan */
+        return (uint16_t)(sign | 0x7c00 | (mant ? 0x200 : 0));
+    if (exp >= 31)
+        return (uint16_t)(sign | 0x7c00);
+    if (exp <= 0) {
+        if (exp < -10)
+            return (uint16_t)sign;
+        mant |= 0x800000;
+        uint32_t shift = (uint32_t)(14 - exp);
+        uint32_t half = mant >> shift;
+        uint32_t rem = mant & ((1u << shift) - 1);
+        uint32_t mid = 1u << (shift - 1);
+        if (rem > mid || (rem == mid && (half & 1)))
+            half++;
+        return (uint16_t)(sign | half);
+    }
+    uint32_t half = sign | ((uint32_t)exp << 10) | (mant >> 13);
+    uint32_t rem = mant & 0x1fff;
+    if (rem > 0x1000 || (rem == 0x1000 && (half & 1)))
+        half++; /* may carry into the exponent, which is the correct rounding */
+    return (uint16_t)half;
+}
+
+float td_bf16_to_f32(uint16_t b)
+{
+    uint32_t bits = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+uint16_t td_f32_to_bf16(float f)
+{
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    if ((x & 0x7fffffff) > 0x7f800000) /* nan: keep it a quiet nan */
+        return (uint16_t)((x >> 16) | 0x40);
+    x += 0x7fff + ((x >> 16) & 1);
+    return (uint16_t)(x >> 16);
+}
+
+td_status_t td_path_join(char *out, size_t cap, const char *dir, const char *name)
+{
+    int n = snprintf(out, cap, "%s/%s", dir, name);
+    if (n < 0 || (size_t)n >= cap)
+        return td_errorf(TD_ERR_RANGE, "path too long: %s/%s", dir, name);
+    return TD_OK;
+}
+
+bool td_is_dir(const char *path)
+{
+    struct stat sb;
+    return stat(path, &sb) == 0 && S_ISDIR(sb.st_mode);
+}
+
+bool td_is_file(const char *path)
+{
+    struct stat sb;
+    return stat(path, &sb) == 0 && S_ISREG(sb.st_mode);
+}
+
+int td_cpu_count(void)
+{
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    return n > 0 ? (int)n : 1;
+}
+
+td_status_t td_parse_i64(const char *s, int64_t min, int64_t max, const char *what, int64_t *out)
+{
+    char *end = NULL;
+    errno = 0;
+    long long v = s ? strtoll(s, &end, 10) : 0;
+    if (!s || !*s || *end != '\0' || errno == ERANGE)
+        return td_errorf(TD_ERR_INVALID, "%s: '%s' is not an integer", what, s ? s : "");
+    if (v < min || v > max)
+        return td_errorf(TD_ERR_INVALID, "%s: %lld is out of range [%lld, %lld]", what, v,
+                         (long long)min, (long long)max);
+    *out = v;
+    return TD_OK;
+}
+
+td_status_t td_parse_f32(const char *s, float min, float max, const char *what, float *out)
+{
+    char *end = NULL;
+    errno = 0;
+    float v = s ? strtof(s, &end) : 0.0f;
+    if (!s || !*s || *end != '\0' || errno == ERANGE || v != v)
+        return td_errorf(TD_ERR_INVALID, "%s: '%s' is not a number", what, s ? s : "");
+    if (v < min || v > max)
+        return td_errorf(TD_ERR_INVALID, "%s: %g is out of range [%g, %g]", what, (double)v,
+                         (double)min, (double)max);
+    *out = v;
+    return TD_OK;
+}

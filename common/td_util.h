@@ -1,0 +1,76 @@
+/*
+ * td_util: the small things every module needs: invariant assertions, monotonic time,
+ * whole-file reads, read-only memory maps, checked size arithmetic, half-precision
+ * conversion. Nothing here allocates behind the caller's back except where documented.
+ */
+#ifndef TD_UTIL_H
+#define TD_UTIL_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "td_status.h"
+
+/* Invariant check, always on. Only for programming errors, never for bad input. */
+#define TD_ASSERT(cond)                                                    \
+    do {                                                                   \
+        if (!(cond))                                                       \
+            td_assert_fail(#cond, __FILE__, __LINE__);                     \
+    } while (0)
+
+_Noreturn void td_assert_fail(const char *expr, const char *file, int line);
+
+#define TD_ARRAY_LEN(a) (sizeof(a) / sizeof((a)[0]))
+#define TD_MIN(a, b) ((a) < (b) ? (a) : (b))
+#define TD_MAX(a, b) ((a) > (b) ? (a) : (b))
+#define TD_DIV_CEIL(a, b) (((a) + (b)-1) / (b))
+
+/* Monotonic clock in nanoseconds / seconds. */
+uint64_t td_now_ns(void);
+double td_now_s(void);
+
+/*
+ * Reads a whole file into a NUL-terminated heap buffer (*data_p, caller frees with free()).
+ * Refuses files larger than max_bytes. Errors: TD_ERR_IO (with the path and errno text),
+ * TD_ERR_RANGE (too large), TD_ERR_NOMEM.
+ */
+td_status_t td_file_read_all(const char *path, size_t max_bytes, char **data_p, size_t *len_p);
+
+/* A read-only memory map of a whole file. */
+typedef struct td_mmap {
+    void *data;  /* NULL for an empty file */
+    size_t size;
+} td_mmap_t;
+
+/* Maps `path` read-only. Errors: TD_ERR_IO naming the path. Release with td_mmap_free. */
+td_status_t td_mmap_init(td_mmap_t *m, const char *path);
+void td_mmap_free(td_mmap_t *m);
+
+/* a*b and a+b with overflow detection: false on overflow, *out untouched. */
+bool td_mul_size(size_t a, size_t b, size_t *out);
+bool td_add_size(size_t a, size_t b, size_t *out);
+
+/* IEEE half and bfloat16 <-> float. bf16 rounding is round-to-nearest-even. */
+float td_f16_to_f32(uint16_t h);
+uint16_t td_f32_to_f16(float f);
+float td_bf16_to_f32(uint16_t b);
+uint16_t td_f32_to_bf16(float f);
+
+/* Path join into a caller buffer; returns TD_ERR_RANGE if it does not fit. */
+td_status_t td_path_join(char *out, size_t cap, const char *dir, const char *name);
+
+/* True if `path` names an existing directory / regular file. */
+bool td_is_dir(const char *path);
+bool td_is_file(const char *path);
+
+/* Number of online CPUs (at least 1). */
+int td_cpu_count(void);
+
+
+/* Strict number parsing for flags and config: the whole string must be a number within
+ * [min, max]. Errors: TD_ERR_INVALID with a message naming `what`. */
+td_status_t td_parse_i64(const char *s, int64_t min, int64_t max, const char *what, int64_t *out);
+td_status_t td_parse_f32(const char *s, float min, float max, const char *what, float *out);
+
+#endif /* TD_UTIL_H */

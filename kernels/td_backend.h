@@ -1,0 +1,170 @@
+/*
+ * td_backend: the one kernel interface of tandem. A backend is a vtable plus a context
+ * (ggml style); the engine calls nothing else to compute.
+ *
+ * Memory. "Device memory" is whatever the backend allocates with ops->alloc; for the CPU
+ * backend it is host memory (be->host_memory is true and the engine may hand it mmapped
+ * host pointers directly). Weights, activations and the KV pool all live there.
+ *
+ * Dtypes. Activations are in be->act_dtype (CPU: f32). Weights are in the dtype the
+ * caller passes per op (the backend's supported set is be->weight_dtypes, a bit mask of
+ * 1u << td_dtype_t). The KV pool is in layout->dtype (td_kv_layout.h gives its shape).
+ *
+ * Steps. A forward step over a batch of sequences first hands the backend its metadata
+ * (ops->set_step); the row-wise ops that need positions, cache slots or block tables read
+ * them from there, so a device backend uploads them once per step. Rows of a step are the
+ * new tokens of every sequence, sequence after sequence.
+ *
+ * Errors. Every op returns td_status_t; a backend that fails describes the error itself
+ * (td_errorf). Ops validate nothing a correct engine cannot get wrong: shapes are the
+ * caller's contract (TD_ASSERT guards the cheap invariants).
+ *
+ * Threads. A backend context is used by one thread at a time; the CPU backend runs each
+ * op on its own worker pool.
+ */
+#ifndef TD_BACKEND_H
+#define TD_BACKEND_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "td_dtype.h"
+#include "td_kv_layout.h"
+#include "td_status.h"
+
+typedef struct td_backend td_backend_t;
+
+/* Per-step metadata, host arrays owned by the caller and valid until the next set_step. */
+typedef struct td_step_meta {
+    int32_t n_tokens;            /* rows in this step, all sequences */
+    int32_t n_seqs;
+    const int32_t *tokens;       /* [n_tokens] token id of each row */
+    const int32_t *positions;    /* [n_tokens] absolute position of each row in its sequence */
+    const int32_t *slots;        /* [n_tokens] cache slot of each row: block_id * block_size + offset */
+    const int32_t *seq_start;    /* [n_seqs + 1] first row of each sequence; seq_start[n_seqs] = n_tokens */
+    const int32_t *seq_len;      /* [n_seqs] context length after this step (cached prefix + new rows) */
+    const int32_t *block_tables; /* [n_seqs][max_blocks] block ids of each sequence, in order */
+    int32_t max_blocks;          /* row stride of block_tables */
+    int32_t max_q_len;           /* most new rows of any sequence (1 = a pure decode step) */
+    int32_t max_seq_len;         /* largest seq_len */
+} td_step_meta_t;
+
+/* Y[m][n] = X[m][k] . W[n][k]^T (+ bias[n]) (+ Y when accumulate) */
+typedef struct td_matmul_params {
+    int32_t m, n, k;
+    const void *x;        /* [m][k] act_dtype, rows contiguous */
+    const void *w;        /* [n][k] w_dtype (a PyTorch Linear weight as stored) */
+    td_dtype_t w_dtype;
+    const void *bias;     /* [n] w_dtype, or NULL */
+    void *y;              /* [m][n] act_dtype, or f32 when y_f32 */
+    bool y_f32;           /* output in f32 whatever act_dtype is (logits) */
+    bool accumulate;      /* y += result (the residual add) */
+} td_matmul_params_t;
+
+typedef enum td_rope_style {
+    TD_ROPE_PAIRS = 0,   /* rotate (x[2i], x[2i+1]): llama2.c checkpoints */
+    TD_ROPE_HALVES = 1,  /* rotate (x[i], x[i + d/2]): Hugging Face checkpoints */
+} td_rope_style_t;
+
+/* Rotary embedding of the step's rows, in place, at each row's position (step meta). */
+typedef struct td_rope_params {
+    void *q;               /* [n_tokens][n_heads][head_dim] act_dtype */
+    void *k;               /* [n_tokens][n_kv_heads][head_dim] act_dtype */
+    int32_t n_heads, n_kv_heads, head_dim;
+    const float *inv_freq; /* [head_dim / 2] device memory: frequency of pair i (scaling applied) */
+    td_rope_style_t style;
+} td_rope_params_t;
+
+/* Attention of the step's rows against one layer's paged KV cache. The new rows' K and V
+ * must already be written (kv_write) before either attention op. */
+typedef struct td_attn_params {
+    const void *q;             /* [n_tokens][n_heads][head_dim] act_dtype */
+    void *out;                 /* [n_tokens][n_heads][head_dim] act_dtype */
+    const void *kv_layer;      /* this layer's part of the pool: [n_blocks][2][block_size][n_kv_heads][head_dim] */
+    const td_kv_layout_t *layout;
+    int32_t n_blocks;          /* blocks in the pool */
+    int32_t n_heads;           /* query heads; n_heads % layout->n_kv_heads == 0 */
+    float scale;               /* softmax scale, usually 1/sqrt(head_dim) */
+    int32_t partition_tokens;  /* decode split-KV partition size in tokens (multiple of block
+                                  size); 0 = the backend's heuristic */
+} td_attn_params_t;
+
+typedef struct td_backend_ops {
+    const char *name;
+    void (*destroy)(td_backend_t *be);
+
+    /* memory */
+    td_status_t (*alloc)(td_backend_t *be, size_t bytes, void **ptr_p);
+    void (*free)(td_backend_t *be, void *ptr);
+    td_status_t (*copy_h2d)(td_backend_t *be, void *dst, const void *src, size_t bytes);
+    td_status_t (*copy_d2h)(td_backend_t *be, void *dst, const void *src, size_t bytes);
+    td_status_t (*copy_d2d)(td_backend_t *be, void *dst, const void *src, size_t bytes);
+    td_status_t (*sync)(td_backend_t *be);
+
+    /* step */
+    td_status_t (*set_step)(td_backend_t *be, const td_step_meta_t *meta);
+
+    /* ops (rows = the step's n_tokens unless a count is given) */
+    /* x[row] = table[tokens[row]] converted to act_dtype; table [vocab][dim] */
+    td_status_t (*embed)(td_backend_t *be, void *x, const void *table, td_dtype_t table_dtype,
+                         int32_t dim);
+    /* out[r] = x[r] / rms(x[r]) * w, for `rows` rows of `dim`; in place when out == x.
+       When residual is non-NULL first residual[r] += x[r] and normalise the sum (fused
+       residual add): out gets the normalised sum, residual keeps the sum. */
+    td_status_t (*rmsnorm)(td_backend_t *be, void *out, void *x, void *residual, const void *w,
+                           td_dtype_t w_dtype, int32_t rows, int32_t dim, float eps);
+    td_status_t (*matmul)(td_backend_t *be, const td_matmul_params_t *p);
+    td_status_t (*rope)(td_backend_t *be, const td_rope_params_t *p);
+    /* writes the step's K and V rows ([n_tokens][n_kv_heads][head_dim] act_dtype) into their
+       slots of one layer of the pool */
+    td_status_t (*kv_write)(td_backend_t *be, void *kv_layer, const td_kv_layout_t *layout,
+                            int32_t n_blocks, const void *k, const void *v);
+    /* FlashAttention-style: query tiles against K/V tiles of the paged cache, online
+       softmax, causal (row at position p sees positions <= p), any number of new rows per
+       sequence attending to the cached prefix plus themselves */
+    td_status_t (*attn_prefill)(td_backend_t *be, const td_attn_params_t *p);
+    /* FlashDecoding split-KV: exactly one new row per sequence; each sequence's context
+       is split into partitions computed in parallel and merged by log-sum-exp */
+    td_status_t (*attn_decode)(td_backend_t *be, const td_attn_params_t *p);
+    /* out[r][i] = silu(gate[r][i]) * up[r][i]; all [rows][hidden] act_dtype; out may be gate */
+    td_status_t (*swiglu)(td_backend_t *be, void *out, const void *gate, const void *up,
+                          int32_t rows, int32_t hidden);
+    /* dst[i] = src[rows[i]] for n rows of `dim` act_dtype elements (rows: host array) */
+    td_status_t (*gather_rows)(td_backend_t *be, void *dst, const void *src, const int32_t *rows,
+                               int32_t n, int32_t dim);
+    /* copies whole blocks (all layers, K and V) src[i] -> dst[i] in a pool (copy-on-write) */
+    td_status_t (*copy_blocks)(td_backend_t *be, void *pool, const td_kv_layout_t *layout,
+                               int32_t n_blocks, const int32_t *src, const int32_t *dst, int32_t n);
+} td_backend_ops_t;
+
+struct td_backend {
+    const td_backend_ops_t *ops;
+    td_dtype_t act_dtype;
+    uint32_t weight_dtypes; /* bit mask of 1u << td_dtype_t the matmul accepts */
+    uint32_t kv_dtypes;     /* bit mask of KV pool dtypes the attention ops accept */
+    bool host_memory;       /* device memory is host memory (pointers interchangeable) */
+};
+
+/* CPU backend (the reference). n_threads <= 0: all online CPUs. */
+typedef struct td_cpu_config {
+    int32_t n_threads;
+} td_cpu_config_t;
+
+td_status_t td_backend_cpu_create(const td_cpu_config_t *cfg, td_backend_t **be_p);
+
+/* CUDA backend; TD_ERR_UNSUPPORTED when built without CUDA or no device is present. */
+typedef struct td_cuda_config {
+    int32_t device;
+    td_dtype_t act_dtype;
+} td_cuda_config_t;
+
+td_status_t td_backend_cuda_create(const td_cuda_config_t *cfg, td_backend_t **be_p);
+
+/* True when this build has the CUDA backend compiled in. */
+bool td_backend_cuda_compiled(void);
+
+/* Destroys any backend; NULL is a no-op. */
+void td_backend_destroy(td_backend_t *be);
+
+#endif /* TD_BACKEND_H */
