@@ -1,0 +1,36 @@
+/*
+ * bench: `tandem bench <name>` dispatches to one benchmark.
+ */
+#include <stdio.h>
+#include <string.h>
+
+#include "td_bench.h"
+#include "td_cli.h"
+
+static const struct {
+    const char *name;
+    int (*run)(int argc, char **argv);
+    const char *help;
+} benches[] = {
+    {"engine", bench_engine, "CPU engine: batch-1 decode vs memory bandwidth, prefill vs sgemm, batched decode"},
+    {"kernels", bench_kernels, "CUDA kernels vs copy bandwidth and cuBLAS (needs a GPU)"},
+    {"kvxfer", bench_kvxfer, "KV transfer over UCX vs ucx_perftest"},
+};
+
+int cmd_bench(int argc, char **argv)
+{
+    if (argc >= 2) {
+        for (size_t i = 0; i < sizeof benches / sizeof benches[0]; i++)
+            if (!strcmp(argv[1], benches[i].name))
+                return benches[i].run(argc - 1, argv + 1);
+    }
+    FILE *f = argc >= 2 && strcmp(argv[1], "--help") ? stderr : stdout;
+    if (argc >= 2 && f == stderr)
+        fprintf(f, "tandem bench: unknown benchmark '%s'\n\n", argv[1]);
+    fprintf(f, "usage: tandem bench <name> [--json] [options]\n\nbenchmarks:\n");
+    for (size_t i = 0; i < sizeof benches / sizeof benches[0]; i++)
+        fprintf(f, "  %-8s %s\n", benches[i].name, benches[i].help);
+    fprintf(f, "\n'tandem bench <name> --help' lists each one's options; figures are ratios to a\n"
+               "ceiling measured in the same run (docs/bench.md).\n");
+    return f == stdout ? 0 : 2;
+}

@@ -1,0 +1,662 @@
+/*
+ * td_engine: the forward pass (llama2.c's layer loop, batched and paged).
+ *
+ *   x      = embed(tokens)                                  [T][dim]
+ *   for each layer:
+ *     xb   = rmsnorm(x) * attn_norm
+ *     q,k,v = xb . Wq, Wk, Wv (+ biases)                    [T][heads][head_dim]
+ *     q,k  = rmsnorm per head (Qwen3 only)
+ *     q,k  = rope(q, k) at each row's position
+ *     cache[layer][slot(row)] = k, v
+ *     att  = attention(q, cache)   prefill (tiles, causal) or decode (split-KV)
+ *     x   += att . Wo                                       (residual fused in the GEMM)
+ *     xb   = rmsnorm(x) * ffn_norm
+ *     x   += (silu(xb . Wgate) * (xb . Wup)) . Wdown
+ *   logits = rmsnorm(x[rows asked]) * final_norm . Wlm      f32 to the host
+ *
+ * T is the step's rows: every sequence's new tokens, one sequence after another.
+ */
+#include "td_engine.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "td_log.h"
+#include "td_util.h"
+
+/* A weight as the backend sees it. */
+typedef struct td_dev_tensor {
+    const void *data;   /* backend memory (or the model's host memory when usable in place) */
+    td_dtype_t dtype;
+    bool owned;         /* allocated by the engine on the backend */
+} td_dev_tensor_t;
+
+typedef struct td_layer_dev {
+    td_dev_tensor_t attn_norm, wq, wk, wv, bq, bk, bv, q_norm, k_norm, wo;
+    td_dev_tensor_t ffn_norm, w_gate, w_up, w_down;
+} td_layer_dev_t;
+
+/* Per-step scratch on the backend, sized by the config's bounds. */
+typedef struct td_engine_state {
+    void *x;        /* [max_tokens][dim] residual stream */
+    void *xb;       /* [max_tokens][dim] normalised input of a sub-layer */
+    void *q;        /* [max_tokens][n_heads * head_dim] */
+    void *k;        /* [max_tokens][n_kv_heads * head_dim] */
+    void *v;        /* [max_tokens][n_kv_heads * head_dim] */
+    void *att;      /* [max_tokens][n_heads * head_dim] attention output */
+    void *gate;     /* [max_tokens][hidden_dim] */
+    void *up;       /* [max_tokens][hidden_dim] */
+    void *rows;     /* [max_logit_rows][dim] hidden rows whose logits are wanted */
+    void *logits;   /* [max_logit_rows][vocab] f32 */
+    float *inv_freq; /* [head_dim / 2] rope frequencies (backend memory) */
+} td_engine_state_t;
+
+/* Host-side step metadata, sized by the config's bounds. */
+typedef struct td_engine_meta {
+    int32_t *tokens;       /* [max_tokens] */
+    int32_t *positions;    /* [max_tokens] */
+    int32_t *slots;        /* [max_tokens] */
+    int32_t *seq_start;    /* [max_seqs + 1] */
+    int32_t *seq_len;      /* [max_seqs] */
+    int32_t *block_tables; /* [max_seqs][max_blocks] */
+    int32_t *logit_rows;   /* [max_logit_rows] */
+    int32_t max_blocks;
+} td_engine_meta_t;
+
+struct td_engine {
+    const td_model_t *model;
+    td_backend_t *be;
+    td_engine_config_t cfg;
+    td_kv_layout_t layout;
+    td_kv_cache_t *kv;
+    void *kv_pool;          /* backend memory, td_kv_pool_bytes(layout, n_blocks) */
+    int32_t n_blocks;
+    td_dev_tensor_t embed, final_norm, lm_head;
+    td_layer_dev_t *layers; /* [n_layers] */
+    td_engine_state_t s;
+    td_engine_meta_t m;
+    size_t weight_bytes;
+};
+
+td_engine_config_t td_engine_config_default(void)
+{
+    return (td_engine_config_t){
+        .block_size = 16,
+        .n_blocks = 0,
+        .kv_mem_bytes = (size_t)1 << 30,
+        .kv_dtype = TD_F32,
+        .prefix_cache = true,
+        .max_batch_tokens = 2048,
+        .max_seqs = 256,
+        .max_logit_rows = 256,
+        .partition_tokens = 0,
+    };
+}
+
+/* ---- weights ---------------------------------------------------------------------- */
+
+static size_t tensor_elems(const td_tensor_t *t)
+{
+    size_t n = 1;
+    for (int i = 0; i < t->n_dims; i++)
+        n *= (size_t)t->shape[i];
+    return n;
+}
+
+/* Makes a host tensor usable by the backend: in place when it can, else converted to
+ * f32 (or kept in its dtype when the backend takes it) and uploaded. */
+static td_status_t upload_tensor(td_engine_t *eng, const td_tensor_t *t, bool counts,
+                                 td_dev_tensor_t *out)
+{
+    td_backend_t *be = eng->be;
+    memset(out, 0, sizeof *out);
+    if (!t->data)
+        return TD_OK;
+    size_t n = tensor_elems(t);
+    bool dtype_ok = (be->weight_dtypes >> t->dtype) & 1u;
+    td_dtype_t want = dtype_ok ? t->dtype : TD_F32;
+    if (counts)
+        eng->weight_bytes += n * td_dtype_size(want);
+    if (be->host_memory && dtype_ok) {
+        out->data = t->data;
+        out->dtype = t->dtype;
+        return TD_OK;
+    }
+    size_t bytes = n * td_dtype_size(want);
+    void *dev = NULL;
+    td_status_t st = be->ops->alloc(be, bytes, &dev);
+    if (st != TD_OK)
+        return st;
+    if (be->host_memory) {
+        td_dtype_convert(dev, want, t->data, t->dtype, n);
+    } else {
+        void *tmp = want == t->dtype ? NULL : malloc(bytes);
+        if (want != t->dtype && !tmp) {
+            be->ops->free(be, dev);
+            return td_errorf(TD_ERR_NOMEM, "engine: out of host memory converting a weight (%zu bytes)", bytes);
+        }
+        if (tmp)
+            td_dtype_convert(tmp, want, t->data, t->dtype, n);
+        st = be->ops->copy_h2d(be, dev, tmp ? tmp : t->data, bytes);
+        free(tmp);
+        if (st != TD_OK) {
+            be->ops->free(be, dev);
+            return st;
+        }
+    }
+    out->data = dev;
+    out->dtype = want;
+    out->owned = true;
+    return TD_OK;
+}
+
+static void free_tensor(td_engine_t *eng, td_dev_tensor_t *t)
+{
+    if (t->owned)
+        eng->be->ops->free(eng->be, (void *)t->data);
+    memset(t, 0, sizeof *t);
+}
+
+#define TD_LAYER_TENSORS(X) \
+    X(attn_norm) X(wq) X(wk) X(wv) X(bq) X(bk) X(bv) X(q_norm) X(k_norm) X(wo) \
+    X(ffn_norm) X(w_gate) X(w_up) X(w_down)
+
+static td_status_t upload_weights(td_engine_t *eng)
+{
+    const td_model_weights_t *w = &eng->model->weights;
+    const td_model_config_t *c = &eng->model->config;
+    td_status_t st;
+    /* the embedding table is read one row per token, not streamed: it does not count */
+    if ((st = upload_tensor(eng, &w->embed, false, &eng->embed)) != TD_OK)
+        return st;
+    if ((st = upload_tensor(eng, &w->final_norm, true, &eng->final_norm)) != TD_OK)
+        return st;
+    if (w->lm_head.data == w->embed.data && w->lm_head.dtype == w->embed.dtype) {
+        eng->lm_head = eng->embed;
+        eng->lm_head.owned = false;
+        eng->weight_bytes += tensor_elems(&w->lm_head) * td_dtype_size(eng->embed.dtype);
+    } else if ((st = upload_tensor(eng, &w->lm_head, true, &eng->lm_head)) != TD_OK) {
+        return st;
+    }
+    eng->layers = calloc((size_t)c->n_layers, sizeof *eng->layers);
+    if (!eng->layers)
+        return td_errorf(TD_ERR_NOMEM, "engine: out of memory for %d layers", c->n_layers);
+    for (int l = 0; l < c->n_layers; l++) {
+        const td_layer_weights_t *lw = &w->layers[l];
+        td_layer_dev_t *ld = &eng->layers[l];
+#define UP(name)                                                                     \
+    if ((st = upload_tensor(eng, &lw->name, true, &ld->name)) != TD_OK)                 \
+        return st;
+        TD_LAYER_TENSORS(UP)
+#undef UP
+    }
+    return TD_OK;
+}
+
+static void free_weights(td_engine_t *eng)
+{
+    free_tensor(eng, &eng->embed);
+    free_tensor(eng, &eng->final_norm);
+    free_tensor(eng, &eng->lm_head);
+    if (!eng->layers)
+        return;
+    for (int l = 0; l < eng->model->config.n_layers; l++) {
+        td_layer_dev_t *ld = &eng->layers[l];
+#define FR(name) free_tensor(eng, &ld->name);
+        TD_LAYER_TENSORS(FR)
+#undef FR
+    }
+    free(eng->layers);
+    eng->layers = NULL;
+}
+
+/* ---- rope ------------------------------------------------------------------------- */
+
+/* Frequencies of the rotary pairs, with Llama 3's long-context scaling when configured. */
+static void rope_inv_freq(const td_model_config_t *c, float *inv_freq)
+{
+    int half = c->head_dim / 2;
+    for (int i = 0; i < half; i++) {
+        double freq = 1.0 / pow((double)c->rope_theta, (2.0 * i) / c->head_dim);
+        if (c->rope_llama3) {
+            double old_ctx = c->rope_original_max_pos;
+            double low_wavelen = old_ctx / c->rope_low_freq_factor;
+            double high_wavelen = old_ctx / c->rope_high_freq_factor;
+            double wavelen = 2.0 * M_PI / freq;
+            if (wavelen > low_wavelen) {
+                freq = freq / c->rope_factor;
+            } else if (wavelen >= high_wavelen) {
+                double smooth = (old_ctx / wavelen - c->rope_low_freq_factor) /
+                                (c->rope_high_freq_factor - c->rope_low_freq_factor);
+                freq = (1.0 - smooth) * freq / c->rope_factor + smooth * freq;
+            }
+        }
+        inv_freq[i] = (float)freq;
+    }
+}
+
+/* ---- create / destroy ------------------------------------------------------------- */
+
+static td_status_t check_config(const td_engine_config_t *cfg)
+{
+    if (cfg->block_size <= 0 || cfg->block_size > 1024 || (cfg->block_size & (cfg->block_size - 1)))
+        return td_errorf(TD_ERR_INVALID, "engine: block size %d must be a power of two in [1, 1024]",
+                         cfg->block_size);
+    if (cfg->n_blocks < 0 || cfg->max_batch_tokens <= 0 || cfg->max_seqs <= 0 ||
+        cfg->max_logit_rows <= 0 || cfg->partition_tokens < 0)
+        return td_errorf(TD_ERR_INVALID, "engine: n_blocks, max_batch_tokens, max_seqs, "
+                                         "max_logit_rows and partition_tokens must be positive");
+    if (cfg->partition_tokens % cfg->block_size)
+        return td_errorf(TD_ERR_INVALID, "engine: partition size %d is not a multiple of the block size %d",
+                         cfg->partition_tokens, cfg->block_size);
+    return TD_OK;
+}
+
+static td_status_t alloc_state(td_engine_t *eng)
+{
+    const td_model_config_t *c = &eng->model->config;
+    td_backend_t *be = eng->be;
+    size_t act = td_dtype_size(be->act_dtype);
+    size_t T = (size_t)eng->cfg.max_batch_tokens;
+    size_t R = (size_t)eng->cfg.max_logit_rows;
+    size_t qd = (size_t)c->n_heads * c->head_dim, kvd = (size_t)c->n_kv_heads * c->head_dim;
+    struct {
+        void **p;
+        size_t bytes;
+    } bufs[] = {
+        {&eng->s.x, T * c->dim * act},       {&eng->s.xb, T * c->dim * act},
+        {&eng->s.q, T * qd * act},           {&eng->s.k, T * kvd * act},
+        {&eng->s.v, T * kvd * act},          {&eng->s.att, T * qd * act},
+        {&eng->s.gate, T * c->hidden_dim * act}, {&eng->s.up, T * c->hidden_dim * act},
+        {&eng->s.rows, R * c->dim * act},    {&eng->s.logits, R * c->vocab_size * sizeof(float)},
+        {(void **)&eng->s.inv_freq, (size_t)c->head_dim / 2 * sizeof(float)},
+    };
+    for (size_t i = 0; i < TD_ARRAY_LEN(bufs); i++) {
+        td_status_t st = be->ops->alloc(be, bufs[i].bytes, bufs[i].p);
+        if (st != TD_OK)
+            return st;
+    }
+    float inv_freq[512];
+    rope_inv_freq(c, inv_freq);
+    td_status_t st = be->ops->copy_h2d(be, eng->s.inv_freq, inv_freq,
+                                       (size_t)c->head_dim / 2 * sizeof(float));
+    if (st != TD_OK)
+        return st;
+
+    eng->m.max_blocks = TD_DIV_CEIL(c->max_seq_len, eng->cfg.block_size);
+    eng->m.tokens = malloc(T * sizeof(int32_t));
+    eng->m.positions = malloc(T * sizeof(int32_t));
+    eng->m.slots = malloc(T * sizeof(int32_t));
+    eng->m.seq_start = malloc(((size_t)eng->cfg.max_seqs + 1) * sizeof(int32_t));
+    eng->m.seq_len = malloc((size_t)eng->cfg.max_seqs * sizeof(int32_t));
+    eng->m.block_tables = malloc((size_t)eng->cfg.max_seqs * eng->m.max_blocks * sizeof(int32_t));
+    eng->m.logit_rows = malloc(R * sizeof(int32_t));
+    if (!eng->m.tokens || !eng->m.positions || !eng->m.slots || !eng->m.seq_start ||
+        !eng->m.seq_len || !eng->m.block_tables || !eng->m.logit_rows)
+        return td_errorf(TD_ERR_NOMEM, "engine: out of memory for step metadata");
+    return TD_OK;
+}
+
+static void free_state(td_engine_t *eng)
+{
+    void *bufs[] = {eng->s.x,  eng->s.xb,   eng->s.q,    eng->s.k,      eng->s.v,       eng->s.att,
+                    eng->s.gate, eng->s.up, eng->s.rows, eng->s.logits, eng->s.inv_freq};
+    for (size_t i = 0; i < TD_ARRAY_LEN(bufs); i++)
+        if (bufs[i])
+            eng->be->ops->free(eng->be, bufs[i]);
+    free(eng->m.tokens);
+    free(eng->m.positions);
+    free(eng->m.slots);
+    free(eng->m.seq_start);
+    free(eng->m.seq_len);
+    free(eng->m.block_tables);
+    free(eng->m.logit_rows);
+}
+
+td_status_t td_engine_create(const td_model_t *model, td_backend_t *be,
+                             const td_engine_config_t *cfg, td_engine_t **eng_p)
+{
+    td_status_t st = check_config(cfg);
+    if (st != TD_OK)
+        return st;
+    const td_model_config_t *c = &model->config;
+    if (!((be->kv_dtypes >> cfg->kv_dtype) & 1u))
+        return td_errorf(TD_ERR_UNSUPPORTED, "engine: the %s backend has no %s KV cache",
+                         be->ops->name, td_dtype_name(cfg->kv_dtype));
+    if (c->head_dim > 1024 || c->head_dim % 2)
+        return td_errorf(TD_ERR_UNSUPPORTED, "engine: head_dim %d must be even and at most 1024",
+                         c->head_dim);
+
+    td_engine_t *eng = calloc(1, sizeof *eng);
+    if (!eng)
+        return td_errorf(TD_ERR_NOMEM, "engine: out of memory");
+    eng->model = model;
+    eng->be = be;
+    eng->cfg = *cfg;
+    eng->layout = (td_kv_layout_t){
+        .model_fingerprint = model->fingerprint,
+        .dtype = (uint32_t)cfg->kv_dtype,
+        .block_size = (uint32_t)cfg->block_size,
+        .n_layers = (uint32_t)c->n_layers,
+        .n_kv_heads = (uint32_t)c->n_kv_heads,
+        .head_dim = (uint32_t)c->head_dim,
+        .version = TD_KV_LAYOUT_VERSION,
+    };
+    size_t per_block = (size_t)c->n_layers * td_kv_block_bytes(&eng->layout);
+    int64_t n_blocks = cfg->n_blocks ? cfg->n_blocks : (int64_t)(cfg->kv_mem_bytes / per_block);
+    if (n_blocks > INT32_MAX / 2)
+        n_blocks = INT32_MAX / 2;
+    if (n_blocks < 1) {
+        st = td_errorf(TD_ERR_INVALID,
+                       "engine: a KV budget of %zu bytes holds no block (%zu bytes each): raise --kv-mem",
+                       cfg->kv_mem_bytes, per_block);
+        goto err_eng;
+    }
+    eng->n_blocks = (int32_t)n_blocks;
+
+    if ((st = upload_weights(eng)) != TD_OK)
+        goto err_weights;
+    if ((st = alloc_state(eng)) != TD_OK)
+        goto err_state;
+    st = be->ops->alloc(be, td_kv_pool_bytes(&eng->layout, (uint32_t)eng->n_blocks), &eng->kv_pool);
+    if (st != TD_OK)
+        goto err_state;
+    td_kv_config_t kc = {.n_blocks = eng->n_blocks, .block_size = cfg->block_size,
+                         .prefix_cache = cfg->prefix_cache};
+    if ((st = td_kv_cache_create(&kc, &eng->kv)) != TD_OK)
+        goto err_pool;
+    td_debug("engine: %d kv blocks of %d tokens (%zu bytes), %zu weight bytes", eng->n_blocks,
+             cfg->block_size, per_block * (size_t)eng->n_blocks, eng->weight_bytes);
+    *eng_p = eng;
+    return TD_OK;
+
+err_pool:
+    be->ops->free(be, eng->kv_pool);
+err_state:
+    free_state(eng);
+err_weights:
+    free_weights(eng);
+err_eng:
+    free(eng);
+    return st;
+}
+
+void td_engine_destroy(td_engine_t *eng)
+{
+    if (!eng)
+        return;
+    td_kv_cache_destroy(eng->kv);
+    eng->be->ops->free(eng->be, eng->kv_pool);
+    free_state(eng);
+    free_weights(eng);
+    free(eng);
+}
+
+/* ---- sequences -------------------------------------------------------------------- */
+
+td_status_t td_engine_seq_start(td_engine_t *eng, td_kv_seq_t *seq, const int32_t *tokens,
+                                int32_t n, int32_t *n_cached_p)
+{
+    int32_t cached = 0;
+    if (eng->cfg.prefix_cache && n > 1) {
+        td_status_t st = td_kv_seq_match_prefix(eng->kv, seq, tokens, n, n - 1, &cached);
+        if (st != TD_OK)
+            return st;
+    }
+    *n_cached_p = cached;
+    return TD_OK;
+}
+
+void td_engine_seq_end(td_engine_t *eng, td_kv_seq_t *seq)
+{
+    td_kv_seq_free(eng->kv, seq);
+}
+
+/* ---- the step --------------------------------------------------------------------- */
+
+static td_status_t check_items(const td_engine_t *eng, const td_engine_item_t *items, int32_t n_items,
+                               int32_t *n_tokens_p, int32_t *n_logits_p, int32_t *max_q_p)
+{
+    const td_model_config_t *c = &eng->model->config;
+    if (n_items <= 0 || n_items > eng->cfg.max_seqs)
+        return td_errorf(TD_ERR_RANGE, "engine: %d sequences in a step (limit %d)", n_items,
+                         eng->cfg.max_seqs);
+    int64_t total = 0, logits = 0;
+    int32_t max_q = 0;
+    for (int32_t i = 0; i < n_items; i++) {
+        const td_engine_item_t *it = &items[i];
+        if (it->n_tokens <= 0 || it->n_logits < 0 || it->n_logits > it->n_tokens)
+            return td_errorf(TD_ERR_INVALID, "engine: item %d has %d tokens and asks %d logits", i,
+                             it->n_tokens, it->n_logits);
+        if ((int64_t)it->seq->n_tokens + it->n_tokens > c->max_seq_len)
+            return td_errorf(TD_ERR_RANGE,
+                             "engine: sequence would reach %d tokens, the model's limit is %d",
+                             it->seq->n_tokens + it->n_tokens, c->max_seq_len);
+        for (int32_t j = 0; j < it->n_tokens; j++)
+            if (it->tokens[j] < 0 || it->tokens[j] >= c->vocab_size)
+                return td_errorf(TD_ERR_RANGE, "engine: token id %d outside the vocabulary [0, %d)",
+                                 it->tokens[j], c->vocab_size);
+        total += it->n_tokens;
+        logits += it->n_logits;
+        max_q = TD_MAX(max_q, it->n_tokens);
+    }
+    if (total > eng->cfg.max_batch_tokens)
+        return td_errorf(TD_ERR_RANGE, "engine: %lld tokens in a step (limit %d)", (long long)total,
+                         eng->cfg.max_batch_tokens);
+    if (logits > eng->cfg.max_logit_rows)
+        return td_errorf(TD_ERR_RANGE, "engine: %lld logit rows in a step (limit %d)",
+                         (long long)logits, eng->cfg.max_logit_rows);
+    *n_tokens_p = (int32_t)total;
+    *n_logits_p = (int32_t)logits;
+    *max_q_p = max_q;
+    return TD_OK;
+}
+
+/* Reserves cache room for every item and applies copy-on-write copies. */
+static td_status_t reserve_items(td_engine_t *eng, const td_engine_item_t *items, int32_t n_items)
+{
+    for (int32_t i = 0; i < n_items; i++) {
+        td_kv_cow_t cow = {0};
+        td_kv_seq_t *seq = items[i].seq;
+        td_status_t st = td_kv_seq_reserve(eng->kv, seq, seq->n_tokens + items[i].n_tokens, &cow);
+        if (st != TD_OK)
+            return st;
+        if (cow.n > 0) {
+            st = eng->be->ops->copy_blocks(eng->be, eng->kv_pool, &eng->layout, eng->n_blocks,
+                                           cow.src, cow.dst, cow.n);
+            if (st != TD_OK)
+                return st;
+        }
+    }
+    return TD_OK;
+}
+
+static void build_meta(td_engine_t *eng, const td_engine_item_t *items, int32_t n_items,
+                       int32_t n_tokens, int32_t max_q, td_step_meta_t *meta)
+{
+    td_engine_meta_t *m = &eng->m;
+    int32_t bs = eng->cfg.block_size, row = 0, lrow = 0, max_len = 0;
+    for (int32_t i = 0; i < n_items; i++) {
+        const td_engine_item_t *it = &items[i];
+        const td_kv_seq_t *seq = it->seq;
+        m->seq_start[i] = row;
+        m->seq_len[i] = seq->n_tokens + it->n_tokens;
+        max_len = TD_MAX(max_len, m->seq_len[i]);
+        int32_t *bt = m->block_tables + (size_t)i * m->max_blocks;
+        memcpy(bt, seq->blocks, (size_t)seq->n_blocks * sizeof(int32_t));
+        for (int32_t j = 0; j < it->n_tokens; j++, row++) {
+            int32_t pos = seq->n_tokens + j;
+            m->tokens[row] = it->tokens[j];
+            m->positions[row] = pos;
+            m->slots[row] = seq->blocks[pos / bs] * bs + pos % bs;
+            if (j >= it->n_tokens - it->n_logits)
+                m->logit_rows[lrow++] = row;
+        }
+    }
+    m->seq_start[n_items] = row;
+    *meta = (td_step_meta_t){
+        .n_tokens = n_tokens,
+        .n_seqs = n_items,
+        .tokens = m->tokens,
+        .positions = m->positions,
+        .slots = m->slots,
+        .seq_start = m->seq_start,
+        .seq_len = m->seq_len,
+        .block_tables = m->block_tables,
+        .max_blocks = m->max_blocks,
+        .max_q_len = max_q,
+        .max_seq_len = max_len,
+    };
+}
+
+static td_status_t mm(td_backend_t *be, int32_t m, const td_dev_tensor_t *w, int32_t n, int32_t k,
+                      const void *x, const td_dev_tensor_t *bias, void *y, bool accumulate)
+{
+    td_matmul_params_t p = {
+        .m = m, .n = n, .k = k, .x = x, .w = w->data, .w_dtype = w->dtype,
+        .bias = bias ? bias->data : NULL, .y = y, .accumulate = accumulate,
+    };
+    return be->ops->matmul(be, &p);
+}
+
+static td_status_t forward_layer(td_engine_t *eng, int32_t l, int32_t T, bool decode)
+{
+    const td_model_config_t *c = &eng->model->config;
+    const td_layer_dev_t *w = &eng->layers[l];
+    td_backend_t *be = eng->be;
+    const td_backend_ops_t *ops = be->ops;
+    td_engine_state_t *s = &eng->s;
+    int32_t qd = c->n_heads * c->head_dim, kvd = c->n_kv_heads * c->head_dim;
+    td_status_t st;
+
+#define TRY(call)                   \
+    if ((st = (call)) != TD_OK)     \
+        return st;
+    /* attention sub-layer */
+    TRY(ops->rmsnorm(be, s->xb, s->x, NULL, w->attn_norm.data, w->attn_norm.dtype, T, c->dim,
+                     c->norm_eps));
+    TRY(mm(be, T, &w->wq, qd, c->dim, s->xb, w->bq.data ? &w->bq : NULL, s->q, false));
+    TRY(mm(be, T, &w->wk, kvd, c->dim, s->xb, w->bk.data ? &w->bk : NULL, s->k, false));
+    TRY(mm(be, T, &w->wv, kvd, c->dim, s->xb, w->bv.data ? &w->bv : NULL, s->v, false));
+    if (c->qk_norm) {
+        TRY(ops->rmsnorm(be, s->q, s->q, NULL, w->q_norm.data, w->q_norm.dtype, T * c->n_heads,
+                         c->head_dim, c->norm_eps));
+        TRY(ops->rmsnorm(be, s->k, s->k, NULL, w->k_norm.data, w->k_norm.dtype,
+                         T * c->n_kv_heads, c->head_dim, c->norm_eps));
+    }
+    td_rope_params_t rp = {.q = s->q, .k = s->k, .n_heads = c->n_heads, .n_kv_heads = c->n_kv_heads,
+                           .head_dim = c->head_dim, .inv_freq = s->inv_freq, .style = c->rope_style};
+    TRY(ops->rope(be, &rp));
+    void *kv_layer = (char *)eng->kv_pool + td_kv_block_offset(&eng->layout, (uint32_t)eng->n_blocks,
+                                                                (uint32_t)l, 0);
+    TRY(ops->kv_write(be, kv_layer, &eng->layout, eng->n_blocks, s->k, s->v));
+    td_attn_params_t ap = {
+        .q = s->q, .out = s->att, .kv_layer = kv_layer, .layout = &eng->layout,
+        .n_blocks = eng->n_blocks, .n_heads = c->n_heads,
+        .scale = 1.0f / sqrtf((float)c->head_dim), .partition_tokens = eng->cfg.partition_tokens,
+    };
+    TRY(decode ? ops->attn_decode(be, &ap) : ops->attn_prefill(be, &ap));
+    TRY(mm(be, T, &w->wo, c->dim, qd, s->att, NULL, s->x, true));
+
+    /* feed-forward sub-layer */
+    TRY(ops->rmsnorm(be, s->xb, s->x, NULL, w->ffn_norm.data, w->ffn_norm.dtype, T, c->dim,
+                     c->norm_eps));
+    TRY(mm(be, T, &w->w_gate, c->hidden_dim, c->dim, s->xb, NULL, s->gate, false));
+    TRY(mm(be, T, &w->w_up, c->hidden_dim, c->dim, s->xb, NULL, s->up, false));
+    TRY(ops->swiglu(be, s->gate, s->gate, s->up, T, c->hidden_dim));
+    TRY(mm(be, T, &w->w_down, c->dim, c->hidden_dim, s->gate, NULL, s->x, true));
+#undef TRY
+    return TD_OK;
+}
+
+td_status_t td_engine_step(td_engine_t *eng, const td_engine_item_t *items, int32_t n_items,
+                           float *logits)
+{
+    const td_model_config_t *c = &eng->model->config;
+    td_backend_t *be = eng->be;
+    int32_t T = 0, n_logits = 0, max_q = 0;
+    td_status_t st = check_items(eng, items, n_items, &T, &n_logits, &max_q);
+    if (st != TD_OK)
+        return st;
+    if (n_logits > 0 && !logits)
+        return td_errorf(TD_ERR_INVALID, "engine: logits asked but no output buffer given");
+    if ((st = reserve_items(eng, items, n_items)) != TD_OK)
+        return st;
+
+    td_step_meta_t meta;
+    build_meta(eng, items, n_items, T, max_q, &meta);
+    if ((st = be->ops->set_step(be, &meta)) != TD_OK)
+        return st;
+    if ((st = be->ops->embed(be, eng->s.x, eng->embed.data, eng->embed.dtype, c->dim)) != TD_OK)
+        return st;
+    for (int32_t l = 0; l < c->n_layers; l++)
+        if ((st = forward_layer(eng, l, T, max_q == 1)) != TD_OK)
+            return st;
+
+    if (n_logits > 0) {
+        st = be->ops->gather_rows(be, eng->s.rows, eng->s.x, eng->m.logit_rows, n_logits, c->dim);
+        if (st == TD_OK)
+            st = be->ops->rmsnorm(be, eng->s.rows, eng->s.rows, NULL, eng->final_norm.data,
+                                  eng->final_norm.dtype, n_logits, c->dim, c->norm_eps);
+        if (st == TD_OK) {
+            td_matmul_params_t p = {
+                .m = n_logits, .n = c->vocab_size, .k = c->dim, .x = eng->s.rows,
+                .w = eng->lm_head.data, .w_dtype = eng->lm_head.dtype, .y = eng->s.logits,
+                .y_f32 = true,
+            };
+            st = be->ops->matmul(be, &p);
+        }
+        if (st == TD_OK)
+            st = be->ops->copy_d2h(be, logits, eng->s.logits,
+                                   (size_t)n_logits * c->vocab_size * sizeof(float));
+        if (st != TD_OK)
+            return st;
+    } else if ((st = be->ops->sync(be)) != TD_OK) {
+        return st;
+    }
+
+    for (int32_t i = 0; i < n_items; i++)
+        if ((st = td_kv_seq_commit(eng->kv, items[i].seq, items[i].tokens, items[i].n_tokens)) != TD_OK)
+            return st;
+    return TD_OK;
+}
+
+/* ---- accessors -------------------------------------------------------------------- */
+
+const td_model_config_t *td_engine_model_config(const td_engine_t *eng)
+{
+    return &eng->model->config;
+}
+
+const td_engine_config_t *td_engine_config(const td_engine_t *eng)
+{
+    return &eng->cfg;
+}
+
+const td_kv_layout_t *td_engine_kv_layout(const td_engine_t *eng)
+{
+    return &eng->layout;
+}
+
+td_kv_cache_t *td_engine_kv(td_engine_t *eng)
+{
+    return eng->kv;
+}
+
+void *td_engine_kv_pool(td_engine_t *eng, int32_t *n_blocks_p)
+{
+    if (n_blocks_p)
+        *n_blocks_p = eng->n_blocks;
+    return eng->kv_pool;
+}
+
+td_backend_t *td_engine_backend(td_engine_t *eng)
+{
+    return eng->be;
+}
+
+size_t td_engine_weight_bytes(const td_engine_t *eng)
+{
+    return eng->weight_bytes;
+}

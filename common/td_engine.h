@@ -1,0 +1,97 @@
+/*
+ * td_engine: the forward pass of a decoder-only transformer over a batch of sequences,
+ * on any backend, with a paged KV cache. Every role runs this engine; a role is a
+ * scheduler around it (chunked prefill on a prefill node, continuous batching on a
+ * decode node, a single sequence in `tandem generate`).
+ *
+ * One step takes a batch of sequences, each bringing new tokens (a prefill chunk of any
+ * length or one decode token), appends their K/V to the cache, and returns f32 logits for
+ * the last n_logits new tokens of each sequence that asks. Sequences are td_kv_seq_t owned
+ * by the caller; the engine owns the KV pool (bytes on the backend) and its block manager.
+ *
+ * Threads: an engine is used by one thread at a time (the backend's pool does the
+ * parallel work). Errors: TD_ERR_EXHAUSTED (not logged) when the pool cannot hold the
+ * step's new tokens — the scheduler preempts or waits; TD_ERR_RANGE/TD_ERR_INVALID for a
+ * step that breaks the configured limits or the model's (logged).
+ */
+#ifndef TD_ENGINE_H
+#define TD_ENGINE_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "td_backend.h"
+#include "td_kv.h"
+#include "td_kv_layout.h"
+#include "td_model.h"
+#include "td_status.h"
+
+typedef struct td_engine td_engine_t;
+
+typedef struct td_engine_config {
+    int32_t block_size;       /* tokens per KV block (16) */
+    int32_t n_blocks;         /* KV pool blocks; 0 = as many as kv_mem_bytes holds */
+    size_t kv_mem_bytes;      /* KV pool budget when n_blocks == 0 (1 GiB) */
+    td_dtype_t kv_dtype;      /* KV element type (the backend must accept it) */
+    bool prefix_cache;        /* keep full blocks for reuse across sequences (true) */
+    int32_t max_batch_tokens; /* most new tokens in one step, all sequences (2048) */
+    int32_t max_seqs;         /* most sequences in one step (256) */
+    int32_t max_logit_rows;   /* most logit rows one step returns (256) */
+    int32_t partition_tokens; /* decode split-KV partition size; 0 = backend heuristic */
+} td_engine_config_t;
+
+td_engine_config_t td_engine_config_default(void);
+
+/*
+ * Builds an engine: makes the model's weights available on the backend (uploading or
+ * converting only what the backend cannot use in place; the model must outlive the
+ * engine), allocates the KV pool and scratch. Errors: TD_ERR_INVALID (config), TD_ERR_NOMEM
+ * (pool or scratch does not fit: the message says how much was asked), TD_ERR_UNSUPPORTED
+ * (a dtype the backend lacks).
+ */
+td_status_t td_engine_create(const td_model_t *model, td_backend_t *be,
+                             const td_engine_config_t *cfg, td_engine_t **eng_p);
+void td_engine_destroy(td_engine_t *eng);
+
+/* One sequence's part of a step. */
+typedef struct td_engine_item {
+    td_kv_seq_t *seq;       /* its cache state; seq->n_tokens advances by n_tokens */
+    const int32_t *tokens;  /* [n_tokens] new tokens */
+    int32_t n_tokens;       /* >= 1 */
+    int32_t n_logits;       /* logits wanted for the last n_logits new tokens (0..n_tokens) */
+} td_engine_item_t;
+
+/*
+ * Runs one forward step. logits receives, item after item, n_logits rows of vocab_size
+ * f32 each (sum of n_logits <= max_logit_rows); may be NULL when no item asks. On
+ * TD_ERR_EXHAUSTED no sequence advanced (blocks reserved for earlier items stay with
+ * them and are reused by their next step).
+ */
+td_status_t td_engine_step(td_engine_t *eng, const td_engine_item_t *items, int32_t n_items,
+                           float *logits);
+
+/*
+ * Prepares a new (empty) sequence for a prompt: attaches the cached prefix blocks that
+ * match tokens[0..n) (at most n - 1 tokens so at least one is computed). Returns the
+ * number of prompt tokens now cached in *n_cached_p.
+ */
+td_status_t td_engine_seq_start(td_engine_t *eng, td_kv_seq_t *seq, const int32_t *tokens,
+                                int32_t n, int32_t *n_cached_p);
+
+/* Releases everything a sequence holds (its blocks go back, full ones stay cached). */
+void td_engine_seq_end(td_engine_t *eng, td_kv_seq_t *seq);
+
+const td_model_config_t *td_engine_model_config(const td_engine_t *eng);
+const td_engine_config_t *td_engine_config(const td_engine_t *eng);
+const td_kv_layout_t *td_engine_kv_layout(const td_engine_t *eng);
+td_kv_cache_t *td_engine_kv(td_engine_t *eng);
+/* The KV pool bytes on the backend (layer-major, td_kv_layout.h) and its block count. */
+void *td_engine_kv_pool(td_engine_t *eng, int32_t *n_blocks_p);
+td_backend_t *td_engine_backend(td_engine_t *eng);
+
+/* Bytes of weights one forward step streams (all matrices and norms once), for
+ * bandwidth ratios in benchmarks. */
+size_t td_engine_weight_bytes(const td_engine_t *eng);
+
+#endif /* TD_ENGINE_H */

@@ -1,0 +1,430 @@
+/*
+ * test_engine: the engine on the real stories260K checkpoint against a straightforward
+ * reference forward pass written here (llama2.c's run.c in double precision: the file
+ * read with fread, one token at a time, a contiguous KV cache, no paging, no tiles), and
+ * the engine's invariances: the same greedy tokens alone or in a batch of 32, prefilled in
+ * one chunk or in many, with or without the prefix cache.
+ */
+#include <criterion/criterion.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "td_backend.h"
+#include "td_engine.h"
+#include "td_model.h"
+
+/* ---- the reference: run.c in double ------------------------------------------------ */
+
+typedef struct ref_model {
+    int dim, hidden, n_layers, n_heads, n_kv_heads, vocab, seq_len, head_size, kv_dim;
+    float *data;  /* the whole file after the header */
+    float *emb, *rms_att, *wq, *wk, *wv, *wo, *rms_ffn, *w1, *w2, *w3, *rms_final, *wcls;
+    double *k_cache, *v_cache; /* [layer][seq_len][kv_dim] */
+} ref_model_t;
+
+static const char *models_dir(void)
+{
+    const char *d = getenv("TANDEM_TEST_MODELS");
+    return d ? d : TD_SOURCE_DIR "/../shared/models";
+}
+
+static const char *stories_path(void)
+{
+    static char path[4096];
+    snprintf(path, sizeof path, "%s/stories260K/stories260K.bin", models_dir());
+    return path;
+}
+
+static void skip_without_model(void)
+{
+    FILE *f = fopen(stories_path(), "rb");
+    if (!f)
+        cr_skip_test("skipped: %s not found (set TANDEM_TEST_MODELS to the shared models folder)",
+                     stories_path());
+    fclose(f);
+}
+
+static void ref_load(ref_model_t *r)
+{
+    FILE *f = fopen(stories_path(), "rb");
+    cr_assert(f);
+    int hdr[7];
+    cr_assert_eq(fread(hdr, sizeof(int), 7, f), 7);
+    r->dim = hdr[0], r->hidden = hdr[1], r->n_layers = hdr[2], r->n_heads = hdr[3];
+    r->n_kv_heads = hdr[4], r->vocab = abs(hdr[5]), r->seq_len = hdr[6];
+    r->head_size = r->dim / r->n_heads;
+    r->kv_dim = r->n_kv_heads * r->head_size;
+    fseek(f, 0, SEEK_END);
+    long size = ftell(f) - 7 * (long)sizeof(int);
+    fseek(f, 7 * sizeof(int), SEEK_SET);
+    r->data = malloc((size_t)size);
+    cr_assert_eq(fread(r->data, 1, (size_t)size, f), (size_t)size);
+    fclose(f);
+    float *p = r->data;
+    int L = r->n_layers, d = r->dim, hd = r->head_size;
+    r->emb = p, p += (size_t)r->vocab * d;
+    r->rms_att = p, p += (size_t)L * d;
+    r->wq = p, p += (size_t)L * d * (r->n_heads * hd);
+    r->wk = p, p += (size_t)L * d * r->kv_dim;
+    r->wv = p, p += (size_t)L * d * r->kv_dim;
+    r->wo = p, p += (size_t)L * (r->n_heads * hd) * d;
+    r->rms_ffn = p, p += (size_t)L * d;
+    r->w1 = p, p += (size_t)L * d * r->hidden;
+    r->w2 = p, p += (size_t)L * r->hidden * d;
+    r->w3 = p, p += (size_t)L * d * r->hidden;
+    r->rms_final = p, p += d;
+    p += (size_t)r->seq_len * hd / 2 * 2; /* freq_cis_real, freq_cis_imag */
+    r->wcls = hdr[5] > 0 ? r->emb : p;
+    r->k_cache = calloc((size_t)L * r->seq_len * r->kv_dim, sizeof(double));
+    r->v_cache = calloc((size_t)L * r->seq_len * r->kv_dim, sizeof(double));
+}
+
+static void ref_free(ref_model_t *r)
+{
+    free(r->data);
+    free(r->k_cache);
+    free(r->v_cache);
+}
+
+static void rmsnorm_d(double *o, const double *x, const float *w, int n)
+{
+    double ss = 0;
+    for (int i = 0; i < n; i++)
+        ss += x[i] * x[i];
+    ss = 1.0 / sqrt(ss / n + 1e-5);
+    for (int i = 0; i < n; i++)
+        o[i] = w[i] * (ss * x[i]);
+}
+
+static void matmul_d(double *o, const double *x, const float *w, int n, int d)
+{
+    for (int i = 0; i < d; i++) {
+        double v = 0;
+        for (int j = 0; j < n; j++)
+            v += (double)w[(size_t)i * n + j] * x[j];
+        o[i] = v;
+    }
+}
+
+/* logits of `token` at `pos` (all earlier positions already run) */
+static void ref_forward(ref_model_t *r, int token, int pos, double *logits)
+{
+    int d = r->dim, hd = r->head_size, kvd = r->kv_dim, kv_mul = r->n_heads / r->n_kv_heads;
+    double *x = calloc((size_t)d, sizeof(double)), *xb = calloc((size_t)d, sizeof(double));
+    double *xb2 = calloc((size_t)d, sizeof(double)), *q = calloc((size_t)d, sizeof(double));
+    double *hb = calloc((size_t)r->hidden, sizeof(double)), *hb2 = calloc((size_t)r->hidden, sizeof(double));
+    double *att = calloc((size_t)r->seq_len, sizeof(double));
+    for (int i = 0; i < d; i++)
+        x[i] = r->emb[(size_t)token * d + i];
+    for (int l = 0; l < r->n_layers; l++) {
+        rmsnorm_d(xb, x, r->rms_att + (size_t)l * d, d);
+        double *k = r->k_cache + ((size_t)l * r->seq_len + pos) * kvd;
+        double *v = r->v_cache + ((size_t)l * r->seq_len + pos) * kvd;
+        matmul_d(q, xb, r->wq + (size_t)l * d * d, d, d);
+        matmul_d(k, xb, r->wk + (size_t)l * d * kvd, d, kvd);
+        matmul_d(v, xb, r->wv + (size_t)l * d * kvd, d, kvd);
+        for (int i = 0; i < d; i += 2) {
+            int head_dim = i % hd;
+            double freq = 1.0 / pow(10000.0, head_dim / (double)hd);
+            double val = pos * freq, fcr = cos(val), fci = sin(val);
+            for (int t = 0; t < (i < kvd ? 2 : 1); t++) {
+                double *vec = t == 0 ? q : k;
+                double v0 = vec[i], v1 = vec[i + 1];
+                vec[i] = v0 * fcr - v1 * fci;
+                vec[i + 1] = v0 * fci + v1 * fcr;
+            }
+        }
+        for (int h = 0; h < r->n_heads; h++) {
+            double *qh = q + h * hd, mx = -INFINITY, sum = 0;
+            for (int t = 0; t <= pos; t++) {
+                double *kt = r->k_cache + ((size_t)l * r->seq_len + t) * kvd + (h / kv_mul) * hd;
+                double s = 0;
+                for (int i = 0; i < hd; i++)
+                    s += qh[i] * kt[i];
+                att[t] = s / sqrt((double)hd);
+                mx = fmax(mx, att[t]);
+            }
+            for (int t = 0; t <= pos; t++)
+                sum += att[t] = exp(att[t] - mx);
+            double *o = xb + h * hd;
+            memset(o, 0, (size_t)hd * sizeof(double));
+            for (int t = 0; t <= pos; t++) {
+                double *vt = r->v_cache + ((size_t)l * r->seq_len + t) * kvd + (h / kv_mul) * hd;
+                for (int i = 0; i < hd; i++)
+                    o[i] += att[t] / sum * vt[i];
+            }
+        }
+        matmul_d(xb2, xb, r->wo + (size_t)l * d * d, d, d);
+        for (int i = 0; i < d; i++)
+            x[i] += xb2[i];
+        rmsnorm_d(xb, x, r->rms_ffn + (size_t)l * d, d);
+        matmul_d(hb, xb, r->w1 + (size_t)l * d * r->hidden, d, r->hidden);
+        matmul_d(hb2, xb, r->w3 + (size_t)l * d * r->hidden, d, r->hidden);
+        for (int i = 0; i < r->hidden; i++)
+            hb[i] = hb[i] / (1.0 + exp(-hb[i])) * hb2[i];
+        matmul_d(xb, hb, r->w2 + (size_t)l * d * r->hidden, r->hidden, d);
+        for (int i = 0; i < d; i++)
+            x[i] += xb[i];
+    }
+    rmsnorm_d(x, x, r->rms_final, d);
+    matmul_d(logits, x, r->wcls, d, r->vocab);
+    free(x), free(xb), free(xb2), free(q), free(hb), free(hb2), free(att);
+}
+
+static int argmax_d(const double *v, int n)
+{
+    int best = 0;
+    for (int i = 1; i < n; i++)
+        if (v[i] > v[best])
+            best = i;
+    return best;
+}
+
+static int argmax_f(const float *v, int n)
+{
+    int best = 0;
+    for (int i = 1; i < n; i++)
+        if (v[i] > v[best])
+            best = i;
+    return best;
+}
+
+/* Greedy continuation of prompt up to `total` tokens with the reference; returns the
+ * generated ids in out[0 .. total - n_prompt) and the smallest top-1/top-2 logit gap. */
+static double ref_greedy(ref_model_t *r, const int *prompt, int n_prompt, int total, int *out)
+{
+    double *logits = malloc((size_t)r->vocab * sizeof(double));
+    double min_gap = INFINITY;
+    int tok = prompt[0];
+    for (int pos = 0; pos < total - 1; pos++) {
+        ref_forward(r, tok, pos, logits);
+        if (pos + 1 < n_prompt) {
+            tok = prompt[pos + 1];
+            continue;
+        }
+        int best = argmax_d(logits, r->vocab);
+        double second = -INFINITY;
+        for (int i = 0; i < r->vocab; i++)
+            if (i != best && logits[i] > second)
+                second = logits[i];
+        min_gap = fmin(min_gap, logits[best] - second);
+        out[pos + 1 - n_prompt] = tok = best;
+    }
+    free(logits);
+    return min_gap;
+}
+
+/* ---- the engine side --------------------------------------------------------------- */
+
+typedef struct fixture {
+    td_model_t *model;
+    td_backend_t *be;
+    td_engine_t *eng;
+} fixture_t;
+
+static void fx_open(fixture_t *fx, int threads, bool prefix_cache)
+{
+    cr_assert_eq(td_model_load(stories_path(), &fx->model), TD_OK, "%s", td_last_error());
+    td_cpu_config_t cc = {.n_threads = threads};
+    cr_assert_eq(td_backend_cpu_create(&cc, &fx->be), TD_OK);
+    td_engine_config_t ec = td_engine_config_default();
+    ec.n_blocks = 2048;
+    ec.prefix_cache = prefix_cache;
+    cr_assert_eq(td_engine_create(fx->model, fx->be, &ec, &fx->eng), TD_OK, "%s", td_last_error());
+}
+
+static void fx_close(fixture_t *fx)
+{
+    td_engine_destroy(fx->eng);
+    td_backend_destroy(fx->be);
+    td_model_destroy(fx->model);
+}
+
+/*
+ * Runs n sequences through the engine together: prompts prefilled in chunks of at most
+ * `chunk` tokens (all sequences in the same steps), then greedy decode until each holds
+ * total[i] tokens. out[i] gets the generated ids.
+ */
+static void engine_greedy(fixture_t *fx, int n, int **prompts, const int *n_prompt,
+                          const int *total, int chunk, int **out)
+{
+    int vocab = fx->model->config.vocab_size;
+    td_kv_seq_t *seqs = calloc((size_t)n, sizeof *seqs);
+    int *done = calloc((size_t)n, sizeof(int));   /* prompt tokens consumed */
+    int *gen = calloc((size_t)n, sizeof(int));    /* tokens generated */
+    int *next = calloc((size_t)n, sizeof(int));
+    td_engine_item_t *items = calloc((size_t)n, sizeof *items);
+    int *owner = calloc((size_t)n, sizeof(int));
+    float *logits = malloc((size_t)n * vocab * sizeof(float));
+    for (int i = 0; i < n; i++) {
+        td_kv_seq_init(&seqs[i]);
+        int cached = 0;
+        cr_assert_eq(td_engine_seq_start(fx->eng, &seqs[i], prompts[i], n_prompt[i], &cached), TD_OK);
+        done[i] = cached;
+    }
+    for (;;) {
+        int k = 0;
+        for (int i = 0; i < n; i++) {
+            if (n_prompt[i] + gen[i] >= total[i])
+                continue;
+            if (done[i] < n_prompt[i]) {
+                int len = n_prompt[i] - done[i];
+                if (len > chunk)
+                    len = chunk;
+                items[k] = (td_engine_item_t){.seq = &seqs[i], .tokens = prompts[i] + done[i],
+                                              .n_tokens = len,
+                                              .n_logits = done[i] + len == n_prompt[i]};
+            } else {
+                items[k] = (td_engine_item_t){.seq = &seqs[i], .tokens = &next[i], .n_tokens = 1,
+                                              .n_logits = 1};
+            }
+            owner[k++] = i;
+        }
+        if (k == 0)
+            break;
+        td_status_t st = td_engine_step(fx->eng, items, k, logits);
+        cr_assert_eq(st, TD_OK, "step: %s", td_last_error());
+        int row = 0;
+        for (int j = 0; j < k; j++) {
+            int i = owner[j];
+            if (done[i] < n_prompt[i])
+                done[i] += items[j].n_tokens;
+            if (items[j].n_logits) {
+                next[i] = argmax_f(logits + (size_t)row * vocab, vocab);
+                out[i][gen[i]++] = next[i];
+                row++;
+            }
+        }
+    }
+    for (int i = 0; i < n; i++)
+        td_engine_seq_end(fx->eng, &seqs[i]);
+    free(seqs), free(done), free(gen), free(next), free(items), free(owner), free(logits);
+}
+
+static unsigned rng_next(unsigned *s)
+{
+    *s = *s * 1103515245u + 12345u;
+    return (*s >> 8) & 0xffffff;
+}
+
+static int *random_prompt(unsigned *s, int n)
+{
+    int *p = malloc((size_t)n * sizeof(int));
+    p[0] = 1; /* BOS */
+    for (int i = 1; i < n; i++)
+        p[i] = 3 + (int)(rng_next(s) % 509);
+    return p;
+}
+
+Test(engine, greedy_matches_reference_to_512_tokens, .timeout = 300)
+{
+    skip_without_model();
+    ref_model_t r;
+    ref_load(&r);
+    fixture_t fx;
+    fx_open(&fx, 2, false);
+    unsigned s = 42;
+    const int lens[] = {1, 5, 17, 100};
+    for (size_t p = 0; p < sizeof lens / sizeof lens[0]; p++) {
+        int *prompt = random_prompt(&s, lens[p]);
+        int total = r.seq_len;
+        int *want = malloc((size_t)total * sizeof(int)), *got = malloc((size_t)total * sizeof(int));
+        double gap = ref_greedy(&r, prompt, lens[p], total, want);
+        engine_greedy(&fx, 1, &prompt, &lens[p], &total, 64, &got);
+        for (int i = 0; i < total - lens[p]; i++)
+            cr_assert_eq(got[i], want[i],
+                         "prompt of %d tokens: generated token %d is %d, reference %d "
+                         "(reference's smallest top-2 gap %g)", lens[p], i, got[i], want[i], gap);
+        free(prompt), free(want), free(got);
+    }
+    fx_close(&fx);
+    ref_free(&r);
+}
+
+/* the same 32 sequences alone, in one batch, in chunks of 1/7/64, with prefix cache */
+Test(engine, batch_and_chunk_invariance, .timeout = 300)
+{
+    skip_without_model();
+    enum { N = 32 };
+    unsigned s = 7;
+    int *prompts[N], n_prompt[N], total[N], *alone[N], *got[N];
+    for (int i = 0; i < N; i++) {
+        n_prompt[i] = 1 + (int)(rng_next(&s) % 120);
+        prompts[i] = random_prompt(&s, n_prompt[i]);
+        total[i] = n_prompt[i] + 24 + (int)(rng_next(&s) % 40);
+        alone[i] = malloc(512 * sizeof(int));
+        got[i] = malloc(512 * sizeof(int));
+    }
+    fixture_t fx;
+    fx_open(&fx, 2, false);
+    for (int i = 0; i < N; i++)
+        engine_greedy(&fx, 1, &prompts[i], &n_prompt[i], &total[i], 4096, &alone[i]);
+    const int chunks[] = {4096, 1, 7, 64};
+    for (size_t c = 0; c < sizeof chunks / sizeof chunks[0]; c++) {
+        engine_greedy(&fx, N, prompts, n_prompt, total, chunks[c], got);
+        for (int i = 0; i < N; i++)
+            for (int t = 0; t < total[i] - n_prompt[i]; t++)
+                cr_assert_eq(got[i][t], alone[i][t],
+                             "chunk %d: sequence %d token %d: batched %d, alone %d", chunks[c], i,
+                             t, got[i][t], alone[i][t]);
+    }
+    fx_close(&fx);
+
+    /* prefix cache on: shared prompt prefixes are reused and results do not change */
+    fx_open(&fx, 2, true);
+    for (int round = 0; round < 2; round++) {
+        engine_greedy(&fx, N, prompts, n_prompt, total, 64, got);
+        for (int i = 0; i < N; i++)
+            for (int t = 0; t < total[i] - n_prompt[i]; t++)
+                cr_assert_eq(got[i][t], alone[i][t], "prefix cache round %d: sequence %d token %d",
+                             round, i, t);
+    }
+    td_kv_stats_t st;
+    td_kv_get_stats(td_engine_kv(fx.eng), &st);
+    cr_assert_gt(st.prefix_hits, 0, "second round found no cached prefix block");
+    fx_close(&fx);
+    for (int i = 0; i < N; i++)
+        free(prompts[i]), free(alone[i]), free(got[i]);
+}
+
+Test(engine, exhausted_pool_is_an_error_the_caller_can_act_on, .timeout = 60)
+{
+    skip_without_model();
+    td_model_t *model;
+    td_backend_t *be;
+    td_engine_t *eng;
+    cr_assert_eq(td_model_load(stories_path(), &model), TD_OK);
+    td_cpu_config_t cc = {.n_threads = 1};
+    cr_assert_eq(td_backend_cpu_create(&cc, &be), TD_OK);
+    td_engine_config_t ec = td_engine_config_default();
+    ec.n_blocks = 4; /* 64 tokens */
+    ec.prefix_cache = false;
+    cr_assert_eq(td_engine_create(model, be, &ec, &eng), TD_OK);
+    int toks[100];
+    for (int i = 0; i < 100; i++)
+        toks[i] = 1 + i;
+    td_kv_seq_t seq;
+    td_kv_seq_init(&seq);
+    td_engine_item_t it = {.seq = &seq, .tokens = toks, .n_tokens = 100, .n_logits = 1};
+    float *logits = malloc(512 * sizeof(float));
+    cr_assert_eq(td_engine_step(eng, &it, 1, logits), TD_ERR_EXHAUSTED);
+    cr_assert_eq(seq.n_tokens, 0, "a failed step advanced the sequence");
+    it.n_tokens = 60;
+    cr_assert_eq(td_engine_step(eng, &it, 1, logits), TD_OK, "%s", td_last_error());
+    cr_assert_eq(seq.n_tokens, 60);
+    /* bad input: a token outside the vocabulary changes nothing */
+    int bad = 512;
+    td_engine_item_t it2 = {.seq = &seq, .tokens = &bad, .n_tokens = 1, .n_logits = 1};
+    cr_assert_eq(td_engine_step(eng, &it2, 1, logits), TD_ERR_RANGE);
+    cr_assert_eq(seq.n_tokens, 60);
+    td_engine_seq_end(eng, &seq);
+    td_kv_stats_t st;
+    td_kv_get_stats(td_engine_kv(eng), &st);
+    cr_assert_eq(st.free, 4, "blocks leaked: %d free of 4", st.free);
+    free(logits);
+    td_engine_destroy(eng);
+    td_backend_destroy(be);
+    td_model_destroy(model);
+}
