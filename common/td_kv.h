@@ -133,4 +133,26 @@ td_status_t td_kv_seq_adopt(td_kv_cache_t *cache, td_kv_seq_t *seq, const int32_
 /* The chained hash of one full block given its predecessor's hash (0 for the first). */
 uint64_t td_kv_block_hash(uint64_t prev, const int32_t *tokens, int32_t block_size);
 
+/* ---- additions (td_kv.c owner) ---- */
+
+/*
+ * The chained hashes of the full blocks of tokens[0..n) (what the router and a prefill
+ * node compare with a node's cache contents). Writes n / block_size values into hashes
+ * and returns that count.
+ */
+int32_t td_kv_chain_hashes(const int32_t *tokens, int32_t n, int32_t block_size, uint64_t *hashes);
+
+/*
+ * Blocks td_kv_seq_reserve(cache, seq, n_total, ...) would take from the pool right now
+ * (new blocks plus private copies of shared ones), for admission decisions.
+ */
+int32_t td_kv_seq_blocks_needed(const td_kv_cache_t *cache, const td_kv_seq_t *seq, int32_t n_total);
+
+/*
+ * Walks every internal structure (free list, LRU list, hash table, counters) and checks
+ * they agree. TD_OK, or TD_ERR_INTERNAL with a message naming the first inconsistency.
+ * O(n_blocks): for tests and debugging, not the hot path.
+ */
+td_status_t td_kv_cache_check(const td_kv_cache_t *cache);
+
 #endif /* TD_KV_H */

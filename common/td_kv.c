@@ -1,0 +1,744 @@
+/*
+ * td_kv: block accounting for the paged KV cache (see td_kv.h for the contract and
+ * docs/kv-cache.md for the design).
+ *
+ * Per block we keep a reference count, a state (free / used / cached) and, when the block
+ * is registered in the prefix cache, its key: the chained hash, the hash of the block
+ * before it and a copy of its tokens. Lookups compare the predecessor hash and the tokens,
+ * not just the 64-bit hash, so a hash collision cannot make two different blocks share.
+ *
+ * Structures, all sized at creation so that steady-state operations never allocate in
+ * the cache (sequences grow their own tables):
+ *   free stack   ids of free blocks; popping gives ascending ids from a fresh pool so
+ *                that first allocations are contiguous (transfers coalesce them)
+ *   LRU list     intrusive doubly linked list of cached blocks, head = least recent
+ *   hash table   open addressing, linear probing, backward-shift deletion (no tombstones),
+ *                slot = block id, key = that block's chained hash; at most one registered
+ *                block per hash value
+ */
+#include "td_kv.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "td_util.h"
+
+enum { BLOCK_FREE = 0, BLOCK_USED = 1, BLOCK_CACHED = 2 };
+
+struct td_kv_cache {
+    int32_t n_blocks;
+    int32_t block_size;
+    bool prefix_cache;
+
+    int32_t *refs;        /* [n_blocks] reference count */
+    uint8_t *state;       /* [n_blocks] BLOCK_* */
+    bool *registered;     /* [n_blocks] in the hash table */
+    uint64_t *hash;       /* [n_blocks] chained hash (valid when registered) */
+    uint64_t *prev_hash;  /* [n_blocks] predecessor's chained hash (valid when registered) */
+    int32_t *key_tokens;  /* [n_blocks][block_size] tokens (valid when registered); NULL
+                             without prefix caching */
+
+    int32_t *free_stack;  /* [n_blocks] free ids; top at free_stack[n_free - 1] */
+    int32_t n_free;
+
+    int32_t *lru_prev;    /* [n_blocks] */
+    int32_t *lru_next;    /* [n_blocks] */
+    int32_t lru_head;     /* least recently used cached block, -1 when none */
+    int32_t lru_tail;     /* most recently used */
+    int32_t n_cached;
+
+    int32_t *table;       /* [table_cap] block id or -1 */
+    uint32_t table_mask;  /* table_cap - 1 (power of two >= 2 * n_blocks) */
+
+    uint64_t prefix_lookups;
+    uint64_t prefix_hits;
+    uint64_t evictions;
+};
+
+/* ---- hashing ---------------------------------------------------------------------- */
+
+/* XXH64 (Yann Collet's xxHash, 64-bit) over the tokens as little-endian 32-bit words,
+ * seeded with the predecessor's hash: fast, well distributed, and the same value on
+ * every node for the same prefix. */
+#define XXH_P1 0x9E3779B185EBCA87ull
+#define XXH_P2 0xC2B2AE3D27D4EB4Full
+#define XXH_P3 0x165667B19E3779F9ull
+#define XXH_P4 0x85EBCA77C2B2AE63ull
+#define XXH_P5 0x27D4EB2F165667C5ull
+
+static inline uint64_t rotl64(uint64_t x, int r)
+{
+    return (x << r) | (x >> (64 - r));
+}
+
+static inline uint64_t xxh_round(uint64_t acc, uint64_t input)
+{
+    acc += input * XXH_P2;
+    acc = rotl64(acc, 31);
+    return acc * XXH_P1;
+}
+
+static inline uint64_t xxh_merge(uint64_t acc, uint64_t val)
+{
+    acc ^= xxh_round(0, val);
+    return acc * XXH_P1 + XXH_P4;
+}
+
+/* Two tokens as one little-endian 64-bit lane. */
+static inline uint64_t lane(const int32_t *t)
+{
+    return (uint64_t)(uint32_t)t[0] | ((uint64_t)(uint32_t)t[1] << 32);
+}
+
+uint64_t td_kv_block_hash(uint64_t prev, const int32_t *tokens, int32_t block_size)
+{
+    const uint64_t seed = prev;
+    const size_t len = (size_t)block_size * sizeof(int32_t);
+    int32_t i = 0;
+    uint64_t h;
+    if (block_size >= 8) {
+        uint64_t v1 = seed + XXH_P1 + XXH_P2, v2 = seed + XXH_P2, v3 = seed, v4 = seed - XXH_P1;
+        for (; i + 8 <= block_size; i += 8) {
+            v1 = xxh_round(v1, lane(tokens + i));
+            v2 = xxh_round(v2, lane(tokens + i + 2));
+            v3 = xxh_round(v3, lane(tokens + i + 4));
+            v4 = xxh_round(v4, lane(tokens + i + 6));
+        }
+        h = rotl64(v1, 1) + rotl64(v2, 7) + rotl64(v3, 12) + rotl64(v4, 18);
+        h = xxh_merge(h, v1);
+        h = xxh_merge(h, v2);
+        h = xxh_merge(h, v3);
+        h = xxh_merge(h, v4);
+    } else {
+        h = seed + XXH_P5;
+    }
+    h += (uint64_t)len;
+    for (; i + 2 <= block_size; i += 2) {
+        h ^= xxh_round(0, lane(tokens + i));
+        h = rotl64(h, 27) * XXH_P1 + XXH_P4;
+    }
+    if (i < block_size) {
+        h ^= (uint64_t)(uint32_t)tokens[i] * XXH_P1;
+        h = rotl64(h, 23) * XXH_P2 + XXH_P3;
+    }
+    h ^= h >> 33;
+    h *= XXH_P2;
+    h ^= h >> 29;
+    h *= XXH_P3;
+    h ^= h >> 32;
+    return h;
+}
+
+/* ---- hash table ------------------------------------------------------------------- */
+
+static int32_t table_find(const td_kv_cache_t *c, uint64_t h)
+{
+    for (uint32_t i = (uint32_t)h & c->table_mask;; i = (i + 1) & c->table_mask) {
+        int32_t id = c->table[i];
+        if (id < 0)
+            return -1;
+        if (c->hash[id] == h)
+            return id;
+    }
+}
+
+static void table_insert(td_kv_cache_t *c, int32_t id)
+{
+    uint32_t i = (uint32_t)c->hash[id] & c->table_mask;
+    while (c->table[i] >= 0)
+        i = (i + 1) & c->table_mask;
+    c->table[i] = id;
+}
+
+/* Removes block id from the table, shifting later members of its probe run back so that
+ * lookups never need tombstones. */
+static void table_remove(td_kv_cache_t *c, int32_t id)
+{
+    uint32_t i = (uint32_t)c->hash[id] & c->table_mask;
+    while (c->table[i] != id) {
+        TD_ASSERT(c->table[i] >= 0);
+        i = (i + 1) & c->table_mask;
+    }
+    uint32_t hole = i;
+    for (uint32_t j = (hole + 1) & c->table_mask; c->table[j] >= 0; j = (j + 1) & c->table_mask) {
+        uint32_t home = (uint32_t)c->hash[c->table[j]] & c->table_mask;
+        /* The entry at j may move into the hole only if its home is not in (hole, j]. */
+        bool stays = (hole <= j) ? (home > hole && home <= j) : (home > hole || home <= j);
+        if (!stays) {
+            c->table[hole] = c->table[j];
+            hole = j;
+        }
+    }
+    c->table[hole] = -1;
+}
+
+static void unregister_block(td_kv_cache_t *c, int32_t id)
+{
+    TD_ASSERT(c->registered[id]);
+    table_remove(c, id);
+    c->registered[id] = false;
+}
+
+/* ---- block lists ------------------------------------------------------------------ */
+
+static void lru_push_tail(td_kv_cache_t *c, int32_t id)
+{
+    c->lru_prev[id] = c->lru_tail;
+    c->lru_next[id] = -1;
+    if (c->lru_tail >= 0)
+        c->lru_next[c->lru_tail] = id;
+    else
+        c->lru_head = id;
+    c->lru_tail = id;
+    c->n_cached++;
+}
+
+static void lru_remove(td_kv_cache_t *c, int32_t id)
+{
+    int32_t p = c->lru_prev[id], n = c->lru_next[id];
+    if (p >= 0)
+        c->lru_next[p] = n;
+    else
+        c->lru_head = n;
+    if (n >= 0)
+        c->lru_prev[n] = p;
+    else
+        c->lru_tail = p;
+    c->lru_prev[id] = c->lru_next[id] = -1;
+    c->n_cached--;
+}
+
+/* Takes one block: the free list first, else evicts the least recently used cached block.
+ * The caller has checked availability. */
+static int32_t take_block(td_kv_cache_t *c)
+{
+    int32_t id;
+    if (c->n_free > 0) {
+        id = c->free_stack[--c->n_free];
+    } else {
+        id = c->lru_head;
+        TD_ASSERT(id >= 0);
+        lru_remove(c, id);
+        unregister_block(c, id);
+        c->evictions++;
+    }
+    TD_ASSERT(c->refs[id] == 0);
+    c->refs[id] = 1;
+    c->state[id] = BLOCK_USED;
+    return id;
+}
+
+static void check_id(const td_kv_cache_t *c, int32_t id)
+{
+    TD_ASSERT(id >= 0 && id < c->n_blocks);
+}
+
+/* ---- cache ------------------------------------------------------------------------ */
+
+td_status_t td_kv_cache_create(const td_kv_config_t *cfg, td_kv_cache_t **cache_p)
+{
+    if (cfg->n_blocks <= 0 || cfg->block_size <= 0)
+        return td_errorf(TD_ERR_INVALID, "kv cache: n_blocks %d and block_size %d must be positive",
+                         cfg->n_blocks, cfg->block_size);
+    if (cfg->n_blocks > (1 << 28) || cfg->block_size > (1 << 16))
+        return td_errorf(TD_ERR_INVALID,
+                         "kv cache: n_blocks %d or block_size %d too large (limits 2^28, 2^16)",
+                         cfg->n_blocks, cfg->block_size);
+    td_kv_cache_t *c = calloc(1, sizeof *c);
+    if (!c)
+        return td_errorf(TD_ERR_NOMEM, "kv cache: out of memory");
+    size_t n = (size_t)cfg->n_blocks;
+    uint32_t cap = 16;
+    while (cap < 2 * n)
+        cap *= 2;
+    c->n_blocks = cfg->n_blocks;
+    c->block_size = cfg->block_size;
+    c->prefix_cache = cfg->prefix_cache;
+    c->refs = calloc(n, sizeof *c->refs);
+    c->state = calloc(n, sizeof *c->state);
+    c->registered = calloc(n, sizeof *c->registered);
+    c->hash = calloc(n, sizeof *c->hash);
+    c->prev_hash = calloc(n, sizeof *c->prev_hash);
+    c->free_stack = malloc(n * sizeof *c->free_stack);
+    c->lru_prev = malloc(n * sizeof *c->lru_prev);
+    c->lru_next = malloc(n * sizeof *c->lru_next);
+    c->table = malloc((size_t)cap * sizeof *c->table);
+    if (cfg->prefix_cache)
+        c->key_tokens = malloc(n * (size_t)cfg->block_size * sizeof *c->key_tokens);
+    if (!c->refs || !c->state || !c->registered || !c->hash || !c->prev_hash || !c->free_stack ||
+        !c->lru_prev || !c->lru_next || !c->table || (cfg->prefix_cache && !c->key_tokens)) {
+        td_kv_cache_destroy(c);
+        return td_errorf(TD_ERR_NOMEM, "kv cache: out of memory for %d blocks", cfg->n_blocks);
+    }
+    for (int32_t i = 0; i < c->n_blocks; i++) {
+        c->free_stack[i] = c->n_blocks - 1 - i; /* pops 0, 1, 2, ... */
+        c->lru_prev[i] = c->lru_next[i] = -1;
+    }
+    c->n_free = c->n_blocks;
+    c->lru_head = c->lru_tail = -1;
+    memset(c->table, 0xff, (size_t)cap * sizeof *c->table);
+    c->table_mask = cap - 1;
+    *cache_p = c;
+    return TD_OK;
+}
+
+void td_kv_cache_destroy(td_kv_cache_t *cache)
+{
+    if (!cache)
+        return;
+    free(cache->refs);
+    free(cache->state);
+    free(cache->registered);
+    free(cache->hash);
+    free(cache->prev_hash);
+    free(cache->key_tokens);
+    free(cache->free_stack);
+    free(cache->lru_prev);
+    free(cache->lru_next);
+    free(cache->table);
+    free(cache);
+}
+
+int32_t td_kv_block_size(const td_kv_cache_t *cache)
+{
+    return cache->block_size;
+}
+
+int32_t td_kv_available(const td_kv_cache_t *cache)
+{
+    return cache->n_free + cache->n_cached;
+}
+
+void td_kv_get_stats(const td_kv_cache_t *cache, td_kv_stats_t *stats)
+{
+    stats->n_blocks = cache->n_blocks;
+    stats->free = cache->n_free;
+    stats->cached = cache->n_cached;
+    stats->used = cache->n_blocks - cache->n_free - cache->n_cached;
+    stats->prefix_lookups = cache->prefix_lookups;
+    stats->prefix_hits = cache->prefix_hits;
+    stats->evictions = cache->evictions;
+}
+
+td_status_t td_kv_alloc_blocks(td_kv_cache_t *cache, int32_t n, int32_t *ids)
+{
+    if (n < 0)
+        return td_errorf(TD_ERR_INVALID, "kv cache: cannot allocate %d blocks", n);
+    if (n > td_kv_available(cache))
+        return td_errorf_quiet(TD_ERR_EXHAUSTED, "kv cache: %d blocks requested, %d available", n,
+                               td_kv_available(cache));
+    for (int32_t i = 0; i < n; i++)
+        ids[i] = take_block(cache);
+    return TD_OK;
+}
+
+void td_kv_ref_block(td_kv_cache_t *cache, int32_t id)
+{
+    check_id(cache, id);
+    TD_ASSERT(cache->state[id] != BLOCK_FREE); /* a reference to a free block is a bug */
+    if (cache->state[id] == BLOCK_CACHED) {
+        lru_remove(cache, id);
+        cache->state[id] = BLOCK_USED;
+    }
+    cache->refs[id]++;
+}
+
+void td_kv_unref_block(td_kv_cache_t *cache, int32_t id)
+{
+    check_id(cache, id);
+    TD_ASSERT(cache->state[id] == BLOCK_USED && cache->refs[id] > 0); /* double free */
+    if (--cache->refs[id] > 0)
+        return;
+    if (cache->registered[id]) {
+        cache->state[id] = BLOCK_CACHED;
+        lru_push_tail(cache, id);
+    } else {
+        cache->state[id] = BLOCK_FREE;
+        cache->free_stack[cache->n_free++] = id;
+    }
+}
+
+int32_t td_kv_block_refs(const td_kv_cache_t *cache, int32_t id)
+{
+    check_id(cache, id);
+    return cache->refs[id];
+}
+
+/* ---- sequences -------------------------------------------------------------------- */
+
+void td_kv_seq_init(td_kv_seq_t *seq)
+{
+    memset(seq, 0, sizeof *seq);
+}
+
+/* Drops references from the end so that a sequence's later blocks reach the LRU list
+ * first and are evicted before the blocks their chain depends on. */
+static void release_blocks_from(td_kv_cache_t *cache, td_kv_seq_t *seq, int32_t first)
+{
+    for (int32_t i = seq->n_blocks - 1; i >= first; i--)
+        td_kv_unref_block(cache, seq->blocks[i]);
+    if (seq->n_blocks > first)
+        seq->n_blocks = first;
+}
+
+void td_kv_seq_free(td_kv_cache_t *cache, td_kv_seq_t *seq)
+{
+    if (!seq)
+        return;
+    release_blocks_from(cache, seq, 0);
+    free(seq->blocks);
+    free(seq->tokens);
+    td_kv_seq_init(seq);
+}
+
+static td_status_t grow_i32(int32_t **arr, int32_t *cap, int32_t need, const char *what)
+{
+    if (need <= *cap)
+        return TD_OK;
+    int64_t ncap = *cap > 0 ? *cap : 16;
+    while (ncap < need)
+        ncap *= 2;
+    if (ncap > INT32_MAX)
+        ncap = INT32_MAX;
+    int32_t *na = realloc(*arr, (size_t)ncap * sizeof *na);
+    if (!na)
+        return td_errorf(TD_ERR_NOMEM, "kv sequence: out of memory growing %s to %lld entries",
+                         what, (long long)ncap);
+    *arr = na;
+    *cap = (int32_t)ncap;
+    return TD_OK;
+}
+
+static td_status_t seq_grow(td_kv_seq_t *seq, int32_t need_blocks, int32_t need_tokens)
+{
+    td_status_t st = grow_i32(&seq->blocks, &seq->cap_blocks, need_blocks, "block table");
+    if (st == TD_OK)
+        st = grow_i32(&seq->tokens, &seq->cap_tokens, need_tokens, "token list");
+    return st;
+}
+
+static int32_t find_registered(td_kv_cache_t *c, uint64_t h, uint64_t prev, const int32_t *tokens)
+{
+    int32_t id = table_find(c, h);
+    if (id < 0 || c->prev_hash[id] != prev ||
+        memcmp(c->key_tokens + (size_t)id * c->block_size, tokens,
+               (size_t)c->block_size * sizeof *tokens) != 0)
+        return -1;
+    return id;
+}
+
+/* Hashes every newly full block of seq and registers it unless its hash is already taken
+ * (an identical block cached by another sequence stays the registered one; a different
+ * block with a colliding hash is simply not cached). */
+static void register_full_blocks(td_kv_cache_t *c, td_kv_seq_t *seq)
+{
+    if (!c->prefix_cache)
+        return;
+    const int32_t bs = c->block_size;
+    int32_t full = TD_MIN(seq->n_tokens / bs, seq->n_blocks);
+    for (int32_t i = seq->n_hashed; i < full; i++) {
+        const int32_t *toks = seq->tokens + (size_t)i * bs;
+        uint64_t h = td_kv_block_hash(seq->last_hash, toks, bs);
+        int32_t id = seq->blocks[i];
+        if (!c->registered[id] && table_find(c, h) < 0) {
+            c->hash[id] = h;
+            c->prev_hash[id] = seq->last_hash;
+            memcpy(c->key_tokens + (size_t)id * bs, toks, (size_t)bs * sizeof *toks);
+            c->registered[id] = true;
+            table_insert(c, id);
+        }
+        seq->last_hash = h;
+        seq->n_hashed = i + 1;
+    }
+}
+
+td_status_t td_kv_seq_match_prefix(td_kv_cache_t *cache, td_kv_seq_t *seq, const int32_t *tokens,
+                                   int32_t n, int32_t max_tokens, int32_t *n_cached_p)
+{
+    if (seq->n_tokens != 0 || seq->n_blocks != 0)
+        return td_errorf(TD_ERR_INVALID, "kv prefix match: the sequence is not empty (%d tokens, %d blocks)",
+                         seq->n_tokens, seq->n_blocks);
+    if (n < 0)
+        return td_errorf(TD_ERR_INVALID, "kv prefix match: negative token count %d", n);
+    const int32_t bs = cache->block_size;
+    int32_t limit = TD_MIN(n, TD_MAX(max_tokens, 0));
+    int32_t max_blocks = cache->prefix_cache ? limit / bs : 0;
+    if (max_blocks == 0) {
+        *n_cached_p = 0;
+        return TD_OK;
+    }
+    /* Find the chain first so that a failed table growth leaves everything unchanged. */
+    td_status_t st = seq_grow(seq, max_blocks, max_blocks * bs);
+    if (st != TD_OK)
+        return st;
+    uint64_t prev = 0;
+    int32_t matched = 0;
+    for (; matched < max_blocks; matched++) {
+        const int32_t *toks = tokens + (size_t)matched * bs;
+        uint64_t h = td_kv_block_hash(prev, toks, bs);
+        cache->prefix_lookups++;
+        int32_t id = find_registered(cache, h, prev, toks);
+        if (id < 0)
+            break;
+        cache->prefix_hits++;
+        td_kv_ref_block(cache, id);
+        seq->blocks[matched] = id;
+        prev = h;
+    }
+    seq->n_blocks = matched;
+    seq->n_tokens = matched * bs;
+    memcpy(seq->tokens, tokens, (size_t)seq->n_tokens * sizeof *tokens);
+    seq->n_hashed = matched;
+    seq->last_hash = prev;
+    *n_cached_p = seq->n_tokens;
+    return TD_OK;
+}
+
+td_status_t td_kv_seq_reserve(td_kv_cache_t *cache, td_kv_seq_t *seq, int32_t n_total,
+                              td_kv_cow_t *cow)
+{
+    const int32_t bs = cache->block_size;
+    if (n_total < seq->n_tokens)
+        return td_errorf(TD_ERR_INVALID, "kv reserve: %d tokens is fewer than the %d committed",
+                         n_total, seq->n_tokens);
+    if (n_total > INT32_MAX - bs)
+        return td_errorf(TD_ERR_INVALID, "kv reserve: %d tokens is too many", n_total);
+    int32_t need_blocks = TD_DIV_CEIL(n_total, bs);
+    int32_t n_new = TD_MAX(need_blocks - seq->n_blocks, 0);
+
+    /* Blocks already in the table that the tokens [n_tokens, n_total) will be written into:
+     * a shared one is replaced by a private block (a copy when it holds committed rows);
+     * a private but registered one (possible after truncate) leaves the prefix cache. */
+    int32_t first_w = seq->n_tokens / bs;
+    int32_t end_w = TD_MIN(need_blocks, seq->n_blocks);
+    if (n_total == seq->n_tokens)
+        end_w = first_w; /* nothing will be written */
+    int32_t n_replace = 0, n_copy = 0;
+    for (int32_t i = first_w; i < end_w; i++) {
+        if (cache->refs[seq->blocks[i]] > 1) {
+            n_replace++;
+            if (i * bs < seq->n_tokens)
+                n_copy++;
+        }
+    }
+    TD_ASSERT(n_copy <= 1); /* only the block at n_tokens can hold committed rows */
+    if (n_copy > 0 && !cow)
+        return td_errorf(TD_ERR_INVALID, "kv reserve: a copy-on-write is needed but cow is NULL");
+    if (n_new + n_replace > td_kv_available(cache))
+        return td_errorf_quiet(TD_ERR_EXHAUSTED, "kv reserve: %d blocks needed, %d available",
+                               n_new + n_replace, td_kv_available(cache));
+    td_status_t st = seq_grow(seq, need_blocks, 0);
+    if (st != TD_OK)
+        return st;
+
+    td_kv_cow_t out = { 0 };
+    for (int32_t i = first_w; i < end_w; i++) {
+        int32_t old = seq->blocks[i];
+        if (cache->refs[old] > 1) {
+            int32_t fresh = take_block(cache);
+            if (i * bs < seq->n_tokens) {
+                out.src[out.n] = old;
+                out.dst[out.n] = fresh;
+                out.n++;
+            }
+            td_kv_unref_block(cache, old);
+            seq->blocks[i] = fresh;
+        } else if (cache->registered[old]) {
+            unregister_block(cache, old);
+        }
+    }
+    for (int32_t i = seq->n_blocks; i < need_blocks; i++)
+        seq->blocks[i] = take_block(cache);
+    seq->n_blocks = TD_MAX(seq->n_blocks, need_blocks);
+    if (cow)
+        *cow = out;
+    return TD_OK;
+}
+
+td_status_t td_kv_seq_commit(td_kv_cache_t *cache, td_kv_seq_t *seq, const int32_t *tokens,
+                             int32_t n)
+{
+    const int32_t bs = cache->block_size;
+    if (n < 0)
+        return td_errorf(TD_ERR_INVALID, "kv commit: negative token count %d", n);
+    if (n == 0)
+        return TD_OK;
+    if ((int64_t)seq->n_tokens + n > (int64_t)seq->n_blocks * bs)
+        return td_errorf(TD_ERR_INVALID,
+                         "kv commit: %d + %d tokens do not fit in %d reserved blocks; call td_kv_seq_reserve first",
+                         seq->n_tokens, n, seq->n_blocks);
+    for (int32_t i = seq->n_tokens / bs; i <= (seq->n_tokens + n - 1) / bs; i++) {
+        int32_t id = seq->blocks[i];
+        if (cache->refs[id] != 1 || cache->registered[id])
+            return td_errorf(TD_ERR_INVALID,
+                             "kv commit: block %d (position %d) is shared or cached; call td_kv_seq_reserve first",
+                             id, i);
+    }
+    td_status_t st = seq_grow(seq, 0, seq->n_tokens + n);
+    if (st != TD_OK)
+        return st;
+    memcpy(seq->tokens + seq->n_tokens, tokens, (size_t)n * sizeof *tokens);
+    seq->n_tokens += n;
+    register_full_blocks(cache, seq);
+    return TD_OK;
+}
+
+void td_kv_seq_truncate(td_kv_cache_t *cache, td_kv_seq_t *seq, int32_t n_keep)
+{
+    const int32_t bs = cache->block_size;
+    if (n_keep < 0)
+        n_keep = 0;
+    if (n_keep >= seq->n_tokens)
+        return;
+    seq->n_tokens = n_keep;
+    release_blocks_from(cache, seq, TD_DIV_CEIL(n_keep, bs));
+    /* A registered block cut in the middle will be overwritten: if only we hold it, it
+     * leaves the prefix cache now; if it is shared, reserve will copy it first. */
+    if (n_keep % bs != 0) {
+        int32_t id = seq->blocks[n_keep / bs];
+        if (cache->refs[id] == 1 && cache->registered[id])
+            unregister_block(cache, id);
+    }
+    if (seq->n_hashed > n_keep / bs) {
+        seq->n_hashed = n_keep / bs;
+        uint64_t h = 0;
+        for (int32_t i = 0; i < seq->n_hashed; i++)
+            h = td_kv_block_hash(h, seq->tokens + (size_t)i * bs, bs);
+        seq->last_hash = h;
+    }
+}
+
+td_status_t td_kv_seq_fork(td_kv_cache_t *cache, const td_kv_seq_t *src, td_kv_seq_t *dst)
+{
+    if (dst->n_tokens != 0 || dst->n_blocks != 0)
+        return td_errorf(TD_ERR_INVALID, "kv fork: the destination sequence is not empty");
+    /* Only blocks holding committed tokens are shared; blocks src reserved ahead stay its
+     * own (dst reserves for itself). */
+    int32_t nb = TD_MIN(TD_DIV_CEIL(src->n_tokens, cache->block_size), src->n_blocks);
+    td_status_t st = seq_grow(dst, nb, src->n_tokens);
+    if (st != TD_OK)
+        return st;
+    for (int32_t i = 0; i < nb; i++) {
+        td_kv_ref_block(cache, src->blocks[i]);
+        dst->blocks[i] = src->blocks[i];
+    }
+    if (src->n_tokens > 0)
+        memcpy(dst->tokens, src->tokens, (size_t)src->n_tokens * sizeof *src->tokens);
+    dst->n_blocks = nb;
+    dst->n_tokens = src->n_tokens;
+    dst->n_hashed = src->n_hashed;
+    dst->last_hash = src->last_hash;
+    return TD_OK;
+}
+
+td_status_t td_kv_seq_adopt(td_kv_cache_t *cache, td_kv_seq_t *seq, const int32_t *blocks,
+                            int32_t n_blocks, const int32_t *tokens, int32_t n)
+{
+    const int32_t bs = cache->block_size;
+    if (seq->n_tokens != 0 || seq->n_blocks != 0)
+        return td_errorf(TD_ERR_INVALID, "kv adopt: the sequence is not empty");
+    if (n_blocks < 0 || n < 0 || (int64_t)n > (int64_t)n_blocks * bs)
+        return td_errorf(TD_ERR_INVALID, "kv adopt: %d tokens do not fit in %d blocks of %d", n,
+                         n_blocks, bs);
+    for (int32_t i = 0; i < n_blocks; i++) {
+        int32_t id = blocks[i];
+        if (id < 0 || id >= cache->n_blocks || cache->state[id] != BLOCK_USED)
+            return td_errorf(TD_ERR_INVALID, "kv adopt: block %d is not an allocated block", id);
+        /* A block the caller wrote into must be its own (e.g. a lease's fresh block). */
+        if (i * bs < n && (cache->refs[id] != 1 || cache->registered[id]))
+            return td_errorf(TD_ERR_INVALID, "kv adopt: block %d holding tokens is shared or cached", id);
+    }
+    td_status_t st = seq_grow(seq, n_blocks, n);
+    if (st != TD_OK)
+        return st;
+    if (n_blocks > 0)
+        memcpy(seq->blocks, blocks, (size_t)n_blocks * sizeof *blocks);
+    if (n > 0)
+        memcpy(seq->tokens, tokens, (size_t)n * sizeof *tokens);
+    seq->n_blocks = n_blocks;
+    seq->n_tokens = n;
+    seq->n_hashed = 0;
+    seq->last_hash = 0;
+    register_full_blocks(cache, seq);
+    return TD_OK;
+}
+
+/* ---- additions -------------------------------------------------------------------- */
+
+int32_t td_kv_chain_hashes(const int32_t *tokens, int32_t n, int32_t block_size, uint64_t *hashes)
+{
+    int32_t nb = block_size > 0 ? n / block_size : 0;
+    uint64_t h = 0;
+    for (int32_t i = 0; i < nb; i++) {
+        h = td_kv_block_hash(h, tokens + (size_t)i * block_size, block_size);
+        hashes[i] = h;
+    }
+    return nb;
+}
+
+td_status_t td_kv_cache_check(const td_kv_cache_t *c)
+{
+    int32_t n_free = 0, n_cached = 0, n_reg = 0;
+    for (int32_t id = 0; id < c->n_blocks; id++) {
+        switch (c->state[id]) {
+        case BLOCK_FREE:
+            n_free++;
+            if (c->refs[id] != 0 || c->registered[id])
+                return td_errorf(TD_ERR_INTERNAL, "kv check: free block %d has refs %d registered %d",
+                                 id, c->refs[id], c->registered[id]);
+            break;
+        case BLOCK_CACHED:
+            n_cached++;
+            if (c->refs[id] != 0 || !c->registered[id])
+                return td_errorf(TD_ERR_INTERNAL, "kv check: cached block %d has refs %d registered %d",
+                                 id, c->refs[id], c->registered[id]);
+            break;
+        case BLOCK_USED:
+            if (c->refs[id] <= 0)
+                return td_errorf(TD_ERR_INTERNAL, "kv check: used block %d has refs %d", id, c->refs[id]);
+            break;
+        default:
+            return td_errorf(TD_ERR_INTERNAL, "kv check: block %d in state %d", id, c->state[id]);
+        }
+        if (c->registered[id]) {
+            n_reg++;
+            if (table_find(c, c->hash[id]) != id)
+                return td_errorf(TD_ERR_INTERNAL, "kv check: registered block %d not found by its hash", id);
+        }
+    }
+    if (n_free != c->n_free || n_cached != c->n_cached)
+        return td_errorf(TD_ERR_INTERNAL, "kv check: counted %d free %d cached, recorded %d %d", n_free,
+                         n_cached, c->n_free, c->n_cached);
+    for (int32_t i = 0; i < c->n_free; i++)
+        if (c->state[c->free_stack[i]] != BLOCK_FREE)
+            return td_errorf(TD_ERR_INTERNAL, "kv check: free list holds non-free block %d", c->free_stack[i]);
+    int32_t walked = 0, prev = -1;
+    for (int32_t id = c->lru_head; id >= 0; id = c->lru_next[id]) {
+        if (c->state[id] != BLOCK_CACHED || c->lru_prev[id] != prev || ++walked > c->n_cached)
+            return td_errorf(TD_ERR_INTERNAL, "kv check: lru list broken at block %d", id);
+        prev = id;
+    }
+    if (walked != c->n_cached || c->lru_tail != prev)
+        return td_errorf(TD_ERR_INTERNAL, "kv check: lru list has %d blocks, %d cached", walked, c->n_cached);
+    int32_t in_table = 0;
+    for (uint32_t i = 0; i <= c->table_mask; i++)
+        if (c->table[i] >= 0)
+            in_table++;
+    if (in_table != n_reg)
+        return td_errorf(TD_ERR_INTERNAL, "kv check: table has %d entries, %d blocks registered", in_table,
+                         n_reg);
+    return TD_OK;
+}
+
+int32_t td_kv_seq_blocks_needed(const td_kv_cache_t *cache, const td_kv_seq_t *seq, int32_t n_total)
+{
+    const int32_t bs = cache->block_size;
+    if (n_total <= seq->n_tokens)
+        return 0;
+    int32_t need_blocks = TD_DIV_CEIL(n_total, bs);
+    int32_t n = TD_MAX(need_blocks - seq->n_blocks, 0);
+    for (int32_t i = seq->n_tokens / bs; i < TD_MIN(need_blocks, seq->n_blocks); i++)
+        if (cache->refs[seq->blocks[i]] > 1)
+            n++;
+    return n;
+}

@@ -1,0 +1,657 @@
+/*
+ * Tests of td_kv, the paged KV block manager: pool accounting, all-or-nothing
+ * allocation, reference counts, fork and copy-on-write, the prefix cache (hits, the chain
+ * property, LRU eviction), truncate, adopt, and a randomized stress test that simulates
+ * the pool's contents to catch any wrong sharing.
+ */
+#include <criterion/criterion.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "td_kv.h"
+#include "td_util.h"
+
+static td_kv_cache_t *make_cache(int32_t n_blocks, int32_t block_size, bool prefix)
+{
+    td_kv_config_t cfg = { .n_blocks = n_blocks, .block_size = block_size, .prefix_cache = prefix };
+    td_kv_cache_t *c = NULL;
+    cr_assert_eq(td_kv_cache_create(&cfg, &c), TD_OK);
+    return c;
+}
+
+static td_kv_stats_t stats_of(const td_kv_cache_t *c)
+{
+    td_kv_stats_t s;
+    td_kv_get_stats(c, &s);
+    cr_assert_eq(s.free + s.cached + s.used, s.n_blocks);
+    cr_assert_eq(td_kv_cache_check(c), TD_OK, "%s", td_last_error());
+    return s;
+}
+
+/* reserve + commit without sharing (asserts no copy was needed) */
+static void append(td_kv_cache_t *c, td_kv_seq_t *s, const int32_t *toks, int32_t n)
+{
+    td_kv_cow_t cow;
+    cr_assert_eq(td_kv_seq_reserve(c, s, s->n_tokens + n, &cow), TD_OK);
+    cr_assert_eq(cow.n, 0);
+    cr_assert_eq(td_kv_seq_commit(c, s, toks, n), TD_OK);
+}
+
+Test(kv, create_rejects_bad_config)
+{
+    td_kv_config_t cfg = { .n_blocks = 0, .block_size = 16 };
+    td_kv_cache_t *c = NULL;
+    cr_assert_eq(td_kv_cache_create(&cfg, &c), TD_ERR_INVALID);
+    cfg = (td_kv_config_t){ .n_blocks = 4, .block_size = 0 };
+    cr_assert_eq(td_kv_cache_create(&cfg, &c), TD_ERR_INVALID);
+    cr_assert_null(c);
+    td_kv_cache_destroy(NULL);
+}
+
+Test(kv, alloc_free_counts)
+{
+    td_kv_cache_t *c = make_cache(8, 16, true);
+    cr_assert_eq(td_kv_block_size(c), 16);
+    cr_assert_eq(td_kv_available(c), 8);
+    int32_t ids[8];
+    cr_assert_eq(td_kv_alloc_blocks(c, 3, ids), TD_OK);
+    /* a fresh pool hands out ascending ids so transfers coalesce */
+    cr_assert(ids[0] == 0 && ids[1] == 1 && ids[2] == 2);
+    td_kv_stats_t s = stats_of(c);
+    cr_assert(s.free == 5 && s.used == 3 && s.cached == 0);
+    for (int i = 0; i < 3; i++)
+        cr_assert_eq(td_kv_block_refs(c, ids[i]), 1);
+    for (int i = 0; i < 3; i++)
+        td_kv_unref_block(c, ids[i]);
+    s = stats_of(c);
+    cr_assert(s.free == 8 && s.used == 0);
+    cr_assert_eq(td_kv_alloc_blocks(c, 0, ids), TD_OK);
+    td_kv_cache_destroy(c);
+}
+
+Test(kv, exhaustion_is_all_or_nothing)
+{
+    td_kv_cache_t *c = make_cache(8, 4, true);
+    int32_t ids[8];
+    cr_assert_eq(td_kv_alloc_blocks(c, 5, ids), TD_OK);
+    int32_t more[4] = { -7, -7, -7, -7 };
+    cr_assert_eq(td_kv_alloc_blocks(c, 4, more), TD_ERR_EXHAUSTED);
+    cr_assert_eq(more[0], -7);
+    td_kv_stats_t s = stats_of(c);
+    cr_assert(s.free == 3 && s.used == 5);
+
+    /* a reserve that does not fit changes neither the sequence nor the pool */
+    td_kv_seq_t seq;
+    td_kv_seq_init(&seq);
+    int32_t toks[8] = { 1, 2, 3, 4, 5, 6, 7, 8 };
+    append(c, &seq, toks, 8); /* 2 blocks, 1 left */
+    td_kv_seq_t before = seq;
+    td_kv_cow_t cow = { .n = 99 };
+    cr_assert_eq(td_kv_seq_reserve(c, &seq, 8 + 4 * 2, &cow), TD_ERR_EXHAUSTED);
+    cr_assert_eq(cow.n, 99);
+    cr_assert(seq.n_blocks == before.n_blocks && seq.n_tokens == before.n_tokens);
+    s = stats_of(c);
+    cr_assert(s.free == 1 && s.used == 7);
+    cr_assert_eq(td_kv_seq_reserve(c, &seq, 12, &cow), TD_OK);
+    cr_assert_eq(td_kv_available(c), 0);
+    td_kv_seq_free(c, &seq);
+    for (int i = 0; i < 5; i++)
+        td_kv_unref_block(c, ids[i]);
+    s = stats_of(c);
+    cr_assert_eq(s.used, 0);
+    td_kv_cache_destroy(c);
+}
+
+Test(kv, refcounts)
+{
+    td_kv_cache_t *c = make_cache(4, 4, false);
+    int32_t id;
+    cr_assert_eq(td_kv_alloc_blocks(c, 1, &id), TD_OK);
+    td_kv_ref_block(c, id);
+    td_kv_ref_block(c, id);
+    cr_assert_eq(td_kv_block_refs(c, id), 3);
+    td_kv_unref_block(c, id);
+    td_kv_unref_block(c, id);
+    cr_assert_eq(stats_of(c).used, 1);
+    td_kv_unref_block(c, id);
+    cr_assert_eq(td_kv_block_refs(c, id), 0);
+    cr_assert_eq(stats_of(c).free, 4);
+    td_kv_cache_destroy(c);
+}
+
+Test(kv, double_free_aborts, .signal = SIGABRT)
+{
+    td_kv_cache_t *c = make_cache(4, 4, false);
+    int32_t id;
+    cr_assert_eq(td_kv_alloc_blocks(c, 1, &id), TD_OK);
+    td_kv_unref_block(c, id);
+    td_kv_unref_block(c, id);
+}
+
+Test(kv, ref_of_free_block_aborts, .signal = SIGABRT)
+{
+    td_kv_cache_t *c = make_cache(4, 4, false);
+    td_kv_ref_block(c, 2);
+}
+
+Test(kv, fork_and_copy_on_write)
+{
+    td_kv_cache_t *c = make_cache(16, 4, true);
+    td_kv_seq_t a, b;
+    td_kv_seq_init(&a);
+    td_kv_seq_init(&b);
+    int32_t toks[6] = { 10, 11, 12, 13, 14, 15 };
+    append(c, &a, toks, 6);
+    cr_assert_eq(a.n_blocks, 2);
+    cr_assert_eq(td_kv_seq_fork(c, &a, &b), TD_OK);
+    cr_assert_eq(b.n_tokens, 6);
+    cr_assert_eq(b.n_blocks, 2);
+    cr_assert_eq(memcmp(b.tokens, toks, sizeof toks), 0);
+    for (int i = 0; i < 2; i++) {
+        cr_assert_eq(b.blocks[i], a.blocks[i]);
+        cr_assert_eq(td_kv_block_refs(c, a.blocks[i]), 2);
+    }
+    int32_t shared_partial = a.blocks[1];
+
+    /* b writes position 6, inside the shared partial block: it gets a private copy */
+    td_kv_cow_t cow;
+    cr_assert_eq(td_kv_seq_reserve(c, &b, 7, &cow), TD_OK);
+    cr_assert_eq(cow.n, 1);
+    cr_assert_eq(cow.src[0], shared_partial);
+    cr_assert_eq(cow.dst[0], b.blocks[1]);
+    cr_assert_neq(b.blocks[1], shared_partial);
+    cr_assert_eq(b.blocks[0], a.blocks[0]); /* the full block stays shared */
+    cr_assert_eq(td_kv_block_refs(c, shared_partial), 1);
+    cr_assert_eq(td_kv_block_refs(c, b.blocks[1]), 1);
+    cr_assert_eq(td_kv_block_refs(c, a.blocks[0]), 2);
+    int32_t t7 = 99;
+    cr_assert_eq(td_kv_seq_commit(c, &b, &t7, 1), TD_OK);
+
+    /* a now owns its partial block alone: no copy */
+    cr_assert_eq(td_kv_seq_reserve(c, &a, 8, &cow), TD_OK);
+    cr_assert_eq(cow.n, 0);
+    cr_assert_eq(a.blocks[1], shared_partial);
+
+    /* committing into a shared block without reserve is refused */
+    td_kv_seq_t d;
+    td_kv_seq_init(&d);
+    cr_assert_eq(td_kv_seq_fork(c, &a, &d), TD_OK);
+    cr_assert_eq(td_kv_seq_commit(c, &d, &t7, 1), TD_ERR_INVALID);
+
+    td_kv_seq_free(c, &a);
+    td_kv_seq_free(c, &b);
+    td_kv_seq_free(c, &d);
+    cr_assert_eq(stats_of(c).used, 0);
+    td_kv_cache_destroy(c);
+}
+
+Test(kv, fork_at_block_boundary_needs_no_copy)
+{
+    td_kv_cache_t *c = make_cache(8, 4, false);
+    td_kv_seq_t a, b;
+    td_kv_seq_init(&a);
+    td_kv_seq_init(&b);
+    int32_t toks[4] = { 1, 2, 3, 4 };
+    td_kv_cow_t cow;
+    cr_assert_eq(td_kv_seq_reserve(c, &a, 12, &cow), TD_OK); /* reserved ahead */
+    cr_assert_eq(td_kv_seq_commit(c, &a, toks, 4), TD_OK);
+    cr_assert_eq(td_kv_seq_fork(c, &a, &b), TD_OK);
+    cr_assert_eq(b.n_blocks, 1); /* only blocks holding tokens are shared */
+    cr_assert_eq(td_kv_seq_blocks_needed(c, &b, 5), 1);
+    cr_assert_eq(td_kv_seq_reserve(c, &b, 5, &cow), TD_OK);
+    cr_assert_eq(cow.n, 0);
+    cr_assert_eq(b.n_blocks, 2);
+    cr_assert_neq(b.blocks[1], a.blocks[1]);
+    td_kv_seq_free(c, &a);
+    td_kv_seq_free(c, &b);
+    cr_assert_eq(stats_of(c).free, 8);
+    td_kv_cache_destroy(c);
+}
+
+Test(kv, prefix_cache_hit_after_sequence_ends)
+{
+    td_kv_cache_t *c = make_cache(8, 4, true);
+    td_kv_seq_t a;
+    td_kv_seq_init(&a);
+    int32_t toks[10] = { 5, 6, 7, 8, 9, 10, 11, 12, 13, 14 };
+    append(c, &a, toks, 10);
+    cr_assert_eq(a.n_hashed, 2);
+    uint64_t hashes[2];
+    cr_assert_eq(td_kv_chain_hashes(toks, 10, 4, hashes), 2);
+    cr_assert_eq(a.last_hash, hashes[1]);
+    int32_t b0 = a.blocks[0], b1 = a.blocks[1];
+    td_kv_seq_free(c, &a);
+    td_kv_stats_t s = stats_of(c);
+    cr_assert(s.cached == 2 && s.used == 0 && s.free == 6);
+
+    td_kv_seq_t b;
+    td_kv_seq_init(&b);
+    int32_t n_cached = -1;
+    cr_assert_eq(td_kv_seq_match_prefix(c, &b, toks, 10, 10, &n_cached), TD_OK);
+    cr_assert_eq(n_cached, 8);
+    cr_assert(b.n_tokens == 8 && b.n_blocks == 2 && b.blocks[0] == b0 && b.blocks[1] == b1);
+    cr_assert(b.n_hashed == 2 && b.last_hash == hashes[1]);
+    s = stats_of(c);
+    cr_assert(s.cached == 0 && s.used == 2 && s.prefix_hits == 2 && s.prefix_lookups == 2);
+    append(c, &b, toks + 8, 2);
+
+    /* max_tokens caps the match to whole blocks */
+    td_kv_seq_t d;
+    td_kv_seq_init(&d);
+    cr_assert_eq(td_kv_seq_match_prefix(c, &d, toks, 10, 7, &n_cached), TD_OK);
+    cr_assert_eq(n_cached, 4);
+    cr_assert_eq(td_kv_block_refs(c, b0), 2);
+    /* a non-empty sequence is refused */
+    cr_assert_eq(td_kv_seq_match_prefix(c, &d, toks, 10, 10, &n_cached), TD_ERR_INVALID);
+    td_kv_seq_free(c, &b);
+    td_kv_seq_free(c, &d);
+    td_kv_cache_destroy(c);
+}
+
+Test(kv, no_prefix_cache_means_no_hits)
+{
+    td_kv_cache_t *c = make_cache(8, 4, false);
+    td_kv_seq_t a;
+    td_kv_seq_init(&a);
+    int32_t toks[8] = { 1, 2, 3, 4, 5, 6, 7, 8 };
+    append(c, &a, toks, 8);
+    td_kv_seq_free(c, &a);
+    cr_assert_eq(stats_of(c).free, 8);
+    int32_t n_cached = -1;
+    cr_assert_eq(td_kv_seq_match_prefix(c, &a, toks, 8, 8, &n_cached), TD_OK);
+    cr_assert_eq(n_cached, 0);
+    td_kv_seq_free(c, &a);
+    td_kv_cache_destroy(c);
+}
+
+Test(kv, chain_property)
+{
+    td_kv_cache_t *c = make_cache(16, 4, true);
+    td_kv_seq_t a;
+    td_kv_seq_init(&a);
+    int32_t toks[8] = { 1, 2, 3, 4, 5, 6, 7, 8 };
+    append(c, &a, toks, 8);
+    td_kv_seq_free(c, &a);
+
+    int32_t n_cached = -1;
+    td_kv_seq_t q;
+    /* the second block's tokens as a first block: different chain, no hit */
+    int32_t second_first[4] = { 5, 6, 7, 8 };
+    td_kv_seq_init(&q);
+    cr_assert_eq(td_kv_seq_match_prefix(c, &q, second_first, 4, 4, &n_cached), TD_OK);
+    cr_assert_eq(n_cached, 0);
+    td_kv_seq_free(c, &q);
+    /* same second block after a different first block: no hit at all */
+    int32_t other_prefix[8] = { 9, 9, 9, 9, 5, 6, 7, 8 };
+    cr_assert_eq(td_kv_seq_match_prefix(c, &q, other_prefix, 8, 8, &n_cached), TD_OK);
+    cr_assert_eq(n_cached, 0);
+    td_kv_seq_free(c, &q);
+    /* same first block, different second: only the first hits */
+    int32_t other_second[8] = { 1, 2, 3, 4, 5, 6, 7, 9 };
+    cr_assert_eq(td_kv_seq_match_prefix(c, &q, other_second, 8, 8, &n_cached), TD_OK);
+    cr_assert_eq(n_cached, 4);
+    td_kv_seq_free(c, &q);
+
+    /* the hash itself chains */
+    uint64_t h1 = td_kv_block_hash(0, toks, 4);
+    cr_assert_neq(td_kv_block_hash(0, toks + 4, 4), td_kv_block_hash(h1, toks + 4, 4));
+    cr_assert_eq(td_kv_block_hash(h1, toks + 4, 4), td_kv_block_hash(h1, toks + 4, 4));
+    td_kv_cache_destroy(c);
+}
+
+Test(kv, identical_blocks_register_once)
+{
+    td_kv_cache_t *c = make_cache(8, 4, true);
+    td_kv_seq_t a, b;
+    td_kv_seq_init(&a);
+    td_kv_seq_init(&b);
+    int32_t toks[4] = { 3, 1, 4, 1 };
+    append(c, &a, toks, 4);
+    append(c, &b, toks, 4); /* computed independently: a second copy */
+    cr_assert_neq(a.blocks[0], b.blocks[0]);
+    cr_assert_eq(b.n_hashed, 1);
+    int32_t kept = a.blocks[0];
+    td_kv_seq_free(c, &b);
+    td_kv_stats_t s = stats_of(c);
+    cr_assert(s.cached == 0 && s.free == 7); /* the duplicate was never registered */
+    td_kv_seq_free(c, &a);
+    s = stats_of(c);
+    cr_assert(s.cached == 1 && s.free == 7);
+    int32_t n_cached;
+    cr_assert_eq(td_kv_seq_match_prefix(c, &a, toks, 4, 4, &n_cached), TD_OK);
+    cr_assert(n_cached == 4 && a.blocks[0] == kept);
+    td_kv_seq_free(c, &a);
+    td_kv_cache_destroy(c);
+}
+
+/* One sequence holding one full block of `tok` repeated, then ended. */
+static int32_t cache_one_block(td_kv_cache_t *c, int32_t tok)
+{
+    td_kv_seq_t s;
+    td_kv_seq_init(&s);
+    int32_t toks[2] = { tok, tok };
+    append(c, &s, toks, 2);
+    int32_t id = s.blocks[0];
+    td_kv_seq_free(c, &s);
+    return id;
+}
+
+static int32_t match_len(td_kv_cache_t *c, int32_t tok)
+{
+    td_kv_seq_t s;
+    td_kv_seq_init(&s);
+    int32_t toks[2] = { tok, tok }, n_cached = -1;
+    cr_assert_eq(td_kv_seq_match_prefix(c, &s, toks, 2, 2, &n_cached), TD_OK);
+    td_kv_seq_free(c, &s);
+    return n_cached;
+}
+
+Test(kv, lru_eviction_order)
+{
+    td_kv_cache_t *c = make_cache(4, 2, true);
+    int32_t b1 = cache_one_block(c, 1);
+    int32_t b2 = cache_one_block(c, 2);
+    int32_t b3 = cache_one_block(c, 3);
+    cr_assert(b1 != b2 && b2 != b3 && b1 != b3);
+    td_kv_stats_t s = stats_of(c);
+    cr_assert(s.cached == 3 && s.free == 1);
+    /* a hit on 1 revives it; released again it becomes the most recent */
+    cr_assert_eq(match_len(c, 1), 2);
+    /* LRU order now: 2, 3, 1 */
+    int32_t ids[3];
+    cr_assert_eq(td_kv_alloc_blocks(c, 1, ids), TD_OK); /* the free block first */
+    cr_assert_eq(stats_of(c).evictions, 0);
+    cr_assert_eq(td_kv_alloc_blocks(c, 1, ids + 1), TD_OK);
+    cr_assert_eq(ids[1], b2);
+    s = stats_of(c);
+    cr_assert(s.evictions == 1 && s.cached == 2);
+    /* eviction removed 2 from the hash table; 3 and 1 are still found */
+    cr_assert_eq(match_len(c, 2), 0);
+    cr_assert_eq(match_len(c, 3), 2);
+    /* LRU order now: 1, 3 */
+    cr_assert_eq(td_kv_alloc_blocks(c, 1, ids + 2), TD_OK);
+    cr_assert_eq(ids[2], b1);
+    cr_assert_eq(match_len(c, 1), 0);
+    cr_assert_eq(match_len(c, 3), 2);
+    s = stats_of(c);
+    cr_assert(s.evictions == 2 && s.cached == 1 && s.used == 3);
+    cr_assert_eq(td_kv_available(c), 1);
+    td_kv_cache_destroy(c);
+}
+
+Test(kv, truncate)
+{
+    td_kv_cache_t *c = make_cache(8, 4, true);
+    td_kv_seq_t a;
+    td_kv_seq_init(&a);
+    int32_t toks[10] = { 1, 2, 3, 4, 5, 6, 7, 8, 9, 10 };
+    append(c, &a, toks, 10);
+    cr_assert_eq(stats_of(c).used, 3);
+    td_kv_seq_truncate(c, &a, 5);
+    cr_assert(a.n_tokens == 5 && a.n_blocks == 2 && a.n_hashed == 1);
+    cr_assert_eq(a.last_hash, td_kv_block_hash(0, toks, 4));
+    cr_assert_eq(stats_of(c).used, 2);
+    /* the cut block leaves the prefix cache: it is about to be overwritten */
+    int32_t alt[3] = { 60, 70, 80 };
+    append(c, &a, alt, 3);
+    cr_assert_eq(a.n_hashed, 2);
+    cr_assert_eq(a.tokens[4], 5);
+    cr_assert_eq(a.tokens[5], 60);
+    td_kv_seq_truncate(c, &a, 100); /* keeping more than held changes nothing */
+    cr_assert_eq(a.n_tokens, 8);
+    td_kv_seq_free(c, &a);
+
+    int32_t n_cached;
+    cr_assert_eq(td_kv_seq_match_prefix(c, &a, toks, 10, 10, &n_cached), TD_OK);
+    cr_assert_eq(n_cached, 4); /* the old second block is gone */
+    td_kv_seq_free(c, &a);
+    int32_t now[8] = { 1, 2, 3, 4, 5, 60, 70, 80 };
+    cr_assert_eq(td_kv_seq_match_prefix(c, &a, now, 8, 8, &n_cached), TD_OK);
+    cr_assert_eq(n_cached, 8);
+    td_kv_seq_truncate(c, &a, 0);
+    cr_assert(a.n_tokens == 0 && a.n_blocks == 0 && a.n_hashed == 0 && a.last_hash == 0);
+    td_kv_seq_free(c, &a);
+    td_kv_cache_destroy(c);
+}
+
+Test(kv, truncate_into_shared_block_then_copy)
+{
+    td_kv_cache_t *c = make_cache(8, 4, true);
+    td_kv_seq_t a, b;
+    td_kv_seq_init(&a);
+    td_kv_seq_init(&b);
+    int32_t toks[8] = { 1, 2, 3, 4, 5, 6, 7, 8 };
+    append(c, &a, toks, 8);
+    cr_assert_eq(td_kv_seq_fork(c, &a, &b), TD_OK);
+    td_kv_seq_truncate(c, &b, 6);
+    cr_assert_eq(td_kv_block_refs(c, a.blocks[1]), 2);
+    td_kv_cow_t cow;
+    cr_assert_eq(td_kv_seq_reserve(c, &b, 7, &cow), TD_OK);
+    cr_assert(cow.n == 1 && cow.src[0] == a.blocks[1] && cow.dst[0] == b.blocks[1]);
+    int32_t t = 42;
+    cr_assert_eq(td_kv_seq_commit(c, &b, &t, 1), TD_OK);
+    td_kv_seq_free(c, &b);
+    td_kv_seq_free(c, &a);
+    int32_t n_cached;
+    cr_assert_eq(td_kv_seq_match_prefix(c, &a, toks, 8, 8, &n_cached), TD_OK);
+    cr_assert_eq(n_cached, 8); /* a's registered block survived b's edit */
+    td_kv_seq_free(c, &a);
+    td_kv_cache_destroy(c);
+}
+
+Test(kv, adopt)
+{
+    td_kv_cache_t *c = make_cache(8, 4, true);
+    int32_t ids[3];
+    cr_assert_eq(td_kv_alloc_blocks(c, 3, ids), TD_OK); /* e.g. a lease */
+    int32_t toks[9] = { 1, 2, 3, 4, 5, 6, 7, 8, 9 };
+    td_kv_seq_t a;
+    td_kv_seq_init(&a);
+    cr_assert_eq(td_kv_seq_adopt(c, &a, ids, 3, toks, 20), TD_ERR_INVALID); /* too many tokens */
+    cr_assert_eq(td_kv_seq_adopt(c, &a, ids, 3, toks, 9), TD_OK);
+    cr_assert(a.n_blocks == 3 && a.n_tokens == 9 && a.n_hashed == 2);
+    for (int i = 0; i < 3; i++) {
+        cr_assert_eq(a.blocks[i], ids[i]);
+        cr_assert_eq(td_kv_block_refs(c, ids[i]), 1); /* the reference moved, none added */
+    }
+    int32_t more[3] = { 10, 11, 12 };
+    append(c, &a, more, 3);
+    td_kv_seq_free(c, &a);
+    td_kv_stats_t s = stats_of(c);
+    cr_assert(s.cached == 3 && s.used == 0);
+    int32_t n_cached;
+    cr_assert_eq(td_kv_seq_match_prefix(c, &a, toks, 9, 9, &n_cached), TD_OK);
+    cr_assert_eq(n_cached, 8);
+    td_kv_seq_t b;
+    td_kv_seq_init(&b);
+    /* a block already in a table (shared) cannot be adopted to write into */
+    cr_assert_eq(td_kv_seq_adopt(c, &b, a.blocks, 1, toks, 4), TD_ERR_INVALID);
+    td_kv_seq_free(c, &a);
+    td_kv_cache_destroy(c);
+}
+
+static int cmp_u64(const void *x, const void *y)
+{
+    uint64_t a = *(const uint64_t *)x, b = *(const uint64_t *)y;
+    return (a > b) - (a < b);
+}
+
+Test(kv, hash_quality)
+{
+    /* 200k distinct blocks differing in one token or in the chain: no 64-bit collisions,
+     * and the low bits used for table slots are spread evenly */
+    enum { N = 200000, BUCKETS = 1024 };
+    uint64_t *h = malloc(N * sizeof *h);
+    int32_t counts[BUCKETS] = { 0 };
+    int32_t toks[16] = { 0 };
+    for (int i = 0; i < N; i++) {
+        toks[i % 16] = i;
+        h[i] = td_kv_block_hash((uint64_t)(i / 16), toks, 16);
+        counts[h[i] & (BUCKETS - 1)]++;
+    }
+    for (int b = 0; b < BUCKETS; b++)
+        cr_assert(counts[b] > N / BUCKETS / 2 && counts[b] < N / BUCKETS * 2, "bucket %d: %d", b,
+                  counts[b]);
+    qsort(h, N, sizeof *h, cmp_u64);
+    for (int i = 1; i < N; i++)
+        cr_assert_neq(h[i], h[i - 1]);
+    free(h);
+    /* odd block sizes hash every token */
+    int32_t t3[3] = { 1, 2, 3 }, u3[3] = { 1, 2, 4 };
+    cr_assert_neq(td_kv_block_hash(0, t3, 3), td_kv_block_hash(0, u3, 3));
+}
+
+/* ---- randomized stress ------------------------------------------------------------ */
+
+enum { S_BLOCKS = 48, S_BS = 4, S_SEQS = 12, S_OPS = 20000 };
+
+typedef struct stress {
+    td_kv_cache_t *c;
+    td_kv_seq_t seq[S_SEQS];
+    int32_t pool[S_BLOCKS][S_BS]; /* simulated KV rows: the token each row holds */
+    uint64_t rng;
+} stress_t;
+
+static uint32_t rnd(stress_t *st, uint32_t n)
+{
+    st->rng ^= st->rng << 13;
+    st->rng ^= st->rng >> 7;
+    st->rng ^= st->rng << 17;
+    return (uint32_t)(st->rng % n);
+}
+
+/* Tokens from a tiny alphabet so that prefixes repeat and the cache gets hits. */
+static void random_tokens(stress_t *st, int32_t *t, int32_t n)
+{
+    for (int32_t i = 0; i < n; i++)
+        t[i] = (int32_t)rnd(st, 3);
+}
+
+static void apply_cow(stress_t *st, const td_kv_cow_t *cow)
+{
+    for (int32_t i = 0; i < cow->n; i++)
+        memcpy(st->pool[cow->dst[i]], st->pool[cow->src[i]], sizeof st->pool[0]);
+}
+
+/* The engine's part: write K/V rows for the tokens, then commit. */
+static void write_and_commit(stress_t *st, td_kv_seq_t *s, const int32_t *t, int32_t n)
+{
+    for (int32_t i = 0; i < n; i++) {
+        int32_t p = s->n_tokens + i;
+        st->pool[s->blocks[p / S_BS]][p % S_BS] = t[i];
+    }
+    cr_assert_eq(td_kv_seq_commit(st->c, s, t, n), TD_OK, "%s", td_last_error());
+}
+
+static void check_all(stress_t *st, int op)
+{
+    int32_t holders[S_BLOCKS] = { 0 };
+    int32_t n_held = 0;
+    for (int i = 0; i < S_SEQS; i++) {
+        td_kv_seq_t *s = &st->seq[i];
+        cr_assert_leq(s->n_tokens, s->n_blocks * S_BS);
+        for (int32_t b = 0; b < s->n_blocks; b++)
+            if (holders[s->blocks[b]]++ == 0)
+                n_held++;
+        /* every committed token's row holds that token: nothing shared wrongly */
+        for (int32_t p = 0; p < s->n_tokens; p++)
+            cr_assert_eq(st->pool[s->blocks[p / S_BS]][p % S_BS], s->tokens[p],
+                         "op %d seq %d pos %d", op, i, p);
+    }
+    for (int32_t b = 0; b < S_BLOCKS; b++)
+        cr_assert_eq(td_kv_block_refs(st->c, b), holders[b], "op %d block %d", op, b);
+    td_kv_stats_t s;
+    td_kv_get_stats(st->c, &s);
+    cr_assert_eq(s.free + s.cached + s.used, S_BLOCKS, "op %d", op);
+    cr_assert_eq(s.used, n_held, "op %d", op);
+    cr_assert_eq(td_kv_cache_check(st->c), TD_OK, "op %d: %s", op, td_last_error());
+}
+
+Test(kv, randomized_stress, .timeout = 120)
+{
+    stress_t *st = calloc(1, sizeof *st);
+    st->c = make_cache(S_BLOCKS, S_BS, true);
+    st->rng = 0x9e3779b97f4a7c15ull;
+    for (int i = 0; i < S_SEQS; i++)
+        td_kv_seq_init(&st->seq[i]);
+    int32_t toks[64];
+    int n_exhausted = 0, n_hit_tokens = 0, n_cow = 0;
+    for (int op = 0; op < S_OPS; op++) {
+        td_kv_seq_t *s = &st->seq[rnd(st, S_SEQS)];
+        uint32_t what = rnd(st, 100);
+        if (s->n_tokens == 0 && s->n_blocks == 0 && what < 40) {
+            /* a new prompt: attach the cached prefix, compute the rest */
+            int32_t n = 1 + (int32_t)rnd(st, 24);
+            random_tokens(st, toks, n);
+            int32_t got = -1;
+            cr_assert_eq(td_kv_seq_match_prefix(st->c, s, toks, n, n - 1, &got), TD_OK);
+            n_hit_tokens += got;
+            td_kv_cow_t cow;
+            td_status_t rc = td_kv_seq_reserve(st->c, s, n, &cow);
+            if (rc == TD_ERR_EXHAUSTED) {
+                n_exhausted++;
+            } else {
+                cr_assert_eq(rc, TD_OK);
+                apply_cow(st, &cow);
+                write_and_commit(st, s, toks + got, n - got);
+            }
+        } else if (s->n_tokens == 0 && s->n_blocks == 0 && what < 60) {
+            /* KV computed elsewhere arrives into leased blocks */
+            int32_t n = 1 + (int32_t)rnd(st, 16), nb = TD_DIV_CEIL(n, S_BS) + (int32_t)rnd(st, 2);
+            int32_t ids[8];
+            td_status_t rc = td_kv_alloc_blocks(st->c, nb, ids);
+            if (rc == TD_ERR_EXHAUSTED) {
+                n_exhausted++;
+                continue;
+            }
+            random_tokens(st, toks, n);
+            for (int32_t p = 0; p < n; p++)
+                st->pool[ids[p / S_BS]][p % S_BS] = toks[p];
+            cr_assert_eq(td_kv_seq_adopt(st->c, s, ids, nb, toks, n), TD_OK);
+        } else if (what < 60) {
+            /* decode steps (sometimes reserving ahead) */
+            int32_t n = 1 + (int32_t)rnd(st, 6), ahead = (int32_t)rnd(st, 2) * S_BS;
+            td_kv_seq_t before = *s;
+            td_kv_stats_t sb;
+            td_kv_get_stats(st->c, &sb);
+            td_kv_cow_t cow;
+            td_status_t rc = td_kv_seq_reserve(st->c, s, s->n_tokens + n + ahead, &cow);
+            if (rc == TD_ERR_EXHAUSTED) {
+                n_exhausted++;
+                td_kv_stats_t sa;
+                td_kv_get_stats(st->c, &sa);
+                cr_assert(s->n_blocks == before.n_blocks && s->blocks == before.blocks &&
+                          sa.free == sb.free && sa.cached == sb.cached);
+            } else {
+                cr_assert_eq(rc, TD_OK);
+                n_cow += cow.n;
+                apply_cow(st, &cow);
+                random_tokens(st, toks, n);
+                write_and_commit(st, s, toks, n);
+            }
+        } else if (what < 72) {
+            td_kv_seq_truncate(st->c, s, (int32_t)rnd(st, (uint32_t)s->n_tokens + 1));
+        } else if (what < 85) {
+            td_kv_seq_t *d = &st->seq[rnd(st, S_SEQS)];
+            if (d != s && d->n_tokens == 0 && d->n_blocks == 0)
+                cr_assert_eq(td_kv_seq_fork(st->c, s, d), TD_OK);
+        } else {
+            td_kv_seq_free(st->c, s);
+        }
+        check_all(st, op);
+    }
+    /* the run must have exercised the interesting paths */
+    td_kv_stats_t s;
+    td_kv_get_stats(st->c, &s);
+    cr_assert_gt(n_exhausted, 0);
+    cr_assert_gt(n_hit_tokens, 0);
+    cr_assert_gt(n_cow, 0);
+    cr_assert_gt(s.evictions, 0);
+    for (int i = 0; i < S_SEQS; i++)
+        td_kv_seq_free(st->c, &st->seq[i]);
+    td_kv_get_stats(st->c, &s);
+    cr_assert_eq(s.used, 0);
+    td_kv_cache_destroy(st->c);
+    free(st);
+}
