@@ -1,0 +1,1391 @@
+/*
+ * td_xfer: KV-cache transfer over UCX (see td_xfer.h for the API, docs/xfer.md for the
+ * protocol and the choice of primitive).
+ *
+ * Wire: three active messages on one endpoint per (sender, receiver) pair.
+ *   DATA  header am_data_hdr, payload = K/V bytes of n_blocks contiguous destination
+ *         blocks of one layer. Large payloads go by UCX rendezvous: the receiver's handler
+ *         checks the lease and then ucp_am_recv_data_nbx()s straight into the registered
+ *         pool, so the bytes land zero-copy where they belong, and a message for a dead
+ *         lease is refused before a byte is written (the fence).
+ *   READY header am_ready_hdr (kv-ready), no payload, sent after every DATA completed.
+ *   ACK   header am_ack_hdr, receiver -> sender: the verdict on READY.
+ * Why AM and not ucp_put: over TCP, UCX 1.13 emulates RMA with AM at ~0.65 GB/s while AM
+ * rendezvous runs at the wire's ~4 GB/s; on shared memory rendezvous uses CMA/mapped
+ * copies. And an RMA put into a block cannot be fenced once its lease died.
+ *
+ * Progress: drain() = ucp_worker_progress until idle, then the deferred work (posting
+ * queued operations, user callbacks), then ucp_worker_arm; run from uv_poll on the
+ * worker's efd and from a uv_prepare just before the loop sleeps. UCX callbacks only
+ * record facts; nothing calls back into UCX progress or into the user from inside them.
+ */
+#include "td_xfer.h"
+
+#include <arpa/inet.h>
+#include <inttypes.h>
+#include <netinet/in.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <ucp/api/ucp.h>
+
+#include "td_log.h"
+#include "td_util.h"
+
+enum { AM_DATA = 11, AM_READY = 12, AM_ACK = 13 };
+
+#define XFER_DESC_MAGIC 0x31584454u /* "TDX1" in little-endian memory order */
+#define LEASE_BUCKETS 256
+
+const double td_xfer_hist_le_s[TD_XFER_HIST_BUCKETS] = {0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005,
+                                                        0.01,   0.025,   0.05,   0.1,   1.0,    1e300};
+
+/* ---- wire structs (host byte order; the description's magic detects a foreign one) ---- */
+
+typedef struct am_data_hdr {
+    uint64_t lease_id;
+    uint32_t layer;
+    uint32_t dst_block; /* first destination block id of the run */
+    uint32_t n_blocks;  /* blocks in the run */
+    uint32_t first_idx; /* index of dst_block in the lease's block table */
+} am_data_hdr_t;
+
+typedef struct am_ready_hdr {
+    uint64_t request_id;
+    uint64_t lease_id;
+    uint64_t bytes;    /* payload bytes of all DATA messages of this request */
+    uint64_t checksum; /* 0 when not asked for */
+    uint32_t n_tokens;
+    int32_t first_token;
+    uint32_t flags;    /* READY_F_CHECKSUM */
+    uint32_t pad;
+    td_kv_layout_t layout; /* the sender's; the receiver compares too */
+} am_ready_hdr_t;
+
+#define READY_F_CHECKSUM 1u
+
+typedef struct am_ack_hdr {
+    uint64_t request_id;
+    uint64_t lease_id;
+    int32_t status; /* td_status_t */
+    uint32_t pad;
+} am_ack_hdr_t;
+
+typedef struct xfer_desc_wire {
+    uint32_t magic;
+    uint32_t rkey_len;
+    td_kv_layout_t layout;
+    uint64_t base;     /* pool address in the receiver (for RMA) */
+    uint32_t n_blocks;
+    uint16_t port;     /* host order */
+    uint16_t pad;
+    uint32_t ip;       /* IPv4, network order */
+    uint32_t pad2;
+    /* followed by rkey_len bytes of packed rkey */
+} xfer_desc_wire_t;
+
+/* ---- state ---------------------------------------------------------------------------- */
+
+typedef struct list_node {
+    struct list_node *prev, *next;
+} list_node_t;
+
+static void list_init(list_node_t *h) { h->prev = h->next = h; }
+static bool list_empty(const list_node_t *h) { return h->next == h; }
+static void list_push(list_node_t *h, list_node_t *n)
+{
+    n->prev = h->prev;
+    n->next = h;
+    h->prev->next = n;
+    h->prev = n;
+}
+static void list_del(list_node_t *n)
+{
+    n->prev->next = n->next;
+    n->next->prev = n->prev;
+    n->prev = n->next = n;
+}
+#define CONTAINER(ptr, type, member) ((type *)((char *)(ptr)-offsetof(type, member)))
+
+/* A receiver-side endpoint accepted from a sender. */
+typedef struct xfer_conn {
+    list_node_t link;   /* x->conns */
+    td_xfer_t *x;
+    ucp_ep_h ep;
+    bool closing;
+} xfer_conn_t;
+
+typedef enum lease_state { LEASE_LIVE, LEASE_DEAD } lease_state_t;
+
+typedef struct xfer_lease {
+    list_node_t link;    /* x->leases */
+    struct xfer_lease *hnext;
+    uint64_t id;
+    uint64_t request_id;
+    uint64_t deadline_ns;
+    lease_state_t state;
+    uint64_t bytes;      /* payload bytes placed so far */
+    uint32_t inflight;   /* rendezvous receives writing into the blocks */
+    xfer_conn_t *writer; /* endpoint of the last DATA (fenced on death) */
+    bool ready_pending;  /* READY arrived before all bytes */
+    am_ready_hdr_t ready;
+    ucp_ep_h ready_ep;
+    int32_t n_blocks;
+    int32_t blocks[];    /* [n_blocks] */
+} xfer_lease_t;
+
+typedef struct recv_op {
+    td_xfer_t *x;
+    xfer_lease_t *lease;
+    size_t len;
+} recv_op_t;
+
+/* An endpoint to close once we are out of UCX callbacks. */
+typedef struct ep_close {
+    list_node_t link;
+    ucp_ep_h ep;
+} ep_close_t;
+
+/* A ready transfer waiting for the loop to hand it to the user. */
+typedef struct ready_event {
+    list_node_t link;
+    td_xfer_ready_t r;
+    int32_t blocks[];
+} ready_event_t;
+
+struct td_xfer_peer {
+    list_node_t link;  /* x->peers */
+    td_xfer_t *x;
+    ucp_ep_h ep;
+    bool alive;
+    uint32_t ip;       /* network order */
+    uint16_t port;
+    td_kv_layout_t layout;
+    uint32_t n_blocks; /* the receiver's pool */
+    list_node_t sends; /* td_xfer_send_t.peer_link */
+};
+
+typedef struct send_op {
+    list_node_t link;  /* x->queue while waiting */
+    td_xfer_send_t *s;
+    am_data_hdr_t hdr; /* lives until the send completes (no COPY_HEADER in 1.13) */
+    const void *src;
+    size_t len;
+} send_op_t;
+
+struct td_xfer_send {
+    list_node_t peer_link;
+    list_node_t done_link; /* x->done_list when the verdict is in */
+    td_xfer_t *x;
+    td_xfer_peer_t *peer;
+    td_xfer_send_params_t p;
+    int32_t *dst_blocks;
+    int32_t n_used;        /* blocks carrying tokens */
+    uint64_t start_ns, deadline_ns;
+    uint32_t layers_sent;
+    uint8_t *layer_seen;   /* [n_layers] */
+    uint32_t ops_out;      /* queued + posted DATA operations */
+    uint64_t bytes;        /* DATA payload queued */
+    uint64_t checksum;
+    td_status_t status;    /* first failure, or the receiver's verdict */
+    bool finished;         /* send_finish called */
+    bool ready_posted, ready_inflight, verdict, done_queued;
+    am_ready_hdr_t ready;
+};
+
+struct td_xfer {
+    uv_loop_t *loop;
+    td_xfer_config_t cfg;
+    char name[64];
+    ucp_context_h ctx;
+    ucp_worker_h worker;
+    ucp_listener_h listener;
+    uint32_t listen_ip; /* network order */
+    uint16_t listen_port;
+    int efd;
+    uv_poll_t poll;
+    uv_prepare_t prepare;
+    uv_timer_t timer;
+    int open_handles;
+    bool destroying;
+
+    /* receiver */
+    bool have_pool;
+    td_xfer_pool_t pool;
+    ucp_mem_h memh;
+    void *rkey_buf;
+    size_t rkey_len;
+    td_xfer_ready_cb on_ready;
+    void *ready_arg;
+    uint64_t next_lease_id;
+    list_node_t leases;
+    xfer_lease_t *buckets[LEASE_BUCKETS];
+    list_node_t conns;
+    list_node_t ready_list;
+
+    /* sender */
+    list_node_t peers;
+    list_node_t queue;     /* send_op_t not yet posted */
+    uint32_t ops_posted;
+    list_node_t done_list; /* sends whose done callback is due */
+    list_node_t closing;   /* ep_close_t: endpoints to force-close */
+    uint32_t closes_inflight;
+
+    td_xfer_stats_t stats;
+};
+
+static void drain(td_xfer_t *x);
+
+static td_status_t ucx_err(ucs_status_t st, const char *what)
+{
+    return td_errorf(TD_ERR_UCX, "ucx %s: %s", what, ucs_status_string(st));
+}
+
+/* Order-independent checksum of one block: 64-bit multiply-xor over 8-byte words, keyed
+ * by (layer, index in the request) so swapped blocks do not cancel out. */
+static uint64_t block_checksum(const void *p, size_t n, uint32_t layer, uint32_t idx)
+{
+    const uint8_t *b = p;
+    uint64_t h = 0x9e3779b97f4a7c15ull ^ (((uint64_t)layer << 32) | idx);
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        uint64_t w;
+        memcpy(&w, b + i, 8);
+        h = (h ^ w) * 0x100000001b3ull;
+        h ^= h >> 29;
+    }
+    for (; i < n; i++)
+        h = (h ^ b[i]) * 0x100000001b3ull;
+    h ^= h >> 32;
+    return h * 0xff51afd7ed558ccdull;
+}
+
+static void hist_observe(td_xfer_stats_t *st, double s)
+{
+    for (int i = 0; i < TD_XFER_HIST_BUCKETS; i++)
+        if (s <= td_xfer_hist_le_s[i])
+            st->transfer_hist[i]++;
+    st->transfer_seconds_sum += s;
+}
+
+static void close_ep_done_cb(void *request, ucs_status_t status, void *user_data)
+{
+    td_xfer_t *x = user_data;
+    x->closes_inflight--;
+    ucp_request_free(request);
+}
+
+/* Force-closes an endpoint from outside UCX callbacks: outstanding operations on it end
+ * with errors through their callbacks. Without a worker-progress loop (never recurse
+ * into progress); the close request frees itself. */
+static void close_ep_now(td_xfer_t *x, ucp_ep_h ep)
+{
+    ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK |
+                                               UCP_OP_ATTR_FIELD_USER_DATA,
+                               .flags = UCP_EP_CLOSE_FLAG_FORCE,
+                               .cb.send = close_ep_done_cb,
+                               .user_data = x};
+    ucs_status_ptr_t r = ucp_ep_close_nbx(ep, &prm);
+    /* NULL: closed; error: gone already; request: frees itself in the callback */
+    if (r && !UCS_PTR_IS_ERR(r))
+        x->closes_inflight++;
+}
+
+/* Callable anywhere, including inside UCX callbacks: the close happens in drain(). */
+static void close_ep_force(td_xfer_t *x, ucp_ep_h ep)
+{
+    ep_close_t *c = malloc(sizeof *c);
+    if (!c) {
+        close_ep_now(x, ep); /* last resort */
+        return;
+    }
+    c->ep = ep;
+    list_push(&x->closing, &c->link);
+}
+
+static void close_pending_eps(td_xfer_t *x)
+{
+    while (!list_empty(&x->closing)) {
+        ep_close_t *c = CONTAINER(x->closing.next, ep_close_t, link);
+        list_del(&c->link);
+        close_ep_now(x, c->ep);
+        free(c);
+    }
+}
+
+/* ---- leases (receiver) ------------------------------------------------------------------ */
+
+static xfer_lease_t *lease_find(td_xfer_t *x, uint64_t id)
+{
+    for (xfer_lease_t *l = x->buckets[id % LEASE_BUCKETS]; l; l = l->hnext)
+        if (l->id == id)
+            return l;
+    return NULL;
+}
+
+static void lease_remove(td_xfer_t *x, xfer_lease_t *l)
+{
+    xfer_lease_t **pp = &x->buckets[l->id % LEASE_BUCKETS];
+    while (*pp != l)
+        pp = &(*pp)->hnext;
+    *pp = l->hnext;
+    list_del(&l->link);
+    x->stats.leases_live--;
+    free(l);
+}
+
+/* The one place blocks of a lease go back to the pool. Only once no receive writes. */
+static void lease_release(td_xfer_t *x, xfer_lease_t *l)
+{
+    TD_ASSERT(l->inflight == 0);
+    for (int32_t i = 0; i < l->n_blocks; i++)
+        td_kv_unref_block(x->pool.kv, l->blocks[i]);
+    lease_remove(x, l);
+}
+
+/* Kills a lease: its blocks return now, or when the last receive into them ends (the
+ * writer's endpoint is force-closed so that happens promptly). */
+static void lease_kill(td_xfer_t *x, xfer_lease_t *l)
+{
+    if (l->state == LEASE_DEAD)
+        return;
+    l->state = LEASE_DEAD;
+    if (l->inflight == 0) {
+        lease_release(x, l);
+        return;
+    }
+    if (l->writer && !l->writer->closing) {
+        td_warn("xfer lease %" PRIu64 " died with %u receives in flight: closing its sender's endpoint",
+                l->id, l->inflight);
+        l->writer->closing = true;
+        close_ep_force(x, l->writer->ep);
+    }
+}
+
+static void send_ack(td_xfer_t *x, ucp_ep_h ep, uint64_t request_id, uint64_t lease_id, td_status_t st);
+
+static void lease_adopt(td_xfer_t *x, xfer_lease_t *l)
+{
+    am_ready_hdr_t *rd = &l->ready;
+    if (rd->flags & READY_F_CHECKSUM) {
+        size_t bb = td_kv_block_bytes(&x->pool.layout);
+        uint32_t n_used = TD_DIV_CEIL(rd->n_tokens, x->pool.layout.block_size);
+        uint64_t sum = 0;
+        for (uint32_t layer = 0; layer < x->pool.layout.n_layers; layer++)
+            for (uint32_t i = 0; i < n_used; i++) {
+                size_t off = td_kv_block_offset(&x->pool.layout, x->pool.n_blocks, layer,
+                                                (uint32_t)l->blocks[i]);
+                sum += block_checksum((char *)x->pool.base + off, bb, layer, i);
+            }
+        if (sum != rd->checksum) {
+            td_errorf(TD_ERR_PROTOCOL, "xfer request %" PRIu64 " lease %" PRIu64 ": checksum mismatch, not adopted",
+                      rd->request_id, l->id);
+            x->stats.fail_protocol++;
+            send_ack(x, l->ready_ep, rd->request_id, l->id, TD_ERR_PROTOCOL);
+            lease_kill(x, l);
+            return;
+        }
+    }
+    ready_event_t *ev = malloc(sizeof *ev + (size_t)l->n_blocks * sizeof(int32_t));
+    if (!ev) {
+        td_errorf(TD_ERR_NOMEM, "xfer lease %" PRIu64 ": no memory for the ready event", l->id);
+        send_ack(x, l->ready_ep, rd->request_id, l->id, TD_ERR_NOMEM);
+        lease_kill(x, l);
+        return;
+    }
+    memcpy(ev->blocks, l->blocks, (size_t)l->n_blocks * sizeof(int32_t));
+    ev->r = (td_xfer_ready_t){.request_id = rd->request_id, .lease_id = l->id, .blocks = ev->blocks,
+                              .n_blocks = l->n_blocks, .n_tokens = rd->n_tokens,
+                              .first_token = rd->first_token};
+    list_push(&x->ready_list, &ev->link);
+    x->stats.leases_adopted++;
+    send_ack(x, l->ready_ep, rd->request_id, l->id, TD_OK);
+    lease_remove(x, l); /* block references pass to the ready callback */
+}
+
+td_status_t td_xfer_lease_create(td_xfer_t *x, uint64_t request_id, int32_t n_blocks, uint32_t ttl_ms,
+                                 int32_t *blocks_out, uint64_t *lease_id_p)
+{
+    if (!x->have_pool)
+        return td_errorf(TD_ERR_INVALID, "xfer lease: no pool registered");
+    if (n_blocks <= 0 || (uint32_t)n_blocks > x->pool.n_blocks || ttl_ms == 0)
+        return td_errorf(TD_ERR_INVALID, "xfer lease: n_blocks %d (pool %u) ttl_ms %u out of range", n_blocks,
+                         x->pool.n_blocks, ttl_ms);
+    xfer_lease_t *l = calloc(1, sizeof *l + (size_t)n_blocks * sizeof(int32_t));
+    if (!l)
+        return td_errorf(TD_ERR_NOMEM, "xfer lease: out of memory");
+    td_status_t st = td_kv_alloc_blocks(x->pool.kv, n_blocks, l->blocks);
+    if (st != TD_OK) {
+        free(l);
+        return st; /* EXHAUSTED is not logged: the scheduler decides */
+    }
+    l->id = ++x->next_lease_id;
+    l->request_id = request_id;
+    l->n_blocks = n_blocks;
+    l->deadline_ns = td_now_ns() + (uint64_t)ttl_ms * 1000000ull;
+    l->state = LEASE_LIVE;
+    l->hnext = x->buckets[l->id % LEASE_BUCKETS];
+    x->buckets[l->id % LEASE_BUCKETS] = l;
+    list_push(&x->leases, &l->link);
+    x->stats.leases_live++;
+    x->stats.leases_created++;
+    memcpy(blocks_out, l->blocks, (size_t)n_blocks * sizeof(int32_t));
+    *lease_id_p = l->id;
+    return TD_OK;
+}
+
+td_status_t td_xfer_lease_cancel(td_xfer_t *x, uint64_t lease_id)
+{
+    xfer_lease_t *l = lease_find(x, lease_id);
+    if (!l || l->state != LEASE_LIVE)
+        return td_errorf_quiet(TD_ERR_STALE, "xfer lease %" PRIu64 " is not live", lease_id);
+    x->stats.leases_cancelled++;
+    lease_kill(x, l);
+    return TD_OK;
+}
+
+/* ---- receiver: UCX callbacks ------------------------------------------------------------ */
+
+static void conn_err_cb(void *arg, ucp_ep_h ep, ucs_status_t status)
+{
+    xfer_conn_t *c = arg;
+    td_xfer_t *x = c->x;
+    td_info("xfer sender endpoint lost: %s", ucs_status_string(status));
+    /* Leases this sender was writing can never complete: release them now. */
+    list_node_t *n = x->leases.next;
+    while (n != &x->leases) {
+        xfer_lease_t *l = CONTAINER(n, xfer_lease_t, link);
+        n = n->next;
+        if (l->ready_ep == ep)
+            l->ready_ep = NULL;
+        if (l->writer == c) {
+            l->writer = NULL;
+            if (l->state == LEASE_LIVE) {
+                x->stats.leases_sender_lost++;
+                lease_kill(x, l);
+            }
+        }
+    }
+    if (!c->closing) {
+        c->closing = true;
+        close_ep_force(x, ep);
+    }
+    list_del(&c->link);
+    free(c);
+}
+
+static void conn_cb(ucp_conn_request_h req, void *arg)
+{
+    td_xfer_t *x = arg;
+    xfer_conn_t *c = calloc(1, sizeof *c);
+    if (!c) {
+        td_errorf(TD_ERR_NOMEM, "xfer: no memory for a connection, rejected");
+        ucp_listener_reject(x->listener, req);
+        return;
+    }
+    c->x = x;
+    ucp_ep_params_t ep = {.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST | UCP_EP_PARAM_FIELD_ERR_HANDLER |
+                                        UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE,
+                          .conn_request = req,
+                          .err_mode = UCP_ERR_HANDLING_MODE_PEER,
+                          .err_handler = {conn_err_cb, c}};
+    ucs_status_t st = ucp_ep_create(x->worker, &ep, &c->ep);
+    if (st != UCS_OK) {
+        ucx_err(st, "accept");
+        free(c);
+        return;
+    }
+    list_push(&x->conns, &c->link);
+}
+
+static xfer_conn_t *conn_of_ep(td_xfer_t *x, ucp_ep_h ep)
+{
+    for (list_node_t *n = x->conns.next; n != &x->conns; n = n->next) {
+        xfer_conn_t *c = CONTAINER(n, xfer_conn_t, link);
+        if (c->ep == ep)
+            return c;
+    }
+    return NULL;
+}
+
+static void lease_check_ready(td_xfer_t *x, xfer_lease_t *l)
+{
+    if (l->state == LEASE_LIVE && l->ready_pending && l->inflight == 0 && l->bytes == l->ready.bytes) {
+        l->ready_pending = false;
+        lease_adopt(x, l);
+    }
+}
+
+static void recv_done_cb(void *request, ucs_status_t status, size_t length, void *user_data)
+{
+    recv_op_t *op = user_data;
+    xfer_lease_t *l = op->lease;
+    td_xfer_t *x = op->x;
+    l->inflight--;
+    if (status == UCS_OK) {
+        l->bytes += op->len;
+        x->stats.bytes_received += op->len;
+    }
+    free(op);
+    if (request)
+        ucp_request_free(request);
+    if (l->state == LEASE_DEAD) {
+        if (l->inflight == 0)
+            lease_release(x, l);
+        return;
+    }
+    lease_check_ready(x, l);
+}
+
+static ucs_status_t am_data_cb(void *arg, const void *header, size_t header_length, void *data, size_t length,
+                               const ucp_am_recv_param_t *param)
+{
+    td_xfer_t *x = arg;
+    am_data_hdr_t h;
+    if (header_length != sizeof h || !x->have_pool) {
+        x->stats.fail_protocol++;
+        return UCS_OK;
+    }
+    memcpy(&h, header, sizeof h);
+    xfer_lease_t *l = lease_find(x, h.lease_id);
+    size_t bb = td_kv_block_bytes(&x->pool.layout);
+    if (!l || l->state != LEASE_LIVE) {
+        /* Fence: returning without receiving refuses a rendezvous; eager bytes are dropped. */
+        x->stats.discarded_data++;
+        return UCS_OK;
+    }
+    bool ok = h.layer < x->pool.layout.n_layers && h.n_blocks > 0 && length == (size_t)h.n_blocks * bb &&
+              (uint64_t)h.first_idx + h.n_blocks <= (uint64_t)l->n_blocks;
+    for (uint32_t k = 0; ok && k < h.n_blocks; k++)
+        ok = (uint32_t)l->blocks[h.first_idx + k] == h.dst_block + k;
+    if (!ok) {
+        td_errorf(TD_ERR_PROTOCOL, "xfer lease %" PRIu64 ": data for layer %u blocks %u+%u not in the lease, dropped",
+                  h.lease_id, h.layer, h.dst_block, h.n_blocks);
+        x->stats.fail_protocol++;
+        return UCS_OK;
+    }
+    if ((param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) && param->reply_ep)
+        l->writer = conn_of_ep(x, param->reply_ep);
+    char *dst = (char *)x->pool.base + td_kv_block_offset(&x->pool.layout, x->pool.n_blocks, h.layer, h.dst_block);
+    if (!(param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV)) {
+        memcpy(dst, data, length);
+        l->bytes += length;
+        x->stats.bytes_received += length;
+        lease_check_ready(x, l);
+        return UCS_OK;
+    }
+    recv_op_t *op = malloc(sizeof *op);
+    if (!op) {
+        td_errorf(TD_ERR_NOMEM, "xfer lease %" PRIu64 ": no memory to receive, refused", h.lease_id);
+        return UCS_OK;
+    }
+    op->x = x;
+    op->lease = l;
+    op->len = length;
+    ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                                               UCP_OP_ATTR_FIELD_MEMH,
+                               .cb.recv_am = recv_done_cb,
+                               .user_data = op,
+                               .memh = x->memh};
+    l->inflight++;
+    ucs_status_ptr_t r = ucp_am_recv_data_nbx(x->worker, data, dst, length, &prm);
+    if (UCS_PTR_IS_ERR(r)) {
+        l->inflight--;
+        ucx_err(UCS_PTR_STATUS(r), "receive data");
+        free(op);
+    } else if (r == NULL) {
+        recv_done_cb(NULL, UCS_OK, length, op);
+    }
+    return UCS_OK;
+}
+
+static ucs_status_t am_ready_cb(void *arg, const void *header, size_t header_length, void *data, size_t length,
+                                const ucp_am_recv_param_t *param)
+{
+    td_xfer_t *x = arg;
+    am_ready_hdr_t h;
+    ucp_ep_h ep = (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) ? param->reply_ep : NULL;
+    if (header_length != sizeof h || !x->have_pool) {
+        x->stats.fail_protocol++;
+        return UCS_OK;
+    }
+    memcpy(&h, header, sizeof h);
+    xfer_lease_t *l = lease_find(x, h.lease_id);
+    if (!l || l->state != LEASE_LIVE) {
+        td_info("xfer request %" PRIu64 " lease %" PRIu64 ": kv-ready for a dead lease, discarded", h.request_id,
+                h.lease_id);
+        x->stats.discarded_ready++;
+        send_ack(x, ep, h.request_id, h.lease_id, TD_ERR_STALE);
+        return UCS_OK;
+    }
+    char why[160];
+    td_status_t verdict = TD_OK;
+    if (td_kv_layout_compare(&x->pool.layout, &h.layout, why, sizeof why) != TD_OK) {
+        verdict = td_errorf(TD_ERR_MISMATCH, "xfer request %" PRIu64 ": %s; refused", h.request_id, why);
+        x->stats.fail_mismatch++;
+    } else if (h.request_id != l->request_id ||
+               (uint64_t)h.n_tokens > (uint64_t)l->n_blocks * x->pool.layout.block_size || h.n_tokens == 0) {
+        verdict = td_errorf(TD_ERR_MISMATCH,
+                            "xfer lease %" PRIu64 ": kv-ready for request %" PRIu64 " with %u tokens, lease is for "
+                            "request %" PRIu64 " with %d blocks; refused",
+                            l->id, h.request_id, h.n_tokens, l->request_id, l->n_blocks);
+        x->stats.fail_mismatch++;
+    } else if (h.bytes != (uint64_t)x->pool.layout.n_layers * TD_DIV_CEIL(h.n_tokens, x->pool.layout.block_size) *
+                              td_kv_block_bytes(&x->pool.layout) ||
+               l->bytes > h.bytes) {
+        verdict = td_errorf(TD_ERR_PROTOCOL, "xfer lease %" PRIu64 ": kv-ready announces %" PRIu64
+                            " bytes, received %" PRIu64 "; refused", l->id, h.bytes, l->bytes);
+        x->stats.fail_protocol++;
+    }
+    if (verdict != TD_OK) {
+        send_ack(x, ep, h.request_id, h.lease_id, verdict);
+        lease_kill(x, l);
+        return UCS_OK;
+    }
+    l->ready = h;
+    l->ready_ep = ep;
+    l->ready_pending = true;
+    lease_check_ready(x, l);
+    return UCS_OK;
+}
+
+/* ---- acks ------------------------------------------------------------------------------- */
+
+typedef struct ack_op {
+    am_ack_hdr_t hdr;
+} ack_op_t;
+
+static void ack_sent_cb(void *request, ucs_status_t status, void *user_data)
+{
+    free(user_data);
+    ucp_request_free(request);
+}
+
+static void send_ack(td_xfer_t *x, ucp_ep_h ep, uint64_t request_id, uint64_t lease_id, td_status_t st)
+{
+    if (!ep)
+        return;
+    ack_op_t *a = malloc(sizeof *a);
+    if (!a)
+        return; /* the sender's deadline ends its wait */
+    a->hdr = (am_ack_hdr_t){.request_id = request_id, .lease_id = lease_id, .status = st};
+    ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA,
+                               .cb.send = ack_sent_cb,
+                               .user_data = a};
+    ucs_status_ptr_t r = ucp_am_send_nbx(ep, AM_ACK, &a->hdr, sizeof a->hdr, NULL, 0, &prm);
+    if (r == NULL || UCS_PTR_IS_ERR(r))
+        free(a);
+}
+
+/* ---- sender ----------------------------------------------------------------------------- */
+
+static void send_set_status(td_xfer_send_t *s, td_status_t st)
+{
+    if (s->status == TD_OK && !s->verdict)
+        s->status = st;
+}
+
+/* Queues the done callback once everything the request owns in UCX has come back. */
+static void send_maybe_done(td_xfer_send_t *s)
+{
+    if (s->done_queued || !s->finished || s->ops_out || s->ready_inflight)
+        return;
+    if (s->status == TD_OK && !s->verdict) {
+        if (!s->ready_posted)
+            return; /* drain posts READY */
+        return;     /* waiting for the ACK */
+    }
+    s->done_queued = true;
+    list_push(&s->x->done_list, &s->done_link);
+}
+
+static void peer_fail(td_xfer_peer_t *peer, td_status_t st)
+{
+    td_xfer_t *x = peer->x;
+    if (peer->alive) {
+        peer->alive = false;
+        close_ep_force(x, peer->ep);
+    }
+    for (list_node_t *n = peer->sends.next; n != &peer->sends; n = n->next) {
+        td_xfer_send_t *s = CONTAINER(n, td_xfer_send_t, peer_link);
+        send_set_status(s, st);
+    }
+    /* Queued operations of this peer never reach UCX. */
+    list_node_t *n = x->queue.next;
+    while (n != &x->queue) {
+        send_op_t *op = CONTAINER(n, send_op_t, link);
+        n = n->next;
+        if (op->s->peer == peer) {
+            list_del(&op->link);
+            op->s->ops_out--;
+            send_maybe_done(op->s);
+            free(op);
+        }
+    }
+    for (list_node_t *m = peer->sends.next; m != &peer->sends; m = m->next)
+        send_maybe_done(CONTAINER(m, td_xfer_send_t, peer_link));
+}
+
+static void peer_err_cb(void *arg, ucp_ep_h ep, ucs_status_t status)
+{
+    td_xfer_peer_t *peer = arg;
+    char ip[INET_ADDRSTRLEN];
+    inet_ntop(AF_INET, &peer->ip, ip, sizeof ip);
+    td_warn("xfer peer %s:%u lost: %s", ip, peer->port, ucs_status_string(status));
+    peer_fail(peer, TD_ERR_UNAVAILABLE);
+}
+
+static void data_sent_cb(void *request, ucs_status_t status, void *user_data)
+{
+    send_op_t *op = user_data;
+    td_xfer_send_t *s = op->s;
+    td_xfer_t *x = s->x;
+    x->ops_posted--;
+    s->ops_out--;
+    if (status == UCS_OK)
+        x->stats.bytes_sent += op->len;
+    else
+        send_set_status(s, status == UCS_ERR_CANCELED ? TD_ERR_STALE : TD_ERR_UNAVAILABLE);
+    free(op);
+    if (request)
+        ucp_request_free(request);
+    send_maybe_done(s);
+}
+
+static void post_op(td_xfer_t *x, send_op_t *op)
+{
+    td_xfer_send_t *s = op->s;
+    if (!s->peer->alive || s->status != TD_OK) {
+        s->ops_out--;
+        free(op);
+        send_maybe_done(s);
+        return;
+    }
+    ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                                               UCP_OP_ATTR_FIELD_FLAGS,
+                               .cb.send = data_sent_cb,
+                               .user_data = op,
+                               .flags = UCP_AM_SEND_FLAG_REPLY};
+    x->ops_posted++;
+    ucs_status_ptr_t r = ucp_am_send_nbx(s->peer->ep, AM_DATA, &op->hdr, sizeof op->hdr, op->src, op->len, &prm);
+    if (r == NULL)
+        data_sent_cb(NULL, UCS_OK, op);
+    else if (UCS_PTR_IS_ERR(r))
+        data_sent_cb(NULL, UCS_PTR_STATUS(r), op);
+}
+
+static void ready_sent_cb(void *request, ucs_status_t status, void *user_data)
+{
+    td_xfer_send_t *s = user_data;
+    s->ready_inflight = false;
+    if (status != UCS_OK)
+        send_set_status(s, TD_ERR_UNAVAILABLE);
+    if (request)
+        ucp_request_free(request);
+    send_maybe_done(s);
+}
+
+static void post_ready(td_xfer_t *x, td_xfer_send_t *s)
+{
+    s->ready_posted = true;
+    s->ready_inflight = true;
+    s->ready = (am_ready_hdr_t){.request_id = s->p.request_id,
+                                .lease_id = s->p.lease_id,
+                                .bytes = s->bytes,
+                                .checksum = s->checksum,
+                                .n_tokens = s->p.n_tokens,
+                                .first_token = s->ready.first_token,
+                                .flags = s->p.checksum ? READY_F_CHECKSUM : 0,
+                                .layout = s->peer->layout};
+    ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                                               UCP_OP_ATTR_FIELD_FLAGS,
+                               .cb.send = ready_sent_cb,
+                               .user_data = s,
+                               .flags = UCP_AM_SEND_FLAG_REPLY};
+    ucs_status_ptr_t r = ucp_am_send_nbx(s->peer->ep, AM_READY, &s->ready, sizeof s->ready, NULL, 0, &prm);
+    if (r == NULL)
+        ready_sent_cb(NULL, UCS_OK, s);
+    else if (UCS_PTR_IS_ERR(r))
+        ready_sent_cb(NULL, UCS_PTR_STATUS(r), s);
+}
+
+static td_xfer_send_t *send_find(td_xfer_t *x, uint64_t request_id, uint64_t lease_id)
+{
+    for (list_node_t *pn = x->peers.next; pn != &x->peers; pn = pn->next) {
+        td_xfer_peer_t *peer = CONTAINER(pn, td_xfer_peer_t, link);
+        for (list_node_t *n = peer->sends.next; n != &peer->sends; n = n->next) {
+            td_xfer_send_t *s = CONTAINER(n, td_xfer_send_t, peer_link);
+            if (s->p.request_id == request_id && s->p.lease_id == lease_id)
+                return s;
+        }
+    }
+    return NULL;
+}
+
+static ucs_status_t am_ack_cb(void *arg, const void *header, size_t header_length, void *data, size_t length,
+                              const ucp_am_recv_param_t *param)
+{
+    td_xfer_t *x = arg;
+    am_ack_hdr_t h;
+    if (header_length != sizeof h) {
+        x->stats.fail_protocol++;
+        return UCS_OK;
+    }
+    memcpy(&h, header, sizeof h);
+    td_xfer_send_t *s = send_find(x, h.request_id, h.lease_id);
+    if (!s || s->verdict || !s->ready_posted)
+        return UCS_OK; /* already timed out or failed */
+    if (s->status == TD_OK)
+        s->status = (td_status_t)h.status;
+    s->verdict = true;
+    send_maybe_done(s);
+    return UCS_OK;
+}
+
+td_status_t td_xfer_connect(td_xfer_t *x, const void *desc, size_t desc_len, const td_kv_layout_t *mine,
+                            td_xfer_peer_t **peer_p)
+{
+    xfer_desc_wire_t w;
+    if (desc_len < sizeof w)
+        return td_errorf(TD_ERR_FORMAT, "xfer connect: description of %zu bytes is too short", desc_len);
+    memcpy(&w, desc, sizeof w);
+    if (w.magic != XFER_DESC_MAGIC || desc_len != sizeof w + w.rkey_len)
+        return td_errorf(TD_ERR_FORMAT, "xfer connect: not a tandem xfer description (magic %08x, %zu bytes)",
+                         w.magic, desc_len);
+    char why[160];
+    if (td_kv_layout_compare(mine, &w.layout, why, sizeof why) != TD_OK) {
+        x->stats.fail_mismatch++;
+        return td_errorf(TD_ERR_MISMATCH, "xfer connect: %s; refusing to send KV to this node", why);
+    }
+    for (list_node_t *n = x->peers.next; n != &x->peers; n = n->next) {
+        td_xfer_peer_t *p = CONTAINER(n, td_xfer_peer_t, link);
+        if (p->alive && p->ip == w.ip && p->port == w.port) {
+            p->layout = w.layout;
+            p->n_blocks = w.n_blocks;
+            *peer_p = p;
+            return TD_OK;
+        }
+    }
+    td_xfer_peer_t *p = calloc(1, sizeof *p);
+    if (!p)
+        return td_errorf(TD_ERR_NOMEM, "xfer connect: out of memory");
+    p->x = x;
+    p->ip = w.ip;
+    p->port = w.port;
+    p->layout = w.layout;
+    p->n_blocks = w.n_blocks;
+    list_init(&p->sends);
+    struct sockaddr_in sin = {.sin_family = AF_INET, .sin_port = htons(w.port), .sin_addr.s_addr = w.ip};
+    ucp_ep_params_t ep = {.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR |
+                                        UCP_EP_PARAM_FIELD_ERR_HANDLER | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE,
+                          .flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER,
+                          .sockaddr = {(struct sockaddr *)&sin, sizeof sin},
+                          .err_mode = UCP_ERR_HANDLING_MODE_PEER,
+                          .err_handler = {peer_err_cb, p}};
+    ucs_status_t st = ucp_ep_create(x->worker, &ep, &p->ep);
+    if (st != UCS_OK) {
+        free(p);
+        return ucx_err(st, "connect");
+    }
+    p->alive = true;
+    list_push(&x->peers, &p->link);
+    *peer_p = p;
+    return TD_OK;
+}
+
+bool td_xfer_peer_alive(const td_xfer_peer_t *peer)
+{
+    return peer->alive;
+}
+
+td_status_t td_xfer_send_begin(td_xfer_t *x, td_xfer_peer_t *peer, const td_xfer_send_params_t *p,
+                               td_xfer_send_t **s_p)
+{
+    if (p->mem != TD_XFER_MEM_HOST)
+        return td_errorf(TD_ERR_UNSUPPORTED, "xfer request %" PRIu64 ": CUDA source memory needs the staging path, "
+                         "not built yet (docs/xfer.md)", p->request_id);
+    if (!peer->alive)
+        return td_errorf(TD_ERR_UNAVAILABLE, "xfer request %" PRIu64 ": peer is gone, connect again", p->request_id);
+    uint32_t bs = peer->layout.block_size;
+    if (p->n_tokens == 0 || p->n_dst_blocks <= 0 || !p->done ||
+        (uint64_t)p->n_dst_blocks * bs < p->n_tokens)
+        return td_errorf(TD_ERR_INVALID, "xfer request %" PRIu64 ": %u tokens do not fit %d blocks of %u",
+                         p->request_id, p->n_tokens, p->n_dst_blocks, bs);
+    for (int32_t i = 0; i < p->n_dst_blocks; i++)
+        if (p->dst_blocks[i] < 0 || (uint32_t)p->dst_blocks[i] >= peer->n_blocks)
+            return td_errorf(TD_ERR_INVALID, "xfer request %" PRIu64 ": destination block %d outside the pool of %u",
+                             p->request_id, p->dst_blocks[i], peer->n_blocks);
+    td_xfer_send_t *s = calloc(1, sizeof *s);
+    int32_t *blocks = malloc((size_t)p->n_dst_blocks * sizeof *blocks);
+    uint8_t *seen = calloc(peer->layout.n_layers, 1);
+    if (!s || !blocks || !seen) {
+        free(s);
+        free(blocks);
+        free(seen);
+        return td_errorf(TD_ERR_NOMEM, "xfer request %" PRIu64 ": out of memory", p->request_id);
+    }
+    memcpy(blocks, p->dst_blocks, (size_t)p->n_dst_blocks * sizeof *blocks);
+    s->x = x;
+    s->peer = peer;
+    s->p = *p;
+    s->p.dst_blocks = s->dst_blocks = blocks;
+    s->layer_seen = seen;
+    s->n_used = (int32_t)TD_DIV_CEIL(p->n_tokens, bs);
+    s->start_ns = td_now_ns();
+    s->deadline_ns = s->start_ns + (uint64_t)x->cfg.send_timeout_ms * 1000000ull;
+    list_init(&s->done_link);
+    list_push(&peer->sends, &s->peer_link);
+    x->stats.transfers_inflight++;
+    *s_p = s;
+    return TD_OK;
+}
+
+td_status_t td_xfer_send_layer(td_xfer_send_t *s, uint32_t layer, const void *src_layer, const int32_t *src_blocks)
+{
+    td_xfer_t *x = s->x;
+    const td_kv_layout_t *lay = &s->peer->layout;
+    if (s->finished || layer >= lay->n_layers || s->layer_seen[layer]) {
+        td_status_t st = td_errorf(TD_ERR_INVALID, "xfer request %" PRIu64 ": layer %u %s", s->p.request_id, layer,
+                                   layer >= lay->n_layers ? "out of range" : "sent twice or after finish");
+        send_set_status(s, st);
+        return st;
+    }
+    if (s->status != TD_OK)
+        return s->status;
+    s->layer_seen[layer] = 1;
+    s->layers_sent++;
+    size_t bb = td_kv_block_bytes(lay);
+    for (int32_t i = 0; i < s->n_used;) {
+        /* One operation per run contiguous in the destination and in the source. */
+        int32_t j = i + 1;
+        while (j < s->n_used && s->dst_blocks[j] == s->dst_blocks[j - 1] + 1 && src_blocks[j] == src_blocks[j - 1] + 1)
+            j++;
+        send_op_t *op = malloc(sizeof *op);
+        if (!op) {
+            send_set_status(s, td_errorf(TD_ERR_NOMEM, "xfer request %" PRIu64 ": out of memory", s->p.request_id));
+            return TD_ERR_NOMEM;
+        }
+        op->s = s;
+        op->hdr = (am_data_hdr_t){.lease_id = s->p.lease_id, .layer = layer, .dst_block = (uint32_t)s->dst_blocks[i],
+                                  .n_blocks = (uint32_t)(j - i), .first_idx = (uint32_t)i};
+        op->src = (const char *)src_layer + (size_t)src_blocks[i] * bb;
+        op->len = (size_t)(j - i) * bb;
+        if (s->p.checksum)
+            for (int32_t k = i; k < j; k++)
+                s->checksum += block_checksum((const char *)src_layer + (size_t)src_blocks[k] * bb, bb, layer,
+                                              (uint32_t)k);
+        s->bytes += op->len;
+        s->ops_out++;
+        list_push(&x->queue, &op->link);
+        i = j;
+    }
+    return TD_OK;
+}
+
+void td_xfer_send_finish(td_xfer_send_t *s, int32_t first_token)
+{
+    if (s->finished)
+        return;
+    s->finished = true;
+    s->ready.first_token = first_token;
+    if (s->layers_sent != s->peer->layout.n_layers)
+        send_set_status(s, td_errorf(TD_ERR_INVALID, "xfer request %" PRIu64 ": finished with %u of %u layers",
+                                     s->p.request_id, s->layers_sent, s->peer->layout.n_layers));
+    send_maybe_done(s);
+}
+
+static void send_free(td_xfer_send_t *s)
+{
+    list_del(&s->peer_link);
+    free(s->layer_seen);
+    free(s->dst_blocks);
+    free(s);
+}
+
+/* ---- progress, deferred work, timers ---------------------------------------------------- */
+
+static void run_deferred(td_xfer_t *x)
+{
+    close_pending_eps(x);
+    /* Post queued DATA under the in-flight bound, and READY for requests whose data is in. */
+    while (!list_empty(&x->queue) && x->ops_posted < x->cfg.max_inflight_ops) {
+        send_op_t *op = CONTAINER(x->queue.next, send_op_t, link);
+        list_del(&op->link);
+        post_op(x, op);
+    }
+    for (list_node_t *pn = x->peers.next; pn != &x->peers; pn = pn->next) {
+        td_xfer_peer_t *peer = CONTAINER(pn, td_xfer_peer_t, link);
+        for (list_node_t *n = peer->sends.next; n != &peer->sends; n = n->next) {
+            td_xfer_send_t *s = CONTAINER(n, td_xfer_send_t, peer_link);
+            if (s->finished && !s->ready_posted && s->status == TD_OK && s->ops_out == 0)
+                post_ready(x, s);
+        }
+    }
+    while (!list_empty(&x->done_list)) {
+        td_xfer_send_t *s = CONTAINER(x->done_list.next, td_xfer_send_t, done_link);
+        list_del(&s->done_link);
+        td_status_t st = s->status;
+        double secs = (double)(td_now_ns() - s->start_ns) * 1e-9;
+        x->stats.transfers_inflight--;
+        if (st == TD_OK) {
+            x->stats.transfers_ok++;
+            hist_observe(&x->stats, secs);
+        } else if (st == TD_ERR_UNAVAILABLE) {
+            x->stats.fail_peer++;
+        } else if (st == TD_ERR_TIMEOUT) {
+            x->stats.fail_timeout++;
+        } else if (st == TD_ERR_STALE) {
+            x->stats.fail_stale++;
+        } else if (st == TD_ERR_MISMATCH) {
+            x->stats.fail_mismatch++;
+        } else {
+            x->stats.fail_protocol++;
+        }
+        td_xfer_done_cb cb = s->p.done;
+        void *arg = s->p.arg;
+        uint64_t rid = s->p.request_id;
+        send_free(s);
+        cb(arg, rid, st);
+    }
+    while (!list_empty(&x->ready_list)) {
+        ready_event_t *ev = CONTAINER(x->ready_list.next, ready_event_t, link);
+        list_del(&ev->link);
+        if (x->on_ready) {
+            x->on_ready(x->ready_arg, &ev->r);
+        } else {
+            for (int32_t i = 0; i < ev->r.n_blocks; i++)
+                td_kv_unref_block(x->pool.kv, ev->r.blocks[i]);
+        }
+        free(ev);
+    }
+}
+
+static void drain(td_xfer_t *x)
+{
+    for (;;) {
+        while (ucp_worker_progress(x->worker))
+            ;
+        run_deferred(x);
+        if (ucp_worker_progress(x->worker))
+            continue;
+        if (!list_empty(&x->done_list) || !list_empty(&x->ready_list) ||
+            (!list_empty(&x->queue) && x->ops_posted < x->cfg.max_inflight_ops))
+            continue;
+        ucs_status_t st = ucp_worker_arm(x->worker);
+        if (st == UCS_OK)
+            return;
+        if (st != UCS_ERR_BUSY) {
+            ucx_err(st, "worker arm");
+            return;
+        }
+    }
+}
+
+static void on_poll(uv_poll_t *h, int status, int events)
+{
+    drain(h->data);
+}
+
+static void on_prepare(uv_prepare_t *h)
+{
+    drain(h->data);
+}
+
+static void on_tick(uv_timer_t *h)
+{
+    td_xfer_t *x = h->data;
+    uint64_t now = td_now_ns();
+    list_node_t *n = x->leases.next;
+    while (n != &x->leases) {
+        xfer_lease_t *l = CONTAINER(n, xfer_lease_t, link);
+        n = n->next;
+        if (l->state == LEASE_LIVE && now >= l->deadline_ns) {
+            td_info("xfer lease %" PRIu64 " request %" PRIu64 " expired, %d blocks return", l->id, l->request_id,
+                    l->n_blocks);
+            x->stats.leases_expired++;
+            lease_kill(x, l);
+        }
+    }
+    for (list_node_t *pn = x->peers.next; pn != &x->peers; pn = pn->next) {
+        td_xfer_peer_t *peer = CONTAINER(pn, td_xfer_peer_t, link);
+        bool stuck = false;
+        for (list_node_t *m = peer->sends.next; m != &peer->sends; m = m->next) {
+            td_xfer_send_t *s = CONTAINER(m, td_xfer_send_t, peer_link);
+            if (!s->done_queued && !s->verdict && now >= s->deadline_ns) {
+                td_errorf(TD_ERR_TIMEOUT, "xfer request %" PRIu64 ": no verdict after %u ms", s->p.request_id,
+                          x->cfg.send_timeout_ms);
+                send_set_status(s, TD_ERR_TIMEOUT);
+                s->verdict = true;
+                stuck = true;
+            }
+        }
+        /* A frozen receiver is invisible to UCX: the only way to get the operations
+         * back is to close the endpoint; its other requests fail as unavailable. */
+        if (stuck && peer->alive)
+            peer_fail(peer, TD_ERR_UNAVAILABLE);
+        else if (stuck)
+            for (list_node_t *m = peer->sends.next; m != &peer->sends; m = m->next)
+                send_maybe_done(CONTAINER(m, td_xfer_send_t, peer_link));
+    }
+    drain(x);
+}
+
+/* ---- lifetime --------------------------------------------------------------------------- */
+
+td_xfer_config_t td_xfer_config_default(void)
+{
+    return (td_xfer_config_t){.name = "tandem",
+                              .listen_ip = "127.0.0.1",
+                              .listen_port = 0,
+                              .max_inflight_ops = 64,
+                              .send_timeout_ms = 30000,
+                              .tick_ms = 10};
+}
+
+static void on_handle_closed(uv_handle_t *h)
+{
+    td_xfer_t *x = h->data;
+    if (--x->open_handles == 0)
+        free(x);
+}
+
+static td_status_t set_am_handler(td_xfer_t *x, unsigned id, ucp_am_recv_callback_t cb)
+{
+    ucp_am_handler_param_t hp = {.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                                               UCP_AM_HANDLER_PARAM_FIELD_FLAGS | UCP_AM_HANDLER_PARAM_FIELD_ARG,
+                                 .id = id,
+                                 .cb = cb,
+                                 .flags = UCP_AM_FLAG_WHOLE_MSG,
+                                 .arg = x};
+    ucs_status_t st = ucp_worker_set_am_recv_handler(x->worker, &hp);
+    return st == UCS_OK ? TD_OK : ucx_err(st, "set am handler");
+}
+
+td_status_t td_xfer_create(uv_loop_t *loop, const td_xfer_config_t *cfg, td_xfer_t **x_p)
+{
+    td_status_t ret = TD_OK;
+    ucs_status_t st;
+    if (cfg->max_inflight_ops == 0 || cfg->send_timeout_ms == 0 || cfg->tick_ms == 0)
+        return td_errorf(TD_ERR_INVALID, "xfer config: max_inflight_ops, send_timeout_ms and tick_ms must be > 0");
+    td_xfer_t *x = calloc(1, sizeof *x);
+    if (!x)
+        return td_errorf(TD_ERR_NOMEM, "xfer: out of memory");
+    x->loop = loop;
+    x->cfg = *cfg;
+    snprintf(x->name, sizeof x->name, "%s", cfg->name ? cfg->name : "tandem");
+    x->cfg.name = x->name;
+    list_init(&x->leases);
+    list_init(&x->conns);
+    list_init(&x->ready_list);
+    list_init(&x->peers);
+    list_init(&x->queue);
+    list_init(&x->done_list);
+    list_init(&x->closing);
+
+    ucp_config_t *ucfg;
+    st = ucp_config_read(NULL, NULL, &ucfg);
+    if (st != UCS_OK) {
+        ret = ucx_err(st, "read config");
+        goto err_free;
+    }
+    ucp_params_t p = {.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME,
+                      .features = UCP_FEATURE_RMA | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP,
+                      .name = x->name};
+    st = ucp_init(&p, ucfg, &x->ctx);
+    ucp_config_release(ucfg);
+    if (st != UCS_OK) {
+        ret = ucx_err(st, "init");
+        goto err_free;
+    }
+    ucp_worker_params_t wp = {.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE, .thread_mode = UCS_THREAD_MODE_SINGLE};
+    st = ucp_worker_create(x->ctx, &wp, &x->worker);
+    if (st != UCS_OK) {
+        ret = ucx_err(st, "create worker");
+        goto err_ctx;
+    }
+    if ((ret = set_am_handler(x, AM_DATA, am_data_cb)) != TD_OK ||
+        (ret = set_am_handler(x, AM_READY, am_ready_cb)) != TD_OK ||
+        (ret = set_am_handler(x, AM_ACK, am_ack_cb)) != TD_OK)
+        goto err_worker;
+    if (cfg->listen_ip) {
+        struct sockaddr_in sin = {.sin_family = AF_INET, .sin_port = htons(cfg->listen_port)};
+        if (inet_pton(AF_INET, cfg->listen_ip, &sin.sin_addr) != 1) {
+            ret = td_errorf(TD_ERR_INVALID, "xfer: listen address %s is not an IPv4 address", cfg->listen_ip);
+            goto err_worker;
+        }
+        ucp_listener_params_t lp = {.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR |
+                                                  UCP_LISTENER_PARAM_FIELD_CONN_HANDLER,
+                                    .sockaddr = {(struct sockaddr *)&sin, sizeof sin},
+                                    .conn_handler = {conn_cb, x}};
+        st = ucp_listener_create(x->worker, &lp, &x->listener);
+        if (st != UCS_OK) {
+            ret = td_errorf(TD_ERR_UCX, "xfer: listen on %s:%u: %s", cfg->listen_ip, cfg->listen_port,
+                            ucs_status_string(st));
+            goto err_worker;
+        }
+        ucp_listener_attr_t la = {.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR};
+        st = ucp_listener_query(x->listener, &la);
+        if (st != UCS_OK) {
+            ret = ucx_err(st, "query listener");
+            goto err_listener;
+        }
+        x->listen_ip = sin.sin_addr.s_addr;
+        x->listen_port = ntohs(((struct sockaddr_in *)&la.sockaddr)->sin_port);
+    }
+    st = ucp_worker_get_efd(x->worker, &x->efd);
+    if (st != UCS_OK) {
+        ret = ucx_err(st, "worker efd");
+        goto err_listener;
+    }
+    uv_poll_init(loop, &x->poll, x->efd);
+    uv_prepare_init(loop, &x->prepare);
+    uv_timer_init(loop, &x->timer);
+    x->poll.data = x->prepare.data = x->timer.data = x;
+    x->open_handles = 3;
+    uv_poll_start(&x->poll, UV_READABLE, on_poll);
+    uv_prepare_start(&x->prepare, on_prepare);
+    uv_timer_start(&x->timer, on_tick, cfg->tick_ms, cfg->tick_ms);
+    *x_p = x;
+    return TD_OK;
+
+err_listener:
+    if (x->listener)
+        ucp_listener_destroy(x->listener);
+err_worker:
+    ucp_worker_destroy(x->worker);
+err_ctx:
+    ucp_cleanup(x->ctx);
+err_free:
+    free(x);
+    return ret;
+}
+
+td_status_t td_xfer_register_pool(td_xfer_t *x, const td_xfer_pool_t *pool, td_xfer_ready_cb on_ready, void *arg)
+{
+    if (x->have_pool)
+        return td_errorf(TD_ERR_INVALID, "xfer: a pool is already registered");
+    if (!x->listener)
+        return td_errorf(TD_ERR_INVALID, "xfer: a receiving pool needs a listener (listen_ip)");
+    if (pool->mem != TD_XFER_MEM_HOST)
+        return td_errorf(TD_ERR_UNSUPPORTED, "xfer: CUDA pools need the staging path, not built yet (docs/xfer.md)");
+    if (td_kv_layout_validate(&pool->layout) != TD_OK)
+        return td_errorf(TD_ERR_INVALID, "xfer: %s", td_last_error());
+    if (!pool->base || pool->n_blocks == 0 || !pool->kv)
+        return td_errorf(TD_ERR_INVALID, "xfer: pool needs base, n_blocks and a block manager");
+    ucp_mem_map_params_t mp = {.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH,
+                               .address = pool->base,
+                               .length = td_kv_pool_bytes(&pool->layout, pool->n_blocks)};
+    ucs_status_t st = ucp_mem_map(x->ctx, &mp, &x->memh);
+    if (st != UCS_OK)
+        return ucx_err(st, "register pool");
+    st = ucp_rkey_pack(x->ctx, x->memh, &x->rkey_buf, &x->rkey_len);
+    if (st != UCS_OK) {
+        ucp_mem_unmap(x->ctx, x->memh);
+        return ucx_err(st, "pack rkey");
+    }
+    x->pool = *pool;
+    x->on_ready = on_ready;
+    x->ready_arg = arg;
+    x->have_pool = true;
+    return TD_OK;
+}
+
+td_status_t td_xfer_describe(td_xfer_t *x, void *buf, size_t cap, size_t *len_p)
+{
+    if (!x->have_pool)
+        return td_errorf(TD_ERR_INVALID, "xfer describe: no pool registered");
+    xfer_desc_wire_t w = {.magic = XFER_DESC_MAGIC,
+                          .rkey_len = (uint32_t)x->rkey_len,
+                          .layout = x->pool.layout,
+                          .base = (uint64_t)(uintptr_t)x->pool.base,
+                          .n_blocks = x->pool.n_blocks,
+                          .port = x->listen_port,
+                          .ip = x->listen_ip};
+    size_t need = sizeof w + x->rkey_len;
+    if (need > cap)
+        return td_errorf(TD_ERR_RANGE, "xfer describe: needs %zu bytes, buffer has %zu", need, cap);
+    memcpy(buf, &w, sizeof w);
+    memcpy((char *)buf + sizeof w, x->rkey_buf, x->rkey_len);
+    *len_p = need;
+    return TD_OK;
+}
+
+void td_xfer_get_stats(const td_xfer_t *x, td_xfer_stats_t *stats)
+{
+    *stats = x->stats;
+}
+
+void td_xfer_destroy(td_xfer_t *x)
+{
+    if (!x)
+        return;
+    x->destroying = true;
+    /* Fail every send and close every endpoint; outstanding operations come back with
+     * errors while the closes complete. */
+    for (list_node_t *pn = x->peers.next; pn != &x->peers; pn = pn->next) {
+        td_xfer_peer_t *peer = CONTAINER(pn, td_xfer_peer_t, link);
+        peer_fail(peer, TD_ERR_CLOSED);
+        for (list_node_t *m = peer->sends.next; m != &peer->sends; m = m->next) {
+            td_xfer_send_t *s = CONTAINER(m, td_xfer_send_t, peer_link);
+            send_set_status(s, TD_ERR_CLOSED);
+            s->verdict = true;
+            send_maybe_done(s);
+        }
+    }
+    for (list_node_t *n = x->conns.next; n != &x->conns; n = n->next) {
+        xfer_conn_t *c = CONTAINER(n, xfer_conn_t, link);
+        if (!c->closing) {
+            c->closing = true;
+            close_ep_force(x, c->ep);
+        }
+    }
+    close_pending_eps(x);
+    uint64_t give_up = td_now_ns() + 5000000000ull; /* force closes finish in a few progress calls */
+    while (x->closes_inflight > 0 && td_now_ns() < give_up)
+        ucp_worker_progress(x->worker);
+    while (ucp_worker_progress(x->worker))
+        ;
+    x->cfg.max_inflight_ops = 0; /* run_deferred posts nothing more */
+    run_deferred(x);
+    while (!list_empty(&x->peers)) {
+        td_xfer_peer_t *peer = CONTAINER(x->peers.next, td_xfer_peer_t, link);
+        while (!list_empty(&peer->sends)) { /* never finished: no callback owed */
+            td_xfer_send_t *s = CONTAINER(peer->sends.next, td_xfer_send_t, peer_link);
+            x->stats.transfers_inflight--;
+            send_free(s);
+        }
+        list_del(&peer->link);
+        free(peer);
+    }
+    while (!list_empty(&x->conns)) {
+        xfer_conn_t *c = CONTAINER(x->conns.next, xfer_conn_t, link);
+        list_del(&c->link);
+        free(c);
+    }
+    while (!list_empty(&x->leases)) {
+        xfer_lease_t *l = CONTAINER(x->leases.next, xfer_lease_t, link);
+        l->inflight = 0; /* endpoints are closed: nothing writes any more */
+        lease_release(x, l);
+    }
+    while (!list_empty(&x->ready_list)) {
+        ready_event_t *ev = CONTAINER(x->ready_list.next, ready_event_t, link);
+        list_del(&ev->link);
+        for (int32_t i = 0; i < ev->r.n_blocks; i++)
+            td_kv_unref_block(x->pool.kv, ev->r.blocks[i]);
+        free(ev);
+    }
+    if (x->listener)
+        ucp_listener_destroy(x->listener);
+    if (x->have_pool) {
+        ucp_rkey_buffer_release(x->rkey_buf);
+        ucp_mem_unmap(x->ctx, x->memh);
+    }
+    uv_close((uv_handle_t *)&x->poll, on_handle_closed); /* stops polling the efd now */
+    uv_close((uv_handle_t *)&x->prepare, on_handle_closed);
+    uv_close((uv_handle_t *)&x->timer, on_handle_closed);
+    ucp_worker_destroy(x->worker);
+    ucp_cleanup(x->ctx);
+    x->worker = NULL;
+    x->ctx = NULL;
+}

@@ -1,0 +1,226 @@
+/*
+ * td_xfer: the KV-cache data plane. A prefill node pushes each layer's K/V of a request
+ * into blocks a decode node reserved for it, over UCX (TCP, shared memory, RDMA where
+ * present), and finally tells it "kv-ready"; the decode node adopts the blocks only then
+ * and only if the reservation (lease) is still live. docs/xfer.md has the protocol, the
+ * choice of UCX primitive per transport, the failure model and the metric names.
+ *
+ * One td_xfer_t per node: a UCX context + worker (+ listener on a receiver), progressed
+ * from the node's libuv loop (worker efd + uv_poll + uv_prepare). Every function here,
+ * and every callback it makes, runs on that loop's thread; compute threads hand their
+ * layers over with uv_async_send first. Callbacks are never made from inside a td_xfer
+ * call: they come from the loop.
+ *
+ * Receiver (decode node): td_xfer_register_pool() once, td_xfer_describe() gives the
+ * bytes the control plane publishes (listener address, pool base, packed rkey, layout);
+ * td_xfer_lease_create() reserves blocks for one request under a deadline.
+ *
+ * Sender (prefill node): td_xfer_connect() with a receiver's description (layouts are
+ * compared here: a mismatch is refused naming the field), then per request
+ * td_xfer_send_begin(), td_xfer_send_layer() for each layer as soon as it is computed,
+ * td_xfer_send_finish(); the done callback reports the receiver's verdict.
+ *
+ * Leases: ids are 64-bit, increasing, never reused, so a late message for a dead lease
+ * can never touch blocks re-leased to someone else: every data message names its lease,
+ * and the receiver places bytes only into blocks of that live lease.
+ */
+#ifndef TD_XFER_H
+#define TD_XFER_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <uv.h>
+
+#include "td_kv.h"
+#include "td_kv_layout.h"
+#include "td_status.h"
+
+typedef struct td_xfer td_xfer_t;
+typedef struct td_xfer_peer td_xfer_peer_t;
+typedef struct td_xfer_send td_xfer_send_t;
+
+/* Where KV bytes live. CUDA memory is staged through pinned host buffers (docs/xfer.md);
+ * that path is designed but not built yet: TD_XFER_MEM_CUDA is refused with
+ * TD_ERR_UNSUPPORTED until the CUDA backend exists. */
+typedef enum td_xfer_mem {
+    TD_XFER_MEM_HOST = 0,
+    TD_XFER_MEM_CUDA = 1,
+} td_xfer_mem_t;
+
+typedef struct td_xfer_config {
+    const char *name;          /* UCX context name, for logs ("decode0") */
+    const char *listen_ip;     /* IPv4 address to accept senders on; NULL: send only */
+    uint16_t listen_port;      /* 0: any free port (td_xfer_describe tells which) */
+    uint32_t max_inflight_ops; /* data operations posted to UCX at once, whole node */
+    uint32_t send_timeout_ms;  /* bound from send_begin to the receiver's verdict */
+    uint32_t tick_ms;          /* period of the deadline scan (leases, sends) */
+} td_xfer_config_t;
+
+/* Defaults: listen on 127.0.0.1 port 0, 64 ops in flight, 30 s send bound, 10 ms tick. */
+td_xfer_config_t td_xfer_config_default(void);
+
+/* Prometheus names in docs/xfer.md. Counters only grow; gauges are current values. */
+#define TD_XFER_HIST_BUCKETS 12
+extern const double td_xfer_hist_le_s[TD_XFER_HIST_BUCKETS]; /* upper bounds, last +Inf */
+
+typedef struct td_xfer_stats {
+    uint64_t bytes_sent;         /* KV payload bytes a receiver took (sender side) */
+    uint64_t bytes_received;     /* KV payload bytes placed into the pool (receiver) */
+    uint64_t transfers_ok;       /* sends the receiver adopted */
+    uint64_t transfer_hist[TD_XFER_HIST_BUCKETS]; /* send_begin -> verdict, cumulative le */
+    double transfer_seconds_sum;
+    uint32_t transfers_inflight; /* gauge: sends begun and not yet done */
+    uint64_t fail_peer;          /* sends failed: receiver endpoint lost */
+    uint64_t fail_timeout;       /* sends failed: send_timeout_ms passed */
+    uint64_t fail_stale;         /* sends refused: lease dead at the receiver */
+    uint64_t fail_mismatch;      /* sends/connects refused: layout or request mismatch */
+    uint64_t fail_protocol;      /* malformed or inconsistent messages (either side) */
+    uint32_t leases_live;        /* gauge */
+    uint64_t leases_created;
+    uint64_t leases_adopted;
+    uint64_t leases_expired;
+    uint64_t leases_cancelled;   /* td_xfer_lease_cancel */
+    uint64_t leases_sender_lost; /* released because the writing sender's endpoint died */
+    uint64_t discarded_data;     /* data messages for a dead or unknown lease */
+    uint64_t discarded_ready;    /* kv-ready for a dead or unknown lease */
+} td_xfer_stats_t;
+
+/*
+ * Creates a node's transfer endpoint on `loop` (not owned): UCX context and worker with
+ * active messages, RMA and wake-up, and a listener when cfg->listen_ip is set. Reads the
+ * UCX_* environment (UCX_TLS, UCX_NET_DEVICES, ...). Errors: TD_ERR_UCX (UCX init or
+ * listen failed, message says which), TD_ERR_INVALID, TD_ERR_NOMEM.
+ */
+td_status_t td_xfer_create(uv_loop_t *loop, const td_xfer_config_t *cfg, td_xfer_t **x_p);
+
+/*
+ * Tears everything down: pending sends end with TD_ERR_CLOSED through their done
+ * callbacks (called from here, the one exception to the rule above), live leases return
+ * their blocks, endpoints are force-closed, the pool is unregistered. The memory of x is
+ * released from its handles' close callbacks: run the loop once more (uv_run) before
+ * uv_loop_close. NULL is a no-op.
+ */
+void td_xfer_destroy(td_xfer_t *x);
+
+void td_xfer_get_stats(const td_xfer_t *x, td_xfer_stats_t *stats);
+
+/* ---- receiver ----------------------------------------------------------------------- */
+
+/* An adopted transfer. The callee owns one reference on each of blocks[0..n_blocks)
+ * (td_kv_seq_adopt them or td_kv_unref_block them); the arrays live for the call only. */
+typedef struct td_xfer_ready {
+    uint64_t request_id;
+    uint64_t lease_id;
+    const int32_t *blocks; /* [n_blocks] the lease's blocks, in token order */
+    int32_t n_blocks;
+    uint32_t n_tokens;     /* tokens whose K/V were written (a prefix of the blocks) */
+    int32_t first_token;   /* the token prefill sampled */
+} td_xfer_ready_t;
+
+typedef void (*td_xfer_ready_cb)(void *arg, const td_xfer_ready_t *ready);
+
+typedef struct td_xfer_pool {
+    td_kv_layout_t layout;
+    void *base;         /* pool[n_layers][n_blocks][2][block_size][n_kv_heads][head_dim] */
+    uint32_t n_blocks;
+    td_xfer_mem_t mem;
+    td_kv_cache_t *kv;  /* the block manager of this pool (not owned); leases allocate here */
+} td_xfer_pool_t;
+
+/*
+ * Registers the receiver's whole KV pool with UCX (once) and sets the callback for adopted
+ * transfers. The pool memory and kv must outlive x. Errors: TD_ERR_INVALID (bad layout,
+ * already registered, no listener), TD_ERR_UNSUPPORTED (CUDA memory), TD_ERR_UCX.
+ */
+td_status_t td_xfer_register_pool(td_xfer_t *x, const td_xfer_pool_t *pool, td_xfer_ready_cb on_ready,
+                                  void *arg);
+
+/* Largest description td_xfer_describe writes. */
+#define TD_XFER_DESC_MAX 1024
+
+/*
+ * Writes what this receiver publishes about itself (listener address and port, pool base
+ * and n_blocks, packed rkey, layout) into buf[0..cap); *len_p = bytes written. Opaque
+ * bytes for the control plane. Errors: TD_ERR_INVALID (no pool registered),
+ * TD_ERR_RANGE (cap too small).
+ */
+td_status_t td_xfer_describe(td_xfer_t *x, void *buf, size_t cap, size_t *len_p);
+
+/*
+ * Reserves n_blocks blocks of the pool for request_id until ttl_ms from now: writes their
+ * ids to blocks_out[0..n_blocks) and the lease id to *lease_id_p. The blocks return to the
+ * pool exactly once: on expiry, cancel, or loss of the sender writing them; or they pass
+ * to the ready callback on adoption. Errors: TD_ERR_EXHAUSTED (not logged: the
+ * scheduler decides), TD_ERR_INVALID, TD_ERR_NOMEM.
+ */
+td_status_t td_xfer_lease_create(td_xfer_t *x, uint64_t request_id, int32_t n_blocks, uint32_t ttl_ms,
+                                 int32_t *blocks_out, uint64_t *lease_id_p);
+
+/* Ends a live lease now (request cancelled): its blocks return to the pool once no
+ * receive is still writing into them. Errors: TD_ERR_STALE (not live; not logged). */
+td_status_t td_xfer_lease_cancel(td_xfer_t *x, uint64_t lease_id);
+
+/* ---- sender ------------------------------------------------------------------------- */
+
+/*
+ * Returns the peer for a receiver description, connecting on first use and reusing the
+ * endpoint afterwards (a dead peer is replaced by a fresh connection). `mine` is the
+ * layout of the sender's own KV pool; any difference with the receiver's refuses the
+ * connection: TD_ERR_MISMATCH, message "kv layout mismatch: head_dim 128 here, 64 at
+ * peer". Other errors: TD_ERR_FORMAT (not a description), TD_ERR_UCX, TD_ERR_NOMEM.
+ * The peer belongs to x and lives until td_xfer_destroy.
+ */
+td_status_t td_xfer_connect(td_xfer_t *x, const void *desc, size_t desc_len, const td_kv_layout_t *mine,
+                            td_xfer_peer_t **peer_p);
+
+/* False once the endpoint to this peer failed (sends on it fail; connect again). */
+bool td_xfer_peer_alive(const td_xfer_peer_t *peer);
+
+/* Final verdict of one send: TD_OK (receiver adopted), TD_ERR_STALE (lease dead there),
+ * TD_ERR_UNAVAILABLE (peer lost), TD_ERR_TIMEOUT, TD_ERR_MISMATCH, TD_ERR_PROTOCOL,
+ * TD_ERR_CLOSED (x destroyed). */
+typedef void (*td_xfer_done_cb)(void *arg, uint64_t request_id, td_status_t st);
+
+typedef struct td_xfer_send_params {
+    uint64_t request_id;
+    uint64_t lease_id;         /* from the receiver's td_xfer_lease_create */
+    const int32_t *dst_blocks; /* [n_dst_blocks] the lease's blocks (copied) */
+    int32_t n_dst_blocks;
+    uint32_t n_tokens;         /* tokens to transfer: blocks 0..ceil(n_tokens/block_size) */
+    bool checksum;             /* receiver verifies a checksum of every block before adopting */
+    td_xfer_mem_t mem;         /* where the source pool lives */
+    td_xfer_done_cb done;
+    void *arg;
+} td_xfer_send_params_t;
+
+/*
+ * Starts one request's transfer to `peer`. *s_p stays valid until the done callback,
+ * which comes only after td_xfer_send_finish. Errors (no callback then): TD_ERR_INVALID
+ * (blocks too few for n_tokens), TD_ERR_UNAVAILABLE (peer dead), TD_ERR_UNSUPPORTED
+ * (CUDA memory), TD_ERR_NOMEM.
+ */
+td_status_t td_xfer_send_begin(td_xfer_t *x, td_xfer_peer_t *peer, const td_xfer_send_params_t *p,
+                               td_xfer_send_t **s_p);
+
+/*
+ * Queues layer `layer` of the request: src_layer is that layer's slab of the sender's own
+ * pool ([src_n_blocks][2][block_size][n_kv_heads][head_dim]); src_blocks[i] is the source
+ * block of the request's i-th block (its block table). Runs of blocks contiguous at both
+ * ends go as one operation; at most max_inflight_ops are in flight, the rest wait in order.
+ * The source bytes must stay unchanged until the done callback. Errors (the request is
+ * then failed; finish still delivers the verdict): TD_ERR_INVALID (layer out of range or
+ * sent twice), the request's failure status if it already failed.
+ */
+td_status_t td_xfer_send_layer(td_xfer_send_t *s, uint32_t layer, const void *src_layer,
+                               const int32_t *src_blocks);
+
+/*
+ * No more layers: once every layer's bytes reached the receiver, kv-ready {request,
+ * lease, n_tokens, first_token, checksum} is sent; the receiver's answer (or a failure)
+ * arrives through the done callback. A request missing layers ends with TD_ERR_INVALID.
+ */
+void td_xfer_send_finish(td_xfer_send_t *s, int32_t first_token);
+
+#endif /* TD_XFER_H */
