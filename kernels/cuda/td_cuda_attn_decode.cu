@@ -1,0 +1,380 @@
+/*
+ * td_cuda_attn_decode: FlashDecoding-style split-KV attention of one new row per sequence
+ * against the paged KV cache.
+ *
+ * Pass 1 (td_decode_part_kernel), grid [partitions][kv heads x head chunks][sequences],
+ * 128 threads: a block owns one partition of one sequence's context for one KV head and
+ * up to TD_DEC_GMAX query heads of its GQA group, so each K and V element is read from
+ * memory once per group. Rows of K (then V) are read with 16-byte loads, TPR threads per
+ * row (head_dim / elements-per-16-bytes, rounded up to a power of two), several rows in
+ * flight per thread. Scores go to shared memory ([g][partition]); one warp per query head
+ * turns them into exp2 weights and their sum; the V pass accumulates weighted rows in
+ * registers and reduces them across threads through shared memory. A sequence whose
+ * context is one partition writes its output directly; otherwise the block writes its
+ * normalised partial output and (max, sum) to a workspace.
+ *
+ * Pass 2 (td_decode_merge_kernel), grid [n_heads][sequences]: merges a sequence's
+ * partitions by log-sum-exp. Sequences of one partition are skipped.
+ *
+ * Split heuristic (in plain sight, td_decode_partition): enough partitions that the grid
+ * has at least 2 blocks per SM, each a multiple of the KV block size, at most
+ * TD_DEC_PMAX tokens (the score buffer in shared memory). params->partition_tokens
+ * overrides it. The workspace grows only when a larger batch x context is first seen.
+ */
+#include "td_cuda_impl.h"
+
+#define TD_DEC_THREADS 128
+#define TD_DEC_WARPS (TD_DEC_THREADS / 32)
+#define TD_DEC_GMAX 8    /* query heads per block */
+#define TD_DEC_UNROLL 4  /* K/V rows in flight per thread */
+#define TD_DEC_PMAX 1024 /* most tokens per partition */
+
+/* 16 bytes of TK elements to fp32 */
+template <typename TK> struct td_vec;
+template <> struct td_vec<float> {
+    static const int n = 4;
+    __device__ static void load(const uint4 &u, float *f)
+    {
+        f[0] = __uint_as_float(u.x); f[1] = __uint_as_float(u.y);
+        f[2] = __uint_as_float(u.z); f[3] = __uint_as_float(u.w);
+    }
+};
+template <> struct td_vec<__half> {
+    static const int n = 8;
+    __device__ static void load(const uint4 &u, float *f)
+    {
+        const __half2 *h = reinterpret_cast<const __half2 *>(&u);
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            float2 v = __half22float2(h[i]);
+            f[2 * i] = v.x;
+            f[2 * i + 1] = v.y;
+        }
+    }
+};
+template <> struct td_vec<__nv_bfloat16> {
+    static const int n = 8;
+    __device__ static void load(const uint4 &u, float *f)
+    {
+        const __nv_bfloat162 *h = reinterpret_cast<const __nv_bfloat162 *>(&u);
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            float2 v = __bfloat1622float2(h[i]);
+            f[2 * i] = v.x;
+            f[2 * i + 1] = v.y;
+        }
+    }
+};
+
+struct td_dec_args {
+    const void *q;
+    void *out;
+    const void *kv;
+    float *ws_o;          /* [n_seqs][n_heads][max_parts][head_dim] */
+    float *ws_ml;         /* [n_seqs][n_heads][max_parts][2] (max, sum), log2 domain */
+    const int32_t *seq_start, *seq_len, *block_tables;
+    int32_t max_blocks, block_size, n_kv_heads, n_heads, head_dim, group, n_hchunks;
+    int32_t part_tokens, max_parts, tpr;
+    float scale_log2;
+};
+
+template <typename TQ, typename TK>
+__global__ void __launch_bounds__(TD_DEC_THREADS)
+td_decode_part_kernel(td_dec_args a)
+{
+    const int EPV = td_vec<TK>::n;
+    extern __shared__ float smem[];
+    const int32_t seq = blockIdx.z, part = blockIdx.x;
+    const int32_t kvh = blockIdx.y / a.n_hchunks, hchunk = blockIdx.y % a.n_hchunks;
+    const int32_t L = a.seq_len[seq];
+    const int32_t t0 = part * a.part_tokens;
+    if (t0 >= L)
+        return;
+    const int32_t n = min(L - t0, a.part_tokens);
+    const int32_t n_parts = (L + a.part_tokens - 1) / a.part_tokens;
+    const int32_t h0 = kvh * a.group + hchunk * TD_DEC_GMAX;
+    const int32_t gc = min(TD_DEC_GMAX, a.group - hchunk * TD_DEC_GMAX);
+    const int32_t hd = a.head_dim, nch = hd / EPV;
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+
+    float *qs = smem;                               /* [GMAX][hd] */
+    float *sc = qs + TD_DEC_GMAX * hd;              /* [GMAX][part_tokens] */
+    float *red = sc + TD_DEC_GMAX * a.part_tokens;  /* [WARPS][GMAX][hd] */
+    __shared__ float s_m[TD_DEC_GMAX], s_l[TD_DEC_GMAX];
+
+    const int32_t row = a.seq_start[seq];
+    const TQ *q = (const TQ *)a.q + ((size_t)row * a.n_heads + h0) * hd;
+    for (int i = tid; i < gc * hd; i += TD_DEC_THREADS)
+        qs[i] = td_ld(q + i) * a.scale_log2;
+    __syncthreads();
+
+    const int tpr = a.tpr, rpi = TD_DEC_THREADS / tpr; /* rows per iteration */
+    const int lr = tid % tpr, r0 = tid / tpr;
+    const bool active = lr < nch;
+    const size_t block_elems = (size_t)a.block_size * a.n_kv_heads * hd;
+    const int32_t *bt = a.block_tables + (size_t)seq * a.max_blocks;
+    const TK *kv = (const TK *)a.kv;
+    /* the address of row t (0-based in the partition) for this thread's chunk, K part */
+    auto row_ptr = [&](int32_t t) -> const uint4 * {
+        int32_t j = t0 + t;
+        int32_t b = bt[j / a.block_size], off = j % a.block_size;
+        return reinterpret_cast<const uint4 *>(kv + (size_t)b * 2 * block_elems +
+                                               ((size_t)off * a.n_kv_heads + kvh) * hd + lr * EPV);
+    };
+
+    /* ---- scores: sc[g][t] = q_g . k_t (log2 domain) ---- */
+    for (int32_t tb = r0; tb < n; tb += rpi * TD_DEC_UNROLL) {
+        uint4 raw[TD_DEC_UNROLL];
+#pragma unroll
+        for (int u = 0; u < TD_DEC_UNROLL; u++) {
+            int32_t t = tb + u * rpi;
+            raw[u] = make_uint4(0, 0, 0, 0);
+            if (t < n && active)
+                raw[u] = __ldg(row_ptr(t));
+        }
+#pragma unroll
+        for (int u = 0; u < TD_DEC_UNROLL; u++) {
+            int32_t t = tb + u * rpi;
+            float k[EPV];
+            td_vec<TK>::load(raw[u], k);
+#pragma unroll
+            for (int g = 0; g < TD_DEC_GMAX; g++) {
+                if (g >= gc)
+                    break;
+                float d = 0.0f;
+                if (active) {
+                    const float *qg = qs + g * hd + lr * EPV;
+#pragma unroll
+                    for (int e = 0; e < EPV; e++)
+                        d += qg[e] * k[e];
+                }
+                for (int o = tpr / 2; o > 0; o >>= 1)
+                    d += __shfl_xor_sync(0xffffffffu, d, o);
+                if (lr == 0 && t < n)
+                    sc[g * a.part_tokens + t] = d;
+            }
+        }
+    }
+    __syncthreads();
+
+    /* ---- softmax weights: one warp per query head ---- */
+    for (int g = warp; g < gc; g += TD_DEC_WARPS) {
+        float *s = sc + g * a.part_tokens;
+        float m = -INFINITY;
+        for (int32_t t = lane; t < n; t += 32)
+            m = fmaxf(m, s[t]);
+        for (int o = 16; o > 0; o >>= 1)
+            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+        float l = 0.0f;
+        for (int32_t t = lane; t < n; t += 32) {
+            float p = exp2f(s[t] - m);
+            s[t] = p;
+            l += p;
+        }
+        for (int o = 16; o > 0; o >>= 1)
+            l += __shfl_xor_sync(0xffffffffu, l, o);
+        if (lane == 0) {
+            s_m[g] = m;
+            s_l[g] = l;
+        }
+    }
+    __syncthreads();
+
+    /* ---- weighted V: acc[g][e] over this thread's rows ---- */
+    float acc[TD_DEC_GMAX][EPV];
+#pragma unroll
+    for (int g = 0; g < TD_DEC_GMAX; g++)
+#pragma unroll
+        for (int e = 0; e < EPV; e++)
+            acc[g][e] = 0.0f;
+    for (int32_t tb = r0; tb < n; tb += rpi * TD_DEC_UNROLL) {
+        uint4 raw[TD_DEC_UNROLL];
+#pragma unroll
+        for (int u = 0; u < TD_DEC_UNROLL; u++) {
+            int32_t t = tb + u * rpi;
+            raw[u] = make_uint4(0, 0, 0, 0);
+            if (t < n && active)
+                raw[u] = __ldg(reinterpret_cast<const uint4 *>(
+                    reinterpret_cast<const TK *>(row_ptr(t)) + block_elems));
+        }
+#pragma unroll
+        for (int u = 0; u < TD_DEC_UNROLL; u++) {
+            int32_t t = tb + u * rpi;
+            if (t >= n)
+                break;
+            float v[EPV];
+            td_vec<TK>::load(raw[u], v);
+#pragma unroll
+            for (int g = 0; g < TD_DEC_GMAX; g++) {
+                if (g >= gc)
+                    break;
+                float p = sc[g * a.part_tokens + t];
+#pragma unroll
+                for (int e = 0; e < EPV; e++)
+                    acc[g][e] += p * v[e];
+            }
+        }
+    }
+    /* reduce over the threads of a warp that share a chunk, then over warps */
+#pragma unroll
+    for (int g = 0; g < TD_DEC_GMAX; g++)
+#pragma unroll
+        for (int e = 0; e < EPV; e++)
+            for (int o = tpr; o < 32; o <<= 1)
+                acc[g][e] += __shfl_xor_sync(0xffffffffu, acc[g][e], o);
+    if (lane < tpr && active) {
+#pragma unroll
+        for (int g = 0; g < TD_DEC_GMAX; g++) {
+            if (g >= gc)
+                break;
+#pragma unroll
+            for (int e = 0; e < EPV; e++)
+                red[(warp * TD_DEC_GMAX + g) * hd + lr * EPV + e] = acc[g][e];
+        }
+    }
+    __syncthreads();
+
+    for (int i = tid; i < gc * hd; i += TD_DEC_THREADS) {
+        int g = i / hd, d = i % hd;
+        float o = 0.0f;
+#pragma unroll
+        for (int w = 0; w < TD_DEC_WARPS; w++)
+            o += red[(w * TD_DEC_GMAX + g) * hd + d];
+        o /= s_l[g];
+        int32_t h = h0 + g;
+        if (n_parts == 1) {
+            td_st((TQ *)a.out + ((size_t)row * a.n_heads + h) * hd + d, o);
+        } else {
+            size_t pi = ((size_t)seq * a.n_heads + h) * a.max_parts + part;
+            a.ws_o[pi * hd + d] = o;
+            if (d == 0) {
+                a.ws_ml[2 * pi] = s_m[g];
+                a.ws_ml[2 * pi + 1] = s_l[g];
+            }
+        }
+    }
+}
+
+template <typename TQ>
+__global__ void td_decode_merge_kernel(td_dec_args a)
+{
+    const int32_t h = blockIdx.x, seq = blockIdx.y;
+    const int32_t L = a.seq_len[seq];
+    const int32_t n_parts = (L + a.part_tokens - 1) / a.part_tokens;
+    if (n_parts <= 1)
+        return;
+    const size_t base = ((size_t)seq * a.n_heads + h) * a.max_parts;
+    float m = -INFINITY;
+    for (int32_t p = 0; p < n_parts; p++)
+        m = fmaxf(m, a.ws_ml[2 * (base + p)]);
+    float wsum = 0.0f;
+    for (int32_t p = 0; p < n_parts; p++)
+        wsum += a.ws_ml[2 * (base + p) + 1] * exp2f(a.ws_ml[2 * (base + p)] - m);
+    const int32_t row = a.seq_start[seq];
+    TQ *out = (TQ *)a.out + ((size_t)row * a.n_heads + h) * a.head_dim;
+    for (int32_t d = threadIdx.x; d < a.head_dim; d += blockDim.x) {
+        float o = 0.0f;
+        for (int32_t p = 0; p < n_parts; p++) {
+            float w = a.ws_ml[2 * (base + p) + 1] * exp2f(a.ws_ml[2 * (base + p)] - m);
+            o += w * a.ws_o[(base + p) * a.head_dim + d];
+        }
+        td_st(out + d, o / wsum);
+    }
+}
+
+/* Tokens per partition: a multiple of the block size, at most TD_DEC_PMAX (rounded down to
+   a block multiple, never below one block), small enough to give >= 2 blocks per SM. */
+static int32_t td_decode_partition(const td_cuda_backend_t *c, int32_t requested, int32_t bs,
+                                   int32_t blocks_per_part_grid)
+{
+    int32_t pmax = TD_DEC_PMAX / bs * bs;
+    if (pmax < bs)
+        pmax = bs;
+    int32_t P;
+    if (requested > 0) {
+        P = (requested + bs - 1) / bs * bs;
+    } else {
+        int32_t want_parts = (2 * c->n_sms + blocks_per_part_grid - 1) / blocks_per_part_grid;
+        int32_t L = c->step.max_seq_len > 0 ? c->step.max_seq_len : 1;
+        P = (L + want_parts - 1) / want_parts;
+        P = (P + bs - 1) / bs * bs;
+        if (P < 256 && L >= 256)
+            P = 256; /* shorter partitions cost more in the merge than they win */
+    }
+    if (P > pmax)
+        P = pmax;
+    if (P < bs)
+        P = bs;
+    return P;
+}
+
+td_status_t td_cuda_attn_decode(td_cuda_backend_t *c, const td_attn_params_t *p)
+{
+    const td_kv_layout_t *ly = p->layout;
+    const td_cuda_step_t *st = &c->step;
+    if (st->n_seqs == 0)
+        return TD_OK;
+    td_dtype_t kt = (td_dtype_t)ly->dtype;
+    int32_t hd = (int32_t)ly->head_dim, n_kv = (int32_t)ly->n_kv_heads;
+    int32_t epv = 16 / (int32_t)td_dtype_size(kt);
+    int32_t nch = hd / epv;
+    if (hd % epv != 0 || nch > 32)
+        return td_errorf(TD_ERR_UNSUPPORTED, "cuda: decode attention needs head_dim a multiple of "
+                         "%d and at most %d for %s KV (got %d)", epv, 32 * epv,
+                         td_dtype_name(kt), hd);
+    int32_t tpr = 1;
+    while (tpr < nch)
+        tpr <<= 1;
+
+    td_dec_args a;
+    a.q = p->q;
+    a.out = p->out;
+    a.kv = p->kv_layer;
+    a.seq_start = st->seq_start;
+    a.seq_len = st->seq_len;
+    a.block_tables = st->block_tables;
+    a.max_blocks = st->max_blocks;
+    a.block_size = (int32_t)ly->block_size;
+    a.n_kv_heads = n_kv;
+    a.n_heads = p->n_heads;
+    a.head_dim = hd;
+    a.group = p->n_heads / n_kv;
+    a.n_hchunks = (a.group + TD_DEC_GMAX - 1) / TD_DEC_GMAX;
+    a.tpr = tpr;
+    a.scale_log2 = p->scale * 1.4426950408889634f;
+    a.part_tokens = td_decode_partition(c, p->partition_tokens, a.block_size,
+                                        st->n_seqs * n_kv * a.n_hchunks);
+    a.max_parts = (st->max_seq_len + a.part_tokens - 1) / a.part_tokens;
+    if (a.max_parts < 1)
+        a.max_parts = 1;
+
+    size_t n_part_rows = (size_t)st->n_seqs * a.n_heads * a.max_parts;
+    td_status_t s = TD_OK;
+    if (a.max_parts > 1)
+        s = td_cuda_reserve(c, (void **)&c->dec_ws, &c->dec_ws_cap,
+                            n_part_rows * (hd + 2) * sizeof(float), "decode attention partials");
+    if (s != TD_OK)
+        return s;
+    a.ws_o = c->dec_ws;
+    a.ws_ml = c->dec_ws ? c->dec_ws + n_part_rows * hd : NULL;
+
+    size_t smem = sizeof(float) * ((size_t)TD_DEC_GMAX * hd + (size_t)TD_DEC_GMAX * a.part_tokens +
+                                   (size_t)TD_DEC_WARPS * TD_DEC_GMAX * hd);
+    if (smem > c->smem_optin)
+        return td_errorf(TD_ERR_UNSUPPORTED, "cuda: decode attention needs %zu bytes of shared "
+                         "memory, the device allows %zu", smem, c->smem_optin);
+    dim3 grid(a.max_parts, n_kv * a.n_hchunks, st->n_seqs);
+    TD_CUDA_DISPATCH(c->base.act_dtype, TQ, TD_CUDA_DISPATCH(kt, TK, {
+        if (smem > 48 * 1024)
+            TD_CUDA_TRY(cudaFuncSetAttribute(td_decode_part_kernel<TQ, TK>,
+                                             cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+        td_decode_part_kernel<TQ, TK><<<grid, TD_DEC_THREADS, smem, c->stream>>>(a);
+    }));
+    TD_CUDA_LAUNCHED("attn_decode (partitions)");
+    if (a.max_parts > 1) {
+        TD_CUDA_DISPATCH(c->base.act_dtype, TQ,
+            td_decode_merge_kernel<TQ><<<dim3(a.n_heads, st->n_seqs), 128, 0, c->stream>>>(a));
+        TD_CUDA_LAUNCHED("attn_decode (merge)");
+    }
+    return TD_OK;
+}
