@@ -1,7 +1,6 @@
 /*
  * td_util: assertions, clocks, file reads and maps, checked arithmetic, half floats.
  */
-#define _GNU_SOURCE
 #include "td_util.h"
 
 #include <errno.h>
