@@ -1,0 +1,542 @@
+/*
+ * td_sampler: per-sequence token sampling and stop-string matching (contract in
+ * td_sampler.h).
+ *
+ * The hot path touches the whole vocabulary a small constant number of times (copy with
+ * penalty, one pass for top-k or for the softmax) and sorts only what it must: top-k keeps
+ * a k-entry heap, and top-p without top-k sorts only the tokens above a probability
+ * threshold that is lowered until they cover top_p (the nucleus is always inside that set,
+ * so the result equals a full sort's).
+ */
+#include "td_sampler.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "td_util.h"
+
+/* ---- parameters ------------------------------------------------------------------- */
+
+td_sampling_t td_sampling_default(void)
+{
+    return (td_sampling_t){
+        .temperature = 0.0f,
+        .top_k = 0,
+        .top_p = 1.0f,
+        .min_p = 0.0f,
+        .repetition_penalty = 1.0f,
+        .penalty_window = 64,
+        .seed = 0,
+    };
+}
+
+td_status_t td_sampling_validate(const td_sampling_t *s, char *why, size_t why_cap)
+{
+    char msg[256];
+    msg[0] = '\0';
+    if (!isfinite(s->temperature) || s->temperature < 0.0f ||
+        s->temperature > TD_SAMPLING_MAX_TEMPERATURE)
+        snprintf(msg, sizeof msg, "sampling: temperature %g out of range [0, %g] (0 = greedy)",
+                 (double)s->temperature, (double)TD_SAMPLING_MAX_TEMPERATURE);
+    else if (s->top_k < 0)
+        snprintf(msg, sizeof msg, "sampling: top_k %d must be >= 0 (0 = off)", s->top_k);
+    else if (!isfinite(s->top_p) || s->top_p <= 0.0f || s->top_p > 1.0f)
+        snprintf(msg, sizeof msg, "sampling: top_p %g out of range (0, 1] (1 = off)",
+                 (double)s->top_p);
+    else if (!isfinite(s->min_p) || s->min_p < 0.0f || s->min_p >= 1.0f)
+        snprintf(msg, sizeof msg, "sampling: min_p %g out of range [0, 1) (0 = off)",
+                 (double)s->min_p);
+    else if (!isfinite(s->repetition_penalty) || s->repetition_penalty <= 0.0f ||
+             s->repetition_penalty > TD_SAMPLING_MAX_PENALTY)
+        snprintf(msg, sizeof msg, "sampling: repetition_penalty %g out of range (0, %g] (1 = off)",
+                 (double)s->repetition_penalty, (double)TD_SAMPLING_MAX_PENALTY);
+    else if (s->penalty_window < 0 || s->penalty_window > TD_SAMPLING_MAX_WINDOW)
+        snprintf(msg, sizeof msg, "sampling: penalty_window %d out of range [0, %d]",
+                 s->penalty_window, TD_SAMPLING_MAX_WINDOW);
+    if (msg[0] == '\0')
+        return TD_OK;
+    if (why && why_cap > 0)
+        snprintf(why, why_cap, "%s", msg);
+    return td_errorf_quiet(TD_ERR_INVALID, "%s", msg);
+}
+
+/* ---- PRNG: xoshiro256** seeded by splitmix64 (Blackman & Vigna) --------------------- */
+
+static uint64_t splitmix64(uint64_t *x)
+{
+    uint64_t z = (*x += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+static inline uint64_t rotl(uint64_t x, int k)
+{
+    return (x << k) | (x >> (64 - k));
+}
+
+static uint64_t xoshiro_next(uint64_t s[4])
+{
+    uint64_t result = rotl(s[1] * 5, 7) * 9;
+    uint64_t t = s[1] << 17;
+    s[2] ^= s[0];
+    s[3] ^= s[1];
+    s[1] ^= s[2];
+    s[0] ^= s[3];
+    s[2] ^= t;
+    s[3] = rotl(s[3], 45);
+    return result;
+}
+
+/* Uniform in [0, 1) with 53 random bits. */
+static double uniform01(uint64_t s[4])
+{
+    return (double)(xoshiro_next(s) >> 11) * 0x1.0p-53;
+}
+
+/* ---- sampler ---------------------------------------------------------------------- */
+
+typedef struct cand {
+    float v;    /* penalized logit, then probability */
+    int32_t id; /* token id */
+} cand_t;
+
+struct td_sampler {
+    td_sampling_t p;
+    uint64_t rng[4];
+
+    int32_t *window;       /* [p.penalty_window] ring of recent tokens */
+    int32_t window_len;    /* valid entries */
+    int32_t window_pos;    /* next write */
+    int32_t *window_sort;  /* [p.penalty_window] scratch to apply the penalty once per id */
+
+    float *val;            /* [cap] penalized logits of the whole vocabulary */
+    cand_t *cand;          /* [cap] candidates */
+    int32_t cap;
+};
+
+static void seed_rng(td_sampler_t *s)
+{
+    uint64_t x = s->p.seed;
+    for (int i = 0; i < 4; i++)
+        s->rng[i] = splitmix64(&x);
+}
+
+td_status_t td_sampler_create(const td_sampling_t *params, td_sampler_t **sampler_p)
+{
+    td_status_t st = td_sampling_validate(params, NULL, 0);
+    if (st != TD_OK)
+        return st;
+    td_sampler_t *s = calloc(1, sizeof *s);
+    if (!s)
+        return td_errorf(TD_ERR_NOMEM, "sampler: out of memory");
+    s->p = *params;
+    if (s->p.penalty_window > 0) {
+        s->window = malloc((size_t)s->p.penalty_window * sizeof *s->window);
+        s->window_sort = malloc((size_t)s->p.penalty_window * sizeof *s->window_sort);
+        if (!s->window || !s->window_sort) {
+            td_sampler_destroy(s);
+            return td_errorf(TD_ERR_NOMEM, "sampler: out of memory for a %d-token window",
+                             params->penalty_window);
+        }
+    }
+    seed_rng(s);
+    *sampler_p = s;
+    return TD_OK;
+}
+
+void td_sampler_destroy(td_sampler_t *sampler)
+{
+    if (!sampler)
+        return;
+    free(sampler->window);
+    free(sampler->window_sort);
+    free(sampler->val);
+    free(sampler->cand);
+    free(sampler);
+}
+
+const td_sampling_t *td_sampler_params(const td_sampler_t *sampler)
+{
+    return &sampler->p;
+}
+
+void td_sampler_accept(td_sampler_t *sampler, int32_t token)
+{
+    if (sampler->p.penalty_window == 0)
+        return;
+    sampler->window[sampler->window_pos] = token;
+    sampler->window_pos = (sampler->window_pos + 1) % sampler->p.penalty_window;
+    if (sampler->window_len < sampler->p.penalty_window)
+        sampler->window_len++;
+}
+
+void td_sampler_reset(td_sampler_t *sampler)
+{
+    sampler->window_len = 0;
+    sampler->window_pos = 0;
+    seed_rng(sampler);
+}
+
+static td_status_t ensure_scratch(td_sampler_t *s, int32_t vocab)
+{
+    if (vocab <= s->cap)
+        return TD_OK;
+    float *val = malloc((size_t)vocab * sizeof *val);
+    cand_t *cand = malloc((size_t)vocab * sizeof *cand);
+    if (!val || !cand) {
+        free(val);
+        free(cand);
+        return td_errorf(TD_ERR_NOMEM, "sampler: out of memory for a vocabulary of %d", vocab);
+    }
+    free(s->val);
+    free(s->cand);
+    s->val = val;
+    s->cand = cand;
+    s->cap = vocab;
+    return TD_OK;
+}
+
+static int cmp_i32(const void *a, const void *b)
+{
+    int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* Higher value first, lower id on ties: a total order, so results never depend on qsort's
+ * handling of equal keys. */
+static int cmp_cand_desc(const void *a, const void *b)
+{
+    const cand_t *x = a, *y = b;
+    if (x->v != y->v)
+        return x->v > y->v ? -1 : 1;
+    return (x->id > y->id) - (x->id < y->id);
+}
+
+/* True when a ranks below b in cmp_cand_desc's order. */
+static inline bool cand_worse(const cand_t *a, const cand_t *b)
+{
+    return a->v < b->v || (a->v == b->v && a->id > b->id);
+}
+
+/* Copies the logits with NaN as -inf and applies the repetition penalty once to every
+ * distinct token of the window: positive logits are divided, negative ones multiplied
+ * (CTRL, Keskar et al. 2019), so a penalty > 1 always makes the token less likely. */
+static void penalized_logits(td_sampler_t *s, const float *logits, int32_t vocab)
+{
+    float *val = s->val;
+    for (int32_t i = 0; i < vocab; i++)
+        val[i] = isnan(logits[i]) ? -INFINITY : logits[i];
+    const float pen = s->p.repetition_penalty;
+    if (pen == 1.0f || s->window_len == 0)
+        return;
+    memcpy(s->window_sort, s->window, (size_t)s->window_len * sizeof *s->window);
+    qsort(s->window_sort, (size_t)s->window_len, sizeof *s->window_sort, cmp_i32);
+    for (int32_t i = 0; i < s->window_len; i++) {
+        int32_t t = s->window_sort[i];
+        if ((i > 0 && t == s->window_sort[i - 1]) || t < 0 || t >= vocab)
+            continue;
+        val[t] = val[t] > 0.0f ? val[t] / pen : val[t] * pen;
+    }
+}
+
+/* The k best of val[0..vocab) into cand[0..k), sorted best first: a k-entry min-heap
+ * (root = worst kept), O(vocab log k). */
+static int32_t select_top_k(td_sampler_t *s, int32_t vocab, int32_t k)
+{
+    cand_t *h = s->cand;
+    int32_t n = 0;
+    for (int32_t i = 0; i < vocab; i++) {
+        cand_t c = { s->val[i], i };
+        if (c.v == -INFINITY)
+            continue;
+        int32_t j;
+        if (n < k) {
+            j = n++; /* sift up */
+            while (j > 0 && cand_worse(&c, &h[(j - 1) / 2])) {
+                h[j] = h[(j - 1) / 2];
+                j = (j - 1) / 2;
+            }
+            h[j] = c;
+        } else if (cand_worse(&h[0], &c)) {
+            j = 0; /* replace the root, sift down */
+            for (;;) {
+                int32_t l = 2 * j + 1, m = j;
+                const cand_t *mv = &c;
+                if (l < n && cand_worse(&h[l], mv)) {
+                    m = l;
+                    mv = &h[l];
+                }
+                if (l + 1 < n && cand_worse(&h[l + 1], mv))
+                    m = l + 1;
+                if (m == j)
+                    break;
+                h[j] = h[m];
+                j = m;
+            }
+            h[j] = c;
+        }
+    }
+    qsort(h, (size_t)n, sizeof *h, cmp_cand_desc);
+    return n;
+}
+
+/* Nucleus filter over probabilities cand[0..n) summing to 1. If not yet sorted, sorts only
+ * the tokens above a threshold whose mass reaches top_p (lowering the threshold 16x per
+ * try): every token of the nucleus is at least as likely as every token outside it, so the
+ * nucleus lies inside that set. Returns the kept count (>= 1), cand sorted best first. */
+static int32_t apply_top_p(cand_t *cand, int32_t n, bool sorted, float top_p)
+{
+    if (!sorted) {
+        float p_max = 0.0f;
+        for (int32_t i = 0; i < n; i++)
+            p_max = TD_MAX(p_max, cand[i].v);
+        for (float thr = p_max / 64.0f;; thr /= 16.0f) {
+            double mass = 0.0;
+            int32_t m = 0;
+            for (int32_t i = 0; i < n; i++)
+                if (cand[i].v >= thr)
+                    mass += cand[i].v;
+            if (mass >= top_p || thr < 1e-30f) {
+                for (int32_t i = 0; i < n; i++) /* partition; the sort below fixes the order */
+                    if (cand[i].v >= thr) {
+                        cand_t c = cand[i];
+                        cand[i] = cand[m];
+                        cand[m++] = c;
+                    }
+                if (thr < 1e-30f)
+                    m = n; /* everything left is (nearly) zero mass: keep it all */
+                n = m;
+                break;
+            }
+        }
+        qsort(cand, (size_t)n, sizeof *cand, cmp_cand_desc);
+    }
+    double cum = 0.0;
+    for (int32_t i = 0; i < n; i++) {
+        cum += cand[i].v;
+        if (cum >= top_p)
+            return i + 1;
+    }
+    return n;
+}
+
+td_status_t td_sampler_sample(td_sampler_t *sampler, const float *logits, int32_t vocab,
+                              int32_t *token_p)
+{
+    td_sampler_t *s = sampler;
+    if (vocab <= 0)
+        return td_errorf(TD_ERR_INVALID, "sampler: vocabulary size %d", vocab);
+    td_status_t st = ensure_scratch(s, vocab);
+    if (st != TD_OK)
+        return st;
+    penalized_logits(s, logits, vocab);
+    const float *val = s->val;
+
+    if (s->p.temperature == 0.0f) {
+        int32_t best = 0;
+        for (int32_t i = 1; i < vocab; i++)
+            if (val[i] > val[best])
+                best = i;
+        if (val[best] == -INFINITY)
+            return td_errorf(TD_ERR_INVALID, "sampler: no finite logit among %d", vocab);
+        *token_p = best;
+        return TD_OK;
+    }
+
+    /* candidates: the top k, or every token with a finite logit */
+    cand_t *cand = s->cand;
+    int32_t n;
+    bool sorted = false;
+    if (s->p.top_k > 0 && s->p.top_k < vocab) {
+        n = select_top_k(s, vocab, s->p.top_k);
+        sorted = true;
+    } else {
+        n = 0;
+        for (int32_t i = 0; i < vocab; i++)
+            if (val[i] != -INFINITY)
+                cand[n++] = (cand_t){ val[i], i };
+    }
+    if (n == 0)
+        return td_errorf(TD_ERR_INVALID, "sampler: no finite logit among %d", vocab);
+
+    /* temperature + softmax; v becomes a probability */
+    float v_max = -INFINITY;
+    for (int32_t i = 0; i < n; i++)
+        v_max = TD_MAX(v_max, cand[i].v);
+    const float inv_t = 1.0f / s->p.temperature;
+    double sum = 0.0;
+    for (int32_t i = 0; i < n; i++) {
+        cand[i].v = expf((cand[i].v - v_max) * inv_t);
+        sum += cand[i].v;
+    }
+    const float inv_sum = (float)(1.0 / sum);
+    float p_max = 0.0f;
+    for (int32_t i = 0; i < n; i++) {
+        cand[i].v *= inv_sum;
+        p_max = TD_MAX(p_max, cand[i].v);
+    }
+
+    if (s->p.top_p < 1.0f) {
+        n = apply_top_p(cand, n, sorted, s->p.top_p);
+        sorted = true;
+    }
+    if (s->p.min_p > 0.0f) {
+        const float floor_p = s->p.min_p * p_max;
+        int32_t m = 0;
+        for (int32_t i = 0; i < n; i++)
+            if (cand[i].v >= floor_p)
+                cand[m++] = cand[i];
+        n = m; /* the most likely token always survives (min_p < 1) */
+    }
+
+    /* draw: one uniform per token, whatever the filters */
+    double total = 0.0;
+    for (int32_t i = 0; i < n; i++)
+        total += cand[i].v;
+    double r = uniform01(s->rng) * total, acc = 0.0;
+    int32_t pick = cand[n - 1].id;
+    for (int32_t i = 0; i < n; i++) {
+        acc += cand[i].v;
+        if (r < acc) {
+            pick = cand[i].id;
+            break;
+        }
+    }
+    *token_p = pick;
+    return TD_OK;
+}
+
+/* ---- stop strings ----------------------------------------------------------------- */
+
+struct td_stop {
+    int32_t n;
+    char *str[TD_STOP_MAX_STRINGS];
+    size_t len[TD_STOP_MAX_STRINGS];
+    size_t max_len;
+
+    char *buf;      /* held text, then the newest feed; [0, emitted) already handed out */
+    size_t buf_len;
+    size_t buf_cap;
+    size_t emitted; /* bytes at the front handed out by the last call */
+    bool done;      /* a stop string matched */
+};
+
+td_status_t td_stop_create(const char *const *stops, int32_t n, td_stop_t **stop_p)
+{
+    if (n < 0 || n > TD_STOP_MAX_STRINGS)
+        return td_errorf(TD_ERR_INVALID, "stop strings: %d given, at most %d allowed", n,
+                         TD_STOP_MAX_STRINGS);
+    for (int32_t i = 0; i < n; i++)
+        if (strlen(stops[i]) > TD_STOP_MAX_LEN)
+            return td_errorf(TD_ERR_INVALID, "stop string %d is %zu bytes long, at most %d allowed",
+                             i, strlen(stops[i]), TD_STOP_MAX_LEN);
+    td_stop_t *m = calloc(1, sizeof *m);
+    if (!m)
+        return td_errorf(TD_ERR_NOMEM, "stop strings: out of memory");
+    for (int32_t i = 0; i < n; i++) {
+        size_t len = strlen(stops[i]);
+        if (len == 0)
+            continue;
+        m->str[m->n] = malloc(len);
+        if (!m->str[m->n]) {
+            td_stop_destroy(m);
+            return td_errorf(TD_ERR_NOMEM, "stop strings: out of memory");
+        }
+        memcpy(m->str[m->n], stops[i], len);
+        m->len[m->n] = len;
+        m->max_len = TD_MAX(m->max_len, len);
+        m->n++;
+    }
+    *stop_p = m;
+    return TD_OK;
+}
+
+void td_stop_destroy(td_stop_t *stop)
+{
+    if (!stop)
+        return;
+    for (int32_t i = 0; i < stop->n; i++)
+        free(stop->str[i]);
+    free(stop->buf);
+    free(stop);
+}
+
+/* Drops what the previous call handed out (its pointer is no longer promised). */
+static void stop_compact(td_stop_t *m)
+{
+    if (m->emitted > 0) {
+        memmove(m->buf, m->buf + m->emitted, m->buf_len - m->emitted);
+        m->buf_len -= m->emitted;
+        m->emitted = 0;
+    }
+}
+
+/* Length of the longest proper suffix of buf[0..len) that starts some stop string. */
+static size_t stop_partial(const td_stop_t *m, const char *buf, size_t len)
+{
+    size_t k = m->max_len > 0 ? TD_MIN(len, m->max_len - 1) : 0;
+    for (; k > 0; k--)
+        for (int32_t j = 0; j < m->n; j++)
+            if (m->len[j] > k && memcmp(buf + len - k, m->str[j], k) == 0)
+                return k;
+    return 0;
+}
+
+td_status_t td_stop_feed(td_stop_t *stop, const char *text, size_t len, td_stop_result_t *res)
+{
+    td_stop_t *m = stop;
+    if (m->done)
+        return td_errorf(TD_ERR_INVALID, "stop strings: text fed after a stop string matched");
+    stop_compact(m);
+    if (m->buf_len + len > m->buf_cap) {
+        size_t cap = m->buf_cap ? m->buf_cap : 256;
+        while (cap < m->buf_len + len)
+            cap *= 2;
+        char *nb = realloc(m->buf, cap);
+        if (!nb)
+            return td_errorf(TD_ERR_NOMEM, "stop strings: out of memory for %zu bytes", cap);
+        m->buf = nb;
+        m->buf_cap = cap;
+    }
+    if (len > 0)
+        memcpy(m->buf + m->buf_len, text, len);
+    m->buf_len += len;
+
+    /* Earliest complete match. Held text never contains one, so only starts that reach
+     * into the new text can complete, but scanning the held part too is cheap and simple. */
+    for (size_t i = 0; i < m->buf_len; i++) {
+        for (int32_t j = 0; j < m->n; j++) {
+            if (m->len[j] <= m->buf_len - i && memcmp(m->buf + i, m->str[j], m->len[j]) == 0) {
+                m->done = true;
+                m->emitted = m->buf_len; /* nothing more is handed out */
+                *res = (td_stop_result_t){ .emit = m->buf, .emit_len = i, .matched = true, .which = j };
+                return TD_OK;
+            }
+        }
+    }
+    size_t hold = stop_partial(m, m->buf, m->buf_len);
+    m->emitted = m->buf_len - hold;
+    *res = (td_stop_result_t){ .emit = m->buf, .emit_len = m->emitted, .matched = false, .which = -1 };
+    return TD_OK;
+}
+
+void td_stop_flush(td_stop_t *stop, const char **text_p, size_t *len_p)
+{
+    if (stop->done) {
+        *text_p = "";
+        *len_p = 0;
+        return;
+    }
+    stop_compact(stop);
+    *text_p = stop->buf ? stop->buf : "";
+    *len_p = stop->buf_len;
+    stop->emitted = stop->buf_len;
+}
+
+size_t td_stop_held(const td_stop_t *stop)
+{
+    return stop->done ? 0 : stop->buf_len - stop->emitted;
+}

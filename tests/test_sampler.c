@@ -1,0 +1,490 @@
+/*
+ * Tests of td_sampler: parameter validation, greedy argmax, seeded reproducibility, the
+ * filters (top-k, top-p, min-p) against brute-force references, the empirical
+ * distribution against softmax, the repetition penalty, and the stop-string matcher
+ * across token boundaries with its hold-back.
+ */
+#include <criterion/criterion.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "td_sampler.h"
+
+static td_sampler_t *make(td_sampling_t p)
+{
+    td_sampler_t *s = NULL;
+    cr_assert_eq(td_sampler_create(&p, &s), TD_OK, "%s", td_last_error());
+    return s;
+}
+
+static int32_t draw(td_sampler_t *s, const float *logits, int32_t vocab)
+{
+    int32_t t = -1;
+    cr_assert_eq(td_sampler_sample(s, logits, vocab, &t), TD_OK, "%s", td_last_error());
+    cr_assert(t >= 0 && t < vocab);
+    return t;
+}
+
+/* Deterministic pseudo-random logits, roughly normal with the given scale. */
+static void fill_logits(float *l, int32_t n, uint32_t seed, float scale)
+{
+    uint64_t x = seed * 2654435761u + 1;
+    for (int32_t i = 0; i < n; i++) {
+        float acc = 0.0f;
+        for (int k = 0; k < 4; k++) {
+            x = x * 6364136223846793005ull + 1442695040888963407ull;
+            acc += (float)((x >> 40) & 0xffffff) / 16777216.0f - 0.5f;
+        }
+        l[i] = acc * scale;
+    }
+}
+
+static int32_t argmax(const float *l, int32_t n)
+{
+    int32_t b = 0;
+    for (int32_t i = 1; i < n; i++)
+        if (l[i] > l[b])
+            b = i;
+    return b;
+}
+
+static void softmax(const float *l, int32_t n, float t, double *p)
+{
+    double mx = l[argmax(l, n)], sum = 0.0;
+    for (int32_t i = 0; i < n; i++)
+        sum += p[i] = exp((l[i] - mx) / t);
+    for (int32_t i = 0; i < n; i++)
+        p[i] /= sum;
+}
+
+Test(sampler, defaults_and_validation)
+{
+    td_sampling_t d = td_sampling_default();
+    cr_assert_eq(d.temperature, 0.0f);
+    cr_assert(d.top_k == 0 && d.top_p == 1.0f && d.min_p == 0.0f && d.repetition_penalty == 1.0f);
+    cr_assert_eq(td_sampling_validate(&d, NULL, 0), TD_OK);
+
+    struct {
+        td_sampling_t s;
+        const char *field;
+    } bad[] = {
+        { d, "temperature" }, { d, "temperature" }, { d, "top_k" },   { d, "top_p" },
+        { d, "top_p" },       { d, "min_p" },       { d, "min_p" },   { d, "repetition_penalty" },
+        { d, "repetition_penalty" }, { d, "penalty_window" },
+    };
+    bad[0].s.temperature = -0.5f;
+    bad[1].s.temperature = NAN;
+    bad[2].s.top_k = -1;
+    bad[3].s.top_p = 0.0f;
+    bad[4].s.top_p = 1.5f;
+    bad[5].s.min_p = -0.1f;
+    bad[6].s.min_p = 1.0f;
+    bad[7].s.repetition_penalty = 0.0f;
+    bad[8].s.repetition_penalty = INFINITY;
+    bad[9].s.penalty_window = -3;
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        char why[256] = "";
+        cr_assert_eq(td_sampling_validate(&bad[i].s, why, sizeof why), TD_ERR_INVALID, "case %zu", i);
+        cr_assert(strstr(why, bad[i].field), "case %zu: '%s' does not name %s", i, why, bad[i].field);
+        cr_assert_str_eq(td_last_error(), why);
+        td_sampler_t *s = NULL;
+        cr_assert_eq(td_sampler_create(&bad[i].s, &s), TD_ERR_INVALID);
+        cr_assert_null(s);
+    }
+}
+
+Test(sampler, greedy_argmax_lowest_index_on_ties)
+{
+    td_sampler_t *s = make(td_sampling_default());
+    float l[6] = { 0.5f, 3.0f, -1.0f, 3.0f, 2.9f, 3.0f };
+    cr_assert_eq(draw(s, l, 6), 1);
+    float n[4] = { NAN, -INFINITY, 0.25f, NAN };
+    cr_assert_eq(draw(s, n, 4), 2); /* NaN is never chosen */
+    float none[3] = { -INFINITY, NAN, -INFINITY };
+    int32_t t = -1;
+    cr_assert_eq(td_sampler_sample(s, none, 3, &t), TD_ERR_INVALID);
+    cr_assert_eq(t, -1);
+    cr_assert_eq(td_sampler_sample(s, l, 0, &t), TD_ERR_INVALID);
+    static float big[50000];
+    fill_logits(big, 50000, 7, 4.0f);
+    cr_assert_eq(draw(s, big, 50000), argmax(big, 50000));
+    td_sampler_destroy(s);
+    td_sampler_destroy(NULL);
+}
+
+Test(sampler, same_seed_same_tokens)
+{
+    enum { V = 1000, N = 300 };
+    static float l[V];
+    fill_logits(l, V, 3, 2.0f);
+    td_sampling_t p = td_sampling_default();
+    p.temperature = 1.0f;
+    p.seed = 1234;
+    td_sampler_t *a = make(p), *b = make(p), *other = make(p);
+    p.seed = 1235;
+    td_sampler_t *c = make(p);
+    int32_t ta[N], tb[N], tc[N];
+    int differ = 0, distinct_a = 0;
+    for (int i = 0; i < N; i++) {
+        ta[i] = draw(a, l, V);
+        /* b runs "in a batch" with another sequence drawing in between */
+        draw(other, l, V);
+        tb[i] = draw(b, l, V);
+        tc[i] = draw(c, l, V);
+        differ += ta[i] != tc[i];
+        distinct_a += i > 0 && ta[i] != ta[i - 1];
+    }
+    cr_assert_eq(memcmp(ta, tb, sizeof ta), 0);
+    cr_assert_gt(differ, N / 2);
+    cr_assert_gt(distinct_a, N / 2); /* it really is random */
+    /* reset reseeds */
+    td_sampler_reset(a);
+    cr_assert_eq(draw(a, l, V), ta[0]);
+    td_sampler_destroy(a);
+    td_sampler_destroy(b);
+    td_sampler_destroy(c);
+    td_sampler_destroy(other);
+}
+
+Test(sampler, top_k_1_and_tiny_top_p_equal_greedy)
+{
+    enum { V = 4096 };
+    static float l[V];
+    td_sampling_t p = td_sampling_default();
+    p.temperature = 1.5f;
+    p.top_k = 1;
+    td_sampler_t *k1 = make(p);
+    p.top_k = 0;
+    p.top_p = 1e-6f;
+    td_sampler_t *p0 = make(p);
+    p.top_k = 50;
+    td_sampler_t *kp = make(p);
+    for (uint32_t trial = 0; trial < 50; trial++) {
+        fill_logits(l, V, 100 + trial, 1.0f);
+        int32_t g = argmax(l, V);
+        cr_assert_eq(draw(k1, l, V), g);
+        cr_assert_eq(draw(p0, l, V), g);
+        cr_assert_eq(draw(kp, l, V), g);
+    }
+    td_sampler_destroy(k1);
+    td_sampler_destroy(p0);
+    td_sampler_destroy(kp);
+}
+
+static int cmp_desc(const void *a, const void *b)
+{
+    float x = *(const float *)a, y = *(const float *)b;
+    return (x < y) - (x > y);
+}
+
+Test(sampler, top_k_stays_in_the_top_k_of_a_large_vocab)
+{
+    enum { V = 128000, K = 40 };
+    float *l = malloc(V * sizeof *l), *sorted = malloc(V * sizeof *sorted);
+    fill_logits(l, V, 11, 3.0f);
+    memcpy(sorted, l, V * sizeof *l);
+    qsort(sorted, V, sizeof *sorted, cmp_desc);
+    float kth = sorted[K - 1];
+    td_sampling_t p = td_sampling_default();
+    p.temperature = 5.0f; /* flat: without the filter most draws would fall outside */
+    p.top_k = K;
+    p.seed = 9;
+    td_sampler_t *s = make(p);
+    int hits_outside_top10 = 0;
+    for (int i = 0; i < 500; i++) {
+        int32_t t = draw(s, l, V);
+        cr_assert_geq(l[t], kth);
+        hits_outside_top10 += l[t] < sorted[9];
+    }
+    cr_assert_gt(hits_outside_top10, 0); /* not just greedy */
+    td_sampler_destroy(s);
+    free(l);
+    free(sorted);
+}
+
+Test(sampler, top_p_matches_a_full_sort)
+{
+    enum { V = 3000 };
+    static float l[V], sorted[V];
+    td_sampling_t p = td_sampling_default();
+    p.temperature = 1.0f;
+    p.top_p = 0.7f;
+    p.seed = 5;
+    td_sampler_t *s = make(p);
+    static double pd[V];
+    for (uint32_t trial = 0; trial < 20; trial++) {
+        fill_logits(l, V, 300 + trial, 6.0f);
+        /* the nucleus by brute force: the smallest top set with mass >= top_p */
+        memcpy(sorted, l, sizeof l);
+        qsort(sorted, V, sizeof *sorted, cmp_desc);
+        for (int i = 0; i < V; i++)
+            pd[i] = exp((double)sorted[i] - sorted[0]);
+        double tot = 0.0;
+        for (int i = 0; i < V; i++)
+            tot += pd[i];
+        double cum = 0.0;
+        float last_in = sorted[0];
+        for (int i = 0; i < V; i++) {
+            cum += pd[i] / tot;
+            last_in = sorted[i];
+            if (cum >= p.top_p)
+                break;
+        }
+        int outside_top1 = 0;
+        for (int i = 0; i < 40; i++) {
+            int32_t t = draw(s, l, V);
+            cr_assert_geq(l[t], last_in, "trial %u: token %d (logit %g) outside the nucleus (min %g)",
+                          trial, t, l[t], last_in);
+            outside_top1 += l[t] < sorted[0];
+        }
+        cr_assert_gt(outside_top1, 0);
+    }
+    td_sampler_destroy(s);
+}
+
+Test(sampler, top_p_renormalizes_the_nucleus)
+{
+    /* p = .5 .3 .15 .05: top_p .8 keeps the first two, drawn .625/.375 */
+    float l[4] = { logf(0.5f), logf(0.3f), logf(0.15f), logf(0.05f) };
+    td_sampling_t p = td_sampling_default();
+    p.temperature = 1.0f;
+    p.top_p = 0.79f;
+    p.seed = 77;
+    td_sampler_t *s = make(p);
+    int count[4] = { 0 };
+    for (int i = 0; i < 20000; i++)
+        count[draw(s, l, 4)]++;
+    cr_assert_eq(count[2] + count[3], 0);
+    cr_assert_float_eq(count[0] / 20000.0, 0.625, 0.02);
+    td_sampler_destroy(s);
+}
+
+Test(sampler, min_p)
+{
+    float l[5] = { logf(0.5f), logf(0.3f), logf(0.12f), logf(0.05f), logf(0.03f) };
+    td_sampling_t p = td_sampling_default();
+    p.temperature = 1.0f;
+    p.min_p = 0.2f; /* floor 0.1: tokens 0, 1, 2 */
+    p.seed = 3;
+    td_sampler_t *s = make(p);
+    int count[5] = { 0 };
+    for (int i = 0; i < 10000; i++)
+        count[draw(s, l, 5)]++;
+    cr_assert_eq(count[3] + count[4], 0);
+    cr_assert_gt(count[2], 0);
+    cr_assert_float_eq(count[2] / 10000.0, 0.12 / 0.92, 0.02);
+    td_sampler_destroy(s);
+}
+
+/* Max abs difference and chi-square of 20000 draws against the expected distribution. */
+static void check_distribution(td_sampling_t p, const float *l, int32_t v, const double *expect)
+{
+    enum { N = 20000 };
+    td_sampler_t *s = make(p);
+    int count[16] = { 0 };
+    for (int i = 0; i < N; i++)
+        count[draw(s, l, v)]++;
+    double chi2 = 0.0, max_diff = 0.0;
+    int df = -1;
+    for (int32_t i = 0; i < v; i++) {
+        if (expect[i] == 0.0) {
+            cr_assert_eq(count[i], 0, "token %d has p 0 but was drawn", i);
+            continue;
+        }
+        double e = expect[i] * N;
+        chi2 += (count[i] - e) * (count[i] - e) / e;
+        max_diff = fmax(max_diff, fabs(count[i] / (double)N - expect[i]));
+        df++;
+    }
+    /* fixed seed: deterministic; the bounds are ~4 sigma / the 0.1% chi-square quantile */
+    cr_assert_lt(max_diff, 0.015, "max abs diff %g", max_diff);
+    cr_assert_lt(chi2, 30.0, "chi-square %g with %d degrees of freedom", chi2, df);
+    td_sampler_destroy(s);
+}
+
+Test(sampler, distribution_matches_softmax)
+{
+    float l[8] = { 1.0f, 0.5f, -0.3f, 2.0f, 0.0f, 1.7f, -2.0f, 0.9f };
+    double e[8];
+    td_sampling_t p = td_sampling_default();
+    p.temperature = 1.0f;
+    p.seed = 42;
+    softmax(l, 8, 1.0f, e);
+    check_distribution(p, l, 8, e);
+    p.temperature = 2.5f;
+    p.seed = 43;
+    softmax(l, 8, 2.5f, e);
+    check_distribution(p, l, 8, e);
+    /* top-k 3 renormalizes over tokens 3, 5, 0 */
+    p.temperature = 1.0f;
+    p.top_k = 3;
+    float top3[8];
+    for (int i = 0; i < 8; i++)
+        top3[i] = (i == 3 || i == 5 || i == 0) ? l[i] : -INFINITY;
+    softmax(top3, 8, 1.0f, e);
+    check_distribution(p, l, 8, e);
+}
+
+Test(sampler, repetition_penalty)
+{
+    td_sampling_t p = td_sampling_default();
+    p.repetition_penalty = 1.5f;
+    p.penalty_window = 3;
+    td_sampler_t *s = make(p);
+    float l[4] = { 2.0f, 1.9f, -1.0f, -1.2f };
+    cr_assert_eq(draw(s, l, 4), 0);
+    td_sampler_accept(s, 0); /* 2.0 -> 1.33 < 1.9 */
+    cr_assert_eq(draw(s, l, 4), 1);
+    td_sampler_accept(s, 1); /* 1.9 -> 1.27 < 1.33 */
+    cr_assert_eq(draw(s, l, 4), 0);
+    /* 0 and 1 leave the 3-token window */
+    td_sampler_accept(s, 2);
+    td_sampler_accept(s, 3);
+    td_sampler_accept(s, 3);
+    cr_assert_eq(draw(s, l, 4), 0);
+    td_sampler_destroy(s);
+
+    /* negative logits are multiplied, so they also drop */
+    s = make(p);
+    float neg[2] = { -1.0f, -1.2f };
+    td_sampler_accept(s, 0); /* -1.0 -> -1.5 < -1.2 */
+    cr_assert_eq(draw(s, neg, 2), 1);
+    td_sampler_destroy(s);
+
+    /* applied once per distinct token however often it repeats */
+    s = make(p);
+    float once[2] = { 2.0f, 1.0f };
+    td_sampler_accept(s, 0);
+    td_sampler_accept(s, 0);
+    td_sampler_accept(s, 0); /* 2.0 / 1.5 = 1.33 > 1.0; thrice would be 0.59 */
+    cr_assert_eq(draw(s, once, 2), 0);
+    td_sampler_accept(s, 99999); /* ids past the vocabulary are ignored */
+    cr_assert_eq(draw(s, once, 2), 0);
+    td_sampler_destroy(s);
+}
+
+/* ---- stop strings ------------------------------------------------------------------ */
+
+typedef struct sink {
+    char out[512];
+    size_t len;
+} sink_t;
+
+/* Feeds one piece; appends what may be emitted; returns the match index or -1. */
+static int32_t feed(td_stop_t *m, sink_t *k, const char *piece)
+{
+    td_stop_result_t r;
+    cr_assert_eq(td_stop_feed(m, piece, strlen(piece), &r), TD_OK);
+    memcpy(k->out + k->len, r.emit, r.emit_len);
+    k->len += r.emit_len;
+    k->out[k->len] = '\0';
+    cr_assert_eq(r.matched, r.which >= 0);
+    return r.which;
+}
+
+Test(stop, match_across_token_boundaries)
+{
+    const char *stops[] = { "</s>", "STOP" };
+    td_stop_t *m = NULL;
+    cr_assert_eq(td_stop_create(stops, 2, &m), TD_OK);
+    sink_t k = { .len = 0 };
+    cr_assert_eq(feed(m, &k, "Hello <"), -1);
+    cr_assert_str_eq(k.out, "Hello ");
+    cr_assert_eq(td_stop_held(m), 1);
+    cr_assert_eq(feed(m, &k, "/"), -1);
+    cr_assert_eq(feed(m, &k, "s"), -1);
+    cr_assert_str_eq(k.out, "Hello "); /* "</s" held back */
+    cr_assert_eq(td_stop_held(m), 3);
+    cr_assert_eq(feed(m, &k, ">tail"), 0);
+    cr_assert_str_eq(k.out, "Hello "); /* neither the stop string nor what follows */
+    td_stop_result_t r;
+    cr_assert_eq(td_stop_feed(m, "x", 1, &r), TD_ERR_INVALID);
+    td_stop_destroy(m);
+}
+
+Test(stop, hold_back_is_released_when_it_cannot_match)
+{
+    const char *stops[] = { "STOP" };
+    td_stop_t *m = NULL;
+    cr_assert_eq(td_stop_create(stops, 1, &m), TD_OK);
+    sink_t k = { .len = 0 };
+    cr_assert_eq(feed(m, &k, "go ST"), -1);
+    cr_assert_str_eq(k.out, "go ");
+    cr_assert_eq(feed(m, &k, "O"), -1);
+    cr_assert_str_eq(k.out, "go ");
+    cr_assert_eq(feed(m, &k, "P"), 0);
+    td_stop_destroy(m);
+
+    cr_assert_eq(td_stop_create(stops, 1, &m), TD_OK);
+    k.len = 0;
+    cr_assert_eq(feed(m, &k, "STO"), -1);
+    cr_assert_eq(feed(m, &k, "RE S"), -1);
+    cr_assert_str_eq(k.out, "STORE ");
+    cr_assert_eq(feed(m, &k, "ST"), -1); /* "SST": only "ST" can still start STOP */
+    cr_assert_str_eq(k.out, "STORE S");
+    const char *rest;
+    size_t rest_len;
+    td_stop_flush(m, &rest, &rest_len);
+    cr_assert_eq(rest_len, 2);
+    cr_assert_eq(memcmp(rest, "ST", 2), 0);
+    cr_assert_eq(td_stop_held(m), 0);
+    td_stop_destroy(m);
+}
+
+Test(stop, earliest_match_and_overlaps)
+{
+    const char *stops[] = { "yz", "xyz", "abab" };
+    td_stop_t *m = NULL;
+    cr_assert_eq(td_stop_create(stops, 3, &m), TD_OK);
+    sink_t k = { .len = 0 };
+    cr_assert_eq(feed(m, &k, "1x"), -1);
+    cr_assert_eq(feed(m, &k, "y"), -1);
+    cr_assert_eq(feed(m, &k, "z2"), 1); /* xyz starts before yz */
+    cr_assert_str_eq(k.out, "1");
+    td_stop_destroy(m);
+
+    cr_assert_eq(td_stop_create(stops, 3, &m), TD_OK);
+    k.len = 0;
+    k.out[0] = '\0';
+    cr_assert_eq(feed(m, &k, "aba"), -1);
+    cr_assert_eq(td_stop_held(m), 3);
+    cr_assert_eq(feed(m, &k, "ba"), 2); /* "ababa": abab at 0 */
+    cr_assert_str_eq(k.out, "");
+    td_stop_destroy(m);
+}
+
+Test(stop, one_token_holding_text_and_the_stop)
+{
+    const char *stops[] = { "\n\n" };
+    td_stop_t *m = NULL;
+    cr_assert_eq(td_stop_create(stops, 1, &m), TD_OK);
+    sink_t k = { .len = 0 };
+    cr_assert_eq(feed(m, &k, "line\n"), -1);
+    cr_assert_str_eq(k.out, "line");
+    cr_assert_eq(feed(m, &k, "more\n\nrest"), 0);
+    cr_assert_str_eq(k.out, "line\nmore");
+    td_stop_destroy(m);
+}
+
+Test(stop, no_stop_strings_and_limits)
+{
+    td_stop_t *m = NULL;
+    const char *empty[] = { "" };
+    cr_assert_eq(td_stop_create(empty, 1, &m), TD_OK);
+    sink_t k = { .len = 0 };
+    cr_assert_eq(feed(m, &k, "anything"), -1);
+    cr_assert_str_eq(k.out, "anything");
+    cr_assert_eq(td_stop_held(m), 0);
+    td_stop_destroy(m);
+
+    const char *many[TD_STOP_MAX_STRINGS + 1];
+    for (int i = 0; i <= TD_STOP_MAX_STRINGS; i++)
+        many[i] = "x";
+    cr_assert_eq(td_stop_create(many, TD_STOP_MAX_STRINGS + 1, &m), TD_ERR_INVALID);
+    static char longs[TD_STOP_MAX_LEN + 2];
+    memset(longs, 'a', TD_STOP_MAX_LEN + 1);
+    const char *one[] = { longs };
+    cr_assert_eq(td_stop_create(one, 1, &m), TD_ERR_INVALID);
+    td_stop_destroy(NULL);
+}
