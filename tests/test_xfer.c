@@ -1,0 +1,696 @@
+/*
+ * test_xfer: the KV data plane between two real processes on loopback, over TCP and over
+ * shared memory, and its failure cases: a receiver SIGKILLed mid-transfer, a sender
+ * SIGKILLed mid-transfer, kv-ready (and late data) after the lease expired, a layout
+ * mismatch at connect.
+ *
+ * Each test forks before any UCX initialisation; the helper process never calls
+ * Criterion (it reports through a pipe and its exit status). Both sides derive the same
+ * request plan and KV bytes from a seed, so the receiver checks every adopted block
+ * byte for byte on its own.
+ */
+#include <criterion/criterion.h>
+
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "td_kv.h"
+#include "td_util.h"
+#include "td_xfer.h"
+
+#define MAX_REQ 64
+
+static const td_kv_layout_t LAYOUT = {.model_fingerprint = 0x7e57u,
+                                      .dtype = TD_F16,
+                                      .block_size = 16,
+                                      .n_layers = 4,
+                                      .n_kv_heads = 2,
+                                      .head_dim = 8,
+                                      .version = TD_KV_LAYOUT_VERSION};
+
+static void set_ucx_env(const char *tls)
+{
+    setenv("UCX_TLS", tls, 1);
+    setenv("UCX_NET_DEVICES", "lo", 1);
+    setenv("UCX_TCP_CM_REUSEADDR", "y", 1);
+    setenv("UCX_HANDLE_ERRORS", "none", 1);
+    setenv("UCX_WARN_UNUSED_ENV_VARS", "n", 1);
+    setenv("UCX_MM_ERROR_HANDLING", "y", 1); /* shared memory with peer error handling */
+    setenv("UCX_SOCKADDR_TLS_PRIORITY", "tcp", 1);
+}
+
+static uint64_t splitmix(uint64_t *s)
+{
+    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+/* The KV bytes of block `idx` of request `req` in `layer` (K and V, whole block). */
+static void fill_block(void *dst, size_t n, uint64_t seed, uint64_t req, uint32_t layer, uint32_t idx)
+{
+    uint64_t s = seed * 1000003u ^ req * 7919u ^ ((uint64_t)layer << 40) ^ ((uint64_t)idx << 20);
+    for (size_t i = 0; i < n; i += 8) {
+        uint64_t w = splitmix(&s);
+        memcpy((char *)dst + i, &w, TD_MIN(8, n - i));
+    }
+}
+
+/* Mixed lengths 1..4096 tokens: the edges explicitly, then log-uniform. */
+static uint32_t plan_tokens(uint64_t seed, int i)
+{
+    static const uint32_t edges[] = {1, 4096, 16, 17, 15, 32, 33, 4095};
+    if (i < (int)TD_ARRAY_LEN(edges))
+        return edges[i];
+    uint64_t s = seed ^ (uint64_t)i << 32;
+    uint32_t bits = 1 + (uint32_t)(splitmix(&s) % 12);
+    return 1 + (uint32_t)(splitmix(&s) % (1u << bits)) % 4096;
+}
+
+/* ---- pipes ---------------------------------------------------------------------------- */
+
+static bool write_all(int fd, const void *p, size_t n)
+{
+    while (n) {
+        ssize_t w = write(fd, p, n);
+        if (w < 0 && errno == EINTR)
+            continue;
+        if (w <= 0)
+            return false;
+        p = (const char *)p + w;
+        n -= (size_t)w;
+    }
+    return true;
+}
+
+static bool read_all(int fd, void *p, size_t n)
+{
+    while (n) {
+        ssize_t r = read(fd, p, n);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r <= 0)
+            return false;
+        p = (char *)p + r;
+        n -= (size_t)r;
+    }
+    return true;
+}
+
+/* What the receiver tells the sender: its description and the leases. */
+typedef struct lease_msg {
+    uint64_t request_id;
+    uint64_t lease_id;
+    uint32_t n_tokens;
+    int32_t n_blocks;
+    int32_t blocks[4096 / 16 + 4];
+} lease_msg_t;
+
+typedef struct offer {
+    uint8_t desc[TD_XFER_DESC_MAX];
+    size_t desc_len;
+    int n_req;
+    lease_msg_t lease[MAX_REQ];
+} offer_t;
+
+static void run_until(uv_loop_t *loop, const bool *flag, double timeout_s)
+{
+    double end = td_now_s() + timeout_s;
+    while (!*flag && td_now_s() < end)
+        uv_run(loop, UV_RUN_ONCE);
+}
+
+static void close_loop(uv_loop_t *loop)
+{
+    uv_run(loop, UV_RUN_NOWAIT);
+    uv_loop_close(loop);
+}
+
+/* ---- receiver ------------------------------------------------------------------------- */
+
+typedef struct rx {
+    uv_loop_t loop;
+    td_kv_cache_t *kv;
+    void *pool;
+    uint32_t n_blocks;
+    td_xfer_t *x;
+    uint64_t seed;
+    int adopted, bad;
+    int want;
+    bool all_in;
+    offer_t offer;
+} rx_t;
+
+static void rx_on_ready(void *arg, const td_xfer_ready_t *r)
+{
+    rx_t *rx = arg;
+    size_t bb = td_kv_block_bytes(&LAYOUT);
+    uint8_t *want = malloc(bb);
+    uint32_t n_used = TD_DIV_CEIL(r->n_tokens, LAYOUT.block_size);
+    for (uint32_t layer = 0; layer < LAYOUT.n_layers; layer++)
+        for (uint32_t i = 0; i < n_used; i++) {
+            fill_block(want, bb, rx->seed, r->request_id, layer, i);
+            const uint8_t *got = (uint8_t *)rx->pool + td_kv_block_offset(&LAYOUT, rx->n_blocks, layer,
+                                                                          (uint32_t)r->blocks[i]);
+            if (memcmp(got, want, bb) != 0) {
+                fprintf(stderr, "receiver: request %lu layer %u block %u (id %d) differs\n",
+                        (unsigned long)r->request_id, layer, i, r->blocks[i]);
+                rx->bad++;
+            }
+        }
+    free(want);
+    for (int32_t i = 0; i < r->n_blocks; i++)
+        td_kv_unref_block(rx->kv, r->blocks[i]);
+    rx->adopted++;
+    if (rx->adopted >= rx->want)
+        rx->all_in = true;
+}
+
+static int rx_init(rx_t *rx, uint64_t seed, uint32_t n_blocks)
+{
+    memset(rx, 0, sizeof *rx);
+    rx->seed = seed;
+    rx->n_blocks = n_blocks;
+    uv_loop_init(&rx->loop);
+    td_kv_config_t kc = {.n_blocks = (int32_t)n_blocks, .block_size = (int32_t)LAYOUT.block_size};
+    if (td_kv_cache_create(&kc, &rx->kv) != TD_OK)
+        return 10;
+    rx->pool = calloc(1, td_kv_pool_bytes(&LAYOUT, n_blocks));
+    td_xfer_config_t cfg = td_xfer_config_default();
+    cfg.name = "rx";
+    if (!rx->pool || td_xfer_create(&rx->loop, &cfg, &rx->x) != TD_OK)
+        return 11;
+    td_xfer_pool_t pool = {.layout = LAYOUT, .base = rx->pool, .n_blocks = n_blocks, .kv = rx->kv};
+    if (td_xfer_register_pool(rx->x, &pool, rx_on_ready, rx) != TD_OK)
+        return 12;
+    if (td_xfer_describe(rx->x, rx->offer.desc, sizeof rx->offer.desc, &rx->offer.desc_len) != TD_OK)
+        return 13;
+    return 0;
+}
+
+static int rx_lease(rx_t *rx, int n_req, uint32_t ttl_ms, bool fixed_small)
+{
+    for (int i = 0; i < n_req; i++) {
+        lease_msg_t *m = &rx->offer.lease[i];
+        m->request_id = 1000 + (uint64_t)i;
+        m->n_tokens = fixed_small ? 40 : plan_tokens(rx->seed, i);
+        m->n_blocks = (int32_t)TD_DIV_CEIL(m->n_tokens, LAYOUT.block_size) + (i % 3); /* + room to decode */
+        if (td_xfer_lease_create(rx->x, m->request_id, m->n_blocks, ttl_ms, m->blocks, &m->lease_id) != TD_OK)
+            return 20;
+    }
+    rx->offer.n_req = n_req;
+    rx->want = n_req;
+    return 0;
+}
+
+static void rx_free(rx_t *rx)
+{
+    td_xfer_destroy(rx->x);
+    close_loop(&rx->loop);
+    td_kv_cache_destroy(rx->kv);
+    free(rx->pool);
+}
+
+/* ---- sender --------------------------------------------------------------------------- */
+
+typedef struct tx {
+    uv_loop_t loop;
+    td_xfer_t *x;
+    td_xfer_peer_t *peer;
+    uint8_t *pool;       /* [n_layers][n_blocks][block] the sender's own pool */
+    uint32_t n_blocks;
+    int32_t *src[MAX_REQ];
+    int n_done;
+    int n_want;
+    td_status_t status[MAX_REQ];
+    double done_at[MAX_REQ];
+    bool all_done;
+} tx_t;
+
+static void tx_on_done(void *arg, uint64_t request_id, td_status_t st)
+{
+    tx_t *tx = arg;
+    int i = (int)(request_id % 1000);
+    tx->status[i] = st;
+    tx->done_at[i] = td_now_s();
+    if (++tx->n_done >= tx->n_want)
+        tx->all_done = true;
+}
+
+static int tx_init(tx_t *tx)
+{
+    memset(tx, 0, sizeof *tx);
+    uv_loop_init(&tx->loop);
+    td_xfer_config_t cfg = td_xfer_config_default();
+    cfg.name = "tx";
+    cfg.listen_ip = NULL;
+    cfg.max_inflight_ops = 16;
+    cfg.send_timeout_ms = 20000;
+    return td_xfer_create(&tx->loop, &cfg, &tx->x) == TD_OK ? 0 : 30;
+}
+
+/* Lays out every request's source blocks (contiguous, with one swap in odd requests so
+ * runs split) and fills them with the request's KV bytes. */
+static int tx_fill(tx_t *tx, const offer_t *o, uint64_t seed)
+{
+    size_t bb = td_kv_block_bytes(&LAYOUT);
+    uint32_t total = 0;
+    for (int r = 0; r < o->n_req; r++)
+        total += TD_DIV_CEIL(o->lease[r].n_tokens, LAYOUT.block_size);
+    tx->n_blocks = total;
+    tx->pool = malloc(td_kv_pool_bytes(&LAYOUT, total));
+    if (!tx->pool)
+        return 31;
+    uint32_t next = 0;
+    for (int r = 0; r < o->n_req; r++) {
+        uint32_t n = TD_DIV_CEIL(o->lease[r].n_tokens, LAYOUT.block_size);
+        tx->src[r] = malloc(n * sizeof(int32_t));
+        for (uint32_t i = 0; i < n; i++)
+            tx->src[r][i] = (int32_t)(next + i);
+        if ((r & 1) && n >= 4) {
+            int32_t t = tx->src[r][n / 2];
+            tx->src[r][n / 2] = tx->src[r][n / 2 + 1];
+            tx->src[r][n / 2 + 1] = t;
+        }
+        next += n;
+        for (uint32_t layer = 0; layer < LAYOUT.n_layers; layer++)
+            for (uint32_t i = 0; i < n; i++)
+                fill_block(tx->pool + td_kv_block_offset(&LAYOUT, total, layer, (uint32_t)tx->src[r][i]), bb, seed,
+                           o->lease[r].request_id, layer, i);
+    }
+    return 0;
+}
+
+static const void *tx_layer(tx_t *tx, uint32_t layer)
+{
+    return tx->pool + td_kv_block_offset(&LAYOUT, tx->n_blocks, layer, 0);
+}
+
+static td_status_t tx_begin(tx_t *tx, const lease_msg_t *m, int r, td_xfer_send_t **s_p)
+{
+    td_xfer_send_params_t p = {.request_id = m->request_id,
+                               .lease_id = m->lease_id,
+                               .dst_blocks = m->blocks,
+                               .n_dst_blocks = m->n_blocks,
+                               .n_tokens = m->n_tokens,
+                               .checksum = (r % 2) == 0,
+                               .done = tx_on_done,
+                               .arg = tx};
+    return td_xfer_send_begin(tx->x, tx->peer, &p, s_p);
+}
+
+static void tx_free(tx_t *tx)
+{
+    td_xfer_destroy(tx->x);
+    close_loop(&tx->loop);
+    for (int r = 0; r < MAX_REQ; r++)
+        free(tx->src[r]);
+    free(tx->pool);
+}
+
+/* ---- two processes, many requests ----------------------------------------------------- */
+
+typedef struct rx_report {
+    int adopted, bad;
+    int32_t free_after;
+    td_xfer_stats_t stats;
+} rx_report_t;
+
+static void receiver_process(int wfd, uint64_t seed, int n_req)
+{
+    rx_t rx;
+    int rc = rx_init(&rx, seed, 256 * 64 + 256);
+    if (!rc)
+        rc = rx_lease(&rx, n_req, 60000, false);
+    if (rc)
+        _exit(rc);
+    write_all(wfd, &rx.offer, sizeof rx.offer);
+    run_until(&rx.loop, &rx.all_in, 60);
+    rx_report_t rep = {.adopted = rx.adopted, .bad = rx.bad, .free_after = td_kv_available(rx.kv)};
+    td_xfer_get_stats(rx.x, &rep.stats);
+    rx_free(&rx);
+    write_all(wfd, &rep, sizeof rep);
+    _exit(0);
+}
+
+static void many_requests(const char *tls, uint64_t seed, int n_req)
+{
+    set_ucx_env(tls);
+    int fds[2];
+    cr_assert_eq(pipe(fds), 0);
+    pid_t pid = fork();
+    cr_assert_geq(pid, 0);
+    if (pid == 0) {
+        close(fds[0]);
+        receiver_process(fds[1], seed, n_req);
+    }
+    close(fds[1]);
+    static offer_t o;
+    cr_assert(read_all(fds[0], &o, sizeof o), "receiver failed to start");
+    tx_t tx;
+    cr_assert_eq(tx_init(&tx), 0);
+    cr_assert_eq(tx_fill(&tx, &o, seed), 0);
+    tx.n_want = o.n_req;
+    cr_assert_eq(td_xfer_connect(tx.x, o.desc, o.desc_len, &LAYOUT, &tx.peer), TD_OK, "%s", td_last_error());
+    /* Layer-major like a prefill batch: layer l of every request, then layer l+1. */
+    td_xfer_send_t *s[MAX_REQ];
+    for (int r = 0; r < o.n_req; r++)
+        cr_assert_eq(tx_begin(&tx, &o.lease[r], r, &s[r]), TD_OK);
+    for (uint32_t layer = 0; layer < LAYOUT.n_layers; layer++) {
+        for (int r = 0; r < o.n_req; r++)
+            cr_assert_eq(td_xfer_send_layer(s[r], layer, tx_layer(&tx, layer), tx.src[r]), TD_OK);
+        uv_run(&tx.loop, UV_RUN_NOWAIT); /* the layer goes out while the next is "computed" */
+    }
+    for (int r = 0; r < o.n_req; r++)
+        td_xfer_send_finish(s[r], 42 + r);
+    run_until(&tx.loop, &tx.all_done, 60);
+    cr_assert(tx.all_done, "only %d of %d requests finished", tx.n_done, tx.n_want);
+    for (int r = 0; r < o.n_req; r++)
+        cr_expect_eq(tx.status[r], TD_OK, "request %d (%u tokens): %s", r, o.lease[r].n_tokens,
+                     td_strerror(tx.status[r]));
+    td_xfer_stats_t st;
+    td_xfer_get_stats(tx.x, &st);
+    rx_report_t rep;
+    cr_assert(read_all(fds[0], &rep, sizeof rep), "receiver died");
+    int status;
+    waitpid(pid, &status, 0);
+    cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    cr_expect_eq(rep.adopted, o.n_req);
+    cr_expect_eq(rep.bad, 0, "%d blocks differ", rep.bad);
+    cr_expect_eq(st.bytes_sent, rep.stats.bytes_received);
+    cr_expect_eq(st.transfers_ok, (uint64_t)o.n_req);
+    cr_expect_eq(rep.stats.leases_adopted, (uint64_t)o.n_req);
+    cr_expect_eq(rep.stats.leases_live, 0);
+    cr_expect_eq(rep.free_after, 256 * 64 + 256, "blocks not returned: %d free", rep.free_after);
+    tx_free(&tx);
+    close(fds[0]);
+}
+
+Test(xfer, loopback_tcp_64_requests, .timeout = 120)
+{
+    many_requests("tcp", 1, 64);
+}
+
+Test(xfer, loopback_shm_64_requests, .timeout = 120)
+{
+    many_requests("sm,tcp", 2, 64);
+}
+
+Test(xfer, loopback_tcp_one_request, .timeout = 60)
+{
+    many_requests("tcp", 3, 1);
+}
+
+/* ---- layout mismatch ------------------------------------------------------------------ */
+
+Test(xfer, layout_mismatch_refused_naming_the_field, .timeout = 60)
+{
+    set_ucx_env("tcp");
+    rx_t rx;
+    cr_assert_eq(rx_init(&rx, 1, 64), 0);
+    tx_t tx;
+    cr_assert_eq(tx_init(&tx), 0);
+    td_kv_layout_t mine = LAYOUT;
+    mine.head_dim = 16;
+    cr_assert_eq(td_xfer_connect(tx.x, rx.offer.desc, rx.offer.desc_len, &mine, &tx.peer), TD_ERR_MISMATCH);
+    cr_expect(strstr(td_last_error(), "head_dim 16 here, 8 at peer") != NULL, "message: %s", td_last_error());
+    mine = LAYOUT;
+    mine.dtype = TD_BF16;
+    cr_assert_eq(td_xfer_connect(tx.x, rx.offer.desc, rx.offer.desc_len, &mine, &tx.peer), TD_ERR_MISMATCH);
+    cr_expect(strstr(td_last_error(), "dtype bf16 here, f16 at peer") != NULL, "message: %s", td_last_error());
+    uint8_t junk[64] = {1, 2, 3};
+    cr_expect_eq(td_xfer_connect(tx.x, junk, sizeof junk, &LAYOUT, &tx.peer), TD_ERR_FORMAT);
+    cr_expect_eq(td_xfer_connect(tx.x, rx.offer.desc, rx.offer.desc_len, &LAYOUT, &tx.peer), TD_OK);
+    td_xfer_stats_t st;
+    td_xfer_get_stats(tx.x, &st);
+    cr_expect_eq(st.fail_mismatch, 2);
+    tx_free(&tx);
+    rx_free(&rx);
+}
+
+/* ---- receiver killed mid-transfer ----------------------------------------------------- */
+
+static void idle_receiver_process(int wfd, uint64_t seed, int n_req)
+{
+    rx_t rx;
+    int rc = rx_init(&rx, seed, 1024);
+    if (!rc)
+        rc = rx_lease(&rx, n_req, 60000, true);
+    if (rc)
+        _exit(rc);
+    write_all(wfd, &rx.offer, sizeof rx.offer);
+    run_until(&rx.loop, &rx.all_in, 60);
+    int ok = rx.bad == 0 && rx.adopted == n_req;
+    rx_free(&rx);
+    _exit(ok ? 0 : 1);
+}
+
+Test(xfer, receiver_killed_fails_its_requests_only, .timeout = 60)
+{
+    set_ucx_env("tcp");
+    int fa[2], fb[2];
+    cr_assert_eq(pipe(fa), 0);
+    cr_assert_eq(pipe(fb), 0);
+    pid_t a = fork();
+    if (a == 0)
+        idle_receiver_process(fa[1], 5, 4);
+    pid_t b = fork();
+    if (b == 0)
+        idle_receiver_process(fb[1], 6, 4);
+    static offer_t oa, ob;
+    cr_assert(read_all(fa[0], &oa, sizeof oa) && read_all(fb[0], &ob, sizeof ob));
+    tx_t ta, tb; /* two request sets, one sender node */
+    cr_assert_eq(tx_init(&ta), 0);
+    tb = ta;
+    tb.pool = NULL;
+    memset(tb.src, 0, sizeof tb.src);
+    cr_assert_eq(tx_fill(&ta, &oa, 5), 0);
+    cr_assert_eq(tx_fill(&tb, &ob, 6), 0);
+    cr_assert_eq(td_xfer_connect(ta.x, oa.desc, oa.desc_len, &LAYOUT, &ta.peer), TD_OK);
+    cr_assert_eq(td_xfer_connect(ta.x, ob.desc, ob.desc_len, &LAYOUT, &tb.peer), TD_OK);
+    ta.n_want = tb.n_want = 4;
+    td_xfer_send_t *sa[4], *sb[4];
+    for (int r = 0; r < 4; r++) {
+        cr_assert_eq(tx_begin(&ta, &oa.lease[r], r, &sa[r]), TD_OK);
+        cr_assert_eq(tx_begin(&tb, &ob.lease[r], r, &sb[r]), TD_OK);
+    }
+    /* Two layers reach both receivers, then A dies, then the remaining layers. */
+    for (uint32_t layer = 0; layer < 2; layer++)
+        for (int r = 0; r < 4; r++) {
+            td_xfer_send_layer(sa[r], layer, tx_layer(&ta, layer), ta.src[r]);
+            td_xfer_send_layer(sb[r], layer, tx_layer(&tb, layer), tb.src[r]);
+        }
+    for (int i = 0; i < 20; i++)
+        uv_run(&ta.loop, UV_RUN_NOWAIT);
+    kill(a, SIGKILL);
+    double killed = td_now_s();
+    for (uint32_t layer = 2; layer < LAYOUT.n_layers; layer++)
+        for (int r = 0; r < 4; r++) {
+            td_xfer_send_layer(sa[r], layer, tx_layer(&ta, layer), ta.src[r]);
+            td_xfer_send_layer(sb[r], layer, tx_layer(&tb, layer), tb.src[r]);
+        }
+    for (int r = 0; r < 4; r++) {
+        td_xfer_send_finish(sa[r], 1);
+        td_xfer_send_finish(sb[r], 1);
+    }
+    double end = td_now_s() + 30;
+    while (!(ta.all_done && tb.all_done) && td_now_s() < end)
+        uv_run(&ta.loop, UV_RUN_ONCE);
+    cr_assert(ta.all_done && tb.all_done, "A %d/4 B %d/4 done", ta.n_done, tb.n_done);
+    for (int r = 0; r < 4; r++) {
+        cr_expect_eq(ta.status[r], TD_ERR_UNAVAILABLE, "A request %d: %s", r, td_strerror(ta.status[r]));
+        cr_expect_lt(ta.done_at[r] - killed, 5.0, "failure reported after %.1f s", ta.done_at[r] - killed);
+        cr_expect_eq(tb.status[r], TD_OK, "B request %d: %s", r, td_strerror(tb.status[r]));
+    }
+    cr_expect(!td_xfer_peer_alive(ta.peer));
+    td_xfer_stats_t st;
+    td_xfer_get_stats(ta.x, &st);
+    cr_expect_eq(st.fail_peer, 4);
+    cr_expect_eq(st.transfers_ok, 4);
+    cr_expect_eq(st.transfers_inflight, 0);
+    int status;
+    waitpid(a, &status, 0);
+    waitpid(b, &status, 0);
+    cr_expect(WIFEXITED(status) && WEXITSTATUS(status) == 0, "receiver B verification failed");
+    free(tb.pool);
+    for (int r = 0; r < MAX_REQ; r++)
+        free(tb.src[r]);
+    tx_free(&ta);
+}
+
+/* ---- sender killed mid-transfer ------------------------------------------------------- */
+
+static void dying_sender_process(int rfd, uint64_t seed)
+{
+    static offer_t o;
+    if (!read_all(rfd, &o, sizeof o))
+        _exit(2);
+    tx_t tx;
+    if (tx_init(&tx) || tx_fill(&tx, &o, seed))
+        _exit(3);
+    if (td_xfer_connect(tx.x, o.desc, o.desc_len, &LAYOUT, &tx.peer) != TD_OK)
+        _exit(4);
+    td_xfer_send_t *s[MAX_REQ];
+    for (int r = 0; r < o.n_req; r++)
+        if (tx_begin(&tx, &o.lease[r], r, &s[r]) != TD_OK)
+            _exit(5);
+    for (int r = 0; r < o.n_req; r++)
+        td_xfer_send_layer(s[r], 0, tx_layer(&tx, 0), tx.src[r]);
+    double end = td_now_s() + 0.3;
+    while (td_now_s() < end)
+        uv_run(&tx.loop, UV_RUN_ONCE);
+    raise(SIGKILL); /* mid-transfer: layers 1.. never come, no kv-ready */
+    _exit(6);
+}
+
+Test(xfer, sender_killed_leases_expire_blocks_free, .timeout = 60)
+{
+    set_ucx_env("tcp");
+    int fds[2];
+    cr_assert_eq(pipe(fds), 0);
+    pid_t pid = fork();
+    if (pid == 0) {
+        close(fds[1]);
+        dying_sender_process(fds[0], 7);
+    }
+    close(fds[0]);
+    rx_t rx;
+    cr_assert_eq(rx_init(&rx, 7, 2048), 0);
+    cr_assert_eq(rx_lease(&rx, 8, 1500, false), 0);
+    cr_expect_lt(td_kv_available(rx.kv), 2048);
+    cr_assert(write_all(fds[1], &rx.offer, sizeof rx.offer));
+    int status;
+    bool never = false;
+    run_until(&rx.loop, &never, 0.5);
+    waitpid(pid, &status, 0);
+    cr_assert(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL, "sender did not die as planned (%d)", status);
+    td_xfer_stats_t st;
+    td_xfer_get_stats(rx.x, &st);
+    cr_expect_gt(st.bytes_received, 0, "no layer arrived before the sender died");
+    double end = td_now_s() + 10;
+    while (st.leases_live > 0 && td_now_s() < end) {
+        uv_run(&rx.loop, UV_RUN_ONCE);
+        td_xfer_get_stats(rx.x, &st);
+    }
+    cr_expect_eq(st.leases_live, 0);
+    cr_expect_eq(st.leases_expired + st.leases_sender_lost, 8);
+    cr_expect_eq(rx.adopted, 0);
+    cr_expect_eq(td_kv_available(rx.kv), 2048, "blocks not all free: %d", td_kv_available(rx.kv));
+    td_kv_stats_t ks;
+    td_kv_get_stats(rx.kv, &ks);
+    cr_expect_eq(ks.used, 0);
+    rx_free(&rx);
+    close(fds[1]);
+}
+
+/* ---- kv-ready and late data after expiry ---------------------------------------------- */
+
+Test(xfer, ready_after_expiry_discarded_and_fenced, .timeout = 60)
+{
+    set_ucx_env("tcp");
+    int to_tx[2], to_rx[2];
+    cr_assert_eq(pipe(to_tx), 0);
+    cr_assert_eq(pipe(to_rx), 0);
+    pid_t pid = fork();
+    if (pid == 0) {
+        /* Sender: layers 0-1, wait for "expired", then layers 2-3 and kv-ready. */
+        static offer_t o;
+        if (!read_all(to_tx[0], &o, sizeof o))
+            _exit(2);
+        tx_t tx;
+        if (tx_init(&tx) || tx_fill(&tx, &o, 9) ||
+            td_xfer_connect(tx.x, o.desc, o.desc_len, &LAYOUT, &tx.peer) != TD_OK)
+            _exit(3);
+        tx.n_want = 1;
+        td_xfer_send_t *s;
+        if (tx_begin(&tx, &o.lease[0], 0, &s) != TD_OK)
+            _exit(4);
+        for (uint32_t layer = 0; layer < 2; layer++)
+            td_xfer_send_layer(s, layer, tx_layer(&tx, layer), tx.src[0]);
+        bool never = false;
+        run_until(&tx.loop, &never, 0.3);
+        char go;
+        write_all(to_rx[1], "s", 1);
+        if (!read_all(to_tx[0], &go, 1))
+            _exit(5);
+        for (uint32_t layer = 2; layer < LAYOUT.n_layers; layer++)
+            td_xfer_send_layer(s, layer, tx_layer(&tx, layer), tx.src[0]);
+        td_xfer_send_finish(s, 7);
+        run_until(&tx.loop, &tx.all_done, 20);
+        int code = !tx.all_done ? 6 : tx.status[0] == TD_ERR_STALE ? 0 : 7;
+        tx_free(&tx);
+        _exit(code);
+    }
+    rx_t rx;
+    cr_assert_eq(rx_init(&rx, 9, 256), 0);
+    rx.offer.n_req = 1;
+    lease_msg_t *m = &rx.offer.lease[0];
+    m->request_id = 1000;
+    m->n_tokens = 100;
+    m->n_blocks = 7;
+    cr_assert_eq(td_xfer_lease_create(rx.x, m->request_id, m->n_blocks, 400, m->blocks, &m->lease_id), TD_OK);
+    cr_assert(write_all(to_tx[1], &rx.offer, sizeof rx.offer));
+    char c;
+    bool never = false;
+    /* Receive the sender's first layers (progressing: TCP needs the receiver to), then
+     * let the lease expire. */
+    fcntl(to_rx[0], F_SETFL, O_NONBLOCK);
+    double until = td_now_s() + 10;
+    while (read(to_rx[0], &c, 1) != 1 && td_now_s() < until)
+        uv_run(&rx.loop, UV_RUN_ONCE);
+    td_xfer_stats_t st;
+    double end = td_now_s() + 5;
+    do {
+        uv_run(&rx.loop, UV_RUN_ONCE);
+        td_xfer_get_stats(rx.x, &st);
+    } while (st.leases_live > 0 && td_now_s() < end);
+    cr_assert_eq(st.leases_expired, 1);
+    cr_expect_gt(st.bytes_received, 0);
+    cr_expect_eq(td_xfer_lease_cancel(rx.x, m->lease_id), TD_ERR_STALE);
+    /* A new lease gets the same blocks (LIFO free list) but a new id: mark them. */
+    int32_t blocks2[7];
+    uint64_t lease2;
+    cr_assert_eq(td_xfer_lease_create(rx.x, 2000, 7, 30000, blocks2, &lease2), TD_OK);
+    cr_expect_gt(lease2, m->lease_id);
+    int same = 0;
+    for (int i = 0; i < 7; i++)
+        for (int j = 0; j < 7; j++)
+            same += blocks2[i] == m->blocks[j];
+    cr_expect_eq(same, 7, "expected the dead lease's blocks back (LIFO free list)");
+    size_t bb = td_kv_block_bytes(&LAYOUT);
+    for (uint32_t layer = 0; layer < LAYOUT.n_layers; layer++)
+        for (int i = 0; i < 7; i++)
+            memset((char *)rx.pool + td_kv_block_offset(&LAYOUT, rx.n_blocks, layer, (uint32_t)blocks2[i]), 0xab, bb);
+    cr_assert(write_all(to_tx[1], "g", 1));
+    end = td_now_s() + 10;
+    do {
+        uv_run(&rx.loop, UV_RUN_ONCE);
+        td_xfer_get_stats(rx.x, &st);
+    } while (st.discarded_ready == 0 && td_now_s() < end);
+    run_until(&rx.loop, &never, 0.2);
+    td_xfer_get_stats(rx.x, &st);
+    cr_expect_eq(st.discarded_ready, 1);
+    cr_expect_gt(st.discarded_data, 0);
+    cr_expect_eq(rx.adopted, 0);
+    for (uint32_t layer = 0; layer < LAYOUT.n_layers; layer++)
+        for (int i = 0; i < 7; i++) {
+            const uint8_t *p = (uint8_t *)rx.pool + td_kv_block_offset(&LAYOUT, rx.n_blocks, layer, (uint32_t)blocks2[i]);
+            for (size_t k = 0; k < bb; k++)
+                if (p[k] != 0xab)
+                    cr_assert_fail("late data for the dead lease reached block %d layer %u", blocks2[i], layer);
+        }
+    int status;
+    waitpid(pid, &status, 0);
+    cr_expect(WIFEXITED(status) && WEXITSTATUS(status) == 0, "sender: expected a stale verdict (exit %d)",
+              WIFEXITED(status) ? WEXITSTATUS(status) : -1);
+    cr_expect_eq(td_xfer_lease_cancel(rx.x, lease2), TD_OK);
+    cr_expect_eq(td_kv_available(rx.kv), 256);
+    rx_free(&rx);
+}
