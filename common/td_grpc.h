@@ -1,0 +1,262 @@
+/*
+ * td_grpc: real gRPC (HTTP/2 h2c prior knowledge via nghttp2, on a libuv loop), server and
+ * client, unary and server streaming, protobuf-c messages.
+ *
+ * Wire: the 5-byte length prefix ([u8 compressed=0][u32 BE length][message]),
+ * content-type application/grpc, grpc-status / grpc-message (percent-encoded) trailers,
+ * grpc-timeout deadlines, cancellation by RST_STREAM, HTTP/2 flow control both ways.
+ * Compression is not supported (a compressed message → UNIMPLEMENTED). Every received
+ * message is checked against max_message_bytes before anything is allocated for it and is
+ * unpacked under a bounded ProtobufCAllocator, so a hostile peer costs one connection,
+ * never the process. docs/wire.md has the details.
+ *
+ * libuv style: handles (td_grpc_server_t, td_grpc_channel_t) live until their close
+ * callback; requests (calls) end with exactly one completion; the caller owns what it
+ * passes in (messages are packed before the function returns); a function that returns
+ * an error never calls its callback. Everything runs on the loop's thread; another thread
+ * hands work to the loop with uv_async_send. Writes are batched and flushed once per loop
+ * iteration (a uv_prepare hook), so many small messages cost few syscalls.
+ *
+ * Server call lifetime: the handler receives a td_grpc_call_t with the request; it may
+ * answer at once or later from any loop callback, and must end the call exactly once with
+ * td_grpc_call_finish (or td_grpc_call_reply). If the stream goes away first (client
+ * RST_STREAM, deadline, connection loss, server close), the cancel callback runs once;
+ * sends then return TD_ERR_CANCELLED, and the handler still calls td_grpc_call_finish,
+ * which frees the call. The request message is valid only during the handler call
+ * (protobuf stays at the edge: convert it into your own structs there).
+ */
+#ifndef TD_GRPC_H
+#define TD_GRPC_H
+
+#include <protobuf-c/protobuf-c.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <uv.h>
+
+#include "td_metrics.h"
+#include "td_status.h"
+
+/* gRPC status codes (grpc/doc/statuscodes.md). */
+#define TD_GRPC_CODE_MAP(X)        \
+    X(OK, 0)                       \
+    X(CANCELLED, 1)                \
+    X(UNKNOWN, 2)                  \
+    X(INVALID_ARGUMENT, 3)         \
+    X(DEADLINE_EXCEEDED, 4)        \
+    X(NOT_FOUND, 5)                \
+    X(ALREADY_EXISTS, 6)           \
+    X(PERMISSION_DENIED, 7)        \
+    X(RESOURCE_EXHAUSTED, 8)       \
+    X(FAILED_PRECONDITION, 9)      \
+    X(ABORTED, 10)                 \
+    X(OUT_OF_RANGE, 11)            \
+    X(UNIMPLEMENTED, 12)           \
+    X(INTERNAL, 13)                \
+    X(UNAVAILABLE, 14)             \
+    X(DATA_LOSS, 15)               \
+    X(UNAUTHENTICATED, 16)
+
+typedef enum td_grpc_code {
+#define TD_GRPC_CODE_ENUM(name, code) TD_GRPC_##name = code,
+    TD_GRPC_CODE_MAP(TD_GRPC_CODE_ENUM)
+#undef TD_GRPC_CODE_ENUM
+} td_grpc_code_t;
+
+/* "DEADLINE_EXCEEDED" etc.; "UNKNOWN" for codes outside the table. Never NULL. */
+const char *td_grpc_code_name(td_grpc_code_t code);
+
+/* The gRPC code a handler should end with for a tandem status (TD_ERR_EXHAUSTED →
+ * RESOURCE_EXHAUSTED, TD_ERR_TIMEOUT → DEADLINE_EXCEEDED, TD_ERR_INVALID → INVALID_ARGUMENT,
+ * TD_ERR_UNAVAILABLE → UNAVAILABLE, ...). */
+td_grpc_code_t td_grpc_code_from_status(td_status_t st);
+
+/* ---- server ------------------------------------------------------------------------- */
+
+typedef struct td_grpc_server td_grpc_server_t;
+typedef struct td_grpc_call td_grpc_call_t;
+
+typedef struct td_grpc_server_config {
+    const char *host;                /* listen address, IPv4 or IPv6 literal; "127.0.0.1" */
+    uint16_t port;                   /* 0 = ephemeral (td_grpc_server_port) */
+    size_t max_message_bytes;        /* each direction; larger → RESOURCE_EXHAUSTED; 4 MiB */
+    uint32_t max_concurrent_streams; /* SETTINGS_MAX_CONCURRENT_STREAMS per connection; 100 */
+    uint32_t max_header_list_bytes;  /* SETTINGS_MAX_HEADER_LIST_SIZE, enforced; 16 KiB */
+    uint32_t initial_window_bytes;   /* receive window per stream and connection; 1 MiB */
+    size_t send_queue_bytes;         /* per call: a send beyond this many queued bytes
+                                      * returns TD_ERR_BUSY; 256 KiB */
+    uint32_t max_connections;        /* further connections are closed at once; 1024 */
+    td_metrics_t *metrics;           /* optional: counts tandem_grpc_server_handled_total */
+} td_grpc_server_config_t;
+
+td_grpc_server_config_t td_grpc_server_config_default(void);
+
+/* A method handler: `request` is the unpacked request (of the descriptor given at
+ * registration), valid during this call only. `data` is the registration's data. */
+typedef void (*td_grpc_handler_cb)(td_grpc_call_t *call, const ProtobufCMessage *request,
+                                   void *data);
+
+/* The stream ended before the handler finished. `why`: TD_ERR_CANCELLED (client reset
+ * the stream or the connection was lost), TD_ERR_TIMEOUT (deadline; the client already
+ * got DEADLINE_EXCEEDED) or TD_ERR_CLOSED (server closing). Runs at most once. */
+typedef void (*td_grpc_cancel_cb)(td_grpc_call_t *call, td_status_t why, void *call_data);
+
+/* The send queue drained below half of send_queue_bytes after a send returned BUSY. */
+typedef void (*td_grpc_writable_cb)(td_grpc_call_t *call, void *call_data);
+
+/*
+ * Binds and listens on cfg->host:cfg->port. Errors (nothing to close, except that the
+ * loop still has to run once to finish closing the failed listener): TD_ERR_INVALID
+ * (bad address or limits), TD_ERR_IO (bind/listen failed: the libuv message, e.g.
+ * "address already in use"), TD_ERR_NOMEM.
+ */
+td_status_t td_grpc_server_create(uv_loop_t *loop, const td_grpc_server_config_t *cfg,
+                                  td_grpc_server_t **srv_p);
+
+/* The bound port (the ephemeral one when cfg.port was 0). */
+uint16_t td_grpc_server_port(const td_grpc_server_t *srv);
+
+/*
+ * Routes `path` ("/package.Service/Method", copied) to `cb`; requests are unpacked as
+ * `request_desc`. Unary and server-streaming methods look the same here: one request,
+ * then zero or more responses (a unary handler sends exactly one). Unknown paths get
+ * UNIMPLEMENTED. Errors: TD_ERR_INVALID (path not of that shape, or already registered),
+ * TD_ERR_NOMEM.
+ */
+td_status_t td_grpc_server_add_method(td_grpc_server_t *srv, const char *path,
+                                      const ProtobufCMessageDescriptor *request_desc,
+                                      td_grpc_handler_cb cb, void *data);
+
+/*
+ * Stops listening, closes every connection (running each unfinished call's cancel
+ * callback with TD_ERR_CLOSED) and frees the server once every call has been finished by
+ * its handler and every handle has closed; then `cb` (may be NULL) runs. NULL is a no-op.
+ */
+void td_grpc_server_close(td_grpc_server_t *srv, void (*cb)(void *data), void *data);
+
+/* Live connections (for tests and metrics). */
+uint32_t td_grpc_server_connections(const td_grpc_server_t *srv);
+
+/* The full method path of the call, e.g. "/tandem.v1.Generation/Generate". */
+const char *td_grpc_call_method(const td_grpc_call_t *call);
+
+/* The call's deadline in uv_now() milliseconds of the server's loop, or 0 when the client
+ * gave no grpc-timeout. */
+uint64_t td_grpc_call_deadline(const td_grpc_call_t *call);
+
+/* Attaches handler state, passed to the cancel and writable callbacks. */
+void td_grpc_call_set_data(td_grpc_call_t *call, void *call_data);
+void *td_grpc_call_data(const td_grpc_call_t *call);
+
+void td_grpc_call_on_cancel(td_grpc_call_t *call, td_grpc_cancel_cb cb);
+void td_grpc_call_on_writable(td_grpc_call_t *call, td_grpc_writable_cb cb);
+
+/* True once the stream ended early (the cancel callback ran or is about to). */
+bool td_grpc_call_is_cancelled(const td_grpc_call_t *call);
+
+/* Bytes packed but not yet handed to HTTP/2 (bounded by send_queue_bytes + one message). */
+size_t td_grpc_call_queued_bytes(const td_grpc_call_t *call);
+
+/*
+ * Packs and queues one response message. TD_OK: queued. TD_ERR_BUSY: not queued, the
+ * queue is over send_queue_bytes: wait for the writable callback (registered with
+ * td_grpc_call_on_writable) and send again. TD_ERR_CANCELLED: the stream is gone.
+ * TD_ERR_RANGE: the message exceeds max_message_bytes. TD_ERR_NOMEM. Never after finish.
+ */
+td_status_t td_grpc_call_send(td_grpc_call_t *call, const ProtobufCMessage *msg);
+
+/*
+ * Ends the call: queued messages go out, then trailers with `code` and `message` (may be
+ * NULL; percent-encoded on the wire). Exactly once per call; the call is invalid
+ * afterwards. After a cancel it only releases the call.
+ */
+void td_grpc_call_finish(td_grpc_call_t *call, td_grpc_code_t code, const char *message);
+
+/* Unary convenience: queues `msg` (ignoring the send queue bound) and finishes with OK;
+ * if packing fails it finishes with INTERNAL instead. */
+void td_grpc_call_reply(td_grpc_call_t *call, const ProtobufCMessage *msg);
+
+/* ---- client ------------------------------------------------------------------------- */
+
+typedef struct td_grpc_channel td_grpc_channel_t;
+typedef struct td_grpc_client_call td_grpc_client_call_t;
+
+typedef struct td_grpc_channel_config {
+    size_t max_message_bytes;        /* largest request sent / response accepted; 4 MiB */
+    uint32_t initial_window_bytes;   /* receive window per stream and connection; 1 MiB */
+    uint32_t max_header_list_bytes;  /* 16 KiB */
+} td_grpc_channel_config_t;
+
+td_grpc_channel_config_t td_grpc_channel_config_default(void);
+
+/* One response message, valid during the call only. */
+typedef void (*td_grpc_message_cb)(td_grpc_client_call_t *call, const ProtobufCMessage *msg,
+                                   void *data);
+
+/* The call ended: exactly once per call started with TD_OK. `message` ("" when none) is
+ * valid during the call; the call handle is freed right after this returns. Local
+ * failures use the gRPC codes too: a lost or refused connection → UNAVAILABLE, the
+ * client-side deadline → DEADLINE_EXCEEDED, td_grpc_client_call_cancel → CANCELLED, a
+ * response over max_message_bytes → RESOURCE_EXHAUSTED, one that does not parse or a
+ * compressed one → INTERNAL. */
+typedef void (*td_grpc_done_cb)(td_grpc_client_call_t *call, td_grpc_code_t code,
+                                const char *message, void *data);
+
+typedef struct td_grpc_call_opts {
+    const ProtobufCMessageDescriptor *response_desc; /* how to unpack responses */
+    td_grpc_message_cb on_message;                   /* may be NULL */
+    td_grpc_done_cb on_done;                         /* required */
+    void *data;
+    uint32_t timeout_ms;                             /* 0 = no deadline; sent as grpc-timeout */
+    /* Instead of a message: raw request bytes, sent framed as they are (proxies, tests of
+     * malformed input). Used when the request message is NULL. */
+    const void *raw_request;
+    size_t raw_request_len;
+} td_grpc_call_opts_t;
+
+/*
+ * Starts connecting to host:port (an IP literal or "localhost") and returns the channel at
+ * once; calls made before the connection is up are queued. The channel does not
+ * reconnect: once its connection fails every call ends with UNAVAILABLE and new calls
+ * are refused; close it and create another. Errors: TD_ERR_INVALID (bad address),
+ * TD_ERR_NOMEM, TD_ERR_IO.
+ */
+td_status_t td_grpc_channel_create(uv_loop_t *loop, const char *host, uint16_t port,
+                                   const td_grpc_channel_config_t *cfg,
+                                   td_grpc_channel_t **ch_p);
+
+/* True until the connection failed or the peer sent GOAWAY. */
+bool td_grpc_channel_is_usable(const td_grpc_channel_t *ch);
+
+/*
+ * Ends every unfinished call with CANCELLED ("channel closed"), closes the connection and
+ * frees the channel; `cb` (may be NULL) runs when every handle has closed. NULL is a no-op.
+ * Safe to call from the channel's own callbacks.
+ */
+void td_grpc_channel_close(td_grpc_channel_t *ch, void (*cb)(void *data), void *data);
+
+/*
+ * Starts a unary or server-streaming call of `method` ("/pkg.Service/Method") with
+ * `request` (packed before returning; NULL → opts->raw_request). Responses reach
+ * opts->on_message, the end opts->on_done. *call_p (may be NULL) is valid until on_done
+ * returns. Errors (no callback will run): TD_ERR_INVALID (bad method or opts),
+ * TD_ERR_RANGE (request over max_message_bytes), TD_ERR_UNAVAILABLE (the channel failed
+ * or is closing), TD_ERR_NOMEM.
+ */
+td_status_t td_grpc_channel_call(td_grpc_channel_t *ch, const char *method,
+                                 const ProtobufCMessage *request,
+                                 const td_grpc_call_opts_t *opts, td_grpc_client_call_t **call_p);
+
+/* Cancels the call (RST_STREAM CANCEL to the server); on_done runs with CANCELLED before
+ * this returns, unless the call had already ended. */
+void td_grpc_client_call_cancel(td_grpc_client_call_t *call);
+
+/*
+ * Pauses / resumes delivery. While paused, received bytes are buffered and not
+ * acknowledged to HTTP/2 flow control, so the server is held back by the stream window
+ * (a slow consumer back-pressures the producer). Resuming delivers what was buffered
+ * (and the end, if it came meanwhile) before returning.
+ */
+void td_grpc_client_call_pause(td_grpc_client_call_t *call, bool paused);
+
+#endif /* TD_GRPC_H */

@@ -1,0 +1,358 @@
+/*
+ * td_grpc_wire: the shared gRPC wire helpers of td_grpc_wire.h.
+ */
+#include "td_grpc_wire.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "td_util.h"
+
+const char *td_grpc_code_name(td_grpc_code_t code)
+{
+    switch (code) {
+#define TD_GRPC_CODE_STR(name, c) \
+    case TD_GRPC_##name:          \
+        return #name;
+        TD_GRPC_CODE_MAP(TD_GRPC_CODE_STR)
+#undef TD_GRPC_CODE_STR
+    }
+    return "UNKNOWN";
+}
+
+td_grpc_code_t td_grpc_code_from_status(td_status_t st)
+{
+    switch (st) {
+    case TD_OK: return TD_GRPC_OK;
+    case TD_ERR_INVALID:
+    case TD_ERR_FORMAT:
+    case TD_ERR_RANGE: return TD_GRPC_INVALID_ARGUMENT;
+    case TD_ERR_NOT_FOUND: return TD_GRPC_NOT_FOUND;
+    case TD_ERR_NOMEM:
+    case TD_ERR_EXHAUSTED:
+    case TD_ERR_BUSY: return TD_GRPC_RESOURCE_EXHAUSTED;
+    case TD_ERR_TIMEOUT: return TD_GRPC_DEADLINE_EXCEEDED;
+    case TD_ERR_CANCELLED: return TD_GRPC_CANCELLED;
+    case TD_ERR_UNAVAILABLE:
+    case TD_ERR_CLOSED: return TD_GRPC_UNAVAILABLE;
+    case TD_ERR_MISMATCH:
+    case TD_ERR_STALE: return TD_GRPC_FAILED_PRECONDITION;
+    case TD_ERR_UNSUPPORTED: return TD_GRPC_UNIMPLEMENTED;
+    default: return TD_GRPC_INTERNAL;
+    }
+}
+
+td_grpc_code_t td_grpc_code_from_http(int s)
+{
+    switch (s) {
+    case 400: return TD_GRPC_INTERNAL;
+    case 401: return TD_GRPC_UNAUTHENTICATED;
+    case 403: return TD_GRPC_PERMISSION_DENIED;
+    case 404: return TD_GRPC_UNIMPLEMENTED;
+    case 429:
+    case 502:
+    case 503:
+    case 504: return TD_GRPC_UNAVAILABLE;
+    default: return TD_GRPC_UNKNOWN;
+    }
+}
+
+bool td_grpc_buf_reserve(td_grpc_buf_t *b, size_t more)
+{
+    if (b->off && b->cap - b->len < more) {
+        memmove(b->data, b->data + b->off, b->len - b->off);
+        b->len -= b->off;
+        b->off = 0;
+    }
+    if (b->cap - b->len >= more)
+        return true;
+    size_t cap = b->cap ? b->cap : 256;
+    while (cap - b->len < more) {
+        if (cap > SIZE_MAX / 2)
+            return false;
+        cap *= 2;
+    }
+    uint8_t *d = realloc(b->data, cap);
+    if (!d)
+        return false;
+    b->data = d;
+    b->cap = cap;
+    return true;
+}
+
+bool td_grpc_buf_append(td_grpc_buf_t *b, const void *p, size_t n)
+{
+    if (!td_grpc_buf_reserve(b, n))
+        return false;
+    memcpy(b->data + b->len, p, n);
+    b->len += n;
+    return true;
+}
+
+void td_grpc_buf_consume(td_grpc_buf_t *b, size_t n)
+{
+    TD_ASSERT(n <= b->len - b->off);
+    b->off += n;
+    if (b->off == b->len)
+        b->off = b->len = 0;
+}
+
+void td_grpc_buf_free(td_grpc_buf_t *b)
+{
+    free(b->data);
+    *b = (td_grpc_buf_t){0};
+}
+
+static void put_prefix(uint8_t *p, size_t n)
+{
+    p[0] = 0;
+    p[1] = (uint8_t)(n >> 24);
+    p[2] = (uint8_t)(n >> 16);
+    p[3] = (uint8_t)(n >> 8);
+    p[4] = (uint8_t)n;
+}
+
+td_status_t td_grpc_buf_put_message(td_grpc_buf_t *b, const ProtobufCMessage *msg, size_t max_bytes)
+{
+    size_t n = protobuf_c_message_get_packed_size(msg);
+    if (n > max_bytes || n > UINT32_MAX)
+        return td_errorf_quiet(TD_ERR_RANGE, "grpc: message of %zu bytes exceeds the limit of %zu",
+                               n, max_bytes);
+    if (!td_grpc_buf_reserve(b, TD_GRPC_PREFIX_BYTES + n))
+        return td_errorf(TD_ERR_NOMEM, "grpc: out of memory queueing a %zu byte message", n);
+    uint8_t *p = b->data + b->len;
+    put_prefix(p, n);
+    size_t w = protobuf_c_message_pack(msg, p + TD_GRPC_PREFIX_BYTES);
+    TD_ASSERT(w == n);
+    b->len += TD_GRPC_PREFIX_BYTES + n;
+    return TD_OK;
+}
+
+td_status_t td_grpc_buf_put_raw(td_grpc_buf_t *b, const void *data, size_t n, size_t max_bytes)
+{
+    if (n > max_bytes || n > UINT32_MAX)
+        return td_errorf_quiet(TD_ERR_RANGE, "grpc: message of %zu bytes exceeds the limit of %zu",
+                               n, max_bytes);
+    if (!td_grpc_buf_reserve(b, TD_GRPC_PREFIX_BYTES + n))
+        return td_errorf(TD_ERR_NOMEM, "grpc: out of memory queueing a %zu byte message", n);
+    put_prefix(b->data + b->len, n);
+    if (n)
+        memcpy(b->data + b->len + TD_GRPC_PREFIX_BYTES, data, n);
+    b->len += TD_GRPC_PREFIX_BYTES + n;
+    return TD_OK;
+}
+
+bool td_grpc_peek_prefix(const td_grpc_buf_t *b, uint8_t *compressed, uint32_t *len)
+{
+    if (td_grpc_buf_size(b) < TD_GRPC_PREFIX_BYTES)
+        return false;
+    const uint8_t *p = b->data + b->off;
+    *compressed = p[0];
+    *len = (uint32_t)p[1] << 24 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 8 | p[4];
+    return true;
+}
+
+/* ---- bounded unpacking -------------------------------------------------------------- */
+
+typedef struct budget {
+    size_t left;
+} budget_t;
+
+/* Each block carries a 16-byte header: word 0 its size (so free can return it to the
+ * budget), word 1 unused except in the top-level message's block, where
+ * td_grpc_unpack keeps the allocator that must free the whole message. */
+static void *budget_alloc(void *data, size_t size)
+{
+    budget_t *b = data;
+    if (size > b->left || b->left - size < 16)
+        return NULL;
+    size_t *p = malloc(size + 16);
+    if (!p)
+        return NULL;
+    p[0] = size;
+    b->left -= size + 16;
+    return (char *)p + 16;
+}
+
+static void budget_free(void *data, void *ptr)
+{
+    budget_t *b = data;
+    if (!ptr)
+        return;
+    size_t *p = (size_t *)((char *)ptr - 16);
+    b->left += p[0] + 16;
+    free(p);
+}
+
+/* The allocator of one unpacked message and its remaining budget. */
+typedef struct unpacked_hdr {
+    budget_t budget;
+    ProtobufCAllocator alloc;
+} unpacked_hdr_t;
+
+ProtobufCMessage *td_grpc_unpack(const ProtobufCMessageDescriptor *desc, const uint8_t *p, size_t n)
+{
+    unpacked_hdr_t *h = malloc(sizeof *h);
+    if (!h)
+        return NULL;
+    size_t bound = n > (SIZE_MAX - 65536) / 16 ? SIZE_MAX : n * 16 + 65536;
+    h->budget.left = bound;
+    h->alloc = (ProtobufCAllocator){budget_alloc, budget_free, &h->budget};
+    ProtobufCMessage *m = protobuf_c_message_unpack(desc, &h->alloc, n, p);
+    if (!m) {
+        free(h);
+        return NULL;
+    }
+    /* protobuf-c allocates the top-level message first, through our allocator, so it
+     * starts a block of ours: word 1 of its header holds the allocator to free with. */
+    void **slot = (void **)((char *)m - 16) + 1; /* second word of the 16-byte header */
+    *slot = h;
+    return m;
+}
+
+void td_grpc_free_unpacked(ProtobufCMessage *m)
+{
+    if (!m)
+        return;
+    unpacked_hdr_t *h = *((void **)((char *)m - 16) + 1);
+    protobuf_c_message_free_unpacked(m, &h->alloc);
+    free(h);
+}
+
+/* ---- header encodings --------------------------------------------------------------- */
+
+bool td_grpc_parse_timeout(const char *v, size_t n, uint64_t *ms)
+{
+    if (n < 2 || n > 9)
+        return false;
+    uint64_t x = 0;
+    for (size_t i = 0; i + 1 < n; i++) {
+        if (v[i] < '0' || v[i] > '9')
+            return false;
+        x = x * 10 + (uint64_t)(v[i] - '0');
+    }
+    uint64_t out;
+    switch (v[n - 1]) {
+    case 'H': out = x * 3600000u; break;
+    case 'M': out = x * 60000u; break;
+    case 'S': out = x * 1000u; break;
+    case 'm': out = x; break;
+    case 'u': out = (x + 999) / 1000; break;
+    case 'n': out = (x + 999999) / 1000000; break;
+    default: return false;
+    }
+    *ms = out ? out : 1;
+    return true;
+}
+
+char *td_grpc_percent_encode(const char *s)
+{
+    size_t n = 0;
+    for (const unsigned char *p = (const unsigned char *)s; *p; p++)
+        n += (*p < 0x20 || *p > 0x7e || *p == '%') ? 3 : 1;
+    char *out = malloc(n + 1), *o = out;
+    if (!out)
+        return NULL;
+    for (const unsigned char *p = (const unsigned char *)s; *p; p++) {
+        if (*p < 0x20 || *p > 0x7e || *p == '%')
+            o += sprintf(o, "%%%02X", *p);
+        else
+            *o++ = (char)*p;
+    }
+    *o = '\0';
+    return out;
+}
+
+static int hexval(uint8_t c)
+{
+    if (c >= '0' && c <= '9')
+        return c - '0';
+    if (c >= 'a' && c <= 'f')
+        return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F')
+        return c - 'A' + 10;
+    return -1;
+}
+
+char *td_grpc_percent_decode(const uint8_t *s, size_t n)
+{
+    char *out = malloc(n + 1), *o = out;
+    if (!out)
+        return NULL;
+    for (size_t i = 0; i < n; i++) {
+        int hi, lo;
+        if (s[i] == '%' && i + 2 < n && (hi = hexval(s[i + 1])) >= 0 &&
+            (lo = hexval(s[i + 2])) >= 0) {
+            *o++ = (char)(hi << 4 | lo);
+            i += 2;
+        } else {
+            *o++ = (char)s[i];
+        }
+    }
+    *o = '\0';
+    return out;
+}
+
+/* ---- output pump -------------------------------------------------------------------- */
+
+typedef struct wreq {
+    uv_write_t req;
+    int *in_flight;
+    uint8_t data[];
+} wreq_t;
+
+void td_grpc_write_done(uv_write_t *req)
+{
+    wreq_t *w = (wreq_t *)req;
+    (*w->in_flight)--;
+    free(w);
+}
+
+int td_grpc_pump(nghttp2_session *s, uv_stream_t *stream, void *owner, uv_write_cb write_cb,
+                 int *writes_in_flight)
+{
+    while (uv_stream_get_write_queue_size(stream) < TD_GRPC_WRITE_HIGH &&
+           nghttp2_session_want_write(s)) {
+        wreq_t *w = NULL;
+        size_t len = 0, cap = 0;
+        for (;;) {
+            const uint8_t *p;
+            ssize_t n = nghttp2_session_mem_send(s, &p);
+            if (n < 0) {
+                free(w);
+                return (int)n;
+            }
+            if (n == 0)
+                break;
+            if (len + (size_t)n > cap) {
+                size_t ncap = cap ? cap : TD_GRPC_WRITE_CHUNK;
+                while (ncap < len + (size_t)n)
+                    ncap *= 2;
+                wreq_t *nw = realloc(w, sizeof *w + ncap);
+                if (!nw) {
+                    free(w);
+                    return NGHTTP2_ERR_NOMEM;
+                }
+                w = nw;
+                cap = ncap;
+            }
+            memcpy(w->data + len, p, (size_t)n);
+            len += (size_t)n;
+            if (len >= TD_GRPC_WRITE_CHUNK)
+                break;
+        }
+        if (!w)
+            break;
+        w->req.data = owner;
+        w->in_flight = writes_in_flight;
+        uv_buf_t b = uv_buf_init((char *)w->data, (unsigned)len);
+        int rc = uv_write(&w->req, stream, &b, 1, write_cb);
+        if (rc < 0) {
+            free(w);
+            return rc;
+        }
+        (*writes_in_flight)++;
+    }
+    return 0;
+}

@@ -1,0 +1,98 @@
+/*
+ * td_metrics: a registry of Prometheus counters, gauges and histograms with label sets,
+ * rendered as text exposition format 0.0.4 (what `GET /metrics` serves, see td_http.h).
+ *
+ * A metric *family* has a name, help text, a type and a fixed list of label names; each
+ * distinct tuple of label values is a *series* (td_metric_t) created on first use and kept
+ * until the registry is destroyed, so hot paths look a series up once and keep the pointer.
+ * Updates are lock-free atomics for counters and gauges and take a per-series mutex for
+ * histograms: any thread may update. Registration and rendering take the registry lock.
+ * Naming conventions are in docs/metrics.md.
+ */
+#ifndef TD_METRICS_H
+#define TD_METRICS_H
+
+#include <stddef.h>
+
+#include "td_status.h"
+
+typedef struct td_metrics td_metrics_t;
+typedef struct td_metric_family td_metric_family_t;
+typedef struct td_metric td_metric_t;
+
+typedef enum td_metric_type {
+    TD_METRIC_COUNTER = 0,
+    TD_METRIC_GAUGE = 1,
+    TD_METRIC_HISTOGRAM = 2,
+} td_metric_type_t;
+
+#define TD_METRICS_MAX_LABELS 8
+#define TD_METRICS_MAX_BUCKETS 32
+
+/* Creates an empty registry (*reg_p). Errors: TD_ERR_NOMEM. */
+td_status_t td_metrics_create(td_metrics_t **reg_p);
+
+/* Frees the registry and every family and series in it; pointers to them die with it.
+ * NULL is a no-op. No other thread may use the registry any more. */
+void td_metrics_destroy(td_metrics_t *reg);
+
+/*
+ * Registers a family. `label_names` has n_labels entries (0..TD_METRICS_MAX_LABELS), each
+ * [a-zA-Z_][a-zA-Z0-9_]*, not starting with "__", and not "le" for histograms. `name` is
+ * [a-zA-Z_:][a-zA-Z0-9_:]*. For TD_METRIC_HISTOGRAM, `buckets` holds n_buckets strictly
+ * increasing finite upper bounds (+Inf is implicit); other types pass NULL, 0. Strings are
+ * copied. Registering the same name again with the same type and labels returns the
+ * existing family. Errors: TD_ERR_INVALID (bad name, labels, buckets, or a name already
+ * registered differently), TD_ERR_NOMEM. Thread-safe.
+ */
+td_status_t td_metrics_register(td_metrics_t *reg, td_metric_type_t type, const char *name,
+                                const char *help, const char *const *label_names,
+                                size_t n_labels, const double *buckets, size_t n_buckets,
+                                td_metric_family_t **fam_p);
+
+/*
+ * The series of `fam` for these label values (n_labels strings, in the family's label
+ * order, any UTF-8), created on first use. The pointer stays valid until the registry is
+ * destroyed. Errors: TD_ERR_INVALID (NULL value), TD_ERR_NOMEM. Thread-safe.
+ */
+td_status_t td_metric_family_get(td_metric_family_t *fam, const char *const *label_values,
+                                 td_metric_t **m_p);
+
+/* Shorthand: registers an unlabelled family and returns its one series. Same errors. */
+td_status_t td_metrics_counter(td_metrics_t *reg, const char *name, const char *help,
+                               td_metric_t **m_p);
+td_status_t td_metrics_gauge(td_metrics_t *reg, const char *name, const char *help,
+                             td_metric_t **m_p);
+td_status_t td_metrics_histogram(td_metrics_t *reg, const char *name, const char *help,
+                                 const double *buckets, size_t n_buckets, td_metric_t **m_p);
+
+/* Updates; any thread. Counters only go up: td_metric_add with v < 0 (or NaN) on a
+ * counter is ignored. td_metric_set is for gauges; td_metric_observe for histograms.
+ * Calling an update of the wrong type is a programming error (TD_ASSERT). */
+void td_metric_inc(td_metric_t *m);
+void td_metric_add(td_metric_t *m, double v);
+void td_metric_set(td_metric_t *m, double v);
+void td_metric_observe(td_metric_t *m, double v);
+
+/* Current value of a counter or gauge (for tests and for status RPCs). */
+double td_metric_value(const td_metric_t *m);
+
+/* Observations and sum of a histogram. */
+void td_metric_histogram_read(td_metric_t *m, unsigned long long *count_p, double *sum_p);
+
+/*
+ * Renders every family (in registration order; series in creation order) as Prometheus
+ * text format 0.0.4 into a malloc'ed NUL-terminated buffer (*text_p, caller frees; *len_p
+ * its length without the NUL). Families without series still get HELP/TYPE lines.
+ * Errors: TD_ERR_NOMEM. Thread-safe.
+ */
+td_status_t td_metrics_render(td_metrics_t *reg, char **text_p, size_t *len_p);
+
+/* The Content-Type of td_metrics_render's output. */
+#define TD_METRICS_CONTENT_TYPE "text/plain; version=0.0.4; charset=utf-8"
+
+/* Buckets for latencies in seconds, 100 µs .. 60 s (for TTFT, TPOT, RPC latency). */
+extern const double td_metrics_latency_buckets[];
+extern const size_t td_metrics_latency_n_buckets;
+
+#endif /* TD_METRICS_H */
