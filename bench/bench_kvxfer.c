@@ -1,0 +1,315 @@
+/*
+ * bench_kvxfer: `tandem bench kvxfer [--json] [--transport tcp|sm] [--iters N]`.
+ *
+ * Two processes on loopback (a forked receiver, this process the sender) move the KV of
+ * one request of 16..4096 tokens of a Llama-3-8B-shaped layout (32 layers, 8 KV heads,
+ * head dim 128, bf16, block 16: 64 KiB per block and layer) through td_xfer, layer by
+ * layer, and time begin -> receiver's verdict. In the same run, ucx_perftest (Debian's
+ * ucx-utils) measures ucp_put_bw and ucp_am_bw (the primitive td_xfer uses) on the same
+ * transport with the size of one td_xfer operation (one layer's run of blocks).
+ * Rows: transport, tokens, bytes, gbytes_per_s (bytes / p50), perftest_gbytes_per_s
+ * (put), perftest_am_gbytes_per_s, p50_us, p99_us.
+ */
+#include "td_bench.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "td_kv.h"
+#include "td_util.h"
+#include "td_xfer.h"
+
+#define KVX_MAX_TOKENS 4096
+#define KVX_MAX_BLOCKS (KVX_MAX_TOKENS / 16)
+
+static const td_kv_layout_t KVX_LAYOUT = {.model_fingerprint = 0x11a3a8b,
+                                          .dtype = TD_BF16,
+                                          .block_size = 16,
+                                          .n_layers = 32,
+                                          .n_kv_heads = 8,
+                                          .head_dim = 128,
+                                          .version = TD_KV_LAYOUT_VERSION};
+
+typedef struct kvx_lease {
+    uint64_t lease_id;
+    int32_t blocks[KVX_MAX_BLOCKS];
+} kvx_lease_t;
+
+static bool kvx_write(int fd, const void *p, size_t n)
+{
+    while (n) {
+        ssize_t w = write(fd, p, n);
+        if (w < 0 && errno == EINTR)
+            continue;
+        if (w <= 0)
+            return false;
+        p = (const char *)p + w;
+        n -= (size_t)w;
+    }
+    return true;
+}
+
+static bool kvx_read(int fd, void *p, size_t n)
+{
+    while (n) {
+        ssize_t r = read(fd, p, n);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r <= 0)
+            return false;
+        p = (char *)p + r;
+        n -= (size_t)r;
+    }
+    return true;
+}
+
+/* ---- receiver process: leases on request (pipe), adopts and frees ------------------------ */
+
+typedef struct kvx_rx {
+    td_xfer_t *x;
+    td_kv_cache_t *kv;
+    int rfd, wfd;
+    uv_poll_t pipe_poll;
+    bool stop;
+} kvx_rx_t;
+
+static void kvx_rx_ready(void *arg, const td_xfer_ready_t *r)
+{
+    kvx_rx_t *rx = arg;
+    for (int32_t i = 0; i < r->n_blocks; i++)
+        td_kv_unref_block(rx->kv, r->blocks[i]);
+}
+
+static void kvx_rx_on_pipe(uv_poll_t *h, int status, int events)
+{
+    kvx_rx_t *rx = h->data;
+    int32_t n_blocks;
+    kvx_lease_t l = {0};
+    if (!kvx_read(rx->rfd, &n_blocks, sizeof n_blocks) ||
+        td_xfer_lease_create(rx->x, 1, n_blocks, 60000, l.blocks, &l.lease_id) != TD_OK) {
+        rx->stop = true;
+        uv_poll_stop(h);
+        return;
+    }
+    kvx_write(rx->wfd, &l, sizeof l);
+}
+
+static int kvx_receiver(int rfd, int wfd)
+{
+    uv_loop_t loop;
+    uv_loop_init(&loop);
+    kvx_rx_t rx = {.rfd = rfd, .wfd = wfd};
+    uint32_t n_blocks = KVX_MAX_BLOCKS + 8;
+    td_kv_config_t kc = {.n_blocks = (int32_t)n_blocks, .block_size = 16};
+    void *pool = malloc(td_kv_pool_bytes(&KVX_LAYOUT, n_blocks));
+    td_xfer_config_t cfg = td_xfer_config_default();
+    cfg.name = "kvx-rx";
+    if (!pool || td_kv_cache_create(&kc, &rx.kv) != TD_OK || td_xfer_create(&loop, &cfg, &rx.x) != TD_OK)
+        return 2;
+    memset(pool, 0, td_kv_pool_bytes(&KVX_LAYOUT, n_blocks)); /* first touch outside the timing */
+    td_xfer_pool_t p = {.layout = KVX_LAYOUT, .base = pool, .n_blocks = n_blocks, .kv = rx.kv};
+    uint8_t desc[TD_XFER_DESC_MAX];
+    size_t len;
+    if (td_xfer_register_pool(rx.x, &p, kvx_rx_ready, &rx) != TD_OK ||
+        td_xfer_describe(rx.x, desc, sizeof desc, &len) != TD_OK)
+        return 3;
+    kvx_write(wfd, &len, sizeof len);
+    kvx_write(wfd, desc, len);
+    uv_poll_init(&loop, &rx.pipe_poll, rfd);
+    rx.pipe_poll.data = &rx;
+    uv_poll_start(&rx.pipe_poll, UV_READABLE, kvx_rx_on_pipe);
+    while (!rx.stop)
+        uv_run(&loop, UV_RUN_ONCE);
+    uv_close((uv_handle_t *)&rx.pipe_poll, NULL);
+    td_xfer_destroy(rx.x);
+    uv_run(&loop, UV_RUN_NOWAIT);
+    uv_loop_close(&loop);
+    td_kv_cache_destroy(rx.kv);
+    free(pool);
+    return 0;
+}
+
+/* ---- ucx_perftest ------------------------------------------------------------------------ */
+
+/* Overall bandwidth in GB/s of `ucx_perftest -t test -s size`, or -1 when it cannot run. */
+static double kvx_perftest(const char *test, size_t size, int port)
+{
+    char cmd[512];
+    size_t iters = TD_MAX((size_t)20, TD_MIN((size_t)2000, ((size_t)256 << 20) / size));
+    snprintf(cmd, sizeof cmd,
+             "(timeout 60 ucx_perftest -p %d >/dev/null 2>&1 &) ; sleep 0.3; "
+             "timeout 60 ucx_perftest 127.0.0.1 -p %d -t %s -s %zu -n %zu 2>/dev/null | grep '^Final:'",
+             port, port, test, size, iters);
+    FILE *f = popen(cmd, "r");
+    if (!f)
+        return -1;
+    char line[512];
+    double mbs = -1;
+    if (fgets(line, sizeof line, f)) {
+        double v[8];
+        if (sscanf(line, "Final: %lf %lf %lf %lf %lf %lf", &v[0], &v[1], &v[2], &v[3], &v[4], &v[5]) == 6)
+            mbs = v[5]; /* overall MB/s, MB = 2^20 */
+    }
+    pclose(f);
+    return mbs < 0 ? -1 : mbs * 1048576.0 / 1e9;
+}
+
+/* ---- sender ------------------------------------------------------------------------------ */
+
+typedef struct kvx_tx {
+    bool done;
+    td_status_t st;
+} kvx_tx_t;
+
+static void kvx_on_done(void *arg, uint64_t request_id, td_status_t st)
+{
+    kvx_tx_t *t = arg;
+    t->done = true;
+    t->st = st;
+}
+
+static int kvx_cmp(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+int bench_kvxfer(int argc, char **argv)
+{
+    bool json = false;
+    const char *transport = "tcp";
+    int64_t iters = 20;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--json"))
+            json = true;
+        else if (!strcmp(argv[i], "--transport") && i + 1 < argc)
+            transport = argv[++i];
+        else if (!strcmp(argv[i], "--iters") && i + 1 < argc) {
+            if (td_parse_i64(argv[++i], 1, 100000, "--iters", &iters) != TD_OK)
+                return 2;
+        } else {
+            fprintf(stderr, "usage: tandem bench kvxfer [--json] [--transport tcp|sm] [--iters N]\n");
+            return 2;
+        }
+    }
+    if (strcmp(transport, "tcp") && strcmp(transport, "sm")) {
+        fprintf(stderr, "kvxfer: --transport must be tcp or sm, not %s\n", transport);
+        return 2;
+    }
+    /* sm needs tcp beside it for the listener's connection establishment. */
+    setenv("UCX_TLS", strcmp(transport, "sm") ? "tcp" : "sm,tcp", 1);
+    if (!strcmp(transport, "sm"))
+        setenv("UCX_MM_ERROR_HANDLING", "y", 1); /* shm with peer error handling */
+    setenv("UCX_NET_DEVICES", "lo", 1);
+    setenv("UCX_TCP_CM_REUSEADDR", "y", 1);
+    setenv("UCX_SOCKADDR_TLS_PRIORITY", "tcp", 1);
+    setenv("UCX_WARN_UNUSED_ENV_VARS", "n", 1);
+
+    int to_rx[2], to_tx[2];
+    if (pipe(to_rx) || pipe(to_tx))
+        return 1;
+    pid_t pid = fork();
+    if (pid < 0)
+        return 1;
+    if (pid == 0) {
+        close(to_rx[1]);
+        close(to_tx[0]);
+        _exit(kvx_receiver(to_rx[0], to_tx[1]));
+    }
+    close(to_rx[0]);
+    close(to_tx[1]);
+
+    int rc = 1;
+    uv_loop_t loop;
+    uv_loop_init(&loop);
+    td_xfer_t *x = NULL;
+    td_xfer_peer_t *peer;
+    uint8_t desc[TD_XFER_DESC_MAX];
+    size_t len;
+    uint32_t src_blocks = KVX_MAX_BLOCKS;
+    size_t pool_bytes = td_kv_pool_bytes(&KVX_LAYOUT, src_blocks);
+    uint8_t *pool = malloc(pool_bytes);
+    int32_t src[KVX_MAX_BLOCKS];
+    double *lat = malloc((size_t)iters * sizeof *lat);
+    td_xfer_config_t cfg = td_xfer_config_default();
+    cfg.name = "kvx-tx";
+    cfg.listen_ip = NULL;
+    if (!pool || !lat || !kvx_read(to_tx[0], &len, sizeof len) || len > sizeof desc || !kvx_read(to_tx[0], desc, len))
+        goto out;
+    for (size_t i = 0; i < pool_bytes; i += 8)
+        memcpy(pool + i, &i, 8);
+    for (int32_t i = 0; i < KVX_MAX_BLOCKS; i++)
+        src[i] = i;
+    if (td_xfer_create(&loop, &cfg, &x) != TD_OK ||
+        td_xfer_connect(x, desc, len, &KVX_LAYOUT, &peer) != TD_OK)
+        goto out;
+
+    static const uint32_t sizes[] = {16, 64, 256, 1024, 4096};
+    size_t bb = td_kv_block_bytes(&KVX_LAYOUT);
+    if (json)
+        printf("[");
+    else
+        printf("%-9s %7s %12s %10s %12s %12s %10s %10s\n", "transport", "tokens", "bytes", "GB/s", "put_bw GB/s",
+               "am_bw GB/s", "p50 us", "p99 us");
+    for (size_t k = 0; k < TD_ARRAY_LEN(sizes); k++) {
+        uint32_t tokens = sizes[k];
+        int32_t nb = (int32_t)TD_DIV_CEIL(tokens, KVX_LAYOUT.block_size);
+        size_t bytes = (size_t)KVX_LAYOUT.n_layers * (size_t)nb * bb;
+        for (int64_t it = -2; it < iters; it++) { /* two warm-up transfers */
+            kvx_lease_t l;
+            if (!kvx_write(to_rx[1], &nb, sizeof nb) || !kvx_read(to_tx[0], &l, sizeof l))
+                goto out;
+            kvx_tx_t t = {0};
+            td_xfer_send_params_t p = {.request_id = 1, .lease_id = l.lease_id, .dst_blocks = l.blocks,
+                                       .n_dst_blocks = nb, .n_tokens = tokens, .done = kvx_on_done, .arg = &t};
+            td_xfer_send_t *s;
+            uint64_t t0 = td_now_ns();
+            if (td_xfer_send_begin(x, peer, &p, &s) != TD_OK)
+                goto out;
+            for (uint32_t layer = 0; layer < KVX_LAYOUT.n_layers; layer++)
+                td_xfer_send_layer(s, layer, pool + td_kv_block_offset(&KVX_LAYOUT, src_blocks, layer, 0), src);
+            td_xfer_send_finish(s, 0);
+            while (!t.done)
+                uv_run(&loop, UV_RUN_ONCE);
+            if (t.st != TD_OK) {
+                fprintf(stderr, "kvxfer: transfer of %u tokens failed: %s\n", tokens, td_strerror(t.st));
+                goto out;
+            }
+            if (it >= 0)
+                lat[it] = (double)(td_now_ns() - t0) * 1e-3;
+        }
+        qsort(lat, (size_t)iters, sizeof *lat, kvx_cmp);
+        double p50 = lat[iters / 2], p99 = lat[TD_MIN(iters - 1, (int64_t)(iters * 0.99))];
+        size_t op_bytes = (size_t)nb * bb; /* one layer's run of contiguous blocks = one operation */
+        double put = kvx_perftest("ucp_put_bw", op_bytes, 13400 + (int)k * 2);
+        double am = kvx_perftest("ucp_am_bw", op_bytes, 13401 + (int)k * 2);
+        double gbs = (double)bytes / (p50 * 1e-6) / 1e9;
+        if (json)
+            printf("%s\n {\"transport\": \"%s\", \"tokens\": %u, \"bytes\": %zu, \"gbytes_per_s\": %.3f, "
+                   "\"perftest_gbytes_per_s\": %.3f, \"perftest_am_gbytes_per_s\": %.3f, \"p50_us\": %.1f, "
+                   "\"p99_us\": %.1f}",
+                   k ? "," : "", transport, tokens, bytes, gbs, put, am, p50, p99);
+        else
+            printf("%-9s %7u %12zu %10.3f %12.3f %12.3f %10.1f %10.1f\n", transport, tokens, bytes, gbs, put, am, p50,
+                   p99);
+        fflush(stdout);
+    }
+    if (json)
+        printf("\n]\n");
+    rc = 0;
+out:
+    close(to_rx[1]); /* the receiver stops at EOF */
+    int status;
+    waitpid(pid, &status, 0);
+    td_xfer_destroy(x);
+    uv_run(&loop, UV_RUN_NOWAIT);
+    uv_loop_close(&loop);
+    close(to_tx[0]);
+    free(pool);
+    free(lat);
+    return rc;
+}
