@@ -283,44 +283,68 @@ static int32_t select_top_k(td_sampler_t *s, int32_t vocab, int32_t k)
     return n;
 }
 
-/* Nucleus filter over probabilities cand[0..n) summing to 1. If not yet sorted, sorts only
- * the tokens above a threshold whose mass reaches top_p (lowering the threshold 16x per
- * try): every token of the nucleus is at least as likely as every token outside it, so the
- * nucleus lies inside that set. Returns the kept count (>= 1), cand sorted best first. */
-static int32_t apply_top_p(cand_t *cand, int32_t n, bool sorted, float top_p)
+/* Moves the entries of cand[lo..hi) that rank before cand[piv] (cmp_cand_desc order) to
+ * the front, then the pivot; returns the pivot's new index and their mass in *mass_p. */
+static int32_t partition_desc(cand_t *cand, int32_t lo, int32_t hi, int32_t piv, double *mass_p)
 {
+    cand_t pv = cand[piv];
+    cand[piv] = cand[hi - 1];
+    cand[hi - 1] = pv;
+    int32_t m = lo;
+    double mass = 0.0;
+    for (int32_t i = lo; i < hi - 1; i++) {
+        if (cand_worse(&pv, &cand[i])) {
+            cand_t c = cand[i];
+            cand[i] = cand[m];
+            cand[m++] = c;
+            mass += c.v;
+        }
+    }
+    cand[hi - 1] = cand[m];
+    cand[m] = pv;
+    *mass_p = mass;
+    return m;
+}
+
+/*
+ * Nucleus filter: keeps the smallest set of most likely tokens whose mass reaches
+ * top_p * total (weights need not be normalized) and returns its size (>= 1). If cand is
+ * sorted best first, a walk. Otherwise a quickselect on mass, O(n) expected: the kept
+ * tokens end up in cand[0..k) in no particular (but deterministic) order, which is all a
+ * draw needs; no full sort of a large vocabulary.
+ */
+static int32_t apply_top_p(cand_t *cand, int32_t n, bool sorted, double total, float top_p)
+{
+    const double target = (double)top_p * total;
+    int32_t lo = 0, hi = n;
+    double above = 0.0; /* mass of cand[0..lo), all in the nucleus */
     if (!sorted) {
-        float p_max = 0.0f;
-        for (int32_t i = 0; i < n; i++)
-            p_max = TD_MAX(p_max, cand[i].v);
-        for (float thr = p_max / 64.0f;; thr /= 16.0f) {
-            double mass = 0.0;
-            int32_t m = 0;
-            for (int32_t i = 0; i < n; i++)
-                if (cand[i].v >= thr)
-                    mass += cand[i].v;
-            if (mass >= top_p || thr < 1e-30f) {
-                for (int32_t i = 0; i < n; i++) /* partition; the sort below fixes the order */
-                    if (cand[i].v >= thr) {
-                        cand_t c = cand[i];
-                        cand[i] = cand[m];
-                        cand[m++] = c;
-                    }
-                if (thr < 1e-30f)
-                    m = n; /* everything left is (nearly) zero mass: keep it all */
-                n = m;
-                break;
+        while (hi - lo > 32) {
+            int32_t a = lo, b = lo + (hi - lo) / 2, c = hi - 1, piv; /* median of three */
+            if (cand_worse(&cand[a], &cand[b]))
+                piv = cand_worse(&cand[b], &cand[c]) ? b : (cand_worse(&cand[a], &cand[c]) ? c : a);
+            else
+                piv = cand_worse(&cand[a], &cand[c]) ? a : (cand_worse(&cand[b], &cand[c]) ? c : b);
+            double front;
+            int32_t m = partition_desc(cand, lo, hi, piv, &front);
+            if (above + front >= target) {
+                hi = m; /* the nucleus ends before the pivot */
+            } else if (above + front + cand[m].v >= target) {
+                return m + 1; /* ... exactly at the pivot */
+            } else {
+                above += front + cand[m].v;
+                lo = m + 1;
             }
         }
-        qsort(cand, (size_t)n, sizeof *cand, cmp_cand_desc);
+        qsort(cand + lo, (size_t)(hi - lo), sizeof *cand, cmp_cand_desc);
     }
-    double cum = 0.0;
-    for (int32_t i = 0; i < n; i++) {
+    double cum = above;
+    for (int32_t i = lo; i < hi; i++) {
         cum += cand[i].v;
-        if (cum >= top_p)
+        if (cum >= target)
             return i + 1;
     }
-    return n;
+    return TD_MAX(hi, 1);
 }
 
 td_status_t td_sampler_sample(td_sampler_t *sampler, const float *logits, int32_t vocab,
@@ -362,40 +386,35 @@ td_status_t td_sampler_sample(td_sampler_t *sampler, const float *logits, int32_
     if (n == 0)
         return td_errorf(TD_ERR_INVALID, "sampler: no finite logit among %d", vocab);
 
-    /* temperature + softmax; v becomes a probability */
+    /* temperature + softmax, left unnormalized: v becomes exp((logit - max) / T), so the
+     * most likely token has weight 1 and probabilities are v / total */
     float v_max = -INFINITY;
     for (int32_t i = 0; i < n; i++)
         v_max = TD_MAX(v_max, cand[i].v);
     const float inv_t = 1.0f / s->p.temperature;
-    double sum = 0.0;
+    double total = 0.0;
     for (int32_t i = 0; i < n; i++) {
         cand[i].v = expf((cand[i].v - v_max) * inv_t);
-        sum += cand[i].v;
-    }
-    const float inv_sum = (float)(1.0 / sum);
-    float p_max = 0.0f;
-    for (int32_t i = 0; i < n; i++) {
-        cand[i].v *= inv_sum;
-        p_max = TD_MAX(p_max, cand[i].v);
+        total += cand[i].v;
     }
 
-    if (s->p.top_p < 1.0f) {
-        n = apply_top_p(cand, n, sorted, s->p.top_p);
-        sorted = true;
-    }
+    if (s->p.top_p < 1.0f)
+        n = apply_top_p(cand, n, sorted, total, s->p.top_p);
     if (s->p.min_p > 0.0f) {
-        const float floor_p = s->p.min_p * p_max;
+        const float floor_w = s->p.min_p; /* min_p * p_max, in weights where p_max is 1 */
         int32_t m = 0;
         for (int32_t i = 0; i < n; i++)
-            if (cand[i].v >= floor_p)
+            if (cand[i].v >= floor_w)
                 cand[m++] = cand[i];
-        n = m; /* the most likely token always survives (min_p < 1) */
+        n = m; /* the most likely token (weight 1) always survives: min_p < 1 */
     }
 
     /* draw: one uniform per token, whatever the filters */
-    double total = 0.0;
-    for (int32_t i = 0; i < n; i++)
-        total += cand[i].v;
+    if (s->p.top_p < 1.0f || s->p.min_p > 0.0f) {
+        total = 0.0;
+        for (int32_t i = 0; i < n; i++)
+            total += cand[i].v;
+    }
     double r = uniform01(s->rng) * total, acc = 0.0;
     int32_t pick = cand[n - 1].id;
     for (int32_t i = 0; i < n; i++) {

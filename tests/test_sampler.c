@@ -245,18 +245,28 @@ Test(sampler, top_p_matches_a_full_sort)
 
 Test(sampler, top_p_renormalizes_the_nucleus)
 {
-    /* p = .5 .3 .15 .05: top_p .8 keeps the first two, drawn .625/.375 */
-    float l[4] = { logf(0.5f), logf(0.3f), logf(0.15f), logf(0.05f) };
+    /* p = .5 .3 .15 .05 among 2000 tokens (the rest ~e-30 each, so the selection runs on a
+     * large unsorted set): top_p .79 keeps the first two, drawn .625/.375 */
+    enum { V = 2000 };
+    static float l[V];
+    for (int i = 0; i < V; i++)
+        l[i] = -30.0f;
+    const int ids[4] = { 1500, 7, 999, 3 };
+    const float pr[4] = { 0.5f, 0.3f, 0.15f, 0.05f };
+    for (int i = 0; i < 4; i++)
+        l[ids[i]] = logf(pr[i]);
     td_sampling_t p = td_sampling_default();
     p.temperature = 1.0f;
     p.top_p = 0.79f;
     p.seed = 77;
     td_sampler_t *s = make(p);
-    int count[4] = { 0 };
-    for (int i = 0; i < 20000; i++)
-        count[draw(s, l, 4)]++;
-    cr_assert_eq(count[2] + count[3], 0);
-    cr_assert_float_eq(count[0] / 20000.0, 0.625, 0.02);
+    int first = 0;
+    for (int i = 0; i < 20000; i++) {
+        int32_t t = draw(s, l, V);
+        cr_assert(t == ids[0] || t == ids[1], "token %d outside the nucleus", t);
+        first += t == ids[0];
+    }
+    cr_assert_float_eq(first / 20000.0, 0.625, 0.02);
     td_sampler_destroy(s);
 }
 
