@@ -333,7 +333,8 @@ extern "C" td_status_t td_backend_cuda_create(const td_cuda_config_t *cfg, td_ba
     cudaError_t e = cudaGetDeviceCount(&n_dev);
     if (e != cudaSuccess || n_dev == 0) {
         (void)cudaGetLastError();
-        return td_errorf(TD_ERR_UNSUPPORTED, "cuda: no usable CUDA device (%s): run on a machine "
+        /* quiet: callers probe for a GPU and fall back; the CLI shows td_last_error() */
+        return td_errorf_quiet(TD_ERR_UNSUPPORTED, "cuda: no usable CUDA device (%s): run on a machine "
                          "with an NVIDIA GPU and driver, or use --device cpu",
                          e != cudaSuccess ? cudaGetErrorString(e) : "0 devices");
     }

@@ -1,0 +1,331 @@
+/*
+ * bench_kernels: `tandem bench kernels [--json] [--device N] [--iters N]`.
+ *
+ * Measures, in one process on one GPU, the two ceilings and then our kernels against them:
+ *   copy     device-to-device copy of 1 GiB: bytes read + written per second (the
+ *            bandwidth ceiling);
+ *   gemm     cuBLAS bf16 GEMM 8192^3 with fp32 accumulation through the backend's matmul
+ *            (the compute ceiling), TFLOP/s;
+ *   prefill  our prefill attention, 1 sequence of 4096 tokens, 32 heads (MHA), head_dim 128,
+ *            causal, bf16; TFLOP/s counted as 2*2*N^2*d*heads/2;
+ *   decode   our decode attention, batch 64, context 4096, 32 query / 8 KV heads, head_dim
+ *            128, bf16 cache in shuffled blocks of 16; bytes of KV read per second and that
+ *            as a fraction of the copy bandwidth.
+ * Everything goes through the backend interface (td_backend.h), so what is timed is what
+ * the engine runs. Each figure is the median over 5 rounds of `iters` back-to-back launches
+ * (synchronised before and after each round), after warm-up. Inputs are random, never zero.
+ * bench/sdpa_ref.py times PyTorch's SDPA on the same shapes for the comparison.
+ *
+ * Without a CUDA device (or built without CUDA) it says so and exits 1.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "td_backend.h"
+#include "td_bench.h"
+#include "td_util.h"
+
+typedef struct bench_kernels_result {
+    double copy_gbps;        /* read + write GB/s */
+    double gemm_tflops;
+    double prefill_tflops;
+    double prefill_ms;
+    double decode_gbps;      /* KV bytes read per second */
+    double decode_ms;
+    double decode_frac;      /* decode_gbps / copy_gbps */
+} bench_kernels_result_t;
+
+/* what a timed round runs */
+typedef td_status_t (*bench_kernels_fn)(td_backend_t *be, void *arg);
+
+static int bench_kernels_cmp(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* median seconds per call over 5 rounds of `iters` calls, after 2 warm-up calls */
+static td_status_t bench_kernels_time(td_backend_t *be, bench_kernels_fn fn, void *arg, int iters,
+                                      double *sec_p)
+{
+    double t[5];
+    td_status_t st;
+    for (int i = 0; i < 2; i++)
+        if ((st = fn(be, arg)) != TD_OK)
+            return st;
+    if ((st = be->ops->sync(be)) != TD_OK)
+        return st;
+    for (int r = 0; r < 5; r++) {
+        double t0 = td_now_s();
+        for (int i = 0; i < iters; i++)
+            if ((st = fn(be, arg)) != TD_OK)
+                return st;
+        if ((st = be->ops->sync(be)) != TD_OK)
+            return st;
+        t[r] = (td_now_s() - t0) / iters;
+    }
+    qsort(t, 5, sizeof(double), bench_kernels_cmp);
+    *sec_p = t[2];
+    return TD_OK;
+}
+
+/* fills n bytes of device memory with random bf16 values in [-1, 1], never zero */
+static td_status_t bench_kernels_fill(td_backend_t *be, void *dst, size_t bytes)
+{
+    size_t chunk = TD_MIN(bytes, (size_t)64 << 20);
+    uint16_t *h = malloc(chunk);
+    if (!h)
+        return td_errorf(TD_ERR_NOMEM, "bench kernels: cannot allocate %zu host bytes", chunk);
+    uint64_t s = 0x2545F4914F6CDD1Dull;
+    for (size_t i = 0; i < chunk / 2; i++) {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        float u = (float)((s >> 40) & 0xFFFF) / 65536.0f;
+        h[i] = td_f32_to_bf16((s & 1 ? 1.0f : -1.0f) * (0.05f + 0.95f * u));
+    }
+    td_status_t st = TD_OK;
+    for (size_t off = 0; off < bytes && st == TD_OK; off += chunk)
+        st = be->ops->copy_h2d(be, (char *)dst + off, h, TD_MIN(chunk, bytes - off));
+    if (st == TD_OK)
+        st = be->ops->sync(be);
+    free(h);
+    return st;
+}
+
+/* ---- copy ------------------------------------------------------------------------------------ */
+
+typedef struct bench_kernels_copy {
+    void *src, *dst;
+    size_t bytes;
+} bench_kernels_copy_t;
+
+static td_status_t bench_kernels_copy_run(td_backend_t *be, void *arg)
+{
+    bench_kernels_copy_t *c = arg;
+    return be->ops->copy_d2d(be, c->dst, c->src, c->bytes);
+}
+
+/* ---- gemm ------------------------------------------------------------------------------------ */
+
+static td_status_t bench_kernels_gemm_run(td_backend_t *be, void *arg)
+{
+    return be->ops->matmul(be, arg);
+}
+
+/* ---- attention ----------------------------------------------------------------------------- */
+
+typedef struct bench_kernels_attn {
+    td_attn_params_t p;
+    bool decode;
+} bench_kernels_attn_t;
+
+static td_status_t bench_kernels_attn_run(td_backend_t *be, void *arg)
+{
+    bench_kernels_attn_t *a = arg;
+    return a->decode ? be->ops->attn_decode(be, &a->p) : be->ops->attn_prefill(be, &a->p);
+}
+
+/* step metadata for n_seqs sequences of ctx tokens with q_len new rows each, blocks
+   shuffled across the pool; arrays freed by bench_kernels_step_free */
+typedef struct bench_kernels_step {
+    td_step_meta_t m;
+    int32_t *buf;
+} bench_kernels_step_t;
+
+static td_status_t bench_kernels_step_make(bench_kernels_step_t *s, int32_t n_seqs, int32_t q_len,
+                                           int32_t ctx, int32_t bs)
+{
+    int32_t nb = TD_DIV_CEIL(ctx, bs), n_tok = n_seqs * q_len, n_blocks = n_seqs * nb;
+    size_t n = 3 * (size_t)n_tok + 2 * (size_t)n_seqs + 1 + (size_t)n_blocks;
+    s->buf = malloc(n * sizeof(int32_t));
+    if (!s->buf)
+        return td_errorf(TD_ERR_NOMEM, "bench kernels: cannot allocate step metadata");
+    int32_t *tokens = s->buf, *pos = tokens + n_tok, *slots = pos + n_tok;
+    int32_t *seq_start = slots + n_tok, *seq_len = seq_start + n_seqs + 1, *bt = seq_len + n_seqs;
+    for (int32_t i = 0; i < n_blocks; i++)
+        bt[i] = i;
+    uint64_t r = 88172645463325252ull;
+    for (int32_t i = n_blocks - 1; i > 0; i--) {
+        r ^= r << 13;
+        r ^= r >> 7;
+        r ^= r << 17;
+        int32_t j = (int32_t)(r % (uint64_t)(i + 1)), t = bt[i];
+        bt[i] = bt[j];
+        bt[j] = t;
+    }
+    for (int32_t s_i = 0; s_i < n_seqs; s_i++) {
+        seq_start[s_i] = s_i * q_len;
+        seq_len[s_i] = ctx;
+        for (int32_t k = 0; k < q_len; k++) {
+            int32_t row = s_i * q_len + k, p = ctx - q_len + k;
+            tokens[row] = 1;
+            pos[row] = p;
+            slots[row] = bt[s_i * nb + p / bs] * bs + p % bs;
+        }
+    }
+    seq_start[n_seqs] = n_tok;
+    s->m = (td_step_meta_t){.n_tokens = n_tok, .n_seqs = n_seqs, .tokens = tokens,
+                            .positions = pos, .slots = slots, .seq_start = seq_start,
+                            .seq_len = seq_len, .block_tables = bt, .max_blocks = nb,
+                            .max_q_len = q_len, .max_seq_len = ctx};
+    return TD_OK;
+}
+
+/* times one attention op; fills *ms_p with milliseconds per call */
+static td_status_t bench_kernels_attn(td_backend_t *be, bool decode, int32_t n_seqs, int32_t q_len,
+                                      int32_t ctx, int32_t n_heads, int32_t n_kv, int32_t hd,
+                                      int iters, double *ms_p)
+{
+    const int32_t bs = 16;
+    td_kv_layout_t ly = {.model_fingerprint = 1, .dtype = TD_BF16, .block_size = bs, .n_layers = 1,
+                         .n_kv_heads = (uint32_t)n_kv, .head_dim = (uint32_t)hd,
+                         .version = TD_KV_LAYOUT_VERSION};
+    bench_kernels_step_t s = {0};
+    void *pool = NULL, *q = NULL, *out = NULL;
+    td_status_t st = bench_kernels_step_make(&s, n_seqs, q_len, ctx, bs);
+    if (st != TD_OK)
+        return st;
+    int32_t n_blocks = n_seqs * TD_DIV_CEIL(ctx, bs);
+    size_t pool_bytes = td_kv_pool_bytes(&ly, (uint32_t)n_blocks);
+    size_t q_bytes = (size_t)n_seqs * q_len * n_heads * hd * 2;
+    if ((st = be->ops->alloc(be, pool_bytes, &pool)) != TD_OK)
+        goto out_step;
+    if ((st = be->ops->alloc(be, q_bytes, &q)) != TD_OK)
+        goto out_pool;
+    if ((st = be->ops->alloc(be, q_bytes, &out)) != TD_OK)
+        goto out_q;
+    if ((st = bench_kernels_fill(be, pool, pool_bytes)) != TD_OK ||
+        (st = bench_kernels_fill(be, q, q_bytes)) != TD_OK ||
+        (st = be->ops->set_step(be, &s.m)) != TD_OK)
+        goto out_out;
+    bench_kernels_attn_t a = {
+        .p = {.q = q, .out = out, .kv_layer = pool, .layout = &ly, .n_blocks = n_blocks,
+              .n_heads = n_heads, .scale = 1.0f / sqrtf((float)hd), .partition_tokens = 0},
+        .decode = decode};
+    double sec = 0;
+    if ((st = bench_kernels_time(be, bench_kernels_attn_run, &a, iters, &sec)) == TD_OK)
+        *ms_p = sec * 1e3;
+out_out:
+    be->ops->free(be, out);
+out_q:
+    be->ops->free(be, q);
+out_pool:
+    be->ops->free(be, pool);
+out_step:
+    free(s.buf);
+    return st;
+}
+
+static td_status_t bench_kernels_measure(td_backend_t *be, int iters, bench_kernels_result_t *r)
+{
+    td_status_t st;
+    double sec = 0;
+
+    /* copy: 1 GiB */
+    bench_kernels_copy_t c = {NULL, NULL, (size_t)1 << 30};
+    if ((st = be->ops->alloc(be, c.bytes, &c.src)) != TD_OK)
+        return st;
+    if ((st = be->ops->alloc(be, c.bytes, &c.dst)) != TD_OK)
+        goto out_copy;
+    if ((st = bench_kernels_fill(be, c.src, c.bytes)) != TD_OK ||
+        (st = bench_kernels_time(be, bench_kernels_copy_run, &c, iters, &sec)) != TD_OK)
+        goto out_copy;
+    r->copy_gbps = 2.0 * c.bytes / sec / 1e9;
+out_copy:
+    be->ops->free(be, c.dst);
+    be->ops->free(be, c.src);
+    if (st != TD_OK)
+        return st;
+
+    /* gemm: bf16 8192^3 */
+    const int32_t g = 8192;
+    size_t gb = (size_t)g * g * 2;
+    void *x = NULL, *w = NULL, *y = NULL;
+    if ((st = be->ops->alloc(be, gb, &x)) != TD_OK)
+        return st;
+    if ((st = be->ops->alloc(be, gb, &w)) != TD_OK)
+        goto out_gemm;
+    if ((st = be->ops->alloc(be, gb, &y)) != TD_OK)
+        goto out_gemm;
+    td_matmul_params_t mp = {.m = g, .n = g, .k = g, .x = x, .w = w, .w_dtype = TD_BF16, .y = y};
+    if ((st = bench_kernels_fill(be, x, gb)) != TD_OK || (st = bench_kernels_fill(be, w, gb)) != TD_OK ||
+        (st = bench_kernels_time(be, bench_kernels_gemm_run, &mp, TD_MAX(iters / 2, 1), &sec)) != TD_OK)
+        goto out_gemm;
+    r->gemm_tflops = 2.0 * g * g * (double)g / sec / 1e12;
+out_gemm:
+    be->ops->free(be, y);
+    be->ops->free(be, w);
+    be->ops->free(be, x);
+    if (st != TD_OK)
+        return st;
+
+    /* prefill attention: 4096 tokens, 32 heads, hd 128, causal */
+    const double n = 4096, d = 128, heads = 32;
+    if ((st = bench_kernels_attn(be, false, 1, 4096, 4096, 32, 32, 128, iters, &r->prefill_ms)) != TD_OK)
+        return st;
+    r->prefill_tflops = 2.0 * 2.0 * n * n * d * heads / 2.0 / (r->prefill_ms * 1e-3) / 1e12;
+
+    /* decode attention: batch 64, ctx 4096, 32 q / 8 kv heads, hd 128 */
+    if ((st = bench_kernels_attn(be, true, 64, 1, 4096, 32, 8, 128, iters, &r->decode_ms)) != TD_OK)
+        return st;
+    double kv_bytes = 64.0 * 4096 * 8 * 128 * 2 /* K and V */ * 2 /* bf16 */;
+    r->decode_gbps = kv_bytes / (r->decode_ms * 1e-3) / 1e9;
+    r->decode_frac = r->decode_gbps / r->copy_gbps;
+    return TD_OK;
+}
+
+int bench_kernels(int argc, char **argv)
+{
+    bool json = false;
+    int64_t device = 0, iters = 20;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--json")) {
+            json = true;
+        } else if (!strcmp(argv[i], "--device") && i + 1 < argc) {
+            if (td_parse_i64(argv[++i], 0, 63, "--device", &device) != TD_OK)
+                return 2;
+        } else if (!strcmp(argv[i], "--iters") && i + 1 < argc) {
+            if (td_parse_i64(argv[++i], 1, 100000, "--iters", &iters) != TD_OK)
+                return 2;
+        } else {
+            FILE *f = strcmp(argv[i], "--help") ? stderr : stdout;
+            fprintf(f, "usage: tandem bench kernels [--json] [--device N] [--iters N]\n"
+                       "  D2D copy and cuBLAS bf16 GEMM ceilings, then our prefill attention\n"
+                       "  (4k tokens, hd 128, causal, bf16) and decode attention (batch 64, ctx 4k,\n"
+                       "  32 q / 8 kv heads) on one CUDA device.\n");
+            return f == stdout ? 0 : 2;
+        }
+    }
+    td_backend_t *be = NULL;
+    td_cuda_config_t cfg = {(int32_t)device, TD_BF16};
+    td_status_t st = td_backend_cuda_create(&cfg, &be);
+    if (st != TD_OK) {
+        fprintf(stderr, "tandem bench kernels: needs a CUDA device: %s\n", td_last_error());
+        return 1;
+    }
+    bench_kernels_result_t r = {0};
+    st = bench_kernels_measure(be, (int)iters, &r);
+    td_backend_destroy(be);
+    if (st != TD_OK) {
+        fprintf(stderr, "tandem bench kernels: %s\n", td_last_error());
+        return 1;
+    }
+    if (json) {
+        printf("{\"bench\":\"kernels\",\"copy_gbps\":%.1f,\"gemm_bf16_tflops\":%.1f,"
+               "\"prefill_attn_ms\":%.3f,\"prefill_attn_tflops\":%.1f,\"decode_attn_ms\":%.3f,"
+               "\"decode_attn_gbps\":%.1f,\"decode_attn_frac_of_copy\":%.3f}\n",
+               r.copy_gbps, r.gemm_tflops, r.prefill_ms, r.prefill_tflops, r.decode_ms,
+               r.decode_gbps, r.decode_frac);
+    } else {
+        printf("copy d2d 1 GiB              %8.1f GB/s (read + write)\n", r.copy_gbps);
+        printf("cuBLAS bf16 gemm 8192^3     %8.1f TFLOP/s\n", r.gemm_tflops);
+        printf("prefill attn 4k hd128 causal %7.3f ms  %6.1f TFLOP/s\n", r.prefill_ms,
+               r.prefill_tflops);
+        printf("decode attn b64 ctx4k 32/8  %8.3f ms  %6.1f GB/s  %.2f of copy\n", r.decode_ms,
+               r.decode_gbps, r.decode_frac);
+    }
+    return 0;
+}
