@@ -1,0 +1,356 @@
+/*
+ * td_tok_bpe: the hash maps of the tokenizer (model key -> id, id pair -> merge) and the
+ * BPE merge loop shared by SentencePiece (best score first) and Hugging Face BPE (lowest
+ * merge rank first). The loop keeps the word as a linked list of symbols and the
+ * candidate pairs in a binary heap; a popped candidate is stale when its two symbols no
+ * longer have the lengths it was made from (the trick of sentencepiece's bpe_model.cc).
+ * Ties go to the leftmost pair, as in both references. O(n log n) per word.
+ */
+#include "td_tokenizer_int.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "td_util.h"
+
+uint32_t td_tok_hash(const char *s, size_t len)
+{
+    /* FNV-1a */
+    uint32_t h = 2166136261u;
+    for (size_t i = 0; i < len; i++) {
+        h ^= (uint8_t)s[i];
+        h *= 16777619u;
+    }
+    return h;
+}
+
+td_status_t td_tok_map_build(td_tokenizer_t *tok)
+{
+    size_t cap = 16;
+    while (cap < (size_t)tok->n_vocab * 2)
+        cap <<= 1;
+    uint32_t *slots = calloc(cap, sizeof *slots);
+    if (!slots)
+        return td_errorf(TD_ERR_NOMEM, "%s: no memory for the vocabulary map", tok->path);
+    uint32_t mask = (uint32_t)(cap - 1);
+    for (int32_t id = 0; id < tok->n_vocab; id++) {
+        if (!tok->key_len[id])
+            continue;
+        const char *k = tok->arena + tok->key_off[id];
+        uint32_t i = td_tok_hash(k, tok->key_len[id]) & mask;
+        bool dup = false;
+        while (slots[i]) {
+            uint32_t o = slots[i] - 1;
+            if (tok->key_len[o] == tok->key_len[id] && !memcmp(tok->arena + tok->key_off[o], k, tok->key_len[id])) {
+                dup = true; /* two ids with one key: the first one wins, as in a JSON object */
+                break;
+            }
+            i = (i + 1) & mask;
+        }
+        if (!dup)
+            slots[i] = (uint32_t)id + 1;
+    }
+    tok->vocab.slots = slots;
+    tok->vocab.mask = mask;
+    return TD_OK;
+}
+
+void td_tok_map_free(td_tok_map_t *m)
+{
+    free(m->slots);
+    m->slots = NULL;
+}
+
+int32_t td_tok_map_get(const td_tokenizer_t *tok, const char *s, size_t len)
+{
+    if (!tok->vocab.slots || len == 0)
+        return -1;
+    uint32_t i = td_tok_hash(s, len) & tok->vocab.mask;
+    for (;;) {
+        uint32_t v = tok->vocab.slots[i];
+        if (!v)
+            return -1;
+        uint32_t id = v - 1;
+        if (tok->key_len[id] == len && !memcmp(tok->arena + tok->key_off[id], s, len))
+            return (int32_t)id;
+        i = (i + 1) & tok->vocab.mask;
+    }
+}
+
+static uint64_t pair_hash(uint64_t k)
+{
+    k ^= k >> 33;
+    k *= 0xff51afd7ed558ccdull;
+    k ^= k >> 33;
+    k *= 0xc4ceb9fe1a85ec53ull;
+    k ^= k >> 33;
+    return k;
+}
+
+td_status_t td_tok_pairmap_init(td_tok_pairmap_t *m, size_t n)
+{
+    size_t cap = 16;
+    while (cap < n * 2)
+        cap <<= 1;
+    m->slots = calloc(cap, sizeof *m->slots);
+    if (!m->slots)
+        return td_errorf(TD_ERR_NOMEM, "tokenizer: no memory for %zu merges", n);
+    m->mask = cap - 1;
+    return TD_OK;
+}
+
+void td_tok_pairmap_free(td_tok_pairmap_t *m)
+{
+    free(m->slots);
+    m->slots = NULL;
+}
+
+void td_tok_pairmap_put(td_tok_pairmap_t *m, int32_t l, int32_t r, int32_t rank, int32_t id)
+{
+    uint64_t key = ((uint64_t)(uint32_t)(l + 1) << 32) | (uint32_t)(r + 1);
+    uint64_t i = pair_hash(key) & m->mask;
+    while (m->slots[i].key) {
+        if (m->slots[i].key == key)
+            return;
+        i = (i + 1) & m->mask;
+    }
+    m->slots[i] = (td_tok_pair_t){.key = key, .rank = rank, .id = id};
+}
+
+const td_tok_pair_t *td_tok_pairmap_get(const td_tok_pairmap_t *m, int32_t l, int32_t r)
+{
+    if (!m->slots)
+        return NULL;
+    uint64_t key = ((uint64_t)(uint32_t)(l + 1) << 32) | (uint32_t)(r + 1);
+    uint64_t i = pair_hash(key) & m->mask;
+    while (m->slots[i].key) {
+        if (m->slots[i].key == key)
+            return &m->slots[i];
+        i = (i + 1) & m->mask;
+    }
+    return NULL;
+}
+
+td_status_t td_tok_ids_push(td_tok_ids_t *a, int32_t id)
+{
+    if (a->n == a->cap) {
+        size_t cap = a->cap ? a->cap * 2 : 64;
+        int32_t *v = realloc(a->v, cap * sizeof *v);
+        if (!v)
+            return td_errorf(TD_ERR_NOMEM, "tokenizer: no memory for %zu ids", cap);
+        a->v = v;
+        a->cap = cap;
+    }
+    a->v[a->n++] = id;
+    return TD_OK;
+}
+
+/* ---- the merge loop ---- */
+
+typedef struct sym {
+    int32_t id;      /* -1: not (yet) a piece of the vocabulary */
+    uint32_t start;  /* bytes of the word */
+    uint32_t len;    /* 0: merged away */
+    int32_t prev, next;
+} sym_t;
+
+typedef struct cand {
+    double key;      /* smaller merges first: rank, or -score */
+    int32_t left;    /* symbol index; ties go to the leftmost */
+    uint32_t size;   /* len(left) + len(right) when made */
+    int32_t id;      /* the merged piece */
+} cand_t;
+
+typedef struct heap {
+    cand_t *v;
+    size_t n, cap;
+} heap_t;
+
+static bool cand_before(const cand_t *a, const cand_t *b)
+{
+    return a->key < b->key || (a->key == b->key && a->left < b->left);
+}
+
+static td_status_t heap_push(heap_t *h, cand_t c)
+{
+    if (h->n == h->cap) {
+        size_t cap = h->cap ? h->cap * 2 : 64;
+        cand_t *v = realloc(h->v, cap * sizeof *v);
+        if (!v)
+            return td_errorf(TD_ERR_NOMEM, "tokenizer: no memory for the merge queue");
+        h->v = v;
+        h->cap = cap;
+    }
+    size_t i = h->n++;
+    while (i > 0) {
+        size_t p = (i - 1) / 2;
+        if (!cand_before(&c, &h->v[p]))
+            break;
+        h->v[i] = h->v[p];
+        i = p;
+    }
+    h->v[i] = c;
+    return TD_OK;
+}
+
+static cand_t heap_pop(heap_t *h)
+{
+    cand_t top = h->v[0];
+    cand_t last = h->v[--h->n];
+    size_t i = 0;
+    for (;;) {
+        size_t c = 2 * i + 1;
+        if (c >= h->n)
+            break;
+        if (c + 1 < h->n && cand_before(&h->v[c + 1], &h->v[c]))
+            c++;
+        if (!cand_before(&h->v[c], &last))
+            break;
+        h->v[i] = h->v[c];
+        i = c;
+    }
+    if (h->n)
+        h->v[i] = last;
+    return top;
+}
+
+/* Queues the merge of symbol l with its right neighbour, if the model has one. */
+static td_status_t try_pair(const td_tokenizer_t *tok, const char *s, sym_t *sy, int32_t l, heap_t *h)
+{
+    if (l < 0 || sy[l].next < 0)
+        return TD_OK;
+    const sym_t *a = &sy[l], *b = &sy[a->next];
+    cand_t c = {.left = l, .size = a->len + b->len};
+    if (tok->algo == TD_TOK_ALGO_SCORES) {
+        int32_t id = td_tok_map_get(tok, s + a->start, a->len + b->len);
+        if (id < 0 || (tok->flags[id] & TD_TOK_F_NOMERGE))
+            return TD_OK;
+        c.key = -(double)tok->scores[id];
+        c.id = id;
+    } else {
+        if (a->id < 0 || b->id < 0)
+            return TD_OK;
+        const td_tok_pair_t *p = td_tok_pairmap_get(&tok->merges, a->id, b->id);
+        if (!p)
+            return TD_OK;
+        c.key = p->rank;
+        c.id = p->id;
+    }
+    return heap_push(h, c);
+}
+
+static td_status_t emit_bytes(const td_tokenizer_t *tok, const char *s, size_t len, td_tok_ids_t *out)
+{
+    td_status_t st;
+    for (size_t i = 0; i < len; i++) {
+        int32_t id = tok->byte_id[(uint8_t)s[i]];
+        if (id < 0)
+            return td_errorf(TD_ERR_FORMAT, "%s: byte 0x%02X has no token", tok->path, (uint8_t)s[i]);
+        if ((st = td_tok_ids_push(out, id)))
+            return st;
+    }
+    return TD_OK;
+}
+
+static bool has_all_bytes(const td_tokenizer_t *tok, const char *s, size_t len)
+{
+    for (size_t i = 0; i < len; i++)
+        if (tok->byte_id[(uint8_t)s[i]] < 0)
+            return false;
+    return true;
+}
+
+td_status_t td_tok_bpe_word(const td_tokenizer_t *tok, const char *s, size_t len, td_tok_ids_t *out)
+{
+    if (len == 0)
+        return TD_OK;
+    if (len > UINT32_MAX / 2)
+        return td_errorf(TD_ERR_RANGE, "%s: a pre-token of %zu bytes is too long", tok->path, len);
+    if (tok->algo == TD_TOK_ALGO_RANKS && tok->ignore_merges) {
+        int32_t id = td_tok_map_get(tok, s, len);
+        if (id >= 0)
+            return td_tok_ids_push(out, id);
+    }
+
+    td_status_t st = TD_OK;
+    heap_t h = {0};
+    sym_t *sy = malloc(len * sizeof *sy);
+    if (!sy)
+        return td_errorf(TD_ERR_NOMEM, "%s: no memory to encode %zu bytes", tok->path, len);
+
+    /* initial symbols: bytes (byte-level) or UTF-8 characters */
+    int32_t n = 0;
+    for (size_t i = 0; i < len;) {
+        size_t cl = 1;
+        uint32_t cp;
+        if (!tok->byte_level) {
+            cl = td_tok_utf8_decode(s + i, len - i, &cp);
+            if (!cl)
+                cl = 1;
+        }
+        int32_t id = td_tok_map_get(tok, s + i, cl);
+        if (id >= 0 && tok->algo == TD_TOK_ALGO_SCORES && (tok->flags[id] & TD_TOK_F_NOMERGE))
+            id = -1;
+        if (id < 0 && tok->algo == TD_TOK_ALGO_RANKS) {
+            if (tok->byte_fallback && has_all_bytes(tok, s + i, cl)) {
+                for (size_t k = 0; k < cl; k++, n++)
+                    sy[n] = (sym_t){.id = tok->byte_id[(uint8_t)s[i + k]], .start = (uint32_t)(i + k), .len = 1};
+                i += cl;
+                continue;
+            }
+            if (tok->unk_id < 0) {
+                st = td_errorf(TD_ERR_FORMAT, "%s: character at byte %zu of a pre-token has no token and "
+                               "the model has no unk_token", tok->path, i);
+                goto out;
+            }
+            if (tok->fuse_unk && n > 0 && sy[n - 1].id == tok->unk_id) {
+                sy[n - 1].len += (uint32_t)cl;
+                i += cl;
+                continue;
+            }
+            id = tok->unk_id;
+        }
+        sy[n++] = (sym_t){.id = id, .start = (uint32_t)i, .len = (uint32_t)cl};
+        i += cl;
+    }
+    for (int32_t i = 0; i < n; i++) {
+        sy[i].prev = i - 1;
+        sy[i].next = i + 1 < n ? i + 1 : -1;
+    }
+
+    for (int32_t i = 0; i + 1 < n; i++)
+        if ((st = try_pair(tok, s, sy, i, &h)))
+            goto out;
+    while (h.n) {
+        cand_t c = heap_pop(&h);
+        sym_t *a = &sy[c.left];
+        if (!a->len || a->next < 0 || a->len + sy[a->next].len != c.size)
+            continue; /* stale */
+        sym_t *b = &sy[a->next];
+        a->len += b->len;
+        a->id = c.id;
+        a->next = b->next;
+        if (b->next >= 0)
+            sy[b->next].prev = c.left;
+        b->len = 0;
+        if ((st = try_pair(tok, s, sy, a->prev, &h)) || (st = try_pair(tok, s, sy, c.left, &h)))
+            goto out;
+    }
+
+    for (int32_t i = n ? 0 : -1; i >= 0; i = sy[i].next) {
+        int32_t id = sy[i].id;
+        if (id >= 0) {
+            st = td_tok_ids_push(out, id);
+        } else if (tok->byte_fallback || tok->unk_id < 0) {
+            st = emit_bytes(tok, s + sy[i].start, sy[i].len, out); /* sentencepiece byte fallback */
+        } else if (!(tok->fuse_unk && out->n && out->v[out->n - 1] == tok->unk_id)) {
+            st = td_tok_ids_push(out, tok->unk_id);
+        }
+        if (st)
+            goto out;
+    }
+out:
+    free(h.v);
+    free(sy);
+    return st;
+}

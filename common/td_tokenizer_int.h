@@ -1,0 +1,204 @@
+/*
+ * td_tokenizer_int: the inside of td_tokenizer_t, shared by the files of module td_tok
+ * (td_tokenizer.c: API, encode pipeline, decode; td_tok_load.c: file formats;
+ * td_tok_bpe.c: hash maps and the merge loop; td_tok_nfc.c: Unicode NFC). Not for use
+ * outside the module.
+ */
+#ifndef TD_TOKENIZER_INT_H
+#define TD_TOKENIZER_INT_H
+
+#define PCRE2_CODE_UNIT_WIDTH 8
+#include <pcre2.h>
+
+#include "td_tokenizer.h"
+
+/* ---- per-id flags ---- */
+enum {
+    TD_TOK_F_HOLE = 1u << 0,    /* no token has this id (sparse tokenizer.json vocab) */
+    TD_TOK_F_SPECIAL = 1u << 1, /* skipped by decode */
+    TD_TOK_F_NOMERGE = 1u << 2, /* never the result of a SentencePiece merge (control, byte) */
+    TD_TOK_F_ADDED = 1u << 3,   /* an added token of tokenizer.json */
+};
+
+/* Open-addressing map from byte strings (the ids' keys in the arena) to ids. */
+typedef struct td_tok_map {
+    uint32_t *slots; /* id + 1; 0 = empty */
+    uint32_t mask;
+} td_tok_map_t;
+
+/* Open-addressing map from an id pair to a merge (rank, result id). */
+typedef struct td_tok_pair {
+    uint64_t key; /* ((left + 1) << 32) | (right + 1); 0 = empty */
+    int32_t rank;
+    int32_t id;
+} td_tok_pair_t;
+
+typedef struct td_tok_pairmap {
+    td_tok_pair_t *slots;
+    uint64_t mask;
+} td_tok_pairmap_t;
+
+/* An added token of tokenizer.json, matched in the raw text before anything else. */
+typedef struct td_tok_added {
+    int32_t id;
+    uint32_t off, len; /* content in the arena */
+    bool lstrip, rstrip;
+} td_tok_added_t;
+
+/* Normalizer steps (applied in order to each segment between added tokens). */
+typedef enum td_tok_norm_kind { TD_TOK_NORM_NFC, TD_TOK_NORM_PREPEND, TD_TOK_NORM_REPLACE } td_tok_norm_kind_t;
+
+typedef struct td_tok_norm {
+    td_tok_norm_kind_t kind;
+    char *a;   /* PREPEND: the prefix; REPLACE: the pattern */
+    char *b;   /* REPLACE: the replacement */
+    size_t a_len, b_len;
+} td_tok_norm_t;
+
+/* Pre-tokenizer steps (each splits the pieces of the previous one). */
+typedef enum td_tok_pre_kind {
+    TD_TOK_PRE_SPLIT,     /* regex, behavior Isolated */
+    TD_TOK_PRE_BYTELEVEL, /* optional prefix space, optional GPT-2 regex split */
+    TD_TOK_PRE_METASPACE, /* ' ' -> replacement, prepend scheme, optional split */
+} td_tok_pre_kind_t;
+
+typedef struct td_tok_pre {
+    td_tok_pre_kind_t kind;
+    pcre2_code *re;          /* SPLIT, BYTELEVEL with use_regex */
+    bool add_prefix_space;   /* BYTELEVEL */
+    char *repl;              /* METASPACE replacement ("▁") */
+    size_t repl_len;
+    int prepend;             /* METASPACE: 0 never, 1 first, 2 always */
+    bool split;              /* METASPACE */
+} td_tok_pre_t;
+
+#define TD_TOK_MAX_STEPS 8
+
+typedef enum td_tok_algo {
+    TD_TOK_ALGO_SCORES, /* SentencePiece BPE: merge the pair whose piece has the best score */
+    TD_TOK_ALGO_RANKS,  /* HF BPE: merge the pair of lowest merge rank */
+} td_tok_algo_t;
+
+struct td_tokenizer {
+    char *path;                 /* for messages */
+    td_tok_algo_t algo;
+    bool byte_level;            /* model keys are raw bytes (ByteLevel alphabet undone) */
+    int32_t n_vocab;            /* ids are [0, n_vocab) */
+
+    /* strings per id, in `arena`: the piece as in the file (NUL-terminated), the model
+     * key (what the merge loop matches), the decoded bytes */
+    char *arena;
+    size_t arena_len, arena_cap;
+    uint32_t *piece_off, *piece_len;  /* [n_vocab] */
+    uint32_t *key_off, *key_len;      /* [n_vocab]; key_len 0 = not in the model vocab */
+    uint32_t *surf_off, *surf_len;    /* [n_vocab] */
+    uint8_t *flags;                   /* [n_vocab] TD_TOK_F_* */
+    float *scores;                    /* [n_vocab], ALGO_SCORES only */
+
+    td_tok_map_t vocab;               /* model key -> id */
+    td_tok_pairmap_t merges;          /* ALGO_RANKS */
+    int32_t byte_id[256];             /* <0xXX> piece (or ByteLevel char) of each byte, -1 */
+
+    td_tok_added_t *added;            /* sorted by first byte, then length descending */
+    size_t n_added;
+    uint32_t added_first[257];        /* added[added_first[b] .. added_first[b+1]) start with b */
+
+    td_tok_norm_t norm[TD_TOK_MAX_STEPS];
+    size_t n_norm;
+    td_tok_pre_t pre[TD_TOK_MAX_STEPS];
+    size_t n_pre;
+
+    /* SentencePiece (tokenizer.bin): dummy prefix and the string spaces become */
+    bool spm_dummy_prefix;
+
+    /* model options */
+    bool ignore_merges;
+    bool byte_fallback;
+    bool fuse_unk;
+    int32_t unk_id;
+
+    /* decoder: drop one leading space of the decoded text */
+    bool strip_leading_space;
+
+    int32_t bos_id;
+    int32_t eos_ids[TD_TOK_MAX_EOS];
+    size_t n_eos;
+};
+
+/* ---- td_tok_bpe.c ---- */
+
+uint32_t td_tok_hash(const char *s, size_t len);
+
+/* Builds the model-key map over ids with key_len > 0. Errors: TD_ERR_NOMEM. */
+td_status_t td_tok_map_build(td_tokenizer_t *tok);
+void td_tok_map_free(td_tok_map_t *m);
+
+/* The id whose model key is s[0..len), or -1. */
+int32_t td_tok_map_get(const td_tokenizer_t *tok, const char *s, size_t len);
+
+td_status_t td_tok_pairmap_init(td_tok_pairmap_t *m, size_t n);
+void td_tok_pairmap_free(td_tok_pairmap_t *m);
+/* Adds a merge unless the pair is there already (the first, lowest rank, wins). */
+void td_tok_pairmap_put(td_tok_pairmap_t *m, int32_t l, int32_t r, int32_t rank, int32_t id);
+const td_tok_pair_t *td_tok_pairmap_get(const td_tok_pairmap_t *m, int32_t l, int32_t r);
+
+/* A growable id array. */
+typedef struct td_tok_ids {
+    int32_t *v;
+    size_t n, cap;
+} td_tok_ids_t;
+
+td_status_t td_tok_ids_push(td_tok_ids_t *a, int32_t id);
+
+/*
+ * Runs the tokenizer's model on one pre-token `s[0..len)` (model keys: raw bytes for
+ * byte-level tokenizers, "▁"-style text otherwise) and appends its ids to `out`.
+ * Errors: TD_ERR_NOMEM; TD_ERR_FORMAT when a character has no token (no byte fallback,
+ * no unk).
+ */
+td_status_t td_tok_bpe_word(const td_tokenizer_t *tok, const char *s, size_t len, td_tok_ids_t *out);
+
+/* ---- td_tok_nfc.c ---- */
+
+typedef struct td_tok_ccc_range {
+    uint32_t lo, hi;
+    uint8_t ccc;
+} td_tok_ccc_range_t;
+
+typedef struct td_tok_decomp {
+    uint32_t cp, a, b; /* b = 0: singleton decomposition */
+} td_tok_decomp_t;
+
+typedef struct td_tok_comp {
+    uint32_t a, b, cp;
+} td_tok_comp_t;
+
+extern const td_tok_ccc_range_t td_tok_nfc_ccc[];
+extern const size_t td_tok_nfc_n_ccc;
+extern const td_tok_decomp_t td_tok_nfc_decomp[];
+extern const size_t td_tok_nfc_n_decomp;
+extern const td_tok_comp_t td_tok_nfc_comp[];
+extern const size_t td_tok_nfc_n_comp;
+
+/*
+ * NFC of valid UTF-8 s[0..len) into a malloc'd buffer (*out_p, *out_len_p). Text that is
+ * not valid UTF-8 is copied unchanged. Errors: TD_ERR_NOMEM.
+ */
+td_status_t td_tok_nfc(const char *s, size_t len, char **out_p, size_t *out_len_p);
+
+/* Decodes one UTF-8 character at s[0..len): its length (1..4), or 0 when the bytes there
+ * are not a valid character; *cp_p gets the code point when valid. */
+size_t td_tok_utf8_decode(const char *s, size_t len, uint32_t *cp_p);
+
+/* Encodes `cp` as UTF-8 into out[4]; returns the length. */
+size_t td_tok_utf8_encode(uint32_t cp, char *out);
+
+/* ---- td_tok_load.c ---- */
+
+/* Appends s[0..len) and a NUL to the arena; *off_p its offset. Errors: TD_ERR_NOMEM. */
+td_status_t td_tok_arena_add(td_tokenizer_t *tok, const char *s, size_t len, uint32_t *off_p);
+
+/* Allocates the per-id arrays for n ids, all holes. Errors: TD_ERR_NOMEM. */
+td_status_t td_tok_alloc_ids(td_tokenizer_t *tok, int32_t n);
+
+#endif /* TD_TOKENIZER_INT_H */

@@ -1,0 +1,511 @@
+/*
+ * Tests of module td_tok: every reference fixture of tests/fixtures/tokenizer (made by
+ * make_fixtures.py with HF tokenizers / sentencepiece) encodes and decodes exactly as the
+ * reference; the streaming detokenizer agrees with decode and never splits a UTF-8
+ * character; malformed files are refused with an error. Real vocabularies come from
+ * ../shared/models (TANDEM_TEST_MODELS) and their tests skip when it is absent.
+ */
+#include <criterion/criterion.h>
+
+#include <cjson/cJSON.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "td_tokenizer.h"
+#include "td_util.h"
+
+/* ---- helpers ---- */
+
+static const char *models_dir(void)
+{
+    const char *e = getenv("TANDEM_TEST_MODELS");
+    return e && *e ? e : TD_SOURCE_DIR "/../shared/models";
+}
+
+typedef struct row {
+    char *text;
+    size_t len;
+    int32_t *ids;
+    size_t n;
+} row_t;
+
+typedef struct rows {
+    row_t *v;
+    size_t n;
+} rows_t;
+
+static int hexval(char c)
+{
+    return c >= '0' && c <= '9' ? c - '0' : c - 'a' + 10;
+}
+
+/* Reads tests/fixtures/tokenizer/<name>.<kind>.jsonl */
+static rows_t load_rows(const char *name, const char *kind)
+{
+    char path[1024];
+    snprintf(path, sizeof path, "%s/tests/fixtures/tokenizer/%s.%s.jsonl", TD_SOURCE_DIR, name, kind);
+    char *data;
+    size_t len;
+    cr_assert_eq(td_file_read_all(path, 64u << 20, &data, &len), TD_OK, "cannot read %s", path);
+    rows_t r = {0};
+    size_t cap = 0;
+    for (char *line = strtok(data, "\n"); line; line = strtok(NULL, "\n")) {
+        cJSON *j = cJSON_Parse(line);
+        cr_assert_not_null(j, "%s: bad line", path);
+        const cJSON *hex = cJSON_GetObjectItem(j, "hex"), *ids = cJSON_GetObjectItem(j, "ids"), *it;
+        cr_assert(cJSON_IsString(hex) && cJSON_IsArray(ids));
+        if (r.n == cap) {
+            cap = cap ? cap * 2 : 64;
+            r.v = realloc(r.v, cap * sizeof *r.v);
+        }
+        row_t *w = &r.v[r.n++];
+        size_t hl = strlen(hex->valuestring);
+        w->len = hl / 2;
+        w->text = malloc(w->len + 1);
+        for (size_t i = 0; i < w->len; i++)
+            w->text[i] = (char)(hexval(hex->valuestring[2 * i]) * 16 + hexval(hex->valuestring[2 * i + 1]));
+        w->text[w->len] = 0;
+        w->n = (size_t)cJSON_GetArraySize(ids);
+        w->ids = malloc((w->n + 1) * sizeof *w->ids);
+        size_t k = 0;
+        cJSON_ArrayForEach(it, ids) w->ids[k++] = (int32_t)it->valuedouble;
+        cJSON_Delete(j);
+    }
+    free(data);
+    return r;
+}
+
+static void free_rows(rows_t *r)
+{
+    for (size_t i = 0; i < r->n; i++) {
+        free(r->v[i].text);
+        free(r->v[i].ids);
+    }
+    free(r->v);
+}
+
+/* Loads a tokenizer under ../shared/models, or skips the test. */
+static td_tokenizer_t *load_shared(const char *rel)
+{
+    char path[1024];
+    snprintf(path, sizeof path, "%s/%s", models_dir(), rel);
+    if (access(path, R_OK) != 0)
+        cr_skip_test("%s is absent (set TANDEM_TEST_MODELS to the shared models folder)", path);
+    td_tokenizer_t *tok = NULL;
+    cr_assert_eq(td_tokenizer_load(path, &tok), TD_OK, "load %s: %s", path, td_last_error());
+    return tok;
+}
+
+static td_tokenizer_t *load_fixture_tok(const char *rel)
+{
+    char path[1024];
+    snprintf(path, sizeof path, "%s/tests/fixtures/tokenizer/%s", TD_SOURCE_DIR, rel);
+    td_tokenizer_t *tok = NULL;
+    cr_assert_eq(td_tokenizer_load(path, &tok), TD_OK, "load %s: %s", path, td_last_error());
+    return tok;
+}
+
+static void print_ids(const char *what, const int32_t *ids, size_t n)
+{
+    fprintf(stderr, "  %s (%zu):", what, n);
+    for (size_t i = 0; i < n && i < 64; i++)
+        fprintf(stderr, " %d", ids[i]);
+    fprintf(stderr, n > 64 ? " ...\n" : "\n");
+}
+
+static void check_encode(td_tokenizer_t *tok, const char *name)
+{
+    rows_t r = load_rows(name, "encode");
+    size_t bad = 0;
+    for (size_t i = 0; i < r.n; i++) {
+        int32_t *ids;
+        size_t n;
+        cr_assert_eq(td_tokenizer_encode(tok, r.v[i].text, r.v[i].len, 0, &ids, &n), TD_OK, "%s: encode row %zu: %s",
+                     name, i, td_last_error());
+        if (n != r.v[i].n || memcmp(ids, r.v[i].ids, n * sizeof *ids)) {
+            if (bad++ < 5) {
+                fprintf(stderr, "%s row %zu: text \"%.80s\"\n", name, i, r.v[i].text);
+                print_ids("want", r.v[i].ids, r.v[i].n);
+                print_ids("got ", ids, n);
+            }
+        }
+        free(ids);
+    }
+    cr_expect_eq(bad, 0, "%s: %zu of %zu encode fixtures differ from the reference", name, bad, r.n);
+    free_rows(&r);
+}
+
+static void check_decode(td_tokenizer_t *tok, const char *name)
+{
+    rows_t r = load_rows(name, "decode");
+    size_t bad = 0;
+    for (size_t i = 0; i < r.n; i++) {
+        char *text;
+        size_t len;
+        cr_assert_eq(td_tokenizer_decode(tok, r.v[i].ids, r.v[i].n, &text, &len), TD_OK, "%s: decode row %zu: %s",
+                     name, i, td_last_error());
+        cr_assert_eq(strlen(text), len < strlen(text) ? strlen(text) : strlen(text)); /* NUL-terminated */
+        if (len != r.v[i].len || memcmp(text, r.v[i].text, len)) {
+            if (bad++ < 5)
+                fprintf(stderr, "%s decode row %zu:\n  want \"%.100s\"\n  got  \"%.100s\"\n", name, i, r.v[i].text, text);
+        }
+        free(text);
+    }
+    cr_expect_eq(bad, 0, "%s: %zu of %zu decode fixtures differ from the reference", name, bad, r.n);
+    free_rows(&r);
+}
+
+/* True if s[0..n) is complete, valid UTF-8 (no character cut at either end). */
+static bool valid_utf8(const char *s, size_t n)
+{
+    const uint8_t *u = (const uint8_t *)s;
+    for (size_t i = 0; i < n;) {
+        size_t k = u[i] < 0x80 ? 1 : (u[i] & 0xE0) == 0xC0 ? 2 : (u[i] & 0xF0) == 0xE0 ? 3 : (u[i] & 0xF8) == 0xF0 ? 4 : 0;
+        if (!k || i + k > n)
+            return false;
+        for (size_t j = 1; j < k; j++)
+            if ((u[i + j] & 0xC0) != 0x80)
+                return false;
+        i += k;
+    }
+    return true;
+}
+
+/* Streams each encode fixture (with BOS where there is one) through td_detok_t. */
+static void check_stream(td_tokenizer_t *tok, const char *name)
+{
+    rows_t r = load_rows(name, "encode");
+    int32_t bos = td_tokenizer_bos_id(tok);
+    for (size_t i = 0; i < r.n; i++) {
+        size_t n = 0;
+        int32_t *ids = malloc((r.v[i].n + 1) * sizeof *ids);
+        if (bos >= 0)
+            ids[n++] = bos;
+        memcpy(ids + n, r.v[i].ids, r.v[i].n * sizeof *ids);
+        n += r.v[i].n;
+        char *want;
+        size_t want_len;
+        cr_assert_eq(td_tokenizer_decode(tok, ids, n, &want, &want_len), TD_OK);
+        char *got = malloc(want_len + 16);
+        size_t got_len = 0;
+        td_detok_t d;
+        td_detok_init(&d, tok);
+        for (size_t k = 0; k <= n; k++) {
+            const char *t;
+            size_t tl;
+            if (k < n)
+                cr_assert_eq(td_detok_push(&d, ids[k], &t, &tl), TD_OK);
+            else
+                cr_assert_eq(td_detok_flush(&d, &t, &tl), TD_OK);
+            cr_assert(valid_utf8(t, tl), "%s row %zu: token %zu emitted a partial UTF-8 character", name, i, k);
+            cr_assert_leq(got_len + tl, want_len, "%s row %zu: stream longer than decode", name, i);
+            memcpy(got + got_len, t, tl);
+            got_len += tl;
+        }
+        td_detok_free(&d);
+        cr_assert(got_len == want_len && !memcmp(got, want, want_len), "%s row %zu: stream != decode", name, i);
+        free(got);
+        free(want);
+        free(ids);
+    }
+    free_rows(&r);
+}
+
+static void check_all(td_tokenizer_t *tok, const char *name)
+{
+    check_encode(tok, name);
+    check_decode(tok, name);
+    check_stream(tok, name);
+}
+
+/* ---- the real vocabularies ---- */
+
+Test(tokenizer, llama2_bin_matches_sentencepiece, .timeout = 60)
+{
+    td_tokenizer_t *tok = load_shared("llama2-tokenizer/tokenizer.bin");
+    cr_expect_eq(td_tokenizer_vocab_size(tok), 32000);
+    cr_expect_eq(td_tokenizer_bos_id(tok), 1);
+    cr_expect(td_tokenizer_is_eos(tok, 2));
+    size_t len;
+    cr_expect_str_eq(td_tokenizer_id_to_piece(tok, 13, &len), "<0x0A>");
+    cr_expect_null(td_tokenizer_id_to_piece(tok, 32000, &len));
+    check_all(tok, "llama2");
+    td_tokenizer_destroy(tok);
+}
+
+Test(tokenizer, mistral_json_matches_hf, .timeout = 60)
+{
+    td_tokenizer_t *tok = load_shared("tokenizers/mistral");
+    cr_expect_eq(td_tokenizer_vocab_size(tok), 32000);
+    cr_expect_eq(td_tokenizer_bos_id(tok), 1);
+    cr_expect(td_tokenizer_is_eos(tok, 2));
+    cr_expect_eq(td_tokenizer_piece_to_id(tok, "\xe2\x96\x81the", 6), 272);
+    check_all(tok, "mistral");
+    td_tokenizer_destroy(tok);
+}
+
+Test(tokenizer, llama3_json_matches_hf, .timeout = 60)
+{
+    td_tokenizer_t *tok = load_shared("tokenizers/llama3");
+    cr_expect_eq(td_tokenizer_vocab_size(tok), 128256);
+    cr_expect_eq(td_tokenizer_bos_id(tok), 128000);
+    cr_expect(td_tokenizer_is_eos(tok, 128001));
+    cr_expect(td_tokenizer_is_eos(tok, 128009)); /* <|eot_id|> ends a chat turn */
+    cr_expect(td_tokenizer_is_special(tok, 128000));
+    size_t len;
+    cr_expect_str_eq(td_tokenizer_id_to_piece(tok, 128000, &len), "<|begin_of_text|>");
+    check_all(tok, "llama3");
+    td_tokenizer_destroy(tok);
+}
+
+Test(tokenizer, qwen3_json_matches_hf, .timeout = 60)
+{
+    td_tokenizer_t *tok = load_shared("tokenizers/qwen3/tokenizer.json");
+    cr_expect_eq(td_tokenizer_bos_id(tok), -1);
+    cr_expect(td_tokenizer_is_eos(tok, 151645)); /* <|im_end|> */
+    cr_expect_eq(td_tokenizer_vocab_size(tok), 151669);
+    check_all(tok, "qwen3");
+    td_tokenizer_destroy(tok);
+}
+
+Test(tokenizer, minimal_bytelevel_json, .timeout = 30)
+{
+    td_tokenizer_t *tok = load_fixture_tok("bytelevel");
+    cr_expect_eq(td_tokenizer_vocab_size(tok), 258);
+    cr_expect_eq(td_tokenizer_bos_id(tok), 256);
+    cr_expect(td_tokenizer_is_eos(tok, 257));
+    check_all(tok, "bytelevel");
+    td_tokenizer_destroy(tok);
+}
+
+Test(tokenizer, add_bos_eos_flags, .timeout = 30)
+{
+    td_tokenizer_t *tok = load_fixture_tok("bytelevel/tokenizer.json");
+    int32_t *ids;
+    size_t n;
+    cr_assert_eq(td_tokenizer_encode(tok, "hi", 2, TD_TOK_ADD_BOS | TD_TOK_ADD_EOS, &ids, &n), TD_OK);
+    cr_assert_eq(n, 4);
+    cr_expect_eq(ids[0], 256);
+    cr_expect_eq(ids[1], 'h');
+    cr_expect_eq(ids[2], 'i');
+    cr_expect_eq(ids[3], 257);
+    free(ids);
+    cr_assert_eq(td_tokenizer_encode(tok, "", 0, 0, &ids, &n), TD_OK);
+    cr_expect_eq(n, 0);
+    cr_expect_not_null(ids);
+    free(ids);
+    td_tokenizer_destroy(tok);
+}
+
+/* ---- a small hand-made tokenizer.bin (needs no shared data) ---- */
+
+typedef struct tmpdir {
+    char path[256];
+} tmpdir_t;
+
+static void tmp_make(tmpdir_t *t)
+{
+    snprintf(t->path, sizeof t->path, "/tmp/td_tok_test_XXXXXX");
+    cr_assert_not_null(mkdtemp(t->path));
+}
+
+static void tmp_remove(tmpdir_t *t)
+{
+    char cmd[300];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", t->path);
+    cr_expect_eq(system(cmd), 0);
+}
+
+static void write_file(const char *path, const void *data, size_t len)
+{
+    FILE *f = fopen(path, "wb");
+    cr_assert_not_null(f, "cannot write %s", path);
+    cr_assert_eq(fwrite(data, 1, len, f), len);
+    fclose(f);
+}
+
+static void bin_add(char **buf, size_t *len, float score, const char *s)
+{
+    int32_t l = (int32_t)strlen(s);
+    *buf = realloc(*buf, *len + 8 + (size_t)l);
+    memcpy(*buf + *len, &score, 4);
+    memcpy(*buf + *len + 4, &l, 4);
+    memcpy(*buf + *len + 8, s, (size_t)l);
+    *len += 8 + (size_t)l;
+}
+
+/* <unk> <s> </s> <0x00>..<0xFF> then " ", "a", "b", "ab", " a", " ab" (ids 259..264) */
+static char *small_bin(size_t *len_p)
+{
+    char *buf = malloc(4);
+    int32_t max_len = 8;
+    memcpy(buf, &max_len, 4);
+    size_t len = 4;
+    bin_add(&buf, &len, 0, "<unk>");
+    bin_add(&buf, &len, 0, "\n<s>\n");
+    bin_add(&buf, &len, 0, "\n</s>\n");
+    for (int b = 0; b < 256; b++) {
+        char p[8];
+        snprintf(p, sizeof p, "<0x%02X>", b);
+        bin_add(&buf, &len, 0, p);
+    }
+    bin_add(&buf, &len, -1, " ");
+    bin_add(&buf, &len, -2, "a");
+    bin_add(&buf, &len, -3, "b");
+    bin_add(&buf, &len, -4, "ab");
+    bin_add(&buf, &len, -5, " a");
+    bin_add(&buf, &len, -6, " ab");
+    *len_p = len;
+    return buf;
+}
+
+Test(tokenizer, small_bin_encode_decode, .timeout = 30)
+{
+    tmpdir_t t;
+    tmp_make(&t);
+    char path[512];
+    snprintf(path, sizeof path, "%s/tokenizer.bin", t.path);
+    size_t len;
+    char *bin = small_bin(&len);
+    write_file(path, bin, len);
+    td_tokenizer_t *tok = NULL;
+    cr_assert_eq(td_tokenizer_load(path, &tok), TD_OK, "%s", td_last_error());
+    int32_t *ids;
+    size_t n;
+    /* dummy prefix: " ab"; best score first: "a"+"b" (-4) before " "+"a" (-5), then " "+"ab" */
+    cr_assert_eq(td_tokenizer_encode(tok, "ab", 2, TD_TOK_ADD_BOS, &ids, &n), TD_OK);
+    cr_assert_eq(n, 2);
+    cr_expect_eq(ids[0], 1);
+    cr_expect_eq(ids[1], 264);
+    free(ids);
+    /* "é" is not in the vocabulary: byte fallback 0xC3 0xA9 */
+    cr_assert_eq(td_tokenizer_encode(tok, "\xc3\xa9", 2, 0, &ids, &n), TD_OK);
+    cr_assert_eq(n, 3);
+    cr_expect_eq(ids[0], 259);
+    cr_expect_eq(ids[1], 3 + 0xC3);
+    cr_expect_eq(ids[2], 3 + 0xA9);
+    char *text;
+    cr_assert_eq(td_tokenizer_decode(tok, ids, n, &text, NULL), TD_OK);
+    cr_expect_str_eq(text, "\xc3\xa9");
+    free(text);
+    /* the streaming detokenizer holds 0xC3 until 0xA9 arrives */
+    td_detok_t d;
+    td_detok_init(&d, tok);
+    const char *o;
+    size_t ol;
+    cr_assert_eq(td_detok_push(&d, ids[0], &o, &ol), TD_OK);
+    cr_expect_eq(ol, 0); /* the dummy-prefix space is dropped at the start */
+    cr_assert_eq(td_detok_push(&d, ids[1], &o, &ol), TD_OK);
+    cr_expect_eq(ol, 0);
+    cr_assert_eq(td_detok_push(&d, ids[2], &o, &ol), TD_OK);
+    cr_expect_eq(ol, 2);
+    cr_expect_eq(td_detok_push(&d, 100000, &o, &ol), TD_ERR_RANGE);
+    /* a lone lead byte at the end of a stream comes out as U+FFFD */
+    cr_assert_eq(td_detok_push(&d, 3 + 0xE6, &o, &ol), TD_OK);
+    cr_expect_eq(ol, 0);
+    cr_assert_eq(td_detok_flush(&d, &o, &ol), TD_OK);
+    cr_expect_str_eq(o, "\xef\xbf\xbd");
+    td_detok_free(&d);
+    free(ids);
+    td_tokenizer_destroy(tok);
+
+    /* truncations at every length are refused, never a crash */
+    for (size_t cut = 0; cut < len; cut += cut < 64 ? 1 : 97) {
+        write_file(path, bin, cut);
+        tok = NULL;
+        td_status_t st = td_tokenizer_load(path, &tok);
+        if (cut == 4 + 13 + 13) /* ends right after a whole record but < 3 tokens */
+            cr_expect_neq(st, TD_OK);
+        if (st == TD_OK)
+            td_tokenizer_destroy(tok); /* a cut at a record boundary is a smaller valid file */
+        else
+            cr_expect(strstr(td_last_error(), path) != NULL, "error does not name the file: %s", td_last_error());
+    }
+    write_file(path, bin, len - 1);
+    cr_expect_eq(td_tokenizer_load(path, &tok), TD_ERR_FORMAT);
+    cr_expect(strstr(td_last_error(), "truncated") != NULL, "%s", td_last_error());
+    free(bin);
+    tmp_remove(&t);
+}
+
+/* ---- malformed inputs ---- */
+
+static td_status_t load_text(const tmpdir_t *t, const char *name, const char *content)
+{
+    char path[512];
+    snprintf(path, sizeof path, "%s/%s", t->path, name);
+    write_file(path, content, strlen(content));
+    td_tokenizer_t *tok = (td_tokenizer_t *)(uintptr_t)1;
+    td_status_t st = td_tokenizer_load(path, &tok);
+    if (st == TD_OK)
+        td_tokenizer_destroy(tok);
+    else
+        cr_expect_eq(tok, (td_tokenizer_t *)(uintptr_t)1, "output written on failure");
+    return st;
+}
+
+Test(tokenizer, malformed_files_are_errors, .timeout = 30)
+{
+    tmpdir_t t;
+    tmp_make(&t);
+    td_tokenizer_t *tok = NULL;
+    char path[512];
+
+    snprintf(path, sizeof path, "%s/missing.json", t.path);
+    cr_expect_eq(td_tokenizer_load(path, &tok), TD_ERR_IO);
+    cr_expect(strstr(td_last_error(), "missing.json") != NULL, "%s", td_last_error());
+    cr_expect_eq(td_tokenizer_load(t.path, &tok), TD_ERR_NOT_FOUND); /* empty directory */
+
+    cr_expect_eq(load_text(&t, "empty.bin", ""), TD_ERR_FORMAT);
+    cr_expect_eq(load_text(&t, "bad.json", "{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0,"), TD_ERR_FORMAT);
+    cr_expect(strstr(td_last_error(), "invalid JSON") != NULL, "%s", td_last_error());
+    cr_expect_eq(load_text(&t, "nomodel.json", "{\"version\": \"1.0\"}"), TD_ERR_FORMAT);
+    cr_expect(strstr(td_last_error(), "model") != NULL, "%s", td_last_error());
+    cr_expect_eq(load_text(&t, "unigram.json", "{\"model\": {\"type\": \"Unigram\", \"vocab\": [[\"a\", 0.0]]}}"),
+                 TD_ERR_UNSUPPORTED);
+    cr_expect(strstr(td_last_error(), "Unigram") != NULL, "%s", td_last_error());
+    cr_expect_eq(load_text(&t, "vocabarr.json", "{\"model\": {\"type\": \"BPE\", \"vocab\": [], \"merges\": []}}"),
+                 TD_ERR_FORMAT);
+    cr_expect_eq(load_text(&t, "badid.json", "{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": -3}, \"merges\": []}}"),
+                 TD_ERR_FORMAT);
+    cr_expect_eq(load_text(&t, "dupid.json",
+                           "{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0, \"b\": 0}, \"merges\": []}}"),
+                 TD_ERR_FORMAT);
+    cr_expect_eq(load_text(&t, "badmerge.json",
+                           "{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0}, \"merges\": [7]}}"),
+                 TD_ERR_FORMAT);
+    cr_expect_eq(load_text(&t, "badnorm.json",
+                           "{\"normalizer\": {\"type\": \"Lowercase\"}, "
+                           "\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0}, \"merges\": []}}"),
+                 TD_ERR_UNSUPPORTED);
+    cr_expect_eq(load_text(&t, "badre.json",
+                           "{\"pre_tokenizer\": {\"type\": \"Split\", \"pattern\": {\"Regex\": \"(\"}, "
+                           "\"behavior\": \"Isolated\", \"invert\": false}, "
+                           "\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0}, \"merges\": []}}"),
+                 TD_ERR_UNSUPPORTED);
+    cr_expect_eq(load_text(&t, "badadded.json",
+                           "{\"added_tokens\": [{\"id\": \"x\"}], "
+                           "\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0}, \"merges\": []}}"),
+                 TD_ERR_FORMAT);
+    cr_expect_eq(load_text(&t, "fallback.json",
+                           "{\"model\": {\"type\": \"BPE\", \"byte_fallback\": true, \"vocab\": {\"a\": 0}, \"merges\": []}}"),
+                 TD_ERR_FORMAT);
+    /* a minimal valid one loads, and a character it cannot represent is an encode error */
+    cr_expect_eq(load_text(&t, "ok.json", "{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0, \"b\": 1, \"ab\": 2}, "
+                                          "\"merges\": [\"a b\"]}}"),
+                 TD_OK);
+    snprintf(path, sizeof path, "%s/ok.json", t.path);
+    cr_assert_eq(td_tokenizer_load(path, &tok), TD_OK);
+    int32_t *ids;
+    size_t n;
+    cr_assert_eq(td_tokenizer_encode(tok, "abab", 4, 0, &ids, &n), TD_OK);
+    cr_expect_eq(n, 2);
+    cr_expect_eq(ids[0], 2);
+    free(ids);
+    cr_expect_eq(td_tokenizer_encode(tok, "abc", 3, 0, &ids, &n), TD_ERR_FORMAT);
+    td_tokenizer_destroy(tok);
+    td_tokenizer_destroy(NULL);
+    tmp_remove(&t);
+}
