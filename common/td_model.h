@@ -135,4 +135,44 @@ typedef struct td_synth_params {
  */
 td_status_t td_model_synth(const td_synth_params_t *p, const char *out_dir, const char *tokenizer_src);
 
+/* ---- additions (model loader) ------------------------------------------------------ */
+
+/* Checks that a config describes a model we can run: positive dims, n_heads divisible by
+ * n_kv_heads, an even head_dim, eos/bos ids inside the vocabulary. TD_ERR_FORMAT with a
+ * message naming `origin` (a file name) and the field. */
+td_status_t td_model_config_validate(const td_model_config_t *cfg, const char *origin);
+
+/* Serialises cfg as a Hugging Face config.json for its arch (torch_dtype from `dtype`).
+ * *json_p is heap text the caller frees with free(). Errors: TD_ERR_NOMEM. */
+td_status_t td_model_config_to_json(const td_model_config_t *cfg, td_dtype_t dtype, char **json_p);
+
+/* Number of weights (parameters) the config implies; the embedding counted once when tied. */
+uint64_t td_model_param_count(const td_model_config_t *cfg);
+
+/* Bytes of K+V per token over all layers for KV elements of `kv_dtype`. */
+uint64_t td_model_kv_bytes_per_token(const td_model_config_t *cfg, td_dtype_t kv_dtype);
+
+/* "llama", "mistral", "qwen2", "qwen3" (the Hugging Face model_type). */
+const char *td_model_arch_name(td_arch_t arch);
+
+/* Parses a model_type ("llama", ...) or an architectures name ("LlamaForCausalLM", ...).
+ * Returns -1 for anything else. */
+int td_model_arch_parse(const char *s);
+
+/* Makes cfg an `arch` model: sets arch, arch_name, rope style HALVES, qkv_bias (qwen2)
+ * and qk_norm (qwen3). Shapes are left alone. */
+void td_model_config_set_arch(td_model_config_t *cfg, td_arch_t arch);
+
+/* Names of the presets td_model_preset() knows, NULL-terminated. */
+extern const char *const td_model_preset_names[];
+
+/*
+ * td_model_synth() with the weights split over n_shards files (model-0000i-of-0000n
+ * .safetensors + model.safetensors.index.json) when n_shards > 1. Errors: TD_ERR_INVALID
+ * (bad config, vocab too small for the built-in tokenizer, n_shards < 1), TD_ERR_IO
+ * (naming the file), TD_ERR_NOMEM. A failure leaves no half-written weight file behind.
+ */
+td_status_t td_model_synth_shards(const td_synth_params_t *p, int n_shards, const char *out_dir,
+                                  const char *tokenizer_src);
+
 #endif /* TD_MODEL_H */

@@ -1,0 +1,219 @@
+/*
+ * cmd_model: `tandem model`, tools around model files: `synth` writes a random-weight
+ * model of a real shape (for benchmarks and tests, nothing to download), `info` shows
+ * what a model is and what it costs (parameters, KV bytes per token, fingerprint).
+ */
+#include <getopt.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "td_cli.h"
+#include "td_model.h"
+#include "td_util.h"
+
+static void usage_main(FILE *f)
+{
+    fprintf(f, "usage: tandem model <synth|info> [options]\n"
+               "\n"
+               "  synth   write a random-weight Hugging Face model directory\n"
+               "  info    describe a model (llama2.c .bin, Hugging Face directory or preset name)\n"
+               "\n'tandem model <sub> --help' describes each.\n");
+}
+
+static void usage_synth(FILE *f)
+{
+    fprintf(f, "usage: tandem model synth --out DIR [--config NAME|config.json] [--arch ARCH] [--seed S]\n"
+               "                          [--dtype f32|f16|bf16] [--tokenizer PATH] [--shards N]\n"
+               "\n"
+               "  --out DIR          directory to write (created if missing)\n"
+               "  --config NAME      a preset (default tiny) or a config.json to copy the shape from\n"
+               "  --arch ARCH        llama|mistral|qwen2|qwen3 (default: the config's)\n"
+               "  --seed S           weights are a function of the seed (default 0)\n"
+               "  --dtype T          stored dtype (default bf16)\n"
+               "  --tokenizer PATH   tokenizer.json (or a directory holding one) to copy; default: a\n"
+               "                     built-in 258-token byte-level tokenizer (<s> 256, </s> 257)\n"
+               "  --shards N         split the weights over N files with an index (default 1)\n"
+               "\npresets:");
+    for (int i = 0; td_model_preset_names[i]; i++)
+        fprintf(f, " %s", td_model_preset_names[i]);
+    fprintf(f, "\n");
+}
+
+static void usage_info(FILE *f)
+{
+    fprintf(f, "usage: tandem model info PATH|PRESET\n"
+               "\n"
+               "Prints arch, shapes, parameter count, dtype, fingerprint and KV bytes per token of a\n"
+               "llama2.c checkpoint, a Hugging Face model directory, or a preset (shape only).\n");
+}
+
+/* The shape to synthesize: a preset name or a config.json. */
+static td_status_t load_shape(const char *what, td_model_config_t *cfg)
+{
+    if (td_model_preset(what, cfg) == TD_OK)
+        return TD_OK;
+    if (!td_is_file(what))
+        return td_errorf(TD_ERR_NOT_FOUND, "%s: neither a preset nor a config.json file", what);
+    char *text;
+    td_status_t s = td_file_read_all(what, 16u << 20, &text, NULL);
+    if (s != TD_OK)
+        return s;
+    s = td_model_config_from_json(text, what, cfg);
+    free(text);
+    return s;
+}
+
+static int cmd_synth(int argc, char **argv)
+{
+    static const struct option opts[] = {
+        {"out", required_argument, NULL, 'o'},     {"config", required_argument, NULL, 'c'},
+        {"arch", required_argument, NULL, 'a'},    {"seed", required_argument, NULL, 's'},
+        {"dtype", required_argument, NULL, 'd'},   {"tokenizer", required_argument, NULL, 't'},
+        {"shards", required_argument, NULL, 'n'},  {"help", no_argument, NULL, 'h'},
+        {NULL, 0, NULL, 0},
+    };
+    const char *out = NULL, *config = "tiny", *arch = NULL, *tok = NULL;
+    int64_t seed = 0, shards = 1;
+    int dtype = TD_BF16;
+    optind = 1;
+    int ch;
+    while ((ch = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
+        switch (ch) {
+        case 'o': out = optarg; break;
+        case 'c': config = optarg; break;
+        case 'a': arch = optarg; break;
+        case 't': tok = optarg; break;
+        case 's':
+            if (td_parse_i64(optarg, 0, INT64_MAX, "--seed", &seed) != TD_OK) {
+                fprintf(stderr, "tandem model synth: %s\n", td_last_error());
+                return 2;
+            }
+            break;
+        case 'n':
+            if (td_parse_i64(optarg, 1, 1000, "--shards", &shards) != TD_OK) {
+                fprintf(stderr, "tandem model synth: %s\n", td_last_error());
+                return 2;
+            }
+            break;
+        case 'd':
+            dtype = td_dtype_parse(optarg);
+            if (dtype < 0) {
+                fprintf(stderr, "tandem model synth: --dtype must be f32, f16 or bf16\n");
+                return 2;
+            }
+            break;
+        case 'h': usage_synth(stdout); return 0;
+        default: usage_synth(stderr); return 2;
+        }
+    }
+    if (!out || optind != argc) {
+        usage_synth(stderr);
+        return 2;
+    }
+    td_synth_params_t p;
+    memset(&p, 0, sizeof p);
+    if (load_shape(config, &p.config) != TD_OK) {
+        fprintf(stderr, "tandem model synth: %s\n", td_last_error());
+        return 2;
+    }
+    if (arch) {
+        int a = td_model_arch_parse(arch);
+        if (a < 0) {
+            fprintf(stderr, "tandem model synth: --arch must be llama, mistral, qwen2 or qwen3\n");
+            return 2;
+        }
+        td_model_config_set_arch(&p.config, (td_arch_t)a);
+    }
+    p.seed = (uint64_t)seed;
+    p.dtype = (td_dtype_t)dtype;
+    double t0 = td_now_s();
+    if (td_model_synth_shards(&p, (int)shards, out, tok) != TD_OK) {
+        fprintf(stderr, "tandem model synth: %s\n", td_last_error());
+        return 1;
+    }
+    uint64_t params = td_model_param_count(&p.config);
+    fprintf(stderr, "wrote %s: %s %s, %.1fM parameters, %.1f MB, %.1f s\n", out,
+            td_model_arch_name(p.config.arch), td_dtype_name(p.dtype), (double)params / 1e6,
+            (double)params * (double)td_dtype_size(p.dtype) / 1e6, td_now_s() - t0);
+    return 0;
+}
+
+static void print_config(const td_model_config_t *c)
+{
+    printf("arch            %s (%s)\n", td_model_arch_name(c->arch), c->arch_name);
+    printf("dim             %d\n", c->dim);
+    printf("hidden_dim      %d\n", c->hidden_dim);
+    printf("n_layers        %d\n", c->n_layers);
+    printf("n_heads         %d\n", c->n_heads);
+    printf("n_kv_heads      %d\n", c->n_kv_heads);
+    printf("head_dim        %d\n", c->head_dim);
+    printf("vocab_size      %d\n", c->vocab_size);
+    printf("max_seq_len     %d\n", c->max_seq_len);
+    printf("norm_eps        %g\n", (double)c->norm_eps);
+    printf("rope            %s, theta %g", c->rope_style == TD_ROPE_PAIRS ? "pairs" : "halves", (double)c->rope_theta);
+    if (c->rope_llama3)
+        printf(", llama3 scaling (factor %g, low %g, high %g, original %d)", (double)c->rope_factor,
+               (double)c->rope_low_freq_factor, (double)c->rope_high_freq_factor, c->rope_original_max_pos);
+    printf("\n");
+    printf("tied embeddings %s\n", c->tie_embeddings ? "yes" : "no");
+    printf("qkv bias        %s\n", c->qkv_bias ? "yes" : "no");
+    printf("qk norm         %s\n", c->qk_norm ? "yes" : "no");
+    printf("bos             %d\n", c->bos_id);
+    printf("eos            ");
+    for (int i = 0; i < c->n_eos; i++)
+        printf(" %d", c->eos_ids[i]);
+    printf("%s\n", c->n_eos ? "" : " none");
+    uint64_t params = td_model_param_count(c);
+    printf("dtype           %s\n", td_dtype_name(c->dtype));
+    printf("parameters      %" PRIu64 " (%.2fB), %.1f MB as %s\n", params, (double)params / 1e9,
+           (double)params * (double)td_dtype_size(c->dtype) / 1e6, td_dtype_name(c->dtype));
+    printf("fingerprint     %016" PRIx64 "\n", td_model_fingerprint(c));
+    printf("kv bytes/token  %" PRIu64 " (f16/bf16), %" PRIu64 " (f32)\n", td_model_kv_bytes_per_token(c, TD_BF16),
+           td_model_kv_bytes_per_token(c, TD_F32));
+}
+
+static int cmd_info(int argc, char **argv)
+{
+    if (argc != 2 || !strcmp(argv[1], "--help") || !strcmp(argv[1], "-h")) {
+        usage_info(argc == 2 ? stdout : stderr);
+        return argc == 2 ? 0 : 2;
+    }
+    const char *path = argv[1];
+    td_model_config_t cfg;
+    if (!td_is_file(path) && !td_is_dir(path) && td_model_preset(path, &cfg) == TD_OK) {
+        printf("preset          %s\n", path);
+        print_config(&cfg);
+        return 0;
+    }
+    td_model_t *m;
+    if (td_model_load(path, &m) != TD_OK) {
+        fprintf(stderr, "tandem model info: %s\n", td_last_error());
+        return 1;
+    }
+    printf("path            %s\n", m->path);
+    print_config(&m->config);
+    printf("tokenizer       %s\n", m->tokenizer_path[0] ? m->tokenizer_path : "(none beside the model)");
+    td_model_destroy(m);
+    return 0;
+}
+
+int cmd_model(int argc, char **argv)
+{
+    if (argc < 2) {
+        usage_main(stderr);
+        return 2;
+    }
+    if (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h") || !strcmp(argv[1], "help")) {
+        usage_main(stdout);
+        return 0;
+    }
+    if (!strcmp(argv[1], "synth"))
+        return cmd_synth(argc - 1, argv + 1);
+    if (!strcmp(argv[1], "info"))
+        return cmd_info(argc - 1, argv + 1);
+    fprintf(stderr, "tandem model: unknown subcommand '%s'\n\n", argv[1]);
+    usage_main(stderr);
+    return 2;
+}

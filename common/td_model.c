@@ -1,0 +1,528 @@
+/*
+ * td_model: loading a model's weights as views into memory-mapped files.
+ *
+ * Two formats: llama2.c checkpoints (one fp32 blob after a 7-int header, laid out as
+ * run.c's memory_map_weights) and Hugging Face directories (config.json + safetensors,
+ * single file or sharded with an index). Either way the loader's whole job is to prove
+ * that every tensor the engine will read exists, has the shape the config implies and
+ * lies inside its file, and then to hand out pointers; no weight byte is copied.
+ */
+#include "td_model.h"
+
+#include <cjson/cJSON.h>
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "td_log.h"
+#include "td_safetensors.h"
+#include "td_util.h"
+
+#define CONFIG_MAX_BYTES (16u << 20)
+
+/* What a loaded model keeps alive: the checkpoint map or the safetensors files. */
+typedef struct model_store {
+    td_mmap_t bin;                  /* llama2.c checkpoint */
+    td_safetensors_t **shards;      /* Hugging Face: one per file */
+    size_t n_shards;
+} model_store_t;
+
+static void store_free(model_store_t *s)
+{
+    if (!s)
+        return;
+    td_mmap_free(&s->bin);
+    for (size_t i = 0; i < s->n_shards; i++)
+        td_safetensors_close(s->shards[i]);
+    free(s->shards);
+    free(s);
+}
+
+void td_model_destroy(td_model_t *m)
+{
+    if (!m)
+        return;
+    free(m->weights.layers);
+    store_free(m->priv);
+    free(m);
+}
+
+static void set_view(td_tensor_t *t, const void *data, td_dtype_t dt, int64_t d0, int64_t d1)
+{
+    t->data = data;
+    t->dtype = dt;
+    t->n_dims = d1 > 0 ? 2 : 1;
+    t->shape[0] = d0;
+    t->shape[1] = d1 > 0 ? d1 : 0;
+    t->shape[2] = t->shape[3] = 0;
+}
+
+static td_status_t model_alloc(const char *path, td_model_t **m_p)
+{
+    td_model_t *m = calloc(1, sizeof *m);
+    model_store_t *s = calloc(1, sizeof *s);
+    if (!m || !s) {
+        free(m);
+        free(s);
+        return td_errorf(TD_ERR_NOMEM, "%s: out of memory", path);
+    }
+    m->priv = s;
+    if (strlen(path) >= sizeof m->path) {
+        td_model_destroy(m);
+        return td_errorf(TD_ERR_RANGE, "%s: path too long", path);
+    }
+    snprintf(m->path, sizeof m->path, "%s", path);
+    *m_p = m;
+    return TD_OK;
+}
+
+/* The directory part of `path` ("." when there is none), into out. */
+static void dir_of(const char *path, char *out, size_t cap)
+{
+    const char *slash = strrchr(path, '/');
+    if (!slash)
+        snprintf(out, cap, ".");
+    else if (slash == path)
+        snprintf(out, cap, "/");
+    else
+        snprintf(out, cap, "%.*s", (int)(slash - path), path);
+}
+
+/* ---- llama2.c checkpoints ---------------------------------------------------------- */
+
+/* Running byte offset through the checkpoint, with overflow checks. */
+typedef struct cursor {
+    size_t off;
+    bool overflow;
+} cursor_t;
+
+/* Reserves n0*n1*n2 floats and returns their offset. */
+static size_t take(cursor_t *c, size_t n0, size_t n1, size_t n2)
+{
+    size_t n, bytes, at = c->off;
+    if (!td_mul_size(n0, n1, &n) || !td_mul_size(n, n2, &n) || !td_mul_size(n, 4, &bytes) ||
+        !td_add_size(c->off, bytes, &c->off))
+        c->overflow = true;
+    return at;
+}
+
+static td_status_t load_llama2c(const char *path, td_model_t **m_p)
+{
+    td_model_t *m;
+    td_status_t s = model_alloc(path, &m);
+    if (s != TD_OK)
+        return s;
+    model_store_t *st = m->priv;
+    if ((s = td_mmap_init(&st->bin, path)) != TD_OK)
+        goto err_model;
+    const unsigned char *base = st->bin.data;
+    if (st->bin.size < 7 * sizeof(int32_t)) {
+        s = td_errorf(TD_ERR_FORMAT, "%s: truncated: %zu bytes, shorter than the 28-byte llama2.c header", path,
+                      st->bin.size);
+        goto err_model;
+    }
+    int32_t h[7];
+    memcpy(h, base, sizeof h);
+    td_model_config_t *c = &m->config;
+    td_model_config_set_arch(c, TD_ARCH_LLAMA);
+    snprintf(c->arch_name, sizeof c->arch_name, "llama2.c");
+    c->rope_style = TD_ROPE_PAIRS;
+    c->dim = h[0];
+    c->hidden_dim = h[1];
+    c->n_layers = h[2];
+    c->n_heads = h[3];
+    c->n_kv_heads = h[4];
+    /* A negative vocab_size marks a classifier of its own after the other weights. */
+    c->tie_embeddings = h[5] > 0;
+    c->vocab_size = h[5] == INT32_MIN ? 0 : (h[5] < 0 ? -h[5] : h[5]);
+    c->max_seq_len = h[6];
+    c->norm_eps = 1e-5f;
+    c->rope_theta = 10000.0f;
+    c->dtype = TD_F32;
+    /* run.c stops when it samples BOS, so BOS is the end token too. */
+    c->bos_id = 1;
+    c->eos_ids[0] = 1;
+    c->n_eos = 1;
+    if (c->n_heads <= 0 || c->dim <= 0 || c->dim % c->n_heads != 0) {
+        s = td_errorf(TD_ERR_FORMAT, "%s: dim %d is not a positive multiple of n_heads %d: not a llama2.c checkpoint",
+                      path, c->dim, c->n_heads);
+        goto err_model;
+    }
+    c->head_dim = c->dim / c->n_heads;
+    if ((s = td_model_config_validate(c, path)) != TD_OK)
+        goto err_model;
+
+    size_t L = (size_t)c->n_layers, D = (size_t)c->dim, F = (size_t)c->hidden_dim, V = (size_t)c->vocab_size;
+    size_t hd = (size_t)c->head_dim, q = (size_t)c->n_heads * hd, kv = (size_t)c->n_kv_heads * hd;
+    cursor_t cur = {7 * sizeof(int32_t), false};
+    size_t o_embed = take(&cur, V, D, 1);
+    size_t o_att_norm = take(&cur, L, D, 1);
+    size_t o_wq = take(&cur, L, q, D);
+    size_t o_wk = take(&cur, L, kv, D);
+    size_t o_wv = take(&cur, L, kv, D);
+    size_t o_wo = take(&cur, L, D, q);
+    size_t o_ffn_norm = take(&cur, L, D, 1);
+    size_t o_w1 = take(&cur, L, F, D);
+    size_t o_w2 = take(&cur, L, D, F);
+    size_t o_w3 = take(&cur, L, F, D);
+    size_t o_final = take(&cur, D, 1, 1);
+    take(&cur, (size_t)c->max_seq_len, hd / 2, 2); /* freq_cis_real, freq_cis_imag: unused */
+    size_t o_cls = c->tie_embeddings ? o_embed : take(&cur, V, D, 1);
+    if (cur.overflow || cur.off != st->bin.size) {
+        char implied[48] = "more than fits in memory";
+        if (!cur.overflow)
+            snprintf(implied, sizeof implied, "%zu", cur.off);
+        s = td_errorf(TD_ERR_FORMAT,
+                      "%s: %zu bytes, but its header (dim %d, hidden_dim %d, n_layers %d, n_heads %d, n_kv_heads %d, "
+                      "vocab_size %d, seq_len %d) implies %s: truncated or not a llama2.c checkpoint",
+                      path, st->bin.size, h[0], h[1], h[2], h[3], h[4], h[5], h[6], implied);
+        goto err_model;
+    }
+
+    m->weights.layers = calloc(L, sizeof *m->weights.layers);
+    if (!m->weights.layers) {
+        s = td_errorf(TD_ERR_NOMEM, "%s: out of memory", path);
+        goto err_model;
+    }
+    const float *f32 = (const float *)base; /* offsets are multiples of 4 from a page */
+#define AT(off) (f32 + (off) / 4)
+    set_view(&m->weights.embed, AT(o_embed), TD_F32, (int64_t)V, (int64_t)D);
+    for (size_t l = 0; l < L; l++) {
+        td_layer_weights_t *w = &m->weights.layers[l];
+        set_view(&w->attn_norm, AT(o_att_norm) + l * D, TD_F32, (int64_t)D, 0);
+        set_view(&w->wq, AT(o_wq) + l * q * D, TD_F32, (int64_t)q, (int64_t)D);
+        set_view(&w->wk, AT(o_wk) + l * kv * D, TD_F32, (int64_t)kv, (int64_t)D);
+        set_view(&w->wv, AT(o_wv) + l * kv * D, TD_F32, (int64_t)kv, (int64_t)D);
+        set_view(&w->wo, AT(o_wo) + l * D * q, TD_F32, (int64_t)D, (int64_t)q);
+        set_view(&w->ffn_norm, AT(o_ffn_norm) + l * D, TD_F32, (int64_t)D, 0);
+        set_view(&w->w_gate, AT(o_w1) + l * F * D, TD_F32, (int64_t)F, (int64_t)D);
+        set_view(&w->w_down, AT(o_w2) + l * D * F, TD_F32, (int64_t)D, (int64_t)F);
+        set_view(&w->w_up, AT(o_w3) + l * F * D, TD_F32, (int64_t)F, (int64_t)D);
+    }
+    set_view(&m->weights.final_norm, AT(o_final), TD_F32, (int64_t)D, 0);
+    set_view(&m->weights.lm_head, AT(o_cls), TD_F32, (int64_t)V, (int64_t)D);
+#undef AT
+
+    char dir[4096], tok[4096 + 16];
+    dir_of(path, dir, sizeof dir);
+    snprintf(tok, sizeof tok, "%s/tokenizer.bin", dir);
+    if (td_is_file(tok) && strlen(tok) < sizeof m->tokenizer_path)
+        snprintf(m->tokenizer_path, sizeof m->tokenizer_path, "%s", tok);
+    m->fingerprint = td_model_fingerprint(c);
+    *m_p = m;
+    return TD_OK;
+
+err_model:
+    td_model_destroy(m);
+    return s;
+}
+
+/* ---- Hugging Face directories ------------------------------------------------------ */
+
+typedef struct hf_ctx {
+    const char *dir;
+    td_model_t *m;
+    model_store_t *st;
+    cJSON *weight_map;      /* sharded: name -> file; NULL for a single file */
+    char index_path[4200];
+    td_dtype_t dtype;       /* of the first tensor bound: all must agree */
+    bool have_dtype;
+} hf_ctx_t;
+
+/* generation_config.json: bos when config.json has none, eos ids added to the list. */
+static td_status_t merge_generation_config(const char *path, td_model_config_t *c)
+{
+    char *text;
+    td_status_t s = td_file_read_all(path, CONFIG_MAX_BYTES, &text, NULL);
+    if (s != TD_OK)
+        return s;
+    cJSON *root = cJSON_Parse(text);
+    free(text);
+    if (!cJSON_IsObject(root)) {
+        cJSON_Delete(root);
+        return td_errorf(TD_ERR_FORMAT, "%s: not a JSON object", path);
+    }
+    const cJSON *bos = cJSON_GetObjectItemCaseSensitive(root, "bos_token_id");
+    if (c->bos_id < 0 && cJSON_IsNumber(bos) && bos->valuedouble >= 0 && bos->valuedouble < c->vocab_size)
+        c->bos_id = (int32_t)bos->valuedouble;
+    const cJSON *eos = cJSON_GetObjectItemCaseSensitive(root, "eos_token_id");
+    const cJSON *it = cJSON_IsArray(eos) ? eos->child : eos;
+    for (; it; it = cJSON_IsArray(eos) ? it->next : NULL) {
+        if (!cJSON_IsNumber(it) || it->valuedouble < 0 || it->valuedouble >= c->vocab_size) {
+            s = td_errorf(TD_ERR_FORMAT, "%s: eos_token_id must be token ids inside the vocabulary (%d)", path,
+                          c->vocab_size);
+            break;
+        }
+        int32_t id = (int32_t)it->valuedouble;
+        bool dup = false;
+        for (int k = 0; k < c->n_eos; k++)
+            dup |= c->eos_ids[k] == id;
+        if (!dup && c->n_eos < TD_MAX_EOS)
+            c->eos_ids[c->n_eos++] = id;
+    }
+    cJSON_Delete(root);
+    return s;
+}
+
+/* A shard file name from the index must stay inside the model directory. */
+static bool safe_file_name(const char *n)
+{
+    return n[0] && n[0] != '.' && !strchr(n, '/') && strlen(n) < 256;
+}
+
+static td_status_t open_index(hf_ctx_t *h, cJSON **root_p)
+{
+    char *text;
+    td_status_t s = td_file_read_all(h->index_path, 64u << 20, &text, NULL);
+    if (s != TD_OK)
+        return s;
+    cJSON *root = cJSON_Parse(text);
+    free(text);
+    const cJSON *wm = cJSON_GetObjectItemCaseSensitive(root, "weight_map");
+    if (!cJSON_IsObject(root) || !cJSON_IsObject(wm)) {
+        cJSON_Delete(root);
+        return td_errorf(TD_ERR_FORMAT, "%s: not a JSON object with a \"weight_map\" object", h->index_path);
+    }
+    size_t n = 0;
+    for (const cJSON *e = wm->child; e; e = e->next)
+        n++;
+    h->st->shards = calloc(n ? n : 1, sizeof *h->st->shards);
+    const char **names = calloc(n ? n : 1, sizeof *names);
+    if (!h->st->shards || !names) {
+        free(names);
+        cJSON_Delete(root);
+        return td_errorf(TD_ERR_NOMEM, "%s: out of memory", h->index_path);
+    }
+    for (const cJSON *e = wm->child; e && s == TD_OK; e = e->next) {
+        if (!cJSON_IsString(e) || !safe_file_name(e->valuestring)) {
+            s = td_errorf(TD_ERR_FORMAT, "%s: weight_map entry %s must name a file in the model directory",
+                          h->index_path, e->string);
+            break;
+        }
+        bool seen = false;
+        for (size_t i = 0; i < h->st->n_shards; i++)
+            seen |= !strcmp(names[i], e->valuestring);
+        if (seen)
+            continue;
+        char p[4400];
+        snprintf(p, sizeof p, "%s/%s", h->dir, e->valuestring);
+        s = td_safetensors_open(p, &h->st->shards[h->st->n_shards]);
+        if (s == TD_OK)
+            names[h->st->n_shards++] = e->valuestring;
+    }
+    free(names);
+    if (s != TD_OK) {
+        cJSON_Delete(root);
+        return s;
+    }
+    h->weight_map = (cJSON *)wm;
+    *root_p = root;
+    return TD_OK;
+}
+
+static const char *base_name(const char *p)
+{
+    const char *s = strrchr(p, '/');
+    return s ? s + 1 : p;
+}
+
+/*
+ * Finds tensor `name`, checks its dtype and shape ({d0} or {d0, d1}) and points t at it.
+ * Optional tensors that are absent leave t zeroed and return TD_OK.
+ */
+static td_status_t bind(hf_ctx_t *h, td_tensor_t *t, const char *name, bool optional, int64_t d0, int64_t d1)
+{
+    const td_st_tensor_t *x = NULL;
+    const char *file = NULL;
+    if (h->weight_map) {
+        const cJSON *e = cJSON_GetObjectItemCaseSensitive(h->weight_map, name);
+        if (!e) {
+            if (optional)
+                return TD_OK;
+            return td_errorf(TD_ERR_FORMAT, "%s: missing tensor %s (not in weight_map)", h->index_path, name);
+        }
+        for (size_t i = 0; i < h->st->n_shards; i++)
+            if (!strcmp(base_name(td_safetensors_path(h->st->shards[i])), e->valuestring)) {
+                x = td_safetensors_find(h->st->shards[i], name);
+                file = td_safetensors_path(h->st->shards[i]);
+            }
+        TD_ASSERT(file);
+        if (!x)
+            return td_errorf(TD_ERR_FORMAT, "%s: missing tensor %s, which %s places in this file", file, name,
+                             h->index_path);
+    } else {
+        file = td_safetensors_path(h->st->shards[0]);
+        x = td_safetensors_find(h->st->shards[0], name);
+        if (!x) {
+            if (optional)
+                return TD_OK;
+            return td_errorf(TD_ERR_FORMAT, "%s: missing tensor %s", file, name);
+        }
+    }
+    if (!x->supported)
+        return td_errorf(TD_ERR_UNSUPPORTED, "%s: tensor %s has dtype %s; only F32, F16 and BF16 are supported",
+                         file, name, x->dtype_name);
+    int nd = d1 > 0 ? 2 : 1;
+    if (x->n_dims != nd || x->shape[0] != d0 || (nd == 2 && x->shape[1] != d1)) {
+        char got[160] = "", want[64];
+        size_t n = 0;
+        for (int i = 0; i < x->n_dims && n < sizeof got - 24; i++)
+            n += (size_t)snprintf(got + n, sizeof got - n, "%s%lld", i ? ", " : "", (long long)x->shape[i]);
+        if (nd == 2)
+            snprintf(want, sizeof want, "%lld, %lld", (long long)d0, (long long)d1);
+        else
+            snprintf(want, sizeof want, "%lld", (long long)d0);
+        return td_errorf(TD_ERR_FORMAT, "%s: tensor %s has shape [%s], config.json says [%s]", file, name, got,
+                         want);
+    }
+    if (!h->have_dtype) {
+        h->dtype = x->dtype;
+        h->have_dtype = true;
+    } else if (x->dtype != h->dtype) {
+        return td_errorf(TD_ERR_UNSUPPORTED, "%s: tensor %s is %s but earlier tensors are %s; mixed-dtype "
+                         "checkpoints are not supported", file, name, x->dtype_name, td_st_dtype_name(h->dtype));
+    }
+    set_view(t, x->data, x->dtype, d0, nd == 2 ? d1 : 0);
+    return TD_OK;
+}
+
+static td_status_t bind_all(hf_ctx_t *h)
+{
+    td_model_t *m = h->m;
+    const td_model_config_t *c = &m->config;
+    int64_t D = c->dim, F = c->hidden_dim, V = c->vocab_size, hd = c->head_dim;
+    int64_t q = (int64_t)c->n_heads * hd, kv = (int64_t)c->n_kv_heads * hd;
+    td_status_t s;
+    if ((s = bind(h, &m->weights.embed, "model.embed_tokens.weight", false, V, D)) != TD_OK)
+        return s;
+    for (int32_t l = 0; l < c->n_layers; l++) {
+        td_layer_weights_t *w = &m->weights.layers[l];
+        const struct {
+            td_tensor_t *t;
+            const char *suffix;
+            bool use;
+            int64_t d0, d1;
+        } spec[] = {
+            {&w->attn_norm, "input_layernorm.weight", true, D, 0},
+            {&w->wq, "self_attn.q_proj.weight", true, q, D},
+            {&w->wk, "self_attn.k_proj.weight", true, kv, D},
+            {&w->wv, "self_attn.v_proj.weight", true, kv, D},
+            {&w->bq, "self_attn.q_proj.bias", c->qkv_bias, q, 0},
+            {&w->bk, "self_attn.k_proj.bias", c->qkv_bias, kv, 0},
+            {&w->bv, "self_attn.v_proj.bias", c->qkv_bias, kv, 0},
+            {&w->q_norm, "self_attn.q_norm.weight", c->qk_norm, hd, 0},
+            {&w->k_norm, "self_attn.k_norm.weight", c->qk_norm, hd, 0},
+            {&w->wo, "self_attn.o_proj.weight", true, D, q},
+            {&w->ffn_norm, "post_attention_layernorm.weight", true, D, 0},
+            {&w->w_gate, "mlp.gate_proj.weight", true, F, D},
+            {&w->w_up, "mlp.up_proj.weight", true, F, D},
+            {&w->w_down, "mlp.down_proj.weight", true, D, F},
+        };
+        for (size_t i = 0; i < TD_ARRAY_LEN(spec); i++) {
+            if (!spec[i].use)
+                continue;
+            char name[128];
+            snprintf(name, sizeof name, "model.layers.%d.%s", l, spec[i].suffix);
+            if ((s = bind(h, spec[i].t, name, false, spec[i].d0, spec[i].d1)) != TD_OK)
+                return s;
+        }
+    }
+    if ((s = bind(h, &m->weights.final_norm, "model.norm.weight", false, D, 0)) != TD_OK)
+        return s;
+    if (c->tie_embeddings) {
+        m->weights.lm_head = m->weights.embed;
+        return TD_OK;
+    }
+    return bind(h, &m->weights.lm_head, "lm_head.weight", false, V, D);
+}
+
+static td_status_t load_hf(const char *path, const char *dir, td_model_t **m_p)
+{
+    td_model_t *m;
+    td_status_t s = model_alloc(path, &m);
+    if (s != TD_OK)
+        return s;
+    hf_ctx_t h = {.dir = dir, .m = m, .st = m->priv};
+    cJSON *index_root = NULL;
+    char p[4200], *text = NULL;
+
+    snprintf(p, sizeof p, "%s/config.json", dir);
+    if (!td_is_file(p)) {
+        s = td_errorf(TD_ERR_NOT_FOUND, "%s: no config.json: not a Hugging Face model directory", dir);
+        goto err_model;
+    }
+    if ((s = td_file_read_all(p, CONFIG_MAX_BYTES, &text, NULL)) != TD_OK)
+        goto err_model;
+    s = td_model_config_from_json(text, p, &m->config);
+    free(text);
+    if (s != TD_OK)
+        goto err_model;
+    snprintf(p, sizeof p, "%s/generation_config.json", dir);
+    if (td_is_file(p) && ((s = merge_generation_config(p, &m->config)) != TD_OK))
+        goto err_model;
+
+    snprintf(p, sizeof p, "%s/model.safetensors", dir);
+    snprintf(h.index_path, sizeof h.index_path, "%s/model.safetensors.index.json", dir);
+    if (td_is_file(p)) {
+        h.st->shards = calloc(1, sizeof *h.st->shards);
+        if (!h.st->shards) {
+            s = td_errorf(TD_ERR_NOMEM, "%s: out of memory", p);
+            goto err_model;
+        }
+        if ((s = td_safetensors_open(p, &h.st->shards[0])) != TD_OK)
+            goto err_model;
+        h.st->n_shards = 1;
+    } else if (td_is_file(h.index_path)) {
+        if ((s = open_index(&h, &index_root)) != TD_OK)
+            goto err_model;
+    } else {
+        s = td_errorf(TD_ERR_NOT_FOUND, "%s: neither model.safetensors nor model.safetensors.index.json", dir);
+        goto err_model;
+    }
+
+    m->weights.layers = calloc((size_t)m->config.n_layers, sizeof *m->weights.layers);
+    if (!m->weights.layers) {
+        s = td_errorf(TD_ERR_NOMEM, "%s: out of memory", dir);
+        goto err_index;
+    }
+    if ((s = bind_all(&h)) != TD_OK)
+        goto err_index;
+    cJSON_Delete(index_root);
+    m->config.dtype = h.dtype;
+
+    snprintf(p, sizeof p, "%s/tokenizer.json", dir);
+    if (td_is_file(p) && strlen(p) < sizeof m->tokenizer_path)
+        snprintf(m->tokenizer_path, sizeof m->tokenizer_path, "%s", p);
+    m->fingerprint = td_model_fingerprint(&m->config);
+    *m_p = m;
+    return TD_OK;
+
+err_index:
+    cJSON_Delete(index_root);
+err_model:
+    td_model_destroy(m);
+    return s;
+}
+
+static bool ends_with(const char *s, const char *suffix)
+{
+    size_t a = strlen(s), b = strlen(suffix);
+    return a >= b && !strcmp(s + a - b, suffix);
+}
+
+td_status_t td_model_load(const char *path, td_model_t **model_p)
+{
+    if (td_is_dir(path))
+        return load_hf(path, path, model_p);
+    if (!td_is_file(path))
+        return td_errorf(TD_ERR_IO, "%s: no such model file or directory", path);
+    /* A file of a Hugging Face directory stands for the directory. */
+    if (!strcmp(base_name(path), "config.json") || ends_with(path, ".safetensors") ||
+        ends_with(path, ".safetensors.index.json")) {
+        char dir[4096];
+        dir_of(path, dir, sizeof dir);
+        return load_hf(path, dir, model_p);
+    }
+    return load_llama2c(path, model_p);
+}

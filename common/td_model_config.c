@@ -1,0 +1,577 @@
+/*
+ * td_model_config: the model's hyperparameters as data: parsing a Hugging Face
+ * config.json, validating, writing one back, the fingerprint, and the named presets.
+ *
+ * Nothing here touches weights, so routers and tools can learn a model's shape (and its
+ * KV footprint) from config.json alone.
+ */
+#include "td_model.h"
+
+#include <cjson/cJSON.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "td_util.h"
+
+#define CFG_MAX_DIM (1 << 24) /* beyond any real model; keeps products inside int64 */
+
+static const struct {
+    td_arch_t arch;
+    const char *model_type;
+    const char *hf_name;
+} arch_table[] = {
+    {TD_ARCH_LLAMA, "llama", "LlamaForCausalLM"},
+    {TD_ARCH_MISTRAL, "mistral", "MistralForCausalLM"},
+    {TD_ARCH_QWEN2, "qwen2", "Qwen2ForCausalLM"},
+    {TD_ARCH_QWEN3, "qwen3", "Qwen3ForCausalLM"},
+};
+
+const char *td_model_arch_name(td_arch_t arch)
+{
+    for (size_t i = 0; i < TD_ARRAY_LEN(arch_table); i++)
+        if (arch_table[i].arch == arch)
+            return arch_table[i].model_type;
+    return "?";
+}
+
+int td_model_arch_parse(const char *s)
+{
+    for (size_t i = 0; i < TD_ARRAY_LEN(arch_table); i++)
+        if (!strcmp(s, arch_table[i].model_type) || !strcmp(s, arch_table[i].hf_name))
+            return (int)arch_table[i].arch;
+    return -1;
+}
+
+static const char *arch_hf_name(td_arch_t arch)
+{
+    for (size_t i = 0; i < TD_ARRAY_LEN(arch_table); i++)
+        if (arch_table[i].arch == arch)
+            return arch_table[i].hf_name;
+    return "?";
+}
+
+void td_model_config_set_arch(td_model_config_t *cfg, td_arch_t arch)
+{
+    cfg->arch = arch;
+    snprintf(cfg->arch_name, sizeof cfg->arch_name, "%s", arch_hf_name(arch));
+    cfg->rope_style = TD_ROPE_HALVES;
+    cfg->qkv_bias = arch == TD_ARCH_QWEN2;
+    cfg->qk_norm = arch == TD_ARCH_QWEN3;
+}
+
+/* ---- parsing ----------------------------------------------------------------------- */
+
+/* An integer field in [min, max]. Missing: *out = dflt, or an error when required. */
+static td_status_t get_int(const cJSON *root, const char *origin, const char *key, bool required, int64_t dflt,
+                           int64_t min, int64_t max, int64_t *out)
+{
+    const cJSON *j = cJSON_GetObjectItemCaseSensitive(root, key);
+    if (!j || cJSON_IsNull(j)) {
+        if (required)
+            return td_errorf(TD_ERR_FORMAT, "%s: missing field \"%s\"", origin, key);
+        *out = dflt;
+        return TD_OK;
+    }
+    double d = j->valuedouble;
+    if (!cJSON_IsNumber(j) || floor(d) != d || d < (double)min || d > (double)max)
+        return td_errorf(TD_ERR_FORMAT, "%s: field \"%s\" must be an integer in [%lld, %lld]", origin, key,
+                         (long long)min, (long long)max);
+    *out = (int64_t)d;
+    return TD_OK;
+}
+
+static td_status_t get_num(const cJSON *root, const char *origin, const char *key, bool required, double dflt,
+                           double *out)
+{
+    const cJSON *j = cJSON_GetObjectItemCaseSensitive(root, key);
+    if (!j || cJSON_IsNull(j)) {
+        if (required)
+            return td_errorf(TD_ERR_FORMAT, "%s: missing field \"%s\"", origin, key);
+        *out = dflt;
+        return TD_OK;
+    }
+    if (!cJSON_IsNumber(j) || !isfinite(j->valuedouble))
+        return td_errorf(TD_ERR_FORMAT, "%s: field \"%s\" must be a number", origin, key);
+    *out = j->valuedouble;
+    return TD_OK;
+}
+
+static td_status_t get_bool(const cJSON *root, const char *origin, const char *key, bool dflt, bool *out)
+{
+    const cJSON *j = cJSON_GetObjectItemCaseSensitive(root, key);
+    if (!j || cJSON_IsNull(j)) {
+        *out = dflt;
+        return TD_OK;
+    }
+    if (!cJSON_IsBool(j))
+        return td_errorf(TD_ERR_FORMAT, "%s: field \"%s\" must be true or false", origin, key);
+    *out = cJSON_IsTrue(j);
+    return TD_OK;
+}
+
+/* eos_token_id: an int, a list of ints, or null. Appends to cfg's list without duplicates. */
+static td_status_t get_eos(const cJSON *root, const char *origin, td_model_config_t *cfg)
+{
+    const cJSON *j = cJSON_GetObjectItemCaseSensitive(root, "eos_token_id");
+    if (!j || cJSON_IsNull(j))
+        return TD_OK;
+    const cJSON *items = j;
+    int n = 1;
+    if (cJSON_IsArray(j)) {
+        n = cJSON_GetArraySize(j);
+        items = j->child;
+    }
+    for (int i = 0; i < n; i++, items = items->next) {
+        double d = items->valuedouble;
+        if (!cJSON_IsNumber(items) || floor(d) != d || d < 0 || d > INT32_MAX)
+            return td_errorf(TD_ERR_FORMAT, "%s: eos_token_id must be a token id or a list of them", origin);
+        int32_t id = (int32_t)d;
+        bool dup = false;
+        for (int k = 0; k < cfg->n_eos; k++)
+            dup |= cfg->eos_ids[k] == id;
+        if (dup)
+            continue;
+        if (cfg->n_eos == TD_MAX_EOS)
+            return td_errorf(TD_ERR_UNSUPPORTED, "%s: more than %d eos_token_id values", origin, TD_MAX_EOS);
+        cfg->eos_ids[cfg->n_eos++] = id;
+    }
+    return TD_OK;
+}
+
+static td_status_t parse_rope_scaling(const cJSON *root, const char *origin, td_model_config_t *cfg)
+{
+    const cJSON *rs = cJSON_GetObjectItemCaseSensitive(root, "rope_scaling");
+    if (!rs || cJSON_IsNull(rs))
+        return TD_OK;
+    if (!cJSON_IsObject(rs))
+        return td_errorf(TD_ERR_FORMAT, "%s: rope_scaling must be an object or null", origin);
+    const cJSON *ty = cJSON_GetObjectItemCaseSensitive(rs, "rope_type");
+    if (!ty)
+        ty = cJSON_GetObjectItemCaseSensitive(rs, "type");
+    if (!cJSON_IsString(ty))
+        return td_errorf(TD_ERR_FORMAT, "%s: rope_scaling needs a \"rope_type\"", origin);
+    if (!strcmp(ty->valuestring, "default"))
+        return TD_OK;
+    if (strcmp(ty->valuestring, "llama3") != 0)
+        return td_errorf(TD_ERR_UNSUPPORTED, "%s: rope_scaling type \"%.32s\" is not supported (only llama3)", origin,
+                         ty->valuestring);
+    double f = 0, lo = 0, hi = 0;
+    int64_t orig = 0;
+    td_status_t s;
+    if ((s = get_num(rs, origin, "factor", true, 0, &f)) != TD_OK ||
+        (s = get_num(rs, origin, "low_freq_factor", true, 0, &lo)) != TD_OK ||
+        (s = get_num(rs, origin, "high_freq_factor", true, 0, &hi)) != TD_OK ||
+        (s = get_int(rs, origin, "original_max_position_embeddings", true, 0, 1, INT32_MAX, &orig)) != TD_OK)
+        return s;
+    cfg->rope_llama3 = true;
+    cfg->rope_factor = (float)f;
+    cfg->rope_low_freq_factor = (float)lo;
+    cfg->rope_high_freq_factor = (float)hi;
+    cfg->rope_original_max_pos = (int32_t)orig;
+    return TD_OK;
+}
+
+td_status_t td_model_config_from_json(const char *json, const char *origin, td_model_config_t *cfg_out)
+{
+    td_status_t s = TD_OK;
+    td_model_config_t cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cJSON *root = cJSON_Parse(json);
+    if (!cJSON_IsObject(root)) {
+        const char *at = root ? NULL : cJSON_GetErrorPtr();
+        if (at && at >= json && at <= json + strlen(json))
+            s = td_errorf(TD_ERR_FORMAT, "%s: bad JSON at byte %zu", origin, (size_t)(at - json));
+        else
+            s = td_errorf(TD_ERR_FORMAT, "%s: not a JSON object", origin);
+        goto out;
+    }
+
+    /* Architecture: "architectures"[0], else "model_type". */
+    const char *an = NULL;
+    const cJSON *archs = cJSON_GetObjectItemCaseSensitive(root, "architectures");
+    if (cJSON_IsArray(archs) && cJSON_IsString(cJSON_GetArrayItem(archs, 0)))
+        an = cJSON_GetArrayItem(archs, 0)->valuestring;
+    const cJSON *mt = cJSON_GetObjectItemCaseSensitive(root, "model_type");
+    if (!an && cJSON_IsString(mt))
+        an = mt->valuestring;
+    if (!an) {
+        s = td_errorf(TD_ERR_FORMAT, "%s: missing field \"architectures\" (or \"model_type\")", origin);
+        goto out;
+    }
+    int arch = td_model_arch_parse(an);
+    if (arch < 0) {
+        s = td_errorf(TD_ERR_UNSUPPORTED,
+                      "%s: architecture %.64s is not supported (LlamaForCausalLM, MistralForCausalLM, "
+                      "Qwen2ForCausalLM, Qwen3ForCausalLM are)",
+                      origin, an);
+        goto out;
+    }
+    td_model_config_set_arch(&cfg, (td_arch_t)arch);
+    snprintf(cfg.arch_name, sizeof cfg.arch_name, "%s", an);
+
+    int64_t dim = 0, hidden = 0, layers = 0, heads = 0, kv_heads = 0, head_dim = 0, vocab = 0, max_pos = 0, bos = -1;
+    double eps = 0, theta = 0;
+    if ((s = get_int(root, origin, "hidden_size", true, 0, INT32_MIN, INT32_MAX, &dim)) != TD_OK ||
+        (s = get_int(root, origin, "intermediate_size", true, 0, INT32_MIN, INT32_MAX, &hidden)) != TD_OK ||
+        (s = get_int(root, origin, "num_hidden_layers", true, 0, INT32_MIN, INT32_MAX, &layers)) != TD_OK ||
+        (s = get_int(root, origin, "num_attention_heads", true, 0, INT32_MIN, INT32_MAX, &heads)) != TD_OK ||
+        (s = get_int(root, origin, "num_key_value_heads", false, heads, INT32_MIN, INT32_MAX, &kv_heads)) != TD_OK ||
+        (s = get_int(root, origin, "vocab_size", true, 0, INT32_MIN, INT32_MAX, &vocab)) != TD_OK ||
+        (s = get_int(root, origin, "max_position_embeddings", true, 0, INT32_MIN, INT32_MAX, &max_pos)) != TD_OK ||
+        (s = get_int(root, origin, "bos_token_id", false, -1, -1, INT32_MAX, &bos)) != TD_OK ||
+        (s = get_num(root, origin, "rms_norm_eps", false, 1e-6, &eps)) != TD_OK ||
+        (s = get_num(root, origin, "rope_theta", false, 10000.0, &theta)) != TD_OK ||
+        (s = get_bool(root, origin, "tie_word_embeddings", false, &cfg.tie_embeddings)) != TD_OK)
+        goto out;
+    if (heads <= 0) {
+        s = td_errorf(TD_ERR_FORMAT, "%s: num_attention_heads must be positive, got %lld", origin, (long long)heads);
+        goto out;
+    }
+    const cJSON *hd = cJSON_GetObjectItemCaseSensitive(root, "head_dim");
+    if (hd && !cJSON_IsNull(hd)) {
+        if ((s = get_int(root, origin, "head_dim", true, 0, INT32_MIN, INT32_MAX, &head_dim)) != TD_OK)
+            goto out;
+    } else {
+        if (dim % heads != 0) {
+            s = td_errorf(TD_ERR_FORMAT, "%s: hidden_size %lld is not divisible by num_attention_heads %lld "
+                          "and no head_dim is given", origin, (long long)dim, (long long)heads);
+            goto out;
+        }
+        head_dim = dim / heads;
+    }
+    cfg.dim = (int32_t)dim;
+    cfg.hidden_dim = (int32_t)hidden;
+    cfg.n_layers = (int32_t)layers;
+    cfg.n_heads = (int32_t)heads;
+    cfg.n_kv_heads = (int32_t)kv_heads;
+    cfg.head_dim = (int32_t)head_dim;
+    cfg.vocab_size = (int32_t)vocab;
+    cfg.max_seq_len = (int32_t)max_pos;
+    cfg.bos_id = (int32_t)bos;
+    cfg.norm_eps = (float)eps;
+    cfg.rope_theta = (float)theta;
+    if ((s = get_eos(root, origin, &cfg)) != TD_OK || (s = parse_rope_scaling(root, origin, &cfg)) != TD_OK)
+        goto out;
+
+    const cJSON *act = cJSON_GetObjectItemCaseSensitive(root, "hidden_act");
+    if (act && !(cJSON_IsString(act) && !strcmp(act->valuestring, "silu"))) {
+        s = td_errorf(TD_ERR_UNSUPPORTED, "%s: hidden_act must be \"silu\"", origin);
+        goto out;
+    }
+    bool attn_bias, mlp_bias;
+    if ((s = get_bool(root, origin, "attention_bias", false, &attn_bias)) != TD_OK ||
+        (s = get_bool(root, origin, "mlp_bias", false, &mlp_bias)) != TD_OK)
+        goto out;
+    if ((attn_bias && cfg.arch != TD_ARCH_QWEN2) || mlp_bias) {
+        s = td_errorf(TD_ERR_UNSUPPORTED, "%s: %s is not supported (no o_proj/mlp bias in the engine)", origin,
+                      mlp_bias ? "mlp_bias" : "attention_bias");
+        goto out;
+    }
+
+    /* A sliding window we do not implement: attention stays exact as long as the context
+     * never exceeds the window, so the window becomes the context limit. */
+    const cJSON *sw = cJSON_GetObjectItemCaseSensitive(root, "sliding_window");
+    bool use_sw = cfg.arch == TD_ARCH_MISTRAL;
+    if (cfg.arch != TD_ARCH_MISTRAL &&
+        (s = get_bool(root, origin, "use_sliding_window", false, &use_sw)) != TD_OK)
+        goto out;
+    if (use_sw && cJSON_IsNumber(sw) && sw->valuedouble >= 1 && sw->valuedouble < cfg.max_seq_len)
+        cfg.max_seq_len = (int32_t)sw->valuedouble;
+
+    const cJSON *tdt = cJSON_GetObjectItemCaseSensitive(root, "torch_dtype");
+    if (!tdt)
+        tdt = cJSON_GetObjectItemCaseSensitive(root, "dtype");
+    int dt = cJSON_IsString(tdt) ? td_dtype_parse(tdt->valuestring) : -1;
+    cfg.dtype = dt >= 0 ? (td_dtype_t)dt : TD_F32;
+
+    if ((s = td_model_config_validate(&cfg, origin)) != TD_OK)
+        goto out;
+    *cfg_out = cfg;
+out:
+    cJSON_Delete(root);
+    return s;
+}
+
+/* ---- validation -------------------------------------------------------------------- */
+
+td_status_t td_model_config_validate(const td_model_config_t *c, const char *origin)
+{
+    const struct {
+        const char *name;
+        int32_t v;
+    } dims[] = {
+        {"hidden_size (dim)", c->dim},           {"intermediate_size (hidden_dim)", c->hidden_dim},
+        {"num_hidden_layers", c->n_layers},       {"num_attention_heads", c->n_heads},
+        {"num_key_value_heads", c->n_kv_heads},   {"head_dim", c->head_dim},
+        {"vocab_size", c->vocab_size},            {"max_position_embeddings (seq_len)", c->max_seq_len},
+    };
+    for (size_t i = 0; i < TD_ARRAY_LEN(dims); i++) {
+        if (dims[i].v <= 0)
+            return td_errorf(TD_ERR_FORMAT, "%s: %s must be positive, got %d", origin, dims[i].name, dims[i].v);
+        if (dims[i].v > CFG_MAX_DIM && i != 7)
+            return td_errorf(TD_ERR_FORMAT, "%s: %s %d is implausibly large", origin, dims[i].name, dims[i].v);
+    }
+    if (c->n_heads % c->n_kv_heads != 0)
+        return td_errorf(TD_ERR_FORMAT, "%s: num_attention_heads %d is not divisible by num_key_value_heads %d",
+                         origin, c->n_heads, c->n_kv_heads);
+    if (c->head_dim % 2 != 0)
+        return td_errorf(TD_ERR_FORMAT, "%s: head_dim %d must be even for rotary embeddings", origin, c->head_dim);
+    if ((int64_t)c->n_heads * c->head_dim > CFG_MAX_DIM)
+        return td_errorf(TD_ERR_FORMAT, "%s: num_attention_heads x head_dim is implausibly large", origin);
+    if (!(c->norm_eps > 0.0f) || !isfinite(c->norm_eps))
+        return td_errorf(TD_ERR_FORMAT, "%s: rms_norm_eps must be positive", origin);
+    if (!(c->rope_theta > 0.0f) || !isfinite(c->rope_theta))
+        return td_errorf(TD_ERR_FORMAT, "%s: rope_theta must be positive", origin);
+    if (c->rope_llama3 &&
+        (!(c->rope_factor > 0.0f) || !(c->rope_low_freq_factor > 0.0f) ||
+         !(c->rope_high_freq_factor > c->rope_low_freq_factor) || c->rope_original_max_pos <= 0))
+        return td_errorf(TD_ERR_FORMAT, "%s: rope_scaling llama3 needs factor > 0, 0 < low_freq_factor < "
+                         "high_freq_factor and original_max_position_embeddings > 0", origin);
+    if (c->bos_id < -1 || c->bos_id >= c->vocab_size)
+        return td_errorf(TD_ERR_FORMAT, "%s: bos_token_id %d is outside the vocabulary (%d)", origin, c->bos_id,
+                         c->vocab_size);
+    if (c->n_eos < 0 || c->n_eos > TD_MAX_EOS)
+        return td_errorf(TD_ERR_FORMAT, "%s: %d eos ids (at most %d)", origin, c->n_eos, TD_MAX_EOS);
+    for (int i = 0; i < c->n_eos; i++)
+        if (c->eos_ids[i] < 0 || c->eos_ids[i] >= c->vocab_size)
+            return td_errorf(TD_ERR_FORMAT, "%s: eos_token_id %d is outside the vocabulary (%d)", origin,
+                             c->eos_ids[i], c->vocab_size);
+    return TD_OK;
+}
+
+/* ---- derived numbers --------------------------------------------------------------- */
+
+uint64_t td_model_param_count(const td_model_config_t *c)
+{
+    uint64_t d = (uint64_t)c->dim, f = (uint64_t)c->hidden_dim, hd = (uint64_t)c->head_dim;
+    uint64_t q = (uint64_t)c->n_heads * hd, kv = (uint64_t)c->n_kv_heads * hd;
+    uint64_t layer = 2 * d + d * q + 2 * d * kv + q * d + 3 * d * f;
+    if (c->qkv_bias)
+        layer += q + 2 * kv;
+    if (c->qk_norm)
+        layer += 2 * hd;
+    uint64_t embed = (uint64_t)c->vocab_size * d;
+    return embed * (c->tie_embeddings ? 1 : 2) + d + layer * (uint64_t)c->n_layers;
+}
+
+uint64_t td_model_kv_bytes_per_token(const td_model_config_t *c, td_dtype_t kv_dtype)
+{
+    return 2ull * (uint64_t)c->n_layers * (uint64_t)c->n_kv_heads * (uint64_t)c->head_dim *
+           td_dtype_size(kv_dtype);
+}
+
+/* ---- fingerprint ------------------------------------------------------------------- */
+
+typedef struct fnv {
+    uint64_t h;
+} fnv_t;
+
+static void fnv_bytes(fnv_t *f, const void *p, size_t n)
+{
+    const unsigned char *b = p;
+    for (size_t i = 0; i < n; i++) {
+        f->h ^= b[i];
+        f->h *= 0x100000001b3ull;
+    }
+}
+
+/* Little-endian whatever the host, so the hash is the same on every node. */
+static void fnv_u32(fnv_t *f, uint32_t v)
+{
+    unsigned char b[4] = {(unsigned char)v, (unsigned char)(v >> 8), (unsigned char)(v >> 16),
+                          (unsigned char)(v >> 24)};
+    fnv_bytes(f, b, 4);
+}
+
+static void fnv_f32(fnv_t *f, float v)
+{
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    fnv_u32(f, u);
+}
+
+uint64_t td_model_fingerprint(const td_model_config_t *c)
+{
+    /* Everything the forward pass and the KV cache depend on, and nothing else: not the
+     * weights' storage dtype, not the context limit, not bos/eos, not the path. Bump the
+     * tag when the set of fields changes. */
+    fnv_t f = {0xcbf29ce484222325ull};
+    fnv_bytes(&f, "tandem-fp-1", 11);
+    fnv_u32(&f, (uint32_t)c->arch);
+    fnv_u32(&f, (uint32_t)c->dim);
+    fnv_u32(&f, (uint32_t)c->hidden_dim);
+    fnv_u32(&f, (uint32_t)c->n_layers);
+    fnv_u32(&f, (uint32_t)c->n_heads);
+    fnv_u32(&f, (uint32_t)c->n_kv_heads);
+    fnv_u32(&f, (uint32_t)c->head_dim);
+    fnv_u32(&f, (uint32_t)c->vocab_size);
+    fnv_f32(&f, c->norm_eps);
+    fnv_f32(&f, c->rope_theta);
+    fnv_u32(&f, (uint32_t)c->rope_style);
+    fnv_u32(&f, c->rope_llama3);
+    if (c->rope_llama3) {
+        fnv_f32(&f, c->rope_factor);
+        fnv_f32(&f, c->rope_low_freq_factor);
+        fnv_f32(&f, c->rope_high_freq_factor);
+        fnv_u32(&f, (uint32_t)c->rope_original_max_pos);
+    }
+    fnv_u32(&f, c->tie_embeddings);
+    fnv_u32(&f, c->qkv_bias);
+    fnv_u32(&f, c->qk_norm);
+    return f.h;
+}
+
+/* ---- presets ----------------------------------------------------------------------- */
+
+const char *const td_model_preset_names[] = {
+    "tiny", "small", "tinyllama-1.1b", "llama-3.2-1b", "llama-3-8b", "qwen2-7b", "qwen3-0.6b", NULL,
+};
+
+typedef struct preset {
+    const char *name;
+    td_arch_t arch;
+    int32_t dim, hidden, layers, heads, kv_heads, head_dim, vocab, max_pos;
+    float eps, theta;
+    bool tie;
+    int32_t bos, eos;
+    float r3_factor, r3_low, r3_high; /* llama3 rope scaling when r3_factor > 0 */
+    int32_t r3_orig;
+} preset_t;
+
+/* Values from each model's published config.json (base models). */
+static const preset_t presets[] = {
+    /* name            arch           dim   ffn    L   H   KV  hd   vocab   maxpos  eps    theta     tie */
+    {"tiny", TD_ARCH_LLAMA, 64, 176, 4, 8, 4, 8, 512, 2048, 1e-5f, 10000.0f, false, 256, 257, 0, 0, 0, 0},
+    {"small", TD_ARCH_LLAMA, 768, 2048, 12, 12, 4, 64, 32000, 2048, 1e-5f, 10000.0f, true, 1, 2, 0, 0, 0, 0},
+    {"tinyllama-1.1b", TD_ARCH_LLAMA, 2048, 5632, 22, 32, 4, 64, 32000, 2048, 1e-5f, 10000.0f, false, 1, 2, 0, 0,
+     0, 0},
+    {"llama-3.2-1b", TD_ARCH_LLAMA, 2048, 8192, 16, 32, 8, 64, 128256, 131072, 1e-5f, 500000.0f, true, 128000,
+     128001, 32.0f, 1.0f, 4.0f, 8192},
+    {"llama-3-8b", TD_ARCH_LLAMA, 4096, 14336, 32, 32, 8, 128, 128256, 8192, 1e-5f, 500000.0f, false, 128000,
+     128001, 0, 0, 0, 0},
+    {"qwen2-7b", TD_ARCH_QWEN2, 3584, 18944, 28, 28, 4, 128, 152064, 131072, 1e-6f, 1000000.0f, false, 151643,
+     151643, 0, 0, 0, 0},
+    {"qwen3-0.6b", TD_ARCH_QWEN3, 1024, 3072, 28, 16, 8, 128, 151936, 40960, 1e-6f, 1000000.0f, true, 151643,
+     151645, 0, 0, 0, 0},
+};
+
+td_status_t td_model_preset(const char *name, td_model_config_t *cfg)
+{
+    for (size_t i = 0; i < TD_ARRAY_LEN(presets); i++) {
+        const preset_t *p = &presets[i];
+        if (strcmp(name, p->name) != 0)
+            continue;
+        td_model_config_t c;
+        memset(&c, 0, sizeof c);
+        td_model_config_set_arch(&c, p->arch);
+        c.dim = p->dim;
+        c.hidden_dim = p->hidden;
+        c.n_layers = p->layers;
+        c.n_heads = p->heads;
+        c.n_kv_heads = p->kv_heads;
+        c.head_dim = p->head_dim;
+        c.vocab_size = p->vocab;
+        c.max_seq_len = p->max_pos;
+        c.norm_eps = p->eps;
+        c.rope_theta = p->theta;
+        c.tie_embeddings = p->tie;
+        c.dtype = TD_BF16;
+        c.bos_id = p->bos;
+        c.eos_ids[0] = p->eos;
+        c.n_eos = 1;
+        if (p->r3_factor > 0) {
+            c.rope_llama3 = true;
+            c.rope_factor = p->r3_factor;
+            c.rope_low_freq_factor = p->r3_low;
+            c.rope_high_freq_factor = p->r3_high;
+            c.rope_original_max_pos = p->r3_orig;
+        }
+        *cfg = c;
+        return TD_OK;
+    }
+    return td_errorf_quiet(TD_ERR_NOT_FOUND, "no model preset named \"%s\"", name);
+}
+
+/* ---- writing config.json ----------------------------------------------------------- */
+
+/* The shortest decimal that reads back as the same float, so 1e-5f is written "1e-05"
+ * and not "9.99999974737875e-06". */
+static double float_to_nice_double(float f)
+{
+    char buf[32];
+    for (int prec = 1; prec <= 9; prec++) {
+        snprintf(buf, sizeof buf, "%.*g", prec, (double)f);
+        double d = strtod(buf, NULL);
+        if ((float)d == f)
+            return d;
+    }
+    return (double)f;
+}
+
+td_status_t td_model_config_to_json(const td_model_config_t *c, td_dtype_t dtype, char **json_p)
+{
+    static const char *const torch_dtypes[] = {"float32", "float16", "bfloat16"};
+    cJSON *r = cJSON_CreateObject();
+    if (!r)
+        return td_errorf(TD_ERR_NOMEM, "config.json: out of memory");
+    cJSON *archs = cJSON_AddArrayToObject(r, "architectures");
+    if (archs)
+        cJSON_AddItemToArray(archs, cJSON_CreateString(arch_hf_name(c->arch)));
+    cJSON_AddStringToObject(r, "model_type", td_model_arch_name(c->arch));
+    cJSON_AddNumberToObject(r, "hidden_size", c->dim);
+    cJSON_AddNumberToObject(r, "intermediate_size", c->hidden_dim);
+    cJSON_AddNumberToObject(r, "num_hidden_layers", c->n_layers);
+    cJSON_AddNumberToObject(r, "num_attention_heads", c->n_heads);
+    cJSON_AddNumberToObject(r, "num_key_value_heads", c->n_kv_heads);
+    cJSON_AddNumberToObject(r, "head_dim", c->head_dim);
+    cJSON_AddNumberToObject(r, "vocab_size", c->vocab_size);
+    cJSON_AddNumberToObject(r, "max_position_embeddings", c->max_seq_len);
+    cJSON_AddNumberToObject(r, "rms_norm_eps", float_to_nice_double(c->norm_eps));
+    cJSON_AddNumberToObject(r, "rope_theta", float_to_nice_double(c->rope_theta));
+    if (c->rope_llama3) {
+        cJSON *rs = cJSON_AddObjectToObject(r, "rope_scaling");
+        if (rs) {
+            cJSON_AddStringToObject(rs, "rope_type", "llama3");
+            cJSON_AddNumberToObject(rs, "factor", float_to_nice_double(c->rope_factor));
+            cJSON_AddNumberToObject(rs, "low_freq_factor", float_to_nice_double(c->rope_low_freq_factor));
+            cJSON_AddNumberToObject(rs, "high_freq_factor", float_to_nice_double(c->rope_high_freq_factor));
+            cJSON_AddNumberToObject(rs, "original_max_position_embeddings", c->rope_original_max_pos);
+        }
+    } else {
+        cJSON_AddNullToObject(r, "rope_scaling");
+    }
+    cJSON_AddBoolToObject(r, "tie_word_embeddings", c->tie_embeddings);
+    cJSON_AddStringToObject(r, "hidden_act", "silu");
+    if (c->arch != TD_ARCH_QWEN2)
+        cJSON_AddBoolToObject(r, "attention_bias", false);
+    if (c->arch == TD_ARCH_QWEN2 || c->arch == TD_ARCH_QWEN3) {
+        cJSON_AddBoolToObject(r, "use_sliding_window", false);
+        cJSON_AddNullToObject(r, "sliding_window");
+    } else if (c->arch == TD_ARCH_MISTRAL) {
+        cJSON_AddNullToObject(r, "sliding_window");
+    }
+    if (c->bos_id >= 0)
+        cJSON_AddNumberToObject(r, "bos_token_id", c->bos_id);
+    else
+        cJSON_AddNullToObject(r, "bos_token_id");
+    if (c->n_eos == 1) {
+        cJSON_AddNumberToObject(r, "eos_token_id", c->eos_ids[0]);
+    } else if (c->n_eos > 1) {
+        cJSON *e = cJSON_AddArrayToObject(r, "eos_token_id");
+        for (int i = 0; e && i < c->n_eos; i++)
+            cJSON_AddItemToArray(e, cJSON_CreateNumber(c->eos_ids[i]));
+    } else {
+        cJSON_AddNullToObject(r, "eos_token_id");
+    }
+    cJSON_AddNumberToObject(r, "initializer_range", 0.02);
+    cJSON_AddStringToObject(r, "torch_dtype", torch_dtypes[dtype]);
+    char *text = cJSON_Print(r);
+    cJSON_Delete(r);
+    if (!text)
+        return td_errorf(TD_ERR_NOMEM, "config.json: out of memory");
+    /* cJSON allocates with malloc (no hooks installed), so the caller may free(). */
+    *json_p = text;
+    return TD_OK;
+}

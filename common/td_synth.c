@@ -1,0 +1,487 @@
+/*
+ * td_synth: random-weight models in the Hugging Face format.
+ *
+ * Benchmarks and tests need models of real shapes (Llama-3-8B is 16 GB in bf16) that
+ * nobody has to download; a model's speed does not depend on what its weights mean. This
+ * writes a complete model directory (config.json, safetensors, a tokenizer) that
+ * td_model_load and the tokenizer module load like any other.
+ *
+ * Determinism: each tensor draws from its own generator seeded by (seed, tensor name), so
+ * the same seed gives the same values whatever the dtype, sharding or tensor order, and
+ * the same bytes for the same (seed, config, dtype, shards). Values are approximately
+ * N(0, 0.02) (the initializer_range of the reference implementations; an Irwin-Hall sum of
+ * four uniforms, cheap enough to write 8B of them at disk speed), norms are 1.
+ */
+#include "td_model.h"
+
+#include <cjson/cJSON.h>
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "td_safetensors.h"
+#include "td_util.h"
+
+#define SYNTH_STD 0.02f
+#define SYNTH_CHUNK (1u << 16) /* elements generated per write */
+#define TOK_BOS 256
+#define TOK_EOS 257
+
+typedef enum { K_MATRIX, K_NORM, K_BIAS } kind_t;
+
+typedef struct synth_tensor {
+    char name[96];
+    int32_t n_dims;
+    int64_t shape[2];
+    kind_t kind;
+    size_t nbytes;
+    int shard;
+} synth_tensor_t;
+
+/* ---- random numbers ---------------------------------------------------------------- */
+
+static uint64_t splitmix64(uint64_t *s)
+{
+    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+static uint64_t name_hash(const char *s)
+{
+    uint64_t h = 0xcbf29ce484222325ull;
+    for (; *s; s++) {
+        h ^= (unsigned char)*s;
+        h *= 0x100000001b3ull;
+    }
+    return h;
+}
+
+/* Approximately standard normal: the centred sum of four 16-bit uniforms, scaled to
+ * unit variance (bounded at +-3.46). */
+static float approx_normal(uint64_t *s)
+{
+    uint64_t r = splitmix64(s);
+    uint32_t sum = (uint32_t)(r & 0xffff) + (uint32_t)((r >> 16) & 0xffff) + (uint32_t)((r >> 32) & 0xffff) +
+                   (uint32_t)(r >> 48);
+    return ((float)sum * (1.0f / 65535.0f) - 2.0f) * 1.7320508f;
+}
+
+/* ---- small file helpers ------------------------------------------------------------ */
+
+static td_status_t write_text(const char *dir, const char *name, const char *text, size_t len)
+{
+    char p[4400];
+    snprintf(p, sizeof p, "%s/%s", dir, name);
+    FILE *f = fopen(p, "wb");
+    if (!f)
+        return td_errorf(TD_ERR_IO, "%s: cannot create: %s", p, strerror(errno));
+    bool ok = fwrite(text, 1, len, f) == len;
+    int e = errno;
+    if (fclose(f) != 0 && ok) {
+        ok = false;
+        e = errno;
+    }
+    if (!ok) {
+        unlink(p);
+        return td_errorf(TD_ERR_IO, "%s: write failed: %s", p, strerror(e));
+    }
+    return TD_OK;
+}
+
+static td_status_t write_json(const char *dir, const char *name, cJSON *root)
+{
+    char *text = root ? cJSON_Print(root) : NULL;
+    if (!text)
+        return td_errorf(TD_ERR_NOMEM, "%s/%s: out of memory", dir, name);
+    td_status_t s = write_text(dir, name, text, strlen(text));
+    free(text);
+    return s;
+}
+
+static td_status_t copy_file(const char *src, const char *dir, const char *name)
+{
+    char *data;
+    size_t len;
+    td_status_t s = td_file_read_all(src, 1u << 30, &data, &len);
+    if (s != TD_OK)
+        return s;
+    s = write_text(dir, name, data, len);
+    free(data);
+    return s;
+}
+
+/* ---- the built-in tokenizer -------------------------------------------------------- */
+
+/* GPT-2's byte-to-character table: printable Latin-1 bytes stand for themselves, the
+ * others are shifted to U+0100 and up, so every byte is one visible character. */
+static uint32_t byte_char(unsigned b)
+{
+    if ((b >= 33 && b <= 126) || (b >= 161 && b <= 172) || (b >= 174 && b <= 255))
+        return b;
+    uint32_t n = 0;
+    for (unsigned x = 0; x < b; x++)
+        if (!((x >= 33 && x <= 126) || (x >= 161 && x <= 172) || (x >= 174 && x <= 255)))
+            n++;
+    return 256 + n;
+}
+
+static void utf8(uint32_t cp, char out[5])
+{
+    if (cp < 0x80) {
+        out[0] = (char)cp;
+        out[1] = 0;
+    } else {
+        /* every byte_char() value is below U+0800: two bytes */
+        out[0] = (char)(0xc0 | (cp >> 6));
+        out[1] = (char)(0x80 | (cp & 0x3f));
+        out[2] = 0;
+    }
+}
+
+static cJSON *added_token(int id, const char *content)
+{
+    cJSON *t = cJSON_CreateObject();
+    if (!t)
+        return NULL;
+    if (id >= 0)
+        cJSON_AddNumberToObject(t, "id", id);
+    cJSON_AddStringToObject(t, "content", content);
+    cJSON_AddBoolToObject(t, "single_word", false);
+    cJSON_AddBoolToObject(t, "lstrip", false);
+    cJSON_AddBoolToObject(t, "rstrip", false);
+    cJSON_AddBoolToObject(t, "normalized", false);
+    cJSON_AddBoolToObject(t, "special", true);
+    return t;
+}
+
+static cJSON *byte_level(bool add_prefix_space)
+{
+    cJSON *o = cJSON_CreateObject();
+    if (!o)
+        return NULL;
+    cJSON_AddStringToObject(o, "type", "ByteLevel");
+    cJSON_AddBoolToObject(o, "add_prefix_space", add_prefix_space);
+    cJSON_AddBoolToObject(o, "trim_offsets", true);
+    cJSON_AddBoolToObject(o, "use_regex", true);
+    return o;
+}
+
+/* tokenizer.json: byte-level BPE whose vocabulary is the 256 byte characters (id = byte
+ * value) and no merges, plus <s> (256) and </s> (257); tokenizer_config.json naming them. */
+static td_status_t write_byte_tokenizer(const char *dir, int32_t max_len)
+{
+    td_status_t s;
+    cJSON *root = cJSON_CreateObject();
+    if (!root)
+        return td_errorf(TD_ERR_NOMEM, "%s/tokenizer.json: out of memory", dir);
+    cJSON_AddStringToObject(root, "version", "1.0");
+    cJSON_AddNullToObject(root, "truncation");
+    cJSON_AddNullToObject(root, "padding");
+    cJSON *added = cJSON_AddArrayToObject(root, "added_tokens");
+    if (added) {
+        cJSON_AddItemToArray(added, added_token(TOK_BOS, "<s>"));
+        cJSON_AddItemToArray(added, added_token(TOK_EOS, "</s>"));
+    }
+    cJSON_AddNullToObject(root, "normalizer");
+    cJSON_AddItemToObject(root, "pre_tokenizer", byte_level(false));
+    cJSON_AddNullToObject(root, "post_processor");
+    cJSON_AddItemToObject(root, "decoder", byte_level(true));
+    cJSON *model = cJSON_AddObjectToObject(root, "model");
+    if (model) {
+        cJSON_AddStringToObject(model, "type", "BPE");
+        cJSON_AddNullToObject(model, "dropout");
+        cJSON_AddNullToObject(model, "unk_token");
+        cJSON_AddNullToObject(model, "continuing_subword_prefix");
+        cJSON_AddNullToObject(model, "end_of_word_suffix");
+        cJSON_AddBoolToObject(model, "fuse_unk", false);
+        cJSON_AddBoolToObject(model, "byte_fallback", false);
+        cJSON *vocab = cJSON_AddObjectToObject(model, "vocab");
+        for (unsigned b = 0; vocab && b < 256; b++) {
+            char ch[5];
+            utf8(byte_char(b), ch);
+            cJSON_AddNumberToObject(vocab, ch, b);
+        }
+        cJSON_AddArrayToObject(model, "merges");
+    }
+    s = write_json(dir, "tokenizer.json", root);
+    cJSON_Delete(root);
+    if (s != TD_OK)
+        return s;
+
+    root = cJSON_CreateObject();
+    if (!root)
+        return td_errorf(TD_ERR_NOMEM, "%s/tokenizer_config.json: out of memory", dir);
+    cJSON_AddBoolToObject(root, "add_bos_token", true);
+    cJSON_AddBoolToObject(root, "add_eos_token", false);
+    cJSON *dec = cJSON_AddObjectToObject(root, "added_tokens_decoder");
+    if (dec) {
+        cJSON_AddItemToObject(dec, "256", added_token(-1, "<s>"));
+        cJSON_AddItemToObject(dec, "257", added_token(-1, "</s>"));
+    }
+    cJSON_AddStringToObject(root, "bos_token", "<s>");
+    cJSON_AddStringToObject(root, "eos_token", "</s>");
+    cJSON_AddBoolToObject(root, "clean_up_tokenization_spaces", false);
+    cJSON_AddNumberToObject(root, "model_max_length", max_len);
+    cJSON_AddStringToObject(root, "tokenizer_class", "PreTrainedTokenizerFast");
+    s = write_json(dir, "tokenizer_config.json", root);
+    cJSON_Delete(root);
+    return s;
+}
+
+static td_status_t copy_tokenizer(const char *src, const char *dir)
+{
+    char p[4400];
+    td_status_t s;
+    if (td_is_dir(src)) {
+        snprintf(p, sizeof p, "%s/tokenizer.json", src);
+        if (!td_is_file(p))
+            return td_errorf(TD_ERR_NOT_FOUND, "%s: no tokenizer.json to copy", src);
+        if ((s = copy_file(p, dir, "tokenizer.json")) != TD_OK)
+            return s;
+        snprintf(p, sizeof p, "%s/tokenizer_config.json", src);
+        return td_is_file(p) ? copy_file(p, dir, "tokenizer_config.json") : TD_OK;
+    }
+    if (!td_is_file(src))
+        return td_errorf(TD_ERR_NOT_FOUND, "%s: no such tokenizer file or directory", src);
+    /* A lone file keeps its name (tokenizer.json, tokenizer.model, tokenizer.bin); a
+     * tokenizer_config.json beside a tokenizer.json comes along. */
+    const char *slash = strrchr(src, '/');
+    const char *base = slash ? slash + 1 : src;
+    if ((s = copy_file(src, dir, base)) != TD_OK)
+        return s;
+    if (!strcmp(base, "tokenizer.json")) {
+        snprintf(p, sizeof p, "%.*stokenizer_config.json", (int)(base - src), src);
+        if (td_is_file(p))
+            return copy_file(p, dir, "tokenizer_config.json");
+    }
+    return TD_OK;
+}
+
+/* ---- the weights ------------------------------------------------------------------- */
+
+static void add_tensor(synth_tensor_t *t, size_t *n, td_dtype_t dt, const char *name, kind_t kind, int64_t d0,
+                       int64_t d1)
+{
+    synth_tensor_t *x = &t[(*n)++];
+    snprintf(x->name, sizeof x->name, "%s", name);
+    x->kind = kind;
+    x->n_dims = d1 > 0 ? 2 : 1;
+    x->shape[0] = d0;
+    x->shape[1] = d1;
+    x->nbytes = (size_t)d0 * (size_t)(d1 > 0 ? d1 : 1) * td_dtype_size(dt);
+}
+
+/* Every tensor of the model in Hugging Face order. t has room for 3 + 14 per layer. */
+static size_t list_tensors(const td_model_config_t *c, td_dtype_t dt, synth_tensor_t *t)
+{
+    size_t n = 0;
+    int64_t D = c->dim, F = c->hidden_dim, V = c->vocab_size, hd = c->head_dim;
+    int64_t q = (int64_t)c->n_heads * hd, kv = (int64_t)c->n_kv_heads * hd;
+    char name[96];
+    add_tensor(t, &n, dt, "model.embed_tokens.weight", K_MATRIX, V, D);
+    for (int32_t l = 0; l < c->n_layers; l++) {
+#define ADD(suffix, kind, d0, d1)                                               \
+    do {                                                                        \
+        snprintf(name, sizeof name, "model.layers.%d.%s", l, suffix);           \
+        add_tensor(t, &n, dt, name, kind, d0, d1);                              \
+    } while (0)
+        ADD("input_layernorm.weight", K_NORM, D, 0);
+        ADD("self_attn.q_proj.weight", K_MATRIX, q, D);
+        ADD("self_attn.k_proj.weight", K_MATRIX, kv, D);
+        ADD("self_attn.v_proj.weight", K_MATRIX, kv, D);
+        if (c->qkv_bias) {
+            ADD("self_attn.q_proj.bias", K_BIAS, q, 0);
+            ADD("self_attn.k_proj.bias", K_BIAS, kv, 0);
+            ADD("self_attn.v_proj.bias", K_BIAS, kv, 0);
+        }
+        if (c->qk_norm) {
+            ADD("self_attn.q_norm.weight", K_NORM, hd, 0);
+            ADD("self_attn.k_norm.weight", K_NORM, hd, 0);
+        }
+        ADD("self_attn.o_proj.weight", K_MATRIX, D, q);
+        ADD("post_attention_layernorm.weight", K_NORM, D, 0);
+        ADD("mlp.gate_proj.weight", K_MATRIX, F, D);
+        ADD("mlp.up_proj.weight", K_MATRIX, F, D);
+        ADD("mlp.down_proj.weight", K_MATRIX, D, F);
+#undef ADD
+    }
+    add_tensor(t, &n, dt, "model.norm.weight", K_NORM, D, 0);
+    if (!c->tie_embeddings)
+        add_tensor(t, &n, dt, "lm_head.weight", K_MATRIX, V, D);
+    return n;
+}
+
+/* Streams one tensor's values in `dt` through the writer. */
+static td_status_t write_values(td_st_writer_t *w, const synth_tensor_t *t, uint64_t seed, td_dtype_t dt,
+                                float *vals, void *conv)
+{
+    uint64_t state = seed ^ name_hash(t->name);
+    size_t total = t->nbytes / td_dtype_size(dt);
+    for (size_t done = 0; done < total;) {
+        size_t n = TD_MIN((size_t)SYNTH_CHUNK, total - done);
+        for (size_t i = 0; i < n; i++)
+            vals[i] = t->kind == K_NORM ? 1.0f : SYNTH_STD * approx_normal(&state);
+        td_dtype_convert(conv, dt, vals, TD_F32, n);
+        td_status_t s = td_st_writer_write(w, conv, n * td_dtype_size(dt));
+        if (s != TD_OK)
+            return s;
+        done += n;
+    }
+    return TD_OK;
+}
+
+static void shard_name(char *out, size_t cap, int i, int n)
+{
+    if (n == 1)
+        snprintf(out, cap, "model.safetensors");
+    else
+        snprintf(out, cap, "model-%05d-of-%05d.safetensors", i + 1, n);
+}
+
+static td_status_t write_shard(const char *dir, int shard, int n_shards, const synth_tensor_t *t, size_t n,
+                               uint64_t seed, td_dtype_t dt, float *vals, void *conv)
+{
+    char name[64], p[4400];
+    shard_name(name, sizeof name, shard, n_shards);
+    snprintf(p, sizeof p, "%s/%s", dir, name);
+    td_st_writer_t *w;
+    td_status_t s = td_st_writer_create(p, &w);
+    if (s != TD_OK)
+        return s;
+    if ((s = td_st_writer_meta(w, "format", "pt")) != TD_OK)
+        goto out;
+    for (size_t i = 0; i < n; i++)
+        if (t[i].shard == shard && (s = td_st_writer_add(w, t[i].name, dt, t[i].n_dims, t[i].shape)) != TD_OK)
+            goto out;
+    if ((s = td_st_writer_begin(w)) != TD_OK)
+        goto out;
+    for (size_t i = 0; i < n; i++)
+        if (t[i].shard == shard && (s = write_values(w, &t[i], seed, dt, vals, conv)) != TD_OK)
+            goto out;
+    s = td_st_writer_finish(w);
+out:
+    td_st_writer_destroy(w); /* removes the file unless finished */
+    return s;
+}
+
+static td_status_t write_index(const char *dir, const synth_tensor_t *t, size_t n, int n_shards)
+{
+    cJSON *root = cJSON_CreateObject();
+    cJSON *meta = root ? cJSON_AddObjectToObject(root, "metadata") : NULL;
+    cJSON *map = root ? cJSON_AddObjectToObject(root, "weight_map") : NULL;
+    size_t total = 0;
+    for (size_t i = 0; map && i < n; i++) {
+        char name[64];
+        shard_name(name, sizeof name, t[i].shard, n_shards);
+        cJSON_AddStringToObject(map, t[i].name, name);
+        total += t[i].nbytes;
+    }
+    if (meta)
+        cJSON_AddNumberToObject(meta, "total_size", (double)total);
+    td_status_t s = meta && map ? write_json(dir, "model.safetensors.index.json", root)
+                                : td_errorf(TD_ERR_NOMEM, "%s: out of memory", dir);
+    cJSON_Delete(root);
+    return s;
+}
+
+static void remove_shards(const char *dir, int upto, int n_shards)
+{
+    for (int i = 0; i < upto; i++) {
+        char name[64], p[4400];
+        shard_name(name, sizeof name, i, n_shards);
+        snprintf(p, sizeof p, "%s/%s", dir, name);
+        unlink(p);
+    }
+}
+
+td_status_t td_model_synth_shards(const td_synth_params_t *p, int n_shards, const char *out_dir,
+                                  const char *tokenizer_src)
+{
+    td_status_t s;
+    td_model_config_t c = p->config;
+    if ((unsigned)p->dtype >= TD_DTYPE_COUNT)
+        return td_errorf(TD_ERR_INVALID, "synth: unknown dtype %d", (int)p->dtype);
+    if (!tokenizer_src) {
+        if (c.vocab_size < TOK_EOS + 1)
+            return td_errorf(TD_ERR_INVALID, "synth: vocab_size %d is too small for the built-in byte tokenizer "
+                             "(needs 258); pass a tokenizer", c.vocab_size);
+        c.bos_id = TOK_BOS;
+        c.eos_ids[0] = TOK_EOS;
+        c.n_eos = 1;
+    }
+    c.dtype = p->dtype;
+    if ((s = td_model_config_validate(&c, "synth config")) != TD_OK)
+        return s;
+    size_t cap = 3 + 14 * (size_t)c.n_layers;
+    if (n_shards < 1 || (size_t)n_shards > cap)
+        return td_errorf(TD_ERR_INVALID, "synth: %d shards for a model of at most %zu tensors", n_shards, cap);
+    if (mkdir(out_dir, 0777) != 0 && errno != EEXIST)
+        return td_errorf(TD_ERR_IO, "%s: cannot create directory: %s", out_dir, strerror(errno));
+    if (!td_is_dir(out_dir))
+        return td_errorf(TD_ERR_IO, "%s: exists and is not a directory", out_dir);
+
+    synth_tensor_t *t = calloc(cap, sizeof *t);
+    float *vals = malloc(SYNTH_CHUNK * sizeof *vals);
+    void *conv = malloc(SYNTH_CHUNK * sizeof(float));
+    if (!t || !vals || !conv) {
+        s = td_errorf(TD_ERR_NOMEM, "synth: out of memory");
+        goto out;
+    }
+    size_t n = list_tensors(&c, p->dtype, t);
+    if ((size_t)n_shards > n) {
+        s = td_errorf(TD_ERR_INVALID, "synth: %d shards for %zu tensors", n_shards, n);
+        goto out;
+    }
+
+    /* Shards of about equal bytes, in tensor order, none empty. */
+    uint64_t total = 0, acc = 0;
+    for (size_t i = 0; i < n; i++)
+        total += t[i].nbytes;
+    int shard = 0;
+    for (size_t i = 0; i < n; i++) {
+        int left = n_shards - 1 - shard; /* shards after this one */
+        if (shard < n_shards - 1 && i > 0 && t[i - 1].shard == shard &&
+            (acc >= total * (uint64_t)(shard + 1) / (uint64_t)n_shards || n - i <= (size_t)left))
+            shard++;
+        t[i].shard = shard;
+        acc += t[i].nbytes;
+    }
+
+    char *cfg_text;
+    if ((s = td_model_config_to_json(&c, p->dtype, &cfg_text)) != TD_OK)
+        goto out;
+    s = write_text(out_dir, "config.json", cfg_text, strlen(cfg_text));
+    free(cfg_text);
+    if (s != TD_OK)
+        goto out;
+    s = tokenizer_src ? copy_tokenizer(tokenizer_src, out_dir) : write_byte_tokenizer(out_dir, c.max_seq_len);
+    if (s != TD_OK)
+        goto out;
+    /* A weight file of the other layout left from an earlier run would shadow this one. */
+    char stale[4400];
+    snprintf(stale, sizeof stale, "%s/%s", out_dir, n_shards > 1 ? "model.safetensors" : "model.safetensors.index.json");
+    unlink(stale);
+    for (int i = 0; i < n_shards; i++) {
+        if ((s = write_shard(out_dir, i, n_shards, t, n, p->seed, p->dtype, vals, conv)) != TD_OK) {
+            remove_shards(out_dir, i, n_shards);
+            goto out;
+        }
+    }
+    if (n_shards > 1 && (s = write_index(out_dir, t, n, n_shards)) != TD_OK)
+        remove_shards(out_dir, n_shards, n_shards);
+out:
+    free(conv);
+    free(vals);
+    free(t);
+    return s;
+}
+
+td_status_t td_model_synth(const td_synth_params_t *p, const char *out_dir, const char *tokenizer_src)
+{
+    return td_model_synth_shards(p, 1, out_dir, tokenizer_src);
+}
