@@ -657,7 +657,8 @@ static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf);
 /* Writes nghttp2's output, delivers writable notifications, applies read back-pressure. */
 static void conn_pump(srv_conn_t *c)
 {
-    if (c->closed || c->closing)
+    /* Our SETTINGS wait for the client preface, so an HTTP/1.1 client sees a clean 505. */
+    if (c->closed || c->closing || c->preface_seen < PREFACE_LEN)
         return;
     for (int round = 0; round < 4; round++) {
         int rc = td_grpc_pump(c->ses, (uv_stream_t *)&c->tcp, c, on_write, &c->writes_in_flight);

@@ -1,0 +1,418 @@
+/*
+ * test_grpc: td_grpc client ↔ server on 127.0.0.1 (ephemeral ports), the server on its own
+ * thread and loop (grpc_test_service.h), the client on the test's loop; plus raw sockets
+ * speaking garbage, truncated HTTP/2 and HTTP/1.1 at the server. Every test ends with
+ * both loops closed cleanly (uv_loop_close == 0), so a leaked handle fails.
+ */
+#include <arpa/inet.h>
+#include <criterion/criterion.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <unistd.h>
+
+#include "grpc_test_service.h"
+#include "td_grpc_wire.h"
+
+typedef struct result {
+    int done;
+    td_grpc_code_t code;
+    char message[256];
+    int n_messages;
+    uint32_t last_token;
+    bool in_order;
+    size_t last_text_len;
+    int finish_reason;
+} result_t;
+
+typedef struct client {
+    uv_loop_t loop;
+    td_grpc_channel_t *ch;
+    test_server_t ts;
+} client_t;
+
+static void on_msg(td_grpc_client_call_t *call, const ProtobufCMessage *msg, void *data)
+{
+    result_t *r = data;
+    const Tandem__V1__GenerateResponse *g = (const Tandem__V1__GenerateResponse *)msg;
+    if (g->n_token_ids == 1) {
+        if (r->n_messages > 0 && g->token_ids[0] != r->last_token + 1)
+            r->in_order = false;
+        r->last_token = g->token_ids[0];
+    }
+    r->last_text_len = strlen(g->text);
+    r->finish_reason = g->finish_reason;
+    r->n_messages++;
+}
+
+static void on_done(td_grpc_client_call_t *call, td_grpc_code_t code, const char *message, void *data)
+{
+    result_t *r = data;
+    r->done++;
+    r->code = code;
+    snprintf(r->message, sizeof r->message, "%s", message);
+}
+
+static void client_start(client_t *c, const td_grpc_server_config_t *scfg, size_t client_max)
+{
+    signal(SIGPIPE, SIG_IGN);
+    uint16_t port = ts_start(&c->ts, scfg);
+    cr_assert_neq(port, 0, "server did not start");
+    cr_assert_eq(uv_loop_init(&c->loop), 0);
+    td_grpc_channel_config_t cc = td_grpc_channel_config_default();
+    if (client_max)
+        cc.max_message_bytes = client_max;
+    cr_assert_eq(td_grpc_channel_create(&c->loop, "127.0.0.1", port, &cc, &c->ch), TD_OK);
+}
+
+static void client_stop(client_t *c)
+{
+    td_grpc_channel_close(c->ch, NULL, NULL);
+    uv_run(&c->loop, UV_RUN_DEFAULT);
+    cr_assert_eq(uv_loop_close(&c->loop), 0, "client loop has handles left");
+    cr_assert_eq(ts_stop(&c->ts), 0, "server loop has handles left");
+}
+
+/* Runs the loop until r->done (with a safety bound in loop iterations of 10 ms). */
+static void run_until_done(client_t *c, result_t *r)
+{
+    for (int i = 0; i < 1000 && !r->done; i++)
+        uv_run(&c->loop, UV_RUN_ONCE);
+    cr_assert(r->done, "call did not finish");
+}
+
+static td_grpc_client_call_t *generate(client_t *c, const char *prompt, uint32_t max_tokens, uint32_t timeout_ms,
+                                       result_t *r)
+{
+    Tandem__V1__GenerateRequest req = TANDEM__V1__GENERATE_REQUEST__INIT;
+    req.prompt = (char *)prompt;
+    req.max_tokens = max_tokens;
+    req.request_id = "req-1";
+    memset(r, 0, sizeof *r);
+    r->in_order = true;
+    td_grpc_call_opts_t o = {.response_desc = &tandem__v1__generate_response__descriptor,
+                             .on_message = on_msg, .on_done = on_done, .data = r, .timeout_ms = timeout_ms};
+    td_grpc_client_call_t *call = NULL;
+    cr_assert_eq(td_grpc_channel_call(c->ch, "/tandem.v1.Generation/Generate", &req.base, &o, &call), TD_OK);
+    return call;
+}
+
+static void list_models_ok(client_t *c)
+{
+    Tandem__V1__ListModelsRequest req = TANDEM__V1__LIST_MODELS_REQUEST__INIT;
+    result_t r = {0};
+    td_grpc_call_opts_t o = {.response_desc = &tandem__v1__list_models_response__descriptor,
+                             .on_done = on_done, .data = &r, .timeout_ms = 5000};
+    cr_assert_eq(td_grpc_channel_call(c->ch, "/tandem.v1.Generation/ListModels", &req.base, &o, NULL), TD_OK);
+    run_until_done(c, &r);
+    cr_assert_eq(r.code, TD_GRPC_OK, "ListModels: %s %s", td_grpc_code_name(r.code), r.message);
+}
+
+Test(grpc, unary_and_health, .timeout = 20)
+{
+    client_t c;
+    td_grpc_server_config_t cfg = td_grpc_server_config_default();
+    client_start(&c, &cfg, 0);
+    list_models_ok(&c);
+    Grpc__Health__V1__HealthCheckRequest hreq = GRPC__HEALTH__V1__HEALTH_CHECK_REQUEST__INIT;
+    result_t r = {0};
+    td_grpc_call_opts_t o = {.response_desc = &grpc__health__v1__health_check_response__descriptor,
+                             .on_done = on_done, .data = &r};
+    cr_assert_eq(td_grpc_channel_call(c.ch, "/grpc.health.v1.Health/Check", &hreq.base, &o, NULL), TD_OK);
+    run_until_done(&c, &r);
+    cr_assert_eq(r.code, TD_GRPC_OK);
+    hreq.service = "nope";
+    memset(&r, 0, sizeof r);
+    cr_assert_eq(td_grpc_channel_call(c.ch, "/grpc.health.v1.Health/Check", &hreq.base, &o, NULL), TD_OK);
+    run_until_done(&c, &r);
+    cr_assert_eq(r.code, TD_GRPC_NOT_FOUND);
+    cr_assert_str_eq(r.message, "unknown service");
+    client_stop(&c);
+}
+
+Test(grpc, server_streaming, .timeout = 20)
+{
+    client_t c;
+    td_grpc_server_config_t cfg = td_grpc_server_config_default();
+    client_start(&c, &cfg, 0);
+    result_t r;
+    generate(&c, "hello", 5000, 10000, &r);
+    run_until_done(&c, &r);
+    cr_assert_eq(r.code, TD_GRPC_OK, "%s %s", td_grpc_code_name(r.code), r.message);
+    cr_assert_eq(r.n_messages, 5000);
+    cr_assert(r.in_order);
+    cr_assert_eq(r.last_token, 1000 + 4999);
+    cr_assert_eq(r.finish_reason, TANDEM__V1__FINISH_REASON__FINISH_REASON_LENGTH);
+    /* several concurrent streams on one connection */
+    result_t rs[8];
+    for (int i = 0; i < 8; i++)
+        generate(&c, "hi", 100 + (uint32_t)i, 0, &rs[i]);
+    for (int i = 0; i < 8; i++) {
+        run_until_done(&c, &rs[i]);
+        cr_assert_eq(rs[i].code, TD_GRPC_OK);
+        cr_assert_eq(rs[i].n_messages, 100 + i);
+    }
+    client_stop(&c);
+}
+
+Test(grpc, message_size_limits, .timeout = 20)
+{
+    client_t c;
+    td_grpc_server_config_t cfg = td_grpc_server_config_default();
+    cfg.max_message_bytes = 64 * 1024;
+    client_start(&c, &cfg, 1 << 20);
+    size_t near = 64 * 1024 - 64; /* prompt + field overhead stays under the limit */
+    char *big = malloc(80 * 1024);
+    memcpy(big, "echo:", 5);
+    memset(big + 5, 'a', near - 5);
+    big[near] = '\0';
+    result_t r;
+    generate(&c, big, 0, 5000, &r);
+    run_until_done(&c, &r);
+    cr_assert_eq(r.code, TD_GRPC_OK, "%s %s", td_grpc_code_name(r.code), r.message);
+    cr_assert_eq(r.last_text_len, near);
+    memset(big + 5, 'a', 70 * 1024);
+    big[70 * 1024 + 5] = '\0';
+    generate(&c, big, 0, 5000, &r);
+    run_until_done(&c, &r);
+    cr_assert_eq(r.code, TD_GRPC_RESOURCE_EXHAUSTED, "%s %s", td_grpc_code_name(r.code), r.message);
+    free(big);
+    list_models_ok(&c); /* the connection is still fine */
+    client_stop(&c);
+}
+
+Test(grpc, client_limit_refuses_large_request, .timeout = 20)
+{
+    client_t c;
+    td_grpc_server_config_t cfg = td_grpc_server_config_default();
+    client_start(&c, &cfg, 1024);
+    Tandem__V1__GenerateRequest req = TANDEM__V1__GENERATE_REQUEST__INIT;
+    char big[2048];
+    memset(big, 'b', sizeof big - 1);
+    big[sizeof big - 1] = '\0';
+    req.prompt = big;
+    result_t r = {0};
+    td_grpc_call_opts_t o = {.response_desc = &tandem__v1__generate_response__descriptor, .on_done = on_done,
+                             .data = &r};
+    cr_assert_eq(td_grpc_channel_call(c.ch, "/tandem.v1.Generation/Generate", &req.base, &o, NULL), TD_ERR_RANGE);
+    cr_assert_eq(r.done, 0, "a failed start must not call back");
+    client_stop(&c);
+}
+
+Test(grpc, deadline_exceeded, .timeout = 20)
+{
+    client_t c;
+    td_grpc_server_config_t cfg = td_grpc_server_config_default();
+    client_start(&c, &cfg, 0);
+    result_t r;
+    generate(&c, "slow", 1, 150, &r);
+    run_until_done(&c, &r);
+    cr_assert_eq(r.code, TD_GRPC_DEADLINE_EXCEEDED, "%s %s", td_grpc_code_name(r.code), r.message);
+    for (int i = 0; i < 200 && atomic_load(&c.ts.cancels) == 0; i++)
+        usleep(10000);
+    cr_assert_eq(atomic_load(&c.ts.cancels), 1, "the handler was not told");
+    cr_assert_eq(atomic_load(&c.ts.cancel_reason), TD_ERR_TIMEOUT);
+    list_models_ok(&c);
+    client_stop(&c);
+}
+
+static void cancel_later(uv_timer_t *t)
+{
+    td_grpc_client_call_cancel(t->data);
+}
+
+Test(grpc, client_cancel_reaches_handler, .timeout = 20)
+{
+    client_t c;
+    td_grpc_server_config_t cfg = td_grpc_server_config_default();
+    client_start(&c, &cfg, 0);
+    result_t r;
+    td_grpc_client_call_t *call = generate(&c, "slow", 1, 0, &r);
+    uv_timer_t t;
+    uv_timer_init(&c.loop, &t);
+    t.data = call;
+    uv_timer_start(&t, cancel_later, 100, 0);
+    run_until_done(&c, &r);
+    uv_close((uv_handle_t *)&t, NULL);
+    cr_assert_eq(r.code, TD_GRPC_CANCELLED);
+    for (int i = 0; i < 300 && atomic_load(&c.ts.cancels) == 0; i++) {
+        uv_run(&c.loop, UV_RUN_NOWAIT); /* let the RST_STREAM go out */
+        usleep(10000);
+    }
+    cr_assert_eq(atomic_load(&c.ts.cancels), 1, "the handler did not see the cancel");
+    cr_assert_eq(atomic_load(&c.ts.cancel_reason), TD_ERR_CANCELLED);
+    list_models_ok(&c);
+    client_stop(&c);
+}
+
+Test(grpc, unknown_method_and_invalid_protobuf, .timeout = 20)
+{
+    client_t c;
+    td_grpc_server_config_t cfg = td_grpc_server_config_default();
+    client_start(&c, &cfg, 0);
+    result_t r = {0};
+    Tandem__V1__ListModelsRequest req = TANDEM__V1__LIST_MODELS_REQUEST__INIT;
+    td_grpc_call_opts_t o = {.on_done = on_done, .data = &r};
+    cr_assert_eq(td_grpc_channel_call(c.ch, "/tandem.v1.Generation/Nope", &req.base, &o, NULL), TD_OK);
+    run_until_done(&c, &r);
+    cr_assert_eq(r.code, TD_GRPC_UNIMPLEMENTED);
+    cr_assert(strstr(r.message, "/tandem.v1.Generation/Nope"), "message: %s", r.message);
+    /* a truncated varint tag: not a GenerateRequest */
+    memset(&r, 0, sizeof r);
+    o.raw_request = "\xff\xff\xff";
+    o.raw_request_len = 3;
+    cr_assert_eq(td_grpc_channel_call(c.ch, "/tandem.v1.Generation/Generate", NULL, &o, NULL), TD_OK);
+    run_until_done(&c, &r);
+    cr_assert_eq(r.code, TD_GRPC_INTERNAL, "%s %s", td_grpc_code_name(r.code), r.message);
+    list_models_ok(&c);
+    client_stop(&c);
+}
+
+typedef struct bp_ctx {
+    client_t *c;
+    td_grpc_client_call_t *call;
+    result_t *r;
+    int checked;
+    int seen_while_paused;
+    size_t max_queued_while_paused;
+} bp_ctx_t;
+
+static void bp_check(uv_timer_t *t)
+{
+    bp_ctx_t *b = t->data;
+    b->checked = 1;
+    b->seen_while_paused = b->r->n_messages;
+    b->max_queued_while_paused = atomic_load(&b->c->ts.bp_max_queued);
+    td_grpc_client_call_pause(b->call, false);
+}
+
+Test(grpc, back_pressure_slow_reader, .timeout = 30)
+{
+    client_t c;
+    td_grpc_server_config_t cfg = td_grpc_server_config_default();
+    cfg.send_queue_bytes = 16 * 1024;
+    client_start(&c, &cfg, 0);
+    result_t r;
+    td_grpc_client_call_t *call = generate(&c, "backpressure", 0, 0, &r);
+    td_grpc_client_call_pause(call, true);
+    bp_ctx_t b = {.c = &c, .call = call, .r = &r};
+    uv_timer_t t;
+    uv_timer_init(&c.loop, &t);
+    t.data = &b;
+    uv_timer_start(&t, bp_check, 500, 0);
+    run_until_done(&c, &r);
+    uv_close((uv_handle_t *)&t, NULL);
+    cr_assert(b.checked);
+    cr_assert_eq(r.code, TD_GRPC_OK, "%s %s", td_grpc_code_name(r.code), r.message);
+    cr_assert_eq(r.n_messages, BP_MESSAGES);
+    cr_assert(r.in_order);
+    cr_assert_eq(b.seen_while_paused, 0, "messages were delivered while paused");
+    cr_assert_gt(atomic_load(&c.ts.bp_busy), 0, "the producer was never held back");
+    /* window (1 MiB) + queue bound + one message: far below 10k messages * ~110 bytes */
+    cr_assert_leq(b.max_queued_while_paused, cfg.send_queue_bytes + 256);
+    client_stop(&c);
+}
+
+/* ---- raw sockets at the gRPC port --------------------------------------------------- */
+
+static int raw_connect(uint16_t port)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons(port)};
+    inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
+    cr_assert_eq(connect(fd, (struct sockaddr *)&a, sizeof a), 0);
+    struct timeval tv = {.tv_sec = 5};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    return fd;
+}
+
+/* Reads until EOF; returns the bytes read (into buf, NUL-terminated) or -1 on timeout. */
+static ssize_t read_to_eof(int fd, char *buf, size_t cap)
+{
+    size_t len = 0;
+    for (;;) {
+        ssize_t n = recv(fd, buf + len, cap - 1 - len, 0);
+        if (n == 0)
+            break;
+        if (n < 0)
+            return -1;
+        len += (size_t)n;
+        if (len + 1 >= cap)
+            len = 0; /* keep reading, only the end matters */
+    }
+    buf[len] = '\0';
+    return (ssize_t)len;
+}
+
+Test(grpc, bad_connections_do_not_hurt_others, .timeout = 30)
+{
+    client_t c;
+    td_grpc_server_config_t cfg = td_grpc_server_config_default();
+    client_start(&c, &cfg, 0);
+    list_models_ok(&c);
+    char buf[4096];
+
+    /* garbage bytes: the connection is closed */
+    int fd = raw_connect(c.ts.port);
+    send(fd, "\x17\x03\x01garbage garbage garbage garbage", 34, 0);
+    cr_assert_geq(read_to_eof(fd, buf, sizeof buf), 0, "server kept a garbage connection open");
+    close(fd);
+    list_models_ok(&c);
+
+    /* an HTTP/1.1 request: a plain 505 answer, then close */
+    fd = raw_connect(c.ts.port);
+    const char *h1 = "GET /tandem.v1.Generation/ListModels HTTP/1.1\r\nHost: x\r\n\r\n";
+    send(fd, h1, strlen(h1), 0);
+    cr_assert_gt(read_to_eof(fd, buf, sizeof buf), 0);
+    cr_assert(strncmp(buf, "HTTP/1.1 505", 12) == 0, "got: %s", buf);
+    close(fd);
+    list_models_ok(&c);
+
+    /* a truncated HTTP/2 frame (SETTINGS header announcing 12 bytes, 3 sent), then EOF */
+    fd = raw_connect(c.ts.port);
+    static const char trunc[] = "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+                                "\x00\x00\x0c\x04\x00\x00\x00\x00\x00"
+                                "\x00\x03\x00";
+    send(fd, trunc, sizeof trunc - 1, 0);
+    shutdown(fd, SHUT_WR);
+    cr_assert_geq(read_to_eof(fd, buf, sizeof buf), 0, "server did not close the truncated connection");
+    close(fd);
+
+    /* a frame that violates HTTP/2 (DATA on stream 0): GOAWAY and close */
+    fd = raw_connect(c.ts.port);
+    static const char bad[] = "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+                              "\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+                              "\x00\x00\x04\x00\x01\x00\x00\x00\x00"
+                              "abcd";
+    send(fd, bad, sizeof bad - 1, 0);
+    cr_assert_geq(read_to_eof(fd, buf, sizeof buf), 0, "server did not close after a protocol error");
+    close(fd);
+
+    list_models_ok(&c);
+    client_stop(&c);
+}
+
+Test(grpc, wire_helpers)
+{
+    uint64_t ms;
+    cr_assert(td_grpc_parse_timeout("100m", 4, &ms) && ms == 100);
+    cr_assert(td_grpc_parse_timeout("2S", 2, &ms) && ms == 2000);
+    cr_assert(td_grpc_parse_timeout("1500u", 5, &ms) && ms == 2);
+    cr_assert(td_grpc_parse_timeout("1n", 2, &ms) && ms == 1);
+    cr_assert(td_grpc_parse_timeout("1H", 2, &ms) && ms == 3600000);
+    cr_assert(!td_grpc_parse_timeout("123456789m", 10, &ms));
+    cr_assert(!td_grpc_parse_timeout("12x", 3, &ms));
+    cr_assert(!td_grpc_parse_timeout("m", 1, &ms));
+    char *e = td_grpc_percent_encode("50% done\nnext");
+    cr_assert_str_eq(e, "50%25 done%0Anext");
+    char *d = td_grpc_percent_decode((const uint8_t *)e, strlen(e));
+    cr_assert_str_eq(d, "50% done\nnext");
+    free(e);
+    free(d);
+    d = td_grpc_percent_decode((const uint8_t *)"bad%zz%4", 8);
+    cr_assert_str_eq(d, "bad%zz%4");
+    free(d);
+    cr_assert_str_eq(td_grpc_code_name(TD_GRPC_DEADLINE_EXCEEDED), "DEADLINE_EXCEEDED");
+    cr_assert_eq(td_grpc_code_from_status(TD_ERR_EXHAUSTED), TD_GRPC_RESOURCE_EXHAUSTED);
+}
