@@ -12,6 +12,9 @@
 #include <criterion/criterion.h>
 
 #include <errno.h>
+#include <sched.h>
+#include <stdarg.h>
+#include <sys/mount.h>
 #include <fcntl.h>
 #include <signal.h>
 #include <stdio.h>
@@ -173,7 +176,14 @@ static void rx_on_ready(void *arg, const td_xfer_ready_t *r)
         rx->all_in = true;
 }
 
+static int rx_init_at(rx_t *rx, uint64_t seed, uint32_t n_blocks, const char *ip);
+
 static int rx_init(rx_t *rx, uint64_t seed, uint32_t n_blocks)
+{
+    return rx_init_at(rx, seed, n_blocks, "127.0.0.1");
+}
+
+static int rx_init_at(rx_t *rx, uint64_t seed, uint32_t n_blocks, const char *ip)
 {
     memset(rx, 0, sizeof *rx);
     rx->seed = seed;
@@ -185,6 +195,7 @@ static int rx_init(rx_t *rx, uint64_t seed, uint32_t n_blocks)
     rx->pool = calloc(1, td_kv_pool_bytes(&LAYOUT, n_blocks));
     td_xfer_config_t cfg = td_xfer_config_default();
     cfg.name = "rx";
+    cfg.listen_ip = ip;
     if (!rx->pool || td_xfer_create(&rx->loop, &cfg, &rx->x) != TD_OK)
         return 11;
     td_xfer_pool_t pool = {.layout = LAYOUT, .base = rx->pool, .n_blocks = n_blocks, .kv = rx->kv};
@@ -323,10 +334,10 @@ typedef struct rx_report {
     td_xfer_stats_t stats;
 } rx_report_t;
 
-static void receiver_process(int wfd, uint64_t seed, int n_req)
+static void receiver_process(int wfd, uint64_t seed, int n_req, const char *ip)
 {
     rx_t rx;
-    int rc = rx_init(&rx, seed, 256 * 64 + 256);
+    int rc = rx_init_at(&rx, seed, 256 * 64 + 256, ip);
     if (!rc)
         rc = rx_lease(&rx, n_req, 60000, false);
     if (rc)
@@ -340,18 +351,27 @@ static void receiver_process(int wfd, uint64_t seed, int n_req)
     _exit(0);
 }
 
-static void many_requests(const char *tls, uint64_t seed, int n_req)
+static bool enter_netns(const char *name);
+
+static void many_requests_in(const char *tls, uint64_t seed, int n_req, const char *rx_ns, const char *tx_ns,
+                             const char *rx_ip)
 {
     set_ucx_env(tls);
+    if (rx_ns)
+        setenv("UCX_NET_DEVICES", "tdx0", 1); /* the veth end, named alike in both namespaces */
     int fds[2];
     cr_assert_eq(pipe(fds), 0);
     pid_t pid = fork();
     cr_assert_geq(pid, 0);
     if (pid == 0) {
         close(fds[0]);
-        receiver_process(fds[1], seed, n_req);
+        if (rx_ns && !enter_netns(rx_ns))
+            _exit(40);
+        receiver_process(fds[1], seed, n_req, rx_ip);
     }
     close(fds[1]);
+    if (tx_ns)
+        cr_assert(enter_netns(tx_ns), "cannot enter netns %s", tx_ns);
     static offer_t o;
     cr_assert(read_all(fds[0], &o, sizeof o), "receiver failed to start");
     tx_t tx;
@@ -391,6 +411,11 @@ static void many_requests(const char *tls, uint64_t seed, int n_req)
     cr_expect_eq(rep.free_after, 256 * 64 + 256, "blocks not returned: %d free", rep.free_after);
     tx_free(&tx);
     close(fds[0]);
+}
+
+static void many_requests(const char *tls, uint64_t seed, int n_req)
+{
+    many_requests_in(tls, seed, n_req, NULL, NULL, "127.0.0.1");
 }
 
 Test(xfer, loopback_tcp_64_requests, .timeout = 120)
@@ -693,4 +718,62 @@ Test(xfer, ready_after_expiry_discarded_and_fenced, .timeout = 60)
     cr_expect_eq(td_xfer_lease_cancel(rx.x, lease2), TD_OK);
     cr_expect_eq(td_kv_available(rx.kv), 256);
     rx_free(&rx);
+}
+
+/* ---- two network namespaces joined by a veth pair ------------------------------------- */
+
+/* Joins a named netns and remounts /sys for it, as `ip netns exec` does, so UCX sees that
+ * namespace's devices. */
+static bool enter_netns(const char *name)
+{
+    char path[128];
+    snprintf(path, sizeof path, "/var/run/netns/%s", name);
+    int fd = open(path, O_RDONLY);
+    if (fd < 0 || setns(fd, CLONE_NEWNET) != 0 || unshare(CLONE_NEWNS) != 0)
+        return false;
+    close(fd);
+    if (mount("none", "/", NULL, MS_REC | MS_SLAVE, NULL) != 0)
+        return false;
+    umount2("/sys", MNT_DETACH);
+    return mount("sysfs", "/sys", "sysfs", 0, NULL) == 0;
+}
+
+static char ns_a[32], ns_b[32];
+
+static void netns_cleanup(void)
+{
+    char cmd[128];
+    snprintf(cmd, sizeof cmd, "ip netns del %s 2>/dev/null; ip netns del %s 2>/dev/null", ns_a, ns_b);
+    if (system(cmd) != 0) {
+        /* nothing to undo */
+    }
+}
+
+static bool sh(const char *fmt, ...)
+{
+    char cmd[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(cmd, sizeof cmd, fmt, ap);
+    va_end(ap);
+    return system(cmd) == 0;
+}
+
+Test(xfer, tcp_across_netns_veth, .timeout = 120, .fini = netns_cleanup)
+{
+    snprintf(ns_a, sizeof ns_a, "tdxa%d", (int)getpid());
+    snprintf(ns_b, sizeof ns_b, "tdxb%d", (int)getpid());
+    if (geteuid() != 0 || !sh("ip netns add %s 2>/dev/null", ns_a))
+        cr_skip_test("needs root and `ip netns` (network namespaces) to create two namespaces");
+    cr_assert(sh("ip netns add %s && ip link add %sv type veth peer name %sv && "
+                 "ip link set %sv netns %s && ip link set %sv netns %s && "
+                 "ip -n %s link set %sv name tdx0 && ip -n %s link set %sv name tdx0 && "
+                 "ip -n %s addr add 10.77.0.1/24 dev tdx0 && ip -n %s addr add 10.77.0.2/24 dev tdx0 && "
+                 "ip -n %s link set tdx0 up && ip -n %s link set tdx0 up && "
+                 "ip -n %s link set lo up && ip -n %s link set lo up",
+                 ns_b, ns_a, ns_b, ns_a, ns_a, ns_b, ns_b, ns_a, ns_a, ns_b, ns_b, ns_a, ns_b, ns_a, ns_b, ns_a,
+                 ns_b),
+              "could not set up the veth pair");
+    /* Two namespaces are one host to UCX: only tcp crosses the veth (docs/xfer.md). */
+    many_requests_in("tcp", 11, 16, ns_a, ns_b, "10.77.0.1");
 }
