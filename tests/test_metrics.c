@@ -1,0 +1,278 @@
+/*
+ * test_metrics: the Prometheus registry (golden rendering, escaping, labels, histogram
+ * buckets, registration rules, concurrent updates) and GET /metrics over td_http with a
+ * raw socket (200, 404, 400 on garbage, 431 on an oversized request, keep-alive).
+ */
+#include <arpa/inet.h>
+#include <criterion/criterion.h>
+#include <netinet/in.h>
+#include <pthread.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <unistd.h>
+#include <uv.h>
+
+#include "td_http.h"
+#include "td_metrics.h"
+
+static const char golden[] =
+    "# HELP tandem_requests_total Requests finished, by outcome.\n"
+    "# TYPE tandem_requests_total counter\n"
+    "tandem_requests_total{outcome=\"ok\"} 3\n"
+    "tandem_requests_total{outcome=\"say \\\"hi\\\"\\\\\\n\"} 1\n"
+    "# HELP tandem_kv_blocks_free Free KV blocks \\\\ with a\\nnewline.\n"
+    "# TYPE tandem_kv_blocks_free gauge\n"
+    "tandem_kv_blocks_free 12.5\n"
+    "# HELP tandem_ttft_seconds Time to first token.\n"
+    "# TYPE tandem_ttft_seconds histogram\n"
+    "tandem_ttft_seconds_bucket{role=\"router\",le=\"0.1\"} 1\n"
+    "tandem_ttft_seconds_bucket{role=\"router\",le=\"0.5\"} 2\n"
+    "tandem_ttft_seconds_bucket{role=\"router\",le=\"1\"} 3\n"
+    "tandem_ttft_seconds_bucket{role=\"router\",le=\"+Inf\"} 4\n"
+    "tandem_ttft_seconds_sum{role=\"router\"} 3.35\n"
+    "tandem_ttft_seconds_count{role=\"router\"} 4\n"
+    "# HELP tandem_unused_total Never touched.\n"
+    "# TYPE tandem_unused_total counter\n";
+
+static td_metrics_t *golden_registry(void)
+{
+    td_metrics_t *reg;
+    td_metric_family_t *req, *ttft;
+    td_metric_t *ok, *odd, *free_blocks, *router;
+    const char *outcome[] = {"outcome"}, *role[] = {"role"};
+    const double buckets[] = {0.1, 0.5, 1};
+    cr_assert_eq(td_metrics_create(&reg), TD_OK);
+    cr_assert_eq(td_metrics_register(reg, TD_METRIC_COUNTER, "tandem_requests_total",
+                                     "Requests finished, by outcome.", outcome, 1, NULL, 0, &req), TD_OK);
+    cr_assert_eq(td_metric_family_get(req, (const char *[]){"ok"}, &ok), TD_OK);
+    cr_assert_eq(td_metric_family_get(req, (const char *[]){"say \"hi\"\\\n"}, &odd), TD_OK);
+    cr_assert_eq(td_metrics_gauge(reg, "tandem_kv_blocks_free", "Free KV blocks \\ with a\nnewline.", &free_blocks), TD_OK);
+    cr_assert_eq(td_metrics_register(reg, TD_METRIC_HISTOGRAM, "tandem_ttft_seconds", "Time to first token.",
+                                     role, 1, buckets, 3, &ttft), TD_OK);
+    cr_assert_eq(td_metric_family_get(ttft, (const char *[]){"router"}, &router), TD_OK);
+    td_metric_t *unused;
+    cr_assert_eq(td_metrics_register(reg, TD_METRIC_COUNTER, "tandem_unused_total", "Never touched.", outcome, 1,
+                                     NULL, 0, (td_metric_family_t **)&unused), TD_OK);
+    td_metric_inc(ok);
+    td_metric_add(ok, 2);
+    td_metric_add(ok, -5); /* ignored: counters only go up */
+    td_metric_inc(odd);
+    td_metric_set(free_blocks, 12.5);
+    td_metric_observe(router, 0.05);
+    td_metric_observe(router, 0.5); /* le is inclusive */
+    td_metric_observe(router, 0.8);
+    td_metric_observe(router, 2.0);
+    return reg;
+}
+
+Test(metrics, golden_rendering)
+{
+    td_metrics_t *reg = golden_registry();
+    char *text;
+    size_t len;
+    cr_assert_eq(td_metrics_render(reg, &text, &len), TD_OK);
+    cr_assert_str_eq(text, golden);
+    cr_assert_eq(len, strlen(golden));
+    free(text);
+    td_metrics_destroy(reg);
+}
+
+Test(metrics, registration_rules)
+{
+    td_metrics_t *reg;
+    td_metric_family_t *f, *g;
+    td_metric_t *m, *m2;
+    const double b[] = {1, 2}, bad_b[] = {2, 1};
+    cr_assert_eq(td_metrics_create(&reg), TD_OK);
+    cr_assert_eq(td_metrics_register(reg, TD_METRIC_COUNTER, "9bad", "", NULL, 0, NULL, 0, &f), TD_ERR_INVALID);
+    cr_assert_eq(td_metrics_register(reg, TD_METRIC_COUNTER, "a-b", "", NULL, 0, NULL, 0, &f), TD_ERR_INVALID);
+    cr_assert_eq(td_metrics_register(reg, TD_METRIC_COUNTER, "ok", "", (const char *[]){"__x"}, 1, NULL, 0, &f),
+                 TD_ERR_INVALID);
+    cr_assert_eq(td_metrics_register(reg, TD_METRIC_HISTOGRAM, "h", "", (const char *[]){"le"}, 1, b, 2, &f),
+                 TD_ERR_INVALID);
+    cr_assert_eq(td_metrics_register(reg, TD_METRIC_HISTOGRAM, "h", "", NULL, 0, bad_b, 2, &f), TD_ERR_INVALID);
+    cr_assert_eq(td_metrics_register(reg, TD_METRIC_HISTOGRAM, "h", "", NULL, 0, NULL, 0, &f), TD_ERR_INVALID);
+    cr_assert_eq(td_metrics_register(reg, TD_METRIC_GAUGE, "g", "", (const char *[]){"a", "a"}, 2, NULL, 0, &f),
+                 TD_ERR_INVALID);
+    /* same shape again: the same family; another shape: refused */
+    cr_assert_eq(td_metrics_register(reg, TD_METRIC_GAUGE, "g", "x", (const char *[]){"a"}, 1, NULL, 0, &f), TD_OK);
+    cr_assert_eq(td_metrics_register(reg, TD_METRIC_GAUGE, "g", "x", (const char *[]){"a"}, 1, NULL, 0, &g), TD_OK);
+    cr_assert_eq(f, g);
+    cr_assert_eq(td_metrics_register(reg, TD_METRIC_COUNTER, "g", "x", (const char *[]){"a"}, 1, NULL, 0, &g),
+                 TD_ERR_INVALID);
+    cr_assert_eq(td_metric_family_get(f, (const char *[]){"v"}, &m), TD_OK);
+    cr_assert_eq(td_metric_family_get(f, (const char *[]){"v"}, &m2), TD_OK);
+    cr_assert_eq(m, m2);
+    cr_assert_eq(td_metric_family_get(f, (const char *[]){NULL}, &m2), TD_ERR_INVALID);
+    td_metric_set(m, -3);
+    td_metric_add(m, 1);
+    cr_assert_float_eq(td_metric_value(m), -2.0, 0);
+    td_metrics_destroy(reg);
+    td_metrics_destroy(NULL);
+}
+
+typedef struct hammer {
+    td_metric_t *c, *h;
+} hammer_t;
+
+static void *hammer_thread(void *arg)
+{
+    hammer_t *hm = arg;
+    for (int i = 0; i < 100000; i++) {
+        td_metric_inc(hm->c);
+        td_metric_observe(hm->h, 0.001);
+    }
+    return NULL;
+}
+
+Test(metrics, concurrent_updates, .timeout = 30)
+{
+    td_metrics_t *reg;
+    hammer_t hm;
+    cr_assert_eq(td_metrics_create(&reg), TD_OK);
+    cr_assert_eq(td_metrics_counter(reg, "c_total", "c", &hm.c), TD_OK);
+    cr_assert_eq(td_metrics_histogram(reg, "h_seconds", "h", td_metrics_latency_buckets,
+                                      td_metrics_latency_n_buckets, &hm.h), TD_OK);
+    pthread_t t[4];
+    for (int i = 0; i < 4; i++)
+        pthread_create(&t[i], NULL, hammer_thread, &hm);
+    for (int i = 0; i < 4; i++)
+        pthread_join(t[i], NULL);
+    cr_assert_float_eq(td_metric_value(hm.c), 400000.0, 0);
+    unsigned long long n;
+    double sum;
+    td_metric_histogram_read(hm.h, &n, &sum);
+    cr_assert_eq(n, 400000ull);
+    td_metrics_destroy(reg);
+}
+
+/* ---- /metrics over HTTP ------------------------------------------------------------- */
+
+typedef struct http_srv {
+    uv_thread_t thread;
+    uv_loop_t loop;
+    uv_async_t stop;
+    uv_sem_t ready;
+    td_metrics_t *reg;
+    td_http_server_t *srv;
+    uint16_t port;
+    int loop_close_rc;
+} http_srv_t;
+
+static void on_stop(uv_async_t *a)
+{
+    http_srv_t *h = a->data;
+    td_http_server_close(h->srv, NULL, NULL);
+    uv_close((uv_handle_t *)&h->stop, NULL);
+}
+
+static void http_thread(void *arg)
+{
+    http_srv_t *h = arg;
+    uv_loop_init(&h->loop);
+    uv_async_init(&h->loop, &h->stop, on_stop);
+    h->stop.data = h;
+    td_http_config_t cfg = td_http_config_default();
+    cfg.handler = td_http_metrics_handler;
+    cfg.handler_data = h->reg;
+    cfg.max_request_bytes = 1024;
+    if (td_http_server_create(&h->loop, &cfg, &h->srv) == TD_OK)
+        h->port = td_http_server_port(h->srv);
+    uv_sem_post(&h->ready);
+    uv_run(&h->loop, UV_RUN_DEFAULT);
+    h->loop_close_rc = uv_loop_close(&h->loop);
+}
+
+static int raw_connect(uint16_t port)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons(port)};
+    inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
+    cr_assert_eq(connect(fd, (struct sockaddr *)&a, sizeof a), 0);
+    struct timeval tv = {.tv_sec = 5};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    return fd;
+}
+
+/* Reads one response with Content-Length; returns its total length. */
+static size_t read_response(int fd, char *buf, size_t cap)
+{
+    size_t len = 0;
+    for (;;) {
+        buf[len] = '\0';
+        char *end = strstr(buf, "\r\n\r\n");
+        if (end) {
+            char *cl = strstr(buf, "Content-Length: ");
+            cr_assert(cl);
+            size_t body = strtoul(cl + 16, NULL, 10);
+            if (len >= (size_t)(end + 4 - buf) + body)
+                return len;
+        }
+        ssize_t n = recv(fd, buf + len, cap - 1 - len, 0);
+        cr_assert_gt(n, 0, "connection closed or timed out mid-response");
+        len += (size_t)n;
+    }
+}
+
+Test(metrics, http_metrics_endpoint, .timeout = 30)
+{
+    signal(SIGPIPE, SIG_IGN);
+    http_srv_t h = {0};
+    h.reg = golden_registry();
+    uv_sem_init(&h.ready, 0);
+    uv_thread_create(&h.thread, http_thread, &h);
+    uv_sem_wait(&h.ready);
+    cr_assert_neq(h.port, 0);
+    static char buf[65536];
+
+    /* two requests on one keep-alive connection */
+    int fd = raw_connect(h.port);
+    const char *get = "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n";
+    for (int i = 0; i < 2; i++) {
+        send(fd, get, strlen(get), 0);
+        read_response(fd, buf, sizeof buf);
+        cr_assert(strncmp(buf, "HTTP/1.1 200 OK\r\n", 17) == 0, "got: %s", buf);
+        cr_assert(strstr(buf, "Content-Type: text/plain; version=0.0.4"));
+        cr_assert(strstr(buf, golden), "body differs: %s", buf);
+    }
+    send(fd, "GET /nope HTTP/1.1\r\n\r\n", 22, 0);
+    read_response(fd, buf, sizeof buf);
+    cr_assert(strncmp(buf, "HTTP/1.1 404", 12) == 0, "got: %s", buf);
+    send(fd, "POST /metrics HTTP/1.1\r\nContent-Length: 2\r\n\r\nhi", 47, 0);
+    read_response(fd, buf, sizeof buf);
+    cr_assert(strncmp(buf, "HTTP/1.1 405", 12) == 0, "got: %s", buf);
+    close(fd);
+
+    /* garbage: 400 and close */
+    fd = raw_connect(h.port);
+    send(fd, "\x01\x02 garbage\r\n\r\n", 14, 0);
+    read_response(fd, buf, sizeof buf);
+    cr_assert(strncmp(buf, "HTTP/1.1 400", 12) == 0, "got: %s", buf);
+    cr_assert_eq(recv(fd, buf, sizeof buf, 0), 0, "not closed after 400");
+    close(fd);
+
+    /* a request over the bound (1 KiB): 431 and close */
+    fd = raw_connect(h.port);
+    char big[2048];
+    memset(big, 'a', sizeof big);
+    memcpy(big, "GET /metrics HTTP/1.1\r\nX: ", 26);
+    send(fd, big, sizeof big, 0);
+    read_response(fd, buf, sizeof buf);
+    cr_assert(strncmp(buf, "HTTP/1.1 431", 12) == 0, "got: %s", buf);
+    close(fd);
+
+    /* still serving, and HTTP/1.0 closes after the answer */
+    fd = raw_connect(h.port);
+    send(fd, "GET /metrics HTTP/1.0\r\n\r\n", 25, 0);
+    read_response(fd, buf, sizeof buf);
+    cr_assert(strncmp(buf, "HTTP/1.1 200", 12) == 0);
+    cr_assert(strstr(buf, "Connection: close"));
+    close(fd);
+
+    uv_async_send(&h.stop);
+    uv_thread_join(&h.thread);
+    uv_sem_destroy(&h.ready);
+    cr_assert_eq(h.loop_close_rc, 0, "http server left handles open");
+    td_metrics_destroy(h.reg);
+}
