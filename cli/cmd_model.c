@@ -86,16 +86,12 @@ static int cmd_synth(int argc, char **argv)
         case 'a': arch = optarg; break;
         case 't': tok = optarg; break;
         case 's':
-            if (td_parse_i64(optarg, 0, INT64_MAX, "--seed", &seed) != TD_OK) {
-                fprintf(stderr, "tandem model synth: %s\n", td_last_error());
-                return 2;
-            }
+            if (td_parse_i64(optarg, 0, INT64_MAX, "--seed", &seed) != TD_OK)
+                return 2; /* logged where decided */
             break;
         case 'n':
-            if (td_parse_i64(optarg, 1, 1000, "--shards", &shards) != TD_OK) {
-                fprintf(stderr, "tandem model synth: %s\n", td_last_error());
+            if (td_parse_i64(optarg, 1, 1000, "--shards", &shards) != TD_OK)
                 return 2;
-            }
             break;
         case 'd':
             dtype = td_dtype_parse(optarg);
@@ -114,10 +110,8 @@ static int cmd_synth(int argc, char **argv)
     }
     td_synth_params_t p;
     memset(&p, 0, sizeof p);
-    if (load_shape(config, &p.config) != TD_OK) {
-        fprintf(stderr, "tandem model synth: %s\n", td_last_error());
-        return 2;
-    }
+    if (load_shape(config, &p.config) != TD_OK)
+        return 2; /* every error below was logged where it was decided */
     if (arch) {
         int a = td_model_arch_parse(arch);
         if (a < 0) {
@@ -129,10 +123,8 @@ static int cmd_synth(int argc, char **argv)
     p.seed = (uint64_t)seed;
     p.dtype = (td_dtype_t)dtype;
     double t0 = td_now_s();
-    if (td_model_synth_shards(&p, (int)shards, out, tok) != TD_OK) {
-        fprintf(stderr, "tandem model synth: %s\n", td_last_error());
+    if (td_model_synth_shards(&p, (int)shards, out, tok) != TD_OK)
         return 1;
-    }
     uint64_t params = td_model_param_count(&p.config);
     fprintf(stderr, "wrote %s: %s %s, %.1fM parameters, %.1f MB, %.1f s\n", out,
             td_model_arch_name(p.config.arch), td_dtype_name(p.dtype), (double)params / 1e6,
@@ -188,10 +180,8 @@ static int cmd_info(int argc, char **argv)
         return 0;
     }
     td_model_t *m;
-    if (td_model_load(path, &m) != TD_OK) {
-        fprintf(stderr, "tandem model info: %s\n", td_last_error());
-        return 1;
-    }
+    if (td_model_load(path, &m) != TD_OK)
+        return 1; /* logged where decided */
     printf("path            %s\n", m->path);
     print_config(&m->config);
     printf("tokenizer       %s\n", m->tokenizer_path[0] ? m->tokenizer_path : "(none beside the model)");

@@ -208,7 +208,7 @@ static td_status_t load_llama2c(const char *path, td_model_t **m_p)
     dir_of(path, dir, sizeof dir);
     snprintf(tok, sizeof tok, "%s/tokenizer.bin", dir);
     if (td_is_file(tok) && strlen(tok) < sizeof m->tokenizer_path)
-        snprintf(m->tokenizer_path, sizeof m->tokenizer_path, "%s", tok);
+        memcpy(m->tokenizer_path, tok, strlen(tok) + 1);
     m->fingerprint = td_model_fingerprint(c);
     *m_p = m;
     return TD_OK;
@@ -493,7 +493,7 @@ static td_status_t load_hf(const char *path, const char *dir, td_model_t **m_p)
 
     snprintf(p, sizeof p, "%s/tokenizer.json", dir);
     if (td_is_file(p) && strlen(p) < sizeof m->tokenizer_path)
-        snprintf(m->tokenizer_path, sizeof m->tokenizer_path, "%s", p);
+        memcpy(m->tokenizer_path, p, strlen(p) + 1);
     m->fingerprint = td_model_fingerprint(&m->config);
     *m_p = m;
     return TD_OK;

@@ -16,6 +16,7 @@
 
 #include "td_model.h"
 #include "td_safetensors.h"
+#include "td_tokenizer.h"
 #include "td_util.h"
 
 /* ---- helpers ----------------------------------------------------------------------- */
@@ -550,6 +551,36 @@ Test(model_synth, builtin_tokenizer_files, .init = tmp_setup, .fini = tmp_teardo
     cr_assert_eq(td_file_read_all(p, 1 << 20, &text, NULL), TD_OK);
     cr_expect_str_eq(text, "{\"model\": {}}");
     free(text);
+}
+
+Test(model_synth, builtin_tokenizer_loads_in_the_tokenizer_module, .init = tmp_setup, .fini = tmp_teardown)
+{
+    char dir[512];
+    tmp_path(dir, sizeof dir, "tokmod");
+    synth(dir, "tiny", -1, TD_F32, 1, 1);
+    td_model_t *m;
+    cr_assert_eq(td_model_load(dir, &m), TD_OK, "%s", td_last_error());
+    td_tokenizer_t *tok;
+    cr_assert_eq(td_tokenizer_load(m->tokenizer_path, &tok), TD_OK, "%s", td_last_error());
+    cr_expect_eq(td_tokenizer_bos_id(tok), m->config.bos_id);
+    cr_expect(td_tokenizer_is_eos(tok, m->config.eos_ids[0]));
+    cr_expect_leq(td_tokenizer_vocab_size(tok), m->config.vocab_size);
+    const char *text = "h\xc3\xa9llo \n";
+    int32_t *ids;
+    size_t n;
+    cr_assert_eq(td_tokenizer_encode(tok, text, strlen(text), TD_TOK_ADD_BOS, &ids, &n), TD_OK, "%s",
+                 td_last_error());
+    const int32_t want[] = {256, 'h', 0xc3, 0xa9, 'l', 'l', 'o', ' ', '\n'};
+    cr_assert_eq(n, TD_ARRAY_LEN(want));
+    for (size_t i = 0; i < n; i++)
+        cr_expect_eq(ids[i], want[i], "id %zu: %d, expected %d", i, ids[i], want[i]);
+    char *back;
+    cr_assert_eq(td_tokenizer_decode(tok, ids, n, &back, NULL), TD_OK);
+    cr_expect_str_eq(back, text);
+    free(back);
+    free(ids);
+    td_tokenizer_destroy(tok);
+    td_model_destroy(m);
 }
 
 /* ---- config, presets, fingerprint -------------------------------------------------- */
