@@ -704,7 +704,8 @@ static td_status_t load_json(td_tokenizer_t *tok, const char *json_path, const c
             .id = id, .off = off, .len = (uint32_t)len,
             .lstrip = json_bool(it, "lstrip", false), .rstrip = json_bool(it, "rstrip", false)};
     }
-    qsort_r(tok->added, tok->n_added, sizeof *tok->added, cmp_added, tok);
+    if (tok->n_added)
+        qsort_r(tok->added, tok->n_added, sizeof *tok->added, cmp_added, tok);
     for (int b = 0, i = 0; b <= 256; b++) {
         while (i < (int)tok->n_added && (uint8_t)tok->arena[tok->added[i].off] < b)
             i++;

@@ -100,10 +100,13 @@ static td_status_t sbuf_reserve(sbuf_t *b, size_t extra)
 
 static td_status_t sbuf_add(sbuf_t *b, const char *s, size_t len)
 {
-    td_status_t st = sbuf_reserve(b, len);
+    if (len == 0 && b->v)
+        return TD_OK;
+    td_status_t st = sbuf_reserve(b, len ? len : 1);
     if (st)
         return st;
-    memcpy(b->v + b->n, s, len);
+    if (len)
+        memcpy(b->v + b->n, s, len);
     b->n += len;
     return TD_OK;
 }

@@ -1,0 +1,165 @@
+/*
+ * tandem tokenize: encode stdin to token ids, or decode ids to text, with any tokenizer
+ * td_tok loads. The output is meant for scripts and for comparing with reference
+ * tokenizers: ids without BOS/EOS on one line; decoded text exactly, no newline added.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "td_cli.h"
+#include "td_tokenizer.h"
+#include "td_util.h"
+
+static void usage(FILE *f)
+{
+    fprintf(f, "usage: tandem tokenize --tokenizer PATH [--decode]\n"
+               "\n"
+               "Reads all of stdin. Without --decode: encodes it exactly as given (no newline\n"
+               "stripped) and prints the token ids, space-separated, on one line, without BOS/EOS.\n"
+               "With --decode: reads whitespace-separated token ids and prints their text\n"
+               "(special tokens skipped, no newline added).\n"
+               "\n"
+               "  --tokenizer PATH  tokenizer.bin (llama2.c), tokenizer.json, or a directory\n"
+               "                    holding tokenizer.json (+ tokenizer_config.json)\n"
+               "  --decode          ids -> text instead of text -> ids\n"
+               "  --help            this text\n");
+}
+
+/* Reads stdin to EOF into a malloc'd buffer (NUL-terminated). */
+static int read_stdin(char **buf_p, size_t *len_p)
+{
+    size_t cap = 1 << 16, len = 0;
+    char *buf = malloc(cap);
+    if (!buf)
+        goto nomem;
+    for (;;) {
+        if (cap - len < 4096) {
+            char *b = realloc(buf, cap * 2);
+            if (!b)
+                goto nomem;
+            buf = b;
+            cap *= 2;
+        }
+        size_t n = fread(buf + len, 1, cap - len - 1, stdin);
+        len += n;
+        if (n == 0) {
+            if (ferror(stdin)) {
+                fprintf(stderr, "tandem tokenize: error reading stdin\n");
+                free(buf);
+                return 1;
+            }
+            break;
+        }
+    }
+    buf[len] = 0;
+    *buf_p = buf;
+    *len_p = len;
+    return 0;
+nomem:
+    free(buf);
+    fprintf(stderr, "tandem tokenize: out of memory reading stdin\n");
+    return 1;
+}
+
+static int do_encode(const td_tokenizer_t *tok, const char *text, size_t len)
+{
+    int32_t *ids;
+    size_t n;
+    if (td_tokenizer_encode(tok, text, len, 0, &ids, &n) != TD_OK)
+        return 1; /* td_errorf has said why */
+    for (size_t i = 0; i < n; i++)
+        printf(i ? " %d" : "%d", ids[i]);
+    printf("\n");
+    free(ids);
+    return 0;
+}
+
+static int do_decode(const td_tokenizer_t *tok, char *text)
+{
+    size_t cap = 1024, n = 0;
+    int32_t *ids = malloc(cap * sizeof *ids);
+    int rc = 1;
+    char *out = NULL;
+    size_t out_len;
+    if (!ids) {
+        fprintf(stderr, "tandem tokenize: out of memory\n");
+        return 1;
+    }
+    for (char *w = strtok(text, " \t\r\n\v\f"); w; w = strtok(NULL, " \t\r\n\v\f")) {
+        int64_t v;
+        if (td_parse_i64(w, 0, td_tokenizer_vocab_size(tok) - 1, "token id", &v) != TD_OK)
+            goto out;
+        if (n == cap) {
+            int32_t *b = realloc(ids, cap * 2 * sizeof *ids);
+            if (!b) {
+                fprintf(stderr, "tandem tokenize: out of memory\n");
+                goto out;
+            }
+            ids = b;
+            cap *= 2;
+        }
+        ids[n++] = (int32_t)v;
+    }
+    if (td_tokenizer_decode(tok, ids, n, &out, &out_len) != TD_OK)
+        goto out;
+    if (fwrite(out, 1, out_len, stdout) != out_len) {
+        fprintf(stderr, "tandem tokenize: error writing stdout\n");
+        goto out;
+    }
+    rc = 0;
+out:
+    free(out);
+    free(ids);
+    return rc;
+}
+
+int cmd_tokenize(int argc, char **argv)
+{
+    const char *path = NULL;
+    bool decode = false;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+            usage(stdout);
+            return 0;
+        } else if (!strcmp(a, "--decode")) {
+            decode = true;
+        } else if (!strcmp(a, "--tokenizer")) {
+            if (i + 1 >= argc) {
+                fprintf(stderr, "tandem tokenize: --tokenizer needs a path\n\n");
+                usage(stderr);
+                return 2;
+            }
+            path = argv[++i];
+        } else if (!strncmp(a, "--tokenizer=", 12)) {
+            path = a + 12;
+        } else {
+            fprintf(stderr, "tandem tokenize: unknown argument '%s'\n\n", a);
+            usage(stderr);
+            return 2;
+        }
+    }
+    if (!path || !*path) {
+        fprintf(stderr, "tandem tokenize: --tokenizer PATH is required\n\n");
+        usage(stderr);
+        return 2;
+    }
+
+    td_tokenizer_t *tok;
+    if (td_tokenizer_load(path, &tok) != TD_OK)
+        return 1; /* td_errorf has said why */
+    char *text;
+    size_t len;
+    int rc = read_stdin(&text, &len);
+    if (rc == 0) {
+        rc = decode ? do_decode(tok, text) : do_encode(tok, text, len);
+        free(text);
+    }
+    if (fflush(stdout) != 0 && rc == 0) {
+        fprintf(stderr, "tandem tokenize: error writing stdout\n");
+        rc = 1;
+    }
+    td_tokenizer_destroy(tok);
+    return rc;
+}
