@@ -26,7 +26,25 @@ typedef struct model_store {
     td_mmap_t bin;                  /* llama2.c checkpoint */
     td_safetensors_t **shards;      /* Hugging Face: one per file */
     size_t n_shards;
+    void **copies;                  /* aligned copies of misaligned tensors (rare) */
+    size_t n_copies;
 } model_store_t;
+
+/* Keeps an aligned copy of n bytes alive as long as the store. */
+static td_status_t store_copy(model_store_t *s, const void *src, size_t n, void **copy_p)
+{
+    void **grown = realloc(s->copies, (s->n_copies + 1) * sizeof *grown);
+    if (!grown)
+        return TD_ERR_NOMEM;
+    s->copies = grown;
+    void *c = malloc(n ? n : 1); /* malloc alignment suits every element type */
+    if (!c)
+        return TD_ERR_NOMEM;
+    memcpy(c, src, n);
+    s->copies[s->n_copies++] = c;
+    *copy_p = c;
+    return TD_OK;
+}
 
 static void store_free(model_store_t *s)
 {
@@ -36,6 +54,9 @@ static void store_free(model_store_t *s)
     for (size_t i = 0; i < s->n_shards; i++)
         td_safetensors_close(s->shards[i]);
     free(s->shards);
+    for (size_t i = 0; i < s->n_copies; i++)
+        free(s->copies[i]);
+    free(s->copies);
     free(s);
 }
 
@@ -383,7 +404,18 @@ static td_status_t bind(hf_ctx_t *h, td_tensor_t *t, const char *name, bool opti
         return td_errorf(TD_ERR_UNSUPPORTED, "%s: tensor %s is %s but earlier tensors are %s; mixed-dtype "
                          "checkpoints are not supported", file, name, x->dtype_name, td_st_dtype_name(h->dtype));
     }
-    set_view(t, x->data, x->dtype, d0, nd == 2 ? d1 : 0);
+    /* The engine reads elements through typed pointers. A tensor at an odd offset (legal
+     * in the format; files from writers that did not pad the header) is copied to aligned
+     * memory rather than handed out misaligned. */
+    const void *data = x->data;
+    if ((uintptr_t)data % td_dtype_size(x->dtype) != 0) {
+        void *copy;
+        td_status_t s = store_copy(h->st, x->data, x->nbytes, &copy);
+        if (s != TD_OK)
+            return td_errorf(s, "%s: out of memory copying misaligned tensor %s", file, name);
+        data = copy;
+    }
+    set_view(t, data, x->dtype, d0, nd == 2 ? d1 : 0);
     return TD_OK;
 }
 

@@ -139,7 +139,8 @@ static const char *micro_config =
 
 /* Writes a micro model: every tensor zero, optionally one left out, one with a wrong
  * shape, or one in another dtype. */
-static void write_micro(const char *dir, const char *skip, const char *bad_shape, const char *i8_tensor)
+static void write_micro_ex(const char *dir, const char *skip, const char *bad_shape, const char *i8_tensor,
+                           bool misalign)
 {
     char p[1024];
     snprintf(p, sizeof p, "%s/config.json", dir);
@@ -162,6 +163,10 @@ static void write_micro(const char *dir, const char *skip, const char *bad_shape
     };
     cJSON *h = cJSON_CreateObject();
     size_t off = 0;
+    if (misalign) {
+        cJSON_AddItemToObject(h, "pad", cJSON_Parse("{\"dtype\": \"U8\", \"shape\": [1], \"data_offsets\": [0, 1]}"));
+        off = 1;
+    }
     for (size_t i = 0; i < TD_ARRAY_LEN(t); i++) {
         if (skip && !strcmp(skip, t[i].name))
             continue;
@@ -186,6 +191,11 @@ static void write_micro(const char *dir, const char *skip, const char *bad_shape
     write_st_raw(p, text, off);
     free(text);
     cJSON_Delete(h);
+}
+
+static void write_micro(const char *dir, const char *skip, const char *bad_shape, const char *i8_tensor)
+{
+    write_micro_ex(dir, skip, bad_shape, i8_tensor, false);
 }
 
 static void make_dir(char *out, size_t cap, const char *name)
@@ -800,6 +810,14 @@ Test(model_hf, micro_model_loads, .init = tmp_setup, .fini = tmp_teardown)
     cr_expect_eq(m->config.n_kv_heads, 1);
     cr_expect_eq(m->weights.lm_head.data, m->weights.embed.data);
     cr_expect_str_eq(m->tokenizer_path, "");
+    td_model_destroy(m);
+    /* Tensors at odd offsets (an unpadded header) come out aligned. */
+    make_dir(dir, sizeof dir, "misaligned");
+    write_micro_ex(dir, NULL, NULL, NULL, true);
+    cr_assert_eq(td_model_load(dir, &m), TD_OK, "%s", td_last_error());
+    cr_expect_eq((uintptr_t)m->weights.layers[0].wq.data % 4, 0);
+    cr_expect_eq((uintptr_t)m->weights.embed.data % 4, 0);
+    cr_expect_float_eq(elem(&m->weights.final_norm, 7), 0.0f, 0);
     td_model_destroy(m);
     /* A file of the directory stands for it. */
     char p[600];
