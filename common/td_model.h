@@ -103,6 +103,7 @@ struct td_model {
  * file, wrong shape, missing tensor), TD_ERR_UNSUPPORTED (architecture, dtype).
  */
 td_status_t td_model_load(const char *path, td_model_t **model_p);
+/* Unmaps the files and frees the model; every td_tensor_t view dies with it. NULL: no-op. */
 void td_model_destroy(td_model_t *model);
 
 /*
