@@ -1,0 +1,198 @@
+/*
+ * router_policy: pair selection over the registry (see router_policy.h for the rules).
+ * Decode candidates are ranked once per pick; for each in turn the best compatible,
+ * not-excluded prefill node is sought; prompt block hashes are computed once per block
+ * size met.
+ */
+#include "router_policy.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "td_kv.h"
+#include "td_util.h"
+
+router_policy_config_t router_policy_config_default(void)
+{
+    return (router_policy_config_t){
+        .prefix_weight = 1.0f,
+        .local_prefill = false,
+        .max_hash_blocks = 4096,
+    };
+}
+
+typedef struct decode_rank {
+    int32_t index;
+    int32_t running;
+    double step_ms;
+    int32_t free_blocks;
+} decode_rank_t;
+
+static int cmp_rank(const void *a, const void *b)
+{
+    const decode_rank_t *x = a, *y = b;
+    if (x->running != y->running)
+        return x->running < y->running ? -1 : 1;
+    if (x->step_ms != y->step_ms)
+        return x->step_ms < y->step_ms ? -1 : 1;
+    if (x->free_blocks != y->free_blocks)
+        return x->free_blocks > y->free_blocks ? -1 : 1;
+    return x->index < y->index ? -1 : 1;
+}
+
+static bool excluded(const router_pick_request_t *req, int32_t prefill, int32_t decode)
+{
+    for (int32_t i = 0; i < req->n_exclude; i++)
+        if (req->exclude[i].prefill == prefill && req->exclude[i].decode == decode)
+            return true;
+    return false;
+}
+
+static bool serves(const router_node_t *n, const char *model, router_role_t role)
+{
+    return n && n->info.role == role && !strcmp(n->info.model, model);
+}
+
+/* Prompt block hashes for one block size, recomputed only when the size changes. */
+typedef struct hash_cache {
+    uint64_t *hashes;
+    int32_t n, block_size, cap;
+} hash_cache_t;
+
+static const uint64_t *hashes_for(hash_cache_t *hc, const router_pick_request_t *req,
+                                  int32_t block_size, int32_t *n_p)
+{
+    if (hc->block_size != block_size) {
+        int32_t n_tokens = (int32_t)TD_MIN((int64_t)req->n_prompt, (int64_t)hc->cap * block_size);
+        hc->n = td_kv_chain_hashes(req->prompt, n_tokens, block_size, hc->hashes);
+        hc->block_size = block_size;
+    }
+    *n_p = hc->n;
+    return hc->hashes;
+}
+
+/* Best prefill partner of decode node d, or -1. */
+static int32_t best_prefill(const router_registry_t *reg, const router_policy_config_t *cfg,
+                            const router_pick_request_t *req, int32_t d, hash_cache_t *hc,
+                            int32_t *prefix_blocks_p)
+{
+    const router_node_t *dn = router_registry_node_const(reg, d);
+    int32_t best = -1, best_prefix = 0;
+    double best_work = 0;
+    for (int32_t p = 0; p < router_registry_slots(reg); p++) {
+        const router_node_t *pn = router_registry_node_const(reg, p);
+        if (!serves(pn, req->model, ROUTER_ROLE_PREFILL) ||
+            !router_registry_is_live(reg, p, req->now_ns) || excluded(req, p, d) ||
+            td_kv_layout_compare(&dn->info.layout, &pn->info.layout, NULL, 0) != TD_OK)
+            continue;
+        int32_t bs = (int32_t)pn->info.layout.block_size, n_hashes;
+        const uint64_t *h = hashes_for(hc, req, bs, &n_hashes);
+        int32_t matched = router_registry_prefix_match(reg, p, h, n_hashes);
+        double work = (double)pn->load.queued_prefill_tokens + req->n_prompt -
+                      (double)cfg->prefix_weight * matched * bs;
+        if (best < 0 || work < best_work) {
+            best = p;
+            best_work = work;
+            best_prefix = matched;
+        }
+    }
+    *prefix_blocks_p = best_prefix;
+    return best;
+}
+
+td_status_t router_policy_pick(const router_registry_t *reg, const router_policy_config_t *cfg,
+                               const router_pick_request_t *req, router_pick_t *pick_p)
+{
+    if (!req->model || req->n_prompt <= 0 || !req->prompt || req->max_tokens <= 0 ||
+        (req->n_exclude > 0 && !req->exclude))
+        return td_errorf_quiet(TD_ERR_INVALID, "router policy: a request needs a model, a "
+                                               "non-empty prompt and max_tokens >= 1");
+    int32_t slots = router_registry_slots(reg);
+    decode_rank_t *ranks = malloc((size_t)TD_MAX(slots, 1) * sizeof *ranks);
+    hash_cache_t hc = {.cap = TD_MAX(cfg->max_hash_blocks, 0)};
+    hc.hashes = malloc((size_t)TD_MAX(hc.cap, 1) * sizeof *hc.hashes);
+    if (!ranks || !hc.hashes) {
+        free(ranks), free(hc.hashes);
+        return td_errorf(TD_ERR_NOMEM, "router policy: out of memory");
+    }
+
+    int32_t n_live = 0, n_fit_ever = 0, n_rank = 0, max_need = 0;
+    for (int32_t d = 0; d < slots; d++) {
+        const router_node_t *dn = router_registry_node_const(reg, d);
+        if (!serves(dn, req->model, ROUTER_ROLE_DECODE) || !router_registry_is_live(reg, d, req->now_ns))
+            continue;
+        n_live++;
+        int64_t need = TD_DIV_CEIL((int64_t)req->n_prompt + req->max_tokens,
+                                   (int64_t)dn->info.layout.block_size);
+        max_need = (int32_t)TD_MIN(TD_MAX((int64_t)max_need, need), INT32_MAX);
+        if (need > dn->info.capacity_blocks)
+            continue;
+        n_fit_ever++;
+        if (need > dn->load.free_blocks)
+            continue;
+        ranks[n_rank++] = (decode_rank_t){.index = d, .running = dn->load.running_seqs,
+                                          .step_ms = dn->load.step_ms,
+                                          .free_blocks = dn->load.free_blocks};
+    }
+    qsort(ranks, (size_t)n_rank, sizeof *ranks, cmp_rank);
+
+    td_status_t st;
+    for (int32_t r = 0; r < n_rank; r++) {
+        int32_t d = ranks[r].index, prefix = 0;
+        int32_t p = best_prefill(reg, cfg, req, d, &hc, &prefix);
+        if (p < 0 && !(cfg->local_prefill && !excluded(req, -1, d)))
+            continue;
+        const router_node_t *dn = router_registry_node_const(reg, d);
+        *pick_p = (router_pick_t){
+            .pair = {.prefill = p, .decode = d},
+            .blocks_needed = (int32_t)TD_DIV_CEIL((int64_t)req->n_prompt + req->max_tokens,
+                                                  (int64_t)dn->info.layout.block_size),
+            .prefix_blocks = prefix,
+        };
+        st = TD_OK;
+        goto out;
+    }
+    if (n_live == 0)
+        st = td_errorf_quiet(TD_ERR_UNAVAILABLE, "no live decode node serves model %s", req->model);
+    else if (n_fit_ever == 0)
+        st = td_errorf_quiet(TD_ERR_RANGE,
+                             "the request needs %d KV blocks (%d prompt + %d new tokens), more than "
+                             "any decode node of model %s holds",
+                             max_need, req->n_prompt, req->max_tokens, req->model);
+    else if (n_rank == 0)
+        st = td_errorf_quiet(TD_ERR_EXHAUSTED,
+                             "no decode node of model %s has room for %d tokens now; retry later",
+                             req->model, req->n_prompt + req->max_tokens);
+    else
+        st = td_errorf_quiet(TD_ERR_UNAVAILABLE,
+                             "no live prefill node of model %s pairs with a decode node that has "
+                             "room (layouts differ, nodes down, or every pair already tried)",
+                             req->model);
+out:
+    free(ranks);
+    free(hc.hashes);
+    return st;
+}
+
+void router_policy_commit(router_registry_t *reg, const router_pick_request_t *req,
+                          const router_pick_t *pick)
+{
+    router_node_t *dn = router_registry_node(reg, pick->pair.decode);
+    if (dn) {
+        dn->load.free_blocks = TD_MAX(0, dn->load.free_blocks - pick->blocks_needed);
+        dn->load.running_seqs++;
+    }
+    router_node_t *pn = router_registry_node(reg, pick->pair.prefill);
+    if (!pn)
+        return;
+    pn->load.queued_prefill_tokens += req->n_prompt;
+    int32_t bs = (int32_t)pn->info.layout.block_size;
+    int32_t cap = router_registry_config(reg)->prefix_hashes;
+    int32_t n_tokens = (int32_t)TD_MIN((int64_t)req->n_prompt, (int64_t)cap * bs);
+    uint64_t *h = malloc((size_t)TD_MAX(n_tokens / bs, 1) * sizeof *h);
+    if (!h)
+        return; /* only a scoring hint is lost */
+    int32_t n = td_kv_chain_hashes(req->prompt, n_tokens, bs, h);
+    router_registry_note_prefix(reg, pick->pair.prefill, h, n);
+    free(h);
+}

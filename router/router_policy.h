@@ -1,0 +1,81 @@
+/*
+ * router_policy: which (prefill, decode) pair serves a request.
+ *
+ * 1. Decode node: live, serving the request's model, with room — free KV blocks >= the
+ *    blocks the prompt plus max_tokens take in its layout — then the shortest running
+ *    batch (ties: shorter recent step time, more free blocks, lower index).
+ * 2. Prefill node for that decode node: live, same model, KV layout identical to the
+ *    decode node's (td_kv_layout_compare), the pair not excluded; the least estimated
+ *    work wins: queued prefill tokens plus the prompt tokens it would still compute,
+ *    where prompt blocks it is believed to hold (router_registry_note_prefix) count as
+ *    free, weighted by prefix_weight (ties: lower index).
+ * 3. If no prefill node pairs with the best decode node, the next decode node is tried.
+ *    With local_prefill on, a decode node with no prefill partner prefills locally
+ *    (prefill index -1).
+ *
+ * Outcomes: TD_OK with the pair; TD_ERR_EXHAUSTED when live decode nodes of the model
+ * exist but none has room now (shed load: the client may retry later); TD_ERR_RANGE when
+ * the request needs more blocks than any live decode node has at all; TD_ERR_UNAVAILABLE
+ * when no live node of a needed role serves the model, none pairs compatibly, or every
+ * pair is excluded (retries). Errors are quiet (td_errorf_quiet): the router reports them
+ * on the request's stream.
+ *
+ * Threads: the router's loop thread, with its registry. No I/O, no clock.
+ */
+#ifndef ROUTER_POLICY_H
+#define ROUTER_POLICY_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "router_registry.h"
+#include "td_status.h"
+
+typedef struct router_policy_config {
+    float prefix_weight;    /* work saved per cached prompt token, in queued tokens (1.0) */
+    bool local_prefill;     /* a decode node without a prefill partner prefills itself (false) */
+    int32_t max_hash_blocks;/* most prompt blocks hashed for prefix scoring (4096) */
+} router_policy_config_t;
+
+router_policy_config_t router_policy_config_default(void);
+
+/* A pair, by registry index; prefill -1 = local prefill on the decode node. */
+typedef struct router_pair {
+    int32_t prefill;
+    int32_t decode;
+} router_pair_t;
+
+typedef struct router_pick_request {
+    const char *model;
+    const int32_t *prompt;        /* [n_prompt] token ids (for prefix hashes) */
+    int32_t n_prompt;             /* >= 1 */
+    int32_t max_tokens;           /* >= 1 */
+    const router_pair_t *exclude; /* [n_exclude] pairs already tried for this request */
+    int32_t n_exclude;
+    int64_t now_ns;
+} router_pick_request_t;
+
+typedef struct router_pick {
+    router_pair_t pair;
+    int32_t blocks_needed;  /* decode blocks for prompt + max_tokens */
+    int32_t prefix_blocks;  /* prompt blocks believed cached on the prefill node */
+} router_pick_t;
+
+/*
+ * Chooses a pair (see the file comment). *pick_p written on success only. Errors:
+ * TD_ERR_EXHAUSTED, TD_ERR_RANGE, TD_ERR_UNAVAILABLE as above, TD_ERR_INVALID (bad
+ * request fields), TD_ERR_NOMEM.
+ */
+td_status_t router_policy_pick(const router_registry_t *reg, const router_policy_config_t *cfg,
+                               const router_pick_request_t *req, router_pick_t *pick_p);
+
+/*
+ * Books a chosen pair in the registry until the nodes' next heartbeats overwrite it, so
+ * that requests routed in between see the load they add: the decode node's free blocks
+ * drop by blocks_needed and its running batch grows by one, the prefill node's queued
+ * tokens grow by the prompt, and the prompt's block hashes are remembered as cached there.
+ */
+void router_policy_commit(router_registry_t *reg, const router_pick_request_t *req,
+                          const router_pick_t *pick);
+
+#endif /* ROUTER_POLICY_H */

@@ -1,0 +1,313 @@
+/*
+ * router_registry: node table, heartbeat liveness and the per-node bounded set of recent
+ * prefix block hashes (a ring buffer for age plus an open-addressing index into it).
+ */
+#include "router_registry.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "td_util.h"
+
+/* ---- bounded set of hashes ---------------------------------------------------------- */
+
+/* ring[] holds the hashes in arrival order; index[] is a linear-probing table of
+ * (ring slot + 1), 0 = empty, sized to a power of two at least twice the ring. */
+typedef struct router_prefix_set {
+    uint64_t *ring;    /* [cap] */
+    bool *live;        /* [cap] slot holds a hash present in index */
+    int32_t cap, head; /* head: next slot to overwrite (the oldest) */
+    int32_t *index;    /* [mask + 1] */
+    uint32_t mask;
+} router_prefix_set_t;
+
+static uint32_t hslot(uint64_t h, uint32_t mask)
+{
+    h ^= h >> 33;
+    h *= 0xff51afd7ed558ccdull;
+    h ^= h >> 33;
+    return (uint32_t)h & mask;
+}
+
+static router_prefix_set_t *pset_create(int32_t cap)
+{
+    router_prefix_set_t *s = calloc(1, sizeof *s);
+    if (!s)
+        return NULL;
+    uint32_t size = 16;
+    while (size < 2u * (uint32_t)cap)
+        size <<= 1;
+    s->cap = cap;
+    s->mask = size - 1;
+    s->ring = calloc((size_t)cap, sizeof *s->ring);
+    s->live = calloc((size_t)cap, sizeof *s->live);
+    s->index = calloc(size, sizeof *s->index);
+    if (!s->ring || !s->live || !s->index) {
+        free(s->ring), free(s->live), free(s->index), free(s);
+        return NULL;
+    }
+    return s;
+}
+
+static void pset_destroy(router_prefix_set_t *s)
+{
+    if (!s)
+        return;
+    free(s->ring), free(s->live), free(s->index), free(s);
+}
+
+/* Table position of h, or -1. */
+static int64_t pset_lookup(const router_prefix_set_t *s, uint64_t h)
+{
+    for (uint32_t i = hslot(h, s->mask);; i = (i + 1) & s->mask) {
+        int32_t e = s->index[i];
+        if (e == 0)
+            return -1;
+        if (s->ring[e - 1] == h)
+            return i;
+    }
+}
+
+/* Deletes table position i with backward-shift (no tombstones). */
+static void pset_delete_at(router_prefix_set_t *s, uint32_t i)
+{
+    for (uint32_t j = (i + 1) & s->mask;; j = (j + 1) & s->mask) {
+        int32_t e = s->index[j];
+        if (e == 0)
+            break;
+        uint32_t home = hslot(s->ring[e - 1], s->mask);
+        /* e may move to i when i lies cyclically in [home, j) */
+        if (((j - home) & s->mask) >= ((j - i) & s->mask)) {
+            s->index[i] = e;
+            i = j;
+        }
+    }
+    s->index[i] = 0;
+}
+
+static void pset_add(router_prefix_set_t *s, uint64_t h)
+{
+    int64_t pos = pset_lookup(s, h);
+    if (pos >= 0) { /* refresh: forget the old slot, add at the young end */
+        int32_t slot = s->index[pos] - 1;
+        s->live[slot] = false;
+        pset_delete_at(s, (uint32_t)pos);
+    }
+    int32_t slot = s->head;
+    if (s->live[slot]) {
+        int64_t old = pset_lookup(s, s->ring[slot]);
+        TD_ASSERT(old >= 0);
+        pset_delete_at(s, (uint32_t)old);
+    }
+    s->ring[slot] = h;
+    s->live[slot] = true;
+    s->head = (slot + 1) % s->cap;
+    uint32_t i = hslot(h, s->mask);
+    while (s->index[i] != 0)
+        i = (i + 1) & s->mask;
+    s->index[i] = slot + 1;
+}
+
+/* ---- registry ----------------------------------------------------------------------- */
+
+struct router_registry {
+    router_registry_config_t cfg;
+    router_node_t *nodes; /* [max_nodes]; used[] says which slots hold a node */
+    bool *used;
+    int32_t n_slots;      /* highest used slot + 1 */
+    uint64_t generation;
+};
+
+router_registry_config_t router_registry_config_default(void)
+{
+    return (router_registry_config_t){
+        .max_nodes = 1024,
+        .heartbeat_timeout_ns = 3000000000ll,
+        .prefix_hashes = 8192,
+    };
+}
+
+td_status_t router_registry_create(const router_registry_config_t *cfg, router_registry_t **reg_p)
+{
+    if (cfg->max_nodes <= 0 || cfg->heartbeat_timeout_ns <= 0 || cfg->prefix_hashes <= 0)
+        return td_errorf(TD_ERR_INVALID,
+                         "router registry: max_nodes %d, heartbeat_timeout_ns %lld and "
+                         "prefix_hashes %d must all be > 0",
+                         cfg->max_nodes, (long long)cfg->heartbeat_timeout_ns, cfg->prefix_hashes);
+    router_registry_t *reg = calloc(1, sizeof *reg);
+    if (!reg)
+        goto err_nomem;
+    reg->cfg = *cfg;
+    reg->nodes = calloc((size_t)cfg->max_nodes, sizeof *reg->nodes);
+    reg->used = calloc((size_t)cfg->max_nodes, sizeof *reg->used);
+    if (!reg->nodes || !reg->used)
+        goto err_reg;
+    *reg_p = reg;
+    return TD_OK;
+err_reg:
+    free(reg->nodes);
+    free(reg->used);
+    free(reg);
+err_nomem:
+    return td_errorf(TD_ERR_NOMEM, "router registry: out of memory for %d nodes", cfg->max_nodes);
+}
+
+void router_registry_destroy(router_registry_t *reg)
+{
+    if (!reg)
+        return;
+    for (int32_t i = 0; i < reg->n_slots; i++)
+        if (reg->used[i])
+            pset_destroy(reg->nodes[i].prefix);
+    free(reg->nodes);
+    free(reg->used);
+    free(reg);
+}
+
+int32_t router_registry_find(const router_registry_t *reg, const char *id)
+{
+    for (int32_t i = 0; i < reg->n_slots; i++)
+        if (reg->used[i] && !strcmp(reg->nodes[i].info.id, id))
+            return i;
+    return -1;
+}
+
+td_status_t router_registry_join(router_registry_t *reg, const router_node_info_t *info,
+                                 int64_t now_ns, int32_t *index_p)
+{
+    if (!memchr(info->id, 0, sizeof info->id) || !info->id[0] ||
+        !memchr(info->model, 0, sizeof info->model) ||
+        !memchr(info->address, 0, sizeof info->address))
+        return td_errorf_quiet(TD_ERR_INVALID, "router registry: node id, model and address must "
+                                               "be NUL-terminated and the id non-empty");
+    if (info->role != ROUTER_ROLE_PREFILL && info->role != ROUTER_ROLE_DECODE)
+        return td_errorf_quiet(TD_ERR_INVALID, "router registry: node %s has unknown role %d",
+                               info->id, (int)info->role);
+    if (info->capacity_blocks <= 0 || td_kv_layout_validate(&info->layout) != TD_OK)
+        return td_errorf_quiet(TD_ERR_INVALID,
+                               "router registry: node %s has %d KV blocks or an invalid layout",
+                               info->id, info->capacity_blocks);
+    int32_t idx = router_registry_find(reg, info->id);
+    if (idx < 0) {
+        for (int32_t i = 0; i < reg->cfg.max_nodes; i++)
+            if (!reg->used[i]) {
+                idx = i;
+                break;
+            }
+        if (idx < 0)
+            return td_errorf_quiet(TD_ERR_EXHAUSTED,
+                                   "router registry: node %s refused, %d nodes registered already",
+                                   info->id, reg->cfg.max_nodes);
+    }
+    router_node_t *n = &reg->nodes[idx];
+    router_prefix_set_t *prefix = NULL;
+    if (info->role == ROUTER_ROLE_PREFILL && !(prefix = pset_create(reg->cfg.prefix_hashes)))
+        return td_errorf(TD_ERR_NOMEM, "router registry: out of memory for node %s", info->id);
+    if (reg->used[idx])
+        pset_destroy(n->prefix);
+    *n = (router_node_t){
+        .info = *info,
+        .load = {.free_blocks = info->capacity_blocks},
+        .last_heartbeat_ns = now_ns,
+        .up = true,
+        .generation = ++reg->generation,
+        .prefix = prefix,
+    };
+    reg->used[idx] = true;
+    reg->n_slots = TD_MAX(reg->n_slots, idx + 1);
+    if (index_p)
+        *index_p = idx;
+    return TD_OK;
+}
+
+td_status_t router_registry_leave(router_registry_t *reg, const char *id)
+{
+    int32_t idx = router_registry_find(reg, id);
+    if (idx < 0)
+        return td_errorf_quiet(TD_ERR_NOT_FOUND, "router registry: no node %s", id);
+    pset_destroy(reg->nodes[idx].prefix);
+    memset(&reg->nodes[idx], 0, sizeof reg->nodes[idx]);
+    reg->used[idx] = false;
+    while (reg->n_slots > 0 && !reg->used[reg->n_slots - 1])
+        reg->n_slots--;
+    return TD_OK;
+}
+
+td_status_t router_registry_heartbeat(router_registry_t *reg, const char *id,
+                                      const router_node_load_t *load, int64_t now_ns)
+{
+    int32_t idx = router_registry_find(reg, id);
+    if (idx < 0)
+        return td_errorf_quiet(TD_ERR_NOT_FOUND,
+                               "router registry: heartbeat from unregistered node %s", id);
+    router_node_t *n = &reg->nodes[idx];
+    n->load = *load;
+    n->last_heartbeat_ns = now_ns;
+    n->up = true;
+    return TD_OK;
+}
+
+bool router_registry_is_live(const router_registry_t *reg, int32_t index, int64_t now_ns)
+{
+    if (index < 0 || index >= reg->n_slots || !reg->used[index])
+        return false;
+    const router_node_t *n = &reg->nodes[index];
+    return n->up && now_ns - n->last_heartbeat_ns <= reg->cfg.heartbeat_timeout_ns;
+}
+
+int32_t router_registry_expire(router_registry_t *reg, int64_t now_ns)
+{
+    int32_t down = 0;
+    for (int32_t i = 0; i < reg->n_slots; i++)
+        if (reg->used[i] && reg->nodes[i].up && !router_registry_is_live(reg, i, now_ns)) {
+            reg->nodes[i].up = false;
+            down++;
+        }
+    return down;
+}
+
+int32_t router_registry_slots(const router_registry_t *reg)
+{
+    return reg->n_slots;
+}
+
+router_node_t *router_registry_node(router_registry_t *reg, int32_t index)
+{
+    if (index < 0 || index >= reg->n_slots || !reg->used[index])
+        return NULL;
+    return &reg->nodes[index];
+}
+
+const router_node_t *router_registry_node_const(const router_registry_t *reg, int32_t index)
+{
+    if (index < 0 || index >= reg->n_slots || !reg->used[index])
+        return NULL;
+    return &reg->nodes[index];
+}
+
+void router_registry_note_prefix(router_registry_t *reg, int32_t index, const uint64_t *hashes,
+                                 int32_t n)
+{
+    router_node_t *node = router_registry_node(reg, index);
+    if (!node || !node->prefix)
+        return;
+    for (int32_t i = 0; i < n; i++)
+        pset_add(node->prefix, hashes[i]);
+}
+
+int32_t router_registry_prefix_match(const router_registry_t *reg, int32_t index,
+                                     const uint64_t *hashes, int32_t n)
+{
+    const router_node_t *node = router_registry_node_const(reg, index);
+    if (!node || !node->prefix)
+        return 0;
+    int32_t m = 0;
+    while (m < n && pset_lookup(node->prefix, hashes[m]) >= 0)
+        m++;
+    return m;
+}
+
+const router_registry_config_t *router_registry_config(const router_registry_t *reg)
+{
+    return &reg->cfg;
+}
