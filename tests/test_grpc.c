@@ -15,15 +15,6 @@
 #include "grpc_test_service.h"
 #include "td_grpc_wire.h"
 
-/* Criterion 2.4.1's parallel runner (--jobs=2, as ctest runs it) leaks one 48-byte block
- * in the parent process when timed tests overlap; LSan would fail the run for it. Only
- * Criterion's own allocations are suppressed; ours stay checked. */
-const char *__lsan_default_suppressions(void);
-const char *__lsan_default_suppressions(void)
-{
-    return "leak:libcriterion.so\n";
-}
-
 typedef struct result {
     int done;
     td_grpc_code_t code;
