@@ -1,0 +1,652 @@
+/*
+ * decode_sched: continuous batching over td_engine (see decode_sched.h). Each sequence is
+ * a context (prompt ++ generated) of which kv.n_tokens are cached; a step feeds the
+ * uncached rest (one token when generating, a chunk when prefilling) and samples where
+ * the context's end is reached. Preemption drops the KV only; the context and the sampler
+ * stay, so recomputation is invisible in the output.
+ */
+#include "decode_sched.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "td_kv.h"
+#include "td_log.h"
+#include "td_util.h"
+
+typedef struct dseq {
+    uint64_t id;
+    uint64_t arrival;       /* admission order: larger = younger */
+    int32_t *ctx;           /* [cap_ctx] prompt then generated tokens */
+    int32_t n_ctx, cap_ctx;
+    int32_t n_prompt;
+    int32_t n_gen;          /* tokens of the output so far */
+    int32_t max_new;        /* min(max_tokens, model length - n_prompt) */
+    td_kv_seq_t kv;         /* KV of ctx[0..kv.n_tokens) */
+    bool pending_first;     /* adopted: ctx[n_ctx - 1] came from the prefill node, unreported */
+    td_sampler_t *sampler;
+    td_stop_t *stop;        /* NULL without stop strings */
+    td_detok_t detok;
+    int32_t *stop_ids;
+    int32_t n_stop_ids;
+    int64_t deadline_ns;
+} dseq_t;
+
+typedef struct pending_finish {
+    uint64_t id;
+    decode_finish_t finish;
+} pending_finish_t;
+
+/* An event while its text sits in the arena (pointers are set when the step returns). */
+typedef struct ev_build {
+    decode_event_t ev;
+    size_t text_off;
+} ev_build_t;
+
+struct decode_sched {
+    td_engine_t *eng;
+    td_kv_cache_t *kv;
+    const td_tokenizer_t *tok;
+    const td_model_config_t *mc;
+    decode_sched_config_t cfg;
+    dseq_t **running;       /* [max_batch] */
+    int32_t n_running;
+    dseq_t **waiting;       /* [max_waiting + max_batch], by arrival */
+    int32_t n_waiting, cap_waiting;
+    pending_finish_t *pending; /* cancels since the last step */
+    int32_t n_pending, cap_pending;
+    ev_build_t *evb;        /* this step's events */
+    decode_event_t *events;
+    int32_t n_events, cap_events;
+    char *arena;            /* this step's text */
+    size_t arena_len, arena_cap;
+    td_engine_item_t *items; /* [max_batch] */
+    dseq_t **owners;         /* [max_batch] */
+    float *logits;           /* [max_batch][vocab] */
+    uint64_t next_arrival;
+    uint64_t preemptions, tokens_generated, steps;
+};
+
+const char *decode_finish_name(decode_finish_t f)
+{
+    switch (f) {
+    case DECODE_FINISH_STOP: return "stop";
+    case DECODE_FINISH_LENGTH: return "length";
+    case DECODE_FINISH_CANCELLED: return "cancelled";
+    case DECODE_FINISH_DEADLINE: return "deadline";
+    case DECODE_FINISH_ERROR: return "error";
+    default: return "";
+    }
+}
+
+decode_sched_config_t decode_sched_config_default(void)
+{
+    return (decode_sched_config_t){
+        .max_batch = 64,
+        .max_batch_tokens = 512,
+        .prefill_chunk = 256,
+        .max_waiting = 256,
+        .admit_reserve = 0,
+    };
+}
+
+/* ---- sequences ---------------------------------------------------------------------- */
+
+static void seq_destroy(decode_sched_t *s, dseq_t *q)
+{
+    if (!q)
+        return;
+    td_engine_seq_end(s->eng, &q->kv);
+    td_sampler_destroy(q->sampler);
+    td_stop_destroy(q->stop);
+    td_detok_free(&q->detok);
+    free(q->stop_ids);
+    free(q->ctx);
+    free(q);
+}
+
+static bool is_stop_id(const decode_sched_t *s, const dseq_t *q, int32_t id)
+{
+    for (int32_t i = 0; i < s->mc->n_eos; i++)
+        if (s->mc->eos_ids[i] == id)
+            return true;
+    for (int32_t i = 0; i < q->n_stop_ids; i++)
+        if (q->stop_ids[i] == id)
+            return true;
+    return false;
+}
+
+/* ---- events ------------------------------------------------------------------------- */
+
+static td_status_t arena_put(decode_sched_t *s, const char *text, size_t len)
+{
+    if (s->arena_len + len > s->arena_cap) {
+        size_t cap = TD_MAX(s->arena_cap * 2, s->arena_len + len + 256);
+        char *a = realloc(s->arena, cap);
+        if (!a)
+            return td_errorf(TD_ERR_NOMEM, "decode sched: out of memory for step text");
+        s->arena = a;
+        s->arena_cap = cap;
+    }
+    if (len)
+        memcpy(s->arena + s->arena_len, text, len);
+    s->arena_len += len;
+    return TD_OK;
+}
+
+/* Appends an event; its text is whatever arena_put adds until the next event. */
+static td_status_t event_add(decode_sched_t *s, uint64_t id, int32_t token, int32_t index,
+                             decode_finish_t finish, td_status_t status)
+{
+    if (s->n_events == s->cap_events) {
+        int32_t cap = TD_MAX(64, s->cap_events * 2);
+        ev_build_t *e = realloc(s->evb, (size_t)cap * sizeof *e);
+        if (!e)
+            return td_errorf(TD_ERR_NOMEM, "decode sched: out of memory for step events");
+        s->evb = e;
+        decode_event_t *d = realloc(s->events, (size_t)cap * sizeof *d);
+        if (!d)
+            return td_errorf(TD_ERR_NOMEM, "decode sched: out of memory for step events");
+        s->events = d;
+        s->cap_events = cap;
+    }
+    s->evb[s->n_events++] = (ev_build_t){
+        .ev = {.id = id, .token = token, .index = index, .finish = finish, .status = status},
+        .text_off = s->arena_len,
+    };
+    return TD_OK;
+}
+
+/* Ends the stream's text: the detokenizer's and the stop matcher's held bytes. */
+static td_status_t flush_text(decode_sched_t *s, dseq_t *q)
+{
+    if (!s->tok)
+        return TD_OK;
+    const char *text;
+    size_t len;
+    td_status_t st = td_detok_flush(&q->detok, &text, &len);
+    if (st != TD_OK)
+        return st;
+    if (!q->stop)
+        return arena_put(s, text, len);
+    td_stop_result_t r;
+    if ((st = td_stop_feed(q->stop, text, len, &r)) != TD_OK)
+        return st;
+    if ((st = arena_put(s, r.emit, r.emit_len)) != TD_OK || r.matched)
+        return st;
+    td_stop_flush(q->stop, &text, &len);
+    return arena_put(s, text, len);
+}
+
+/*
+ * A new token for q (sampled here, or the prefill node's first token): records it,
+ * reports it and decides whether q ends. *finish_p = the reason, or NONE.
+ */
+static td_status_t take_token(decode_sched_t *s, dseq_t *q, int32_t token, decode_finish_t *finish_p)
+{
+    td_status_t st;
+    *finish_p = DECODE_FINISH_NONE;
+    if (is_stop_id(s, q, token)) {
+        *finish_p = DECODE_FINISH_STOP;
+        if ((st = event_add(s, q->id, -1, -1, DECODE_FINISH_STOP, TD_OK)) != TD_OK)
+            return st;
+        return flush_text(s, q);
+    }
+    td_sampler_accept(q->sampler, token);
+    if (!q->pending_first) {
+        TD_ASSERT(q->n_ctx < q->cap_ctx);
+        q->ctx[q->n_ctx++] = token;
+    }
+    q->pending_first = false;
+    q->n_gen++;
+    s->tokens_generated++;
+    if ((st = event_add(s, q->id, token, q->n_gen - 1, DECODE_FINISH_NONE, TD_OK)) != TD_OK)
+        return st;
+    decode_event_t *ev = &s->evb[s->n_events - 1].ev;
+    if (s->tok) {
+        const char *text;
+        size_t len;
+        if ((st = td_detok_push(&q->detok, token, &text, &len)) != TD_OK)
+            return st;
+        if (q->stop) {
+            td_stop_result_t r;
+            if ((st = td_stop_feed(q->stop, text, len, &r)) != TD_OK)
+                return st;
+            if ((st = arena_put(s, r.emit, r.emit_len)) != TD_OK)
+                return st;
+            if (r.matched) {
+                ev->finish = *finish_p = DECODE_FINISH_STOP;
+                return TD_OK;
+            }
+        } else if ((st = arena_put(s, text, len)) != TD_OK) {
+            return st;
+        }
+    }
+    if (q->n_gen >= q->max_new) {
+        ev->finish = *finish_p = DECODE_FINISH_LENGTH;
+        return flush_text(s, q);
+    }
+    return TD_OK;
+}
+
+/* ---- queues ------------------------------------------------------------------------- */
+
+static void waiting_insert(decode_sched_t *s, dseq_t *q)
+{
+    TD_ASSERT(s->n_waiting < s->cap_waiting);
+    int32_t i = s->n_waiting;
+    while (i > 0 && s->waiting[i - 1]->arrival > q->arrival) {
+        s->waiting[i] = s->waiting[i - 1];
+        i--;
+    }
+    s->waiting[i] = q;
+    s->n_waiting++;
+}
+
+static void remove_at(dseq_t **arr, int32_t *n, int32_t i)
+{
+    memmove(&arr[i], &arr[i + 1], (size_t)(*n - i - 1) * sizeof *arr);
+    (*n)--;
+}
+
+/* Takes back every block of q (it recomputes later from its context). */
+static void drop_kv(decode_sched_t *s, dseq_t *q)
+{
+    td_engine_seq_end(s->eng, &q->kv);
+    td_kv_seq_init(&q->kv);
+}
+
+/* ---- create / admit / cancel -------------------------------------------------------- */
+
+td_status_t decode_sched_create(td_engine_t *eng, const td_tokenizer_t *tok,
+                                const decode_sched_config_t *cfg, decode_sched_t **sched_p)
+{
+    if (cfg->max_batch <= 0 || cfg->max_batch_tokens <= 0 || cfg->prefill_chunk <= 0 ||
+        cfg->max_waiting <= 0 || cfg->admit_reserve < 0)
+        return td_errorf(TD_ERR_INVALID,
+                         "decode sched: max_batch %d, max_batch_tokens %d, prefill_chunk %d and "
+                         "max_waiting %d must be > 0, admit_reserve %d >= 0",
+                         cfg->max_batch, cfg->max_batch_tokens, cfg->prefill_chunk,
+                         cfg->max_waiting, cfg->admit_reserve);
+    decode_sched_t *s = calloc(1, sizeof *s);
+    if (!s)
+        return td_errorf(TD_ERR_NOMEM, "decode sched: out of memory");
+    const td_engine_config_t *ec = td_engine_config(eng);
+    s->eng = eng;
+    s->kv = td_engine_kv(eng);
+    s->tok = tok;
+    s->mc = td_engine_model_config(eng);
+    s->cfg = *cfg;
+    /* the engine's limits bound ours: one step must always be a legal engine step */
+    s->cfg.max_batch = TD_MIN(TD_MIN(cfg->max_batch, ec->max_seqs), ec->max_logit_rows);
+    s->cfg.max_batch_tokens = TD_MIN(cfg->max_batch_tokens, ec->max_batch_tokens);
+    s->cap_waiting = s->cfg.max_waiting + s->cfg.max_batch; /* + room for the preempted */
+    s->running = calloc((size_t)s->cfg.max_batch, sizeof *s->running);
+    s->waiting = calloc((size_t)s->cap_waiting, sizeof *s->waiting);
+    s->items = calloc((size_t)s->cfg.max_batch, sizeof *s->items);
+    s->owners = calloc((size_t)s->cfg.max_batch, sizeof *s->owners);
+    s->logits = malloc((size_t)s->cfg.max_batch * s->mc->vocab_size * sizeof(float));
+    if (!s->running || !s->waiting || !s->items || !s->owners || !s->logits) {
+        decode_sched_destroy(s);
+        return td_errorf(TD_ERR_NOMEM, "decode sched: out of memory for a batch of %d",
+                         cfg->max_batch);
+    }
+    *sched_p = s;
+    return TD_OK;
+}
+
+void decode_sched_destroy(decode_sched_t *s)
+{
+    if (!s)
+        return;
+    for (int32_t i = 0; i < s->n_running; i++)
+        seq_destroy(s, s->running[i]);
+    for (int32_t i = 0; i < s->n_waiting; i++)
+        seq_destroy(s, s->waiting[i]);
+    free(s->running), free(s->waiting), free(s->items), free(s->owners), free(s->logits);
+    free(s->pending), free(s->evb), free(s->events), free(s->arena);
+    free(s);
+}
+
+static dseq_t *find(decode_sched_t *s, uint64_t id, dseq_t ***arr_p, int32_t **n_p, int32_t *i_p)
+{
+    for (int32_t i = 0; i < s->n_running; i++)
+        if (s->running[i]->id == id) {
+            *arr_p = s->running, *n_p = &s->n_running, *i_p = i;
+            return s->running[i];
+        }
+    for (int32_t i = 0; i < s->n_waiting; i++)
+        if (s->waiting[i]->id == id) {
+            *arr_p = s->waiting, *n_p = &s->n_waiting, *i_p = i;
+            return s->waiting[i];
+        }
+    return NULL;
+}
+
+td_status_t decode_sched_admit(decode_sched_t *s, const decode_request_t *req)
+{
+    const td_model_config_t *mc = s->mc;
+    dseq_t **arr;
+    int32_t *n, idx;
+    if (req->n_prompt <= 0 || !req->prompt || req->max_tokens <= 0 || req->n_stop_ids < 0 ||
+        req->n_stops < 0 || (req->n_stop_ids && !req->stop_ids) || (req->n_stops && !req->stops))
+        return td_errorf_quiet(TD_ERR_INVALID, "request %llu: empty prompt, max_tokens %d, or "
+                               "bad stop lists", (unsigned long long)req->id, req->max_tokens);
+    if (req->n_prompt >= mc->max_seq_len)
+        return td_errorf_quiet(TD_ERR_RANGE, "request %llu: prompt of %d tokens, the model's "
+                               "length is %d", (unsigned long long)req->id, req->n_prompt,
+                               mc->max_seq_len);
+    if (find(s, req->id, &arr, &n, &idx))
+        return td_errorf_quiet(TD_ERR_INVALID, "request %llu: id already live",
+                               (unsigned long long)req->id);
+    for (int32_t i = 0; i < req->n_prompt; i++)
+        if (req->prompt[i] < 0 || req->prompt[i] >= mc->vocab_size)
+            return td_errorf_quiet(TD_ERR_INVALID, "request %llu: prompt token %d is outside the "
+                                   "vocabulary [0, %d)", (unsigned long long)req->id,
+                                   req->prompt[i], mc->vocab_size);
+    if (req->kv_blocks && (req->first_token < 0 || req->first_token >= mc->vocab_size))
+        return td_errorf_quiet(TD_ERR_INVALID, "request %llu: first token %d outside the vocabulary",
+                               (unsigned long long)req->id, req->first_token);
+    if (req->n_stops > 0 && !s->tok)
+        return td_errorf_quiet(TD_ERR_INVALID, "request %llu: stop strings need a tokenizer on "
+                               "this node", (unsigned long long)req->id);
+    if (s->n_waiting >= s->cfg.max_waiting)
+        return td_errorf_quiet(TD_ERR_EXHAUSTED, "request %llu: %d requests wait already",
+                               (unsigned long long)req->id, s->n_waiting);
+
+    td_status_t st = TD_ERR_NOMEM;
+    dseq_t *q = calloc(1, sizeof *q);
+    if (!q)
+        goto err_nomem;
+    td_kv_seq_init(&q->kv);
+    q->id = req->id;
+    q->n_prompt = req->n_prompt;
+    q->max_new = TD_MIN(req->max_tokens, mc->max_seq_len - req->n_prompt);
+    q->cap_ctx = req->n_prompt + q->max_new;
+    q->deadline_ns = req->deadline_ns;
+    q->ctx = malloc((size_t)q->cap_ctx * sizeof *q->ctx);
+    q->stop_ids = malloc((size_t)TD_MAX(req->n_stop_ids, 1) * sizeof *q->stop_ids);
+    if (!q->ctx || !q->stop_ids)
+        goto err_seq;
+    memcpy(q->ctx, req->prompt, (size_t)req->n_prompt * sizeof *q->ctx);
+    q->n_ctx = req->n_prompt;
+    if (req->n_stop_ids)
+        memcpy(q->stop_ids, req->stop_ids, (size_t)req->n_stop_ids * sizeof *q->stop_ids);
+    q->n_stop_ids = req->n_stop_ids;
+    if ((st = td_sampling_validate(&req->sampling, NULL, 0)) != TD_OK ||
+        (st = td_sampler_create(&req->sampling, &q->sampler)) != TD_OK)
+        goto err_seq;
+    if (req->n_stops > 0 && (st = td_stop_create(req->stops, req->n_stops, &q->stop)) != TD_OK)
+        goto err_seq;
+    if (s->tok)
+        td_detok_init(&q->detok, s->tok);
+    for (int32_t i = 0; i < req->n_prompt; i++)
+        td_sampler_accept(q->sampler, req->prompt[i]);
+    if (req->kv_blocks) {
+        st = td_kv_seq_adopt(s->kv, &q->kv, req->kv_blocks, req->n_kv_blocks, req->prompt,
+                             req->n_prompt);
+        if (st != TD_OK)
+            goto err_seq;
+        /* the first token is context (fed next) and output (reported by the next step) */
+        q->ctx[q->n_ctx++] = req->first_token;
+        q->pending_first = true;
+    }
+    q->arrival = s->next_arrival++;
+    waiting_insert(s, q);
+    return TD_OK;
+err_seq:
+    seq_destroy(s, q);
+    if (st != TD_ERR_NOMEM)
+        return td_errorf_quiet(st, "request %llu: %s", (unsigned long long)req->id, td_last_error());
+err_nomem:
+    return td_errorf(TD_ERR_NOMEM, "request %llu: out of memory", (unsigned long long)req->id);
+}
+
+static td_status_t pending_add(decode_sched_t *s, uint64_t id, decode_finish_t f)
+{
+    if (s->n_pending == s->cap_pending) {
+        int32_t cap = TD_MAX(16, s->cap_pending * 2);
+        pending_finish_t *p = realloc(s->pending, (size_t)cap * sizeof *p);
+        if (!p)
+            return td_errorf(TD_ERR_NOMEM, "decode sched: out of memory");
+        s->pending = p;
+        s->cap_pending = cap;
+    }
+    s->pending[s->n_pending++] = (pending_finish_t){.id = id, .finish = f};
+    return TD_OK;
+}
+
+td_status_t decode_sched_cancel(decode_sched_t *s, uint64_t id)
+{
+    dseq_t **arr;
+    int32_t *n, i;
+    dseq_t *q = find(s, id, &arr, &n, &i);
+    if (!q)
+        return td_errorf_quiet(TD_ERR_NOT_FOUND, "request %llu: not running here",
+                               (unsigned long long)id);
+    td_status_t st = pending_add(s, id, DECODE_FINISH_CANCELLED);
+    if (st != TD_OK)
+        return st;
+    remove_at(arr, n, i);
+    seq_destroy(s, q);
+    return TD_OK;
+}
+
+/* ---- the step ----------------------------------------------------------------------- */
+
+/* Ends running[i] or waiting[i] (per arr) with an event, releasing everything. */
+static td_status_t finish_at(decode_sched_t *s, dseq_t **arr, int32_t *n, int32_t i,
+                             decode_finish_t f, td_status_t cause)
+{
+    dseq_t *q = arr[i];
+    td_status_t st = event_add(s, q->id, -1, -1, f, cause);
+    remove_at(arr, n, i);
+    seq_destroy(s, q);
+    return st;
+}
+
+/* Moves waiting requests into the running set, oldest first, while they fit. */
+static void admit_waiting(decode_sched_t *s)
+{
+    while (s->n_waiting > 0 && s->n_running < s->cfg.max_batch) {
+        dseq_t *q = s->waiting[0];
+        bool fresh = q->kv.n_tokens == 0;
+        if (fresh) {
+            int32_t cached = 0; /* prefix-cache hits on recompute and local prefill */
+            if (td_engine_seq_start(s->eng, &q->kv, q->ctx, q->n_ctx, &cached) != TD_OK)
+                drop_kv(s, q);
+        }
+        int32_t need = td_kv_seq_blocks_needed(s->kv, &q->kv, q->n_ctx + 1);
+        /* with nothing running the head always goes in: the engine says if it cannot fit */
+        if (s->n_running > 0 && need + s->cfg.admit_reserve > td_kv_available(s->kv)) {
+            if (fresh)
+                drop_kv(s, q); /* do not pin cached blocks while waiting */
+            break;
+        }
+        remove_at(s->waiting, &s->n_waiting, 0);
+        s->running[s->n_running++] = q;
+    }
+}
+
+/* Builds the engine batch: one token for each generating sequence, then prompt chunks
+ * in arrival order within the token budget. */
+static int32_t build_batch(decode_sched_t *s, int32_t *n_tokens_p)
+{
+    int32_t k = 0, budget = s->cfg.max_batch_tokens;
+    for (int pass = 0; pass < 2; pass++)
+        for (int32_t i = 0; i < s->n_running && budget > 0; i++) {
+            dseq_t *q = s->running[i];
+            int32_t rest = q->n_ctx - q->kv.n_tokens;
+            TD_ASSERT(rest >= 1);
+            if ((rest == 1) != (pass == 0))
+                continue;
+            int32_t n = TD_MIN(TD_MIN(rest, s->cfg.prefill_chunk), budget);
+            s->items[k] = (td_engine_item_t){.seq = &q->kv, .tokens = q->ctx + q->kv.n_tokens,
+                                             .n_tokens = n, .n_logits = n == rest};
+            s->owners[k++] = q;
+            budget -= n;
+        }
+    *n_tokens_p = s->cfg.max_batch_tokens - budget;
+    return k;
+}
+
+/* Pool exhausted: takes the blocks of the youngest sequence holding any. Returns false
+ * when the only holder is the one sequence left (it cannot fit: the caller ends it). */
+static bool preempt_youngest(decode_sched_t *s, int32_t *n_preempted)
+{
+    dseq_t *victim = NULL;
+    int32_t holders = 0;
+    for (int32_t i = 0; i < s->n_running; i++)
+        if (s->running[i]->kv.n_blocks > 0) {
+            holders++;
+            if (!victim || s->running[i]->arrival > victim->arrival)
+                victim = s->running[i];
+        }
+    for (int32_t i = 0; i < s->n_waiting; i++)
+        if (s->waiting[i]->kv.n_blocks > 0) {
+            holders++;
+            if (!victim || s->waiting[i]->arrival > victim->arrival)
+                victim = s->waiting[i];
+        }
+    /* nobody to take from, or only the lone running sequence itself: it cannot fit */
+    if (!victim || (holders == 1 && s->n_running == 1 && s->running[0] == victim))
+        return false;
+    drop_kv(s, victim);
+    for (int32_t i = 0; i < s->n_running; i++)
+        if (s->running[i] == victim) {
+            remove_at(s->running, &s->n_running, i);
+            waiting_insert(s, victim);
+            break;
+        }
+    s->preemptions++;
+    (*n_preempted)++;
+    td_debug("decode sched: request %llu preempted (pool exhausted)",
+             (unsigned long long)victim->id);
+    return true;
+}
+
+static void end_running(decode_sched_t *s, dseq_t *q)
+{
+    for (int32_t i = 0; i < s->n_running; i++)
+        if (s->running[i] == q) {
+            remove_at(s->running, &s->n_running, i);
+            seq_destroy(s, q);
+            return;
+        }
+    TD_ASSERT(!"finished sequence not running");
+}
+
+td_status_t decode_sched_step(decode_sched_t *s, int64_t now_ns, decode_step_result_t *res)
+{
+    td_status_t st = TD_OK;
+    s->n_events = 0;
+    s->arena_len = 0;
+    int32_t n_preempted = 0, n_items = 0, n_tokens = 0;
+
+    for (int32_t i = 0; i < s->n_pending && st == TD_OK; i++)
+        st = event_add(s, s->pending[i].id, -1, -1, s->pending[i].finish, TD_OK);
+    s->n_pending = 0;
+    for (int32_t i = s->n_running - 1; i >= 0 && st == TD_OK; i--)
+        if (s->running[i]->deadline_ns && now_ns >= s->running[i]->deadline_ns)
+            st = finish_at(s, s->running, &s->n_running, i, DECODE_FINISH_DEADLINE, TD_ERR_TIMEOUT);
+    for (int32_t i = s->n_waiting - 1; i >= 0 && st == TD_OK; i--)
+        if (s->waiting[i]->deadline_ns && now_ns >= s->waiting[i]->deadline_ns)
+            st = finish_at(s, s->waiting, &s->n_waiting, i, DECODE_FINISH_DEADLINE, TD_ERR_TIMEOUT);
+    if (st != TD_OK)
+        return st;
+
+    admit_waiting(s);
+
+    /* first tokens from prefill nodes: reported (and stop-checked) before being fed */
+    for (int32_t i = s->n_running - 1; i >= 0; i--) {
+        dseq_t *q = s->running[i];
+        if (!q->pending_first)
+            continue;
+        decode_finish_t f;
+        if ((st = take_token(s, q, q->ctx[q->n_ctx - 1], &f)) != TD_OK)
+            return st;
+        if (f != DECODE_FINISH_NONE)
+            end_running(s, q);
+    }
+
+    for (;;) {
+        n_items = build_batch(s, &n_tokens);
+        if (n_items == 0)
+            break;
+        td_status_t es = td_engine_step(s->eng, s->items, n_items, s->logits);
+        if (es == TD_OK)
+            break;
+        if (es == TD_ERR_EXHAUSTED && preempt_youngest(s, &n_preempted))
+            continue;
+        /* cannot proceed: a lone sequence larger than the pool, or a failing engine */
+        if (es == TD_ERR_EXHAUSTED)
+            td_errorf(es, "decode sched: request %llu needs more KV blocks than the pool has",
+                      (unsigned long long)s->owners[0]->id);
+        for (int32_t j = 0; j < n_items; j++) {
+            dseq_t *q = s->owners[j];
+            if ((st = event_add(s, q->id, -1, -1, DECODE_FINISH_ERROR, es)) != TD_OK)
+                return st;
+            end_running(s, q);
+        }
+        n_items = 0;
+        break;
+    }
+
+    int32_t row = 0;
+    for (int32_t j = 0; j < n_items; j++) {
+        dseq_t *q = s->owners[j];
+        if (!s->items[j].n_logits)
+            continue;
+        const float *lg = s->logits + (size_t)row++ * s->mc->vocab_size;
+        int32_t token;
+        decode_finish_t f;
+        td_status_t ss = td_sampler_sample(q->sampler, lg, s->mc->vocab_size, &token);
+        if (ss != TD_OK) {
+            if ((st = event_add(s, q->id, -1, -1, DECODE_FINISH_ERROR, ss)) != TD_OK)
+                return st;
+            f = DECODE_FINISH_ERROR;
+        } else if ((st = take_token(s, q, token, &f)) != TD_OK) {
+            return st;
+        }
+        if (f != DECODE_FINISH_NONE)
+            end_running(s, q);
+    }
+
+    for (int32_t i = 0; i < s->n_events; i++) {
+        s->events[i] = s->evb[i].ev;
+        size_t end = i + 1 < s->n_events ? s->evb[i + 1].text_off : s->arena_len;
+        s->events[i].text = s->tok ? s->arena + s->evb[i].text_off : NULL;
+        s->events[i].text_len = end - s->evb[i].text_off;
+    }
+    s->steps++;
+    *res = (decode_step_result_t){
+        .events = s->events,
+        .n_events = s->n_events,
+        .n_seqs = n_items,
+        .n_tokens = n_items ? n_tokens : 0,
+        .n_preempted = n_preempted,
+        .n_running = s->n_running,
+        .n_waiting = s->n_waiting,
+    };
+    return TD_OK;
+}
+
+bool decode_sched_busy(const decode_sched_t *s)
+{
+    return s->n_running > 0 || s->n_waiting > 0 || s->n_pending > 0;
+}
+
+void decode_sched_stats(const decode_sched_t *s, decode_sched_stats_t *st)
+{
+    td_kv_stats_t ks;
+    td_kv_get_stats(s->kv, &ks);
+    *st = (decode_sched_stats_t){
+        .running = s->n_running,
+        .waiting = s->n_waiting,
+        .free_blocks = ks.free + ks.cached,
+        .used_blocks = ks.used,
+        .preemptions = s->preemptions,
+        .tokens_generated = s->tokens_generated,
+        .steps = s->steps,
+    };
+}

@@ -1,0 +1,161 @@
+/*
+ * decode_sched: continuous batching for a decode node, around one td_engine.
+ *
+ * Requests are admitted with their prompt and either KV computed elsewhere (blocks a
+ * prefill node wrote, adopted with td_kv_seq_adopt, plus the first token it sampled) or
+ * nothing (the local-prefill fallback: the prompt is prefilled here in chunks). Admitted
+ * requests wait in arrival order; each step moves the oldest waiting ones into the running
+ * set while it is under max_batch and the KV pool can hold them, then runs ONE engine step
+ * over every running sequence: one token each for those generating, a prompt chunk within
+ * the token budget for those still prefilling. Each sequence is sampled with its own
+ * sampler (its own seed), and the step's result lists every new token of every sequence
+ * and every request that finished, with its reason.
+ *
+ * A sequence's state is its context (prompt, then the tokens generated so far) and the
+ * part of it whose KV is in the cache; the step feeds the rest (one token while
+ * generating). So a sequence that was preempted (its blocks taken back when the pool ran
+ * out, TD_ERR_EXHAUSTED) is simply requeued and recomputes its context later, with the
+ * same sampler state: it yields the same tokens as if never preempted. The youngest
+ * block holder is preempted first; a lone sequence that cannot fit the pool ends with
+ * DECODE_FINISH_ERROR rather than waiting forever.
+ *
+ * Stop conditions, checked in this order on each new token: an EOS id of the model or a
+ * stop id of the request (the token is not part of the output, as in `tandem generate`),
+ * a stop string (with a tokenizer: the streaming detokenizer feeds td_stop, text before
+ * the stop string is emitted, the rest withheld), max tokens or the model's length.
+ * Cancellation and deadlines end a request at once and release all its blocks.
+ *
+ * Time is passed in (now_ns, any monotonic clock, the one deadlines use); no I/O.
+ * Threads: a scheduler and its engine are used by one thread at a time (the node's
+ * compute thread).
+ */
+#ifndef DECODE_SCHED_H
+#define DECODE_SCHED_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "td_engine.h"
+#include "td_sampler.h"
+#include "td_status.h"
+#include "td_tokenizer.h"
+
+typedef struct decode_sched_config {
+    int32_t max_batch;        /* running sequences at most (64; capped by the engine's max_seqs
+                                 and max_logit_rows) */
+    int32_t max_batch_tokens; /* tokens fed in one step, all sequences (512; capped by the
+                                 engine's max_batch_tokens) */
+    int32_t prefill_chunk;    /* prompt tokens one sequence feeds in one step (256) */
+    int32_t max_waiting;      /* admitted requests not yet running (256) */
+    int32_t admit_reserve;    /* free blocks kept back when moving a waiting request in,
+                                 so running ones can grow (0) */
+} decode_sched_config_t;
+
+decode_sched_config_t decode_sched_config_default(void);
+
+typedef enum decode_finish {
+    DECODE_FINISH_NONE = 0,  /* still running */
+    DECODE_FINISH_STOP,      /* EOS, stop id or stop string */
+    DECODE_FINISH_LENGTH,    /* max tokens or the model's maximum length */
+    DECODE_FINISH_CANCELLED, /* decode_sched_cancel */
+    DECODE_FINISH_DEADLINE,  /* deadline passed */
+    DECODE_FINISH_ERROR,     /* see the event's status */
+} decode_finish_t;
+
+/* "stop", "length", "cancelled", "deadline", "error" ("" for NONE). */
+const char *decode_finish_name(decode_finish_t f);
+
+/* One request to admit. Every array is copied by decode_sched_admit. */
+typedef struct decode_request {
+    uint64_t id;                 /* unique among live requests */
+    const int32_t *prompt;       /* [n_prompt] */
+    int32_t n_prompt;            /* 1 .. model length - 1 */
+    /* KV from a prefill node: blocks of this engine's pool holding prompt[0..n_prompt), one
+       reference each handed over on success (kept by the caller on failure), and the first
+       token that node sampled. kv_blocks NULL = prefill here. */
+    const int32_t *kv_blocks;
+    int32_t n_kv_blocks;
+    int32_t first_token;
+    td_sampling_t sampling;      /* valid (td_sampling_validate) */
+    int32_t max_tokens;          /* >= 1; also capped by the model's length */
+    const int32_t *stop_ids;     /* [n_stop_ids] besides the model's EOS ids */
+    int32_t n_stop_ids;
+    const char *const *stops;    /* [n_stops] stop strings (needs a tokenizer) */
+    int32_t n_stops;
+    int64_t deadline_ns;         /* 0 = none */
+} decode_request_t;
+
+/* Something that happened to one request in a step. */
+typedef struct decode_event {
+    uint64_t id;
+    int32_t token;          /* the new token, or -1 when the event only ends the request */
+    int32_t index;          /* the token's position in the output (0 = first), -1 if none */
+    const char *text;       /* text that may be sent now (with a tokenizer; else NULL) */
+    size_t text_len;
+    decode_finish_t finish; /* NONE while the request runs on */
+    td_status_t status;     /* for DECODE_FINISH_ERROR: the cause */
+} decode_event_t;
+
+/* What one step did. Owned by the scheduler, valid until its next call. */
+typedef struct decode_step_result {
+    const decode_event_t *events; /* every new token and every finish of this step */
+    int32_t n_events;
+    int32_t n_seqs;               /* sequences in the engine step */
+    int32_t n_tokens;             /* tokens the engine step fed */
+    int32_t n_preempted;          /* sequences preempted in this step */
+    int32_t n_running, n_waiting; /* after the step */
+} decode_step_result_t;
+
+typedef struct decode_sched_stats {
+    int32_t running, waiting;
+    int32_t free_blocks;       /* blocks an allocation could get (free + cached) */
+    int32_t used_blocks;
+    uint64_t preemptions;      /* since creation */
+    uint64_t tokens_generated;
+    uint64_t steps;
+} decode_sched_stats_t;
+
+typedef struct decode_sched decode_sched_t;
+
+/*
+ * Creates a scheduler around `eng` (which must outlive it and not be driven by anyone
+ * else meanwhile). `tok` may be NULL: then no text and no stop strings. Errors:
+ * TD_ERR_INVALID (a limit <= 0), TD_ERR_NOMEM.
+ */
+td_status_t decode_sched_create(td_engine_t *eng, const td_tokenizer_t *tok,
+                                const decode_sched_config_t *cfg, decode_sched_t **sched_p);
+/* Ends every request (releasing its blocks) and frees the scheduler. */
+void decode_sched_destroy(decode_sched_t *sched);
+
+/*
+ * Admits a request (it waits until a step moves it into the running set). Errors (quiet:
+ * the RPC edge reports them to the client): TD_ERR_INVALID (bad fields, duplicate id,
+ * unknown token ids, stop strings without a tokenizer, blocks that adopt refuses),
+ * TD_ERR_RANGE (prompt not shorter than the model's length), TD_ERR_EXHAUSTED (max_waiting
+ * requests wait already), TD_ERR_NOMEM.
+ */
+td_status_t decode_sched_admit(decode_sched_t *sched, const decode_request_t *req);
+
+/*
+ * Ends a request now: its blocks are released before this returns, and the next step's
+ * result carries its DECODE_FINISH_CANCELLED event. TD_ERR_NOT_FOUND (quiet) when no
+ * live request has this id.
+ */
+td_status_t decode_sched_cancel(decode_sched_t *sched, uint64_t id);
+
+/*
+ * Runs one step at time now_ns: expires deadlines, moves waiting requests in, runs the
+ * engine over the running set, samples, checks stops, releases finished requests. With
+ * nothing to run it returns at once with only pending finish events. Engine failures
+ * other than an exhausted pool end the sequences of that step with DECODE_FINISH_ERROR
+ * (the step still returns TD_OK so the caller streams them). Errors: TD_ERR_NOMEM.
+ */
+td_status_t decode_sched_step(decode_sched_t *sched, int64_t now_ns, decode_step_result_t *res);
+
+/* True when some request is running or waiting (or a finish event is pending). */
+bool decode_sched_busy(const decode_sched_t *sched);
+
+void decode_sched_stats(const decode_sched_t *sched, decode_sched_stats_t *st);
+
+#endif /* DECODE_SCHED_H */

@@ -1,0 +1,326 @@
+/*
+ * prefill_sched: FIFO chunked-prefill batching over td_engine (see prefill_sched.h).
+ * Two lists: `queue` (arrival order, not yet complete) and `done` (complete, holding
+ * their blocks until released).
+ */
+#include "prefill_sched.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "td_kv.h"
+#include "td_util.h"
+
+typedef struct pseq {
+    uint64_t id;
+    int32_t *prompt;
+    int32_t n_prompt;
+    td_kv_seq_t kv;       /* KV of prompt[0..kv.n_tokens) */
+    bool started;         /* prefix attached */
+    int32_t n_cached;
+    td_sampler_t *sampler;
+    int64_t deadline_ns;
+} pseq_t;
+
+struct prefill_sched {
+    td_engine_t *eng;
+    const td_model_config_t *mc;
+    prefill_sched_config_t cfg;
+    pseq_t **queue;
+    int32_t n_queue;
+    pseq_t **done;        /* [max_queue] */
+    int32_t n_done;
+    int64_t queued_tokens;
+    prefill_output_t *outputs; /* [max_queue] */
+    int32_t n_outputs;
+    td_engine_item_t *items;   /* [max_batch] */
+    pseq_t **owners;
+    float *logits;
+};
+
+prefill_sched_config_t prefill_sched_config_default(void)
+{
+    return (prefill_sched_config_t){
+        .max_queue = 256,
+        .max_queued_tokens = (int64_t)1 << 20,
+        .max_batch_tokens = 2048,
+        .max_batch = 64,
+    };
+}
+
+static void pseq_destroy(prefill_sched_t *s, pseq_t *q)
+{
+    if (!q)
+        return;
+    td_engine_seq_end(s->eng, &q->kv);
+    td_sampler_destroy(q->sampler);
+    free(q->prompt);
+    free(q);
+}
+
+td_status_t prefill_sched_create(td_engine_t *eng, const prefill_sched_config_t *cfg,
+                                 prefill_sched_t **sched_p)
+{
+    if (cfg->max_queue <= 0 || cfg->max_queued_tokens <= 0 || cfg->max_batch_tokens <= 0 ||
+        cfg->max_batch <= 0)
+        return td_errorf(TD_ERR_INVALID, "prefill sched: max_queue %d, max_queued_tokens %lld, "
+                         "max_batch_tokens %d and max_batch %d must be > 0", cfg->max_queue,
+                         (long long)cfg->max_queued_tokens, cfg->max_batch_tokens, cfg->max_batch);
+    prefill_sched_t *s = calloc(1, sizeof *s);
+    if (!s)
+        return td_errorf(TD_ERR_NOMEM, "prefill sched: out of memory");
+    const td_engine_config_t *ec = td_engine_config(eng);
+    s->eng = eng;
+    s->mc = td_engine_model_config(eng);
+    s->cfg = *cfg;
+    s->cfg.max_batch = TD_MIN(TD_MIN(cfg->max_batch, ec->max_seqs), ec->max_logit_rows);
+    s->cfg.max_batch_tokens = TD_MIN(cfg->max_batch_tokens, ec->max_batch_tokens);
+    s->queue = calloc((size_t)cfg->max_queue, sizeof *s->queue);
+    s->done = calloc((size_t)cfg->max_queue, sizeof *s->done);
+    s->outputs = calloc((size_t)cfg->max_queue, sizeof *s->outputs);
+    s->items = calloc((size_t)s->cfg.max_batch, sizeof *s->items);
+    s->owners = calloc((size_t)s->cfg.max_batch, sizeof *s->owners);
+    s->logits = malloc((size_t)s->cfg.max_batch * s->mc->vocab_size * sizeof(float));
+    if (!s->queue || !s->done || !s->outputs || !s->items || !s->owners || !s->logits) {
+        prefill_sched_destroy(s);
+        return td_errorf(TD_ERR_NOMEM, "prefill sched: out of memory for a queue of %d",
+                         cfg->max_queue);
+    }
+    *sched_p = s;
+    return TD_OK;
+}
+
+void prefill_sched_destroy(prefill_sched_t *s)
+{
+    if (!s)
+        return;
+    for (int32_t i = 0; i < s->n_queue; i++)
+        pseq_destroy(s, s->queue[i]);
+    for (int32_t i = 0; i < s->n_done; i++)
+        pseq_destroy(s, s->done[i]);
+    free(s->queue), free(s->done), free(s->outputs), free(s->items), free(s->owners);
+    free(s->logits);
+    free(s);
+}
+
+static int32_t index_of(pseq_t *const *arr, int32_t n, uint64_t id)
+{
+    for (int32_t i = 0; i < n; i++)
+        if (arr[i]->id == id)
+            return i;
+    return -1;
+}
+
+static void remove_at(pseq_t **arr, int32_t *n, int32_t i)
+{
+    memmove(&arr[i], &arr[i + 1], (size_t)(*n - i - 1) * sizeof *arr);
+    (*n)--;
+}
+
+td_status_t prefill_sched_submit(prefill_sched_t *s, const prefill_request_t *req)
+{
+    unsigned long long rid = (unsigned long long)req->id;
+    if (!req->prompt || req->n_prompt <= 0)
+        return td_errorf_quiet(TD_ERR_INVALID, "request %llu: empty prompt", rid);
+    if (req->n_prompt >= s->mc->max_seq_len)
+        return td_errorf_quiet(TD_ERR_RANGE, "request %llu: prompt of %d tokens, the model's "
+                               "length is %d", rid, req->n_prompt, s->mc->max_seq_len);
+    if (index_of(s->queue, s->n_queue, req->id) >= 0 || index_of(s->done, s->n_done, req->id) >= 0)
+        return td_errorf_quiet(TD_ERR_INVALID, "request %llu: id already live", rid);
+    for (int32_t i = 0; i < req->n_prompt; i++)
+        if (req->prompt[i] < 0 || req->prompt[i] >= s->mc->vocab_size)
+            return td_errorf_quiet(TD_ERR_INVALID, "request %llu: prompt token %d is outside the "
+                                   "vocabulary [0, %d)", rid, req->prompt[i], s->mc->vocab_size);
+    if (s->n_queue + s->n_done >= s->cfg.max_queue ||
+        s->queued_tokens + req->n_prompt > s->cfg.max_queued_tokens)
+        return td_errorf_quiet(TD_ERR_EXHAUSTED, "request %llu: prefill queue full (%d prompts, "
+                               "%lld tokens)", rid, s->n_queue + s->n_done,
+                               (long long)s->queued_tokens);
+    td_status_t st;
+    if ((st = td_sampling_validate(&req->sampling, NULL, 0)) != TD_OK)
+        return td_errorf_quiet(st, "request %llu: %s", rid, td_last_error());
+    pseq_t *q = calloc(1, sizeof *q);
+    if (!q)
+        return td_errorf(TD_ERR_NOMEM, "request %llu: out of memory", rid);
+    td_kv_seq_init(&q->kv);
+    q->id = req->id;
+    q->n_prompt = req->n_prompt;
+    q->deadline_ns = req->deadline_ns;
+    q->prompt = malloc((size_t)req->n_prompt * sizeof *q->prompt);
+    if (!q->prompt || (st = td_sampler_create(&req->sampling, &q->sampler)) != TD_OK) {
+        pseq_destroy(s, q);
+        return td_errorf(TD_ERR_NOMEM, "request %llu: out of memory", rid);
+    }
+    memcpy(q->prompt, req->prompt, (size_t)req->n_prompt * sizeof *q->prompt);
+    for (int32_t i = 0; i < req->n_prompt; i++)
+        td_sampler_accept(q->sampler, req->prompt[i]);
+    s->queue[s->n_queue++] = q;
+    s->queued_tokens += q->n_prompt;
+    return TD_OK;
+}
+
+/* Takes q out of the queue (its remaining tokens no longer count). */
+static void unqueue(prefill_sched_t *s, int32_t i)
+{
+    pseq_t *q = s->queue[i];
+    s->queued_tokens -= q->n_prompt - q->kv.n_tokens;
+    remove_at(s->queue, &s->n_queue, i);
+}
+
+td_status_t prefill_sched_cancel(prefill_sched_t *s, uint64_t id)
+{
+    int32_t i = index_of(s->queue, s->n_queue, id);
+    if (i >= 0) {
+        pseq_t *q = s->queue[i];
+        unqueue(s, i);
+        pseq_destroy(s, q);
+        return TD_OK;
+    }
+    return prefill_sched_release(s, id);
+}
+
+td_status_t prefill_sched_release(prefill_sched_t *s, uint64_t id)
+{
+    int32_t i = index_of(s->done, s->n_done, id);
+    if (i < 0)
+        return td_errorf_quiet(TD_ERR_NOT_FOUND, "request %llu: no such prefill",
+                               (unsigned long long)id);
+    pseq_t *q = s->done[i];
+    remove_at(s->done, &s->n_done, i);
+    pseq_destroy(s, q);
+    return TD_OK;
+}
+
+/* Fails queue[i]: an output with `st`, everything released. */
+static void fail_at(prefill_sched_t *s, int32_t i, td_status_t st)
+{
+    pseq_t *q = s->queue[i];
+    s->outputs[s->n_outputs++] = (prefill_output_t){.id = q->id, .status = st, .first_token = -1};
+    unqueue(s, i);
+    pseq_destroy(s, q);
+}
+
+static int32_t build_batch(prefill_sched_t *s, int32_t max_items, int32_t *n_tokens_p)
+{
+    int32_t k = 0, budget = s->cfg.max_batch_tokens;
+    for (int32_t i = 0; i < s->n_queue && k < max_items && budget > 0; i++) {
+        pseq_t *q = s->queue[i];
+        if (!q->started) {
+            int32_t cached = 0;
+            if (td_engine_seq_start(s->eng, &q->kv, q->prompt, q->n_prompt, &cached) != TD_OK) {
+                td_engine_seq_end(s->eng, &q->kv);
+                td_kv_seq_init(&q->kv);
+                cached = 0;
+            }
+            q->started = true;
+            q->n_cached = cached;
+            s->queued_tokens -= cached;
+        }
+        int32_t rest = q->n_prompt - q->kv.n_tokens;
+        int32_t n = TD_MIN(rest, budget);
+        s->items[k] = (td_engine_item_t){.seq = &q->kv, .tokens = q->prompt + q->kv.n_tokens,
+                                         .n_tokens = n, .n_logits = n == rest};
+        s->owners[k++] = q;
+        budget -= n;
+    }
+    *n_tokens_p = s->cfg.max_batch_tokens - budget;
+    return k;
+}
+
+/* Restarts the youngest started prompt (its blocks back to the pool). */
+static void restart_youngest(prefill_sched_t *s)
+{
+    for (int32_t i = s->n_queue - 1; i >= 0; i--) {
+        pseq_t *q = s->queue[i];
+        if (!q->started)
+            continue;
+        s->queued_tokens += q->kv.n_tokens;
+        td_engine_seq_end(s->eng, &q->kv);
+        td_kv_seq_init(&q->kv);
+        q->started = false;
+        q->n_cached = 0;
+        return;
+    }
+}
+
+td_status_t prefill_sched_step(prefill_sched_t *s, int64_t now_ns, prefill_step_result_t *res)
+{
+    s->n_outputs = 0;
+    int32_t n_items = 0, n_tokens = 0, n_restarted = 0;
+    for (int32_t i = s->n_queue - 1; i >= 0; i--)
+        if (s->queue[i]->deadline_ns && now_ns >= s->queue[i]->deadline_ns)
+            fail_at(s, i, TD_ERR_TIMEOUT);
+
+    int32_t max_items = s->cfg.max_batch;
+    for (;;) {
+        n_items = build_batch(s, max_items, &n_tokens);
+        if (n_items == 0)
+            break;
+        td_status_t es = td_engine_step(s->eng, s->items, n_items, s->logits);
+        if (es == TD_OK)
+            break;
+        if (es == TD_ERR_EXHAUSTED && n_items > 1) {
+            /* the batch's youngest gives its blocks back and sits this step out */
+            restart_youngest(s);
+            n_restarted++;
+            max_items = n_items - 1;
+            continue;
+        }
+        int32_t n_fail = n_items;
+        n_items = 0;
+        if (es == TD_ERR_EXHAUSTED && s->n_done > 0)
+            break; /* done prompts still hold blocks: wait for their release */
+        if (es == TD_ERR_EXHAUSTED)
+            td_errorf(es, "prefill sched: request %llu: a prompt of %d tokens does not fit the KV "
+                      "pool", (unsigned long long)s->owners[0]->id, s->owners[0]->n_prompt);
+        /* a lone prompt larger than the pool, or a failing engine: the step's prompts fail */
+        for (int32_t j = 0; j < n_fail; j++)
+            fail_at(s, index_of(s->queue, s->n_queue, s->owners[j]->id), es);
+        break;
+    }
+
+    int32_t row = 0;
+    for (int32_t j = 0; j < n_items; j++) {
+        pseq_t *q = s->owners[j];
+        s->queued_tokens -= s->items[j].n_tokens;
+        if (!s->items[j].n_logits)
+            continue;
+        const float *lg = s->logits + (size_t)row++ * s->mc->vocab_size;
+        int32_t token = -1;
+        td_status_t ss = td_sampler_sample(q->sampler, lg, s->mc->vocab_size, &token);
+        int32_t i = index_of(s->queue, s->n_queue, q->id);
+        TD_ASSERT(i >= 0);
+        if (ss != TD_OK) {
+            fail_at(s, i, ss);
+            continue;
+        }
+        remove_at(s->queue, &s->n_queue, i);
+        s->done[s->n_done++] = q;
+        s->outputs[s->n_outputs++] = (prefill_output_t){
+            .id = q->id, .status = TD_OK, .first_token = token, .seq = &q->kv,
+            .n_cached = q->n_cached};
+    }
+    *res = (prefill_step_result_t){
+        .outputs = s->outputs,
+        .n_outputs = s->n_outputs,
+        .n_seqs = n_items,
+        .n_tokens = n_items ? n_tokens : 0,
+        .n_restarted = n_restarted,
+    };
+    return TD_OK;
+}
+
+int64_t prefill_sched_queued_tokens(const prefill_sched_t *s)
+{
+    return s->queued_tokens;
+}
+
+int32_t prefill_sched_queued(const prefill_sched_t *s)
+{
+    return s->n_queue;
+}
+
+int32_t prefill_sched_unreleased(const prefill_sched_t *s)
+{
+    return s->n_done;
+}

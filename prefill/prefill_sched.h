@@ -1,0 +1,106 @@
+/*
+ * prefill_sched: a prefill node's batcher around one td_engine.
+ *
+ * Prompts wait in a bounded queue in arrival order. Each step packs them into one engine
+ * step up to a token budget: the oldest unfinished prompt first, each taking as many of
+ * its remaining tokens as the budget leaves (chunked prefill: a long prompt runs over
+ * several steps, its chunks in order, and never starves those behind it for more than its
+ * own length). A prompt starts by attaching the longest cached prefix
+ * (td_engine_seq_start), so repeated system prompts are computed once.
+ *
+ * When a prompt's last chunk has run, the step samples its first token with the
+ * request's sampler and reports it with the sequence (td_kv_seq_t: block ids in position
+ * order) so that the data plane can push the blocks to the decode node. The sequence keeps
+ * its blocks until the caller calls prefill_sched_release(); full blocks then stay in the
+ * prefix cache for later prompts.
+ *
+ * When the pool runs out mid-step the youngest started prompt gives its blocks back and
+ * restarts later; a prompt larger than the whole pool fails with TD_ERR_EXHAUSTED rather
+ * than waiting forever (unless finished, unreleased prompts still hold blocks: then the
+ * step makes no progress until the caller releases them).
+ *
+ * Time is passed in (now_ns); no I/O. Threads: one thread at a time with its engine.
+ */
+#ifndef PREFILL_SCHED_H
+#define PREFILL_SCHED_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "td_engine.h"
+#include "td_sampler.h"
+#include "td_status.h"
+
+typedef struct prefill_sched_config {
+    int32_t max_queue;          /* prompts waiting or in progress (256) */
+    int64_t max_queued_tokens;  /* their prompt tokens in all (1 << 20) */
+    int32_t max_batch_tokens;   /* tokens in one step (2048; capped by the engine's) */
+    int32_t max_batch;          /* prompts in one step (64; capped by the engine's max_seqs
+                                   and max_logit_rows) */
+} prefill_sched_config_t;
+
+prefill_sched_config_t prefill_sched_config_default(void);
+
+typedef struct prefill_request {
+    uint64_t id;              /* unique among live requests */
+    const int32_t *prompt;    /* [n_prompt], copied */
+    int32_t n_prompt;         /* 1 .. model length - 1 */
+    td_sampling_t sampling;   /* for the first token */
+    int64_t deadline_ns;      /* 0 = none */
+} prefill_request_t;
+
+/* A prompt that is done (or failed). */
+typedef struct prefill_output {
+    uint64_t id;
+    td_status_t status;       /* TD_OK, TD_ERR_TIMEOUT (deadline), TD_ERR_EXHAUSTED (larger
+                                 than the pool) or the engine's or sampler's error */
+    int32_t first_token;      /* when TD_OK */
+    const td_kv_seq_t *seq;   /* when TD_OK: the prompt's KV, valid until prefill_sched_release */
+    int32_t n_cached;         /* prompt tokens that came from the prefix cache */
+} prefill_output_t;
+
+typedef struct prefill_step_result {
+    const prefill_output_t *outputs; /* owned by the scheduler, valid until its next step */
+    int32_t n_outputs;
+    int32_t n_seqs;          /* prompts in the engine step */
+    int32_t n_tokens;        /* tokens the engine step computed */
+    int32_t n_restarted;     /* prompts that gave their blocks back (pool exhausted) */
+} prefill_step_result_t;
+
+typedef struct prefill_sched prefill_sched_t;
+
+/* Errors: TD_ERR_INVALID (a limit <= 0), TD_ERR_NOMEM. `eng` must outlive the scheduler. */
+td_status_t prefill_sched_create(td_engine_t *eng, const prefill_sched_config_t *cfg,
+                                 prefill_sched_t **sched_p);
+/* Releases every prompt (done or not) and frees the scheduler. */
+void prefill_sched_destroy(prefill_sched_t *sched);
+
+/*
+ * Queues a prompt. Errors (quiet; the RPC edge reports them): TD_ERR_INVALID (bad fields,
+ * duplicate id, unknown token ids), TD_ERR_RANGE (prompt not shorter than the model's
+ * length), TD_ERR_EXHAUSTED (queue or token bound reached), TD_ERR_NOMEM.
+ */
+td_status_t prefill_sched_submit(prefill_sched_t *sched, const prefill_request_t *req);
+
+/* Drops a queued or in-progress prompt and its blocks, or releases a done one. Quiet
+ * TD_ERR_NOT_FOUND for an unknown id. */
+td_status_t prefill_sched_cancel(prefill_sched_t *sched, uint64_t id);
+
+/* The caller has pushed a done prompt's KV: its sequence ends (blocks back, full ones
+ * cached). Quiet TD_ERR_NOT_FOUND when id is not a done prompt. */
+td_status_t prefill_sched_release(prefill_sched_t *sched, uint64_t id);
+
+/*
+ * Runs one step at now_ns: fails expired prompts, packs the queue into one engine step,
+ * samples the first token of every prompt that completes. Errors: TD_ERR_NOMEM (per-prompt
+ * failures are outputs, not step errors).
+ */
+td_status_t prefill_sched_step(prefill_sched_t *sched, int64_t now_ns, prefill_step_result_t *res);
+
+/* Prompt tokens still to compute (for heartbeats), and prompts queued or in progress. */
+int64_t prefill_sched_queued_tokens(const prefill_sched_t *sched);
+int32_t prefill_sched_queued(const prefill_sched_t *sched);
+/* Done prompts not yet released. */
+int32_t prefill_sched_unreleased(const prefill_sched_t *sched);
+
+#endif /* PREFILL_SCHED_H */
