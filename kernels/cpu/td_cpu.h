@@ -1,0 +1,175 @@
+/*
+ * td_cpu: internals of the CPU backend shared by its files (backend context, scratch
+ * management, small vector kernels). Not a public header: only kernels/cpu/ includes it.
+ *
+ * The context owns one thread pool and grow-only scratch: per-thread slices (conversion
+ * tiles, attention tiles) and one shared area (task tables, split-KV partials). Ops size
+ * the scratch with td_cpu_reserve() before td_pool_run, so a steady-state step allocates
+ * nothing.
+ */
+#ifndef TD_CPU_H
+#define TD_CPU_H
+
+#include <stdint.h>
+#include <string.h>
+
+#include "td_backend.h"
+#include "td_threadpool.h"
+#include "td_util.h"
+
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+typedef struct td_cpu {
+    td_backend_t base; /* first: a td_backend_t * is a td_cpu_t * */
+    td_pool_t *pool;
+    int n_threads;
+    td_step_meta_t meta; /* pointers owned by the engine, valid until the next set_step */
+    bool have_step;
+
+    unsigned char *scratch;  /* [n_threads][scratch_stride] bytes, 64-byte aligned slices */
+    size_t scratch_stride;
+    unsigned char *shared;   /* [shared_bytes] */
+    size_t shared_bytes;
+} td_cpu_t;
+
+static inline td_cpu_t *td_cpu_of(td_backend_t *be)
+{
+    return (td_cpu_t *)be;
+}
+
+/* Grows the scratch to at least per_thread bytes per thread and `shared` shared bytes.
+   Errors: TD_ERR_NOMEM (scratch unchanged). Caller thread only (not inside a pool job). */
+td_status_t td_cpu_reserve(td_cpu_t *cpu, size_t per_thread, size_t shared);
+
+static inline void *td_cpu_thread_scratch(td_cpu_t *cpu, int thread)
+{
+    return cpu->scratch + (size_t)thread * cpu->scratch_stride;
+}
+
+/* ops implemented in td_cpu_matmul.c and td_cpu_attn.c */
+td_status_t td_cpu_matmul(td_backend_t *be, const td_matmul_params_t *p);
+td_status_t td_cpu_attn_prefill(td_backend_t *be, const td_attn_params_t *p);
+td_status_t td_cpu_attn_decode(td_backend_t *be, const td_attn_params_t *p);
+
+/* ---- element conversion ---------------------------------------------------------- */
+
+/* dst[i] = (float)src[i] for n elements of dtype t. */
+static inline void td_cpu_to_f32(float *dst, const void *src, td_dtype_t t, size_t n)
+{
+    size_t i = 0;
+    if (t == TD_F32) {
+        memcpy(dst, src, n * sizeof(float));
+        return;
+    }
+    const uint16_t *s = src;
+    if (t == TD_BF16) {
+        /* bf16 is the top half of an f32: a shift, which the compiler vectorises */
+        for (; i < n; i++) {
+            uint32_t u = (uint32_t)s[i] << 16;
+            float f;
+            memcpy(&f, &u, sizeof(f));
+            dst[i] = f;
+        }
+        return;
+    }
+#ifdef __F16C__
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + i))));
+#endif
+    for (; i < n; i++)
+        dst[i] = td_f16_to_f32(s[i]);
+}
+
+/* dst[i] = src[i] converted to dtype t (round to nearest even) for n floats. */
+static inline void td_cpu_from_f32(void *dst, td_dtype_t t, const float *src, size_t n)
+{
+    size_t i = 0;
+    if (t == TD_F32) {
+        memcpy(dst, src, n * sizeof(float));
+        return;
+    }
+    uint16_t *d = dst;
+    if (t == TD_BF16) {
+        for (; i < n; i++)
+            d[i] = td_f32_to_bf16(src[i]);
+        return;
+    }
+#ifdef __F16C__
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(d + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+    for (; i < n; i++)
+        d[i] = td_f32_to_f16(src[i]);
+}
+
+/* ---- small vector kernels (plain loops the compiler vectorises at -O3) ------------ */
+
+static inline float td_cpu_dot(const float *a, const float *b, int n)
+{
+#ifdef __AVX2__
+    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 16 <= n; i += 16) {
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+    }
+    for (; i + 8 <= n; i += 8)
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+    s0 = _mm256_add_ps(s0, s1);
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(s0), _mm256_extractf128_ps(s0, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    float s = _mm_cvtss_f32(h);
+    for (; i < n; i++)
+        s += a[i] * b[i];
+    return s;
+#else
+    float s = 0.0f;
+    for (int i = 0; i < n; i++)
+        s += a[i] * b[i];
+    return s;
+#endif
+}
+
+/* y += a * x */
+static inline void td_cpu_axpy(float *restrict y, float a, const float *restrict x, int n)
+{
+    for (int i = 0; i < n; i++)
+        y[i] += a * x[i];
+}
+
+static inline void td_cpu_scale(float *y, float a, int n)
+{
+    for (int i = 0; i < n; i++)
+        y[i] *= a;
+}
+
+/*
+ * exp(x) for x <= 0 as used by softmax, ~2 ulp: range reduction by ln 2 and a degree-6
+ * polynomial, written without calls or branches so loops over it vectorise. Inputs below
+ * -87 give ~0 (the result is clamped, never denormal garbage).
+ */
+static inline float td_cpu_exp(float x)
+{
+    x = x < -87.0f ? -87.0f : x;
+    x = x > 88.0f ? 88.0f : x;
+    float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t e = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &e, sizeof(scale));
+    return p * scale;
+}
+
+#endif /* TD_CPU_H */

@@ -1,0 +1,405 @@
+/*
+ * td_cpu_attn: attention of a step's rows against one layer of the paged KV cache.
+ *
+ * Shapes (td_backend.h, td_kv_layout.h):
+ *   q, out   [n_tokens][n_heads][head_dim]            f32
+ *   kv_layer [n_blocks][2 (K, V)][block_size][n_kv_heads][head_dim]   layout->dtype
+ * Query head h reads KV head h / G, G = n_heads / n_kv_heads (the GQA group).
+ * A sequence's new rows are its last q_len positions: row i sits at seq_len - q_len + i.
+ *
+ * Prefill (FlashAttention-style). One task per (sequence, KV head, query tile of TQ
+ * tokens); the G heads of the group are stacked into one TQ*G-row query tile (pre-scaled)
+ * so each K/V element loaded serves all of them. KV is walked in tiles of TK tokens (whole
+ * blocks through the block table), gathered into a contiguous f32 tile (converting f16/bf16),
+ * S = Q K^T by sgemm, online softmax (running max m, running sum l, accumulator O rescaled
+ * by exp(m_old - m_new)), O += P V by sgemm. KV tiles entirely above the causal diagonal
+ * are never read; there is never an N x N matrix. Tasks are ordered last query tile first
+ * (the longest) so the dynamic hand-out balances the causal triangle.
+ *
+ * Decode (FlashDecoding split-KV). One new row per sequence. The context is cut into
+ * partitions of P tokens (P a multiple of block_size); one task per (sequence, partition,
+ * KV head) computes, for the G query heads of the group, the partial max, sum and
+ * unnormalised output over its partition, reading each K/V element once. A second pass
+ * merges a sequence's partitions by log-sum-exp. P comes from the caller or from
+ * decode_partition(): enough tasks to keep every thread busy even at batch 1.
+ *
+ * All scratch comes from the backend context (grow-only): no allocation in steady state.
+ */
+#include "td_cpu.h"
+
+#include <cblas.h>
+#include <math.h>
+
+/* ---- shared helpers ------------------------------------------------------------- */
+
+typedef struct kv_view {
+    const unsigned char *layer;
+    td_dtype_t dtype;
+    size_t esz;
+    int bs, n_kv, hd;
+    size_t block_elems, row; /* row = n_kv * hd: stride between tokens of a block */
+} kv_view_t;
+
+static kv_view_t kv_view_of(const td_attn_params_t *p)
+{
+    const td_kv_layout_t *l = p->layout;
+    kv_view_t v = {.layer = p->kv_layer, .dtype = (td_dtype_t)l->dtype,
+                   .esz = td_dtype_size((td_dtype_t)l->dtype), .bs = (int)l->block_size,
+                   .n_kv = (int)l->n_kv_heads, .hd = (int)l->head_dim,
+                   .block_elems = td_kv_block_elems(l)};
+    v.row = (size_t)v.n_kv * v.hd;
+    return v;
+}
+
+/* Address of row `off` of K (kv = 0) or V (kv = 1) of block b, KV head h. */
+static inline const unsigned char *kv_at(const kv_view_t *v, int32_t b, int kv, int off, int h)
+{
+    size_t e = ((size_t)b * 2 + kv) * v->block_elems + (size_t)off * v->row + (size_t)h * v->hd;
+    return v->layer + e * v->esz;
+}
+
+/* Copies tokens [t0, t1) of KV head h of one sequence into dst[t1 - t0][hd] as f32. */
+static void gather_kv(const kv_view_t *v, const int32_t *table, int kv, int h, int t0, int t1,
+                      float *dst)
+{
+    for (int t = t0; t < t1; t++)
+        td_cpu_to_f32(dst + (size_t)(t - t0) * v->hd, kv_at(v, table[t / v->bs], kv, t % v->bs, h),
+                      v->dtype, (size_t)v->hd);
+}
+
+/* ---- prefill ---------------------------------------------------------------------- */
+
+typedef struct prefill_task {
+    int32_t seq, kvh, q0, q1; /* new rows [q0, q1) of sequence seq, relative to its start */
+} prefill_task_t;
+
+typedef struct prefill_job {
+    const td_attn_params_t *p;
+    td_cpu_t *cpu;
+    const td_step_meta_t *meta;
+    kv_view_t kv;
+    int G, TQ, TK;
+    const prefill_task_t *tasks;
+} prefill_job_t;
+
+static void prefill_task(void *arg, int task, int thread)
+{
+    const prefill_job_t *j = arg;
+    const td_attn_params_t *p = j->p;
+    const td_step_meta_t *meta = j->meta;
+    const kv_view_t *kv = &j->kv;
+    const prefill_task_t *tk = &j->tasks[task];
+    const int hd = kv->hd, G = j->G, TK = j->TK;
+    const int s = tk->seq, h0 = tk->kvh * G;
+    const int q_len = meta->seq_start[s + 1] - meta->seq_start[s];
+    const int seq_len = meta->seq_len[s];
+    const int ctx0 = seq_len - q_len; /* absolute position of new row 0 */
+    const int32_t *table = meta->block_tables + (size_t)s * meta->max_blocks;
+    const int nq = tk->q1 - tk->q0, rows = nq * G;
+
+    /* scratch: Q[rows][hd] O[rows][hd] S[rows][TK] m[rows] l[rows] K[TK][hd] V[TK][hd] */
+    float *Q = td_cpu_thread_scratch(j->cpu, thread);
+    float *O = Q + (size_t)j->TQ * G * hd;
+    float *S = O + (size_t)j->TQ * G * hd;
+    float *M = S + (size_t)j->TQ * G * TK;
+    float *L = M + (size_t)j->TQ * G;
+    float *Kt = L + (size_t)j->TQ * G;
+    float *Vt = Kt + (size_t)TK * hd;
+
+    const float *q = p->q;
+    for (int i = 0; i < nq; i++) {
+        size_t tok = (size_t)meta->seq_start[s] + tk->q0 + i;
+        for (int g = 0; g < G; g++) {
+            const float *src = q + (tok * p->n_heads + h0 + g) * hd;
+            float *dst = Q + ((size_t)i * G + g) * hd;
+            for (int d = 0; d < hd; d++)
+                dst[d] = src[d] * p->scale;
+        }
+    }
+    memset(O, 0, (size_t)rows * hd * sizeof(float));
+    for (int r = 0; r < rows; r++) {
+        M[r] = -INFINITY;
+        L[r] = 0.0f;
+    }
+
+    const int last_pos = ctx0 + tk->q1 - 1; /* keys beyond it are masked for every row */
+    for (int kv0 = 0; kv0 <= last_pos; kv0 += TK) {
+        const int cnt = TD_MIN(TK, TD_MIN(seq_len, last_pos + 1) - kv0);
+        gather_kv(kv, table, 0, tk->kvh, kv0, kv0 + cnt, Kt);
+        gather_kv(kv, table, 1, tk->kvh, kv0, kv0 + cnt, Vt);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, cnt, hd, 1.0f, Q, hd, Kt, hd,
+                    0.0f, S, TK);
+        for (int r = 0; r < rows; r++) {
+            float *sr = S + (size_t)r * TK;
+            const int pos = ctx0 + tk->q0 + r / G;
+            const int vis = TD_MIN(cnt, pos - kv0 + 1); /* causal: keys at <= pos */
+            if (vis <= 0) {
+                memset(sr, 0, (size_t)cnt * sizeof(float));
+                continue;
+            }
+            float mx = sr[0];
+            for (int c = 1; c < vis; c++)
+                mx = sr[c] > mx ? sr[c] : mx;
+            const float m_new = mx > M[r] ? mx : M[r];
+            float sum = 0.0f;
+            for (int c = 0; c < vis; c++) {
+                sr[c] = td_cpu_exp(sr[c] - m_new);
+                sum += sr[c];
+            }
+            for (int c = vis; c < cnt; c++)
+                sr[c] = 0.0f;
+            if (m_new != M[r]) {
+                const float alpha = expf(M[r] - m_new); /* 0 on the first tile */
+                L[r] *= alpha;
+                td_cpu_scale(O + (size_t)r * hd, alpha, hd);
+                M[r] = m_new;
+            }
+            L[r] += sum;
+        }
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, hd, cnt, 1.0f, S, TK, Vt, hd,
+                    1.0f, O, hd);
+    }
+
+    float *out = p->out;
+    for (int i = 0; i < nq; i++) {
+        size_t tok = (size_t)meta->seq_start[s] + tk->q0 + i;
+        for (int g = 0; g < G; g++) {
+            const int r = i * G + g;
+            const float inv = 1.0f / L[r];
+            float *dst = out + (tok * p->n_heads + h0 + g) * hd;
+            const float *src = O + (size_t)r * hd;
+            for (int d = 0; d < hd; d++)
+                dst[d] = src[d] * inv;
+        }
+    }
+}
+
+/* Contract (td_backend.h ops->attn_prefill): needs set_step; rows' K/V already written.
+   Errors: TD_ERR_NOMEM when scratch cannot grow. */
+td_status_t td_cpu_attn_prefill(td_backend_t *be, const td_attn_params_t *p)
+{
+    td_cpu_t *cpu = td_cpu_of(be);
+    const td_step_meta_t *meta = &cpu->meta;
+    TD_ASSERT(cpu->have_step);
+    prefill_job_t j = {.p = p, .cpu = cpu, .meta = meta, .kv = kv_view_of(p)};
+    TD_ASSERT(j.kv.n_kv > 0 && p->n_heads % j.kv.n_kv == 0);
+    j.G = p->n_heads / j.kv.n_kv;
+    /* ~128 stacked query rows per tile, 1..64 tokens */
+    j.TQ = TD_MAX(1, TD_MIN(64, 128 / j.G));
+    j.TK = TD_MAX(1, 64 / j.kv.bs) * j.kv.bs;
+
+    size_t n_tasks = 0;
+    for (int s = 0; s < meta->n_seqs; s++) {
+        int q_len = meta->seq_start[s + 1] - meta->seq_start[s];
+        TD_ASSERT(q_len >= 0 && q_len <= meta->seq_len[s]);
+        n_tasks += (size_t)TD_DIV_CEIL(q_len, j.TQ) * j.kv.n_kv;
+    }
+    if (n_tasks == 0)
+        return TD_OK;
+    size_t rows = (size_t)j.TQ * j.G, hd = (size_t)j.kv.hd;
+    size_t per_thread = (rows * hd * 2 + rows * j.TK + rows * 2 + (size_t)j.TK * hd * 2) *
+                        sizeof(float);
+    td_status_t st = td_cpu_reserve(cpu, per_thread, n_tasks * sizeof(prefill_task_t));
+    if (st != TD_OK)
+        return st;
+
+    /* longest tiles (last in each sequence: most keys visible) first */
+    prefill_task_t *tasks = (prefill_task_t *)cpu->shared;
+    size_t t = 0;
+    for (int s = 0; s < meta->n_seqs; s++) {
+        int q_len = meta->seq_start[s + 1] - meta->seq_start[s];
+        for (int tile = TD_DIV_CEIL(q_len, j.TQ) - 1; tile >= 0; tile--)
+            for (int h = 0; h < j.kv.n_kv; h++)
+                tasks[t++] = (prefill_task_t){.seq = s, .kvh = h, .q0 = tile * j.TQ,
+                                              .q1 = TD_MIN(q_len, (tile + 1) * j.TQ)};
+    }
+    j.tasks = tasks;
+    td_pool_run(cpu->pool, (int)n_tasks, prefill_task, &j);
+    return TD_OK;
+}
+
+/* ---- decode ----------------------------------------------------------------------- */
+
+typedef struct decode_part {
+    int32_t seq, t0, t1; /* context tokens [t0, t1) of sequence seq */
+} decode_part_t;
+
+typedef struct decode_job {
+    const td_attn_params_t *p;
+    td_cpu_t *cpu;
+    const td_step_meta_t *meta;
+    kv_view_t kv;
+    int G;
+    const decode_part_t *parts; /* [n_parts] */
+    const int32_t *part_start;  /* [n_seqs + 1] first part of each sequence */
+    float *partials;            /* [n_parts][n_kv][G][hd + 2]: acc[hd], m, l */
+} decode_job_t;
+
+static void decode_task(void *arg, int task, int thread)
+{
+    const decode_job_t *j = arg;
+    const td_attn_params_t *p = j->p;
+    const kv_view_t *kv = &j->kv;
+    const int hd = kv->hd, G = j->G, bs = kv->bs, n_kv = kv->n_kv;
+    const int part = task / n_kv, h = task % n_kv;
+    const decode_part_t *dp = &j->parts[part];
+    const int s = dp->seq;
+    const int32_t *table = j->meta->block_tables + (size_t)s * j->meta->max_blocks;
+    const size_t tok = (size_t)j->meta->seq_start[s];
+
+    /* scratch: Qs[G][hd] S[G][bs] K[bs][hd] V[bs][hd] */
+    float *Qs = td_cpu_thread_scratch(j->cpu, thread);
+    float *S = Qs + (size_t)G * hd;
+    float *Kc = S + (size_t)G * bs;
+    float *Vc = Kc + (size_t)bs * hd;
+
+    float *part_out = j->partials + ((size_t)part * n_kv + h) * G * (hd + 2);
+    for (int g = 0; g < G; g++) {
+        const float *src = (const float *)p->q + (tok * p->n_heads + (size_t)h * G + g) * hd;
+        for (int d = 0; d < hd; d++)
+            Qs[(size_t)g * hd + d] = src[d] * p->scale;
+        float *acc = part_out + (size_t)g * (hd + 2);
+        memset(acc, 0, (size_t)hd * sizeof(float));
+        acc[hd] = -INFINITY;
+        acc[hd + 1] = 0.0f;
+    }
+
+    for (int t0 = dp->t0; t0 < dp->t1; t0 += bs - t0 % bs) {
+        const int cnt = TD_MIN(bs - t0 % bs, dp->t1 - t0);
+        const int32_t b = table[t0 / bs];
+        const float *K, *V;
+        size_t stride;
+        if (kv->dtype == TD_F32) {
+            K = (const float *)kv_at(kv, b, 0, t0 % bs, h);
+            V = (const float *)kv_at(kv, b, 1, t0 % bs, h);
+            stride = kv->row;
+        } else {
+            gather_kv(kv, table, 0, h, t0, t0 + cnt, Kc);
+            gather_kv(kv, table, 1, h, t0, t0 + cnt, Vc);
+            K = Kc;
+            V = Vc;
+            stride = (size_t)hd;
+        }
+        for (int c = 0; c < cnt; c++)
+            for (int g = 0; g < G; g++)
+                S[(size_t)g * bs + c] = td_cpu_dot(Qs + (size_t)g * hd, K + c * stride, hd);
+        for (int g = 0; g < G; g++) {
+            float *sr = S + (size_t)g * bs;
+            float *acc = part_out + (size_t)g * (hd + 2);
+            float mx = sr[0];
+            for (int c = 1; c < cnt; c++)
+                mx = sr[c] > mx ? sr[c] : mx;
+            const float m_old = acc[hd];
+            const float m_new = mx > m_old ? mx : m_old;
+            float sum = 0.0f;
+            for (int c = 0; c < cnt; c++) {
+                sr[c] = td_cpu_exp(sr[c] - m_new);
+                sum += sr[c];
+            }
+            if (m_new != m_old) {
+                const float alpha = expf(m_old - m_new);
+                acc[hd + 1] *= alpha;
+                td_cpu_scale(acc, alpha, hd);
+                acc[hd] = m_new;
+            }
+            acc[hd + 1] += sum;
+        }
+        for (int c = 0; c < cnt; c++)
+            for (int g = 0; g < G; g++)
+                td_cpu_axpy(part_out + (size_t)g * (hd + 2), S[(size_t)g * bs + c], V + c * stride,
+                            hd);
+    }
+}
+
+/* Merges the partitions of sequence `task` for all heads by log-sum-exp. */
+static void decode_merge_task(void *arg, int task, int thread)
+{
+    const decode_job_t *j = arg;
+    const td_attn_params_t *p = j->p;
+    const int hd = j->kv.hd, G = j->G, n_kv = j->kv.n_kv;
+    const int s = task;
+    const int pa = j->part_start[s], pb = j->part_start[s + 1];
+    float *out = (float *)p->out + (size_t)j->meta->seq_start[s] * p->n_heads * hd;
+    for (int h = 0; h < n_kv; h++)
+        for (int g = 0; g < G; g++) {
+            float m = -INFINITY;
+            for (int q = pa; q < pb; q++) {
+                const float *pp = j->partials + (((size_t)q * n_kv + h) * G + g) * (hd + 2);
+                m = pp[hd] > m ? pp[hd] : m;
+            }
+            float *dst = out + ((size_t)h * G + g) * hd;
+            float l = 0.0f;
+            memset(dst, 0, (size_t)hd * sizeof(float));
+            for (int q = pa; q < pb; q++) {
+                const float *pp = j->partials + (((size_t)q * n_kv + h) * G + g) * (hd + 2);
+                const float w = expf(pp[hd] - m);
+                l += pp[hd + 1] * w;
+                td_cpu_axpy(dst, w, pp, hd);
+            }
+            td_cpu_scale(dst, 1.0f / l, hd);
+        }
+}
+
+/*
+ * Partition size in tokens when the caller leaves it to us: split the whole batch's
+ * context (times KV heads, the other parallel dimension) into ~4 tasks per thread, but
+ * never below 64 tokens (below that the merge costs more than the parallelism gains).
+ */
+static int decode_partition(const td_cpu_t *cpu, const td_step_meta_t *meta, int n_kv, int bs)
+{
+    int64_t total = 0;
+    for (int s = 0; s < meta->n_seqs; s++)
+        total += meta->seq_len[s];
+    int64_t want_tasks = (int64_t)cpu->n_threads * 4;
+    int64_t P = (total * n_kv + want_tasks - 1) / want_tasks;
+    P = TD_MAX(P, 64);
+    P = (P + bs - 1) / bs * bs;
+    return (int)TD_MIN(P, (int64_t)1 << 30);
+}
+
+/* Contract (td_backend.h ops->attn_decode): needs set_step with exactly one new row per
+   sequence. Errors: TD_ERR_NOMEM when scratch cannot grow. */
+td_status_t td_cpu_attn_decode(td_backend_t *be, const td_attn_params_t *p)
+{
+    td_cpu_t *cpu = td_cpu_of(be);
+    const td_step_meta_t *meta = &cpu->meta;
+    TD_ASSERT(cpu->have_step);
+    decode_job_t j = {.p = p, .cpu = cpu, .meta = meta, .kv = kv_view_of(p)};
+    const int n_kv = j.kv.n_kv, bs = j.kv.bs, hd = j.kv.hd;
+    TD_ASSERT(n_kv > 0 && p->n_heads % n_kv == 0);
+    j.G = p->n_heads / n_kv;
+    if (meta->n_seqs == 0)
+        return TD_OK;
+
+    int P = p->partition_tokens > 0 ? (p->partition_tokens + bs - 1) / bs * bs
+                                    : decode_partition(cpu, meta, n_kv, bs);
+    size_t n_parts = 0;
+    for (int s = 0; s < meta->n_seqs; s++) {
+        TD_ASSERT(meta->seq_start[s + 1] - meta->seq_start[s] == 1 && meta->seq_len[s] >= 1);
+        n_parts += (size_t)TD_DIV_CEIL(meta->seq_len[s], P);
+    }
+    size_t parts_bytes = (n_parts * sizeof(decode_part_t) + 63) & ~(size_t)63;
+    size_t starts_bytes = ((size_t)(meta->n_seqs + 1) * sizeof(int32_t) + 63) & ~(size_t)63;
+    size_t partial_bytes = n_parts * n_kv * j.G * (size_t)(hd + 2) * sizeof(float);
+    size_t per_thread = ((size_t)j.G * hd + (size_t)j.G * bs + 2 * (size_t)bs * hd) * sizeof(float);
+    td_status_t st = td_cpu_reserve(cpu, per_thread, parts_bytes + starts_bytes + partial_bytes);
+    if (st != TD_OK)
+        return st;
+
+    decode_part_t *parts = (decode_part_t *)cpu->shared;
+    int32_t *part_start = (int32_t *)(cpu->shared + parts_bytes);
+    size_t q = 0;
+    for (int s = 0; s < meta->n_seqs; s++) {
+        part_start[s] = (int32_t)q;
+        for (int t0 = 0; t0 < meta->seq_len[s]; t0 += P)
+            parts[q++] = (decode_part_t){.seq = s, .t0 = t0, .t1 = TD_MIN(meta->seq_len[s], t0 + P)};
+    }
+    part_start[meta->n_seqs] = (int32_t)q;
+    j.parts = parts;
+    j.part_start = part_start;
+    j.partials = (float *)(cpu->shared + parts_bytes + starts_bytes);
+
+    td_pool_run(cpu->pool, (int)(n_parts * n_kv), decode_task, &j);
+    td_pool_run(cpu->pool, meta->n_seqs, decode_merge_task, &j);
+    return TD_OK;
+}

@@ -1,0 +1,434 @@
+/*
+ * td_cpu_backend: the CPU backend's context, memory, step metadata and the row-wise ops
+ * (embed, rmsnorm, rope, swiglu, gather_rows, kv_write, copy_blocks). Matmul and attention
+ * live in td_cpu_matmul.c and td_cpu_attn.c.
+ *
+ * One set of threads: the backend's own td_pool_t does all the parallel work and OpenBLAS
+ * is pinned to one thread (it is only ever called from inside pool tasks on slices).
+ * Activations are f32; weights f32/f16/bf16; the KV pool f32/f16/bf16.
+ */
+#include "td_cpu.h"
+
+#include <cblas.h>
+#include <math.h>
+#include <stdlib.h>
+
+#include "td_log.h"
+
+/* ---- memory --------------------------------------------------------------------- */
+
+static td_status_t cpu_alloc(td_backend_t *be, size_t bytes, void **ptr_p)
+{
+    size_t rounded = (bytes + 63) & ~(size_t)63;
+    if (rounded < bytes)
+        return td_errorf(TD_ERR_NOMEM, "cpu backend: allocation of %zu bytes overflows", bytes);
+    void *p = aligned_alloc(64, rounded ? rounded : 64);
+    if (!p)
+        return td_errorf(TD_ERR_NOMEM, "cpu backend: out of memory allocating %zu bytes", bytes);
+    *ptr_p = p;
+    return TD_OK;
+}
+
+static void cpu_free(td_backend_t *be, void *ptr)
+{
+    free(ptr);
+}
+
+static td_status_t cpu_copy(td_backend_t *be, void *dst, const void *src, size_t bytes)
+{
+    if (bytes)
+        memmove(dst, src, bytes);
+    return TD_OK;
+}
+
+static td_status_t cpu_sync(td_backend_t *be)
+{
+    return TD_OK;
+}
+
+td_status_t td_cpu_reserve(td_cpu_t *cpu, size_t per_thread, size_t shared)
+{
+    per_thread = (per_thread + 63) & ~(size_t)63;
+    if (per_thread > cpu->scratch_stride) {
+        size_t total;
+        if (!td_mul_size(per_thread, (size_t)cpu->n_threads, &total))
+            return td_errorf(TD_ERR_NOMEM, "cpu backend: scratch of %zu bytes per thread overflows",
+                             per_thread);
+        unsigned char *p = aligned_alloc(64, total);
+        if (!p)
+            return td_errorf(TD_ERR_NOMEM, "cpu backend: out of memory for %zu bytes of scratch",
+                             total);
+        free(cpu->scratch);
+        cpu->scratch = p;
+        cpu->scratch_stride = per_thread;
+    }
+    shared = (shared + 63) & ~(size_t)63;
+    if (shared > cpu->shared_bytes) {
+        unsigned char *p = aligned_alloc(64, shared);
+        if (!p)
+            return td_errorf(TD_ERR_NOMEM, "cpu backend: out of memory for %zu bytes of scratch",
+                             shared);
+        free(cpu->shared);
+        cpu->shared = p;
+        cpu->shared_bytes = shared;
+    }
+    return TD_OK;
+}
+
+static td_status_t cpu_set_step(td_backend_t *be, const td_step_meta_t *meta)
+{
+    td_cpu_t *cpu = td_cpu_of(be);
+    cpu->meta = *meta;
+    cpu->have_step = true;
+    return TD_OK;
+}
+
+/* Tasks for `rows` independent rows of `row_cost` elements: enough for balance, few enough
+   that a task does ~16k elements of work. */
+static int row_tasks(const td_cpu_t *cpu, int rows, size_t row_cost)
+{
+    size_t per = row_cost ? (16384 + row_cost - 1) / row_cost : (size_t)rows;
+    if (per < 1)
+        per = 1;
+    size_t tasks = ((size_t)rows + per - 1) / per;
+    size_t cap = (size_t)cpu->n_threads * 8;
+    if (tasks > cap)
+        tasks = cap;
+    if (tasks > (size_t)rows)
+        tasks = (size_t)rows;
+    return (int)tasks;
+}
+
+/* Row range [r0, r1) of task `task` of `n_tasks` over `rows` rows. */
+static void task_rows(int task, int n_tasks, int rows, int *r0, int *r1)
+{
+    *r0 = (int)((int64_t)rows * task / n_tasks);
+    *r1 = (int)((int64_t)rows * (task + 1) / n_tasks);
+}
+
+/* ---- embed ------------------------------------------------------------------------ */
+
+typedef struct embed_job {
+    float *x;
+    const unsigned char *table;
+    td_dtype_t dtype;
+    int32_t dim;
+    const int32_t *tokens;
+    int rows, n_tasks;
+} embed_job_t;
+
+static void embed_task(void *arg, int task, int thread)
+{
+    embed_job_t *j = arg;
+    int r0, r1;
+    task_rows(task, j->n_tasks, j->rows, &r0, &r1);
+    size_t row_bytes = (size_t)j->dim * td_dtype_size(j->dtype);
+    for (int r = r0; r < r1; r++)
+        td_cpu_to_f32(j->x + (size_t)r * j->dim, j->table + (size_t)j->tokens[r] * row_bytes,
+                      j->dtype, (size_t)j->dim);
+}
+
+static td_status_t cpu_embed(td_backend_t *be, void *x, const void *table, td_dtype_t table_dtype,
+                             int32_t dim)
+{
+    td_cpu_t *cpu = td_cpu_of(be);
+    TD_ASSERT(cpu->have_step);
+    embed_job_t j = {.x = x, .table = table, .dtype = table_dtype, .dim = dim,
+                     .tokens = cpu->meta.tokens, .rows = cpu->meta.n_tokens};
+    j.n_tasks = row_tasks(cpu, j.rows, (size_t)dim);
+    td_pool_run(cpu->pool, j.n_tasks, embed_task, &j);
+    return TD_OK;
+}
+
+/* ---- rmsnorm ---------------------------------------------------------------------- */
+
+typedef struct rmsnorm_job {
+    float *out, *x, *residual;
+    const float *w; /* [dim] f32 (converted once when the weight is not f32) */
+    int32_t rows, dim;
+    float eps;
+    int n_tasks;
+} rmsnorm_job_t;
+
+static void rmsnorm_task(void *arg, int task, int thread)
+{
+    rmsnorm_job_t *j = arg;
+    int r0, r1;
+    task_rows(task, j->n_tasks, j->rows, &r0, &r1);
+    int d = j->dim;
+    for (int r = r0; r < r1; r++) {
+        float *x = j->x + (size_t)r * d;
+        float *o = j->out + (size_t)r * d;
+        const float *src = x;
+        if (j->residual) {
+            float *res = j->residual + (size_t)r * d;
+            for (int i = 0; i < d; i++)
+                res[i] += x[i];
+            src = res;
+        }
+        float ss = td_cpu_dot(src, src, d);
+        float inv = (float)(1.0 / sqrt((double)ss / d + (double)j->eps));
+        const float *w = j->w;
+        for (int i = 0; i < d; i++)
+            o[i] = src[i] * inv * w[i];
+    }
+}
+
+static td_status_t cpu_rmsnorm(td_backend_t *be, void *out, void *x, void *residual, const void *w,
+                               td_dtype_t w_dtype, int32_t rows, int32_t dim, float eps)
+{
+    td_cpu_t *cpu = td_cpu_of(be);
+    rmsnorm_job_t j = {.out = out, .x = x, .residual = residual, .w = w, .rows = rows,
+                       .dim = dim, .eps = eps};
+    if (w_dtype != TD_F32) {
+        td_status_t st = td_cpu_reserve(cpu, 0, (size_t)dim * sizeof(float));
+        if (st != TD_OK)
+            return st;
+        td_cpu_to_f32((float *)cpu->shared, w, w_dtype, (size_t)dim);
+        j.w = (const float *)cpu->shared;
+    }
+    j.n_tasks = row_tasks(cpu, rows, (size_t)dim * 2);
+    td_pool_run(cpu->pool, j.n_tasks, rmsnorm_task, &j);
+    return TD_OK;
+}
+
+/* ---- rope ------------------------------------------------------------------------- */
+
+typedef struct rope_job {
+    float *q, *k;
+    int32_t n_heads, n_kv_heads, head_dim;
+    const float *inv_freq;
+    td_rope_style_t style;
+    const int32_t *positions;
+    int rows, n_tasks;
+} rope_job_t;
+
+static void rope_heads(float *x, int n_heads, int hd, const float *cs, const float *sn,
+                       td_rope_style_t style)
+{
+    int half = hd / 2;
+    for (int h = 0; h < n_heads; h++) {
+        float *v = x + (size_t)h * hd;
+        if (style == TD_ROPE_PAIRS) {
+            for (int i = 0; i < half; i++) {
+                float a = v[2 * i], b = v[2 * i + 1];
+                v[2 * i] = a * cs[i] - b * sn[i];
+                v[2 * i + 1] = a * sn[i] + b * cs[i];
+            }
+        } else {
+            for (int i = 0; i < half; i++) {
+                float a = v[i], b = v[i + half];
+                v[i] = a * cs[i] - b * sn[i];
+                v[i + half] = a * sn[i] + b * cs[i];
+            }
+        }
+    }
+}
+
+static void rope_task(void *arg, int task, int thread)
+{
+    rope_job_t *j = arg;
+    int r0, r1;
+    task_rows(task, j->n_tasks, j->rows, &r0, &r1);
+    int hd = j->head_dim, half = hd / 2;
+    float cs[512], sn[512]; /* head_dim <= 1024 (td_kv_layout_validate) */
+    for (int r = r0; r < r1; r++) {
+        /* the angle in double: at position 32k a float product is off by ~1e-3 rad */
+        double pos = (double)j->positions[r];
+        for (int i = 0; i < half; i++) {
+            double s, c;
+            sincos(pos * (double)j->inv_freq[i], &s, &c);
+            cs[i] = (float)c;
+            sn[i] = (float)s;
+        }
+        if (j->q)
+            rope_heads(j->q + (size_t)r * j->n_heads * hd, j->n_heads, hd, cs, sn, j->style);
+        if (j->k)
+            rope_heads(j->k + (size_t)r * j->n_kv_heads * hd, j->n_kv_heads, hd, cs, sn, j->style);
+    }
+}
+
+static td_status_t cpu_rope(td_backend_t *be, const td_rope_params_t *p)
+{
+    td_cpu_t *cpu = td_cpu_of(be);
+    TD_ASSERT(cpu->have_step);
+    TD_ASSERT(p->head_dim % 2 == 0 && p->head_dim <= 1024);
+    rope_job_t j = {.q = p->q, .k = p->k, .n_heads = p->n_heads, .n_kv_heads = p->n_kv_heads,
+                    .head_dim = p->head_dim, .inv_freq = p->inv_freq, .style = p->style,
+                    .positions = cpu->meta.positions, .rows = cpu->meta.n_tokens};
+    j.n_tasks = row_tasks(cpu, j.rows, (size_t)(p->n_heads + p->n_kv_heads) * p->head_dim * 2 +
+                                           (size_t)p->head_dim * 20);
+    td_pool_run(cpu->pool, j.n_tasks, rope_task, &j);
+    return TD_OK;
+}
+
+/* ---- swiglu ----------------------------------------------------------------------- */
+
+typedef struct swiglu_job {
+    float *out;
+    const float *gate, *up;
+    size_t n;
+    int n_tasks;
+} swiglu_job_t;
+
+static void swiglu_task(void *arg, int task, int thread)
+{
+    swiglu_job_t *j = arg;
+    size_t i0 = j->n * (size_t)task / (size_t)j->n_tasks;
+    size_t i1 = j->n * (size_t)(task + 1) / (size_t)j->n_tasks;
+    for (size_t i = i0; i < i1; i++) {
+        float g = j->gate[i];
+        /* silu(g) = g / (1 + e^-g); e^-g via the vectorisable exp, clamped for large |g| */
+        j->out[i] = g / (1.0f + td_cpu_exp(-g)) * j->up[i];
+    }
+}
+
+static td_status_t cpu_swiglu(td_backend_t *be, void *out, const void *gate, const void *up,
+                              int32_t rows, int32_t hidden)
+{
+    td_cpu_t *cpu = td_cpu_of(be);
+    swiglu_job_t j = {.out = out, .gate = gate, .up = up, .n = (size_t)rows * hidden};
+    size_t tasks = (j.n + 16383) / 16384;
+    if (tasks > (size_t)cpu->n_threads * 4)
+        tasks = (size_t)cpu->n_threads * 4;
+    j.n_tasks = tasks ? (int)tasks : 1;
+    td_pool_run(cpu->pool, j.n_tasks, swiglu_task, &j);
+    return TD_OK;
+}
+
+/* ---- gather_rows, kv_write, copy_blocks ------------------------------------------- */
+
+static td_status_t cpu_gather_rows(td_backend_t *be, void *dst, const void *src,
+                                   const int32_t *rows, int32_t n, int32_t dim)
+{
+    size_t row_bytes = (size_t)dim * sizeof(float);
+    for (int32_t i = 0; i < n; i++)
+        memmove((unsigned char *)dst + (size_t)i * row_bytes,
+                (const unsigned char *)src + (size_t)rows[i] * row_bytes, row_bytes);
+    return TD_OK;
+}
+
+typedef struct kv_write_job {
+    unsigned char *layer;
+    const td_kv_layout_t *layout;
+    const float *k, *v;
+    const int32_t *slots;
+    int rows, n_tasks;
+} kv_write_job_t;
+
+static void kv_write_task(void *arg, int task, int thread)
+{
+    kv_write_job_t *j = arg;
+    int r0, r1;
+    task_rows(task, j->n_tasks, j->rows, &r0, &r1);
+    const td_kv_layout_t *l = j->layout;
+    td_dtype_t t = (td_dtype_t)l->dtype;
+    size_t esz = td_dtype_size(t);
+    size_t row = (size_t)l->n_kv_heads * l->head_dim;
+    size_t block_elems = td_kv_block_elems(l);
+    for (int r = r0; r < r1; r++) {
+        int32_t slot = j->slots[r];
+        if (slot < 0) /* a padding row with no cache slot */
+            continue;
+        size_t b = (size_t)slot / l->block_size, off = (size_t)slot % l->block_size;
+        size_t k_at = (b * 2 + 0) * block_elems + off * row;
+        size_t v_at = (b * 2 + 1) * block_elems + off * row;
+        td_cpu_from_f32(j->layer + k_at * esz, t, j->k + (size_t)r * row, row);
+        td_cpu_from_f32(j->layer + v_at * esz, t, j->v + (size_t)r * row, row);
+    }
+}
+
+static td_status_t cpu_kv_write(td_backend_t *be, void *kv_layer, const td_kv_layout_t *layout,
+                                int32_t n_blocks, const void *k, const void *v)
+{
+    td_cpu_t *cpu = td_cpu_of(be);
+    TD_ASSERT(cpu->have_step);
+    kv_write_job_t j = {.layer = kv_layer, .layout = layout, .k = k, .v = v,
+                        .slots = cpu->meta.slots, .rows = cpu->meta.n_tokens};
+    j.n_tasks = row_tasks(cpu, j.rows, (size_t)layout->n_kv_heads * layout->head_dim * 2);
+    td_pool_run(cpu->pool, j.n_tasks, kv_write_task, &j);
+    return TD_OK;
+}
+
+static td_status_t cpu_copy_blocks(td_backend_t *be, void *pool, const td_kv_layout_t *layout,
+                                   int32_t n_blocks, const int32_t *src, const int32_t *dst,
+                                   int32_t n)
+{
+    unsigned char *base = pool;
+    size_t bytes = td_kv_block_bytes(layout);
+    for (uint32_t layer = 0; layer < layout->n_layers; layer++)
+        for (int32_t i = 0; i < n; i++) {
+            TD_ASSERT(src[i] >= 0 && src[i] < n_blocks && dst[i] >= 0 && dst[i] < n_blocks);
+            memmove(base + td_kv_block_offset(layout, (uint32_t)n_blocks, layer, (uint32_t)dst[i]),
+                    base + td_kv_block_offset(layout, (uint32_t)n_blocks, layer, (uint32_t)src[i]),
+                    bytes);
+        }
+    return TD_OK;
+}
+
+/* ---- lifetime --------------------------------------------------------------------- */
+
+static void cpu_destroy(td_backend_t *be)
+{
+    td_cpu_t *cpu = td_cpu_of(be);
+    td_pool_destroy(cpu->pool);
+    free(cpu->scratch);
+    free(cpu->shared);
+    free(cpu);
+}
+
+static const td_backend_ops_t cpu_ops = {
+    .name = "cpu",
+    .destroy = cpu_destroy,
+    .alloc = cpu_alloc,
+    .free = cpu_free,
+    .copy_h2d = cpu_copy,
+    .copy_d2h = cpu_copy,
+    .copy_d2d = cpu_copy,
+    .sync = cpu_sync,
+    .set_step = cpu_set_step,
+    .embed = cpu_embed,
+    .rmsnorm = cpu_rmsnorm,
+    .matmul = td_cpu_matmul,
+    .rope = cpu_rope,
+    .kv_write = cpu_kv_write,
+    .attn_prefill = td_cpu_attn_prefill,
+    .attn_decode = td_cpu_attn_decode,
+    .swiglu = cpu_swiglu,
+    .gather_rows = cpu_gather_rows,
+    .copy_blocks = cpu_copy_blocks,
+};
+
+/*
+ * Contract (td_backend.h): creates the CPU backend with its own pool of cfg->n_threads
+ * threads (<= 0: all online CPUs; cfg may be NULL). Sets OpenBLAS to one thread for the
+ * whole process, since this backend calls it only from inside its own pool. Errors:
+ * TD_ERR_NOMEM, TD_ERR_INTERNAL (threads). *be_p is written only on success.
+ */
+td_status_t td_backend_cpu_create(const td_cpu_config_t *cfg, td_backend_t **be_p)
+{
+    td_status_t st;
+    int n = cfg ? cfg->n_threads : 0;
+    if (n <= 0)
+        n = td_cpu_count();
+    td_cpu_t *cpu = calloc(1, sizeof(*cpu));
+    if (!cpu)
+        return td_errorf(TD_ERR_NOMEM, "cpu backend: out of memory");
+    cpu->base.ops = &cpu_ops;
+    cpu->base.act_dtype = TD_F32;
+    cpu->base.weight_dtypes = (1u << TD_F32) | (1u << TD_F16) | (1u << TD_BF16);
+    cpu->base.kv_dtypes = (1u << TD_F32) | (1u << TD_F16) | (1u << TD_BF16);
+    cpu->base.host_memory = true;
+    cpu->n_threads = n;
+    st = td_pool_create(n, &cpu->pool);
+    if (st != TD_OK)
+        goto err_cpu;
+    openblas_set_num_threads(1);
+    td_debug("cpu backend threads %d", n);
+    *be_p = &cpu->base;
+    return TD_OK;
+
+err_cpu:
+    free(cpu);
+    return st;
+}

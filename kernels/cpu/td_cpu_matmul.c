@@ -1,0 +1,225 @@
+/*
+ * td_cpu_matmul: Y[m][n] = X[m][k] . W[n][k]^T (+ bias) (+ Y), W in f32, f16 or bf16.
+ *
+ * The N dimension (rows of W, columns of Y) is split over the pool, so every thread
+ * streams its own part of W exactly once and the whole of X (small) from cache.
+ *
+ *  - m <= 4 (decode, a few sequences): a hand-written AVX2/FMA kernel reads 1-4 rows of W
+ *    at a time, converts f16/bf16 to f32 in registers, and multiplies them with every row
+ *    of X. This is the memory-bandwidth path of batch-1 decode.
+ *  - larger m, f32 W: single-threaded cblas_sgemm on each thread's slice of W.
+ *  - larger m, f16/bf16 W: each thread converts tiles of its W rows (~512 KiB of f32, so
+ *    they stay in L2) into its scratch and sgemms them; W is never copied whole.
+ *
+ * The result is written with the epilogue (bias, accumulate) by the thread that owns the
+ * slice, so no two threads touch the same column of Y.
+ */
+#include "td_cpu.h"
+
+#include <cblas.h>
+
+/* rows of W handed to one task: enough tasks for balance, slices big enough to stream */
+static int matmul_chunk(const td_cpu_t *cpu, int m, int n)
+{
+    int tasks = cpu->n_threads == 1 ? 1 : cpu->n_threads * (m <= 4 ? 4 : 2);
+    int align = m <= 4 ? 4 : 16;
+    int chunk = (n + tasks - 1) / tasks;
+    chunk = (chunk + align - 1) / align * align;
+    return chunk < align ? align : chunk;
+}
+
+static float load_scalar(const void *p, td_dtype_t t, size_t i)
+{
+    switch (t) {
+    case TD_F32: return ((const float *)p)[i];
+    case TD_F16: return td_f16_to_f32(((const uint16_t *)p)[i]);
+    case TD_BF16: return td_bf16_to_f32(((const uint16_t *)p)[i]);
+    }
+    return 0.0f;
+}
+
+typedef struct matmul_job {
+    const td_matmul_params_t *p;
+    td_cpu_t *cpu;
+    int chunk;      /* W rows per task */
+    int tile_rows;  /* W rows converted at a time (f16/bf16, large m) */
+} matmul_job_t;
+
+/* Applies bias and accumulate to y[i][n0..n1) which holds the bare product in `v`. */
+static inline void store_out(const td_matmul_params_t *p, int i, int j, float v)
+{
+    float *y = (float *)p->y + (size_t)i * p->n + j;
+    if (p->bias)
+        v += load_scalar(p->bias, p->w_dtype, (size_t)j);
+    if (p->accumulate)
+        v += *y;
+    *y = v;
+}
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define TD_HAVE_GEMV_KERNEL 1
+
+static inline __attribute__((always_inline)) __m256 load8(td_dtype_t t, const void *w, size_t i)
+{
+    if (t == TD_F32)
+        return _mm256_loadu_ps((const float *)w + i);
+    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)w + i));
+    if (t == TD_F16)
+        return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+static inline float hsum8(__m256 v)
+{
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
+}
+
+/*
+ * R rows of W (starting at row j) times M rows of X; R, M and t are compile-time constants
+ * at every call site so the loops fully unroll into R*M independent FMA chains.
+ */
+static inline __attribute__((always_inline)) void gemv_block(const td_matmul_params_t *p, int R,
+                                                             int M, td_dtype_t t, int j)
+{
+    const int k = p->k;
+    const float *x = p->x;
+    size_t wsz = td_dtype_size(t);
+    const unsigned char *w = (const unsigned char *)p->w + (size_t)j * k * wsz;
+    __m256 acc[4][4];
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < M; i++)
+            acc[r][i] = _mm256_setzero_ps();
+    int kk = 0;
+    for (; kk + 8 <= k; kk += 8) {
+        __m256 xv[4];
+        for (int i = 0; i < M; i++)
+            xv[i] = _mm256_loadu_ps(x + (size_t)i * k + kk);
+        for (int r = 0; r < R; r++) {
+            __m256 wv = load8(t, w + (size_t)r * k * wsz, (size_t)kk);
+            for (int i = 0; i < M; i++)
+                acc[r][i] = _mm256_fmadd_ps(wv, xv[i], acc[r][i]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < M; i++) {
+            float s = hsum8(acc[r][i]);
+            for (int q = kk; q < k; q++)
+                s += load_scalar(w + (size_t)r * k * wsz, t, (size_t)q) * x[(size_t)i * k + q];
+            store_out(p, i, j + r, s);
+        }
+}
+
+/* One slice [n0, n1) for m <= 4 with W dtype t (a constant after inlining). */
+static inline __attribute__((always_inline)) void gemv_slice_t(const td_matmul_params_t *p,
+                                                               td_dtype_t t, int n0, int n1)
+{
+    int j = n0;
+    switch (p->m) {
+    case 1:
+        for (; j + 4 <= n1; j += 4)
+            gemv_block(p, 4, 1, t, j);
+        for (; j < n1; j++)
+            gemv_block(p, 1, 1, t, j);
+        break;
+    case 2:
+        for (; j + 2 <= n1; j += 2)
+            gemv_block(p, 2, 2, t, j);
+        for (; j < n1; j++)
+            gemv_block(p, 1, 2, t, j);
+        break;
+    case 3:
+        for (; j < n1; j++)
+            gemv_block(p, 1, 3, t, j);
+        break;
+    default:
+        for (; j < n1; j++)
+            gemv_block(p, 1, 4, t, j);
+        break;
+    }
+}
+
+static void gemv_task(void *arg, int task, int thread)
+{
+    matmul_job_t *jb = arg;
+    const td_matmul_params_t *p = jb->p;
+    int n0 = task * jb->chunk;
+    int n1 = TD_MIN(p->n, n0 + jb->chunk);
+    switch (p->w_dtype) {
+    case TD_F32: gemv_slice_t(p, TD_F32, n0, n1); break;
+    case TD_F16: gemv_slice_t(p, TD_F16, n0, n1); break;
+    case TD_BF16: gemv_slice_t(p, TD_BF16, n0, n1); break;
+    }
+}
+#endif /* AVX2 kernel */
+
+/* sgemm of X against W rows [n0, n0 + nn) given as f32 `w` (row stride k), then epilogue. */
+static void sgemm_slice(const td_matmul_params_t *p, const float *w, int n0, int nn)
+{
+    float *y = (float *)p->y + n0;
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, p->m, nn, p->k, 1.0f, p->x, p->k, w,
+                p->k, p->accumulate ? 1.0f : 0.0f, y, p->n);
+    if (p->bias) {
+        float b[64];
+        for (int j0 = 0; j0 < nn; j0 += 64) {
+            int nb = TD_MIN(64, nn - j0);
+            for (int j = 0; j < nb; j++)
+                b[j] = load_scalar(p->bias, p->w_dtype, (size_t)(n0 + j0 + j));
+            for (int i = 0; i < p->m; i++) {
+                float *yr = y + (size_t)i * p->n + j0;
+                for (int j = 0; j < nb; j++)
+                    yr[j] += b[j];
+            }
+        }
+    }
+}
+
+static void gemm_task(void *arg, int task, int thread)
+{
+    matmul_job_t *jb = arg;
+    const td_matmul_params_t *p = jb->p;
+    int n0 = task * jb->chunk;
+    int n1 = TD_MIN(p->n, n0 + jb->chunk);
+    if (p->w_dtype == TD_F32) {
+        sgemm_slice(p, (const float *)p->w + (size_t)n0 * p->k, n0, n1 - n0);
+        return;
+    }
+    float *tile = td_cpu_thread_scratch(jb->cpu, thread);
+    size_t row_bytes = (size_t)p->k * td_dtype_size(p->w_dtype);
+    for (int j = n0; j < n1; j += jb->tile_rows) {
+        int nn = TD_MIN(jb->tile_rows, n1 - j);
+        td_cpu_to_f32(tile, (const unsigned char *)p->w + (size_t)j * row_bytes, p->w_dtype,
+                      (size_t)nn * p->k);
+        sgemm_slice(p, tile, j, nn);
+    }
+}
+
+/* Contract (td_backend.h ops->matmul): y may not alias x or w. Errors: TD_ERR_NOMEM when
+   the conversion scratch cannot grow. */
+td_status_t td_cpu_matmul(td_backend_t *be, const td_matmul_params_t *p)
+{
+    td_cpu_t *cpu = td_cpu_of(be);
+    TD_ASSERT(p->m >= 0 && p->n >= 0 && p->k >= 0);
+    if (p->m == 0 || p->n == 0)
+        return TD_OK;
+    matmul_job_t jb = {.p = p, .cpu = cpu, .chunk = matmul_chunk(cpu, p->m, p->n)};
+    int n_tasks = (p->n + jb.chunk - 1) / jb.chunk;
+#ifdef TD_HAVE_GEMV_KERNEL
+    if (p->m <= 4) {
+        td_pool_run(cpu->pool, n_tasks, gemv_task, &jb);
+        return TD_OK;
+    }
+#endif
+    if (p->w_dtype != TD_F32) {
+        /* ~512 KiB of converted rows per tile: stays in L2 while sgemm sweeps X over it */
+        int rows = (int)TD_MAX(8, (131072 / TD_MAX(p->k, 1)) / 8 * 8);
+        jb.tile_rows = TD_MIN(rows, jb.chunk);
+        td_status_t st = td_cpu_reserve(cpu, (size_t)jb.tile_rows * p->k * sizeof(float), 0);
+        if (st != TD_OK)
+            return st;
+    }
+    td_pool_run(cpu->pool, n_tasks, gemm_task, &jb);
+    return TD_OK;
+}

@@ -1,0 +1,625 @@
+/*
+ * Tests of the CPU backend: every op against a plain double-precision reference written
+ * here, on seeded random inputs (never zero), with outputs poisoned with NaN before the op
+ * so anything left unwritten fails. The KV pool is poisoned too, so an attention kernel
+ * that reads a slot outside a sequence's context produces NaN and fails.
+ *
+ * Each case runs with 1 and 4 threads. Errors are relative: |got - ref| must be within
+ * tol * (|ref| + rms(ref)) elementwise.
+ */
+#include <criterion/criterion.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "td_backend.h"
+#include "td_util.h"
+
+/* ---- helpers -------------------------------------------------------------------- */
+
+typedef struct rng {
+    uint64_t s;
+} rng_t;
+
+static uint64_t rng_next(rng_t *r)
+{
+    r->s ^= r->s << 13;
+    r->s ^= r->s >> 7;
+    r->s ^= r->s << 17;
+    return r->s;
+}
+
+/* uniform in +-[0.1, 1): never zero */
+static float rng_val(rng_t *r)
+{
+    float u = (float)(rng_next(r) >> 40) / (float)(1u << 24);
+    float v = 0.1f + 0.9f * u;
+    return (rng_next(r) & 1) ? v : -v;
+}
+
+static int rng_int(rng_t *r, int n)
+{
+    return (int)(rng_next(r) % (uint64_t)n);
+}
+
+static float round_to(float f, td_dtype_t t)
+{
+    switch (t) {
+    case TD_F16: return td_f16_to_f32(td_f32_to_f16(f));
+    case TD_BF16: return td_bf16_to_f32(td_f32_to_bf16(f));
+    default: return f;
+    }
+}
+
+/* Fills n elements of dtype t at dst with random values; writes the exact values as floats
+   to ref (if non-NULL). */
+static void fill_random(rng_t *r, void *dst, td_dtype_t t, float *ref, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
+        float v = round_to(rng_val(r), t);
+        td_dtype_convert((unsigned char *)dst + i * td_dtype_size(t), t, &v, TD_F32, 1);
+        if (ref)
+            ref[i] = v;
+    }
+}
+
+static void poison(void *p, size_t bytes)
+{
+    memset(p, 0xff, bytes); /* all-ones is NaN in f32, f16 and bf16 */
+}
+
+static void *xmalloc(size_t n)
+{
+    void *p = malloc(n ? n : 1);
+    cr_assert_not_null(p);
+    return p;
+}
+
+static void check_close(const char *what, const float *got, const double *ref, size_t n, double tol)
+{
+    double ss = 0;
+    for (size_t i = 0; i < n; i++)
+        ss += ref[i] * ref[i];
+    double rms = n ? sqrt(ss / n) : 0;
+    for (size_t i = 0; i < n; i++) {
+        double err = fabs((double)got[i] - ref[i]);
+        if (!(err <= tol * (fabs(ref[i]) + rms)))
+            cr_assert_fail("%s: element %zu: got %.8g want %.8g (tol %.1e, rms %.3g)", what, i,
+                     (double)got[i], ref[i], tol, rms);
+    }
+}
+
+static td_backend_t *make_backend(int threads)
+{
+    td_cpu_config_t cfg = {.n_threads = threads};
+    td_backend_t *be = NULL;
+    cr_assert_eq(td_backend_cpu_create(&cfg, &be), TD_OK);
+    cr_assert_eq(be->act_dtype, TD_F32);
+    cr_assert(be->host_memory);
+    return be;
+}
+
+static const int thread_counts[] = {1, 4};
+static const td_dtype_t dtypes[] = {TD_F32, TD_F16, TD_BF16};
+
+/* ---- matmul ----------------------------------------------------------------------- */
+
+static void matmul_case(td_backend_t *be, rng_t *r, int m, int n, int k, td_dtype_t wt, bool bias,
+                        bool acc)
+{
+    size_t ws = td_dtype_size(wt);
+    float *x = xmalloc((size_t)m * k * 4), *wref = xmalloc((size_t)n * k * 4);
+    float *bref = xmalloc((size_t)n * 4), *y = xmalloc((size_t)m * n * 4);
+    void *w = xmalloc((size_t)n * k * ws), *b = xmalloc((size_t)n * ws);
+    double *ref = xmalloc((size_t)m * n * 8);
+    fill_random(r, x, TD_F32, NULL, (size_t)m * k);
+    fill_random(r, w, wt, wref, (size_t)n * k);
+    fill_random(r, b, wt, bref, (size_t)n);
+    if (acc)
+        fill_random(r, y, TD_F32, NULL, (size_t)m * n);
+    else
+        poison(y, (size_t)m * n * 4);
+    for (int i = 0; i < m; i++)
+        for (int j = 0; j < n; j++) {
+            double s = 0;
+            for (int q = 0; q < k; q++)
+                s += (double)x[(size_t)i * k + q] * wref[(size_t)j * k + q];
+            if (bias)
+                s += bref[j];
+            if (acc)
+                s += y[(size_t)i * n + j];
+            ref[(size_t)i * n + j] = s;
+        }
+    td_matmul_params_t p = {.m = m, .n = n, .k = k, .x = x, .w = w, .w_dtype = wt,
+                            .bias = bias ? b : NULL, .y = y, .accumulate = acc};
+    cr_assert_eq(be->ops->matmul(be, &p), TD_OK);
+    char what[128];
+    snprintf(what, sizeof(what), "matmul m %d n %d k %d w %s bias %d acc %d", m, n, k,
+             td_dtype_name(wt), bias, acc);
+    check_close(what, y, ref, (size_t)m * n, 1e-4);
+    free(x), free(wref), free(bref), free(y), free(w), free(b), free(ref);
+}
+
+Test(kernels_cpu, matmul, .timeout = 300)
+{
+    static const int ms[] = {1, 2, 3, 4, 5, 64};
+    static const int nk[][2] = {{1, 1}, {7, 9}, {67, 64}, {256, 200}, {33, 257}, {130, 8}};
+    rng_t r = {0x1234567};
+    for (size_t ti = 0; ti < TD_ARRAY_LEN(thread_counts); ti++) {
+        td_backend_t *be = make_backend(thread_counts[ti]);
+        for (size_t a = 0; a < TD_ARRAY_LEN(ms); a++)
+            for (size_t c = 0; c < TD_ARRAY_LEN(nk); c++)
+                for (size_t d = 0; d < TD_ARRAY_LEN(dtypes); d++)
+                    for (int f = 0; f < 4; f++)
+                        matmul_case(be, &r, ms[a], nk[c][0], nk[c][1], dtypes[d], f & 1, f & 2);
+        td_backend_destroy(be);
+    }
+}
+
+/* Larger shapes: N split over many tasks and multi-tile conversion of f16/bf16 W. */
+Test(kernels_cpu, matmul_large, .timeout = 300)
+{
+    rng_t r = {0xabcdef};
+    for (size_t ti = 0; ti < TD_ARRAY_LEN(thread_counts); ti++) {
+        td_backend_t *be = make_backend(thread_counts[ti]);
+        for (size_t d = 0; d < TD_ARRAY_LEN(dtypes); d++) {
+            matmul_case(be, &r, 1, 1000, 1024, dtypes[d], true, false);
+            matmul_case(be, &r, 3, 515, 768, dtypes[d], false, true);
+            matmul_case(be, &r, 64, 300, 4100, dtypes[d], true, true);
+        }
+        td_backend_destroy(be);
+    }
+}
+
+/* ---- row-wise ops ------------------------------------------------------------------ */
+
+static td_step_meta_t simple_meta(int n_tokens, int32_t *tokens, int32_t *positions)
+{
+    static int32_t seq_start[2];
+    seq_start[0] = 0;
+    seq_start[1] = n_tokens;
+    td_step_meta_t m = {.n_tokens = n_tokens, .n_seqs = 1, .tokens = tokens,
+                        .positions = positions, .seq_start = seq_start};
+    return m;
+}
+
+Test(kernels_cpu, rmsnorm, .timeout = 120)
+{
+    static const int rows_[] = {1, 5, 33};
+    static const int dims[] = {7, 64, 257, 2048};
+    rng_t r = {42};
+    for (size_t ti = 0; ti < TD_ARRAY_LEN(thread_counts); ti++) {
+        td_backend_t *be = make_backend(thread_counts[ti]);
+        for (size_t a = 0; a < TD_ARRAY_LEN(rows_); a++)
+            for (size_t b = 0; b < TD_ARRAY_LEN(dims); b++)
+                for (size_t d = 0; d < TD_ARRAY_LEN(dtypes); d++)
+                    for (int f = 0; f < 4; f++) {
+                        int rows = rows_[a], dim = dims[b];
+                        bool resid = f & 1, inplace = f & 2;
+                        size_t n = (size_t)rows * dim;
+                        float *x = xmalloc(n * 4), *res = xmalloc(n * 4), *out = xmalloc(n * 4);
+                        float *wref = xmalloc((size_t)dim * 4);
+                        void *w = xmalloc((size_t)dim * 2 * 2);
+                        double *ref = xmalloc(n * 8), *ref_res = xmalloc(n * 8);
+                        fill_random(&r, x, TD_F32, NULL, n);
+                        fill_random(&r, res, TD_F32, NULL, n);
+                        fill_random(&r, w, dtypes[d], wref, (size_t)dim);
+                        for (int i = 0; i < rows; i++) {
+                            double ss = 0;
+                            for (int j = 0; j < dim; j++) {
+                                size_t e = (size_t)i * dim + j;
+                                ref_res[e] = resid ? (double)res[e] + x[e] : x[e];
+                                ss += ref_res[e] * ref_res[e];
+                            }
+                            double inv = 1.0 / sqrt(ss / dim + 1e-5);
+                            for (int j = 0; j < dim; j++)
+                                ref[(size_t)i * dim + j] = ref_res[(size_t)i * dim + j] * inv * wref[j];
+                        }
+                        float *o = inplace ? x : out;
+                        if (!inplace)
+                            poison(out, n * 4);
+                        cr_assert_eq(be->ops->rmsnorm(be, o, x, resid ? res : NULL, w, dtypes[d],
+                                                      rows, dim, 1e-5f),
+                                     TD_OK);
+                        check_close("rmsnorm", o, ref, n, 1e-5);
+                        if (resid)
+                            check_close("rmsnorm residual", res, ref_res, n, 1e-6);
+                        free(x), free(res), free(out), free(wref), free(w), free(ref), free(ref_res);
+                    }
+        td_backend_destroy(be);
+    }
+}
+
+Test(kernels_cpu, embed_swiglu_gather, .timeout = 60)
+{
+    rng_t r = {7};
+    for (size_t ti = 0; ti < TD_ARRAY_LEN(thread_counts); ti++) {
+        td_backend_t *be = make_backend(thread_counts[ti]);
+        const int vocab = 50, dim = 37, rows = 13;
+        int32_t tokens[13], positions[13];
+        for (int i = 0; i < rows; i++)
+            tokens[i] = rng_int(&r, vocab), positions[i] = i;
+        td_step_meta_t meta = simple_meta(rows, tokens, positions);
+        cr_assert_eq(be->ops->set_step(be, &meta), TD_OK);
+        for (size_t d = 0; d < TD_ARRAY_LEN(dtypes); d++) {
+            void *table = xmalloc((size_t)vocab * dim * 4);
+            float *tref = xmalloc((size_t)vocab * dim * 4), *x = xmalloc((size_t)rows * dim * 4);
+            double *ref = xmalloc((size_t)rows * dim * 8);
+            fill_random(&r, table, dtypes[d], tref, (size_t)vocab * dim);
+            poison(x, (size_t)rows * dim * 4);
+            for (int i = 0; i < rows; i++)
+                for (int j = 0; j < dim; j++)
+                    ref[i * dim + j] = tref[tokens[i] * dim + j];
+            cr_assert_eq(be->ops->embed(be, x, table, dtypes[d], dim), TD_OK);
+            check_close("embed", x, ref, (size_t)rows * dim, 0);
+            free(table), free(tref), free(x), free(ref);
+        }
+
+        /* swiglu, out-of-place and out == gate; hidden large enough to split into tasks */
+        const int srows = 3, hidden = 20011;
+        size_t n = (size_t)srows * hidden;
+        float *g = xmalloc(n * 4), *u = xmalloc(n * 4), *o = xmalloc(n * 4);
+        double *ref = xmalloc(n * 8);
+        fill_random(&r, g, TD_F32, NULL, n);
+        fill_random(&r, u, TD_F32, NULL, n);
+        for (size_t i = 0; i < n; i++)
+            g[i] *= 12.0f; /* exercise the tails of silu */
+        for (size_t i = 0; i < n; i++)
+            ref[i] = (double)g[i] / (1.0 + exp(-(double)g[i])) * u[i];
+        poison(o, n * 4);
+        cr_assert_eq(be->ops->swiglu(be, o, g, u, srows, hidden), TD_OK);
+        check_close("swiglu", o, ref, n, 1e-5);
+        cr_assert_eq(be->ops->swiglu(be, g, g, u, srows, hidden), TD_OK);
+        check_close("swiglu in place", g, ref, n, 1e-5);
+
+        /* gather_rows */
+        int32_t idx[5] = {2, 0, 2, 1, 2};
+        float *dst = xmalloc(5 * 7 * 4);
+        double gref[35];
+        poison(dst, 5 * 7 * 4);
+        for (int i = 0; i < 5; i++)
+            for (int j = 0; j < 7; j++)
+                gref[i * 7 + j] = u[idx[i] * 7 + j];
+        cr_assert_eq(be->ops->gather_rows(be, dst, u, idx, 5, 7), TD_OK);
+        check_close("gather_rows", dst, gref, 35, 0);
+        free(g), free(u), free(o), free(ref), free(dst);
+        td_backend_destroy(be);
+    }
+}
+
+Test(kernels_cpu, rope, .timeout = 60)
+{
+    static const int hds[] = {32, 64, 128};
+    rng_t r = {99};
+    for (size_t ti = 0; ti < TD_ARRAY_LEN(thread_counts); ti++) {
+        td_backend_t *be = make_backend(thread_counts[ti]);
+        for (size_t hi = 0; hi < TD_ARRAY_LEN(hds); hi++)
+            for (int style = 0; style < 2; style++) {
+                const int hd = hds[hi], nh = 6, nkv = 2, rows = 9;
+                int32_t positions[9] = {0, 1, 7, 100, 2047, 4095, 16383, 32767, 32000};
+                int32_t tokens[9] = {0};
+                td_step_meta_t meta = simple_meta(rows, tokens, positions);
+                cr_assert_eq(be->ops->set_step(be, &meta), TD_OK);
+                float inv_freq[64];
+                for (int i = 0; i < hd / 2; i++)
+                    inv_freq[i] = (float)pow(500000.0, -2.0 * i / hd);
+                size_t nq = (size_t)rows * nh * hd, nk = (size_t)rows * nkv * hd;
+                float *q = xmalloc(nq * 4), *k = xmalloc(nk * 4);
+                double *qref = xmalloc(nq * 8), *kref = xmalloc(nk * 8);
+                fill_random(&r, q, TD_F32, NULL, nq);
+                fill_random(&r, k, TD_F32, NULL, nk);
+                for (int pass = 0; pass < 2; pass++) {
+                    float *x = pass ? k : q;
+                    double *ref = pass ? kref : qref;
+                    int heads = pass ? nkv : nh;
+                    for (int t = 0; t < rows; t++)
+                        for (int h = 0; h < heads; h++) {
+                            const float *v = x + ((size_t)t * heads + h) * hd;
+                            double *o = ref + ((size_t)t * heads + h) * hd;
+                            for (int i = 0; i < hd / 2; i++) {
+                                double ang = (double)positions[t] * (double)inv_freq[i];
+                                int a = style == TD_ROPE_PAIRS ? 2 * i : i;
+                                int b = style == TD_ROPE_PAIRS ? 2 * i + 1 : i + hd / 2;
+                                o[a] = v[a] * cos(ang) - v[b] * sin(ang);
+                                o[b] = v[a] * sin(ang) + v[b] * cos(ang);
+                            }
+                        }
+                }
+                td_rope_params_t p = {.q = q, .k = k, .n_heads = nh, .n_kv_heads = nkv,
+                                      .head_dim = hd, .inv_freq = inv_freq,
+                                      .style = (td_rope_style_t)style};
+                cr_assert_eq(be->ops->rope(be, &p), TD_OK);
+                check_close("rope q", q, qref, nq, 1e-5);
+                check_close("rope k", k, kref, nk, 1e-5);
+                free(q), free(k), free(qref), free(kref);
+            }
+        td_backend_destroy(be);
+    }
+}
+
+/* ---- paged attention -------------------------------------------------------------- */
+
+#define MAX_SEQS 8
+
+typedef struct attn_case {
+    int n_seqs;
+    int q_len[MAX_SEQS]; /* new rows */
+    int ctx[MAX_SEQS];   /* seq_len after the step (cached prefix + new rows) */
+    int n_kv, G, hd, bs;
+    td_dtype_t kv_dtype;
+    int partition_tokens;
+    bool decode;
+} attn_case_t;
+
+static void attn_run(td_backend_t *be, rng_t *r, const attn_case_t *c)
+{
+    const int n_kv = c->n_kv, hd = c->hd, bs = c->bs, nh = n_kv * c->G;
+    const size_t row = (size_t)n_kv * hd;
+    td_kv_layout_t layout = {.dtype = c->kv_dtype, .block_size = (uint32_t)bs, .n_layers = 1,
+                             .n_kv_heads = (uint32_t)n_kv, .head_dim = (uint32_t)hd,
+                             .version = TD_KV_LAYOUT_VERSION};
+    int32_t seq_start[MAX_SEQS + 1], seq_len[MAX_SEQS];
+    int n_tokens = 0, max_blocks = 1, total_blocks = 0, max_q = 0, max_len = 0;
+    for (int s = 0; s < c->n_seqs; s++) {
+        seq_start[s] = n_tokens;
+        n_tokens += c->q_len[s];
+        seq_len[s] = c->ctx[s];
+        int nb = TD_DIV_CEIL(c->ctx[s], bs);
+        max_blocks = TD_MAX(max_blocks, nb);
+        total_blocks += nb;
+        max_q = TD_MAX(max_q, c->q_len[s]);
+        max_len = TD_MAX(max_len, c->ctx[s]);
+    }
+    seq_start[c->n_seqs] = n_tokens;
+
+    /* scattered block ids: a random permutation of a pool with spare blocks */
+    const int n_blocks = total_blocks + 7;
+    int32_t *perm = xmalloc((size_t)n_blocks * 4);
+    for (int i = 0; i < n_blocks; i++)
+        perm[i] = i;
+    for (int i = n_blocks - 1; i > 0; i--) {
+        int j = rng_int(r, i + 1);
+        int32_t t = perm[i];
+        perm[i] = perm[j], perm[j] = t;
+    }
+    int32_t *tables = xmalloc((size_t)c->n_seqs * max_blocks * 4);
+    for (int s = 0, used = 0; s < c->n_seqs; s++)
+        for (int b = 0; b < max_blocks; b++)
+            tables[s * max_blocks + b] = b < TD_DIV_CEIL(c->ctx[s], bs) ? perm[used++] : -1;
+
+    /* ground truth K/V per sequence [ctx][n_kv][hd], rounded to the KV dtype */
+    float *kref[MAX_SEQS], *vref[MAX_SEQS];
+    size_t pool_bytes = td_kv_pool_bytes(&layout, (uint32_t)n_blocks);
+    unsigned char *pool = NULL;
+    cr_assert_eq(be->ops->alloc(be, pool_bytes, (void **)&pool), TD_OK);
+    poison(pool, pool_bytes);
+    size_t esz = td_dtype_size(c->kv_dtype), block_elems = td_kv_block_elems(&layout);
+    float *knew = xmalloc((size_t)n_tokens * row * 4), *vnew = xmalloc((size_t)n_tokens * row * 4);
+    int32_t *slots = xmalloc((size_t)n_tokens * 4), *positions = xmalloc((size_t)n_tokens * 4);
+    int32_t *tokens = xmalloc((size_t)n_tokens * 4);
+    for (int s = 0; s < c->n_seqs; s++) {
+        kref[s] = xmalloc((size_t)c->ctx[s] * row * 4);
+        vref[s] = xmalloc((size_t)c->ctx[s] * row * 4);
+        int prefix = c->ctx[s] - c->q_len[s];
+        for (int t = 0; t < c->ctx[s]; t++) {
+            float *kt = kref[s] + (size_t)t * row, *vt = vref[s] + (size_t)t * row;
+            for (size_t e = 0; e < row; e++) {
+                kt[e] = round_to(rng_val(r), c->kv_dtype);
+                vt[e] = round_to(rng_val(r), c->kv_dtype);
+            }
+            int32_t b = tables[s * max_blocks + t / bs];
+            if (t < prefix) { /* cached prefix: written straight into the pool */
+                size_t ko = ((size_t)b * 2 + 0) * block_elems + (size_t)(t % bs) * row;
+                size_t vo = ((size_t)b * 2 + 1) * block_elems + (size_t)(t % bs) * row;
+                td_dtype_convert(pool + ko * esz, c->kv_dtype, kt, TD_F32, row);
+                td_dtype_convert(pool + vo * esz, c->kv_dtype, vt, TD_F32, row);
+            } else { /* new rows: through kv_write */
+                int i = seq_start[s] + t - prefix;
+                memcpy(knew + (size_t)i * row, kt, row * 4);
+                memcpy(vnew + (size_t)i * row, vt, row * 4);
+                slots[i] = b * bs + t % bs;
+                positions[i] = t;
+                tokens[i] = 1;
+            }
+        }
+    }
+    td_step_meta_t meta = {.n_tokens = n_tokens, .n_seqs = c->n_seqs, .tokens = tokens,
+                           .positions = positions, .slots = slots, .seq_start = seq_start,
+                           .seq_len = seq_len, .block_tables = tables, .max_blocks = max_blocks,
+                           .max_q_len = max_q, .max_seq_len = max_len};
+    cr_assert_eq(be->ops->set_step(be, &meta), TD_OK);
+    cr_assert_eq(be->ops->kv_write(be, pool, &layout, n_blocks, knew, vnew), TD_OK);
+
+    size_t nq = (size_t)n_tokens * nh * hd;
+    float *q = xmalloc(nq * 4), *out = xmalloc(nq * 4);
+    double *ref = xmalloc(nq * 8), *sc = xmalloc((size_t)max_len * 8);
+    fill_random(r, q, TD_F32, NULL, nq);
+    for (size_t i = 0; i < nq; i++)
+        q[i] *= 3.0f; /* peakier softmax */
+    poison(out, nq * 4);
+    const double scale = 1.0 / sqrt((double)hd);
+    for (int s = 0; s < c->n_seqs; s++)
+        for (int i = 0; i < c->q_len[s]; i++) {
+            int pos = c->ctx[s] - c->q_len[s] + i;
+            for (int h = 0; h < nh; h++) {
+                const float *qv = q + ((size_t)(seq_start[s] + i) * nh + h) * hd;
+                int kvh = h / c->G;
+                double mx = -INFINITY, sum = 0;
+                for (int t = 0; t <= pos; t++) {
+                    const float *kv = kref[s] + (size_t)t * row + (size_t)kvh * hd;
+                    double d = 0;
+                    for (int e = 0; e < hd; e++)
+                        d += (double)qv[e] * kv[e];
+                    sc[t] = d * (float)scale;
+                    mx = fmax(mx, sc[t]);
+                }
+                for (int t = 0; t <= pos; t++)
+                    sum += (sc[t] = exp(sc[t] - mx));
+                double *o = ref + ((size_t)(seq_start[s] + i) * nh + h) * hd;
+                for (int e = 0; e < hd; e++)
+                    o[e] = 0;
+                for (int t = 0; t <= pos; t++) {
+                    const float *vv = vref[s] + (size_t)t * row + (size_t)kvh * hd;
+                    for (int e = 0; e < hd; e++)
+                        o[e] += sc[t] / sum * vv[e];
+                }
+            }
+        }
+    td_attn_params_t p = {.q = q, .out = out, .kv_layer = pool, .layout = &layout,
+                          .n_blocks = n_blocks, .n_heads = nh, .scale = (float)scale,
+                          .partition_tokens = c->partition_tokens};
+    td_status_t st = c->decode ? be->ops->attn_decode(be, &p) : be->ops->attn_prefill(be, &p);
+    cr_assert_eq(st, TD_OK);
+    char what[256];
+    snprintf(what, sizeof(what), "%s seqs %d (q %d ctx %d ...) kv %d G %d hd %d bs %d %s part %d",
+             c->decode ? "attn_decode" : "attn_prefill", c->n_seqs, c->q_len[0], c->ctx[0], n_kv,
+             c->G, hd, bs, td_dtype_name(c->kv_dtype), c->partition_tokens);
+    check_close(what, out, ref, nq, 2e-4);
+
+    for (int s = 0; s < c->n_seqs; s++)
+        free(kref[s]), free(vref[s]);
+    be->ops->free(be, pool);
+    free(perm), free(tables), free(knew), free(vnew), free(slots), free(positions), free(tokens);
+    free(q), free(out), free(ref), free(sc);
+}
+
+Test(kernels_cpu, kv_write_layout_and_copy_blocks, .timeout = 60)
+{
+    rng_t r = {5};
+    td_backend_t *be = make_backend(4);
+    for (size_t d = 0; d < TD_ARRAY_LEN(dtypes); d++) {
+        td_kv_layout_t l = {.dtype = dtypes[d], .block_size = 4, .n_layers = 3, .n_kv_heads = 2,
+                            .head_dim = 8, .version = TD_KV_LAYOUT_VERSION};
+        const int n_blocks = 5, rows = 6, layer = 1;
+        size_t bytes = td_kv_pool_bytes(&l, n_blocks), row = 16, esz = td_dtype_size(dtypes[d]);
+        unsigned char *pool = xmalloc(bytes);
+        poison(pool, bytes);
+        int32_t slots[6] = {0, 5, 19, 18, 7, -1}, tokens[6] = {0}, pos[6] = {0};
+        td_step_meta_t meta = simple_meta(rows, tokens, pos);
+        meta.slots = slots;
+        cr_assert_eq(be->ops->set_step(be, &meta), TD_OK);
+        float k[96], v[96];
+        fill_random(&r, k, dtypes[d], NULL, 96); /* values exact in the KV dtype */
+        fill_random(&r, v, dtypes[d], NULL, 96);
+        for (int i = 0; i < 96; i++) {
+            k[i] = round_to(k[i], dtypes[d]);
+            v[i] = round_to(v[i], dtypes[d]);
+        }
+        unsigned char *lbase = pool + td_kv_block_offset(&l, n_blocks, layer, 0);
+        cr_assert_eq(be->ops->kv_write(be, lbase, &l, n_blocks, k, v), TD_OK);
+        for (int i = 0; i < 5; i++) {
+            int b = slots[i] / 4, off = slots[i] % 4;
+            float got[16];
+            td_dtype_convert(got, TD_F32, pool + td_kv_block_offset(&l, n_blocks, layer, b) +
+                             off * row * esz, dtypes[d], row);
+            cr_assert_eq(memcmp(got, k + i * row, row * 4), 0, "K row %d", i);
+            td_dtype_convert(got, TD_F32, pool + td_kv_block_offset(&l, n_blocks, layer, b) +
+                             (4 + off) * row * esz, dtypes[d], row);
+            cr_assert_eq(memcmp(got, v + i * row, row * 4), 0, "V row %d", i);
+        }
+        /* block 2 of layer 1 has no write: still poison; other layers untouched */
+        unsigned char ff[8];
+        memset(ff, 0xff, sizeof(ff));
+        cr_assert_eq(memcmp(pool + td_kv_block_offset(&l, n_blocks, layer, 2), ff, 8), 0);
+        cr_assert_eq(memcmp(pool, ff, 8), 0);
+
+        /* copy_blocks: every layer of block 4 -> block 2 */
+        fill_random(&r, pool, TD_F32, NULL, bytes / 4);
+        int32_t src[1] = {4}, dst[1] = {2};
+        cr_assert_eq(be->ops->copy_blocks(be, pool, &l, n_blocks, src, dst, 1), TD_OK);
+        for (uint32_t ly = 0; ly < l.n_layers; ly++)
+            cr_assert_eq(memcmp(pool + td_kv_block_offset(&l, n_blocks, ly, 2),
+                                pool + td_kv_block_offset(&l, n_blocks, ly, 4), td_kv_block_bytes(&l)),
+                         0);
+        free(pool);
+    }
+    td_backend_destroy(be);
+}
+
+/* Single-sequence prefill over head dims, GQA ratios, block sizes and odd lengths, with and
+   without a cached prefix (chunked prefill). */
+Test(kernels_cpu, attn_prefill_shapes, .timeout = 600)
+{
+    static const int hds[] = {32, 64, 128};
+    static const int Gs[] = {1, 2, 4, 8};
+    static const int bss[] = {8, 16, 32};
+    static const int lens[][2] = {{1, 1}, {7, 7}, {33, 33}, {100, 100}, {1, 37}, {7, 100},
+                                  {64, 257}, {33, 130}};
+    rng_t r = {11};
+    for (size_t ti = 0; ti < TD_ARRAY_LEN(thread_counts); ti++) {
+        td_backend_t *be = make_backend(thread_counts[ti]);
+        int n = 0;
+        for (size_t a = 0; a < TD_ARRAY_LEN(hds); a++)
+            for (size_t g = 0; g < TD_ARRAY_LEN(Gs); g++)
+                for (size_t b = 0; b < TD_ARRAY_LEN(bss); b++, n++) {
+                    /* each (hd, G, bs) gets two of the lengths to keep the run short */
+                    for (int li = 0; li < 2; li++) {
+                        int L = (n * 2 + li) % (int)TD_ARRAY_LEN(lens);
+                        attn_case_t c = {.n_seqs = 1, .q_len = {lens[L][0]}, .ctx = {lens[L][1]},
+                                         .n_kv = (n % 3 == 0) ? 1 : 2, .G = Gs[g], .hd = hds[a],
+                                         .bs = bss[b], .kv_dtype = dtypes[n % 3]};
+                        attn_run(be, &r, &c);
+                    }
+                }
+        td_backend_destroy(be);
+    }
+}
+
+/* Ragged batches: several sequences with different prefixes and chunk lengths, scattered
+   blocks, every KV dtype; also a full 257-token prompt. */
+Test(kernels_cpu, attn_prefill_ragged, .timeout = 600)
+{
+    rng_t r = {12};
+    for (size_t ti = 0; ti < TD_ARRAY_LEN(thread_counts); ti++) {
+        td_backend_t *be = make_backend(thread_counts[ti]);
+        for (size_t d = 0; d < TD_ARRAY_LEN(dtypes); d++) {
+            attn_case_t c = {.n_seqs = 5, .q_len = {7, 1, 33, 100, 16}, .ctx = {7, 60, 90, 100, 257},
+                             .n_kv = 2, .G = 4, .hd = 64, .bs = 16, .kv_dtype = dtypes[d]};
+            attn_run(be, &r, &c);
+            attn_case_t c2 = {.n_seqs = 3, .q_len = {257, 3, 1}, .ctx = {257, 1000, 5},
+                              .n_kv = 1, .G = 8, .hd = 32, .bs = 8, .kv_dtype = dtypes[d]};
+            attn_run(be, &r, &c2);
+        }
+        td_backend_destroy(be);
+    }
+}
+
+/* Decode: one row per sequence, partition sizes from one block to more than the context,
+   and the heuristic (0); contexts up to a few thousand tokens. */
+Test(kernels_cpu, attn_decode, .timeout = 600)
+{
+    static const int parts[] = {0, 1, 2, 3, 16, 100000};
+    rng_t r = {13};
+    for (size_t ti = 0; ti < TD_ARRAY_LEN(thread_counts); ti++) {
+        td_backend_t *be = make_backend(thread_counts[ti]);
+        int n = 0;
+        for (size_t pi = 0; pi < TD_ARRAY_LEN(parts); pi++)
+            for (int G = 1; G <= 8; G *= 2, n++) {
+                int bs = 8 << (n % 3), hd = 32 << ((n / 3) % 3);
+                attn_case_t c = {.n_seqs = 4, .q_len = {1, 1, 1, 1}, .ctx = {1, 33, 257, 1000},
+                                 .n_kv = 2, .G = G, .hd = hd, .bs = bs,
+                                 .kv_dtype = dtypes[n % 3], .decode = true,
+                                 .partition_tokens = parts[pi] * bs};
+                attn_run(be, &r, &c);
+            }
+        /* batch 1, long context */
+        attn_case_t c = {.n_seqs = 1, .q_len = {1}, .ctx = {3001}, .n_kv = 2, .G = 4, .hd = 128,
+                         .bs = 16, .kv_dtype = TD_F32, .decode = true};
+        attn_run(be, &r, &c);
+        c.partition_tokens = 48;
+        attn_run(be, &r, &c);
+        td_backend_destroy(be);
+    }
+}
+
+/* A decode step computed by the prefill kernel gives the same result. */
+Test(kernels_cpu, attn_prefill_single_rows, .timeout = 120)
+{
+    rng_t r = {14};
+    td_backend_t *be = make_backend(4);
+    attn_case_t c = {.n_seqs = 3, .q_len = {1, 1, 1}, .ctx = {1, 100, 2000}, .n_kv = 2, .G = 2,
+                     .hd = 64, .bs = 16, .kv_dtype = TD_BF16};
+    attn_run(be, &r, &c);
+    td_backend_destroy(be);
+}
