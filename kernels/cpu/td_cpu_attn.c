@@ -137,15 +137,9 @@ static void prefill_task(void *arg, int task, int thread)
                 memset(sr, 0, (size_t)cnt * sizeof(float));
                 continue;
             }
-            float mx = sr[0];
-            for (int c = 1; c < vis; c++)
-                mx = sr[c] > mx ? sr[c] : mx;
+            const float mx = td_cpu_max(sr, vis);
             const float m_new = mx > M[r] ? mx : M[r];
-            float sum = 0.0f;
-            for (int c = 0; c < vis; c++) {
-                sr[c] = td_cpu_exp(sr[c] - m_new);
-                sum += sr[c];
-            }
+            const float sum = td_cpu_exp_sum(sr, m_new, vis);
             for (int c = vis; c < cnt; c++)
                 sr[c] = 0.0f;
             if (m_new != M[r]) {
@@ -218,6 +212,86 @@ td_status_t td_cpu_attn_prefill(td_backend_t *be, const td_attn_params_t *p)
     return TD_OK;
 }
 
+
+/* ---- decode inner kernels --------------------------------------------------------- */
+
+#ifdef __AVX2__
+/* [sum(a0), sum(a1), ..., sum(a7)]: eight horizontal sums for the price of about two */
+static inline __m256 hsum8x8(const __m256 a[8])
+{
+    __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+    __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+    __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/* acc[0 .. 8W) += sum_c S[c] * V[c][0 .. 8W), accumulator kept in registers */
+static inline __attribute__((always_inline)) void pv_chunk(float *acc, const float *S,
+                                                           const float *V, size_t stride, int cnt,
+                                                           int W)
+{
+    __m256 r[8];
+    for (int u = 0; u < W; u++)
+        r[u] = _mm256_loadu_ps(acc + 8 * u);
+    for (int c = 0; c < cnt; c++) {
+        __m256 p = _mm256_broadcast_ss(S + c);
+        for (int u = 0; u < W; u++)
+            r[u] = _mm256_fmadd_ps(p, _mm256_loadu_ps(V + c * stride + 8 * u), r[u]);
+    }
+    for (int u = 0; u < W; u++)
+        _mm256_storeu_ps(acc + 8 * u, r[u]);
+}
+#endif
+
+/* S[g][c] = Qs[g] . K[c] for G query rows and cnt keys (row stride `stride`); S row stride ldS */
+static void block_scores(const float *Qs, int G, int hd, const float *K, size_t stride, int cnt,
+                         float *S, int ldS)
+{
+    for (int g = 0; g < G; g++) {
+        const float *qg = Qs + (size_t)g * hd;
+        float *sg = S + (size_t)g * ldS;
+        int c = 0;
+#ifdef __AVX2__
+        if (hd % 8 == 0)
+            for (; c + 8 <= cnt; c += 8) {
+                __m256 a[8];
+                for (int u = 0; u < 8; u++)
+                    a[u] = _mm256_setzero_ps();
+                for (int d = 0; d < hd; d += 8) {
+                    __m256 qv = _mm256_loadu_ps(qg + d);
+                    for (int u = 0; u < 8; u++)
+                        a[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(K + (c + u) * stride + d), a[u]);
+                }
+                _mm256_storeu_ps(sg + c, hsum8x8(a));
+            }
+#endif
+        for (; c < cnt; c++)
+            sg[c] = td_cpu_dot(qg, K + c * stride, hd);
+    }
+}
+
+/* acc[g][0..hd) += sum_c S[g][c] * V[c] for G rows (acc row stride ld_acc) */
+static void block_pv(float *acc, size_t ld_acc, const float *S, int ldS, int G, int hd,
+                     const float *V, size_t stride, int cnt)
+{
+    for (int g = 0; g < G; g++) {
+        float *ag = acc + (size_t)g * ld_acc;
+        const float *sg = S + (size_t)g * ldS;
+        int d0 = 0;
+#ifdef __AVX2__
+        for (; d0 + 64 <= hd; d0 += 64)
+            pv_chunk(ag + d0, sg, V + d0, stride, cnt, 8);
+        for (; d0 + 32 <= hd; d0 += 32)
+            pv_chunk(ag + d0, sg, V + d0, stride, cnt, 4);
+        for (; d0 + 8 <= hd; d0 += 8)
+            pv_chunk(ag + d0, sg, V + d0, stride, cnt, 1);
+#endif
+        if (d0 < hd)
+            for (int c = 0; c < cnt; c++)
+                td_cpu_axpy(ag + d0, sg[c], V + c * stride + d0, hd - d0);
+    }
+}
+
 /* ---- decode ----------------------------------------------------------------------- */
 
 typedef struct decode_part {
@@ -280,22 +354,14 @@ static void decode_task(void *arg, int task, int thread)
             V = Vc;
             stride = (size_t)hd;
         }
-        for (int c = 0; c < cnt; c++)
-            for (int g = 0; g < G; g++)
-                S[(size_t)g * bs + c] = td_cpu_dot(Qs + (size_t)g * hd, K + c * stride, hd);
+        block_scores(Qs, G, hd, K, stride, cnt, S, bs);
         for (int g = 0; g < G; g++) {
             float *sr = S + (size_t)g * bs;
             float *acc = part_out + (size_t)g * (hd + 2);
-            float mx = sr[0];
-            for (int c = 1; c < cnt; c++)
-                mx = sr[c] > mx ? sr[c] : mx;
+            const float mx = td_cpu_max(sr, cnt);
             const float m_old = acc[hd];
             const float m_new = mx > m_old ? mx : m_old;
-            float sum = 0.0f;
-            for (int c = 0; c < cnt; c++) {
-                sr[c] = td_cpu_exp(sr[c] - m_new);
-                sum += sr[c];
-            }
+            const float sum = td_cpu_exp_sum(sr, m_new, cnt);
             if (m_new != m_old) {
                 const float alpha = expf(m_old - m_new);
                 acc[hd + 1] *= alpha;
@@ -304,10 +370,7 @@ static void decode_task(void *arg, int task, int thread)
             }
             acc[hd + 1] += sum;
         }
-        for (int c = 0; c < cnt; c++)
-            for (int g = 0; g < G; g++)
-                td_cpu_axpy(part_out + (size_t)g * (hd + 2), S[(size_t)g * bs + c], V + c * stride,
-                            hd);
+        block_pv(part_out, (size_t)hd + 2, S, bs, G, hd, V, stride, cnt);
     }
 }
 
