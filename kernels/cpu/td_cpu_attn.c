@@ -62,9 +62,18 @@ static inline const unsigned char *kv_at(const kv_view_t *v, int32_t b, int kv, 
 static void gather_kv(const kv_view_t *v, const int32_t *table, int kv, int h, int t0, int t1,
                       float *dst)
 {
-    for (int t = t0; t < t1; t++)
-        td_cpu_to_f32(dst + (size_t)(t - t0) * v->hd, kv_at(v, table[t / v->bs], kv, t % v->bs, h),
-                      v->dtype, (size_t)v->hd);
+    const int hd = v->hd;
+    for (int t = t0; t < t1; t++) {
+        const unsigned char *src = kv_at(v, table[t / v->bs], kv, t % v->bs, h);
+        float *d = dst + (size_t)(t - t0) * hd;
+        if (v->dtype == TD_F32) { /* an inline loop: memcpy calls of 128-512 bytes cost more */
+            const float *f = (const float *)src;
+            for (int e = 0; e < hd; e++)
+                d[e] = f[e];
+        } else {
+            td_cpu_to_f32(d, src, v->dtype, (size_t)hd);
+        }
+    }
 }
 
 /* ---- prefill ---------------------------------------------------------------------- */
