@@ -196,7 +196,7 @@ static td_status_t ensure_model(const bench_opts_t *o, char *dir, size_t cap)
         base = home_cache;
     }
     snprintf(dir, cap, "%s/bench-%s-%s", base, o->preset, td_dtype_name(o->dtype));
-    char cfg[4096];
+    char cfg[4096 + 16];
     snprintf(cfg, sizeof cfg, "%s/config.json", dir);
     if (td_is_file(cfg))
         return TD_OK;
@@ -295,7 +295,7 @@ int bench_engine(int argc, char **argv)
         goto out;
 
     /* prefill at the prompt length, best of 3 */
-    double pre_s = 1e30, dec_s = 0, p, d;
+    double pre_s = 1e30, dec_s = 0, p = 0, d = 0;
     for (int rep = 0; rep < 3; rep++) {
         if (run_batch(eng, 1, o.prompt_tokens, 1, &p, &d) != TD_OK)
             goto out;

@@ -239,6 +239,9 @@ static bool is_stop_id(const td_model_config_t *c, const gen_opts_t *o, int32_t 
  * stop string completed. */
 static td_status_t emit_text(td_detok_t *dt, td_stop_t *stop, int32_t id, bool *stopped_p)
 {
+    /* a model's vocabulary may be padded past its tokenizer's: such ids have no text */
+    if (id >= td_tokenizer_vocab_size(dt->tok))
+        return TD_OK;
     const char *text;
     size_t len;
     td_status_t st = td_detok_push(dt, id, &text, &len);
@@ -293,6 +296,7 @@ int cmd_generate(int argc, char **argv)
         if ((st = td_tokenizer_encode(tok, o.prompt, strlen(o.prompt), flags, &prompt, &n_prompt)) != TD_OK)
             goto out;
     } else if ((st = parse_ids(o.prompt_ids, &prompt, &n_prompt)) != TD_OK) {
+        rc = st == TD_ERR_INVALID ? 2 : 1;
         goto out;
     }
     if (n_prompt == 0) {
@@ -327,10 +331,13 @@ int cmd_generate(int argc, char **argv)
     ec.max_seqs = 1;
     ec.max_logit_rows = 1;
     ec.prefix_cache = false;
+    /* the pool holds what prompt + max tokens need, within the KV budget */
     if (o.kv_mem)
         ec.kv_mem_bytes = o.kv_mem;
-    else
-        ec.n_blocks = (int32_t)TD_DIV_CEIL((int64_t)n_prompt + max_new + 1, ec.block_size);
+    uint64_t block_bytes = td_model_kv_bytes_per_token(c, ec.kv_dtype) * (uint64_t)ec.block_size;
+    int64_t need = TD_DIV_CEIL((int64_t)n_prompt + max_new + 1, ec.block_size);
+    int64_t fits = (int64_t)(ec.kv_mem_bytes / block_bytes);
+    ec.n_blocks = (int32_t)TD_MAX(1, TD_MIN(need, fits));
     if ((st = td_engine_create(model, be, &ec, &eng)) != TD_OK)
         goto out;
     if ((st = td_sampler_create(&o.sampling, &sampler)) != TD_OK ||
@@ -378,7 +385,12 @@ int cmd_generate(int argc, char **argv)
         if (stopped || n_gen == max_new)
             break;
         td_engine_item_t it = {.seq = &seq, .tokens = &next, .n_tokens = 1, .n_logits = 1};
-        if ((st = td_engine_step(eng, &it, 1, logits)) != TD_OK)
+        if ((st = td_engine_step(eng, &it, 1, logits)) == TD_ERR_EXHAUSTED) {
+            td_warn("generate: the KV cache is full at %d tokens; stopping (raise --kv-mem for longer)",
+                    seq.n_tokens);
+            break;
+        }
+        if (st != TD_OK)
             goto out;
     }
     uint64_t t_total = td_now_ns() - t0;

@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# The CLI contract of `tandem generate` and `tandem --version`, run on the real binary:
+# greedy ids on stories260K equal an independent numpy forward pass (tests/ref), the
+# output formats, stop handling, and clear errors with the right exit codes for bad input.
+set -u
+bin=${TANDEM_BIN:?TANDEM_BIN must point to the tandem binary}
+src=${TD_SOURCE_DIR:-$(cd "$(dirname "$0")/.." && pwd)}
+models=${TANDEM_TEST_MODELS:-$src/../shared/models}
+model=$models/stories260K/stories260K.bin
+pass=0 fail=0 skip=0
+ok() { pass=$((pass + 1)); }
+bad() { fail=$((fail + 1)); echo "FAIL: $*"; }
+expect_rc() { # expect_rc WANT DESCRIPTION CMD...
+    local want=$1 what=$2; shift 2
+    "$@" >/tmp/td_gen_out.$$ 2>/tmp/td_gen_err.$$
+    local rc=$?
+    if [ "$rc" -eq "$want" ]; then ok; else bad "$what: exit $rc, want $want: $(head -c 300 /tmp/td_gen_err.$$)"; fi
+}
+
+# --version names the compiled backends
+v=$("$bin" --version)
+case "$v" in *"backends: cpu"*) ok ;; *) bad "--version: '$v'" ;; esac
+expect_rc 0 "generate --help" "$bin" generate --help
+expect_rc 2 "unknown flag" "$bin" generate --bogus
+expect_rc 2 "no model" "$bin" generate --prompt-ids "1"
+expect_rc 2 "both prompts" "$bin" generate --model x --prompt a --prompt-ids 1
+expect_rc 2 "bad temperature" "$bin" generate --model x --prompt-ids 1 --temperature -1
+expect_rc 2 "bad max tokens" "$bin" generate --model x --prompt-ids 1 --max-tokens 12abc
+expect_rc 1 "missing model file" "$bin" generate --model /nonexistent/model.bin --prompt-ids 1
+grep -q "/nonexistent/model.bin" /tmp/td_gen_err.$$ && ok || bad "missing model: message does not name the file"
+
+if [ ! -f "$model" ]; then
+    echo "skipped: $model not found (set TANDEM_TEST_MODELS): golden generation checks"
+    skip=$((skip + 1))
+else
+    expect_rc 1 "token outside the vocabulary" "$bin" generate --model "$model" --prompt-ids "1 512" --print-ids
+    grep -q "outside" /tmp/td_gen_err.$$ && ok || bad "out-of-vocab: unclear message"
+    expect_rc 2 "garbage ids" "$bin" generate --model "$model" --prompt-ids "1 x2" --print-ids
+    expect_rc 1 "text prompt without tokenizer" "$bin" generate --model "$model" --prompt "hi"
+
+    if /usr/bin/python3 -c "import numpy" 2>/dev/null; then
+        for prompt in "1" "1 400 300" "1 5 9 200 311 17 42"; do
+            want=$(/usr/bin/python3 "$src/tests/ref/llama2c_ref.py" "$model" "$prompt" 40)
+            got=$("$bin" generate --model "$model" --prompt-ids "$prompt" --max-tokens 40 --print-ids 2>/dev/null)
+            [ "$got" = "$want" ] && ok || bad "greedy ids for '$prompt': got '$got' want '$want'"
+        done
+    else
+        echo "skipped: /usr/bin/python3 has no numpy: reference comparison"
+        skip=$((skip + 1))
+    fi
+    # one line of ids on stdout, timings on stderr
+    "$bin" generate --model "$model" --prompt-ids "1" --max-tokens 5 --print-ids >/tmp/td_gen_out.$$ 2>/tmp/td_gen_err.$$
+    [ "$(wc -l </tmp/td_gen_out.$$)" -eq 1 ] && [ "$(wc -w </tmp/td_gen_out.$$)" -eq 5 ] && ok || bad "--print-ids: not one line of 5 ids"
+    grep -q "time to first token" /tmp/td_gen_err.$$ && ok || bad "timings missing on stderr"
+    # a stop id ends generation before it is printed
+    first=$("$bin" generate --model "$model" --prompt-ids "1" --max-tokens 3 --print-ids 2>/dev/null | cut -d' ' -f3)
+    got=$("$bin" generate --model "$model" --prompt-ids "1" --max-tokens 10 --stop-id "$first" --print-ids 2>/dev/null)
+    [ "$(echo "$got" | wc -w)" -eq 2 ] && ok || bad "--stop-id $first: got '$got'"
+    # the same seed gives the same sampled tokens, another seed other tokens
+    a=$("$bin" generate --model "$model" --prompt-ids "1" --max-tokens 30 --temperature 1 --seed 7 --print-ids 2>/dev/null)
+    b=$("$bin" generate --model "$model" --prompt-ids "1" --max-tokens 30 --temperature 1 --seed 7 --print-ids 2>/dev/null)
+    c=$("$bin" generate --model "$model" --prompt-ids "1" --max-tokens 30 --temperature 1 --seed 8 --print-ids 2>/dev/null)
+    [ -n "$a" ] && [ "$a" = "$b" ] && [ "$a" != "$c" ] && ok || bad "seeded sampling: '$a' / '$b' / '$c'"
+    # generation stops at the model's length (512) without --max-tokens
+    n=$("$bin" generate --model "$model" --prompt-ids "1 400 300" --print-ids 2>/dev/null | wc -w)
+    [ "$n" -le 509 ] && ok || bad "ran past the model's length: $n tokens"
+fi
+
+# a synthetic model with its own tokenizer streams text
+dir=$(mktemp -d)
+if "$bin" model synth --arch llama --config tiny --seed 3 --dtype f32 --out "$dir/m" >/dev/null 2>&1; then
+    ok
+    expect_rc 0 "text generation on a synthetic model" "$bin" generate --model "$dir/m" --prompt "Hello" --max-tokens 8
+    n=$("$bin" generate --model "$dir/m" --prompt "Hello" --max-tokens 8 --print-ids 2>/dev/null | wc -w)
+    [ "$n" -ge 1 ] && [ "$n" -le 8 ] && ok || bad "synthetic --print-ids gave $n ids"
+else
+    bad "model synth failed"
+fi
+rm -rf "$dir" /tmp/td_gen_out.$$ /tmp/td_gen_err.$$
+echo "$pass passed, $fail failed, $skip skipped"
+[ "$fail" -eq 0 ]
