@@ -27,13 +27,25 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <ucp/api/ucp.h>
 
 #include "td_log.h"
 #include "td_util.h"
 
-enum { AM_DATA = 11, AM_READY = 12, AM_ACK = 13 };
+enum {
+    AM_DATA = 11,
+    AM_READY = 12,
+    AM_ACK = 13,
+    AM_HELLO = 14,     /* sender -> receiver on connect; nothing else goes before its answer */
+    AM_HELLO_ACK = 15,
+    AM_BIND = 16,      /* put path: "I will put into this lease" */
+    AM_BIND_ACK = 17,
+    AM_ABORT = 18,     /* receiver -> bound writer: the lease died, stop and confirm */
+    AM_ABORT_ACK = 19, /* sent after the writer's puts are flushed */
+};
 
 #define XFER_DESC_MAGIC 0x31584454u /* "TDX1" in little-endian memory order */
 #define LEASE_BUCKETS 256
@@ -64,7 +76,9 @@ typedef struct am_ready_hdr {
 } am_ready_hdr_t;
 
 #define READY_F_CHECKSUM 1u
+#define READY_F_PUT 2u /* the bytes came by RMA put (flushed before READY), not DATA */
 
+/* ACK and every control message: HELLO/HELLO_ACK carry the peer cookie in request_id. */
 typedef struct am_ack_hdr {
     uint64_t request_id;
     uint64_t lease_id;
@@ -128,6 +142,9 @@ typedef struct xfer_lease {
     uint64_t bytes;      /* payload bytes placed so far */
     uint32_t inflight;   /* rendezvous receives writing into the blocks */
     xfer_conn_t *writer; /* endpoint of the last DATA (fenced on death) */
+    xfer_conn_t *put_writer; /* bound for puts: the blocks stay out of the pool after
+                                death until it confirms the abort or is gone */
+    uint64_t quarantine_ns;  /* deadline of that wait */
     bool ready_pending;  /* READY arrived before all bytes */
     am_ready_hdr_t ready;
     ucp_ep_h ready_ep;
@@ -159,6 +176,13 @@ struct td_xfer_peer {
     td_xfer_t *x;
     ucp_ep_h ep;
     bool alive;
+    bool hello_done;   /* the endpoint is wired up: data may go */
+    bool use_put;      /* decided at hello: RMA put, else AM rendezvous */
+    uint64_t cookie;   /* names this peer in HELLO/HELLO_ACK */
+    uint64_t base;     /* the receiver's pool address */
+    void *rkey_buf;    /* packed rkey from the description */
+    size_t rkey_len;
+    ucp_rkey_h rkey;   /* unpacked on ep at hello; destroyed with x */
     uint32_t ip;       /* network order */
     uint16_t port;
     td_kv_layout_t layout;
@@ -189,6 +213,9 @@ struct td_xfer_send {
     uint64_t bytes;        /* DATA payload queued */
     uint64_t checksum;
     td_status_t status;    /* first failure, or the receiver's verdict */
+    enum { MODE_UNDECIDED, MODE_AM, MODE_PUT } mode;
+    bool bound;            /* put path: the receiver accepted our BIND */
+    bool flush_inflight, flushed; /* put path: ep flush before READY */
     bool finished;         /* send_finish called */
     bool ready_posted, ready_inflight, verdict, done_queued;
     am_ready_hdr_t ready;
@@ -231,6 +258,8 @@ struct td_xfer {
     list_node_t done_list; /* sends whose done callback is due */
     list_node_t closing;   /* ep_close_t: endpoints to force-close */
     uint32_t closes_inflight;
+    list_node_t aborts;    /* abort_job_t: ABORTs to confirm once our puts are flushed */
+    uint64_t next_cookie;
 
     td_xfer_stats_t stats;
 };
@@ -344,18 +373,34 @@ static void lease_release(td_xfer_t *x, xfer_lease_t *l)
     lease_remove(x, l);
 }
 
+/* Returns a dead lease's blocks once nothing can write into them: no rendezvous receive
+ * in flight and no put writer still bound. True when l was freed. */
+static bool lease_try_release(td_xfer_t *x, xfer_lease_t *l)
+{
+    if (l->state != LEASE_DEAD || l->inflight > 0 || l->put_writer)
+        return false;
+    lease_release(x, l);
+    return true;
+}
+
+static void send_ctl(td_xfer_t *x, ucp_ep_h ep, unsigned id, uint64_t a, uint64_t b, td_status_t st);
+
 /* Kills a lease: its blocks return now, or when the last receive into them ends (the
- * writer's endpoint is force-closed so that happens promptly). */
+ * writer's endpoint is force-closed so that happens promptly), or, when a sender bound
+ * for puts may still be writing, once it confirms the abort (quarantine). l may be freed. */
 static void lease_kill(td_xfer_t *x, xfer_lease_t *l)
 {
     if (l->state == LEASE_DEAD)
         return;
     l->state = LEASE_DEAD;
-    if (l->inflight == 0) {
-        lease_release(x, l);
-        return;
+    if (l->put_writer) {
+        x->stats.leases_quarantined++;
+        l->quarantine_ns = td_now_ns() + (uint64_t)x->cfg.quarantine_ms * 1000000ull;
+        send_ctl(x, l->put_writer->ep, AM_ABORT, l->request_id, l->id, TD_ERR_STALE);
     }
-    if (l->writer && !l->writer->closing) {
+    if (lease_try_release(x, l))
+        return;
+    if (l->inflight > 0 && l->writer && !l->writer->closing) {
         td_warn("xfer lease %" PRIu64 " died with %u receives in flight: closing its sender's endpoint",
                 l->id, l->inflight);
         l->writer->closing = true;
@@ -459,11 +504,21 @@ static void conn_err_cb(void *arg, ucp_ep_h ep, ucs_status_t status)
         n = n->next;
         if (l->ready_ep == ep)
             l->ready_ep = NULL;
+        bool lost = false;
         if (l->writer == c) {
             l->writer = NULL;
+            lost = true;
+        }
+        if (l->put_writer == c) {
+            l->put_writer = NULL; /* its endpoint is gone: it cannot write any more */
+            lost = true;
+        }
+        if (lost) {
             if (l->state == LEASE_LIVE) {
                 x->stats.leases_sender_lost++;
                 lease_kill(x, l);
+            } else {
+                lease_try_release(x, l);
             }
         }
     }
@@ -531,8 +586,7 @@ static void recv_done_cb(void *request, ucs_status_t status, size_t length, void
     if (request)
         ucp_request_free(request);
     if (l->state == LEASE_DEAD) {
-        if (l->inflight == 0)
-            lease_release(x, l);
+        lease_try_release(x, l);
         return;
     }
     lease_check_ready(x, l);
@@ -643,10 +697,89 @@ static ucs_status_t am_ready_cb(void *arg, const void *header, size_t header_len
         lease_kill(x, l);
         return UCS_OK;
     }
+    if (h.flags & READY_F_PUT) {
+        /* The sender flushed its puts before READY: the bytes are in place. */
+        if (!l->put_writer || l->put_writer != conn_of_ep(x, ep)) {
+            td_errorf(TD_ERR_PROTOCOL, "xfer lease %" PRIu64 ": kv-ready for puts from a sender not bound to it; "
+                      "refused", l->id);
+            x->stats.fail_protocol++;
+            send_ack(x, ep, h.request_id, h.lease_id, TD_ERR_PROTOCOL);
+            lease_kill(x, l);
+            return UCS_OK;
+        }
+        x->stats.bytes_received += h.bytes - l->bytes;
+        l->bytes = h.bytes;
+    }
     l->ready = h;
     l->ready_ep = ep;
     l->ready_pending = true;
     lease_check_ready(x, l);
+    return UCS_OK;
+}
+
+/* HELLO: answer at once; the sender holds its data until this reaches it. */
+static ucs_status_t am_hello_cb(void *arg, const void *header, size_t header_length, void *data, size_t length,
+                                const ucp_am_recv_param_t *param)
+{
+    td_xfer_t *x = arg;
+    am_ack_hdr_t h;
+    ucp_ep_h ep = (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) ? param->reply_ep : NULL;
+    if (header_length != sizeof h) {
+        x->stats.fail_protocol++;
+        return UCS_OK;
+    }
+    memcpy(&h, header, sizeof h);
+    send_ctl(x, ep, AM_HELLO_ACK, h.request_id, 0, x->have_pool ? TD_OK : TD_ERR_UNAVAILABLE);
+    return UCS_OK;
+}
+
+/* BIND: a sender is about to put into a live lease's blocks; from now on a death of the
+ * lease keeps them out of the pool until it confirms (fence for puts). */
+static ucs_status_t am_bind_cb(void *arg, const void *header, size_t header_length, void *data, size_t length,
+                               const ucp_am_recv_param_t *param)
+{
+    td_xfer_t *x = arg;
+    am_ack_hdr_t h;
+    ucp_ep_h ep = (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) ? param->reply_ep : NULL;
+    if (header_length != sizeof h || !x->have_pool) {
+        x->stats.fail_protocol++;
+        return UCS_OK;
+    }
+    memcpy(&h, header, sizeof h);
+    xfer_lease_t *l = lease_find(x, h.lease_id);
+    xfer_conn_t *c = ep ? conn_of_ep(x, ep) : NULL;
+    td_status_t st = TD_OK;
+    if (!l || l->state != LEASE_LIVE) {
+        x->stats.discarded_data++;
+        st = TD_ERR_STALE;
+    } else if (!c || h.request_id != l->request_id || (l->put_writer && l->put_writer != c)) {
+        td_errorf(TD_ERR_PROTOCOL, "xfer lease %" PRIu64 ": bind for request %" PRIu64 " refused (lease is for "
+                  "request %" PRIu64 "%s)", l->id, h.request_id, l->request_id,
+                  l->put_writer && l->put_writer != c ? ", bound to another sender" : "");
+        x->stats.fail_protocol++;
+        st = TD_ERR_PROTOCOL;
+    } else {
+        l->put_writer = c;
+    }
+    send_ctl(x, ep, AM_BIND_ACK, h.request_id, h.lease_id, st);
+    return UCS_OK;
+}
+
+/* ABORT_ACK: the bound writer flushed and stopped; the quarantined blocks may return. */
+static ucs_status_t am_abort_ack_cb(void *arg, const void *header, size_t header_length, void *data,
+                                    size_t length, const ucp_am_recv_param_t *param)
+{
+    td_xfer_t *x = arg;
+    am_ack_hdr_t h;
+    ucp_ep_h ep = (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) ? param->reply_ep : NULL;
+    if (header_length != sizeof h)
+        return UCS_OK;
+    memcpy(&h, header, sizeof h);
+    xfer_lease_t *l = lease_find(x, h.lease_id);
+    if (l && l->state == LEASE_DEAD && l->put_writer && ep && l->put_writer == conn_of_ep(x, ep)) {
+        l->put_writer = NULL;
+        lease_try_release(x, l);
+    }
     return UCS_OK;
 }
 
@@ -662,20 +795,29 @@ static void ack_sent_cb(void *request, ucs_status_t status, void *user_data)
     ucp_request_free(request);
 }
 
-static void send_ack(td_xfer_t *x, ucp_ep_h ep, uint64_t request_id, uint64_t lease_id, td_status_t st)
+/* Sends a header-only control message (REPLY: the far side learns our endpoint). A lost
+ * one is bounded by the deadlines of whoever waits for it. */
+static void send_ctl(td_xfer_t *x, ucp_ep_h ep, unsigned id, uint64_t a_, uint64_t b, td_status_t st)
 {
     if (!ep)
         return;
     ack_op_t *a = malloc(sizeof *a);
     if (!a)
         return; /* the sender's deadline ends its wait */
-    a->hdr = (am_ack_hdr_t){.request_id = request_id, .lease_id = lease_id, .status = st};
-    ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA,
+    a->hdr = (am_ack_hdr_t){.request_id = a_, .lease_id = b, .status = st};
+    ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                                               UCP_OP_ATTR_FIELD_FLAGS,
                                .cb.send = ack_sent_cb,
-                               .user_data = a};
-    ucs_status_ptr_t r = ucp_am_send_nbx(ep, AM_ACK, &a->hdr, sizeof a->hdr, NULL, 0, &prm);
+                               .user_data = a,
+                               .flags = UCP_AM_SEND_FLAG_REPLY};
+    ucs_status_ptr_t r = ucp_am_send_nbx(ep, id, &a->hdr, sizeof a->hdr, NULL, 0, &prm);
     if (r == NULL || UCS_PTR_IS_ERR(r))
         free(a);
+}
+
+static void send_ack(td_xfer_t *x, ucp_ep_h ep, uint64_t request_id, uint64_t lease_id, td_status_t st)
+{
+    send_ctl(x, ep, AM_ACK, request_id, lease_id, st);
 }
 
 /* ---- sender ----------------------------------------------------------------------------- */
@@ -689,7 +831,7 @@ static void send_set_status(td_xfer_send_t *s, td_status_t st)
 /* Queues the done callback once everything the request owns in UCX has come back. */
 static void send_maybe_done(td_xfer_send_t *s)
 {
-    if (s->done_queued || !s->finished || s->ops_out || s->ready_inflight)
+    if (s->done_queued || !s->finished || s->ops_out || s->ready_inflight || s->flush_inflight)
         return;
     if (s->status == TD_OK && !s->verdict) {
         if (!s->ready_posted)
@@ -753,6 +895,14 @@ static void data_sent_cb(void *request, ucs_status_t status, void *user_data)
     send_maybe_done(s);
 }
 
+/* An operation may go once its request knows its primitive (and, for puts, is bound);
+ * operations of failed requests "go" to be dropped. */
+static bool op_ready(const send_op_t *op)
+{
+    const td_xfer_send_t *s = op->s;
+    return !s->peer->alive || s->status != TD_OK || s->mode == MODE_AM || (s->mode == MODE_PUT && s->bound);
+}
+
 static void post_op(td_xfer_t *x, send_op_t *op)
 {
     td_xfer_send_t *s = op->s;
@@ -768,7 +918,18 @@ static void post_op(td_xfer_t *x, send_op_t *op)
                                .user_data = op,
                                .flags = UCP_AM_SEND_FLAG_REPLY};
     x->ops_posted++;
-    ucs_status_ptr_t r = ucp_am_send_nbx(s->peer->ep, AM_DATA, &op->hdr, sizeof op->hdr, op->src, op->len, &prm);
+    ucs_status_ptr_t r;
+    if (s->mode == MODE_PUT) {
+        /* Completion = our buffer is reusable; the ep flush before READY makes it remote. */
+        uint64_t raddr = s->peer->base + td_kv_block_offset(&s->peer->layout, s->peer->n_blocks, op->hdr.layer,
+                                                            op->hdr.dst_block);
+        prm.op_attr_mask &= ~(uint32_t)UCP_OP_ATTR_FIELD_FLAGS;
+        x->stats.ops_put++;
+        r = ucp_put_nbx(s->peer->ep, op->src, op->len, raddr, s->peer->rkey, &prm);
+    } else {
+        x->stats.ops_am++;
+        r = ucp_am_send_nbx(s->peer->ep, AM_DATA, &op->hdr, sizeof op->hdr, op->src, op->len, &prm);
+    }
     if (r == NULL)
         data_sent_cb(NULL, UCS_OK, op);
     else if (UCS_PTR_IS_ERR(r))
@@ -796,7 +957,8 @@ static void post_ready(td_xfer_t *x, td_xfer_send_t *s)
                                 .checksum = s->checksum,
                                 .n_tokens = s->p.n_tokens,
                                 .first_token = s->ready.first_token,
-                                .flags = s->p.checksum ? READY_F_CHECKSUM : 0,
+                                .flags = (s->p.checksum ? READY_F_CHECKSUM : 0) |
+                                         (s->mode == MODE_PUT ? READY_F_PUT : 0),
                                 .layout = s->peer->layout};
     ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
                                                UCP_OP_ATTR_FIELD_FLAGS,
@@ -843,6 +1005,241 @@ static ucs_status_t am_ack_cb(void *arg, const void *header, size_t header_lengt
     return UCS_OK;
 }
 
+/* True when the endpoint's RMA lanes are a native RDMA transport (not TCP's AM emulation,
+ * not shared memory, which is judged by whether the rkey maps the pool). */
+static bool ep_rma_is_rdma(ucp_ep_h ep, char *lanes, size_t cap)
+{
+    char *buf = NULL;
+    size_t len = 0;
+    FILE *f = open_memstream(&buf, &len);
+    if (!f)
+        return false;
+    ucp_ep_print_info(ep, f);
+    fclose(f);
+    bool rdma = false;
+    lanes[0] = 0;
+    for (char *line = strtok(buf, "\n"); line; line = strtok(NULL, "\n")) {
+        if (!strstr(line, "rma"))
+            continue;
+        if (!lanes[0])
+            snprintf(lanes, cap, "%s", line + strspn(line, " #"));
+        if (strstr(line, "rc_") || strstr(line, "dc_") || strstr(line, "ud_") || strstr(line, "mlx") ||
+            strstr(line, "gga"))
+            rdma = true;
+    }
+    free(buf);
+    return rdma;
+}
+
+/* At hello (the endpoint is wired up): put or AM for this peer. A mapped pool is touched
+ * in once here, so the first transfer does not pay the page faults. */
+static void peer_decide(td_xfer_t *x, td_xfer_peer_t *peer)
+{
+    char ip[INET_ADDRSTRLEN];
+    char lanes[160] = "";
+    inet_ntop(AF_INET, &peer->ip, ip, sizeof ip);
+    peer->use_put = false;
+    if (x->cfg.rma == TD_XFER_RMA_AM)
+        goto out;
+    ucs_status_t st = ucp_ep_rkey_unpack(peer->ep, peer->rkey_buf, &peer->rkey);
+    if (st != UCS_OK) {
+        peer->rkey = NULL;
+        td_warn("xfer peer %s:%u: rkey unusable (%s): kv goes by active messages", ip, peer->port,
+                ucs_status_string(st));
+        goto out;
+    }
+    void *mapped = NULL;
+    bool shm = ucp_rkey_ptr(peer->rkey, peer->base, &mapped) == UCS_OK;
+    bool rdma = ep_rma_is_rdma(peer->ep, lanes, sizeof lanes);
+    peer->use_put = x->cfg.rma == TD_XFER_RMA_PUT || shm || rdma;
+    if (peer->use_put && shm) {
+        long pg = sysconf(_SC_PAGESIZE);
+        uintptr_t a = (uintptr_t)mapped & ~(uintptr_t)(pg - 1);
+        size_t n = td_kv_pool_bytes(&peer->layout, peer->n_blocks) + ((uintptr_t)mapped - a);
+#ifdef MADV_POPULATE_WRITE
+        if (madvise((void *)a, n, MADV_POPULATE_WRITE) != 0)
+#endif
+            for (size_t off = 0; off < n; off += (size_t)pg)
+                (void)*(volatile char *)(a + off);
+    }
+out:
+    td_info("xfer peer %s:%u: kv by %s (rma %s%s%s)", ip, peer->port, peer->use_put ? "put" : "active messages",
+            x->cfg.rma == TD_XFER_RMA_AUTO ? "auto" : x->cfg.rma == TD_XFER_RMA_PUT ? "put" : "am",
+            lanes[0] ? ", " : "", lanes);
+}
+
+static td_xfer_peer_t *peer_of_ep(td_xfer_t *x, ucp_ep_h ep)
+{
+    for (list_node_t *n = x->peers.next; n != &x->peers; n = n->next) {
+        td_xfer_peer_t *p = CONTAINER(n, td_xfer_peer_t, link);
+        if (p->alive && p->ep == ep)
+            return p;
+    }
+    return NULL;
+}
+
+static ucs_status_t am_hello_ack_cb(void *arg, const void *header, size_t header_length, void *data,
+                                    size_t length, const ucp_am_recv_param_t *param)
+{
+    td_xfer_t *x = arg;
+    am_ack_hdr_t h;
+    if (header_length != sizeof h)
+        return UCS_OK;
+    memcpy(&h, header, sizeof h);
+    for (list_node_t *n = x->peers.next; n != &x->peers; n = n->next) {
+        td_xfer_peer_t *p = CONTAINER(n, td_xfer_peer_t, link);
+        if (p->cookie == h.request_id && p->alive && !p->hello_done) {
+            if (h.status != TD_OK) {
+                peer_fail(p, TD_ERR_UNAVAILABLE);
+                return UCS_OK;
+            }
+            p->hello_done = true;
+            peer_decide(x, p);
+        }
+    }
+    return UCS_OK;
+}
+
+static ucs_status_t am_bind_ack_cb(void *arg, const void *header, size_t header_length, void *data,
+                                   size_t length, const ucp_am_recv_param_t *param)
+{
+    td_xfer_t *x = arg;
+    am_ack_hdr_t h;
+    if (header_length != sizeof h)
+        return UCS_OK;
+    memcpy(&h, header, sizeof h);
+    td_xfer_send_t *s = send_find(x, h.request_id, h.lease_id);
+    if (!s || s->mode != MODE_PUT || s->bound)
+        return UCS_OK;
+    if (h.status == TD_OK)
+        s->bound = true;
+    else
+        send_set_status(s, (td_status_t)h.status);
+    send_maybe_done(s);
+    return UCS_OK;
+}
+
+/* The receiver asks us to stop writing into a dead lease: drop the request's queued
+ * puts now, confirm once its posted ones are done and the endpoint is flushed. */
+typedef struct abort_job {
+    list_node_t link; /* x->aborts */
+    td_xfer_peer_t *peer;
+    uint64_t request_id, lease_id;
+    bool flush_posted, flushed, failed;
+} abort_job_t;
+
+static void drop_queued(td_xfer_t *x, td_xfer_send_t *s)
+{
+    list_node_t *n = x->queue.next;
+    while (n != &x->queue) {
+        send_op_t *op = CONTAINER(n, send_op_t, link);
+        n = n->next;
+        if (op->s == s) {
+            list_del(&op->link);
+            s->ops_out--;
+            free(op);
+        }
+    }
+}
+
+static ucs_status_t am_abort_cb(void *arg, const void *header, size_t header_length, void *data, size_t length,
+                                const ucp_am_recv_param_t *param)
+{
+    td_xfer_t *x = arg;
+    am_ack_hdr_t h;
+    ucp_ep_h ep = (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) ? param->reply_ep : NULL;
+    td_xfer_peer_t *peer = ep ? peer_of_ep(x, ep) : NULL;
+    if (header_length != sizeof h || !peer)
+        return UCS_OK;
+    memcpy(&h, header, sizeof h);
+    td_xfer_send_t *s = send_find(x, h.request_id, h.lease_id);
+    if (s && !s->done_queued) {
+        send_set_status(s, TD_ERR_STALE);
+        drop_queued(x, s);
+        send_maybe_done(s);
+    }
+    abort_job_t *j = calloc(1, sizeof *j);
+    if (!j)
+        return UCS_OK; /* the receiver's quarantine bound releases the blocks */
+    j->peer = peer;
+    j->request_id = h.request_id;
+    j->lease_id = h.lease_id;
+    list_push(&x->aborts, &j->link);
+    return UCS_OK;
+}
+
+static void abort_flushed_cb(void *request, ucs_status_t status, void *user_data)
+{
+    abort_job_t *j = user_data;
+    if (status == UCS_OK)
+        j->flushed = true;
+    else
+        j->failed = true;
+    if (request)
+        ucp_request_free(request);
+}
+
+static void run_aborts(td_xfer_t *x)
+{
+    list_node_t *n = x->aborts.next;
+    while (n != &x->aborts) {
+        abort_job_t *j = CONTAINER(n, abort_job_t, link);
+        n = n->next;
+        if (!j->flush_posted) {
+            td_xfer_send_t *s = send_find(x, j->request_id, j->lease_id);
+            if (j->peer->alive && s && s->ops_out > 0)
+                continue; /* its posted puts are not back yet */
+            if (!j->peer->alive) {
+                j->failed = true;
+            } else {
+                j->flush_posted = true;
+                ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA,
+                                           .cb.send = abort_flushed_cb,
+                                           .user_data = j};
+                ucs_status_ptr_t r = ucp_ep_flush_nbx(j->peer->ep, &prm);
+                if (r == NULL)
+                    abort_flushed_cb(NULL, UCS_OK, j);
+                else if (UCS_PTR_IS_ERR(r))
+                    abort_flushed_cb(NULL, UCS_PTR_STATUS(r), j);
+            }
+        }
+        if (j->flushed && j->peer->alive)
+            send_ctl(x, j->peer->ep, AM_ABORT_ACK, j->request_id, j->lease_id, TD_OK);
+        if (j->flushed || j->failed) {
+            list_del(&j->link);
+            free(j);
+        }
+    }
+}
+
+static void put_flushed_cb(void *request, ucs_status_t status, void *user_data)
+{
+    td_xfer_send_t *s = user_data;
+    s->flush_inflight = false;
+    if (status == UCS_OK)
+        s->flushed = true;
+    else
+        send_set_status(s, TD_ERR_UNAVAILABLE);
+    if (request)
+        ucp_request_free(request);
+    send_maybe_done(s);
+}
+
+/* Put path: every put of the request is complete locally; flush the endpoint so they are
+ * complete at the receiver before READY tells it so. */
+static void post_flush(td_xfer_send_t *s)
+{
+    s->flush_inflight = true;
+    ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA,
+                               .cb.send = put_flushed_cb,
+                               .user_data = s};
+    ucs_status_ptr_t r = ucp_ep_flush_nbx(s->peer->ep, &prm);
+    if (r == NULL)
+        put_flushed_cb(NULL, UCS_OK, s);
+    else if (UCS_PTR_IS_ERR(r))
+        put_flushed_cb(NULL, UCS_PTR_STATUS(r), s);
+}
+
 td_status_t td_xfer_connect(td_xfer_t *x, const void *desc, size_t desc_len, const td_kv_layout_t *mine,
                             td_xfer_peer_t **peer_p)
 {
@@ -868,8 +1265,17 @@ td_status_t td_xfer_connect(td_xfer_t *x, const void *desc, size_t desc_len, con
         }
     }
     td_xfer_peer_t *p = calloc(1, sizeof *p);
-    if (!p)
+    void *rkey_buf = malloc(w.rkey_len ? w.rkey_len : 1);
+    if (!p || !rkey_buf) {
+        free(p);
+        free(rkey_buf);
         return td_errorf(TD_ERR_NOMEM, "xfer connect: out of memory");
+    }
+    memcpy(rkey_buf, (const char *)desc + sizeof w, w.rkey_len);
+    p->rkey_buf = rkey_buf;
+    p->rkey_len = w.rkey_len;
+    p->base = w.base;
+    p->cookie = ++x->next_cookie;
     p->x = x;
     p->ip = w.ip;
     p->port = w.port;
@@ -885,11 +1291,15 @@ td_status_t td_xfer_connect(td_xfer_t *x, const void *desc, size_t desc_len, con
                           .err_handler = {peer_err_cb, p}};
     ucs_status_t st = ucp_ep_create(x->worker, &ep, &p->ep);
     if (st != UCS_OK) {
+        free(p->rkey_buf);
         free(p);
         return ucx_err(st, "connect");
     }
     p->alive = true;
     list_push(&x->peers, &p->link);
+    /* Nothing else goes before the answer: UCX 1.13 mishandles larger messages pending
+     * across the endpoint's wire-up reconfiguration (mm "Invalid am_short_iov length"). */
+    send_ctl(x, p->ep, AM_HELLO, p->cookie, 0, TD_OK);
     *peer_p = p;
     return TD_OK;
 }
@@ -1008,9 +1418,29 @@ static void send_free(td_xfer_send_t *s)
 static void run_deferred(td_xfer_t *x)
 {
     close_pending_eps(x);
-    /* Post queued DATA under the in-flight bound, and READY for requests whose data is in. */
-    while (!list_empty(&x->queue) && x->ops_posted < x->cfg.max_inflight_ops) {
-        send_op_t *op = CONTAINER(x->queue.next, send_op_t, link);
+    run_aborts(x);
+    /* Requests learn their primitive once their peer answered HELLO; put requests bind. */
+    for (list_node_t *pn = x->peers.next; pn != &x->peers; pn = pn->next) {
+        td_xfer_peer_t *peer = CONTAINER(pn, td_xfer_peer_t, link);
+        if (!peer->hello_done || !peer->alive)
+            continue;
+        for (list_node_t *n = peer->sends.next; n != &peer->sends; n = n->next) {
+            td_xfer_send_t *s = CONTAINER(n, td_xfer_send_t, peer_link);
+            if (s->mode != MODE_UNDECIDED || s->status != TD_OK)
+                continue;
+            s->mode = peer->use_put ? MODE_PUT : MODE_AM;
+            if (s->mode == MODE_PUT)
+                send_ctl(x, peer->ep, AM_BIND, s->p.request_id, s->p.lease_id, TD_OK);
+        }
+    }
+    /* Post queued DATA under the in-flight bound (in order, skipping requests still
+     * waiting for their peer or bind), and READY for requests whose data is in. */
+    list_node_t *qn = x->queue.next;
+    while (qn != &x->queue && x->ops_posted < x->cfg.max_inflight_ops) {
+        send_op_t *op = CONTAINER(qn, send_op_t, link);
+        qn = qn->next;
+        if (!op_ready(op))
+            continue;
         list_del(&op->link);
         post_op(x, op);
     }
@@ -1018,8 +1448,14 @@ static void run_deferred(td_xfer_t *x)
         td_xfer_peer_t *peer = CONTAINER(pn, td_xfer_peer_t, link);
         for (list_node_t *n = peer->sends.next; n != &peer->sends; n = n->next) {
             td_xfer_send_t *s = CONTAINER(n, td_xfer_send_t, peer_link);
-            if (s->finished && !s->ready_posted && s->status == TD_OK && s->ops_out == 0)
-                post_ready(x, s);
+            if (!s->finished || s->ready_posted || s->status != TD_OK || s->ops_out != 0)
+                continue;
+            if (s->mode == MODE_PUT && !s->flushed) {
+                if (!s->flush_inflight)
+                    post_flush(s);
+                continue;
+            }
+            post_ready(x, s);
         }
     }
     while (!list_empty(&x->done_list)) {
@@ -1069,8 +1505,7 @@ static void drain(td_xfer_t *x)
         run_deferred(x);
         if (ucp_worker_progress(x->worker))
             continue;
-        if (!list_empty(&x->done_list) || !list_empty(&x->ready_list) ||
-            (!list_empty(&x->queue) && x->ops_posted < x->cfg.max_inflight_ops))
+        if (!list_empty(&x->done_list) || !list_empty(&x->ready_list))
             continue;
         ucs_status_t st = ucp_worker_arm(x->worker);
         if (st == UCS_OK)
@@ -1105,6 +1540,13 @@ static void on_tick(uv_timer_t *h)
                     l->n_blocks);
             x->stats.leases_expired++;
             lease_kill(x, l);
+        } else if (l->state == LEASE_DEAD && l->put_writer && now >= l->quarantine_ns) {
+            /* A frozen sender never confirms: the remaining risk (docs/xfer.md). */
+            td_warn("xfer lease %" PRIu64 ": its put writer did not confirm the abort in %u ms; %d blocks return "
+                    "anyway", l->id, x->cfg.quarantine_ms, l->n_blocks);
+            x->stats.quarantine_timeouts++;
+            l->put_writer = NULL;
+            lease_try_release(x, l);
         }
     }
     for (list_node_t *pn = x->peers.next; pn != &x->peers; pn = pn->next) {
@@ -1140,7 +1582,22 @@ td_xfer_config_t td_xfer_config_default(void)
                               .listen_port = 0,
                               .max_inflight_ops = 64,
                               .send_timeout_ms = 30000,
-                              .tick_ms = 10};
+                              .tick_ms = 10,
+                              .rma = TD_XFER_RMA_AUTO,
+                              .quarantine_ms = 10000};
+}
+
+td_status_t td_xfer_rma_parse(const char *s, td_xfer_rma_t *rma_p)
+{
+    if (!strcmp(s, "auto"))
+        *rma_p = TD_XFER_RMA_AUTO;
+    else if (!strcmp(s, "put"))
+        *rma_p = TD_XFER_RMA_PUT;
+    else if (!strcmp(s, "am"))
+        *rma_p = TD_XFER_RMA_AM;
+    else
+        return td_errorf(TD_ERR_INVALID, "xfer rma: '%s' is not auto, put or am", s);
+    return TD_OK;
 }
 
 static void on_handle_closed(uv_handle_t *h)
@@ -1166,8 +1623,9 @@ td_status_t td_xfer_create(uv_loop_t *loop, const td_xfer_config_t *cfg, td_xfer
 {
     td_status_t ret = TD_OK;
     ucs_status_t st;
-    if (cfg->max_inflight_ops == 0 || cfg->send_timeout_ms == 0 || cfg->tick_ms == 0)
-        return td_errorf(TD_ERR_INVALID, "xfer config: max_inflight_ops, send_timeout_ms and tick_ms must be > 0");
+    if (cfg->max_inflight_ops == 0 || cfg->send_timeout_ms == 0 || cfg->tick_ms == 0 || cfg->quarantine_ms == 0)
+        return td_errorf(TD_ERR_INVALID, "xfer config: max_inflight_ops, send_timeout_ms, tick_ms and quarantine_ms "
+                         "must be > 0");
     td_xfer_t *x = calloc(1, sizeof *x);
     if (!x)
         return td_errorf(TD_ERR_NOMEM, "xfer: out of memory");
@@ -1182,6 +1640,7 @@ td_status_t td_xfer_create(uv_loop_t *loop, const td_xfer_config_t *cfg, td_xfer
     list_init(&x->queue);
     list_init(&x->done_list);
     list_init(&x->closing);
+    list_init(&x->aborts);
 
     ucp_config_t *ucfg;
     st = ucp_config_read(NULL, NULL, &ucfg);
@@ -1206,7 +1665,13 @@ td_status_t td_xfer_create(uv_loop_t *loop, const td_xfer_config_t *cfg, td_xfer
     }
     if ((ret = set_am_handler(x, AM_DATA, am_data_cb)) != TD_OK ||
         (ret = set_am_handler(x, AM_READY, am_ready_cb)) != TD_OK ||
-        (ret = set_am_handler(x, AM_ACK, am_ack_cb)) != TD_OK)
+        (ret = set_am_handler(x, AM_ACK, am_ack_cb)) != TD_OK ||
+        (ret = set_am_handler(x, AM_HELLO, am_hello_cb)) != TD_OK ||
+        (ret = set_am_handler(x, AM_HELLO_ACK, am_hello_ack_cb)) != TD_OK ||
+        (ret = set_am_handler(x, AM_BIND, am_bind_cb)) != TD_OK ||
+        (ret = set_am_handler(x, AM_BIND_ACK, am_bind_ack_cb)) != TD_OK ||
+        (ret = set_am_handler(x, AM_ABORT, am_abort_cb)) != TD_OK ||
+        (ret = set_am_handler(x, AM_ABORT_ACK, am_abort_ack_cb)) != TD_OK)
         goto err_worker;
     if (cfg->listen_ip) {
         struct sockaddr_in sin = {.sin_family = AF_INET, .sin_port = htons(cfg->listen_port)};
@@ -1271,20 +1736,28 @@ td_status_t td_xfer_register_pool(td_xfer_t *x, const td_xfer_pool_t *pool, td_x
         return td_errorf(TD_ERR_UNSUPPORTED, "xfer: CUDA pools need the staging path, not built yet (docs/xfer.md)");
     if (td_kv_layout_validate(&pool->layout) != TD_OK)
         return td_errorf(TD_ERR_INVALID, "xfer: %s", td_last_error());
-    if (!pool->base || pool->n_blocks == 0 || !pool->kv)
-        return td_errorf(TD_ERR_INVALID, "xfer: pool needs base, n_blocks and a block manager");
-    ucp_mem_map_params_t mp = {.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH,
+    if (pool->n_blocks == 0 || !pool->kv)
+        return td_errorf(TD_ERR_INVALID, "xfer: pool needs n_blocks and a block manager");
+    /* base NULL: UCX allocates (sysv/posix segment first), which is what lets a sender on
+     * this host put with a memcpy into its mapping of the pool. */
+    ucp_mem_map_params_t mp = {.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
+                                             UCP_MEM_MAP_PARAM_FIELD_FLAGS,
                                .address = pool->base,
-                               .length = td_kv_pool_bytes(&pool->layout, pool->n_blocks)};
+                               .length = td_kv_pool_bytes(&pool->layout, pool->n_blocks),
+                               .flags = pool->base ? 0 : UCP_MEM_MAP_ALLOCATE};
     ucs_status_t st = ucp_mem_map(x->ctx, &mp, &x->memh);
     if (st != UCS_OK)
-        return ucx_err(st, "register pool");
-    st = ucp_rkey_pack(x->ctx, x->memh, &x->rkey_buf, &x->rkey_len);
+        return ucx_err(st, pool->base ? "register pool" : "allocate pool");
+    ucp_mem_attr_t ma = {.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS};
+    st = ucp_mem_query(x->memh, &ma);
+    if (st == UCS_OK)
+        st = ucp_rkey_pack(x->ctx, x->memh, &x->rkey_buf, &x->rkey_len);
     if (st != UCS_OK) {
         ucp_mem_unmap(x->ctx, x->memh);
         return ucx_err(st, "pack rkey");
     }
     x->pool = *pool;
+    x->pool.base = ma.address;
     x->on_ready = on_ready;
     x->ready_arg = arg;
     x->have_pool = true;
@@ -1311,6 +1784,11 @@ td_status_t td_xfer_describe(td_xfer_t *x, void *buf, size_t cap, size_t *len_p)
     return TD_OK;
 }
 
+void *td_xfer_pool_base(const td_xfer_t *x)
+{
+    return x->have_pool ? x->pool.base : NULL;
+}
+
 void td_xfer_get_stats(const td_xfer_t *x, td_xfer_stats_t *stats)
 {
     *stats = x->stats;
@@ -1333,6 +1811,22 @@ void td_xfer_destroy(td_xfer_t *x)
             send_maybe_done(s);
         }
     }
+    /* Verdicts (ACKs) still on their way to senders are delivered before the endpoints
+     * go: flush each sender endpoint, bounded (a frozen sender must not hold us). */
+    for (list_node_t *n = x->conns.next; n != &x->conns; n = n->next) {
+        xfer_conn_t *c = CONTAINER(n, xfer_conn_t, link);
+        if (c->closing)
+            continue;
+        ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA,
+                                   .cb.send = close_ep_done_cb,
+                                   .user_data = x};
+        ucs_status_ptr_t r = ucp_ep_flush_nbx(c->ep, &prm);
+        if (r && !UCS_PTR_IS_ERR(r))
+            x->closes_inflight++;
+    }
+    uint64_t flush_until = td_now_ns() + 1000000000ull;
+    while (x->closes_inflight > 0 && td_now_ns() < flush_until)
+        ucp_worker_progress(x->worker);
     for (list_node_t *n = x->conns.next; n != &x->conns; n = n->next) {
         xfer_conn_t *c = CONTAINER(n, xfer_conn_t, link);
         if (!c->closing) {
@@ -1348,6 +1842,11 @@ void td_xfer_destroy(td_xfer_t *x)
         ;
     x->cfg.max_inflight_ops = 0; /* run_deferred posts nothing more */
     run_deferred(x);
+    while (!list_empty(&x->aborts)) {
+        abort_job_t *j = CONTAINER(x->aborts.next, abort_job_t, link);
+        list_del(&j->link);
+        free(j);
+    }
     while (!list_empty(&x->peers)) {
         td_xfer_peer_t *peer = CONTAINER(x->peers.next, td_xfer_peer_t, link);
         while (!list_empty(&peer->sends)) { /* never finished: no callback owed */
@@ -1356,6 +1855,9 @@ void td_xfer_destroy(td_xfer_t *x)
             send_free(s);
         }
         list_del(&peer->link);
+        if (peer->rkey)
+            ucp_rkey_destroy(peer->rkey);
+        free(peer->rkey_buf);
         free(peer);
     }
     while (!list_empty(&x->conns)) {
@@ -1366,6 +1868,7 @@ void td_xfer_destroy(td_xfer_t *x)
     while (!list_empty(&x->leases)) {
         xfer_lease_t *l = CONTAINER(x->leases.next, xfer_lease_t, link);
         l->inflight = 0; /* endpoints are closed: nothing writes any more */
+        l->put_writer = NULL;
         lease_release(x, l);
     }
     while (!list_empty(&x->ready_list)) {

@@ -22,7 +22,10 @@
  *
  * Leases: ids are 64-bit, increasing, never reused, so a late message for a dead lease
  * can never touch blocks re-leased to someone else: every data message names its lease,
- * and the receiver places bytes only into blocks of that live lease.
+ * and the receiver places bytes only into blocks of that live lease. Puts cannot be
+ * refused once issued, so a sender binds to a lease before its first put, and a dead
+ * lease with a bound writer keeps its blocks (quarantine) until that writer confirms it
+ * stopped (abort-ack after a flush), its endpoint is lost, or quarantine_ms passes.
  */
 #ifndef TD_XFER_H
 #define TD_XFER_H
@@ -49,6 +52,18 @@ typedef enum td_xfer_mem {
     TD_XFER_MEM_CUDA = 1,
 } td_xfer_mem_t;
 
+/* Which UCX primitive carries KV bytes to a peer (docs/xfer.md). AUTO: RMA put where it is
+ * native and reaches the receiver's pool (a mapped shared-memory segment, or an RDMA
+ * transport), active-message rendezvous otherwise (TCP, where UCX emulates RMA over AM). */
+typedef enum td_xfer_rma {
+    TD_XFER_RMA_AUTO = 0,
+    TD_XFER_RMA_PUT = 1, /* always put (emulated over AM on TCP: slow; for tests) */
+    TD_XFER_RMA_AM = 2,  /* always AM rendezvous */
+} td_xfer_rma_t;
+
+/* "auto", "put" or "am" -> *rma_p. Errors: TD_ERR_INVALID naming the value. */
+td_status_t td_xfer_rma_parse(const char *s, td_xfer_rma_t *rma_p);
+
 typedef struct td_xfer_config {
     const char *name;          /* UCX context name, for logs ("decode0") */
     const char *listen_ip;     /* IPv4 address to accept senders on; NULL: send only */
@@ -56,9 +71,13 @@ typedef struct td_xfer_config {
     uint32_t max_inflight_ops; /* data operations posted to UCX at once, whole node */
     uint32_t send_timeout_ms;  /* bound from send_begin to the receiver's verdict */
     uint32_t tick_ms;          /* period of the deadline scan (leases, sends) */
+    td_xfer_rma_t rma;         /* sender: primitive per peer */
+    uint32_t quarantine_ms;    /* receiver: bound on holding a dead lease's blocks while
+                                  its put writer has not confirmed the abort */
 } td_xfer_config_t;
 
-/* Defaults: listen on 127.0.0.1 port 0, 64 ops in flight, 30 s send bound, 10 ms tick. */
+/* Defaults: listen on 127.0.0.1 port 0, 64 ops in flight, 30 s send bound, 10 ms tick,
+ * rma auto, 10 s quarantine. */
 td_xfer_config_t td_xfer_config_default(void);
 
 /* Prometheus names in docs/xfer.md. Counters only grow; gauges are current values. */
@@ -85,6 +104,10 @@ typedef struct td_xfer_stats {
     uint64_t leases_sender_lost; /* released because the writing sender's endpoint died */
     uint64_t discarded_data;     /* data messages for a dead or unknown lease */
     uint64_t discarded_ready;    /* kv-ready for a dead or unknown lease */
+    uint64_t ops_put;            /* sender: data operations posted as RMA puts */
+    uint64_t ops_am;             /* sender: data operations posted as active messages */
+    uint64_t leases_quarantined; /* died while a put writer was bound: held until its abort-ack */
+    uint64_t quarantine_timeouts;/* ... released by quarantine_ms instead (the remaining risk) */
 } td_xfer_stats_t;
 
 /*
@@ -123,7 +146,10 @@ typedef void (*td_xfer_ready_cb)(void *arg, const td_xfer_ready_t *ready);
 
 typedef struct td_xfer_pool {
     td_kv_layout_t layout;
-    void *base;         /* pool[n_layers][n_blocks][2][block_size][n_kv_heads][head_dim] */
+    void *base;         /* pool[n_layers][n_blocks][2][block_size][n_kv_heads][head_dim];
+                           NULL: UCX allocates it (td_xfer_pool_base), as a shared-memory
+                           segment when sm transports are on, so that senders on this host
+                           put with a memcpy into the mapping */
     uint32_t n_blocks;
     td_xfer_mem_t mem;
     td_kv_cache_t *kv;  /* the block manager of this pool (not owned); leases allocate here */
@@ -136,6 +162,10 @@ typedef struct td_xfer_pool {
  */
 td_status_t td_xfer_register_pool(td_xfer_t *x, const td_xfer_pool_t *pool, td_xfer_ready_cb on_ready,
                                   void *arg);
+
+/* The registered pool's address (the one UCX allocated when pool->base was NULL), or NULL
+ * before td_xfer_register_pool. Valid until td_xfer_destroy. */
+void *td_xfer_pool_base(const td_xfer_t *x);
 
 /* Largest description td_xfer_describe writes. */
 #define TD_XFER_DESC_MAX 1024
@@ -158,8 +188,10 @@ td_status_t td_xfer_describe(td_xfer_t *x, void *buf, size_t cap, size_t *len_p)
 td_status_t td_xfer_lease_create(td_xfer_t *x, uint64_t request_id, int32_t n_blocks, uint32_t ttl_ms,
                                  int32_t *blocks_out, uint64_t *lease_id_p);
 
-/* Ends a live lease now (request cancelled): its blocks return to the pool once no
- * receive is still writing into them. Errors: TD_ERR_STALE (not live; not logged). */
+/* Ends a live lease now (request cancelled): its blocks return to the pool once nothing
+ * can write into them any more: no receive in flight, and a sender bound for puts has
+ * confirmed the abort (or its endpoint is gone, or quarantine_ms passed).
+ * Errors: TD_ERR_STALE (not live; not logged). */
 td_status_t td_xfer_lease_cancel(td_xfer_t *x, uint64_t lease_id);
 
 /* ---- sender ------------------------------------------------------------------------- */
