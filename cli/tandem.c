@@ -22,6 +22,10 @@ static const cmd_t cmds[] = {
     {"tokenize", cmd_tokenize, "encode stdin to token ids (or decode ids with --decode)"},
     {"model", cmd_model, "model tools: synth (write a random-weight model), info"},
     {"bench", cmd_bench, "benchmarks: engine, kernels"},
+    {"router", cmd_router, "cluster router: gateway gRPC API, node registry, token relay"},
+    {"prefill", cmd_prefill, "cluster prefill node"},
+    {"decode", cmd_decode, "cluster decode node"},
+    {"local", cmd_local, "a whole cluster (router + prefill + decode processes) on 127.0.0.1"},
 };
 
 static void usage(FILE *f)

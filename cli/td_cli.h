@@ -10,5 +10,9 @@ int cmd_generate(int argc, char **argv);
 int cmd_tokenize(int argc, char **argv);
 int cmd_model(int argc, char **argv);
 int cmd_bench(int argc, char **argv);
+int cmd_router(int argc, char **argv);
+int cmd_prefill(int argc, char **argv);
+int cmd_decode(int argc, char **argv);
+int cmd_local(int argc, char **argv);
 
 #endif /* TD_CLI_H */

@@ -1,0 +1,241 @@
+/*
+ * cmd_local: `tandem local --model PATH --prefill N --decode M`: a whole cluster on
+ * 127.0.0.1 as separate processes of this same binary (router, N prefill, M decode
+ * nodes). Prints `gateway: HOST:PORT` and `metrics: URL` once every node registered, then
+ * waits; SIGINT/SIGTERM (or the router's death) stops every process it started
+ * (SIGTERM, then SIGKILL after a bound).
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "td_cli.h"
+#include "td_log.h"
+#include "td_model.h"
+#include "td_util.h"
+
+#define LOCAL_MAX_CHILDREN 66
+
+typedef struct local_state {
+    pid_t pids[LOCAL_MAX_CHILDREN];
+    int n;
+    int router_fd;           /* the router's stdout */
+    char buf[4096];
+    size_t len;
+} local_state_t;
+
+static volatile sig_atomic_t local_stop;
+
+static void on_sig(int sig)
+{
+    local_stop = sig;
+}
+
+static pid_t spawn(const char *self, char *const argv[], int *out_fd)
+{
+    int p[2] = {-1, -1};
+    if (out_fd && pipe(p) != 0)
+        return -1;
+    pid_t pid = fork();
+    if (pid == 0) {
+        if (out_fd) {
+            dup2(p[1], STDOUT_FILENO);
+            close(p[0]);
+            close(p[1]);
+        } else {
+            dup2(STDERR_FILENO, STDOUT_FILENO); /* node banners go to our stderr */
+        }
+        signal(SIGINT, SIG_DFL);
+        signal(SIGTERM, SIG_DFL);
+        execv(self, argv);
+        _exit(127);
+    }
+    if (out_fd) {
+        close(p[1]);
+        *out_fd = p[0];
+    }
+    return pid;
+}
+
+/* Reads one line of the router's stdout within timeout_ms; NULL on timeout/EOF. */
+static const char *read_line(local_state_t *l, int timeout_ms, char *line, size_t cap)
+{
+    uint64_t end = td_now_ns() + (uint64_t)timeout_ms * 1000000ull;
+    for (;;) {
+        char *nl = memchr(l->buf, '\n', l->len);
+        if (nl) {
+            size_t n = (size_t)(nl - l->buf);
+            snprintf(line, cap, "%.*s", (int)n, l->buf);
+            memmove(l->buf, nl + 1, l->len - n - 1);
+            l->len -= n + 1;
+            return line;
+        }
+        uint64_t now = td_now_ns();
+        if (now >= end || local_stop || l->len == sizeof l->buf)
+            return NULL;
+        struct pollfd pf = {.fd = l->router_fd, .events = POLLIN};
+        if (poll(&pf, 1, (int)((end - now) / 1000000ull) + 1) <= 0)
+            continue;
+        ssize_t r = read(l->router_fd, l->buf + l->len, sizeof l->buf - l->len);
+        if (r <= 0)
+            return NULL;
+        l->len += (size_t)r;
+    }
+}
+
+static void stop_all(local_state_t *l)
+{
+    for (int i = l->n - 1; i >= 0; i--)
+        if (l->pids[i] > 0)
+            kill(l->pids[i], SIGTERM);
+    uint64_t end = td_now_ns() + 5000000000ull;
+    int left = l->n;
+    while (left > 0) {
+        left = 0;
+        for (int i = 0; i < l->n; i++) {
+            if (l->pids[i] <= 0)
+                continue;
+            if (waitpid(l->pids[i], NULL, WNOHANG) == l->pids[i])
+                l->pids[i] = 0;
+            else if (td_now_ns() > end) {
+                kill(l->pids[i], SIGKILL);
+                waitpid(l->pids[i], NULL, 0);
+                l->pids[i] = 0;
+            } else
+                left++;
+        }
+        if (left)
+            usleep(20000);
+    }
+}
+
+int cmd_local(int argc, char **argv)
+{
+    const char *model = NULL, *tokenizer = NULL, *log_level = "warn";
+    int64_t n_prefill = 1, n_decode = 1, threads = 1, kv_blocks = 1024;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        td_status_t st = TD_OK;
+        if (!strcmp(a, "--help")) {
+            printf("usage: tandem local --model PATH [--tokenizer PATH] [--prefill N] [--decode M]\n"
+                   "                    [--threads T] [--kv-blocks B] [--log-level L]\n\n"
+                   "Starts a router, N prefill and M decode nodes (separate processes) on 127.0.0.1,\n"
+                   "prints 'gateway: HOST:PORT' and 'metrics: URL' once all registered, and stops them\n"
+                   "all on SIGINT/SIGTERM. --threads is per node (default 1).\n");
+            return 0;
+        }
+        if (!v) {
+            fprintf(stderr, "tandem local: %s needs a value\n", a);
+            return 2;
+        }
+        i++;
+        if (!strcmp(a, "--model")) model = v;
+        else if (!strcmp(a, "--tokenizer")) tokenizer = v;
+        else if (!strcmp(a, "--log-level")) log_level = v;
+        else if (!strcmp(a, "--prefill")) st = td_parse_i64(v, 1, 32, "--prefill", &n_prefill);
+        else if (!strcmp(a, "--decode")) st = td_parse_i64(v, 1, 32, "--decode", &n_decode);
+        else if (!strcmp(a, "--threads")) st = td_parse_i64(v, 0, 4096, "--threads", &threads);
+        else if (!strcmp(a, "--kv-blocks")) st = td_parse_i64(v, 1, 1 << 24, "--kv-blocks", &kv_blocks);
+        else {
+            fprintf(stderr, "tandem local: unknown option %s\n", a);
+            return 2;
+        }
+        if (st != TD_OK)
+            return 2;
+    }
+    if (!model) {
+        fprintf(stderr, "tandem local: --model PATH is required\n");
+        return 2;
+    }
+    char tok_path[4096];
+    if (!tokenizer) {
+        td_model_t *m;
+        if (td_model_load(model, &m) != TD_OK)
+            return 1;
+        snprintf(tok_path, sizeof tok_path, "%s", m->tokenizer_path);
+        td_model_destroy(m);
+        tokenizer = tok_path[0] ? tok_path : NULL; /* none: the cluster takes token ids only */
+    }
+    char self[4096];
+    ssize_t sl = readlink("/proc/self/exe", self, sizeof self - 1);
+    if (sl <= 0)
+        return 1;
+    self[sl] = '\0';
+
+    local_state_t l = {.router_fd = -1};
+    struct sigaction sa = {.sa_handler = on_sig};
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+    int rc = 1;
+    char line[512], gateway[512] = "", control[512] = "", metrics[512] = "";
+    char *rargv[] = {"tandem", "router", "--log-level", (char *)log_level, "--tokenizer", (char *)tokenizer, NULL};
+    if (!tokenizer)
+        rargv[4] = NULL;
+    if ((l.pids[l.n] = spawn(self, rargv, &l.router_fd)) < 0)
+        goto out;
+    l.n++;
+    while ((!gateway[0] || !control[0] || !metrics[0]) && read_line(&l, 10000, line, sizeof line)) {
+        if (!strncmp(line, "gateway: ", 9))
+            snprintf(gateway, sizeof gateway, "%s", line + 9);
+        else if (!strncmp(line, "control: ", 9))
+            snprintf(control, sizeof control, "%s", line + 9);
+        else if (!strncmp(line, "metrics: ", 9))
+            snprintf(metrics, sizeof metrics, "%s", line + 9);
+    }
+    if (!metrics[0]) {
+        fprintf(stderr, "tandem local: the router did not start\n");
+        goto out;
+    }
+    char th[32], kb[32];
+    snprintf(th, sizeof th, "%lld", (long long)threads);
+    snprintf(kb, sizeof kb, "%lld", (long long)kv_blocks);
+    for (int64_t i = 0; i < n_prefill + n_decode; i++) {
+        bool dec = i >= n_prefill;
+        char id[32];
+        snprintf(id, sizeof id, "%s%lld", dec ? "decode" : "prefill", (long long)(dec ? i - n_prefill : i));
+        char *nargv[] = {"tandem", dec ? "decode" : "prefill", "--model", (char *)model, "--router", control,
+                         "--node-id", id, "--threads", th, "--kv-blocks", kb, "--log-level", (char *)log_level, NULL};
+        if ((l.pids[l.n] = spawn(self, nargv, NULL)) < 0)
+            goto out;
+        l.n++;
+    }
+    bool ready = false;
+    while (!ready && read_line(&l, 30000, line, sizeof line)) {
+        int np, nd;
+        if (sscanf(line, "nodes: %d prefill, %d decode", &np, &nd) == 2 && np >= n_prefill && nd >= n_decode)
+            ready = true;
+    }
+    if (!ready) {
+        fprintf(stderr, "tandem local: the nodes did not all register within 30 s\n");
+        goto out;
+    }
+    printf("gateway: %s\nmetrics: %s\n", gateway, metrics);
+    fflush(stdout);
+    /* serve until a signal or a child's death; keep draining the router's stdout */
+    while (!local_stop) {
+        read_line(&l, 200, line, sizeof line);
+        bool died = false;
+        for (int i = 0; i < l.n; i++)
+            if (l.pids[i] > 0 && waitpid(l.pids[i], NULL, WNOHANG) == l.pids[i]) {
+                fprintf(stderr, "tandem local: process %d exited%s\n", (int)l.pids[i],
+                        i == 0 ? "; stopping the cluster" : "");
+                l.pids[i] = 0;
+                died = died || i == 0; /* a node may die (the router fails over); the router may not */
+            }
+        if (died)
+            goto out;
+    }
+    rc = 0;
+out:
+    stop_all(&l);
+    if (l.router_fd >= 0)
+        close(l.router_fd);
+    return rc;
+}

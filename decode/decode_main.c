@@ -1,0 +1,796 @@
+/*
+ * decode_main: the decode node process (see decode_node.h and docs/cluster.md).
+ *
+ * Threads: the loop thread owns gRPC, /metrics, the router client and td_xfer, whose
+ * leases land KV in a separate "landing" pool (its own block manager, so td_xfer and the
+ * engine never share a non-thread-safe td_kv_cache_t). The compute thread owns the engine
+ * and decode_sched. On kv-ready the loop hands the landed blocks to the compute thread
+ * (bounded command queue), which copies them into engine blocks, admits the request, and
+ * hands every step's events back (bounded result queue + uv_async_send); the loop streams
+ * one StepBatch per step and returns the landing blocks to td_xfer's pool.
+ */
+#include "decode_node.h"
+
+#include <pthread.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "control.pb-c.h"
+#include "decode_sched.h"
+#include "router_conf.h"
+#include "router_node_client.h"
+#include "td_backend.h"
+#include "td_engine.h"
+#include "td_grpc.h"
+#include "td_http.h"
+#include "td_log.h"
+#include "td_metrics.h"
+#include "td_model.h"
+#include "td_util.h"
+#include "td_xfer.h"
+
+#define DECODE_MAX_STOP_IDS 32
+#define DECODE_MAX_SUBSCRIBERS 8
+
+typedef struct decode_config {
+    const char *model;
+    const char *model_name;
+    const char *router;       /* host:port of the router's control API */
+    const char *host;         /* address to serve on */
+    const char *node_id;
+    int64_t port;             /* control gRPC port (0 = ephemeral) */
+    int64_t metrics_port;
+    int64_t threads;
+    int64_t kv_blocks;        /* engine pool */
+    int64_t landing_blocks;   /* td_xfer landing pool */
+    int64_t max_batch;
+    int64_t max_lease_ms;
+    int64_t max_requests;     /* admitted + running at most (bounds every queue) */
+    int64_t result_queue;     /* step results waiting for the loop */
+    const char *log_level;
+} decode_config_t;
+
+/* An admitted request whose KV has not arrived yet (loop thread). */
+typedef struct decode_admit {
+    struct decode_admit *next;
+    uint64_t lease_id;
+    uint64_t deadline_ns;
+    int32_t *prompt;
+    int32_t n_prompt;
+    td_sampling_t sampling;
+    int32_t max_tokens;
+    int32_t stop_ids[DECODE_MAX_STOP_IDS];
+    int32_t n_stop_ids;
+} decode_admit_t;
+
+/* Loop → compute. */
+typedef struct decode_cmd {
+    struct decode_cmd *next;
+    decode_admit_t *admit;     /* NULL: cancel lease_id */
+    uint64_t lease_id;
+    int32_t *landing;          /* [n_landing] landing blocks, one reference each */
+    int32_t n_landing;
+    int32_t first_token;
+} decode_cmd_t;
+
+/* Compute → loop: one step's results, or landing blocks to give back. */
+typedef struct decode_out {
+    struct decode_out *next;
+    uint64_t step;
+    double step_s;
+    Tandem__Control__V1__SeqStep *seqs;
+    int32_t n_seqs;
+    uint32_t free_blocks;
+    int32_t *landing_unref;
+    int32_t n_landing_unref;
+} decode_out_t;
+
+typedef struct decode_state {
+    decode_config_t cfg;
+    uv_loop_t loop;
+    uv_signal_t sigint, sigterm;
+    uv_async_t async;
+    uv_timer_t sweep;
+    td_model_t *model;
+    td_backend_t *be;
+    td_engine_t *eng;
+    decode_sched_t *sched;
+    td_kv_layout_t layout;
+    void *landing_mem;
+    td_kv_cache_t *landing_kv;
+    td_xfer_t *xfer;
+    td_grpc_server_t *grpc;
+    td_http_server_t *http;
+    td_metrics_t *metrics;
+    td_metric_t *m_used, *m_free, *m_running, *m_waiting, *m_tokens, *m_steps, *m_step_s, *m_batch,
+        *m_admits, *m_refused, *m_releases;
+    router_node_client_t *client;
+    decode_admit_t *admits;
+    int32_t n_admits;
+    td_grpc_call_t *subs[DECODE_MAX_SUBSCRIBERS];
+    int n_subs;
+    /* queues */
+    pthread_t thread;
+    bool thread_started;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;        /* compute waits for commands or room in the result queue */
+    decode_cmd_t *cmd_head, **cmd_tail;
+    decode_out_t *out_head, **out_tail;
+    int32_t n_out;
+    bool stop;
+    _Atomic int32_t load_running, load_free;
+    _Atomic int64_t step_ns;
+    bool shutting_down;
+    bool handles_up;          /* async, sweep and signal handles initialised */
+} decode_state_t;
+
+/* FNV-1a of the request id string: the 64-bit id both nodes give td_xfer. */
+static uint64_t request_key(const char *s)
+{
+    uint64_t h = 1469598103934665603ull;
+    for (; *s; s++)
+        h = (h ^ (uint8_t)*s) * 1099511628211ull;
+    return h;
+}
+
+/* ---- compute thread ------------------------------------------------------------------ */
+
+static void push_out(decode_state_t *s, decode_out_t *o)
+{
+    pthread_mutex_lock(&s->mu);
+    while (!s->stop && s->n_out >= s->cfg.result_queue && o->n_seqs)
+        pthread_cond_wait(&s->cv, &s->mu);
+    o->next = NULL;
+    *s->out_tail = o;
+    s->out_tail = &o->next;
+    s->n_out++;
+    pthread_mutex_unlock(&s->mu);
+    uv_async_send(&s->async);
+}
+
+static void add_seq(decode_out_t *o, uint64_t id, int32_t token, Tandem__Control__V1__SeqEvent ev)
+{
+    Tandem__Control__V1__SeqStep *q = &o->seqs[o->n_seqs++];
+    tandem__control__v1__seq_step__init(q);
+    q->lease_id = id;
+    q->token = token >= 0 ? (uint32_t)token : 0;
+    q->event = ev;
+}
+
+/* Copies landed KV into fresh engine blocks and admits the request. */
+static void compute_admit(decode_state_t *s, decode_cmd_t *c, decode_out_t *fail_out)
+{
+    decode_admit_t *a = c->admit;
+    td_kv_cache_t *kv = td_engine_kv(s->eng);
+    int32_t n = c->n_landing;
+    int32_t *blocks = malloc((size_t)n * sizeof *blocks);
+    int32_t pool_blocks;
+    uint8_t *pool = td_engine_kv_pool(s->eng, &pool_blocks);
+    td_status_t st = blocks ? td_kv_alloc_blocks(kv, n, blocks) : TD_ERR_NOMEM;
+    if (st == TD_OK) {
+        size_t bb = td_kv_block_bytes(&s->layout);
+        for (uint32_t l = 0; l < s->layout.n_layers; l++)
+            for (int32_t i = 0; i < n; i++)
+                memcpy(pool + td_kv_block_offset(&s->layout, (uint32_t)pool_blocks, l, (uint32_t)blocks[i]),
+                       (uint8_t *)s->landing_mem +
+                           td_kv_block_offset(&s->layout, (uint32_t)s->cfg.landing_blocks, l, (uint32_t)c->landing[i]),
+                       bb);
+        decode_request_t r = {.id = c->lease_id, .prompt = a->prompt, .n_prompt = a->n_prompt,
+                              .kv_blocks = blocks, .n_kv_blocks = n, .first_token = c->first_token,
+                              .sampling = a->sampling, .max_tokens = a->max_tokens,
+                              .stop_ids = a->stop_ids, .n_stop_ids = a->n_stop_ids};
+        st = decode_sched_admit(s->sched, &r);
+        if (st != TD_OK)
+            for (int32_t i = 0; i < n; i++)
+                td_kv_unref_block(kv, blocks[i]);
+    }
+    if (st != TD_OK) {
+        td_warn("decode: lease %llu not admitted: %s", (unsigned long long)c->lease_id, td_last_error());
+        add_seq(fail_out, c->lease_id, -1, TANDEM__CONTROL__V1__SEQ_EVENT__SEQ_EVENT_FAILED);
+    }
+    free(blocks);
+}
+
+static void *compute_main(void *arg)
+{
+    decode_state_t *s = arg;
+    for (;;) {
+        pthread_mutex_lock(&s->mu);
+        while (!s->stop && !s->cmd_head && !decode_sched_busy(s->sched))
+            pthread_cond_wait(&s->cv, &s->mu);
+        if (s->stop) {
+            pthread_mutex_unlock(&s->mu);
+            break;
+        }
+        decode_cmd_t *cmds = s->cmd_head;
+        s->cmd_head = NULL;
+        s->cmd_tail = &s->cmd_head;
+        pthread_mutex_unlock(&s->mu);
+
+        int32_t n_cmds = 0, n_landing = 0;
+        for (decode_cmd_t *c = cmds; c; c = c->next)
+            n_cmds++, n_landing += c->n_landing;
+        int32_t cap = (int32_t)s->cfg.max_requests * 2 + n_cmds + 1;
+        decode_out_t *o = calloc(1, sizeof *o);
+        if (!o || !(o->seqs = calloc((size_t)cap, sizeof *o->seqs)) ||
+            (n_landing && !(o->landing_unref = malloc((size_t)n_landing * sizeof(int32_t))))) {
+            TD_ASSERT(!"decode: out of memory for a step result");
+        }
+        while (cmds) {
+            decode_cmd_t *c = cmds;
+            cmds = c->next;
+            if (c->admit)
+                compute_admit(s, c, o);
+            else
+                decode_sched_cancel(s->sched, c->lease_id);
+            for (int32_t i = 0; i < c->n_landing; i++)
+                o->landing_unref[o->n_landing_unref++] = c->landing[i];
+            if (c->admit) {
+                free(c->admit->prompt);
+                free(c->admit);
+            }
+            free(c->landing);
+            free(c);
+        }
+        decode_step_result_t res = {0};
+        uint64_t t0 = td_now_ns();
+        if (decode_sched_busy(s->sched) && decode_sched_step(s->sched, (int64_t)t0, &res) == TD_OK) {
+            double dt = (double)(td_now_ns() - t0) * 1e-9;
+            o->step_s = dt;
+            for (int32_t i = 0; i < res.n_events && o->n_seqs + 2 <= cap; i++) {
+                const decode_event_t *e = &res.events[i];
+                if (e->token >= 0)
+                    add_seq(o, e->id, e->token, TANDEM__CONTROL__V1__SEQ_EVENT__SEQ_EVENT_TOKEN);
+                Tandem__Control__V1__SeqEvent ev;
+                switch (e->finish) {
+                case DECODE_FINISH_NONE: continue;
+                case DECODE_FINISH_LENGTH: ev = TANDEM__CONTROL__V1__SEQ_EVENT__SEQ_EVENT_FINISHED_LENGTH; break;
+                case DECODE_FINISH_STOP: ev = TANDEM__CONTROL__V1__SEQ_EVENT__SEQ_EVENT_FINISHED_STOP; break;
+                default: ev = TANDEM__CONTROL__V1__SEQ_EVENT__SEQ_EVENT_FAILED; break;
+                }
+                add_seq(o, e->id, -1, ev);
+            }
+            if (res.n_seqs) {
+                td_metric_inc(s->m_steps);
+                td_metric_observe(s->m_step_s, dt);
+                td_metric_observe(s->m_batch, res.n_seqs);
+                atomic_store(&s->step_ns, (int64_t)(dt * 1e9));
+            }
+        }
+        decode_sched_stats_t ss;
+        decode_sched_stats(s->sched, &ss);
+        td_metric_set(s->m_used, ss.used_blocks);
+        td_metric_set(s->m_free, ss.free_blocks);
+        td_metric_set(s->m_running, ss.running);
+        td_metric_set(s->m_waiting, ss.waiting);
+        atomic_store(&s->load_running, ss.running + ss.waiting);
+        atomic_store(&s->load_free, ss.free_blocks);
+        o->free_blocks = (uint32_t)ss.free_blocks;
+        o->step = ss.steps;
+        if (o->n_seqs || o->n_landing_unref) {
+            push_out(s, o);
+        } else {
+            free(o->seqs);
+            free(o->landing_unref);
+            free(o);
+        }
+    }
+    return NULL;
+}
+
+static bool post_cmd(decode_state_t *s, decode_cmd_t *c)
+{
+    pthread_mutex_lock(&s->mu);
+    c->next = NULL;
+    *s->cmd_tail = c;
+    s->cmd_tail = &c->next;
+    pthread_cond_signal(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+    return true;
+}
+
+/* ---- loop thread ----------------------------------------------------------------------- */
+
+static void on_async(uv_async_t *h)
+{
+    decode_state_t *s = h->data;
+    pthread_mutex_lock(&s->mu);
+    decode_out_t *list = s->out_head;
+    s->out_head = NULL;
+    s->out_tail = &s->out_head;
+    s->n_out = 0;
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+    while (list) {
+        decode_out_t *o = list;
+        list = o->next;
+        for (int32_t i = 0; i < o->n_landing_unref; i++)
+            td_kv_unref_block(s->landing_kv, o->landing_unref[i]);
+        if (o->n_seqs) {
+            Tandem__Control__V1__StepBatch b = TANDEM__CONTROL__V1__STEP_BATCH__INIT;
+            Tandem__Control__V1__SeqStep **ptrs = malloc((size_t)o->n_seqs * sizeof *ptrs);
+            if (ptrs) {
+                for (int32_t i = 0; i < o->n_seqs; i++) {
+                    ptrs[i] = &o->seqs[i];
+                    if (o->seqs[i].event == TANDEM__CONTROL__V1__SEQ_EVENT__SEQ_EVENT_TOKEN)
+                        td_metric_inc(s->m_tokens);
+                }
+                b.step = o->step;
+                b.step_s = o->step_s;
+                b.seqs = ptrs;
+                b.n_seqs = (size_t)o->n_seqs;
+                b.free_kv_blocks = o->free_blocks;
+                for (int i = 0; i < s->n_subs; i++) {
+                    td_status_t st = td_grpc_call_send(s->subs[i], &b.base);
+                    if (st != TD_OK && st != TD_ERR_CANCELLED)
+                        td_warn("decode: step %llu not sent to a subscriber: %s", (unsigned long long)o->step,
+                                td_strerror(st));
+                }
+                free(ptrs);
+            }
+        }
+        free(o->seqs);
+        free(o->landing_unref);
+        free(o);
+    }
+}
+
+static decode_admit_t *admit_take(decode_state_t *s, uint64_t lease_id)
+{
+    for (decode_admit_t **pp = &s->admits; *pp; pp = &(*pp)->next)
+        if ((*pp)->lease_id == lease_id) {
+            decode_admit_t *a = *pp;
+            *pp = a->next;
+            s->n_admits--;
+            return a;
+        }
+    return NULL;
+}
+
+static void admit_free(decode_admit_t *a)
+{
+    if (a) {
+        free(a->prompt);
+        free(a);
+    }
+}
+
+static void on_kv_ready(void *arg, const td_xfer_ready_t *r)
+{
+    decode_state_t *s = arg;
+    decode_admit_t *a = admit_take(s, r->lease_id);
+    decode_cmd_t *c = calloc(1, sizeof *c);
+    int32_t *landing = malloc((size_t)r->n_blocks * sizeof *landing);
+    if (!a || !c || !landing || (int64_t)r->n_tokens != a->n_prompt) {
+        if (a)
+            td_warn("decode: lease %llu: kv-ready with %u tokens, prompt has %d", (unsigned long long)r->lease_id,
+                    r->n_tokens, a->n_prompt);
+        for (int32_t i = 0; i < r->n_blocks; i++)
+            td_kv_unref_block(s->landing_kv, r->blocks[i]);
+        admit_free(a);
+        free(c);
+        free(landing);
+        return;
+    }
+    memcpy(landing, r->blocks, (size_t)r->n_blocks * sizeof *landing);
+    c->admit = a;
+    c->lease_id = r->lease_id;
+    c->landing = landing;
+    c->n_landing = r->n_blocks;
+    c->first_token = r->first_token;
+    post_cmd(s, c);
+}
+
+static void to_sampling(const Tandem__Control__V1__SamplingParams *p, td_sampling_t *out)
+{
+    *out = td_sampling_default();
+    if (!p)
+        return;
+    out->temperature = p->temperature;
+    out->top_k = (int32_t)p->top_k;
+    out->top_p = p->top_p > 0 ? p->top_p : 1.0f;
+    out->min_p = p->min_p;
+    out->repetition_penalty = p->repetition_penalty > 0 ? p->repetition_penalty : 1.0f;
+    out->seed = p->seed;
+}
+
+static void on_admit(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data)
+{
+    decode_state_t *s = data;
+    const Tandem__Control__V1__AdmitRequest *r = (const void *)msg;
+    const td_model_config_t *mc = &s->model->config;
+    char why[256];
+    if (r->n_prompt_ids == 0 || r->n_prompt_ids != r->prompt_tokens || r->max_tokens == 0 ||
+        r->n_prompt_ids >= (size_t)mc->max_seq_len) {
+        td_grpc_call_finish(call, TD_GRPC_INVALID_ARGUMENT, "admit: prompt_ids must hold prompt_tokens ids (1 .. "
+                                                            "model length - 1) and max_tokens must be >= 1");
+        return;
+    }
+    if (r->n_stop_ids > DECODE_MAX_STOP_IDS) {
+        td_grpc_call_finish(call, TD_GRPC_INVALID_ARGUMENT, "admit: too many stop ids");
+        return;
+    }
+    if (s->n_admits >= s->cfg.max_requests) {
+        td_metric_inc(s->m_refused);
+        td_grpc_call_finish(call, TD_GRPC_RESOURCE_EXHAUSTED, "decode node: too many pending admissions");
+        return;
+    }
+    decode_admit_t *a = calloc(1, sizeof *a);
+    if (!a || !(a->prompt = malloc(r->n_prompt_ids * sizeof(int32_t)))) {
+        free(a);
+        td_grpc_call_finish(call, TD_GRPC_RESOURCE_EXHAUSTED, "decode node: out of memory");
+        return;
+    }
+    for (size_t i = 0; i < r->n_prompt_ids; i++) {
+        if (r->prompt_ids[i] >= (uint32_t)mc->vocab_size) {
+            admit_free(a);
+            td_grpc_call_finish(call, TD_GRPC_INVALID_ARGUMENT, "admit: prompt id outside the vocabulary");
+            return;
+        }
+        a->prompt[i] = (int32_t)r->prompt_ids[i];
+    }
+    a->n_prompt = (int32_t)r->n_prompt_ids;
+    to_sampling(r->sampling, &a->sampling);
+    if (td_sampling_validate(&a->sampling, why, sizeof why) != TD_OK) {
+        admit_free(a);
+        td_grpc_call_finish(call, TD_GRPC_INVALID_ARGUMENT, why);
+        return;
+    }
+    a->max_tokens = (int32_t)TD_MIN(r->max_tokens, (uint32_t)INT32_MAX);
+    for (size_t i = 0; i < r->n_stop_ids; i++)
+        a->stop_ids[i] = (int32_t)r->stop_ids[i];
+    a->n_stop_ids = (int32_t)r->n_stop_ids;
+    int32_t n_blocks = (int32_t)TD_DIV_CEIL(a->n_prompt, (int32_t)s->layout.block_size);
+    int32_t *blocks = malloc((size_t)n_blocks * sizeof *blocks);
+    uint32_t ttl = (uint32_t)TD_MIN((int64_t)(r->lease_ms ? r->lease_ms : 10000), s->cfg.max_lease_ms);
+    td_status_t st = blocks ? td_xfer_lease_create(s->xfer, request_key(r->request_id), n_blocks, ttl, blocks,
+                                                   &a->lease_id)
+                            : TD_ERR_NOMEM;
+    if (st != TD_OK) {
+        td_metric_inc(s->m_refused);
+        free(blocks);
+        admit_free(a);
+        td_grpc_call_finish(call, TD_GRPC_RESOURCE_EXHAUSTED, "decode node: no free landing blocks");
+        return;
+    }
+    a->deadline_ns = td_now_ns() + (uint64_t)ttl * 1000000ull + 1000000000ull;
+    a->next = s->admits;
+    s->admits = a;
+    s->n_admits++;
+    td_metric_inc(s->m_admits);
+    Tandem__Control__V1__AdmitResponse resp = TANDEM__CONTROL__V1__ADMIT_RESPONSE__INIT;
+    resp.lease_id = a->lease_id;
+    resp.block_ids = (uint32_t *)blocks; /* int32 ids >= 0 */
+    resp.n_block_ids = (size_t)n_blocks;
+    resp.deadline_unix_ms = 0;
+    td_grpc_call_reply(call, &resp.base);
+    free(blocks);
+}
+
+static void on_release(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data)
+{
+    decode_state_t *s = data;
+    const Tandem__Control__V1__ReleaseRequest *r = (const void *)msg;
+    Tandem__Control__V1__ReleaseResponse resp = TANDEM__CONTROL__V1__RELEASE_RESPONSE__INIT;
+    td_metric_inc(s->m_releases);
+    decode_admit_t *a = admit_take(s, r->lease_id);
+    if (a) { /* KV not here yet: the lease goes, and with it the landing blocks */
+        td_xfer_lease_cancel(s->xfer, r->lease_id);
+        admit_free(a);
+        resp.released = true;
+    } else {
+        decode_cmd_t *c = calloc(1, sizeof *c);
+        if (c) {
+            c->lease_id = r->lease_id;
+            post_cmd(s, c);
+            resp.released = true;
+        }
+    }
+    td_grpc_call_reply(call, &resp.base);
+}
+
+static void on_steps_cancel(td_grpc_call_t *call, td_status_t why, void *call_data)
+{
+    decode_state_t *s = call_data;
+    for (int i = 0; i < s->n_subs; i++)
+        if (s->subs[i] == call) {
+            s->subs[i] = s->subs[--s->n_subs];
+            break;
+        }
+    td_grpc_call_finish(call, TD_GRPC_CANCELLED, NULL);
+}
+
+static void on_steps(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data)
+{
+    decode_state_t *s = data;
+    if (s->n_subs == DECODE_MAX_SUBSCRIBERS || s->shutting_down) {
+        td_grpc_call_finish(call, TD_GRPC_RESOURCE_EXHAUSTED, "decode node: too many step subscribers");
+        return;
+    }
+    td_grpc_call_set_data(call, s);
+    td_grpc_call_on_cancel(call, on_steps_cancel);
+    s->subs[s->n_subs++] = call;
+}
+
+/* Admissions whose KV never came: td_xfer freed the lease's blocks; forget them. */
+static void on_sweep(uv_timer_t *t)
+{
+    decode_state_t *s = t->data;
+    uint64_t now = td_now_ns();
+    for (decode_admit_t **pp = &s->admits; *pp;) {
+        decode_admit_t *a = *pp;
+        if (a->deadline_ns < now) {
+            *pp = a->next;
+            s->n_admits--;
+            td_info("decode: lease %llu expired before kv-ready", (unsigned long long)a->lease_id);
+            admit_free(a);
+        } else {
+            pp = &a->next;
+        }
+    }
+}
+
+static void load_cb(void *data, router_node_load_t *l)
+{
+    decode_state_t *s = data;
+    l->running_seqs = atomic_load(&s->load_running);
+    l->free_blocks = atomic_load(&s->load_free);
+    l->step_ms = (double)atomic_load(&s->step_ns) * 1e-6;
+}
+
+static void shutdown_begin(decode_state_t *s)
+{
+    if (s->shutting_down)
+        return;
+    s->shutting_down = true;
+    td_info("decode: shutting down");
+    pthread_mutex_lock(&s->mu);
+    s->stop = true;
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+    if (s->thread_started)
+        pthread_join(s->thread, NULL);
+    s->thread_started = false;
+    while (s->n_subs) {
+        td_grpc_call_t *c = s->subs[--s->n_subs];
+        td_grpc_call_finish(c, TD_GRPC_UNAVAILABLE, "decode node shutting down");
+    }
+    router_node_client_close(s->client);
+    s->client = NULL;
+    td_grpc_server_close(s->grpc, NULL, NULL);
+    s->grpc = NULL;
+    td_http_server_close(s->http, NULL, NULL);
+    s->http = NULL;
+    td_xfer_destroy(s->xfer);
+    s->xfer = NULL;
+    if (s->handles_up) {
+        uv_close((uv_handle_t *)&s->async, NULL);
+        uv_close((uv_handle_t *)&s->sweep, NULL);
+        uv_close((uv_handle_t *)&s->sigint, NULL);
+        uv_close((uv_handle_t *)&s->sigterm, NULL);
+    }
+}
+
+static void on_signal(uv_signal_t *h, int signum)
+{
+    shutdown_begin(h->data);
+}
+
+static td_status_t init_metrics(decode_state_t *s)
+{
+    td_metrics_t *m = s->metrics;
+    static const double batch_buckets[] = {1, 2, 4, 8, 16, 32, 64, 128, 256};
+    td_status_t st;
+    if ((st = td_metrics_gauge(m, "tandem_decode_kv_blocks_used", "KV blocks held by sequences", &s->m_used)) ||
+        (st = td_metrics_gauge(m, "tandem_decode_kv_blocks_free", "KV blocks an allocation could get", &s->m_free)) ||
+        (st = td_metrics_gauge(m, "tandem_decode_running_sequences", "sequences in the running batch", &s->m_running)) ||
+        (st = td_metrics_gauge(m, "tandem_decode_waiting_sequences", "admitted sequences not yet running", &s->m_waiting)) ||
+        (st = td_metrics_counter(m, "tandem_decode_tokens_total", "tokens generated and streamed", &s->m_tokens)) ||
+        (st = td_metrics_counter(m, "tandem_decode_steps_total", "engine steps run", &s->m_steps)) ||
+        (st = td_metrics_histogram(m, "tandem_decode_step_seconds", "duration of one decode step",
+                                   td_metrics_latency_buckets, td_metrics_latency_n_buckets, &s->m_step_s)) ||
+        (st = td_metrics_histogram(m, "tandem_decode_batch_size", "sequences per decode step", batch_buckets,
+                                   sizeof batch_buckets / sizeof batch_buckets[0], &s->m_batch)) ||
+        (st = td_metrics_counter(m, "tandem_decode_admits_total", "Admit calls granted", &s->m_admits)) ||
+        (st = td_metrics_counter(m, "tandem_decode_admits_refused_total", "Admit calls refused", &s->m_refused)) ||
+        (st = td_metrics_counter(m, "tandem_decode_releases_total", "Release calls", &s->m_releases)))
+        return st;
+    return TD_OK;
+}
+
+int decode_main(int argc, char **argv)
+{
+    decode_state_t st_, *s = &st_;
+    memset(s, 0, sizeof *s);
+    decode_config_t *cfg = &s->cfg;
+    *cfg = (decode_config_t){.model_name = "default", .router = "127.0.0.1:7070", .host = "127.0.0.1",
+                             .node_id = "decode0", .threads = 0, .kv_blocks = 1024, .landing_blocks = 1024,
+                             .max_batch = 64, .max_lease_ms = 30000, .max_requests = 256, .result_queue = 64};
+    const router_conf_key_t keys[] = {
+        {"model", ROUTER_CONF_STR, &cfg->model, 0, 0, "model path (required)"},
+        {"model-name", ROUTER_CONF_STR, &cfg->model_name, 0, 0, "name the router routes by"},
+        {"router", ROUTER_CONF_STR, &cfg->router, 0, 0, "router control address HOST:PORT"},
+        {"host", ROUTER_CONF_STR, &cfg->host, 0, 0, "address to serve on"},
+        {"node-id", ROUTER_CONF_STR, &cfg->node_id, 0, 0, "unique node name"},
+        {"port", ROUTER_CONF_I64, &cfg->port, 0, 65535, "control gRPC port (0 = any)"},
+        {"metrics-port", ROUTER_CONF_I64, &cfg->metrics_port, 0, 65535, "/metrics port (0 = any)"},
+        {"threads", ROUTER_CONF_I64, &cfg->threads, 0, 4096, "compute threads (0 = all cores)"},
+        {"kv-blocks", ROUTER_CONF_I64, &cfg->kv_blocks, 1, 1 << 24, "engine KV pool blocks"},
+        {"landing-blocks", ROUTER_CONF_I64, &cfg->landing_blocks, 1, 1 << 24, "KV transfer landing pool blocks"},
+        {"max-batch", ROUTER_CONF_I64, &cfg->max_batch, 1, 4096, "running sequences at most"},
+        {"max-lease-ms", ROUTER_CONF_I64, &cfg->max_lease_ms, 1, 600000, "longest lease granted"},
+        {"max-requests", ROUTER_CONF_I64, &cfg->max_requests, 1, 1 << 20, "pending admissions at most"},
+        {"result-queue", ROUTER_CONF_I64, &cfg->result_queue, 1, 1 << 20, "step results waiting for the loop"},
+        {"log-level", ROUTER_CONF_STR, &cfg->log_level, 0, 0, "error|warn|info|debug"},
+    };
+    int n_keys = (int)(sizeof keys / sizeof keys[0]);
+    router_conf_store_t store;
+    bool help;
+    if (router_conf_parse("decode", keys, n_keys, argc, argv, &store, &help) != TD_OK) {
+        router_conf_free(&store);
+        return 2;
+    }
+    if (help) {
+        router_conf_usage("decode", keys, n_keys);
+        router_conf_free(&store);
+        return 0;
+    }
+    int rc = 1;
+    char rhost[64];
+    uint16_t rport;
+    if (!cfg->model || router_conf_split_addr(cfg->router, rhost, sizeof rhost, &rport) != TD_OK ||
+        (cfg->log_level && td_log_parse_level(cfg->log_level) < 0)) {
+        fprintf(stderr, "tandem decode: --model PATH and a valid --router HOST:PORT are required\n");
+        router_conf_free(&store);
+        return 2;
+    }
+    if (cfg->log_level)
+        td_log_set_level((td_log_level_t)td_log_parse_level(cfg->log_level));
+    pthread_mutex_init(&s->mu, NULL);
+    pthread_cond_init(&s->cv, NULL);
+    s->cmd_tail = &s->cmd_head;
+    s->out_tail = &s->out_head;
+    uv_loop_init(&s->loop);
+
+    /* subsystems: model, engine, scheduler, landing pool, xfer, servers, router client */
+    td_status_t st;
+    if ((st = td_model_load(cfg->model, &s->model)) != TD_OK)
+        goto out;
+    td_cpu_config_t cc = {.n_threads = (int32_t)cfg->threads};
+    if ((st = td_backend_cpu_create(&cc, &s->be)) != TD_OK)
+        goto out;
+    td_engine_config_t ec = td_engine_config_default();
+    ec.n_blocks = (int32_t)cfg->kv_blocks;
+    ec.max_seqs = (int32_t)cfg->max_batch;
+    ec.max_logit_rows = (int32_t)cfg->max_batch;
+    ec.max_batch_tokens = TD_MAX(512, (int32_t)cfg->max_batch);
+    if ((st = td_engine_create(s->model, s->be, &ec, &s->eng)) != TD_OK)
+        goto out;
+    decode_sched_config_t dc = decode_sched_config_default();
+    dc.max_batch = (int32_t)cfg->max_batch;
+    dc.max_waiting = (int32_t)cfg->max_requests;
+    if ((st = decode_sched_create(s->eng, NULL, &dc, &s->sched)) != TD_OK)
+        goto out;
+    s->layout = *td_engine_kv_layout(s->eng);
+    size_t landing_bytes = td_kv_pool_bytes(&s->layout, (uint32_t)cfg->landing_blocks);
+    td_kv_config_t kc = {.n_blocks = (int32_t)cfg->landing_blocks, .block_size = (int32_t)s->layout.block_size};
+    if (!(s->landing_mem = aligned_alloc(4096, TD_DIV_CEIL(landing_bytes, 4096) * 4096))) {
+        td_errorf(TD_ERR_NOMEM, "decode: landing pool of %zu bytes does not fit", landing_bytes);
+        goto out;
+    }
+    if ((st = td_kv_cache_create(&kc, &s->landing_kv)) != TD_OK)
+        goto out;
+    if ((st = td_metrics_create(&s->metrics)) != TD_OK || (st = init_metrics(s)) != TD_OK)
+        goto out;
+    td_xfer_config_t xc = td_xfer_config_default();
+    xc.name = cfg->node_id;
+    xc.listen_ip = cfg->host;
+    if ((st = td_xfer_create(&s->loop, &xc, &s->xfer)) != TD_OK)
+        goto out;
+    td_xfer_pool_t xp = {.layout = s->layout, .base = s->landing_mem, .n_blocks = (uint32_t)cfg->landing_blocks,
+                         .mem = TD_XFER_MEM_HOST, .kv = s->landing_kv};
+    if ((st = td_xfer_register_pool(s->xfer, &xp, on_kv_ready, s)) != TD_OK)
+        goto out;
+    uint8_t desc[TD_XFER_DESC_MAX];
+    size_t desc_len;
+    if ((st = td_xfer_describe(s->xfer, desc, sizeof desc, &desc_len)) != TD_OK)
+        goto out;
+    td_grpc_server_config_t gc = td_grpc_server_config_default();
+    gc.host = cfg->host;
+    gc.port = (uint16_t)cfg->port;
+    gc.metrics = s->metrics;
+    if ((st = td_grpc_server_create(&s->loop, &gc, &s->grpc)) != TD_OK ||
+        (st = td_grpc_server_add_method(s->grpc, "/tandem.control.v1.DecodeNode/Admit",
+                                        &tandem__control__v1__admit_request__descriptor, on_admit, s)) != TD_OK ||
+        (st = td_grpc_server_add_method(s->grpc, "/tandem.control.v1.DecodeNode/Release",
+                                        &tandem__control__v1__release_request__descriptor, on_release, s)) != TD_OK ||
+        (st = td_grpc_server_add_method(s->grpc, "/tandem.control.v1.DecodeNode/Steps",
+                                        &tandem__control__v1__steps_request__descriptor, on_steps, s)) != TD_OK)
+        goto out;
+    td_http_config_t hc = td_http_config_default();
+    hc.host = cfg->host;
+    hc.port = (uint16_t)cfg->metrics_port;
+    hc.handler = td_http_metrics_handler;
+    hc.handler_data = s->metrics;
+    if ((st = td_http_server_create(&s->loop, &hc, &s->http)) != TD_OK)
+        goto out;
+    uv_async_init(&s->loop, &s->async, on_async);
+    s->async.data = s;
+    uv_timer_init(&s->loop, &s->sweep);
+    s->sweep.data = s;
+    uv_timer_start(&s->sweep, on_sweep, 100, 100);
+    uv_signal_init(&s->loop, &s->sigint);
+    uv_signal_init(&s->loop, &s->sigterm);
+    s->sigint.data = s->sigterm.data = s;
+    uv_signal_start(&s->sigint, on_signal, SIGINT);
+    uv_signal_start(&s->sigterm, on_signal, SIGTERM);
+    s->handles_up = true;
+    if (pthread_create(&s->thread, NULL, compute_main, s) != 0) {
+        td_errorf(TD_ERR_NOMEM, "decode: cannot start the compute thread");
+        shutdown_begin(s);
+        uv_run(&s->loop, UV_RUN_DEFAULT);
+        goto out;
+    }
+    s->thread_started = true;
+
+    router_node_client_config_t nc = {.router_host = rhost, .router_port = rport, .xfer_desc = desc,
+                                      .xfer_desc_len = desc_len,
+                                      .max_seq_len = (uint32_t)s->model->config.max_seq_len};
+    snprintf(nc.info.id, sizeof nc.info.id, "%s", cfg->node_id);
+    nc.info.role = ROUTER_ROLE_DECODE;
+    snprintf(nc.info.model, sizeof nc.info.model, "%s", cfg->model_name);
+    nc.info.layout = s->layout;
+    snprintf(nc.info.address, sizeof nc.info.address, "%s:%u", cfg->host, td_grpc_server_port(s->grpc));
+    nc.info.capacity_blocks = (int32_t)cfg->kv_blocks;
+    nc.info.max_batch = (int32_t)cfg->max_batch;
+    atomic_store(&s->load_free, (int32_t)cfg->kv_blocks);
+    if ((st = router_node_client_create(&s->loop, &nc, load_cb, s, &s->client)) != TD_OK) {
+        shutdown_begin(s);
+        uv_run(&s->loop, UV_RUN_DEFAULT);
+        goto out;
+    }
+    printf("decode %s: control %s metrics http://%s:%u/metrics\n", cfg->node_id, nc.info.address, cfg->host,
+           td_http_server_port(s->http));
+    fflush(stdout);
+
+    uv_run(&s->loop, UV_RUN_DEFAULT);
+    rc = 0;
+out:
+    if (!s->shutting_down) {
+        shutdown_begin(s); /* partial init: close what exists (NULL-safe closers) */
+        uv_run(&s->loop, UV_RUN_DEFAULT);
+    }
+    while (s->admits)
+        admit_free(admit_take(s, s->admits->lease_id));
+    while (s->cmd_head) {
+        decode_cmd_t *c = s->cmd_head;
+        s->cmd_head = c->next;
+        if (c->admit)
+            admit_free(c->admit);
+        free(c->landing);
+        free(c);
+    }
+    while (s->out_head) {
+        decode_out_t *o = s->out_head;
+        s->out_head = o->next;
+        free(o->seqs);
+        free(o->landing_unref);
+        free(o);
+    }
+    if (uv_loop_close(&s->loop) != 0)
+        td_warn("decode: loop closed with handles open");
+    decode_sched_destroy(s->sched);
+    td_engine_destroy(s->eng);
+    td_backend_destroy(s->be);
+    td_model_destroy(s->model);
+    td_kv_cache_destroy(s->landing_kv);
+    free(s->landing_mem);
+    td_metrics_destroy(s->metrics);
+    pthread_cond_destroy(&s->cv);
+    pthread_mutex_destroy(&s->mu);
+    router_conf_free(&store);
+    return rc;
+}

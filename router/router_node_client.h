@@ -1,0 +1,51 @@
+/*
+ * router_node_client: the node side of the router's registry protocol, shared by prefill
+ * and decode nodes. Registers the node (RegisterNode), then heartbeats its load on a timer
+ * at the interval the router asks for. When the router is unreachable, a call fails, or the
+ * router answers "reregister" (it restarted), the client drops its channel and registers
+ * again after retry_ms, forever, until closed: nodes and routers may start in any order.
+ *
+ * Threads: the node's loop thread. The load callback runs there too.
+ */
+#ifndef ROUTER_NODE_CLIENT_H
+#define ROUTER_NODE_CLIENT_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <uv.h>
+
+#include "router_registry.h"
+#include "td_kv_layout.h"
+#include "td_status.h"
+
+typedef struct router_node_client router_node_client_t;
+
+typedef struct router_node_client_config {
+    const char *router_host;     /* the router's control address */
+    uint16_t router_port;
+    router_node_info_t info;     /* id, role, model, layout, control address, capacity */
+    const void *xfer_desc;       /* decode nodes: td_xfer_describe() bytes (copied); else NULL */
+    size_t xfer_desc_len;
+    uint32_t max_seq_len;
+    uint32_t max_prefill_tokens; /* prefill nodes: token budget per step */
+    uint32_t rpc_timeout_ms;     /* bound of each RegisterNode / Heartbeat call */
+    uint32_t retry_ms;           /* wait before registering again after a failure */
+} router_node_client_config_t;
+
+/* Fills *load with the node's current load (called before every heartbeat). */
+typedef void (*router_node_load_cb)(void *data, router_node_load_t *load);
+
+/*
+ * Starts registering at once. Errors: TD_ERR_INVALID, TD_ERR_NOMEM (nothing started).
+ */
+td_status_t router_node_client_create(uv_loop_t *loop, const router_node_client_config_t *cfg,
+                                      router_node_load_cb load_cb, void *data,
+                                      router_node_client_t **c_p);
+
+/* True while the last RegisterNode/Heartbeat succeeded. */
+bool router_node_client_registered(const router_node_client_t *c);
+
+/* Stops timers and calls; the client is freed once its handles closed (run the loop). */
+void router_node_client_close(router_node_client_t *c);
+
+#endif /* ROUTER_NODE_CLIENT_H */
