@@ -972,17 +972,27 @@ static void post_ready(td_xfer_t *x, td_xfer_send_t *s)
         ready_sent_cb(NULL, UCS_PTR_STATUS(r), s);
 }
 
-static td_xfer_send_t *send_find(td_xfer_t *x, uint64_t request_id, uint64_t lease_id)
+/* Lease ids are unique per receiver only: a message names a send together with the
+ * endpoint it came on (two receivers both have a lease 1). */
+static td_xfer_send_t *send_find(td_xfer_peer_t *peer, uint64_t request_id, uint64_t lease_id)
 {
-    for (list_node_t *pn = x->peers.next; pn != &x->peers; pn = pn->next) {
-        td_xfer_peer_t *peer = CONTAINER(pn, td_xfer_peer_t, link);
-        for (list_node_t *n = peer->sends.next; n != &peer->sends; n = n->next) {
-            td_xfer_send_t *s = CONTAINER(n, td_xfer_send_t, peer_link);
-            if (s->p.request_id == request_id && s->p.lease_id == lease_id)
-                return s;
-        }
+    if (!peer)
+        return NULL;
+    for (list_node_t *n = peer->sends.next; n != &peer->sends; n = n->next) {
+        td_xfer_send_t *s = CONTAINER(n, td_xfer_send_t, peer_link);
+        if (s->p.request_id == request_id && s->p.lease_id == lease_id)
+            return s;
     }
     return NULL;
+}
+
+static td_xfer_peer_t *peer_of_ep(td_xfer_t *x, ucp_ep_h ep);
+
+static td_xfer_peer_t *peer_of_param(td_xfer_t *x, const ucp_am_recv_param_t *param)
+{
+    if (!(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) || !param->reply_ep)
+        return NULL;
+    return peer_of_ep(x, param->reply_ep);
 }
 
 static ucs_status_t am_ack_cb(void *arg, const void *header, size_t header_length, void *data, size_t length,
@@ -995,7 +1005,7 @@ static ucs_status_t am_ack_cb(void *arg, const void *header, size_t header_lengt
         return UCS_OK;
     }
     memcpy(&h, header, sizeof h);
-    td_xfer_send_t *s = send_find(x, h.request_id, h.lease_id);
+    td_xfer_send_t *s = send_find(peer_of_param(x, param), h.request_id, h.lease_id);
     if (!s || s->verdict || !s->ready_posted)
         return UCS_OK; /* already timed out or failed */
     if (s->status == TD_OK)
@@ -1108,7 +1118,7 @@ static ucs_status_t am_bind_ack_cb(void *arg, const void *header, size_t header_
     if (header_length != sizeof h)
         return UCS_OK;
     memcpy(&h, header, sizeof h);
-    td_xfer_send_t *s = send_find(x, h.request_id, h.lease_id);
+    td_xfer_send_t *s = send_find(peer_of_param(x, param), h.request_id, h.lease_id);
     if (!s || s->mode != MODE_PUT || s->bound)
         return UCS_OK;
     if (h.status == TD_OK)
@@ -1152,7 +1162,7 @@ static ucs_status_t am_abort_cb(void *arg, const void *header, size_t header_len
     if (header_length != sizeof h || !peer)
         return UCS_OK;
     memcpy(&h, header, sizeof h);
-    td_xfer_send_t *s = send_find(x, h.request_id, h.lease_id);
+    td_xfer_send_t *s = send_find(peer, h.request_id, h.lease_id);
     if (s && !s->done_queued) {
         send_set_status(s, TD_ERR_STALE);
         drop_queued(x, s);
@@ -1186,7 +1196,7 @@ static void run_aborts(td_xfer_t *x)
         abort_job_t *j = CONTAINER(n, abort_job_t, link);
         n = n->next;
         if (!j->flush_posted) {
-            td_xfer_send_t *s = send_find(x, j->request_id, j->lease_id);
+            td_xfer_send_t *s = send_find(j->peer, j->request_id, j->lease_id);
             if (j->peer->alive && s && s->ops_out > 0)
                 continue; /* its posted puts are not back yet */
             if (!j->peer->alive) {

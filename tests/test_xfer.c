@@ -148,6 +148,7 @@ typedef struct rx {
     int adopted, bad;
     int want;
     bool all_in;
+    bool ucx_pool; /* pool allocated by td_xfer (UCX), not ours to free */
     offer_t offer;
 } rx_t;
 
@@ -176,14 +177,14 @@ static void rx_on_ready(void *arg, const td_xfer_ready_t *r)
         rx->all_in = true;
 }
 
-static int rx_init_at(rx_t *rx, uint64_t seed, uint32_t n_blocks, const char *ip);
+static int rx_init_at(rx_t *rx, uint64_t seed, uint32_t n_blocks, const char *ip, uint32_t quarantine_ms);
 
 static int rx_init(rx_t *rx, uint64_t seed, uint32_t n_blocks)
 {
-    return rx_init_at(rx, seed, n_blocks, "127.0.0.1");
+    return rx_init_at(rx, seed, n_blocks, "127.0.0.1", 0);
 }
 
-static int rx_init_at(rx_t *rx, uint64_t seed, uint32_t n_blocks, const char *ip)
+static int rx_init_at(rx_t *rx, uint64_t seed, uint32_t n_blocks, const char *ip, uint32_t quarantine_ms)
 {
     memset(rx, 0, sizeof *rx);
     rx->seed = seed;
@@ -192,15 +193,23 @@ static int rx_init_at(rx_t *rx, uint64_t seed, uint32_t n_blocks, const char *ip
     td_kv_config_t kc = {.n_blocks = (int32_t)n_blocks, .block_size = (int32_t)LAYOUT.block_size};
     if (td_kv_cache_create(&kc, &rx->kv) != TD_OK)
         return 10;
-    rx->pool = calloc(1, td_kv_pool_bytes(&LAYOUT, n_blocks));
+    /* Over shared memory UCX allocates the pool (a mapped segment: the put path); over
+     * TCP the pool is ours, registered. */
+    const char *tls = getenv("UCX_TLS");
+    rx->ucx_pool = tls && strstr(tls, "sm");
+    rx->pool = rx->ucx_pool ? NULL : calloc(1, td_kv_pool_bytes(&LAYOUT, n_blocks));
     td_xfer_config_t cfg = td_xfer_config_default();
     cfg.name = "rx";
     cfg.listen_ip = ip;
-    if (!rx->pool || td_xfer_create(&rx->loop, &cfg, &rx->x) != TD_OK)
+    if (quarantine_ms)
+        cfg.quarantine_ms = quarantine_ms;
+    if ((!rx->ucx_pool && !rx->pool) || td_xfer_create(&rx->loop, &cfg, &rx->x) != TD_OK)
         return 11;
     td_xfer_pool_t pool = {.layout = LAYOUT, .base = rx->pool, .n_blocks = n_blocks, .kv = rx->kv};
     if (td_xfer_register_pool(rx->x, &pool, rx_on_ready, rx) != TD_OK)
         return 12;
+    rx->pool = td_xfer_pool_base(rx->x);
+    memset(rx->pool, 0, td_kv_pool_bytes(&LAYOUT, n_blocks));
     if (td_xfer_describe(rx->x, rx->offer.desc, sizeof rx->offer.desc, &rx->offer.desc_len) != TD_OK)
         return 13;
     return 0;
@@ -226,7 +235,8 @@ static void rx_free(rx_t *rx)
     td_xfer_destroy(rx->x);
     close_loop(&rx->loop);
     td_kv_cache_destroy(rx->kv);
-    free(rx->pool);
+    if (!rx->ucx_pool)
+        free(rx->pool);
 }
 
 /* ---- sender --------------------------------------------------------------------------- */
@@ -255,16 +265,22 @@ static void tx_on_done(void *arg, uint64_t request_id, td_status_t st)
         tx->all_done = true;
 }
 
-static int tx_init(tx_t *tx)
+static int tx_init_rma(tx_t *tx, td_xfer_rma_t rma)
 {
     memset(tx, 0, sizeof *tx);
     uv_loop_init(&tx->loop);
     td_xfer_config_t cfg = td_xfer_config_default();
     cfg.name = "tx";
+    cfg.rma = rma;
     cfg.listen_ip = NULL;
     cfg.max_inflight_ops = 16;
     cfg.send_timeout_ms = 20000;
     return td_xfer_create(&tx->loop, &cfg, &tx->x) == TD_OK ? 0 : 30;
+}
+
+static int tx_init(tx_t *tx)
+{
+    return tx_init_rma(tx, TD_XFER_RMA_AUTO);
 }
 
 /* Lays out every request's source blocks (contiguous, with one swap in odd requests so
@@ -337,7 +353,7 @@ typedef struct rx_report {
 static void receiver_process(int wfd, uint64_t seed, int n_req, const char *ip)
 {
     rx_t rx;
-    int rc = rx_init_at(&rx, seed, 256 * 64 + 256, ip);
+    int rc = rx_init_at(&rx, seed, 256 * 64 + 256, ip, 0);
     if (!rc)
         rc = rx_lease(&rx, n_req, 60000, false);
     if (rc)
@@ -353,8 +369,8 @@ static void receiver_process(int wfd, uint64_t seed, int n_req, const char *ip)
 
 static bool enter_netns(const char *name);
 
-static void many_requests_in(const char *tls, uint64_t seed, int n_req, const char *rx_ns, const char *tx_ns,
-                             const char *rx_ip)
+static void many_requests_in(const char *tls, td_xfer_rma_t rma, uint64_t seed, int n_req, const char *rx_ns,
+                             const char *tx_ns, const char *rx_ip)
 {
     set_ucx_env(tls);
     if (rx_ns)
@@ -375,7 +391,7 @@ static void many_requests_in(const char *tls, uint64_t seed, int n_req, const ch
     static offer_t o;
     cr_assert(read_all(fds[0], &o, sizeof o), "receiver failed to start");
     tx_t tx;
-    cr_assert_eq(tx_init(&tx), 0);
+    cr_assert_eq(tx_init_rma(&tx, rma), 0);
     cr_assert_eq(tx_fill(&tx, &o, seed), 0);
     tx.n_want = o.n_req;
     cr_assert_eq(td_xfer_connect(tx.x, o.desc, o.desc_len, &LAYOUT, &tx.peer), TD_OK, "%s", td_last_error());
@@ -406,6 +422,11 @@ static void many_requests_in(const char *tls, uint64_t seed, int n_req, const ch
     cr_expect_eq(rep.bad, 0, "%d blocks differ", rep.bad);
     cr_expect_eq(st.bytes_sent, rep.stats.bytes_received);
     cr_expect_eq(st.transfers_ok, (uint64_t)o.n_req);
+    /* The primitive: put where forced or where the pool is mapped (sm), else AM. */
+    bool want_put = rma == TD_XFER_RMA_PUT || (rma == TD_XFER_RMA_AUTO && strstr(tls, "sm"));
+    cr_expect(want_put ? st.ops_put > 0 && st.ops_am == 0 : st.ops_am > 0 && st.ops_put == 0,
+              "%s rma %d: %lu puts, %lu active messages", tls, (int)rma, (unsigned long)st.ops_put,
+              (unsigned long)st.ops_am);
     cr_expect_eq(rep.stats.leases_adopted, (uint64_t)o.n_req);
     cr_expect_eq(rep.stats.leases_live, 0);
     cr_expect_eq(rep.free_after, 256 * 64 + 256, "blocks not returned: %d free", rep.free_after);
@@ -413,24 +434,34 @@ static void many_requests_in(const char *tls, uint64_t seed, int n_req, const ch
     close(fds[0]);
 }
 
-static void many_requests(const char *tls, uint64_t seed, int n_req)
+static void many_requests(const char *tls, td_xfer_rma_t rma, uint64_t seed, int n_req)
 {
-    many_requests_in(tls, seed, n_req, NULL, NULL, "127.0.0.1");
+    many_requests_in(tls, rma, seed, n_req, NULL, NULL, "127.0.0.1");
 }
 
 Test(xfer, loopback_tcp_64_requests, .timeout = 120)
 {
-    many_requests("tcp", 1, 64);
+    many_requests("tcp", TD_XFER_RMA_AUTO, 1, 64);
 }
 
-Test(xfer, loopback_shm_64_requests, .timeout = 120)
+Test(xfer, loopback_shm_64_requests_put, .timeout = 120)
 {
-    many_requests("sm,tcp", 2, 64);
+    many_requests("sm,tcp", TD_XFER_RMA_AUTO, 2, 64);
+}
+
+Test(xfer, loopback_shm_64_requests_am, .timeout = 120)
+{
+    many_requests("sm,tcp", TD_XFER_RMA_AM, 12, 64);
+}
+
+Test(xfer, loopback_tcp_forced_put_16_requests, .timeout = 120)
+{
+    many_requests("tcp", TD_XFER_RMA_PUT, 13, 16);
 }
 
 Test(xfer, loopback_tcp_one_request, .timeout = 60)
 {
-    many_requests("tcp", 3, 1);
+    many_requests("tcp", TD_XFER_RMA_AUTO, 3, 1);
 }
 
 /* ---- layout mismatch ------------------------------------------------------------------ */
@@ -512,8 +543,15 @@ Test(xfer, receiver_killed_fails_its_requests_only, .timeout = 60)
             td_xfer_send_layer(sa[r], layer, tx_layer(&ta, layer), ta.src[r]);
             td_xfer_send_layer(sb[r], layer, tx_layer(&tb, layer), tb.src[r]);
         }
-    for (int i = 0; i < 20; i++)
+    /* Until those layers are out (an event, not a sleep: under load it may take long). */
+    size_t two_layers = 2 * 2 * 4 * 3 * td_kv_block_bytes(&LAYOUT); /* rx, layers, requests, blocks */
+    td_xfer_stats_t st;
+    double until = td_now_s() + 20;
+    do {
         uv_run(&ta.loop, UV_RUN_NOWAIT);
+        td_xfer_get_stats(ta.x, &st);
+    } while (st.bytes_sent < two_layers && td_now_s() < until);
+    cr_assert_geq(st.bytes_sent, two_layers, "layers 0-1 did not go out");
     kill(a, SIGKILL);
     double killed = td_now_s();
     for (uint32_t layer = 2; layer < LAYOUT.n_layers; layer++)
@@ -535,7 +573,6 @@ Test(xfer, receiver_killed_fails_its_requests_only, .timeout = 60)
         cr_expect_eq(tb.status[r], TD_OK, "B request %d: %s", r, td_strerror(tb.status[r]));
     }
     cr_expect(!td_xfer_peer_alive(ta.peer));
-    td_xfer_stats_t st;
     td_xfer_get_stats(ta.x, &st);
     cr_expect_eq(st.fail_peer, 4);
     cr_expect_eq(st.transfers_ok, 4);
@@ -552,13 +589,13 @@ Test(xfer, receiver_killed_fails_its_requests_only, .timeout = 60)
 
 /* ---- sender killed mid-transfer ------------------------------------------------------- */
 
-static void dying_sender_process(int rfd, uint64_t seed)
+static void dying_sender_process(int rfd, uint64_t seed, td_xfer_rma_t rma)
 {
     static offer_t o;
     if (!read_all(rfd, &o, sizeof o))
         _exit(2);
     tx_t tx;
-    if (tx_init(&tx) || tx_fill(&tx, &o, seed))
+    if (tx_init_rma(&tx, rma) || tx_fill(&tx, &o, seed))
         _exit(3);
     if (td_xfer_connect(tx.x, o.desc, o.desc_len, &LAYOUT, &tx.peer) != TD_OK)
         _exit(4);
@@ -566,24 +603,32 @@ static void dying_sender_process(int rfd, uint64_t seed)
     for (int r = 0; r < o.n_req; r++)
         if (tx_begin(&tx, &o.lease[r], r, &s[r]) != TD_OK)
             _exit(5);
-    for (int r = 0; r < o.n_req; r++)
+    size_t layer0 = 0;
+    for (int r = 0; r < o.n_req; r++) {
         td_xfer_send_layer(s[r], 0, tx_layer(&tx, 0), tx.src[r]);
-    double end = td_now_s() + 0.3;
-    while (td_now_s() < end)
-        uv_run(&tx.loop, UV_RUN_ONCE);
+        layer0 += TD_DIV_CEIL(o.lease[r].n_tokens, LAYOUT.block_size) * td_kv_block_bytes(&LAYOUT);
+    }
+    td_xfer_stats_t st;
+    double end = td_now_s() + 20;
+    do { /* until layer 0 is out */
+        uv_run(&tx.loop, UV_RUN_NOWAIT);
+        td_xfer_get_stats(tx.x, &st);
+    } while (st.bytes_sent < layer0 && td_now_s() < end);
     raise(SIGKILL); /* mid-transfer: layers 1.. never come, no kv-ready */
     _exit(6);
 }
 
-Test(xfer, sender_killed_leases_expire_blocks_free, .timeout = 60)
+/* AM path: leases it was writing go on its endpoint's loss, the rest expire. Put path:
+ * the leases it was bound to go on its endpoint's loss (it cannot write any more). */
+static void sender_killed(const char *tls, td_xfer_rma_t rma)
 {
-    set_ucx_env("tcp");
+    set_ucx_env(tls);
     int fds[2];
     cr_assert_eq(pipe(fds), 0);
     pid_t pid = fork();
     if (pid == 0) {
         close(fds[1]);
-        dying_sender_process(fds[0], 7);
+        dying_sender_process(fds[0], 7, rma);
     }
     close(fds[0]);
     rx_t rx;
@@ -591,14 +636,18 @@ Test(xfer, sender_killed_leases_expire_blocks_free, .timeout = 60)
     cr_assert_eq(rx_lease(&rx, 8, 1500, false), 0);
     cr_expect_lt(td_kv_available(rx.kv), 2048);
     cr_assert(write_all(fds[1], &rx.offer, sizeof rx.offer));
-    int status;
+    int status = 0;
     bool never = false;
-    run_until(&rx.loop, &never, 0.5);
-    waitpid(pid, &status, 0);
+    pid_t w = 0;
+    double until = td_now_s() + 30;
+    while ((w = waitpid(pid, &status, WNOHANG)) == 0 && td_now_s() < until)
+        run_until(&rx.loop, &never, 0.01); /* the sender's TCP sends need our progress */
+    cr_assert_eq(w, pid, "sender did not finish");
     cr_assert(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL, "sender did not die as planned (%d)", status);
     td_xfer_stats_t st;
     td_xfer_get_stats(rx.x, &st);
-    cr_expect_gt(st.bytes_received, 0, "no layer arrived before the sender died");
+    if (rma != TD_XFER_RMA_PUT) /* puts are counted at kv-ready, which never comes */
+        cr_expect_gt(st.bytes_received, 0, "no layer arrived before the sender died");
     double end = td_now_s() + 10;
     while (st.leases_live > 0 && td_now_s() < end) {
         uv_run(&rx.loop, UV_RUN_ONCE);
@@ -611,26 +660,44 @@ Test(xfer, sender_killed_leases_expire_blocks_free, .timeout = 60)
     td_kv_stats_t ks;
     td_kv_get_stats(rx.kv, &ks);
     cr_expect_eq(ks.used, 0);
+    if (rma == TD_XFER_RMA_PUT)
+        cr_expect_eq(st.leases_sender_lost, 8, "bound leases should go with the sender's endpoint");
     rx_free(&rx);
     close(fds[1]);
 }
 
+Test(xfer, sender_killed_leases_expire_blocks_free, .timeout = 60)
+{
+    sender_killed("tcp", TD_XFER_RMA_AM);
+}
+
+Test(xfer, put_sender_killed_bound_leases_free, .timeout = 60)
+{
+    sender_killed("sm,tcp", TD_XFER_RMA_PUT);
+}
+
 /* ---- kv-ready and late data after expiry ---------------------------------------------- */
 
-Test(xfer, ready_after_expiry_discarded_and_fenced, .timeout = 60)
+/* A lease expires after the sender wrote layers 0-1; the sender then goes on (layers 2-3,
+ * kv-ready). AM path: late data and kv-ready are refused, and the blocks, already leased
+ * again and marked, stay untouched. Put path: puts cannot be refused, so the blocks stay
+ * out of the pool (quarantine) until the sender confirms the abort after flushing, or,
+ * for a sender that never answers, until quarantine_ms; only then are they leased again. */
+static void expiry_fence(const char *tls, td_xfer_rma_t rma, uint32_t quarantine_ms)
 {
-    set_ucx_env("tcp");
+    set_ucx_env(tls);
+    bool put = rma == TD_XFER_RMA_PUT;
     int to_tx[2], to_rx[2];
     cr_assert_eq(pipe(to_tx), 0);
     cr_assert_eq(pipe(to_rx), 0);
     pid_t pid = fork();
     if (pid == 0) {
-        /* Sender: layers 0-1, wait for "expired", then layers 2-3 and kv-ready. */
+        /* Sender: layers 0-1, wait for "go", then layers 2-3 and kv-ready. */
         static offer_t o;
         if (!read_all(to_tx[0], &o, sizeof o))
             _exit(2);
         tx_t tx;
-        if (tx_init(&tx) || tx_fill(&tx, &o, 9) ||
+        if (tx_init_rma(&tx, rma) || tx_fill(&tx, &o, 9) ||
             td_xfer_connect(tx.x, o.desc, o.desc_len, &LAYOUT, &tx.peer) != TD_OK)
             _exit(3);
         tx.n_want = 1;
@@ -639,22 +706,31 @@ Test(xfer, ready_after_expiry_discarded_and_fenced, .timeout = 60)
             _exit(4);
         for (uint32_t layer = 0; layer < 2; layer++)
             td_xfer_send_layer(s, layer, tx_layer(&tx, layer), tx.src[0]);
-        bool never = false;
-        run_until(&tx.loop, &never, 0.3);
+        /* Until both layers are out (posted and complete), bounded. */
+        td_xfer_stats_t ts;
+        double until = td_now_s() + 10;
+        do {
+            uv_run(&tx.loop, UV_RUN_NOWAIT);
+            td_xfer_get_stats(tx.x, &ts);
+        } while (ts.bytes_sent < 2 * 7 * td_kv_block_bytes(&LAYOUT) && td_now_s() < until);
         char go;
         write_all(to_rx[1], "s", 1);
-        if (!read_all(to_tx[0], &go, 1))
+        if (!read_all(to_tx[0], &go, 1)) /* frozen: no progress at all until "go" */
             _exit(5);
         for (uint32_t layer = 2; layer < LAYOUT.n_layers; layer++)
             td_xfer_send_layer(s, layer, tx_layer(&tx, layer), tx.src[0]);
         td_xfer_send_finish(s, 7);
         run_until(&tx.loop, &tx.all_done, 20);
-        int code = !tx.all_done ? 6 : tx.status[0] == TD_ERR_STALE ? 0 : 7;
+        td_xfer_get_stats(tx.x, &ts);
+        int code = !tx.all_done ? 6 : tx.status[0] != TD_ERR_STALE ? 7 : put != (ts.ops_put > 0) ? 8 : 0;
+        /* Let the abort-ack (put path) reach the receiver before our endpoint goes. */
+        bool never = false;
+        run_until(&tx.loop, &never, 0.2);
         tx_free(&tx);
         _exit(code);
     }
     rx_t rx;
-    cr_assert_eq(rx_init(&rx, 9, 256), 0);
+    cr_assert_eq(rx_init_at(&rx, 9, 256, "127.0.0.1", quarantine_ms), 0);
     rx.offer.n_req = 1;
     lease_msg_t *m = &rx.offer.lease[0];
     m->request_id = 1000;
@@ -675,10 +751,37 @@ Test(xfer, ready_after_expiry_discarded_and_fenced, .timeout = 60)
     do {
         uv_run(&rx.loop, UV_RUN_ONCE);
         td_xfer_get_stats(rx.x, &st);
-    } while (st.leases_live > 0 && td_now_s() < end);
+    } while (st.leases_expired == 0 && td_now_s() < end);
     cr_assert_eq(st.leases_expired, 1);
-    cr_expect_gt(st.bytes_received, 0);
     cr_expect_eq(td_xfer_lease_cancel(rx.x, m->lease_id), TD_ERR_STALE);
+    if (put) {
+        /* The sender is bound and silent: its blocks must not come back. */
+        cr_expect_eq(st.leases_quarantined, 1);
+        cr_expect_eq(td_kv_available(rx.kv), 256 - 7, "quarantined blocks returned while the writer may write");
+        if (quarantine_ms) {
+            end = td_now_s() + 10;
+            do {
+                uv_run(&rx.loop, UV_RUN_ONCE);
+                td_xfer_get_stats(rx.x, &st);
+            } while (st.quarantine_timeouts == 0 && td_now_s() < end);
+            cr_expect_eq(st.quarantine_timeouts, 1);
+            cr_expect_eq(td_kv_available(rx.kv), 256);
+            cr_assert(write_all(to_tx[1], "g", 1));
+        } else {
+            run_until(&rx.loop, &never, 0.2);
+            cr_expect_eq(td_kv_available(rx.kv), 256 - 7, "quarantined blocks returned before the abort-ack");
+            cr_assert(write_all(to_tx[1], "g", 1));
+            end = td_now_s() + 10;
+            while (td_kv_available(rx.kv) != 256 && td_now_s() < end)
+                uv_run(&rx.loop, UV_RUN_ONCE);
+            td_xfer_get_stats(rx.x, &st);
+            cr_expect_eq(td_kv_available(rx.kv), 256, "the abort-ack did not return the blocks");
+            cr_expect_eq(st.quarantine_timeouts, 0);
+        }
+    } else {
+        cr_expect_eq(st.leases_live, 0);
+        cr_expect_gt(st.bytes_received, 0);
+    }
     /* A new lease gets the same blocks (LIFO free list) but a new id: mark them. */
     int32_t blocks2[7];
     uint64_t lease2;
@@ -693,16 +796,27 @@ Test(xfer, ready_after_expiry_discarded_and_fenced, .timeout = 60)
     for (uint32_t layer = 0; layer < LAYOUT.n_layers; layer++)
         for (int i = 0; i < 7; i++)
             memset((char *)rx.pool + td_kv_block_offset(&LAYOUT, rx.n_blocks, layer, (uint32_t)blocks2[i]), 0xab, bb);
-    cr_assert(write_all(to_tx[1], "g", 1));
-    end = td_now_s() + 10;
-    do {
-        uv_run(&rx.loop, UV_RUN_ONCE);
-        td_xfer_get_stats(rx.x, &st);
-    } while (st.discarded_ready == 0 && td_now_s() < end);
-    run_until(&rx.loop, &never, 0.2);
+    if (!put) {
+        cr_assert(write_all(to_tx[1], "g", 1));
+        end = td_now_s() + 10;
+        do {
+            uv_run(&rx.loop, UV_RUN_ONCE);
+            td_xfer_get_stats(rx.x, &st);
+        } while (st.discarded_ready == 0 && td_now_s() < end);
+    }
+    /* Until the sender has finished everything it will ever do. */
+    int status = 0;
+    end = td_now_s() + 20;
+    pid_t w = 0;
+    while ((w = waitpid(pid, &status, WNOHANG)) == 0 && td_now_s() < end)
+        run_until(&rx.loop, &never, 0.01);
+    cr_assert_eq(w, pid, "sender did not finish");
+    run_until(&rx.loop, &never, 0.05);
     td_xfer_get_stats(rx.x, &st);
-    cr_expect_eq(st.discarded_ready, 1);
-    cr_expect_gt(st.discarded_data, 0);
+    if (!put) {
+        cr_expect_eq(st.discarded_ready, 1);
+        cr_expect_gt(st.discarded_data, 0);
+    }
     cr_expect_eq(rx.adopted, 0);
     for (uint32_t layer = 0; layer < LAYOUT.n_layers; layer++)
         for (int i = 0; i < 7; i++) {
@@ -711,13 +825,26 @@ Test(xfer, ready_after_expiry_discarded_and_fenced, .timeout = 60)
                 if (p[k] != 0xab)
                     cr_assert_fail("late data for the dead lease reached block %d layer %u", blocks2[i], layer);
         }
-    int status;
-    waitpid(pid, &status, 0);
     cr_expect(WIFEXITED(status) && WEXITSTATUS(status) == 0, "sender: expected a stale verdict (exit %d)",
               WIFEXITED(status) ? WEXITSTATUS(status) : -1);
     cr_expect_eq(td_xfer_lease_cancel(rx.x, lease2), TD_OK);
     cr_expect_eq(td_kv_available(rx.kv), 256);
     rx_free(&rx);
+}
+
+Test(xfer, ready_after_expiry_discarded_and_fenced, .timeout = 60)
+{
+    expiry_fence("tcp", TD_XFER_RMA_AM, 0);
+}
+
+Test(xfer, put_expiry_quarantined_until_abort_ack, .timeout = 60)
+{
+    expiry_fence("sm,tcp", TD_XFER_RMA_PUT, 0);
+}
+
+Test(xfer, put_expiry_quarantine_bounded_for_frozen_sender, .timeout = 60)
+{
+    expiry_fence("sm,tcp", TD_XFER_RMA_PUT, 300);
 }
 
 /* ---- two network namespaces joined by a veth pair ------------------------------------- */
@@ -775,5 +902,5 @@ Test(xfer, tcp_across_netns_veth, .timeout = 120, .fini = netns_cleanup)
                  ns_b),
               "could not set up the veth pair");
     /* Two namespaces are one host to UCX: only tcp crosses the veth (docs/xfer.md). */
-    many_requests_in("tcp", 11, 16, ns_a, ns_b, "10.77.0.1");
+    many_requests_in("tcp", TD_XFER_RMA_AUTO, 11, 16, ns_a, ns_b, "10.77.0.1");
 }
