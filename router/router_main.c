@@ -340,7 +340,8 @@ static void on_admit_msg(td_grpc_client_call_t *c, const ProtobufCMessage *msg, 
     free(r->blocks);
     r->n_blocks = 0;
     if ((r->blocks = malloc((a->n_block_ids + 1) * sizeof *r->blocks))) {
-        memcpy(r->blocks, a->block_ids, a->n_block_ids * sizeof *r->blocks);
+        if (a->n_block_ids)
+            memcpy(r->blocks, a->block_ids, a->n_block_ids * sizeof *r->blocks);
         r->n_blocks = a->n_block_ids;
     }
     r->lease_id = a->lease_id;
@@ -737,7 +738,8 @@ static void on_generate(td_grpc_call_t *call, const ProtobufCMessage *msg, void 
     r->sampling.repetition_penalty = ts.repetition_penalty;
     r->sampling.seed = ts.seed;
     r->max_tokens = q->max_tokens ? (int32_t)TD_MIN(q->max_tokens, (uint32_t)INT32_MAX) : (int32_t)s->cfg.default_max_tokens;
-    memcpy(r->stop_ids, q->stop_ids, q->n_stop_ids * sizeof *q->stop_ids);
+    if (q->n_stop_ids) /* bounded above; protobuf-c leaves the array NULL when empty */
+        memcpy(r->stop_ids, q->stop_ids, q->n_stop_ids * sizeof *q->stop_ids);
     r->n_stop_ids = q->n_stop_ids;
     if (!r->stop)
         td_stop_create(NULL, 0, &r->stop);
