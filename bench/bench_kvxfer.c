@@ -1,14 +1,19 @@
 /*
- * bench_kvxfer: `tandem bench kvxfer [--json] [--transport tcp|sm] [--iters N]`.
+ * bench_kvxfer: `tandem bench kvxfer [--json] [--transport tcp|sm] [--rma auto|put|am]
+ * [--iters N]`.
  *
  * Two processes on loopback (a forked receiver, this process the sender) move the KV of
  * one request of 16..4096 tokens of a Llama-3-8B-shaped layout (32 layers, 8 KV heads,
  * head dim 128, bf16, block 16: 64 KiB per block and layer) through td_xfer, layer by
- * layer, and time begin -> receiver's verdict. In the same run, ucx_perftest (Debian's
- * ucx-utils) measures ucp_put_bw and ucp_am_bw (the primitive td_xfer uses) on the same
- * transport with the size of one td_xfer operation (one layer's run of blocks).
- * Rows: transport, tokens, bytes, gbytes_per_s (bytes / p50), perftest_gbytes_per_s
- * (put), perftest_am_gbytes_per_s, p50_us, p99_us.
+ * layer, and time begin -> receiver's verdict (hello excluded: the connection is warm;
+ * bind, puts or AMs, flush, kv-ready and its ack included). The receiver's pool is
+ * allocated by td_xfer (a shared-memory segment under sm), as a decode node does.
+ * In the same run, ucx_perftest (Debian's ucx-utils) measures ucp_put_bw and ucp_am_bw on
+ * the same transport with the size of one td_xfer operation (one layer's run of blocks);
+ * perftest_gbytes_per_s is the one of the primitive td_xfer used for the row.
+ * Rows: transport, primitive, tokens, bytes, gbytes_per_s (bytes / p50),
+ * perftest_gbytes_per_s, ratio, perftest_put_gbytes_per_s, perftest_am_gbytes_per_s,
+ * p50_us, p99_us.
  */
 #include "td_bench.h"
 
@@ -105,18 +110,17 @@ static int kvx_receiver(int rfd, int wfd)
     kvx_rx_t rx = {.rfd = rfd, .wfd = wfd};
     uint32_t n_blocks = KVX_MAX_BLOCKS + 8;
     td_kv_config_t kc = {.n_blocks = (int32_t)n_blocks, .block_size = 16};
-    void *pool = malloc(td_kv_pool_bytes(&KVX_LAYOUT, n_blocks));
     td_xfer_config_t cfg = td_xfer_config_default();
     cfg.name = "kvx-rx";
-    if (!pool || td_kv_cache_create(&kc, &rx.kv) != TD_OK || td_xfer_create(&loop, &cfg, &rx.x) != TD_OK)
+    if (td_kv_cache_create(&kc, &rx.kv) != TD_OK || td_xfer_create(&loop, &cfg, &rx.x) != TD_OK)
         return 2;
-    memset(pool, 0, td_kv_pool_bytes(&KVX_LAYOUT, n_blocks)); /* first touch outside the timing */
-    td_xfer_pool_t p = {.layout = KVX_LAYOUT, .base = pool, .n_blocks = n_blocks, .kv = rx.kv};
+    td_xfer_pool_t p = {.layout = KVX_LAYOUT, .base = NULL, .n_blocks = n_blocks, .kv = rx.kv};
     uint8_t desc[TD_XFER_DESC_MAX];
     size_t len;
     if (td_xfer_register_pool(rx.x, &p, kvx_rx_ready, &rx) != TD_OK ||
         td_xfer_describe(rx.x, desc, sizeof desc, &len) != TD_OK)
         return 3;
+    memset(td_xfer_pool_base(rx.x), 0, td_kv_pool_bytes(&KVX_LAYOUT, n_blocks)); /* first touch, untimed */
     kvx_write(wfd, &len, sizeof len);
     kvx_write(wfd, desc, len);
     uv_poll_init(&loop, &rx.pipe_poll, rfd);
@@ -129,7 +133,6 @@ static int kvx_receiver(int rfd, int wfd)
     uv_run(&loop, UV_RUN_NOWAIT);
     uv_loop_close(&loop);
     td_kv_cache_destroy(rx.kv);
-    free(pool);
     return 0;
 }
 
@@ -182,17 +185,22 @@ int bench_kvxfer(int argc, char **argv)
 {
     bool json = false;
     const char *transport = "tcp";
+    td_xfer_rma_t rma = TD_XFER_RMA_AUTO;
     int64_t iters = 20;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--json"))
             json = true;
         else if (!strcmp(argv[i], "--transport") && i + 1 < argc)
             transport = argv[++i];
-        else if (!strcmp(argv[i], "--iters") && i + 1 < argc) {
+        else if (!strcmp(argv[i], "--rma") && i + 1 < argc) {
+            if (td_xfer_rma_parse(argv[++i], &rma) != TD_OK)
+                return 2;
+        } else if (!strcmp(argv[i], "--iters") && i + 1 < argc) {
             if (td_parse_i64(argv[++i], 1, 100000, "--iters", &iters) != TD_OK)
                 return 2;
         } else {
-            fprintf(stderr, "usage: tandem bench kvxfer [--json] [--transport tcp|sm] [--iters N]\n");
+            fprintf(stderr, "usage: tandem bench kvxfer [--json] [--transport tcp|sm] [--rma auto|put|am] "
+                            "[--iters N]\n");
             return 2;
         }
     }
@@ -238,6 +246,7 @@ int bench_kvxfer(int argc, char **argv)
     td_xfer_config_t cfg = td_xfer_config_default();
     cfg.name = "kvx-tx";
     cfg.listen_ip = NULL;
+    cfg.rma = rma;
     if (!pool || !lat || !kvx_read(to_tx[0], &len, sizeof len) || len > sizeof desc || !kvx_read(to_tx[0], desc, len))
         goto out;
     for (size_t i = 0; i < pool_bytes; i += 8)
@@ -253,12 +262,14 @@ int bench_kvxfer(int argc, char **argv)
     if (json)
         printf("[");
     else
-        printf("%-9s %7s %12s %10s %12s %12s %10s %10s\n", "transport", "tokens", "bytes", "GB/s", "put_bw GB/s",
-               "am_bw GB/s", "p50 us", "p99 us");
+        printf("%-9s %-4s %7s %12s %9s %12s %11s %11s %6s %10s %10s\n", "transport", "prim", "tokens", "bytes", "GB/s",
+               "op bytes", "put_bw GB/s", "am_bw GB/s", "ratio", "p50 us", "p99 us");
     for (size_t k = 0; k < TD_ARRAY_LEN(sizes); k++) {
         uint32_t tokens = sizes[k];
         int32_t nb = (int32_t)TD_DIV_CEIL(tokens, KVX_LAYOUT.block_size);
         size_t bytes = (size_t)KVX_LAYOUT.n_layers * (size_t)nb * bb;
+        td_xfer_stats_t before, after;
+        td_xfer_get_stats(x, &before);
         for (int64_t it = -2; it < iters; it++) { /* two warm-up transfers */
             kvx_lease_t l;
             if (!kvx_write(to_rx[1], &nb, sizeof nb) || !kvx_read(to_tx[0], &l, sizeof l))
@@ -282,20 +293,26 @@ int bench_kvxfer(int argc, char **argv)
             if (it >= 0)
                 lat[it] = (double)(td_now_ns() - t0) * 1e-3;
         }
+        td_xfer_get_stats(x, &after);
+        bool put_used = after.ops_put > before.ops_put;
         qsort(lat, (size_t)iters, sizeof *lat, kvx_cmp);
         double p50 = lat[iters / 2], p99 = lat[TD_MIN(iters - 1, (int64_t)(iters * 0.99))];
         size_t op_bytes = (size_t)nb * bb; /* one layer's run of contiguous blocks = one operation */
         double put = kvx_perftest("ucp_put_bw", op_bytes, 13400 + (int)k * 2);
         double am = kvx_perftest("ucp_am_bw", op_bytes, 13401 + (int)k * 2);
         double gbs = (double)bytes / (p50 * 1e-6) / 1e9;
+        double ref = put_used ? put : am; /* like with like: the primitive this row used */
+        double ratio = ref > 0 ? gbs / ref : -1;
+        const char *prim = put_used ? "put" : "am";
         if (json)
-            printf("%s\n {\"transport\": \"%s\", \"tokens\": %u, \"bytes\": %zu, \"gbytes_per_s\": %.3f, "
-                   "\"perftest_gbytes_per_s\": %.3f, \"perftest_am_gbytes_per_s\": %.3f, \"p50_us\": %.1f, "
+            printf("%s\n {\"transport\": \"%s\", \"primitive\": \"%s\", \"tokens\": %u, \"bytes\": %zu, "
+                   "\"op_bytes\": %zu, \"gbytes_per_s\": %.3f, \"perftest_gbytes_per_s\": %.3f, \"ratio\": %.3f, "
+                   "\"perftest_put_gbytes_per_s\": %.3f, \"perftest_am_gbytes_per_s\": %.3f, \"p50_us\": %.1f, "
                    "\"p99_us\": %.1f}",
-                   k ? "," : "", transport, tokens, bytes, gbs, put, am, p50, p99);
+                   k ? "," : "", transport, prim, tokens, bytes, op_bytes, gbs, ref, ratio, put, am, p50, p99);
         else
-            printf("%-9s %7u %12zu %10.3f %12.3f %12.3f %10.1f %10.1f\n", transport, tokens, bytes, gbs, put, am, p50,
-                   p99);
+            printf("%-9s %-4s %7u %12zu %9.3f %12zu %11.3f %11.3f %6.2f %10.1f %10.1f\n", transport, prim, tokens,
+                   bytes, gbs, op_bytes, put, am, ratio, p50, p99);
         fflush(stdout);
     }
     if (json)

@@ -234,6 +234,8 @@ struct td_xfer {
     uv_poll_t poll;
     uv_prepare_t prepare;
     uv_timer_t timer;
+    uv_idle_t idle;     /* keeps the loop from sleeping after callbacks made in prepare */
+    uint64_t delivered; /* user callbacks made */
     int open_handles;
     bool destroying;
 
@@ -259,6 +261,7 @@ struct td_xfer {
     list_node_t closing;   /* ep_close_t: endpoints to force-close */
     uint32_t closes_inflight;
     list_node_t aborts;    /* abort_job_t: ABORTs to confirm once our puts are flushed */
+    uint64_t acts;         /* deferred actions taken (drain goes round while it grows) */
     uint64_t next_cookie;
 
     td_xfer_stats_t stats;
@@ -906,6 +909,7 @@ static bool op_ready(const send_op_t *op)
 static void post_op(td_xfer_t *x, send_op_t *op)
 {
     td_xfer_send_t *s = op->s;
+    x->acts++;
     if (!s->peer->alive || s->status != TD_OK) {
         s->ops_out--;
         free(op);
@@ -949,6 +953,7 @@ static void ready_sent_cb(void *request, ucs_status_t status, void *user_data)
 
 static void post_ready(td_xfer_t *x, td_xfer_send_t *s)
 {
+    x->acts++;
     s->ready_posted = true;
     s->ready_inflight = true;
     s->ready = (am_ready_hdr_t){.request_id = s->p.request_id,
@@ -1216,6 +1221,7 @@ static void run_aborts(td_xfer_t *x)
         if (j->flushed && j->peer->alive)
             send_ctl(x, j->peer->ep, AM_ABORT_ACK, j->request_id, j->lease_id, TD_OK);
         if (j->flushed || j->failed) {
+            x->acts++;
             list_del(&j->link);
             free(j);
         }
@@ -1239,6 +1245,7 @@ static void put_flushed_cb(void *request, ucs_status_t status, void *user_data)
  * complete at the receiver before READY tells it so. */
 static void post_flush(td_xfer_send_t *s)
 {
+    s->x->acts++;
     s->flush_inflight = true;
     ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA,
                                .cb.send = put_flushed_cb,
@@ -1439,6 +1446,7 @@ static void run_deferred(td_xfer_t *x)
             if (s->mode != MODE_UNDECIDED || s->status != TD_OK)
                 continue;
             s->mode = peer->use_put ? MODE_PUT : MODE_AM;
+            x->acts++;
             if (s->mode == MODE_PUT)
                 send_ctl(x, peer->ep, AM_BIND, s->p.request_id, s->p.lease_id, TD_OK);
         }
@@ -1462,8 +1470,9 @@ static void run_deferred(td_xfer_t *x)
                 continue;
             if (s->mode == MODE_PUT && !s->flushed) {
                 if (!s->flush_inflight)
-                    post_flush(s);
-                continue;
+                    post_flush(s); /* on shared memory it is often complete at once */
+                if (!s->flushed || s->status != TD_OK)
+                    continue;
             }
             post_ready(x, s);
         }
@@ -1492,11 +1501,13 @@ static void run_deferred(td_xfer_t *x)
         void *arg = s->p.arg;
         uint64_t rid = s->p.request_id;
         send_free(s);
+        x->delivered++;
         cb(arg, rid, st);
     }
     while (!list_empty(&x->ready_list)) {
         ready_event_t *ev = CONTAINER(x->ready_list.next, ready_event_t, link);
         list_del(&ev->link);
+        x->delivered++;
         if (x->on_ready) {
             x->on_ready(x->ready_arg, &ev->r);
         } else {
@@ -1512,8 +1523,12 @@ static void drain(td_xfer_t *x)
     for (;;) {
         while (ucp_worker_progress(x->worker))
             ;
+        /* Deferred work can make more deferred work without any UCX event (a put and a
+         * flush complete in place on shared memory): go round until it is quiet, or the
+         * loop would sleep until the next tick. */
+        uint64_t acts = x->acts;
         run_deferred(x);
-        if (ucp_worker_progress(x->worker))
+        if (ucp_worker_progress(x->worker) || x->acts != acts)
             continue;
         if (!list_empty(&x->done_list) || !list_empty(&x->ready_list))
             continue;
@@ -1532,9 +1547,21 @@ static void on_poll(uv_poll_t *h, int status, int events)
     drain(h->data);
 }
 
+static void on_idle(uv_idle_t *h)
+{
+    uv_idle_stop(h);
+}
+
+/* A callback made here, just before the loop blocks, may have changed what its owner
+ * waits for (uv_run(UV_RUN_ONCE) loops checking a flag): an active idle handle makes this
+ * turn's poll non-blocking, so the loop comes round at once instead of at the next tick. */
 static void on_prepare(uv_prepare_t *h)
 {
-    drain(h->data);
+    td_xfer_t *x = h->data;
+    uint64_t before = x->delivered;
+    drain(x);
+    if (x->delivered != before)
+        uv_idle_start(&x->idle, on_idle);
 }
 
 static void on_tick(uv_timer_t *h)
@@ -1716,8 +1743,9 @@ td_status_t td_xfer_create(uv_loop_t *loop, const td_xfer_config_t *cfg, td_xfer
     uv_poll_init(loop, &x->poll, x->efd);
     uv_prepare_init(loop, &x->prepare);
     uv_timer_init(loop, &x->timer);
-    x->poll.data = x->prepare.data = x->timer.data = x;
-    x->open_handles = 3;
+    uv_idle_init(loop, &x->idle);
+    x->poll.data = x->prepare.data = x->timer.data = x->idle.data = x;
+    x->open_handles = 4;
     uv_poll_start(&x->poll, UV_READABLE, on_poll);
     uv_prepare_start(&x->prepare, on_prepare);
     uv_timer_start(&x->timer, on_tick, cfg->tick_ms, cfg->tick_ms);
@@ -1897,6 +1925,7 @@ void td_xfer_destroy(td_xfer_t *x)
     uv_close((uv_handle_t *)&x->poll, on_handle_closed); /* stops polling the efd now */
     uv_close((uv_handle_t *)&x->prepare, on_handle_closed);
     uv_close((uv_handle_t *)&x->timer, on_handle_closed);
+    uv_close((uv_handle_t *)&x->idle, on_handle_closed);
     ucp_worker_destroy(x->worker);
     ucp_cleanup(x->ctx);
     x->worker = NULL;
