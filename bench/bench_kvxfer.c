@@ -10,10 +10,12 @@
  * allocated by td_xfer (a shared-memory segment under sm), as a decode node does.
  * In the same run, ucx_perftest (Debian's ucx-utils) measures ucp_put_bw and ucp_am_bw on
  * the same transport with the size of one td_xfer operation (one layer's run of blocks);
- * perftest_gbytes_per_s is the one of the primitive td_xfer used for the row.
- * Rows: transport, primitive, tokens, bytes, gbytes_per_s (bytes / p50),
- * perftest_gbytes_per_s, ratio, perftest_put_gbytes_per_s, perftest_am_gbytes_per_s,
- * p50_us, p99_us.
+ * perftest_gbytes_per_s is the one of the primitive td_xfer used for the row (ratio =
+ * ours / it); perftest_xfer_gbytes_per_s is that primitive moving the whole transfer as one
+ * message, the same working set as ours (ratio_xfer). Rows: transport, primitive, tokens,
+ * bytes, op_bytes, gbytes_per_s (bytes / p50), perftest_gbytes_per_s, ratio,
+ * perftest_xfer_gbytes_per_s, ratio_xfer, perftest_put_gbytes_per_s,
+ * perftest_am_gbytes_per_s, p50_us, p99_us.
  */
 #include "td_bench.h"
 
@@ -142,7 +144,7 @@ static int kvx_receiver(int rfd, int wfd)
 static double kvx_perftest(const char *test, size_t size, int port)
 {
     char cmd[512];
-    size_t iters = TD_MAX((size_t)20, TD_MIN((size_t)2000, ((size_t)256 << 20) / size));
+    size_t iters = TD_MAX((size_t)5, TD_MIN((size_t)2000, ((size_t)256 << 20) / size));
     snprintf(cmd, sizeof cmd,
              "(timeout 60 ucx_perftest -p %d >/dev/null 2>&1 &) ; sleep 0.3; "
              "timeout 60 ucx_perftest 127.0.0.1 -p %d -t %s -s %zu -n %zu 2>/dev/null | grep '^Final:'",
@@ -262,8 +264,8 @@ int bench_kvxfer(int argc, char **argv)
     if (json)
         printf("[");
     else
-        printf("%-9s %-4s %7s %12s %9s %12s %11s %11s %6s %10s %10s\n", "transport", "prim", "tokens", "bytes", "GB/s",
-               "op bytes", "put_bw GB/s", "am_bw GB/s", "ratio", "p50 us", "p99 us");
+        printf("%-9s %-4s %7s %12s %9s %12s %11s %11s %6s %11s %6s %10s %10s\n", "transport", "prim", "tokens", "bytes",
+               "GB/s", "op bytes", "put_bw GB/s", "am_bw GB/s", "ratio", "whole GB/s", "ratio", "p50 us", "p99 us");
     for (size_t k = 0; k < TD_ARRAY_LEN(sizes); k++) {
         uint32_t tokens = sizes[k];
         int32_t nb = (int32_t)TD_DIV_CEIL(tokens, KVX_LAYOUT.block_size);
@@ -300,19 +302,25 @@ int bench_kvxfer(int argc, char **argv)
         size_t op_bytes = (size_t)nb * bb; /* one layer's run of contiguous blocks = one operation */
         double put = kvx_perftest("ucp_put_bw", op_bytes, 13400 + (int)k * 2);
         double am = kvx_perftest("ucp_am_bw", op_bytes, 13401 + (int)k * 2);
+        /* The same primitive moving the whole transfer's bytes in one message: the same
+         * working set as ours (perftest at op size re-sends one cache-hot buffer). */
+        double whole = kvx_perftest(put_used ? "ucp_put_bw" : "ucp_am_bw", bytes, 13450 + (int)k);
         double gbs = (double)bytes / (p50 * 1e-6) / 1e9;
         double ref = put_used ? put : am; /* like with like: the primitive this row used */
         double ratio = ref > 0 ? gbs / ref : -1;
+        double ratio_whole = whole > 0 ? gbs / whole : -1;
         const char *prim = put_used ? "put" : "am";
         if (json)
             printf("%s\n {\"transport\": \"%s\", \"primitive\": \"%s\", \"tokens\": %u, \"bytes\": %zu, "
                    "\"op_bytes\": %zu, \"gbytes_per_s\": %.3f, \"perftest_gbytes_per_s\": %.3f, \"ratio\": %.3f, "
+                   "\"perftest_xfer_gbytes_per_s\": %.3f, \"ratio_xfer\": %.3f, "
                    "\"perftest_put_gbytes_per_s\": %.3f, \"perftest_am_gbytes_per_s\": %.3f, \"p50_us\": %.1f, "
                    "\"p99_us\": %.1f}",
-                   k ? "," : "", transport, prim, tokens, bytes, op_bytes, gbs, ref, ratio, put, am, p50, p99);
+                   k ? "," : "", transport, prim, tokens, bytes, op_bytes, gbs, ref, ratio, whole, ratio_whole, put,
+                   am, p50, p99);
         else
-            printf("%-9s %-4s %7u %12zu %9.3f %12zu %11.3f %11.3f %6.2f %10.1f %10.1f\n", transport, prim, tokens,
-                   bytes, gbs, op_bytes, put, am, ratio, p50, p99);
+            printf("%-9s %-4s %7u %12zu %9.3f %12zu %11.3f %11.3f %6.2f %11.3f %6.2f %10.1f %10.1f\n", transport,
+                   prim, tokens, bytes, gbs, op_bytes, put, am, ratio, whole, ratio_whole, p50, p99);
         fflush(stdout);
     }
     if (json)
