@@ -904,3 +904,27 @@ Test(xfer, tcp_across_netns_veth, .timeout = 120, .fini = netns_cleanup)
     /* Two namespaces are one host to UCX: only tcp crosses the veth (docs/xfer.md). */
     many_requests_in("tcp", TD_XFER_RMA_AUTO, 11, 16, ns_a, ns_b, "10.77.0.1");
 }
+
+/* ---- configuration -------------------------------------------------------------------- */
+
+Test(xfer, rma_parse)
+{
+    td_xfer_rma_t r = TD_XFER_RMA_AM;
+    cr_expect_eq(td_xfer_rma_parse("auto", &r), TD_OK);
+    cr_expect_eq(r, TD_XFER_RMA_AUTO);
+    cr_expect_eq(td_xfer_rma_parse("put", &r), TD_OK);
+    cr_expect_eq(r, TD_XFER_RMA_PUT);
+    cr_expect_eq(td_xfer_rma_parse("am", &r), TD_OK);
+    cr_expect_eq(r, TD_XFER_RMA_AM);
+    cr_expect_eq(td_xfer_rma_parse("rdma", &r), TD_ERR_INVALID);
+    cr_expect(strstr(td_last_error(), "'rdma' is not auto, put or am") != NULL, "message: %s", td_last_error());
+    cr_expect_eq(r, TD_XFER_RMA_AM, "output written on error");
+    td_xfer_config_t cfg = td_xfer_config_default();
+    cfg.quarantine_ms = 0;
+    uv_loop_t loop;
+    uv_loop_init(&loop);
+    td_xfer_t *x = NULL;
+    cr_expect_eq(td_xfer_create(&loop, &cfg, &x), TD_ERR_INVALID);
+    cr_expect_null(x);
+    uv_loop_close(&loop);
+}
