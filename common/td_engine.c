@@ -77,6 +77,8 @@ struct td_engine {
     td_engine_state_t s;
     td_engine_meta_t m;
     size_t weight_bytes;
+    td_engine_layer_cb layer_cb; /* td_engine_set_layer_hook; NULL: none */
+    void *layer_arg;
 };
 
 td_engine_config_t td_engine_config_default(void)
@@ -327,6 +329,10 @@ td_status_t td_engine_create(const td_model_t *model, td_backend_t *be,
     if (c->head_dim > 1024 || c->head_dim % 2)
         return td_errorf(TD_ERR_UNSUPPORTED, "engine: head_dim %d must be even and at most 1024",
                          c->head_dim);
+    if (cfg->kv_pool && (!be->host_memory || cfg->n_blocks <= 0))
+        return td_errorf(TD_ERR_INVALID, "engine: a caller-provided KV pool needs a host-memory backend "
+                                         "(%s is not) and an explicit n_blocks (%d)",
+                         be->ops->name, cfg->n_blocks);
 
     td_engine_t *eng = calloc(1, sizeof *eng);
     if (!eng)
@@ -334,15 +340,7 @@ td_status_t td_engine_create(const td_model_t *model, td_backend_t *be,
     eng->model = model;
     eng->be = be;
     eng->cfg = *cfg;
-    eng->layout = (td_kv_layout_t){
-        .model_fingerprint = model->fingerprint,
-        .dtype = (uint32_t)cfg->kv_dtype,
-        .block_size = (uint32_t)cfg->block_size,
-        .n_layers = (uint32_t)c->n_layers,
-        .n_kv_heads = (uint32_t)c->n_kv_heads,
-        .head_dim = (uint32_t)c->head_dim,
-        .version = TD_KV_LAYOUT_VERSION,
-    };
+    td_engine_kv_layout_for(model, cfg, &eng->layout);
     size_t per_block = (size_t)c->n_layers * td_kv_block_bytes(&eng->layout);
     int64_t n_blocks = cfg->n_blocks ? cfg->n_blocks : (int64_t)(cfg->kv_mem_bytes / per_block);
     if (n_blocks > INT32_MAX / 2)
@@ -359,8 +357,10 @@ td_status_t td_engine_create(const td_model_t *model, td_backend_t *be,
         goto err_weights;
     if ((st = alloc_state(eng)) != TD_OK)
         goto err_state;
-    st = be->ops->alloc(be, td_kv_pool_bytes(&eng->layout, (uint32_t)eng->n_blocks), &eng->kv_pool);
-    if (st != TD_OK)
+    if (cfg->kv_pool)
+        eng->kv_pool = cfg->kv_pool;
+    else if ((st = be->ops->alloc(be, td_kv_pool_bytes(&eng->layout, (uint32_t)eng->n_blocks),
+                                  &eng->kv_pool)) != TD_OK)
         goto err_state;
     td_kv_config_t kc = {.n_blocks = eng->n_blocks, .block_size = cfg->block_size,
                          .prefix_cache = cfg->prefix_cache};
@@ -372,7 +372,8 @@ td_status_t td_engine_create(const td_model_t *model, td_backend_t *be,
     return TD_OK;
 
 err_pool:
-    be->ops->free(be, eng->kv_pool);
+    if (!cfg->kv_pool)
+        be->ops->free(be, eng->kv_pool);
 err_state:
     free_state(eng);
 err_weights:
@@ -387,7 +388,8 @@ void td_engine_destroy(td_engine_t *eng)
     if (!eng)
         return;
     td_kv_cache_destroy(eng->kv);
-    eng->be->ops->free(eng->be, eng->kv_pool);
+    if (!eng->cfg.kv_pool)
+        eng->be->ops->free(eng->be, eng->kv_pool);
     free_state(eng);
     free_weights(eng);
     free(eng);
@@ -590,9 +592,16 @@ td_status_t td_engine_step(td_engine_t *eng, const td_engine_item_t *items, int3
         return st;
     if ((st = be->ops->embed(be, eng->s.x, eng->embed.data, eng->embed.dtype, c->dim)) != TD_OK)
         return st;
-    for (int32_t l = 0; l < c->n_layers; l++)
+    for (int32_t l = 0; l < c->n_layers; l++) {
         if ((st = forward_layer(eng, l, T, max_q == 1)) != TD_OK)
             return st;
+        if (eng->layer_cb) {
+            /* the hook's reader (a transfer) may read the pool right away */
+            if ((st = be->ops->sync(be)) != TD_OK)
+                return st;
+            eng->layer_cb(eng->layer_arg, (uint32_t)l);
+        }
+    }
 
     if (n_logits > 0) {
         st = be->ops->gather_rows(be, eng->s.rows, eng->s.x, eng->m.logit_rows, n_logits, c->dim);
@@ -656,7 +665,28 @@ td_backend_t *td_engine_backend(td_engine_t *eng)
     return eng->be;
 }
 
+void td_engine_set_layer_hook(td_engine_t *eng, td_engine_layer_cb cb, void *arg)
+{
+    eng->layer_cb = cb;
+    eng->layer_arg = cb ? arg : NULL;
+}
+
 size_t td_engine_weight_bytes(const td_engine_t *eng)
 {
     return eng->weight_bytes;
+}
+
+void td_engine_kv_layout_for(const td_model_t *model, const td_engine_config_t *cfg,
+                             td_kv_layout_t *layout)
+{
+    const td_model_config_t *c = &model->config;
+    *layout = (td_kv_layout_t){
+        .model_fingerprint = model->fingerprint,
+        .dtype = (uint32_t)cfg->kv_dtype,
+        .block_size = (uint32_t)cfg->block_size,
+        .n_layers = (uint32_t)c->n_layers,
+        .n_kv_heads = (uint32_t)c->n_kv_heads,
+        .head_dim = (uint32_t)c->head_dim,
+        .version = TD_KV_LAYOUT_VERSION,
+    };
 }

@@ -39,6 +39,12 @@ typedef struct td_engine_config {
     int32_t max_seqs;         /* most sequences in one step (256) */
     int32_t max_logit_rows;   /* most logit rows one step returns (256) */
     int32_t partition_tokens; /* decode split-KV partition size; 0 = backend heuristic */
+    void *kv_pool;            /* NULL: the engine allocates its KV pool on the backend. Else
+                                 caller-owned pool memory, td_kv_pool_bytes(layout, n_blocks)
+                                 bytes (layout from td_engine_kv_layout_for), outliving the
+                                 engine; host-memory backends only, n_blocks must be set. The
+                                 decode node passes the pool td_xfer had UCX allocate, so KV
+                                 lands where the engine reads it. */
 } td_engine_config_t;
 
 td_engine_config_t td_engine_config_default(void);
@@ -90,8 +96,27 @@ td_kv_cache_t *td_engine_kv(td_engine_t *eng);
 void *td_engine_kv_pool(td_engine_t *eng, int32_t *n_blocks_p);
 td_backend_t *td_engine_backend(td_engine_t *eng);
 
+/*
+ * Per-layer hook: when set, td_engine_step calls cb(arg, layer) on the stepping thread
+ * right after layer `layer` of the step has run, for layers 0 .. n_layers-1 in order,
+ * once each per step. By then that layer's K/V of every item is in the pool (the backend
+ * is synchronised first, so a device backend's writes are complete), and every item's
+ * block table (seq->blocks) already covers its new tokens; seq->n_tokens advances only
+ * after the last layer. A step that fails before its first layer (TD_ERR_EXHAUSTED,
+ * bad items) calls nothing; one that fails later stops calling at the failing layer.
+ * A prefill node uses it to push a layer's KV while the next layers compute. cb NULL
+ * removes the hook. The callback must not call back into the engine.
+ */
+typedef void (*td_engine_layer_cb)(void *arg, uint32_t layer);
+void td_engine_set_layer_hook(td_engine_t *eng, td_engine_layer_cb cb, void *arg);
+
 /* Bytes of weights one forward step streams (all matrices and norms once), for
  * bandwidth ratios in benchmarks. */
 size_t td_engine_weight_bytes(const td_engine_t *eng);
+
+/* The KV layout an engine created with (model, cfg) has, before creating it (to size and
+ * register a caller-provided pool). Pure; cfg need not be validated. */
+void td_engine_kv_layout_for(const td_model_t *model, const td_engine_config_t *cfg,
+                             td_kv_layout_t *layout);
 
 #endif /* TD_ENGINE_H */

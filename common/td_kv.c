@@ -18,6 +18,7 @@
  */
 #include "td_kv.h"
 
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -53,7 +54,23 @@ struct td_kv_cache {
     uint64_t prefix_lookups;
     uint64_t prefix_hits;
     uint64_t evictions;
+
+    /* Serializes every public operation (the kv_* functions below assume it is held):
+     * the decode node leases blocks on its loop thread while its engine runs on the
+     * compute thread. Uncontended it costs ~20 ns per call, a few calls per sequence per
+     * step. Not part of the logical state, so const readers lock it too. */
+    pthread_mutex_t mu;
 };
+
+static void kv_lock(const td_kv_cache_t *c)
+{
+    pthread_mutex_lock((pthread_mutex_t *)&c->mu);
+}
+
+static void kv_unlock(const td_kv_cache_t *c)
+{
+    pthread_mutex_unlock((pthread_mutex_t *)&c->mu);
+}
 
 /* ---- hashing ---------------------------------------------------------------------- */
 
@@ -247,6 +264,7 @@ td_status_t td_kv_cache_create(const td_kv_config_t *cfg, td_kv_cache_t **cache_
     td_kv_cache_t *c = calloc(1, sizeof *c);
     if (!c)
         return td_errorf(TD_ERR_NOMEM, "kv cache: out of memory");
+    pthread_mutex_init(&c->mu, NULL);
     size_t n = (size_t)cfg->n_blocks;
     uint32_t cap = 16;
     while (cap < 2 * n)
@@ -296,6 +314,7 @@ void td_kv_cache_destroy(td_kv_cache_t *cache)
     free(cache->lru_prev);
     free(cache->lru_next);
     free(cache->table);
+    pthread_mutex_destroy(&cache->mu);
     free(cache);
 }
 
@@ -304,12 +323,12 @@ int32_t td_kv_block_size(const td_kv_cache_t *cache)
     return cache->block_size;
 }
 
-int32_t td_kv_available(const td_kv_cache_t *cache)
+static int32_t kv_available(const td_kv_cache_t *cache)
 {
     return cache->n_free + cache->n_cached;
 }
 
-void td_kv_get_stats(const td_kv_cache_t *cache, td_kv_stats_t *stats)
+static void kv_get_stats(const td_kv_cache_t *cache, td_kv_stats_t *stats)
 {
     stats->n_blocks = cache->n_blocks;
     stats->free = cache->n_free;
@@ -320,19 +339,19 @@ void td_kv_get_stats(const td_kv_cache_t *cache, td_kv_stats_t *stats)
     stats->evictions = cache->evictions;
 }
 
-td_status_t td_kv_alloc_blocks(td_kv_cache_t *cache, int32_t n, int32_t *ids)
+static td_status_t kv_alloc_blocks(td_kv_cache_t *cache, int32_t n, int32_t *ids)
 {
     if (n < 0)
         return td_errorf(TD_ERR_INVALID, "kv cache: cannot allocate %d blocks", n);
-    if (n > td_kv_available(cache))
+    if (n > kv_available(cache))
         return td_errorf_quiet(TD_ERR_EXHAUSTED, "kv cache: %d blocks requested, %d available", n,
-                               td_kv_available(cache));
+                               kv_available(cache));
     for (int32_t i = 0; i < n; i++)
         ids[i] = take_block(cache);
     return TD_OK;
 }
 
-void td_kv_ref_block(td_kv_cache_t *cache, int32_t id)
+static void kv_ref_block(td_kv_cache_t *cache, int32_t id)
 {
     check_id(cache, id);
     TD_ASSERT(cache->state[id] != BLOCK_FREE); /* a reference to a free block is a bug */
@@ -343,7 +362,7 @@ void td_kv_ref_block(td_kv_cache_t *cache, int32_t id)
     cache->refs[id]++;
 }
 
-void td_kv_unref_block(td_kv_cache_t *cache, int32_t id)
+static void kv_unref_block(td_kv_cache_t *cache, int32_t id)
 {
     check_id(cache, id);
     TD_ASSERT(cache->state[id] == BLOCK_USED && cache->refs[id] > 0); /* double free */
@@ -358,7 +377,7 @@ void td_kv_unref_block(td_kv_cache_t *cache, int32_t id)
     }
 }
 
-int32_t td_kv_block_refs(const td_kv_cache_t *cache, int32_t id)
+static int32_t kv_block_refs(const td_kv_cache_t *cache, int32_t id)
 {
     check_id(cache, id);
     return cache->refs[id];
@@ -376,12 +395,12 @@ void td_kv_seq_init(td_kv_seq_t *seq)
 static void release_blocks_from(td_kv_cache_t *cache, td_kv_seq_t *seq, int32_t first)
 {
     for (int32_t i = seq->n_blocks - 1; i >= first; i--)
-        td_kv_unref_block(cache, seq->blocks[i]);
+        kv_unref_block(cache, seq->blocks[i]);
     if (seq->n_blocks > first)
         seq->n_blocks = first;
 }
 
-void td_kv_seq_free(td_kv_cache_t *cache, td_kv_seq_t *seq)
+static void kv_seq_free(td_kv_cache_t *cache, td_kv_seq_t *seq)
 {
     if (!seq)
         return;
@@ -452,8 +471,8 @@ static void register_full_blocks(td_kv_cache_t *c, td_kv_seq_t *seq)
     }
 }
 
-td_status_t td_kv_seq_match_prefix(td_kv_cache_t *cache, td_kv_seq_t *seq, const int32_t *tokens,
-                                   int32_t n, int32_t max_tokens, int32_t *n_cached_p)
+static td_status_t kv_seq_match_prefix(td_kv_cache_t *cache, td_kv_seq_t *seq, const int32_t *tokens,
+                                       int32_t n, int32_t max_tokens, int32_t *n_cached_p)
 {
     if (seq->n_tokens != 0 || seq->n_blocks != 0)
         return td_errorf(TD_ERR_INVALID, "kv prefix match: the sequence is not empty (%d tokens, %d blocks)",
@@ -481,7 +500,7 @@ td_status_t td_kv_seq_match_prefix(td_kv_cache_t *cache, td_kv_seq_t *seq, const
         if (id < 0)
             break;
         cache->prefix_hits++;
-        td_kv_ref_block(cache, id);
+        kv_ref_block(cache, id);
         seq->blocks[matched] = id;
         prev = h;
     }
@@ -494,8 +513,8 @@ td_status_t td_kv_seq_match_prefix(td_kv_cache_t *cache, td_kv_seq_t *seq, const
     return TD_OK;
 }
 
-td_status_t td_kv_seq_reserve(td_kv_cache_t *cache, td_kv_seq_t *seq, int32_t n_total,
-                              td_kv_cow_t *cow)
+static td_status_t kv_seq_reserve(td_kv_cache_t *cache, td_kv_seq_t *seq, int32_t n_total,
+                                  td_kv_cow_t *cow)
 {
     const int32_t bs = cache->block_size;
     if (n_total < seq->n_tokens)
@@ -524,9 +543,9 @@ td_status_t td_kv_seq_reserve(td_kv_cache_t *cache, td_kv_seq_t *seq, int32_t n_
     TD_ASSERT(n_copy <= 1); /* only the block at n_tokens can hold committed rows */
     if (n_copy > 0 && !cow)
         return td_errorf(TD_ERR_INVALID, "kv reserve: a copy-on-write is needed but cow is NULL");
-    if (n_new + n_replace > td_kv_available(cache))
+    if (n_new + n_replace > kv_available(cache))
         return td_errorf_quiet(TD_ERR_EXHAUSTED, "kv reserve: %d blocks needed, %d available",
-                               n_new + n_replace, td_kv_available(cache));
+                               n_new + n_replace, kv_available(cache));
     td_status_t st = seq_grow(seq, need_blocks, 0);
     if (st != TD_OK)
         return st;
@@ -541,7 +560,7 @@ td_status_t td_kv_seq_reserve(td_kv_cache_t *cache, td_kv_seq_t *seq, int32_t n_
                 out.dst[out.n] = fresh;
                 out.n++;
             }
-            td_kv_unref_block(cache, old);
+            kv_unref_block(cache, old);
             seq->blocks[i] = fresh;
         } else if (cache->registered[old]) {
             unregister_block(cache, old);
@@ -555,8 +574,8 @@ td_status_t td_kv_seq_reserve(td_kv_cache_t *cache, td_kv_seq_t *seq, int32_t n_
     return TD_OK;
 }
 
-td_status_t td_kv_seq_commit(td_kv_cache_t *cache, td_kv_seq_t *seq, const int32_t *tokens,
-                             int32_t n)
+static td_status_t kv_seq_commit(td_kv_cache_t *cache, td_kv_seq_t *seq, const int32_t *tokens,
+                                 int32_t n)
 {
     const int32_t bs = cache->block_size;
     if (n < 0)
@@ -583,7 +602,7 @@ td_status_t td_kv_seq_commit(td_kv_cache_t *cache, td_kv_seq_t *seq, const int32
     return TD_OK;
 }
 
-void td_kv_seq_truncate(td_kv_cache_t *cache, td_kv_seq_t *seq, int32_t n_keep)
+static void kv_seq_truncate(td_kv_cache_t *cache, td_kv_seq_t *seq, int32_t n_keep)
 {
     const int32_t bs = cache->block_size;
     if (n_keep < 0)
@@ -608,7 +627,7 @@ void td_kv_seq_truncate(td_kv_cache_t *cache, td_kv_seq_t *seq, int32_t n_keep)
     }
 }
 
-td_status_t td_kv_seq_fork(td_kv_cache_t *cache, const td_kv_seq_t *src, td_kv_seq_t *dst)
+static td_status_t kv_seq_fork(td_kv_cache_t *cache, const td_kv_seq_t *src, td_kv_seq_t *dst)
 {
     if (dst->n_tokens != 0 || dst->n_blocks != 0)
         return td_errorf(TD_ERR_INVALID, "kv fork: the destination sequence is not empty");
@@ -619,7 +638,7 @@ td_status_t td_kv_seq_fork(td_kv_cache_t *cache, const td_kv_seq_t *src, td_kv_s
     if (st != TD_OK)
         return st;
     for (int32_t i = 0; i < nb; i++) {
-        td_kv_ref_block(cache, src->blocks[i]);
+        kv_ref_block(cache, src->blocks[i]);
         dst->blocks[i] = src->blocks[i];
     }
     if (src->n_tokens > 0)
@@ -631,8 +650,8 @@ td_status_t td_kv_seq_fork(td_kv_cache_t *cache, const td_kv_seq_t *src, td_kv_s
     return TD_OK;
 }
 
-td_status_t td_kv_seq_adopt(td_kv_cache_t *cache, td_kv_seq_t *seq, const int32_t *blocks,
-                            int32_t n_blocks, const int32_t *tokens, int32_t n)
+static td_status_t kv_seq_adopt(td_kv_cache_t *cache, td_kv_seq_t *seq, const int32_t *blocks,
+                                int32_t n_blocks, const int32_t *tokens, int32_t n)
 {
     const int32_t bs = cache->block_size;
     if (seq->n_tokens != 0 || seq->n_blocks != 0)
@@ -676,7 +695,7 @@ int32_t td_kv_chain_hashes(const int32_t *tokens, int32_t n, int32_t block_size,
     return nb;
 }
 
-td_status_t td_kv_cache_check(const td_kv_cache_t *c)
+static td_status_t kv_cache_check(const td_kv_cache_t *c)
 {
     int32_t n_free = 0, n_cached = 0, n_reg = 0;
     for (int32_t id = 0; id < c->n_blocks; id++) {
@@ -730,7 +749,7 @@ td_status_t td_kv_cache_check(const td_kv_cache_t *c)
     return TD_OK;
 }
 
-int32_t td_kv_seq_blocks_needed(const td_kv_cache_t *cache, const td_kv_seq_t *seq, int32_t n_total)
+static int32_t kv_seq_blocks_needed(const td_kv_cache_t *cache, const td_kv_seq_t *seq, int32_t n_total)
 {
     const int32_t bs = cache->block_size;
     if (n_total <= seq->n_tokens)
@@ -740,5 +759,126 @@ int32_t td_kv_seq_blocks_needed(const td_kv_cache_t *cache, const td_kv_seq_t *s
     for (int32_t i = seq->n_tokens / bs; i < TD_MIN(need_blocks, seq->n_blocks); i++)
         if (cache->refs[seq->blocks[i]] > 1)
             n++;
+    return n;
+}
+
+/* ---- locked entry points ------------------------------------------------------------ */
+
+int32_t td_kv_available(const td_kv_cache_t *cache)
+{
+    kv_lock(cache);
+    int32_t n = kv_available(cache);
+    kv_unlock(cache);
+    return n;
+}
+
+void td_kv_get_stats(const td_kv_cache_t *cache, td_kv_stats_t *stats)
+{
+    kv_lock(cache);
+    kv_get_stats(cache, stats);
+    kv_unlock(cache);
+}
+
+td_status_t td_kv_alloc_blocks(td_kv_cache_t *cache, int32_t n, int32_t *ids)
+{
+    kv_lock(cache);
+    td_status_t st = kv_alloc_blocks(cache, n, ids);
+    kv_unlock(cache);
+    return st;
+}
+
+void td_kv_ref_block(td_kv_cache_t *cache, int32_t id)
+{
+    kv_lock(cache);
+    kv_ref_block(cache, id);
+    kv_unlock(cache);
+}
+
+void td_kv_unref_block(td_kv_cache_t *cache, int32_t id)
+{
+    kv_lock(cache);
+    kv_unref_block(cache, id);
+    kv_unlock(cache);
+}
+
+int32_t td_kv_block_refs(const td_kv_cache_t *cache, int32_t id)
+{
+    kv_lock(cache);
+    int32_t n = kv_block_refs(cache, id);
+    kv_unlock(cache);
+    return n;
+}
+
+void td_kv_seq_free(td_kv_cache_t *cache, td_kv_seq_t *seq)
+{
+    kv_lock(cache);
+    kv_seq_free(cache, seq);
+    kv_unlock(cache);
+}
+
+td_status_t td_kv_seq_match_prefix(td_kv_cache_t *cache, td_kv_seq_t *seq, const int32_t *tokens,
+                                   int32_t n, int32_t max_tokens, int32_t *n_cached_p)
+{
+    kv_lock(cache);
+    td_status_t st = kv_seq_match_prefix(cache, seq, tokens, n, max_tokens, n_cached_p);
+    kv_unlock(cache);
+    return st;
+}
+
+td_status_t td_kv_seq_reserve(td_kv_cache_t *cache, td_kv_seq_t *seq, int32_t n_total,
+                              td_kv_cow_t *cow)
+{
+    kv_lock(cache);
+    td_status_t st = kv_seq_reserve(cache, seq, n_total, cow);
+    kv_unlock(cache);
+    return st;
+}
+
+td_status_t td_kv_seq_commit(td_kv_cache_t *cache, td_kv_seq_t *seq, const int32_t *tokens,
+                             int32_t n)
+{
+    kv_lock(cache);
+    td_status_t st = kv_seq_commit(cache, seq, tokens, n);
+    kv_unlock(cache);
+    return st;
+}
+
+void td_kv_seq_truncate(td_kv_cache_t *cache, td_kv_seq_t *seq, int32_t n_keep)
+{
+    kv_lock(cache);
+    kv_seq_truncate(cache, seq, n_keep);
+    kv_unlock(cache);
+}
+
+td_status_t td_kv_seq_fork(td_kv_cache_t *cache, const td_kv_seq_t *src, td_kv_seq_t *dst)
+{
+    kv_lock(cache);
+    td_status_t st = kv_seq_fork(cache, src, dst);
+    kv_unlock(cache);
+    return st;
+}
+
+td_status_t td_kv_seq_adopt(td_kv_cache_t *cache, td_kv_seq_t *seq, const int32_t *blocks,
+                            int32_t n_blocks, const int32_t *tokens, int32_t n)
+{
+    kv_lock(cache);
+    td_status_t st = kv_seq_adopt(cache, seq, blocks, n_blocks, tokens, n);
+    kv_unlock(cache);
+    return st;
+}
+
+td_status_t td_kv_cache_check(const td_kv_cache_t *c)
+{
+    kv_lock(c);
+    td_status_t st = kv_cache_check(c);
+    kv_unlock(c);
+    return st;
+}
+
+int32_t td_kv_seq_blocks_needed(const td_kv_cache_t *cache, const td_kv_seq_t *seq, int32_t n_total)
+{
+    kv_lock(cache);
+    int32_t n = kv_seq_blocks_needed(cache, seq, n_total);
+    kv_unlock(cache);
     return n;
 }

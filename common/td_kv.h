@@ -17,7 +17,10 @@
  * writes into it; td_kv_seq_reserve() reports the copies the caller must perform on the
  * pool bytes before the write.
  *
- * Threads: a cache and its sequences are used by one thread.
+ * Threads: every operation on a cache is serialized by a mutex inside it, so one cache
+ * may be shared between threads (the decode node leases blocks for incoming KV on its
+ * loop thread while its engine runs on the compute thread). A td_kv_seq_t is used by one
+ * thread at a time.
  */
 #ifndef TD_KV_H
 #define TD_KV_H

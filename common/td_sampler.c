@@ -559,3 +559,11 @@ size_t td_stop_held(const td_stop_t *stop)
 {
     return stop->done ? 0 : stop->buf_len - stop->emitted;
 }
+
+void td_sampler_skip(td_sampler_t *sampler, int32_t n_tokens)
+{
+    if (sampler->p.temperature == 0.0f)
+        return; /* greedy draws nothing */
+    for (int32_t i = 0; i < n_tokens; i++)
+        (void)xoshiro_next(sampler->rng); /* td_sampler_sample draws exactly one per token */
+}

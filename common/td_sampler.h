@@ -121,4 +121,14 @@ void td_stop_flush(td_stop_t *stop, const char **text_p, size_t *len_p);
 /* Bytes currently held back. */
 size_t td_stop_held(const td_stop_t *stop);
 
+/* ---- additions ---- */
+
+/*
+ * Advances the PRNG as n_tokens successful td_sampler_sample calls would (one draw per
+ * token when temperature > 0, none when greedy), without sampling: a decode node continues
+ * the random stream of a request whose first token a prefill node sampled with the same
+ * seed, so a seeded cluster generation equals a single-process one.
+ */
+void td_sampler_skip(td_sampler_t *sampler, int32_t n_tokens);
+
 #endif /* TD_SAMPLER_H */

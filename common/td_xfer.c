@@ -455,8 +455,8 @@ static void lease_adopt(td_xfer_t *x, xfer_lease_t *l)
 td_status_t td_xfer_lease_create(td_xfer_t *x, uint64_t request_id, int32_t n_blocks, uint32_t ttl_ms,
                                  int32_t *blocks_out, uint64_t *lease_id_p)
 {
-    if (!x->have_pool)
-        return td_errorf(TD_ERR_INVALID, "xfer lease: no pool registered");
+    if (!x->have_pool || !x->pool.kv)
+        return td_errorf(TD_ERR_INVALID, "xfer lease: no pool or no block manager registered");
     if (n_blocks <= 0 || (uint32_t)n_blocks > x->pool.n_blocks || ttl_ms == 0)
         return td_errorf(TD_ERR_INVALID, "xfer lease: n_blocks %d (pool %u) ttl_ms %u out of range", n_blocks,
                          x->pool.n_blocks, ttl_ms);
@@ -1774,8 +1774,8 @@ td_status_t td_xfer_register_pool(td_xfer_t *x, const td_xfer_pool_t *pool, td_x
         return td_errorf(TD_ERR_UNSUPPORTED, "xfer: CUDA pools need the staging path, not built yet (docs/xfer.md)");
     if (td_kv_layout_validate(&pool->layout) != TD_OK)
         return td_errorf(TD_ERR_INVALID, "xfer: %s", td_last_error());
-    if (pool->n_blocks == 0 || !pool->kv)
-        return td_errorf(TD_ERR_INVALID, "xfer: pool needs n_blocks and a block manager");
+    if (pool->n_blocks == 0)
+        return td_errorf(TD_ERR_INVALID, "xfer: pool needs n_blocks");
     /* base NULL: UCX allocates (sysv/posix segment first), which is what lets a sender on
      * this host put with a memcpy into its mapping of the pool. */
     ucp_mem_map_params_t mp = {.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
@@ -1819,6 +1819,14 @@ td_status_t td_xfer_describe(td_xfer_t *x, void *buf, size_t cap, size_t *len_p)
     memcpy(buf, &w, sizeof w);
     memcpy((char *)buf + sizeof w, x->rkey_buf, x->rkey_len);
     *len_p = need;
+    return TD_OK;
+}
+
+td_status_t td_xfer_pool_set_kv(td_xfer_t *x, td_kv_cache_t *kv)
+{
+    if (!x->have_pool || x->pool.kv)
+        return td_errorf(TD_ERR_INVALID, "xfer: set the block manager once, after td_xfer_register_pool");
+    x->pool.kv = kv;
     return TD_OK;
 }
 

@@ -152,7 +152,9 @@ typedef struct td_xfer_pool {
                            put with a memcpy into the mapping */
     uint32_t n_blocks;
     td_xfer_mem_t mem;
-    td_kv_cache_t *kv;  /* the block manager of this pool (not owned); leases allocate here */
+    td_kv_cache_t *kv;  /* the block manager of this pool (not owned); leases allocate here.
+                           NULL: set later with td_xfer_pool_set_kv (the engine that owns it
+                           is built on the memory this call allocates) */
 } td_xfer_pool_t;
 
 /*
@@ -166,6 +168,11 @@ td_status_t td_xfer_register_pool(td_xfer_t *x, const td_xfer_pool_t *pool, td_x
 /* The registered pool's address (the one UCX allocated when pool->base was NULL), or NULL
  * before td_xfer_register_pool. Valid until td_xfer_destroy. */
 void *td_xfer_pool_base(const td_xfer_t *x);
+
+/* Sets the block manager of a pool registered with kv NULL (once; before any lease).
+ * It may be shared with a compute thread: td_kv serializes its operations. Errors:
+ * TD_ERR_INVALID (no pool, or one already set). */
+td_status_t td_xfer_pool_set_kv(td_xfer_t *x, td_kv_cache_t *kv);
 
 /* Largest description td_xfer_describe writes. */
 #define TD_XFER_DESC_MAX 1024

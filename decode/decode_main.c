@@ -1,13 +1,18 @@
 /*
  * decode_main: the decode node process (see decode_node.h and docs/cluster.md).
  *
- * Threads: the loop thread owns gRPC, /metrics, the router client and td_xfer, whose
- * leases land KV in a separate "landing" pool (its own block manager, so td_xfer and the
- * engine never share a non-thread-safe td_kv_cache_t). The compute thread owns the engine
- * and decode_sched. On kv-ready the loop hands the landed blocks to the compute thread
- * (bounded command queue), which copies them into engine blocks, admits the request, and
- * hands every step's events back (bounded result queue + uv_async_send); the loop streams
- * one StepBatch per step and returns the landing blocks to td_xfer's pool.
+ * One KV pool: td_xfer has UCX allocate it (a shared-memory segment when sm transports
+ * are on, so a prefill node on this host puts with a memcpy into its mapping), the engine
+ * is built on that memory (td_engine_config_t.kv_pool), and td_xfer's leases reserve
+ * blocks of the engine's own block manager, which td_kv serializes with a mutex. The KV
+ * lands where the engine reads it: no copy.
+ *
+ * Threads: the loop thread owns gRPC, /metrics, the router client and td_xfer (leases:
+ * alloc and release of engine blocks). The compute thread owns the engine and
+ * decode_sched. On kv-ready the loop hands the lease's blocks (one reference each) to the
+ * compute thread (bounded command queue), which adopts them into the request's sequence
+ * and hands every step's events back (bounded result queue + uv_async_send); the loop
+ * streams one StepBatch per step.
  */
 #include "decode_node.h"
 
@@ -44,8 +49,7 @@ typedef struct decode_config {
     int64_t port;             /* control gRPC port (0 = ephemeral) */
     int64_t metrics_port;
     int64_t threads;
-    int64_t kv_blocks;        /* engine pool */
-    int64_t landing_blocks;   /* td_xfer landing pool */
+    int64_t kv_blocks;        /* the pool: engine sequences and transfer leases */
     int64_t max_batch;
     int64_t max_lease_ms;
     int64_t max_requests;     /* admitted + running at most (bounds every queue) */
@@ -71,12 +75,12 @@ typedef struct decode_cmd {
     struct decode_cmd *next;
     decode_admit_t *admit;     /* NULL: cancel lease_id */
     uint64_t lease_id;
-    int32_t *landing;          /* [n_landing] landing blocks, one reference each */
-    int32_t n_landing;
+    int32_t *blocks;           /* [n_blocks] the landed lease's blocks, one reference each */
+    int32_t n_blocks;
     int32_t first_token;
 } decode_cmd_t;
 
-/* Compute → loop: one step's results, or landing blocks to give back. */
+/* Compute → loop: one step's results. */
 typedef struct decode_out {
     struct decode_out *next;
     uint64_t step;
@@ -84,8 +88,6 @@ typedef struct decode_out {
     Tandem__Control__V1__SeqStep *seqs;
     int32_t n_seqs;
     uint32_t free_blocks;
-    int32_t *landing_unref;
-    int32_t n_landing_unref;
 } decode_out_t;
 
 typedef struct decode_state {
@@ -99,8 +101,7 @@ typedef struct decode_state {
     td_engine_t *eng;
     decode_sched_t *sched;
     td_kv_layout_t layout;
-    void *landing_mem;
-    td_kv_cache_t *landing_kv;
+    td_kv_cache_t *kv;        /* the engine's block manager, shared with td_xfer's leases */
     td_xfer_t *xfer;
     td_grpc_server_t *grpc;
     td_http_server_t *http;
@@ -160,38 +161,22 @@ static void add_seq(decode_out_t *o, uint64_t id, int32_t token, Tandem__Control
     q->event = ev;
 }
 
-/* Copies landed KV into fresh engine blocks and admits the request. */
+/* Admits a request whose KV landed in its lease's blocks: the sequence adopts them (the
+ * command's references pass to it), or they go back to the pool. */
 static void compute_admit(decode_state_t *s, decode_cmd_t *c, decode_out_t *fail_out)
 {
     decode_admit_t *a = c->admit;
-    td_kv_cache_t *kv = td_engine_kv(s->eng);
-    int32_t n = c->n_landing;
-    int32_t *blocks = malloc((size_t)n * sizeof *blocks);
-    int32_t pool_blocks;
-    uint8_t *pool = td_engine_kv_pool(s->eng, &pool_blocks);
-    td_status_t st = blocks ? td_kv_alloc_blocks(kv, n, blocks) : TD_ERR_NOMEM;
-    if (st == TD_OK) {
-        size_t bb = td_kv_block_bytes(&s->layout);
-        for (uint32_t l = 0; l < s->layout.n_layers; l++)
-            for (int32_t i = 0; i < n; i++)
-                memcpy(pool + td_kv_block_offset(&s->layout, (uint32_t)pool_blocks, l, (uint32_t)blocks[i]),
-                       (uint8_t *)s->landing_mem +
-                           td_kv_block_offset(&s->layout, (uint32_t)s->cfg.landing_blocks, l, (uint32_t)c->landing[i]),
-                       bb);
-        decode_request_t r = {.id = c->lease_id, .prompt = a->prompt, .n_prompt = a->n_prompt,
-                              .kv_blocks = blocks, .n_kv_blocks = n, .first_token = c->first_token,
-                              .sampling = a->sampling, .max_tokens = a->max_tokens,
-                              .stop_ids = a->stop_ids, .n_stop_ids = a->n_stop_ids};
-        st = decode_sched_admit(s->sched, &r);
-        if (st != TD_OK)
-            for (int32_t i = 0; i < n; i++)
-                td_kv_unref_block(kv, blocks[i]);
-    }
-    if (st != TD_OK) {
+    decode_request_t r = {.id = c->lease_id, .prompt = a->prompt, .n_prompt = a->n_prompt,
+                          .kv_blocks = c->blocks, .n_kv_blocks = c->n_blocks, .first_token = c->first_token,
+                          .sampling = a->sampling, .max_tokens = a->max_tokens,
+                          .stop_ids = a->stop_ids, .n_stop_ids = a->n_stop_ids};
+    if (decode_sched_admit(s->sched, &r) != TD_OK) {
         td_warn("decode: lease %llu not admitted: %s", (unsigned long long)c->lease_id, td_last_error());
+        for (int32_t i = 0; i < c->n_blocks; i++)
+            td_kv_unref_block(s->kv, c->blocks[i]);
         add_seq(fail_out, c->lease_id, -1, TANDEM__CONTROL__V1__SEQ_EVENT__SEQ_EVENT_FAILED);
     }
-    free(blocks);
+    c->n_blocks = 0; /* the references went to the sequence or back to the pool */
 }
 
 static void *compute_main(void *arg)
@@ -210,13 +195,12 @@ static void *compute_main(void *arg)
         s->cmd_tail = &s->cmd_head;
         pthread_mutex_unlock(&s->mu);
 
-        int32_t n_cmds = 0, n_landing = 0;
+        int32_t n_cmds = 0;
         for (decode_cmd_t *c = cmds; c; c = c->next)
-            n_cmds++, n_landing += c->n_landing;
+            n_cmds++;
         int32_t cap = (int32_t)s->cfg.max_requests * 2 + n_cmds + 1;
         decode_out_t *o = calloc(1, sizeof *o);
-        if (!o || !(o->seqs = calloc((size_t)cap, sizeof *o->seqs)) ||
-            (n_landing && !(o->landing_unref = malloc((size_t)n_landing * sizeof(int32_t))))) {
+        if (!o || !(o->seqs = calloc((size_t)cap, sizeof *o->seqs))) {
             TD_ASSERT(!"decode: out of memory for a step result");
         }
         while (cmds) {
@@ -226,13 +210,11 @@ static void *compute_main(void *arg)
                 compute_admit(s, c, o);
             else
                 decode_sched_cancel(s->sched, c->lease_id);
-            for (int32_t i = 0; i < c->n_landing; i++)
-                o->landing_unref[o->n_landing_unref++] = c->landing[i];
             if (c->admit) {
                 free(c->admit->prompt);
                 free(c->admit);
             }
-            free(c->landing);
+            free(c->blocks);
             free(c);
         }
         decode_step_result_t res = {0};
@@ -270,11 +252,10 @@ static void *compute_main(void *arg)
         atomic_store(&s->load_free, ss.free_blocks);
         o->free_blocks = (uint32_t)ss.free_blocks;
         o->step = ss.steps;
-        if (o->n_seqs || o->n_landing_unref) {
+        if (o->n_seqs) {
             push_out(s, o);
         } else {
             free(o->seqs);
-            free(o->landing_unref);
             free(o);
         }
     }
@@ -307,8 +288,6 @@ static void on_async(uv_async_t *h)
     while (list) {
         decode_out_t *o = list;
         list = o->next;
-        for (int32_t i = 0; i < o->n_landing_unref; i++)
-            td_kv_unref_block(s->landing_kv, o->landing_unref[i]);
         if (o->n_seqs) {
             Tandem__Control__V1__StepBatch b = TANDEM__CONTROL__V1__STEP_BATCH__INIT;
             Tandem__Control__V1__SeqStep **ptrs = malloc((size_t)o->n_seqs * sizeof *ptrs);
@@ -333,7 +312,6 @@ static void on_async(uv_async_t *h)
             }
         }
         free(o->seqs);
-        free(o->landing_unref);
         free(o);
     }
 }
@@ -363,23 +341,23 @@ static void on_kv_ready(void *arg, const td_xfer_ready_t *r)
     decode_state_t *s = arg;
     decode_admit_t *a = admit_take(s, r->lease_id);
     decode_cmd_t *c = calloc(1, sizeof *c);
-    int32_t *landing = malloc((size_t)r->n_blocks * sizeof *landing);
-    if (!a || !c || !landing || (int64_t)r->n_tokens != a->n_prompt) {
+    int32_t *blocks = malloc((size_t)r->n_blocks * sizeof *blocks);
+    if (!a || !c || !blocks || (int64_t)r->n_tokens != a->n_prompt) {
         if (a)
             td_warn("decode: lease %llu: kv-ready with %u tokens, prompt has %d", (unsigned long long)r->lease_id,
                     r->n_tokens, a->n_prompt);
         for (int32_t i = 0; i < r->n_blocks; i++)
-            td_kv_unref_block(s->landing_kv, r->blocks[i]);
+            td_kv_unref_block(s->kv, r->blocks[i]);
         admit_free(a);
         free(c);
-        free(landing);
+        free(blocks);
         return;
     }
-    memcpy(landing, r->blocks, (size_t)r->n_blocks * sizeof *landing);
+    memcpy(blocks, r->blocks, (size_t)r->n_blocks * sizeof *blocks);
     c->admit = a;
     c->lease_id = r->lease_id;
-    c->landing = landing;
-    c->n_landing = r->n_blocks;
+    c->blocks = blocks;
+    c->n_blocks = r->n_blocks;
     c->first_token = r->first_token;
     post_cmd(s, c);
 }
@@ -453,7 +431,7 @@ static void on_admit(td_grpc_call_t *call, const ProtobufCMessage *msg, void *da
         td_metric_inc(s->m_refused);
         free(blocks);
         admit_free(a);
-        td_grpc_call_finish(call, TD_GRPC_RESOURCE_EXHAUSTED, "decode node: no free landing blocks");
+        td_grpc_call_finish(call, TD_GRPC_RESOURCE_EXHAUSTED, "decode node: no free KV blocks");
         return;
     }
     a->deadline_ns = td_now_ns() + (uint64_t)ttl * 1000000ull + 1000000000ull;
@@ -477,7 +455,7 @@ static void on_release(td_grpc_call_t *call, const ProtobufCMessage *msg, void *
     Tandem__Control__V1__ReleaseResponse resp = TANDEM__CONTROL__V1__RELEASE_RESPONSE__INIT;
     td_metric_inc(s->m_releases);
     decode_admit_t *a = admit_take(s, r->lease_id);
-    if (a) { /* KV not here yet: the lease goes, and with it the landing blocks */
+    if (a) { /* KV not here yet: the lease goes, and with it its blocks */
         td_xfer_lease_cancel(s->xfer, r->lease_id);
         admit_free(a);
         resp.released = true;
@@ -607,7 +585,7 @@ int decode_main(int argc, char **argv)
     memset(s, 0, sizeof *s);
     decode_config_t *cfg = &s->cfg;
     *cfg = (decode_config_t){.model_name = "default", .router = "127.0.0.1:7070", .host = "127.0.0.1",
-                             .node_id = "decode0", .threads = 0, .kv_blocks = 1024, .landing_blocks = 1024,
+                             .node_id = "decode0", .threads = 0, .kv_blocks = 2048,
                              .max_batch = 64, .max_lease_ms = 30000, .max_requests = 256, .result_queue = 64};
     const router_conf_key_t keys[] = {
         {"model", ROUTER_CONF_STR, &cfg->model, 0, 0, "model path (required)"},
@@ -618,8 +596,7 @@ int decode_main(int argc, char **argv)
         {"port", ROUTER_CONF_I64, &cfg->port, 0, 65535, "control gRPC port (0 = any)"},
         {"metrics-port", ROUTER_CONF_I64, &cfg->metrics_port, 0, 65535, "/metrics port (0 = any)"},
         {"threads", ROUTER_CONF_I64, &cfg->threads, 0, 4096, "compute threads (0 = all cores)"},
-        {"kv-blocks", ROUTER_CONF_I64, &cfg->kv_blocks, 1, 1 << 24, "engine KV pool blocks"},
-        {"landing-blocks", ROUTER_CONF_I64, &cfg->landing_blocks, 1, 1 << 24, "KV transfer landing pool blocks"},
+        {"kv-blocks", ROUTER_CONF_I64, &cfg->kv_blocks, 1, 1 << 24, "KV pool blocks (sequences and leases)"},
         {"max-batch", ROUTER_CONF_I64, &cfg->max_batch, 1, 4096, "running sequences at most"},
         {"max-lease-ms", ROUTER_CONF_I64, &cfg->max_lease_ms, 1, 600000, "longest lease granted"},
         {"max-requests", ROUTER_CONF_I64, &cfg->max_requests, 1, 1 << 20, "pending admissions at most"},
@@ -655,7 +632,8 @@ int decode_main(int argc, char **argv)
     s->out_tail = &s->out_head;
     uv_loop_init(&s->loop);
 
-    /* subsystems: model, engine, scheduler, landing pool, xfer, servers, router client */
+    /* subsystems: model, xfer with the KV pool it allocates, engine on that pool,
+       scheduler, servers, router client */
     td_status_t st;
     if ((st = td_model_load(cfg->model, &s->model)) != TD_OK)
         goto out;
@@ -667,22 +645,7 @@ int decode_main(int argc, char **argv)
     ec.max_seqs = (int32_t)cfg->max_batch;
     ec.max_logit_rows = (int32_t)cfg->max_batch;
     ec.max_batch_tokens = TD_MAX(512, (int32_t)cfg->max_batch);
-    if ((st = td_engine_create(s->model, s->be, &ec, &s->eng)) != TD_OK)
-        goto out;
-    decode_sched_config_t dc = decode_sched_config_default();
-    dc.max_batch = (int32_t)cfg->max_batch;
-    dc.max_waiting = (int32_t)cfg->max_requests;
-    if ((st = decode_sched_create(s->eng, NULL, &dc, &s->sched)) != TD_OK)
-        goto out;
-    s->layout = *td_engine_kv_layout(s->eng);
-    size_t landing_bytes = td_kv_pool_bytes(&s->layout, (uint32_t)cfg->landing_blocks);
-    td_kv_config_t kc = {.n_blocks = (int32_t)cfg->landing_blocks, .block_size = (int32_t)s->layout.block_size};
-    if (!(s->landing_mem = aligned_alloc(4096, TD_DIV_CEIL(landing_bytes, 4096) * 4096))) {
-        td_errorf(TD_ERR_NOMEM, "decode: landing pool of %zu bytes does not fit", landing_bytes);
-        goto out;
-    }
-    if ((st = td_kv_cache_create(&kc, &s->landing_kv)) != TD_OK)
-        goto out;
+    td_engine_kv_layout_for(s->model, &ec, &s->layout);
     if ((st = td_metrics_create(&s->metrics)) != TD_OK || (st = init_metrics(s)) != TD_OK)
         goto out;
     td_xfer_config_t xc = td_xfer_config_default();
@@ -690,9 +653,20 @@ int decode_main(int argc, char **argv)
     xc.listen_ip = cfg->host;
     if ((st = td_xfer_create(&s->loop, &xc, &s->xfer)) != TD_OK)
         goto out;
-    td_xfer_pool_t xp = {.layout = s->layout, .base = s->landing_mem, .n_blocks = (uint32_t)cfg->landing_blocks,
-                         .mem = TD_XFER_MEM_HOST, .kv = s->landing_kv};
+    td_xfer_pool_t xp = {.layout = s->layout, .base = NULL, .n_blocks = (uint32_t)cfg->kv_blocks,
+                         .mem = TD_XFER_MEM_HOST, .kv = NULL};
     if ((st = td_xfer_register_pool(s->xfer, &xp, on_kv_ready, s)) != TD_OK)
+        goto out;
+    ec.kv_pool = td_xfer_pool_base(s->xfer);
+    if ((st = td_engine_create(s->model, s->be, &ec, &s->eng)) != TD_OK)
+        goto out;
+    s->kv = td_engine_kv(s->eng);
+    if ((st = td_xfer_pool_set_kv(s->xfer, s->kv)) != TD_OK)
+        goto out;
+    decode_sched_config_t dc = decode_sched_config_default();
+    dc.max_batch = (int32_t)cfg->max_batch;
+    dc.max_waiting = (int32_t)cfg->max_requests;
+    if ((st = decode_sched_create(s->eng, NULL, &dc, &s->sched)) != TD_OK)
         goto out;
     uint8_t desc[TD_XFER_DESC_MAX];
     size_t desc_len;
@@ -770,14 +744,15 @@ out:
         s->cmd_head = c->next;
         if (c->admit)
             admit_free(c->admit);
-        free(c->landing);
+        for (int32_t i = 0; i < c->n_blocks; i++)
+            td_kv_unref_block(s->kv, c->blocks[i]);
+        free(c->blocks);
         free(c);
     }
     while (s->out_head) {
         decode_out_t *o = s->out_head;
         s->out_head = o->next;
         free(o->seqs);
-        free(o->landing_unref);
         free(o);
     }
     if (uv_loop_close(&s->loop) != 0)
@@ -786,8 +761,6 @@ out:
     td_engine_destroy(s->eng);
     td_backend_destroy(s->be);
     td_model_destroy(s->model);
-    td_kv_cache_destroy(s->landing_kv);
-    free(s->landing_mem);
     td_metrics_destroy(s->metrics);
     pthread_cond_destroy(&s->cv);
     pthread_mutex_destroy(&s->mu);

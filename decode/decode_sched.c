@@ -387,7 +387,9 @@ td_status_t decode_sched_admit(decode_sched_t *s, const decode_request_t *req)
                              req->n_prompt);
         if (st != TD_OK)
             goto err_seq;
-        /* the first token is context (fed next) and output (reported by the next step) */
+        /* the first token is context (fed next) and output (reported by the next step);
+           the prefill node drew it from this seed's stream: continue after that draw */
+        td_sampler_skip(q->sampler, 1);
         q->ctx[q->n_ctx++] = req->first_token;
         q->pending_first = true;
     }

@@ -73,7 +73,8 @@ typedef struct decode_request {
     int32_t n_prompt;            /* 1 .. model length - 1 */
     /* KV from a prefill node: blocks of this engine's pool holding prompt[0..n_prompt), one
        reference each handed over on success (kept by the caller on failure), and the first
-       token that node sampled. kv_blocks NULL = prefill here. */
+       token that node sampled with the same sampling seed (this request's sampler continues
+       that random stream after its draw). kv_blocks NULL = prefill here. */
     const int32_t *kv_blocks;
     int32_t n_kv_blocks;
     int32_t first_token;
