@@ -1,10 +1,17 @@
 /*
- * cmd_generate: `tandem generate`, one generation on this machine: load the model and
+ * cmd_generate: `tandem generate`, one generation. Locally (--model): load the model and
  * tokenizer, prefill the prompt in chunks, decode token by token with the request's
- * sampling parameters, stream text (or print ids) and report timings on stderr.
+ * sampling parameters, stream text (or print ids) and report timings on stderr. Against a
+ * cluster (--server HOST:PORT): the same request as a gRPC call of
+ * tandem.v1.Generation/Generate on a libuv loop, the streamed text (or ids) printed as it
+ * arrives in the same format, timings (client TTFT and tokens/s, the router's Timings) on
+ * stderr, and a gRPC status turned into a message that says what to do.
  */
+#include <arpa/inet.h>
 #include <getopt.h>
 #include <inttypes.h>
+#include <netdb.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -12,13 +19,18 @@
 #include "td_backend.h"
 #include "td_cli.h"
 #include "td_engine.h"
+#include "td_grpc.h"
 #include "td_log.h"
 #include "td_model.h"
 #include "td_sampler.h"
 #include "td_tokenizer.h"
 #include "td_util.h"
+#include "health.pb-c.h"
+#include "tandem.pb-c.h"
 
 #define GEN_MAX_STOP_IDS 32
+#define GEN_DEFAULT_TIMEOUT_S 600.0f
+#define GEN_DEFAULT_CONNECT_TIMEOUT_S 5.0f
 
 typedef struct gen_opts {
     const char *model;
@@ -36,6 +48,13 @@ typedef struct gen_opts {
     int32_t n_stops;
     int32_t stop_ids[GEN_MAX_STOP_IDS];
     int32_t n_stop_ids;
+    /* --server mode */
+    const char *server;        /* HOST:PORT of a router's gateway */
+    const char *model_name;    /* GenerateRequest.model; NULL = the server's default */
+    const char *request_id;
+    float timeout_s;           /* whole call, sent as grpc-timeout */
+    float connect_timeout_s;   /* until the server answers a health check */
+    const char *local_only;    /* the first local-only flag given, to refuse with --server */
 } gen_opts_t;
 
 static void usage(FILE *f)
@@ -45,12 +64,16 @@ static void usage(FILE *f)
         "                       [--max-tokens N] [--temperature T] [--top-k K] [--top-p P]\n"
         "                       [--min-p P] [--repetition-penalty R] [--seed S] [--stop TEXT]...\n"
         "                       [--stop-id ID]... [--threads N] [--device cpu] [--print-ids]\n"
+        "       tandem generate --server HOST:PORT (--prompt TEXT | --prompt-ids \"1 2 3\")\n"
+        "                       [the same sampling, stop and output flags]\n"
+        "                       [--model-name NAME] [--request-id ID] [--timeout S] [--connect-timeout S]\n"
         "\n"
         "  --model PATH        llama2.c checkpoint (.bin) or Hugging Face model directory\n"
         "  --tokenizer PATH    tokenizer.bin / tokenizer.json / directory (default: beside the model)\n"
         "  --prompt TEXT       prompt text (BOS is added when the model has one)\n"
         "  --prompt-ids IDS    prompt token ids, space-separated, taken as given (no BOS added)\n"
-        "  --max-tokens N      most tokens to generate (default: up to the model's length)\n"
+        "  --max-tokens N      most tokens to generate (default: up to the model's length;\n"
+        "                      with --server: the server's default-max-tokens, and N >= 1)\n"
         "  --temperature T     0 = greedy (default 0)\n"
         "  --top-k K --top-p P --min-p P --repetition-penalty R --seed S   sampling\n"
         "  --stop TEXT         stop before this text (repeatable, up to %d)\n"
@@ -59,16 +82,29 @@ static void usage(FILE *f)
         "  --kv-mem MIB        KV cache budget (default: what prompt + max tokens need)\n"
         "  --print-ids         print the generated ids on one line instead of text\n"
         "\n"
-        "Text (or ids) go to stdout; timings (prompt tokens/s, generation tokens/s, time to\n"
-        "first token) to stderr. Generation stops at a stop token or string, at --max-tokens,\n"
-        "or at the model's maximum length.\n",
-        TD_STOP_MAX_STRINGS);
+        "  --server HOST:PORT  generate on a cluster: a gRPC call of tandem.v1.Generation/Generate\n"
+        "                      to a router's gateway (the `gateway:` line of `tandem local`); HOST\n"
+        "                      is an IPv4/IPv6 address ([::1]:PORT) or a name. The server holds the\n"
+        "                      model and tokenizer, so --model, --tokenizer, --threads, --device,\n"
+        "                      --kv-mem and --prefill-chunk are refused with --server (usage error).\n"
+        "  --model-name NAME   the served model to use (default: the server's only model)\n"
+        "  --request-id ID     the request id the router logs (default: the router assigns one)\n"
+        "  --timeout S         deadline of the whole generation, sent as grpc-timeout (default %.0f)\n"
+        "  --connect-timeout S bound on reaching the server (default %.0f)\n"
+        "\n"
+        "Text (or ids) go to stdout as they are produced; timings (prompt tokens/s, generation\n"
+        "tokens/s, time to first token; with --server also the router's queue, prefill,\n"
+        "transfer, first-token and per-token times) to stderr. Generation stops at a stop token\n"
+        "or string, at --max-tokens, or at the model's maximum length. Exit status: 0 done,\n"
+        "1 failed (with --server: the gRPC status is named in the message), 2 usage error.\n",
+        TD_STOP_MAX_STRINGS, (double)GEN_DEFAULT_TIMEOUT_S, (double)GEN_DEFAULT_CONNECT_TIMEOUT_S);
 }
 
 enum {
     OPT_MODEL = 256, OPT_TOKENIZER, OPT_PROMPT, OPT_PROMPT_IDS, OPT_MAX_TOKENS, OPT_TEMP,
     OPT_TOP_K, OPT_TOP_P, OPT_MIN_P, OPT_REP, OPT_SEED, OPT_STOP, OPT_STOP_ID, OPT_THREADS,
-    OPT_DEVICE, OPT_PRINT_IDS, OPT_KV_MEM, OPT_CHUNK, OPT_LOG, OPT_HELP,
+    OPT_DEVICE, OPT_PRINT_IDS, OPT_KV_MEM, OPT_CHUNK, OPT_LOG, OPT_HELP, OPT_SERVER, OPT_MODEL_NAME,
+    OPT_REQUEST_ID, OPT_TIMEOUT, OPT_CONNECT_TIMEOUT,
 };
 
 static int parse_opts(int argc, char **argv, gen_opts_t *o)
@@ -94,17 +130,33 @@ static int parse_opts(int argc, char **argv, gen_opts_t *o)
         {"prefill-chunk", required_argument, 0, OPT_CHUNK},
         {"log-level", required_argument, 0, OPT_LOG},
         {"help", no_argument, 0, OPT_HELP},
+        {"server", required_argument, 0, OPT_SERVER},
+        {"model-name", required_argument, 0, OPT_MODEL_NAME},
+        {"request-id", required_argument, 0, OPT_REQUEST_ID},
+        {"timeout", required_argument, 0, OPT_TIMEOUT},
+        {"connect-timeout", required_argument, 0, OPT_CONNECT_TIMEOUT},
         {0, 0, 0, 0},
     };
     int64_t v;
     float f;
     optind = 1;
     opterr = 1;
-    for (int ch; (ch = getopt_long(argc, argv, "", longopts, NULL)) != -1;) {
+    for (int ch, idx = -1; (ch = getopt_long(argc, argv, "", longopts, &idx)) != -1; idx = -1) {
         td_status_t st = TD_OK;
+        if (idx >= 0 && !o->local_only &&
+            (ch == OPT_MODEL || ch == OPT_TOKENIZER || ch == OPT_THREADS || ch == OPT_DEVICE || ch == OPT_KV_MEM ||
+             ch == OPT_CHUNK))
+            o->local_only = longopts[idx].name;
         switch (ch) {
         case OPT_MODEL: o->model = optarg; break;
         case OPT_TOKENIZER: o->tokenizer = optarg; break;
+        case OPT_SERVER: o->server = optarg; break;
+        case OPT_MODEL_NAME: o->model_name = optarg; break;
+        case OPT_REQUEST_ID: o->request_id = optarg; break;
+        case OPT_TIMEOUT: st = td_parse_f32(optarg, 0.001f, 86400.0f, "--timeout", &o->timeout_s); break;
+        case OPT_CONNECT_TIMEOUT:
+            st = td_parse_f32(optarg, 0.001f, 3600.0f, "--connect-timeout", &o->connect_timeout_s);
+            break;
         case OPT_PROMPT: o->prompt = optarg; break;
         case OPT_PROMPT_IDS: o->prompt_ids = optarg; break;
         case OPT_MAX_TOKENS: st = td_parse_i64(optarg, 0, INT32_MAX, "--max-tokens", &o->max_tokens); break;
@@ -161,8 +213,24 @@ static int parse_opts(int argc, char **argv, gen_opts_t *o)
         fprintf(stderr, "tandem generate: unexpected argument '%s'\n", argv[optind]);
         return 2;
     }
-    if (!o->model) {
-        fprintf(stderr, "tandem generate: --model is required\n");
+    if (o->server && o->local_only) {
+        fprintf(stderr,
+                "tandem generate: --%s applies to local generation only; with --server the server's "
+                "nodes hold the model (see --help)\n",
+                o->local_only);
+        return 2;
+    }
+    if (!o->server && (o->model_name || o->request_id || o->timeout_s > 0 || o->connect_timeout_s > 0)) {
+        fprintf(stderr, "tandem generate: --model-name, --request-id, --timeout and --connect-timeout need --server\n");
+        return 2;
+    }
+    if (!o->model && !o->server) {
+        fprintf(stderr, "tandem generate: give --model PATH (local) or --server HOST:PORT (a cluster)\n");
+        return 2;
+    }
+    if (o->server && o->max_tokens == 0) {
+        fprintf(stderr, "tandem generate: --max-tokens 0 with --server: the request's 0 means the server's default; "
+                        "give N >= 1\n");
         return 2;
     }
     if (!o->prompt == !o->prompt_ids) {
@@ -256,12 +324,350 @@ static td_status_t emit_text(td_detok_t *dt, td_stop_t *stop, int32_t id, bool *
     return TD_OK;
 }
 
+/* ---- --server: a gRPC client of tandem.v1.Generation/Generate ----------------------- */
+
+typedef struct remote_state {
+    uv_loop_t loop;
+    td_grpc_channel_t *ch;
+    td_grpc_client_call_t *gen;        /* NULL once it ended */
+    td_grpc_client_call_t *health;     /* the reachability probe; NULL once it ended */
+    uv_signal_t sigint, sigterm;
+    const gen_opts_t *o;
+    const char *addr;                  /* "HOST:PORT" as given, for messages */
+    bool reached;                      /* the server answered something */
+    bool unreachable;                  /* the probe timed out before any answer */
+    int interrupted;                   /* the signal that cancelled the call, or 0 */
+    td_grpc_code_t code;
+    char message[512];
+    uint64_t t0, t_first, t_last;      /* ns: call start, first and last token */
+    uint32_t n_gen;
+    bool finished;                     /* the last message (finish_reason) arrived */
+    Tandem__V1__FinishReason finish;
+    uint32_t prompt_tokens, completion_tokens, cached_tokens;
+    bool have_timings;
+    double queue_s, prefill_s, transfer_s, first_token_s, per_token_s, total_s;
+} remote_state_t;
+
+/* "HOST:PORT", "[v6]:PORT" or "name:PORT" → a numeric address (names resolved, IPv4
+ * preferred: `tandem local` serves on 127.0.0.1) and the port. */
+static td_status_t resolve_server(const char *addr, char *ip, size_t cap, uint16_t *port_p)
+{
+    char host[256];
+    const char *port_s;
+    if (addr[0] == '[') {
+        const char *end = strchr(addr, ']');
+        if (!end || end[1] != ':' || (size_t)(end - addr - 1) >= sizeof host)
+            return td_errorf(TD_ERR_INVALID, "--server '%s': expected [IPV6]:PORT", addr);
+        snprintf(host, sizeof host, "%.*s", (int)(end - addr - 1), addr + 1);
+        port_s = end + 2;
+    } else {
+        const char *colon = strrchr(addr, ':');
+        if (!colon || colon == addr || memchr(addr, ':', (size_t)(colon - addr)) ||
+            (size_t)(colon - addr) >= sizeof host)
+            return td_errorf(TD_ERR_INVALID, "--server '%s': expected HOST:PORT (IPv6 as [ADDR]:PORT)", addr);
+        snprintf(host, sizeof host, "%.*s", (int)(colon - addr), addr);
+        port_s = colon + 1;
+    }
+    int64_t port;
+    if (td_parse_i64(port_s, 1, 65535, "--server port", &port) != TD_OK)
+        return TD_ERR_INVALID;
+    struct addrinfo hints = {.ai_socktype = SOCK_STREAM}, *res = NULL;
+    int rc = -1;
+    for (int family = AF_INET; rc != 0 && family != -1; family = family == AF_INET ? AF_UNSPEC : -1) {
+        hints.ai_family = family;
+        rc = getaddrinfo(host, NULL, &hints, &res);
+    }
+    if (rc != 0)
+        return td_errorf(TD_ERR_UNAVAILABLE, "--server '%s': cannot resolve '%s': %s", addr, host, gai_strerror(rc));
+    const void *a = res->ai_family == AF_INET6 ? (const void *)&((struct sockaddr_in6 *)res->ai_addr)->sin6_addr
+                                               : (const void *)&((struct sockaddr_in *)res->ai_addr)->sin_addr;
+    bool ok = inet_ntop(res->ai_family, a, ip, (socklen_t)cap) != NULL;
+    freeaddrinfo(res);
+    if (!ok)
+        return td_errorf(TD_ERR_INVALID, "--server '%s': cannot format the address of '%s'", addr, host);
+    *port_p = (uint16_t)port;
+    return TD_OK;
+}
+
+static void remote_print_ids(remote_state_t *r, const uint32_t *ids, size_t n)
+{
+    for (size_t i = 0; i < n; i++, r->n_gen++)
+        printf(r->n_gen ? " %u" : "%u", ids[i]);
+    fflush(stdout);
+}
+
+static void on_gen_message(td_grpc_client_call_t *call, const ProtobufCMessage *msg, void *data)
+{
+    remote_state_t *r = data;
+    const Tandem__V1__GenerateResponse *m = (const void *)msg;
+    r->reached = true;
+    if (m->n_token_ids) {
+        uint64_t now = td_now_ns();
+        if (!r->t_first)
+            r->t_first = now;
+        r->t_last = now;
+    }
+    if (r->o->print_ids) {
+        remote_print_ids(r, m->token_ids, m->n_token_ids);
+    } else {
+        r->n_gen += (uint32_t)m->n_token_ids;
+        if (m->text && m->text[0]) {
+            fputs(m->text, stdout);
+            fflush(stdout);
+        }
+    }
+    if (m->finish_reason != TANDEM__V1__FINISH_REASON__FINISH_REASON_UNSPECIFIED) {
+        r->finished = true;
+        r->finish = m->finish_reason;
+    }
+    if (m->usage) {
+        r->prompt_tokens = m->usage->prompt_tokens;
+        r->completion_tokens = m->usage->completion_tokens;
+        r->cached_tokens = m->usage->cached_tokens;
+    }
+    if (m->timings) {
+        const Tandem__V1__Timings *t = m->timings;
+        r->have_timings = true;
+        r->queue_s = t->queue_s;
+        r->prefill_s = t->prefill_s;
+        r->transfer_s = t->transfer_s;
+        r->first_token_s = t->first_token_s;
+        r->per_token_s = t->per_token_s;
+        r->total_s = t->total_s;
+    }
+}
+
+static void remote_close_handles(remote_state_t *r)
+{
+    td_grpc_channel_close(r->ch, NULL, NULL); /* ends the probe if it still runs */
+    r->ch = NULL;
+    if (!uv_is_closing((uv_handle_t *)&r->sigint)) {
+        uv_close((uv_handle_t *)&r->sigint, NULL);
+        uv_close((uv_handle_t *)&r->sigterm, NULL);
+    }
+}
+
+static void on_gen_done(td_grpc_client_call_t *call, td_grpc_code_t code, const char *message, void *data)
+{
+    remote_state_t *r = data;
+    r->gen = NULL;
+    r->code = code;
+    snprintf(r->message, sizeof r->message, "%s", message);
+    remote_close_handles(r);
+}
+
+/* The probe answered (any status but a local failure means the server is there), or it
+ * ran out of time before the connection came up: then the generation is cancelled. */
+static void on_health_done(td_grpc_client_call_t *call, td_grpc_code_t code, const char *message, void *data)
+{
+    remote_state_t *r = data;
+    r->health = NULL;
+    if (code != TD_GRPC_DEADLINE_EXCEEDED && code != TD_GRPC_UNAVAILABLE && code != TD_GRPC_CANCELLED)
+        r->reached = true;
+    else if (code == TD_GRPC_DEADLINE_EXCEEDED && !r->reached && r->gen) {
+        r->unreachable = true;
+        td_grpc_client_call_cancel(r->gen); /* on_gen_done runs now */
+    }
+}
+
+static void on_remote_signal(uv_signal_t *h, int signum)
+{
+    remote_state_t *r = h->data;
+    r->interrupted = signum;
+    if (r->gen)
+        td_grpc_client_call_cancel(r->gen); /* RST_STREAM: the router releases the request */
+}
+
+/* A message that says what happened and what to do, for a call that did not end OK. */
+static void remote_report_error(const remote_state_t *r)
+{
+    const char *m = r->message[0] ? r->message : "no message";
+    const char *name = td_grpc_code_name(r->code);
+    if (r->interrupted) {
+        td_errorf(TD_ERR_CANCELLED, "interrupted by signal %d; the request was cancelled on the server", r->interrupted);
+        return;
+    }
+    if (r->unreachable) {
+        td_errorf(TD_ERR_UNAVAILABLE, "no answer from %s within --connect-timeout %g s: is a router's gateway "
+                  "listening there (the `gateway:` line of `tandem local`)?", r->addr, (double)r->o->connect_timeout_s);
+        return;
+    }
+    switch (r->code) {
+    case TD_GRPC_UNAVAILABLE:
+        if (!r->reached)
+            td_errorf(TD_ERR_UNAVAILABLE, "cannot reach the server at %s (UNAVAILABLE: %s): is a router's gateway "
+                      "listening there (the `gateway:` line of `tandem local`)?", r->addr, m);
+        else
+            td_errorf(TD_ERR_UNAVAILABLE, "the cluster could not serve the request (UNAVAILABLE: %s); retry, or check "
+                      "that prefill and decode nodes are up", m);
+        break;
+    case TD_GRPC_DEADLINE_EXCEEDED:
+        td_errorf(TD_ERR_TIMEOUT, "the generation did not finish within --timeout %g s (DEADLINE_EXCEEDED: %s)",
+                  (double)r->o->timeout_s, m);
+        break;
+    case TD_GRPC_INVALID_ARGUMENT:
+        td_errorf(TD_ERR_INVALID, "the server refused the request (INVALID_ARGUMENT: %s)", m);
+        break;
+    case TD_GRPC_RESOURCE_EXHAUSTED:
+        td_errorf(TD_ERR_EXHAUSTED, "the cluster is full (RESOURCE_EXHAUSTED: %s); retry later or lower --max-tokens", m);
+        break;
+    case TD_GRPC_NOT_FOUND:
+        td_errorf(TD_ERR_NOT_FOUND, "the server does not serve that model (NOT_FOUND: %s); check --model-name", m);
+        break;
+    case TD_GRPC_UNIMPLEMENTED:
+        td_errorf(TD_ERR_INVALID, "%s does not serve tandem.v1.Generation/Generate (UNIMPLEMENTED: %s): give the "
+                  "router's gateway port, not its control or a node's port", r->addr, m);
+        break;
+    default:
+        td_errorf(TD_ERR_IO, "the generation failed (%s: %s)", name, m);
+        break;
+    }
+}
+
+static const char *finish_name(Tandem__V1__FinishReason f)
+{
+    switch (f) {
+    case TANDEM__V1__FINISH_REASON__FINISH_REASON_LENGTH: return "length";
+    case TANDEM__V1__FINISH_REASON__FINISH_REASON_STOP: return "stop";
+    case TANDEM__V1__FINISH_REASON__FINISH_REASON_EOS: return "eos";
+    default: return "unspecified";
+    }
+}
+
+/* Client-side timings in the local mode's format, then the router's. */
+static void remote_report_timings(const remote_state_t *r)
+{
+    double ttft_ms = r->t_first ? (double)(r->t_first - r->t0) * 1e-6 : 0.0;
+    double gen_s = (double)(r->t_last - r->t_first) * 1e-9;
+    double prompt_tps = r->prefill_s > 0 ? (double)r->prompt_tokens / r->prefill_s : 0.0;
+    fprintf(stderr,
+            "\nprompt: %u tokens, %.1f tokens/s | generation: %u tokens, %.1f tokens/s | time to first token: %.1f ms\n",
+            r->prompt_tokens, prompt_tps, r->n_gen, r->n_gen > 1 && gen_s > 0 ? (double)(r->n_gen - 1) / gen_s : 0.0,
+            ttft_ms);
+    fprintf(stderr,
+            "server: finish %s, %u cached prompt tokens | queue %.2f ms | prefill %.2f ms | transfer %.2f ms | "
+            "first token %.2f ms | per token %.2f ms | total %.2f ms\n",
+            finish_name(r->finish), r->cached_tokens, r->queue_s * 1e3, r->prefill_s * 1e3, r->transfer_s * 1e3,
+            r->first_token_s * 1e3, r->per_token_s * 1e3, r->total_s * 1e3);
+}
+
+static int gen_remote(gen_opts_t *o)
+{
+    if (o->timeout_s <= 0)
+        o->timeout_s = GEN_DEFAULT_TIMEOUT_S;
+    if (o->connect_timeout_s <= 0)
+        o->connect_timeout_s = GEN_DEFAULT_CONNECT_TIMEOUT_S;
+    int rc = 1;
+    int32_t *ids = NULL;
+    size_t n_ids = 0;
+    uint32_t *wire_ids = NULL, stop_ids[GEN_MAX_STOP_IDS];
+    char ip[INET6_ADDRSTRLEN];
+    uint16_t port = 0;
+    td_status_t st;
+    if ((st = resolve_server(o->server, ip, sizeof ip, &port)) != TD_OK)
+        return st == TD_ERR_INVALID ? 2 : 1;
+    if (o->prompt_ids) {
+        if ((st = parse_ids(o->prompt_ids, &ids, &n_ids)) != TD_OK)
+            return st == TD_ERR_INVALID ? 2 : 1;
+        if (n_ids == 0) {
+            td_errorf(TD_ERR_INVALID, "--prompt-ids: no ids given");
+            free(ids);
+            return 2;
+        }
+        if (!(wire_ids = malloc(n_ids * sizeof *wire_ids))) {
+            td_errorf(TD_ERR_NOMEM, "out of memory");
+            free(ids);
+            return 1;
+        }
+        for (size_t i = 0; i < n_ids; i++)
+            wire_ids[i] = (uint32_t)ids[i];
+    }
+    for (int32_t i = 0; i < o->n_stop_ids; i++)
+        stop_ids[i] = (uint32_t)o->stop_ids[i];
+
+    Tandem__V1__SamplingParams sp = TANDEM__V1__SAMPLING_PARAMS__INIT;
+    sp.temperature = o->sampling.temperature;
+    sp.top_k = (uint32_t)o->sampling.top_k;
+    sp.top_p = o->sampling.top_p;
+    sp.min_p = o->sampling.min_p;
+    sp.repetition_penalty = o->sampling.repetition_penalty;
+    sp.seed = o->sampling.seed;
+    Tandem__V1__GenerateRequest req = TANDEM__V1__GENERATE_REQUEST__INIT;
+    req.prompt = o->prompt ? (char *)o->prompt : "";
+    req.prompt_ids = wire_ids;
+    req.n_prompt_ids = n_ids;
+    req.max_tokens = o->max_tokens > 0 ? (uint32_t)o->max_tokens : 0;
+    req.sampling = &sp;
+    req.stop_ids = stop_ids;
+    req.n_stop_ids = (size_t)o->n_stop_ids;
+    req.stop_strings = (char **)o->stops;
+    req.n_stop_strings = (size_t)o->n_stops;
+    req.request_id = o->request_id ? (char *)o->request_id : "";
+    req.model = o->model_name ? (char *)o->model_name : "";
+
+    remote_state_t r = {.o = o, .addr = o->server};
+    uv_loop_init(&r.loop);
+    td_grpc_channel_config_t cc = td_grpc_channel_config_default();
+    if ((st = td_grpc_channel_create(&r.loop, ip, port, &cc, &r.ch)) != TD_OK)
+        goto out_loop;
+    uv_signal_init(&r.loop, &r.sigint);
+    uv_signal_init(&r.loop, &r.sigterm);
+    r.sigint.data = r.sigterm.data = &r;
+    uv_signal_start(&r.sigint, on_remote_signal, SIGINT);
+    uv_signal_start(&r.sigterm, on_remote_signal, SIGTERM);
+    td_grpc_call_opts_t co = {.response_desc = &tandem__v1__generate_response__descriptor,
+                              .on_message = on_gen_message, .on_done = on_gen_done, .data = &r,
+                              .timeout_ms = (uint32_t)TD_MAX(1.0f, o->timeout_s * 1000.0f)};
+    r.t0 = td_now_ns();
+    if ((st = td_grpc_channel_call(r.ch, "/tandem.v1.Generation/Generate", &req.base, &co, &r.gen)) != TD_OK) {
+        char why[256];
+        snprintf(why, sizeof why, "%s", td_last_error());
+        td_errorf(st, "cannot send the request to %s: %s", o->server, why);
+        remote_close_handles(&r);
+        goto out_run;
+    }
+    Grpc__Health__V1__HealthCheckRequest hreq = GRPC__HEALTH__V1__HEALTH_CHECK_REQUEST__INIT;
+    td_grpc_call_opts_t ho = {.response_desc = &grpc__health__v1__health_check_response__descriptor,
+                              .on_done = on_health_done, .data = &r,
+                              .timeout_ms = (uint32_t)TD_MAX(1.0f, o->connect_timeout_s * 1000.0f)};
+    if (td_grpc_channel_call(r.ch, "/grpc.health.v1.Health/Check", &hreq.base, &ho, &r.health) != TD_OK)
+        r.health = NULL; /* the generation's own deadline still bounds the wait */
+    uv_run(&r.loop, UV_RUN_DEFAULT);
+    if (r.code == TD_GRPC_OK && r.finished) {
+        if (o->print_ids)
+            printf("\n");
+        fflush(stdout);
+        remote_report_timings(&r);
+        rc = 0;
+    } else {
+        if (o->print_ids && r.n_gen)
+            printf("\n");
+        fflush(stdout);
+        if (r.code == TD_GRPC_OK)
+            td_errorf(TD_ERR_PROTOCOL, "the server ended the stream without a finish reason");
+        else
+            remote_report_error(&r);
+    }
+    goto out_loop;
+out_run:
+    uv_run(&r.loop, UV_RUN_DEFAULT);
+out_loop:
+    uv_run(&r.loop, UV_RUN_DEFAULT); /* close callbacks */
+    if (uv_loop_close(&r.loop) != 0)
+        td_warn("generate: a libuv handle was left open");
+    free(wire_ids);
+    free(ids);
+    return rc;
+}
+
 int cmd_generate(int argc, char **argv)
 {
     gen_opts_t o = {.max_tokens = -1, .sampling = td_sampling_default()};
     int rc = parse_opts(argc, argv, &o);
     if (rc >= 0)
         return rc;
+    if (o.server)
+        return gen_remote(&o);
     rc = 1;
 
     td_model_t *model = NULL;
