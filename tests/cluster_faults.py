@@ -1,0 +1,432 @@
+"""cluster_faults: the client side of the cluster fault tests (tests/test_cluster_*.sh).
+
+A stock grpcio client (messages built by hand from proto/tandem.proto's field numbers, so no
+generated stubs) plus raw sockets. Each subcommand checks one behaviour, prints what it saw
+and exits 0 when the behaviour is right, 1 (with 'FAIL: why' lines) when not:
+
+  metric URL NAME [LABEL=VALUE]          print a /metrics value (sum of the matching series)
+  waitmetric URL NAME OP VALUE SECONDS   wait until the value OP (== <= >=) VALUE holds
+  cancel HOST:PORT N MAX_TOKENS          N streams, each cancelled after its first message
+  deadline HOST:PORT N MAX_TOKENS SECS   N streams with a client deadline → DEADLINE_EXCEEDED
+  rawdeadline HOST:PORT MAX_TOKENS MS    grpc-timeout header, no client deadline (curl, h2c):
+                                         the server itself must end with grpc-status 4
+  garbage HOST:PORT                      garbage, truncated frame, HTTP/1.1, bad protobufs
+  nodekill HOST:PORT PID SIGNAL BOUND_MS REFS MAX_TOKENS
+                                         streams of the prompts in REFS (lines 'ids|ref ids'),
+                                         the decode node PID signalled once every stream has a
+                                         token: its streams end UNAVAILABLE within BOUND_MS,
+                                         the others equal their references
+  prefillkill HOST:PORT PID WAIT_MS REFS MAX_TOKENS
+                                         the prefill node PID is stopped (SIGSTOP), the streams
+                                         start, after WAIT_MS it is SIGKILLed: every stream
+                                         must equal its reference (retried on the other node)
+                                         or, only if it had tokens, end UNAVAILABLE
+  run HOST:PORT MAX_TOKENS REFS          every prompt of REFS concurrently; all must equal refs
+"""
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import grpc
+
+GENERATE = "/tandem.v1.Generation/Generate"
+
+
+def varint(n):
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+def request(ids, max_tokens):
+    packed = b"".join(varint(i) for i in ids)
+    return b"\x12" + varint(len(packed)) + packed + b"\x18" + varint(max_tokens)
+
+
+def read_varint(buf, i):
+    v = s = 0
+    while True:
+        b = buf[i]
+        i += 1
+        v |= (b & 0x7F) << s
+        s += 7
+        if not b & 0x80:
+            return v, i
+
+
+def parse_ids(msg):
+    """token_ids (field 1, packed or not) of one GenerateResponse."""
+    ids, i = [], 0
+    while i < len(msg):
+        key, i = read_varint(msg, i)
+        field, wt = key >> 3, key & 7
+        if wt == 0:
+            v, i = read_varint(msg, i)
+            if field == 1:
+                ids.append(v)
+        elif wt == 2:
+            ln, i = read_varint(msg, i)
+            if field == 1:
+                j = i
+                while j < i + ln:
+                    v, j = read_varint(msg, j)
+                    ids.append(v)
+            i += ln
+        elif wt == 1:
+            i += 8
+        elif wt == 5:
+            i += 4
+        else:
+            raise ValueError("bad wire type %d" % wt)
+    return ids
+
+
+def channel(target):
+    return grpc.insecure_channel(target)
+
+
+def generate_stub(ch):
+    return ch.unary_stream(GENERATE, request_serializer=lambda b: b, response_deserializer=lambda b: b)
+
+
+def fetch_metric(url, name, label=""):
+    with urllib.request.urlopen(url, timeout=5) as r:
+        text = r.read().decode()
+    total, found = 0.0, False
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        series, _, value = line.rpartition(" ")
+        base = series.split("{", 1)[0]
+        if base != name:
+            continue
+        if label and label not in series.replace('"', ""):
+            continue
+        total += float(value)
+        found = True
+    if not found:
+        raise KeyError("%s%s not in %s" % (name, "{" + label + "}" if label else "", url))
+    return total
+
+
+class Stream:
+    """One Generate stream on its own thread; records ids, status and the time it ended."""
+
+    def __init__(self, stub, ids, max_tokens, timeout=50, on_message=None):
+        self.ids, self.got, self.code, self.details = ids, [], None, ""
+        self.first = threading.Event()
+        self.t_end = None
+        self.on_message = on_message
+        self.call = stub(request(ids, max_tokens), timeout=timeout)
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        try:
+            for m in self.call:
+                self.got += parse_ids(m)
+                if self.got:
+                    self.first.set()
+                if self.on_message:
+                    self.on_message(self)
+            self.code = "OK"
+        except grpc.RpcError as e:
+            self.code = e.code().name
+            self.details = e.details() or ""
+        except Exception as e:  # a parse error is a failure too, never a hang
+            self.code = "CLIENT_ERROR"
+            self.details = repr(e)
+        self.t_end = time.monotonic()
+        self.first.set()
+
+    def join(self, timeout):
+        self.thread.join(timeout)
+        return not self.thread.is_alive()
+
+
+def fail(msg):
+    print("FAIL: " + msg)
+    return 1
+
+
+def read_refs(path):
+    prompts, refs = [], []
+    with open(path) as f:
+        for line in f:
+            p, _, r = line.rstrip("\n").partition("|")
+            prompts.append([int(x) for x in p.split()])
+            refs.append([int(x) for x in r.split()])
+    return prompts, refs
+
+
+# ---- subcommands -------------------------------------------------------------------------
+
+def cmd_metric(url, name, label=""):
+    v = fetch_metric(url, name, label)
+    print("%d" % v if v == int(v) else v)
+    return 0
+
+
+def cmd_waitmetric(url, name, op, value, seconds):
+    value, end, v = float(value), time.monotonic() + float(seconds), None
+    ok = {"==": lambda a: a == value, "<=": lambda a: a <= value, ">=": lambda a: a >= value}[op]
+    while True:
+        try:
+            v = fetch_metric(url, name)
+            if ok(v):
+                print("%g" % v)
+                return 0
+        except (OSError, KeyError) as e:
+            v = repr(e)
+        if time.monotonic() > end:
+            return fail("%s stayed %s, not %s %g within %s s" % (name, v, op, value, seconds))
+        time.sleep(0.05)
+
+
+def cmd_cancel(target, n, max_tokens):
+    """Each stream is cancelled as soon as its first message arrives."""
+    n, max_tokens = int(n), int(max_tokens)
+    stub = generate_stub(channel(target))
+
+    def cancel_on_first(s):
+        s.call.cancel()
+
+    streams = [Stream(stub, [1, 10 + k], max_tokens, on_message=cancel_on_first) for k in range(n)]
+    rc = 0
+    for s in streams:
+        if not s.join(40):
+            rc = fail("a cancelled stream did not end within 40 s")
+            continue
+        print("stream %s: %s after %d tokens" % (s.ids, s.code, len(s.got)))
+        if s.code != "CANCELLED":
+            rc = fail("stream %s ended %s %s, not CANCELLED (finished before the cancel?)" % (s.ids, s.code, s.details))
+    return rc
+
+
+def cmd_deadline(target, n, max_tokens, secs):
+    n, max_tokens, secs = int(n), int(max_tokens), float(secs)
+    stub = generate_stub(channel(target))
+    streams = [Stream(stub, [1, 20 + k], max_tokens, timeout=secs) for k in range(n)]
+    rc = 0
+    for s in streams:
+        if not s.join(40):
+            rc = fail("a stream with a %g s deadline did not end within 40 s" % secs)
+            continue
+        print("stream %s: %s after %d tokens" % (s.ids, s.code, len(s.got)))
+        if s.code != "DEADLINE_EXCEEDED":
+            rc = fail("stream %s ended %s %s, not DEADLINE_EXCEEDED" % (s.ids, s.code, s.details))
+    return rc
+
+
+def cmd_rawdeadline(target, max_tokens, ms):
+    """curl sends grpc-timeout and waits with no deadline of its own: the status is the server's."""
+    body = request([1, 5], int(max_tokens))
+    frame = b"\x00" + len(body).to_bytes(4, "big") + body
+    try:
+        p = subprocess.run(["curl", "-s", "--http2-prior-knowledge", "--max-time", "30", "-D", "-", "-o", "/dev/null",
+                            "-H", "content-type: application/grpc", "-H", "te: trailers",
+                            "-H", "grpc-timeout: %sm" % ms, "--data-binary", "@-",
+                            "http://%s%s" % (target, GENERATE)], input=frame, capture_output=True, timeout=40)
+    except FileNotFoundError:
+        print("SKIP (rawdeadline): no curl")
+        return 0
+    hdrs = p.stdout.decode(errors="replace").lower()
+    status = [l.split(":", 1)[1].strip() for l in hdrs.splitlines() if l.startswith("grpc-status:")]
+    print("curl rc %d, grpc-status %s" % (p.returncode, status))
+    if status != ["4"]:
+        return fail("grpc-timeout %s ms: the server answered grpc-status %s, not 4 (DEADLINE_EXCEEDED); headers: %s"
+                    % (ms, status, hdrs.replace("\r\n", " | ")))
+    return 0
+
+
+def expect_closed(sock, what, seconds=5.0):
+    """Reads until EOF or reset; the server must close the connection within seconds."""
+    sock.settimeout(seconds)
+    end = time.monotonic() + seconds
+    got = 0
+    try:
+        while time.monotonic() < end:
+            b = sock.recv(65536)
+            if not b:
+                return True, "closed after %d bytes from the server" % got
+            got += len(b)
+    except ConnectionResetError:
+        return True, "reset after %d bytes from the server" % got
+    except socket.timeout:
+        pass
+    return False, "%s: connection still open after %g s (%d bytes from the server)" % (what, seconds, got)
+
+
+def normal_ok(stub, what):
+    try:
+        got = []
+        for m in stub(request([1, 7], 8), timeout=20):
+            got += parse_ids(m)
+        if len(got) != 8:
+            return "after %s: a normal request gave %d tokens, not 8" % (what, len(got))
+        return None
+    except grpc.RpcError as e:
+        return "after %s: a normal request failed %s %s" % (what, e.code().name, e.details())
+
+
+def cmd_garbage(target):
+    host, port = target.rsplit(":", 1)
+    addr = (host, int(port))
+    stub = generate_stub(channel(target))
+    rnd = random.Random(5)
+    rc = 0
+    preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+    settings = b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+    cases = [
+        ("random bytes", bytes(rnd.randrange(256) for _ in range(4096)), False),
+        # a HEADERS frame announcing 200 bytes that never come, then a half-close
+        ("a truncated HTTP/2 frame", preface + settings + b"\x00\x00\xc8\x01\x04\x00\x00\x00\x01" + b"\x82\x86\x84", True),
+        ("an HTTP/1.1 request", b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: keep-alive\r\n\r\n", False),
+        ("an HTTP/1.1 POST to the gRPC path",
+         b"POST " + GENERATE.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/grpc\r\n"
+         b"Content-Length: 5\r\n\r\n\x00\x00\x00\x00\x00", False),
+    ]
+    for what, data, half_close in cases:
+        s = socket.create_connection(addr, timeout=5)
+        s.sendall(data)
+        if half_close:
+            # while this connection waits for the rest of its frame, others are served
+            err = normal_ok(stub, what + " (still open)")
+            if err:
+                rc = fail(err)
+            s.shutdown(socket.SHUT_WR)
+        closed, how = expect_closed(s, what)
+        s.close()
+        print("%s: %s" % (what, how))
+        if not closed:
+            rc = fail(how)
+        err = normal_ok(stub, what)
+        if err:
+            rc = fail(err)
+    # valid gRPC framing carrying bodies that are not a GenerateRequest
+    bodies = [
+        ("bad varint", b"\x18\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff"),
+        ("length past the end", b"\x12\x40\x01\x02"),
+        ("wrong wire type for prompt_ids", b"\x15\x01\x02\x03\x04"),
+        ("group wire type", b"\x0b\x0c"),
+        ("field number 0", b"\x00\x01"),
+        ("random bytes", bytes(rnd.randrange(256) for _ in range(300))),
+    ]
+    for what, body in bodies:
+        try:
+            it = stub(body, timeout=20)
+            n = sum(len(parse_ids(m)) for m in it)
+            rc = fail("invalid protobuf (%s): the call succeeded with %d tokens" % (what, n))
+        except grpc.RpcError as e:
+            print("invalid protobuf (%s): %s %s" % (what, e.code().name, e.details()))
+            if e.code() not in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INTERNAL):
+                rc = fail("invalid protobuf (%s): %s, not INVALID_ARGUMENT or INTERNAL" % (what, e.code().name))
+        err = normal_ok(stub, "invalid protobuf (%s)" % what)
+        if err:
+            rc = fail(err)
+    return rc
+
+
+def cmd_nodekill(target, pid, sig, bound_ms, refs_path, max_tokens):
+    pid, bound_ms, max_tokens = int(pid), float(bound_ms), int(max_tokens)
+    signum = {"KILL": signal.SIGKILL, "STOP": signal.SIGSTOP}[sig]
+    prompts, refs = read_refs(refs_path)
+    stub = generate_stub(channel(target))
+    streams = [Stream(stub, p, max_tokens) for p in prompts]
+    end = time.monotonic() + 30
+    for s in streams:
+        s.first.wait(max(0.0, end - time.monotonic()))
+    t_kill = time.monotonic()
+    os.kill(pid, signum)
+    rc, n_unavail, n_ok = 0, 0, 0
+    for s, ref in zip(streams, refs):
+        if not s.join(40):
+            rc = fail("stream %s did not end within 40 s of the kill" % s.ids[:4])
+            continue
+        ms = (s.t_end - t_kill) * 1e3
+        print("stream %s...: %s after %d tokens, %.0f ms after SIG%s" % (s.ids[:3], s.code, len(s.got), ms, sig))
+        if s.code == "OK":
+            n_ok += 1
+            if s.got != ref:
+                rc = fail("stream %s: ids differ from tandem generate:\n  want %s\n  got  %s" % (s.ids[:4], ref, s.got))
+        elif s.code == "UNAVAILABLE":
+            n_unavail += 1
+            if ms > bound_ms:
+                rc = fail("stream %s: UNAVAILABLE %.0f ms after the kill, past the %.0f ms bound" % (s.ids[:4], ms, bound_ms))
+            if s.got != ref[:len(s.got)]:
+                rc = fail("stream %s: tokens before the failure differ from tandem generate" % s.ids[:4])
+        else:
+            rc = fail("stream %s: ended %s %s (want OK or UNAVAILABLE)" % (s.ids[:4], s.code, s.details))
+    print("%d streams OK, %d UNAVAILABLE" % (n_ok, n_unavail))
+    if n_unavail == 0:
+        rc = fail("no stream ended UNAVAILABLE: the killed decode node had none running (or they all finished first)")
+    return rc
+
+
+def cmd_prefillkill(target, pid, wait_ms, refs_path, max_tokens):
+    pid, wait_ms, max_tokens = int(pid), float(wait_ms), int(max_tokens)
+    prompts, refs = read_refs(refs_path)
+    stub = generate_stub(channel(target))
+    os.kill(pid, signal.SIGSTOP)  # requests sent to it now wait in its socket
+    streams = [Stream(stub, p, max_tokens) for p in prompts]
+    time.sleep(wait_ms / 1e3)
+    os.kill(pid, signal.SIGKILL)
+    rc, n_ok, n_unavail = 0, 0, 0
+    for s, ref in zip(streams, refs):
+        if not s.join(40):
+            rc = fail("stream %s did not end within 40 s of the kill" % s.ids[:4])
+            continue
+        print("stream %s...: %s after %d tokens" % (s.ids[:3], s.code, len(s.got)))
+        if s.code == "OK":
+            n_ok += 1
+            if s.got != ref:
+                rc = fail("stream %s: ids differ from tandem generate:\n  want %s\n  got  %s" % (s.ids[:4], ref, s.got))
+        elif s.code == "UNAVAILABLE" and s.got:
+            n_unavail += 1
+        else:
+            rc = fail("stream %s: ended %s %s after %d tokens (want OK, or UNAVAILABLE after tokens)"
+                      % (s.ids[:4], s.code, s.details, len(s.got)))
+    print("%d streams OK, %d UNAVAILABLE after tokens" % (n_ok, n_unavail))
+    return rc
+
+
+def cmd_run(target, max_tokens, refs_path):
+    prompts, refs = read_refs(refs_path)
+    stub = generate_stub(channel(target))
+    streams = [Stream(stub, p, int(max_tokens)) for p in prompts]
+    rc = 0
+    for s, ref in zip(streams, refs):
+        if not s.join(50):
+            rc = fail("stream %s did not end within 50 s" % s.ids[:4])
+        elif s.code != "OK":
+            rc = fail("stream %s: %s %s" % (s.ids[:4], s.code, s.details))
+        elif s.got != ref:
+            rc = fail("stream %s: ids differ from tandem generate:\n  want %s\n  got  %s" % (s.ids[:4], ref, s.got))
+    print("%d requests, %s" % (len(streams), "all equal tandem generate" if rc == 0 else "some failed"))
+    return rc
+
+
+def main():
+    cmds = {"metric": cmd_metric, "waitmetric": cmd_waitmetric, "cancel": cmd_cancel, "deadline": cmd_deadline,
+            "rawdeadline": cmd_rawdeadline, "garbage": cmd_garbage, "nodekill": cmd_nodekill,
+            "prefillkill": cmd_prefillkill, "run": cmd_run}
+    if len(sys.argv) < 2 or sys.argv[1] not in cmds:
+        print(__doc__)
+        return 2
+    return cmds[sys.argv[1]](*sys.argv[2:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,192 @@
+# cluster_lib.sh: helpers shared by the tests/test_cluster_*.sh scripts (sourced; not a test
+# itself). Starts `tandem local` or a router and nodes one by one on 127.0.0.1, reads their
+# banners (addresses, /metrics URLs), keeps every pid, and on exit stops them all (SIGTERM,
+# then SIGKILL after a bound) whatever happened. Sanitizer reports of any child process go to
+# $CL_T/san.* (ASAN/UBSAN/LSAN log_path) and fail the test, as does a process that exits
+# non-zero on SIGTERM or dies without the test killing it.
+#
+# Use: source it, call cl_init "what this test checks", start processes, call cl_fail for each
+# failed check, end with cl_end "PASS line" (exits 0 or 1).
+set -u
+CL_M="${TANDEM_TEST_MODELS:-$(dirname "$0")/../../shared/models}/stories260K/stories260K.bin"
+CL_BIN="${TANDEM_BIN:?TANDEM_BIN must point at the tandem binary}"
+CL_SRC="${TD_SOURCE_DIR:-$(cd "$(dirname "$0")/.." && pwd)}"
+CL_PY=/usr/bin/python3
+CL_TOOL="$CL_SRC/tests/cluster_faults.py"
+CL_FAIL=0
+CL_NAMES=()          # process names in start order
+declare -A CL_PID    # name → pid
+declare -A CL_MURL   # name → /metrics URL
+declare -A CL_KILLED # name → 1 once the test killed it on purpose
+
+cl_init() {
+    if [ ! -f "$CL_M" ]; then echo "SKIP: $CL_M absent (set TANDEM_TEST_MODELS)"; exit 0; fi
+    if ! "$CL_PY" -c 'import grpc' 2>/dev/null; then echo "SKIP: $CL_PY lacks grpc (python3-grpcio)"; exit 0; fi
+    CL_T=$(mktemp -d)
+    mkdir -p "$CL_T/ref"
+    # children write sanitizer reports to files we check at the end (no-op in release builds)
+    export ASAN_OPTIONS="${ASAN_OPTIONS:+$ASAN_OPTIONS:}log_path=$CL_T/san"
+    export UBSAN_OPTIONS="${UBSAN_OPTIONS:+$UBSAN_OPTIONS:}print_stacktrace=1:log_path=$CL_T/san"
+    export LSAN_OPTIONS="${LSAN_OPTIONS:-suppressions=$CL_SRC/tests/lsan.supp:print_suppressions=0}"
+    export UCX_TCP_CM_REUSEADDR=y UCX_WARN_UNUSED_ENV_VARS=n
+    trap cl_cleanup EXIT
+}
+
+cl_fail() {
+    echo "FAIL: $*"
+    CL_FAIL=1
+}
+
+# _cl_dead PID: true when the process is gone or a zombie
+_cl_dead() {
+    local s
+    s=$(cut -d' ' -f3 "/proc/$1/stat" 2>/dev/null) || return 0
+    [ -z "$s" ] || [ "$s" = Z ]
+}
+
+# cl_spawn NAME CMD...: runs CMD in the background, stdout/stderr to $CL_T/NAME.out/.err
+cl_spawn() {
+    local name=$1; shift
+    "$@" >"$CL_T/$name.out" 2>"$CL_T/$name.err" &
+    CL_PID[$name]=$!
+    CL_NAMES+=("$name")
+}
+
+# cl_wait_line FILE REGEX SECONDS: waits until a line of FILE matches
+cl_wait_line() {
+    local i
+    for ((i = 0; i < $3 * 10; i++)); do
+        grep -qE "$2" "$1" 2>/dev/null && return 0
+        sleep 0.1
+    done
+    return 1
+}
+
+# cl_router [FLAGS...]: starts a router; sets CL_GW, CL_CTL and CL_MURL[router]
+cl_router() {
+    cl_spawn router "$CL_BIN" router --log-level warn "$@"
+    cl_wait_line "$CL_T/router.out" '^metrics: ' 30 || { cl_fail "the router did not start"; cl_dump; exit 1; }
+    CL_GW=$(sed -n 's/^gateway: //p' "$CL_T/router.out")
+    CL_CTL=$(sed -n 's/^control: //p' "$CL_T/router.out")
+    CL_MURL[router]=$(sed -n 's/^metrics: //p' "$CL_T/router.out")
+}
+
+# cl_node ROLE ID [FLAGS...]: starts a prefill/decode node registered with the router
+cl_node() {
+    local role=$1 id=$2; shift 2
+    cl_spawn "$id" "$CL_BIN" "$role" --model "$CL_M" --router "$CL_CTL" --node-id "$id" --threads 1 \
+        --log-level warn "$@"
+    cl_wait_line "$CL_T/$id.out" "^$role $id: .* metrics " 60 || { cl_fail "node $id did not start"; cl_dump; exit 1; }
+    CL_MURL[$id]=$(sed -n "s/^$role $id: .* metrics //p" "$CL_T/$id.out")
+}
+
+# cl_wait_nodes NP ND: waits until the router counts at least NP prefill and ND decode nodes
+cl_wait_nodes() {
+    local i line np nd
+    for ((i = 0; i < 300; i++)); do
+        line=$(grep '^nodes: ' "$CL_T/router.out" | tail -1)
+        if [[ $line =~ ^nodes:\ ([0-9]+)\ prefill,\ ([0-9]+)\ decode ]]; then
+            np=${BASH_REMATCH[1]}; nd=${BASH_REMATCH[2]}
+            [ "$np" -ge "$1" ] && [ "$nd" -ge "$2" ] && return 0
+        fi
+        sleep 0.1
+    done
+    cl_fail "the router did not see $1 prefill + $2 decode nodes: ${line:-no nodes line}"
+    cl_dump
+    exit 1
+}
+
+# cl_local NP ND [FLAGS...]: `tandem local`; sets CL_GW, CL_MURL[router] and CL_MURL[<node id>]
+# from the node banners it passes to its stderr
+cl_local() {
+    local np=$1 nd=$2; shift 2
+    cl_spawn local "$CL_BIN" local --model "$CL_M" --prefill "$np" --decode "$nd" "$@"
+    cl_wait_line "$CL_T/local.out" '^metrics: ' 60 || { cl_fail "tandem local did not start"; cl_dump; exit 1; }
+    CL_GW=$(sed -n 's/^gateway: //p' "$CL_T/local.out")
+    CL_MURL[router]=$(sed -n 's/^metrics: //p' "$CL_T/local.out")
+    local role id rest
+    while read -r role id rest; do
+        CL_MURL[${id%:}]=${rest##* }
+    done < <(grep -E '^(prefill|decode) [^ ]+: control [^ ]+ metrics ' "$CL_T/local.err")
+}
+
+# cl_metric NAME_OF_PROCESS METRIC [LABEL=VALUE]: prints the value (sum of matching series)
+cl_metric() {
+    "$CL_PY" "$CL_TOOL" metric "${CL_MURL[$1]}" "$2" "${3:-}"
+}
+
+# cl_ref MAX_TOKENS "IDS": the ids `tandem generate` gives (computed once, cached in $CL_T/ref)
+cl_ref() {
+    local key
+    key=$(printf '%s|%s' "$1" "$2" | md5sum | cut -c1-16)
+    if [ ! -f "$CL_T/ref/$key" ]; then
+        "$CL_BIN" generate --model "$CL_M" --prompt-ids "$2" --max-tokens "$1" --print-ids --threads 1 \
+            >"$CL_T/ref/$key.tmp" 2>"$CL_T/ref/$key.err" || { echo "ERROR generate failed"; return; }
+        mv "$CL_T/ref/$key.tmp" "$CL_T/ref/$key"
+    fi
+    cat "$CL_T/ref/$key"
+}
+
+# cl_kill NAME SIGNAL: signals one process on purpose (its death is then not a failure)
+cl_kill() {
+    CL_KILLED[$1]=1
+    kill "-$2" "${CL_PID[$1]}" 2>/dev/null
+}
+
+cl_dump() {
+    local f
+    for f in "$CL_T"/*.err; do
+        [ -s "$f" ] || continue
+        echo "--- $(basename "$f") (tail)"
+        tail -n 15 "$f"
+    done
+}
+
+# cl_stop: SIGTERM to every process still running, newest first (nodes before the router);
+# SIGKILL past 15 s; a non-zero exit of a process the test did not kill is a failure
+cl_stop() {
+    local i name pid rc k
+    for ((i = ${#CL_NAMES[@]} - 1; i >= 0; i--)); do
+        name=${CL_NAMES[$i]}; pid=${CL_PID[$name]}
+        [ -n "$pid" ] || continue
+        kill -TERM "$pid" 2>/dev/null
+        for ((k = 0; k < 150; k++)); do _cl_dead "$pid" && break; sleep 0.1; done
+        if ! _cl_dead "$pid"; then
+            kill -KILL "$pid" 2>/dev/null
+            [ -n "${CL_KILLED[$name]:-}" ] || cl_fail "$name (pid $pid) ignored SIGTERM for 15 s"
+        fi
+        wait "$pid" 2>/dev/null; rc=$?
+        if [ -z "${CL_KILLED[$name]:-}" ] && [ $rc -ne 0 ]; then cl_fail "$name (pid $pid) exited $rc"; fi
+        CL_PID[$name]=
+    done
+    if grep -q 'tandem local: process .* exited' "$CL_T/local.err" 2>/dev/null; then
+        cl_fail "a node of tandem local died: $(grep 'tandem local: process' "$CL_T/local.err" | head -3)"
+    fi
+    local san
+    san=$(ls "$CL_T"/san.* 2>/dev/null)
+    if [ -n "$san" ] || grep -lE 'ERROR: (Address|Leak)Sanitizer|runtime error:' "$CL_T"/*.err >/dev/null 2>&1; then
+        cl_fail "sanitizer reports from child processes:"
+        for f in $san; do echo "--- $f"; head -n 40 "$f"; done
+        grep -hE -A20 'ERROR: (Address|Leak)Sanitizer|runtime error:' "$CL_T"/*.err 2>/dev/null | head -n 60
+    fi
+}
+
+cl_cleanup() {
+    local name pid
+    for name in "${CL_NAMES[@]}"; do
+        pid=${CL_PID[$name]}
+        [ -n "$pid" ] && kill -KILL "$pid" 2>/dev/null && wait "$pid" 2>/dev/null
+    done
+    [ -n "${CL_T:-}" ] && rm -rf "$CL_T"
+}
+
+# cl_end "PASS message": stops everything, checks, prints PASS or exits 1
+cl_end() {
+    cl_stop
+    if [ $CL_FAIL -ne 0 ]; then
+        cl_dump
+        exit 1
+    fi
+    echo "PASS: $*"
+    exit 0
+}
