@@ -3,7 +3,10 @@
  * admitted at different steps with different lengths yield exactly the greedy tokens each
  * yields alone through the engine; finish reasons are right; cancel and deadlines give
  * every block back at once; a pool too small for everyone preempts and recomputes without
- * changing a token or leaking a block; KV adopted from "elsewhere" continues correctly.
+ * changing a token or leaking a block; KV adopted from "elsewhere" continues correctly,
+ * and with a seed continues the random stream the "prefill" sampler began; KV pushed
+ * through td_xfer lands in the engine's own pool (the decode node's one-pool arrangement)
+ * and every leased block returns on finish, cancel and expiry.
  */
 #include <criterion/criterion.h>
 #include <stdio.h>
@@ -15,6 +18,9 @@
 #include "td_engine.h"
 #include "td_kv.h"
 #include "td_model.h"
+#include "td_sampler.h"
+#include "td_util.h"
+#include "td_xfer.h"
 
 static const char *stories_path(void)
 {
@@ -444,4 +450,322 @@ Test(decode_sched, adopted_kv_continues_the_generation, .timeout = 120)
     decode_sched_destroy(ds);
     free(logits);
     fx_close(&fx);
+}
+
+/* ---- seeded sampling across the prefill/decode split ---------------------------------- */
+
+/* A seeded temperature > 0 generation split as the cluster splits it (the first token
+ * sampled by a "prefill" sampler, the rest by the scheduler after adopting the KV) draws
+ * the same tokens as one sampler in one process, as `tandem generate --seed` does. */
+Test(decode_sched, seeded_split_generation_equals_one_process, .timeout = 120)
+{
+    skip_without_model();
+    fixture_t fx;
+    fx_open(&fx, 256, false);
+    td_sampling_t sp = td_sampling_default();
+    sp.temperature = 1.0f;
+    sp.seed = 12345;
+    int32_t p[20], want[40];
+    unsigned s = 5;
+    random_prompt(&s, p, 20);
+
+    /* one process: prompt, then sample / accept / step (cmd_generate's loop) */
+    td_sampler_t *one;
+    cr_assert_eq(td_sampler_create(&sp, &one), TD_OK);
+    for (int i = 0; i < 20; i++)
+        td_sampler_accept(one, p[i]);
+    td_kv_seq_t seq;
+    td_kv_seq_init(&seq);
+    float *logits = malloc((size_t)fx.vocab * sizeof(float));
+    td_engine_item_t it = {.seq = &seq, .tokens = p, .n_tokens = 20, .n_logits = 1};
+    cr_assert_eq(td_engine_step(fx.eng, &it, 1, logits), TD_OK);
+    int n = 0;
+    while (n < 40) {
+        int32_t t;
+        cr_assert_eq(td_sampler_sample(one, logits, fx.vocab, &t), TD_OK);
+        if (is_eos(&fx, t))
+            break;
+        td_sampler_accept(one, t);
+        want[n++] = t;
+        it = (td_engine_item_t){.seq = &seq, .tokens = &want[n - 1], .n_tokens = 1, .n_logits = 1};
+        cr_assert_eq(td_engine_step(fx.eng, &it, 1, logits), TD_OK);
+    }
+    td_engine_seq_end(fx.eng, &seq);
+    td_sampler_destroy(one);
+    cr_assert_geq(n, 8, "the seeded reference generation is too short to compare (%d tokens)", n);
+
+    /* split: "prefill" samples the first token with a fresh sampler of the same seed */
+    td_kv_seq_t pre;
+    td_kv_seq_init(&pre);
+    it = (td_engine_item_t){.seq = &pre, .tokens = p, .n_tokens = 20, .n_logits = 1};
+    cr_assert_eq(td_engine_step(fx.eng, &it, 1, logits), TD_OK);
+    td_sampler_t *pf;
+    cr_assert_eq(td_sampler_create(&sp, &pf), TD_OK);
+    for (int i = 0; i < 20; i++)
+        td_sampler_accept(pf, p[i]);
+    int32_t first;
+    cr_assert_eq(td_sampler_sample(pf, logits, fx.vocab, &first), TD_OK);
+    td_sampler_destroy(pf);
+    cr_assert_eq(first, want[0]);
+
+    decode_sched_t *ds;
+    decode_sched_config_t cfg = decode_sched_config_default();
+    cr_assert_eq(decode_sched_create(fx.eng, NULL, &cfg, &ds), TD_OK);
+    decode_request_t rq = {.id = 3, .prompt = p, .n_prompt = 20, .kv_blocks = pre.blocks,
+                           .n_kv_blocks = pre.n_blocks, .first_token = first, .sampling = sp,
+                           .max_tokens = n};
+    cr_assert_eq(decode_sched_admit(ds, &rq), TD_OK, "%s", td_last_error());
+    free(pre.blocks); /* the references moved to the scheduler */
+    free(pre.tokens);
+    outcome_t oc[MAXN] = {0};
+    while (decode_sched_busy(ds)) {
+        decode_step_result_t r;
+        cr_assert_eq(decode_sched_step(ds, 0, &r), TD_OK);
+        collect(&r, oc);
+    }
+    cr_assert_eq(oc[3].n, n);
+    for (int i = 0; i < n; i++)
+        cr_assert_eq(oc[3].tokens[i], want[i], "token %d: split %d, one process %d", i, oc[3].tokens[i],
+                     want[i]);
+    assert_no_leak(&fx, ds);
+    decode_sched_destroy(ds);
+    free(logits);
+    fx_close(&fx);
+}
+
+/* ---- one pool: leases of td_xfer on the engine's own blocks ---------------------------- */
+
+/* The decode node's arrangement: td_xfer has UCX allocate the pool, the engine runs on
+ * that memory, leases take blocks of the engine's block manager, and KV pushed by a
+ * sender lands straight in the blocks the sequence then adopts. A second engine plays
+ * the prefill node (its own pool), a second td_xfer on the same loop the sender. */
+typedef struct shared_fx {
+    fixture_t fx;        /* the decode engine, on the xfer pool */
+    td_engine_t *pre;    /* the "prefill" engine, its own pool */
+    uv_loop_t loop;
+    td_xfer_t *rx, *tx;
+    td_xfer_peer_t *peer;
+    td_kv_cache_t *kv;
+    int32_t initial;     /* blocks available before anything */
+    int ready, done;
+    td_status_t done_st;
+    td_xfer_ready_t last; /* of the last kv-ready (blocks copied) */
+    int32_t ready_blocks[64];
+} shared_fx_t;
+
+static void shared_on_ready(void *arg, const td_xfer_ready_t *r)
+{
+    shared_fx_t *f = arg;
+    cr_assert_leq(r->n_blocks, 64);
+    f->last = *r;
+    memcpy(f->ready_blocks, r->blocks, (size_t)r->n_blocks * sizeof(int32_t));
+    f->last.blocks = f->ready_blocks;
+    f->ready++;
+}
+
+static void shared_on_done(void *arg, uint64_t request_id, td_status_t st)
+{
+    shared_fx_t *f = arg;
+    f->done++;
+    f->done_st = st;
+}
+
+static void shared_run_until(shared_fx_t *f, const int *counter, int want, double timeout_s)
+{
+    double end = td_now_s() + timeout_s;
+    while (*counter < want && td_now_s() < end)
+        uv_run(&f->loop, UV_RUN_ONCE);
+}
+
+static void shared_open(shared_fx_t *f, const char *tls)
+{
+    memset(f, 0, sizeof *f);
+    setenv("UCX_TLS", tls, 1);
+    setenv("UCX_NET_DEVICES", "lo", 1);
+    setenv("UCX_TCP_CM_REUSEADDR", "y", 1);
+    setenv("UCX_HANDLE_ERRORS", "none", 1);
+    setenv("UCX_WARN_UNUSED_ENV_VARS", "n", 1);
+    setenv("UCX_MM_ERROR_HANDLING", "y", 1);
+    setenv("UCX_SOCKADDR_TLS_PRIORITY", "tcp", 1);
+    fixture_t *fx = &f->fx;
+    cr_assert_eq(td_model_load(stories_path(), &fx->model), TD_OK, "%s", td_last_error());
+    fx->vocab = fx->model->config.vocab_size;
+    td_cpu_config_t cc = {.n_threads = 1};
+    cr_assert_eq(td_backend_cpu_create(&cc, &fx->be), TD_OK);
+    uv_loop_init(&f->loop);
+
+    td_engine_config_t ec = td_engine_config_default();
+    ec.n_blocks = 64;
+    td_kv_layout_t layout;
+    td_engine_kv_layout_for(fx->model, &ec, &layout);
+    td_xfer_config_t xc = td_xfer_config_default();
+    xc.name = "decode-test";
+    cr_assert_eq(td_xfer_create(&f->loop, &xc, &f->rx), TD_OK, "%s", td_last_error());
+    td_xfer_pool_t xp = {.layout = layout, .base = NULL, .n_blocks = 64, .mem = TD_XFER_MEM_HOST};
+    cr_assert_eq(td_xfer_register_pool(f->rx, &xp, shared_on_ready, f), TD_OK, "%s", td_last_error());
+    ec.kv_pool = td_xfer_pool_base(f->rx);
+    cr_assert_not_null(ec.kv_pool);
+    cr_assert_eq(td_engine_create(fx->model, fx->be, &ec, &fx->eng), TD_OK, "%s", td_last_error());
+    f->kv = td_engine_kv(fx->eng);
+    cr_assert_eq(td_xfer_pool_set_kv(f->rx, f->kv), TD_OK);
+    f->initial = td_kv_available(f->kv);
+    cr_assert_eq(f->initial, 64);
+
+    td_engine_config_t pc = td_engine_config_default();
+    pc.n_blocks = 64;
+    cr_assert_eq(td_engine_create(fx->model, fx->be, &pc, &f->pre), TD_OK, "%s", td_last_error());
+    td_xfer_config_t tc = td_xfer_config_default();
+    tc.name = "prefill-test";
+    tc.listen_ip = NULL;
+    cr_assert_eq(td_xfer_create(&f->loop, &tc, &f->tx), TD_OK, "%s", td_last_error());
+    uint8_t desc[TD_XFER_DESC_MAX];
+    size_t len;
+    cr_assert_eq(td_xfer_describe(f->rx, desc, sizeof desc, &len), TD_OK);
+    cr_assert_eq(td_xfer_connect(f->tx, desc, len, td_engine_kv_layout(f->pre), &f->peer), TD_OK, "%s",
+                 td_last_error());
+}
+
+static void shared_close(shared_fx_t *f)
+{
+    td_xfer_destroy(f->tx);
+    td_xfer_destroy(f->rx);
+    uv_run(&f->loop, UV_RUN_NOWAIT);
+    cr_assert_eq(uv_loop_close(&f->loop), 0, "a handle of td_xfer is still open");
+    td_engine_destroy(f->pre);
+    fx_close(&f->fx);
+}
+
+/* Prefills p on the "prefill" engine and pushes its KV into the lease (layer by layer
+ * from that engine's pool, as a prefill node does). Returns the first (greedy) token. */
+static int32_t shared_push(shared_fx_t *f, uint64_t lease_id, const int32_t *blocks, int32_t n_blocks,
+                           const int32_t *p, int n_prompt)
+{
+    td_kv_seq_t pre;
+    td_kv_seq_init(&pre);
+    float *logits = malloc((size_t)f->fx.vocab * sizeof(float));
+    td_engine_item_t it = {.seq = &pre, .tokens = p, .n_tokens = n_prompt, .n_logits = 1};
+    cr_assert_eq(td_engine_step(f->pre, &it, 1, logits), TD_OK);
+    int32_t first = argmax(logits, f->fx.vocab);
+    free(logits);
+    td_xfer_send_params_t sp = {.request_id = lease_id, .lease_id = lease_id, .dst_blocks = blocks,
+                                .n_dst_blocks = n_blocks, .n_tokens = (uint32_t)n_prompt, .checksum = true,
+                                .mem = TD_XFER_MEM_HOST, .done = shared_on_done, .arg = f};
+    td_xfer_send_t *snd;
+    cr_assert_eq(td_xfer_send_begin(f->tx, f->peer, &sp, &snd), TD_OK, "%s", td_last_error());
+    const td_kv_layout_t *L = td_engine_kv_layout(f->pre);
+    int32_t pool_blocks;
+    uint8_t *pool = td_engine_kv_pool(f->pre, &pool_blocks);
+    for (uint32_t l = 0; l < L->n_layers; l++)
+        cr_assert_eq(td_xfer_send_layer(snd, l, pool + td_kv_block_offset(L, (uint32_t)pool_blocks, l, 0),
+                                        pre.blocks),
+                     TD_OK);
+    td_xfer_send_finish(snd, first);
+    int want_done = f->done + 1;
+    shared_run_until(f, &f->done, want_done, 10);
+    cr_assert_eq(f->done, want_done, "no verdict for the transfer");
+    td_engine_seq_end(f->pre, &pre);
+    return first;
+}
+
+static void shared_leases_return_every_block(const char *tls)
+{
+    skip_without_model();
+    shared_fx_t *f = calloc(1, sizeof *f);
+    shared_open(f, tls);
+    decode_sched_t *ds;
+    decode_sched_config_t cfg = decode_sched_config_default();
+    cr_assert_eq(decode_sched_create(f->fx.eng, NULL, &cfg, &ds), TD_OK);
+    int32_t p[40], want[24], blocks[8];
+    unsigned s = 77;
+    random_prompt(&s, p, 40);
+    bool eos;
+    int n = alone(&f->fx, p, 40, 24, want, &eos);
+    cr_assert_eq(td_kv_available(f->kv), f->initial, "the reference run leaked");
+
+    /* finish: leased, pushed, adopted without a copy, generated, finished */
+    uint64_t lease;
+    cr_assert_eq(td_xfer_lease_create(f->rx, 1, 3, 5000, blocks, &lease), TD_OK, "%s", td_last_error());
+    cr_assert_eq(td_kv_available(f->kv), f->initial - 3, "a lease takes blocks of the engine's pool");
+    int32_t first = shared_push(f, lease, blocks, 3, p, 40);
+    cr_assert_eq(f->done_st, TD_OK, "%s", td_strerror(f->done_st));
+    shared_run_until(f, &f->ready, 1, 5);
+    cr_assert_eq(f->ready, 1);
+    for (int i = 0; i < 3; i++)
+        cr_assert_eq(f->last.blocks[i], blocks[i], "kv-ready names the leased blocks");
+    decode_request_t rq = greedy_request(1, p, 40, 24);
+    rq.kv_blocks = f->last.blocks;
+    rq.n_kv_blocks = f->last.n_blocks;
+    rq.first_token = first;
+    cr_assert_eq(decode_sched_admit(ds, &rq), TD_OK, "%s", td_last_error());
+    outcome_t oc[MAXN] = {0};
+    while (decode_sched_busy(ds)) {
+        decode_step_result_t r;
+        cr_assert_eq(decode_sched_step(ds, 0, &r), TD_OK);
+        collect(&r, oc);
+    }
+    cr_assert_eq(oc[1].n, n);
+    for (int i = 0; i < n; i++)
+        cr_assert_eq(oc[1].tokens[i], want[i], "token %d: %d, alone %d (the landed KV is what the engine read)",
+                     i, oc[1].tokens[i], want[i]);
+    cr_assert_eq(td_kv_available(f->kv), f->initial, "finish: blocks back");
+
+    /* cancel after adoption (the scheduler holds them) */
+    cr_assert_eq(td_xfer_lease_create(f->rx, 2, 3, 5000, blocks, &lease), TD_OK);
+    first = shared_push(f, lease, blocks, 3, p, 40);
+    shared_run_until(f, &f->ready, 2, 5);
+    cr_assert_eq(f->ready, 2);
+    rq.id = 2;
+    rq.kv_blocks = f->last.blocks;
+    rq.first_token = first;
+    cr_assert_eq(decode_sched_admit(ds, &rq), TD_OK, "%s", td_last_error());
+    decode_step_result_t r;
+    cr_assert_eq(decode_sched_step(ds, 0, &r), TD_OK);
+    cr_assert_lt(td_kv_available(f->kv), f->initial);
+    cr_assert_eq(decode_sched_cancel(ds, 2), TD_OK);
+    cr_assert_eq(td_kv_available(f->kv), f->initial, "cancel after adoption: blocks back");
+    while (decode_sched_busy(ds))
+        cr_assert_eq(decode_sched_step(ds, 0, &r), TD_OK);
+
+    /* cancel before kv-ready (no writer bound: back at once) */
+    cr_assert_eq(td_xfer_lease_create(f->rx, 3, 4, 5000, blocks, &lease), TD_OK);
+    cr_assert_eq(td_kv_available(f->kv), f->initial - 4);
+    cr_assert_eq(td_xfer_lease_cancel(f->rx, lease), TD_OK);
+    cr_assert_eq(td_kv_available(f->kv), f->initial, "cancel before kv-ready: blocks back");
+    cr_assert_eq(td_xfer_lease_cancel(f->rx, lease), TD_ERR_STALE, "a lease ends once");
+
+    /* expiry: nothing comes, the tick returns the blocks */
+    cr_assert_eq(td_xfer_lease_create(f->rx, 4, 5, 30, blocks, &lease), TD_OK);
+    cr_assert_eq(td_kv_available(f->kv), f->initial - 5);
+    td_xfer_stats_t xs;
+    double end = td_now_s() + 2;
+    do {
+        uv_run(&f->loop, UV_RUN_ONCE);
+        td_xfer_get_stats(f->rx, &xs);
+    } while (xs.leases_expired == 0 && td_now_s() < end);
+    cr_assert_eq(xs.leases_expired, 1);
+    cr_assert_eq(td_kv_available(f->kv), f->initial, "expiry: blocks back");
+    cr_assert_eq(xs.leases_created, 4);
+    cr_assert_eq(xs.leases_adopted, 2);
+    cr_assert_eq(xs.leases_cancelled, 1);
+    cr_assert_eq(xs.leases_live, 0);
+
+    td_xfer_get_stats(f->tx, &xs);
+    cr_assert_gt(xs.ops_put + xs.ops_am, 0);
+    if (strstr(tls, "sm"))
+        cr_assert_eq(xs.ops_am, 0, "over shared memory the sender puts into the UCX-allocated engine pool "
+                                   "(%llu AM operations)", (unsigned long long)xs.ops_am);
+    assert_no_leak(&f->fx, ds);
+    decode_sched_destroy(ds);
+    shared_close(f);
+    free(f);
+}
+
+Test(decode_sched, shared_pool_blocks_return_tcp, .timeout = 120)
+{
+    shared_leases_return_every_block("tcp");
+}
+
+Test(decode_sched, shared_pool_blocks_return_shm, .timeout = 120)
+{
+    shared_leases_return_every_block("sm,tcp");
 }
