@@ -6,10 +6,13 @@ and exits 0 when the behaviour is right, 1 (with 'FAIL: why' lines) when not:
 
   metric URL NAME [LABEL=VALUE]          print a /metrics value (sum of the matching series)
   waitmetric URL NAME OP VALUE SECONDS   wait until the value OP (== <= >=) VALUE holds
-  cancel HOST:PORT N MAX_TOKENS          N streams, each cancelled after its first message
+  cancel HOST:PORT N MAX_TOKENS [URL]    N streams, each cancelled after its first message
+                                         (URL: print the decode node's used KV blocks first)
   deadline HOST:PORT N MAX_TOKENS SECS   N streams with a client deadline → DEADLINE_EXCEEDED
-  rawdeadline HOST:PORT MAX_TOKENS MS    grpc-timeout header, no client deadline (curl, h2c):
-                                         the server itself must end with grpc-status 4
+  rawdeadline HOST:PORT MAX_TOKENS MS [BG]
+                                         grpc-timeout header, no client deadline (curl, h2c):
+                                         the server itself must end with grpc-status 4; BG
+                                         streams without a deadline keep the decode node busy
   garbage HOST:PORT                      garbage, truncated frame, HTTP/1.1, bad protobufs
   nodekill HOST:PORT PID SIGNAL BOUND_MS REFS MAX_TOKENS
                                          streams of the prompts in REFS (lines 'ids|ref ids'),
@@ -195,12 +198,19 @@ def cmd_waitmetric(url, name, op, value, seconds):
         time.sleep(0.05)
 
 
-def cmd_cancel(target, n, max_tokens):
-    """Each stream is cancelled as soon as its first message arrives."""
+def cmd_cancel(target, n, max_tokens, metrics_url=""):
+    """Each stream is cancelled as soon as its first message arrives; with metrics_url, the
+    decode node's used KV blocks are read (and printed) before the first cancel."""
     n, max_tokens = int(n), int(max_tokens)
     stub = generate_stub(channel(target))
+    lock = threading.Lock()
+    seen = []
 
     def cancel_on_first(s):
+        with lock:
+            if metrics_url and not seen:
+                seen.append(fetch_metric(metrics_url, "tandem_decode_kv_blocks_used"))
+                print("in-flight kv blocks used: %d" % seen[0], flush=True)
         s.call.cancel()
 
     streams = [Stream(stub, [1, 10 + k], max_tokens, on_message=cancel_on_first) for k in range(n)]
@@ -230,8 +240,13 @@ def cmd_deadline(target, n, max_tokens, secs):
     return rc
 
 
-def cmd_rawdeadline(target, max_tokens, ms):
-    """curl sends grpc-timeout and waits with no deadline of its own: the status is the server's."""
+def cmd_rawdeadline(target, max_tokens, ms, n_background="0"):
+    """curl sends grpc-timeout and waits with no deadline of its own: the status is the server's.
+    n_background streams without a deadline run meanwhile (a busier decode node)."""
+    stub = generate_stub(channel(target))
+    bg = [Stream(stub, [1, 30 + k], int(max_tokens)) for k in range(int(n_background))]
+    for s in bg:
+        s.first.wait(20)
     body = request([1, 5], int(max_tokens))
     frame = b"\x00" + len(body).to_bytes(4, "big") + body
     try:
@@ -242,6 +257,8 @@ def cmd_rawdeadline(target, max_tokens, ms):
     except FileNotFoundError:
         print("SKIP (rawdeadline): no curl")
         return 0
+    for s in bg:
+        s.join(40)
     hdrs = p.stdout.decode(errors="replace").lower()
     status = [l.split(":", 1)[1].strip() for l in hdrs.splitlines() if l.startswith("grpc-status:")]
     print("curl rc %d, grpc-status %s" % (p.returncode, status))
@@ -334,6 +351,46 @@ def cmd_garbage(target):
             if e.code() not in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INTERNAL):
                 rc = fail("invalid protobuf (%s): %s, not INVALID_ARGUMENT or INTERNAL" % (what, e.code().name))
         err = normal_ok(stub, "invalid protobuf (%s)" % what)
+        if err:
+            rc = fail(err)
+    return garbage_frames(target, stub) or rc
+
+
+def curl_grpc(target, frame, timeout_s=20):
+    """POSTs raw gRPC frame bytes over h2c with curl; returns (rc, [grpc-status values]) or None."""
+    try:
+        p = subprocess.run(["curl", "-s", "--http2-prior-knowledge", "--max-time", str(timeout_s), "-D", "-",
+                            "-o", "/dev/null", "-H", "content-type: application/grpc", "-H", "te: trailers",
+                            "--data-binary", "@-", "http://%s%s" % (target, GENERATE)],
+                           input=frame, capture_output=True, timeout=timeout_s + 10)
+    except FileNotFoundError:
+        return None
+    hdrs = p.stdout.decode(errors="replace").lower()
+    return p.returncode, [l.split(":", 1)[1].strip() for l in hdrs.splitlines() if l.startswith("grpc-status:")]
+
+
+def garbage_frames(target, stub):
+    """Broken gRPC framing inside a valid HTTP/2 stream (sent with curl)."""
+    rc = 0
+    body = request([1, 2], 4)
+    frames = [
+        ("a length prefix past the end of the stream", b"\x00\x00\x00\x00\x64" + body),
+        ("the compressed flag without grpc-encoding", b"\x01" + len(body).to_bytes(4, "big") + body),
+        ("a 4 GiB length prefix", b"\x00\xff\xff\xff\xff" + body),
+        ("a 3-byte frame", b"\x00\x00\x00"),
+        ("two messages on a unary-request stream", (b"\x00" + len(body).to_bytes(4, "big") + body) * 2),
+    ]
+    for what, frame in frames:
+        r = curl_grpc(target, frame)
+        if r is None:
+            print("SKIP (broken gRPC frames): no curl")
+            return 0
+        crc, status = r
+        print("%s: curl rc %d, grpc-status %s" % (what, crc, status))
+        if len(status) != 1 or status[0] not in ("3", "8", "12", "13"):
+            rc = fail("%s: grpc-status %s, want one of INVALID_ARGUMENT(3) RESOURCE_EXHAUSTED(8) "
+                      "UNIMPLEMENTED(12) INTERNAL(13) (curl rc %d)" % (what, status, crc))
+        err = normal_ok(stub, what)
         if err:
             rc = fail(err)
     return rc

@@ -1,0 +1,17 @@
+#!/bin/bash
+# test_cluster_garbage: garbage on the router's gateway port of a 1+1 `tandem local` cluster,
+# each on its own connection or call: random bytes, an HTTP/2 frame cut short after the
+# preface (while it waits, other connections are served), HTTP/1.1 requests, and valid gRPC
+# calls whose protobuf body does not parse. The garbage connections must be closed, the bad
+# calls must end INVALID_ARGUMENT or INTERNAL, a normal request must succeed after each, and
+# the router (and the whole cluster) must still be alive. Skips without the model or grpcio.
+source "$(dirname "$0")/cluster_lib.sh"
+cl_init
+cl_local 1 1
+"$CL_PY" "$CL_TOOL" garbage "$CL_GW" || CL_FAIL=1
+_cl_dead "${CL_PID[local]}" && cl_fail "tandem local (and so the router) died"
+grep -q 'tandem local: process' "$CL_T/local.err" && cl_fail "a cluster process died: $(grep 'tandem local: process' "$CL_T/local.err")"
+want=$(cl_ref 16 "1 2 3")
+echo "1 2 3|$want" >"$CL_T/refs"
+"$CL_PY" "$CL_TOOL" run "$CL_GW" 16 "$CL_T/refs" || CL_FAIL=1
+cl_end "garbage, a truncated frame, HTTP/1.1 and bad protobufs each failed alone; the router serves on"
