@@ -21,6 +21,7 @@
 #include "health.pb-c.h"
 #include "router_conf.h"
 #include "router_policy.h"
+#include "router_queue.h"
 #include "router_registry.h"
 #include "tandem.pb-c.h"
 #include "td_grpc.h"
@@ -40,7 +41,10 @@ typedef struct router_config {
     int64_t port;              /* gateway */
     int64_t control_port;
     int64_t metrics_port;
-    int64_t max_active;        /* requests in flight; beyond → RESOURCE_EXHAUSTED */
+    int64_t max_active;        /* requests on nodes at once; more wait in the queue */
+    int64_t max_queue;         /* requests waiting at most; beyond → RESOURCE_EXHAUSTED */
+    int64_t request_timeout_ms;/* deadline of a request whose client gave none */
+    int64_t max_backlog_tokens;/* tokens held for a client not reading; beyond → RESOURCE_EXHAUSTED */
     int64_t default_max_tokens;
     int64_t lease_ms;
     int64_t rpc_timeout_ms;
@@ -59,12 +63,19 @@ typedef struct router_peer {
     uint64_t generation;
 } router_peer_t;
 
-typedef enum { REQ_ADMIT, REQ_PREFILL, REQ_RUNNING } router_req_state_t;
+typedef enum { REQ_QUEUED, REQ_ADMIT, REQ_PREFILL, REQ_RUNNING } router_req_state_t;
+
+/* Where token index 0 came from: the Prefill stream's FIRST_TOKEN or the lease's first
+ * SEQ_EVENT_TOKEN entry, whichever came first (the other is dropped); WITHHELD: the
+ * prefill's first token is a stop id, so the decode node's finish entry ends the request. */
+typedef enum { FIRST_NONE, FIRST_FROM_PREFILL, FIRST_FROM_DECODE, FIRST_WITHHELD } router_first_t;
 
 typedef struct router_state router_state_t;
 
 typedef struct router_req {
     struct router_req *prev, *next;
+    struct router_req *lease_next;  /* chain in the lease map while have_lease */
+    router_queue_entry_t qe;        /* in the admission queue while REQ_QUEUED */
     router_state_t *s;
     td_grpc_call_t *call;
     char id[64];
@@ -80,6 +91,21 @@ typedef struct router_req {
     router_pair_t tried[2];
     int32_t n_tried;
     router_req_state_t state;
+    int32_t priority;
+    int64_t deadline_ns;       /* td_now_ns() clock; bounds queue, Admit, Prefill, decoding */
+    bool on_node;              /* counted in n_active (Admit sent, not yet ended) */
+    router_first_t first_src;
+    uint32_t first_token;
+    uint32_t decode_tokens;    /* SEQ_EVENT_TOKEN entries seen for the current lease */
+    /* output not yet queued on the gateway stream (the stream was over its send bound):
+     * flushed as one GenerateResponse when it becomes writable */
+    uint32_t *out_ids;
+    uint32_t n_out, cap_out;
+    char *out_text;            /* NUL-terminated */
+    size_t n_out_text, cap_out_text;
+    bool blocked;              /* the last send was refused (BUSY); wait for writable */
+    bool dirty;                /* output appended during this StepBatch */
+    bool sent_msg;             /* a GenerateResponse went out (the first carries the id) */
     uint64_t decode_gen;
     uint64_t lease_id;
     bool have_lease;
@@ -102,19 +128,86 @@ struct router_state {
     router_registry_t *reg;
     router_policy_config_t policy;
     router_peer_t *peers;
-    router_req_t *reqs;
-    int32_t n_active;
+    router_req_t *reqs;        /* every request, queued or on nodes */
+    int32_t n_active;          /* requests on nodes (max-active bound) */
+    router_queue_t queue;
+    router_req_t **lease_map;  /* [lease_buckets] chains by (decode, lease id) */
+    uint32_t lease_buckets;    /* power of two */
+    uv_idle_t pump_idle;       /* runs pump() after the callback that made room */
+    bool pump_wanted;          /* room may have appeared: try the queue's head after this callback */
+    bool pumping;
     uint64_t next_id;
     td_grpc_server_t *gateway, *control;
     td_http_server_t *http;
     td_metrics_t *metrics;
     td_metric_family_t *f_requests;
     td_metric_t *m_ttft, *m_tpot, *m_active, *m_tokens, *m_retries, *m_nodes_prefill, *m_nodes_decode;
+    td_metric_t *m_queue_depth, *m_queue_s, *m_first_mismatch;
     bool shutting_down;
     bool handles_up;
 };
 
-static void req_start(router_req_t *r);
+typedef enum { START_OK, START_NO_ROOM, START_ENDED } router_start_t;
+
+static router_start_t req_start(router_req_t *r);
+static void req_place(router_req_t *r);
+static void on_pump_idle(uv_idle_t *h);
+
+#define REQ_OF_QE(e) ((router_req_t *)((char *)(e) - offsetof(router_req_t, qe)))
+
+/* Room may have appeared (a request left its node, a node reported free blocks): try the
+ * queue's head once the current callback is done (an idle handle keeps the loop from
+ * blocking in poll until then), never from inside the code that freed the room. */
+static void want_pump(router_state_t *s)
+{
+    if (s->pump_wanted || s->shutting_down || !s->handles_up || !router_queue_len(&s->queue))
+        return;
+    s->pump_wanted = true;
+    uv_idle_start(&s->pump_idle, on_pump_idle);
+}
+
+/* ---- lease map: StepBatch entries find their request without a scan -------------------- */
+
+static uint32_t lease_hash(const router_state_t *s, int32_t decode, uint64_t lease)
+{
+    uint64_t h = (lease ^ ((uint64_t)(uint32_t)decode << 40)) * 0x9E3779B97F4A7C15ull;
+    return (uint32_t)(h >> 32) & (s->lease_buckets - 1);
+}
+
+static void lease_set(router_req_t *r, uint64_t lease)
+{
+    router_state_t *s = r->s;
+    TD_ASSERT(!r->have_lease);
+    r->lease_id = lease;
+    r->have_lease = true;
+    r->decode_tokens = 0;
+    uint32_t h = lease_hash(s, r->pick.pair.decode, lease);
+    r->lease_next = s->lease_map[h];
+    s->lease_map[h] = r;
+}
+
+/* The lease is gone (released, finished, or its node lost): its step entries are ignored. */
+static void lease_forget(router_req_t *r)
+{
+    router_state_t *s = r->s;
+    if (!r->have_lease)
+        return;
+    r->have_lease = false;
+    router_req_t **pp = &s->lease_map[lease_hash(s, r->pick.pair.decode, r->lease_id)];
+    while (*pp && *pp != r)
+        pp = &(*pp)->lease_next;
+    TD_ASSERT(*pp == r);
+    *pp = r->lease_next;
+    r->lease_next = NULL;
+}
+
+static router_req_t *find_lease(router_state_t *s, int32_t decode, uint64_t gen, uint64_t lease)
+{
+    for (router_req_t *r = s->lease_map[lease_hash(s, decode, lease)]; r; r = r->lease_next)
+        if (r->lease_id == lease && r->pick.pair.decode == decode && r->decode_gen == gen)
+            return r;
+    return NULL;
+}
 
 /* ---- request end --------------------------------------------------------------------- */
 
@@ -133,7 +226,7 @@ static void release_lease(router_req_t *r, Tandem__Control__V1__ReleaseRequest__
     router_state_t *s = r->s;
     if (!r->have_lease)
         return;
-    r->have_lease = false;
+    lease_forget(r);
     int32_t d = r->pick.pair.decode;
     const router_node_t *n = router_registry_node_const(s->reg, d);
     if (!n || s->peers[d].generation != r->decode_gen || !s->peers[d].ch)
@@ -147,6 +240,18 @@ static void release_lease(router_req_t *r, Tandem__Control__V1__ReleaseRequest__
     td_grpc_channel_call(s->peers[d].ch, "/tandem.control.v1.DecodeNode/Release", &q.base, &o, NULL);
 }
 
+/* The request no longer holds a max-active slot: the queue may move. */
+static void req_off_node(router_req_t *r)
+{
+    router_state_t *s = r->s;
+    if (!r->on_node)
+        return;
+    r->on_node = false;
+    s->n_active--;
+    td_metric_set(s->m_active, s->n_active);
+    want_pump(s);
+}
+
 static void req_free(router_req_t *r)
 {
     router_state_t *s = r->s;
@@ -156,8 +261,12 @@ static void req_free(router_req_t *r)
         s->reqs = r->next;
     if (r->next)
         r->next->prev = r->prev;
-    s->n_active--;
-    td_metric_set(s->m_active, s->n_active);
+    lease_forget(r);
+    if (r->qe.queued) {
+        router_queue_remove(&s->queue, &r->qe);
+        td_metric_set(s->m_queue_depth, router_queue_len(&s->queue));
+    }
+    req_off_node(r);
     if (r->pending) {
         td_grpc_client_call_t *p = r->pending;
         r->pending = NULL;
@@ -168,6 +277,8 @@ static void req_free(router_req_t *r)
     td_stop_destroy(r->stop);
     free(r->prompt);
     free(r->blocks);
+    free(r->out_ids);
+    free(r->out_text);
     free(r);
 }
 
@@ -185,14 +296,34 @@ static void req_fail(router_req_t *r, td_grpc_code_t code, const char *msg, cons
     req_free(r);
 }
 
+static bool past_deadline(const router_req_t *r)
+{
+    return r->deadline_ns && (int64_t)td_now_ns() >= r->deadline_ns;
+}
+
+/* An outgoing call's deadline: its own bound, or less when the request's runs out first. */
+static uint32_t call_timeout_ms(const router_req_t *r, int64_t bound_ms)
+{
+    if (!r->deadline_ns)
+        return (uint32_t)bound_ms;
+    int64_t left = (r->deadline_ns - (int64_t)td_now_ns() + 999999) / 1000000;
+    return (uint32_t)TD_MAX(1, TD_MIN(bound_ms, left));
+}
+
 /* Failure before a token reached the client: another pair once, else UNAVAILABLE. */
 static void req_retry_or_fail(router_req_t *r, const char *why)
 {
     release_lease(r, TANDEM__CONTROL__V1__RELEASE_REQUEST__REASON__REASON_FAILED);
+    if (past_deadline(r)) {
+        req_fail(r, TD_GRPC_DEADLINE_EXCEEDED, "deadline exceeded", "deadline");
+        return;
+    }
     if (!r->sent_any && r->n_tried < 2) {
         td_info("request %s: retrying on another pair (%s)", r->id, why);
         td_metric_inc(r->s->m_retries);
-        req_start(r);
+        req_off_node(r);
+        r->first_src = FIRST_NONE;
+        req_place(r);
         return;
     }
     char msg[256];
@@ -200,24 +331,54 @@ static void req_retry_or_fail(router_req_t *r, const char *why)
     req_fail(r, TD_GRPC_UNAVAILABLE, msg, "unavailable");
 }
 
-static bool send_tokens(router_req_t *r, const uint32_t *ids, size_t n, const char *text, size_t text_len,
-                        Tandem__V1__FinishReason finish)
+/* ---- output: pending tokens, one GenerateResponse per flush ---------------------------- */
+
+/* Room for one more id and text_len more bytes (plus the NUL) in the pending output. The
+ * buffers are kept across flushes, so a running request stops allocating after its first
+ * few tokens. */
+static bool out_reserve(router_req_t *r, size_t text_len)
+{
+    if (r->n_out == r->cap_out) {
+        uint32_t cap = r->cap_out ? r->cap_out * 2 : 8;
+        uint32_t *p = realloc(r->out_ids, cap * sizeof *p);
+        if (!p)
+            return false;
+        r->out_ids = p;
+        r->cap_out = cap;
+    }
+    if (r->n_out_text + text_len + 1 > r->cap_out_text) {
+        size_t cap = TD_MAX(TD_MAX(r->cap_out_text * 2, r->n_out_text + text_len + 1), (size_t)64);
+        char *p = realloc(r->out_text, cap);
+        if (!p)
+            return false;
+        r->out_text = p;
+        r->cap_out_text = cap;
+    }
+    return true;
+}
+
+static void out_append_text(router_req_t *r, const char *text, size_t len)
+{
+    memcpy(r->out_text + r->n_out_text, text, len);
+    r->n_out_text += len;
+    r->out_text[r->n_out_text] = '\0';
+}
+
+/* The pending output as a message (pointers into r; valid until the next append). */
+static void out_message(router_req_t *r, Tandem__V1__GenerateResponse *m)
+{
+    m->token_ids = r->out_ids;
+    m->n_token_ids = r->n_out;
+    m->text = r->out_text ? r->out_text : "";
+    if (!r->sent_msg)
+        m->request_id = r->id;
+}
+
+/* The pending output was queued on the stream at `now`: TTFT/TPOT and token counts. */
+static void out_account(router_req_t *r, uint64_t now)
 {
     router_state_t *s = r->s;
-    Tandem__V1__GenerateResponse m = TANDEM__V1__GENERATE_RESPONSE__INIT;
-    Tandem__V1__Usage u = TANDEM__V1__USAGE__INIT;
-    Tandem__V1__Timings t = TANDEM__V1__TIMINGS__INIT;
-    char *txt = malloc(text_len + 1);
-    if (!txt)
-        return false;
-    memcpy(txt, text, text_len);
-    txt[text_len] = '\0';
-    m.token_ids = (uint32_t *)ids;
-    m.n_token_ids = n;
-    m.text = txt;
-    if (!r->sent_any || finish != TANDEM__V1__FINISH_REASON__FINISH_REASON_UNSPECIFIED)
-        m.request_id = r->id;
-    uint64_t now = td_now_ns();
+    uint32_t n = r->n_out;
     if (n && !r->t_first) {
         r->t_first = now;
         td_metric_observe(s->m_ttft, (double)(now - r->t_arrival) * 1e-9);
@@ -226,68 +387,108 @@ static bool send_tokens(router_req_t *r, const uint32_t *ids, size_t n, const ch
     }
     if (n)
         r->t_last = now;
-    if (finish != TANDEM__V1__FINISH_REASON__FINISH_REASON_UNSPECIFIED) {
-        m.finish_reason = finish;
-        u.prompt_tokens = (uint32_t)r->n_prompt;
-        u.completion_tokens = r->completion;
-        u.cached_tokens = r->cached;
-        m.usage = &u;
-        t.queue_s = (double)(r->t_picked - r->t_arrival) * 1e-9;
-        t.prefill_s = r->prefill_s;
-        t.transfer_s = r->transfer_s;
-        t.first_token_s = r->t_first ? (double)(r->t_first - r->t_arrival) * 1e-9 : 0;
-        t.per_token_s = r->completion > 1 ? (double)(r->t_last - r->t_first) * 1e-9 / (r->completion - 1) : 0;
-        t.total_s = (double)(now - r->t_arrival) * 1e-9;
-        m.timings = &t;
-    }
-    td_status_t st = td_grpc_call_send(r->call, &m.base);
-    free(txt);
-    r->sent_any = true;
     td_metric_add(s->m_tokens, (double)n);
-    return st == TD_OK;
+    r->sent_msg = true;
 }
 
+static void out_clear(router_req_t *r)
+{
+    r->n_out = 0;
+    r->n_out_text = 0;
+    if (r->out_text)
+        r->out_text[0] = '\0';
+}
+
+/* Queues the pending output as one GenerateResponse, unless the stream is over its send
+ * bound: then it stays pending until the writable callback. */
+static void out_flush(router_req_t *r)
+{
+    if (r->blocked || !r->call || (!r->n_out && !r->n_out_text))
+        return;
+    Tandem__V1__GenerateResponse m = TANDEM__V1__GENERATE_RESPONSE__INIT;
+    out_message(r, &m);
+    td_status_t st = td_grpc_call_send(r->call, &m.base);
+    if (st == TD_ERR_BUSY) {
+        r->blocked = true;
+        return;
+    }
+    if (st != TD_OK) {
+        if (st != TD_ERR_CANCELLED) /* the cancel callback ends it otherwise */
+            td_warn("request %s: %u tokens not queued to the gateway stream: %s", r->id, r->n_out, td_strerror(st));
+        return;
+    }
+    out_account(r, td_now_ns());
+    out_clear(r);
+}
+
+/* The last message (pending output, finish reason, usage, timings), queued past the send
+ * bound (the backlog is bounded by max-backlog-tokens), and the stream ends OK. */
 static void req_finish(router_req_t *r, Tandem__V1__FinishReason reason)
 {
-    const char *text = "";
-    size_t len = 0;
-    char *tail = NULL;
-    if (r->stop && r->s->tok && reason != TANDEM__V1__FINISH_REASON__FINISH_REASON_STOP) {
+    router_state_t *s = r->s;
+    if (r->stop && s->tok && reason != TANDEM__V1__FINISH_REASON__FINISH_REASON_STOP) {
         const char *a;
         size_t alen;
         td_stop_result_t sr = {0};
         if (td_detok_flush(&r->detok, &a, &alen) == TD_OK && td_stop_feed(r->stop, a, alen, &sr) == TD_OK) {
-            const char *b;
+            const char *b = NULL;
             size_t blen = 0;
             if (!sr.matched)
                 td_stop_flush(r->stop, &b, &blen);
-            if ((tail = malloc(sr.emit_len + blen + 1))) {
-                memcpy(tail, sr.emit, sr.emit_len);
+            if (out_reserve(r, sr.emit_len + blen)) {
+                out_append_text(r, sr.emit, sr.emit_len);
                 if (blen)
-                    memcpy(tail + sr.emit_len, b, blen);
-                text = tail;
-                len = sr.emit_len + blen;
+                    out_append_text(r, b, blen);
             }
         }
     }
-    send_tokens(r, NULL, 0, text, len, reason);
-    free(tail);
-    r->have_lease = false; /* the decode node freed it with the finish */
-    td_grpc_call_set_data(r->call, NULL);
-    td_grpc_call_finish(r->call, TD_GRPC_OK, NULL);
-    r->call = NULL;
-    count_outcome(r->s, "ok");
+    lease_forget(r); /* the decode node freed it with the finish (or was told to) */
+    Tandem__V1__GenerateResponse m = TANDEM__V1__GENERATE_RESPONSE__INIT;
+    Tandem__V1__Usage u = TANDEM__V1__USAGE__INIT;
+    Tandem__V1__Timings t = TANDEM__V1__TIMINGS__INIT;
+    out_message(r, &m);
+    m.request_id = r->id;
+    uint64_t now = td_now_ns();
+    bool had_first = r->t_first != 0;
+    m.finish_reason = reason;
+    u.prompt_tokens = (uint32_t)r->n_prompt;
+    u.completion_tokens = r->completion;
+    u.cached_tokens = r->cached;
+    m.usage = &u;
+    out_account(r, now);
+    t.queue_s = (double)(r->t_picked - r->t_arrival) * 1e-9;
+    t.prefill_s = r->prefill_s;
+    t.transfer_s = r->transfer_s;
+    t.first_token_s = r->t_first ? (double)(r->t_first - r->t_arrival) * 1e-9 : 0;
+    t.per_token_s = r->completion > 1 && had_first ? (double)(r->t_last - r->t_first) * 1e-9 / (r->completion - 1) : 0;
+    t.total_s = (double)(now - r->t_arrival) * 1e-9;
+    m.timings = &t;
+    if (r->call) {
+        td_grpc_call_set_data(r->call, NULL);
+        td_grpc_call_reply(r->call, &m.base);
+        r->call = NULL;
+    }
+    count_outcome(s, "ok");
     req_free(r);
 }
 
-/* One new token of a running request. */
-static void req_token(router_req_t *r, uint32_t token)
+static bool is_stop_id(const router_req_t *r, uint32_t token)
 {
-    r->completion++;
+    for (size_t i = 0; i < r->n_stop_ids; i++)
+        if (r->stop_ids[i] == token)
+            return true;
+    return r->s->tok && td_tokenizer_is_eos(r->s->tok, (int32_t)token);
+}
+
+/* One new token of a request, appended to its pending output (the caller flushes).
+ * Returns false when the request ended here (stop string, backlog bound, no memory). */
+static bool out_token(router_req_t *r, uint32_t token)
+{
+    router_state_t *s = r->s;
     const char *text = "";
     size_t len = 0;
     bool matched = false;
-    if (r->stop && r->s->tok) {
+    if (r->stop && s->tok) {
         const char *piece;
         size_t plen;
         td_stop_result_t sr;
@@ -298,15 +499,78 @@ static void req_token(router_req_t *r, uint32_t token)
             matched = sr.matched;
         }
     }
-    if (matched) {
-        send_tokens(r, &token, 1, text, len, TANDEM__V1__FINISH_REASON__FINISH_REASON_UNSPECIFIED);
-        release_lease(r, TANDEM__CONTROL__V1__RELEASE_REQUEST__REASON__REASON_CANCELLED);
-        r->have_lease = false;
-        req_finish(r, TANDEM__V1__FINISH_REASON__FINISH_REASON_STOP);
-        return;
+    if (!out_reserve(r, len)) {
+        req_fail(r, TD_GRPC_RESOURCE_EXHAUSTED, "router: out of memory", "exhausted");
+        return false;
     }
-    if (!send_tokens(r, &token, 1, text, len, TANDEM__V1__FINISH_REASON__FINISH_REASON_UNSPECIFIED))
-        td_warn("request %s: token not queued to the gateway stream", r->id);
+    r->completion++;
+    r->sent_any = true; /* committed to the client: no transparent retry from here on */
+    r->out_ids[r->n_out++] = token;
+    out_append_text(r, text, len);
+    if (matched) {
+        release_lease(r, TANDEM__CONTROL__V1__RELEASE_REQUEST__REASON__REASON_CANCELLED);
+        req_finish(r, TANDEM__V1__FINISH_REASON__FINISH_REASON_STOP);
+        return false;
+    }
+    if ((int64_t)r->n_out > s->cfg.max_backlog_tokens) {
+        char msg[160];
+        snprintf(msg, sizeof msg, "request %s: the client is not reading its stream (%u tokens pending)", r->id,
+                 r->n_out);
+        td_warn("%s", msg);
+        req_fail(r, TD_GRPC_RESOURCE_EXHAUSTED, msg, "slow_client");
+        return false;
+    }
+    r->dirty = true;
+    return true;
+}
+
+static void first_mismatch(router_req_t *r, const char *sent_by, uint32_t sent, uint32_t other)
+{
+    td_warn("request %s: first token %u came from the %s, the other source says %u; the client got %u", r->id, sent,
+            sent_by, other, sent);
+    td_metric_inc(r->s->m_first_mismatch);
+}
+
+/* Token index 0 from the Prefill stream: sent at once unless the lease's first step entry
+ * already sent it (then it is only compared), or it is a stop id (the decode node's finish
+ * entry will end the request). May end r. */
+static void first_from_prefill(router_req_t *r, uint32_t token)
+{
+    switch (r->first_src) {
+    case FIRST_NONE:
+        r->first_token = token;
+        if (is_stop_id(r, token)) {
+            r->first_src = FIRST_WITHHELD;
+            return;
+        }
+        r->first_src = FIRST_FROM_PREFILL;
+        if (out_token(r, token)) {
+            r->dirty = false;
+            out_flush(r);
+        }
+        return;
+    case FIRST_FROM_DECODE:
+        if (token != r->first_token)
+            first_mismatch(r, "decode node", r->first_token, token);
+        return;
+    default: return;
+    }
+}
+
+/* The lease's first SEQ_EVENT_TOKEN entry: true when it is to be relayed (it came first). */
+static bool first_from_decode(router_req_t *r, uint32_t token)
+{
+    switch (r->first_src) {
+    case FIRST_FROM_PREFILL:
+        if (token != r->first_token)
+            first_mismatch(r, "prefill node", r->first_token, token);
+        return false;
+    case FIRST_WITHHELD: first_mismatch(r, "decode node", token, r->first_token); /* fall through */
+    default:
+        r->first_src = FIRST_FROM_DECODE;
+        r->first_token = token;
+        return true;
+    }
 }
 
 /* ---- node calls -------------------------------------------------------------------------- */
@@ -314,10 +578,22 @@ static void req_token(router_req_t *r, uint32_t token)
 static void on_prefill_msg(td_grpc_client_call_t *c, const ProtobufCMessage *msg, void *data)
 {
     router_req_t *r = data;
+    if (r->pending != c)
+        return;
     const Tandem__Control__V1__PrefillResponse *p = (const void *)msg;
-    r->prefill_s = p->prefill_s;
-    r->transfer_s = p->transfer_s;
-    r->cached = p->cached_tokens;
+    switch (p->phase) {
+    case TANDEM__CONTROL__V1__PREFILL_PHASE__PREFILL_PHASE_KV_DELIVERED: r->transfer_s = p->transfer_s; return;
+    case TANDEM__CONTROL__V1__PREFILL_PHASE__PREFILL_PHASE_FIRST_TOKEN:
+        r->prefill_s = p->prefill_s;
+        r->cached = p->cached_tokens;
+        break;
+    default: /* a one-message prefill node: first token and KV delivered at once */
+        r->prefill_s = p->prefill_s;
+        r->transfer_s = p->transfer_s;
+        r->cached = p->cached_tokens;
+        break;
+    }
+    first_from_prefill(r, p->first_token); /* may end r */
 }
 
 static void on_prefill_done(td_grpc_client_call_t *c, td_grpc_code_t code, const char *msg, void *data)
@@ -336,6 +612,8 @@ static void on_prefill_done(td_grpc_client_call_t *c, td_grpc_code_t code, const
 static void on_admit_msg(td_grpc_client_call_t *c, const ProtobufCMessage *msg, void *data)
 {
     router_req_t *r = data;
+    if (r->pending != c || r->have_lease)
+        return;
     const Tandem__Control__V1__AdmitResponse *a = (const void *)msg;
     free(r->blocks);
     r->n_blocks = 0;
@@ -344,8 +622,7 @@ static void on_admit_msg(td_grpc_client_call_t *c, const ProtobufCMessage *msg, 
             memcpy(r->blocks, a->block_ids, a->n_block_ids * sizeof *r->blocks);
         r->n_blocks = a->n_block_ids;
     }
-    r->lease_id = a->lease_id;
-    r->have_lease = true;
+    lease_set(r, a->lease_id);
     r->cached = a->cached_tokens;
 }
 
@@ -356,16 +633,24 @@ static void on_admit_done(td_grpc_client_call_t *c, td_grpc_code_t code, const c
         return; /* request already gone */
     r->pending = NULL;
     router_state_t *s = r->s;
+    int32_t d = r->pick.pair.decode;
+    if (code == TD_GRPC_RESOURCE_EXHAUSTED && !r->have_lease && !r->sent_any && !past_deadline(r)) {
+        /* fuller than its last report: believe it full until it reports again, and wait in
+         * the queue at the request's old place (the pair is not used up as a retry) */
+        router_node_t *n = router_registry_node(s->reg, d);
+        if (n && s->peers[d].generation == r->decode_gen)
+            n->load.free_blocks = 0;
+        r->n_tried--;
+        req_off_node(r);
+        req_place(r);
+        return;
+    }
     if (code != TD_GRPC_OK || !r->have_lease) {
-        if (code == TD_GRPC_RESOURCE_EXHAUSTED && r->n_tried >= 2) {
-            req_fail(r, TD_GRPC_RESOURCE_EXHAUSTED, msg, "exhausted");
-            return;
-        }
         req_retry_or_fail(r, msg[0] ? msg : td_grpc_code_name(code));
         return;
     }
-    router_peer_t *pp = &s->peers[r->pick.pair.prefill], *dp = &s->peers[r->pick.pair.decode];
-    const router_node_t *dn = router_registry_node_const(s->reg, r->pick.pair.decode);
+    router_peer_t *pp = &s->peers[r->pick.pair.prefill], *dp = &s->peers[d];
+    const router_node_t *dn = router_registry_node_const(s->reg, d);
     Tandem__Control__V1__PrefillRequest q = TANDEM__CONTROL__V1__PREFILL_REQUEST__INIT;
     q.request_id = r->id;
     q.tokens = (uint32_t *)r->prompt;
@@ -379,7 +664,7 @@ static void on_admit_done(td_grpc_client_call_t *c, td_grpc_code_t code, const c
     q.decode_xfer.len = dp->xfer_desc_len;
     td_grpc_call_opts_t o = {.response_desc = &tandem__control__v1__prefill_response__descriptor,
                              .on_message = on_prefill_msg, .on_done = on_prefill_done, .data = r,
-                             .timeout_ms = (uint32_t)s->cfg.lease_ms};
+                             .timeout_ms = call_timeout_ms(r, s->cfg.lease_ms)};
     r->t_prefill = td_now_ns();
     r->state = REQ_PREFILL;
     if (!pp->ch ||
@@ -389,9 +674,16 @@ static void on_admit_done(td_grpc_client_call_t *c, td_grpc_code_t code, const c
     }
 }
 
-static void req_start(router_req_t *r)
+/* Puts r on a pair now: START_OK (Admit sent; r may since have been retried or ended),
+ * START_NO_ROOM (no decode node has room: r untouched, to wait in the queue), START_ENDED
+ * (r failed and is freed). */
+static router_start_t req_start(router_req_t *r)
 {
     router_state_t *s = r->s;
+    if (past_deadline(r)) {
+        req_fail(r, TD_GRPC_DEADLINE_EXCEEDED, "deadline exceeded before a decode node had room", "deadline");
+        return START_ENDED;
+    }
     router_pick_request_t pr = {.model = s->cfg.model_name, .prompt = r->prompt, .n_prompt = r->n_prompt,
                                 .max_tokens = r->max_tokens, .exclude = r->tried, .n_exclude = r->n_tried,
                                 .now_ns = (int64_t)td_now_ns()};
@@ -399,21 +691,25 @@ static void req_start(router_req_t *r)
     td_status_t st = router_policy_pick(s->reg, &s->policy, &pr, &pick);
     if (st != TD_OK) {
         if (st == TD_ERR_EXHAUSTED)
-            req_fail(r, TD_GRPC_RESOURCE_EXHAUSTED, "no decode node has room now; retry later", "exhausted");
-        else if (st == TD_ERR_RANGE)
+            return START_NO_ROOM;
+        if (st == TD_ERR_RANGE)
             req_fail(r, TD_GRPC_INVALID_ARGUMENT, "prompt + max_tokens exceed every decode node's KV pool", "invalid");
         else
             req_fail(r, TD_GRPC_UNAVAILABLE, r->n_tried ? "the retry found no other pair" : "no prefill/decode pair is up",
                      "unavailable");
-        return;
+        return START_ENDED;
     }
     router_policy_commit(s->reg, &pr, &pick);
     r->pick = pick;
     r->tried[r->n_tried++] = pick.pair;
     r->decode_gen = s->peers[pick.pair.decode].generation;
     r->t_picked = td_now_ns();
+    if (r->n_tried == 1)
+        td_metric_observe(s->m_queue_s, (double)(r->t_picked - r->t_arrival) * 1e-9);
     r->state = REQ_ADMIT;
-    r->have_lease = false;
+    r->on_node = true;
+    s->n_active++;
+    td_metric_set(s->m_active, s->n_active);
     Tandem__Control__V1__AdmitRequest q = TANDEM__CONTROL__V1__ADMIT_REQUEST__INIT;
     q.request_id = r->id;
     q.prompt_tokens = (uint32_t)r->n_prompt;
@@ -426,24 +722,64 @@ static void req_start(router_req_t *r)
     q.n_prompt_ids = (size_t)r->n_prompt;
     td_grpc_call_opts_t o = {.response_desc = &tandem__control__v1__admit_response__descriptor,
                              .on_message = on_admit_msg, .on_done = on_admit_done, .data = r,
-                             .timeout_ms = (uint32_t)s->cfg.rpc_timeout_ms};
+                             .timeout_ms = call_timeout_ms(r, s->cfg.rpc_timeout_ms)};
     router_peer_t *dp = &s->peers[pick.pair.decode];
     if (!dp->ch || !dp->steps ||
         td_grpc_channel_call(dp->ch, "/tandem.control.v1.DecodeNode/Admit", &q.base, &o, &r->pending) != TD_OK) {
         r->pending = NULL;
         req_retry_or_fail(r, "decode node unreachable");
     }
+    return START_OK;
+}
+
+/* Starts the queue's head while there is room (max-active and a decode node with room);
+ * the head waiting for room holds back those behind it (FIFO within a priority). */
+static void pump(router_state_t *s)
+{
+    if (s->pumping)
+        return;
+    s->pumping = true;
+    router_queue_entry_t *e;
+    while (!s->shutting_down && s->n_active < s->cfg.max_active && (e = router_queue_peek(&s->queue))) {
+        router_req_t *r = REQ_OF_QE(e);
+        router_queue_remove(&s->queue, e);
+        if (req_start(r) == START_NO_ROOM) {
+            td_status_t st = router_queue_push(&s->queue, e, r->priority, r->deadline_ns, 0);
+            TD_ASSERT(st == TD_OK); /* it was just taken out */
+            break;
+        }
+    }
+    td_metric_set(s->m_queue_depth, router_queue_len(&s->queue));
+    s->pumping = false;
+}
+
+static void on_pump_idle(uv_idle_t *h)
+{
+    router_state_t *s = h->data;
+    uv_idle_stop(h);
+    s->pump_wanted = false;
+    pump(s);
+}
+
+/* A request without a node (new, or put back for a retry or an Admit refusal): started at
+ * once when nothing waits ahead of it and there is room, else queued at its place; a full
+ * queue refuses it (RESOURCE_EXHAUSTED). */
+static void req_place(router_req_t *r)
+{
+    router_state_t *s = r->s;
+    r->state = REQ_QUEUED;
+    if (!s->pumping && router_queue_len(&s->queue) == 0 && s->n_active < s->cfg.max_active &&
+        req_start(r) != START_NO_ROOM)
+        return;
+    if (router_queue_push(&s->queue, &r->qe, r->priority, r->deadline_ns, (int64_t)td_now_ns()) != TD_OK) {
+        req_fail(r, TD_GRPC_RESOURCE_EXHAUSTED, "router: admission queue full; retry later", "exhausted");
+        return;
+    }
+    td_metric_set(s->m_queue_depth, router_queue_len(&s->queue));
+    want_pump(s);
 }
 
 /* ---- decode node step streams ---------------------------------------------------------- */
-
-static router_req_t *find_lease(router_state_t *s, int32_t decode, uint64_t gen, uint64_t lease)
-{
-    for (router_req_t *r = s->reqs; r; r = r->next)
-        if (r->have_lease && r->lease_id == lease && r->pick.pair.decode == decode && r->decode_gen == gen)
-            return r;
-    return NULL;
-}
 
 static void on_steps_msg(td_grpc_client_call_t *c, const ProtobufCMessage *msg, void *data)
 {
@@ -451,13 +787,21 @@ static void on_steps_msg(td_grpc_client_call_t *c, const ProtobufCMessage *msg, 
     router_state_t *s = p->s;
     int32_t d = (int32_t)(p - s->peers);
     const Tandem__Control__V1__StepBatch *b = (const void *)msg;
+    router_node_t *node = router_registry_node(s->reg, d);
+    if (node)
+        node->load.free_blocks = (int32_t)TD_MIN(b->free_kv_blocks, (uint32_t)INT32_MAX);
+    bool any = false;
     for (size_t i = 0; i < b->n_seqs; i++) {
         const Tandem__Control__V1__SeqStep *q = b->seqs[i];
         router_req_t *r = find_lease(s, d, p->generation, q->lease_id);
         if (!r || !r->call)
             continue;
         switch (q->event) {
-        case TANDEM__CONTROL__V1__SEQ_EVENT__SEQ_EVENT_TOKEN: req_token(r, q->token); break;
+        case TANDEM__CONTROL__V1__SEQ_EVENT__SEQ_EVENT_TOKEN:
+            if (r->decode_tokens++ == 0 && !first_from_decode(r, q->token))
+                break; /* token 0 already sent from the Prefill stream */
+            any |= out_token(r, q->token);
+            break;
         case TANDEM__CONTROL__V1__SEQ_EVENT__SEQ_EVENT_FINISHED_LENGTH:
             req_finish(r, TANDEM__V1__FINISH_REASON__FINISH_REASON_LENGTH);
             break;
@@ -466,21 +810,33 @@ static void on_steps_msg(td_grpc_client_call_t *c, const ProtobufCMessage *msg, 
             req_finish(r, TANDEM__V1__FINISH_REASON__FINISH_REASON_STOP);
             break;
         default:
-            r->have_lease = false;
+            lease_forget(r);
             req_retry_or_fail(r, "the decode node dropped the sequence");
             break;
         }
     }
+    /* one GenerateResponse per request per step, whatever the entries were */
+    for (size_t i = 0; any && i < b->n_seqs; i++) {
+        router_req_t *r = find_lease(s, d, p->generation, b->seqs[i]->lease_id);
+        if (r && r->dirty) {
+            r->dirty = false;
+            out_flush(r);
+        }
+    }
+    want_pump(s);
 }
 
 /* A decode node is gone (stream ended, or silent past the heartbeat bound). */
 static void decode_lost(router_state_t *s, int32_t d, const char *why)
 {
     router_peer_t *p = &s->peers[d];
+    router_node_t *n = router_registry_node(s->reg, d);
+    if (n)
+        n->up = false; /* so that the retries below go elsewhere */
     for (router_req_t *r = s->reqs, *next; r; r = next) {
         next = r->next;
-        if (r->pick.pair.decode == d && r->decode_gen == p->generation && r->n_tried) {
-            r->have_lease = false;
+        if (r->on_node && r->pick.pair.decode == d && r->decode_gen == p->generation) {
+            lease_forget(r);
             if (r->pending) {
                 td_grpc_client_call_t *pc = r->pending;
                 r->pending = NULL;
@@ -634,6 +990,7 @@ static void on_heartbeat(td_grpc_call_t *call, const ProtobufCMessage *msg, void
             l.step_ms = q->load->n_recent_step_s ? q->load->recent_step_s[q->load->n_recent_step_s - 1] * 1e3 : 0;
         }
         router_registry_heartbeat(s->reg, q->node_id, &l, (int64_t)td_now_ns());
+        want_pump(s);
     }
     td_grpc_call_reply(call, &resp.base);
 }
@@ -653,6 +1010,16 @@ static void on_generate_cancel(td_grpc_call_t *call, td_status_t why, void *call
     td_grpc_call_finish(call, TD_GRPC_CANCELLED, NULL);
 }
 
+/* The gateway stream drained below its bound: the pending output goes out now. */
+static void on_generate_writable(td_grpc_call_t *call, void *call_data)
+{
+    router_req_t *r = call_data;
+    if (!r)
+        return;
+    r->blocked = false;
+    out_flush(r);
+}
+
 static void on_generate(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data)
 {
     router_state_t *s = data;
@@ -663,11 +1030,6 @@ static void on_generate(td_grpc_call_t *call, const ProtobufCMessage *msg, void 
     }
     if (q->model[0] && strcmp(q->model, s->cfg.model_name)) {
         td_grpc_call_finish(call, TD_GRPC_NOT_FOUND, "unknown model (see ListModels)");
-        return;
-    }
-    if (s->n_active >= s->cfg.max_active) {
-        count_outcome(s, "exhausted");
-        td_grpc_call_finish(call, TD_GRPC_RESOURCE_EXHAUSTED, "router: too many requests in flight");
         return;
     }
     if (q->n_stop_ids > ROUTER_MAX_STOP_IDS || q->n_stop_strings > TD_STOP_MAX_STRINGS) {
@@ -748,13 +1110,21 @@ static void on_generate(td_grpc_call_t *call, const ProtobufCMessage *msg, void 
     r->call = call;
     td_grpc_call_set_data(call, r);
     td_grpc_call_on_cancel(call, on_generate_cancel);
+    td_grpc_call_on_writable(call, on_generate_writable);
+    r->priority = q->priority ? q->priority->value : 0;
+    /* the client's grpc-timeout (the gRPC layer also ends the stream then), else the
+     * configured default: bounds the queue wait, Admit, Prefill and decoding */
+    uint64_t dl_ms = td_grpc_call_deadline(call), now_ms = uv_now(&s->loop);
+    if (dl_ms)
+        r->deadline_ns = (int64_t)r->t_arrival + (int64_t)(dl_ms > now_ms ? dl_ms - now_ms : 0) * 1000000;
+    else if (s->cfg.request_timeout_ms)
+        r->deadline_ns = (int64_t)r->t_arrival + s->cfg.request_timeout_ms * 1000000;
+    router_queue_entry_init(&r->qe);
     r->next = s->reqs;
     if (s->reqs)
         s->reqs->prev = r;
     s->reqs = r;
-    s->n_active++;
-    td_metric_set(s->m_active, s->n_active);
-    req_start(r);
+    req_place(r);
 }
 
 static void on_list_models(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data)
@@ -809,6 +1179,7 @@ static void on_cluster_status(td_grpc_call_t *call, const ProtobufCMessage *msg,
     resp.nodes = ptrs;
     resp.n_nodes = (size_t)n;
     resp.active_requests = (uint32_t)s->n_active;
+    resp.queued_requests = (uint32_t)router_queue_len(&s->queue);
     td_grpc_call_reply(call, &resp.base);
     free(ptrs);
     free(st);
@@ -845,6 +1216,18 @@ static void on_tick(uv_timer_t *t)
     }
     if (changed)
         print_nodes(s);
+    /* deadlines the gRPC layer does not watch (request-timeout-ms; a client's own
+     * grpc-timeout also ends the stream there): in the queue, then on nodes */
+    router_queue_entry_t *e;
+    while ((e = router_queue_pop_expired(&s->queue, now)))
+        req_fail(REQ_OF_QE(e), TD_GRPC_DEADLINE_EXCEEDED, "deadline exceeded waiting for a decode node with room",
+                 "deadline");
+    td_metric_set(s->m_queue_depth, router_queue_len(&s->queue));
+    for (router_req_t *r = s->reqs, *next; r; r = next) {
+        next = r->next;
+        if (r->on_node && r->deadline_ns && now >= r->deadline_ns)
+            req_fail(r, TD_GRPC_DEADLINE_EXCEEDED, "deadline exceeded", "deadline");
+    }
 }
 
 static void shutdown_begin(router_state_t *s)
@@ -864,6 +1247,7 @@ static void shutdown_begin(router_state_t *s)
     s->http = NULL;
     if (s->handles_up) {
         uv_close((uv_handle_t *)&s->tick, NULL);
+        uv_close((uv_handle_t *)&s->pump_idle, NULL);
         uv_close((uv_handle_t *)&s->sigint, NULL);
         uv_close((uv_handle_t *)&s->sigterm, NULL);
     }
@@ -909,7 +1293,12 @@ static td_status_t init_metrics(router_state_t *s)
         (st = td_metrics_counter(m, "tandem_router_relayed_tokens_total", "tokens relayed to gateways", &s->m_tokens)) ||
         (st = td_metrics_counter(m, "tandem_router_retries_total", "requests retried on another pair", &s->m_retries)) ||
         (st = td_metrics_gauge(m, "tandem_router_prefill_nodes_up", "prefill nodes registered and live", &s->m_nodes_prefill)) ||
-        (st = td_metrics_gauge(m, "tandem_router_decode_nodes_up", "decode nodes registered, live and streaming", &s->m_nodes_decode)))
+        (st = td_metrics_gauge(m, "tandem_router_decode_nodes_up", "decode nodes registered, live and streaming", &s->m_nodes_decode)) ||
+        (st = td_metrics_gauge(m, "tandem_router_queue_depth", "requests waiting in the admission queue", &s->m_queue_depth)) ||
+        (st = td_metrics_histogram(m, "tandem_router_queue_seconds", "request arrival until a pair was chosen",
+                                   td_metrics_latency_buckets, td_metrics_latency_n_buckets, &s->m_queue_s)) ||
+        (st = td_metrics_counter(m, "tandem_router_first_token_mismatch_total",
+                                 "first tokens on which the Prefill stream and the decode node disagreed", &s->m_first_mismatch)))
         return st;
     return TD_OK;
 }
@@ -920,7 +1309,8 @@ int router_main(int argc, char **argv)
     memset(s, 0, sizeof *s);
     router_config_t *cfg = &s->cfg;
     *cfg = (router_config_t){.model_name = "default", .host = "127.0.0.1", .port = 0, .control_port = 0,
-                             .max_active = 1024, .default_max_tokens = 256, .lease_ms = 10000,
+                             .max_active = 1024, .max_queue = 4096, .request_timeout_ms = 300000,
+                             .max_backlog_tokens = 4096, .default_max_tokens = 256, .lease_ms = 10000,
                              .rpc_timeout_ms = 5000, .heartbeat_ms = 200, .heartbeat_timeout_ms = 1500,
                              .max_nodes = 256};
     const router_conf_key_t keys[] = {
@@ -930,7 +1320,13 @@ int router_main(int argc, char **argv)
         {"port", ROUTER_CONF_I64, &cfg->port, 0, 65535, "gateway gRPC port (0 = any)"},
         {"control-port", ROUTER_CONF_I64, &cfg->control_port, 0, 65535, "control gRPC port (0 = any)"},
         {"metrics-port", ROUTER_CONF_I64, &cfg->metrics_port, 0, 65535, "/metrics port (0 = any)"},
-        {"max-active", ROUTER_CONF_I64, &cfg->max_active, 1, 1 << 20, "requests in flight at most"},
+        {"max-active", ROUTER_CONF_I64, &cfg->max_active, 1, 1 << 20, "requests on nodes at once; more wait in the queue"},
+        {"max-queue", ROUTER_CONF_I64, &cfg->max_queue, 0, 1 << 20,
+         "requests waiting for room at most; beyond → RESOURCE_EXHAUSTED"},
+        {"request-timeout-ms", ROUTER_CONF_I64, &cfg->request_timeout_ms, 0, 86400000,
+         "deadline of a request without grpc-timeout (0 = none)"},
+        {"max-backlog-tokens", ROUTER_CONF_I64, &cfg->max_backlog_tokens, 1, 1 << 24,
+         "tokens held for a client not reading its stream; beyond → RESOURCE_EXHAUSTED"},
         {"default-max-tokens", ROUTER_CONF_I64, &cfg->default_max_tokens, 1, 1 << 20, "max_tokens when a request gives 0"},
         {"lease-ms", ROUTER_CONF_I64, &cfg->lease_ms, 10, 600000, "decode lease and prefill bound"},
         {"rpc-timeout-ms", ROUTER_CONF_I64, &cfg->rpc_timeout_ms, 10, 600000, "bound of Admit/Release calls"},
@@ -974,6 +1370,13 @@ int router_main(int argc, char **argv)
     }
     for (int64_t i = 0; i < cfg->max_nodes; i++)
         s->peers[i].s = s;
+    router_queue_init(&s->queue, (int32_t)cfg->max_queue);
+    for (s->lease_buckets = 64; s->lease_buckets < 2 * (uint64_t)cfg->max_active;)
+        s->lease_buckets *= 2;
+    if (!(s->lease_map = calloc(s->lease_buckets, sizeof *s->lease_map))) {
+        td_errorf(TD_ERR_NOMEM, "router: out of memory");
+        goto out;
+    }
     if ((st = td_metrics_create(&s->metrics)) != TD_OK || (st = init_metrics(s)) != TD_OK)
         goto out;
     td_grpc_server_config_t gc = td_grpc_server_config_default();
@@ -994,7 +1397,9 @@ int router_main(int argc, char **argv)
         goto out;
     uv_timer_init(&s->loop, &s->tick);
     s->tick.data = s;
-    uv_timer_start(&s->tick, on_tick, 100, 100);
+    uv_timer_start(&s->tick, on_tick, 50, 50);
+    uv_idle_init(&s->loop, &s->pump_idle);
+    s->pump_idle.data = s;
     uv_signal_init(&s->loop, &s->sigint);
     uv_signal_init(&s->loop, &s->sigterm);
     s->sigint.data = s->sigterm.data = s;
@@ -1018,6 +1423,7 @@ out:
     for (int64_t i = 0; s->peers && i < cfg->max_nodes; i++)
         free(s->peers[i].xfer_desc);
     free(s->peers);
+    free(s->lease_map);
     router_registry_destroy(s->reg);
     td_tokenizer_destroy(s->tok);
     td_metrics_destroy(s->metrics);
