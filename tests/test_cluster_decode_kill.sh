@@ -1,0 +1,37 @@
+#!/bin/bash
+# test_cluster_decode_kill: a router (heartbeat timeout 1000 ms), 1 prefill and 2 decode
+# nodes started one by one. 8 long streams (480 tokens) run across both decode nodes; once
+# each has a token, one decode node is SIGKILLed: its streams must end UNAVAILABLE within
+# the heartbeat bound (1000 ms + 1000 ms slack), the other streams must finish equal to
+# `tandem generate`, and new requests must succeed on the surviving decode node. Then a
+# third decode node joins and is frozen (SIGSTOP: no connection reset, only silence): its
+# streams must end UNAVAILABLE within the heartbeat bound (1000 ms + 1500 ms slack) too.
+# Skips without the model or python3-grpcio.
+source "$(dirname "$0")/cluster_lib.sh"
+cl_init
+HB=1000 MAXTOK=480
+cl_router --heartbeat-ms 100 --heartbeat-timeout-ms $HB
+cl_node prefill p0
+cl_node decode d0
+cl_node decode d1
+cl_wait_nodes 1 2
+for k in $(seq 8); do p="1 $((40 + k))"; echo "$p|$(cl_ref $MAXTOK "$p")"; done >"$CL_T/long"
+for k in $(seq 8); do p="1 $((60 + k)) $((70 + k))"; echo "$p|$(cl_ref 32 "$p")"; done >"$CL_T/short"
+
+echo "== SIGKILL d0 mid-stream"
+CL_KILLED[d0]=1
+"$CL_PY" "$CL_TOOL" nodekill "$CL_GW" "${CL_PID[d0]}" KILL $((HB + 1000)) "$CL_T/long" $MAXTOK || CL_FAIL=1
+a0=$(cl_metric d1 tandem_decode_admits_total)
+"$CL_PY" "$CL_TOOL" run "$CL_GW" 32 "$CL_T/short" || CL_FAIL=1
+a1=$(cl_metric d1 tandem_decode_admits_total)
+echo "d1 admits: $a0 -> $a1"
+[ $((${a1%.*} - ${a0%.*})) -ge 8 ] || cl_fail "the 8 new requests did not all go to d1 (admits $a0 -> $a1)"
+
+echo "== SIGSTOP d2 mid-stream (only heartbeats can tell)"
+cl_node decode d2
+cl_wait_nodes 1 2
+CL_KILLED[d2]=1
+"$CL_PY" "$CL_TOOL" nodekill "$CL_GW" "${CL_PID[d2]}" STOP $((HB + 1500)) "$CL_T/long" $MAXTOK || CL_FAIL=1
+cl_kill d2 KILL
+"$CL_PY" "$CL_TOOL" run "$CL_GW" 32 "$CL_T/short" || CL_FAIL=1
+cl_end "a killed and a frozen decode node: their streams ended UNAVAILABLE within the heartbeat bound, the rest equal tandem generate, new requests served"
