@@ -1939,3 +1939,13 @@ void td_xfer_destroy(td_xfer_t *x)
     x->worker = NULL;
     x->ctx = NULL;
 }
+
+void td_xfer_send_abort(td_xfer_send_t *s, td_status_t why)
+{
+    if (s->done_queued || s->verdict)
+        return;
+    send_set_status(s, why == TD_OK ? TD_ERR_CANCELLED : why);
+    drop_queued(s->x, s);
+    s->finished = true;
+    send_maybe_done(s);
+}

@@ -262,4 +262,15 @@ td_status_t td_xfer_send_layer(td_xfer_send_t *s, uint32_t layer, const void *sr
  */
 void td_xfer_send_finish(td_xfer_send_t *s, int32_t first_token);
 
+/*
+ * Gives up on a send the caller no longer wants (its request was cancelled, or its KV
+ * cannot be completed), before or after td_xfer_send_finish: operations not yet posted
+ * are dropped, no kv-ready goes out if it has not already, and the done callback comes
+ * from the loop with `why` (TD_ERR_CANCELLED if TD_OK is given) once the operations UCX
+ * already holds are back; the source bytes must stay unchanged until then. A lease the
+ * receiver bound to this sender is fenced as for any dead lease (its expiry or cancel,
+ * then our abort-ack). No-op once the verdict is known. Loop thread.
+ */
+void td_xfer_send_abort(td_xfer_send_t *s, td_status_t why);
+
 #endif /* TD_XFER_H */

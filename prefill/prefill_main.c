@@ -2,13 +2,22 @@
  * prefill_main: the prefill node process (see prefill_node.h and docs/cluster.md).
  *
  * Threads: the loop thread owns gRPC, /metrics, the router client and td_xfer; the compute
- * thread owns the engine. A Prefill call becomes a job in a bounded queue; the compute
- * thread runs the prompt in chunks (prefix cache on), samples the first token with the
- * request's parameters, copies the request's KV blocks into a staging buffer and hands the
- * job back (uv_async_send); the loop pushes the staged layers through td_xfer into the
- * decode node's leased blocks and answers the call when the decode node adopted them.
- * Staging frees the engine's blocks at once; the price is one copy and no overlap of
- * transfer with compute yet (docs/cluster.md).
+ * thread owns the engine and its prefill_sched. They talk through two bounded rings under
+ * one mutex: loop → compute messages (submit, cancel, release: at most three per live job,
+ * and live jobs are bounded by max-queue, so that ring never fills) and compute → loop
+ * events (the compute thread waits, bounded, while that ring is full; the loop never
+ * blocks), woken by a condition variable one way and uv_async_send the other.
+ *
+ * A Prefill call becomes a job. prefill_sched batches waiting prompts into engine steps
+ * under a token budget (long prompts chunked, prefix cache on). In the step that runs a
+ * prompt's last chunk, the engine's per-layer hook hands each finished layer to the loop
+ * (one event per layer for all of the step's finishing prompts, with their block tables);
+ * the loop calls td_xfer_send_layer() on the engine pool's layer slab, so UCX reads the
+ * KV straight from the engine's blocks while later layers compute: no staging copy. The
+ * sampled first token goes to the router at once (FIRST_TOKEN), kv-ready follows
+ * (td_xfer_send_finish), and the decode node's verdict ends the call (KV_DELIVERED + OK,
+ * or UNAVAILABLE naming the cause). The prompt keeps its blocks until the transfer's done
+ * callback; only then the loop asks the compute thread to release them, exactly once.
  */
 #include "prefill_node.h"
 
@@ -18,8 +27,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "control.pb-c.h"
+#include "prefill_sched.h"
 #include "router_conf.h"
 #include "router_node_client.h"
 #include "td_backend.h"
@@ -43,33 +54,72 @@ typedef struct prefill_config {
     int64_t metrics_port;
     int64_t threads;
     int64_t kv_blocks;
-    int64_t chunk;          /* prompt tokens per engine step */
-    int64_t max_queue;      /* jobs waiting or running at most */
+    int64_t max_batch_tokens;  /* prompt tokens in one engine step */
+    int64_t max_batch;         /* prompts in one engine step */
+    int64_t max_queue;         /* Prefill calls accepted and not finished */
+    int64_t max_queued_tokens; /* their prompt tokens still to compute */
+    int64_t event_queue;       /* compute → loop events waiting at most */
+    int64_t idle_wait_ms;      /* compute thread's bound on one idle wait */
+    int64_t send_timeout_ms;   /* td_xfer: send begin → the decode node's verdict */
     const char *log_level;
 } prefill_config_t;
 
 typedef struct prefill_job {
-    struct prefill_job *next;
+    struct prefill_job *prev, *next; /* loop: live jobs */
     struct prefill_state *s;
-    td_grpc_call_t *call;      /* NULL once the caller went away */
-    uint64_t key;
+    td_grpc_call_t *call;      /* NULL once the call ended (answered or cancelled) */
+    uint64_t key;              /* td_xfer request id: FNV-1a of the request id string */
     uint64_t lease_id;
-    int32_t *tokens;
+    int32_t *tokens;           /* [n_tokens] the prompt (read by the compute thread at submit) */
     int32_t n_tokens;
-    int32_t *dst_blocks;
+    int32_t *dst_blocks;       /* [n_dst] the decode node's leased blocks */
     int32_t n_dst;
     td_sampling_t sampling;
+    int64_t deadline_ns;       /* td_now_ns clock; 0 = none */
     td_xfer_peer_t *peer;
-    /* results (compute thread) */
+    uint64_t t_accept;
+    /* loop thread only, after submit */
+    td_xfer_send_t *send;      /* the transfer, from its layer 0 until its done callback */
+    td_status_t xfer_st;       /* first failure starting or feeding the transfer */
+    uint64_t t_xfer;
+    bool pushed;               /* layer 0 of its last step arrived */
+    bool computed;             /* the compute thread's verdict (EV_DONE) arrived */
+    bool held;                 /* ... and the prompt still holds blocks there */
+    bool cancel_posted, release_posted;
+} prefill_job_t;
+
+/* One engine step's finishing prompts, shared by that step's layer events. */
+typedef struct prefill_push {
+    int32_t n;
+    prefill_job_t **jobs;      /* [n] */
+    int32_t **blocks;          /* [n] block tables (copies) */
+    int32_t *n_tokens;         /* [n] */
+} prefill_push_t;
+
+typedef enum { MSG_SUBMIT, MSG_CANCEL, MSG_RELEASE } prefill_msg_kind_t;
+
+typedef struct prefill_msg { /* loop → compute */
+    prefill_msg_kind_t kind;
+    prefill_job_t *job;        /* the job's address is its prefill_sched id */
+} prefill_msg_t;
+
+typedef enum {
+    EV_LAYER,    /* push's layer `layer` is in the pool */
+    EV_PUSH_END, /* no more events refer to push: free it */
+    EV_DONE,     /* the prompt's first token, or its failure */
+    EV_GONE,     /* the scheduler let go of job (cancelled or released): free it */
+} prefill_ev_kind_t;
+
+typedef struct prefill_event { /* compute → loop */
+    prefill_ev_kind_t kind;
+    uint32_t layer;
+    prefill_push_t *push;
+    prefill_job_t *job;
     td_status_t status;
     int32_t first_token;
     int32_t cached;
-    uint8_t *staging;          /* [n_layers][n_blocks][block bytes] */
-    int32_t *src_blocks;       /* 0..n_blocks-1 */
-    int32_t n_blocks;
-    double prefill_s;
-    uint64_t t_xfer;
-} prefill_job_t;
+    bool held;
+} prefill_event_t;
 
 typedef struct prefill_state {
     prefill_config_t cfg;
@@ -79,25 +129,38 @@ typedef struct prefill_state {
     td_model_t *model;
     td_backend_t *be;
     td_engine_t *eng;
+    prefill_sched_t *sched;    /* compute thread once it runs */
     td_kv_layout_t layout;
-    float *logits;
+    const uint8_t *pool;       /* the engine's KV pool (host memory), read by UCX */
+    int32_t pool_blocks;
     td_xfer_t *xfer;
     td_grpc_server_t *grpc;
     td_http_server_t *http;
     td_metrics_t *metrics;
-    td_metric_t *m_requests, *m_refused, *m_failed, *m_tokens, *m_cached, *m_seconds, *m_queue, *m_xfer_s;
+    td_metric_t *m_requests, *m_refused, *m_failed, *m_tokens, *m_cached, *m_seconds, *m_queue,
+        *m_xfer_s, *m_steps, *m_step_s, *m_batch_tokens, *m_batch_size;
     router_node_client_t *client;
     pthread_t thread;
     bool thread_started;
+    /* the rings, under mu; cv wakes the compute thread */
     pthread_mutex_t mu;
     pthread_cond_t cv;
-    prefill_job_t *in_head, **in_tail;
-    prefill_job_t *out_head, **out_tail;
-    int32_t n_jobs;            /* loop thread: jobs accepted and not yet answered */
-    _Atomic int64_t queued_tokens;
+    prefill_msg_t *inbox;      /* [in_cap] */
+    int32_t in_cap, in_head, in_n;
+    prefill_event_t *outbox;   /* [out_cap] */
+    int32_t out_cap, out_head, out_n;
+    prefill_event_t *out_local; /* [out_cap] loop's copy of a drained outbox */
     bool stop;
+    /* loop thread */
+    prefill_job_t *jobs;       /* live jobs */
+    int32_t n_jobs;
     bool shutting_down;
     bool handles_up;
+    /* compute thread */
+    prefill_msg_t *in_local;   /* [in_cap] */
+    prefill_push_t *cur_push;  /* the running step's, once its layer 0 is done */
+    _Atomic int64_t unsubmitted_tokens; /* accepted, not yet taken by the compute thread */
+    _Atomic int64_t sched_tokens;       /* prefill_sched_queued_tokens after the last step */
 } prefill_state_t;
 
 static uint64_t request_key(const char *s)
@@ -108,216 +171,407 @@ static uint64_t request_key(const char *s)
     return h;
 }
 
+static uint64_t job_id(const prefill_job_t *j)
+{
+    return (uint64_t)(uintptr_t)j;
+}
+
 /* ---- compute thread ---------------------------------------------------------------- */
 
-static void compute_job(prefill_state_t *s, prefill_job_t *j)
+static void wait_bounded(prefill_state_t *s, int64_t ms)
 {
-    td_kv_seq_t seq;
-    td_kv_seq_init(&seq);
-    td_sampler_t *sampler = NULL;
-    uint64_t t0 = td_now_ns();
-    int32_t cached = 0;
-    td_status_t st = td_engine_seq_start(s->eng, &seq, j->tokens, j->n_tokens, &cached);
-    if (st == TD_OK)
-        st = td_sampler_create(&j->sampling, &sampler);
-    for (int32_t off = cached; st == TD_OK && off < j->n_tokens;) {
-        int32_t n = (int32_t)TD_MIN((int64_t)j->n_tokens - off, s->cfg.chunk);
-        td_engine_item_t it = {.seq = &seq, .tokens = j->tokens + off, .n_tokens = n,
-                               .n_logits = off + n == j->n_tokens};
-        st = td_engine_step(s->eng, &it, 1, s->logits);
-        off += n;
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    ts.tv_sec += ms / 1000;
+    ts.tv_nsec += (ms % 1000) * 1000000;
+    if (ts.tv_nsec >= 1000000000) {
+        ts.tv_sec++;
+        ts.tv_nsec -= 1000000000;
     }
-    if (st == TD_OK) {
-        for (int32_t i = 0; i < j->n_tokens; i++)
-            td_sampler_accept(sampler, j->tokens[i]);
-        st = td_sampler_sample(sampler, s->logits, s->model->config.vocab_size, &j->first_token);
+    pthread_cond_timedwait(&s->cv, &s->mu, &ts);
+}
+
+/* Queues an event for the loop, waiting (bounded, re-checking stop) while the ring is
+ * full. Returns false when the node is stopping and the event was dropped. */
+static bool emit(prefill_state_t *s, const prefill_event_t *ev)
+{
+    pthread_mutex_lock(&s->mu);
+    while (s->out_n == s->out_cap && !s->stop)
+        wait_bounded(s, s->cfg.idle_wait_ms);
+    bool ok = s->out_n < s->out_cap;
+    if (ok) {
+        s->outbox[(s->out_head + s->out_n) % s->out_cap] = *ev;
+        s->out_n++;
     }
-    if (st == TD_OK) {
-        int32_t nb = (int32_t)TD_DIV_CEIL(j->n_tokens, (int32_t)s->layout.block_size);
-        size_t bb = td_kv_block_bytes(&s->layout);
-        int32_t pool_blocks;
-        const uint8_t *pool = td_engine_kv_pool(s->eng, &pool_blocks);
-        j->staging = malloc((size_t)s->layout.n_layers * (size_t)nb * bb);
-        j->src_blocks = malloc((size_t)nb * sizeof(int32_t));
-        if (!j->staging || !j->src_blocks || seq.n_blocks < nb) {
-            st = td_errorf(TD_ERR_NOMEM, "prefill: cannot stage %d blocks", nb);
-        } else {
-            for (uint32_t l = 0; l < s->layout.n_layers; l++)
-                for (int32_t b = 0; b < nb; b++)
-                    memcpy(j->staging + ((size_t)l * nb + b) * bb,
-                           pool + td_kv_block_offset(&s->layout, (uint32_t)pool_blocks, l, (uint32_t)seq.blocks[b]), bb);
-            for (int32_t b = 0; b < nb; b++)
-                j->src_blocks[b] = b;
-            j->n_blocks = nb;
+    pthread_mutex_unlock(&s->mu);
+    if (ok)
+        uv_async_send(&s->async);
+    return ok;
+}
+
+static void push_free(prefill_push_t *p)
+{
+    free(p);
+}
+
+/* Engine layer hook (through prefill_sched): layer `layer` of fin[0..n_fin) is in the pool. */
+static void on_layer(void *arg, uint32_t layer, const prefill_finishing_t *fin, int32_t n_fin)
+{
+    prefill_state_t *s = arg;
+    if (layer == 0) {
+        size_t nb = 0;
+        for (int32_t i = 0; i < n_fin; i++)
+            nb += (size_t)fin[i].n_blocks;
+        prefill_push_t *p = malloc(sizeof *p + (size_t)n_fin * (sizeof *p->jobs + sizeof *p->blocks +
+                                                                 sizeof *p->n_tokens) + nb * sizeof(int32_t));
+        s->cur_push = p;
+        if (!p) { /* the loop sees these jobs done without a push and fails them */
+            td_errorf(TD_ERR_NOMEM, "prefill: out of memory for a push of %d prompts", n_fin);
+            return;
+        }
+        p->n = n_fin;
+        p->jobs = (prefill_job_t **)(p + 1);
+        p->blocks = (int32_t **)(p->jobs + n_fin);
+        p->n_tokens = (int32_t *)(p->blocks + n_fin);
+        int32_t *b = p->n_tokens + n_fin;
+        for (int32_t i = 0; i < n_fin; i++) {
+            p->jobs[i] = (prefill_job_t *)(uintptr_t)fin[i].id;
+            p->blocks[i] = b;
+            p->n_tokens[i] = fin[i].n_prompt;
+            memcpy(b, fin[i].blocks, (size_t)fin[i].n_blocks * sizeof *b);
+            b += fin[i].n_blocks;
         }
     }
-    td_sampler_destroy(sampler);
-    td_engine_seq_end(s->eng, &seq);
-    j->status = st;
-    j->cached = cached;
-    j->prefill_s = (double)(td_now_ns() - t0) * 1e-9;
-    if (st == TD_OK) {
-        td_metric_add(s->m_tokens, j->n_tokens - cached);
-        td_metric_add(s->m_cached, cached);
-        td_metric_observe(s->m_seconds, j->prefill_s);
+    if (s->cur_push)
+        emit(s, &(prefill_event_t){.kind = EV_LAYER, .layer = layer, .push = s->cur_push});
+}
+
+static void handle_msg(prefill_state_t *s, const prefill_msg_t *m)
+{
+    prefill_job_t *j = m->job;
+    uint64_t id = job_id(j);
+    switch (m->kind) {
+    case MSG_SUBMIT: {
+        prefill_request_t rq = {.id = id, .prompt = j->tokens, .n_prompt = j->n_tokens,
+                                .sampling = j->sampling, .deadline_ns = j->deadline_ns};
+        td_status_t st = prefill_sched_submit(s->sched, &rq);
+        atomic_fetch_sub(&s->unsubmitted_tokens, j->n_tokens);
+        if (st != TD_OK)
+            emit(s, &(prefill_event_t){.kind = EV_DONE, .job = j, .status = st, .first_token = -1});
+        break;
     }
+    case MSG_CANCEL:
+        /* Only a prompt no transfer has seen; a done one is released after its transfer. */
+        if (prefill_sched_pending(s->sched, id)) {
+            prefill_sched_cancel(s->sched, id);
+            emit(s, &(prefill_event_t){.kind = EV_GONE, .job = j});
+        }
+        break;
+    case MSG_RELEASE:
+        if (prefill_sched_release(s->sched, id) != TD_OK)
+            td_warn("prefill: release of a prompt the scheduler does not hold (job %p)", (void *)j);
+        emit(s, &(prefill_event_t){.kind = EV_GONE, .job = j});
+        break;
+    }
+}
+
+/* One scheduler step; false when it made no progress (nothing to run, or the pool is
+ * held by prompts whose transfers are still running). */
+static bool run_step(prefill_state_t *s)
+{
+    prefill_step_result_t r;
+    uint64_t t0 = td_now_ns();
+    s->cur_push = NULL;
+    td_status_t st = prefill_sched_step(s->sched, (int64_t)t0, &r);
+    double step_s = (double)(td_now_ns() - t0) * 1e-9;
+    if (s->cur_push && !emit(s, &(prefill_event_t){.kind = EV_PUSH_END, .push = s->cur_push}))
+        push_free(s->cur_push); /* stopping: teardown ignores the layer events */
+    s->cur_push = NULL;
+    atomic_store(&s->sched_tokens, prefill_sched_queued_tokens(s->sched));
+    if (st != TD_OK)
+        return false; /* out of memory: logged by the scheduler; try again after a wait */
+    if (r.n_seqs > 0) {
+        td_metric_inc(s->m_steps);
+        td_metric_observe(s->m_step_s, step_s);
+        td_metric_observe(s->m_batch_tokens, r.n_tokens);
+        td_metric_observe(s->m_batch_size, r.n_seqs);
+        td_metric_add(s->m_tokens, r.n_tokens);
+    }
+    for (int32_t i = 0; i < r.n_outputs; i++) {
+        const prefill_output_t *o = &r.outputs[i];
+        if (o->status == TD_OK)
+            td_metric_add(s->m_cached, o->n_cached);
+        emit(s, &(prefill_event_t){.kind = EV_DONE, .job = (prefill_job_t *)(uintptr_t)o->id,
+                                   .status = o->status, .first_token = o->first_token,
+                                   .cached = o->n_cached, .held = o->held || o->status == TD_OK});
+    }
+    return r.n_seqs > 0 || r.n_outputs > 0;
 }
 
 static void *compute_main(void *arg)
 {
     prefill_state_t *s = arg;
+    bool progressed = false;
     for (;;) {
         pthread_mutex_lock(&s->mu);
-        while (!s->stop && !s->in_head)
-            pthread_cond_wait(&s->cv, &s->mu);
+        bool work = prefill_sched_queued(s->sched) > 0 && progressed;
+        if (!s->stop && s->in_n == 0 && !work)
+            wait_bounded(s, s->cfg.idle_wait_ms);
         if (s->stop) {
             pthread_mutex_unlock(&s->mu);
             break;
         }
-        prefill_job_t *j = s->in_head;
-        s->in_head = j->next;
-        if (!s->in_head)
-            s->in_tail = &s->in_head;
+        int32_t n = s->in_n;
+        for (int32_t i = 0; i < n; i++)
+            s->in_local[i] = s->inbox[(s->in_head + i) % s->in_cap];
+        s->in_head = (s->in_head + n) % s->in_cap;
+        s->in_n = 0;
         pthread_mutex_unlock(&s->mu);
-        compute_job(s, j);
-        atomic_fetch_sub(&s->queued_tokens, j->n_tokens);
-        pthread_mutex_lock(&s->mu);
-        j->next = NULL;
-        *s->out_tail = j;
-        s->out_tail = &j->next;
-        pthread_mutex_unlock(&s->mu);
-        uv_async_send(&s->async);
+        for (int32_t i = 0; i < n; i++)
+            handle_msg(s, &s->in_local[i]);
+        progressed = prefill_sched_queued(s->sched) > 0 && run_step(s);
+        if (n > 0)
+            atomic_store(&s->sched_tokens, prefill_sched_queued_tokens(s->sched));
     }
     return NULL;
 }
 
 /* ---- loop thread -------------------------------------------------------------------- */
 
+/* Loop → compute. A job posts each of submit, cancel and release at most once, and only
+ * a cancel can outlive its job (posted after the compute thread failed the prompt, freed
+ * at that EV_DONE, dropped unread at the next drain): at most max_queue live jobs' three
+ * plus max_queue stale cancels, so a ring of 4 * max_queue + 16 cannot be full. */
+static void post(prefill_state_t *s, prefill_msg_kind_t kind, prefill_job_t *j)
+{
+    pthread_mutex_lock(&s->mu);
+    TD_ASSERT(s->in_n < s->in_cap);
+    s->inbox[(s->in_head + s->in_n) % s->in_cap] = (prefill_msg_t){.kind = kind, .job = j};
+    s->in_n++;
+    pthread_cond_signal(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+}
+
 static void job_free(prefill_job_t *j)
 {
+    if (!j)
+        return;
     free(j->tokens);
     free(j->dst_blocks);
-    free(j->staging);
-    free(j->src_blocks);
     free(j);
 }
 
-static void job_answer(prefill_job_t *j, td_status_t st, const char *why)
+/* The job leaves the node: nothing refers to it any more. */
+static void job_drop(prefill_job_t *j)
 {
     prefill_state_t *s = j->s;
+    if (j->call) { /* every path answers before; never leave a call open */
+        td_grpc_call_set_data(j->call, NULL);
+        td_grpc_call_finish(j->call, TD_GRPC_INTERNAL, "prefill: request dropped");
+    }
+    if (j->prev)
+        j->prev->next = j->next;
+    else
+        s->jobs = j->next;
+    if (j->next)
+        j->next->prev = j->prev;
     s->n_jobs--;
     td_metric_set(s->m_queue, s->n_jobs);
-    if (j->call) {
-        td_grpc_call_set_data(j->call, NULL);
-        if (st == TD_OK) {
-            Tandem__Control__V1__PrefillResponse r = TANDEM__CONTROL__V1__PREFILL_RESPONSE__INIT;
-            r.first_token = (uint32_t)j->first_token;
-            r.cached_tokens = (uint32_t)j->cached;
-            r.prefill_s = j->prefill_s;
-            r.transfer_s = (double)(td_now_ns() - j->t_xfer) * 1e-9;
-            td_metric_observe(s->m_xfer_s, r.transfer_s);
-            td_grpc_call_reply(j->call, &r.base);
-        } else {
-            td_metric_inc(s->m_failed);
-            td_grpc_call_finish(j->call, td_grpc_code_from_status(st), why);
-        }
-    }
     job_free(j);
+}
+
+/* Ends the call (if it is still there) with `code`; counts failures. */
+static void job_finish(prefill_job_t *j, td_grpc_code_t code, const char *why)
+{
+    if (code != TD_GRPC_OK)
+        td_metric_inc(j->s->m_failed);
+    if (!j->call)
+        return;
+    td_grpc_call_set_data(j->call, NULL);
+    td_grpc_call_finish(j->call, code, why);
+    j->call = NULL;
+}
+
+/* Blocks go back once the verdict is in and no transfer can read them any more. */
+static void job_maybe_release(prefill_job_t *j)
+{
+    if (j->computed && j->held && !j->send && !j->release_posted) {
+        j->release_posted = true;
+        post(j->s, MSG_RELEASE, j);
+    }
 }
 
 static void on_xfer_done(void *arg, uint64_t request_id, td_status_t st)
 {
     prefill_job_t *j = arg;
-    char why[160];
-    snprintf(why, sizeof why, "kv transfer failed: %s", td_strerror(st));
-    job_answer(j, st, why);
+    prefill_state_t *s = j->s;
+    j->send = NULL;
+    double transfer_s = (double)(td_now_ns() - j->t_xfer) * 1e-9;
+    if (st == TD_OK && j->xfer_st == TD_OK) {
+        td_metric_observe(s->m_xfer_s, transfer_s);
+        if (j->call) {
+            Tandem__Control__V1__PrefillResponse r = TANDEM__CONTROL__V1__PREFILL_RESPONSE__INIT;
+            r.phase = TANDEM__CONTROL__V1__PREFILL_PHASE__PREFILL_PHASE_KV_DELIVERED;
+            r.transfer_s = transfer_s;
+            td_grpc_call_send(j->call, &r.base); /* CANCELLED: the cancel callback runs */
+            job_finish(j, TD_GRPC_OK, NULL);
+        }
+    } else {
+        if (j->xfer_st == TD_OK)
+            j->xfer_st = st;
+        if (j->call) {
+            char why[200];
+            snprintf(why, sizeof why, "prefill: kv transfer to the decode node failed: %s",
+                     td_strerror(j->xfer_st));
+            td_info("prefill: request %016llx: %s", (unsigned long long)j->key, why);
+            job_finish(j, TD_GRPC_UNAVAILABLE, why);
+        }
+    }
+    job_maybe_release(j);
 }
 
-static void start_transfer(prefill_state_t *s, prefill_job_t *j)
+static void job_abort_send(prefill_job_t *j, td_status_t why)
 {
-    if (j->status != TD_OK) {
-        job_answer(j, j->status, td_strerror(j->status));
-        return;
-    }
+    if (j->xfer_st == TD_OK)
+        j->xfer_st = why;
+    if (j->send)
+        td_xfer_send_abort(j->send, why); /* the done callback follows from the loop */
+}
+
+/* Layer 0 of the job's last step is in: start its transfer. */
+static void job_begin_send(prefill_job_t *j, int32_t n_tokens)
+{
+    prefill_state_t *s = j->s;
+    j->pushed = true;
     j->t_xfer = td_now_ns();
-    td_xfer_send_params_t p = {.request_id = j->key, .lease_id = j->lease_id, .dst_blocks = j->dst_blocks,
-                               .n_dst_blocks = j->n_dst, .n_tokens = (uint32_t)j->n_tokens,
-                               .mem = TD_XFER_MEM_HOST, .done = on_xfer_done, .arg = j};
-    td_xfer_send_t *send;
-    td_status_t st = td_xfer_send_begin(s->xfer, j->peer, &p, &send);
-    if (st != TD_OK) {
-        job_answer(j, st, "kv transfer could not start");
+    if (!j->call) {
+        j->xfer_st = TD_ERR_CANCELLED;
         return;
     }
-    size_t bb = td_kv_block_bytes(&s->layout);
-    for (uint32_t l = 0; l < s->layout.n_layers; l++)
-        td_xfer_send_layer(send, l, j->staging + (size_t)l * j->n_blocks * bb, j->src_blocks);
-    td_xfer_send_finish(send, j->first_token);
+    td_xfer_send_params_t p = {.request_id = j->key, .lease_id = j->lease_id, .dst_blocks = j->dst_blocks,
+                               .n_dst_blocks = j->n_dst, .n_tokens = (uint32_t)n_tokens,
+                               .mem = TD_XFER_MEM_HOST, .done = on_xfer_done, .arg = j};
+    td_status_t st = td_xfer_send_begin(s->xfer, j->peer, &p, &j->send);
+    if (st != TD_OK) {
+        j->send = NULL;
+        j->xfer_st = st;
+    }
+}
+
+static void on_ev_layer(prefill_state_t *s, uint32_t layer, prefill_push_t *p)
+{
+    const uint8_t *slab = s->pool + td_kv_block_offset(&s->layout, (uint32_t)s->pool_blocks, layer, 0);
+    for (int32_t i = 0; i < p->n; i++) {
+        prefill_job_t *j = p->jobs[i];
+        if (layer == 0)
+            job_begin_send(j, p->n_tokens[i]);
+        if (!j->send || j->xfer_st != TD_OK)
+            continue;
+        td_status_t st = td_xfer_send_layer(j->send, layer, slab, p->blocks[i]);
+        if (st != TD_OK)
+            job_abort_send(j, st);
+    }
+}
+
+static void on_ev_done(prefill_state_t *s, const prefill_event_t *ev)
+{
+    prefill_job_t *j = ev->job;
+    j->computed = true;
+    j->held = ev->held;
+    if (ev->status != TD_OK) {
+        job_abort_send(j, ev->status);
+        char why[200];
+        snprintf(why, sizeof why, "prefill failed: %s", td_strerror(ev->status));
+        job_finish(j, td_grpc_code_from_status(ev->status), why);
+        if (!j->held)
+            job_drop(j); /* the scheduler no longer knows it */
+        else
+            job_maybe_release(j);
+        return;
+    }
+    double prefill_s = (double)(td_now_ns() - j->t_accept) * 1e-9;
+    td_metric_observe(s->m_seconds, prefill_s);
+    if (!j->pushed && j->xfer_st == TD_OK)
+        j->xfer_st = TD_ERR_NOMEM; /* the push could not be recorded (logged) */
+    if (j->xfer_st != TD_OK || !j->call) {
+        job_abort_send(j, j->xfer_st != TD_OK ? j->xfer_st : TD_ERR_CANCELLED);
+        if (j->call) {
+            char why[200];
+            snprintf(why, sizeof why, "prefill: kv transfer to the decode node could not start: %s",
+                     td_strerror(j->xfer_st));
+            job_finish(j, TD_GRPC_UNAVAILABLE, why);
+        }
+        job_maybe_release(j);
+        return;
+    }
+    Tandem__Control__V1__PrefillResponse r = TANDEM__CONTROL__V1__PREFILL_RESPONSE__INIT;
+    r.phase = TANDEM__CONTROL__V1__PREFILL_PHASE__PREFILL_PHASE_FIRST_TOKEN;
+    r.first_token = (uint32_t)ev->first_token;
+    r.cached_tokens = (uint32_t)ev->cached;
+    r.prefill_s = prefill_s;
+    td_grpc_call_send(j->call, &r.base); /* CANCELLED: the cancel callback aborts the send */
+    td_xfer_send_finish(j->send, ev->first_token);
 }
 
 static void on_async(uv_async_t *h)
 {
     prefill_state_t *s = h->data;
     pthread_mutex_lock(&s->mu);
-    prefill_job_t *list = s->out_head;
-    s->out_head = NULL;
-    s->out_tail = &s->out_head;
+    int32_t n = s->out_n;
+    for (int32_t i = 0; i < n; i++)
+        s->out_local[i] = s->outbox[(s->out_head + i) % s->out_cap];
+    s->out_head = (s->out_head + n) % s->out_cap;
+    s->out_n = 0;
+    pthread_cond_signal(&s->cv); /* room again */
     pthread_mutex_unlock(&s->mu);
-    while (list) {
-        prefill_job_t *j = list;
-        list = j->next;
-        start_transfer(s, j);
+    for (int32_t i = 0; i < n; i++) {
+        const prefill_event_t *ev = &s->out_local[i];
+        switch (ev->kind) {
+        case EV_LAYER: on_ev_layer(s, ev->layer, ev->push); break;
+        case EV_PUSH_END: push_free(ev->push); break;
+        case EV_DONE: on_ev_done(s, ev); break;
+        case EV_GONE: job_drop(ev->job); break;
+        }
     }
 }
 
 static void on_prefill_cancel(td_grpc_call_t *call, td_status_t why, void *call_data)
 {
     prefill_job_t *j = call_data;
-    if (j)
-        j->call = NULL; /* the job runs on (the decode node's lease bounds it); no answer */
     td_grpc_call_finish(call, TD_GRPC_CANCELLED, NULL);
+    if (!j)
+        return;
+    j->call = NULL;
+    td_debug("prefill: request %016llx cancelled (%s)", (unsigned long long)j->key, td_strerror(why));
+    if (j->send) {
+        job_abort_send(j, TD_ERR_CANCELLED); /* done callback → release */
+    } else if (!j->computed && !j->cancel_posted) {
+        j->cancel_posted = true; /* still queued: the scheduler drops it (EV_GONE); if it is
+                                    already past that, EV_DONE follows and sees no call */
+        post(j->s, MSG_CANCEL, j);
+    }
 }
 
-static void on_prefill(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data)
+static td_grpc_code_t parse_request(prefill_state_t *s, const Tandem__Control__V1__PrefillRequest *r,
+                                    prefill_job_t *j, char *why, size_t cap)
 {
-    prefill_state_t *s = data;
-    const Tandem__Control__V1__PrefillRequest *r = (const void *)msg;
     const td_model_config_t *mc = &s->model->config;
-    td_metric_inc(s->m_requests);
-    if (s->shutting_down) {
-        td_grpc_call_finish(call, TD_GRPC_UNAVAILABLE, "prefill node shutting down");
-        return;
-    }
     if (r->n_tokens == 0 || r->n_tokens >= (size_t)mc->max_seq_len ||
         r->n_block_ids < (size_t)TD_DIV_CEIL((int64_t)r->n_tokens, (int64_t)s->layout.block_size)) {
-        td_grpc_call_finish(call, TD_GRPC_INVALID_ARGUMENT,
-                            "prefill: tokens (1 .. model length - 1) and enough block ids are required");
-        return;
+        snprintf(why, cap, "prefill: %zu tokens (1 .. %d) and at least ceil(tokens / %u) block ids are "
+                 "required (%zu given)", r->n_tokens, mc->max_seq_len - 1, s->layout.block_size, r->n_block_ids);
+        return TD_GRPC_INVALID_ARGUMENT;
     }
-    if (s->n_jobs >= s->cfg.max_queue) {
-        td_metric_inc(s->m_refused);
-        td_grpc_call_finish(call, TD_GRPC_RESOURCE_EXHAUSTED, "prefill node: queue full");
-        return;
-    }
-    td_xfer_peer_t *peer;
-    if (td_xfer_connect(s->xfer, r->decode_xfer.data, r->decode_xfer.len, &s->layout, &peer) != TD_OK) {
-        td_grpc_call_finish(call, TD_GRPC_FAILED_PRECONDITION, td_last_error());
-        return;
-    }
-    prefill_job_t *j = calloc(1, sizeof *j);
-    if (!j || !(j->tokens = malloc(r->n_tokens * sizeof(int32_t))) ||
+    if (!(j->tokens = malloc(r->n_tokens * sizeof(int32_t))) ||
         !(j->dst_blocks = malloc(r->n_block_ids * sizeof(int32_t)))) {
-        if (j)
-            job_free(j);
-        td_grpc_call_finish(call, TD_GRPC_RESOURCE_EXHAUSTED, "prefill node: out of memory");
-        return;
+        snprintf(why, cap, "prefill node: out of memory");
+        return TD_GRPC_RESOURCE_EXHAUSTED;
     }
-    j->s = s;
     for (size_t i = 0; i < r->n_tokens; i++) {
         if (r->tokens[i] >= (uint32_t)mc->vocab_size) {
-            job_free(j);
-            td_grpc_call_finish(call, TD_GRPC_INVALID_ARGUMENT, "prefill: token outside the vocabulary");
-            return;
+            snprintf(why, cap, "prefill: token %u at %zu is outside the vocabulary [0, %d)", r->tokens[i], i,
+                     mc->vocab_size);
+            return TD_GRPC_INVALID_ARGUMENT;
         }
         j->tokens[i] = (int32_t)r->tokens[i];
     }
@@ -334,33 +588,71 @@ static void on_prefill(td_grpc_call_t *call, const ProtobufCMessage *msg, void *
         j->sampling.repetition_penalty = r->sampling->repetition_penalty > 0 ? r->sampling->repetition_penalty : 1.0f;
         j->sampling.seed = r->sampling->seed;
     }
-    char why[256];
-    if (td_sampling_validate(&j->sampling, why, sizeof why) != TD_OK) {
-        job_free(j);
-        td_grpc_call_finish(call, TD_GRPC_INVALID_ARGUMENT, why);
+    if (td_sampling_validate(&j->sampling, why, cap) != TD_OK)
+        return TD_GRPC_INVALID_ARGUMENT;
+    return TD_GRPC_OK;
+}
+
+static void on_prefill(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data)
+{
+    prefill_state_t *s = data;
+    const Tandem__Control__V1__PrefillRequest *r = (const void *)msg;
+    td_metric_inc(s->m_requests);
+    if (s->shutting_down) {
+        td_grpc_call_finish(call, TD_GRPC_UNAVAILABLE, "prefill node shutting down");
         return;
     }
+    if (s->n_jobs >= s->cfg.max_queue) {
+        td_metric_inc(s->m_refused);
+        td_grpc_call_finish(call, TD_GRPC_RESOURCE_EXHAUSTED, "prefill node: queue full");
+        return;
+    }
+    prefill_job_t *j = calloc(1, sizeof *j);
+    if (!j) {
+        td_grpc_call_finish(call, TD_GRPC_RESOURCE_EXHAUSTED, "prefill node: out of memory");
+        return;
+    }
+    char why[256];
+    td_grpc_code_t code = parse_request(s, r, j, why, sizeof why);
+    if (code != TD_GRPC_OK) {
+        job_free(j);
+        td_grpc_call_finish(call, code, why);
+        return;
+    }
+    if (td_xfer_connect(s->xfer, r->decode_xfer.data, r->decode_xfer.len, &s->layout, &j->peer) != TD_OK) {
+        job_free(j);
+        td_grpc_call_finish(call, TD_GRPC_FAILED_PRECONDITION, td_last_error());
+        return;
+    }
+    j->s = s;
     j->key = request_key(r->request_id);
     j->lease_id = r->lease_id;
-    j->peer = peer;
+    j->t_accept = td_now_ns();
+    uint64_t dl_ms = td_grpc_call_deadline(call);
+    if (dl_ms) {
+        uint64_t now_ms = uv_now(&s->loop);
+        j->deadline_ns = (int64_t)(j->t_accept + (dl_ms > now_ms ? dl_ms - now_ms : 0) * 1000000ull);
+        if (j->deadline_ns == 0)
+            j->deadline_ns = 1;
+    }
     j->call = call;
     td_grpc_call_set_data(call, j);
     td_grpc_call_on_cancel(call, on_prefill_cancel);
+    j->next = s->jobs;
+    if (s->jobs)
+        s->jobs->prev = j;
+    s->jobs = j;
     s->n_jobs++;
     td_metric_set(s->m_queue, s->n_jobs);
-    atomic_fetch_add(&s->queued_tokens, j->n_tokens);
-    pthread_mutex_lock(&s->mu);
-    *s->in_tail = j;
-    s->in_tail = &j->next;
-    pthread_cond_signal(&s->cv);
-    pthread_mutex_unlock(&s->mu);
+    atomic_fetch_add(&s->unsubmitted_tokens, j->n_tokens);
+    post(s, MSG_SUBMIT, j);
 }
 
 static void load_cb(void *data, router_node_load_t *l)
 {
     prefill_state_t *s = data;
-    l->queued_prefill_tokens = atomic_load(&s->queued_tokens);
-    l->free_blocks = td_kv_available(td_engine_kv(s->eng)); /* racy read of one int: a hint */
+    l->queued_prefill_tokens = atomic_load(&s->unsubmitted_tokens) + atomic_load(&s->sched_tokens);
+    l->free_blocks = td_kv_available(td_engine_kv(s->eng)); /* td_kv serializes: a hint */
 }
 
 static void shutdown_begin(prefill_state_t *s)
@@ -378,12 +670,14 @@ static void shutdown_begin(prefill_state_t *s)
     s->thread_started = false;
     router_node_client_close(s->client);
     s->client = NULL;
-    td_grpc_server_close(s->grpc, NULL, NULL);
+    td_grpc_server_close(s->grpc, NULL, NULL); /* open calls: cancel callbacks */
     s->grpc = NULL;
     td_http_server_close(s->http, NULL, NULL);
     s->http = NULL;
-    td_xfer_destroy(s->xfer); /* running sends end with TD_ERR_CLOSED → jobs answered */
+    td_xfer_destroy(s->xfer); /* finished sends: done callbacks with TD_ERR_CLOSED */
     s->xfer = NULL;
+    for (prefill_job_t *j = s->jobs; j; j = j->next)
+        j->send = NULL; /* unfinished sends were freed without a callback */
     if (s->handles_up) {
         uv_close((uv_handle_t *)&s->async, NULL);
         uv_close((uv_handle_t *)&s->sigint, NULL);
@@ -396,13 +690,51 @@ static void on_signal(uv_signal_t *h, int signum)
     shutdown_begin(h->data);
 }
 
+static const double batch_token_buckets[] = {1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384};
+static const double batch_size_buckets[] = {1, 2, 4, 8, 16, 32, 64, 128, 256};
+
+static td_status_t metrics_init(prefill_state_t *s)
+{
+    td_metrics_t *m;
+    td_status_t st;
+    if ((st = td_metrics_create(&s->metrics)) != TD_OK)
+        return st;
+    m = s->metrics;
+    if ((st = td_metrics_counter(m, "tandem_prefill_requests_total", "Prefill calls received", &s->m_requests)) ||
+        (st = td_metrics_counter(m, "tandem_prefill_refused_total", "Prefill calls refused (queue full)", &s->m_refused)) ||
+        (st = td_metrics_counter(m, "tandem_prefill_failed_total", "Prefill calls that failed", &s->m_failed)) ||
+        (st = td_metrics_counter(m, "tandem_prefill_tokens_total", "prompt tokens computed", &s->m_tokens)) ||
+        (st = td_metrics_counter(m, "tandem_prefill_cached_tokens_total", "prompt tokens from the prefix cache",
+                                 &s->m_cached)) ||
+        (st = td_metrics_gauge(m, "tandem_prefill_queue_depth", "Prefill calls accepted and not finished",
+                               &s->m_queue)) ||
+        (st = td_metrics_histogram(m, "tandem_prefill_seconds", "Prefill call accepted until its first token",
+                                   td_metrics_latency_buckets, td_metrics_latency_n_buckets, &s->m_seconds)) ||
+        (st = td_metrics_histogram(m, "tandem_prefill_transfer_seconds",
+                                   "KV push from the first layer until the decode node adopted",
+                                   td_metrics_latency_buckets, td_metrics_latency_n_buckets, &s->m_xfer_s)) ||
+        (st = td_metrics_counter(m, "tandem_prefill_steps_total", "engine steps run", &s->m_steps)) ||
+        (st = td_metrics_histogram(m, "tandem_prefill_step_seconds", "duration of one engine step",
+                                   td_metrics_latency_buckets, td_metrics_latency_n_buckets, &s->m_step_s)) ||
+        (st = td_metrics_histogram(m, "tandem_prefill_batch_tokens", "prompt tokens in one engine step",
+                                   batch_token_buckets, TD_ARRAY_LEN(batch_token_buckets), &s->m_batch_tokens)) ||
+        (st = td_metrics_histogram(m, "tandem_prefill_batch_size", "prompts in one engine step", batch_size_buckets,
+                                   TD_ARRAY_LEN(batch_size_buckets), &s->m_batch_size)))
+        return st;
+    return TD_OK;
+}
+
 int prefill_main(int argc, char **argv)
 {
     prefill_state_t st_, *s = &st_;
     memset(s, 0, sizeof *s);
     prefill_config_t *cfg = &s->cfg;
+    prefill_sched_config_t dsc = prefill_sched_config_default();
     *cfg = (prefill_config_t){.model_name = "default", .router = "127.0.0.1:7070", .host = "127.0.0.1",
-                              .node_id = "prefill0", .kv_blocks = 1024, .chunk = 512, .max_queue = 256};
+                              .node_id = "prefill0", .kv_blocks = 1024, .max_batch_tokens = dsc.max_batch_tokens,
+                              .max_batch = dsc.max_batch, .max_queue = dsc.max_queue,
+                              .max_queued_tokens = dsc.max_queued_tokens, .event_queue = 1024,
+                              .idle_wait_ms = 50, .send_timeout_ms = 30000};
     const router_conf_key_t keys[] = {
         {"model", ROUTER_CONF_STR, &cfg->model, 0, 0, "model path (required)"},
         {"model-name", ROUTER_CONF_STR, &cfg->model_name, 0, 0, "name the router routes by"},
@@ -412,9 +744,20 @@ int prefill_main(int argc, char **argv)
         {"port", ROUTER_CONF_I64, &cfg->port, 0, 65535, "control gRPC port (0 = any)"},
         {"metrics-port", ROUTER_CONF_I64, &cfg->metrics_port, 0, 65535, "/metrics port (0 = any)"},
         {"threads", ROUTER_CONF_I64, &cfg->threads, 0, 4096, "compute threads (0 = all cores)"},
-        {"kv-blocks", ROUTER_CONF_I64, &cfg->kv_blocks, 1, 1 << 24, "KV pool blocks (prefix cache)"},
-        {"chunk", ROUTER_CONF_I64, &cfg->chunk, 1, 1 << 16, "prompt tokens per engine step"},
-        {"max-queue", ROUTER_CONF_I64, &cfg->max_queue, 1, 1 << 20, "prefill jobs waiting at most"},
+        {"kv-blocks", ROUTER_CONF_I64, &cfg->kv_blocks, 1, 1 << 24, "KV pool blocks (prompts in flight + prefix cache)"},
+        {"max-batch-tokens", ROUTER_CONF_I64, &cfg->max_batch_tokens, 1, 1 << 16,
+         "prompt tokens in one engine step (longer prompts are chunked)"},
+        {"max-batch", ROUTER_CONF_I64, &cfg->max_batch, 1, 4096, "prompts in one engine step"},
+        {"max-queue", ROUTER_CONF_I64, &cfg->max_queue, 1, 1 << 20,
+         "Prefill calls accepted and not finished (beyond: RESOURCE_EXHAUSTED)"},
+        {"max-queued-tokens", ROUTER_CONF_I64, &cfg->max_queued_tokens, 1, (int64_t)1 << 40,
+         "prompt tokens waiting or in progress (beyond: RESOURCE_EXHAUSTED)"},
+        {"event-queue", ROUTER_CONF_I64, &cfg->event_queue, 2, 1 << 20,
+         "compute-to-loop events waiting at most (the compute thread waits beyond)"},
+        {"idle-wait-ms", ROUTER_CONF_I64, &cfg->idle_wait_ms, 1, 10000,
+         "compute thread: longest single wait for work or room"},
+        {"send-timeout-ms", ROUTER_CONF_I64, &cfg->send_timeout_ms, 1, 3600000,
+         "KV transfer: first layer until the decode node's verdict"},
         {"log-level", ROUTER_CONF_STR, &cfg->log_level, 0, 0, "error|warn|info|debug"},
     };
     int n_keys = (int)(sizeof keys / sizeof keys[0]);
@@ -442,11 +785,19 @@ int prefill_main(int argc, char **argv)
     int rc = 1;
     pthread_mutex_init(&s->mu, NULL);
     pthread_cond_init(&s->cv, NULL);
-    s->in_tail = &s->in_head;
-    s->out_tail = &s->out_head;
     uv_loop_init(&s->loop);
 
     td_status_t st;
+    s->in_cap = (int32_t)(4 * cfg->max_queue + 16); /* see post() */
+    s->out_cap = (int32_t)cfg->event_queue;
+    s->inbox = calloc((size_t)s->in_cap, sizeof *s->inbox);
+    s->in_local = calloc((size_t)s->in_cap, sizeof *s->in_local);
+    s->outbox = calloc((size_t)s->out_cap, sizeof *s->outbox);
+    s->out_local = calloc((size_t)s->out_cap, sizeof *s->out_local);
+    if (!s->inbox || !s->in_local || !s->outbox || !s->out_local) {
+        td_errorf(TD_ERR_NOMEM, "prefill: out of memory for queues of %d and %d", s->in_cap, s->out_cap);
+        goto out;
+    }
     if ((st = td_model_load(cfg->model, &s->model)) != TD_OK)
         goto out;
     td_cpu_config_t cc = {.n_threads = (int32_t)cfg->threads};
@@ -454,33 +805,25 @@ int prefill_main(int argc, char **argv)
         goto out;
     td_engine_config_t ec = td_engine_config_default();
     ec.n_blocks = (int32_t)cfg->kv_blocks;
-    ec.max_seqs = 1;
-    ec.max_logit_rows = 1;
-    ec.max_batch_tokens = (int32_t)cfg->chunk;
+    ec.max_seqs = (int32_t)cfg->max_batch;
+    ec.max_logit_rows = (int32_t)cfg->max_batch;
+    ec.max_batch_tokens = (int32_t)cfg->max_batch_tokens;
     if ((st = td_engine_create(s->model, s->be, &ec, &s->eng)) != TD_OK)
         goto out;
     s->layout = *td_engine_kv_layout(s->eng);
-    if (!(s->logits = malloc((size_t)s->model->config.vocab_size * sizeof(float)))) {
-        td_errorf(TD_ERR_NOMEM, "prefill: out of memory");
+    s->pool = td_engine_kv_pool(s->eng, &s->pool_blocks);
+    prefill_sched_config_t sc = {.max_queue = (int32_t)cfg->max_queue, .max_queued_tokens = cfg->max_queued_tokens,
+                                 .max_batch_tokens = (int32_t)cfg->max_batch_tokens,
+                                 .max_batch = (int32_t)cfg->max_batch};
+    if ((st = prefill_sched_create(s->eng, &sc, &s->sched)) != TD_OK)
         goto out;
-    }
-    if ((st = td_metrics_create(&s->metrics)) != TD_OK)
-        goto out;
-    td_metrics_t *m = s->metrics;
-    if ((st = td_metrics_counter(m, "tandem_prefill_requests_total", "Prefill calls received", &s->m_requests)) ||
-        (st = td_metrics_counter(m, "tandem_prefill_refused_total", "Prefill calls refused (queue full)", &s->m_refused)) ||
-        (st = td_metrics_counter(m, "tandem_prefill_failed_total", "Prefill calls that failed", &s->m_failed)) ||
-        (st = td_metrics_counter(m, "tandem_prefill_tokens_total", "prompt tokens computed", &s->m_tokens)) ||
-        (st = td_metrics_counter(m, "tandem_prefill_cached_tokens_total", "prompt tokens from the prefix cache", &s->m_cached)) ||
-        (st = td_metrics_gauge(m, "tandem_prefill_queue_depth", "Prefill calls accepted and not answered", &s->m_queue)) ||
-        (st = td_metrics_histogram(m, "tandem_prefill_seconds", "compute time of one prompt", td_metrics_latency_buckets,
-                                   td_metrics_latency_n_buckets, &s->m_seconds)) ||
-        (st = td_metrics_histogram(m, "tandem_prefill_transfer_seconds", "KV push until the decode node adopted",
-                                   td_metrics_latency_buckets, td_metrics_latency_n_buckets, &s->m_xfer_s)))
+    prefill_sched_set_layer_hook(s->sched, on_layer, s);
+    if ((st = metrics_init(s)) != TD_OK)
         goto out;
     td_xfer_config_t xc = td_xfer_config_default();
     xc.name = cfg->node_id;
     xc.listen_ip = NULL;
+    xc.send_timeout_ms = (uint32_t)cfg->send_timeout_ms;
     if ((st = td_xfer_create(&s->loop, &xc, &s->xfer)) != TD_OK)
         goto out;
     td_grpc_server_config_t gc = td_grpc_server_config_default();
@@ -513,14 +856,14 @@ int prefill_main(int argc, char **argv)
     s->thread_started = true;
     router_node_client_config_t nc = {.router_host = rhost, .router_port = rport,
                                       .max_seq_len = (uint32_t)s->model->config.max_seq_len,
-                                      .max_prefill_tokens = (uint32_t)cfg->chunk};
+                                      .max_prefill_tokens = (uint32_t)cfg->max_batch_tokens};
     snprintf(nc.info.id, sizeof nc.info.id, "%s", cfg->node_id);
     nc.info.role = ROUTER_ROLE_PREFILL;
     snprintf(nc.info.model, sizeof nc.info.model, "%s", cfg->model_name);
     nc.info.layout = s->layout;
     snprintf(nc.info.address, sizeof nc.info.address, "%s:%u", cfg->host, td_grpc_server_port(s->grpc));
     nc.info.capacity_blocks = (int32_t)cfg->kv_blocks;
-    nc.info.max_batch = 1;
+    nc.info.max_batch = (int32_t)cfg->max_batch;
     if ((st = router_node_client_create(&s->loop, &nc, load_cb, s, &s->client)) != TD_OK)
         goto out;
     printf("prefill %s: control %s metrics http://%s:%u/metrics\n", cfg->node_id, nc.info.address, cfg->host,
@@ -534,23 +877,29 @@ out:
         shutdown_begin(s);
         uv_run(&s->loop, UV_RUN_DEFAULT);
     }
-    while (s->in_head) { /* jobs the compute thread never took: their calls were closed */
-        prefill_job_t *j = s->in_head;
-        s->in_head = j->next;
-        job_free(j);
+    /* What the loop did not get to: pushes are freed once (their EV_PUSH_END), jobs from
+     * the live list; the scheduler releases what it holds. */
+    for (int32_t i = 0; i < s->out_n; i++) {
+        prefill_event_t *ev = &s->outbox[(s->out_head + i) % s->out_cap];
+        if (ev->kind == EV_PUSH_END)
+            push_free(ev->push);
     }
-    while (s->out_head) {
-        prefill_job_t *j = s->out_head;
-        s->out_head = j->next;
+    while (s->jobs) {
+        prefill_job_t *j = s->jobs;
+        s->jobs = j->next;
         job_free(j);
     }
     if (uv_loop_close(&s->loop) != 0)
         td_warn("prefill: loop closed with handles open");
-    free(s->logits);
+    prefill_sched_destroy(s->sched);
     td_engine_destroy(s->eng);
     td_backend_destroy(s->be);
     td_model_destroy(s->model);
     td_metrics_destroy(s->metrics);
+    free(s->inbox);
+    free(s->in_local);
+    free(s->outbox);
+    free(s->out_local);
     pthread_cond_destroy(&s->cv);
     pthread_mutex_destroy(&s->mu);
     router_conf_free(&store);

@@ -1,7 +1,8 @@
 /*
  * prefill_sched: FIFO chunked-prefill batching over td_engine (see prefill_sched.h).
- * Two lists: `queue` (arrival order, not yet complete) and `done` (complete, holding
- * their blocks until released).
+ * Two lists: `queue` (arrival order, not yet complete) and `done` (complete, or failed
+ * after being pushed, holding their blocks until released). The layer hook rides on the
+ * engine's per-layer hook, set only around steps that finish a prompt.
  */
 #include "prefill_sched.h"
 
@@ -20,6 +21,7 @@ typedef struct pseq {
     int32_t n_cached;
     td_sampler_t *sampler;
     int64_t deadline_ns;
+    bool pushed;          /* its layers went to the layer hook: blocks held until release */
 } pseq_t;
 
 struct prefill_sched {
@@ -36,6 +38,13 @@ struct prefill_sched {
     td_engine_item_t *items;   /* [max_batch] */
     pseq_t **owners;
     float *logits;
+    int32_t block_size;
+    prefill_layer_cb hook;
+    void *hook_arg;
+    prefill_finishing_t *fin;  /* [max_batch] the running step's finishing prompts */
+    int32_t n_fin;
+    int32_t n_step_items;      /* items of the running engine step */
+    bool hook_fired;           /* the running step called the hook at least once */
 };
 
 prefill_sched_config_t prefill_sched_config_default(void)
@@ -75,13 +84,15 @@ td_status_t prefill_sched_create(td_engine_t *eng, const prefill_sched_config_t 
     s->cfg = *cfg;
     s->cfg.max_batch = TD_MIN(TD_MIN(cfg->max_batch, ec->max_seqs), ec->max_logit_rows);
     s->cfg.max_batch_tokens = TD_MIN(cfg->max_batch_tokens, ec->max_batch_tokens);
+    s->block_size = ec->block_size;
     s->queue = calloc((size_t)cfg->max_queue, sizeof *s->queue);
     s->done = calloc((size_t)cfg->max_queue, sizeof *s->done);
     s->outputs = calloc((size_t)cfg->max_queue, sizeof *s->outputs);
     s->items = calloc((size_t)s->cfg.max_batch, sizeof *s->items);
     s->owners = calloc((size_t)s->cfg.max_batch, sizeof *s->owners);
+    s->fin = calloc((size_t)s->cfg.max_batch, sizeof *s->fin);
     s->logits = malloc((size_t)s->cfg.max_batch * s->mc->vocab_size * sizeof(float));
-    if (!s->queue || !s->done || !s->outputs || !s->items || !s->owners || !s->logits) {
+    if (!s->queue || !s->done || !s->outputs || !s->items || !s->owners || !s->logits || !s->fin) {
         prefill_sched_destroy(s);
         return td_errorf(TD_ERR_NOMEM, "prefill sched: out of memory for a queue of %d",
                          cfg->max_queue);
@@ -98,7 +109,7 @@ void prefill_sched_destroy(prefill_sched_t *s)
         pseq_destroy(s, s->queue[i]);
     for (int32_t i = 0; i < s->n_done; i++)
         pseq_destroy(s, s->done[i]);
-    free(s->queue), free(s->done), free(s->outputs), free(s->items), free(s->owners);
+    free(s->queue), free(s->done), free(s->outputs), free(s->items), free(s->owners), free(s->fin);
     free(s->logits);
     free(s);
 }
@@ -191,13 +202,67 @@ td_status_t prefill_sched_release(prefill_sched_t *s, uint64_t id)
     return TD_OK;
 }
 
-/* Fails queue[i]: an output with `st`, everything released. */
+bool prefill_sched_pending(const prefill_sched_t *s, uint64_t id)
+{
+    return index_of(s->queue, s->n_queue, id) >= 0;
+}
+
+void prefill_sched_set_layer_hook(prefill_sched_t *s, prefill_layer_cb cb, void *arg)
+{
+    s->hook = cb;
+    s->hook_arg = cb ? arg : NULL;
+}
+
+/* Fails queue[i]: an output with `st`, everything released, except that a pushed prompt
+ * keeps its blocks (a transfer may be reading them) until the caller releases it. */
 static void fail_at(prefill_sched_t *s, int32_t i, td_status_t st)
 {
     pseq_t *q = s->queue[i];
-    s->outputs[s->n_outputs++] = (prefill_output_t){.id = q->id, .status = st, .first_token = -1};
+    s->outputs[s->n_outputs++] = (prefill_output_t){.id = q->id, .status = st, .first_token = -1,
+                                                    .held = q->pushed};
     unqueue(s, i);
-    pseq_destroy(s, q);
+    if (q->pushed)
+        s->done[s->n_done++] = q;
+    else
+        pseq_destroy(s, q);
+}
+
+/* The engine's per-layer hook during a step that finishes prompts. */
+static void on_engine_layer(void *arg, uint32_t layer)
+{
+    prefill_sched_t *s = arg;
+    if (!s->hook_fired) {
+        s->hook_fired = true;
+        s->n_fin = 0;
+        for (int32_t k = 0; k < s->n_step_items; k++) {
+            if (!s->items[k].n_logits)
+                continue;
+            pseq_t *q = s->owners[k];
+            q->pushed = true;
+            s->fin[s->n_fin++] = (prefill_finishing_t){
+                .id = q->id, .blocks = q->kv.blocks,
+                .n_blocks = (int32_t)TD_DIV_CEIL(q->n_prompt, s->block_size), .n_prompt = q->n_prompt};
+        }
+    }
+    s->hook(s->hook_arg, layer, s->fin, s->n_fin);
+}
+
+/* Runs the engine step over items[0..n_items), with the layer hook when it finishes a
+ * prompt. */
+static td_status_t engine_step(prefill_sched_t *s, int32_t n_items)
+{
+    bool finishing = false;
+    for (int32_t k = 0; k < n_items; k++)
+        finishing |= s->items[k].n_logits > 0;
+    s->hook_fired = false;
+    s->n_step_items = n_items;
+    bool hooked = s->hook && finishing;
+    if (hooked)
+        td_engine_set_layer_hook(s->eng, on_engine_layer, s);
+    td_status_t st = td_engine_step(s->eng, s->items, n_items, s->logits);
+    if (hooked)
+        td_engine_set_layer_hook(s->eng, NULL, NULL);
+    return st;
 }
 
 static int32_t build_batch(prefill_sched_t *s, int32_t max_items, int32_t *n_tokens_p)
@@ -256,9 +321,12 @@ td_status_t prefill_sched_step(prefill_sched_t *s, int64_t now_ns, prefill_step_
         n_items = build_batch(s, max_items, &n_tokens);
         if (n_items == 0)
             break;
-        td_status_t es = td_engine_step(s->eng, s->items, n_items, s->logits);
+        td_status_t es = engine_step(s, n_items);
         if (es == TD_OK)
             break;
+        if (es == TD_ERR_EXHAUSTED && s->hook_fired) /* not the reservation: a real failure */
+            es = td_errorf(TD_ERR_INTERNAL, "prefill sched: the engine ran out of blocks after "
+                           "reserving them");
         if (es == TD_ERR_EXHAUSTED && n_items > 1) {
             /* the batch's youngest gives its blocks back and sits this step out */
             restart_youngest(s);

@@ -14,6 +14,14 @@
  * its blocks until the caller calls prefill_sched_release(); full blocks then stay in the
  * prefix cache for later prompts.
  *
+ * Layer-wise push: with a layer hook set (prefill_sched_set_layer_hook), a step that runs
+ * the last chunk of one or more prompts reports, after each layer, that layer's K/V of
+ * those whole prompts is in the engine's pool (earlier chunks wrote their blocks in
+ * earlier steps), with each prompt's block table, so the data plane can push layer L
+ * while layer L+1 computes. Such a prompt is "pushed": from then on its blocks are held
+ * until prefill_sched_release(), even if it fails afterwards (output.held), so nothing
+ * overwrites them while a transfer may still read them.
+ *
  * When the pool runs out mid-step the youngest started prompt gives its blocks back and
  * restarts later; a prompt larger than the whole pool fails with TD_ERR_EXHAUSTED rather
  * than waiting forever (unless finished, unreleased prompts still hold blocks: then the
@@ -57,6 +65,8 @@ typedef struct prefill_output {
     int32_t first_token;      /* when TD_OK */
     const td_kv_seq_t *seq;   /* when TD_OK: the prompt's KV, valid until prefill_sched_release */
     int32_t n_cached;         /* prompt tokens that came from the prefix cache */
+    bool held;                /* failed after its layers were handed to the layer hook: its
+                                 blocks stay until prefill_sched_release (TD_OK: always) */
 } prefill_output_t;
 
 typedef struct prefill_step_result {
@@ -68,6 +78,22 @@ typedef struct prefill_step_result {
 } prefill_step_result_t;
 
 typedef struct prefill_sched prefill_sched_t;
+
+/* A prompt whose last chunk is in the running step. */
+typedef struct prefill_finishing {
+    uint64_t id;
+    const int32_t *blocks;    /* [n_blocks] its block table in position order; valid
+                                 during the callback (copy it to keep it) */
+    int32_t n_blocks;         /* ceil(n_prompt / block_size) */
+    int32_t n_prompt;         /* tokens whose K/V the blocks hold once the step is done */
+} prefill_finishing_t;
+
+/* After layer `layer` of a step that finishes fin[0..n_fin) (n_fin >= 1): that layer's K/V
+ * of those whole prompts is in the engine's pool. Layers come in order 0 .. n_layers-1,
+ * once each; the same fin list (same order) for every layer of the step. Runs on the
+ * stepping thread inside prefill_sched_step; must not call the scheduler or the engine. */
+typedef void (*prefill_layer_cb)(void *arg, uint32_t layer, const prefill_finishing_t *fin,
+                                 int32_t n_fin);
 
 /* Errors: TD_ERR_INVALID (a limit <= 0), TD_ERR_NOMEM. `eng` must outlive the scheduler. */
 td_status_t prefill_sched_create(td_engine_t *eng, const prefill_sched_config_t *cfg,
@@ -86,8 +112,16 @@ td_status_t prefill_sched_submit(prefill_sched_t *sched, const prefill_request_t
  * TD_ERR_NOT_FOUND for an unknown id. */
 td_status_t prefill_sched_cancel(prefill_sched_t *sched, uint64_t id);
 
-/* The caller has pushed a done prompt's KV: its sequence ends (blocks back, full ones
- * cached). Quiet TD_ERR_NOT_FOUND when id is not a done prompt. */
+/* True while `id` is queued or in progress (not done, not failed): cancelling it then
+ * frees blocks no transfer has seen. */
+bool prefill_sched_pending(const prefill_sched_t *sched, uint64_t id);
+
+/* Sets (cb NULL: removes) the layer hook. Steps without a finishing prompt call nothing. */
+void prefill_sched_set_layer_hook(prefill_sched_t *sched, prefill_layer_cb cb, void *arg);
+
+/* The caller has pushed a done prompt's KV (or gave up on a held failed one): its
+ * sequence ends (blocks back, full ones cached). Quiet TD_ERR_NOT_FOUND when id is not a
+ * done or held prompt. */
 td_status_t prefill_sched_release(prefill_sched_t *sched, uint64_t id);
 
 /*
