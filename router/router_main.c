@@ -33,6 +33,7 @@
 #include "td_util.h"
 
 #define ROUTER_MAX_STOP_IDS 32
+#define ROUTER_DEADLINE_SLACK_NS 10000000ll /* a reset this close to the deadline counts as the deadline */
 
 typedef struct router_config {
     const char *tokenizer;     /* tokenizer path (a model's tokenizer.bin / .json / dir) */
@@ -45,6 +46,7 @@ typedef struct router_config {
     int64_t max_queue;         /* requests waiting at most; beyond → RESOURCE_EXHAUSTED */
     int64_t request_timeout_ms;/* deadline of a request whose client gave none */
     int64_t max_backlog_tokens;/* tokens held for a client not reading; beyond → RESOURCE_EXHAUSTED */
+    int64_t send_queue_bytes;  /* per gateway stream: queued bytes before tokens wait in the backlog */
     int64_t default_max_tokens;
     int64_t lease_ms;
     int64_t rpc_timeout_ms;
@@ -703,9 +705,9 @@ static router_start_t req_start(router_req_t *r)
     r->pick = pick;
     r->tried[r->n_tried++] = pick.pair;
     r->decode_gen = s->peers[pick.pair.decode].generation;
+    if (!r->t_picked) /* the first pick only (an Admit refusal or a retry picks again) */
+        td_metric_observe(s->m_queue_s, (double)(td_now_ns() - r->t_arrival) * 1e-9);
     r->t_picked = td_now_ns();
-    if (r->n_tried == 1)
-        td_metric_observe(s->m_queue_s, (double)(r->t_picked - r->t_arrival) * 1e-9);
     r->state = REQ_ADMIT;
     r->on_node = true;
     s->n_active++;
@@ -1001,10 +1003,13 @@ static void on_generate_cancel(td_grpc_call_t *call, td_status_t why, void *call
 {
     router_req_t *r = call_data;
     if (r) {
+        /* a client's own deadline timer often resets the stream just before ours fires */
+        bool deadline = why == TD_ERR_TIMEOUT ||
+                        (r->deadline_ns && (int64_t)td_now_ns() + ROUTER_DEADLINE_SLACK_NS >= r->deadline_ns);
         r->call = NULL;
-        release_lease(r, why == TD_ERR_TIMEOUT ? TANDEM__CONTROL__V1__RELEASE_REQUEST__REASON__REASON_DEADLINE
-                                               : TANDEM__CONTROL__V1__RELEASE_REQUEST__REASON__REASON_CANCELLED);
-        count_outcome(r->s, why == TD_ERR_TIMEOUT ? "deadline" : "cancelled");
+        release_lease(r, deadline ? TANDEM__CONTROL__V1__RELEASE_REQUEST__REASON__REASON_DEADLINE
+                                  : TANDEM__CONTROL__V1__RELEASE_REQUEST__REASON__REASON_CANCELLED);
+        count_outcome(r->s, deadline ? "deadline" : "cancelled");
         req_free(r);
     }
     td_grpc_call_finish(call, TD_GRPC_CANCELLED, NULL);
@@ -1238,7 +1243,7 @@ static void shutdown_begin(router_state_t *s)
     td_info("router: shutting down");
     while (s->reqs)
         req_fail(s->reqs, TD_GRPC_UNAVAILABLE, "router shutting down", "unavailable");
-    for (int32_t i = 0; i < (int32_t)s->cfg.max_nodes; i++)
+    for (int32_t i = 0; s->peers && i < (int32_t)s->cfg.max_nodes; i++)
         peer_drop(s, i);
     td_grpc_server_close(s->gateway, NULL, NULL);
     td_grpc_server_close(s->control, NULL, NULL);
@@ -1310,7 +1315,7 @@ int router_main(int argc, char **argv)
     router_config_t *cfg = &s->cfg;
     *cfg = (router_config_t){.model_name = "default", .host = "127.0.0.1", .port = 0, .control_port = 0,
                              .max_active = 1024, .max_queue = 4096, .request_timeout_ms = 300000,
-                             .max_backlog_tokens = 4096, .default_max_tokens = 256, .lease_ms = 10000,
+                             .max_backlog_tokens = 4096, .send_queue_bytes = 256 << 10, .default_max_tokens = 256, .lease_ms = 10000,
                              .rpc_timeout_ms = 5000, .heartbeat_ms = 200, .heartbeat_timeout_ms = 1500,
                              .max_nodes = 256};
     const router_conf_key_t keys[] = {
@@ -1327,6 +1332,8 @@ int router_main(int argc, char **argv)
          "deadline of a request without grpc-timeout (0 = none)"},
         {"max-backlog-tokens", ROUTER_CONF_I64, &cfg->max_backlog_tokens, 1, 1 << 24,
          "tokens held for a client not reading its stream; beyond → RESOURCE_EXHAUSTED"},
+        {"send-queue-bytes", ROUTER_CONF_I64, &cfg->send_queue_bytes, 1, 1 << 30,
+         "bytes queued per gateway stream before tokens wait in the router's backlog"},
         {"default-max-tokens", ROUTER_CONF_I64, &cfg->default_max_tokens, 1, 1 << 20, "max_tokens when a request gives 0"},
         {"lease-ms", ROUTER_CONF_I64, &cfg->lease_ms, 10, 600000, "decode lease and prefill bound"},
         {"rpc-timeout-ms", ROUTER_CONF_I64, &cfg->rpc_timeout_ms, 10, 600000, "bound of Admit/Release calls"},
@@ -1383,9 +1390,11 @@ int router_main(int argc, char **argv)
     gc.host = cfg->host;
     gc.port = (uint16_t)cfg->port;
     gc.metrics = s->metrics;
+    gc.send_queue_bytes = (size_t)cfg->send_queue_bytes;
     if ((st = td_grpc_server_create(&s->loop, &gc, &s->gateway)) != TD_OK)
         goto out;
     gc.port = (uint16_t)cfg->control_port;
+    gc.send_queue_bytes = td_grpc_server_config_default().send_queue_bytes;
     if ((st = td_grpc_server_create(&s->loop, &gc, &s->control)) != TD_OK || (st = add_methods(s)) != TD_OK)
         goto out;
     td_http_config_t hc = td_http_config_default();
