@@ -3,7 +3,11 @@
  * the token budget and completes prompts in arrival order; every first token equals the
  * engine's greedy first token for the prompt alone; the returned sequence holds the whole
  * prompt; queued-token accounting; the prefix cache is used on a repeated prompt; a
- * tiny pool restarts prompts instead of failing them, and nothing leaks.
+ * tiny pool restarts prompts instead of failing them, and nothing leaks. The engine's
+ * per-layer hook runs once per layer in order, after that layer's K/V is in the pool, and
+ * never for a step that could not reserve; the scheduler's layer hook reports exactly the
+ * step's finishing prompts with their final block tables, and a done prompt's blocks keep
+ * their bytes while later prompts run until it is released.
  */
 #include <criterion/criterion.h>
 #include <stdio.h>
@@ -271,3 +275,240 @@ Test(prefill_sched, tiny_pool_restarts_and_bounds_refuse, .timeout = 300)
     assert_no_leak(&fx);
     fx_close(&fx);
 }
+
+/* ---- layer hooks --------------------------------------------------------------------- */
+
+typedef struct layer_rec {
+    td_engine_t *eng;
+    const td_engine_item_t *items;
+    int32_t n_items;
+    int32_t calls;
+    int32_t next_layer;         /* the layer expected next */
+    uint8_t *snap;              /* [n_layers][max_blocks] bytes of each layer at its hook */
+    int32_t max_blocks;
+} layer_rec_t;
+
+static size_t block_bytes(td_engine_t *eng)
+{
+    return td_kv_block_bytes(td_engine_kv_layout(eng));
+}
+
+static const uint8_t *pool_block(td_engine_t *eng, uint32_t layer, int32_t block)
+{
+    int32_t nb;
+    const uint8_t *pool = td_engine_kv_pool(eng, &nb);
+    return pool + td_kv_block_offset(td_engine_kv_layout(eng), (uint32_t)nb, layer, (uint32_t)block);
+}
+
+/* Engine hook: records the order, snapshots layer `layer` of item 0's blocks. */
+static void rec_layer(void *arg, uint32_t layer)
+{
+    layer_rec_t *r = arg;
+    cr_assert_eq((int32_t)layer, r->next_layer, "hook for layer %u, expected %d", layer, r->next_layer);
+    r->next_layer++;
+    r->calls++;
+    const td_kv_seq_t *seq = r->items[0].seq;
+    int32_t nb = (int32_t)((seq->n_tokens + r->items[0].n_tokens + 15) / 16);
+    cr_assert_leq(nb, seq->n_blocks, "block table does not cover the step's tokens at the hook");
+    size_t bb = block_bytes(r->eng);
+    for (int32_t b = 0; b < nb; b++)
+        memcpy(r->snap + ((size_t)layer * r->max_blocks + b) * bb, pool_block(r->eng, layer, seq->blocks[b]), bb);
+}
+
+Test(engine_layer_hook, once_per_layer_in_order_after_the_layer_is_written, .timeout = 120)
+{
+    skip_without_model();
+    fixture_t fx;
+    fx_open(&fx, 16); /* 256 tokens */
+    int n_layers = fx.model->config.n_layers;
+    int32_t p[40];
+    for (int i = 0; i < 40; i++)
+        p[i] = 3 + (i * 37) % 400;
+    td_kv_seq_t a, b;
+    td_kv_seq_init(&a);
+    td_kv_seq_init(&b);
+    td_engine_item_t items[2] = {{.seq = &a, .tokens = p, .n_tokens = 40, .n_logits = 1},
+                                 {.seq = &b, .tokens = p + 5, .n_tokens = 20, .n_logits = 1}};
+    layer_rec_t r = {.eng = fx.eng, .items = items, .n_items = 2, .max_blocks = 4};
+    size_t bb = block_bytes(fx.eng);
+    r.snap = calloc((size_t)n_layers * r.max_blocks, bb);
+    float *logits = malloc(2 * (size_t)fx.vocab * sizeof(float));
+    td_engine_set_layer_hook(fx.eng, rec_layer, &r);
+    cr_assert_eq(td_engine_step(fx.eng, items, 2, logits), TD_OK, "%s", td_last_error());
+    cr_assert_eq(r.calls, n_layers, "%d hook calls for %d layers", r.calls, n_layers);
+    /* every layer's bytes at its hook are its final bytes: the hook came after the write */
+    for (int l = 0; l < n_layers; l++)
+        for (int32_t k = 0; k < 3; k++)
+            cr_assert(!memcmp(r.snap + ((size_t)l * r.max_blocks + k) * bb, pool_block(fx.eng, (uint32_t)l, a.blocks[k]),
+                              bb), "layer %d block %d changed after its hook", l, k);
+    /* a second step (decode of one token each) calls the hook again, from layer 0 */
+    r.next_layer = 0;
+    r.calls = 0;
+    items[0].tokens = p + 39;
+    items[0].n_tokens = 1;
+    items[1].tokens = p + 24;
+    items[1].n_tokens = 1;
+    cr_assert_eq(td_engine_step(fx.eng, items, 2, logits), TD_OK, "%s", td_last_error());
+    cr_assert_eq(r.calls, n_layers);
+    /* a step that cannot reserve its blocks calls nothing */
+    td_kv_seq_t big;
+    td_kv_seq_init(&big);
+    static int32_t many[300];
+    for (int i = 0; i < 300; i++)
+        many[i] = 3 + i % 500;
+    td_engine_item_t bi = {.seq = &big, .tokens = many, .n_tokens = 300, .n_logits = 0};
+    r.next_layer = 0;
+    r.calls = 0;
+    r.items = &bi;
+    cr_assert_eq(td_engine_step(fx.eng, &bi, 1, NULL), TD_ERR_EXHAUSTED);
+    cr_assert_eq(r.calls, 0, "the hook ran for a step that reserved nothing");
+    /* removed: no calls */
+    td_engine_set_layer_hook(fx.eng, NULL, NULL);
+    r.items = items;
+    items[0].tokens = p + 1;
+    items[1].tokens = p + 2;
+    cr_assert_eq(td_engine_step(fx.eng, items, 2, logits), TD_OK, "%s", td_last_error());
+    cr_assert_eq(r.calls, 0);
+    td_engine_seq_end(fx.eng, &big);
+    td_engine_seq_end(fx.eng, &a);
+    td_engine_seq_end(fx.eng, &b);
+    assert_no_leak(&fx);
+    free(logits);
+    free(r.snap);
+    fx_close(&fx);
+}
+
+enum { MAX_FIN = 16, MAX_FIN_BLOCKS = 16 };
+
+typedef struct sched_rec {
+    int n_layers;
+    int32_t calls;          /* this step */
+    int32_t next_layer;
+    int32_t n_fin;
+    uint64_t ids[MAX_FIN];
+    int32_t n_blocks[MAX_FIN];
+    int32_t blocks[MAX_FIN][MAX_FIN_BLOCKS];
+} sched_rec_t;
+
+static void rec_sched_layer(void *arg, uint32_t layer, const prefill_finishing_t *fin, int32_t n_fin)
+{
+    sched_rec_t *r = arg;
+    cr_assert_eq((int32_t)layer, r->next_layer, "layer %u out of order (expected %d)", layer, r->next_layer);
+    cr_assert_gt(n_fin, 0, "layer hook for a step that finishes nothing");
+    cr_assert_leq(n_fin, MAX_FIN);
+    r->next_layer++;
+    r->calls++;
+    if (layer == 0) {
+        r->n_fin = n_fin;
+        for (int32_t i = 0; i < n_fin; i++) {
+            r->ids[i] = fin[i].id;
+            r->n_blocks[i] = fin[i].n_blocks;
+            cr_assert_eq(fin[i].n_prompt, n_prompt[fin[i].id]);
+            cr_assert_eq(fin[i].n_blocks, (n_prompt[fin[i].id] + 15) / 16);
+            cr_assert_leq(fin[i].n_blocks, MAX_FIN_BLOCKS);
+            memcpy(r->blocks[i], fin[i].blocks, (size_t)fin[i].n_blocks * sizeof(int32_t));
+        }
+    } else {
+        cr_assert_eq(n_fin, r->n_fin, "finishing list changed within a step");
+        for (int32_t i = 0; i < n_fin; i++) {
+            cr_assert_eq(fin[i].id, r->ids[i]);
+            cr_assert(!memcmp(fin[i].blocks, r->blocks[i], (size_t)fin[i].n_blocks * sizeof(int32_t)));
+        }
+    }
+}
+
+static uint8_t *snapshot_seq(fixture_t *fx, const td_kv_seq_t *seq, int32_t nb)
+{
+    size_t bb = block_bytes(fx->eng);
+    int L = fx->model->config.n_layers;
+    uint8_t *buf = malloc((size_t)L * nb * bb);
+    for (int l = 0; l < L; l++)
+        for (int32_t b = 0; b < nb; b++)
+            memcpy(buf + ((size_t)l * nb + b) * bb, pool_block(fx->eng, (uint32_t)l, seq->blocks[b]), bb);
+    return buf;
+}
+
+Test(prefill_sched, layer_hook_reports_finishing_prompts_and_blocks_hold_until_release, .timeout = 300)
+{
+    skip_without_model();
+    fixture_t fx;
+    fx_open(&fx, 40); /* 640 tokens: later prompts would reuse released blocks */
+    make_prompts(&fx, 41);
+    prefill_sched_config_t cfg = prefill_sched_config_default();
+    cfg.max_batch_tokens = 96;
+    prefill_sched_t *ps;
+    cr_assert_eq(prefill_sched_create(fx.eng, &cfg, &ps), TD_OK);
+    sched_rec_t rec = {.n_layers = fx.model->config.n_layers};
+    prefill_sched_set_layer_hook(ps, rec_sched_layer, &rec);
+    submit_all(ps);
+    cr_assert(prefill_sched_pending(ps, 0));
+    /* the first prompt done is held, its bytes compared after everything else ran */
+    int64_t held_id = -1;
+    int32_t held_nb = 0;
+    uint8_t *held_bytes = NULL;
+    const td_kv_seq_t *held_seq = NULL;
+    int done = 0, restarted = 0;
+    for (int steps = 0; done < N; steps++) {
+        cr_assert_lt(steps, 2000);
+        rec.calls = 0;
+        rec.next_layer = 0;
+        rec.n_fin = 0;
+        prefill_step_result_t r;
+        cr_assert_eq(prefill_sched_step(ps, 0, &r), TD_OK);
+        restarted += r.n_restarted;
+        int32_t n_ok = 0;
+        for (int j = 0; j < r.n_outputs; j++)
+            n_ok += r.outputs[j].status == TD_OK;
+        /* hook calls: all layers when the step finished prompts, none otherwise */
+        cr_assert_eq(rec.calls, n_ok ? rec.n_layers : 0, "step %d: %d hook calls, %d prompts finished", steps,
+                     rec.calls, n_ok);
+        cr_assert_eq(rec.n_fin, n_ok);
+        for (int j = 0; j < r.n_outputs; j++) {
+            const prefill_output_t *o = &r.outputs[j];
+            cr_assert_eq(o->status, TD_OK, "prompt %llu failed", (unsigned long long)o->id);
+            cr_assert_not(o->held);
+            cr_assert_not(prefill_sched_pending(ps, o->id));
+            cr_assert_eq(o->first_token, want[o->id]);
+            int32_t k = 0;
+            while (k < rec.n_fin && rec.ids[k] != o->id)
+                k++;
+            cr_assert_lt(k, rec.n_fin, "prompt %llu finished without a layer report", (unsigned long long)o->id);
+            cr_assert(!memcmp(rec.blocks[k], o->seq->blocks, (size_t)rec.n_blocks[k] * sizeof(int32_t)),
+                      "reported block table differs from the output's");
+            if (held_id < 0) {
+                held_id = (int64_t)o->id;
+                held_seq = o->seq;
+                held_nb = rec.n_blocks[k];
+                held_bytes = snapshot_seq(&fx, o->seq, held_nb);
+            } else {
+                cr_assert_eq(prefill_sched_release(ps, o->id), TD_OK);
+            }
+            done++;
+        }
+    }
+    td_kv_stats_t ks;
+    td_kv_get_stats(td_engine_kv(fx.eng), &ks);
+    cr_assert_gt(ks.evictions + (uint64_t)restarted, 0, "released blocks were never reused: the hold proves nothing");
+    uint8_t *now = snapshot_seq(&fx, held_seq, held_nb);
+    size_t bytes = (size_t)fx.model->config.n_layers * held_nb * block_bytes(fx.eng);
+    cr_assert(!memcmp(held_bytes, now, bytes), "a held prompt's KV changed before its release");
+    cr_assert_geq(ks.used, held_nb, "held blocks not referenced");
+    cr_assert_eq(prefill_sched_unreleased(ps), 1);
+    cr_assert_eq(prefill_sched_release(ps, (uint64_t)held_id), TD_OK);
+    cr_assert_eq(prefill_sched_release(ps, (uint64_t)held_id), TD_ERR_NOT_FOUND, "released twice");
+    assert_no_leak(&fx);
+
+    /* cancel: only a pending prompt is pending; cancelling it frees everything */
+    prefill_request_t rq = {.id = 500, .prompt = prompts[0], .n_prompt = n_prompt[0], .sampling = td_sampling_default()};
+    cr_assert_eq(prefill_sched_submit(ps, &rq), TD_OK);
+    cr_assert(prefill_sched_pending(ps, 500));
+    cr_assert_not(prefill_sched_pending(ps, 501));
+    cr_assert_eq(prefill_sched_cancel(ps, 500), TD_OK);
+    cr_assert_not(prefill_sched_pending(ps, 500));
+    assert_no_leak(&fx);
+    free(held_bytes);
+    free(now);
+    prefill_sched_destroy(ps);
+    fx_close(&fx);
+}
+
