@@ -6,8 +6,10 @@ and exits 0 when the behaviour is right, 1 (with 'FAIL: why' lines) when not:
 
   metric URL NAME [LABEL=VALUE]          print a /metrics value (sum of the matching series)
   waitmetric URL NAME OP VALUE SECONDS   wait until the value OP (== <= >=) VALUE holds
-  cancel HOST:PORT N MAX_TOKENS [URL]    N streams, each cancelled after its first message
-                                         (URL: print the decode node's used KV blocks first)
+  cancel HOST:PORT N MAX_TOKENS AFTER [URL]
+                                         N streams, each cancelled once it has AFTER tokens (0:
+                                         at its first message); URL: print the decode node's
+                                         used KV blocks before the first cancel
   deadline HOST:PORT N MAX_TOKENS SECS   N streams with a client deadline → DEADLINE_EXCEEDED
   rawdeadline HOST:PORT MAX_TOKENS MS [BG]
                                          grpc-timeout header, no client deadline (curl, h2c):
@@ -131,6 +133,7 @@ class Stream:
         self.ids, self.got, self.code, self.details = ids, [], None, ""
         self.first = threading.Event()
         self.t_end = None
+        self.cancelled = False
         self.on_message = on_message
         self.call = stub(request(ids, max_tokens), timeout=timeout)
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -198,22 +201,29 @@ def cmd_waitmetric(url, name, op, value, seconds):
         time.sleep(0.05)
 
 
-def cmd_cancel(target, n, max_tokens, metrics_url=""):
-    """Each stream is cancelled as soon as its first message arrives; with metrics_url, the
-    decode node's used KV blocks are read (and printed) before the first cancel."""
-    n, max_tokens = int(n), int(max_tokens)
+def cmd_cancel(target, n, max_tokens, after, metrics_url=""):
+    """Each stream is cancelled as soon as it has `after` tokens (0: at its first message);
+    with metrics_url, the decode node's used KV blocks are read (and printed) before the first
+    cancel."""
+    n, max_tokens, after = int(n), int(max_tokens), int(after)
     stub = generate_stub(channel(target))
     lock = threading.Lock()
     seen = []
 
-    def cancel_on_first(s):
+    def cancel_when(s):
+        if len(s.got) < after or s.cancelled:
+            return
         with lock:
             if metrics_url and not seen:
                 seen.append(fetch_metric(metrics_url, "tandem_decode_kv_blocks_used"))
                 print("in-flight kv blocks used: %d" % seen[0], flush=True)
+        s.cancelled = True
         s.call.cancel()
 
-    streams = [Stream(stub, [1, 10 + k], max_tokens, on_message=cancel_on_first) for k in range(n)]
+    streams = []
+    for k in range(n):
+        s = Stream(stub, [1, 10 + k], max_tokens, on_message=cancel_when)
+        streams.append(s)
     rc = 0
     for s in streams:
         if not s.join(40):
