@@ -15,6 +15,7 @@ static const struct {
     {"engine", bench_engine, "CPU engine: batch-1 decode vs memory bandwidth, prefill vs sgemm, batched decode"},
     {"kernels", bench_kernels, "CUDA kernels vs copy bandwidth and cuBLAS (needs a GPU)"},
     {"kvxfer", bench_kvxfer, "KV transfer over UCX vs ucx_perftest"},
+    {"router", bench_router, "router overhead and token relay with no-op nodes (one core)"},
 };
 
 int cmd_bench(int argc, char **argv)

@@ -9,5 +9,6 @@
 int bench_engine(int argc, char **argv);  /* bench/bench_engine.c */
 int bench_kernels(int argc, char **argv); /* bench/bench_kernels.c (CUDA kernels) */
 int bench_kvxfer(int argc, char **argv);  /* bench/bench_kvxfer.c */
+int bench_router(int argc, char **argv);  /* bench/bench_router.c */
 
 #endif /* TD_BENCH_H */

@@ -87,6 +87,11 @@ typedef struct td_grpc_server_config {
                                       * returns TD_ERR_BUSY; 256 KiB */
     uint32_t max_connections;        /* further connections are closed at once; 1024 */
     td_metrics_t *metrics;           /* optional: counts tandem_grpc_server_handled_total */
+    uint32_t max_resets_per_s;       /* RST_STREAMs a client may send per second (and in a
+                                      * burst) before its connection gets GOAWAY: nghttp2's
+                                      * "rapid reset" guard, whose own default (1000 burst,
+                                      * 33/s) cuts off a router relaying cancels or racing
+                                      * the end of calls; 0 = nghttp2's; 100000 */
 } td_grpc_server_config_t;
 
 td_grpc_server_config_t td_grpc_server_config_default(void);

@@ -106,6 +106,7 @@ td_grpc_server_config_t td_grpc_server_config_default(void)
         .initial_window_bytes = 1u << 20,
         .send_queue_bytes = 256u << 10,
         .max_connections = 1024,
+        .max_resets_per_s = 100000,
     };
 }
 
@@ -821,6 +822,8 @@ static void on_connection(uv_stream_t *listener, int status)
         goto err_conn;
     }
     nghttp2_option_set_max_deflate_dynamic_table_size(opt, 4096);
+    if (srv->cfg.max_resets_per_s)
+        nghttp2_option_set_stream_reset_rate_limit(opt, srv->cfg.max_resets_per_s, srv->cfg.max_resets_per_s);
     int rc = nghttp2_session_server_new2(&c->ses, cbs, c, opt);
     nghttp2_option_del(opt);
     nghttp2_session_callbacks_del(cbs);

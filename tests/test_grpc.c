@@ -416,3 +416,36 @@ Test(grpc, wire_helpers)
     cr_assert_str_eq(td_grpc_code_name(TD_GRPC_DEADLINE_EXCEEDED), "DEADLINE_EXCEEDED");
     cr_assert_eq(td_grpc_code_from_status(TD_ERR_EXHAUSTED), TD_GRPC_RESOURCE_EXHAUSTED);
 }
+
+/* A client that cancels many calls (a router relaying its clients' cancels, or racing the
+ * end of calls) keeps its connection: nghttp2's own rapid-reset guard (1000 resets, then
+ * 33/s) would answer GOAWAY and every later call on the channel would fail. */
+Test(grpc, many_cancels_keep_the_connection, .timeout = 60)
+{
+    enum { N = 1500 };
+    client_t c;
+    td_grpc_server_config_t cfg = td_grpc_server_config_default();
+    cfg.max_concurrent_streams = N;
+    client_start(&c, &cfg, 0);
+    static result_t r[N];
+    static td_grpc_client_call_t *calls[N];
+    for (int i = 0; i < N; i++)
+        calls[i] = generate(&c, "slow", 1, 0, &r[i]);
+    for (int i = 0; i < 3000 && atomic_load(&c.ts.handled) < N; i++) {
+        uv_run(&c.loop, UV_RUN_NOWAIT);
+        usleep(1000);
+    }
+    cr_assert_eq(atomic_load(&c.ts.handled), N, "the server did not get every call");
+    for (int i = 0; i < N; i++)
+        td_grpc_client_call_cancel(calls[i]);
+    for (int i = 0; i < N; i++)
+        cr_assert_eq(r[i].code, TD_GRPC_CANCELLED);
+    for (int i = 0; i < 3000 && atomic_load(&c.ts.cancels) < N; i++) {
+        uv_run(&c.loop, UV_RUN_NOWAIT); /* let the RST_STREAMs go out */
+        usleep(1000);
+    }
+    cr_assert_eq(atomic_load(&c.ts.cancels), N, "the handler saw %d of %d cancels", atomic_load(&c.ts.cancels), N);
+    cr_assert(td_grpc_channel_is_usable(c.ch), "the server sent GOAWAY after %d cancels", N);
+    list_models_ok(&c);
+    client_stop(&c);
+}

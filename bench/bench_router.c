@@ -1,0 +1,1181 @@
+/*
+ * bench_router: `tandem bench router [--json] [--duration S] [--concurrency N]
+ * [--connections N] [--streams N] [--stream-tokens N] [--prompt-tokens N]
+ * [--router-cpu N] [--bench-cpu N] [--tandem PATH]`.
+ *
+ * What one router costs when the nodes cost nothing (issue 5, "Speed"). A real router
+ * process (`tandem router`, this binary re-executed, pinned to one core) serves a load
+ * generator in this process; the prefill and decode nodes are no-op nodes in this process
+ * too (pinned to another core), speaking the real control protocol over the real gRPC
+ * stack: RegisterNode + Heartbeat through router_node_client, Admit (an instant lease with
+ * fake block ids), Release, Prefill (FIRST_TOKEN then KV_DELIVERED at once, status OK) and
+ * Steps (one StepBatch per loop turn carrying one token for every live lease, then the
+ * finish entries, as fast as the router drains the stream). No model, no tokenizer: the
+ * load generator sends prompt_ids.
+ *
+ * Three phases, each --duration seconds (after a short warm-up):
+ *  (a) requests/s: --concurrency Generate calls with max_tokens 1 kept in flight over
+ *      --connections gRPC connections;
+ *  (b) added latency: one call at a time, alternating a Generate through the router with
+ *      the same no-op work called directly (Admit on the decode node, Prefill on the prefill
+ *      node, the lease's step read from a second Steps subscription); added = router
+ *      percentile - direct percentile;
+ *  (c) token relay: --streams Generate calls of --stream-tokens tokens each (replaced as
+ *      they finish, cancelled at the end); relayed tokens/s counted at the client.
+ * Router CPU time (from /proc/PID/stat) per phase says whether the router or the load
+ * generator was the limit. Rows: name, value, unit, goal, ratio (>= 1 meets the goal; for
+ * latencies ratio = goal / value). Keys in docs/bench.md.
+ */
+#include "td_bench.h"
+
+#include <errno.h>
+#include <getopt.h>
+#include <math.h>
+#include <poll.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "control.pb-c.h"
+#include "router_node_client.h"
+#include "tandem.pb-c.h"
+#include "td_grpc.h"
+#include "td_log.h"
+#include "td_util.h"
+
+#define RB_MODEL "bench"
+#define RB_CAPACITY_BLOCKS (1 << 30)
+#define RB_BLOCK 16
+#define RB_MAX_PROMPT 4096
+#define RB_SUB_ROUTER 0
+#define RB_SUB_DIRECT 1
+#define RB_DIRECT_PREFIX "direct/"
+
+typedef struct rb_opts {
+    double duration_s;        /* per phase */
+    double warmup_s;
+    int concurrency;          /* phase a */
+    int connections;          /* gateway connections */
+    int streams;              /* phase c */
+    int stream_tokens;        /* max_tokens of a phase c stream */
+    int prompt_tokens;
+    int router_cpu, bench_cpu;
+    const char *tandem;
+    const char *router_log;   /* the router's --log-level */
+    const char *phases;       /* which of "abc" to run */
+    bool json;
+} rb_opts_t;
+
+/* A lease of the no-op decode node: admitted, then live once Prefill ran. */
+typedef struct rb_lease {
+    uint64_t id;              /* (generation << 32) | slot; 0 = free slot */
+    uint32_t remaining;       /* tokens still to emit */
+    uint32_t live_idx;        /* index in its subscriber's live array, or UINT32_MAX */
+    uint64_t ready_turn;      /* first stepper turn that may emit it */
+    uint8_t sub;              /* RB_SUB_ROUTER or RB_SUB_DIRECT */
+    uint32_t next_free;
+} rb_lease_t;
+
+/* A Steps subscriber of the no-op decode node and the leases it streams. */
+typedef struct rb_sub {
+    struct rb_state *s;
+    td_grpc_call_t *call;
+    bool blocked;             /* last send was BUSY: wait for the writable callback */
+    uint32_t *live;           /* lease slots */
+    uint32_t n_live, cap_live;
+} rb_sub_t;
+
+typedef enum { PH_IDLE, PH_RPS, PH_LAT, PH_RELAY } rb_phase_t;
+
+typedef struct rb_slot {
+    struct rb_state *s;
+    td_grpc_client_call_t *call;
+    uint64_t t_start;
+    uint32_t tokens;
+} rb_slot_t;
+
+typedef struct rb_samples {
+    double *v;
+    size_t n, cap;
+} rb_samples_t;
+
+typedef struct rb_state {
+    rb_opts_t o;
+    uv_loop_t loop;
+    uv_timer_t wake;
+    bool wake_up;
+    /* router process */
+    pid_t router_pid;
+    uv_pipe_t router_out;
+    bool router_out_open;
+    char sink[4096];
+    char host[64];
+    uint16_t gw_port, ctl_port;
+    /* no-op nodes */
+    td_grpc_server_t *prefill_srv, *decode_srv;
+    router_node_client_t *prefill_cli, *decode_cli;
+    rb_lease_t *leases;
+    uint32_t n_leases, cap_leases, free_head;
+    uint32_t lease_gen;
+    rb_sub_t subs[2];
+    uv_idle_t stepper;
+    bool stepping, stepper_up;
+    uint64_t turn, step_no;
+    Tandem__Control__V1__SeqStep *seq_buf;
+    Tandem__Control__V1__SeqStep **seq_ptrs;
+    uint32_t seq_cap;
+    /* load generator */
+    td_grpc_channel_t **gw;
+    td_grpc_channel_t *d_decode, *d_prefill;
+    td_grpc_client_call_t *d_steps;
+    uint32_t *prompt;
+    rb_phase_t phase;
+    bool issuing;
+    rb_slot_t *slots;
+    int n_slots;
+    int outstanding;
+    uint64_t ok, errors, tokens, issued;
+    char first_error[200];
+    /* phase b */
+    bool lat_busy, lat_direct_next;
+    uint64_t lat_t0, lat_lease, lat_seq;
+    rb_samples_t lat_router, lat_direct;
+    bool failed;              /* a setup or protocol failure: stop */
+} rb_state_t;
+
+/* ---- small helpers ----------------------------------------------------------------------- */
+
+static bool rb_samples_add(rb_samples_t *x, double v)
+{
+    if (x->n == x->cap) {
+        size_t cap = x->cap ? 2 * x->cap : 4096;
+        double *p = realloc(x->v, cap * sizeof *p);
+        if (!p)
+            return false;
+        x->v = p;
+        x->cap = cap;
+    }
+    x->v[x->n++] = v;
+    return true;
+}
+
+static int rb_cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* Nearest-rank percentile of sorted samples; NAN when there are none. */
+static double rb_pct(const rb_samples_t *x, double q)
+{
+    if (!x->n)
+        return NAN;
+    size_t i = (size_t)ceil(q * (double)x->n);
+    return x->v[i ? i - 1 : 0];
+}
+
+/* CPU seconds the router process has used (user + system), or -1. */
+static double rb_proc_cpu_s(pid_t pid)
+{
+    char path[64], buf[1024];
+    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return -1;
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = '\0';
+    const char *p = strrchr(buf, ')');
+    unsigned long long ut = 0, st = 0;
+    /* after ")": state ppid pgrp session tty tpgid flags minflt cminflt majflt cmajflt utime stime */
+    if (!p || sscanf(p + 1, " %*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %llu %llu", &ut, &st) != 2)
+        return -1;
+    return (double)(ut + st) / (double)sysconf(_SC_CLK_TCK);
+}
+
+static double rb_self_cpu_s(void)
+{
+    struct rusage ru;
+    getrusage(RUSAGE_SELF, &ru);
+    return (double)ru.ru_utime.tv_sec + ru.ru_utime.tv_usec * 1e-6 + (double)ru.ru_stime.tv_sec +
+           ru.ru_stime.tv_usec * 1e-6;
+}
+
+static void rb_note_error(rb_state_t *s, td_grpc_code_t code, const char *msg)
+{
+    s->errors++;
+    if (!s->first_error[0])
+        snprintf(s->first_error, sizeof s->first_error, "%s: %s", td_grpc_code_name(code), msg);
+}
+
+static bool rb_pin(pid_t pid, int cpu)
+{
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(cpu, &set);
+    return sched_setaffinity(pid, sizeof set, &set) == 0;
+}
+
+/* ---- no-op decode node: leases and steps ------------------------------------------------- */
+
+static rb_lease_t *rb_lease_find(rb_state_t *s, uint64_t id)
+{
+    uint32_t slot = (uint32_t)(id & 0xffffffffu);
+    if (slot >= s->n_leases || s->leases[slot].id != id || !id)
+        return NULL;
+    return &s->leases[slot];
+}
+
+static rb_lease_t *rb_lease_new(rb_state_t *s)
+{
+    uint32_t slot;
+    if (s->free_head != UINT32_MAX) {
+        slot = s->free_head;
+        s->free_head = s->leases[slot].next_free;
+    } else {
+        if (s->n_leases == s->cap_leases) {
+            uint32_t cap = s->cap_leases ? 2 * s->cap_leases : 1024;
+            rb_lease_t *p = realloc(s->leases, cap * sizeof *p);
+            if (!p)
+                return NULL;
+            s->leases = p;
+            s->cap_leases = cap;
+        }
+        slot = s->n_leases++;
+    }
+    rb_lease_t *l = &s->leases[slot];
+    memset(l, 0, sizeof *l);
+    if (++s->lease_gen == 0)
+        s->lease_gen = 1;
+    l->id = ((uint64_t)s->lease_gen << 32) | slot;
+    l->live_idx = UINT32_MAX;
+    return l;
+}
+
+static void rb_lease_free(rb_state_t *s, rb_lease_t *l)
+{
+    if (l->live_idx != UINT32_MAX) { /* swap-remove from the subscriber's live array */
+        rb_sub_t *sub = &s->subs[l->sub];
+        uint32_t last = sub->live[--sub->n_live];
+        sub->live[l->live_idx] = last;
+        s->leases[last].live_idx = l->live_idx;
+    }
+    uint32_t slot = (uint32_t)(l - s->leases);
+    l->id = 0;
+    l->next_free = s->free_head;
+    s->free_head = slot;
+}
+
+static void on_stepper(uv_idle_t *h);
+
+static void rb_stepper_start(rb_state_t *s)
+{
+    if (!s->stepping) {
+        s->stepping = true;
+        uv_idle_start(&s->stepper, on_stepper);
+    }
+}
+
+/* One step for one subscriber: a token for every live lease that is ready, the finish
+ * entry after a lease's last token. Lease state changes only if the send was accepted. */
+static void rb_step_sub(rb_state_t *s, rb_sub_t *sub, bool *pending)
+{
+    if (!sub->call || sub->blocked || !sub->n_live)
+        return;
+    if (sub->n_live * 2 > s->seq_cap) {
+        uint32_t cap = sub->n_live * 4;
+        Tandem__Control__V1__SeqStep *b = realloc(s->seq_buf, cap * sizeof *b);
+        if (b)
+            s->seq_buf = b;
+        Tandem__Control__V1__SeqStep **p = realloc(s->seq_ptrs, cap * sizeof *p);
+        if (p)
+            s->seq_ptrs = p;
+        if (!b || !p) {
+            s->failed = true;
+            return;
+        }
+        s->seq_cap = cap;
+    }
+    uint32_t n = 0;
+    for (uint32_t i = 0; i < sub->n_live; i++) {
+        const rb_lease_t *l = &s->leases[sub->live[i]];
+        if (l->ready_turn > s->turn) {
+            *pending = true;
+            continue;
+        }
+        Tandem__Control__V1__SeqStep *q = &s->seq_buf[n];
+        tandem__control__v1__seq_step__init(q);
+        q->lease_id = l->id;
+        q->token = (uint32_t)(1 + (s->step_no + i) % 1000);
+        q->event = TANDEM__CONTROL__V1__SEQ_EVENT__SEQ_EVENT_TOKEN;
+        s->seq_ptrs[n] = q;
+        n++;
+        if (l->remaining == 1) {
+            q = &s->seq_buf[n];
+            tandem__control__v1__seq_step__init(q);
+            q->lease_id = l->id;
+            q->event = TANDEM__CONTROL__V1__SEQ_EVENT__SEQ_EVENT_FINISHED_LENGTH;
+            s->seq_ptrs[n] = q;
+            n++;
+        }
+    }
+    if (!n)
+        return;
+    Tandem__Control__V1__StepBatch b = TANDEM__CONTROL__V1__STEP_BATCH__INIT;
+    b.step = ++s->step_no;
+    b.seqs = s->seq_ptrs;
+    b.n_seqs = n;
+    b.free_kv_blocks = RB_CAPACITY_BLOCKS;
+    td_status_t st = td_grpc_call_send(sub->call, &b.base);
+    if (st == TD_ERR_BUSY) {
+        sub->blocked = true;
+        return;
+    }
+    if (st != TD_OK)
+        return; /* cancelled: the cancel callback forgets the subscriber */
+    for (uint32_t i = 0; i < sub->n_live;) {
+        rb_lease_t *l = &s->leases[sub->live[i]];
+        if (l->ready_turn > s->turn) {
+            i++;
+            continue;
+        }
+        if (--l->remaining == 0) {
+            rb_lease_free(s, l); /* swaps another lease into position i */
+            continue;
+        }
+        i++;
+    }
+}
+
+static void on_stepper(uv_idle_t *h)
+{
+    rb_state_t *s = h->data;
+    s->turn++;
+    bool pending = false;
+    for (int i = 0; i < 2; i++)
+        rb_step_sub(s, &s->subs[i], &pending);
+    bool work = pending;
+    for (int i = 0; i < 2; i++)
+        if (s->subs[i].call && !s->subs[i].blocked && s->subs[i].n_live)
+            work = true;
+    if (!work) {
+        s->stepping = false;
+        uv_idle_stop(h);
+    }
+}
+
+static void on_steps_writable(td_grpc_call_t *call, void *data)
+{
+    rb_sub_t *sub = data;
+    sub->blocked = false;
+    rb_stepper_start(sub->s);
+}
+
+static void on_steps_cancel(td_grpc_call_t *call, td_status_t why, void *data)
+{
+    rb_sub_t *sub = data;
+    if (sub && sub->call == call) {
+        sub->call = NULL;
+        sub->blocked = false;
+    }
+    td_grpc_call_finish(call, TD_GRPC_CANCELLED, NULL);
+}
+
+static void on_steps(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data)
+{
+    rb_state_t *s = data;
+    const Tandem__Control__V1__StepsRequest *q = (const void *)msg;
+    int i = !strcmp(q->router_id, "bench-direct") ? RB_SUB_DIRECT : RB_SUB_ROUTER;
+    rb_sub_t *sub = &s->subs[i];
+    if (sub->call) { /* a second subscription replaces the first */
+        td_grpc_call_t *old = sub->call;
+        sub->call = NULL;
+        td_grpc_call_set_data(old, NULL);
+        td_grpc_call_finish(old, TD_GRPC_ABORTED, "replaced by a new subscription");
+    }
+    sub->call = call;
+    sub->blocked = false;
+    td_grpc_call_set_data(call, sub);
+    td_grpc_call_on_cancel(call, on_steps_cancel);
+    td_grpc_call_on_writable(call, on_steps_writable);
+}
+
+static void on_admit(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data)
+{
+    rb_state_t *s = data;
+    const Tandem__Control__V1__AdmitRequest *q = (const void *)msg;
+    if (!q->max_tokens || q->prompt_tokens > RB_MAX_PROMPT) {
+        td_grpc_call_finish(call, TD_GRPC_INVALID_ARGUMENT, "no-op decode: max_tokens 0 or prompt too long");
+        return;
+    }
+    rb_lease_t *l = rb_lease_new(s);
+    if (!l) {
+        td_grpc_call_finish(call, TD_GRPC_RESOURCE_EXHAUSTED, "no-op decode: out of memory");
+        return;
+    }
+    l->remaining = q->max_tokens;
+    l->sub = strncmp(q->request_id, RB_DIRECT_PREFIX, strlen(RB_DIRECT_PREFIX)) ? RB_SUB_ROUTER : RB_SUB_DIRECT;
+    /* fake block ids for the prompt (what a prefill node writes), not the whole reservation:
+     * keeps messages the size they are for short prompts whatever max_tokens is */
+    uint32_t blocks[RB_MAX_PROMPT / RB_BLOCK + 1];
+    size_t nb = q->prompt_tokens / RB_BLOCK + 1;
+    for (size_t i = 0; i < nb; i++)
+        blocks[i] = (uint32_t)i;
+    Tandem__Control__V1__AdmitResponse r = TANDEM__CONTROL__V1__ADMIT_RESPONSE__INIT;
+    r.lease_id = l->id;
+    r.block_ids = blocks;
+    r.n_block_ids = nb;
+    td_grpc_call_reply(call, &r.base);
+}
+
+static void on_release(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data)
+{
+    rb_state_t *s = data;
+    const Tandem__Control__V1__ReleaseRequest *q = (const void *)msg;
+    Tandem__Control__V1__ReleaseResponse r = TANDEM__CONTROL__V1__RELEASE_RESPONSE__INIT;
+    rb_lease_t *l = rb_lease_find(s, q->lease_id);
+    if (l) {
+        rb_lease_free(s, l);
+        r.released = true;
+    }
+    td_grpc_call_reply(call, &r.base);
+}
+
+/* ---- no-op prefill node ------------------------------------------------------------------ */
+
+static void on_prefill(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data)
+{
+    rb_state_t *s = data;
+    const Tandem__Control__V1__PrefillRequest *q = (const void *)msg;
+    rb_lease_t *l = rb_lease_find(s, q->lease_id);
+    if (!l || l->live_idx != UINT32_MAX) {
+        td_grpc_call_finish(call, TD_GRPC_UNAVAILABLE, "no-op prefill: no such lease on the decode node");
+        return;
+    }
+    Tandem__Control__V1__PrefillResponse r = TANDEM__CONTROL__V1__PREFILL_RESPONSE__INIT;
+    r.first_token = 1;
+    r.phase = TANDEM__CONTROL__V1__PREFILL_PHASE__PREFILL_PHASE_FIRST_TOKEN;
+    if (td_grpc_call_send(call, &r.base) != TD_OK) {
+        td_grpc_call_finish(call, TD_GRPC_UNAVAILABLE, "no-op prefill: stream gone");
+        return;
+    }
+    r.phase = TANDEM__CONTROL__V1__PREFILL_PHASE__PREFILL_PHASE_KV_DELIVERED;
+    td_grpc_call_reply(call, &r.base);
+    /* the lease steps from the turn after the one that writes this reply, as a decode node
+     * steps a sequence only after its kv-ready */
+    rb_sub_t *sub = &s->subs[l->sub];
+    if (sub->n_live == sub->cap_live) {
+        uint32_t cap = sub->cap_live ? 2 * sub->cap_live : 1024;
+        uint32_t *p = realloc(sub->live, cap * sizeof *p);
+        if (!p) {
+            s->failed = true;
+            return;
+        }
+        sub->live = p;
+        sub->cap_live = cap;
+    }
+    l->live_idx = sub->n_live;
+    sub->live[sub->n_live++] = (uint32_t)(l - s->leases);
+    l->ready_turn = s->turn + 2;
+    rb_stepper_start(s);
+}
+
+static void rb_load(void *data, router_node_load_t *load)
+{
+    rb_state_t *s = data;
+    load->free_blocks = RB_CAPACITY_BLOCKS;
+    load->running_seqs = 0;
+    load->queued_prefill_tokens = 0;
+    load->step_ms = 0;
+    (void)s;
+}
+
+static td_status_t rb_node_start(rb_state_t *s, router_role_t role)
+{
+    td_grpc_server_config_t sc = td_grpc_server_config_default();
+    sc.host = "127.0.0.1";
+    sc.max_concurrent_streams = 1u << 20;
+    td_grpc_server_t **srv = role == ROUTER_ROLE_DECODE ? &s->decode_srv : &s->prefill_srv;
+    td_status_t st = td_grpc_server_create(&s->loop, &sc, srv);
+    if (st != TD_OK)
+        return st;
+    if (role == ROUTER_ROLE_DECODE) {
+        if ((st = td_grpc_server_add_method(*srv, "/tandem.control.v1.DecodeNode/Admit",
+                                            &tandem__control__v1__admit_request__descriptor, on_admit, s)) ||
+            (st = td_grpc_server_add_method(*srv, "/tandem.control.v1.DecodeNode/Release",
+                                            &tandem__control__v1__release_request__descriptor, on_release, s)) ||
+            (st = td_grpc_server_add_method(*srv, "/tandem.control.v1.DecodeNode/Steps",
+                                            &tandem__control__v1__steps_request__descriptor, on_steps, s)))
+            return st;
+    } else if ((st = td_grpc_server_add_method(*srv, "/tandem.control.v1.PrefillNode/Prefill",
+                                               &tandem__control__v1__prefill_request__descriptor, on_prefill, s))) {
+        return st;
+    }
+    router_node_client_config_t cc = {.router_host = s->host, .router_port = s->ctl_port, .rpc_timeout_ms = 5000,
+                                      .retry_ms = 50, .max_seq_len = 1u << 30, .max_prefill_tokens = 1u << 20};
+    router_node_info_t *in = &cc.info;
+    snprintf(in->id, sizeof in->id, "noop-%s", role == ROUTER_ROLE_DECODE ? "decode" : "prefill");
+    in->role = role;
+    snprintf(in->model, sizeof in->model, "%s", RB_MODEL);
+    in->layout = (td_kv_layout_t){.model_fingerprint = 0xbe4c4, .dtype = TD_BF16, .block_size = RB_BLOCK,
+                                  .n_layers = 1, .n_kv_heads = 1, .head_dim = 64, .version = TD_KV_LAYOUT_VERSION};
+    snprintf(in->address, sizeof in->address, "127.0.0.1:%u", td_grpc_server_port(*srv));
+    in->capacity_blocks = RB_CAPACITY_BLOCKS;
+    in->max_batch = 1 << 20;
+    static const uint8_t fake_xfer[8] = "noop-kv";
+    if (role == ROUTER_ROLE_DECODE) {
+        cc.xfer_desc = fake_xfer;
+        cc.xfer_desc_len = sizeof fake_xfer;
+    }
+    return router_node_client_create(&s->loop, &cc, rb_load, s,
+                                     role == ROUTER_ROLE_DECODE ? &s->decode_cli : &s->prefill_cli);
+}
+
+/* ---- router process ------------------------------------------------------------------------ */
+
+static void rb_alloc(uv_handle_t *h, size_t size, uv_buf_t *buf)
+{
+    rb_state_t *s = h->data; /* the router's stdout after its address lines: read and dropped */
+    *buf = uv_buf_init(s->sink, sizeof s->sink);
+}
+
+static void rb_on_router_out(uv_stream_t *st, ssize_t n, const uv_buf_t *buf)
+{
+    if (n < 0)
+        uv_read_stop(st);
+}
+
+/* Forks and execs `tandem router` pinned to o->router_cpu, reads its gateway and control
+ * addresses from its stdout. */
+static td_status_t rb_router_start(rb_state_t *s, bool pin)
+{
+    int fds[2];
+    if (pipe(fds) != 0)
+        return td_errorf(TD_ERR_IO, "bench router: pipe: %s", strerror(errno));
+    fflush(NULL);
+    pid_t pid = fork();
+    if (pid < 0) {
+        close(fds[0]);
+        close(fds[1]);
+        return td_errorf(TD_ERR_IO, "bench router: fork: %s", strerror(errno));
+    }
+    if (pid == 0) {
+        dup2(fds[1], STDOUT_FILENO);
+        close(fds[0]);
+        close(fds[1]);
+        if (pin && !rb_pin(0, s->o.router_cpu))
+            _exit(126);
+        char *argv[] = {"tandem", "router", "--host", "127.0.0.1", "--port", "0", "--control-port", "0",
+                        "--metrics-port", "0", "--model-name", RB_MODEL, "--max-active", "1000000",
+                        "--heartbeat-ms", "100", "--heartbeat-timeout-ms", "10000", "--lease-ms", "60000",
+                        "--rpc-timeout-ms", "10000", "--log-level", (char *)s->o.router_log, NULL};
+        execv(s->o.tandem, argv);
+        _exit(127);
+    }
+    close(fds[1]);
+    s->router_pid = pid;
+    char buf[1024];
+    size_t len = 0;
+    double deadline = td_now_s() + 10;
+    while (!(s->gw_port && s->ctl_port)) {
+        struct pollfd pf = {.fd = fds[0], .events = POLLIN};
+        int ms = (int)((deadline - td_now_s()) * 1e3);
+        if (ms <= 0 || poll(&pf, 1, ms) <= 0) {
+            close(fds[0]);
+            return td_errorf(TD_ERR_TIMEOUT, "bench router: the router printed no addresses within 10 s");
+        }
+        ssize_t n = read(fds[0], buf + len, sizeof buf - 1 - len);
+        if (n <= 0) {
+            close(fds[0]);
+            return td_errorf(TD_ERR_IO, "bench router: the router exited before serving (see its stderr)");
+        }
+        len += (size_t)n;
+        buf[len] = '\0';
+        char *nl;
+        while ((nl = strchr(buf, '\n'))) {
+            *nl = '\0';
+            unsigned port;
+            char host[64];
+            if (sscanf(buf, "gateway: %63[^:]:%u", host, &port) == 2) {
+                snprintf(s->host, sizeof s->host, "%s", host);
+                s->gw_port = (uint16_t)port;
+            } else if (sscanf(buf, "control: %63[^:]:%u", host, &port) == 2) {
+                s->ctl_port = (uint16_t)port;
+            }
+            len -= (size_t)(nl + 1 - buf);
+            memmove(buf, nl + 1, len + 1);
+        }
+        if (len == sizeof buf - 1)
+            len = 0;
+    }
+    uv_pipe_init(&s->loop, &s->router_out, 0);
+    s->router_out.data = s;
+    if (uv_pipe_open(&s->router_out, fds[0]) != 0) {
+        close(fds[0]);
+        uv_close((uv_handle_t *)&s->router_out, NULL);
+        return td_errorf(TD_ERR_IO, "bench router: cannot watch the router's stdout");
+    }
+    s->router_out_open = true;
+    uv_read_start((uv_stream_t *)&s->router_out, rb_alloc, rb_on_router_out);
+    return TD_OK;
+}
+
+static void rb_router_stop(rb_state_t *s)
+{
+    if (s->router_pid <= 0)
+        return;
+    kill(s->router_pid, SIGTERM);
+    int status;
+    for (int i = 0; i < 500; i++) { /* 5 s, then SIGKILL */
+        if (waitpid(s->router_pid, &status, WNOHANG) == s->router_pid) {
+            s->router_pid = 0;
+            return;
+        }
+        usleep(10000);
+    }
+    kill(s->router_pid, SIGKILL);
+    waitpid(s->router_pid, &status, 0);
+    s->router_pid = 0;
+}
+
+/* ---- load generator ------------------------------------------------------------------------ */
+
+static void rb_run_until(rb_state_t *s, bool (*done)(rb_state_t *), double deadline_s)
+{
+    while (!s->failed && !done(s) && td_now_s() < deadline_s)
+        uv_run(&s->loop, UV_RUN_ONCE);
+}
+
+static bool rb_never(rb_state_t *s)
+{
+    return false;
+}
+
+static bool rb_drained(rb_state_t *s)
+{
+    return s->outstanding == 0 && !s->lat_busy;
+}
+
+static bool rb_ready(rb_state_t *s)
+{
+    return router_node_client_registered(s->prefill_cli) && router_node_client_registered(s->decode_cli) &&
+           s->subs[RB_SUB_ROUTER].call && s->subs[RB_SUB_DIRECT].call;
+}
+
+static void on_wake(uv_timer_t *t)
+{
+}
+
+static void rb_issue(rb_state_t *s, rb_slot_t *slot, uint32_t max_tokens);
+
+static void on_gen_msg(td_grpc_client_call_t *c, const ProtobufCMessage *msg, void *data)
+{
+    rb_slot_t *slot = data;
+    const Tandem__V1__GenerateResponse *r = (const void *)msg;
+    slot->tokens += (uint32_t)r->n_token_ids;
+    slot->s->tokens += r->n_token_ids;
+}
+
+static void rb_lat_next(rb_state_t *s);
+
+static void on_gen_done(td_grpc_client_call_t *c, td_grpc_code_t code, const char *msg, void *data)
+{
+    rb_slot_t *slot = data;
+    rb_state_t *s = slot->s;
+    slot->call = NULL;
+    s->outstanding--;
+    bool full = code == TD_GRPC_OK || (s->phase == PH_RELAY && code == TD_GRPC_CANCELLED && !s->issuing);
+    if (code == TD_GRPC_OK)
+        s->ok++;
+    else if (!full)
+        rb_note_error(s, code, msg);
+    if (s->phase == PH_LAT) {
+        if (code == TD_GRPC_OK)
+            rb_samples_add(&s->lat_router, (double)(td_now_ns() - slot->t_start) * 1e-3);
+        s->lat_busy = false;
+        rb_lat_next(s);
+        return;
+    }
+    if (s->issuing)
+        rb_issue(s, slot, s->phase == PH_RELAY ? (uint32_t)s->o.stream_tokens : 1);
+}
+
+static void rb_issue(rb_state_t *s, rb_slot_t *slot, uint32_t max_tokens)
+{
+    int i = (int)(slot - s->slots);
+    td_grpc_channel_t *ch = s->gw[i % s->o.connections];
+    Tandem__V1__GenerateRequest q = TANDEM__V1__GENERATE_REQUEST__INIT;
+    q.prompt_ids = s->prompt;
+    q.n_prompt_ids = (size_t)s->o.prompt_tokens;
+    q.max_tokens = max_tokens;
+    td_grpc_call_opts_t o = {.response_desc = &tandem__v1__generate_response__descriptor,
+                             .on_message = on_gen_msg, .on_done = on_gen_done, .data = slot,
+                             .timeout_ms = 30000};
+    slot->tokens = 0;
+    slot->t_start = td_now_ns();
+    if (td_grpc_channel_call(ch, "/tandem.v1.Generation/Generate", &q.base, &o, &slot->call) != TD_OK) {
+        slot->call = NULL;
+        rb_note_error(s, TD_GRPC_UNAVAILABLE, td_last_error());
+        s->failed = true;
+        return;
+    }
+    s->issued++;
+    s->outstanding++;
+}
+
+/* Phase b: the direct path, Admit → Prefill → the lease's step on our own subscription. */
+static void on_d_prefill_done(td_grpc_client_call_t *c, td_grpc_code_t code, const char *msg, void *data)
+{
+    rb_state_t *s = data;
+    if (code != TD_GRPC_OK) {
+        rb_note_error(s, code, msg);
+        s->lat_busy = false;
+        rb_lat_next(s);
+    }
+    /* else the sample ends when the finish entry reaches on_d_steps_msg */
+}
+
+static void on_d_admit_msg(td_grpc_client_call_t *c, const ProtobufCMessage *msg, void *data)
+{
+    rb_state_t *s = data;
+    s->lat_lease = ((const Tandem__Control__V1__AdmitResponse *)msg)->lease_id;
+}
+
+static void on_d_admit_done(td_grpc_client_call_t *c, td_grpc_code_t code, const char *msg, void *data)
+{
+    rb_state_t *s = data;
+    if (code != TD_GRPC_OK || !s->lat_lease) {
+        rb_note_error(s, code, msg);
+        s->lat_busy = false;
+        rb_lat_next(s);
+        return;
+    }
+    Tandem__Control__V1__PrefillRequest q = TANDEM__CONTROL__V1__PREFILL_REQUEST__INIT;
+    char id[48];
+    snprintf(id, sizeof id, RB_DIRECT_PREFIX "%llu", (unsigned long long)s->lat_seq);
+    q.request_id = id;
+    q.tokens = s->prompt;
+    q.n_tokens = (size_t)s->o.prompt_tokens;
+    q.decode_node_id = "noop-decode";
+    q.lease_id = s->lat_lease;
+    td_grpc_call_opts_t o = {.response_desc = &tandem__control__v1__prefill_response__descriptor,
+                             .on_done = on_d_prefill_done, .data = s, .timeout_ms = 30000};
+    if (td_grpc_channel_call(s->d_prefill, "/tandem.control.v1.PrefillNode/Prefill", &q.base, &o, NULL) != TD_OK) {
+        rb_note_error(s, TD_GRPC_UNAVAILABLE, td_last_error());
+        s->failed = true;
+    }
+}
+
+static void on_d_steps_msg(td_grpc_client_call_t *c, const ProtobufCMessage *msg, void *data)
+{
+    rb_state_t *s = data;
+    const Tandem__Control__V1__StepBatch *b = (const void *)msg;
+    for (size_t i = 0; i < b->n_seqs; i++) {
+        if (b->seqs[i]->lease_id != s->lat_lease || b->seqs[i]->event == TANDEM__CONTROL__V1__SEQ_EVENT__SEQ_EVENT_TOKEN)
+            continue;
+        if (s->lat_busy) {
+            rb_samples_add(&s->lat_direct, (double)(td_now_ns() - s->lat_t0) * 1e-3);
+            s->ok++;
+            s->lat_busy = false;
+            s->lat_lease = 0;
+            rb_lat_next(s);
+        }
+        return;
+    }
+}
+
+static void on_d_steps_done(td_grpc_client_call_t *c, td_grpc_code_t code, const char *msg, void *data)
+{
+    rb_state_t *s = data;
+    s->d_steps = NULL;
+}
+
+/* Starts the next latency sample (router and direct alternate) unless the phase ended. */
+static void rb_lat_next(rb_state_t *s)
+{
+    if (!s->issuing || s->failed)
+        return;
+    s->lat_busy = true;
+    bool direct = s->lat_direct_next;
+    s->lat_direct_next = !direct;
+    if (!direct) {
+        rb_issue(s, &s->slots[0], 1);
+        return;
+    }
+    s->lat_seq++;
+    s->lat_lease = 0;
+    s->lat_t0 = td_now_ns();
+    Tandem__Control__V1__AdmitRequest q = TANDEM__CONTROL__V1__ADMIT_REQUEST__INIT;
+    char id[48];
+    snprintf(id, sizeof id, RB_DIRECT_PREFIX "%llu", (unsigned long long)s->lat_seq);
+    q.request_id = id;
+    q.prompt_tokens = (uint32_t)s->o.prompt_tokens;
+    q.max_tokens = 1;
+    q.lease_ms = 60000;
+    q.prompt_ids = s->prompt;
+    q.n_prompt_ids = (size_t)s->o.prompt_tokens;
+    td_grpc_call_opts_t o = {.response_desc = &tandem__control__v1__admit_response__descriptor,
+                             .on_message = on_d_admit_msg, .on_done = on_d_admit_done, .data = s,
+                             .timeout_ms = 30000};
+    if (td_grpc_channel_call(s->d_decode, "/tandem.control.v1.DecodeNode/Admit", &q.base, &o, NULL) != TD_OK) {
+        rb_note_error(s, TD_GRPC_UNAVAILABLE, td_last_error());
+        s->failed = true;
+        s->lat_busy = false;
+    }
+}
+
+/* ---- phases ---------------------------------------------------------------------------------- */
+
+typedef struct rb_phase_result {
+    double rate;              /* completions or tokens per second in the window */
+    double router_cpu;        /* router CPU seconds per window second (cores busy) */
+    double bench_cpu;
+    uint64_t count;           /* completions or tokens counted */
+} rb_phase_result_t;
+
+/* Keeps `n` slots busy for warm-up + duration, counting (*counter) over the window. */
+static void rb_run_phase(rb_state_t *s, rb_phase_t ph, int n, uint32_t max_tokens, uint64_t *counter,
+                         rb_phase_result_t *res)
+{
+    s->phase = ph;
+    s->issuing = true;
+    for (int i = 0; i < n && !s->failed; i++)
+        rb_issue(s, &s->slots[i], max_tokens);
+    rb_run_until(s, rb_never, td_now_s() + s->o.warmup_s);
+    uint64_t c0 = *counter;
+    double t0 = td_now_s(), r0 = rb_proc_cpu_s(s->router_pid), b0 = rb_self_cpu_s();
+    rb_run_until(s, rb_never, t0 + s->o.duration_s);
+    uint64_t c1 = *counter;
+    double t1 = td_now_s(), r1 = rb_proc_cpu_s(s->router_pid), b1 = rb_self_cpu_s();
+    s->issuing = false;
+    for (int i = 0; i < n; i++)
+        if (s->slots[i].call && ph == PH_RELAY)
+            td_grpc_client_call_cancel(s->slots[i].call);
+    rb_run_until(s, rb_drained, td_now_s() + 10);
+    res->count = c1 - c0;
+    res->rate = (double)(c1 - c0) / (t1 - t0);
+    res->router_cpu = r0 >= 0 && r1 >= 0 ? (r1 - r0) / (t1 - t0) : NAN;
+    res->bench_cpu = (b1 - b0) / (t1 - t0);
+}
+
+static void rb_run_latency(rb_state_t *s, rb_phase_result_t *res)
+{
+    s->phase = PH_LAT;
+    s->issuing = true;
+    s->lat_direct_next = false;
+    rb_lat_next(s);
+    rb_run_until(s, rb_never, td_now_s() + s->o.warmup_s);
+    s->lat_router.n = s->lat_direct.n = 0;
+    double t0 = td_now_s(), r0 = rb_proc_cpu_s(s->router_pid), b0 = rb_self_cpu_s();
+    rb_run_until(s, rb_never, t0 + s->o.duration_s);
+    double t1 = td_now_s(), r1 = rb_proc_cpu_s(s->router_pid), b1 = rb_self_cpu_s();
+    s->issuing = false;
+    rb_run_until(s, rb_drained, td_now_s() + 10);
+    qsort(s->lat_router.v, s->lat_router.n, sizeof(double), rb_cmp_double);
+    qsort(s->lat_direct.v, s->lat_direct.n, sizeof(double), rb_cmp_double);
+    res->count = s->lat_router.n;
+    res->rate = (double)s->lat_router.n / (t1 - t0);
+    res->router_cpu = r0 >= 0 && r1 >= 0 ? (r1 - r0) / (t1 - t0) : NAN;
+    res->bench_cpu = (b1 - b0) / (t1 - t0);
+}
+
+/* ---- output ---------------------------------------------------------------------------------- */
+
+typedef struct rb_row {
+    const char *name;
+    double value;
+    const char *unit;
+    double goal;              /* NAN: none */
+    bool lower_is_better;
+} rb_row_t;
+
+static double rb_ratio(const rb_row_t *r)
+{
+    if (isnan(r->goal) || isnan(r->value))
+        return NAN;
+    if (r->lower_is_better)
+        return r->value > 0 ? r->goal / r->value : INFINITY;
+    return r->value / r->goal;
+}
+
+static void rb_json_num(double v)
+{
+    if (isnan(v) || isinf(v))
+        printf("null");
+    else
+        printf("%.6g", v);
+}
+
+static void rb_print(const rb_state_t *s, const rb_row_t *rows, int n, bool pinned)
+{
+    if (s->o.json) {
+        printf("{\"bench\": \"router\", \"pinned\": %s, \"router_cpu\": %d, \"bench_cpu\": %d, "
+               "\"cpus\": %d, \"duration_s\": %g, \"concurrency\": %d, \"connections\": %d, "
+               "\"streams\": %d, \"stream_tokens\": %d, \"prompt_tokens\": %d, \"errors\": %llu, \"rows\": [",
+               pinned ? "true" : "false", s->o.router_cpu, s->o.bench_cpu, td_cpu_count(), s->o.duration_s,
+               s->o.concurrency, s->o.connections, s->o.streams, s->o.stream_tokens, s->o.prompt_tokens,
+               (unsigned long long)s->errors);
+        for (int i = 0; i < n; i++) {
+            printf("%s\n  {\"name\": \"%s\", \"value\": ", i ? "," : "", rows[i].name);
+            rb_json_num(rows[i].value);
+            printf(", \"unit\": \"%s\", \"goal\": ", rows[i].unit);
+            rb_json_num(rows[i].goal);
+            printf(", \"ratio\": ");
+            rb_json_num(rb_ratio(&rows[i]));
+            printf("}");
+        }
+        printf("\n]}\n");
+        return;
+    }
+    printf("router bench: router %s, load generator and no-op nodes %s (%d CPUs)\n",
+           pinned ? "pinned to one core" : "not pinned", pinned ? "on another" : "anywhere", td_cpu_count());
+    printf("%-34s %14s %-10s %12s %8s\n", "figure", "value", "unit", "goal", "ratio");
+    for (int i = 0; i < n; i++) {
+        const rb_row_t *r = &rows[i];
+        char goal[32] = "-", ratio[32] = "-";
+        if (!isnan(r->goal)) {
+            snprintf(goal, sizeof goal, "%s%.6g", r->lower_is_better ? "<= " : ">= ", r->goal);
+            snprintf(ratio, sizeof ratio, "%.2f", rb_ratio(r));
+        }
+        printf("%-34s %14.6g %-10s %12s %8s\n", r->name, r->value, r->unit, goal, ratio);
+    }
+    if (s->errors)
+        printf("errors: %llu (first: %s)\n", (unsigned long long)s->errors, s->first_error);
+}
+
+/* ---- main ------------------------------------------------------------------------------------ */
+
+static void rb_usage(FILE *f)
+{
+    fprintf(f,
+            "usage: tandem bench router [--json] [--duration S] [--concurrency N] [--connections N]\n"
+            "                           [--streams N] [--stream-tokens N] [--prompt-tokens N]\n"
+            "                           [--router-cpu N] [--bench-cpu N] [--phases abc] [--tandem PATH]\n"
+            "                           [--router-log LEVEL]\n"
+            "\n"
+            "A real `tandem router` (pinned to --router-cpu, default 0) with no-op prefill and decode\n"
+            "nodes and a gRPC load generator in this process (pinned to --bench-cpu, default 1).\n"
+            "Phases of --duration seconds each (default 5): (a) routed requests/s at --concurrency\n"
+            "(256) max_tokens=1 calls over --connections (8); (b) added latency p50/p99 at\n"
+            "concurrency 1 vs the same no-op node calls made directly; (c) relayed tokens/s over\n"
+            "--streams (64) streams of --stream-tokens (4096). Goals (issue 5): >= 20000\n"
+            "requests/s, >= 1000000 tokens/s, added p99 < 200 us. Keys in docs/bench.md.\n");
+}
+
+static void rb_close_all(rb_state_t *s)
+{
+    if (s->d_steps)
+        td_grpc_client_call_cancel(s->d_steps);
+    for (int i = 0; s->gw && i < s->o.connections; i++)
+        td_grpc_channel_close(s->gw[i], NULL, NULL);
+    td_grpc_channel_close(s->d_decode, NULL, NULL);
+    td_grpc_channel_close(s->d_prefill, NULL, NULL);
+    router_node_client_close(s->prefill_cli);
+    router_node_client_close(s->decode_cli);
+    s->prefill_cli = s->decode_cli = NULL;
+    rb_router_stop(s);
+    td_grpc_server_close(s->prefill_srv, NULL, NULL);
+    td_grpc_server_close(s->decode_srv, NULL, NULL);
+    if (s->stepper_up)
+        uv_close((uv_handle_t *)&s->stepper, NULL);
+    if (s->wake_up)
+        uv_close((uv_handle_t *)&s->wake, NULL);
+    if (s->router_out_open)
+        uv_close((uv_handle_t *)&s->router_out, NULL);
+    uv_run(&s->loop, UV_RUN_DEFAULT);
+    if (uv_loop_close(&s->loop) != 0)
+        td_warn("bench router: loop closed with handles open");
+}
+
+int bench_router(int argc, char **argv)
+{
+    rb_state_t *s = calloc(1, sizeof *s);
+    if (!s) {
+        fprintf(stderr, "tandem bench router: out of memory\n");
+        return 1;
+    }
+    s->o = (rb_opts_t){.duration_s = 5, .warmup_s = 0.5, .concurrency = 256, .connections = 8, .streams = 64,
+                       .stream_tokens = 4096, .prompt_tokens = 16, .router_cpu = 0, .bench_cpu = 1,
+                       .tandem = "/proc/self/exe", .router_log = "error", .phases = "abc"};
+    static const struct option longopts[] = {
+        {"json", no_argument, 0, 'j'},          {"duration", required_argument, 0, 'd'},
+        {"concurrency", required_argument, 0, 'c'}, {"connections", required_argument, 0, 'n'},
+        {"streams", required_argument, 0, 's'}, {"stream-tokens", required_argument, 0, 't'},
+        {"prompt-tokens", required_argument, 0, 'p'}, {"router-cpu", required_argument, 0, 'r'},
+        {"bench-cpu", required_argument, 0, 'b'}, {"tandem", required_argument, 0, 'x'},
+        {"router-log", required_argument, 0, 'l'}, {"phases", required_argument, 0, 'P'},
+        {"help", no_argument, 0, 'h'},          {0, 0, 0, 0}};
+    optind = 1;
+    int c, rc = 2;
+    int64_t v;
+    float f;
+    while ((c = getopt_long(argc, argv, "", longopts, NULL)) != -1) {
+        td_status_t st = TD_OK;
+        switch (c) {
+        case 'j': s->o.json = true; break;
+        case 'd':
+            if ((st = td_parse_f32(optarg, 0.05f, 3600, "--duration", &f)) == TD_OK) {
+                s->o.duration_s = f;
+                s->o.warmup_s = TD_MIN(0.5, f / 5);
+            }
+            break;
+        case 'c': if ((st = td_parse_i64(optarg, 1, 100000, "--concurrency", &v)) == TD_OK) s->o.concurrency = (int)v; break;
+        case 'n': if ((st = td_parse_i64(optarg, 1, 1024, "--connections", &v)) == TD_OK) s->o.connections = (int)v; break;
+        case 's': if ((st = td_parse_i64(optarg, 1, 100000, "--streams", &v)) == TD_OK) s->o.streams = (int)v; break;
+        case 't': if ((st = td_parse_i64(optarg, 1, 1 << 30, "--stream-tokens", &v)) == TD_OK) s->o.stream_tokens = (int)v; break;
+        case 'p': if ((st = td_parse_i64(optarg, 1, RB_MAX_PROMPT, "--prompt-tokens", &v)) == TD_OK) s->o.prompt_tokens = (int)v; break;
+        case 'r': if ((st = td_parse_i64(optarg, 0, CPU_SETSIZE - 1, "--router-cpu", &v)) == TD_OK) s->o.router_cpu = (int)v; break;
+        case 'b': if ((st = td_parse_i64(optarg, 0, CPU_SETSIZE - 1, "--bench-cpu", &v)) == TD_OK) s->o.bench_cpu = (int)v; break;
+        case 'x': s->o.tandem = optarg; break;
+        case 'l': s->o.router_log = optarg; break;
+        case 'P':
+            s->o.phases = optarg;
+            if (!optarg[0] || strspn(optarg, "abc") != strlen(optarg))
+                st = td_errorf(TD_ERR_INVALID, "--phases takes letters of \"abc\"");
+            break;
+        case 'h': rb_usage(stdout); free(s); return 0;
+        default: rb_usage(stderr); free(s); return 2;
+        }
+        if (st != TD_OK) {
+            fprintf(stderr, "tandem bench router: %s\n", td_last_error());
+            free(s);
+            return 2;
+        }
+    }
+    if (optind < argc) {
+        rb_usage(stderr);
+        free(s);
+        return 2;
+    }
+    rc = 1;
+    int n_slots = TD_MAX(TD_MAX(s->o.concurrency, s->o.streams), 1);
+    s->slots = calloc((size_t)n_slots, sizeof *s->slots);
+    s->prompt = malloc((size_t)s->o.prompt_tokens * sizeof *s->prompt);
+    s->gw = calloc((size_t)s->o.connections, sizeof *s->gw);
+    if (!s->slots || !s->prompt || !s->gw) {
+        fprintf(stderr, "tandem bench router: out of memory\n");
+        free(s->slots);
+        free(s->prompt);
+        free(s->gw);
+        free(s);
+        return 1;
+    }
+    s->n_slots = n_slots;
+    for (int i = 0; i < n_slots; i++)
+        s->slots[i].s = s;
+    for (int i = 0; i < s->o.prompt_tokens; i++)
+        s->prompt[i] = (uint32_t)(1 + i % 255);
+    s->free_head = UINT32_MAX;
+    s->subs[0].s = s->subs[1].s = s;
+    signal(SIGPIPE, SIG_IGN);
+
+    /* "one core" for the router is true only if nothing else runs there: the router on
+     * router_cpu, this process (load generator + no-op nodes) on bench_cpu */
+    int cpus = td_cpu_count();
+    bool pin = cpus >= 2 && s->o.router_cpu != s->o.bench_cpu && s->o.router_cpu < cpus && s->o.bench_cpu < cpus;
+    if (pin && !rb_pin(0, s->o.bench_cpu))
+        pin = false;
+    if (!pin)
+        fprintf(stderr, "bench router: %d CPU(s); router and load generator not pinned apart\n", cpus);
+
+    uv_loop_init(&s->loop);
+    uv_timer_init(&s->loop, &s->wake);
+    s->wake_up = true;
+    uv_timer_start(&s->wake, on_wake, 5, 5); /* bounds each UV_RUN_ONCE while waiting */
+    uv_idle_init(&s->loop, &s->stepper);
+    s->stepper.data = s;
+    s->stepper_up = true;
+
+    td_grpc_channel_config_t cc = td_grpc_channel_config_default();
+    if (rb_router_start(s, pin) != TD_OK || rb_node_start(s, ROUTER_ROLE_PREFILL) != TD_OK ||
+        rb_node_start(s, ROUTER_ROLE_DECODE) != TD_OK)
+        goto out;
+    for (int i = 0; i < s->o.connections; i++)
+        if (td_grpc_channel_create(&s->loop, s->host, s->gw_port, &cc, &s->gw[i]) != TD_OK)
+            goto out;
+    if (td_grpc_channel_create(&s->loop, "127.0.0.1", td_grpc_server_port(s->decode_srv), &cc, &s->d_decode) != TD_OK ||
+        td_grpc_channel_create(&s->loop, "127.0.0.1", td_grpc_server_port(s->prefill_srv), &cc, &s->d_prefill) != TD_OK)
+        goto out;
+    Tandem__Control__V1__StepsRequest sr = TANDEM__CONTROL__V1__STEPS_REQUEST__INIT;
+    sr.router_id = "bench-direct";
+    td_grpc_call_opts_t so = {.response_desc = &tandem__control__v1__step_batch__descriptor,
+                              .on_message = on_d_steps_msg, .on_done = on_d_steps_done, .data = s};
+    if (td_grpc_channel_call(s->d_decode, "/tandem.control.v1.DecodeNode/Steps", &sr.base, &so, &s->d_steps) != TD_OK)
+        goto out;
+    rb_run_until(s, rb_ready, td_now_s() + 10);
+    if (!rb_ready(s)) {
+        td_errorf(TD_ERR_TIMEOUT, "bench router: the no-op nodes did not register with the router within 10 s");
+        goto out;
+    }
+    /* the router counts a decode node once its Steps stream is up; give its registry a turn */
+    rb_run_until(s, rb_never, td_now_s() + 0.2);
+
+    rb_phase_result_t a = {.rate = NAN, .router_cpu = NAN, .bench_cpu = NAN}, b = a, cr = a;
+    bool run_a = strchr(s->o.phases, 'a'), run_b = strchr(s->o.phases, 'b'), run_c = strchr(s->o.phases, 'c');
+    if (!s->o.json)
+        fprintf(stderr, "bench router: router pid %d\n", (int)s->router_pid);
+    if (run_a) {
+        if (!s->o.json)
+            fprintf(stderr, "bench router: (a) requests/s, %d in flight, %.1f s\n", s->o.concurrency, s->o.duration_s);
+        rb_run_phase(s, PH_RPS, s->o.concurrency, 1, &s->ok, &a);
+    }
+    if (run_b) {
+        if (!s->o.json)
+            fprintf(stderr, "bench router: (b) latency, 1 in flight, %.1f s\n", s->o.duration_s);
+        rb_run_latency(s, &b);
+    }
+    if (run_c) {
+        if (!s->o.json)
+            fprintf(stderr, "bench router: (c) token relay, %d streams, %.1f s\n", s->o.streams, s->o.duration_s);
+        rb_run_phase(s, PH_RELAY, s->o.streams, (uint32_t)s->o.stream_tokens, &s->tokens, &cr);
+    }
+    if (s->failed) {
+        td_errorf(TD_ERR_INTERNAL, "bench router: the run failed (%s)", s->first_error);
+        goto out;
+    }
+    double r50 = rb_pct(&s->lat_router, 0.50), r99 = rb_pct(&s->lat_router, 0.99);
+    double d50 = rb_pct(&s->lat_direct, 0.50), d99 = rb_pct(&s->lat_direct, 0.99);
+    rb_row_t rows[] = {
+        {"routed_requests_per_s", a.rate, "req/s", 20000, false},
+        {"rps_router_cpu_busy", a.router_cpu, "cores", NAN, false},
+        {"rps_router_cpu_us_per_request", a.rate > 0 ? a.router_cpu / a.rate * 1e6 : NAN, "us", NAN, true},
+        {"rps_bench_cpu_busy", a.bench_cpu, "cores", NAN, false},
+        {"latency_router_p50_us", r50, "us", NAN, true},
+        {"latency_router_p99_us", r99, "us", NAN, true},
+        {"latency_direct_p50_us", d50, "us", NAN, true},
+        {"latency_direct_p99_us", d99, "us", NAN, true},
+        {"added_latency_p50_us", r50 - d50, "us", NAN, true},
+        {"added_latency_p99_us", r99 - d99, "us", 200, true},
+        {"latency_samples", run_b ? (double)b.count : NAN, "calls", NAN, false},
+        {"relayed_tokens_per_s", cr.rate, "tokens/s", 1e6, false},
+        {"relay_router_cpu_busy", cr.router_cpu, "cores", NAN, false},
+        {"relay_router_cpu_ns_per_token", cr.rate > 0 ? cr.router_cpu / cr.rate * 1e9 : NAN, "ns", NAN, true},
+        {"relay_bench_cpu_busy", cr.bench_cpu, "cores", NAN, false},
+    };
+    rb_print(s, rows, (int)TD_ARRAY_LEN(rows), pin);
+    rc = (!run_a || a.count) && (!run_b || b.count) && (!run_c || cr.count) ? 0 : 1;
+    if (rc)
+        fprintf(stderr, "tandem bench router: a phase completed nothing (errors %llu, first: %s)\n",
+                (unsigned long long)s->errors, s->first_error);
+out:
+    if (rc == 1 && td_last_error()[0])
+        fprintf(stderr, "tandem bench router: %s\n", td_last_error());
+    rb_close_all(s);
+    free(s->lat_router.v);
+    free(s->lat_direct.v);
+    free(s->subs[0].live);
+    free(s->subs[1].live);
+    free(s->leases);
+    free(s->seq_buf);
+    free(s->seq_ptrs);
+    free(s->slots);
+    free(s->prompt);
+    free(s->gw);
+    free(s);
+    return rc;
+}
