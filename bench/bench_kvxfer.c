@@ -19,7 +19,6 @@
  */
 #include "td_bench.h"
 
-#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -29,6 +28,7 @@
 #include "td_kv.h"
 #include "td_util.h"
 #include "td_xfer.h"
+#include "td_xfer_testkit.h"
 
 #define KVX_MAX_TOKENS 4096
 #define KVX_MAX_BLOCKS (KVX_MAX_TOKENS / 16)
@@ -45,34 +45,6 @@ typedef struct kvx_lease {
     uint64_t lease_id;
     int32_t blocks[KVX_MAX_BLOCKS];
 } kvx_lease_t;
-
-static bool kvx_write(int fd, const void *p, size_t n)
-{
-    while (n) {
-        ssize_t w = write(fd, p, n);
-        if (w < 0 && errno == EINTR)
-            continue;
-        if (w <= 0)
-            return false;
-        p = (const char *)p + w;
-        n -= (size_t)w;
-    }
-    return true;
-}
-
-static bool kvx_read(int fd, void *p, size_t n)
-{
-    while (n) {
-        ssize_t r = read(fd, p, n);
-        if (r < 0 && errno == EINTR)
-            continue;
-        if (r <= 0)
-            return false;
-        p = (char *)p + r;
-        n -= (size_t)r;
-    }
-    return true;
-}
 
 /* ---- receiver process: leases on request (pipe), adopts and frees ------------------------ */
 
@@ -96,13 +68,13 @@ static void kvx_rx_on_pipe(uv_poll_t *h, int status, int events)
     kvx_rx_t *rx = h->data;
     int32_t n_blocks;
     kvx_lease_t l = {0};
-    if (!kvx_read(rx->rfd, &n_blocks, sizeof n_blocks) ||
+    if (!td_xfer_testkit_read_all(rx->rfd, &n_blocks, sizeof n_blocks) ||
         td_xfer_lease_create(rx->x, 1, n_blocks, 60000, l.blocks, &l.lease_id) != TD_OK) {
         rx->stop = true;
         uv_poll_stop(h);
         return;
     }
-    kvx_write(rx->wfd, &l, sizeof l);
+    td_xfer_testkit_write_all(rx->wfd, &l, sizeof l);
 }
 
 static int kvx_receiver(int rfd, int wfd)
@@ -123,8 +95,8 @@ static int kvx_receiver(int rfd, int wfd)
         td_xfer_describe(rx.x, desc, sizeof desc, &len) != TD_OK)
         return 3;
     memset(td_xfer_pool_base(rx.x), 0, td_kv_pool_bytes(&KVX_LAYOUT, n_blocks)); /* first touch, untimed */
-    kvx_write(wfd, &len, sizeof len);
-    kvx_write(wfd, desc, len);
+    td_xfer_testkit_write_all(wfd, &len, sizeof len);
+    td_xfer_testkit_write_all(wfd, desc, len);
     uv_poll_init(&loop, &rx.pipe_poll, rfd);
     rx.pipe_poll.data = &rx;
     uv_poll_start(&rx.pipe_poll, UV_READABLE, kvx_rx_on_pipe);
@@ -206,18 +178,12 @@ int bench_kvxfer(int argc, char **argv)
             return 2;
         }
     }
-    if (strcmp(transport, "tcp") && strcmp(transport, "sm")) {
+    const char *tls = td_xfer_testkit_tls(transport);
+    if (!tls) {
         fprintf(stderr, "kvxfer: --transport must be tcp or sm, not %s\n", transport);
         return 2;
     }
-    /* sm needs tcp beside it for the listener's connection establishment. */
-    setenv("UCX_TLS", strcmp(transport, "sm") ? "tcp" : "sm,tcp", 1);
-    if (!strcmp(transport, "sm"))
-        setenv("UCX_MM_ERROR_HANDLING", "y", 1); /* shm with peer error handling */
-    setenv("UCX_NET_DEVICES", "lo", 1);
-    setenv("UCX_TCP_CM_REUSEADDR", "y", 1);
-    setenv("UCX_SOCKADDR_TLS_PRIORITY", "tcp", 1);
-    setenv("UCX_WARN_UNUSED_ENV_VARS", "n", 1);
+    td_xfer_testkit_env(tls);
 
     int to_rx[2], to_tx[2];
     if (pipe(to_rx) || pipe(to_tx))
@@ -249,7 +215,7 @@ int bench_kvxfer(int argc, char **argv)
     cfg.name = "kvx-tx";
     cfg.listen_ip = NULL;
     cfg.rma = rma;
-    if (!pool || !lat || !kvx_read(to_tx[0], &len, sizeof len) || len > sizeof desc || !kvx_read(to_tx[0], desc, len))
+    if (!pool || !lat || !td_xfer_testkit_read_all(to_tx[0], &len, sizeof len) || len > sizeof desc || !td_xfer_testkit_read_all(to_tx[0], desc, len))
         goto out;
     for (size_t i = 0; i < pool_bytes; i += 8)
         memcpy(pool + i, &i, 8);
@@ -274,7 +240,7 @@ int bench_kvxfer(int argc, char **argv)
         td_xfer_get_stats(x, &before);
         for (int64_t it = -2; it < iters; it++) { /* two warm-up transfers */
             kvx_lease_t l;
-            if (!kvx_write(to_rx[1], &nb, sizeof nb) || !kvx_read(to_tx[0], &l, sizeof l))
+            if (!td_xfer_testkit_write_all(to_rx[1], &nb, sizeof nb) || !td_xfer_testkit_read_all(to_tx[0], &l, sizeof l))
                 goto out;
             kvx_tx_t t = {0};
             td_xfer_send_params_t p = {.request_id = 1, .lease_id = l.lease_id, .dst_blocks = l.blocks,

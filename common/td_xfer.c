@@ -595,16 +595,33 @@ static void recv_done_cb(void *request, ucs_status_t status, size_t length, void
     lease_check_ready(x, l);
 }
 
+/* The reply endpoint a message came on (NULL when UCX gives none). */
+static ucp_ep_h am_reply_ep(const ucp_am_recv_param_t *param)
+{
+    return (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) ? param->reply_ep : NULL;
+}
+
+/* Every handler's first step: the header must be exactly one `size`-byte header of its
+ * kind (and, for messages only a receiver takes, a pool must be registered); it is copied
+ * out (UCX gives no alignment). A malformed message is counted and ignored. */
+static bool am_unpack(td_xfer_t *x, const void *header, size_t header_length, void *h, size_t size,
+                      bool need_pool)
+{
+    if (header_length != size || (need_pool && !x->have_pool)) {
+        x->stats.fail_protocol++;
+        return false;
+    }
+    memcpy(h, header, size);
+    return true;
+}
+
 static ucs_status_t am_data_cb(void *arg, const void *header, size_t header_length, void *data, size_t length,
                                const ucp_am_recv_param_t *param)
 {
     td_xfer_t *x = arg;
     am_data_hdr_t h;
-    if (header_length != sizeof h || !x->have_pool) {
-        x->stats.fail_protocol++;
+    if (!am_unpack(x, header, header_length, &h, sizeof h, true))
         return UCS_OK;
-    }
-    memcpy(&h, header, sizeof h);
     xfer_lease_t *l = lease_find(x, h.lease_id);
     size_t bb = td_kv_block_bytes(&x->pool.layout);
     if (!l || l->state != LEASE_LIVE) {
@@ -622,8 +639,8 @@ static ucs_status_t am_data_cb(void *arg, const void *header, size_t header_leng
         x->stats.fail_protocol++;
         return UCS_OK;
     }
-    if ((param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) && param->reply_ep)
-        l->writer = conn_of_ep(x, param->reply_ep);
+    if (am_reply_ep(param))
+        l->writer = conn_of_ep(x, am_reply_ep(param));
     char *dst = (char *)x->pool.base + td_kv_block_offset(&x->pool.layout, x->pool.n_blocks, h.layer, h.dst_block);
     if (!(param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV)) {
         memcpy(dst, data, length);
@@ -662,12 +679,9 @@ static ucs_status_t am_ready_cb(void *arg, const void *header, size_t header_len
 {
     td_xfer_t *x = arg;
     am_ready_hdr_t h;
-    ucp_ep_h ep = (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) ? param->reply_ep : NULL;
-    if (header_length != sizeof h || !x->have_pool) {
-        x->stats.fail_protocol++;
+    ucp_ep_h ep = am_reply_ep(param);
+    if (!am_unpack(x, header, header_length, &h, sizeof h, true))
         return UCS_OK;
-    }
-    memcpy(&h, header, sizeof h);
     xfer_lease_t *l = lease_find(x, h.lease_id);
     if (!l || l->state != LEASE_LIVE) {
         td_info("xfer request %" PRIu64 " lease %" PRIu64 ": kv-ready for a dead lease, discarded", h.request_id,
@@ -726,12 +740,9 @@ static ucs_status_t am_hello_cb(void *arg, const void *header, size_t header_len
 {
     td_xfer_t *x = arg;
     am_ack_hdr_t h;
-    ucp_ep_h ep = (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) ? param->reply_ep : NULL;
-    if (header_length != sizeof h) {
-        x->stats.fail_protocol++;
+    ucp_ep_h ep = am_reply_ep(param);
+    if (!am_unpack(x, header, header_length, &h, sizeof h, false))
         return UCS_OK;
-    }
-    memcpy(&h, header, sizeof h);
     send_ctl(x, ep, AM_HELLO_ACK, h.request_id, 0, x->have_pool ? TD_OK : TD_ERR_UNAVAILABLE);
     return UCS_OK;
 }
@@ -743,12 +754,9 @@ static ucs_status_t am_bind_cb(void *arg, const void *header, size_t header_leng
 {
     td_xfer_t *x = arg;
     am_ack_hdr_t h;
-    ucp_ep_h ep = (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) ? param->reply_ep : NULL;
-    if (header_length != sizeof h || !x->have_pool) {
-        x->stats.fail_protocol++;
+    ucp_ep_h ep = am_reply_ep(param);
+    if (!am_unpack(x, header, header_length, &h, sizeof h, true))
         return UCS_OK;
-    }
-    memcpy(&h, header, sizeof h);
     xfer_lease_t *l = lease_find(x, h.lease_id);
     xfer_conn_t *c = ep ? conn_of_ep(x, ep) : NULL;
     td_status_t st = TD_OK;
@@ -774,10 +782,9 @@ static ucs_status_t am_abort_ack_cb(void *arg, const void *header, size_t header
 {
     td_xfer_t *x = arg;
     am_ack_hdr_t h;
-    ucp_ep_h ep = (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) ? param->reply_ep : NULL;
-    if (header_length != sizeof h)
+    ucp_ep_h ep = am_reply_ep(param);
+    if (!am_unpack(x, header, header_length, &h, sizeof h, false))
         return UCS_OK;
-    memcpy(&h, header, sizeof h);
     xfer_lease_t *l = lease_find(x, h.lease_id);
     if (l && l->state == LEASE_DEAD && l->put_writer && ep && l->put_writer == conn_of_ep(x, ep)) {
         l->put_writer = NULL;
@@ -995,9 +1002,8 @@ static td_xfer_peer_t *peer_of_ep(td_xfer_t *x, ucp_ep_h ep);
 
 static td_xfer_peer_t *peer_of_param(td_xfer_t *x, const ucp_am_recv_param_t *param)
 {
-    if (!(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) || !param->reply_ep)
-        return NULL;
-    return peer_of_ep(x, param->reply_ep);
+    ucp_ep_h ep = am_reply_ep(param);
+    return ep ? peer_of_ep(x, ep) : NULL;
 }
 
 static ucs_status_t am_ack_cb(void *arg, const void *header, size_t header_length, void *data, size_t length,
@@ -1005,11 +1011,8 @@ static ucs_status_t am_ack_cb(void *arg, const void *header, size_t header_lengt
 {
     td_xfer_t *x = arg;
     am_ack_hdr_t h;
-    if (header_length != sizeof h) {
-        x->stats.fail_protocol++;
+    if (!am_unpack(x, header, header_length, &h, sizeof h, false))
         return UCS_OK;
-    }
-    memcpy(&h, header, sizeof h);
     td_xfer_send_t *s = send_find(peer_of_param(x, param), h.request_id, h.lease_id);
     if (!s || s->verdict || !s->ready_posted)
         return UCS_OK; /* already timed out or failed */
@@ -1098,9 +1101,8 @@ static ucs_status_t am_hello_ack_cb(void *arg, const void *header, size_t header
 {
     td_xfer_t *x = arg;
     am_ack_hdr_t h;
-    if (header_length != sizeof h)
+    if (!am_unpack(x, header, header_length, &h, sizeof h, false))
         return UCS_OK;
-    memcpy(&h, header, sizeof h);
     for (list_node_t *n = x->peers.next; n != &x->peers; n = n->next) {
         td_xfer_peer_t *p = CONTAINER(n, td_xfer_peer_t, link);
         if (p->cookie == h.request_id && p->alive && !p->hello_done) {
@@ -1120,9 +1122,8 @@ static ucs_status_t am_bind_ack_cb(void *arg, const void *header, size_t header_
 {
     td_xfer_t *x = arg;
     am_ack_hdr_t h;
-    if (header_length != sizeof h)
+    if (!am_unpack(x, header, header_length, &h, sizeof h, false))
         return UCS_OK;
-    memcpy(&h, header, sizeof h);
     td_xfer_send_t *s = send_find(peer_of_param(x, param), h.request_id, h.lease_id);
     if (!s || s->mode != MODE_PUT || s->bound)
         return UCS_OK;
@@ -1162,11 +1163,10 @@ static ucs_status_t am_abort_cb(void *arg, const void *header, size_t header_len
 {
     td_xfer_t *x = arg;
     am_ack_hdr_t h;
-    ucp_ep_h ep = (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) ? param->reply_ep : NULL;
+    ucp_ep_h ep = am_reply_ep(param);
     td_xfer_peer_t *peer = ep ? peer_of_ep(x, ep) : NULL;
-    if (header_length != sizeof h || !peer)
+    if (!am_unpack(x, header, header_length, &h, sizeof h, false) || !peer)
         return UCS_OK;
-    memcpy(&h, header, sizeof h);
     td_xfer_send_t *s = send_find(peer, h.request_id, h.lease_id);
     if (s && !s->done_queued) {
         send_set_status(s, TD_ERR_STALE);

@@ -21,6 +21,7 @@
 #include "td_sampler.h"
 #include "td_util.h"
 #include "td_xfer.h"
+#include "td_xfer_testkit.h"
 
 static const char *stories_path(void)
 {
@@ -156,6 +157,16 @@ static void collect(const decode_step_result_t *r, outcome_t *oc)
             o->status = e->status;
             o->finish_events++;
         }
+    }
+}
+
+/* Steps (at time 0) until nothing is left, folding every event into oc. */
+static void run_to_end(decode_sched_t *ds, outcome_t *oc)
+{
+    while (decode_sched_busy(ds)) {
+        decode_step_result_t r;
+        cr_assert_eq(decode_sched_step(ds, 0, &r), TD_OK);
+        collect(&r, oc);
     }
 }
 
@@ -359,11 +370,7 @@ Test(decode_sched, stop_ids_and_limits, .timeout = 120)
     rq.n_stop_ids = 1;
     cr_assert_eq(decode_sched_admit(ds, &rq), TD_OK);
     outcome_t oc[MAXN] = {0};
-    while (decode_sched_busy(ds)) {
-        decode_step_result_t r;
-        cr_assert_eq(decode_sched_step(ds, 0, &r), TD_OK);
-        collect(&r, oc);
-    }
+    run_to_end(ds, oc);
     cr_assert_eq(oc[3].finish, DECODE_FINISH_STOP);
     if (!earlier)
         cr_assert_eq(oc[3].n, 5);
@@ -390,11 +397,7 @@ Test(decode_sched, stop_ids_and_limits, .timeout = 120)
         longp[i] = 3 + i % 500;
     cr_assert_eq(decode_sched_admit(ds, &rq), TD_OK);
     memset(oc, 0, sizeof oc);
-    while (decode_sched_busy(ds)) {
-        decode_step_result_t r;
-        cr_assert_eq(decode_sched_step(ds, 0, &r), TD_OK);
-        collect(&r, oc);
-    }
+    run_to_end(ds, oc);
     cr_assert(oc[5].finish == DECODE_FINISH_LENGTH || oc[5].finish == DECODE_FINISH_STOP);
     if (oc[5].finish == DECODE_FINISH_LENGTH)
         cr_assert_eq(oc[5].n, 4);
@@ -437,11 +440,7 @@ Test(decode_sched, adopted_kv_continues_the_generation, .timeout = 120)
     free(pre.blocks);
     free(pre.tokens);
     outcome_t oc[MAXN] = {0};
-    while (decode_sched_busy(ds)) {
-        decode_step_result_t r;
-        cr_assert_eq(decode_sched_step(ds, 0, &r), TD_OK);
-        collect(&r, oc);
-    }
+    run_to_end(ds, oc);
     cr_assert_eq(oc[9].n, n);
     for (int i = 0; i < n; i++)
         cr_assert_eq(oc[9].tokens[i], want[i], "token %d: %d, alone %d", i, oc[9].tokens[i], want[i]);
@@ -518,11 +517,7 @@ Test(decode_sched, seeded_split_generation_equals_one_process, .timeout = 120)
     free(pre.blocks); /* the references moved to the scheduler */
     free(pre.tokens);
     outcome_t oc[MAXN] = {0};
-    while (decode_sched_busy(ds)) {
-        decode_step_result_t r;
-        cr_assert_eq(decode_sched_step(ds, 0, &r), TD_OK);
-        collect(&r, oc);
-    }
+    run_to_end(ds, oc);
     cr_assert_eq(oc[3].n, n);
     for (int i = 0; i < n; i++)
         cr_assert_eq(oc[3].tokens[i], want[i], "token %d: split %d, one process %d", i, oc[3].tokens[i],
@@ -580,13 +575,7 @@ static void shared_run_until(shared_fx_t *f, const int *counter, int want, doubl
 static void shared_open(shared_fx_t *f, const char *tls)
 {
     memset(f, 0, sizeof *f);
-    setenv("UCX_TLS", tls, 1);
-    setenv("UCX_NET_DEVICES", "lo", 1);
-    setenv("UCX_TCP_CM_REUSEADDR", "y", 1);
-    setenv("UCX_HANDLE_ERRORS", "none", 1);
-    setenv("UCX_WARN_UNUSED_ENV_VARS", "n", 1);
-    setenv("UCX_MM_ERROR_HANDLING", "y", 1);
-    setenv("UCX_SOCKADDR_TLS_PRIORITY", "tcp", 1);
+    td_xfer_testkit_env(tls);
     fixture_t *fx = &f->fx;
     cr_assert_eq(td_model_load(stories_path(), &fx->model), TD_OK, "%s", td_last_error());
     fx->vocab = fx->model->config.vocab_size;
@@ -698,11 +687,7 @@ static void shared_leases_return_every_block(const char *tls)
     rq.first_token = first;
     cr_assert_eq(decode_sched_admit(ds, &rq), TD_OK, "%s", td_last_error());
     outcome_t oc[MAXN] = {0};
-    while (decode_sched_busy(ds)) {
-        decode_step_result_t r;
-        cr_assert_eq(decode_sched_step(ds, 0, &r), TD_OK);
-        collect(&r, oc);
-    }
+    run_to_end(ds, oc);
     cr_assert_eq(oc[1].n, n);
     for (int i = 0; i < n; i++)
         cr_assert_eq(oc[1].tokens[i], want[i], "token %d: %d, alone %d (the landed KV is what the engine read)",

@@ -11,7 +11,6 @@
  */
 #include <criterion/criterion.h>
 
-#include <errno.h>
 #include <sched.h>
 #include <stdarg.h>
 #include <sys/mount.h>
@@ -26,6 +25,7 @@
 #include "td_kv.h"
 #include "td_util.h"
 #include "td_xfer.h"
+#include "td_xfer_testkit.h"
 
 #define MAX_REQ 64
 
@@ -36,17 +36,6 @@ static const td_kv_layout_t LAYOUT = {.model_fingerprint = 0x7e57u,
                                       .n_kv_heads = 2,
                                       .head_dim = 8,
                                       .version = TD_KV_LAYOUT_VERSION};
-
-static void set_ucx_env(const char *tls)
-{
-    setenv("UCX_TLS", tls, 1);
-    setenv("UCX_NET_DEVICES", "lo", 1);
-    setenv("UCX_TCP_CM_REUSEADDR", "y", 1);
-    setenv("UCX_HANDLE_ERRORS", "none", 1);
-    setenv("UCX_WARN_UNUSED_ENV_VARS", "n", 1);
-    setenv("UCX_MM_ERROR_HANDLING", "y", 1); /* shared memory with peer error handling */
-    setenv("UCX_SOCKADDR_TLS_PRIORITY", "tcp", 1);
-}
 
 static uint64_t splitmix(uint64_t *s)
 {
@@ -75,36 +64,6 @@ static uint32_t plan_tokens(uint64_t seed, int i)
     uint64_t s = seed ^ (uint64_t)i << 32;
     uint32_t bits = 1 + (uint32_t)(splitmix(&s) % 12);
     return 1 + (uint32_t)(splitmix(&s) % (1u << bits)) % 4096;
-}
-
-/* ---- pipes ---------------------------------------------------------------------------- */
-
-static bool write_all(int fd, const void *p, size_t n)
-{
-    while (n) {
-        ssize_t w = write(fd, p, n);
-        if (w < 0 && errno == EINTR)
-            continue;
-        if (w <= 0)
-            return false;
-        p = (const char *)p + w;
-        n -= (size_t)w;
-    }
-    return true;
-}
-
-static bool read_all(int fd, void *p, size_t n)
-{
-    while (n) {
-        ssize_t r = read(fd, p, n);
-        if (r < 0 && errno == EINTR)
-            continue;
-        if (r <= 0)
-            return false;
-        p = (char *)p + r;
-        n -= (size_t)r;
-    }
-    return true;
 }
 
 /* What the receiver tells the sender: its description and the leases. */
@@ -358,12 +317,12 @@ static void receiver_process(int wfd, uint64_t seed, int n_req, const char *ip)
         rc = rx_lease(&rx, n_req, 60000, false);
     if (rc)
         _exit(rc);
-    write_all(wfd, &rx.offer, sizeof rx.offer);
+    td_xfer_testkit_write_all(wfd, &rx.offer, sizeof rx.offer);
     run_until(&rx.loop, &rx.all_in, 60);
     rx_report_t rep = {.adopted = rx.adopted, .bad = rx.bad, .free_after = td_kv_available(rx.kv)};
     td_xfer_get_stats(rx.x, &rep.stats);
     rx_free(&rx);
-    write_all(wfd, &rep, sizeof rep);
+    td_xfer_testkit_write_all(wfd, &rep, sizeof rep);
     _exit(0);
 }
 
@@ -372,7 +331,7 @@ static bool enter_netns(const char *name);
 static void many_requests_in(const char *tls, td_xfer_rma_t rma, uint64_t seed, int n_req, const char *rx_ns,
                              const char *tx_ns, const char *rx_ip)
 {
-    set_ucx_env(tls);
+    td_xfer_testkit_env(tls);
     if (rx_ns)
         setenv("UCX_NET_DEVICES", "tdx0", 1); /* the veth end, named alike in both namespaces */
     int fds[2];
@@ -389,7 +348,7 @@ static void many_requests_in(const char *tls, td_xfer_rma_t rma, uint64_t seed, 
     if (tx_ns)
         cr_assert(enter_netns(tx_ns), "cannot enter netns %s", tx_ns);
     static offer_t o;
-    cr_assert(read_all(fds[0], &o, sizeof o), "receiver failed to start");
+    cr_assert(td_xfer_testkit_read_all(fds[0], &o, sizeof o), "receiver failed to start");
     tx_t tx;
     cr_assert_eq(tx_init_rma(&tx, rma), 0);
     cr_assert_eq(tx_fill(&tx, &o, seed), 0);
@@ -414,7 +373,7 @@ static void many_requests_in(const char *tls, td_xfer_rma_t rma, uint64_t seed, 
     td_xfer_stats_t st;
     td_xfer_get_stats(tx.x, &st);
     rx_report_t rep;
-    cr_assert(read_all(fds[0], &rep, sizeof rep), "receiver died");
+    cr_assert(td_xfer_testkit_read_all(fds[0], &rep, sizeof rep), "receiver died");
     int status;
     waitpid(pid, &status, 0);
     cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0);
@@ -468,7 +427,7 @@ Test(xfer, loopback_tcp_one_request, .timeout = 60)
 
 Test(xfer, layout_mismatch_refused_naming_the_field, .timeout = 60)
 {
-    set_ucx_env("tcp");
+    td_xfer_testkit_env("tcp");
     rx_t rx;
     cr_assert_eq(rx_init(&rx, 1, 64), 0);
     tx_t tx;
@@ -501,7 +460,7 @@ static void idle_receiver_process(int wfd, uint64_t seed, int n_req)
         rc = rx_lease(&rx, n_req, 60000, true);
     if (rc)
         _exit(rc);
-    write_all(wfd, &rx.offer, sizeof rx.offer);
+    td_xfer_testkit_write_all(wfd, &rx.offer, sizeof rx.offer);
     run_until(&rx.loop, &rx.all_in, 60);
     int ok = rx.bad == 0 && rx.adopted == n_req;
     rx_free(&rx);
@@ -510,7 +469,7 @@ static void idle_receiver_process(int wfd, uint64_t seed, int n_req)
 
 Test(xfer, receiver_killed_fails_its_requests_only, .timeout = 60)
 {
-    set_ucx_env("tcp");
+    td_xfer_testkit_env("tcp");
     int fa[2], fb[2];
     cr_assert_eq(pipe(fa), 0);
     cr_assert_eq(pipe(fb), 0);
@@ -521,7 +480,7 @@ Test(xfer, receiver_killed_fails_its_requests_only, .timeout = 60)
     if (b == 0)
         idle_receiver_process(fb[1], 6, 4);
     static offer_t oa, ob;
-    cr_assert(read_all(fa[0], &oa, sizeof oa) && read_all(fb[0], &ob, sizeof ob));
+    cr_assert(td_xfer_testkit_read_all(fa[0], &oa, sizeof oa) && td_xfer_testkit_read_all(fb[0], &ob, sizeof ob));
     tx_t ta, tb; /* two request sets, one sender node */
     cr_assert_eq(tx_init(&ta), 0);
     tb = ta;
@@ -592,7 +551,7 @@ Test(xfer, receiver_killed_fails_its_requests_only, .timeout = 60)
 static void dying_sender_process(int rfd, uint64_t seed, td_xfer_rma_t rma)
 {
     static offer_t o;
-    if (!read_all(rfd, &o, sizeof o))
+    if (!td_xfer_testkit_read_all(rfd, &o, sizeof o))
         _exit(2);
     tx_t tx;
     if (tx_init_rma(&tx, rma) || tx_fill(&tx, &o, seed))
@@ -622,7 +581,7 @@ static void dying_sender_process(int rfd, uint64_t seed, td_xfer_rma_t rma)
  * the leases it was bound to go on its endpoint's loss (it cannot write any more). */
 static void sender_killed(const char *tls, td_xfer_rma_t rma)
 {
-    set_ucx_env(tls);
+    td_xfer_testkit_env(tls);
     int fds[2];
     cr_assert_eq(pipe(fds), 0);
     pid_t pid = fork();
@@ -635,7 +594,7 @@ static void sender_killed(const char *tls, td_xfer_rma_t rma)
     cr_assert_eq(rx_init(&rx, 7, 2048), 0);
     cr_assert_eq(rx_lease(&rx, 8, 1500, false), 0);
     cr_expect_lt(td_kv_available(rx.kv), 2048);
-    cr_assert(write_all(fds[1], &rx.offer, sizeof rx.offer));
+    cr_assert(td_xfer_testkit_write_all(fds[1], &rx.offer, sizeof rx.offer));
     int status = 0;
     bool never = false;
     pid_t w = 0;
@@ -685,7 +644,7 @@ Test(xfer, put_sender_killed_bound_leases_free, .timeout = 60)
  * for a sender that never answers, until quarantine_ms; only then are they leased again. */
 static void expiry_fence(const char *tls, td_xfer_rma_t rma, uint32_t quarantine_ms)
 {
-    set_ucx_env(tls);
+    td_xfer_testkit_env(tls);
     bool put = rma == TD_XFER_RMA_PUT;
     int to_tx[2], to_rx[2];
     cr_assert_eq(pipe(to_tx), 0);
@@ -694,7 +653,7 @@ static void expiry_fence(const char *tls, td_xfer_rma_t rma, uint32_t quarantine
     if (pid == 0) {
         /* Sender: layers 0-1, wait for "go", then layers 2-3 and kv-ready. */
         static offer_t o;
-        if (!read_all(to_tx[0], &o, sizeof o))
+        if (!td_xfer_testkit_read_all(to_tx[0], &o, sizeof o))
             _exit(2);
         tx_t tx;
         if (tx_init_rma(&tx, rma) || tx_fill(&tx, &o, 9) ||
@@ -714,8 +673,8 @@ static void expiry_fence(const char *tls, td_xfer_rma_t rma, uint32_t quarantine
             td_xfer_get_stats(tx.x, &ts);
         } while (ts.bytes_sent < 2 * 7 * td_kv_block_bytes(&LAYOUT) && td_now_s() < until);
         char go;
-        write_all(to_rx[1], "s", 1);
-        if (!read_all(to_tx[0], &go, 1)) /* frozen: no progress at all until "go" */
+        td_xfer_testkit_write_all(to_rx[1], "s", 1);
+        if (!td_xfer_testkit_read_all(to_tx[0], &go, 1)) /* frozen: no progress at all until "go" */
             _exit(5);
         for (uint32_t layer = 2; layer < LAYOUT.n_layers; layer++)
             td_xfer_send_layer(s, layer, tx_layer(&tx, layer), tx.src[0]);
@@ -737,7 +696,7 @@ static void expiry_fence(const char *tls, td_xfer_rma_t rma, uint32_t quarantine
     m->n_tokens = 100;
     m->n_blocks = 7;
     cr_assert_eq(td_xfer_lease_create(rx.x, m->request_id, m->n_blocks, 400, m->blocks, &m->lease_id), TD_OK);
-    cr_assert(write_all(to_tx[1], &rx.offer, sizeof rx.offer));
+    cr_assert(td_xfer_testkit_write_all(to_tx[1], &rx.offer, sizeof rx.offer));
     char c;
     bool never = false;
     /* Receive the sender's first layers (progressing: TCP needs the receiver to), then
@@ -766,11 +725,11 @@ static void expiry_fence(const char *tls, td_xfer_rma_t rma, uint32_t quarantine
             } while (st.quarantine_timeouts == 0 && td_now_s() < end);
             cr_expect_eq(st.quarantine_timeouts, 1);
             cr_expect_eq(td_kv_available(rx.kv), 256);
-            cr_assert(write_all(to_tx[1], "g", 1));
+            cr_assert(td_xfer_testkit_write_all(to_tx[1], "g", 1));
         } else {
             run_until(&rx.loop, &never, 0.2);
             cr_expect_eq(td_kv_available(rx.kv), 256 - 7, "quarantined blocks returned before the abort-ack");
-            cr_assert(write_all(to_tx[1], "g", 1));
+            cr_assert(td_xfer_testkit_write_all(to_tx[1], "g", 1));
             end = td_now_s() + 10;
             while (td_kv_available(rx.kv) != 256 && td_now_s() < end)
                 uv_run(&rx.loop, UV_RUN_ONCE);
@@ -797,7 +756,7 @@ static void expiry_fence(const char *tls, td_xfer_rma_t rma, uint32_t quarantine
         for (int i = 0; i < 7; i++)
             memset((char *)rx.pool + td_kv_block_offset(&LAYOUT, rx.n_blocks, layer, (uint32_t)blocks2[i]), 0xab, bb);
     if (!put) {
-        cr_assert(write_all(to_tx[1], "g", 1));
+        cr_assert(td_xfer_testkit_write_all(to_tx[1], "g", 1));
         end = td_now_s() + 10;
         do {
             uv_run(&rx.loop, UV_RUN_ONCE);
