@@ -138,7 +138,7 @@ typedef struct prefill_state {
     td_http_server_t *http;
     td_metrics_t *metrics;
     td_metric_t *m_requests, *m_refused, *m_failed, *m_tokens, *m_cached, *m_seconds, *m_queue,
-        *m_xfer_s, *m_steps, *m_step_s, *m_batch_tokens, *m_batch_size;
+        *m_xfer_s, *m_steps, *m_step_s, *m_batch_tokens, *m_batch_size, *m_blocks_used;
     router_node_client_t *client;
     pthread_t thread;
     bool thread_started;
@@ -275,6 +275,13 @@ static void handle_msg(prefill_state_t *s, const prefill_msg_t *m)
     }
 }
 
+static void update_blocks_used(prefill_state_t *s)
+{
+    td_kv_stats_t ks;
+    td_kv_get_stats(td_engine_kv(s->eng), &ks);
+    td_metric_set(s->m_blocks_used, ks.used);
+}
+
 /* One scheduler step; false when it made no progress (nothing to run, or the pool is
  * held by prompts whose transfers are still running). */
 static bool run_step(prefill_state_t *s)
@@ -288,6 +295,7 @@ static bool run_step(prefill_state_t *s)
         push_free(s->cur_push); /* stopping: teardown ignores the layer events */
     s->cur_push = NULL;
     atomic_store(&s->sched_tokens, prefill_sched_queued_tokens(s->sched));
+    update_blocks_used(s);
     if (st != TD_OK)
         return false; /* out of memory: logged by the scheduler; try again after a wait */
     if (r.n_seqs > 0) {
@@ -330,8 +338,10 @@ static void *compute_main(void *arg)
         for (int32_t i = 0; i < n; i++)
             handle_msg(s, &s->in_local[i]);
         progressed = prefill_sched_queued(s->sched) > 0 && run_step(s);
-        if (n > 0)
+        if (n > 0) {
             atomic_store(&s->sched_tokens, prefill_sched_queued_tokens(s->sched));
+            update_blocks_used(s);
+        }
     }
     return NULL;
 }
@@ -719,7 +729,9 @@ static td_status_t metrics_init(prefill_state_t *s)
         (st = td_metrics_histogram(m, "tandem_prefill_batch_tokens", "prompt tokens in one engine step",
                                    batch_token_buckets, TD_ARRAY_LEN(batch_token_buckets), &s->m_batch_tokens)) ||
         (st = td_metrics_histogram(m, "tandem_prefill_batch_size", "prompts in one engine step", batch_size_buckets,
-                                   TD_ARRAY_LEN(batch_size_buckets), &s->m_batch_size)))
+                                   TD_ARRAY_LEN(batch_size_buckets), &s->m_batch_size)) ||
+        (st = td_metrics_gauge(m, "tandem_prefill_kv_blocks_used",
+                               "engine KV blocks referenced (prompts in progress or in transfer)", &s->m_blocks_used)))
         return st;
     return TD_OK;
 }
