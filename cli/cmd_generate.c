@@ -341,6 +341,7 @@ typedef struct remote_state {
     char message[512];
     uint64_t t0, t_first, t_last;      /* ns: call start, first and last token */
     uint32_t n_gen;
+    bool got_text;
     bool finished;                     /* the last message (finish_reason) arrived */
     Tandem__V1__FinishReason finish;
     uint32_t prompt_tokens, completion_tokens, cached_tokens;
@@ -412,6 +413,7 @@ static void on_gen_message(td_grpc_client_call_t *call, const ProtobufCMessage *
     } else {
         r->n_gen += (uint32_t)m->n_token_ids;
         if (m->text && m->text[0]) {
+            r->got_text = true;
             fputs(m->text, stdout);
             fflush(stdout);
         }
@@ -637,6 +639,9 @@ static int gen_remote(gen_opts_t *o)
         if (o->print_ids)
             printf("\n");
         fflush(stdout);
+        if (!o->print_ids && r.n_gen && !r.got_text)
+            td_warn("generate: the server sent %u tokens but no text (a router without a tokenizer?): "
+                    "add --print-ids to see the ids", r.n_gen);
         remote_report_timings(&r);
         rc = 0;
     } else {
