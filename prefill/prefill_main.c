@@ -82,6 +82,7 @@ typedef struct prefill_job {
     td_xfer_send_t *send;      /* the transfer, from its layer 0 until its done callback */
     td_status_t xfer_st;       /* first failure starting or feeding the transfer */
     uint64_t t_xfer;
+    uint64_t t_first;          /* the first token's event reached the loop */
     bool pushed;               /* layer 0 of its last step arrived */
     bool computed;             /* the compute thread's verdict (EV_DONE) arrived */
     bool held;                 /* ... and the prompt still holds blocks there */
@@ -419,6 +420,9 @@ static void on_xfer_done(void *arg, uint64_t request_id, td_status_t st)
     double transfer_s = (double)(td_now_ns() - j->t_xfer) * 1e-9;
     if (st == TD_OK && j->xfer_st == TD_OK) {
         td_metric_observe(s->m_xfer_s, transfer_s);
+        td_debug("prefill: request %016llx: %d tokens, first token %.6f s after accept, kv delivered %.6f s "
+                 "after layer 0, %.6f s after the first token", (unsigned long long)j->key, j->n_tokens,
+                 (double)(j->t_first - j->t_accept) * 1e-9, transfer_s, (double)(td_now_ns() - j->t_first) * 1e-9);
         if (j->call) {
             Tandem__Control__V1__PrefillResponse r = TANDEM__CONTROL__V1__PREFILL_RESPONSE__INIT;
             r.phase = TANDEM__CONTROL__V1__PREFILL_PHASE__PREFILL_PHASE_KV_DELIVERED;
@@ -499,7 +503,8 @@ static void on_ev_done(prefill_state_t *s, const prefill_event_t *ev)
             job_maybe_release(j);
         return;
     }
-    double prefill_s = (double)(td_now_ns() - j->t_accept) * 1e-9;
+    j->t_first = td_now_ns();
+    double prefill_s = (double)(j->t_first - j->t_accept) * 1e-9;
     td_metric_observe(s->m_seconds, prefill_s);
     if (!j->pushed && j->xfer_st == TD_OK)
         j->xfer_st = TD_ERR_NOMEM; /* the push could not be recorded (logged) */
