@@ -31,6 +31,9 @@
 #include <unistd.h>
 
 #include <ucp/api/ucp.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 #include "td_log.h"
 #include "td_util.h"
@@ -183,6 +186,8 @@ struct td_xfer_peer {
     void *rkey_buf;    /* packed rkey from the description */
     size_t rkey_len;
     ucp_rkey_h rkey;   /* unpacked on ep at hello; destroyed with x */
+    void *mapped;      /* the receiver's pool mapped here (shared memory, ucp_rkey_ptr):
+                          puts are our own stores into it; NULL otherwise */
     uint32_t ip;       /* network order */
     uint16_t port;
     td_kv_layout_t layout;
@@ -913,6 +918,37 @@ static bool op_ready(const send_op_t *op)
     return !s->peer->alive || s->status != TD_OK || s->mode == MODE_AM || (s->mode == MODE_PUT && s->bound);
 }
 
+/* dst = src for a put into a mapped segment; the stores are globally visible on return.
+ * From nt_min bytes up the destination is written with non-temporal stores: the bytes are
+ * read later by the decode engine, not by us, and a big copy with ordinary stores first
+ * reads every destination line in (read-for-ownership) and evicts the source. */
+static void copy_to_peer(void *dst, const void *src, size_t n, size_t nt_min)
+{
+#if defined(__SSE2__)
+    if (n >= nt_min) {
+        char *d = dst;
+        const char *sp = src;
+        size_t head = (16 - ((uintptr_t)d & 15)) & 15; /* streaming stores want 16-byte alignment */
+        memcpy(d, sp, head);
+        size_t i = head;
+        for (; i + 64 <= n; i += 64) {
+            __m128i a = _mm_loadu_si128((const __m128i *)(sp + i));
+            __m128i b = _mm_loadu_si128((const __m128i *)(sp + i + 16));
+            __m128i c = _mm_loadu_si128((const __m128i *)(sp + i + 32));
+            __m128i e = _mm_loadu_si128((const __m128i *)(sp + i + 48));
+            _mm_stream_si128((__m128i *)(d + i), a);
+            _mm_stream_si128((__m128i *)(d + i + 16), b);
+            _mm_stream_si128((__m128i *)(d + i + 32), c);
+            _mm_stream_si128((__m128i *)(d + i + 48), e);
+        }
+        memcpy(d + i, sp + i, n - i);
+        _mm_sfence(); /* streaming stores are weakly ordered: fence before kv-ready can follow */
+        return;
+    }
+#endif
+    memcpy(dst, src, n);
+}
+
 static void post_op(td_xfer_t *x, send_op_t *op)
 {
     td_xfer_send_t *s = op->s;
@@ -936,6 +972,13 @@ static void post_op(td_xfer_t *x, send_op_t *op)
                                                             op->hdr.dst_block);
         prm.op_attr_mask &= ~(uint32_t)UCP_OP_ATTR_FIELD_FLAGS;
         x->stats.ops_put++;
+        if (s->peer->mapped) {
+            /* Shared memory: what UCX's sysv/posix put would do (a copy into the mapping,
+             * complete in place), with stores that suit a copy nobody here reads again. */
+            copy_to_peer((char *)s->peer->mapped + (raddr - s->peer->base), op->src, op->len, x->cfg.put_nt_min);
+            data_sent_cb(NULL, UCS_OK, op);
+            return;
+        }
         r = ucp_put_nbx(s->peer->ep, op->src, op->len, raddr, s->peer->rkey, &prm);
     } else {
         x->stats.ops_am++;
@@ -1079,6 +1122,7 @@ static void peer_decide(td_xfer_t *x, td_xfer_peer_t *peer)
 #endif
             for (size_t off = 0; off < n; off += (size_t)pg)
                 (void)*(volatile char *)(a + off);
+        peer->mapped = mapped;
     }
 out:
     td_info("xfer peer %s:%u: kv by %s (rma %s%s%s)", ip, peer->port, peer->use_put ? "put" : "active messages",
@@ -1621,7 +1665,8 @@ td_xfer_config_t td_xfer_config_default(void)
                               .send_timeout_ms = 30000,
                               .tick_ms = 10,
                               .rma = TD_XFER_RMA_AUTO,
-                              .quarantine_ms = 10000};
+                              .quarantine_ms = 10000,
+                              .put_nt_min = (size_t)256 << 10};
 }
 
 td_status_t td_xfer_rma_parse(const char *s, td_xfer_rma_t *rma_p)

@@ -74,10 +74,12 @@ typedef struct td_xfer_config {
     td_xfer_rma_t rma;         /* sender: primitive per peer */
     uint32_t quarantine_ms;    /* receiver: bound on holding a dead lease's blocks while
                                   its put writer has not confirmed the abort */
+    size_t put_nt_min;         /* sender, shared memory: puts of this many bytes and more
+                                  are copied with non-temporal stores (docs/xfer.md) */
 } td_xfer_config_t;
 
 /* Defaults: listen on 127.0.0.1 port 0, 64 ops in flight, 30 s send bound, 10 ms tick,
- * rma auto, 10 s quarantine. */
+ * rma auto, 10 s quarantine, non-temporal copies from 256 KiB. */
 td_xfer_config_t td_xfer_config_default(void);
 
 /* Prometheus names in docs/xfer.md. Counters only grow; gauges are current values. */
