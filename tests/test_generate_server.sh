@@ -125,17 +125,21 @@ PORT=$(/usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1
 expect_fail 1 'cannot reach the server' "$BIN" generate --server "127.0.0.1:$PORT" --prompt-ids "1"
 /usr/bin/python3 -c '
 import socket, sys, time
-s = socket.socket(); s.bind(("127.0.0.1", 0)); s.listen(8)
+s = socket.socket(); s.bind(("127.0.0.1", 0)); s.listen(8); s.settimeout(60)
 print(s.getsockname()[1], flush=True)
-time.sleep(60)' >"$T/silent" &
+conns = []
+while True:  # accepts, reads what the client sends (its HTTP/2 preface), never answers
+    c, _ = s.accept(); c.settimeout(10); c.recv(4096); conns.append(c)
+    print("read", flush=True)' >"$T/silent" &
 PIDS+=($!)
 for _ in $(seq 50); do [ -s "$T/silent" ] && break; sleep 0.1; done
-SILENT="127.0.0.1:$(cat "$T/silent")"
+SILENT="127.0.0.1:$(head -1 "$T/silent")"
 expect_fail 1 'no answer from' "$BIN" generate --server "$SILENT" --prompt-ids "1" --connect-timeout 0.5
 # SIGINT while waiting: the call is cancelled and the command says so
 "$BIN" generate --server "$SILENT" --prompt-ids "1" --connect-timeout 30 >/dev/null 2>"$T/ierr" &
 GP=$!
-sleep 0.3
+# once the silent server read the client's preface, the client is inside its event loop
+for _ in $(seq 100); do [ "$(grep -c read "$T/silent")" -ge 2 ] && break; sleep 0.05; done
 kill -INT $GP
 wait $GP; rc=$?
 [ $rc -eq 1 ] && grep -q 'interrupted' "$T/ierr" || bad "SIGINT: exit $rc, stderr: $(cat "$T/ierr")"
