@@ -557,7 +557,8 @@ static void on_prefill_cancel(td_grpc_call_t *call, td_status_t why, void *call_
     if (!j)
         return;
     j->call = NULL;
-    td_debug("prefill: request %016llx cancelled (%s)", (unsigned long long)j->key, td_strerror(why));
+    td_debug("prefill: request %016llx cancelled (%s) %s", (unsigned long long)j->key, td_strerror(why),
+             j->send ? "during its transfer" : j->computed ? "after its transfer" : "before its last step");
     if (j->send) {
         job_abort_send(j, TD_ERR_CANCELLED); /* done callback → release */
     } else if (!j->computed && !j->cancel_posted) {
