@@ -21,11 +21,11 @@ and exits 0 when the behaviour is right, 1 (with 'FAIL: why' lines) when not:
                                          the decode node PID signalled once every stream has a
                                          token: its streams end UNAVAILABLE within BOUND_MS,
                                          the others equal their references
-  prefillkill HOST:PORT PID WAIT_MS REFS MAX_TOKENS
-                                         the prefill node PID is stopped (SIGSTOP), the streams
-                                         start, after WAIT_MS it is SIGKILLed: every stream
-                                         must equal its reference (retried on the other node)
-                                         or, only if it had tokens, end UNAVAILABLE
+  stopkill HOST:PORT PID WAIT_MS REFS MAX_TOKENS
+                                         the node PID is stopped (SIGSTOP), the streams start,
+                                         after WAIT_MS it is SIGKILLed: every stream must equal
+                                         its reference (retried on another pair) or, only if it
+                                         had tokens, end UNAVAILABLE
   run HOST:PORT MAX_TOKENS REFS          every prompt of REFS concurrently; all must equal refs
 """
 import os
@@ -442,7 +442,7 @@ def cmd_nodekill(target, pid, sig, bound_ms, refs_path, max_tokens):
     return rc
 
 
-def cmd_prefillkill(target, pid, wait_ms, refs_path, max_tokens):
+def cmd_stopkill(target, pid, wait_ms, refs_path, max_tokens):
     pid, wait_ms, max_tokens = int(pid), float(wait_ms), int(max_tokens)
     prompts, refs = read_refs(refs_path)
     stub = generate_stub(channel(target))
@@ -488,7 +488,7 @@ def cmd_run(target, max_tokens, refs_path):
 def main():
     cmds = {"metric": cmd_metric, "waitmetric": cmd_waitmetric, "cancel": cmd_cancel, "deadline": cmd_deadline,
             "rawdeadline": cmd_rawdeadline, "garbage": cmd_garbage, "nodekill": cmd_nodekill,
-            "prefillkill": cmd_prefillkill, "run": cmd_run}
+            "stopkill": cmd_stopkill, "run": cmd_run}
     if len(sys.argv) < 2 or sys.argv[1] not in cmds:
         print(__doc__)
         return 2

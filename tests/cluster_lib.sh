@@ -17,6 +17,7 @@ CL_FAIL=0
 CL_NAMES=()          # process names in start order
 declare -A CL_PID    # name → pid
 declare -A CL_MURL   # name → /metrics URL
+declare -A CL_ROLE   # name → router, prefill or decode
 declare -A CL_KILLED # name → 1 once the test killed it on purpose
 
 cl_init() {
@@ -69,6 +70,7 @@ cl_router() {
     CL_GW=$(sed -n 's/^gateway: //p' "$CL_T/router.out")
     CL_CTL=$(sed -n 's/^control: //p' "$CL_T/router.out")
     CL_MURL[router]=$(sed -n 's/^metrics: //p' "$CL_T/router.out")
+    CL_ROLE[router]=router
 }
 
 # cl_node ROLE ID [FLAGS...]: starts a prefill/decode node registered with the router
@@ -78,6 +80,7 @@ cl_node() {
         --log-level warn "$@"
     cl_wait_line "$CL_T/$id.out" "^$role $id: .* metrics " 60 || { cl_fail "node $id did not start"; cl_dump; exit 1; }
     CL_MURL[$id]=$(sed -n "s/^$role $id: .* metrics //p" "$CL_T/$id.out")
+    CL_ROLE[$id]=$role
 }
 
 # cl_wait_nodes NP ND: waits until the router counts at least NP prefill and ND decode nodes
@@ -104,9 +107,11 @@ cl_local() {
     cl_wait_line "$CL_T/local.out" '^metrics: ' 60 || { cl_fail "tandem local did not start"; cl_dump; exit 1; }
     CL_GW=$(sed -n 's/^gateway: //p' "$CL_T/local.out")
     CL_MURL[router]=$(sed -n 's/^metrics: //p' "$CL_T/local.out")
+    CL_ROLE[router]=router
     local role id rest
     while read -r role id rest; do
         CL_MURL[${id%:}]=${rest##* }
+        CL_ROLE[${id%:}]=$role
     done < <(grep -E '^(prefill|decode) [^ ]+: control [^ ]+ metrics ' "$CL_T/local.err")
 }
 
@@ -142,10 +147,31 @@ cl_dump() {
     done
 }
 
-# cl_stop: SIGTERM to every process still running, newest first (nodes before the router);
+# cl_idle: once no request runs, the router has none in flight and no live decode node runs or
+# waits on a sequence (within 10 s): nothing leaked a request or a sequence
+cl_idle() {
+    local name v
+    for name in "${!CL_ROLE[@]}"; do
+        [ -z "${CL_KILLED[$name]:-}" ] && [ -n "${CL_MURL[$name]:-}" ] || continue
+        case ${CL_ROLE[$name]} in
+        router)
+            v=$("$CL_PY" "$CL_TOOL" waitmetric "${CL_MURL[$name]}" tandem_router_active_requests == 0 10) ||
+                cl_fail "the router still has requests in flight when idle: $v" ;;
+        decode)
+            v=$("$CL_PY" "$CL_TOOL" waitmetric "${CL_MURL[$name]}" tandem_decode_running_sequences == 0 10) ||
+                cl_fail "$name still runs sequences when idle: $v"
+            v=$("$CL_PY" "$CL_TOOL" waitmetric "${CL_MURL[$name]}" tandem_decode_waiting_sequences == 0 10) ||
+                cl_fail "$name still has waiting sequences when idle: $v" ;;
+        esac
+    done
+}
+
+# cl_stop: cl_idle, then SIGTERM to every process still running, newest first (nodes before the router);
 # SIGKILL past 15 s; a non-zero exit of a process the test did not kill is a failure
 cl_stop() {
     local i name pid rc k
+    cl_idle
+    CL_MURL=() CL_ROLE=()
     for ((i = ${#CL_NAMES[@]} - 1; i >= 0; i--)); do
         name=${CL_NAMES[$i]}; pid=${CL_PID[$name]}
         [ -n "$pid" ] || continue

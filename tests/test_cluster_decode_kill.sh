@@ -5,7 +5,10 @@
 # the heartbeat bound (1000 ms + 1000 ms slack), the other streams must finish equal to
 # `tandem generate`, and new requests must succeed on the surviving decode node. Then a
 # third decode node joins and is frozen (SIGSTOP: no connection reset, only silence): its
-# streams must end UNAVAILABLE within the heartbeat bound (1000 ms + 1500 ms slack) too.
+# streams must end UNAVAILABLE within the heartbeat bound (1000 ms + 1500 ms slack) too. Last,
+# a fourth decode node is frozen before 8 requests come and SIGKILLed 300 ms later, while
+# their Admit waits on it: the router must retry them on the survivor (all equal `tandem
+# generate`), and the survivor's used KV blocks return to their count before the test.
 # Skips without the model or python3-grpcio.
 source "$(dirname "$0")/cluster_lib.sh"
 cl_init
@@ -15,6 +18,7 @@ cl_node prefill p0
 cl_node decode d0
 cl_node decode d1
 cl_wait_nodes 1 2
+d1base=$(cl_metric d1 tandem_decode_kv_blocks_used)
 for k in $(seq 8); do p="1 $((40 + k))"; echo "$p|$(cl_ref $MAXTOK "$p")"; done >"$CL_T/long"
 for k in $(seq 8); do p="1 $((60 + k)) $((70 + k))"; echo "$p|$(cl_ref 32 "$p")"; done >"$CL_T/short"
 
@@ -34,4 +38,16 @@ CL_KILLED[d2]=1
 "$CL_PY" "$CL_TOOL" nodekill "$CL_GW" "${CL_PID[d2]}" STOP $((HB + 1500)) "$CL_T/long" $MAXTOK || CL_FAIL=1
 cl_kill d2 KILL
 "$CL_PY" "$CL_TOOL" run "$CL_GW" 32 "$CL_T/short" || CL_FAIL=1
-cl_end "a killed and a frozen decode node: their streams ended UNAVAILABLE within the heartbeat bound, the rest equal tandem generate, new requests served"
+
+echo "== d3 frozen before the requests come, killed while their Admit waits on it"
+cl_node decode d3
+cl_wait_nodes 1 2
+r0=$(cl_metric router tandem_router_retries_total)
+CL_KILLED[d3]=1
+"$CL_PY" "$CL_TOOL" stopkill "$CL_GW" "${CL_PID[d3]}" 300 "$CL_T/short" 32 || CL_FAIL=1
+r1=$(cl_metric router tandem_router_retries_total)
+echo "router retries: $r0 -> $r1"
+[ "${r1%.*}" -gt "${r0%.*}" ] || cl_fail "the router retried nothing: no request was waiting on the killed decode node"
+v=$("$CL_PY" "$CL_TOOL" waitmetric "${CL_MURL[d1]}" tandem_decode_kv_blocks_used == "$d1base" 10) ||
+    cl_fail "d1's used KV blocks did not return to $d1base: $v"
+cl_end "a killed and a frozen decode node: their streams ended UNAVAILABLE within the heartbeat bound, the rest equal tandem generate; requests waiting on a killed node retried; new requests served"

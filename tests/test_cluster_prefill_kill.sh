@@ -3,8 +3,8 @@
 # prefill node is frozen (SIGSTOP) just before 16 requests (prompts of 300 ids) arrive, so
 # the router sends it some; 300 ms later it is SIGKILLed while they wait there. Every request
 # must then be retried on the other prefill node and equal `tandem generate` (UNAVAILABLE is
-# allowed only for a stream that already had tokens); the router must count retries, and
-# new requests must succeed. Skips without the model or python3-grpcio.
+# allowed only for a stream that already had tokens); the router must count retries, the
+# decode node's used KV blocks must return to their count before, and new requests succeed. Skips without the model or python3-grpcio.
 source "$(dirname "$0")/cluster_lib.sh"
 cl_init
 MAXTOK=16
@@ -13,6 +13,7 @@ cl_node prefill p0
 cl_node prefill p1
 cl_node decode d0
 cl_wait_nodes 2 1
+dbase=$(cl_metric d0 tandem_decode_kv_blocks_used)
 "$CL_PY" - >"$CL_T/prompts" <<'PY'
 import random
 r = random.Random(7)
@@ -22,10 +23,12 @@ PY
 while read -r p; do echo "$p|$(cl_ref $MAXTOK "$p")"; done <"$CL_T/prompts" >"$CL_T/refs"
 r0=$(cl_metric router tandem_router_retries_total)
 CL_KILLED[p0]=1
-"$CL_PY" "$CL_TOOL" prefillkill "$CL_GW" "${CL_PID[p0]}" 300 "$CL_T/refs" $MAXTOK || CL_FAIL=1
+"$CL_PY" "$CL_TOOL" stopkill "$CL_GW" "${CL_PID[p0]}" 300 "$CL_T/refs" $MAXTOK || CL_FAIL=1
 r1=$(cl_metric router tandem_router_retries_total)
 echo "router retries: $r0 -> $r1"
 [ "${r1%.*}" -gt "${r0%.*}" ] || cl_fail "the router retried nothing: no request was waiting on the killed prefill node"
+v=$("$CL_PY" "$CL_TOOL" waitmetric "${CL_MURL[d0]}" tandem_decode_kv_blocks_used == "$dbase" 10) ||
+    cl_fail "d0's used KV blocks did not return to $dbase (leases of the failed prefills kept?): $v"
 head -4 "$CL_T/refs" >"$CL_T/refs4"
 "$CL_PY" "$CL_TOOL" run "$CL_GW" $MAXTOK "$CL_T/refs4" || CL_FAIL=1
 cl_end "a prefill node killed with requests on it: they were retried on the other and equal tandem generate; new requests served"
