@@ -162,6 +162,7 @@ typedef struct prefill_state {
     prefill_push_t *cur_push;  /* the running step's, once its layer 0 is done */
     _Atomic int64_t unsubmitted_tokens; /* accepted, not yet taken by the compute thread */
     _Atomic int64_t sched_tokens;       /* prefill_sched_queued_tokens after the last step */
+    _Atomic int64_t step_ns;            /* recent step time (moving mean), for heartbeats */
 } prefill_state_t;
 
 static uint64_t request_key(const char *s)
@@ -305,6 +306,8 @@ static bool run_step(prefill_state_t *s)
         td_metric_observe(s->m_batch_tokens, r.n_tokens);
         td_metric_observe(s->m_batch_size, r.n_seqs);
         td_metric_add(s->m_tokens, r.n_tokens);
+        int64_t prev = atomic_load(&s->step_ns), now = (int64_t)(step_s * 1e9);
+        atomic_store(&s->step_ns, prev ? (prev * 7 + now) / 8 : now);
     }
     for (int32_t i = 0; i < r.n_outputs; i++) {
         const prefill_output_t *o = &r.outputs[i];
@@ -669,6 +672,7 @@ static void load_cb(void *data, router_node_load_t *l)
     prefill_state_t *s = data;
     l->queued_prefill_tokens = atomic_load(&s->unsubmitted_tokens) + atomic_load(&s->sched_tokens);
     l->free_blocks = td_kv_available(td_engine_kv(s->eng)); /* td_kv serializes: a hint */
+    l->step_ms = (double)atomic_load(&s->step_ns) * 1e-6;
 }
 
 static void shutdown_begin(prefill_state_t *s)
