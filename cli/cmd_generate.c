@@ -454,6 +454,10 @@ static void on_gen_done(td_grpc_client_call_t *call, td_grpc_code_t code, const 
     remote_state_t *r = data;
     r->gen = NULL;
     r->code = code;
+    /* a status from the server (the connection still up, or not a local "connection to
+     * HOST: ..." failure) means it was reached, even if the probe had not answered yet */
+    if (code != TD_GRPC_OK && (td_grpc_channel_is_usable(r->ch) || strncmp(message, "connection to ", 14) != 0))
+        r->reached = true;
     snprintf(r->message, sizeof r->message, "%s", message);
     remote_close_handles(r);
 }

@@ -120,6 +120,14 @@ fi
 kill -TERM "$LPID"; wait "$LPID"; rc=$?
 [ $rc -eq 0 ] || bad "tandem local (synthetic) exited $rc on SIGTERM"
 
+# a router without nodes answers UNAVAILABLE itself: reached, but it cannot serve
+"$BIN" router --log-level error >"$T/bare.out" 2>"$T/bare.err" &
+PIDS+=($!)
+for _ in $(seq 100); do grep -q '^metrics: ' "$T/bare.out" && break; sleep 0.1; done
+BARE=$(sed -n 's/^gateway: //p' "$T/bare.out")
+[ -n "$BARE" ] || bad "a bare router did not start: $(cat "$T/bare.err")"
+expect_fail 1 'the cluster could not serve the request (UNAVAILABLE' "$BIN" generate --server "$BARE" --prompt-ids "1"
+
 # unreachable: a refused port, and a port that accepts but never answers
 PORT=$(/usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 expect_fail 1 'cannot reach the server' "$BIN" generate --server "127.0.0.1:$PORT" --prompt-ids "1"
