@@ -7,7 +7,9 @@
  * per-layer hook runs once per layer in order, after that layer's K/V is in the pool, and
  * never for a step that could not reserve; the scheduler's layer hook reports exactly the
  * step's finishing prompts with their final block tables, and a done prompt's blocks keep
- * their bytes while later prompts run until it is released.
+ * their bytes while later prompts run until it is released; a prompt whose step fails
+ * after its first layer was handed out (injected backend fault) keeps its blocks until
+ * released, one failing before any layer frees them at once.
  */
 #include <criterion/criterion.h>
 #include <stdio.h>
@@ -512,3 +514,87 @@ Test(prefill_sched, layer_hook_reports_finishing_prompts_and_blocks_hold_until_r
     fx_close(&fx);
 }
 
+
+/* Fault injection: the CPU backend's ops with attn_prefill failing on its fail_at-th call. */
+static const td_backend_ops_t *real_ops;
+static td_backend_ops_t faulty_ops;
+static int attn_calls, attn_fail_at;
+
+static td_status_t faulty_attn_prefill(td_backend_t *be, const td_attn_params_t *p)
+{
+    if (++attn_calls == attn_fail_at)
+        return td_errorf(TD_ERR_INTERNAL, "test: injected attention failure");
+    return real_ops->attn_prefill(be, p);
+}
+
+static void count_layers(void *arg, uint32_t layer, const prefill_finishing_t *fin, int32_t n_fin)
+{
+    (*(int *)arg)++;
+}
+
+Test(prefill_sched, a_prompt_failing_after_its_layers_were_handed_out_keeps_its_blocks, .timeout = 120)
+{
+    skip_without_model();
+    fixture_t fx;
+    fx_open(&fx, 64);
+    cr_assert_geq(fx.model->config.n_layers, 2);
+    real_ops = fx.be->ops;
+    faulty_ops = *real_ops;
+    faulty_ops.attn_prefill = faulty_attn_prefill;
+    fx.be->ops = &faulty_ops;
+    prefill_sched_t *ps;
+    prefill_sched_config_t cfg = prefill_sched_config_default();
+    cr_assert_eq(prefill_sched_create(fx.eng, &cfg, &ps), TD_OK);
+    int hook_calls = 0;
+    prefill_sched_set_layer_hook(ps, count_layers, &hook_calls);
+    int32_t p[40];
+    for (int i = 0; i < 40; i++)
+        p[i] = 3 + (i * 53) % 450;
+    td_kv_stats_t ks;
+    prefill_step_result_t r;
+
+    /* fails in layer 1: layer 0 was handed out, so the blocks stay until release */
+    attn_calls = 0;
+    attn_fail_at = 2;
+    prefill_request_t rq = {.id = 1, .prompt = p, .n_prompt = 40, .sampling = td_sampling_default()};
+    cr_assert_eq(prefill_sched_submit(ps, &rq), TD_OK);
+    cr_assert_eq(prefill_sched_step(ps, 0, &r), TD_OK);
+    cr_assert_eq(hook_calls, 1, "the hook ran %d times before the failing layer 1", hook_calls);
+    cr_assert_eq(r.n_outputs, 1);
+    cr_assert_eq(r.outputs[0].status, TD_ERR_INTERNAL);
+    cr_assert(r.outputs[0].held, "a pushed prompt's failure must hold its blocks");
+    cr_assert_not(prefill_sched_pending(ps, 1));
+    cr_assert_eq(prefill_sched_unreleased(ps), 1);
+    td_kv_get_stats(td_engine_kv(fx.eng), &ks);
+    cr_assert_eq(ks.used, 3, "%d blocks referenced, the prompt's 3 expected", ks.used);
+    cr_assert_eq(prefill_sched_release(ps, 1), TD_OK);
+    assert_no_leak(&fx);
+
+    /* fails in layer 0: nothing was handed out, the blocks go back at once */
+    hook_calls = 0;
+    attn_calls = 0;
+    attn_fail_at = 1;
+    rq.id = 2;
+    cr_assert_eq(prefill_sched_submit(ps, &rq), TD_OK);
+    cr_assert_eq(prefill_sched_step(ps, 0, &r), TD_OK);
+    cr_assert_eq(hook_calls, 0);
+    cr_assert_eq(r.n_outputs, 1);
+    cr_assert_eq(r.outputs[0].status, TD_ERR_INTERNAL);
+    cr_assert_not(r.outputs[0].held);
+    cr_assert_eq(prefill_sched_unreleased(ps), 0);
+    assert_no_leak(&fx);
+
+    /* healthy again: the same prompt completes with the engine's greedy token */
+    attn_fail_at = 0;
+    rq.id = 3;
+    cr_assert_eq(prefill_sched_submit(ps, &rq), TD_OK);
+    cr_assert_eq(prefill_sched_step(ps, 0, &r), TD_OK);
+    cr_assert_eq(r.n_outputs, 1);
+    cr_assert_eq(r.outputs[0].status, TD_OK);
+    cr_assert_eq(r.outputs[0].first_token, first_alone(&fx, p, 40));
+    cr_assert_eq(prefill_sched_release(ps, 3), TD_OK);
+    prefill_sched_destroy(ps);
+    assert_no_leak(&fx);
+    fx.be->ops = real_ops;
+    fx_close(&fx);
+}
