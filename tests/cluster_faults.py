@@ -26,6 +26,11 @@ and exits 0 when the behaviour is right, 1 (with 'FAIL: why' lines) when not:
                                          after WAIT_MS it is SIGKILLed: every stream must equal
                                          its reference (retried on another pair) or, only if it
                                          had tokens, end UNAVAILABLE
+  stall HOST:PORT PID AFTER MODE SECS MAX_TOKENS [URL]
+                                         the node PID stops (SIGSTOP) before the request
+                                         (AFTER < 0) or after AFTER tokens; MODE deadline (the
+                                         call's deadline is SECS) or cancel (SECS after the
+                                         stop): DEADLINE_EXCEEDED / CANCELLED, then SIGCONT
   run HOST:PORT MAX_TOKENS REFS          every prompt of REFS concurrently; all must equal refs
 """
 import os
@@ -469,6 +474,48 @@ def cmd_stopkill(target, pid, wait_ms, refs_path, max_tokens):
     return rc
 
 
+def cmd_stall(target, pid, after, mode, secs, max_tokens, metrics_url=""):
+    """A node (PID) stops (SIGSTOP) under a request: before it is sent (after < 0) or once it
+    has `after` tokens. mode deadline: the call's deadline is secs from its start; cancel: the
+    client cancels secs after the stop. The call must end DEADLINE_EXCEEDED / CANCELLED; then
+    the node continues (SIGCONT). metrics_url (a decode node that is not stopped): its used KV
+    blocks 0.2 s into the stall are printed ('stalled kv blocks used: N')."""
+    pid, after, secs, max_tokens = int(pid), int(after), float(secs), int(max_tokens)
+    stub = generate_stub(channel(target))
+    stopped = threading.Event()
+
+    def stop_at(s):
+        if after >= 0 and len(s.got) >= after and not stopped.is_set():
+            os.kill(pid, signal.SIGSTOP)
+            stopped.set()
+
+    if after < 0:
+        os.kill(pid, signal.SIGSTOP)
+        stopped.set()
+    try:
+        s = Stream(stub, [1, 3, 5, 7], max_tokens, timeout=secs if mode == "deadline" else 50, on_message=stop_at)
+        if not stopped.wait(20):
+            return fail("the stream never had %d tokens (%s %s)" % (after, s.code, s.details))
+        t_stop = time.monotonic()
+        if metrics_url:
+            time.sleep(0.2)
+            print("stalled kv blocks used: %d" % fetch_metric(metrics_url, "tandem_decode_kv_blocks_used"), flush=True)
+        if mode == "cancel":
+            time.sleep(max(0.0, secs - (time.monotonic() - t_stop)))
+            s.call.cancel()
+        if not s.join(20):
+            return fail("the stalled stream did not end within 20 s")
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    want = "DEADLINE_EXCEEDED" if mode == "deadline" else "CANCELLED"
+    print("stall (%s, stop %s): %s after %d tokens, %.0f ms after the stop"
+          % (mode, "before the request" if after < 0 else "after %d tokens" % after, s.code, len(s.got),
+             (s.t_end - t_stop) * 1e3))
+    if s.code != want:
+        return fail("the stalled stream ended %s %s, not %s" % (s.code, s.details, want))
+    return 0
+
+
 def cmd_run(target, max_tokens, refs_path):
     prompts, refs = read_refs(refs_path)
     stub = generate_stub(channel(target))
@@ -488,7 +535,7 @@ def cmd_run(target, max_tokens, refs_path):
 def main():
     cmds = {"metric": cmd_metric, "waitmetric": cmd_waitmetric, "cancel": cmd_cancel, "deadline": cmd_deadline,
             "rawdeadline": cmd_rawdeadline, "garbage": cmd_garbage, "nodekill": cmd_nodekill,
-            "stopkill": cmd_stopkill, "run": cmd_run}
+            "stopkill": cmd_stopkill, "stall": cmd_stall, "run": cmd_run}
     if len(sys.argv) < 2 or sys.argv[1] not in cmds:
         print(__doc__)
         return 2
