@@ -1,7 +1,10 @@
 /*
  * prefill_node: the `tandem prefill` process. Registers with the router, serves
- * PrefillNode.Prefill and /metrics: runs the prompt on a compute thread, pushes its KV
- * through td_xfer into the decode node's leased blocks, answers with the first token.
+ * PrefillNode.Prefill (server streaming) and /metrics: batches waiting prompts into engine
+ * steps under a token budget (chunked prefill, prefix cache), pushes each layer's KV
+ * through td_xfer into the decode node's leased blocks as soon as the layer is computed,
+ * streams FIRST_TOKEN as soon as the first token is sampled and KV_DELIVERED once the
+ * decode node adopted the KV. docs/cluster.md has the threads, queues and keys.
  */
 #ifndef PREFILL_NODE_H
 #define PREFILL_NODE_H
