@@ -342,6 +342,7 @@ typedef struct remote_state {
     uint64_t t0, t_first, t_last;      /* ns: call start, first and last token */
     uint32_t n_gen;
     bool got_text;
+    char request_id[128];              /* as the router named it (first message) */
     bool finished;                     /* the last message (finish_reason) arrived */
     Tandem__V1__FinishReason finish;
     uint32_t prompt_tokens, completion_tokens, cached_tokens;
@@ -402,6 +403,8 @@ static void on_gen_message(td_grpc_client_call_t *call, const ProtobufCMessage *
     remote_state_t *r = data;
     const Tandem__V1__GenerateResponse *m = (const void *)msg;
     r->reached = true;
+    if (!r->request_id[0] && m->request_id && m->request_id[0])
+        snprintf(r->request_id, sizeof r->request_id, "%s", m->request_id);
     if (m->n_token_ids) {
         uint64_t now = td_now_ns();
         if (!r->t_first)
@@ -551,9 +554,9 @@ static void remote_report_timings(const remote_state_t *r)
             r->prompt_tokens, prompt_tps, r->n_gen, r->n_gen > 1 && gen_s > 0 ? (double)(r->n_gen - 1) / gen_s : 0.0,
             ttft_ms);
     fprintf(stderr,
-            "server: finish %s, %u cached prompt tokens | queue %.2f ms | prefill %.2f ms | transfer %.2f ms | "
+            "server: request %s, finish %s, %u cached prompt tokens | queue %.2f ms | prefill %.2f ms | transfer %.2f ms | "
             "first token %.2f ms | per token %.2f ms | total %.2f ms\n",
-            finish_name(r->finish), r->cached_tokens, r->queue_s * 1e3, r->prefill_s * 1e3, r->transfer_s * 1e3,
+            r->request_id[0] ? r->request_id : "?", finish_name(r->finish), r->cached_tokens, r->queue_s * 1e3, r->prefill_s * 1e3, r->transfer_s * 1e3,
             r->first_token_s * 1e3, r->per_token_s * 1e3, r->total_s * 1e3);
 }
 

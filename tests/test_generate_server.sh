@@ -45,7 +45,7 @@ same_ids() {
         { bad "generate --server failed for '$ids' $*: $(cat "$T/serr")"; return; }
     [ -n "$want" ] || { bad "local generate printed no ids for '$ids' $*"; return; }
     [ "$want" == "$got" ] || bad "prompt '$ids' $*: local '$want', server '$got'"
-    grep -q '^server: finish ' "$T/serr" || bad "no server timings on stderr: $(cat "$T/serr")"
+    grep -q '^server: request [^ ]*, finish ' "$T/serr" || bad "no server timings on stderr: $(cat "$T/serr")"
     grep -q 'time to first token' "$T/serr" || bad "no client timings on stderr: $(cat "$T/serr")"
 }
 
@@ -72,6 +72,8 @@ same_ids "1 200 300" --max-tokens 32 --temperature 1.0 --top-k 40 --seed 42
 same_ids "1" --max-tokens 32 --temperature 0.9 --top-p 0.9 --min-p 0.05 --seed 3
 same_ids "1 403 407" --max-tokens 32 --repetition-penalty 1.3
 same_ids "1 403 407" --max-tokens 32 --stop-id 466
+"$BIN" generate --server "$G" --prompt-ids "1 2" --max-tokens 4 --request-id client-req-7 >/dev/null 2>"$T/rid"
+grep -q '^server: request client-req-7, finish length' "$T/rid" || bad "--request-id: $(cat "$T/rid")"
 # the server's own errors, named
 expect_fail 1 'INVALID_ARGUMENT' "$BIN" generate --server "$G" --prompt "no tokenizer on this router"
 expect_fail 1 'NOT_FOUND' "$BIN" generate --server "$G" --prompt-ids "1" --model-name nope
