@@ -31,6 +31,11 @@ and exits 0 when the behaviour is right, 1 (with 'FAIL: why' lines) when not:
                                          (AFTER < 0) or after AFTER tokens; MODE deadline (the
                                          call's deadline is SECS) or cancel (SECS after the
                                          stop): DEADLINE_EXCEEDED / CANCELLED, then SIGCONT
+  controlgarbage ROUTER_CTL DECODE_CTL PREFILL_CTL VOCAB MAX_SEQ
+                                         hostile calls on the control APIs: each must end with
+                                         a status, and the impossible ones must fail
+  httpgarbage URL                        garbage on a /metrics port: connections closed,
+                                         /metrics still served
   run HOST:PORT MAX_TOKENS REFS          every prompt of REFS concurrently; all must equal refs
 """
 import os
@@ -368,7 +373,42 @@ def cmd_garbage(target):
         err = normal_ok(stub, "invalid protobuf (%s)" % what)
         if err:
             rc = fail(err)
-    return garbage_frames(target, stub) or rc
+    rc = garbage_frames(target, stub) or rc
+    return invalid_requests(stub) or rc
+
+
+def invalid_requests(stub):
+    """Well-formed requests that can never succeed must end INVALID_ARGUMENT (not be retried
+    into UNAVAILABLE, which tells a client to try again). A failure here that matches the
+    known router bug is printed as KNOWN-FAIL."""
+    rc = 0
+    cases = [
+        ("an empty prompt", [], 8),
+        ("a prompt id outside the vocabulary (512)", [1, 100000], 8),
+        ("a prompt longer than the model (600 ids)", [1] + [k % 512 for k in range(2, 601)], 8),
+    ]
+    for what, ids, mt in cases:
+        try:
+            n = sum(len(parse_ids(m)) for m in stub(request(ids, mt), timeout=20))
+            rc = fail("%s: the call succeeded with %d tokens" % (what, n))
+            continue
+        except grpc.RpcError as e:
+            code, details = e.code().name, e.details() or ""
+        print("%s: %s %s" % (what, code, details))
+        if code == "INVALID_ARGUMENT":
+            pass
+        elif code == "UNAVAILABLE" and "retry found no other pair" in details:
+            print("KNOWN-FAIL: %s: UNAVAILABLE instead of INVALID_ARGUMENT: the decode node's Admit refuses it "
+                  "INVALID_ARGUMENT (decode/decode_main.c Admit checks), router/router_main.c on_admit_done retries "
+                  "every non-OK code but RESOURCE_EXHAUSTED, and the retry finds no other pair; a router without a "
+                  "tokenizer cannot check ids or length itself (RegisterRequest carries no vocab size; the nodes send "
+                  "Capacity.max_seq_len but on_register does not keep it)" % what)
+        else:
+            rc = fail("%s: %s %s, want INVALID_ARGUMENT" % (what, code, details))
+        err = normal_ok(stub, what)
+        if err:
+            rc = fail(err)
+    return rc
 
 
 def curl_grpc(target, frame, timeout_s=20):
@@ -516,6 +556,149 @@ def cmd_stall(target, pid, after, mode, secs, max_tokens, metrics_url=""):
     return 0
 
 
+def pb_varint(field, v):
+    return varint(field << 3) + varint(v)
+
+
+def pb_bytes(field, b):
+    if isinstance(b, str):
+        b = b.encode()
+    return varint(field << 3 | 2) + varint(len(b)) + b
+
+
+def pb_packed(field, vals):
+    return pb_bytes(field, b"".join(varint(v) for v in vals))
+
+
+def control_call(target, method, body, streaming=False, timeout=10):
+    """One raw control-API call; returns (code name, details, response bytes list)."""
+    ch = channel(target)
+    try:
+        if streaming:
+            stub = ch.unary_stream(method, request_serializer=lambda b: b, response_deserializer=lambda b: b)
+            out = list(stub(body, timeout=timeout))
+        else:
+            stub = ch.unary_unary(method, request_serializer=lambda b: b, response_deserializer=lambda b: b)
+            out = [stub(body, timeout=timeout)]
+        return "OK", "", out
+    except grpc.RpcError as e:
+        return e.code().name, e.details() or "", []
+    finally:
+        ch.close()
+
+
+def cmd_controlgarbage(router_ctl, decode_ctl, prefill_ctl, vocab, max_seq):
+    """Hostile or broken calls on the control API of the router and of each node; each must
+    end with a status (never a crash or a hang), and the ones that cannot be right must fail."""
+    vocab, max_seq = int(vocab), int(max_seq)
+    bad = ("INVALID_ARGUMENT", "INTERNAL")
+    junk = bytes(random.Random(9).randrange(256) for _ in range(200))
+    reg, dec, pre = "/tandem.control.v1.Registry/", "/tandem.control.v1.DecodeNode/", "/tandem.control.v1.PrefillNode/"
+    layout = pb_bytes(4, pb_varint(1, 1) + pb_varint(3, 16) + pb_varint(4, 5) + pb_varint(5, 4) + pb_varint(6, 8)
+                      + pb_varint(7, 1))
+    capacity = pb_bytes(9, pb_varint(1, 64) + pb_varint(2, 8))
+    admit_ok = pb_bytes(1, "cg-lease") + pb_varint(2, 3) + pb_varint(3, 8) + pb_varint(4, 300) + pb_packed(9, [1, 2, 3])
+    cases = [
+        # (what, target, method, body, streaming, allowed codes (None: any status))
+        ("RegisterNode: junk", router_ctl, reg + "RegisterNode", junk, False, bad),
+        ("RegisterNode: empty", router_ctl, reg + "RegisterNode", b"", False, bad),
+        ("RegisterNode: a decode node nobody serves (127.0.0.1:1), a foreign model fingerprint", router_ctl, reg + "RegisterNode",
+         pb_bytes(1, "ghost") + pb_varint(2, 2) + pb_bytes(3, "default") + layout + pb_bytes(5, "127.0.0.1:1")
+         + pb_bytes(6, b"\x00" * 16) + capacity, False, None),
+        ("Heartbeat: an unknown node", router_ctl, reg + "Heartbeat", pb_bytes(1, "nobody") + pb_varint(2, 77),
+         False, ("OK",)),
+        ("Heartbeat: junk", router_ctl, reg + "Heartbeat", junk, False, bad),
+        ("Admit: junk", decode_ctl, dec + "Admit", junk, False, bad),
+        ("Admit: a prompt id outside the vocabulary", decode_ctl, dec + "Admit",
+         pb_bytes(1, "cg1") + pb_varint(2, 2) + pb_varint(3, 8) + pb_varint(4, 300) + pb_packed(9, [1, vocab + 5]),
+         False, ("INVALID_ARGUMENT",)),
+        ("Admit: max_tokens 2^32-1", decode_ctl, dec + "Admit",
+         pb_bytes(1, "cg2") + pb_varint(2, 1) + pb_varint(3, 2**32 - 1) + pb_varint(4, 300) + pb_packed(9, [1]),
+         False, None),  # the decode node reserves the prompt's blocks; the model's length ends it
+        ("Admit: prompt_tokens 300 with 1 prompt id", decode_ctl, dec + "Admit",
+         pb_bytes(1, "cg3") + pb_varint(2, 300) + pb_varint(3, 8) + pb_varint(4, 300) + pb_packed(9, [1]),
+         False, None),
+        ("Admit: a valid lease whose KV never comes (300 ms)", decode_ctl, dec + "Admit", admit_ok, False, ("OK",)),
+        ("Release: an unknown lease", decode_ctl, dec + "Release", pb_varint(1, 987654321) + pb_bytes(2, "nope"),
+         False, ("OK", "NOT_FOUND")),
+        ("Release: junk", decode_ctl, dec + "Release", junk, False, bad),
+        ("Prefill: junk", prefill_ctl, pre + "Prefill", junk, True, bad),
+        ("Prefill: no tokens", prefill_ctl, pre + "Prefill", pb_bytes(1, "cg4") + pb_packed(4, [0]), True,
+         ("INVALID_ARGUMENT",)),
+        ("Prefill: a token outside the vocabulary", prefill_ctl, pre + "Prefill",
+         pb_bytes(1, "cg5") + pb_packed(2, [1, vocab + 100]) + pb_packed(4, [0]) + pb_bytes(8, b"\x00" * 32), True,
+         ("INVALID_ARGUMENT",)),
+        ("Prefill: more tokens than the model's length", prefill_ctl, pre + "Prefill",
+         pb_bytes(1, "cg6") + pb_packed(2, [1] * (max_seq + 8)) + pb_packed(4, list(range(40)))
+         + pb_bytes(8, b"\x00" * 32), True, ("INVALID_ARGUMENT", "OUT_OF_RANGE")),
+        ("Prefill: block 999999 and a junk decode_xfer", prefill_ctl, pre + "Prefill",
+         pb_bytes(1, "cg7") + pb_packed(2, [1, 2, 3]) + pb_bytes(3, "d0") + pb_packed(4, [999999]) + pb_varint(5, 1)
+         + pb_bytes(8, junk), True, ("INVALID_ARGUMENT", "UNAVAILABLE", "INTERNAL", "FAILED_PRECONDITION", "NOT_FOUND")),
+        ("Prefill: 40 tokens in 1 block, empty decode_xfer", prefill_ctl, pre + "Prefill",
+         pb_bytes(1, "cg8") + pb_packed(2, list(range(1, 41))) + pb_bytes(3, "d0") + pb_packed(4, [0]) + pb_varint(5, 1),
+         True, ("INVALID_ARGUMENT", "UNAVAILABLE", "INTERNAL", "FAILED_PRECONDITION", "NOT_FOUND")),
+    ]
+    rc = 0
+    for what, tgt, method, body, streaming, allowed in cases:
+        t0 = time.monotonic()
+        code, details, _ = control_call(tgt, method, body, streaming)
+        print("%s: %s %s (%.0f ms)" % (what, code, details, (time.monotonic() - t0) * 1e3))
+        if code == "DEADLINE_EXCEEDED":
+            rc = fail("%s: no answer within 10 s" % what)
+        elif allowed is not None and code not in allowed:
+            rc = fail("%s: %s, want %s" % (what, code, " or ".join(allowed)))
+    return rc
+
+
+def cmd_httpgarbage(url):
+    """Garbage on an HTTP /metrics port: each connection closed (or answered with an HTTP
+    error), and /metrics still served after each."""
+    hostport = url.split("//", 1)[1].split("/", 1)[0]
+    host, port = hostport.rsplit(":", 1)
+    addr = (host, int(port))
+    rnd = random.Random(11)
+
+    def metrics_ok(what):
+        try:
+            with urllib.request.urlopen(url, timeout=5) as r:
+                if r.status == 200 and b"tandem_" in r.read():
+                    return None
+                return "after %s: /metrics answered %d" % (what, r.status)
+        except OSError as e:
+            return "after %s: /metrics failed: %r" % (what, e)
+
+    cases = [
+        # td_http waits for the end of the head before judging it (bounded by its size limit
+        # and idle timeout), so the random bytes end with one
+        ("random bytes", bytes(rnd.randrange(256) for _ in range(4096)) + b"\r\n\r\n", False),
+        ("a request cut short", b"GET /metrics HTTP/1.1\r\nHost: x\r\nAccept: te", True),
+        ("a 100 KB header", b"GET /metrics HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 100000 + b"\r\n\r\n", False),
+        ("the HTTP/2 preface", b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00", False),
+        ("NUL bytes in the request line", b"GET /met\x00rics HTTP/1.1\r\n\r\n", False),
+    ]
+    rc = 0
+    for what, data, half_close in cases:
+        s = socket.create_connection(addr, timeout=5)
+        try:
+            s.sendall(data)
+        except OSError:
+            pass  # the server may close before it read everything
+        if half_close:
+            err = metrics_ok(what + " (still open)")
+            if err:
+                rc = fail(err)
+            s.shutdown(socket.SHUT_WR)
+        closed, how = expect_closed(s, what)
+        s.close()
+        print("%s: %s" % (what, how))
+        if not closed:
+            rc = fail(how)
+        err = metrics_ok(what)
+        if err:
+            rc = fail(err)
+    return rc
+
+
 def cmd_run(target, max_tokens, refs_path):
     prompts, refs = read_refs(refs_path)
     stub = generate_stub(channel(target))
@@ -535,7 +718,8 @@ def cmd_run(target, max_tokens, refs_path):
 def main():
     cmds = {"metric": cmd_metric, "waitmetric": cmd_waitmetric, "cancel": cmd_cancel, "deadline": cmd_deadline,
             "rawdeadline": cmd_rawdeadline, "garbage": cmd_garbage, "nodekill": cmd_nodekill,
-            "stopkill": cmd_stopkill, "stall": cmd_stall, "run": cmd_run}
+            "stopkill": cmd_stopkill, "stall": cmd_stall, "controlgarbage": cmd_controlgarbage,
+            "httpgarbage": cmd_httpgarbage, "run": cmd_run}
     if len(sys.argv) < 2 or sys.argv[1] not in cmds:
         print(__doc__)
         return 2

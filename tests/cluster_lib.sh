@@ -14,6 +14,7 @@ CL_SRC="${TD_SOURCE_DIR:-$(cd "$(dirname "$0")/.." && pwd)}"
 CL_PY=/usr/bin/python3
 CL_TOOL="$CL_SRC/tests/cluster_faults.py"
 CL_FAIL=0
+CL_KNOWN=0
 CL_NAMES=()          # process names in start order
 declare -A CL_PID    # name → pid
 declare -A CL_MURL   # name → /metrics URL
@@ -36,6 +37,13 @@ cl_init() {
 cl_fail() {
     echo "FAIL: $*"
     CL_FAIL=1
+}
+
+# cl_known_fail "reason": a check that fails because of a known, reported bug of the cluster;
+# said loudly, but the test does not fail for it
+cl_known_fail() {
+    echo "KNOWN-FAIL: $*"
+    CL_KNOWN=1
 }
 
 # _cl_dead PID: true when the process is gone or a zombie
@@ -213,6 +221,6 @@ cl_end() {
         cl_dump
         exit 1
     fi
-    echo "PASS: $*"
+    [ $CL_KNOWN -eq 0 ] && echo "PASS: $*" || echo "PASS (but see KNOWN-FAIL above): $*"
     exit 0
 }
