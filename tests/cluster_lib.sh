@@ -15,6 +15,7 @@ CL_PY=/usr/bin/python3
 CL_TOOL="$CL_SRC/tests/cluster_faults.py"
 CL_FAIL=0
 CL_KNOWN=0
+CL_ROUTER=router     # the process name of the current router (set another before a restart)
 CL_NAMES=()          # process names in start order
 declare -A CL_PID    # name → pid
 declare -A CL_MURL   # name → /metrics URL
@@ -71,14 +72,16 @@ cl_wait_line() {
     return 1
 }
 
-# cl_router [FLAGS...]: starts a router; sets CL_GW, CL_CTL and CL_MURL[router]
+# cl_router [FLAGS...]: starts a router named $CL_ROUTER; sets CL_GW, CL_CTL and
+# CL_MURL[$CL_ROUTER]
 cl_router() {
-    cl_spawn router "$CL_BIN" router --log-level warn "$@"
-    cl_wait_line "$CL_T/router.out" '^metrics: ' 30 || { cl_fail "the router did not start"; cl_dump; exit 1; }
-    CL_GW=$(sed -n 's/^gateway: //p' "$CL_T/router.out")
-    CL_CTL=$(sed -n 's/^control: //p' "$CL_T/router.out")
-    CL_MURL[router]=$(sed -n 's/^metrics: //p' "$CL_T/router.out")
-    CL_ROLE[router]=router
+    local o="$CL_T/$CL_ROUTER.out"
+    cl_spawn "$CL_ROUTER" "$CL_BIN" router --log-level warn "$@"
+    cl_wait_line "$o" '^metrics: ' 30 || { cl_fail "the router did not start"; cl_dump; exit 1; }
+    CL_GW=$(sed -n 's/^gateway: //p' "$o")
+    CL_CTL=$(sed -n 's/^control: //p' "$o")
+    CL_MURL[$CL_ROUTER]=$(sed -n 's/^metrics: //p' "$o")
+    CL_ROLE[$CL_ROUTER]=router
 }
 
 # cl_node ROLE ID [FLAGS...]: starts a prefill/decode node registered with the router
@@ -94,8 +97,8 @@ cl_node() {
 # cl_wait_nodes NP ND: waits until the router counts at least NP prefill and ND decode nodes
 cl_wait_nodes() {
     local i line np nd
-    for ((i = 0; i < 300; i++)); do
-        line=$(grep '^nodes: ' "$CL_T/router.out" | tail -1)
+    for ((i = 0; i < ${CL_WAIT_NODES_S:-30} * 10; i++)); do
+        line=$(grep '^nodes: ' "$CL_T/$CL_ROUTER.out" | tail -1)
         if [[ $line =~ ^nodes:\ ([0-9]+)\ prefill,\ ([0-9]+)\ decode ]]; then
             np=${BASH_REMATCH[1]}; nd=${BASH_REMATCH[2]}
             [ "$np" -ge "$1" ] && [ "$nd" -ge "$2" ] && return 0
