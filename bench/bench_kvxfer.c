@@ -1,6 +1,6 @@
 /*
  * bench_kvxfer: `tandem bench kvxfer [--json] [--transport tcp|sm] [--rma auto|put|am]
- * [--iters N]`.
+ * [--iters N] [--inflight N]` (--inflight: the sender's max_inflight_ops, default td_xfer's).
  *
  * Two processes on loopback (a forked receiver, this process the sender) move the KV of
  * one request of 16..4096 tokens of a Llama-3-8B-shaped layout (32 layers, 8 KV heads,
@@ -160,7 +160,7 @@ int bench_kvxfer(int argc, char **argv)
     bool json = false;
     const char *transport = "tcp";
     td_xfer_rma_t rma = TD_XFER_RMA_AUTO;
-    int64_t iters = 20;
+    int64_t iters = 20, inflight = 0;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--json"))
             json = true;
@@ -172,9 +172,12 @@ int bench_kvxfer(int argc, char **argv)
         } else if (!strcmp(argv[i], "--iters") && i + 1 < argc) {
             if (td_parse_i64(argv[++i], 1, 100000, "--iters", &iters) != TD_OK)
                 return 2;
+        } else if (!strcmp(argv[i], "--inflight") && i + 1 < argc) {
+            if (td_parse_i64(argv[++i], 1, 65536, "--inflight", &inflight) != TD_OK)
+                return 2;
         } else {
             fprintf(stderr, "usage: tandem bench kvxfer [--json] [--transport tcp|sm] [--rma auto|put|am] "
-                            "[--iters N]\n");
+                            "[--iters N] [--inflight N]\n");
             return 2;
         }
     }
@@ -215,6 +218,8 @@ int bench_kvxfer(int argc, char **argv)
     cfg.name = "kvx-tx";
     cfg.listen_ip = NULL;
     cfg.rma = rma;
+    if (inflight)
+        cfg.max_inflight_ops = (uint32_t)inflight;
     if (!pool || !lat || !td_xfer_testkit_read_all(to_tx[0], &len, sizeof len) || len > sizeof desc || !td_xfer_testkit_read_all(to_tx[0], desc, len))
         goto out;
     for (size_t i = 0; i < pool_bytes; i += 8)
