@@ -9,6 +9,7 @@
  * and every leased block returns on finish, cancel and expiry.
  */
 #include <criterion/criterion.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -753,4 +754,85 @@ Test(decode_sched, shared_pool_blocks_return_tcp, .timeout = 120)
 Test(decode_sched, shared_pool_blocks_return_shm, .timeout = 120)
 {
     shared_leases_return_every_block("sm,tcp");
+}
+
+/* The decode node's two threads on one block manager: a "compute" thread runs the
+ * scheduler (sequences growing, finishing, preempted in a small pool) while this thread,
+ * as the loop does, leases and cancels blocks through td_xfer. The block manager must end
+ * consistent with every block back (td_kv serializes its operations; without that the
+ * free list races). */
+typedef struct churn {
+    decode_sched_t *ds;
+    td_kv_cache_t *kv;
+    int32_t prompts[8][24];
+    volatile bool stop;
+    int finished;
+} churn_t;
+
+static void *churn_compute(void *arg)
+{
+    churn_t *c = arg;
+    for (int round = 0; round < 6; round++) {
+        for (int i = 0; i < 8; i++) {
+            decode_request_t rq = greedy_request((uint64_t)(round * 8 + i), c->prompts[i], 24, 40);
+            if (decode_sched_admit(c->ds, &rq) != TD_OK)
+                return (void *)1;
+        }
+        while (decode_sched_busy(c->ds)) {
+            decode_step_result_t r;
+            if (decode_sched_step(c->ds, 0, &r) != TD_OK)
+                return (void *)2;
+            for (int e = 0; e < r.n_events; e++)
+                c->finished += r.events[e].finish != DECODE_FINISH_NONE;
+            /* between steps, what the engine does to the block manager, many times over
+               (a step alone is mostly arithmetic: races would be rare) */
+            for (int k = 0; k < 200; k++) {
+                td_kv_seq_t q;
+                td_kv_seq_init(&q);
+                td_kv_cow_t cow;
+                if (td_kv_seq_reserve(c->kv, &q, 1 + k % 40, &cow) == TD_OK)
+                    td_kv_seq_commit(c->kv, &q, c->prompts[k % 8], TD_MIN(24, 1 + k % 40));
+                td_kv_seq_free(c->kv, &q);
+            }
+        }
+    }
+    c->stop = true;
+    return NULL;
+}
+
+Test(decode_sched, shared_pool_leases_and_engine_on_two_threads, .timeout = 240)
+{
+    skip_without_model();
+    shared_fx_t *f = calloc(1, sizeof *f);
+    shared_open(f, "tcp");
+    churn_t c = {0};
+    decode_sched_config_t cfg = decode_sched_config_default();
+    cr_assert_eq(decode_sched_create(f->fx.eng, NULL, &cfg, &c.ds), TD_OK);
+    c.kv = f->kv;
+    unsigned s = 9;
+    for (int i = 0; i < 8; i++)
+        random_prompt(&s, c.prompts[i], 24);
+    pthread_t th;
+    cr_assert_eq(pthread_create(&th, NULL, churn_compute, &c), 0);
+    int32_t blocks[8];
+    uint64_t leases = 0, refused = 0;
+    while (!c.stop) {
+        uint64_t lease;
+        td_status_t st = td_xfer_lease_create(f->rx, leases, 1 + (int32_t)(leases % 8), 5000, blocks, &lease);
+        if (st == TD_OK)
+            cr_assert_eq(td_xfer_lease_cancel(f->rx, lease), TD_OK);
+        else
+            refused++; /* the engine holds the pool right now: fine, try again */
+        leases++;
+    }
+    void *rc;
+    pthread_join(th, &rc);
+    cr_assert_null(rc, "compute thread failed at %p", rc);
+    cr_assert_eq(c.finished, 48);
+    cr_assert_gt(leases - refused, 100, "only %llu leases went through", (unsigned long long)(leases - refused));
+    cr_assert_eq(td_kv_cache_check(f->kv), TD_OK, "%s", td_last_error());
+    cr_assert_eq(td_kv_available(f->kv), f->initial, "every block back");
+    decode_sched_destroy(c.ds);
+    shared_close(f);
+    free(f);
 }
