@@ -316,6 +316,19 @@ static void on_async(uv_async_t *h)
     }
 }
 
+/* The pool's occupancy as the loop sees it. Leases take and return blocks on this thread
+ * (Admit, Release, expiry in td_xfer's tick), between the compute thread's steps, which
+ * refresh the same gauges; without this the gauges and the heartbeat's free count stayed
+ * stale until the next step. */
+static void refresh_kv_load(decode_state_t *s)
+{
+    td_kv_stats_t ks;
+    td_kv_get_stats(s->kv, &ks);
+    td_metric_set(s->m_used, ks.used);
+    td_metric_set(s->m_free, ks.free + ks.cached);
+    atomic_store(&s->load_free, ks.free + ks.cached);
+}
+
 static decode_admit_t *admit_take(decode_state_t *s, uint64_t lease_id)
 {
     for (decode_admit_t **pp = &s->admits; *pp; pp = &(*pp)->next)
@@ -351,6 +364,7 @@ static void on_kv_ready(void *arg, const td_xfer_ready_t *r)
         admit_free(a);
         free(c);
         free(blocks);
+        refresh_kv_load(s);
         return;
     }
     memcpy(blocks, r->blocks, (size_t)r->n_blocks * sizeof *blocks);
@@ -446,6 +460,7 @@ static void on_admit(td_grpc_call_t *call, const ProtobufCMessage *msg, void *da
     resp.deadline_unix_ms = 0;
     td_grpc_call_reply(call, &resp.base);
     free(blocks);
+    refresh_kv_load(s);
 }
 
 static void on_release(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data)
@@ -459,6 +474,7 @@ static void on_release(td_grpc_call_t *call, const ProtobufCMessage *msg, void *
         td_xfer_lease_cancel(s->xfer, r->lease_id);
         admit_free(a);
         resp.released = true;
+        refresh_kv_load(s);
     } else {
         decode_cmd_t *c = calloc(1, sizeof *c);
         if (c) {
@@ -497,6 +513,7 @@ static void on_steps(td_grpc_call_t *call, const ProtobufCMessage *msg, void *da
 static void on_sweep(uv_timer_t *t)
 {
     decode_state_t *s = t->data;
+    refresh_kv_load(s); /* expiries and quarantine ends happen in td_xfer's tick */
     uint64_t now = td_now_ns();
     for (decode_admit_t **pp = &s->admits; *pp;) {
         decode_admit_t *a = *pp;
