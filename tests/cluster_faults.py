@@ -36,6 +36,7 @@ and exits 0 when the behaviour is right, 1 (with 'FAIL: why' lines) when not:
                                          a status, and the impossible ones must fail
   httpgarbage URL                        garbage on a /metrics port: connections closed,
                                          /metrics still served
+  ping HOST:PORT                          one short request must succeed
   run HOST:PORT MAX_TOKENS REFS          every prompt of REFS concurrently; all must equal refs
 """
 import os
@@ -699,6 +700,12 @@ def cmd_httpgarbage(url):
     return rc
 
 
+def cmd_ping(target):
+    """One short request (8 tokens) must succeed."""
+    err = normal_ok(generate_stub(channel(target)), "nothing")
+    return fail(err) if err else 0
+
+
 def cmd_run(target, max_tokens, refs_path):
     prompts, refs = read_refs(refs_path)
     stub = generate_stub(channel(target))
@@ -719,7 +726,7 @@ def main():
     cmds = {"metric": cmd_metric, "waitmetric": cmd_waitmetric, "cancel": cmd_cancel, "deadline": cmd_deadline,
             "rawdeadline": cmd_rawdeadline, "garbage": cmd_garbage, "nodekill": cmd_nodekill,
             "stopkill": cmd_stopkill, "stall": cmd_stall, "controlgarbage": cmd_controlgarbage,
-            "httpgarbage": cmd_httpgarbage, "run": cmd_run}
+            "httpgarbage": cmd_httpgarbage, "ping": cmd_ping, "run": cmd_run}
     if len(sys.argv) < 2 or sys.argv[1] not in cmds:
         print(__doc__)
         return 2

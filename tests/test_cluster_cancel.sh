@@ -18,12 +18,7 @@ tok0=$(cl_metric decode0 tandem_decode_tokens_total)
 can0=$(cl_metric router tandem_router_requests_total outcome=cancelled 2>/dev/null || echo 0)
 
 blocks_back() { # $1: which cancels
-    local v
-    if v=$("$CL_PY" "$CL_TOOL" waitmetric "$D" tandem_decode_kv_blocks_used == "$base" 10); then
-        echo "decode0 kv blocks used: $base before, $v after $1"
-    else
-        cl_fail "decode0's used KV blocks did not return to $base after $1: $v"
-    fi
+    cl_blocks_back decode0 "$base" "$1"
     "$CL_PY" "$CL_TOOL" waitmetric "$D" tandem_decode_running_sequences == 0 10 >/dev/null ||
         cl_fail "decode0 still runs sequences after $1"
 }

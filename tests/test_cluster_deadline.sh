@@ -22,11 +22,7 @@ if command -v curl >/dev/null && curl -V | grep -q HTTP2; then
 else
     echo "SKIP (server-side grpc-timeout part): no curl with HTTP/2"
 fi
-if v=$("$CL_PY" "$CL_TOOL" waitmetric "${CL_MURL[decode0]}" tandem_decode_kv_blocks_used == "$base" 10); then
-    echo "decode0 kv blocks used: $base before, $v after the deadlines"
-else
-    cl_fail "decode0's used KV blocks did not return to $base: $v"
-fi
+cl_blocks_back decode0 "$base" "the deadlines"
 want=$(cl_ref 16 "1 2 3")
 echo "1 2 3|$want" >"$CL_T/refs"
 "$CL_PY" "$CL_TOOL" run "$CL_GW" 16 "$CL_T/refs" || CL_FAIL=1

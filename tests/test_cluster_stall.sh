@@ -43,8 +43,7 @@ echo "== decode frozen after 8 tokens: client deadline"
 echo "== decode frozen after 8 tokens: client cancel"
 "$CL_PY" "$CL_TOOL" stall "$CL_GW" "$D" 8 cancel 0.3 480 || CL_FAIL=1
 
-v=$("$CL_PY" "$CL_TOOL" waitmetric "${CL_MURL[d0]}" tandem_decode_kv_blocks_used == "$base" 10) &&
-    echo "d0 kv blocks used: $base before, $v after" || cl_fail "d0's used KV blocks did not return to $base: $v"
+cl_blocks_back d0 "$base" "the stalls"
 for n in router p0 d0; do _cl_dead "${CL_PID[$n]}" && cl_fail "$n died"; done
 dl1=$(cl_metric router tandem_router_requests_total outcome=deadline 2>/dev/null || echo 0)
 ca1=$(cl_metric router tandem_router_requests_total outcome=cancelled 2>/dev/null || echo 0)
