@@ -452,6 +452,7 @@ td_status_t td_grpc_channel_create(uv_loop_t *loop, const char *host, uint16_t p
         {NGHTTP2_SETTINGS_ENABLE_PUSH, 0},
         {NGHTTP2_SETTINGS_INITIAL_WINDOW_SIZE, cfg->initial_window_bytes},
         {NGHTTP2_SETTINGS_MAX_HEADER_LIST_SIZE, cfg->max_header_list_bytes},
+        {NGHTTP2_SETTINGS_NO_RFC7540_PRIORITIES, 1}, /* no dependency tree to keep per stream */
     };
     if (nghttp2_submit_settings(ch->ses, NGHTTP2_FLAG_NONE, iv, TD_ARRAY_LEN(iv)) != 0 ||
         nghttp2_session_set_local_window_size(ch->ses, NGHTTP2_FLAG_NONE, 0,
@@ -534,7 +535,7 @@ td_status_t td_grpc_channel_call(td_grpc_channel_t *ch, const char *method,
     if (st != TD_OK)
         goto err_call;
 
-    char timeout[24];
+    char timeout[TD_GRPC_TIMEOUT_CHARS];
     nghttp2_nv nv[8];
     size_t n = 0;
     nv[n++] = td_grpc_nv(":method", "POST");
@@ -545,7 +546,7 @@ td_status_t td_grpc_channel_call(td_grpc_channel_t *ch, const char *method,
     nv[n++] = td_grpc_nv("te", "trailers");
     nv[n++] = td_grpc_nv("user-agent", "tandem-grpc/0.1");
     if (opts->timeout_ms) {
-        snprintf(timeout, sizeof timeout, "%um", opts->timeout_ms);
+        td_grpc_format_timeout(opts->timeout_ms, timeout);
         nv[n++] = td_grpc_nv("grpc-timeout", timeout);
     }
     nghttp2_data_provider prd = {.source.ptr = NULL, .read_callback = req_read_cb};

@@ -44,12 +44,13 @@ struct td_grpc_server {
     td_grpc_server_config_t cfg;
     uv_tcp_t listener;
     uv_prepare_t pump;
+    uv_idle_t kick;                /* keeps the loop from blocking while output is left */
     uint16_t port;
     method_t *methods;
     srv_conn_t *conns;
     uint32_t n_conns;
     uint32_t n_calls;              /* calls not yet freed */
-    int open_handles;              /* listener, pump, connections' tcp handles */
+    int open_handles;              /* listener, pump, kick, connections' tcp handles */
     bool closing;
     void (*close_cb)(void *data);
     void *close_data;
@@ -89,7 +90,7 @@ struct td_grpc_call {
     bool dispatched, finished, cancelled, freeing, want_writable;
     td_grpc_code_t code;
     char *message;                 /* percent-encoded grpc-message, or NULL */
-    char code_str[8];
+    char code_str[12];
     td_grpc_cancel_cb on_cancel;
     td_grpc_writable_cb on_writable;
     void *data;
@@ -203,7 +204,7 @@ static void call_submit_trailers(td_grpc_call_t *call)
 {
     nghttp2_nv nv[2];
     size_t n = 0;
-    snprintf(call->code_str, sizeof call->code_str, "%d", (int)call->code);
+    td_grpc_format_u32((uint32_t)call->code, call->code_str);
     nv[n++] = td_grpc_nv("grpc-status", call->code_str);
     if (call->message && call->message[0])
         nv[n++] = td_grpc_nv("grpc-message", call->message);
@@ -239,7 +240,7 @@ static void call_end(td_grpc_call_t *call, td_grpc_code_t code, const char *msg,
     if (!call->responded) {
         nghttp2_nv nv[4];
         size_t n = 0;
-        snprintf(call->code_str, sizeof call->code_str, "%d", (int)code);
+        td_grpc_format_u32((uint32_t)code, call->code_str);
         nv[n++] = td_grpc_nv(":status", http_status);
         nv[n++] = td_grpc_nv("content-type", "application/grpc");
         nv[n++] = td_grpc_nv("grpc-status", call->code_str);
@@ -655,6 +656,11 @@ static void on_write(uv_write_t *req, int status)
 
 static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf);
 
+static void on_kick(uv_idle_t *h)
+{
+    uv_idle_stop(h); /* the prepare hook pumps again before this turn's poll */
+}
+
 /* Writes nghttp2's output, delivers writable notifications, applies read back-pressure. */
 static void conn_pump(srv_conn_t *c)
 {
@@ -683,6 +689,13 @@ static void conn_pump(srv_conn_t *c)
         }
         if (!notified)
             break;
+        if (round == 3) {
+            /* writers refilled their queues every round: let other work run, but pump again
+             * on the next turn without waiting for I/O (writes done at once by
+             * td_grpc_pump leave no write callback to wake the loop) */
+            if (!c->srv->closing)
+                uv_idle_start(&c->srv->kick, on_kick);
+        }
     }
     if (!nghttp2_session_want_read(c->ses) && !nghttp2_session_want_write(c->ses)) {
         conn_close_soon(c);
@@ -834,6 +847,7 @@ static void on_connection(uv_stream_t *listener, int status)
         {NGHTTP2_SETTINGS_INITIAL_WINDOW_SIZE, srv->cfg.initial_window_bytes},
         {NGHTTP2_SETTINGS_MAX_HEADER_LIST_SIZE, srv->cfg.max_header_list_bytes},
         {NGHTTP2_SETTINGS_ENABLE_PUSH, 0},
+        {NGHTTP2_SETTINGS_NO_RFC7540_PRIORITIES, 1}, /* no dependency tree to keep per stream */
     };
     if (nghttp2_submit_settings(c->ses, NGHTTP2_FLAG_NONE, iv, TD_ARRAY_LEN(iv)) != 0 ||
         nghttp2_session_set_local_window_size(c->ses, NGHTTP2_FLAG_NONE, 0,
@@ -882,7 +896,9 @@ td_status_t td_grpc_server_create(uv_loop_t *loop, const td_grpc_server_config_t
     srv->listener.data = srv;
     uv_prepare_init(loop, &srv->pump);
     srv->pump.data = srv;
-    srv->open_handles = 2;
+    uv_idle_init(loop, &srv->kick);
+    srv->kick.data = srv;
+    srv->open_handles = 3;
     int rc = uv_tcp_bind(&srv->listener, (struct sockaddr *)&addr, 0);
     if (rc == 0)
         rc = uv_listen((uv_stream_t *)&srv->listener, 128, on_connection);
@@ -892,6 +908,7 @@ td_status_t td_grpc_server_create(uv_loop_t *loop, const td_grpc_server_config_t
         srv->closing = true;
         uv_close((uv_handle_t *)&srv->listener, server_handle_closed);
         uv_close((uv_handle_t *)&srv->pump, server_handle_closed);
+        uv_close((uv_handle_t *)&srv->kick, server_handle_closed);
         return st;
     }
     uv_prepare_start(&srv->pump, on_pump);
@@ -948,6 +965,7 @@ void td_grpc_server_close(td_grpc_server_t *srv, void (*cb)(void *data), void *d
     srv->close_data = data;
     uv_close((uv_handle_t *)&srv->listener, server_handle_closed);
     uv_close((uv_handle_t *)&srv->pump, server_handle_closed);
+    uv_close((uv_handle_t *)&srv->kick, server_handle_closed);
     while (srv->conns)
         conn_close_now(srv->conns, TD_ERR_CLOSED);
 }

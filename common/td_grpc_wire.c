@@ -155,59 +155,96 @@ bool td_grpc_peek_prefix(const td_grpc_buf_t *b, uint8_t *compressed, uint32_t *
 
 /* ---- bounded unpacking -------------------------------------------------------------- */
 
-typedef struct budget {
-    size_t left;
-} budget_t;
+/*
+ * One arena per unpacked message: protobuf-c makes one allocation per sub-message, string
+ * and repeated array (a StepBatch of 64 entries is 66), so it bumps through chunks and
+ * frees them all at once. The first chunk starts with the arena itself and the first
+ * allocation (protobuf-c allocates the top-level message first) follows it at a fixed
+ * offset, which is how td_grpc_free_unpacked finds the arena. Chunks count against the
+ * budget (16 bytes per wire byte + 64 KiB), so a hostile message still costs a bounded
+ * amount of memory.
+ */
+typedef struct arena_chunk {
+    struct arena_chunk *next;
+    size_t used, cap;            /* bytes of data[] */
+    _Alignas(16) uint8_t data[];
+} arena_chunk_t;
 
-/* Each block carries a 16-byte header: word 0 its size (so free can return it to the
- * budget), word 1 unused except in the top-level message's block, where
- * td_grpc_unpack keeps the allocator that must free the whole message. */
-static void *budget_alloc(void *data, size_t size)
-{
-    budget_t *b = data;
-    if (size > b->left || b->left - size < 16)
-        return NULL;
-    size_t *p = malloc(size + 16);
-    if (!p)
-        return NULL;
-    p[0] = size;
-    b->left -= size + 16;
-    return (char *)p + 16;
-}
-
-static void budget_free(void *data, void *ptr)
-{
-    budget_t *b = data;
-    if (!ptr)
-        return;
-    size_t *p = (size_t *)((char *)ptr - 16);
-    b->left += p[0] + 16;
-    free(p);
-}
-
-/* The allocator of one unpacked message and its remaining budget. */
-typedef struct unpacked_hdr {
-    budget_t budget;
+typedef struct arena {
+    size_t left;                 /* budget */
+    arena_chunk_t *chunks;       /* newest first; the last one is the first chunk */
     ProtobufCAllocator alloc;
-} unpacked_hdr_t;
+} arena_t;
+
+#define ARENA_HDR TD_DIV_CEIL(sizeof(arena_t), 16) * 16
+
+static arena_chunk_t *arena_chunk_new(arena_t *a, size_t cap)
+{
+    if (cap > a->left)
+        return NULL;
+    arena_chunk_t *c = malloc(sizeof *c + cap);
+    if (!c)
+        return NULL;
+    a->left -= cap;
+    c->next = a->chunks;
+    c->used = 0;
+    c->cap = cap;
+    a->chunks = c;
+    return c;
+}
+
+static void *arena_alloc(void *data, size_t size)
+{
+    arena_t *a = data;
+    size = TD_DIV_CEIL(size ? size : 1, 16) * 16;
+    arena_chunk_t *c = a->chunks;
+    if (c->cap - c->used < size) {
+        size_t cap = TD_MAX(2 * c->cap, size);
+        if (cap > a->left)
+            cap = size;
+        if (!(c = arena_chunk_new(a, cap)))
+            return NULL;
+    }
+    void *p = c->data + c->used;
+    c->used += size;
+    return p;
+}
+
+static void arena_free(void *data, void *ptr)
+{
+    /* everything goes with the arena */
+}
+
+static void arena_destroy(arena_t *a)
+{
+    /* the first chunk holds the arena: free it last */
+    for (arena_chunk_t *c = a->chunks, *next; c; c = next) {
+        next = c->next;
+        free(c);
+    }
+}
 
 ProtobufCMessage *td_grpc_unpack(const ProtobufCMessageDescriptor *desc, const uint8_t *p, size_t n)
 {
-    unpacked_hdr_t *h = malloc(sizeof *h);
-    if (!h)
-        return NULL;
     size_t bound = n > (SIZE_MAX - 65536) / 16 ? SIZE_MAX : n * 16 + 65536;
-    h->budget.left = bound;
-    h->alloc = (ProtobufCAllocator){budget_alloc, budget_free, &h->budget};
-    ProtobufCMessage *m = protobuf_c_message_unpack(desc, &h->alloc, n, p);
+    /* room for the arena, the top-level message and what the wire bytes usually unpack to */
+    size_t first = ARENA_HDR + TD_DIV_CEIL(desc->sizeof_message, 16) * 16 + TD_MIN(4 * n + 256, bound / 2);
+    arena_chunk_t *c = malloc(sizeof *c + first);
+    if (!c)
+        return NULL;
+    c->next = NULL;
+    c->cap = first;
+    c->used = ARENA_HDR;
+    arena_t *a = (arena_t *)c->data;
+    a->left = bound;
+    a->chunks = c;
+    a->alloc = (ProtobufCAllocator){arena_alloc, arena_free, a};
+    ProtobufCMessage *m = protobuf_c_message_unpack(desc, &a->alloc, n, p);
     if (!m) {
-        free(h);
+        arena_destroy(a);
         return NULL;
     }
-    /* protobuf-c allocates the top-level message first, through our allocator, so it
-     * starts a block of ours: word 1 of its header holds the allocator to free with. */
-    void **slot = (void **)((char *)m - 16) + 1; /* second word of the 16-byte header */
-    *slot = h;
+    TD_ASSERT((uint8_t *)m == c->data + ARENA_HDR); /* the top-level message came first */
     return m;
 }
 
@@ -215,9 +252,7 @@ void td_grpc_free_unpacked(ProtobufCMessage *m)
 {
     if (!m)
         return;
-    unpacked_hdr_t *h = *((void **)((char *)m - 16) + 1);
-    protobuf_c_message_free_unpacked(m, &h->alloc);
-    free(h);
+    arena_destroy((arena_t *)((uint8_t *)m - ARENA_HDR));
 }
 
 /* ---- header encodings --------------------------------------------------------------- */
@@ -244,6 +279,38 @@ bool td_grpc_parse_timeout(const char *v, size_t n, uint64_t *ms)
     }
     *ms = out ? out : 1;
     return true;
+}
+
+size_t td_grpc_format_u32(uint32_t v, char *out)
+{
+    char tmp[10];
+    size_t n = 0;
+    do {
+        tmp[n++] = (char)('0' + v % 10);
+        v /= 10;
+    } while (v);
+    for (size_t i = 0; i < n; i++)
+        out[i] = tmp[n - 1 - i];
+    out[n] = '\0';
+    return n;
+}
+
+void td_grpc_format_timeout(uint32_t ms, char *out)
+{
+    static const struct {
+        uint32_t per;
+        char unit;
+    } units[] = {{1, 'm'}, {1000, 'S'}, {60000, 'M'}, {3600000, 'H'}};
+    uint32_t v = ms;
+    size_t u = 0;
+    for (; u < TD_ARRAY_LEN(units); u++) {
+        v = ms / units[u].per + (ms % units[u].per != 0);
+        if (v <= 99999999u)
+            break;
+    }
+    size_t n = td_grpc_format_u32(v, out);
+    out[n] = units[u].unit;
+    out[n + 1] = '\0';
 }
 
 char *td_grpc_percent_encode(const char *s)
@@ -309,13 +376,58 @@ void td_grpc_write_done(uv_write_t *req)
     free(w);
 }
 
+/* Writes data[0, len) now as far as the socket takes it; queues the rest with uv_write in
+ * `w` (allocated here when NULL: data is then not ours to keep). */
+static int pump_write(uv_stream_t *stream, wreq_t *w, const uint8_t *data, size_t len, void *owner,
+                      uv_write_cb write_cb, int *writes_in_flight)
+{
+    uv_buf_t b = uv_buf_init((char *)data, (unsigned)len);
+    int n = uv_try_write(stream, &b, 1); /* UV_EAGAIN while earlier writes are queued */
+    if (n < 0 && n != UV_EAGAIN && n != UV_ENOSYS) {
+        free(w);
+        return n;
+    }
+    size_t done = n > 0 ? (size_t)n : 0;
+    if (done == len) {
+        free(w);
+        return 0;
+    }
+    size_t off = done;
+    if (!w) {
+        if (!(w = malloc(sizeof *w + len - done)))
+            return NGHTTP2_ERR_NOMEM;
+        memcpy(w->data, data + done, len - done);
+        off = 0;
+    } else {
+        off += (size_t)(data - w->data);
+    }
+    w->req.data = owner;
+    w->in_flight = writes_in_flight;
+    b = uv_buf_init((char *)w->data + off, (unsigned)(len - done));
+    int rc = uv_write(&w->req, stream, &b, 1, write_cb);
+    if (rc < 0) {
+        free(w);
+        return rc;
+    }
+    (*writes_in_flight)++;
+    return 0;
+}
+
+/*
+ * nghttp2 hands out its output a frame at a time; frames are gathered (in a stack buffer,
+ * or a heap one past its size) so one syscall carries many, and written at once with
+ * uv_try_write. Only what the socket does not take is copied into a queued write, so the
+ * usual small batch costs no allocation and no write callback.
+ */
 int td_grpc_pump(nghttp2_session *s, uv_stream_t *stream, void *owner, uv_write_cb write_cb,
                  int *writes_in_flight)
 {
+    uint8_t stack[16384];
     while (uv_stream_get_write_queue_size(stream) < TD_GRPC_WRITE_HIGH &&
            nghttp2_session_want_write(s)) {
         wreq_t *w = NULL;
-        size_t len = 0, cap = 0;
+        uint8_t *buf = stack;
+        size_t len = 0, cap = sizeof stack;
         for (;;) {
             const uint8_t *p;
             ssize_t n = nghttp2_session_mem_send(s, &p);
@@ -326,7 +438,7 @@ int td_grpc_pump(nghttp2_session *s, uv_stream_t *stream, void *owner, uv_write_
             if (n == 0)
                 break;
             if (len + (size_t)n > cap) {
-                size_t ncap = cap ? cap : TD_GRPC_WRITE_CHUNK;
+                size_t ncap = TD_MAX(cap, (size_t)TD_GRPC_WRITE_CHUNK);
                 while (ncap < len + (size_t)n)
                     ncap *= 2;
                 wreq_t *nw = realloc(w, sizeof *w + ncap);
@@ -334,25 +446,22 @@ int td_grpc_pump(nghttp2_session *s, uv_stream_t *stream, void *owner, uv_write_
                     free(w);
                     return NGHTTP2_ERR_NOMEM;
                 }
+                if (!w)
+                    memcpy(nw->data, stack, len);
                 w = nw;
+                buf = w->data;
                 cap = ncap;
             }
-            memcpy(w->data + len, p, (size_t)n);
+            memcpy(buf + len, p, (size_t)n);
             len += (size_t)n;
             if (len >= TD_GRPC_WRITE_CHUNK)
                 break;
         }
-        if (!w)
+        if (!len)
             break;
-        w->req.data = owner;
-        w->in_flight = writes_in_flight;
-        uv_buf_t b = uv_buf_init((char *)w->data, (unsigned)len);
-        int rc = uv_write(&w->req, stream, &b, 1, write_cb);
-        if (rc < 0) {
-            free(w);
+        int rc = pump_write(stream, w, buf, len, owner, write_cb, writes_in_flight);
+        if (rc < 0)
             return rc;
-        }
-        (*writes_in_flight)++;
     }
     return 0;
 }

@@ -46,13 +46,23 @@ td_status_t td_grpc_buf_put_raw(td_grpc_buf_t *b, const void *p, size_t n, size_
 /* Reads the prefix at the front of `b`: returns false when fewer than 5 bytes are there. */
 bool td_grpc_peek_prefix(const td_grpc_buf_t *b, uint8_t *compressed, uint32_t *len);
 
-/* Unpacks under an allocator bounded at 16 bytes per wire byte + 64 KiB. NULL when it
- * does not parse or needs more. Free with td_grpc_free_unpacked. */
+/* Unpacks into one arena (a few mallocs per message, not one per field) bounded at 16
+ * bytes per wire byte + 64 KiB. NULL when it does not parse or needs more. Free with
+ * td_grpc_free_unpacked. */
 ProtobufCMessage *td_grpc_unpack(const ProtobufCMessageDescriptor *desc, const uint8_t *p, size_t n);
 void td_grpc_free_unpacked(ProtobufCMessage *msg);
 
 /* grpc-timeout "123m" → milliseconds (rounded up, at least 1). False when malformed. */
 bool td_grpc_parse_timeout(const char *v, size_t n, uint64_t *ms);
+
+/* Writes a grpc-timeout value for `ms` into out[TD_GRPC_TIMEOUT_CHARS]: at most 8 digits
+ * as the spec wants (milliseconds, else seconds, minutes or hours, rounded up). No printf:
+ * this runs once per call. */
+#define TD_GRPC_TIMEOUT_CHARS 12
+void td_grpc_format_timeout(uint32_t ms, char *out);
+
+/* Decimal digits of v into out (at least 11 bytes), NUL-terminated; returns the length. */
+size_t td_grpc_format_u32(uint32_t v, char *out);
 
 /* Percent-encodes a grpc-message into a malloc'ed string (NULL on out of memory). */
 char *td_grpc_percent_encode(const char *s);
@@ -64,7 +74,8 @@ td_grpc_code_t td_grpc_code_from_http(int http_status);
 
 /*
  * Moves nghttp2's pending output to the socket in TD_GRPC_WRITE_CHUNK batches until there
- * is none or the socket queue is above TD_GRPC_WRITE_HIGH. `*writes_in_flight` counts
+ * is none or the socket queue is above TD_GRPC_WRITE_HIGH, writing at once what the socket
+ * takes (uv_try_write) and queueing only the rest. `*writes_in_flight` counts queued
  * uv_write requests (write_cb receives req->data = owner and must call
  * td_grpc_write_done). Returns 0, or a negative nghttp2/libuv error: close the connection.
  */

@@ -12,6 +12,7 @@
 #include <sys/time.h>
 #include <unistd.h>
 
+#include "control.pb-c.h"
 #include "grpc_test_service.h"
 #include "td_grpc_wire.h"
 
@@ -448,4 +449,49 @@ Test(grpc, many_cancels_keep_the_connection, .timeout = 60)
     cr_assert(td_grpc_channel_is_usable(c.ch), "the server sent GOAWAY after %d cancels", N);
     list_models_ok(&c);
     client_stop(&c);
+}
+
+/* Unpacking goes through one arena per message and stays bounded: empty sub-messages cost
+ * 2 wire bytes each but ~24x that unpacked, so a big enough run of them is refused, while
+ * the same message with few entries unpacks whole and frees cleanly. */
+Test(grpc, unpack_arena_is_bounded)
+{
+    enum { BIG = 100000 };
+    uint8_t *wire = malloc(2 * BIG);
+    cr_assert_not_null(wire);
+    for (int i = 0; i < BIG; i++) {
+        wire[2 * i] = (3 << 3) | 2; /* StepBatch.seqs, length-delimited */
+        wire[2 * i + 1] = 0;        /* an empty SeqStep */
+    }
+    ProtobufCMessage *m = td_grpc_unpack(&tandem__control__v1__step_batch__descriptor, wire, 2 * 1000);
+    cr_assert_not_null(m, "1000 entries must unpack");
+    cr_assert_eq(((Tandem__Control__V1__StepBatch *)m)->n_seqs, 1000);
+    td_grpc_free_unpacked(m);
+    cr_assert_null(td_grpc_unpack(&tandem__control__v1__step_batch__descriptor, wire, 2 * BIG),
+                   "100000 empty entries exceed 16 bytes per wire byte");
+    free(wire);
+}
+
+/* grpc-timeout values have at most 8 digits: large millisecond counts move to a coarser
+ * unit, rounded up, and parse back to no less than what was asked. */
+Test(grpc, timeout_header_format)
+{
+    static const struct {
+        uint32_t ms;
+        const char *want;
+    } cases[] = {{1, "1m"},           {10000, "10000m"},      {99999999, "99999999m"},
+                 {100000000, "100000S"}, {100000001, "100001S"}, {UINT32_MAX, "4294968S"}};
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        char buf[TD_GRPC_TIMEOUT_CHARS];
+        td_grpc_format_timeout(cases[i].ms, buf);
+        cr_assert_str_eq(buf, cases[i].want, "%u ms", cases[i].ms);
+        uint64_t back;
+        cr_assert(td_grpc_parse_timeout(buf, strlen(buf), &back), "%s does not parse", buf);
+        cr_assert_geq(back, cases[i].ms);
+    }
+    char d[12];
+    cr_assert_eq(td_grpc_format_u32(0, d), 1);
+    cr_assert_str_eq(d, "0");
+    cr_assert_eq(td_grpc_format_u32(UINT32_MAX, d), 10);
+    cr_assert_str_eq(d, "4294967295");
 }
