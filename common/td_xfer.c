@@ -195,12 +195,22 @@ struct td_xfer_peer {
     list_node_t sends; /* td_xfer_send_t.peer_link */
 };
 
+/* A piece of the staging ring held by one posted operation; pieces return in the order
+ * they were taken (a FIFO: the ring's tail passes only pieces that are done). */
+typedef struct stage_piece {
+    list_node_t link;  /* x->stage_pieces */
+    size_t span;       /* bytes taken from the ring, incl. padding skipped at its end */
+    bool done;
+} stage_piece_t;
+
 typedef struct send_op {
     list_node_t link;  /* x->queue while waiting */
     td_xfer_send_t *s;
     am_data_hdr_t hdr; /* lives until the send completes (no COPY_HEADER in 1.13) */
-    const void *src;
+    const void *src;   /* host bytes; for a device source, in the staging ring once posted */
     size_t len;
+    stage_piece_t *piece; /* device source, posted: its piece of the staging ring */
+    uint8_t *staged;      /* ... and where in the ring the bytes go */
 } send_op_t;
 
 struct td_xfer_send {
@@ -268,6 +278,11 @@ struct td_xfer {
     list_node_t aborts;    /* abort_job_t: ABORTs to confirm once our puts are flushed */
     uint64_t acts;         /* deferred actions taken (drain goes round while it grows) */
     uint64_t next_cookie;
+    uint8_t *stage;        /* [cfg.staging_bytes] host ring device sources are copied through */
+    size_t stage_head;     /* next byte to hand out */
+    size_t stage_tail;     /* oldest byte still held */
+    size_t stage_used;     /* bytes held (head == tail: empty when 0, full otherwise) */
+    list_node_t stage_pieces; /* stage_piece_t, oldest first */
 
     td_xfer_stats_t stats;
 };
@@ -893,11 +908,82 @@ static void peer_err_cb(void *arg, ucp_ep_h ep, ucs_status_t status)
     peer_fail(peer, TD_ERR_UNAVAILABLE);
 }
 
+/* ---- staging ring (device-memory sources) ------------------------------------------- */
+
+/* Takes `len` contiguous bytes of the ring for op (its piece), or returns false when they
+ * are not free yet (the op waits in the queue). A piece never wraps: the end of the ring
+ * is skipped (and counted in the piece) when it is too short. */
+static bool stage_take(td_xfer_t *x, send_op_t *op)
+{
+    size_t cap = x->cfg.staging_bytes, len = op->len, off, span;
+    if (x->stage_used == 0)
+        x->stage_head = x->stage_tail = 0;
+    size_t h = x->stage_head, t = x->stage_tail;
+    if (x->stage_used > 0 && h <= t) { /* free space is [h, t) */
+        if (t - h < len)
+            return false;
+        off = h, span = len;
+    } else if (cap - h >= len) {       /* free space is [h, cap) and [0, t) */
+        off = h, span = len;
+    } else if (t >= len) {
+        off = 0, span = cap - h + len;
+    } else {
+        return false;
+    }
+    stage_piece_t *pc = malloc(sizeof *pc);
+    if (!pc)
+        return false; /* tried again on the next drain */
+    *pc = (stage_piece_t){.span = span};
+    list_push(&x->stage_pieces, &pc->link);
+    x->stage_head = (off + len) % cap;
+    x->stage_used += span;
+    op->piece = pc;
+    op->staged = x->stage + off;
+    return true;
+}
+
+/* op's piece is no longer read by UCX: the ring's tail moves past every done piece. */
+static void stage_give(td_xfer_t *x, send_op_t *op)
+{
+    if (!op->piece)
+        return;
+    op->piece->done = true;
+    op->piece = NULL;
+    while (!list_empty(&x->stage_pieces)) {
+        stage_piece_t *pc = CONTAINER(x->stage_pieces.next, stage_piece_t, link);
+        if (!pc->done)
+            break;
+        list_del(&pc->link);
+        x->stage_tail = (x->stage_tail + pc->span) % x->cfg.staging_bytes;
+        x->stage_used -= pc->span;
+        free(pc);
+    }
+}
+
+/* Reads a device-source op into its piece of the ring (and adds its blocks to the
+ * request's checksum, which could not read device memory at send_layer). */
+static td_status_t stage_fill(send_op_t *op)
+{
+    td_xfer_send_t *s = op->s;
+    td_status_t st = s->p.copy_d2h(s->p.copy_arg, op->staged, op->src, op->len);
+    if (st != TD_OK)
+        return td_errorf(st, "xfer request %" PRIu64 ": copying layer %u from device memory failed: %s",
+                         s->p.request_id, op->hdr.layer, td_strerror(st));
+    if (s->p.checksum) {
+        size_t bb = td_kv_block_bytes(&s->peer->layout);
+        for (uint32_t k = 0; k < op->hdr.n_blocks; k++)
+            s->checksum += block_checksum(op->staged + (size_t)k * bb, bb, op->hdr.layer, op->hdr.first_idx + k);
+    }
+    op->src = op->staged;
+    return TD_OK;
+}
+
 static void data_sent_cb(void *request, ucs_status_t status, void *user_data)
 {
     send_op_t *op = user_data;
     td_xfer_send_t *s = op->s;
     td_xfer_t *x = s->x;
+    stage_give(x, op);
     x->ops_posted--;
     s->ops_out--;
     if (status == UCS_OK)
@@ -953,7 +1039,11 @@ static void post_op(td_xfer_t *x, send_op_t *op)
 {
     td_xfer_send_t *s = op->s;
     x->acts++;
+    td_status_t st = TD_OK;
+    if (s->peer->alive && s->status == TD_OK && op->piece && (st = stage_fill(op)) != TD_OK)
+        send_set_status(s, st);
     if (!s->peer->alive || s->status != TD_OK) {
+        stage_give(x, op);
         s->ops_out--;
         free(op);
         send_maybe_done(s);
@@ -1373,9 +1463,18 @@ bool td_xfer_peer_alive(const td_xfer_peer_t *peer)
 td_status_t td_xfer_send_begin(td_xfer_t *x, td_xfer_peer_t *peer, const td_xfer_send_params_t *p,
                                td_xfer_send_t **s_p)
 {
-    if (p->mem != TD_XFER_MEM_HOST)
-        return td_errorf(TD_ERR_UNSUPPORTED, "xfer request %" PRIu64 ": CUDA source memory needs the staging path, "
-                         "not built yet (docs/xfer.md)", p->request_id);
+    if (p->mem == TD_XFER_MEM_CUDA) {
+        size_t bb = td_kv_block_bytes(&peer->layout);
+        if (!p->copy_d2h || bb > x->cfg.staging_bytes / 2)
+            return td_errorf(TD_ERR_INVALID, "xfer request %" PRIu64 ": a device-memory source needs copy_d2h and a "
+                             "staging ring of two blocks at least (%zu bytes; staging_bytes is %zu)",
+                             p->request_id, 2 * bb, x->cfg.staging_bytes);
+        if (!x->stage && !(x->stage = aligned_alloc(4096, TD_DIV_CEIL(x->cfg.staging_bytes, 4096) * 4096)))
+            return td_errorf(TD_ERR_NOMEM, "xfer: no memory for a staging ring of %zu bytes", x->cfg.staging_bytes);
+    } else if (p->mem != TD_XFER_MEM_HOST) {
+        return td_errorf(TD_ERR_INVALID, "xfer request %" PRIu64 ": unknown memory type %d", p->request_id,
+                         (int)p->mem);
+    }
     if (!peer->alive)
         return td_errorf(TD_ERR_UNAVAILABLE, "xfer request %" PRIu64 ": peer is gone, connect again", p->request_id);
     uint32_t bs = peer->layout.block_size;
@@ -1427,22 +1526,27 @@ td_status_t td_xfer_send_layer(td_xfer_send_t *s, uint32_t layer, const void *sr
     s->layer_seen[layer] = 1;
     s->layers_sent++;
     size_t bb = td_kv_block_bytes(lay);
+    bool device = s->p.mem == TD_XFER_MEM_CUDA;
+    /* a device-source operation is staged whole: at most half the ring, so two fit */
+    int32_t max_run = device ? (int32_t)TD_MIN(x->cfg.staging_bytes / 2 / bb, (size_t)INT32_MAX) : INT32_MAX;
     for (int32_t i = 0; i < s->n_used;) {
         /* One operation per run contiguous in the destination and in the source. */
         int32_t j = i + 1;
-        while (j < s->n_used && s->dst_blocks[j] == s->dst_blocks[j - 1] + 1 && src_blocks[j] == src_blocks[j - 1] + 1)
+        while (j < s->n_used && j - i < max_run && s->dst_blocks[j] == s->dst_blocks[j - 1] + 1 &&
+               src_blocks[j] == src_blocks[j - 1] + 1)
             j++;
         send_op_t *op = malloc(sizeof *op);
         if (!op) {
             send_set_status(s, td_errorf(TD_ERR_NOMEM, "xfer request %" PRIu64 ": out of memory", s->p.request_id));
             return TD_ERR_NOMEM;
         }
+        *op = (send_op_t){0};
         op->s = s;
         op->hdr = (am_data_hdr_t){.lease_id = s->p.lease_id, .layer = layer, .dst_block = (uint32_t)s->dst_blocks[i],
                                   .n_blocks = (uint32_t)(j - i), .first_idx = (uint32_t)i};
         op->src = (const char *)src_layer + (size_t)src_blocks[i] * bb;
         op->len = (size_t)(j - i) * bb;
-        if (s->p.checksum)
+        if (s->p.checksum && !device) /* device bytes are summed once staged (stage_fill) */
             for (int32_t k = i; k < j; k++)
                 s->checksum += block_checksum((const char *)src_layer + (size_t)src_blocks[k] * bb, bb, layer,
                                               (uint32_t)k);
@@ -1498,11 +1602,17 @@ static void run_deferred(td_xfer_t *x)
     /* Post queued DATA under the in-flight bound (in order, skipping requests still
      * waiting for their peer or bind), and READY for requests whose data is in. */
     list_node_t *qn = x->queue.next;
+    bool stage_full = false; /* device-source ops keep their order behind one that waits */
     while (qn != &x->queue && x->ops_posted < x->cfg.max_inflight_ops) {
         send_op_t *op = CONTAINER(qn, send_op_t, link);
         qn = qn->next;
         if (!op_ready(op))
             continue;
+        if (op->s->p.mem == TD_XFER_MEM_CUDA && op->s->status == TD_OK && op->s->peer->alive &&
+            (stage_full || !stage_take(x, op))) {
+            stage_full = true; /* its piece frees up as posted ops complete */
+            continue;
+        }
         list_del(&op->link);
         post_op(x, op);
     }
@@ -1666,7 +1776,8 @@ td_xfer_config_t td_xfer_config_default(void)
                               .tick_ms = 10,
                               .rma = TD_XFER_RMA_AUTO,
                               .quarantine_ms = 10000,
-                              .put_nt_min = (size_t)256 << 10};
+                              .put_nt_min = (size_t)256 << 10,
+                              .staging_bytes = (size_t)64 << 20};
 }
 
 td_status_t td_xfer_rma_parse(const char *s, td_xfer_rma_t *rma_p)
@@ -1720,6 +1831,7 @@ td_status_t td_xfer_create(uv_loop_t *loop, const td_xfer_config_t *cfg, td_xfer
     list_init(&x->ready_list);
     list_init(&x->peers);
     list_init(&x->queue);
+    list_init(&x->stage_pieces);
     list_init(&x->done_list);
     list_init(&x->closing);
     list_init(&x->aborts);
@@ -1983,6 +2095,13 @@ void td_xfer_destroy(td_xfer_t *x)
     ucp_cleanup(x->ctx);
     x->worker = NULL;
     x->ctx = NULL;
+    while (!list_empty(&x->stage_pieces)) { /* UCX is gone: nothing reads the ring */
+        stage_piece_t *pc = CONTAINER(x->stage_pieces.next, stage_piece_t, link);
+        list_del(&pc->link);
+        free(pc);
+    }
+    free(x->stage);
+    x->stage = NULL;
 }
 
 void td_xfer_send_abort(td_xfer_send_t *s, td_status_t why)

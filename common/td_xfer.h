@@ -44,9 +44,10 @@ typedef struct td_xfer td_xfer_t;
 typedef struct td_xfer_peer td_xfer_peer_t;
 typedef struct td_xfer_send td_xfer_send_t;
 
-/* Where KV bytes live. CUDA memory is staged through pinned host buffers (docs/xfer.md);
- * that path is designed but not built yet: TD_XFER_MEM_CUDA is refused with
- * TD_ERR_UNSUPPORTED until the CUDA backend exists. */
+/* Where KV bytes live. A sender's device (CUDA) memory is staged through a host ring
+ * with the caller's device-to-host copy (td_xfer_send_params_t.copy_d2h, the backend's
+ * copy_d2h); a receiver pool in device memory is not built yet (TD_ERR_UNSUPPORTED).
+ * docs/xfer.md, "Memory types". */
 typedef enum td_xfer_mem {
     TD_XFER_MEM_HOST = 0,
     TD_XFER_MEM_CUDA = 1,
@@ -76,10 +77,13 @@ typedef struct td_xfer_config {
                                   its put writer has not confirmed the abort */
     size_t put_nt_min;         /* sender, shared memory: puts of this many bytes and more
                                   are copied with non-temporal stores (docs/xfer.md) */
+    size_t staging_bytes;      /* sender: host ring that device-memory sources are copied
+                                  through (allocated at the first such send); one
+                                  operation moves at most half of it */
 } td_xfer_config_t;
 
 /* Defaults: listen on 127.0.0.1 port 0, 64 ops in flight, 30 s send bound, 10 ms tick,
- * rma auto, 10 s quarantine, non-temporal copies from 256 KiB. */
+ * rma auto, 10 s quarantine, non-temporal copies from 256 KiB, 64 MiB staging ring. */
 td_xfer_config_t td_xfer_config_default(void);
 
 /* Prometheus names in docs/xfer.md. Counters only grow; gauges are current values. */
@@ -224,6 +228,10 @@ bool td_xfer_peer_alive(const td_xfer_peer_t *peer);
  * TD_ERR_CLOSED (x destroyed). */
 typedef void (*td_xfer_done_cb)(void *arg, uint64_t request_id, td_status_t st);
 
+/* Copies bytes from device memory to host memory and returns once they are there (a
+ * backend's copy_d2h). Called on the loop thread. Errors fail the request. */
+typedef td_status_t (*td_xfer_copy_cb)(void *arg, void *dst, const void *src, size_t bytes);
+
 typedef struct td_xfer_send_params {
     uint64_t request_id;
     uint64_t lease_id;         /* from the receiver's td_xfer_lease_create */
@@ -234,13 +242,17 @@ typedef struct td_xfer_send_params {
     td_xfer_mem_t mem;         /* where the source pool lives */
     td_xfer_done_cb done;
     void *arg;
+    td_xfer_copy_cb copy_d2h;  /* mem == TD_XFER_MEM_CUDA: reads the source into the
+                                  staging ring (required then; unused for host memory) */
+    void *copy_arg;
 } td_xfer_send_params_t;
 
 /*
  * Starts one request's transfer to `peer`. *s_p stays valid until the done callback,
  * which comes only after td_xfer_send_finish. Errors (no callback then): TD_ERR_INVALID
- * (blocks too few for n_tokens), TD_ERR_UNAVAILABLE (peer dead), TD_ERR_UNSUPPORTED
- * (CUDA memory), TD_ERR_NOMEM.
+ * (blocks too few for n_tokens; device memory without copy_d2h, or a block larger than
+ * half the staging ring), TD_ERR_UNAVAILABLE (peer dead), TD_ERR_NOMEM (incl. the
+ * staging ring).
  */
 td_status_t td_xfer_send_begin(td_xfer_t *x, td_xfer_peer_t *peer, const td_xfer_send_params_t *p,
                                td_xfer_send_t **s_p);
@@ -250,9 +262,10 @@ td_status_t td_xfer_send_begin(td_xfer_t *x, td_xfer_peer_t *peer, const td_xfer
  * pool ([src_n_blocks][2][block_size][n_kv_heads][head_dim]); src_blocks[i] is the source
  * block of the request's i-th block (its block table). Runs of blocks contiguous at both
  * ends go as one operation; at most max_inflight_ops are in flight, the rest wait in order.
- * The source bytes must stay unchanged until the done callback. Errors (the request is
- * then failed; finish still delivers the verdict): TD_ERR_INVALID (layer out of range or
- * sent twice), the request's failure status if it already failed.
+ * The source bytes must stay unchanged until the done callback. Device-memory sources
+ * are read (copy_d2h into the staging ring) only when their operation is posted. Errors
+ * (the request is then failed; finish still delivers the verdict): TD_ERR_INVALID (layer
+ * out of range or sent twice), the request's failure status if it already failed.
  */
 td_status_t td_xfer_send_layer(td_xfer_send_t *s, uint32_t layer, const void *src_layer,
                                const int32_t *src_blocks);

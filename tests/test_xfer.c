@@ -22,6 +22,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "td_backend.h"
 #include "td_kv.h"
 #include "td_util.h"
 #include "td_xfer.h"
@@ -212,7 +213,18 @@ typedef struct tx {
     td_status_t status[MAX_REQ];
     double done_at[MAX_REQ];
     bool all_done;
+    td_backend_t *be;    /* device-memory source: the pool is backend memory, read with
+                            its copy_d2h through td_xfer's staging ring */
+    uint64_t staged;     /* bytes copy_d2h moved */
 } tx_t;
+
+/* The backend's device-to-host copy, as a decode/prefill node hands it to td_xfer. */
+static td_status_t tx_copy_d2h(void *arg, void *dst, const void *src, size_t bytes)
+{
+    tx_t *tx = arg;
+    tx->staged += bytes;
+    return tx->be->ops->copy_d2h(tx->be, dst, src, bytes);
+}
 
 static void tx_on_done(void *arg, uint64_t request_id, td_status_t st)
 {
@@ -224,11 +236,18 @@ static void tx_on_done(void *arg, uint64_t request_id, td_status_t st)
         tx->all_done = true;
 }
 
-static int tx_init_rma(tx_t *tx, td_xfer_rma_t rma)
+/* staging: 0 for a host source; else the source is device memory and td_xfer stages it
+ * through a ring of this many bytes. */
+static int tx_init_mem(tx_t *tx, td_xfer_rma_t rma, size_t staging)
 {
     memset(tx, 0, sizeof *tx);
     uv_loop_init(&tx->loop);
+    td_cpu_config_t cc = {.n_threads = 1};
+    if (staging && td_backend_cpu_create(&cc, &tx->be) != TD_OK)
+        return 32;
     td_xfer_config_t cfg = td_xfer_config_default();
+    if (staging)
+        cfg.staging_bytes = staging;
     cfg.name = "tx";
     cfg.rma = rma;
     cfg.listen_ip = NULL;
@@ -237,6 +256,11 @@ static int tx_init_rma(tx_t *tx, td_xfer_rma_t rma)
     cfg.put_nt_min = 2048; /* over shared memory: one-block runs by memcpy, longer ones by
                               non-temporal stores; the receiver checks every byte of both */
     return td_xfer_create(&tx->loop, &cfg, &tx->x) == TD_OK ? 0 : 30;
+}
+
+static int tx_init_rma(tx_t *tx, td_xfer_rma_t rma)
+{
+    return tx_init_mem(tx, rma, 0);
 }
 
 static int tx_init(tx_t *tx)
@@ -253,9 +277,11 @@ static int tx_fill(tx_t *tx, const offer_t *o, uint64_t seed)
     for (int r = 0; r < o->n_req; r++)
         total += TD_DIV_CEIL(o->lease[r].n_tokens, LAYOUT.block_size);
     tx->n_blocks = total;
-    tx->pool = malloc(td_kv_pool_bytes(&LAYOUT, total));
-    if (!tx->pool)
+    void *pool = NULL;
+    if (tx->be ? tx->be->ops->alloc(tx->be, td_kv_pool_bytes(&LAYOUT, total), &pool) != TD_OK
+               : !(pool = malloc(td_kv_pool_bytes(&LAYOUT, total))))
         return 31;
+    tx->pool = pool; /* the CPU backend's device memory is host memory: filled in place */
     uint32_t next = 0;
     for (int r = 0; r < o->n_req; r++) {
         uint32_t n = TD_DIV_CEIL(o->lease[r].n_tokens, LAYOUT.block_size);
@@ -289,8 +315,11 @@ static td_status_t tx_begin(tx_t *tx, const lease_msg_t *m, int r, td_xfer_send_
                                .n_dst_blocks = m->n_blocks,
                                .n_tokens = m->n_tokens,
                                .checksum = (r % 2) == 0,
+                               .mem = tx->be ? TD_XFER_MEM_CUDA : TD_XFER_MEM_HOST,
                                .done = tx_on_done,
-                               .arg = tx};
+                               .arg = tx,
+                               .copy_d2h = tx->be ? tx_copy_d2h : NULL,
+                               .copy_arg = tx};
     return td_xfer_send_begin(tx->x, tx->peer, &p, s_p);
 }
 
@@ -300,7 +329,13 @@ static void tx_free(tx_t *tx)
     close_loop(&tx->loop);
     for (int r = 0; r < MAX_REQ; r++)
         free(tx->src[r]);
-    free(tx->pool);
+    if (tx->be) {
+        if (tx->pool)
+            tx->be->ops->free(tx->be, tx->pool);
+        td_backend_destroy(tx->be);
+    } else {
+        free(tx->pool);
+    }
 }
 
 /* ---- two processes, many requests ----------------------------------------------------- */
@@ -331,7 +366,7 @@ static void receiver_process(int wfd, uint64_t seed, int n_req, const char *ip)
 static bool enter_netns(const char *name);
 
 static void many_requests_in(const char *tls, td_xfer_rma_t rma, uint64_t seed, int n_req, const char *rx_ns,
-                             const char *tx_ns, const char *rx_ip)
+                             const char *tx_ns, const char *rx_ip, size_t staging)
 {
     td_xfer_testkit_env(tls);
     if (rx_ns)
@@ -352,7 +387,7 @@ static void many_requests_in(const char *tls, td_xfer_rma_t rma, uint64_t seed, 
     static offer_t o;
     cr_assert(td_xfer_testkit_read_all(fds[0], &o, sizeof o), "receiver failed to start");
     tx_t tx;
-    cr_assert_eq(tx_init_rma(&tx, rma), 0);
+    cr_assert_eq(tx_init_mem(&tx, rma, staging), 0);
     cr_assert_eq(tx_fill(&tx, &o, seed), 0);
     tx.n_want = o.n_req;
     cr_assert_eq(td_xfer_connect(tx.x, o.desc, o.desc_len, &LAYOUT, &tx.peer), TD_OK, "%s", td_last_error());
@@ -391,13 +426,32 @@ static void many_requests_in(const char *tls, td_xfer_rma_t rma, uint64_t seed, 
     cr_expect_eq(rep.stats.leases_adopted, (uint64_t)o.n_req);
     cr_expect_eq(rep.stats.leases_live, 0);
     cr_expect_eq(rep.free_after, 256 * 64 + 256, "blocks not returned: %d free", rep.free_after);
+    if (staging)
+        cr_expect_eq(tx.staged, st.bytes_sent, "every byte goes through the staging ring: %lu staged, %lu sent",
+                     (unsigned long)tx.staged, (unsigned long)st.bytes_sent);
     tx_free(&tx);
     close(fds[0]);
 }
 
 static void many_requests(const char *tls, td_xfer_rma_t rma, uint64_t seed, int n_req)
 {
-    many_requests_in(tls, rma, seed, n_req, NULL, NULL, "127.0.0.1");
+    many_requests_in(tls, rma, seed, n_req, NULL, NULL, "127.0.0.1", 0);
+}
+
+/* A device-memory source (the CPU backend's "device" memory, read with its copy_d2h)
+ * through a staging ring much smaller than the requests, so operations wait for ring
+ * space and the ring wraps: the receiver checks every byte and the checksums (computed
+ * from the staged bytes). Over tcp a 1 MiB ring (runs up to 512 KiB: rendezvous, UCX
+ * reads the ring after posting, so a piece reused too early would corrupt data); over
+ * shared memory 16 KiB (the puts are copies into the mapping, done when posted). */
+Test(xfer, device_source_staged_tcp, .timeout = 120)
+{
+    many_requests_in("tcp", TD_XFER_RMA_AUTO, 21, 16, NULL, NULL, "127.0.0.1", (size_t)1 << 20);
+}
+
+Test(xfer, device_source_staged_shm_put, .timeout = 120)
+{
+    many_requests_in("sm,tcp", TD_XFER_RMA_AUTO, 22, 16, NULL, NULL, "127.0.0.1", (size_t)16 << 10);
 }
 
 Test(xfer, loopback_tcp_64_requests, .timeout = 120)
@@ -863,7 +917,7 @@ Test(xfer, tcp_across_netns_veth, .timeout = 120, .fini = netns_cleanup)
                  ns_b),
               "could not set up the veth pair");
     /* Two namespaces are one host to UCX: only tcp crosses the veth (docs/xfer.md). */
-    many_requests_in("tcp", TD_XFER_RMA_AUTO, 11, 16, ns_a, ns_b, "10.77.0.1");
+    many_requests_in("tcp", TD_XFER_RMA_AUTO, 11, 16, ns_a, ns_b, "10.77.0.1", 0);
 }
 
 /* ---- configuration -------------------------------------------------------------------- */
