@@ -5,9 +5,9 @@
  *
  * What one router costs when the nodes cost nothing (issue 5, "Speed"). A real router
  * process (`tandem router`, this binary re-executed, pinned to one core) serves a load
- * generator in this process; the prefill and decode nodes are no-op nodes in this process
- * too (pinned to another core), speaking the real control protocol over the real gRPC
- * stack: RegisterNode + Heartbeat through router_node_client, Admit (an instant lease with
+ * generator in this process; the prefill and decode nodes are no-op nodes in a forked
+ * child (both pinned to another core), speaking the real control protocol over the real
+ * gRPC stack: RegisterNode + Heartbeat through router_node_client, Admit (an instant lease with
  * fake block ids), Release, Prefill (FIRST_TOKEN then KV_DELIVERED at once, status OK) and
  * Steps (one StepBatch per loop turn carrying one token for every live lease, then the
  * finish entries, as fast as the router drains the stream). No model, no tokenizer: the
@@ -37,6 +37,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -107,12 +108,25 @@ typedef struct rb_samples {
 typedef struct rb_state {
     rb_opts_t o;
     uv_loop_t loop;
+    bool loop_up;
     uv_timer_t wake;
     bool wake_up;
     /* router process */
     pid_t router_pid;
+    int router_fd;            /* the router's stdout, until watched on the loop */
     uv_pipe_t router_out;
     bool router_out_open;
+    /* the no-op nodes' child process (its own loop; this struct is copied by fork) */
+    pid_t nodes_pid;
+    int nodes_fd;             /* parent: the child's reports; child: where it reports */
+    uv_pipe_t nodes_out;
+    bool nodes_out_open;
+    char nodes_line[256];
+    size_t nodes_len;
+    uint16_t prefill_port, decode_port;
+    bool nodes_ready, nodes_ready_sent;
+    uv_signal_t sigterm;
+    bool sigterm_up;
     char sink[4096];
     char host[64];
     uint16_t gw_port, ctl_port;
@@ -204,6 +218,13 @@ static double rb_self_cpu_s(void)
     getrusage(RUSAGE_SELF, &ru);
     return (double)ru.ru_utime.tv_sec + ru.ru_utime.tv_usec * 1e-6 + (double)ru.ru_stime.tv_sec +
            ru.ru_stime.tv_usec * 1e-6;
+}
+
+/* This process (load generator) and the no-op nodes' process. */
+static double rb_bench_cpu_s(const rb_state_t *s)
+{
+    double nodes = s->nodes_pid > 0 ? rb_proc_cpu_s(s->nodes_pid) : 0;
+    return rb_self_cpu_s() + (nodes > 0 ? nodes : 0);
 }
 
 static void rb_note_error(rb_state_t *s, td_grpc_code_t code, const char *msg)
@@ -568,6 +589,7 @@ static td_status_t rb_router_start(rb_state_t *s, bool pin)
         dup2(fds[1], STDOUT_FILENO);
         close(fds[0]);
         close(fds[1]);
+        prctl(PR_SET_PDEATHSIG, SIGTERM);
         if (pin && !rb_pin(0, s->o.router_cpu))
             _exit(126);
         char *argv[] = {"tandem", "router", "--host", "127.0.0.1", "--port", "0", "--control-port", "0",
@@ -613,34 +635,190 @@ static td_status_t rb_router_start(rb_state_t *s, bool pin)
         if (len == sizeof buf - 1)
             len = 0;
     }
-    uv_pipe_init(&s->loop, &s->router_out, 0);
-    s->router_out.data = s;
-    if (uv_pipe_open(&s->router_out, fds[0]) != 0) {
-        close(fds[0]);
-        uv_close((uv_handle_t *)&s->router_out, NULL);
-        return td_errorf(TD_ERR_IO, "bench router: cannot watch the router's stdout");
-    }
-    s->router_out_open = true;
-    uv_read_start((uv_stream_t *)&s->router_out, rb_alloc, rb_on_router_out);
+    s->router_fd = fds[0];
     return TD_OK;
 }
 
-static void rb_router_stop(rb_state_t *s)
+/* Watches a child's stdout pipe on the loop (after uv_loop_init, which must follow the
+ * forks). */
+static td_status_t rb_watch(rb_state_t *s, uv_pipe_t *p, int *fd, bool *open_flag, uv_read_cb cb)
 {
-    if (s->router_pid <= 0)
+    uv_pipe_init(&s->loop, p, 0);
+    p->data = s;
+    if (uv_pipe_open(p, *fd) != 0) {
+        close(*fd);
+        *fd = -1;
+        uv_close((uv_handle_t *)p, NULL);
+        return td_errorf(TD_ERR_IO, "bench router: cannot watch a child's output");
+    }
+    *fd = -1;
+    *open_flag = true;
+    uv_read_start((uv_stream_t *)p, rb_alloc, cb);
+    return TD_OK;
+}
+
+/* SIGTERM, 5 s, then SIGKILL; reaps the child. */
+static void rb_child_stop(pid_t *pid)
+{
+    if (*pid <= 0)
         return;
-    kill(s->router_pid, SIGTERM);
+    kill(*pid, SIGTERM);
     int status;
-    for (int i = 0; i < 500; i++) { /* 5 s, then SIGKILL */
-        if (waitpid(s->router_pid, &status, WNOHANG) == s->router_pid) {
-            s->router_pid = 0;
+    for (int i = 0; i < 500; i++) {
+        if (waitpid(*pid, &status, WNOHANG) == *pid) {
+            *pid = 0;
             return;
         }
         usleep(10000);
     }
-    kill(s->router_pid, SIGKILL);
-    waitpid(s->router_pid, &status, 0);
-    s->router_pid = 0;
+    kill(*pid, SIGKILL);
+    waitpid(*pid, &status, 0);
+    *pid = 0;
+}
+
+/* ---- the no-op nodes' process ------------------------------------------------------------ */
+
+static bool rb_nodes_up(rb_state_t *s);
+
+/* Child: one line to the parent ("ports P D", "ready", "failed: why"). */
+static void rb_report(rb_state_t *s, const char *line)
+{
+    size_t n = strlen(line);
+    while (n) {
+        ssize_t w = write(s->nodes_fd, line, n);
+        if (w < 0 && errno == EINTR)
+            continue;
+        if (w <= 0)
+            return;
+        line += w;
+        n -= (size_t)w;
+    }
+}
+
+static void on_nodes_tick(uv_timer_t *t)
+{
+    rb_state_t *s = t->data;
+    if (!s->nodes_ready_sent && rb_nodes_up(s)) {
+        rb_report(s, "ready\n");
+        s->nodes_ready_sent = true;
+    }
+}
+
+static void rb_nodes_close(rb_state_t *s)
+{
+    router_node_client_close(s->prefill_cli);
+    router_node_client_close(s->decode_cli);
+    s->prefill_cli = s->decode_cli = NULL;
+    td_grpc_server_close(s->prefill_srv, NULL, NULL);
+    td_grpc_server_close(s->decode_srv, NULL, NULL);
+    s->prefill_srv = s->decode_srv = NULL;
+    if (s->stepper_up)
+        uv_close((uv_handle_t *)&s->stepper, NULL);
+    if (s->wake_up)
+        uv_close((uv_handle_t *)&s->wake, NULL);
+    if (s->sigterm_up)
+        uv_close((uv_handle_t *)&s->sigterm, NULL);
+    s->stepper_up = s->wake_up = s->sigterm_up = false;
+}
+
+static void on_nodes_sigterm(uv_signal_t *h, int sig)
+{
+    rb_nodes_close(h->data);
+}
+
+/* The child's whole life: serve the no-op nodes until SIGTERM (or the parent's death). */
+static int rb_nodes_main(rb_state_t *s)
+{
+    prctl(PR_SET_PDEATHSIG, SIGTERM);
+    uv_loop_init(&s->loop);
+    uv_timer_init(&s->loop, &s->wake);
+    s->wake.data = s;
+    s->wake_up = true;
+    uv_timer_start(&s->wake, on_nodes_tick, 5, 5);
+    uv_idle_init(&s->loop, &s->stepper);
+    s->stepper.data = s;
+    s->stepper_up = true;
+    uv_signal_init(&s->loop, &s->sigterm);
+    s->sigterm.data = s;
+    s->sigterm_up = true;
+    uv_signal_start(&s->sigterm, on_nodes_sigterm, SIGTERM);
+    int rc = 0;
+    char line[300];
+    if (rb_node_start(s, ROUTER_ROLE_PREFILL) != TD_OK || rb_node_start(s, ROUTER_ROLE_DECODE) != TD_OK) {
+        snprintf(line, sizeof line, "failed: %s\n", td_last_error());
+        rb_report(s, line);
+        rb_nodes_close(s);
+        rc = 1;
+    } else {
+        snprintf(line, sizeof line, "ports %u %u\n", td_grpc_server_port(s->prefill_srv),
+                 td_grpc_server_port(s->decode_srv));
+        rb_report(s, line);
+    }
+    uv_run(&s->loop, UV_RUN_DEFAULT);
+    uv_loop_close(&s->loop);
+    return rc;
+}
+
+/* Forks the no-op nodes' process (before this process starts its loop). */
+static td_status_t rb_nodes_fork(rb_state_t *s)
+{
+    int fds[2];
+    if (pipe(fds) != 0)
+        return td_errorf(TD_ERR_IO, "bench router: pipe: %s", strerror(errno));
+    fflush(NULL);
+    pid_t pid = fork();
+    if (pid < 0) {
+        close(fds[0]);
+        close(fds[1]);
+        return td_errorf(TD_ERR_IO, "bench router: fork: %s", strerror(errno));
+    }
+    if (pid == 0) {
+        close(fds[0]);
+        if (s->router_fd >= 0)
+            close(s->router_fd);
+        s->router_fd = -1;
+        s->router_pid = 0;
+        s->nodes_fd = fds[1];
+        _exit(rb_nodes_main(s));
+    }
+    close(fds[1]);
+    s->nodes_pid = pid;
+    s->nodes_fd = fds[0];
+    return TD_OK;
+}
+
+/* Parent: the child's report lines. */
+static void rb_on_nodes_out(uv_stream_t *st, ssize_t n, const uv_buf_t *buf)
+{
+    rb_state_t *s = st->data;
+    if (n < 0) {
+        uv_read_stop(st);
+        if (!s->nodes_ready) {
+            td_errorf(TD_ERR_IO, "bench router: the no-op nodes' process exited (see its stderr)");
+            s->failed = true;
+        }
+        return;
+    }
+    for (ssize_t i = 0; i < n; i++) {
+        char ch = buf->base[i];
+        if (ch != '\n') {
+            if (s->nodes_len + 1 < sizeof s->nodes_line)
+                s->nodes_line[s->nodes_len++] = ch;
+            continue;
+        }
+        s->nodes_line[s->nodes_len] = '\0';
+        s->nodes_len = 0;
+        unsigned p, d;
+        if (sscanf(s->nodes_line, "ports %u %u", &p, &d) == 2) {
+            s->prefill_port = (uint16_t)p;
+            s->decode_port = (uint16_t)d;
+        } else if (!strcmp(s->nodes_line, "ready")) {
+            s->nodes_ready = true;
+        } else {
+            td_errorf(TD_ERR_IO, "bench router: no-op nodes: %s", s->nodes_line);
+            s->failed = true;
+        }
+    }
 }
 
 /* ---- load generator ------------------------------------------------------------------------ */
@@ -661,10 +839,21 @@ static bool rb_drained(rb_state_t *s)
     return s->outstanding == 0 && !s->lat_busy;
 }
 
-static bool rb_ready(rb_state_t *s)
+/* Child: registered with the router and both Steps subscriptions (router's, ours) up. */
+static bool rb_nodes_up(rb_state_t *s)
 {
     return router_node_client_registered(s->prefill_cli) && router_node_client_registered(s->decode_cli) &&
            s->subs[RB_SUB_ROUTER].call && s->subs[RB_SUB_DIRECT].call;
+}
+
+static bool rb_ready(rb_state_t *s)
+{
+    return s->nodes_ready;
+}
+
+static bool rb_have_ports(rb_state_t *s)
+{
+    return s->prefill_port && s->decode_port;
 }
 
 static void on_wake(uv_timer_t *t)
@@ -848,10 +1037,10 @@ static void rb_run_phase(rb_state_t *s, rb_phase_t ph, int n, uint32_t max_token
         rb_issue(s, &s->slots[i], max_tokens);
     rb_run_until(s, rb_never, td_now_s() + s->o.warmup_s);
     uint64_t c0 = *counter;
-    double t0 = td_now_s(), r0 = rb_proc_cpu_s(s->router_pid), b0 = rb_self_cpu_s();
+    double t0 = td_now_s(), r0 = rb_proc_cpu_s(s->router_pid), b0 = rb_bench_cpu_s(s);
     rb_run_until(s, rb_never, t0 + s->o.duration_s);
     uint64_t c1 = *counter;
-    double t1 = td_now_s(), r1 = rb_proc_cpu_s(s->router_pid), b1 = rb_self_cpu_s();
+    double t1 = td_now_s(), r1 = rb_proc_cpu_s(s->router_pid), b1 = rb_bench_cpu_s(s);
     s->issuing = false;
     for (int i = 0; i < n; i++)
         if (s->slots[i].call && ph == PH_RELAY)
@@ -871,9 +1060,9 @@ static void rb_run_latency(rb_state_t *s, rb_phase_result_t *res)
     rb_lat_next(s);
     rb_run_until(s, rb_never, td_now_s() + s->o.warmup_s);
     s->lat_router.n = s->lat_direct.n = 0;
-    double t0 = td_now_s(), r0 = rb_proc_cpu_s(s->router_pid), b0 = rb_self_cpu_s();
+    double t0 = td_now_s(), r0 = rb_proc_cpu_s(s->router_pid), b0 = rb_bench_cpu_s(s);
     rb_run_until(s, rb_never, t0 + s->o.duration_s);
-    double t1 = td_now_s(), r1 = rb_proc_cpu_s(s->router_pid), b1 = rb_self_cpu_s();
+    double t1 = td_now_s(), r1 = rb_proc_cpu_s(s->router_pid), b1 = rb_bench_cpu_s(s);
     s->issuing = false;
     rb_run_until(s, rb_drained, td_now_s() + 10);
     qsort(s->lat_router.v, s->lat_router.n, sizeof(double), rb_cmp_double);
@@ -975,18 +1164,20 @@ static void rb_close_all(rb_state_t *s)
         td_grpc_channel_close(s->gw[i], NULL, NULL);
     td_grpc_channel_close(s->d_decode, NULL, NULL);
     td_grpc_channel_close(s->d_prefill, NULL, NULL);
-    router_node_client_close(s->prefill_cli);
-    router_node_client_close(s->decode_cli);
-    s->prefill_cli = s->decode_cli = NULL;
-    rb_router_stop(s);
-    td_grpc_server_close(s->prefill_srv, NULL, NULL);
-    td_grpc_server_close(s->decode_srv, NULL, NULL);
-    if (s->stepper_up)
-        uv_close((uv_handle_t *)&s->stepper, NULL);
+    rb_child_stop(&s->router_pid);
+    rb_child_stop(&s->nodes_pid);
+    if (s->router_fd >= 0)
+        close(s->router_fd);
+    if (s->nodes_fd >= 0)
+        close(s->nodes_fd);
+    if (!s->loop_up)
+        return;
     if (s->wake_up)
         uv_close((uv_handle_t *)&s->wake, NULL);
     if (s->router_out_open)
         uv_close((uv_handle_t *)&s->router_out, NULL);
+    if (s->nodes_out_open)
+        uv_close((uv_handle_t *)&s->nodes_out, NULL);
     uv_run(&s->loop, UV_RUN_DEFAULT);
     if (uv_loop_close(&s->loop) != 0)
         td_warn("bench router: loop closed with handles open");
@@ -1071,11 +1262,12 @@ int bench_router(int argc, char **argv)
     for (int i = 0; i < s->o.prompt_tokens; i++)
         s->prompt[i] = (uint32_t)(1 + i % 255);
     s->free_head = UINT32_MAX;
+    s->router_fd = s->nodes_fd = -1;
     s->subs[0].s = s->subs[1].s = s;
     signal(SIGPIPE, SIG_IGN);
 
     /* "one core" for the router is true only if nothing else runs there: the router on
-     * router_cpu, this process (load generator + no-op nodes) on bench_cpu */
+     * router_cpu, this process (load generator) and the no-op nodes' child on bench_cpu */
     int cpus = td_cpu_count();
     bool pin = cpus >= 2 && s->o.router_cpu != s->o.bench_cpu && s->o.router_cpu < cpus && s->o.bench_cpu < cpus;
     if (pin && !rb_pin(0, s->o.bench_cpu))
@@ -1083,23 +1275,29 @@ int bench_router(int argc, char **argv)
     if (!pin)
         fprintf(stderr, "bench router: %d CPU(s); router and load generator not pinned apart\n", cpus);
 
+    td_grpc_channel_config_t cc = td_grpc_channel_config_default();
+    /* both children are forked before this process starts its loop */
+    if (rb_router_start(s, pin) != TD_OK || rb_nodes_fork(s) != TD_OK)
+        goto out;
     uv_loop_init(&s->loop);
+    s->loop_up = true;
     uv_timer_init(&s->loop, &s->wake);
     s->wake_up = true;
     uv_timer_start(&s->wake, on_wake, 5, 5); /* bounds each UV_RUN_ONCE while waiting */
-    uv_idle_init(&s->loop, &s->stepper);
-    s->stepper.data = s;
-    s->stepper_up = true;
-
-    td_grpc_channel_config_t cc = td_grpc_channel_config_default();
-    if (rb_router_start(s, pin) != TD_OK || rb_node_start(s, ROUTER_ROLE_PREFILL) != TD_OK ||
-        rb_node_start(s, ROUTER_ROLE_DECODE) != TD_OK)
+    if (rb_watch(s, &s->router_out, &s->router_fd, &s->router_out_open, rb_on_router_out) != TD_OK ||
+        rb_watch(s, &s->nodes_out, &s->nodes_fd, &s->nodes_out_open, rb_on_nodes_out) != TD_OK)
         goto out;
+    rb_run_until(s, rb_have_ports, td_now_s() + 10);
+    if (!rb_have_ports(s)) {
+        if (!s->failed)
+            td_errorf(TD_ERR_TIMEOUT, "bench router: the no-op nodes did not start within 10 s");
+        goto out;
+    }
     for (int i = 0; i < s->o.connections; i++)
         if (td_grpc_channel_create(&s->loop, s->host, s->gw_port, &cc, &s->gw[i]) != TD_OK)
             goto out;
-    if (td_grpc_channel_create(&s->loop, "127.0.0.1", td_grpc_server_port(s->decode_srv), &cc, &s->d_decode) != TD_OK ||
-        td_grpc_channel_create(&s->loop, "127.0.0.1", td_grpc_server_port(s->prefill_srv), &cc, &s->d_prefill) != TD_OK)
+    if (td_grpc_channel_create(&s->loop, "127.0.0.1", s->decode_port, &cc, &s->d_decode) != TD_OK ||
+        td_grpc_channel_create(&s->loop, "127.0.0.1", s->prefill_port, &cc, &s->d_prefill) != TD_OK)
         goto out;
     Tandem__Control__V1__StepsRequest sr = TANDEM__CONTROL__V1__STEPS_REQUEST__INIT;
     sr.router_id = "bench-direct";
