@@ -1,0 +1,597 @@
+/*
+ * test_router_relay: the real `tandem router` process ($TANDEM_BIN) against fake nodes
+ * that this test plays itself (one td_grpc server answering PrefillNode and DecodeNode
+ * calls, registered as one prefill and one decode node), so every message the router sees
+ * from its nodes, and when, is decided here:
+ *
+ *  - token 0 is relayed exactly once whether the Prefill stream's FIRST_TOKEN or the
+ *    lease's first step entry comes first, and a one-message (phase-less) Prefill works;
+ *  - a client that does not read gets every token, coalesced, once it reads again (no
+ *    token dropped), and a client that stays away past max-backlog-tokens gets
+ *    RESOURCE_EXHAUSTED and its lease is Released;
+ *  - the admission queue: with max-active 1 the waiting requests are admitted by priority
+ *    then arrival, beyond max-queue RESOURCE_EXHAUSTED at once, a queued request's
+ *    deadline ends it with DEADLINE_EXCEEDED, and a running request's deadline Releases
+ *    its lease with reason DEADLINE.
+ *
+ * Skips when TANDEM_BIN is not set.
+ */
+#include <criterion/criterion.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "control.pb-c.h"
+#include "tandem.pb-c.h"
+#include "td_grpc.h"
+#include "td_kv_layout.h"
+#include "td_util.h"
+
+#define MAX_LEASES 16
+#define MAX_CALLS 8
+
+typedef struct lease {
+    char request_id[64];
+    uint64_t id;
+    td_grpc_call_t *prefill; /* held open until the scenario ends it */
+    bool released;
+    int release_reason;
+} lease_t;
+
+typedef struct gen {
+    uint32_t ids[8192];
+    size_t n_ids;
+    int n_messages;
+    int finish_reason;
+    bool done;
+    td_grpc_code_t code;
+    char message[256];
+    td_grpc_client_call_t *call;
+} gen_t;
+
+typedef struct env {
+    pid_t router;
+    FILE *router_out;
+    uint16_t gateway_port, control_port;
+    uv_loop_t loop;
+    uv_timer_t tick;
+    td_grpc_server_t *nodes;      /* the fake prefill + decode control API */
+    td_grpc_channel_t *control;   /* to the router's Registry */
+    td_grpc_channel_t *gateway;   /* to the router's Generation */
+    td_grpc_call_t *steps;        /* the router's Steps subscription */
+    int registered;
+    lease_t leases[MAX_LEASES];
+    int n_leases;
+    int n_releases;
+    uint32_t prefill_first_token; /* what the fake prefill answers; 0 = hold the call */
+    bool prefill_phaseless;       /* answer like a one-message prefill node */
+    uint64_t step;
+} env_t;
+
+/* ---- fake nodes --------------------------------------------------------------------------- */
+
+static lease_t *lease_by_request(env_t *e, const char *id)
+{
+    for (int i = 0; i < e->n_leases; i++)
+        if (!strcmp(e->leases[i].request_id, id))
+            return &e->leases[i];
+    return NULL;
+}
+
+static void on_admit(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data)
+{
+    env_t *e = data;
+    const Tandem__Control__V1__AdmitRequest *q = (const void *)msg;
+    cr_assert_lt(e->n_leases, MAX_LEASES);
+    lease_t *l = &e->leases[e->n_leases++];
+    snprintf(l->request_id, sizeof l->request_id, "%s", q->request_id);
+    l->id = 100 + (uint64_t)e->n_leases;
+    uint32_t blocks[4] = {0, 1, 2, 3};
+    Tandem__Control__V1__AdmitResponse r = TANDEM__CONTROL__V1__ADMIT_RESPONSE__INIT;
+    r.lease_id = l->id;
+    r.block_ids = blocks;
+    r.n_block_ids = 4;
+    td_grpc_call_reply(call, &r.base);
+}
+
+static void send_prefill(td_grpc_call_t *call, uint32_t token, Tandem__Control__V1__PrefillPhase phase)
+{
+    Tandem__Control__V1__PrefillResponse r = TANDEM__CONTROL__V1__PREFILL_RESPONSE__INIT;
+    r.first_token = token;
+    r.phase = phase;
+    cr_assert_eq(td_grpc_call_send(call, &r.base), TD_OK);
+}
+
+static void on_prefill_cancel(td_grpc_call_t *call, td_status_t why, void *call_data)
+{
+    lease_t *l = call_data;
+    if (l)
+        l->prefill = NULL;
+    td_grpc_call_finish(call, TD_GRPC_CANCELLED, NULL);
+}
+
+static void on_prefill(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data)
+{
+    env_t *e = data;
+    const Tandem__Control__V1__PrefillRequest *q = (const void *)msg;
+    lease_t *l = lease_by_request(e, q->request_id);
+    cr_assert_not_null(l, "Prefill for %s before its Admit", q->request_id);
+    cr_assert_eq(q->lease_id, l->id);
+    if (e->prefill_phaseless) {
+        send_prefill(call, e->prefill_first_token, TANDEM__CONTROL__V1__PREFILL_PHASE__PREFILL_PHASE_UNSPECIFIED);
+        td_grpc_call_finish(call, TD_GRPC_OK, NULL);
+        return;
+    }
+    if (e->prefill_first_token)
+        send_prefill(call, e->prefill_first_token, TANDEM__CONTROL__V1__PREFILL_PHASE__PREFILL_PHASE_FIRST_TOKEN);
+    l->prefill = call;
+    td_grpc_call_set_data(call, l);
+    td_grpc_call_on_cancel(call, on_prefill_cancel);
+}
+
+/* Ends a held Prefill stream: KV_DELIVERED, then OK. */
+static void prefill_deliver(lease_t *l)
+{
+    cr_assert_not_null(l->prefill);
+    send_prefill(l->prefill, 0, TANDEM__CONTROL__V1__PREFILL_PHASE__PREFILL_PHASE_KV_DELIVERED);
+    td_grpc_call_set_data(l->prefill, NULL);
+    td_grpc_call_finish(l->prefill, TD_GRPC_OK, NULL);
+    l->prefill = NULL;
+}
+
+static void on_release(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data)
+{
+    env_t *e = data;
+    const Tandem__Control__V1__ReleaseRequest *q = (const void *)msg;
+    for (int i = 0; i < e->n_leases; i++)
+        if (e->leases[i].id == q->lease_id) {
+            e->leases[i].released = true;
+            e->leases[i].release_reason = q->reason;
+        }
+    e->n_releases++;
+    Tandem__Control__V1__ReleaseResponse r = TANDEM__CONTROL__V1__RELEASE_RESPONSE__INIT;
+    r.released = true;
+    td_grpc_call_reply(call, &r.base);
+}
+
+static void on_steps_cancel(td_grpc_call_t *call, td_status_t why, void *call_data)
+{
+    env_t *e = call_data;
+    e->steps = NULL;
+    td_grpc_call_finish(call, TD_GRPC_CANCELLED, NULL);
+}
+
+static void on_steps(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data)
+{
+    env_t *e = data;
+    e->steps = call;
+    td_grpc_call_set_data(call, e);
+    td_grpc_call_on_cancel(call, on_steps_cancel);
+}
+
+/* One StepBatch with one entry per (lease, token, event). */
+static td_status_t step(env_t *e, int n, const lease_t *const *ls, const uint32_t *tokens,
+                        const Tandem__Control__V1__SeqEvent *events)
+{
+    Tandem__Control__V1__SeqStep seqs[8], *ptrs[8];
+    cr_assert_leq(n, 8);
+    for (int i = 0; i < n; i++) {
+        tandem__control__v1__seq_step__init(&seqs[i]);
+        seqs[i].lease_id = ls[i]->id;
+        seqs[i].token = tokens[i];
+        seqs[i].event = events[i];
+        ptrs[i] = &seqs[i];
+    }
+    Tandem__Control__V1__StepBatch b = TANDEM__CONTROL__V1__STEP_BATCH__INIT;
+    b.step = ++e->step;
+    b.seqs = ptrs;
+    b.n_seqs = (size_t)n;
+    b.free_kv_blocks = 1000;
+    cr_assert_not_null(e->steps);
+    return td_grpc_call_send(e->steps, &b.base);
+}
+
+static void token(env_t *e, const lease_t *l, uint32_t t)
+{
+    Tandem__Control__V1__SeqEvent ev = TANDEM__CONTROL__V1__SEQ_EVENT__SEQ_EVENT_TOKEN;
+    cr_assert_eq(step(e, 1, &l, &t, &ev), TD_OK);
+}
+
+static void finish(env_t *e, const lease_t *l)
+{
+    uint32_t t = 0;
+    Tandem__Control__V1__SeqEvent ev = TANDEM__CONTROL__V1__SEQ_EVENT__SEQ_EVENT_FINISHED_LENGTH;
+    cr_assert_eq(step(e, 1, &l, &t, &ev), TD_OK);
+}
+
+/* ---- the router process and the loop ------------------------------------------------------ */
+
+static void on_tick(uv_timer_t *t) {}
+
+static void on_register_done(td_grpc_client_call_t *c, td_grpc_code_t code, const char *msg, void *data)
+{
+    env_t *e = data;
+    cr_assert_eq(code, TD_GRPC_OK, "RegisterNode: %s", msg);
+    e->registered++;
+}
+
+#define RUN_UNTIL(e, cond)                                                                      \
+    do {                                                                                        \
+        uint64_t t0_ = td_now_ns();                                                             \
+        while (!(cond) && td_now_ns() - t0_ < 20000000000ull)                                   \
+            uv_run(&(e)->loop, UV_RUN_ONCE);                                                    \
+        cr_assert((cond), "timed out waiting for %s", #cond);                                   \
+    } while (0)
+
+static void register_node(env_t *e, const char *id, Tandem__Control__V1__Role role, uint16_t port)
+{
+    Tandem__Control__V1__KvLayout kl = TANDEM__CONTROL__V1__KV_LAYOUT__INIT;
+    kl.model_fingerprint = 0x1234;
+    kl.dtype = TD_F32;
+    kl.block_size = 16;
+    kl.n_layers = 2;
+    kl.n_kv_heads = 2;
+    kl.head_dim = 8;
+    kl.version = TD_KV_LAYOUT_VERSION;
+    Tandem__Control__V1__Capacity cap = TANDEM__CONTROL__V1__CAPACITY__INIT;
+    cap.total_kv_blocks = 1000;
+    cap.max_batch = 64;
+    char addr[64];
+    snprintf(addr, sizeof addr, "127.0.0.1:%u", port);
+    Tandem__Control__V1__RegisterRequest q = TANDEM__CONTROL__V1__REGISTER_REQUEST__INIT;
+    q.node_id = (char *)id;
+    q.role = role;
+    q.model = "default";
+    q.layout = &kl;
+    q.control_address = addr;
+    q.capacity = &cap;
+    td_grpc_call_opts_t o = {.response_desc = &tandem__control__v1__register_response__descriptor,
+                             .on_done = on_register_done, .data = e, .timeout_ms = 5000};
+    cr_assert_eq(td_grpc_channel_call(e->control, "/tandem.control.v1.Registry/RegisterNode", &q.base, &o, NULL),
+                 TD_OK);
+}
+
+/* Reads "key: HOST:PORT" lines of the router's stdout until both ports are known. */
+static void read_ports(env_t *e)
+{
+    char line[512];
+    while ((!e->gateway_port || !e->control_port) && fgets(line, sizeof line, e->router_out)) {
+        const char *colon = strrchr(line, ':');
+        if (!strncmp(line, "gateway: ", 9) && colon)
+            e->gateway_port = (uint16_t)atoi(colon + 1);
+        else if (!strncmp(line, "control: ", 9) && colon)
+            e->control_port = (uint16_t)atoi(colon + 1);
+    }
+    cr_assert(e->gateway_port && e->control_port, "the router did not print its ports");
+}
+
+static void env_start(env_t *e, const char *const *router_args)
+{
+    const char *bin = getenv("TANDEM_BIN");
+    if (!bin || !*bin)
+        cr_skip_test("TANDEM_BIN is not set (ctest sets it to the tandem binary)");
+    signal(SIGPIPE, SIG_IGN);
+    memset(e, 0, sizeof *e);
+    char *argv[32] = {"tandem", "router", "--log-level", "error", "--heartbeat-timeout-ms", "600000"};
+    int argc = 6;
+    for (int i = 0; router_args && router_args[i]; i++)
+        argv[argc++] = (char *)router_args[i];
+    argv[argc] = NULL;
+    int fds[2];
+    cr_assert_eq(pipe(fds), 0);
+    e->router = fork();
+    cr_assert_geq(e->router, 0);
+    if (e->router == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGTERM); /* a failed assertion ends the test process */
+        dup2(fds[1], 1);
+        close(fds[0]);
+        close(fds[1]);
+        execv(bin, argv);
+        _exit(127);
+    }
+    close(fds[1]);
+    e->router_out = fdopen(fds[0], "r");
+    read_ports(e);
+    cr_assert_eq(uv_loop_init(&e->loop), 0);
+    uv_timer_init(&e->loop, &e->tick);
+    uv_timer_start(&e->tick, on_tick, 10, 10);
+    td_grpc_server_config_t sc = td_grpc_server_config_default();
+    sc.host = "127.0.0.1";
+    cr_assert_eq(td_grpc_server_create(&e->loop, &sc, &e->nodes), TD_OK);
+    cr_assert_eq(td_grpc_server_add_method(e->nodes, "/tandem.control.v1.DecodeNode/Admit",
+                                           &tandem__control__v1__admit_request__descriptor, on_admit, e), TD_OK);
+    cr_assert_eq(td_grpc_server_add_method(e->nodes, "/tandem.control.v1.DecodeNode/Release",
+                                           &tandem__control__v1__release_request__descriptor, on_release, e), TD_OK);
+    cr_assert_eq(td_grpc_server_add_method(e->nodes, "/tandem.control.v1.DecodeNode/Steps",
+                                           &tandem__control__v1__steps_request__descriptor, on_steps, e), TD_OK);
+    cr_assert_eq(td_grpc_server_add_method(e->nodes, "/tandem.control.v1.PrefillNode/Prefill",
+                                           &tandem__control__v1__prefill_request__descriptor, on_prefill, e), TD_OK);
+    td_grpc_channel_config_t cc = td_grpc_channel_config_default();
+    cr_assert_eq(td_grpc_channel_create(&e->loop, "127.0.0.1", e->control_port, &cc, &e->control), TD_OK);
+    cc.initial_window_bytes = 65535; /* the smallest: a paused client holds the router back soon */
+    cr_assert_eq(td_grpc_channel_create(&e->loop, "127.0.0.1", e->gateway_port, &cc, &e->gateway), TD_OK);
+    uint16_t port = td_grpc_server_port(e->nodes);
+    register_node(e, "p0", TANDEM__CONTROL__V1__ROLE__ROLE_PREFILL, port);
+    register_node(e, "d0", TANDEM__CONTROL__V1__ROLE__ROLE_DECODE, port);
+    RUN_UNTIL(e, e->registered == 2 && e->steps);
+}
+
+static void env_stop(env_t *e)
+{
+    kill(e->router, SIGTERM);
+    int status = 0;
+    waitpid(e->router, &status, 0);
+    fclose(e->router_out);
+    for (int i = 0; i < e->n_leases; i++)
+        if (e->leases[i].prefill) {
+            td_grpc_call_set_data(e->leases[i].prefill, NULL);
+            td_grpc_call_finish(e->leases[i].prefill, TD_GRPC_CANCELLED, NULL);
+        }
+    td_grpc_channel_close(e->control, NULL, NULL);
+    td_grpc_channel_close(e->gateway, NULL, NULL);
+    td_grpc_server_close(e->nodes, NULL, NULL);
+    uv_close((uv_handle_t *)&e->tick, NULL);
+    uv_run(&e->loop, UV_RUN_DEFAULT);
+    cr_assert_eq(uv_loop_close(&e->loop), 0, "test loop has handles left");
+    cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0, "router exit status %d", status);
+}
+
+/* ---- the gateway client -------------------------------------------------------------------- */
+
+static void on_gen_msg(td_grpc_client_call_t *c, const ProtobufCMessage *msg, void *data)
+{
+    gen_t *g = data;
+    const Tandem__V1__GenerateResponse *m = (const void *)msg;
+    for (size_t i = 0; i < m->n_token_ids && g->n_ids < TD_ARRAY_LEN(g->ids); i++)
+        g->ids[g->n_ids++] = m->token_ids[i];
+    g->n_messages++;
+    if (m->finish_reason)
+        g->finish_reason = m->finish_reason;
+}
+
+static void on_gen_done(td_grpc_client_call_t *c, td_grpc_code_t code, const char *msg, void *data)
+{
+    gen_t *g = data;
+    g->done = true;
+    g->code = code;
+    g->call = NULL;
+    snprintf(g->message, sizeof g->message, "%s", msg);
+}
+
+static void generate(env_t *e, gen_t *g, const char *id, int32_t priority, bool has_priority, uint32_t timeout_ms)
+{
+    uint32_t prompt[3] = {1, 2, 3};
+    Tandem__V1__Priority p = TANDEM__V1__PRIORITY__INIT;
+    p.value = priority;
+    Tandem__V1__GenerateRequest q = TANDEM__V1__GENERATE_REQUEST__INIT;
+    q.prompt_ids = prompt;
+    q.n_prompt_ids = 3;
+    q.max_tokens = 16;
+    q.request_id = (char *)id;
+    if (has_priority)
+        q.priority = &p;
+    memset(g, 0, sizeof *g);
+    td_grpc_call_opts_t o = {.response_desc = &tandem__v1__generate_response__descriptor, .on_message = on_gen_msg,
+                             .on_done = on_gen_done, .data = g, .timeout_ms = timeout_ms};
+    cr_assert_eq(td_grpc_channel_call(e->gateway, "/tandem.v1.Generation/Generate", &q.base, &o, &g->call), TD_OK);
+}
+
+/* ---- tests ----------------------------------------------------------------------------------- */
+
+TestSuite(router_relay, .timeout = 120);
+
+Test(router_relay, first_token_from_prefill_then_duplicate_dropped)
+{
+    env_t e;
+    env_start(&e, NULL);
+    e.prefill_first_token = 7;
+    gen_t g;
+    generate(&e, &g, "a", 0, false, 0);
+    RUN_UNTIL(&e, e.n_leases == 1 && e.leases[0].prefill && g.n_ids == 1);
+    cr_assert_eq(g.ids[0], 7, "token 0 is relayed from FIRST_TOKEN before any step");
+    lease_t *l = &e.leases[0];
+    prefill_deliver(l);
+    token(&e, l, 7); /* the decode node reports the prefill's token again: dropped */
+    token(&e, l, 8);
+    token(&e, l, 9);
+    finish(&e, l);
+    RUN_UNTIL(&e, g.done);
+    cr_assert_eq(g.code, TD_GRPC_OK, "%s", g.message);
+    cr_assert_eq(g.n_ids, 3);
+    cr_assert_eq(g.ids[1], 8);
+    cr_assert_eq(g.ids[2], 9);
+    cr_assert_eq(g.finish_reason, TANDEM__V1__FINISH_REASON__FINISH_REASON_LENGTH);
+    env_stop(&e);
+}
+
+Test(router_relay, first_token_from_decode_then_prefill_dropped)
+{
+    env_t e;
+    env_start(&e, NULL);
+    e.prefill_first_token = 0; /* hold the Prefill stream */
+    gen_t g;
+    generate(&e, &g, "a", 0, false, 0);
+    RUN_UNTIL(&e, e.n_leases == 1 && e.leases[0].prefill);
+    lease_t *l = &e.leases[0];
+    token(&e, l, 7);
+    token(&e, l, 8);
+    RUN_UNTIL(&e, g.n_ids == 2);
+    send_prefill(l->prefill, 7, TANDEM__CONTROL__V1__PREFILL_PHASE__PREFILL_PHASE_FIRST_TOKEN); /* late: dropped */
+    prefill_deliver(l);
+    token(&e, l, 9);
+    finish(&e, l);
+    RUN_UNTIL(&e, g.done);
+    cr_assert_eq(g.code, TD_GRPC_OK, "%s", g.message);
+    cr_assert_eq(g.n_ids, 3);
+    cr_assert_eq(g.ids[0], 7);
+    cr_assert_eq(g.ids[1], 8);
+    cr_assert_eq(g.ids[2], 9);
+    env_stop(&e);
+}
+
+Test(router_relay, phaseless_prefill_reply_counts_once)
+{
+    env_t e;
+    env_start(&e, NULL);
+    e.prefill_first_token = 5;
+    e.prefill_phaseless = true;
+    gen_t g;
+    generate(&e, &g, "a", 0, false, 0);
+    RUN_UNTIL(&e, g.n_ids == 1);
+    lease_t *l = &e.leases[0];
+    token(&e, l, 5);
+    token(&e, l, 6);
+    finish(&e, l);
+    RUN_UNTIL(&e, g.done);
+    cr_assert_eq(g.code, TD_GRPC_OK, "%s", g.message);
+    cr_assert_eq(g.n_ids, 2);
+    cr_assert_eq(g.ids[0], 5);
+    cr_assert_eq(g.ids[1], 6);
+    env_stop(&e);
+}
+
+/* Enough single-token steps to fill a paused client's 64 KiB window and the router's send
+ * queue many times over. */
+#define FLOOD 6000
+
+Test(router_relay, paused_client_gets_every_token_coalesced)
+{
+    env_t e;
+    const char *args[] = {"--send-queue-bytes", "1024", "--max-backlog-tokens", "100000", NULL};
+    env_start(&e, args);
+    e.prefill_first_token = 1;
+    e.prefill_phaseless = true;
+    gen_t g;
+    generate(&e, &g, "a", 0, false, 0);
+    RUN_UNTIL(&e, g.n_ids == 1);
+    td_grpc_client_call_pause(g.call, true);
+    lease_t *l = &e.leases[0];
+    token(&e, l, 1);
+    for (uint32_t t = 2; t <= FLOOD; t++) {
+        td_status_t st;
+        while ((st = step(&e, 1, (const lease_t *const[]){l}, &t,
+                          (Tandem__Control__V1__SeqEvent[]){TANDEM__CONTROL__V1__SEQ_EVENT__SEQ_EVENT_TOKEN})) ==
+               TD_ERR_BUSY)
+            uv_run(&e.loop, UV_RUN_ONCE);
+        cr_assert_eq(st, TD_OK);
+    }
+    finish(&e, l);
+    /* let the router take every step while the client still does not read */
+    for (int i = 0; i < 100; i++)
+        uv_run(&e.loop, UV_RUN_NOWAIT);
+    usleep(200000);
+    td_grpc_client_call_pause(g.call, false);
+    RUN_UNTIL(&e, g.done);
+    cr_assert_eq(g.code, TD_GRPC_OK, "%s", g.message);
+    cr_assert_eq(g.n_ids, FLOOD);
+    for (uint32_t i = 0; i < FLOOD; i++)
+        cr_assert_eq(g.ids[i], i + 1, "token %u", i);
+    cr_assert_lt(g.n_messages, FLOOD, "a backlog goes out coalesced (%d messages)", g.n_messages);
+    env_stop(&e);
+}
+
+Test(router_relay, client_not_reading_past_bound_ends_exhausted_and_releases)
+{
+    env_t e;
+    const char *args[] = {"--send-queue-bytes", "1024", "--max-backlog-tokens", "64", NULL};
+    env_start(&e, args);
+    e.prefill_first_token = 1;
+    e.prefill_phaseless = true;
+    gen_t g;
+    generate(&e, &g, "a", 0, false, 0);
+    RUN_UNTIL(&e, g.n_ids == 1);
+    td_grpc_client_call_pause(g.call, true);
+    lease_t *l = &e.leases[0];
+    token(&e, l, 1);
+    for (uint32_t t = 2; t <= FLOOD && !l->released; t++) {
+        td_status_t st;
+        while ((st = step(&e, 1, (const lease_t *const[]){l}, &t,
+                          (Tandem__Control__V1__SeqEvent[]){TANDEM__CONTROL__V1__SEQ_EVENT__SEQ_EVENT_TOKEN})) ==
+               TD_ERR_BUSY)
+            uv_run(&e.loop, UV_RUN_ONCE);
+        cr_assert_eq(st, TD_OK);
+        uv_run(&e.loop, UV_RUN_NOWAIT);
+    }
+    RUN_UNTIL(&e, l->released);
+    td_grpc_client_call_pause(g.call, false);
+    RUN_UNTIL(&e, g.done);
+    cr_assert_eq(g.code, TD_GRPC_RESOURCE_EXHAUSTED, "%s: %s", td_grpc_code_name(g.code), g.message);
+    env_stop(&e);
+}
+
+Test(router_relay, queue_admits_by_priority_then_arrival)
+{
+    env_t e;
+    const char *args[] = {"--max-active", "1", NULL};
+    env_start(&e, args);
+    e.prefill_first_token = 1;
+    e.prefill_phaseless = true;
+    gen_t g[5];
+    const char *ids[5] = {"a", "b", "c", "d", "e"};
+    int32_t prio[5] = {0, 0, 5, 9, 0};
+    for (int i = 0; i < 5; i++)
+        generate(&e, &g[i], ids[i], prio[i], i != 1, 0); /* b: no priority field = 0 */
+    const char *want[5] = {"a", "d", "c", "b", "e"};
+    for (int k = 0; k < 5; k++) {
+        RUN_UNTIL(&e, e.n_leases == k + 1);
+        cr_assert_str_eq(e.leases[k].request_id, want[k], "admission %d", k);
+        gen_t *gk = &g[e.leases[k].request_id[0] - 'a'];
+        RUN_UNTIL(&e, gk->n_ids == 1); /* a decode node steps a lease only after its Prefill */
+        finish(&e, &e.leases[k]);
+    }
+    for (int i = 0; i < 5; i++) {
+        RUN_UNTIL(&e, g[i].done);
+        cr_assert_eq(g[i].code, TD_GRPC_OK, "%s: %s", ids[i], g[i].message);
+    }
+    env_stop(&e);
+}
+
+Test(router_relay, queue_bound_refuses_at_once)
+{
+    env_t e;
+    const char *args[] = {"--max-active", "1", "--max-queue", "1", NULL};
+    env_start(&e, args);
+    e.prefill_first_token = 1;
+    e.prefill_phaseless = true;
+    gen_t g[3];
+    generate(&e, &g[0], "a", 0, false, 0);
+    RUN_UNTIL(&e, g[0].n_ids == 1);
+    generate(&e, &g[1], "b", 0, false, 0);
+    generate(&e, &g[2], "c", 0, false, 0);
+    RUN_UNTIL(&e, g[2].done);
+    cr_assert_eq(g[2].code, TD_GRPC_RESOURCE_EXHAUSTED, "%s", g[2].message);
+    cr_assert_not(g[1].done);
+    finish(&e, &e.leases[0]);
+    RUN_UNTIL(&e, g[1].n_ids == 1);
+    finish(&e, &e.leases[1]);
+    RUN_UNTIL(&e, g[0].done && g[1].done);
+    cr_assert_eq(g[0].code, TD_GRPC_OK);
+    cr_assert_eq(g[1].code, TD_GRPC_OK);
+    env_stop(&e);
+}
+
+Test(router_relay, deadline_in_queue_and_on_node)
+{
+    env_t e;
+    const char *args[] = {"--max-active", "1", "--request-timeout-ms", "300", NULL};
+    env_start(&e, args);
+    e.prefill_first_token = 1;
+    e.prefill_phaseless = true;
+    gen_t a, b;
+    generate(&e, &a, "a", 0, false, 0);          /* the router's default deadline: 300 ms */
+    RUN_UNTIL(&e, e.n_leases == 1);
+    generate(&e, &b, "b", 0, false, 0);          /* waits behind a, which never finishes */
+    RUN_UNTIL(&e, a.done && b.done);
+    cr_assert_eq(a.code, TD_GRPC_DEADLINE_EXCEEDED, "%s", a.message);
+    cr_assert_eq(b.code, TD_GRPC_DEADLINE_EXCEEDED, "%s", b.message);
+    RUN_UNTIL(&e, e.leases[0].released);
+    cr_assert_eq(e.leases[0].release_reason, TANDEM__CONTROL__V1__RELEASE_REQUEST__REASON__REASON_DEADLINE);
+    cr_assert_eq(e.n_leases, 1, "b was never admitted");
+    env_stop(&e);
+}
