@@ -148,6 +148,7 @@ typedef struct rb_state {
     td_grpc_channel_t *d_decode, *d_prefill;
     td_grpc_client_call_t *d_steps;
     uint32_t *prompt;
+    uint32_t call_timeout_ms; /* every call's deadline: longer than a phase */
     rb_phase_t phase;
     bool issuing;
     rb_slot_t *slots;
@@ -160,6 +161,7 @@ typedef struct rb_state {
     uint64_t lat_t0, lat_lease, lat_seq;
     rb_samples_t lat_router, lat_direct;
     bool failed;              /* a setup or protocol failure: stop */
+    bool stopping;            /* children are being stopped on purpose */
 } rb_state_t;
 
 /* ---- small helpers ----------------------------------------------------------------------- */
@@ -567,8 +569,14 @@ static void rb_alloc(uv_handle_t *h, size_t size, uv_buf_t *buf)
 
 static void rb_on_router_out(uv_stream_t *st, ssize_t n, const uv_buf_t *buf)
 {
-    if (n < 0)
-        uv_read_stop(st);
+    rb_state_t *s = st->data;
+    if (n >= 0)
+        return;
+    uv_read_stop(st);
+    if (!s->stopping) { /* its stdout closed: the router died under the load */
+        td_errorf(TD_ERR_IO, "bench router: the router process exited during the run (see its stderr)");
+        s->failed = true;
+    }
 }
 
 /* Forks and execs `tandem router` pinned to o->router_cpu, reads its gateway and control
@@ -904,7 +912,7 @@ static void rb_issue(rb_state_t *s, rb_slot_t *slot, uint32_t max_tokens)
     q.max_tokens = max_tokens;
     td_grpc_call_opts_t o = {.response_desc = &tandem__v1__generate_response__descriptor,
                              .on_message = on_gen_msg, .on_done = on_gen_done, .data = slot,
-                             .timeout_ms = 30000};
+                             .timeout_ms = s->call_timeout_ms};
     slot->tokens = 0;
     slot->t_start = td_now_ns();
     if (td_grpc_channel_call(ch, "/tandem.v1.Generation/Generate", &q.base, &o, &slot->call) != TD_OK) {
@@ -1164,6 +1172,7 @@ static void rb_close_all(rb_state_t *s)
         td_grpc_channel_close(s->gw[i], NULL, NULL);
     td_grpc_channel_close(s->d_decode, NULL, NULL);
     td_grpc_channel_close(s->d_prefill, NULL, NULL);
+    s->stopping = true;
     rb_child_stop(&s->router_pid);
     rb_child_stop(&s->nodes_pid);
     if (s->router_fd >= 0)
@@ -1257,6 +1266,7 @@ int bench_router(int argc, char **argv)
         return 1;
     }
     s->n_slots = n_slots;
+    s->call_timeout_ms = (uint32_t)TD_MIN((s->o.duration_s + s->o.warmup_s) * 1e3 + 30000, 3.6e6);
     for (int i = 0; i < n_slots; i++)
         s->slots[i].s = s;
     for (int i = 0; i < s->o.prompt_tokens; i++)
@@ -1360,9 +1370,7 @@ int bench_router(int argc, char **argv)
     if (rc)
         fprintf(stderr, "tandem bench router: a phase completed nothing (errors %llu, first: %s)\n",
                 (unsigned long long)s->errors, s->first_error);
-out:
-    if (rc == 1 && td_last_error()[0])
-        fprintf(stderr, "tandem bench router: %s\n", td_last_error());
+out: /* failures were logged where they were decided (td_errorf) */
     rb_close_all(s);
     free(s->lat_router.v);
     free(s->lat_direct.v);
