@@ -36,6 +36,8 @@ and exits 0 when the behaviour is right, 1 (with 'FAIL: why' lines) when not:
                                          a status, and the impossible ones must fail
   httpgarbage URL                        garbage on a /metrics port: connections closed,
                                          /metrics still served
+  slowreader HOST:PORT MAX_TOKENS SECS   a raw h2c client that never opens its stream window:
+                                         no DATA may come, the stream must end within SECS
   ping HOST:PORT                          one short request must succeed
   run HOST:PORT MAX_TOKENS REFS          every prompt of REFS concurrently; all must equal refs
 """
@@ -700,6 +702,77 @@ def cmd_httpgarbage(url):
     return rc
 
 
+def h2_frame(ftype, flags, stream, payload=b""):
+    return len(payload).to_bytes(3, "big") + bytes([ftype, flags]) + stream.to_bytes(4, "big") + payload
+
+
+def hpack_literal(name, value):
+    """A header field 'literal without indexing, new name', no Huffman (lengths < 127)."""
+    n, v = name.encode(), value.encode()
+    return b"\x00" + bytes([len(n)]) + n + bytes([len(v)]) + v
+
+
+def cmd_slowreader(target, max_tokens, secs):
+    """A raw h2c client that asks for a generation and never opens its stream's flow-control
+    window (SETTINGS_INITIAL_WINDOW_SIZE 0, no WINDOW_UPDATE), while answering SETTINGS and
+    PING. The server must send no DATA on the stream and end it (trailers or RST_STREAM)
+    within secs. Exit 1: DATA came; 3: the stream did not end."""
+    host, port = target.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=5)
+    body = request([1, 2], int(max_tokens))
+    hdrs = b"".join(hpack_literal(k, v) for k, v in [
+        (":method", "POST"), (":scheme", "http"), (":path", GENERATE), (":authority", target),
+        ("content-type", "application/grpc"), ("te", "trailers")])
+    sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+                 + h2_frame(4, 0, 0, b"\x00\x02\x00\x00\x00\x00" + b"\x00\x04\x00\x00\x00\x00")
+                 + h2_frame(1, 0x4, 1, hdrs)
+                 + h2_frame(0, 0x1, 1, b"\x00" + len(body).to_bytes(4, "big") + body))
+    t0 = time.monotonic()
+    buf, data_bytes, ended = b"", 0, None
+    sock.settimeout(0.2)
+    while time.monotonic() - t0 < float(secs) and not ended:
+        try:
+            b = sock.recv(65536)
+            if not b:
+                ended = "connection closed"
+                break
+            buf += b
+        except socket.timeout:
+            continue
+        except ConnectionResetError:
+            ended = "connection reset"
+            break
+        while len(buf) >= 9:
+            ln = int.from_bytes(buf[:3], "big")
+            if len(buf) < 9 + ln:
+                break
+            ftype, flags, stream = buf[3], buf[4], int.from_bytes(buf[5:9], "big") & 0x7FFFFFFF
+            payload, buf = buf[9:9 + ln], buf[9 + ln:]
+            if os.environ.get("CL_H2_DEBUG"):
+                print("frame type %d flags %#x stream %d len %d" % (ftype, flags, stream, ln))
+            if ftype == 4 and not flags & 1:
+                sock.sendall(h2_frame(4, 1, 0))
+            elif ftype == 6 and not flags & 1:
+                sock.sendall(h2_frame(6, 1, 0, payload))
+            elif ftype == 0 and stream == 1:
+                data_bytes += ln
+            elif ftype == 1 and stream == 1 and flags & 1:
+                ended = "trailers"
+            elif ftype == 3 and stream == 1:
+                ended = "RST_STREAM %d" % int.from_bytes(payload[:4], "big")
+            elif ftype == 7:
+                ended = "GOAWAY"
+    sock.close()
+    print("slow reader: %s after %.0f ms, %d DATA bytes on its stream"
+          % (ended or "not ended", (time.monotonic() - t0) * 1e3, data_bytes))
+    if data_bytes:
+        return fail("the server sent %d DATA bytes into a closed flow-control window" % data_bytes)
+    if not ended:
+        print("the stream of a client that does not read did not end within %s s" % secs)
+        return 3  # the caller decides: a known bug of the gRPC server
+    return 0
+
+
 def cmd_ping(target):
     """One short request (8 tokens) must succeed."""
     err = normal_ok(generate_stub(channel(target)), "nothing")
@@ -726,7 +799,7 @@ def main():
     cmds = {"metric": cmd_metric, "waitmetric": cmd_waitmetric, "cancel": cmd_cancel, "deadline": cmd_deadline,
             "rawdeadline": cmd_rawdeadline, "garbage": cmd_garbage, "nodekill": cmd_nodekill,
             "stopkill": cmd_stopkill, "stall": cmd_stall, "controlgarbage": cmd_controlgarbage,
-            "httpgarbage": cmd_httpgarbage, "ping": cmd_ping, "run": cmd_run}
+            "httpgarbage": cmd_httpgarbage, "slowreader": cmd_slowreader, "ping": cmd_ping, "run": cmd_run}
     if len(sys.argv) < 2 or sys.argv[1] not in cmds:
         print(__doc__)
         return 2
