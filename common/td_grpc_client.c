@@ -55,6 +55,8 @@ struct td_grpc_channel {
     ch_state_t state;
     char authority[300];
     td_grpc_client_call_t *calls;
+    td_grpc_client_call_t *spare;  /* ended calls kept for reuse (TD_GRPC_SPARE_CALLS) */
+    int n_spare;
     int writes_in_flight;
     int open_handles;
     int in_recv;                  /* nesting depth of mem_recv */
@@ -82,6 +84,12 @@ static void channel_maybe_free(td_grpc_channel_t *ch)
     void (*cb)(void *) = ch->close_cb;
     void *data = ch->close_data;
     nghttp2_session_del(ch->ses);
+    for (td_grpc_client_call_t *c = ch->spare, *next; c; c = next) {
+        next = c->next;
+        td_grpc_buf_free(&c->req);
+        td_grpc_buf_free(&c->resp);
+        free(c);
+    }
     free(ch);
     if (cb)
         cb(data);
@@ -98,10 +106,22 @@ static void call_timer_closed(uv_handle_t *h)
 {
     td_grpc_client_call_t *call = h->data;
     td_grpc_channel_t *ch = call->ch;
-    td_grpc_buf_free(&call->req);
-    td_grpc_buf_free(&call->resp);
     free(call->grpc_message);
-    free(call);
+    if (ch->n_spare < TD_GRPC_SPARE_CALLS && !ch->closing) {
+        td_grpc_buf_t req = call->req, resp = call->resp;
+        td_grpc_buf_recycle(&req);
+        td_grpc_buf_recycle(&resp);
+        memset(call, 0, sizeof *call);
+        call->req = req;
+        call->resp = resp;
+        call->next = ch->spare;
+        ch->spare = call;
+        ch->n_spare++;
+    } else {
+        td_grpc_buf_free(&call->req);
+        td_grpc_buf_free(&call->resp);
+        free(call);
+    }
     ch->open_handles--;
     channel_maybe_free(ch);
 }
@@ -523,9 +543,14 @@ td_status_t td_grpc_channel_call(td_grpc_channel_t *ch, const char *method,
     if (!td_grpc_channel_is_usable(ch))
         return td_errorf_quiet(TD_ERR_UNAVAILABLE, "grpc call %s: the channel to %s is not usable", method,
                                ch->authority);
-    td_grpc_client_call_t *call = calloc(1, sizeof *call);
-    if (!call)
+    td_grpc_client_call_t *call = ch->spare; /* zeroed but for its empty buffers */
+    if (call) {
+        ch->spare = call->next;
+        ch->n_spare--;
+        call->next = NULL;
+    } else if (!(call = calloc(1, sizeof *call))) {
         return td_errorf(TD_ERR_NOMEM, "grpc call: out of memory");
+    }
     call->ch = ch;
     call->opts = *opts;
     call->grpc_status = -1;

@@ -48,6 +48,8 @@ struct td_grpc_server {
     uint16_t port;
     method_t *methods;
     srv_conn_t *conns;
+    td_grpc_call_t *spare;         /* ended calls kept for reuse (TD_GRPC_SPARE_CALLS) */
+    int n_spare;
     uint32_t n_conns;
     uint32_t n_calls;              /* calls not yet freed */
     int open_handles;              /* listener, pump, kick, connections' tcp handles */
@@ -119,6 +121,12 @@ static void server_maybe_free(td_grpc_server_t *srv)
         return;
     void (*cb)(void *) = srv->close_cb;
     void *data = srv->close_data;
+    for (td_grpc_call_t *c = srv->spare, *next; c; c = next) {
+        next = c->next;
+        td_grpc_buf_free(&c->req);
+        td_grpc_buf_free(&c->out);
+        free(c);
+    }
     for (method_t *m = srv->methods, *next; m; m = next) {
         next = m->next;
         free(m->path);
@@ -142,10 +150,22 @@ static void call_timer_closed(uv_handle_t *h)
 {
     td_grpc_call_t *call = h->data;
     td_grpc_server_t *srv = call->srv;
-    td_grpc_buf_free(&call->req);
-    td_grpc_buf_free(&call->out);
     free(call->message);
-    free(call);
+    if (srv->n_spare < TD_GRPC_SPARE_CALLS && !srv->closing) {
+        td_grpc_buf_t req = call->req, out = call->out;
+        td_grpc_buf_recycle(&req);
+        td_grpc_buf_recycle(&out);
+        memset(call, 0, sizeof *call);
+        call->req = req;
+        call->out = out;
+        call->next = srv->spare;
+        srv->spare = call;
+        srv->n_spare++;
+    } else {
+        td_grpc_buf_free(&call->req);
+        td_grpc_buf_free(&call->out);
+        free(call);
+    }
     srv->n_calls--;
     server_maybe_free(srv);
 }
@@ -395,9 +415,14 @@ static int on_begin_headers(nghttp2_session *ses, const nghttp2_frame *frame, vo
     srv_conn_t *c = user;
     if (frame->hd.type != NGHTTP2_HEADERS || frame->headers.cat != NGHTTP2_HCAT_REQUEST)
         return 0;
-    td_grpc_call_t *call = calloc(1, sizeof *call);
-    if (!call)
+    td_grpc_call_t *call = c->srv->spare; /* zeroed but for its empty buffers */
+    if (call) {
+        c->srv->spare = call->next;
+        c->srv->n_spare--;
+        call->next = NULL;
+    } else if (!(call = calloc(1, sizeof *call))) {
         return NGHTTP2_ERR_TEMPORAL_CALLBACK_FAILURE;
+    }
     call->srv = c->srv;
     call->conn = c;
     call->stream_id = frame->hd.stream_id;

@@ -104,6 +104,13 @@ void td_grpc_buf_free(td_grpc_buf_t *b)
     *b = (td_grpc_buf_t){0};
 }
 
+void td_grpc_buf_recycle(td_grpc_buf_t *b)
+{
+    if (b->cap > 4096) /* spare calls keep small buffers only: 64 of them stay under 1 MiB */
+        td_grpc_buf_free(b);
+    b->off = b->len = 0;
+}
+
 static void put_prefix(uint8_t *p, size_t n)
 {
     p[0] = 0;

@@ -37,6 +37,12 @@ bool td_grpc_buf_reserve(td_grpc_buf_t *b, size_t more);
 bool td_grpc_buf_append(td_grpc_buf_t *b, const void *p, size_t n);
 void td_grpc_buf_consume(td_grpc_buf_t *b, size_t n);
 void td_grpc_buf_free(td_grpc_buf_t *b);
+/* Empties the buffer for reuse, keeping its memory unless it grew past 4 KiB. */
+void td_grpc_buf_recycle(td_grpc_buf_t *b);
+
+/* Ended calls kept (per channel / server) for the next call, their buffers with them:
+ * a call then costs no calloc and no buffer mallocs. */
+#define TD_GRPC_SPARE_CALLS 64
 
 /* Packs `msg` with its 5-byte prefix onto the end of `b`. TD_ERR_RANGE over max_bytes,
  * TD_ERR_NOMEM. */
