@@ -38,6 +38,9 @@ and exits 0 when the behaviour is right, 1 (with 'FAIL: why' lines) when not:
                                          /metrics still served
   slowreader HOST:PORT MAX_TOKENS SECS   a raw h2c client that never opens its stream window:
                                          no DATA may come, the stream must end within SECS
+  churn HOST:PORT REFS MAX_TOKENS SECS THREADS STOPFILE
+                                         streams back to back while nodes die and come back:
+                                         each OK and exact, or UNAVAILABLE; half at least OK
   ping HOST:PORT                          one short request must succeed
   run HOST:PORT MAX_TOKENS REFS          every prompt of REFS concurrently; all must equal refs
 """
@@ -773,6 +776,52 @@ def cmd_slowreader(target, max_tokens, secs):
     return 0
 
 
+def cmd_churn(target, refs_path, max_tokens, seconds, concurrency, stop_file):
+    """concurrency client threads send the prompts of REFS (random order, fixed seed) one
+    stream after another for `seconds` (or until stop_file exists) while the test kills and
+    restarts nodes. Every stream must end OK with exactly its reference, or UNAVAILABLE (with
+    its tokens so far a prefix of the reference); at least half must succeed."""
+    prompts, refs = read_refs(refs_path)
+    stub = generate_stub(channel(target))
+    end = time.monotonic() + float(seconds)
+    lock = threading.Lock()
+    counts = {}
+    problems = []
+
+    def worker(k):
+        rnd = random.Random(1000 + k)
+        while time.monotonic() < end and not os.path.exists(stop_file):
+            i = rnd.randrange(len(prompts))
+            s = Stream(stub, prompts[i], int(max_tokens), timeout=30)
+            s.join(40)
+            code = s.code or "HUNG"
+            with lock:
+                counts[code] = counts.get(code, 0) + 1
+                if code == "UNAVAILABLE" and not s.got:
+                    counts["UNAVAILABLE before any token"] = counts.get("UNAVAILABLE before any token", 0) + 1
+                if code == "OK" and s.got != refs[i]:
+                    problems.append("prompt %d: OK but ids differ from tandem generate:\n  want %s\n  got  %s"
+                                    % (i, refs[i], s.got))
+                elif code == "UNAVAILABLE" and s.got != refs[i][:len(s.got)]:
+                    problems.append("prompt %d: UNAVAILABLE after tokens that differ from tandem generate" % i)
+                elif code not in ("OK", "UNAVAILABLE"):
+                    problems.append("prompt %d: %s %s" % (i, code, s.details))
+
+    ts = [threading.Thread(target=worker, args=(k,)) for k in range(int(concurrency))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    total = sum(v for k, v in counts.items() if k != "UNAVAILABLE before any token")
+    print("churn: %d streams: %s" % (total, ", ".join("%s %d" % kv for kv in sorted(counts.items()))))
+    rc = 0
+    for p in problems[:10]:
+        rc = fail(p)
+    if total == 0 or counts.get("OK", 0) * 2 < total:
+        rc = fail("fewer than half the streams succeeded")
+    return rc
+
+
 def cmd_ping(target):
     """One short request (8 tokens) must succeed."""
     err = normal_ok(generate_stub(channel(target)), "nothing")
@@ -799,7 +848,7 @@ def main():
     cmds = {"metric": cmd_metric, "waitmetric": cmd_waitmetric, "cancel": cmd_cancel, "deadline": cmd_deadline,
             "rawdeadline": cmd_rawdeadline, "garbage": cmd_garbage, "nodekill": cmd_nodekill,
             "stopkill": cmd_stopkill, "stall": cmd_stall, "controlgarbage": cmd_controlgarbage,
-            "httpgarbage": cmd_httpgarbage, "slowreader": cmd_slowreader, "ping": cmd_ping, "run": cmd_run}
+            "httpgarbage": cmd_httpgarbage, "slowreader": cmd_slowreader, "churn": cmd_churn, "ping": cmd_ping, "run": cmd_run}
     if len(sys.argv) < 2 or sys.argv[1] not in cmds:
         print(__doc__)
         return 2

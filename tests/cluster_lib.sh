@@ -88,14 +88,15 @@ cl_router() {
     CL_ROLE[$CL_ROUTER]=router
 }
 
-# cl_node ROLE ID [FLAGS...]: starts a prefill/decode node registered with the router
+# cl_node ROLE ID [FLAGS...]: starts a prefill/decode node registered with the router; the
+# process is named ID, or $CL_NAME when set (a restart of a node under the same ID)
 cl_node() {
-    local role=$1 id=$2; shift 2
-    cl_spawn "$id" "$CL_BIN" "$role" --model "$CL_M" --router "$CL_CTL" --node-id "$id" --threads 1 \
+    local role=$1 id=$2 name=${CL_NAME:-$2}; shift 2
+    cl_spawn "$name" "$CL_BIN" "$role" --model "$CL_M" --router "$CL_CTL" --node-id "$id" --threads 1 \
         --log-level warn "$@"
-    cl_wait_line "$CL_T/$id.out" "^$role $id: .* metrics " 60 || { cl_fail "node $id did not start"; cl_dump; exit 1; }
-    CL_MURL[$id]=$(sed -n "s/^$role $id: .* metrics //p" "$CL_T/$id.out")
-    CL_ROLE[$id]=$role
+    cl_wait_line "$CL_T/$name.out" "^$role $id: .* metrics " 60 || { cl_fail "node $id did not start"; cl_dump; exit 1; }
+    CL_MURL[$name]=$(sed -n "s/^$role $id: .* metrics //p" "$CL_T/$name.out")
+    CL_ROLE[$name]=$role
 }
 
 # cl_wait_nodes NP ND: waits until the router counts at least NP prefill and ND decode nodes
