@@ -495,3 +495,67 @@ Test(grpc, timeout_header_format)
     cr_assert_eq(td_grpc_format_u32(UINT32_MAX, d), 10);
     cr_assert_str_eq(d, "4294967295");
 }
+
+/* Client deadlines share one timer per channel: calls given out of deadline order, to a
+ * peer that accepts the TCP connection but never speaks, end DEADLINE_EXCEEDED in deadline
+ * order; a call without a deadline waits until the channel closes (CANCELLED). */
+typedef struct dl_rec {
+    int *order;
+    int *n_done;
+    int id;
+    td_grpc_code_t code;
+    bool done;
+} dl_rec_t;
+
+static void dl_on_done(td_grpc_client_call_t *call, td_grpc_code_t code, const char *message, void *data)
+{
+    dl_rec_t *r = data;
+    r->code = code;
+    r->done = true;
+    r->order[(*r->n_done)++] = r->id;
+}
+
+Test(grpc, client_deadlines_in_order, .timeout = 20)
+{
+    signal(SIGPIPE, SIG_IGN);
+    int lfd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET};
+    inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
+    cr_assert_eq(bind(lfd, (struct sockaddr *)&a, sizeof a), 0);
+    cr_assert_eq(listen(lfd, 4), 0);
+    socklen_t alen = sizeof a;
+    getsockname(lfd, (struct sockaddr *)&a, &alen);
+    uv_loop_t loop;
+    cr_assert_eq(uv_loop_init(&loop), 0);
+    td_grpc_channel_config_t cc = td_grpc_channel_config_default();
+    td_grpc_channel_t *ch;
+    cr_assert_eq(td_grpc_channel_create(&loop, "127.0.0.1", ntohs(a.sin_port), &cc, &ch), TD_OK);
+    int order[4], n_done = 0;
+    static const uint32_t timeouts[4] = {300, 100, 0, 200};
+    dl_rec_t rec[4];
+    Tandem__V1__ListModelsRequest req = TANDEM__V1__LIST_MODELS_REQUEST__INIT;
+    for (int i = 0; i < 4; i++) {
+        rec[i] = (dl_rec_t){.order = order, .n_done = &n_done, .id = i};
+        td_grpc_call_opts_t o = {.response_desc = &tandem__v1__list_models_response__descriptor,
+                                 .on_done = dl_on_done, .data = &rec[i], .timeout_ms = timeouts[i]};
+        cr_assert_eq(td_grpc_channel_call(ch, "/tandem.v1.Generation/ListModels", &req.base, &o, NULL), TD_OK);
+    }
+    uint64_t t0 = uv_now(&loop);
+    while (n_done < 3 && uv_now(&loop) - t0 < 5000)
+        uv_run(&loop, UV_RUN_ONCE);
+    cr_assert_eq(n_done, 3, "%d calls ended", n_done);
+    cr_assert_eq(order[0], 1);
+    cr_assert_eq(order[1], 3);
+    cr_assert_eq(order[2], 0);
+    cr_assert_geq(uv_now(&loop) - t0, 300);
+    for (int i = 0; i < 4; i++)
+        if (i != 2)
+            cr_assert_eq(rec[i].code, TD_GRPC_DEADLINE_EXCEEDED, "call %d: %s", i, td_grpc_code_name(rec[i].code));
+    cr_assert(!rec[2].done, "the call without a deadline ended");
+    td_grpc_channel_close(ch, NULL, NULL);
+    cr_assert(rec[2].done);
+    cr_assert_eq(rec[2].code, TD_GRPC_CANCELLED);
+    uv_run(&loop, UV_RUN_DEFAULT);
+    cr_assert_eq(uv_loop_close(&loop), 0, "client loop has handles left");
+    close(lfd);
+}
