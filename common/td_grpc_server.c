@@ -11,7 +11,7 @@
  * is dispatched when the client half-closes, and answers through a bounded send queue
  * read by an nghttp2 data provider (deferred while empty, resumed by a send or the
  * finish; trailers are submitted from the provider once the queue drains). A call is
- * freed when its stream is gone and its handler has finished; its deadline timer is the
+ * freed when its stream is gone and its handler has finished; its timer handle is the
  * last handle closed. Every nghttp2 callback looks the call up by stream id, so nothing
  * dangles after a stream closes.
  */
@@ -45,6 +45,9 @@ struct td_grpc_server {
     uv_tcp_t listener;
     uv_prepare_t pump;
     uv_idle_t kick;                /* keeps the loop from blocking while output is left */
+    uv_timer_t dl_timer;           /* one timer for the deadlines in the list below */
+    uint64_t dl_armed;             /* the deadline it is set for; 0 = not set */
+    td_grpc_call_t *dl_head, *dl_tail; /* calls with a deadline, soonest first */
     uint16_t port;
     method_t *methods;
     srv_conn_t *conns;
@@ -52,7 +55,7 @@ struct td_grpc_server {
     int n_spare;
     uint32_t n_conns;
     uint32_t n_calls;              /* calls not yet freed */
-    int open_handles;              /* listener, pump, kick, connections' tcp handles */
+    int open_handles;              /* listener, pump, kick, dl_timer, connections' tcp handles */
     bool closing;
     void (*close_cb)(void *data);
     void *close_data;
@@ -78,7 +81,10 @@ struct td_grpc_call {
     td_grpc_server_t *srv;
     srv_conn_t *conn;              /* NULL once the stream is gone */
     int32_t stream_id;
-    uv_timer_t timer;              /* deadline */
+    uv_timer_t timer;              /* its close frees the call; started only for a deadline
+                                    * far out of order in the server's list */
+    td_grpc_call_t *dl_prev, *dl_next;
+    bool in_dl, own_timer;
     const method_t *method;
     char path[256];
     size_t header_bytes;
@@ -189,6 +195,8 @@ static void count_handled(td_grpc_call_t *call)
         td_metric_inc(m);
 }
 
+static void dl_remove(td_grpc_server_t *srv, td_grpc_call_t *call);
+
 /* The stream is gone (closed, reset, connection lost): detach, tell the handler. */
 static void call_detach(td_grpc_call_t *call, td_status_t why)
 {
@@ -203,7 +211,7 @@ static void call_detach(td_grpc_call_t *call, td_status_t why)
         call->next->prev = call->prev;
     call->prev = call->next = NULL;
     call->conn = NULL;
-    uv_timer_stop(&call->timer);
+    dl_remove(call->srv, call);
     if (!call->ended) {
         call->ended = true;
         call->code = TD_GRPC_CANCELLED;
@@ -394,9 +402,97 @@ void td_grpc_call_reply(td_grpc_call_t *call, const ProtobufCMessage *msg)
 
 /* ---- deadline ------------------------------------------------------------------------- */
 
-static void on_deadline(uv_timer_t *t)
+/*
+ * One timer per server over a list of calls in deadline order: a timer started and
+ * stopped per call was a heap insert and removal each (~5% of a loaded router). Clients
+ * mostly send one timeout, so inserting from the tail is O(1); a deadline that would walk
+ * further than DL_MAX_WALK entries (a client sending shrinking timeouts) gets the call's
+ * own uv timer instead, so no client can make inserts quadratic.
+ */
+#define DL_MAX_WALK 32
+
+static void call_deadline_hit(td_grpc_call_t *call);
+
+static void on_dl_timer(uv_timer_t *t);
+
+static void dl_arm(td_grpc_server_t *srv)
 {
-    td_grpc_call_t *call = t->data;
+    if (!srv->dl_head || srv->closing)
+        return;
+    uint64_t d = srv->dl_head->deadline;
+    if (srv->dl_armed && srv->dl_armed <= d)
+        return; /* fires first; re-arms then */
+    uint64_t now = uv_now(srv->loop);
+    uv_timer_start(&srv->dl_timer, on_dl_timer, d > now ? d - now : 0, 0);
+    srv->dl_armed = d;
+}
+
+static void on_own_deadline(uv_timer_t *t)
+{
+    call_deadline_hit(t->data);
+}
+
+static void dl_insert(td_grpc_server_t *srv, td_grpc_call_t *call)
+{
+    td_grpc_call_t *p = srv->dl_tail;
+    int walk = 0;
+    while (p && p->deadline > call->deadline) {
+        if (++walk > DL_MAX_WALK) {
+            call->own_timer = true;
+            uv_timer_start(&call->timer, on_own_deadline, call->timeout_ms, 0);
+            return;
+        }
+        p = p->dl_prev;
+    }
+    call->dl_prev = p;
+    call->dl_next = p ? p->dl_next : srv->dl_head;
+    if (call->dl_next)
+        call->dl_next->dl_prev = call;
+    else
+        srv->dl_tail = call;
+    if (p)
+        p->dl_next = call;
+    else
+        srv->dl_head = call;
+    call->in_dl = true;
+    dl_arm(srv);
+}
+
+static void dl_remove(td_grpc_server_t *srv, td_grpc_call_t *call)
+{
+    if (call->own_timer) {
+        uv_timer_stop(&call->timer);
+        call->own_timer = false;
+    }
+    if (!call->in_dl)
+        return;
+    if (call->dl_prev)
+        call->dl_prev->dl_next = call->dl_next;
+    else
+        srv->dl_head = call->dl_next;
+    if (call->dl_next)
+        call->dl_next->dl_prev = call->dl_prev;
+    else
+        srv->dl_tail = call->dl_prev;
+    call->dl_prev = call->dl_next = NULL;
+    call->in_dl = false;
+}
+
+static void on_dl_timer(uv_timer_t *t)
+{
+    td_grpc_server_t *srv = t->data;
+    srv->dl_armed = 0;
+    uint64_t now = uv_now(srv->loop);
+    while (!srv->closing && srv->dl_head && srv->dl_head->deadline <= now) {
+        td_grpc_call_t *call = srv->dl_head;
+        dl_remove(srv, call);
+        call_deadline_hit(call);
+    }
+    dl_arm(srv);
+}
+
+static void call_deadline_hit(td_grpc_call_t *call)
+{
     if (!call->conn || call->ended)
         return;
     td_grpc_buf_consume(&call->out, td_grpc_buf_size(&call->out)); /* drop unsent responses */
@@ -514,7 +610,7 @@ static void call_headers_done(td_grpc_call_t *call)
     }
     if (call->timeout_ms) {
         call->deadline = uv_now(srv->loop) + call->timeout_ms;
-        uv_timer_start(&call->timer, on_deadline, call->timeout_ms, 0);
+        dl_insert(srv, call);
     }
 }
 
@@ -923,7 +1019,9 @@ td_status_t td_grpc_server_create(uv_loop_t *loop, const td_grpc_server_config_t
     srv->pump.data = srv;
     uv_idle_init(loop, &srv->kick);
     srv->kick.data = srv;
-    srv->open_handles = 3;
+    uv_timer_init(loop, &srv->dl_timer);
+    srv->dl_timer.data = srv;
+    srv->open_handles = 4;
     int rc = uv_tcp_bind(&srv->listener, (struct sockaddr *)&addr, 0);
     if (rc == 0)
         rc = uv_listen((uv_stream_t *)&srv->listener, 128, on_connection);
@@ -934,6 +1032,7 @@ td_status_t td_grpc_server_create(uv_loop_t *loop, const td_grpc_server_config_t
         uv_close((uv_handle_t *)&srv->listener, server_handle_closed);
         uv_close((uv_handle_t *)&srv->pump, server_handle_closed);
         uv_close((uv_handle_t *)&srv->kick, server_handle_closed);
+        uv_close((uv_handle_t *)&srv->dl_timer, server_handle_closed);
         return st;
     }
     uv_prepare_start(&srv->pump, on_pump);
@@ -991,6 +1090,7 @@ void td_grpc_server_close(td_grpc_server_t *srv, void (*cb)(void *data), void *d
     uv_close((uv_handle_t *)&srv->listener, server_handle_closed);
     uv_close((uv_handle_t *)&srv->pump, server_handle_closed);
     uv_close((uv_handle_t *)&srv->kick, server_handle_closed);
+    uv_close((uv_handle_t *)&srv->dl_timer, server_handle_closed);
     while (srv->conns)
         conn_close_now(srv->conns, TD_ERR_CLOSED);
 }
