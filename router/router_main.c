@@ -34,6 +34,12 @@
 
 #define ROUTER_MAX_STOP_IDS 32
 #define ROUTER_DEADLINE_SLACK_NS 10000000ll /* a reset this close to the deadline counts as the deadline */
+/* A stream refused a send (BUSY) and is still unwritable this many loop turns later: its
+ * client is not reading, and a backlog past max-backlog-tokens ends it. A refusal within
+ * one turn is normal (a burst of StepBatches read at once fills a small send queue before
+ * the turn's write); the gRPC layer's prepare hook writes and tells a reading client's
+ * call "writable" before the next poll. */
+#define ROUTER_BACKLOG_GRACE_TURNS 2
 
 typedef struct router_config {
     const char *tokenizer;     /* tokenizer path (a model's tokenizer.bin / .json / dir) */
@@ -106,6 +112,7 @@ typedef struct router_req {
     char *out_text;            /* NUL-terminated */
     size_t n_out_text, cap_out_text;
     bool blocked;              /* the last send was refused (BUSY); wait for writable */
+    uint64_t blocked_turn;     /* s->turn when it became blocked */
     bool dirty;                /* output appended during this StepBatch */
     bool sent_msg;             /* a GenerateResponse went out (the first carries the id) */
     uint64_t decode_gen;
@@ -136,6 +143,8 @@ struct router_state {
     router_req_t **lease_map;  /* [lease_buckets] chains by (decode, lease id) */
     uint32_t lease_buckets;    /* power of two */
     uv_idle_t pump_idle;       /* runs pump() after the callback that made room */
+    uv_prepare_t turn_prepare; /* counts loop turns (turn) */
+    uint64_t turn;
     bool pump_wanted;          /* room may have appeared: try the queue's head after this callback */
     bool pumping;
     uint64_t next_id;
@@ -412,6 +421,7 @@ static void out_flush(router_req_t *r)
     td_status_t st = td_grpc_call_send(r->call, &m.base);
     if (st == TD_ERR_BUSY) {
         r->blocked = true;
+        r->blocked_turn = r->s->turn;
         return;
     }
     if (st != TD_OK) {
@@ -482,6 +492,22 @@ static bool is_stop_id(const router_req_t *r, uint32_t token)
     return r->s->tok && td_tokenizer_is_eos(r->s->tok, (int32_t)token);
 }
 
+/* The client has not drained its stream for ROUTER_BACKLOG_GRACE_TURNS loop turns and its
+ * backlog is past the bound. */
+static bool backlog_over(const router_req_t *r)
+{
+    return r->blocked && (int64_t)r->n_out > r->s->cfg.max_backlog_tokens &&
+           r->s->turn - r->blocked_turn >= ROUTER_BACKLOG_GRACE_TURNS;
+}
+
+static void req_fail_slow(router_req_t *r)
+{
+    char msg[160];
+    snprintf(msg, sizeof msg, "request %s: the client is not reading its stream (%u tokens pending)", r->id, r->n_out);
+    td_warn("%s", msg);
+    req_fail(r, TD_GRPC_RESOURCE_EXHAUSTED, msg, "slow_client");
+}
+
 /* One new token of a request, appended to its pending output (the caller flushes).
  * Returns false when the request ended here (stop string, backlog bound, no memory). */
 static bool out_token(router_req_t *r, uint32_t token)
@@ -514,12 +540,8 @@ static bool out_token(router_req_t *r, uint32_t token)
         req_finish(r, TANDEM__V1__FINISH_REASON__FINISH_REASON_STOP);
         return false;
     }
-    if ((int64_t)r->n_out > s->cfg.max_backlog_tokens) {
-        char msg[160];
-        snprintf(msg, sizeof msg, "request %s: the client is not reading its stream (%u tokens pending)", r->id,
-                 r->n_out);
-        td_warn("%s", msg);
-        req_fail(r, TD_GRPC_RESOURCE_EXHAUSTED, msg, "slow_client");
+    if (backlog_over(r)) {
+        req_fail_slow(r);
         return false;
     }
     r->dirty = true;
@@ -645,6 +667,10 @@ static void on_admit_done(td_grpc_client_call_t *c, td_grpc_code_t code, const c
         r->n_tried--;
         req_off_node(r);
         req_place(r);
+        return;
+    }
+    if (code == TD_GRPC_INVALID_ARGUMENT) { /* e.g. longer than the model: no other node takes it */
+        req_fail(r, TD_GRPC_INVALID_ARGUMENT, msg[0] ? msg : "the decode node refused the request as invalid", "invalid");
         return;
     }
     if (code != TD_GRPC_OK || !r->have_lease) {
@@ -1232,6 +1258,8 @@ static void on_tick(uv_timer_t *t)
         next = r->next;
         if (r->on_node && r->deadline_ns && now >= r->deadline_ns)
             req_fail(r, TD_GRPC_DEADLINE_EXCEEDED, "deadline exceeded", "deadline");
+        else if (backlog_over(r))
+            req_fail_slow(r);
     }
 }
 
@@ -1253,9 +1281,16 @@ static void shutdown_begin(router_state_t *s)
     if (s->handles_up) {
         uv_close((uv_handle_t *)&s->tick, NULL);
         uv_close((uv_handle_t *)&s->pump_idle, NULL);
+        uv_close((uv_handle_t *)&s->turn_prepare, NULL);
         uv_close((uv_handle_t *)&s->sigint, NULL);
         uv_close((uv_handle_t *)&s->sigterm, NULL);
     }
+}
+
+static void on_turn(uv_prepare_t *h)
+{
+    router_state_t *s = h->data;
+    s->turn++;
 }
 
 static void on_signal(uv_signal_t *h, int signum)
@@ -1409,6 +1444,9 @@ int router_main(int argc, char **argv)
     uv_timer_start(&s->tick, on_tick, 50, 50);
     uv_idle_init(&s->loop, &s->pump_idle);
     s->pump_idle.data = s;
+    uv_prepare_init(&s->loop, &s->turn_prepare);
+    s->turn_prepare.data = s;
+    uv_prepare_start(&s->turn_prepare, on_turn);
     uv_signal_init(&s->loop, &s->sigint);
     uv_signal_init(&s->loop, &s->sigterm);
     s->sigint.data = s->sigterm.data = s;

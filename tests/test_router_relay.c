@@ -45,7 +45,7 @@ typedef struct lease {
 } lease_t;
 
 typedef struct gen {
-    uint32_t ids[8192];
+    uint32_t ids[65536];
     size_t n_ids;
     int n_messages;
     int finish_reason;
@@ -391,7 +391,7 @@ Test(router_relay, first_token_from_prefill_then_duplicate_dropped)
     env_t e;
     env_start(&e, NULL);
     e.prefill_first_token = 7;
-    gen_t g;
+    static gen_t g;
     generate(&e, &g, "a", 0, false, 0);
     RUN_UNTIL(&e, e.n_leases == 1 && e.leases[0].prefill && g.n_ids == 1);
     cr_assert_eq(g.ids[0], 7, "token 0 is relayed from FIRST_TOKEN before any step");
@@ -415,7 +415,7 @@ Test(router_relay, first_token_from_decode_then_prefill_dropped)
     env_t e;
     env_start(&e, NULL);
     e.prefill_first_token = 0; /* hold the Prefill stream */
-    gen_t g;
+    static gen_t g;
     generate(&e, &g, "a", 0, false, 0);
     RUN_UNTIL(&e, e.n_leases == 1 && e.leases[0].prefill);
     lease_t *l = &e.leases[0];
@@ -441,7 +441,7 @@ Test(router_relay, phaseless_prefill_reply_counts_once)
     env_start(&e, NULL);
     e.prefill_first_token = 5;
     e.prefill_phaseless = true;
-    gen_t g;
+    static gen_t g;
     generate(&e, &g, "a", 0, false, 0);
     RUN_UNTIL(&e, g.n_ids == 1);
     lease_t *l = &e.leases[0];
@@ -457,8 +457,9 @@ Test(router_relay, phaseless_prefill_reply_counts_once)
 }
 
 /* Enough single-token steps to fill a paused client's 64 KiB window and the router's send
- * queue many times over. */
-#define FLOOD 6000
+ * queue even when coalesced: ids of 4 varint bytes, 160 KB of them. */
+#define FLOOD 40000
+#define BIG 0x200000u
 
 Test(router_relay, paused_client_gets_every_token_coalesced)
 {
@@ -467,7 +468,7 @@ Test(router_relay, paused_client_gets_every_token_coalesced)
     env_start(&e, args);
     e.prefill_first_token = 1;
     e.prefill_phaseless = true;
-    gen_t g;
+    static gen_t g;
     generate(&e, &g, "a", 0, false, 0);
     RUN_UNTIL(&e, g.n_ids == 1);
     td_grpc_client_call_pause(g.call, true);
@@ -475,7 +476,8 @@ Test(router_relay, paused_client_gets_every_token_coalesced)
     token(&e, l, 1);
     for (uint32_t t = 2; t <= FLOOD; t++) {
         td_status_t st;
-        while ((st = step(&e, 1, (const lease_t *const[]){l}, &t,
+        uint32_t id = BIG + t;
+        while ((st = step(&e, 1, (const lease_t *const[]){l}, &id,
                           (Tandem__Control__V1__SeqEvent[]){TANDEM__CONTROL__V1__SEQ_EVENT__SEQ_EVENT_TOKEN})) ==
                TD_ERR_BUSY)
             uv_run(&e.loop, UV_RUN_ONCE);
@@ -490,8 +492,9 @@ Test(router_relay, paused_client_gets_every_token_coalesced)
     RUN_UNTIL(&e, g.done);
     cr_assert_eq(g.code, TD_GRPC_OK, "%s", g.message);
     cr_assert_eq(g.n_ids, FLOOD);
-    for (uint32_t i = 0; i < FLOOD; i++)
-        cr_assert_eq(g.ids[i], i + 1, "token %u", i);
+    cr_assert_eq(g.ids[0], 1);
+    for (uint32_t i = 1; i < FLOOD; i++)
+        cr_assert_eq(g.ids[i], BIG + i + 1, "token %u", i);
     cr_assert_lt(g.n_messages, FLOOD, "a backlog goes out coalesced (%d messages)", g.n_messages);
     env_stop(&e);
 }
@@ -503,7 +506,7 @@ Test(router_relay, client_not_reading_past_bound_ends_exhausted_and_releases)
     env_start(&e, args);
     e.prefill_first_token = 1;
     e.prefill_phaseless = true;
-    gen_t g;
+    static gen_t g;
     generate(&e, &g, "a", 0, false, 0);
     RUN_UNTIL(&e, g.n_ids == 1);
     td_grpc_client_call_pause(g.call, true);
@@ -511,7 +514,8 @@ Test(router_relay, client_not_reading_past_bound_ends_exhausted_and_releases)
     token(&e, l, 1);
     for (uint32_t t = 2; t <= FLOOD && !l->released; t++) {
         td_status_t st;
-        while ((st = step(&e, 1, (const lease_t *const[]){l}, &t,
+        uint32_t id = BIG + t;
+        while ((st = step(&e, 1, (const lease_t *const[]){l}, &id,
                           (Tandem__Control__V1__SeqEvent[]){TANDEM__CONTROL__V1__SEQ_EVENT__SEQ_EVENT_TOKEN})) ==
                TD_ERR_BUSY)
             uv_run(&e.loop, UV_RUN_ONCE);
@@ -532,7 +536,7 @@ Test(router_relay, queue_admits_by_priority_then_arrival)
     env_start(&e, args);
     e.prefill_first_token = 1;
     e.prefill_phaseless = true;
-    gen_t g[5];
+    static gen_t g[5];
     const char *ids[5] = {"a", "b", "c", "d", "e"};
     int32_t prio[5] = {0, 0, 5, 9, 0};
     for (int i = 0; i < 5; i++)
@@ -559,7 +563,7 @@ Test(router_relay, queue_bound_refuses_at_once)
     env_start(&e, args);
     e.prefill_first_token = 1;
     e.prefill_phaseless = true;
-    gen_t g[3];
+    static gen_t g[3];
     generate(&e, &g[0], "a", 0, false, 0);
     RUN_UNTIL(&e, g[0].n_ids == 1);
     generate(&e, &g[1], "b", 0, false, 0);
@@ -583,7 +587,7 @@ Test(router_relay, deadline_in_queue_and_on_node)
     env_start(&e, args);
     e.prefill_first_token = 1;
     e.prefill_phaseless = true;
-    gen_t a, b;
+    static gen_t a, b;
     generate(&e, &a, "a", 0, false, 0);          /* the router's default deadline: 300 ms */
     RUN_UNTIL(&e, e.n_leases == 1);
     generate(&e, &b, "b", 0, false, 0);          /* waits behind a, which never finishes */
