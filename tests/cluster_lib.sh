@@ -17,6 +17,7 @@ CL_FAIL=0
 CL_KNOWN=0
 CL_ROUTER=router     # the process name of the current router (set another before a restart)
 CL_NAMES=()          # process names in start order
+CL_BG=()             # background client pids (killed on exit)
 declare -A CL_PID    # name → pid
 declare -A CL_MURL   # name → /metrics URL
 declare -A CL_ROLE   # name → router, prefill or decode
@@ -233,6 +234,7 @@ cl_stop() {
 
 cl_cleanup() {
     local name pid
+    for pid in "${CL_BG[@]}"; do kill -KILL "$pid" 2>/dev/null; done
     for name in "${CL_NAMES[@]}"; do
         pid=${CL_PID[$name]}
         [ -n "$pid" ] && kill -KILL "$pid" 2>/dev/null && wait "$pid" 2>/dev/null

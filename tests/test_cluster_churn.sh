@@ -23,6 +23,7 @@ PY
 while read -r p; do echo "$p|$(cl_ref 96 "$p")"; done <"$CL_T/prompts" >"$CL_T/refs"
 "$CL_PY" "$CL_TOOL" churn "$CL_GW" "$CL_T/refs" 96 40 6 "$CL_T/stop" >"$CL_T/churn.log" &
 CH=$!
+CL_BG+=($CH)
 declare -A GEN=([p0]=0 [p1]=0 [d0]=0 [d1]=0) # restarts so far, for unique process names
 declare -A CUR=([p0]=p0 [p1]=p1 [d0]=d0 [d1]=d1)
 for victim in p0 d1 p1 d0 p0 d1; do

@@ -16,6 +16,7 @@ sc0=$(cl_metric router tandem_router_requests_total outcome=slow_client 2>/dev/n
 for k in $(seq 4); do p="1 $((200 + k))"; echo "$p|$(cl_ref 64 "$p")"; done >"$CL_T/refs"
 "$CL_PY" "$CL_TOOL" slowreader "$CL_GW" 480 5 &
 SR=$!
+CL_BG+=($SR)
 "$CL_PY" "$CL_TOOL" run "$CL_GW" 64 "$CL_T/refs" || cl_fail "requests beside the slow reader"
 wait $SR; src=$?
 sc1=$(cl_metric router tandem_router_requests_total outcome=slow_client 2>/dev/null || echo 0)
