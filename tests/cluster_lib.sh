@@ -5,8 +5,11 @@
 # $CL_T/san.* (ASAN/UBSAN/LSAN log_path) and fail the test, as does a process that exits
 # non-zero on SIGTERM or dies without the test killing it.
 #
-# Use: source it, call cl_init "what this test checks", start processes, call cl_fail for each
-# failed check, end with cl_end "PASS line" (exits 0 or 1).
+# Use: source it, call cl_init (skips without the model or grpcio), start processes (cl_local,
+# or cl_router + cl_node + cl_wait_nodes), call cl_fail for each failed check (cl_known_fail
+# for one failing only because of a reported cluster bug: said as KNOWN-FAIL, not a failure),
+# end with cl_end "PASS line", which first checks the cluster is idle (cl_idle), stops every
+# process, checks exits and sanitizer logs, and exits 0 or 1.
 set -u
 CL_M="${TANDEM_TEST_MODELS:-$(dirname "$0")/../../shared/models}/stories260K/stories260K.bin"
 CL_BIN="${TANDEM_BIN:?TANDEM_BIN must point at the tandem binary}"
