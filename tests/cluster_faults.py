@@ -385,8 +385,7 @@ def cmd_garbage(target):
 
 def invalid_requests(stub):
     """Well-formed requests that can never succeed must end INVALID_ARGUMENT (not be retried
-    into UNAVAILABLE, which tells a client to try again). A failure here that matches the
-    known router bug is printed as KNOWN-FAIL."""
+    into UNAVAILABLE, which tells a client to try again; fixed in the router by 1fa148d)."""
     rc = 0
     cases = [
         ("an empty prompt", [], 8),
@@ -403,12 +402,6 @@ def invalid_requests(stub):
         print("%s: %s %s" % (what, code, details))
         if code == "INVALID_ARGUMENT":
             pass
-        elif code == "UNAVAILABLE" and "retry found no other pair" in details:
-            print("KNOWN-FAIL: %s: UNAVAILABLE instead of INVALID_ARGUMENT: the decode node's Admit refuses it "
-                  "INVALID_ARGUMENT (decode/decode_main.c Admit checks), router/router_main.c on_admit_done retries "
-                  "every non-OK code but RESOURCE_EXHAUSTED, and the retry finds no other pair; a router without a "
-                  "tokenizer cannot check ids or length itself (RegisterRequest carries no vocab size; the nodes send "
-                  "Capacity.max_seq_len but on_register does not keep it)" % what)
         else:
             rc = fail("%s: %s %s, want INVALID_ARGUMENT" % (what, code, details))
         err = normal_ok(stub, what)
