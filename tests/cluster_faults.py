@@ -400,9 +400,7 @@ def invalid_requests(stub):
         except grpc.RpcError as e:
             code, details = e.code().name, e.details() or ""
         print("%s: %s %s" % (what, code, details))
-        if code == "INVALID_ARGUMENT":
-            pass
-        else:
+        if code != "INVALID_ARGUMENT":
             rc = fail("%s: %s %s, want INVALID_ARGUMENT" % (what, code, details))
         err = normal_ok(stub, what)
         if err:
