@@ -15,12 +15,14 @@ and exits 0 when the behaviour is right, 1 (with 'FAIL: why' lines) when not:
                                          grpc-timeout header, no client deadline (curl, h2c):
                                          the server itself must end with grpc-status 4; BG
                                          streams without a deadline keep the decode node busy
-  garbage HOST:PORT                      garbage, truncated frame, HTTP/1.1, bad protobufs
+  garbage HOST:PORT                      garbage, truncated frame, HTTP/1.1, bad protobufs,
+                                         broken gRPC framing (curl), impossible requests
   nodekill HOST:PORT PID SIGNAL BOUND_MS REFS MAX_TOKENS
                                          streams of the prompts in REFS (lines 'ids|ref ids'),
-                                         the decode node PID signalled once every stream has a
-                                         token: its streams end UNAVAILABLE within BOUND_MS,
-                                         the others equal their references
+                                         PID (a decode node, or the router) signalled (KILL or
+                                         STOP) once every stream has a token: its streams end
+                                         UNAVAILABLE within BOUND_MS, the others equal their
+                                         references
   stopkill HOST:PORT PID WAIT_MS REFS MAX_TOKENS
                                          the node PID is stopped (SIGSTOP), the streams start,
                                          after WAIT_MS it is SIGKILLed: every stream must equal
@@ -38,6 +40,7 @@ and exits 0 when the behaviour is right, 1 (with 'FAIL: why' lines) when not:
                                          /metrics still served
   slowreader HOST:PORT MAX_TOKENS SECS   a raw h2c client that never opens its stream window:
                                          no DATA may come, the stream must end within SECS
+                                         (exit 3: it did not end)
   churn HOST:PORT REFS MAX_TOKENS SECS THREADS STOPFILE
                                          streams back to back while nodes die and come back:
                                          each OK and exact, or UNAVAILABLE; half at least OK
