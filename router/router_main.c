@@ -620,6 +620,15 @@ static void on_prefill_msg(td_grpc_client_call_t *c, const ProtobufCMessage *msg
     first_from_prefill(r, p->first_token); /* may end r */
 }
 
+/* A node whose channel failed is not chosen again until it registers anew (its
+ * heartbeats are answered "reregister" meanwhile), so a retry goes elsewhere. */
+static void node_unreachable(router_state_t *s, int32_t idx)
+{
+    router_node_t *n = idx >= 0 ? router_registry_node(s->reg, idx) : NULL;
+    if (n && (!s->peers[idx].ch || !td_grpc_channel_is_usable(s->peers[idx].ch)))
+        n->up = false;
+}
+
 static void on_prefill_done(td_grpc_client_call_t *c, td_grpc_code_t code, const char *msg, void *data)
 {
     router_req_t *r = data;
@@ -627,6 +636,7 @@ static void on_prefill_done(td_grpc_client_call_t *c, td_grpc_code_t code, const
         return; /* request already gone */
     r->pending = NULL;
     if (code != TD_GRPC_OK) {
+        node_unreachable(r->s, r->pick.pair.prefill);
         req_retry_or_fail(r, msg[0] ? msg : td_grpc_code_name(code));
         return;
     }
@@ -674,6 +684,7 @@ static void on_admit_done(td_grpc_client_call_t *c, td_grpc_code_t code, const c
         return;
     }
     if (code != TD_GRPC_OK || !r->have_lease) {
+        node_unreachable(s, d);
         req_retry_or_fail(r, msg[0] ? msg : td_grpc_code_name(code));
         return;
     }
@@ -698,6 +709,7 @@ static void on_admit_done(td_grpc_client_call_t *c, td_grpc_code_t code, const c
     if (!pp->ch ||
         td_grpc_channel_call(pp->ch, "/tandem.control.v1.PrefillNode/Prefill", &q.base, &o, &r->pending) != TD_OK) {
         r->pending = NULL;
+        node_unreachable(s, r->pick.pair.prefill);
         req_retry_or_fail(r, "prefill node unreachable");
     }
 }
@@ -755,6 +767,7 @@ static router_start_t req_start(router_req_t *r)
     if (!dp->ch || !dp->steps ||
         td_grpc_channel_call(dp->ch, "/tandem.control.v1.DecodeNode/Admit", &q.base, &o, &r->pending) != TD_OK) {
         r->pending = NULL;
+        node_unreachable(s, pick.pair.decode);
         req_retry_or_fail(r, "decode node unreachable");
     }
     return START_OK;
@@ -1007,7 +1020,8 @@ static void on_heartbeat(td_grpc_call_t *call, const ProtobufCMessage *msg, void
     const Tandem__Control__V1__HeartbeatRequest *q = (const void *)msg;
     Tandem__Control__V1__HeartbeatResponse resp = TANDEM__CONTROL__V1__HEARTBEAT_RESPONSE__INIT;
     int32_t idx = q->node_id ? router_registry_find(s->reg, q->node_id) : -1;
-    if (idx < 0 || s->peers[idx].generation != q->epoch) {
+    if (idx < 0 || s->peers[idx].generation != q->epoch || !s->peers[idx].ch ||
+        !td_grpc_channel_is_usable(s->peers[idx].ch)) { /* a failed channel: a new registration makes a new one */
         resp.reregister = true;
     } else {
         router_node_load_t l = {0};

@@ -588,9 +588,12 @@ Test(router_relay, deadline_in_queue_and_on_node)
     e.prefill_first_token = 1;
     e.prefill_phaseless = true;
     static gen_t a, b;
-    generate(&e, &a, "a", 0, false, 0);          /* the router's default deadline: 300 ms */
+    generate(&e, &a, "a", 0, false, 1000);       /* the client's deadline, 1 s: ends in the gRPC layer */
     RUN_UNTIL(&e, e.n_leases == 1);
-    generate(&e, &b, "b", 0, false, 0);          /* waits behind a, which never finishes */
+    generate(&e, &b, "b", 0, false, 0);          /* the router's default, 300 ms: expires in the queue
+                                                  * behind a, which never finishes */
+    RUN_UNTIL(&e, b.done);
+    cr_assert_not(a.done, "a ends at its own deadline, after b's");
     RUN_UNTIL(&e, a.done && b.done);
     cr_assert_eq(a.code, TD_GRPC_DEADLINE_EXCEEDED, "%s", a.message);
     cr_assert_eq(b.code, TD_GRPC_DEADLINE_EXCEEDED, "%s", b.message);
