@@ -324,6 +324,11 @@ static uint32_t call_timeout_ms(const router_req_t *r, int64_t bound_ms)
 /* Failure before a token reached the client: another pair once, else UNAVAILABLE. */
 static void req_retry_or_fail(router_req_t *r, const char *why)
 {
+    if (r->pending) { /* e.g. the decode node dropped the sequence while its Prefill still ran */
+        td_grpc_client_call_t *pc = r->pending;
+        r->pending = NULL;
+        td_grpc_client_call_cancel(pc); /* its done callback sees r->pending cleared */
+    }
     release_lease(r, TANDEM__CONTROL__V1__RELEASE_REQUEST__REASON__REASON_FAILED);
     if (past_deadline(r)) {
         req_fail(r, TD_GRPC_DEADLINE_EXCEEDED, "deadline exceeded", "deadline");

@@ -12,7 +12,9 @@
  *  - the admission queue: with max-active 1 the waiting requests are admitted by priority
  *    then arrival, beyond max-queue RESOURCE_EXHAUSTED at once, a queued request's
  *    deadline ends it with DEADLINE_EXCEEDED, and a running request's deadline Releases
- *    its lease with reason DEADLINE.
+ *    its lease with reason DEADLINE;
+ *  - a sequence the decode node drops while its Prefill still runs: the Prefill call is
+ *    cancelled and the request fails over (UNAVAILABLE when no other pair exists).
  *
  * Skips when TANDEM_BIN is not set.
  */
@@ -600,5 +602,24 @@ Test(router_relay, deadline_in_queue_and_on_node)
     RUN_UNTIL(&e, e.leases[0].released);
     cr_assert_eq(e.leases[0].release_reason, TANDEM__CONTROL__V1__RELEASE_REQUEST__REASON__REASON_DEADLINE);
     cr_assert_eq(e.n_leases, 1, "b was never admitted");
+    env_stop(&e);
+}
+
+Test(router_relay, sequence_dropped_during_prefill_cancels_it_and_fails_over)
+{
+    env_t e;
+    env_start(&e, NULL);
+    e.prefill_first_token = 0; /* hold the Prefill stream */
+    static gen_t g;
+    generate(&e, &g, "a", 0, false, 0);
+    RUN_UNTIL(&e, e.n_leases == 1 && e.leases[0].prefill);
+    lease_t *l = &e.leases[0];
+    uint32_t t = 0;
+    Tandem__Control__V1__SeqEvent ev = TANDEM__CONTROL__V1__SEQ_EVENT__SEQ_EVENT_FAILED;
+    cr_assert_eq(step(&e, 1, (const lease_t *const[]){l}, &t, &ev), TD_OK);
+    /* nothing was sent, but the only pair was tried: UNAVAILABLE; the Prefill is cancelled */
+    RUN_UNTIL(&e, g.done && !l->prefill);
+    cr_assert_eq(g.code, TD_GRPC_UNAVAILABLE, "%s: %s", td_grpc_code_name(g.code), g.message);
+    cr_assert_eq(g.n_ids, 0);
     env_stop(&e);
 }
