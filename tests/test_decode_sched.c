@@ -6,7 +6,7 @@
  * changing a token or leaking a block; KV adopted from "elsewhere" continues correctly,
  * and with a seed continues the random stream the "prefill" sampler began; KV pushed
  * through td_xfer lands in the engine's own pool (the decode node's one-pool arrangement)
- * and every leased block returns on finish, cancel and expiry.
+ * and every leased block returns on finish, cancel, expiry and sender failure.
  */
 #include <criterion/criterion.h>
 #include <pthread.h>
@@ -740,6 +740,45 @@ static void shared_leases_return_every_block(const char *tls)
     if (strstr(tls, "sm"))
         cr_assert_eq(xs.ops_am, 0, "over shared memory the sender puts into the UCX-allocated engine pool "
                                    "(%llu AM operations)", (unsigned long long)xs.ops_am);
+
+    /* sender failure: half the layers written, then the sender goes away (its endpoint
+       closes): nothing is adopted and the blocks come back */
+    cr_assert_eq(td_xfer_lease_create(f->rx, 5, 3, 60000, blocks, &lease), TD_OK); /* no expiry */
+    cr_assert_eq(td_kv_available(f->kv), f->initial - 3);
+    td_kv_seq_t pre;
+    td_kv_seq_init(&pre);
+    float *logits = malloc((size_t)f->fx.vocab * sizeof(float));
+    td_engine_item_t it = {.seq = &pre, .tokens = p, .n_tokens = 40, .n_logits = 1};
+    cr_assert_eq(td_engine_step(f->pre, &it, 1, logits), TD_OK);
+    free(logits);
+    td_xfer_send_params_t sp = {.request_id = 5, .lease_id = lease, .dst_blocks = blocks, .n_dst_blocks = 3,
+                                .n_tokens = 40, .mem = TD_XFER_MEM_HOST, .done = shared_on_done, .arg = f};
+    td_xfer_send_t *snd;
+    cr_assert_eq(td_xfer_send_begin(f->tx, f->peer, &sp, &snd), TD_OK, "%s", td_last_error());
+    const td_kv_layout_t *L = td_engine_kv_layout(f->pre);
+    int32_t pool_blocks;
+    uint8_t *pool = td_engine_kv_pool(f->pre, &pool_blocks);
+    for (uint32_t l = 0; l < L->n_layers / 2; l++)
+        cr_assert_eq(td_xfer_send_layer(snd, l, pool + td_kv_block_offset(L, (uint32_t)pool_blocks, l, 0),
+                                        pre.blocks),
+                     TD_OK);
+    end = td_now_s() + 0.3;
+    while (td_now_s() < end) /* the layers land (puts after bind, or rendezvous) */
+        uv_run(&f->loop, UV_RUN_NOWAIT);
+    int ready_before = f->ready;
+    td_xfer_destroy(f->tx); /* the prefill node dies: its endpoint closes */
+    f->tx = NULL;
+    end = td_now_s() + 5;
+    do {
+        uv_run(&f->loop, UV_RUN_ONCE);
+    } while (td_kv_available(f->kv) != f->initial && td_now_s() < end);
+    cr_assert_eq(td_kv_available(f->kv), f->initial, "sender failure: blocks back");
+    cr_assert_eq(f->ready, ready_before, "nothing adopted");
+    td_xfer_get_stats(f->rx, &xs);
+    cr_assert_eq(xs.leases_sender_lost, 1, "%llu leases released for a lost sender",
+                 (unsigned long long)xs.leases_sender_lost);
+    cr_assert_eq(xs.leases_live, 0);
+    td_engine_seq_end(f->pre, &pre);
     assert_no_leak(&f->fx, ds);
     decode_sched_destroy(ds);
     shared_close(f);
