@@ -136,6 +136,18 @@ cl_local() {
     done < <(grep -E '^(prefill|decode) [^ ]+: control [^ ]+ metrics ' "$CL_T/local.err")
 }
 
+# cl_py SUBCOMMAND ARGS...: runs cluster_faults.py and shows its output; a non-zero exit fails
+# the test, a KNOWN-FAIL line in it marks the test as passing with a known bug
+cl_py() {
+    local rc
+    "$CL_PY" "$CL_TOOL" "$@" >"$CL_T/py.log" 2>&1
+    rc=$?
+    cat "$CL_T/py.log"
+    grep -q '^KNOWN-FAIL' "$CL_T/py.log" && CL_KNOWN=1
+    [ $rc -eq 0 ] || CL_FAIL=1
+    return $rc
+}
+
 # cl_metric NAME_OF_PROCESS METRIC [LABEL=VALUE]: prints the value (sum of matching series)
 cl_metric() {
     "$CL_PY" "$CL_TOOL" metric "${CL_MURL[$1]}" "$2" "${3:-}"
