@@ -69,6 +69,9 @@ typedef struct router_peer {
     uint8_t *xfer_desc;
     size_t xfer_desc_len;
     uint64_t generation;
+    bool admit_refused;        /* refused an Admit: believed full until its next heartbeat or a
+                                * finish there (its StepBatch free counts do not lift it, so a
+                                * node refusing for want of request slots is not asked per step) */
 } router_peer_t;
 
 typedef enum { REQ_QUEUED, REQ_ADMIT, REQ_PREFILL, REQ_RUNNING } router_req_state_t;
@@ -443,6 +446,9 @@ static void out_flush(router_req_t *r)
 static void req_finish(router_req_t *r, Tandem__V1__FinishReason reason)
 {
     router_state_t *s = r->s;
+    router_peer_t *dp = &s->peers[r->pick.pair.decode];
+    if (dp->generation == r->decode_gen)
+        dp->admit_refused = false; /* its blocks and request slot are free again */
     if (r->stop && s->tok && reason != TANDEM__V1__FINISH_REASON__FINISH_REASON_STOP) {
         const char *a;
         size_t alen;
@@ -677,8 +683,10 @@ static void on_admit_done(td_grpc_client_call_t *c, td_grpc_code_t code, const c
         /* fuller than its last report: believe it full until it reports again, and wait in
          * the queue at the request's old place (the pair is not used up as a retry) */
         router_node_t *n = router_registry_node(s->reg, d);
-        if (n && s->peers[d].generation == r->decode_gen)
+        if (n && s->peers[d].generation == r->decode_gen) {
             n->load.free_blocks = 0;
+            s->peers[d].admit_refused = true;
+        }
         r->n_tried--;
         req_off_node(r);
         req_place(r);
@@ -833,9 +841,6 @@ static void on_steps_msg(td_grpc_client_call_t *c, const ProtobufCMessage *msg, 
     router_state_t *s = p->s;
     int32_t d = (int32_t)(p - s->peers);
     const Tandem__Control__V1__StepBatch *b = (const void *)msg;
-    router_node_t *node = router_registry_node(s->reg, d);
-    if (node)
-        node->load.free_blocks = (int32_t)TD_MIN(b->free_kv_blocks, (uint32_t)INT32_MAX);
     bool any = false;
     for (size_t i = 0; i < b->n_seqs; i++) {
         const Tandem__Control__V1__SeqStep *q = b->seqs[i];
@@ -861,6 +866,10 @@ static void on_steps_msg(td_grpc_client_call_t *c, const ProtobufCMessage *msg, 
             break;
         }
     }
+    /* after the entries: a finish among them lifts an Admit refusal */
+    router_node_t *node = router_registry_node(s->reg, d);
+    if (node && !p->admit_refused)
+        node->load.free_blocks = (int32_t)TD_MIN(b->free_kv_blocks, (uint32_t)INT32_MAX);
     /* one GenerateResponse per request per step, whatever the entries were */
     for (size_t i = 0; any && i < b->n_seqs; i++) {
         router_req_t *r = find_lease(s, d, p->generation, b->seqs[i]->lease_id);
@@ -983,6 +992,7 @@ static void on_register(td_grpc_call_t *call, const ProtobufCMessage *msg, void 
     router_peer_t *p = &s->peers[idx];
     p->s = s;
     p->generation++;
+    p->admit_refused = false;
     free(p->xfer_desc);
     p->xfer_desc = NULL;
     p->xfer_desc_len = 0;
@@ -1037,6 +1047,7 @@ static void on_heartbeat(td_grpc_call_t *call, const ProtobufCMessage *msg, void
             l.step_ms = q->load->n_recent_step_s ? q->load->recent_step_s[q->load->n_recent_step_s - 1] * 1e3 : 0;
         }
         router_registry_heartbeat(s->reg, q->node_id, &l, (int64_t)td_now_ns());
+        s->peers[idx].admit_refused = false;
         want_pump(s);
     }
     td_grpc_call_reply(call, &resp.base);

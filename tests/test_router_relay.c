@@ -13,6 +13,8 @@
  *    then arrival, beyond max-queue RESOURCE_EXHAUSTED at once, a queued request's
  *    deadline ends it with DEADLINE_EXCEEDED, and a running request's deadline Releases
  *    its lease with reason DEADLINE;
+ *  - an Admit refused RESOURCE_EXHAUSTED puts the request back in the queue, and the node
+ *    is not asked again at every StepBatch, only after a finish there;
  *  - a sequence the decode node drops while its Prefill still runs: the Prefill call is
  *    cancelled and the request fails over (UNAVAILABLE when no other pair exists).
  *
@@ -71,6 +73,8 @@ typedef struct env {
     lease_t leases[MAX_LEASES];
     int n_leases;
     int n_releases;
+    int refuse_admits;            /* refuse this many Admits RESOURCE_EXHAUSTED */
+    int n_admit_calls;
     uint32_t prefill_first_token; /* what the fake prefill answers; 0 = hold the call */
     bool prefill_phaseless;       /* answer like a one-message prefill node */
     uint64_t step;
@@ -90,6 +94,12 @@ static void on_admit(td_grpc_call_t *call, const ProtobufCMessage *msg, void *da
 {
     env_t *e = data;
     const Tandem__Control__V1__AdmitRequest *q = (const void *)msg;
+    e->n_admit_calls++;
+    if (e->refuse_admits > 0) {
+        e->refuse_admits--;
+        td_grpc_call_finish(call, TD_GRPC_RESOURCE_EXHAUSTED, "fake decode node: full");
+        return;
+    }
     cr_assert_lt(e->n_leases, MAX_LEASES);
     lease_t *l = &e->leases[e->n_leases++];
     snprintf(l->request_id, sizeof l->request_id, "%s", q->request_id);
@@ -621,5 +631,33 @@ Test(router_relay, sequence_dropped_during_prefill_cancels_it_and_fails_over)
     RUN_UNTIL(&e, g.done && !l->prefill);
     cr_assert_eq(g.code, TD_GRPC_UNAVAILABLE, "%s: %s", td_grpc_code_name(g.code), g.message);
     cr_assert_eq(g.n_ids, 0);
+    env_stop(&e);
+}
+
+Test(router_relay, admit_refused_waits_in_queue_without_asking_per_step)
+{
+    env_t e;
+    env_start(&e, NULL);
+    e.prefill_first_token = 1;
+    e.prefill_phaseless = true;
+    static gen_t a, b;
+    generate(&e, &a, "a", 0, false, 0);
+    RUN_UNTIL(&e, a.n_ids == 1);
+    e.refuse_admits = 1;
+    generate(&e, &b, "b", 0, false, 0);
+    RUN_UNTIL(&e, e.n_admit_calls == 2);
+    lease_t *la = &e.leases[0];
+    for (uint32_t t = 1; t <= 20; t++) /* t = 1: the prefill's token again, dropped */
+        token(&e, la, t);                 /* each StepBatch says 1000 blocks are free */
+    RUN_UNTIL(&e, a.n_ids == 20);
+    cr_assert_eq(e.n_admit_calls, 2, "the refusing node was asked again per step (%d Admits)", e.n_admit_calls);
+    cr_assert_not(b.done, "b waits in the queue: %s", b.message);
+    finish(&e, la);
+    RUN_UNTIL(&e, e.n_leases == 2 && b.n_ids == 1);
+    cr_assert_str_eq(e.leases[1].request_id, "b");
+    finish(&e, &e.leases[1]);
+    RUN_UNTIL(&e, a.done && b.done);
+    cr_assert_eq(a.code, TD_GRPC_OK, "%s", a.message);
+    cr_assert_eq(b.code, TD_GRPC_OK, "%s", b.message);
     env_stop(&e);
 }
