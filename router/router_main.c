@@ -4,11 +4,17 @@
  * Everything runs on one libuv loop: the gateway gRPC server (Generation, Health), the
  * control server (Registry), one client channel per node, and for each decode node a Steps
  * stream that carries every sequence's new token of one step in one message. A request
- * goes: tokenize → pick a pair (router_policy) → Admit on the decode node (lease) →
- * Prefill on the prefill node (KV pushed to the lease) → tokens relayed from the decode
- * node's Steps stream, detokenized, stop strings matched here → last message with finish
- * reason, usage and timings. A failure before any token was sent is retried once on
- * another pair; client cancel and deadlines Release the lease.
+ * goes: tokenize → wait in the admission queue (router_queue) until a decode node has room
+ * and fewer than max-active requests are on nodes → pick a pair (router_policy) → Admit
+ * on the decode node (lease) → Prefill on the prefill node (KV pushed to the lease; its
+ * FIRST_TOKEN is relayed at once) → tokens relayed from the decode node's Steps stream
+ * (found by a lease map), detokenized, stop strings matched here, one GenerateResponse per
+ * request per StepBatch, held in a bounded backlog while the client's stream is full →
+ * last message with finish reason, usage and timings. Token 0 arrives twice (Prefill and
+ * the lease's first step entry) and is sent once, from whichever comes first. A failure
+ * before any token was sent is retried once on another pair; one deadline (the client's
+ * grpc-timeout or request-timeout-ms) bounds the queue, Admit, Prefill and decoding;
+ * client cancel and deadlines Release the lease. docs/cluster.md, "Router".
  */
 #include "router_main.h"
 
@@ -857,8 +863,10 @@ static void on_steps_msg(td_grpc_client_call_t *c, const ProtobufCMessage *msg, 
             req_finish(r, TANDEM__V1__FINISH_REASON__FINISH_REASON_LENGTH);
             break;
         case TANDEM__CONTROL__V1__SEQ_EVENT__SEQ_EVENT_FINISHED_STOP:
-        case TANDEM__CONTROL__V1__SEQ_EVENT__SEQ_EVENT_FINISHED_EOS:
             req_finish(r, TANDEM__V1__FINISH_REASON__FINISH_REASON_STOP);
+            break;
+        case TANDEM__CONTROL__V1__SEQ_EVENT__SEQ_EVENT_FINISHED_EOS:
+            req_finish(r, TANDEM__V1__FINISH_REASON__FINISH_REASON_EOS);
             break;
         default:
             lease_forget(r);
