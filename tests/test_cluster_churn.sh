@@ -4,8 +4,8 @@
 # while, every ~1.5 s, one node is SIGKILLed and started again under the same id (p0, d1, p1,
 # d0, ...; one node of each role always stays up). Every stream must end OK and equal `tandem
 # generate`, or UNAVAILABLE (tokens so far a prefix of it); at least half must succeed. Then
-# the router has nothing in flight, every decode node's used KV blocks return to 0, all
-# processes live and no sanitizer report came. Skips without the model or python3-grpcio.
+# the router has nothing in flight and no more open fds than before (+8), every decode node's
+# used KV blocks return to 0, all processes live and no sanitizer report came. Skips without the model or python3-grpcio.
 source "$(dirname "$0")/cluster_lib.sh"
 cl_init
 cl_router --heartbeat-ms 100 --heartbeat-timeout-ms 1000 --lease-ms 3000
@@ -21,6 +21,7 @@ for n in [1, 3, 17, 40, 90, 150, 200, 260]:
     print(" ".join(str(r.randrange(512)) for _ in range(n)))
 PY
 while read -r p; do echo "$p|$(cl_ref 96 "$p")"; done <"$CL_T/prompts" >"$CL_T/refs"
+fds0=$(ls "/proc/${CL_PID[router]}/fd" | wc -l)
 "$CL_PY" "$CL_TOOL" churn "$CL_GW" "$CL_T/refs" 96 40 6 "$CL_T/stop" >"$CL_T/churn.log" &
 CH=$!
 CL_BG+=($CH)
@@ -44,6 +45,9 @@ cut -c1-400 "$CL_T/churn.log"
 grep -q '^KNOWN-FAIL' "$CL_T/churn.log" && CL_KNOWN=1
 cl_wait_nodes 2 2
 "$CL_PY" "$CL_TOOL" ping "$CL_GW" || cl_fail "no request served after the churn"
+fds1=$(ls "/proc/${CL_PID[router]}/fd" | wc -l)
+echo "router open fds: $fds0 before, $fds1 after"
+[ "$fds1" -le $((fds0 + 8)) ] || cl_fail "the router holds $((fds1 - fds0)) more fds after the churn (channels of dead nodes kept?)"
 for v in d0 d1; do cl_blocks_back "${CUR[$v]}" 0 "the churn" 10; done
 for v in p0 p1 d0 d1; do _cl_dead "${CL_PID[${CUR[$v]}]}" && cl_fail "${CUR[$v]} died"; done
 cl_end "streams through node deaths and restarts ended exact or UNAVAILABLE; blocks back, nothing in flight"
