@@ -127,6 +127,7 @@ typedef struct router_req {
     uint64_t decode_gen;
     uint64_t lease_id;
     bool have_lease;
+    bool call_has_req_deadline; /* the pending node call's deadline is the request's */
     uint32_t *blocks;          /* the lease's block ids, from Admit */
     size_t n_blocks;
     td_grpc_client_call_t *pending;
@@ -321,17 +322,28 @@ static bool past_deadline(const router_req_t *r)
     return r->deadline_ns && (int64_t)td_now_ns() >= r->deadline_ns;
 }
 
-/* An outgoing call's deadline: its own bound, or less when the request's runs out first. */
-static uint32_t call_timeout_ms(const router_req_t *r, int64_t bound_ms)
+/* An outgoing call's deadline: its own bound, or less when the request's runs out first
+ * (remembered, so that the call's DEADLINE_EXCEEDED is the request's: the node call is timed
+ * on the loop's millisecond clock and may expire just before td_now_ns passes deadline_ns). */
+static uint32_t call_timeout_ms(router_req_t *r, int64_t bound_ms)
 {
+    r->call_has_req_deadline = false;
     if (!r->deadline_ns)
         return (uint32_t)bound_ms;
     int64_t left = (r->deadline_ns - (int64_t)td_now_ns() + 999999) / 1000000;
+    r->call_has_req_deadline = left <= bound_ms;
     return (uint32_t)TD_MAX(1, TD_MIN(bound_ms, left));
 }
 
+/* A node call ended with `code`: true when that is the request's own deadline passing, not a
+ * fault of the node (no retry, no mark against the node). */
+static bool call_hit_req_deadline(const router_req_t *r, td_grpc_code_t code)
+{
+    return code == TD_GRPC_DEADLINE_EXCEEDED && r->call_has_req_deadline;
+}
+
 /* Failure before a token reached the client: another pair once, else UNAVAILABLE. */
-static void req_retry_or_fail(router_req_t *r, const char *why)
+static void req_retry_or_fail(router_req_t *r, td_grpc_code_t code, const char *why)
 {
     if (r->pending) { /* e.g. the decode node dropped the sequence while its Prefill still ran */
         td_grpc_client_call_t *pc = r->pending;
@@ -339,7 +351,7 @@ static void req_retry_or_fail(router_req_t *r, const char *why)
         td_grpc_client_call_cancel(pc); /* its done callback sees r->pending cleared */
     }
     release_lease(r, TANDEM__CONTROL__V1__RELEASE_REQUEST__REASON__REASON_FAILED);
-    if (past_deadline(r)) {
+    if (past_deadline(r) || call_hit_req_deadline(r, code)) {
         req_fail(r, TD_GRPC_DEADLINE_EXCEEDED, "deadline exceeded", "deadline");
         return;
     }
@@ -654,7 +666,7 @@ static void on_prefill_done(td_grpc_client_call_t *c, td_grpc_code_t code, const
     r->pending = NULL;
     if (code != TD_GRPC_OK) {
         node_unreachable(r->s, r->pick.pair.prefill);
-        req_retry_or_fail(r, msg[0] ? msg : td_grpc_code_name(code));
+        req_retry_or_fail(r, code, msg[0] ? msg : td_grpc_code_name(code));
         return;
     }
     r->state = REQ_RUNNING;
@@ -704,7 +716,7 @@ static void on_admit_done(td_grpc_client_call_t *c, td_grpc_code_t code, const c
     }
     if (code != TD_GRPC_OK || !r->have_lease) {
         node_unreachable(s, d);
-        req_retry_or_fail(r, msg[0] ? msg : td_grpc_code_name(code));
+        req_retry_or_fail(r, code, msg[0] ? msg : td_grpc_code_name(code));
         return;
     }
     router_peer_t *pp = &s->peers[r->pick.pair.prefill], *dp = &s->peers[d];
@@ -729,7 +741,7 @@ static void on_admit_done(td_grpc_client_call_t *c, td_grpc_code_t code, const c
         td_grpc_channel_call(pp->ch, "/tandem.control.v1.PrefillNode/Prefill", &q.base, &o, &r->pending) != TD_OK) {
         r->pending = NULL;
         node_unreachable(s, r->pick.pair.prefill);
-        req_retry_or_fail(r, "prefill node unreachable");
+        req_retry_or_fail(r, TD_GRPC_UNAVAILABLE, "prefill node unreachable");
     }
 }
 
@@ -787,7 +799,7 @@ static router_start_t req_start(router_req_t *r)
         td_grpc_channel_call(dp->ch, "/tandem.control.v1.DecodeNode/Admit", &q.base, &o, &r->pending) != TD_OK) {
         r->pending = NULL;
         node_unreachable(s, pick.pair.decode);
-        req_retry_or_fail(r, "decode node unreachable");
+        req_retry_or_fail(r, TD_GRPC_UNAVAILABLE, "decode node unreachable");
     }
     return START_OK;
 }
@@ -870,7 +882,7 @@ static void on_steps_msg(td_grpc_client_call_t *c, const ProtobufCMessage *msg, 
             break;
         default:
             lease_forget(r);
-            req_retry_or_fail(r, "the decode node dropped the sequence");
+            req_retry_or_fail(r, TD_GRPC_UNAVAILABLE, "the decode node dropped the sequence");
             break;
         }
     }
@@ -905,7 +917,7 @@ static void decode_lost(router_state_t *s, int32_t d, const char *why)
                 r->pending = NULL;
                 td_grpc_client_call_cancel(pc);
             }
-            req_retry_or_fail(r, why);
+            req_retry_or_fail(r, TD_GRPC_UNAVAILABLE, why);
         }
     }
 }
