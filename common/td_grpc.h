@@ -142,6 +142,15 @@ void td_grpc_server_close(td_grpc_server_t *srv, void (*cb)(void *data), void *d
 /* Live connections (for tests and metrics). */
 uint32_t td_grpc_server_connections(const td_grpc_server_t *srv);
 
+/* Calls whose stream is open and the response bytes they hold queued (for tests and
+ * metrics). Loop thread only. */
+typedef struct td_grpc_server_stats {
+    uint32_t open_calls;
+    size_t queued_bytes;
+} td_grpc_server_stats_t;
+
+td_grpc_server_stats_t td_grpc_server_stats(const td_grpc_server_t *srv);
+
 /* The full method path of the call, e.g. "/tandem.v1.Generation/Generate". */
 const char *td_grpc_call_method(const td_grpc_call_t *call);
 

@@ -92,6 +92,8 @@ struct td_grpc_call {
     uint64_t timeout_ms, deadline;
     td_grpc_buf_t req;             /* request bytes as received */
     td_grpc_buf_t out;             /* framed responses not yet taken by nghttp2 */
+    size_t out_msg_left;           /* bytes of out's first message still to take once nghttp2
+                                    * took part of it (0: out starts at a message) */
     bool responded;                /* response HEADERS submitted */
     bool ended;                    /* trailers decided (finish, error reply or deadline) */
     bool trailers_sent;            /* submitted to nghttp2 */
@@ -225,6 +227,33 @@ static void call_detach(td_grpc_call_t *call, td_status_t why)
     call_maybe_free(call);
 }
 
+/* nghttp2 took n bytes of out: consumes them, keeping track of where messages start. */
+static void out_take(td_grpc_call_t *call, size_t n)
+{
+    while (n) {
+        if (!call->out_msg_left) {
+            uint8_t compressed;
+            uint32_t len;
+            bool whole = td_grpc_peek_prefix(&call->out, &compressed, &len);
+            TD_ASSERT(whole); /* out holds whole messages */
+            call->out_msg_left = TD_GRPC_PREFIX_BYTES + (size_t)len;
+        }
+        size_t k = TD_MIN(n, call->out_msg_left);
+        td_grpc_buf_consume(&call->out, k);
+        call->out_msg_left -= k;
+        n -= k;
+    }
+}
+
+/* Drops the queued messages nghttp2 has not begun; the rest of one it began stays (a cut
+ * message would read as a broken stream). Frees the buffer once nothing is left. */
+static void out_drop_unstarted(td_grpc_call_t *call)
+{
+    call->out.len = call->out.off + call->out_msg_left;
+    if (!call->out_msg_left)
+        td_grpc_buf_free(&call->out);
+}
+
 static ssize_t data_read_cb(nghttp2_session *ses, int32_t stream_id, uint8_t *buf, size_t length,
                             uint32_t *flags, nghttp2_data_source *src, void *user);
 
@@ -252,7 +281,13 @@ static int call_respond(td_grpc_call_t *call)
 /*
  * Decides the call's status. Before any response: a trailers-only response (HEADERS with
  * END_STREAM), `http_status` normally 200. After: the data provider sends what is queued,
- * then the trailers.
+ * then the trailers — unless the status is an error and the queue is more than the peer's
+ * flow-control window takes now. nghttp2 asks the data provider only while that window is
+ * open, so a client that never opens it (a stalled reader, the router's slow_client) would
+ * never get the status and the stream would hold its queue until the connection closed.
+ * Such a call drops the messages not yet begun and submits the trailers at once (HEADERS
+ * are not flow-controlled); if part of a message already went and the rest does not fit
+ * the window, the stream is reset instead (CANCEL), as a cut message cannot be ended.
  */
 static void call_end(td_grpc_call_t *call, td_grpc_code_t code, const char *msg, const char *http_status)
 {
@@ -279,7 +314,27 @@ static void call_end(td_grpc_call_t *call, td_grpc_code_t code, const char *msg,
         nghttp2_submit_response(call->conn->ses, call->stream_id, nv, n, NULL);
         return;
     }
-    nghttp2_session_resume_data(call->conn->ses, call->stream_id);
+    nghttp2_session *ses = call->conn->ses;
+    size_t queued = td_grpc_buf_size(&call->out);
+    if (code != TD_GRPC_OK && queued) {
+        int32_t win = nghttp2_session_get_stream_remote_window_size(ses, call->stream_id);
+        if (win < 0 || queued > (size_t)win) {
+            out_drop_unstarted(call);
+            queued = td_grpc_buf_size(&call->out);
+            if (!queued) {
+                call_submit_trailers(call);
+                return;
+            }
+            if (win < 0 || queued > (size_t)win) {
+                td_grpc_buf_free(&call->out);
+                call->out_msg_left = 0;
+                call->trailers_sent = true; /* none will go */
+                nghttp2_submit_rst_stream(ses, NGHTTP2_FLAG_NONE, call->stream_id, NGHTTP2_CANCEL);
+                return;
+            }
+        }
+    }
+    nghttp2_session_resume_data(ses, call->stream_id);
 }
 
 /* An error decided by the server before or instead of the handler. */
@@ -299,7 +354,7 @@ static ssize_t data_read_cb(nghttp2_session *ses, int32_t stream_id, uint8_t *bu
     size_t n = TD_MIN(avail, length);
     if (n) {
         memcpy(buf, call->out.data + call->out.off, n);
-        td_grpc_buf_consume(&call->out, n);
+        out_take(call, n);
     }
     if (n == avail && call->ended) {
         *flags |= NGHTTP2_DATA_FLAG_EOF | NGHTTP2_DATA_FLAG_NO_END_STREAM;
@@ -495,7 +550,7 @@ static void call_deadline_hit(td_grpc_call_t *call)
 {
     if (!call->conn || call->ended)
         return;
-    td_grpc_buf_consume(&call->out, td_grpc_buf_size(&call->out)); /* drop unsent responses */
+    out_drop_unstarted(call); /* drop unsent responses */
     call_end(call, TD_GRPC_DEADLINE_EXCEEDED, "deadline exceeded", "200");
     if (call->dispatched && !call->finished && !call->cancelled) {
         call->cancelled = true;
@@ -1044,6 +1099,18 @@ td_status_t td_grpc_server_create(uv_loop_t *loop, const td_grpc_server_config_t
                                                    : ((struct sockaddr_in *)&bound)->sin_port);
     *srv_p = srv;
     return TD_OK;
+}
+
+td_grpc_server_stats_t td_grpc_server_stats(const td_grpc_server_t *srv)
+{
+    td_grpc_server_stats_t st = {0};
+    for (const srv_conn_t *c = srv->conns; c; c = c->next) {
+        for (const td_grpc_call_t *call = c->calls; call; call = call->next) {
+            st.open_calls++;
+            st.queued_bytes += td_grpc_buf_size(&call->out);
+        }
+    }
+    return st;
 }
 
 uint16_t td_grpc_server_port(const td_grpc_server_t *srv)

@@ -7,6 +7,10 @@
  *   "echo:..."      one response whose text is the prompt (message size tests)
  *   "backpressure"  streams 10,000 messages honouring BUSY/writable, recording the
  *                   largest send queue seen
+ *   "overflow"      sends until the queue is full (BUSY), records the queued bytes, ends
+ *                   RESOURCE_EXHAUSTED (what the router does to a client that stopped reading)
+ *   "stats"         one response whose text is "calls C queued B": calls with an open stream
+ *                   and their queued bytes (td_grpc_server_stats)
  * Static functions only: each test executable includes it once.
  */
 #ifndef GRPC_TEST_SERVICE_H
@@ -39,6 +43,7 @@ typedef struct test_server {
     _Atomic int bp_busy;             /* BUSY returns seen by the back-pressure handler */
     _Atomic size_t bp_max_queued;
     _Atomic int bp_sent;
+    _Atomic size_t ov_queued;        /* queued bytes when the "overflow" handler ended */
     _Atomic int handled;
 } test_server_t;
 
@@ -108,6 +113,27 @@ static void handle_generate(td_grpc_call_t *call, const ProtobufCMessage *reques
     if (strncmp(req->prompt, "echo:", 5) == 0) {
         Tandem__V1__GenerateResponse r = TANDEM__V1__GENERATE_RESPONSE__INIT;
         r.text = req->prompt;
+        td_grpc_call_reply(call, &r.base);
+        return;
+    }
+    if (strcmp(req->prompt, "overflow") == 0) {
+        Tandem__V1__GenerateResponse r = TANDEM__V1__GENERATE_RESPONSE__INIT;
+        uint32_t id = 7;
+        r.n_token_ids = 1;
+        r.token_ids = &id;
+        r.text = "overflowing";
+        for (int i = 0; i < BP_MESSAGES && td_grpc_call_send(call, &r.base) == TD_OK; i++)
+            ;
+        atomic_store(&ts->ov_queued, td_grpc_call_queued_bytes(call));
+        td_grpc_call_finish(call, TD_GRPC_RESOURCE_EXHAUSTED, "client too slow");
+        return;
+    }
+    if (strcmp(req->prompt, "stats") == 0) {
+        Tandem__V1__GenerateResponse r = TANDEM__V1__GENERATE_RESPONSE__INIT;
+        td_grpc_server_stats_t st = td_grpc_server_stats(ts->srv);
+        char text[64];
+        snprintf(text, sizeof text, "calls %u queued %zu", st.open_calls, st.queued_bytes);
+        r.text = text;
         td_grpc_call_reply(call, &r.base);
         return;
     }

@@ -15,6 +15,7 @@
 #include "control.pb-c.h"
 #include "grpc_test_service.h"
 #include "td_grpc_wire.h"
+#include "td_util.h"
 
 typedef struct result {
     int done;
@@ -391,6 +392,161 @@ Test(grpc, bad_connections_do_not_hurt_others, .timeout = 30)
     close(fd);
 
     list_models_ok(&c);
+    client_stop(&c);
+}
+
+/* ---- a reader that never opens its stream window ---------------------------------- */
+
+/* A raw nghttp2 client session over a blocking socket, so the test controls flow control:
+ * SETTINGS_INITIAL_WINDOW_SIZE 0 and no WINDOW_UPDATE ever. */
+typedef struct stalled {
+    td_grpc_buf_t req;          /* the framed request */
+    int32_t stream_id;
+    bool closed, trailers;
+    uint32_t close_error;
+    char grpc_status[8];
+    size_t data_bytes;
+} stalled_t;
+
+static int st_on_header(nghttp2_session *ses, const nghttp2_frame *frame, const uint8_t *name, size_t namelen,
+                        const uint8_t *value, size_t valuelen, uint8_t flags, void *user)
+{
+    stalled_t *s = user;
+    if (namelen == 11 && memcmp(name, "grpc-status", 11) == 0 && valuelen < sizeof s->grpc_status) {
+        memcpy(s->grpc_status, value, valuelen);
+        s->grpc_status[valuelen] = '\0';
+    }
+    return 0;
+}
+
+static int st_on_frame_recv(nghttp2_session *ses, const nghttp2_frame *frame, void *user)
+{
+    stalled_t *s = user;
+    if (frame->hd.type == NGHTTP2_HEADERS && frame->hd.stream_id == s->stream_id &&
+        (frame->hd.flags & NGHTTP2_FLAG_END_STREAM))
+        s->trailers = true;
+    return 0;
+}
+
+static int st_on_data(nghttp2_session *ses, uint8_t flags, int32_t stream_id, const uint8_t *data, size_t len,
+                      void *user)
+{
+    ((stalled_t *)user)->data_bytes += len;
+    return 0;
+}
+
+static int st_on_close(nghttp2_session *ses, int32_t stream_id, uint32_t error_code, void *user)
+{
+    stalled_t *s = user;
+    s->closed = true;
+    s->close_error = error_code;
+    return 0;
+}
+
+static ssize_t st_read_req(nghttp2_session *ses, int32_t stream_id, uint8_t *buf, size_t length, uint32_t *flags,
+                           nghttp2_data_source *src, void *user)
+{
+    stalled_t *s = user;
+    size_t n = TD_MIN(length, td_grpc_buf_size(&s->req));
+    memcpy(buf, s->req.data + s->req.off, n);
+    td_grpc_buf_consume(&s->req, n);
+    if (!td_grpc_buf_size(&s->req))
+        *flags |= NGHTTP2_DATA_FLAG_EOF;
+    return (ssize_t)n;
+}
+
+typedef struct stats_call {
+    int done;
+    td_grpc_code_t code;
+    char text[64];
+} stats_call_t;
+
+static void stats_msg(td_grpc_client_call_t *call, const ProtobufCMessage *msg, void *data)
+{
+    stats_call_t *sc = data;
+    snprintf(sc->text, sizeof sc->text, "%s", ((const Tandem__V1__GenerateResponse *)msg)->text);
+}
+
+static void stats_done(td_grpc_client_call_t *call, td_grpc_code_t code, const char *message, void *data)
+{
+    stats_call_t *sc = data;
+    sc->done++;
+    sc->code = code;
+}
+
+/* The router ends a client that stopped reading RESOURCE_EXHAUSTED with responses queued
+ * that the closed window will never take: the client must still get that status at once
+ * (trailers, no DATA), and the server must free the stream and its queue, not keep them
+ * until the connection closes. */
+Test(grpc, error_end_reaches_a_reader_with_a_closed_window, .timeout = 30)
+{
+    client_t c;
+    td_grpc_server_config_t cfg = td_grpc_server_config_default();
+    cfg.send_queue_bytes = 16 * 1024;
+    client_start(&c, &cfg, 0);
+
+    stalled_t s = {0};
+    Tandem__V1__GenerateRequest req = TANDEM__V1__GENERATE_REQUEST__INIT;
+    req.prompt = "overflow";
+    cr_assert_eq(td_grpc_buf_put_message(&s.req, &req.base, 1 << 20), TD_OK);
+    nghttp2_session_callbacks *cbs;
+    cr_assert_eq(nghttp2_session_callbacks_new(&cbs), 0);
+    nghttp2_session_callbacks_set_on_header_callback(cbs, st_on_header);
+    nghttp2_session_callbacks_set_on_frame_recv_callback(cbs, st_on_frame_recv);
+    nghttp2_session_callbacks_set_on_data_chunk_recv_callback(cbs, st_on_data);
+    nghttp2_session_callbacks_set_on_stream_close_callback(cbs, st_on_close);
+    nghttp2_option *opt;
+    cr_assert_eq(nghttp2_option_new(&opt), 0);
+    nghttp2_option_set_no_auto_window_update(opt, 1);
+    nghttp2_session *ses;
+    cr_assert_eq(nghttp2_session_client_new2(&ses, cbs, &s, opt), 0);
+    nghttp2_option_del(opt);
+    nghttp2_session_callbacks_del(cbs);
+    nghttp2_settings_entry iv[] = {{NGHTTP2_SETTINGS_INITIAL_WINDOW_SIZE, 0}};
+    cr_assert_eq(nghttp2_submit_settings(ses, NGHTTP2_FLAG_NONE, iv, 1), 0);
+    char authority[32];
+    snprintf(authority, sizeof authority, "127.0.0.1:%u", c.ts.port);
+    nghttp2_nv nv[] = {td_grpc_nv(":method", "POST"), td_grpc_nv(":scheme", "http"),
+                       td_grpc_nv(":path", "/tandem.v1.Generation/Generate"), td_grpc_nv(":authority", authority),
+                       td_grpc_nv("content-type", "application/grpc"), td_grpc_nv("te", "trailers")};
+    nghttp2_data_provider prd = {.read_callback = st_read_req};
+    s.stream_id = nghttp2_submit_request(ses, NULL, nv, TD_ARRAY_LEN(nv), &prd, NULL);
+    cr_assert_gt(s.stream_id, 0);
+
+    int fd = raw_connect(c.ts.port); /* recv times out after 5 s: the stream did not end */
+    while (!s.closed) {
+        const uint8_t *out;
+        ssize_t n;
+        while ((n = nghttp2_session_mem_send(ses, &out)) > 0)
+            cr_assert_eq(send(fd, out, (size_t)n, 0), n);
+        cr_assert_geq(n, 0);
+        uint8_t buf[16384];
+        ssize_t got = recv(fd, buf, sizeof buf, 0);
+        cr_assert_gt(got, 0, "the stream of a reader with a closed window did not end (%zd DATA bytes came)",
+                     s.data_bytes);
+        cr_assert_eq(nghttp2_session_mem_recv(ses, buf, (size_t)got), got);
+    }
+    cr_assert_gt(atomic_load(&c.ts.ov_queued), 0, "the server queued nothing, so nothing was tested");
+    cr_assert_eq(s.data_bytes, 0, "DATA went into a closed window");
+    cr_assert(s.trailers, "the stream ended without trailers (reset %u)", s.close_error);
+    cr_assert_eq(s.close_error, NGHTTP2_NO_ERROR);
+    cr_assert_str_eq(s.grpc_status, "8", "grpc-status %s, not RESOURCE_EXHAUSTED", s.grpc_status);
+
+    /* on the server, only the stats call itself is left: the stalled call and its queue are gone
+     * while its connection stays open */
+    stats_call_t sc = {0};
+    Tandem__V1__GenerateRequest sreq = TANDEM__V1__GENERATE_REQUEST__INIT;
+    sreq.prompt = "stats";
+    td_grpc_call_opts_t o = {.response_desc = &tandem__v1__generate_response__descriptor,
+                             .on_message = stats_msg, .on_done = stats_done, .data = &sc, .timeout_ms = 5000};
+    cr_assert_eq(td_grpc_channel_call(c.ch, "/tandem.v1.Generation/Generate", &sreq.base, &o, NULL), TD_OK);
+    for (int i = 0; i < 1000 && !sc.done; i++)
+        uv_run(&c.loop, UV_RUN_ONCE);
+    cr_assert_eq(sc.code, TD_GRPC_OK, "stats call: %s", td_grpc_code_name(sc.code));
+    cr_assert_str_eq(sc.text, "calls 1 queued 0", "server: %s", sc.text);
+    nghttp2_session_del(ses);
+    close(fd);
+    td_grpc_buf_free(&s.req);
     client_stop(&c);
 }
 
