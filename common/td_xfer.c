@@ -243,7 +243,7 @@ struct td_xfer {
     ucp_context_h ctx;
     ucp_worker_h worker;
     ucp_listener_h listener;
-    uint32_t listen_ip; /* network order */
+    uint32_t listen_ip; /* network order: the published address (cfg.advertise_ip, else the listener's) */
     uint16_t listen_port;
     int efd;
     uv_poll_t poll;
@@ -1890,6 +1890,10 @@ td_status_t td_xfer_create(uv_loop_t *loop, const td_xfer_config_t *cfg, td_xfer
             goto err_listener;
         }
         x->listen_ip = sin.sin_addr.s_addr;
+        if (cfg->advertise_ip && inet_pton(AF_INET, cfg->advertise_ip, &x->listen_ip) != 1) {
+            ret = td_errorf(TD_ERR_INVALID, "xfer: advertise address %s is not an IPv4 address", cfg->advertise_ip);
+            goto err_listener;
+        }
         x->listen_port = ntohs(((struct sockaddr_in *)&la.sockaddr)->sin_port);
     }
     st = ucp_worker_get_efd(x->worker, &x->efd);

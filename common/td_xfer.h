@@ -80,6 +80,9 @@ typedef struct td_xfer_config {
     size_t staging_bytes;      /* sender: host ring that device-memory sources are copied
                                   through (allocated at the first such send); one
                                   operation moves at most half of it */
+    const char *advertise_ip;  /* receiver: IPv4 address td_xfer_describe publishes for the
+                                  listener (senders connect to it); NULL: listen_ip. Set it
+                                  when listen_ip is a wildcard (0.0.0.0) */
 } td_xfer_config_t;
 
 /* Defaults: listen on 127.0.0.1 port 0, 64 ops in flight, 30 s send bound, 10 ms tick,

@@ -17,7 +17,6 @@
 #include "decode_node.h"
 
 #include <pthread.h>
-#include <signal.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -27,10 +26,10 @@
 #include "decode_sched.h"
 #include "router_conf.h"
 #include "router_node_client.h"
+#include "router_proc.h"
 #include "td_backend.h"
 #include "td_engine.h"
 #include "td_grpc.h"
-#include "td_http.h"
 #include "td_log.h"
 #include "td_metrics.h"
 #include "td_model.h"
@@ -40,21 +39,14 @@
 #define DECODE_MAX_STOP_IDS 32
 #define DECODE_MAX_SUBSCRIBERS 8
 
+/* The decode node's own keys; the common ones (model, router, host, advertise, node id,
+ * ports, threads, log level) are router_proc's. */
 typedef struct decode_config {
-    const char *model;
-    const char *model_name;
-    const char *router;       /* host:port of the router's control API */
-    const char *host;         /* address to serve on */
-    const char *node_id;
-    int64_t port;             /* control gRPC port (0 = ephemeral) */
-    int64_t metrics_port;
-    int64_t threads;
     int64_t kv_blocks;        /* the pool: engine sequences and transfer leases */
     int64_t max_batch;
     int64_t max_lease_ms;
     int64_t max_requests;     /* admitted + running at most (bounds every queue) */
     int64_t result_queue;     /* step results waiting for the loop */
-    const char *log_level;
 } decode_config_t;
 
 /* An admitted request whose KV has not arrived yet (loop thread). */
@@ -91,9 +83,8 @@ typedef struct decode_out {
 } decode_out_t;
 
 typedef struct decode_state {
+    router_proc_t proc;       /* loop, signals, /metrics, router client, common config */
     decode_config_t cfg;
-    uv_loop_t loop;
-    uv_signal_t sigint, sigterm;
     uv_async_t async;
     uv_timer_t sweep;
     td_model_t *model;
@@ -104,11 +95,9 @@ typedef struct decode_state {
     td_kv_cache_t *kv;        /* the engine's block manager, shared with td_xfer's leases */
     td_xfer_t *xfer;
     td_grpc_server_t *grpc;
-    td_http_server_t *http;
     td_metrics_t *metrics;
     td_metric_t *m_used, *m_free, *m_running, *m_waiting, *m_tokens, *m_steps, *m_step_s, *m_batch,
         *m_admits, *m_refused, *m_releases;
-    router_node_client_t *client;
     decode_admit_t *admits;
     int32_t n_admits;
     td_grpc_call_t *subs[DECODE_MAX_SUBSCRIBERS];
@@ -125,7 +114,7 @@ typedef struct decode_state {
     _Atomic int32_t load_running, load_free;
     _Atomic int64_t step_ns;
     bool shutting_down;
-    bool handles_up;          /* async, sweep and signal handles initialised */
+    bool handles_up;          /* async and sweep handles initialised */
 } decode_state_t;
 
 /* FNV-1a of the request id string: the 64-bit id both nodes give td_xfer. */
@@ -536,12 +525,11 @@ static void load_cb(void *data, router_node_load_t *l)
     l->step_ms = (double)atomic_load(&s->step_ns) * 1e-6;
 }
 
-static void shutdown_begin(decode_state_t *s)
+/* The decode node's part of shutdown (router_proc_shutdown closes the rest). */
+static void on_shutdown(void *data)
 {
-    if (s->shutting_down)
-        return;
+    decode_state_t *s = data;
     s->shutting_down = true;
-    td_info("decode: shutting down");
     pthread_mutex_lock(&s->mu);
     s->stop = true;
     pthread_cond_broadcast(&s->cv);
@@ -553,25 +541,14 @@ static void shutdown_begin(decode_state_t *s)
         td_grpc_call_t *c = s->subs[--s->n_subs];
         td_grpc_call_finish(c, TD_GRPC_UNAVAILABLE, "decode node shutting down");
     }
-    router_node_client_close(s->client);
-    s->client = NULL;
     td_grpc_server_close(s->grpc, NULL, NULL);
     s->grpc = NULL;
-    td_http_server_close(s->http, NULL, NULL);
-    s->http = NULL;
     td_xfer_destroy(s->xfer);
     s->xfer = NULL;
     if (s->handles_up) {
         uv_close((uv_handle_t *)&s->async, NULL);
         uv_close((uv_handle_t *)&s->sweep, NULL);
-        uv_close((uv_handle_t *)&s->sigint, NULL);
-        uv_close((uv_handle_t *)&s->sigterm, NULL);
     }
-}
-
-static void on_signal(uv_signal_t *h, int signum)
-{
-    shutdown_begin(h->data);
 }
 
 static td_status_t init_metrics(decode_state_t *s)
@@ -601,60 +578,32 @@ int decode_main(int argc, char **argv)
     decode_state_t st_, *s = &st_;
     memset(s, 0, sizeof *s);
     decode_config_t *cfg = &s->cfg;
-    *cfg = (decode_config_t){.model_name = "default", .router = "127.0.0.1:7070", .host = "127.0.0.1",
-                             .node_id = "decode0", .threads = 0, .kv_blocks = 2048,
-                             .max_batch = 64, .max_lease_ms = 30000, .max_requests = 256, .result_queue = 64};
+    const router_proc_config_t *pc = &s->proc.cfg;
+    *cfg = (decode_config_t){.kv_blocks = 2048, .max_batch = 64, .max_lease_ms = 30000, .max_requests = 256,
+                             .result_queue = 64};
     const router_conf_key_t keys[] = {
-        {"model", ROUTER_CONF_STR, &cfg->model, 0, 0, "model path (required)"},
-        {"model-name", ROUTER_CONF_STR, &cfg->model_name, 0, 0, "name the router routes by"},
-        {"router", ROUTER_CONF_STR, &cfg->router, 0, 0, "router control address HOST:PORT"},
-        {"host", ROUTER_CONF_STR, &cfg->host, 0, 0, "address to serve on"},
-        {"node-id", ROUTER_CONF_STR, &cfg->node_id, 0, 0, "unique node name"},
-        {"port", ROUTER_CONF_I64, &cfg->port, 0, 65535, "control gRPC port (0 = any)"},
-        {"metrics-port", ROUTER_CONF_I64, &cfg->metrics_port, 0, 65535, "/metrics port (0 = any)"},
-        {"threads", ROUTER_CONF_I64, &cfg->threads, 0, 4096, "compute threads (0 = all cores)"},
         {"kv-blocks", ROUTER_CONF_I64, &cfg->kv_blocks, 1, 1 << 24, "KV pool blocks (sequences and leases)"},
         {"max-batch", ROUTER_CONF_I64, &cfg->max_batch, 1, 4096, "running sequences at most"},
         {"max-lease-ms", ROUTER_CONF_I64, &cfg->max_lease_ms, 1, 600000, "longest lease granted"},
         {"max-requests", ROUTER_CONF_I64, &cfg->max_requests, 1, 1 << 20, "pending admissions at most"},
         {"result-queue", ROUTER_CONF_I64, &cfg->result_queue, 1, 1 << 20, "step results waiting for the loop"},
-        {"log-level", ROUTER_CONF_STR, &cfg->log_level, 0, 0, "error|warn|info|debug"},
     };
-    int n_keys = (int)(sizeof keys / sizeof keys[0]);
-    router_conf_store_t store;
-    bool help;
-    if (router_conf_parse("decode", keys, n_keys, argc, argv, &store, &help) != TD_OK) {
-        router_conf_free(&store);
-        return 2;
-    }
-    if (help) {
-        router_conf_usage("decode", keys, n_keys);
-        router_conf_free(&store);
-        return 0;
-    }
-    int rc = 1;
-    char rhost[64];
-    uint16_t rport;
-    if (!cfg->model || router_conf_split_addr(cfg->router, rhost, sizeof rhost, &rport) != TD_OK ||
-        (cfg->log_level && td_log_parse_level(cfg->log_level) < 0)) {
-        fprintf(stderr, "tandem decode: --model PATH and a valid --router HOST:PORT are required\n");
-        router_conf_free(&store);
-        return 2;
-    }
-    if (cfg->log_level)
-        td_log_set_level((td_log_level_t)td_log_parse_level(cfg->log_level));
+    const router_proc_spec_t spec = {.prog = "decode", .kind = ROUTER_PROC_NODE, .on_shutdown = on_shutdown, .data = s};
+    int rc;
+    if (!router_proc_configure(&s->proc, &spec, keys, (int)TD_ARRAY_LEN(keys), argc, argv, &rc))
+        return rc;
+    rc = 1;
     pthread_mutex_init(&s->mu, NULL);
     pthread_cond_init(&s->cv, NULL);
     s->cmd_tail = &s->cmd_head;
     s->out_tail = &s->out_head;
-    uv_loop_init(&s->loop);
 
     /* subsystems: model, xfer with the KV pool it allocates, engine on that pool,
        scheduler, servers, router client */
     td_status_t st;
-    if ((st = td_model_load(cfg->model, &s->model)) != TD_OK)
+    if ((st = td_model_load(pc->model, &s->model)) != TD_OK)
         goto out;
-    td_cpu_config_t cc = {.n_threads = (int32_t)cfg->threads};
+    td_cpu_config_t cc = {.n_threads = (int32_t)pc->threads};
     if ((st = td_backend_cpu_create(&cc, &s->be)) != TD_OK)
         goto out;
     td_engine_config_t ec = td_engine_config_default();
@@ -666,9 +615,10 @@ int decode_main(int argc, char **argv)
     if ((st = td_metrics_create(&s->metrics)) != TD_OK || (st = init_metrics(s)) != TD_OK)
         goto out;
     td_xfer_config_t xc = td_xfer_config_default();
-    xc.name = cfg->node_id;
-    xc.listen_ip = cfg->host;
-    if ((st = td_xfer_create(&s->loop, &xc, &s->xfer)) != TD_OK)
+    xc.name = pc->node_id;
+    xc.listen_ip = pc->host;
+    xc.advertise_ip = pc->advertise; /* the descriptor the router hands to prefill nodes */
+    if ((st = td_xfer_create(&s->proc.loop, &xc, &s->xfer)) != TD_OK)
         goto out;
     td_xfer_pool_t xp = {.layout = s->layout, .base = NULL, .n_blocks = (uint32_t)cfg->kv_blocks,
                          .mem = TD_XFER_MEM_HOST, .kv = NULL};
@@ -690,10 +640,10 @@ int decode_main(int argc, char **argv)
     if ((st = td_xfer_describe(s->xfer, desc, sizeof desc, &desc_len)) != TD_OK)
         goto out;
     td_grpc_server_config_t gc = td_grpc_server_config_default();
-    gc.host = cfg->host;
-    gc.port = (uint16_t)cfg->port;
+    gc.host = pc->host;
+    gc.port = (uint16_t)pc->port;
     gc.metrics = s->metrics;
-    if ((st = td_grpc_server_create(&s->loop, &gc, &s->grpc)) != TD_OK ||
+    if ((st = td_grpc_server_create(&s->proc.loop, &gc, &s->grpc)) != TD_OK ||
         (st = td_grpc_server_add_method(s->grpc, "/tandem.control.v1.DecodeNode/Admit",
                                         &tandem__control__v1__admit_request__descriptor, on_admit, s)) != TD_OK ||
         (st = td_grpc_server_add_method(s->grpc, "/tandem.control.v1.DecodeNode/Release",
@@ -701,59 +651,33 @@ int decode_main(int argc, char **argv)
         (st = td_grpc_server_add_method(s->grpc, "/tandem.control.v1.DecodeNode/Steps",
                                         &tandem__control__v1__steps_request__descriptor, on_steps, s)) != TD_OK)
         goto out;
-    td_http_config_t hc = td_http_config_default();
-    hc.host = cfg->host;
-    hc.port = (uint16_t)cfg->metrics_port;
-    hc.handler = td_http_metrics_handler;
-    hc.handler_data = s->metrics;
-    if ((st = td_http_server_create(&s->loop, &hc, &s->http)) != TD_OK)
+    if ((st = router_proc_serve(&s->proc, s->metrics)) != TD_OK)
         goto out;
-    uv_async_init(&s->loop, &s->async, on_async);
+    uv_async_init(&s->proc.loop, &s->async, on_async);
     s->async.data = s;
-    uv_timer_init(&s->loop, &s->sweep);
+    uv_timer_init(&s->proc.loop, &s->sweep);
     s->sweep.data = s;
     uv_timer_start(&s->sweep, on_sweep, 100, 100);
-    uv_signal_init(&s->loop, &s->sigint);
-    uv_signal_init(&s->loop, &s->sigterm);
-    s->sigint.data = s->sigterm.data = s;
-    uv_signal_start(&s->sigint, on_signal, SIGINT);
-    uv_signal_start(&s->sigterm, on_signal, SIGTERM);
     s->handles_up = true;
     if (pthread_create(&s->thread, NULL, compute_main, s) != 0) {
         td_errorf(TD_ERR_NOMEM, "decode: cannot start the compute thread");
-        shutdown_begin(s);
-        uv_run(&s->loop, UV_RUN_DEFAULT);
         goto out;
     }
     s->thread_started = true;
 
-    router_node_client_config_t nc = {.router_host = rhost, .router_port = rport, .xfer_desc = desc,
-                                      .xfer_desc_len = desc_len,
+    router_node_client_config_t nc = {.xfer_desc = desc, .xfer_desc_len = desc_len,
                                       .max_seq_len = (uint32_t)s->model->config.max_seq_len};
-    snprintf(nc.info.id, sizeof nc.info.id, "%s", cfg->node_id);
     nc.info.role = ROUTER_ROLE_DECODE;
-    snprintf(nc.info.model, sizeof nc.info.model, "%s", cfg->model_name);
     nc.info.layout = s->layout;
-    snprintf(nc.info.address, sizeof nc.info.address, "%s:%u", cfg->host, td_grpc_server_port(s->grpc));
     nc.info.capacity_blocks = (int32_t)cfg->kv_blocks;
     nc.info.max_batch = (int32_t)cfg->max_batch;
     atomic_store(&s->load_free, (int32_t)cfg->kv_blocks);
-    if ((st = router_node_client_create(&s->loop, &nc, load_cb, s, &s->client)) != TD_OK) {
-        shutdown_begin(s);
-        uv_run(&s->loop, UV_RUN_DEFAULT);
+    if ((st = router_proc_register(&s->proc, &nc, td_grpc_server_port(s->grpc), load_cb, s)) != TD_OK)
         goto out;
-    }
-    printf("decode %s: control %s metrics http://%s:%u/metrics\n", cfg->node_id, nc.info.address, cfg->host,
-           td_http_server_port(s->http));
-    fflush(stdout);
 
-    uv_run(&s->loop, UV_RUN_DEFAULT);
-    rc = 0;
+    rc = router_proc_run(&s->proc);
 out:
-    if (!s->shutting_down) {
-        shutdown_begin(s); /* partial init: close what exists (NULL-safe closers) */
-        uv_run(&s->loop, UV_RUN_DEFAULT);
-    }
+    router_proc_stop(&s->proc); /* partial init: closes what exists (NULL-safe closers) */
     while (s->admits)
         admit_free(admit_take(s, s->admits->lease_id));
     while (s->cmd_head) {
@@ -772,8 +696,6 @@ out:
         free(o->seqs);
         free(o);
     }
-    if (uv_loop_close(&s->loop) != 0)
-        td_warn("decode: loop closed with handles open");
     decode_sched_destroy(s->sched);
     td_engine_destroy(s->eng);
     td_backend_destroy(s->be);
@@ -781,6 +703,6 @@ out:
     td_metrics_destroy(s->metrics);
     pthread_cond_destroy(&s->cv);
     pthread_mutex_destroy(&s->mu);
-    router_conf_free(&store);
+    router_proc_free(&s->proc);
     return rc;
 }

@@ -22,7 +22,6 @@
 #include "prefill_node.h"
 
 #include <pthread.h>
-#include <signal.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -33,10 +32,10 @@
 #include "prefill_sched.h"
 #include "router_conf.h"
 #include "router_node_client.h"
+#include "router_proc.h"
 #include "td_backend.h"
 #include "td_engine.h"
 #include "td_grpc.h"
-#include "td_http.h"
 #include "td_log.h"
 #include "td_metrics.h"
 #include "td_model.h"
@@ -44,15 +43,9 @@
 #include "td_util.h"
 #include "td_xfer.h"
 
+/* The prefill node's own keys; the common ones (model, router, host, advertise, node id,
+ * ports, threads, log level) are router_proc's. */
 typedef struct prefill_config {
-    const char *model;
-    const char *model_name;
-    const char *router;
-    const char *host;
-    const char *node_id;
-    int64_t port;
-    int64_t metrics_port;
-    int64_t threads;
     int64_t kv_blocks;
     int64_t max_batch_tokens;  /* prompt tokens in one engine step */
     int64_t max_batch;         /* prompts in one engine step */
@@ -61,7 +54,6 @@ typedef struct prefill_config {
     int64_t event_queue;       /* compute → loop events waiting at most */
     int64_t idle_wait_ms;      /* compute thread's bound on one idle wait */
     int64_t send_timeout_ms;   /* td_xfer: send begin → the decode node's verdict */
-    const char *log_level;
 } prefill_config_t;
 
 typedef struct prefill_job {
@@ -123,9 +115,8 @@ typedef struct prefill_event { /* compute → loop */
 } prefill_event_t;
 
 typedef struct prefill_state {
+    router_proc_t proc;        /* loop, signals, /metrics, router client, common config */
     prefill_config_t cfg;
-    uv_loop_t loop;
-    uv_signal_t sigint, sigterm;
     uv_async_t async;
     td_model_t *model;
     td_backend_t *be;
@@ -136,11 +127,9 @@ typedef struct prefill_state {
     int32_t pool_blocks;
     td_xfer_t *xfer;
     td_grpc_server_t *grpc;
-    td_http_server_t *http;
     td_metrics_t *metrics;
     td_metric_t *m_requests, *m_refused, *m_failed, *m_tokens, *m_cached, *m_seconds, *m_queue,
         *m_xfer_s, *m_steps, *m_step_s, *m_batch_tokens, *m_batch_size, *m_blocks_used;
-    router_node_client_t *client;
     pthread_t thread;
     bool thread_started;
     /* the rings, under mu; cv wakes the compute thread */
@@ -649,7 +638,7 @@ static void on_prefill(td_grpc_call_t *call, const ProtobufCMessage *msg, void *
     j->t_accept = td_now_ns();
     uint64_t dl_ms = td_grpc_call_deadline(call);
     if (dl_ms) {
-        uint64_t now_ms = uv_now(&s->loop);
+        uint64_t now_ms = uv_now(&s->proc.loop);
         j->deadline_ns = (int64_t)(j->t_accept + (dl_ms > now_ms ? dl_ms - now_ms : 0) * 1000000ull);
         if (j->deadline_ns == 0)
             j->deadline_ns = 1;
@@ -675,12 +664,11 @@ static void load_cb(void *data, router_node_load_t *l)
     l->step_ms = (double)atomic_load(&s->step_ns) * 1e-6;
 }
 
-static void shutdown_begin(prefill_state_t *s)
+/* The prefill node's part of shutdown (router_proc_shutdown closes the rest). */
+static void on_shutdown(void *data)
 {
-    if (s->shutting_down)
-        return;
+    prefill_state_t *s = data;
     s->shutting_down = true;
-    td_info("prefill: shutting down");
     pthread_mutex_lock(&s->mu);
     s->stop = true;
     pthread_cond_broadcast(&s->cv);
@@ -688,26 +676,14 @@ static void shutdown_begin(prefill_state_t *s)
     if (s->thread_started)
         pthread_join(s->thread, NULL);
     s->thread_started = false;
-    router_node_client_close(s->client);
-    s->client = NULL;
     td_grpc_server_close(s->grpc, NULL, NULL); /* open calls: cancel callbacks */
     s->grpc = NULL;
-    td_http_server_close(s->http, NULL, NULL);
-    s->http = NULL;
     td_xfer_destroy(s->xfer); /* finished sends: done callbacks with TD_ERR_CLOSED */
     s->xfer = NULL;
     for (prefill_job_t *j = s->jobs; j; j = j->next)
         j->send = NULL; /* unfinished sends were freed without a callback */
-    if (s->handles_up) {
+    if (s->handles_up)
         uv_close((uv_handle_t *)&s->async, NULL);
-        uv_close((uv_handle_t *)&s->sigint, NULL);
-        uv_close((uv_handle_t *)&s->sigterm, NULL);
-    }
-}
-
-static void on_signal(uv_signal_t *h, int signum)
-{
-    shutdown_begin(h->data);
 }
 
 static const double batch_token_buckets[] = {1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384};
@@ -751,21 +727,13 @@ int prefill_main(int argc, char **argv)
     prefill_state_t st_, *s = &st_;
     memset(s, 0, sizeof *s);
     prefill_config_t *cfg = &s->cfg;
+    const router_proc_config_t *pc = &s->proc.cfg;
     prefill_sched_config_t dsc = prefill_sched_config_default();
-    *cfg = (prefill_config_t){.model_name = "default", .router = "127.0.0.1:7070", .host = "127.0.0.1",
-                              .node_id = "prefill0", .kv_blocks = 1024, .max_batch_tokens = dsc.max_batch_tokens,
+    *cfg = (prefill_config_t){.kv_blocks = 1024, .max_batch_tokens = dsc.max_batch_tokens,
                               .max_batch = dsc.max_batch, .max_queue = dsc.max_queue,
                               .max_queued_tokens = dsc.max_queued_tokens, .event_queue = 1024,
                               .idle_wait_ms = 50, .send_timeout_ms = 30000};
     const router_conf_key_t keys[] = {
-        {"model", ROUTER_CONF_STR, &cfg->model, 0, 0, "model path (required)"},
-        {"model-name", ROUTER_CONF_STR, &cfg->model_name, 0, 0, "name the router routes by"},
-        {"router", ROUTER_CONF_STR, &cfg->router, 0, 0, "router control address HOST:PORT"},
-        {"host", ROUTER_CONF_STR, &cfg->host, 0, 0, "address to serve on"},
-        {"node-id", ROUTER_CONF_STR, &cfg->node_id, 0, 0, "unique node name"},
-        {"port", ROUTER_CONF_I64, &cfg->port, 0, 65535, "control gRPC port (0 = any)"},
-        {"metrics-port", ROUTER_CONF_I64, &cfg->metrics_port, 0, 65535, "/metrics port (0 = any)"},
-        {"threads", ROUTER_CONF_I64, &cfg->threads, 0, 4096, "compute threads (0 = all cores)"},
         {"kv-blocks", ROUTER_CONF_I64, &cfg->kv_blocks, 1, 1 << 24, "KV pool blocks (prompts in flight + prefix cache)"},
         {"max-batch-tokens", ROUTER_CONF_I64, &cfg->max_batch_tokens, 1, 1 << 16,
          "prompt tokens in one engine step (longer prompts are chunked)"},
@@ -780,34 +748,14 @@ int prefill_main(int argc, char **argv)
          "compute thread: longest single wait for work or room"},
         {"send-timeout-ms", ROUTER_CONF_I64, &cfg->send_timeout_ms, 1, 3600000,
          "KV transfer: first layer until the decode node's verdict"},
-        {"log-level", ROUTER_CONF_STR, &cfg->log_level, 0, 0, "error|warn|info|debug"},
     };
-    int n_keys = (int)(sizeof keys / sizeof keys[0]);
-    router_conf_store_t store;
-    bool help;
-    if (router_conf_parse("prefill", keys, n_keys, argc, argv, &store, &help) != TD_OK) {
-        router_conf_free(&store);
-        return 2;
-    }
-    if (help) {
-        router_conf_usage("prefill", keys, n_keys);
-        router_conf_free(&store);
-        return 0;
-    }
-    char rhost[64];
-    uint16_t rport;
-    if (!cfg->model || router_conf_split_addr(cfg->router, rhost, sizeof rhost, &rport) != TD_OK ||
-        (cfg->log_level && td_log_parse_level(cfg->log_level) < 0)) {
-        fprintf(stderr, "tandem prefill: --model PATH and a valid --router HOST:PORT are required\n");
-        router_conf_free(&store);
-        return 2;
-    }
-    if (cfg->log_level)
-        td_log_set_level((td_log_level_t)td_log_parse_level(cfg->log_level));
-    int rc = 1;
+    const router_proc_spec_t spec = {.prog = "prefill", .kind = ROUTER_PROC_NODE, .on_shutdown = on_shutdown, .data = s};
+    int rc;
+    if (!router_proc_configure(&s->proc, &spec, keys, (int)TD_ARRAY_LEN(keys), argc, argv, &rc))
+        return rc;
+    rc = 1;
     pthread_mutex_init(&s->mu, NULL);
     pthread_cond_init(&s->cv, NULL);
-    uv_loop_init(&s->loop);
 
     td_status_t st;
     s->in_cap = (int32_t)(4 * cfg->max_queue + 16); /* see post() */
@@ -820,9 +768,9 @@ int prefill_main(int argc, char **argv)
         td_errorf(TD_ERR_NOMEM, "prefill: out of memory for queues of %d and %d", s->in_cap, s->out_cap);
         goto out;
     }
-    if ((st = td_model_load(cfg->model, &s->model)) != TD_OK)
+    if ((st = td_model_load(pc->model, &s->model)) != TD_OK)
         goto out;
-    td_cpu_config_t cc = {.n_threads = (int32_t)cfg->threads};
+    td_cpu_config_t cc = {.n_threads = (int32_t)pc->threads};
     if ((st = td_backend_cpu_create(&cc, &s->be)) != TD_OK)
         goto out;
     td_engine_config_t ec = td_engine_config_default();
@@ -843,62 +791,41 @@ int prefill_main(int argc, char **argv)
     if ((st = metrics_init(s)) != TD_OK)
         goto out;
     td_xfer_config_t xc = td_xfer_config_default();
-    xc.name = cfg->node_id;
+    xc.name = pc->node_id;
     xc.listen_ip = NULL;
     xc.send_timeout_ms = (uint32_t)cfg->send_timeout_ms;
-    if ((st = td_xfer_create(&s->loop, &xc, &s->xfer)) != TD_OK)
+    if ((st = td_xfer_create(&s->proc.loop, &xc, &s->xfer)) != TD_OK)
         goto out;
     td_grpc_server_config_t gc = td_grpc_server_config_default();
-    gc.host = cfg->host;
-    gc.port = (uint16_t)cfg->port;
+    gc.host = pc->host;
+    gc.port = (uint16_t)pc->port;
     gc.metrics = s->metrics;
-    if ((st = td_grpc_server_create(&s->loop, &gc, &s->grpc)) != TD_OK ||
+    if ((st = td_grpc_server_create(&s->proc.loop, &gc, &s->grpc)) != TD_OK ||
         (st = td_grpc_server_add_method(s->grpc, "/tandem.control.v1.PrefillNode/Prefill",
                                         &tandem__control__v1__prefill_request__descriptor, on_prefill, s)) != TD_OK)
         goto out;
-    td_http_config_t hc = td_http_config_default();
-    hc.host = cfg->host;
-    hc.port = (uint16_t)cfg->metrics_port;
-    hc.handler = td_http_metrics_handler;
-    hc.handler_data = s->metrics;
-    if ((st = td_http_server_create(&s->loop, &hc, &s->http)) != TD_OK)
+    if ((st = router_proc_serve(&s->proc, s->metrics)) != TD_OK)
         goto out;
-    uv_async_init(&s->loop, &s->async, on_async);
+    uv_async_init(&s->proc.loop, &s->async, on_async);
     s->async.data = s;
-    uv_signal_init(&s->loop, &s->sigint);
-    uv_signal_init(&s->loop, &s->sigterm);
-    s->sigint.data = s->sigterm.data = s;
-    uv_signal_start(&s->sigint, on_signal, SIGINT);
-    uv_signal_start(&s->sigterm, on_signal, SIGTERM);
     s->handles_up = true;
     if (pthread_create(&s->thread, NULL, compute_main, s) != 0) {
         td_errorf(TD_ERR_NOMEM, "prefill: cannot start the compute thread");
         goto out;
     }
     s->thread_started = true;
-    router_node_client_config_t nc = {.router_host = rhost, .router_port = rport,
-                                      .max_seq_len = (uint32_t)s->model->config.max_seq_len,
+    router_node_client_config_t nc = {.max_seq_len = (uint32_t)s->model->config.max_seq_len,
                                       .max_prefill_tokens = (uint32_t)cfg->max_batch_tokens};
-    snprintf(nc.info.id, sizeof nc.info.id, "%s", cfg->node_id);
     nc.info.role = ROUTER_ROLE_PREFILL;
-    snprintf(nc.info.model, sizeof nc.info.model, "%s", cfg->model_name);
     nc.info.layout = s->layout;
-    snprintf(nc.info.address, sizeof nc.info.address, "%s:%u", cfg->host, td_grpc_server_port(s->grpc));
     nc.info.capacity_blocks = (int32_t)cfg->kv_blocks;
     nc.info.max_batch = (int32_t)cfg->max_batch;
-    if ((st = router_node_client_create(&s->loop, &nc, load_cb, s, &s->client)) != TD_OK)
+    if ((st = router_proc_register(&s->proc, &nc, td_grpc_server_port(s->grpc), load_cb, s)) != TD_OK)
         goto out;
-    printf("prefill %s: control %s metrics http://%s:%u/metrics\n", cfg->node_id, nc.info.address, cfg->host,
-           td_http_server_port(s->http));
-    fflush(stdout);
 
-    uv_run(&s->loop, UV_RUN_DEFAULT);
-    rc = 0;
+    rc = router_proc_run(&s->proc);
 out:
-    if (!s->shutting_down) {
-        shutdown_begin(s);
-        uv_run(&s->loop, UV_RUN_DEFAULT);
-    }
+    router_proc_stop(&s->proc);
     /* What the loop did not get to: pushes are freed once (their EV_PUSH_END), jobs from
      * the live list; the scheduler releases what it holds. */
     for (int32_t i = 0; i < s->out_n; i++) {
@@ -911,8 +838,6 @@ out:
         s->jobs = j->next;
         job_free(j);
     }
-    if (uv_loop_close(&s->loop) != 0)
-        td_warn("prefill: loop closed with handles open");
     prefill_sched_destroy(s->sched);
     td_engine_destroy(s->eng);
     td_backend_destroy(s->be);
@@ -924,6 +849,6 @@ out:
     free(s->out_local);
     pthread_cond_destroy(&s->cv);
     pthread_mutex_destroy(&s->mu);
-    router_conf_free(&store);
+    router_proc_free(&s->proc);
     return rc;
 }

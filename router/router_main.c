@@ -18,7 +18,6 @@
  */
 #include "router_main.h"
 
-#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -27,11 +26,11 @@
 #include "health.pb-c.h"
 #include "router_conf.h"
 #include "router_policy.h"
+#include "router_proc.h"
 #include "router_queue.h"
 #include "router_registry.h"
 #include "tandem.pb-c.h"
 #include "td_grpc.h"
-#include "td_http.h"
 #include "td_log.h"
 #include "td_metrics.h"
 #include "td_sampler.h"
@@ -47,13 +46,11 @@
  * call "writable" before the next poll. */
 #define ROUTER_BACKLOG_GRACE_TURNS 2
 
+/* The router's own keys; the common ones (model name, host, advertise, gateway and metrics
+ * ports, log level) are router_proc's. */
 typedef struct router_config {
     const char *tokenizer;     /* tokenizer path (a model's tokenizer.bin / .json / dir) */
-    const char *model_name;
-    const char *host;
-    int64_t port;              /* gateway */
     int64_t control_port;
-    int64_t metrics_port;
     int64_t max_active;        /* requests on nodes at once; more wait in the queue */
     int64_t max_queue;         /* requests waiting at most; beyond → RESOURCE_EXHAUSTED */
     int64_t request_timeout_ms;/* deadline of a request whose client gave none */
@@ -65,7 +62,6 @@ typedef struct router_config {
     int64_t heartbeat_ms;
     int64_t heartbeat_timeout_ms;
     int64_t max_nodes;
-    const char *log_level;
 } router_config_t;
 
 typedef struct router_peer {
@@ -139,9 +135,8 @@ typedef struct router_req {
 } router_req_t;
 
 struct router_state {
+    router_proc_t proc;        /* loop, signals, /metrics, common config */
     router_config_t cfg;
-    uv_loop_t loop;
-    uv_signal_t sigint, sigterm;
     uv_timer_t tick;
     td_tokenizer_t *tok;
     router_registry_t *reg;
@@ -159,7 +154,6 @@ struct router_state {
     bool pumping;
     uint64_t next_id;
     td_grpc_server_t *gateway, *control;
-    td_http_server_t *http;
     td_metrics_t *metrics;
     td_metric_family_t *f_requests;
     td_metric_t *m_ttft, *m_tpot, *m_active, *m_tokens, *m_retries, *m_nodes_prefill, *m_nodes_decode;
@@ -755,7 +749,7 @@ static router_start_t req_start(router_req_t *r)
         req_fail(r, TD_GRPC_DEADLINE_EXCEEDED, "deadline exceeded before a decode node had room", "deadline");
         return START_ENDED;
     }
-    router_pick_request_t pr = {.model = s->cfg.model_name, .prompt = r->prompt, .n_prompt = r->n_prompt,
+    router_pick_request_t pr = {.model = s->proc.cfg.model_name, .prompt = r->prompt, .n_prompt = r->n_prompt,
                                 .max_tokens = r->max_tokens, .exclude = r->tried, .n_exclude = r->n_tried,
                                 .now_ns = (int64_t)td_now_ns()};
     router_pick_t pick;
@@ -1021,7 +1015,7 @@ static void on_register(td_grpc_call_t *call, const ProtobufCMessage *msg, void 
         p->xfer_desc_len = q->ucx_worker_address.len;
     }
     td_grpc_channel_config_t cc = td_grpc_channel_config_default();
-    if (td_grpc_channel_create(&s->loop, host, port, &cc, &p->ch) != TD_OK) {
+    if (td_grpc_channel_create(&s->proc.loop, host, port, &cc, &p->ch) != TD_OK) {
         router_registry_leave(s->reg, info.id);
         td_grpc_call_finish(call, TD_GRPC_UNAVAILABLE, "router cannot reach the node's control address");
         return;
@@ -1109,7 +1103,7 @@ static void on_generate(td_grpc_call_t *call, const ProtobufCMessage *msg, void 
         td_grpc_call_finish(call, TD_GRPC_UNAVAILABLE, "router shutting down");
         return;
     }
-    if (q->model[0] && strcmp(q->model, s->cfg.model_name)) {
+    if (q->model[0] && strcmp(q->model, s->proc.cfg.model_name)) {
         td_grpc_call_finish(call, TD_GRPC_NOT_FOUND, "unknown model (see ListModels)");
         return;
     }
@@ -1195,7 +1189,7 @@ static void on_generate(td_grpc_call_t *call, const ProtobufCMessage *msg, void 
     r->priority = q->priority ? q->priority->value : 0;
     /* the client's grpc-timeout (the gRPC layer also ends the stream then), else the
      * configured default: bounds the queue wait, Admit, Prefill and decoding */
-    uint64_t dl_ms = td_grpc_call_deadline(call), now_ms = uv_now(&s->loop);
+    uint64_t dl_ms = td_grpc_call_deadline(call), now_ms = uv_now(&s->proc.loop);
     if (dl_ms)
         r->deadline_ns = (int64_t)r->t_arrival + (int64_t)(dl_ms > now_ms ? dl_ms - now_ms : 0) * 1000000;
     else if (s->cfg.request_timeout_ms)
@@ -1212,7 +1206,7 @@ static void on_list_models(td_grpc_call_t *call, const ProtobufCMessage *msg, vo
 {
     router_state_t *s = data;
     Tandem__V1__ModelInfo mi = TANDEM__V1__MODEL_INFO__INIT;
-    mi.name = (char *)s->cfg.model_name;
+    mi.name = (char *)s->proc.cfg.model_name;
     mi.vocab_size = s->tok ? (uint32_t)td_tokenizer_vocab_size(s->tok) : 0;
     for (int32_t i = 0; i < router_registry_slots(s->reg); i++) {
         const router_node_t *n = router_registry_node_const(s->reg, i);
@@ -1313,27 +1307,22 @@ static void on_tick(uv_timer_t *t)
     }
 }
 
-static void shutdown_begin(router_state_t *s)
+/* The router's part of shutdown (router_proc_shutdown closes /metrics and the signals). */
+static void on_shutdown(void *data)
 {
-    if (s->shutting_down)
-        return;
+    router_state_t *s = data;
     s->shutting_down = true;
-    td_info("router: shutting down");
     while (s->reqs)
         req_fail(s->reqs, TD_GRPC_UNAVAILABLE, "router shutting down", "unavailable");
     for (int32_t i = 0; s->peers && i < (int32_t)s->cfg.max_nodes; i++)
         peer_drop(s, i);
     td_grpc_server_close(s->gateway, NULL, NULL);
     td_grpc_server_close(s->control, NULL, NULL);
-    td_http_server_close(s->http, NULL, NULL);
     s->gateway = s->control = NULL;
-    s->http = NULL;
     if (s->handles_up) {
         uv_close((uv_handle_t *)&s->tick, NULL);
         uv_close((uv_handle_t *)&s->pump_idle, NULL);
         uv_close((uv_handle_t *)&s->turn_prepare, NULL);
-        uv_close((uv_handle_t *)&s->sigint, NULL);
-        uv_close((uv_handle_t *)&s->sigterm, NULL);
     }
 }
 
@@ -1341,11 +1330,6 @@ static void on_turn(uv_prepare_t *h)
 {
     router_state_t *s = h->data;
     s->turn++;
-}
-
-static void on_signal(uv_signal_t *h, int signum)
-{
-    shutdown_begin(h->data);
 }
 
 static td_status_t add_methods(router_state_t *s)
@@ -1398,18 +1382,14 @@ int router_main(int argc, char **argv)
     router_state_t st_, *s = &st_;
     memset(s, 0, sizeof *s);
     router_config_t *cfg = &s->cfg;
-    *cfg = (router_config_t){.model_name = "default", .host = "127.0.0.1", .port = 0, .control_port = 0,
-                             .max_active = 1024, .max_queue = 4096, .request_timeout_ms = 300000,
-                             .max_backlog_tokens = 4096, .send_queue_bytes = 256 << 10, .default_max_tokens = 256, .lease_ms = 10000,
-                             .rpc_timeout_ms = 5000, .heartbeat_ms = 200, .heartbeat_timeout_ms = 1500,
-                             .max_nodes = 256};
+    const router_proc_config_t *pc = &s->proc.cfg;
+    *cfg = (router_config_t){.control_port = 0, .max_active = 1024, .max_queue = 4096, .request_timeout_ms = 300000,
+                             .max_backlog_tokens = 4096, .send_queue_bytes = 256 << 10, .default_max_tokens = 256,
+                             .lease_ms = 10000, .rpc_timeout_ms = 5000, .heartbeat_ms = 200,
+                             .heartbeat_timeout_ms = 1500, .max_nodes = 256};
     const router_conf_key_t keys[] = {
         {"tokenizer", ROUTER_CONF_STR, &cfg->tokenizer, 0, 0, "tokenizer path (none: prompts as ids only, no text)"},
-        {"model-name", ROUTER_CONF_STR, &cfg->model_name, 0, 0, "the model name served"},
-        {"host", ROUTER_CONF_STR, &cfg->host, 0, 0, "address to serve on"},
-        {"port", ROUTER_CONF_I64, &cfg->port, 0, 65535, "gateway gRPC port (0 = any)"},
         {"control-port", ROUTER_CONF_I64, &cfg->control_port, 0, 65535, "control gRPC port (0 = any)"},
-        {"metrics-port", ROUTER_CONF_I64, &cfg->metrics_port, 0, 65535, "/metrics port (0 = any)"},
         {"max-active", ROUTER_CONF_I64, &cfg->max_active, 1, 1 << 20, "requests on nodes at once; more wait in the queue"},
         {"max-queue", ROUTER_CONF_I64, &cfg->max_queue, 0, 1 << 20,
          "requests waiting for room at most; beyond → RESOURCE_EXHAUSTED"},
@@ -1425,29 +1405,12 @@ int router_main(int argc, char **argv)
         {"heartbeat-ms", ROUTER_CONF_I64, &cfg->heartbeat_ms, 10, 60000, "heartbeat interval asked of nodes"},
         {"heartbeat-timeout-ms", ROUTER_CONF_I64, &cfg->heartbeat_timeout_ms, 20, 600000, "silence before a node is dropped"},
         {"max-nodes", ROUTER_CONF_I64, &cfg->max_nodes, 1, 65536, "registered nodes at most"},
-        {"log-level", ROUTER_CONF_STR, &cfg->log_level, 0, 0, "error|warn|info|debug"},
     };
-    int n_keys = (int)TD_ARRAY_LEN(keys);
-    router_conf_store_t store;
-    bool help;
-    if (router_conf_parse("router", keys, n_keys, argc, argv, &store, &help) != TD_OK) {
-        router_conf_free(&store);
-        return 2;
-    }
-    if (help) {
-        router_conf_usage("router", keys, n_keys);
-        router_conf_free(&store);
-        return 0;
-    }
-    if ((cfg->log_level && td_log_parse_level(cfg->log_level) < 0)) {
-        fprintf(stderr, "tandem router: bad --log-level\n");
-        router_conf_free(&store);
-        return 2;
-    }
-    if (cfg->log_level)
-        td_log_set_level((td_log_level_t)td_log_parse_level(cfg->log_level));
-    int rc = 1;
-    uv_loop_init(&s->loop);
+    const router_proc_spec_t spec = {.prog = "router", .kind = ROUTER_PROC_ROUTER, .on_shutdown = on_shutdown, .data = s};
+    int rc;
+    if (!router_proc_configure(&s->proc, &spec, keys, (int)TD_ARRAY_LEN(keys), argc, argv, &rc))
+        return rc;
+    rc = 1;
     td_status_t st;
     router_registry_config_t rc_ = router_registry_config_default();
     rc_.max_nodes = (int32_t)cfg->max_nodes;
@@ -1472,51 +1435,35 @@ int router_main(int argc, char **argv)
     if ((st = td_metrics_create(&s->metrics)) != TD_OK || (st = init_metrics(s)) != TD_OK)
         goto out;
     td_grpc_server_config_t gc = td_grpc_server_config_default();
-    gc.host = cfg->host;
-    gc.port = (uint16_t)cfg->port;
+    gc.host = pc->host;
+    gc.port = (uint16_t)pc->port;
     gc.metrics = s->metrics;
     gc.send_queue_bytes = (size_t)cfg->send_queue_bytes;
-    if ((st = td_grpc_server_create(&s->loop, &gc, &s->gateway)) != TD_OK)
+    if ((st = td_grpc_server_create(&s->proc.loop, &gc, &s->gateway)) != TD_OK)
         goto out;
     gc.port = (uint16_t)cfg->control_port;
     gc.send_queue_bytes = td_grpc_server_config_default().send_queue_bytes;
-    if ((st = td_grpc_server_create(&s->loop, &gc, &s->control)) != TD_OK || (st = add_methods(s)) != TD_OK)
+    if ((st = td_grpc_server_create(&s->proc.loop, &gc, &s->control)) != TD_OK || (st = add_methods(s)) != TD_OK)
         goto out;
-    td_http_config_t hc = td_http_config_default();
-    hc.host = cfg->host;
-    hc.port = (uint16_t)cfg->metrics_port;
-    hc.handler = td_http_metrics_handler;
-    hc.handler_data = s->metrics;
-    if ((st = td_http_server_create(&s->loop, &hc, &s->http)) != TD_OK)
+    if ((st = router_proc_serve(&s->proc, s->metrics)) != TD_OK)
         goto out;
-    uv_timer_init(&s->loop, &s->tick);
+    uv_timer_init(&s->proc.loop, &s->tick);
     s->tick.data = s;
     uv_timer_start(&s->tick, on_tick, 50, 50);
-    uv_idle_init(&s->loop, &s->pump_idle);
+    uv_idle_init(&s->proc.loop, &s->pump_idle);
     s->pump_idle.data = s;
-    uv_prepare_init(&s->loop, &s->turn_prepare);
+    uv_prepare_init(&s->proc.loop, &s->turn_prepare);
     s->turn_prepare.data = s;
     uv_prepare_start(&s->turn_prepare, on_turn);
-    uv_signal_init(&s->loop, &s->sigint);
-    uv_signal_init(&s->loop, &s->sigterm);
-    s->sigint.data = s->sigterm.data = s;
-    uv_signal_start(&s->sigint, on_signal, SIGINT);
-    uv_signal_start(&s->sigterm, on_signal, SIGTERM);
     s->handles_up = true;
-    printf("gateway: %s:%u\ncontrol: %s:%u\nmetrics: http://%s:%u/metrics\n", cfg->host,
-           td_grpc_server_port(s->gateway), cfg->host, td_grpc_server_port(s->control), cfg->host,
-           td_http_server_port(s->http));
+    printf("gateway: %s:%u\ncontrol: %s:%u\nmetrics: http://%s:%u/metrics\n", pc->advertise,
+           td_grpc_server_port(s->gateway), pc->advertise, td_grpc_server_port(s->control), pc->advertise,
+           router_proc_metrics_port(&s->proc));
     fflush(stdout);
 
-    uv_run(&s->loop, UV_RUN_DEFAULT);
-    rc = 0;
+    rc = router_proc_run(&s->proc);
 out:
-    if (!s->shutting_down) {
-        shutdown_begin(s);
-        uv_run(&s->loop, UV_RUN_DEFAULT);
-    }
-    if (uv_loop_close(&s->loop) != 0)
-        td_warn("router: loop closed with handles open");
+    router_proc_stop(&s->proc);
     for (int64_t i = 0; s->peers && i < cfg->max_nodes; i++)
         free(s->peers[i].xfer_desc);
     free(s->peers);
@@ -1524,6 +1471,6 @@ out:
     router_registry_destroy(s->reg);
     td_tokenizer_destroy(s->tok);
     td_metrics_destroy(s->metrics);
-    router_conf_free(&store);
+    router_proc_free(&s->proc);
     return rc;
 }

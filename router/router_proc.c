@@ -1,0 +1,212 @@
+/*
+ * router_proc: config, addresses, loop, signals, /metrics, registration and shutdown of a
+ * cluster process (see router_proc.h).
+ */
+#include "router_proc.h"
+
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "td_log.h"
+#include "td_util.h"
+
+#define ROUTER_PROC_MAX_KEYS 64
+
+bool router_proc_is_wildcard(const char *host)
+{
+    return !host || !host[0] || !strcmp(host, "0.0.0.0") || !strcmp(host, "::") || !strcmp(host, "[::]");
+}
+
+/* The common keys of `kind` into out[]; returns how many. */
+static int common_keys(router_proc_config_t *c, router_proc_kind_t kind, router_conf_key_t *out)
+{
+    int n = 0;
+    bool node = kind == ROUTER_PROC_NODE;
+    if (node)
+        out[n++] = (router_conf_key_t){"model", ROUTER_CONF_STR, &c->model, 0, 0, "model path (required)"};
+    out[n++] = (router_conf_key_t){"model-name", ROUTER_CONF_STR, &c->model_name, 0, 0,
+                                   node ? "name the router routes by" : "the model name served"};
+    if (node)
+        out[n++] = (router_conf_key_t){"router", ROUTER_CONF_STR, &c->router, 0, 0, "router control address HOST:PORT"};
+    out[n++] = (router_conf_key_t){"host", ROUTER_CONF_STR, &c->host, 0, 0,
+                                   "address to listen on (0.0.0.0: every interface; needs --advertise)"};
+    out[n++] = (router_conf_key_t){"advertise", ROUTER_CONF_STR, &c->advertise, 0, 0,
+                                   "address peers reach this process at (default: --host)"};
+    if (node)
+        out[n++] = (router_conf_key_t){"node-id", ROUTER_CONF_STR, &c->node_id, 0, 0, "unique node name"};
+    out[n++] = (router_conf_key_t){"port", ROUTER_CONF_I64, &c->port, 0, 65535,
+                                   node ? "control gRPC port (0 = any)" : "gateway gRPC port (0 = any)"};
+    out[n++] = (router_conf_key_t){"metrics-port", ROUTER_CONF_I64, &c->metrics_port, 0, 65535, "/metrics port (0 = any)"};
+    if (node)
+        out[n++] = (router_conf_key_t){"threads", ROUTER_CONF_I64, &c->threads, 0, 4096, "compute threads (0 = all cores)"};
+    out[n++] = (router_conf_key_t){"log-level", ROUTER_CONF_STR, &c->log_level, 0, 0, "error|warn|info|debug"};
+    return n;
+}
+
+/* Checks what the table cannot: log level, a node's model and router, the address rule. */
+static td_status_t validate(router_proc_t *p)
+{
+    router_proc_config_t *c = &p->cfg;
+    const char *prog = p->spec.prog;
+    if (c->log_level && td_log_parse_level(c->log_level) < 0)
+        return td_errorf(TD_ERR_INVALID, "%s: --log-level '%s' is not error|warn|info|debug", prog, c->log_level);
+    if (p->spec.kind == ROUTER_PROC_NODE) {
+        if (!c->model)
+            return td_errorf(TD_ERR_INVALID, "%s: --model PATH is required", prog);
+        if (router_conf_split_addr(c->router, p->router_host, sizeof p->router_host, &p->router_port) != TD_OK)
+            return td_errorf(TD_ERR_INVALID, "%s: --router '%s' is not a valid HOST:PORT", prog, c->router);
+    }
+    if (router_proc_is_wildcard(c->host) && !c->advertise)
+        return td_errorf(TD_ERR_INVALID,
+                         "%s: --host '%s' listens on every interface, which is no address peers can "
+                         "reach: pass --advertise HOST (this machine's address as the other processes see it)",
+                         prog, c->host ? c->host : "");
+    if (c->advertise && router_proc_is_wildcard(c->advertise))
+        return td_errorf(TD_ERR_INVALID, "%s: --advertise '%s' is a wildcard; give the address peers reach "
+                         "this process at", prog, c->advertise);
+    if (!c->advertise)
+        c->advertise = c->host;
+    return TD_OK;
+}
+
+bool router_proc_configure(router_proc_t *p, const router_proc_spec_t *spec, const router_conf_key_t *keys,
+                           int n_keys, int argc, char **argv, int *exit_p)
+{
+    TD_ASSERT(spec->prog && spec->on_shutdown);
+    p->spec = *spec;
+    router_proc_config_t *c = &p->cfg;
+    if (!c->host)
+        c->host = "127.0.0.1";
+    if (!c->model_name)
+        c->model_name = "default";
+    if (spec->kind == ROUTER_PROC_NODE) {
+        if (!c->router)
+            c->router = "127.0.0.1:7070";
+        if (!c->node_id) {
+            snprintf(p->default_id, sizeof p->default_id, "%s0", spec->prog);
+            c->node_id = p->default_id;
+        }
+    }
+    router_conf_key_t all[ROUTER_PROC_MAX_KEYS];
+    int n = common_keys(c, spec->kind, all);
+    TD_ASSERT(n + n_keys <= ROUTER_PROC_MAX_KEYS);
+    memcpy(all + n, keys, (size_t)n_keys * sizeof *keys);
+    n += n_keys;
+    bool help;
+    if (router_conf_parse(spec->prog, all, n, argc, argv, &p->store, &help) != TD_OK) {
+        *exit_p = 2;
+        goto err;
+    }
+    if (help) {
+        router_conf_usage(spec->prog, all, n);
+        *exit_p = 0;
+        goto err;
+    }
+    if (validate(p) != TD_OK) {
+        *exit_p = 2;
+        goto err;
+    }
+    if (c->log_level)
+        td_log_set_level((td_log_level_t)td_log_parse_level(c->log_level));
+    uv_loop_init(&p->loop);
+    p->loop_up = true;
+    return true;
+err:
+    router_conf_free(&p->store);
+    return false;
+}
+
+static void on_signal(uv_signal_t *h, int signum)
+{
+    router_proc_shutdown(h->data);
+}
+
+td_status_t router_proc_serve(router_proc_t *p, td_metrics_t *metrics)
+{
+    TD_ASSERT(p->loop_up);
+    if (!p->signals_up) {
+        uv_signal_init(&p->loop, &p->sigint);
+        uv_signal_init(&p->loop, &p->sigterm);
+        p->sigint.data = p->sigterm.data = p;
+        uv_signal_start(&p->sigint, on_signal, SIGINT);
+        uv_signal_start(&p->sigterm, on_signal, SIGTERM);
+        p->signals_up = true;
+    }
+    td_http_config_t hc = td_http_config_default();
+    hc.host = p->cfg.host;
+    hc.port = (uint16_t)p->cfg.metrics_port;
+    hc.handler = td_http_metrics_handler;
+    hc.handler_data = metrics;
+    return td_http_server_create(&p->loop, &hc, &p->http);
+}
+
+uint16_t router_proc_metrics_port(const router_proc_t *p)
+{
+    return p->http ? td_http_server_port(p->http) : 0;
+}
+
+td_status_t router_proc_register(router_proc_t *p, router_node_client_config_t *nc, uint16_t control_port,
+                                 router_node_load_cb load_cb, void *data)
+{
+    TD_ASSERT(p->spec.kind == ROUTER_PROC_NODE);
+    const router_proc_config_t *c = &p->cfg;
+    nc->router_host = p->router_host;
+    nc->router_port = p->router_port;
+    snprintf(nc->info.id, sizeof nc->info.id, "%s", c->node_id);
+    snprintf(nc->info.model, sizeof nc->info.model, "%s", c->model_name);
+    /* an IPv6 literal needs brackets before the port */
+    bool v6 = strchr(c->advertise, ':') && c->advertise[0] != '[';
+    snprintf(nc->info.address, sizeof nc->info.address, v6 ? "[%s]:%u" : "%s:%u", c->advertise, control_port);
+    snprintf(p->address, sizeof p->address, "%s", nc->info.address);
+    td_status_t st = router_node_client_create(&p->loop, nc, load_cb, data, &p->client);
+    if (st != TD_OK)
+        return st;
+    printf("%s %s: control %s metrics http://%s:%u/metrics\n", p->spec.prog, c->node_id, p->address,
+           c->advertise, router_proc_metrics_port(p));
+    fflush(stdout);
+    return TD_OK;
+}
+
+int router_proc_run(router_proc_t *p)
+{
+    uv_run(&p->loop, UV_RUN_DEFAULT);
+    return 0;
+}
+
+void router_proc_shutdown(router_proc_t *p)
+{
+    if (p->shutting_down)
+        return;
+    p->shutting_down = true;
+    td_info("%s: shutting down", p->spec.prog);
+    p->spec.on_shutdown(p->spec.data);
+    router_node_client_close(p->client);
+    p->client = NULL;
+    td_http_server_close(p->http, NULL, NULL);
+    p->http = NULL;
+    if (p->signals_up) {
+        uv_close((uv_handle_t *)&p->sigint, NULL);
+        uv_close((uv_handle_t *)&p->sigterm, NULL);
+        p->signals_up = false;
+    }
+}
+
+void router_proc_stop(router_proc_t *p)
+{
+    if (!p->loop_up)
+        return;
+    if (!p->shutting_down) {
+        router_proc_shutdown(p); /* partial init: the closers are NULL-safe */
+        uv_run(&p->loop, UV_RUN_DEFAULT);
+    }
+    if (uv_loop_close(&p->loop) != 0)
+        td_warn("%s: loop closed with handles open", p->spec.prog);
+    p->loop_up = false;
+}
+
+void router_proc_free(router_proc_t *p)
+{
+    router_conf_free(&p->store);
+}

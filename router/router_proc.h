@@ -1,0 +1,143 @@
+/*
+ * router_proc: the process skeleton the three cluster processes (router, prefill node,
+ * decode node) share, so that each thing they all do is done one way: the common config
+ * keys with the process's own table (--config FILE, flags, --help, --log-level), the
+ * listen/advertise address rule, the libuv loop with SIGINT/SIGTERM, the /metrics HTTP
+ * server, registration with the router (nodes), and shutdown sequencing. The process's
+ * main loop stays visible in its main.c:
+ *
+ *     if (!router_proc_configure(&s->proc, &spec, keys, n_keys, argc, argv, &rc))
+ *         return rc;                          // --help (0) or a bad config (2)
+ *     ... its subsystems on &s->proc.loop ...
+ *     router_proc_serve(&s->proc, metrics);   // /metrics, signals
+ *     router_proc_register(&s->proc, ...);    // nodes: router client, banner
+ *     rc = router_proc_run(&s->proc);
+ *   out:
+ *     router_proc_stop(&s->proc);             // shutdown if not begun, drain, close loop
+ *     ... its subsystems freed in reverse ...
+ *     router_proc_free(&s->proc);
+ *
+ * Addresses: --host is where the process listens (every server, and the decode node's
+ * UCX listener); --advertise is where peers reach it (the control address a node registers,
+ * the UCX address in a decode node's transfer descriptor, the banner's addresses). It
+ * defaults to --host; a wildcard --host (0.0.0.0, ::) without --advertise is refused, since
+ * a node registering 0.0.0.0:PORT is never reachable by its peers.
+ *
+ * Shutdown (SIGINT, SIGTERM, or router_proc_shutdown): the process's on_shutdown callback
+ * first (stop its compute thread, close its servers and handles), then the router client,
+ * /metrics and the signal handles; the loop ends once every handle closed; exit 0.
+ *
+ * Threads: the process's loop thread. No global state.
+ */
+#ifndef ROUTER_PROC_H
+#define ROUTER_PROC_H
+
+#include <stdbool.h>
+#include <stdint.h>
+#include <uv.h>
+
+#include "router_conf.h"
+#include "router_node_client.h"
+#include "td_http.h"
+#include "td_metrics.h"
+#include "td_status.h"
+
+#define ROUTER_PROC_ADDR_MAX ROUTER_ADDRESS_MAX
+
+typedef enum router_proc_kind {
+    ROUTER_PROC_ROUTER, /* the router: gateway + control servers, no registration */
+    ROUTER_PROC_NODE,   /* a prefill or decode node: a model, registers with a router */
+} router_proc_kind_t;
+
+/* The keys every process (or every node) reads. NULL / 0 fields get their defaults in
+ * router_proc_configure; a process may preset any of them before (e.g. node_id). */
+typedef struct router_proc_config {
+    const char *host;          /* listen address (default 127.0.0.1) */
+    const char *advertise;     /* address peers use (default: host; required for a wildcard host) */
+    int64_t port;              /* router: gateway gRPC; node: control gRPC (0 = any) */
+    int64_t metrics_port;      /* /metrics (0 = any) */
+    const char *model_name;    /* the model name served / routed by (default "default") */
+    const char *log_level;
+    /* nodes only */
+    const char *model;         /* model path (required) */
+    const char *router;        /* the router's control address HOST:PORT (default 127.0.0.1:7070) */
+    const char *node_id;       /* unique node name (default "<prog>0") */
+    int64_t threads;           /* compute threads (0 = all cores) */
+} router_proc_config_t;
+
+/* The process's part of shutdown: called once, on the loop thread, before the skeleton
+ * closes the router client, /metrics and the signals. Must close every handle it opened. */
+typedef void (*router_proc_shutdown_cb)(void *data);
+
+typedef struct router_proc_spec {
+    const char *prog;          /* "router", "prefill", "decode": usage, logs, banner */
+    router_proc_kind_t kind;
+    router_proc_shutdown_cb on_shutdown;
+    void *data;
+} router_proc_spec_t;
+
+/* Caller-allocated (zeroed), embedded in the process's state struct. */
+typedef struct router_proc {
+    router_proc_config_t cfg;
+    router_proc_spec_t spec;
+    uv_loop_t loop;            /* valid after a true router_proc_configure */
+    char router_host[64];      /* nodes: split from cfg.router */
+    uint16_t router_port;
+    char address[ROUTER_PROC_ADDR_MAX]; /* nodes: advertise:port, once registered */
+    char default_id[32];
+    router_conf_store_t store;
+    td_http_server_t *http;
+    router_node_client_t *client;
+    uv_signal_t sigint, sigterm;
+    bool loop_up, signals_up, shutting_down;
+} router_proc_t;
+
+/*
+ * Reads the config: the common keys of spec->kind followed by keys[0..n_keys), from
+ * --config FILE and argv (router_conf), then --log-level, the node's --model and --router,
+ * and the address rule; then initialises the loop. True: go on. False: return *exit_p
+ * from main (0 after --help, 2 for a bad config, the reason logged once). The strings in
+ * p->cfg stay valid until router_proc_free.
+ */
+bool router_proc_configure(router_proc_t *p, const router_proc_spec_t *spec, const router_conf_key_t *keys,
+                           int n_keys, int argc, char **argv, int *exit_p);
+
+/* True for an address that listens on every interface ("0.0.0.0", "::", "[::]", ""). */
+bool router_proc_is_wildcard(const char *host);
+
+/*
+ * Starts /metrics on cfg.host:cfg.metrics_port (serving `metrics`, which the caller keeps
+ * alive until router_proc_stop returned) and the SIGINT/SIGTERM watch. Errors: those of
+ * td_http_server_create (logged there); the signals are watched in any case, so
+ * router_proc_stop can shut down.
+ */
+td_status_t router_proc_serve(router_proc_t *p, td_metrics_t *metrics);
+
+/* The /metrics port (0 before router_proc_serve). */
+uint16_t router_proc_metrics_port(const router_proc_t *p);
+
+/*
+ * Nodes: registers with the router. Fills nc's router address, info.id, info.model and
+ * info.address (cfg.advertise:control_port) from the config; the caller sets the rest
+ * (role, layout, capacity, max_batch, max_seq_len, xfer_desc...). Prints the banner
+ * "<prog> <id>: control ADDR metrics http://ADV:PORT/metrics" to stdout. Errors: those of
+ * router_node_client_create (nothing started).
+ */
+td_status_t router_proc_register(router_proc_t *p, router_node_client_config_t *nc, uint16_t control_port,
+                                 router_node_load_cb load_cb, void *data);
+
+/* Runs the loop until shutdown has closed every handle. Returns 0 (the exit status). */
+int router_proc_run(router_proc_t *p);
+
+/* Begins shutdown (once; later calls do nothing): spec.on_shutdown, then the router
+ * client, /metrics and the signals are closed. Loop thread. */
+void router_proc_shutdown(router_proc_t *p);
+
+/* After run, or on an init failure: shuts down if not begun, runs the loop until the
+ * closes finish and closes it (a warning names handles left open). No-op without a loop. */
+void router_proc_stop(router_proc_t *p);
+
+/* Frees what configure kept (the config file's strings). NULL-safe, repeatable. */
+void router_proc_free(router_proc_t *p);
+
+#endif /* ROUTER_PROC_H */

@@ -1,0 +1,53 @@
+#!/bin/bash
+# test_cluster_advertise: --host is where a process listens, --advertise where its peers reach
+# it. A router, a prefill and a decode node all listening on 0.0.0.0 with --advertise 127.0.0.1
+# serve generations equal to `tandem generate`; the nodes register 127.0.0.1:PORT (router log),
+# the prefill node pushes KV to the decode node's UCX listener at 127.0.0.1 (its transfer
+# descriptor carries the advertised address, not 0.0.0.0), and every banner names 127.0.0.1.
+# A wildcard --host without --advertise is refused at startup (exit 2) with a message naming
+# --advertise, for each of the three. Skips without the model or python3-grpcio.
+source "$(dirname "$0")/cluster_lib.sh"
+cl_init
+
+# refused: a wildcard host and no --advertise, or a wildcard --advertise
+for args in "router --host 0.0.0.0" "prefill --model $CL_M --host 0.0.0.0" "decode --model $CL_M --host 0.0.0.0" \
+    "decode --model $CL_M --host :: " "decode --model $CL_M --host 0.0.0.0 --advertise 0.0.0.0"; do
+    # shellcheck disable=SC2086
+    timeout 20 "$CL_BIN" $args >"$CL_T/refuse.out" 2>"$CL_T/refuse.err"
+    rc=$?
+    if [ $rc -ne 2 ]; then
+        cl_fail "'tandem $args' exited $rc, want 2 (refused)"
+    elif ! grep -q -- '--advertise' "$CL_T/refuse.err"; then
+        cl_fail "'tandem $args' was refused without naming --advertise: $(head -c 300 "$CL_T/refuse.err")"
+    else
+        echo "refused: tandem $args: $(head -n 1 "$CL_T/refuse.err")"
+    fi
+done
+
+cl_router --host 0.0.0.0 --advertise 127.0.0.1 --log-level info
+case $CL_GW in 127.0.0.1:*) ;; *) cl_fail "the router's banner names gateway '$CL_GW', want 127.0.0.1:PORT" ;; esac
+cl_node prefill prefill0 --host 0.0.0.0 --advertise 127.0.0.1 --log-level info
+cl_node decode decode0 --host 0.0.0.0 --advertise 127.0.0.1
+cl_wait_nodes 1 1
+for n in prefill0 decode0; do
+    case ${CL_MURL[$n]} in http://127.0.0.1:*) ;; *) cl_fail "$n's banner names /metrics '${CL_MURL[$n]}'" ;; esac
+done
+
+PROMPTS=("1" "1 403 407" "5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21")
+"$CL_PY" "$CL_SRC/tests/cluster_client.py" "$CL_GW" 24 "${PROMPTS[@]}" >"$CL_T/got" || cl_fail "client"
+for i in "${!PROMPTS[@]}"; do
+    want=$(cl_ref 24 "${PROMPTS[$i]}")
+    got=$(sed -n "$((i + 1))p" "$CL_T/got")
+    [ "$want" = "$got" ] || cl_fail "prompt '${PROMPTS[$i]}': want '$want' got '$got'"
+done
+
+for n in prefill0 decode0; do
+    grep -q "node $n ([a-z]*) registered at 127\.0\.0\.1:[0-9]" "$CL_T/router.err" ||
+        cl_fail "the router's log has no 'node $n ... registered at 127.0.0.1:PORT': $(grep -h 'registered at' "$CL_T/router.err" | head -3)"
+done
+grep -q 'registered at 0\.0\.0\.0' "$CL_T/router.err" && cl_fail "a node registered a wildcard address"
+grep -q 'xfer peer 127\.0\.0\.1:[0-9]*: kv by' "$CL_T/prefill0.err" ||
+    cl_fail "the prefill node did not reach the decode node's UCX listener at 127.0.0.1: $(grep -h 'xfer peer' "$CL_T/prefill0.err" | head -3)"
+grep -q 'xfer peer 0\.0\.0\.0' "$CL_T/prefill0.err" && cl_fail "the decode node published a wildcard UCX address"
+
+cl_end "nodes listening on 0.0.0.0 advertise 127.0.0.1 and serve ${#PROMPTS[@]} generations equal to local generate; wildcard without --advertise refused"
