@@ -19,53 +19,25 @@
 #include "td_engine.h"
 #include "td_kv.h"
 #include "td_model.h"
+#include "td_test_models.h"
 #include "td_sampler.h"
 #include "td_util.h"
 #include "td_xfer.h"
 #include "td_xfer_testkit.h"
 
-static const char *stories_path(void)
-{
-    static char path[4096];
-    const char *d = getenv("TANDEM_TEST_MODELS");
-    snprintf(path, sizeof path, "%s/stories260K/stories260K.bin",
-             d ? d : TD_SOURCE_DIR "/../shared/models");
-    return path;
-}
-
-static void skip_without_model(void)
-{
-    FILE *f = fopen(stories_path(), "rb");
-    if (!f)
-        cr_skip_test("skipped: %s not found (set TANDEM_TEST_MODELS to the shared models folder)",
-                     stories_path());
-    fclose(f);
-}
-
-typedef struct fixture {
-    td_model_t *model;
-    td_backend_t *be;
-    td_engine_t *eng;
-    int vocab;
-} fixture_t;
+typedef td_test_engine_t fixture_t;
 
 static void fx_open(fixture_t *fx, int n_blocks, bool prefix_cache)
 {
-    cr_assert_eq(td_model_load(stories_path(), &fx->model), TD_OK, "%s", td_last_error());
-    td_cpu_config_t cc = {.n_threads = 1};
-    cr_assert_eq(td_backend_cpu_create(&cc, &fx->be), TD_OK);
     td_engine_config_t ec = td_engine_config_default();
     ec.n_blocks = n_blocks;
     ec.prefix_cache = prefix_cache;
-    cr_assert_eq(td_engine_create(fx->model, fx->be, &ec, &fx->eng), TD_OK, "%s", td_last_error());
-    fx->vocab = fx->model->config.vocab_size;
+    td_test_engine_open(fx, 1, &ec);
 }
 
 static void fx_close(fixture_t *fx)
 {
-    td_engine_destroy(fx->eng);
-    td_backend_destroy(fx->be);
-    td_model_destroy(fx->model);
+    td_test_engine_close(fx);
 }
 
 static int argmax(const float *v, int n)
@@ -237,7 +209,7 @@ static uint64_t run_staggered(fixture_t *fx, const decode_sched_config_t *cfg, i
 
 Test(decode_sched, staggered_requests_match_alone, .timeout = 300)
 {
-    skip_without_model();
+    td_test_skip_without_stories();
     fixture_t fx;
     fx_open(&fx, 1024, true);
     decode_sched_config_t cfg = decode_sched_config_default();
@@ -251,7 +223,7 @@ Test(decode_sched, staggered_requests_match_alone, .timeout = 300)
 
 Test(decode_sched, preemption_under_a_tiny_pool_keeps_tokens_and_blocks, .timeout = 300)
 {
-    skip_without_model();
+    td_test_skip_without_stories();
     fixture_t fx;
     fx_open(&fx, 16, true); /* 256 tokens for 8 requests of up to 60 + 120 */
     decode_sched_config_t cfg = decode_sched_config_default();
@@ -270,7 +242,7 @@ Test(decode_sched, preemption_under_a_tiny_pool_keeps_tokens_and_blocks, .timeou
 
 Test(decode_sched, cancel_and_deadline_return_every_block, .timeout = 120)
 {
-    skip_without_model();
+    td_test_skip_without_stories();
     fixture_t fx;
     fx_open(&fx, 256, true);
     decode_sched_t *ds;
@@ -349,7 +321,7 @@ Test(decode_sched, cancel_and_deadline_return_every_block, .timeout = 120)
 
 Test(decode_sched, stop_ids_and_limits, .timeout = 120)
 {
-    skip_without_model();
+    td_test_skip_without_stories();
     fixture_t fx;
     fx_open(&fx, 256, true);
     int32_t p[30], want[64];
@@ -411,7 +383,7 @@ Test(decode_sched, stop_ids_and_limits, .timeout = 120)
  * would leave it) is adopted and the generation continues as if local. */
 Test(decode_sched, adopted_kv_continues_the_generation, .timeout = 120)
 {
-    skip_without_model();
+    td_test_skip_without_stories();
     fixture_t fx;
     fx_open(&fx, 256, false); /* adopt needs private, unregistered blocks */
     int32_t p[50], want[64];
@@ -459,7 +431,7 @@ Test(decode_sched, adopted_kv_continues_the_generation, .timeout = 120)
  * the same tokens as one sampler in one process, as `tandem generate --seed` does. */
 Test(decode_sched, seeded_split_generation_equals_one_process, .timeout = 120)
 {
-    skip_without_model();
+    td_test_skip_without_stories();
     fixture_t fx;
     fx_open(&fx, 256, false);
     td_sampling_t sp = td_sampling_default();
@@ -578,10 +550,7 @@ static void shared_open(shared_fx_t *f, const char *tls)
     memset(f, 0, sizeof *f);
     td_xfer_testkit_env(tls);
     fixture_t *fx = &f->fx;
-    cr_assert_eq(td_model_load(stories_path(), &fx->model), TD_OK, "%s", td_last_error());
-    fx->vocab = fx->model->config.vocab_size;
-    td_cpu_config_t cc = {.n_threads = 1};
-    cr_assert_eq(td_backend_cpu_create(&cc, &fx->be), TD_OK);
+    td_test_model_open(fx, 1);
     uv_loop_init(&f->loop);
 
     td_engine_config_t ec = td_engine_config_default();
@@ -659,7 +628,7 @@ static int32_t shared_push(shared_fx_t *f, uint64_t lease_id, const int32_t *blo
 
 static void shared_leases_return_every_block(const char *tls)
 {
-    skip_without_model();
+    td_test_skip_without_stories();
     shared_fx_t *f = calloc(1, sizeof *f);
     shared_open(f, tls);
     decode_sched_t *ds;
@@ -841,7 +810,7 @@ static void *churn_compute(void *arg)
 
 Test(decode_sched, shared_pool_leases_and_engine_on_two_threads, .timeout = 240)
 {
-    skip_without_model();
+    td_test_skip_without_stories();
     shared_fx_t *f = calloc(1, sizeof *f);
     shared_open(f, "tcp");
     churn_t c = {0};

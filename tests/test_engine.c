@@ -14,6 +14,7 @@
 #include "td_backend.h"
 #include "td_engine.h"
 #include "td_model.h"
+#include "td_test_models.h"
 
 /* ---- the reference: run.c in double ------------------------------------------------ */
 
@@ -24,31 +25,9 @@ typedef struct ref_model {
     double *k_cache, *v_cache; /* [layer][seq_len][kv_dim] */
 } ref_model_t;
 
-static const char *models_dir(void)
-{
-    const char *d = getenv("TANDEM_TEST_MODELS");
-    return d ? d : TD_SOURCE_DIR "/../shared/models";
-}
-
-static const char *stories_path(void)
-{
-    static char path[4096];
-    snprintf(path, sizeof path, "%s/stories260K/stories260K.bin", models_dir());
-    return path;
-}
-
-static void skip_without_model(void)
-{
-    FILE *f = fopen(stories_path(), "rb");
-    if (!f)
-        cr_skip_test("skipped: %s not found (set TANDEM_TEST_MODELS to the shared models folder)",
-                     stories_path());
-    fclose(f);
-}
-
 static void ref_load(ref_model_t *r)
 {
-    FILE *f = fopen(stories_path(), "rb");
+    FILE *f = fopen(td_test_stories_path(), "rb");
     cr_assert(f);
     int hdr[7];
     cr_assert_eq(fread(hdr, sizeof(int), 7, f), 7);
@@ -218,28 +197,19 @@ static double ref_greedy(ref_model_t *r, const int *prompt, int n_prompt, int to
 
 /* ---- the engine side --------------------------------------------------------------- */
 
-typedef struct fixture {
-    td_model_t *model;
-    td_backend_t *be;
-    td_engine_t *eng;
-} fixture_t;
+typedef td_test_engine_t fixture_t;
 
 static void fx_open(fixture_t *fx, int threads, bool prefix_cache)
 {
-    cr_assert_eq(td_model_load(stories_path(), &fx->model), TD_OK, "%s", td_last_error());
-    td_cpu_config_t cc = {.n_threads = threads};
-    cr_assert_eq(td_backend_cpu_create(&cc, &fx->be), TD_OK);
     td_engine_config_t ec = td_engine_config_default();
     ec.n_blocks = 2048;
     ec.prefix_cache = prefix_cache;
-    cr_assert_eq(td_engine_create(fx->model, fx->be, &ec, &fx->eng), TD_OK, "%s", td_last_error());
+    td_test_engine_open(fx, threads, &ec);
 }
 
 static void fx_close(fixture_t *fx)
 {
-    td_engine_destroy(fx->eng);
-    td_backend_destroy(fx->be);
-    td_model_destroy(fx->model);
+    td_test_engine_close(fx);
 }
 
 /*
@@ -320,7 +290,7 @@ static int *random_prompt(unsigned *s, int n)
 
 Test(engine, greedy_matches_reference_to_512_tokens, .timeout = 300)
 {
-    skip_without_model();
+    td_test_skip_without_stories();
     ref_model_t r;
     ref_load(&r);
     fixture_t fx;
@@ -346,7 +316,7 @@ Test(engine, greedy_matches_reference_to_512_tokens, .timeout = 300)
 /* the same 32 sequences alone, in one batch, in chunks of 1/7/64, with prefix cache */
 Test(engine, batch_and_chunk_invariance, .timeout = 300)
 {
-    skip_without_model();
+    td_test_skip_without_stories();
     enum { N = 32 };
     unsigned s = 7;
     int *prompts[N], n_prompt[N], total[N], *alone[N], *got[N];
@@ -391,17 +361,13 @@ Test(engine, batch_and_chunk_invariance, .timeout = 300)
 
 Test(engine, exhausted_pool_is_an_error_the_caller_can_act_on, .timeout = 60)
 {
-    skip_without_model();
-    td_model_t *model;
-    td_backend_t *be;
-    td_engine_t *eng;
-    cr_assert_eq(td_model_load(stories_path(), &model), TD_OK);
-    td_cpu_config_t cc = {.n_threads = 1};
-    cr_assert_eq(td_backend_cpu_create(&cc, &be), TD_OK);
+    td_test_skip_without_stories();
+    td_test_engine_t fx;
     td_engine_config_t ec = td_engine_config_default();
     ec.n_blocks = 4; /* 64 tokens */
     ec.prefix_cache = false;
-    cr_assert_eq(td_engine_create(model, be, &ec, &eng), TD_OK);
+    td_test_engine_open(&fx, 1, &ec);
+    td_engine_t *eng = fx.eng;
     int toks[100];
     for (int i = 0; i < 100; i++)
         toks[i] = 1 + i;
@@ -424,7 +390,5 @@ Test(engine, exhausted_pool_is_an_error_the_caller_can_act_on, .timeout = 60)
     td_kv_get_stats(td_engine_kv(eng), &st);
     cr_assert_eq(st.free, 4, "blocks leaked: %d free of 4", st.free);
     free(logits);
-    td_engine_destroy(eng);
-    td_backend_destroy(be);
-    td_model_destroy(model);
+    td_test_engine_close(&fx);
 }

@@ -21,48 +21,20 @@
 #include "td_engine.h"
 #include "td_kv.h"
 #include "td_model.h"
+#include "td_test_models.h"
 
-static const char *stories_path(void)
-{
-    static char path[4096];
-    const char *d = getenv("TANDEM_TEST_MODELS");
-    snprintf(path, sizeof path, "%s/stories260K/stories260K.bin",
-             d ? d : TD_SOURCE_DIR "/../shared/models");
-    return path;
-}
-
-static void skip_without_model(void)
-{
-    FILE *f = fopen(stories_path(), "rb");
-    if (!f)
-        cr_skip_test("skipped: %s not found (set TANDEM_TEST_MODELS to the shared models folder)",
-                     stories_path());
-    fclose(f);
-}
-
-typedef struct fixture {
-    td_model_t *model;
-    td_backend_t *be;
-    td_engine_t *eng;
-    int vocab;
-} fixture_t;
+typedef td_test_engine_t fixture_t;
 
 static void fx_open(fixture_t *fx, int n_blocks)
 {
-    cr_assert_eq(td_model_load(stories_path(), &fx->model), TD_OK, "%s", td_last_error());
-    td_cpu_config_t cc = {.n_threads = 1};
-    cr_assert_eq(td_backend_cpu_create(&cc, &fx->be), TD_OK);
     td_engine_config_t ec = td_engine_config_default();
     ec.n_blocks = n_blocks;
-    cr_assert_eq(td_engine_create(fx->model, fx->be, &ec, &fx->eng), TD_OK, "%s", td_last_error());
-    fx->vocab = fx->model->config.vocab_size;
+    td_test_engine_open(fx, 1, &ec);
 }
 
 static void fx_close(fixture_t *fx)
 {
-    td_engine_destroy(fx->eng);
-    td_backend_destroy(fx->be);
-    td_model_destroy(fx->model);
+    td_test_engine_close(fx);
 }
 
 static int argmax(const float *v, int n)
@@ -130,7 +102,7 @@ static void assert_no_leak(fixture_t *fx)
 
 Test(prefill_sched, chunked_packing_respects_budget_and_first_tokens_match, .timeout = 300)
 {
-    skip_without_model();
+    td_test_skip_without_stories();
     fixture_t fx;
     fx_open(&fx, 1024);
     make_prompts(&fx, 17);
@@ -204,7 +176,7 @@ Test(prefill_sched, chunked_packing_respects_budget_and_first_tokens_match, .tim
 
 Test(prefill_sched, tiny_pool_restarts_and_bounds_refuse, .timeout = 300)
 {
-    skip_without_model();
+    td_test_skip_without_stories();
     fixture_t fx;
     fx_open(&fx, 16); /* 256 tokens: prompts must take turns */
     make_prompts(&fx, 29);
@@ -319,7 +291,7 @@ static void rec_layer(void *arg, uint32_t layer)
 
 Test(engine_layer_hook, once_per_layer_in_order_after_the_layer_is_written, .timeout = 120)
 {
-    skip_without_model();
+    td_test_skip_without_stories();
     fixture_t fx;
     fx_open(&fx, 16); /* 256 tokens */
     int n_layers = fx.model->config.n_layers;
@@ -432,7 +404,7 @@ static uint8_t *snapshot_seq(fixture_t *fx, const td_kv_seq_t *seq, int32_t nb)
 
 Test(prefill_sched, layer_hook_reports_finishing_prompts_and_blocks_hold_until_release, .timeout = 300)
 {
-    skip_without_model();
+    td_test_skip_without_stories();
     fixture_t fx;
     fx_open(&fx, 40); /* 640 tokens: later prompts would reuse released blocks */
     make_prompts(&fx, 41);
@@ -534,7 +506,7 @@ static void count_layers(void *arg, uint32_t layer, const prefill_finishing_t *f
 
 Test(prefill_sched, a_prompt_failing_after_its_layers_were_handed_out_keeps_its_blocks, .timeout = 120)
 {
-    skip_without_model();
+    td_test_skip_without_stories();
     fixture_t fx;
     fx_open(&fx, 64);
     cr_assert_geq(fx.model->config.n_layers, 2);
