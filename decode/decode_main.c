@@ -601,10 +601,7 @@ int decode_main(int argc, char **argv)
     /* subsystems: model, xfer with the KV pool it allocates, engine on that pool,
        scheduler, servers, router client */
     td_status_t st;
-    if ((st = td_model_load(pc->model, &s->model)) != TD_OK)
-        goto out;
-    td_cpu_config_t cc = {.n_threads = (int32_t)pc->threads};
-    if ((st = td_backend_cpu_create(&cc, &s->be)) != TD_OK)
+    if ((st = router_proc_load_model(&s->proc, &s->model, &s->be)) != TD_OK)
         goto out;
     td_engine_config_t ec = td_engine_config_default();
     ec.n_blocks = (int32_t)cfg->kv_blocks;

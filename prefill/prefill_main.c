@@ -768,10 +768,7 @@ int prefill_main(int argc, char **argv)
         td_errorf(TD_ERR_NOMEM, "prefill: out of memory for queues of %d and %d", s->in_cap, s->out_cap);
         goto out;
     }
-    if ((st = td_model_load(pc->model, &s->model)) != TD_OK)
-        goto out;
-    td_cpu_config_t cc = {.n_threads = (int32_t)pc->threads};
-    if ((st = td_backend_cpu_create(&cc, &s->be)) != TD_OK)
+    if ((st = router_proc_load_model(&s->proc, &s->model, &s->be)) != TD_OK)
         goto out;
     td_engine_config_t ec = td_engine_config_default();
     ec.n_blocks = (int32_t)cfg->kv_blocks;

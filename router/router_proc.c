@@ -169,6 +169,25 @@ td_status_t router_proc_register(router_proc_t *p, router_node_client_config_t *
     return TD_OK;
 }
 
+td_status_t router_proc_load_model(router_proc_t *p, td_model_t **model_p, td_backend_t **be_p)
+{
+    TD_ASSERT(p->spec.kind == ROUTER_PROC_NODE);
+    td_model_t *model;
+    td_backend_t *be;
+    td_status_t st = td_model_load(p->cfg.model, &model);
+    if (st != TD_OK)
+        return st;
+    td_cpu_config_t cc = {.n_threads = (int32_t)p->cfg.threads};
+    if ((st = td_backend_cpu_create(&cc, &be)) != TD_OK)
+        goto err_model;
+    *model_p = model;
+    *be_p = be;
+    return TD_OK;
+err_model:
+    td_model_destroy(model);
+    return st;
+}
+
 int router_proc_run(router_proc_t *p)
 {
     uv_run(&p->loop, UV_RUN_DEFAULT);

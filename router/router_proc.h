@@ -38,8 +38,10 @@
 
 #include "router_conf.h"
 #include "router_node_client.h"
+#include "td_backend.h"
 #include "td_http.h"
 #include "td_metrics.h"
+#include "td_model.h"
 #include "td_status.h"
 
 #define ROUTER_PROC_ADDR_MAX ROUTER_ADDRESS_MAX
@@ -125,6 +127,13 @@ uint16_t router_proc_metrics_port(const router_proc_t *p);
  */
 td_status_t router_proc_register(router_proc_t *p, router_node_client_config_t *nc, uint16_t control_port,
                                  router_node_load_cb load_cb, void *data);
+
+/*
+ * Nodes: loads cfg.model and creates the CPU backend with cfg.threads threads, the one
+ * way every node gets its model. Outputs set only on success (the model freed on a backend
+ * failure). Errors: those of td_model_load / td_backend_cpu_create, logged there.
+ */
+td_status_t router_proc_load_model(router_proc_t *p, td_model_t **model_p, td_backend_t **be_p);
 
 /* Runs the loop until shutdown has closed every handle. Returns 0 (the exit status). */
 int router_proc_run(router_proc_t *p);

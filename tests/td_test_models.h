@@ -73,4 +73,14 @@ static inline void td_test_engine_close(td_test_engine_t *fx)
     *fx = (td_test_engine_t){0};
 }
 
+/* The index of the largest of v[0..n) (the first on ties): a greedy token. */
+static inline int td_test_argmax(const float *v, int n)
+{
+    int b = 0;
+    for (int i = 1; i < n; i++)
+        if (v[i] > v[b])
+            b = i;
+    return b;
+}
+
 #endif /* TD_TEST_MODELS_H */

@@ -40,15 +40,6 @@ static void fx_close(fixture_t *fx)
     td_test_engine_close(fx);
 }
 
-static int argmax(const float *v, int n)
-{
-    int b = 0;
-    for (int i = 1; i < n; i++)
-        if (v[i] > v[b])
-            b = i;
-    return b;
-}
-
 static bool is_eos(const fixture_t *fx, int t)
 {
     for (int i = 0; i < fx->model->config.n_eos; i++)
@@ -72,7 +63,7 @@ static int alone(fixture_t *fx, const int32_t *prompt, int n_prompt, int max_tok
     int limit = max_tokens < fx->model->config.max_seq_len - n_prompt
                     ? max_tokens : fx->model->config.max_seq_len - n_prompt;
     for (;;) {
-        int32_t t = argmax(logits, fx->vocab);
+        int32_t t = td_test_argmax(logits, fx->vocab);
         if (is_eos(fx, t)) {
             *eos_p = true;
             break;
@@ -398,7 +389,7 @@ Test(decode_sched, adopted_kv_continues_the_generation, .timeout = 120)
     float *logits = malloc((size_t)fx.vocab * sizeof(float));
     td_engine_item_t it = {.seq = &pre, .tokens = p, .n_tokens = 50, .n_logits = 1};
     cr_assert_eq(td_engine_step(fx.eng, &it, 1, logits), TD_OK);
-    int32_t first = argmax(logits, fx.vocab);
+    int32_t first = td_test_argmax(logits, fx.vocab);
     cr_assert_eq(first, want[0]);
 
     decode_sched_t *ds;
@@ -604,7 +595,7 @@ static int32_t shared_push(shared_fx_t *f, uint64_t lease_id, const int32_t *blo
     float *logits = malloc((size_t)f->fx.vocab * sizeof(float));
     td_engine_item_t it = {.seq = &pre, .tokens = p, .n_tokens = n_prompt, .n_logits = 1};
     cr_assert_eq(td_engine_step(f->pre, &it, 1, logits), TD_OK);
-    int32_t first = argmax(logits, f->fx.vocab);
+    int32_t first = td_test_argmax(logits, f->fx.vocab);
     free(logits);
     td_xfer_send_params_t sp = {.request_id = lease_id, .lease_id = lease_id, .dst_blocks = blocks,
                                 .n_dst_blocks = n_blocks, .n_tokens = (uint32_t)n_prompt, .checksum = true,

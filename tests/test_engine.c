@@ -161,15 +161,6 @@ static int argmax_d(const double *v, int n)
     return best;
 }
 
-static int argmax_f(const float *v, int n)
-{
-    int best = 0;
-    for (int i = 1; i < n; i++)
-        if (v[i] > v[best])
-            best = i;
-    return best;
-}
-
 /* Greedy continuation of prompt up to `total` tokens with the reference; returns the
  * generated ids in out[0 .. total - n_prompt) and the smallest top-1/top-2 logit gap. */
 static double ref_greedy(ref_model_t *r, const int *prompt, int n_prompt, int total, int *out)
@@ -262,7 +253,7 @@ static void engine_greedy(fixture_t *fx, int n, int **prompts, const int *n_prom
             if (done[i] < n_prompt[i])
                 done[i] += items[j].n_tokens;
             if (items[j].n_logits) {
-                next[i] = argmax_f(logits + (size_t)row * vocab, vocab);
+                next[i] = td_test_argmax(logits + (size_t)row * vocab, vocab);
                 out[i][gen[i]++] = next[i];
                 row++;
             }

@@ -37,15 +37,6 @@ static void fx_close(fixture_t *fx)
     td_test_engine_close(fx);
 }
 
-static int argmax(const float *v, int n)
-{
-    int b = 0;
-    for (int i = 1; i < n; i++)
-        if (v[i] > v[b])
-            b = i;
-    return b;
-}
-
 /* The engine's greedy first token for the prompt alone, in one step. */
 static int first_alone(fixture_t *fx, const int32_t *p, int n)
 {
@@ -54,7 +45,7 @@ static int first_alone(fixture_t *fx, const int32_t *p, int n)
     float *logits = malloc((size_t)fx->vocab * sizeof(float));
     td_engine_item_t it = {.seq = &seq, .tokens = p, .n_tokens = n, .n_logits = 1};
     cr_assert_eq(td_engine_step(fx->eng, &it, 1, logits), TD_OK, "%s", td_last_error());
-    int t = argmax(logits, fx->vocab);
+    int t = td_test_argmax(logits, fx->vocab);
     td_engine_seq_end(fx->eng, &seq);
     free(logits);
     return t;
