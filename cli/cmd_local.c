@@ -118,17 +118,19 @@ static void stop_all(local_state_t *l)
 
 int cmd_local(int argc, char **argv)
 {
-    const char *model = NULL, *tokenizer = NULL, *log_level = "warn";
+    const char *model = NULL, *tokenizer = NULL, *log_level = "warn", *host = "127.0.0.1", *advertise = NULL;
     int64_t n_prefill = 1, n_decode = 1, threads = 1, kv_blocks = 1024;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         td_status_t st = TD_OK;
         if (!strcmp(a, "--help")) {
             printf("usage: tandem local --model PATH [--tokenizer PATH] [--prefill N] [--decode M]\n"
-                   "                    [--threads T] [--kv-blocks B] [--log-level L]\n\n"
-                   "Starts a router, N prefill and M decode nodes (separate processes) on 127.0.0.1,\n"
-                   "prints 'gateway: HOST:PORT' and 'metrics: URL' once all registered, and stops them\n"
-                   "all on SIGINT/SIGTERM. --threads is per node (default 1).\n");
+                   "                    [--threads T] [--kv-blocks B] [--log-level L]\n"
+                   "                    [--host H] [--advertise A]\n\n"
+                   "Starts a router, N prefill and M decode nodes (separate processes) listening on\n"
+                   "--host (default 127.0.0.1) and reached at --advertise (default --host; required\n"
+                   "with a wildcard host), prints 'gateway: HOST:PORT' and 'metrics: URL' once all\n"
+                   "registered, and stops them all on SIGINT/SIGTERM. --threads is per node (default 1).\n");
             return 0;
         }
         if (!v) {
@@ -139,6 +141,8 @@ int cmd_local(int argc, char **argv)
         if (!strcmp(a, "--model")) model = v;
         else if (!strcmp(a, "--tokenizer")) tokenizer = v;
         else if (!strcmp(a, "--log-level")) log_level = v;
+        else if (!strcmp(a, "--host")) host = v;
+        else if (!strcmp(a, "--advertise")) advertise = v;
         else if (!strcmp(a, "--prefill")) st = td_parse_i64(v, 1, 32, "--prefill", &n_prefill);
         else if (!strcmp(a, "--decode")) st = td_parse_i64(v, 1, 32, "--decode", &n_decode);
         else if (!strcmp(a, "--threads")) st = td_parse_i64(v, 0, 4096, "--threads", &threads);
@@ -175,9 +179,16 @@ int cmd_local(int argc, char **argv)
     sigaction(SIGTERM, &sa, NULL);
     int rc = 1;
     char line[512], gateway[512] = "", control[512] = "", metrics[512] = "";
-    char *rargv[] = {"tandem", "router", "--log-level", (char *)log_level, "--tokenizer", (char *)tokenizer, NULL};
-    if (!tokenizer)
-        rargv[4] = NULL;
+    char *rargv[12] = {"tandem", "router", "--log-level", (char *)log_level, "--host", (char *)host};
+    int rn = 6;
+    if (advertise) { /* none: the child's default (--host) */
+        rargv[rn++] = "--advertise";
+        rargv[rn++] = (char *)advertise;
+    }
+    if (tokenizer) {
+        rargv[rn++] = "--tokenizer";
+        rargv[rn++] = (char *)tokenizer;
+    }
     if ((l.pids[l.n] = spawn(self, rargv, &l.router_fd)) < 0)
         goto out;
     l.n++;
@@ -201,7 +212,10 @@ int cmd_local(int argc, char **argv)
         char id[32];
         snprintf(id, sizeof id, "%s%lld", dec ? "decode" : "prefill", (long long)(dec ? i - n_prefill : i));
         char *nargv[] = {"tandem", dec ? "decode" : "prefill", "--model", (char *)model, "--router", control,
-                         "--node-id", id, "--threads", th, "--kv-blocks", kb, "--log-level", (char *)log_level, NULL};
+                         "--node-id", id, "--threads", th, "--kv-blocks", kb, "--log-level", (char *)log_level,
+                         "--host", (char *)host, "--advertise", (char *)advertise, NULL};
+        if (!advertise)
+            nargv[16] = NULL;
         if ((l.pids[l.n] = spawn(self, nargv, NULL)) < 0)
             goto out;
         l.n++;
