@@ -97,23 +97,23 @@ bool router_proc_configure(router_proc_t *p, const router_proc_spec_t *spec, con
     bool help;
     if (router_conf_parse(spec->prog, all, n, argc, argv, &p->store, &help) != TD_OK) {
         *exit_p = 2;
-        goto err;
+        goto err_store;
     }
     if (help) {
         router_conf_usage(spec->prog, all, n);
         *exit_p = 0;
-        goto err;
+        goto err_store;
     }
     if (validate(p) != TD_OK) {
         *exit_p = 2;
-        goto err;
+        goto err_store;
     }
     if (c->log_level)
         td_log_set_level((td_log_level_t)td_log_parse_level(c->log_level));
     uv_loop_init(&p->loop);
     p->loop_up = true;
     return true;
-err:
+err_store:
     router_conf_free(&p->store);
     return false;
 }

@@ -1,0 +1,145 @@
+/*
+ * test_router_proc: the process skeleton's config and address rules, without starting a
+ * process: common keys with a process's own table, defaults, --help, bad values, the
+ * advertised address (defaults to --host; a wildcard host without --advertise, or a
+ * wildcard --advertise, refused naming --advertise), a node's --model and --router, and
+ * a shutdown before anything was served (the process's callback once, the loop closes).
+ */
+#include <criterion/criterion.h>
+#include <string.h>
+
+#include "router_proc.h"
+#include "td_status.h"
+
+typedef struct fake {
+    int64_t kv_blocks;
+    int shutdowns;
+} fake_t;
+
+static void on_shutdown(void *data)
+{
+    ((fake_t *)data)->shutdowns++;
+}
+
+/* Runs router_proc_configure over argv (NULL-terminated, argv[0] "tandem"). */
+static bool configure(router_proc_t *p, fake_t *f, router_proc_kind_t kind, const char **argv, int *rc)
+{
+    int argc = 0;
+    while (argv[argc])
+        argc++;
+    memset(p, 0, sizeof *p);
+    const router_conf_key_t keys[] = {{"kv-blocks", ROUTER_CONF_I64, &f->kv_blocks, 1, 1 << 20, "blocks"}};
+    router_proc_spec_t spec = {.prog = kind == ROUTER_PROC_NODE ? "decode" : "router", .kind = kind,
+                               .on_shutdown = on_shutdown, .data = f};
+    return router_proc_configure(p, &spec, keys, 1, argc, (char **)argv, rc);
+}
+
+static void done(router_proc_t *p)
+{
+    router_proc_stop(p);
+    router_proc_free(p);
+}
+
+Test(router_proc, node_defaults_and_own_keys)
+{
+    router_proc_t p;
+    fake_t f = {.kv_blocks = 7};
+    int rc = -1;
+    const char *argv[] = {"tandem", "--model", "m.bin", "--kv-blocks", "9", NULL};
+    cr_assert(configure(&p, &f, ROUTER_PROC_NODE, argv, &rc), "%s", td_last_error());
+    cr_assert_str_eq(p.cfg.host, "127.0.0.1");
+    cr_assert_str_eq(p.cfg.advertise, "127.0.0.1", "advertise defaults to host");
+    cr_assert_str_eq(p.cfg.node_id, "decode0");
+    cr_assert_str_eq(p.cfg.model_name, "default");
+    cr_assert_str_eq(p.router_host, "127.0.0.1");
+    cr_assert_eq(p.router_port, 7070);
+    cr_assert_eq(f.kv_blocks, 9);
+    done(&p);
+    cr_assert_eq(f.shutdowns, 1, "stop shuts down once when nothing ran");
+}
+
+Test(router_proc, advertise_separate_from_host)
+{
+    router_proc_t p;
+    fake_t f = {0};
+    int rc = -1;
+    const char *argv[] = {"tandem", "--model", "m", "--host", "0.0.0.0", "--advertise", "10.1.2.3",
+                          "--router", "10.0.0.1:9000", NULL};
+    cr_assert(configure(&p, &f, ROUTER_PROC_NODE, argv, &rc), "%s", td_last_error());
+    cr_assert_str_eq(p.cfg.host, "0.0.0.0");
+    cr_assert_str_eq(p.cfg.advertise, "10.1.2.3");
+    cr_assert_str_eq(p.router_host, "10.0.0.1");
+    cr_assert_eq(p.router_port, 9000);
+    done(&p);
+}
+
+Test(router_proc, wildcard_host_needs_advertise)
+{
+    const char *cases[][8] = {
+        {"tandem", "--model", "m", "--host", "0.0.0.0", NULL},
+        {"tandem", "--model", "m", "--host", "::", NULL},
+        {"tandem", "--model", "m", "--host", "127.0.0.1", "--advertise", "0.0.0.0", NULL},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        router_proc_t p;
+        fake_t f = {0};
+        int rc = -1;
+        cr_assert_not(configure(&p, &f, ROUTER_PROC_NODE, cases[i], &rc), "case %zu accepted", i);
+        cr_assert_eq(rc, 2);
+        cr_assert(strstr(td_last_error(), "--advertise"), "case %zu: '%s' does not name --advertise", i,
+                  td_last_error());
+        done(&p); /* no loop: no-op */
+        cr_assert_eq(f.shutdowns, 0);
+    }
+    router_proc_t p;
+    fake_t f = {0};
+    int rc = -1;
+    const char *router_argv[] = {"tandem", "--host", "0.0.0.0", NULL};
+    cr_assert_not(configure(&p, &f, ROUTER_PROC_ROUTER, router_argv, &rc));
+    cr_assert_eq(rc, 2);
+}
+
+Test(router_proc, help_bad_values_and_node_requirements)
+{
+    struct {
+        router_proc_kind_t kind;
+        const char *argv[8];
+        int rc;
+    } cases[] = {
+        {ROUTER_PROC_NODE, {"tandem", "--help", NULL}, 0},
+        {ROUTER_PROC_ROUTER, {"tandem", "--help", NULL}, 0},
+        {ROUTER_PROC_NODE, {"tandem", NULL}, 2},                                   /* no --model */
+        {ROUTER_PROC_NODE, {"tandem", "--model", "m", "--router", "nohost", NULL}, 2},
+        {ROUTER_PROC_NODE, {"tandem", "--model", "m", "--log-level", "loud", NULL}, 2},
+        {ROUTER_PROC_NODE, {"tandem", "--model", "m", "--port", "70000", NULL}, 2},
+        {ROUTER_PROC_ROUTER, {"tandem", "--model", "m", NULL}, 2},                 /* a node key */
+        {ROUTER_PROC_ROUTER, {"tandem", "--kv-blocks", "0", NULL}, 2},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        router_proc_t p;
+        fake_t f = {0};
+        int rc = -1;
+        cr_assert_not(configure(&p, &f, cases[i].kind, cases[i].argv, &rc), "case %zu accepted", i);
+        cr_assert_eq(rc, cases[i].rc, "case %zu: exit %d", i, rc);
+        done(&p);
+    }
+}
+
+Test(router_proc, serve_then_shutdown_closes_everything)
+{
+    router_proc_t p;
+    fake_t f = {0};
+    int rc = -1;
+    const char *argv[] = {"tandem", NULL};
+    cr_assert(configure(&p, &f, ROUTER_PROC_ROUTER, argv, &rc), "%s", td_last_error());
+    td_metrics_t *m;
+    cr_assert_eq(td_metrics_create(&m), TD_OK);
+    cr_assert_eq(router_proc_serve(&p, m), TD_OK, "%s", td_last_error());
+    cr_assert_neq(router_proc_metrics_port(&p), 0);
+    router_proc_shutdown(&p);
+    router_proc_shutdown(&p); /* once */
+    cr_assert_eq(router_proc_run(&p), 0, "the loop ends once shutdown closed every handle");
+    cr_assert_eq(f.shutdowns, 1);
+    done(&p);
+    td_metrics_destroy(m);
+}
