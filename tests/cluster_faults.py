@@ -10,7 +10,7 @@ and exits 0 when the behaviour is right, 1 (with 'FAIL: why' lines) when not:
                                          N streams, each cancelled once it has AFTER tokens (0:
                                          at its first message); URL: print the decode node's
                                          used KV blocks before the first cancel
-  deadline HOST:PORT N MAX_TOKENS SECS [ROUTER_LOG]
+  deadline HOST:PORT N MAX_TOKENS SECS
                                          N streams with a client deadline → DEADLINE_EXCEEDED
   rawdeadline HOST:PORT MAX_TOKENS MS [BG]
                                          grpc-timeout header, no client deadline (curl, h2c):
@@ -40,8 +40,8 @@ and exits 0 when the behaviour is right, 1 (with 'FAIL: why' lines) when not:
   httpgarbage URL                        garbage on a /metrics port: connections closed,
                                          /metrics still served
   slowreader HOST:PORT MAX_TOKENS SECS   a raw h2c client that never opens its stream window:
-                                         no DATA may come, the stream must end within SECS
-                                         (exit 3: it did not end)
+                                         no DATA may come, the stream must end with trailers
+                                         (its status) within SECS
   churn HOST:PORT REFS MAX_TOKENS SECS THREADS STOPFILE
                                          streams back to back while nodes die and come back:
                                          each OK and exact, or UNAVAILABLE; half at least OK
@@ -60,70 +60,7 @@ import urllib.request
 
 import grpc
 
-GENERATE = "/tandem.v1.Generation/Generate"
-
-
-def varint(n):
-    out = bytearray()
-    while True:
-        b = n & 0x7F
-        n >>= 7
-        if n:
-            out.append(b | 0x80)
-        else:
-            out.append(b)
-            return bytes(out)
-
-
-def request(ids, max_tokens):
-    packed = b"".join(varint(i) for i in ids)
-    return b"\x12" + varint(len(packed)) + packed + b"\x18" + varint(max_tokens)
-
-
-def read_varint(buf, i):
-    v = s = 0
-    while True:
-        b = buf[i]
-        i += 1
-        v |= (b & 0x7F) << s
-        s += 7
-        if not b & 0x80:
-            return v, i
-
-
-def parse_ids(msg):
-    """token_ids (field 1, packed or not) of one GenerateResponse."""
-    ids, i = [], 0
-    while i < len(msg):
-        key, i = read_varint(msg, i)
-        field, wt = key >> 3, key & 7
-        if wt == 0:
-            v, i = read_varint(msg, i)
-            if field == 1:
-                ids.append(v)
-        elif wt == 2:
-            ln, i = read_varint(msg, i)
-            if field == 1:
-                j = i
-                while j < i + ln:
-                    v, j = read_varint(msg, j)
-                    ids.append(v)
-            i += ln
-        elif wt == 1:
-            i += 8
-        elif wt == 5:
-            i += 4
-        else:
-            raise ValueError("bad wire type %d" % wt)
-    return ids
-
-
-def channel(target):
-    return grpc.insecure_channel(target)
-
-
-def generate_stub(ch):
-    return ch.unary_stream(GENERATE, request_serializer=lambda b: b, response_deserializer=lambda b: b)
+from cluster_wire import GENERATE, channel, generate_stub, parse_ids, pb_bytes, pb_packed, pb_varint, request
 
 
 def fetch_metric(url, name, label=""):
@@ -255,29 +192,7 @@ def cmd_cancel(target, n, max_tokens, after, metrics_url=""):
     return rc
 
 
-KNOWN_DEADLINE_AS_UNAVAILABLE = (
-    "KNOWN-FAIL: %s: UNAVAILABLE '%s' instead of DEADLINE_EXCEEDED: the router's call to a node (Admit or the "
-    "rest of the Prefill stream) is armed with call_timeout_ms() = the request's time left, on the libuv loop "
-    "clock (uv_now: cached per loop turn, in ms; common/td_grpc_client.c call->deadline), so it can expire a "
-    "little before r->deadline_ns; router/router_main.c req_retry_or_fail() then finds past_deadline() false "
-    "(td_now_ns) and ends the request UNAVAILABLE (tokens were sent), or retries it (none were) and, with no "
-    "other pair, ends it UNAVAILABLE, instead of DEADLINE_EXCEEDED")
-
-
-def deadline_known_bug(code, details, router_log=""):
-    """The router's early node-call deadline: ended UNAVAILABLE at once, or retried (the router
-    log says why) and then UNAVAILABLE for want of another pair."""
-    if code != "UNAVAILABLE":
-        return False
-    if details.endswith("failed: deadline exceeded"):
-        return True
-    if details == "the retry found no other pair" and router_log:
-        with open(router_log, errors="replace") as f:
-            return "retrying on another pair (deadline exceeded)" in f.read()
-    return False
-
-
-def cmd_deadline(target, n, max_tokens, secs, router_log=""):
+def cmd_deadline(target, n, max_tokens, secs):
     n, max_tokens, secs = int(n), int(max_tokens), float(secs)
     stub = generate_stub(channel(target))
     streams = [Stream(stub, [1, 20 + k], max_tokens, timeout=secs) for k in range(n)]
@@ -287,9 +202,7 @@ def cmd_deadline(target, n, max_tokens, secs, router_log=""):
             rc = fail("a stream with a %g s deadline did not end within 40 s" % secs)
             continue
         print("stream %s: %s after %d tokens" % (s.ids, s.code, len(s.got)))
-        if deadline_known_bug(s.code, s.details, router_log):
-            print(KNOWN_DEADLINE_AS_UNAVAILABLE % ("stream %s" % s.ids, s.details))
-        elif s.code != "DEADLINE_EXCEEDED":
+        if s.code != "DEADLINE_EXCEEDED":
             rc = fail("stream %s ended %s %s, not DEADLINE_EXCEEDED" % (s.ids, s.code, s.details))
     return rc
 
@@ -340,6 +253,33 @@ def expect_closed(sock, what, seconds=5.0):
     return False, "%s: connection still open after %g s (%d bytes from the server)" % (what, seconds, got)
 
 
+def probe_connections(addr, cases, served):
+    """Each case (what, bytes, half_close) on its own connection: the server must close it
+    (a half-closed one only once the client half-closes, checking served() meanwhile), and
+    served(what) (None, or what went wrong) must hold after each. Returns 0 or 1."""
+    rc = 0
+    for what, data, half_close in cases:
+        s = socket.create_connection(addr, timeout=5)
+        try:
+            s.sendall(data)
+        except OSError:
+            pass  # the server may close before it read everything
+        if half_close:
+            err = served(what + " (still open)")
+            if err:
+                rc = fail(err)
+            s.shutdown(socket.SHUT_WR)
+        closed, how = expect_closed(s, what)
+        s.close()
+        print("%s: %s" % (what, how))
+        if not closed:
+            rc = fail(how)
+        err = served(what)
+        if err:
+            rc = fail(err)
+    return rc
+
+
 def normal_ok(stub, what):
     try:
         got = []
@@ -357,7 +297,6 @@ def cmd_garbage(target):
     addr = (host, int(port))
     stub = generate_stub(channel(target))
     rnd = random.Random(5)
-    rc = 0
     preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
     settings = b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
     cases = [
@@ -369,23 +308,8 @@ def cmd_garbage(target):
          b"POST " + GENERATE.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/grpc\r\n"
          b"Content-Length: 5\r\n\r\n\x00\x00\x00\x00\x00", False),
     ]
-    for what, data, half_close in cases:
-        s = socket.create_connection(addr, timeout=5)
-        s.sendall(data)
-        if half_close:
-            # while this connection waits for the rest of its frame, others are served
-            err = normal_ok(stub, what + " (still open)")
-            if err:
-                rc = fail(err)
-            s.shutdown(socket.SHUT_WR)
-        closed, how = expect_closed(s, what)
-        s.close()
-        print("%s: %s" % (what, how))
-        if not closed:
-            rc = fail(how)
-        err = normal_ok(stub, what)
-        if err:
-            rc = fail(err)
+    # while a half-open connection waits for the rest of its frame, others are served
+    rc = probe_connections(addr, cases, lambda what: normal_ok(stub, what))
     # valid gRPC framing carrying bodies that are not a GenerateRequest
     bodies = [
         ("bad varint", b"\x18\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff"),
@@ -573,29 +497,12 @@ def cmd_stall(target, pid, after, mode, secs, max_tokens, metrics_url=""):
     finally:
         os.kill(pid, signal.SIGCONT)
     want = "DEADLINE_EXCEEDED" if mode == "deadline" else "CANCELLED"
-    if mode == "deadline" and deadline_known_bug(s.code, s.details):
-        print(KNOWN_DEADLINE_AS_UNAVAILABLE % ("the stalled stream", s.details))
-        return 0
     print("stall (%s, stop %s): %s after %d tokens, %.0f ms after the stop"
           % (mode, "before the request" if after < 0 else "after %d tokens" % after, s.code, len(s.got),
              (s.t_end - t_stop) * 1e3))
     if s.code != want:
         return fail("the stalled stream ended %s %s, not %s" % (s.code, s.details, want))
     return 0
-
-
-def pb_varint(field, v):
-    return varint(field << 3) + varint(v)
-
-
-def pb_bytes(field, b):
-    if isinstance(b, str):
-        b = b.encode()
-    return varint(field << 3 | 2) + varint(len(b)) + b
-
-
-def pb_packed(field, vals):
-    return pb_bytes(field, b"".join(varint(v) for v in vals))
 
 
 def control_call(target, method, body, streaming=False, timeout=10):
@@ -704,27 +611,7 @@ def cmd_httpgarbage(url):
         ("the HTTP/2 preface", b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00", False),
         ("NUL bytes in the request line", b"GET /met\x00rics HTTP/1.1\r\n\r\n", False),
     ]
-    rc = 0
-    for what, data, half_close in cases:
-        s = socket.create_connection(addr, timeout=5)
-        try:
-            s.sendall(data)
-        except OSError:
-            pass  # the server may close before it read everything
-        if half_close:
-            err = metrics_ok(what + " (still open)")
-            if err:
-                rc = fail(err)
-            s.shutdown(socket.SHUT_WR)
-        closed, how = expect_closed(s, what)
-        s.close()
-        print("%s: %s" % (what, how))
-        if not closed:
-            rc = fail(how)
-        err = metrics_ok(what)
-        if err:
-            rc = fail(err)
-    return rc
+    return probe_connections(addr, cases, metrics_ok)
 
 
 def h2_frame(ftype, flags, stream, payload=b""):
@@ -740,8 +627,8 @@ def hpack_literal(name, value):
 def cmd_slowreader(target, max_tokens, secs):
     """A raw h2c client that asks for a generation and never opens its stream's flow-control
     window (SETTINGS_INITIAL_WINDOW_SIZE 0, no WINDOW_UPDATE), while answering SETTINGS and
-    PING. The server must send no DATA on the stream and end it (trailers or RST_STREAM)
-    within secs. Exit 1: DATA came; 3: the stream did not end."""
+    PING. The server must send no DATA on the stream and end it with trailers (the status;
+    HEADERS are not flow-controlled) within secs."""
     host, port = target.rsplit(":", 1)
     sock = socket.create_connection((host, int(port)), timeout=5)
     body = request([1, 2], int(max_tokens))
@@ -792,9 +679,9 @@ def cmd_slowreader(target, max_tokens, secs):
           % (ended or "not ended", (time.monotonic() - t0) * 1e3, data_bytes))
     if data_bytes:
         return fail("the server sent %d DATA bytes into a closed flow-control window" % data_bytes)
-    if not ended:
-        print("the stream of a client that does not read did not end within %s s" % secs)
-        return 3  # the caller decides: a known bug of the gRPC server
+    if ended != "trailers":
+        return fail("the stream of a client that does not read ended %s within %s s, not with trailers carrying "
+                    "its status" % (ended or "not at all", secs))
     return 0
 
 
@@ -838,17 +725,15 @@ def cmd_churn(target, refs_path, max_tokens, seconds, concurrency, stop_file):
         t.join()
     total = sum(v for k, v in counts.items() if k != "UNAVAILABLE before any token")
     print("churn: %d streams: %s" % (total, ", ".join("%s %d" % kv for kv in sorted(counts.items()))))
-    same_node = [d for d in early if "prefill node unreachable" in d]
-    if same_node:
-        print("KNOWN-FAIL: %d of %d streams ended UNAVAILABLE before any token reached the client although another "
-              "prefill node was up ('%s'): after a prefill node dies, router/router_main.c (Admit done → Prefill call) "
-              "fails its channel call at once and req_retry_or_fail retries, but router_policy.c excluded() skips only "
-              "the pairs already tried, not the failed node, and the registry keeps the dead node live until "
-              "heartbeat-timeout-ms, so the retry can pick the same dead prefill node with the other decode node and "
-              "fail the same way" % (len(same_node), total, same_node[0]))
-    for d in sorted(set(early) - set(same_node)):
+    for d in sorted(set(early)):
         print("churn: UNAVAILABLE before any token: %s (x%d)" % (d, early.count(d)))
     rc = 0
+    same_node = [d for d in early if "prefill node unreachable" in d]
+    if same_node:
+        # one of each role always stays up: a retry that still finds no prefill node went back
+        # to a dead one (the router skips a node whose channel failed until it re-registers)
+        rc = fail("%d of %d streams ended UNAVAILABLE before any token although another prefill node was up "
+                  "('%s'): the retry went to the same dead prefill node" % (len(same_node), total, same_node[0]))
     for p in problems[:10]:
         rc = fail(p)
     if total == 0 or counts.get("OK", 0) * 2 < total:

@@ -6,9 +6,8 @@
 # non-zero on SIGTERM or dies without the test killing it.
 #
 # Use: source it, call cl_init (skips without the model or grpcio), start processes (cl_local,
-# or cl_router + cl_node + cl_wait_nodes), call cl_fail for each failed check (cl_known_fail
-# for one failing only because of a reported cluster bug: said as KNOWN-FAIL, not a failure),
-# end with cl_end "PASS line", which first checks the cluster is idle (cl_idle), stops every
+# or cl_router + cl_node + cl_wait_nodes, or cl_cluster for a router, p0 and decode nodes),
+# call cl_fail for each failed check, end with cl_end "PASS line", which first checks the cluster is idle (cl_idle), stops every
 # process, checks exits and sanitizer logs, and exits 0 or 1.
 set -u
 CL_M="${TANDEM_TEST_MODELS:-$(dirname "$0")/../../shared/models}/stories260K/stories260K.bin"
@@ -17,7 +16,6 @@ CL_SRC="${TD_SOURCE_DIR:-$(cd "$(dirname "$0")/.." && pwd)}"
 CL_PY=/usr/bin/python3
 CL_TOOL="$CL_SRC/tests/cluster_faults.py"
 CL_FAIL=0
-CL_KNOWN=0
 CL_ROUTER=router     # the process name of the current router (set another before a restart)
 CL_NAMES=()          # process names in start order
 CL_BG=()             # background client pids (killed on exit)
@@ -42,13 +40,6 @@ cl_init() {
 cl_fail() {
     echo "FAIL: $*"
     CL_FAIL=1
-}
-
-# cl_known_fail "reason": a check that fails because of a known, reported bug of the cluster;
-# said loudly, but the test does not fail for it
-cl_known_fail() {
-    echo "KNOWN-FAIL: $*"
-    CL_KNOWN=1
 }
 
 # _cl_dead PID: true when the process is gone or a zombie
@@ -136,14 +127,13 @@ cl_local() {
     done < <(grep -E '^(prefill|decode) [^ ]+: control [^ ]+ metrics ' "$CL_T/local.err")
 }
 
-# cl_py SUBCOMMAND ARGS...: runs cluster_faults.py and shows its output; a non-zero exit fails
-# the test, a KNOWN-FAIL line in it marks the test as passing with a known bug
+# cl_py SUBCOMMAND ARGS...: runs cluster_faults.py and shows its output (also in $CL_T/py.log);
+# a non-zero exit fails the test
 cl_py() {
     local rc
     "$CL_PY" "$CL_TOOL" "$@" >"$CL_T/py.log" 2>&1
     rc=$?
     cat "$CL_T/py.log"
-    grep -q '^KNOWN-FAIL' "$CL_T/py.log" && CL_KNOWN=1
     [ $rc -eq 0 ] || CL_FAIL=1
     return $rc
 }
@@ -166,20 +156,35 @@ cl_ref() {
 }
 
 # cl_blocks_back NODE BASE WHAT [SECONDS]: the decode node's tandem_decode_kv_blocks_used
-# returns to BASE within SECONDS (10). When it does only after a short request ran decode
-# steps, the blocks were freed but the gauge was stale: a known bug, said as KNOWN-FAIL.
+# returns to BASE within SECONDS (10) with no other request run meanwhile (the gauge follows
+# every free: lease expiry and release too, not only decode steps)
 cl_blocks_back() {
     local node=$1 base=$2 what=$3 v
     if v=$("$CL_PY" "$CL_TOOL" waitmetric "${CL_MURL[$node]}" tandem_decode_kv_blocks_used == "$base" "${4:-10}"); then
         echo "$node kv blocks used: back to $base after $what"
-        return 0
-    fi
-    "$CL_PY" "$CL_TOOL" ping "$CL_GW" >/dev/null 2>&1
-    if v=$("$CL_PY" "$CL_TOOL" waitmetric "${CL_MURL[$node]}" tandem_decode_kv_blocks_used == "$base" 5); then
-        cl_known_fail "$node's tandem_decode_kv_blocks_used stayed above $base after $what until a new request ran decode steps: the gauge is only set by the compute loop (decode/decode_main.c, td_metric_set(s->m_used) after each step), not when on_sweep (lease expiry) or on_release (lease released before kv-ready) free a lease's blocks; the heartbeat's free-block count (load_free) is stale the same way"
     else
         cl_fail "$node's used KV blocks did not return to $base after $what: $v"
     fi
+}
+
+# cl_cluster ND [ROUTER_FLAGS...]: a router with ROUTER_FLAGS, prefill node p0 and decode
+# nodes d0..d<ND-1>, started one by one; returns once the router counts them all
+cl_cluster() {
+    local nd=$1 k; shift
+    cl_router "$@"
+    cl_node prefill p0
+    for ((k = 0; k < nd; k++)); do cl_node decode "d$k"; done
+    cl_wait_nodes 1 "$nd"
+}
+
+# cl_refs FILE MAX_TOKENS FIRST [TAIL]: writes 8 lines 'ids|ref ids' to $CL_T/FILE, prompt k
+# (1..8) being '1 FIRST+k TAIL' and its reference `tandem generate` of MAX_TOKENS
+cl_refs() {
+    local k p
+    for k in $(seq 8); do
+        p="1 $(($3 + k))${4:+ $4}"
+        echo "$p|$(cl_ref "$2" "$p")"
+    done >"$CL_T/$1"
 }
 
 # cl_kill NAME SIGNAL: signals one process on purpose (its death is then not a failure)
@@ -264,6 +269,6 @@ cl_end() {
         cl_dump
         exit 1
     fi
-    [ $CL_KNOWN -eq 0 ] && echo "PASS: $*" || echo "PASS (but see KNOWN-FAIL above): $*"
+    echo "PASS: $*"
     exit 0
 }

@@ -9,11 +9,11 @@
 source "$(dirname "$0")/cluster_lib.sh"
 cl_init
 MAXTOK=480
-cl_local 1 1 --log-level info # the router's retry reasons tell a known bug (cluster_faults.py)
+cl_local 1 1
 [ -n "${CL_MURL[decode0]:-}" ] || { cl_fail "no decode0 metrics URL in tandem local's output"; cl_end; }
 base=$(cl_metric decode0 tandem_decode_kv_blocks_used) || { cl_fail "cannot read decode0's /metrics"; cl_end; }
 dl0=$(cl_metric router tandem_router_requests_total outcome=deadline 2>/dev/null || echo 0)
-cl_py deadline "$CL_GW" 8 $MAXTOK 0.02 "$CL_T/local.err"
+cl_py deadline "$CL_GW" 8 $MAXTOK 0.02
 if command -v curl >/dev/null && curl -V | grep -q HTTP2; then
     "$CL_PY" "$CL_TOOL" rawdeadline "$CL_GW" $MAXTOK 20 4 || CL_FAIL=1
     dl1=$(cl_metric router tandem_router_requests_total outcome=deadline 2>/dev/null || echo 0)

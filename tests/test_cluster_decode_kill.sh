@@ -13,14 +13,10 @@
 source "$(dirname "$0")/cluster_lib.sh"
 cl_init
 HB=1000 MAXTOK=480
-cl_router --heartbeat-ms 100 --heartbeat-timeout-ms $HB
-cl_node prefill p0
-cl_node decode d0
-cl_node decode d1
-cl_wait_nodes 1 2
+cl_cluster 2 --heartbeat-ms 100 --heartbeat-timeout-ms $HB
 d1base=$(cl_metric d1 tandem_decode_kv_blocks_used)
-for k in $(seq 8); do p="1 $((40 + k))"; echo "$p|$(cl_ref $MAXTOK "$p")"; done >"$CL_T/long"
-for k in $(seq 8); do p="1 $((60 + k)) $((70 + k))"; echo "$p|$(cl_ref 32 "$p")"; done >"$CL_T/short"
+cl_refs long $MAXTOK 40
+cl_refs short 32 60 77
 
 echo "== SIGKILL d0 mid-stream"
 CL_KILLED[d0]=1

@@ -10,13 +10,10 @@
 source "$(dirname "$0")/cluster_lib.sh"
 cl_init
 PORT=$("$CL_PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-cl_router --control-port "$PORT" --heartbeat-ms 100 --heartbeat-timeout-ms 1000 --lease-ms 2000
-cl_node prefill p0
-cl_node decode d0
-cl_wait_nodes 1 1
+cl_cluster 1 --control-port "$PORT" --heartbeat-ms 100 --heartbeat-timeout-ms 1000 --lease-ms 2000
 base=$(cl_metric d0 tandem_decode_kv_blocks_used)
-for k in $(seq 8); do p="1 $((140 + k))"; echo "$p|$(cl_ref 480 "$p")"; done >"$CL_T/long"
-for k in $(seq 8); do p="1 $((160 + k)) 9"; echo "$p|$(cl_ref 24 "$p")"; done >"$CL_T/short"
+cl_refs long 480 140
+cl_refs short 24 160 9
 
 echo "== SIGKILL the router mid-stream"
 CL_KILLED[router]=1

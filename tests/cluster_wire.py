@@ -1,0 +1,85 @@
+"""cluster_wire: the protobuf and gRPC bits the cluster test clients share (cluster_faults.py,
+cluster_client.py): varints, GenerateRequest bytes built from proto/tandem.proto's field
+numbers, the token ids of a GenerateResponse, raw control-API fields, and a grpcio stub of
+Generate that passes bytes through (no generated stubs needed). Imported, not run.
+"""
+import grpc
+
+GENERATE = "/tandem.v1.Generation/Generate"
+
+
+def varint(n):
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+def read_varint(buf, i):
+    v = s = 0
+    while True:
+        b = buf[i]
+        i += 1
+        v |= (b & 0x7F) << s
+        s += 7
+        if not b & 0x80:
+            return v, i
+
+
+def pb_varint(field, v):
+    return varint(field << 3) + varint(v)
+
+
+def pb_bytes(field, b):
+    if isinstance(b, str):
+        b = b.encode()
+    return varint(field << 3 | 2) + varint(len(b)) + b
+
+
+def pb_packed(field, vals):
+    return pb_bytes(field, b"".join(varint(v) for v in vals))
+
+
+def request(ids, max_tokens):
+    """A GenerateRequest: prompt_ids (field 2, packed) and max_tokens (field 3)."""
+    return pb_packed(2, ids) + pb_varint(3, max_tokens)
+
+
+def parse_ids(msg):
+    """token_ids (field 1, packed or not) of one GenerateResponse."""
+    ids, i = [], 0
+    while i < len(msg):
+        key, i = read_varint(msg, i)
+        field, wt = key >> 3, key & 7
+        if wt == 0:
+            v, i = read_varint(msg, i)
+            if field == 1:
+                ids.append(v)
+        elif wt == 2:
+            ln, i = read_varint(msg, i)
+            if field == 1:
+                j = i
+                while j < i + ln:
+                    v, j = read_varint(msg, j)
+                    ids.append(v)
+            i += ln
+        elif wt == 1:
+            i += 8
+        elif wt == 5:
+            i += 4
+        else:
+            raise ValueError("bad wire type %d" % wt)
+    return ids
+
+
+def channel(target):
+    return grpc.insecure_channel(target)
+
+
+def generate_stub(ch):
+    return ch.unary_stream(GENERATE, request_serializer=lambda b: b, response_deserializer=lambda b: b)
