@@ -252,16 +252,16 @@ static void call_abort(td_grpc_client_call_t *call, td_grpc_code_t code, const c
 static void call_finish_from_stream(td_grpc_client_call_t *call)
 {
     char buf[160];
-    if (td_grpc_buf_size(&call->resp)) {
-        call_done(call, TD_GRPC_INTERNAL, "stream ended inside a message (truncated)");
-    } else if (call->grpc_status >= 0) {
-        call_done(call, (td_grpc_code_t)call->grpc_status, call->grpc_message);
-    } else if (call->reset_code) {
+    if (call->grpc_status < 0 && call->reset_code) { /* a reset may cut a message: it is the news */
         td_grpc_code_t code = call->reset_code == NGHTTP2_REFUSED_STREAM ? TD_GRPC_UNAVAILABLE
                               : call->reset_code == NGHTTP2_CANCEL         ? TD_GRPC_CANCELLED
                                                                            : TD_GRPC_INTERNAL;
         snprintf(buf, sizeof buf, "stream reset by the server (%s)", nghttp2_http2_strerror(call->reset_code));
         call_done(call, code, buf);
+    } else if (td_grpc_buf_size(&call->resp)) {
+        call_done(call, TD_GRPC_INTERNAL, "stream ended inside a message (truncated)");
+    } else if (call->grpc_status >= 0) {
+        call_done(call, (td_grpc_code_t)call->grpc_status, call->grpc_message);
     } else if (call->http_status && call->http_status != 200) {
         snprintf(buf, sizeof buf, "HTTP status %d without grpc-status", call->http_status);
         call_done(call, td_grpc_code_from_http(call->http_status), buf);
