@@ -1766,6 +1766,14 @@ static void on_tick(uv_timer_t *h)
 
 /* ---- lifetime --------------------------------------------------------------------------- */
 
+uint64_t td_xfer_request_key(const char *request_id)
+{
+    uint64_t h = 1469598103934665603ull;
+    for (const char *p = request_id; *p; p++)
+        h = (h ^ (uint8_t)*p) * 1099511628211ull;
+    return h;
+}
+
 td_xfer_config_t td_xfer_config_default(void)
 {
     return (td_xfer_config_t){.name = "tandem",

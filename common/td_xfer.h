@@ -89,6 +89,12 @@ typedef struct td_xfer_config {
  * rma auto, 10 s quarantine, non-temporal copies from 256 KiB, 64 MiB staging ring. */
 td_xfer_config_t td_xfer_config_default(void);
 
+/* The 64-bit td_xfer request id of a cluster request id string (the FNV-1a loop, with the
+ * offset basis the nodes have always used: 1469598103934665603, not FNV's 14695981039346656037;
+ * kept so that nodes of different builds agree). Prefill and decode nodes both derive it from
+ * the router's request id, so they name the same transfer. */
+uint64_t td_xfer_request_key(const char *request_id);
+
 /* Prometheus names in docs/xfer.md. Counters only grow; gauges are current values. */
 #define TD_XFER_HIST_BUCKETS 12
 extern const double td_xfer_hist_le_s[TD_XFER_HIST_BUCKETS]; /* upper bounds, last +Inf */

@@ -118,14 +118,6 @@ typedef struct decode_state {
 } decode_state_t;
 
 /* FNV-1a of the request id string: the 64-bit id both nodes give td_xfer. */
-static uint64_t request_key(const char *s)
-{
-    uint64_t h = 1469598103934665603ull;
-    for (; *s; s++)
-        h = (h ^ (uint8_t)*s) * 1099511628211ull;
-    return h;
-}
-
 /* ---- compute thread ------------------------------------------------------------------ */
 
 static void push_out(decode_state_t *s, decode_out_t *o)
@@ -427,7 +419,7 @@ static void on_admit(td_grpc_call_t *call, const ProtobufCMessage *msg, void *da
     int32_t n_blocks = (int32_t)TD_DIV_CEIL(a->n_prompt, (int32_t)s->layout.block_size);
     int32_t *blocks = malloc((size_t)n_blocks * sizeof *blocks);
     uint32_t ttl = (uint32_t)TD_MIN((int64_t)(r->lease_ms ? r->lease_ms : 10000), s->cfg.max_lease_ms);
-    td_status_t st = blocks ? td_xfer_lease_create(s->xfer, request_key(r->request_id), n_blocks, ttl, blocks,
+    td_status_t st = blocks ? td_xfer_lease_create(s->xfer, td_xfer_request_key(r->request_id), n_blocks, ttl, blocks,
                                                    &a->lease_id)
                             : TD_ERR_NOMEM;
     if (st != TD_OK) {

@@ -154,14 +154,6 @@ typedef struct prefill_state {
     _Atomic int64_t step_ns;            /* recent step time (moving mean), for heartbeats */
 } prefill_state_t;
 
-static uint64_t request_key(const char *s)
-{
-    uint64_t h = 1469598103934665603ull;
-    for (; *s; s++)
-        h = (h ^ (uint8_t)*s) * 1099511628211ull;
-    return h;
-}
-
 static uint64_t job_id(const prefill_job_t *j)
 {
     return (uint64_t)(uintptr_t)j;
@@ -633,7 +625,7 @@ static void on_prefill(td_grpc_call_t *call, const ProtobufCMessage *msg, void *
         return;
     }
     j->s = s;
-    j->key = request_key(r->request_id);
+    j->key = td_xfer_request_key(r->request_id);
     j->lease_id = r->lease_id;
     j->t_accept = td_now_ns();
     uint64_t dl_ms = td_grpc_call_deadline(call);
