@@ -473,28 +473,40 @@ Test(router_relay, phaseless_prefill_reply_counts_once)
 #define FLOOD 40000
 #define BIG 0x200000u
 
+/* Starts request "a", pauses its client after the first token (token 1), then sends single-
+ * token steps BIG+2 .. BIG+FLOOD for it, waiting out the router's TD_ERR_BUSY; with
+ * until_released it stops as soon as the router released the lease and lets the loop run a
+ * turn after each step. Returns the lease. */
+static lease_t *flood_paused_client(env_t *e, gen_t *g, bool until_released)
+{
+    e->prefill_first_token = 1;
+    e->prefill_phaseless = true;
+    generate(e, g, "a", 0, false, 0);
+    RUN_UNTIL(e, g->n_ids == 1);
+    td_grpc_client_call_pause(g->call, true);
+    lease_t *l = &e->leases[0];
+    token(e, l, 1);
+    for (uint32_t t = 2; t <= FLOOD && !(until_released && l->released); t++) {
+        td_status_t st;
+        uint32_t id = BIG + t;
+        while ((st = step(e, 1, (const lease_t *const[]){l}, &id,
+                          (Tandem__Control__V1__SeqEvent[]){TANDEM__CONTROL__V1__SEQ_EVENT__SEQ_EVENT_TOKEN})) ==
+               TD_ERR_BUSY)
+            uv_run(&e->loop, UV_RUN_ONCE);
+        cr_assert_eq(st, TD_OK);
+        if (until_released)
+            uv_run(&e->loop, UV_RUN_NOWAIT);
+    }
+    return l;
+}
+
 Test(router_relay, paused_client_gets_every_token_coalesced)
 {
     env_t e;
     const char *args[] = {"--send-queue-bytes", "1024", "--max-backlog-tokens", "100000", NULL};
     env_start(&e, args);
-    e.prefill_first_token = 1;
-    e.prefill_phaseless = true;
     static gen_t g;
-    generate(&e, &g, "a", 0, false, 0);
-    RUN_UNTIL(&e, g.n_ids == 1);
-    td_grpc_client_call_pause(g.call, true);
-    lease_t *l = &e.leases[0];
-    token(&e, l, 1);
-    for (uint32_t t = 2; t <= FLOOD; t++) {
-        td_status_t st;
-        uint32_t id = BIG + t;
-        while ((st = step(&e, 1, (const lease_t *const[]){l}, &id,
-                          (Tandem__Control__V1__SeqEvent[]){TANDEM__CONTROL__V1__SEQ_EVENT__SEQ_EVENT_TOKEN})) ==
-               TD_ERR_BUSY)
-            uv_run(&e.loop, UV_RUN_ONCE);
-        cr_assert_eq(st, TD_OK);
-    }
+    lease_t *l = flood_paused_client(&e, &g, false);
     finish(&e, l);
     /* let the router take every step while the client still does not read */
     for (int i = 0; i < 100; i++)
@@ -516,24 +528,8 @@ Test(router_relay, client_not_reading_past_bound_ends_exhausted_and_releases)
     env_t e;
     const char *args[] = {"--send-queue-bytes", "1024", "--max-backlog-tokens", "64", NULL};
     env_start(&e, args);
-    e.prefill_first_token = 1;
-    e.prefill_phaseless = true;
     static gen_t g;
-    generate(&e, &g, "a", 0, false, 0);
-    RUN_UNTIL(&e, g.n_ids == 1);
-    td_grpc_client_call_pause(g.call, true);
-    lease_t *l = &e.leases[0];
-    token(&e, l, 1);
-    for (uint32_t t = 2; t <= FLOOD && !l->released; t++) {
-        td_status_t st;
-        uint32_t id = BIG + t;
-        while ((st = step(&e, 1, (const lease_t *const[]){l}, &id,
-                          (Tandem__Control__V1__SeqEvent[]){TANDEM__CONTROL__V1__SEQ_EVENT__SEQ_EVENT_TOKEN})) ==
-               TD_ERR_BUSY)
-            uv_run(&e.loop, UV_RUN_ONCE);
-        cr_assert_eq(st, TD_OK);
-        uv_run(&e.loop, UV_RUN_NOWAIT);
-    }
+    lease_t *l = flood_paused_client(&e, &g, true);
     RUN_UNTIL(&e, l->released);
     td_grpc_client_call_pause(g.call, false);
     RUN_UNTIL(&e, g.done);
