@@ -32,6 +32,8 @@
 
 #define KVX_MAX_TOKENS 4096
 #define KVX_MAX_BLOCKS (KVX_MAX_TOKENS / 16)
+#define KVX_RX_BLOCKS (2 * KVX_MAX_BLOCKS) /* receiver pool: two of the largest transfers */
+#define KVX_MAX_WINDOW 16
 
 static const td_kv_layout_t KVX_LAYOUT = {.model_fingerprint = 0x11a3a8b,
                                           .dtype = TD_BF16,
@@ -40,6 +42,11 @@ static const td_kv_layout_t KVX_LAYOUT = {.model_fingerprint = 0x11a3a8b,
                                           .n_kv_heads = 8,
                                           .head_dim = 128,
                                           .version = TD_KV_LAYOUT_VERSION};
+
+typedef struct kvx_lease_req {
+    uint64_t request_id;
+    int32_t n_blocks;
+} kvx_lease_req_t;
 
 typedef struct kvx_lease {
     uint64_t lease_id;
@@ -66,10 +73,10 @@ static void kvx_rx_ready(void *arg, const td_xfer_ready_t *r)
 static void kvx_rx_on_pipe(uv_poll_t *h, int status, int events)
 {
     kvx_rx_t *rx = h->data;
-    int32_t n_blocks;
+    kvx_lease_req_t q;
     kvx_lease_t l = {0};
-    if (!td_xfer_testkit_read_all(rx->rfd, &n_blocks, sizeof n_blocks) ||
-        td_xfer_lease_create(rx->x, 1, n_blocks, 60000, l.blocks, &l.lease_id) != TD_OK) {
+    if (!td_xfer_testkit_read_all(rx->rfd, &q, sizeof q) ||
+        td_xfer_lease_create(rx->x, q.request_id, q.n_blocks, 60000, l.blocks, &l.lease_id) != TD_OK) {
         rx->stop = true;
         uv_poll_stop(h);
         return;
@@ -82,7 +89,7 @@ static int kvx_receiver(int rfd, int wfd)
     uv_loop_t loop;
     uv_loop_init(&loop);
     kvx_rx_t rx = {.rfd = rfd, .wfd = wfd};
-    uint32_t n_blocks = KVX_MAX_BLOCKS + 8;
+    uint32_t n_blocks = KVX_RX_BLOCKS + 8;
     td_kv_config_t kc = {.n_blocks = (int32_t)n_blocks, .block_size = 16};
     td_xfer_config_t cfg = td_xfer_config_default();
     cfg.name = "kvx-rx";
@@ -135,6 +142,40 @@ static double kvx_perftest(const char *test, size_t size, int port)
     return mbs < 0 ? -1 : mbs * 1048576.0 / 1e9;
 }
 
+/* ---- the copy ceiling ------------------------------------------------------------------ */
+
+/* GB/s of the fastest one-core copy of `bytes` from src into memory that is not in cache
+ * (a destination region of at least 256 MiB, each copy to the next slot), the better of
+ * libc memcpy and non-temporal stores: what a shared-memory transfer into a real pool can
+ * reach. -1 when the region cannot be allocated. */
+static double kvx_copy_ceiling(const uint8_t *src, size_t bytes)
+{
+    size_t region = TD_MAX(2 * bytes, (size_t)256 << 20);
+    uint8_t *dst = malloc(region);
+    if (!dst)
+        return -1;
+    memset(dst, 1, region); /* first touch, untimed */
+    size_t reps = TD_MAX((size_t)4, ((size_t)1 << 30) / bytes);
+    double best = -1;
+    for (int nt = 0; nt < 2; nt++) {
+        size_t off = 0;
+        uint64_t t0 = td_now_ns();
+        for (size_t r = 0; r < reps; r++) {
+            if (off + bytes > region)
+                off = 0;
+            if (nt)
+                td_memcpy_stream(dst + off, src, bytes);
+            else
+                memcpy(dst + off, src, bytes);
+            off += bytes;
+        }
+        double gbs = (double)bytes * (double)reps / ((double)(td_now_ns() - t0) * 1e-9) / 1e9;
+        best = TD_MAX(best, gbs);
+    }
+    free(dst);
+    return best;
+}
+
 /* ---- sender ------------------------------------------------------------------------------ */
 
 typedef struct kvx_tx {
@@ -155,12 +196,71 @@ static int kvx_cmp(const void *a, const void *b)
     return x < y ? -1 : x > y;
 }
 
+typedef struct kvx_ctx {
+    uv_loop_t *loop;
+    td_xfer_t *x;
+    td_xfer_peer_t *peer;
+    int lease_wfd, lease_rfd; /* lease requests to the receiver process, leases back */
+    const uint8_t *pool;      /* the sender's source pool */
+    uint32_t pool_blocks;
+    const int32_t *src;       /* source block ids 0..KVX_MAX_BLOCKS-1 */
+    uint64_t next_request;
+} kvx_ctx_t;
+
+/* Moves `win` transfers of `tokens` tokens at once: leases first (untimed), then every
+ * layer handed to every transfer in layer order, as a prefill batch produces them; *us is
+ * first begin -> last verdict. False (and a message) on any failure. */
+static bool kvx_batch(kvx_ctx_t *c, uint32_t tokens, int32_t nb, int32_t win, double *us)
+{
+    kvx_lease_t l[KVX_MAX_WINDOW];
+    kvx_tx_t t[KVX_MAX_WINDOW] = {0};
+    td_xfer_send_t *s[KVX_MAX_WINDOW];
+    uint64_t rid[KVX_MAX_WINDOW];
+    for (int32_t i = 0; i < win; i++) {
+        kvx_lease_req_t q = {.request_id = rid[i] = ++c->next_request, .n_blocks = nb};
+        if (!td_xfer_testkit_write_all(c->lease_wfd, &q, sizeof q)) {
+            fprintf(stderr, "kvxfer: the receiver process is gone\n");
+            return false;
+        }
+    }
+    for (int32_t i = 0; i < win; i++)
+        if (!td_xfer_testkit_read_all(c->lease_rfd, &l[i], sizeof l[i])) {
+            fprintf(stderr, "kvxfer: the receiver could not lease %d blocks\n", nb);
+            return false;
+        }
+    uint64_t t0 = td_now_ns();
+    for (int32_t i = 0; i < win; i++) {
+        td_xfer_send_params_t p = {.request_id = rid[i], .lease_id = l[i].lease_id, .dst_blocks = l[i].blocks,
+                                   .n_dst_blocks = nb, .n_tokens = tokens, .done = kvx_on_done, .arg = &t[i]};
+        if (td_xfer_send_begin(c->x, c->peer, &p, &s[i]) != TD_OK) {
+            fprintf(stderr, "kvxfer: %s\n", td_last_error());
+            return false;
+        }
+    }
+    for (uint32_t layer = 0; layer < KVX_LAYOUT.n_layers; layer++)
+        for (int32_t i = 0; i < win; i++)
+            td_xfer_send_layer(s[i], layer, c->pool + td_kv_block_offset(&KVX_LAYOUT, c->pool_blocks, layer, 0),
+                               c->src);
+    for (int32_t i = 0; i < win; i++)
+        td_xfer_send_finish(s[i], 0);
+    for (int32_t i = 0; i < win; i++)
+        while (!t[i].done)
+            uv_run(c->loop, UV_RUN_ONCE);
+    *us = (double)(td_now_ns() - t0) * 1e-3;
+    for (int32_t i = 0; i < win; i++)
+        if (t[i].st != TD_OK) {
+            fprintf(stderr, "kvxfer: transfer of %u tokens failed: %s\n", tokens, td_strerror(t[i].st));
+            return false;
+        }
+    return true;
+}
+
 int bench_kvxfer(int argc, char **argv)
 {
     bool json = false;
     const char *transport = "tcp";
     td_xfer_rma_t rma = TD_XFER_RMA_AUTO;
-    int64_t iters = 20, inflight = 0;
+    int64_t iters = 20, inflight = 0, window = 8;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--json"))
             json = true;
@@ -172,12 +272,15 @@ int bench_kvxfer(int argc, char **argv)
         } else if (!strcmp(argv[i], "--iters") && i + 1 < argc) {
             if (td_parse_i64(argv[++i], 1, 100000, "--iters", &iters) != TD_OK)
                 return 2;
+        } else if (!strcmp(argv[i], "--window") && i + 1 < argc) {
+            if (td_parse_i64(argv[++i], 1, KVX_MAX_WINDOW, "--window", &window) != TD_OK)
+                return 2;
         } else if (!strcmp(argv[i], "--inflight") && i + 1 < argc) {
             if (td_parse_i64(argv[++i], 1, 65536, "--inflight", &inflight) != TD_OK)
                 return 2;
         } else {
             fprintf(stderr, "usage: tandem bench kvxfer [--json] [--transport tcp|sm] [--rma auto|put|am] "
-                            "[--iters N] [--inflight N]\n");
+                            "[--iters N] [--window N] [--inflight N]\n");
             return 2;
         }
     }
@@ -229,69 +332,74 @@ int bench_kvxfer(int argc, char **argv)
     if (td_xfer_create(&loop, &cfg, &x) != TD_OK ||
         td_xfer_connect(x, desc, len, &KVX_LAYOUT, &peer) != TD_OK)
         goto out;
+    kvx_ctx_t ctx = {.loop = &loop, .x = x, .peer = peer, .lease_wfd = to_rx[1], .lease_rfd = to_tx[0],
+                     .pool = pool, .pool_blocks = src_blocks, .src = src};
 
     static const uint32_t sizes[] = {16, 64, 256, 1024, 4096};
     size_t bb = td_kv_block_bytes(&KVX_LAYOUT);
     if (json)
         printf("[");
     else
-        printf("%-9s %-4s %7s %12s %9s %12s %11s %11s %6s %11s %6s %10s %10s\n", "transport", "prim", "tokens", "bytes",
-               "GB/s", "op bytes", "put_bw GB/s", "am_bw GB/s", "ratio", "whole GB/s", "ratio", "p50 us", "p99 us");
+        printf("%-9s %-4s %7s %12s %3s %9s %11s %6s %12s %11s %6s %11s %9s %6s %9s %10s %10s\n", "transport",
+               "prim", "tokens", "bytes", "win", "GB/s", "perftest", "ratio", "op bytes", "op perftest", "ratio",
+               "am_bw op", "copy", "ratio", "1-at-once", "p50 us", "p99 us");
     for (size_t k = 0; k < TD_ARRAY_LEN(sizes); k++) {
         uint32_t tokens = sizes[k];
         int32_t nb = (int32_t)TD_DIV_CEIL(tokens, KVX_LAYOUT.block_size);
         size_t bytes = (size_t)KVX_LAYOUT.n_layers * (size_t)nb * bb;
+        int32_t win = (int32_t)TD_MIN(window, (int64_t)(KVX_RX_BLOCKS / nb));
         td_xfer_stats_t before, after;
         td_xfer_get_stats(x, &before);
-        for (int64_t it = -2; it < iters; it++) { /* two warm-up transfers */
-            kvx_lease_t l;
-            if (!td_xfer_testkit_write_all(to_rx[1], &nb, sizeof nb) || !td_xfer_testkit_read_all(to_tx[0], &l, sizeof l))
+        /* Latency: one transfer at a time (two warm-up transfers first). */
+        for (int64_t it = -2; it < iters; it++) {
+            double us;
+            if (!kvx_batch(&ctx, tokens, nb, 1, &us))
                 goto out;
-            kvx_tx_t t = {0};
-            td_xfer_send_params_t p = {.request_id = 1, .lease_id = l.lease_id, .dst_blocks = l.blocks,
-                                       .n_dst_blocks = nb, .n_tokens = tokens, .done = kvx_on_done, .arg = &t};
-            td_xfer_send_t *s;
-            uint64_t t0 = td_now_ns();
-            if (td_xfer_send_begin(x, peer, &p, &s) != TD_OK)
-                goto out;
-            for (uint32_t layer = 0; layer < KVX_LAYOUT.n_layers; layer++)
-                td_xfer_send_layer(s, layer, pool + td_kv_block_offset(&KVX_LAYOUT, src_blocks, layer, 0), src);
-            td_xfer_send_finish(s, 0);
-            while (!t.done)
-                uv_run(&loop, UV_RUN_ONCE);
-            if (t.st != TD_OK) {
-                fprintf(stderr, "kvxfer: transfer of %u tokens failed: %s\n", tokens, td_strerror(t.st));
-                goto out;
-            }
             if (it >= 0)
-                lat[it] = (double)(td_now_ns() - t0) * 1e-3;
+                lat[it] = us;
+        }
+        /* Bandwidth: batches of `win` transfers in flight together, as a prefill node has
+         * many requests' transfers going at once (perftest's bw test keeps a window of
+         * messages outstanding too); bytes moved / time from first begin to last verdict. */
+        double busy_us = 0;
+        for (int64_t it = 0; it < iters; it++) {
+            double us;
+            if (!kvx_batch(&ctx, tokens, nb, win, &us))
+                goto out;
+            busy_us += us;
         }
         td_xfer_get_stats(x, &after);
         bool put_used = after.ops_put > before.ops_put;
         qsort(lat, (size_t)iters, sizeof *lat, kvx_cmp);
         double p50 = lat[iters / 2], p99 = lat[TD_MIN(iters - 1, (int64_t)(iters * 0.99))];
         size_t op_bytes = (size_t)nb * bb; /* one layer's run of contiguous blocks = one operation */
-        double put = kvx_perftest("ucp_put_bw", op_bytes, 13400 + (int)k * 2);
-        double am = kvx_perftest("ucp_am_bw", op_bytes, 13401 + (int)k * 2);
-        /* The same primitive moving the whole transfer's bytes in one message: the same
-         * working set as ours (perftest at op size re-sends one cache-hot buffer). */
-        double whole = kvx_perftest(put_used ? "ucp_put_bw" : "ucp_am_bw", bytes, 13450 + (int)k);
-        double gbs = (double)bytes / (p50 * 1e-6) / 1e9;
-        double ref = put_used ? put : am; /* like with like: the primitive this row used */
+        const char *test = put_used ? "ucp_put_bw" : "ucp_am_bw";
+        /* The comparator: the primitive this row used moving the transfer's bytes as one
+         * message per iteration, the same bytes as ours. Also shown: the same primitive at
+         * one operation's size (it re-sends one buffer that stays in cache), and am_bw. */
+        double ref = kvx_perftest(test, bytes, 13450 + (int)k * 3);
+        double op_ref = kvx_perftest(test, op_bytes, 13451 + (int)k * 3);
+        double am = put_used ? kvx_perftest("ucp_am_bw", op_bytes, 13452 + (int)k * 3) : op_ref;
+        double copy = kvx_copy_ceiling(pool, bytes);
+        double gbs = (double)bytes * (double)win * (double)iters / (busy_us * 1e-6) / 1e9;
+        double serial = (double)bytes / (p50 * 1e-6) / 1e9;
         double ratio = ref > 0 ? gbs / ref : -1;
-        double ratio_whole = whole > 0 ? gbs / whole : -1;
+        double op_ratio = op_ref > 0 ? gbs / op_ref : -1;
+        double copy_ratio = copy > 0 ? gbs / copy : -1;
         const char *prim = put_used ? "put" : "am";
         if (json)
             printf("%s\n {\"transport\": \"%s\", \"primitive\": \"%s\", \"tokens\": %u, \"bytes\": %zu, "
-                   "\"op_bytes\": %zu, \"gbytes_per_s\": %.3f, \"perftest_gbytes_per_s\": %.3f, \"ratio\": %.3f, "
-                   "\"perftest_xfer_gbytes_per_s\": %.3f, \"ratio_xfer\": %.3f, "
-                   "\"perftest_put_gbytes_per_s\": %.3f, \"perftest_am_gbytes_per_s\": %.3f, \"p50_us\": %.1f, "
-                   "\"p99_us\": %.1f}",
-                   k ? "," : "", transport, prim, tokens, bytes, op_bytes, gbs, ref, ratio, whole, ratio_whole, put,
-                   am, p50, p99);
+                   "\"window\": %d, \"gbytes_per_s\": %.3f, \"perftest_gbytes_per_s\": %.3f, \"ratio\": %.3f, "
+                   "\"op_bytes\": %zu, \"perftest_op_gbytes_per_s\": %.3f, \"ratio_op\": %.3f, "
+                   "\"perftest_am_op_gbytes_per_s\": %.3f, \"copy_gbytes_per_s\": %.3f, \"ratio_copy\": %.3f, "
+                   "\"serial_gbytes_per_s\": %.3f, \"p50_us\": %.1f, \"p99_us\": %.1f}",
+                   k ? "," : "", transport, prim, tokens, bytes, win, gbs, ref, ratio, op_bytes, op_ref, op_ratio, am,
+                   copy, copy_ratio, serial, p50, p99);
         else
-            printf("%-9s %-4s %7u %12zu %9.3f %12zu %11.3f %11.3f %6.2f %11.3f %6.2f %10.1f %10.1f\n", transport,
-                   prim, tokens, bytes, gbs, op_bytes, put, am, ratio, whole, ratio_whole, p50, p99);
+            printf("%-9s %-4s %7u %12zu %3d %9.3f %11.3f %6.2f %12zu %11.3f %6.2f %11.3f %9.3f %6.2f %9.3f %10.1f "
+                   "%10.1f\n",
+                   transport, prim, tokens, bytes, win, gbs, ref, ratio, op_bytes, op_ref, op_ratio, am, copy,
+                   copy_ratio, serial, p50, p99);
         fflush(stdout);
     }
     if (json)

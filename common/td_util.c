@@ -12,6 +12,9 @@
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 void td_assert_fail(const char *expr, const char *file, int line)
 {
@@ -242,6 +245,31 @@ int td_cpu_count(void)
 {
     long n = sysconf(_SC_NPROCESSORS_ONLN);
     return n > 0 ? (int)n : 1;
+}
+
+void td_memcpy_stream(void *dst, const void *src, size_t n)
+{
+#if defined(__SSE2__)
+    char *d = dst;
+    const char *sp = src;
+    size_t head = TD_MIN(n, (16 - ((uintptr_t)d & 15)) & 15); /* streaming stores want 16-byte alignment */
+    memcpy(d, sp, head);
+    size_t i = head;
+    for (; i + 64 <= n; i += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)(sp + i));
+        __m128i b = _mm_loadu_si128((const __m128i *)(sp + i + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(sp + i + 32));
+        __m128i e = _mm_loadu_si128((const __m128i *)(sp + i + 48));
+        _mm_stream_si128((__m128i *)(d + i), a);
+        _mm_stream_si128((__m128i *)(d + i + 16), b);
+        _mm_stream_si128((__m128i *)(d + i + 32), c);
+        _mm_stream_si128((__m128i *)(d + i + 48), e);
+    }
+    memcpy(d + i, sp + i, n - i);
+    _mm_sfence(); /* streaming stores are weakly ordered */
+#else
+    memcpy(dst, src, n);
+#endif
 }
 
 td_status_t td_parse_i64(const char *s, int64_t min, int64_t max, const char *what, int64_t *out)

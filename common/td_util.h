@@ -67,6 +67,12 @@ bool td_is_file(const char *path);
 /* Number of online CPUs (at least 1). */
 int td_cpu_count(void);
 
+/* dst = src (no overlap) with non-temporal stores where the CPU has them (SSE2): the
+ * destination bypasses this core's caches, for a big copy whose reader is someone else (a
+ * peer process, a device DMA). The stores are globally visible on return (fenced). Without
+ * SSE2 it is memcpy. */
+void td_memcpy_stream(void *dst, const void *src, size_t n);
+
 
 /* Strict number parsing for flags and config: the whole string must be a number within
  * [min, max]. Errors: TD_ERR_INVALID with a message naming `what`. */

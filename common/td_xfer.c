@@ -31,9 +31,6 @@
 #include <unistd.h>
 
 #include <ucp/api/ucp.h>
-#if defined(__SSE2__)
-#include <emmintrin.h>
-#endif
 
 #include "td_log.h"
 #include "td_util.h"
@@ -1004,37 +1001,6 @@ static bool op_ready(const send_op_t *op)
     return !s->peer->alive || s->status != TD_OK || s->mode == MODE_AM || (s->mode == MODE_PUT && s->bound);
 }
 
-/* dst = src for a put into a mapped segment; the stores are globally visible on return.
- * From nt_min bytes up the destination is written with non-temporal stores: the bytes are
- * read later by the decode engine, not by us, and a big copy with ordinary stores first
- * reads every destination line in (read-for-ownership) and evicts the source. */
-static void copy_to_peer(void *dst, const void *src, size_t n, size_t nt_min)
-{
-#if defined(__SSE2__)
-    if (n >= nt_min) {
-        char *d = dst;
-        const char *sp = src;
-        size_t head = (16 - ((uintptr_t)d & 15)) & 15; /* streaming stores want 16-byte alignment */
-        memcpy(d, sp, head);
-        size_t i = head;
-        for (; i + 64 <= n; i += 64) {
-            __m128i a = _mm_loadu_si128((const __m128i *)(sp + i));
-            __m128i b = _mm_loadu_si128((const __m128i *)(sp + i + 16));
-            __m128i c = _mm_loadu_si128((const __m128i *)(sp + i + 32));
-            __m128i e = _mm_loadu_si128((const __m128i *)(sp + i + 48));
-            _mm_stream_si128((__m128i *)(d + i), a);
-            _mm_stream_si128((__m128i *)(d + i + 16), b);
-            _mm_stream_si128((__m128i *)(d + i + 32), c);
-            _mm_stream_si128((__m128i *)(d + i + 48), e);
-        }
-        memcpy(d + i, sp + i, n - i);
-        _mm_sfence(); /* streaming stores are weakly ordered: fence before kv-ready can follow */
-        return;
-    }
-#endif
-    memcpy(dst, src, n);
-}
-
 static void post_op(td_xfer_t *x, send_op_t *op)
 {
     td_xfer_send_t *s = op->s;
@@ -1064,8 +1030,15 @@ static void post_op(td_xfer_t *x, send_op_t *op)
         x->stats.ops_put++;
         if (s->peer->mapped) {
             /* Shared memory: what UCX's sysv/posix put would do (a copy into the mapping,
-             * complete in place), with stores that suit a copy nobody here reads again. */
-            copy_to_peer((char *)s->peer->mapped + (raddr - s->peer->base), op->src, op->len, x->cfg.put_nt_min);
+             * complete in place), with stores that suit a copy nobody here reads again:
+             * the destination is read later by the decode engine, not by us, and is not in
+             * our cache (ordinary stores would first read every line in and evict the
+             * source). Globally visible on return, before READY can follow. */
+            void *dst = (char *)s->peer->mapped + (raddr - s->peer->base);
+            if (op->len >= x->cfg.put_nt_min)
+                td_memcpy_stream(dst, op->src, op->len);
+            else
+                memcpy(dst, op->src, op->len);
             data_sent_cb(NULL, UCS_OK, op);
             return;
         }
@@ -1784,7 +1757,7 @@ td_xfer_config_t td_xfer_config_default(void)
                               .tick_ms = 10,
                               .rma = TD_XFER_RMA_AUTO,
                               .quarantine_ms = 10000,
-                              .put_nt_min = (size_t)256 << 10,
+                              .put_nt_min = (size_t)16 << 10,
                               .staging_bytes = (size_t)64 << 20};
 }
 
