@@ -8,15 +8,14 @@
  * lands where the engine reads it: no copy.
  *
  * Threads: the loop thread owns gRPC, /metrics, the router client and td_xfer (leases:
- * alloc and release of engine blocks). The compute thread owns the engine and
- * decode_sched. On kv-ready the loop hands the lease's blocks (one reference each) to the
- * compute thread (bounded command queue), which adopts them into the request's sequence
- * and hands every step's events back (bounded result queue + uv_async_send); the loop
+ * alloc and release of engine blocks). The compute thread (router_worker) owns the engine
+ * and decode_sched. On kv-ready the loop hands the lease's blocks (one reference each) to
+ * the compute thread (bounded command ring), which adopts them into the request's sequence
+ * and hands every step's events back (bounded result ring + uv_async_send); the loop
  * streams one StepBatch per step.
  */
 #include "decode_node.h"
 
-#include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -27,6 +26,7 @@
 #include "router_conf.h"
 #include "router_node_client.h"
 #include "router_proc.h"
+#include "router_worker.h"
 #include "td_backend.h"
 #include "td_engine.h"
 #include "td_grpc.h"
@@ -47,6 +47,7 @@ typedef struct decode_config {
     int64_t max_lease_ms;
     int64_t max_requests;     /* admitted + running at most (bounds every queue) */
     int64_t result_queue;     /* step results waiting for the loop */
+    int64_t idle_wait_ms;     /* compute thread's bound on one wait */
 } decode_config_t;
 
 /* An admitted request whose KV has not arrived yet (loop thread). */
@@ -62,9 +63,8 @@ typedef struct decode_admit {
     int32_t n_stop_ids;
 } decode_admit_t;
 
-/* Loop → compute. */
+/* Loop → compute (by value in the command ring). */
 typedef struct decode_cmd {
-    struct decode_cmd *next;
     decode_admit_t *admit;     /* NULL: cancel lease_id */
     uint64_t lease_id;
     int32_t *blocks;           /* [n_blocks] the landed lease's blocks, one reference each */
@@ -72,9 +72,8 @@ typedef struct decode_cmd {
     int32_t first_token;
 } decode_cmd_t;
 
-/* Compute → loop: one step's results. */
+/* Compute → loop: one step's results (its address in the result ring). */
 typedef struct decode_out {
-    struct decode_out *next;
     uint64_t step;
     double step_s;
     Tandem__Control__V1__SeqStep *seqs;
@@ -85,7 +84,7 @@ typedef struct decode_out {
 typedef struct decode_state {
     router_proc_t proc;       /* loop, signals, /metrics, router client, common config */
     decode_config_t cfg;
-    uv_async_t async;
+    router_worker_t worker;   /* the compute thread, its command and result rings */
     uv_timer_t sweep;
     td_model_t *model;
     td_backend_t *be;
@@ -102,35 +101,28 @@ typedef struct decode_state {
     int32_t n_admits;
     td_grpc_call_t *subs[DECODE_MAX_SUBSCRIBERS];
     int n_subs;
-    /* queues */
-    pthread_t thread;
-    bool thread_started;
-    pthread_mutex_t mu;
-    pthread_cond_t cv;        /* compute waits for commands or room in the result queue */
-    decode_cmd_t *cmd_head, **cmd_tail;
-    decode_out_t *out_head, **out_tail;
-    int32_t n_out;
-    bool stop;
     _Atomic int32_t load_running, load_free;
     _Atomic int64_t step_ns;
     bool shutting_down;
-    bool handles_up;          /* async and sweep handles initialised */
+    bool handles_up;          /* the sweep timer initialised */
 } decode_state_t;
 
-/* FNV-1a of the request id string: the 64-bit id both nodes give td_xfer. */
 /* ---- compute thread ------------------------------------------------------------------ */
 
-static void push_out(decode_state_t *s, decode_out_t *o)
+static void out_free(decode_out_t *o)
 {
-    pthread_mutex_lock(&s->mu);
-    while (!s->stop && s->n_out >= s->cfg.result_queue && o->n_seqs)
-        pthread_cond_wait(&s->cv, &s->mu);
-    o->next = NULL;
-    *s->out_tail = o;
-    s->out_tail = &o->next;
-    s->n_out++;
-    pthread_mutex_unlock(&s->mu);
-    uv_async_send(&s->async);
+    if (o) {
+        free(o->seqs);
+        free(o);
+    }
+}
+
+static void admit_free(decode_admit_t *a)
+{
+    if (a) {
+        free(a->prompt);
+        free(a);
+    }
 }
 
 static void add_seq(decode_out_t *o, uint64_t id, int32_t token, Tandem__Control__V1__SeqEvent ev)
@@ -160,43 +152,30 @@ static void compute_admit(decode_state_t *s, decode_cmd_t *c, decode_out_t *fail
     c->n_blocks = 0; /* the references went to the sequence or back to the pool */
 }
 
-static void *compute_main(void *arg)
+static void compute_main(void *arg)
 {
     decode_state_t *s = arg;
     for (;;) {
-        pthread_mutex_lock(&s->mu);
-        while (!s->stop && !s->cmd_head && !decode_sched_busy(s->sched))
-            pthread_cond_wait(&s->cv, &s->mu);
-        if (s->stop) {
-            pthread_mutex_unlock(&s->mu);
+        void *taken;
+        int32_t n_cmds = router_worker_take(&s->worker, !decode_sched_busy(s->sched), &taken);
+        if (n_cmds < 0)
             break;
-        }
-        decode_cmd_t *cmds = s->cmd_head;
-        s->cmd_head = NULL;
-        s->cmd_tail = &s->cmd_head;
-        pthread_mutex_unlock(&s->mu);
-
-        int32_t n_cmds = 0;
-        for (decode_cmd_t *c = cmds; c; c = c->next)
-            n_cmds++;
+        if (n_cmds == 0 && !decode_sched_busy(s->sched))
+            continue; /* an idle wait ran out */
+        decode_cmd_t *cmds = taken;
         int32_t cap = (int32_t)s->cfg.max_requests * 2 + n_cmds + 1;
         decode_out_t *o = calloc(1, sizeof *o);
         if (!o || !(o->seqs = calloc((size_t)cap, sizeof *o->seqs))) {
             TD_ASSERT(!"decode: out of memory for a step result");
         }
-        while (cmds) {
-            decode_cmd_t *c = cmds;
-            cmds = c->next;
+        for (int32_t i = 0; i < n_cmds; i++) {
+            decode_cmd_t *c = &cmds[i];
             if (c->admit)
                 compute_admit(s, c, o);
             else
                 decode_sched_cancel(s->sched, c->lease_id);
-            if (c->admit) {
-                free(c->admit->prompt);
-                free(c->admit);
-            }
+            admit_free(c->admit);
             free(c->blocks);
-            free(c);
         }
         decode_step_result_t res = {0};
         uint64_t t0 = td_now_ns();
@@ -233,42 +212,37 @@ static void *compute_main(void *arg)
         atomic_store(&s->load_free, ss.free_blocks);
         o->free_blocks = (uint32_t)ss.free_blocks;
         o->step = ss.steps;
-        if (o->n_seqs) {
-            push_out(s, o);
-        } else {
-            free(o->seqs);
-            free(o);
-        }
+        if (!o->n_seqs || !router_worker_emit(&s->worker, &o))
+            out_free(o); /* nothing to send, or stopping */
     }
-    return NULL;
-}
-
-static bool post_cmd(decode_state_t *s, decode_cmd_t *c)
-{
-    pthread_mutex_lock(&s->mu);
-    c->next = NULL;
-    *s->cmd_tail = c;
-    s->cmd_tail = &c->next;
-    pthread_cond_signal(&s->cv);
-    pthread_mutex_unlock(&s->mu);
-    return true;
 }
 
 /* ---- loop thread ----------------------------------------------------------------------- */
 
-static void on_async(uv_async_t *h)
+/* The command ring's bound: a kv-ready command holds at least one block, so at most
+ * kv-blocks of them wait; Release commands come one per request the router ends, and
+ * 4 * max-requests + 16 is their margin. A full ring is refused, not waited on: kv-ready's
+ * blocks go back to the pool, Release answers released = false. */
+static int32_t cmd_ring_size(const decode_config_t *cfg)
 {
-    decode_state_t *s = h->data;
-    pthread_mutex_lock(&s->mu);
-    decode_out_t *list = s->out_head;
-    s->out_head = NULL;
-    s->out_tail = &s->out_head;
-    s->n_out = 0;
-    pthread_cond_broadcast(&s->cv);
-    pthread_mutex_unlock(&s->mu);
-    while (list) {
-        decode_out_t *o = list;
-        list = o->next;
+    return (int32_t)(cfg->kv_blocks + 4 * cfg->max_requests + 16);
+}
+
+/* A command nobody took: its admission and its blocks' references go. */
+static void cmd_discard(decode_state_t *s, decode_cmd_t *c)
+{
+    admit_free(c->admit);
+    for (int32_t i = 0; i < c->n_blocks; i++)
+        td_kv_unref_block(s->kv, c->blocks[i]);
+    free(c->blocks);
+}
+
+static void on_outs(void *data, void *events, int32_t n)
+{
+    decode_state_t *s = data;
+    decode_out_t **outs = events;
+    for (int32_t k = 0; k < n; k++) {
+        decode_out_t *o = outs[k];
         if (o->n_seqs) {
             Tandem__Control__V1__StepBatch b = TANDEM__CONTROL__V1__STEP_BATCH__INIT;
             Tandem__Control__V1__SeqStep **ptrs = malloc((size_t)o->n_seqs * sizeof *ptrs);
@@ -292,8 +266,7 @@ static void on_async(uv_async_t *h)
                 free(ptrs);
             }
         }
-        free(o->seqs);
-        free(o);
+        out_free(o);
     }
 }
 
@@ -322,39 +295,31 @@ static decode_admit_t *admit_take(decode_state_t *s, uint64_t lease_id)
     return NULL;
 }
 
-static void admit_free(decode_admit_t *a)
-{
-    if (a) {
-        free(a->prompt);
-        free(a);
-    }
-}
-
 static void on_kv_ready(void *arg, const td_xfer_ready_t *r)
 {
     decode_state_t *s = arg;
     decode_admit_t *a = admit_take(s, r->lease_id);
-    decode_cmd_t *c = calloc(1, sizeof *c);
     int32_t *blocks = malloc((size_t)r->n_blocks * sizeof *blocks);
-    if (!a || !c || !blocks || (int64_t)r->n_tokens != a->n_prompt) {
-        if (a)
-            td_warn("decode: lease %llu: kv-ready with %u tokens, prompt has %d", (unsigned long long)r->lease_id,
-                    r->n_tokens, a->n_prompt);
+    bool posted = false;
+    if (a && blocks && (int64_t)r->n_tokens == a->n_prompt) {
+        memcpy(blocks, r->blocks, (size_t)r->n_blocks * sizeof *blocks);
+        decode_cmd_t c = {.admit = a, .lease_id = r->lease_id, .blocks = blocks, .n_blocks = r->n_blocks,
+                          .first_token = r->first_token};
+        posted = router_worker_post(&s->worker, &c);
+        if (!posted)
+            td_warn("decode: lease %llu: kv-ready dropped, the command ring (%d) is full",
+                    (unsigned long long)r->lease_id, cmd_ring_size(&s->cfg));
+    } else if (a) {
+        td_warn("decode: lease %llu: kv-ready with %u tokens, prompt has %d", (unsigned long long)r->lease_id,
+                r->n_tokens, a->n_prompt);
+    }
+    if (!posted) {
         for (int32_t i = 0; i < r->n_blocks; i++)
             td_kv_unref_block(s->kv, r->blocks[i]);
         admit_free(a);
-        free(c);
         free(blocks);
         refresh_kv_load(s);
-        return;
     }
-    memcpy(blocks, r->blocks, (size_t)r->n_blocks * sizeof *blocks);
-    c->admit = a;
-    c->lease_id = r->lease_id;
-    c->blocks = blocks;
-    c->n_blocks = r->n_blocks;
-    c->first_token = r->first_token;
-    post_cmd(s, c);
 }
 
 static void to_sampling(const Tandem__Control__V1__SamplingParams *p, td_sampling_t *out)
@@ -457,12 +422,10 @@ static void on_release(td_grpc_call_t *call, const ProtobufCMessage *msg, void *
         resp.released = true;
         refresh_kv_load(s);
     } else {
-        decode_cmd_t *c = calloc(1, sizeof *c);
-        if (c) {
-            c->lease_id = r->lease_id;
-            post_cmd(s, c);
-            resp.released = true;
-        }
+        resp.released = router_worker_post(&s->worker, &(decode_cmd_t){.lease_id = r->lease_id});
+        if (!resp.released)
+            td_warn("decode: lease %llu: release dropped, the command ring (%d) is full",
+                    (unsigned long long)r->lease_id, cmd_ring_size(&s->cfg));
     }
     td_grpc_call_reply(call, &resp.base);
 }
@@ -522,13 +485,7 @@ static void on_shutdown(void *data)
 {
     decode_state_t *s = data;
     s->shutting_down = true;
-    pthread_mutex_lock(&s->mu);
-    s->stop = true;
-    pthread_cond_broadcast(&s->cv);
-    pthread_mutex_unlock(&s->mu);
-    if (s->thread_started)
-        pthread_join(s->thread, NULL);
-    s->thread_started = false;
+    router_worker_stop(&s->worker); /* joins the compute thread, closes its async handle */
     while (s->n_subs) {
         td_grpc_call_t *c = s->subs[--s->n_subs];
         td_grpc_call_finish(c, TD_GRPC_UNAVAILABLE, "decode node shutting down");
@@ -537,10 +494,8 @@ static void on_shutdown(void *data)
     s->grpc = NULL;
     td_xfer_destroy(s->xfer);
     s->xfer = NULL;
-    if (s->handles_up) {
-        uv_close((uv_handle_t *)&s->async, NULL);
+    if (s->handles_up)
         uv_close((uv_handle_t *)&s->sweep, NULL);
-    }
 }
 
 static td_status_t init_metrics(decode_state_t *s)
@@ -572,27 +527,31 @@ int decode_main(int argc, char **argv)
     decode_config_t *cfg = &s->cfg;
     const router_proc_config_t *pc = &s->proc.cfg;
     *cfg = (decode_config_t){.kv_blocks = 2048, .max_batch = 64, .max_lease_ms = 30000, .max_requests = 256,
-                             .result_queue = 64};
+                             .result_queue = 64, .idle_wait_ms = 50};
     const router_conf_key_t keys[] = {
         {"kv-blocks", ROUTER_CONF_I64, &cfg->kv_blocks, 1, 1 << 24, "KV pool blocks (sequences and leases)"},
         {"max-batch", ROUTER_CONF_I64, &cfg->max_batch, 1, 4096, "running sequences at most"},
         {"max-lease-ms", ROUTER_CONF_I64, &cfg->max_lease_ms, 1, 600000, "longest lease granted"},
         {"max-requests", ROUTER_CONF_I64, &cfg->max_requests, 1, 1 << 20, "pending admissions at most"},
         {"result-queue", ROUTER_CONF_I64, &cfg->result_queue, 1, 1 << 20, "step results waiting for the loop"},
+        {"idle-wait-ms", ROUTER_CONF_I64, &cfg->idle_wait_ms, 1, 10000,
+         "compute thread: longest single wait for work or room"},
     };
     const router_proc_spec_t spec = {.prog = "decode", .kind = ROUTER_PROC_NODE, .on_shutdown = on_shutdown, .data = s};
     int rc;
     if (!router_proc_configure(&s->proc, &spec, keys, (int)TD_ARRAY_LEN(keys), argc, argv, &rc))
         return rc;
     rc = 1;
-    pthread_mutex_init(&s->mu, NULL);
-    pthread_cond_init(&s->cv, NULL);
-    s->cmd_tail = &s->cmd_head;
-    s->out_tail = &s->out_head;
 
-    /* subsystems: model, xfer with the KV pool it allocates, engine on that pool,
-       scheduler, servers, router client */
+    /* subsystems: compute thread's rings, model, xfer with the KV pool it allocates,
+       engine on that pool, scheduler, servers, router client */
     td_status_t st;
+    const router_worker_config_t wc = {.name = "decode", .msg_size = sizeof(decode_cmd_t),
+                                       .msg_cap = cmd_ring_size(cfg), .event_size = sizeof(decode_out_t *),
+                                       .event_cap = (int32_t)cfg->result_queue, .wait_ms = cfg->idle_wait_ms,
+                                       .run = compute_main, .on_events = on_outs, .data = s};
+    if ((st = router_worker_init(&s->worker, &s->proc.loop, &wc)) != TD_OK)
+        goto out;
     if ((st = router_proc_load_model(&s->proc, &s->model, &s->be)) != TD_OK)
         goto out;
     td_engine_config_t ec = td_engine_config_default();
@@ -642,17 +601,12 @@ int decode_main(int argc, char **argv)
         goto out;
     if ((st = router_proc_serve(&s->proc, s->metrics)) != TD_OK)
         goto out;
-    uv_async_init(&s->proc.loop, &s->async, on_async);
-    s->async.data = s;
     uv_timer_init(&s->proc.loop, &s->sweep);
     s->sweep.data = s;
     uv_timer_start(&s->sweep, on_sweep, 100, 100);
     s->handles_up = true;
-    if (pthread_create(&s->thread, NULL, compute_main, s) != 0) {
-        td_errorf(TD_ERR_NOMEM, "decode: cannot start the compute thread");
+    if ((st = router_worker_start(&s->worker)) != TD_OK)
         goto out;
-    }
-    s->thread_started = true;
 
     router_node_client_config_t nc = {.xfer_desc = desc, .xfer_desc_len = desc_len,
                                       .max_seq_len = (uint32_t)s->model->config.max_seq_len};
@@ -669,29 +623,18 @@ out:
     router_proc_stop(&s->proc); /* partial init: closes what exists (NULL-safe closers) */
     while (s->admits)
         admit_free(admit_take(s, s->admits->lease_id));
-    while (s->cmd_head) {
-        decode_cmd_t *c = s->cmd_head;
-        s->cmd_head = c->next;
-        if (c->admit)
-            admit_free(c->admit);
-        for (int32_t i = 0; i < c->n_blocks; i++)
-            td_kv_unref_block(s->kv, c->blocks[i]);
-        free(c->blocks);
-        free(c);
-    }
-    while (s->out_head) {
-        decode_out_t *o = s->out_head;
-        s->out_head = o->next;
-        free(o->seqs);
-        free(o);
-    }
+    decode_cmd_t c;
+    while (router_worker_pop_in(&s->worker, &c))
+        cmd_discard(s, &c);
+    decode_out_t *o;
+    while (router_worker_pop_out(&s->worker, &o))
+        out_free(o);
     decode_sched_destroy(s->sched);
     td_engine_destroy(s->eng);
     td_backend_destroy(s->be);
     td_model_destroy(s->model);
     td_metrics_destroy(s->metrics);
-    pthread_cond_destroy(&s->cv);
-    pthread_mutex_destroy(&s->mu);
+    router_worker_free(&s->worker);
     router_proc_free(&s->proc);
     return rc;
 }

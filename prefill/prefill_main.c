@@ -2,8 +2,8 @@
  * prefill_main: the prefill node process (see prefill_node.h and docs/cluster.md).
  *
  * Threads: the loop thread owns gRPC, /metrics, the router client and td_xfer; the compute
- * thread owns the engine and its prefill_sched. They talk through two bounded rings under
- * one mutex: loop → compute messages (submit, cancel, release: at most three per live job,
+ * thread (router_worker) owns the engine and its prefill_sched. They talk through two
+ * bounded rings under one mutex: loop → compute messages (submit, cancel, release: at most three per live job,
  * and live jobs are bounded by max-queue, so that ring never fills) and compute → loop
  * events (the compute thread waits, bounded, while that ring is full; the loop never
  * blocks), woken by a condition variable one way and uv_async_send the other.
@@ -21,18 +21,17 @@
  */
 #include "prefill_node.h"
 
-#include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "control.pb-c.h"
 #include "prefill_sched.h"
 #include "router_conf.h"
 #include "router_node_client.h"
 #include "router_proc.h"
+#include "router_worker.h"
 #include "td_backend.h"
 #include "td_engine.h"
 #include "td_grpc.h"
@@ -117,7 +116,7 @@ typedef struct prefill_event { /* compute → loop */
 typedef struct prefill_state {
     router_proc_t proc;        /* loop, signals, /metrics, router client, common config */
     prefill_config_t cfg;
-    uv_async_t async;
+    router_worker_t worker;    /* the compute thread, its message and event rings */
     td_model_t *model;
     td_backend_t *be;
     td_engine_t *eng;
@@ -130,24 +129,11 @@ typedef struct prefill_state {
     td_metrics_t *metrics;
     td_metric_t *m_requests, *m_refused, *m_failed, *m_tokens, *m_cached, *m_seconds, *m_queue,
         *m_xfer_s, *m_steps, *m_step_s, *m_batch_tokens, *m_batch_size, *m_blocks_used;
-    pthread_t thread;
-    bool thread_started;
-    /* the rings, under mu; cv wakes the compute thread */
-    pthread_mutex_t mu;
-    pthread_cond_t cv;
-    prefill_msg_t *inbox;      /* [in_cap] */
-    int32_t in_cap, in_head, in_n;
-    prefill_event_t *outbox;   /* [out_cap] */
-    int32_t out_cap, out_head, out_n;
-    prefill_event_t *out_local; /* [out_cap] loop's copy of a drained outbox */
-    bool stop;
     /* loop thread */
     prefill_job_t *jobs;       /* live jobs */
     int32_t n_jobs;
     bool shutting_down;
-    bool handles_up;
     /* compute thread */
-    prefill_msg_t *in_local;   /* [in_cap] */
     prefill_push_t *cur_push;  /* the running step's, once its layer 0 is done */
     _Atomic int64_t unsubmitted_tokens; /* accepted, not yet taken by the compute thread */
     _Atomic int64_t sched_tokens;       /* prefill_sched_queued_tokens after the last step */
@@ -160,37 +146,6 @@ static uint64_t job_id(const prefill_job_t *j)
 }
 
 /* ---- compute thread ---------------------------------------------------------------- */
-
-static void wait_bounded(prefill_state_t *s, int64_t ms)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    ts.tv_sec += ms / 1000;
-    ts.tv_nsec += (ms % 1000) * 1000000;
-    if (ts.tv_nsec >= 1000000000) {
-        ts.tv_sec++;
-        ts.tv_nsec -= 1000000000;
-    }
-    pthread_cond_timedwait(&s->cv, &s->mu, &ts);
-}
-
-/* Queues an event for the loop, waiting (bounded, re-checking stop) while the ring is
- * full. Returns false when the node is stopping and the event was dropped. */
-static bool emit(prefill_state_t *s, const prefill_event_t *ev)
-{
-    pthread_mutex_lock(&s->mu);
-    while (s->out_n == s->out_cap && !s->stop)
-        wait_bounded(s, s->cfg.idle_wait_ms);
-    bool ok = s->out_n < s->out_cap;
-    if (ok) {
-        s->outbox[(s->out_head + s->out_n) % s->out_cap] = *ev;
-        s->out_n++;
-    }
-    pthread_mutex_unlock(&s->mu);
-    if (ok)
-        uv_async_send(&s->async);
-    return ok;
-}
 
 static void push_free(prefill_push_t *p)
 {
@@ -226,7 +181,7 @@ static void on_layer(void *arg, uint32_t layer, const prefill_finishing_t *fin, 
         }
     }
     if (s->cur_push)
-        emit(s, &(prefill_event_t){.kind = EV_LAYER, .layer = layer, .push = s->cur_push});
+        router_worker_emit(&s->worker, &(prefill_event_t){.kind = EV_LAYER, .layer = layer, .push = s->cur_push});
 }
 
 static void handle_msg(prefill_state_t *s, const prefill_msg_t *m)
@@ -240,20 +195,21 @@ static void handle_msg(prefill_state_t *s, const prefill_msg_t *m)
         td_status_t st = prefill_sched_submit(s->sched, &rq);
         atomic_fetch_sub(&s->unsubmitted_tokens, j->n_tokens);
         if (st != TD_OK)
-            emit(s, &(prefill_event_t){.kind = EV_DONE, .job = j, .status = st, .first_token = -1});
+            router_worker_emit(&s->worker,
+                               &(prefill_event_t){.kind = EV_DONE, .job = j, .status = st, .first_token = -1});
         break;
     }
     case MSG_CANCEL:
         /* Only a prompt no transfer has seen; a done one is released after its transfer. */
         if (prefill_sched_pending(s->sched, id)) {
             prefill_sched_cancel(s->sched, id);
-            emit(s, &(prefill_event_t){.kind = EV_GONE, .job = j});
+            router_worker_emit(&s->worker, &(prefill_event_t){.kind = EV_GONE, .job = j});
         }
         break;
     case MSG_RELEASE:
         if (prefill_sched_release(s->sched, id) != TD_OK)
             td_warn("prefill: release of a prompt the scheduler does not hold (job %p)", (void *)j);
-        emit(s, &(prefill_event_t){.kind = EV_GONE, .job = j});
+        router_worker_emit(&s->worker, &(prefill_event_t){.kind = EV_GONE, .job = j});
         break;
     }
 }
@@ -274,7 +230,8 @@ static bool run_step(prefill_state_t *s)
     s->cur_push = NULL;
     td_status_t st = prefill_sched_step(s->sched, (int64_t)t0, &r);
     double step_s = (double)(td_now_ns() - t0) * 1e-9;
-    if (s->cur_push && !emit(s, &(prefill_event_t){.kind = EV_PUSH_END, .push = s->cur_push}))
+    if (s->cur_push &&
+        !router_worker_emit(&s->worker, &(prefill_event_t){.kind = EV_PUSH_END, .push = s->cur_push}))
         push_free(s->cur_push); /* stopping: teardown ignores the layer events */
     s->cur_push = NULL;
     atomic_store(&s->sched_tokens, prefill_sched_queued_tokens(s->sched));
@@ -294,41 +251,33 @@ static bool run_step(prefill_state_t *s)
         const prefill_output_t *o = &r.outputs[i];
         if (o->status == TD_OK)
             td_metric_add(s->m_cached, o->n_cached);
-        emit(s, &(prefill_event_t){.kind = EV_DONE, .job = (prefill_job_t *)(uintptr_t)o->id,
-                                   .status = o->status, .first_token = o->first_token,
-                                   .cached = o->n_cached, .held = o->held || o->status == TD_OK});
+        router_worker_emit(&s->worker, &(prefill_event_t){.kind = EV_DONE, .job = (prefill_job_t *)(uintptr_t)o->id,
+                                                          .status = o->status, .first_token = o->first_token,
+                                                          .cached = o->n_cached,
+                                                          .held = o->held || o->status == TD_OK});
     }
     return r.n_seqs > 0 || r.n_outputs > 0;
 }
 
-static void *compute_main(void *arg)
+static void compute_main(void *arg)
 {
     prefill_state_t *s = arg;
     bool progressed = false;
     for (;;) {
-        pthread_mutex_lock(&s->mu);
         bool work = prefill_sched_queued(s->sched) > 0 && progressed;
-        if (!s->stop && s->in_n == 0 && !work)
-            wait_bounded(s, s->cfg.idle_wait_ms);
-        if (s->stop) {
-            pthread_mutex_unlock(&s->mu);
+        void *taken;
+        int32_t n = router_worker_take(&s->worker, !work, &taken);
+        if (n < 0)
             break;
-        }
-        int32_t n = s->in_n;
+        const prefill_msg_t *msgs = taken;
         for (int32_t i = 0; i < n; i++)
-            s->in_local[i] = s->inbox[(s->in_head + i) % s->in_cap];
-        s->in_head = (s->in_head + n) % s->in_cap;
-        s->in_n = 0;
-        pthread_mutex_unlock(&s->mu);
-        for (int32_t i = 0; i < n; i++)
-            handle_msg(s, &s->in_local[i]);
+            handle_msg(s, &msgs[i]);
         progressed = prefill_sched_queued(s->sched) > 0 && run_step(s);
         if (n > 0) {
             atomic_store(&s->sched_tokens, prefill_sched_queued_tokens(s->sched));
             update_blocks_used(s);
         }
     }
-    return NULL;
 }
 
 /* ---- loop thread -------------------------------------------------------------------- */
@@ -337,14 +286,15 @@ static void *compute_main(void *arg)
  * a cancel can outlive its job (posted after the compute thread failed the prompt, freed
  * at that EV_DONE, dropped unread at the next drain): at most max_queue live jobs' three
  * plus max_queue stale cancels, so a ring of 4 * max_queue + 16 cannot be full. */
+static int32_t msg_ring_size(const prefill_config_t *cfg)
+{
+    return (int32_t)(4 * cfg->max_queue + 16);
+}
+
 static void post(prefill_state_t *s, prefill_msg_kind_t kind, prefill_job_t *j)
 {
-    pthread_mutex_lock(&s->mu);
-    TD_ASSERT(s->in_n < s->in_cap);
-    s->inbox[(s->in_head + s->in_n) % s->in_cap] = (prefill_msg_t){.kind = kind, .job = j};
-    s->in_n++;
-    pthread_cond_signal(&s->cv);
-    pthread_mutex_unlock(&s->mu);
+    bool queued = router_worker_post(&s->worker, &(prefill_msg_t){.kind = kind, .job = j});
+    TD_ASSERT(queued);
 }
 
 static void job_free(prefill_job_t *j)
@@ -512,19 +462,12 @@ static void on_ev_done(prefill_state_t *s, const prefill_event_t *ev)
     td_xfer_send_finish(j->send, ev->first_token);
 }
 
-static void on_async(uv_async_t *h)
+static void on_events(void *data, void *events, int32_t n)
 {
-    prefill_state_t *s = h->data;
-    pthread_mutex_lock(&s->mu);
-    int32_t n = s->out_n;
-    for (int32_t i = 0; i < n; i++)
-        s->out_local[i] = s->outbox[(s->out_head + i) % s->out_cap];
-    s->out_head = (s->out_head + n) % s->out_cap;
-    s->out_n = 0;
-    pthread_cond_signal(&s->cv); /* room again */
-    pthread_mutex_unlock(&s->mu);
+    prefill_state_t *s = data;
+    const prefill_event_t *evs = events;
     for (int32_t i = 0; i < n; i++) {
-        const prefill_event_t *ev = &s->out_local[i];
+        const prefill_event_t *ev = &evs[i];
         switch (ev->kind) {
         case EV_LAYER: on_ev_layer(s, ev->layer, ev->push); break;
         case EV_PUSH_END: push_free(ev->push); break;
@@ -661,21 +604,13 @@ static void on_shutdown(void *data)
 {
     prefill_state_t *s = data;
     s->shutting_down = true;
-    pthread_mutex_lock(&s->mu);
-    s->stop = true;
-    pthread_cond_broadcast(&s->cv);
-    pthread_mutex_unlock(&s->mu);
-    if (s->thread_started)
-        pthread_join(s->thread, NULL);
-    s->thread_started = false;
+    router_worker_stop(&s->worker); /* joins the compute thread, closes its async handle */
     td_grpc_server_close(s->grpc, NULL, NULL); /* open calls: cancel callbacks */
     s->grpc = NULL;
     td_xfer_destroy(s->xfer); /* finished sends: done callbacks with TD_ERR_CLOSED */
     s->xfer = NULL;
     for (prefill_job_t *j = s->jobs; j; j = j->next)
         j->send = NULL; /* unfinished sends were freed without a callback */
-    if (s->handles_up)
-        uv_close((uv_handle_t *)&s->async, NULL);
 }
 
 static const double batch_token_buckets[] = {1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384};
@@ -746,20 +681,14 @@ int prefill_main(int argc, char **argv)
     if (!router_proc_configure(&s->proc, &spec, keys, (int)TD_ARRAY_LEN(keys), argc, argv, &rc))
         return rc;
     rc = 1;
-    pthread_mutex_init(&s->mu, NULL);
-    pthread_cond_init(&s->cv, NULL);
 
     td_status_t st;
-    s->in_cap = (int32_t)(4 * cfg->max_queue + 16); /* see post() */
-    s->out_cap = (int32_t)cfg->event_queue;
-    s->inbox = calloc((size_t)s->in_cap, sizeof *s->inbox);
-    s->in_local = calloc((size_t)s->in_cap, sizeof *s->in_local);
-    s->outbox = calloc((size_t)s->out_cap, sizeof *s->outbox);
-    s->out_local = calloc((size_t)s->out_cap, sizeof *s->out_local);
-    if (!s->inbox || !s->in_local || !s->outbox || !s->out_local) {
-        td_errorf(TD_ERR_NOMEM, "prefill: out of memory for queues of %d and %d", s->in_cap, s->out_cap);
+    const router_worker_config_t wc = {.name = "prefill", .msg_size = sizeof(prefill_msg_t),
+                                       .msg_cap = msg_ring_size(cfg), .event_size = sizeof(prefill_event_t),
+                                       .event_cap = (int32_t)cfg->event_queue, .wait_ms = cfg->idle_wait_ms,
+                                       .run = compute_main, .on_events = on_events, .data = s};
+    if ((st = router_worker_init(&s->worker, &s->proc.loop, &wc)) != TD_OK)
         goto out;
-    }
     if ((st = router_proc_load_model(&s->proc, &s->model, &s->be)) != TD_OK)
         goto out;
     td_engine_config_t ec = td_engine_config_default();
@@ -795,14 +724,8 @@ int prefill_main(int argc, char **argv)
         goto out;
     if ((st = router_proc_serve(&s->proc, s->metrics)) != TD_OK)
         goto out;
-    uv_async_init(&s->proc.loop, &s->async, on_async);
-    s->async.data = s;
-    s->handles_up = true;
-    if (pthread_create(&s->thread, NULL, compute_main, s) != 0) {
-        td_errorf(TD_ERR_NOMEM, "prefill: cannot start the compute thread");
+    if ((st = router_worker_start(&s->worker)) != TD_OK)
         goto out;
-    }
-    s->thread_started = true;
     router_node_client_config_t nc = {.max_seq_len = (uint32_t)s->model->config.max_seq_len,
                                       .max_prefill_tokens = (uint32_t)cfg->max_batch_tokens};
     nc.info.role = ROUTER_ROLE_PREFILL;
@@ -817,11 +740,10 @@ out:
     router_proc_stop(&s->proc);
     /* What the loop did not get to: pushes are freed once (their EV_PUSH_END), jobs from
      * the live list; the scheduler releases what it holds. */
-    for (int32_t i = 0; i < s->out_n; i++) {
-        prefill_event_t *ev = &s->outbox[(s->out_head + i) % s->out_cap];
-        if (ev->kind == EV_PUSH_END)
-            push_free(ev->push);
-    }
+    prefill_event_t ev;
+    while (router_worker_pop_out(&s->worker, &ev))
+        if (ev.kind == EV_PUSH_END)
+            push_free(ev.push);
     while (s->jobs) {
         prefill_job_t *j = s->jobs;
         s->jobs = j->next;
@@ -832,12 +754,7 @@ out:
     td_backend_destroy(s->be);
     td_model_destroy(s->model);
     td_metrics_destroy(s->metrics);
-    free(s->inbox);
-    free(s->in_local);
-    free(s->outbox);
-    free(s->out_local);
-    pthread_cond_destroy(&s->cv);
-    pthread_mutex_destroy(&s->mu);
+    router_worker_free(&s->worker);
     router_proc_free(&s->proc);
     return rc;
 }
