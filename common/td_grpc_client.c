@@ -21,6 +21,7 @@
 
 #include "td_grpc_wire.h"
 #include "td_log.h"
+#include "td_rpc_tcp.h"
 #include "td_util.h"
 
 #define READ_BUF_BYTES (64 * 1024)
@@ -513,8 +514,7 @@ td_status_t td_grpc_channel_create(uv_loop_t *loop, const char *host, uint16_t p
 {
     struct sockaddr_storage addr;
     const char *ip = strcmp(host, "localhost") == 0 ? "127.0.0.1" : host;
-    if (uv_ip4_addr(ip, port, (struct sockaddr_in *)&addr) != 0 &&
-        uv_ip6_addr(ip, port, (struct sockaddr_in6 *)&addr) != 0)
+    if (!td_rpc_tcp_addr(ip, port, &addr))
         return td_errorf(TD_ERR_INVALID, "grpc channel: \"%s\" is not an IP address (names are not resolved here)", host);
     if (cfg->max_message_bytes == 0 || cfg->max_message_bytes > UINT32_MAX ||
         cfg->initial_window_bytes < 65535 || cfg->initial_window_bytes > 0x7fffffff ||

@@ -23,6 +23,7 @@
 
 #include "td_grpc_wire.h"
 #include "td_log.h"
+#include "td_rpc_tcp.h"
 #include "td_util.h"
 
 #define PREFACE "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
@@ -1044,8 +1045,7 @@ td_status_t td_grpc_server_create(uv_loop_t *loop, const td_grpc_server_config_t
                                   td_grpc_server_t **srv_p)
 {
     struct sockaddr_storage addr;
-    if (uv_ip4_addr(cfg->host, cfg->port, (struct sockaddr_in *)&addr) != 0 &&
-        uv_ip6_addr(cfg->host, cfg->port, (struct sockaddr_in6 *)&addr) != 0)
+    if (!td_rpc_tcp_addr(cfg->host, cfg->port, &addr))
         return td_errorf(TD_ERR_INVALID, "grpc server: host \"%s\" is not an IPv4 or IPv6 address", cfg->host);
     if (cfg->max_message_bytes == 0 || cfg->max_message_bytes > UINT32_MAX ||
         cfg->max_concurrent_streams == 0 || cfg->max_header_list_bytes < 1024 ||
@@ -1077,12 +1077,9 @@ td_status_t td_grpc_server_create(uv_loop_t *loop, const td_grpc_server_config_t
     uv_timer_init(loop, &srv->dl_timer);
     srv->dl_timer.data = srv;
     srv->open_handles = 4;
-    int rc = uv_tcp_bind(&srv->listener, (struct sockaddr *)&addr, 0);
-    if (rc == 0)
-        rc = uv_listen((uv_stream_t *)&srv->listener, 128, on_connection);
-    if (rc < 0) {
-        td_status_t st = td_errorf(TD_ERR_IO, "grpc server: listen on %s:%u: %s", cfg->host, cfg->port,
-                                   uv_strerror(rc));
+    td_status_t st = td_rpc_tcp_listen(&srv->listener, "grpc server", cfg->host, cfg->port, on_connection,
+                                       &srv->port);
+    if (st != TD_OK) {
         srv->closing = true;
         uv_close((uv_handle_t *)&srv->listener, server_handle_closed);
         uv_close((uv_handle_t *)&srv->pump, server_handle_closed);
@@ -1092,11 +1089,6 @@ td_status_t td_grpc_server_create(uv_loop_t *loop, const td_grpc_server_config_t
     }
     uv_prepare_start(&srv->pump, on_pump);
     uv_unref((uv_handle_t *)&srv->pump);
-    struct sockaddr_storage bound;
-    int blen = sizeof bound;
-    uv_tcp_getsockname(&srv->listener, (struct sockaddr *)&bound, &blen);
-    srv->port = ntohs(bound.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&bound)->sin6_port
-                                                   : ((struct sockaddr_in *)&bound)->sin_port);
     *srv_p = srv;
     return TD_OK;
 }

@@ -17,6 +17,7 @@
 #include <strings.h>
 
 #include "td_log.h"
+#include "td_rpc_tcp.h"
 #include "td_util.h"
 
 typedef struct http_conn http_conn_t;
@@ -368,8 +369,7 @@ td_status_t td_http_server_create(uv_loop_t *loop, const td_http_config_t *cfg,
         return td_errorf(TD_ERR_INVALID, "http: no handler given");
     if (cfg->max_request_bytes < 64)
         return td_errorf(TD_ERR_INVALID, "http: max_request_bytes %zu is below 64", cfg->max_request_bytes);
-    if (uv_ip4_addr(cfg->host, cfg->port, (struct sockaddr_in *)&addr) != 0 &&
-        uv_ip6_addr(cfg->host, cfg->port, (struct sockaddr_in6 *)&addr) != 0)
+    if (!td_rpc_tcp_addr(cfg->host, cfg->port, &addr))
         return td_errorf(TD_ERR_INVALID, "http: host \"%s\" is not an IPv4 or IPv6 address", cfg->host);
     td_http_server_t *srv = calloc(1, sizeof *srv);
     if (!srv)
@@ -382,21 +382,13 @@ td_status_t td_http_server_create(uv_loop_t *loop, const td_http_config_t *cfg,
         srv->cfg.idle_timeout_ms = 30000;
     uv_tcp_init(loop, &srv->listener);
     srv->listener.data = srv;
-    int rc = uv_tcp_bind(&srv->listener, (struct sockaddr *)&addr, 0);
-    if (rc == 0)
-        rc = uv_listen((uv_stream_t *)&srv->listener, 128, on_connection);
-    if (rc < 0)
+    td_status_t st = td_rpc_tcp_listen(&srv->listener, "http", cfg->host, cfg->port, on_connection, &srv->port);
+    if (st != TD_OK)
         goto err_listener;
-    struct sockaddr_storage bound;
-    int blen = sizeof bound;
-    uv_tcp_getsockname(&srv->listener, (struct sockaddr *)&bound, &blen);
-    srv->port = ntohs(bound.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&bound)->sin6_port
-                                                   : ((struct sockaddr_in *)&bound)->sin_port);
     *srv_p = srv;
     return TD_OK;
 
-err_listener:;
-    td_status_t st = td_errorf(TD_ERR_IO, "http: listen on %s:%u: %s", cfg->host, cfg->port, uv_strerror(rc));
+err_listener:
     srv->closing = true;
     srv->pending_closes = 1;
     uv_close((uv_handle_t *)&srv->listener, on_listener_closed);
