@@ -322,19 +322,6 @@ static void on_kv_ready(void *arg, const td_xfer_ready_t *r)
     }
 }
 
-static void to_sampling(const Tandem__Control__V1__SamplingParams *p, td_sampling_t *out)
-{
-    *out = td_sampling_default();
-    if (!p)
-        return;
-    out->temperature = p->temperature;
-    out->top_k = (int32_t)p->top_k;
-    out->top_p = p->top_p > 0 ? p->top_p : 1.0f;
-    out->min_p = p->min_p;
-    out->repetition_penalty = p->repetition_penalty > 0 ? p->repetition_penalty : 1.0f;
-    out->seed = p->seed;
-}
-
 static void on_admit(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data)
 {
     decode_state_t *s = data;
@@ -371,7 +358,7 @@ static void on_admit(td_grpc_call_t *call, const ProtobufCMessage *msg, void *da
         a->prompt[i] = (int32_t)r->prompt_ids[i];
     }
     a->n_prompt = (int32_t)r->n_prompt_ids;
-    to_sampling(r->sampling, &a->sampling);
+    a->sampling = router_proc_sampling(r->sampling);
     if (td_sampling_validate(&a->sampling, why, sizeof why) != TD_OK) {
         admit_free(a);
         td_grpc_call_finish(call, TD_GRPC_INVALID_ARGUMENT, why);

@@ -522,15 +522,7 @@ static td_grpc_code_t parse_request(prefill_state_t *s, const Tandem__Control__V
     for (size_t i = 0; i < r->n_block_ids; i++)
         j->dst_blocks[i] = (int32_t)r->block_ids[i];
     j->n_dst = (int32_t)r->n_block_ids;
-    j->sampling = td_sampling_default();
-    if (r->sampling) {
-        j->sampling.temperature = r->sampling->temperature;
-        j->sampling.top_k = (int32_t)r->sampling->top_k;
-        j->sampling.top_p = r->sampling->top_p > 0 ? r->sampling->top_p : 1.0f;
-        j->sampling.min_p = r->sampling->min_p;
-        j->sampling.repetition_penalty = r->sampling->repetition_penalty > 0 ? r->sampling->repetition_penalty : 1.0f;
-        j->sampling.seed = r->sampling->seed;
-    }
+    j->sampling = router_proc_sampling(r->sampling);
     if (td_sampling_validate(&j->sampling, why, cap) != TD_OK)
         return TD_GRPC_INVALID_ARGUMENT;
     return TD_GRPC_OK;

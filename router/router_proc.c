@@ -188,6 +188,20 @@ err_model:
     return st;
 }
 
+td_sampling_t router_proc_sampling(const Tandem__Control__V1__SamplingParams *p)
+{
+    td_sampling_t s = td_sampling_default();
+    if (!p)
+        return s;
+    s.temperature = p->temperature;
+    s.top_k = (int32_t)p->top_k;
+    s.top_p = p->top_p > 0 ? p->top_p : 1.0f;
+    s.min_p = p->min_p;
+    s.repetition_penalty = p->repetition_penalty > 0 ? p->repetition_penalty : 1.0f;
+    s.seed = p->seed;
+    return s;
+}
+
 int router_proc_run(router_proc_t *p)
 {
     uv_run(&p->loop, UV_RUN_DEFAULT);

@@ -36,12 +36,14 @@
 #include <stdint.h>
 #include <uv.h>
 
+#include "control.pb-c.h"
 #include "router_conf.h"
 #include "router_node_client.h"
 #include "td_backend.h"
 #include "td_http.h"
 #include "td_metrics.h"
 #include "td_model.h"
+#include "td_sampler.h"
 #include "td_status.h"
 
 #define ROUTER_PROC_ADDR_MAX ROUTER_ADDRESS_MAX
@@ -134,6 +136,15 @@ td_status_t router_proc_register(router_proc_t *p, router_node_client_config_t *
  * failure). Errors: those of td_model_load / td_backend_cpu_create, logged there.
  */
 td_status_t router_proc_load_model(router_proc_t *p, td_model_t **model_p, td_backend_t **be_p);
+
+/*
+ * Nodes: the sampling parameters of a control call (AdmitRequest.sampling,
+ * PrefillRequest.sampling; NULL = the defaults, greedy) as a td_sampling_t, read one way by
+ * both nodes, so a seeded request samples alike on each side of the split. An unset top_p
+ * or repetition_penalty (<= 0) means 1. Not validated: the caller runs
+ * td_sampling_validate. Any thread.
+ */
+td_sampling_t router_proc_sampling(const Tandem__Control__V1__SamplingParams *p);
 
 /* Runs the loop until shutdown has closed every handle. Returns 0 (the exit status). */
 int router_proc_run(router_proc_t *p);

@@ -3,7 +3,8 @@
  * process: common keys with a process's own table, defaults, --help, bad values, the
  * advertised address (defaults to --host; a wildcard host without --advertise, or a
  * wildcard --advertise, refused naming --advertise), a node's --model and --router, and
- * a shutdown before anything was served (the process's callback once, the loop closes).
+ * a shutdown before anything was served (the process's callback once, the loop closes),
+ * and the one reading of a control call's sampling parameters both nodes use.
  */
 #include <criterion/criterion.h>
 #include <string.h>
@@ -142,4 +143,31 @@ Test(router_proc, serve_then_shutdown_closes_everything)
     cr_assert_eq(f.shutdowns, 1);
     done(&p);
     td_metrics_destroy(m);
+}
+
+Test(router_proc, control_sampling_params_read_one_way)
+{
+    td_sampling_t d = td_sampling_default(), s = router_proc_sampling(NULL);
+    cr_assert_eq(memcmp(&s, &d, sizeof s), 0, "no sampling message: the defaults");
+
+    Tandem__Control__V1__SamplingParams p = TANDEM__CONTROL__V1__SAMPLING_PARAMS__INIT;
+    s = router_proc_sampling(&p);
+    cr_assert_float_eq(s.top_p, 1.0f, 0, "unset top_p is 1");
+    cr_assert_float_eq(s.repetition_penalty, 1.0f, 0, "unset penalty is 1");
+    cr_assert_float_eq(s.temperature, 0.0f, 0);
+
+    p.temperature = 0.7f;
+    p.top_k = 40;
+    p.top_p = 0.9f;
+    p.min_p = 0.05f;
+    p.repetition_penalty = 1.3f;
+    p.seed = 0x1234567890ull;
+    s = router_proc_sampling(&p);
+    cr_assert_float_eq(s.temperature, 0.7f, 0);
+    cr_assert_eq(s.top_k, 40);
+    cr_assert_float_eq(s.top_p, 0.9f, 0);
+    cr_assert_float_eq(s.min_p, 0.05f, 0);
+    cr_assert_float_eq(s.repetition_penalty, 1.3f, 0);
+    cr_assert_eq(s.seed, 0x1234567890ull);
+    cr_assert_eq(s.penalty_window, d.penalty_window, "fields the message lacks keep their defaults");
 }
