@@ -149,7 +149,8 @@ typedef struct xfer_lease {
     am_ready_hdr_t ready;
     ucp_ep_h ready_ep;
     int32_t n_blocks;
-    int32_t blocks[];    /* [n_blocks] */
+    int32_t *dev;        /* device pool: [n_blocks] the pool blocks (after `blocks`); NULL on host */
+    int32_t blocks[];    /* [n_blocks] what senders write: pool blocks, or landing blocks */
 } xfer_lease_t;
 
 typedef struct recv_op {
@@ -259,6 +260,11 @@ struct td_xfer {
     size_t rkey_len;
     td_xfer_ready_cb on_ready;
     void *ready_arg;
+    /* device pool: pool.base/n_blocks describe the host landing area senders write;
+       the device pool is dev_base/dev_n_blocks; landing_stack holds the free landing ids */
+    void *dev_base;
+    uint32_t dev_n_blocks;
+    int32_t *landing_stack;
     uint64_t next_lease_id;
     list_node_t leases;
     xfer_lease_t *buckets[LEASE_BUCKETS];
@@ -384,12 +390,46 @@ static void lease_remove(td_xfer_t *x, xfer_lease_t *l)
     free(l);
 }
 
+/* A device pool's lease gives its landing blocks back (at release or adoption). */
+static void landing_give(td_xfer_t *x, xfer_lease_t *l)
+{
+    for (int32_t i = 0; i < l->n_blocks; i++)
+        x->landing_stack[x->stats.landing_free++] = l->blocks[i];
+}
+
+/* Device pool, adoption: copies the used blocks' bytes from the landing area into the
+ * lease's pool blocks, one copy per run contiguous at both ends, layer by layer. */
+static td_status_t landing_copy(td_xfer_t *x, const xfer_lease_t *l, uint32_t n_used)
+{
+    const td_kv_layout_t *ly = &x->pool.layout;
+    size_t bb = td_kv_block_bytes(ly);
+    for (uint32_t layer = 0; layer < ly->n_layers; layer++)
+        for (uint32_t i = 0; i < n_used;) {
+            uint32_t n = 1;
+            while (i + n < n_used && l->blocks[i + n] == l->blocks[i] + (int32_t)n &&
+                   l->dev[i + n] == l->dev[i] + (int32_t)n)
+                n++;
+            char *dst = (char *)x->dev_base + td_kv_block_offset(ly, x->dev_n_blocks, layer, (uint32_t)l->dev[i]);
+            const char *src =
+                (const char *)x->pool.base + td_kv_block_offset(ly, x->pool.n_blocks, layer, (uint32_t)l->blocks[i]);
+            td_status_t st = x->pool.copy_h2d(x->pool.copy_arg, dst, src, (size_t)n * bb);
+            if (st != TD_OK)
+                return td_errorf(st, "xfer lease %" PRIu64 ": copy into the device pool failed: %s", l->id,
+                                 td_last_error());
+            x->stats.bytes_copied_h2d += (uint64_t)n * bb;
+            i += n;
+        }
+    return TD_OK;
+}
+
 /* The one place blocks of a lease go back to the pool. Only once no receive writes. */
 static void lease_release(td_xfer_t *x, xfer_lease_t *l)
 {
     TD_ASSERT(l->inflight == 0);
+    if (l->dev)
+        landing_give(x, l);
     for (int32_t i = 0; i < l->n_blocks; i++)
-        td_kv_unref_block(x->pool.kv, l->blocks[i]);
+        td_kv_unref_block(x->pool.kv, l->dev ? l->dev[i] : l->blocks[i]);
     lease_remove(x, l);
 }
 
@@ -459,7 +499,17 @@ static void lease_adopt(td_xfer_t *x, xfer_lease_t *l)
         lease_kill(x, l);
         return;
     }
-    memcpy(ev->blocks, l->blocks, (size_t)l->n_blocks * sizeof(int32_t));
+    if (l->dev) {
+        td_status_t st = landing_copy(x, l, TD_DIV_CEIL(rd->n_tokens, x->pool.layout.block_size));
+        if (st != TD_OK) {
+            free(ev);
+            send_ack(x, l->ready_ep, rd->request_id, l->id, st);
+            lease_kill(x, l);
+            return;
+        }
+        landing_give(x, l); /* the bytes are in the pool: the landing blocks are free again */
+    }
+    memcpy(ev->blocks, l->dev ? l->dev : l->blocks, (size_t)l->n_blocks * sizeof(int32_t));
     ev->r = (td_xfer_ready_t){.request_id = rd->request_id, .lease_id = l->id, .blocks = ev->blocks,
                               .n_blocks = l->n_blocks, .n_tokens = rd->n_tokens,
                               .first_token = rd->first_token};
@@ -474,16 +524,26 @@ td_status_t td_xfer_lease_create(td_xfer_t *x, uint64_t request_id, int32_t n_bl
 {
     if (!x->have_pool || !x->pool.kv)
         return td_errorf(TD_ERR_INVALID, "xfer lease: no pool or no block manager registered");
-    if (n_blocks <= 0 || (uint32_t)n_blocks > x->pool.n_blocks || ttl_ms == 0)
-        return td_errorf(TD_ERR_INVALID, "xfer lease: n_blocks %d (pool %u) ttl_ms %u out of range", n_blocks,
-                         x->pool.n_blocks, ttl_ms);
-    xfer_lease_t *l = calloc(1, sizeof *l + (size_t)n_blocks * sizeof(int32_t));
+    bool dev = x->dev_base != NULL;
+    uint32_t pool_blocks = dev ? x->dev_n_blocks : x->pool.n_blocks;
+    if (n_blocks <= 0 || (uint32_t)n_blocks > pool_blocks || (uint32_t)n_blocks > x->pool.n_blocks || ttl_ms == 0)
+        return td_errorf(TD_ERR_INVALID, "xfer lease: n_blocks %d (pool %u, landing %u) ttl_ms %u out of range",
+                         n_blocks, pool_blocks, dev ? x->pool.n_blocks : pool_blocks, ttl_ms);
+    if (dev && (uint32_t)n_blocks > x->stats.landing_free)
+        return td_errorf_quiet(TD_ERR_EXHAUSTED, "xfer lease: %d landing blocks requested, %u free", n_blocks,
+                               x->stats.landing_free);
+    xfer_lease_t *l = calloc(1, sizeof *l + (size_t)n_blocks * (dev ? 2 : 1) * sizeof(int32_t));
     if (!l)
         return td_errorf(TD_ERR_NOMEM, "xfer lease: out of memory");
-    td_status_t st = td_kv_alloc_blocks(x->pool.kv, n_blocks, l->blocks);
+    td_status_t st = td_kv_alloc_blocks(x->pool.kv, n_blocks, dev ? l->blocks + n_blocks : l->blocks);
     if (st != TD_OK) {
         free(l);
         return st; /* EXHAUSTED is not logged: the scheduler decides */
+    }
+    if (dev) {
+        l->dev = l->blocks + n_blocks;
+        for (int32_t i = 0; i < n_blocks; i++)
+            l->blocks[i] = x->landing_stack[--x->stats.landing_free];
     }
     l->id = ++x->next_lease_id;
     l->request_id = request_id;
@@ -1912,32 +1972,53 @@ td_status_t td_xfer_register_pool(td_xfer_t *x, const td_xfer_pool_t *pool, td_x
         return td_errorf(TD_ERR_INVALID, "xfer: a pool is already registered");
     if (!x->listener)
         return td_errorf(TD_ERR_INVALID, "xfer: a receiving pool needs a listener (listen_ip)");
-    if (pool->mem != TD_XFER_MEM_HOST)
-        return td_errorf(TD_ERR_UNSUPPORTED, "xfer: CUDA pools need the staging path, not built yet (docs/xfer.md)");
+    bool dev = pool->mem == TD_XFER_MEM_CUDA;
+    if (pool->mem != TD_XFER_MEM_HOST && !dev)
+        return td_errorf(TD_ERR_INVALID, "xfer: unknown pool memory type %d", (int)pool->mem);
+    if (dev && (!pool->base || !pool->copy_h2d || pool->landing_blocks == 0))
+        return td_errorf(TD_ERR_INVALID, "xfer: a device pool needs its base, copy_h2d and landing_blocks");
     if (td_kv_layout_validate(&pool->layout) != TD_OK)
         return td_errorf(TD_ERR_INVALID, "xfer: %s", td_last_error());
     if (pool->n_blocks == 0)
         return td_errorf(TD_ERR_INVALID, "xfer: pool needs n_blocks");
-    /* base NULL: UCX allocates (sysv/posix segment first), which is what lets a sender on
-     * this host put with a memcpy into its mapping of the pool. */
+    /* What UCX sees: the host pool, or a device pool's landing area. base NULL: UCX
+     * allocates (sysv/posix segment first), which is what lets a sender on this host put
+     * with a memcpy into its mapping of the pool. */
+    void *ucx_base = dev ? NULL : pool->base;
+    uint32_t ucx_blocks = dev ? pool->landing_blocks : pool->n_blocks;
+    int32_t *stack = NULL;
+    if (dev && !(stack = malloc((size_t)ucx_blocks * sizeof *stack)))
+        return td_errorf(TD_ERR_NOMEM, "xfer: no memory for %u landing block ids", ucx_blocks);
     ucp_mem_map_params_t mp = {.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
                                              UCP_MEM_MAP_PARAM_FIELD_FLAGS,
-                               .address = pool->base,
-                               .length = td_kv_pool_bytes(&pool->layout, pool->n_blocks),
-                               .flags = pool->base ? 0 : UCP_MEM_MAP_ALLOCATE};
+                               .address = ucx_base,
+                               .length = td_kv_pool_bytes(&pool->layout, ucx_blocks),
+                               .flags = ucx_base ? 0 : UCP_MEM_MAP_ALLOCATE};
     ucs_status_t st = ucp_mem_map(x->ctx, &mp, &x->memh);
-    if (st != UCS_OK)
-        return ucx_err(st, pool->base ? "register pool" : "allocate pool");
+    if (st != UCS_OK) {
+        free(stack);
+        return ucx_err(st, ucx_base ? "register pool" : dev ? "allocate landing area" : "allocate pool");
+    }
     ucp_mem_attr_t ma = {.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS};
     st = ucp_mem_query(x->memh, &ma);
     if (st == UCS_OK)
         st = ucp_rkey_pack(x->ctx, x->memh, &x->rkey_buf, &x->rkey_len);
     if (st != UCS_OK) {
         ucp_mem_unmap(x->ctx, x->memh);
+        free(stack);
         return ucx_err(st, "pack rkey");
     }
     x->pool = *pool;
     x->pool.base = ma.address;
+    x->pool.n_blocks = ucx_blocks;
+    if (dev) {
+        x->dev_base = pool->base;
+        x->dev_n_blocks = pool->n_blocks;
+        x->landing_stack = stack;
+        for (uint32_t i = 0; i < ucx_blocks; i++) /* popped from the top: 0, 1, 2, ... */
+            stack[i] = (int32_t)(ucx_blocks - 1 - i);
+        x->stats.landing_free = ucx_blocks;
+    }
     x->on_ready = on_ready;
     x->ready_arg = arg;
     x->have_pool = true;
@@ -1974,7 +2055,7 @@ td_status_t td_xfer_pool_set_kv(td_xfer_t *x, td_kv_cache_t *kv)
 
 void *td_xfer_pool_base(const td_xfer_t *x)
 {
-    return x->have_pool ? x->pool.base : NULL;
+    return !x->have_pool ? NULL : x->dev_base ? x->dev_base : x->pool.base;
 }
 
 void td_xfer_get_stats(const td_xfer_t *x, td_xfer_stats_t *stats)
@@ -2066,6 +2147,7 @@ void td_xfer_destroy(td_xfer_t *x)
             td_kv_unref_block(x->pool.kv, ev->r.blocks[i]);
         free(ev);
     }
+    free(x->landing_stack);
     if (x->listener)
         ucp_listener_destroy(x->listener);
     if (x->have_pool) {

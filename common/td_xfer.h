@@ -46,7 +46,8 @@ typedef struct td_xfer_send td_xfer_send_t;
 
 /* Where KV bytes live. A sender's device (CUDA) memory is staged through a host ring
  * with the caller's device-to-host copy (td_xfer_send_params_t.copy_d2h, the backend's
- * copy_d2h); a receiver pool in device memory is not built yet (TD_ERR_UNSUPPORTED).
+ * copy_d2h); a receiver's device pool through a host landing area that senders write,
+ * copied into the device pool with the caller's copy_h2d on kv-ready (td_xfer_pool_t).
  * docs/xfer.md, "Memory types". */
 typedef enum td_xfer_mem {
     TD_XFER_MEM_HOST = 0,
@@ -122,6 +123,8 @@ typedef struct td_xfer_stats {
     uint64_t ops_put;            /* sender: data operations posted as RMA puts */
     uint64_t ops_am;             /* sender: data operations posted as active messages */
     uint64_t leases_quarantined; /* died while a put writer was bound: held until its abort-ack */
+    uint32_t landing_free;       /* gauge, device pool: landing blocks not held by a lease */
+    uint64_t bytes_copied_h2d;   /* device pool: landed bytes copied into the pool */
     uint64_t quarantine_timeouts;/* ... released by quarantine_ms instead (the remaining risk) */
 } td_xfer_stats_t;
 
@@ -159,29 +162,41 @@ typedef struct td_xfer_ready {
 
 typedef void (*td_xfer_ready_cb)(void *arg, const td_xfer_ready_t *ready);
 
+/* Copies bytes between device and host memory and returns once they are there (a
+ * backend's copy_d2h or copy_h2d). Called on the loop thread. Errors fail the request. */
+typedef td_status_t (*td_xfer_copy_cb)(void *arg, void *dst, const void *src, size_t bytes);
+
 typedef struct td_xfer_pool {
     td_kv_layout_t layout;
     void *base;         /* pool[n_layers][n_blocks][2][block_size][n_kv_heads][head_dim];
-                           NULL: UCX allocates it (td_xfer_pool_base), as a shared-memory
-                           segment when sm transports are on, so that senders on this host
-                           put with a memcpy into the mapping */
+                           host memory, NULL: UCX allocates it (td_xfer_pool_base), as a
+                           shared-memory segment when sm transports are on, so that senders
+                           on this host put with a memcpy into the mapping.
+                           mem CUDA: the device pool (required; not given to UCX) */
     uint32_t n_blocks;
     td_xfer_mem_t mem;
     td_kv_cache_t *kv;  /* the block manager of this pool (not owned); leases allocate here.
                            NULL: set later with td_xfer_pool_set_kv (the engine that owns it
                            is built on the memory this call allocates) */
+    /* mem CUDA only: senders write a host landing area of landing_blocks blocks (UCX
+       allocates it, as for a NULL host base); a lease holds landing blocks and pool blocks,
+       and kv-ready copies the landed bytes into the pool with copy_h2d before adoption. */
+    uint32_t landing_blocks;
+    td_xfer_copy_cb copy_h2d;
+    void *copy_arg;
 } td_xfer_pool_t;
 
 /*
- * Registers the receiver's whole KV pool with UCX (once) and sets the callback for adopted
- * transfers. The pool memory and kv must outlive x. Errors: TD_ERR_INVALID (bad layout,
- * already registered, no listener), TD_ERR_UNSUPPORTED (CUDA memory), TD_ERR_UCX.
+ * Registers the receiver's whole KV pool with UCX (once; a device pool: its host landing
+ * area) and sets the callback for adopted transfers. The pool memory and kv must outlive
+ * x. Errors: TD_ERR_INVALID (bad layout, already registered, no listener; a device pool
+ * without base, copy_h2d or landing_blocks), TD_ERR_UCX, TD_ERR_NOMEM.
  */
 td_status_t td_xfer_register_pool(td_xfer_t *x, const td_xfer_pool_t *pool, td_xfer_ready_cb on_ready,
                                   void *arg);
 
-/* The registered pool's address (the one UCX allocated when pool->base was NULL), or NULL
- * before td_xfer_register_pool. Valid until td_xfer_destroy. */
+/* The registered pool's address (the one UCX allocated when pool->base was NULL; a device
+ * pool's own base), or NULL before td_xfer_register_pool. Valid until td_xfer_destroy. */
 void *td_xfer_pool_base(const td_xfer_t *x);
 
 /* Sets the block manager of a pool registered with kv NULL (once; before any lease).
@@ -201,11 +216,14 @@ td_status_t td_xfer_pool_set_kv(td_xfer_t *x, td_kv_cache_t *kv);
 td_status_t td_xfer_describe(td_xfer_t *x, void *buf, size_t cap, size_t *len_p);
 
 /*
- * Reserves n_blocks blocks of the pool for request_id until ttl_ms from now: writes their
- * ids to blocks_out[0..n_blocks) and the lease id to *lease_id_p. The blocks return to the
- * pool exactly once: on expiry, cancel, or loss of the sender writing them; or they pass
- * to the ready callback on adoption. Errors: TD_ERR_EXHAUSTED (not logged: the
- * scheduler decides), TD_ERR_INVALID, TD_ERR_NOMEM.
+ * Reserves n_blocks blocks of the pool for request_id until ttl_ms from now: writes the
+ * ids senders write to (send params' dst_blocks) to blocks_out[0..n_blocks) and the lease
+ * id to *lease_id_p. The blocks return to the pool exactly once: on expiry, cancel, or
+ * loss of the sender writing them; or they pass to the ready callback on adoption. A
+ * device pool's lease also holds as many landing blocks (blocks_out names those; the
+ * ready callback names the pool blocks the bytes were copied to); they return with it.
+ * Errors: TD_ERR_EXHAUSTED (pool or landing area full; not logged: the scheduler
+ * decides), TD_ERR_INVALID, TD_ERR_NOMEM.
  */
 td_status_t td_xfer_lease_create(td_xfer_t *x, uint64_t request_id, int32_t n_blocks, uint32_t ttl_ms,
                                  int32_t *blocks_out, uint64_t *lease_id_p);
@@ -237,9 +255,6 @@ bool td_xfer_peer_alive(const td_xfer_peer_t *peer);
  * TD_ERR_CLOSED (x destroyed). */
 typedef void (*td_xfer_done_cb)(void *arg, uint64_t request_id, td_status_t st);
 
-/* Copies bytes from device memory to host memory and returns once they are there (a
- * backend's copy_d2h). Called on the loop thread. Errors fail the request. */
-typedef td_status_t (*td_xfer_copy_cb)(void *arg, void *dst, const void *src, size_t bytes);
 
 typedef struct td_xfer_send_params {
     uint64_t request_id;

@@ -109,8 +109,19 @@ typedef struct rx {
     int want;
     bool all_in;
     bool ucx_pool; /* pool allocated by td_xfer (UCX), not ours to free */
+    td_backend_t *be; /* device pool: the pool is this backend's memory, filled from td_xfer's
+                         landing area with its copy_h2d */
+    uint64_t copied;  /* bytes copy_h2d moved */
     offer_t offer;
 } rx_t;
+
+/* The backend's host-to-device copy, as a decode node hands it to td_xfer. */
+static td_status_t rx_copy_h2d(void *arg, void *dst, const void *src, size_t bytes)
+{
+    rx_t *rx = arg;
+    rx->copied += bytes;
+    return rx->be->ops->copy_h2d(rx->be, dst, src, bytes);
+}
 
 static void rx_on_ready(void *arg, const td_xfer_ready_t *r)
 {
@@ -137,14 +148,18 @@ static void rx_on_ready(void *arg, const td_xfer_ready_t *r)
         rx->all_in = true;
 }
 
-static int rx_init_at(rx_t *rx, uint64_t seed, uint32_t n_blocks, const char *ip, uint32_t quarantine_ms);
+static int rx_init_at(rx_t *rx, uint64_t seed, uint32_t n_blocks, const char *ip, uint32_t quarantine_ms,
+                      uint32_t landing);
 
 static int rx_init(rx_t *rx, uint64_t seed, uint32_t n_blocks)
 {
-    return rx_init_at(rx, seed, n_blocks, "127.0.0.1", 0);
+    return rx_init_at(rx, seed, n_blocks, "127.0.0.1", 0, 0);
 }
 
-static int rx_init_at(rx_t *rx, uint64_t seed, uint32_t n_blocks, const char *ip, uint32_t quarantine_ms)
+/* landing: 0 for a host pool; else the pool is device memory (the CPU backend's) and
+ * senders write a landing area of this many blocks. */
+static int rx_init_at(rx_t *rx, uint64_t seed, uint32_t n_blocks, const char *ip, uint32_t quarantine_ms,
+                      uint32_t landing)
 {
     memset(rx, 0, sizeof *rx);
     rx->seed = seed;
@@ -156,8 +171,15 @@ static int rx_init_at(rx_t *rx, uint64_t seed, uint32_t n_blocks, const char *ip
     /* Over shared memory UCX allocates the pool (a mapped segment: the put path); over
      * TCP the pool is ours, registered. */
     const char *tls = getenv("UCX_TLS");
-    rx->ucx_pool = tls && strstr(tls, "sm");
-    rx->pool = rx->ucx_pool ? NULL : calloc(1, td_kv_pool_bytes(&LAYOUT, n_blocks));
+    rx->ucx_pool = !landing && tls && strstr(tls, "sm");
+    td_cpu_config_t cc = {.n_threads = 1};
+    if (landing) {
+        if (td_backend_cpu_create(&cc, &rx->be) != TD_OK ||
+            rx->be->ops->alloc(rx->be, td_kv_pool_bytes(&LAYOUT, n_blocks), &rx->pool) != TD_OK)
+            return 14;
+    } else if (!rx->ucx_pool) {
+        rx->pool = calloc(1, td_kv_pool_bytes(&LAYOUT, n_blocks));
+    }
     td_xfer_config_t cfg = td_xfer_config_default();
     cfg.name = "rx";
     cfg.listen_ip = ip;
@@ -165,7 +187,9 @@ static int rx_init_at(rx_t *rx, uint64_t seed, uint32_t n_blocks, const char *ip
         cfg.quarantine_ms = quarantine_ms;
     if ((!rx->ucx_pool && !rx->pool) || td_xfer_create(&rx->loop, &cfg, &rx->x) != TD_OK)
         return 11;
-    td_xfer_pool_t pool = {.layout = LAYOUT, .base = rx->pool, .n_blocks = n_blocks, .kv = rx->kv};
+    td_xfer_pool_t pool = {.layout = LAYOUT, .base = rx->pool, .n_blocks = n_blocks, .kv = rx->kv,
+                           .mem = landing ? TD_XFER_MEM_CUDA : TD_XFER_MEM_HOST, .landing_blocks = landing,
+                           .copy_h2d = rx_copy_h2d, .copy_arg = rx};
     if (td_xfer_register_pool(rx->x, &pool, rx_on_ready, rx) != TD_OK)
         return 12;
     rx->pool = td_xfer_pool_base(rx->x);
@@ -195,8 +219,12 @@ static void rx_free(rx_t *rx)
     td_xfer_destroy(rx->x);
     close_loop(&rx->loop);
     td_kv_cache_destroy(rx->kv);
-    if (!rx->ucx_pool)
+    if (rx->be) {
+        rx->be->ops->free(rx->be, rx->pool);
+        td_backend_destroy(rx->be);
+    } else if (!rx->ucx_pool) {
         free(rx->pool);
+    }
 }
 
 /* ---- sender --------------------------------------------------------------------------- */
@@ -343,20 +371,30 @@ static void tx_free(tx_t *tx)
 typedef struct rx_report {
     int adopted, bad;
     int32_t free_after;
+    uint64_t copied;
     td_xfer_stats_t stats;
 } rx_report_t;
 
-static void receiver_process(int wfd, uint64_t seed, int n_req, const char *ip)
+/* How a two-process run is set up beyond transport, primitive, seed and request count. */
+typedef struct run_opts {
+    const char *rx_ns, *tx_ns; /* network namespaces to enter, NULL: stay */
+    const char *rx_ip;         /* the receiver's listener (default 127.0.0.1) */
+    size_t staging;            /* sender: device-memory source through a ring this big, 0: host */
+    uint32_t rx_landing;       /* receiver: device pool with a landing area this big, 0: host */
+} run_opts_t;
+
+static void receiver_process(int wfd, uint64_t seed, int n_req, const run_opts_t *ro)
 {
     rx_t rx;
-    int rc = rx_init_at(&rx, seed, 256 * 64 + 256, ip, 0);
+    int rc = rx_init_at(&rx, seed, 256 * 64 + 256, ro->rx_ip ? ro->rx_ip : "127.0.0.1", 0, ro->rx_landing);
     if (!rc)
         rc = rx_lease(&rx, n_req, 60000, false);
     if (rc)
         _exit(rc);
     td_xfer_testkit_write_all(wfd, &rx.offer, sizeof rx.offer);
     run_until(&rx.loop, &rx.all_in, 60);
-    rx_report_t rep = {.adopted = rx.adopted, .bad = rx.bad, .free_after = td_kv_available(rx.kv)};
+    rx_report_t rep = {.adopted = rx.adopted, .bad = rx.bad, .free_after = td_kv_available(rx.kv),
+                       .copied = rx.copied};
     td_xfer_get_stats(rx.x, &rep.stats);
     rx_free(&rx);
     td_xfer_testkit_write_all(wfd, &rep, sizeof rep);
@@ -365,9 +403,10 @@ static void receiver_process(int wfd, uint64_t seed, int n_req, const char *ip)
 
 static bool enter_netns(const char *name);
 
-static void many_requests_in(const char *tls, td_xfer_rma_t rma, uint64_t seed, int n_req, const char *rx_ns,
-                             const char *tx_ns, const char *rx_ip, size_t staging)
+static void many_requests_in(const char *tls, td_xfer_rma_t rma, uint64_t seed, int n_req, const run_opts_t *ro)
 {
+    const char *rx_ns = ro->rx_ns, *tx_ns = ro->tx_ns;
+    size_t staging = ro->staging;
     td_xfer_testkit_env(tls);
     if (rx_ns)
         setenv("UCX_NET_DEVICES", "tdx0", 1); /* the veth end, named alike in both namespaces */
@@ -379,7 +418,7 @@ static void many_requests_in(const char *tls, td_xfer_rma_t rma, uint64_t seed, 
         close(fds[0]);
         if (rx_ns && !enter_netns(rx_ns))
             _exit(40);
-        receiver_process(fds[1], seed, n_req, rx_ip);
+        receiver_process(fds[1], seed, n_req, ro);
     }
     close(fds[1]);
     if (tx_ns)
@@ -426,6 +465,13 @@ static void many_requests_in(const char *tls, td_xfer_rma_t rma, uint64_t seed, 
     cr_expect_eq(rep.stats.leases_adopted, (uint64_t)o.n_req);
     cr_expect_eq(rep.stats.leases_live, 0);
     cr_expect_eq(rep.free_after, 256 * 64 + 256, "blocks not returned: %d free", rep.free_after);
+    if (ro->rx_landing) {
+        cr_expect_eq(rep.stats.landing_free, ro->rx_landing, "landing blocks not returned: %u free",
+                     rep.stats.landing_free);
+        cr_expect_eq(rep.copied, rep.stats.bytes_received, "every landed byte is copied into the pool once: "
+                     "%lu copied, %lu received", (unsigned long)rep.copied, (unsigned long)rep.stats.bytes_received);
+        cr_expect_eq(rep.stats.bytes_copied_h2d, rep.copied);
+    }
     if (staging)
         cr_expect_eq(tx.staged, st.bytes_sent, "every byte goes through the staging ring: %lu staged, %lu sent",
                      (unsigned long)tx.staged, (unsigned long)st.bytes_sent);
@@ -435,7 +481,7 @@ static void many_requests_in(const char *tls, td_xfer_rma_t rma, uint64_t seed, 
 
 static void many_requests(const char *tls, td_xfer_rma_t rma, uint64_t seed, int n_req)
 {
-    many_requests_in(tls, rma, seed, n_req, NULL, NULL, "127.0.0.1", 0);
+    many_requests_in(tls, rma, seed, n_req, &(run_opts_t){0});
 }
 
 /* A device-memory source (the CPU backend's "device" memory, read with its copy_d2h)
@@ -446,12 +492,12 @@ static void many_requests(const char *tls, td_xfer_rma_t rma, uint64_t seed, int
  * shared memory 16 KiB (the puts are copies into the mapping, done when posted). */
 Test(xfer, device_source_staged_tcp, .timeout = 120)
 {
-    many_requests_in("tcp", TD_XFER_RMA_AUTO, 21, 16, NULL, NULL, "127.0.0.1", (size_t)1 << 20);
+    many_requests_in("tcp", TD_XFER_RMA_AUTO, 21, 16, &(run_opts_t){.staging = (size_t)1 << 20});
 }
 
 Test(xfer, device_source_staged_shm_put, .timeout = 120)
 {
-    many_requests_in("sm,tcp", TD_XFER_RMA_AUTO, 22, 16, NULL, NULL, "127.0.0.1", (size_t)16 << 10);
+    many_requests_in("sm,tcp", TD_XFER_RMA_AUTO, 22, 16, &(run_opts_t){.staging = (size_t)16 << 10});
 }
 
 Test(xfer, loopback_tcp_64_requests, .timeout = 120)
@@ -477,6 +523,84 @@ Test(xfer, loopback_tcp_forced_put_16_requests, .timeout = 120)
 Test(xfer, loopback_tcp_one_request, .timeout = 60)
 {
     many_requests("tcp", TD_XFER_RMA_AUTO, 3, 1);
+}
+
+/* ---- device pool: the landing area --------------------------------------------------- */
+
+/* A receiver whose pool is device memory (the CPU backend's, filled with its copy_h2d):
+ * senders write the landing area, kv-ready copies the used blocks into the lease's pool
+ * blocks, and the ready callback checks every byte there. Landing blocks all come back. */
+Test(xfer, device_pool_through_landing_tcp, .timeout = 120)
+{
+    many_requests_in("tcp", TD_XFER_RMA_AUTO, 23, 32, &(run_opts_t){.rx_landing = 256 * 64 + 256});
+}
+
+/* Both ends in device memory, over shared memory: the sender stages through its ring and
+ * puts into the mapped landing area. */
+Test(xfer, device_to_device_pool_shm_put, .timeout = 120)
+{
+    many_requests_in("sm,tcp", TD_XFER_RMA_AUTO, 24, 16,
+                     &(run_opts_t){.staging = (size_t)16 << 10, .rx_landing = 256 * 64 + 256});
+}
+
+/* Leases on a device pool hold landing and pool blocks: a full landing area refuses
+ * (EXHAUSTED, nothing taken), cancel and expiry return both kinds exactly once. */
+Test(xfer, device_pool_leases_hold_and_return_landing_blocks, .timeout = 60)
+{
+    td_xfer_testkit_env("tcp");
+    rx_t rx;
+    cr_assert_eq(rx_init_at(&rx, 1, 64, "127.0.0.1", 0, 8), 0);
+    td_xfer_stats_t st;
+    td_xfer_get_stats(rx.x, &st);
+    cr_assert_eq(st.landing_free, 8);
+    cr_expect_eq(td_xfer_pool_base(rx.x), rx.pool, "the pool base is the device pool's");
+    int32_t b1[8], b2[8];
+    uint64_t l1, l2;
+    cr_assert_eq(td_xfer_lease_create(rx.x, 1, 6, 60000, b1, &l1), TD_OK);
+    for (int i = 0; i < 6; i++)
+        cr_expect(b1[i] >= 0 && b1[i] < 8, "senders get landing block ids: %d", b1[i]);
+    cr_expect_eq(td_kv_available(rx.kv), 58);
+    cr_expect_eq(td_xfer_lease_create(rx.x, 2, 4, 60000, b2, &l2), TD_ERR_EXHAUSTED, "landing area full");
+    cr_expect_eq(td_kv_available(rx.kv), 58, "a refused lease takes no pool blocks");
+    cr_expect_eq(td_xfer_lease_create(rx.x, 2, 65, 60000, b2, &l2), TD_ERR_INVALID);
+    cr_assert_eq(td_xfer_lease_cancel(rx.x, l1), TD_OK);
+    td_xfer_get_stats(rx.x, &st);
+    cr_expect_eq(st.landing_free, 8);
+    cr_expect_eq(td_kv_available(rx.kv), 64);
+    cr_expect_eq(td_xfer_lease_cancel(rx.x, l1), TD_ERR_STALE, "a lease ends once");
+    cr_assert_eq(td_xfer_lease_create(rx.x, 3, 8, 1, b2, &l2), TD_OK);
+    double end = td_now_s() + 5;
+    do {
+        uv_run(&rx.loop, UV_RUN_NOWAIT);
+        td_xfer_get_stats(rx.x, &st);
+    } while (st.leases_expired == 0 && td_now_s() < end);
+    cr_expect_eq(st.leases_expired, 1);
+    cr_expect_eq(st.landing_free, 8);
+    cr_expect_eq(td_kv_available(rx.kv), 64);
+    rx_free(&rx);
+}
+
+Test(xfer, device_pool_needs_base_copy_and_landing)
+{
+    td_xfer_testkit_env("tcp");
+    uv_loop_t loop;
+    uv_loop_init(&loop);
+    td_xfer_config_t cfg = td_xfer_config_default();
+    td_xfer_t *x;
+    cr_assert_eq(td_xfer_create(&loop, &cfg, &x), TD_OK);
+    static char dev[4096];
+    td_xfer_pool_t p = {.layout = LAYOUT, .base = dev, .n_blocks = 1, .mem = TD_XFER_MEM_CUDA, .landing_blocks = 1};
+    cr_expect_eq(td_xfer_register_pool(x, &p, NULL, NULL), TD_ERR_INVALID, "no copy_h2d");
+    cr_expect(strstr(td_last_error(), "copy_h2d") != NULL, "message: %s", td_last_error());
+    p.copy_h2d = rx_copy_h2d;
+    p.landing_blocks = 0;
+    cr_expect_eq(td_xfer_register_pool(x, &p, NULL, NULL), TD_ERR_INVALID, "no landing area");
+    p.landing_blocks = 1;
+    p.base = NULL;
+    cr_expect_eq(td_xfer_register_pool(x, &p, NULL, NULL), TD_ERR_INVALID, "no device base");
+    cr_expect_eq(td_xfer_pool_base(x), NULL, "nothing registered");
+    td_xfer_destroy(x);
+    close_loop(&loop);
 }
 
 /* ---- layout mismatch ------------------------------------------------------------------ */
@@ -745,7 +869,7 @@ static void expiry_fence(const char *tls, td_xfer_rma_t rma, uint32_t quarantine
         _exit(code);
     }
     rx_t rx;
-    cr_assert_eq(rx_init_at(&rx, 9, 256, "127.0.0.1", quarantine_ms), 0);
+    cr_assert_eq(rx_init_at(&rx, 9, 256, "127.0.0.1", quarantine_ms, 0), 0);
     rx.offer.n_req = 1;
     lease_msg_t *m = &rx.offer.lease[0];
     m->request_id = 1000;
@@ -917,7 +1041,7 @@ Test(xfer, tcp_across_netns_veth, .timeout = 120, .fini = netns_cleanup)
                  ns_b),
               "could not set up the veth pair");
     /* Two namespaces are one host to UCX: only tcp crosses the veth (docs/xfer.md). */
-    many_requests_in("tcp", TD_XFER_RMA_AUTO, 11, 16, ns_a, ns_b, "10.77.0.1", 0);
+    many_requests_in("tcp", TD_XFER_RMA_AUTO, 11, 16, &(run_opts_t){.rx_ns = ns_a, .tx_ns = ns_b, .rx_ip = "10.77.0.1"});
 }
 
 /* ---- configuration -------------------------------------------------------------------- */
