@@ -316,14 +316,19 @@ static void env_start(env_t *e, const char *const *router_args)
     td_grpc_server_config_t sc = td_grpc_server_config_default();
     sc.host = "127.0.0.1";
     cr_assert_eq(td_grpc_server_create(&e->loop, &sc, &e->nodes), TD_OK);
-    cr_assert_eq(td_grpc_server_add_method(e->nodes, "/tandem.control.v1.DecodeNode/Admit",
-                                           &tandem__control__v1__admit_request__descriptor, on_admit, e), TD_OK);
-    cr_assert_eq(td_grpc_server_add_method(e->nodes, "/tandem.control.v1.DecodeNode/Release",
-                                           &tandem__control__v1__release_request__descriptor, on_release, e), TD_OK);
-    cr_assert_eq(td_grpc_server_add_method(e->nodes, "/tandem.control.v1.DecodeNode/Steps",
-                                           &tandem__control__v1__steps_request__descriptor, on_steps, e), TD_OK);
-    cr_assert_eq(td_grpc_server_add_method(e->nodes, "/tandem.control.v1.PrefillNode/Prefill",
-                                           &tandem__control__v1__prefill_request__descriptor, on_prefill, e), TD_OK);
+    static const struct {
+        const char *path;
+        const ProtobufCMessageDescriptor *desc;
+        td_grpc_handler_cb cb;
+    } methods[] = {
+        {"/tandem.control.v1.DecodeNode/Admit", &tandem__control__v1__admit_request__descriptor, on_admit},
+        {"/tandem.control.v1.DecodeNode/Release", &tandem__control__v1__release_request__descriptor, on_release},
+        {"/tandem.control.v1.DecodeNode/Steps", &tandem__control__v1__steps_request__descriptor, on_steps},
+        {"/tandem.control.v1.PrefillNode/Prefill", &tandem__control__v1__prefill_request__descriptor, on_prefill},
+    };
+    for (size_t i = 0; i < TD_ARRAY_LEN(methods); i++)
+        cr_assert_eq(td_grpc_server_add_method(e->nodes, methods[i].path, methods[i].desc, methods[i].cb, e), TD_OK,
+                     "%s", methods[i].path);
     td_grpc_channel_config_t cc = td_grpc_channel_config_default();
     cr_assert_eq(td_grpc_channel_create(&e->loop, "127.0.0.1", e->control_port, &cc, &e->control), TD_OK);
     cc.initial_window_bytes = 65535; /* the smallest: a paused client holds the router back soon */
@@ -394,6 +399,26 @@ static void generate(env_t *e, gen_t *g, const char *id, int32_t priority, bool 
     cr_assert_eq(td_grpc_channel_call(e->gateway, "/tandem.v1.Generation/Generate", &q.base, &o, &g->call), TD_OK);
 }
 
+/* Request "a" while the fake prefill node holds its Prefill call open; returns its lease
+ * once that call arrived. */
+static lease_t *start_held_prefill(env_t *e, gen_t *g)
+{
+    e->prefill_first_token = 0; /* hold the Prefill stream */
+    generate(e, g, "a", 0, false, 0);
+    RUN_UNTIL(e, e->n_leases == 1 && e->leases[0].prefill);
+    return &e->leases[0];
+}
+
+/* Waits until g ended and checks that it ended OK with exactly the ids want[0..n). */
+static void expect_ids(env_t *e, gen_t *g, const uint32_t *want, size_t n)
+{
+    RUN_UNTIL(e, g->done);
+    cr_assert_eq(g->code, TD_GRPC_OK, "%s", g->message);
+    cr_assert_eq(g->n_ids, n);
+    for (size_t i = 0; i < n; i++)
+        cr_assert_eq(g->ids[i], want[i], "token %zu is %u, not %u", i, g->ids[i], want[i]);
+}
+
 /* ---- tests ----------------------------------------------------------------------------------- */
 
 TestSuite(router_relay, .timeout = 120);
@@ -413,11 +438,7 @@ Test(router_relay, first_token_from_prefill_then_duplicate_dropped)
     token(&e, l, 8);
     token(&e, l, 9);
     finish(&e, l);
-    RUN_UNTIL(&e, g.done);
-    cr_assert_eq(g.code, TD_GRPC_OK, "%s", g.message);
-    cr_assert_eq(g.n_ids, 3);
-    cr_assert_eq(g.ids[1], 8);
-    cr_assert_eq(g.ids[2], 9);
+    expect_ids(&e, &g, (const uint32_t[]){7, 8, 9}, 3);
     cr_assert_eq(g.finish_reason, TANDEM__V1__FINISH_REASON__FINISH_REASON_LENGTH);
     env_stop(&e);
 }
@@ -426,11 +447,8 @@ Test(router_relay, first_token_from_decode_then_prefill_dropped)
 {
     env_t e;
     env_start(&e, NULL);
-    e.prefill_first_token = 0; /* hold the Prefill stream */
     static gen_t g;
-    generate(&e, &g, "a", 0, false, 0);
-    RUN_UNTIL(&e, e.n_leases == 1 && e.leases[0].prefill);
-    lease_t *l = &e.leases[0];
+    lease_t *l = start_held_prefill(&e, &g);
     token(&e, l, 7);
     token(&e, l, 8);
     RUN_UNTIL(&e, g.n_ids == 2);
@@ -438,12 +456,7 @@ Test(router_relay, first_token_from_decode_then_prefill_dropped)
     prefill_deliver(l);
     token(&e, l, 9);
     finish(&e, l);
-    RUN_UNTIL(&e, g.done);
-    cr_assert_eq(g.code, TD_GRPC_OK, "%s", g.message);
-    cr_assert_eq(g.n_ids, 3);
-    cr_assert_eq(g.ids[0], 7);
-    cr_assert_eq(g.ids[1], 8);
-    cr_assert_eq(g.ids[2], 9);
+    expect_ids(&e, &g, (const uint32_t[]){7, 8, 9}, 3);
     env_stop(&e);
 }
 
@@ -460,11 +473,7 @@ Test(router_relay, phaseless_prefill_reply_counts_once)
     token(&e, l, 5);
     token(&e, l, 6);
     finish(&e, l);
-    RUN_UNTIL(&e, g.done);
-    cr_assert_eq(g.code, TD_GRPC_OK, "%s", g.message);
-    cr_assert_eq(g.n_ids, 2);
-    cr_assert_eq(g.ids[0], 5);
-    cr_assert_eq(g.ids[1], 6);
+    expect_ids(&e, &g, (const uint32_t[]){5, 6}, 2);
     env_stop(&e);
 }
 
@@ -619,11 +628,8 @@ Test(router_relay, sequence_dropped_during_prefill_cancels_it_and_fails_over)
 {
     env_t e;
     env_start(&e, NULL);
-    e.prefill_first_token = 0; /* hold the Prefill stream */
     static gen_t g;
-    generate(&e, &g, "a", 0, false, 0);
-    RUN_UNTIL(&e, e.n_leases == 1 && e.leases[0].prefill);
-    lease_t *l = &e.leases[0];
+    lease_t *l = start_held_prefill(&e, &g);
     uint32_t t = 0;
     Tandem__Control__V1__SeqEvent ev = TANDEM__CONTROL__V1__SEQ_EVENT__SEQ_EVENT_FAILED;
     cr_assert_eq(step(&e, 1, (const lease_t *const[]){l}, &t, &ev), TD_OK);
