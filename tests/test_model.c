@@ -204,6 +204,23 @@ static void make_dir(char *out, size_t cap, const char *name)
     cr_assert_eq(mkdir(out, 0777), 0, "mkdir %s", out);
 }
 
+/* The shape of a config, as one expectation per model. */
+typedef struct dims {
+    int32_t dim, hidden_dim, n_layers, n_heads, n_kv_heads, head_dim, vocab_size, max_seq_len;
+} dims_t;
+
+static void expect_dims(const td_model_config_t *c, dims_t w)
+{
+    cr_expect_eq(c->dim, w.dim, "dim %d, want %d", c->dim, w.dim);
+    cr_expect_eq(c->hidden_dim, w.hidden_dim, "hidden_dim %d, want %d", c->hidden_dim, w.hidden_dim);
+    cr_expect_eq(c->n_layers, w.n_layers, "n_layers %d, want %d", c->n_layers, w.n_layers);
+    cr_expect_eq(c->n_heads, w.n_heads, "n_heads %d, want %d", c->n_heads, w.n_heads);
+    cr_expect_eq(c->n_kv_heads, w.n_kv_heads, "n_kv_heads %d, want %d", c->n_kv_heads, w.n_kv_heads);
+    cr_expect_eq(c->head_dim, w.head_dim, "head_dim %d, want %d", c->head_dim, w.head_dim);
+    cr_expect_eq(c->vocab_size, w.vocab_size, "vocab_size %d, want %d", c->vocab_size, w.vocab_size);
+    cr_expect_eq(c->max_seq_len, w.max_seq_len, "max_seq_len %d, want %d", c->max_seq_len, w.max_seq_len);
+}
+
 /* ---- llama2.c ---------------------------------------------------------------------- */
 
 Test(model_llama2c, stories260k_config_and_views, .timeout = 30)
@@ -217,14 +234,8 @@ Test(model_llama2c, stories260k_config_and_views, .timeout = 30)
     const td_model_config_t *c = &m->config;
     cr_expect_eq(c->arch, TD_ARCH_LLAMA);
     cr_expect_str_eq(c->arch_name, "llama2.c");
-    cr_expect_eq(c->dim, 64);
-    cr_expect_eq(c->hidden_dim, 172);
-    cr_expect_eq(c->n_layers, 5);
-    cr_expect_eq(c->n_heads, 8);
-    cr_expect_eq(c->n_kv_heads, 4);
-    cr_expect_eq(c->head_dim, 8);
-    cr_expect_eq(c->vocab_size, 512);
-    cr_expect_eq(c->max_seq_len, 512);
+    expect_dims(c, (dims_t){.dim = 64, .hidden_dim = 172, .n_layers = 5, .n_heads = 8, .n_kv_heads = 4,
+                            .head_dim = 8, .vocab_size = 512, .max_seq_len = 512});
     cr_expect_eq(c->rope_style, TD_ROPE_PAIRS);
     cr_expect_float_eq(c->rope_theta, 10000.0f, 1e-3);
     cr_expect_float_eq(c->norm_eps, 1e-5f, 1e-12);
@@ -369,14 +380,8 @@ static void check_roundtrip(int arch, td_dtype_t dt, bool tie)
     cr_assert_eq(td_model_load(dir, &m), TD_OK, "%s", td_last_error());
     const td_model_config_t *c = &m->config;
     cr_expect_eq(c->arch, arch);
-    cr_expect_eq(c->dim, 64);
-    cr_expect_eq(c->hidden_dim, 176);
-    cr_expect_eq(c->n_layers, 4);
-    cr_expect_eq(c->n_heads, 8);
-    cr_expect_eq(c->n_kv_heads, 4);
-    cr_expect_eq(c->head_dim, 8);
-    cr_expect_eq(c->vocab_size, 512);
-    cr_expect_eq(c->max_seq_len, 2048);
+    expect_dims(c, (dims_t){.dim = 64, .hidden_dim = 176, .n_layers = 4, .n_heads = 8, .n_kv_heads = 4,
+                            .head_dim = 8, .vocab_size = 512, .max_seq_len = 2048});
     cr_expect_eq(c->rope_style, TD_ROPE_HALVES);
     cr_expect_eq(c->norm_eps, 1e-5f);
     cr_expect_eq(c->dtype, dt);
@@ -659,63 +664,68 @@ Test(model_config, parses_llama3_qwen3_and_generation_config, .init = tmp_setup,
     expect_error(load_expect_fail(dir), TD_ERR_FORMAT, "generation_config.json", NULL);
 }
 
+/* A valid llama config.json; config_errors breaks it one patch at a time. */
+static const char *micro_llama =
+    "{\"model_type\": \"llama\", \"hidden_size\": 8, \"intermediate_size\": 16, \"num_hidden_layers\": 1,"
+    " \"num_attention_heads\": 2, \"vocab_size\": 32, \"max_position_embeddings\": 8}";
+
+/* base with the keys of patch set (a null value removes the key); the caller frees. */
+static char *json_patched(const char *base, const char *patch)
+{
+    cJSON *b = cJSON_Parse(base), *p = cJSON_Parse(patch);
+    cr_assert(b && cJSON_IsObject(p), "test JSON does not parse: %s", patch);
+    for (cJSON *it = p->child; it; it = it->next) {
+        cJSON_DeleteItemFromObjectCaseSensitive(b, it->string);
+        if (!cJSON_IsNull(it))
+            cJSON_AddItemToObject(b, it->string, cJSON_Duplicate(it, true));
+    }
+    char *out = cJSON_PrintUnformatted(b);
+    cJSON_Delete(b);
+    cJSON_Delete(p);
+    cr_assert_not_null(out);
+    return out;
+}
+
 Test(model_config, config_errors)
 {
     td_model_config_t c;
+    cr_assert_eq(td_model_config_from_json(micro_llama, "config.json", &c), TD_OK, "the unpatched base: %s",
+                 td_last_error());
     static const struct {
-        const char *json;
+        const char *json;  /* the whole config.json, or NULL: micro_llama with patch */
+        const char *patch;
         td_status_t want;
         const char *needle;
     } cases[] = {
-        {"{not json", TD_ERR_FORMAT, "JSON"},
-        {"[]", TD_ERR_FORMAT, "JSON"},
-        {"{\"architectures\": [\"GPT2LMHeadModel\"]}", TD_ERR_UNSUPPORTED, "GPT2LMHeadModel"},
-        {"{\"hidden_size\": 8}", TD_ERR_FORMAT, "architectures"},
-        {"{\"model_type\": \"llama\", \"intermediate_size\": 16, \"num_hidden_layers\": 1,"
-         " \"num_attention_heads\": 2, \"vocab_size\": 32, \"max_position_embeddings\": 8}",
-         TD_ERR_FORMAT, "hidden_size"},
-        {"{\"model_type\": \"llama\", \"hidden_size\": 8, \"intermediate_size\": 0, \"num_hidden_layers\": 1,"
-         " \"num_attention_heads\": 2, \"vocab_size\": 32, \"max_position_embeddings\": 8}",
-         TD_ERR_FORMAT, "positive"},
-        {"{\"model_type\": \"llama\", \"hidden_size\": 8, \"intermediate_size\": 16, \"num_hidden_layers\": 1,"
-         " \"num_attention_heads\": 4, \"num_key_value_heads\": 3, \"vocab_size\": 32,"
-         " \"max_position_embeddings\": 8}",
-         TD_ERR_FORMAT, "divisible"},
-        {"{\"model_type\": \"llama\", \"hidden_size\": 9, \"intermediate_size\": 16, \"num_hidden_layers\": 1,"
-         " \"num_attention_heads\": 2, \"vocab_size\": 32, \"max_position_embeddings\": 8}",
-         TD_ERR_FORMAT, "divisible"},
-        {"{\"model_type\": \"llama\", \"hidden_size\": \"8\", \"intermediate_size\": 16, \"num_hidden_layers\": 1,"
-         " \"num_attention_heads\": 2, \"vocab_size\": 32, \"max_position_embeddings\": 8}",
-         TD_ERR_FORMAT, "hidden_size"},
-        {"{\"model_type\": \"llama\", \"hidden_size\": 8, \"intermediate_size\": 16, \"num_hidden_layers\": 1,"
-         " \"num_attention_heads\": 2, \"vocab_size\": 32, \"max_position_embeddings\": 8,"
-         " \"rope_scaling\": {\"type\": \"yarn\", \"factor\": 4}}",
-         TD_ERR_UNSUPPORTED, "yarn"},
-        {"{\"model_type\": \"llama\", \"hidden_size\": 8, \"intermediate_size\": 16, \"num_hidden_layers\": 1,"
-         " \"num_attention_heads\": 2, \"vocab_size\": 32, \"max_position_embeddings\": 8,"
-         " \"rope_scaling\": {\"rope_type\": \"llama3\", \"factor\": 4}}",
-         TD_ERR_FORMAT, "low_freq_factor"},
-        {"{\"model_type\": \"llama\", \"hidden_size\": 8, \"intermediate_size\": 16, \"num_hidden_layers\": 1,"
-         " \"num_attention_heads\": 2, \"vocab_size\": 32, \"max_position_embeddings\": 8, \"eos_token_id\": 32}",
-         TD_ERR_FORMAT, "eos_token_id"},
-        {"{\"model_type\": \"llama\", \"hidden_size\": 8, \"intermediate_size\": 16, \"num_hidden_layers\": 1,"
-         " \"num_attention_heads\": 2, \"vocab_size\": 32, \"max_position_embeddings\": 8, \"hidden_act\": \"gelu\"}",
-         TD_ERR_UNSUPPORTED, "hidden_act"},
-        {"{\"model_type\": \"llama\", \"hidden_size\": 12, \"intermediate_size\": 16, \"num_hidden_layers\": 1,"
-         " \"num_attention_heads\": 4, \"vocab_size\": 32, \"max_position_embeddings\": 8}",
-         TD_ERR_FORMAT, "even"},
+        {"{not json", NULL, TD_ERR_FORMAT, "JSON"},
+        {"[]", NULL, TD_ERR_FORMAT, "JSON"},
+        {"{\"architectures\": [\"GPT2LMHeadModel\"]}", NULL, TD_ERR_UNSUPPORTED, "GPT2LMHeadModel"},
+        {"{\"hidden_size\": 8}", NULL, TD_ERR_FORMAT, "architectures"},
+        {NULL, "{\"hidden_size\": null}", TD_ERR_FORMAT, "hidden_size"},
+        {NULL, "{\"intermediate_size\": 0}", TD_ERR_FORMAT, "positive"},
+        {NULL, "{\"num_attention_heads\": 4, \"num_key_value_heads\": 3}", TD_ERR_FORMAT, "divisible"},
+        {NULL, "{\"hidden_size\": 9}", TD_ERR_FORMAT, "divisible"},
+        {NULL, "{\"hidden_size\": \"8\"}", TD_ERR_FORMAT, "hidden_size"},
+        {NULL, "{\"rope_scaling\": {\"type\": \"yarn\", \"factor\": 4}}", TD_ERR_UNSUPPORTED, "yarn"},
+        {NULL, "{\"rope_scaling\": {\"rope_type\": \"llama3\", \"factor\": 4}}", TD_ERR_FORMAT, "low_freq_factor"},
+        {NULL, "{\"eos_token_id\": 32}", TD_ERR_FORMAT, "eos_token_id"},
+        {NULL, "{\"hidden_act\": \"gelu\"}", TD_ERR_UNSUPPORTED, "hidden_act"},
+        {NULL, "{\"hidden_size\": 12, \"num_attention_heads\": 4}", TD_ERR_FORMAT, "even"},
     };
     for (size_t i = 0; i < TD_ARRAY_LEN(cases); i++) {
+        char *patched = cases[i].json ? NULL : json_patched(micro_llama, cases[i].patch);
+        const char *json = cases[i].json ? cases[i].json : patched;
         td_clear_error();
         memset(&c, 0x5a, sizeof c);
         td_model_config_t before = c;
-        td_status_t s = td_model_config_from_json(cases[i].json, "cfg-origin.json", &c);
-        cr_expect_eq(s, cases[i].want, "case %zu: %s, expected %s (%s)", i, td_status_name(s),
+        td_status_t s = td_model_config_from_json(json, "cfg-origin.json", &c);
+        cr_expect_eq(s, cases[i].want, "case %zu (%s): %s, expected %s (%s)", i, json, td_status_name(s),
                      td_status_name(cases[i].want), td_last_error());
         cr_expect_not_null(strstr(td_last_error(), "cfg-origin.json"), "case %zu: %s", i, td_last_error());
         cr_expect_not_null(strstr(td_last_error(), cases[i].needle), "case %zu: \"%s\" lacks \"%s\"", i,
                            td_last_error(), cases[i].needle);
         cr_expect_eq(memcmp(&c, &before, sizeof c), 0, "case %zu: output written on failure", i);
+        cJSON_free(patched);
     }
 }
 
