@@ -38,6 +38,28 @@ static void append(td_kv_cache_t *c, td_kv_seq_t *s, const int32_t *toks, int32_
     cr_assert_eq(td_kv_seq_commit(c, s, toks, n), TD_OK);
 }
 
+/* One sequence computes toks[0..n) and ends (its full blocks stay cached when the prefix
+ * cache is on). */
+static void run_and_end(td_kv_cache_t *c, const int32_t *toks, int32_t n)
+{
+    td_kv_seq_t s;
+    td_kv_seq_init(&s);
+    append(c, &s, toks, n);
+    td_kv_seq_free(c, &s);
+}
+
+/* How many of toks[0..n) a new sequence gets from the prefix cache (the sequence is freed
+ * again). */
+static int32_t cached_prefix(td_kv_cache_t *c, const int32_t *toks, int32_t n)
+{
+    td_kv_seq_t s;
+    td_kv_seq_init(&s);
+    int32_t n_cached = -1;
+    cr_assert_eq(td_kv_seq_match_prefix(c, &s, toks, n, n, &n_cached), TD_OK);
+    td_kv_seq_free(c, &s);
+    return n_cached;
+}
+
 Test(kv, create_rejects_bad_config)
 {
     td_kv_config_t cfg = { .n_blocks = 0, .block_size = 16 };
@@ -252,46 +274,28 @@ Test(kv, prefix_cache_hit_after_sequence_ends)
 Test(kv, no_prefix_cache_means_no_hits)
 {
     td_kv_cache_t *c = make_cache(8, 4, false);
-    td_kv_seq_t a;
-    td_kv_seq_init(&a);
     int32_t toks[8] = { 1, 2, 3, 4, 5, 6, 7, 8 };
-    append(c, &a, toks, 8);
-    td_kv_seq_free(c, &a);
+    run_and_end(c, toks, 8);
     cr_assert_eq(stats_of(c).free, 8);
-    int32_t n_cached = -1;
-    cr_assert_eq(td_kv_seq_match_prefix(c, &a, toks, 8, 8, &n_cached), TD_OK);
-    cr_assert_eq(n_cached, 0);
-    td_kv_seq_free(c, &a);
+    cr_assert_eq(cached_prefix(c, toks, 8), 0);
     td_kv_cache_destroy(c);
 }
 
 Test(kv, chain_property)
 {
     td_kv_cache_t *c = make_cache(16, 4, true);
-    td_kv_seq_t a;
-    td_kv_seq_init(&a);
     int32_t toks[8] = { 1, 2, 3, 4, 5, 6, 7, 8 };
-    append(c, &a, toks, 8);
-    td_kv_seq_free(c, &a);
+    run_and_end(c, toks, 8);
 
-    int32_t n_cached = -1;
-    td_kv_seq_t q;
     /* the second block's tokens as a first block: different chain, no hit */
     int32_t second_first[4] = { 5, 6, 7, 8 };
-    td_kv_seq_init(&q);
-    cr_assert_eq(td_kv_seq_match_prefix(c, &q, second_first, 4, 4, &n_cached), TD_OK);
-    cr_assert_eq(n_cached, 0);
-    td_kv_seq_free(c, &q);
+    cr_assert_eq(cached_prefix(c, second_first, 4), 0);
     /* same second block after a different first block: no hit at all */
     int32_t other_prefix[8] = { 9, 9, 9, 9, 5, 6, 7, 8 };
-    cr_assert_eq(td_kv_seq_match_prefix(c, &q, other_prefix, 8, 8, &n_cached), TD_OK);
-    cr_assert_eq(n_cached, 0);
-    td_kv_seq_free(c, &q);
+    cr_assert_eq(cached_prefix(c, other_prefix, 8), 0);
     /* same first block, different second: only the first hits */
     int32_t other_second[8] = { 1, 2, 3, 4, 5, 6, 7, 9 };
-    cr_assert_eq(td_kv_seq_match_prefix(c, &q, other_second, 8, 8, &n_cached), TD_OK);
-    cr_assert_eq(n_cached, 4);
-    td_kv_seq_free(c, &q);
+    cr_assert_eq(cached_prefix(c, other_second, 8), 4);
 
     /* the hash itself chains */
     uint64_t h1 = td_kv_block_hash(0, toks, 4);
@@ -339,12 +343,8 @@ static int32_t cache_one_block(td_kv_cache_t *c, int32_t tok)
 
 static int32_t match_len(td_kv_cache_t *c, int32_t tok)
 {
-    td_kv_seq_t s;
-    td_kv_seq_init(&s);
-    int32_t toks[2] = { tok, tok }, n_cached = -1;
-    cr_assert_eq(td_kv_seq_match_prefix(c, &s, toks, 2, 2, &n_cached), TD_OK);
-    td_kv_seq_free(c, &s);
-    return n_cached;
+    int32_t toks[2] = { tok, tok };
+    return cached_prefix(c, toks, 2);
 }
 
 Test(kv, lru_eviction_order)
@@ -402,10 +402,8 @@ Test(kv, truncate)
     cr_assert_eq(a.n_tokens, 8);
     td_kv_seq_free(c, &a);
 
+    cr_assert_eq(cached_prefix(c, toks, 10), 4); /* the old second block is gone */
     int32_t n_cached;
-    cr_assert_eq(td_kv_seq_match_prefix(c, &a, toks, 10, 10, &n_cached), TD_OK);
-    cr_assert_eq(n_cached, 4); /* the old second block is gone */
-    td_kv_seq_free(c, &a);
     int32_t now[8] = { 1, 2, 3, 4, 5, 60, 70, 80 };
     cr_assert_eq(td_kv_seq_match_prefix(c, &a, now, 8, 8, &n_cached), TD_OK);
     cr_assert_eq(n_cached, 8);
@@ -433,10 +431,7 @@ Test(kv, truncate_into_shared_block_then_copy)
     cr_assert_eq(td_kv_seq_commit(c, &b, &t, 1), TD_OK);
     td_kv_seq_free(c, &b);
     td_kv_seq_free(c, &a);
-    int32_t n_cached;
-    cr_assert_eq(td_kv_seq_match_prefix(c, &a, toks, 8, 8, &n_cached), TD_OK);
-    cr_assert_eq(n_cached, 8); /* a's registered block survived b's edit */
-    td_kv_seq_free(c, &a);
+    cr_assert_eq(cached_prefix(c, toks, 8), 8); /* a's registered block survived b's edit */
     td_kv_cache_destroy(c);
 }
 
