@@ -220,14 +220,21 @@ static void check_all(td_tokenizer_t *tok, const char *name)
     check_stream(tok, name);
 }
 
+/* The vocabulary's size, its BOS id (-1: none) and one of its EOS ids. */
+static void expect_vocab(td_tokenizer_t *tok, int32_t vocab_size, int32_t bos_id, int32_t eos_id)
+{
+    cr_expect_eq(td_tokenizer_vocab_size(tok), vocab_size, "vocab size %d, want %d", td_tokenizer_vocab_size(tok),
+                 vocab_size);
+    cr_expect_eq(td_tokenizer_bos_id(tok), bos_id, "bos %d, want %d", td_tokenizer_bos_id(tok), bos_id);
+    cr_expect(td_tokenizer_is_eos(tok, eos_id), "%d is not an eos id", eos_id);
+}
+
 /* ---- the real vocabularies ---- */
 
 Test(tokenizer, llama2_bin_matches_sentencepiece, .timeout = 60)
 {
     td_tokenizer_t *tok = load_shared("llama2-tokenizer/tokenizer.bin");
-    cr_expect_eq(td_tokenizer_vocab_size(tok), 32000);
-    cr_expect_eq(td_tokenizer_bos_id(tok), 1);
-    cr_expect(td_tokenizer_is_eos(tok, 2));
+    expect_vocab(tok, 32000, 1, 2);
     size_t len;
     cr_expect_str_eq(td_tokenizer_id_to_piece(tok, 13, &len), "<0x0A>");
     cr_expect_null(td_tokenizer_id_to_piece(tok, 32000, &len));
@@ -238,9 +245,7 @@ Test(tokenizer, llama2_bin_matches_sentencepiece, .timeout = 60)
 Test(tokenizer, mistral_json_matches_hf, .timeout = 60)
 {
     td_tokenizer_t *tok = load_shared("tokenizers/mistral");
-    cr_expect_eq(td_tokenizer_vocab_size(tok), 32000);
-    cr_expect_eq(td_tokenizer_bos_id(tok), 1);
-    cr_expect(td_tokenizer_is_eos(tok, 2));
+    expect_vocab(tok, 32000, 1, 2);
     cr_expect_eq(td_tokenizer_piece_to_id(tok, "\xe2\x96\x81the", 6), 272);
     check_all(tok, "mistral");
     td_tokenizer_destroy(tok);
@@ -249,9 +254,7 @@ Test(tokenizer, mistral_json_matches_hf, .timeout = 60)
 Test(tokenizer, llama3_json_matches_hf, .timeout = 60)
 {
     td_tokenizer_t *tok = load_shared("tokenizers/llama3");
-    cr_expect_eq(td_tokenizer_vocab_size(tok), 128256);
-    cr_expect_eq(td_tokenizer_bos_id(tok), 128000);
-    cr_expect(td_tokenizer_is_eos(tok, 128001));
+    expect_vocab(tok, 128256, 128000, 128001);
     cr_expect(td_tokenizer_is_eos(tok, 128009)); /* <|eot_id|> ends a chat turn */
     cr_expect(td_tokenizer_is_special(tok, 128000));
     size_t len;
@@ -263,9 +266,7 @@ Test(tokenizer, llama3_json_matches_hf, .timeout = 60)
 Test(tokenizer, qwen3_json_matches_hf, .timeout = 60)
 {
     td_tokenizer_t *tok = load_shared("tokenizers/qwen3/tokenizer.json");
-    cr_expect_eq(td_tokenizer_bos_id(tok), -1);
-    cr_expect(td_tokenizer_is_eos(tok, 151645)); /* <|im_end|> */
-    cr_expect_eq(td_tokenizer_vocab_size(tok), 151669);
+    expect_vocab(tok, 151669, -1, 151645); /* eos: <|im_end|> */
     check_all(tok, "qwen3");
     td_tokenizer_destroy(tok);
 }
@@ -273,9 +274,7 @@ Test(tokenizer, qwen3_json_matches_hf, .timeout = 60)
 Test(tokenizer, minimal_bytelevel_json, .timeout = 30)
 {
     td_tokenizer_t *tok = load_fixture_tok("bytelevel");
-    cr_expect_eq(td_tokenizer_vocab_size(tok), 258);
-    cr_expect_eq(td_tokenizer_bos_id(tok), 256);
-    cr_expect(td_tokenizer_is_eos(tok, 257));
+    expect_vocab(tok, 258, 256, 257);
     check_all(tok, "bytelevel");
     td_tokenizer_destroy(tok);
 }
