@@ -14,6 +14,7 @@
 
 #include "control.pb-c.h"
 #include "grpc_test_service.h"
+#include "td_test_net.h"
 #include "td_grpc_wire.h"
 #include "td_util.h"
 
@@ -56,10 +57,13 @@ static void on_done(td_grpc_client_call_t *call, td_grpc_code_t code, const char
     snprintf(r->message, sizeof r->message, "%s", message);
 }
 
+/* Starts the test server (scfg NULL: the default config) and a channel to it (client_max:
+ * the channel's message limit, 0 = default). */
 static void client_start(client_t *c, const td_grpc_server_config_t *scfg, size_t client_max)
 {
     signal(SIGPIPE, SIG_IGN);
-    uint16_t port = ts_start(&c->ts, scfg);
+    td_grpc_server_config_t defaults = td_grpc_server_config_default();
+    uint16_t port = ts_start(&c->ts, scfg ? scfg : &defaults);
     cr_assert_neq(port, 0, "server did not start");
     cr_assert_eq(uv_loop_init(&c->loop), 0);
     td_grpc_channel_config_t cc = td_grpc_channel_config_default();
@@ -100,6 +104,15 @@ static td_grpc_client_call_t *generate(client_t *c, const char *prompt, uint32_t
     return call;
 }
 
+/* Runs one Generate to its end and asserts that it ended with `want`. */
+static void generate_to_end(client_t *c, const char *prompt, uint32_t max_tokens, uint32_t timeout_ms,
+                            td_grpc_code_t want, result_t *r)
+{
+    generate(c, prompt, max_tokens, timeout_ms, r);
+    run_until_done(c, r);
+    cr_assert_eq(r->code, want, "%s %s", td_grpc_code_name(r->code), r->message);
+}
+
 static void list_models_ok(client_t *c)
 {
     Tandem__V1__ListModelsRequest req = TANDEM__V1__LIST_MODELS_REQUEST__INIT;
@@ -114,8 +127,7 @@ static void list_models_ok(client_t *c)
 Test(grpc, unary_and_health, .timeout = 20)
 {
     client_t c;
-    td_grpc_server_config_t cfg = td_grpc_server_config_default();
-    client_start(&c, &cfg, 0);
+    client_start(&c, NULL, 0);
     list_models_ok(&c);
     Grpc__Health__V1__HealthCheckRequest hreq = GRPC__HEALTH__V1__HEALTH_CHECK_REQUEST__INIT;
     result_t r = {0};
@@ -136,12 +148,9 @@ Test(grpc, unary_and_health, .timeout = 20)
 Test(grpc, server_streaming, .timeout = 20)
 {
     client_t c;
-    td_grpc_server_config_t cfg = td_grpc_server_config_default();
-    client_start(&c, &cfg, 0);
+    client_start(&c, NULL, 0);
     result_t r;
-    generate(&c, "hello", 5000, 10000, &r);
-    run_until_done(&c, &r);
-    cr_assert_eq(r.code, TD_GRPC_OK, "%s %s", td_grpc_code_name(r.code), r.message);
+    generate_to_end(&c, "hello", 5000, 10000, TD_GRPC_OK, &r);
     cr_assert_eq(r.n_messages, 5000);
     cr_assert(r.in_order);
     cr_assert_eq(r.last_token, 1000 + 4999);
@@ -170,15 +179,11 @@ Test(grpc, message_size_limits, .timeout = 20)
     memset(big + 5, 'a', near - 5);
     big[near] = '\0';
     result_t r;
-    generate(&c, big, 0, 5000, &r);
-    run_until_done(&c, &r);
-    cr_assert_eq(r.code, TD_GRPC_OK, "%s %s", td_grpc_code_name(r.code), r.message);
+    generate_to_end(&c, big, 0, 5000, TD_GRPC_OK, &r);
     cr_assert_eq(r.last_text_len, near);
     memset(big + 5, 'a', 70 * 1024);
     big[70 * 1024 + 5] = '\0';
-    generate(&c, big, 0, 5000, &r);
-    run_until_done(&c, &r);
-    cr_assert_eq(r.code, TD_GRPC_RESOURCE_EXHAUSTED, "%s %s", td_grpc_code_name(r.code), r.message);
+    generate_to_end(&c, big, 0, 5000, TD_GRPC_RESOURCE_EXHAUSTED, &r);
     free(big);
     list_models_ok(&c); /* the connection is still fine */
     client_stop(&c);
@@ -187,8 +192,7 @@ Test(grpc, message_size_limits, .timeout = 20)
 Test(grpc, client_limit_refuses_large_request, .timeout = 20)
 {
     client_t c;
-    td_grpc_server_config_t cfg = td_grpc_server_config_default();
-    client_start(&c, &cfg, 1024);
+    client_start(&c, NULL, 1024);
     Tandem__V1__GenerateRequest req = TANDEM__V1__GENERATE_REQUEST__INIT;
     char big[2048];
     memset(big, 'b', sizeof big - 1);
@@ -205,12 +209,9 @@ Test(grpc, client_limit_refuses_large_request, .timeout = 20)
 Test(grpc, deadline_exceeded, .timeout = 20)
 {
     client_t c;
-    td_grpc_server_config_t cfg = td_grpc_server_config_default();
-    client_start(&c, &cfg, 0);
+    client_start(&c, NULL, 0);
     result_t r;
-    generate(&c, "slow", 1, 150, &r);
-    run_until_done(&c, &r);
-    cr_assert_eq(r.code, TD_GRPC_DEADLINE_EXCEEDED, "%s %s", td_grpc_code_name(r.code), r.message);
+    generate_to_end(&c, "slow", 1, 150, TD_GRPC_DEADLINE_EXCEEDED, &r);
     for (int i = 0; i < 200 && atomic_load(&c.ts.cancels) == 0; i++)
         usleep(10000);
     cr_assert_eq(atomic_load(&c.ts.cancels), 1, "the handler was not told");
@@ -227,8 +228,7 @@ static void cancel_later(uv_timer_t *t)
 Test(grpc, client_cancel_reaches_handler, .timeout = 20)
 {
     client_t c;
-    td_grpc_server_config_t cfg = td_grpc_server_config_default();
-    client_start(&c, &cfg, 0);
+    client_start(&c, NULL, 0);
     result_t r;
     td_grpc_client_call_t *call = generate(&c, "slow", 1, 0, &r);
     uv_timer_t t;
@@ -251,8 +251,7 @@ Test(grpc, client_cancel_reaches_handler, .timeout = 20)
 Test(grpc, unknown_method_and_invalid_protobuf, .timeout = 20)
 {
     client_t c;
-    td_grpc_server_config_t cfg = td_grpc_server_config_default();
-    client_start(&c, &cfg, 0);
+    client_start(&c, NULL, 0);
     result_t r = {0};
     Tandem__V1__ListModelsRequest req = TANDEM__V1__LIST_MODELS_REQUEST__INIT;
     td_grpc_call_opts_t o = {.on_done = on_done, .data = &r};
@@ -318,17 +317,6 @@ Test(grpc, back_pressure_slow_reader, .timeout = 30)
 
 /* ---- raw sockets at the gRPC port --------------------------------------------------- */
 
-static int raw_connect(uint16_t port)
-{
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons(port)};
-    inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
-    cr_assert_eq(connect(fd, (struct sockaddr *)&a, sizeof a), 0);
-    struct timeval tv = {.tv_sec = 5};
-    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-    return fd;
-}
-
 /* Reads until EOF; returns the bytes read (into buf, NUL-terminated) or -1 on timeout. */
 static ssize_t read_to_eof(int fd, char *buf, size_t cap)
 {
@@ -350,20 +338,19 @@ static ssize_t read_to_eof(int fd, char *buf, size_t cap)
 Test(grpc, bad_connections_do_not_hurt_others, .timeout = 30)
 {
     client_t c;
-    td_grpc_server_config_t cfg = td_grpc_server_config_default();
-    client_start(&c, &cfg, 0);
+    client_start(&c, NULL, 0);
     list_models_ok(&c);
     char buf[4096];
 
     /* garbage bytes: the connection is closed */
-    int fd = raw_connect(c.ts.port);
+    int fd = td_test_connect(c.ts.port);
     send(fd, "\x17\x03\x01garbage garbage garbage garbage", 34, 0);
     cr_assert_geq(read_to_eof(fd, buf, sizeof buf), 0, "server kept a garbage connection open");
     close(fd);
     list_models_ok(&c);
 
     /* an HTTP/1.1 request: a plain 505 answer, then close */
-    fd = raw_connect(c.ts.port);
+    fd = td_test_connect(c.ts.port);
     const char *h1 = "GET /tandem.v1.Generation/ListModels HTTP/1.1\r\nHost: x\r\n\r\n";
     send(fd, h1, strlen(h1), 0);
     cr_assert_gt(read_to_eof(fd, buf, sizeof buf), 0);
@@ -372,7 +359,7 @@ Test(grpc, bad_connections_do_not_hurt_others, .timeout = 30)
     list_models_ok(&c);
 
     /* a truncated HTTP/2 frame (SETTINGS header announcing 12 bytes, 3 sent), then EOF */
-    fd = raw_connect(c.ts.port);
+    fd = td_test_connect(c.ts.port);
     static const char trunc[] = "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
                                 "\x00\x00\x0c\x04\x00\x00\x00\x00\x00"
                                 "\x00\x03\x00";
@@ -382,7 +369,7 @@ Test(grpc, bad_connections_do_not_hurt_others, .timeout = 30)
     close(fd);
 
     /* a frame that violates HTTP/2 (DATA on stream 0): GOAWAY and close */
-    fd = raw_connect(c.ts.port);
+    fd = td_test_connect(c.ts.port);
     static const char bad[] = "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
                               "\x00\x00\x00\x04\x00\x00\x00\x00\x00"
                               "\x00\x00\x04\x00\x01\x00\x00\x00\x00"
@@ -513,7 +500,7 @@ Test(grpc, error_end_reaches_a_reader_with_a_closed_window, .timeout = 30)
     s.stream_id = nghttp2_submit_request(ses, NULL, nv, TD_ARRAY_LEN(nv), &prd, NULL);
     cr_assert_gt(s.stream_id, 0);
 
-    int fd = raw_connect(c.ts.port); /* recv times out after 5 s: the stream did not end */
+    int fd = td_test_connect(c.ts.port); /* recv times out after 5 s: the stream did not end */
     while (!s.closed) {
         const uint8_t *out;
         ssize_t n;

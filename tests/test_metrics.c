@@ -15,6 +15,7 @@
 
 #include "td_http.h"
 #include "td_metrics.h"
+#include "td_test_net.h"
 
 static const char golden[] =
     "# HELP tandem_requests_total Requests finished, by outcome.\n"
@@ -184,17 +185,6 @@ static void http_thread(void *arg)
     h->loop_close_rc = uv_loop_close(&h->loop);
 }
 
-static int raw_connect(uint16_t port)
-{
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons(port)};
-    inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
-    cr_assert_eq(connect(fd, (struct sockaddr *)&a, sizeof a), 0);
-    struct timeval tv = {.tv_sec = 5};
-    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-    return fd;
-}
-
 /* Reads one response with Content-Length; returns its total length. */
 static size_t read_response(int fd, char *buf, size_t cap)
 {
@@ -227,7 +217,7 @@ Test(metrics, http_metrics_endpoint, .timeout = 30)
     static char buf[65536];
 
     /* two requests on one keep-alive connection */
-    int fd = raw_connect(h.port);
+    int fd = td_test_connect(h.port);
     const char *get = "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n";
     for (int i = 0; i < 2; i++) {
         send(fd, get, strlen(get), 0);
@@ -245,7 +235,7 @@ Test(metrics, http_metrics_endpoint, .timeout = 30)
     close(fd);
 
     /* garbage: 400 and close */
-    fd = raw_connect(h.port);
+    fd = td_test_connect(h.port);
     send(fd, "\x01\x02 garbage\r\n\r\n", 14, 0);
     read_response(fd, buf, sizeof buf);
     cr_assert(strncmp(buf, "HTTP/1.1 400", 12) == 0, "got: %s", buf);
@@ -253,7 +243,7 @@ Test(metrics, http_metrics_endpoint, .timeout = 30)
     close(fd);
 
     /* a request over the bound (1 KiB): 431 and close */
-    fd = raw_connect(h.port);
+    fd = td_test_connect(h.port);
     char big[2048];
     memset(big, 'a', sizeof big);
     memcpy(big, "GET /metrics HTTP/1.1\r\nX: ", 26);
@@ -263,7 +253,7 @@ Test(metrics, http_metrics_endpoint, .timeout = 30)
     close(fd);
 
     /* still serving, and HTTP/1.0 closes after the answer */
-    fd = raw_connect(h.port);
+    fd = td_test_connect(h.port);
     send(fd, "GET /metrics HTTP/1.0\r\n\r\n", 25, 0);
     read_response(fd, buf, sizeof buf);
     cr_assert(strncmp(buf, "HTTP/1.1 200", 12) == 0);
