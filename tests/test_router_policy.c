@@ -61,6 +61,15 @@ static router_pick_request_t request(int32_t n_prompt, int32_t max_tokens, int64
                                    .max_tokens = max_tokens, .now_ns = now};
 }
 
+/* A pick that must succeed. */
+static router_pick_t pick_ok(router_registry_t *reg, const router_policy_config_t *pc,
+                             const router_pick_request_t *rq)
+{
+    router_pick_t pk;
+    cr_assert_eq(router_policy_pick(reg, pc, rq, &pk), TD_OK, "%s", td_last_error());
+    return pk;
+}
+
 Test(router_policy, decode_with_room_then_shortest_batch)
 {
     router_registry_t *reg = mkreg();
@@ -73,8 +82,7 @@ Test(router_policy, decode_with_room_then_shortest_batch)
     beat(reg, "d1", 0, 7, 50, 0);
     beat(reg, "d2", 0, 3, 20, 0);  /* room, shorter batch than d1: chosen */
     router_pick_request_t rq = request(100, 60, SEC); /* 160 tokens = 10 blocks */
-    router_pick_t pk;
-    cr_assert_eq(router_policy_pick(reg, &pc, &rq, &pk), TD_OK, "%s", td_last_error());
+    router_pick_t pk = pick_ok(reg, &pc, &rq);
     cr_assert_eq(pk.pair.decode, d2);
     cr_assert_eq(pk.pair.prefill, p);
     cr_assert_eq(pk.blocks_needed, 10);
@@ -84,7 +92,7 @@ Test(router_policy, decode_with_room_then_shortest_batch)
     cr_assert_eq(router_registry_node(reg, d2)->load.running_seqs, 4);
     cr_assert_eq(router_registry_node(reg, p)->load.queued_prefill_tokens, 100);
     beat(reg, "d2", 0, 3, 9, SEC); /* now d2 has no room: d1 */
-    cr_assert_eq(router_policy_pick(reg, &pc, &rq, &pk), TD_OK);
+    pk = pick_ok(reg, &pc, &rq);
     cr_assert_eq(pk.pair.decode, d1);
     (void)d0;
     router_registry_destroy(reg);
@@ -120,8 +128,7 @@ Test(router_policy, only_compatible_layouts_pair)
     beat(reg, "p8", 0, 0, 100, 0);      /* idle but incompatible */
     beat(reg, "p16", 5000, 0, 100, 0);  /* busy but the only partner */
     router_pick_request_t rq = request(10, 10, 0);
-    router_pick_t pk;
-    cr_assert_eq(router_policy_pick(reg, &pc, &rq, &pk), TD_OK);
+    router_pick_t pk = pick_ok(reg, &pc, &rq);
     cr_assert_eq(pk.pair.prefill, p16);
     cr_assert_eq(pk.pair.decode, d16);
     /* the shortest decode node pairs with nobody: the next one is taken */
@@ -129,12 +136,12 @@ Test(router_policy, only_compatible_layouts_pair)
     beat(reg, "d16", 0, 0, 100, 0);
     beat(reg, "d8", 0, 5, 100, 0);
     cr_assert_eq(router_registry_leave(reg, "p16"), TD_OK);
-    cr_assert_eq(router_policy_pick(reg, &pc, &rq, &pk), TD_OK);
+    pk = pick_ok(reg, &pc, &rq);
     cr_assert_eq(pk.pair.decode, d8);
     cr_assert_eq(pk.pair.prefill, p8);
     /* local prefill: the shortest decode node prefills itself */
     pc.local_prefill = true;
-    cr_assert_eq(router_policy_pick(reg, &pc, &rq, &pk), TD_OK);
+    pk = pick_ok(reg, &pc, &rq);
     cr_assert_eq(pk.pair.decode, d16);
     cr_assert_eq(pk.pair.prefill, -1);
     router_registry_destroy(reg);
@@ -150,15 +157,14 @@ Test(router_policy, least_queued_work_and_prefix_preference)
     beat(reg, "pa", 300, 0, 100, 0);
     beat(reg, "pb", 200, 0, 100, 0);
     router_pick_request_t rq = request(640, 10, 0); /* 40 blocks of 16 */
-    router_pick_t pk;
-    cr_assert_eq(router_policy_pick(reg, &pc, &rq, &pk), TD_OK);
+    router_pick_t pk = pick_ok(reg, &pc, &rq);
     cr_assert_eq(pk.pair.prefill, pb, "least queued wins without prefix knowledge");
     cr_assert_eq(pk.prefix_blocks, 0);
     /* pa saw this prompt before: 40 cached blocks = 640 tokens of work saved > 100 more queued */
     uint64_t h[40];
     cr_assert_eq(td_kv_chain_hashes(prompt, 640, 16, h), 40);
     router_registry_note_prefix(reg, pa, h, 40);
-    cr_assert_eq(router_policy_pick(reg, &pc, &rq, &pk), TD_OK);
+    pk = pick_ok(reg, &pc, &rq);
     cr_assert_eq(pk.pair.prefill, pa);
     cr_assert_eq(pk.prefix_blocks, 40);
     /* a prompt sharing only the first 3 blocks: 48 tokens saved < 100 more queued */
@@ -167,7 +173,7 @@ Test(router_policy, least_queued_work_and_prefix_preference)
     memcpy(p2, prompt, sizeof p2);
     p2[3 * 16 + 5] ^= 1;
     other.prompt = p2;
-    cr_assert_eq(router_policy_pick(reg, &pc, &other, &pk), TD_OK);
+    pk = pick_ok(reg, &pc, &other);
     cr_assert_eq(pk.pair.prefill, pb);
     cr_assert_eq(router_registry_prefix_match(reg, pa, h, 40), 40);
     uint64_t h2[40];
@@ -175,7 +181,7 @@ Test(router_policy, least_queued_work_and_prefix_preference)
     cr_assert_eq(router_registry_prefix_match(reg, pa, h2, 40), 3);
     /* commit remembers the prompt on the chosen node */
     rq.prompt = p2;
-    cr_assert_eq(router_policy_pick(reg, &pc, &rq, &pk), TD_OK);
+    pk = pick_ok(reg, &pc, &rq);
     router_policy_commit(reg, &rq, &pk);
     cr_assert_eq(router_registry_prefix_match(reg, pb, h2, 40), 40);
     router_registry_destroy(reg);
@@ -209,13 +215,12 @@ Test(router_policy, retries_exclude_tried_pairs)
     int d0 = join(reg, "d0", ROUTER_ROLE_DECODE, 8, 100, 0);
     beat(reg, "p1", 50, 0, 100, 0);
     router_pick_request_t rq = request(20, 20, 0);
-    router_pick_t pk;
-    cr_assert_eq(router_policy_pick(reg, &pc, &rq, &pk), TD_OK);
+    router_pick_t pk = pick_ok(reg, &pc, &rq);
     cr_assert_eq(pk.pair.prefill, p0);
     router_pair_t tried[2] = {pk.pair};
     rq.exclude = tried;
     rq.n_exclude = 1;
-    cr_assert_eq(router_policy_pick(reg, &pc, &rq, &pk), TD_OK);
+    pk = pick_ok(reg, &pc, &rq);
     cr_assert_eq(pk.pair.prefill, p1, "not this pair again");
     cr_assert_eq(pk.pair.decode, d0);
     tried[1] = pk.pair;
@@ -236,11 +241,10 @@ Test(router_policy, node_down_after_heartbeat_timeout_and_rejoin)
     beat(reg, "p0", 0, 0, 100, 2 * SEC);
     beat(reg, "d1", 0, 9, 100, 2 * SEC);
     router_pick_request_t rq = request(20, 20, 3 * SEC);
-    router_pick_t pk;
-    cr_assert_eq(router_policy_pick(reg, &pc, &rq, &pk), TD_OK);
+    router_pick_t pk = pick_ok(reg, &pc, &rq);
     cr_assert_eq(pk.pair.decode, d0, "3 s of silence is still within the bound");
     rq.now_ns = 3 * SEC + 1;
-    cr_assert_eq(router_policy_pick(reg, &pc, &rq, &pk), TD_OK);
+    pk = pick_ok(reg, &pc, &rq);
     cr_assert_eq(pk.pair.decode, d1, "d0 silent past the bound is not chosen");
     cr_assert_eq(router_registry_expire(reg, 3 * SEC + 1), 1);
     cr_assert(!router_registry_node(reg, d0)->up);
@@ -250,11 +254,11 @@ Test(router_policy, node_down_after_heartbeat_timeout_and_rejoin)
     /* d0 comes back with a heartbeat, d1 with a new registration */
     beat(reg, "d0", 0, 4, 100, 6 * SEC);
     beat(reg, "p0", 0, 0, 100, 6 * SEC);
-    cr_assert_eq(router_policy_pick(reg, &pc, &rq, &pk), TD_OK);
+    pk = pick_ok(reg, &pc, &rq);
     cr_assert_eq(pk.pair.decode, d0);
     int d1b = join(reg, "d1", ROUTER_ROLE_DECODE, 8, 100, 6 * SEC);
     cr_assert_eq(d1b, d1, "rejoin keeps the slot");
-    cr_assert_eq(router_policy_pick(reg, &pc, &rq, &pk), TD_OK);
+    pk = pick_ok(reg, &pc, &rq);
     cr_assert_eq(pk.pair.decode, d1, "rejoined idle node has the shortest batch");
     router_node_load_t l = {0};
     cr_assert_eq(router_registry_heartbeat(reg, "ghost", &l, 0), TD_ERR_NOT_FOUND);
