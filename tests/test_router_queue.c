@@ -29,14 +29,21 @@ static int pop_id(router_queue_t *q)
     return e ? ITEM(e)->id : -1;
 }
 
+/* A queue of bound `cap` holding it[0..n) in order: priority 0, no deadline, it[i]
+ * enqueued at 10 * (i + 1) ns. */
+static void fill_fifo(router_queue_t *q, int cap, item_t *it, int n)
+{
+    mk(it, n);
+    router_queue_init(q, cap);
+    for (int i = 0; i < n; i++)
+        cr_assert_eq(router_queue_push(q, &it[i].qe, 0, 0, 10 * (i + 1)), TD_OK, "push %d", i);
+}
+
 Test(router_queue, fifo_within_priority)
 {
     router_queue_t q;
     item_t it[5];
-    mk(it, 5);
-    router_queue_init(&q, 8);
-    for (int i = 0; i < 5; i++)
-        cr_assert_eq(router_queue_push(&q, &it[i].qe, 0, 0, 100 + i), TD_OK);
+    fill_fifo(&q, 8, it, 5);
     cr_assert_eq(router_queue_len(&q), 5);
     cr_assert_eq(ITEM(router_queue_peek(&q))->id, 0);
     for (int i = 0; i < 5; i++)
@@ -65,10 +72,7 @@ Test(router_queue, put_back_keeps_place_and_enqueue_time)
 {
     router_queue_t q;
     item_t it[3];
-    mk(it, 3);
-    router_queue_init(&q, 3);
-    for (int i = 0; i < 3; i++)
-        cr_assert_eq(router_queue_push(&q, &it[i].qe, 0, 0, 10 * (i + 1)), TD_OK);
+    fill_fifo(&q, 3, it, 3);
     router_queue_entry_t *e = router_queue_pop(&q);
     cr_assert_eq(ITEM(e)->id, 0);
     cr_assert_eq(router_queue_push(&q, e, 0, 0, 999), TD_OK); /* Admit refused: back in */
@@ -126,10 +130,7 @@ Test(router_queue, cancel_removal_anywhere)
 {
     router_queue_t q;
     item_t it[5];
-    mk(it, 5);
-    router_queue_init(&q, 8);
-    for (int i = 0; i < 5; i++)
-        cr_assert_eq(router_queue_push(&q, &it[i].qe, 0, 0, 0), TD_OK);
+    fill_fifo(&q, 8, it, 5);
     router_queue_remove(&q, &it[2].qe); /* middle */
     router_queue_remove(&q, &it[0].qe); /* head */
     router_queue_remove(&q, &it[4].qe); /* tail */
