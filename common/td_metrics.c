@@ -50,9 +50,16 @@ struct td_metric_family {
     td_metric_t *series, **series_tail;
 };
 
+typedef struct metrics_collector {
+    td_metrics_collect_cb fn;
+    void *arg;
+} metrics_collector_t;
+
 struct td_metrics {
-    pthread_mutex_t lock;                /* guards the family list */
+    pthread_mutex_t lock;                /* guards the family list and the collectors */
     td_metric_family_t *families, **families_tail;
+    metrics_collector_t collectors[TD_METRICS_MAX_COLLECTORS];
+    int n_collectors;
 };
 
 static uint64_t dbits(double v)
@@ -512,8 +519,29 @@ static const char *type_name(td_metric_type_t t)
     return "untyped";
 }
 
+td_status_t td_metrics_add_collector(td_metrics_t *reg, td_metrics_collect_cb fn, void *arg)
+{
+    if (!fn)
+        return td_errorf(TD_ERR_INVALID, "metrics: a collector needs a function");
+    pthread_mutex_lock(&reg->lock);
+    td_status_t st = TD_OK;
+    if (reg->n_collectors == TD_METRICS_MAX_COLLECTORS)
+        st = td_errorf(TD_ERR_RANGE, "metrics: at most %d collectors", TD_METRICS_MAX_COLLECTORS);
+    else
+        reg->collectors[reg->n_collectors++] = (metrics_collector_t){.fn = fn, .arg = arg};
+    pthread_mutex_unlock(&reg->lock);
+    return st;
+}
+
 td_status_t td_metrics_render(td_metrics_t *reg, char **text_p, size_t *len_p)
 {
+    pthread_mutex_lock(&reg->lock);
+    int n = reg->n_collectors;
+    metrics_collector_t cs[TD_METRICS_MAX_COLLECTORS];
+    memcpy(cs, reg->collectors, sizeof cs);
+    pthread_mutex_unlock(&reg->lock);
+    for (int i = 0; i < n; i++) /* outside the lock: a collector updates series */
+        cs[i].fn(cs[i].arg);
     out_t o = {0};
     out_reserve(&o, 0);
     pthread_mutex_lock(&reg->lock);

@@ -80,8 +80,23 @@ double td_metric_value(const td_metric_t *m);
 /* Observations and sum of a histogram. */
 void td_metric_histogram_read(td_metric_t *m, unsigned long long *count_p, double *sum_p);
 
+/* A collector brings values kept elsewhere (a component's own statistics) into the
+ * registry's series just before they are rendered. */
+typedef void (*td_metrics_collect_cb)(void *arg);
+
+#define TD_METRICS_MAX_COLLECTORS 8
+
 /*
- * Renders every family (in registration order; series in creation order) as Prometheus
+ * Adds a collector: td_metrics_render calls fn(arg) first, on the rendering thread, in the
+ * order they were added, before any family is read (so fn may update series, and must be
+ * safe on that thread). fn and arg must stay valid as long as the registry renders.
+ * Errors: TD_ERR_RANGE (TD_METRICS_MAX_COLLECTORS already), TD_ERR_INVALID (fn NULL).
+ * Thread-safe.
+ */
+td_status_t td_metrics_add_collector(td_metrics_t *reg, td_metrics_collect_cb fn, void *arg);
+
+/*
+ * Runs the collectors, then renders every family (in registration order; series in creation order) as Prometheus
  * text format 0.0.4 into a malloc'ed NUL-terminated buffer (*text_p, caller frees; *len_p
  * its length without the NUL). Families without series still get HELP/TYPE lines.
  * Errors: TD_ERR_NOMEM. Thread-safe.

@@ -27,6 +27,7 @@
 #include "router_node_client.h"
 #include "router_proc.h"
 #include "router_worker.h"
+#include "router_xfer_metrics.h"
 #include "td_backend.h"
 #include "td_engine.h"
 #include "td_grpc.h"
@@ -95,6 +96,7 @@ typedef struct decode_state {
     td_xfer_t *xfer;
     td_grpc_server_t *grpc;
     td_metrics_t *metrics;
+    router_xfer_metrics_t xfer_metrics; /* td_xfer's statistics on /metrics */
     td_metric_t *m_used, *m_free, *m_running, *m_waiting, *m_tokens, *m_steps, *m_step_s, *m_batch,
         *m_admits, *m_refused, *m_releases;
     decode_admit_t *admits;
@@ -553,7 +555,8 @@ int decode_main(int argc, char **argv)
     xc.name = pc->node_id;
     xc.listen_ip = pc->host;
     xc.advertise_ip = pc->advertise; /* the descriptor the router hands to prefill nodes */
-    if ((st = td_xfer_create(&s->proc.loop, &xc, &s->xfer)) != TD_OK)
+    if ((st = td_xfer_create(&s->proc.loop, &xc, &s->xfer)) != TD_OK ||
+        (st = router_xfer_metrics_init(&s->xfer_metrics, s->metrics, s->xfer)) != TD_OK)
         goto out;
     td_xfer_pool_t xp = {.layout = s->layout, .base = NULL, .n_blocks = (uint32_t)cfg->kv_blocks,
                          .mem = TD_XFER_MEM_HOST, .kv = NULL};

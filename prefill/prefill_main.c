@@ -32,6 +32,7 @@
 #include "router_node_client.h"
 #include "router_proc.h"
 #include "router_worker.h"
+#include "router_xfer_metrics.h"
 #include "td_backend.h"
 #include "td_engine.h"
 #include "td_grpc.h"
@@ -127,6 +128,7 @@ typedef struct prefill_state {
     td_xfer_t *xfer;
     td_grpc_server_t *grpc;
     td_metrics_t *metrics;
+    router_xfer_metrics_t xfer_metrics; /* td_xfer's statistics on /metrics */
     td_metric_t *m_requests, *m_refused, *m_failed, *m_tokens, *m_cached, *m_seconds, *m_queue,
         *m_xfer_s, *m_steps, *m_step_s, *m_batch_tokens, *m_batch_size, *m_blocks_used;
     /* loop thread */
@@ -704,7 +706,8 @@ int prefill_main(int argc, char **argv)
     xc.name = pc->node_id;
     xc.listen_ip = NULL;
     xc.send_timeout_ms = (uint32_t)cfg->send_timeout_ms;
-    if ((st = td_xfer_create(&s->proc.loop, &xc, &s->xfer)) != TD_OK)
+    if ((st = td_xfer_create(&s->proc.loop, &xc, &s->xfer)) != TD_OK ||
+        (st = router_xfer_metrics_init(&s->xfer_metrics, s->metrics, s->xfer)) != TD_OK)
         goto out;
     td_grpc_server_config_t gc = td_grpc_server_config_default();
     gc.host = pc->host;

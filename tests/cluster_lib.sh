@@ -202,8 +202,9 @@ cl_dump() {
     done
 }
 
-# cl_idle: once no request runs, the router has none in flight and no live decode node runs or
-# waits on a sequence (within 10 s): nothing leaked a request or a sequence
+# cl_idle: once no request runs, the router has none in flight, no live decode node runs or
+# waits on a sequence or holds a transfer lease, and no live prefill node has a transfer in
+# flight (within 10 s each): nothing leaked a request, a sequence, a lease or a transfer
 cl_idle() {
     local name v
     for name in "${!CL_ROLE[@]}"; do
@@ -216,7 +217,12 @@ cl_idle() {
             v=$("$CL_PY" "$CL_TOOL" waitmetric "${CL_MURL[$name]}" tandem_decode_running_sequences == 0 10) ||
                 cl_fail "$name still runs sequences when idle: $v"
             v=$("$CL_PY" "$CL_TOOL" waitmetric "${CL_MURL[$name]}" tandem_decode_waiting_sequences == 0 10) ||
-                cl_fail "$name still has waiting sequences when idle: $v" ;;
+                cl_fail "$name still has waiting sequences when idle: $v"
+            v=$("$CL_PY" "$CL_TOOL" waitmetric "${CL_MURL[$name]}" tandem_kvxfer_leases_live == 0 10) ||
+                cl_fail "$name still holds KV transfer leases when idle: $v" ;;
+        prefill)
+            v=$("$CL_PY" "$CL_TOOL" waitmetric "${CL_MURL[$name]}" tandem_kvxfer_transfers_inflight == 0 10) ||
+                cl_fail "$name still has KV transfers in flight when idle: $v" ;;
         esac
     done
 }

@@ -14,4 +14,14 @@ for i in "${!PROMPTS[@]}"; do
     got=$(sed -n "$((i + 1))p" "$CL_T/got")
     [ "$want" = "$got" ] || cl_fail "prompt '${PROMPTS[$i]}': want '$want' got '$got'"
 done
+# Every KV byte the prefill node sent, the decode node received (td_xfer's counters on /metrics).
+sent=0 recv=0
+for name in "${!CL_ROLE[@]}"; do
+    case ${CL_ROLE[$name]} in
+    prefill) sent=$(cl_metric "$name" tandem_kvxfer_sent_bytes_total) ;;
+    decode) recv=$(cl_metric "$name" tandem_kvxfer_received_bytes_total) ;;
+    esac
+done
+echo "kv bytes: prefill sent $sent, decode received $recv"
+[ "$sent" != 0 ] && [ "$sent" = "$recv" ] || cl_fail "KV bytes sent ($sent) and received ($recv) differ or are zero"
 cl_end "${#PROMPTS[@]} concurrent cluster generations equal local generate"
