@@ -149,6 +149,22 @@ static void assert_no_leak(fixture_t *fx, decode_sched_t *ds)
     cr_assert_eq(td_kv_cache_check(td_engine_kv(fx->eng)), TD_OK, "%s", td_last_error());
 }
 
+/* A scheduler on eng with the default config. */
+static decode_sched_t *sched_default(td_engine_t *eng)
+{
+    decode_sched_t *ds;
+    decode_sched_config_t cfg = decode_sched_config_default();
+    cr_assert_eq(decode_sched_create(eng, NULL, &cfg, &ds), TD_OK, "%s", td_last_error());
+    return ds;
+}
+
+/* Every request ended: assert_no_leak, then the scheduler goes. */
+static void sched_end(fixture_t *fx, decode_sched_t *ds)
+{
+    assert_no_leak(fx, ds);
+    decode_sched_destroy(ds);
+}
+
 /* N staggered requests; returns preemptions seen. */
 static uint64_t run_staggered(fixture_t *fx, const decode_sched_config_t *cfg, int n, unsigned seed,
                               int max_prompt, int max_gen, int every)
@@ -236,9 +252,7 @@ Test(decode_sched, cancel_and_deadline_return_every_block, .timeout = 120)
     td_test_skip_without_stories();
     fixture_t fx;
     fx_open(&fx, 256, true);
-    decode_sched_t *ds;
-    decode_sched_config_t cfg = decode_sched_config_default();
-    cr_assert_eq(decode_sched_create(fx.eng, NULL, &cfg, &ds), TD_OK);
+    decode_sched_t *ds = sched_default(fx.eng);
     int32_t p0[40], p1[40];
     unsigned s = 3;
     random_prompt(&s, p0, 40);
@@ -305,8 +319,7 @@ Test(decode_sched, cancel_and_deadline_return_every_block, .timeout = 120)
     decode_sched_stats(ds, &st);
     cr_assert_eq(st.used_blocks, before);
     cr_assert_eq(decode_sched_cancel(ds, 7), TD_OK);
-    assert_no_leak(&fx, ds);
-    decode_sched_destroy(ds);
+    sched_end(&fx, ds);
     fx_close(&fx);
 }
 
@@ -321,9 +334,7 @@ Test(decode_sched, stop_ids_and_limits, .timeout = 120)
     bool eos;
     int n = alone(&fx, p, 30, 20, want, &eos);
     cr_assert_geq(n, 6, "prompt too short-lived for the test");
-    decode_sched_t *ds;
-    decode_sched_config_t cfg = decode_sched_config_default();
-    cr_assert_eq(decode_sched_create(fx.eng, NULL, &cfg, &ds), TD_OK);
+    decode_sched_t *ds = sched_default(fx.eng);
     /* the 6th token as a stop id: 5 tokens, then STOP without the stop token */
     decode_request_t rq = greedy_request(3, p, 30, 20);
     int32_t stop_id = want[5];
@@ -365,8 +376,7 @@ Test(decode_sched, stop_ids_and_limits, .timeout = 120)
     cr_assert(oc[5].finish == DECODE_FINISH_LENGTH || oc[5].finish == DECODE_FINISH_STOP);
     if (oc[5].finish == DECODE_FINISH_LENGTH)
         cr_assert_eq(oc[5].n, 4);
-    assert_no_leak(&fx, ds);
-    decode_sched_destroy(ds);
+    sched_end(&fx, ds);
     fx_close(&fx);
 }
 
@@ -392,9 +402,7 @@ Test(decode_sched, adopted_kv_continues_the_generation, .timeout = 120)
     int32_t first = td_test_argmax(logits, fx.vocab);
     cr_assert_eq(first, want[0]);
 
-    decode_sched_t *ds;
-    decode_sched_config_t cfg = decode_sched_config_default();
-    cr_assert_eq(decode_sched_create(fx.eng, NULL, &cfg, &ds), TD_OK);
+    decode_sched_t *ds = sched_default(fx.eng);
     decode_request_t rq = greedy_request(9, p, 50, 30);
     rq.kv_blocks = pre.blocks;
     rq.n_kv_blocks = pre.n_blocks;
@@ -409,8 +417,7 @@ Test(decode_sched, adopted_kv_continues_the_generation, .timeout = 120)
     for (int i = 0; i < n; i++)
         cr_assert_eq(oc[9].tokens[i], want[i], "token %d: %d, alone %d", i, oc[9].tokens[i], want[i]);
     cr_assert_eq(oc[9].finish, eos ? DECODE_FINISH_STOP : DECODE_FINISH_LENGTH);
-    assert_no_leak(&fx, ds);
-    decode_sched_destroy(ds);
+    sched_end(&fx, ds);
     free(logits);
     fx_close(&fx);
 }
@@ -471,9 +478,7 @@ Test(decode_sched, seeded_split_generation_equals_one_process, .timeout = 120)
     td_sampler_destroy(pf);
     cr_assert_eq(first, want[0]);
 
-    decode_sched_t *ds;
-    decode_sched_config_t cfg = decode_sched_config_default();
-    cr_assert_eq(decode_sched_create(fx.eng, NULL, &cfg, &ds), TD_OK);
+    decode_sched_t *ds = sched_default(fx.eng);
     decode_request_t rq = {.id = 3, .prompt = p, .n_prompt = 20, .kv_blocks = pre.blocks,
                            .n_kv_blocks = pre.n_blocks, .first_token = first, .sampling = sp,
                            .max_tokens = n};
@@ -486,8 +491,7 @@ Test(decode_sched, seeded_split_generation_equals_one_process, .timeout = 120)
     for (int i = 0; i < n; i++)
         cr_assert_eq(oc[3].tokens[i], want[i], "token %d: split %d, one process %d", i, oc[3].tokens[i],
                      want[i]);
-    assert_no_leak(&fx, ds);
-    decode_sched_destroy(ds);
+    sched_end(&fx, ds);
     free(logits);
     fx_close(&fx);
 }
@@ -622,9 +626,7 @@ static void shared_leases_return_every_block(const char *tls)
     td_test_skip_without_stories();
     shared_fx_t *f = calloc(1, sizeof *f);
     shared_open(f, tls);
-    decode_sched_t *ds;
-    decode_sched_config_t cfg = decode_sched_config_default();
-    cr_assert_eq(decode_sched_create(f->fx.eng, NULL, &cfg, &ds), TD_OK);
+    decode_sched_t *ds = sched_default(f->fx.eng);
     int32_t p[40], want[24], blocks[8];
     unsigned s = 77;
     random_prompt(&s, p, 40);
@@ -739,8 +741,7 @@ static void shared_leases_return_every_block(const char *tls)
                  (unsigned long long)xs.leases_sender_lost);
     cr_assert_eq(xs.leases_live, 0);
     td_engine_seq_end(f->pre, &pre);
-    assert_no_leak(&f->fx, ds);
-    decode_sched_destroy(ds);
+    sched_end(&f->fx, ds);
     shared_close(f);
     free(f);
 }
