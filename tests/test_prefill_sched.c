@@ -91,16 +91,27 @@ static void assert_no_leak(fixture_t *fx)
     cr_assert_eq(td_kv_cache_check(td_engine_kv(fx->eng)), TD_OK, "%s", td_last_error());
 }
 
+/* The start the prompt-batch tests share: a fixture of n_blocks KV blocks, the N prompts of
+ * `seed` with their reference first tokens, and a scheduler with the default config but a
+ * step budget of max_batch_tokens (that config in *cfg_p). */
+static prefill_sched_t *start(fixture_t *fx, int n_blocks, unsigned seed, int32_t max_batch_tokens,
+                              prefill_sched_config_t *cfg_p)
+{
+    fx_open(fx, n_blocks);
+    make_prompts(fx, seed);
+    *cfg_p = prefill_sched_config_default();
+    cfg_p->max_batch_tokens = max_batch_tokens;
+    prefill_sched_t *ps;
+    cr_assert_eq(prefill_sched_create(fx->eng, cfg_p, &ps), TD_OK, "%s", td_last_error());
+    return ps;
+}
+
 Test(prefill_sched, chunked_packing_respects_budget_and_first_tokens_match, .timeout = 300)
 {
     td_test_skip_without_stories();
     fixture_t fx;
-    fx_open(&fx, 1024);
-    make_prompts(&fx, 17);
-    prefill_sched_config_t cfg = prefill_sched_config_default();
-    cfg.max_batch_tokens = 64;
-    prefill_sched_t *ps;
-    cr_assert_eq(prefill_sched_create(fx.eng, &cfg, &ps), TD_OK);
+    prefill_sched_config_t cfg;
+    prefill_sched_t *ps = start(&fx, 1024, 17, 64, &cfg);
     submit_all(ps);
     int64_t total = 0;
     for (int i = 0; i < N; i++)
@@ -169,12 +180,9 @@ Test(prefill_sched, tiny_pool_restarts_and_bounds_refuse, .timeout = 300)
 {
     td_test_skip_without_stories();
     fixture_t fx;
-    fx_open(&fx, 16); /* 256 tokens: prompts must take turns */
-    make_prompts(&fx, 29);
-    prefill_sched_config_t cfg = prefill_sched_config_default();
-    cfg.max_batch_tokens = 128;
-    prefill_sched_t *ps;
-    cr_assert_eq(prefill_sched_create(fx.eng, &cfg, &ps), TD_OK);
+    prefill_sched_config_t cfg;
+    /* 16 blocks, 256 tokens: prompts must take turns */
+    prefill_sched_t *ps = start(&fx, 16, 29, 128, &cfg);
     submit_all(ps);
     int done = 0, restarted = 0;
     for (int steps = 0; done < N; steps++) {
@@ -397,12 +405,9 @@ Test(prefill_sched, layer_hook_reports_finishing_prompts_and_blocks_hold_until_r
 {
     td_test_skip_without_stories();
     fixture_t fx;
-    fx_open(&fx, 40); /* 640 tokens: later prompts would reuse released blocks */
-    make_prompts(&fx, 41);
-    prefill_sched_config_t cfg = prefill_sched_config_default();
-    cfg.max_batch_tokens = 96;
-    prefill_sched_t *ps;
-    cr_assert_eq(prefill_sched_create(fx.eng, &cfg, &ps), TD_OK);
+    prefill_sched_config_t cfg;
+    /* 40 blocks, 640 tokens: later prompts would reuse released blocks */
+    prefill_sched_t *ps = start(&fx, 40, 41, 96, &cfg);
     sched_rec_t rec = {.n_layers = fx.model->config.n_layers};
     prefill_sched_set_layer_hook(ps, rec_sched_layer, &rec);
     submit_all(ps);
