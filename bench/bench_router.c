@@ -579,11 +579,11 @@ static void rb_on_router_out(uv_stream_t *st, ssize_t n, const uv_buf_t *buf)
     }
 }
 
-/* Forks and execs `tandem router` pinned to o->router_cpu, reads its gateway and control
- * addresses from its stdout. */
-static td_status_t rb_router_start(rb_state_t *s, bool pin)
+/* A child process with a pipe from it: fds[0] is the parent's read end, fds[1] the child's
+ * write end (the caller closes the end it does not keep, on each side). Returns in both
+ * processes, *pid_p 0 in the child. Errors (logged, nothing left open): TD_ERR_IO. */
+static td_status_t rb_fork_piped(int fds[2], pid_t *pid_p)
 {
-    int fds[2];
     if (pipe(fds) != 0)
         return td_errorf(TD_ERR_IO, "bench router: pipe: %s", strerror(errno));
     fflush(NULL);
@@ -593,6 +593,19 @@ static td_status_t rb_router_start(rb_state_t *s, bool pin)
         close(fds[1]);
         return td_errorf(TD_ERR_IO, "bench router: fork: %s", strerror(errno));
     }
+    *pid_p = pid;
+    return TD_OK;
+}
+
+/* Forks and execs `tandem router` pinned to o->router_cpu, reads its gateway and control
+ * addresses from its stdout. */
+static td_status_t rb_router_start(rb_state_t *s, bool pin)
+{
+    int fds[2];
+    pid_t pid;
+    td_status_t st = rb_fork_piped(fds, &pid);
+    if (st != TD_OK)
+        return st;
     if (pid == 0) {
         dup2(fds[1], STDOUT_FILENO);
         close(fds[0]);
@@ -771,15 +784,10 @@ static int rb_nodes_main(rb_state_t *s)
 static td_status_t rb_nodes_fork(rb_state_t *s)
 {
     int fds[2];
-    if (pipe(fds) != 0)
-        return td_errorf(TD_ERR_IO, "bench router: pipe: %s", strerror(errno));
-    fflush(NULL);
-    pid_t pid = fork();
-    if (pid < 0) {
-        close(fds[0]);
-        close(fds[1]);
-        return td_errorf(TD_ERR_IO, "bench router: fork: %s", strerror(errno));
-    }
+    pid_t pid;
+    td_status_t st = rb_fork_piped(fds, &pid);
+    if (st != TD_OK)
+        return st;
     if (pid == 0) {
         close(fds[0]);
         if (s->router_fd >= 0)
