@@ -27,20 +27,72 @@ static void wait_bounded(router_worker_t *w)
     pthread_cond_timedwait(&w->cv, &w->mu, &ts);
 }
 
+/* ---- rings (the caller holds mu, or the compute thread is joined) ---------------------- */
+
+static bool ring_alloc(router_worker_ring_t *r, size_t size, int32_t cap)
+{
+    r->size = size;
+    r->cap = cap;
+    r->items = calloc((size_t)cap, size);
+    r->local = calloc((size_t)cap, size);
+    return r->items && r->local;
+}
+
+static void ring_free(router_worker_ring_t *r)
+{
+    free(r->items);
+    free(r->local);
+    memset(r, 0, sizeof *r);
+}
+
+static uint8_t *ring_at(const router_worker_ring_t *r, int32_t i)
+{
+    return r->items + (size_t)((r->head + i) % r->cap) * r->size;
+}
+
+/* Appends a copy of item; false when the ring is full. */
+static bool ring_push(router_worker_ring_t *r, const void *item)
+{
+    if (r->n == r->cap)
+        return false;
+    memcpy(ring_at(r, r->n), item, r->size);
+    r->n++;
+    return true;
+}
+
+/* Moves every item, oldest first, into r->local; returns how many. */
+static int32_t ring_drain(router_worker_ring_t *r)
+{
+    int32_t n = r->n;
+    for (int32_t i = 0; i < n; i++)
+        memcpy(r->local + (size_t)i * r->size, ring_at(r, i), r->size);
+    r->head = (r->head + n) % r->cap;
+    r->n = 0;
+    return n;
+}
+
+/* Moves the oldest item into *out; false when the ring is empty. */
+static bool ring_pop(router_worker_ring_t *r, void *out)
+{
+    if (r->n == 0)
+        return false;
+    memcpy(out, ring_at(r, 0), r->size);
+    r->head = (r->head + 1) % r->cap;
+    r->n--;
+    return true;
+}
+
+/* ---- the worker ----------------------------------------------------------------------- */
+
 static void on_async(uv_async_t *h)
 {
     router_worker_t *w = h->data;
-    size_t sz = w->cfg.event_size;
     pthread_mutex_lock(&w->mu);
-    int32_t n = w->out_n;
-    for (int32_t i = 0; i < n; i++)
-        memcpy(w->out_local + (size_t)i * sz, w->out + (size_t)((w->out_head + i) % w->cfg.event_cap) * sz, sz);
-    w->out_head = (w->out_head + n) % w->cfg.event_cap;
-    w->out_n = 0;
+    int32_t n = ring_drain(&w->out);
     pthread_cond_broadcast(&w->cv); /* room again */
     pthread_mutex_unlock(&w->mu);
     if (n > 0)
-        w->cfg.on_events(w->cfg.data, w->out_local, n);
+        w->cfg.on_events(w->cfg.data, w->out.local, n);
 }
 
 static void *thread_main(void *arg)
@@ -56,11 +108,7 @@ td_status_t router_worker_init(router_worker_t *w, uv_loop_t *loop, const router
               cfg->wait_ms > 0 && cfg->run && cfg->on_events);
     memset(w, 0, sizeof *w);
     w->cfg = *cfg;
-    w->in = calloc((size_t)cfg->msg_cap, cfg->msg_size);
-    w->in_local = calloc((size_t)cfg->msg_cap, cfg->msg_size);
-    w->out = calloc((size_t)cfg->event_cap, cfg->event_size);
-    w->out_local = calloc((size_t)cfg->event_cap, cfg->event_size);
-    if (!w->in || !w->in_local || !w->out || !w->out_local)
+    if (!ring_alloc(&w->in, cfg->msg_size, cfg->msg_cap) || !ring_alloc(&w->out, cfg->event_size, cfg->event_cap))
         goto err_rings;
     pthread_condattr_t ca;
     if (pthread_condattr_init(&ca) != 0)
@@ -83,10 +131,8 @@ err_mutex:
 err_cond:
     pthread_cond_destroy(&w->cv);
 err_rings:
-    free(w->in);
-    free(w->in_local);
-    free(w->out);
-    free(w->out_local);
+    ring_free(&w->in);
+    ring_free(&w->out);
     memset(w, 0, sizeof *w);
     return td_errorf(TD_ERR_NOMEM, "%s: out of memory for the compute thread's queues of %d and %d",
                      cfg->name, cfg->msg_cap, cfg->event_cap);
@@ -103,49 +149,31 @@ td_status_t router_worker_start(router_worker_t *w)
 
 bool router_worker_post(router_worker_t *w, const void *msg)
 {
-    size_t sz = w->cfg.msg_size;
     pthread_mutex_lock(&w->mu);
-    bool ok = w->in_n < w->cfg.msg_cap;
-    if (ok) {
-        memcpy(w->in + (size_t)((w->in_head + w->in_n) % w->cfg.msg_cap) * sz, msg, sz);
-        w->in_n++;
+    bool ok = ring_push(&w->in, msg);
+    if (ok)
         pthread_cond_signal(&w->cv);
-    }
     pthread_mutex_unlock(&w->mu);
     return ok;
 }
 
 int32_t router_worker_take(router_worker_t *w, bool idle, void **msgs_p)
 {
-    size_t sz = w->cfg.msg_size;
     pthread_mutex_lock(&w->mu);
-    if (!w->stop && w->in_n == 0 && idle)
+    if (!w->stop && w->in.n == 0 && idle)
         wait_bounded(w);
-    if (w->stop) {
-        pthread_mutex_unlock(&w->mu);
-        return -1;
-    }
-    int32_t n = w->in_n;
-    for (int32_t i = 0; i < n; i++)
-        memcpy(w->in_local + (size_t)i * sz, w->in + (size_t)((w->in_head + i) % w->cfg.msg_cap) * sz, sz);
-    w->in_head = (w->in_head + n) % w->cfg.msg_cap;
-    w->in_n = 0;
+    int32_t n = w->stop ? -1 : ring_drain(&w->in);
     pthread_mutex_unlock(&w->mu);
-    *msgs_p = w->in_local;
+    *msgs_p = w->in.local;
     return n;
 }
 
 bool router_worker_emit(router_worker_t *w, const void *ev)
 {
-    size_t sz = w->cfg.event_size;
     pthread_mutex_lock(&w->mu);
-    while (w->out_n == w->cfg.event_cap && !w->stop)
+    while (w->out.n == w->out.cap && !w->stop)
         wait_bounded(w);
-    bool ok = w->out_n < w->cfg.event_cap;
-    if (ok) {
-        memcpy(w->out + (size_t)((w->out_head + w->out_n) % w->cfg.event_cap) * sz, ev, sz);
-        w->out_n++;
-    }
+    bool ok = ring_push(&w->out, ev);
     pthread_mutex_unlock(&w->mu);
     if (ok)
         uv_async_send(&w->async);
@@ -169,24 +197,14 @@ void router_worker_stop(router_worker_t *w)
 
 bool router_worker_pop_in(router_worker_t *w, void *msg_p)
 {
-    if (!w->up || w->in_n == 0)
-        return false;
     TD_ASSERT(!w->started);
-    memcpy(msg_p, w->in + (size_t)w->in_head * w->cfg.msg_size, w->cfg.msg_size);
-    w->in_head = (w->in_head + 1) % w->cfg.msg_cap;
-    w->in_n--;
-    return true;
+    return w->up && ring_pop(&w->in, msg_p);
 }
 
 bool router_worker_pop_out(router_worker_t *w, void *ev_p)
 {
-    if (!w->up || w->out_n == 0)
-        return false;
     TD_ASSERT(!w->started);
-    memcpy(ev_p, w->out + (size_t)w->out_head * w->cfg.event_size, w->cfg.event_size);
-    w->out_head = (w->out_head + 1) % w->cfg.event_cap;
-    w->out_n--;
-    return true;
+    return w->up && ring_pop(&w->out, ev_p);
 }
 
 void router_worker_free(router_worker_t *w)
@@ -196,9 +214,7 @@ void router_worker_free(router_worker_t *w)
     TD_ASSERT(!w->started);
     pthread_cond_destroy(&w->cv);
     pthread_mutex_destroy(&w->mu);
-    free(w->in);
-    free(w->in_local);
-    free(w->out);
-    free(w->out_local);
+    ring_free(&w->in);
+    ring_free(&w->out);
     memset(w, 0, sizeof *w);
 }

@@ -56,18 +56,22 @@ typedef struct router_worker_config {
     void *data;                /* passed to run and on_events */
 } router_worker_config_t;
 
+/* One direction: a ring of fixed-size items and the reader's copy of its last drain. */
+typedef struct router_worker_ring {
+    uint8_t *items;            /* [cap][size], under the worker's mu */
+    uint8_t *local;            /* [cap][size] the reader's last drain */
+    size_t size;
+    int32_t cap, head, n;
+} router_worker_ring_t;
+
 typedef struct router_worker {
     router_worker_config_t cfg;
     uv_async_t async;
     pthread_t thread;
     pthread_mutex_t mu;
     pthread_cond_t cv;         /* wakes the compute thread: a message, room, or stop */
-    uint8_t *in;               /* [msg_cap][msg_size] ring, under mu */
-    int32_t in_head, in_n;
-    uint8_t *in_local;         /* [msg_cap][msg_size] the compute thread's last take */
-    uint8_t *out;              /* [event_cap][event_size] ring, under mu */
-    int32_t out_head, out_n;
-    uint8_t *out_local;        /* [event_cap][event_size] the loop's last drain */
+    router_worker_ring_t in;   /* loop → compute messages */
+    router_worker_ring_t out;  /* compute → loop events */
     bool stop;                 /* under mu */
     bool up;                   /* initialised: mutex, cond, rings, async handle */
     bool started, closed;
