@@ -122,8 +122,12 @@ td_decode_part_kernel(td_dec_args a)
                                                ((size_t)off * a.n_kv_heads + kvh) * hd + lr * EPV);
     };
 
-    /* ---- scores: sc[g][t] = q_g . k_t (log2 domain) ---- */
-    for (int32_t tb = r0; tb < n; tb += rpi * TD_DEC_UNROLL) {
+    /* ---- scores: sc[g][t] = q_g . k_t (log2 domain) ----
+       The loop bound is the same for every thread (tb0), not per row (r0 + ...): the
+       full-mask shuffles below need every lane of the warp, and lanes of one warp own
+       different rows, some of which may already be past n. */
+    for (int32_t tb0 = 0; tb0 < n; tb0 += rpi * TD_DEC_UNROLL) {
+        const int32_t tb = tb0 + r0;
         uint4 raw[TD_DEC_UNROLL];
 #pragma unroll
         for (int u = 0; u < TD_DEC_UNROLL; u++) {
@@ -360,9 +364,11 @@ td_status_t td_cuda_attn_decode(td_cuda_backend_t *c, const td_attn_params_t *p)
 
     size_t smem = sizeof(float) * ((size_t)TD_DEC_GMAX * hd + (size_t)TD_DEC_GMAX * a.part_tokens +
                                    (size_t)TD_DEC_WARPS * TD_DEC_GMAX * hd);
-    if (smem > c->smem_optin)
+    /* the opt-in limit covers dynamic plus static shared memory (s_m, s_l) */
+    size_t smem_static = 2 * TD_DEC_GMAX * sizeof(float);
+    if (smem + smem_static > c->smem_optin)
         return td_errorf(TD_ERR_UNSUPPORTED, "cuda: decode attention needs %zu bytes of shared "
-                         "memory, the device allows %zu", smem, c->smem_optin);
+                         "memory, the device allows %zu", smem + smem_static, c->smem_optin);
     dim3 grid(a.max_parts, n_kv * a.n_hchunks, st->n_seqs);
     TD_CUDA_DISPATCH(c->base.act_dtype, TQ, TD_CUDA_DISPATCH(kt, TK, {
         if (smem > 48 * 1024)
