@@ -6,7 +6,7 @@
  *     xb   = rmsnorm(x) * attn_norm
  *     q,k,v = xb . Wq, Wk, Wv (+ biases)                    [T][heads][head_dim]
  *     q,k  = rmsnorm per head (Qwen3 only)
- *     q,k  = rope(q, k) at each row's position
+ *     q,k  = rope(q, k) at each row's position, and in the same pass (one op)
  *     cache[layer][slot(row)] = k, v
  *     att  = attention(q, cache)   prefill (tiles, causal) or decode (split-KV)
  *     x   += att . Wo                                       (residual fused in the GEMM)
@@ -547,12 +547,13 @@ static td_status_t forward_layer(td_engine_t *eng, int32_t l, int32_t T, bool de
         TRY(ops->rmsnorm(be, s->k, s->k, NULL, w->k_norm.data, w->k_norm.dtype,
                          T * c->n_kv_heads, c->head_dim, c->norm_eps));
     }
-    td_rope_params_t rp = {.q = s->q, .k = s->k, .n_heads = c->n_heads, .n_kv_heads = c->n_kv_heads,
-                           .head_dim = c->head_dim, .inv_freq = s->inv_freq, .style = c->rope_style};
-    TRY(ops->rope(be, &rp));
     void *kv_layer = (char *)eng->kv_pool + td_kv_block_offset(&eng->layout, (uint32_t)eng->n_blocks,
                                                                 (uint32_t)l, 0);
-    TRY(ops->kv_write(be, kv_layer, &eng->layout, eng->n_blocks, s->k, s->v));
+    td_rope_kv_params_t rp = {.q = s->q, .k = s->k, .v = s->v, .n_heads = c->n_heads,
+                              .inv_freq = s->inv_freq, .style = c->rope_style,
+                              .kv_layer = kv_layer, .layout = &eng->layout,
+                              .n_blocks = eng->n_blocks};
+    TRY(ops->rope_kv_write(be, &rp));
     td_attn_params_t ap = {
         .q = s->q, .out = s->att, .kv_layer = kv_layer, .layout = &eng->layout,
         .n_blocks = eng->n_blocks, .n_heads = c->n_heads,

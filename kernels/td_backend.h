@@ -67,17 +67,27 @@ typedef enum td_rope_style {
     TD_ROPE_HALVES = 1,  /* rotate (x[i], x[i + d/2]): Hugging Face checkpoints */
 } td_rope_style_t;
 
-/* Rotary embedding of the step's rows, in place, at each row's position (step meta). */
-typedef struct td_rope_params {
-    void *q;               /* [n_tokens][n_heads][head_dim] act_dtype */
+/* Rotary embedding fused with the KV-cache write, one pass over the step's rows: q is
+ * rotated in place at each row's position (step meta), k is rotated and written with v into
+ * the row's slot of one layer of the pool (rows with a negative slot are padding: their K/V
+ * are not written). k's contents afterwards are unspecified (a backend may rotate it in
+ * place or leave it). inv_freq NULL: no rotation at all (a model without RoPE, or a caller
+ * that only fills the cache); q may then be NULL. */
+typedef struct td_rope_kv_params {
+    void *q;               /* [n_tokens][n_heads][head_dim] act_dtype, or NULL */
     void *k;               /* [n_tokens][n_kv_heads][head_dim] act_dtype */
-    int32_t n_heads, n_kv_heads, head_dim;
-    const float *inv_freq; /* [head_dim / 2] device memory: frequency of pair i (scaling applied) */
+    const void *v;         /* [n_tokens][n_kv_heads][head_dim] act_dtype */
+    int32_t n_heads;       /* query heads (n_kv_heads and head_dim are the layout's) */
+    const float *inv_freq; /* [head_dim / 2] device memory: frequency of pair i (scaling
+                              applied), or NULL */
     td_rope_style_t style;
-} td_rope_params_t;
+    void *kv_layer;        /* this layer's part of the pool (td_kv_block_offset(.., l, 0)) */
+    const td_kv_layout_t *layout;
+    int32_t n_blocks;      /* blocks in the pool */
+} td_rope_kv_params_t;
 
 /* Attention of the step's rows against one layer's paged KV cache. The new rows' K and V
- * must already be written (kv_write) before either attention op. */
+ * must already be written (rope_kv_write) before either attention op. */
 typedef struct td_attn_params {
     const void *q;             /* [n_tokens][n_heads][head_dim] act_dtype */
     void *out;                 /* [n_tokens][n_heads][head_dim] act_dtype */
@@ -115,11 +125,7 @@ typedef struct td_backend_ops {
     td_status_t (*rmsnorm)(td_backend_t *be, void *out, void *x, void *residual, const void *w,
                            td_dtype_t w_dtype, int32_t rows, int32_t dim, float eps);
     td_status_t (*matmul)(td_backend_t *be, const td_matmul_params_t *p);
-    td_status_t (*rope)(td_backend_t *be, const td_rope_params_t *p);
-    /* writes the step's K and V rows ([n_tokens][n_kv_heads][head_dim] act_dtype) into their
-       slots of one layer of the pool */
-    td_status_t (*kv_write)(td_backend_t *be, void *kv_layer, const td_kv_layout_t *layout,
-                            int32_t n_blocks, const void *k, const void *v);
+    td_status_t (*rope_kv_write)(td_backend_t *be, const td_rope_kv_params_t *p);
     /* FlashAttention-style: query tiles against K/V tiles of the paged cache, online
        softmax, causal (row at position p sees positions <= p), any number of new rows per
        sequence attending to the cached prefix plus themselves */

@@ -373,51 +373,6 @@ Test(backend_ops, matmul, .timeout = 300)
     }
 }
 
-/* ---- rope ----------------------------------------------------------------------------------- */
-
-Test(backend_ops, rope, .timeout = 120)
-{
-    static const int32_t shapes[][3] = {{8, 4, 8}, {32, 8, 128}, {6, 6, 64}};
-    for (int a = 0; a < 3; a++) {
-        td_pair_t p = td_open(td_all_dtypes[a]);
-        for (size_t si = 0; si < TD_ARRAY_LEN(shapes); si++) {
-            for (int style = 0; style < 2; style++) {
-                int32_t nh = shapes[si][0], nkv = shapes[si][1], hd = shapes[si][2];
-                int32_t q[] = {1, 40, 3}, ctx[] = {3000, 100, 3};
-                td_test_step_t s;
-                td_step_make(&s, 3, q, ctx, 16, 10);
-                td_step_set(&p, &s);
-                size_t nq = (size_t)s.m.n_tokens * nh * hd, nk = (size_t)s.m.n_tokens * nkv * hd;
-                float *qv = td_rand_vec(nq, 1.0f, p.act), *kv = td_rand_vec(nk, 1.0f, p.act);
-                float *freq = malloc(sizeof(float) * hd / 2);
-                for (int32_t i = 0; i < hd / 2; i++)
-                    freq[i] = powf(10000.0f, -2.0f * i / hd);
-                void *qc = td_up(p.cpu, qv, nq, TD_F32), *qg = td_up(p.gpu, qv, nq, p.act);
-                void *kc = td_up(p.cpu, kv, nk, TD_F32), *kg = td_up(p.gpu, kv, nk, p.act);
-                void *fc = td_up(p.cpu, freq, hd / 2, TD_F32), *fg = td_up(p.gpu, freq, hd / 2, TD_F32);
-                td_rope_params_t rc = {.q = qc, .k = kc, .n_heads = nh, .n_kv_heads = nkv,
-                                       .head_dim = hd, .inv_freq = fc, .style = (td_rope_style_t)style};
-                td_rope_params_t rg = rc;
-                rg.q = qg; rg.k = kg; rg.inv_freq = fg;
-                TD_OK_OR_FAIL(p.cpu, p.cpu->ops->rope(p.cpu, &rc));
-                TD_OK_OR_FAIL(p.gpu, p.gpu->ops->rope(p.gpu, &rg));
-                float *want = td_down(p.cpu, qc, nq, TD_F32), *got = td_down(p.gpu, qg, nq, p.act);
-                /* positions up to 3000: the angle's fp32 rounding shows in f32 */
-                td_check("rope q", got, want, nq, TD_MAX(td_tol(p.act), 1e-6));
-                free(want); free(got);
-                want = td_down(p.cpu, kc, nk, TD_F32);
-                got = td_down(p.gpu, kg, nk, p.act);
-                td_check("rope k", got, want, nk, TD_MAX(td_tol(p.act), 1e-6));
-                free(want); free(got); free(qv); free(kv); free(freq);
-                p.cpu->ops->free(p.cpu, qc); p.cpu->ops->free(p.cpu, kc); p.cpu->ops->free(p.cpu, fc);
-                p.gpu->ops->free(p.gpu, qg); p.gpu->ops->free(p.gpu, kg); p.gpu->ops->free(p.gpu, fg);
-                td_step_free(&s);
-            }
-        }
-        td_close(&p);
-    }
-}
-
 /* ---- swiglu, gather_rows --------------------------------------------------------------------- */
 
 Test(backend_ops, swiglu, .timeout = 120)
@@ -520,30 +475,57 @@ static void td_pool_free(td_pair_t *p, td_test_pool_t *tp)
     p->gpu->ops->free(p->gpu, tp->pg);
 }
 
-Test(backend_ops, kv_write, .timeout = 120)
+/* rope_kv_write: q rotated in place, k rotated into the cache with v, for every activation
+   and KV dtype, GQA and MHA shapes, both rotation styles and no rotation (inv_freq NULL);
+   positions up to 1200, with cached prefixes (rows land mid-block) */
+Test(backend_ops, rope_kv_write, .timeout = 240)
 {
+    static const int32_t shapes[][3] = {{8, 4, 8}, {32, 8, 128}, {6, 6, 64}};
     for (int a = 0; a < 3; a++) {
         td_pair_t p = td_open(td_all_dtypes[a]);
-        for (int k = 0; k < 3; k++) {
-            int32_t q[] = {20, 1, 37}, ctx[] = {20, 70, 100}, n_kv = 4, hd = 64;
-            td_test_step_t s;
-            td_step_make(&s, 3, q, ctx, 16, 10);
-            td_step_set(&p, &s);
-            td_test_pool_t tp;
-            td_pool_make(&p, &tp, td_all_dtypes[k], 16, n_kv, hd, s.n_blocks);
-            size_t n = (size_t)s.m.n_tokens * n_kv * hd;
-            float *kv = td_rand_vec(n, 1.0f, p.act), *vv = td_rand_vec(n, 1.0f, p.act);
-            void *kc = td_up(p.cpu, kv, n, TD_F32), *kg = td_up(p.gpu, kv, n, p.act);
-            void *vc = td_up(p.cpu, vv, n, TD_F32), *vg = td_up(p.gpu, vv, n, p.act);
-            TD_OK_OR_FAIL(p.cpu, p.cpu->ops->kv_write(p.cpu, tp.kc, &tp.lc, tp.n_blocks, kc, vc));
-            TD_OK_OR_FAIL(p.gpu, p.gpu->ops->kv_write(p.gpu, tp.kg, &tp.lg, tp.n_blocks, kg, vg));
-            td_pool_check(&p, &tp, "kv_write pool");
-            free(kv); free(vv);
-            p.cpu->ops->free(p.cpu, kc); p.cpu->ops->free(p.cpu, vc);
-            p.gpu->ops->free(p.gpu, kg); p.gpu->ops->free(p.gpu, vg);
-            td_pool_free(&p, &tp);
-            td_step_free(&s);
-        }
+        for (int k = 0; k < 3; k++)
+            for (size_t si = 0; si < TD_ARRAY_LEN(shapes); si++)
+                for (int style = -1; style < 2; style++) {
+                    int32_t nh = shapes[si][0], n_kv = shapes[si][1], hd = shapes[si][2];
+                    int32_t q[] = {20, 1, 37}, ctx[] = {1200, 70, 100};
+                    td_test_step_t s;
+                    td_step_make(&s, 3, q, ctx, 16, 10);
+                    td_step_set(&p, &s);
+                    td_test_pool_t tp;
+                    td_pool_make(&p, &tp, td_all_dtypes[k], 16, n_kv, hd, s.n_blocks);
+                    size_t nq = (size_t)s.m.n_tokens * nh * hd, n = (size_t)s.m.n_tokens * n_kv * hd;
+                    float *qv = td_rand_vec(nq, 1.0f, p.act);
+                    float *kv = td_rand_vec(n, 1.0f, p.act), *vv = td_rand_vec(n, 1.0f, p.act);
+                    float *freq = malloc(sizeof(float) * hd / 2);
+                    for (int32_t i = 0; i < hd / 2; i++)
+                        freq[i] = powf(10000.0f, -2.0f * i / hd);
+                    void *qc = td_up(p.cpu, qv, nq, TD_F32), *qg = td_up(p.gpu, qv, nq, p.act);
+                    void *kc = td_up(p.cpu, kv, n, TD_F32), *kg = td_up(p.gpu, kv, n, p.act);
+                    void *vc = td_up(p.cpu, vv, n, TD_F32), *vg = td_up(p.gpu, vv, n, p.act);
+                    void *fc = td_up(p.cpu, freq, hd / 2, TD_F32);
+                    void *fg = td_up(p.gpu, freq, hd / 2, TD_F32);
+                    td_rope_kv_params_t rc = {.q = qc, .k = kc, .v = vc, .n_heads = nh,
+                                              .inv_freq = style < 0 ? NULL : fc,
+                                              .style = (td_rope_style_t)(style < 0 ? 0 : style),
+                                              .kv_layer = tp.kc, .layout = &tp.lc,
+                                              .n_blocks = tp.n_blocks};
+                    td_rope_kv_params_t rg = rc;
+                    rg.q = qg; rg.k = kg; rg.v = vg; rg.inv_freq = style < 0 ? NULL : fg;
+                    rg.kv_layer = tp.kg; rg.layout = &tp.lg;
+                    TD_OK_OR_FAIL(p.cpu, p.cpu->ops->rope_kv_write(p.cpu, &rc));
+                    TD_OK_OR_FAIL(p.gpu, p.gpu->ops->rope_kv_write(p.gpu, &rg));
+                    float *want = td_down(p.cpu, qc, nq, TD_F32), *got = td_down(p.gpu, qg, nq, p.act);
+                    td_check("rope_kv_write q", got, want, nq, TD_MAX(td_tol(p.act), 1e-6));
+                    free(want); free(got);
+                    td_pool_check(&p, &tp, "rope_kv_write pool");
+                    free(qv); free(kv); free(vv); free(freq);
+                    p.cpu->ops->free(p.cpu, qc); p.cpu->ops->free(p.cpu, kc);
+                    p.cpu->ops->free(p.cpu, vc); p.cpu->ops->free(p.cpu, fc);
+                    p.gpu->ops->free(p.gpu, qg); p.gpu->ops->free(p.gpu, kg);
+                    p.gpu->ops->free(p.gpu, vg); p.gpu->ops->free(p.gpu, fg);
+                    td_pool_free(&p, &tp);
+                    td_step_free(&s);
+                }
         td_close(&p);
     }
 }

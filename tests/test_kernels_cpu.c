@@ -288,7 +288,10 @@ Test(kernels_cpu, embed_swiglu_gather, .timeout = 60)
     }
 }
 
-Test(kernels_cpu, rope, .timeout = 60)
+/* rope_kv_write against a plain double-precision rotation: q rotated in place, k rotated
+   into its cache slot (layer 1 of a 2-layer f32 pool), v copied; a row with slot -1 writes
+   nothing and slots no row names keep their poison. */
+Test(kernels_cpu, rope_kv_write, .timeout = 60)
 {
     static const int hds[] = {32, 64, 128};
     rng_t r = {99};
@@ -296,43 +299,71 @@ Test(kernels_cpu, rope, .timeout = 60)
         td_backend_t *be = make_backend(thread_counts[ti]);
         for (size_t hi = 0; hi < TD_ARRAY_LEN(hds); hi++)
             for (int style = 0; style < 2; style++) {
-                const int hd = hds[hi], nh = 6, nkv = 2, rows = 9;
+                const int hd = hds[hi], nh = 6, nkv = 2, rows = 9, n_blocks = 3, layer = 1;
                 int32_t positions[9] = {0, 1, 7, 100, 2047, 4095, 16383, 32767, 32000};
+                int32_t slots[9] = {3, 0, 9, 5, 1, -1, 10, 2, 7};
                 int32_t tokens[9] = {0};
                 td_step_meta_t meta = simple_meta(rows, tokens, positions);
+                meta.slots = slots;
                 cr_assert_eq(be->ops->set_step(be, &meta), TD_OK);
+                td_kv_layout_t l = {.dtype = TD_F32, .block_size = 4, .n_layers = 2,
+                                    .n_kv_heads = (uint32_t)nkv, .head_dim = (uint32_t)hd,
+                                    .version = TD_KV_LAYOUT_VERSION};
+                size_t pool_bytes = td_kv_pool_bytes(&l, n_blocks);
+                unsigned char *pool = xmalloc(pool_bytes);
+                poison(pool, pool_bytes);
                 float inv_freq[64];
                 for (int i = 0; i < hd / 2; i++)
                     inv_freq[i] = (float)pow(500000.0, -2.0 * i / hd);
-                size_t nq = (size_t)rows * nh * hd, nk = (size_t)rows * nkv * hd;
-                float *q = xmalloc(nq * 4), *k = xmalloc(nk * 4);
+                size_t nq = (size_t)rows * nh * hd, nk = (size_t)rows * nkv * hd, row = nk / rows;
+                float *q = xmalloc(nq * 4), *k = xmalloc(nk * 4), *v = xmalloc(nk * 4);
                 double *qref = xmalloc(nq * 8), *kref = xmalloc(nk * 8);
                 fill_random(&r, q, TD_F32, NULL, nq);
                 fill_random(&r, k, TD_F32, NULL, nk);
+                fill_random(&r, v, TD_F32, NULL, nk);
                 for (int pass = 0; pass < 2; pass++) {
                     float *x = pass ? k : q;
                     double *ref = pass ? kref : qref;
                     int heads = pass ? nkv : nh;
                     for (int t = 0; t < rows; t++)
                         for (int h = 0; h < heads; h++) {
-                            const float *v = x + ((size_t)t * heads + h) * hd;
+                            const float *xv = x + ((size_t)t * heads + h) * hd;
                             double *o = ref + ((size_t)t * heads + h) * hd;
                             for (int i = 0; i < hd / 2; i++) {
                                 double ang = (double)positions[t] * (double)inv_freq[i];
                                 int a = style == TD_ROPE_PAIRS ? 2 * i : i;
                                 int b = style == TD_ROPE_PAIRS ? 2 * i + 1 : i + hd / 2;
-                                o[a] = v[a] * cos(ang) - v[b] * sin(ang);
-                                o[b] = v[a] * sin(ang) + v[b] * cos(ang);
+                                o[a] = xv[a] * cos(ang) - xv[b] * sin(ang);
+                                o[b] = xv[a] * sin(ang) + xv[b] * cos(ang);
                             }
                         }
                 }
-                td_rope_params_t p = {.q = q, .k = k, .n_heads = nh, .n_kv_heads = nkv,
-                                      .head_dim = hd, .inv_freq = inv_freq,
-                                      .style = (td_rope_style_t)style};
-                cr_assert_eq(be->ops->rope(be, &p), TD_OK);
+                unsigned char *lbase = pool + td_kv_block_offset(&l, n_blocks, layer, 0);
+                td_rope_kv_params_t p = {.q = q, .k = k, .v = v, .n_heads = nh,
+                                         .inv_freq = inv_freq, .style = (td_rope_style_t)style,
+                                         .kv_layer = lbase, .layout = &l, .n_blocks = n_blocks};
+                cr_assert_eq(be->ops->rope_kv_write(be, &p), TD_OK);
                 check_close("rope q", q, qref, nq, 1e-5);
-                check_close("rope k", k, kref, nk, 1e-5);
-                free(q), free(k), free(qref), free(kref);
+                bool used[12] = {false};
+                for (int t = 0; t < rows; t++) {
+                    if (slots[t] < 0)
+                        continue;
+                    used[slots[t]] = true;
+                    const float *kc = (const float *)lbase + ((size_t)(slots[t] / 4) * 2 * 4 +
+                                                              (size_t)(slots[t] % 4)) * row;
+                    check_close("rope k (cache)", kc, kref + (size_t)t * row, row, 1e-5);
+                    cr_assert_eq(memcmp(kc + 4 * row, v + (size_t)t * row, row * 4), 0,
+                                 "v of row %d in its slot", t);
+                }
+                unsigned char ff[4];
+                memset(ff, 0xff, sizeof(ff));
+                for (int sl = 0; sl < 12; sl++)
+                    if (!used[sl])
+                        cr_assert_eq(memcmp((const float *)lbase +
+                                            ((size_t)(sl / 4) * 2 * 4 + (size_t)(sl % 4)) * row,
+                                            ff, 4), 0, "slot %d written", sl);
+                cr_assert_eq(memcmp(pool, ff, 4), 0, "layer 0 written");
+                free(q), free(k), free(v), free(qref), free(kref), free(pool);
             }
         td_backend_destroy(be);
     }
@@ -414,7 +445,7 @@ static void attn_run(td_backend_t *be, rng_t *r, const attn_case_t *c)
                 size_t vo = ((size_t)b * 2 + 1) * block_elems + (size_t)(t % bs) * row;
                 td_dtype_convert(pool + ko * esz, c->kv_dtype, kt, TD_F32, row);
                 td_dtype_convert(pool + vo * esz, c->kv_dtype, vt, TD_F32, row);
-            } else { /* new rows: through kv_write */
+            } else { /* new rows: through rope_kv_write (no rotation) */
                 int i = seq_start[s] + t - prefix;
                 memcpy(knew + (size_t)i * row, kt, row * 4);
                 memcpy(vnew + (size_t)i * row, vt, row * 4);
@@ -429,7 +460,9 @@ static void attn_run(td_backend_t *be, rng_t *r, const attn_case_t *c)
                            .seq_len = seq_len, .block_tables = tables, .max_blocks = max_blocks,
                            .max_q_len = max_q, .max_seq_len = max_len};
     cr_assert_eq(be->ops->set_step(be, &meta), TD_OK);
-    cr_assert_eq(be->ops->kv_write(be, pool, &layout, n_blocks, knew, vnew), TD_OK);
+    td_rope_kv_params_t wp = {.k = knew, .v = vnew, .n_heads = nh, .kv_layer = pool,
+                              .layout = &layout, .n_blocks = n_blocks};
+    cr_assert_eq(be->ops->rope_kv_write(be, &wp), TD_OK);
 
     size_t nq = (size_t)n_tokens * nh * hd;
     float *q = xmalloc(nq * 4), *out = xmalloc(nq * 4);
@@ -507,7 +540,9 @@ Test(kernels_cpu, kv_write_layout_and_copy_blocks, .timeout = 60)
             v[i] = round_to(v[i], dtypes[d]);
         }
         unsigned char *lbase = pool + td_kv_block_offset(&l, n_blocks, layer, 0);
-        cr_assert_eq(be->ops->kv_write(be, lbase, &l, n_blocks, k, v), TD_OK);
+        td_rope_kv_params_t wp = {.k = k, .v = v, .n_heads = 2, .kv_layer = lbase, .layout = &l,
+                                  .n_blocks = n_blocks};
+        cr_assert_eq(be->ops->rope_kv_write(be, &wp), TD_OK);
         for (int i = 0; i < 5; i++) {
             int b = slots[i] / 4, off = slots[i] % 4;
             float got[16];

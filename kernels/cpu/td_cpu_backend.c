@@ -1,6 +1,6 @@
 /*
  * td_cpu_backend: the CPU backend's context, memory, step metadata and the row-wise ops
- * (embed, rmsnorm, rope, swiglu, gather_rows, kv_write, copy_blocks). Matmul and attention
+ * (embed, rmsnorm, rope fused with the KV write, swiglu, gather_rows, copy_blocks). Matmul and attention
  * live in td_cpu_matmul.c and td_cpu_attn.c.
  *
  * One set of threads: the backend's own td_pool_t does all the parallel work and OpenBLAS
@@ -192,14 +192,17 @@ static td_status_t cpu_rmsnorm(td_backend_t *be, void *out, void *x, void *resid
     return TD_OK;
 }
 
-/* ---- rope ------------------------------------------------------------------------- */
+/* ---- rope + KV write ------------------------------------------------------------------------- */
 
 typedef struct rope_job {
     float *q, *k;
+    const float *v;
     int32_t n_heads, n_kv_heads, head_dim;
-    const float *inv_freq;
+    const float *inv_freq; /* NULL: no rotation */
     td_rope_style_t style;
-    const int32_t *positions;
+    const int32_t *positions, *slots;
+    unsigned char *layer;
+    const td_kv_layout_t *layout;
     int rows, n_tasks;
 } rope_job_t;
 
@@ -225,6 +228,8 @@ static void rope_heads(float *x, int n_heads, int hd, const float *cs, const flo
     }
 }
 
+/* Rows r0..r1 of one task: rotate the row's q and k (unless inv_freq is NULL), then write
+   its k and v to the row's slot; the row is still in cache when it is written. */
 static void rope_task(void *arg, int task, int thread)
 {
     rope_job_t *j = arg;
@@ -232,32 +237,49 @@ static void rope_task(void *arg, int task, int thread)
     task_rows(task, j->n_tasks, j->rows, &r0, &r1);
     int hd = j->head_dim, half = hd / 2;
     float cs[512], sn[512]; /* head_dim <= 1024 (td_kv_layout_validate) */
+    const td_kv_layout_t *l = j->layout;
+    td_dtype_t t = (td_dtype_t)l->dtype;
+    size_t esz = td_dtype_size(t);
+    size_t row = (size_t)j->n_kv_heads * hd;
+    size_t block_elems = td_kv_block_elems(l);
     for (int r = r0; r < r1; r++) {
-        /* the angle in double: at position 32k a float product is off by ~1e-3 rad */
-        double pos = (double)j->positions[r];
-        for (int i = 0; i < half; i++) {
-            double s, c;
-            sincos(pos * (double)j->inv_freq[i], &s, &c);
-            cs[i] = (float)c;
-            sn[i] = (float)s;
+        float *k = j->k + (size_t)r * row;
+        if (j->inv_freq) {
+            /* the angle in double: at position 32k a float product is off by ~1e-3 rad */
+            double pos = (double)j->positions[r];
+            for (int i = 0; i < half; i++) {
+                double s, c;
+                sincos(pos * (double)j->inv_freq[i], &s, &c);
+                cs[i] = (float)c;
+                sn[i] = (float)s;
+            }
+            if (j->q)
+                rope_heads(j->q + (size_t)r * j->n_heads * hd, j->n_heads, hd, cs, sn, j->style);
+            rope_heads(k, j->n_kv_heads, hd, cs, sn, j->style);
         }
-        if (j->q)
-            rope_heads(j->q + (size_t)r * j->n_heads * hd, j->n_heads, hd, cs, sn, j->style);
-        if (j->k)
-            rope_heads(j->k + (size_t)r * j->n_kv_heads * hd, j->n_kv_heads, hd, cs, sn, j->style);
+        int32_t slot = j->slots[r];
+        if (slot < 0) /* a padding row with no cache slot */
+            continue;
+        size_t b = (size_t)slot / l->block_size, off = (size_t)slot % l->block_size;
+        size_t k_at = (b * 2 + 0) * block_elems + off * row;
+        size_t v_at = (b * 2 + 1) * block_elems + off * row;
+        td_cpu_from_f32(j->layer + k_at * esz, t, k, row);
+        td_cpu_from_f32(j->layer + v_at * esz, t, j->v + (size_t)r * row, row);
     }
 }
 
-static td_status_t cpu_rope(td_backend_t *be, const td_rope_params_t *p)
+static td_status_t cpu_rope_kv_write(td_backend_t *be, const td_rope_kv_params_t *p)
 {
     td_cpu_t *cpu = td_cpu_of(be);
     TD_ASSERT(cpu->have_step);
-    TD_ASSERT(p->head_dim % 2 == 0 && p->head_dim <= 1024);
-    rope_job_t j = {.q = p->q, .k = p->k, .n_heads = p->n_heads, .n_kv_heads = p->n_kv_heads,
-                    .head_dim = p->head_dim, .inv_freq = p->inv_freq, .style = p->style,
-                    .positions = cpu->meta.positions, .rows = cpu->meta.n_tokens};
-    j.n_tasks = row_tasks(cpu, j.rows, (size_t)(p->n_heads + p->n_kv_heads) * p->head_dim * 2 +
-                                           (size_t)p->head_dim * 20);
+    const td_kv_layout_t *l = p->layout;
+    int32_t hd = (int32_t)l->head_dim, nkv = (int32_t)l->n_kv_heads;
+    TD_ASSERT(hd % 2 == 0 && hd <= 1024);
+    rope_job_t j = {.q = p->q, .k = p->k, .v = p->v, .n_heads = p->n_heads, .n_kv_heads = nkv,
+                    .head_dim = hd, .inv_freq = p->inv_freq, .style = p->style,
+                    .positions = cpu->meta.positions, .slots = cpu->meta.slots,
+                    .layer = p->kv_layer, .layout = l, .rows = cpu->meta.n_tokens};
+    j.n_tasks = row_tasks(cpu, j.rows, (size_t)(p->n_heads + 3 * nkv) * hd * 2 + (size_t)hd * 20);
     td_pool_run(cpu->pool, j.n_tasks, rope_task, &j);
     return TD_OK;
 }
@@ -296,7 +318,7 @@ static td_status_t cpu_swiglu(td_backend_t *be, void *out, const void *gate, con
     return TD_OK;
 }
 
-/* ---- gather_rows, kv_write, copy_blocks ------------------------------------------- */
+/* ---- gather_rows, copy_blocks ------------------------------------------- */
 
 static td_status_t cpu_gather_rows(td_backend_t *be, void *dst, const void *src,
                                    const int32_t *rows, int32_t n, int32_t dim)
@@ -305,48 +327,6 @@ static td_status_t cpu_gather_rows(td_backend_t *be, void *dst, const void *src,
     for (int32_t i = 0; i < n; i++)
         memmove((unsigned char *)dst + (size_t)i * row_bytes,
                 (const unsigned char *)src + (size_t)rows[i] * row_bytes, row_bytes);
-    return TD_OK;
-}
-
-typedef struct kv_write_job {
-    unsigned char *layer;
-    const td_kv_layout_t *layout;
-    const float *k, *v;
-    const int32_t *slots;
-    int rows, n_tasks;
-} kv_write_job_t;
-
-static void kv_write_task(void *arg, int task, int thread)
-{
-    kv_write_job_t *j = arg;
-    int r0, r1;
-    task_rows(task, j->n_tasks, j->rows, &r0, &r1);
-    const td_kv_layout_t *l = j->layout;
-    td_dtype_t t = (td_dtype_t)l->dtype;
-    size_t esz = td_dtype_size(t);
-    size_t row = (size_t)l->n_kv_heads * l->head_dim;
-    size_t block_elems = td_kv_block_elems(l);
-    for (int r = r0; r < r1; r++) {
-        int32_t slot = j->slots[r];
-        if (slot < 0) /* a padding row with no cache slot */
-            continue;
-        size_t b = (size_t)slot / l->block_size, off = (size_t)slot % l->block_size;
-        size_t k_at = (b * 2 + 0) * block_elems + off * row;
-        size_t v_at = (b * 2 + 1) * block_elems + off * row;
-        td_cpu_from_f32(j->layer + k_at * esz, t, j->k + (size_t)r * row, row);
-        td_cpu_from_f32(j->layer + v_at * esz, t, j->v + (size_t)r * row, row);
-    }
-}
-
-static td_status_t cpu_kv_write(td_backend_t *be, void *kv_layer, const td_kv_layout_t *layout,
-                                int32_t n_blocks, const void *k, const void *v)
-{
-    td_cpu_t *cpu = td_cpu_of(be);
-    TD_ASSERT(cpu->have_step);
-    kv_write_job_t j = {.layer = kv_layer, .layout = layout, .k = k, .v = v,
-                        .slots = cpu->meta.slots, .rows = cpu->meta.n_tokens};
-    j.n_tasks = row_tasks(cpu, j.rows, (size_t)layout->n_kv_heads * layout->head_dim * 2);
-    td_pool_run(cpu->pool, j.n_tasks, kv_write_task, &j);
     return TD_OK;
 }
 
@@ -390,8 +370,7 @@ static const td_backend_ops_t cpu_ops = {
     .embed = cpu_embed,
     .rmsnorm = cpu_rmsnorm,
     .matmul = td_cpu_matmul,
-    .rope = cpu_rope,
-    .kv_write = cpu_kv_write,
+    .rope_kv_write = cpu_rope_kv_write,
     .attn_prefill = td_cpu_attn_prefill,
     .attn_decode = td_cpu_attn_decode,
     .swiglu = cpu_swiglu,

@@ -1,6 +1,6 @@
 /*
  * td_cuda_attn_prefill: causal attention of a step's new rows against the paged KV cache
- * (cached prefix plus the rows themselves, already written by kv_write).
+ * (cached prefix plus the rows themselves, already written by rope_kv_write).
  *
  * Tensor-core path (td_prefill_mma_kernel; q and KV both f16 or both bf16, head_dim 64 or
  * 128), in the FlashAttention-2 manner:

@@ -239,16 +239,9 @@ static td_status_t td_cuda_op_matmul(td_backend_t *be, const td_matmul_params_t 
     return td_cuda_matmul(td_cuda_ctx(be), p);
 }
 
-static td_status_t td_cuda_op_rope(td_backend_t *be, const td_rope_params_t *p)
+static td_status_t td_cuda_op_rope_kv_write(td_backend_t *be, const td_rope_kv_params_t *p)
 {
-    return td_cuda_rope(td_cuda_ctx(be), p);
-}
-
-static td_status_t td_cuda_op_kv_write(td_backend_t *be, void *kv_layer,
-                                       const td_kv_layout_t *layout, int32_t n_blocks,
-                                       const void *k, const void *v)
-{
-    return td_cuda_kv_write(td_cuda_ctx(be), kv_layer, layout, n_blocks, k, v);
+    return td_cuda_rope_kv_write(td_cuda_ctx(be), p);
 }
 
 static td_status_t td_cuda_op_attn_prefill(td_backend_t *be, const td_attn_params_t *p)
@@ -306,8 +299,7 @@ static const td_backend_ops_t td_cuda_ops = {
     /* .embed = */ td_cuda_op_embed,
     /* .rmsnorm = */ td_cuda_op_rmsnorm,
     /* .matmul = */ td_cuda_op_matmul,
-    /* .rope = */ td_cuda_op_rope,
-    /* .kv_write = */ td_cuda_op_kv_write,
+    /* .rope_kv_write = */ td_cuda_op_rope_kv_write,
     /* .attn_prefill = */ td_cuda_op_attn_prefill,
     /* .attn_decode = */ td_cuda_op_attn_decode,
     /* .swiglu = */ td_cuda_op_swiglu,

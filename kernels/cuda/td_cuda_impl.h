@@ -119,9 +119,7 @@ td_status_t td_cuda_embed(td_cuda_backend_t *c, void *x, const void *table, td_d
 td_status_t td_cuda_rmsnorm(td_cuda_backend_t *c, void *out, void *x, void *residual,
                             const void *w, td_dtype_t w_dtype, int32_t rows, int32_t dim,
                             float eps);
-td_status_t td_cuda_rope(td_cuda_backend_t *c, const td_rope_params_t *p);
-td_status_t td_cuda_kv_write(td_cuda_backend_t *c, void *kv_layer, const td_kv_layout_t *layout,
-                             int32_t n_blocks, const void *k, const void *v);
+td_status_t td_cuda_rope_kv_write(td_cuda_backend_t *c, const td_rope_kv_params_t *p);
 td_status_t td_cuda_swiglu(td_cuda_backend_t *c, void *out, const void *gate, const void *up,
                            int32_t rows, int32_t hidden);
 td_status_t td_cuda_gather_rows(td_cuda_backend_t *c, void *dst, const void *src,

@@ -1,6 +1,6 @@
 /*
  * td_cuda_ops: the row-wise ops of the CUDA backend: embedding lookup, RMSNorm fused with
- * the residual add, RoPE, the KV-cache write, SwiGLU, row gather, dtype conversion and bias.
+ * the residual add, RoPE fused with the KV-cache write, SwiGLU, row gather, dtype conversion and bias.
  * All are memory-bound: one pass over their inputs, fp32 arithmetic, the step's positions
  * and slots read from the metadata set_step uploaded (nothing copied per op).
  *
@@ -93,77 +93,83 @@ td_status_t td_cuda_rmsnorm(td_cuda_backend_t *c, void *out, void *x, void *resi
     return TD_OK;
 }
 
-/* ---- RoPE ------------------------------------------------------------------------------- */
+/* ---- RoPE fused with the KV write ------------------------------------------------------- */
 
-/* One block per row; each thread rotates pairs of q then k heads. */
-template <typename TA>
-__global__ void td_rope_kernel(TA *q, TA *k, const int32_t *positions, const float *inv_freq,
-                               int32_t n_heads, int32_t n_kv_heads, int32_t head_dim, int halves)
-{
-    int32_t row = blockIdx.x;
-    float pos = (float)positions[row];
-    int32_t half = head_dim / 2;
-    int32_t n_pairs = (n_heads + n_kv_heads) * half;
-    for (int32_t t = threadIdx.x; t < n_pairs; t += blockDim.x) {
-        int32_t h = t / half, i = t % half;
-        TA *base = h < n_heads ? q + ((size_t)row * n_heads + h) * head_dim
-                               : k + ((size_t)row * n_kv_heads + (h - n_heads)) * head_dim;
-        int32_t i0 = halves ? i : 2 * i, i1 = halves ? i + half : 2 * i + 1;
-        float s, co;
-        sincosf(pos * inv_freq[i], &s, &co);
-        float x0 = td_ld(base + i0), x1 = td_ld(base + i1);
-        td_st(base + i0, x0 * co - x1 * s);
-        td_st(base + i1, x0 * s + x1 * co);
-    }
-}
+/* One block per row. The row's angles are computed once (double, like the CPU backend: at
+   position 32k a float product is off by ~1e-3 rad) into shared memory; then q pairs are
+   rotated in place and k pairs are rotated on their way into the row's cache slot
+   (slot % block_size of block slot / block_size: [n_kv_heads][head_dim], contiguous), v is
+   copied next to it. k itself is left as it was. */
+#define TD_ROPE_MAX_HALF 512 /* head_dim <= 1024 (td_kv_layout_validate) */
 
-td_status_t td_cuda_rope(td_cuda_backend_t *c, const td_rope_params_t *p)
-{
-    if (c->step.n_tokens == 0)
-        return TD_OK;
-    TD_CUDA_DISPATCH(c->base.act_dtype, TA,
-        td_rope_kernel<TA><<<c->step.n_tokens, 128, 0, c->stream>>>(
-            (TA *)p->q, (TA *)p->k, c->step.positions, p->inv_freq, p->n_heads, p->n_kv_heads,
-            p->head_dim, p->style == TD_ROPE_HALVES));
-    TD_CUDA_LAUNCHED("rope");
-    return TD_OK;
-}
-
-/* ---- KV write ----------------------------------------------------------------------------- */
-
-/* One block per row: its K and V ([n_kv_heads][head_dim], contiguous) go to row
-   slot % block_size of block slot / block_size, which is contiguous too. */
 template <typename TA, typename TK>
-__global__ void td_kv_write_kernel(TK *kv, const TA *k, const TA *v, const int32_t *slots,
-                                   int32_t block_size, int32_t row_elems)
+__global__ void td_rope_kv_kernel(TA *q, const TA *k, const TA *v, TK *kv, const int32_t *positions,
+                                  const int32_t *slots, const float *inv_freq, int32_t n_heads,
+                                  int32_t n_kv_heads, int32_t head_dim, int halves,
+                                  int32_t block_size)
 {
-    int32_t row = blockIdx.x;
-    int32_t slot = slots[row];
+    __shared__ float cs[TD_ROPE_MAX_HALF], sn[TD_ROPE_MAX_HALF];
+    const int32_t row = blockIdx.x, half = head_dim / 2;
+    const bool rot = inv_freq != NULL;
+    if (rot) {
+        double pos = (double)positions[row];
+        for (int32_t i = threadIdx.x; i < half; i += blockDim.x) {
+            double s, c;
+            sincos(pos * (double)inv_freq[i], &s, &c);
+            cs[i] = (float)c;
+            sn[i] = (float)s;
+        }
+    }
+    __syncthreads(); /* uniform: rot is the same for the whole grid */
+    if (rot && q) {
+        for (int32_t t = threadIdx.x; t < n_heads * half; t += blockDim.x) {
+            int32_t h = t / half, i = t % half;
+            TA *base = q + ((size_t)row * n_heads + h) * head_dim;
+            int32_t i0 = halves ? i : 2 * i, i1 = halves ? i + half : 2 * i + 1;
+            float x0 = td_ld(base + i0), x1 = td_ld(base + i1);
+            td_st(base + i0, x0 * cs[i] - x1 * sn[i]);
+            td_st(base + i1, x0 * sn[i] + x1 * cs[i]);
+        }
+    }
+    const int32_t slot = slots[row];
     if (slot < 0)
-        return; /* a padding row the engine does not cache */
-    size_t block = slot / block_size, off = slot % block_size;
-    size_t block_elems = (size_t)block_size * row_elems;
-    TK *kd = kv + block * 2 * block_elems + off * row_elems;
+        return; /* a padding row the engine does not cache (after the last barrier) */
+    const int32_t row_elems = n_kv_heads * head_dim;
+    const size_t block_elems = (size_t)block_size * row_elems;
+    TK *kd = kv + (size_t)(slot / block_size) * 2 * block_elems + (size_t)(slot % block_size) * row_elems;
     TK *vd = kd + block_elems;
     const TA *ks = k + (size_t)row * row_elems, *vs = v + (size_t)row * row_elems;
-    for (int32_t i = threadIdx.x; i < row_elems; i += blockDim.x) {
-        td_st(kd + i, td_ld(ks + i));
-        td_st(vd + i, td_ld(vs + i));
+    for (int32_t t = threadIdx.x; t < n_kv_heads * half; t += blockDim.x) {
+        int32_t h = t / half, i = t % half;
+        int32_t i0 = halves ? i : 2 * i, i1 = halves ? i + half : 2 * i + 1;
+        float x0 = td_ld(ks + h * head_dim + i0), x1 = td_ld(ks + h * head_dim + i1);
+        if (rot) {
+            float r0 = x0 * cs[i] - x1 * sn[i], r1 = x0 * sn[i] + x1 * cs[i];
+            x0 = r0;
+            x1 = r1;
+        }
+        td_st(kd + h * head_dim + i0, x0);
+        td_st(kd + h * head_dim + i1, x1);
     }
+    for (int32_t i = threadIdx.x; i < row_elems; i += blockDim.x)
+        td_st(vd + i, td_ld(vs + i));
 }
 
-td_status_t td_cuda_kv_write(td_cuda_backend_t *c, void *kv_layer, const td_kv_layout_t *layout,
-                             int32_t n_blocks, const void *k, const void *v)
+td_status_t td_cuda_rope_kv_write(td_cuda_backend_t *c, const td_rope_kv_params_t *p)
 {
-    (void)n_blocks;
+    const td_kv_layout_t *ly = p->layout;
+    int32_t hd = (int32_t)ly->head_dim;
+    if (hd % 2 != 0 || hd / 2 > TD_ROPE_MAX_HALF)
+        return td_errorf(TD_ERR_INVALID, "cuda: rope_kv_write needs an even head_dim of at most "
+                         "%d (got %d)", 2 * TD_ROPE_MAX_HALF, hd);
     if (c->step.n_tokens == 0)
         return TD_OK;
-    int32_t row_elems = (int32_t)(layout->n_kv_heads * layout->head_dim);
-    TD_CUDA_DISPATCH(c->base.act_dtype, TA, TD_CUDA_DISPATCH((td_dtype_t)layout->dtype, TK,
-        td_kv_write_kernel<TA, TK><<<c->step.n_tokens, 128, 0, c->stream>>>(
-            (TK *)kv_layer, (const TA *)k, (const TA *)v, c->step.slots,
-            (int32_t)layout->block_size, row_elems)));
-    TD_CUDA_LAUNCHED("kv_write");
+    TD_CUDA_DISPATCH(c->base.act_dtype, TA, TD_CUDA_DISPATCH((td_dtype_t)ly->dtype, TK,
+        td_rope_kv_kernel<TA, TK><<<c->step.n_tokens, 128, 0, c->stream>>>(
+            (TA *)p->q, (const TA *)p->k, (const TA *)p->v, (TK *)p->kv_layer, c->step.positions,
+            c->step.slots, p->inv_freq, p->n_heads, (int32_t)ly->n_kv_heads, hd,
+            p->style == TD_ROPE_HALVES, (int32_t)ly->block_size)));
+    TD_CUDA_LAUNCHED("rope_kv_write");
     return TD_OK;
 }
 
