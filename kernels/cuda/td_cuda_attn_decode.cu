@@ -326,6 +326,13 @@ td_status_t td_cuda_attn_decode(td_cuda_backend_t *c, const td_attn_params_t *p)
         return td_errorf(TD_ERR_UNSUPPORTED, "cuda: decode attention needs head_dim a multiple of "
                          "%d and at most %d for %s KV (got %d)", epv, 32 * epv,
                          td_dtype_name(kt), hd);
+    /* K/V rows are read with 16-byte loads from the layer's base */
+    if (((uintptr_t)p->kv_layer & 15) != 0)
+        return td_errorf(TD_ERR_INVALID, "cuda: decode attention needs the KV layer 16-byte "
+                         "aligned (got %p)", p->kv_layer);
+    if (st->n_seqs > 65535)
+        return td_errorf(TD_ERR_INVALID, "cuda: decode attention takes at most 65535 sequences "
+                         "per step (got %d)", st->n_seqs);
     int32_t tpr = 1;
     while (tpr < nch)
         tpr <<= 1;

@@ -420,6 +420,13 @@ td_status_t td_cuda_attn_prefill(td_cuda_backend_t *c, const td_attn_params_t *p
     a.group = p->n_heads / a.n_kv_heads;
     a.scale_log2 = p->scale * 1.4426950408889634f;
 
+    /* the tensor-core path copies Q and K/V rows with 16-byte cp.async and stores pairs of
+       outputs as 32-bit words: its base pointers must be 16-byte aligned */
+    bool aligned = (((uintptr_t)p->q | (uintptr_t)p->out | (uintptr_t)p->kv_layer) & 15) == 0;
+    if (qt == kt && (qt == TD_BF16 || qt == TD_F16) && (hd == 64 || hd == 128) && !aligned)
+        return td_errorf(TD_ERR_INVALID, "cuda: prefill attention needs q, out and the KV layer "
+                         "16-byte aligned (q %p, out %p, kv %p)", p->q, (void *)p->out,
+                         p->kv_layer);
     if (qt == kt && qt == TD_BF16 && hd == 128)
         return td_prefill_mma_launch<__nv_bfloat16, 128>(c, a);
     if (qt == kt && qt == TD_BF16 && hd == 64)
