@@ -1,6 +1,7 @@
 /*
  * bench_kvxfer: `tandem bench kvxfer [--json] [--transport tcp|sm] [--rma auto|put|am]
- * [--iters N] [--inflight N]` (--inflight: the sender's max_inflight_ops, default td_xfer's).
+ * [--iters N] [--window N] [--inflight N] [--tokens N]` (--inflight: the sender's max_inflight_ops,
+ * default td_xfer's; --tokens: one transfer size instead of the five).
  *
  * Two processes on loopback (a forked receiver, this process the sender) move the KV of
  * one request of 16..4096 tokens of a Llama-3-8B-shaped layout (32 layers, 8 KV heads,
@@ -260,7 +261,7 @@ int bench_kvxfer(int argc, char **argv)
     bool json = false;
     const char *transport = "tcp";
     td_xfer_rma_t rma = TD_XFER_RMA_AUTO;
-    int64_t iters = 20, inflight = 0, window = 8;
+    int64_t iters = 20, inflight = 0, window = 8, only_tokens = 0;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--json"))
             json = true;
@@ -275,12 +276,15 @@ int bench_kvxfer(int argc, char **argv)
         } else if (!strcmp(argv[i], "--window") && i + 1 < argc) {
             if (td_parse_i64(argv[++i], 1, KVX_MAX_WINDOW, "--window", &window) != TD_OK)
                 return 2;
+        } else if (!strcmp(argv[i], "--tokens") && i + 1 < argc) {
+            if (td_parse_i64(argv[++i], 1, KVX_MAX_TOKENS, "--tokens", &only_tokens) != TD_OK)
+                return 2;
         } else if (!strcmp(argv[i], "--inflight") && i + 1 < argc) {
             if (td_parse_i64(argv[++i], 1, 65536, "--inflight", &inflight) != TD_OK)
                 return 2;
         } else {
             fprintf(stderr, "usage: tandem bench kvxfer [--json] [--transport tcp|sm] [--rma auto|put|am] "
-                            "[--iters N] [--window N] [--inflight N]\n");
+                            "[--iters N] [--window N] [--inflight N] [--tokens N]\n");
             return 2;
         }
     }
@@ -344,7 +348,9 @@ int bench_kvxfer(int argc, char **argv)
                "prim", "tokens", "bytes", "win", "GB/s", "perftest", "ratio", "op bytes", "op perftest", "ratio",
                "am_bw op", "copy", "ratio", "1-at-once", "p50 us", "p99 us");
     for (size_t k = 0; k < TD_ARRAY_LEN(sizes); k++) {
-        uint32_t tokens = sizes[k];
+        uint32_t tokens = only_tokens ? (uint32_t)only_tokens : sizes[k];
+        if (only_tokens && k > 0)
+            break;
         int32_t nb = (int32_t)TD_DIV_CEIL(tokens, KVX_LAYOUT.block_size);
         size_t bytes = (size_t)KVX_LAYOUT.n_layers * (size_t)nb * bb;
         int32_t win = (int32_t)TD_MIN(window, (int64_t)(KVX_RX_BLOCKS / nb));
