@@ -28,6 +28,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <ucp/api/ucp.h>
@@ -205,10 +206,12 @@ typedef struct send_op {
     list_node_t link;  /* x->queue while waiting */
     td_xfer_send_t *s;
     am_data_hdr_t hdr; /* lives until the send completes (no COPY_HEADER in 1.13) */
-    const void *src;   /* host bytes; for a device source, in the staging ring once posted */
+    const void *src;   /* host bytes; for a device source, in the staging ring once copied */
     size_t len;
-    stage_piece_t *piece; /* device source, posted: its piece of the staging ring */
+    stage_piece_t *piece; /* device source: its piece of the staging ring, from the start
+                             of its copy until UCX no longer reads it */
     uint8_t *staged;      /* ... and where in the ring the bytes go */
+    uint64_t ticket;      /* device source, in x->copying: its copy (td_xfer_copier_t) */
 } send_op_t;
 
 struct td_xfer_send {
@@ -286,6 +289,9 @@ struct td_xfer {
     size_t stage_tail;     /* oldest byte still held */
     size_t stage_used;     /* bytes held (head == tail: empty when 0, full otherwise) */
     list_node_t stage_pieces; /* stage_piece_t, oldest first */
+    bool stage_pinned;     /* the ring is page-locked by cfg.d2h->pin */
+    list_node_t copying;   /* send_op_t whose device-to-host copy runs, oldest first */
+    uv_async_t copy_wake;  /* a copier's wake: poll the copies now */
 
     td_xfer_stats_t stats;
 };
@@ -1017,22 +1023,33 @@ static void stage_give(td_xfer_t *x, send_op_t *op)
     }
 }
 
-/* Reads a device-source op into its piece of the ring (and adds its blocks to the
- * request's checksum, which could not read device memory at send_layer). */
-static td_status_t stage_fill(send_op_t *op)
+static void copy_wake_cb(void *arg)
 {
-    td_xfer_send_t *s = op->s;
-    td_status_t st = s->p.copy_d2h(s->p.copy_arg, op->staged, op->src, op->len);
+    uv_async_send(&((td_xfer_t *)arg)->copy_wake);
+}
+
+/* Starts copying a device-source op into its piece of the ring. */
+static td_status_t stage_start(td_xfer_t *x, send_op_t *op)
+{
+    const td_xfer_copier_t *c = x->cfg.d2h;
+    td_status_t st = c->start(c->arg, op->staged, op->src, op->len, copy_wake_cb, x, &op->ticket);
     if (st != TD_OK)
         return td_errorf(st, "xfer request %" PRIu64 ": copying layer %u from device memory failed: %s",
-                         s->p.request_id, op->hdr.layer, td_strerror(st));
+                         op->s->p.request_id, op->hdr.layer, td_last_error());
+    return TD_OK;
+}
+
+/* A device-source op's copy is done: its bytes are the ring's (and its blocks go into the
+ * request's checksum, which could not read device memory at send_layer). */
+static void stage_landed(send_op_t *op)
+{
+    td_xfer_send_t *s = op->s;
     if (s->p.checksum) {
         size_t bb = td_kv_block_bytes(&s->peer->layout);
         for (uint32_t k = 0; k < op->hdr.n_blocks; k++)
             s->checksum += block_checksum(op->staged + (size_t)k * bb, bb, op->hdr.layer, op->hdr.first_idx + k);
     }
     op->src = op->staged;
-    return TD_OK;
 }
 
 static void data_sent_cb(void *request, ucs_status_t status, void *user_data)
@@ -1065,9 +1082,6 @@ static void post_op(td_xfer_t *x, send_op_t *op)
 {
     td_xfer_send_t *s = op->s;
     x->acts++;
-    td_status_t st = TD_OK;
-    if (s->peer->alive && s->status == TD_OK && op->piece && (st = stage_fill(op)) != TD_OK)
-        send_set_status(s, st);
     if (!s->peer->alive || s->status != TD_OK) {
         stage_give(x, op);
         s->ops_out--;
@@ -1111,6 +1125,47 @@ static void post_op(td_xfer_t *x, send_op_t *op)
         data_sent_cb(NULL, UCS_OK, op);
     else if (UCS_PTR_IS_ERR(r))
         data_sent_cb(NULL, UCS_PTR_STATUS(r), op);
+}
+
+/* Takes a device-source op from the queue into the copying list: a piece of the ring and
+ * a started copy (it counts against max_inflight_ops from now on). False when the ring has
+ * no room for it yet (the op stays queued). */
+static bool copy_begin(td_xfer_t *x, send_op_t *op)
+{
+    if (!stage_take(x, op))
+        return false;
+    list_del(&op->link);
+    x->acts++;
+    td_status_t st = stage_start(x, op);
+    if (st != TD_OK) {
+        send_set_status(op->s, st);
+        post_op(x, op); /* drops it: the request failed */
+        return true;
+    }
+    x->ops_posted++;
+    list_push(&x->copying, &op->link);
+    return true;
+}
+
+/* Copies finish in the order they started: the ops at the front whose copy is done go to
+ * UCX (or are dropped when their request failed meanwhile). An op whose copy runs keeps
+ * its piece of the ring whatever happens to its request: the device still writes there. */
+static void poll_copies(td_xfer_t *x)
+{
+    while (!list_empty(&x->copying)) {
+        send_op_t *op = CONTAINER(x->copying.next, send_op_t, link);
+        td_status_t st = x->cfg.d2h->poll(x->cfg.d2h->arg, op->ticket);
+        if (st == TD_ERR_BUSY)
+            return;
+        list_del(&op->link);
+        x->ops_posted--;
+        if (st != TD_OK)
+            send_set_status(op->s, td_errorf(st, "xfer request %" PRIu64 ": copying layer %u from device memory "
+                                             "failed: %s", op->s->p.request_id, op->hdr.layer, td_last_error()));
+        else if (op->s->status == TD_OK)
+            stage_landed(op);
+        post_op(x, op);
+    }
 }
 
 static void ready_sent_cb(void *request, ucs_status_t status, void *user_data)
@@ -1493,17 +1548,42 @@ bool td_xfer_peer_alive(const td_xfer_peer_t *peer)
     return peer->alive;
 }
 
+/* The staging ring, at the first device-memory send: allocated, then page-locked by the
+ * copier so that its copies land there directly. */
+static td_status_t stage_alloc(td_xfer_t *x)
+{
+    if (x->stage)
+        return TD_OK;
+    size_t bytes = TD_DIV_CEIL(x->cfg.staging_bytes, 4096) * 4096;
+    uint8_t *ring = aligned_alloc(4096, bytes);
+    if (!ring)
+        return td_errorf(TD_ERR_NOMEM, "xfer: no memory for a staging ring of %zu bytes", x->cfg.staging_bytes);
+    const td_xfer_copier_t *c = x->cfg.d2h;
+    if (c->pin) {
+        td_status_t st = c->pin(c->arg, ring, bytes);
+        if (st != TD_OK) {
+            free(ring);
+            return td_errorf(st, "xfer: cannot pin a staging ring of %zu bytes: %s (lower staging_bytes)", bytes,
+                             td_last_error());
+        }
+        x->stage_pinned = true;
+    }
+    x->stage = ring;
+    return TD_OK;
+}
+
 td_status_t td_xfer_send_begin(td_xfer_t *x, td_xfer_peer_t *peer, const td_xfer_send_params_t *p,
                                td_xfer_send_t **s_p)
 {
     if (p->mem == TD_XFER_MEM_CUDA) {
         size_t bb = td_kv_block_bytes(&peer->layout);
-        if (!p->copy_d2h || bb > x->cfg.staging_bytes / 2)
-            return td_errorf(TD_ERR_INVALID, "xfer request %" PRIu64 ": a device-memory source needs copy_d2h and a "
-                             "staging ring of two blocks at least (%zu bytes; staging_bytes is %zu)",
-                             p->request_id, 2 * bb, x->cfg.staging_bytes);
-        if (!x->stage && !(x->stage = aligned_alloc(4096, TD_DIV_CEIL(x->cfg.staging_bytes, 4096) * 4096)))
-            return td_errorf(TD_ERR_NOMEM, "xfer: no memory for a staging ring of %zu bytes", x->cfg.staging_bytes);
+        if (!x->cfg.d2h || bb > x->cfg.staging_bytes / 2)
+            return td_errorf(TD_ERR_INVALID, "xfer request %" PRIu64 ": a device-memory source needs a device-to-host "
+                             "copier (td_xfer_config_t.d2h) and a staging ring of two blocks at least (%zu bytes; "
+                             "staging_bytes is %zu)", p->request_id, 2 * bb, x->cfg.staging_bytes);
+        td_status_t st = stage_alloc(x);
+        if (st != TD_OK)
+            return st;
     } else if (p->mem != TD_XFER_MEM_HOST) {
         return td_errorf(TD_ERR_INVALID, "xfer request %" PRIu64 ": unknown memory type %d", p->request_id,
                          (int)p->mem);
@@ -1633,7 +1713,9 @@ static void run_deferred(td_xfer_t *x)
         }
     }
     /* Post queued DATA under the in-flight bound (in order, skipping requests still
-     * waiting for their peer or bind), and READY for requests whose data is in. */
+     * waiting for their peer or bind), and READY for requests whose data is in. A
+     * device-source op first copies into the staging ring and goes when that is done. */
+    poll_copies(x);
     list_node_t *qn = x->queue.next;
     bool stage_full = false; /* device-source ops keep their order behind one that waits */
     while (qn != &x->queue && x->ops_posted < x->cfg.max_inflight_ops) {
@@ -1641,14 +1723,15 @@ static void run_deferred(td_xfer_t *x)
         qn = qn->next;
         if (!op_ready(op))
             continue;
-        if (op->s->p.mem == TD_XFER_MEM_CUDA && op->s->status == TD_OK && op->s->peer->alive &&
-            (stage_full || !stage_take(x, op))) {
-            stage_full = true; /* its piece frees up as posted ops complete */
+        if (op->s->p.mem == TD_XFER_MEM_CUDA && op->s->status == TD_OK && op->s->peer->alive) {
+            if (!stage_full && !copy_begin(x, op))
+                stage_full = true; /* its piece frees up as posted ops complete */
             continue;
         }
         list_del(&op->link);
         post_op(x, op);
     }
+    poll_copies(x); /* a copier that finished inside start: those ops go now */
     for (list_node_t *pn = x->peers.next; pn != &x->peers; pn = pn->next) {
         td_xfer_peer_t *peer = CONTAINER(pn, td_xfer_peer_t, link);
         for (list_node_t *n = peer->sends.next; n != &peer->sends; n = n->next) {
@@ -1730,6 +1813,11 @@ static void drain(td_xfer_t *x)
 }
 
 static void on_poll(uv_poll_t *h, int status, int events)
+{
+    drain(h->data);
+}
+
+static void on_copy_wake(uv_async_t *h)
 {
     drain(h->data);
 }
@@ -1860,6 +1948,9 @@ td_status_t td_xfer_create(uv_loop_t *loop, const td_xfer_config_t *cfg, td_xfer
     if (cfg->max_inflight_ops == 0 || cfg->send_timeout_ms == 0 || cfg->tick_ms == 0 || cfg->quarantine_ms == 0)
         return td_errorf(TD_ERR_INVALID, "xfer config: max_inflight_ops, send_timeout_ms, tick_ms and quarantine_ms "
                          "must be > 0");
+    if (cfg->d2h && (!cfg->d2h->start || !cfg->d2h->poll || !cfg->d2h->pin != !cfg->d2h->unpin))
+        return td_errorf(TD_ERR_INVALID, "xfer config: a d2h copier needs start and poll, and pin with unpin or "
+                         "neither");
     td_xfer_t *x = calloc(1, sizeof *x);
     if (!x)
         return td_errorf(TD_ERR_NOMEM, "xfer: out of memory");
@@ -1873,6 +1964,7 @@ td_status_t td_xfer_create(uv_loop_t *loop, const td_xfer_config_t *cfg, td_xfer
     list_init(&x->peers);
     list_init(&x->queue);
     list_init(&x->stage_pieces);
+    list_init(&x->copying);
     list_init(&x->done_list);
     list_init(&x->closing);
     list_init(&x->aborts);
@@ -1946,8 +2038,9 @@ td_status_t td_xfer_create(uv_loop_t *loop, const td_xfer_config_t *cfg, td_xfer
     uv_prepare_init(loop, &x->prepare);
     uv_timer_init(loop, &x->timer);
     uv_idle_init(loop, &x->idle);
-    x->poll.data = x->prepare.data = x->timer.data = x->idle.data = x;
-    x->open_handles = 4;
+    uv_async_init(loop, &x->copy_wake, on_copy_wake);
+    x->poll.data = x->prepare.data = x->timer.data = x->idle.data = x->copy_wake.data = x;
+    x->open_handles = 5;
     uv_poll_start(&x->poll, UV_READABLE, on_poll);
     uv_prepare_start(&x->prepare, on_prepare);
     uv_timer_start(&x->timer, on_tick, cfg->tick_ms, cfg->tick_ms);
@@ -2111,6 +2204,20 @@ void td_xfer_destroy(td_xfer_t *x)
         ;
     x->cfg.max_inflight_ops = 0; /* run_deferred posts nothing more */
     run_deferred(x);
+    /* A copy still running writes into the staging ring: wait for it (bounded) before the
+     * ring goes; one that never ends costs the ring (leaked), never memory reused under it. */
+    uint64_t copies_until = td_now_ns() + 2000000000ull;
+    while (!list_empty(&x->copying) && td_now_ns() < copies_until) {
+        poll_copies(x);
+        if (!list_empty(&x->copying))
+            nanosleep(&(struct timespec){.tv_nsec = 100000}, NULL);
+    }
+    bool ring_busy = !list_empty(&x->copying);
+    if (ring_busy)
+        td_warn("xfer %s: device-to-host copies did not finish within 2 s; the staging ring and this td_xfer are "
+                "leaked, not freed under them", x->name);
+    else if (x->cfg.d2h && x->cfg.d2h->quiesce)
+        x->cfg.d2h->quiesce(x->cfg.d2h->arg); /* no wake still to come into copy_wake */
     while (!list_empty(&x->aborts)) {
         abort_job_t *j = CONTAINER(x->aborts.next, abort_job_t, link);
         list_del(&j->link);
@@ -2158,15 +2265,21 @@ void td_xfer_destroy(td_xfer_t *x)
     uv_close((uv_handle_t *)&x->prepare, on_handle_closed);
     uv_close((uv_handle_t *)&x->timer, on_handle_closed);
     uv_close((uv_handle_t *)&x->idle, on_handle_closed);
+    if (!ring_busy) /* else a copy may still wake it: x stays */
+        uv_close((uv_handle_t *)&x->copy_wake, on_handle_closed);
     ucp_worker_destroy(x->worker);
     ucp_cleanup(x->ctx);
     x->worker = NULL;
     x->ctx = NULL;
+    if (ring_busy)
+        return;
     while (!list_empty(&x->stage_pieces)) { /* UCX is gone: nothing reads the ring */
         stage_piece_t *pc = CONTAINER(x->stage_pieces.next, stage_piece_t, link);
         list_del(&pc->link);
         free(pc);
     }
+    if (x->stage_pinned)
+        x->cfg.d2h->unpin(x->cfg.d2h->arg, x->stage);
     free(x->stage);
     x->stage = NULL;
 }

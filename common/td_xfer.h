@@ -44,11 +44,11 @@ typedef struct td_xfer td_xfer_t;
 typedef struct td_xfer_peer td_xfer_peer_t;
 typedef struct td_xfer_send td_xfer_send_t;
 
-/* Where KV bytes live. A sender's device (CUDA) memory is staged through a host ring
- * with the caller's device-to-host copy (td_xfer_send_params_t.copy_d2h, the backend's
- * copy_d2h); a receiver's device pool through a host landing area that senders write,
- * copied into the device pool with the caller's copy_h2d on kv-ready (td_xfer_pool_t).
- * docs/xfer.md, "Memory types". */
+/* Where KV bytes live. A sender's device (CUDA) memory is staged through a pinned host
+ * ring with asynchronous device-to-host copies (td_xfer_config_t.d2h, the backend's copy
+ * engine), each operation posted when its copy is done; a receiver's device pool through a
+ * host landing area that senders write, copied into the device pool with the caller's
+ * copy_h2d on kv-ready (td_xfer_pool_t). docs/xfer.md, "Memory types". */
 typedef enum td_xfer_mem {
     TD_XFER_MEM_HOST = 0,
     TD_XFER_MEM_CUDA = 1,
@@ -66,6 +66,37 @@ typedef enum td_xfer_rma {
 /* "auto", "put" or "am" -> *rma_p. Errors: TD_ERR_INVALID naming the value. */
 td_status_t td_xfer_rma_parse(const char *s, td_xfer_rma_t *rma_p);
 
+/* Called from any thread when an asynchronous copy has finished (td_xfer's is a
+ * uv_async_send that makes the loop poll its copies). */
+typedef void (*td_xfer_wake_cb)(void *wake_arg);
+
+/*
+ * Asynchronous device-to-host copies: how a sender's device-memory source reaches the
+ * staging ring (a backend's copy engine: router_xfer_copier wraps td_backend's
+ * copy_d2h_start / copy_poll / host_pin / host_unpin). Every function is called on the
+ * loop thread.
+ *   start: queues a copy of `bytes` from device src to host dst and returns at once,
+ *          naming it *ticket_p; copies finish in the order they were started. Once it has
+ *          finished (poll says so), wake(wake_arg) is called from any thread; a copy that
+ *          finished before start returned need not wake (td_xfer polls after starting).
+ *   poll:  TD_OK: the copy is done and its bytes are in dst; TD_ERR_BUSY: still running;
+ *          any other status: it failed (td_last_error says why). Never blocks.
+ *   quiesce (may be NULL: wakes never outlive poll's TD_OK): returns once no wake of a
+ *          finished copy is still to come (td_xfer_destroy calls it before its wake handle
+ *          goes).
+ *   pin, unpin (may be NULL): page-lock td_xfer's staging ring once, when it is
+ *          allocated, so that copies go straight into it; unpin before it is freed.
+ */
+typedef struct td_xfer_copier {
+    td_status_t (*start)(void *arg, void *dst, const void *src, size_t bytes, td_xfer_wake_cb wake,
+                         void *wake_arg, uint64_t *ticket_p);
+    td_status_t (*poll)(void *arg, uint64_t ticket);
+    void (*quiesce)(void *arg);
+    td_status_t (*pin)(void *arg, void *host, size_t bytes);
+    void (*unpin)(void *arg, void *host);
+    void *arg;
+} td_xfer_copier_t;
+
 typedef struct td_xfer_config {
     const char *name;          /* UCX context name, for logs ("decode0") */
     const char *listen_ip;     /* IPv4 address to accept senders on; NULL: send only */
@@ -79,15 +110,17 @@ typedef struct td_xfer_config {
     size_t put_nt_min;         /* sender, shared memory: puts of this many bytes and more
                                   are copied with non-temporal stores (docs/xfer.md) */
     size_t staging_bytes;      /* sender: host ring that device-memory sources are copied
-                                  through (allocated at the first such send); one
-                                  operation moves at most half of it */
+                                  through (allocated and pinned at the first such send);
+                                  one operation moves at most half of it */
+    const td_xfer_copier_t *d2h; /* sender: copies device-memory sources into the ring
+                                  (not owned, outlives x); NULL: such sends are refused */
     const char *advertise_ip;  /* receiver: IPv4 address td_xfer_describe publishes for the
                                   listener (senders connect to it); NULL: listen_ip. Set it
                                   when listen_ip is a wildcard (0.0.0.0) */
 } td_xfer_config_t;
 
 /* Defaults: listen on 127.0.0.1 port 0, 64 ops in flight, 30 s send bound, 10 ms tick,
- * rma auto, 10 s quarantine, non-temporal copies from 256 KiB, 64 MiB staging ring. */
+ * rma auto, 10 s quarantine, non-temporal copies from 16 KiB, 64 MiB staging ring, no d2h. */
 td_xfer_config_t td_xfer_config_default(void);
 
 /* The 64-bit td_xfer request id of a cluster request id string (the FNV-1a loop, with the
@@ -162,8 +195,8 @@ typedef struct td_xfer_ready {
 
 typedef void (*td_xfer_ready_cb)(void *arg, const td_xfer_ready_t *ready);
 
-/* Copies bytes between device and host memory and returns once they are there (a
- * backend's copy_d2h or copy_h2d). Called on the loop thread. Errors fail the request. */
+/* Copies bytes from host to device memory and returns once they are there (a backend's
+ * copy_h2d). Called on the loop thread. Errors fail the request. */
 typedef td_status_t (*td_xfer_copy_cb)(void *arg, void *dst, const void *src, size_t bytes);
 
 typedef struct td_xfer_pool {
@@ -266,15 +299,12 @@ typedef struct td_xfer_send_params {
     td_xfer_mem_t mem;         /* where the source pool lives */
     td_xfer_done_cb done;
     void *arg;
-    td_xfer_copy_cb copy_d2h;  /* mem == TD_XFER_MEM_CUDA: reads the source into the
-                                  staging ring (required then; unused for host memory) */
-    void *copy_arg;
 } td_xfer_send_params_t;
 
 /*
  * Starts one request's transfer to `peer`. *s_p stays valid until the done callback,
  * which comes only after td_xfer_send_finish. Errors (no callback then): TD_ERR_INVALID
- * (blocks too few for n_tokens; device memory without copy_d2h, or a block larger than
+ * (blocks too few for n_tokens; device memory without td_xfer_config_t.d2h, or a block larger than
  * half the staging ring), TD_ERR_UNAVAILABLE (peer dead), TD_ERR_NOMEM (incl. the
  * staging ring).
  */
@@ -287,7 +317,8 @@ td_status_t td_xfer_send_begin(td_xfer_t *x, td_xfer_peer_t *peer, const td_xfer
  * block of the request's i-th block (its block table). Runs of blocks contiguous at both
  * ends go as one operation; at most max_inflight_ops are in flight, the rest wait in order.
  * The source bytes must stay unchanged until the done callback. Device-memory sources
- * are read (copy_d2h into the staging ring) only when their operation is posted. Errors
+ * are read (an asynchronous copy into the staging ring) when their operation reaches the
+ * front of the queue; the operation goes to UCX when its copy is done. Errors
  * (the request is then failed; finish still delivers the verdict): TD_ERR_INVALID (layer
  * out of range or sent twice), the request's failure status if it already failed.
  */

@@ -111,6 +111,23 @@ typedef struct td_backend_ops {
     td_status_t (*copy_d2h)(td_backend_t *be, void *dst, const void *src, size_t bytes);
     td_status_t (*copy_d2d)(td_backend_t *be, void *dst, const void *src, size_t bytes);
     td_status_t (*sync)(td_backend_t *be);
+    /* Asynchronous device-to-host copies for the data plane (td_xfer stages a device KV
+       pool through host memory with them, docs/xfer.md): copy_d2h_start queues a copy
+       ordered after all work queued so far, on a queue of its own so that it overlaps the
+       compute queued later, returns at once naming it *ticket_p, and once it has finished
+       (copy_poll says so) calls wake(wake_arg) from a backend thread (thread-safe work only: uv_async_send);
+       a copy done before the call returns may skip the wake. Copies finish in the order
+       they started. Called from one thread (the node's loop). */
+    td_status_t (*copy_d2h_start)(td_backend_t *be, void *dst, const void *src, size_t bytes,
+                                  void (*wake)(void *wake_arg), void *wake_arg, uint64_t *ticket_p);
+    /* TD_OK: copy `ticket` is done; TD_ERR_BUSY: still running; other: it failed. Never blocks. */
+    td_status_t (*copy_poll)(td_backend_t *be, uint64_t ticket);
+    /* Returns once no wake of a finished copy is still to come (before the wake target goes). */
+    void (*copy_quiesce)(td_backend_t *be);
+    /* Page-locks host memory so that async copies reach it directly (CPU: nothing to do);
+       host_unpin before the memory is freed. */
+    td_status_t (*host_pin)(td_backend_t *be, void *p, size_t bytes);
+    void (*host_unpin)(td_backend_t *be, void *p);
 
     /* step */
     td_status_t (*set_step)(td_backend_t *be, const td_step_meta_t *meta);

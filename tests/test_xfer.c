@@ -10,6 +10,7 @@
  * byte for byte on its own.
  */
 #include <criterion/criterion.h>
+#include <pthread.h>
 
 #include <sched.h>
 #include <stdarg.h>
@@ -22,6 +23,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "router_xfer_copier.h"
 #include "td_backend.h"
 #include "td_kv.h"
 #include "td_util.h"
@@ -241,17 +243,98 @@ typedef struct tx {
     td_status_t status[MAX_REQ];
     double done_at[MAX_REQ];
     bool all_done;
-    td_backend_t *be;    /* device-memory source: the pool is backend memory, read with
-                            its copy_d2h through td_xfer's staging ring */
-    uint64_t staged;     /* bytes copy_d2h moved */
+    td_backend_t *be;    /* device-memory source: the pool is backend memory, copied
+                            through td_xfer's staging ring by the copier below */
+    td_xfer_copier_t backend_copier; /* router_xfer_copier(be), as a node hands it over */
+    td_xfer_copier_t copier;         /* what td_xfer gets: backend_copier, counting */
+    uint64_t staged;     /* bytes the copier was asked to move */
+    size_t pinned;       /* bytes the copier holds pinned (the ring, once allocated) */
+    int pins;            /* pin calls */
+    /* deferred: copies are done later by a thread of the test, as a GPU's copy engine
+       does them: the bytes land only then, and the wake comes from that thread */
+    bool deferred;
+    pthread_t engine;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    struct tx_copy { void *dst; const void *src; size_t n; td_xfer_wake_cb wake; void *wake_arg; } jobs[512];
+    uint64_t started, finished; /* tickets: started - finished jobs wait in jobs[] */
+    bool stop;
 } tx_t;
 
-/* The backend's device-to-host copy, as a decode/prefill node hands it to td_xfer. */
-static td_status_t tx_copy_d2h(void *arg, void *dst, const void *src, size_t bytes)
+/* ---- the sender's device-to-host copier ------------------------------------------------- */
+
+static void *tx_copy_engine(void *arg)
+{
+    tx_t *tx = arg;
+    pthread_mutex_lock(&tx->mu);
+    for (;;) {
+        while (!tx->stop && tx->finished == tx->started)
+            pthread_cond_wait(&tx->cv, &tx->mu);
+        if (tx->finished == tx->started)
+            break;
+        struct tx_copy j = tx->jobs[tx->finished % TD_ARRAY_LEN(tx->jobs)];
+        pthread_mutex_unlock(&tx->mu);
+        nanosleep(&(struct timespec){.tv_nsec = 200000}, NULL); /* the copy takes a while */
+        tx->be->ops->copy_d2h(tx->be, j.dst, j.src, j.n);
+        pthread_mutex_lock(&tx->mu);
+        tx->finished++;
+        j.wake(j.wake_arg); /* under the lock: quiesce waits for it */
+    }
+    pthread_mutex_unlock(&tx->mu);
+    return NULL;
+}
+
+static td_status_t tx_copy_start(void *arg, void *dst, const void *src, size_t bytes, td_xfer_wake_cb wake,
+                                 void *wake_arg, uint64_t *ticket_p)
 {
     tx_t *tx = arg;
     tx->staged += bytes;
-    return tx->be->ops->copy_d2h(tx->be, dst, src, bytes);
+    if (!tx->deferred)
+        return tx->backend_copier.start(tx->backend_copier.arg, dst, src, bytes, wake, wake_arg, ticket_p);
+    pthread_mutex_lock(&tx->mu);
+    cr_assert_lt(tx->started - tx->finished, TD_ARRAY_LEN(tx->jobs), "more copies in flight than max_inflight_ops");
+    tx->jobs[tx->started % TD_ARRAY_LEN(tx->jobs)] = (struct tx_copy){dst, src, bytes, wake, wake_arg};
+    *ticket_p = tx->started++;
+    pthread_cond_signal(&tx->cv);
+    pthread_mutex_unlock(&tx->mu);
+    return TD_OK;
+}
+
+static td_status_t tx_copy_poll(void *arg, uint64_t ticket)
+{
+    tx_t *tx = arg;
+    if (!tx->deferred)
+        return tx->backend_copier.poll(tx->backend_copier.arg, ticket);
+    pthread_mutex_lock(&tx->mu);
+    bool done = ticket < tx->finished;
+    pthread_mutex_unlock(&tx->mu);
+    return done ? TD_OK : TD_ERR_BUSY;
+}
+
+static void tx_copy_quiesce(void *arg)
+{
+    tx_t *tx = arg;
+    if (!tx->deferred) {
+        tx->backend_copier.quiesce(tx->backend_copier.arg);
+        return;
+    }
+    pthread_mutex_lock(&tx->mu); /* a wake in progress holds it */
+    pthread_mutex_unlock(&tx->mu);
+}
+
+static td_status_t tx_copy_pin(void *arg, void *host, size_t bytes)
+{
+    tx_t *tx = arg;
+    tx->pins++;
+    tx->pinned += bytes;
+    return tx->backend_copier.pin(tx->backend_copier.arg, host, bytes);
+}
+
+static void tx_copy_unpin(void *arg, void *host)
+{
+    tx_t *tx = arg;
+    tx->pinned = 0;
+    tx->backend_copier.unpin(tx->backend_copier.arg, host);
 }
 
 static void tx_on_done(void *arg, uint64_t request_id, td_status_t st)
@@ -265,8 +348,10 @@ static void tx_on_done(void *arg, uint64_t request_id, td_status_t st)
 }
 
 /* staging: 0 for a host source; else the source is device memory and td_xfer stages it
- * through a ring of this many bytes. */
-static int tx_init_mem(tx_t *tx, td_xfer_rma_t rma, size_t staging)
+ * through a ring of this many bytes, with copies done at once (the CPU backend's) or, when
+ * deferred, later by a thread (then nothing but the copier's wake brings the loop round:
+ * the deadline tick is set beyond the test's bound). */
+static int tx_init_mem(tx_t *tx, td_xfer_rma_t rma, size_t staging, bool deferred)
 {
     memset(tx, 0, sizeof *tx);
     uv_loop_init(&tx->loop);
@@ -274,8 +359,22 @@ static int tx_init_mem(tx_t *tx, td_xfer_rma_t rma, size_t staging)
     if (staging && td_backend_cpu_create(&cc, &tx->be) != TD_OK)
         return 32;
     td_xfer_config_t cfg = td_xfer_config_default();
-    if (staging)
+    if (staging) {
+        tx->backend_copier = router_xfer_copier(tx->be);
+        tx->copier = (td_xfer_copier_t){.start = tx_copy_start, .poll = tx_copy_poll,
+                                        .quiesce = tx_copy_quiesce, .pin = tx_copy_pin,
+                                        .unpin = tx_copy_unpin, .arg = tx};
         cfg.staging_bytes = staging;
+        cfg.d2h = &tx->copier;
+    }
+    if (deferred) {
+        tx->deferred = true;
+        pthread_mutex_init(&tx->mu, NULL);
+        pthread_cond_init(&tx->cv, NULL);
+        if (pthread_create(&tx->engine, NULL, tx_copy_engine, tx))
+            return 33;
+        cfg.tick_ms = 120000;
+    }
     cfg.name = "tx";
     cfg.rma = rma;
     cfg.listen_ip = NULL;
@@ -288,7 +387,7 @@ static int tx_init_mem(tx_t *tx, td_xfer_rma_t rma, size_t staging)
 
 static int tx_init_rma(tx_t *tx, td_xfer_rma_t rma)
 {
-    return tx_init_mem(tx, rma, 0);
+    return tx_init_mem(tx, rma, 0, false);
 }
 
 static int tx_init(tx_t *tx)
@@ -345,15 +444,20 @@ static td_status_t tx_begin(tx_t *tx, const lease_msg_t *m, int r, td_xfer_send_
                                .checksum = (r % 2) == 0,
                                .mem = tx->be ? TD_XFER_MEM_CUDA : TD_XFER_MEM_HOST,
                                .done = tx_on_done,
-                               .arg = tx,
-                               .copy_d2h = tx->be ? tx_copy_d2h : NULL,
-                               .copy_arg = tx};
+                               .arg = tx};
     return td_xfer_send_begin(tx->x, tx->peer, &p, s_p);
 }
 
 static void tx_free(tx_t *tx)
 {
     td_xfer_destroy(tx->x);
+    if (tx->deferred) {
+        pthread_mutex_lock(&tx->mu);
+        tx->stop = true;
+        pthread_cond_signal(&tx->cv);
+        pthread_mutex_unlock(&tx->mu);
+        pthread_join(tx->engine, NULL);
+    }
     close_loop(&tx->loop);
     for (int r = 0; r < MAX_REQ; r++)
         free(tx->src[r]);
@@ -380,6 +484,7 @@ typedef struct run_opts {
     const char *rx_ns, *tx_ns; /* network namespaces to enter, NULL: stay */
     const char *rx_ip;         /* the receiver's listener (default 127.0.0.1) */
     size_t staging;            /* sender: device-memory source through a ring this big, 0: host */
+    bool deferred;             /* ... copied later by a thread, as a GPU's copy engine */
     uint32_t rx_landing;       /* receiver: device pool with a landing area this big, 0: host */
 } run_opts_t;
 
@@ -426,7 +531,7 @@ static void many_requests_in(const char *tls, td_xfer_rma_t rma, uint64_t seed, 
     static offer_t o;
     cr_assert(td_xfer_testkit_read_all(fds[0], &o, sizeof o), "receiver failed to start");
     tx_t tx;
-    cr_assert_eq(tx_init_mem(&tx, rma, staging), 0);
+    cr_assert_eq(tx_init_mem(&tx, rma, staging, ro->deferred), 0);
     cr_assert_eq(tx_fill(&tx, &o, seed), 0);
     tx.n_want = o.n_req;
     cr_assert_eq(td_xfer_connect(tx.x, o.desc, o.desc_len, &LAYOUT, &tx.peer), TD_OK, "%s", td_last_error());
@@ -472,10 +577,15 @@ static void many_requests_in(const char *tls, td_xfer_rma_t rma, uint64_t seed, 
                      "%lu copied, %lu received", (unsigned long)rep.copied, (unsigned long)rep.stats.bytes_received);
         cr_expect_eq(rep.stats.bytes_copied_h2d, rep.copied);
     }
-    if (staging)
+    if (staging) {
         cr_expect_eq(tx.staged, st.bytes_sent, "every byte goes through the staging ring: %lu staged, %lu sent",
                      (unsigned long)tx.staged, (unsigned long)st.bytes_sent);
+        cr_expect_eq(tx.pins, 1, "the ring is pinned once, when allocated: %d pins", tx.pins);
+        cr_expect_geq(tx.pinned, staging);
+    }
     tx_free(&tx);
+    if (staging)
+        cr_expect_eq(tx.pinned, 0, "the ring is unpinned before it is freed");
     close(fds[0]);
 }
 
@@ -498,6 +608,23 @@ Test(xfer, device_source_staged_tcp, .timeout = 120)
 Test(xfer, device_source_staged_shm_put, .timeout = 120)
 {
     many_requests_in("sm,tcp", TD_XFER_RMA_AUTO, 22, 16, &(run_opts_t){.staging = (size_t)16 << 10});
+}
+
+/* Copies that finish later, on another thread (a GPU's copy engine): an operation goes to
+ * UCX only once its copy is done (posted earlier, it would carry the ring's stale bytes:
+ * the receiver checks every byte and the checksums), a piece of the ring is not reused
+ * while its copy runs, and the copier's wake alone brings the loop round (the deadline
+ * tick is off). Over tcp the ring also waits for rendezvous reads; over shm for copies. */
+Test(xfer, device_source_async_copies_tcp, .timeout = 120)
+{
+    many_requests_in("tcp", TD_XFER_RMA_AUTO, 23, 16,
+                     &(run_opts_t){.staging = (size_t)1 << 20, .deferred = true});
+}
+
+Test(xfer, device_source_async_copies_shm_put, .timeout = 120)
+{
+    many_requests_in("sm,tcp", TD_XFER_RMA_AUTO, 24, 16,
+                     &(run_opts_t){.staging = (size_t)256 << 10, .deferred = true});
 }
 
 Test(xfer, loopback_tcp_64_requests, .timeout = 120)

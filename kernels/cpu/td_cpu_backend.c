@@ -41,6 +41,32 @@ static td_status_t cpu_copy(td_backend_t *be, void *dst, const void *src, size_t
     return TD_OK;
 }
 
+/* Device memory is host memory: the copy is done before we return (no wake owed). */
+static td_status_t cpu_copy_d2h_start(td_backend_t *be, void *dst, const void *src, size_t bytes,
+                                      void (*wake)(void *wake_arg), void *wake_arg, uint64_t *ticket_p)
+{
+    *ticket_p = 0;
+    return cpu_copy(be, dst, src, bytes);
+}
+
+static td_status_t cpu_copy_poll(td_backend_t *be, uint64_t ticket)
+{
+    return TD_OK;
+}
+
+static void cpu_copy_quiesce(td_backend_t *be)
+{
+}
+
+static td_status_t cpu_host_pin(td_backend_t *be, void *p, size_t bytes)
+{
+    return TD_OK;
+}
+
+static void cpu_host_unpin(td_backend_t *be, void *p)
+{
+}
+
 static td_status_t cpu_sync(td_backend_t *be)
 {
     return TD_OK;
@@ -366,6 +392,11 @@ static const td_backend_ops_t cpu_ops = {
     .copy_d2h = cpu_copy,
     .copy_d2d = cpu_copy,
     .sync = cpu_sync,
+    .copy_d2h_start = cpu_copy_d2h_start,
+    .copy_poll = cpu_copy_poll,
+    .copy_quiesce = cpu_copy_quiesce,
+    .host_pin = cpu_host_pin,
+    .host_unpin = cpu_host_unpin,
     .set_step = cpu_set_step,
     .embed = cpu_embed,
     .rmsnorm = cpu_rmsnorm,

@@ -68,6 +68,18 @@ static void td_cuda_destroy(td_backend_t *be)
     cudaSetDevice(c->device);
     if (c->stream)
         cudaStreamSynchronize(c->stream);
+    if (c->xfer_stream) {
+        cudaStreamSynchronize(c->xfer_stream);
+        cudaStreamDestroy(c->xfer_stream);
+    }
+    if (c->xfer_order)
+        cudaEventDestroy(c->xfer_order);
+    for (int i = 0; i < TD_CUDA_XFER_SLOTS; i++) {
+        if (c->xfer_done[i])
+            cudaEventDestroy(c->xfer_done[i]);
+        if (c->xfer_woken[i])
+            cudaEventDestroy(c->xfer_woken[i]);
+    }
     if (c->cublas)
         cublasDestroy(c->cublas);
     cudaFree(c->cublas_ws);
@@ -137,6 +149,98 @@ static td_status_t td_cuda_sync(td_backend_t *be)
 {
     TD_CUDA_TRY(cudaStreamSynchronize(td_cuda_ctx(be)->stream));
     return TD_OK;
+}
+
+/* ---- data-plane copies (td_xfer staging) ---------------------------------------------- */
+
+static void CUDART_CB td_cuda_xfer_wake(void *arg)
+{
+    const td_cuda_wake_t *w = (const td_cuda_wake_t *)arg;
+    if (w->fn)
+        w->fn(w->arg);
+}
+
+/* On the xfer stream: wait for the compute queued so far (the layer whose KV is copied
+ * was computed before the caller got here), copy, mark the ticket done (what poll reads),
+ * wake the caller (who then sees it done), mark the wake run (the slot's wake record may
+ * be reused only then). */
+static td_status_t td_cuda_copy_d2h_start(td_backend_t *be, void *dst, const void *src, size_t bytes,
+                                          void (*wake)(void *wake_arg), void *wake_arg, uint64_t *ticket_p)
+{
+    td_cuda_backend_t *c = td_cuda_ctx(be);
+    if (c->xfer_next - c->xfer_done_upto >= TD_CUDA_XFER_SLOTS)
+        return td_errorf(TD_ERR_EXHAUSTED, "cuda: %d device-to-host copies in flight; poll them before starting "
+                         "more", TD_CUDA_XFER_SLOTS);
+    uint64_t t = c->xfer_next;
+    int slot = (int)(t % TD_CUDA_XFER_SLOTS);
+    td_cuda_wake_t *w = &c->xfer_wake[slot];
+    TD_CUDA_TRY(cudaSetDevice(c->device)); /* the caller's thread (a node's loop) */
+    if (t >= TD_CUDA_XFER_SLOTS) {
+        cudaError_t e = cudaEventQuery(c->xfer_woken[slot]);
+        if (e == cudaErrorNotReady) {
+            (void)cudaGetLastError();
+            return td_errorf(TD_ERR_EXHAUSTED, "cuda: the wake of copy %llu has not run yet; poll before starting "
+                             "more", (unsigned long long)(t - TD_CUDA_XFER_SLOTS));
+        }
+        if (e != cudaSuccess)
+            return td_cuda_error(e, "cudaEventQuery (copy wake)", __FILE__, __LINE__);
+    }
+    TD_CUDA_TRY(cudaEventRecord(c->xfer_order, c->stream));
+    TD_CUDA_TRY(cudaStreamWaitEvent(c->xfer_stream, c->xfer_order, 0));
+    TD_CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, c->xfer_stream));
+    TD_CUDA_TRY(cudaEventRecord(c->xfer_done[slot], c->xfer_stream));
+    w->fn = wake;
+    w->arg = wake_arg;
+    TD_CUDA_TRY(cudaLaunchHostFunc(c->xfer_stream, td_cuda_xfer_wake, w));
+    TD_CUDA_TRY(cudaEventRecord(c->xfer_woken[slot], c->xfer_stream));
+    c->xfer_next = t + 1;
+    *ticket_p = t;
+    return TD_OK;
+}
+
+static td_status_t td_cuda_copy_poll(td_backend_t *be, uint64_t ticket)
+{
+    td_cuda_backend_t *c = td_cuda_ctx(be);
+    if (ticket < c->xfer_done_upto)
+        return TD_OK;
+    if (ticket >= c->xfer_next)
+        return td_errorf(TD_ERR_INVALID, "cuda: no device-to-host copy %llu was started",
+                         (unsigned long long)ticket);
+    TD_CUDA_TRY(cudaSetDevice(c->device));
+    cudaError_t e = cudaEventQuery(c->xfer_done[ticket % TD_CUDA_XFER_SLOTS]);
+    if (e == cudaErrorNotReady) {
+        (void)cudaGetLastError(); /* not an error: leave nothing behind for the next check */
+        return TD_ERR_BUSY;
+    }
+    if (e != cudaSuccess)
+        return td_cuda_error(e, "cudaEventQuery (device-to-host copy)", __FILE__, __LINE__);
+    c->xfer_done_upto = ticket + 1; /* one stream: every earlier copy is done too */
+    return TD_OK;
+}
+
+static void td_cuda_copy_quiesce(td_backend_t *be)
+{
+    td_cuda_backend_t *c = td_cuda_ctx(be);
+    cudaSetDevice(c->device);
+    cudaStreamSynchronize(c->xfer_stream); /* every wake queued there has run */
+}
+
+static td_status_t td_cuda_host_pin(td_backend_t *be, void *p, size_t bytes)
+{
+    TD_CUDA_TRY(cudaSetDevice(td_cuda_ctx(be)->device));
+    cudaError_t e = cudaHostRegister(p, bytes, cudaHostRegisterDefault);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        return td_errorf(TD_ERR_NOMEM, "cuda: cannot page-lock %.1f MiB of host memory (%s): raise the memlock "
+                         "limit or stage through less", bytes / 1048576.0, cudaGetErrorString(e));
+    }
+    return TD_OK;
+}
+
+static void td_cuda_host_unpin(td_backend_t *be, void *p)
+{
+    cudaSetDevice(td_cuda_ctx(be)->device);
+    cudaHostUnregister(p);
 }
 
 /* ---- step metadata ----------------------------------------------------------------------- */
@@ -295,6 +399,11 @@ static const td_backend_ops_t td_cuda_ops = {
     /* .copy_d2h = */ td_cuda_copy_d2h,
     /* .copy_d2d = */ td_cuda_copy_d2d,
     /* .sync = */ td_cuda_sync,
+    /* .copy_d2h_start = */ td_cuda_copy_d2h_start,
+    /* .copy_poll = */ td_cuda_copy_poll,
+    /* .copy_quiesce = */ td_cuda_copy_quiesce,
+    /* .host_pin = */ td_cuda_host_pin,
+    /* .host_unpin = */ td_cuda_host_unpin,
     /* .set_step = */ td_cuda_set_step,
     /* .embed = */ td_cuda_op_embed,
     /* .rmsnorm = */ td_cuda_op_rmsnorm,
@@ -361,6 +470,17 @@ extern "C" td_status_t td_backend_cuda_create(const td_cuda_config_t *cfg, td_ba
         st = td_cuda_error(e, "cudaStreamCreate", __FILE__, __LINE__);
         goto err_ctx;
     }
+    if ((e = cudaStreamCreateWithFlags(&c->xfer_stream, cudaStreamNonBlocking)) != cudaSuccess ||
+        (e = cudaEventCreateWithFlags(&c->xfer_order, cudaEventDisableTiming)) != cudaSuccess) {
+        st = td_cuda_error(e, "cudaStreamCreate (data-plane copies)", __FILE__, __LINE__);
+        goto err_ctx;
+    }
+    for (int i = 0; i < TD_CUDA_XFER_SLOTS; i++)
+        if ((e = cudaEventCreateWithFlags(&c->xfer_done[i], cudaEventDisableTiming)) != cudaSuccess ||
+            (e = cudaEventCreateWithFlags(&c->xfer_woken[i], cudaEventDisableTiming)) != cudaSuccess) {
+            st = td_cuda_error(e, "cudaEventCreate (data-plane copies)", __FILE__, __LINE__);
+            goto err_ctx;
+        }
     if ((cs = cublasCreate(&c->cublas)) != CUBLAS_STATUS_SUCCESS) {
         st = td_errorf(cs == CUBLAS_STATUS_ALLOC_FAILED ? TD_ERR_NOMEM : TD_ERR_CUDA,
                        "cuda: cublasCreate failed: %s", cublasGetStatusString(cs));

@@ -40,6 +40,15 @@ typedef struct td_cuda_step {
     const int32_t *qtile_row;      /* [n_qtiles] first row (step-global) of each tile */
 } td_cuda_step_t;
 
+/* Copies in flight at once per backend (copy_d2h_start refuses more: poll them). */
+#define TD_CUDA_XFER_SLOTS 256
+
+/* What a finished data-plane copy calls, from CUDA's host-function thread. */
+typedef struct td_cuda_wake {
+    void (*fn)(void *arg);
+    void *arg;
+} td_cuda_wake_t;
+
 typedef struct td_cuda_backend {
     td_backend_t base; /* first: the engine sees a td_backend_t */
     int device;
@@ -64,6 +73,16 @@ typedef struct td_cuda_backend {
     size_t scratch_cap[2];    /* bytes */
     float *dec_ws;            /* decode partial outputs and (max, sum) pairs */
     size_t dec_ws_cap;        /* floats */
+
+    /* data-plane copies (copy_d2h_start): their own stream, so D2H overlaps compute; ticket
+       t uses slot t % TD_CUDA_XFER_SLOTS until it is polled done */
+    cudaStream_t xfer_stream;
+    cudaEvent_t xfer_order;   /* recorded on `stream`: a copy waits for the work queued before it */
+    cudaEvent_t xfer_done[TD_CUDA_XFER_SLOTS];  /* recorded after the copy: poll reads it */
+    cudaEvent_t xfer_woken[TD_CUDA_XFER_SLOTS]; /* recorded after its wake: the slot is free */
+    td_cuda_wake_t xfer_wake[TD_CUDA_XFER_SLOTS];
+    uint64_t xfer_next;       /* tickets handed out */
+    uint64_t xfer_done_upto;  /* tickets below this are known done */
 } td_cuda_backend_t;
 
 /* Checks a CUDA runtime call; on failure describes it and returns TD_ERR_CUDA (or NOMEM). */
