@@ -1,7 +1,8 @@
 /*
  * bench_kvxfer: `tandem bench kvxfer [--json] [--transport tcp|sm] [--rma auto|put|am]
- * [--iters N] [--window N] [--inflight N] [--tokens N]` (--inflight: the sender's max_inflight_ops,
- * default td_xfer's; --tokens: one transfer size instead of the five).
+ * [--iters N] [--window N] [--inflight N] [--tokens N] [--rounds R]` (--inflight: the
+ * sender's max_inflight_ops, default td_xfer's; --tokens: one transfer size instead of the
+ * five; --rounds: rounds per size, default 3).
  *
  * Two processes on loopback (a forked receiver, this process the sender) move the KV of
  * one request of 16..4096 tokens of a Llama-3-8B-shaped layout (32 layers, 8 KV heads,
@@ -9,17 +10,25 @@
  * layer, and time begin -> receiver's verdict (hello excluded: the connection is warm;
  * bind, puts or AMs, flush, kv-ready and its ack included). The receiver's pool is
  * allocated by td_xfer (a shared-memory segment under sm), as a decode node does.
- * In the same run, ucx_perftest (Debian's ucx-utils) measures ucp_put_bw and ucp_am_bw on
- * the same transport with the size of one td_xfer operation (one layer's run of blocks);
- * perftest_gbytes_per_s is the one of the primitive td_xfer used for the row (ratio =
- * ours / it); perftest_xfer_gbytes_per_s is that primitive moving the whole transfer as one
- * message, the same working set as ours (ratio_xfer). Rows: transport, primitive, tokens,
- * bytes, op_bytes, gbytes_per_s (bytes / p50), perftest_gbytes_per_s, ratio,
- * perftest_xfer_gbytes_per_s, ratio_xfer, perftest_put_gbytes_per_s,
- * perftest_am_gbytes_per_s, p50_us, p99_us.
+ *
+ * Per size, latency first: `iters` transfers one at a time (p50, p99; bytes / p50 is the
+ * serial figure). Then R rounds; each round takes, back to back, our bandwidth (`iters`
+ * batches of `window` transfers in flight), ucx_perftest (Debian's ucx-utils) on the same
+ * transport with the primitive td_xfer used moving the whole transfer as one message (the
+ * same working set as ours: the comparator), the same primitive at one operation's size
+ * (one layer's run of blocks, a cache-hot buffer), ucp_am_bw at that size (only when put
+ * was used) and the one-core copy ceiling. This VM's figures of either side swing 2-10x
+ * run to run, so one perftest sample beside our aggregate says little; a round's samples
+ * share the machine's state, so each ratio is taken within a round (ours_r / perftest_r)
+ * and a row reports the median over rounds of every figure and of every ratio, and the
+ * range of the main ratio. Rows: transport, primitive, tokens, bytes, window, rounds,
+ * gbytes_per_s, perftest_gbytes_per_s, ratio, ratio_min, ratio_max, op_bytes,
+ * perftest_op_gbytes_per_s, ratio_op, perftest_am_op_gbytes_per_s, copy_gbytes_per_s,
+ * ratio_copy, serial_gbytes_per_s, p50_us, p99_us (docs/bench.md).
  */
 #include "td_bench.h"
 
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -256,12 +265,122 @@ static bool kvx_batch(kvx_ctx_t *c, uint32_t tokens, int32_t nb, int32_t win, do
     return true;
 }
 
+/* ---- one transfer size: latency, then rounds of interleaved samples ---------------------- */
+
+/* One row's transfer. */
+typedef struct kvx_size {
+    uint32_t tokens;
+    int32_t nb;      /* blocks per transfer */
+    size_t bytes;    /* per transfer: n_layers runs of nb blocks */
+    size_t op_bytes; /* one layer's run of contiguous blocks = one td_xfer operation */
+    int32_t win;     /* transfers in flight together in the bandwidth phase */
+} kvx_size_t;
+
+/* One round's samples, GB/s, and its ratios ours / x; -1 where perftest (or the copy
+ * region) could not give a figure. */
+typedef struct kvx_round {
+    double gbs;        /* ours: windowed batches */
+    double ref;        /* perftest, the primitive used, whole transfer (the comparator) */
+    double op_ref;     /* perftest, the primitive used, one operation's size */
+    double am;         /* perftest ucp_am_bw at op size (= op_ref when AM was used) */
+    double copy;       /* one-core copy ceiling of `bytes` */
+    double ratio;      /* gbs / ref */
+    double ratio_op;   /* gbs / op_ref */
+    double ratio_copy; /* gbs / copy */
+} kvx_round_t;
+
+#define KVX_MAX_ROUNDS 50
+#define KVX_PERFTEST_PORT 13450 /* each perftest run of a bench gets its own port from here */
+
+/* p50 and p99 in us of `iters` transfers one at a time (two warm-up transfers first). Measured
+ * once per size, before the rounds, so the figures keep their meaning: one pass, `iters`
+ * samples. lat holds iters doubles. False (and a message) on any failure. */
+static bool kvx_latency(kvx_ctx_t *c, const kvx_size_t *z, int64_t iters, double *lat, double *p50, double *p99)
+{
+    for (int64_t it = -2; it < iters; it++) {
+        double us;
+        if (!kvx_batch(c, z->tokens, z->nb, 1, &us))
+            return false;
+        if (it >= 0)
+            lat[it] = us;
+    }
+    qsort(lat, (size_t)iters, sizeof *lat, kvx_cmp);
+    *p50 = lat[iters / 2];
+    *p99 = lat[TD_MIN(iters - 1, (int64_t)((double)iters * 0.99))];
+    return true;
+}
+
+/* Our bandwidth in GB/s: `iters` batches of `win` transfers in flight together, as a prefill
+ * node has many requests' transfers going at once (perftest's bw test keeps a window of
+ * messages outstanding too); bytes moved / time from first begin to last verdict, summed
+ * over batches. False (and a message) on any failure. */
+static bool kvx_bandwidth(kvx_ctx_t *c, const kvx_size_t *z, int64_t iters, double *gbs)
+{
+    double busy_us = 0;
+    for (int64_t it = 0; it < iters; it++) {
+        double us;
+        if (!kvx_batch(c, z->tokens, z->nb, z->win, &us))
+            return false;
+        busy_us += us;
+    }
+    *gbs = (double)z->bytes * (double)z->win * (double)iters / (busy_us * 1e-6) / 1e9;
+    return true;
+}
+
+static double kvx_ratio(double ours, double other)
+{
+    return ours > 0 && other > 0 ? ours / other : -1;
+}
+
+/* One round: every figure of the row back to back, so they share the machine's state.
+ * port and the next two are this round's perftest ports. */
+static bool kvx_round(kvx_ctx_t *c, const kvx_size_t *z, int64_t iters, bool put_used, int port, kvx_round_t *r)
+{
+    const char *test = put_used ? "ucp_put_bw" : "ucp_am_bw";
+    if (!kvx_bandwidth(c, z, iters, &r->gbs))
+        return false;
+    r->ref = kvx_perftest(test, z->bytes, port);
+    r->op_ref = kvx_perftest(test, z->op_bytes, port + 1);
+    r->am = put_used ? kvx_perftest("ucp_am_bw", z->op_bytes, port + 2) : r->op_ref;
+    r->copy = kvx_copy_ceiling(c->pool, z->bytes);
+    r->ratio = kvx_ratio(r->gbs, r->ref);
+    r->ratio_op = kvx_ratio(r->gbs, r->op_ref);
+    r->ratio_copy = kvx_ratio(r->gbs, r->copy);
+    return true;
+}
+
+/* Median over n rounds of the figure at byte offset `field` of kvx_round_t (offsetof), over
+ * the rounds that have it (> 0); -1 when none has. *lo and *hi (when not NULL) get its
+ * range. */
+static double kvx_median(const kvx_round_t *r, int64_t n, size_t field, double *lo, double *hi)
+{
+    double v[KVX_MAX_ROUNDS];
+    size_t m = 0;
+    for (int64_t i = 0; i < n; i++) {
+        double x = *(const double *)((const char *)&r[i] + field);
+        if (x > 0)
+            v[m++] = x;
+    }
+    double med = -1, min = -1, max = -1;
+    if (m) {
+        qsort(v, m, sizeof *v, kvx_cmp);
+        med = m % 2 ? v[m / 2] : (v[m / 2 - 1] + v[m / 2]) / 2;
+        min = v[0];
+        max = v[m - 1];
+    }
+    if (lo)
+        *lo = min;
+    if (hi)
+        *hi = max;
+    return med;
+}
+
 int bench_kvxfer(int argc, char **argv)
 {
     bool json = false;
     const char *transport = "tcp";
     td_xfer_rma_t rma = TD_XFER_RMA_AUTO;
-    int64_t iters = 20, inflight = 0, window = 8, only_tokens = 0;
+    int64_t iters = 20, inflight = 0, window = 8, only_tokens = 0, rounds = 3;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--json"))
             json = true;
@@ -282,9 +401,12 @@ int bench_kvxfer(int argc, char **argv)
         } else if (!strcmp(argv[i], "--inflight") && i + 1 < argc) {
             if (td_parse_i64(argv[++i], 1, 65536, "--inflight", &inflight) != TD_OK)
                 return 2;
+        } else if (!strcmp(argv[i], "--rounds") && i + 1 < argc) {
+            if (td_parse_i64(argv[++i], 1, KVX_MAX_ROUNDS, "--rounds", &rounds) != TD_OK)
+                return 2;
         } else {
             fprintf(stderr, "usage: tandem bench kvxfer [--json] [--transport tcp|sm] [--rma auto|put|am] "
-                            "[--iters N] [--window N] [--inflight N] [--tokens N]\n");
+                            "[--iters N] [--window N] [--inflight N] [--tokens N] [--rounds R]\n");
             return 2;
         }
     }
@@ -321,6 +443,7 @@ int bench_kvxfer(int argc, char **argv)
     uint8_t *pool = malloc(pool_bytes);
     int32_t src[KVX_MAX_BLOCKS];
     double *lat = malloc((size_t)iters * sizeof *lat);
+    kvx_round_t round[KVX_MAX_ROUNDS];
     td_xfer_config_t cfg = td_xfer_config_default();
     cfg.name = "kvx-tx";
     cfg.listen_ip = NULL;
@@ -344,68 +467,59 @@ int bench_kvxfer(int argc, char **argv)
     if (json)
         printf("[");
     else
-        printf("%-9s %-4s %7s %12s %3s %9s %11s %6s %12s %11s %6s %11s %9s %6s %9s %10s %10s\n", "transport",
-               "prim", "tokens", "bytes", "win", "GB/s", "perftest", "ratio", "op bytes", "op perftest", "ratio",
-               "am_bw op", "copy", "ratio", "1-at-once", "p50 us", "p99 us");
+        printf("%-9s %-4s %7s %12s %3s %3s %9s %11s %6s %11s %12s %11s %6s %11s %9s %6s %9s %10s %10s\n",
+               "transport", "prim", "tokens", "bytes", "win", "rnd", "GB/s", "perftest", "ratio", "spread",
+               "op bytes", "op perftest", "ratio", "am_bw op", "copy", "ratio", "1-at-once", "p50 us", "p99 us");
     for (size_t k = 0; k < TD_ARRAY_LEN(sizes); k++) {
-        uint32_t tokens = only_tokens ? (uint32_t)only_tokens : sizes[k];
         if (only_tokens && k > 0)
             break;
-        int32_t nb = (int32_t)TD_DIV_CEIL(tokens, KVX_LAYOUT.block_size);
-        size_t bytes = (size_t)KVX_LAYOUT.n_layers * (size_t)nb * bb;
-        int32_t win = (int32_t)TD_MIN(window, (int64_t)(KVX_RX_BLOCKS / nb));
+        kvx_size_t z = {.tokens = only_tokens ? (uint32_t)only_tokens : sizes[k]};
+        z.nb = (int32_t)TD_DIV_CEIL(z.tokens, KVX_LAYOUT.block_size);
+        z.bytes = (size_t)KVX_LAYOUT.n_layers * (size_t)z.nb * bb;
+        z.op_bytes = (size_t)z.nb * bb;
+        z.win = (int32_t)TD_MIN(window, (int64_t)(KVX_RX_BLOCKS / z.nb));
         td_xfer_stats_t before, after;
         td_xfer_get_stats(x, &before);
-        /* Latency: one transfer at a time (two warm-up transfers first). */
-        for (int64_t it = -2; it < iters; it++) {
-            double us;
-            if (!kvx_batch(&ctx, tokens, nb, 1, &us))
-                goto out;
-            if (it >= 0)
-                lat[it] = us;
-        }
-        /* Bandwidth: batches of `win` transfers in flight together, as a prefill node has
-         * many requests' transfers going at once (perftest's bw test keeps a window of
-         * messages outstanding too); bytes moved / time from first begin to last verdict. */
-        double busy_us = 0;
-        for (int64_t it = 0; it < iters; it++) {
-            double us;
-            if (!kvx_batch(&ctx, tokens, nb, win, &us))
-                goto out;
-            busy_us += us;
-        }
+        double p50, p99;
+        if (!kvx_latency(&ctx, &z, iters, lat, &p50, &p99))
+            goto out;
+        /* The primitive is chosen per peer at hello, so the latency phase tells which one
+         * every round will use, and which perftest test is the comparator. */
         td_xfer_get_stats(x, &after);
         bool put_used = after.ops_put > before.ops_put;
-        qsort(lat, (size_t)iters, sizeof *lat, kvx_cmp);
-        double p50 = lat[iters / 2], p99 = lat[TD_MIN(iters - 1, (int64_t)(iters * 0.99))];
-        size_t op_bytes = (size_t)nb * bb; /* one layer's run of contiguous blocks = one operation */
-        const char *test = put_used ? "ucp_put_bw" : "ucp_am_bw";
-        /* The comparator: the primitive this row used moving the transfer's bytes as one
-         * message per iteration, the same bytes as ours. Also shown: the same primitive at
-         * one operation's size (it re-sends one buffer that stays in cache), and am_bw. */
-        double ref = kvx_perftest(test, bytes, 13450 + (int)k * 3);
-        double op_ref = kvx_perftest(test, op_bytes, 13451 + (int)k * 3);
-        double am = put_used ? kvx_perftest("ucp_am_bw", op_bytes, 13452 + (int)k * 3) : op_ref;
-        double copy = kvx_copy_ceiling(pool, bytes);
-        double gbs = (double)bytes * (double)win * (double)iters / (busy_us * 1e-6) / 1e9;
-        double serial = (double)bytes / (p50 * 1e-6) / 1e9;
-        double ratio = ref > 0 ? gbs / ref : -1;
-        double op_ratio = op_ref > 0 ? gbs / op_ref : -1;
-        double copy_ratio = copy > 0 ? gbs / copy : -1;
+        for (int64_t r = 0; r < rounds; r++)
+            if (!kvx_round(&ctx, &z, iters, put_used, KVX_PERFTEST_PORT + 3 * (int)((int64_t)k * rounds + r),
+                           &round[r]))
+                goto out;
+        double ratio_min, ratio_max;
+        double gbs = kvx_median(round, rounds, offsetof(kvx_round_t, gbs), NULL, NULL);
+        double ref = kvx_median(round, rounds, offsetof(kvx_round_t, ref), NULL, NULL);
+        double ratio = kvx_median(round, rounds, offsetof(kvx_round_t, ratio), &ratio_min, &ratio_max);
+        double op_ref = kvx_median(round, rounds, offsetof(kvx_round_t, op_ref), NULL, NULL);
+        double ratio_op = kvx_median(round, rounds, offsetof(kvx_round_t, ratio_op), NULL, NULL);
+        double am = kvx_median(round, rounds, offsetof(kvx_round_t, am), NULL, NULL);
+        double copy = kvx_median(round, rounds, offsetof(kvx_round_t, copy), NULL, NULL);
+        double ratio_copy = kvx_median(round, rounds, offsetof(kvx_round_t, ratio_copy), NULL, NULL);
+        double serial = (double)z.bytes / (p50 * 1e-6) / 1e9;
         const char *prim = put_used ? "put" : "am";
-        if (json)
+        if (json) {
             printf("%s\n {\"transport\": \"%s\", \"primitive\": \"%s\", \"tokens\": %u, \"bytes\": %zu, "
-                   "\"window\": %d, \"gbytes_per_s\": %.3f, \"perftest_gbytes_per_s\": %.3f, \"ratio\": %.3f, "
-                   "\"op_bytes\": %zu, \"perftest_op_gbytes_per_s\": %.3f, \"ratio_op\": %.3f, "
-                   "\"perftest_am_op_gbytes_per_s\": %.3f, \"copy_gbytes_per_s\": %.3f, \"ratio_copy\": %.3f, "
-                   "\"serial_gbytes_per_s\": %.3f, \"p50_us\": %.1f, \"p99_us\": %.1f}",
-                   k ? "," : "", transport, prim, tokens, bytes, win, gbs, ref, ratio, op_bytes, op_ref, op_ratio, am,
-                   copy, copy_ratio, serial, p50, p99);
-        else
-            printf("%-9s %-4s %7u %12zu %3d %9.3f %11.3f %6.2f %12zu %11.3f %6.2f %11.3f %9.3f %6.2f %9.3f %10.1f "
-                   "%10.1f\n",
-                   transport, prim, tokens, bytes, win, gbs, ref, ratio, op_bytes, op_ref, op_ratio, am, copy,
-                   copy_ratio, serial, p50, p99);
+                   "\"window\": %d, \"rounds\": %d, \"gbytes_per_s\": %.3f, \"perftest_gbytes_per_s\": %.3f, "
+                   "\"ratio\": %.3f, \"ratio_min\": %.3f, \"ratio_max\": %.3f, \"op_bytes\": %zu, "
+                   "\"perftest_op_gbytes_per_s\": %.3f, \"ratio_op\": %.3f, \"perftest_am_op_gbytes_per_s\": %.3f, "
+                   "\"copy_gbytes_per_s\": %.3f, \"ratio_copy\": %.3f, \"serial_gbytes_per_s\": %.3f, "
+                   "\"p50_us\": %.1f, \"p99_us\": %.1f}",
+                   k ? "," : "", transport, prim, z.tokens, z.bytes, z.win, (int)rounds, gbs, ref, ratio, ratio_min,
+                   ratio_max, z.op_bytes, op_ref, ratio_op, am, copy, ratio_copy, serial, p50, p99);
+        } else {
+            char spread[32] = "-"; /* no round had a perftest figure */
+            if (ratio_min > 0)
+                snprintf(spread, sizeof spread, "%.2f-%.2f", ratio_min, ratio_max);
+            printf("%-9s %-4s %7u %12zu %3d %3d %9.3f %11.3f %6.2f %11s %12zu %11.3f %6.2f %11.3f %9.3f %6.2f "
+                   "%9.3f %10.1f %10.1f\n",
+                   transport, prim, z.tokens, z.bytes, z.win, (int)rounds, gbs, ref, ratio, spread, z.op_bytes,
+                   op_ref, ratio_op, am, copy, ratio_copy, serial, p50, p99);
+        }
         fflush(stdout);
     }
     if (json)
