@@ -375,6 +375,13 @@ static double kvx_median(const kvx_round_t *r, int64_t n, size_t field, double *
     return med;
 }
 
+/* Ends the figures' stream. stdout stays on stderr for the rest of the process: UCX
+ * writes its unused-variable warning there when the library unloads at exit. */
+static void kvx_end_results(FILE *res)
+{
+    fclose(res);
+}
+
 int bench_kvxfer(int argc, char **argv)
 {
     bool json = false;
@@ -416,13 +423,23 @@ int bench_kvxfer(int argc, char **argv)
         return 2;
     }
     td_xfer_testkit_env(tls);
+    /* The figures go to the original stdout; anything else written there (UCX prints its
+     * warnings to stdout) goes to stderr, so that --json output is JSON alone. */
+    fflush(stdout);
+    int res_fd = dup(STDOUT_FILENO);
+    FILE *res = res_fd >= 0 ? fdopen(res_fd, "w") : NULL;
+    if (!res || dup2(STDERR_FILENO, STDOUT_FILENO) < 0) {
+        perror("kvxfer: stdout");
+        return 1;
+    }
 
     int to_rx[2], to_tx[2];
-    if (pipe(to_rx) || pipe(to_tx))
+    pid_t pid = -1;
+    if (pipe(to_rx) || pipe(to_tx) || (pid = fork()) < 0) {
+        perror("kvxfer: receiver process");
+        kvx_end_results(res);
         return 1;
-    pid_t pid = fork();
-    if (pid < 0)
-        return 1;
+    }
     if (pid == 0) {
         close(to_rx[1]);
         close(to_tx[0]);
@@ -465,9 +482,9 @@ int bench_kvxfer(int argc, char **argv)
     static const uint32_t sizes[] = {16, 64, 256, 1024, 4096};
     size_t bb = td_kv_block_bytes(&KVX_LAYOUT);
     if (json)
-        printf("[");
+        fprintf(res, "[");
     else
-        printf("%-9s %-4s %7s %12s %3s %3s %9s %11s %6s %11s %12s %11s %6s %11s %9s %6s %9s %10s %10s\n",
+        fprintf(res, "%-9s %-4s %7s %12s %3s %3s %9s %11s %6s %11s %12s %11s %6s %11s %9s %6s %9s %10s %10s\n",
                "transport", "prim", "tokens", "bytes", "win", "rnd", "GB/s", "perftest", "ratio", "spread",
                "op bytes", "op perftest", "ratio", "am_bw op", "copy", "ratio", "1-at-once", "p50 us", "p99 us");
     for (size_t k = 0; k < TD_ARRAY_LEN(sizes); k++) {
@@ -503,7 +520,7 @@ int bench_kvxfer(int argc, char **argv)
         double serial = (double)z.bytes / (p50 * 1e-6) / 1e9;
         const char *prim = put_used ? "put" : "am";
         if (json) {
-            printf("%s\n {\"transport\": \"%s\", \"primitive\": \"%s\", \"tokens\": %u, \"bytes\": %zu, "
+            fprintf(res, "%s\n {\"transport\": \"%s\", \"primitive\": \"%s\", \"tokens\": %u, \"bytes\": %zu, "
                    "\"window\": %d, \"rounds\": %d, \"gbytes_per_s\": %.3f, \"perftest_gbytes_per_s\": %.3f, "
                    "\"ratio\": %.3f, \"ratio_min\": %.3f, \"ratio_max\": %.3f, \"op_bytes\": %zu, "
                    "\"perftest_op_gbytes_per_s\": %.3f, \"ratio_op\": %.3f, \"perftest_am_op_gbytes_per_s\": %.3f, "
@@ -515,15 +532,15 @@ int bench_kvxfer(int argc, char **argv)
             char spread[32] = "-"; /* no round had a perftest figure */
             if (ratio_min > 0)
                 snprintf(spread, sizeof spread, "%.2f-%.2f", ratio_min, ratio_max);
-            printf("%-9s %-4s %7u %12zu %3d %3d %9.3f %11.3f %6.2f %11s %12zu %11.3f %6.2f %11.3f %9.3f %6.2f "
+            fprintf(res, "%-9s %-4s %7u %12zu %3d %3d %9.3f %11.3f %6.2f %11s %12zu %11.3f %6.2f %11.3f %9.3f %6.2f "
                    "%9.3f %10.1f %10.1f\n",
                    transport, prim, z.tokens, z.bytes, z.win, (int)rounds, gbs, ref, ratio, spread, z.op_bytes,
                    op_ref, ratio_op, am, copy, ratio_copy, serial, p50, p99);
         }
-        fflush(stdout);
+        fflush(res);
     }
     if (json)
-        printf("\n]\n");
+        fprintf(res, "\n]\n");
     rc = 0;
 out:
     close(to_rx[1]); /* the receiver stops at EOF */
@@ -535,5 +552,6 @@ out:
     close(to_tx[0]);
     free(pool);
     free(lat);
+    kvx_end_results(res);
     return rc;
 }
