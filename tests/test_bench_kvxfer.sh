@@ -4,26 +4,23 @@
 # warnings go to stderr), one row each carrying the keys of issue 4 and the comparators,
 # figures positive; bad usage exits 2. No timing is asserted (figures from a shared machine
 # mean nothing in a test).
-set -u
-BIN=${TANDEM_BIN:?TANDEM_BIN must name the tandem binary}
-PY=$(command -v python3 || echo /usr/bin/python3)
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-fail=0
-bad() { fail=$((fail + 1)); echo "FAIL: $*" >&2; }
+source "$(dirname "$0")/bench_lib.sh"
+bl_init
 
 if ! command -v ucx_perftest >/dev/null; then
     echo "skipped: ucx_perftest not installed (scripts/install-deps installs ucx-utils)"
     exit 0
 fi
 for tr in tcp sm; do
-    if ! timeout 180 "$BIN" bench kvxfer --transport "$tr" --tokens 16 --iters 2 --rounds 1 --window 2 --json \
-            >"$tmp/$tr" 2>"$tmp/$tr.err"; then
-        bad "bench kvxfer --transport $tr exited $? (stderr below)"
+    timeout 180 "$BIN" bench kvxfer --transport "$tr" --tokens 16 --iters 2 --rounds 1 --window 2 --json \
+        >"$tmp/$tr" 2>"$tmp/$tr.err"
+    rc=$?
+    if [ $rc -ne 0 ]; then
+        bl_bad "bench kvxfer --transport $tr exited $rc (stderr below)"
         cat "$tmp/$tr.err" >&2
         continue
     fi
-    "$PY" - "$tmp/$tr" "$tr" <<'PYEOF' || { bad "bench kvxfer --transport $tr --json output:"; cat "$tmp/$tr" >&2; }
+    "$PY" - "$tmp/$tr" "$tr" <<'PYEOF' || { bl_bad "bench kvxfer --transport $tr --json output:"; cat "$tmp/$tr" >&2; }
 import json, math, sys
 rows = json.load(open(sys.argv[1]))
 assert len(rows) == 1, rows
@@ -42,12 +39,10 @@ PYEOF
 done
 
 "$BIN" bench kvxfer --tokens 0 >/dev/null 2>&1
-[ $? -eq 2 ] || bad "--tokens 0 should exit 2"
+[ $? -eq 2 ] || bl_bad "--tokens 0 should exit 2"
 "$BIN" bench kvxfer --transport carrier-pigeon >/dev/null 2>&1
-[ $? -eq 2 ] || bad "an unknown transport should exit 2"
+[ $? -eq 2 ] || bl_bad "an unknown transport should exit 2"
 "$BIN" bench kvxfer --rounds 0 >/dev/null 2>&1
-[ $? -eq 2 ] || bad "--rounds 0 should exit 2"
+[ $? -eq 2 ] || bl_bad "--rounds 0 should exit 2"
 
-[ $fail -eq 0 ] && echo "test_bench_kvxfer: ok" && exit 0
-echo "test_bench_kvxfer: $fail failure(s)" >&2
-exit 1
+bl_end test_bench_kvxfer

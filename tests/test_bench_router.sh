@@ -3,20 +3,15 @@
 # --json exits 0 and prints one JSON document whose rows carry name/value/unit/goal/ratio,
 # with the three figures of issue 5 present and positive; bad usage exits 2. No timing is
 # asserted (figures from a shared machine mean nothing in a test).
-set -u
-BIN=${TANDEM_BIN:?TANDEM_BIN must name the tandem binary}
-PY=$(command -v python3 || echo /usr/bin/python3)
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-fail=0
-bad() { fail=$((fail + 1)); echo "FAIL: $*" >&2; }
+source "$(dirname "$0")/bench_lib.sh"
+bl_init
 
 if ! timeout 120 "$BIN" bench router --duration 0.5 --concurrency 32 --streams 8 --stream-tokens 256 --json \
         >"$tmp/out" 2>"$tmp/err"; then
-    bad "bench router exited $? (stderr below)"
+    bl_bad "bench router exited $? (stderr below)"
     cat "$tmp/err" >&2
 fi
-"$PY" - "$tmp/out" <<'PYEOF' || bad "bench router --json output (above)"
+"$PY" - "$tmp/out" <<'PYEOF' || bl_bad "bench router --json output (above)"
 import json, math, sys
 doc = json.load(open(sys.argv[1]))
 rows = {r["name"]: r for r in doc["rows"]}
@@ -35,15 +30,13 @@ for name, goal in (("routed_requests_per_s", 20000), ("relayed_tokens_per_s", 1e
 assert doc["errors"] == 0, doc["errors"]
 print("rows:", " ".join(f"{k}={v['value']:.4g}" for k, v in rows.items()))
 PYEOF
-[ $fail -eq 0 ] || cat "$tmp/out" >&2
+[ "$bl_fails" -eq 0 ] || cat "$tmp/out" >&2
 
 "$BIN" bench router --duration nope >/dev/null 2>&1
 rc=$?
-[ $rc -eq 2 ] || bad "--duration nope exited $rc, want 2"
+[ $rc -eq 2 ] || bl_bad "--duration nope exited $rc, want 2"
 "$BIN" bench router --phases xyz >/dev/null 2>&1
 rc=$?
-[ $rc -eq 2 ] || bad "--phases xyz exited $rc, want 2"
+[ $rc -eq 2 ] || bl_bad "--phases xyz exited $rc, want 2"
 
-[ $fail -eq 0 ] && echo "test_bench_router: ok" && exit 0
-echo "test_bench_router: $fail failure(s)" >&2
-exit 1
+bl_end test_bench_router
