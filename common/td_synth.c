@@ -420,10 +420,8 @@ td_status_t td_model_synth_shards(const td_synth_params_t *p, int n_shards, cons
     size_t cap = 3 + 14 * (size_t)c.n_layers;
     if (n_shards < 1 || (size_t)n_shards > cap)
         return td_errorf(TD_ERR_INVALID, "synth: %d shards for a model of at most %zu tensors", n_shards, cap);
-    if (mkdir(out_dir, 0777) != 0 && errno != EEXIST)
-        return td_errorf(TD_ERR_IO, "%s: cannot create directory: %s", out_dir, strerror(errno));
-    if (!td_is_dir(out_dir))
-        return td_errorf(TD_ERR_IO, "%s: exists and is not a directory", out_dir);
+    if ((s = td_mkdir_p(out_dir)) != TD_OK)
+        return s;
 
     synth_tensor_t *t = calloc(cap, sizeof *t);
     float *vals = malloc(SYNTH_CHUNK * sizeof *vals);

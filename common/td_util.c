@@ -235,6 +235,27 @@ bool td_is_dir(const char *path)
     return stat(path, &sb) == 0 && S_ISDIR(sb.st_mode);
 }
 
+td_status_t td_mkdir_p(const char *path)
+{
+    char buf[4096];
+    size_t n = strlen(path);
+    if (n == 0 || n >= sizeof buf)
+        return td_errorf(TD_ERR_IO, "'%s': not a usable directory path", path);
+    memcpy(buf, path, n + 1);
+    for (size_t i = 1; i <= n; i++) {
+        if (buf[i] != '/' && buf[i] != '\0')
+            continue;
+        char c = buf[i];
+        buf[i] = '\0';
+        if (mkdir(buf, 0777) != 0 && errno != EEXIST)
+            return td_errorf(TD_ERR_IO, "%s: cannot create directory: %s", buf, strerror(errno));
+        if (!td_is_dir(buf))
+            return td_errorf(TD_ERR_IO, "%s: exists and is not a directory", buf);
+        buf[i] = c;
+    }
+    return TD_OK;
+}
+
 bool td_is_file(const char *path)
 {
     struct stat sb;

@@ -62,6 +62,9 @@ td_status_t td_path_join(char *out, size_t cap, const char *dir, const char *nam
 
 /* True if `path` names an existing directory / regular file. */
 bool td_is_dir(const char *path);
+/* Creates a directory and any missing parents (mkdir -p). Errors: TD_ERR_IO naming the
+ * part that could not be made, or that exists and is not a directory. */
+td_status_t td_mkdir_p(const char *path);
 bool td_is_file(const char *path);
 
 /* Number of online CPUs (at least 1). */

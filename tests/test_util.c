@@ -1,10 +1,11 @@
 /*
  * test_util: td_util's helpers that no other suite covers on their own: the streaming copy
  * (td_memcpy_stream) against memcpy for every alignment of both ends and sizes around its
- * 16- and 64-byte steps, the bytes around the destination left untouched.
+ * 16- and 64-byte steps, the bytes around the destination left untouched; td_mkdir_p.
  */
 #include <criterion/criterion.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -35,4 +36,24 @@ Test(util, memcpy_stream_equals_memcpy_at_every_alignment)
     free(src);
     free(dst);
     free(want);
+}
+
+Test(util, mkdir_p_makes_missing_parents_once)
+{
+    char root[] = "/tmp/td_mkdir_XXXXXX", path[256], file[256];
+    cr_assert_not_null(mkdtemp(root));
+    snprintf(path, sizeof path, "%s/a/b/c", root);
+    cr_assert_eq(td_mkdir_p(path), TD_OK, "%s", td_last_error());
+    cr_assert(td_is_dir(path));
+    cr_assert_eq(td_mkdir_p(path), TD_OK, "an existing directory is fine");
+    snprintf(file, sizeof file, "%s/a/f", root);
+    FILE *f = fopen(file, "w");
+    cr_assert_not_null(f);
+    fclose(f);
+    snprintf(path, sizeof path, "%s/a/f/g", root);
+    cr_assert_eq(td_mkdir_p(path), TD_ERR_IO, "a file in the way is an error");
+    cr_assert(strstr(td_last_error(), "/a/f"), "the message names the part in the way: %s", td_last_error());
+    char cmd[300];
+    snprintf(cmd, sizeof cmd, "rm -rf %s", root);
+    cr_assert_eq(system(cmd), 0);
 }
