@@ -206,10 +206,11 @@ static void fx_close(fixture_t *fx)
 /*
  * Runs n sequences through the engine together: prompts prefilled in chunks of at most
  * `chunk` tokens (all sequences in the same steps), then greedy decode until each holds
- * total[i] tokens. out[i] gets the generated ids.
+ * total[i] tokens. out[i] gets the generated ids; lhash (when not NULL) lhash[i] a hash of
+ * the bits of each generated token's logits row.
  */
-static void engine_greedy(fixture_t *fx, int n, int **prompts, const int *n_prompt,
-                          const int *total, int chunk, int **out)
+static void engine_greedy_h(fixture_t *fx, int n, int **prompts, const int *n_prompt,
+                            const int *total, int chunk, int **out, uint64_t **lhash)
 {
     int vocab = fx->model->config.vocab_size;
     td_kv_seq_t *seqs = calloc((size_t)n, sizeof *seqs);
@@ -253,6 +254,13 @@ static void engine_greedy(fixture_t *fx, int n, int **prompts, const int *n_prom
             if (done[i] < n_prompt[i])
                 done[i] += items[j].n_tokens;
             if (items[j].n_logits) {
+                if (lhash) {
+                    uint64_t h = 1469598103934665603ull;
+                    const unsigned char *b = (const unsigned char *)(logits + (size_t)row * vocab);
+                    for (size_t q = 0; q < (size_t)vocab * sizeof(float); q++)
+                        h = (h ^ b[q]) * 1099511628211ull;
+                    lhash[i][gen[i]] = h;
+                }
                 next[i] = td_test_argmax(logits + (size_t)row * vocab, vocab);
                 out[i][gen[i]++] = next[i];
                 row++;
@@ -262,6 +270,12 @@ static void engine_greedy(fixture_t *fx, int n, int **prompts, const int *n_prom
     for (int i = 0; i < n; i++)
         td_engine_seq_end(fx->eng, &seqs[i]);
     free(seqs), free(done), free(gen), free(next), free(items), free(owner), free(logits);
+}
+
+static void engine_greedy(fixture_t *fx, int n, int **prompts, const int *n_prompt,
+                          const int *total, int chunk, int **out)
+{
+    engine_greedy_h(fx, n, prompts, n_prompt, total, chunk, out, NULL);
 }
 
 static unsigned rng_next(unsigned *s)
@@ -318,10 +332,33 @@ Test(engine, batch_and_chunk_invariance, .timeout = 300)
         alone[i] = malloc(512 * sizeof(int));
         got[i] = malloc(512 * sizeof(int));
     }
+    uint64_t *h_alone[N], *h_got[N];
+    for (int i = 0; i < N; i++) {
+        h_alone[i] = malloc(512 * sizeof(uint64_t));
+        h_got[i] = malloc(512 * sizeof(uint64_t));
+    }
     fixture_t fx;
     fx_open(&fx, 2, false);
     for (int i = 0; i < N; i++)
-        engine_greedy(&fx, 1, &prompts[i], &n_prompt[i], &total[i], 4096, &alone[i]);
+        engine_greedy_h(&fx, 1, &prompts[i], &n_prompt[i], &total[i], 4096, &alone[i], &h_alone[i]);
+    fx_close(&fx);
+    /* Batch invariance, bit for bit: with whole prompts (each sequence's prefill computes
+     * the same rows either way) every logits row of a sequence run in a batch of 32 equals
+     * the one it gets alone, with 1 thread or 2; decode steps batch 1..32 sequences
+     * (docs/kernels.md "Batch invariance"). */
+    for (int threads = 1; threads <= 2; threads++) {
+        fx_open(&fx, threads, false);
+        engine_greedy_h(&fx, N, prompts, n_prompt, total, 4096, got, h_got);
+        for (int i = 0; i < N; i++)
+            for (int t = 0; t < total[i] - n_prompt[i]; t++)
+                cr_assert_eq(h_got[i][t], h_alone[i][t],
+                             "%d threads: sequence %d token %d: its logits in a batch of %d differ from alone", threads,
+                             i, t, N);
+        fx_close(&fx);
+    }
+    for (int i = 0; i < N; i++)
+        free(h_alone[i]), free(h_got[i]);
+    fx_open(&fx, 2, false);
     const int chunks[] = {4096, 1, 7, 64};
     for (size_t c = 0; c < sizeof chunks / sizeof chunks[0]; c++) {
         engine_greedy(&fx, N, prompts, n_prompt, total, chunks[c], got);

@@ -21,7 +21,7 @@
  * KV head) computes, for the G query heads of the group, the partial max, sum and
  * unnormalised output over its partition, reading each K/V element once. A second pass
  * merges a sequence's partitions by log-sum-exp. P comes from the caller or from
- * decode_partition(): enough tasks to keep every thread busy even at batch 1.
+ * decode_partition(): a constant 256 tokens, the same for every batch (batch invariance).
  *
  * All scratch comes from the backend context (grow-only): no allocation in steady state.
  */
@@ -413,20 +413,19 @@ static void decode_merge_task(void *arg, int task, int thread)
 }
 
 /*
- * Partition size in tokens when the caller leaves it to us: split the whole batch's
- * context (times KV heads, the other parallel dimension) into ~4 tasks per thread, but
- * never below 64 tokens (below that the merge costs more than the parallelism gains).
+ * Partition size in tokens when the caller leaves it to us: a constant (rounded up to whole
+ * blocks), so a sequence's partitions, and so the order of its log-sum-exp merge, are the
+ * same whatever else is in the batch and however many threads run it: the backend is
+ * batch-invariant (docs/kernels.md). 256 tokens: a 4k context still splits into 16 tasks
+ * per KV head at batch 1, and below ~64 the merge would cost more than the parallelism
+ * gains. (It was derived from the batch's total context, which made a sequence's floats,
+ * and now and then a greedy token, depend on its neighbours in the batch.)
  */
-static int decode_partition(const td_cpu_t *cpu, const td_step_meta_t *meta, int n_kv, int bs)
+#define TD_CPU_DECODE_PARTITION 256
+
+static int decode_partition(int bs)
 {
-    int64_t total = 0;
-    for (int s = 0; s < meta->n_seqs; s++)
-        total += meta->seq_len[s];
-    int64_t want_tasks = (int64_t)cpu->n_threads * 4;
-    int64_t P = (total * n_kv + want_tasks - 1) / want_tasks;
-    P = TD_MAX(P, 64);
-    P = (P + bs - 1) / bs * bs;
-    return (int)TD_MIN(P, (int64_t)1 << 30);
+    return (TD_CPU_DECODE_PARTITION + bs - 1) / bs * bs;
 }
 
 /* Contract (td_backend.h ops->attn_decode): needs set_step with exactly one new row per
@@ -444,7 +443,7 @@ td_status_t td_cpu_attn_decode(td_backend_t *be, const td_attn_params_t *p)
         return TD_OK;
 
     int P = p->partition_tokens > 0 ? (p->partition_tokens + bs - 1) / bs * bs
-                                    : decode_partition(cpu, meta, n_kv, bs);
+                                    : decode_partition(bs);
     size_t n_parts = 0;
     for (int s = 0; s < meta->n_seqs; s++) {
         TD_ASSERT(meta->seq_start[s + 1] - meta->seq_start[s] == 1 && meta->seq_len[s] >= 1);

@@ -4,12 +4,18 @@
  * The N dimension (rows of W, columns of Y) is split over the pool, so every thread
  * streams its own part of W exactly once and the whole of X (small) from cache.
  *
- *  - m <= 4 (decode, a few sequences): a hand-written AVX2/FMA kernel reads 1-4 rows of W
- *    at a time, converts f16/bf16 to f32 in registers, and multiplies them with every row
- *    of X. This is the memory-bandwidth path of batch-1 decode.
- *  - larger m, f32 W: single-threaded cblas_sgemm on each thread's slice of W.
- *  - larger m, f16/bf16 W: each thread converts tiles of its W rows (~512 KiB of f32, so
- *    they stay in L2) into its scratch and sgemms them; W is never copied whole.
+ * One hand-written AVX2/FMA kernel (gemv_block) computes every output: it reads 1-4 rows
+ * of W at a time, converts f16/bf16 to f32 in registers, and multiplies them with 1-4 rows
+ * of X, each output summed the same way (eight FMA lanes over k in order, one horizontal
+ * sum, a scalar tail). So a row's result does not depend on how many rows its step has:
+ * the backend is batch-invariant, and a sequence gives the same tokens alone, in a batch
+ * of 64 decodes or in a prefill batch of other prompts (docs/kernels.md).
+ *  - m <= 4 (decode, a few sequences): blocks shaped for the row count, W streamed once.
+ *    This is the memory-bandwidth path of batch-1 decode.
+ *  - larger m: X in chunks of 64 rows (kept in L2) against 2-row blocks of W (kept in L1)
+ *    in 2x4 tiles; W is streamed once per chunk.
+ * Without AVX2/FMA/F16C (TD_NATIVE off on an old CPU) cblas_sgemm on converted tiles of W
+ * does it all, and batch invariance is not promised.
  *
  * The result is written with the epilogue (bias, accumulate) by the thread that owns the
  * slice, so no two threads touch the same column of Y.
@@ -82,10 +88,10 @@ static inline float hsum8(__m256 v)
  * at every call site so the loops fully unroll into R*M independent FMA chains.
  */
 static inline __attribute__((always_inline)) void gemv_block(const td_matmul_params_t *p, int R,
-                                                             int M, td_dtype_t t, int j)
+                                                             int M, td_dtype_t t, int j, int i0)
 {
     const int k = p->k;
-    const float *x = p->x;
+    const float *x = (const float *)p->x + (size_t)i0 * k;
     size_t wsz = td_dtype_size(t);
     const unsigned char *w = (const unsigned char *)p->w + (size_t)j * k * wsz;
     __m256 acc[4][4];
@@ -108,7 +114,7 @@ static inline __attribute__((always_inline)) void gemv_block(const td_matmul_par
             float s = hsum8(acc[r][i]);
             for (int q = kk; q < k; q++)
                 s += load_scalar(w + (size_t)r * k * wsz, t, (size_t)q) * x[(size_t)i * k + q];
-            store_out(p, i, j + r, s);
+            store_out(p, i0 + i, j + r, s);
         }
 }
 
@@ -120,24 +126,71 @@ static inline __attribute__((always_inline)) void gemv_slice_t(const td_matmul_p
     switch (p->m) {
     case 1:
         for (; j + 4 <= n1; j += 4)
-            gemv_block(p, 4, 1, t, j);
+            gemv_block(p, 4, 1, t, j, 0);
         for (; j < n1; j++)
-            gemv_block(p, 1, 1, t, j);
+            gemv_block(p, 1, 1, t, j, 0);
         break;
     case 2:
         for (; j + 2 <= n1; j += 2)
-            gemv_block(p, 2, 2, t, j);
+            gemv_block(p, 2, 2, t, j, 0);
         for (; j < n1; j++)
-            gemv_block(p, 1, 2, t, j);
+            gemv_block(p, 1, 2, t, j, 0);
         break;
     case 3:
         for (; j < n1; j++)
-            gemv_block(p, 1, 3, t, j);
+            gemv_block(p, 1, 3, t, j, 0);
         break;
     default:
         for (; j < n1; j++)
-            gemv_block(p, 1, 4, t, j);
+            gemv_block(p, 1, 4, t, j, 0);
         break;
+    }
+}
+
+/* Rows [i, i + M) of X, M = n (1..3), against W rows [j, j + R): the tail of a chunk. */
+static inline __attribute__((always_inline)) void tile_tail(const td_matmul_params_t *p, int R, td_dtype_t t,
+                                                            int j, int i, int n)
+{
+    switch (n) {
+    case 1: gemv_block(p, R, 1, t, j, i); break;
+    case 2: gemv_block(p, R, 2, t, j, i); break;
+    case 3: gemv_block(p, R, 3, t, j, i); break;
+    }
+}
+
+/* One slice [n0, n1) for m > 4: chunks of 64 X rows, 2x4 tiles (8 accumulators, 4 rows of X
+ * and 1 of W in registers), the same per-output sums as gemv_slice_t. */
+static inline __attribute__((always_inline)) void tile_slice_t(const td_matmul_params_t *p,
+                                                               td_dtype_t t, int n0, int n1)
+{
+    for (int i0 = 0; i0 < p->m; i0 += 64) {
+        int i1 = TD_MIN(p->m, i0 + 64);
+        int j = n0;
+        for (; j + 2 <= n1; j += 2) {
+            int i = i0;
+            for (; i + 4 <= i1; i += 4)
+                gemv_block(p, 2, 4, t, j, i);
+            tile_tail(p, 2, t, j, i, i1 - i);
+        }
+        if (j < n1) {
+            int i = i0;
+            for (; i + 4 <= i1; i += 4)
+                gemv_block(p, 1, 4, t, j, i);
+            tile_tail(p, 1, t, j, i, i1 - i);
+        }
+    }
+}
+
+static void tile_task(void *arg, int task, int thread)
+{
+    matmul_job_t *jb = arg;
+    const td_matmul_params_t *p = jb->p;
+    int n0 = task * jb->chunk;
+    int n1 = TD_MIN(p->n, n0 + jb->chunk);
+    switch (p->w_dtype) {
+    case TD_F32: tile_slice_t(p, TD_F32, n0, n1); break;
+    case TD_F16: tile_slice_t(p, TD_F16, n0, n1); break;
+    case TD_BF16: tile_slice_t(p, TD_BF16, n0, n1); break;
     }
 }
 
@@ -155,6 +208,7 @@ static void gemv_task(void *arg, int task, int thread)
 }
 #endif /* AVX2 kernel */
 
+#ifndef TD_HAVE_GEMV_KERNEL
 /* sgemm of X against W rows [n0, n0 + nn) given as f32 `w` (row stride k), then epilogue. */
 static void sgemm_slice(const td_matmul_params_t *p, const float *w, int n0, int nn)
 {
@@ -196,6 +250,8 @@ static void gemm_task(void *arg, int task, int thread)
     }
 }
 
+#endif /* no AVX2 kernel */
+
 /* Contract (td_backend.h ops->matmul): y may not alias x or w. Errors: TD_ERR_NOMEM when
    the conversion scratch cannot grow. */
 td_status_t td_cpu_matmul(td_backend_t *be, const td_matmul_params_t *p)
@@ -207,11 +263,9 @@ td_status_t td_cpu_matmul(td_backend_t *be, const td_matmul_params_t *p)
     matmul_job_t jb = {.p = p, .cpu = cpu, .chunk = matmul_chunk(cpu, p->m, p->n)};
     int n_tasks = (p->n + jb.chunk - 1) / jb.chunk;
 #ifdef TD_HAVE_GEMV_KERNEL
-    if (p->m <= 4) {
-        td_pool_run(cpu->pool, n_tasks, gemv_task, &jb);
-        return TD_OK;
-    }
-#endif
+    td_pool_run(cpu->pool, n_tasks, p->m <= 4 ? gemv_task : tile_task, &jb);
+    return TD_OK;
+#else
     if (p->w_dtype != TD_F32) {
         /* ~512 KiB of converted rows per tile: stays in L2 while sgemm sweeps X over it */
         int rows = (int)TD_MAX(8, (131072 / TD_MAX(p->k, 1)) / 8 * 8);
@@ -222,4 +276,5 @@ td_status_t td_cpu_matmul(td_backend_t *be, const td_matmul_params_t *p)
     }
     td_pool_run(cpu->pool, n_tasks, gemm_task, &jb);
     return TD_OK;
+#endif
 }
