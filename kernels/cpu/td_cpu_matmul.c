@@ -181,29 +181,18 @@ static inline __attribute__((always_inline)) void tile_slice_t(const td_matmul_p
     }
 }
 
-static void tile_task(void *arg, int task, int thread)
+/* One task: W rows [n0, n1) for every row of X, by the m <= 4 or the tiled shape. */
+static void kernel_task(void *arg, int task, int thread)
 {
     matmul_job_t *jb = arg;
     const td_matmul_params_t *p = jb->p;
     int n0 = task * jb->chunk;
     int n1 = TD_MIN(p->n, n0 + jb->chunk);
+    bool small = p->m <= 4;
     switch (p->w_dtype) {
-    case TD_F32: tile_slice_t(p, TD_F32, n0, n1); break;
-    case TD_F16: tile_slice_t(p, TD_F16, n0, n1); break;
-    case TD_BF16: tile_slice_t(p, TD_BF16, n0, n1); break;
-    }
-}
-
-static void gemv_task(void *arg, int task, int thread)
-{
-    matmul_job_t *jb = arg;
-    const td_matmul_params_t *p = jb->p;
-    int n0 = task * jb->chunk;
-    int n1 = TD_MIN(p->n, n0 + jb->chunk);
-    switch (p->w_dtype) {
-    case TD_F32: gemv_slice_t(p, TD_F32, n0, n1); break;
-    case TD_F16: gemv_slice_t(p, TD_F16, n0, n1); break;
-    case TD_BF16: gemv_slice_t(p, TD_BF16, n0, n1); break;
+    case TD_F32: small ? gemv_slice_t(p, TD_F32, n0, n1) : tile_slice_t(p, TD_F32, n0, n1); break;
+    case TD_F16: small ? gemv_slice_t(p, TD_F16, n0, n1) : tile_slice_t(p, TD_F16, n0, n1); break;
+    case TD_BF16: small ? gemv_slice_t(p, TD_BF16, n0, n1) : tile_slice_t(p, TD_BF16, n0, n1); break;
     }
 }
 #endif /* AVX2 kernel */
@@ -263,7 +252,7 @@ td_status_t td_cpu_matmul(td_backend_t *be, const td_matmul_params_t *p)
     matmul_job_t jb = {.p = p, .cpu = cpu, .chunk = matmul_chunk(cpu, p->m, p->n)};
     int n_tasks = (p->n + jb.chunk - 1) / jb.chunk;
 #ifdef TD_HAVE_GEMV_KERNEL
-    td_pool_run(cpu->pool, n_tasks, p->m <= 4 ? gemv_task : tile_task, &jb);
+    td_pool_run(cpu->pool, n_tasks, kernel_task, &jb);
     return TD_OK;
 #else
     if (p->w_dtype != TD_F32) {
