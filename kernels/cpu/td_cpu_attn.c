@@ -11,8 +11,9 @@
  * tokens); the G heads of the group are stacked into one TQ*G-row query tile (pre-scaled)
  * so each K/V element loaded serves all of them. KV is walked in tiles of TK tokens (whole
  * blocks through the block table), gathered into a contiguous f32 tile (converting f16/bf16),
- * S = Q K^T by sgemm, online softmax (running max m, running sum l, accumulator O rescaled
- * by exp(m_old - m_new)), O += P V by sgemm. KV tiles entirely above the causal diagonal
+ * S = Q K^T (tile_scores), online softmax (running max m, running sum l, accumulator O
+ * rescaled by exp(m_old - m_new)), O += P V (tile_accumulate), each output summed one fixed
+ * way whatever the tile's row count (split invariance). KV tiles entirely above the causal diagonal
  * are never read; there is never an N x N matrix. Tasks are ordered last query tile first
  * (the longest) so the dynamic hand-out balances the causal triangle.
  *
@@ -27,7 +28,6 @@
  */
 #include "td_cpu.h"
 
-#include <cblas.h>
 #include <math.h>
 
 /* ---- shared helpers ------------------------------------------------------------- */
@@ -91,6 +91,77 @@ typedef struct prefill_job {
     const prefill_task_t *tasks;
 } prefill_job_t;
 
+/*
+ * The two products of a prefill tile, each output summed one fixed way whatever the tile's
+ * row count (sgemm's sums depend on it), so a row's attention does not depend on which
+ * rows share its tile: a prompt prefilled whole, in chunks or after a cached prefix gives
+ * the same floats (split invariance, docs/kernels.md "Batch invariance").
+ *   tile_scores:     S[r][c] = Q[r] . K[c], 8 FMA lanes over d in order, then one hsum.
+ *   tile_accumulate: O[r][d] += S[r][c] * V[c][d] for c in order.
+ */
+static void tile_scores(const float *Q, const float *K, float *S, int rows, int cnt, int hd, int ld_s)
+{
+    for (int r = 0; r < rows; r++) {
+        const float *q = Q + (size_t)r * hd;
+        for (int c = 0; c < cnt; c++) {
+            const float *k = K + (size_t)c * hd;
+            int d = 0;
+            float sum = 0.0f;
+#if defined(__AVX2__) && defined(__FMA__)
+            __m256 acc = _mm256_setzero_ps();
+            for (; d + 8 <= hd; d += 8)
+                acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), acc);
+            __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+            h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+            h = _mm_add_ss(h, _mm_movehdup_ps(h));
+            sum = _mm_cvtss_f32(h);
+#endif
+            for (; d < hd; d++)
+                sum += q[d] * k[d];
+            S[(size_t)r * ld_s + c] = sum;
+        }
+    }
+}
+
+static void tile_accumulate(float *O, const float *S, const float *V, int rows, int cnt, int hd, int ld_s)
+{
+    for (int r = 0; r < rows; r++) {
+        float *o = O + (size_t)r * hd;
+        const float *sr = S + (size_t)r * ld_s;
+        int d = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+        for (; d + 32 <= hd; d += 32) {
+            __m256 a0 = _mm256_loadu_ps(o + d), a1 = _mm256_loadu_ps(o + d + 8);
+            __m256 a2 = _mm256_loadu_ps(o + d + 16), a3 = _mm256_loadu_ps(o + d + 24);
+            for (int c = 0; c < cnt; c++) {
+                const float *v = V + (size_t)c * hd + d;
+                __m256 sv = _mm256_set1_ps(sr[c]);
+                a0 = _mm256_fmadd_ps(sv, _mm256_loadu_ps(v), a0);
+                a1 = _mm256_fmadd_ps(sv, _mm256_loadu_ps(v + 8), a1);
+                a2 = _mm256_fmadd_ps(sv, _mm256_loadu_ps(v + 16), a2);
+                a3 = _mm256_fmadd_ps(sv, _mm256_loadu_ps(v + 24), a3);
+            }
+            _mm256_storeu_ps(o + d, a0);
+            _mm256_storeu_ps(o + d + 8, a1);
+            _mm256_storeu_ps(o + d + 16, a2);
+            _mm256_storeu_ps(o + d + 24, a3);
+        }
+        for (; d + 8 <= hd; d += 8) {
+            __m256 a = _mm256_loadu_ps(o + d);
+            for (int c = 0; c < cnt; c++)
+                a = _mm256_fmadd_ps(_mm256_set1_ps(sr[c]), _mm256_loadu_ps(V + (size_t)c * hd + d), a);
+            _mm256_storeu_ps(o + d, a);
+        }
+#endif
+        for (; d < hd; d++) {
+            float a = o[d];
+            for (int c = 0; c < cnt; c++)
+                a += sr[c] * V[(size_t)c * hd + d];
+            o[d] = a;
+        }
+    }
+}
+
 static void prefill_task(void *arg, int task, int thread)
 {
     const prefill_job_t *j = arg;
@@ -136,8 +207,7 @@ static void prefill_task(void *arg, int task, int thread)
         const int cnt = TD_MIN(TK, TD_MIN(seq_len, last_pos + 1) - kv0);
         gather_kv(kv, table, 0, tk->kvh, kv0, kv0 + cnt, Kt);
         gather_kv(kv, table, 1, tk->kvh, kv0, kv0 + cnt, Vt);
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, cnt, hd, 1.0f, Q, hd, Kt, hd,
-                    0.0f, S, TK);
+        tile_scores(Q, Kt, S, rows, cnt, hd, TK);
         for (int r = 0; r < rows; r++) {
             float *sr = S + (size_t)r * TK;
             const int pos = ctx0 + tk->q0 + r / G;
@@ -159,8 +229,7 @@ static void prefill_task(void *arg, int task, int thread)
             }
             L[r] += sum;
         }
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, hd, cnt, 1.0f, S, TK, Vt, hd,
-                    1.0f, O, hd);
+        tile_accumulate(O, S, Vt, rows, cnt, hd, TK);
     }
 
     float *out = p->out;
