@@ -19,9 +19,9 @@ for sp in "${SAMPLING[@]}"; do
         got=$(timeout 60 "$CL_BIN" generate --server "$CL_GW" --prompt-ids "$p" --max-tokens 30 --print-ids $sp \
               2>"$CL_T/gen.err")
         # A prefix-cache hit on the prefill node (the long prompt, from the second sampling on)
-        # computes the rest of the prompt as a batch of its own, and float rounding depends on
-        # the batch shape (docs/cluster.md "Seeded sampling"): the reference then prefills in
-        # the same two pieces, which --prefill-chunk CACHED does while the rest fits one chunk.
+        # computes the rest of the prompt as a piece of its own, and a one-row piece runs the
+        # decode kernel (docs/cluster.md "Seeded sampling"): the reference then prefills in
+        # the same pieces, which --prefill-chunk CACHED does while the rest fits one chunk.
         cached=$(grep -o '[0-9]* cached prompt tokens' "$CL_T/gen.err" | cut -d' ' -f1)
         chunk=()
         if [ -n "$cached" ] && [ "$cached" -gt 0 ]; then
