@@ -32,6 +32,7 @@
 #include "router_node_client.h"
 #include "router_proc.h"
 #include "router_worker.h"
+#include "router_xfer_copier.h"
 #include "router_xfer_metrics.h"
 #include "td_backend.h"
 #include "td_engine.h"
@@ -123,7 +124,9 @@ typedef struct prefill_state {
     td_engine_t *eng;
     prefill_sched_t *sched;    /* compute thread once it runs */
     td_kv_layout_t layout;
-    const uint8_t *pool;       /* the engine's KV pool (host memory), read by UCX */
+    const uint8_t *pool;       /* the engine's KV pool: host memory read by UCX, or device
+                                  memory staged through td_xfer's pinned ring with d2h */
+    td_xfer_copier_t d2h;      /* the backend's async device-to-host copies (device pool) */
     int32_t pool_blocks;
     td_xfer_t *xfer;
     td_grpc_server_t *grpc;
@@ -400,7 +403,8 @@ static void job_begin_send(prefill_job_t *j, int32_t n_tokens)
     }
     td_xfer_send_params_t p = {.request_id = j->key, .lease_id = j->lease_id, .dst_blocks = j->dst_blocks,
                                .n_dst_blocks = j->n_dst, .n_tokens = (uint32_t)n_tokens,
-                               .mem = TD_XFER_MEM_HOST, .done = on_xfer_done, .arg = j};
+                               .mem = s->be->host_memory ? TD_XFER_MEM_HOST : TD_XFER_MEM_CUDA,
+                               .done = on_xfer_done, .arg = j};
     td_status_t st = td_xfer_send_begin(s->xfer, j->peer, &p, &j->send);
     if (st != TD_OK) {
         j->send = NULL;
@@ -706,6 +710,10 @@ int prefill_main(int argc, char **argv)
     xc.name = pc->node_id;
     xc.listen_ip = NULL;
     xc.send_timeout_ms = (uint32_t)cfg->send_timeout_ms;
+    if (!s->be->host_memory) {
+        s->d2h = router_xfer_copier(s->be);
+        xc.d2h = &s->d2h;
+    }
     if ((st = td_xfer_create(&s->proc.loop, &xc, &s->xfer)) != TD_OK ||
         (st = router_xfer_metrics_init(&s->xfer_metrics, s->metrics, s->xfer)) != TD_OK)
         goto out;
