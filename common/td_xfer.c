@@ -1819,7 +1819,9 @@ static void on_poll(uv_poll_t *h, int status, int events)
 
 static void on_copy_wake(uv_async_t *h)
 {
-    drain(h->data);
+    td_xfer_t *x = h->data;
+    if (!x->destroying) /* a copy that outlived td_xfer_destroy's wait: UCX is gone */
+        drain(x);
 }
 
 static void on_idle(uv_idle_t *h)
