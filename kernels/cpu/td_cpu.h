@@ -193,6 +193,18 @@ static inline __m256 td_cpu_exp8(__m256 x)
 }
 #endif
 
+#ifdef __AVX2__
+/* The sum of v's eight lanes, always in the same order (the kernels' results depend on it
+ * being one order: batch invariance, docs/kernels.md). */
+static inline float td_cpu_hsum8(__m256 v)
+{
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
+}
+#endif
+
 /* max of x[0..n), n >= 1 */
 static inline float td_cpu_max(const float *x, int n)
 {
@@ -226,10 +238,7 @@ static inline float td_cpu_exp_sum(float *x, float m, int n)
         _mm256_storeu_ps(x + i, e);
         acc = _mm256_add_ps(acc, e);
     }
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_add_ss(h, _mm_movehdup_ps(h));
-    s = _mm_cvtss_f32(h);
+    s = td_cpu_hsum8(acc);
 #endif
     for (; i < n; i++) {
         x[i] = td_cpu_exp(x[i] - m);

@@ -111,10 +111,7 @@ static void tile_scores(const float *Q, const float *K, float *S, int rows, int 
             __m256 acc = _mm256_setzero_ps();
             for (; d + 8 <= hd; d += 8)
                 acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), acc);
-            __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-            h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-            h = _mm_add_ss(h, _mm_movehdup_ps(h));
-            sum = _mm_cvtss_f32(h);
+            sum = td_cpu_hsum8(acc);
 #endif
             for (; d < hd; d++)
                 sum += q[d] * k[d];

@@ -75,14 +75,6 @@ static inline __attribute__((always_inline)) __m256 load8(td_dtype_t t, const vo
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-static inline float hsum8(__m256 v)
-{
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_add_ss(h, _mm_movehdup_ps(h));
-    return _mm_cvtss_f32(h);
-}
-
 /*
  * R rows of W (starting at row j) times M rows of X; R, M and t are compile-time constants
  * at every call site so the loops fully unroll into R*M independent FMA chains.
@@ -111,7 +103,7 @@ static inline __attribute__((always_inline)) void gemv_block(const td_matmul_par
     }
     for (int r = 0; r < R; r++)
         for (int i = 0; i < M; i++) {
-            float s = hsum8(acc[r][i]);
+            float s = td_cpu_hsum8(acc[r][i]);
             for (int q = kk; q < k; q++)
                 s += load_scalar(w + (size_t)r * k * wsz, t, (size_t)q) * x[(size_t)i * k + q];
             store_out(p, i0 + i, j + r, s);
