@@ -375,13 +375,6 @@ static double kvx_median(const kvx_round_t *r, int64_t n, size_t field, double *
     return med;
 }
 
-/* Ends the figures' stream. stdout stays on stderr for the rest of the process: UCX
- * writes its unused-variable warning there when the library unloads at exit. */
-static void kvx_end_results(FILE *res)
-{
-    fclose(res);
-}
-
 int bench_kvxfer(int argc, char **argv)
 {
     bool json = false;
@@ -424,7 +417,9 @@ int bench_kvxfer(int argc, char **argv)
     }
     td_xfer_testkit_env(tls);
     /* The figures go to the original stdout; anything else written there (UCX prints its
-     * warnings to stdout) goes to stderr, so that --json output is JSON alone. */
+     * warnings to stdout) goes to stderr, so that --json output is JSON alone. stdout stays
+     * on stderr for the rest of the process: UCX warns about unused variables when the
+     * library unloads at exit. */
     fflush(stdout);
     int res_fd = dup(STDOUT_FILENO);
     FILE *res = res_fd >= 0 ? fdopen(res_fd, "w") : NULL;
@@ -437,7 +432,7 @@ int bench_kvxfer(int argc, char **argv)
     pid_t pid = -1;
     if (pipe(to_rx) || pipe(to_tx) || (pid = fork()) < 0) {
         perror("kvxfer: receiver process");
-        kvx_end_results(res);
+        fclose(res);
         return 1;
     }
     if (pid == 0) {
@@ -479,7 +474,10 @@ int bench_kvxfer(int argc, char **argv)
     kvx_ctx_t ctx = {.loop = &loop, .x = x, .peer = peer, .lease_wfd = to_rx[1], .lease_rfd = to_tx[0],
                      .pool = pool, .pool_blocks = src_blocks, .src = src};
 
-    static const uint32_t sizes[] = {16, 64, 256, 1024, 4096};
+    static const uint32_t all_sizes[] = {16, 64, 256, 1024, 4096};
+    uint32_t one_size[] = {(uint32_t)only_tokens};
+    const uint32_t *sizes = only_tokens ? one_size : all_sizes;
+    size_t n_sizes = only_tokens ? 1 : TD_ARRAY_LEN(all_sizes);
     size_t bb = td_kv_block_bytes(&KVX_LAYOUT);
     if (json)
         fprintf(res, "[");
@@ -487,10 +485,8 @@ int bench_kvxfer(int argc, char **argv)
         fprintf(res, "%-9s %-4s %7s %12s %3s %3s %9s %11s %6s %11s %12s %11s %6s %11s %9s %6s %9s %10s %10s\n",
                "transport", "prim", "tokens", "bytes", "win", "rnd", "GB/s", "perftest", "ratio", "spread",
                "op bytes", "op perftest", "ratio", "am_bw op", "copy", "ratio", "1-at-once", "p50 us", "p99 us");
-    for (size_t k = 0; k < TD_ARRAY_LEN(sizes); k++) {
-        if (only_tokens && k > 0)
-            break;
-        kvx_size_t z = {.tokens = only_tokens ? (uint32_t)only_tokens : sizes[k]};
+    for (size_t k = 0; k < n_sizes; k++) {
+        kvx_size_t z = {.tokens = sizes[k]};
         z.nb = (int32_t)TD_DIV_CEIL(z.tokens, KVX_LAYOUT.block_size);
         z.bytes = (size_t)KVX_LAYOUT.n_layers * (size_t)z.nb * bb;
         z.op_bytes = (size_t)z.nb * bb;
@@ -552,6 +548,6 @@ out:
     close(to_tx[0]);
     free(pool);
     free(lat);
-    kvx_end_results(res);
+    fclose(res);
     return rc;
 }

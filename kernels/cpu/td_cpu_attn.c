@@ -13,8 +13,8 @@
  * blocks through the block table), gathered into a contiguous f32 tile (converting f16/bf16),
  * S = Q K^T (tile_scores), online softmax (running max m, running sum l, accumulator O
  * rescaled by exp(m_old - m_new)), O += P V (tile_accumulate), each output summed one fixed
- * way whatever the tile's row count (split invariance). KV tiles entirely above the causal diagonal
- * are never read; there is never an N x N matrix. Tasks are ordered last query tile first
+ * way whatever the tile's row count (split invariance). KV tiles entirely above the causal
+ * diagonal are never read; there is never an N x N matrix. Tasks are ordered last query tile first
  * (the longest) so the dynamic hand-out balances the causal triangle.
  *
  * Decode (FlashDecoding split-KV). One new row per sequence. The context is cut into
