@@ -1194,3 +1194,24 @@ Test(xfer, rma_parse)
     cr_expect_null(x);
     uv_loop_close(&loop);
 }
+
+/* A device-to-host copier must be usable: start and poll, and pin with unpin or neither;
+ * anything else is refused at create, naming what is missing, and nothing is made. */
+Test(xfer, d2h_copier_must_be_whole)
+{
+    static const td_xfer_copier_t no_poll = {.start = tx_copy_start};
+    static const td_xfer_copier_t pin_no_unpin = {.start = tx_copy_start, .poll = tx_copy_poll,
+                                                  .pin = tx_copy_pin};
+    const td_xfer_copier_t *bad[] = {&no_poll, &pin_no_unpin};
+    uv_loop_t loop;
+    uv_loop_init(&loop);
+    for (size_t i = 0; i < TD_ARRAY_LEN(bad); i++) {
+        td_xfer_config_t cfg = td_xfer_config_default();
+        cfg.d2h = bad[i];
+        td_xfer_t *x = NULL;
+        cr_expect_eq(td_xfer_create(&loop, &cfg, &x), TD_ERR_INVALID, "copier %zu", i);
+        cr_expect_null(x);
+        cr_expect(strstr(td_last_error(), "needs start and poll") != NULL, "message: %s", td_last_error());
+    }
+    uv_loop_close(&loop);
+}
