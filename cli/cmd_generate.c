@@ -37,7 +37,8 @@ typedef struct gen_opts {
     const char *tokenizer;
     const char *prompt;
     const char *prompt_ids;
-    const char *device;
+    td_device_spec_t device;
+    int dtype;                 /* -1: weights as stored, f32 KV and activations */
     int64_t max_tokens;        /* -1: up to the model's length */
     int64_t threads;
     int64_t prefill_chunk;
@@ -63,7 +64,8 @@ static void usage(FILE *f)
         "usage: tandem generate --model PATH [--tokenizer PATH] (--prompt TEXT | --prompt-ids \"1 2 3\")\n"
         "                       [--max-tokens N] [--temperature T] [--top-k K] [--top-p P]\n"
         "                       [--min-p P] [--repetition-penalty R] [--seed S] [--stop TEXT]...\n"
-        "                       [--stop-id ID]... [--threads N] [--device cpu] [--print-ids]\n"
+        "                       [--stop-id ID]... [--threads N] [--device cpu|cuda[:N]]\n"
+        "                       [--dtype f32|f16|bf16] [--print-ids]\n"
         "       tandem generate --server HOST:PORT (--prompt TEXT | --prompt-ids \"1 2 3\")\n"
         "                       [the same sampling, stop and output flags]\n"
         "                       [--model-name NAME] [--request-id ID] [--timeout S] [--connect-timeout S]\n"
@@ -79,13 +81,17 @@ static void usage(FILE *f)
         "  --stop TEXT         stop before this text (repeatable, up to %d)\n"
         "  --stop-id ID        stop at this token id (repeatable); the model's EOS ids always stop\n"
         "  --threads N         compute threads (default: all cores)\n"
+        "  --device D          cpu (default), cuda (GPU 0) or cuda:N\n"
+        "  --dtype T           weights and KV cache in T (converted at load), and on cuda the\n"
+        "                      activations too (the CPU's are f32); default: weights as stored,\n"
+        "                      KV cache and activations f32\n"
         "  --kv-mem MIB        KV cache budget (default: what prompt + max tokens need)\n"
         "  --print-ids         print the generated ids on one line instead of text\n"
         "\n"
         "  --server HOST:PORT  generate on a cluster: a gRPC call of tandem.v1.Generation/Generate\n"
         "                      to a router's gateway (the `gateway:` line of `tandem local`); HOST\n"
         "                      is an IPv4/IPv6 address ([::1]:PORT) or a name. The server holds the\n"
-        "                      model and tokenizer, so --model, --tokenizer, --threads, --device,\n"
+        "                      model and tokenizer, so --model, --tokenizer, --threads, --device, --dtype,\n"
         "                      --kv-mem and --prefill-chunk are refused with --server (usage error).\n"
         "  --model-name NAME   the served model to use (default: the server's only model)\n"
         "  --request-id ID     the request id the router logs (default: the router assigns one)\n"
@@ -104,7 +110,7 @@ enum {
     OPT_MODEL = 256, OPT_TOKENIZER, OPT_PROMPT, OPT_PROMPT_IDS, OPT_MAX_TOKENS, OPT_TEMP,
     OPT_TOP_K, OPT_TOP_P, OPT_MIN_P, OPT_REP, OPT_SEED, OPT_STOP, OPT_STOP_ID, OPT_THREADS,
     OPT_DEVICE, OPT_PRINT_IDS, OPT_KV_MEM, OPT_CHUNK, OPT_LOG, OPT_HELP, OPT_SERVER, OPT_MODEL_NAME,
-    OPT_REQUEST_ID, OPT_TIMEOUT, OPT_CONNECT_TIMEOUT,
+    OPT_REQUEST_ID, OPT_TIMEOUT, OPT_CONNECT_TIMEOUT, OPT_DTYPE,
 };
 
 static int parse_opts(int argc, char **argv, gen_opts_t *o)
@@ -125,6 +131,7 @@ static int parse_opts(int argc, char **argv, gen_opts_t *o)
         {"stop-id", required_argument, 0, OPT_STOP_ID},
         {"threads", required_argument, 0, OPT_THREADS},
         {"device", required_argument, 0, OPT_DEVICE},
+        {"dtype", required_argument, 0, OPT_DTYPE},
         {"print-ids", no_argument, 0, OPT_PRINT_IDS},
         {"kv-mem", required_argument, 0, OPT_KV_MEM},
         {"prefill-chunk", required_argument, 0, OPT_CHUNK},
@@ -144,7 +151,7 @@ static int parse_opts(int argc, char **argv, gen_opts_t *o)
     for (int ch, idx = -1; (ch = getopt_long(argc, argv, "", longopts, &idx)) != -1; idx = -1) {
         td_status_t st = TD_OK;
         if (idx >= 0 && !o->local_only &&
-            (ch == OPT_MODEL || ch == OPT_TOKENIZER || ch == OPT_THREADS || ch == OPT_DEVICE || ch == OPT_KV_MEM ||
+            (ch == OPT_MODEL || ch == OPT_TOKENIZER || ch == OPT_THREADS || ch == OPT_DEVICE || ch == OPT_DTYPE || ch == OPT_KV_MEM ||
              ch == OPT_CHUNK))
             o->local_only = longopts[idx].name;
         switch (ch) {
@@ -190,7 +197,11 @@ static int parse_opts(int argc, char **argv, gen_opts_t *o)
                 o->stop_ids[o->n_stop_ids++] = (int32_t)v;
             break;
         case OPT_THREADS: st = td_parse_i64(optarg, 1, 4096, "--threads", &o->threads); break;
-        case OPT_DEVICE: o->device = optarg; break;
+        case OPT_DEVICE: st = td_device_parse(optarg, &o->device); break;
+        case OPT_DTYPE:
+            if ((o->dtype = td_dtype_parse(optarg)) < 0)
+                st = td_errorf(TD_ERR_INVALID, "--dtype '%s' is not f32, f16 or bf16", optarg);
+            break;
         case OPT_PRINT_IDS: o->print_ids = true; break;
         case OPT_KV_MEM:
             if ((st = td_parse_i64(optarg, 1, 1 << 22, "--kv-mem", &v)) == TD_OK)
@@ -235,10 +246,6 @@ static int parse_opts(int argc, char **argv, gen_opts_t *o)
     }
     if (!o->prompt == !o->prompt_ids) {
         fprintf(stderr, "tandem generate: give exactly one of --prompt and --prompt-ids\n");
-        return 2;
-    }
-    if (o->device && strcmp(o->device, "cpu") && strcmp(o->device, "cuda")) {
-        fprintf(stderr, "tandem generate: --device must be cpu or cuda\n");
         return 2;
     }
     char why[256];
@@ -674,7 +681,7 @@ out_loop:
 
 int cmd_generate(int argc, char **argv)
 {
-    gen_opts_t o = {.max_tokens = -1, .sampling = td_sampling_default()};
+    gen_opts_t o = {.max_tokens = -1, .dtype = -1, .sampling = td_sampling_default()};
     int rc = parse_opts(argc, argv, &o);
     if (rc >= 0)
         return rc;
@@ -735,16 +742,13 @@ int cmd_generate(int argc, char **argv)
     int64_t room = c->max_seq_len - (int64_t)n_prompt;
     int64_t max_new = o.max_tokens < 0 ? room : TD_MIN(o.max_tokens, room);
 
-    if (o.device && !strcmp(o.device, "cuda")) {
-        td_cuda_config_t cc = {.device = 0, .act_dtype = TD_F32};
-        st = td_backend_cuda_create(&cc, &be);
-    } else {
-        td_cpu_config_t cc = {.n_threads = (int32_t)o.threads};
-        st = td_backend_cpu_create(&cc, &be);
-    }
-    if (st != TD_OK)
+    if ((st = td_backend_open(&o.device, (int32_t)o.threads, o.dtype < 0 ? TD_F32 : (td_dtype_t)o.dtype, &be)) != TD_OK)
         goto out;
     td_engine_config_t ec = td_engine_config_default();
+    if (o.dtype >= 0) {
+        ec.weight_dtype = o.dtype;
+        ec.kv_dtype = (td_dtype_t)o.dtype;
+    }
     ec.max_batch_tokens = (int32_t)(o.prefill_chunk ? o.prefill_chunk : TD_MIN(512, (int64_t)n_prompt));
     ec.max_seqs = 1;
     ec.max_logit_rows = 1;

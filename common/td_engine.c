@@ -88,6 +88,7 @@ td_engine_config_t td_engine_config_default(void)
         .n_blocks = 0,
         .kv_mem_bytes = (size_t)1 << 30,
         .kv_dtype = TD_F32,
+        .weight_dtype = TD_ENGINE_WEIGHTS_AS_STORED,
         .prefix_cache = true,
         .max_batch_tokens = 2048,
         .max_seqs = 256,
@@ -106,8 +107,8 @@ static size_t tensor_elems(const td_tensor_t *t)
     return n;
 }
 
-/* Makes a host tensor usable by the backend: in place when it can, else converted to
- * f32 (or kept in its dtype when the backend takes it) and uploaded. */
+/* Makes a host tensor usable by the backend: in place when it can, else converted (to the
+ * configured weight dtype; as stored: kept when the backend takes it, else f32) and uploaded. */
 static td_status_t upload_tensor(td_engine_t *eng, const td_tensor_t *t, bool counts,
                                  td_dev_tensor_t *out)
 {
@@ -116,11 +117,12 @@ static td_status_t upload_tensor(td_engine_t *eng, const td_tensor_t *t, bool co
     if (!t->data)
         return TD_OK;
     size_t n = tensor_elems(t);
-    bool dtype_ok = (be->weight_dtypes >> t->dtype) & 1u;
-    td_dtype_t want = dtype_ok ? t->dtype : TD_F32;
+    td_dtype_t want = eng->cfg.weight_dtype != TD_ENGINE_WEIGHTS_AS_STORED ? (td_dtype_t)eng->cfg.weight_dtype
+                      : (be->weight_dtypes >> t->dtype) & 1u ? t->dtype
+                                                              : TD_F32;
     if (counts)
         eng->weight_bytes += n * td_dtype_size(want);
-    if (be->host_memory && dtype_ok) {
+    if (be->host_memory && want == t->dtype) {
         out->data = t->data;
         out->dtype = t->dtype;
         return TD_OK;
@@ -249,6 +251,11 @@ static td_status_t check_config(const td_engine_config_t *cfg)
         cfg->max_logit_rows <= 0 || cfg->partition_tokens < 0)
         return td_errorf(TD_ERR_INVALID, "engine: n_blocks, max_batch_tokens, max_seqs, "
                                          "max_logit_rows and partition_tokens must be positive");
+    if ((unsigned)cfg->kv_dtype >= TD_DTYPE_COUNT ||
+        (cfg->weight_dtype != TD_ENGINE_WEIGHTS_AS_STORED && (cfg->weight_dtype < 0 || cfg->weight_dtype >= TD_DTYPE_COUNT)))
+        return td_errorf(TD_ERR_INVALID, "engine: KV dtype %d / weight dtype %d: each is a td_dtype_t (weights "
+                                         "may also be TD_ENGINE_WEIGHTS_AS_STORED)",
+                         (int)cfg->kv_dtype, (int)cfg->weight_dtype);
     if (cfg->partition_tokens % cfg->block_size)
         return td_errorf(TD_ERR_INVALID, "engine: partition size %d is not a multiple of the block size %d",
                          cfg->partition_tokens, cfg->block_size);
@@ -326,6 +333,9 @@ td_status_t td_engine_create(const td_model_t *model, td_backend_t *be,
     if (!((be->kv_dtypes >> cfg->kv_dtype) & 1u))
         return td_errorf(TD_ERR_UNSUPPORTED, "engine: the %s backend has no %s KV cache",
                          be->ops->name, td_dtype_name(cfg->kv_dtype));
+    if (cfg->weight_dtype != TD_ENGINE_WEIGHTS_AS_STORED && !((be->weight_dtypes >> cfg->weight_dtype) & 1u))
+        return td_errorf(TD_ERR_UNSUPPORTED, "engine: the %s backend has no %s weights", be->ops->name,
+                         td_dtype_name((td_dtype_t)cfg->weight_dtype));
     if (c->head_dim > 1024 || c->head_dim % 2)
         return td_errorf(TD_ERR_UNSUPPORTED, "engine: head_dim %d must be even and at most 1024",
                          c->head_dim);

@@ -29,11 +29,17 @@
 
 typedef struct td_engine td_engine_t;
 
+/* td_engine_config_t.weight_dtype: use the weights in the dtype the model file has. */
+#define TD_ENGINE_WEIGHTS_AS_STORED (-1)
+
 typedef struct td_engine_config {
     int32_t block_size;       /* tokens per KV block (16) */
     int32_t n_blocks;         /* KV pool blocks; 0 = as many as kv_mem_bytes holds */
     size_t kv_mem_bytes;      /* KV pool budget when n_blocks == 0 (1 GiB) */
     td_dtype_t kv_dtype;      /* KV element type (the backend must accept it) */
+    int32_t weight_dtype;     /* a td_dtype_t every weight is converted to once at load (the
+                                 backend must accept it), or TD_ENGINE_WEIGHTS_AS_STORED: each
+                                 weight keeps the file's dtype, f32 where the backend lacks it */
     bool prefix_cache;        /* keep full blocks for reuse across sequences (true) */
     int32_t max_batch_tokens; /* most new tokens in one step, all sequences (2048) */
     int32_t max_seqs;         /* most sequences in one step (256) */

@@ -176,7 +176,8 @@ typedef struct td_cpu_config {
 
 td_status_t td_backend_cpu_create(const td_cpu_config_t *cfg, td_backend_t **be_p);
 
-/* CUDA backend; TD_ERR_UNSUPPORTED when built without CUDA or no device is present. */
+/* CUDA backend; TD_ERR_UNSUPPORTED, not logged (a probe's answer), when built without CUDA
+ * or device cfg->device is not there or not usable; other errors are logged. */
 typedef struct td_cuda_config {
     int32_t device;
     td_dtype_t act_dtype;
@@ -186,6 +187,25 @@ td_status_t td_backend_cuda_create(const td_cuda_config_t *cfg, td_backend_t **b
 
 /* True when this build has the CUDA backend compiled in. */
 bool td_backend_cuda_compiled(void);
+
+/* Where a process computes: the --device value "cpu", "cuda" (device 0) or "cuda:N". */
+typedef struct td_device_spec {
+    bool cuda;
+    int32_t index;   /* CUDA device ordinal */
+} td_device_spec_t;
+
+/* Parses a --device value. TD_ERR_INVALID (logged, naming the value) for anything else. */
+td_status_t td_device_parse(const char *s, td_device_spec_t *out);
+
+/*
+ * Opens the backend `dev` names, the one way the CLI and the nodes get one: the CPU backend
+ * with n_threads workers (<= 0: all cores; its activations are always f32), or the CUDA
+ * backend with activations in act_dtype. Every failure is logged with what to do, a
+ * missing GPU or a build without CUDA included (td_backend_cuda_create alone is quiet so
+ * that tests can probe).
+ */
+td_status_t td_backend_open(const td_device_spec_t *dev, int32_t n_threads, td_dtype_t act_dtype,
+                            td_backend_t **be_p);
 
 /* Destroys any backend; NULL is a no-op. */
 void td_backend_destroy(td_backend_t *be);

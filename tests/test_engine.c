@@ -437,3 +437,117 @@ Test(engine, exhausted_pool_is_an_error_the_caller_can_act_on, .timeout = 60)
     free(logits);
     td_test_engine_close(&fx);
 }
+
+/* ---- weight dtypes and the CUDA backend ----------------------------------------------- */
+
+/* Rounds every weight of the reference to `dtype` values (the model file is f32). */
+static void ref_round_weights(ref_model_t *r, td_dtype_t dtype)
+{
+    size_t n = (size_t)(r->rms_final + r->dim - r->data);
+    uint16_t *tmp = malloc(n * sizeof(uint16_t));
+    td_dtype_convert(tmp, dtype, r->data, TD_F32, n);
+    td_dtype_convert(r->data, TD_F32, tmp, dtype, n);
+    free(tmp);
+}
+
+/* weights converted to bf16 at load give what the double reference gives on bf16-rounded
+   weights, in half the bytes; an unknown weight dtype is refused */
+Test(engine, weights_converted_at_load, .timeout = 300)
+{
+    td_test_skip_without_stories();
+    ref_model_t r;
+    ref_load(&r);
+    ref_round_weights(&r, TD_BF16);
+    fixture_t fx, f32;
+    td_engine_config_t ec = td_engine_config_default();
+    ec.n_blocks = 2048;
+    ec.weight_dtype = TD_BF16;
+    td_test_engine_open(&fx, 2, &ec);
+    ec.weight_dtype = TD_ENGINE_WEIGHTS_AS_STORED;
+    td_test_engine_open(&f32, 1, &ec);
+    cr_assert_eq(td_engine_weight_bytes(fx.eng) * 2, td_engine_weight_bytes(f32.eng),
+                 "bf16 weights take %zu bytes, f32 %zu", td_engine_weight_bytes(fx.eng),
+                 td_engine_weight_bytes(f32.eng));
+    td_test_engine_close(&f32);
+    unsigned s = 3;
+    const int lens[] = {1, 17, 100};
+    for (size_t p = 0; p < sizeof lens / sizeof lens[0]; p++) {
+        int *prompt = random_prompt(&s, lens[p]);
+        int total = lens[p] + 200;
+        int *want = malloc(200 * sizeof(int)), *got = malloc(200 * sizeof(int));
+        double gap = ref_greedy(&r, prompt, lens[p], total, want);
+        engine_greedy(&fx, 1, &prompt, &lens[p], &total, 64, &got);
+        for (int i = 0; i < 200; i++)
+            cr_assert_eq(got[i], want[i],
+                         "bf16 weights, prompt of %d tokens: token %d is %d, reference %d (smallest gap %g)",
+                         lens[p], i, got[i], want[i], gap);
+        free(prompt), free(want), free(got);
+    }
+    td_engine_t *bad = NULL;
+    ec.weight_dtype = 7;
+    cr_assert_eq(td_engine_create(fx.model, fx.be, &ec, &bad), TD_ERR_INVALID);
+    cr_assert_null(bad);
+    fx_close(&fx);
+    ref_free(&r);
+}
+
+/* stories260K with weights and KV in `dtype` on `be` (taken over by the fixture) */
+static void fx_open_on(fixture_t *fx, td_backend_t *be, td_dtype_t dtype)
+{
+    *fx = (fixture_t){0};
+    fx->be = be;
+    cr_assert_eq(td_model_load(td_test_stories_path(), &fx->model), TD_OK, "%s", td_last_error());
+    fx->vocab = fx->model->config.vocab_size;
+    td_engine_config_t ec = td_engine_config_default();
+    ec.n_blocks = 256;
+    ec.weight_dtype = dtype;
+    ec.kv_dtype = dtype;
+    cr_assert_eq(td_engine_create(fx->model, be, &ec, &fx->eng), TD_OK, "%s", td_last_error());
+}
+
+/*
+ * The CUDA backend end to end against the CPU backend: four prompts (1..100 tokens) in one
+ * ragged batch, prefilled in chunks of 64 (a cached prefix for the 100-token prompt), then
+ * greedy decode. The first n_match generated tokens of every sequence must be equal. On the
+ * GPU the activations are in `dtype` too (the CPU's are f32).
+ */
+static void cuda_matches_cpu(td_dtype_t dtype, int n_match)
+{
+    td_test_skip_without_stories();
+    td_backend_t *gpu, *cpu;
+    if (td_backend_cuda_create(&(td_cuda_config_t){.device = 0, .act_dtype = dtype}, &gpu) != TD_OK)
+        cr_skip_test("skipped: no CUDA device (%s)", td_last_error());
+    cr_assert_eq(td_backend_cpu_create(&(td_cpu_config_t){.n_threads = 2}, &cpu), TD_OK);
+    fixture_t g, c;
+    fx_open_on(&g, gpu, dtype);
+    fx_open_on(&c, cpu, dtype);
+    enum { N = 4 };
+    unsigned s = 11;
+    int lens[N] = {1, 5, 17, 100}, total[N], *prompts[N], *want[N], *got[N];
+    for (int i = 0; i < N; i++) {
+        prompts[i] = random_prompt(&s, lens[i]);
+        total[i] = lens[i] + n_match;
+        want[i] = malloc((size_t)n_match * sizeof(int));
+        got[i] = malloc((size_t)n_match * sizeof(int));
+    }
+    engine_greedy(&c, N, prompts, lens, total, 64, want);
+    engine_greedy(&g, N, prompts, lens, total, 64, got);
+    for (int i = 0; i < N; i++) {
+        for (int t = 0; t < n_match; t++)
+            cr_assert_eq(got[i][t], want[i][t], "%s, prompt of %d tokens: CUDA token %d is %d, CPU %d",
+                         td_dtype_name(dtype), lens[i], t, got[i][t], want[i][t]);
+        free(prompts[i]), free(want[i]), free(got[i]);
+    }
+    fx_close(&g);
+    fx_close(&c);
+}
+
+Test(engine, cuda_matches_cpu_f32_200_tokens, .timeout = 300)
+{
+    cuda_matches_cpu(TD_F32, 200);
+}
+
+Test(engine, cuda_matches_cpu_bf16_32_tokens, .timeout = 300)
+{
+    cuda_matches_cpu(TD_BF16, 32);
+}

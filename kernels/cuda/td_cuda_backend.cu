@@ -425,7 +425,8 @@ extern "C" bool td_backend_cuda_compiled(void)
 
 /*
  * Creates a CUDA backend on cfg->device with activations in cfg->act_dtype.
- * Errors: TD_ERR_UNSUPPORTED when no device is usable (no driver, no GPU, bad index),
+ * Errors: TD_ERR_UNSUPPORTED, not logged (callers probe), when no device is usable (no
+ * driver, no GPU, bad index, older than sm_80),
  * TD_ERR_NOMEM / TD_ERR_CUDA when the stream, handles or workspace cannot be made.
  */
 extern "C" td_status_t td_backend_cuda_create(const td_cuda_config_t *cfg, td_backend_t **be_p)
@@ -434,7 +435,7 @@ extern "C" td_status_t td_backend_cuda_create(const td_cuda_config_t *cfg, td_ba
     cudaError_t e = cudaGetDeviceCount(&n_dev);
     if (e != cudaSuccess || n_dev == 0) {
         (void)cudaGetLastError();
-        /* quiet: callers probe for a GPU and fall back; the CLI shows td_last_error() */
+        /* quiet: callers probe for a GPU; td_backend_open logs it */
         return td_errorf_quiet(TD_ERR_UNSUPPORTED, "cuda: no usable CUDA device (%s): run on a machine "
                          "with an NVIDIA GPU and driver, or use --device cpu",
                          e != cudaSuccess ? cudaGetErrorString(e) : "0 devices");
@@ -442,7 +443,7 @@ extern "C" td_status_t td_backend_cuda_create(const td_cuda_config_t *cfg, td_ba
     int dev = cfg ? cfg->device : 0;
     td_dtype_t act = cfg ? cfg->act_dtype : TD_BF16;
     if (dev < 0 || dev >= n_dev)
-        return td_errorf(TD_ERR_UNSUPPORTED, "cuda: device %d does not exist (%d device%s present)",
+        return td_errorf_quiet(TD_ERR_UNSUPPORTED, "cuda: device %d does not exist (%d device%s present)",
                          dev, n_dev, n_dev == 1 ? "" : "s");
     if (act != TD_F32 && act != TD_F16 && act != TD_BF16)
         return td_errorf(TD_ERR_INVALID, "cuda: unknown activation dtype %d", (int)act);
@@ -459,7 +460,7 @@ extern "C" td_status_t td_backend_cuda_create(const td_cuda_config_t *cfg, td_ba
         goto err_ctx;
     }
     if (prop.major < 8) {
-        st = td_errorf(TD_ERR_UNSUPPORTED, "cuda: device %d (%s) is sm_%d%d; tandem needs sm_80 or "
+        st = td_errorf_quiet(TD_ERR_UNSUPPORTED, "cuda: device %d (%s) is sm_%d%d; tandem needs sm_80 or "
                        "newer (Ampere, Hopper)", dev, prop.name, prop.major, prop.minor);
         goto err_ctx;
     }
