@@ -1,8 +1,10 @@
 /*
- * bench_engine: `tandem bench engine`, the CPU engine against ceilings measured in the
- * same run:
- *   - batch-1 decode: tokens/s x bytes streamed per token / measured read bandwidth
- *   - prefill: model FLOP/s at a 512-token prompt / OpenBLAS sgemm FLOP/s
+ * bench_engine: `tandem bench engine`, the engine against ceilings measured in the same
+ * run on the same device:
+ *   - batch-1 decode: tokens/s x bytes streamed per token / measured bandwidth (CPU: all
+ *     cores reading 1 GiB; CUDA: a device-to-device copy, bytes read + written)
+ *   - prefill: model FLOP/s at a 512-token prompt / a GEMM of the prefill's FFN shape
+ *     (CPU: OpenBLAS sgemm; CUDA: the backend's cuBLAS matmul in the weights' dtype)
  *   - batched decode: aggregate tokens/s at batch 1, 8, 32, 64
  * The model is --model PATH, or a synthetic one of a preset shape (default llama-3.2-1b,
  * f32) written once to a cache folder.
@@ -27,6 +29,7 @@ typedef struct bench_opts {
     const char *model;
     const char *preset;
     td_dtype_t dtype;
+    td_device_spec_t device;
     int threads;
     int prompt_tokens;
     int gen_tokens;
@@ -213,10 +216,13 @@ static void usage(FILE *f)
 {
     fprintf(f,
             "usage: tandem bench engine [--model PATH | --preset NAME] [--dtype f32|bf16|f16]\n"
-            "                           [--threads N] [--prompt-tokens N] [--gen-tokens N] [--json]\n"
+            "                           [--device cpu|cuda[:N]] [--threads N] [--prompt-tokens N]\n"
+            "                           [--gen-tokens N] [--json]\n"
             "  --preset   synthetic model shape (default llama-3.2-1b), written once under\n"
             "             $TANDEM_CACHE or ~/.cache/tandem\n"
-            "  --dtype    dtype of the synthetic weights (default f32)\n"
+            "  --dtype    dtype of the synthetic weights (default f32); on cuda also of the\n"
+            "             activations and the KV cache\n"
+            "  --device   where the engine runs (default cpu)\n"
             "  --threads  compute threads (default: all cores)\n");
 }
 
@@ -229,6 +235,7 @@ int bench_engine(int argc, char **argv)
         {"dtype", required_argument, 0, 'd'},    {"threads", required_argument, 0, 't'},
         {"prompt-tokens", required_argument, 0, 'P'}, {"gen-tokens", required_argument, 0, 'g'},
         {"json", no_argument, 0, 'j'},           {"help", no_argument, 0, 'h'},
+        {"device", required_argument, 0, 'D'},
         {0, 0, 0, 0},
     };
     int64_t v;
@@ -259,6 +266,10 @@ int bench_engine(int argc, char **argv)
                 return 2;
             o.gen_tokens = (int)v;
             break;
+        case 'D':
+            if (td_device_parse(optarg, &o.device) != TD_OK)
+                return 2;
+            break;
         case 'j': o.json = true; break;
         case 'h': usage(stdout); return 0;
         default: usage(stderr); return 2;
@@ -273,21 +284,31 @@ int bench_engine(int argc, char **argv)
     td_engine_t *eng = NULL;
     td_pool_t *pool = NULL;
     int rc = 1;
-    if (ensure_model(&o, dir, sizeof dir) != TD_OK || td_model_load(dir, &model) != TD_OK)
+    if (td_backend_open(&o.device, o.threads, o.dtype, &be) != TD_OK ||
+        ensure_model(&o, dir, sizeof dir) != TD_OK || td_model_load(dir, &model) != TD_OK)
         goto out;
     const td_model_config_t *c = &model->config;
-    if (td_pool_create(o.threads, &pool) != TD_OK)
-        goto out;
-    double bw = measure_read_bw(pool);
-    td_pool_destroy(pool);
-    pool = NULL;
-    double sgemm = measure_sgemm(o.threads, o.prompt_tokens, c->hidden_dim, c->dim);
+    /* ceilings: bandwidth and GEMM FLOP/s on the device the engine runs on */
+    double bw = 0, sgemm = 0;
+    if (o.device.cuda) {
+        if (bench_copy_bandwidth(be, (size_t)1 << 30, 10, &bw) != TD_OK ||
+            bench_matmul_flops(be, o.prompt_tokens, c->hidden_dim, c->dim, o.dtype, 10, &sgemm) != TD_OK)
+            goto out;
+    } else {
+        if (td_pool_create(o.threads, &pool) != TD_OK)
+            goto out;
+        bw = measure_read_bw(pool);
+        td_pool_destroy(pool);
+        pool = NULL;
+        sgemm = measure_sgemm(o.threads, o.prompt_tokens, c->hidden_dim, c->dim);
+    }
+    const char *bw_name = o.device.cuda ? "device copy bandwidth" : "read bandwidth";
+    const char *gemm_name = o.device.cuda ? "cuBLAS gemm" : "OpenBLAS sgemm";
 
-    td_cpu_config_t cc = {.n_threads = o.threads};
-    if (td_backend_cpu_create(&cc, &be) != TD_OK)
-        goto out;
     const int batches[] = {1, 8, 32, 64};
     td_engine_config_t ec = td_engine_config_default();
+    if (o.device.cuda)
+        ec.kv_dtype = o.dtype;
     ec.n_blocks = 64 * TD_DIV_CEIL(64 + o.gen_tokens + 1, ec.block_size) +
                   TD_DIV_CEIL(o.prompt_tokens + o.gen_tokens + 1, ec.block_size) + 8;
     ec.max_batch_tokens = TD_MAX(o.prompt_tokens, 64);
@@ -321,25 +342,25 @@ int bench_engine(int argc, char **argv)
     }
 
     if (o.json) {
-        printf("{\"model\": \"%s\", \"threads\": %d, \"weight_bytes\": %zu, "
+        printf("{\"model\": \"%s\", \"device\": \"%s\", \"threads\": %d, \"weight_bytes\": %zu, "
                "\"read_bw_gbytes_per_s\": %.3f, \"sgemm_gflops\": %.2f, "
                "\"decode_b1_tokens_per_s\": %.3f, \"decode_b1_bytes_per_token\": %.0f, "
                "\"decode_b1_bw_ratio\": %.3f, \"prefill_tokens\": %d, "
                "\"prefill_tokens_per_s\": %.2f, \"prefill_gflops\": %.2f, "
                "\"prefill_sgemm_ratio\": %.3f, \"batched_decode_tokens_per_s\": "
                "{\"1\": %.2f, \"8\": %.2f, \"32\": %.2f, \"64\": %.2f}}\n",
-               dir, o.threads, td_engine_weight_bytes(eng), bw * 1e-9, sgemm * 1e-9, decode_tps,
+               dir, be->ops->name, o.threads, td_engine_weight_bytes(eng), bw * 1e-9, sgemm * 1e-9, decode_tps,
                bytes_per_token, decode_ratio, o.prompt_tokens, prefill_tps, prefill_flops * 1e-9,
                prefill_flops / sgemm, batch_tps[0], batch_tps[1], batch_tps[2], batch_tps[3]);
     } else {
-        printf("model          %s (%s, %.2f GB of weights streamed per step, %d threads)\n", dir,
-               c->arch_name, (double)td_engine_weight_bytes(eng) * 1e-9, o.threads);
-        printf("ceilings       read bandwidth %.2f GB/s, OpenBLAS sgemm %.1f GFLOP/s (%dx%dx%d)\n",
-               bw * 1e-9, sgemm * 1e-9, o.prompt_tokens, c->hidden_dim, c->dim);
-        printf("decode b=1     %.2f tokens/s x %.1f MB/token = %.2f GB/s = %.2f of read bandwidth\n",
-               decode_tps, bytes_per_token * 1e-6, decode_tps * bytes_per_token * 1e-9, decode_ratio);
-        printf("prefill %4d   %.1f tokens/s = %.1f GFLOP/s = %.2f of sgemm\n", o.prompt_tokens,
-               prefill_tps, prefill_flops * 1e-9, prefill_flops / sgemm);
+        printf("model          %s (%s, %.2f GB of weights streamed per step, %s)\n", dir,
+               c->arch_name, (double)td_engine_weight_bytes(eng) * 1e-9, be->ops->name);
+        printf("ceilings       %s %.2f GB/s, %s %.1f GFLOP/s (%dx%dx%d)\n", bw_name, bw * 1e-9,
+               gemm_name, sgemm * 1e-9, o.prompt_tokens, c->hidden_dim, c->dim);
+        printf("decode b=1     %.2f tokens/s x %.1f MB/token = %.2f GB/s = %.2f of %s\n", decode_tps,
+               bytes_per_token * 1e-6, decode_tps * bytes_per_token * 1e-9, decode_ratio, bw_name);
+        printf("prefill %4d   %.1f tokens/s = %.1f GFLOP/s = %.2f of %s\n", o.prompt_tokens,
+               prefill_tps, prefill_flops * 1e-9, prefill_flops / sgemm, gemm_name);
         printf("batched decode");
         for (int b = 0; b < 4; b++)
             printf("  b=%d %.1f tok/s", batches[b], batch_tps[b]);
@@ -347,8 +368,8 @@ int bench_engine(int argc, char **argv)
     }
     rc = 0;
 out:
-    if (rc)
-        fprintf(stderr, "tandem bench engine: %s\n", td_last_error());
+    if (rc && !td_last_error()[0])
+        fprintf(stderr, "tandem bench engine: failed\n"); /* decided errors were logged where decided */
     td_engine_destroy(eng);
     td_backend_destroy(be);
     td_pool_destroy(pool);

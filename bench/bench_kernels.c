@@ -37,6 +37,11 @@ typedef struct bench_kernels_result {
     double decode_frac;      /* decode_gbps / copy_gbps */
 } bench_kernels_result_t;
 
+typedef struct bench_kernels_copy {
+    void *src, *dst;
+    size_t bytes;
+} bench_kernels_copy_t;
+
 /* what a timed round runs */
 typedef td_status_t (*bench_kernels_fn)(td_backend_t *be, void *arg);
 
@@ -71,21 +76,27 @@ static td_status_t bench_kernels_time(td_backend_t *be, bench_kernels_fn fn, voi
     return TD_OK;
 }
 
-/* fills n bytes of device memory with random bf16 values in [-1, 1], never zero */
-static td_status_t bench_kernels_fill(td_backend_t *be, void *dst, size_t bytes)
+/* fills n bytes of device memory with random `dtype` values in [-1, 1], never zero */
+static td_status_t bench_kernels_fill(td_backend_t *be, void *dst, size_t bytes, td_dtype_t dtype)
 {
     size_t chunk = TD_MIN(bytes, (size_t)64 << 20);
-    uint16_t *h = malloc(chunk);
-    if (!h)
-        return td_errorf(TD_ERR_NOMEM, "bench kernels: cannot allocate %zu host bytes", chunk);
+    size_t elt = td_dtype_size(dtype);
+    float *f = malloc(chunk / elt * sizeof(float));
+    void *h = malloc(chunk);
+    if (!h || !f) {
+        free(f), free(h);
+        return td_errorf(TD_ERR_NOMEM, "bench kernels: cannot allocate %zu host bytes", 3 * chunk);
+    }
     uint64_t s = 0x2545F4914F6CDD1Dull;
-    for (size_t i = 0; i < chunk / 2; i++) {
+    for (size_t i = 0; i < chunk / elt; i++) {
         s ^= s << 13;
         s ^= s >> 7;
         s ^= s << 17;
         float u = (float)((s >> 40) & 0xFFFF) / 65536.0f;
-        h[i] = td_f32_to_bf16((s & 1 ? 1.0f : -1.0f) * (0.05f + 0.95f * u));
+        f[i] = (s & 1 ? 1.0f : -1.0f) * (0.05f + 0.95f * u);
     }
+    td_dtype_convert(h, dtype, f, TD_F32, chunk / elt);
+    free(f);
     td_status_t st = TD_OK;
     for (size_t off = 0; off < bytes && st == TD_OK; off += chunk)
         st = be->ops->copy_h2d(be, (char *)dst + off, h, TD_MIN(chunk, bytes - off));
@@ -97,10 +108,23 @@ static td_status_t bench_kernels_fill(td_backend_t *be, void *dst, size_t bytes)
 
 /* ---- copy ------------------------------------------------------------------------------------ */
 
-typedef struct bench_kernels_copy {
-    void *src, *dst;
-    size_t bytes;
-} bench_kernels_copy_t;
+static td_status_t bench_kernels_copy_run(td_backend_t *be, void *arg);
+
+td_status_t bench_copy_bandwidth(td_backend_t *be, size_t bytes, int iters, double *bytes_per_s)
+{
+    bench_kernels_copy_t c = {NULL, NULL, bytes};
+    double sec = 0;
+    td_status_t st;
+    if ((st = be->ops->alloc(be, c.bytes, &c.src)) != TD_OK)
+        return st;
+    if ((st = be->ops->alloc(be, c.bytes, &c.dst)) == TD_OK &&
+        (st = bench_kernels_fill(be, c.src, c.bytes, TD_BF16)) == TD_OK &&
+        (st = bench_kernels_time(be, bench_kernels_copy_run, &c, iters, &sec)) == TD_OK)
+        *bytes_per_s = 2.0 * (double)c.bytes / sec;
+    be->ops->free(be, c.dst);
+    be->ops->free(be, c.src);
+    return st;
+}
 
 static td_status_t bench_kernels_copy_run(td_backend_t *be, void *arg)
 {
@@ -113,6 +137,31 @@ static td_status_t bench_kernels_copy_run(td_backend_t *be, void *arg)
 static td_status_t bench_kernels_gemm_run(td_backend_t *be, void *arg)
 {
     return be->ops->matmul(be, arg);
+}
+
+td_status_t bench_matmul_flops(td_backend_t *be, int32_t m, int32_t n, int32_t k, td_dtype_t w_dtype,
+                               int iters, double *flops_p)
+{
+    size_t act = td_dtype_size(be->act_dtype);
+    void *x = NULL, *w = NULL, *y = NULL;
+    double sec = 0;
+    td_status_t st;
+    if ((st = be->ops->alloc(be, (size_t)m * k * act, &x)) != TD_OK)
+        return st;
+    td_matmul_params_t mp = {.m = m, .n = n, .k = k, .x = x, .w_dtype = w_dtype};
+    if ((st = be->ops->alloc(be, (size_t)n * k * td_dtype_size(w_dtype), &w)) == TD_OK &&
+        (st = be->ops->alloc(be, (size_t)m * n * act, &y)) == TD_OK &&
+        (st = bench_kernels_fill(be, x, (size_t)m * k * act, be->act_dtype)) == TD_OK &&
+        (st = bench_kernels_fill(be, w, (size_t)n * k * td_dtype_size(w_dtype), w_dtype)) == TD_OK) {
+        mp.w = w;
+        mp.y = y;
+        if ((st = bench_kernels_time(be, bench_kernels_gemm_run, &mp, iters, &sec)) == TD_OK)
+            *flops_p = 2.0 * m * (double)n * k / sec;
+    }
+    be->ops->free(be, y);
+    be->ops->free(be, w);
+    be->ops->free(be, x);
+    return st;
 }
 
 /* ---- attention ----------------------------------------------------------------------------- */
@@ -197,8 +246,8 @@ static td_status_t bench_kernels_attn(td_backend_t *be, bool decode, int32_t n_s
         goto out_pool;
     if ((st = be->ops->alloc(be, q_bytes, &out)) != TD_OK)
         goto out_q;
-    if ((st = bench_kernels_fill(be, pool, pool_bytes)) != TD_OK ||
-        (st = bench_kernels_fill(be, q, q_bytes)) != TD_OK ||
+    if ((st = bench_kernels_fill(be, pool, pool_bytes, TD_BF16)) != TD_OK ||
+        (st = bench_kernels_fill(be, q, q_bytes, TD_BF16)) != TD_OK ||
         (st = be->ops->set_step(be, &s.m)) != TD_OK)
         goto out_out;
     bench_kernels_attn_t a = {
@@ -222,45 +271,15 @@ out_step:
 static td_status_t bench_kernels_measure(td_backend_t *be, int iters, bench_kernels_result_t *r)
 {
     td_status_t st;
-    double sec = 0;
+    double v = 0;
 
-    /* copy: 1 GiB */
-    bench_kernels_copy_t c = {NULL, NULL, (size_t)1 << 30};
-    if ((st = be->ops->alloc(be, c.bytes, &c.src)) != TD_OK)
+    /* copy: 1 GiB; gemm: bf16 8192^3 */
+    if ((st = bench_copy_bandwidth(be, (size_t)1 << 30, iters, &v)) != TD_OK)
         return st;
-    if ((st = be->ops->alloc(be, c.bytes, &c.dst)) != TD_OK)
-        goto out_copy;
-    if ((st = bench_kernels_fill(be, c.src, c.bytes)) != TD_OK ||
-        (st = bench_kernels_time(be, bench_kernels_copy_run, &c, iters, &sec)) != TD_OK)
-        goto out_copy;
-    r->copy_gbps = 2.0 * c.bytes / sec / 1e9;
-out_copy:
-    be->ops->free(be, c.dst);
-    be->ops->free(be, c.src);
-    if (st != TD_OK)
+    r->copy_gbps = v / 1e9;
+    if ((st = bench_matmul_flops(be, 8192, 8192, 8192, TD_BF16, TD_MAX(iters / 2, 1), &v)) != TD_OK)
         return st;
-
-    /* gemm: bf16 8192^3 */
-    const int32_t g = 8192;
-    size_t gb = (size_t)g * g * 2;
-    void *x = NULL, *w = NULL, *y = NULL;
-    if ((st = be->ops->alloc(be, gb, &x)) != TD_OK)
-        return st;
-    if ((st = be->ops->alloc(be, gb, &w)) != TD_OK)
-        goto out_gemm;
-    if ((st = be->ops->alloc(be, gb, &y)) != TD_OK)
-        goto out_gemm;
-    td_matmul_params_t mp = {.m = g, .n = g, .k = g, .x = x, .w = w, .w_dtype = TD_BF16, .y = y};
-    if ((st = bench_kernels_fill(be, x, gb)) != TD_OK || (st = bench_kernels_fill(be, w, gb)) != TD_OK ||
-        (st = bench_kernels_time(be, bench_kernels_gemm_run, &mp, TD_MAX(iters / 2, 1), &sec)) != TD_OK)
-        goto out_gemm;
-    r->gemm_tflops = 2.0 * g * g * (double)g / sec / 1e12;
-out_gemm:
-    be->ops->free(be, y);
-    be->ops->free(be, w);
-    be->ops->free(be, x);
-    if (st != TD_OK)
-        return st;
+    r->gemm_tflops = v / 1e12;
 
     /* prefill attention: 4096 tokens, 32 heads, hd 128, causal */
     const double n = 4096, d = 128, heads = 32;

@@ -6,9 +6,19 @@
 #ifndef TD_BENCH_H
 #define TD_BENCH_H
 
+#include "td_backend.h"
+
 int bench_engine(int argc, char **argv);  /* bench/bench_engine.c */
 int bench_kernels(int argc, char **argv); /* bench/bench_kernels.c (CUDA kernels) */
 int bench_kvxfer(int argc, char **argv);  /* bench/bench_kvxfer.c */
 int bench_router(int argc, char **argv);  /* bench/bench_router.c */
+
+/* Device ceilings through the backend interface (bench/bench_kernels.c), medians of 5 rounds
+ * of `iters` calls after warm-up: bytes read + written per second by a device-to-device
+ * copy of `bytes`, and FLOP/s of the backend's matmul at m x n x k (weights w_dtype,
+ * activations the backend's) on random inputs. */
+td_status_t bench_copy_bandwidth(td_backend_t *be, size_t bytes, int iters, double *bytes_per_s);
+td_status_t bench_matmul_flops(td_backend_t *be, int32_t m, int32_t n, int32_t k, td_dtype_t w_dtype,
+                               int iters, double *flops_p);
 
 #endif /* TD_BENCH_H */
