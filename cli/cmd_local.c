@@ -119,6 +119,7 @@ static void stop_all(local_state_t *l)
 int cmd_local(int argc, char **argv)
 {
     const char *model = NULL, *tokenizer = NULL, *log_level = "warn", *host = "127.0.0.1", *advertise = NULL;
+    const char *device = "cpu", *dtype = NULL;
     int64_t n_prefill = 1, n_decode = 1, threads = 1, kv_blocks = 1024;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -126,11 +127,12 @@ int cmd_local(int argc, char **argv)
         if (!strcmp(a, "--help")) {
             printf("usage: tandem local --model PATH [--tokenizer PATH] [--prefill N] [--decode M]\n"
                    "                    [--threads T] [--kv-blocks B] [--log-level L]\n"
-                   "                    [--host H] [--advertise A]\n\n"
+                   "                    [--host H] [--advertise A] [--device D] [--dtype T]\n\n"
                    "Starts a router, N prefill and M decode nodes (separate processes) listening on\n"
                    "--host (default 127.0.0.1) and reached at --advertise (default --host; required\n"
                    "with a wildcard host), prints 'gateway: HOST:PORT' and 'metrics: URL' once all\n"
-                   "registered, and stops them all on SIGINT/SIGTERM. --threads is per node (default 1).\n");
+                   "registered, and stops them all on SIGINT/SIGTERM. --threads is per node (default 1);\n"
+                   "--device (cpu, cuda, cuda:N) and --dtype (f32, f16, bf16) go to every node.\n");
             return 0;
         }
         if (!v) {
@@ -143,6 +145,8 @@ int cmd_local(int argc, char **argv)
         else if (!strcmp(a, "--log-level")) log_level = v;
         else if (!strcmp(a, "--host")) host = v;
         else if (!strcmp(a, "--advertise")) advertise = v;
+        else if (!strcmp(a, "--device")) device = v; /* the nodes check both */
+        else if (!strcmp(a, "--dtype")) dtype = v;
         else if (!strcmp(a, "--prefill")) st = td_parse_i64(v, 1, 32, "--prefill", &n_prefill);
         else if (!strcmp(a, "--decode")) st = td_parse_i64(v, 1, 32, "--decode", &n_decode);
         else if (!strcmp(a, "--threads")) st = td_parse_i64(v, 0, 4096, "--threads", &threads);
@@ -213,9 +217,16 @@ int cmd_local(int argc, char **argv)
         snprintf(id, sizeof id, "%s%lld", dec ? "decode" : "prefill", (long long)(dec ? i - n_prefill : i));
         char *nargv[] = {"tandem", dec ? "decode" : "prefill", "--model", (char *)model, "--router", control,
                          "--node-id", id, "--threads", th, "--kv-blocks", kb, "--log-level", (char *)log_level,
-                         "--host", (char *)host, "--advertise", (char *)advertise, NULL};
-        if (!advertise)
-            nargv[16] = NULL;
+                         "--host", (char *)host, "--device", (char *)device, NULL, NULL, NULL, NULL, NULL};
+        int k = 18;
+        if (dtype) {
+            nargv[k++] = "--dtype";
+            nargv[k++] = (char *)dtype;
+        }
+        if (advertise) {
+            nargv[k++] = "--advertise";
+            nargv[k++] = (char *)advertise;
+        }
         if ((l.pids[l.n] = spawn(self, nargv, NULL)) < 0)
             goto out;
         l.n++;

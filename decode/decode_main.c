@@ -44,6 +44,7 @@
  * ports, threads, log level) are router_proc's. */
 typedef struct decode_config {
     int64_t kv_blocks;        /* the pool: engine sequences and transfer leases */
+    int64_t landing_blocks;   /* device pool: host blocks senders write (0: kv_blocks / 4) */
     int64_t max_batch;
     int64_t max_lease_ms;
     int64_t max_requests;     /* admitted + running at most (bounds every queue) */
@@ -297,6 +298,15 @@ static decode_admit_t *admit_take(decode_state_t *s, uint64_t lease_id)
     return NULL;
 }
 
+/* td_xfer's copy of landed blocks into the device pool, on the loop thread while the
+   compute thread runs steps: the blocks are leased, so no step reads them, and the copy is
+   queued on the compute stream, so every later step sees it (td_backend.h "Threads") */
+static td_status_t copy_landed(void *arg, void *dst, const void *src, size_t bytes)
+{
+    td_backend_t *be = arg;
+    return be->ops->copy_h2d(be, dst, src, bytes);
+}
+
 static void on_kv_ready(void *arg, const td_xfer_ready_t *r)
 {
     decode_state_t *s = arg;
@@ -519,6 +529,8 @@ int decode_main(int argc, char **argv)
                              .result_queue = 64, .idle_wait_ms = 50};
     const router_conf_key_t keys[] = {
         {"kv-blocks", ROUTER_CONF_I64, &cfg->kv_blocks, 1, 1 << 24, "KV pool blocks (sequences and leases)"},
+        {"landing-blocks", ROUTER_CONF_I64, &cfg->landing_blocks, 0, 1 << 24,
+         "--device cuda: host blocks transfers land in before their copy to the GPU (0 = kv-blocks / 4)"},
         {"max-batch", ROUTER_CONF_I64, &cfg->max_batch, 1, 4096, "running sequences at most"},
         {"max-lease-ms", ROUTER_CONF_I64, &cfg->max_lease_ms, 1, 600000, "longest lease granted"},
         {"max-requests", ROUTER_CONF_I64, &cfg->max_requests, 1, 1 << 20, "pending admissions at most"},
@@ -543,7 +555,7 @@ int decode_main(int argc, char **argv)
         goto out;
     if ((st = router_proc_load_model(&s->proc, &s->model, &s->be)) != TD_OK)
         goto out;
-    td_engine_config_t ec = td_engine_config_default();
+    td_engine_config_t ec = router_proc_engine_config(&s->proc);
     ec.n_blocks = (int32_t)cfg->kv_blocks;
     ec.max_seqs = (int32_t)cfg->max_batch;
     ec.max_logit_rows = (int32_t)cfg->max_batch;
@@ -560,14 +572,32 @@ int decode_main(int argc, char **argv)
         goto out;
     td_xfer_pool_t xp = {.layout = s->layout, .base = NULL, .n_blocks = (uint32_t)cfg->kv_blocks,
                          .mem = TD_XFER_MEM_HOST, .kv = NULL};
-    if ((st = td_xfer_register_pool(s->xfer, &xp, on_kv_ready, s)) != TD_OK)
-        goto out;
-    ec.kv_pool = td_xfer_pool_base(s->xfer);
-    if ((st = td_engine_create(s->model, s->be, &ec, &s->eng)) != TD_OK)
-        goto out;
-    s->kv = td_engine_kv(s->eng);
-    if ((st = td_xfer_pool_set_kv(s->xfer, s->kv)) != TD_OK)
-        goto out;
+    if (s->be->host_memory) {
+        /* UCX allocates the pool (shared memory for senders on this host); the engine
+           computes on it */
+        if ((st = td_xfer_register_pool(s->xfer, &xp, on_kv_ready, s)) != TD_OK)
+            goto out;
+        ec.kv_pool = td_xfer_pool_base(s->xfer);
+        if ((st = td_engine_create(s->model, s->be, &ec, &s->eng)) != TD_OK)
+            goto out;
+        s->kv = td_engine_kv(s->eng);
+        if ((st = td_xfer_pool_set_kv(s->xfer, s->kv)) != TD_OK)
+            goto out;
+    } else {
+        /* a device pool (the engine's): senders write a host landing area and kv-ready
+           copies the landed blocks in (docs/xfer.md "Memory types") */
+        if ((st = td_engine_create(s->model, s->be, &ec, &s->eng)) != TD_OK)
+            goto out;
+        s->kv = td_engine_kv(s->eng);
+        xp.base = td_engine_kv_pool(s->eng, NULL);
+        xp.mem = TD_XFER_MEM_CUDA;
+        xp.kv = s->kv;
+        xp.landing_blocks = (uint32_t)(cfg->landing_blocks ? cfg->landing_blocks : TD_MAX(1, cfg->kv_blocks / 4));
+        xp.copy_h2d = copy_landed;
+        xp.copy_arg = s->be;
+        if ((st = td_xfer_register_pool(s->xfer, &xp, on_kv_ready, s)) != TD_OK)
+            goto out;
+    }
     decode_sched_config_t dc = decode_sched_config_default();
     dc.max_batch = (int32_t)cfg->max_batch;
     dc.max_waiting = (int32_t)cfg->max_requests;

@@ -20,7 +20,13 @@
  * caller's contract (TD_ASSERT guards the cheap invariants).
  *
  * Threads. A backend context is used by one thread at a time; the CPU backend runs each
- * op on its own worker pool.
+ * op on its own worker pool. The one exception is a node's data plane: its loop thread may
+ * call the async copy ops below, and copy_h2d into blocks no step reads (a leased transfer's
+ * landing copy), while the compute thread runs steps. Both backends allow it: the CPU's are
+ * memcpy; the CUDA backend's only queue work on its streams (thread-safe CUDA calls), and
+ * copy_h2d goes on the compute stream, so the steps queued after it see the bytes (from
+ * pageable memory CUDA first waits for the work queued before it: the loop thread may wait
+ * up to one step).
  */
 #ifndef TD_BACKEND_H
 #define TD_BACKEND_H

@@ -689,7 +689,7 @@ int prefill_main(int argc, char **argv)
         goto out;
     if ((st = router_proc_load_model(&s->proc, &s->model, &s->be)) != TD_OK)
         goto out;
-    td_engine_config_t ec = td_engine_config_default();
+    td_engine_config_t ec = router_proc_engine_config(&s->proc);
     ec.n_blocks = (int32_t)cfg->kv_blocks;
     ec.max_seqs = (int32_t)cfg->max_batch;
     ec.max_logit_rows = (int32_t)cfg->max_batch;

@@ -757,11 +757,13 @@ static router_start_t req_start(router_req_t *r)
     if (st != TD_OK) {
         if (st == TD_ERR_EXHAUSTED)
             return START_NO_ROOM;
-        if (st == TD_ERR_RANGE)
+        if (st == TD_ERR_RANGE) {
             req_fail(r, TD_GRPC_INVALID_ARGUMENT, "prompt + max_tokens exceed every decode node's KV pool", "invalid");
-        else
-            req_fail(r, TD_GRPC_UNAVAILABLE, r->n_tried ? "the retry found no other pair" : "no prefill/decode pair is up",
-                     "unavailable");
+        } else {
+            char why[256]; /* the policy's reason, copied before the release can log another */
+            snprintf(why, sizeof why, "%s", td_last_error());
+            req_fail(r, TD_GRPC_UNAVAILABLE, why, "unavailable");
+        }
         return START_ENDED;
     }
     router_policy_commit(s->reg, &pr, &pick);

@@ -100,6 +100,38 @@ static int32_t best_prefill(const router_registry_t *reg, const router_policy_co
     return best;
 }
 
+/* Why no ranked decode node found a prefill partner: none live, or every live one's KV
+ * layout differs (naming the first difference), or every pair was tried. */
+static td_status_t no_pair_error(const router_registry_t *reg, const router_pick_request_t *req,
+                                 const decode_rank_t *ranks, int32_t n_rank)
+{
+    char why[160] = "";
+    int32_t n_prefill = 0, n_same = 0;
+    for (int32_t p = 0; p < router_registry_slots(reg); p++) {
+        const router_node_t *pn = router_registry_node_const(reg, p);
+        if (!serves(pn, req->model, ROUTER_ROLE_PREFILL) || !router_registry_is_live(reg, p, req->now_ns))
+            continue;
+        n_prefill++;
+        for (int32_t r = 0; r < n_rank; r++) {
+            const router_node_t *dn = router_registry_node_const(reg, ranks[r].index);
+            if (td_kv_layout_compare(&dn->info.layout, &pn->info.layout, why[0] ? NULL : why,
+                                     why[0] ? 0 : sizeof why) == TD_OK) {
+                n_same++;
+                break;
+            }
+        }
+    }
+    if (n_prefill == 0)
+        return td_errorf_quiet(TD_ERR_UNAVAILABLE, "no live prefill node serves model %s", req->model);
+    if (n_same == 0)
+        return td_errorf_quiet(TD_ERR_UNAVAILABLE,
+                               "the KV layouts of model %s's live prefill nodes and its decode nodes "
+                               "with room differ (%s): start them with the same --dtype",
+                               req->model, why);
+    return td_errorf_quiet(TD_ERR_UNAVAILABLE,
+                           "every prefill/decode pair of model %s with room was already tried", req->model);
+}
+
 td_status_t router_policy_pick(const router_registry_t *reg, const router_policy_config_t *cfg,
                                const router_pick_request_t *req, router_pick_t *pick_p)
 {
@@ -164,10 +196,7 @@ td_status_t router_policy_pick(const router_registry_t *reg, const router_policy
                              "no decode node of model %s has room for %d tokens now; retry later",
                              req->model, req->n_prompt + req->max_tokens);
     else
-        st = td_errorf_quiet(TD_ERR_UNAVAILABLE,
-                             "no live prefill node of model %s pairs with a decode node that has "
-                             "room (layouts differ, nodes down, or every pair already tried)",
-                             req->model);
+        st = no_pair_error(reg, req, ranks, n_rank);
 out:
     free(ranks);
     free(hc.hashes);

@@ -39,8 +39,13 @@ static int common_keys(router_proc_config_t *c, router_proc_kind_t kind, router_
     out[n++] = (router_conf_key_t){"port", ROUTER_CONF_I64, &c->port, 0, 65535,
                                    node ? "control gRPC port (0 = any)" : "gateway gRPC port (0 = any)"};
     out[n++] = (router_conf_key_t){"metrics-port", ROUTER_CONF_I64, &c->metrics_port, 0, 65535, "/metrics port (0 = any)"};
-    if (node)
+    if (node) {
         out[n++] = (router_conf_key_t){"threads", ROUTER_CONF_I64, &c->threads, 0, 4096, "compute threads (0 = all cores)"};
+        out[n++] = (router_conf_key_t){"device", ROUTER_CONF_STR, &c->device, 0, 0, "cpu, cuda (GPU 0) or cuda:N"};
+        out[n++] = (router_conf_key_t){"dtype", ROUTER_CONF_STR, &c->dtype, 0, 0,
+                                       "f32|f16|bf16: weights and KV cache (and CUDA activations); "
+                                       "default: weights as stored, KV f32. Paired nodes must agree"};
+    }
     out[n++] = (router_conf_key_t){"log-level", ROUTER_CONF_STR, &c->log_level, 0, 0, "error|warn|info|debug"};
     return n;
 }
@@ -57,6 +62,11 @@ static td_status_t validate(router_proc_t *p)
             return td_errorf(TD_ERR_INVALID, "%s: --model PATH is required", prog);
         if (router_conf_split_addr(c->router, p->router_host, sizeof p->router_host, &p->router_port) != TD_OK)
             return td_errorf(TD_ERR_INVALID, "%s: --router '%s' is not a valid HOST:PORT", prog, c->router);
+        if (td_device_parse(c->device ? c->device : "cpu", &p->device) != TD_OK)
+            return TD_ERR_INVALID;
+        p->dtype = c->dtype ? td_dtype_parse(c->dtype) : -1;
+        if (c->dtype && p->dtype < 0)
+            return td_errorf(TD_ERR_INVALID, "%s: --dtype '%s' is not f32, f16 or bf16", prog, c->dtype);
     }
     if (router_proc_is_wildcard(c->host) && !c->advertise)
         return td_errorf(TD_ERR_INVALID,
@@ -177,8 +187,8 @@ td_status_t router_proc_load_model(router_proc_t *p, td_model_t **model_p, td_ba
     td_status_t st = td_model_load(p->cfg.model, &model);
     if (st != TD_OK)
         return st;
-    td_cpu_config_t cc = {.n_threads = (int32_t)p->cfg.threads};
-    if ((st = td_backend_cpu_create(&cc, &be)) != TD_OK)
+    if ((st = td_backend_open(&p->device, (int32_t)p->cfg.threads, p->dtype < 0 ? TD_F32 : (td_dtype_t)p->dtype,
+                              &be)) != TD_OK)
         goto err_model;
     *model_p = model;
     *be_p = be;
@@ -186,6 +196,16 @@ td_status_t router_proc_load_model(router_proc_t *p, td_model_t **model_p, td_ba
 err_model:
     td_model_destroy(model);
     return st;
+}
+
+td_engine_config_t router_proc_engine_config(const router_proc_t *p)
+{
+    td_engine_config_t ec = td_engine_config_default();
+    if (p->dtype >= 0) {
+        ec.weight_dtype = p->dtype;
+        ec.kv_dtype = (td_dtype_t)p->dtype;
+    }
+    return ec;
 }
 
 td_sampling_t router_proc_sampling(const Tandem__Control__V1__SamplingParams *p)

@@ -40,6 +40,7 @@
 #include "router_conf.h"
 #include "router_node_client.h"
 #include "td_backend.h"
+#include "td_engine.h"
 #include "td_http.h"
 #include "td_metrics.h"
 #include "td_model.h"
@@ -67,6 +68,9 @@ typedef struct router_proc_config {
     const char *router;        /* the router's control address HOST:PORT (default 127.0.0.1:7070) */
     const char *node_id;       /* unique node name (default "<prog>0") */
     int64_t threads;           /* compute threads (0 = all cores) */
+    const char *device;        /* cpu (default), cuda, cuda:N */
+    const char *dtype;         /* weights and KV cache (and CUDA activations): f32|f16|bf16;
+                                  NULL: weights as stored, KV and activations f32 */
 } router_proc_config_t;
 
 /* The process's part of shutdown: called once, on the loop thread, before the skeleton
@@ -89,6 +93,8 @@ typedef struct router_proc {
     uint16_t router_port;
     char address[ROUTER_PROC_ADDR_MAX]; /* nodes: advertise:port, once registered */
     char default_id[32];
+    td_device_spec_t device;   /* nodes: parsed cfg.device */
+    int dtype;                 /* nodes: parsed cfg.dtype, -1 when not given */
     router_conf_store_t store;
     td_http_server_t *http;
     router_node_client_t *client;
@@ -131,11 +137,15 @@ td_status_t router_proc_register(router_proc_t *p, router_node_client_config_t *
                                  router_node_load_cb load_cb, void *data);
 
 /*
- * Nodes: loads cfg.model and creates the CPU backend with cfg.threads threads, the one
- * way every node gets its model. Outputs set only on success (the model freed on a backend
- * failure). Errors: those of td_model_load / td_backend_cpu_create, logged there.
+ * Nodes: loads cfg.model and opens the backend of cfg.device (td_backend_open: cfg.threads
+ * CPU threads, or CUDA activations in cfg.dtype), the one way every node gets its model.
+ * Outputs set only on success (the model freed on a backend failure). Errors: those of
+ * td_model_load / td_backend_open, logged there.
  */
 td_status_t router_proc_load_model(router_proc_t *p, td_model_t **model_p, td_backend_t **be_p);
+
+/* Nodes: the engine defaults with cfg.dtype applied to the weights and the KV cache. */
+td_engine_config_t router_proc_engine_config(const router_proc_t *p);
 
 /*
  * Nodes: the sampling parameters of a control call (AdmitRequest.sampling,
