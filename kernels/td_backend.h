@@ -178,6 +178,9 @@ struct td_backend {
 /* CPU backend (the reference). n_threads <= 0: all online CPUs. */
 typedef struct td_cpu_config {
     int32_t n_threads;
+    bool device_memory; /* treat its memory as a device's (host_memory false): the engine
+                           uploads weights, the nodes stage KV through host buffers and a
+                           landing area, as on a GPU; the device paths, tested without one */
 } td_cpu_config_t;
 
 td_status_t td_backend_cpu_create(const td_cpu_config_t *cfg, td_backend_t **be_p);
@@ -194,9 +197,11 @@ td_status_t td_backend_cuda_create(const td_cuda_config_t *cfg, td_backend_t **b
 /* True when this build has the CUDA backend compiled in. */
 bool td_backend_cuda_compiled(void);
 
-/* Where a process computes: the --device value "cpu", "cuda" (device 0) or "cuda:N". */
+/* Where a process computes: the --device value "cpu", "cuda" (device 0), "cuda:N", or
+ * "cpu:staged" (the CPU backend with device_memory: the device paths without a GPU). */
 typedef struct td_device_spec {
     bool cuda;
+    bool staged;     /* cpu:staged */
     int32_t index;   /* CUDA device ordinal */
 } td_device_spec_t;
 

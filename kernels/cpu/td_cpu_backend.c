@@ -428,13 +428,13 @@ td_status_t td_backend_cpu_create(const td_cpu_config_t *cfg, td_backend_t **be_
     cpu->base.act_dtype = TD_F32;
     cpu->base.weight_dtypes = (1u << TD_F32) | (1u << TD_F16) | (1u << TD_BF16);
     cpu->base.kv_dtypes = (1u << TD_F32) | (1u << TD_F16) | (1u << TD_BF16);
-    cpu->base.host_memory = true;
+    cpu->base.host_memory = !(cfg && cfg->device_memory);
     cpu->n_threads = n;
     st = td_pool_create(n, &cpu->pool);
     if (st != TD_OK)
         goto err_cpu;
     openblas_set_num_threads(1);
-    td_debug("cpu backend threads %d", n);
+    td_debug("cpu backend threads %d%s", n, cpu->base.host_memory ? "" : ", memory treated as a device's");
     *be_p = &cpu->base;
     return TD_OK;
 
