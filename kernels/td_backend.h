@@ -113,6 +113,9 @@ typedef struct td_backend_ops {
     /* memory */
     td_status_t (*alloc)(td_backend_t *be, size_t bytes, void **ptr_p);
     void (*free)(td_backend_t *be, void *ptr);
+    /* copy_h2d returns once the bytes are in dst (src may be reused) and ops queued after it
+       see them; copy_d2h returns once they are in dst; copy_d2d is ordered before the ops
+       queued after it. Ranges must not overlap. */
     td_status_t (*copy_h2d)(td_backend_t *be, void *dst, const void *src, size_t bytes);
     td_status_t (*copy_d2h)(td_backend_t *be, void *dst, const void *src, size_t bytes);
     td_status_t (*copy_d2d)(td_backend_t *be, void *dst, const void *src, size_t bytes);

@@ -28,6 +28,7 @@
 #define TD_DEC_GMAX 8    /* query heads per block */
 #define TD_DEC_UNROLL 4  /* K/V rows in flight per thread */
 #define TD_DEC_PMAX 1024 /* most tokens per partition */
+#define TD_DEC_PART 256  /* tokens per partition unless the caller asks (td_cpu_attn.c: the same) */
 
 /* 16 bytes of TK elements to fp32 */
 template <typename TK> struct td_vec;
@@ -286,25 +287,17 @@ __global__ void td_decode_merge_kernel(td_dec_args a)
     }
 }
 
-/* Tokens per partition: a multiple of the block size, at most TD_DEC_PMAX (rounded down to
-   a block multiple, never below one block), small enough to give >= 2 blocks per SM. */
-static int32_t td_decode_partition(const td_cuda_backend_t *c, int32_t requested, int32_t bs,
-                                   int32_t blocks_per_part_grid)
+/* Tokens per partition: the request, else TD_DEC_PART (the CPU backend's constant: a
+   sequence's partitions, hence its floats, do not depend on the rest of the batch, and a 4k
+   context already gives 16 partitions per KV head at batch 1); a multiple of the block
+   size, at most TD_DEC_PMAX (rounded down to a block multiple, never below one block). */
+static int32_t td_decode_partition(int32_t requested, int32_t bs)
 {
     int32_t pmax = TD_DEC_PMAX / bs * bs;
     if (pmax < bs)
         pmax = bs;
-    int32_t P;
-    if (requested > 0) {
-        P = (requested + bs - 1) / bs * bs;
-    } else {
-        int32_t want_parts = (2 * c->n_sms + blocks_per_part_grid - 1) / blocks_per_part_grid;
-        int32_t L = c->step.max_seq_len > 0 ? c->step.max_seq_len : 1;
-        P = (L + want_parts - 1) / want_parts;
-        P = (P + bs - 1) / bs * bs;
-        if (P < 256 && L >= 256)
-            P = 256; /* shorter partitions cost more in the merge than they win */
-    }
+    int32_t P = requested > 0 ? requested : TD_DEC_PART;
+    P = (P + bs - 1) / bs * bs;
     if (P > pmax)
         P = pmax;
     if (P < bs)
@@ -330,6 +323,9 @@ td_status_t td_cuda_attn_decode(td_cuda_backend_t *c, const td_attn_params_t *p)
     if (((uintptr_t)p->kv_layer & 15) != 0)
         return td_errorf(TD_ERR_INVALID, "cuda: decode attention needs the KV layer 16-byte "
                          "aligned (got %p)", p->kv_layer);
+    if (st->max_q_len != 1)
+        return td_errorf(TD_ERR_INVALID, "cuda: decode attention takes one new row per sequence (a "
+                         "sequence of this step has %d)", st->max_q_len);
     if (st->n_seqs > 65535)
         return td_errorf(TD_ERR_INVALID, "cuda: decode attention takes at most 65535 sequences "
                          "per step (got %d)", st->n_seqs);
@@ -353,8 +349,7 @@ td_status_t td_cuda_attn_decode(td_cuda_backend_t *c, const td_attn_params_t *p)
     a.n_hchunks = (a.group + TD_DEC_GMAX - 1) / TD_DEC_GMAX;
     a.tpr = tpr;
     a.scale_log2 = p->scale * 1.4426950408889634f;
-    a.part_tokens = td_decode_partition(c, p->partition_tokens, a.block_size,
-                                        st->n_seqs * n_kv * a.n_hchunks);
+    a.part_tokens = td_decode_partition(p->partition_tokens, a.block_size);
     a.max_parts = (st->max_seq_len + a.part_tokens - 1) / a.part_tokens;
     if (a.max_parts < 1)
         a.max_parts = 1;

@@ -88,8 +88,8 @@ static void td_cuda_destroy(td_backend_t *be)
     if (c->meta_done)
         cudaEventDestroy(c->meta_done);
     cudaFree(c->rows_dev);
-    cudaFree(c->scratch[0]);
-    cudaFree(c->scratch[1]);
+    for (int i = 0; i < 3; i++)
+        cudaFree(c->scratch[i]);
     cudaFree(c->dec_ws);
     if (c->stream)
         cudaStreamDestroy(c->stream);
@@ -99,6 +99,9 @@ static void td_cuda_destroy(td_backend_t *be)
 static td_status_t td_cuda_alloc(td_backend_t *be, size_t bytes, void **ptr_p)
 {
     void *p = NULL;
+    /* every op that may be a thread's first call selects the device: a node creates the
+       backend on one thread and computes on another, whose current device is 0 */
+    TD_CUDA_TRY(cudaSetDevice(td_cuda_ctx(be)->device));
     cudaError_t e = cudaMalloc(&p, bytes ? bytes : 1);
     if (e != cudaSuccess) {
         (void)cudaGetLastError();
@@ -119,14 +122,19 @@ static void td_cuda_free(td_backend_t *be, void *ptr)
     td_cuda_backend_t *c = td_cuda_ctx(be);
     if (!ptr)
         return;
+    cudaSetDevice(c->device);
     cudaStreamSynchronize(c->stream);
     cudaFree(ptr);
 }
 
 static td_status_t td_cuda_copy_h2d(td_backend_t *be, void *dst, const void *src, size_t bytes)
 {
-    /* from pageable memory the call returns once `src` is consumed, so the caller may reuse it */
-    TD_CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, td_cuda_ctx(be)->stream));
+    /* the caller may reuse src once we return; from page-locked memory (a pinned landing
+       area) cudaMemcpyAsync returns before reading it, so wait for the copy */
+    td_cuda_backend_t *c = td_cuda_ctx(be);
+    TD_CUDA_TRY(cudaSetDevice(c->device));
+    TD_CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, c->stream));
+    TD_CUDA_TRY(cudaStreamSynchronize(c->stream));
     return TD_OK;
 }
 
@@ -134,6 +142,7 @@ static td_status_t td_cuda_copy_d2h(td_backend_t *be, void *dst, const void *src
 {
     /* the caller reads dst as soon as we return: wait for it */
     td_cuda_backend_t *c = td_cuda_ctx(be);
+    TD_CUDA_TRY(cudaSetDevice(c->device));
     TD_CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, c->stream));
     TD_CUDA_TRY(cudaStreamSynchronize(c->stream));
     return TD_OK;
@@ -141,13 +150,17 @@ static td_status_t td_cuda_copy_d2h(td_backend_t *be, void *dst, const void *src
 
 static td_status_t td_cuda_copy_d2d(td_backend_t *be, void *dst, const void *src, size_t bytes)
 {
-    TD_CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, td_cuda_ctx(be)->stream));
+    td_cuda_backend_t *c = td_cuda_ctx(be);
+    TD_CUDA_TRY(cudaSetDevice(c->device));
+    TD_CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, c->stream));
     return TD_OK;
 }
 
 static td_status_t td_cuda_sync(td_backend_t *be)
 {
-    TD_CUDA_TRY(cudaStreamSynchronize(td_cuda_ctx(be)->stream));
+    td_cuda_backend_t *c = td_cuda_ctx(be);
+    TD_CUDA_TRY(cudaSetDevice(c->device));
+    TD_CUDA_TRY(cudaStreamSynchronize(c->stream));
     return TD_OK;
 }
 
@@ -176,11 +189,11 @@ static td_status_t td_cuda_copy_d2h_start(td_backend_t *be, void *dst, const voi
     td_cuda_wake_t *w = &c->xfer_wake[slot];
     TD_CUDA_TRY(cudaSetDevice(c->device)); /* the caller's thread (a node's loop) */
     if (t >= TD_CUDA_XFER_SLOTS) {
+        /* the slot's previous copy was polled done; its wake is due within microseconds */
         cudaError_t e = cudaEventQuery(c->xfer_woken[slot]);
         if (e == cudaErrorNotReady) {
             (void)cudaGetLastError();
-            return td_errorf(TD_ERR_EXHAUSTED, "cuda: the wake of copy %llu has not run yet; poll before starting "
-                             "more", (unsigned long long)(t - TD_CUDA_XFER_SLOTS));
+            e = cudaEventSynchronize(c->xfer_woken[slot]);
         }
         if (e != cudaSuccess)
             return td_cuda_error(e, "cudaEventQuery (copy wake)", __FILE__, __LINE__);
@@ -192,9 +205,9 @@ static td_status_t td_cuda_copy_d2h_start(td_backend_t *be, void *dst, const voi
     w->fn = wake;
     w->arg = wake_arg;
     TD_CUDA_TRY(cudaLaunchHostFunc(c->xfer_stream, td_cuda_xfer_wake, w));
-    TD_CUDA_TRY(cudaEventRecord(c->xfer_woken[slot], c->xfer_stream));
-    c->xfer_next = t + 1;
+    c->xfer_next = t + 1; /* the slot is taken from here on, whatever fails next */
     *ticket_p = t;
+    TD_CUDA_TRY(cudaEventRecord(c->xfer_woken[slot], c->xfer_stream));
     return TD_OK;
 }
 
@@ -248,6 +261,7 @@ static void td_cuda_host_unpin(td_backend_t *be, void *p)
 static td_status_t td_cuda_set_step(td_backend_t *be, const td_step_meta_t *m)
 {
     td_cuda_backend_t *c = td_cuda_ctx(be);
+    TD_CUDA_TRY(cudaSetDevice(c->device));
     int32_t n_qtiles = 0;
     for (int32_t s = 0; s < m->n_seqs; s++) {
         int32_t q_len = m->seq_start[s + 1] - m->seq_start[s];
@@ -261,6 +275,7 @@ static td_status_t td_cuda_set_step(td_backend_t *be, const td_step_meta_t *m)
     if (need > c->meta_cap) {
         size_t cap = need + need / 2 + 256;
         int32_t *h = NULL, *d = NULL;
+        TD_CUDA_TRY(cudaStreamSynchronize(c->stream)); /* queued kernels may read meta_dev */
         cudaError_t e = cudaMallocHost((void **)&h, cap * sizeof(int32_t));
         if (e != cudaSuccess)
             return td_cuda_error(e, "cudaMallocHost (step metadata)", __FILE__, __LINE__);
@@ -269,7 +284,6 @@ static td_status_t td_cuda_set_step(td_backend_t *be, const td_step_meta_t *m)
             cudaFreeHost(h);
             return td_cuda_error(e, "cudaMalloc (step metadata)", __FILE__, __LINE__);
         }
-        TD_CUDA_TRY(cudaStreamSynchronize(c->stream)); /* queued kernels may read meta_dev */
         cudaFreeHost(c->meta_host);
         cudaFree(c->meta_dev);
         c->meta_host = h;
@@ -310,8 +324,15 @@ static td_status_t td_cuda_set_step(td_backend_t *be, const td_step_meta_t *m)
     st->n_tokens = m->n_tokens;
     st->n_seqs = m->n_seqs;
     st->max_blocks = m->max_blocks;
-    st->max_q_len = m->max_q_len;
-    st->max_seq_len = m->max_seq_len;
+    /* the maxima from the arrays, not the caller's summary: decode launches by them */
+    st->max_seq_len = 0;
+    st->max_q_len = 0;
+    for (int32_t s = 0; s < m->n_seqs; s++) {
+        if (m->seq_len[s] > st->max_seq_len)
+            st->max_seq_len = m->seq_len[s];
+        if (m->seq_start[s + 1] - m->seq_start[s] > st->max_q_len)
+            st->max_q_len = m->seq_start[s + 1] - m->seq_start[s];
+    }
     st->n_qtiles = n_qtiles;
 
     TD_CUDA_TRY(cudaMemcpyAsync(c->meta_dev, h, off * sizeof(int32_t), cudaMemcpyHostToDevice,
@@ -376,6 +397,7 @@ static td_status_t td_cuda_op_copy_blocks(td_backend_t *be, void *pool,
 {
     /* K and V of a block are adjacent in each layer: one copy per (pair, layer) */
     td_cuda_backend_t *c = td_cuda_ctx(be);
+    TD_CUDA_TRY(cudaSetDevice(c->device));
     size_t bb = td_kv_block_bytes(layout);
     for (int32_t i = 0; i < n; i++) {
         if (src[i] == dst[i])
@@ -501,7 +523,8 @@ extern "C" td_status_t td_backend_cuda_create(const td_cuda_config_t *cfg, td_ba
 
     c->base.ops = &td_cuda_ops;
     c->base.act_dtype = act;
-    c->base.weight_dtypes = (1u << TD_F32) | (1u << TD_F16) | (1u << TD_BF16);
+    /* other weight dtypes would be widened on every matmul: the engine converts them once */
+    c->base.weight_dtypes = (1u << act) | (1u << TD_F32);
     c->base.kv_dtypes = (1u << TD_F32) | (1u << TD_F16) | (1u << TD_BF16);
     c->base.host_memory = false;
     td_info("cuda: device %d %s sm_%d%d, %d SMs, %.1f GiB, act %s", dev, prop.name, prop.major,

@@ -69,8 +69,8 @@ typedef struct td_cuda_backend {
     /* scratch: host row lists for gather_rows, GEMM dtype conversion, decode partials */
     int32_t *rows_dev;
     size_t rows_cap;          /* int32 elements */
-    void *scratch[2];
-    size_t scratch_cap[2];    /* bytes */
+    void *scratch[3];         /* matmul: X widened, product in f32, W widened */
+    size_t scratch_cap[3];    /* bytes */
     float *dec_ws;            /* decode partial outputs and (max, sum) pairs */
     size_t dec_ws_cap;        /* floats */
 

@@ -74,7 +74,7 @@ __global__ void td_rmsnorm_kernel(TA *out, const TA *x, TA *residual, const TW *
         }
     }
     ss = td_block_sum(ss, red);
-    float inv = rsqrtf(ss / dim + eps);
+    float inv = (float)(1.0 / sqrt((double)ss / dim + (double)eps)); /* as the CPU: rsqrtf is approximate */
     const TA *src = residual ? residual : x;
     for (int32_t i = threadIdx.x; i < dim; i += blockDim.x)
         td_st(out + base + i, td_ld(src + base + i) * inv * td_ld(w + i));
