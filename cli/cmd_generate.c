@@ -83,8 +83,8 @@ static void usage(FILE *f)
         "  --threads N         compute threads (default: all cores)\n"
         "  --device D          cpu (default), cuda (GPU 0) or cuda:N\n"
         "  --dtype T           weights and KV cache in T (converted at load), and on cuda the\n"
-        "                      activations too (the CPU's are f32); default: weights as stored,\n"
-        "                      KV cache and activations f32\n"
+        "                      activations too (the CPU's are f32); default: cpu: weights as\n"
+        "                      stored, KV cache f32; cuda: the model's dtype for all three\n"
         "  --kv-mem MIB        KV cache budget (default: what prompt + max tokens need)\n"
         "  --print-ids         print the generated ids on one line instead of text\n"
         "\n"
@@ -742,6 +742,8 @@ int cmd_generate(int argc, char **argv)
     int64_t room = c->max_seq_len - (int64_t)n_prompt;
     int64_t max_new = o.max_tokens < 0 ? room : TD_MIN(o.max_tokens, room);
 
+    if (o.dtype < 0)
+        o.dtype = td_device_default_dtype(&o.device, c->dtype);
     if ((st = td_backend_open(&o.device, (int32_t)o.threads, o.dtype < 0 ? TD_F32 : (td_dtype_t)o.dtype, &be)) != TD_OK)
         goto out;
     td_engine_config_t ec = td_engine_config_default();

@@ -38,6 +38,11 @@ td_status_t td_device_parse(const char *s, td_device_spec_t *out)
                      s ? s : "");
 }
 
+int td_device_default_dtype(const td_device_spec_t *dev, td_dtype_t model_dtype)
+{
+    return dev->cuda ? (int)model_dtype : -1;
+}
+
 td_status_t td_backend_open(const td_device_spec_t *dev, int32_t n_threads, td_dtype_t act_dtype,
                             td_backend_t **be_p)
 {

@@ -211,6 +211,11 @@ typedef struct td_device_spec {
 /* Parses a --device value. TD_ERR_INVALID (logged, naming the value) for anything else. */
 td_status_t td_device_parse(const char *s, td_device_spec_t *out);
 
+/* The --dtype a process uses on `dev` when none is asked (-1: weights as stored, f32 KV and
+ * activations): on CUDA the model's stored dtype, so that bf16 weights are used in place
+ * and the KV cache and activations take the tensor-core kernels; on the CPU -1. */
+int td_device_default_dtype(const td_device_spec_t *dev, td_dtype_t model_dtype);
+
 /*
  * Opens the backend `dev` names, the one way the CLI and the nodes get one: the CPU backend
  * with n_threads workers (<= 0: all cores; its activations are always f32), or the CUDA

@@ -44,7 +44,8 @@ static int common_keys(router_proc_config_t *c, router_proc_kind_t kind, router_
         out[n++] = (router_conf_key_t){"device", ROUTER_CONF_STR, &c->device, 0, 0, "cpu, cuda (GPU 0) or cuda:N"};
         out[n++] = (router_conf_key_t){"dtype", ROUTER_CONF_STR, &c->dtype, 0, 0,
                                        "f32|f16|bf16: weights and KV cache (and CUDA activations); "
-                                       "default: weights as stored, KV f32. Paired nodes must agree"};
+                                       "default: cpu: weights as stored, KV f32; cuda: the model's dtype. "
+                                       "Paired nodes must agree"};
     }
     out[n++] = (router_conf_key_t){"log-level", ROUTER_CONF_STR, &c->log_level, 0, 0, "error|warn|info|debug"};
     return n;
@@ -187,6 +188,8 @@ td_status_t router_proc_load_model(router_proc_t *p, td_model_t **model_p, td_ba
     td_status_t st = td_model_load(p->cfg.model, &model);
     if (st != TD_OK)
         return st;
+    if (p->dtype < 0)
+        p->dtype = td_device_default_dtype(&p->device, model->config.dtype);
     if ((st = td_backend_open(&p->device, (int32_t)p->cfg.threads, p->dtype < 0 ? TD_F32 : (td_dtype_t)p->dtype,
                               &be)) != TD_OK)
         goto err_model;

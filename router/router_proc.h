@@ -70,7 +70,7 @@ typedef struct router_proc_config {
     int64_t threads;           /* compute threads (0 = all cores) */
     const char *device;        /* cpu (default), cuda, cuda:N */
     const char *dtype;         /* weights and KV cache (and CUDA activations): f32|f16|bf16;
-                                  NULL: weights as stored, KV and activations f32 */
+                                  NULL: td_device_default_dtype */
 } router_proc_config_t;
 
 /* The process's part of shutdown: called once, on the loop thread, before the skeleton
@@ -94,7 +94,8 @@ typedef struct router_proc {
     char address[ROUTER_PROC_ADDR_MAX]; /* nodes: advertise:port, once registered */
     char default_id[32];
     td_device_spec_t device;   /* nodes: parsed cfg.device */
-    int dtype;                 /* nodes: parsed cfg.dtype, -1 when not given */
+    int dtype;                 /* nodes: parsed cfg.dtype; -1 (not given) until load_model
+                                  applies td_device_default_dtype */
     router_conf_store_t store;
     td_http_server_t *http;
     router_node_client_t *client;
