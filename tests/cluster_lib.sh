@@ -155,6 +155,34 @@ cl_ref() {
     cat "$CL_T/ref/$key"
 }
 
+# cl_concurrent_equal MAX_TOKENS "IDS"...: the prompts as concurrent greedy requests through a
+# stock grpcio client (tests/cluster_client.py); each answer must equal cl_ref
+cl_concurrent_equal() {
+    local max=$1 i want got
+    shift
+    "$CL_PY" "$CL_SRC/tests/cluster_client.py" "$CL_GW" "$max" "$@" >"$CL_T/got" || cl_fail "client"
+    local prompts=("$@")
+    for i in "${!prompts[@]}"; do
+        want=$(cl_ref "$max" "${prompts[$i]}")
+        got=$(sed -n "$((i + 1))p" "$CL_T/got")
+        [ "$want" = "$got" ] || cl_fail "prompt '${prompts[$i]}': want '$want' got '$got'"
+    done
+}
+
+# cl_kv_bytes_equal: every KV byte the prefill nodes sent, the decode nodes received, and
+# some were (td_xfer's counters on /metrics)
+cl_kv_bytes_equal() {
+    local name sent=0 recv=0
+    for name in "${!CL_ROLE[@]}"; do
+        case ${CL_ROLE[$name]} in
+        prefill) sent=$((sent + $(cl_metric "$name" tandem_kvxfer_sent_bytes_total | cut -d. -f1))) ;;
+        decode) recv=$((recv + $(cl_metric "$name" tandem_kvxfer_received_bytes_total | cut -d. -f1))) ;;
+        esac
+    done
+    echo "kv bytes: prefill sent $sent, decode received $recv"
+    [ "$sent" != 0 ] && [ "$sent" = "$recv" ] || cl_fail "KV bytes sent ($sent) and received ($recv) differ or are zero"
+}
+
 # cl_blocks_back NODE BASE WHAT [SECONDS]: the decode node's tandem_decode_kv_blocks_used
 # returns to BASE within SECONDS (10) with no other request run meanwhile (the gauge follows
 # every free: lease expiry and release too, not only decode steps)
