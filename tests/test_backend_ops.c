@@ -683,6 +683,9 @@ static const int32_t q1[] = {1}, q77[] = {77}, q300[] = {300}, q64[] = {64};
 static const int32_t c1[] = {1}, c77[] = {77}, c300[] = {300}, c1077[] = {1077};
 static const int32_t c32k[] = {32768}, c32k64[] = {32704};
 static const int32_t rq[] = {5, 64, 1, 130, 17}, rc[] = {5, 100, 1000, 130, 2049};
+/* sequences of 1..16 new rows (one warp of a 64-row tile has rows, three are padding), with
+   and without a prefix, beside longer ones */
+static const int32_t fq[] = {16, 3, 200, 9, 1, 70}, fc[] = {16, 1003, 260, 75, 1, 1070};
 
 Test(backend_ops, attn_prefill_single, .timeout = 300)
 {
@@ -703,15 +706,20 @@ Test(backend_ops, attn_prefill_single, .timeout = 300)
 
 Test(backend_ops, attn_prefill_chunked_ragged, .timeout = 600)
 {
+    /* {n_heads, n_kv_heads, head_dim, block_size}; block size 48 does not divide the
+       kernel's 64-token KV tiles */
     static const int32_t shapes[][4] = {{8, 4, 8, 16}, {8, 2, 64, 16}, {16, 4, 128, 16},
-                                        {32, 2, 128, 64}};
+                                        {32, 2, 128, 64}, {8, 2, 128, 48}};
     for (size_t i = 0; i < TD_ARRAY_LEN(shapes); i++) {
         td_attn_case_t chunk = {"77 rows after a 1000-token prefix", 1, q77, c1077, shapes[i][0],
                                 shapes[i][1], shapes[i][2], shapes[i][3], false, 0};
         td_attn_case_t ragged = {"ragged batch of 5", 5, rq, rc, shapes[i][0], shapes[i][1],
                                  shapes[i][2], shapes[i][3], false, 0};
+        td_attn_case_t few = {"ragged batch of 6 with 1..16-row sequences", 6, fq, fc,
+                              shapes[i][0], shapes[i][1], shapes[i][2], shapes[i][3], false, 0};
         td_attn_all_dtypes(&chunk);
         td_attn_all_dtypes(&ragged);
+        td_attn_all_dtypes(&few);
     }
 }
 

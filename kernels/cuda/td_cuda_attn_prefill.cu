@@ -16,10 +16,15 @@
  *     the exp2 domain, row max / sum kept in registers (sums reduced across the quad once at
  *     the end);
  *   - causal: the KV loop stops at the tile holding the tile's last position (fully masked
- *     tiles are never loaded), and only tiles that cross the diagonal pay for the mask;
- *     chunked prefill falls out of it: a row at position p sees keys 0..p of the cache;
- *   - heavy tiles (late positions) are launched first.
- * Generic path (td_prefill_generic_kernel; fp32, mixed dtypes, other head dims up to 256):
+ *     tiles are never loaded), a warp skips the compute of tiles fully masked for its own
+ *     16 rows (and a warp of padding rows computes nothing), and only tiles that cross the
+ *     diagonal or the context's end pay for the mask; chunked prefill falls out of it: a
+ *     row at position p sees keys 0..min(p, seq_len - 1) of the cache;
+ *   - heavy tiles first: set_step lists the tiles of all sequences by their last row's
+ *     position, largest first, and block x takes tile x.
+ * Generic path (td_prefill_generic_kernel; fp32, mixed dtypes, other head dims up to 256, and
+ * the 16-bit cases whose q/out/KV pointers are not 16-byte aligned or whose device cannot
+ * give the tensor-core kernel its shared memory):
  *   one block per (row, head), keys in chunks of 128 with an online softmax. Correct and
  *   simple, not fast: the GPU's fast path is the one above.
  */
@@ -40,12 +45,18 @@ __device__ __forceinline__ void td_cp_async16(void *smem, const void *gmem, bool
 {
     unsigned s = (unsigned)__cvta_generic_to_shared(smem);
     int sz = valid ? 16 : 0; /* 0: zero-fill, nothing read */
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(sz));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(sz)
+                 : "memory");
 }
-__device__ __forceinline__ void td_cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+/* "memory": the compiler must not move shared-memory accesses across the copy's issue,
+   commit or wait (the barrier after the wait orders the other threads' copies) */
+__device__ __forceinline__ void td_cp_commit()
+{
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
 template <int N> __device__ __forceinline__ void td_cp_wait()
 {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
 __device__ __forceinline__ void td_ldsm_x4(uint32_t *r, const void *smem)
@@ -116,7 +127,7 @@ td_prefill_mma_kernel(td_pf_args a)
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int gid = lane >> 2, tig = lane & 3;
-    const int32_t tile = a.n_qtiles - 1 - blockIdx.x; /* late (heavy) tiles first */
+    const int32_t tile = blockIdx.x; /* set_step lists the heavy (late) tiles first */
     const int32_t h = blockIdx.y, kvh = h / a.group;
     const int32_t seq = a.qtile_seq[tile], row0 = a.qtile_row[tile];
     const int32_t nrows = min(BM, a.seq_start[seq + 1] - row0);
@@ -158,6 +169,14 @@ td_prefill_mma_kernel(td_pf_args a)
     const int rA = warp * 16 + gid, rB = rA + 8;
     const int32_t posA = a.positions[row0 + min(rA, nrows - 1)];
     const int32_t posB = a.positions[row0 + min(rB, nrows - 1)];
+    /* A warp whose 16 rows are all padding computes nothing, and a warp skips the KV tiles
+       that start past its last row's position (positions grow along a sequence's rows):
+       such a tile is fully masked for it, so skipping leaves its m, l and O exactly as they
+       are. Both tests are warp-uniform and skip only the warp's ldmatrix/mma/softmax work:
+       every thread still issues the copies and reaches every barrier. A warp with rows
+       always computes tile 0, so it loads its Q fragments there. */
+    const int32_t warp_tiles = /* KV tiles this warp computes: 0 .. warp_tiles - 1 */
+        warp * 16 < nrows ? a.positions[row0 + min(warp * 16 + 15, nrows - 1)] / BN + 1 : 0;
 
     uint32_t qf[D / 16][4];
     float o[D / 8][4];
@@ -175,97 +194,105 @@ td_prefill_mma_kernel(td_pf_args a)
             td_cp_wait<0>();
         }
         __syncthreads();
-        if (t == 0) {
+        if (t < warp_tiles) { /* warp-uniform: see above */
+            if (t == 0) {
 #pragma unroll
-            for (int kk = 0; kk < D / 16; kk++)
-                td_ldsm_x4(qf[kk], Qs + td_swz<D>(warp * 16 + (lane % 16), kk * 2 + lane / 16));
-        }
-        const T *ks = Ks + (t & 1) * BN * D, *vs = Vs + (t & 1) * BN * D;
-
-        /* S = Q K^T: 16 rows x 64 keys per warp */
-        float s[BN / 8][4];
-#pragma unroll
-        for (int j = 0; j < BN / 8; j++)
-            s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
-#pragma unroll
-        for (int kk = 0; kk < D / 16; kk++) {
-#pragma unroll
-            for (int j2 = 0; j2 < BN / 16; j2++) {
-                uint32_t b[4];
-                int mi = lane / 8;
-                td_ldsm_x4(b, ks + td_swz<D>(j2 * 16 + (mi / 2) * 8 + lane % 8, kk * 2 + (mi % 2)));
-                td_mma<T>::run(s[2 * j2], qf[kk], b[0], b[1]);
-                td_mma<T>::run(s[2 * j2 + 1], qf[kk], b[2], b[3]);
+                for (int kk = 0; kk < D / 16; kk++)
+                    td_ldsm_x4(qf[kk], Qs + td_swz<D>(warp * 16 + (lane % 16), kk * 2 + lane / 16));
             }
-        }
+            const T *ks = Ks + (t & 1) * BN * D, *vs = Vs + (t & 1) * BN * D;
 
-        /* scale, causal mask on tiles that cross the diagonal, online softmax */
-        const bool need_mask = (t + 1) * BN - 1 > min_pos;
-        float tmA = -INFINITY, tmB = -INFINITY;
+            /* S = Q K^T: 16 rows x 64 keys per warp */
+            float s[BN / 8][4];
 #pragma unroll
-        for (int j = 0; j < BN / 8; j++) {
+            for (int j = 0; j < BN / 8; j++)
+                s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                float v = s[j][e] * a.scale_log2;
-                if (need_mask) {
-                    int32_t key = t * BN + j * 8 + tig * 2 + (e & 1);
-                    if (key > (e < 2 ? posA : posB))
-                        v = -INFINITY;
+            for (int kk = 0; kk < D / 16; kk++) {
+#pragma unroll
+                for (int j2 = 0; j2 < BN / 16; j2++) {
+                    uint32_t b[4];
+                    int mi = lane / 8;
+                    td_ldsm_x4(b, ks + td_swz<D>(j2 * 16 + (mi / 2) * 8 + lane % 8,
+                                                 kk * 2 + (mi % 2)));
+                    td_mma<T>::run(s[2 * j2], qf[kk], b[0], b[1]);
+                    td_mma<T>::run(s[2 * j2 + 1], qf[kk], b[2], b[3]);
                 }
-                s[j][e] = v;
             }
-            tmA = fmaxf(tmA, fmaxf(s[j][0], s[j][1]));
-            tmB = fmaxf(tmB, fmaxf(s[j][2], s[j][3]));
-        }
-#pragma unroll
-        for (int off = 1; off < 4; off <<= 1) {
-            tmA = fmaxf(tmA, __shfl_xor_sync(0xffffffffu, tmA, off));
-            tmB = fmaxf(tmB, __shfl_xor_sync(0xffffffffu, tmB, off));
-        }
-        /* key 0 is visible to every row, so after tile 0 the maxima are finite */
-        float nmA = fmaxf(mA, tmA), nmB = fmaxf(mB, tmB);
-        float cA = exp2f(mA - nmA), cB = exp2f(mB - nmB);
-        mA = nmA;
-        mB = nmB;
-        float sumA = 0.0f, sumB = 0.0f;
-#pragma unroll
-        for (int j = 0; j < BN / 8; j++) {
-            s[j][0] = exp2f(s[j][0] - mA);
-            s[j][1] = exp2f(s[j][1] - mA);
-            s[j][2] = exp2f(s[j][2] - mB);
-            s[j][3] = exp2f(s[j][3] - mB);
-            sumA += s[j][0] + s[j][1];
-            sumB += s[j][2] + s[j][3];
-        }
-        lA = lA * cA + sumA;
-        lB = lB * cB + sumB;
-#pragma unroll
-        for (int i = 0; i < D / 8; i++) {
-            o[i][0] *= cA;
-            o[i][1] *= cA;
-            o[i][2] *= cB;
-            o[i][3] *= cB;
-        }
 
-        /* O += P V */
+            /* scale, mask on tiles that cross the diagonal or the context's end, online
+               softmax; keys >= kv_len (zero-filled) are masked too, so even a row whose
+               position is past seq_len sees only the context */
+            const bool need_mask = (t + 1) * BN - 1 > min_pos || (t + 1) * BN > kv_len;
+            float tmA = -INFINITY, tmB = -INFINITY;
 #pragma unroll
-        for (int kk = 0; kk < BN / 16; kk++) {
-            uint32_t pa[4];
-            pa[0] = td_mma<T>::pack(s[2 * kk][0], s[2 * kk][1]);
-            pa[1] = td_mma<T>::pack(s[2 * kk][2], s[2 * kk][3]);
-            pa[2] = td_mma<T>::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            pa[3] = td_mma<T>::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+            for (int j = 0; j < BN / 8; j++) {
 #pragma unroll
-            for (int n2 = 0; n2 < D / 16; n2++) {
-                uint32_t b[4];
-                int mi = lane / 8;
-                td_ldsm_x4_t(b, vs + td_swz<D>(kk * 16 + (mi % 2) * 8 + lane % 8, n2 * 2 + mi / 2));
-                td_mma<T>::run(o[2 * n2], pa, b[0], b[1]);
-                td_mma<T>::run(o[2 * n2 + 1], pa, b[2], b[3]);
+                for (int e = 0; e < 4; e++) {
+                    float v = s[j][e] * a.scale_log2;
+                    if (need_mask) {
+                        int32_t key = t * BN + j * 8 + tig * 2 + (e & 1);
+                        if (key > (e < 2 ? posA : posB) || key >= kv_len)
+                            v = -INFINITY;
+                    }
+                    s[j][e] = v;
+                }
+                tmA = fmaxf(tmA, fmaxf(s[j][0], s[j][1]));
+                tmB = fmaxf(tmB, fmaxf(s[j][2], s[j][3]));
+            }
+#pragma unroll
+            for (int off = 1; off < 4; off <<= 1) {
+                tmA = fmaxf(tmA, __shfl_xor_sync(0xffffffffu, tmA, off));
+                tmB = fmaxf(tmB, __shfl_xor_sync(0xffffffffu, tmB, off));
+            }
+            /* key 0 is visible to every row, so after tile 0 the maxima are finite */
+            float nmA = fmaxf(mA, tmA), nmB = fmaxf(mB, tmB);
+            float cA = exp2f(mA - nmA), cB = exp2f(mB - nmB);
+            mA = nmA;
+            mB = nmB;
+            float sumA = 0.0f, sumB = 0.0f;
+#pragma unroll
+            for (int j = 0; j < BN / 8; j++) {
+                s[j][0] = exp2f(s[j][0] - mA);
+                s[j][1] = exp2f(s[j][1] - mA);
+                s[j][2] = exp2f(s[j][2] - mB);
+                s[j][3] = exp2f(s[j][3] - mB);
+                sumA += s[j][0] + s[j][1];
+                sumB += s[j][2] + s[j][3];
+            }
+            lA = lA * cA + sumA;
+            lB = lB * cB + sumB;
+#pragma unroll
+            for (int i = 0; i < D / 8; i++) {
+                o[i][0] *= cA;
+                o[i][1] *= cA;
+                o[i][2] *= cB;
+                o[i][3] *= cB;
+            }
+
+            /* O += P V */
+#pragma unroll
+            for (int kk = 0; kk < BN / 16; kk++) {
+                uint32_t pa[4];
+                pa[0] = td_mma<T>::pack(s[2 * kk][0], s[2 * kk][1]);
+                pa[1] = td_mma<T>::pack(s[2 * kk][2], s[2 * kk][3]);
+                pa[2] = td_mma<T>::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+                pa[3] = td_mma<T>::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+                for (int n2 = 0; n2 < D / 16; n2++) {
+                    uint32_t b[4];
+                    int mi = lane / 8;
+                    td_ldsm_x4_t(b, vs + td_swz<D>(kk * 16 + (mi % 2) * 8 + lane % 8,
+                                                   n2 * 2 + mi / 2));
+                    td_mma<T>::run(o[2 * n2], pa, b[0], b[1]);
+                    td_mma<T>::run(o[2 * n2 + 1], pa, b[2], b[3]);
+                }
             }
         }
         __syncthreads(); /* the next iteration's copy overwrites this stage */
     }
+    if (warp_tiles == 0) /* all padding: no barrier follows, nothing to store */
+        return;
 
 #pragma unroll
     for (int off = 1; off < 4; off <<= 1) {
@@ -375,15 +402,22 @@ td_prefill_generic_kernel(td_pf_args a)
 
 /* ---- launcher ----------------------------------------------------------------------------- */
 
-template <typename T, int D>
-static td_status_t td_prefill_mma_launch(td_cuda_backend_t *c, const td_pf_args &a)
+/* dynamic shared memory of td_prefill_mma_kernel: the Q tile and two stages of K and V */
+static size_t td_prefill_mma_smem(size_t elt_bytes, int32_t head_dim)
 {
-    size_t smem = sizeof(T) * (size_t)(TD_CUDA_PREFILL_BM + 4 * TD_PF_BN) * D;
-    if (smem > c->smem_optin)
-        return td_errorf(TD_ERR_UNSUPPORTED, "cuda: prefill attention needs %zu bytes of shared "
-                         "memory, the device allows %zu", smem, c->smem_optin);
-    TD_CUDA_TRY(cudaFuncSetAttribute(td_prefill_mma_kernel<T, D>,
-                                     cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    return elt_bytes * (size_t)(TD_CUDA_PREFILL_BM + 4 * TD_PF_BN) * head_dim;
+}
+
+/* `bit`: this instantiation's bit in c->prefill_smem_set */
+template <typename T, int D>
+static td_status_t td_prefill_mma_launch(td_cuda_backend_t *c, const td_pf_args &a, unsigned bit)
+{
+    size_t smem = td_prefill_mma_smem(sizeof(T), D);
+    if (!(c->prefill_smem_set & bit)) { /* a kernel's attribute on this device: set it once */
+        TD_CUDA_TRY(cudaFuncSetAttribute(td_prefill_mma_kernel<T, D>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+        c->prefill_smem_set |= bit;
+    }
     td_prefill_mma_kernel<T, D><<<dim3(a.n_qtiles, a.n_heads), TD_PF_THREADS, smem, c->stream>>>(a);
     TD_CUDA_LAUNCHED("attn_prefill (mma)");
     return TD_OK;
@@ -421,20 +455,20 @@ td_status_t td_cuda_attn_prefill(td_cuda_backend_t *c, const td_attn_params_t *p
     a.scale_log2 = p->scale * 1.4426950408889634f;
 
     /* the tensor-core path copies Q and K/V rows with 16-byte cp.async and stores pairs of
-       outputs as 32-bit words: its base pointers must be 16-byte aligned */
+       outputs as 32-bit words, so its base pointers must be 16-byte aligned, and its shared
+       memory must fit the device's opt-in limit; a call that misses either runs the generic
+       kernel (slower, not less accurate) instead of failing */
     bool aligned = (((uintptr_t)p->q | (uintptr_t)p->out | (uintptr_t)p->kv_layer) & 15) == 0;
-    if (qt == kt && (qt == TD_BF16 || qt == TD_F16) && (hd == 64 || hd == 128) && !aligned)
-        return td_errorf(TD_ERR_INVALID, "cuda: prefill attention needs q, out and the KV layer "
-                         "16-byte aligned (q %p, out %p, kv %p)", p->q, (void *)p->out,
-                         p->kv_layer);
-    if (qt == kt && qt == TD_BF16 && hd == 128)
-        return td_prefill_mma_launch<__nv_bfloat16, 128>(c, a);
-    if (qt == kt && qt == TD_BF16 && hd == 64)
-        return td_prefill_mma_launch<__nv_bfloat16, 64>(c, a);
-    if (qt == kt && qt == TD_F16 && hd == 128)
-        return td_prefill_mma_launch<__half, 128>(c, a);
-    if (qt == kt && qt == TD_F16 && hd == 64)
-        return td_prefill_mma_launch<__half, 64>(c, a);
+    bool mma = qt == kt && (qt == TD_BF16 || qt == TD_F16) && (hd == 64 || hd == 128) &&
+               aligned && td_prefill_mma_smem(td_dtype_size(qt), hd) <= c->smem_optin;
+    if (mma && qt == TD_BF16 && hd == 128)
+        return td_prefill_mma_launch<__nv_bfloat16, 128>(c, a, 1u << 0);
+    if (mma && qt == TD_BF16 && hd == 64)
+        return td_prefill_mma_launch<__nv_bfloat16, 64>(c, a, 1u << 1);
+    if (mma && qt == TD_F16 && hd == 128)
+        return td_prefill_mma_launch<__half, 128>(c, a, 1u << 2);
+    if (mma && qt == TD_F16 && hd == 64)
+        return td_prefill_mma_launch<__half, 64>(c, a, 1u << 3);
 
     TD_CUDA_DISPATCH(qt, TQ, TD_CUDA_DISPATCH(kt, TK,
         td_prefill_generic_kernel<TQ, TK><<<dim3(st->n_tokens, p->n_heads), TD_PFG_THREADS, 0,

@@ -258,6 +258,58 @@ static void td_cuda_host_unpin(td_backend_t *be, void *p)
 
 /* ---- step metadata ----------------------------------------------------------------------- */
 
+/* Position of the last row of the prefill tile that starts at row r of sequence s: the
+   causal work of the tile grows with it. */
+static int32_t td_qtile_last_pos(const td_step_meta_t *m, int32_t s, int32_t r)
+{
+    int32_t end = m->seq_start[s + 1];
+    return m->positions[(r + TD_CUDA_PREFILL_BM < end ? r + TD_CUDA_PREFILL_BM : end) - 1];
+}
+
+/* Whether tile i of the list runs after tile j: heaviest first (later last position), ties
+   in step order. Rows are unique, so this is a total order: any sort gives the one result a
+   stable sort of the step-ordered list would, the same for the same step. */
+static bool td_qtile_after(const td_step_meta_t *m, const int32_t *seq, const int32_t *row,
+                           int32_t i, int32_t j)
+{
+    int32_t pi = td_qtile_last_pos(m, seq[i], row[i]), pj = td_qtile_last_pos(m, seq[j], row[j]);
+    return pi < pj || (pi == pj && row[i] > row[j]);
+}
+
+static void td_qtile_swap(int32_t *seq, int32_t *row, int32_t i, int32_t j)
+{
+    int32_t s = seq[i], r = row[i];
+    seq[i] = seq[j];
+    row[i] = row[j];
+    seq[j] = s;
+    row[j] = r;
+}
+
+/* Sifts tile i down the heap [0, n) whose root is the tile that runs last. */
+static void td_qtile_sift(const td_step_meta_t *m, int32_t *seq, int32_t *row, int32_t i,
+                          int32_t n)
+{
+    for (int32_t c = 2 * i + 1; c < n; i = c, c = 2 * i + 1) {
+        if (c + 1 < n && td_qtile_after(m, seq, row, c + 1, c))
+            c++;
+        if (!td_qtile_after(m, seq, row, c, i))
+            return;
+        td_qtile_swap(seq, row, i, c);
+    }
+}
+
+/* Heapsort of the tile list (seq[n], row[n], in the pinned staging buffer) into launch
+   order, in place: nothing allocated in a steady loop, O(n log n) for a long prefill. */
+static void td_qtile_sort(const td_step_meta_t *m, int32_t *seq, int32_t *row, int32_t n)
+{
+    for (int32_t i = n / 2 - 1; i >= 0; i--)
+        td_qtile_sift(m, seq, row, i, n);
+    for (int32_t end = n - 1; end > 0; end--) {
+        td_qtile_swap(seq, row, 0, end); /* the last to run of [0, end] goes to its place */
+        td_qtile_sift(m, seq, row, 0, end);
+    }
+}
+
 static td_status_t td_cuda_set_step(td_backend_t *be, const td_step_meta_t *m)
 {
     td_cuda_backend_t *c = td_cuda_ctx(be);
@@ -319,6 +371,9 @@ static td_status_t td_cuda_set_step(td_backend_t *be, const td_step_meta_t *m)
             t++;
         }
     }
+    /* heaviest first across all sequences, so the long tiles do not start last and leave a
+       tail of idle SMs; the kernel takes block x's tile as listed */
+    td_qtile_sort(m, h + off, h + off + n_qtiles, n_qtiles);
     off += 2 * (size_t)n_qtiles;
 
     st->n_tokens = m->n_tokens;

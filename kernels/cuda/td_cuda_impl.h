@@ -54,6 +54,8 @@ typedef struct td_cuda_backend {
     int device;
     int n_sms;
     size_t smem_optin;        /* largest dynamic shared memory a block may opt into */
+    unsigned prefill_smem_set; /* td_cuda_attn_prefill.cu: bit per tensor-core kernel whose
+                                  shared-memory attribute is set (once per context) */
     cudaStream_t stream;
     cublasHandle_t cublas;
     void *cublas_ws;          /* cuBLAS workspace (fixed, so graph capture is possible) */
