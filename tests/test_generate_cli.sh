@@ -28,6 +28,11 @@ expect_rc 2 "bad temperature" "$bin" generate --model x --prompt-ids 1 --tempera
 expect_rc 2 "bad max tokens" "$bin" generate --model x --prompt-ids 1 --max-tokens 12abc
 expect_rc 1 "missing model file" "$bin" generate --model /nonexistent/model.bin --prompt-ids 1
 grep -q "/nonexistent/model.bin" /tmp/td_gen_err.$$ && ok || bad "missing model: message does not name the file"
+expect_rc 2 "bad --device" "$bin" generate --model x --prompt-ids 1 --device gpu
+grep -q "'gpu' is not cpu, cuda, cuda:N" /tmp/td_gen_err.$$ && ok || bad "bad --device: message does not name it"
+expect_rc 2 "bad --device cuda:x" "$bin" generate --model x --prompt-ids 1 --device cuda:x
+expect_rc 2 "bad --dtype" "$bin" generate --model x --prompt-ids 1 --dtype int8
+grep -q "'int8' is not f32, f16 or bf16" /tmp/td_gen_err.$$ && ok || bad "bad --dtype: message does not name it"
 
 if [ ! -f "$model" ]; then
     echo "skipped: $model not found (set TANDEM_TEST_MODELS): golden generation checks"
@@ -37,6 +42,18 @@ else
     grep -q "outside" /tmp/td_gen_err.$$ && ok || bad "out-of-vocab: unclear message"
     expect_rc 2 "garbage ids" "$bin" generate --model "$model" --prompt-ids "1 x2" --print-ids
     expect_rc 1 "text prompt without tokenizer" "$bin" generate --model "$model" --prompt "hi"
+    # --device cuda without a GPU says why (exit 1); with one, the engine test compares tokens
+    if ! nvidia-smi -L >/dev/null 2>&1; then
+        expect_rc 1 "--device cuda without a GPU" "$bin" generate --model "$model" --prompt-ids 1 --device cuda --print-ids
+        grep -q "no usable CUDA device\|built without CUDA" /tmp/td_gen_err.$$ && ok ||
+            bad "--device cuda without a GPU: no reason given: $(head -c 300 /tmp/td_gen_err.$$)"
+    fi
+    # staged device memory and bf16 weights + KV: the same tokens as a plain run of that dtype
+    a=$("$bin" generate --model "$model" --prompt-ids "1 403 407" --max-tokens 40 --dtype bf16 --print-ids 2>/dev/null)
+    b=$("$bin" generate --model "$model" --prompt-ids "1 403 407" --max-tokens 40 --dtype bf16 --device cpu:staged \
+        --print-ids 2>/dev/null)
+    c=$("$bin" generate --model "$model" --prompt-ids "1 403 407" --max-tokens 40 --print-ids 2>/dev/null)
+    [ -n "$a" ] && [ "$a" = "$b" ] && [ "$a" != "$c" ] && ok || bad "--dtype bf16 / cpu:staged: '$a' / '$b' / f32 '$c'"
 
     if /usr/bin/python3 -c "import numpy" 2>/dev/null; then
         for prompt in "1" "1 400 300" "1 5 9 200 311 17 42"; do

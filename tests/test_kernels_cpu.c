@@ -658,3 +658,42 @@ Test(kernels_cpu, attn_prefill_single_rows, .timeout = 120)
     attn_run(be, &r, &c);
     td_backend_destroy(be);
 }
+
+/* ---- opening a backend by --device -------------------------------------------------- */
+
+Test(backend_open, device_values_parse_or_are_refused)
+{
+    td_device_spec_t d;
+    cr_assert_eq(td_device_parse("cpu", &d), TD_OK);
+    cr_assert(!d.cuda && !d.staged);
+    cr_assert_eq(td_device_parse("cpu:staged", &d), TD_OK);
+    cr_assert(!d.cuda && d.staged);
+    cr_assert_eq(td_device_parse("cuda", &d), TD_OK);
+    cr_assert(d.cuda && d.index == 0);
+    cr_assert_eq(td_device_parse("cuda:3", &d), TD_OK);
+    cr_assert(d.cuda && d.index == 3);
+    const char *bad[] = {"", "gpu", "CUDA", "cuda:", "cuda:-1", "cuda:+1", "cuda:1x", "cuda:99999", "cpu:", "cpu:x"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        d = (td_device_spec_t){.cuda = true, .staged = true, .index = 7};
+        cr_assert_eq(td_device_parse(bad[i], &d), TD_ERR_INVALID, "'%s' accepted", bad[i]);
+        cr_assert(strstr(td_last_error(), bad[i]), "the message does not name '%s': %s", bad[i], td_last_error());
+        cr_assert(d.cuda && d.staged && d.index == 7, "'%s' changed the output", bad[i]);
+    }
+    cr_assert_eq(td_device_parse(NULL, &d), TD_ERR_INVALID);
+    /* no --dtype: the model's on CUDA, weights as stored on the CPU */
+    cr_assert_eq(td_device_default_dtype(&(td_device_spec_t){.cuda = true}, TD_BF16), TD_BF16);
+    cr_assert_eq(td_device_default_dtype(&(td_device_spec_t){.cuda = false}, TD_BF16), -1);
+}
+
+/* cpu:staged: the CPU backend whose memory callers must treat as a device's */
+Test(backend_open, cpu_staged_is_device_memory)
+{
+    td_backend_t *be;
+    cr_assert_eq(td_backend_open(&(td_device_spec_t){.staged = true}, 1, TD_F32, &be), TD_OK);
+    cr_assert(!be->host_memory);
+    cr_assert_str_eq(be->ops->name, "cpu");
+    td_backend_destroy(be);
+    cr_assert_eq(td_backend_open(&(td_device_spec_t){0}, 1, TD_F32, &be), TD_OK);
+    cr_assert(be->host_memory);
+    td_backend_destroy(be);
+}
