@@ -7,19 +7,23 @@
  * up to TD_DEC_GMAX query heads of its GQA group, so each K and V element is read from
  * memory once per group. Rows of K (then V) are read with 16-byte loads, TPR threads per
  * row (head_dim / elements-per-16-bytes, rounded up to a power of two), several rows in
- * flight per thread. Scores go to shared memory ([g][partition]); one warp per query head
- * turns them into exp2 weights and their sum; the V pass accumulates weighted rows in
- * registers and reduces them across threads through shared memory. A sequence whose
- * context is one partition writes its output directly; otherwise the block writes its
- * normalised partial output and (max, sum) to a workspace.
+ * flight per thread. Each thread keeps its chunk of q for every head in registers; the
+ * threads of a row combine their per-head partial dots by a reduce-scatter across heads
+ * (gp - 1 + log2(TPR/gp) shuffles, not gc log2 TPR). Scores go to shared memory
+ * ([g][partition]); one warp per query head turns them into exp2 weights and their sum;
+ * the V pass accumulates weighted rows in registers and reduces them across threads
+ * through shared memory. A sequence whose context is one partition writes its output
+ * directly; otherwise the block writes its normalised partial output and (max, sum) to a
+ * workspace.
  *
  * Pass 2 (td_decode_merge_kernel), grid [n_heads][sequences]: merges a sequence's
  * partitions by log-sum-exp. Sequences of one partition are skipped.
  *
- * Split heuristic (in plain sight, td_decode_partition): enough partitions that the grid
- * has at least 2 blocks per SM, each a multiple of the KV block size, at most
- * TD_DEC_PMAX tokens (the score buffer in shared memory). params->partition_tokens
- * overrides it. The workspace grows only when a larger batch x context is first seen.
+ * Split (td_decode_partition): params->partition_tokens, else a constant TD_DEC_PART tokens
+ * (not a heuristic on batch or SM count, so a sequence's result does not depend on the rest
+ * of the batch), rounded up to a multiple of the KV block size, at most TD_DEC_PMAX tokens
+ * (the score buffer in shared memory). The workspace grows only when a larger
+ * batch x context is first seen.
  */
 #include "td_cuda_impl.h"
 
@@ -29,6 +33,7 @@
 #define TD_DEC_UNROLL 4  /* K/V rows in flight per thread */
 #define TD_DEC_PMAX 1024 /* most tokens per partition */
 #define TD_DEC_PART 256  /* tokens per partition unless the caller asks (td_cpu_attn.c: the same) */
+#define TD_DEC_MINB 4    /* blocks per SM: caps registers at 128 (q in registers wanted 139) */
 
 /* 16 bytes of TK elements to fp32 */
 template <typename TK> struct td_vec;
@@ -80,7 +85,7 @@ struct td_dec_args {
 };
 
 template <typename TQ, typename TK>
-__global__ void __launch_bounds__(TD_DEC_THREADS)
+__global__ void __launch_bounds__(TD_DEC_THREADS, TD_DEC_MINB)
 td_decode_part_kernel(td_dec_args a)
 {
     const int EPV = td_vec<TK>::n;
@@ -98,20 +103,26 @@ td_decode_part_kernel(td_dec_args a)
     const int32_t hd = a.head_dim, nch = hd / EPV;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
 
-    float *qs = smem;                               /* [GMAX][hd] */
-    float *sc = qs + TD_DEC_GMAX * hd;              /* [GMAX][part_tokens] */
+    float *sc = smem;                               /* [GMAX][part_tokens] */
     float *red = sc + TD_DEC_GMAX * a.part_tokens;  /* [WARPS][GMAX][hd] */
     __shared__ float s_m[TD_DEC_GMAX], s_l[TD_DEC_GMAX];
-
-    const int32_t row = a.seq_start[seq];
-    const TQ *q = (const TQ *)a.q + ((size_t)row * a.n_heads + h0) * hd;
-    for (int i = tid; i < gc * hd; i += TD_DEC_THREADS)
-        qs[i] = td_ld(q + i) * a.scale_log2;
-    __syncthreads();
 
     const int tpr = a.tpr, rpi = TD_DEC_THREADS / tpr; /* rows per iteration */
     const int lr = tid % tpr, r0 = tid / tpr;
     const bool active = lr < nch;
+
+    /* this thread's chunk of q (pre-scaled, log2 domain) for each head of the block, in
+       registers for the whole K loop: reading it from shared memory per row was a 4-way bank
+       conflict at EPV = 8. Zero past gc and on idle chunks (lr >= nch). */
+    const int32_t row = a.seq_start[seq];
+    const TQ *q = (const TQ *)a.q + ((size_t)row * a.n_heads + h0) * hd + lr * EPV;
+    float qr[TD_DEC_GMAX][EPV];
+#pragma unroll
+    for (int g = 0; g < TD_DEC_GMAX; g++)
+#pragma unroll
+        for (int e = 0; e < EPV; e++)
+            qr[g][e] = g < gc && active ? td_ld(q + g * hd + e) * a.scale_log2 : 0.0f;
+
     const size_t block_elems = (size_t)a.block_size * a.n_kv_heads * hd;
     const int32_t *bt = a.block_tables + (size_t)seq * a.max_blocks;
     const TK *kv = (const TK *)a.kv;
@@ -126,7 +137,20 @@ td_decode_part_kernel(td_dec_args a)
     /* ---- scores: sc[g][t] = q_g . k_t (log2 domain) ----
        The loop bound is the same for every thread (tb0), not per row (r0 + ...): the
        full-mask shuffles below need every lane of the warp, and lanes of one warp own
-       different rows, some of which may already be past n. */
+       different rows, some of which may already be past n. The shuffle levels depend only
+       on gp and tpr (the same for the whole block), never on lr or t.
+       The tpr lanes of a row reduce their gc partial dot products by reduce-scatter: with
+       gp = gc rounded up to a power of two (heads gc..gp-1 are zeros), at offset tpr/2 a
+       lane sends half its head sums to its partner and adds the partner's for the half it
+       keeps (lower lane the lower heads), then at tpr/4 half of that, ... After
+       min(log2 gp, log2 tpr) levels lane lr holds heads [lr*gp/tpr, +nh); the remaining
+       levels (tpr > gp) are plain butterflies on its one head. gp - 1 + log2(tpr/gp)
+       shuffles per row (gp - gp/tpr when tpr < gp) instead of gc * log2(tpr). */
+    int gp = 1;
+    while (gp < gc)
+        gp <<= 1;
+    const int hb = lr * gp / tpr, nh = gp > tpr ? gp / tpr : 1;
+    const bool owner = lr * gp % tpr == 0; /* the first of the lanes that share hb writes */
     for (int32_t tb0 = 0; tb0 < n; tb0 += rpi * TD_DEC_UNROLL) {
         const int32_t tb = tb0 + r0;
         uint4 raw[TD_DEC_UNROLL];
@@ -142,21 +166,36 @@ td_decode_part_kernel(td_dec_args a)
             int32_t t = tb + u * rpi;
             float k[EPV];
             td_vec<TK>::load(raw[u], k);
+            float d[TD_DEC_GMAX];
 #pragma unroll
             for (int g = 0; g < TD_DEC_GMAX; g++) {
-                if (g >= gc)
-                    break;
-                float d = 0.0f;
-                if (active) {
-                    const float *qg = qs + g * hd + lr * EPV;
+                d[g] = 0.0f;
+                if (g < gc)
 #pragma unroll
                     for (int e = 0; e < EPV; e++)
-                        d += qg[e] * k[e];
+                        d[g] += qr[g][e] * k[e];
+            }
+            int o = tpr / 2;
+#pragma unroll
+            for (int m = TD_DEC_GMAX; m > 1; m /= 2) {
+                if (m > gp || o == 0)
+                    continue;
+                const bool up = (lr & o) != 0;
+#pragma unroll
+                for (int i = 0; i < m / 2; i++) {
+                    float give = up ? d[i] : d[i + m / 2];
+                    float keep = up ? d[i + m / 2] : d[i];
+                    d[i] = keep + __shfl_xor_sync(0xffffffffu, give, o);
                 }
-                for (int o = tpr / 2; o > 0; o >>= 1)
-                    d += __shfl_xor_sync(0xffffffffu, d, o);
-                if (lr == 0 && t < n)
-                    sc[g * a.part_tokens + t] = d;
+                o /= 2;
+            }
+            for (; o > 0; o /= 2)
+                d[0] += __shfl_xor_sync(0xffffffffu, d[0], o);
+            if (owner && t < n) {
+#pragma unroll
+                for (int i = 0; i < TD_DEC_GMAX; i++)
+                    if (i < nh && hb + i < gc)
+                        sc[(hb + i) * a.part_tokens + t] = d[i];
             }
         }
     }
@@ -364,7 +403,7 @@ td_status_t td_cuda_attn_decode(td_cuda_backend_t *c, const td_attn_params_t *p)
     a.ws_o = c->dec_ws;
     a.ws_ml = c->dec_ws ? c->dec_ws + n_part_rows * hd : NULL;
 
-    size_t smem = sizeof(float) * ((size_t)TD_DEC_GMAX * hd + (size_t)TD_DEC_GMAX * a.part_tokens +
+    size_t smem = sizeof(float) * ((size_t)TD_DEC_GMAX * a.part_tokens +
                                    (size_t)TD_DEC_WARPS * TD_DEC_GMAX * hd);
     /* the opt-in limit covers dynamic plus static shared memory (s_m, s_l) */
     size_t smem_static = 2 * TD_DEC_GMAX * sizeof(float);
