@@ -412,9 +412,15 @@ td_status_t td_cuda_attn_decode(td_cuda_backend_t *c, const td_attn_params_t *p)
                          "memory, the device allows %zu", smem + smem_static, c->smem_optin);
     dim3 grid(a.max_parts, n_kv * a.n_hchunks, st->n_seqs);
     TD_CUDA_DISPATCH(c->base.act_dtype, TQ, TD_CUDA_DISPATCH(kt, TK, {
-        if (smem > 48 * 1024)
+        /* once per instantiation and context: the most any launch may use (smem varies with
+           head_dim and the partition) */
+        unsigned bit = 1u << (3 * td_cuda_type_of<TQ>::value + td_cuda_type_of<TK>::value);
+        if (!(c->decode_smem_set & bit)) {
             TD_CUDA_TRY(cudaFuncSetAttribute(td_decode_part_kernel<TQ, TK>,
-                                             cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             (int)(c->smem_optin - smem_static)));
+            c->decode_smem_set |= bit;
+        }
         td_decode_part_kernel<TQ, TK><<<grid, TD_DEC_THREADS, smem, c->stream>>>(a);
     }));
     TD_CUDA_LAUNCHED("attn_decode (partitions)");
