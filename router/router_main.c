@@ -103,6 +103,7 @@ typedef struct router_req {
     router_pick_t pick;
     router_pair_t tried[2];
     int32_t n_tried;
+    char retry_why[160];       /* why the last pair failed: the error names it if no other does */
     router_req_state_t state;
     int32_t priority;
     int64_t deadline_ns;       /* td_now_ns() clock; bounds queue, Admit, Prefill, decoding */
@@ -351,6 +352,7 @@ static void req_retry_or_fail(router_req_t *r, td_grpc_code_t code, const char *
     }
     if (!r->sent_any && r->n_tried < 2) {
         td_info("request %s: retrying on another pair (%s)", r->id, why);
+        snprintf(r->retry_why, sizeof r->retry_why, "%s", why);
         td_metric_inc(r->s->m_retries);
         req_off_node(r);
         r->first_src = FIRST_NONE;
@@ -760,8 +762,12 @@ static router_start_t req_start(router_req_t *r)
         if (st == TD_ERR_RANGE) {
             req_fail(r, TD_GRPC_INVALID_ARGUMENT, "prompt + max_tokens exceed every decode node's KV pool", "invalid");
         } else {
-            char why[256]; /* the policy's reason, copied before the release can log another */
-            snprintf(why, sizeof why, "%s", td_last_error());
+            char why[384]; /* the policy's reason, copied before the release can log another */
+            if (r->retry_why[0])
+                snprintf(why, sizeof why, "request %s failed on its pair (%s) and %s", r->id, r->retry_why,
+                         td_last_error());
+            else
+                snprintf(why, sizeof why, "%s", td_last_error());
             req_fail(r, TD_GRPC_UNAVAILABLE, why, "unavailable");
         }
         return START_ENDED;
