@@ -37,8 +37,8 @@ static td_pair_t td_open(td_dtype_t act)
         cr_skip_test("skipped: built without CUDA");
     td_cuda_config_t gc = {0, act};
     td_status_t st = td_backend_cuda_create(&gc, &p.gpu);
-    if (st == TD_ERR_UNSUPPORTED)
-        cr_skip_test("skipped: no CUDA device");
+    if (st == TD_ERR_UNSUPPORTED) /* the reason says which: no GPU, or a driver too old for the runtime */
+        cr_skip_test("skipped: no CUDA device (%s)", td_last_error());
     cr_assert_eq(st, TD_OK, "cuda backend: %s", td_last_error());
     td_cpu_config_t cc = {0};
     st = td_backend_cpu_create(&cc, &p.cpu);
@@ -583,7 +583,7 @@ Test(backend_ops, copy_d2h_async, .timeout = 120)
             uint8_t *dst = ring + k * piece, *src = (uint8_t *)d_old + k * piece;
             TD_OK_OR_FAIL(be, be->ops->copy_d2d(be, src, (uint8_t *)d_new + k * piece, piece)); /* compute queue */
             TD_OK_OR_FAIL(be, be->ops->copy_d2h_start(be, dst, src, piece, td_count_wake, &wakes, &tickets[k]));
-            if (k)
+            if (k && !be->host_memory) /* the CPU finishes inside start: every ticket is 0 */
                 cr_assert_gt(tickets[k], tickets[k - 1], "%s: tickets in start order", be->ops->name);
         }
         for (size_t k = 0; k < n_pieces; k++) {
