@@ -505,6 +505,21 @@ static void fx_open_on(fixture_t *fx, td_backend_t *be, td_dtype_t dtype)
     cr_assert_eq(td_engine_create(fx->model, be, &ec, &fx->eng), TD_OK, "%s", td_last_error());
 }
 
+/* stories260K on the CUDA backend (activations in act) and on the CPU, weights and KV cache
+   in dtype on both; skips without the model or a CUDA device, fails on any other error */
+static void cuda_pair_open(fixture_t *g, fixture_t *c, td_dtype_t act, td_dtype_t dtype)
+{
+    td_test_skip_without_stories();
+    td_backend_t *gpu, *cpu;
+    td_status_t st = td_backend_cuda_create(&(td_cuda_config_t){.device = 0, .act_dtype = act}, &gpu);
+    if (st == TD_ERR_UNSUPPORTED)
+        cr_skip_test("skipped: no CUDA device (%s)", td_last_error());
+    cr_assert_eq(st, TD_OK, "cuda backend on a machine with a device: %s", td_last_error());
+    cr_assert_eq(td_backend_cpu_create(&(td_cpu_config_t){.n_threads = 2}, &cpu), TD_OK);
+    fx_open_on(g, gpu, dtype);
+    fx_open_on(c, cpu, dtype);
+}
+
 /*
  * The CUDA backend end to end against the CPU backend: four prompts (1..100 tokens) in one
  * ragged batch, prefilled in chunks of 64 (a cached prefix for the 100-token prompt), then
@@ -525,16 +540,8 @@ static void fx_open_on(fixture_t *fx, td_backend_t *be, td_dtype_t dtype)
 static void cuda_matches_cpu(td_dtype_t dtype, int n_match, double max_nmse, double mean_nmse,
                              double tie_gap)
 {
-    td_test_skip_without_stories();
-    td_backend_t *gpu, *cpu;
-    td_status_t st = td_backend_cuda_create(&(td_cuda_config_t){.device = 0, .act_dtype = dtype}, &gpu);
-    if (st == TD_ERR_UNSUPPORTED)
-        cr_skip_test("skipped: no CUDA device (%s)", td_last_error());
-    cr_assert_eq(st, TD_OK, "cuda backend on a machine with a device: %s", td_last_error());
-    cr_assert_eq(td_backend_cpu_create(&(td_cpu_config_t){.n_threads = 2}, &cpu), TD_OK);
     fixture_t g, c;
-    fx_open_on(&g, gpu, dtype);
-    fx_open_on(&c, cpu, dtype);
+    cuda_pair_open(&g, &c, dtype, dtype);
     enum { N = 4 };
     const int chunk = 64;
     unsigned s = 11;
@@ -651,16 +658,8 @@ Test(engine, cuda_logits_match_cpu_bf16_activations, .timeout = 300)
  */
 static void cuda_greedy_matches_cpu(td_dtype_t dtype, int n_match)
 {
-    td_test_skip_without_stories();
-    td_backend_t *gpu, *cpu;
-    td_status_t st = td_backend_cuda_create(&(td_cuda_config_t){.device = 0, .act_dtype = TD_F32}, &gpu);
-    if (st == TD_ERR_UNSUPPORTED)
-        cr_skip_test("skipped: no CUDA device (%s)", td_last_error());
-    cr_assert_eq(st, TD_OK, "cuda backend on a machine with a device: %s", td_last_error());
-    cr_assert_eq(td_backend_cpu_create(&(td_cpu_config_t){.n_threads = 2}, &cpu), TD_OK);
     fixture_t g, c;
-    fx_open_on(&g, gpu, dtype);
-    fx_open_on(&c, cpu, dtype);
+    cuda_pair_open(&g, &c, TD_F32, dtype);
     enum { N = 4 };
     unsigned s = 11;
     int lens[N] = {1, 5, 17, 100}, total[N], *prompts[N], *want[N], *got[N];
