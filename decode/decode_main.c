@@ -299,8 +299,8 @@ static decode_admit_t *admit_take(decode_state_t *s, uint64_t lease_id)
 }
 
 /* td_xfer's copy of landed blocks into the device pool, on the loop thread while the
-   compute thread runs steps: the blocks are leased, so no step reads them, and the copy is
-   queued on the compute stream, so every later step sees it (td_backend.h "Threads") */
+   compute thread runs steps: the blocks are leased, so no step uses them, and the copy is
+   done when it returns, so every later step sees it (td_backend.h "Threads") */
 static td_status_t copy_landed(void *arg, void *dst, const void *src, size_t bytes)
 {
     td_backend_t *be = arg;

@@ -24,9 +24,8 @@
  * call the async copy ops below, and copy_h2d into blocks no step reads (a leased transfer's
  * landing copy), while the compute thread runs steps. Both backends allow it: the CPU's are
  * memcpy; the CUDA backend's only queue work on its streams (thread-safe CUDA calls), and
- * copy_h2d goes on the compute stream, so the steps queued after it see the bytes (from
- * pageable memory CUDA first waits for the work queued before it: the loop thread may wait
- * up to one step).
+ * copy_h2d runs on its data-plane stream and returns once done, so the loop thread waits for
+ * that copy only, and the steps queued after it see the bytes.
  */
 #ifndef TD_BACKEND_H
 #define TD_BACKEND_H
@@ -114,8 +113,9 @@ typedef struct td_backend_ops {
     td_status_t (*alloc)(td_backend_t *be, size_t bytes, void **ptr_p);
     void (*free)(td_backend_t *be, void *ptr);
     /* copy_h2d returns once the bytes are in dst (src may be reused) and ops queued after it
-       see them; copy_d2h returns once they are in dst; copy_d2d is ordered before the ops
-       queued after it. Ranges must not overlap. */
+       see them; it is not ordered after the ops queued before it, so dst must be memory none
+       of them still uses. copy_d2h returns once the bytes are in dst; copy_d2d is ordered
+       before the ops queued after it. Ranges must not overlap. */
     td_status_t (*copy_h2d)(td_backend_t *be, void *dst, const void *src, size_t bytes);
     td_status_t (*copy_d2h)(td_backend_t *be, void *dst, const void *src, size_t bytes);
     td_status_t (*copy_d2d)(td_backend_t *be, void *dst, const void *src, size_t bytes);

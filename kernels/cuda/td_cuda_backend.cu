@@ -129,12 +129,15 @@ static void td_cuda_free(td_backend_t *be, void *ptr)
 
 static td_status_t td_cuda_copy_h2d(td_backend_t *be, void *dst, const void *src, size_t bytes)
 {
-    /* the caller may reuse src once we return; from page-locked memory (a pinned landing
-       area) cudaMemcpyAsync returns before reading it, so wait for the copy */
+    /* on the data-plane stream, so that a node's loop thread landing a transfer waits for
+       its copy only, not for the compute queued on `stream` (td_backend.h: dst is no memory
+       a queued op still uses); synchronous: the caller may reuse src once we return (from
+       page-locked memory cudaMemcpyAsync returns before reading it), and ops queued later
+       see the bytes */
     td_cuda_backend_t *c = td_cuda_ctx(be);
     TD_CUDA_TRY(cudaSetDevice(c->device));
-    TD_CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, c->stream));
-    TD_CUDA_TRY(cudaStreamSynchronize(c->stream));
+    TD_CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, c->xfer_stream));
+    TD_CUDA_TRY(cudaStreamSynchronize(c->xfer_stream));
     return TD_OK;
 }
 
