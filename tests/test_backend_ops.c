@@ -122,6 +122,8 @@ static void td_poison(td_backend_t *be, void *d, size_t bytes)
     void *tmp = malloc(bytes + 1);
     cr_assert(tmp);
     memset(tmp, 0xFF, bytes);
+    /* copy_h2d is not ordered after queued ops: none may still use d */
+    cr_assert_eq(be->ops->sync(be), TD_OK, "%s", td_last_error());
     cr_assert_eq(be->ops->copy_h2d(be, d, tmp, bytes), TD_OK, "%s", td_last_error());
     free(tmp);
 }
