@@ -265,11 +265,8 @@ int bench_engine(int argc, char **argv)
         case 'm': o.model = optarg; break;
         case 'p': o.preset = optarg; break;
         case 'd':
-            if (td_dtype_parse(optarg) < 0) {
-                fprintf(stderr, "tandem bench engine: --dtype must be f32, f16 or bf16\n");
+            if (td_dtype_parse_flag(optarg, &o.dtype) != TD_OK)
                 return 2;
-            }
-            o.dtype = (td_dtype_t)td_dtype_parse(optarg);
             break;
         case 't':
             if (td_parse_i64(optarg, 1, 1024, "--threads", &v) != TD_OK)

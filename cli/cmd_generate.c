@@ -151,8 +151,8 @@ static int parse_opts(int argc, char **argv, gen_opts_t *o)
     for (int ch, idx = -1; (ch = getopt_long(argc, argv, "", longopts, &idx)) != -1; idx = -1) {
         td_status_t st = TD_OK;
         if (idx >= 0 && !o->local_only &&
-            (ch == OPT_MODEL || ch == OPT_TOKENIZER || ch == OPT_THREADS || ch == OPT_DEVICE || ch == OPT_DTYPE || ch == OPT_KV_MEM ||
-             ch == OPT_CHUNK))
+            (ch == OPT_MODEL || ch == OPT_TOKENIZER || ch == OPT_THREADS || ch == OPT_DEVICE || ch == OPT_DTYPE ||
+             ch == OPT_KV_MEM || ch == OPT_CHUNK))
             o->local_only = longopts[idx].name;
         switch (ch) {
         case OPT_MODEL: o->model = optarg; break;
@@ -198,10 +198,12 @@ static int parse_opts(int argc, char **argv, gen_opts_t *o)
             break;
         case OPT_THREADS: st = td_parse_i64(optarg, 1, 4096, "--threads", &o->threads); break;
         case OPT_DEVICE: st = td_device_parse(optarg, &o->device); break;
-        case OPT_DTYPE:
-            if ((o->dtype = td_dtype_parse(optarg)) < 0)
-                st = td_errorf(TD_ERR_INVALID, "--dtype '%s' is not f32, f16 or bf16", optarg);
+        case OPT_DTYPE: {
+            td_dtype_t t;
+            if ((st = td_dtype_parse_flag(optarg, &t)) == TD_OK)
+                o->dtype = (int)t;
             break;
+        }
         case OPT_PRINT_IDS: o->print_ids = true; break;
         case OPT_KV_MEM:
             if ((st = td_parse_i64(optarg, 1, 1 << 22, "--kv-mem", &v)) == TD_OK)
@@ -747,10 +749,7 @@ int cmd_generate(int argc, char **argv)
     if ((st = td_backend_open(&o.device, (int32_t)o.threads, o.dtype < 0 ? TD_F32 : (td_dtype_t)o.dtype, &be)) != TD_OK)
         goto out;
     td_engine_config_t ec = td_engine_config_default();
-    if (o.dtype >= 0) {
-        ec.weight_dtype = o.dtype;
-        ec.kv_dtype = (td_dtype_t)o.dtype;
-    }
+    td_engine_config_set_dtype(&ec, o.dtype);
     ec.max_batch_tokens = (int32_t)(o.prefill_chunk ? o.prefill_chunk : TD_MIN(512, (int64_t)n_prompt));
     ec.max_seqs = 1;
     ec.max_logit_rows = 1;

@@ -76,7 +76,7 @@ static int cmd_synth(int argc, char **argv)
     };
     const char *out = NULL, *config = "tiny", *arch = NULL, *tok = NULL;
     int64_t seed = 0, shards = 1;
-    int dtype = TD_BF16;
+    td_dtype_t dtype = TD_BF16;
     optind = 1;
     int ch;
     while ((ch = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
@@ -94,11 +94,8 @@ static int cmd_synth(int argc, char **argv)
                 return 2;
             break;
         case 'd':
-            dtype = td_dtype_parse(optarg);
-            if (dtype < 0) {
-                fprintf(stderr, "tandem model synth: --dtype must be f32, f16 or bf16\n");
+            if (td_dtype_parse_flag(optarg, &dtype) != TD_OK)
                 return 2;
-            }
             break;
         case 'h': usage_synth(stdout); return 0;
         default: usage_synth(stderr); return 2;
@@ -121,7 +118,7 @@ static int cmd_synth(int argc, char **argv)
         td_model_config_set_arch(&p.config, (td_arch_t)a);
     }
     p.seed = (uint64_t)seed;
-    p.dtype = (td_dtype_t)dtype;
+    p.dtype = dtype;
     double t0 = td_now_s();
     if (td_model_synth_shards(&p, (int)shards, out, tok) != TD_OK)
         return 1;

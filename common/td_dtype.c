@@ -8,6 +8,15 @@
 
 #include "td_util.h"
 
+td_status_t td_dtype_parse_flag(const char *s, td_dtype_t *out)
+{
+    int t = td_dtype_parse(s);
+    if (t < 0)
+        return td_errorf(TD_ERR_INVALID, "--dtype '%s' is not f32, f16 or bf16", s ? s : "");
+    *out = (td_dtype_t)t;
+    return TD_OK;
+}
+
 const char *td_dtype_name(td_dtype_t t)
 {
     switch (t) {

@@ -97,6 +97,14 @@ td_engine_config_t td_engine_config_default(void)
     };
 }
 
+void td_engine_config_set_dtype(td_engine_config_t *cfg, int dtype)
+{
+    if (dtype < 0)
+        return;
+    cfg->weight_dtype = dtype;
+    cfg->kv_dtype = (td_dtype_t)dtype;
+}
+
 /* ---- weights ---------------------------------------------------------------------- */
 
 static size_t tensor_elems(const td_tensor_t *t)

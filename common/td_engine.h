@@ -55,6 +55,10 @@ typedef struct td_engine_config {
 
 td_engine_config_t td_engine_config_default(void);
 
+/* A process's --dtype (a td_dtype_t, or -1: leave the defaults) applied to the weights and
+ * the KV cache, the one place it is done (tandem generate, the nodes). */
+void td_engine_config_set_dtype(td_engine_config_t *cfg, int dtype);
+
 /*
  * Builds an engine: makes the model's weights available on the backend (uploading or
  * converting only what the backend cannot use in place; the model must outlive the

@@ -65,9 +65,13 @@ static td_status_t validate(router_proc_t *p)
             return td_errorf(TD_ERR_INVALID, "%s: --router '%s' is not a valid HOST:PORT", prog, c->router);
         if (td_device_parse(c->device ? c->device : "cpu", &p->device) != TD_OK)
             return TD_ERR_INVALID;
-        p->dtype = c->dtype ? td_dtype_parse(c->dtype) : -1;
-        if (c->dtype && p->dtype < 0)
-            return td_errorf(TD_ERR_INVALID, "%s: --dtype '%s' is not f32, f16 or bf16", prog, c->dtype);
+        p->dtype = -1;
+        if (c->dtype) {
+            td_dtype_t t;
+            if (td_dtype_parse_flag(c->dtype, &t) != TD_OK)
+                return TD_ERR_INVALID;
+            p->dtype = (int)t;
+        }
     }
     if (router_proc_is_wildcard(c->host) && !c->advertise)
         return td_errorf(TD_ERR_INVALID,
@@ -204,10 +208,7 @@ err_model:
 td_engine_config_t router_proc_engine_config(const router_proc_t *p)
 {
     td_engine_config_t ec = td_engine_config_default();
-    if (p->dtype >= 0) {
-        ec.weight_dtype = p->dtype;
-        ec.kv_dtype = (td_dtype_t)p->dtype;
-    }
+    td_engine_config_set_dtype(&ec, p->dtype);
     return ec;
 }
 
