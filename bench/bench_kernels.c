@@ -108,7 +108,11 @@ static td_status_t bench_kernels_fill(td_backend_t *be, void *dst, size_t bytes,
 
 /* ---- copy ------------------------------------------------------------------------------------ */
 
-static td_status_t bench_kernels_copy_run(td_backend_t *be, void *arg);
+static td_status_t bench_kernels_copy_run(td_backend_t *be, void *arg)
+{
+    bench_kernels_copy_t *c = arg;
+    return be->ops->copy_d2d(be, c->dst, c->src, c->bytes);
+}
 
 td_status_t bench_copy_bandwidth(td_backend_t *be, size_t bytes, int iters, double *bytes_per_s)
 {
@@ -124,12 +128,6 @@ td_status_t bench_copy_bandwidth(td_backend_t *be, size_t bytes, int iters, doub
     be->ops->free(be, c.dst);
     be->ops->free(be, c.src);
     return st;
-}
-
-static td_status_t bench_kernels_copy_run(td_backend_t *be, void *arg)
-{
-    bench_kernels_copy_t *c = arg;
-    return be->ops->copy_d2d(be, c->dst, c->src, c->bytes);
 }
 
 /* ---- gemm ------------------------------------------------------------------------------------ */
