@@ -10,7 +10,6 @@
  * f32) written once to a cache folder.
  */
 #include <cblas.h>
-#include <errno.h>
 #include <getopt.h>
 #include <inttypes.h>
 #include <stdio.h>
@@ -213,23 +212,17 @@ static td_status_t ensure_model(const bench_opts_t *o, char *dir, size_t cap)
         base = home_cache;
     }
     snprintf(dir, cap, "%s/bench-%s-%s", base, o->preset, td_dtype_name(o->dtype));
-    /* td_model_synth writes config.json before the weights: a run killed mid-write (16 GB
-       for llama-3-8b) would leave a model that looks whole; only this mark, made after, says so */
-    char done[4096 + 16];
-    snprintf(done, sizeof done, "%s/.synth-complete", dir);
-    if (td_is_file(done))
+    /* td_model_synth writes config.json last: with it the model is whole */
+    char cfg[4096 + 16];
+    snprintf(cfg, sizeof cfg, "%s/config.json", dir);
+    if (td_is_file(cfg))
         return TD_OK;
     td_synth_params_t sp = {.seed = 1, .dtype = o->dtype};
     td_status_t st = td_model_preset(o->preset, &sp.config);
     if (st != TD_OK)
         return td_errorf(st, "bench: unknown preset '%s'", o->preset);
     fprintf(stderr, "bench: writing a synthetic %s model to %s (once)\n", o->preset, dir);
-    if ((st = td_model_synth(&sp, dir, NULL)) != TD_OK)
-        return st;
-    FILE *f = fopen(done, "w");
-    if (!f || fclose(f) != 0)
-        return td_errorf(TD_ERR_IO, "%s: cannot create: %s", done, strerror(errno));
-    return TD_OK;
+    return td_model_synth(&sp, dir, NULL);
 }
 
 static void usage(FILE *f)

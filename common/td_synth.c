@@ -450,18 +450,15 @@ td_status_t td_model_synth_shards(const td_synth_params_t *p, int n_shards, cons
         acc += t[i].nbytes;
     }
 
-    char *cfg_text;
-    if ((s = td_model_config_to_json(&c, p->dtype, &cfg_text)) != TD_OK)
-        goto out;
-    s = write_text(out_dir, "config.json", cfg_text, strlen(cfg_text));
-    free(cfg_text);
-    if (s != TD_OK)
-        goto out;
+    /* config.json goes last: a directory with one holds a whole model, so a run killed while
+       writing (16 GB for llama-3-8b) never leaves one that looks complete */
+    char stale[4400];
+    snprintf(stale, sizeof stale, "%s/config.json", out_dir);
+    unlink(stale);
     s = tokenizer_src ? copy_tokenizer(tokenizer_src, out_dir) : write_byte_tokenizer(out_dir, c.max_seq_len);
     if (s != TD_OK)
         goto out;
     /* A weight file of the other layout left from an earlier run would shadow this one. */
-    char stale[4400];
     snprintf(stale, sizeof stale, "%s/%s", out_dir, n_shards > 1 ? "model.safetensors" : "model.safetensors.index.json");
     unlink(stale);
     for (int i = 0; i < n_shards; i++) {
@@ -470,8 +467,15 @@ td_status_t td_model_synth_shards(const td_synth_params_t *p, int n_shards, cons
             goto out;
         }
     }
-    if (n_shards > 1 && (s = write_index(out_dir, t, n, n_shards)) != TD_OK)
+    if (n_shards > 1 && (s = write_index(out_dir, t, n, n_shards)) != TD_OK) {
         remove_shards(out_dir, n_shards, n_shards);
+        goto out;
+    }
+    char *cfg_text;
+    if ((s = td_model_config_to_json(&c, p->dtype, &cfg_text)) != TD_OK)
+        goto out;
+    s = write_text(out_dir, "config.json", cfg_text, strlen(cfg_text));
+    free(cfg_text);
 out:
     free(conv);
     free(vals);

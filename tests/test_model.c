@@ -476,6 +476,27 @@ Test(model_synth, deterministic_bytes_and_dtype_independent_values, .init = tmp_
     td_model_destroy(m32);
 }
 
+/* config.json is written last: a synth that fails while writing weights leaves none, even
+   over a whole model an earlier run wrote there, so no half-written model looks complete */
+Test(model_synth, failed_write_leaves_no_config, .init = tmp_setup, .fini = tmp_teardown, .timeout = 60)
+{
+    char dir[512], p[600];
+    tmp_path(dir, sizeof dir, "m");
+    synth(dir, "tiny", TD_ARCH_LLAMA, TD_F32, 1, 1);
+    snprintf(p, sizeof p, "%s/config.json", dir);
+    cr_assert(td_is_file(p));
+    snprintf(p, sizeof p, "%s/model.safetensors", dir);
+    cr_assert_eq(unlink(p), 0);
+    cr_assert_eq(mkdir(p, 0755), 0); /* the weights cannot be written */
+    td_synth_params_t sp = {.seed = 1, .dtype = TD_F32};
+    cr_assert_eq(td_model_preset("tiny", &sp.config), TD_OK);
+    cr_assert_neq(td_model_synth(&sp, dir, NULL), TD_OK);
+    snprintf(p, sizeof p, "%s/config.json", dir);
+    cr_expect_not(td_is_file(p), "a failed synth left config.json");
+    td_model_t *m = NULL;
+    cr_expect_neq(td_model_load(dir, &m), TD_OK);
+}
+
 Test(model_synth, sharded_matches_single_file, .init = tmp_setup, .fini = tmp_teardown, .timeout = 60)
 {
     char one[512], three[512], p[600];
