@@ -218,7 +218,9 @@ int cmd_local(int argc, char **argv)
         char *nargv[] = {"tandem", dec ? "decode" : "prefill", "--model", (char *)model, "--router", control,
                          "--node-id", id, "--threads", th, "--kv-blocks", kb, "--log-level", (char *)log_level,
                          "--host", (char *)host, "--device", (char *)device, NULL, NULL, NULL, NULL, NULL};
-        int k = 18;
+        int k = 0;
+        while (nargv[k]) /* the optional flags go after the fixed ones */
+            k++;
         if (dtype) {
             nargv[k++] = "--dtype";
             nargv[k++] = (char *)dtype;
