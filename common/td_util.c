@@ -268,6 +268,21 @@ int td_cpu_count(void)
     return n > 0 ? (int)n : 1;
 }
 
+td_status_t td_mem_populate(void *p, size_t n)
+{
+    long pg = sysconf(_SC_PAGESIZE);
+    uintptr_t a = (uintptr_t)p & ~(uintptr_t)(pg - 1);
+    size_t len = n + ((uintptr_t)p - a);
+#ifdef MADV_POPULATE_WRITE
+    if (madvise((void *)a, len, MADV_POPULATE_WRITE) == 0)
+        return TD_OK;
+    if (errno != EINVAL)
+        return td_errorf(TD_ERR_NOMEM, "cannot make %zu MiB resident: %s", n >> 20, strerror(errno));
+#endif
+    (void)len;
+    return td_errorf(TD_ERR_UNSUPPORTED, "this kernel cannot populate memory (MADV_POPULATE_WRITE)");
+}
+
 void td_memcpy_stream(void *dst, const void *src, size_t n)
 {
 #if defined(__SSE2__)

@@ -1270,8 +1270,31 @@ static bool ep_rma_is_rdma(ucp_ep_h ep, char *lanes, size_t cap)
     return rdma;
 }
 
-/* At hello (the endpoint is wired up): put or AM for this peer. A mapped pool is touched
- * in once here, so the first transfer does not pay the page faults. */
+/* Faulting in this process's mapping of a peer's pool (page tables only: the receiver
+ * made its pages resident at startup) is work proportional to the pool, tens of GB on a GPU
+ * node: it runs on libuv's thread pool, never on the loop. Puts may start meanwhile (a page
+ * not yet mapped faults in its copy, as it would without this). The job refers to nothing
+ * of x, so it may outlive x; MADV_POPULATE_WRITE on a range unmapped under it (the rkey
+ * destroyed) fails harmlessly, and it changes no contents. */
+typedef struct map_populate_job {
+    uv_work_t req;
+    void *addr;
+    size_t len;
+} map_populate_job_t;
+
+static void map_populate_work(uv_work_t *req)
+{
+    map_populate_job_t *j = CONTAINER(req, map_populate_job_t, req);
+    (void)td_mem_populate(j->addr, j->len); /* a kernel without it: the copies fault pages in */
+}
+
+static void map_populate_done(uv_work_t *req, int status)
+{
+    (void)status;
+    free(CONTAINER(req, map_populate_job_t, req));
+}
+
+/* At hello (the endpoint is wired up): put or AM for this peer. */
 static void peer_decide(td_xfer_t *x, td_xfer_peer_t *peer)
 {
     char ip[INET_ADDRSTRLEN];
@@ -1292,15 +1315,13 @@ static void peer_decide(td_xfer_t *x, td_xfer_peer_t *peer)
     bool rdma = ep_rma_is_rdma(peer->ep, lanes, sizeof lanes);
     peer->use_put = x->cfg.rma == TD_XFER_RMA_PUT || shm || rdma;
     if (peer->use_put && shm) {
-        long pg = sysconf(_SC_PAGESIZE);
-        uintptr_t a = (uintptr_t)mapped & ~(uintptr_t)(pg - 1);
-        size_t n = td_kv_pool_bytes(&peer->layout, peer->n_blocks) + ((uintptr_t)mapped - a);
-#ifdef MADV_POPULATE_WRITE
-        if (madvise((void *)a, n, MADV_POPULATE_WRITE) != 0)
-#endif
-            for (size_t off = 0; off < n; off += (size_t)pg)
-                (void)*(volatile char *)(a + off);
         peer->mapped = mapped;
+        map_populate_job_t *j = malloc(sizeof *j);
+        if (j) {
+            *j = (map_populate_job_t){.addr = mapped, .len = td_kv_pool_bytes(&peer->layout, peer->n_blocks)};
+            if (uv_queue_work(x->loop, &j->req, map_populate_work, map_populate_done) != 0)
+                free(j); /* then the copies fault the pages in as they go */
+        }
     }
 out:
     td_info("xfer peer %s:%u: kv by %s (rma %s%s%s)", ip, peer->port, peer->use_put ? "put" : "active messages",
@@ -2102,6 +2123,31 @@ td_status_t td_xfer_register_pool(td_xfer_t *x, const td_xfer_pool_t *pool, td_x
         ucp_mem_unmap(x->ctx, x->memh);
         free(stack);
         return ucx_err(st, "pack rkey");
+    }
+    if (!ucx_base) {
+        /* Ours: resident now, at startup before the node registers, not page by page under
+         * the first transfers (the receive path and the senders' mappings would pay it on
+         * their loops). A pool the machine cannot hold fails here, not mid-request. */
+        size_t bytes = td_kv_pool_bytes(&pool->layout, ucx_blocks);
+        uint64_t t0 = td_now_ns();
+        td_status_t ps = td_mem_populate(ma.address, bytes);
+        if (ps == TD_ERR_UNSUPPORTED) {
+            memset(ma.address, 0, bytes);
+            ps = TD_OK;
+        }
+        if (ps != TD_OK) {
+            td_status_t e = td_errorf(TD_ERR_NOMEM, "xfer: the %s (%zu MiB) cannot be made resident (%s): lower "
+                                      "--kv-mem or --kv-blocks", dev ? "landing area" : "KV pool", bytes >> 20,
+                                      td_last_error());
+            ucp_rkey_buffer_release(x->rkey_buf);
+            x->rkey_buf = NULL;
+            ucp_mem_unmap(x->ctx, x->memh);
+            x->memh = NULL;
+            free(stack);
+            return e;
+        }
+        td_info("xfer %s: %s of %zu MiB resident in %.2f s", x->name, dev ? "landing area" : "KV pool", bytes >> 20,
+                (double)(td_now_ns() - t0) * 1e-9);
     }
     x->pool = *pool;
     x->pool.base = ma.address;
