@@ -149,6 +149,11 @@ td_status_t router_proc_serve(router_proc_t *p, td_metrics_t *metrics)
         uv_signal_start(&p->sigterm, on_signal, SIGTERM);
         p->signals_up = true;
     }
+    if (!p->loop_metrics) {
+        td_status_t st = td_metrics_loop_start(&p->loop, metrics, &p->loop_metrics);
+        if (st != TD_OK)
+            return st;
+    }
     td_http_config_t hc = td_http_config_default();
     hc.host = p->cfg.host;
     hc.port = (uint16_t)p->cfg.metrics_port;
@@ -243,6 +248,8 @@ void router_proc_shutdown(router_proc_t *p)
     p->client = NULL;
     td_http_server_close(p->http, NULL, NULL);
     p->http = NULL;
+    td_metrics_loop_stop(p->loop_metrics);
+    p->loop_metrics = NULL;
     if (p->signals_up) {
         uv_close((uv_handle_t *)&p->sigint, NULL);
         uv_close((uv_handle_t *)&p->sigterm, NULL);

@@ -43,6 +43,7 @@
 #include "td_engine.h"
 #include "td_http.h"
 #include "td_metrics.h"
+#include "td_metrics_loop.h"
 #include "td_model.h"
 #include "td_sampler.h"
 #include "td_status.h"
@@ -98,6 +99,7 @@ typedef struct router_proc {
                                   applies td_device_default_dtype */
     router_conf_store_t store;
     td_http_server_t *http;
+    td_metrics_loop_t *loop_metrics; /* loop lag and longest run, beside /metrics */
     router_node_client_t *client;
     uv_signal_t sigint, sigterm;
     bool loop_up, signals_up, shutting_down;
@@ -118,7 +120,8 @@ bool router_proc_is_wildcard(const char *host);
 
 /*
  * Starts /metrics on cfg.host:cfg.metrics_port (serving `metrics`, which the caller keeps
- * alive until router_proc_stop returned) and the SIGINT/SIGTERM watch. Errors: those of
+ * alive until router_proc_stop returned), the loop's own series in it (td_metrics_loop:
+ * lag and longest run of callbacks) and the SIGINT/SIGTERM watch. Errors: those of
  * td_http_server_create (logged there); the signals are watched in any case, so
  * router_proc_stop can shut down.
  */

@@ -6,6 +6,7 @@ and exits 0 when the behaviour is right, 1 (with 'FAIL: why' lines) when not:
 
   metric URL NAME [LABEL=VALUE]          print a /metrics value (sum of the matching series)
   waitmetric URL NAME OP VALUE SECONDS   wait until the value OP (== <= >=) VALUE holds
+  looplag BOUND_S NAME=URL...            each process's event-loop lag p99 is under BOUND_S
   cancel HOST:PORT N MAX_TOKENS AFTER [URL]
                                          N streams, each cancelled once it has AFTER tokens (0:
                                          at its first message); URL: print the decode node's
@@ -140,6 +141,43 @@ def cmd_metric(url, name, label=""):
     v = fetch_metric(url, name, label)
     print("%d" % v if v == int(v) else v)
     return 0
+
+
+def histogram_quantile(url, name, q):
+    """The upper bound of the bucket holding quantile q of a histogram (Prometheus's
+    histogram_quantile without the interpolation: never under the truth), and the count."""
+    with urllib.request.urlopen(url, timeout=5) as r:
+        text = r.read().decode()
+    buckets = []
+    for line in text.splitlines():
+        if line.startswith(name + "_bucket{"):
+            le = line.split('le="', 1)[1].split('"', 1)[0]
+            buckets.append((float("inf") if le == "+Inf" else float(le), float(line.rpartition(" ")[2])))
+    if not buckets:
+        raise KeyError("%s not in %s" % (name, url))
+    buckets.sort()
+    total = buckets[-1][1]
+    for le, cum in buckets:
+        if cum >= q * total:
+            return le, int(total)
+    return float("inf"), int(total)
+
+
+def cmd_looplag(bound_s, *named_urls):
+    """looplag BOUND_S NAME=URL...: each process's loop-lag p99 (tandem_event_loop_lag_seconds)
+    must be under BOUND_S; prints it with the longest run of callbacks."""
+    rc = 0
+    for nu in named_urls:
+        name, url = nu.split("=", 1)
+        p99, n = histogram_quantile(url, "tandem_event_loop_lag_seconds", 0.99)
+        longest = fetch_metric(url, "tandem_event_loop_longest_run_seconds")
+        print("%s: loop lag p99 <= %g s over %d samples, longest run of callbacks %.1f ms" % (name, p99, n,
+                                                                                           longest * 1e3))
+        if n < 10:
+            rc = fail("%s: only %d loop-lag samples: is the lag timer running?" % (name, n))
+        elif p99 > float(bound_s):
+            rc = fail("%s: loop lag p99 %g s is over the bound %s s" % (name, p99, bound_s))
+    return rc
 
 
 def cmd_waitmetric(url, name, op, value, seconds):
@@ -767,7 +805,8 @@ def main():
     cmds = {"metric": cmd_metric, "waitmetric": cmd_waitmetric, "cancel": cmd_cancel, "deadline": cmd_deadline,
             "rawdeadline": cmd_rawdeadline, "garbage": cmd_garbage, "nodekill": cmd_nodekill,
             "stopkill": cmd_stopkill, "stall": cmd_stall, "controlgarbage": cmd_controlgarbage,
-            "httpgarbage": cmd_httpgarbage, "slowreader": cmd_slowreader, "churn": cmd_churn, "ping": cmd_ping, "run": cmd_run}
+            "httpgarbage": cmd_httpgarbage, "slowreader": cmd_slowreader, "churn": cmd_churn, "ping": cmd_ping, "run": cmd_run,
+            "looplag": cmd_looplag}
     if len(sys.argv) < 2 or sys.argv[1] not in cmds:
         print(__doc__)
         return 2

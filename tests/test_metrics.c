@@ -1,7 +1,8 @@
 /*
  * test_metrics: the Prometheus registry (golden rendering, escaping, labels, histogram
  * buckets, registration rules, concurrent updates) and GET /metrics over td_http with a
- * raw socket (200, 404, 400 on garbage, 431 on an oversized request, keep-alive).
+ * raw socket (200, 404, 400 on garbage, 431 on an oversized request, keep-alive), and the
+ * event-loop series of td_metrics_loop (a blocking callback shows as lag and as the longest run).
  */
 #include <arpa/inet.h>
 #include <criterion/criterion.h>
@@ -15,6 +16,7 @@
 
 #include "td_http.h"
 #include "td_metrics.h"
+#include "td_metrics_loop.h"
 #include "td_test_net.h"
 
 static const char golden[] =
@@ -265,4 +267,66 @@ Test(metrics, http_metrics_endpoint, .timeout = 30)
     uv_sem_destroy(&h.ready);
     cr_assert_eq(h.loop_close_rc, 0, "http server left handles open");
     td_metrics_destroy(h.reg);
+}
+
+/* ---- td_metrics_loop ----------------------------------------------------------------- */
+
+typedef struct loop_case {
+    td_metrics_loop_t *w;
+    uv_timer_t stall, end;
+    int fired;
+} loop_case_t;
+
+/* Blocks the loop for 150 ms once, as a callback doing work proportional to a model would. */
+static void on_stall(uv_timer_t *h)
+{
+    loop_case_t *c = h->data;
+    if (c->fired++ == 0)
+        usleep(150000);
+}
+
+static void on_end(uv_timer_t *h)
+{
+    loop_case_t *c = h->data;
+    td_metrics_loop_stop(c->w);
+    uv_close((uv_handle_t *)&c->stall, NULL);
+    uv_close((uv_handle_t *)&c->end, NULL);
+}
+
+/* Only lower bounds are checked (a loaded machine adds lag, never removes it): the blocked
+ * 150 ms must appear as one lag sample of at least 100 ms and as a run of at least 150 ms,
+ * and the lag timer must have sampled while the loop was otherwise idle. */
+Test(metrics, loop_lag_and_longest_run, .timeout = 30)
+{
+    uv_loop_t loop;
+    cr_assert_eq(uv_loop_init(&loop), 0);
+    td_metrics_t *m;
+    cr_assert_eq(td_metrics_create(&m), TD_OK);
+    loop_case_t c = {0};
+    cr_assert_eq(td_metrics_loop_start(&loop, m, &c.w), TD_OK);
+    uv_timer_init(&loop, &c.stall);
+    uv_timer_init(&loop, &c.end);
+    c.stall.data = c.end.data = &c;
+    uv_timer_start(&c.stall, on_stall, 200, 0);
+    uv_timer_start(&c.end, on_end, 600, 0);
+    uv_run(&loop, UV_RUN_DEFAULT);
+    cr_assert_eq(uv_loop_close(&loop), 0, "every handle of the watcher closed");
+
+    char *text;
+    size_t len;
+    cr_assert_eq(td_metrics_render(m, &text, &len), TD_OK);
+    unsigned long long n = 0, under_100ms = 0;
+    double longest = -1;
+    for (char *line = strtok(text, "\n"); line; line = strtok(NULL, "\n")) {
+        if (sscanf(line, "tandem_event_loop_lag_seconds_bucket{le=\"0.1\"} %llu", &under_100ms) == 1)
+            continue;
+        if (sscanf(line, "tandem_event_loop_lag_seconds_count %llu", &n) == 1)
+            continue;
+        sscanf(line, "tandem_event_loop_longest_run_seconds %lf", &longest);
+    }
+    free(text);
+    td_metrics_destroy(m);
+    cr_assert_geq(n, 10, "the 10 ms lag timer sampled over 600 ms (%llu samples)", n);
+    cr_assert_lt(under_100ms, n, "one lag sample is over 100 ms (%llu of %llu under)", under_100ms, n);
+    cr_assert_geq(longest, 0.15, "the 150 ms callback is the longest run (%g s)", longest);
 }
