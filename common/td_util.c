@@ -5,6 +5,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -268,19 +269,53 @@ int td_cpu_count(void)
     return n > 0 ? (int)n : 1;
 }
 
-td_status_t td_mem_populate(void *p, size_t n)
+typedef struct populate_piece {
+    pthread_t thread;
+    void *p;
+    size_t n;
+    int err; /* errno, 0 on success */
+} populate_piece_t;
+
+static void *populate_run(void *arg)
 {
-    long pg = sysconf(_SC_PAGESIZE);
+    populate_piece_t *pc = arg;
+#ifdef MADV_POPULATE_WRITE
+    pc->err = madvise(pc->p, pc->n, MADV_POPULATE_WRITE) == 0 ? 0 : errno;
+#else
+    pc->err = EINVAL;
+#endif
+    return NULL;
+}
+
+td_status_t td_mem_populate(void *p, size_t n, int n_threads)
+{
+    size_t pg = (size_t)sysconf(_SC_PAGESIZE);
     uintptr_t a = (uintptr_t)p & ~(uintptr_t)(pg - 1);
     size_t len = n + ((uintptr_t)p - a);
-#ifdef MADV_POPULATE_WRITE
-    if (madvise((void *)a, len, MADV_POPULATE_WRITE) == 0)
+    enum { MAX_PIECES = 16 };
+    populate_piece_t pcs[MAX_PIECES];
+    int k = n_threads < 1 ? 1 : n_threads > MAX_PIECES ? MAX_PIECES : n_threads;
+    size_t per = (len / (size_t)k + pg - 1) / pg * pg;
+    int n_pieces = 0;
+    for (size_t off = 0; off < len && n_pieces < k; off += per, n_pieces++)
+        pcs[n_pieces] = (populate_piece_t){.p = (void *)(a + off), .n = TD_MIN(per, len - off)};
+    bool threaded[MAX_PIECES] = {false};
+    for (int i = 1; i < n_pieces; i++)
+        threaded[i] = pthread_create(&pcs[i].thread, NULL, populate_run, &pcs[i]) == 0;
+    int err = 0;
+    for (int i = 0; i < n_pieces; i++) {
+        if (threaded[i])
+            pthread_join(pcs[i].thread, NULL);
+        else
+            populate_run(&pcs[i]); /* the first piece, or one no thread could take */
+        if (!err)
+            err = pcs[i].err;
+    }
+    if (!err)
         return TD_OK;
-    if (errno != EINVAL)
-        return td_errorf(TD_ERR_NOMEM, "cannot make %zu MiB resident: %s", n >> 20, strerror(errno));
-#endif
-    (void)len;
-    return td_errorf(TD_ERR_UNSUPPORTED, "this kernel cannot populate memory (MADV_POPULATE_WRITE)");
+    if (err == EINVAL)
+        return td_errorf(TD_ERR_UNSUPPORTED, "this kernel cannot populate memory (MADV_POPULATE_WRITE)");
+    return td_errorf(TD_ERR_NOMEM, "cannot make %zu MiB resident: %s", n >> 20, strerror(err));
 }
 
 void td_memcpy_stream(void *dst, const void *src, size_t n)

@@ -77,11 +77,12 @@ int td_cpu_count(void);
 void td_memcpy_stream(void *dst, const void *src, size_t n);
 
 /* Makes every page of [p, p + n) resident and writable now (MADV_POPULATE_WRITE), so that
- * nobody pays its page faults later (a KV pool at startup, before a node registers).
+ * nobody pays its page faults later (a KV pool at startup, before a node registers), with
+ * n_threads threads on disjoint pieces (page zeroing scales with cores; 1: this thread).
  * Contents are unchanged. Errors: TD_ERR_NOMEM (the memory cannot be had: message names
  * the size), TD_ERR_UNSUPPORTED (a kernel before 5.14: the caller may touch the pages
  * itself where the range cannot vanish under it). Any thread. */
-td_status_t td_mem_populate(void *p, size_t n);
+td_status_t td_mem_populate(void *p, size_t n, int n_threads);
 
 
 /* Strict number parsing for flags and config: the whole string must be a number within

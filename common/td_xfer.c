@@ -1285,7 +1285,7 @@ typedef struct map_populate_job {
 static void map_populate_work(uv_work_t *req)
 {
     map_populate_job_t *j = CONTAINER(req, map_populate_job_t, req);
-    (void)td_mem_populate(j->addr, j->len); /* a kernel without it: the copies fault pages in */
+    (void)td_mem_populate(j->addr, j->len, 1); /* a kernel without it: the copies fault pages in */
 }
 
 static void map_populate_done(uv_work_t *req, int status)
@@ -2130,7 +2130,7 @@ td_status_t td_xfer_register_pool(td_xfer_t *x, const td_xfer_pool_t *pool, td_x
          * their loops). A pool the machine cannot hold fails here, not mid-request. */
         size_t bytes = td_kv_pool_bytes(&pool->layout, ucx_blocks);
         uint64_t t0 = td_now_ns();
-        td_status_t ps = td_mem_populate(ma.address, bytes);
+        td_status_t ps = td_mem_populate(ma.address, bytes, TD_MIN(td_cpu_count(), 8));
         if (ps == TD_ERR_UNSUPPORTED) {
             memset(ma.address, 0, bytes);
             ps = TD_OK;

@@ -8,6 +8,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include "td_util.h"
 
@@ -56,4 +58,40 @@ Test(util, mkdir_p_makes_missing_parents_once)
     char cmd[300];
     snprintf(cmd, sizeof cmd, "rm -rf %s", root);
     cr_assert_eq(system(cmd), 0);
+}
+
+/* Pages resident in [p, p + n), by mincore. */
+static size_t resident_pages(void *p, size_t n)
+{
+    size_t pg = (size_t)sysconf(_SC_PAGESIZE), np = (n + pg - 1) / pg, r = 0;
+    unsigned char *v = malloc(np);
+    cr_assert_not_null(v);
+    cr_assert_eq(mincore(p, n, v), 0);
+    for (size_t i = 0; i < np; i++)
+        r += v[i] & 1;
+    free(v);
+    return r;
+}
+
+/* A KV pool is made resident at startup by several threads on disjoint pieces: every page
+ * of the range (an unaligned start and an odd length included) ends up resident, none of
+ * its contents change, and pages outside it stay untouched. */
+Test(util, mem_populate_makes_every_page_resident)
+{
+    size_t pg = (size_t)sysconf(_SC_PAGESIZE), n = 64 * pg + 123;
+    char *m = mmap(NULL, n + 2 * pg, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    cr_assert_neq(m, MAP_FAILED);
+    char *p = m + pg + 7; /* unaligned start, one guard page before */
+    p[0] = 42;            /* one page already resident with data */
+    cr_assert_lt(resident_pages(m, n + 2 * pg), 4);
+    for (int threads = 1; threads <= 5; threads += 4) {
+        td_status_t st = td_mem_populate(p, n, threads);
+        if (st == TD_ERR_UNSUPPORTED)
+            cr_skip_test("this kernel has no MADV_POPULATE_WRITE");
+        cr_assert_eq(st, TD_OK, "%s", td_last_error());
+        cr_assert_eq(resident_pages(m + pg, n + 7), (n + 7 + pg - 1) / pg, "every page of the range");
+        cr_assert_eq(resident_pages(m, pg), 0, "the page before it untouched");
+        cr_assert_eq(p[0], 42, "contents unchanged");
+    }
+    munmap(m, n + 2 * pg);
 }
