@@ -757,7 +757,7 @@ int cmd_generate(int argc, char **argv)
     /* the pool holds what prompt + max tokens need, within the KV budget */
     if (o.kv_mem)
         ec.kv_mem_bytes = o.kv_mem;
-    uint64_t block_bytes = td_model_kv_bytes_per_token(c, ec.kv_dtype) * (uint64_t)ec.block_size;
+    uint64_t block_bytes = td_engine_kv_block_bytes(model, &ec);
     int64_t need = TD_DIV_CEIL((int64_t)n_prompt + max_new + 1, ec.block_size);
     int64_t fits = (int64_t)(ec.kv_mem_bytes / block_bytes);
     ec.n_blocks = (int32_t)TD_MAX(1, TD_MIN(need, fits));

@@ -129,4 +129,79 @@ size_t td_engine_weight_bytes(const td_engine_t *eng);
 void td_engine_kv_layout_for(const td_model_t *model, const td_engine_config_t *cfg,
                              td_kv_layout_t *layout);
 
+/* Bytes one KV block of (model, cfg) takes in the pool, all layers together. Pure. */
+size_t td_engine_kv_block_bytes(const td_model_t *model, const td_engine_config_t *cfg);
+
+/* ---- KV pool sizing ------------------------------------------------------------------
+ *
+ * A node's pool is `kv-blocks` blocks when that is set; otherwise as many as its `kv-mem`
+ * budget holds, and no more than the node can ever fill (a decode node: max-batch
+ * sequences of the model's full length; a prefill node: 8 steps' worth of prompt tokens),
+ * so a small model does not take half the machine. kv-mem defaults to a fraction of the
+ * host memory available at startup (MemAvailable: free memory plus reclaimable page
+ * cache, which already counts what this and every other process holds), capped:
+ *
+ *   decode  50 %, at most 64 GiB: its pool holds every running sequence and every lease;
+ *   prefill 15 %, at most 16 GiB: only prompts in flight and the prefix cache;
+ *   the rest stays for weights (a converted --dtype copy is private memory), activations
+ *   and the page cache. 64 GiB is about 10 s of page touching at startup.
+ *
+ * A device pool (--device cuda) has a fixed default (decode 4 GiB, prefill 1 GiB): the
+ * backend does not report free device memory. `tandem local` measures once for the whole
+ * machine (TD_KV_LOCAL_PERCENT) and passes each node its share as --kv-mem, decode nodes
+ * weighing TD_KV_LOCAL_DECODE_SHARE times a prefill node.
+ */
+#define TD_KV_DECODE_PERCENT 50
+#define TD_KV_PREFILL_PERCENT 15
+#define TD_KV_DECODE_CAP ((size_t)64 << 30)
+#define TD_KV_PREFILL_CAP ((size_t)16 << 30)
+#define TD_KV_DECODE_DEVICE_DEFAULT ((size_t)4 << 30)
+#define TD_KV_PREFILL_DEVICE_DEFAULT ((size_t)1 << 30)
+#define TD_KV_LOCAL_PERCENT 50
+#define TD_KV_LOCAL_DECODE_SHARE 4
+
+/* A memory budget: percent % of the host memory available when measured, at most a cap. */
+typedef struct td_kv_budget {
+    size_t bytes;       /* the budget */
+    size_t available;   /* host memory available when measured (measured only) */
+    int32_t percent;    /* bytes = percent % of available ... */
+    bool capped;        /* ... or the cap, when that was less */
+    bool measured;      /* false: memory could not be measured; bytes is the fallback */
+} td_kv_budget_t;
+
+/* Measures host memory available now (td_mem_available) and takes percent % of it, at most
+ * cap bytes; fallback bytes (measured false) when it cannot be measured. Never fails. */
+td_kv_budget_t td_engine_kv_budget(int32_t percent, size_t cap, size_t fallback);
+
+/* How b was chosen, for a startup line: "50% of 6.0 GiB available", "the 64.0 GiB cap (50%
+ * of 200.0 GiB available is more)", "a fixed default (available memory unknown)". */
+const char *td_engine_kv_budget_describe(const td_kv_budget_t *b, char *buf, size_t cap);
+
+typedef struct td_kv_plan_params {
+    int64_t n_blocks;        /* --kv-blocks: > 0 is exactly that many blocks */
+    size_t kv_mem;           /* --kv-mem in bytes: > 0 replaces the default budget */
+    int32_t percent;         /* default budget: percent % of host memory available ... */
+    size_t cap;              /* ... at most cap bytes */
+    bool device;             /* the pool is device memory: the default budget is device_default */
+    size_t device_default;
+    int64_t useful_tokens;   /* the most tokens the node can hold at once (0: no bound) */
+    const char *useful_what; /* useful_tokens in words, for the line: "64 sequences of 512 tokens" */
+} td_kv_plan_params_t;
+
+typedef struct td_kv_plan {
+    int32_t n_blocks;
+    size_t pool_bytes;       /* n_blocks * td_engine_kv_block_bytes */
+    char line[400];          /* "1536 blocks x 16 tokens = 24576 tokens, 3.0 GiB (kv-mem 3.0 GiB: 50%
+                                of 6.0 GiB available)" */
+} td_kv_plan_t;
+
+/*
+ * Sizes a node's KV pool for (model, cfg) from p (the rule above), before anything is
+ * allocated. Errors (logged, naming the sizes and the flag to lower): TD_ERR_NOMEM when the
+ * pool, or an explicit --kv-mem, is more than the host memory available; TD_ERR_INVALID
+ * when the budget holds no block. *plan_p is written only on success.
+ */
+td_status_t td_engine_kv_plan(const td_model_t *model, const td_engine_config_t *cfg,
+                              const td_kv_plan_params_t *p, td_kv_plan_t *plan_p);
+
 #endif /* TD_ENGINE_H */

@@ -6,6 +6,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -265,8 +266,45 @@ bool td_is_file(const char *path)
 
 int td_cpu_count(void)
 {
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0)
+        return CPU_COUNT(&set);
     long n = sysconf(_SC_NPROCESSORS_ONLN);
     return n > 0 ? (int)n : 1;
+}
+
+td_status_t td_mem_available(size_t *bytes_p)
+{
+    FILE *f = fopen("/proc/meminfo", "r");
+    if (!f)
+        return td_errorf(TD_ERR_IO, "/proc/meminfo: %s", strerror(errno));
+    char line[256];
+    unsigned long long kib = 0;
+    bool found = false;
+    while (!found && fgets(line, sizeof line, f))
+        found = sscanf(line, "MemAvailable: %llu kB", &kib) == 1;
+    fclose(f);
+    if (!found)
+        return td_errorf(TD_ERR_IO, "/proc/meminfo has no MemAvailable line (a kernel before 3.14)");
+    *bytes_p = (size_t)kib << 10;
+    return TD_OK;
+}
+
+const char *td_format_bytes(size_t bytes, char *buf, size_t cap)
+{
+    static const char *const units[] = {"KiB", "MiB", "GiB", "TiB"};
+    if (bytes < 1024) {
+        snprintf(buf, cap, "%zu B", bytes);
+        return buf;
+    }
+    double v = (double)bytes / 1024.0;
+    size_t u = 0;
+    while (v >= 1024.0 && u + 1 < TD_ARRAY_LEN(units)) {
+        v /= 1024.0;
+        u++;
+    }
+    snprintf(buf, cap, "%.1f %s", v, units[u]);
+    return buf;
 }
 
 typedef struct populate_piece {

@@ -67,8 +67,17 @@ bool td_is_dir(const char *path);
 td_status_t td_mkdir_p(const char *path);
 bool td_is_file(const char *path);
 
-/* Number of online CPUs (at least 1). */
+/* CPUs this process may run on (its sched_getaffinity mask, so a taskset or a container's
+ * cpuset counts, not the machine's online CPUs), at least 1. */
 int td_cpu_count(void);
+
+/* Host memory available now for new allocations without swapping (MemAvailable of
+ * /proc/meminfo: free memory plus the reclaimable page cache), in bytes. Errors: TD_ERR_IO
+ * where /proc/meminfo cannot be read or has no MemAvailable (kernels before 3.14). */
+td_status_t td_mem_available(size_t *bytes_p);
+
+/* bytes as "3.0 GiB" / "80.0 MiB" / "512 KiB" / "100 B" into buf[0..cap); returns buf. */
+const char *td_format_bytes(size_t bytes, char *buf, size_t cap);
 
 /* dst = src (no overlap) with non-temporal stores where the CPU has them (SSE2): the
  * destination bypasses this core's caches, for a big copy whose reader is someone else (a

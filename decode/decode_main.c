@@ -43,7 +43,8 @@
 /* The decode node's own keys; the common ones (model, router, host, advertise, node id,
  * ports, threads, log level) are router_proc's. */
 typedef struct decode_config {
-    int64_t kv_blocks;        /* the pool: engine sequences and transfer leases */
+    int64_t kv_blocks;        /* the pool: engine sequences and transfer leases (0: from kv_mem) */
+    int64_t kv_mem;           /* MiB the pool may take when kv_blocks is 0 (0: a share of memory) */
     int64_t landing_blocks;   /* device pool: host blocks senders write (0: kv_blocks / 4) */
     int64_t max_batch;
     int64_t max_lease_ms;
@@ -78,7 +79,8 @@ typedef struct decode_cmd {
 typedef struct decode_out {
     uint64_t step;
     double step_s;
-    Tandem__Control__V1__SeqStep *seqs;
+    Tandem__Control__V1__SeqStep *seqs;  /* [cap] */
+    Tandem__Control__V1__SeqStep **ptrs; /* [cap] what the StepBatch points at */
     int32_t n_seqs;
     uint32_t free_blocks;
 } decode_out_t;
@@ -108,16 +110,40 @@ typedef struct decode_state {
     _Atomic int64_t step_ns;
     bool shutting_down;
     bool handles_up;          /* the sweep timer initialised */
+    size_t pool_bytes;        /* the KV pool (td_engine_kv_plan) */
+    /* compute thread: admissions taken while no step result could be allocated, reported
+       FAILED with the next one ([cmd_ring_size]: at most one per command) */
+    uint64_t *failed;
+    int32_t n_failed;
+    bool backoff;             /* out of memory: wait idle-wait-ms before the next try */
 } decode_state_t;
+
+/* The command ring's bound: a kv-ready command holds at least one block, so at most
+ * kv-blocks of them wait; Release commands come one per request the router ends, and
+ * 4 * max-requests + 16 is their margin. A full ring is refused, not waited on: kv-ready's
+ * blocks go back to the pool, Release answers released = false. */
+static int32_t cmd_ring_size(const decode_config_t *cfg)
+{
+    return (int32_t)(cfg->kv_blocks + 4 * cfg->max_requests + 16);
+}
 
 /* ---- compute thread ------------------------------------------------------------------ */
 
+/* One allocation for a whole step result, so the loop sends it without allocating.
+ * NULL: out of memory. */
+static decode_out_t *out_new(int32_t cap)
+{
+    decode_out_t *o = calloc(1, sizeof *o + (size_t)cap * (sizeof *o->seqs + sizeof *o->ptrs));
+    if (o) {
+        o->seqs = (Tandem__Control__V1__SeqStep *)(o + 1);
+        o->ptrs = (Tandem__Control__V1__SeqStep **)(o->seqs + cap);
+    }
+    return o;
+}
+
 static void out_free(decode_out_t *o)
 {
-    if (o) {
-        free(o->seqs);
-        free(o);
-    }
+    free(o);
 }
 
 static void admit_free(decode_admit_t *a)
@@ -155,22 +181,52 @@ static void compute_admit(decode_state_t *s, decode_cmd_t *c, decode_out_t *fail
     c->n_blocks = 0; /* the references went to the sequence or back to the pool */
 }
 
+/* No memory for a step result. Nothing here may stop the node: the admissions taken fail
+ * (their blocks go back to the pool, their lease ids are reported FAILED with the next
+ * result), cancels apply, and no step runs: the running sequences lose nothing and step
+ * again after an idle wait (s->backoff), when memory may be back. */
+static void compute_no_memory(decode_state_t *s, decode_cmd_t *cmds, int32_t n_cmds)
+{
+    td_warn("decode: out of memory for a step result: %d commands taken, the running sequences wait", n_cmds);
+    for (int32_t i = 0; i < n_cmds; i++) {
+        decode_cmd_t *c = &cmds[i];
+        if (c->admit) {
+            for (int32_t k = 0; k < c->n_blocks; k++)
+                td_kv_unref_block(s->kv, c->blocks[k]);
+            if (s->n_failed < cmd_ring_size(&s->cfg))
+                s->failed[s->n_failed++] = c->lease_id;
+            else /* the report is lost too: the router's deadline ends the request */
+                td_warn("decode: lease %llu failed unreported (out of memory)", (unsigned long long)c->lease_id);
+        } else {
+            decode_sched_cancel(s->sched, c->lease_id);
+        }
+        admit_free(c->admit);
+        free(c->blocks);
+    }
+    s->backoff = true;
+}
+
 static void compute_main(void *arg)
 {
     decode_state_t *s = arg;
     for (;;) {
         void *taken;
-        int32_t n_cmds = router_worker_take(&s->worker, !decode_sched_busy(s->sched), &taken);
+        int32_t n_cmds = router_worker_take(&s->worker, !decode_sched_busy(s->sched) || s->backoff, &taken);
         if (n_cmds < 0)
             break;
-        if (n_cmds == 0 && !decode_sched_busy(s->sched))
+        s->backoff = false;
+        if (n_cmds == 0 && !decode_sched_busy(s->sched) && !s->n_failed)
             continue; /* an idle wait ran out */
         decode_cmd_t *cmds = taken;
-        int32_t cap = (int32_t)s->cfg.max_requests * 2 + n_cmds + 1;
-        decode_out_t *o = calloc(1, sizeof *o);
-        if (!o || !(o->seqs = calloc((size_t)cap, sizeof *o->seqs))) {
-            TD_ASSERT(!"decode: out of memory for a step result");
+        int32_t cap = (int32_t)s->cfg.max_requests * 2 + n_cmds + s->n_failed + 1;
+        decode_out_t *o = out_new(cap);
+        if (!o) {
+            compute_no_memory(s, cmds, n_cmds);
+            continue;
         }
+        for (int32_t i = 0; i < s->n_failed; i++)
+            add_seq(o, s->failed[i], -1, TANDEM__CONTROL__V1__SEQ_EVENT__SEQ_EVENT_FAILED);
+        s->n_failed = 0;
         for (int32_t i = 0; i < n_cmds; i++) {
             decode_cmd_t *c = &cmds[i];
             if (c->admit)
@@ -182,7 +238,12 @@ static void compute_main(void *arg)
         }
         decode_step_result_t res = {0};
         uint64_t t0 = td_now_ns();
-        if (decode_sched_busy(s->sched) && decode_sched_step(s->sched, (int64_t)t0, &res) == TD_OK) {
+        bool stepped = false;
+        if (decode_sched_busy(s->sched)) {
+            stepped = decode_sched_step(s->sched, (int64_t)t0, &res) == TD_OK;
+            s->backoff = !stepped; /* out of memory (logged there): wait, do not spin */
+        }
+        if (stepped) {
             double dt = (double)(td_now_ns() - t0) * 1e-9;
             o->step_s = dt;
             for (int32_t i = 0; i < res.n_events && o->n_seqs + 2 <= cap; i++) {
@@ -222,13 +283,38 @@ static void compute_main(void *arg)
 
 /* ---- loop thread ----------------------------------------------------------------------- */
 
-/* The command ring's bound: a kv-ready command holds at least one block, so at most
- * kv-blocks of them wait; Release commands come one per request the router ends, and
- * 4 * max-requests + 16 is their margin. A full ring is refused, not waited on: kv-ready's
- * blocks go back to the pool, Release answers released = false. */
-static int32_t cmd_ring_size(const decode_config_t *cfg)
+/* Sizes the KV pool (td_engine_kv_plan: kv-blocks, else what kv-mem holds and max-batch
+ * sequences of the model's length can use) into cfg->kv_blocks before anything is
+ * allocated, and says so on stderr whatever the log level: it is the node's biggest
+ * allocation, and its default depends on the machine. */
+static td_status_t size_pool(decode_state_t *s, const td_engine_config_t *ec)
 {
-    return (int32_t)(cfg->kv_blocks + 4 * cfg->max_requests + 16);
+    const td_model_config_t *mc = &s->model->config;
+    char what[96];
+    snprintf(what, sizeof what, "%lld sequences of %d tokens", (long long)s->cfg.max_batch, mc->max_seq_len);
+    td_kv_plan_params_t pp = {.n_blocks = s->cfg.kv_blocks, .kv_mem = (size_t)s->cfg.kv_mem << 20,
+                              .percent = TD_KV_DECODE_PERCENT, .cap = TD_KV_DECODE_CAP,
+                              .device = s->proc.device.cuda, .device_default = TD_KV_DECODE_DEVICE_DEFAULT,
+                              .useful_tokens = s->cfg.max_batch * mc->max_seq_len, .useful_what = what};
+    td_kv_plan_t plan;
+    td_status_t st = td_engine_kv_plan(s->model, ec, &pp, &plan);
+    if (st != TD_OK)
+        return st;
+    s->cfg.kv_blocks = plan.n_blocks;
+    s->pool_bytes = plan.pool_bytes;
+    fprintf(stderr, "decode %s: kv pool %s\n", s->proc.cfg.node_id, plan.line);
+    return TD_OK;
+}
+
+/* st of the call that allocates the pool; a failure is said with the size and the flag
+ * to lower (the callee logged its cause), before the node registers. */
+static td_status_t pool_result(decode_state_t *s, td_status_t st)
+{
+    char b[32];
+    if (st != TD_OK)
+        td_log(TD_LOG_ERROR, "decode %s: cannot allocate its KV pool of %lld blocks (%s): lower --kv-mem or --kv-blocks",
+                 s->proc.cfg.node_id, (long long)s->cfg.kv_blocks, td_format_bytes(s->pool_bytes, b, sizeof b));
+    return st;
 }
 
 /* A command nobody took: its admission and its blocks' references go. */
@@ -240,6 +326,15 @@ static void cmd_discard(decode_state_t *s, decode_cmd_t *c)
     free(c->blocks);
 }
 
+static void send_batch(decode_state_t *s, Tandem__Control__V1__StepBatch *b)
+{
+    for (int i = 0; i < s->n_subs; i++) {
+        td_status_t st = td_grpc_call_send(s->subs[i], &b->base);
+        if (st != TD_OK && st != TD_ERR_CANCELLED)
+            td_warn("decode: step %llu not sent to a subscriber: %s", (unsigned long long)b->step, td_strerror(st));
+    }
+}
+
 static void on_outs(void *data, void *events, int32_t n)
 {
     decode_state_t *s = data;
@@ -248,29 +343,37 @@ static void on_outs(void *data, void *events, int32_t n)
         decode_out_t *o = outs[k];
         if (o->n_seqs) {
             Tandem__Control__V1__StepBatch b = TANDEM__CONTROL__V1__STEP_BATCH__INIT;
-            Tandem__Control__V1__SeqStep **ptrs = malloc((size_t)o->n_seqs * sizeof *ptrs);
-            if (ptrs) {
-                for (int32_t i = 0; i < o->n_seqs; i++) {
-                    ptrs[i] = &o->seqs[i];
-                    if (o->seqs[i].event == TANDEM__CONTROL__V1__SEQ_EVENT__SEQ_EVENT_TOKEN)
-                        td_metric_inc(s->m_tokens);
-                }
-                b.step = o->step;
-                b.step_s = o->step_s;
-                b.seqs = ptrs;
-                b.n_seqs = (size_t)o->n_seqs;
-                b.free_kv_blocks = o->free_blocks;
-                for (int i = 0; i < s->n_subs; i++) {
-                    td_status_t st = td_grpc_call_send(s->subs[i], &b.base);
-                    if (st != TD_OK && st != TD_ERR_CANCELLED)
-                        td_warn("decode: step %llu not sent to a subscriber: %s", (unsigned long long)o->step,
-                                td_strerror(st));
-                }
-                free(ptrs);
+            for (int32_t i = 0; i < o->n_seqs; i++) {
+                o->ptrs[i] = &o->seqs[i];
+                if (o->seqs[i].event == TANDEM__CONTROL__V1__SEQ_EVENT__SEQ_EVENT_TOKEN)
+                    td_metric_inc(s->m_tokens);
             }
+            b.step = o->step;
+            b.step_s = o->step_s;
+            b.seqs = o->ptrs;
+            b.n_seqs = (size_t)o->n_seqs;
+            b.free_kv_blocks = o->free_blocks;
+            send_batch(s, &b);
         }
         out_free(o);
     }
+}
+
+/* A request the compute thread never got (its kv-ready could not be handed over): the
+ * router hears FAILED now instead of at its deadline. One entry on the stack: nothing to
+ * allocate. */
+static void report_failed(decode_state_t *s, uint64_t lease_id)
+{
+    Tandem__Control__V1__SeqStep q;
+    Tandem__Control__V1__SeqStep *ptrs[1] = {&q};
+    tandem__control__v1__seq_step__init(&q);
+    q.lease_id = lease_id;
+    q.event = TANDEM__CONTROL__V1__SEQ_EVENT__SEQ_EVENT_FAILED;
+    Tandem__Control__V1__StepBatch b = TANDEM__CONTROL__V1__STEP_BATCH__INIT;
+    b.seqs = ptrs;
+    b.n_seqs = 1;
+    b.free_kv_blocks = (uint32_t)atomic_load(&s->load_free);
+    send_batch(s, &b);
 }
 
 /* The pool's occupancy as the loop sees it. Leases take and return blocks on this thread
@@ -328,6 +431,11 @@ static void on_kv_ready(void *arg, const td_xfer_ready_t *r)
     if (!posted) {
         for (int32_t i = 0; i < r->n_blocks; i++)
             td_kv_unref_block(s->kv, r->blocks[i]);
+        if (a) {
+            if (!blocks)
+                td_warn("decode: lease %llu: kv-ready dropped, out of memory", (unsigned long long)r->lease_id);
+            report_failed(s, r->lease_id);
+        }
         admit_free(a);
         free(blocks);
         refresh_kv_load(s);
@@ -525,10 +633,14 @@ int decode_main(int argc, char **argv)
     memset(s, 0, sizeof *s);
     decode_config_t *cfg = &s->cfg;
     const router_proc_config_t *pc = &s->proc.cfg;
-    *cfg = (decode_config_t){.kv_blocks = 2048, .max_batch = 64, .max_lease_ms = 30000, .max_requests = 256,
+    *cfg = (decode_config_t){.kv_blocks = 0, .max_batch = 64, .max_lease_ms = 30000, .max_requests = 256,
                              .result_queue = 64, .idle_wait_ms = 50};
     const router_conf_key_t keys[] = {
-        {"kv-blocks", ROUTER_CONF_I64, &cfg->kv_blocks, 1, 1 << 24, "KV pool blocks (sequences and leases)"},
+        {"kv-blocks", ROUTER_CONF_I64, &cfg->kv_blocks, 0, 1 << 24,
+         "KV pool blocks (sequences and leases; 0 = as many as kv-mem holds)"},
+        {"kv-mem", ROUTER_CONF_I64, &cfg->kv_mem, 0, 1 << 30,
+         "KV pool budget in MiB when kv-blocks is 0 (0 = 50% of the memory available, at most 64 GiB; "
+         "never more than max-batch sequences of the model's length)"},
         {"landing-blocks", ROUTER_CONF_I64, &cfg->landing_blocks, 0, 1 << 24,
          "--device cuda: host blocks transfers land in before their copy to the GPU (0 = kv-blocks / 4)"},
         {"max-batch", ROUTER_CONF_I64, &cfg->max_batch, 1, 4096, "running sequences at most"},
@@ -547,20 +659,27 @@ int decode_main(int argc, char **argv)
     /* subsystems: compute thread's rings, model, xfer with the KV pool it allocates,
        engine on that pool, scheduler, servers, router client */
     td_status_t st;
+    if ((st = router_proc_load_model(&s->proc, &s->model, &s->be)) != TD_OK)
+        goto out;
+    td_engine_config_t ec = router_proc_engine_config(&s->proc);
+    ec.max_seqs = (int32_t)cfg->max_batch;
+    ec.max_logit_rows = (int32_t)cfg->max_batch;
+    ec.max_batch_tokens = TD_MAX(512, (int32_t)cfg->max_batch);
+    if ((st = size_pool(s, &ec)) != TD_OK) /* before anything is allocated or registered */
+        goto out;
+    ec.n_blocks = (int32_t)cfg->kv_blocks;
+    td_engine_kv_layout_for(s->model, &ec, &s->layout);
+    /* the command ring's bound depends on the pool (cmd_ring_size) */
     const router_worker_config_t wc = {.name = "decode", .msg_size = sizeof(decode_cmd_t),
                                        .msg_cap = cmd_ring_size(cfg), .event_size = sizeof(decode_out_t *),
                                        .event_cap = (int32_t)cfg->result_queue, .wait_ms = cfg->idle_wait_ms,
                                        .run = compute_main, .on_events = on_outs, .data = s};
     if ((st = router_worker_init(&s->worker, &s->proc.loop, &wc)) != TD_OK)
         goto out;
-    if ((st = router_proc_load_model(&s->proc, &s->model, &s->be)) != TD_OK)
+    if (!(s->failed = malloc((size_t)cmd_ring_size(cfg) * sizeof *s->failed))) {
+        st = td_errorf(TD_ERR_NOMEM, "decode: out of memory at startup");
         goto out;
-    td_engine_config_t ec = router_proc_engine_config(&s->proc);
-    ec.n_blocks = (int32_t)cfg->kv_blocks;
-    ec.max_seqs = (int32_t)cfg->max_batch;
-    ec.max_logit_rows = (int32_t)cfg->max_batch;
-    ec.max_batch_tokens = TD_MAX(512, (int32_t)cfg->max_batch);
-    td_engine_kv_layout_for(s->model, &ec, &s->layout);
+    }
     if ((st = td_metrics_create(&s->metrics)) != TD_OK || (st = init_metrics(s)) != TD_OK)
         goto out;
     td_xfer_config_t xc = td_xfer_config_default();
@@ -575,7 +694,7 @@ int decode_main(int argc, char **argv)
     if (s->be->host_memory) {
         /* UCX allocates the pool (shared memory for senders on this host); the engine
            computes on it */
-        if ((st = td_xfer_register_pool(s->xfer, &xp, on_kv_ready, s)) != TD_OK)
+        if ((st = pool_result(s, td_xfer_register_pool(s->xfer, &xp, on_kv_ready, s))) != TD_OK)
             goto out;
         ec.kv_pool = td_xfer_pool_base(s->xfer);
         if ((st = td_engine_create(s->model, s->be, &ec, &s->eng)) != TD_OK)
@@ -586,7 +705,7 @@ int decode_main(int argc, char **argv)
     } else {
         /* a device pool (the engine's): senders write a host landing area and kv-ready
            copies the landed blocks in (docs/xfer.md "Memory types") */
-        if ((st = td_engine_create(s->model, s->be, &ec, &s->eng)) != TD_OK)
+        if ((st = pool_result(s, td_engine_create(s->model, s->be, &ec, &s->eng))) != TD_OK)
             goto out;
         s->kv = td_engine_kv(s->eng);
         xp.base = td_engine_kv_pool(s->eng, NULL);
@@ -633,6 +752,7 @@ int decode_main(int argc, char **argv)
     nc.info.role = ROUTER_ROLE_DECODE;
     nc.info.layout = s->layout;
     nc.info.capacity_blocks = (int32_t)cfg->kv_blocks;
+    nc.info.vocab_size = s->model->config.vocab_size; /* the router checks prompt ids against it */
     nc.info.max_batch = (int32_t)cfg->max_batch;
     atomic_store(&s->load_free, (int32_t)cfg->kv_blocks);
     if ((st = router_proc_register(&s->proc, &nc, td_grpc_server_port(s->grpc), load_cb, s)) != TD_OK)
@@ -655,6 +775,7 @@ out:
     td_model_destroy(s->model);
     td_metrics_destroy(s->metrics);
     router_worker_free(&s->worker);
+    free(s->failed);
     router_proc_free(&s->proc);
     return rc;
 }

@@ -47,7 +47,8 @@
 /* The prefill node's own keys; the common ones (model, router, host, advertise, node id,
  * ports, threads, log level) are router_proc's. */
 typedef struct prefill_config {
-    int64_t kv_blocks;
+    int64_t kv_blocks;         /* the engine's pool (0: from kv_mem) */
+    int64_t kv_mem;            /* MiB the pool may take when kv_blocks is 0 (0: a share of memory) */
     int64_t max_batch_tokens;  /* prompt tokens in one engine step */
     int64_t max_batch;         /* prompts in one engine step */
     int64_t max_queue;         /* Prefill calls accepted and not finished */
@@ -128,6 +129,7 @@ typedef struct prefill_state {
                                   memory staged through td_xfer's pinned ring with d2h */
     td_xfer_copier_t d2h;      /* the backend's async device-to-host copies (device pool) */
     int32_t pool_blocks;
+    size_t pool_bytes;         /* the KV pool (td_engine_kv_plan) */
     td_xfer_t *xfer;
     td_grpc_server_t *grpc;
     td_metrics_t *metrics;
@@ -611,6 +613,30 @@ static void on_shutdown(void *data)
         j->send = NULL; /* unfinished sends were freed without a callback */
 }
 
+/* Sizes the KV pool (td_engine_kv_plan: kv-blocks, else what kv-mem holds and the node
+ * can use) into cfg->kv_blocks before anything is allocated, and says so on stderr
+ * whatever the log level. The pool holds the prompts of a step (a chunked one its whole
+ * prefix), those whose KV is still in transfer, and the prefix cache: 8 steps' worth of
+ * the larger of max-batch-tokens and the model's length is more than it can fill. */
+static td_status_t size_pool(prefill_state_t *s, const td_engine_config_t *ec)
+{
+    int64_t step = TD_MAX(s->cfg.max_batch_tokens, (int64_t)s->model->config.max_seq_len);
+    char what[96];
+    snprintf(what, sizeof what, "8 steps of %lld tokens", (long long)step);
+    td_kv_plan_params_t pp = {.n_blocks = s->cfg.kv_blocks, .kv_mem = (size_t)s->cfg.kv_mem << 20,
+                              .percent = TD_KV_PREFILL_PERCENT, .cap = TD_KV_PREFILL_CAP,
+                              .device = s->proc.device.cuda, .device_default = TD_KV_PREFILL_DEVICE_DEFAULT,
+                              .useful_tokens = 8 * step, .useful_what = what};
+    td_kv_plan_t plan;
+    td_status_t st = td_engine_kv_plan(s->model, ec, &pp, &plan);
+    if (st != TD_OK)
+        return st;
+    s->cfg.kv_blocks = plan.n_blocks;
+    s->pool_bytes = plan.pool_bytes;
+    fprintf(stderr, "prefill %s: kv pool %s\n", s->proc.cfg.node_id, plan.line);
+    return TD_OK;
+}
+
 static const double batch_token_buckets[] = {1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384};
 static const double batch_size_buckets[] = {1, 2, 4, 8, 16, 32, 64, 128, 256};
 
@@ -654,12 +680,16 @@ int prefill_main(int argc, char **argv)
     prefill_config_t *cfg = &s->cfg;
     const router_proc_config_t *pc = &s->proc.cfg;
     prefill_sched_config_t dsc = prefill_sched_config_default();
-    *cfg = (prefill_config_t){.kv_blocks = 1024, .max_batch_tokens = dsc.max_batch_tokens,
+    *cfg = (prefill_config_t){.kv_blocks = 0, .max_batch_tokens = dsc.max_batch_tokens,
                               .max_batch = dsc.max_batch, .max_queue = dsc.max_queue,
                               .max_queued_tokens = dsc.max_queued_tokens, .event_queue = 1024,
                               .idle_wait_ms = 50, .send_timeout_ms = 30000};
     const router_conf_key_t keys[] = {
-        {"kv-blocks", ROUTER_CONF_I64, &cfg->kv_blocks, 1, 1 << 24, "KV pool blocks (prompts in flight + prefix cache)"},
+        {"kv-blocks", ROUTER_CONF_I64, &cfg->kv_blocks, 0, 1 << 24,
+         "KV pool blocks (prompts in flight + prefix cache; 0 = as many as kv-mem holds)"},
+        {"kv-mem", ROUTER_CONF_I64, &cfg->kv_mem, 0, 1 << 30,
+         "KV pool budget in MiB when kv-blocks is 0 (0 = 15% of the memory available, at most 16 GiB; "
+         "never more than 8 steps of max(max-batch-tokens, the model's length) tokens)"},
         {"max-batch-tokens", ROUTER_CONF_I64, &cfg->max_batch_tokens, 1, 1 << 16,
          "prompt tokens in one engine step (longer prompts are chunked)"},
         {"max-batch", ROUTER_CONF_I64, &cfg->max_batch, 1, 4096, "prompts in one engine step"},
@@ -690,12 +720,18 @@ int prefill_main(int argc, char **argv)
     if ((st = router_proc_load_model(&s->proc, &s->model, &s->be)) != TD_OK)
         goto out;
     td_engine_config_t ec = router_proc_engine_config(&s->proc);
-    ec.n_blocks = (int32_t)cfg->kv_blocks;
     ec.max_seqs = (int32_t)cfg->max_batch;
     ec.max_logit_rows = (int32_t)cfg->max_batch;
     ec.max_batch_tokens = (int32_t)cfg->max_batch_tokens;
-    if ((st = td_engine_create(s->model, s->be, &ec, &s->eng)) != TD_OK)
+    if ((st = size_pool(s, &ec)) != TD_OK) /* before anything is allocated or registered */
         goto out;
+    ec.n_blocks = (int32_t)cfg->kv_blocks;
+    if ((st = td_engine_create(s->model, s->be, &ec, &s->eng)) != TD_OK) {
+        char b[32];
+        td_log(TD_LOG_ERROR, "prefill %s: cannot allocate its KV pool of %lld blocks (%s): lower --kv-mem or "
+               "--kv-blocks", pc->node_id, (long long)cfg->kv_blocks, td_format_bytes(s->pool_bytes, b, sizeof b));
+        goto out;
+    }
     s->layout = *td_engine_kv_layout(s->eng);
     s->pool = td_engine_kv_pool(s->eng, &s->pool_blocks);
     prefill_sched_config_t sc = {.max_queue = (int32_t)cfg->max_queue, .max_queued_tokens = cfg->max_queued_tokens,
@@ -734,6 +770,7 @@ int prefill_main(int argc, char **argv)
     nc.info.role = ROUTER_ROLE_PREFILL;
     nc.info.layout = s->layout;
     nc.info.capacity_blocks = (int32_t)cfg->kv_blocks;
+    nc.info.vocab_size = s->model->config.vocab_size; /* the router checks prompt ids against it */
     nc.info.max_batch = (int32_t)cfg->max_batch;
     if ((st = router_proc_register(&s->proc, &nc, td_grpc_server_port(s->grpc), load_cb, s)) != TD_OK)
         goto out;
