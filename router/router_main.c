@@ -24,6 +24,7 @@
 
 #include "control.pb-c.h"
 #include "health.pb-c.h"
+#include "router_admit.h"
 #include "router_conf.h"
 #include "router_policy.h"
 #include "router_proc.h"
@@ -100,6 +101,10 @@ typedef struct router_req {
     size_t n_stop_ids;
     td_stop_t *stop;
     td_detok_t detok;
+    bool from_text;            /* the prompt was text the router tokenized (not prompt_ids) */
+    uint32_t n_no_text;        /* generated ids the router's tokenizer cannot detokenize (the
+                                * model's vocabulary is larger): sent with empty text */
+    uint32_t first_no_text;    /* the first of them (logged once, when the request ends) */
     router_pick_t pick;
     router_pair_t tried[2];
     int32_t n_tried;
@@ -161,6 +166,7 @@ struct router_state {
     td_metric_t *m_queue_depth, *m_queue_s, *m_first_mismatch;
     bool shutting_down;
     bool handles_up;
+    char refused[320];         /* the last registration refused, logged once ("id: reason") */
 };
 
 typedef enum { START_OK, START_NO_ROOM, START_ENDED } router_start_t;
@@ -288,6 +294,10 @@ static void req_free(router_req_t *r)
         r->pending = NULL;
         td_grpc_client_call_cancel(p); /* its done callback sees r->pending cleared → data NULL */
     }
+    if (r->n_no_text)
+        td_warn("request %s: %u generated ids have no text in the router's tokenizer (%d ids), the first "
+                "%u; they were streamed as ids with empty text",
+                r->id, r->n_no_text, td_tokenizer_vocab_size(s->tok), r->first_no_text);
     if (r->s->tok)
         td_detok_free(&r->detok);
     td_stop_destroy(r->stop);
@@ -390,9 +400,11 @@ static bool out_reserve(router_req_t *r, size_t text_len)
     return true;
 }
 
+/* text may be NULL when len is 0 (an empty stop matcher's emit). */
 static void out_append_text(router_req_t *r, const char *text, size_t len)
 {
-    memcpy(r->out_text + r->n_out_text, text, len);
+    if (len)
+        memcpy(r->out_text + r->n_out_text, text, len);
     r->n_out_text += len;
     r->out_text[r->n_out_text] = '\0';
 }
@@ -541,7 +553,12 @@ static bool out_token(router_req_t *r, uint32_t token)
     const char *text = "";
     size_t len = 0;
     bool matched = false;
-    if (r->stop && s->tok) {
+    if (s->tok && !td_tokenizer_id_to_piece(s->tok, (int32_t)token, NULL)) {
+        /* a model's vocabulary may be padded past its tokenizer's: the id goes out without
+         * text, counted and logged once per request (req_free), the stream left as it was */
+        if (!r->n_no_text++)
+            r->first_no_text = token;
+    } else if (r->stop && s->tok) {
         const char *piece;
         size_t plen;
         td_stop_result_t sr;
@@ -741,6 +758,20 @@ static void on_admit_done(td_grpc_client_call_t *c, td_grpc_code_t code, const c
     }
 }
 
+/* The checks that depend on the model's live nodes (router_admit): prompt ids within its
+ * vocabulary, prompt + max_tokens within its largest decode pool. Run at arrival and again
+ * when the request is put on a pair (nodes may have come meanwhile). False: `why` says why. */
+static bool req_admissible(const router_req_t *r, char *why, size_t why_len)
+{
+    const router_state_t *s = r->s;
+    const char *model = s->proc.cfg.model_name;
+    int64_t now = (int64_t)td_now_ns();
+    router_model_facts_t mf;
+    router_admit_model_facts(s->reg, model, now, &mf);
+    return router_admit_check_ids(r->prompt, r->n_prompt, mf.vocab_size, model, r->from_text, why, why_len) == TD_OK &&
+           router_admit_check_size(s->reg, model, r->n_prompt, r->max_tokens, now, why, why_len) == TD_OK;
+}
+
 /* Puts r on a pair now: START_OK (Admit sent; r may since have been retried or ended),
  * START_NO_ROOM (no decode node has room: r untouched, to wait in the queue), START_ENDED
  * (r failed and is freed). */
@@ -751,6 +782,11 @@ static router_start_t req_start(router_req_t *r)
         req_fail(r, TD_GRPC_DEADLINE_EXCEEDED, "deadline exceeded before a decode node had room", "deadline");
         return START_ENDED;
     }
+    char why[384];
+    if (!req_admissible(r, why, sizeof why)) {
+        req_fail(r, TD_GRPC_INVALID_ARGUMENT, why, "invalid");
+        return START_ENDED;
+    }
     router_pick_request_t pr = {.model = s->proc.cfg.model_name, .prompt = r->prompt, .n_prompt = r->n_prompt,
                                 .max_tokens = r->max_tokens, .exclude = r->tried, .n_exclude = r->n_tried,
                                 .now_ns = (int64_t)td_now_ns()};
@@ -759,8 +795,8 @@ static router_start_t req_start(router_req_t *r)
     if (st != TD_OK) {
         if (st == TD_ERR_EXHAUSTED)
             return START_NO_ROOM;
-        if (st == TD_ERR_RANGE) {
-            req_fail(r, TD_GRPC_INVALID_ARGUMENT, "prompt + max_tokens exceed every decode node's KV pool", "invalid");
+        if (st == TD_ERR_RANGE) { /* the size check above saw the same registry: not reached */
+            req_fail(r, TD_GRPC_INVALID_ARGUMENT, td_last_error(), "invalid");
         } else {
             char why[384]; /* the policy's reason, copied before the release can log another */
             if (r->retry_why[0])
@@ -997,6 +1033,8 @@ static void on_register(td_grpc_call_t *call, const ProtobufCMessage *msg, void 
                                    .version = q->layout->version};
     info.capacity_blocks = (int32_t)q->capacity->total_kv_blocks;
     info.max_batch = (int32_t)q->capacity->max_batch;
+    info.vocab_size = (int32_t)TD_MIN(q->capacity->vocab_size, (uint32_t)INT32_MAX);
+    info.max_seq_len = (int32_t)TD_MIN(q->capacity->max_seq_len, (uint32_t)INT32_MAX);
     char host[ROUTER_ADDRESS_MAX];
     uint16_t port;
     int32_t old = router_registry_find(s->reg, info.id);
@@ -1008,6 +1046,14 @@ static void on_register(td_grpc_call_t *call, const ProtobufCMessage *msg, void 
     int32_t idx;
     if (router_conf_split_addr(info.address, host, sizeof host, &port) != TD_OK ||
         router_registry_join(s->reg, &info, (int64_t)td_now_ns(), &idx) != TD_OK) {
+        char why[sizeof s->refused];
+        snprintf(why, sizeof why, "%s: %s", info.id, td_last_error());
+        if (strcmp(why, s->refused)) { /* the node retries: the same refusal is logged once */
+            td_warn("router: registration of node %s refused: %s", info.id, td_last_error());
+            memcpy(s->refused, why, sizeof why);
+        }
+        if (old >= 0) /* its old registration's peer is gone: not chosen again */
+            router_registry_leave(s->reg, info.id);
         td_grpc_call_finish(call, TD_GRPC_INVALID_ARGUMENT, td_last_error());
         return;
     }
@@ -1116,7 +1162,12 @@ static void on_generate(td_grpc_call_t *call, const ProtobufCMessage *msg, void 
         return;
     }
     if (q->n_stop_ids > ROUTER_MAX_STOP_IDS || q->n_stop_strings > TD_STOP_MAX_STRINGS) {
-        td_grpc_call_finish(call, TD_GRPC_INVALID_ARGUMENT, "too many stop ids or stop strings");
+        char why[96];
+        if (q->n_stop_ids > ROUTER_MAX_STOP_IDS)
+            snprintf(why, sizeof why, "%zu stop ids; at most %d", q->n_stop_ids, ROUTER_MAX_STOP_IDS);
+        else
+            snprintf(why, sizeof why, "%zu stop strings; at most %d", q->n_stop_strings, TD_STOP_MAX_STRINGS);
+        td_grpc_call_finish(call, TD_GRPC_INVALID_ARGUMENT, why);
         return;
     }
     router_req_t *r = calloc(1, sizeof *r);
@@ -1131,26 +1182,34 @@ static void on_generate(td_grpc_call_t *call, const ProtobufCMessage *msg, void 
     else
         snprintf(r->id, sizeof r->id, "r%llu", (unsigned long long)++s->next_id);
     td_status_t st = TD_OK;
-    int32_t vocab = s->tok ? td_tokenizer_vocab_size(s->tok) : INT32_MAX;
+    char why[384] = "";
     if (q->n_prompt_ids) {
-        if (!(r->prompt = malloc(q->n_prompt_ids * sizeof(int32_t))))
-            st = TD_ERR_NOMEM;
-        for (size_t i = 0; st == TD_OK && i < q->n_prompt_ids; i++) {
-            if (q->prompt_ids[i] >= (uint32_t)vocab)
-                st = TD_ERR_INVALID;
-            else
+        if ((r->prompt = malloc(q->n_prompt_ids * sizeof(int32_t)))) {
+            for (size_t i = 0; i < q->n_prompt_ids; i++) /* above INT32_MAX: negative, refused below */
                 r->prompt[i] = (int32_t)q->prompt_ids[i];
+            r->n_prompt = (int32_t)q->n_prompt_ids;
+        } else {
+            st = TD_ERR_NOMEM;
         }
-        r->n_prompt = (int32_t)q->n_prompt_ids;
+    } else if (!q->prompt[0]) {
+        st = TD_ERR_INVALID;
+        snprintf(why, sizeof why, "the prompt is empty: send prompt (text) or prompt_ids");
     } else if (!s->tok) {
-        st = TD_ERR_INVALID; /* no tokenizer: ids only */
+        st = TD_ERR_INVALID;
+        snprintf(why, sizeof why, "this router has no tokenizer (--tokenizer) for a text prompt: send prompt_ids");
     } else {
         size_t n = 0;
         unsigned flags = td_tokenizer_bos_id(s->tok) >= 0 ? TD_TOK_ADD_BOS : 0;
         st = td_tokenizer_encode(s->tok, q->prompt, strlen(q->prompt), flags, &r->prompt, &n);
         r->n_prompt = (int32_t)n;
+        r->from_text = true;
+        if (st != TD_OK && st != TD_ERR_NOMEM) {
+            snprintf(why, sizeof why, "the router's tokenizer cannot encode the prompt: %s", td_last_error());
+        } else if (st == TD_OK && n == 0) {
+            st = TD_ERR_INVALID;
+            snprintf(why, sizeof why, "the prompt text encodes to no token ids");
+        }
     }
-    char why[256] = "the prompt is empty or has ids outside the vocabulary";
     tandem__control__v1__sampling_params__init(&r->sampling);
     td_sampling_t ts = td_sampling_default();
     if (q->sampling) {
@@ -1161,19 +1220,26 @@ static void on_generate(td_grpc_call_t *call, const ProtobufCMessage *msg, void 
         ts.repetition_penalty = q->sampling->repetition_penalty > 0 ? q->sampling->repetition_penalty : 1.0f;
         ts.seed = q->sampling->seed;
     }
-    if (st == TD_OK && r->n_prompt > 0 && td_sampling_validate(&ts, why, sizeof why) != TD_OK)
+    if (st == TD_OK && td_sampling_validate(&ts, why, sizeof why) != TD_OK)
         st = TD_ERR_INVALID;
-    if (st == TD_OK && q->n_stop_strings && !s->tok)
+    if (st == TD_OK && q->n_stop_strings && !s->tok) {
         st = TD_ERR_INVALID;
-    if (st == TD_OK && r->n_prompt > 0 && q->n_stop_strings &&
-        (td_stop_create((const char *const *)q->stop_strings, (int32_t)q->n_stop_strings, &r->stop) != TD_OK))
+        snprintf(why, sizeof why, "this router has no tokenizer (--tokenizer) to match stop strings: send stop_ids");
+    }
+    if (st == TD_OK && q->n_stop_strings &&
+        (st = td_stop_create((const char *const *)q->stop_strings, (int32_t)q->n_stop_strings, &r->stop)) != TD_OK)
+        snprintf(why, sizeof why, "stop strings: %s", td_last_error());
+    r->max_tokens = q->max_tokens ? (int32_t)TD_MIN(q->max_tokens, (uint32_t)INT32_MAX) : (int32_t)s->cfg.default_max_tokens;
+    if (st == TD_OK && !req_admissible(r, why, sizeof why))
         st = TD_ERR_INVALID;
-    if (st != TD_OK || r->n_prompt == 0) {
+    if (st != TD_OK) {
+        bool nomem = st == TD_ERR_NOMEM;
         free(r->prompt);
         td_stop_destroy(r->stop);
         free(r);
-        count_outcome(s, "invalid");
-        td_grpc_call_finish(call, TD_GRPC_INVALID_ARGUMENT, why);
+        count_outcome(s, nomem ? "exhausted" : "invalid");
+        td_grpc_call_finish(call, nomem ? TD_GRPC_RESOURCE_EXHAUSTED : TD_GRPC_INVALID_ARGUMENT,
+                            nomem ? "router: out of memory" : why);
         return;
     }
     r->sampling.temperature = ts.temperature;
@@ -1182,7 +1248,6 @@ static void on_generate(td_grpc_call_t *call, const ProtobufCMessage *msg, void 
     r->sampling.min_p = ts.min_p;
     r->sampling.repetition_penalty = ts.repetition_penalty;
     r->sampling.seed = ts.seed;
-    r->max_tokens = q->max_tokens ? (int32_t)TD_MIN(q->max_tokens, (uint32_t)INT32_MAX) : (int32_t)s->cfg.default_max_tokens;
     if (q->n_stop_ids) /* bounded above; protobuf-c leaves the array NULL when empty */
         memcpy(r->stop_ids, q->stop_ids, q->n_stop_ids * sizeof *q->stop_ids);
     r->n_stop_ids = q->n_stop_ids;
@@ -1215,7 +1280,12 @@ static void on_list_models(td_grpc_call_t *call, const ProtobufCMessage *msg, vo
     router_state_t *s = data;
     Tandem__V1__ModelInfo mi = TANDEM__V1__MODEL_INFO__INIT;
     mi.name = (char *)s->proc.cfg.model_name;
-    mi.vocab_size = s->tok ? (uint32_t)td_tokenizer_vocab_size(s->tok) : 0;
+    router_model_facts_t mf;
+    router_admit_model_facts(s->reg, s->proc.cfg.model_name, (int64_t)td_now_ns(), &mf);
+    /* the model's own vocabulary where its nodes told it, else the tokenizer's */
+    mi.vocab_size = mf.vocab_size ? (uint32_t)mf.vocab_size
+                                  : s->tok ? (uint32_t)td_tokenizer_vocab_size(s->tok) : 0;
+    mi.max_seq_len = (uint32_t)mf.max_seq_len;
     for (int32_t i = 0; i < router_registry_slots(s->reg); i++) {
         const router_node_t *n = router_registry_node_const(s->reg, i);
         if (n)

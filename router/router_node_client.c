@@ -9,6 +9,7 @@
 #include "control.pb-c.h"
 #include "td_grpc.h"
 #include "td_log.h"
+#include "td_util.h"
 
 struct router_node_client {
     uv_loop_t *loop;
@@ -24,6 +25,7 @@ struct router_node_client {
     bool registered;
     bool closing;
     bool call_inflight;
+    bool refused_logged;       /* the router's refusal was logged (until a registration succeeds) */
 };
 
 static void schedule(router_node_client_t *c, uint32_t ms);
@@ -62,10 +64,16 @@ static void on_register_done(td_grpc_client_call_t *call, td_grpc_code_t code, c
     c->call_inflight = false;
     if (c->closing)
         return;
+    if (code == TD_GRPC_INVALID_ARGUMENT && !c->refused_logged) {
+        /* a refusal, not a lost router: said once; it registers again in case it changes */
+        td_log(TD_LOG_ERROR, "node %s: the router refused its registration: %s", c->cfg.info.id, message);
+        c->refused_logged = true;
+    }
     if (code != TD_GRPC_OK || !c->epoch) {
         fail(c, "register", code != TD_GRPC_OK ? message : "no epoch");
         return;
     }
+    c->refused_logged = false;
     if (!c->registered)
         td_info("node %s: registered with router %s:%u (epoch %llu)", c->cfg.info.id, c->router_host,
                 c->cfg.router_port, (unsigned long long)c->epoch);
@@ -122,7 +130,8 @@ static void send_register(router_node_client_t *c)
     cap.total_kv_blocks = (uint32_t)in->capacity_blocks;
     cap.max_batch = (uint32_t)in->max_batch;
     cap.max_prefill_tokens = c->cfg.max_prefill_tokens;
-    cap.max_seq_len = c->cfg.max_seq_len;
+    cap.max_seq_len = (uint32_t)in->max_seq_len;
+    cap.vocab_size = (uint32_t)in->vocab_size;
     Tandem__Control__V1__RegisterRequest req = TANDEM__CONTROL__V1__REGISTER_REQUEST__INIT;
     req.node_id = (char *)in->id;
     req.role = in->role == ROUTER_ROLE_DECODE ? TANDEM__CONTROL__V1__ROLE__ROLE_DECODE
@@ -199,6 +208,8 @@ td_status_t router_node_client_create(uv_loop_t *loop, const router_node_client_
     c->cfg = *cfg;
     strcpy(c->router_host, cfg->router_host);
     c->cfg.router_host = c->router_host;
+    if (!c->cfg.info.max_seq_len)
+        c->cfg.info.max_seq_len = (int32_t)TD_MIN(cfg->max_seq_len, (uint32_t)INT32_MAX);
     if (!c->cfg.rpc_timeout_ms)
         c->cfg.rpc_timeout_ms = 2000;
     if (!c->cfg.retry_ms)

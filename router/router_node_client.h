@@ -23,10 +23,12 @@ typedef struct router_node_client router_node_client_t;
 typedef struct router_node_client_config {
     const char *router_host;     /* the router's control address */
     uint16_t router_port;
-    router_node_info_t info;     /* id, role, model, layout, control address, capacity */
+    router_node_info_t info;     /* id, role, model, layout, control address, capacity, the
+                                    model's vocab_size (0 = not told) */
     const void *xfer_desc;       /* decode nodes: td_xfer_describe() bytes (copied); else NULL */
     size_t xfer_desc_len;
-    uint32_t max_seq_len;
+    uint32_t max_seq_len;        /* the model's length (registered as info.max_seq_len when
+                                    that is 0) */
     uint32_t max_prefill_tokens; /* prefill nodes: token budget per step */
     uint32_t rpc_timeout_ms;     /* bound of each RegisterNode / Heartbeat call */
     uint32_t retry_ms;           /* wait before registering again after a failure */

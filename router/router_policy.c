@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "router_admit.h"
 #include "td_kv.h"
 #include "td_util.h"
 
@@ -148,17 +149,15 @@ td_status_t router_policy_pick(const router_registry_t *reg, const router_policy
         return td_errorf(TD_ERR_NOMEM, "router policy: out of memory");
     }
 
-    int32_t n_live = 0, n_fit_ever = 0, n_rank = 0, max_need = 0;
+    int32_t n_live = 0, n_fit_ever = 0, n_rank = 0;
     for (int32_t d = 0; d < slots; d++) {
         const router_node_t *dn = router_registry_node_const(reg, d);
         if (!serves(dn, req->model, ROUTER_ROLE_DECODE) || !router_registry_is_live(reg, d, req->now_ns))
             continue;
         n_live++;
-        int64_t need = TD_DIV_CEIL((int64_t)req->n_prompt + req->max_tokens,
-                                   (int64_t)dn->info.layout.block_size);
-        max_need = (int32_t)TD_MIN(TD_MAX((int64_t)max_need, need), INT32_MAX);
-        if (need > dn->info.capacity_blocks)
-            continue;
+        int64_t need = router_admit_kv_blocks(req->n_prompt, req->max_tokens, &dn->info);
+        if (need < 0 || need > dn->info.capacity_blocks)
+            continue; /* the prompt is too long for the model, or the pool too small */
         n_fit_ever++;
         if (need > dn->load.free_blocks)
             continue;
@@ -177,8 +176,7 @@ td_status_t router_policy_pick(const router_registry_t *reg, const router_policy
         const router_node_t *dn = router_registry_node_const(reg, d);
         *pick_p = (router_pick_t){
             .pair = {.prefill = p, .decode = d},
-            .blocks_needed = (int32_t)TD_DIV_CEIL((int64_t)req->n_prompt + req->max_tokens,
-                                                  (int64_t)dn->info.layout.block_size),
+            .blocks_needed = (int32_t)router_admit_kv_blocks(req->n_prompt, req->max_tokens, &dn->info),
             .prefix_blocks = prefix,
         };
         st = TD_OK;
@@ -186,11 +184,11 @@ td_status_t router_policy_pick(const router_registry_t *reg, const router_policy
     }
     if (n_live == 0)
         st = td_errorf_quiet(TD_ERR_UNAVAILABLE, "no live decode node serves model %s", req->model);
-    else if (n_fit_ever == 0)
-        st = td_errorf_quiet(TD_ERR_RANGE,
-                             "the request needs %d KV blocks (%d prompt + %d new tokens), more than "
-                             "any decode node of model %s holds",
-                             max_need, req->n_prompt, req->max_tokens, req->model);
+    else if (n_fit_ever == 0) {
+        char why[384];
+        router_admit_check_size(reg, req->model, req->n_prompt, req->max_tokens, req->now_ns, why, sizeof why);
+        st = td_errorf_quiet(TD_ERR_RANGE, "%s", why);
+    }
     else if (n_rank == 0)
         st = td_errorf_quiet(TD_ERR_EXHAUSTED,
                              "no decode node of model %s has room for %d tokens now; retry later",

@@ -2,7 +2,8 @@
  * router_policy: which (prefill, decode) pair serves a request.
  *
  * 1. Decode node: live, serving the request's model, with room — free KV blocks >= the
- *    blocks the prompt plus max_tokens take in its layout — then the shortest running
+ *    blocks the request holds there at most (router_admit_kv_blocks: prompt plus max_tokens
+ *    capped by the model's length, in its layout) — then the shortest running
  *    batch (ties: shorter recent step time, more free blocks, lower index).
  * 2. Prefill node for that decode node: live, same model, KV layout identical to the
  *    decode node's (td_kv_layout_compare), the pair not excluded; the least estimated
@@ -15,7 +16,8 @@
  *
  * Outcomes: TD_OK with the pair; TD_ERR_EXHAUSTED when live decode nodes of the model
  * exist but none has room now (shed load: the client may retry later); TD_ERR_RANGE when
- * the request needs more blocks than any live decode node has at all; TD_ERR_UNAVAILABLE
+ * the request needs more blocks than any live decode node has at all, or its prompt is too
+ * long for the model (the message is router_admit_check_size's); TD_ERR_UNAVAILABLE
  * when no live node of a needed role serves the model, none pairs compatibly, or every
  * pair is excluded (retries). Errors are quiet (td_errorf_quiet): the router reports them
  * on the request's stream.

@@ -187,6 +187,22 @@ td_status_t router_registry_join(router_registry_t *reg, const router_node_info_
         return td_errorf_quiet(TD_ERR_INVALID,
                                "router registry: node %s has %d KV blocks or an invalid layout",
                                info->id, info->capacity_blocks);
+    if (info->vocab_size < 0 || info->max_seq_len < 0)
+        return td_errorf_quiet(TD_ERR_INVALID,
+                               "router registry: node %s has vocab_size %d and max_seq_len %d",
+                               info->id, info->vocab_size, info->max_seq_len);
+    for (int32_t i = 0; info->vocab_size > 0 && i < reg->n_slots; i++) {
+        const router_node_t *o = &reg->nodes[i];
+        if (reg->used[i] && strcmp(o->info.id, info->id) && !strcmp(o->info.model, info->model) &&
+            o->info.vocab_size > 0 && o->info.vocab_size != info->vocab_size &&
+            router_registry_is_live(reg, i, now_ns))
+            return td_errorf_quiet(TD_ERR_INVALID,
+                                   "router registry: node %s serves model %s with a vocabulary of %d "
+                                   "ids, live node %s serves it with %d: nodes of one model name must "
+                                   "load the same model",
+                                   info->id, info->model, info->vocab_size, o->info.id,
+                                   o->info.vocab_size);
+    }
     int32_t idx = router_registry_find(reg, info->id);
     if (idx < 0) {
         for (int32_t i = 0; i < reg->cfg.max_nodes; i++)

@@ -41,6 +41,9 @@ typedef struct router_node_info {
     char address[ROUTER_ADDRESS_MAX];  /* control address, host:port */
     int32_t capacity_blocks;           /* KV blocks in its pool */
     int32_t max_batch;                 /* most running sequences (decode) or batch (prefill) */
+    int32_t vocab_size;                /* the model's vocabulary (ids 0..vocab_size-1); 0 = unknown
+                                        * (a node from before Capacity.vocab_size) */
+    int32_t max_seq_len;               /* the model's length (prompt + output); 0 = unknown */
 } router_node_info_t;
 
 /* What a heartbeat carries. */
@@ -78,9 +81,12 @@ void router_registry_destroy(router_registry_t *reg);
  * Registers a node (or re-registers one with the same id: its info is replaced, it is up,
  * its load is reset and its remembered prefix hashes are forgotten, since a restarted node
  * has an empty cache). The load starts as "idle with capacity_blocks free". *index_p (may
- * be NULL) receives its index, stable until it leaves. Errors (quiet, the RPC edge
- * reports them): TD_ERR_INVALID (empty id, unknown role, invalid layout, capacity <= 0),
- * TD_ERR_EXHAUSTED (max_nodes reached), TD_ERR_NOMEM.
+ * be NULL) receives its index, stable until it leaves. Nodes of one model must agree on its
+ * vocabulary: a node whose vocab_size differs from that of another live node of the same
+ * model (both known, i.e. > 0) is refused, the message naming both nodes and sizes.
+ * Errors (quiet, the RPC edge reports them): TD_ERR_INVALID (empty id, unknown role,
+ * invalid layout, capacity <= 0, negative vocab_size or max_seq_len, a vocabulary that
+ * differs), TD_ERR_EXHAUSTED (max_nodes reached), TD_ERR_NOMEM.
  */
 td_status_t router_registry_join(router_registry_t *reg, const router_node_info_t *info,
                                  int64_t now_ns, int32_t *index_p);
