@@ -16,7 +16,9 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "td_backend.h"
 #include "td_cli.h"
+#include "td_engine.h"
 #include "td_log.h"
 #include "td_model.h"
 #include "td_util.h"
@@ -116,23 +118,80 @@ static void stop_all(local_state_t *l)
     }
 }
 
+/* What every node of one machine gets: compute threads and the KV flag, per role. */
+typedef struct local_plan {
+    char threads[24];
+    const char *kv_flag;       /* "--kv-blocks", "--kv-mem", or NULL: the nodes' own defaults */
+    char kv_decode[24], kv_prefill[24];
+} local_plan_t;
+
+/* Shares one machine among its nodes, and says how on stderr: threads = cores (the
+ * affinity mask) / nodes, so that the nodes' pools do not oversubscribe the cores; the KV
+ * pools one budget measured once (td_engine_kv_budget), split TD_KV_LOCAL_DECODE_SHARE : 1
+ * between a decode and a prefill node, so N nodes started together do not each take their
+ * standalone share. Flags given win. */
+static void local_plan(int64_t n_prefill, int64_t n_decode, int64_t threads, int64_t kv_blocks, int64_t kv_mem,
+                       bool device, local_plan_t *p)
+{
+    int64_t nodes = n_prefill + n_decode;
+    if (threads == 0) {
+        int cores = td_cpu_count();
+        threads = TD_MAX(1, cores / nodes);
+        fprintf(stderr, "tandem local: %d cores, %lld nodes: %lld compute thread%s each\n", cores, (long long)nodes,
+                (long long)threads, threads == 1 ? "" : "s");
+    }
+    snprintf(p->threads, sizeof p->threads, "%lld", (long long)threads);
+    p->kv_flag = NULL;
+    if (kv_blocks || kv_mem) {
+        p->kv_flag = kv_blocks ? "--kv-blocks" : "--kv-mem";
+        snprintf(p->kv_decode, sizeof p->kv_decode, "%lld", (long long)(kv_blocks ? kv_blocks : kv_mem));
+        snprintf(p->kv_prefill, sizeof p->kv_prefill, "%s", p->kv_decode);
+        return;
+    }
+    if (device) {
+        fprintf(stderr, "tandem local: KV pools in device memory: each node's fixed default (decode %zu MiB, "
+                "prefill %zu MiB)\n", TD_KV_DECODE_DEVICE_DEFAULT >> 20, TD_KV_PREFILL_DEVICE_DEFAULT >> 20);
+        return;
+    }
+    td_kv_budget_t b = td_engine_kv_budget(TD_KV_LOCAL_PERCENT, (size_t)n_decode * TD_KV_DECODE_CAP +
+                                           (size_t)n_prefill * TD_KV_PREFILL_CAP, 0);
+    if (!b.measured) {
+        fprintf(stderr, "tandem local: available memory unknown: each node's own kv-mem default\n");
+        return;
+    }
+    size_t unit = b.bytes / (size_t)(TD_KV_LOCAL_DECODE_SHARE * n_decode + n_prefill);
+    size_t dec = TD_MIN(unit * TD_KV_LOCAL_DECODE_SHARE, TD_KV_DECODE_CAP), pre = TD_MIN(unit, TD_KV_PREFILL_CAP);
+    p->kv_flag = "--kv-mem";
+    snprintf(p->kv_decode, sizeof p->kv_decode, "%zu", TD_MAX(dec >> 20, (size_t)1));
+    snprintf(p->kv_prefill, sizeof p->kv_prefill, "%zu", TD_MAX(pre >> 20, (size_t)1));
+    char bs[32], how[128], ds[32], ps[32];
+    fprintf(stderr, "tandem local: kv-mem %s (%s) for %lld decode and %lld prefill node%s: %s per decode node, "
+            "%s per prefill node (a node takes no more than it can fill)\n", td_format_bytes(b.bytes, bs, sizeof bs),
+            td_engine_kv_budget_describe(&b, how, sizeof how), (long long)n_decode, (long long)n_prefill,
+            n_prefill == 1 ? "" : "s", td_format_bytes(dec, ds, sizeof ds), td_format_bytes(pre, ps, sizeof ps));
+}
+
 int cmd_local(int argc, char **argv)
 {
     const char *model = NULL, *tokenizer = NULL, *log_level = "warn", *host = "127.0.0.1", *advertise = NULL;
     const char *device = "cpu", *dtype = NULL;
-    int64_t n_prefill = 1, n_decode = 1, threads = 1, kv_blocks = 1024;
+    int64_t n_prefill = 1, n_decode = 1, threads = 0, kv_blocks = 0, kv_mem = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         td_status_t st = TD_OK;
         if (!strcmp(a, "--help")) {
             printf("usage: tandem local --model PATH [--tokenizer PATH] [--prefill N] [--decode M]\n"
-                   "                    [--threads T] [--kv-blocks B] [--log-level L]\n"
+                   "                    [--threads T] [--kv-blocks B | --kv-mem MIB] [--log-level L]\n"
                    "                    [--host H] [--advertise A] [--device D] [--dtype T]\n\n"
                    "Starts a router, N prefill and M decode nodes (separate processes) listening on\n"
                    "--host (default 127.0.0.1) and reached at --advertise (default --host; required\n"
                    "with a wildcard host), prints 'gateway: HOST:PORT' and 'metrics: URL' once all\n"
-                   "registered, and stops them all on SIGINT/SIGTERM. --threads is per node (default 1);\n"
-                   "--device (cpu, cuda, cuda:N) and --dtype (f32, f16, bf16) go to every node.\n");
+                   "registered, and stops them all on SIGINT/SIGTERM. --threads is per node (default:\n"
+                   "this process's cores / (N + M), at least 1). The KV pools share one budget, %d%% of\n"
+                   "the memory available, split %d:1 between a decode and a prefill node and passed as\n"
+                   "--kv-mem; --kv-mem MIB (per node) or --kv-blocks B (per node) replace it.\n"
+                   "--device (cpu, cuda, cuda:N) and --dtype (f32, f16, bf16) go to every node.\n",
+                   TD_KV_LOCAL_PERCENT, TD_KV_LOCAL_DECODE_SHARE);
             return 0;
         }
         if (!v) {
@@ -151,6 +210,7 @@ int cmd_local(int argc, char **argv)
         else if (!strcmp(a, "--decode")) st = td_parse_i64(v, 1, 32, "--decode", &n_decode);
         else if (!strcmp(a, "--threads")) st = td_parse_i64(v, 0, 4096, "--threads", &threads);
         else if (!strcmp(a, "--kv-blocks")) st = td_parse_i64(v, 1, 1 << 24, "--kv-blocks", &kv_blocks);
+        else if (!strcmp(a, "--kv-mem")) st = td_parse_i64(v, 1, 1 << 30, "--kv-mem", &kv_mem);
         else {
             fprintf(stderr, "tandem local: unknown option %s\n", a);
             return 2;
@@ -176,6 +236,16 @@ int cmd_local(int argc, char **argv)
     if (sl <= 0)
         return 1;
     self[sl] = '\0';
+
+    td_device_spec_t dev;
+    if (td_device_parse(device, &dev) != TD_OK)
+        return 2;
+    local_plan_t plan;
+    local_plan(n_prefill, n_decode, threads, kv_blocks, kv_mem, dev.cuda, &plan);
+    /* OpenBLAS (pthreads) starts cores - 1 threads in every process at load, each spinning
+       a while before it sleeps; the CPU backend never uses them (it runs OpenBLAS on one
+       thread inside its own pool), so the children start none */
+    setenv("OPENBLAS_NUM_THREADS", "1", 1);
 
     local_state_t l = {.router_fd = -1};
     struct sigaction sa = {.sa_handler = on_sig};
@@ -208,19 +278,20 @@ int cmd_local(int argc, char **argv)
         fprintf(stderr, "tandem local: the router did not start\n");
         goto out;
     }
-    char th[32], kb[32];
-    snprintf(th, sizeof th, "%lld", (long long)threads);
-    snprintf(kb, sizeof kb, "%lld", (long long)kv_blocks);
     for (int64_t i = 0; i < n_prefill + n_decode; i++) {
         bool dec = i >= n_prefill;
         char id[32];
         snprintf(id, sizeof id, "%s%lld", dec ? "decode" : "prefill", (long long)(dec ? i - n_prefill : i));
         char *nargv[] = {"tandem", dec ? "decode" : "prefill", "--model", (char *)model, "--router", control,
-                         "--node-id", id, "--threads", th, "--kv-blocks", kb, "--log-level", (char *)log_level,
-                         "--host", (char *)host, "--device", (char *)device, NULL, NULL, NULL, NULL, NULL};
+                         "--node-id", id, "--threads", plan.threads, "--log-level", (char *)log_level,
+                         "--host", (char *)host, "--device", (char *)device, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
         int k = 0;
         while (nargv[k]) /* the optional flags go after the fixed ones */
             k++;
+        if (plan.kv_flag) {
+            nargv[k++] = (char *)plan.kv_flag;
+            nargv[k++] = dec ? plan.kv_decode : plan.kv_prefill;
+        }
         if (dtype) {
             nargv[k++] = "--dtype";
             nargv[k++] = (char *)dtype;
