@@ -121,7 +121,7 @@ static int kvx_receiver(int rfd, int wfd)
         uv_run(&loop, UV_RUN_ONCE);
     uv_close((uv_handle_t *)&rx.pipe_poll, NULL);
     td_xfer_destroy(rx.x);
-    uv_run(&loop, UV_RUN_NOWAIT);
+    uv_run(&loop, UV_RUN_DEFAULT); /* td_xfer's shutdown runs on the loop until its handles close */
     uv_loop_close(&loop);
     td_kv_cache_destroy(rx.kv);
     return 0;
@@ -543,7 +543,7 @@ out:
     int status;
     waitpid(pid, &status, 0);
     td_xfer_destroy(x);
-    uv_run(&loop, UV_RUN_NOWAIT);
+    uv_run(&loop, UV_RUN_DEFAULT); /* td_xfer's shutdown runs on the loop until its handles close */
     uv_loop_close(&loop);
     close(to_tx[0]);
     free(pool);

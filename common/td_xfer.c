@@ -18,6 +18,10 @@
  * queued operations, user callbacks), then ucp_worker_arm; run from uv_poll on the
  * worker's efd and from a uv_prepare just before the loop sleeps. UCX callbacks only
  * record facts; nothing calls back into UCX progress or into the user from inside them.
+ * Work per loop iteration is bounded (PROGRESS_MAX progress calls, loop_budget_bytes of
+ * our own copies and checksums); what is left goes next iteration, which an active idle
+ * handle makes come without sleeping. Shutdown (td_xfer_destroy, close_step) is driven
+ * the same way: no function here waits.
  */
 #include "td_xfer.h"
 
@@ -250,10 +254,19 @@ struct td_xfer {
     uv_poll_t poll;
     uv_prepare_t prepare;
     uv_timer_t timer;
-    uv_idle_t idle;     /* keeps the loop from sleeping after callbacks made in prepare */
+    uv_idle_t idle;     /* keeps the loop from sleeping after callbacks made in prepare, or
+                           while work waits for the next iteration's budget */
     uint64_t delivered; /* user callbacks made */
     int open_handles;
     bool destroying;
+    /* Shutdown after td_xfer_destroy, driven by the loop's callbacks (close_step). */
+    enum { CLOSE_FLUSH, CLOSE_EPS, CLOSE_COPIES, CLOSE_DONE } close_phase;
+    uint64_t close_deadline_ns; /* of the current phase */
+    /* Bounded synchronous work per loop iteration (budget_fits). */
+    uint64_t turn;         /* loop iterations (counted in on_prepare) */
+    uint64_t budget_turn;  /* the iteration budget_used belongs to */
+    size_t budget_used;    /* synchronous bytes done in it */
+    bool budget_hit;       /* work waits for the next iteration */
 
     /* receiver */
     bool have_pool;
@@ -328,6 +341,28 @@ static void hist_observe(td_xfer_stats_t *st, double s)
         if (s <= td_xfer_hist_le_s[i])
             st->transfer_hist[i]++;
     st->transfer_seconds_sum += s;
+}
+
+/* Synchronous work on the loop thread (our shared-memory copies, checksums) is bounded per
+ * loop iteration by cfg.loop_budget_bytes; an iteration is counted from one uv_prepare to
+ * the next, so it holds one timer phase and one poll phase. Work that does not fit waits for
+ * the next iteration, which drain() makes come without sleeping. The first piece of an
+ * iteration always fits (one operation, at most max_op_bytes, may exceed the budget alone). */
+static bool budget_fits(td_xfer_t *x, size_t bytes)
+{
+    if (x->budget_turn != x->turn) {
+        x->budget_turn = x->turn;
+        x->budget_used = 0;
+    }
+    if (bytes == 0 || x->budget_used == 0 || x->budget_used + bytes <= x->cfg.loop_budget_bytes)
+        return true;
+    x->budget_hit = true;
+    return false;
+}
+
+static void budget_charge(td_xfer_t *x, size_t bytes)
+{
+    x->budget_used += bytes;
 }
 
 static void close_ep_done_cb(void *request, ucs_status_t status, void *user_data)
@@ -652,6 +687,8 @@ static xfer_conn_t *conn_of_ep(td_xfer_t *x, ucp_ep_h ep)
 
 static void lease_check_ready(td_xfer_t *x, xfer_lease_t *l)
 {
+    if (x->destroying)
+        return; /* nothing is adopted during shutdown: the sender's endpoint closes */
     if (l->state == LEASE_LIVE && l->ready_pending && l->inflight == 0 && l->bytes == l->ready.bytes) {
         l->ready_pending = false;
         lease_adopt(x, l);
@@ -707,7 +744,7 @@ static ucs_status_t am_data_cb(void *arg, const void *header, size_t header_leng
         return UCS_OK;
     xfer_lease_t *l = lease_find(x, h.lease_id);
     size_t bb = td_kv_block_bytes(&x->pool.layout);
-    if (!l || l->state != LEASE_LIVE) {
+    if (!l || l->state != LEASE_LIVE || x->destroying) {
         /* Fence: returning without receiving refuses a rendezvous; eager bytes are dropped. */
         x->stats.discarded_data++;
         return UCS_OK;
@@ -765,6 +802,10 @@ static ucs_status_t am_ready_cb(void *arg, const void *header, size_t header_len
     ucp_ep_h ep = am_reply_ep(param);
     if (!am_unpack(x, header, header_length, &h, sizeof h, true))
         return UCS_OK;
+    if (x->destroying) {
+        send_ack(x, ep, h.request_id, h.lease_id, TD_ERR_UNAVAILABLE); /* this node is going */
+        return UCS_OK;
+    }
     xfer_lease_t *l = lease_find(x, h.lease_id);
     if (!l || l->state != LEASE_LIVE) {
         td_info("xfer request %" PRIu64 " lease %" PRIu64 ": kv-ready for a dead lease, discarded", h.request_id,
@@ -826,7 +867,7 @@ static ucs_status_t am_hello_cb(void *arg, const void *header, size_t header_len
     ucp_ep_h ep = am_reply_ep(param);
     if (!am_unpack(x, header, header_length, &h, sizeof h, false))
         return UCS_OK;
-    send_ctl(x, ep, AM_HELLO_ACK, h.request_id, 0, x->have_pool ? TD_OK : TD_ERR_UNAVAILABLE);
+    send_ctl(x, ep, AM_HELLO_ACK, h.request_id, 0, x->have_pool && !x->destroying ? TD_OK : TD_ERR_UNAVAILABLE);
     return UCS_OK;
 }
 
@@ -843,7 +884,9 @@ static ucs_status_t am_bind_cb(void *arg, const void *header, size_t header_leng
     xfer_lease_t *l = lease_find(x, h.lease_id);
     xfer_conn_t *c = ep ? conn_of_ep(x, ep) : NULL;
     td_status_t st = TD_OK;
-    if (!l || l->state != LEASE_LIVE) {
+    if (x->destroying) {
+        st = TD_ERR_UNAVAILABLE;
+    } else if (!l || l->state != LEASE_LIVE) {
         x->stats.discarded_data++;
         st = TD_ERR_STALE;
     } else if (!c || h.request_id != l->request_id || (l->put_writer && l->put_writer != c)) {
@@ -1039,16 +1082,34 @@ static td_status_t stage_start(td_xfer_t *x, send_op_t *op)
     return TD_OK;
 }
 
+/* Adds op's blocks (`bytes`: their K/V, host memory) to the request's checksum. Taken when
+ * the op is posted (host source) or its copy landed (device source), under the loop
+ * iteration's budget, not for a whole layer at send_layer. */
+static void op_checksum(send_op_t *op, const uint8_t *bytes)
+{
+    td_xfer_send_t *s = op->s;
+    size_t bb = td_kv_block_bytes(&s->peer->layout);
+    for (uint32_t k = 0; k < op->hdr.n_blocks; k++)
+        s->checksum += block_checksum(bytes + (size_t)k * bb, bb, op->hdr.layer, op->hdr.first_idx + k);
+}
+
+/* Bytes the loop thread itself reads or writes to post op: the copy of a shared-memory put
+ * and the checksum (a device source's is taken as its copy lands, just before posting).
+ * 0 for an op that will be dropped. */
+static size_t op_sync_bytes(const send_op_t *op)
+{
+    const td_xfer_send_t *s = op->s;
+    if (!s->peer->alive || s->status != TD_OK)
+        return 0;
+    return (s->mode == MODE_PUT && s->peer->mapped ? op->len : 0) + (s->p.checksum ? op->len : 0);
+}
+
 /* A device-source op's copy is done: its bytes are the ring's (and its blocks go into the
  * request's checksum, which could not read device memory at send_layer). */
 static void stage_landed(send_op_t *op)
 {
-    td_xfer_send_t *s = op->s;
-    if (s->p.checksum) {
-        size_t bb = td_kv_block_bytes(&s->peer->layout);
-        for (uint32_t k = 0; k < op->hdr.n_blocks; k++)
-            s->checksum += block_checksum(op->staged + (size_t)k * bb, bb, op->hdr.layer, op->hdr.first_idx + k);
-    }
+    if (op->s->p.checksum)
+        op_checksum(op, op->staged);
     op->src = op->staged;
 }
 
@@ -1089,6 +1150,8 @@ static void post_op(td_xfer_t *x, send_op_t *op)
         send_maybe_done(s);
         return;
     }
+    if (s->p.checksum && s->p.mem == TD_XFER_MEM_HOST) /* a device source's: stage_landed */
+        op_checksum(op, op->src);
     ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
                                                UCP_OP_ATTR_FIELD_FLAGS,
                                .cb.send = data_sent_cb,
@@ -1154,9 +1217,13 @@ static void poll_copies(td_xfer_t *x)
 {
     while (!list_empty(&x->copying)) {
         send_op_t *op = CONTAINER(x->copying.next, send_op_t, link);
+        size_t cost = op_sync_bytes(op); /* its checksum, then posting it */
+        if (!budget_fits(x, cost))
+            return; /* next iteration (a copy that is done stays done) */
         td_status_t st = x->cfg.d2h->poll(x->cfg.d2h->arg, op->ticket);
         if (st == TD_ERR_BUSY)
             return;
+        budget_charge(x, cost);
         list_del(&op->link);
         x->ops_posted--;
         if (st != TD_OK)
@@ -1661,8 +1728,11 @@ td_status_t td_xfer_send_layer(td_xfer_send_t *s, uint32_t layer, const void *sr
     s->layers_sent++;
     size_t bb = td_kv_block_bytes(lay);
     bool device = s->p.mem == TD_XFER_MEM_CUDA;
-    /* a device-source operation is staged whole: at most half the ring, so two fit */
-    int32_t max_run = device ? (int32_t)TD_MIN(x->cfg.staging_bytes / 2 / bb, (size_t)INT32_MAX) : INT32_MAX;
+    /* One operation moves at most max_op_bytes (one block at least): no single copy or
+     * checksum on the loop grows with the prompt. A device-source operation is staged whole:
+     * at most half the ring, so two fit. */
+    size_t max_bytes = device ? TD_MIN(x->cfg.max_op_bytes, x->cfg.staging_bytes / 2) : x->cfg.max_op_bytes;
+    int32_t max_run = (int32_t)TD_MIN(TD_MAX(max_bytes / bb, (size_t)1), (size_t)INT32_MAX);
     for (int32_t i = 0; i < s->n_used;) {
         /* One operation per run contiguous in the destination and in the source. */
         int32_t j = i + 1;
@@ -1680,11 +1750,7 @@ td_status_t td_xfer_send_layer(td_xfer_send_t *s, uint32_t layer, const void *sr
                                   .n_blocks = (uint32_t)(j - i), .first_idx = (uint32_t)i};
         op->src = (const char *)src_layer + (size_t)src_blocks[i] * bb;
         op->len = (size_t)(j - i) * bb;
-        if (s->p.checksum && !device) /* device bytes are summed once staged (stage_fill) */
-            for (int32_t k = i; k < j; k++)
-                s->checksum += block_checksum((const char *)src_layer + (size_t)src_blocks[k] * bb, bb, layer,
-                                              (uint32_t)k);
-        s->bytes += op->len;
+        s->bytes += op->len; /* its checksum is taken when it is posted (op_checksum) */
         s->ops_out++;
         list_push(&x->queue, &op->link);
         i = j;
@@ -1702,6 +1768,27 @@ void td_xfer_send_finish(td_xfer_send_t *s, int32_t first_token)
         send_set_status(s, td_errorf(TD_ERR_INVALID, "xfer request %" PRIu64 ": finished with %u of %u layers",
                                      s->p.request_id, s->layers_sent, s->peer->layout.n_layers));
     send_maybe_done(s);
+}
+
+/* Counts a send's verdict, once, as its done callback is made. */
+static void send_count(td_xfer_t *x, const td_xfer_send_t *s)
+{
+    td_status_t st = s->status;
+    x->stats.transfers_inflight--;
+    if (st == TD_OK) {
+        x->stats.transfers_ok++;
+        hist_observe(&x->stats, (double)(td_now_ns() - s->start_ns) * 1e-9);
+    } else if (st == TD_ERR_UNAVAILABLE) {
+        x->stats.fail_peer++;
+    } else if (st == TD_ERR_TIMEOUT) {
+        x->stats.fail_timeout++;
+    } else if (st == TD_ERR_STALE) {
+        x->stats.fail_stale++;
+    } else if (st == TD_ERR_MISMATCH) {
+        x->stats.fail_mismatch++;
+    } else {
+        x->stats.fail_protocol++;
+    }
 }
 
 static void send_free(td_xfer_send_t *s)
@@ -1749,6 +1836,10 @@ static void run_deferred(td_xfer_t *x)
                 stage_full = true; /* its piece frees up as posted ops complete */
             continue;
         }
+        size_t cost = op_sync_bytes(op);
+        if (!budget_fits(x, cost))
+            break; /* the rest goes next loop iteration */
+        budget_charge(x, cost);
         list_del(&op->link);
         post_op(x, op);
     }
@@ -1772,28 +1863,16 @@ static void run_deferred(td_xfer_t *x)
         td_xfer_send_t *s = CONTAINER(x->done_list.next, td_xfer_send_t, done_link);
         list_del(&s->done_link);
         td_status_t st = s->status;
-        double secs = (double)(td_now_ns() - s->start_ns) * 1e-9;
-        x->stats.transfers_inflight--;
-        if (st == TD_OK) {
-            x->stats.transfers_ok++;
-            hist_observe(&x->stats, secs);
-        } else if (st == TD_ERR_UNAVAILABLE) {
-            x->stats.fail_peer++;
-        } else if (st == TD_ERR_TIMEOUT) {
-            x->stats.fail_timeout++;
-        } else if (st == TD_ERR_STALE) {
-            x->stats.fail_stale++;
-        } else if (st == TD_ERR_MISMATCH) {
-            x->stats.fail_mismatch++;
-        } else {
-            x->stats.fail_protocol++;
-        }
-        td_xfer_done_cb cb = s->p.done;
+        td_xfer_done_cb cb = s->p.done; /* NULL: td_xfer_destroy made the callback or owed none */
         void *arg = s->p.arg;
         uint64_t rid = s->p.request_id;
+        if (cb)
+            send_count(x, s);
         send_free(s);
-        x->delivered++;
-        cb(arg, rid, st);
+        if (cb) {
+            x->delivered++;
+            cb(arg, rid, st);
+        }
     }
     while (!list_empty(&x->ready_list)) {
         ready_event_t *ev = CONTAINER(x->ready_list.next, ready_event_t, link);
@@ -1809,16 +1888,33 @@ static void run_deferred(td_xfer_t *x)
     }
 }
 
+static void on_idle(uv_idle_t *h);
+
+/* ucp_worker_progress calls per drain at most. Each call handles a bounded number of
+ * transport events (UCX_TCP_MAX_POLL, 16 by default; a shared-memory FIFO's few elements),
+ * so a peer streaming a long transfer in cannot keep one drain going for the whole of it:
+ * the loop serves its other handles and comes round again without sleeping. */
+#define PROGRESS_MAX 16
+
 static void drain(td_xfer_t *x)
 {
+    unsigned calls = 0;
+    x->budget_hit = false;
     for (;;) {
-        while (ucp_worker_progress(x->worker))
-            ;
+        while (calls < PROGRESS_MAX && ucp_worker_progress(x->worker))
+            calls++;
         /* Deferred work can make more deferred work without any UCX event (a put and a
          * flush complete in place on shared memory): go round until it is quiet, or the
          * loop would sleep until the next tick. */
         uint64_t acts = x->acts;
         run_deferred(x);
+        if (calls >= PROGRESS_MAX || x->budget_hit) {
+            /* Bounded: the rest is the next iteration's; an active idle handle keeps this
+             * iteration's poll from sleeping, and on_prepare drains again then. */
+            uv_idle_start(&x->idle, on_idle);
+            return;
+        }
+        calls++;
         if (ucp_worker_progress(x->worker) || x->acts != acts)
             continue;
         if (!list_empty(&x->done_list) || !list_empty(&x->ready_list))
@@ -1833,16 +1929,26 @@ static void drain(td_xfer_t *x)
     }
 }
 
+static void close_step(td_xfer_t *x);
+
+/* Every handle callback: drain, then, during shutdown, the next step of it (which may close
+ * the handles: nothing of x is touched after it). */
 static void on_poll(uv_poll_t *h, int status, int events)
 {
-    drain(h->data);
+    td_xfer_t *x = h->data;
+    drain(x);
+    if (x->destroying)
+        close_step(x);
 }
 
 static void on_copy_wake(uv_async_t *h)
 {
     td_xfer_t *x = h->data;
-    if (!x->destroying) /* a copy that outlived td_xfer_destroy's wait: UCX is gone */
-        drain(x);
+    if (x->destroying && x->close_phase == CLOSE_DONE)
+        return; /* a copy that outlived shutdown's bound: UCX is gone, the ring leaked */
+    drain(x);
+    if (x->destroying)
+        close_step(x);
 }
 
 static void on_idle(uv_idle_t *h)
@@ -1856,15 +1962,27 @@ static void on_idle(uv_idle_t *h)
 static void on_prepare(uv_prepare_t *h)
 {
     td_xfer_t *x = h->data;
+    x->turn++; /* a new loop iteration: a new budget (budget_fits) */
     uint64_t before = x->delivered;
     drain(x);
+    if (x->destroying) {
+        close_step(x);
+        return;
+    }
     if (x->delivered != before)
         uv_idle_start(&x->idle, on_idle);
 }
 
+/* The deadline scan: every live lease and send, each tick. Its cost is bounded by the
+ * requests a node holds at once (leases and sends, a few hundred), not by their bytes. */
 static void on_tick(uv_timer_t *h)
 {
     td_xfer_t *x = h->data;
+    if (x->destroying) { /* during shutdown the tick watches its phase's deadline */
+        drain(x);
+        close_step(x);
+        return;
+    }
     uint64_t now = td_now_ns();
     list_node_t *n = x->leases.next;
     while (n != &x->leases) {
@@ -1929,7 +2047,9 @@ td_xfer_config_t td_xfer_config_default(void)
                               .rma = TD_XFER_RMA_AUTO,
                               .quarantine_ms = 10000,
                               .put_nt_min = (size_t)16 << 10,
-                              .staging_bytes = (size_t)64 << 20};
+                              .staging_bytes = (size_t)64 << 20,
+                              .max_op_bytes = (size_t)4 << 20,
+                              .loop_budget_bytes = (size_t)8 << 20};
 }
 
 td_status_t td_xfer_rma_parse(const char *s, td_xfer_rma_t *rma_p)
@@ -1968,9 +2088,10 @@ td_status_t td_xfer_create(uv_loop_t *loop, const td_xfer_config_t *cfg, td_xfer
 {
     td_status_t ret = TD_OK;
     ucs_status_t st;
-    if (cfg->max_inflight_ops == 0 || cfg->send_timeout_ms == 0 || cfg->tick_ms == 0 || cfg->quarantine_ms == 0)
-        return td_errorf(TD_ERR_INVALID, "xfer config: max_inflight_ops, send_timeout_ms, tick_ms and quarantine_ms "
-                         "must be > 0");
+    if (cfg->max_inflight_ops == 0 || cfg->send_timeout_ms == 0 || cfg->tick_ms == 0 || cfg->quarantine_ms == 0 ||
+        cfg->max_op_bytes == 0 || cfg->loop_budget_bytes == 0)
+        return td_errorf(TD_ERR_INVALID, "xfer config: max_inflight_ops, send_timeout_ms, tick_ms, quarantine_ms, "
+                         "max_op_bytes and loop_budget_bytes must be > 0");
     if (cfg->d2h && (!cfg->d2h->start || !cfg->d2h->poll || !cfg->d2h->pin != !cfg->d2h->unpin))
         return td_errorf(TD_ERR_INVALID, "xfer config: a d2h copier needs start and poll, and pin with unpin or "
                          "neither");
@@ -2204,83 +2325,59 @@ void td_xfer_get_stats(const td_xfer_t *x, td_xfer_stats_t *stats)
     *stats = x->stats;
 }
 
-void td_xfer_destroy(td_xfer_t *x)
+/* ---- shutdown: started by td_xfer_destroy, run by the loop ------------------------------ */
+
+/* Bounds of the shutdown phases (td_xfer.h, td_xfer_destroy), and the period of the timer
+ * that watches them (the deadline tick, shortened: a test or node may run it rarely). */
+#define CLOSE_FLUSH_NS 1000000000ull  /* sender endpoints: verdicts on their way */
+#define CLOSE_EPS_NS 5000000000ull    /* force closes: a few progress calls normally */
+#define CLOSE_COPIES_NS 2000000000ull /* device-to-host copies writing into the ring */
+#define CLOSE_TICK_MS 10u
+
+/* The last step: nothing of UCX is in flight any more, or its bound passed. The order is
+ * what makes it safe: the poll handle stops watching the worker's fd before the worker
+ * closes it; rkeys go before the worker they were unpacked on; the worker goes before
+ * anything the callbacks of its outstanding requests touch (ops, sends, leases, x), which
+ * destroying it may still call; only then do leases return their blocks (nothing can
+ * write into them) and the ring go (unless a copy still writes there: then the ring and x
+ * are leaked, and the wake handle is left open but unreferenced, so the loop can end).
+ * The unmap of a pool UCX allocated hands its pages back to the kernel: the one step
+ * proportional to the pool, once per process, at its end (docs/xfer.md). */
+static void close_finish(td_xfer_t *x)
 {
-    if (!x)
-        return;
-    x->destroying = true;
-    /* Fail every send and close every endpoint; outstanding operations come back with
-     * errors while the closes complete. */
-    for (list_node_t *pn = x->peers.next; pn != &x->peers; pn = pn->next) {
-        td_xfer_peer_t *peer = CONTAINER(pn, td_xfer_peer_t, link);
-        peer_fail(peer, TD_ERR_CLOSED);
-        for (list_node_t *m = peer->sends.next; m != &peer->sends; m = m->next) {
-            td_xfer_send_t *s = CONTAINER(m, td_xfer_send_t, peer_link);
-            send_set_status(s, TD_ERR_CLOSED);
-            s->verdict = true;
-            send_maybe_done(s);
-        }
-    }
-    /* Verdicts (ACKs) still on their way to senders are delivered before the endpoints
-     * go: flush each sender endpoint, bounded (a frozen sender must not hold us). */
-    for (list_node_t *n = x->conns.next; n != &x->conns; n = n->next) {
-        xfer_conn_t *c = CONTAINER(n, xfer_conn_t, link);
-        if (c->closing)
-            continue;
-        ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA,
-                                   .cb.send = close_ep_done_cb,
-                                   .user_data = x};
-        ucs_status_ptr_t r = ucp_ep_flush_nbx(c->ep, &prm);
-        if (r && !UCS_PTR_IS_ERR(r))
-            x->closes_inflight++;
-    }
-    uint64_t flush_until = td_now_ns() + 1000000000ull;
-    while (x->closes_inflight > 0 && td_now_ns() < flush_until)
-        ucp_worker_progress(x->worker);
-    for (list_node_t *n = x->conns.next; n != &x->conns; n = n->next) {
-        xfer_conn_t *c = CONTAINER(n, xfer_conn_t, link);
-        if (!c->closing) {
-            c->closing = true;
-            close_ep_force(x, c->ep);
-        }
-    }
-    close_pending_eps(x);
-    uint64_t give_up = td_now_ns() + 5000000000ull; /* force closes finish in a few progress calls */
-    while (x->closes_inflight > 0 && td_now_ns() < give_up)
-        ucp_worker_progress(x->worker);
-    while (ucp_worker_progress(x->worker))
-        ;
-    x->cfg.max_inflight_ops = 0; /* run_deferred posts nothing more */
-    run_deferred(x);
-    /* A copy still running writes into the staging ring: wait for it (bounded) before the
-     * ring goes; one that never ends costs the ring (leaked), never memory reused under it. */
-    uint64_t copies_until = td_now_ns() + 2000000000ull;
-    while (!list_empty(&x->copying) && td_now_ns() < copies_until) {
-        poll_copies(x);
-        if (!list_empty(&x->copying))
-            nanosleep(&(struct timespec){.tv_nsec = 100000}, NULL);
-    }
+    x->close_phase = CLOSE_DONE;
     bool ring_busy = !list_empty(&x->copying);
     if (ring_busy)
-        td_warn("xfer %s: device-to-host copies did not finish within 2 s; the staging ring and this td_xfer are "
-                "leaked, not freed under them", x->name);
+        td_warn("xfer %s: device-to-host copies did not finish within %llu s; the staging ring and this td_xfer "
+                "are leaked, not freed under them", x->name, CLOSE_COPIES_NS / 1000000000ull);
     else if (x->cfg.d2h && x->cfg.d2h->quiesce)
         x->cfg.d2h->quiesce(x->cfg.d2h->arg); /* no wake still to come into copy_wake */
+    uv_close((uv_handle_t *)&x->poll, on_handle_closed); /* stops watching the efd now */
+    for (list_node_t *pn = x->peers.next; pn != &x->peers; pn = pn->next) {
+        td_xfer_peer_t *peer = CONTAINER(pn, td_xfer_peer_t, link);
+        if (peer->rkey)
+            ucp_rkey_destroy(peer->rkey);
+        peer->rkey = NULL;
+    }
+    ucp_worker_destroy(x->worker);
+    x->worker = NULL;
+    if (x->have_pool) {
+        ucp_rkey_buffer_release(x->rkey_buf);
+        ucp_mem_unmap(x->ctx, x->memh);
+    }
+    ucp_cleanup(x->ctx);
+    x->ctx = NULL;
     while (!list_empty(&x->aborts)) {
         abort_job_t *j = CONTAINER(x->aborts.next, abort_job_t, link);
         list_del(&j->link);
         free(j);
     }
+    list_init(&x->done_list); /* its sends are on their peers' lists */
     while (!list_empty(&x->peers)) {
         td_xfer_peer_t *peer = CONTAINER(x->peers.next, td_xfer_peer_t, link);
-        while (!list_empty(&peer->sends)) { /* never finished: no callback owed */
-            td_xfer_send_t *s = CONTAINER(peer->sends.next, td_xfer_send_t, peer_link);
-            x->stats.transfers_inflight--;
-            send_free(s);
-        }
+        while (!list_empty(&peer->sends)) /* callbacks made or not owed (td_xfer_destroy) */
+            send_free(CONTAINER(peer->sends.next, td_xfer_send_t, peer_link));
         list_del(&peer->link);
-        if (peer->rkey)
-            ucp_rkey_destroy(peer->rkey);
         free(peer->rkey_buf);
         free(peer);
     }
@@ -2289,9 +2386,14 @@ void td_xfer_destroy(td_xfer_t *x)
         list_del(&c->link);
         free(c);
     }
+    while (!list_empty(&x->closing)) { /* their endpoints went with the worker */
+        ep_close_t *c = CONTAINER(x->closing.next, ep_close_t, link);
+        list_del(&c->link);
+        free(c);
+    }
     while (!list_empty(&x->leases)) {
         xfer_lease_t *l = CONTAINER(x->leases.next, xfer_lease_t, link);
-        l->inflight = 0; /* endpoints are closed: nothing writes any more */
+        l->inflight = 0; /* the worker is gone: nothing writes any more */
         l->put_writer = NULL;
         lease_release(x, l);
     }
@@ -2303,33 +2405,117 @@ void td_xfer_destroy(td_xfer_t *x)
         free(ev);
     }
     free(x->landing_stack);
-    if (x->listener)
-        ucp_listener_destroy(x->listener);
-    if (x->have_pool) {
-        ucp_rkey_buffer_release(x->rkey_buf);
-        ucp_mem_unmap(x->ctx, x->memh);
+    x->landing_stack = NULL;
+    if (!ring_busy) {
+        while (!list_empty(&x->stage_pieces)) { /* UCX is gone: nothing reads the ring */
+            stage_piece_t *pc = CONTAINER(x->stage_pieces.next, stage_piece_t, link);
+            list_del(&pc->link);
+            free(pc);
+        }
+        if (x->stage_pinned)
+            x->cfg.d2h->unpin(x->cfg.d2h->arg, x->stage);
+        free(x->stage);
+        x->stage = NULL;
     }
-    uv_close((uv_handle_t *)&x->poll, on_handle_closed); /* stops polling the efd now */
     uv_close((uv_handle_t *)&x->prepare, on_handle_closed);
     uv_close((uv_handle_t *)&x->timer, on_handle_closed);
     uv_close((uv_handle_t *)&x->idle, on_handle_closed);
-    if (!ring_busy) /* else a copy may still wake it: x stays */
-        uv_close((uv_handle_t *)&x->copy_wake, on_handle_closed);
-    ucp_worker_destroy(x->worker);
-    ucp_cleanup(x->ctx);
-    x->worker = NULL;
-    x->ctx = NULL;
-    if (ring_busy)
+    if (!ring_busy)
+        uv_close((uv_handle_t *)&x->copy_wake, on_handle_closed); /* the last close frees x */
+    else
+        uv_unref((uv_handle_t *)&x->copy_wake); /* a late wake finds CLOSE_DONE */
+}
+
+/* One step of shutdown, after a drain: each phase ends when what it waits for is back or
+ * its deadline passed (the timer runs every CLOSE_TICK_MS meanwhile). Never waits. */
+static void close_step(td_xfer_t *x)
+{
+    uint64_t now = td_now_ns();
+    switch (x->close_phase) {
+    case CLOSE_FLUSH: /* sender endpoints flushed, receiver endpoints closing (closes_inflight) */
+        if (x->closes_inflight > 0 && now < x->close_deadline_ns)
+            return;
+        for (list_node_t *n = x->conns.next; n != &x->conns; n = n->next) {
+            xfer_conn_t *c = CONTAINER(n, xfer_conn_t, link);
+            if (!c->closing) {
+                c->closing = true;
+                close_ep_force(x, c->ep);
+            }
+        }
+        close_pending_eps(x);
+        x->close_phase = CLOSE_EPS;
+        x->close_deadline_ns = now + CLOSE_EPS_NS;
+        /* fall through */
+    case CLOSE_EPS: /* force closes: outstanding operations come back with errors */
+        if (x->closes_inflight > 0 && now < x->close_deadline_ns)
+            return;
+        x->close_phase = CLOSE_COPIES;
+        x->close_deadline_ns = now + CLOSE_COPIES_NS;
+        /* fall through */
+    case CLOSE_COPIES: /* a copy still running writes into the ring: it must end first */
+        poll_copies(x); /* done ones are dropped: their peers are closed */
+        if (!list_empty(&x->copying) && now < x->close_deadline_ns)
+            return;
+        close_finish(x);
         return;
-    while (!list_empty(&x->stage_pieces)) { /* UCX is gone: nothing reads the ring */
-        stage_piece_t *pc = CONTAINER(x->stage_pieces.next, stage_piece_t, link);
-        list_del(&pc->link);
-        free(pc);
+    case CLOSE_DONE:
+        return;
     }
-    if (x->stage_pinned)
-        x->cfg.d2h->unpin(x->cfg.d2h->arg, x->stage);
-    free(x->stage);
-    x->stage = NULL;
+}
+
+void td_xfer_destroy(td_xfer_t *x)
+{
+    if (!x)
+        return;
+    TD_ASSERT(!x->destroying);
+    x->destroying = true;
+    x->cfg.max_inflight_ops = 0; /* run_deferred posts nothing more */
+    x->on_ready = NULL;          /* adoptions not yet delivered return their blocks */
+    if (x->listener) {           /* no new senders */
+        ucp_listener_destroy(x->listener);
+        x->listener = NULL;
+    }
+    /* Fail every send; endpoints to receivers are queued for a force close (peer_fail). */
+    for (list_node_t *pn = x->peers.next; pn != &x->peers; pn = pn->next)
+        peer_fail(CONTAINER(pn, td_xfer_peer_t, link), TD_ERR_CLOSED);
+    /* The done callbacks owed, now: none comes after this returns. A send whose operations
+     * UCX still holds is freed from the loop once they are back (or with the worker). */
+    for (list_node_t *pn = x->peers.next; pn != &x->peers; pn = pn->next) {
+        td_xfer_peer_t *peer = CONTAINER(pn, td_xfer_peer_t, link);
+        for (list_node_t *m = peer->sends.next; m != &peer->sends; m = m->next) {
+            td_xfer_send_t *s = CONTAINER(m, td_xfer_send_t, peer_link);
+            send_set_status(s, TD_ERR_CLOSED);
+            s->verdict = true;
+            bool owed = s->finished && s->p.done;
+            td_xfer_done_cb cb = s->p.done;
+            s->p.done = NULL;
+            s->finished = true;
+            send_maybe_done(s);
+            if (owed) {
+                send_count(x, s);
+                x->delivered++;
+                cb(s->p.arg, s->p.request_id, s->status);
+            }
+        }
+    }
+    /* Verdicts (ACKs) still on their way to senders are delivered before the endpoints
+     * go: flush each sender endpoint, bounded by CLOSE_FLUSH_NS (close_step). */
+    for (list_node_t *n = x->conns.next; n != &x->conns; n = n->next) {
+        xfer_conn_t *c = CONTAINER(n, xfer_conn_t, link);
+        if (c->closing)
+            continue;
+        ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA,
+                                   .cb.send = close_ep_done_cb,
+                                   .user_data = x};
+        ucs_status_ptr_t r = ucp_ep_flush_nbx(c->ep, &prm);
+        if (r && !UCS_PTR_IS_ERR(r))
+            x->closes_inflight++;
+    }
+    x->close_phase = CLOSE_FLUSH;
+    x->close_deadline_ns = td_now_ns() + CLOSE_FLUSH_NS;
+    uint32_t tick = TD_MIN(x->cfg.tick_ms, CLOSE_TICK_MS);
+    uv_timer_start(&x->timer, on_tick, tick, tick);
+    uv_idle_start(&x->idle, on_idle); /* the loop comes round at once, not at the next event */
 }
 
 void td_xfer_send_abort(td_xfer_send_t *s, td_status_t why)

@@ -117,10 +117,19 @@ typedef struct td_xfer_config {
     const char *advertise_ip;  /* receiver: IPv4 address td_xfer_describe publishes for the
                                   listener (senders connect to it); NULL: listen_ip. Set it
                                   when listen_ip is a wildcard (0.0.0.0) */
+    size_t max_op_bytes;       /* sender: one data operation carries at most this many bytes
+                                  (longer runs of blocks are split; one block at least), so no
+                                  single copy or checksum on the loop is longer */
+    size_t loop_budget_bytes;  /* bytes of synchronous work (shared-memory copies, checksums)
+                                  the loop thread does per loop iteration; what is left waits
+                                  for the next iteration, which comes without sleeping
+                                  (docs/xfer.md, "Bounded work per loop iteration") */
 } td_xfer_config_t;
 
 /* Defaults: listen on 127.0.0.1 port 0, 64 ops in flight, 30 s send bound, 10 ms tick,
- * rma auto, 10 s quarantine, non-temporal copies from 16 KiB, 64 MiB staging ring, no d2h. */
+ * rma auto, 10 s quarantine, non-temporal copies from 16 KiB, 64 MiB staging ring, no d2h,
+ * operations of 4 MiB at most, 8 MiB of synchronous work per loop iteration (about 0.5 ms
+ * of copying at this VM's 10-20 GB/s). */
 td_xfer_config_t td_xfer_config_default(void);
 
 /* The 64-bit td_xfer request id of a cluster request id string (the FNV-1a loop, with the
@@ -170,11 +179,20 @@ typedef struct td_xfer_stats {
 td_status_t td_xfer_create(uv_loop_t *loop, const td_xfer_config_t *cfg, td_xfer_t **x_p);
 
 /*
- * Tears everything down: pending sends end with TD_ERR_CLOSED through their done
- * callbacks (called from here, the one exception to the rule above), live leases return
- * their blocks, endpoints are force-closed, the pool is unregistered. The memory of x is
- * released from its handles' close callbacks: run the loop once more (uv_run) before
- * uv_loop_close. NULL is a no-op.
+ * Starts tearing x down and returns at once; the rest runs from the loop's own callbacks
+ * and never blocks it. From here: every finished send not yet done gets its done callback
+ * now (its verdict if it had one, else its first failure, else TD_ERR_CLOSED; called from
+ * here, the one exception to the rule above), an unfinished one ends without a callback;
+ * ready transfers not yet delivered return their blocks; the listener stops; no callback
+ * of x comes after this returns, and x may not be used again. Then, on the loop: sender
+ * endpoints are flushed (verdicts on their way, bounded 1 s), every endpoint is
+ * force-closed (bounded 5 s), running device-to-host copies finish (bounded 2 s: one that
+ * does not costs the staging ring and x, leaked rather than freed under it), live leases
+ * return their blocks, the pool is unregistered, UCX is finalised and x's memory is
+ * released from its last handle's close callback. Until then the source bytes of its
+ * sends, the pool memory and block manager, and the d2h copier must stay valid: keep
+ * running the loop (uv_run(UV_RUN_DEFAULT) returns once x's handles have closed) before
+ * freeing them and before uv_loop_close. NULL is a no-op.
  */
 void td_xfer_destroy(td_xfer_t *x);
 
@@ -315,8 +333,11 @@ td_status_t td_xfer_send_begin(td_xfer_t *x, td_xfer_peer_t *peer, const td_xfer
  * Queues layer `layer` of the request: src_layer is that layer's slab of the sender's own
  * pool ([src_n_blocks][2][block_size][n_kv_heads][head_dim]); src_blocks[i] is the source
  * block of the request's i-th block (its block table). Runs of blocks contiguous at both
- * ends go as one operation; at most max_inflight_ops are in flight, the rest wait in order.
- * The source bytes must stay unchanged until the done callback. Device-memory sources
+ * ends go as operations of at most max_op_bytes; at most max_inflight_ops are in flight, the
+ * rest wait in order (and, on shared memory, for the loop iteration's budget). Only the
+ * block table is read here: the bytes (and the checksum) are read when an operation is
+ * posted. The source bytes must stay unchanged until the done callback (a callback made by
+ * td_xfer_destroy: until x's handles have closed). Device-memory sources
  * are read (an asynchronous copy into the staging ring) when their operation reaches the
  * front of the queue; the operation goes to UCX when its copy is done. Errors
  * (the request is then failed; finish still delivers the verdict): TD_ERR_INVALID (layer

@@ -583,7 +583,7 @@ static void shared_close(shared_fx_t *f)
 {
     td_xfer_destroy(f->tx);
     td_xfer_destroy(f->rx);
-    uv_run(&f->loop, UV_RUN_NOWAIT);
+    uv_run(&f->loop, UV_RUN_DEFAULT); /* td_xfer's shutdown runs on the loop until its handles close */
     cr_assert_eq(uv_loop_close(&f->loop), 0, "a handle of td_xfer is still open");
     td_engine_destroy(f->pre);
     fx_close(&f->fx);

@@ -92,9 +92,11 @@ static void run_until(uv_loop_t *loop, const bool *flag, double timeout_s)
         uv_run(loop, UV_RUN_ONCE);
 }
 
+/* After td_xfer_destroy: its shutdown runs on the loop, which returns once x's handles
+ * have closed (bounded: docs/xfer.md, "Shutdown"). */
 static void close_loop(uv_loop_t *loop)
 {
-    uv_run(loop, UV_RUN_NOWAIT);
+    uv_run(loop, UV_RUN_DEFAULT);
     uv_loop_close(loop);
 }
 
@@ -259,6 +261,8 @@ typedef struct tx {
     struct tx_copy { void *dst; const void *src; size_t n; td_xfer_wake_cb wake; void *wake_arg; } jobs[512];
     uint64_t started, finished; /* tickets: started - finished jobs wait in jobs[] */
     bool stop;
+    uint64_t copy_ns;    /* how long one deferred copy takes (0: 200 us); under mu */
+    bool unpinned_while_copying; /* the ring was unpinned (so freed) under a running copy */
 } tx_t;
 
 /* ---- the sender's device-to-host copier ------------------------------------------------- */
@@ -273,8 +277,10 @@ static void *tx_copy_engine(void *arg)
         if (tx->finished == tx->started)
             break;
         struct tx_copy j = tx->jobs[tx->finished % TD_ARRAY_LEN(tx->jobs)];
+        uint64_t ns = tx->copy_ns ? tx->copy_ns : 200000;
         pthread_mutex_unlock(&tx->mu);
-        nanosleep(&(struct timespec){.tv_nsec = 200000}, NULL); /* the copy takes a while */
+        nanosleep(&(struct timespec){.tv_sec = (time_t)(ns / 1000000000u), .tv_nsec = (long)(ns % 1000000000u)},
+                  NULL); /* the copy takes a while */
         tx->be->ops->copy_d2h(tx->be, j.dst, j.src, j.n);
         pthread_mutex_lock(&tx->mu);
         tx->finished++;
@@ -333,6 +339,11 @@ static td_status_t tx_copy_pin(void *arg, void *host, size_t bytes)
 static void tx_copy_unpin(void *arg, void *host)
 {
     tx_t *tx = arg;
+    if (tx->deferred) {
+        pthread_mutex_lock(&tx->mu);
+        tx->unpinned_while_copying |= tx->started != tx->finished;
+        pthread_mutex_unlock(&tx->mu);
+    }
     tx->pinned = 0;
     tx->backend_copier.unpin(tx->backend_copier.arg, host);
 }
@@ -351,7 +362,8 @@ static void tx_on_done(void *arg, uint64_t request_id, td_status_t st)
  * through a ring of this many bytes, with copies done at once (the CPU backend's) or, when
  * deferred, later by a thread (then nothing but the copier's wake brings the loop round:
  * the deadline tick is set beyond the test's bound). */
-static int tx_init_mem(tx_t *tx, td_xfer_rma_t rma, size_t staging, bool deferred)
+static int tx_init_mem(tx_t *tx, td_xfer_rma_t rma, size_t staging, bool deferred, size_t max_op_bytes,
+                       size_t loop_budget)
 {
     memset(tx, 0, sizeof *tx);
     uv_loop_init(&tx->loop);
@@ -382,12 +394,16 @@ static int tx_init_mem(tx_t *tx, td_xfer_rma_t rma, size_t staging, bool deferre
     cfg.send_timeout_ms = 20000;
     cfg.put_nt_min = 2048; /* over shared memory: one-block runs by memcpy, longer ones by
                               non-temporal stores; the receiver checks every byte of both */
+    if (max_op_bytes)
+        cfg.max_op_bytes = max_op_bytes;
+    if (loop_budget)
+        cfg.loop_budget_bytes = loop_budget;
     return td_xfer_create(&tx->loop, &cfg, &tx->x) == TD_OK ? 0 : 30;
 }
 
 static int tx_init_rma(tx_t *tx, td_xfer_rma_t rma)
 {
-    return tx_init_mem(tx, rma, 0, false);
+    return tx_init_mem(tx, rma, 0, false, 0, 0);
 }
 
 static int tx_init(tx_t *tx)
@@ -486,7 +502,30 @@ typedef struct run_opts {
     size_t staging;            /* sender: device-memory source through a ring this big, 0: host */
     bool deferred;             /* ... copied later by a thread, as a GPU's copy engine */
     uint32_t rx_landing;       /* receiver: device pool with a landing area this big, 0: host */
+    size_t max_op_bytes;       /* sender: td_xfer_config_t.max_op_bytes, 0: default */
+    size_t loop_budget;        /* sender: loop_budget_bytes, 0: default; set: the bytes sent per
+                                  loop iteration are measured and checked against it */
 } run_opts_t;
+
+/* Counts, at every loop iteration (uv_check), the bytes the sender moved since the last. */
+typedef struct turn_meter {
+    uv_check_t h;
+    td_xfer_t *x;
+    uint64_t last;      /* bytes_sent at the previous iteration */
+    uint64_t max_turn;  /* most bytes moved in one iteration */
+    int moving_turns;   /* iterations that moved bytes */
+} turn_meter_t;
+
+static void turn_meter_cb(uv_check_t *h)
+{
+    turn_meter_t *m = h->data;
+    td_xfer_stats_t st;
+    td_xfer_get_stats(m->x, &st);
+    uint64_t d = st.bytes_sent - m->last;
+    m->last = st.bytes_sent;
+    m->moving_turns += d > 0;
+    m->max_turn = TD_MAX(m->max_turn, d);
+}
 
 static void receiver_process(int wfd, uint64_t seed, int n_req, const run_opts_t *ro)
 {
@@ -531,10 +570,16 @@ static void many_requests_in(const char *tls, td_xfer_rma_t rma, uint64_t seed, 
     static offer_t o;
     cr_assert(td_xfer_testkit_read_all(fds[0], &o, sizeof o), "receiver failed to start");
     tx_t tx;
-    cr_assert_eq(tx_init_mem(&tx, rma, staging, ro->deferred), 0);
+    cr_assert_eq(tx_init_mem(&tx, rma, staging, ro->deferred, ro->max_op_bytes, ro->loop_budget), 0);
     cr_assert_eq(tx_fill(&tx, &o, seed), 0);
     tx.n_want = o.n_req;
     cr_assert_eq(td_xfer_connect(tx.x, o.desc, o.desc_len, &LAYOUT, &tx.peer), TD_OK, "%s", td_last_error());
+    turn_meter_t meter = {.x = tx.x};
+    if (ro->loop_budget) {
+        uv_check_init(&tx.loop, &meter.h);
+        meter.h.data = &meter;
+        uv_check_start(&meter.h, turn_meter_cb);
+    }
     /* Layer-major like a prefill batch: layer l of every request, then layer l+1. */
     td_xfer_send_t *s[MAX_REQ];
     for (int r = 0; r < o.n_req; r++)
@@ -576,6 +621,19 @@ static void many_requests_in(const char *tls, td_xfer_rma_t rma, uint64_t seed, 
         cr_expect_eq(rep.copied, rep.stats.bytes_received, "every landed byte is copied into the pool once: "
                      "%lu copied, %lu received", (unsigned long)rep.copied, (unsigned long)rep.stats.bytes_received);
         cr_expect_eq(rep.stats.bytes_copied_h2d, rep.copied);
+    }
+    if (ro->loop_budget) {
+        /* A loop iteration (check to check) spans at most two budget windows (prepare to
+         * prepare); one operation is at most max_op_bytes <= the budget. Unbounded, one
+         * callback would copy a whole queued layer. */
+        uv_close((uv_handle_t *)&meter.h, NULL);
+        cr_expect_leq(meter.max_turn, 2 * ro->loop_budget, "%lu bytes moved in one loop iteration, budget %zu",
+                      (unsigned long)meter.max_turn, ro->loop_budget);
+        cr_expect_geq((uint64_t)meter.moving_turns, st.bytes_sent / (2 * ro->loop_budget),
+                      "%lu bytes in %d loop iterations", (unsigned long)st.bytes_sent, meter.moving_turns);
+        cr_expect_geq(st.ops_put + st.ops_am, st.bytes_sent / ro->max_op_bytes, "operations of %zu bytes at most: "
+                      "%lu operations for %lu bytes", ro->max_op_bytes, (unsigned long)(st.ops_put + st.ops_am),
+                      (unsigned long)st.bytes_sent);
     }
     if (staging) {
         cr_expect_eq(tx.staged, st.bytes_sent, "every byte goes through the staging ring: %lu staged, %lu sent",
@@ -650,6 +708,162 @@ Test(xfer, loopback_tcp_forced_put_16_requests, .timeout = 120)
 Test(xfer, loopback_tcp_one_request, .timeout = 60)
 {
     many_requests("tcp", TD_XFER_RMA_AUTO, 3, 1);
+}
+
+/* ---- bounded work per loop iteration --------------------------------------------------- */
+
+/* Over shared memory a put is our own copy, complete when posted: unbounded, one loop
+ * callback would copy every queued operation (a whole layer of a long prompt, 128 MiB for
+ * an 8B model at 32k tokens). With operations of 4 blocks and a budget of 16 blocks per
+ * iteration, the 4096-token request (256 blocks a layer) is spread over many iterations,
+ * none moving more than the budget allows, and every byte and checksum still arrives (the
+ * receiver checks them). Counted, not timed. */
+Test(xfer, shm_put_work_spread_over_loop_iterations, .timeout = 120)
+{
+    size_t bb = td_kv_block_bytes(&LAYOUT);
+    many_requests_in("sm,tcp", TD_XFER_RMA_AUTO, 25, 4,
+                     &(run_opts_t){.max_op_bytes = 4 * bb, .loop_budget = 16 * bb});
+}
+
+/* The same from a device-memory source: the copies land in the ring at once (the CPU
+ * backend's), and their checksums and puts wait for the iteration's budget in order. */
+Test(xfer, device_source_shm_put_work_spread_over_loop_iterations, .timeout = 120)
+{
+    size_t bb = td_kv_block_bytes(&LAYOUT);
+    many_requests_in("sm,tcp", TD_XFER_RMA_AUTO, 26, 4,
+                     &(run_opts_t){.staging = (size_t)256 << 10, .max_op_bytes = 4 * bb, .loop_budget = 16 * bb});
+}
+
+/* ---- shutdown never blocks the loop ---------------------------------------------------- */
+
+static void frozen_receiver_process(int wfd, uint64_t seed)
+{
+    rx_t rx;
+    int rc = rx_init(&rx, seed, 1024);
+    if (!rc)
+        rc = rx_lease(&rx, 1, 60000, true);
+    if (rc)
+        _exit(rc);
+    td_xfer_testkit_write_all(wfd, &rx.offer, sizeof rx.offer);
+    bool never = false;
+    run_until(&rx.loop, &never, 60); /* until the test freezes (SIGSTOP) and kills it */
+    _exit(0);
+}
+
+typedef struct ticker {
+    uv_timer_t h;
+    int fires;
+} ticker_t;
+
+static void ticker_cb(uv_timer_t *h)
+{
+    ((ticker_t *)h->data)->fires++;
+}
+
+typedef struct handle_count {
+    const uv_handle_t *except;
+    int n;
+} handle_count_t;
+
+static void count_handle(uv_handle_t *h, void *arg)
+{
+    handle_count_t *c = arg;
+    c->n += h != c->except;
+}
+
+/* Handles of the loop other than `except`, closing ones included (until their close
+ * callback ran). */
+static int handles_besides(uv_loop_t *loop, const uv_handle_t *except)
+{
+    handle_count_t c = {.except = except};
+    uv_walk(loop, count_handle, &c);
+    return c.n;
+}
+
+/* td_xfer_destroy with the receiver frozen (SIGSTOP: invisible to UCX) and device-to-host
+ * copies of 250 ms still running into the staging ring: it returns at once with the
+ * finished send's callback made (TD_ERR_CLOSED), and the rest of the shutdown (force
+ * close, waiting for the copies, freeing) runs on the loop while another handle of the
+ * loop, a 5 ms timer, keeps firing; the ring is not unpinned (freed) under a running copy;
+ * every handle of td_xfer closes within the shutdown's bounds (1 + 5 + 2 s). A destroy
+ * that waited for the copies would block the loop for 750 ms: the timer would not fire
+ * during the close at all. Counted, not timed. */
+Test(xfer, destroy_returns_at_once_and_the_loop_keeps_turning, .timeout = 60)
+{
+    td_xfer_testkit_env("tcp");
+    int fds[2];
+    cr_assert_eq(pipe(fds), 0);
+    pid_t pid = fork();
+    cr_assert_geq(pid, 0);
+    if (pid == 0) {
+        close(fds[0]);
+        frozen_receiver_process(fds[1], 31);
+    }
+    close(fds[1]);
+    static offer_t o;
+    cr_assert(td_xfer_testkit_read_all(fds[0], &o, sizeof o), "receiver failed to start");
+    tx_t tx;
+    cr_assert_eq(tx_init_mem(&tx, TD_XFER_RMA_AUTO, (size_t)1 << 20, true, 0, 0), 0);
+    cr_assert_eq(tx_fill(&tx, &o, 31), 0);
+    tx.n_want = 1;
+    cr_assert_eq(td_xfer_connect(tx.x, o.desc, o.desc_len, &LAYOUT, &tx.peer), TD_OK, "%s", td_last_error());
+    td_xfer_send_t *s;
+    cr_assert_eq(tx_begin(&tx, &o.lease[0], 0, &s), TD_OK);
+    cr_assert_eq(td_xfer_send_layer(s, 0, tx_layer(&tx, 0), tx.src[0]), TD_OK);
+    size_t layer0 = TD_DIV_CEIL(o.lease[0].n_tokens, LAYOUT.block_size) * td_kv_block_bytes(&LAYOUT);
+    td_xfer_stats_t st;
+    double until = td_now_s() + 20;
+    do { /* the peer is wired up and layer 0 is through */
+        uv_run(&tx.loop, UV_RUN_NOWAIT);
+        td_xfer_get_stats(tx.x, &st);
+    } while (st.bytes_sent < layer0 && td_now_s() < until);
+    cr_assert_geq(st.bytes_sent, layer0, "layer 0 did not go out");
+    cr_assert_eq(kill(pid, SIGSTOP), 0);
+    pthread_mutex_lock(&tx.mu);
+    tx.copy_ns = 250000000;
+    pthread_mutex_unlock(&tx.mu);
+    for (uint32_t layer = 1; layer < LAYOUT.n_layers; layer++)
+        cr_assert_eq(td_xfer_send_layer(s, layer, tx_layer(&tx, layer), tx.src[0]), TD_OK);
+    td_xfer_send_finish(s, 5);
+    bool copying = false;
+    until = td_now_s() + 10;
+    while (!copying && td_now_s() < until) {
+        uv_run(&tx.loop, UV_RUN_NOWAIT);
+        pthread_mutex_lock(&tx.mu);
+        copying = tx.started - tx.finished >= LAYOUT.n_layers - 1;
+        pthread_mutex_unlock(&tx.mu);
+    }
+    cr_assert(copying, "the copies of layers 1-3 did not start");
+
+    td_xfer_destroy(tx.x);
+    tx.x = NULL;
+    cr_expect_eq(tx.n_done, 1, "a finished send gets its done callback from td_xfer_destroy");
+    cr_expect_eq(tx.status[0], TD_ERR_CLOSED, "verdict %s", td_strerror(tx.status[0]));
+    ticker_t t = {.fires = 0};
+    uv_timer_init(&tx.loop, &t.h);
+    t.h.data = &t;
+    uv_timer_start(&t.h, ticker_cb, 5, 5);
+    double t0 = td_now_s();
+    while (handles_besides(&tx.loop, (uv_handle_t *)&t.h) > 0 && td_now_s() < t0 + 20)
+        uv_run(&tx.loop, UV_RUN_ONCE);
+    double took = td_now_s() - t0;
+    cr_assert_eq(handles_besides(&tx.loop, (uv_handle_t *)&t.h), 0, "td_xfer's handles still open after %.1f s",
+                 took);
+    cr_expect_lt(took, 1 + 5 + 2 + 2, "the close took %.1f s", took);
+    cr_expect_geq(t.fires, 20, "the timer fired %d times in the %.2f s the close took", t.fires, took);
+    cr_expect_eq(tx.n_done, 1, "no callback after td_xfer_destroy");
+    pthread_mutex_lock(&tx.mu);
+    bool all_copied = tx.started == tx.finished;
+    pthread_mutex_unlock(&tx.mu);
+    cr_expect(all_copied, "td_xfer closed before its copies ended");
+    cr_expect(!tx.unpinned_while_copying, "the staging ring was unpinned under a running copy");
+    cr_expect_eq(tx.pinned, 0, "the ring is unpinned once the copies ended");
+    uv_close((uv_handle_t *)&t.h, NULL);
+    kill(pid, SIGKILL);
+    int status;
+    waitpid(pid, &status, 0);
+    tx_free(&tx);
+    close(fds[0]);
 }
 
 /* ---- device pool: the landing area --------------------------------------------------- */

@@ -120,7 +120,7 @@ Test(xfer_metrics, leases_and_counters_on_metrics, .timeout = 30)
 
     td_metrics_destroy(reg);
     td_xfer_destroy(x);
-    uv_run(&loop, UV_RUN_NOWAIT);
+    uv_run(&loop, UV_RUN_DEFAULT); /* td_xfer's shutdown runs on the loop until its handles close */
     uv_loop_close(&loop);
     td_kv_cache_destroy(kv);
 }
