@@ -82,7 +82,7 @@ typedef void (*td_xfer_wake_cb)(void *wake_arg);
  *   poll:  TD_OK: the copy is done and its bytes are in dst; TD_ERR_BUSY: still running;
  *          any other status: it failed (td_last_error says why). Never blocks.
  *   quiesce (may be NULL: wakes never outlive poll's TD_OK): returns once no wake of a
- *          finished copy is still to come (td_xfer_destroy calls it before its wake handle
+ *          finished copy is still to come (shutdown calls it, on the loop, before its wake handle
  *          goes).
  *   pin, unpin (may be NULL): page-lock td_xfer's staging ring once, when it is
  *          allocated, so that copies go straight into it; unpin before it is freed.
