@@ -610,7 +610,7 @@ static void on_shutdown(void *data)
     td_xfer_destroy(s->xfer); /* finished sends: done callbacks with TD_ERR_CLOSED */
     s->xfer = NULL;
     for (prefill_job_t *j = s->jobs; j; j = j->next)
-        j->send = NULL; /* unfinished sends were freed without a callback */
+        j->send = NULL; /* unfinished sends end without a callback (freed later, from the loop) */
 }
 
 /* Sizes the KV pool (td_engine_kv_plan: kv-blocks, else what kv-mem holds and the node
