@@ -633,7 +633,7 @@ int decode_main(int argc, char **argv)
     memset(s, 0, sizeof *s);
     decode_config_t *cfg = &s->cfg;
     const router_proc_config_t *pc = &s->proc.cfg;
-    *cfg = (decode_config_t){.kv_blocks = 0, .max_batch = 64, .max_lease_ms = 30000, .max_requests = 256,
+    *cfg = (decode_config_t){.kv_blocks = 0, .max_batch = 64, .max_lease_ms = 600000, .max_requests = 256,
                              .result_queue = 64, .idle_wait_ms = 50};
     const router_conf_key_t keys[] = {
         {"kv-blocks", ROUTER_CONF_I64, &cfg->kv_blocks, 0, 1 << 24,

@@ -145,6 +145,7 @@ typedef struct prefill_state {
     _Atomic int64_t unsubmitted_tokens; /* accepted, not yet taken by the compute thread */
     _Atomic int64_t sched_tokens;       /* prefill_sched_queued_tokens after the last step */
     _Atomic int64_t step_ns;            /* recent step time (moving mean), for heartbeats */
+    _Atomic int64_t milli_tok_s;        /* recent prompt tokens per second x 1000 (moving mean) */
 } prefill_state_t;
 
 static uint64_t job_id(const prefill_job_t *j)
@@ -253,6 +254,9 @@ static bool run_step(prefill_state_t *s)
         td_metric_add(s->m_tokens, r.n_tokens);
         int64_t prev = atomic_load(&s->step_ns), now = (int64_t)(step_s * 1e9);
         atomic_store(&s->step_ns, prev ? (prev * 7 + now) / 8 : now);
+        /* the router sizes what it sends here by this rate (router_policy: prefill wait) */
+        int64_t tps = (int64_t)((double)r.n_tokens / TD_MAX(step_s, 1e-6) * 1e3), prev_tps = atomic_load(&s->milli_tok_s);
+        atomic_store(&s->milli_tok_s, prev_tps ? (prev_tps * 7 + tps) / 8 : tps);
     }
     for (int32_t i = 0; i < r.n_outputs; i++) {
         const prefill_output_t *o = &r.outputs[i];
@@ -597,6 +601,7 @@ static void load_cb(void *data, router_node_load_t *l)
     l->queued_prefill_tokens = atomic_load(&s->unsubmitted_tokens) + atomic_load(&s->sched_tokens);
     l->free_blocks = td_kv_available(td_engine_kv(s->eng)); /* td_kv serializes: a hint */
     l->step_ms = (double)atomic_load(&s->step_ns) * 1e-6;
+    l->prefill_tok_s = (double)atomic_load(&s->milli_tok_s) * 1e-3;
 }
 
 /* The prefill node's part of shutdown (router_proc_shutdown closes the rest). */

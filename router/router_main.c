@@ -18,6 +18,7 @@
  */
 #include "router_main.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -58,7 +59,8 @@ typedef struct router_config {
     int64_t max_backlog_tokens;/* tokens held for a client not reading; beyond → RESOURCE_EXHAUSTED */
     int64_t send_queue_bytes;  /* per gateway stream: queued bytes before tokens wait in the backlog */
     int64_t default_max_tokens;
-    int64_t lease_ms;
+    int64_t lease_ms;          /* lease and Prefill bound beyond the estimated prefill wait */
+    int64_t max_prefill_wait_ms; /* a busy prefill node takes no prompt it would reach later */
     int64_t rpc_timeout_ms;
     int64_t heartbeat_ms;
     int64_t heartbeat_timeout_ms;
@@ -130,6 +132,7 @@ typedef struct router_req {
     uint64_t lease_id;
     bool have_lease;
     bool call_has_req_deadline; /* the pending node call's deadline is the request's */
+    int64_t lease_ttl_ms;       /* this pick's lease and Prefill bound (lease_ttl) */
     uint32_t *blocks;          /* the lease's block ids, from Admit */
     size_t n_blocks;
     td_grpc_client_call_t *pending;
@@ -747,7 +750,7 @@ static void on_admit_done(td_grpc_client_call_t *c, td_grpc_code_t code, const c
     q.decode_xfer.len = dp->xfer_desc_len;
     td_grpc_call_opts_t o = {.response_desc = &tandem__control__v1__prefill_response__descriptor,
                              .on_message = on_prefill_msg, .on_done = on_prefill_done, .data = r,
-                             .timeout_ms = call_timeout_ms(r, s->cfg.lease_ms)};
+                             .timeout_ms = call_timeout_ms(r, r->lease_ttl_ms)};
     r->t_prefill = td_now_ns();
     r->state = REQ_PREFILL;
     if (!pp->ch ||
@@ -770,6 +773,18 @@ static bool req_admissible(const router_req_t *r, char *why, size_t why_len)
     router_admit_model_facts(s->reg, model, now, &mf);
     return router_admit_check_ids(r->prompt, r->n_prompt, mf.vocab_size, model, r->from_text, why, why_len) == TD_OK &&
            router_admit_check_size(s->reg, model, r->n_prompt, r->max_tokens, now, why, why_len) == TD_OK;
+}
+
+/* How long a pick's decode lease lives, and its Prefill call may take: lease-ms for the
+ * transfer and the node calls, plus twice the time the prefill node is estimated to need
+ * before this prompt's first token (router_policy: its queued work at its reported rate), so
+ * a long prompt on a slow node or behind a queue is not cut off by a fixed bound, while a
+ * lost router still frees the blocks in bounded time. At most 600 s (the decode node's
+ * max-lease-ms caps it too). */
+static int64_t lease_ttl(const router_state_t *s, const router_pick_t *pick)
+{
+    double ms = (double)s->cfg.lease_ms + 2e3 * pick->prefill_wait_s;
+    return (int64_t)TD_MIN(ms, 600000.0);
 }
 
 /* Puts r on a pair now: START_OK (Admit sent; r may since have been retried or ended),
@@ -823,7 +838,8 @@ static router_start_t req_start(router_req_t *r)
     q.request_id = r->id;
     q.prompt_tokens = (uint32_t)r->n_prompt;
     q.max_tokens = (uint32_t)r->max_tokens;
-    q.lease_ms = (uint32_t)s->cfg.lease_ms;
+    r->lease_ttl_ms = lease_ttl(s, &pick);
+    q.lease_ms = (uint32_t)r->lease_ttl_ms;
     q.sampling = &r->sampling;
     q.stop_ids = r->stop_ids;
     q.n_stop_ids = r->n_stop_ids;
@@ -1113,6 +1129,8 @@ static void on_heartbeat(td_grpc_call_t *call, const ProtobufCMessage *msg, void
             l.running_seqs = (int32_t)q->load->running_sequences;
             l.free_blocks = (int32_t)q->load->free_kv_blocks;
             l.step_ms = q->load->n_recent_step_s ? q->load->recent_step_s[q->load->n_recent_step_s - 1] * 1e3 : 0;
+            float tps = q->load->prefill_tokens_per_s;
+            l.prefill_tok_s = isfinite(tps) && tps > 0 ? tps : 0; /* a hint: garbage is "unknown" */
         }
         router_registry_heartbeat(s->reg, q->node_id, &l, (int64_t)td_now_ns());
         s->peers[idx].admit_refused = false;
@@ -1463,7 +1481,7 @@ int router_main(int argc, char **argv)
     const router_proc_config_t *pc = &s->proc.cfg;
     *cfg = (router_config_t){.control_port = 0, .max_active = 1024, .max_queue = 4096, .request_timeout_ms = 300000,
                              .max_backlog_tokens = 4096, .send_queue_bytes = 256 << 10, .default_max_tokens = 256,
-                             .lease_ms = 10000, .rpc_timeout_ms = 5000, .heartbeat_ms = 200,
+                             .lease_ms = 10000, .max_prefill_wait_ms = 5000, .rpc_timeout_ms = 5000, .heartbeat_ms = 200,
                              .heartbeat_timeout_ms = 1500, .max_nodes = 256};
     const router_conf_key_t keys[] = {
         {"tokenizer", ROUTER_CONF_STR, &cfg->tokenizer, 0, 0, "tokenizer path (none: prompts as ids only, no text)"},
@@ -1478,7 +1496,10 @@ int router_main(int argc, char **argv)
         {"send-queue-bytes", ROUTER_CONF_I64, &cfg->send_queue_bytes, 1, 1 << 30,
          "bytes queued per gateway stream before tokens wait in the router's backlog"},
         {"default-max-tokens", ROUTER_CONF_I64, &cfg->default_max_tokens, 1, 1 << 20, "max_tokens when a request gives 0"},
-        {"lease-ms", ROUTER_CONF_I64, &cfg->lease_ms, 10, 600000, "decode lease and prefill bound"},
+        {"lease-ms", ROUTER_CONF_I64, &cfg->lease_ms, 10, 600000,
+         "decode lease and Prefill bound, beyond twice the estimated prefill wait"},
+        {"max-prefill-wait-ms", ROUTER_CONF_I64, &cfg->max_prefill_wait_ms, 0, 600000,
+         "a prefill node with work queued takes no prompt it would reach later than this (0 = no bound)"},
         {"rpc-timeout-ms", ROUTER_CONF_I64, &cfg->rpc_timeout_ms, 10, 600000, "bound of Admit/Release calls"},
         {"heartbeat-ms", ROUTER_CONF_I64, &cfg->heartbeat_ms, 10, 60000, "heartbeat interval asked of nodes"},
         {"heartbeat-timeout-ms", ROUTER_CONF_I64, &cfg->heartbeat_timeout_ms, 20, 600000, "silence before a node is dropped"},
@@ -1494,6 +1515,7 @@ int router_main(int argc, char **argv)
     rc_.max_nodes = (int32_t)cfg->max_nodes;
     rc_.heartbeat_timeout_ns = cfg->heartbeat_timeout_ms * 1000000;
     s->policy = router_policy_config_default();
+    s->policy.max_prefill_wait_s = (double)cfg->max_prefill_wait_ms * 1e-3;
     if ((cfg->tokenizer && (st = td_tokenizer_load(cfg->tokenizer, &s->tok)) != TD_OK) ||
         (st = router_registry_create(&rc_, &s->reg)) != TD_OK)
         goto out;

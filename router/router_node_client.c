@@ -163,6 +163,7 @@ static void send_heartbeat(router_node_client_t *c)
     float step_s = (float)(l.step_ms * 1e-3);
     load.recent_step_s = &step_s;
     load.n_recent_step_s = 1;
+    load.prefill_tokens_per_s = (float)l.prefill_tok_s;
     Tandem__Control__V1__HeartbeatRequest req = TANDEM__CONTROL__V1__HEARTBEAT_REQUEST__INIT;
     req.node_id = (char *)c->cfg.info.id;
     req.epoch = c->epoch;

@@ -19,6 +19,8 @@ router_policy_config_t router_policy_config_default(void)
         .prefix_weight = 1.0f,
         .local_prefill = false,
         .max_hash_blocks = 4096,
+        .max_prefill_wait_s = 5.0,
+        .assumed_tok_s = 50.0,
     };
 }
 
@@ -72,14 +74,15 @@ static const uint64_t *hashes_for(hash_cache_t *hc, const router_pick_request_t 
     return hc->hashes;
 }
 
-/* Best prefill partner of decode node d, or -1. */
+/* Best prefill partner of decode node d, or -1 (*n_busy_p counts the compatible ones that
+ * were too busy). */
 static int32_t best_prefill(const router_registry_t *reg, const router_policy_config_t *cfg,
                             const router_pick_request_t *req, int32_t d, hash_cache_t *hc,
-                            int32_t *prefix_blocks_p)
+                            int32_t *prefix_blocks_p, double *wait_s_p, int32_t *n_busy_p)
 {
     const router_node_t *dn = router_registry_node_const(reg, d);
     int32_t best = -1, best_prefix = 0;
-    double best_work = 0;
+    double best_work = 0, best_wait = 0;
     for (int32_t p = 0; p < router_registry_slots(reg); p++) {
         const router_node_t *pn = router_registry_node_const(reg, p);
         if (!serves(pn, req->model, ROUTER_ROLE_PREFILL) ||
@@ -91,13 +94,22 @@ static int32_t best_prefill(const router_registry_t *reg, const router_policy_co
         int32_t matched = router_registry_prefix_match(reg, p, h, n_hashes);
         double work = (double)pn->load.queued_prefill_tokens + req->n_prompt -
                       (double)cfg->prefix_weight * matched * bs;
+        double rate = pn->load.prefill_tok_s;
+        double wait = TD_MAX(work, 1.0) / (rate > 0 ? rate : TD_MAX(cfg->assumed_tok_s, 1e-3));
+        if (pn->load.queued_prefill_tokens > 0 && cfg->max_prefill_wait_s > 0 &&
+            (rate <= 0 || wait > cfg->max_prefill_wait_s)) {
+            (*n_busy_p)++;
+            continue;
+        }
         if (best < 0 || work < best_work) {
             best = p;
             best_work = work;
             best_prefix = matched;
+            best_wait = wait;
         }
     }
     *prefix_blocks_p = best_prefix;
+    *wait_s_p = best_wait;
     return best;
 }
 
@@ -168,9 +180,11 @@ td_status_t router_policy_pick(const router_registry_t *reg, const router_policy
     qsort(ranks, (size_t)n_rank, sizeof *ranks, cmp_rank);
 
     td_status_t st;
+    int32_t n_busy = 0;
     for (int32_t r = 0; r < n_rank; r++) {
         int32_t d = ranks[r].index, prefix = 0;
-        int32_t p = best_prefill(reg, cfg, req, d, &hc, &prefix);
+        double wait = 0;
+        int32_t p = best_prefill(reg, cfg, req, d, &hc, &prefix, &wait, &n_busy);
         if (p < 0 && !(cfg->local_prefill && !excluded(req, -1, d)))
             continue;
         const router_node_t *dn = router_registry_node_const(reg, d);
@@ -178,6 +192,7 @@ td_status_t router_policy_pick(const router_registry_t *reg, const router_policy
             .pair = {.prefill = p, .decode = d},
             .blocks_needed = (int32_t)router_admit_kv_blocks(req->n_prompt, req->max_tokens, &dn->info),
             .prefix_blocks = prefix,
+            .prefill_wait_s = p >= 0 ? wait : 0,
         };
         st = TD_OK;
         goto out;
@@ -193,6 +208,11 @@ td_status_t router_policy_pick(const router_registry_t *reg, const router_policy
         st = td_errorf_quiet(TD_ERR_EXHAUSTED,
                              "no decode node of model %s has room for %d tokens now; retry later",
                              req->model, req->n_prompt + req->max_tokens);
+    else if (n_busy > 0)
+        st = td_errorf_quiet(TD_ERR_EXHAUSTED,
+                             "the prefill nodes of model %s that pair with a decode node with room are busy "
+                             "(each would take more than %.1f s to reach this prompt); retry later",
+                             req->model, cfg->max_prefill_wait_s);
     else
         st = no_pair_error(reg, req, ranks, n_rank);
 out:

@@ -9,13 +9,19 @@
  *    decode node's (td_kv_layout_compare), the pair not excluded; the least estimated
  *    work wins: queued prefill tokens plus the prompt tokens it would still compute,
  *    where prompt blocks it is believed to hold (router_registry_note_prefix) count as
- *    free, weighted by prefix_weight (ties: lower index).
+ *    free, weighted by prefix_weight (ties: lower index). A prefill node that already has
+ *    work queued takes the prompt only if it would be done within max_prefill_wait_s at the
+ *    rate the node reports (prompt tokens per second of step time); one that has reported
+ *    no rate yet takes nothing while it has work. An idle node always takes a prompt. So
+ *    prompts wait in the router's queue, holding no decode blocks, instead of behind a
+ *    prefill queue that would outlast their decode lease.
  * 3. If no prefill node pairs with the best decode node, the next decode node is tried.
  *    With local_prefill on, a decode node with no prefill partner prefills locally
  *    (prefill index -1).
  *
  * Outcomes: TD_OK with the pair; TD_ERR_EXHAUSTED when live decode nodes of the model
- * exist but none has room now (shed load: the client may retry later); TD_ERR_RANGE when
+ * exist but none has room now, or every prefill partner is busy past max_prefill_wait_s
+ * (the router queues the request); TD_ERR_RANGE when
  * the request needs more blocks than any live decode node has at all, or its prompt is too
  * long for the model (the message is router_admit_check_size's); TD_ERR_UNAVAILABLE
  * when no live node of a needed role serves the model, none pairs compatibly, or every
@@ -37,6 +43,10 @@ typedef struct router_policy_config {
     float prefix_weight;    /* work saved per cached prompt token, in queued tokens (1.0) */
     bool local_prefill;     /* a decode node without a prefill partner prefills itself (false) */
     int32_t max_hash_blocks;/* most prompt blocks hashed for prefix scoring (4096) */
+    double max_prefill_wait_s; /* longest estimated prefill wait a busy node is given (5 s;
+                                  0: no bound) */
+    double assumed_tok_s;   /* rate assumed for a node that reported none, for prefill_wait_s
+                               only (50 tokens/s: slow on purpose, it sizes a lease) */
 } router_policy_config_t;
 
 router_policy_config_t router_policy_config_default(void);
@@ -61,6 +71,9 @@ typedef struct router_pick {
     router_pair_t pair;
     int32_t blocks_needed;  /* decode blocks for prompt + max_tokens */
     int32_t prefix_blocks;  /* prompt blocks believed cached on the prefill node */
+    double prefill_wait_s;  /* estimated time until the prefill node has computed this prompt
+                               (its queued work and the prompt's uncached tokens at its rate,
+                               or at assumed_tok_s); 0 for local prefill */
 } router_pick_t;
 
 /*

@@ -52,6 +52,7 @@ typedef struct router_node_load {
     int32_t running_seqs;           /* sequences in the running batch (decode) */
     int32_t free_blocks;            /* KV blocks an allocation could get now */
     double step_ms;                 /* recent mean step time */
+    double prefill_tok_s;           /* prefill: recent prompt tokens per second; 0 = unknown */
 } router_node_load_t;
 
 typedef struct router_node {

@@ -33,12 +33,20 @@ static int32_t join(router_registry_t *reg, const char *id, router_role_t role, 
     return idx;
 }
 
+/* A heartbeat from a node computing prompts at tok_s tokens per second (0: no step yet). */
+static void beat_rate(router_registry_t *reg, const char *id, int64_t queued, int32_t running,
+                      int32_t free_blocks, double tok_s, int64_t now)
+{
+    router_node_load_t l = {.queued_prefill_tokens = queued, .running_seqs = running,
+                            .free_blocks = free_blocks, .step_ms = 1.0, .prefill_tok_s = tok_s};
+    cr_assert_eq(router_registry_heartbeat(reg, id, &l, now), TD_OK);
+}
+
+/* A heartbeat from a node fast enough that its queue never holds a prompt back. */
 static void beat(router_registry_t *reg, const char *id, int64_t queued, int32_t running,
                  int32_t free_blocks, int64_t now)
 {
-    router_node_load_t l = {.queued_prefill_tokens = queued, .running_seqs = running,
-                            .free_blocks = free_blocks, .step_ms = 1.0};
-    cr_assert_eq(router_registry_heartbeat(reg, id, &l, now), TD_OK);
+    beat_rate(reg, id, queued, running, free_blocks, 1e9, now);
 }
 
 static router_registry_t *mkreg(void)
@@ -78,6 +86,7 @@ Test(router_policy, decode_with_room_then_shortest_batch)
     int d0 = join(reg, "d0", ROUTER_ROLE_DECODE, 8, 100, 0);
     int d1 = join(reg, "d1", ROUTER_ROLE_DECODE, 8, 100, 0);
     int d2 = join(reg, "d2", ROUTER_ROLE_DECODE, 8, 100, 0);
+    beat(reg, "p0", 0, 0, 100, 0); /* a fast prefill node: its queue never holds a prompt back */
     beat(reg, "d0", 0, 1, 5, 0);   /* shortest batch but no room for 10 blocks */
     beat(reg, "d1", 0, 7, 50, 0);
     beat(reg, "d2", 0, 3, 20, 0);  /* room, shorter batch than d1: chosen */
@@ -289,5 +298,52 @@ Test(router_policy, registration_is_checked)
     cr_assert_eq(router_registry_leave(reg, "a"), TD_OK);
     cr_assert_eq(router_registry_join(reg, &info, 0, NULL), TD_OK, "a freed slot is reused");
     cr_assert_eq(router_registry_find(reg, "c"), 0);
+    router_registry_destroy(reg);
+}
+
+/* A prefill node with work queued takes a prompt only if it would reach it within
+ * max_prefill_wait_s at the rate it reports; an idle node always takes one; a busy node
+ * that reported no rate takes none. Otherwise EXHAUSTED: the router queues the request,
+ * holding no decode blocks, instead of leasing blocks that would expire in a prefill queue. */
+Test(router_policy, busy_prefill_nodes_hold_requests_in_the_router)
+{
+    router_registry_t *reg = mkreg();
+    router_policy_config_t pc = router_policy_config_default();
+    cr_assert_float_eq(pc.max_prefill_wait_s, 5.0, 1e-9);
+    int p0 = join(reg, "p0", ROUTER_ROLE_PREFILL, 8, 100, 0);
+    int p1 = join(reg, "p1", ROUTER_ROLE_PREFILL, 8, 100, 0);
+    join(reg, "d0", ROUTER_ROLE_DECODE, 8, 100, 0);
+    beat(reg, "d0", 0, 0, 100, 0);
+    router_pick_request_t rq = request(100, 10, SEC);
+    router_pick_t pk;
+
+    /* both idle, no rate yet: the first takes it, its wait at the assumed rate (lease sizing) */
+    beat_rate(reg, "p0", 0, 0, 100, 0, 0);
+    beat_rate(reg, "p1", 0, 0, 100, 0, 0);
+    pk = pick_ok(reg, &pc, &rq);
+    cr_assert_eq(pk.pair.prefill, p0);
+    cr_assert_float_eq(pk.prefill_wait_s, 100 / pc.assumed_tok_s, 1e-9);
+    /* p0 busy without a rate: p1 */
+    beat_rate(reg, "p0", 50, 0, 100, 0, SEC);
+    cr_assert_eq(pick_ok(reg, &pc, &rq).pair.prefill, p1);
+    /* both busy: p0 at 100 tok/s would reach it in (400 + 100) / 100 = 5 s: within the bound */
+    beat_rate(reg, "p0", 400, 0, 100, 100, SEC);
+    beat_rate(reg, "p1", 10, 0, 100, 0, SEC);
+    pk = pick_ok(reg, &pc, &rq);
+    cr_assert_eq(pk.pair.prefill, p0);
+    cr_assert_float_eq(pk.prefill_wait_s, 5.0, 1e-9);
+    /* one token more and no node is free: EXHAUSTED, naming the bound */
+    beat_rate(reg, "p0", 401, 0, 100, 100, SEC);
+    cr_assert_eq(router_policy_pick(reg, &pc, &rq, &pk), TD_ERR_EXHAUSTED);
+    cr_assert(strstr(td_last_error(), "busy"), "%s", td_last_error());
+    /* a faster node with more work queued is preferred over none */
+    beat_rate(reg, "p1", 4000, 0, 100, 1000, SEC);
+    pk = pick_ok(reg, &pc, &rq);
+    cr_assert_eq(pk.pair.prefill, p1);
+    cr_assert_float_eq(pk.prefill_wait_s, 4.1, 1e-9);
+    /* with no bound, queued work only ranks nodes */
+    pc.max_prefill_wait_s = 0;
+    beat_rate(reg, "p1", 5000, 0, 100, 0, SEC);
+    cr_assert_eq(pick_ok(reg, &pc, &rq).pair.prefill, p0);
     router_registry_destroy(reg);
 }

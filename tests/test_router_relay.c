@@ -290,8 +290,12 @@ static void env_start(env_t *e, const char *const *router_args)
         cr_skip_test("TANDEM_BIN is not set (ctest sets it to the tandem binary)");
     signal(SIGPIPE, SIG_IGN);
     memset(e, 0, sizeof *e);
-    char *argv[32] = {"tandem", "router", "--log-level", "error", "--heartbeat-timeout-ms", "600000"};
-    int argc = 6;
+    /* the fake nodes never heartbeat, so the prefill node reports no rate and the router's
+       own bookings never drain: no prefill-wait bound (router_policy), or a second request
+       would wait for a rate that never comes */
+    char *argv[32] = {"tandem", "router", "--log-level", "error", "--heartbeat-timeout-ms", "600000",
+                      "--max-prefill-wait-ms", "0"};
+    int argc = 8;
     for (int i = 0; router_args && router_args[i]; i++)
         argv[argc++] = (char *)router_args[i];
     argv[argc] = NULL;
