@@ -13,9 +13,11 @@
 source "$(dirname "$0")/cluster_lib.sh"
 cl_init
 if [ "${TD_SANITIZE:-OFF}" = ON ]; then
-    HIDDEN=256 INTER=704 LAYERS=4 HEADS=4 KVHEADS=2 MAXLEN=128
+    # a pool over 2 GB of this model's small blocks needs long sequences to fill it: a node
+    # never takes more than max-batch sequences of the model's length can use
+    HIDDEN=256 INTER=704 LAYERS=4 HEADS=4 KVHEADS=2 MAXLEN=128 MAXPOS=16384
 else
-    HIDDEN=1024 INTER=2816 LAYERS=16 HEADS=16 KVHEADS=8 MAXLEN=512
+    HIDDEN=1024 INTER=2816 LAYERS=16 HEADS=16 KVHEADS=8 MAXLEN=512 MAXPOS=2048
 fi
 MAXTOK=8
 LAG_BOUND_S=0.05
@@ -23,7 +25,7 @@ CL_M="$CL_T/midsize"
 cat >"$CL_T/config.json" <<EOF
 {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": $HIDDEN,
  "intermediate_size": $INTER, "num_hidden_layers": $LAYERS, "num_attention_heads": $HEADS,
- "num_key_value_heads": $KVHEADS, "vocab_size": 32000, "max_position_embeddings": 2048,
+ "num_key_value_heads": $KVHEADS, "vocab_size": 32000, "max_position_embeddings": $MAXPOS,
  "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": false,
  "bos_token_id": 256, "eos_token_id": 257}
 EOF
