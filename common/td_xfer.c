@@ -1337,30 +1337,6 @@ static bool ep_rma_is_rdma(ucp_ep_h ep, char *lanes, size_t cap)
     return rdma;
 }
 
-/* Faulting in this process's mapping of a peer's pool (page tables only: the receiver
- * made its pages resident at startup) is work proportional to the pool, tens of GB on a GPU
- * node: it runs on libuv's thread pool, never on the loop. Puts may start meanwhile (a page
- * not yet mapped faults in its copy, as it would without this). The job refers to nothing
- * of x, so it may outlive x; MADV_POPULATE_WRITE on a range unmapped under it (the rkey
- * destroyed) fails harmlessly, and it changes no contents. */
-typedef struct map_populate_job {
-    uv_work_t req;
-    void *addr;
-    size_t len;
-} map_populate_job_t;
-
-static void map_populate_work(uv_work_t *req)
-{
-    map_populate_job_t *j = CONTAINER(req, map_populate_job_t, req);
-    (void)td_mem_populate(j->addr, j->len, 1); /* a kernel without it: the copies fault pages in */
-}
-
-static void map_populate_done(uv_work_t *req, int status)
-{
-    (void)status;
-    free(CONTAINER(req, map_populate_job_t, req));
-}
-
 /* At hello (the endpoint is wired up): put or AM for this peer. */
 static void peer_decide(td_xfer_t *x, td_xfer_peer_t *peer)
 {
@@ -1382,13 +1358,13 @@ static void peer_decide(td_xfer_t *x, td_xfer_peer_t *peer)
     bool rdma = ep_rma_is_rdma(peer->ep, lanes, sizeof lanes);
     peer->use_put = x->cfg.rma == TD_XFER_RMA_PUT || shm || rdma;
     if (peer->use_put && shm) {
+        /* Not faulted in ahead: the receiver made its pages resident at startup, and each
+         * copy maps the pages it writes (a minor fault per 4 KiB page, about as much again
+         * as the copy itself, inside the per-iteration budget). Faulting in the whole mapping
+         * here cost 1.5 s of the loop for a 2 GiB pool (issue 12), and on a thread it still
+         * took 0.4 s of CPU per 2 GiB from the first request's prefill (TTFT 1.7-2.4 s on an
+         * 8 GiB pool); lazily, only the pages used are paid for, a few per request. */
         peer->mapped = mapped;
-        map_populate_job_t *j = malloc(sizeof *j);
-        if (j) {
-            *j = (map_populate_job_t){.addr = mapped, .len = td_kv_pool_bytes(&peer->layout, peer->n_blocks)};
-            if (uv_queue_work(x->loop, &j->req, map_populate_work, map_populate_done) != 0)
-                free(j); /* then the copies fault the pages in as they go */
-        }
     }
 out:
     td_info("xfer peer %s:%u: kv by %s (rma %s%s%s)", ip, peer->port, peer->use_put ? "put" : "active messages",
