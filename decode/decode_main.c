@@ -296,14 +296,7 @@ static td_status_t size_pool(decode_state_t *s, const td_engine_config_t *ec)
                               .percent = TD_KV_DECODE_PERCENT, .cap = TD_KV_DECODE_CAP,
                               .device = s->proc.device.cuda, .device_default = TD_KV_DECODE_DEVICE_DEFAULT,
                               .useful_tokens = s->cfg.max_batch * mc->max_seq_len, .useful_what = what};
-    td_kv_plan_t plan;
-    td_status_t st = td_engine_kv_plan(s->model, ec, &pp, &plan);
-    if (st != TD_OK)
-        return st;
-    s->cfg.kv_blocks = plan.n_blocks;
-    s->pool_bytes = plan.pool_bytes;
-    fprintf(stderr, "decode %s: kv pool %s\n", s->proc.cfg.node_id, plan.line);
-    return TD_OK;
+    return router_proc_plan_kv(&s->proc, s->model, ec, &pp, &s->cfg.kv_blocks, &s->pool_bytes);
 }
 
 /* st of the call that allocates the pool; a failure is said with the size and the flag

@@ -632,14 +632,7 @@ static td_status_t size_pool(prefill_state_t *s, const td_engine_config_t *ec)
                               .percent = TD_KV_PREFILL_PERCENT, .cap = TD_KV_PREFILL_CAP,
                               .device = s->proc.device.cuda, .device_default = TD_KV_PREFILL_DEVICE_DEFAULT,
                               .useful_tokens = 8 * step, .useful_what = what};
-    td_kv_plan_t plan;
-    td_status_t st = td_engine_kv_plan(s->model, ec, &pp, &plan);
-    if (st != TD_OK)
-        return st;
-    s->cfg.kv_blocks = plan.n_blocks;
-    s->pool_bytes = plan.pool_bytes;
-    fprintf(stderr, "prefill %s: kv pool %s\n", s->proc.cfg.node_id, plan.line);
-    return TD_OK;
+    return router_proc_plan_kv(&s->proc, s->model, ec, &pp, &s->cfg.kv_blocks, &s->pool_bytes);
 }
 
 static const double batch_token_buckets[] = {1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384};

@@ -210,6 +210,19 @@ err_model:
     return st;
 }
 
+td_status_t router_proc_plan_kv(const router_proc_t *p, const td_model_t *model, const td_engine_config_t *ec,
+                                const td_kv_plan_params_t *pp, int64_t *n_blocks_p, size_t *pool_bytes_p)
+{
+    td_kv_plan_t plan;
+    td_status_t st = td_engine_kv_plan(model, ec, pp, &plan);
+    if (st != TD_OK)
+        return st;
+    fprintf(stderr, "%s %s: kv pool %s\n", p->spec.prog, p->cfg.node_id, plan.line);
+    *n_blocks_p = plan.n_blocks;
+    *pool_bytes_p = plan.pool_bytes;
+    return TD_OK;
+}
+
 td_engine_config_t router_proc_engine_config(const router_proc_t *p)
 {
     td_engine_config_t ec = td_engine_config_default();

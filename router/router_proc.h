@@ -148,6 +148,15 @@ td_status_t router_proc_register(router_proc_t *p, router_node_client_config_t *
  */
 td_status_t router_proc_load_model(router_proc_t *p, td_model_t **model_p, td_backend_t **be_p);
 
+/*
+ * Nodes: sizes the KV pool before anything is allocated (td_engine_kv_plan with pp) and
+ * prints "<prog> <id>: kv pool <plan>" to stderr, whatever the log level (tandem local's
+ * users read it). Outputs set only on success. Errors: those of td_engine_kv_plan (logged
+ * there, naming the sizes and the flag to lower).
+ */
+td_status_t router_proc_plan_kv(const router_proc_t *p, const td_model_t *model, const td_engine_config_t *ec,
+                                const td_kv_plan_params_t *pp, int64_t *n_blocks_p, size_t *pool_bytes_p);
+
 /* Nodes: the engine defaults with cfg.dtype applied to the weights and the KV cache. */
 td_engine_config_t router_proc_engine_config(const router_proc_t *p);
 
