@@ -10,29 +10,7 @@ import sys
 
 import grpc
 
-from cluster_wire import channel, generate_stub, parse_ids, pb_bytes, pb_varint, read_varint, request
-
-
-def parse_text(msg):
-    """text (field 2) of one GenerateResponse, "" when absent."""
-    i = 0
-    while i < len(msg):
-        key, i = read_varint(msg, i)
-        field, wt = key >> 3, key & 7
-        if wt == 0:
-            _, i = read_varint(msg, i)
-        elif wt == 2:
-            ln, i = read_varint(msg, i)
-            if field == 2:
-                return msg[i:i + ln].decode("utf-8", "replace")
-            i += ln
-        elif wt == 1:
-            i += 8
-        elif wt == 5:
-            i += 4
-        else:
-            raise ValueError("bad wire type %d" % wt)
-    return ""
+from cluster_wire import channel, generate_stub, parse_ids, parse_text, pb_bytes, pb_varint, request
 
 
 def main():

@@ -50,23 +50,19 @@ def request(ids, max_tokens):
     return pb_packed(2, ids) + pb_varint(3, max_tokens)
 
 
-def parse_ids(msg):
-    """token_ids (field 1, packed or not) of one GenerateResponse."""
-    ids, i = [], 0
+def fields(msg):
+    """(field number, value) of each field of one message: an int for a varint, bytes for a
+    length-delimited field; fixed-width fields are skipped."""
+    i = 0
     while i < len(msg):
         key, i = read_varint(msg, i)
         field, wt = key >> 3, key & 7
         if wt == 0:
             v, i = read_varint(msg, i)
-            if field == 1:
-                ids.append(v)
+            yield field, v
         elif wt == 2:
             ln, i = read_varint(msg, i)
-            if field == 1:
-                j = i
-                while j < i + ln:
-                    v, j = read_varint(msg, j)
-                    ids.append(v)
+            yield field, msg[i:i + ln]
             i += ln
         elif wt == 1:
             i += 8
@@ -74,7 +70,27 @@ def parse_ids(msg):
             i += 4
         else:
             raise ValueError("bad wire type %d" % wt)
+
+
+def parse_ids(msg):
+    """token_ids (field 1, packed or not) of one GenerateResponse."""
+    ids = []
+    for field, v in fields(msg):
+        if field != 1:
+            continue
+        if isinstance(v, int):
+            ids.append(v)
+            continue
+        j = 0
+        while j < len(v):
+            x, j = read_varint(v, j)
+            ids.append(x)
     return ids
+
+
+def parse_text(msg):
+    """text (field 2) of one GenerateResponse, "" when absent."""
+    return next((v.decode("utf-8", "replace") for f, v in fields(msg) if f == 2 and isinstance(v, bytes)), "")
 
 
 def channel(target):
