@@ -215,6 +215,20 @@ cl_refs() {
     done >"$CL_T/$1"
 }
 
+# cl_refs_of MAX_TOKENS: for every prompt line of $CL_T/prompts, 'ids|ref ids' into
+# $CL_T/refs (cl_ref, two at a time: each runs one thread); a failed `tandem generate` ends
+# the test
+cl_refs_of() {
+    local i=0 p
+    while read -r p; do
+        cl_ref "$1" "$p" >/dev/null &
+        (( ++i % 2 == 0 )) && wait
+    done <"$CL_T/prompts"
+    wait
+    while read -r p; do echo "$p|$(cl_ref "$1" "$p")"; done <"$CL_T/prompts" >"$CL_T/refs"
+    if grep -q '|ERROR' "$CL_T/refs"; then cl_fail "tandem generate failed: $(cat "$CL_T"/ref/*.err | head -5)"; cl_end; fi
+}
+
 # cl_kill NAME SIGNAL: signals one process on purpose (its death is then not a failure)
 cl_kill() {
     CL_KILLED[$1]=1

@@ -42,14 +42,7 @@ lens = [1, maxlen] + sorted(r.randint(2, maxlen - 1) for _ in range(14))
 for n in lens:
     print(" ".join(str(r.randrange(32000)) for _ in range(n)))
 PY
-i=0
-while read -r p; do # two at a time: cl_ref runs one thread each
-    cl_ref $MAXTOK "$p" >/dev/null &
-    (( ++i % 2 == 0 )) && wait
-done <"$CL_T/prompts"
-wait
-while read -r p; do echo "$p|$(cl_ref $MAXTOK "$p")"; done <"$CL_T/prompts" >"$CL_T/refs"
-if grep -q '|ERROR' "$CL_T/refs"; then cl_fail "tandem generate failed: $(cat "$CL_T"/ref/*.err | head -5)"; cl_end; fi
+cl_refs_of $MAXTOK
 
 # cl_looplag SHAPE: every process of the running cluster keeps its loop-lag p99 under the bound
 cl_looplag() {

@@ -15,14 +15,7 @@ lens = [1, 400] + [r.randint(1, 400) for _ in range(30)]
 for n in lens:
     print(" ".join(str(r.randrange(512)) for _ in range(n)))
 PY
-i=0
-while read -r p; do
-    cl_ref $MAXTOK "$p" >/dev/null &
-    (( ++i % 2 == 0 )) && wait
-done <"$CL_T/prompts"
-wait
-while read -r p; do echo "$p|$(cl_ref $MAXTOK "$p")"; done <"$CL_T/prompts" >"$CL_T/refs"
-if grep -q '|ERROR' "$CL_T/refs"; then cl_fail "tandem generate failed: $(cat "$CL_T"/ref/*.err | head -5)"; cl_end; fi
+cl_refs_of $MAXTOK
 
 for shape in "1 1" "2 2"; do
     set -- $shape
