@@ -4,6 +4,7 @@
 #include "td_status.h"
 
 #include <stdio.h>
+#include <string.h>
 
 #include "td_log.h"
 
@@ -33,9 +34,14 @@ const char *td_status_name(td_status_t st)
     return "UNKNOWN";
 }
 
+/* Formatted aside first: callers pass td_last_error() itself as an argument ("...: %s",
+ * the cause), and vsnprintf into the buffer it reads from is undefined (it printed the new
+ * prefix twice and lost the cause). */
 static void record(const char *fmt, va_list ap)
 {
-    vsnprintf(last_error, sizeof last_error, fmt, ap);
+    char buf[sizeof last_error];
+    vsnprintf(buf, sizeof buf, fmt, ap);
+    memcpy(last_error, buf, sizeof buf);
 }
 
 td_status_t td_errorf(td_status_t st, const char *fmt, ...)
