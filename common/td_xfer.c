@@ -19,9 +19,9 @@
  * worker's efd and from a uv_prepare just before the loop sleeps. UCX callbacks only
  * record facts; nothing calls back into UCX progress or into the user from inside them.
  * Work per loop iteration is bounded (PROGRESS_MAX progress calls, loop_budget_bytes of
- * our own copies and checksums); what is left goes next iteration, which an active idle
- * handle makes come without sleeping. Shutdown (td_xfer_destroy, close_step) is driven
- * the same way: no function here waits.
+ * our own copies and checksums, a receiver's adoption included: adopt_run); what is left
+ * goes next iteration, which an active idle handle makes come without sleeping. Shutdown
+ * (td_xfer_destroy, close_step) is driven the same way: no function here waits.
  */
 #include "td_xfer.h"
 
@@ -135,7 +135,11 @@ typedef struct xfer_conn {
     bool closing;
 } xfer_conn_t;
 
-typedef enum lease_state { LEASE_LIVE, LEASE_DEAD } lease_state_t;
+/* LIVE: senders write it. ADOPTING: every byte is in and kv-ready checked; adoption (the
+ * checksum, a device pool's copy) runs as a job over loop iterations (adopt_run); nothing
+ * more is written or bound, but its deadline, cancel and its sender's loss still end it.
+ * DEAD: its blocks return once nothing can write into them (lease_try_release). */
+typedef enum lease_state { LEASE_LIVE, LEASE_ADOPTING, LEASE_DEAD } lease_state_t;
 
 typedef struct xfer_lease {
     list_node_t link;    /* x->leases */
@@ -153,6 +157,10 @@ typedef struct xfer_lease {
     bool ready_pending;  /* READY arrived before all bytes */
     am_ready_hdr_t ready;
     ucp_ep_h ready_ep;
+    list_node_t adopt_link;  /* x->adopting while ADOPTING, oldest first */
+    uint32_t adopt_layer;    /* the job's cursor: next (layer, index in the lease) to */
+    uint32_t adopt_idx;      /* verify and copy, layer by layer */
+    uint64_t adopt_sum;      /* checksum of the blocks verified so far */
     int32_t n_blocks;
     int32_t *dev;        /* device pool: [n_blocks] the pool blocks (after `blocks`); NULL on host */
     int32_t blocks[];    /* [n_blocks] what senders write: pool blocks, or landing blocks */
@@ -285,6 +293,7 @@ struct td_xfer {
     list_node_t leases;
     xfer_lease_t *buckets[LEASE_BUCKETS];
     list_node_t conns;
+    list_node_t adopting;  /* xfer_lease_t in state ADOPTING, adopted in this order */
     list_node_t ready_list;
 
     /* sender */
@@ -438,31 +447,6 @@ static void landing_give(td_xfer_t *x, xfer_lease_t *l)
         x->landing_stack[x->stats.landing_free++] = l->blocks[i];
 }
 
-/* Device pool, adoption: copies the used blocks' bytes from the landing area into the
- * lease's pool blocks, one copy per run contiguous at both ends, layer by layer. */
-static td_status_t landing_copy(td_xfer_t *x, const xfer_lease_t *l, uint32_t n_used)
-{
-    const td_kv_layout_t *ly = &x->pool.layout;
-    size_t bb = td_kv_block_bytes(ly);
-    for (uint32_t layer = 0; layer < ly->n_layers; layer++)
-        for (uint32_t i = 0; i < n_used;) {
-            uint32_t n = 1;
-            while (i + n < n_used && l->blocks[i + n] == l->blocks[i] + (int32_t)n &&
-                   l->dev[i + n] == l->dev[i] + (int32_t)n)
-                n++;
-            char *dst = (char *)x->dev_base + td_kv_block_offset(ly, x->dev_n_blocks, layer, (uint32_t)l->dev[i]);
-            const char *src =
-                (const char *)x->pool.base + td_kv_block_offset(ly, x->pool.n_blocks, layer, (uint32_t)l->blocks[i]);
-            td_status_t st = x->pool.copy_h2d(x->pool.copy_arg, dst, src, (size_t)n * bb);
-            if (st != TD_OK)
-                return td_errorf(st, "xfer lease %" PRIu64 ": copy into the device pool failed: %s", l->id,
-                                 td_last_error());
-            x->stats.bytes_copied_h2d += (uint64_t)n * bb;
-            i += n;
-        }
-    return TD_OK;
-}
-
 /* The one place blocks of a lease go back to the pool. Only once no receive writes. */
 static void lease_release(td_xfer_t *x, xfer_lease_t *l)
 {
@@ -485,14 +469,21 @@ static bool lease_try_release(td_xfer_t *x, xfer_lease_t *l)
 }
 
 static void send_ctl(td_xfer_t *x, ucp_ep_h ep, unsigned id, uint64_t a, uint64_t b, td_status_t st);
+static void send_ack(td_xfer_t *x, ucp_ep_h ep, uint64_t request_id, uint64_t lease_id, td_status_t st);
 
 /* Kills a lease: its blocks return now, or when the last receive into them ends (the
  * writer's endpoint is force-closed so that happens promptly), or, when a sender bound
- * for puts may still be writing, once it confirms the abort (quarantine). l may be freed. */
-static void lease_kill(td_xfer_t *x, xfer_lease_t *l)
+ * for puts may still be writing, once it confirms the abort (quarantine). An adoption in
+ * progress stops where it is, and its sender, which sent kv-ready and waits for the
+ * answer, is told `verdict`. l may be freed. */
+static void lease_fail(td_xfer_t *x, xfer_lease_t *l, td_status_t verdict)
 {
     if (l->state == LEASE_DEAD)
         return;
+    if (l->state == LEASE_ADOPTING) {
+        list_del(&l->adopt_link);
+        send_ack(x, l->ready_ep, l->ready.request_id, l->id, verdict);
+    }
     l->state = LEASE_DEAD;
     if (l->put_writer) {
         x->stats.leases_quarantined++;
@@ -509,47 +500,94 @@ static void lease_kill(td_xfer_t *x, xfer_lease_t *l)
     }
 }
 
-static void send_ack(td_xfer_t *x, ucp_ep_h ep, uint64_t request_id, uint64_t lease_id, td_status_t st);
+/* A lease ended from outside (expiry, cancel, its sender lost, a refused kv-ready): an
+ * adoption in progress answers STALE, as a kv-ready arriving after the death would. */
+static void lease_kill(td_xfer_t *x, xfer_lease_t *l)
+{
+    lease_fail(x, l, TD_ERR_STALE);
+}
 
-static void lease_adopt(td_xfer_t *x, xfer_lease_t *l)
+/* ---- adoption (receiver) ------------------------------------------------------------------
+ * Once kv-ready is checked and every byte is in, adoption is a job over (layer, block),
+ * advanced by adopt_run from drain under the loop iteration's budget (budget_fits), a
+ * piece at a time: the checksum of the landed blocks when kv-ready carries one, and on a
+ * device pool one copy_h2d per run of blocks contiguous in both block sets, layer by
+ * layer. A piece is at most max_op_bytes (one block at least), so no loop iteration
+ * verifies or copies more than max(budget, one piece) of a long prompt's KV. Meanwhile
+ * the lease stays in x->leases (ADOPTING: data and binds for it are refused, its deadline,
+ * cancel and the loss of its sender end it as any live lease's, the sender then told
+ * STALE). The ACK and the ready event come once every piece is verified and copied. */
+
+static void adopt_start(td_xfer_t *x, xfer_lease_t *l)
+{
+    l->state = LEASE_ADOPTING;
+    l->adopt_layer = 0;
+    l->adopt_idx = 0;
+    l->adopt_sum = 0;
+    list_push(&x->adopting, &l->adopt_link);
+    x->acts++;
+}
+
+/* Blocks in the next piece at l's cursor: one layer, at most max_op_bytes, and, when
+ * there is a copy, contiguous in the landing blocks and in the pool blocks. */
+static uint32_t adopt_piece_blocks(const td_xfer_t *x, const xfer_lease_t *l, uint32_t n_used)
+{
+    size_t cap = TD_MAX((size_t)1, x->cfg.max_op_bytes / td_kv_block_bytes(&x->pool.layout));
+    uint32_t i = l->adopt_idx, n = 1;
+    while ((size_t)n < cap && i + n < n_used &&
+           (!l->dev || (l->blocks[i + n] == l->blocks[i] + (int32_t)n && l->dev[i + n] == l->dev[i] + (int32_t)n)))
+        n++;
+    return n;
+}
+
+/* Verifies and copies the n blocks at l's cursor (landed bytes: x->pool is the landing
+ * area on a device pool). Errors: copy_h2d's, logged here. */
+static td_status_t adopt_piece(td_xfer_t *x, xfer_lease_t *l, uint32_t n)
+{
+    const td_kv_layout_t *ly = &x->pool.layout;
+    size_t bb = td_kv_block_bytes(ly);
+    uint32_t layer = l->adopt_layer, i = l->adopt_idx;
+    if (l->ready.flags & READY_F_CHECKSUM) {
+        for (uint32_t k = 0; k < n; k++) {
+            size_t off = td_kv_block_offset(ly, x->pool.n_blocks, layer, (uint32_t)l->blocks[i + k]);
+            l->adopt_sum += block_checksum((char *)x->pool.base + off, bb, layer, i + k);
+        }
+        x->stats.bytes_verified += (uint64_t)n * bb;
+    }
+    if (l->dev) {
+        char *dst = (char *)x->dev_base + td_kv_block_offset(ly, x->dev_n_blocks, layer, (uint32_t)l->dev[i]);
+        const char *src =
+            (const char *)x->pool.base + td_kv_block_offset(ly, x->pool.n_blocks, layer, (uint32_t)l->blocks[i]);
+        td_status_t st = x->pool.copy_h2d(x->pool.copy_arg, dst, src, (size_t)n * bb);
+        if (st != TD_OK)
+            return td_errorf(st, "xfer request %" PRIu64 " lease %" PRIu64 ": copy into the device pool failed: %s",
+                             l->ready.request_id, l->id, td_last_error());
+        x->stats.bytes_copied_h2d += (uint64_t)n * bb;
+    }
+    return TD_OK;
+}
+
+/* Every piece is done: the checksum decides; the landing blocks go back (their bytes are
+ * in the pool), the pool blocks' references pass to the ready event, the sender gets OK. */
+static void adopt_finish(td_xfer_t *x, xfer_lease_t *l)
 {
     am_ready_hdr_t *rd = &l->ready;
-    if (rd->flags & READY_F_CHECKSUM) {
-        size_t bb = td_kv_block_bytes(&x->pool.layout);
-        uint32_t n_used = TD_DIV_CEIL(rd->n_tokens, x->pool.layout.block_size);
-        uint64_t sum = 0;
-        for (uint32_t layer = 0; layer < x->pool.layout.n_layers; layer++)
-            for (uint32_t i = 0; i < n_used; i++) {
-                size_t off = td_kv_block_offset(&x->pool.layout, x->pool.n_blocks, layer,
-                                                (uint32_t)l->blocks[i]);
-                sum += block_checksum((char *)x->pool.base + off, bb, layer, i);
-            }
-        if (sum != rd->checksum) {
-            td_errorf(TD_ERR_PROTOCOL, "xfer request %" PRIu64 " lease %" PRIu64 ": checksum mismatch, not adopted",
-                      rd->request_id, l->id);
-            x->stats.fail_protocol++;
-            send_ack(x, l->ready_ep, rd->request_id, l->id, TD_ERR_PROTOCOL);
-            lease_kill(x, l);
-            return;
-        }
+    if ((rd->flags & READY_F_CHECKSUM) && l->adopt_sum != rd->checksum) {
+        td_errorf(TD_ERR_PROTOCOL, "xfer request %" PRIu64 " lease %" PRIu64 ": checksum mismatch, not adopted",
+                  rd->request_id, l->id);
+        x->stats.fail_protocol++;
+        lease_fail(x, l, TD_ERR_PROTOCOL);
+        return;
     }
     ready_event_t *ev = malloc(sizeof *ev + (size_t)l->n_blocks * sizeof(int32_t));
     if (!ev) {
         td_errorf(TD_ERR_NOMEM, "xfer lease %" PRIu64 ": no memory for the ready event", l->id);
-        send_ack(x, l->ready_ep, rd->request_id, l->id, TD_ERR_NOMEM);
-        lease_kill(x, l);
+        lease_fail(x, l, TD_ERR_NOMEM);
         return;
     }
-    if (l->dev) {
-        td_status_t st = landing_copy(x, l, TD_DIV_CEIL(rd->n_tokens, x->pool.layout.block_size));
-        if (st != TD_OK) {
-            free(ev);
-            send_ack(x, l->ready_ep, rd->request_id, l->id, st);
-            lease_kill(x, l);
-            return;
-        }
-        landing_give(x, l); /* the bytes are in the pool: the landing blocks are free again */
-    }
+    list_del(&l->adopt_link);
+    if (l->dev)
+        landing_give(x, l);
     memcpy(ev->blocks, l->dev ? l->dev : l->blocks, (size_t)l->n_blocks * sizeof(int32_t));
     ev->r = (td_xfer_ready_t){.request_id = rd->request_id, .lease_id = l->id, .blocks = ev->blocks,
                               .n_blocks = l->n_blocks, .n_tokens = rd->n_tokens,
@@ -558,6 +596,44 @@ static void lease_adopt(td_xfer_t *x, xfer_lease_t *l)
     x->stats.leases_adopted++;
     send_ack(x, l->ready_ep, rd->request_id, l->id, TD_OK);
     lease_remove(x, l); /* block references pass to the ready callback */
+}
+
+/* Takes l's adoption on as far as the iteration's budget allows. False: the budget stopped
+ * it (the rest goes next iteration); true: it ended, adopted or failed (l is gone). */
+static bool adopt_advance(td_xfer_t *x, xfer_lease_t *l)
+{
+    const td_kv_layout_t *ly = &x->pool.layout;
+    uint32_t n_used = TD_DIV_CEIL(l->ready.n_tokens, ly->block_size);
+    size_t passes = ((l->ready.flags & READY_F_CHECKSUM) ? 1u : 0u) + (l->dev ? 1u : 0u); /* over each byte */
+    while (passes && l->adopt_layer < ly->n_layers) {
+        uint32_t n = adopt_piece_blocks(x, l, n_used);
+        size_t cost = (size_t)n * td_kv_block_bytes(ly) * passes;
+        if (!budget_fits(x, cost))
+            return false;
+        budget_charge(x, cost);
+        td_status_t st = adopt_piece(x, l, n);
+        if (st != TD_OK) {
+            lease_fail(x, l, st); /* the sender's verdict is the copy's error */
+            return true;
+        }
+        l->adopt_idx += n;
+        if (l->adopt_idx == n_used) {
+            l->adopt_idx = 0;
+            l->adopt_layer++;
+        }
+    }
+    adopt_finish(x, l);
+    return true;
+}
+
+/* Adoption jobs, oldest first, until they are done or the budget is spent. */
+static void adopt_run(td_xfer_t *x)
+{
+    while (!list_empty(&x->adopting)) {
+        if (!adopt_advance(x, CONTAINER(x->adopting.next, xfer_lease_t, adopt_link)))
+            return;
+        x->acts++; /* its ACK is posted: drain goes round */
+    }
 }
 
 td_status_t td_xfer_lease_create(td_xfer_t *x, uint64_t request_id, int32_t n_blocks, uint32_t ttl_ms,
@@ -604,7 +680,7 @@ td_status_t td_xfer_lease_create(td_xfer_t *x, uint64_t request_id, int32_t n_bl
 td_status_t td_xfer_lease_cancel(td_xfer_t *x, uint64_t lease_id)
 {
     xfer_lease_t *l = lease_find(x, lease_id);
-    if (!l || l->state != LEASE_LIVE)
+    if (!l || l->state == LEASE_DEAD) /* an adoption in progress stops: the request went */
         return td_errorf_quiet(TD_ERR_STALE, "xfer lease %" PRIu64 " is not live", lease_id);
     x->stats.leases_cancelled++;
     lease_kill(x, l);
@@ -623,9 +699,11 @@ static void conn_err_cb(void *arg, ucp_ep_h ep, ucs_status_t status)
     while (n != &x->leases) {
         xfer_lease_t *l = CONTAINER(n, xfer_lease_t, link);
         n = n->next;
+        /* An adoption whose sender cannot hear the verdict stops: that sender reports the
+         * transfer failed, so the request must not run here. */
+        bool lost = l->state == LEASE_ADOPTING && l->ready_ep == ep;
         if (l->ready_ep == ep)
             l->ready_ep = NULL;
-        bool lost = false;
         if (l->writer == c) {
             l->writer = NULL;
             lost = true;
@@ -635,7 +713,7 @@ static void conn_err_cb(void *arg, ucp_ep_h ep, ucs_status_t status)
             lost = true;
         }
         if (lost) {
-            if (l->state == LEASE_LIVE) {
+            if (l->state != LEASE_DEAD) {
                 x->stats.leases_sender_lost++;
                 lease_kill(x, l);
             } else {
@@ -691,7 +769,7 @@ static void lease_check_ready(td_xfer_t *x, xfer_lease_t *l)
         return; /* nothing is adopted during shutdown: the sender's endpoint closes */
     if (l->state == LEASE_LIVE && l->ready_pending && l->inflight == 0 && l->bytes == l->ready.bytes) {
         l->ready_pending = false;
-        lease_adopt(x, l);
+        adopt_start(x, l); /* adopt_run takes it from drain, a piece per budget */
     }
 }
 
@@ -1820,6 +1898,7 @@ static void run_deferred(td_xfer_t *x)
         post_op(x, op);
     }
     poll_copies(x); /* a copier that finished inside start: those ops go now */
+    adopt_run(x);
     for (list_node_t *pn = x->peers.next; pn != &x->peers; pn = pn->next) {
         td_xfer_peer_t *peer = CONTAINER(pn, td_xfer_peer_t, link);
         for (list_node_t *n = peer->sends.next; n != &peer->sends; n = n->next) {
@@ -1964,7 +2043,9 @@ static void on_tick(uv_timer_t *h)
     while (n != &x->leases) {
         xfer_lease_t *l = CONTAINER(n, xfer_lease_t, link);
         n = n->next;
-        if (l->state == LEASE_LIVE && now >= l->deadline_ns) {
+        /* An adopting lease too: adopted before its deadline or not at all (the decode node
+         * forgets an admission soon after it). */
+        if (l->state != LEASE_DEAD && now >= l->deadline_ns) {
             td_info("xfer lease %" PRIu64 " request %" PRIu64 " expired, %d blocks return", l->id, l->request_id,
                     l->n_blocks);
             x->stats.leases_expired++;
@@ -2080,6 +2161,7 @@ td_status_t td_xfer_create(uv_loop_t *loop, const td_xfer_config_t *cfg, td_xfer
     x->cfg.name = x->name;
     list_init(&x->leases);
     list_init(&x->conns);
+    list_init(&x->adopting);
     list_init(&x->ready_list);
     list_init(&x->peers);
     list_init(&x->queue);
@@ -2367,6 +2449,7 @@ static void close_finish(td_xfer_t *x)
         list_del(&c->link);
         free(c);
     }
+    TD_ASSERT(list_empty(&x->adopting)); /* td_xfer_destroy stopped them; none starts after */
     while (!list_empty(&x->leases)) {
         xfer_lease_t *l = CONTAINER(x->leases.next, xfer_lease_t, link);
         l->inflight = 0; /* the worker is gone: nothing writes any more */
@@ -2447,6 +2530,10 @@ void td_xfer_destroy(td_xfer_t *x)
     x->destroying = true;
     x->cfg.max_inflight_ops = 0; /* run_deferred posts nothing more */
     x->on_ready = NULL;          /* adoptions not yet delivered return their blocks */
+    /* Adoptions in progress stop: their senders are told UNAVAILABLE (the flush below
+     * delivers it), their blocks return as any dead lease's. Nothing is copied any more. */
+    while (!list_empty(&x->adopting))
+        lease_fail(x, CONTAINER(x->adopting.next, xfer_lease_t, adopt_link), TD_ERR_UNAVAILABLE);
     if (x->listener) {           /* no new senders */
         ucp_listener_destroy(x->listener);
         x->listener = NULL;

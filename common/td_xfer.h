@@ -48,7 +48,8 @@ typedef struct td_xfer_send td_xfer_send_t;
  * ring with asynchronous device-to-host copies (td_xfer_config_t.d2h, the backend's copy
  * engine), each operation posted when its copy is done; a receiver's device pool through a
  * host landing area that senders write, copied into the device pool with the caller's
- * copy_h2d on kv-ready (td_xfer_pool_t). docs/xfer.md, "Memory types". */
+ * copy_h2d after kv-ready, a piece per budget over loop iterations (td_xfer_pool_t).
+ * docs/xfer.md, "Memory types". */
 typedef enum td_xfer_mem {
     TD_XFER_MEM_HOST = 0,
     TD_XFER_MEM_CUDA = 1,
@@ -118,12 +119,15 @@ typedef struct td_xfer_config {
                                   listener (senders connect to it); NULL: listen_ip. Set it
                                   when listen_ip is a wildcard (0.0.0.0) */
     size_t max_op_bytes;       /* sender: one data operation carries at most this many bytes
-                                  (longer runs of blocks are split; one block at least), so no
-                                  single copy or checksum on the loop is longer */
-    size_t loop_budget_bytes;  /* bytes of synchronous work (shared-memory copies, checksums)
-                                  the loop thread does per loop iteration; what is left waits
-                                  for the next iteration, which comes without sleeping
-                                  (docs/xfer.md, "Bounded work per loop iteration") */
+                                  (longer runs of blocks are split; one block at least);
+                                  receiver: one piece of an adoption (checksum, copy_h2d) is
+                                  at most this long; so no single copy or checksum on the loop
+                                  is longer */
+    size_t loop_budget_bytes;  /* bytes of synchronous work (shared-memory copies, checksums,
+                                  a device pool's copies into the pool) the loop thread does
+                                  per loop iteration; what is left waits for the next
+                                  iteration, which comes without sleeping (docs/xfer.md,
+                                  "Bounded work per loop iteration") */
 } td_xfer_config_t;
 
 /* Defaults: listen on 127.0.0.1 port 0, 64 ops in flight, 30 s send bound, 10 ms tick,
@@ -168,6 +172,8 @@ typedef struct td_xfer_stats {
     uint32_t landing_free;       /* gauge, device pool: landing blocks not held by a lease */
     uint64_t bytes_copied_h2d;   /* device pool: landed bytes copied into the pool */
     uint64_t quarantine_timeouts;/* ... released by quarantine_ms instead (the remaining risk) */
+    uint64_t bytes_verified;     /* receiver: landed bytes checksummed before adoption (kv-ready
+                                    with checksum: tests, benchmarks; not exported) */
 } td_xfer_stats_t;
 
 /*
@@ -189,7 +195,9 @@ td_status_t td_xfer_create(uv_loop_t *loop, const td_xfer_config_t *cfg, td_xfer
  * force-closed (bounded 5 s), running device-to-host copies finish (bounded 2 s: one that
  * does not costs the staging ring and x, leaked rather than freed under it), live leases
  * return their blocks, the pool is unregistered, UCX is finalised and x's memory is
- * released from its last handle's close callback. Until then the source bytes of its
+ * released from its last handle's close callback. Adoptions in progress stop at once
+ * (nothing more is checksummed or copied; their senders are told TD_ERR_UNAVAILABLE; their
+ * blocks return with the other dead leases'). Until then the source bytes of its
  * sends, the pool memory and block manager, and the d2h copier must stay valid: keep
  * running the loop (uv_run(UV_RUN_DEFAULT) returns once x's handles have closed) before
  * freeing them and before uv_loop_close. NULL is a no-op.
@@ -201,7 +209,12 @@ void td_xfer_get_stats(const td_xfer_t *x, td_xfer_stats_t *stats);
 /* ---- receiver ----------------------------------------------------------------------- */
 
 /* An adopted transfer. The callee owns one reference on each of blocks[0..n_blocks)
- * (td_kv_seq_adopt them or td_kv_unref_block them); the arrays live for the call only. */
+ * (td_kv_seq_adopt them or td_kv_unref_block them); the arrays live for the call only.
+ * The callback comes once adoption is done: kv-ready checked, every byte in, the checksum
+ * (when the sender asked for one) verified and, on a device pool, every landed byte copied
+ * into the pool; the sender's OK goes out at the same time. Adoption runs from the loop a
+ * piece per loop iteration's budget (docs/xfer.md, "Bounded work per loop iteration"), so
+ * it may come many iterations after kv-ready. */
 typedef struct td_xfer_ready {
     uint64_t request_id;
     uint64_t lease_id;
@@ -214,7 +227,10 @@ typedef struct td_xfer_ready {
 typedef void (*td_xfer_ready_cb)(void *arg, const td_xfer_ready_t *ready);
 
 /* Copies bytes from host to device memory and returns once they are there (a backend's
- * copy_h2d). Called on the loop thread. Errors fail the request. */
+ * copy_h2d). Called on the loop thread during adoption, once per run of blocks contiguous
+ * at both ends, of at most max_op_bytes, layer by layer, and no more than about
+ * loop_budget_bytes per loop iteration. An error fails the request (the sender's verdict
+ * is that status, the lease's blocks return); td_last_error() names the cause. */
 typedef td_status_t (*td_xfer_copy_cb)(void *arg, void *dst, const void *src, size_t bytes);
 
 typedef struct td_xfer_pool {
@@ -230,8 +246,10 @@ typedef struct td_xfer_pool {
                            NULL: set later with td_xfer_pool_set_kv (the engine that owns it
                            is built on the memory this call allocates) */
     /* mem CUDA only: senders write a host landing area of landing_blocks blocks (UCX
-       allocates it, as for a NULL host base); a lease holds landing blocks and pool blocks,
-       and kv-ready copies the landed bytes into the pool with copy_h2d before adoption. */
+       allocates it, as for a NULL host base); a lease holds landing blocks and pool blocks;
+       after kv-ready the landed bytes are copied into the pool with copy_h2d, a piece per
+       loop iteration's budget, and the landing blocks return once copied, before the ready
+       callback. */
     uint32_t landing_blocks;
     td_xfer_copy_cb copy_h2d;
     void *copy_arg;
@@ -270,19 +288,24 @@ td_status_t td_xfer_describe(td_xfer_t *x, void *buf, size_t cap, size_t *len_p)
  * Reserves n_blocks blocks of the pool for request_id until ttl_ms from now: writes the
  * ids senders write to (send params' dst_blocks) to blocks_out[0..n_blocks) and the lease
  * id to *lease_id_p. The blocks return to the pool exactly once: on expiry, cancel, or
- * loss of the sender writing them; or they pass to the ready callback on adoption. A
+ * loss of the sender writing them; or they pass to the ready callback on adoption. The
+ * lease stays live until the ready callback: expiry, cancel and the loss of its sender end
+ * an adoption in progress too (the sender is told TD_ERR_STALE; nothing is adopted). A
  * device pool's lease also holds as many landing blocks (blocks_out names those; the
- * ready callback names the pool blocks the bytes were copied to); they return with it.
+ * ready callback names the pool blocks the bytes were copied to); they return with it, or
+ * once their bytes are copied into the pool.
  * Errors: TD_ERR_EXHAUSTED (pool or landing area full; not logged: the scheduler
  * decides), TD_ERR_INVALID, TD_ERR_NOMEM.
  */
 td_status_t td_xfer_lease_create(td_xfer_t *x, uint64_t request_id, int32_t n_blocks, uint32_t ttl_ms,
                                  int32_t *blocks_out, uint64_t *lease_id_p);
 
-/* Ends a live lease now (request cancelled): its blocks return to the pool once nothing
- * can write into them any more: no receive in flight, and a sender bound for puts has
- * confirmed the abort (or its endpoint is gone, or quarantine_ms passed).
- * Errors: TD_ERR_STALE (not live; not logged). */
+/* Ends a live lease now (request cancelled), an adoption in progress included (it stops;
+ * its sender is told TD_ERR_STALE; no ready callback comes): its blocks return to the pool
+ * once nothing can write into them any more: no receive in flight, and a sender bound for
+ * puts has confirmed the abort (or its endpoint is gone, or quarantine_ms passed).
+ * Errors: TD_ERR_STALE (ended already, or adopted: the ready callback has its blocks; not
+ * logged). */
 td_status_t td_xfer_lease_cancel(td_xfer_t *x, uint64_t lease_id);
 
 /* ---- sender ------------------------------------------------------------------------- */

@@ -396,7 +396,9 @@ static decode_admit_t *admit_take(decode_state_t *s, uint64_t lease_id)
 
 /* td_xfer's copy of landed blocks into the device pool, on the loop thread while the
    compute thread runs steps: the blocks are leased, so no step uses them, and the copy is
-   done when it returns, so every later step sees it (td_backend.h "Threads") */
+   done when it returns, so every later step sees it (td_backend.h "Threads"). One run of
+   blocks per call, a bounded number of bytes per loop iteration (td_xfer adopts a lease
+   over many iterations, docs/xfer.md) */
 static td_status_t copy_landed(void *arg, void *dst, const void *src, size_t bytes)
 {
     td_backend_t *be = arg;

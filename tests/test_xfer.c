@@ -116,6 +116,7 @@ typedef struct rx {
     td_backend_t *be; /* device pool: the pool is this backend's memory, filled from td_xfer's
                          landing area with its copy_h2d */
     uint64_t copied;  /* bytes copy_h2d moved */
+    uint64_t fail_copy_after; /* copy_h2d fails once it would pass this many bytes (0: never) */
     offer_t offer;
 } rx_t;
 
@@ -123,6 +124,8 @@ typedef struct rx {
 static td_status_t rx_copy_h2d(void *arg, void *dst, const void *src, size_t bytes)
 {
     rx_t *rx = arg;
+    if (rx->fail_copy_after && rx->copied + bytes > rx->fail_copy_after)
+        return td_errorf(TD_ERR_IO, "test copy_h2d: the device is gone");
     rx->copied += bytes;
     return rx->be->ops->copy_h2d(rx->be, dst, src, bytes);
 }
@@ -153,17 +156,18 @@ static void rx_on_ready(void *arg, const td_xfer_ready_t *r)
 }
 
 static int rx_init_at(rx_t *rx, uint64_t seed, uint32_t n_blocks, const char *ip, uint32_t quarantine_ms,
-                      uint32_t landing);
+                      uint32_t landing, const td_xfer_config_t *base);
 
 static int rx_init(rx_t *rx, uint64_t seed, uint32_t n_blocks)
 {
-    return rx_init_at(rx, seed, n_blocks, "127.0.0.1", 0, 0);
+    return rx_init_at(rx, seed, n_blocks, "127.0.0.1", 0, 0, NULL);
 }
 
 /* landing: 0 for a host pool; else the pool is device memory (the CPU backend's) and
- * senders write a landing area of this many blocks. */
+ * senders write a landing area of this many blocks. base: td_xfer's configuration (NULL:
+ * the defaults); name, listener and quarantine_ms are set here. */
 static int rx_init_at(rx_t *rx, uint64_t seed, uint32_t n_blocks, const char *ip, uint32_t quarantine_ms,
-                      uint32_t landing)
+                      uint32_t landing, const td_xfer_config_t *base)
 {
     memset(rx, 0, sizeof *rx);
     rx->seed = seed;
@@ -184,7 +188,7 @@ static int rx_init_at(rx_t *rx, uint64_t seed, uint32_t n_blocks, const char *ip
     } else if (!rx->ucx_pool) {
         rx->pool = calloc(1, td_kv_pool_bytes(&LAYOUT, n_blocks));
     }
-    td_xfer_config_t cfg = td_xfer_config_default();
+    td_xfer_config_t cfg = base ? *base : td_xfer_config_default();
     cfg.name = "rx";
     cfg.listen_ip = ip;
     if (quarantine_ms)
@@ -530,7 +534,7 @@ static void turn_meter_cb(uv_check_t *h)
 static void receiver_process(int wfd, uint64_t seed, int n_req, const run_opts_t *ro)
 {
     rx_t rx;
-    int rc = rx_init_at(&rx, seed, 256 * 64 + 256, ro->rx_ip ? ro->rx_ip : "127.0.0.1", 0, ro->rx_landing);
+    int rc = rx_init_at(&rx, seed, 256 * 64 + 256, ro->rx_ip ? ro->rx_ip : "127.0.0.1", 0, ro->rx_landing, NULL);
     if (!rc)
         rc = rx_lease(&rx, n_req, 60000, false);
     if (rc)
@@ -890,7 +894,7 @@ Test(xfer, device_pool_leases_hold_and_return_landing_blocks, .timeout = 60)
 {
     td_xfer_testkit_env("tcp");
     rx_t rx;
-    cr_assert_eq(rx_init_at(&rx, 1, 64, "127.0.0.1", 0, 8), 0);
+    cr_assert_eq(rx_init_at(&rx, 1, 64, "127.0.0.1", 0, 8, NULL), 0);
     td_xfer_stats_t st;
     td_xfer_get_stats(rx.x, &st);
     cr_assert_eq(st.landing_free, 8);
@@ -942,6 +946,234 @@ Test(xfer, device_pool_needs_base_copy_and_landing)
     cr_expect_eq(td_xfer_pool_base(x), NULL, "nothing registered");
     td_xfer_destroy(x);
     close_loop(&loop);
+}
+
+/* ---- adoption is bounded per loop iteration too (receiver) ----------------------------- */
+
+/* What a sending process reports: each request's verdict. */
+typedef struct tx_report {
+    td_status_t status[MAX_REQ];
+} tx_report_t;
+
+/* Sends every request of the offer it reads (request 0 with a checksum, 1 without:
+ * tx_begin), waits for the verdicts and writes them back before it exits. */
+static void verdict_sender_process(int rfd, int wfd, uint64_t seed)
+{
+    static offer_t o;
+    if (!td_xfer_testkit_read_all(rfd, &o, sizeof o))
+        _exit(2);
+    tx_t tx;
+    if (tx_init(&tx) || tx_fill(&tx, &o, seed) ||
+        td_xfer_connect(tx.x, o.desc, o.desc_len, &LAYOUT, &tx.peer) != TD_OK)
+        _exit(3);
+    tx.n_want = o.n_req;
+    td_xfer_send_t *s[MAX_REQ];
+    for (int r = 0; r < o.n_req; r++)
+        if (tx_begin(&tx, &o.lease[r], r, &s[r]) != TD_OK)
+            _exit(4);
+    for (uint32_t layer = 0; layer < LAYOUT.n_layers; layer++)
+        for (int r = 0; r < o.n_req; r++)
+            td_xfer_send_layer(s[r], layer, tx_layer(&tx, layer), tx.src[r]);
+    for (int r = 0; r < o.n_req; r++)
+        td_xfer_send_finish(s[r], 42 + r);
+    run_until(&tx.loop, &tx.all_done, 30);
+    tx_report_t rep;
+    memcpy(rep.status, tx.status, sizeof rep.status);
+    td_xfer_testkit_write_all(wfd, &rep, sizeof rep);
+    bool done = tx.all_done;
+    tx_free(&tx);
+    _exit(done ? 0 : 5);
+}
+
+/* Counts, at every loop iteration (uv_check), the bytes the receiver's adoptions copied
+ * into the device pool and checksummed since the last. */
+typedef struct adopt_meter {
+    uv_check_t h;
+    rx_t *rx;
+    uint64_t last;      /* copied + verified at the previous iteration */
+    uint64_t max_turn;  /* most bytes in one iteration */
+    int working_turns;  /* iterations that copied or verified */
+} adopt_meter_t;
+
+static uint64_t adopt_work(rx_t *rx)
+{
+    td_xfer_stats_t st;
+    td_xfer_get_stats(rx->x, &st);
+    return st.bytes_copied_h2d + st.bytes_verified;
+}
+
+static void adopt_meter_cb(uv_check_t *h)
+{
+    adopt_meter_t *m = h->data;
+    uint64_t now = adopt_work(m->rx);
+    m->working_turns += now > m->last;
+    m->max_turn = TD_MAX(m->max_turn, now - m->last);
+    m->last = now;
+}
+
+/* What happens while the adoptions run: nothing; the lease is cancelled; td_xfer_destroy;
+ * copy_h2d fails. */
+typedef enum adopt_plan { ADOPT_ALL, ADOPT_CANCEL, ADOPT_DESTROY, ADOPT_COPY_FAILS } adopt_plan_t;
+
+#define ADOPT_POOL 1024
+
+/* Two requests of 4096 tokens (256 blocks a layer, 1 MiB each), request 0 with a checksum,
+ * adopted by a receiver whose pieces are 4 blocks and whose budget is 16 blocks a loop
+ * iteration; device: a device pool (the CPU backend's), every landed byte copied with
+ * copy_h2d. Unbounded, one callback would checksum and copy a whole request. */
+static void adoption(bool device, adopt_plan_t plan)
+{
+    td_xfer_testkit_env("tcp");
+    int to_tx[2], to_rx[2];
+    cr_assert_eq(pipe(to_tx), 0);
+    cr_assert_eq(pipe(to_rx), 0);
+    pid_t pid = fork();
+    cr_assert_geq(pid, 0);
+    if (pid == 0) {
+        close(to_tx[1]);
+        close(to_rx[0]);
+        verdict_sender_process(to_tx[0], to_rx[1], 41);
+    }
+    close(to_tx[0]);
+    close(to_rx[1]);
+    size_t bb = td_kv_block_bytes(&LAYOUT);
+    td_xfer_config_t cfg = td_xfer_config_default();
+    cfg.max_op_bytes = 4 * bb;
+    cfg.loop_budget_bytes = 16 * bb;
+    rx_t rx;
+    cr_assert_eq(rx_init_at(&rx, 41, ADOPT_POOL, "127.0.0.1", 0, device ? ADOPT_POOL : 0, &cfg), 0);
+    if (plan == ADOPT_COPY_FAILS)
+        rx.fail_copy_after = 100 * bb;
+    /* A cancel ends one request, the one being adopted: a second one's data could still be
+     * arriving, and a lease cancelled under a receive closes its writer's endpoint. */
+    int n_req = plan == ADOPT_CANCEL ? 1 : 2;
+    for (int i = 0; i < n_req; i++) {
+        lease_msg_t *m = &rx.offer.lease[i];
+        m->request_id = 1000 + (uint64_t)i;
+        m->n_tokens = 4096;
+        m->n_blocks = 4096 / 16;
+        cr_assert_eq(td_xfer_lease_create(rx.x, m->request_id, m->n_blocks, 60000, m->blocks, &m->lease_id), TD_OK);
+    }
+    rx.offer.n_req = n_req;
+    rx.want = n_req;
+    adopt_meter_t meter = {.rx = &rx};
+    uv_check_init(&rx.loop, &meter.h);
+    meter.h.data = &meter;
+    uv_check_start(&meter.h, adopt_meter_cb);
+    cr_assert(td_xfer_testkit_write_all(to_tx[1], &rx.offer, sizeof rx.offer));
+
+    uint64_t request_bytes = (uint64_t)LAYOUT.n_layers * 256 * bb;
+    uint64_t work = (device ? 2 * request_bytes : 0) + request_bytes; /* copies + request 0's checksum */
+    int status = 0;
+    pid_t w = 0;
+    bool never = false;
+    double until = td_now_s() + 30;
+    if (plan == ADOPT_ALL) {
+        run_until(&rx.loop, &rx.all_in, 30);
+    } else {
+        /* Until an adoption is under way: the first takes many iterations at this budget. */
+        while (adopt_work(&rx) == 0 && td_now_s() < until)
+            uv_run(&rx.loop, UV_RUN_ONCE);
+        cr_assert_gt(adopt_work(&rx), 0, "no adoption started");
+        cr_assert_eq(rx.adopted, 0, "an adoption ended in one go");
+    }
+    uint64_t copied_then = rx.copied;
+    if (plan == ADOPT_CANCEL) {
+        cr_expect_eq(td_xfer_lease_cancel(rx.x, rx.offer.lease[0].lease_id), TD_OK);
+    } else if (plan == ADOPT_DESTROY) {
+        uv_close((uv_handle_t *)&meter.h, NULL);
+        td_xfer_destroy(rx.x);
+        rx.x = NULL;
+        uv_run(&rx.loop, UV_RUN_DEFAULT); /* the shutdown runs on the loop, bounded */
+        cr_expect_eq(rx.copied, copied_then, "copied after td_xfer_destroy");
+        cr_expect_eq(td_kv_available(rx.kv), ADOPT_POOL, "blocks not all back after the close: %d",
+                     td_kv_available(rx.kv));
+    }
+    if (plan != ADOPT_DESTROY) /* the sender's TCP sends and its verdicts need our progress */
+        while ((w = waitpid(pid, &status, WNOHANG)) == 0 && td_now_s() < until)
+            run_until(&rx.loop, &never, 0.01);
+    else
+        w = waitpid(pid, &status, 0);
+    cr_assert_eq(w, pid, "sender did not finish");
+    cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0, "sender failed (%d)", status);
+    tx_report_t rep;
+    cr_assert(td_xfer_testkit_read_all(to_rx[0], &rep, sizeof rep), "no verdicts from the sender");
+    td_status_t want = plan == ADOPT_ALL          ? TD_OK
+                       : plan == ADOPT_CANCEL     ? TD_ERR_STALE
+                       : plan == ADOPT_DESTROY    ? TD_ERR_UNAVAILABLE
+                                                  : TD_ERR_IO;
+    for (int i = 0; i < n_req; i++)
+        cr_expect_eq(rep.status[i], want, "request %d: verdict %s, want %s", i, td_strerror(rep.status[i]),
+                     td_strerror(want));
+    if (plan != ADOPT_DESTROY) {
+        td_xfer_stats_t st;
+        td_xfer_get_stats(rx.x, &st);
+        uv_close((uv_handle_t *)&meter.h, NULL);
+        cr_expect_eq(st.leases_live, 0);
+        cr_expect_eq(td_kv_available(rx.kv), ADOPT_POOL, "blocks not all back: %d free", td_kv_available(rx.kv));
+        if (device)
+            cr_expect_eq(st.landing_free, ADOPT_POOL, "landing blocks not all back: %u free", st.landing_free);
+        if (plan == ADOPT_ALL) {
+            cr_expect_eq(rx.adopted, 2);
+            cr_expect_eq(rx.bad, 0, "%d blocks differ", rx.bad);
+            cr_expect_eq(st.bytes_copied_h2d + st.bytes_verified, work, "%lu copied, %lu verified",
+                         (unsigned long)st.bytes_copied_h2d, (unsigned long)st.bytes_verified);
+            /* A loop iteration (check to check) spans at most two budget windows; one piece
+             * (4 blocks, copied and checksummed: 8) fits the budget. */
+            cr_expect_leq(meter.max_turn, 2 * cfg.loop_budget_bytes, "%lu bytes adopted in one loop iteration",
+                          (unsigned long)meter.max_turn);
+            cr_expect_geq((uint64_t)meter.working_turns, work / (2 * cfg.loop_budget_bytes),
+                          "%lu bytes adopted in %d loop iterations", (unsigned long)work, meter.working_turns);
+        } else {
+            cr_expect_eq(rx.adopted, 0, "adopted after the adoption failed");
+            cr_expect_eq(st.leases_adopted, 0);
+            if (plan == ADOPT_CANCEL) {
+                cr_expect_eq(st.leases_cancelled, 1);
+                cr_expect_eq(rx.copied, copied_then, "copied after the cancel");
+            } else {
+                cr_expect_leq(rx.copied, rx.fail_copy_after);
+            }
+        }
+    }
+    rx_free(&rx);
+    close(to_tx[1]);
+    close(to_rx[0]);
+}
+
+/* A device pool: every landed byte is copied into the pool in pieces, at most the budget's
+ * worth per loop iteration, over many iterations, and every byte lands right (checked in
+ * the ready callback); request 0's checksum is taken under the same budget. */
+Test(xfer, device_pool_adoption_spread_over_loop_iterations, .timeout = 60)
+{
+    adoption(true, ADOPT_ALL);
+}
+
+/* A host pool: the checksum of request 0 (1 MiB) is verified over many iterations. */
+Test(xfer, checksum_verification_spread_over_loop_iterations, .timeout = 60)
+{
+    adoption(false, ADOPT_ALL);
+}
+
+/* Cancel during an adoption: it stops, nothing more is copied, the sender hears STALE,
+ * pool and landing blocks come back once, nothing is adopted. */
+Test(xfer, device_pool_cancel_mid_adoption, .timeout = 60)
+{
+    adoption(true, ADOPT_CANCEL);
+}
+
+/* copy_h2d fails mid-way: the request fails with the copy's error at the sender, its
+ * blocks come back, nothing is adopted. */
+Test(xfer, device_pool_copy_fails_mid_adoption, .timeout = 60)
+{
+    adoption(true, ADOPT_COPY_FAILS);
+}
+
+/* td_xfer_destroy during an adoption: it stops (no copy after), the sender hears
+ * UNAVAILABLE, every block returns by the end of the close; the sanitizer build checks
+ * that nothing leaks or is freed twice. */
+Test(xfer, device_pool_destroy_mid_adoption, .timeout = 60)
+{
+    adoption(true, ADOPT_DESTROY);
 }
 
 /* ---- layout mismatch ------------------------------------------------------------------ */
@@ -1210,7 +1442,7 @@ static void expiry_fence(const char *tls, td_xfer_rma_t rma, uint32_t quarantine
         _exit(code);
     }
     rx_t rx;
-    cr_assert_eq(rx_init_at(&rx, 9, 256, "127.0.0.1", quarantine_ms, 0), 0);
+    cr_assert_eq(rx_init_at(&rx, 9, 256, "127.0.0.1", quarantine_ms, 0, NULL), 0);
     rx.offer.n_req = 1;
     lease_msg_t *m = &rx.offer.lease[0];
     m->request_id = 1000;
