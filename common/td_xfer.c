@@ -732,6 +732,10 @@ static void conn_err_cb(void *arg, ucp_ep_h ep, ucs_status_t status)
 static void conn_cb(ucp_conn_request_h req, void *arg)
 {
     td_xfer_t *x = arg;
+    if (x->destroying) { /* shutting down: no new senders */
+        ucp_listener_reject(x->listener, req);
+        return;
+    }
     xfer_conn_t *c = calloc(1, sizeof *c);
     if (!c) {
         td_errorf(TD_ERR_NOMEM, "xfer: no memory for a connection, rejected");
@@ -2417,6 +2421,10 @@ static void close_finish(td_xfer_t *x)
             ucp_rkey_destroy(peer->rkey);
         peer->rkey = NULL;
     }
+    if (x->listener) {
+        ucp_listener_destroy(x->listener);
+        x->listener = NULL;
+    }
     ucp_worker_destroy(x->worker);
     x->worker = NULL;
     if (x->have_pool) {
@@ -2534,10 +2542,11 @@ void td_xfer_destroy(td_xfer_t *x)
      * delivers it), their blocks return as any dead lease's. Nothing is copied any more. */
     while (!list_empty(&x->adopting))
         lease_fail(x, CONTAINER(x->adopting.next, xfer_lease_t, adopt_link), TD_ERR_UNAVAILABLE);
-    if (x->listener) {           /* no new senders */
-        ucp_listener_destroy(x->listener);
-        x->listener = NULL;
-    }
+    /* No new senders: conn_cb rejects them from now on. The listener itself goes in
+     * close_finish, after the loop has progressed the worker for a while: destroying it here,
+     * while UCX's async thread may still be handling a connection request (one nobody
+     * progressed yet), crashed UCX 1.13 in ucp_cm_server_conn_request_cb (test_decode_sched
+     * under ASan, about 1 run in 3). */
     /* Fail every send; endpoints to receivers are queued for a force close (peer_fail). */
     for (list_node_t *pn = x->peers.next; pn != &x->peers; pn = pn->next)
         peer_fail(CONTAINER(pn, td_xfer_peer_t, link), TD_ERR_CLOSED);
