@@ -189,7 +189,7 @@ td_status_t td_xfer_create(uv_loop_t *loop, const td_xfer_config_t *cfg, td_xfer
  * and never blocks it. From here: every finished send not yet done gets its done callback
  * now (its verdict if it had one, else its first failure, else TD_ERR_CLOSED; called from
  * here, the one exception to the rule above), an unfinished one ends without a callback;
- * ready transfers not yet delivered return their blocks; the listener stops; no callback
+ * ready transfers not yet delivered return their blocks; new senders are rejected; no callback
  * of x comes after this returns, and x may not be used again. Then, on the loop: sender
  * endpoints are flushed (verdicts on their way, bounded 1 s), every endpoint is
  * force-closed (bounded 5 s), running device-to-host copies finish (bounded 2 s: one that
