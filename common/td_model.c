@@ -60,6 +60,22 @@ static void store_free(model_store_t *s)
     free(s);
 }
 
+td_status_t td_model_populate(const td_model_t *model, int n_threads)
+{
+    const model_store_t *s = model->priv;
+    if (!s)
+        return TD_OK;
+    td_status_t st = TD_OK;
+    if (s->bin.data)
+        st = td_mem_populate(s->bin.data, s->bin.size, n_threads, false);
+    for (size_t i = 0; st == TD_OK && i < s->n_shards; i++) {
+        const td_mmap_t *m = td_safetensors_map(s->shards[i]);
+        if (m->data)
+            st = td_mem_populate(m->data, m->size, n_threads, false);
+    }
+    return st;
+}
+
 void td_model_destroy(td_model_t *m)
 {
     if (!m)

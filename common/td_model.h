@@ -103,6 +103,15 @@ struct td_model {
  * file, wrong shape, missing tensor), TD_ERR_UNSUPPORTED (architecture, dtype).
  */
 td_status_t td_model_load(const char *path, td_model_t **model_p);
+/*
+ * Makes the model's files resident now (their read-only mappings, MADV_POPULATE_READ on
+ * n_threads threads), so that the first forward pass does not fault every weight page in:
+ * a node does it at startup, before it registers. Errors: TD_ERR_NOMEM (not enough memory
+ * to hold them: the weights still load page by page as used), TD_ERR_UNSUPPORTED (a kernel
+ * before 5.14). Any thread.
+ */
+td_status_t td_model_populate(const td_model_t *model, int n_threads);
+
 /* Unmaps the files and frees the model; every td_tensor_t view dies with it. NULL: no-op. */
 void td_model_destroy(td_model_t *model);
 

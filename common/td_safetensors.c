@@ -267,6 +267,11 @@ const td_st_tensor_t *td_safetensors_at(const td_safetensors_t *st, size_t i)
     return i < st->n_tensors ? &st->tensors[i] : NULL;
 }
 
+const td_mmap_t *td_safetensors_map(const td_safetensors_t *st)
+{
+    return &st->map;
+}
+
 const char *td_safetensors_path(const td_safetensors_t *st)
 {
     return st->path;

@@ -22,6 +22,7 @@
 
 #include "td_dtype.h"
 #include "td_status.h"
+#include "td_util.h"
 
 #define TD_ST_MAX_DIMS 8
 
@@ -59,6 +60,9 @@ const td_st_tensor_t *td_safetensors_at(const td_safetensors_t *st, size_t i);
 
 /* The path the file was opened with. */
 const char *td_safetensors_path(const td_safetensors_t *st);
+
+/* The file's read-only mapping (header and data), valid until td_safetensors_close. */
+const td_mmap_t *td_safetensors_map(const td_safetensors_t *st);
 
 /* ---- writer ------------------------------------------------------------------------ */
 

@@ -311,21 +311,22 @@ typedef struct populate_piece {
     pthread_t thread;
     void *p;
     size_t n;
+    bool write;
     int err; /* errno, 0 on success */
 } populate_piece_t;
 
 static void *populate_run(void *arg)
 {
     populate_piece_t *pc = arg;
-#ifdef MADV_POPULATE_WRITE
-    pc->err = madvise(pc->p, pc->n, MADV_POPULATE_WRITE) == 0 ? 0 : errno;
+#if defined(MADV_POPULATE_WRITE) && defined(MADV_POPULATE_READ)
+    pc->err = madvise(pc->p, pc->n, pc->write ? MADV_POPULATE_WRITE : MADV_POPULATE_READ) == 0 ? 0 : errno;
 #else
     pc->err = EINVAL;
 #endif
     return NULL;
 }
 
-td_status_t td_mem_populate(void *p, size_t n, int n_threads)
+td_status_t td_mem_populate(void *p, size_t n, int n_threads, bool write)
 {
     size_t pg = (size_t)sysconf(_SC_PAGESIZE);
     uintptr_t a = (uintptr_t)p & ~(uintptr_t)(pg - 1);
@@ -336,7 +337,7 @@ td_status_t td_mem_populate(void *p, size_t n, int n_threads)
     size_t per = (len / (size_t)k + pg - 1) / pg * pg;
     int n_pieces = 0;
     for (size_t off = 0; off < len && n_pieces < k; off += per, n_pieces++)
-        pcs[n_pieces] = (populate_piece_t){.p = (void *)(a + off), .n = TD_MIN(per, len - off)};
+        pcs[n_pieces] = (populate_piece_t){.p = (void *)(a + off), .n = TD_MIN(per, len - off), .write = write};
     bool threaded[MAX_PIECES] = {false};
     for (int i = 1; i < n_pieces; i++)
         threaded[i] = pthread_create(&pcs[i].thread, NULL, populate_run, &pcs[i]) == 0;
@@ -352,7 +353,8 @@ td_status_t td_mem_populate(void *p, size_t n, int n_threads)
     if (!err)
         return TD_OK;
     if (err == EINVAL)
-        return td_errorf(TD_ERR_UNSUPPORTED, "this kernel cannot populate memory (MADV_POPULATE_WRITE)");
+        return td_errorf(TD_ERR_UNSUPPORTED, "this kernel cannot populate memory (MADV_POPULATE_%s)",
+                         write ? "WRITE" : "READ");
     return td_errorf(TD_ERR_NOMEM, "cannot make %zu MiB resident: %s", n >> 20, strerror(err));
 }
 

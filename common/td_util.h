@@ -85,13 +85,14 @@ const char *td_format_bytes(size_t bytes, char *buf, size_t cap);
  * SSE2 it is memcpy. */
 void td_memcpy_stream(void *dst, const void *src, size_t n);
 
-/* Makes every page of [p, p + n) resident and writable now (MADV_POPULATE_WRITE), so that
- * nobody pays its page faults later (a KV pool at startup, before a node registers), with
- * n_threads threads on disjoint pieces (page zeroing scales with cores; 1: this thread).
- * Contents are unchanged. Errors: TD_ERR_NOMEM (the memory cannot be had: message names
- * the size), TD_ERR_UNSUPPORTED (a kernel before 5.14: the caller may touch the pages
- * itself where the range cannot vanish under it). Any thread. */
-td_status_t td_mem_populate(void *p, size_t n, int n_threads);
+/* Makes every page of [p, p + n) resident now, writable (write: MADV_POPULATE_WRITE) or
+ * readable (MADV_POPULATE_READ, for a read-only file mapping: a model's weights), so that
+ * nobody pays its page faults later (a KV pool or weights at startup, before a node
+ * registers), with n_threads threads on disjoint pieces (page zeroing and reads scale with
+ * cores; 1: this thread). Contents are unchanged. Errors: TD_ERR_NOMEM (the memory cannot
+ * be had: message names the size), TD_ERR_UNSUPPORTED (a kernel before 5.14: the caller
+ * may touch the pages itself where the range cannot vanish under it). Any thread. */
+td_status_t td_mem_populate(void *p, size_t n, int n_threads, bool write);
 
 
 /* Strict number parsing for flags and config: the whole string must be a number within

@@ -2313,7 +2313,7 @@ td_status_t td_xfer_register_pool(td_xfer_t *x, const td_xfer_pool_t *pool, td_x
          * their loops). A pool the machine cannot hold fails here, not mid-request. */
         size_t bytes = td_kv_pool_bytes(&pool->layout, ucx_blocks);
         uint64_t t0 = td_now_ns();
-        td_status_t ps = td_mem_populate(ma.address, bytes, TD_MIN(td_cpu_count(), 8));
+        td_status_t ps = td_mem_populate(ma.address, bytes, TD_MIN(td_cpu_count(), 8), true);
         if (ps == TD_ERR_UNSUPPORTED) {
             memset(ma.address, 0, bytes);
             ps = TD_OK;

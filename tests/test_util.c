@@ -85,7 +85,7 @@ Test(util, mem_populate_makes_every_page_resident)
     p[0] = 42;            /* one page already resident with data */
     cr_assert_lt(resident_pages(m, n + 2 * pg), 4);
     for (int threads = 1; threads <= 5; threads += 4) {
-        td_status_t st = td_mem_populate(p, n, threads);
+        td_status_t st = td_mem_populate(p, n, threads, true);
         if (st == TD_ERR_UNSUPPORTED)
             cr_skip_test("this kernel has no MADV_POPULATE_WRITE");
         cr_assert_eq(st, TD_OK, "%s", td_last_error());
