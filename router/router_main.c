@@ -61,6 +61,7 @@ typedef struct router_config {
     int64_t default_max_tokens;
     int64_t lease_ms;          /* lease and Prefill bound beyond the estimated prefill wait */
     int64_t max_prefill_wait_ms; /* a busy prefill node takes no prompt it would reach later */
+    int64_t max_tokenizing;    /* text prompts being encoded off the loop at most */
     int64_t rpc_timeout_ms;
     int64_t heartbeat_ms;
     int64_t heartbeat_timeout_ms;
@@ -79,7 +80,9 @@ typedef struct router_peer {
                                 * node refusing for want of request slots is not asked per step) */
 } router_peer_t;
 
-typedef enum { REQ_QUEUED, REQ_ADMIT, REQ_PREFILL, REQ_RUNNING } router_req_state_t;
+/* TOKENIZING: its text prompt is being encoded on libuv's thread pool (tok_job_t); then
+ * QUEUED (waiting for room), ADMIT, PREFILL, RUNNING. */
+typedef enum { REQ_TOKENIZING, REQ_QUEUED, REQ_ADMIT, REQ_PREFILL, REQ_RUNNING } router_req_state_t;
 
 /* Where token index 0 came from: the Prefill stream's FIRST_TOKEN or the lease's first
  * SEQ_EVENT_TOKEN entry, whichever came first (the other is dropped); WITHHELD: the
@@ -87,6 +90,7 @@ typedef enum { REQ_QUEUED, REQ_ADMIT, REQ_PREFILL, REQ_RUNNING } router_req_stat
 typedef enum { FIRST_NONE, FIRST_FROM_PREFILL, FIRST_FROM_DECODE, FIRST_WITHHELD } router_first_t;
 
 typedef struct router_state router_state_t;
+typedef struct tok_job tok_job_t;
 
 typedef struct router_req {
     struct router_req *prev, *next;
@@ -104,6 +108,7 @@ typedef struct router_req {
     td_stop_t *stop;
     td_detok_t detok;
     bool from_text;            /* the prompt was text the router tokenized (not prompt_ids) */
+    tok_job_t *tok_job;        /* while REQ_TOKENIZING: the job encoding the text */
     uint32_t n_no_text;        /* generated ids the router's tokenizer cannot detokenize (the
                                 * model's vocabulary is larger): sent with empty text */
     uint32_t first_no_text;    /* the first of them (logged once, when the request ends) */
@@ -161,6 +166,7 @@ struct router_state {
     uint64_t turn;
     bool pump_wanted;          /* room may have appeared: try the queue's head after this callback */
     bool pumping;
+    int32_t n_tokenizing;      /* tok_job_t on the thread pool (max-tokenizing bound) */
     uint64_t next_id;
     td_grpc_server_t *gateway, *control;
     td_metrics_t *metrics;
@@ -277,6 +283,104 @@ static void req_off_node(router_req_t *r)
     want_pump(s);
 }
 
+/* ---- text prompts, encoded off the loop ------------------------------------------------ */
+
+/* A text prompt is encoded on libuv's thread pool: the cost grows with the text (1.4 s for a
+ * 3.9 MB prompt of one pre-token, issue 21), and this loop carries every heartbeat and
+ * stream. The job owns a copy of the text and the results; its request points at it while
+ * REQ_TOKENIZING. A request that ends meanwhile (cancel, deadline, shutdown) orphans it: the
+ * job runs to its end and frees itself. At most max-tokenizing jobs at once. The tokenizer
+ * is read-only after load, so encoding on another thread is safe. */
+struct tok_job {
+    uv_work_t work;               /* first: the job is its work request */
+    router_req_t *r;              /* NULL once orphaned */
+    router_state_t *s;
+    const td_tokenizer_t *tok;
+    char *text;
+    size_t len;
+    int32_t *ids;
+    size_t n;
+    td_status_t st;
+    char why[256];                /* the encoder's message (td_last_error is per thread) */
+};
+
+static void tok_job_orphan(router_req_t *r)
+{
+    r->tok_job->r = NULL;
+    r->tok_job = NULL;
+}
+
+static void tok_work(uv_work_t *w)
+{
+    tok_job_t *j = (tok_job_t *)w;
+    unsigned flags = td_tokenizer_bos_id(j->tok) >= 0 ? TD_TOK_ADD_BOS : 0;
+    j->st = td_tokenizer_encode(j->tok, j->text, j->len, flags, &j->ids, &j->n);
+    if (j->st != TD_OK)
+        snprintf(j->why, sizeof j->why, "%s", td_last_error());
+}
+
+static void req_arrived(router_req_t *r);
+static void req_fail(router_req_t *r, td_grpc_code_t code, const char *msg, const char *outcome);
+
+static void tok_done(uv_work_t *w, int status)
+{
+    (void)status; /* never cancelled: uv_cancel is not used */
+    tok_job_t *j = (tok_job_t *)w;
+    router_req_t *r = j->r;
+    j->s->n_tokenizing--;
+    free(j->text);
+    if (!r) {
+        free(j->ids);
+        free(j);
+        return;
+    }
+    r->tok_job = NULL;
+    r->prompt = j->ids;
+    r->n_prompt = (int32_t)TD_MIN(j->n, (size_t)INT32_MAX);
+    char why[384];
+    td_status_t st = j->st;
+    if (st != TD_OK && st != TD_ERR_NOMEM)
+        snprintf(why, sizeof why, "the router's tokenizer cannot encode the prompt: %s", j->why);
+    free(j);
+    if (st == TD_ERR_NOMEM)
+        req_fail(r, TD_GRPC_RESOURCE_EXHAUSTED, "router: out of memory", "exhausted");
+    else if (st != TD_OK)
+        req_fail(r, TD_GRPC_INVALID_ARGUMENT, why, "invalid");
+    else if (r->n_prompt == 0)
+        req_fail(r, TD_GRPC_INVALID_ARGUMENT, "the prompt text encodes to no token ids", "invalid");
+    else
+        req_arrived(r);
+}
+
+/* Starts encoding r's text prompt. Errors (r untouched): TD_ERR_EXHAUSTED (max-tokenizing
+ * jobs already), TD_ERR_NOMEM. */
+static td_status_t tok_start(router_req_t *r, const char *text, size_t len)
+{
+    router_state_t *s = r->s;
+    if (s->n_tokenizing >= s->cfg.max_tokenizing)
+        return td_errorf_quiet(TD_ERR_EXHAUSTED, "router: %d text prompts are being tokenized (max-tokenizing); "
+                               "retry later", s->n_tokenizing);
+    tok_job_t *j = calloc(1, sizeof *j);
+    if (!j || !(j->text = malloc(len ? len : 1))) {
+        free(j);
+        return td_errorf_quiet(TD_ERR_NOMEM, "router: out of memory");
+    }
+    memcpy(j->text, text, len);
+    j->len = len;
+    j->r = r;
+    j->s = s;
+    j->tok = s->tok;
+    if (uv_queue_work(&s->proc.loop, &j->work, tok_work, tok_done) != 0) {
+        free(j->text);
+        free(j);
+        return td_errorf_quiet(TD_ERR_NOMEM, "router: cannot queue the prompt's tokenization");
+    }
+    s->n_tokenizing++;
+    r->tok_job = j;
+    r->state = REQ_TOKENIZING;
+    return TD_OK;
+}
+
 static void req_free(router_req_t *r)
 {
     router_state_t *s = r->s;
@@ -287,6 +391,8 @@ static void req_free(router_req_t *r)
     if (r->next)
         r->next->prev = r->prev;
     lease_forget(r);
+    if (r->tok_job)
+        tok_job_orphan(r); /* the job finishes on its thread and frees itself */
     if (r->qe.queued) {
         router_queue_remove(&s->queue, &r->qe);
         td_metric_set(s->m_queue_depth, router_queue_len(&s->queue));
@@ -1216,17 +1322,7 @@ static void on_generate(td_grpc_call_t *call, const ProtobufCMessage *msg, void 
         st = TD_ERR_INVALID;
         snprintf(why, sizeof why, "this router has no tokenizer (--tokenizer) for a text prompt: send prompt_ids");
     } else {
-        size_t n = 0;
-        unsigned flags = td_tokenizer_bos_id(s->tok) >= 0 ? TD_TOK_ADD_BOS : 0;
-        st = td_tokenizer_encode(s->tok, q->prompt, strlen(q->prompt), flags, &r->prompt, &n);
-        r->n_prompt = (int32_t)n;
-        r->from_text = true;
-        if (st != TD_OK && st != TD_ERR_NOMEM) {
-            snprintf(why, sizeof why, "the router's tokenizer cannot encode the prompt: %s", td_last_error());
-        } else if (st == TD_OK && n == 0) {
-            st = TD_ERR_INVALID;
-            snprintf(why, sizeof why, "the prompt text encodes to no token ids");
-        }
+        r->from_text = true; /* encoded off the loop once the rest is checked (tok_start) */
     }
     tandem__control__v1__sampling_params__init(&r->sampling);
     td_sampling_t ts = td_sampling_default();
@@ -1248,8 +1344,6 @@ static void on_generate(td_grpc_call_t *call, const ProtobufCMessage *msg, void 
         (st = td_stop_create((const char *const *)q->stop_strings, (int32_t)q->n_stop_strings, &r->stop)) != TD_OK)
         snprintf(why, sizeof why, "stop strings: %s", td_last_error());
     r->max_tokens = q->max_tokens ? (int32_t)TD_MIN(q->max_tokens, (uint32_t)INT32_MAX) : (int32_t)s->cfg.default_max_tokens;
-    if (st == TD_OK && !req_admissible(r, why, sizeof why))
-        st = TD_ERR_INVALID;
     if (st != TD_OK) {
         bool nomem = st == TD_ERR_NOMEM;
         free(r->prompt);
@@ -1290,6 +1384,23 @@ static void on_generate(td_grpc_call_t *call, const ProtobufCMessage *msg, void 
     if (s->reqs)
         s->reqs->prev = r;
     s->reqs = r;
+    if (!r->from_text) {
+        req_arrived(r);
+    } else if ((st = tok_start(r, q->prompt, strlen(q->prompt))) != TD_OK) {
+        snprintf(why, sizeof why, "%s", td_last_error());
+        req_fail(r, TD_GRPC_RESOURCE_EXHAUSTED, why, "exhausted");
+    }
+}
+
+/* A request whose prompt ids are known: checked against the model's live nodes
+ * (router_admit), then started or queued. */
+static void req_arrived(router_req_t *r)
+{
+    char why[384];
+    if (!req_admissible(r, why, sizeof why)) {
+        req_fail(r, TD_GRPC_INVALID_ARGUMENT, why, "invalid");
+        return;
+    }
     req_place(r);
 }
 
@@ -1481,7 +1592,7 @@ int router_main(int argc, char **argv)
     const router_proc_config_t *pc = &s->proc.cfg;
     *cfg = (router_config_t){.control_port = 0, .max_active = 1024, .max_queue = 4096, .request_timeout_ms = 300000,
                              .max_backlog_tokens = 4096, .send_queue_bytes = 256 << 10, .default_max_tokens = 256,
-                             .lease_ms = 10000, .max_prefill_wait_ms = 5000, .rpc_timeout_ms = 5000, .heartbeat_ms = 200,
+                             .lease_ms = 10000, .max_prefill_wait_ms = 5000, .max_tokenizing = 64, .rpc_timeout_ms = 5000, .heartbeat_ms = 200,
                              .heartbeat_timeout_ms = 1500, .max_nodes = 256};
     const router_conf_key_t keys[] = {
         {"tokenizer", ROUTER_CONF_STR, &cfg->tokenizer, 0, 0, "tokenizer path (none: prompts as ids only, no text)"},
@@ -1498,6 +1609,8 @@ int router_main(int argc, char **argv)
         {"default-max-tokens", ROUTER_CONF_I64, &cfg->default_max_tokens, 1, 1 << 20, "max_tokens when a request gives 0"},
         {"lease-ms", ROUTER_CONF_I64, &cfg->lease_ms, 10, 600000,
          "decode lease and Prefill bound, beyond twice the estimated prefill wait"},
+        {"max-tokenizing", ROUTER_CONF_I64, &cfg->max_tokenizing, 1, 4096,
+         "text prompts encoded off the loop at once; beyond → RESOURCE_EXHAUSTED"},
         {"max-prefill-wait-ms", ROUTER_CONF_I64, &cfg->max_prefill_wait_ms, 0, 600000,
          "a prefill node with work queued takes no prompt it would reach later than this (0 = no bound)"},
         {"rpc-timeout-ms", ROUTER_CONF_I64, &cfg->rpc_timeout_ms, 10, 600000, "bound of Admit/Release calls"},

@@ -7,6 +7,7 @@ and exits 0 when the behaviour is right, 1 (with 'FAIL: why' lines) when not:
   metric URL NAME [LABEL=VALUE]          print a /metrics value (sum of the matching series)
   waitmetric URL NAME OP VALUE SECONDS   wait until the value OP (== <= >=) VALUE holds
   looplag BOUND_S NAME=URL...            each process's event-loop lag p99 is under BOUND_S
+  bigprompt TARGET BYTES OUT             one Generate of a BYTES-letter text prompt; 'CODE details' to OUT
   cancel HOST:PORT N MAX_TOKENS AFTER [URL]
                                          N streams, each cancelled once it has AFTER tokens (0:
                                          at its first message); URL: print the decode node's
@@ -178,6 +179,23 @@ def cmd_looplag(bound_s, *named_urls):
         elif p99 > float(bound_s):
             rc = fail("%s: loop lag p99 %g s is over the bound %s s" % (name, p99, bound_s))
     return rc
+
+
+def cmd_bigprompt(target, n_bytes, out_path):
+    """bigprompt TARGET BYTES OUT: one Generate with a text prompt of BYTES letters (one
+    pre-token, the costliest text to encode), on a thread; writes 'CODE details' to OUT
+    when the call ends."""
+    text = "a" * int(n_bytes)
+    req = pb_bytes(1, text) + pb_varint(3, 4)
+    try:
+        for _ in generate_stub(channel(target))(req, timeout=120):
+            pass
+        res = "OK"
+    except grpc.RpcError as e:
+        res = "%s %s" % (e.code().name, e.details())
+    with open(out_path, "w") as f:
+        f.write(res + "\n")
+    return 0
 
 
 def cmd_waitmetric(url, name, op, value, seconds):
@@ -806,7 +824,7 @@ def main():
             "rawdeadline": cmd_rawdeadline, "garbage": cmd_garbage, "nodekill": cmd_nodekill,
             "stopkill": cmd_stopkill, "stall": cmd_stall, "controlgarbage": cmd_controlgarbage,
             "httpgarbage": cmd_httpgarbage, "slowreader": cmd_slowreader, "churn": cmd_churn, "ping": cmd_ping, "run": cmd_run,
-            "looplag": cmd_looplag}
+            "looplag": cmd_looplag, "bigprompt": cmd_bigprompt}
     if len(sys.argv) < 2 or sys.argv[1] not in cmds:
         print(__doc__)
         return 2
