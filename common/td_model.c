@@ -435,39 +435,53 @@ static td_status_t bind(hf_ctx_t *h, td_tensor_t *t, const char *name, bool opti
     return TD_OK;
 }
 
+/* One tensor of a layer: model.layers.N.<suffix>, used when the config says so. */
+typedef struct layer_spec {
+    td_tensor_t *t;
+    const char *suffix;
+    bool use;
+    int64_t d0, d1;
+} layer_spec_t;
+
+#define LAYER_SPECS 14
+
+/* The tensors of a layer of config c, bound into w: one list for binding them and for
+ * recognising the names in the files. */
+static void layer_specs(const td_model_config_t *c, td_layer_weights_t *w, layer_spec_t spec_out[LAYER_SPECS])
+{
+    int64_t D = c->dim, F = c->hidden_dim, hd = c->head_dim;
+    int64_t q = (int64_t)c->n_heads * hd, kv = (int64_t)c->n_kv_heads * hd;
+    const layer_spec_t spec[LAYER_SPECS] = {
+        {&w->attn_norm, "input_layernorm.weight", true, D, 0},
+        {&w->wq, "self_attn.q_proj.weight", true, q, D},
+        {&w->wk, "self_attn.k_proj.weight", true, kv, D},
+        {&w->wv, "self_attn.v_proj.weight", true, kv, D},
+        {&w->bq, "self_attn.q_proj.bias", c->qkv_bias, q, 0},
+        {&w->bk, "self_attn.k_proj.bias", c->qkv_bias, kv, 0},
+        {&w->bv, "self_attn.v_proj.bias", c->qkv_bias, kv, 0},
+        {&w->q_norm, "self_attn.q_norm.weight", c->qk_norm, hd, 0},
+        {&w->k_norm, "self_attn.k_norm.weight", c->qk_norm, hd, 0},
+        {&w->wo, "self_attn.o_proj.weight", true, D, q},
+        {&w->ffn_norm, "post_attention_layernorm.weight", true, D, 0},
+        {&w->w_gate, "mlp.gate_proj.weight", true, F, D},
+        {&w->w_up, "mlp.up_proj.weight", true, F, D},
+        {&w->w_down, "mlp.down_proj.weight", true, D, F},
+    };
+    memcpy(spec_out, spec, sizeof spec);
+}
+
 static td_status_t bind_all(hf_ctx_t *h)
 {
     td_model_t *m = h->m;
     const td_model_config_t *c = &m->config;
-    int64_t D = c->dim, F = c->hidden_dim, V = c->vocab_size, hd = c->head_dim;
-    int64_t q = (int64_t)c->n_heads * hd, kv = (int64_t)c->n_kv_heads * hd;
+    int64_t D = c->dim, V = c->vocab_size;
     td_status_t s;
     if ((s = bind(h, &m->weights.embed, "model.embed_tokens.weight", false, V, D)) != TD_OK)
         return s;
     for (int32_t l = 0; l < c->n_layers; l++) {
-        td_layer_weights_t *w = &m->weights.layers[l];
-        const struct {
-            td_tensor_t *t;
-            const char *suffix;
-            bool use;
-            int64_t d0, d1;
-        } spec[] = {
-            {&w->attn_norm, "input_layernorm.weight", true, D, 0},
-            {&w->wq, "self_attn.q_proj.weight", true, q, D},
-            {&w->wk, "self_attn.k_proj.weight", true, kv, D},
-            {&w->wv, "self_attn.v_proj.weight", true, kv, D},
-            {&w->bq, "self_attn.q_proj.bias", c->qkv_bias, q, 0},
-            {&w->bk, "self_attn.k_proj.bias", c->qkv_bias, kv, 0},
-            {&w->bv, "self_attn.v_proj.bias", c->qkv_bias, kv, 0},
-            {&w->q_norm, "self_attn.q_norm.weight", c->qk_norm, hd, 0},
-            {&w->k_norm, "self_attn.k_norm.weight", c->qk_norm, hd, 0},
-            {&w->wo, "self_attn.o_proj.weight", true, D, q},
-            {&w->ffn_norm, "post_attention_layernorm.weight", true, D, 0},
-            {&w->w_gate, "mlp.gate_proj.weight", true, F, D},
-            {&w->w_up, "mlp.up_proj.weight", true, F, D},
-            {&w->w_down, "mlp.down_proj.weight", true, D, F},
-        };
-        for (size_t i = 0; i < TD_ARRAY_LEN(spec); i++) {
+        layer_spec_t spec[LAYER_SPECS];
+        layer_specs(c, &m->weights.layers[l], spec);
+        for (size_t i = 0; i < LAYER_SPECS; i++) {
             if (!spec[i].use)
                 continue;
             char name[128];
@@ -483,6 +497,83 @@ static td_status_t bind_all(hf_ctx_t *h)
         return TD_OK;
     }
     return bind(h, &m->weights.lm_head, "lm_head.weight", false, V, D);
+}
+
+/* What a tensor name in the files is to the model of config c. */
+typedef enum tensor_role {
+    TENSOR_USED,    /* bound by bind_all */
+    TENSOR_IGNORED, /* known to carry nothing the engine needs: warned about */
+    TENSOR_UNKNOWN, /* refused: a model that has it computes something we would not */
+} tensor_role_t;
+
+static tensor_role_t tensor_role(const td_model_config_t *c, const char *name, long *layer_p)
+{
+    *layer_p = -1;
+    if (!strcmp(name, "model.embed_tokens.weight") || !strcmp(name, "model.norm.weight"))
+        return TENSOR_USED;
+    if (!strcmp(name, "lm_head.weight")) /* some writers keep it beside tied embeddings */
+        return c->tie_embeddings ? TENSOR_IGNORED : TENSOR_USED;
+    static const char prefix[] = "model.layers.";
+    if (strncmp(name, prefix, sizeof prefix - 1) != 0)
+        return TENSOR_UNKNOWN;
+    const char *digits = name + sizeof prefix - 1;
+    char *end;
+    errno = 0;
+    long l = strtol(digits, &end, 10);
+    if (end == digits || *end != '.' || *digits == '-' || *digits == '+' || errno ||
+        (*digits == '0' && end != digits + 1)) /* "03" would not be the tensor bound as 3 */
+        return TENSOR_UNKNOWN;
+    *layer_p = l;
+    const char *suffix = end + 1;
+    /* old Llama checkpoints store the rotary frequencies; the engine computes its own */
+    if (!strcmp(suffix, "self_attn.rotary_emb.inv_freq"))
+        return TENSOR_IGNORED;
+    td_layer_weights_t w;
+    layer_spec_t spec[LAYER_SPECS];
+    layer_specs(c, &w, spec);
+    for (size_t i = 0; i < LAYER_SPECS; i++)
+        if (spec[i].use && !strcmp(suffix, spec[i].suffix))
+            return TENSOR_USED;
+    return TENSOR_UNKNOWN;
+}
+
+/*
+ * The other direction of bind_all: every tensor in the files must be one the config
+ * implies. A layer beyond num_hidden_layers means the config is not the model on disk;
+ * an unknown name (a bias, a norm, another architecture's tensor) means the model
+ * computes something the engine would silently skip. Both are refused with the name.
+ * Tensors known to be redundant (rotary inv_freq, lm_head beside tied embeddings) load
+ * with one warning.
+ */
+static td_status_t check_extra(hf_ctx_t *h)
+{
+    const td_model_config_t *c = &h->m->config;
+    size_t n_ignored = 0;
+    const char *first_ignored = NULL, *first_file = NULL;
+    for (size_t f = 0; f < h->st->n_shards; f++) {
+        const td_safetensors_t *st = h->st->shards[f];
+        for (size_t i = 0; i < td_safetensors_count(st); i++) {
+            const char *name = td_safetensors_at(st, i)->name;
+            long layer;
+            tensor_role_t role = tensor_role(c, name, &layer);
+            if (layer >= c->n_layers)
+                return td_errorf(TD_ERR_FORMAT, "%s: tensor %s is for layer %ld, but config.json says "
+                                 "num_hidden_layers %d: the config does not describe these weights",
+                                 td_safetensors_path(st), name, layer, c->n_layers);
+            if (role == TENSOR_UNKNOWN)
+                return td_errorf(TD_ERR_FORMAT, "%s: tensor %s is not part of a %s model with this config.json; "
+                                 "refusing rather than computing without it", td_safetensors_path(st), name,
+                                 c->arch_name);
+            if (role == TENSOR_IGNORED && n_ignored++ == 0) {
+                first_ignored = name;
+                first_file = td_safetensors_path(st);
+            }
+        }
+    }
+    if (n_ignored)
+        td_warn("%s: ignoring %zu tensor%s the engine does not need (%s%s)", first_file, n_ignored,
+                n_ignored == 1 ? "" : "s", n_ignored == 1 ? "" : "first: ", first_ignored);
+    return TD_OK;
 }
 
 static td_status_t load_hf(const char *path, const char *dir, td_model_t **m_p)
@@ -534,7 +625,7 @@ static td_status_t load_hf(const char *path, const char *dir, td_model_t **m_p)
         s = td_errorf(TD_ERR_NOMEM, "%s: out of memory", dir);
         goto err_index;
     }
-    if ((s = bind_all(&h)) != TD_OK)
+    if ((s = bind_all(&h)) != TD_OK || (s = check_extra(&h)) != TD_OK)
         goto err_index;
     cJSON_Delete(index_root);
     m->config.dtype = h.dtype;

@@ -8,6 +8,7 @@
 #include "td_model.h"
 
 #include <cjson/cJSON.h>
+#include <float.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -16,6 +17,11 @@
 #include "td_util.h"
 
 #define CFG_MAX_DIM (1 << 24) /* beyond any real model; keeps products inside int64 */
+/* Positions: 16 Mi, beyond the longest published context (Llama 4 Scout, 10 Mi). Positions,
+ * slots and block counts are int32 in the engine and the wire, and per-sequence tables
+ * scale with it (max_seqs x max_seq_len / block_size block ids): this keeps every one of
+ * them far from overflowing, where INT32_MAX overflowed them. */
+#define CFG_MAX_SEQ (1 << 24)
 
 static const struct {
     td_arch_t arch;
@@ -75,8 +81,11 @@ static td_status_t get_int(const cJSON *root, const char *origin, const char *ke
         return TD_OK;
     }
     double d = j->valuedouble;
-    if (!cJSON_IsNumber(j) || floor(d) != d || d < (double)min || d > (double)max)
-        return td_errorf(TD_ERR_FORMAT, "%s: field \"%s\" must be an integer in [%lld, %lld]", origin, key,
+    if (!cJSON_IsNumber(j))
+        return td_errorf(TD_ERR_FORMAT, "%s: field \"%s\" must be an integer in [%lld, %lld], not %s", origin, key,
+                         (long long)min, (long long)max, cJSON_IsString(j) ? "a string" : "a non-number");
+    if (floor(d) != d || d < (double)min || d > (double)max)
+        return td_errorf(TD_ERR_FORMAT, "%s: %s %.17g is out of range: an integer in [%lld, %lld]", origin, key, d,
                          (long long)min, (long long)max);
     *out = (int64_t)d;
     return TD_OK;
@@ -96,6 +105,17 @@ static td_status_t get_num(const cJSON *root, const char *origin, const char *ke
         return td_errorf(TD_ERR_FORMAT, "%s: field \"%s\" must be a number", origin, key);
     *out = j->valuedouble;
     return TD_OK;
+}
+
+/* A positive number stored as a float: (0, FLT_MAX], and not so small that it rounds to
+ * zero. JSON's doubles go further both ways, and 1e39 would become inf. */
+static td_status_t get_pos_float(const cJSON *root, const char *origin, const char *key, bool required, double dflt,
+                                 double *out)
+{
+    td_status_t s = get_num(root, origin, key, required, dflt, out);
+    if (s == TD_OK && !(*out > 0 && *out <= FLT_MAX && (float)*out > 0.0f))
+        return td_errorf(TD_ERR_FORMAT, "%s: %s %g is out of range (0, %.2g]", origin, key, *out, (double)FLT_MAX);
+    return s;
 }
 
 static td_status_t get_bool(const cJSON *root, const char *origin, const char *key, bool dflt, bool *out)
@@ -160,9 +180,9 @@ static td_status_t parse_rope_scaling(const cJSON *root, const char *origin, td_
     double f = 0, lo = 0, hi = 0;
     int64_t orig = 0;
     td_status_t s;
-    if ((s = get_num(rs, origin, "factor", true, 0, &f)) != TD_OK ||
-        (s = get_num(rs, origin, "low_freq_factor", true, 0, &lo)) != TD_OK ||
-        (s = get_num(rs, origin, "high_freq_factor", true, 0, &hi)) != TD_OK ||
+    if ((s = get_pos_float(rs, origin, "factor", true, 0, &f)) != TD_OK ||
+        (s = get_pos_float(rs, origin, "low_freq_factor", true, 0, &lo)) != TD_OK ||
+        (s = get_pos_float(rs, origin, "high_freq_factor", true, 0, &hi)) != TD_OK ||
         (s = get_int(rs, origin, "original_max_position_embeddings", true, 0, 1, INT32_MAX, &orig)) != TD_OK)
         return s;
     cfg->rope_llama3 = true;
@@ -178,6 +198,12 @@ td_status_t td_model_config_from_json(const char *json, const char *origin, td_m
     td_status_t s = TD_OK;
     td_model_config_t cfg;
     memset(&cfg, 0, sizeof cfg);
+    if (!strncmp(json, "\xef\xbb\xbf", 3))
+        json += 3; /* a UTF-8 byte-order mark carries no content */
+    if (json[strspn(json, " \t\r\n")] == 0) {
+        s = td_errorf(TD_ERR_FORMAT, "%s: empty file: expected a JSON object", origin);
+        return s;
+    }
     cJSON *root = cJSON_Parse(json);
     if (!cJSON_IsObject(root)) {
         const char *at = root ? NULL : cJSON_GetErrorPtr();
@@ -213,16 +239,16 @@ td_status_t td_model_config_from_json(const char *json, const char *origin, td_m
 
     int64_t dim = 0, hidden = 0, layers = 0, heads = 0, kv_heads = 0, head_dim = 0, vocab = 0, max_pos = 0, bos = -1;
     double eps = 0, theta = 0;
-    if ((s = get_int(root, origin, "hidden_size", true, 0, INT32_MIN, INT32_MAX, &dim)) != TD_OK ||
-        (s = get_int(root, origin, "intermediate_size", true, 0, INT32_MIN, INT32_MAX, &hidden)) != TD_OK ||
-        (s = get_int(root, origin, "num_hidden_layers", true, 0, INT32_MIN, INT32_MAX, &layers)) != TD_OK ||
-        (s = get_int(root, origin, "num_attention_heads", true, 0, INT32_MIN, INT32_MAX, &heads)) != TD_OK ||
-        (s = get_int(root, origin, "num_key_value_heads", false, heads, INT32_MIN, INT32_MAX, &kv_heads)) != TD_OK ||
-        (s = get_int(root, origin, "vocab_size", true, 0, INT32_MIN, INT32_MAX, &vocab)) != TD_OK ||
-        (s = get_int(root, origin, "max_position_embeddings", true, 0, INT32_MIN, INT32_MAX, &max_pos)) != TD_OK ||
+    if ((s = get_int(root, origin, "hidden_size", true, 0, 1, CFG_MAX_DIM, &dim)) != TD_OK ||
+        (s = get_int(root, origin, "intermediate_size", true, 0, 1, CFG_MAX_DIM, &hidden)) != TD_OK ||
+        (s = get_int(root, origin, "num_hidden_layers", true, 0, 1, CFG_MAX_DIM, &layers)) != TD_OK ||
+        (s = get_int(root, origin, "num_attention_heads", true, 0, 1, CFG_MAX_DIM, &heads)) != TD_OK ||
+        (s = get_int(root, origin, "num_key_value_heads", false, heads, 1, CFG_MAX_DIM, &kv_heads)) != TD_OK ||
+        (s = get_int(root, origin, "vocab_size", true, 0, 1, CFG_MAX_DIM, &vocab)) != TD_OK ||
+        (s = get_int(root, origin, "max_position_embeddings", true, 0, 1, CFG_MAX_SEQ, &max_pos)) != TD_OK ||
         (s = get_int(root, origin, "bos_token_id", false, -1, -1, INT32_MAX, &bos)) != TD_OK ||
-        (s = get_num(root, origin, "rms_norm_eps", false, 1e-6, &eps)) != TD_OK ||
-        (s = get_num(root, origin, "rope_theta", false, 10000.0, &theta)) != TD_OK ||
+        (s = get_pos_float(root, origin, "rms_norm_eps", false, 1e-6, &eps)) != TD_OK ||
+        (s = get_pos_float(root, origin, "rope_theta", false, 10000.0, &theta)) != TD_OK ||
         (s = get_bool(root, origin, "tie_word_embeddings", false, &cfg.tie_embeddings)) != TD_OK)
         goto out;
     if (heads <= 0) {
@@ -231,7 +257,7 @@ td_status_t td_model_config_from_json(const char *json, const char *origin, td_m
     }
     const cJSON *hd = cJSON_GetObjectItemCaseSensitive(root, "head_dim");
     if (hd && !cJSON_IsNull(hd)) {
-        if ((s = get_int(root, origin, "head_dim", true, 0, INT32_MIN, INT32_MAX, &head_dim)) != TD_OK)
+        if ((s = get_int(root, origin, "head_dim", true, 0, 1, CFG_MAX_DIM, &head_dim)) != TD_OK)
             goto out;
     } else {
         if (dim % heads != 0) {
@@ -308,10 +334,10 @@ td_status_t td_model_config_validate(const td_model_config_t *c, const char *ori
         {"vocab_size", c->vocab_size},            {"max_position_embeddings (seq_len)", c->max_seq_len},
     };
     for (size_t i = 0; i < TD_ARRAY_LEN(dims); i++) {
-        if (dims[i].v <= 0)
-            return td_errorf(TD_ERR_FORMAT, "%s: %s must be positive, got %d", origin, dims[i].name, dims[i].v);
-        if (dims[i].v > CFG_MAX_DIM && i != 7)
-            return td_errorf(TD_ERR_FORMAT, "%s: %s %d is implausibly large", origin, dims[i].name, dims[i].v);
+        int32_t max = i == 7 ? CFG_MAX_SEQ : CFG_MAX_DIM;
+        if (dims[i].v <= 0 || dims[i].v > max)
+            return td_errorf(TD_ERR_FORMAT, "%s: %s %d is out of range [1, %d]", origin, dims[i].name, dims[i].v,
+                             max);
     }
     if (c->n_heads % c->n_kv_heads != 0)
         return td_errorf(TD_ERR_FORMAT, "%s: num_attention_heads %d is not divisible by num_key_value_heads %d",
@@ -321,9 +347,11 @@ td_status_t td_model_config_validate(const td_model_config_t *c, const char *ori
     if ((int64_t)c->n_heads * c->head_dim > CFG_MAX_DIM)
         return td_errorf(TD_ERR_FORMAT, "%s: num_attention_heads x head_dim is implausibly large", origin);
     if (!(c->norm_eps > 0.0f) || !isfinite(c->norm_eps))
-        return td_errorf(TD_ERR_FORMAT, "%s: rms_norm_eps must be positive", origin);
+        return td_errorf(TD_ERR_FORMAT, "%s: rms_norm_eps %g is out of range (0, %.2g]", origin, (double)c->norm_eps,
+                         (double)FLT_MAX);
     if (!(c->rope_theta > 0.0f) || !isfinite(c->rope_theta))
-        return td_errorf(TD_ERR_FORMAT, "%s: rope_theta must be positive", origin);
+        return td_errorf(TD_ERR_FORMAT, "%s: rope_theta %g is out of range (0, %.2g]", origin, (double)c->rope_theta,
+                         (double)FLT_MAX);
     if (c->rope_llama3 &&
         (!(c->rope_factor > 0.0f) || !(c->rope_low_freq_factor > 0.0f) ||
          !(c->rope_high_freq_factor > c->rope_low_freq_factor) || c->rope_original_max_pos <= 0))

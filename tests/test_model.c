@@ -164,7 +164,9 @@ static void write_micro_ex(const char *dir, const char *skip, const char *bad_sh
     cJSON *h = cJSON_CreateObject();
     size_t off = 0;
     if (misalign) {
-        cJSON_AddItemToObject(h, "pad", cJSON_Parse("{\"dtype\": \"U8\", \"shape\": [1], \"data_offsets\": [0, 1]}"));
+        /* a tensor the engine ignores (with a warning) stands in for the unpadded header */
+        cJSON_AddItemToObject(h, "model.layers.0.self_attn.rotary_emb.inv_freq",
+                              cJSON_Parse("{\"dtype\": \"U8\", \"shape\": [1], \"data_offsets\": [0, 1]}"));
         off = 1;
     }
     for (size_t i = 0; i < TD_ARRAY_LEN(t); i++) {
@@ -351,7 +353,7 @@ Test(model_llama2c, malformed_headers, .init = tmp_setup, .fini = tmp_teardown)
 
     const int32_t neg[7] = {64, -172, 5, 8, 4, 512, 512};
     write_file(p, neg, sizeof neg);
-    expect_error(load_expect_fail(p), TD_ERR_FORMAT, "bad.bin", "positive");
+    expect_error(load_expect_fail(p), TD_ERR_FORMAT, "bad.bin", "is out of range [1, 16777216]");
 
     const int32_t huge[7] = {1 << 24, 1 << 24, 1 << 20, 1 << 16, 1 << 16, 1 << 24, 1 << 30};
     write_file(p, huge, sizeof huge);
@@ -723,7 +725,24 @@ Test(model_config, config_errors)
         {"{\"architectures\": [\"GPT2LMHeadModel\"]}", NULL, TD_ERR_UNSUPPORTED, "GPT2LMHeadModel"},
         {"{\"hidden_size\": 8}", NULL, TD_ERR_FORMAT, "architectures"},
         {NULL, "{\"hidden_size\": null}", TD_ERR_FORMAT, "hidden_size"},
-        {NULL, "{\"intermediate_size\": 0}", TD_ERR_FORMAT, "positive"},
+        {NULL, "{\"intermediate_size\": 0}", TD_ERR_FORMAT, "intermediate_size 0 is out of range: an integer in [1, "},
+        /* numbers beyond their type, by name with the range */
+        {NULL, "{\"rope_theta\": 1e39}", TD_ERR_FORMAT, "rope_theta 1e+39 is out of range (0, 3.4e+38]"},
+        {NULL, "{\"rope_theta\": -5}", TD_ERR_FORMAT, "rope_theta -5 is out of range (0, 3.4e+38]"},
+        {NULL, "{\"rms_norm_eps\": 1e-50}", TD_ERR_FORMAT, "rms_norm_eps 1e-50 is out of range (0, 3.4e+38]"},
+        {NULL, "{\"hidden_size\": 4294967304}", TD_ERR_FORMAT,
+         "hidden_size 4294967304 is out of range: an integer in [1, 16777216]"},
+        {NULL, "{\"num_hidden_layers\": -1}", TD_ERR_FORMAT,
+         "num_hidden_layers -1 is out of range: an integer in [1, "},
+        {NULL, "{\"vocab_size\": 2.5}", TD_ERR_FORMAT, "vocab_size 2.5 is out of range"},
+        {NULL, "{\"max_position_embeddings\": 2147483647}", TD_ERR_FORMAT,
+         "max_position_embeddings 2147483647 is out of range: an integer in [1, 16777216]"},
+        {NULL, "{\"bos_token_id\": 3e10}", TD_ERR_FORMAT,
+         "bos_token_id 30000000000 is out of range: an integer in [-1, 2147483647]"},
+        {NULL, "{\"rope_scaling\": {\"rope_type\": \"llama3\", \"factor\": 1e40, \"low_freq_factor\": 1, "
+               "\"high_freq_factor\": 4, \"original_max_position_embeddings\": 8}}", TD_ERR_FORMAT,
+         "factor 1e+40 is out of range (0, 3.4e+38]"},
+        {"", NULL, TD_ERR_FORMAT, "empty file"},
         {NULL, "{\"num_attention_heads\": 4, \"num_key_value_heads\": 3}", TD_ERR_FORMAT, "divisible"},
         {NULL, "{\"hidden_size\": 9}", TD_ERR_FORMAT, "divisible"},
         {NULL, "{\"hidden_size\": \"8\"}", TD_ERR_FORMAT, "hidden_size"},
@@ -898,6 +917,78 @@ Test(model_hf, tensor_errors, .init = tmp_setup, .fini = tmp_teardown)
     snprintf(p, sizeof p, "%s/config.json", dir);
     write_str(p, "{\"architectures\": [\"LlamaForCausalLM\"");
     expect_error(load_expect_fail(dir), TD_ERR_FORMAT, "badjson/config.json", NULL);
+}
+
+/* Rewrites dir/config.json with the keys of patch set (json_patched's rules). */
+static void patch_config(const char *dir, const char *patch)
+{
+    char p[600], *text;
+    snprintf(p, sizeof p, "%s/config.json", dir);
+    cr_assert_eq(td_file_read_all(p, 1 << 20, &text, NULL), TD_OK);
+    char *patched = json_patched(text, patch);
+    write_str(p, patched);
+    cJSON_free(patched);
+    free(text);
+}
+
+/* The files and config.json must describe the same model, checked both ways: every tensor
+ * the config implies is there (tensor_errors), and nothing is there that it does not. */
+Test(model_hf, config_and_tensors_agree_both_ways, .init = tmp_setup, .fini = tmp_teardown, .timeout = 60)
+{
+    char dir[512];
+    td_model_t *m;
+    /* tiny has 4 layers: a config saying 3 is not the model on disk */
+    make_dir(dir, sizeof dir, "layers");
+    synth(dir, "tiny", -1, TD_F32, 1, 1);
+    patch_config(dir, "{\"num_hidden_layers\": 3}");
+    expect_error(load_expect_fail(dir), TD_ERR_FORMAT,
+                 "layers/model.safetensors: tensor model.layers.3.", "is for layer 3, but config.json says "
+                 "num_hidden_layers 3");
+    /* the same in a sharded model names the shard that holds the layer */
+    make_dir(dir, sizeof dir, "layers_sharded");
+    synth(dir, "tiny", -1, TD_F32, 1, 2);
+    patch_config(dir, "{\"num_hidden_layers\": 2}");
+    expect_error(load_expect_fail(dir), TD_ERR_FORMAT, "-of-00002.safetensors: tensor model.layers.", 
+                 "but config.json says num_hidden_layers 2");
+    /* Qwen2 weights (q/k/v biases) or Qwen3 weights (q/k norms) under a Llama config */
+    make_dir(dir, sizeof dir, "qwen2_as_llama");
+    synth(dir, "tiny", TD_ARCH_QWEN2, TD_F32, 1, 1);
+    patch_config(dir, "{\"architectures\": [\"LlamaForCausalLM\"], \"model_type\": \"llama\"}");
+    expect_error(load_expect_fail(dir), TD_ERR_FORMAT, "model.safetensors: tensor model.layers.0.self_attn.",
+                 "_proj.bias is not part of a LlamaForCausalLM model with this config.json");
+    make_dir(dir, sizeof dir, "qwen3_as_llama");
+    synth(dir, "tiny", TD_ARCH_QWEN3, TD_F32, 1, 1);
+    patch_config(dir, "{\"architectures\": [\"LlamaForCausalLM\"], \"model_type\": \"llama\"}");
+    expect_error(load_expect_fail(dir), TD_ERR_FORMAT, "model.safetensors: tensor model.layers.0.self_attn.",
+                 "_norm.weight is not part of a LlamaForCausalLM model");
+    /* an untied lm_head under a config that ties it is redundant: loads, warned once */
+    make_dir(dir, sizeof dir, "tied");
+    synth(dir, "tiny", -1, TD_F32, 1, 1);
+    patch_config(dir, "{\"tie_word_embeddings\": true}");
+    cr_assert_eq(td_model_load(dir, &m), TD_OK, "%s", td_last_error());
+    cr_expect_eq(m->weights.lm_head.data, m->weights.embed.data);
+    td_model_destroy(m);
+    /* a context length that would overflow the engine's sizes, refused with the limit */
+    patch_config(dir, "{\"max_position_embeddings\": 2147483647}");
+    expect_error(load_expect_fail(dir), TD_ERR_FORMAT, "tied/config.json: max_position_embeddings 2147483647 is "
+                 "out of range: an integer in [1, 16777216]", NULL);
+    patch_config(dir, "{\"max_position_embeddings\": 2048, \"rope_theta\": 1e39}");
+    expect_error(load_expect_fail(dir), TD_ERR_FORMAT, "tied/config.json: rope_theta 1e+39 is out of range (0, "
+                 "3.4e+38]", NULL);
+    /* a config.json with a UTF-8 byte-order mark loads; an empty one says it is empty */
+    char p[600], *text;
+    snprintf(p, sizeof p, "%s/config.json", dir);
+    patch_config(dir, "{\"rope_theta\": 10000}");
+    cr_assert_eq(td_file_read_all(p, 1 << 20, &text, NULL), TD_OK);
+    char *bom = malloc(strlen(text) + 4);
+    snprintf(bom, strlen(text) + 4, "\xef\xbb\xbf%s", text);
+    write_str(p, bom);
+    free(bom);
+    free(text);
+    cr_assert_eq(td_model_load(dir, &m), TD_OK, "%s", td_last_error());
+    td_model_destroy(m);
+    write_str(p, "");
+    expect_error(load_expect_fail(dir), TD_ERR_FORMAT, "tied/config.json: empty file", NULL);
 }
 
 Test(model_hf, safetensors_file_errors, .init = tmp_setup, .fini = tmp_teardown)
