@@ -13,6 +13,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 #include "td_log.h"
 #include "td_util.h"
@@ -106,9 +107,15 @@ static td_status_t load_bin(td_tokenizer_t *tok, const char *data, size_t size)
         return td_errorf(TD_ERR_FORMAT, "%s: truncated tokenizer.bin (%zu bytes, no header)", tok->path, size);
     int32_t max_len;
     memcpy(&max_len, data, 4);
-    if (max_len <= 0 || max_len > 65536)
-        return td_errorf(TD_ERR_FORMAT, "%s: max_token_length %d is not plausible: not a llama2.c tokenizer.bin?",
-                         tok->path, max_len);
+    if (max_len <= 0 || max_len > 65536) {
+        size_t i = size >= 3 && !memcmp(data, "\xef\xbb\xbf", 3) ? 3 : 0;
+        while (i < size && (data[i] == ' ' || data[i] == '\n' || data[i] == '\r' || data[i] == '\t'))
+            i++;
+        bool json = i < size && data[i] == '{';
+        return td_errorf(TD_ERR_FORMAT, "%s: max_token_length %d is not plausible: not a llama2.c tokenizer.bin%s",
+                         tok->path, max_len, json ? " (it starts like JSON: a tokenizer.json must be named *.json)"
+                                                  : "");
+    }
     /* first pass: count and validate */
     int32_t n = 0;
     for (size_t o = 4; o < size; n++) {
@@ -451,8 +458,10 @@ static td_status_t parse_json_file(const char *path, bool required, cJSON **root
     td_status_t st = td_file_read_all(path, TD_TOK_MAX_FILE, &data, &len);
     if (st)
         return st;
+    /* a UTF-8 byte-order mark (Windows editors write one) carries no content: skipped */
+    size_t bom = len >= 3 && !memcmp(data, "\xef\xbb\xbf", 3) ? 3 : 0;
     const char *end = NULL;
-    cJSON *root = cJSON_ParseWithLengthOpts(data, len, &end, false);
+    cJSON *root = cJSON_ParseWithLengthOpts(data + bom, len - bom, &end, false);
     if (!root) {
         size_t off = end && end >= data ? (size_t)(end - data) : 0;
         size_t line = 1;
@@ -528,6 +537,48 @@ static int cmp_added(const void *a, const void *b, void *arg)
     if (x->len != y->len)
         return x->len > y->len ? -1 : 1;
     return x->id < y->id ? -1 : x->id > y->id;
+}
+
+/* Whether id's vocabulary entry is s, as written or as the bytes a ByteLevel string
+ * stands for. */
+static bool same_token(const td_tokenizer_t *tok, int32_t id, const char *s, size_t len)
+{
+    return (tok->piece_len[id] == len && !memcmp(tok->arena + tok->piece_off[id], s, len)) ||
+           (tok->key_len[id] == len && !memcmp(tok->arena + tok->key_off[id], s, len));
+}
+
+/* A tokenizer.json's ids are 0..n-1, each one token, each token one id. A gap would only
+ * show mid-generation ("token id 274 is not in the vocabulary") and a token under two ids
+ * encodes as one of them arbitrarily, so both are refused here. Needs the vocabulary map
+ * and the sorted added tokens. */
+static td_status_t check_ids(const td_tokenizer_t *tok)
+{
+    for (int32_t id = 0; id < tok->n_vocab; id++) {
+        if (tok->flags[id] & TD_TOK_F_HOLE)
+            return td_errorf(TD_ERR_FORMAT, "%s: no token has id %d: the ids of model.vocab and added_tokens must "
+                             "be 0..%d with no gap", tok->path, id, tok->n_vocab - 1);
+        if (!tok->key_len[id])
+            continue;
+        int32_t first = td_tok_map_get(tok, tok->arena + tok->key_off[id], tok->key_len[id]);
+        if (first != id)
+            return td_errorf(TD_ERR_FORMAT, "%s: token \"%.*s\" has two ids in model.vocab, %d and %d", tok->path,
+                             (int)TD_MIN(tok->piece_len[id], 64), tok->arena + tok->piece_off[id], first, id);
+    }
+    for (size_t i = 0; i < tok->n_added; i++) {
+        const td_tok_added_t *a = &tok->added[i];
+        const char *s = tok->arena + a->off;
+        int32_t v = td_tok_map_get(tok, s, a->len);
+        if (v >= 0 && v != a->id)
+            return td_errorf(TD_ERR_FORMAT, "%s: added token \"%.*s\" has id %d, but model.vocab gives it id %d",
+                             tok->path, (int)TD_MIN(a->len, 64), s, a->id, v);
+        /* sorted by first byte, then length: equal contents are neighbours */
+        for (size_t j = i + 1; j < tok->n_added && tok->added[j].len == a->len &&
+                               tok->arena[tok->added[j].off] == s[0]; j++)
+            if (!memcmp(tok->arena + tok->added[j].off, s, a->len))
+                return td_errorf(TD_ERR_FORMAT, "%s: added token \"%.*s\" has two ids, %d and %d", tok->path,
+                                 (int)TD_MIN(a->len, 64), s, a->id, tok->added[j].id);
+    }
+    return TD_OK;
 }
 
 static td_status_t load_json(td_tokenizer_t *tok, const char *json_path, const char *dir)
@@ -690,6 +741,17 @@ static td_status_t load_json(td_tokenizer_t *tok, const char *json_path, const c
         const char *content = json_str(it, "content");
         size_t len = strlen(content);
         uint32_t off;
+        if (tok->flags[id] & TD_TOK_F_ADDED) {
+            st = td_errorf(TD_ERR_FORMAT, "%s: added_tokens has id %d twice (\"%.64s\" and \"%.*s\")", tok->path,
+                           id, content, (int)TD_MIN(tok->piece_len[id], 64), tok->arena + tok->piece_off[id]);
+            goto out;
+        }
+        if (!(tok->flags[id] & TD_TOK_F_HOLE) && !same_token(tok, id, content, len)) {
+            st = td_errorf(TD_ERR_FORMAT, "%s: added_tokens gives id %d to \"%.64s\", but model.vocab gives it to "
+                           "\"%.*s\"", tok->path, id, content, (int)TD_MIN(tok->piece_len[id], 64),
+                           tok->arena + tok->piece_off[id]);
+            goto out;
+        }
         if ((st = td_tok_arena_add(tok, content, len, &off)))
             goto out;
         if (tok->flags[id] & TD_TOK_F_HOLE) {
@@ -712,7 +774,7 @@ static td_status_t load_json(td_tokenizer_t *tok, const char *json_path, const c
         tok->added_first[b] = (uint32_t)i;
     }
 
-    if ((st = td_tok_map_build(tok)))
+    if ((st = td_tok_map_build(tok)) || (st = check_ids(tok)))
         goto out;
 
     /* merges: "a b" strings or ["a", "b"] pairs, rank = position */
@@ -766,8 +828,15 @@ static td_status_t load_json(td_tokenizer_t *tok, const char *json_path, const c
         }
         int32_t l = td_tok_map_get(tok, kbuf, kl), r = td_tok_map_get(tok, kbuf + kl, kr);
         int32_t m = td_tok_map_get(tok, kbuf, kl + kr);
-        if (l >= 0 && r >= 0 && m >= 0)
-            td_tok_pairmap_put(&tok->merges, l, r, rank, m);
+        if (l < 0 || r < 0 || m < 0) {
+            /* HF refuses such a file too (MergeTokenOutOfVocabulary); skipping the merge
+             * would encode differently from the reference without a word */
+            st = td_errorf(TD_ERR_FORMAT, "%s: merge %d \"%.*s %.*s\" names %s, which is not in model.vocab",
+                           tok->path, rank, (int)TD_MIN(al, 64), a, (int)TD_MIN(bl, 64), b,
+                           l < 0 ? "its left token" : r < 0 ? "its right token" : "the merged token");
+            goto out;
+        }
+        td_tok_pairmap_put(&tok->merges, l, r, rank, m);
         rank++;
     }
 
@@ -870,10 +939,24 @@ td_status_t td_tokenizer_load(const char *path, td_tokenizer_t **tok_p)
     }
     if ((st = td_file_read_all(json_path, TD_TOK_MAX_FILE, &data, &size)))
         goto err;
-    size_t i = 0;
+    /* The format comes from the name (tokenizer.json, or anything *.json, is JSON; *.bin
+     * is llama2.c's); only a file named neither is recognised by its first character. */
+    size_t i = size >= 3 && !memcmp(data, "\xef\xbb\xbf", 3) ? 3 : 0;
     while (i < size && (data[i] == ' ' || data[i] == '\n' || data[i] == '\r' || data[i] == '\t'))
         i++;
-    is_json = i < size && data[i] == '{';
+    const char *name = strrchr(json_path, '/') ? strrchr(json_path, '/') + 1 : json_path;
+    size_t nl = strlen(name);
+    bool named_json = nl >= 5 && !strcasecmp(name + nl - 5, ".json");
+    bool named_bin = nl >= 4 && !strcasecmp(name + nl - 4, ".bin");
+    is_json = named_json || (!named_bin && i < size && data[i] == '{');
+    if (size == 0 || (i == size && !named_bin)) {
+        const char *want = named_json  ? "a tokenizer.json object"
+                           : named_bin ? "a llama2.c tokenizer.bin"
+                                       : "a tokenizer.json or a llama2.c tokenizer.bin";
+        st = td_errorf(TD_ERR_FORMAT, "%s: empty file (%zu bytes%s): expected %s", tok->path, size,
+                       size ? ", all blank" : "", want);
+        goto err;
+    }
     if (is_json) {
         free(data);
         data = NULL;

@@ -508,3 +508,104 @@ Test(tokenizer, malformed_files_are_errors, .timeout = 30)
     td_tokenizer_destroy(NULL);
     tmp_remove(&t);
 }
+
+/* load_text's status, and the error must contain needle (NULL: it must load). */
+static void expect_load(const tmpdir_t *t, const char *name, const char *content, td_status_t want, const char *needle)
+{
+    td_clear_error();
+    td_status_t st = load_text(t, name, content);
+    cr_expect_eq(st, want, "%s: %s, expected %s (%s)", name, td_status_name(st), td_status_name(want),
+                 td_last_error());
+    if (needle)
+        cr_expect(strstr(td_last_error(), needle) != NULL, "%s: \"%s\" lacks \"%s\"", name, td_last_error(), needle);
+    if (want != TD_OK)
+        cr_expect(strstr(td_last_error(), name) != NULL, "%s: error does not name the file: %s", name,
+                  td_last_error());
+}
+
+/* The format comes from the file's name, never guessed from its bytes when the name says. */
+Test(tokenizer, format_from_the_name, .timeout = 30)
+{
+    tmpdir_t t;
+    tmp_make(&t);
+    expect_load(&t, "tokenizer.json", "", TD_ERR_FORMAT,
+                "tokenizer.json: empty file (0 bytes): expected a tokenizer.json object");
+    expect_load(&t, "blank.json", " \n\t", TD_ERR_FORMAT, "empty file (3 bytes, all blank): expected a tokenizer.json");
+    expect_load(&t, "tokenizer.bin", "", TD_ERR_FORMAT, "empty file (0 bytes): expected a llama2.c tokenizer.bin");
+    expect_load(&t, "tok", "", TD_ERR_FORMAT, "empty file (0 bytes): expected a tokenizer.json or a llama2.c");
+    /* a directory's tokenizer.json is JSON too */
+    td_tokenizer_t *tok = NULL;
+    cr_expect_eq(td_tokenizer_load(t.path, &tok), TD_ERR_FORMAT); /* the empty tokenizer.json written above */
+    cr_expect(strstr(td_last_error(), "tokenizer.json: empty file") != NULL, "%s", td_last_error());
+    /* bytes that are not JSON in a *.json file: a JSON error, not a llama2.c one */
+    expect_load(&t, "binary.json", "\x08\x00\x00\x00junk", TD_ERR_FORMAT, "invalid JSON");
+    /* JSON under a *.bin name: llama2.c's format, with a hint */
+    expect_load(&t, "json.bin", "{\"model\": {}}", TD_ERR_FORMAT,
+                "it starts like JSON: a tokenizer.json must be named *.json");
+
+    /* a UTF-8 byte-order mark is skipped: the same tokenizer, the same ids */
+    char src[512], path[512];
+    snprintf(src, sizeof src, "%s/tests/fixtures/tokenizer/bytelevel/tokenizer.json", TD_SOURCE_DIR);
+    char *data;
+    size_t len;
+    cr_assert_eq(td_file_read_all(src, 64u << 20, &data, &len), TD_OK);
+    char *bom = malloc(len + 3);
+    memcpy(bom, "\xef\xbb\xbf", 3);
+    memcpy(bom + 3, data, len);
+    snprintf(path, sizeof path, "%s/bom.json", t.path);
+    write_file(path, bom, len + 3);
+    td_tokenizer_t *a = NULL, *b = NULL;
+    cr_assert_eq(td_tokenizer_load(src, &a), TD_OK, "%s", td_last_error());
+    cr_assert_eq(td_tokenizer_load(path, &b), TD_OK, "%s", td_last_error());
+    int32_t *ia, *ib;
+    size_t na, nb;
+    cr_assert_eq(td_tokenizer_encode(a, "h\xc3\xa9llo", 6, 0, &ia, &na), TD_OK);
+    cr_assert_eq(td_tokenizer_encode(b, "h\xc3\xa9llo", 6, 0, &ib, &nb), TD_OK);
+    cr_expect(na == nb && !memcmp(ia, ib, na * sizeof *ia));
+    free(ia);
+    free(ib);
+    td_tokenizer_destroy(a);
+    td_tokenizer_destroy(b);
+    free(bom);
+    free(data);
+    tmp_remove(&t);
+}
+
+#define BPE(vocab, merges, added) \
+    "{\"added_tokens\": [" added "], \"model\": {\"type\": \"BPE\", \"vocab\": {" vocab "}, \"merges\": [" merges "]}}"
+
+/* ids 0..n-1 with no gap, no id or token twice, merges and added tokens that agree with
+ * the vocabulary: each refusal names the file, the id or token and what is wrong. */
+Test(tokenizer, vocabulary_complete_and_consistent, .timeout = 30)
+{
+    tmpdir_t t;
+    tmp_make(&t);
+    expect_load(&t, "ok.json", BPE("\"a\": 0, \"b\": 1, \"ab\": 2", "\"a b\"", "{\"id\": 3, \"content\": \"<s>\"}"),
+                TD_OK, NULL);
+    expect_load(&t, "gap.json", BPE("\"a\": 0, \"b\": 2", "", ""), TD_ERR_FORMAT,
+                "gap.json: no token has id 1: the ids of model.vocab and added_tokens must be 0..2 with no gap");
+    expect_load(&t, "gap_added.json", BPE("\"a\": 0", "", "{\"id\": 2, \"content\": \"<s>\"}"), TD_ERR_FORMAT,
+                "no token has id 1");
+    expect_load(&t, "dupid.json", BPE("\"a\": 0, \"b\": 0", "", ""), TD_ERR_FORMAT,
+                "id 0 appears twice in model.vocab");
+    expect_load(&t, "duptok.json", BPE("\"a\": 0, \"a\": 1", "", ""), TD_ERR_FORMAT,
+                "duptok.json: token \"a\" has two ids in model.vocab, 0 and 1");
+    expect_load(&t, "mergeleft.json", BPE("\"a\": 0, \"b\": 1, \"ab\": 2", "\"a b\", \"c b\"", ""), TD_ERR_FORMAT,
+                "mergeleft.json: merge 1 \"c b\" names its left token, which is not in model.vocab");
+    expect_load(&t, "mergeright.json", BPE("\"a\": 0, \"b\": 1, \"ab\": 2", "[\"a\", \"x\"]", ""), TD_ERR_FORMAT,
+                "merge 0 \"a x\" names its right token");
+    expect_load(&t, "mergeresult.json", BPE("\"a\": 0, \"b\": 1, \"ab\": 2", "\"a b\", \"b a\"", ""), TD_ERR_FORMAT,
+                "merge 1 \"b a\" names the merged token");
+    expect_load(&t, "addedother.json", BPE("\"a\": 0, \"b\": 1", "", "{\"id\": 0, \"content\": \"x\"}"),
+                TD_ERR_FORMAT, "addedother.json: added_tokens gives id 0 to \"x\", but model.vocab gives it to \"a\"");
+    expect_load(&t, "addedsame.json", BPE("\"a\": 0, \"b\": 1", "", "{\"id\": 0, \"content\": \"a\"}"), TD_OK, NULL);
+    expect_load(&t, "addedtwice.json",
+                BPE("\"a\": 0", "", "{\"id\": 1, \"content\": \"<s>\"}, {\"id\": 1, \"content\": \"</s>\"}"),
+                TD_ERR_FORMAT, "added_tokens has id 1 twice");
+    expect_load(&t, "addedmoved.json", BPE("\"a\": 0", "", "{\"id\": 1, \"content\": \"a\"}"), TD_ERR_FORMAT,
+                "added token \"a\" has id 1, but model.vocab gives it id 0");
+    expect_load(&t, "addeddup.json",
+                BPE("\"a\": 0", "", "{\"id\": 1, \"content\": \"<s>\"}, {\"id\": 2, \"content\": \"<s>\"}"),
+                TD_ERR_FORMAT, "added token \"<s>\" has two ids, 1 and 2");
+    tmp_remove(&t);
+}
