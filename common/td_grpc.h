@@ -154,6 +154,10 @@ td_grpc_server_stats_t td_grpc_server_stats(const td_grpc_server_t *srv);
 /* The full method path of the call, e.g. "/tandem.v1.Generation/Generate". */
 const char *td_grpc_call_method(const td_grpc_call_t *call);
 
+/* The address of the peer the call came from (its connection's remote end), for a handler
+ * that serves only a known peer. TD_ERR_CLOSED (quiet) once the connection is gone. */
+td_status_t td_grpc_call_peer(const td_grpc_call_t *call, struct sockaddr_storage *addr_p);
+
 /* The call's deadline in uv_now() milliseconds of the server's loop, or 0 when the client
  * gave no grpc-timeout. */
 uint64_t td_grpc_call_deadline(const td_grpc_call_t *call);

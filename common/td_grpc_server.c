@@ -375,6 +375,16 @@ const char *td_grpc_call_method(const td_grpc_call_t *call)
     return call->path;
 }
 
+td_status_t td_grpc_call_peer(const td_grpc_call_t *call, struct sockaddr_storage *addr_p)
+{
+    struct sockaddr_storage a;
+    int len = (int)sizeof a;
+    if (!call->conn || uv_tcp_getpeername(&call->conn->tcp, (struct sockaddr *)&a, &len) != 0)
+        return td_errorf_quiet(TD_ERR_CLOSED, "grpc: the call's connection is gone");
+    *addr_p = a;
+    return TD_OK;
+}
+
 uint64_t td_grpc_call_deadline(const td_grpc_call_t *call)
 {
     return call->deadline;

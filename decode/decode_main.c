@@ -16,6 +16,10 @@
  */
 #include "decode_node.h"
 
+#include <arpa/inet.h>
+#include <ifaddrs.h>
+#include <netdb.h>
+#include <netinet/in.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -38,7 +42,11 @@
 #include "td_xfer.h"
 
 #define DECODE_MAX_STOP_IDS 32
-#define DECODE_MAX_SUBSCRIBERS 8
+#define DECODE_MAX_REQUEST_ID 255 /* bytes of AdmitRequest.request_id (the router's are < 64) */
+/* The Steps stream carries every sequence's tokens: it has one subscriber, the router this
+ * node registered with (docs/cluster.md "Who may subscribe to Steps"). */
+#define DECODE_MAX_SUBSCRIBERS 1
+#define DECODE_MAX_ROUTER_ADDRS 8
 
 /* The decode node's own keys; the common ones (model, router, host, advertise, node id,
  * ports, threads, log level) are router_proc's. */
@@ -106,6 +114,11 @@ typedef struct decode_state {
     int32_t n_admits;
     td_grpc_call_t *subs[DECODE_MAX_SUBSCRIBERS];
     int n_subs;
+    /* the router's addresses (--router resolved at startup): only a peer at one of them may
+       subscribe to Steps; router_local: the router is on this host (any local peer then) */
+    struct sockaddr_storage router_addrs[DECODE_MAX_ROUTER_ADDRS];
+    int n_router_addrs;
+    bool router_local;
     _Atomic int32_t load_running, load_free;
     _Atomic int64_t step_ns;
     bool shutting_down;
@@ -443,14 +456,22 @@ static void on_admit(td_grpc_call_t *call, const ProtobufCMessage *msg, void *da
     const Tandem__Control__V1__AdmitRequest *r = (const void *)msg;
     const td_model_config_t *mc = &s->model->config;
     char why[256];
-    if (r->n_prompt_ids == 0 || r->n_prompt_ids != r->prompt_tokens || r->max_tokens == 0 ||
-        r->n_prompt_ids >= (size_t)mc->max_seq_len) {
-        td_grpc_call_finish(call, TD_GRPC_INVALID_ARGUMENT, "admit: prompt_ids must hold prompt_tokens ids (1 .. "
-                                                            "model length - 1) and max_tokens must be >= 1");
-        return;
-    }
-    if (r->n_stop_ids > DECODE_MAX_STOP_IDS) {
-        td_grpc_call_finish(call, TD_GRPC_INVALID_ARGUMENT, "admit: too many stop ids");
+    why[0] = 0;
+    if (!r->request_id || !r->request_id[0] || strlen(r->request_id) > DECODE_MAX_REQUEST_ID)
+        snprintf(why, sizeof why, "admit: request_id must be 1 .. %d bytes (%zu given)", DECODE_MAX_REQUEST_ID,
+                 r->request_id ? strlen(r->request_id) : 0);
+    else if (r->n_prompt_ids == 0 || r->n_prompt_ids >= (size_t)mc->max_seq_len)
+        snprintf(why, sizeof why, "admit: prompt_ids holds %zu ids, allowed 1 .. %d (the model's length - 1)",
+                 r->n_prompt_ids, mc->max_seq_len - 1);
+    else if (r->n_prompt_ids != r->prompt_tokens)
+        snprintf(why, sizeof why, "admit: prompt_tokens %u, but prompt_ids holds %zu ids", r->prompt_tokens,
+                 r->n_prompt_ids);
+    else if (r->max_tokens == 0)
+        snprintf(why, sizeof why, "admit: max_tokens 0, at least 1");
+    else if (r->n_stop_ids > DECODE_MAX_STOP_IDS)
+        snprintf(why, sizeof why, "admit: %zu stop_ids, at most %d", r->n_stop_ids, DECODE_MAX_STOP_IDS);
+    if (why[0]) {
+        td_grpc_call_finish(call, TD_GRPC_INVALID_ARGUMENT, why);
         return;
     }
     if (s->n_admits >= s->cfg.max_requests) {
@@ -467,7 +488,9 @@ static void on_admit(td_grpc_call_t *call, const ProtobufCMessage *msg, void *da
     for (size_t i = 0; i < r->n_prompt_ids; i++) {
         if (r->prompt_ids[i] >= (uint32_t)mc->vocab_size) {
             admit_free(a);
-            td_grpc_call_finish(call, TD_GRPC_INVALID_ARGUMENT, "admit: prompt id outside the vocabulary");
+            snprintf(why, sizeof why, "admit: prompt_ids[%zu] = %u is outside the vocabulary of %d ids", i,
+                     r->prompt_ids[i], mc->vocab_size);
+            td_grpc_call_finish(call, TD_GRPC_INVALID_ARGUMENT, why);
             return;
         }
         a->prompt[i] = (int32_t)r->prompt_ids[i];
@@ -543,11 +566,105 @@ static void on_steps_cancel(td_grpc_call_t *call, td_status_t why, void *call_da
     td_grpc_call_finish(call, TD_GRPC_CANCELLED, NULL);
 }
 
+/* The address of a (v4, v6 or v4-mapped v6) socket address as an IPv6 address, so that
+ * 127.0.0.1 and ::ffff:127.0.0.1 compare equal. false: not an IP address. */
+static bool ip_of(const struct sockaddr *a, struct in6_addr *ip)
+{
+    if (a->sa_family == AF_INET6) {
+        *ip = ((const struct sockaddr_in6 *)a)->sin6_addr;
+        return true;
+    }
+    if (a->sa_family != AF_INET)
+        return false;
+    memset(ip, 0, sizeof *ip);
+    ip->s6_addr[10] = ip->s6_addr[11] = 0xff;
+    memcpy(&ip->s6_addr[12], &((const struct sockaddr_in *)a)->sin_addr, 4);
+    return true;
+}
+
+/* True when ip is a loopback address or one of this host's interfaces. */
+static bool ip_is_local(const struct in6_addr *ip)
+{
+    static const uint8_t v4mapped[12] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff};
+    if (IN6_IS_ADDR_LOOPBACK(ip) || (!memcmp(ip->s6_addr, v4mapped, 12) && ip->s6_addr[12] == 127))
+        return true;
+    struct ifaddrs *ifs, *i;
+    if (getifaddrs(&ifs) != 0)
+        return false;
+    bool local = false;
+    struct in6_addr a;
+    for (i = ifs; i && !local; i = i->ifa_next)
+        local = i->ifa_addr && ip_of(i->ifa_addr, &a) && !memcmp(&a, ip, sizeof a);
+    freeifaddrs(ifs);
+    return local;
+}
+
+/* Resolves --router (startup, before the loop runs) into the addresses a Steps subscriber
+ * must come from. A name that does not resolve is not fatal: the node registers when the
+ * router appears, and no one may subscribe meanwhile. */
+static void resolve_router(decode_state_t *s, const char *router)
+{
+    char host[256];
+    uint16_t port;
+    struct addrinfo hints = {.ai_socktype = SOCK_STREAM}, *res = NULL;
+    if (router_conf_split_addr(router, host, sizeof host, &port) != TD_OK ||
+        getaddrinfo(host, NULL, &hints, &res) != 0) {
+        td_warn("decode: router %s does not resolve: no Steps subscriber is accepted until it does", router);
+        return;
+    }
+    for (struct addrinfo *a = res; a && s->n_router_addrs < DECODE_MAX_ROUTER_ADDRS; a = a->ai_next) {
+        struct in6_addr ip;
+        if (!ip_of(a->ai_addr, &ip))
+            continue;
+        memcpy(&s->router_addrs[s->n_router_addrs++], a->ai_addr, a->ai_addrlen);
+        s->router_local = s->router_local || ip_is_local(&ip);
+    }
+    freeaddrinfo(res);
+}
+
+/* Whether the call comes from the router this node registered with: a peer at one of its
+ * addresses, or (a router on this host) any peer on this host. NULL: yes; else why not. */
+static const char *steps_peer_refusal(const decode_state_t *s, td_grpc_call_t *call, char *why, size_t cap)
+{
+    struct sockaddr_storage peer;
+    struct in6_addr ip, r;
+    char txt[INET6_ADDRSTRLEN] = "?";
+    if (td_grpc_call_peer(call, &peer) != TD_OK || !ip_of((const struct sockaddr *)&peer, &ip))
+        return "decode node: the Steps subscriber's address is unknown";
+    for (int i = 0; i < s->n_router_addrs; i++)
+        if (ip_of((const struct sockaddr *)&s->router_addrs[i], &r) && !memcmp(&r, &ip, sizeof ip))
+            return NULL;
+    if (s->router_local && ip_is_local(&ip))
+        return NULL;
+    inet_ntop(AF_INET6, &ip, txt, sizeof txt);
+    snprintf(why, cap, "decode node: Steps is served only to the router this node registers with (%s); "
+                       "subscriber %s refused", s->proc.cfg.router, txt);
+    return why;
+}
+
+/* Steps carries every running sequence's tokens, so it goes to one subscriber: the router
+ * this node registered with. A second subscriber while one is active is refused
+ * (FAILED_PRECONDITION), never allowed to take the stream over: a router that lost its stream
+ * sees it end and subscribes again after the node re-registers. */
 static void on_steps(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data)
 {
     decode_state_t *s = data;
-    if (s->n_subs == DECODE_MAX_SUBSCRIBERS || s->shutting_down) {
-        td_grpc_call_finish(call, TD_GRPC_RESOURCE_EXHAUSTED, "decode node: too many step subscribers");
+    char why[384];
+    const char *refusal;
+    if (s->shutting_down) {
+        td_grpc_call_finish(call, TD_GRPC_UNAVAILABLE, "decode node shutting down");
+        return;
+    }
+    if ((refusal = steps_peer_refusal(s, call, why, sizeof why))) {
+        td_warn("%s", refusal);
+        td_grpc_call_finish(call, TD_GRPC_PERMISSION_DENIED, refusal);
+        return;
+    }
+    if (s->n_subs == DECODE_MAX_SUBSCRIBERS) {
+        td_warn("decode: a second Steps subscriber refused (one is active)");
+        td_grpc_call_finish(call, TD_GRPC_FAILED_PRECONDITION,
+                            "decode node: a Steps subscriber is already active (one at a time: the router "
+                            "this node registered with)");
         return;
     }
     td_grpc_call_set_data(call, s);
@@ -721,6 +838,8 @@ int decode_main(int argc, char **argv)
     size_t desc_len;
     if ((st = td_xfer_describe(s->xfer, desc, sizeof desc, &desc_len)) != TD_OK)
         goto out;
+    if (pc->router)
+        resolve_router(s, pc->router);
     td_grpc_server_config_t gc = td_grpc_server_config_default();
     gc.host = pc->host;
     gc.port = (uint16_t)pc->port;

@@ -38,6 +38,7 @@
 #include "td_sampler.h"
 #include "td_tokenizer.h"
 #include "td_util.h"
+#include "td_xfer.h"
 
 #define ROUTER_MAX_STOP_IDS 32
 #define ROUTER_DEADLINE_SLACK_NS 10000000ll /* a reset this close to the deadline counts as the deadline */
@@ -1135,20 +1136,70 @@ static void on_steps_first(td_grpc_client_call_t *c, const ProtobufCMessage *msg
     on_steps_msg(c, msg, data);
 }
 
+/* The node retries a refused registration: the same refusal is logged once. */
+static void register_refused(router_state_t *s, const char *id, const char *reason)
+{
+    char why[sizeof s->refused];
+    if (snprintf(why, sizeof why, "%s: %s", id, reason) < 0) /* truncated is fine: it only dedups */
+        why[0] = 0;
+    if (strcmp(why, s->refused)) {
+        td_warn("router: registration of node %s refused: %s", id, reason);
+        memcpy(s->refused, why, sizeof why);
+    }
+}
+
+/* What the protobuf message itself must hold before it becomes a router_node_info_t: the
+ * strings fit, the role is in the enum, layout and capacity are present and in range, the
+ * transfer descriptor is bounded (the prefill node checks its content when it connects).
+ * false: why[] says which field. */
+static bool register_edge_check(const Tandem__Control__V1__RegisterRequest *q, char *why, size_t cap)
+{
+    const char *id = q->node_id && q->node_id[0] ? q->node_id : "?";
+    if (!q->node_id || !q->node_id[0])
+        snprintf(why, cap, "register: node_id is empty");
+    else if (strlen(q->node_id) >= ROUTER_NODE_ID_MAX)
+        snprintf(why, cap, "register: node_id is %zu bytes, at most %d", strlen(q->node_id), ROUTER_NODE_ID_MAX - 1);
+    else if (q->role != TANDEM__CONTROL__V1__ROLE__ROLE_PREFILL && q->role != TANDEM__CONTROL__V1__ROLE__ROLE_DECODE)
+        snprintf(why, cap, "register: node %s: role %d is not PREFILL (1) or DECODE (2)", id, (int)q->role);
+    else if (!q->model || strlen(q->model) >= ROUTER_MODEL_MAX)
+        snprintf(why, cap, "register: node %s: model is %zu bytes, at most %d", id, q->model ? strlen(q->model) : 0,
+                 ROUTER_MODEL_MAX - 1);
+    else if (!q->control_address || strlen(q->control_address) >= ROUTER_ADDRESS_MAX)
+        snprintf(why, cap, "register: node %s: control_address is %zu bytes, at most %d", id,
+                 q->control_address ? strlen(q->control_address) : 0, ROUTER_ADDRESS_MAX - 1);
+    else if (!q->layout)
+        snprintf(why, cap, "register: node %s: layout is missing", id);
+    else if (!q->capacity)
+        snprintf(why, cap, "register: node %s: capacity is missing", id);
+    else if (q->capacity->total_kv_blocks > INT32_MAX || q->capacity->max_batch > INT32_MAX)
+        snprintf(why, cap, "register: node %s: capacity.total_kv_blocks %u or max_batch %u is over %d", id,
+                 q->capacity->total_kv_blocks, q->capacity->max_batch, INT32_MAX);
+    else if (q->capacity->vocab_size > ROUTER_MAX_VOCAB || q->capacity->max_seq_len > ROUTER_MAX_SEQ_LEN)
+        snprintf(why, cap, "register: node %s: capacity.vocab_size %u (at most %d) or max_seq_len %u (at most %d)",
+                 id, q->capacity->vocab_size, ROUTER_MAX_VOCAB, q->capacity->max_seq_len, ROUTER_MAX_SEQ_LEN);
+    else if (q->ucx_worker_address.len > TD_XFER_DESC_MAX)
+        snprintf(why, cap, "register: node %s: ucx_worker_address is %zu bytes, at most %d (td_xfer_describe)", id,
+                 q->ucx_worker_address.len, TD_XFER_DESC_MAX);
+    else
+        return true;
+    return false;
+}
+
 static void on_register(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data)
 {
     router_state_t *s = data;
     const Tandem__Control__V1__RegisterRequest *q = (const void *)msg;
     router_node_info_t info = {0};
-    if (!q->node_id || strlen(q->node_id) >= sizeof info.id || strlen(q->model) >= sizeof info.model ||
-        strlen(q->control_address) >= sizeof info.address || !q->layout || !q->capacity) {
-        td_grpc_call_finish(call, TD_GRPC_INVALID_ARGUMENT, "register: id, model, address, layout, capacity required");
+    char why[768];
+    if (!register_edge_check(q, why, sizeof why)) {
+        register_refused(s, q->node_id && q->node_id[0] ? q->node_id : "?", why);
+        td_grpc_call_finish(call, TD_GRPC_INVALID_ARGUMENT, why);
         return;
     }
     strcpy(info.id, q->node_id);
     strcpy(info.model, q->model);
     strcpy(info.address, q->control_address);
-    info.role = q->role == TANDEM__CONTROL__V1__ROLE__ROLE_DECODE ? ROUTER_ROLE_DECODE : ROUTER_ROLE_PREFILL;
+    info.role = (router_role_t)q->role; /* checked: PREFILL or DECODE */
     info.layout = (td_kv_layout_t){.model_fingerprint = q->layout->model_fingerprint, .dtype = q->layout->dtype,
                                    .block_size = q->layout->block_size, .n_layers = q->layout->n_layers,
                                    .n_kv_heads = q->layout->n_kv_heads, .head_dim = q->layout->head_dim,
@@ -1159,21 +1210,44 @@ static void on_register(td_grpc_call_t *call, const ProtobufCMessage *msg, void 
     info.max_seq_len = (int32_t)TD_MIN(q->capacity->max_seq_len, (uint32_t)INT32_MAX);
     char host[ROUTER_ADDRESS_MAX];
     uint16_t port;
+    if (router_registry_validate(&info) != TD_OK) {
+        register_refused(s, info.id, td_last_error());
+        td_grpc_call_finish(call, TD_GRPC_INVALID_ARGUMENT, td_last_error());
+        return;
+    }
+    if (router_conf_split_addr(info.address, host, sizeof host, &port) != TD_OK || !port) {
+        snprintf(why, sizeof why, "register: node %s: control_address \"%s\" is not HOST:PORT with a port 1 .. 65535",
+                 info.id, info.address);
+        register_refused(s, info.id, why);
+        td_grpc_call_finish(call, TD_GRPC_INVALID_ARGUMENT, why);
+        return;
+    }
+    /* A live node's id is refused (docs/cluster.md "Node identity"): ending its streams for
+     * whoever registers under its name would let any caller break its requests. A restarted
+     * node gets in once the old registration is gone: its channel failed, its Steps stream
+     * ended (the registration left then), or it was silent past heartbeat-timeout-ms. */
+    int64_t now = (int64_t)td_now_ns();
     int32_t old = router_registry_find(s->reg, info.id);
+    if (old >= 0 && (!s->peers[old].ch || !td_grpc_channel_is_usable(s->peers[old].ch)))
+        router_registry_node(s->reg, old)->up = false; /* its process is gone */
+    if (old >= 0 && router_registry_is_live(s->reg, old, now)) {
+        const router_node_t *o = router_registry_node_const(s->reg, old);
+        snprintf(why, sizeof why, "register: node id %s is taken by a live node (at %s, heard from %lld ms ago): "
+                 "a restarted node registers once the old one is gone (%lld ms of silence); another node needs "
+                 "another id", info.id, o->info.address, (long long)((now - o->last_heartbeat_ns) / 1000000),
+                 (long long)s->cfg.heartbeat_timeout_ms);
+        register_refused(s, info.id, why);
+        td_grpc_call_finish(call, TD_GRPC_ALREADY_EXISTS, why);
+        return;
+    }
     if (old >= 0) { /* a restart: whatever ran there is gone */
-        decode_lost(s, old, "node re-registered");
+        decode_lost(s, old, "node restarted");
         s->peers[old].generation++;
         peer_drop(s, old);
     }
     int32_t idx;
-    if (router_conf_split_addr(info.address, host, sizeof host, &port) != TD_OK ||
-        router_registry_join(s->reg, &info, (int64_t)td_now_ns(), &idx) != TD_OK) {
-        char why[sizeof s->refused];
-        snprintf(why, sizeof why, "%s: %s", info.id, td_last_error());
-        if (strcmp(why, s->refused)) { /* the node retries: the same refusal is logged once */
-            td_warn("router: registration of node %s refused: %s", info.id, td_last_error());
-            memcpy(s->refused, why, sizeof why);
-        }
+    if (router_registry_join(s->reg, &info, now, &idx) != TD_OK) {
+        register_refused(s, info.id, td_last_error());
         if (old >= 0) /* its old registration's peer is gone: not chosen again */
             router_registry_leave(s->reg, info.id);
         td_grpc_call_finish(call, TD_GRPC_INVALID_ARGUMENT, td_last_error());
@@ -1231,10 +1305,13 @@ static void on_heartbeat(td_grpc_call_t *call, const ProtobufCMessage *msg, void
     } else {
         router_node_load_t l = {0};
         if (q->load) {
-            l.queued_prefill_tokens = (int64_t)q->load->queued_prefill_tokens;
-            l.running_seqs = (int32_t)q->load->running_sequences;
-            l.free_blocks = (int32_t)q->load->free_kv_blocks;
-            l.step_ms = q->load->n_recent_step_s ? q->load->recent_step_s[q->load->n_recent_step_s - 1] * 1e3 : 0;
+            /* clamped to what the node registered: a wrapped or absurd count is not believed */
+            const router_node_t *n = router_registry_node_const(s->reg, idx);
+            l.queued_prefill_tokens = (int64_t)TD_MIN(q->load->queued_prefill_tokens, (uint64_t)INT64_MAX);
+            l.running_seqs = (int32_t)TD_MIN(q->load->running_sequences, (uint32_t)INT32_MAX);
+            l.free_blocks = (int32_t)TD_MIN(q->load->free_kv_blocks, (uint32_t)n->info.capacity_blocks);
+            float step_s = q->load->n_recent_step_s ? q->load->recent_step_s[q->load->n_recent_step_s - 1] : 0;
+            l.step_ms = isfinite(step_s) && step_s > 0 ? step_s * 1e3 : 0;
             float tps = q->load->prefill_tokens_per_s;
             l.prefill_tok_s = isfinite(tps) && tps > 0 ? tps : 0; /* a hint: garbage is "unknown" */
         }

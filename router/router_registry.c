@@ -172,25 +172,75 @@ int32_t router_registry_find(const router_registry_t *reg, const char *id)
     return -1;
 }
 
+/* A name that is logged and shown in ClusterStatus: printable ASCII, no spaces. Returns the
+ * offset of the first bad byte, or -1. */
+static int32_t bad_name_byte(const char *name)
+{
+    for (int32_t i = 0; name[i]; i++)
+        if ((unsigned char)name[i] <= ' ' || (unsigned char)name[i] >= 0x7f)
+            return i;
+    return -1;
+}
+
+td_status_t router_registry_validate(const router_node_info_t *info)
+{
+    int32_t at;
+    if (!memchr(info->id, 0, sizeof info->id) || !memchr(info->model, 0, sizeof info->model) ||
+        !memchr(info->address, 0, sizeof info->address))
+        return td_errorf_quiet(TD_ERR_INVALID, "register: node_id, model and control_address must be "
+                                               "shorter than %d, %d and %d bytes",
+                               ROUTER_NODE_ID_MAX, ROUTER_MODEL_MAX, ROUTER_ADDRESS_MAX);
+    if (!info->id[0])
+        return td_errorf_quiet(TD_ERR_INVALID, "register: node_id is empty");
+    if ((at = bad_name_byte(info->id)) >= 0)
+        return td_errorf_quiet(TD_ERR_INVALID, "register: node_id has byte 0x%02x at offset %d: "
+                                               "printable ASCII without spaces only",
+                               (unsigned char)info->id[at], at);
+    if (info->role != ROUTER_ROLE_PREFILL && info->role != ROUTER_ROLE_DECODE)
+        return td_errorf_quiet(TD_ERR_INVALID, "register: node %s: role %d is not PREFILL (1) or DECODE (2)",
+                               info->id, (int)info->role);
+    if (!info->model[0])
+        return td_errorf_quiet(TD_ERR_INVALID, "register: node %s: model is empty", info->id);
+    if ((at = bad_name_byte(info->model)) >= 0)
+        return td_errorf_quiet(TD_ERR_INVALID, "register: node %s: model has byte 0x%02x at offset %d: "
+                                               "printable ASCII without spaces only",
+                               info->id, (unsigned char)info->model[at], at);
+    if (!info->address[0])
+        return td_errorf_quiet(TD_ERR_INVALID, "register: node %s: control_address is empty", info->id);
+    if (td_kv_layout_validate(&info->layout) != TD_OK)
+        return td_errorf_quiet(TD_ERR_INVALID, "register: node %s: layout: %s", info->id, td_last_error());
+    if (info->capacity_blocks <= 0)
+        return td_errorf_quiet(TD_ERR_INVALID, "register: node %s: capacity.total_kv_blocks %d, at least 1",
+                               info->id, info->capacity_blocks);
+    if (info->max_batch <= 0 || info->max_batch > ROUTER_MAX_BATCH)
+        return td_errorf_quiet(TD_ERR_INVALID, "register: node %s: capacity.max_batch %d, allowed 1 .. %d",
+                               info->id, info->max_batch, ROUTER_MAX_BATCH);
+    if (info->vocab_size < 0 || info->vocab_size > ROUTER_MAX_VOCAB)
+        return td_errorf_quiet(TD_ERR_INVALID,
+                               "register: node %s: capacity.vocab_size %d, allowed 0 (unknown) .. %d",
+                               info->id, info->vocab_size, ROUTER_MAX_VOCAB);
+    if (info->max_seq_len < 0 || info->max_seq_len > ROUTER_MAX_SEQ_LEN)
+        return td_errorf_quiet(TD_ERR_INVALID,
+                               "register: node %s: capacity.max_seq_len %d, allowed 0 (unknown) .. %d",
+                               info->id, info->max_seq_len, ROUTER_MAX_SEQ_LEN);
+    return TD_OK;
+}
+
 td_status_t router_registry_join(router_registry_t *reg, const router_node_info_t *info,
                                  int64_t now_ns, int32_t *index_p)
 {
-    if (!memchr(info->id, 0, sizeof info->id) || !info->id[0] ||
-        !memchr(info->model, 0, sizeof info->model) ||
-        !memchr(info->address, 0, sizeof info->address))
-        return td_errorf_quiet(TD_ERR_INVALID, "router registry: node id, model and address must "
-                                               "be NUL-terminated and the id non-empty");
-    if (info->role != ROUTER_ROLE_PREFILL && info->role != ROUTER_ROLE_DECODE)
-        return td_errorf_quiet(TD_ERR_INVALID, "router registry: node %s has unknown role %d",
-                               info->id, (int)info->role);
-    if (info->capacity_blocks <= 0 || td_kv_layout_validate(&info->layout) != TD_OK)
-        return td_errorf_quiet(TD_ERR_INVALID,
-                               "router registry: node %s has %d KV blocks or an invalid layout",
-                               info->id, info->capacity_blocks);
-    if (info->vocab_size < 0 || info->max_seq_len < 0)
-        return td_errorf_quiet(TD_ERR_INVALID,
-                               "router registry: node %s has vocab_size %d and max_seq_len %d",
-                               info->id, info->vocab_size, info->max_seq_len);
+    td_status_t st = router_registry_validate(info);
+    if (st != TD_OK)
+        return st;
+    int32_t live = router_registry_find(reg, info->id);
+    if (live >= 0 && router_registry_is_live(reg, live, now_ns))
+        return td_errorf_quiet(TD_ERR_BUSY,
+                               "register: node id %s is taken by a live node (at %s, last heard %lld ms "
+                               "ago): a restarted node registers once the old one is gone (%lld ms of "
+                               "silence), another node needs another id",
+                               info->id, reg->nodes[live].info.address,
+                               (long long)((now_ns - reg->nodes[live].last_heartbeat_ns) / 1000000),
+                               (long long)(reg->cfg.heartbeat_timeout_ns / 1000000));
     for (int32_t i = 0; info->vocab_size > 0 && i < reg->n_slots; i++) {
         const router_node_t *o = &reg->nodes[i];
         if (reg->used[i] && strcmp(o->info.id, info->id) && !strcmp(o->info.model, info->model) &&

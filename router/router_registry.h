@@ -3,7 +3,8 @@
  * (id, role, model, KV layout, address, capacity), then reports its load in heartbeats
  * (queued prefill tokens, running sequences, free KV blocks, recent step time). A node
  * whose last heartbeat is older than the configured bound is down and is not chosen; a
- * later heartbeat or a new registration with the same id brings it back.
+ * later heartbeat or a new registration with the same id brings it back. The id of a live
+ * node is its own: a registration under it is refused (router_registry_join).
  *
  * Time is always passed in ("now", nanoseconds on any monotonic clock) so the owner's
  * event loop and the tests decide what time it is; the registry never reads a clock.
@@ -26,6 +27,10 @@
 #define ROUTER_NODE_ID_MAX 64
 #define ROUTER_MODEL_MAX 128
 #define ROUTER_ADDRESS_MAX 256
+/* Sanity bounds of a registration (a node beyond them is refused, not believed). */
+#define ROUTER_MAX_BATCH 65536          /* capacity.max_batch */
+#define ROUTER_MAX_VOCAB (1 << 24)      /* capacity.vocab_size: 16M ids (Gemma: 256k) */
+#define ROUTER_MAX_SEQ_LEN (1 << 26)    /* capacity.max_seq_len: 64M tokens */
 
 typedef enum router_role {
     ROUTER_ROLE_PREFILL = 1,
@@ -79,15 +84,28 @@ td_status_t router_registry_create(const router_registry_config_t *cfg, router_r
 void router_registry_destroy(router_registry_t *reg);
 
 /*
- * Registers a node (or re-registers one with the same id: its info is replaced, it is up,
- * its load is reset and its remembered prefix hashes are forgotten, since a restarted node
- * has an empty cache). The load starts as "idle with capacity_blocks free". *index_p (may
- * be NULL) receives its index, stable until it leaves. Nodes of one model must agree on its
- * vocabulary: a node whose vocab_size differs from that of another live node of the same
- * model (both known, i.e. > 0) is refused, the message naming both nodes and sizes.
- * Errors (quiet, the RPC edge reports them): TD_ERR_INVALID (empty id, unknown role,
- * invalid layout, capacity <= 0, negative vocab_size or max_seq_len, a vocabulary that
- * differs), TD_ERR_EXHAUSTED (max_nodes reached), TD_ERR_NOMEM.
+ * Checks a registration on its own: id and model non-empty printable ASCII without spaces,
+ * role PREFILL or DECODE, control address non-empty, layout valid (td_kv_layout_validate),
+ * capacity_blocks >= 1, max_batch 1 .. ROUTER_MAX_BATCH, vocab_size 0 .. ROUTER_MAX_VOCAB,
+ * max_seq_len 0 .. ROUTER_MAX_SEQ_LEN. TD_ERR_INVALID (quiet) with a message naming the
+ * field and its value; router_registry_join calls it first.
+ */
+td_status_t router_registry_validate(const router_node_info_t *info);
+
+/*
+ * Registers a node (or re-registers one with the same id whose old registration is no
+ * longer live: its info is replaced, it is up, its load is reset and its remembered prefix
+ * hashes are forgotten, since a restarted node has an empty cache). An id held by a LIVE
+ * node (up and heard from within the timeout) is refused: a second process under that id
+ * must not take over the live node's slot (and end its work); a restarted node gets in once
+ * its old registration is dropped (silence, a failed channel or stream). The load starts as
+ * "idle with capacity_blocks free". *index_p (may be NULL) receives its index, stable until
+ * it leaves. Nodes of one model must agree on its vocabulary: a node whose vocab_size
+ * differs from that of another live node of the same model (both known, i.e. > 0) is
+ * refused, the message naming both nodes and sizes.
+ * Errors (quiet, the RPC edge reports them): TD_ERR_INVALID (router_registry_validate, a
+ * vocabulary that differs), TD_ERR_BUSY (the id is a live node's: ALREADY_EXISTS on the
+ * wire), TD_ERR_EXHAUSTED (max_nodes reached), TD_ERR_NOMEM.
  */
 td_status_t router_registry_join(router_registry_t *reg, const router_node_info_t *info,
                                  int64_t now_ns, int32_t *index_p);

@@ -36,9 +36,12 @@ and exits 0 when the behaviour is right, 1 (with 'FAIL: why' lines) when not:
                                          (AFTER < 0) or after AFTER tokens; MODE deadline (the
                                          call's deadline is SECS) or cancel (SECS after the
                                          stop): DEADLINE_EXCEEDED / CANCELLED, then SIGCONT
-  controlgarbage ROUTER_CTL DECODE_CTL PREFILL_CTL VOCAB MAX_SEQ
+  controlgarbage ROUTER_CTL DECODE_CTL PREFILL_CTL VOCAB MAX_SEQ [GATEWAY]
                                          hostile calls on the control APIs: each must end with
-                                         a status, and the impossible ones must fail
+                                         a status, and the impossible ones must fail; with
+                                         GATEWAY, registrations under the live nodes' ids
+                                         (ALREADY_EXISTS) while a stream runs there, which must
+                                         finish OK
   httpgarbage URL                        garbage on a /metrics port: connections closed,
                                          /metrics still served
   slowreader HOST:PORT MAX_TOKENS SECS   a raw h2c client that never opens its stream window:
@@ -578,9 +581,11 @@ def control_call(target, method, body, streaming=False, timeout=10):
         ch.close()
 
 
-def cmd_controlgarbage(router_ctl, decode_ctl, prefill_ctl, vocab, max_seq):
+def cmd_controlgarbage(router_ctl, decode_ctl, prefill_ctl, vocab, max_seq, gateway=""):
     """Hostile or broken calls on the control API of the router and of each node; each must
-    end with a status (never a crash or a hang), and the ones that cannot be right must fail."""
+    end with a status (never a crash or a hang), and the ones that cannot be right must fail.
+    With a gateway: a stream runs on the live nodes d0 and p0 while registrations under their
+    ids are refused ALREADY_EXISTS, and it must finish OK."""
     vocab, max_seq = int(vocab), int(max_seq)
     bad = ("INVALID_ARGUMENT", "INTERNAL")
     junk = bytes(random.Random(9).randrange(256) for _ in range(200))
@@ -629,15 +634,85 @@ def cmd_controlgarbage(router_ctl, decode_ctl, prefill_ctl, vocab, max_seq):
          pb_bytes(1, "cg8") + pb_packed(2, list(range(1, 41))) + pb_bytes(3, "d0") + pb_packed(4, [0]) + pb_varint(5, 1),
          True, ("INVALID_ARGUMENT", "UNAVAILABLE", "INTERNAL", "FAILED_PRECONDITION", "NOT_FOUND")),
     ]
+
+    def registration(node_id, role, lay=layout, cap=capacity, model="default", addr="127.0.0.1:1"):
+        return (pb_bytes(1, node_id) + pb_varint(2, role) + pb_bytes(3, model) + lay + pb_bytes(5, addr)
+                + pb_bytes(6, b"\x00" * 16) + cap)
+
+    # each registration field is checked, and the refusal names it (allowed codes, then the text)
+    named = [
+        ("RegisterNode: role 99", registration("cg-r99", 99), "role 99"),
+        ("RegisterNode: block_size 0", registration("cg-bs0", 1, lay=pb_bytes(4, pb_varint(1, 1) + pb_varint(3, 0)
+                                                                           + pb_varint(4, 5) + pb_varint(5, 4)
+                                                                           + pb_varint(6, 8) + pb_varint(7, 1))),
+         "block_size 0"),
+        ("RegisterNode: layout version 99", registration("cg-v99", 1, lay=pb_bytes(4, pb_varint(3, 16) + pb_varint(4, 5)
+                                                                               + pb_varint(5, 4) + pb_varint(6, 8)
+                                                                               + pb_varint(7, 99))), "version 99"),
+        ("RegisterNode: no layout", registration("cg-nolay", 1, lay=b""), "layout is missing"),
+        ("RegisterNode: empty model", registration("cg-nomodel", 1, model=""), "model is empty"),
+        ("RegisterNode: a model name with a newline", registration("cg-nl", 1, model="def\nault"), "model has byte 0x0a"),
+        ("RegisterNode: 0 KV blocks", registration("cg-cap0", 1, cap=pb_bytes(9, pb_varint(2, 8))),
+         "total_kv_blocks 0"),
+        ("RegisterNode: 2^32-1 KV blocks", registration("cg-capmax", 1, cap=pb_bytes(9, pb_varint(1, 2**32 - 1)
+                                                                                   + pb_varint(2, 8))),
+         "total_kv_blocks 4294967295"),
+        ("RegisterNode: max_batch 0", registration("cg-mb0", 1, cap=pb_bytes(9, pb_varint(1, 64))), "max_batch 0"),
+        ("RegisterNode: vocab_size 2^31", registration("cg-voc", 1, cap=pb_bytes(9, pb_varint(1, 64) + pb_varint(2, 8)
+                                                                             + pb_varint(5, 2**31))),
+         "vocab_size 2147483648"),
+        ("RegisterNode: control_address without a port", registration("cg-addr", 1, addr="127.0.0.1"),
+         "control_address \"127.0.0.1\""),
+        ("RegisterNode: a 300-byte node id", registration("n" * 300, 1), "node_id is 300 bytes"),
+        ("RegisterNode: a 1 MB transfer descriptor", registration("cg-desc", 2) + pb_bytes(6, b"\x01" * 1000000),
+         "ucx_worker_address is 1000000 bytes"),
+    ]
+    for what, body, says in named:
+        cases.append((what, router_ctl, reg + "RegisterNode", body, False, ("INVALID_ARGUMENT",), says))
+    # the decode node's Steps stream has one subscriber, the router: a second one is refused,
+    # and the router's stream (below: the requests that follow) goes on
+    cases.append(("Steps: a second subscriber", decode_ctl, dec + "Steps", pb_bytes(1, "intruder"), True,
+                  ("FAILED_PRECONDITION", "PERMISSION_DENIED"), "Steps"))
     rc = 0
-    for what, tgt, method, body, streaming, allowed in cases:
+    for case in cases:
+        what, tgt, method, body, streaming, allowed = case[:6]
+        says = case[6] if len(case) > 6 else None
         t0 = time.monotonic()
-        code, details, _ = control_call(tgt, method, body, streaming)
+        code, details, _ = control_call(tgt, method, body, streaming, timeout=10 if not says else 5)
         print("%s: %s %s (%.0f ms)" % (what, code, details, (time.monotonic() - t0) * 1e3))
         if code == "DEADLINE_EXCEEDED":
-            rc = fail("%s: no answer within 10 s" % what)
+            rc = fail("%s: no answer in time" % what)
         elif allowed is not None and code not in allowed:
             rc = fail("%s: %s, want %s" % (what, code, " or ".join(allowed)))
+        elif says and says not in details:
+            rc = fail("%s: the message does not say %r: %s" % (what, says, details))
+    if gateway:
+        rc = controlgarbage_live_ids(router_ctl, gateway, registration) or rc
+    return rc
+
+
+def controlgarbage_live_ids(router_ctl, gateway, registration):
+    """Registrations under the ids of the live nodes d0 and p0 (another address, even another
+    role) while a stream runs on them: each refused ALREADY_EXISTS naming the id, and the
+    stream finishes OK."""
+    stub = generate_stub(channel(gateway))
+    s = Stream(stub, [1, 50], 400, timeout=60)
+    if not s.first.wait(30) or s.code not in (None, "OK"):
+        return fail("the stream on the live nodes did not start: %s %s" % (s.code, s.details))
+    rc = 0
+    for node_id, role in (("d0", 2), ("p0", 1), ("d0", 1)):
+        code, details, _ = control_call(router_ctl, "/tandem.control.v1.Registry/RegisterNode",
+                                        registration(node_id, role, addr="127.0.0.1:2"), timeout=5)
+        print("RegisterNode: the live node %s's id (role %d) while it streams (%d tokens so far): %s %s"
+              % (node_id, role, len(s.got), code, details))
+        if code != "ALREADY_EXISTS" or ("node id %s" % node_id) not in details:
+            rc = fail("a registration under live id %s: %s %s, want ALREADY_EXISTS naming it" % (node_id, code, details))
+    if not s.join(60):
+        return fail("the stream on the live nodes did not end within 60 s")
+    print("the stream on the live nodes: %s %s, %d tokens" % (s.code, s.details, len(s.got)))
+    if s.code != "OK" or not s.got:
+        rc = fail("the stream on the live nodes ended %s %s after the registrations under their ids"
+                  % (s.code, s.details))
     return rc
 
 

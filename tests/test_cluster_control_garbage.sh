@@ -4,7 +4,11 @@
 # do not parse, registrations without fields or of a node nobody serves, heartbeats of unknown
 # nodes, Admits with ids outside the vocabulary or mismatched counts, Releases of unknown
 # leases, Prefills with no tokens, tokens outside the vocabulary or past the model's length,
-# absurd block ids and junk transfer descriptions. Each must end with a status (the impossible
+# absurd block ids and junk transfer descriptions; registrations with each field wrong (role
+# 99, bad layouts, no blocks, absurd vocabularies, an address without a port, ...) refused
+# INVALID_ARGUMENT naming the field and value; a second subscriber to the decode node's Steps
+# stream refused; registrations under the live nodes' ids refused ALREADY_EXISTS while a
+# stream runs on them, which finishes OK. Each must end with a status (the impossible
 # ones with an error) and no process may die; then a lease whose KV never comes (300 ms) must
 # give its blocks back (tandem_decode_kv_blocks_used), the cluster must serve 8 requests equal
 # to `tandem generate`, and garbage on every /metrics port must close only that connection.
@@ -18,7 +22,7 @@ cl_wait_nodes 1 1
 PC=$(sed -n 's/^prefill p0: control \([^ ]*\) .*/\1/p' "$CL_T/p0.out")
 DC=$(sed -n 's/^decode d0: control \([^ ]*\) .*/\1/p' "$CL_T/d0.out")
 base=$(cl_metric d0 tandem_decode_kv_blocks_used)
-"$CL_PY" "$CL_TOOL" controlgarbage "$CL_CTL" "$DC" "$PC" 512 512 || CL_FAIL=1
+"$CL_PY" "$CL_TOOL" controlgarbage "$CL_CTL" "$DC" "$PC" 512 512 "$CL_GW" || CL_FAIL=1
 for n in router p0 d0; do _cl_dead "${CL_PID[$n]}" && cl_fail "$n died"; done
 [ $CL_FAIL -eq 0 ] || cl_end
 

@@ -123,7 +123,8 @@ Test(router_admit, a_node_whose_vocabulary_differs_from_its_models_live_nodes_is
     cr_assert_eq(router_registry_find(reg, "p1"), -1);
     join(reg, &(node_spec_t){"q0", ROUTER_ROLE_PREFILL, "other", 100, 512, 0});     /* another model */
     join(reg, &(node_spec_t){"old", ROUTER_ROLE_PREFILL, NULL, 100, 0, 0});         /* unknown */
-    join(reg, &(node_spec_t){"d0", ROUTER_ROLE_DECODE, NULL, 100, 32000, 0});       /* re-registers */
+    cr_assert_eq(join_at(reg, &(node_spec_t){"d0", ROUTER_ROLE_DECODE, NULL, 100, 32000, 0}, 0), TD_ERR_BUSY,
+                 "a live node's id is its own");
     /* once the others went silent, a node of the new size is the model's */
     cr_assert_eq(join_at(reg, &(node_spec_t){"p1", ROUTER_ROLE_PREFILL, NULL, 100, 512, 0}, 10 * SEC), TD_OK,
                  "%s", td_last_error());

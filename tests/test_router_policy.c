@@ -281,15 +281,10 @@ Test(router_policy, registration_is_checked)
     c.max_nodes = 2;
     router_registry_t *reg;
     cr_assert_eq(router_registry_create(&c, &reg), TD_OK);
-    router_node_info_t info = {.role = ROUTER_ROLE_DECODE, .layout = layout(8), .capacity_blocks = 10};
+    router_node_info_t info = {.role = ROUTER_ROLE_DECODE, .layout = layout(8), .capacity_blocks = 10,
+                               .max_batch = 8, .model = "stories", .address = "127.0.0.1:1"};
     cr_assert_eq(router_registry_join(reg, &info, 0, NULL), TD_ERR_INVALID, "empty id");
     snprintf(info.id, sizeof info.id, "a");
-    info.role = 7;
-    cr_assert_eq(router_registry_join(reg, &info, 0, NULL), TD_ERR_INVALID, "bad role");
-    info.role = ROUTER_ROLE_DECODE;
-    info.layout.block_size = 0;
-    cr_assert_eq(router_registry_join(reg, &info, 0, NULL), TD_ERR_INVALID, "bad layout");
-    info.layout = layout(8);
     cr_assert_eq(router_registry_join(reg, &info, 0, NULL), TD_OK);
     snprintf(info.id, sizeof info.id, "b");
     cr_assert_eq(router_registry_join(reg, &info, 0, NULL), TD_OK);
@@ -298,6 +293,95 @@ Test(router_policy, registration_is_checked)
     cr_assert_eq(router_registry_leave(reg, "a"), TD_OK);
     cr_assert_eq(router_registry_join(reg, &info, 0, NULL), TD_OK, "a freed slot is reused");
     cr_assert_eq(router_registry_find(reg, "c"), 0);
+    router_registry_destroy(reg);
+}
+
+/* Each field of a registration is checked on its own, and the refusal names the field and
+ * the value it had. */
+Test(router_policy, every_registration_field_is_checked_by_name)
+{
+    const router_node_info_t good = {.id = "d0", .role = ROUTER_ROLE_DECODE, .model = "stories",
+                                     .layout = layout(8), .address = "127.0.0.1:1",
+                                     .capacity_blocks = 10, .max_batch = 8, .vocab_size = 32000,
+                                     .max_seq_len = 2048};
+    cr_assert_eq(router_registry_validate(&good), TD_OK, "%s", td_last_error());
+    struct {
+        const char *what;
+        router_node_info_t info;
+        const char *says;
+    } cases[] = {
+        {"role 99", good, "role 99 is not PREFILL (1) or DECODE (2)"},
+        {"role 0", good, "role 0"},
+        {"empty model", good, "model is empty"},
+        {"a model with a newline", good, "model has byte 0x0a at offset 3"},
+        {"an id with a space", good, "node_id has byte 0x20 at offset 1"},
+        {"an empty address", good, "control_address is empty"},
+        {"block size 0", good, "layout: kv layout out of range: block_size 0"},
+        {"layout version 9", good, "layout: kv layout version 9 unknown"},
+        {"dtype 200", good, "layout: kv layout dtype 200 unknown"},
+        {"no blocks", good, "capacity.total_kv_blocks 0, at least 1"},
+        {"max_batch 0", good, "capacity.max_batch 0, allowed 1 .. 65536"},
+        {"a vocabulary of 2^30", good, "capacity.vocab_size 1073741824, allowed 0 (unknown) .. 16777216"},
+        {"max_seq_len -1", good, "capacity.max_seq_len -1"},
+    };
+    cases[0].info.role = 99;
+    cases[1].info.role = 0;
+    cases[2].info.model[0] = 0;
+    snprintf(cases[3].info.model, sizeof cases[3].info.model, "sto\nries");
+    snprintf(cases[4].info.id, sizeof cases[4].info.id, "d 0");
+    cases[5].info.address[0] = 0;
+    cases[6].info.layout.block_size = 0;
+    cases[7].info.layout.version = 9;
+    cases[8].info.layout.dtype = 200;
+    cases[9].info.capacity_blocks = 0;
+    cases[10].info.max_batch = 0;
+    cases[11].info.vocab_size = 1 << 30;
+    cases[12].info.max_seq_len = -1;
+    router_registry_t *reg = mkreg();
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        cr_assert_eq(router_registry_validate(&cases[i].info), TD_ERR_INVALID, "%s accepted", cases[i].what);
+        cr_assert(strstr(td_last_error(), cases[i].says), "%s: \"%s\" does not say \"%s\"", cases[i].what,
+                  td_last_error(), cases[i].says);
+        cr_assert_eq(router_registry_join(reg, &cases[i].info, 0, NULL), TD_ERR_INVALID, "%s joined", cases[i].what);
+        cr_assert_eq(router_registry_find(reg, cases[i].info.id), -1, "%s left a trace", cases[i].what);
+    }
+    router_registry_destroy(reg);
+}
+
+/* A live node's id is its own: a second registration under it is refused and changes
+ * nothing; once the first is gone (silent past the bound, or left after its channel or
+ * stream failed) the same id registers again, as a restarted node does. */
+Test(router_policy, a_live_id_is_refused_a_dead_one_is_taken_over)
+{
+    router_registry_t *reg = mkreg(); /* heartbeat timeout 3 s */
+    int d0 = join(reg, "d0", ROUTER_ROLE_DECODE, 8, 100, 0);
+    const router_node_t *n = router_registry_node(reg, d0);
+    uint64_t gen = n->generation;
+    router_node_info_t other = n->info;
+    snprintf(other.address, sizeof other.address, "10.0.0.9:4444");
+    other.capacity_blocks = 7;
+    cr_assert_eq(router_registry_join(reg, &other, 1 * SEC, NULL), TD_ERR_BUSY, "a live id taken over");
+    cr_assert(strstr(td_last_error(), "node id d0 is taken by a live node (at 127.0.0.1:1"), "%s", td_last_error());
+    n = router_registry_node(reg, d0);
+    cr_assert_eq(n->generation, gen, "the live registration is untouched");
+    cr_assert_str_eq(n->info.address, "127.0.0.1:1");
+    cr_assert_eq(n->info.capacity_blocks, 100);
+    cr_assert(router_registry_is_live(reg, d0, 1 * SEC));
+    beat(reg, "d0", 0, 0, 100, 2 * SEC);
+    cr_assert_eq(router_registry_join(reg, &other, 4 * SEC, NULL), TD_ERR_BUSY, "heartbeats keep it live");
+    /* silent past the bound: a restart under the same id takes the slot */
+    int32_t idx = -1;
+    cr_assert_eq(router_registry_join(reg, &other, 5 * SEC + 1, &idx), TD_OK, "%s", td_last_error());
+    cr_assert_eq(idx, d0, "the restarted node keeps the slot");
+    n = router_registry_node(reg, d0);
+    cr_assert_gt(n->generation, gen, "a new registration is a new epoch");
+    cr_assert_str_eq(n->info.address, "10.0.0.9:4444");
+    /* marked down (its channel failed) before the bound: also taken over */
+    router_registry_node(reg, d0)->up = false;
+    cr_assert_eq(router_registry_join(reg, &other, 5 * SEC + 2, NULL), TD_OK, "%s", td_last_error());
+    /* left (its stream ended): registers again */
+    cr_assert_eq(router_registry_leave(reg, "d0"), TD_OK);
+    cr_assert_eq(router_registry_join(reg, &other, 5 * SEC + 3, NULL), TD_OK, "%s", td_last_error());
     router_registry_destroy(reg);
 }
 
