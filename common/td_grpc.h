@@ -85,8 +85,25 @@ typedef struct td_grpc_server_config {
     uint32_t initial_window_bytes;   /* receive window per stream and connection; 1 MiB */
     size_t send_queue_bytes;         /* per call: a send beyond this many queued bytes
                                       * returns TD_ERR_BUSY; 256 KiB */
-    uint32_t max_connections;        /* further connections are closed at once; 1024 */
-    td_metrics_t *metrics;           /* optional: counts tandem_grpc_server_handled_total */
+    uint32_t max_connections;        /* at the limit the oldest unproductive connection is
+                                      * closed to make room (one that has not finished its
+                                      * handshake first, then one that never ran a call, then
+                                      * the longest idle); one with a call running (a
+                                      * Generate stream) never is: if every connection has
+                                      * one, the new one is closed; 1024 */
+    uint32_t handshake_timeout_ms;   /* accept → client preface and first SETTINGS, else the
+                                      * connection is closed; 10000 */
+    uint32_t request_timeout_ms;     /* a stream's HEADERS → its whole request (END_STREAM),
+                                      * absolute, so a trickle cannot extend it: the stream is
+                                      * reset, and a connection with no call running is
+                                      * closed; 30000 */
+    uint32_t idle_timeout_ms;        /* no call running for this long (counted from the
+                                      * handshake or the end of the last call, never from
+                                      * received bytes) → closed; 0 = off, the default: the
+                                      * router's channels to its nodes do not reconnect, and
+                                      * idle connections make room at the limit anyway */
+    td_metrics_t *metrics;           /* optional: counts tandem_grpc_server_handled_total and
+                                      * tandem_grpc_server_connections_closed_total{reason} */
     uint32_t max_resets_per_s;       /* RST_STREAMs a client may send per second (and in a
                                       * burst) before its connection gets GOAWAY: nghttp2's
                                       * "rapid reset" guard, whose own default (1000 burst,

@@ -32,6 +32,27 @@
 
 typedef struct srv_conn srv_conn_t;
 
+/* Why the server closed a connection itself (the `reason` label). */
+#define CONN_CLOSE_MAP(X)                                                        \
+    X(CONN_CLOSE_HANDSHAKE, "handshake_timeout") /* no preface + SETTINGS in time */ \
+    X(CONN_CLOSE_REQUEST, "request_timeout")     /* a request not complete in time */ \
+    X(CONN_CLOSE_IDLE, "idle_timeout")           /* no call for idle_timeout_ms */    \
+    X(CONN_CLOSE_EVICTED, "evicted")             /* made room for a new connection */ \
+    X(CONN_CLOSE_REFUSED, "refused")             /* at the limit, nothing evictable */
+
+typedef enum conn_close_reason {
+#define CONN_CLOSE_ENUM(e, name) e,
+    CONN_CLOSE_MAP(CONN_CLOSE_ENUM)
+#undef CONN_CLOSE_ENUM
+    CONN_CLOSE_N
+} conn_close_reason_t;
+
+static const char *const conn_close_names[CONN_CLOSE_N] = {
+#define CONN_CLOSE_NAME(e, name) name,
+    CONN_CLOSE_MAP(CONN_CLOSE_NAME)
+#undef CONN_CLOSE_NAME
+};
+
 typedef struct method {
     struct method *next;
     char *path;
@@ -47,6 +68,7 @@ struct td_grpc_server {
     uv_prepare_t pump;
     uv_idle_t kick;                /* keeps the loop from blocking while output is left */
     uv_timer_t dl_timer;           /* one timer for the deadlines in the list below */
+    uv_timer_t sweep;              /* connection deadlines (handshake, request, idle) */
     uint64_t dl_armed;             /* the deadline it is set for; 0 = not set */
     td_grpc_call_t *dl_head, *dl_tail; /* calls with a deadline, soonest first */
     uint16_t port;
@@ -56,11 +78,12 @@ struct td_grpc_server {
     int n_spare;
     uint32_t n_conns;
     uint32_t n_calls;              /* calls not yet freed */
-    int open_handles;              /* listener, pump, kick, dl_timer, connections' tcp handles */
+    int open_handles;              /* listener, pump, kick, dl_timer, sweep, connections' tcp */
     bool closing;
     void (*close_cb)(void *data);
     void *close_data;
     td_metric_family_t *handled;   /* tandem_grpc_server_handled_total{method,code} */
+    td_metric_t *closed_by[CONN_CLOSE_N]; /* tandem_grpc_server_connections_closed_total{reason} */
 };
 
 struct srv_conn {
@@ -70,6 +93,11 @@ struct srv_conn {
     nghttp2_session *ses;
     td_grpc_call_t *calls;         /* calls whose stream is open */
     size_t preface_seen;           /* bytes of the client preface matched so far */
+    uint64_t since;                /* uv_now at accept, handshake, and each call's start and
+                                    * end: the idle / handshake clock, never moved by bytes */
+    bool handshaken;               /* preface and the client's first SETTINGS received */
+    bool served;                   /* a call was dispatched on it once */
+    conn_close_reason_t doom;      /* the sweep's verdict (CONN_CLOSE_N: none) */
     int writes_in_flight;
     bool closing;                  /* close once writes drain */
     bool closed;                   /* uv_close called */
@@ -86,6 +114,8 @@ struct td_grpc_call {
                                     * far out of order in the server's list */
     td_grpc_call_t *dl_prev, *dl_next;
     bool in_dl, own_timer;
+    bool stall_reset;              /* reset for request_timeout_ms */
+    uint64_t begun;                /* uv_now at its HEADERS: the request_timeout_ms clock */
     const method_t *method;
     char path[256];
     size_t header_bytes;
@@ -118,6 +148,9 @@ td_grpc_server_config_t td_grpc_server_config_default(void)
         .initial_window_bytes = 1u << 20,
         .send_queue_bytes = 256u << 10,
         .max_connections = 1024,
+        .handshake_timeout_ms = 10000,
+        .request_timeout_ms = 30000,
+        .idle_timeout_ms = 0,
         .max_resets_per_s = 100000,
     };
 }
@@ -214,6 +247,8 @@ static void call_detach(td_grpc_call_t *call, td_status_t why)
         call->next->prev = call->prev;
     call->prev = call->next = NULL;
     call->conn = NULL;
+    if (call->dispatched)
+        c->since = uv_now(c->srv->loop); /* idle counts from the end of the last call */
     dl_remove(call->srv, call);
     if (!call->ended) {
         call->ended = true;
@@ -588,6 +623,7 @@ static int on_begin_headers(nghttp2_session *ses, const nghttp2_frame *frame, vo
     call->srv = c->srv;
     call->conn = c;
     call->stream_id = frame->hd.stream_id;
+    call->begun = uv_now(c->srv->loop);
     uv_timer_init(c->srv->loop, &call->timer);
     call->timer.data = call;
     c->srv->n_calls++;
@@ -710,12 +746,19 @@ static void call_dispatch(td_grpc_call_t *call)
         return;
     }
     call->dispatched = true;
+    call->conn->served = true;
+    call->conn->since = uv_now(call->srv->loop);
     call->method->cb(call, req, call->method->data);
     td_grpc_free_unpacked(req);
 }
 
 static int on_frame_recv(nghttp2_session *ses, const nghttp2_frame *frame, void *user)
 {
+    srv_conn_t *c = user;
+    if (!c->handshaken && frame->hd.type == NGHTTP2_SETTINGS && !(frame->hd.flags & NGHTTP2_FLAG_ACK)) {
+        c->handshaken = true; /* nghttp2 refuses any other first frame */
+        c->since = uv_now(c->srv->loop);
+    }
     td_grpc_call_t *call = nghttp2_session_get_stream_user_data(ses, frame->hd.stream_id);
     if (!call)
         return 0;
@@ -813,6 +856,102 @@ static void conn_close_soon(srv_conn_t *c)
     }
     if (c->writes_in_flight == 0)
         conn_close_now(c, TD_ERR_CANCELLED);
+}
+
+/* ---- connection deadlines and eviction ----------------------------------------------
+ * A connection's clocks are absolute times set by events (accept, handshake, a call's
+ * HEADERS, start and end), never by received bytes, so a client trickling a byte at a time
+ * gains nothing. One sweep timer per server checks them, like redis's cron. */
+
+/* A dispatched call is on it (a handler runs, or its answer is still going out): such a
+ * connection is never evicted nor closed as idle. */
+static bool conn_productive(const srv_conn_t *c)
+{
+    for (const td_grpc_call_t *call = c->calls; call; call = call->next)
+        if (call->dispatched)
+            return true;
+    return false;
+}
+
+static void conn_drop(srv_conn_t *c, conn_close_reason_t why)
+{
+    td_debug("grpc connection: closed, %s", conn_close_names[why]);
+    if (c->srv->closed_by[why])
+        td_metric_inc(c->srv->closed_by[why]);
+    conn_close_now(c, TD_ERR_CANCELLED);
+}
+
+/* The connection to close to make room: not productive; first one still in its handshake,
+ * then one that never ran a call, then the one idle longest; oldest first in each. */
+static srv_conn_t *conn_pick_victim(td_grpc_server_t *srv, const srv_conn_t *except)
+{
+    srv_conn_t *best = NULL;
+    int best_tier = 3;
+    for (srv_conn_t *c = srv->conns; c; c = c->next) {
+        if (c == except || c->closed || c->closing || conn_productive(c))
+            continue;
+        int tier = !c->handshaken ? 0 : !c->served ? 1 : 2;
+        if (tier < best_tier || (tier == best_tier && c->since < best->since)) {
+            best = c;
+            best_tier = tier;
+        }
+    }
+    return best;
+}
+
+/* Which deadline the connection is past, if any (CONN_CLOSE_N: none). Resets a stalled
+ * stream on a productive connection instead of closing it. No callback runs here. */
+static conn_close_reason_t conn_overdue(srv_conn_t *c, uint64_t now)
+{
+    const td_grpc_server_config_t *cfg = &c->srv->cfg;
+    if (!c->handshaken)
+        return now - c->since >= cfg->handshake_timeout_ms ? CONN_CLOSE_HANDSHAKE : CONN_CLOSE_N;
+    bool productive = conn_productive(c), stalled = false;
+    for (td_grpc_call_t *call = c->calls; call; call = call->next) {
+        if (call->dispatched || call->stall_reset || now - call->begun < cfg->request_timeout_ms)
+            continue;
+        stalled = true;
+        call->stall_reset = true;
+        if (productive)
+            nghttp2_submit_rst_stream(c->ses, NGHTTP2_FLAG_NONE, call->stream_id, NGHTTP2_CANCEL);
+    }
+    if (productive)
+        return CONN_CLOSE_N;
+    if (stalled)
+        return CONN_CLOSE_REQUEST;
+    if (cfg->idle_timeout_ms && now - c->since >= cfg->idle_timeout_ms)
+        return CONN_CLOSE_IDLE;
+    return CONN_CLOSE_N;
+}
+
+static void on_sweep(uv_timer_t *t)
+{
+    td_grpc_server_t *srv = t->data;
+    uint64_t now = uv_now(srv->loop);
+    bool any = false;
+    for (srv_conn_t *c = srv->conns; c; c = c->next) {
+        c->doom = c->closed || c->closing ? CONN_CLOSE_N : conn_overdue(c, now);
+        any |= c->doom != CONN_CLOSE_N;
+    }
+    /* closing runs cancel callbacks that may touch other connections: rescan after each */
+    for (srv_conn_t *c = any ? srv->conns : NULL; c && !srv->closing;) {
+        if (c->doom != CONN_CLOSE_N && !c->closed) {
+            conn_close_reason_t why = c->doom;
+            c->doom = CONN_CLOSE_N;
+            conn_drop(c, why);
+            c = srv->conns;
+        } else {
+            c = c->next;
+        }
+    }
+}
+
+static uint64_t sweep_interval_ms(const td_grpc_server_config_t *cfg)
+{
+    uint32_t shortest = TD_MIN(cfg->handshake_timeout_ms, cfg->request_timeout_ms);
+    if (cfg->idle_timeout_ms)
+        shortest = TD_MIN(shortest, cfg->idle_timeout_ms);
+    return TD_MAX(10u, TD_MIN(1000u, shortest / 4));
 }
 
 static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf)
@@ -992,6 +1131,8 @@ static void on_connection(uv_stream_t *listener, int status)
     if (!c)
         return;
     c->srv = srv;
+    c->since = uv_now(srv->loop);
+    c->doom = CONN_CLOSE_N;
     uv_tcp_init(srv->loop, &c->tcp);
     c->tcp.data = c;
     srv->open_handles++;
@@ -1003,8 +1144,15 @@ static void on_connection(uv_stream_t *listener, int status)
     if (uv_accept(listener, (uv_stream_t *)&c->tcp) < 0)
         goto err_conn;
     if (srv->n_conns > srv->cfg.max_connections) {
-        td_warn("grpc server: connection limit %u reached, refusing a connection", srv->cfg.max_connections);
-        goto err_conn;
+        srv_conn_t *victim = conn_pick_victim(srv, c);
+        if (!victim) {
+            td_warn("grpc server: connection limit %u reached and every connection has a call running, "
+                    "refusing a connection", srv->cfg.max_connections);
+            if (srv->closed_by[CONN_CLOSE_REFUSED])
+                td_metric_inc(srv->closed_by[CONN_CLOSE_REFUSED]);
+            goto err_conn;
+        }
+        conn_drop(victim, CONN_CLOSE_EVICTED);
     }
     uv_tcp_nodelay(&c->tcp, 1);
 
@@ -1060,7 +1208,8 @@ td_status_t td_grpc_server_create(uv_loop_t *loop, const td_grpc_server_config_t
     if (cfg->max_message_bytes == 0 || cfg->max_message_bytes > UINT32_MAX ||
         cfg->max_concurrent_streams == 0 || cfg->max_header_list_bytes < 1024 ||
         cfg->initial_window_bytes < 65535 || cfg->initial_window_bytes > 0x7fffffff ||
-        cfg->send_queue_bytes == 0 || cfg->max_connections == 0)
+        cfg->send_queue_bytes == 0 || cfg->max_connections == 0 || cfg->handshake_timeout_ms == 0 ||
+        cfg->request_timeout_ms == 0)
         return td_errorf(TD_ERR_INVALID, "grpc server: a limit in the configuration is zero or out of range");
     td_grpc_server_t *srv = calloc(1, sizeof *srv);
     if (!srv)
@@ -1073,6 +1222,15 @@ td_status_t td_grpc_server_create(uv_loop_t *loop, const td_grpc_server_config_t
         td_status_t st = td_metrics_register(cfg->metrics, TD_METRIC_COUNTER, "tandem_grpc_server_handled_total",
                                              "gRPC calls completed by the server, by method and status code.",
                                              labels, 2, NULL, 0, &srv->handled);
+        const char *reason = "reason";
+        td_metric_family_t *closed = NULL;
+        if (st == TD_OK)
+            st = td_metrics_register(cfg->metrics, TD_METRIC_COUNTER, "tandem_grpc_server_connections_closed_total",
+                                     "Connections the gRPC server closed itself, by reason: handshake_timeout, "
+                                     "request_timeout, idle_timeout, evicted (room for a new one), refused.",
+                                     &reason, 1, NULL, 0, &closed);
+        for (int i = 0; st == TD_OK && i < CONN_CLOSE_N; i++)
+            st = td_metric_family_get(closed, &conn_close_names[i], &srv->closed_by[i]);
         if (st != TD_OK) {
             free(srv);
             return st;
@@ -1086,7 +1244,9 @@ td_status_t td_grpc_server_create(uv_loop_t *loop, const td_grpc_server_config_t
     srv->kick.data = srv;
     uv_timer_init(loop, &srv->dl_timer);
     srv->dl_timer.data = srv;
-    srv->open_handles = 4;
+    uv_timer_init(loop, &srv->sweep);
+    srv->sweep.data = srv;
+    srv->open_handles = 5;
     td_status_t st = td_rpc_tcp_listen(&srv->listener, "grpc server", cfg->host, cfg->port, on_connection,
                                        &srv->port);
     if (st != TD_OK) {
@@ -1095,10 +1255,14 @@ td_status_t td_grpc_server_create(uv_loop_t *loop, const td_grpc_server_config_t
         uv_close((uv_handle_t *)&srv->pump, server_handle_closed);
         uv_close((uv_handle_t *)&srv->kick, server_handle_closed);
         uv_close((uv_handle_t *)&srv->dl_timer, server_handle_closed);
+        uv_close((uv_handle_t *)&srv->sweep, server_handle_closed);
         return st;
     }
     uv_prepare_start(&srv->pump, on_pump);
     uv_unref((uv_handle_t *)&srv->pump);
+    uint64_t every = sweep_interval_ms(&srv->cfg);
+    uv_timer_start(&srv->sweep, on_sweep, every, every);
+    uv_unref((uv_handle_t *)&srv->sweep);
     *srv_p = srv;
     return TD_OK;
 }
@@ -1160,6 +1324,7 @@ void td_grpc_server_close(td_grpc_server_t *srv, void (*cb)(void *data), void *d
     uv_close((uv_handle_t *)&srv->pump, server_handle_closed);
     uv_close((uv_handle_t *)&srv->kick, server_handle_closed);
     uv_close((uv_handle_t *)&srv->dl_timer, server_handle_closed);
+    uv_close((uv_handle_t *)&srv->sweep, server_handle_closed);
     while (srv->conns)
         conn_close_now(srv->conns, TD_ERR_CLOSED);
 }

@@ -22,6 +22,10 @@
 
 typedef struct http_conn http_conn_t;
 
+/* Why the server closed a connection itself (the `reason` label). */
+enum { CLOSE_REQUEST, CLOSE_IDLE, CLOSE_EVICTED, CLOSE_REFUSED, CLOSE_N };
+static const char *const close_names[CLOSE_N] = {"request_timeout", "idle_timeout", "evicted", "refused"};
+
 struct td_http_server {
     uv_loop_t *loop;
     uv_tcp_t listener;
@@ -30,21 +34,27 @@ struct td_http_server {
     http_conn_t *conns;         /* doubly linked list of live connections */
     uint32_t n_conns;
     bool closing;
-    int pending_closes;         /* listener + connections still closing */
+    int pending_closes;         /* listener + connections still closing (any connection closed
+                                 * before the server was is still in flight when it closes) */
     void (*close_cb)(void *data);
     void *close_data;
+    td_metric_t *closed_by[CLOSE_N]; /* tandem_http_server_connections_closed_total{reason} */
 };
 
 struct http_conn {
     http_conn_t *prev, *next;
     td_http_server_t *srv;
     uv_tcp_t tcp;
-    uv_timer_t idle;
+    uv_timer_t idle;            /* one-shot: idle_timeout_ms, or request_timeout_ms once a
+                                 * request's first byte came; never restarted by bytes */
     uv_write_t wreq;
     char *buf;                  /* [cfg.max_request_bytes] */
     size_t len;
     char *out;                  /* the response in flight */
     bool writing, close_after_write, closing;
+    bool in_request;            /* a request's first byte came, its answer is not written */
+    bool served;                /* answered a request once */
+    uint64_t since;             /* uv_now at accept or the last answer written */
     int open_handles;
 };
 
@@ -56,6 +66,7 @@ td_http_config_t td_http_config_default(void)
         .max_request_bytes = 8192,
         .max_connections = 64,
         .idle_timeout_ms = 30000,
+        .request_timeout_ms = 10000,
     };
 }
 
@@ -79,10 +90,8 @@ static void conn_handle_closed(uv_handle_t *h)
     free(c->buf);
     free(c->out);
     free(c);
-    if (srv->closing) {
-        srv->pending_closes--;
-        server_maybe_done(srv);
-    }
+    srv->pending_closes--;
+    server_maybe_done(srv);
 }
 
 static void conn_close(http_conn_t *c)
@@ -98,15 +107,32 @@ static void conn_close(http_conn_t *c)
     if (c->next)
         c->next->prev = c->prev;
     srv->n_conns--;
-    if (srv->closing)
-        srv->pending_closes++;
+    srv->pending_closes++;
     uv_close((uv_handle_t *)&c->tcp, conn_handle_closed);
     uv_close((uv_handle_t *)&c->idle, conn_handle_closed);
 }
 
+static void count_close(td_http_server_t *srv, int why)
+{
+    if (srv->closed_by[why])
+        td_metric_inc(srv->closed_by[why]);
+}
+
 static void on_idle(uv_timer_t *t)
 {
-    conn_close(t->data);
+    http_conn_t *c = t->data;
+    td_debug("http connection: closed, %s", close_names[c->in_request ? CLOSE_REQUEST : CLOSE_IDLE]);
+    count_close(c->srv, c->in_request ? CLOSE_REQUEST : CLOSE_IDLE);
+    conn_close(c);
+}
+
+/* Starts the request clock if bytes of a request are waiting and it is not running. */
+static void conn_request_begun(http_conn_t *c)
+{
+    if (c->in_request || c->len == 0)
+        return;
+    c->in_request = true;
+    uv_timer_start(&c->idle, on_idle, c->srv->cfg.request_timeout_ms, 0);
 }
 
 static void conn_process(http_conn_t *c);
@@ -123,7 +149,12 @@ static void on_write(uv_write_t *req, int status)
         conn_close(c);
         return;
     }
-    conn_process(c); /* a pipelined request may already be buffered */
+    c->in_request = false;
+    c->served = true;
+    c->since = uv_now(c->srv->loop);
+    uv_timer_start(&c->idle, on_idle, c->srv->cfg.idle_timeout_ms, 0);
+    conn_request_begun(c); /* a pipelined request may already be buffered */
+    conn_process(c);
 }
 
 static const char *reason_phrase(int status)
@@ -311,13 +342,28 @@ static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
     if (nread == 0 || c->closing)
         return;
     c->len += (size_t)nread;
-    uv_timer_again(&c->idle);
+    conn_request_begun(c);
     if (c->writing && c->len >= c->srv->cfg.max_request_bytes) {
         uv_read_stop(s); /* resumes never: a client that floods while we answer is dropped */
         conn_close(c);
         return;
     }
     conn_process(c);
+}
+
+/* The connection to close to make room: not being answered; one that never completed a
+ * request first, then the one idle longest; oldest first in each. */
+static http_conn_t *pick_victim(td_http_server_t *srv, const http_conn_t *except)
+{
+    http_conn_t *best = NULL;
+    for (http_conn_t *c = srv->conns; c; c = c->next) {
+        if (c == except || c->closing || c->writing)
+            continue;
+        if (!best || (!c->served && best->served) ||
+            (c->served == best->served && c->since < best->since))
+            best = c;
+    }
+    return best;
 }
 
 static void on_connection(uv_stream_t *listener, int status)
@@ -339,17 +385,29 @@ static void on_connection(uv_stream_t *listener, int status)
     c->tcp.data = c;
     c->idle.data = c;
     c->open_handles = 2;
+    c->since = uv_now(srv->loop);
     c->next = srv->conns;
     if (srv->conns)
         srv->conns->prev = c;
     srv->conns = c;
     srv->n_conns++;
-    if (uv_accept(listener, (uv_stream_t *)&c->tcp) < 0 || srv->n_conns > srv->cfg.max_connections) {
+    if (uv_accept(listener, (uv_stream_t *)&c->tcp) < 0) {
         conn_close(c);
         return;
     }
+    if (srv->n_conns > srv->cfg.max_connections) {
+        http_conn_t *victim = pick_victim(srv, c);
+        count_close(srv, victim ? CLOSE_EVICTED : CLOSE_REFUSED);
+        if (!victim) {
+            td_warn("http server: connection limit %u reached and every connection is being answered, "
+                    "refusing a connection", srv->cfg.max_connections);
+            conn_close(c);
+            return;
+        }
+        conn_close(victim);
+    }
     uv_tcp_nodelay(&c->tcp, 1);
-    uv_timer_start(&c->idle, on_idle, srv->cfg.idle_timeout_ms, srv->cfg.idle_timeout_ms);
+    uv_timer_start(&c->idle, on_idle, srv->cfg.idle_timeout_ms, 0);
     if (uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read) < 0)
         conn_close(c);
 }
@@ -380,6 +438,23 @@ td_status_t td_http_server_create(uv_loop_t *loop, const td_http_config_t *cfg,
         srv->cfg.max_connections = 64;
     if (!srv->cfg.idle_timeout_ms)
         srv->cfg.idle_timeout_ms = 30000;
+    if (!srv->cfg.request_timeout_ms)
+        srv->cfg.request_timeout_ms = 10000;
+    if (cfg->metrics) {
+        const char *reason = "reason";
+        td_metric_family_t *closed = NULL;
+        td_status_t st = td_metrics_register(cfg->metrics, TD_METRIC_COUNTER,
+                                             "tandem_http_server_connections_closed_total",
+                                             "Connections the HTTP server closed itself, by reason: request_timeout, "
+                                             "idle_timeout, evicted (room for a new one), refused.",
+                                             &reason, 1, NULL, 0, &closed);
+        for (int i = 0; st == TD_OK && i < CLOSE_N; i++)
+            st = td_metric_family_get(closed, &close_names[i], &srv->closed_by[i]);
+        if (st != TD_OK) {
+            free(srv);
+            return st;
+        }
+    }
     uv_tcp_init(loop, &srv->listener);
     srv->listener.data = srv;
     td_status_t st = td_rpc_tcp_listen(&srv->listener, "http", cfg->host, cfg->port, on_connection, &srv->port);
@@ -407,7 +482,7 @@ void td_http_server_close(td_http_server_t *srv, void (*cb)(void *data), void *d
     srv->closing = true;
     srv->close_cb = cb;
     srv->close_data = data;
-    srv->pending_closes = 1;
+    srv->pending_closes++;
     uv_close((uv_handle_t *)&srv->listener, on_listener_closed);
     while (srv->conns)
         conn_close(srv->conns);

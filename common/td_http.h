@@ -5,8 +5,12 @@
  * bodies beyond a small Content-Length), handed to one synchronous handler callback and
  * answered with Content-Length; keep-alive is honoured (HTTP/1.1 default, "Connection:
  * close" or HTTP/1.0 closes). Garbage gets 400, a request over the size bound 431, a body
- * 413, an idle connection is closed after idle_timeout_ms. A bad connection is closed
- * alone; the server keeps serving.
+ * 413. Deadlines are absolute, never restarted by received bytes, so a client trickling
+ * a byte at a time gains nothing: a connection waiting for a request is closed after
+ * idle_timeout_ms, a request (head, body and the answer's write) must be done within
+ * request_timeout_ms of its first byte. At max_connections the oldest connection not
+ * being answered is closed to make room (one that never completed a request first). A
+ * bad connection is closed alone; the server keeps serving.
  *
  * Loop thread only. A handle: created with td_http_server_create, closed asynchronously
  * with td_http_server_close, whose callback runs once every connection is gone.
@@ -40,8 +44,16 @@ typedef struct td_http_config {
     const char *host;           /* "127.0.0.1" */
     uint16_t port;              /* 0 = ephemeral, see td_http_server_port */
     size_t max_request_bytes;   /* request line + headers (+ body); default 8 KiB */
-    uint32_t max_connections;   /* further connections are closed at once; default 64 */
-    uint32_t idle_timeout_ms;   /* default 30000 */
+    uint32_t max_connections;   /* at the limit the oldest connection not being answered is
+                                 * closed to make room (never-served ones first); a new one
+                                 * is closed only if every connection is being answered;
+                                 * default 64 */
+    uint32_t idle_timeout_ms;   /* accept or last answer → next request's first byte;
+                                 * default 30000 */
+    uint32_t request_timeout_ms; /* a request's first byte → its answer written, absolute:
+                                 * a trickle cannot extend it; default 10000 */
+    td_metrics_t *metrics;      /* optional: counts tandem_http_server_connections_closed_total
+                                 * {reason} */
     td_http_handler_cb handler;
     void *handler_data;
 } td_http_config_t;

@@ -702,3 +702,153 @@ Test(grpc, client_deadlines_in_order, .timeout = 20)
     cr_assert_eq(uv_loop_close(&loop), 0, "client loop has handles left");
     close(lfd);
 }
+
+/* ---- idle, slow and half-open connections ------------------------------------------ */
+
+static const char preface[] = "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+/* The counter tandem_grpc_server_connections_closed_total{reason=...} as rendered. */
+static double closed_count(td_metrics_t *reg, const char *reason)
+{
+    char *text, key[128];
+    size_t len;
+    cr_assert_eq(td_metrics_render(reg, &text, &len), TD_OK);
+    snprintf(key, sizeof key, "tandem_grpc_server_connections_closed_total{reason=\"%s\"} ", reason);
+    const char *p = strstr(text, key);
+    double v = p ? strtod(p + strlen(key), NULL) : -1;
+    free(text);
+    return v;
+}
+
+/* Half a preface, then nothing; and the whole preface one byte per 100 ms (2.4 s): both
+ * are closed at the handshake deadline (300 ms here), which bytes do not extend, while a
+ * normal client is served. */
+Test(grpc, unfinished_handshake_is_closed_at_its_deadline, .timeout = 30)
+{
+    td_metrics_t *reg;
+    cr_assert_eq(td_metrics_create(&reg), TD_OK);
+    td_grpc_server_config_t cfg = td_grpc_server_config_default();
+    cfg.handshake_timeout_ms = 300;
+    cfg.metrics = reg;
+    client_t c;
+    client_start(&c, &cfg, 0);
+    list_models_ok(&c); /* the channel connects as its loop runs: before the deadline */
+    char buf[256];
+
+    int fd = td_test_connect(c.ts.port);
+    send(fd, "PRI * HTTP/2", 12, MSG_NOSIGNAL);
+    cr_assert_geq(read_to_eof(fd, buf, sizeof buf), 0, "half a preface kept its connection past the deadline");
+    close(fd);
+
+    td_test_trickle_t t = {0};
+    td_test_trickle_start(&t, c.ts.port, 1, preface);
+    cr_assert_geq(read_to_eof(t.fds[0], buf, sizeof buf), 0, "a trickled preface kept its connection");
+    td_test_trickle_stop(&t);
+
+    list_models_ok(&c);
+    cr_assert_geq(closed_count(reg, "handshake_timeout"), 2);
+    client_stop(&c);
+    td_metrics_destroy(reg);
+}
+
+/* A request whose HEADERS came but whose END_STREAM never does, on a connection with no
+ * call running: closed at the request deadline. */
+Test(grpc, unfinished_request_is_closed_at_its_deadline, .timeout = 30)
+{
+    td_metrics_t *reg;
+    cr_assert_eq(td_metrics_create(&reg), TD_OK);
+    td_grpc_server_config_t cfg = td_grpc_server_config_default();
+    cfg.request_timeout_ms = 300;
+    cfg.metrics = reg;
+    client_t c;
+    client_start(&c, &cfg, 0);
+    list_models_ok(&c);
+    char buf[4096];
+
+    /* preface, empty SETTINGS, HEADERS (stream 1, END_HEADERS, no END_STREAM) of a valid
+     * ListModels call (:method POST, :scheme http, :authority, :path, content-type), then
+     * never the message: nghttp2 resets a stream answered early, so the request must be
+     * one we would answer */
+    int fd = td_test_connect(c.ts.port);
+    static const char req[] = "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+                              "\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+                              "\x00\x00\x3a\x01\x04\x00\x00\x00\x01"
+                              "\x83\x86\x01\x01x"
+                              "\x04\x20/tandem.v1.Generation/ListModels"
+                              "\x0f\x10\x10" "application/grpc";
+    send(fd, req, sizeof req - 1, MSG_NOSIGNAL);
+    cr_assert_geq(read_to_eof(fd, buf, sizeof buf), 0, "a stalled request kept its connection past the deadline");
+    close(fd);
+
+    list_models_ok(&c);
+    cr_assert_geq(closed_count(reg, "request_timeout"), 1);
+    client_stop(&c);
+    td_metrics_destroy(reg);
+}
+
+typedef struct hold_stream {
+    result_t r;
+    td_grpc_client_call_t *call;
+} hold_stream_t;
+
+/* The issue's lock-out: 2,000 connections that sent half a preface and 200 that trickle
+ * theirs, at the default limit of 1,024 and the default deadlines. The oldest unfinished
+ * handshakes make room, so a client that was connected keeps its channel (and a stream
+ * that runs meanwhile), a client that connects during the trickle gets in, and the
+ * counters say what happened. */
+Test(grpc, half_open_flood_does_not_lock_clients_out, .timeout = 120)
+{
+    enum { N_HALF = 2000, N_SLOW = 200 };
+    if (!td_test_raise_nofile(N_HALF + N_SLOW + 1024 + 256))
+        cr_skip_test("RLIMIT_NOFILE cannot be raised to %d (hard limit too low)", N_HALF + N_SLOW + 1024 + 256);
+    td_metrics_t *reg;
+    cr_assert_eq(td_metrics_create(&reg), TD_OK);
+    td_grpc_server_config_t cfg = td_grpc_server_config_default();
+    cfg.metrics = reg;
+    client_t c;
+    client_start(&c, &cfg, 0);
+    list_models_ok(&c);
+
+    /* a slow stream in flight on the connected client while the flood comes */
+    result_t stream;
+    generate(&c, "slow", 0, 60000, &stream);
+    for (int i = 0; i < 50 && stream.n_messages == 0; i++)
+        uv_run(&c.loop, UV_RUN_NOWAIT), usleep(10000);
+
+    int *half = calloc(N_HALF, sizeof *half);
+    cr_assert(half);
+    td_test_half_open(c.ts.port, half, N_HALF, "PRI * HTTP/2", 12);
+    td_test_trickle_t slow = {0};
+    td_test_trickle_start(&slow, c.ts.port, N_SLOW, preface);
+    uv_update_time(&c.loop); /* the flood blocked this thread: deadlines count from now */
+
+    for (int i = 0; i < 20; i++)
+        list_models_ok(&c);
+    result_t r;
+    generate_to_end(&c, "hello world", 8, 10000, TD_GRPC_OK, &r);
+
+    /* a client arriving now */
+    client_t late = {0};
+    cr_assert_eq(uv_loop_init(&late.loop), 0);
+    td_grpc_channel_config_t cc = td_grpc_channel_config_default();
+    cr_assert_eq(td_grpc_channel_create(&late.loop, "127.0.0.1", c.ts.port, &cc, &late.ch), TD_OK);
+    for (int i = 0; i < 5; i++)
+        list_models_ok(&late);
+    td_grpc_channel_close(late.ch, NULL, NULL);
+    uv_run(&late.loop, UV_RUN_DEFAULT);
+    cr_assert_eq(uv_loop_close(&late.loop), 0);
+
+    cr_assert_eq(stream.done, 0, "the running stream was ended: %s %s", td_grpc_code_name(stream.code),
+                 stream.message);
+    /* a loaded machine may take past the 10 s handshake deadline: those count there */
+    cr_assert_geq(closed_count(reg, "evicted") + closed_count(reg, "handshake_timeout"), N_HALF + N_SLOW - 1024,
+                  "connections were refused, not evicted");
+    cr_assert_eq(closed_count(reg, "refused"), 0);
+
+    td_test_trickle_stop(&slow);
+    for (int i = 0; i < N_HALF; i++)
+        close(half[i]);
+    free(half);
+    client_stop(&c);
+    td_metrics_destroy(reg);
+}

@@ -330,3 +330,129 @@ Test(metrics, loop_lag_and_longest_run, .timeout = 30)
     cr_assert_lt(under_100ms, n, "one lag sample is over 100 ms (%llu of %llu under)", under_100ms, n);
     cr_assert_geq(longest, 0.15, "the 150 ms callback is the longest run (%g s)", longest);
 }
+
+/* ---- idle, slow and half-open connections ------------------------------------------ */
+
+typedef struct hostile_srv {
+    http_srv_t h;
+    td_http_config_t cfg;
+} hostile_srv_t;
+
+static void hostile_thread(void *arg)
+{
+    hostile_srv_t *hs = arg;
+    http_srv_t *h = &hs->h;
+    uv_loop_init(&h->loop);
+    uv_async_init(&h->loop, &h->stop, on_stop);
+    h->stop.data = h;
+    hs->cfg.handler = td_http_metrics_handler;
+    hs->cfg.handler_data = h->reg;
+    hs->cfg.metrics = h->reg;
+    if (td_http_server_create(&h->loop, &hs->cfg, &h->srv) == TD_OK)
+        h->port = td_http_server_port(h->srv);
+    uv_sem_post(&h->ready);
+    uv_run(&h->loop, UV_RUN_DEFAULT);
+    h->loop_close_rc = uv_loop_close(&h->loop);
+}
+
+static void hostile_start(hostile_srv_t *hs, const td_http_config_t *cfg)
+{
+    signal(SIGPIPE, SIG_IGN);
+    memset(hs, 0, sizeof *hs);
+    hs->cfg = *cfg;
+    cr_assert_eq(td_metrics_create(&hs->h.reg), TD_OK);
+    uv_sem_init(&hs->h.ready, 0);
+    uv_thread_create(&hs->h.thread, hostile_thread, hs);
+    uv_sem_wait(&hs->h.ready);
+    cr_assert_neq(hs->h.port, 0);
+}
+
+static void hostile_stop(hostile_srv_t *hs)
+{
+    uv_async_send(&hs->h.stop);
+    uv_thread_join(&hs->h.thread);
+    uv_sem_destroy(&hs->h.ready);
+    cr_assert_eq(hs->h.loop_close_rc, 0, "http server left handles open");
+    td_metrics_destroy(hs->h.reg);
+}
+
+/* One scrape on a new connection: 200 with the closed-connection counter, whose value for
+ * `reason` is returned. */
+static double scrape_closed(uint16_t port, const char *reason)
+{
+    static char buf[65536];
+    char key[128];
+    int fd = td_test_connect(port);
+    const char *get = "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n";
+    cr_assert_eq(send(fd, get, strlen(get), MSG_NOSIGNAL), (ssize_t)strlen(get));
+    read_response(fd, buf, sizeof buf);
+    close(fd);
+    cr_assert(strncmp(buf, "HTTP/1.1 200 OK\r\n", 17) == 0, "got: %s", buf);
+    snprintf(key, sizeof key, "tandem_http_server_connections_closed_total{reason=\"%s\"} ", reason);
+    const char *p = strstr(buf, key);
+    cr_assert(p, "no %s in: %s", key, buf);
+    return strtod(p + strlen(key), NULL);
+}
+
+/* A request head trickled a byte per 100 ms is closed at the request deadline (500 ms
+ * from its first byte), although every gap is far below the idle timeout (30 s). */
+Test(metrics, trickled_request_is_closed_at_its_deadline, .timeout = 30)
+{
+    hostile_srv_t hs;
+    td_http_config_t cfg = td_http_config_default();
+    cfg.request_timeout_ms = 500;
+    hostile_start(&hs, &cfg);
+
+    static char head[200] = "GET /metrics HTTP/1.1\r\nX-Slow: ";
+    memset(head + strlen(head), 'a', sizeof head - 1 - strlen(head));
+    td_test_trickle_t t = {0};
+    td_test_trickle_start(&t, hs.h.port, 1, head); /* 20 s if never closed */
+    char b;
+    cr_assert_eq(recv(t.fds[0], &b, 1, 0), 0, "the trickled request was not closed (or was answered)");
+    td_test_trickle_stop(&t);
+
+    cr_assert_geq(scrape_closed(hs.h.port, "request_timeout"), 1);
+    hostile_stop(&hs);
+}
+
+/* The issue's lock-out: 2,000 connections that sent half a request line and 200 that
+ * trickle theirs, at the default limit of 64. The oldest never-served connections make
+ * room, so a scraper gets every answer, on new connections and on a kept-alive one. */
+Test(metrics, half_open_flood_does_not_lock_scrapers_out, .timeout = 120)
+{
+    enum { N_HALF = 2000, N_SLOW = 200 };
+    if (!td_test_raise_nofile(N_HALF + N_SLOW + 256))
+        cr_skip_test("RLIMIT_NOFILE cannot be raised to %d (hard limit too low)", N_HALF + N_SLOW + 256);
+    hostile_srv_t hs;
+    td_http_config_t cfg = td_http_config_default();
+    hostile_start(&hs, &cfg);
+    static char buf[65536];
+
+    int keep = td_test_connect(hs.h.port);
+    const char *get = "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n";
+    send(keep, get, strlen(get), MSG_NOSIGNAL);
+    read_response(keep, buf, sizeof buf);
+
+    int *half = calloc(N_HALF, sizeof *half);
+    cr_assert(half);
+    td_test_half_open(hs.h.port, half, N_HALF, "GET /met", 8);
+    td_test_trickle_t slow = {0};
+    td_test_trickle_start(&slow, hs.h.port, N_SLOW, "GET /metrics HTTP/1.1\r\nHost: a-slow-client.example\r\n\r\n");
+
+    for (int i = 0; i < 20; i++)
+        scrape_closed(hs.h.port, "evicted");
+    cr_assert_eq(send(keep, get, strlen(get), MSG_NOSIGNAL), (ssize_t)strlen(get));
+    read_response(keep, buf, sizeof buf);
+    cr_assert(strncmp(buf, "HTTP/1.1 200 OK\r\n", 17) == 0, "the kept-alive scraper lost its connection: %s", buf);
+    /* a loaded machine may take past the 10 s request deadline: those count there */
+    double made_room = scrape_closed(hs.h.port, "evicted") + scrape_closed(hs.h.port, "request_timeout");
+    cr_assert_geq(made_room, N_HALF + N_SLOW - 64, "connections were refused, not evicted");
+    cr_assert_eq(scrape_closed(hs.h.port, "refused"), 0);
+    close(keep);
+
+    td_test_trickle_stop(&slow);
+    for (int i = 0; i < N_HALF; i++)
+        close(half[i]);
+    free(half);
+    hostile_stop(&hs);
+}
