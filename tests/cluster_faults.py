@@ -42,6 +42,8 @@ and exits 0 when the behaviour is right, 1 (with 'FAIL: why' lines) when not:
                                          GATEWAY, registrations under the live nodes' ids
                                          (ALREADY_EXISTS) while a stream runs there, which must
                                          finish OK
+  stepsforeign DECODE_CTL                a Steps subscriber that is not the decode node's
+                                         router (its --router is elsewhere): PERMISSION_DENIED
   httpgarbage URL                        garbage on a /metrics port: connections closed,
                                          /metrics still served
   slowreader HOST:PORT MAX_TOKENS SECS   a raw h2c client that never opens its stream window:
@@ -691,6 +693,17 @@ def cmd_controlgarbage(router_ctl, decode_ctl, prefill_ctl, vocab, max_seq, gate
     return rc
 
 
+def cmd_stepsforeign(decode_ctl):
+    """A Steps subscriber that is not the router the decode node registers with (its --router
+    is on another host): refused PERMISSION_DENIED, never served."""
+    code, details, out = control_call(decode_ctl, "/tandem.control.v1.DecodeNode/Steps", pb_bytes(1, "intruder"),
+                                      True, timeout=5)
+    print("Steps: a subscriber that is not the node's router: %s %s" % (code, details))
+    if code != "PERMISSION_DENIED" or "subscriber" not in details:
+        return fail("a foreign Steps subscriber: %s %s, want PERMISSION_DENIED naming it" % (code, details))
+    return 0
+
+
 def controlgarbage_live_ids(router_ctl, gateway, registration):
     """Registrations under the ids of the live nodes d0 and p0 (another address, even another
     role) while a stream runs on them: each refused ALREADY_EXISTS naming the id, and the
@@ -897,7 +910,7 @@ def cmd_run(target, max_tokens, refs_path):
 def main():
     cmds = {"metric": cmd_metric, "waitmetric": cmd_waitmetric, "cancel": cmd_cancel, "deadline": cmd_deadline,
             "rawdeadline": cmd_rawdeadline, "garbage": cmd_garbage, "nodekill": cmd_nodekill,
-            "stopkill": cmd_stopkill, "stall": cmd_stall, "controlgarbage": cmd_controlgarbage,
+            "stopkill": cmd_stopkill, "stall": cmd_stall, "controlgarbage": cmd_controlgarbage, "stepsforeign": cmd_stepsforeign,
             "httpgarbage": cmd_httpgarbage, "slowreader": cmd_slowreader, "churn": cmd_churn, "ping": cmd_ping, "run": cmd_run,
             "looplag": cmd_looplag, "bigprompt": cmd_bigprompt}
     if len(sys.argv) < 2 or sys.argv[1] not in cmds:

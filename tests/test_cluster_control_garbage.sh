@@ -7,7 +7,7 @@
 # absurd block ids and junk transfer descriptions; registrations with each field wrong (role
 # 99, bad layouts, no blocks, absurd vocabularies, an address without a port, ...) refused
 # INVALID_ARGUMENT naming the field and value; a second subscriber to the decode node's Steps
-# stream refused; registrations under the live nodes' ids refused ALREADY_EXISTS while a
+# stream refused, and any subscriber of a node whose router is on another host; registrations under the live nodes' ids refused ALREADY_EXISTS while a
 # stream runs on them, which finishes OK. Each must end with a status (the impossible
 # ones with an error) and no process may die; then a lease whose KV never comes (300 ms) must
 # give its blocks back (tandem_decode_kv_blocks_used), the cluster must serve 8 requests equal
@@ -25,6 +25,12 @@ base=$(cl_metric d0 tandem_decode_kv_blocks_used)
 "$CL_PY" "$CL_TOOL" controlgarbage "$CL_CTL" "$DC" "$PC" 512 512 "$CL_GW" || CL_FAIL=1
 for n in router p0 d0; do _cl_dead "${CL_PID[$n]}" && cl_fail "$n died"; done
 [ $CL_FAIL -eq 0 ] || cl_end
+
+echo "== Steps of a decode node whose router is elsewhere (192.0.2.1, never reached): refused here"
+CL_CTL=192.0.2.1:7070 CL_NAME=dx cl_node decode dx --kv-blocks 64
+XC=$(sed -n 's/^decode dx: control \([^ ]*\) .*/\1/p' "$CL_T/dx.out")
+"$CL_PY" "$CL_TOOL" stepsforeign "$XC" || CL_FAIL=1
+_cl_dead "${CL_PID[dx]}" && cl_fail "dx died"  # it stops with the others (exit 0, no sanitizer report)
 
 echo "== garbage on the /metrics ports"
 for n in router p0 d0; do
