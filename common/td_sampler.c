@@ -365,7 +365,7 @@ td_status_t td_sampler_sample(td_sampler_t *sampler, const float *logits, int32_
             if (val[i] > val[best])
                 best = i;
         if (val[best] == -INFINITY)
-            return td_errorf(TD_ERR_INVALID, "sampler: no finite logit among %d", vocab);
+            return td_errorf(TD_ERR_INVALID, "sampler: none of the %d logits is finite (are the model's weights NaN or Inf?)", vocab);
         *token_p = best;
         return TD_OK;
     }
@@ -384,7 +384,7 @@ td_status_t td_sampler_sample(td_sampler_t *sampler, const float *logits, int32_
                 cand[n++] = (cand_t){ val[i], i };
     }
     if (n == 0)
-        return td_errorf(TD_ERR_INVALID, "sampler: no finite logit among %d", vocab);
+        return td_errorf(TD_ERR_INVALID, "sampler: none of the %d logits is finite (are the model's weights NaN or Inf?)", vocab);
 
     /* temperature + softmax, left unnormalized: v becomes exp((logit - max) / T), so the
      * most likely token has weight 1 and probabilities are v / total */
@@ -538,7 +538,9 @@ td_status_t td_stop_feed(td_stop_t *stop, const char *text, size_t len, td_stop_
     }
     size_t hold = stop_partial(m, m->buf, m->buf_len);
     m->emitted = m->buf_len - hold;
-    *res = (td_stop_result_t){ .emit = m->buf, .emit_len = m->emitted, .matched = false, .which = -1 };
+    /* buf is still NULL when only empty text was fed: emit is never NULL, so callers may
+     * hand it to fwrite/memcpy whatever its length */
+    *res = (td_stop_result_t){ .emit = m->buf ? m->buf : "", .emit_len = m->emitted, .matched = false, .which = -1 };
     return TD_OK;
 }
 

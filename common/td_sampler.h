@@ -91,7 +91,7 @@ typedef struct td_stop td_stop_t;
 /* What one td_stop_feed() call decided. */
 typedef struct td_stop_result {
     const char *emit;   /* bytes that may be sent now (inside the matcher; valid until the
-                           next call on it) */
+                           next call on it); never NULL, "" when there are none */
     size_t emit_len;
     bool matched;       /* a stop string completed: emit is the text before it; stop now */
     int32_t which;      /* index of the stop string that matched, -1 if none */

@@ -122,8 +122,8 @@ typedef struct td_detok {
 void td_detok_init(td_detok_t *d, const td_tokenizer_t *tok);
 
 /*
- * Adds one id. *text_p / *len_p receive the newly complete text (possibly empty), valid
- * until the next push/flush/free of `d`. Errors: TD_ERR_RANGE (bad id; the stream is
+ * Adds one id. *text_p / *len_p receive the newly complete text (possibly empty, never
+ * NULL: NUL-terminated), valid until the next push/flush/free of `d`. Errors: TD_ERR_RANGE (bad id; the stream is
  * unchanged), TD_ERR_NOMEM.
  */
 td_status_t td_detok_push(td_detok_t *d, int32_t id, const char **text_p, size_t *len_p);

@@ -6,6 +6,10 @@
  *
  * Each case runs with 1 and 4 threads. Errors are relative: |got - ref| must be within
  * tol * (|ref| + rms(ref)) elementwise.
+ *
+ * The special-values cases feed NaN, +-inf and huge values (what weights with NaN or Inf
+ * produce) to exp, softmax and swiglu and check the results docs/kernels.md promises; the
+ * sanitizer build runs them too, so undefined behaviour on such inputs fails there.
  */
 #include <criterion/criterion.h>
 #include <math.h>
@@ -13,6 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu/td_cpu.h"
 #include "td_backend.h"
 #include "td_util.h"
 
@@ -657,6 +662,117 @@ Test(kernels_cpu, attn_prefill_single_rows, .timeout = 120)
                      .hd = 64, .bs = 16, .kv_dtype = TD_BF16};
     attn_run(be, &r, &c);
     td_backend_destroy(be);
+}
+
+/* ---- special values: NaN, +-inf, huge --------------------------------------------- */
+
+#define N_SPECIAL 28
+static const float special_in[N_SPECIAL] = {
+    NAN, -NAN, INFINITY, -INFINITY, 3.4e38f, -3.4e38f, 1e30f, -1e30f, 1000.0f, -1000.0f,
+    88.5f, 88.0f, 87.9f, -86.9f, -87.0f, -87.5f, -88.5f, -100.0f, 20.0f, -20.0f,
+    1.0f, -1.0f, 0.0f, -0.0f, 1e-40f, -1e-40f, 1e-30f, 0.5f};
+
+/* got matches ref: both NaN, the same infinity, or finite and within rel * |ref| + abs */
+static void check_special(const char *what, const float *in, const float *got, const double *ref, int n,
+                          double rel, double abs)
+{
+    for (int i = 0; i < n; i++) {
+        double g = got[i], w = ref[i];
+        bool ok = isnan(w) ? isnan(g) : isinf(w) ? g == w : isfinite(g) && fabs(g - w) <= rel * fabs(w) + abs;
+        if (!ok)
+            cr_assert_fail("%s: element %d (input %.8g): got %.8g want %.8g", what, i, in ? (double)in[i] : 0.0,
+                           g, w);
+    }
+}
+
+/* td_cpu_exp's documented function: exp on [-87, 88], clamped outside it, NaN for NaN */
+static double exp_ref(float x)
+{
+    return isnan(x) ? NAN : exp(fmin(fmax((double)x, -87.0), 88.0));
+}
+
+/* exp on every special value, scalar and (where built) the 8-lane version */
+Test(kernels_cpu, exp_special_values)
+{
+    float got[32], in[32] = {0};
+    double ref[N_SPECIAL];
+    memcpy(in, special_in, sizeof special_in);
+    for (int i = 0; i < N_SPECIAL; i++)
+        got[i] = td_cpu_exp(in[i]), ref[i] = exp_ref(in[i]);
+    check_special("td_cpu_exp", in, got, ref, N_SPECIAL, 2e-6, 0);
+#if defined(__AVX2__) && defined(__FMA__)
+    for (int i = 0; i < 32; i += 8)
+        _mm256_storeu_ps(got + i, td_cpu_exp8(_mm256_loadu_ps(in + i)));
+    check_special("td_cpu_exp8", in, got, ref, N_SPECIAL, 2e-6, 0);
+#endif
+}
+
+/* Softmax as attention computes it (max, then exp(x - max) and the sum, on rows long enough
+ * for the 8-lane path and its scalar tail): a NaN anywhere, or +inf (inf - inf), makes the
+ * row NaN; -inf entries (masked) weigh ~0; huge finite values are exact after the shift. */
+Test(kernels_cpu, softmax_special_values)
+{
+    enum { N = 21 };
+    static const struct {
+        const char *what;
+        int at;      /* where `v` goes in a row of small values */
+        float v;
+        bool nan;    /* the whole row is NaN */
+    } rows[] = {
+        {"nan first", 0, NAN, true},    {"nan in the vector part", 5, NAN, true},
+        {"nan in the tail", 19, NAN, true}, {"+inf", 9, INFINITY, true},
+        {"-inf", 3, -INFINITY, false},  {"-inf in the tail", 20, -INFINITY, false},
+        {"huge", 7, 3.0e38f, false},    {"huge negative", 17, -3.0e38f, false},
+    };
+    for (size_t t = 0; t < TD_ARRAY_LEN(rows); t++) {
+        float x[N];
+        double ref[N];
+        for (int i = 0; i < N; i++)
+            x[i] = 0.25f * (float)(i % 7) - 1.0f;
+        x[rows[t].at] = rows[t].v;
+        float m = td_cpu_max(x, N);
+        float sum = td_cpu_exp_sum(x, m, N);
+        for (int i = 0; i < N; i++)
+            x[i] /= sum;
+        if (rows[t].nan) {
+            for (int i = 0; i < N; i++)
+                ref[i] = NAN;
+        } else {
+            double mx = -INFINITY, s = 0;
+            for (int i = 0; i < N; i++)
+                mx = fmax(mx, i == rows[t].at ? (double)rows[t].v : 0.25 * (i % 7) - 1.0);
+            for (int i = 0; i < N; i++)
+                s += ref[i] = exp((i == rows[t].at ? (double)rows[t].v : 0.25 * (i % 7) - 1.0) - mx);
+            for (int i = 0; i < N; i++)
+                ref[i] /= s;
+        }
+        check_special(rows[t].what, NULL, x, ref, N, 1e-5, 1e-30);
+    }
+}
+
+/* swiglu on every pair of a special gate and a plain or zero up: silu(+inf) = +inf,
+ * silu(-inf) = 0 (its limit), NaN gives NaN, and inf * 0 is NaN as IEEE says. */
+Test(kernels_cpu, swiglu_special_values)
+{
+    static const float ups[] = {1.0f, 0.0f, -0.5f};
+    enum { NU = 3, N = N_SPECIAL * NU };
+    float g[N], u[N], o[N];
+    double ref[N];
+    for (int i = 0; i < N_SPECIAL; i++)
+        for (int k = 0; k < NU; k++) {
+            int at = i * NU + k;
+            double gd = special_in[i];
+            double silu = isinf(gd) ? (gd > 0 ? gd : 0.0) : gd / (1.0 + exp(-gd));
+            g[at] = special_in[i], u[at] = ups[k];
+            ref[at] = silu * ups[k];
+        }
+    for (size_t ti = 0; ti < TD_ARRAY_LEN(thread_counts); ti++) {
+        td_backend_t *be = make_backend(thread_counts[ti]);
+        poison(o, sizeof o);
+        cr_assert_eq(be->ops->swiglu(be, o, g, u, 1, N), TD_OK);
+        check_special("swiglu", g, o, ref, N, 1e-5, 1e-30);
+        td_backend_destroy(be);
+    }
 }
 
 /* ---- opening a backend by --device -------------------------------------------------- */

@@ -148,16 +148,21 @@ static inline void td_cpu_scale(float *y, float a, int n)
 }
 
 /*
- * exp(x) for x <= 0 as used by softmax, ~2 ulp: range reduction by ln 2 and a degree-6
- * polynomial, written without calls or branches so loops over it vectorise. Inputs below
- * -87 give ~0 (the result is clamped, never denormal garbage).
+ * exp(x) as softmax (x <= 0) and silu use it, ~2 ulp on [-87, 88]: range reduction by ln 2
+ * and a degree-6 polynomial, written without calls or branches so loops over it vectorise.
+ * Defined for every input (docs/kernels.md): below -87, -inf included, it gives exp(-87)
+ * ~1.6e-38 (never denormal garbage; nothing beside a 1 in a sum); above 88, +inf included,
+ * exp(88) ~1.65e38 (finite); NaN gives NaN. The clamp is written so that NaN fails both
+ * tests and is clamped too, so the float-to-int conversion always sees [-125, 127] and the
+ * exponent is shifted as an unsigned value: no input reaches a conversion out of range or a
+ * shift of a negative value (before, NaN did both).
  */
 static inline float td_cpu_exp(float x)
 {
-    x = x < -87.0f ? -87.0f : x;
-    x = x > 88.0f ? 88.0f : x;
-    float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
-    float r = x - n * 0.693359375f;
+    float c = x > -87.0f ? x : -87.0f;
+    c = c < 88.0f ? c : 88.0f;
+    float n = __builtin_floorf(c * 1.44269504088896341f + 0.5f);
+    float r = c - n * 0.693359375f;
     r = r - n * -2.12194440e-4f;
     float p = 1.9875691500e-4f;
     p = p * r + 1.3981999507e-3f;
@@ -166,20 +171,21 @@ static inline float td_cpu_exp(float x)
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
-    int32_t e = ((int32_t)n + 127) << 23;
+    uint32_t e = (uint32_t)((int32_t)n + 127) << 23;
     float scale;
     memcpy(&scale, &e, sizeof(scale));
-    return p * scale;
+    return x == x ? p * scale : x; /* NaN in, NaN out */
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-/* td_cpu_exp on 8 lanes (same constants, same clamping) */
+/* td_cpu_exp on 8 lanes (same constants, same clamping, same special values: max/min_ps
+ * return their second operand for a NaN lane, the final blend puts the NaN back) */
 static inline __m256 td_cpu_exp8(__m256 x)
 {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    __m256 c = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
     __m256 n = _mm256_floor_ps(
-        _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+        _mm256_fmadd_ps(c, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), c);
     r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
     __m256 p = _mm256_set1_ps(1.9875691500e-4f);
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
@@ -189,7 +195,8 @@ static inline __m256 td_cpu_exp8(__m256 x)
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
     p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
     __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+    __m256 y = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+    return _mm256_blendv_ps(y, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
 }
 #endif
 

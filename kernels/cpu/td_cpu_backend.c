@@ -325,8 +325,10 @@ static void swiglu_task(void *arg, int task, int thread)
     size_t i0 = j->n * (size_t)task / (size_t)j->n_tasks;
     size_t i1 = j->n * (size_t)(task + 1) / (size_t)j->n_tasks;
     for (size_t i = i0; i < i1; i++) {
-        float g = j->gate[i];
-        /* silu(g) = g / (1 + e^-g); e^-g via the vectorisable exp, clamped for large |g| */
+        /* silu(g) = g / (1 + e^-g); e^-g via the vectorisable exp, clamped for large |g|.
+         * g is clamped at -88 first (NaN passes): below it silu is under 6e-37 in size, and
+         * -inf would otherwise give -inf / 1.65e38 = -inf instead of silu's limit 0 */
+        float g = j->gate[i] < -88.0f ? -88.0f : j->gate[i];
         j->out[i] = g / (1.0f + td_cpu_exp(-g)) * j->up[i];
     }
 }
