@@ -271,6 +271,11 @@ static td_status_t check_config(const td_engine_config_t *cfg)
     return TD_OK;
 }
 
+/* The step metadata's block table ([max_seqs][max_blocks] int32) is host memory rewritten
+ * at every step; 1 GiB is far above any real shape (256 sequences of 1M tokens in blocks of
+ * 16 take 64 MiB) and keeps a hostile config from asking for more. */
+#define TD_ENGINE_MAX_TABLE_BYTES ((size_t)1 << 30)
+
 static td_status_t alloc_state(td_engine_t *eng)
 {
     const td_model_config_t *c = &eng->model->config;
@@ -279,19 +284,32 @@ static td_status_t alloc_state(td_engine_t *eng)
     size_t T = (size_t)eng->cfg.max_batch_tokens;
     size_t R = (size_t)eng->cfg.max_logit_rows;
     size_t qd = (size_t)c->n_heads * c->head_dim, kvd = (size_t)c->n_kv_heads * c->head_dim;
+    /* every size is rows x width x element, each checked: the widths come from a model's
+     * config.json, whose numbers may be anything up to INT32_MAX */
     struct {
         void **p;
-        size_t bytes;
+        const char *what;
+        size_t rows, width, elem;
     } bufs[] = {
-        {&eng->s.x, T * c->dim * act},       {&eng->s.xb, T * c->dim * act},
-        {&eng->s.q, T * qd * act},           {&eng->s.k, T * kvd * act},
-        {&eng->s.v, T * kvd * act},          {&eng->s.att, T * qd * act},
-        {&eng->s.gate, T * c->hidden_dim * act}, {&eng->s.up, T * c->hidden_dim * act},
-        {&eng->s.rows, R * c->dim * act},    {&eng->s.logits, R * c->vocab_size * sizeof(float)},
-        {(void **)&eng->s.inv_freq, (size_t)c->head_dim / 2 * sizeof(float)},
+        {&eng->s.x, "activations (max_batch_tokens x hidden_size)", T, (size_t)c->dim, act},
+        {&eng->s.xb, "activations (max_batch_tokens x hidden_size)", T, (size_t)c->dim, act},
+        {&eng->s.q, "queries (max_batch_tokens x heads x head_dim)", T, qd, act},
+        {&eng->s.k, "keys (max_batch_tokens x kv heads x head_dim)", T, kvd, act},
+        {&eng->s.v, "values (max_batch_tokens x kv heads x head_dim)", T, kvd, act},
+        {&eng->s.att, "attention output (max_batch_tokens x heads x head_dim)", T, qd, act},
+        {&eng->s.gate, "mlp gate (max_batch_tokens x intermediate_size)", T, (size_t)c->hidden_dim, act},
+        {&eng->s.up, "mlp up (max_batch_tokens x intermediate_size)", T, (size_t)c->hidden_dim, act},
+        {&eng->s.rows, "logit rows (max_logit_rows x hidden_size)", R, (size_t)c->dim, act},
+        {&eng->s.logits, "logits (max_logit_rows x vocab_size)", R, (size_t)c->vocab_size, sizeof(float)},
+        {(void **)&eng->s.inv_freq, "rope frequencies (head_dim / 2)", 1, (size_t)c->head_dim / 2, sizeof(float)},
     };
     for (size_t i = 0; i < TD_ARRAY_LEN(bufs); i++) {
-        td_status_t st = be->ops->alloc(be, bufs[i].bytes, bufs[i].p);
+        size_t bytes;
+        if (!td_mul_size(bufs[i].rows, bufs[i].width, &bytes) || !td_mul_size(bytes, bufs[i].elem, &bytes))
+            return td_errorf(TD_ERR_INVALID, "engine: the %s buffer, %zu x %zu elements of %zu bytes, is larger "
+                             "than memory can address (SIZE_MAX bytes)", bufs[i].what, bufs[i].rows,
+                             bufs[i].width, bufs[i].elem);
+        td_status_t st = be->ops->alloc(be, bytes, bufs[i].p);
         if (st != TD_OK)
             return st;
     }
@@ -302,13 +320,27 @@ static td_status_t alloc_state(td_engine_t *eng)
     if (st != TD_OK)
         return st;
 
-    eng->m.max_blocks = TD_DIV_CEIL(c->max_seq_len, eng->cfg.block_size);
+    /* A sequence's row of the block table holds the blocks of its longest context, and never
+     * more than the pool has. Computed in 64 bits: max_position_embeddings may be INT32_MAX
+     * (rounding it up to whole blocks in int32_t overflowed, and the wrapped count became a
+     * huge allocation reported as out of memory). */
+    int64_t max_blocks = ((int64_t)c->max_seq_len + eng->cfg.block_size - 1) / eng->cfg.block_size;
+    max_blocks = TD_MAX(TD_MIN(max_blocks, (int64_t)eng->n_blocks), (int64_t)1);
+    size_t table_bytes;
+    if (!td_mul_size((size_t)eng->cfg.max_seqs, (size_t)max_blocks, &table_bytes) ||
+        !td_mul_size(table_bytes, sizeof(int32_t), &table_bytes) || table_bytes > TD_ENGINE_MAX_TABLE_BYTES)
+        return td_errorf(TD_ERR_INVALID, "engine: the block table of %d sequences x %lld blocks (a context of "
+                         "%d positions from max_position_embeddings, at most the pool's %d blocks of %d tokens) is over "
+                         "its limit of %zu MiB: lower max_position_embeddings, the batch size or the KV pool",
+                         eng->cfg.max_seqs, (long long)max_blocks, c->max_seq_len, eng->n_blocks, eng->cfg.block_size,
+                         TD_ENGINE_MAX_TABLE_BYTES >> 20);
+    eng->m.max_blocks = (int32_t)max_blocks;
     eng->m.tokens = malloc(T * sizeof(int32_t));
     eng->m.positions = malloc(T * sizeof(int32_t));
     eng->m.slots = malloc(T * sizeof(int32_t));
     eng->m.seq_start = malloc(((size_t)eng->cfg.max_seqs + 1) * sizeof(int32_t));
     eng->m.seq_len = malloc((size_t)eng->cfg.max_seqs * sizeof(int32_t));
-    eng->m.block_tables = malloc((size_t)eng->cfg.max_seqs * eng->m.max_blocks * sizeof(int32_t));
+    eng->m.block_tables = malloc(table_bytes);
     eng->m.logit_rows = malloc(R * sizeof(int32_t));
     if (!eng->m.tokens || !eng->m.positions || !eng->m.slots || !eng->m.seq_start ||
         !eng->m.seq_len || !eng->m.block_tables || !eng->m.logit_rows)
