@@ -159,6 +159,7 @@ td_status_t router_proc_serve(router_proc_t *p, td_metrics_t *metrics)
     hc.port = (uint16_t)p->cfg.metrics_port;
     hc.handler = td_http_metrics_handler;
     hc.handler_data = metrics;
+    hc.metrics = metrics; /* connections it closes, by reason */
     return td_http_server_create(&p->loop, &hc, &p->http);
 }
 
