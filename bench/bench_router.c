@@ -540,7 +540,7 @@ static td_status_t rb_node_start(rb_state_t *s, router_role_t role)
         return st;
     }
     router_node_client_config_t cc = {.router_host = s->host, .router_port = s->ctl_port, .rpc_timeout_ms = 5000,
-                                      .retry_ms = 50, .max_seq_len = 1u << 30, .max_prefill_tokens = 1u << 20};
+                                      .retry_ms = 50, .max_seq_len = ROUTER_MAX_SEQ_LEN, .max_prefill_tokens = 1u << 20};
     router_node_info_t *in = &cc.info;
     snprintf(in->id, sizeof in->id, "noop-%s", role == ROUTER_ROLE_DECODE ? "decode" : "prefill");
     in->role = role;
@@ -549,7 +549,7 @@ static td_status_t rb_node_start(rb_state_t *s, router_role_t role)
                                   .n_layers = 1, .n_kv_heads = 1, .head_dim = 64, .version = TD_KV_LAYOUT_VERSION};
     snprintf(in->address, sizeof in->address, "127.0.0.1:%u", td_grpc_server_port(*srv));
     in->capacity_blocks = RB_CAPACITY_BLOCKS;
-    in->max_batch = 1 << 20;
+    in->max_batch = ROUTER_MAX_BATCH; /* no-op nodes: never the bound */
     static const uint8_t fake_xfer[8] = "noop-kv";
     if (role == ROUTER_ROLE_DECODE) {
         cc.xfer_desc = fake_xfer;

@@ -1174,9 +1174,12 @@ static bool register_edge_check(const Tandem__Control__V1__RegisterRequest *q, c
     else if (q->capacity->total_kv_blocks > INT32_MAX || q->capacity->max_batch > INT32_MAX)
         snprintf(why, cap, "register: node %s: capacity.total_kv_blocks %u or max_batch %u is over %d", id,
                  q->capacity->total_kv_blocks, q->capacity->max_batch, INT32_MAX);
-    else if (q->capacity->vocab_size > ROUTER_MAX_VOCAB || q->capacity->max_seq_len > ROUTER_MAX_SEQ_LEN)
-        snprintf(why, cap, "register: node %s: capacity.vocab_size %u (at most %d) or max_seq_len %u (at most %d)",
-                 id, q->capacity->vocab_size, ROUTER_MAX_VOCAB, q->capacity->max_seq_len, ROUTER_MAX_SEQ_LEN);
+    else if (q->capacity->vocab_size > ROUTER_MAX_VOCAB)
+        snprintf(why, cap, "register: node %s: capacity.vocab_size %u, allowed 0 (unknown) .. %d", id,
+                 q->capacity->vocab_size, ROUTER_MAX_VOCAB);
+    else if (q->capacity->max_seq_len > ROUTER_MAX_SEQ_LEN)
+        snprintf(why, cap, "register: node %s: capacity.max_seq_len %u, allowed 0 (unknown) .. %d", id,
+                 q->capacity->max_seq_len, ROUTER_MAX_SEQ_LEN);
     else if (q->ucx_worker_address.len > TD_XFER_DESC_MAX)
         snprintf(why, cap, "register: node %s: ucx_worker_address is %zu bytes, at most %d (td_xfer_describe)", id,
                  q->ucx_worker_address.len, TD_XFER_DESC_MAX);
