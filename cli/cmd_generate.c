@@ -10,6 +10,7 @@
 #include <arpa/inet.h>
 #include <getopt.h>
 #include <inttypes.h>
+#include <math.h>
 #include <netdb.h>
 #include <signal.h>
 #include <stdio.h>
@@ -19,6 +20,7 @@
 #include "td_backend.h"
 #include "td_cli.h"
 #include "td_engine.h"
+#include "td_gen_params.h"
 #include "td_grpc.h"
 #include "td_log.h"
 #include "td_model.h"
@@ -28,7 +30,6 @@
 #include "health.pb-c.h"
 #include "tandem.pb-c.h"
 
-#define GEN_MAX_STOP_IDS 32
 #define GEN_DEFAULT_TIMEOUT_S 600.0f
 #define GEN_DEFAULT_CONNECT_TIMEOUT_S 5.0f
 
@@ -39,16 +40,17 @@ typedef struct gen_opts {
     const char *prompt_ids;
     td_device_spec_t device;
     int dtype;                 /* -1: weights as stored, f32 KV and activations */
-    int64_t max_tokens;        /* -1: up to the model's length */
+    int64_t max_tokens;        /* -1 (not given): up to the model's length */
+    bool max_tokens_given;     /* -1 given is refused, not taken as "not given" */
     int64_t threads;
     int64_t prefill_chunk;
     size_t kv_mem;
     bool print_ids;
     td_sampling_t sampling;
     const char *stops[TD_STOP_MAX_STRINGS];
-    int32_t n_stops;
-    int32_t stop_ids[GEN_MAX_STOP_IDS];
-    int32_t n_stop_ids;
+    int32_t n_stops;           /* given; only the first TD_STOP_MAX_STRINGS are kept (more are refused) */
+    int32_t stop_ids[TD_GEN_MAX_STOP_IDS];
+    int32_t n_stop_ids;        /* given; as n_stops */
     /* --server mode */
     const char *server;        /* HOST:PORT of a router's gateway */
     const char *model_name;    /* GenerateRequest.model; NULL = the server's default */
@@ -113,6 +115,26 @@ enum {
     OPT_REQUEST_ID, OPT_TIMEOUT, OPT_CONNECT_TIMEOUT, OPT_DTYPE,
 };
 
+/* The flag behind a td_gen_params_validate message (which begins with the request field's
+ * name), so the user reads what they typed as well as the gateway's words; "" if none. */
+static const char *flag_of(const char *why)
+{
+    static const struct {
+        const char *field, *flag;
+    } map[] = {
+        {"max_tokens", "--max-tokens"}, {"prompt", "--prompt"}, {"temperature", "--temperature"},
+        {"top_k", "--top-k"}, {"top_p", "--top-p"}, {"min_p", "--min-p"},
+        {"repetition_penalty", "--repetition-penalty"}, {"stop_ids", "--stop-id"},
+        {"stop_strings", "--stop"}, {"stop string", "--stop"},
+    };
+    for (size_t i = 0; i < sizeof map / sizeof map[0]; i++) {
+        size_t n = strlen(map[i].field);
+        if (!strncmp(why, map[i].field, n) && why[n] == ' ')
+            return map[i].flag;
+    }
+    return "";
+}
+
 static int parse_opts(int argc, char **argv, gen_opts_t *o)
 {
     static const struct option longopts[] = {
@@ -166,35 +188,40 @@ static int parse_opts(int argc, char **argv, gen_opts_t *o)
             break;
         case OPT_PROMPT: o->prompt = optarg; break;
         case OPT_PROMPT_IDS: o->prompt_ids = optarg; break;
-        case OPT_MAX_TOKENS: st = td_parse_i64(optarg, 0, INT32_MAX, "--max-tokens", &o->max_tokens); break;
+        /* request parameters are parsed for their type only; their ranges are checked by
+         * td_gen_params_validate below, as the gateway checks them */
+        case OPT_MAX_TOKENS:
+            st = td_parse_i64(optarg, INT64_MIN, INT64_MAX, "--max-tokens", &o->max_tokens);
+            o->max_tokens_given = true;
+            break;
         case OPT_TEMP:
-            st = td_parse_f32(optarg, 0, TD_SAMPLING_MAX_TEMPERATURE, "--temperature", &o->sampling.temperature);
+            st = td_parse_f32(optarg, -INFINITY, INFINITY, "--temperature", &o->sampling.temperature);
             break;
         case OPT_TOP_K:
-            if ((st = td_parse_i64(optarg, 0, INT32_MAX, "--top-k", &v)) == TD_OK)
+            if ((st = td_parse_i64(optarg, INT32_MIN, INT32_MAX, "--top-k", &v)) == TD_OK)
                 o->sampling.top_k = (int32_t)v;
             break;
-        case OPT_TOP_P: st = td_parse_f32(optarg, 0, 1, "--top-p", &o->sampling.top_p); break;
-        case OPT_MIN_P: st = td_parse_f32(optarg, 0, 1, "--min-p", &o->sampling.min_p); break;
+        case OPT_TOP_P: st = td_parse_f32(optarg, -INFINITY, INFINITY, "--top-p", &o->sampling.top_p); break;
+        case OPT_MIN_P: st = td_parse_f32(optarg, -INFINITY, INFINITY, "--min-p", &o->sampling.min_p); break;
         case OPT_REP:
-            st = td_parse_f32(optarg, 0, TD_SAMPLING_MAX_PENALTY, "--repetition-penalty", &f);
-            o->sampling.repetition_penalty = f;
+            if ((st = td_parse_f32(optarg, -INFINITY, INFINITY, "--repetition-penalty", &f)) == TD_OK)
+                o->sampling.repetition_penalty = f;
             break;
         case OPT_SEED:
             if ((st = td_parse_i64(optarg, 0, INT64_MAX, "--seed", &v)) == TD_OK)
                 o->sampling.seed = (uint64_t)v;
             break;
         case OPT_STOP:
-            if (o->n_stops == TD_STOP_MAX_STRINGS)
-                st = td_errorf(TD_ERR_INVALID, "--stop: at most %d stop strings", TD_STOP_MAX_STRINGS);
-            else
-                o->stops[o->n_stops++] = optarg;
+            if (o->n_stops < TD_STOP_MAX_STRINGS)
+                o->stops[o->n_stops] = optarg;
+            o->n_stops++;
             break;
         case OPT_STOP_ID:
-            if (o->n_stop_ids == GEN_MAX_STOP_IDS)
-                st = td_errorf(TD_ERR_INVALID, "--stop-id: at most %d stop ids", GEN_MAX_STOP_IDS);
-            else if ((st = td_parse_i64(optarg, 0, INT32_MAX, "--stop-id", &v)) == TD_OK)
-                o->stop_ids[o->n_stop_ids++] = (int32_t)v;
+            if ((st = td_parse_i64(optarg, 0, INT32_MAX, "--stop-id", &v)) != TD_OK)
+                break;
+            if (o->n_stop_ids < TD_GEN_MAX_STOP_IDS)
+                o->stop_ids[o->n_stop_ids] = (int32_t)v;
+            o->n_stop_ids++;
             break;
         case OPT_THREADS: st = td_parse_i64(optarg, 1, 4096, "--threads", &o->threads); break;
         case OPT_DEVICE: st = td_device_parse(optarg, &o->device); break;
@@ -250,9 +277,19 @@ static int parse_opts(int argc, char **argv, gen_opts_t *o)
         fprintf(stderr, "tandem generate: give exactly one of --prompt and --prompt-ids\n");
         return 2;
     }
+    /* --prompt-ids is counted by the engine or the gateway: a flag's text (at most 128 KiB on
+     * Linux) holds far fewer than TD_GEN_MAX_PROMPT ids */
+    td_gen_params_t gp = td_gen_params_default();
+    gp.max_tokens = o->max_tokens_given ? o->max_tokens : 0;
+    gp.sampling = o->sampling;
+    gp.prompt_is_text = o->prompt != NULL;
+    gp.prompt_len = o->prompt ? strlen(o->prompt) : 0;
+    gp.n_stop_ids = (size_t)o->n_stop_ids;
+    gp.n_stop_strings = (size_t)o->n_stops;
+    gp.stop_strings = o->stops;
     char why[256];
-    if (td_sampling_validate(&o->sampling, why, sizeof why) != TD_OK) {
-        fprintf(stderr, "tandem generate: %s\n", why);
+    if (td_gen_params_validate(&gp, why, sizeof why) != TD_OK) {
+        fprintf(stderr, "tandem generate: %s%s%s\n", flag_of(why), *flag_of(why) ? ": " : "", why);
         return 2;
     }
     return -1;
@@ -578,7 +615,7 @@ static int gen_remote(gen_opts_t *o)
     int rc = 1;
     int32_t *ids = NULL;
     size_t n_ids = 0;
-    uint32_t *wire_ids = NULL, stop_ids[GEN_MAX_STOP_IDS];
+    uint32_t *wire_ids = NULL, stop_ids[TD_GEN_MAX_STOP_IDS];
     char ip[INET6_ADDRSTRLEN];
     uint16_t port = 0;
     td_status_t st;

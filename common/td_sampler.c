@@ -38,22 +38,22 @@ td_status_t td_sampling_validate(const td_sampling_t *s, char *why, size_t why_c
     msg[0] = '\0';
     if (!isfinite(s->temperature) || s->temperature < 0.0f ||
         s->temperature > TD_SAMPLING_MAX_TEMPERATURE)
-        snprintf(msg, sizeof msg, "sampling: temperature %g out of range [0, %g] (0 = greedy)",
+        snprintf(msg, sizeof msg, "temperature %g is out of range [0, %g] (0 = greedy)",
                  (double)s->temperature, (double)TD_SAMPLING_MAX_TEMPERATURE);
     else if (s->top_k < 0)
-        snprintf(msg, sizeof msg, "sampling: top_k %d must be >= 0 (0 = off)", s->top_k);
+        snprintf(msg, sizeof msg, "top_k %d is out of range [0, %d] (0 = off)", s->top_k, INT32_MAX);
     else if (!isfinite(s->top_p) || s->top_p <= 0.0f || s->top_p > 1.0f)
-        snprintf(msg, sizeof msg, "sampling: top_p %g out of range (0, 1] (1 = off)",
+        snprintf(msg, sizeof msg, "top_p %g is out of range (0, 1] (1 = off)",
                  (double)s->top_p);
     else if (!isfinite(s->min_p) || s->min_p < 0.0f || s->min_p >= 1.0f)
-        snprintf(msg, sizeof msg, "sampling: min_p %g out of range [0, 1) (0 = off)",
+        snprintf(msg, sizeof msg, "min_p %g is out of range [0, 1) (0 = off)",
                  (double)s->min_p);
     else if (!isfinite(s->repetition_penalty) || s->repetition_penalty <= 0.0f ||
              s->repetition_penalty > TD_SAMPLING_MAX_PENALTY)
-        snprintf(msg, sizeof msg, "sampling: repetition_penalty %g out of range (0, %g] (1 = off)",
+        snprintf(msg, sizeof msg, "repetition_penalty %g is out of range (0, %g] (1 = off)",
                  (double)s->repetition_penalty, (double)TD_SAMPLING_MAX_PENALTY);
     else if (s->penalty_window < 0 || s->penalty_window > TD_SAMPLING_MAX_WINDOW)
-        snprintf(msg, sizeof msg, "sampling: penalty_window %d out of range [0, %d]",
+        snprintf(msg, sizeof msg, "penalty_window %d is out of range [0, %d]",
                  s->penalty_window, TD_SAMPLING_MAX_WINDOW);
     if (msg[0] == '\0')
         return TD_OK;

@@ -3,7 +3,8 @@
  * text for stop strings.
  *
  * Sampling parameters travel with a request (td_sampling_t, defaults from
- * td_sampling_default(), checked by td_sampling_validate() at the edge). Each sequence
+ * td_sampling_default(), checked by td_sampling_validate(): at the front doors as part of
+ * td_gen_params_validate(), again by the nodes on what the router forwards). Each sequence
  * owns a td_sampler_t: its own PRNG seeded from the request's seed (so the same seed gives
  * the same tokens whatever else is in the batch), a window of recent tokens for the
  * repetition penalty, and scratch memory sized to the vocabulary on first use (no

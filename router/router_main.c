@@ -32,6 +32,7 @@
 #include "router_queue.h"
 #include "router_registry.h"
 #include "tandem.pb-c.h"
+#include "td_gen_params.h"
 #include "td_grpc.h"
 #include "td_log.h"
 #include "td_metrics.h"
@@ -40,7 +41,6 @@
 #include "td_util.h"
 #include "td_xfer.h"
 
-#define ROUTER_MAX_STOP_IDS 32
 #define ROUTER_DEADLINE_SLACK_NS 10000000ll /* a reset this close to the deadline counts as the deadline */
 /* A stream refused a send (BUSY) and is still unwritable this many loop turns later: its
  * client is not reading, and a backlog past max-backlog-tokens ends it. A refusal within
@@ -104,7 +104,7 @@ typedef struct router_req {
     int32_t n_prompt;
     int32_t max_tokens;
     Tandem__Control__V1__SamplingParams sampling;
-    uint32_t stop_ids[ROUTER_MAX_STOP_IDS];
+    uint32_t stop_ids[TD_GEN_MAX_STOP_IDS];
     size_t n_stop_ids;
     td_stop_t *stop;
     td_detok_t detok;
@@ -1365,12 +1365,29 @@ static void on_generate(td_grpc_call_t *call, const ProtobufCMessage *msg, void 
         td_grpc_call_finish(call, TD_GRPC_NOT_FOUND, "unknown model (see ListModels)");
         return;
     }
-    if (q->n_stop_ids > ROUTER_MAX_STOP_IDS || q->n_stop_strings > TD_STOP_MAX_STRINGS) {
-        char why[96];
-        if (q->n_stop_ids > ROUTER_MAX_STOP_IDS)
-            snprintf(why, sizeof why, "%zu stop ids; at most %d", q->n_stop_ids, ROUTER_MAX_STOP_IDS);
-        else
-            snprintf(why, sizeof why, "%zu stop strings; at most %d", q->n_stop_strings, TD_STOP_MAX_STRINGS);
+    /* the one validation every front door runs (td_gen_params.h), on the request as received
+     * but for what proto3 cannot tell from unset: top_p and repetition_penalty 0 mean "off"
+     * (proto/tandem.proto); negative, NaN and infinite values reach the check and are refused */
+    td_gen_params_t gp = td_gen_params_default();
+    gp.max_tokens = q->max_tokens;
+    gp.prompt_is_text = q->n_prompt_ids == 0;
+    gp.prompt_len = q->n_prompt_ids ? q->n_prompt_ids : strlen(q->prompt);
+    gp.n_stop_ids = q->n_stop_ids;
+    gp.n_stop_strings = q->n_stop_strings;
+    gp.stop_strings = (const char *const *)q->stop_strings;
+    if (q->sampling) {
+        gp.sampling.temperature = q->sampling->temperature;
+        /* a top_k past INT32_MAX keeps every token, as INT32_MAX does */
+        gp.sampling.top_k = (int32_t)TD_MIN(q->sampling->top_k, (uint32_t)INT32_MAX);
+        gp.sampling.top_p = q->sampling->top_p == 0.0f ? 1.0f : q->sampling->top_p;
+        gp.sampling.min_p = q->sampling->min_p;
+        gp.sampling.repetition_penalty =
+            q->sampling->repetition_penalty == 0.0f ? 1.0f : q->sampling->repetition_penalty;
+        gp.sampling.seed = q->sampling->seed;
+    }
+    char why[384] = "";
+    if (td_gen_params_validate(&gp, why, sizeof why) != TD_OK) {
+        count_outcome(s, "invalid");
         td_grpc_call_finish(call, TD_GRPC_INVALID_ARGUMENT, why);
         return;
     }
@@ -1386,7 +1403,6 @@ static void on_generate(td_grpc_call_t *call, const ProtobufCMessage *msg, void 
     else
         snprintf(r->id, sizeof r->id, "r%llu", (unsigned long long)++s->next_id);
     td_status_t st = TD_OK;
-    char why[384] = "";
     if (q->n_prompt_ids) {
         if ((r->prompt = malloc(q->n_prompt_ids * sizeof(int32_t)))) {
             for (size_t i = 0; i < q->n_prompt_ids; i++) /* above INT32_MAX: negative, refused below */
@@ -1405,25 +1421,15 @@ static void on_generate(td_grpc_call_t *call, const ProtobufCMessage *msg, void 
         r->from_text = true; /* encoded off the loop once the rest is checked (tok_start) */
     }
     tandem__control__v1__sampling_params__init(&r->sampling);
-    td_sampling_t ts = td_sampling_default();
-    if (q->sampling) {
-        ts.temperature = q->sampling->temperature;
-        ts.top_k = (int32_t)TD_MIN(q->sampling->top_k, (uint32_t)INT32_MAX);
-        ts.top_p = q->sampling->top_p > 0 ? q->sampling->top_p : 1.0f;
-        ts.min_p = q->sampling->min_p;
-        ts.repetition_penalty = q->sampling->repetition_penalty > 0 ? q->sampling->repetition_penalty : 1.0f;
-        ts.seed = q->sampling->seed;
-    }
-    if (st == TD_OK && td_sampling_validate(&ts, why, sizeof why) != TD_OK)
-        st = TD_ERR_INVALID;
+    const td_sampling_t ts = gp.sampling;
     if (st == TD_OK && q->n_stop_strings && !s->tok) {
         st = TD_ERR_INVALID;
         snprintf(why, sizeof why, "this router has no tokenizer (--tokenizer) to match stop strings: send stop_ids");
     }
     if (st == TD_OK && q->n_stop_strings &&
         (st = td_stop_create((const char *const *)q->stop_strings, (int32_t)q->n_stop_strings, &r->stop)) != TD_OK)
-        snprintf(why, sizeof why, "stop strings: %s", td_last_error());
-    r->max_tokens = q->max_tokens ? (int32_t)TD_MIN(q->max_tokens, (uint32_t)INT32_MAX) : (int32_t)s->cfg.default_max_tokens;
+        snprintf(why, sizeof why, "stop strings: %s", td_last_error()); /* validated: out of memory */
+    r->max_tokens = gp.max_tokens ? (int32_t)gp.max_tokens : (int32_t)s->cfg.default_max_tokens;
     if (st != TD_OK) {
         bool nomem = st == TD_ERR_NOMEM;
         free(r->prompt);

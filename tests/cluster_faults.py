@@ -67,7 +67,7 @@ import urllib.request
 
 import grpc
 
-from cluster_wire import GENERATE, channel, generate_stub, parse_ids, pb_bytes, pb_packed, pb_varint, request
+from cluster_wire import GENERATE, channel, generate_stub, parse_ids, pb_bytes, pb_f32, pb_packed, pb_varint, request
 
 
 def fetch_metric(url, name, label=""):
@@ -398,16 +398,43 @@ def cmd_garbage(target):
 
 def invalid_requests(stub):
     """Well-formed requests that can never succeed must end INVALID_ARGUMENT (not be retried
-    into UNAVAILABLE, which tells a client to try again; fixed in the router by 1fa148d)."""
+    into UNAVAILABLE, which tells a client to try again; fixed in the router by 1fa148d), each
+    with its own message naming what is wrong (issue 21: the gateway took top_p -0.5 and NaN as
+    "off", and gave one message to a text prompt or stop string without a tokenizer and to a
+    300-byte stop string). The router of test_cluster_garbage has no tokenizer (stories260K
+    has none beside it)."""
     rc = 0
+    ok_ids = request([1, 7], 8)
+
+    def sampling(*fields):
+        return ok_ids + pb_bytes(4, b"".join(fields))
+
     cases = [
-        ("an empty prompt", [], 8),
-        ("a prompt id outside the vocabulary (512)", [1, 100000], 8),
-        ("a prompt longer than the model (600 ids)", [1] + [k % 512 for k in range(2, 601)], 8),
+        ("an empty prompt", request([], 8), "the prompt is empty"),
+        ("a prompt id outside the vocabulary (512)", request([1, 100000], 8), "100000 is outside the vocabulary"),
+        ("a prompt longer than the model (600 ids)", request([1] + [k % 512 for k in range(2, 601)], 8),
+         "600"),
+        ("top_p -0.5", sampling(pb_f32(3, -0.5)), "top_p -0.5 is out of range (0, 1]"),
+        ("top_p NaN", sampling(pb_f32(3, float("nan"))), "top_p nan is out of range (0, 1]"),
+        ("repetition_penalty -2", sampling(pb_f32(5, -2.0)), "repetition_penalty -2 is out of range (0, 100]"),
+        ("repetition_penalty NaN", sampling(pb_f32(5, float("nan"))), "repetition_penalty nan is out of range"),
+        ("temperature inf", sampling(pb_f32(1, float("inf"))), "temperature inf is out of range [0, 100]"),
+        ("min_p -inf", sampling(pb_f32(4, float("-inf"))), "min_p -inf is out of range [0, 1)"),
+        ("max_tokens 2^32-1", request([1, 7], 2**32 - 1), "max_tokens 4294967295 is out of range [0, 2147483647]"),
+        ("a 300-byte stop string", ok_ids + pb_bytes(6, "s" * 300),
+         "stop string 0 is 300 bytes long, at most 256 allowed"),
+        ("17 stop strings", ok_ids + b"".join(pb_bytes(6, "s%d" % k) for k in range(17)),
+         "stop_strings has 17 strings, at most 16 allowed"),
+        ("33 stop ids", ok_ids + pb_packed(5, range(33)), "stop_ids has 33 ids, at most 32 allowed"),
+        ("a stop string without a tokenizer", ok_ids + pb_bytes(6, "the end"),
+         "no tokenizer (--tokenizer) to match stop strings"),
+        ("a text prompt without a tokenizer", pb_bytes(1, "Once upon a time") + pb_varint(3, 8),
+         "no tokenizer (--tokenizer) for a text prompt"),
     ]
-    for what, ids, mt in cases:
+    seen = {}
+    for what, body, says in cases:
         try:
-            n = sum(len(parse_ids(m)) for m in stub(request(ids, mt), timeout=20))
+            n = sum(len(parse_ids(m)) for m in stub(body, timeout=20))
             rc = fail("%s: the call succeeded with %d tokens" % (what, n))
             continue
         except grpc.RpcError as e:
@@ -415,9 +442,21 @@ def invalid_requests(stub):
         print("%s: %s %s" % (what, code, details))
         if code != "INVALID_ARGUMENT":
             rc = fail("%s: %s %s, want INVALID_ARGUMENT" % (what, code, details))
+        if says not in details:
+            rc = fail("%s: '%s' does not say '%s'" % (what, details, says))
+        if details in seen:
+            rc = fail("%s and %s get the same message '%s'" % (seen[details], what, details))
+        seen[details] = what
         err = normal_ok(stub, what)
         if err:
             rc = fail(err)
+    # 0 is proto3's unset: top_p and repetition_penalty 0 are "off", not refused
+    try:
+        n = sum(len(parse_ids(m)) for m in stub(sampling(pb_f32(3, 0.0), pb_f32(5, 0.0)), timeout=20))
+        if n != 8:
+            rc = fail("top_p 0 and repetition_penalty 0 (unset): %d tokens, not 8" % n)
+    except grpc.RpcError as e:
+        rc = fail("top_p 0 and repetition_penalty 0 (unset): %s %s" % (e.code().name, e.details()))
     return rc
 
 

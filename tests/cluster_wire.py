@@ -3,6 +3,8 @@ cluster_client.py): varints, GenerateRequest bytes built from proto/tandem.proto
 numbers, the token ids of a GenerateResponse, raw control-API fields, and a grpcio stub of
 Generate that passes bytes through (no generated stubs needed). Imported, not run.
 """
+import struct
+
 import grpc
 
 GENERATE = "/tandem.v1.Generation/Generate"
@@ -39,6 +41,11 @@ def pb_bytes(field, b):
     if isinstance(b, str):
         b = b.encode()
     return varint(field << 3 | 2) + varint(len(b)) + b
+
+
+def pb_f32(field, v):
+    """A float field (wire type 5): NaN and the infinities go through as their bits."""
+    return varint(field << 3 | 5) + struct.pack("<f", v)
 
 
 def pb_packed(field, vals):

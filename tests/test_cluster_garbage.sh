@@ -6,7 +6,10 @@
 # connections must be closed, the bad calls must end INVALID_ARGUMENT or INTERNAL (broken
 # framing: also RESOURCE_EXHAUSTED/UNIMPLEMENTED), a normal request must succeed after each,
 # and the router (and the whole cluster) must still be alive. Requests that can never succeed
-# (empty prompt, an id outside the vocabulary, longer than the model) must end INVALID_ARGUMENT. Skips without the model or grpcio.
+# (empty prompt, an id outside the vocabulary, longer than the model, top_p -0.5 or NaN,
+# repetition_penalty -2 or NaN, max_tokens 2^32-1, a 300-byte stop string, too many stop ids
+# or strings, stop strings or a text prompt without a tokenizer) must end INVALID_ARGUMENT,
+# each with its own message naming the field. Skips without the model or grpcio.
 source "$(dirname "$0")/cluster_lib.sh"
 cl_init
 cl_local 1 1

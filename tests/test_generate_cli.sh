@@ -26,6 +26,38 @@ expect_rc 2 "no model" "$bin" generate --prompt-ids "1"
 expect_rc 2 "both prompts" "$bin" generate --model x --prompt a --prompt-ids 1
 expect_rc 2 "bad temperature" "$bin" generate --model x --prompt-ids 1 --temperature -1
 expect_rc 2 "bad max tokens" "$bin" generate --model x --prompt-ids 1 --max-tokens 12abc
+# Request parameters are judged by td_gen_params_validate, the check the gateway runs too
+# (issue 21): exit 2 with the flag, then the gateway's words (the field, the value and the
+# range; tests/cluster_faults.py's invalid_requests), before any model is loaded or any server
+# called.
+expect_says() { # expect_says MESSAGE FLAGS...: generate with FLAGS exits 2 saying MESSAGE
+    local says=$1; shift
+    expect_rc 2 "$*" "$bin" generate --model x --prompt-ids 1 "$@"
+    grep -qF -- "$says" /tmp/td_gen_err.$$ && ok || bad "$*: '$(head -c 300 /tmp/td_gen_err.$$)' does not say '$says'"
+}
+expect_says "temperature -1 is out of range [0, 100]" --temperature -1
+expect_says "--temperature: temperature inf is out of range [0, 100]" --temperature inf
+expect_says "--top-p: top_p -0.5 is out of range (0, 1]" --top-p -0.5
+expect_says "top_p 0 is out of range (0, 1]" --top-p 0
+expect_says "top_p inf is out of range (0, 1]" --top-p inf
+expect_says "--top-p: 'nan' is not a number" --top-p nan
+expect_says "--top-k: top_k -1 is out of range [0, 2147483647]" --top-k -1
+expect_says "min_p 1 is out of range [0, 1)" --min-p 1
+expect_says "--min-p: min_p -inf is out of range [0, 1)" --min-p -inf
+expect_says "--repetition-penalty: repetition_penalty -2 is out of range (0, 100]" --repetition-penalty -2
+expect_says "repetition_penalty 0 is out of range (0, 100]" --repetition-penalty 0
+expect_says "--max-tokens: max_tokens -1 is out of range [0, 2147483647]" --max-tokens -1
+expect_says "max_tokens 2147483648 is out of range [0, 2147483647]" --max-tokens 2147483648
+expect_says "--stop: stop string 0 is 300 bytes long, at most 256 allowed" --stop "$(printf 's%.0s' $(seq 300))"
+expect_says "stop string 1 is 257 bytes long, at most 256 allowed" --stop ok --stop "$(printf 's%.0s' $(seq 257))"
+stops=() ids=()
+for k in $(seq 17); do stops+=(--stop "s$k"); done
+for k in $(seq 33); do ids+=(--stop-id "$k"); done
+expect_says "--stop: stop_strings has 17 strings, at most 16 allowed" "${stops[@]}"
+expect_says "--stop-id: stop_ids has 33 ids, at most 32 allowed" "${ids[@]}"
+# with --server the same check, before the server is called (nothing listens on port 1)
+expect_rc 2 "--server with top_p -0.5" "$bin" generate --server 127.0.0.1:1 --prompt-ids 1 --top-p -0.5
+grep -qF "top_p -0.5 is out of range (0, 1]" /tmp/td_gen_err.$$ && ok || bad "--server --top-p -0.5: $(head -c 300 /tmp/td_gen_err.$$)"
 expect_rc 1 "missing model file" "$bin" generate --model /nonexistent/model.bin --prompt-ids 1
 grep -q "/nonexistent/model.bin" /tmp/td_gen_err.$$ && ok || bad "missing model: message does not name the file"
 expect_rc 2 "bad --device" "$bin" generate --model x --prompt-ids 1 --device gpu

@@ -1,0 +1,47 @@
+/*
+ * td_gen_params: the one validation of a generation request (contract in td_gen_params.h).
+ * The sampling fields are td_sampling_validate's, which the nodes also run on what the router
+ * forwards; this adds the request's lengths and counts.
+ */
+#include "td_gen_params.h"
+
+#include <stdio.h>
+#include <string.h>
+
+td_gen_params_t td_gen_params_default(void)
+{
+    return (td_gen_params_t){.sampling = td_sampling_default()};
+}
+
+td_status_t td_gen_params_validate(const td_gen_params_t *p, char *why, size_t why_cap)
+{
+    char msg[256];
+    msg[0] = '\0';
+    if (p->max_tokens < 0 || p->max_tokens > TD_GEN_MAX_TOKENS) {
+        snprintf(msg, sizeof msg, "max_tokens %lld is out of range [0, %d]", (long long)p->max_tokens,
+                 TD_GEN_MAX_TOKENS);
+    } else if (p->prompt_len > TD_GEN_MAX_PROMPT) {
+        snprintf(msg, sizeof msg, "prompt is %zu %s long, at most %u allowed", p->prompt_len,
+                 p->prompt_is_text ? "bytes" : "ids", TD_GEN_MAX_PROMPT);
+    } else if (td_sampling_validate(&p->sampling, msg, sizeof msg) != TD_OK) {
+        /* msg names the field */
+    } else if (p->n_stop_ids > TD_GEN_MAX_STOP_IDS) {
+        snprintf(msg, sizeof msg, "stop_ids has %zu ids, at most %d allowed", p->n_stop_ids, TD_GEN_MAX_STOP_IDS);
+    } else if (p->n_stop_strings > TD_STOP_MAX_STRINGS) {
+        snprintf(msg, sizeof msg, "stop_strings has %zu strings, at most %d allowed", p->n_stop_strings, TD_STOP_MAX_STRINGS);
+    } else {
+        for (size_t i = 0; i < p->n_stop_strings; i++) {
+            size_t len = strlen(p->stop_strings[i]);
+            if (len > TD_STOP_MAX_LEN) {
+                snprintf(msg, sizeof msg, "stop string %zu is %zu bytes long, at most %d allowed", i, len,
+                         TD_STOP_MAX_LEN);
+                break;
+            }
+        }
+    }
+    if (msg[0] == '\0')
+        return TD_OK;
+    if (why && why_cap > 0)
+        snprintf(why, why_cap, "%s", msg);
+    return td_errorf_quiet(TD_ERR_INVALID, "%s", msg);
+}

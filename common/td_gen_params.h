@@ -1,0 +1,57 @@
+/*
+ * td_gen_params: the parameters of one generation request, and the one check of them that
+ * every front door runs (the CLI's `tandem generate`, the router's gRPC gateway, and the HTTP
+ * front door), so that a request one of them refuses is refused by all, with the same words.
+ *
+ * Each front door turns its own input (flags, a GenerateRequest, JSON) into a td_gen_params_t
+ * first: what "not given" means on its wire is settled there (proto3 cannot tell 0 from unset,
+ * so the gateway reads top_p and repetition_penalty 0 as 1, "off"; see proto/tandem.proto),
+ * and everything else is handed over as received, so that td_gen_params_validate sees a
+ * negative, NaN or infinite value and refuses it by name instead of a front door mapping it
+ * to "off" without a word. What needs the model (prompt ids inside the vocabulary, prompt and
+ * output within its length and the KV pools) is checked later, by the one who knows it.
+ */
+#ifndef TD_GEN_PARAMS_H
+#define TD_GEN_PARAMS_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "td_sampler.h"
+#include "td_status.h"
+
+#define TD_GEN_MAX_TOKENS INT32_MAX    /* max_tokens at most */
+#define TD_GEN_MAX_STOP_IDS 32         /* stop ids per request */
+#define TD_GEN_MAX_PROMPT (4u << 20)   /* prompt bytes (text) or ids: the gateway's 4 MiB message */
+
+typedef struct td_gen_params {
+    int64_t max_tokens;              /* new tokens at most, [0, TD_GEN_MAX_TOKENS]; what 0 means
+                                        is the front door's (the gateway: its default-max-tokens) */
+    td_sampling_t sampling;          /* ranges of td_sampling_validate */
+    size_t prompt_len;               /* bytes of a text prompt or count of prompt ids,
+                                        [0, TD_GEN_MAX_PROMPT] */
+    bool prompt_is_text;             /* prompt_len counts bytes (else ids); for the message */
+    size_t n_stop_ids;               /* [0, TD_GEN_MAX_STOP_IDS] */
+    size_t n_stop_strings;           /* [0, TD_STOP_MAX_STRINGS] */
+    const char *const *stop_strings; /* [n_stop_strings] NUL-terminated, each at most
+                                        TD_STOP_MAX_LEN bytes; read only when n_stop_strings
+                                        is in range; borrowed */
+} td_gen_params_t;
+
+/* max_tokens 0, td_sampling_default(), an empty prompt, no stop ids or strings. */
+td_gen_params_t td_gen_params_default(void);
+
+/*
+ * Checks every field's range; NaN and infinities are refused. TD_OK, or TD_ERR_INVALID with
+ * a message naming the field, its value and the allowed range ("top_p -0.5 is out of range
+ * (0, 1]", "stop string 0 is 300 bytes long, at most 256 allowed"), in `why` if non-NULL and
+ * as this thread's last error; the first fault found is reported. The message begins with the
+ * field's name as above (max_tokens, prompt, temperature, top_k, top_p, min_p,
+ * repetition_penalty, penalty_window, stop_ids, stop_strings, "stop string N"), so that a front
+ * door can tell its client which of its own names (a flag, a JSON key) it was. Does not log: a bad request
+ * is the client's error, reported by the front door. Pure; any thread.
+ */
+td_status_t td_gen_params_validate(const td_gen_params_t *p, char *why, size_t why_cap);
+
+#endif /* TD_GEN_PARAMS_H */
