@@ -591,9 +591,17 @@ static td_status_t load_hf(const char *path, const char *dir, td_model_t **m_p)
         s = td_errorf(TD_ERR_NOT_FOUND, "%s: no config.json: not a Hugging Face model directory", dir);
         goto err_model;
     }
-    if ((s = td_file_read_all(p, CONFIG_MAX_BYTES, &text, NULL)) != TD_OK)
+    size_t text_len = 0;
+    if ((s = td_file_read_all(p, CONFIG_MAX_BYTES, &text, &text_len)) != TD_OK)
         goto err_model;
-    s = td_model_config_from_json(text, p, &m->config);
+    /* the parser reads a C string: a NUL would end the text early ("empty file" for a binary
+     * file that starts with one), so it is refused here with where it is */
+    const char *nul = memchr(text, '\0', text_len);
+    if (nul)
+        s = td_errorf(TD_ERR_FORMAT, "%s: a NUL byte at offset %zu: not a JSON text (a binary or corrupt file?)", p,
+                      (size_t)(nul - text));
+    else
+        s = td_model_config_from_json(text, p, &m->config);
     free(text);
     if (s != TD_OK)
         goto err_model;
