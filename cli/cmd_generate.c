@@ -762,9 +762,14 @@ int cmd_generate(int argc, char **argv)
     } else if ((st = parse_ids(o.prompt_ids, &prompt, &n_prompt)) != TD_OK) {
         rc = st == TD_ERR_INVALID ? 2 : 1;
         goto out;
+    } else if (n_prompt == 0) { /* a usage error, as with --server */
+        td_errorf(TD_ERR_INVALID, "--prompt-ids: no ids given");
+        rc = 2;
+        goto out;
     }
     if (n_prompt == 0) {
-        td_errorf(TD_ERR_INVALID, "the prompt is empty (and the model has no BOS token to start from)");
+        td_errorf(TD_ERR_INVALID, "the prompt text encodes to no token ids (and the model has no BOS token to "
+                                  "start from)");
         goto out;
     }
     for (size_t i = 0; i < n_prompt; i++)

@@ -327,11 +327,8 @@ def flag_cases(rnd):
             if flag in ("--seed",) and v in ("2147483648",):
                 continue  # in range
             rows.append({"name": "%s=%r" % (flag, v), "args": base + [flag, v], "flag": flag[2:]})
-    # left out: "" and " " end with exit 1 and "the prompt is empty (and the model has no BOS token
-    # to start from)", wrong for a model with a BOS (--prompt-ids adds none) and not a usage error
-    # naming --prompt-ids (cli/cmd_generate.c, reported on issue 21); "1,2" is two ids (commas
-    # separate ids too)
-    for v in ["1 x2", "-1", "99999999999999999999", "1;2", "nan", "1.5", "\xff", "0x10", "1" * 40]:
+    # "1,2" is two ids (commas separate ids too)
+    for v in ["", " ", "1 x2", "-1", "99999999999999999999", "1;2", "nan", "1.5", "\xff", "0x10", "1" * 40]:
         rows.append({"name": "--prompt-ids=%r" % v, "args": ["--model", "MODEL", "--prompt-ids", v], "flag": "prompt-ids"})
     for flag, vals in [("--device", ["gpu", "", "cuda:-1", "cuda:x", "cuda:99999999999999999999", "cpu:bogus"]),
                        ("--dtype", ["int8", "", "F32 "]), ("--log-level", ["loud", ""]),
