@@ -274,7 +274,7 @@ static td_status_t merge_generation_config(const char *path, td_model_config_t *
     td_status_t s = td_file_read_all(path, CONFIG_MAX_BYTES, &text, NULL);
     if (s != TD_OK)
         return s;
-    cJSON *root = cJSON_Parse(text);
+    cJSON *root = cJSON_Parse(text + td_utf8_bom_len(text, strlen(text)));
     free(text);
     if (!cJSON_IsObject(root)) {
         cJSON_Delete(root);
@@ -314,7 +314,7 @@ static td_status_t open_index(hf_ctx_t *h, cJSON **root_p)
     td_status_t s = td_file_read_all(h->index_path, 64u << 20, &text, NULL);
     if (s != TD_OK)
         return s;
-    cJSON *root = cJSON_Parse(text);
+    cJSON *root = cJSON_Parse(text + td_utf8_bom_len(text, strlen(text)));
     free(text);
     const cJSON *wm = cJSON_GetObjectItemCaseSensitive(root, "weight_map");
     if (!cJSON_IsObject(root) || !cJSON_IsObject(wm)) {

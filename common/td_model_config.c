@@ -198,8 +198,7 @@ td_status_t td_model_config_from_json(const char *json, const char *origin, td_m
     td_status_t s = TD_OK;
     td_model_config_t cfg;
     memset(&cfg, 0, sizeof cfg);
-    if (!strncmp(json, "\xef\xbb\xbf", 3))
-        json += 3; /* a UTF-8 byte-order mark carries no content */
+    json += td_utf8_bom_len(json, strlen(json));
     if (json[strspn(json, " \t\r\n")] == 0) {
         s = td_errorf(TD_ERR_FORMAT, "%s: empty file: expected a JSON object", origin);
         return s;

@@ -108,7 +108,7 @@ static td_status_t load_bin(td_tokenizer_t *tok, const char *data, size_t size)
     int32_t max_len;
     memcpy(&max_len, data, 4);
     if (max_len <= 0 || max_len > 65536) {
-        size_t i = size >= 3 && !memcmp(data, "\xef\xbb\xbf", 3) ? 3 : 0;
+        size_t i = td_utf8_bom_len(data, size);
         while (i < size && (data[i] == ' ' || data[i] == '\n' || data[i] == '\r' || data[i] == '\t'))
             i++;
         bool json = i < size && data[i] == '{';
@@ -459,7 +459,7 @@ static td_status_t parse_json_file(const char *path, bool required, cJSON **root
     if (st)
         return st;
     /* a UTF-8 byte-order mark (Windows editors write one) carries no content: skipped */
-    size_t bom = len >= 3 && !memcmp(data, "\xef\xbb\xbf", 3) ? 3 : 0;
+    size_t bom = td_utf8_bom_len(data, len);
     const char *end = NULL;
     cJSON *root = cJSON_ParseWithLengthOpts(data + bom, len - bom, &end, false);
     if (!root) {
@@ -941,7 +941,7 @@ td_status_t td_tokenizer_load(const char *path, td_tokenizer_t **tok_p)
         goto err;
     /* The format comes from the name (tokenizer.json, or anything *.json, is JSON; *.bin
      * is llama2.c's); only a file named neither is recognised by its first character. */
-    size_t i = size >= 3 && !memcmp(data, "\xef\xbb\xbf", 3) ? 3 : 0;
+    size_t i = td_utf8_bom_len(data, size);
     while (i < size && (data[i] == ' ' || data[i] == '\n' || data[i] == '\r' || data[i] == '\t'))
         i++;
     const char *name = strrchr(json_path, '/') ? strrchr(json_path, '/') + 1 : json_path;

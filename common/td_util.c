@@ -307,6 +307,11 @@ const char *td_format_bytes(size_t bytes, char *buf, size_t cap)
     return buf;
 }
 
+size_t td_utf8_bom_len(const void *data, size_t len)
+{
+    return len >= 3 && !memcmp(data, "\xef\xbb\xbf", 3) ? 3 : 0;
+}
+
 typedef struct populate_piece {
     pthread_t thread;
     void *p;

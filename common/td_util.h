@@ -67,6 +67,10 @@ bool td_is_dir(const char *path);
 td_status_t td_mkdir_p(const char *path);
 bool td_is_file(const char *path);
 
+/* Bytes of a UTF-8 byte-order mark at the start of data[0..len): 3 or 0. A mark carries no
+ * content (Windows editors write one), so every JSON reader skips it. */
+size_t td_utf8_bom_len(const void *data, size_t len);
+
 /* CPUs this process may run on (its sched_getaffinity mask, so a taskset or a container's
  * cpuset counts, not the machine's online CPUs), at least 1. */
 int td_cpu_count(void);

@@ -991,6 +991,40 @@ Test(model_hf, config_and_tensors_agree_both_ways, .init = tmp_setup, .fini = tm
     expect_error(load_expect_fail(dir), TD_ERR_FORMAT, "tied/config.json: empty file", NULL);
 }
 
+/* Prepends a UTF-8 byte-order mark to the file at path. */
+static void prepend_bom(const char *path)
+{
+    char *text;
+    cr_assert_eq(td_file_read_all(path, 64 << 20, &text, NULL), TD_OK, "%s", td_last_error());
+    size_t n = strlen(text) + 4;
+    char *bom = malloc(n);
+    snprintf(bom, n, "\xef\xbb\xbf%s", text);
+    write_str(path, bom);
+    free(bom);
+    free(text);
+}
+
+/* Every JSON file of a model skips a byte-order mark (td_utf8_bom_len), not only config.json
+ * and the tokenizer's: generation_config.json and a sharded model's index too. */
+Test(model_hf, every_json_file_takes_a_byte_order_mark, .init = tmp_setup, .fini = tmp_teardown)
+{
+    char dir[512], p[600];
+    tmp_path(dir, sizeof dir, "bom");
+    synth(dir, "tiny", -1, TD_F32, 1, 2);
+    snprintf(p, sizeof p, "%s/generation_config.json", dir);
+    write_str(p, "{\"eos_token_id\": [257, 9]}");
+    prepend_bom(p);
+    snprintf(p, sizeof p, "%s/model.safetensors.index.json", dir);
+    prepend_bom(p);
+    snprintf(p, sizeof p, "%s/config.json", dir);
+    prepend_bom(p);
+    td_model_t *m;
+    cr_assert_eq(td_model_load(dir, &m), TD_OK, "%s", td_last_error());
+    cr_expect_eq(m->config.n_eos, 2);
+    cr_expect_eq(m->config.eos_ids[1], 9);
+    td_model_destroy(m);
+}
+
 Test(model_hf, safetensors_file_errors, .init = tmp_setup, .fini = tmp_teardown)
 {
     char dir[512], p[600];
