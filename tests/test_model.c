@@ -66,6 +66,20 @@ static void write_str(const char *path, const char *s)
     write_file(path, s, strlen(s));
 }
 
+/* Prepends a UTF-8 byte-order mark to the file at path. */
+static void prepend_bom(const char *path)
+{
+    char *text;
+    cr_assert_eq(td_file_read_all(path, 64 << 20, &text, NULL), TD_OK, "%s", td_last_error());
+    size_t n = strlen(text) + 4;
+    char *bom = malloc(n);
+    snprintf(bom, n, "\xef\xbb\xbf%s", text);
+    write_str(path, bom);
+    free(bom);
+    free(text);
+}
+
+
 /* A safetensors file from a header text and `data_len` bytes of zeros. */
 static void write_st_raw(const char *path, const char *header, size_t data_len)
 {
@@ -976,32 +990,14 @@ Test(model_hf, config_and_tensors_agree_both_ways, .init = tmp_setup, .fini = tm
     expect_error(load_expect_fail(dir), TD_ERR_FORMAT, "tied/config.json: rope_theta 1e+39 is out of range (0, "
                  "3.4e+38]", NULL);
     /* a config.json with a UTF-8 byte-order mark loads; an empty one says it is empty */
-    char p[600], *text;
+    char p[600];
     snprintf(p, sizeof p, "%s/config.json", dir);
     patch_config(dir, "{\"rope_theta\": 10000}");
-    cr_assert_eq(td_file_read_all(p, 1 << 20, &text, NULL), TD_OK);
-    char *bom = malloc(strlen(text) + 4);
-    snprintf(bom, strlen(text) + 4, "\xef\xbb\xbf%s", text);
-    write_str(p, bom);
-    free(bom);
-    free(text);
+    prepend_bom(p);
     cr_assert_eq(td_model_load(dir, &m), TD_OK, "%s", td_last_error());
     td_model_destroy(m);
     write_str(p, "");
     expect_error(load_expect_fail(dir), TD_ERR_FORMAT, "tied/config.json: empty file", NULL);
-}
-
-/* Prepends a UTF-8 byte-order mark to the file at path. */
-static void prepend_bom(const char *path)
-{
-    char *text;
-    cr_assert_eq(td_file_read_all(path, 64 << 20, &text, NULL), TD_OK, "%s", td_last_error());
-    size_t n = strlen(text) + 4;
-    char *bom = malloc(n);
-    snprintf(bom, n, "\xef\xbb\xbf%s", text);
-    write_str(path, bom);
-    free(bom);
-    free(text);
 }
 
 /* Every JSON file of a model skips a byte-order mark (td_utf8_bom_len), not only config.json
