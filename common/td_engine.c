@@ -752,11 +752,11 @@ size_t td_engine_kv_block_bytes(const td_model_t *model, const td_engine_config_
 
 /* ---- KV pool sizing (td_engine.h) ------------------------------------------------------ */
 
-td_kv_budget_t td_engine_kv_budget(int32_t percent, size_t cap, size_t fallback)
+/* The budget for avail bytes available (measured false: unknown, the fallback). */
+static td_kv_budget_t kv_budget_of(bool measured, size_t avail, int32_t percent, size_t cap, size_t fallback)
 {
     td_kv_budget_t b = {.bytes = fallback, .percent = percent};
-    size_t avail;
-    if (td_mem_available(&avail) != TD_OK) /* logged there */
+    if (!measured)
         return b;
     b.measured = true;
     b.available = avail;
@@ -766,6 +766,13 @@ td_kv_budget_t td_engine_kv_budget(int32_t percent, size_t cap, size_t fallback)
         b.capped = true;
     }
     return b;
+}
+
+td_kv_budget_t td_engine_kv_budget(int32_t percent, size_t cap, size_t fallback)
+{
+    size_t avail = 0;
+    bool measured = td_mem_available(&avail) == TD_OK; /* an error is logged there */
+    return kv_budget_of(measured, avail, percent, cap, fallback);
 }
 
 const char *td_engine_kv_budget_describe(const td_kv_budget_t *b, char *buf, size_t cap)
@@ -804,7 +811,7 @@ td_status_t td_engine_kv_plan(const td_model_t *model, const td_engine_config_t 
                                  td_format_bytes(p->kv_mem, s1, sizeof s1), td_format_bytes(avail, s2, sizeof s2));
             snprintf(why, sizeof why, "kv-mem %s: --kv-mem", td_format_bytes(b.bytes, s1, sizeof s1));
         } else {
-            b = host ? td_engine_kv_budget(p->percent, p->cap, p->device_default)
+            b = host ? kv_budget_of(have_avail, avail, p->percent, p->cap, p->device_default)
                      : (td_kv_budget_t){.bytes = p->device_default};
             char d[96];
             if (host)

@@ -127,8 +127,3 @@ void td_metrics_loop_stop(td_metrics_loop_t *w)
     uv_close((uv_handle_t *)&w->prepare, on_closed);
     uv_close((uv_handle_t *)&w->check, on_closed);
 }
-
-double td_metrics_loop_longest_run(const td_metrics_loop_t *w)
-{
-    return (double)w->longest_ns * 1e-9;
-}

@@ -42,7 +42,4 @@ td_status_t td_metrics_loop_start(uv_loop_t *loop, td_metrics_t *metrics, td_met
  * the loop until they closed (as for every handle). NULL is a no-op. Loop thread. */
 void td_metrics_loop_stop(td_metrics_loop_t *w);
 
-/* The longest run of callbacks seen so far, in seconds (what the gauge shows). */
-double td_metrics_loop_longest_run(const td_metrics_loop_t *w);
-
 #endif /* TD_METRICS_LOOP_H */
