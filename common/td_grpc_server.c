@@ -1222,15 +1222,11 @@ td_status_t td_grpc_server_create(uv_loop_t *loop, const td_grpc_server_config_t
         td_status_t st = td_metrics_register(cfg->metrics, TD_METRIC_COUNTER, "tandem_grpc_server_handled_total",
                                              "gRPC calls completed by the server, by method and status code.",
                                              labels, 2, NULL, 0, &srv->handled);
-        const char *reason = "reason";
-        td_metric_family_t *closed = NULL;
         if (st == TD_OK)
-            st = td_metrics_register(cfg->metrics, TD_METRIC_COUNTER, "tandem_grpc_server_connections_closed_total",
-                                     "Connections the gRPC server closed itself, by reason: handshake_timeout, "
-                                     "request_timeout, idle_timeout, evicted (room for a new one), refused.",
-                                     &reason, 1, NULL, 0, &closed);
-        for (int i = 0; st == TD_OK && i < CONN_CLOSE_N; i++)
-            st = td_metric_family_get(closed, &conn_close_names[i], &srv->closed_by[i]);
+            st = td_metrics_counter_each(cfg->metrics, "tandem_grpc_server_connections_closed_total",
+                                         "Connections the gRPC server closed itself, by reason: handshake_timeout, "
+                                         "request_timeout, idle_timeout, evicted (room for a new one), refused.",
+                                         "reason", conn_close_names, CONN_CLOSE_N, srv->closed_by);
         if (st != TD_OK) {
             free(srv);
             return st;

@@ -441,15 +441,10 @@ td_status_t td_http_server_create(uv_loop_t *loop, const td_http_config_t *cfg,
     if (!srv->cfg.request_timeout_ms)
         srv->cfg.request_timeout_ms = 10000;
     if (cfg->metrics) {
-        const char *reason = "reason";
-        td_metric_family_t *closed = NULL;
-        td_status_t st = td_metrics_register(cfg->metrics, TD_METRIC_COUNTER,
-                                             "tandem_http_server_connections_closed_total",
-                                             "Connections the HTTP server closed itself, by reason: request_timeout, "
-                                             "idle_timeout, evicted (room for a new one), refused.",
-                                             &reason, 1, NULL, 0, &closed);
-        for (int i = 0; st == TD_OK && i < CLOSE_N; i++)
-            st = td_metric_family_get(closed, &close_names[i], &srv->closed_by[i]);
+        td_status_t st = td_metrics_counter_each(cfg->metrics, "tandem_http_server_connections_closed_total",
+                                                 "Connections the HTTP server closed itself, by reason: "
+                                                 "request_timeout, idle_timeout, evicted (room for a new one), refused.",
+                                                 "reason", close_names, CLOSE_N, srv->closed_by);
         if (st != TD_OK) {
             free(srv);
             return st;

@@ -306,6 +306,16 @@ td_status_t td_metrics_gauge(td_metrics_t *reg, const char *name, const char *he
     return single(reg, TD_METRIC_GAUGE, name, help, NULL, 0, m_p);
 }
 
+td_status_t td_metrics_counter_each(td_metrics_t *reg, const char *name, const char *help, const char *label,
+                                    const char *const *values, size_t n, td_metric_t **series)
+{
+    td_metric_family_t *fam;
+    td_status_t st = td_metrics_register(reg, TD_METRIC_COUNTER, name, help, &label, 1, NULL, 0, &fam);
+    for (size_t i = 0; st == TD_OK && i < n; i++)
+        st = td_metric_family_get(fam, &values[i], &series[i]);
+    return st;
+}
+
 td_status_t td_metrics_histogram(td_metrics_t *reg, const char *name, const char *help,
                                  const double *buckets, size_t n_buckets, td_metric_t **m_p)
 {

@@ -66,6 +66,11 @@ td_status_t td_metrics_gauge(td_metrics_t *reg, const char *name, const char *he
 td_status_t td_metrics_histogram(td_metrics_t *reg, const char *name, const char *help,
                                  const double *buckets, size_t n_buckets, td_metric_t **m_p);
 
+/* Shorthand: registers a counter family with one label and returns the series of each of
+ * values[0..n) in series[0..n) (a closed set, such as reasons). Same errors. */
+td_status_t td_metrics_counter_each(td_metrics_t *reg, const char *name, const char *help, const char *label,
+                                    const char *const *values, size_t n, td_metric_t **series);
+
 /* Updates; any thread. Counters only go up: td_metric_add with v < 0 (or NaN) on a
  * counter is ignored. td_metric_set is for gauges; td_metric_observe for histograms.
  * Calling an update of the wrong type is a programming error (TD_ASSERT). */
