@@ -7,7 +7,7 @@
  * process (`tandem router`, this binary re-executed, pinned to one core) serves a load
  * generator in this process; the prefill and decode nodes are no-op nodes in a forked
  * child (both pinned to another core), speaking the real control protocol over the real
- * gRPC stack: RegisterNode + Heartbeat through router_node_client, Admit (an instant lease with
+ * gRPC stack: RegisterNode + Heartbeat through td_node_client, Admit (an instant lease with
  * fake block ids), Release, Prefill (FIRST_TOKEN then KV_DELIVERED at once, status OK) and
  * Steps (one StepBatch per loop turn carrying one token for every live lease, then the
  * finish entries, as fast as the router drains the stream). No model, no tokenizer: the
@@ -43,7 +43,8 @@
 #include <unistd.h>
 
 #include "control.pb-c.h"
-#include "router_node_client.h"
+#include "router_registry.h"
+#include "td_node_client.h"
 #include "tandem.pb-c.h"
 #include "td_grpc.h"
 #include "td_log.h"
@@ -132,7 +133,7 @@ typedef struct rb_state {
     uint16_t gw_port, ctl_port;
     /* no-op nodes */
     td_grpc_server_t *prefill_srv, *decode_srv;
-    router_node_client_t *prefill_cli, *decode_cli;
+    td_node_client_t *prefill_cli, *decode_cli;
     rb_lease_t *leases;
     uint32_t n_leases, cap_leases, free_head;
     uint32_t lease_gen;
@@ -508,7 +509,7 @@ static void on_prefill(td_grpc_call_t *call, const ProtobufCMessage *msg, void *
     rb_stepper_start(s);
 }
 
-static void rb_load(void *data, router_node_load_t *load)
+static void rb_load(void *data, td_node_load_t *load)
 {
     rb_state_t *s = data;
     load->free_blocks = RB_CAPACITY_BLOCKS;
@@ -518,16 +519,16 @@ static void rb_load(void *data, router_node_load_t *load)
     (void)s;
 }
 
-static td_status_t rb_node_start(rb_state_t *s, router_role_t role)
+static td_status_t rb_node_start(rb_state_t *s, td_node_role_t role)
 {
     td_grpc_server_config_t sc = td_grpc_server_config_default();
     sc.host = "127.0.0.1";
     sc.max_concurrent_streams = 1u << 20;
-    td_grpc_server_t **srv = role == ROUTER_ROLE_DECODE ? &s->decode_srv : &s->prefill_srv;
+    td_grpc_server_t **srv = role == TD_NODE_ROLE_DECODE ? &s->decode_srv : &s->prefill_srv;
     td_status_t st = td_grpc_server_create(&s->loop, &sc, srv);
     if (st != TD_OK)
         return st;
-    if (role == ROUTER_ROLE_DECODE) {
+    if (role == TD_NODE_ROLE_DECODE) {
         if ((st = td_grpc_server_add_method(*srv, "/tandem.control.v1.DecodeNode/Admit",
                                             &tandem__control__v1__admit_request__descriptor, on_admit, s)) ||
             (st = td_grpc_server_add_method(*srv, "/tandem.control.v1.DecodeNode/Release",
@@ -539,10 +540,10 @@ static td_status_t rb_node_start(rb_state_t *s, router_role_t role)
                                                &tandem__control__v1__prefill_request__descriptor, on_prefill, s))) {
         return st;
     }
-    router_node_client_config_t cc = {.router_host = s->host, .router_port = s->ctl_port, .rpc_timeout_ms = 5000,
+    td_node_client_config_t cc = {.router_host = s->host, .router_port = s->ctl_port, .rpc_timeout_ms = 5000,
                                       .retry_ms = 50, .max_seq_len = ROUTER_MAX_SEQ_LEN, .max_prefill_tokens = 1u << 20};
-    router_node_info_t *in = &cc.info;
-    snprintf(in->id, sizeof in->id, "noop-%s", role == ROUTER_ROLE_DECODE ? "decode" : "prefill");
+    td_node_info_t *in = &cc.info;
+    snprintf(in->id, sizeof in->id, "noop-%s", role == TD_NODE_ROLE_DECODE ? "decode" : "prefill");
     in->role = role;
     snprintf(in->model, sizeof in->model, "%s", RB_MODEL);
     in->layout = (td_kv_layout_t){.model_fingerprint = 0xbe4c4, .dtype = TD_BF16, .block_size = RB_BLOCK,
@@ -551,12 +552,12 @@ static td_status_t rb_node_start(rb_state_t *s, router_role_t role)
     in->capacity_blocks = RB_CAPACITY_BLOCKS;
     in->max_batch = ROUTER_MAX_BATCH; /* no-op nodes: never the bound */
     static const uint8_t fake_xfer[8] = "noop-kv";
-    if (role == ROUTER_ROLE_DECODE) {
+    if (role == TD_NODE_ROLE_DECODE) {
         cc.xfer_desc = fake_xfer;
         cc.xfer_desc_len = sizeof fake_xfer;
     }
-    return router_node_client_create(&s->loop, &cc, rb_load, s,
-                                     role == ROUTER_ROLE_DECODE ? &s->decode_cli : &s->prefill_cli);
+    return td_node_client_create(&s->loop, &cc, rb_load, s,
+                                     role == TD_NODE_ROLE_DECODE ? &s->decode_cli : &s->prefill_cli);
 }
 
 /* ---- router process ------------------------------------------------------------------------ */
@@ -727,8 +728,8 @@ static void on_nodes_tick(uv_timer_t *t)
 
 static void rb_nodes_close(rb_state_t *s)
 {
-    router_node_client_close(s->prefill_cli);
-    router_node_client_close(s->decode_cli);
+    td_node_client_close(s->prefill_cli);
+    td_node_client_close(s->decode_cli);
     s->prefill_cli = s->decode_cli = NULL;
     td_grpc_server_close(s->prefill_srv, NULL, NULL);
     td_grpc_server_close(s->decode_srv, NULL, NULL);
@@ -765,7 +766,7 @@ static int rb_nodes_main(rb_state_t *s)
     uv_signal_start(&s->sigterm, on_nodes_sigterm, SIGTERM);
     int rc = 0;
     char line[300];
-    if (rb_node_start(s, ROUTER_ROLE_PREFILL) != TD_OK || rb_node_start(s, ROUTER_ROLE_DECODE) != TD_OK) {
+    if (rb_node_start(s, TD_NODE_ROLE_PREFILL) != TD_OK || rb_node_start(s, TD_NODE_ROLE_DECODE) != TD_OK) {
         snprintf(line, sizeof line, "failed: %s\n", td_last_error());
         rb_report(s, line);
         rb_nodes_close(s);
@@ -858,7 +859,7 @@ static bool rb_drained(rb_state_t *s)
 /* Child: registered with the router and both Steps subscriptions (router's, ours) up. */
 static bool rb_nodes_up(rb_state_t *s)
 {
-    return router_node_client_registered(s->prefill_cli) && router_node_client_registered(s->decode_cli) &&
+    return td_node_client_registered(s->prefill_cli) && td_node_client_registered(s->decode_cli) &&
            s->subs[RB_SUB_ROUTER].call && s->subs[RB_SUB_DIRECT].call;
 }
 

@@ -8,7 +8,7 @@
  * lands where the engine reads it: no copy.
  *
  * Threads: the loop thread owns gRPC, /metrics, the router client and td_xfer (leases:
- * alloc and release of engine blocks). The compute thread (router_worker) owns the engine
+ * alloc and release of engine blocks). The compute thread (td_node_worker) owns the engine
  * and decode_sched. On kv-ready the loop hands the lease's blocks (one reference each) to
  * the compute thread (bounded command ring), which adopts them into the request's sequence
  * and hands every step's events back (bounded result ring + uv_async_send); the loop
@@ -27,11 +27,11 @@
 
 #include "control.pb-c.h"
 #include "decode_sched.h"
-#include "router_conf.h"
-#include "router_node_client.h"
-#include "router_proc.h"
-#include "router_worker.h"
-#include "router_xfer_metrics.h"
+#include "td_node_conf.h"
+#include "td_node_client.h"
+#include "td_node.h"
+#include "td_node_worker.h"
+#include "td_node_xfer_metrics.h"
 #include "td_backend.h"
 #include "td_engine.h"
 #include "td_grpc.h"
@@ -49,7 +49,7 @@
 #define DECODE_MAX_ROUTER_ADDRS 8
 
 /* The decode node's own keys; the common ones (model, router, host, advertise, node id,
- * ports, threads, log level) are router_proc's. */
+ * ports, threads, log level) are td_node's. */
 typedef struct decode_config {
     int64_t kv_blocks;        /* the pool: engine sequences and transfer leases (0: from kv_mem) */
     int64_t kv_mem;           /* MiB the pool may take when kv_blocks is 0 (0: a share of memory) */
@@ -94,9 +94,9 @@ typedef struct decode_out {
 } decode_out_t;
 
 typedef struct decode_state {
-    router_proc_t proc;       /* loop, signals, /metrics, router client, common config */
+    td_node_t proc;       /* loop, signals, /metrics, router client, common config */
     decode_config_t cfg;
-    router_worker_t worker;   /* the compute thread, its command and result rings */
+    td_node_worker_t worker;   /* the compute thread, its command and result rings */
     uv_timer_t sweep;
     td_model_t *model;
     td_backend_t *be;
@@ -107,7 +107,7 @@ typedef struct decode_state {
     td_xfer_t *xfer;
     td_grpc_server_t *grpc;
     td_metrics_t *metrics;
-    router_xfer_metrics_t xfer_metrics; /* td_xfer's statistics on /metrics */
+    td_node_xfer_metrics_t xfer_metrics; /* td_xfer's statistics on /metrics */
     td_metric_t *m_used, *m_free, *m_running, *m_waiting, *m_tokens, *m_steps, *m_step_s, *m_batch,
         *m_admits, *m_refused, *m_releases;
     decode_admit_t *admits;
@@ -224,7 +224,7 @@ static void compute_main(void *arg)
     decode_state_t *s = arg;
     for (;;) {
         void *taken;
-        int32_t n_cmds = router_worker_take(&s->worker, !decode_sched_busy(s->sched) || s->backoff, &taken);
+        int32_t n_cmds = td_node_worker_take(&s->worker, !decode_sched_busy(s->sched) || s->backoff, &taken);
         if (n_cmds < 0)
             break;
         s->backoff = false;
@@ -289,7 +289,7 @@ static void compute_main(void *arg)
         atomic_store(&s->load_free, ss.free_blocks);
         o->free_blocks = (uint32_t)ss.free_blocks;
         o->step = ss.steps;
-        if (!o->n_seqs || !router_worker_emit(&s->worker, &o))
+        if (!o->n_seqs || !td_node_worker_emit(&s->worker, &o))
             out_free(o); /* nothing to send, or stopping */
     }
 }
@@ -309,7 +309,7 @@ static td_status_t size_pool(decode_state_t *s, const td_engine_config_t *ec)
                               .percent = TD_KV_DECODE_PERCENT, .cap = TD_KV_DECODE_CAP,
                               .device = s->proc.device.cuda, .device_default = TD_KV_DECODE_DEVICE_DEFAULT,
                               .useful_tokens = s->cfg.max_batch * mc->max_seq_len, .useful_what = what};
-    return router_proc_plan_kv(&s->proc, s->model, ec, &pp, &s->cfg.kv_blocks, &s->pool_bytes);
+    return td_node_plan_kv(&s->proc, s->model, ec, &pp, &s->cfg.kv_blocks, &s->pool_bytes);
 }
 
 /* st of the call that allocates the pool; a failure is said with the size and the flag
@@ -428,7 +428,7 @@ static void on_kv_ready(void *arg, const td_xfer_ready_t *r)
         memcpy(blocks, r->blocks, (size_t)r->n_blocks * sizeof *blocks);
         decode_cmd_t c = {.admit = a, .lease_id = r->lease_id, .blocks = blocks, .n_blocks = r->n_blocks,
                           .first_token = r->first_token};
-        posted = router_worker_post(&s->worker, &c);
+        posted = td_node_worker_post(&s->worker, &c);
         if (!posted)
             td_warn("decode: lease %llu: kv-ready dropped, the command ring (%d) is full",
                     (unsigned long long)r->lease_id, cmd_ring_size(&s->cfg));
@@ -496,7 +496,7 @@ static void on_admit(td_grpc_call_t *call, const ProtobufCMessage *msg, void *da
         a->prompt[i] = (int32_t)r->prompt_ids[i];
     }
     a->n_prompt = (int32_t)r->n_prompt_ids;
-    a->sampling = router_proc_sampling(r->sampling);
+    a->sampling = td_node_sampling(r->sampling);
     if (td_sampling_validate(&a->sampling, why, sizeof why) != TD_OK) {
         admit_free(a);
         td_grpc_call_finish(call, TD_GRPC_INVALID_ARGUMENT, why);
@@ -547,7 +547,7 @@ static void on_release(td_grpc_call_t *call, const ProtobufCMessage *msg, void *
         resp.released = true;
         refresh_kv_load(s);
     } else {
-        resp.released = router_worker_post(&s->worker, &(decode_cmd_t){.lease_id = r->lease_id});
+        resp.released = td_node_worker_post(&s->worker, &(decode_cmd_t){.lease_id = r->lease_id});
         if (!resp.released)
             td_warn("decode: lease %llu: release dropped, the command ring (%d) is full",
                     (unsigned long long)r->lease_id, cmd_ring_size(&s->cfg));
@@ -607,7 +607,7 @@ static void resolve_router(decode_state_t *s, const char *router)
     char host[256];
     uint16_t port;
     struct addrinfo hints = {.ai_socktype = SOCK_STREAM}, *res = NULL;
-    if (router_conf_split_addr(router, host, sizeof host, &port) != TD_OK ||
+    if (td_node_conf_split_addr(router, host, sizeof host, &port) != TD_OK ||
         getaddrinfo(host, NULL, &hints, &res) != 0) {
         td_warn("decode: router %s does not resolve: no Steps subscriber is accepted until it does", router);
         return;
@@ -691,7 +691,7 @@ static void on_sweep(uv_timer_t *t)
     }
 }
 
-static void load_cb(void *data, router_node_load_t *l)
+static void load_cb(void *data, td_node_load_t *l)
 {
     decode_state_t *s = data;
     l->running_seqs = atomic_load(&s->load_running);
@@ -699,12 +699,12 @@ static void load_cb(void *data, router_node_load_t *l)
     l->step_ms = (double)atomic_load(&s->step_ns) * 1e-6;
 }
 
-/* The decode node's part of shutdown (router_proc_shutdown closes the rest). */
+/* The decode node's part of shutdown (td_node_shutdown closes the rest). */
 static void on_shutdown(void *data)
 {
     decode_state_t *s = data;
     s->shutting_down = true;
-    router_worker_stop(&s->worker); /* joins the compute thread, closes its async handle */
+    td_node_worker_stop(&s->worker); /* joins the compute thread, closes its async handle */
     while (s->n_subs) {
         td_grpc_call_t *c = s->subs[--s->n_subs];
         td_grpc_call_finish(c, TD_GRPC_UNAVAILABLE, "decode node shutting down");
@@ -744,36 +744,36 @@ int decode_main(int argc, char **argv)
     decode_state_t st_, *s = &st_;
     memset(s, 0, sizeof *s);
     decode_config_t *cfg = &s->cfg;
-    const router_proc_config_t *pc = &s->proc.cfg;
+    const td_node_config_t *pc = &s->proc.cfg;
     *cfg = (decode_config_t){.kv_blocks = 0, .max_batch = 64, .max_lease_ms = 600000, .max_requests = 256,
                              .result_queue = 64, .idle_wait_ms = 50};
-    const router_conf_key_t keys[] = {
-        {"kv-blocks", ROUTER_CONF_I64, &cfg->kv_blocks, 0, 1 << 24,
+    const td_node_conf_key_t keys[] = {
+        {"kv-blocks", TD_NODE_CONF_I64, &cfg->kv_blocks, 0, 1 << 24,
          "KV pool blocks (sequences and leases; 0 = as many as kv-mem holds)"},
-        {"kv-mem", ROUTER_CONF_I64, &cfg->kv_mem, 0, 1 << 30,
+        {"kv-mem", TD_NODE_CONF_I64, &cfg->kv_mem, 0, 1 << 30,
          "KV pool budget in MiB when kv-blocks is 0 (0 = 50% of the memory available, at most 64 GiB; "
          "never more than max-batch sequences of the model's length)"},
-        {"landing-blocks", ROUTER_CONF_I64, &cfg->landing_blocks, 0, 1 << 24,
+        {"landing-blocks", TD_NODE_CONF_I64, &cfg->landing_blocks, 0, 1 << 24,
          "--device cuda: host blocks transfers land in before their copy to the GPU (0 = kv-blocks / 4)"},
-        {"max-batch", ROUTER_CONF_I64, &cfg->max_batch, 1, 4096, "running sequences at most"},
-        {"max-lease-ms", ROUTER_CONF_I64, &cfg->max_lease_ms, 1, 600000, "longest lease granted"},
-        {"max-requests", ROUTER_CONF_I64, &cfg->max_requests, 1, 1 << 20, "pending admissions at most"},
-        {"result-queue", ROUTER_CONF_I64, &cfg->result_queue, 1, 1 << 20, "step results waiting for the loop"},
-        {"idle-wait-ms", ROUTER_CONF_I64, &cfg->idle_wait_ms, 1, 10000,
+        {"max-batch", TD_NODE_CONF_I64, &cfg->max_batch, 1, 4096, "running sequences at most"},
+        {"max-lease-ms", TD_NODE_CONF_I64, &cfg->max_lease_ms, 1, 600000, "longest lease granted"},
+        {"max-requests", TD_NODE_CONF_I64, &cfg->max_requests, 1, 1 << 20, "pending admissions at most"},
+        {"result-queue", TD_NODE_CONF_I64, &cfg->result_queue, 1, 1 << 20, "step results waiting for the loop"},
+        {"idle-wait-ms", TD_NODE_CONF_I64, &cfg->idle_wait_ms, 1, 10000,
          "compute thread: longest single wait for work or room"},
     };
-    const router_proc_spec_t spec = {.prog = "decode", .kind = ROUTER_PROC_NODE, .on_shutdown = on_shutdown, .data = s};
+    const td_node_spec_t spec = {.prog = "decode", .kind = TD_NODE_NODE, .on_shutdown = on_shutdown, .data = s};
     int rc;
-    if (!router_proc_configure(&s->proc, &spec, keys, (int)TD_ARRAY_LEN(keys), argc, argv, &rc))
+    if (!td_node_configure(&s->proc, &spec, keys, (int)TD_ARRAY_LEN(keys), argc, argv, &rc))
         return rc;
     rc = 1;
 
     /* subsystems: compute thread's rings, model, xfer with the KV pool it allocates,
        engine on that pool, scheduler, servers, router client */
     td_status_t st;
-    if ((st = router_proc_load_model(&s->proc, &s->model, &s->be)) != TD_OK)
+    if ((st = td_node_load_model(&s->proc, &s->model, &s->be)) != TD_OK)
         goto out;
-    td_engine_config_t ec = router_proc_engine_config(&s->proc);
+    td_engine_config_t ec = td_node_engine_config(&s->proc);
     ec.max_seqs = (int32_t)cfg->max_batch;
     ec.max_logit_rows = (int32_t)cfg->max_batch;
     ec.max_batch_tokens = TD_MAX(512, (int32_t)cfg->max_batch);
@@ -782,11 +782,11 @@ int decode_main(int argc, char **argv)
     ec.n_blocks = (int32_t)cfg->kv_blocks;
     td_engine_kv_layout_for(s->model, &ec, &s->layout);
     /* the command ring's bound depends on the pool (cmd_ring_size) */
-    const router_worker_config_t wc = {.name = "decode", .msg_size = sizeof(decode_cmd_t),
+    const td_node_worker_config_t wc = {.name = "decode", .msg_size = sizeof(decode_cmd_t),
                                        .msg_cap = cmd_ring_size(cfg), .event_size = sizeof(decode_out_t *),
                                        .event_cap = (int32_t)cfg->result_queue, .wait_ms = cfg->idle_wait_ms,
                                        .run = compute_main, .on_events = on_outs, .data = s};
-    if ((st = router_worker_init(&s->worker, &s->proc.loop, &wc)) != TD_OK)
+    if ((st = td_node_worker_init(&s->worker, &s->proc.loop, &wc)) != TD_OK)
         goto out;
     if (!(s->failed = malloc((size_t)cmd_ring_size(cfg) * sizeof *s->failed))) {
         st = td_errorf(TD_ERR_NOMEM, "decode: out of memory at startup");
@@ -799,7 +799,7 @@ int decode_main(int argc, char **argv)
     xc.listen_ip = pc->host;
     xc.advertise_ip = pc->advertise; /* the descriptor the router hands to prefill nodes */
     if ((st = td_xfer_create(&s->proc.loop, &xc, &s->xfer)) != TD_OK ||
-        (st = router_xfer_metrics_init(&s->xfer_metrics, s->metrics, s->xfer)) != TD_OK)
+        (st = td_node_xfer_metrics_init(&s->xfer_metrics, s->metrics, s->xfer)) != TD_OK)
         goto out;
     td_xfer_pool_t xp = {.layout = s->layout, .base = NULL, .n_blocks = (uint32_t)cfg->kv_blocks,
                          .mem = TD_XFER_MEM_HOST, .kv = NULL};
@@ -852,44 +852,44 @@ int decode_main(int argc, char **argv)
         (st = td_grpc_server_add_method(s->grpc, "/tandem.control.v1.DecodeNode/Steps",
                                         &tandem__control__v1__steps_request__descriptor, on_steps, s)) != TD_OK)
         goto out;
-    if ((st = router_proc_serve(&s->proc, s->metrics)) != TD_OK)
+    if ((st = td_node_serve(&s->proc, s->metrics)) != TD_OK)
         goto out;
     uv_timer_init(&s->proc.loop, &s->sweep);
     s->sweep.data = s;
     uv_timer_start(&s->sweep, on_sweep, 100, 100);
     s->handles_up = true;
-    if ((st = router_worker_start(&s->worker)) != TD_OK)
+    if ((st = td_node_worker_start(&s->worker)) != TD_OK)
         goto out;
 
-    router_node_client_config_t nc = {.xfer_desc = desc, .xfer_desc_len = desc_len,
+    td_node_client_config_t nc = {.xfer_desc = desc, .xfer_desc_len = desc_len,
                                       .max_seq_len = (uint32_t)s->model->config.max_seq_len};
-    nc.info.role = ROUTER_ROLE_DECODE;
+    nc.info.role = TD_NODE_ROLE_DECODE;
     nc.info.layout = s->layout;
     nc.info.capacity_blocks = (int32_t)cfg->kv_blocks;
     nc.info.vocab_size = s->model->config.vocab_size; /* the router checks prompt ids against it */
     nc.info.max_batch = (int32_t)cfg->max_batch;
     atomic_store(&s->load_free, (int32_t)cfg->kv_blocks);
-    if ((st = router_proc_register(&s->proc, &nc, td_grpc_server_port(s->grpc), load_cb, s)) != TD_OK)
+    if ((st = td_node_register(&s->proc, &nc, td_grpc_server_port(s->grpc), load_cb, s)) != TD_OK)
         goto out;
 
-    rc = router_proc_run(&s->proc);
+    rc = td_node_run(&s->proc);
 out:
-    router_proc_stop(&s->proc); /* partial init: closes what exists (NULL-safe closers) */
+    td_node_stop(&s->proc); /* partial init: closes what exists (NULL-safe closers) */
     while (s->admits)
         admit_free(admit_take(s, s->admits->lease_id));
     decode_cmd_t c;
-    while (router_worker_pop_in(&s->worker, &c))
+    while (td_node_worker_pop_in(&s->worker, &c))
         cmd_discard(s, &c);
     decode_out_t *o;
-    while (router_worker_pop_out(&s->worker, &o))
+    while (td_node_worker_pop_out(&s->worker, &o))
         out_free(o);
     decode_sched_destroy(s->sched);
     td_engine_destroy(s->eng);
     td_backend_destroy(s->be);
     td_model_destroy(s->model);
     td_metrics_destroy(s->metrics);
-    router_worker_free(&s->worker);
+    td_node_worker_free(&s->worker);
     free(s->failed);
-    router_proc_free(&s->proc);
+    td_node_free(&s->proc);
     return rc;
 }

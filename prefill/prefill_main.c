@@ -2,7 +2,7 @@
  * prefill_main: the prefill node process (see prefill_node.h and docs/cluster.md).
  *
  * Threads: the loop thread owns gRPC, /metrics, the router client and td_xfer; the compute
- * thread (router_worker) owns the engine and its prefill_sched. They talk through two
+ * thread (td_node_worker) owns the engine and its prefill_sched. They talk through two
  * bounded rings under one mutex: loop → compute messages (submit, cancel, release: at most three per live job,
  * and live jobs are bounded by max-queue, so that ring never fills) and compute → loop
  * events (the compute thread waits, bounded, while that ring is full; the loop never
@@ -28,12 +28,12 @@
 
 #include "control.pb-c.h"
 #include "prefill_sched.h"
-#include "router_conf.h"
-#include "router_node_client.h"
-#include "router_proc.h"
-#include "router_worker.h"
-#include "router_xfer_copier.h"
-#include "router_xfer_metrics.h"
+#include "td_node_conf.h"
+#include "td_node_client.h"
+#include "td_node.h"
+#include "td_node_worker.h"
+#include "td_node_copier.h"
+#include "td_node_xfer_metrics.h"
 #include "td_backend.h"
 #include "td_engine.h"
 #include "td_grpc.h"
@@ -45,7 +45,7 @@
 #include "td_xfer.h"
 
 /* The prefill node's own keys; the common ones (model, router, host, advertise, node id,
- * ports, threads, log level) are router_proc's. */
+ * ports, threads, log level) are td_node's. */
 typedef struct prefill_config {
     int64_t kv_blocks;         /* the engine's pool (0: from kv_mem) */
     int64_t kv_mem;            /* MiB the pool may take when kv_blocks is 0 (0: a share of memory) */
@@ -117,9 +117,9 @@ typedef struct prefill_event { /* compute → loop */
 } prefill_event_t;
 
 typedef struct prefill_state {
-    router_proc_t proc;        /* loop, signals, /metrics, router client, common config */
+    td_node_t proc;        /* loop, signals, /metrics, router client, common config */
     prefill_config_t cfg;
-    router_worker_t worker;    /* the compute thread, its message and event rings */
+    td_node_worker_t worker;    /* the compute thread, its message and event rings */
     td_model_t *model;
     td_backend_t *be;
     td_engine_t *eng;
@@ -133,7 +133,7 @@ typedef struct prefill_state {
     td_xfer_t *xfer;
     td_grpc_server_t *grpc;
     td_metrics_t *metrics;
-    router_xfer_metrics_t xfer_metrics; /* td_xfer's statistics on /metrics */
+    td_node_xfer_metrics_t xfer_metrics; /* td_xfer's statistics on /metrics */
     td_metric_t *m_requests, *m_refused, *m_failed, *m_tokens, *m_cached, *m_seconds, *m_queue,
         *m_xfer_s, *m_steps, *m_step_s, *m_batch_tokens, *m_batch_size, *m_blocks_used;
     /* loop thread */
@@ -189,7 +189,7 @@ static void on_layer(void *arg, uint32_t layer, const prefill_finishing_t *fin, 
         }
     }
     if (s->cur_push)
-        router_worker_emit(&s->worker, &(prefill_event_t){.kind = EV_LAYER, .layer = layer, .push = s->cur_push});
+        td_node_worker_emit(&s->worker, &(prefill_event_t){.kind = EV_LAYER, .layer = layer, .push = s->cur_push});
 }
 
 static void handle_msg(prefill_state_t *s, const prefill_msg_t *m)
@@ -203,7 +203,7 @@ static void handle_msg(prefill_state_t *s, const prefill_msg_t *m)
         td_status_t st = prefill_sched_submit(s->sched, &rq);
         atomic_fetch_sub(&s->unsubmitted_tokens, j->n_tokens);
         if (st != TD_OK)
-            router_worker_emit(&s->worker,
+            td_node_worker_emit(&s->worker,
                                &(prefill_event_t){.kind = EV_DONE, .job = j, .status = st, .first_token = -1});
         break;
     }
@@ -211,13 +211,13 @@ static void handle_msg(prefill_state_t *s, const prefill_msg_t *m)
         /* Only a prompt no transfer has seen; a done one is released after its transfer. */
         if (prefill_sched_pending(s->sched, id)) {
             prefill_sched_cancel(s->sched, id);
-            router_worker_emit(&s->worker, &(prefill_event_t){.kind = EV_GONE, .job = j});
+            td_node_worker_emit(&s->worker, &(prefill_event_t){.kind = EV_GONE, .job = j});
         }
         break;
     case MSG_RELEASE:
         if (prefill_sched_release(s->sched, id) != TD_OK)
             td_warn("prefill: release of a prompt the scheduler does not hold (job %p)", (void *)j);
-        router_worker_emit(&s->worker, &(prefill_event_t){.kind = EV_GONE, .job = j});
+        td_node_worker_emit(&s->worker, &(prefill_event_t){.kind = EV_GONE, .job = j});
         break;
     }
 }
@@ -239,7 +239,7 @@ static bool run_step(prefill_state_t *s)
     td_status_t st = prefill_sched_step(s->sched, (int64_t)t0, &r);
     double step_s = (double)(td_now_ns() - t0) * 1e-9;
     if (s->cur_push &&
-        !router_worker_emit(&s->worker, &(prefill_event_t){.kind = EV_PUSH_END, .push = s->cur_push}))
+        !td_node_worker_emit(&s->worker, &(prefill_event_t){.kind = EV_PUSH_END, .push = s->cur_push}))
         push_free(s->cur_push); /* stopping: teardown ignores the layer events */
     s->cur_push = NULL;
     atomic_store(&s->sched_tokens, prefill_sched_queued_tokens(s->sched));
@@ -262,7 +262,7 @@ static bool run_step(prefill_state_t *s)
         const prefill_output_t *o = &r.outputs[i];
         if (o->status == TD_OK)
             td_metric_add(s->m_cached, o->n_cached);
-        router_worker_emit(&s->worker, &(prefill_event_t){.kind = EV_DONE, .job = (prefill_job_t *)(uintptr_t)o->id,
+        td_node_worker_emit(&s->worker, &(prefill_event_t){.kind = EV_DONE, .job = (prefill_job_t *)(uintptr_t)o->id,
                                                           .status = o->status, .first_token = o->first_token,
                                                           .cached = o->n_cached,
                                                           .held = o->held || o->status == TD_OK});
@@ -277,7 +277,7 @@ static void compute_main(void *arg)
     for (;;) {
         bool work = prefill_sched_queued(s->sched) > 0 && progressed;
         void *taken;
-        int32_t n = router_worker_take(&s->worker, !work, &taken);
+        int32_t n = td_node_worker_take(&s->worker, !work, &taken);
         if (n < 0)
             break;
         const prefill_msg_t *msgs = taken;
@@ -304,7 +304,7 @@ static int32_t msg_ring_size(const prefill_config_t *cfg)
 
 static void post(prefill_state_t *s, prefill_msg_kind_t kind, prefill_job_t *j)
 {
-    bool queued = router_worker_post(&s->worker, &(prefill_msg_t){.kind = kind, .job = j});
+    bool queued = td_node_worker_post(&s->worker, &(prefill_msg_t){.kind = kind, .job = j});
     TD_ASSERT(queued);
 }
 
@@ -534,7 +534,7 @@ static td_grpc_code_t parse_request(prefill_state_t *s, const Tandem__Control__V
     for (size_t i = 0; i < r->n_block_ids; i++)
         j->dst_blocks[i] = (int32_t)r->block_ids[i];
     j->n_dst = (int32_t)r->n_block_ids;
-    j->sampling = router_proc_sampling(r->sampling);
+    j->sampling = td_node_sampling(r->sampling);
     if (td_sampling_validate(&j->sampling, why, cap) != TD_OK)
         return TD_GRPC_INVALID_ARGUMENT;
     return TD_GRPC_OK;
@@ -595,7 +595,7 @@ static void on_prefill(td_grpc_call_t *call, const ProtobufCMessage *msg, void *
     post(s, MSG_SUBMIT, j);
 }
 
-static void load_cb(void *data, router_node_load_t *l)
+static void load_cb(void *data, td_node_load_t *l)
 {
     prefill_state_t *s = data;
     l->queued_prefill_tokens = atomic_load(&s->unsubmitted_tokens) + atomic_load(&s->sched_tokens);
@@ -604,12 +604,12 @@ static void load_cb(void *data, router_node_load_t *l)
     l->prefill_tok_s = (double)atomic_load(&s->milli_tok_s) * 1e-3;
 }
 
-/* The prefill node's part of shutdown (router_proc_shutdown closes the rest). */
+/* The prefill node's part of shutdown (td_node_shutdown closes the rest). */
 static void on_shutdown(void *data)
 {
     prefill_state_t *s = data;
     s->shutting_down = true;
-    router_worker_stop(&s->worker); /* joins the compute thread, closes its async handle */
+    td_node_worker_stop(&s->worker); /* joins the compute thread, closes its async handle */
     td_grpc_server_close(s->grpc, NULL, NULL); /* open calls: cancel callbacks */
     s->grpc = NULL;
     td_xfer_destroy(s->xfer); /* finished sends: done callbacks with TD_ERR_CLOSED */
@@ -632,7 +632,7 @@ static td_status_t size_pool(prefill_state_t *s, const td_engine_config_t *ec)
                               .percent = TD_KV_PREFILL_PERCENT, .cap = TD_KV_PREFILL_CAP,
                               .device = s->proc.device.cuda, .device_default = TD_KV_PREFILL_DEVICE_DEFAULT,
                               .useful_tokens = 8 * step, .useful_what = what};
-    return router_proc_plan_kv(&s->proc, s->model, ec, &pp, &s->cfg.kv_blocks, &s->pool_bytes);
+    return td_node_plan_kv(&s->proc, s->model, ec, &pp, &s->cfg.kv_blocks, &s->pool_bytes);
 }
 
 static const double batch_token_buckets[] = {1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384};
@@ -676,48 +676,48 @@ int prefill_main(int argc, char **argv)
     prefill_state_t st_, *s = &st_;
     memset(s, 0, sizeof *s);
     prefill_config_t *cfg = &s->cfg;
-    const router_proc_config_t *pc = &s->proc.cfg;
+    const td_node_config_t *pc = &s->proc.cfg;
     prefill_sched_config_t dsc = prefill_sched_config_default();
     *cfg = (prefill_config_t){.kv_blocks = 0, .max_batch_tokens = dsc.max_batch_tokens,
                               .max_batch = dsc.max_batch, .max_queue = dsc.max_queue,
                               .max_queued_tokens = dsc.max_queued_tokens, .event_queue = 1024,
                               .idle_wait_ms = 50, .send_timeout_ms = 30000};
-    const router_conf_key_t keys[] = {
-        {"kv-blocks", ROUTER_CONF_I64, &cfg->kv_blocks, 0, 1 << 24,
+    const td_node_conf_key_t keys[] = {
+        {"kv-blocks", TD_NODE_CONF_I64, &cfg->kv_blocks, 0, 1 << 24,
          "KV pool blocks (prompts in flight + prefix cache; 0 = as many as kv-mem holds)"},
-        {"kv-mem", ROUTER_CONF_I64, &cfg->kv_mem, 0, 1 << 30,
+        {"kv-mem", TD_NODE_CONF_I64, &cfg->kv_mem, 0, 1 << 30,
          "KV pool budget in MiB when kv-blocks is 0 (0 = 15% of the memory available, at most 16 GiB; "
          "never more than 8 steps of max(max-batch-tokens, the model's length) tokens)"},
-        {"max-batch-tokens", ROUTER_CONF_I64, &cfg->max_batch_tokens, 1, 1 << 16,
+        {"max-batch-tokens", TD_NODE_CONF_I64, &cfg->max_batch_tokens, 1, 1 << 16,
          "prompt tokens in one engine step (longer prompts are chunked)"},
-        {"max-batch", ROUTER_CONF_I64, &cfg->max_batch, 1, 4096, "prompts in one engine step"},
-        {"max-queue", ROUTER_CONF_I64, &cfg->max_queue, 1, 1 << 20,
+        {"max-batch", TD_NODE_CONF_I64, &cfg->max_batch, 1, 4096, "prompts in one engine step"},
+        {"max-queue", TD_NODE_CONF_I64, &cfg->max_queue, 1, 1 << 20,
          "Prefill calls accepted and not finished (beyond: RESOURCE_EXHAUSTED)"},
-        {"max-queued-tokens", ROUTER_CONF_I64, &cfg->max_queued_tokens, 1, (int64_t)1 << 40,
+        {"max-queued-tokens", TD_NODE_CONF_I64, &cfg->max_queued_tokens, 1, (int64_t)1 << 40,
          "prompt tokens waiting or in progress (beyond: RESOURCE_EXHAUSTED)"},
-        {"event-queue", ROUTER_CONF_I64, &cfg->event_queue, 2, 1 << 20,
+        {"event-queue", TD_NODE_CONF_I64, &cfg->event_queue, 2, 1 << 20,
          "compute-to-loop events waiting at most (the compute thread waits beyond)"},
-        {"idle-wait-ms", ROUTER_CONF_I64, &cfg->idle_wait_ms, 1, 10000,
+        {"idle-wait-ms", TD_NODE_CONF_I64, &cfg->idle_wait_ms, 1, 10000,
          "compute thread: longest single wait for work or room"},
-        {"send-timeout-ms", ROUTER_CONF_I64, &cfg->send_timeout_ms, 1, 3600000,
+        {"send-timeout-ms", TD_NODE_CONF_I64, &cfg->send_timeout_ms, 1, 3600000,
          "KV transfer: first layer until the decode node's verdict"},
     };
-    const router_proc_spec_t spec = {.prog = "prefill", .kind = ROUTER_PROC_NODE, .on_shutdown = on_shutdown, .data = s};
+    const td_node_spec_t spec = {.prog = "prefill", .kind = TD_NODE_NODE, .on_shutdown = on_shutdown, .data = s};
     int rc;
-    if (!router_proc_configure(&s->proc, &spec, keys, (int)TD_ARRAY_LEN(keys), argc, argv, &rc))
+    if (!td_node_configure(&s->proc, &spec, keys, (int)TD_ARRAY_LEN(keys), argc, argv, &rc))
         return rc;
     rc = 1;
 
     td_status_t st;
-    const router_worker_config_t wc = {.name = "prefill", .msg_size = sizeof(prefill_msg_t),
+    const td_node_worker_config_t wc = {.name = "prefill", .msg_size = sizeof(prefill_msg_t),
                                        .msg_cap = msg_ring_size(cfg), .event_size = sizeof(prefill_event_t),
                                        .event_cap = (int32_t)cfg->event_queue, .wait_ms = cfg->idle_wait_ms,
                                        .run = compute_main, .on_events = on_events, .data = s};
-    if ((st = router_worker_init(&s->worker, &s->proc.loop, &wc)) != TD_OK)
+    if ((st = td_node_worker_init(&s->worker, &s->proc.loop, &wc)) != TD_OK)
         goto out;
-    if ((st = router_proc_load_model(&s->proc, &s->model, &s->be)) != TD_OK)
+    if ((st = td_node_load_model(&s->proc, &s->model, &s->be)) != TD_OK)
         goto out;
-    td_engine_config_t ec = router_proc_engine_config(&s->proc);
+    td_engine_config_t ec = td_node_engine_config(&s->proc);
     ec.max_seqs = (int32_t)cfg->max_batch;
     ec.max_logit_rows = (int32_t)cfg->max_batch;
     ec.max_batch_tokens = (int32_t)cfg->max_batch_tokens;
@@ -745,11 +745,11 @@ int prefill_main(int argc, char **argv)
     xc.listen_ip = NULL;
     xc.send_timeout_ms = (uint32_t)cfg->send_timeout_ms;
     if (!s->be->host_memory) {
-        s->d2h = router_xfer_copier(s->be);
+        s->d2h = td_node_copier(s->be);
         xc.d2h = &s->d2h;
     }
     if ((st = td_xfer_create(&s->proc.loop, &xc, &s->xfer)) != TD_OK ||
-        (st = router_xfer_metrics_init(&s->xfer_metrics, s->metrics, s->xfer)) != TD_OK)
+        (st = td_node_xfer_metrics_init(&s->xfer_metrics, s->metrics, s->xfer)) != TD_OK)
         goto out;
     td_grpc_server_config_t gc = td_grpc_server_config_default();
     gc.host = pc->host;
@@ -759,27 +759,27 @@ int prefill_main(int argc, char **argv)
         (st = td_grpc_server_add_method(s->grpc, "/tandem.control.v1.PrefillNode/Prefill",
                                         &tandem__control__v1__prefill_request__descriptor, on_prefill, s)) != TD_OK)
         goto out;
-    if ((st = router_proc_serve(&s->proc, s->metrics)) != TD_OK)
+    if ((st = td_node_serve(&s->proc, s->metrics)) != TD_OK)
         goto out;
-    if ((st = router_worker_start(&s->worker)) != TD_OK)
+    if ((st = td_node_worker_start(&s->worker)) != TD_OK)
         goto out;
-    router_node_client_config_t nc = {.max_seq_len = (uint32_t)s->model->config.max_seq_len,
+    td_node_client_config_t nc = {.max_seq_len = (uint32_t)s->model->config.max_seq_len,
                                       .max_prefill_tokens = (uint32_t)cfg->max_batch_tokens};
-    nc.info.role = ROUTER_ROLE_PREFILL;
+    nc.info.role = TD_NODE_ROLE_PREFILL;
     nc.info.layout = s->layout;
     nc.info.capacity_blocks = (int32_t)cfg->kv_blocks;
     nc.info.vocab_size = s->model->config.vocab_size; /* the router checks prompt ids against it */
     nc.info.max_batch = (int32_t)cfg->max_batch;
-    if ((st = router_proc_register(&s->proc, &nc, td_grpc_server_port(s->grpc), load_cb, s)) != TD_OK)
+    if ((st = td_node_register(&s->proc, &nc, td_grpc_server_port(s->grpc), load_cb, s)) != TD_OK)
         goto out;
 
-    rc = router_proc_run(&s->proc);
+    rc = td_node_run(&s->proc);
 out:
-    router_proc_stop(&s->proc);
+    td_node_stop(&s->proc);
     /* What the loop did not get to: pushes are freed once (their EV_PUSH_END), jobs from
      * the live list; the scheduler releases what it holds. */
     prefill_event_t ev;
-    while (router_worker_pop_out(&s->worker, &ev))
+    while (td_node_worker_pop_out(&s->worker, &ev))
         if (ev.kind == EV_PUSH_END)
             push_free(ev.push);
     while (s->jobs) {
@@ -792,7 +792,7 @@ out:
     td_backend_destroy(s->be);
     td_model_destroy(s->model);
     td_metrics_destroy(s->metrics);
-    router_worker_free(&s->worker);
-    router_proc_free(&s->proc);
+    td_node_worker_free(&s->worker);
+    td_node_free(&s->proc);
     return rc;
 }

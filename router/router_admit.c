@@ -16,7 +16,7 @@ void router_admit_model_facts(const router_registry_t *reg, const char *model, i
         const router_node_t *n = router_registry_node_const(reg, i);
         if (!n || strcmp(n->info.model, model) || !router_registry_is_live(reg, i, now_ns))
             continue;
-        if (n->info.role == ROUTER_ROLE_DECODE)
+        if (n->info.role == TD_NODE_ROLE_DECODE)
             facts->n_decode++;
         /* the registry refuses a live node whose vocabulary differs, so any known one is it */
         if (n->info.vocab_size > 0)
@@ -55,7 +55,7 @@ static int64_t max_new_tokens(int32_t n_prompt, int32_t max_tokens, int32_t msl)
     return msl > 0 ? TD_MIN((int64_t)max_tokens, (int64_t)msl - n_prompt) : max_tokens;
 }
 
-int64_t router_admit_kv_blocks(int32_t n_prompt, int32_t max_tokens, const router_node_info_t *decode)
+int64_t router_admit_kv_blocks(int32_t n_prompt, int32_t max_tokens, const td_node_info_t *decode)
 {
     int32_t msl = decode->max_seq_len;
     if (msl > 0 && n_prompt >= msl)
@@ -70,11 +70,11 @@ td_status_t router_admit_check_size(const router_registry_t *reg, const char *mo
 {
     if (n_prompt < 1 || max_tokens < 1)
         return TD_OK; /* not a request the size can judge; its own checks refuse it */
-    const router_node_info_t *largest = NULL; /* of the nodes the prompt is short enough for */
+    const td_node_info_t *largest = NULL; /* of the nodes the prompt is short enough for */
     int32_t n_live = 0, shortest_len = 0;
     for (int32_t i = 0; i < router_registry_slots(reg); i++) {
         const router_node_t *n = router_registry_node_const(reg, i);
-        if (!n || n->info.role != ROUTER_ROLE_DECODE || strcmp(n->info.model, model) ||
+        if (!n || n->info.role != TD_NODE_ROLE_DECODE || strcmp(n->info.model, model) ||
             !router_registry_is_live(reg, i, now_ns))
             continue;
         n_live++;

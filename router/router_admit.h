@@ -58,7 +58,7 @@ td_status_t router_admit_check_ids(const int32_t *ids, int32_t n, int32_t vocab,
  * when the prompt is not shorter than the node's max_seq_len (it refuses such a prompt).
  * max_seq_len 0 (unknown): max_tokens is not capped.
  */
-int64_t router_admit_kv_blocks(int32_t n_prompt, int32_t max_tokens, const router_node_info_t *decode);
+int64_t router_admit_kv_blocks(int32_t n_prompt, int32_t max_tokens, const td_node_info_t *decode);
 
 /*
  * TD_OK when some live decode node of `model` could hold the request on its own, or when

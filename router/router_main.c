@@ -26,9 +26,9 @@
 #include "control.pb-c.h"
 #include "health.pb-c.h"
 #include "router_admit.h"
-#include "router_conf.h"
+#include "td_node_conf.h"
 #include "router_policy.h"
-#include "router_proc.h"
+#include "td_node.h"
 #include "router_queue.h"
 #include "router_registry.h"
 #include "tandem.pb-c.h"
@@ -50,7 +50,7 @@
 #define ROUTER_BACKLOG_GRACE_TURNS 2
 
 /* The router's own keys; the common ones (model name, host, advertise, gateway and metrics
- * ports, log level) are router_proc's. */
+ * ports, log level) are td_node's. */
 typedef struct router_config {
     const char *tokenizer;     /* tokenizer path (a model's tokenizer.bin / .json / dir) */
     int64_t control_port;
@@ -150,7 +150,7 @@ typedef struct router_req {
 } router_req_t;
 
 struct router_state {
-    router_proc_t proc;        /* loop, signals, /metrics, common config */
+    td_node_t proc;        /* loop, signals, /metrics, common config */
     router_config_t cfg;
     uv_timer_t tick;
     td_tokenizer_t *tok;
@@ -1122,8 +1122,8 @@ static void print_nodes(router_state_t *s)
     int64_t now = (int64_t)td_now_ns();
     for (int32_t i = 0; i < router_registry_slots(s->reg); i++) {
         const router_node_t *n = router_registry_node_const(s->reg, i);
-        if (n && router_registry_is_live(s->reg, i, now) && (n->info.role != ROUTER_ROLE_DECODE || s->peers[i].steps))
-            n->info.role == ROUTER_ROLE_DECODE ? nd++ : np++;
+        if (n && router_registry_is_live(s->reg, i, now) && (n->info.role != TD_NODE_ROLE_DECODE || s->peers[i].steps))
+            n->info.role == TD_NODE_ROLE_DECODE ? nd++ : np++;
     }
     td_metric_set(s->m_nodes_prefill, np);
     td_metric_set(s->m_nodes_decode, nd);
@@ -1148,7 +1148,7 @@ static void register_refused(router_state_t *s, const char *id, const char *reas
     }
 }
 
-/* What the protobuf message itself must hold before it becomes a router_node_info_t: the
+/* What the protobuf message itself must hold before it becomes a td_node_info_t: the
  * strings fit, the role is in the enum, layout and capacity are present and in range, the
  * transfer descriptor is bounded (the prefill node checks its content when it connects).
  * false: why[] says which field. */
@@ -1157,16 +1157,16 @@ static bool register_edge_check(const Tandem__Control__V1__RegisterRequest *q, c
     const char *id = q->node_id && q->node_id[0] ? q->node_id : "?";
     if (!q->node_id || !q->node_id[0])
         snprintf(why, cap, "register: node_id is empty");
-    else if (strlen(q->node_id) >= ROUTER_NODE_ID_MAX)
-        snprintf(why, cap, "register: node_id is %zu bytes, at most %d", strlen(q->node_id), ROUTER_NODE_ID_MAX - 1);
+    else if (strlen(q->node_id) >= TD_NODE_ID_MAX)
+        snprintf(why, cap, "register: node_id is %zu bytes, at most %d", strlen(q->node_id), TD_NODE_ID_MAX - 1);
     else if (q->role != TANDEM__CONTROL__V1__ROLE__ROLE_PREFILL && q->role != TANDEM__CONTROL__V1__ROLE__ROLE_DECODE)
         snprintf(why, cap, "register: node %s: role %d is not PREFILL (1) or DECODE (2)", id, (int)q->role);
-    else if (!q->model || strlen(q->model) >= ROUTER_MODEL_MAX)
+    else if (!q->model || strlen(q->model) >= TD_NODE_MODEL_MAX)
         snprintf(why, cap, "register: node %s: model is %zu bytes, at most %d", id, q->model ? strlen(q->model) : 0,
-                 ROUTER_MODEL_MAX - 1);
-    else if (!q->control_address || strlen(q->control_address) >= ROUTER_ADDRESS_MAX)
+                 TD_NODE_MODEL_MAX - 1);
+    else if (!q->control_address || strlen(q->control_address) >= TD_NODE_ADDRESS_MAX)
         snprintf(why, cap, "register: node %s: control_address is %zu bytes, at most %d", id,
-                 q->control_address ? strlen(q->control_address) : 0, ROUTER_ADDRESS_MAX - 1);
+                 q->control_address ? strlen(q->control_address) : 0, TD_NODE_ADDRESS_MAX - 1);
     else if (!q->layout)
         snprintf(why, cap, "register: node %s: layout is missing", id);
     else if (!q->capacity)
@@ -1192,7 +1192,7 @@ static void on_register(td_grpc_call_t *call, const ProtobufCMessage *msg, void 
 {
     router_state_t *s = data;
     const Tandem__Control__V1__RegisterRequest *q = (const void *)msg;
-    router_node_info_t info = {0};
+    td_node_info_t info = {0};
     char why[768];
     if (!register_edge_check(q, why, sizeof why)) {
         register_refused(s, q->node_id && q->node_id[0] ? q->node_id : "?", why);
@@ -1202,7 +1202,7 @@ static void on_register(td_grpc_call_t *call, const ProtobufCMessage *msg, void 
     strcpy(info.id, q->node_id);
     strcpy(info.model, q->model);
     strcpy(info.address, q->control_address);
-    info.role = (router_role_t)q->role; /* checked: PREFILL or DECODE */
+    info.role = (td_node_role_t)q->role; /* checked: PREFILL or DECODE */
     info.layout = (td_kv_layout_t){.model_fingerprint = q->layout->model_fingerprint, .dtype = q->layout->dtype,
                                    .block_size = q->layout->block_size, .n_layers = q->layout->n_layers,
                                    .n_kv_heads = q->layout->n_kv_heads, .head_dim = q->layout->head_dim,
@@ -1211,14 +1211,14 @@ static void on_register(td_grpc_call_t *call, const ProtobufCMessage *msg, void 
     info.max_batch = (int32_t)q->capacity->max_batch;
     info.vocab_size = (int32_t)TD_MIN(q->capacity->vocab_size, (uint32_t)INT32_MAX);
     info.max_seq_len = (int32_t)TD_MIN(q->capacity->max_seq_len, (uint32_t)INT32_MAX);
-    char host[ROUTER_ADDRESS_MAX];
+    char host[TD_NODE_ADDRESS_MAX];
     uint16_t port;
     if (router_registry_validate(&info) != TD_OK) {
         register_refused(s, info.id, td_last_error());
         td_grpc_call_finish(call, TD_GRPC_INVALID_ARGUMENT, td_last_error());
         return;
     }
-    if (router_conf_split_addr(info.address, host, sizeof host, &port) != TD_OK || !port) {
+    if (td_node_conf_split_addr(info.address, host, sizeof host, &port) != TD_OK || !port) {
         snprintf(why, sizeof why, "register: node %s: control_address \"%s\" is not HOST:PORT with a port 1 .. 65535",
                  info.id, info.address);
         register_refused(s, info.id, why);
@@ -1273,7 +1273,7 @@ static void on_register(td_grpc_call_t *call, const ProtobufCMessage *msg, void 
         td_grpc_call_finish(call, TD_GRPC_UNAVAILABLE, "router cannot reach the node's control address");
         return;
     }
-    if (info.role == ROUTER_ROLE_DECODE) {
+    if (info.role == TD_NODE_ROLE_DECODE) {
         Tandem__Control__V1__StepsRequest sr = TANDEM__CONTROL__V1__STEPS_REQUEST__INIT;
         sr.router_id = "router";
         td_grpc_call_opts_t o = {.response_desc = &tandem__control__v1__step_batch__descriptor,
@@ -1286,7 +1286,7 @@ static void on_register(td_grpc_call_t *call, const ProtobufCMessage *msg, void 
             return;
         }
     }
-    td_info("router: node %s (%s) registered at %s", info.id, info.role == ROUTER_ROLE_DECODE ? "decode" : "prefill",
+    td_info("router: node %s (%s) registered at %s", info.id, info.role == TD_NODE_ROLE_DECODE ? "decode" : "prefill",
             info.address);
     Tandem__Control__V1__RegisterResponse resp = TANDEM__CONTROL__V1__REGISTER_RESPONSE__INIT;
     resp.epoch = p->generation;
@@ -1306,7 +1306,7 @@ static void on_heartbeat(td_grpc_call_t *call, const ProtobufCMessage *msg, void
         !td_grpc_channel_is_usable(s->peers[idx].ch)) { /* a failed channel: a new registration makes a new one */
         resp.reregister = true;
     } else {
-        router_node_load_t l = {0};
+        td_node_load_t l = {0};
         if (q->load) {
             /* clamped to what the node registered: a wrapped or absurd count is not believed */
             const router_node_t *n = router_registry_node_const(s->reg, idx);
@@ -1527,7 +1527,7 @@ static void on_cluster_status(td_grpc_call_t *call, const ProtobufCMessage *msg,
         Tandem__V1__NodeStatus *x = &st[n];
         tandem__v1__node_status__init(x);
         x->node_id = (char *)nd->info.id;
-        x->role = nd->info.role == ROUTER_ROLE_DECODE ? TANDEM__V1__NODE_ROLE__NODE_ROLE_DECODE
+        x->role = nd->info.role == TD_NODE_ROLE_DECODE ? TANDEM__V1__NODE_ROLE__NODE_ROLE_DECODE
                                                       : TANDEM__V1__NODE_ROLE__NODE_ROLE_PREFILL;
         x->state = router_registry_is_live(s->reg, i, now) ? TANDEM__V1__NODE_STATE__NODE_STATE_UP
                                                            : TANDEM__V1__NODE_STATE__NODE_STATE_DOWN;
@@ -1574,7 +1574,7 @@ static void on_tick(uv_timer_t *t)
         const router_node_t *n = router_registry_node_const(s->reg, i);
         if (n && !router_registry_is_live(s->reg, i, now)) {
             td_warn("router: node %s missed heartbeats; dropped", n->info.id);
-            if (n->info.role == ROUTER_ROLE_DECODE)
+            if (n->info.role == TD_NODE_ROLE_DECODE)
                 decode_lost(s, i, "decode node stopped heartbeating");
             router_registry_leave(s->reg, n->info.id);
             s->peers[i].generation++;
@@ -1600,7 +1600,7 @@ static void on_tick(uv_timer_t *t)
     }
 }
 
-/* The router's part of shutdown (router_proc_shutdown closes /metrics and the signals). */
+/* The router's part of shutdown (td_node_shutdown closes /metrics and the signals). */
 static void on_shutdown(void *data)
 {
     router_state_t *s = data;
@@ -1675,38 +1675,38 @@ int router_main(int argc, char **argv)
     router_state_t st_, *s = &st_;
     memset(s, 0, sizeof *s);
     router_config_t *cfg = &s->cfg;
-    const router_proc_config_t *pc = &s->proc.cfg;
+    const td_node_config_t *pc = &s->proc.cfg;
     *cfg = (router_config_t){.control_port = 0, .max_active = 1024, .max_queue = 4096, .request_timeout_ms = 300000,
                              .max_backlog_tokens = 4096, .send_queue_bytes = 256 << 10, .default_max_tokens = 256,
                              .lease_ms = 10000, .max_prefill_wait_ms = 5000, .max_tokenizing = 64, .rpc_timeout_ms = 5000, .heartbeat_ms = 200,
                              .heartbeat_timeout_ms = 1500, .max_nodes = 256};
-    const router_conf_key_t keys[] = {
-        {"tokenizer", ROUTER_CONF_STR, &cfg->tokenizer, 0, 0, "tokenizer path (none: prompts as ids only, no text)"},
-        {"control-port", ROUTER_CONF_I64, &cfg->control_port, 0, 65535, "control gRPC port (0 = any)"},
-        {"max-active", ROUTER_CONF_I64, &cfg->max_active, 1, 1 << 20, "requests on nodes at once; more wait in the queue"},
-        {"max-queue", ROUTER_CONF_I64, &cfg->max_queue, 0, 1 << 20,
+    const td_node_conf_key_t keys[] = {
+        {"tokenizer", TD_NODE_CONF_STR, &cfg->tokenizer, 0, 0, "tokenizer path (none: prompts as ids only, no text)"},
+        {"control-port", TD_NODE_CONF_I64, &cfg->control_port, 0, 65535, "control gRPC port (0 = any)"},
+        {"max-active", TD_NODE_CONF_I64, &cfg->max_active, 1, 1 << 20, "requests on nodes at once; more wait in the queue"},
+        {"max-queue", TD_NODE_CONF_I64, &cfg->max_queue, 0, 1 << 20,
          "requests waiting for room at most; beyond → RESOURCE_EXHAUSTED"},
-        {"request-timeout-ms", ROUTER_CONF_I64, &cfg->request_timeout_ms, 0, 86400000,
+        {"request-timeout-ms", TD_NODE_CONF_I64, &cfg->request_timeout_ms, 0, 86400000,
          "deadline of a request without grpc-timeout (0 = none)"},
-        {"max-backlog-tokens", ROUTER_CONF_I64, &cfg->max_backlog_tokens, 1, 1 << 24,
+        {"max-backlog-tokens", TD_NODE_CONF_I64, &cfg->max_backlog_tokens, 1, 1 << 24,
          "tokens held for a client not reading its stream; beyond → RESOURCE_EXHAUSTED"},
-        {"send-queue-bytes", ROUTER_CONF_I64, &cfg->send_queue_bytes, 1, 1 << 30,
+        {"send-queue-bytes", TD_NODE_CONF_I64, &cfg->send_queue_bytes, 1, 1 << 30,
          "bytes queued per gateway stream before tokens wait in the router's backlog"},
-        {"default-max-tokens", ROUTER_CONF_I64, &cfg->default_max_tokens, 1, 1 << 20, "max_tokens when a request gives 0"},
-        {"lease-ms", ROUTER_CONF_I64, &cfg->lease_ms, 10, 600000,
+        {"default-max-tokens", TD_NODE_CONF_I64, &cfg->default_max_tokens, 1, 1 << 20, "max_tokens when a request gives 0"},
+        {"lease-ms", TD_NODE_CONF_I64, &cfg->lease_ms, 10, 600000,
          "decode lease and Prefill bound, beyond twice the estimated prefill wait"},
-        {"max-tokenizing", ROUTER_CONF_I64, &cfg->max_tokenizing, 1, 4096,
+        {"max-tokenizing", TD_NODE_CONF_I64, &cfg->max_tokenizing, 1, 4096,
          "text prompts encoded off the loop at once; beyond → RESOURCE_EXHAUSTED"},
-        {"max-prefill-wait-ms", ROUTER_CONF_I64, &cfg->max_prefill_wait_ms, 0, 600000,
+        {"max-prefill-wait-ms", TD_NODE_CONF_I64, &cfg->max_prefill_wait_ms, 0, 600000,
          "a prefill node with work queued takes no prompt it would reach later than this (0 = no bound)"},
-        {"rpc-timeout-ms", ROUTER_CONF_I64, &cfg->rpc_timeout_ms, 10, 600000, "bound of Admit/Release calls"},
-        {"heartbeat-ms", ROUTER_CONF_I64, &cfg->heartbeat_ms, 10, 60000, "heartbeat interval asked of nodes"},
-        {"heartbeat-timeout-ms", ROUTER_CONF_I64, &cfg->heartbeat_timeout_ms, 20, 600000, "silence before a node is dropped"},
-        {"max-nodes", ROUTER_CONF_I64, &cfg->max_nodes, 1, 65536, "registered nodes at most"},
+        {"rpc-timeout-ms", TD_NODE_CONF_I64, &cfg->rpc_timeout_ms, 10, 600000, "bound of Admit/Release calls"},
+        {"heartbeat-ms", TD_NODE_CONF_I64, &cfg->heartbeat_ms, 10, 60000, "heartbeat interval asked of nodes"},
+        {"heartbeat-timeout-ms", TD_NODE_CONF_I64, &cfg->heartbeat_timeout_ms, 20, 600000, "silence before a node is dropped"},
+        {"max-nodes", TD_NODE_CONF_I64, &cfg->max_nodes, 1, 65536, "registered nodes at most"},
     };
-    const router_proc_spec_t spec = {.prog = "router", .kind = ROUTER_PROC_ROUTER, .on_shutdown = on_shutdown, .data = s};
+    const td_node_spec_t spec = {.prog = "router", .kind = TD_NODE_ROUTER, .on_shutdown = on_shutdown, .data = s};
     int rc;
-    if (!router_proc_configure(&s->proc, &spec, keys, (int)TD_ARRAY_LEN(keys), argc, argv, &rc))
+    if (!td_node_configure(&s->proc, &spec, keys, (int)TD_ARRAY_LEN(keys), argc, argv, &rc))
         return rc;
     rc = 1;
     td_status_t st;
@@ -1744,7 +1744,7 @@ int router_main(int argc, char **argv)
     gc.send_queue_bytes = td_grpc_server_config_default().send_queue_bytes;
     if ((st = td_grpc_server_create(&s->proc.loop, &gc, &s->control)) != TD_OK || (st = add_methods(s)) != TD_OK)
         goto out;
-    if ((st = router_proc_serve(&s->proc, s->metrics)) != TD_OK)
+    if ((st = td_node_serve(&s->proc, s->metrics)) != TD_OK)
         goto out;
     uv_timer_init(&s->proc.loop, &s->tick);
     s->tick.data = s;
@@ -1757,12 +1757,12 @@ int router_main(int argc, char **argv)
     s->handles_up = true;
     printf("gateway: %s:%u\ncontrol: %s:%u\nmetrics: http://%s:%u/metrics\n", pc->advertise,
            td_grpc_server_port(s->gateway), pc->advertise, td_grpc_server_port(s->control), pc->advertise,
-           router_proc_metrics_port(&s->proc));
+           td_node_metrics_port(&s->proc));
     fflush(stdout);
 
-    rc = router_proc_run(&s->proc);
+    rc = td_node_run(&s->proc);
 out:
-    router_proc_stop(&s->proc);
+    td_node_stop(&s->proc);
     for (int64_t i = 0; s->peers && i < cfg->max_nodes; i++)
         free(s->peers[i].xfer_desc);
     free(s->peers);
@@ -1770,6 +1770,6 @@ out:
     router_registry_destroy(s->reg);
     td_tokenizer_destroy(s->tok);
     td_metrics_destroy(s->metrics);
-    router_proc_free(&s->proc);
+    td_node_free(&s->proc);
     return rc;
 }

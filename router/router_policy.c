@@ -51,7 +51,7 @@ static bool excluded(const router_pick_request_t *req, int32_t prefill, int32_t 
     return false;
 }
 
-static bool serves(const router_node_t *n, const char *model, router_role_t role)
+static bool serves(const router_node_t *n, const char *model, td_node_role_t role)
 {
     return n && n->info.role == role && !strcmp(n->info.model, model);
 }
@@ -85,7 +85,7 @@ static int32_t best_prefill(const router_registry_t *reg, const router_policy_co
     double best_work = 0, best_wait = 0;
     for (int32_t p = 0; p < router_registry_slots(reg); p++) {
         const router_node_t *pn = router_registry_node_const(reg, p);
-        if (!serves(pn, req->model, ROUTER_ROLE_PREFILL) ||
+        if (!serves(pn, req->model, TD_NODE_ROLE_PREFILL) ||
             !router_registry_is_live(reg, p, req->now_ns) || excluded(req, p, d) ||
             td_kv_layout_compare(&dn->info.layout, &pn->info.layout, NULL, 0) != TD_OK)
             continue;
@@ -122,7 +122,7 @@ static td_status_t no_pair_error(const router_registry_t *reg, const router_pick
     int32_t n_prefill = 0, n_same = 0;
     for (int32_t p = 0; p < router_registry_slots(reg); p++) {
         const router_node_t *pn = router_registry_node_const(reg, p);
-        if (!serves(pn, req->model, ROUTER_ROLE_PREFILL) || !router_registry_is_live(reg, p, req->now_ns))
+        if (!serves(pn, req->model, TD_NODE_ROLE_PREFILL) || !router_registry_is_live(reg, p, req->now_ns))
             continue;
         n_prefill++;
         for (int32_t r = 0; r < n_rank; r++) {
@@ -164,7 +164,7 @@ td_status_t router_policy_pick(const router_registry_t *reg, const router_policy
     int32_t n_live = 0, n_fit_ever = 0, n_rank = 0;
     for (int32_t d = 0; d < slots; d++) {
         const router_node_t *dn = router_registry_node_const(reg, d);
-        if (!serves(dn, req->model, ROUTER_ROLE_DECODE) || !router_registry_is_live(reg, d, req->now_ns))
+        if (!serves(dn, req->model, TD_NODE_ROLE_DECODE) || !router_registry_is_live(reg, d, req->now_ns))
             continue;
         n_live++;
         int64_t need = router_admit_kv_blocks(req->n_prompt, req->max_tokens, &dn->info);

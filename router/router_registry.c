@@ -182,21 +182,21 @@ static int32_t bad_name_byte(const char *name)
     return -1;
 }
 
-td_status_t router_registry_validate(const router_node_info_t *info)
+td_status_t router_registry_validate(const td_node_info_t *info)
 {
     int32_t at;
     if (!memchr(info->id, 0, sizeof info->id) || !memchr(info->model, 0, sizeof info->model) ||
         !memchr(info->address, 0, sizeof info->address))
         return td_errorf_quiet(TD_ERR_INVALID, "register: node_id, model and control_address must be "
                                                "shorter than %d, %d and %d bytes",
-                               ROUTER_NODE_ID_MAX, ROUTER_MODEL_MAX, ROUTER_ADDRESS_MAX);
+                               TD_NODE_ID_MAX, TD_NODE_MODEL_MAX, TD_NODE_ADDRESS_MAX);
     if (!info->id[0])
         return td_errorf_quiet(TD_ERR_INVALID, "register: node_id is empty");
     if ((at = bad_name_byte(info->id)) >= 0)
         return td_errorf_quiet(TD_ERR_INVALID, "register: node_id has byte 0x%02x at offset %d: "
                                                "printable ASCII without spaces only",
                                (unsigned char)info->id[at], at);
-    if (info->role != ROUTER_ROLE_PREFILL && info->role != ROUTER_ROLE_DECODE)
+    if (info->role != TD_NODE_ROLE_PREFILL && info->role != TD_NODE_ROLE_DECODE)
         return td_errorf_quiet(TD_ERR_INVALID, "register: node %s: role %d is not PREFILL (1) or DECODE (2)",
                                info->id, (int)info->role);
     if (!info->model[0])
@@ -226,7 +226,7 @@ td_status_t router_registry_validate(const router_node_info_t *info)
     return TD_OK;
 }
 
-td_status_t router_registry_join(router_registry_t *reg, const router_node_info_t *info,
+td_status_t router_registry_join(router_registry_t *reg, const td_node_info_t *info,
                                  int64_t now_ns, int32_t *index_p)
 {
     td_status_t st = router_registry_validate(info);
@@ -267,7 +267,7 @@ td_status_t router_registry_join(router_registry_t *reg, const router_node_info_
     }
     router_node_t *n = &reg->nodes[idx];
     router_prefix_set_t *prefix = NULL;
-    if (info->role == ROUTER_ROLE_PREFILL && !(prefix = pset_create(reg->cfg.prefix_hashes)))
+    if (info->role == TD_NODE_ROLE_PREFILL && !(prefix = pset_create(reg->cfg.prefix_hashes)))
         return td_errorf(TD_ERR_NOMEM, "router registry: out of memory for node %s", info->id);
     if (reg->used[idx])
         pset_destroy(n->prefix);
@@ -300,7 +300,7 @@ td_status_t router_registry_leave(router_registry_t *reg, const char *id)
 }
 
 td_status_t router_registry_heartbeat(router_registry_t *reg, const char *id,
-                                      const router_node_load_t *load, int64_t now_ns)
+                                      const td_node_load_t *load, int64_t now_ns)
 {
     int32_t idx = router_registry_find(reg, id);
     if (idx < 0)

@@ -22,47 +22,17 @@
 #include <stdint.h>
 
 #include "td_kv_layout.h"
+#include "td_node_info.h"
 #include "td_status.h"
 
-#define ROUTER_NODE_ID_MAX 64
-#define ROUTER_MODEL_MAX 128
-#define ROUTER_ADDRESS_MAX 256
 /* Sanity bounds of a registration (a node beyond them is refused, not believed). */
 #define ROUTER_MAX_BATCH 65536          /* capacity.max_batch */
 #define ROUTER_MAX_VOCAB (1 << 24)      /* capacity.vocab_size: 16M ids (Gemma: 256k) */
 #define ROUTER_MAX_SEQ_LEN (1 << 26)    /* capacity.max_seq_len: 64M tokens */
 
-typedef enum router_role {
-    ROUTER_ROLE_PREFILL = 1,
-    ROUTER_ROLE_DECODE = 2,
-} router_role_t;
-
-/* What a node says about itself when it registers. */
-typedef struct router_node_info {
-    char id[ROUTER_NODE_ID_MAX];       /* unique, non-empty */
-    router_role_t role;
-    char model[ROUTER_MODEL_MAX];      /* the model it serves */
-    td_kv_layout_t layout;             /* its KV layout (block_size > 0) */
-    char address[ROUTER_ADDRESS_MAX];  /* control address, host:port */
-    int32_t capacity_blocks;           /* KV blocks in its pool */
-    int32_t max_batch;                 /* most running sequences (decode) or batch (prefill) */
-    int32_t vocab_size;                /* the model's vocabulary (ids 0..vocab_size-1); 0 = unknown
-                                        * (a node from before Capacity.vocab_size) */
-    int32_t max_seq_len;               /* the model's length (prompt + output); 0 = unknown */
-} router_node_info_t;
-
-/* What a heartbeat carries. */
-typedef struct router_node_load {
-    int64_t queued_prefill_tokens;  /* prompt tokens waiting or in progress (prefill) */
-    int32_t running_seqs;           /* sequences in the running batch (decode) */
-    int32_t free_blocks;            /* KV blocks an allocation could get now */
-    double step_ms;                 /* recent mean step time */
-    double prefill_tok_s;           /* prefill: recent prompt tokens per second; 0 = unknown */
-} router_node_load_t;
-
 typedef struct router_node {
-    router_node_info_t info;
-    router_node_load_t load;  /* last heartbeat plus the router's own assignments since */
+    td_node_info_t info;
+    td_node_load_t load;  /* last heartbeat plus the router's own assignments since */
     int64_t last_heartbeat_ns;
     bool up;
     uint64_t generation;      /* bumped at every (re)registration */
@@ -90,7 +60,7 @@ void router_registry_destroy(router_registry_t *reg);
  * max_seq_len 0 .. ROUTER_MAX_SEQ_LEN. TD_ERR_INVALID (quiet) with a message naming the
  * field and its value; router_registry_join calls it first.
  */
-td_status_t router_registry_validate(const router_node_info_t *info);
+td_status_t router_registry_validate(const td_node_info_t *info);
 
 /*
  * Registers a node (or re-registers one with the same id whose old registration is no
@@ -107,7 +77,7 @@ td_status_t router_registry_validate(const router_node_info_t *info);
  * vocabulary that differs), TD_ERR_BUSY (the id is a live node's: ALREADY_EXISTS on the
  * wire), TD_ERR_EXHAUSTED (max_nodes reached), TD_ERR_NOMEM.
  */
-td_status_t router_registry_join(router_registry_t *reg, const router_node_info_t *info,
+td_status_t router_registry_join(router_registry_t *reg, const td_node_info_t *info,
                                  int64_t now_ns, int32_t *index_p);
 
 /* Removes a node. TD_ERR_NOT_FOUND (quiet) when unknown. Indexes of others are unchanged. */
@@ -116,7 +86,7 @@ td_status_t router_registry_leave(router_registry_t *reg, const char *id);
 /* Records a heartbeat: load replaced, node up. TD_ERR_NOT_FOUND (quiet) when the id never
  * registered (the node must register again, e.g. after a router restart). */
 td_status_t router_registry_heartbeat(router_registry_t *reg, const char *id,
-                                      const router_node_load_t *load, int64_t now_ns);
+                                      const td_node_load_t *load, int64_t now_ns);
 
 /* Marks down every node silent for longer than the timeout; returns how many went down
  * now. The policy also treats such nodes as down without this call. */

@@ -1,5 +1,5 @@
 # An independent llama2.c forward pass in numpy (float64, full recompute, no cache), used
-# by tests/test_generate_cli.sh to check `tandem generate --print-ids` end to end.
+# by tests/unit/test_generate_cli.sh to check `tandem generate --print-ids` end to end.
 #   /usr/bin/python3 llama2c_ref.py MODEL.bin "PROMPT IDS" N_TOKENS  -> greedy ids
 import sys, struct, numpy as np
 d=open(sys.argv[1],'rb').read()

@@ -1,0 +1,296 @@
+/*
+ * td_node: config, addresses, loop, signals, /metrics, registration and shutdown of a
+ * cluster process (see td_node.h).
+ */
+#include "td_node.h"
+
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "td_log.h"
+#include "td_util.h"
+
+#define TD_NODE_MAX_KEYS 64
+
+bool td_node_is_wildcard(const char *host)
+{
+    return !host || !host[0] || !strcmp(host, "0.0.0.0") || !strcmp(host, "::") || !strcmp(host, "[::]");
+}
+
+/* The common keys of `kind` into out[]; returns how many. */
+static int common_keys(td_node_config_t *c, td_node_kind_t kind, td_node_conf_key_t *out)
+{
+    int n = 0;
+    bool node = kind == TD_NODE_NODE;
+    if (node)
+        out[n++] = (td_node_conf_key_t){"model", TD_NODE_CONF_STR, &c->model, 0, 0, "model path (required)"};
+    out[n++] = (td_node_conf_key_t){"model-name", TD_NODE_CONF_STR, &c->model_name, 0, 0,
+                                   node ? "name the router routes by" : "the model name served"};
+    if (node)
+        out[n++] = (td_node_conf_key_t){"router", TD_NODE_CONF_STR, &c->router, 0, 0, "router control address HOST:PORT"};
+    out[n++] = (td_node_conf_key_t){"host", TD_NODE_CONF_STR, &c->host, 0, 0,
+                                   "address to listen on (0.0.0.0: every interface; needs --advertise)"};
+    out[n++] = (td_node_conf_key_t){"advertise", TD_NODE_CONF_STR, &c->advertise, 0, 0,
+                                   "address peers reach this process at (default: --host)"};
+    if (node)
+        out[n++] = (td_node_conf_key_t){"node-id", TD_NODE_CONF_STR, &c->node_id, 0, 0, "unique node name"};
+    out[n++] = (td_node_conf_key_t){"port", TD_NODE_CONF_I64, &c->port, 0, 65535,
+                                   node ? "control gRPC port (0 = any)" : "gateway gRPC port (0 = any)"};
+    out[n++] = (td_node_conf_key_t){"metrics-port", TD_NODE_CONF_I64, &c->metrics_port, 0, 65535, "/metrics port (0 = any)"};
+    if (node) {
+        out[n++] = (td_node_conf_key_t){"threads", TD_NODE_CONF_I64, &c->threads, 0, 4096, "compute threads (0 = all cores)"};
+        out[n++] = (td_node_conf_key_t){"device", TD_NODE_CONF_STR, &c->device, 0, 0, "cpu, cuda (GPU 0) or cuda:N"};
+        out[n++] = (td_node_conf_key_t){"dtype", TD_NODE_CONF_STR, &c->dtype, 0, 0,
+                                       "f32|f16|bf16: weights and KV cache (and CUDA activations); "
+                                       "default: cpu: weights as stored, KV f32; cuda: the model's dtype. "
+                                       "Paired nodes must agree"};
+    }
+    out[n++] = (td_node_conf_key_t){"log-level", TD_NODE_CONF_STR, &c->log_level, 0, 0, "error|warn|info|debug"};
+    return n;
+}
+
+/* Checks what the table cannot: log level, a node's model and router, the address rule. */
+static td_status_t validate(td_node_t *p)
+{
+    td_node_config_t *c = &p->cfg;
+    const char *prog = p->spec.prog;
+    if (c->log_level && td_log_parse_level(c->log_level) < 0)
+        return td_errorf(TD_ERR_INVALID, "%s: --log-level '%s' is not error|warn|info|debug", prog, c->log_level);
+    if (p->spec.kind == TD_NODE_NODE) {
+        if (!c->model)
+            return td_errorf(TD_ERR_INVALID, "%s: --model PATH is required", prog);
+        if (td_node_conf_split_addr(c->router, p->router_host, sizeof p->router_host, &p->router_port) != TD_OK)
+            return td_errorf(TD_ERR_INVALID, "%s: --router '%s' is not a valid HOST:PORT", prog, c->router);
+        if (td_device_parse(c->device ? c->device : "cpu", &p->device) != TD_OK)
+            return TD_ERR_INVALID;
+        p->dtype = -1;
+        if (c->dtype) {
+            td_dtype_t t;
+            if (td_dtype_parse_flag(c->dtype, &t) != TD_OK)
+                return TD_ERR_INVALID;
+            p->dtype = (int)t;
+        }
+    }
+    if (td_node_is_wildcard(c->host) && !c->advertise)
+        return td_errorf(TD_ERR_INVALID,
+                         "%s: --host '%s' listens on every interface, which is no address peers can "
+                         "reach: pass --advertise HOST (this machine's address as the other processes see it)",
+                         prog, c->host ? c->host : "");
+    if (c->advertise && td_node_is_wildcard(c->advertise))
+        return td_errorf(TD_ERR_INVALID, "%s: --advertise '%s' is a wildcard; give the address peers reach "
+                         "this process at", prog, c->advertise);
+    if (!c->advertise)
+        c->advertise = c->host;
+    return TD_OK;
+}
+
+bool td_node_configure(td_node_t *p, const td_node_spec_t *spec, const td_node_conf_key_t *keys,
+                           int n_keys, int argc, char **argv, int *exit_p)
+{
+    TD_ASSERT(spec->prog && spec->on_shutdown);
+    p->spec = *spec;
+    td_node_config_t *c = &p->cfg;
+    if (!c->host)
+        c->host = "127.0.0.1";
+    if (!c->model_name)
+        c->model_name = "default";
+    if (spec->kind == TD_NODE_NODE) {
+        if (!c->router)
+            c->router = "127.0.0.1:7070";
+        if (!c->node_id) {
+            snprintf(p->default_id, sizeof p->default_id, "%s0", spec->prog);
+            c->node_id = p->default_id;
+        }
+    }
+    td_node_conf_key_t all[TD_NODE_MAX_KEYS];
+    int n = common_keys(c, spec->kind, all);
+    TD_ASSERT(n + n_keys <= TD_NODE_MAX_KEYS);
+    memcpy(all + n, keys, (size_t)n_keys * sizeof *keys);
+    n += n_keys;
+    bool help;
+    if (td_node_conf_parse(spec->prog, all, n, argc, argv, &p->store, &help) != TD_OK) {
+        *exit_p = 2;
+        goto err_store;
+    }
+    if (help) {
+        td_node_conf_usage(spec->prog, all, n);
+        *exit_p = 0;
+        goto err_store;
+    }
+    if (validate(p) != TD_OK) {
+        *exit_p = 2;
+        goto err_store;
+    }
+    if (c->log_level)
+        td_log_set_level((td_log_level_t)td_log_parse_level(c->log_level));
+    uv_loop_init(&p->loop);
+    p->loop_up = true;
+    return true;
+err_store:
+    td_node_conf_free(&p->store);
+    return false;
+}
+
+static void on_signal(uv_signal_t *h, int signum)
+{
+    td_node_shutdown(h->data);
+}
+
+td_status_t td_node_serve(td_node_t *p, td_metrics_t *metrics)
+{
+    TD_ASSERT(p->loop_up);
+    if (!p->signals_up) {
+        uv_signal_init(&p->loop, &p->sigint);
+        uv_signal_init(&p->loop, &p->sigterm);
+        p->sigint.data = p->sigterm.data = p;
+        uv_signal_start(&p->sigint, on_signal, SIGINT);
+        uv_signal_start(&p->sigterm, on_signal, SIGTERM);
+        p->signals_up = true;
+    }
+    if (!p->loop_metrics) {
+        td_status_t st = td_metrics_loop_start(&p->loop, metrics, &p->loop_metrics);
+        if (st != TD_OK)
+            return st;
+    }
+    td_http_config_t hc = td_http_config_default();
+    hc.host = p->cfg.host;
+    hc.port = (uint16_t)p->cfg.metrics_port;
+    hc.handler = td_http_metrics_handler;
+    hc.handler_data = metrics;
+    hc.metrics = metrics; /* connections it closes, by reason */
+    return td_http_server_create(&p->loop, &hc, &p->http);
+}
+
+uint16_t td_node_metrics_port(const td_node_t *p)
+{
+    return p->http ? td_http_server_port(p->http) : 0;
+}
+
+td_status_t td_node_register(td_node_t *p, td_node_client_config_t *nc, uint16_t control_port,
+                                 td_node_load_cb load_cb, void *data)
+{
+    TD_ASSERT(p->spec.kind == TD_NODE_NODE);
+    const td_node_config_t *c = &p->cfg;
+    nc->router_host = p->router_host;
+    nc->router_port = p->router_port;
+    snprintf(nc->info.id, sizeof nc->info.id, "%s", c->node_id);
+    snprintf(nc->info.model, sizeof nc->info.model, "%s", c->model_name);
+    /* an IPv6 literal needs brackets before the port */
+    bool v6 = strchr(c->advertise, ':') && c->advertise[0] != '[';
+    snprintf(nc->info.address, sizeof nc->info.address, v6 ? "[%s]:%u" : "%s:%u", c->advertise, control_port);
+    snprintf(p->address, sizeof p->address, "%s", nc->info.address);
+    td_status_t st = td_node_client_create(&p->loop, nc, load_cb, data, &p->client);
+    if (st != TD_OK)
+        return st;
+    printf("%s %s: control %s metrics http://%s:%u/metrics\n", p->spec.prog, c->node_id, p->address,
+           c->advertise, td_node_metrics_port(p));
+    fflush(stdout);
+    return TD_OK;
+}
+
+td_status_t td_node_load_model(td_node_t *p, td_model_t **model_p, td_backend_t **be_p)
+{
+    TD_ASSERT(p->spec.kind == TD_NODE_NODE);
+    td_model_t *model;
+    td_backend_t *be;
+    td_status_t st = td_model_load(p->cfg.model, &model);
+    if (st != TD_OK)
+        return st;
+    /* the weights resident before the node registers, not faulted in by its first request */
+    uint64_t t0 = td_now_ns();
+    if (td_model_populate(model, td_cpu_count()) == TD_OK)
+        td_info("%s: model weights resident in %.2f s", p->spec.prog, (double)(td_now_ns() - t0) * 1e-9);
+    else
+        td_warn("%s: model weights not made resident (%s); they load as first used", p->spec.prog, td_last_error());
+    if (p->dtype < 0)
+        p->dtype = td_device_default_dtype(&p->device, model->config.dtype);
+    if ((st = td_backend_open(&p->device, (int32_t)p->cfg.threads, p->dtype < 0 ? TD_F32 : (td_dtype_t)p->dtype,
+                              &be)) != TD_OK)
+        goto err_model;
+    *model_p = model;
+    *be_p = be;
+    return TD_OK;
+err_model:
+    td_model_destroy(model);
+    return st;
+}
+
+td_status_t td_node_plan_kv(const td_node_t *p, const td_model_t *model, const td_engine_config_t *ec,
+                                const td_kv_plan_params_t *pp, int64_t *n_blocks_p, size_t *pool_bytes_p)
+{
+    td_kv_plan_t plan;
+    td_status_t st = td_engine_kv_plan(model, ec, pp, &plan);
+    if (st != TD_OK)
+        return st;
+    fprintf(stderr, "%s %s: kv pool %s\n", p->spec.prog, p->cfg.node_id, plan.line);
+    *n_blocks_p = plan.n_blocks;
+    *pool_bytes_p = plan.pool_bytes;
+    return TD_OK;
+}
+
+td_engine_config_t td_node_engine_config(const td_node_t *p)
+{
+    td_engine_config_t ec = td_engine_config_default();
+    td_engine_config_set_dtype(&ec, p->dtype);
+    return ec;
+}
+
+td_sampling_t td_node_sampling(const Tandem__Control__V1__SamplingParams *p)
+{
+    td_sampling_t s = td_sampling_default();
+    if (!p)
+        return s;
+    s.temperature = p->temperature;
+    s.top_k = (int32_t)p->top_k;
+    s.top_p = p->top_p > 0 ? p->top_p : 1.0f;
+    s.min_p = p->min_p;
+    s.repetition_penalty = p->repetition_penalty > 0 ? p->repetition_penalty : 1.0f;
+    s.seed = p->seed;
+    return s;
+}
+
+int td_node_run(td_node_t *p)
+{
+    uv_run(&p->loop, UV_RUN_DEFAULT);
+    return 0;
+}
+
+void td_node_shutdown(td_node_t *p)
+{
+    if (p->shutting_down)
+        return;
+    p->shutting_down = true;
+    td_info("%s: shutting down", p->spec.prog);
+    p->spec.on_shutdown(p->spec.data);
+    td_node_client_close(p->client);
+    p->client = NULL;
+    td_http_server_close(p->http, NULL, NULL);
+    p->http = NULL;
+    td_metrics_loop_stop(p->loop_metrics);
+    p->loop_metrics = NULL;
+    if (p->signals_up) {
+        uv_close((uv_handle_t *)&p->sigint, NULL);
+        uv_close((uv_handle_t *)&p->sigterm, NULL);
+        p->signals_up = false;
+    }
+}
+
+void td_node_stop(td_node_t *p)
+{
+    if (!p->loop_up)
+        return;
+    if (!p->shutting_down) {
+        td_node_shutdown(p); /* partial init: the closers are NULL-safe */
+        uv_run(&p->loop, UV_RUN_DEFAULT);
+    }
+    if (uv_loop_close(&p->loop) != 0)
+        td_warn("%s: loop closed with handles open", p->spec.prog);
+    p->loop_up = false;
+}
+
+void td_node_free(td_node_t *p)
+{
+    td_node_conf_free(&p->store);
+}

@@ -1,0 +1,186 @@
+/*
+ * td_node: the process skeleton the three cluster processes (router, prefill node,
+ * decode node) share, so that each thing they all do is done one way: the common config
+ * keys with the process's own table (--config FILE, flags, --help, --log-level), the
+ * listen/advertise address rule, the libuv loop with SIGINT/SIGTERM, the /metrics HTTP
+ * server, registration with the router (nodes), and shutdown sequencing. The process's
+ * main loop stays visible in its main.c:
+ *
+ *     if (!td_node_configure(&s->proc, &spec, keys, n_keys, argc, argv, &rc))
+ *         return rc;                          // --help (0) or a bad config (2)
+ *     ... its subsystems on &s->proc.loop ...
+ *     td_node_serve(&s->proc, metrics);   // /metrics, signals
+ *     td_node_register(&s->proc, ...);    // nodes: router client, banner
+ *     rc = td_node_run(&s->proc);
+ *   out:
+ *     td_node_stop(&s->proc);             // shutdown if not begun, drain, close loop
+ *     ... its subsystems freed in reverse ...
+ *     td_node_free(&s->proc);
+ *
+ * Addresses: --host is where the process listens (every server, and the decode node's
+ * UCX listener); --advertise is where peers reach it (the control address a node registers,
+ * the UCX address in a decode node's transfer descriptor, the banner's addresses). It
+ * defaults to --host; a wildcard --host (0.0.0.0, ::) without --advertise is refused, since
+ * a node registering 0.0.0.0:PORT is never reachable by its peers.
+ *
+ * Shutdown (SIGINT, SIGTERM, or td_node_shutdown): the process's on_shutdown callback
+ * first (stop its compute thread, close its servers and handles), then the router client,
+ * /metrics and the signal handles; the loop ends once every handle closed; exit 0.
+ *
+ * Threads: the process's loop thread. No global state.
+ */
+#ifndef TD_NODE_H
+#define TD_NODE_H
+
+#include <stdbool.h>
+#include <stdint.h>
+#include <uv.h>
+
+#include "control.pb-c.h"
+#include "td_node_conf.h"
+#include "td_node_client.h"
+#include "td_backend.h"
+#include "td_engine.h"
+#include "td_http.h"
+#include "td_metrics.h"
+#include "td_metrics_loop.h"
+#include "td_model.h"
+#include "td_sampler.h"
+#include "td_status.h"
+
+#define TD_NODE_ADDR_MAX TD_NODE_ADDRESS_MAX
+
+typedef enum td_node_kind {
+    TD_NODE_ROUTER, /* the router: gateway + control servers, no registration */
+    TD_NODE_NODE,   /* a prefill or decode node: a model, registers with a router */
+} td_node_kind_t;
+
+/* The keys every process (or every node) reads. NULL / 0 fields get their defaults in
+ * td_node_configure; a process may preset any of them before (e.g. node_id). */
+typedef struct td_node_config {
+    const char *host;          /* listen address (default 127.0.0.1) */
+    const char *advertise;     /* address peers use (default: host; required for a wildcard host) */
+    int64_t port;              /* router: gateway gRPC; node: control gRPC (0 = any) */
+    int64_t metrics_port;      /* /metrics (0 = any) */
+    const char *model_name;    /* the model name served / routed by (default "default") */
+    const char *log_level;
+    /* nodes only */
+    const char *model;         /* model path (required) */
+    const char *router;        /* the router's control address HOST:PORT (default 127.0.0.1:7070) */
+    const char *node_id;       /* unique node name (default "<prog>0") */
+    int64_t threads;           /* compute threads (0 = all cores) */
+    const char *device;        /* cpu (default), cuda, cuda:N */
+    const char *dtype;         /* weights and KV cache (and CUDA activations): f32|f16|bf16;
+                                  NULL: td_device_default_dtype */
+} td_node_config_t;
+
+/* The process's part of shutdown: called once, on the loop thread, before the skeleton
+ * closes the router client, /metrics and the signals. Must close every handle it opened. */
+typedef void (*td_node_shutdown_cb)(void *data);
+
+typedef struct td_node_spec {
+    const char *prog;          /* "router", "prefill", "decode": usage, logs, banner */
+    td_node_kind_t kind;
+    td_node_shutdown_cb on_shutdown;
+    void *data;
+} td_node_spec_t;
+
+/* Caller-allocated (zeroed), embedded in the process's state struct. */
+typedef struct td_node {
+    td_node_config_t cfg;
+    td_node_spec_t spec;
+    uv_loop_t loop;            /* valid after a true td_node_configure */
+    char router_host[64];      /* nodes: split from cfg.router */
+    uint16_t router_port;
+    char address[TD_NODE_ADDR_MAX]; /* nodes: advertise:port, once registered */
+    char default_id[32];
+    td_device_spec_t device;   /* nodes: parsed cfg.device */
+    int dtype;                 /* nodes: parsed cfg.dtype; -1 (not given) until load_model
+                                  applies td_device_default_dtype */
+    td_node_conf_store_t store;
+    td_http_server_t *http;
+    td_metrics_loop_t *loop_metrics; /* loop lag and longest run, beside /metrics */
+    td_node_client_t *client;
+    uv_signal_t sigint, sigterm;
+    bool loop_up, signals_up, shutting_down;
+} td_node_t;
+
+/*
+ * Reads the config: the common keys of spec->kind followed by keys[0..n_keys), from
+ * --config FILE and argv (td_node_conf), then --log-level, the node's --model and --router,
+ * and the address rule; then initialises the loop. True: go on. False: return *exit_p
+ * from main (0 after --help, 2 for a bad config, the reason logged once). The strings in
+ * p->cfg stay valid until td_node_free.
+ */
+bool td_node_configure(td_node_t *p, const td_node_spec_t *spec, const td_node_conf_key_t *keys,
+                           int n_keys, int argc, char **argv, int *exit_p);
+
+/* True for an address that listens on every interface ("0.0.0.0", "::", "[::]", ""). */
+bool td_node_is_wildcard(const char *host);
+
+/*
+ * Starts /metrics on cfg.host:cfg.metrics_port (serving `metrics`, which the caller keeps
+ * alive until td_node_stop returned), the loop's own series in it (td_metrics_loop:
+ * lag and longest run of callbacks) and the SIGINT/SIGTERM watch. Errors: those of
+ * td_http_server_create (logged there); the signals are watched in any case, so
+ * td_node_stop can shut down.
+ */
+td_status_t td_node_serve(td_node_t *p, td_metrics_t *metrics);
+
+/* The /metrics port (0 before td_node_serve). */
+uint16_t td_node_metrics_port(const td_node_t *p);
+
+/*
+ * Nodes: registers with the router. Fills nc's router address, info.id, info.model and
+ * info.address (cfg.advertise:control_port) from the config; the caller sets the rest
+ * (role, layout, capacity, max_batch, max_seq_len, xfer_desc...). Prints the banner
+ * "<prog> <id>: control ADDR metrics http://ADV:PORT/metrics" to stdout. Errors: those of
+ * td_node_client_create (nothing started).
+ */
+td_status_t td_node_register(td_node_t *p, td_node_client_config_t *nc, uint16_t control_port,
+                                 td_node_load_cb load_cb, void *data);
+
+/*
+ * Nodes: loads cfg.model and opens the backend of cfg.device (td_backend_open: cfg.threads
+ * CPU threads, or CUDA activations in cfg.dtype), the one way every node gets its model.
+ * Outputs set only on success (the model freed on a backend failure). Errors: those of
+ * td_model_load / td_backend_open, logged there.
+ */
+td_status_t td_node_load_model(td_node_t *p, td_model_t **model_p, td_backend_t **be_p);
+
+/*
+ * Nodes: sizes the KV pool before anything is allocated (td_engine_kv_plan with pp) and
+ * prints "<prog> <id>: kv pool <plan>" to stderr, whatever the log level (tandem local's
+ * users read it). Outputs set only on success. Errors: those of td_engine_kv_plan (logged
+ * there, naming the sizes and the flag to lower).
+ */
+td_status_t td_node_plan_kv(const td_node_t *p, const td_model_t *model, const td_engine_config_t *ec,
+                                const td_kv_plan_params_t *pp, int64_t *n_blocks_p, size_t *pool_bytes_p);
+
+/* Nodes: the engine defaults with cfg.dtype applied to the weights and the KV cache. */
+td_engine_config_t td_node_engine_config(const td_node_t *p);
+
+/*
+ * Nodes: the sampling parameters of a control call (AdmitRequest.sampling,
+ * PrefillRequest.sampling; NULL = the defaults, greedy) as a td_sampling_t, read one way by
+ * both nodes, so a seeded request samples alike on each side of the split. An unset top_p
+ * or repetition_penalty (<= 0) means 1. Not validated: the caller runs
+ * td_sampling_validate. Any thread.
+ */
+td_sampling_t td_node_sampling(const Tandem__Control__V1__SamplingParams *p);
+
+/* Runs the loop until shutdown has closed every handle. Returns 0 (the exit status). */
+int td_node_run(td_node_t *p);
+
+/* Begins shutdown (once; later calls do nothing): spec.on_shutdown, then the router
+ * client, /metrics and the signals are closed. Loop thread. */
+void td_node_shutdown(td_node_t *p);
+
+/* After run, or on an init failure: shuts down if not begun, runs the loop until the
+ * closes finish and closes it (a warning names handles left open). No-op without a loop. */
+void td_node_stop(td_node_t *p);
+
+/* Frees what configure kept (the config file's strings). NULL-safe, repeatable. */
+void td_node_free(td_node_t *p);
+
+#endif /* TD_NODE_H */

@@ -1,0 +1,253 @@
+/*
+ * td_node_client: register + heartbeat loop of a node (see td_node_client.h).
+ */
+#include "td_node_client.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "control.pb-c.h"
+#include "td_grpc.h"
+#include "td_log.h"
+#include "td_util.h"
+
+struct td_node_client {
+    uv_loop_t *loop;
+    td_node_client_config_t cfg;
+    char router_host[64];
+    uint8_t *xfer_desc;
+    td_node_load_cb load_cb;
+    void *data;
+    td_grpc_channel_t *ch;
+    uv_timer_t timer;
+    uint64_t epoch;
+    uint32_t interval_ms;
+    bool registered;
+    bool closing;
+    bool call_inflight;
+    bool refused_logged;       /* the router's refusal was logged (until a registration succeeds) */
+};
+
+static void schedule(td_node_client_t *c, uint32_t ms);
+
+static void drop_channel(td_node_client_t *c)
+{
+    if (c->ch) {
+        td_grpc_channel_t *ch = c->ch;
+        c->ch = NULL;
+        td_grpc_channel_close(ch, NULL, NULL);
+    }
+}
+
+static void fail(td_node_client_t *c, const char *what, const char *msg)
+{
+    if (c->registered)
+        td_warn("node %s: %s failed (%s); registering again", c->cfg.info.id, what, msg);
+    c->registered = false;
+    c->epoch = 0;
+    drop_channel(c);
+    if (!c->closing)
+        schedule(c, c->cfg.retry_ms);
+}
+
+static void on_register_msg(td_grpc_client_call_t *call, const ProtobufCMessage *msg, void *data)
+{
+    td_node_client_t *c = data;
+    const Tandem__Control__V1__RegisterResponse *r = (const void *)msg;
+    c->epoch = r->epoch;
+    c->interval_ms = r->heartbeat_interval_ms ? r->heartbeat_interval_ms : 500;
+}
+
+static void on_register_done(td_grpc_client_call_t *call, td_grpc_code_t code, const char *message, void *data)
+{
+    td_node_client_t *c = data;
+    c->call_inflight = false;
+    if (c->closing)
+        return;
+    if (code == TD_GRPC_INVALID_ARGUMENT && !c->refused_logged) {
+        /* a refusal, not a lost router: said once; it registers again in case it changes */
+        td_log(TD_LOG_ERROR, "node %s: the router refused its registration: %s", c->cfg.info.id, message);
+        c->refused_logged = true;
+    }
+    if (code != TD_GRPC_OK || !c->epoch) {
+        fail(c, "register", code != TD_GRPC_OK ? message : "no epoch");
+        return;
+    }
+    c->refused_logged = false;
+    if (!c->registered)
+        td_info("node %s: registered with router %s:%u (epoch %llu)", c->cfg.info.id, c->router_host,
+                c->cfg.router_port, (unsigned long long)c->epoch);
+    c->registered = true;
+    schedule(c, c->interval_ms);
+}
+
+static void on_heartbeat_msg(td_grpc_client_call_t *call, const ProtobufCMessage *msg, void *data)
+{
+    td_node_client_t *c = data;
+    if (((const Tandem__Control__V1__HeartbeatResponse *)msg)->reregister)
+        c->registered = false;
+}
+
+static void on_heartbeat_done(td_grpc_client_call_t *call, td_grpc_code_t code, const char *message, void *data)
+{
+    td_node_client_t *c = data;
+    c->call_inflight = false;
+    if (c->closing)
+        return;
+    if (code != TD_GRPC_OK) {
+        fail(c, "heartbeat", message);
+        return;
+    }
+    if (!c->registered) { /* the router forgot us */
+        c->epoch = 0;
+        schedule(c, 0);
+        return;
+    }
+    schedule(c, c->interval_ms);
+}
+
+static bool ensure_channel(td_node_client_t *c)
+{
+    if (c->ch && td_grpc_channel_is_usable(c->ch))
+        return true;
+    drop_channel(c);
+    td_grpc_channel_config_t cc = td_grpc_channel_config_default();
+    return td_grpc_channel_create(c->loop, c->router_host, c->cfg.router_port, &cc, &c->ch) == TD_OK;
+}
+
+static void send_register(td_node_client_t *c)
+{
+    const td_node_info_t *in = &c->cfg.info;
+    Tandem__Control__V1__KvLayout lay = TANDEM__CONTROL__V1__KV_LAYOUT__INIT;
+    lay.model_fingerprint = in->layout.model_fingerprint;
+    lay.dtype = in->layout.dtype;
+    lay.block_size = in->layout.block_size;
+    lay.n_layers = in->layout.n_layers;
+    lay.n_kv_heads = in->layout.n_kv_heads;
+    lay.head_dim = in->layout.head_dim;
+    lay.version = in->layout.version;
+    Tandem__Control__V1__Capacity cap = TANDEM__CONTROL__V1__CAPACITY__INIT;
+    cap.total_kv_blocks = (uint32_t)in->capacity_blocks;
+    cap.max_batch = (uint32_t)in->max_batch;
+    cap.max_prefill_tokens = c->cfg.max_prefill_tokens;
+    cap.max_seq_len = (uint32_t)in->max_seq_len;
+    cap.vocab_size = (uint32_t)in->vocab_size;
+    Tandem__Control__V1__RegisterRequest req = TANDEM__CONTROL__V1__REGISTER_REQUEST__INIT;
+    req.node_id = (char *)in->id;
+    req.role = in->role == TD_NODE_ROLE_DECODE ? TANDEM__CONTROL__V1__ROLE__ROLE_DECODE
+                                              : TANDEM__CONTROL__V1__ROLE__ROLE_PREFILL;
+    req.model = (char *)in->model;
+    req.layout = &lay;
+    req.control_address = (char *)in->address;
+    req.ucx_worker_address.data = c->xfer_desc;
+    req.ucx_worker_address.len = c->cfg.xfer_desc_len;
+    req.capacity = &cap;
+    td_grpc_call_opts_t o = {.response_desc = &tandem__control__v1__register_response__descriptor,
+                             .on_message = on_register_msg, .on_done = on_register_done, .data = c,
+                             .timeout_ms = c->cfg.rpc_timeout_ms};
+    c->epoch = 0;
+    if (td_grpc_channel_call(c->ch, "/tandem.control.v1.Registry/RegisterNode", &req.base, &o, NULL) != TD_OK)
+        fail(c, "register", td_last_error());
+    else
+        c->call_inflight = true;
+}
+
+static void send_heartbeat(td_node_client_t *c)
+{
+    td_node_load_t l = {0};
+    c->load_cb(c->data, &l);
+    Tandem__Control__V1__Load load = TANDEM__CONTROL__V1__LOAD__INIT;
+    load.queued_prefill_tokens = (uint64_t)(l.queued_prefill_tokens > 0 ? l.queued_prefill_tokens : 0);
+    load.running_sequences = (uint32_t)(l.running_seqs > 0 ? l.running_seqs : 0);
+    load.free_kv_blocks = (uint32_t)(l.free_blocks > 0 ? l.free_blocks : 0);
+    float step_s = (float)(l.step_ms * 1e-3);
+    load.recent_step_s = &step_s;
+    load.n_recent_step_s = 1;
+    load.prefill_tokens_per_s = (float)l.prefill_tok_s;
+    Tandem__Control__V1__HeartbeatRequest req = TANDEM__CONTROL__V1__HEARTBEAT_REQUEST__INIT;
+    req.node_id = (char *)c->cfg.info.id;
+    req.epoch = c->epoch;
+    req.load = &load;
+    td_grpc_call_opts_t o = {.response_desc = &tandem__control__v1__heartbeat_response__descriptor,
+                             .on_message = on_heartbeat_msg, .on_done = on_heartbeat_done, .data = c,
+                             .timeout_ms = c->cfg.rpc_timeout_ms};
+    if (td_grpc_channel_call(c->ch, "/tandem.control.v1.Registry/Heartbeat", &req.base, &o, NULL) != TD_OK)
+        fail(c, "heartbeat", td_last_error());
+    else
+        c->call_inflight = true;
+}
+
+static void on_timer(uv_timer_t *t)
+{
+    td_node_client_t *c = t->data;
+    if (c->closing || c->call_inflight)
+        return;
+    if (!ensure_channel(c)) {
+        schedule(c, c->cfg.retry_ms);
+        return;
+    }
+    if (c->registered)
+        send_heartbeat(c);
+    else
+        send_register(c);
+}
+
+static void schedule(td_node_client_t *c, uint32_t ms)
+{
+    uv_timer_start(&c->timer, on_timer, ms, 0);
+}
+
+td_status_t td_node_client_create(uv_loop_t *loop, const td_node_client_config_t *cfg,
+                                      td_node_load_cb load_cb, void *data, td_node_client_t **c_p)
+{
+    if (!cfg->router_host || strlen(cfg->router_host) >= 64 || !load_cb || !cfg->info.id[0])
+        return td_errorf(TD_ERR_INVALID, "node client: router address, node id and load callback are required");
+    td_node_client_t *c = calloc(1, sizeof *c);
+    if (!c)
+        return td_errorf(TD_ERR_NOMEM, "node client: out of memory");
+    c->loop = loop;
+    c->cfg = *cfg;
+    strcpy(c->router_host, cfg->router_host);
+    c->cfg.router_host = c->router_host;
+    if (!c->cfg.info.max_seq_len)
+        c->cfg.info.max_seq_len = (int32_t)TD_MIN(cfg->max_seq_len, (uint32_t)INT32_MAX);
+    if (!c->cfg.rpc_timeout_ms)
+        c->cfg.rpc_timeout_ms = 2000;
+    if (!c->cfg.retry_ms)
+        c->cfg.retry_ms = 200;
+    if (cfg->xfer_desc_len) {
+        if (!(c->xfer_desc = malloc(cfg->xfer_desc_len))) {
+            free(c);
+            return td_errorf(TD_ERR_NOMEM, "node client: out of memory");
+        }
+        memcpy(c->xfer_desc, cfg->xfer_desc, cfg->xfer_desc_len);
+    }
+    c->load_cb = load_cb;
+    c->data = data;
+    uv_timer_init(loop, &c->timer);
+    c->timer.data = c;
+    schedule(c, 0);
+    *c_p = c;
+    return TD_OK;
+}
+
+bool td_node_client_registered(const td_node_client_t *c)
+{
+    return c && c->registered;
+}
+
+static void on_timer_closed(uv_handle_t *h)
+{
+    td_node_client_t *c = h->data;
+    free(c->xfer_desc);
+    free(c);
+}
+
+void td_node_client_close(td_node_client_t *c)
+{
+    if (!c)
+        return;
+    c->closing = true;
+    drop_channel(c); /* ends an in-flight call with CANCELLED; its callback sees closing */
+    uv_close((uv_handle_t *)&c->timer, on_timer_closed);
+}

@@ -1,0 +1,54 @@
+/*
+ * td_node_client: the node side of the router's registry protocol, shared by prefill
+ * and decode nodes. Registers the node (RegisterNode), then heartbeats its load on a timer
+ * at the interval the router asks for. When the router is unreachable, a call fails, or the
+ * router answers "reregister" (it restarted), the client drops its channel and registers
+ * again after retry_ms, forever, until closed: nodes and routers may start in any order.
+ *
+ * Threads: the node's loop thread. The load callback runs there too.
+ */
+#ifndef TD_NODE_CLIENT_H
+#define TD_NODE_CLIENT_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <uv.h>
+
+#include "td_node_info.h"
+#include "td_kv_layout.h"
+#include "td_status.h"
+
+typedef struct td_node_client td_node_client_t;
+
+typedef struct td_node_client_config {
+    const char *router_host;     /* the router's control address */
+    uint16_t router_port;
+    td_node_info_t info;     /* id, role, model, layout, control address, capacity, the
+                                    model's vocab_size (0 = not told) */
+    const void *xfer_desc;       /* decode nodes: td_xfer_describe() bytes (copied); else NULL */
+    size_t xfer_desc_len;
+    uint32_t max_seq_len;        /* the model's length (registered as info.max_seq_len when
+                                    that is 0) */
+    uint32_t max_prefill_tokens; /* prefill nodes: token budget per step */
+    uint32_t rpc_timeout_ms;     /* bound of each RegisterNode / Heartbeat call */
+    uint32_t retry_ms;           /* wait before registering again after a failure */
+} td_node_client_config_t;
+
+/* Fills *load with the node's current load (called before every heartbeat). */
+typedef void (*td_node_load_cb)(void *data, td_node_load_t *load);
+
+/*
+ * Starts registering at once. Errors: TD_ERR_INVALID, TD_ERR_NOMEM (nothing started).
+ */
+td_status_t td_node_client_create(uv_loop_t *loop, const td_node_client_config_t *cfg,
+                                      td_node_load_cb load_cb, void *data,
+                                      td_node_client_t **c_p);
+
+/* True while the last RegisterNode/Heartbeat succeeded. */
+bool td_node_client_registered(const td_node_client_t *c);
+
+/* Stops timers and calls; the client is freed once its handles closed (run the loop). */
+void td_node_client_close(td_node_client_t *c);
+
+#endif /* TD_NODE_CLIENT_H */

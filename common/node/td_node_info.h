@@ -1,0 +1,45 @@
+/*
+ * td_node_info: what a node tells the router about itself (td_node_info_t, at registration)
+ * and about its load (td_node_load_t, in every heartbeat): the vocabulary of the registry
+ * protocol, shared by the nodes' client (td_node_client) and the router's table
+ * (router_registry), which converts them to and from control.proto at its edge.
+ */
+#ifndef TD_NODE_INFO_H
+#define TD_NODE_INFO_H
+
+#include <stdint.h>
+
+#include "td_kv_layout.h"
+
+#define TD_NODE_ID_MAX 64
+#define TD_NODE_MODEL_MAX 128
+#define TD_NODE_ADDRESS_MAX 256
+typedef enum td_node_role {
+    TD_NODE_ROLE_PREFILL = 1,
+    TD_NODE_ROLE_DECODE = 2,
+} td_node_role_t;
+
+/* What a node says about itself when it registers. */
+typedef struct td_node_info {
+    char id[TD_NODE_ID_MAX];       /* unique, non-empty */
+    td_node_role_t role;
+    char model[TD_NODE_MODEL_MAX];      /* the model it serves */
+    td_kv_layout_t layout;             /* its KV layout (block_size > 0) */
+    char address[TD_NODE_ADDRESS_MAX];  /* control address, host:port */
+    int32_t capacity_blocks;           /* KV blocks in its pool */
+    int32_t max_batch;                 /* most running sequences (decode) or batch (prefill) */
+    int32_t vocab_size;                /* the model's vocabulary (ids 0..vocab_size-1); 0 = unknown
+                                        * (a node from before Capacity.vocab_size) */
+    int32_t max_seq_len;               /* the model's length (prompt + output); 0 = unknown */
+} td_node_info_t;
+
+/* What a heartbeat carries. */
+typedef struct td_node_load {
+    int64_t queued_prefill_tokens;  /* prompt tokens waiting or in progress (prefill) */
+    int32_t running_seqs;           /* sequences in the running batch (decode) */
+    int32_t free_blocks;            /* KV blocks an allocation could get now */
+    double step_ms;                 /* recent mean step time */
+    double prefill_tok_s;           /* prefill: recent prompt tokens per second; 0 = unknown */
+} td_node_load_t;
+
+#endif

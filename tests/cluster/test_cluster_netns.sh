@@ -1,0 +1,115 @@
+#!/bin/bash
+# test_cluster_netns: the cluster across network namespaces. The router, the prefill node
+# and the decode node each run in their own namespace (`ip netns exec`), each joined by a
+# veth pair to a bridge in a fourth namespace, where the client runs; nothing shares a
+# loopback, so gRPC (client → router, router ↔ nodes) and the UCX KV transfer (prefill →
+# decode, UCX_TLS=tcp: two namespaces on one host are one node to UCX, and only tcp
+# crosses a veth) all go over the veths. Every node serves on and advertises its veth
+# address (--host). The same generations as `tandem generate --model` on this machine
+# (greedy prompts and a seeded sampled one) must come out, and every process must exit 0
+# on SIGTERM. Creates and removes every namespace and link; skips visibly without root,
+# `ip netns` or stories260K.
+set -u
+MODELS="${TANDEM_TEST_MODELS:-$(dirname "$0")/../../../shared/models}"
+M="$MODELS/stories260K/stories260K.bin"
+BIN="${TANDEM_BIN:?TANDEM_BIN must point at the tandem binary}"
+if [ ! -f "$M" ]; then echo "SKIP: $M absent (set TANDEM_TEST_MODELS)"; exit 77; fi
+if [ "$(id -u)" -ne 0 ] || ! command -v ip >/dev/null; then
+    echo "SKIP: needs root and iproute2 (ip netns) to create network namespaces"; exit 77
+fi
+NS=tdc$$
+NSR=${NS}r NSP=${NS}p NSD=${NS}d NSB=${NS}b   # router, prefill, decode, bridge (+ client)
+if ! ip netns add "$NSB" 2>/dev/null; then
+    echo "SKIP: cannot create a network namespace (ip netns add failed: no privilege here)"; exit 77
+fi
+T=$(mktemp -d)
+PIDS=()
+cleanup() {
+    for p in "${PIDS[@]}"; do kill -TERM "$p" 2>/dev/null; done
+    for p in "${PIDS[@]}"; do
+        for _ in $(seq 50); do kill -0 "$p" 2>/dev/null || break; sleep 0.1; done
+        kill -KILL "$p" 2>/dev/null
+        wait "$p" 2>/dev/null
+    done
+    for n in "$NSR" "$NSP" "$NSD" "$NSB"; do ip netns del "$n" 2>/dev/null; done
+    rm -rf "$T"
+}
+trap cleanup EXIT
+fail=0
+bad() { echo "FAIL: $*"; fail=1; }
+
+# a bridge in $NSB; per node: a veth named tdc0 in its namespace, its peer on the bridge
+NET=10.79.0
+ip -n "$NSB" link add br0 type bridge && ip -n "$NSB" link set br0 up && ip -n "$NSB" link set lo up &&
+    ip -n "$NSB" addr add "$NET.254/24" dev br0 || { bad "cannot create the bridge"; exit 1; }
+i=1
+for n in "$NSR" "$NSP" "$NSD"; do
+    ip netns add "$n" &&
+        ip link add tdc0 netns "$n" type veth peer name "v$i" netns "$NSB" &&
+        ip -n "$NSB" link set "v$i" master br0 && ip -n "$NSB" link set "v$i" up &&
+        ip -n "$n" addr add "$NET.$i/24" dev tdc0 && ip -n "$n" link set tdc0 up &&
+        ip -n "$n" link set lo up || { bad "cannot set up namespace $n"; exit 1; }
+    i=$((i + 1))
+done
+
+# UCX: tcp only, on the veth (named alike in every namespace)
+export UCX_TLS=tcp UCX_NET_DEVICES=tdc0 UCX_SOCKADDR_TLS_PRIORITY=tcp UCX_TCP_CM_REUSEADDR=y \
+    UCX_WARN_UNUSED_ENV_VARS=n UCX_HANDLE_ERRORS=none
+
+ip netns exec "$NSR" "$BIN" router --host "$NET.1" --log-level warn >"$T/router.out" 2>"$T/router.err" &
+RPID=$!
+PIDS+=("$RPID")
+for _ in $(seq 100); do grep -q '^metrics: ' "$T/router.out" && break; sleep 0.1; done
+G=$(sed -n 's/^gateway: //p' "$T/router.out")
+C=$(sed -n 's/^control: //p' "$T/router.out")
+if [ -z "$G" ] || [ -z "$C" ]; then bad "the router did not start: $(cat "$T/router.err")"; exit 1; fi
+ip netns exec "$NSP" "$BIN" prefill --model "$M" --router "$C" --host "$NET.2" --node-id prefill0 --threads 1 \
+    --log-level warn >"$T/prefill.out" 2>"$T/prefill.err" &
+PPID_=$!
+PIDS+=("$PPID_")
+ip netns exec "$NSD" "$BIN" decode --model "$M" --router "$C" --host "$NET.3" --node-id decode0 --threads 1 \
+    --log-level warn >"$T/decode.out" 2>"$T/decode.err" &
+DPID=$!
+PIDS+=("$DPID")
+ready=0
+for _ in $(seq 150); do
+    grep -q 'nodes: 1 prefill, 1 decode' "$T/router.out" && { ready=1; break; }
+    sleep 0.1
+done
+[ $ready -eq 1 ] || { bad "the nodes did not register within 15 s: $(cat "$T/router.err" "$T/prefill.err" "$T/decode.err")"; exit 1; }
+grep -q "control $NET.2:" "$T/prefill.out" || bad "the prefill node does not advertise $NET.2: $(cat "$T/prefill.out")"
+grep -q "control $NET.3:" "$T/decode.out" || bad "the decode node does not advertise $NET.3: $(cat "$T/decode.out")"
+
+# gen IDS ARGS...: from the bridge namespace through the router; equal to local generate
+gen() {
+    local ids="$1"; shift
+    local want got
+    want=$("$BIN" generate --model "$M" --prompt-ids "$ids" --print-ids --threads 1 "$@" 2>/dev/null)
+    got=$(ip netns exec "$NSB" "$BIN" generate --server "$G" --prompt-ids "$ids" --print-ids --timeout 20 "$@" \
+        2>"$T/gen.err") || { bad "generate --server '$ids' $*: $(cat "$T/gen.err")"; return; }
+    [ -n "$want" ] || { bad "local generate printed nothing for '$ids'"; return; }
+    [ "$want" == "$got" ] || bad "prompt '$ids' $*: local '$want', across namespaces '$got'"
+}
+gen "1" --max-tokens 32
+gen "1 403 407" --max-tokens 24
+gen "1 $(seq -s ' ' 300 399)" --max-tokens 16
+gen "1 200 300" --max-tokens 24 --temperature 0.8 --seed 11
+grep -q 'transfer' "$T/gen.err" || bad "no timings from the router: $(cat "$T/gen.err")"
+# the decode node, alone in its namespace, admitted every request: the KV it decoded from
+# came over the veth from the prefill node
+DM=$(sed -n 's/^decode decode0: .* metrics \(http[^ ]*\).*/\1/p' "$T/decode.out")
+admits=$(ip netns exec "$NSB" /usr/bin/python3 -c '
+import sys, urllib.request
+opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # no proxy inside the namespace
+for line in opener.open(sys.argv[1], timeout=5).read().decode().splitlines():
+    if line.startswith("tandem_decode_admits_total"):
+        print(int(float(line.split()[-1])))' "$DM" 2>&1)
+[ "$admits" == "4" ] || bad "decode node metrics at $DM: tandem_decode_admits_total '$admits', expected 4"
+
+for p in "$PPID_" "$DPID" "$RPID"; do
+    kill -TERM "$p"; wait "$p"; rc=$?
+    [ $rc -eq 0 ] || bad "process $p exited $rc on SIGTERM"
+done
+PIDS=()
+[ $fail -eq 0 ] && echo "PASS: router, prefill and decode in three network namespaces (veth + bridge, UCX over tcp) generate what local generate does"
+exit $fail

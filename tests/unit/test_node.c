@@ -1,0 +1,173 @@
+/*
+ * test_router_proc: the process skeleton's config and address rules, without starting a
+ * process: common keys with a process's own table, defaults, --help, bad values, the
+ * advertised address (defaults to --host; a wildcard host without --advertise, or a
+ * wildcard --advertise, refused naming --advertise), a node's --model and --router, and
+ * a shutdown before anything was served (the process's callback once, the loop closes),
+ * and the one reading of a control call's sampling parameters both nodes use.
+ */
+#include <criterion/criterion.h>
+#include <string.h>
+
+#include "td_node.h"
+#include "td_status.h"
+
+typedef struct fake {
+    int64_t kv_blocks;
+    int shutdowns;
+} fake_t;
+
+static void on_shutdown(void *data)
+{
+    ((fake_t *)data)->shutdowns++;
+}
+
+/* Runs td_node_configure over argv (NULL-terminated, argv[0] "tandem"). */
+static bool configure(td_node_t *p, fake_t *f, td_node_kind_t kind, const char **argv, int *rc)
+{
+    int argc = 0;
+    while (argv[argc])
+        argc++;
+    memset(p, 0, sizeof *p);
+    const td_node_conf_key_t keys[] = {{"kv-blocks", TD_NODE_CONF_I64, &f->kv_blocks, 1, 1 << 20, "blocks"}};
+    td_node_spec_t spec = {.prog = kind == TD_NODE_NODE ? "decode" : "router", .kind = kind,
+                               .on_shutdown = on_shutdown, .data = f};
+    return td_node_configure(p, &spec, keys, 1, argc, (char **)argv, rc);
+}
+
+static void done(td_node_t *p)
+{
+    td_node_stop(p);
+    td_node_free(p);
+}
+
+Test(td_node, node_defaults_and_own_keys)
+{
+    td_node_t p;
+    fake_t f = {.kv_blocks = 7};
+    int rc = -1;
+    const char *argv[] = {"tandem", "--model", "m.bin", "--kv-blocks", "9", NULL};
+    cr_assert(configure(&p, &f, TD_NODE_NODE, argv, &rc), "%s", td_last_error());
+    cr_assert_str_eq(p.cfg.host, "127.0.0.1");
+    cr_assert_str_eq(p.cfg.advertise, "127.0.0.1", "advertise defaults to host");
+    cr_assert_str_eq(p.cfg.node_id, "decode0");
+    cr_assert_str_eq(p.cfg.model_name, "default");
+    cr_assert_str_eq(p.router_host, "127.0.0.1");
+    cr_assert_eq(p.router_port, 7070);
+    cr_assert_eq(f.kv_blocks, 9);
+    done(&p);
+    cr_assert_eq(f.shutdowns, 1, "stop shuts down once when nothing ran");
+}
+
+Test(td_node, advertise_separate_from_host)
+{
+    td_node_t p;
+    fake_t f = {0};
+    int rc = -1;
+    const char *argv[] = {"tandem", "--model", "m", "--host", "0.0.0.0", "--advertise", "10.1.2.3",
+                          "--router", "10.0.0.1:9000", NULL};
+    cr_assert(configure(&p, &f, TD_NODE_NODE, argv, &rc), "%s", td_last_error());
+    cr_assert_str_eq(p.cfg.host, "0.0.0.0");
+    cr_assert_str_eq(p.cfg.advertise, "10.1.2.3");
+    cr_assert_str_eq(p.router_host, "10.0.0.1");
+    cr_assert_eq(p.router_port, 9000);
+    done(&p);
+}
+
+Test(td_node, wildcard_host_needs_advertise)
+{
+    const char *cases[][8] = {
+        {"tandem", "--model", "m", "--host", "0.0.0.0", NULL},
+        {"tandem", "--model", "m", "--host", "::", NULL},
+        {"tandem", "--model", "m", "--host", "127.0.0.1", "--advertise", "0.0.0.0", NULL},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        td_node_t p;
+        fake_t f = {0};
+        int rc = -1;
+        cr_assert_not(configure(&p, &f, TD_NODE_NODE, cases[i], &rc), "case %zu accepted", i);
+        cr_assert_eq(rc, 2);
+        cr_assert(strstr(td_last_error(), "--advertise"), "case %zu: '%s' does not name --advertise", i,
+                  td_last_error());
+        done(&p); /* no loop: no-op */
+        cr_assert_eq(f.shutdowns, 0);
+    }
+    td_node_t p;
+    fake_t f = {0};
+    int rc = -1;
+    const char *router_argv[] = {"tandem", "--host", "0.0.0.0", NULL};
+    cr_assert_not(configure(&p, &f, TD_NODE_ROUTER, router_argv, &rc));
+    cr_assert_eq(rc, 2);
+}
+
+Test(td_node, help_bad_values_and_node_requirements)
+{
+    struct {
+        td_node_kind_t kind;
+        const char *argv[8];
+        int rc;
+    } cases[] = {
+        {TD_NODE_NODE, {"tandem", "--help", NULL}, 0},
+        {TD_NODE_ROUTER, {"tandem", "--help", NULL}, 0},
+        {TD_NODE_NODE, {"tandem", NULL}, 2},                                   /* no --model */
+        {TD_NODE_NODE, {"tandem", "--model", "m", "--router", "nohost", NULL}, 2},
+        {TD_NODE_NODE, {"tandem", "--model", "m", "--log-level", "loud", NULL}, 2},
+        {TD_NODE_NODE, {"tandem", "--model", "m", "--port", "70000", NULL}, 2},
+        {TD_NODE_ROUTER, {"tandem", "--model", "m", NULL}, 2},                 /* a node key */
+        {TD_NODE_ROUTER, {"tandem", "--kv-blocks", "0", NULL}, 2},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        td_node_t p;
+        fake_t f = {0};
+        int rc = -1;
+        cr_assert_not(configure(&p, &f, cases[i].kind, cases[i].argv, &rc), "case %zu accepted", i);
+        cr_assert_eq(rc, cases[i].rc, "case %zu: exit %d", i, rc);
+        done(&p);
+    }
+}
+
+Test(td_node, serve_then_shutdown_closes_everything)
+{
+    td_node_t p;
+    fake_t f = {0};
+    int rc = -1;
+    const char *argv[] = {"tandem", NULL};
+    cr_assert(configure(&p, &f, TD_NODE_ROUTER, argv, &rc), "%s", td_last_error());
+    td_metrics_t *m;
+    cr_assert_eq(td_metrics_create(&m), TD_OK);
+    cr_assert_eq(td_node_serve(&p, m), TD_OK, "%s", td_last_error());
+    cr_assert_neq(td_node_metrics_port(&p), 0);
+    td_node_shutdown(&p);
+    td_node_shutdown(&p); /* once */
+    cr_assert_eq(td_node_run(&p), 0, "the loop ends once shutdown closed every handle");
+    cr_assert_eq(f.shutdowns, 1);
+    done(&p);
+    td_metrics_destroy(m);
+}
+
+Test(td_node, control_sampling_params_read_one_way)
+{
+    td_sampling_t d = td_sampling_default(), s = td_node_sampling(NULL);
+    cr_assert_eq(memcmp(&s, &d, sizeof s), 0, "no sampling message: the defaults");
+
+    Tandem__Control__V1__SamplingParams p = TANDEM__CONTROL__V1__SAMPLING_PARAMS__INIT;
+    s = td_node_sampling(&p);
+    cr_assert_float_eq(s.top_p, 1.0f, 0, "unset top_p is 1");
+    cr_assert_float_eq(s.repetition_penalty, 1.0f, 0, "unset penalty is 1");
+    cr_assert_float_eq(s.temperature, 0.0f, 0);
+
+    p.temperature = 0.7f;
+    p.top_k = 40;
+    p.top_p = 0.9f;
+    p.min_p = 0.05f;
+    p.repetition_penalty = 1.3f;
+    p.seed = 0x1234567890ull;
+    s = td_node_sampling(&p);
+    cr_assert_float_eq(s.temperature, 0.7f, 0);
+    cr_assert_eq(s.top_k, 40);
+    cr_assert_float_eq(s.top_p, 0.9f, 0);
+    cr_assert_float_eq(s.min_p, 0.05f, 0);
+    cr_assert_float_eq(s.repetition_penalty, 1.3f, 0);
+    cr_assert_eq(s.seed, 0x1234567890ull);
+    cr_assert_eq(s.penalty_window, d.penalty_window, "fields the message lacks keep their defaults");
+}

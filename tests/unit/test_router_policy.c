@@ -1,0 +1,433 @@
+/*
+ * test_router_policy: the registry (join, heartbeat, timeout, rejoin, leave, bounded
+ * prefix memory) and pair selection on constructed registries: room, layout
+ * compatibility, prefix preference, retry exclusion, and the three failure statuses.
+ */
+#include <criterion/criterion.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "router_policy.h"
+#include "router_registry.h"
+#include "td_kv.h"
+
+#define SEC 1000000000ll
+
+static td_kv_layout_t layout(uint32_t head_dim)
+{
+    return (td_kv_layout_t){.model_fingerprint = 0x1234, .dtype = TD_F32, .block_size = 16,
+                            .n_layers = 5, .n_kv_heads = 4, .head_dim = head_dim,
+                            .version = TD_KV_LAYOUT_VERSION};
+}
+
+static int32_t join(router_registry_t *reg, const char *id, td_node_role_t role, uint32_t head_dim,
+                    int32_t capacity, int64_t now)
+{
+    td_node_info_t info = {.role = role, .layout = layout(head_dim), .capacity_blocks = capacity,
+                               .max_batch = 64};
+    snprintf(info.id, sizeof info.id, "%s", id);
+    snprintf(info.model, sizeof info.model, "stories");
+    snprintf(info.address, sizeof info.address, "127.0.0.1:1");
+    int32_t idx = -1;
+    cr_assert_eq(router_registry_join(reg, &info, now, &idx), TD_OK, "%s", td_last_error());
+    return idx;
+}
+
+/* A heartbeat from a node computing prompts at tok_s tokens per second (0: no step yet). */
+static void beat_rate(router_registry_t *reg, const char *id, int64_t queued, int32_t running,
+                      int32_t free_blocks, double tok_s, int64_t now)
+{
+    td_node_load_t l = {.queued_prefill_tokens = queued, .running_seqs = running,
+                            .free_blocks = free_blocks, .step_ms = 1.0, .prefill_tok_s = tok_s};
+    cr_assert_eq(router_registry_heartbeat(reg, id, &l, now), TD_OK);
+}
+
+/* A heartbeat from a node fast enough that its queue never holds a prompt back. */
+static void beat(router_registry_t *reg, const char *id, int64_t queued, int32_t running,
+                 int32_t free_blocks, int64_t now)
+{
+    beat_rate(reg, id, queued, running, free_blocks, 1e9, now);
+}
+
+static router_registry_t *mkreg(void)
+{
+    router_registry_t *reg;
+    router_registry_config_t c = router_registry_config_default();
+    c.heartbeat_timeout_ns = 3 * SEC;
+    c.prefix_hashes = 64;
+    cr_assert_eq(router_registry_create(&c, &reg), TD_OK);
+    return reg;
+}
+
+static int32_t prompt[1000];
+
+static router_pick_request_t request(int32_t n_prompt, int32_t max_tokens, int64_t now)
+{
+    for (int i = 0; i < 1000; i++)
+        prompt[i] = 1 + (i * 7) % 500;
+    return (router_pick_request_t){.model = "stories", .prompt = prompt, .n_prompt = n_prompt,
+                                   .max_tokens = max_tokens, .now_ns = now};
+}
+
+/* A pick that must succeed. */
+static router_pick_t pick_ok(router_registry_t *reg, const router_policy_config_t *pc,
+                             const router_pick_request_t *rq)
+{
+    router_pick_t pk;
+    cr_assert_eq(router_policy_pick(reg, pc, rq, &pk), TD_OK, "%s", td_last_error());
+    return pk;
+}
+
+Test(router_policy, decode_with_room_then_shortest_batch)
+{
+    router_registry_t *reg = mkreg();
+    router_policy_config_t pc = router_policy_config_default();
+    int p = join(reg, "p0", TD_NODE_ROLE_PREFILL, 8, 100, 0);
+    int d0 = join(reg, "d0", TD_NODE_ROLE_DECODE, 8, 100, 0);
+    int d1 = join(reg, "d1", TD_NODE_ROLE_DECODE, 8, 100, 0);
+    int d2 = join(reg, "d2", TD_NODE_ROLE_DECODE, 8, 100, 0);
+    beat(reg, "p0", 0, 0, 100, 0); /* a fast prefill node: its queue never holds a prompt back */
+    beat(reg, "d0", 0, 1, 5, 0);   /* shortest batch but no room for 10 blocks */
+    beat(reg, "d1", 0, 7, 50, 0);
+    beat(reg, "d2", 0, 3, 20, 0);  /* room, shorter batch than d1: chosen */
+    router_pick_request_t rq = request(100, 60, SEC); /* 160 tokens = 10 blocks */
+    router_pick_t pk = pick_ok(reg, &pc, &rq);
+    cr_assert_eq(pk.pair.decode, d2);
+    cr_assert_eq(pk.pair.prefill, p);
+    cr_assert_eq(pk.blocks_needed, 10);
+    /* booking it: d2's free blocks and batch change until its next heartbeat */
+    router_policy_commit(reg, &rq, &pk);
+    cr_assert_eq(router_registry_node(reg, d2)->load.free_blocks, 10);
+    cr_assert_eq(router_registry_node(reg, d2)->load.running_seqs, 4);
+    cr_assert_eq(router_registry_node(reg, p)->load.queued_prefill_tokens, 100);
+    beat(reg, "d2", 0, 3, 9, SEC); /* now d2 has no room: d1 */
+    pk = pick_ok(reg, &pc, &rq);
+    cr_assert_eq(pk.pair.decode, d1);
+    (void)d0;
+    router_registry_destroy(reg);
+}
+
+Test(router_policy, exhausted_range_and_unavailable_are_distinct)
+{
+    router_registry_t *reg = mkreg();
+    router_policy_config_t pc = router_policy_config_default();
+    router_pick_request_t rq = request(100, 60, 0);
+    router_pick_t pk = {.pair = {-7, -7}};
+    cr_assert_eq(router_policy_pick(reg, &pc, &rq, &pk), TD_ERR_UNAVAILABLE, "empty registry");
+    cr_assert_eq(pk.pair.decode, -7, "output written on failure");
+    join(reg, "d0", TD_NODE_ROLE_DECODE, 8, 100, 0);
+    cr_assert_eq(router_policy_pick(reg, &pc, &rq, &pk), TD_ERR_UNAVAILABLE, "no prefill node");
+    join(reg, "p0", TD_NODE_ROLE_PREFILL, 8, 100, 0);
+    beat(reg, "d0", 0, 0, 4, 0);
+    cr_assert_eq(router_policy_pick(reg, &pc, &rq, &pk), TD_ERR_EXHAUSTED, "no room now");
+    router_pick_request_t big = request(1000, 1000, 0); /* 125 blocks > capacity 100 */
+    cr_assert_eq(router_policy_pick(reg, &pc, &big, &pk), TD_ERR_RANGE, "never fits");
+    rq.model = "other";
+    cr_assert_eq(router_policy_pick(reg, &pc, &rq, &pk), TD_ERR_UNAVAILABLE, "unknown model");
+    router_registry_destroy(reg);
+}
+
+Test(router_policy, only_compatible_layouts_pair)
+{
+    router_registry_t *reg = mkreg();
+    router_policy_config_t pc = router_policy_config_default();
+    int p8 = join(reg, "p8", TD_NODE_ROLE_PREFILL, 8, 100, 0);
+    int p16 = join(reg, "p16", TD_NODE_ROLE_PREFILL, 16, 100, 0);
+    int d16 = join(reg, "d16", TD_NODE_ROLE_DECODE, 16, 100, 0);
+    beat(reg, "p8", 0, 0, 100, 0);      /* idle but incompatible */
+    beat(reg, "p16", 5000, 0, 100, 0);  /* busy but the only partner */
+    router_pick_request_t rq = request(10, 10, 0);
+    router_pick_t pk = pick_ok(reg, &pc, &rq);
+    cr_assert_eq(pk.pair.prefill, p16);
+    cr_assert_eq(pk.pair.decode, d16);
+    /* the shortest decode node pairs with nobody: the next one is taken */
+    int d8 = join(reg, "d8", TD_NODE_ROLE_DECODE, 8, 100, 0);
+    beat(reg, "d16", 0, 0, 100, 0);
+    beat(reg, "d8", 0, 5, 100, 0);
+    cr_assert_eq(router_registry_leave(reg, "p16"), TD_OK);
+    pk = pick_ok(reg, &pc, &rq);
+    cr_assert_eq(pk.pair.decode, d8);
+    cr_assert_eq(pk.pair.prefill, p8);
+    /* local prefill: the shortest decode node prefills itself */
+    pc.local_prefill = true;
+    pk = pick_ok(reg, &pc, &rq);
+    cr_assert_eq(pk.pair.decode, d16);
+    cr_assert_eq(pk.pair.prefill, -1);
+    router_registry_destroy(reg);
+}
+
+Test(router_policy, least_queued_work_and_prefix_preference)
+{
+    router_registry_t *reg = mkreg();
+    router_policy_config_t pc = router_policy_config_default();
+    int pa = join(reg, "pa", TD_NODE_ROLE_PREFILL, 8, 100, 0);
+    int pb = join(reg, "pb", TD_NODE_ROLE_PREFILL, 8, 100, 0);
+    join(reg, "d", TD_NODE_ROLE_DECODE, 8, 1000, 0);
+    beat(reg, "pa", 300, 0, 100, 0);
+    beat(reg, "pb", 200, 0, 100, 0);
+    router_pick_request_t rq = request(640, 10, 0); /* 40 blocks of 16 */
+    router_pick_t pk = pick_ok(reg, &pc, &rq);
+    cr_assert_eq(pk.pair.prefill, pb, "least queued wins without prefix knowledge");
+    cr_assert_eq(pk.prefix_blocks, 0);
+    /* pa saw this prompt before: 40 cached blocks = 640 tokens of work saved > 100 more queued */
+    uint64_t h[40];
+    cr_assert_eq(td_kv_chain_hashes(prompt, 640, 16, h), 40);
+    router_registry_note_prefix(reg, pa, h, 40);
+    pk = pick_ok(reg, &pc, &rq);
+    cr_assert_eq(pk.pair.prefill, pa);
+    cr_assert_eq(pk.prefix_blocks, 40);
+    /* a prompt sharing only the first 3 blocks: 48 tokens saved < 100 more queued */
+    router_pick_request_t other = rq;
+    int32_t p2[640];
+    memcpy(p2, prompt, sizeof p2);
+    p2[3 * 16 + 5] ^= 1;
+    other.prompt = p2;
+    pk = pick_ok(reg, &pc, &other);
+    cr_assert_eq(pk.pair.prefill, pb);
+    cr_assert_eq(router_registry_prefix_match(reg, pa, h, 40), 40);
+    uint64_t h2[40];
+    td_kv_chain_hashes(p2, 640, 16, h2);
+    cr_assert_eq(router_registry_prefix_match(reg, pa, h2, 40), 3);
+    /* commit remembers the prompt on the chosen node */
+    rq.prompt = p2;
+    pk = pick_ok(reg, &pc, &rq);
+    router_policy_commit(reg, &rq, &pk);
+    cr_assert_eq(router_registry_prefix_match(reg, pb, h2, 40), 40);
+    router_registry_destroy(reg);
+}
+
+Test(router_policy, prefix_memory_is_bounded_oldest_first)
+{
+    router_registry_t *reg = mkreg(); /* 64 hashes per node */
+    int p = join(reg, "p", TD_NODE_ROLE_PREFILL, 8, 100, 0);
+    uint64_t h[200];
+    for (int i = 0; i < 200; i++)
+        h[i] = 1000 + (uint64_t)i * 0x9e3779b97f4a7c15ull;
+    router_registry_note_prefix(reg, p, h, 50);
+    router_registry_note_prefix(reg, p, h, 10); /* refreshes 0..9 */
+    router_registry_note_prefix(reg, p, h + 50, 20); /* 70 seen: 10..19 forgotten first */
+    cr_assert_eq(router_registry_prefix_match(reg, p, h, 10), 10, "refreshed hashes kept");
+    cr_assert_eq(router_registry_prefix_match(reg, p, h + 10, 1), 0, "oldest forgotten");
+    cr_assert_eq(router_registry_prefix_match(reg, p, h + 16, 54), 54);
+    router_registry_note_prefix(reg, p, h + 70, 130);
+    cr_assert_eq(router_registry_prefix_match(reg, p, h + 136, 64), 64);
+    cr_assert_eq(router_registry_prefix_match(reg, p, h + 135, 1), 0);
+    router_registry_destroy(reg);
+}
+
+Test(router_policy, retries_exclude_tried_pairs)
+{
+    router_registry_t *reg = mkreg();
+    router_policy_config_t pc = router_policy_config_default();
+    int p0 = join(reg, "p0", TD_NODE_ROLE_PREFILL, 8, 100, 0);
+    int p1 = join(reg, "p1", TD_NODE_ROLE_PREFILL, 8, 100, 0);
+    int d0 = join(reg, "d0", TD_NODE_ROLE_DECODE, 8, 100, 0);
+    beat(reg, "p1", 50, 0, 100, 0);
+    router_pick_request_t rq = request(20, 20, 0);
+    router_pick_t pk = pick_ok(reg, &pc, &rq);
+    cr_assert_eq(pk.pair.prefill, p0);
+    router_pair_t tried[2] = {pk.pair};
+    rq.exclude = tried;
+    rq.n_exclude = 1;
+    pk = pick_ok(reg, &pc, &rq);
+    cr_assert_eq(pk.pair.prefill, p1, "not this pair again");
+    cr_assert_eq(pk.pair.decode, d0);
+    tried[1] = pk.pair;
+    rq.n_exclude = 2;
+    cr_assert_eq(router_policy_pick(reg, &pc, &rq, &pk), TD_ERR_UNAVAILABLE);
+    router_registry_destroy(reg);
+}
+
+Test(router_policy, node_down_after_heartbeat_timeout_and_rejoin)
+{
+    router_registry_t *reg = mkreg();
+    router_policy_config_t pc = router_policy_config_default();
+    join(reg, "p0", TD_NODE_ROLE_PREFILL, 8, 100, 0);
+    int d0 = join(reg, "d0", TD_NODE_ROLE_DECODE, 8, 100, 0);
+    int d1 = join(reg, "d1", TD_NODE_ROLE_DECODE, 8, 100, 0);
+    beat(reg, "d0", 0, 0, 100, 0);
+    beat(reg, "d1", 0, 9, 100, 0);
+    beat(reg, "p0", 0, 0, 100, 2 * SEC);
+    beat(reg, "d1", 0, 9, 100, 2 * SEC);
+    router_pick_request_t rq = request(20, 20, 3 * SEC);
+    router_pick_t pk = pick_ok(reg, &pc, &rq);
+    cr_assert_eq(pk.pair.decode, d0, "3 s of silence is still within the bound");
+    rq.now_ns = 3 * SEC + 1;
+    pk = pick_ok(reg, &pc, &rq);
+    cr_assert_eq(pk.pair.decode, d1, "d0 silent past the bound is not chosen");
+    cr_assert_eq(router_registry_expire(reg, 3 * SEC + 1), 1);
+    cr_assert(!router_registry_node(reg, d0)->up);
+    cr_assert_eq(router_registry_expire(reg, 3 * SEC + 1), 0, "already down");
+    rq.now_ns = 6 * SEC;
+    cr_assert_eq(router_policy_pick(reg, &pc, &rq, &pk), TD_ERR_UNAVAILABLE, "everyone silent");
+    /* d0 comes back with a heartbeat, d1 with a new registration */
+    beat(reg, "d0", 0, 4, 100, 6 * SEC);
+    beat(reg, "p0", 0, 0, 100, 6 * SEC);
+    pk = pick_ok(reg, &pc, &rq);
+    cr_assert_eq(pk.pair.decode, d0);
+    int d1b = join(reg, "d1", TD_NODE_ROLE_DECODE, 8, 100, 6 * SEC);
+    cr_assert_eq(d1b, d1, "rejoin keeps the slot");
+    pk = pick_ok(reg, &pc, &rq);
+    cr_assert_eq(pk.pair.decode, d1, "rejoined idle node has the shortest batch");
+    td_node_load_t l = {0};
+    cr_assert_eq(router_registry_heartbeat(reg, "ghost", &l, 0), TD_ERR_NOT_FOUND);
+    cr_assert_eq(router_registry_leave(reg, "ghost"), TD_ERR_NOT_FOUND);
+    router_registry_destroy(reg);
+}
+
+Test(router_policy, registration_is_checked)
+{
+    router_registry_config_t c = router_registry_config_default();
+    c.max_nodes = 2;
+    router_registry_t *reg;
+    cr_assert_eq(router_registry_create(&c, &reg), TD_OK);
+    td_node_info_t info = {.role = TD_NODE_ROLE_DECODE, .layout = layout(8), .capacity_blocks = 10,
+                               .max_batch = 8, .model = "stories", .address = "127.0.0.1:1"};
+    cr_assert_eq(router_registry_join(reg, &info, 0, NULL), TD_ERR_INVALID, "empty id");
+    snprintf(info.id, sizeof info.id, "a");
+    cr_assert_eq(router_registry_join(reg, &info, 0, NULL), TD_OK);
+    snprintf(info.id, sizeof info.id, "b");
+    cr_assert_eq(router_registry_join(reg, &info, 0, NULL), TD_OK);
+    snprintf(info.id, sizeof info.id, "c");
+    cr_assert_eq(router_registry_join(reg, &info, 0, NULL), TD_ERR_EXHAUSTED);
+    cr_assert_eq(router_registry_leave(reg, "a"), TD_OK);
+    cr_assert_eq(router_registry_join(reg, &info, 0, NULL), TD_OK, "a freed slot is reused");
+    cr_assert_eq(router_registry_find(reg, "c"), 0);
+    router_registry_destroy(reg);
+}
+
+/* Each field of a registration is checked on its own, and the refusal names the field and
+ * the value it had. */
+Test(router_policy, every_registration_field_is_checked_by_name)
+{
+    const td_node_info_t good = {.id = "d0", .role = TD_NODE_ROLE_DECODE, .model = "stories",
+                                     .layout = layout(8), .address = "127.0.0.1:1",
+                                     .capacity_blocks = 10, .max_batch = 8, .vocab_size = 32000,
+                                     .max_seq_len = 2048};
+    cr_assert_eq(router_registry_validate(&good), TD_OK, "%s", td_last_error());
+    struct {
+        const char *what;
+        td_node_info_t info;
+        const char *says;
+    } cases[] = {
+        {"role 99", good, "role 99 is not PREFILL (1) or DECODE (2)"},
+        {"role 0", good, "role 0"},
+        {"empty model", good, "model is empty"},
+        {"a model with a newline", good, "model has byte 0x0a at offset 3"},
+        {"an id with a space", good, "node_id has byte 0x20 at offset 1"},
+        {"an empty address", good, "control_address is empty"},
+        {"block size 0", good, "layout: kv layout out of range: block_size 0"},
+        {"layout version 9", good, "layout: kv layout version 9 unknown"},
+        {"dtype 200", good, "layout: kv layout dtype 200 unknown"},
+        {"no blocks", good, "capacity.total_kv_blocks 0, at least 1"},
+        {"max_batch 0", good, "capacity.max_batch 0, allowed 1 .. 65536"},
+        {"a vocabulary of 2^30", good, "capacity.vocab_size 1073741824, allowed 0 (unknown) .. 16777216"},
+        {"max_seq_len -1", good, "capacity.max_seq_len -1"},
+    };
+    cases[0].info.role = 99;
+    cases[1].info.role = 0;
+    cases[2].info.model[0] = 0;
+    snprintf(cases[3].info.model, sizeof cases[3].info.model, "sto\nries");
+    snprintf(cases[4].info.id, sizeof cases[4].info.id, "d 0");
+    cases[5].info.address[0] = 0;
+    cases[6].info.layout.block_size = 0;
+    cases[7].info.layout.version = 9;
+    cases[8].info.layout.dtype = 200;
+    cases[9].info.capacity_blocks = 0;
+    cases[10].info.max_batch = 0;
+    cases[11].info.vocab_size = 1 << 30;
+    cases[12].info.max_seq_len = -1;
+    router_registry_t *reg = mkreg();
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        cr_assert_eq(router_registry_validate(&cases[i].info), TD_ERR_INVALID, "%s accepted", cases[i].what);
+        cr_assert(strstr(td_last_error(), cases[i].says), "%s: \"%s\" does not say \"%s\"", cases[i].what,
+                  td_last_error(), cases[i].says);
+        cr_assert_eq(router_registry_join(reg, &cases[i].info, 0, NULL), TD_ERR_INVALID, "%s joined", cases[i].what);
+        cr_assert_eq(router_registry_find(reg, cases[i].info.id), -1, "%s left a trace", cases[i].what);
+    }
+    router_registry_destroy(reg);
+}
+
+/* A live node's id is its own: a second registration under it is refused and changes
+ * nothing; once the first is gone (silent past the bound, or left after its channel or
+ * stream failed) the same id registers again, as a restarted node does. */
+Test(router_policy, a_live_id_is_refused_a_dead_one_is_taken_over)
+{
+    router_registry_t *reg = mkreg(); /* heartbeat timeout 3 s */
+    int d0 = join(reg, "d0", TD_NODE_ROLE_DECODE, 8, 100, 0);
+    const router_node_t *n = router_registry_node(reg, d0);
+    uint64_t gen = n->generation;
+    td_node_info_t other = n->info;
+    snprintf(other.address, sizeof other.address, "10.0.0.9:4444");
+    other.capacity_blocks = 7;
+    cr_assert_eq(router_registry_join(reg, &other, 1 * SEC, NULL), TD_ERR_BUSY, "a live id taken over");
+    cr_assert(strstr(td_last_error(), "node id d0 is taken by a live node (at 127.0.0.1:1"), "%s", td_last_error());
+    n = router_registry_node(reg, d0);
+    cr_assert_eq(n->generation, gen, "the live registration is untouched");
+    cr_assert_str_eq(n->info.address, "127.0.0.1:1");
+    cr_assert_eq(n->info.capacity_blocks, 100);
+    cr_assert(router_registry_is_live(reg, d0, 1 * SEC));
+    beat(reg, "d0", 0, 0, 100, 2 * SEC);
+    cr_assert_eq(router_registry_join(reg, &other, 4 * SEC, NULL), TD_ERR_BUSY, "heartbeats keep it live");
+    /* silent past the bound: a restart under the same id takes the slot */
+    int32_t idx = -1;
+    cr_assert_eq(router_registry_join(reg, &other, 5 * SEC + 1, &idx), TD_OK, "%s", td_last_error());
+    cr_assert_eq(idx, d0, "the restarted node keeps the slot");
+    n = router_registry_node(reg, d0);
+    cr_assert_gt(n->generation, gen, "a new registration is a new epoch");
+    cr_assert_str_eq(n->info.address, "10.0.0.9:4444");
+    /* marked down (its channel failed) before the bound: also taken over */
+    router_registry_node(reg, d0)->up = false;
+    cr_assert_eq(router_registry_join(reg, &other, 5 * SEC + 2, NULL), TD_OK, "%s", td_last_error());
+    /* left (its stream ended): registers again */
+    cr_assert_eq(router_registry_leave(reg, "d0"), TD_OK);
+    cr_assert_eq(router_registry_join(reg, &other, 5 * SEC + 3, NULL), TD_OK, "%s", td_last_error());
+    router_registry_destroy(reg);
+}
+
+/* A prefill node with work queued takes a prompt only if it would reach it within
+ * max_prefill_wait_s at the rate it reports; an idle node always takes one; a busy node
+ * that reported no rate takes none. Otherwise EXHAUSTED: the router queues the request,
+ * holding no decode blocks, instead of leasing blocks that would expire in a prefill queue. */
+Test(router_policy, busy_prefill_nodes_hold_requests_in_the_router)
+{
+    router_registry_t *reg = mkreg();
+    router_policy_config_t pc = router_policy_config_default();
+    cr_assert_float_eq(pc.max_prefill_wait_s, 5.0, 1e-9);
+    int p0 = join(reg, "p0", TD_NODE_ROLE_PREFILL, 8, 100, 0);
+    int p1 = join(reg, "p1", TD_NODE_ROLE_PREFILL, 8, 100, 0);
+    join(reg, "d0", TD_NODE_ROLE_DECODE, 8, 100, 0);
+    beat(reg, "d0", 0, 0, 100, 0);
+    router_pick_request_t rq = request(100, 10, SEC);
+    router_pick_t pk;
+
+    /* both idle, no rate yet: the first takes it, its wait at the assumed rate (lease sizing) */
+    beat_rate(reg, "p0", 0, 0, 100, 0, 0);
+    beat_rate(reg, "p1", 0, 0, 100, 0, 0);
+    pk = pick_ok(reg, &pc, &rq);
+    cr_assert_eq(pk.pair.prefill, p0);
+    cr_assert_float_eq(pk.prefill_wait_s, 100 / pc.assumed_tok_s, 1e-9);
+    /* p0 busy without a rate: p1 */
+    beat_rate(reg, "p0", 50, 0, 100, 0, SEC);
+    cr_assert_eq(pick_ok(reg, &pc, &rq).pair.prefill, p1);
+    /* both busy: p0 at 100 tok/s would reach it in (400 + 100) / 100 = 5 s: within the bound */
+    beat_rate(reg, "p0", 400, 0, 100, 100, SEC);
+    beat_rate(reg, "p1", 10, 0, 100, 0, SEC);
+    pk = pick_ok(reg, &pc, &rq);
+    cr_assert_eq(pk.pair.prefill, p0);
+    cr_assert_float_eq(pk.prefill_wait_s, 5.0, 1e-9);
+    /* one token more and no node is free: EXHAUSTED, naming the bound */
+    beat_rate(reg, "p0", 401, 0, 100, 100, SEC);
+    cr_assert_eq(router_policy_pick(reg, &pc, &rq, &pk), TD_ERR_EXHAUSTED);
+    cr_assert(strstr(td_last_error(), "busy"), "%s", td_last_error());
+    /* a faster node with more work queued is preferred over none */
+    beat_rate(reg, "p1", 4000, 0, 100, 1000, SEC);
+    pk = pick_ok(reg, &pc, &rq);
+    cr_assert_eq(pk.pair.prefill, p1);
+    cr_assert_float_eq(pk.prefill_wait_s, 4.1, 1e-9);
+    /* with no bound, queued work only ranks nodes */
+    pc.max_prefill_wait_s = 0;
+    beat_rate(reg, "p1", 5000, 0, 100, 0, SEC);
+    cr_assert_eq(pick_ok(reg, &pc, &rq).pair.prefill, p0);
+    router_registry_destroy(reg);
+}
