@@ -19,11 +19,13 @@
  * worker's efd and from a uv_prepare just before the loop sleeps. UCX callbacks only
  * record facts; nothing calls back into UCX progress or into the user from inside them.
  * Work per loop iteration is bounded (PROGRESS_MAX progress calls, loop_budget_bytes of
- * our own copies and checksums, a receiver's adoption included: adopt_run); what is left
+ * our own copies and checksums, a receiver's adoption included: xfer_adopt_run); what is left
  * goes next iteration, which an active idle handle makes come without sleeping. Shutdown
- * (td_xfer_destroy, close_step) is driven the same way: no function here waits.
+ * (td_xfer_destroy, xfer_close_step) is driven the same way: no function here waits.
+ *
+ * td_xfer_int.h holds the wire format and the structs shared by the files of td_xfer.
  */
-#include "td_xfer.h"
+#include "td_xfer_int.h"
 
 #include <arpa/inet.h>
 #include <inttypes.h>
@@ -31,303 +33,21 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
-#include <time.h>
-#include <unistd.h>
-
-#include <ucp/api/ucp.h>
 
 #include "td_log.h"
 #include "td_util.h"
 
-enum {
-    AM_DATA = 11,
-    AM_READY = 12,
-    AM_ACK = 13,
-    AM_HELLO = 14,     /* sender -> receiver on connect; nothing else goes before its answer */
-    AM_HELLO_ACK = 15,
-    AM_BIND = 16,      /* put path: "I will put into this lease" */
-    AM_BIND_ACK = 17,
-    AM_ABORT = 18,     /* receiver -> bound writer: the lease died, stop and confirm */
-    AM_ABORT_ACK = 19, /* sent after the writer's puts are flushed */
-};
-
-#define XFER_DESC_MAGIC 0x31584454u /* "TDX1" in little-endian memory order */
-#define LEASE_BUCKETS 256
-
 const double td_xfer_hist_le_s[TD_XFER_HIST_BUCKETS] = {0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005,
                                                         0.01,   0.025,   0.05,   0.1,   1.0,    1e300};
 
-/* ---- wire structs (host byte order; the description's magic detects a foreign one) ---- */
-
-typedef struct am_data_hdr {
-    uint64_t lease_id;
-    uint32_t layer;
-    uint32_t dst_block; /* first destination block id of the run */
-    uint32_t n_blocks;  /* blocks in the run */
-    uint32_t first_idx; /* index of dst_block in the lease's block table */
-} am_data_hdr_t;
-
-typedef struct am_ready_hdr {
-    uint64_t request_id;
-    uint64_t lease_id;
-    uint64_t bytes;    /* payload bytes of all DATA messages of this request */
-    uint64_t checksum; /* 0 when not asked for */
-    uint32_t n_tokens;
-    int32_t first_token;
-    uint32_t flags;    /* READY_F_CHECKSUM */
-    uint32_t pad;
-    td_kv_layout_t layout; /* the sender's; the receiver compares too */
-} am_ready_hdr_t;
-
-#define READY_F_CHECKSUM 1u
-#define READY_F_PUT 2u /* the bytes came by RMA put (flushed before READY), not DATA */
-
-/* ACK and every control message: HELLO/HELLO_ACK carry the peer cookie in request_id. */
-typedef struct am_ack_hdr {
-    uint64_t request_id;
-    uint64_t lease_id;
-    int32_t status; /* td_status_t */
-    uint32_t pad;
-} am_ack_hdr_t;
-
-typedef struct xfer_desc_wire {
-    uint32_t magic;
-    uint32_t rkey_len;
-    td_kv_layout_t layout;
-    uint64_t base;     /* pool address in the receiver (for RMA) */
-    uint32_t n_blocks;
-    uint16_t port;     /* host order */
-    uint16_t pad;
-    uint32_t ip;       /* IPv4, network order */
-    uint32_t pad2;
-    /* followed by rkey_len bytes of packed rkey */
-} xfer_desc_wire_t;
-
-/* ---- state ---------------------------------------------------------------------------- */
-
-typedef struct list_node {
-    struct list_node *prev, *next;
-} list_node_t;
-
-static void list_init(list_node_t *h) { h->prev = h->next = h; }
-static bool list_empty(const list_node_t *h) { return h->next == h; }
-static void list_push(list_node_t *h, list_node_t *n)
-{
-    n->prev = h->prev;
-    n->next = h;
-    h->prev->next = n;
-    h->prev = n;
-}
-static void list_del(list_node_t *n)
-{
-    n->prev->next = n->next;
-    n->next->prev = n->prev;
-    n->prev = n->next = n;
-}
-#define CONTAINER(ptr, type, member) ((type *)((char *)(ptr)-offsetof(type, member)))
-
-/* A receiver-side endpoint accepted from a sender. */
-typedef struct xfer_conn {
-    list_node_t link;   /* x->conns */
-    td_xfer_t *x;
-    ucp_ep_h ep;
-    bool closing;
-} xfer_conn_t;
-
-/* LIVE: senders write it. ADOPTING: every byte is in and kv-ready checked; adoption (the
- * checksum, a device pool's copy) runs as a job over loop iterations (adopt_run); nothing
- * more is written or bound, but its deadline, cancel and its sender's loss still end it.
- * DEAD: its blocks return once nothing can write into them (lease_try_release). */
-typedef enum lease_state { LEASE_LIVE, LEASE_ADOPTING, LEASE_DEAD } lease_state_t;
-
-typedef struct xfer_lease {
-    list_node_t link;    /* x->leases */
-    struct xfer_lease *hnext;
-    uint64_t id;
-    uint64_t request_id;
-    uint64_t deadline_ns;
-    lease_state_t state;
-    uint64_t bytes;      /* payload bytes placed so far */
-    uint32_t inflight;   /* rendezvous receives writing into the blocks */
-    xfer_conn_t *writer; /* endpoint of the last DATA (fenced on death) */
-    xfer_conn_t *put_writer; /* bound for puts: the blocks stay out of the pool after
-                                death until it confirms the abort or is gone */
-    uint64_t quarantine_ns;  /* deadline of that wait */
-    bool ready_pending;  /* READY arrived before all bytes */
-    am_ready_hdr_t ready;
-    ucp_ep_h ready_ep;
-    list_node_t adopt_link;  /* x->adopting while ADOPTING, oldest first */
-    uint32_t adopt_layer;    /* the job's cursor: next (layer, index in the lease) to */
-    uint32_t adopt_idx;      /* verify and copy, layer by layer */
-    uint64_t adopt_sum;      /* checksum of the blocks verified so far */
-    int32_t n_blocks;
-    int32_t *dev;        /* device pool: [n_blocks] the pool blocks (after `blocks`); NULL on host */
-    int32_t blocks[];    /* [n_blocks] what senders write: pool blocks, or landing blocks */
-} xfer_lease_t;
-
-typedef struct recv_op {
-    td_xfer_t *x;
-    xfer_lease_t *lease;
-    size_t len;
-} recv_op_t;
-
-/* An endpoint to close once we are out of UCX callbacks. */
-typedef struct ep_close {
-    list_node_t link;
-    ucp_ep_h ep;
-} ep_close_t;
-
-/* A ready transfer waiting for the loop to hand it to the user. */
-typedef struct ready_event {
-    list_node_t link;
-    td_xfer_ready_t r;
-    int32_t blocks[];
-} ready_event_t;
-
-struct td_xfer_peer {
-    list_node_t link;  /* x->peers */
-    td_xfer_t *x;
-    ucp_ep_h ep;
-    bool alive;
-    bool hello_done;   /* the endpoint is wired up: data may go */
-    bool use_put;      /* decided at hello: RMA put, else AM rendezvous */
-    uint64_t cookie;   /* names this peer in HELLO/HELLO_ACK */
-    uint64_t base;     /* the receiver's pool address */
-    void *rkey_buf;    /* packed rkey from the description */
-    size_t rkey_len;
-    ucp_rkey_h rkey;   /* unpacked on ep at hello; destroyed with x */
-    void *mapped;      /* the receiver's pool mapped here (shared memory, ucp_rkey_ptr):
-                          puts are our own stores into it; NULL otherwise */
-    uint32_t ip;       /* network order */
-    uint16_t port;
-    td_kv_layout_t layout;
-    uint32_t n_blocks; /* the receiver's pool */
-    list_node_t sends; /* td_xfer_send_t.peer_link */
-};
-
-/* A piece of the staging ring held by one posted operation; pieces return in the order
- * they were taken (a FIFO: the ring's tail passes only pieces that are done). */
-typedef struct stage_piece {
-    list_node_t link;  /* x->stage_pieces */
-    size_t span;       /* bytes taken from the ring, incl. padding skipped at its end */
-    bool done;
-} stage_piece_t;
-
-typedef struct send_op {
-    list_node_t link;  /* x->queue while waiting */
-    td_xfer_send_t *s;
-    am_data_hdr_t hdr; /* lives until the send completes (no COPY_HEADER in 1.13) */
-    const void *src;   /* host bytes; for a device source, in the staging ring once copied */
-    size_t len;
-    stage_piece_t *piece; /* device source: its piece of the staging ring, from the start
-                             of its copy until UCX no longer reads it */
-    uint8_t *staged;      /* ... and where in the ring the bytes go */
-    uint64_t ticket;      /* device source, in x->copying: its copy (td_xfer_copier_t) */
-} send_op_t;
-
-struct td_xfer_send {
-    list_node_t peer_link;
-    list_node_t done_link; /* x->done_list when the verdict is in */
-    td_xfer_t *x;
-    td_xfer_peer_t *peer;
-    td_xfer_send_params_t p;
-    int32_t *dst_blocks;
-    int32_t n_used;        /* blocks carrying tokens */
-    uint64_t start_ns, deadline_ns;
-    uint32_t layers_sent;
-    uint8_t *layer_seen;   /* [n_layers] */
-    uint32_t ops_out;      /* queued + posted DATA operations */
-    uint64_t bytes;        /* DATA payload queued */
-    uint64_t checksum;
-    td_status_t status;    /* first failure, or the receiver's verdict */
-    enum { MODE_UNDECIDED, MODE_AM, MODE_PUT } mode;
-    bool bound;            /* put path: the receiver accepted our BIND */
-    bool flush_inflight, flushed; /* put path: ep flush before READY */
-    bool finished;         /* send_finish called */
-    bool ready_posted, ready_inflight, verdict, done_queued;
-    am_ready_hdr_t ready;
-};
-
-struct td_xfer {
-    uv_loop_t *loop;
-    td_xfer_config_t cfg;
-    char name[64];
-    ucp_context_h ctx;
-    ucp_worker_h worker;
-    ucp_listener_h listener;
-    uint32_t listen_ip; /* network order: the published address (cfg.advertise_ip, else the listener's) */
-    uint16_t listen_port;
-    int efd;
-    uv_poll_t poll;
-    uv_prepare_t prepare;
-    uv_timer_t timer;
-    uv_idle_t idle;     /* keeps the loop from sleeping after callbacks made in prepare, or
-                           while work waits for the next iteration's budget */
-    uint64_t delivered; /* user callbacks made */
-    int open_handles;
-    bool destroying;
-    /* Shutdown after td_xfer_destroy, driven by the loop's callbacks (close_step). */
-    enum { CLOSE_FLUSH, CLOSE_EPS, CLOSE_COPIES, CLOSE_DONE } close_phase;
-    uint64_t close_deadline_ns; /* of the current phase */
-    /* Bounded synchronous work per loop iteration (budget_fits). */
-    uint64_t turn;         /* loop iterations (counted in on_prepare) */
-    uint64_t budget_turn;  /* the iteration budget_used belongs to */
-    size_t budget_used;    /* synchronous bytes done in it */
-    bool budget_hit;       /* work waits for the next iteration */
-
-    /* receiver */
-    bool have_pool;
-    td_xfer_pool_t pool;
-    ucp_mem_h memh;
-    void *rkey_buf;
-    size_t rkey_len;
-    td_xfer_ready_cb on_ready;
-    void *ready_arg;
-    /* device pool: pool.base/n_blocks describe the host landing area senders write;
-       the device pool is dev_base/dev_n_blocks; landing_stack holds the free landing ids */
-    void *dev_base;
-    uint32_t dev_n_blocks;
-    int32_t *landing_stack;
-    uint64_t next_lease_id;
-    list_node_t leases;
-    xfer_lease_t *buckets[LEASE_BUCKETS];
-    list_node_t conns;
-    list_node_t adopting;  /* xfer_lease_t in state ADOPTING, adopted in this order */
-    list_node_t ready_list;
-
-    /* sender */
-    list_node_t peers;
-    list_node_t queue;     /* send_op_t not yet posted */
-    uint32_t ops_posted;
-    list_node_t done_list; /* sends whose done callback is due */
-    list_node_t closing;   /* ep_close_t: endpoints to force-close */
-    uint32_t closes_inflight;
-    list_node_t aborts;    /* abort_job_t: ABORTs to confirm once our puts are flushed */
-    uint64_t acts;         /* deferred actions taken (drain goes round while it grows) */
-    uint64_t next_cookie;
-    uint8_t *stage;        /* [cfg.staging_bytes] host ring device sources are copied through */
-    size_t stage_head;     /* next byte to hand out */
-    size_t stage_tail;     /* oldest byte still held */
-    size_t stage_used;     /* bytes held (head == tail: empty when 0, full otherwise) */
-    list_node_t stage_pieces; /* stage_piece_t, oldest first */
-    bool stage_pinned;     /* the ring is page-locked by cfg.d2h->pin */
-    list_node_t copying;   /* send_op_t whose device-to-host copy runs, oldest first */
-    uv_async_t copy_wake;  /* a copier's wake: poll the copies now */
-
-    td_xfer_stats_t stats;
-};
-
-static void drain(td_xfer_t *x);
-
-static td_status_t ucx_err(ucs_status_t st, const char *what)
+td_status_t xfer_ucx_err(ucs_status_t st, const char *what)
 {
     return td_errorf(TD_ERR_UCX, "ucx %s: %s", what, ucs_status_string(st));
 }
 
 /* Order-independent checksum of one block: 64-bit multiply-xor over 8-byte words, keyed
  * by (layer, index in the request) so swapped blocks do not cancel out. */
-static uint64_t block_checksum(const void *p, size_t n, uint32_t layer, uint32_t idx)
+uint64_t xfer_block_checksum(const void *p, size_t n, uint32_t layer, uint32_t idx)
 {
     const uint8_t *b = p;
     uint64_t h = 0x9e3779b97f4a7c15ull ^ (((uint64_t)layer << 32) | idx);
@@ -357,7 +77,7 @@ static void hist_observe(td_xfer_stats_t *st, double s)
  * the next, so it holds one timer phase and one poll phase. Work that does not fit waits for
  * the next iteration, which drain() makes come without sleeping. The first piece of an
  * iteration always fits (one operation, at most max_op_bytes, may exceed the budget alone). */
-static bool budget_fits(td_xfer_t *x, size_t bytes)
+bool xfer_budget_fits(td_xfer_t *x, size_t bytes)
 {
     if (x->budget_turn != x->turn) {
         x->budget_turn = x->turn;
@@ -369,7 +89,7 @@ static bool budget_fits(td_xfer_t *x, size_t bytes)
     return false;
 }
 
-static void budget_charge(td_xfer_t *x, size_t bytes)
+void xfer_budget_charge(td_xfer_t *x, size_t bytes)
 {
     x->budget_used += bytes;
 }
@@ -398,7 +118,7 @@ static void close_ep_now(td_xfer_t *x, ucp_ep_h ep)
 }
 
 /* Callable anywhere, including inside UCX callbacks: the close happens in drain(). */
-static void close_ep_force(td_xfer_t *x, ucp_ep_h ep)
+void xfer_close_ep_force(td_xfer_t *x, ucp_ep_h ep)
 {
     ep_close_t *c = malloc(sizeof *c);
     if (!c) {
@@ -409,7 +129,7 @@ static void close_ep_force(td_xfer_t *x, ucp_ep_h ep)
     list_push(&x->closing, &c->link);
 }
 
-static void close_pending_eps(td_xfer_t *x)
+void xfer_close_pending_eps(td_xfer_t *x)
 {
     while (!list_empty(&x->closing)) {
         ep_close_t *c = CONTAINER(x->closing.next, ep_close_t, link);
@@ -421,7 +141,7 @@ static void close_pending_eps(td_xfer_t *x)
 
 /* ---- leases (receiver) ------------------------------------------------------------------ */
 
-static xfer_lease_t *lease_find(td_xfer_t *x, uint64_t id)
+xfer_lease_t *xfer_lease_find(td_xfer_t *x, uint64_t id)
 {
     for (xfer_lease_t *l = x->buckets[id % LEASE_BUCKETS]; l; l = l->hnext)
         if (l->id == id)
@@ -429,7 +149,7 @@ static xfer_lease_t *lease_find(td_xfer_t *x, uint64_t id)
     return NULL;
 }
 
-static void lease_remove(td_xfer_t *x, xfer_lease_t *l)
+void xfer_lease_remove(td_xfer_t *x, xfer_lease_t *l)
 {
     xfer_lease_t **pp = &x->buckets[l->id % LEASE_BUCKETS];
     while (*pp != l)
@@ -441,75 +161,72 @@ static void lease_remove(td_xfer_t *x, xfer_lease_t *l)
 }
 
 /* A device pool's lease gives its landing blocks back (at release or adoption). */
-static void landing_give(td_xfer_t *x, xfer_lease_t *l)
+void xfer_landing_give(td_xfer_t *x, xfer_lease_t *l)
 {
     for (int32_t i = 0; i < l->n_blocks; i++)
         x->landing_stack[x->stats.landing_free++] = l->blocks[i];
 }
 
 /* The one place blocks of a lease go back to the pool. Only once no receive writes. */
-static void lease_release(td_xfer_t *x, xfer_lease_t *l)
+void xfer_lease_release(td_xfer_t *x, xfer_lease_t *l)
 {
     TD_ASSERT(l->inflight == 0);
     if (l->dev)
-        landing_give(x, l);
+        xfer_landing_give(x, l);
     for (int32_t i = 0; i < l->n_blocks; i++)
         td_kv_unref_block(x->pool.kv, l->dev ? l->dev[i] : l->blocks[i]);
-    lease_remove(x, l);
+    xfer_lease_remove(x, l);
 }
 
 /* Returns a dead lease's blocks once nothing can write into them: no rendezvous receive
  * in flight and no put writer still bound. True when l was freed. */
-static bool lease_try_release(td_xfer_t *x, xfer_lease_t *l)
+bool xfer_lease_try_release(td_xfer_t *x, xfer_lease_t *l)
 {
     if (l->state != LEASE_DEAD || l->inflight > 0 || l->put_writer)
         return false;
-    lease_release(x, l);
+    xfer_lease_release(x, l);
     return true;
 }
-
-static void send_ctl(td_xfer_t *x, ucp_ep_h ep, unsigned id, uint64_t a, uint64_t b, td_status_t st);
-static void send_ack(td_xfer_t *x, ucp_ep_h ep, uint64_t request_id, uint64_t lease_id, td_status_t st);
 
 /* Kills a lease: its blocks return now, or when the last receive into them ends (the
  * writer's endpoint is force-closed so that happens promptly), or, when a sender bound
  * for puts may still be writing, once it confirms the abort (quarantine). An adoption in
  * progress stops where it is, and its sender, which sent kv-ready and waits for the
  * answer, is told `verdict`. l may be freed. */
-static void lease_fail(td_xfer_t *x, xfer_lease_t *l, td_status_t verdict)
+void xfer_lease_fail(td_xfer_t *x, xfer_lease_t *l, td_status_t verdict)
 {
     if (l->state == LEASE_DEAD)
         return;
     if (l->state == LEASE_ADOPTING) {
         list_del(&l->adopt_link);
-        send_ack(x, l->ready_ep, l->ready.request_id, l->id, verdict);
+        xfer_send_ack(x, l->ready_ep, l->ready.request_id, l->id, verdict);
     }
     l->state = LEASE_DEAD;
     if (l->put_writer) {
         x->stats.leases_quarantined++;
         l->quarantine_ns = td_now_ns() + (uint64_t)x->cfg.quarantine_ms * 1000000ull;
-        send_ctl(x, l->put_writer->ep, AM_ABORT, l->request_id, l->id, TD_ERR_STALE);
+        xfer_send_ctl(x, l->put_writer->ep, AM_ABORT, l->request_id, l->id, TD_ERR_STALE);
     }
-    if (lease_try_release(x, l))
+    if (xfer_lease_try_release(x, l))
         return;
     if (l->inflight > 0 && l->writer && !l->writer->closing) {
         td_warn("xfer lease %" PRIu64 " died with %u receives in flight: closing its sender's endpoint",
                 l->id, l->inflight);
         l->writer->closing = true;
-        close_ep_force(x, l->writer->ep);
+        xfer_close_ep_force(x, l->writer->ep);
     }
 }
 
 /* A lease ended from outside (expiry, cancel, its sender lost, a refused kv-ready): an
  * adoption in progress answers STALE, as a kv-ready arriving after the death would. */
-static void lease_kill(td_xfer_t *x, xfer_lease_t *l)
+void xfer_lease_kill(td_xfer_t *x, xfer_lease_t *l)
 {
-    lease_fail(x, l, TD_ERR_STALE);
+    xfer_lease_fail(x, l, TD_ERR_STALE);
 }
 
 /* ---- adoption (receiver) ------------------------------------------------------------------
  * Once kv-ready is checked and every byte is in, adoption is a job over (layer, block),
- * advanced by adopt_run from drain under the loop iteration's budget (budget_fits), a
+ * advanced by xfer_adopt_run from drain under the loop iteration's budget (xfer_budget_fits), a
  * piece at a time: the checksum of the landed blocks when kv-ready carries one, and on a
  * device pool one copy_h2d per run of blocks contiguous in both block sets, layer by
  * layer. A piece is at most max_op_bytes (one block at least), so no loop iteration
@@ -518,7 +235,7 @@ static void lease_kill(td_xfer_t *x, xfer_lease_t *l)
  * cancel and the loss of its sender end it as any live lease's, the sender then told
  * STALE). The ACK and the ready event come once every piece is verified and copied. */
 
-static void adopt_start(td_xfer_t *x, xfer_lease_t *l)
+void xfer_adopt_start(td_xfer_t *x, xfer_lease_t *l)
 {
     l->state = LEASE_ADOPTING;
     l->adopt_layer = 0;
@@ -550,7 +267,7 @@ static td_status_t adopt_piece(td_xfer_t *x, xfer_lease_t *l, uint32_t n)
     if (l->ready.flags & READY_F_CHECKSUM) {
         for (uint32_t k = 0; k < n; k++) {
             size_t off = td_kv_block_offset(ly, x->pool.n_blocks, layer, (uint32_t)l->blocks[i + k]);
-            l->adopt_sum += block_checksum((char *)x->pool.base + off, bb, layer, i + k);
+            l->adopt_sum += xfer_block_checksum((char *)x->pool.base + off, bb, layer, i + k);
         }
         x->stats.bytes_verified += (uint64_t)n * bb;
     }
@@ -576,26 +293,26 @@ static void adopt_finish(td_xfer_t *x, xfer_lease_t *l)
         td_errorf(TD_ERR_PROTOCOL, "xfer request %" PRIu64 " lease %" PRIu64 ": checksum mismatch, not adopted",
                   rd->request_id, l->id);
         x->stats.fail_protocol++;
-        lease_fail(x, l, TD_ERR_PROTOCOL);
+        xfer_lease_fail(x, l, TD_ERR_PROTOCOL);
         return;
     }
     ready_event_t *ev = malloc(sizeof *ev + (size_t)l->n_blocks * sizeof(int32_t));
     if (!ev) {
         td_errorf(TD_ERR_NOMEM, "xfer lease %" PRIu64 ": no memory for the ready event", l->id);
-        lease_fail(x, l, TD_ERR_NOMEM);
+        xfer_lease_fail(x, l, TD_ERR_NOMEM);
         return;
     }
     list_del(&l->adopt_link);
     if (l->dev)
-        landing_give(x, l);
+        xfer_landing_give(x, l);
     memcpy(ev->blocks, l->dev ? l->dev : l->blocks, (size_t)l->n_blocks * sizeof(int32_t));
     ev->r = (td_xfer_ready_t){.request_id = rd->request_id, .lease_id = l->id, .blocks = ev->blocks,
                               .n_blocks = l->n_blocks, .n_tokens = rd->n_tokens,
                               .first_token = rd->first_token};
     list_push(&x->ready_list, &ev->link);
     x->stats.leases_adopted++;
-    send_ack(x, l->ready_ep, rd->request_id, l->id, TD_OK);
-    lease_remove(x, l); /* block references pass to the ready callback */
+    xfer_send_ack(x, l->ready_ep, rd->request_id, l->id, TD_OK);
+    xfer_lease_remove(x, l); /* block references pass to the ready callback */
 }
 
 /* Takes l's adoption on as far as the iteration's budget allows. False: the budget stopped
@@ -608,12 +325,12 @@ static bool adopt_advance(td_xfer_t *x, xfer_lease_t *l)
     while (passes && l->adopt_layer < ly->n_layers) {
         uint32_t n = adopt_piece_blocks(x, l, n_used);
         size_t cost = (size_t)n * td_kv_block_bytes(ly) * passes;
-        if (!budget_fits(x, cost))
+        if (!xfer_budget_fits(x, cost))
             return false;
-        budget_charge(x, cost);
+        xfer_budget_charge(x, cost);
         td_status_t st = adopt_piece(x, l, n);
         if (st != TD_OK) {
-            lease_fail(x, l, st); /* the sender's verdict is the copy's error */
+            xfer_lease_fail(x, l, st); /* the sender's verdict is the copy's error */
             return true;
         }
         l->adopt_idx += n;
@@ -627,7 +344,7 @@ static bool adopt_advance(td_xfer_t *x, xfer_lease_t *l)
 }
 
 /* Adoption jobs, oldest first, until they are done or the budget is spent. */
-static void adopt_run(td_xfer_t *x)
+void xfer_adopt_run(td_xfer_t *x)
 {
     while (!list_empty(&x->adopting)) {
         if (!adopt_advance(x, CONTAINER(x->adopting.next, xfer_lease_t, adopt_link)))
@@ -679,11 +396,11 @@ td_status_t td_xfer_lease_create(td_xfer_t *x, uint64_t request_id, int32_t n_bl
 
 td_status_t td_xfer_lease_cancel(td_xfer_t *x, uint64_t lease_id)
 {
-    xfer_lease_t *l = lease_find(x, lease_id);
+    xfer_lease_t *l = xfer_lease_find(x, lease_id);
     if (!l || l->state == LEASE_DEAD) /* an adoption in progress stops: the request went */
         return td_errorf_quiet(TD_ERR_STALE, "xfer lease %" PRIu64 " is not live", lease_id);
     x->stats.leases_cancelled++;
-    lease_kill(x, l);
+    xfer_lease_kill(x, l);
     return TD_OK;
 }
 
@@ -715,21 +432,21 @@ static void conn_err_cb(void *arg, ucp_ep_h ep, ucs_status_t status)
         if (lost) {
             if (l->state != LEASE_DEAD) {
                 x->stats.leases_sender_lost++;
-                lease_kill(x, l);
+                xfer_lease_kill(x, l);
             } else {
-                lease_try_release(x, l);
+                xfer_lease_try_release(x, l);
             }
         }
     }
     if (!c->closing) {
         c->closing = true;
-        close_ep_force(x, ep);
+        xfer_close_ep_force(x, ep);
     }
     list_del(&c->link);
     free(c);
 }
 
-static void conn_cb(ucp_conn_request_h req, void *arg)
+void xfer_conn_cb(ucp_conn_request_h req, void *arg)
 {
     td_xfer_t *x = arg;
     if (x->destroying) { /* shutting down: no new senders */
@@ -750,7 +467,7 @@ static void conn_cb(ucp_conn_request_h req, void *arg)
                           .err_handler = {conn_err_cb, c}};
     ucs_status_t st = ucp_ep_create(x->worker, &ep, &c->ep);
     if (st != UCS_OK) {
-        ucx_err(st, "accept");
+        xfer_ucx_err(st, "accept");
         free(c);
         return;
     }
@@ -773,7 +490,7 @@ static void lease_check_ready(td_xfer_t *x, xfer_lease_t *l)
         return; /* nothing is adopted during shutdown: the sender's endpoint closes */
     if (l->state == LEASE_LIVE && l->ready_pending && l->inflight == 0 && l->bytes == l->ready.bytes) {
         l->ready_pending = false;
-        adopt_start(x, l); /* adopt_run takes it from drain, a piece per budget */
+        xfer_adopt_start(x, l); /* xfer_adopt_run takes it from drain, a piece per budget */
     }
 }
 
@@ -791,14 +508,14 @@ static void recv_done_cb(void *request, ucs_status_t status, size_t length, void
     if (request)
         ucp_request_free(request);
     if (l->state == LEASE_DEAD) {
-        lease_try_release(x, l);
+        xfer_lease_try_release(x, l);
         return;
     }
     lease_check_ready(x, l);
 }
 
 /* The reply endpoint a message came on (NULL when UCX gives none). */
-static ucp_ep_h am_reply_ep(const ucp_am_recv_param_t *param)
+ucp_ep_h xfer_am_reply_ep(const ucp_am_recv_param_t *param)
 {
     return (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) ? param->reply_ep : NULL;
 }
@@ -806,8 +523,8 @@ static ucp_ep_h am_reply_ep(const ucp_am_recv_param_t *param)
 /* Every handler's first step: the header must be exactly one `size`-byte header of its
  * kind (and, for messages only a receiver takes, a pool must be registered); it is copied
  * out (UCX gives no alignment). A malformed message is counted and ignored. */
-static bool am_unpack(td_xfer_t *x, const void *header, size_t header_length, void *h, size_t size,
-                      bool need_pool)
+bool xfer_am_unpack(td_xfer_t *x, const void *header, size_t header_length, void *h, size_t size,
+                    bool need_pool)
 {
     if (header_length != size || (need_pool && !x->have_pool)) {
         x->stats.fail_protocol++;
@@ -817,14 +534,14 @@ static bool am_unpack(td_xfer_t *x, const void *header, size_t header_length, vo
     return true;
 }
 
-static ucs_status_t am_data_cb(void *arg, const void *header, size_t header_length, void *data, size_t length,
-                               const ucp_am_recv_param_t *param)
+ucs_status_t xfer_am_data_cb(void *arg, const void *header, size_t header_length, void *data, size_t length,
+                             const ucp_am_recv_param_t *param)
 {
     td_xfer_t *x = arg;
     am_data_hdr_t h;
-    if (!am_unpack(x, header, header_length, &h, sizeof h, true))
+    if (!xfer_am_unpack(x, header, header_length, &h, sizeof h, true))
         return UCS_OK;
-    xfer_lease_t *l = lease_find(x, h.lease_id);
+    xfer_lease_t *l = xfer_lease_find(x, h.lease_id);
     size_t bb = td_kv_block_bytes(&x->pool.layout);
     if (!l || l->state != LEASE_LIVE || x->destroying) {
         /* Fence: returning without receiving refuses a rendezvous; eager bytes are dropped. */
@@ -841,8 +558,8 @@ static ucs_status_t am_data_cb(void *arg, const void *header, size_t header_leng
         x->stats.fail_protocol++;
         return UCS_OK;
     }
-    if (am_reply_ep(param))
-        l->writer = conn_of_ep(x, am_reply_ep(param));
+    if (xfer_am_reply_ep(param))
+        l->writer = conn_of_ep(x, xfer_am_reply_ep(param));
     char *dst = (char *)x->pool.base + td_kv_block_offset(&x->pool.layout, x->pool.n_blocks, h.layer, h.dst_block);
     if (!(param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV)) {
         memcpy(dst, data, length);
@@ -868,7 +585,7 @@ static ucs_status_t am_data_cb(void *arg, const void *header, size_t header_leng
     ucs_status_ptr_t r = ucp_am_recv_data_nbx(x->worker, data, dst, length, &prm);
     if (UCS_PTR_IS_ERR(r)) {
         l->inflight--;
-        ucx_err(UCS_PTR_STATUS(r), "receive data");
+        xfer_ucx_err(UCS_PTR_STATUS(r), "receive data");
         free(op);
     } else if (r == NULL) {
         recv_done_cb(NULL, UCS_OK, length, op);
@@ -876,24 +593,24 @@ static ucs_status_t am_data_cb(void *arg, const void *header, size_t header_leng
     return UCS_OK;
 }
 
-static ucs_status_t am_ready_cb(void *arg, const void *header, size_t header_length, void *data, size_t length,
-                                const ucp_am_recv_param_t *param)
+ucs_status_t xfer_am_ready_cb(void *arg, const void *header, size_t header_length, void *data, size_t length,
+                              const ucp_am_recv_param_t *param)
 {
     td_xfer_t *x = arg;
     am_ready_hdr_t h;
-    ucp_ep_h ep = am_reply_ep(param);
-    if (!am_unpack(x, header, header_length, &h, sizeof h, true))
+    ucp_ep_h ep = xfer_am_reply_ep(param);
+    if (!xfer_am_unpack(x, header, header_length, &h, sizeof h, true))
         return UCS_OK;
     if (x->destroying) {
-        send_ack(x, ep, h.request_id, h.lease_id, TD_ERR_UNAVAILABLE); /* this node is going */
+        xfer_send_ack(x, ep, h.request_id, h.lease_id, TD_ERR_UNAVAILABLE); /* this node is going */
         return UCS_OK;
     }
-    xfer_lease_t *l = lease_find(x, h.lease_id);
+    xfer_lease_t *l = xfer_lease_find(x, h.lease_id);
     if (!l || l->state != LEASE_LIVE) {
         td_info("xfer request %" PRIu64 " lease %" PRIu64 ": kv-ready for a dead lease, discarded", h.request_id,
                 h.lease_id);
         x->stats.discarded_ready++;
-        send_ack(x, ep, h.request_id, h.lease_id, TD_ERR_STALE);
+        xfer_send_ack(x, ep, h.request_id, h.lease_id, TD_ERR_STALE);
         return UCS_OK;
     }
     char why[160];
@@ -916,8 +633,8 @@ static ucs_status_t am_ready_cb(void *arg, const void *header, size_t header_len
         x->stats.fail_protocol++;
     }
     if (verdict != TD_OK) {
-        send_ack(x, ep, h.request_id, h.lease_id, verdict);
-        lease_kill(x, l);
+        xfer_send_ack(x, ep, h.request_id, h.lease_id, verdict);
+        xfer_lease_kill(x, l);
         return UCS_OK;
     }
     if (h.flags & READY_F_PUT) {
@@ -926,8 +643,8 @@ static ucs_status_t am_ready_cb(void *arg, const void *header, size_t header_len
             td_errorf(TD_ERR_PROTOCOL, "xfer lease %" PRIu64 ": kv-ready for puts from a sender not bound to it; "
                       "refused", l->id);
             x->stats.fail_protocol++;
-            send_ack(x, ep, h.request_id, h.lease_id, TD_ERR_PROTOCOL);
-            lease_kill(x, l);
+            xfer_send_ack(x, ep, h.request_id, h.lease_id, TD_ERR_PROTOCOL);
+            xfer_lease_kill(x, l);
             return UCS_OK;
         }
         x->stats.bytes_received += h.bytes - l->bytes;
@@ -941,29 +658,29 @@ static ucs_status_t am_ready_cb(void *arg, const void *header, size_t header_len
 }
 
 /* HELLO: answer at once; the sender holds its data until this reaches it. */
-static ucs_status_t am_hello_cb(void *arg, const void *header, size_t header_length, void *data, size_t length,
-                                const ucp_am_recv_param_t *param)
+ucs_status_t xfer_am_hello_cb(void *arg, const void *header, size_t header_length, void *data, size_t length,
+                              const ucp_am_recv_param_t *param)
 {
     td_xfer_t *x = arg;
     am_ack_hdr_t h;
-    ucp_ep_h ep = am_reply_ep(param);
-    if (!am_unpack(x, header, header_length, &h, sizeof h, false))
+    ucp_ep_h ep = xfer_am_reply_ep(param);
+    if (!xfer_am_unpack(x, header, header_length, &h, sizeof h, false))
         return UCS_OK;
-    send_ctl(x, ep, AM_HELLO_ACK, h.request_id, 0, x->have_pool && !x->destroying ? TD_OK : TD_ERR_UNAVAILABLE);
+    xfer_send_ctl(x, ep, AM_HELLO_ACK, h.request_id, 0, x->have_pool && !x->destroying ? TD_OK : TD_ERR_UNAVAILABLE);
     return UCS_OK;
 }
 
 /* BIND: a sender is about to put into a live lease's blocks; from now on a death of the
  * lease keeps them out of the pool until it confirms (fence for puts). */
-static ucs_status_t am_bind_cb(void *arg, const void *header, size_t header_length, void *data, size_t length,
-                               const ucp_am_recv_param_t *param)
+ucs_status_t xfer_am_bind_cb(void *arg, const void *header, size_t header_length, void *data, size_t length,
+                             const ucp_am_recv_param_t *param)
 {
     td_xfer_t *x = arg;
     am_ack_hdr_t h;
-    ucp_ep_h ep = am_reply_ep(param);
-    if (!am_unpack(x, header, header_length, &h, sizeof h, true))
+    ucp_ep_h ep = xfer_am_reply_ep(param);
+    if (!xfer_am_unpack(x, header, header_length, &h, sizeof h, true))
         return UCS_OK;
-    xfer_lease_t *l = lease_find(x, h.lease_id);
+    xfer_lease_t *l = xfer_lease_find(x, h.lease_id);
     xfer_conn_t *c = ep ? conn_of_ep(x, ep) : NULL;
     td_status_t st = TD_OK;
     if (x->destroying) {
@@ -980,23 +697,23 @@ static ucs_status_t am_bind_cb(void *arg, const void *header, size_t header_leng
     } else {
         l->put_writer = c;
     }
-    send_ctl(x, ep, AM_BIND_ACK, h.request_id, h.lease_id, st);
+    xfer_send_ctl(x, ep, AM_BIND_ACK, h.request_id, h.lease_id, st);
     return UCS_OK;
 }
 
 /* ABORT_ACK: the bound writer flushed and stopped; the quarantined blocks may return. */
-static ucs_status_t am_abort_ack_cb(void *arg, const void *header, size_t header_length, void *data,
-                                    size_t length, const ucp_am_recv_param_t *param)
+ucs_status_t xfer_am_abort_ack_cb(void *arg, const void *header, size_t header_length, void *data,
+                                  size_t length, const ucp_am_recv_param_t *param)
 {
     td_xfer_t *x = arg;
     am_ack_hdr_t h;
-    ucp_ep_h ep = am_reply_ep(param);
-    if (!am_unpack(x, header, header_length, &h, sizeof h, false))
+    ucp_ep_h ep = xfer_am_reply_ep(param);
+    if (!xfer_am_unpack(x, header, header_length, &h, sizeof h, false))
         return UCS_OK;
-    xfer_lease_t *l = lease_find(x, h.lease_id);
+    xfer_lease_t *l = xfer_lease_find(x, h.lease_id);
     if (l && l->state == LEASE_DEAD && l->put_writer && ep && l->put_writer == conn_of_ep(x, ep)) {
         l->put_writer = NULL;
-        lease_try_release(x, l);
+        xfer_lease_try_release(x, l);
     }
     return UCS_OK;
 }
@@ -1015,7 +732,7 @@ static void ack_sent_cb(void *request, ucs_status_t status, void *user_data)
 
 /* Sends a header-only control message (REPLY: the far side learns our endpoint). A lost
  * one is bounded by the deadlines of whoever waits for it. */
-static void send_ctl(td_xfer_t *x, ucp_ep_h ep, unsigned id, uint64_t a_, uint64_t b, td_status_t st)
+void xfer_send_ctl(td_xfer_t *x, ucp_ep_h ep, unsigned id, uint64_t a_, uint64_t b, td_status_t st)
 {
     if (!ep)
         return;
@@ -1033,21 +750,21 @@ static void send_ctl(td_xfer_t *x, ucp_ep_h ep, unsigned id, uint64_t a_, uint64
         free(a);
 }
 
-static void send_ack(td_xfer_t *x, ucp_ep_h ep, uint64_t request_id, uint64_t lease_id, td_status_t st)
+void xfer_send_ack(td_xfer_t *x, ucp_ep_h ep, uint64_t request_id, uint64_t lease_id, td_status_t st)
 {
-    send_ctl(x, ep, AM_ACK, request_id, lease_id, st);
+    xfer_send_ctl(x, ep, AM_ACK, request_id, lease_id, st);
 }
 
 /* ---- sender ----------------------------------------------------------------------------- */
 
-static void send_set_status(td_xfer_send_t *s, td_status_t st)
+void xfer_send_set_status(td_xfer_send_t *s, td_status_t st)
 {
     if (s->status == TD_OK && !s->verdict)
         s->status = st;
 }
 
 /* Queues the done callback once everything the request owns in UCX has come back. */
-static void send_maybe_done(td_xfer_send_t *s)
+void xfer_send_maybe_done(td_xfer_send_t *s)
 {
     if (s->done_queued || !s->finished || s->ops_out || s->ready_inflight || s->flush_inflight)
         return;
@@ -1060,16 +777,16 @@ static void send_maybe_done(td_xfer_send_t *s)
     list_push(&s->x->done_list, &s->done_link);
 }
 
-static void peer_fail(td_xfer_peer_t *peer, td_status_t st)
+void xfer_peer_fail(td_xfer_peer_t *peer, td_status_t st)
 {
     td_xfer_t *x = peer->x;
     if (peer->alive) {
         peer->alive = false;
-        close_ep_force(x, peer->ep);
+        xfer_close_ep_force(x, peer->ep);
     }
     for (list_node_t *n = peer->sends.next; n != &peer->sends; n = n->next) {
         td_xfer_send_t *s = CONTAINER(n, td_xfer_send_t, peer_link);
-        send_set_status(s, st);
+        xfer_send_set_status(s, st);
     }
     /* Queued operations of this peer never reach UCX. */
     list_node_t *n = x->queue.next;
@@ -1079,12 +796,12 @@ static void peer_fail(td_xfer_peer_t *peer, td_status_t st)
         if (op->s->peer == peer) {
             list_del(&op->link);
             op->s->ops_out--;
-            send_maybe_done(op->s);
+            xfer_send_maybe_done(op->s);
             free(op);
         }
     }
     for (list_node_t *m = peer->sends.next; m != &peer->sends; m = m->next)
-        send_maybe_done(CONTAINER(m, td_xfer_send_t, peer_link));
+        xfer_send_maybe_done(CONTAINER(m, td_xfer_send_t, peer_link));
 }
 
 static void peer_err_cb(void *arg, ucp_ep_h ep, ucs_status_t status)
@@ -1093,7 +810,7 @@ static void peer_err_cb(void *arg, ucp_ep_h ep, ucs_status_t status)
     char ip[INET_ADDRSTRLEN];
     inet_ntop(AF_INET, &peer->ip, ip, sizeof ip);
     td_warn("xfer peer %s:%u lost: %s", ip, peer->port, ucs_status_string(status));
-    peer_fail(peer, TD_ERR_UNAVAILABLE);
+    xfer_peer_fail(peer, TD_ERR_UNAVAILABLE);
 }
 
 /* ---- staging ring (device-memory sources) ------------------------------------------- */
@@ -1131,7 +848,7 @@ static bool stage_take(td_xfer_t *x, send_op_t *op)
 }
 
 /* op's piece is no longer read by UCX: the ring's tail moves past every done piece. */
-static void stage_give(td_xfer_t *x, send_op_t *op)
+void xfer_stage_give(td_xfer_t *x, send_op_t *op)
 {
     if (!op->piece)
         return;
@@ -1167,18 +884,18 @@ static td_status_t stage_start(td_xfer_t *x, send_op_t *op)
 /* Adds op's blocks (`bytes`: their K/V, host memory) to the request's checksum. Taken when
  * the op is posted (host source) or its copy landed (device source), under the loop
  * iteration's budget, not for a whole layer at send_layer. */
-static void op_checksum(send_op_t *op, const uint8_t *bytes)
+void xfer_op_checksum(send_op_t *op, const uint8_t *bytes)
 {
     td_xfer_send_t *s = op->s;
     size_t bb = td_kv_block_bytes(&s->peer->layout);
     for (uint32_t k = 0; k < op->hdr.n_blocks; k++)
-        s->checksum += block_checksum(bytes + (size_t)k * bb, bb, op->hdr.layer, op->hdr.first_idx + k);
+        s->checksum += xfer_block_checksum(bytes + (size_t)k * bb, bb, op->hdr.layer, op->hdr.first_idx + k);
 }
 
 /* Bytes the loop thread itself reads or writes to post op: the copy of a shared-memory put
  * and the checksum (a device source's is taken as its copy lands, just before posting).
  * 0 for an op that will be dropped. */
-static size_t op_sync_bytes(const send_op_t *op)
+size_t xfer_op_sync_bytes(const send_op_t *op)
 {
     const td_xfer_send_t *s = op->s;
     if (!s->peer->alive || s->status != TD_OK)
@@ -1191,7 +908,7 @@ static size_t op_sync_bytes(const send_op_t *op)
 static void stage_landed(send_op_t *op)
 {
     if (op->s->p.checksum)
-        op_checksum(op, op->staged);
+        xfer_op_checksum(op, op->staged);
     op->src = op->staged;
 }
 
@@ -1200,40 +917,40 @@ static void data_sent_cb(void *request, ucs_status_t status, void *user_data)
     send_op_t *op = user_data;
     td_xfer_send_t *s = op->s;
     td_xfer_t *x = s->x;
-    stage_give(x, op);
+    xfer_stage_give(x, op);
     x->ops_posted--;
     s->ops_out--;
     if (status == UCS_OK)
         x->stats.bytes_sent += op->len;
     else
-        send_set_status(s, status == UCS_ERR_CANCELED ? TD_ERR_STALE : TD_ERR_UNAVAILABLE);
+        xfer_send_set_status(s, status == UCS_ERR_CANCELED ? TD_ERR_STALE : TD_ERR_UNAVAILABLE);
     free(op);
     if (request)
         ucp_request_free(request);
-    send_maybe_done(s);
+    xfer_send_maybe_done(s);
 }
 
 /* An operation may go once its request knows its primitive (and, for puts, is bound);
  * operations of failed requests "go" to be dropped. */
-static bool op_ready(const send_op_t *op)
+bool xfer_op_ready(const send_op_t *op)
 {
     const td_xfer_send_t *s = op->s;
     return !s->peer->alive || s->status != TD_OK || s->mode == MODE_AM || (s->mode == MODE_PUT && s->bound);
 }
 
-static void post_op(td_xfer_t *x, send_op_t *op)
+void xfer_post_op(td_xfer_t *x, send_op_t *op)
 {
     td_xfer_send_t *s = op->s;
     x->acts++;
     if (!s->peer->alive || s->status != TD_OK) {
-        stage_give(x, op);
+        xfer_stage_give(x, op);
         s->ops_out--;
         free(op);
-        send_maybe_done(s);
+        xfer_send_maybe_done(s);
         return;
     }
     if (s->p.checksum && s->p.mem == TD_XFER_MEM_HOST) /* a device source's: stage_landed */
-        op_checksum(op, op->src);
+        xfer_op_checksum(op, op->src);
     ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
                                                UCP_OP_ATTR_FIELD_FLAGS,
                                .cb.send = data_sent_cb,
@@ -1275,7 +992,7 @@ static void post_op(td_xfer_t *x, send_op_t *op)
 /* Takes a device-source op from the queue into the copying list: a piece of the ring and
  * a started copy (it counts against max_inflight_ops from now on). False when the ring has
  * no room for it yet (the op stays queued). */
-static bool copy_begin(td_xfer_t *x, send_op_t *op)
+bool xfer_copy_begin(td_xfer_t *x, send_op_t *op)
 {
     if (!stage_take(x, op))
         return false;
@@ -1283,8 +1000,8 @@ static bool copy_begin(td_xfer_t *x, send_op_t *op)
     x->acts++;
     td_status_t st = stage_start(x, op);
     if (st != TD_OK) {
-        send_set_status(op->s, st);
-        post_op(x, op); /* drops it: the request failed */
+        xfer_send_set_status(op->s, st);
+        xfer_post_op(x, op); /* drops it: the request failed */
         return true;
     }
     x->ops_posted++;
@@ -1295,25 +1012,25 @@ static bool copy_begin(td_xfer_t *x, send_op_t *op)
 /* Copies finish in the order they started: the ops at the front whose copy is done go to
  * UCX (or are dropped when their request failed meanwhile). An op whose copy runs keeps
  * its piece of the ring whatever happens to its request: the device still writes there. */
-static void poll_copies(td_xfer_t *x)
+void xfer_poll_copies(td_xfer_t *x)
 {
     while (!list_empty(&x->copying)) {
         send_op_t *op = CONTAINER(x->copying.next, send_op_t, link);
-        size_t cost = op_sync_bytes(op); /* its checksum, then posting it */
-        if (!budget_fits(x, cost))
+        size_t cost = xfer_op_sync_bytes(op); /* its checksum, then posting it */
+        if (!xfer_budget_fits(x, cost))
             return; /* next iteration (a copy that is done stays done) */
         td_status_t st = x->cfg.d2h->poll(x->cfg.d2h->arg, op->ticket);
         if (st == TD_ERR_BUSY)
             return;
-        budget_charge(x, cost);
+        xfer_budget_charge(x, cost);
         list_del(&op->link);
         x->ops_posted--;
         if (st != TD_OK)
-            send_set_status(op->s, td_errorf(st, "xfer request %" PRIu64 ": copying layer %u from device memory "
-                                             "failed: %s", op->s->p.request_id, op->hdr.layer, td_last_error()));
+            xfer_send_set_status(op->s, td_errorf(st, "xfer request %" PRIu64 ": copying layer %u from device memory "
+                                                  "failed: %s", op->s->p.request_id, op->hdr.layer, td_last_error()));
         else if (op->s->status == TD_OK)
             stage_landed(op);
-        post_op(x, op);
+        xfer_post_op(x, op);
     }
 }
 
@@ -1322,13 +1039,13 @@ static void ready_sent_cb(void *request, ucs_status_t status, void *user_data)
     td_xfer_send_t *s = user_data;
     s->ready_inflight = false;
     if (status != UCS_OK)
-        send_set_status(s, TD_ERR_UNAVAILABLE);
+        xfer_send_set_status(s, TD_ERR_UNAVAILABLE);
     if (request)
         ucp_request_free(request);
-    send_maybe_done(s);
+    xfer_send_maybe_done(s);
 }
 
-static void post_ready(td_xfer_t *x, td_xfer_send_t *s)
+void xfer_post_ready(td_xfer_t *x, td_xfer_send_t *s)
 {
     x->acts++;
     s->ready_posted = true;
@@ -1368,28 +1085,26 @@ static td_xfer_send_t *send_find(td_xfer_peer_t *peer, uint64_t request_id, uint
     return NULL;
 }
 
-static td_xfer_peer_t *peer_of_ep(td_xfer_t *x, ucp_ep_h ep);
-
-static td_xfer_peer_t *peer_of_param(td_xfer_t *x, const ucp_am_recv_param_t *param)
+td_xfer_peer_t *xfer_peer_of_param(td_xfer_t *x, const ucp_am_recv_param_t *param)
 {
-    ucp_ep_h ep = am_reply_ep(param);
-    return ep ? peer_of_ep(x, ep) : NULL;
+    ucp_ep_h ep = xfer_am_reply_ep(param);
+    return ep ? xfer_peer_of_ep(x, ep) : NULL;
 }
 
-static ucs_status_t am_ack_cb(void *arg, const void *header, size_t header_length, void *data, size_t length,
-                              const ucp_am_recv_param_t *param)
+ucs_status_t xfer_am_ack_cb(void *arg, const void *header, size_t header_length, void *data, size_t length,
+                            const ucp_am_recv_param_t *param)
 {
     td_xfer_t *x = arg;
     am_ack_hdr_t h;
-    if (!am_unpack(x, header, header_length, &h, sizeof h, false))
+    if (!xfer_am_unpack(x, header, header_length, &h, sizeof h, false))
         return UCS_OK;
-    td_xfer_send_t *s = send_find(peer_of_param(x, param), h.request_id, h.lease_id);
+    td_xfer_send_t *s = send_find(xfer_peer_of_param(x, param), h.request_id, h.lease_id);
     if (!s || s->verdict || !s->ready_posted)
         return UCS_OK; /* already timed out or failed */
     if (s->status == TD_OK)
         s->status = (td_status_t)h.status;
     s->verdict = true;
-    send_maybe_done(s);
+    xfer_send_maybe_done(s);
     return UCS_OK;
 }
 
@@ -1454,7 +1169,7 @@ out:
             lanes[0] ? ", " : "", lanes);
 }
 
-static td_xfer_peer_t *peer_of_ep(td_xfer_t *x, ucp_ep_h ep)
+td_xfer_peer_t *xfer_peer_of_ep(td_xfer_t *x, ucp_ep_h ep)
 {
     for (list_node_t *n = x->peers.next; n != &x->peers; n = n->next) {
         td_xfer_peer_t *p = CONTAINER(n, td_xfer_peer_t, link);
@@ -1464,18 +1179,18 @@ static td_xfer_peer_t *peer_of_ep(td_xfer_t *x, ucp_ep_h ep)
     return NULL;
 }
 
-static ucs_status_t am_hello_ack_cb(void *arg, const void *header, size_t header_length, void *data,
-                                    size_t length, const ucp_am_recv_param_t *param)
+ucs_status_t xfer_am_hello_ack_cb(void *arg, const void *header, size_t header_length, void *data,
+                                  size_t length, const ucp_am_recv_param_t *param)
 {
     td_xfer_t *x = arg;
     am_ack_hdr_t h;
-    if (!am_unpack(x, header, header_length, &h, sizeof h, false))
+    if (!xfer_am_unpack(x, header, header_length, &h, sizeof h, false))
         return UCS_OK;
     for (list_node_t *n = x->peers.next; n != &x->peers; n = n->next) {
         td_xfer_peer_t *p = CONTAINER(n, td_xfer_peer_t, link);
         if (p->cookie == h.request_id && p->alive && !p->hello_done) {
             if (h.status != TD_OK) {
-                peer_fail(p, TD_ERR_UNAVAILABLE);
+                xfer_peer_fail(p, TD_ERR_UNAVAILABLE);
                 return UCS_OK;
             }
             p->hello_done = true;
@@ -1485,32 +1200,23 @@ static ucs_status_t am_hello_ack_cb(void *arg, const void *header, size_t header
     return UCS_OK;
 }
 
-static ucs_status_t am_bind_ack_cb(void *arg, const void *header, size_t header_length, void *data,
-                                   size_t length, const ucp_am_recv_param_t *param)
+ucs_status_t xfer_am_bind_ack_cb(void *arg, const void *header, size_t header_length, void *data,
+                                 size_t length, const ucp_am_recv_param_t *param)
 {
     td_xfer_t *x = arg;
     am_ack_hdr_t h;
-    if (!am_unpack(x, header, header_length, &h, sizeof h, false))
+    if (!xfer_am_unpack(x, header, header_length, &h, sizeof h, false))
         return UCS_OK;
-    td_xfer_send_t *s = send_find(peer_of_param(x, param), h.request_id, h.lease_id);
+    td_xfer_send_t *s = send_find(xfer_peer_of_param(x, param), h.request_id, h.lease_id);
     if (!s || s->mode != MODE_PUT || s->bound)
         return UCS_OK;
     if (h.status == TD_OK)
         s->bound = true;
     else
-        send_set_status(s, (td_status_t)h.status);
-    send_maybe_done(s);
+        xfer_send_set_status(s, (td_status_t)h.status);
+    xfer_send_maybe_done(s);
     return UCS_OK;
 }
-
-/* The receiver asks us to stop writing into a dead lease: drop the request's queued
- * puts now, confirm once its posted ones are done and the endpoint is flushed. */
-typedef struct abort_job {
-    list_node_t link; /* x->aborts */
-    td_xfer_peer_t *peer;
-    uint64_t request_id, lease_id;
-    bool flush_posted, flushed, failed;
-} abort_job_t;
 
 static void drop_queued(td_xfer_t *x, td_xfer_send_t *s)
 {
@@ -1526,20 +1232,20 @@ static void drop_queued(td_xfer_t *x, td_xfer_send_t *s)
     }
 }
 
-static ucs_status_t am_abort_cb(void *arg, const void *header, size_t header_length, void *data, size_t length,
-                                const ucp_am_recv_param_t *param)
+ucs_status_t xfer_am_abort_cb(void *arg, const void *header, size_t header_length, void *data, size_t length,
+                              const ucp_am_recv_param_t *param)
 {
     td_xfer_t *x = arg;
     am_ack_hdr_t h;
-    ucp_ep_h ep = am_reply_ep(param);
-    td_xfer_peer_t *peer = ep ? peer_of_ep(x, ep) : NULL;
-    if (!am_unpack(x, header, header_length, &h, sizeof h, false) || !peer)
+    ucp_ep_h ep = xfer_am_reply_ep(param);
+    td_xfer_peer_t *peer = ep ? xfer_peer_of_ep(x, ep) : NULL;
+    if (!xfer_am_unpack(x, header, header_length, &h, sizeof h, false) || !peer)
         return UCS_OK;
     td_xfer_send_t *s = send_find(peer, h.request_id, h.lease_id);
     if (s && !s->done_queued) {
-        send_set_status(s, TD_ERR_STALE);
+        xfer_send_set_status(s, TD_ERR_STALE);
         drop_queued(x, s);
-        send_maybe_done(s);
+        xfer_send_maybe_done(s);
     }
     abort_job_t *j = calloc(1, sizeof *j);
     if (!j)
@@ -1562,7 +1268,7 @@ static void abort_flushed_cb(void *request, ucs_status_t status, void *user_data
         ucp_request_free(request);
 }
 
-static void run_aborts(td_xfer_t *x)
+void xfer_run_aborts(td_xfer_t *x)
 {
     list_node_t *n = x->aborts.next;
     while (n != &x->aborts) {
@@ -1587,7 +1293,7 @@ static void run_aborts(td_xfer_t *x)
             }
         }
         if (j->flushed && j->peer->alive)
-            send_ctl(x, j->peer->ep, AM_ABORT_ACK, j->request_id, j->lease_id, TD_OK);
+            xfer_send_ctl(x, j->peer->ep, AM_ABORT_ACK, j->request_id, j->lease_id, TD_OK);
         if (j->flushed || j->failed) {
             x->acts++;
             list_del(&j->link);
@@ -1603,15 +1309,15 @@ static void put_flushed_cb(void *request, ucs_status_t status, void *user_data)
     if (status == UCS_OK)
         s->flushed = true;
     else
-        send_set_status(s, TD_ERR_UNAVAILABLE);
+        xfer_send_set_status(s, TD_ERR_UNAVAILABLE);
     if (request)
         ucp_request_free(request);
-    send_maybe_done(s);
+    xfer_send_maybe_done(s);
 }
 
 /* Put path: every put of the request is complete locally; flush the endpoint so they are
  * complete at the receiver before READY tells it so. */
-static void post_flush(td_xfer_send_t *s)
+void xfer_post_flush(td_xfer_send_t *s)
 {
     s->x->acts++;
     s->flush_inflight = true;
@@ -1678,13 +1384,13 @@ td_status_t td_xfer_connect(td_xfer_t *x, const void *desc, size_t desc_len, con
     if (st != UCS_OK) {
         free(p->rkey_buf);
         free(p);
-        return ucx_err(st, "connect");
+        return xfer_ucx_err(st, "connect");
     }
     p->alive = true;
     list_push(&x->peers, &p->link);
     /* Nothing else goes before the answer: UCX 1.13 mishandles larger messages pending
      * across the endpoint's wire-up reconfiguration (mm "Invalid am_short_iov length"). */
-    send_ctl(x, p->ep, AM_HELLO, p->cookie, 0, TD_OK);
+    xfer_send_ctl(x, p->ep, AM_HELLO, p->cookie, 0, TD_OK);
     *peer_p = p;
     return TD_OK;
 }
@@ -1696,7 +1402,7 @@ bool td_xfer_peer_alive(const td_xfer_peer_t *peer)
 
 /* The staging ring, at the first device-memory send: allocated, then page-locked by the
  * copier so that its copies land there directly. */
-static td_status_t stage_alloc(td_xfer_t *x)
+td_status_t xfer_stage_alloc(td_xfer_t *x)
 {
     if (x->stage)
         return TD_OK;
@@ -1727,7 +1433,7 @@ td_status_t td_xfer_send_begin(td_xfer_t *x, td_xfer_peer_t *peer, const td_xfer
             return td_errorf(TD_ERR_INVALID, "xfer request %" PRIu64 ": a device-memory source needs a device-to-host "
                              "copier (td_xfer_config_t.d2h) and a staging ring of two blocks at least (%zu bytes; "
                              "staging_bytes is %zu)", p->request_id, 2 * bb, x->cfg.staging_bytes);
-        td_status_t st = stage_alloc(x);
+        td_status_t st = xfer_stage_alloc(x);
         if (st != TD_OK)
             return st;
     } else if (p->mem != TD_XFER_MEM_HOST) {
@@ -1777,7 +1483,7 @@ td_status_t td_xfer_send_layer(td_xfer_send_t *s, uint32_t layer, const void *sr
     if (s->finished || layer >= lay->n_layers || s->layer_seen[layer]) {
         td_status_t st = td_errorf(TD_ERR_INVALID, "xfer request %" PRIu64 ": layer %u %s", s->p.request_id, layer,
                                    layer >= lay->n_layers ? "out of range" : "sent twice or after finish");
-        send_set_status(s, st);
+        xfer_send_set_status(s, st);
         return st;
     }
     if (s->status != TD_OK)
@@ -1799,7 +1505,8 @@ td_status_t td_xfer_send_layer(td_xfer_send_t *s, uint32_t layer, const void *sr
             j++;
         send_op_t *op = malloc(sizeof *op);
         if (!op) {
-            send_set_status(s, td_errorf(TD_ERR_NOMEM, "xfer request %" PRIu64 ": out of memory", s->p.request_id));
+            xfer_send_set_status(s, td_errorf(TD_ERR_NOMEM, "xfer request %" PRIu64 ": out of memory",
+                                              s->p.request_id));
             return TD_ERR_NOMEM;
         }
         *op = (send_op_t){0};
@@ -1808,7 +1515,7 @@ td_status_t td_xfer_send_layer(td_xfer_send_t *s, uint32_t layer, const void *sr
                                   .n_blocks = (uint32_t)(j - i), .first_idx = (uint32_t)i};
         op->src = (const char *)src_layer + (size_t)src_blocks[i] * bb;
         op->len = (size_t)(j - i) * bb;
-        s->bytes += op->len; /* its checksum is taken when it is posted (op_checksum) */
+        s->bytes += op->len; /* its checksum is taken when it is posted (xfer_op_checksum) */
         s->ops_out++;
         list_push(&x->queue, &op->link);
         i = j;
@@ -1823,13 +1530,13 @@ void td_xfer_send_finish(td_xfer_send_t *s, int32_t first_token)
     s->finished = true;
     s->ready.first_token = first_token;
     if (s->layers_sent != s->peer->layout.n_layers)
-        send_set_status(s, td_errorf(TD_ERR_INVALID, "xfer request %" PRIu64 ": finished with %u of %u layers",
-                                     s->p.request_id, s->layers_sent, s->peer->layout.n_layers));
-    send_maybe_done(s);
+        xfer_send_set_status(s, td_errorf(TD_ERR_INVALID, "xfer request %" PRIu64 ": finished with %u of %u layers",
+                                          s->p.request_id, s->layers_sent, s->peer->layout.n_layers));
+    xfer_send_maybe_done(s);
 }
 
 /* Counts a send's verdict, once, as its done callback is made. */
-static void send_count(td_xfer_t *x, const td_xfer_send_t *s)
+void xfer_send_count(td_xfer_t *x, const td_xfer_send_t *s)
 {
     td_status_t st = s->status;
     x->stats.transfers_inflight--;
@@ -1849,7 +1556,7 @@ static void send_count(td_xfer_t *x, const td_xfer_send_t *s)
     }
 }
 
-static void send_free(td_xfer_send_t *s)
+void xfer_send_free(td_xfer_send_t *s)
 {
     list_del(&s->peer_link);
     free(s->layer_seen);
@@ -1861,8 +1568,8 @@ static void send_free(td_xfer_send_t *s)
 
 static void run_deferred(td_xfer_t *x)
 {
-    close_pending_eps(x);
-    run_aborts(x);
+    xfer_close_pending_eps(x);
+    xfer_run_aborts(x);
     /* Requests learn their primitive once their peer answered HELLO; put requests bind. */
     for (list_node_t *pn = x->peers.next; pn != &x->peers; pn = pn->next) {
         td_xfer_peer_t *peer = CONTAINER(pn, td_xfer_peer_t, link);
@@ -1875,34 +1582,34 @@ static void run_deferred(td_xfer_t *x)
             s->mode = peer->use_put ? MODE_PUT : MODE_AM;
             x->acts++;
             if (s->mode == MODE_PUT)
-                send_ctl(x, peer->ep, AM_BIND, s->p.request_id, s->p.lease_id, TD_OK);
+                xfer_send_ctl(x, peer->ep, AM_BIND, s->p.request_id, s->p.lease_id, TD_OK);
         }
     }
     /* Post queued DATA under the in-flight bound (in order, skipping requests still
      * waiting for their peer or bind), and READY for requests whose data is in. A
      * device-source op first copies into the staging ring and goes when that is done. */
-    poll_copies(x);
+    xfer_poll_copies(x);
     list_node_t *qn = x->queue.next;
     bool stage_full = false; /* device-source ops keep their order behind one that waits */
     while (qn != &x->queue && x->ops_posted < x->cfg.max_inflight_ops) {
         send_op_t *op = CONTAINER(qn, send_op_t, link);
         qn = qn->next;
-        if (!op_ready(op))
+        if (!xfer_op_ready(op))
             continue;
         if (op->s->p.mem == TD_XFER_MEM_CUDA && op->s->status == TD_OK && op->s->peer->alive) {
-            if (!stage_full && !copy_begin(x, op))
+            if (!stage_full && !xfer_copy_begin(x, op))
                 stage_full = true; /* its piece frees up as posted ops complete */
             continue;
         }
-        size_t cost = op_sync_bytes(op);
-        if (!budget_fits(x, cost))
+        size_t cost = xfer_op_sync_bytes(op);
+        if (!xfer_budget_fits(x, cost))
             break; /* the rest goes next loop iteration */
-        budget_charge(x, cost);
+        xfer_budget_charge(x, cost);
         list_del(&op->link);
-        post_op(x, op);
+        xfer_post_op(x, op);
     }
-    poll_copies(x); /* a copier that finished inside start: those ops go now */
-    adopt_run(x);
+    xfer_poll_copies(x); /* a copier that finished inside start: those ops go now */
+    xfer_adopt_run(x);
     for (list_node_t *pn = x->peers.next; pn != &x->peers; pn = pn->next) {
         td_xfer_peer_t *peer = CONTAINER(pn, td_xfer_peer_t, link);
         for (list_node_t *n = peer->sends.next; n != &peer->sends; n = n->next) {
@@ -1911,11 +1618,11 @@ static void run_deferred(td_xfer_t *x)
                 continue;
             if (s->mode == MODE_PUT && !s->flushed) {
                 if (!s->flush_inflight)
-                    post_flush(s); /* on shared memory it is often complete at once */
+                    xfer_post_flush(s); /* on shared memory it is often complete at once */
                 if (!s->flushed || s->status != TD_OK)
                     continue;
             }
-            post_ready(x, s);
+            xfer_post_ready(x, s);
         }
     }
     while (!list_empty(&x->done_list)) {
@@ -1926,8 +1633,8 @@ static void run_deferred(td_xfer_t *x)
         void *arg = s->p.arg;
         uint64_t rid = s->p.request_id;
         if (cb)
-            send_count(x, s);
-        send_free(s);
+            xfer_send_count(x, s);
+        xfer_send_free(s);
         if (cb) {
             x->delivered++;
             cb(arg, rid, st);
@@ -1946,8 +1653,6 @@ static void run_deferred(td_xfer_t *x)
         free(ev);
     }
 }
-
-static void on_idle(uv_idle_t *h);
 
 /* ucp_worker_progress calls per drain at most. Each call handles a bounded number of
  * transport events (UCX_TCP_MAX_POLL, 16 by default; a shared-memory FIFO's few elements),
@@ -1969,8 +1674,8 @@ static void drain(td_xfer_t *x)
         run_deferred(x);
         if (calls >= PROGRESS_MAX || x->budget_hit) {
             /* Bounded: the rest is the next iteration's; an active idle handle keeps this
-             * iteration's poll from sleeping, and on_prepare drains again then. */
-            uv_idle_start(&x->idle, on_idle);
+             * iteration's poll from sleeping, and xfer_on_prepare drains again then. */
+            uv_idle_start(&x->idle, xfer_on_idle);
             return;
         }
         calls++;
@@ -1982,35 +1687,33 @@ static void drain(td_xfer_t *x)
         if (st == UCS_OK)
             return;
         if (st != UCS_ERR_BUSY) {
-            ucx_err(st, "worker arm");
+            xfer_ucx_err(st, "worker arm");
             return;
         }
     }
 }
 
-static void close_step(td_xfer_t *x);
-
 /* Every handle callback: drain, then, during shutdown, the next step of it (which may close
  * the handles: nothing of x is touched after it). */
-static void on_poll(uv_poll_t *h, int status, int events)
+void xfer_on_poll(uv_poll_t *h, int status, int events)
 {
     td_xfer_t *x = h->data;
     drain(x);
     if (x->destroying)
-        close_step(x);
+        xfer_close_step(x);
 }
 
-static void on_copy_wake(uv_async_t *h)
+void xfer_on_copy_wake(uv_async_t *h)
 {
     td_xfer_t *x = h->data;
     if (x->destroying && x->close_phase == CLOSE_DONE)
         return; /* a copy that outlived shutdown's bound: UCX is gone, the ring leaked */
     drain(x);
     if (x->destroying)
-        close_step(x);
+        xfer_close_step(x);
 }
 
-static void on_idle(uv_idle_t *h)
+void xfer_on_idle(uv_idle_t *h)
 {
     uv_idle_stop(h);
 }
@@ -2018,28 +1721,28 @@ static void on_idle(uv_idle_t *h)
 /* A callback made here, just before the loop blocks, may have changed what its owner
  * waits for (uv_run(UV_RUN_ONCE) loops checking a flag): an active idle handle makes this
  * turn's poll non-blocking, so the loop comes round at once instead of at the next tick. */
-static void on_prepare(uv_prepare_t *h)
+void xfer_on_prepare(uv_prepare_t *h)
 {
     td_xfer_t *x = h->data;
-    x->turn++; /* a new loop iteration: a new budget (budget_fits) */
+    x->turn++; /* a new loop iteration: a new budget (xfer_budget_fits) */
     uint64_t before = x->delivered;
     drain(x);
     if (x->destroying) {
-        close_step(x);
+        xfer_close_step(x);
         return;
     }
     if (x->delivered != before)
-        uv_idle_start(&x->idle, on_idle);
+        uv_idle_start(&x->idle, xfer_on_idle);
 }
 
 /* The deadline scan: every live lease and send, each tick. Its cost is bounded by the
  * requests a node holds at once (leases and sends, a few hundred), not by their bytes. */
-static void on_tick(uv_timer_t *h)
+void xfer_on_tick(uv_timer_t *h)
 {
     td_xfer_t *x = h->data;
     if (x->destroying) { /* during shutdown the tick watches its phase's deadline */
         drain(x);
-        close_step(x);
+        xfer_close_step(x);
         return;
     }
     uint64_t now = td_now_ns();
@@ -2053,14 +1756,14 @@ static void on_tick(uv_timer_t *h)
             td_info("xfer lease %" PRIu64 " request %" PRIu64 " expired, %d blocks return", l->id, l->request_id,
                     l->n_blocks);
             x->stats.leases_expired++;
-            lease_kill(x, l);
+            xfer_lease_kill(x, l);
         } else if (l->state == LEASE_DEAD && l->put_writer && now >= l->quarantine_ns) {
             /* A frozen sender never confirms: the remaining risk (docs/xfer.md). */
             td_warn("xfer lease %" PRIu64 ": its put writer did not confirm the abort in %u ms; %d blocks return "
                     "anyway", l->id, x->cfg.quarantine_ms, l->n_blocks);
             x->stats.quarantine_timeouts++;
             l->put_writer = NULL;
-            lease_try_release(x, l);
+            xfer_lease_try_release(x, l);
         }
     }
     for (list_node_t *pn = x->peers.next; pn != &x->peers; pn = pn->next) {
@@ -2071,7 +1774,7 @@ static void on_tick(uv_timer_t *h)
             if (!s->done_queued && !s->verdict && now >= s->deadline_ns) {
                 td_errorf(TD_ERR_TIMEOUT, "xfer request %" PRIu64 ": no verdict after %u ms", s->p.request_id,
                           x->cfg.send_timeout_ms);
-                send_set_status(s, TD_ERR_TIMEOUT);
+                xfer_send_set_status(s, TD_ERR_TIMEOUT);
                 s->verdict = true;
                 stuck = true;
             }
@@ -2079,10 +1782,10 @@ static void on_tick(uv_timer_t *h)
         /* A frozen receiver is invisible to UCX: the only way to get the operations
          * back is to close the endpoint; its other requests fail as unavailable. */
         if (stuck && peer->alive)
-            peer_fail(peer, TD_ERR_UNAVAILABLE);
+            xfer_peer_fail(peer, TD_ERR_UNAVAILABLE);
         else if (stuck)
             for (list_node_t *m = peer->sends.next; m != &peer->sends; m = m->next)
-                send_maybe_done(CONTAINER(m, td_xfer_send_t, peer_link));
+                xfer_send_maybe_done(CONTAINER(m, td_xfer_send_t, peer_link));
     }
     drain(x);
 }
@@ -2142,7 +1845,7 @@ static td_status_t set_am_handler(td_xfer_t *x, unsigned id, ucp_am_recv_callbac
                                  .flags = UCP_AM_FLAG_WHOLE_MSG,
                                  .arg = x};
     ucs_status_t st = ucp_worker_set_am_recv_handler(x->worker, &hp);
-    return st == UCS_OK ? TD_OK : ucx_err(st, "set am handler");
+    return st == UCS_OK ? TD_OK : xfer_ucx_err(st, "set am handler");
 }
 
 td_status_t td_xfer_create(uv_loop_t *loop, const td_xfer_config_t *cfg, td_xfer_t **x_p)
@@ -2178,7 +1881,7 @@ td_status_t td_xfer_create(uv_loop_t *loop, const td_xfer_config_t *cfg, td_xfer
     ucp_config_t *ucfg;
     st = ucp_config_read(NULL, NULL, &ucfg);
     if (st != UCS_OK) {
-        ret = ucx_err(st, "read config");
+        ret = xfer_ucx_err(st, "read config");
         goto err_free;
     }
     ucp_params_t p = {.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME,
@@ -2187,24 +1890,24 @@ td_status_t td_xfer_create(uv_loop_t *loop, const td_xfer_config_t *cfg, td_xfer
     st = ucp_init(&p, ucfg, &x->ctx);
     ucp_config_release(ucfg);
     if (st != UCS_OK) {
-        ret = ucx_err(st, "init");
+        ret = xfer_ucx_err(st, "init");
         goto err_free;
     }
     ucp_worker_params_t wp = {.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE, .thread_mode = UCS_THREAD_MODE_SINGLE};
     st = ucp_worker_create(x->ctx, &wp, &x->worker);
     if (st != UCS_OK) {
-        ret = ucx_err(st, "create worker");
+        ret = xfer_ucx_err(st, "create worker");
         goto err_ctx;
     }
-    if ((ret = set_am_handler(x, AM_DATA, am_data_cb)) != TD_OK ||
-        (ret = set_am_handler(x, AM_READY, am_ready_cb)) != TD_OK ||
-        (ret = set_am_handler(x, AM_ACK, am_ack_cb)) != TD_OK ||
-        (ret = set_am_handler(x, AM_HELLO, am_hello_cb)) != TD_OK ||
-        (ret = set_am_handler(x, AM_HELLO_ACK, am_hello_ack_cb)) != TD_OK ||
-        (ret = set_am_handler(x, AM_BIND, am_bind_cb)) != TD_OK ||
-        (ret = set_am_handler(x, AM_BIND_ACK, am_bind_ack_cb)) != TD_OK ||
-        (ret = set_am_handler(x, AM_ABORT, am_abort_cb)) != TD_OK ||
-        (ret = set_am_handler(x, AM_ABORT_ACK, am_abort_ack_cb)) != TD_OK)
+    if ((ret = set_am_handler(x, AM_DATA, xfer_am_data_cb)) != TD_OK ||
+        (ret = set_am_handler(x, AM_READY, xfer_am_ready_cb)) != TD_OK ||
+        (ret = set_am_handler(x, AM_ACK, xfer_am_ack_cb)) != TD_OK ||
+        (ret = set_am_handler(x, AM_HELLO, xfer_am_hello_cb)) != TD_OK ||
+        (ret = set_am_handler(x, AM_HELLO_ACK, xfer_am_hello_ack_cb)) != TD_OK ||
+        (ret = set_am_handler(x, AM_BIND, xfer_am_bind_cb)) != TD_OK ||
+        (ret = set_am_handler(x, AM_BIND_ACK, xfer_am_bind_ack_cb)) != TD_OK ||
+        (ret = set_am_handler(x, AM_ABORT, xfer_am_abort_cb)) != TD_OK ||
+        (ret = set_am_handler(x, AM_ABORT_ACK, xfer_am_abort_ack_cb)) != TD_OK)
         goto err_worker;
     if (cfg->listen_ip) {
         struct sockaddr_in sin = {.sin_family = AF_INET, .sin_port = htons(cfg->listen_port)};
@@ -2215,7 +1918,7 @@ td_status_t td_xfer_create(uv_loop_t *loop, const td_xfer_config_t *cfg, td_xfer
         ucp_listener_params_t lp = {.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR |
                                                   UCP_LISTENER_PARAM_FIELD_CONN_HANDLER,
                                     .sockaddr = {(struct sockaddr *)&sin, sizeof sin},
-                                    .conn_handler = {conn_cb, x}};
+                                    .conn_handler = {xfer_conn_cb, x}};
         st = ucp_listener_create(x->worker, &lp, &x->listener);
         if (st != UCS_OK) {
             ret = td_errorf(TD_ERR_UCX, "xfer: listen on %s:%u: %s", cfg->listen_ip, cfg->listen_port,
@@ -2225,7 +1928,7 @@ td_status_t td_xfer_create(uv_loop_t *loop, const td_xfer_config_t *cfg, td_xfer
         ucp_listener_attr_t la = {.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR};
         st = ucp_listener_query(x->listener, &la);
         if (st != UCS_OK) {
-            ret = ucx_err(st, "query listener");
+            ret = xfer_ucx_err(st, "query listener");
             goto err_listener;
         }
         x->listen_ip = sin.sin_addr.s_addr;
@@ -2237,19 +1940,19 @@ td_status_t td_xfer_create(uv_loop_t *loop, const td_xfer_config_t *cfg, td_xfer
     }
     st = ucp_worker_get_efd(x->worker, &x->efd);
     if (st != UCS_OK) {
-        ret = ucx_err(st, "worker efd");
+        ret = xfer_ucx_err(st, "worker efd");
         goto err_listener;
     }
     uv_poll_init(loop, &x->poll, x->efd);
     uv_prepare_init(loop, &x->prepare);
     uv_timer_init(loop, &x->timer);
     uv_idle_init(loop, &x->idle);
-    uv_async_init(loop, &x->copy_wake, on_copy_wake);
+    uv_async_init(loop, &x->copy_wake, xfer_on_copy_wake);
     x->poll.data = x->prepare.data = x->timer.data = x->idle.data = x->copy_wake.data = x;
     x->open_handles = 5;
-    uv_poll_start(&x->poll, UV_READABLE, on_poll);
-    uv_prepare_start(&x->prepare, on_prepare);
-    uv_timer_start(&x->timer, on_tick, cfg->tick_ms, cfg->tick_ms);
+    uv_poll_start(&x->poll, UV_READABLE, xfer_on_poll);
+    uv_prepare_start(&x->prepare, xfer_on_prepare);
+    uv_timer_start(&x->timer, xfer_on_tick, cfg->tick_ms, cfg->tick_ms);
     *x_p = x;
     return TD_OK;
 
@@ -2296,7 +1999,7 @@ td_status_t td_xfer_register_pool(td_xfer_t *x, const td_xfer_pool_t *pool, td_x
     ucs_status_t st = ucp_mem_map(x->ctx, &mp, &x->memh);
     if (st != UCS_OK) {
         free(stack);
-        return ucx_err(st, ucx_base ? "register pool" : dev ? "allocate landing area" : "allocate pool");
+        return xfer_ucx_err(st, ucx_base ? "register pool" : dev ? "allocate landing area" : "allocate pool");
     }
     ucp_mem_attr_t ma = {.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS};
     st = ucp_mem_query(x->memh, &ma);
@@ -2305,7 +2008,7 @@ td_status_t td_xfer_register_pool(td_xfer_t *x, const td_xfer_pool_t *pool, td_x
     if (st != UCS_OK) {
         ucp_mem_unmap(x->ctx, x->memh);
         free(stack);
-        return ucx_err(st, "pack rkey");
+        return xfer_ucx_err(st, "pack rkey");
     }
     if (!ucx_base) {
         /* Ours: resident now, at startup before the node registers, not page by page under
@@ -2442,7 +2145,7 @@ static void close_finish(td_xfer_t *x)
     while (!list_empty(&x->peers)) {
         td_xfer_peer_t *peer = CONTAINER(x->peers.next, td_xfer_peer_t, link);
         while (!list_empty(&peer->sends)) /* callbacks made or not owed (td_xfer_destroy) */
-            send_free(CONTAINER(peer->sends.next, td_xfer_send_t, peer_link));
+            xfer_send_free(CONTAINER(peer->sends.next, td_xfer_send_t, peer_link));
         list_del(&peer->link);
         free(peer->rkey_buf);
         free(peer);
@@ -2462,7 +2165,7 @@ static void close_finish(td_xfer_t *x)
         xfer_lease_t *l = CONTAINER(x->leases.next, xfer_lease_t, link);
         l->inflight = 0; /* the worker is gone: nothing writes any more */
         l->put_writer = NULL;
-        lease_release(x, l);
+        xfer_lease_release(x, l);
     }
     while (!list_empty(&x->ready_list)) {
         ready_event_t *ev = CONTAINER(x->ready_list.next, ready_event_t, link);
@@ -2495,7 +2198,7 @@ static void close_finish(td_xfer_t *x)
 
 /* One step of shutdown, after a drain: each phase ends when what it waits for is back or
  * its deadline passed (the timer runs every CLOSE_TICK_MS meanwhile). Never waits. */
-static void close_step(td_xfer_t *x)
+void xfer_close_step(td_xfer_t *x)
 {
     uint64_t now = td_now_ns();
     switch (x->close_phase) {
@@ -2506,10 +2209,10 @@ static void close_step(td_xfer_t *x)
             xfer_conn_t *c = CONTAINER(n, xfer_conn_t, link);
             if (!c->closing) {
                 c->closing = true;
-                close_ep_force(x, c->ep);
+                xfer_close_ep_force(x, c->ep);
             }
         }
-        close_pending_eps(x);
+        xfer_close_pending_eps(x);
         x->close_phase = CLOSE_EPS;
         x->close_deadline_ns = now + CLOSE_EPS_NS;
         /* fall through */
@@ -2520,7 +2223,7 @@ static void close_step(td_xfer_t *x)
         x->close_deadline_ns = now + CLOSE_COPIES_NS;
         /* fall through */
     case CLOSE_COPIES: /* a copy still running writes into the ring: it must end first */
-        poll_copies(x); /* done ones are dropped: their peers are closed */
+        xfer_poll_copies(x); /* done ones are dropped: their peers are closed */
         if (!list_empty(&x->copying) && now < x->close_deadline_ns)
             return;
         close_finish(x);
@@ -2541,37 +2244,37 @@ void td_xfer_destroy(td_xfer_t *x)
     /* Adoptions in progress stop: their senders are told UNAVAILABLE (the flush below
      * delivers it), their blocks return as any dead lease's. Nothing is copied any more. */
     while (!list_empty(&x->adopting))
-        lease_fail(x, CONTAINER(x->adopting.next, xfer_lease_t, adopt_link), TD_ERR_UNAVAILABLE);
-    /* No new senders: conn_cb rejects them from now on. The listener itself goes in
+        xfer_lease_fail(x, CONTAINER(x->adopting.next, xfer_lease_t, adopt_link), TD_ERR_UNAVAILABLE);
+    /* No new senders: xfer_conn_cb rejects them from now on. The listener itself goes in
      * close_finish, after the loop has progressed the worker for a while: destroying it here,
      * while UCX's async thread may still be handling a connection request (one nobody
      * progressed yet), crashed UCX 1.13 in ucp_cm_server_conn_request_cb (test_decode_sched
      * under ASan, about 1 run in 3). */
-    /* Fail every send; endpoints to receivers are queued for a force close (peer_fail). */
+    /* Fail every send; endpoints to receivers are queued for a force close (xfer_peer_fail). */
     for (list_node_t *pn = x->peers.next; pn != &x->peers; pn = pn->next)
-        peer_fail(CONTAINER(pn, td_xfer_peer_t, link), TD_ERR_CLOSED);
+        xfer_peer_fail(CONTAINER(pn, td_xfer_peer_t, link), TD_ERR_CLOSED);
     /* The done callbacks owed, now: none comes after this returns. A send whose operations
      * UCX still holds is freed from the loop once they are back (or with the worker). */
     for (list_node_t *pn = x->peers.next; pn != &x->peers; pn = pn->next) {
         td_xfer_peer_t *peer = CONTAINER(pn, td_xfer_peer_t, link);
         for (list_node_t *m = peer->sends.next; m != &peer->sends; m = m->next) {
             td_xfer_send_t *s = CONTAINER(m, td_xfer_send_t, peer_link);
-            send_set_status(s, TD_ERR_CLOSED);
+            xfer_send_set_status(s, TD_ERR_CLOSED);
             s->verdict = true;
             bool owed = s->finished && s->p.done;
             td_xfer_done_cb cb = s->p.done;
             s->p.done = NULL;
             s->finished = true;
-            send_maybe_done(s);
+            xfer_send_maybe_done(s);
             if (owed) {
-                send_count(x, s);
+                xfer_send_count(x, s);
                 x->delivered++;
                 cb(s->p.arg, s->p.request_id, s->status);
             }
         }
     }
     /* Verdicts (ACKs) still on their way to senders are delivered before the endpoints
-     * go: flush each sender endpoint, bounded by CLOSE_FLUSH_NS (close_step). */
+     * go: flush each sender endpoint, bounded by CLOSE_FLUSH_NS (xfer_close_step). */
     for (list_node_t *n = x->conns.next; n != &x->conns; n = n->next) {
         xfer_conn_t *c = CONTAINER(n, xfer_conn_t, link);
         if (c->closing)
@@ -2586,16 +2289,16 @@ void td_xfer_destroy(td_xfer_t *x)
     x->close_phase = CLOSE_FLUSH;
     x->close_deadline_ns = td_now_ns() + CLOSE_FLUSH_NS;
     uint32_t tick = TD_MIN(x->cfg.tick_ms, CLOSE_TICK_MS);
-    uv_timer_start(&x->timer, on_tick, tick, tick);
-    uv_idle_start(&x->idle, on_idle); /* the loop comes round at once, not at the next event */
+    uv_timer_start(&x->timer, xfer_on_tick, tick, tick);
+    uv_idle_start(&x->idle, xfer_on_idle); /* the loop comes round at once, not at the next event */
 }
 
 void td_xfer_send_abort(td_xfer_send_t *s, td_status_t why)
 {
     if (s->done_queued || s->verdict)
         return;
-    send_set_status(s, why == TD_OK ? TD_ERR_CANCELLED : why);
+    xfer_send_set_status(s, why == TD_OK ? TD_ERR_CANCELLED : why);
     drop_queued(s->x, s);
     s->finished = true;
-    send_maybe_done(s);
+    xfer_send_maybe_done(s);
 }
