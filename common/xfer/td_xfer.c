@@ -28,6 +28,7 @@
  *                    (control messages, header unpacking, the block checksum), endpoint
  *                    closes, configuration, and the lifecycle: td_xfer_create, shutdown
  *   td_xfer_pool.c   the receiver's registered pool and its description
+ *   td_xfer_lease.c  leases: creation, cancel, death and the return of their blocks
  */
 #include "td_xfer_int.h"
 
@@ -141,91 +142,6 @@ void xfer_close_pending_eps(td_xfer_t *x)
         close_ep_now(x, c->ep);
         free(c);
     }
-}
-
-/* ---- leases (receiver) ------------------------------------------------------------------ */
-
-xfer_lease_t *xfer_lease_find(td_xfer_t *x, uint64_t id)
-{
-    for (xfer_lease_t *l = x->buckets[id % LEASE_BUCKETS]; l; l = l->hnext)
-        if (l->id == id)
-            return l;
-    return NULL;
-}
-
-void xfer_lease_remove(td_xfer_t *x, xfer_lease_t *l)
-{
-    xfer_lease_t **pp = &x->buckets[l->id % LEASE_BUCKETS];
-    while (*pp != l)
-        pp = &(*pp)->hnext;
-    *pp = l->hnext;
-    list_del(&l->link);
-    x->stats.leases_live--;
-    free(l);
-}
-
-/* A device pool's lease gives its landing blocks back (at release or adoption). */
-void xfer_landing_give(td_xfer_t *x, xfer_lease_t *l)
-{
-    for (int32_t i = 0; i < l->n_blocks; i++)
-        x->landing_stack[x->stats.landing_free++] = l->blocks[i];
-}
-
-/* The one place blocks of a lease go back to the pool. Only once no receive writes. */
-void xfer_lease_release(td_xfer_t *x, xfer_lease_t *l)
-{
-    TD_ASSERT(l->inflight == 0);
-    if (l->dev)
-        xfer_landing_give(x, l);
-    for (int32_t i = 0; i < l->n_blocks; i++)
-        td_kv_unref_block(x->pool.kv, l->dev ? l->dev[i] : l->blocks[i]);
-    xfer_lease_remove(x, l);
-}
-
-/* Returns a dead lease's blocks once nothing can write into them: no rendezvous receive
- * in flight and no put writer still bound. True when l was freed. */
-bool xfer_lease_try_release(td_xfer_t *x, xfer_lease_t *l)
-{
-    if (l->state != LEASE_DEAD || l->inflight > 0 || l->put_writer)
-        return false;
-    xfer_lease_release(x, l);
-    return true;
-}
-
-/* Kills a lease: its blocks return now, or when the last receive into them ends (the
- * writer's endpoint is force-closed so that happens promptly), or, when a sender bound
- * for puts may still be writing, once it confirms the abort (quarantine). An adoption in
- * progress stops where it is, and its sender, which sent kv-ready and waits for the
- * answer, is told `verdict`. l may be freed. */
-void xfer_lease_fail(td_xfer_t *x, xfer_lease_t *l, td_status_t verdict)
-{
-    if (l->state == LEASE_DEAD)
-        return;
-    if (l->state == LEASE_ADOPTING) {
-        list_del(&l->adopt_link);
-        xfer_send_ack(x, l->ready_ep, l->ready.request_id, l->id, verdict);
-    }
-    l->state = LEASE_DEAD;
-    if (l->put_writer) {
-        x->stats.leases_quarantined++;
-        l->quarantine_ns = td_now_ns() + (uint64_t)x->cfg.quarantine_ms * 1000000ull;
-        xfer_send_ctl(x, l->put_writer->ep, AM_ABORT, l->request_id, l->id, TD_ERR_STALE);
-    }
-    if (xfer_lease_try_release(x, l))
-        return;
-    if (l->inflight > 0 && l->writer && !l->writer->closing) {
-        td_warn("xfer lease %" PRIu64 " died with %u receives in flight: closing its sender's endpoint",
-                l->id, l->inflight);
-        l->writer->closing = true;
-        xfer_close_ep_force(x, l->writer->ep);
-    }
-}
-
-/* A lease ended from outside (expiry, cancel, its sender lost, a refused kv-ready): an
- * adoption in progress answers STALE, as a kv-ready arriving after the death would. */
-void xfer_lease_kill(td_xfer_t *x, xfer_lease_t *l)
-{
-    xfer_lease_fail(x, l, TD_ERR_STALE);
 }
 
 /* ---- adoption (receiver) ------------------------------------------------------------------
@@ -355,57 +271,6 @@ void xfer_adopt_run(td_xfer_t *x)
             return;
         x->acts++; /* its ACK is posted: drain goes round */
     }
-}
-
-td_status_t td_xfer_lease_create(td_xfer_t *x, uint64_t request_id, int32_t n_blocks, uint32_t ttl_ms,
-                                 int32_t *blocks_out, uint64_t *lease_id_p)
-{
-    if (!x->have_pool || !x->pool.kv)
-        return td_errorf(TD_ERR_INVALID, "xfer lease: no pool or no block manager registered");
-    bool dev = x->dev_base != NULL;
-    uint32_t pool_blocks = dev ? x->dev_n_blocks : x->pool.n_blocks;
-    if (n_blocks <= 0 || (uint32_t)n_blocks > pool_blocks || (uint32_t)n_blocks > x->pool.n_blocks || ttl_ms == 0)
-        return td_errorf(TD_ERR_INVALID, "xfer lease: n_blocks %d (pool %u, landing %u) ttl_ms %u out of range",
-                         n_blocks, pool_blocks, dev ? x->pool.n_blocks : pool_blocks, ttl_ms);
-    if (dev && (uint32_t)n_blocks > x->stats.landing_free)
-        return td_errorf_quiet(TD_ERR_EXHAUSTED, "xfer lease: %d landing blocks requested, %u free", n_blocks,
-                               x->stats.landing_free);
-    xfer_lease_t *l = calloc(1, sizeof *l + (size_t)n_blocks * (dev ? 2 : 1) * sizeof(int32_t));
-    if (!l)
-        return td_errorf(TD_ERR_NOMEM, "xfer lease: out of memory");
-    td_status_t st = td_kv_alloc_blocks(x->pool.kv, n_blocks, dev ? l->blocks + n_blocks : l->blocks);
-    if (st != TD_OK) {
-        free(l);
-        return st; /* EXHAUSTED is not logged: the scheduler decides */
-    }
-    if (dev) {
-        l->dev = l->blocks + n_blocks;
-        for (int32_t i = 0; i < n_blocks; i++)
-            l->blocks[i] = x->landing_stack[--x->stats.landing_free];
-    }
-    l->id = ++x->next_lease_id;
-    l->request_id = request_id;
-    l->n_blocks = n_blocks;
-    l->deadline_ns = td_now_ns() + (uint64_t)ttl_ms * 1000000ull;
-    l->state = LEASE_LIVE;
-    l->hnext = x->buckets[l->id % LEASE_BUCKETS];
-    x->buckets[l->id % LEASE_BUCKETS] = l;
-    list_push(&x->leases, &l->link);
-    x->stats.leases_live++;
-    x->stats.leases_created++;
-    memcpy(blocks_out, l->blocks, (size_t)n_blocks * sizeof(int32_t));
-    *lease_id_p = l->id;
-    return TD_OK;
-}
-
-td_status_t td_xfer_lease_cancel(td_xfer_t *x, uint64_t lease_id)
-{
-    xfer_lease_t *l = xfer_lease_find(x, lease_id);
-    if (!l || l->state == LEASE_DEAD) /* an adoption in progress stops: the request went */
-        return td_errorf_quiet(TD_ERR_STALE, "xfer lease %" PRIu64 " is not live", lease_id);
-    x->stats.leases_cancelled++;
-    xfer_lease_kill(x, l);
-    return TD_OK;
 }
 
 /* ---- receiver: UCX callbacks ------------------------------------------------------------ */

@@ -308,13 +308,6 @@ bool xfer_budget_fits(td_xfer_t *x, size_t bytes);
 void xfer_budget_charge(td_xfer_t *x, size_t bytes);
 void xfer_close_ep_force(td_xfer_t *x, ucp_ep_h ep);
 void xfer_close_pending_eps(td_xfer_t *x);
-xfer_lease_t *xfer_lease_find(td_xfer_t *x, uint64_t id);
-void xfer_lease_remove(td_xfer_t *x, xfer_lease_t *l);
-void xfer_landing_give(td_xfer_t *x, xfer_lease_t *l);
-void xfer_lease_release(td_xfer_t *x, xfer_lease_t *l);
-bool xfer_lease_try_release(td_xfer_t *x, xfer_lease_t *l);
-void xfer_lease_fail(td_xfer_t *x, xfer_lease_t *l, td_status_t verdict);
-void xfer_lease_kill(td_xfer_t *x, xfer_lease_t *l);
 void xfer_adopt_start(td_xfer_t *x, xfer_lease_t *l);
 void xfer_adopt_run(td_xfer_t *x);
 void xfer_conn_cb(ucp_conn_request_h req, void *arg);
@@ -365,5 +358,14 @@ void xfer_on_idle(uv_idle_t *h);
 void xfer_on_prepare(uv_prepare_t *h);
 void xfer_on_tick(uv_timer_t *h);
 void xfer_close_step(td_xfer_t *x);
+
+/* td_xfer_lease.c */
+xfer_lease_t *xfer_lease_find(td_xfer_t *x, uint64_t id);
+void xfer_lease_remove(td_xfer_t *x, xfer_lease_t *l);
+void xfer_landing_give(td_xfer_t *x, xfer_lease_t *l);
+void xfer_lease_release(td_xfer_t *x, xfer_lease_t *l);
+bool xfer_lease_try_release(td_xfer_t *x, xfer_lease_t *l);
+void xfer_lease_fail(td_xfer_t *x, xfer_lease_t *l, td_status_t verdict);
+void xfer_lease_kill(td_xfer_t *x, xfer_lease_t *l);
 
 #endif /* TD_XFER_INT_H */
