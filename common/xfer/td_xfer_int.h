@@ -308,8 +308,6 @@ bool xfer_budget_fits(td_xfer_t *x, size_t bytes);
 void xfer_budget_charge(td_xfer_t *x, size_t bytes);
 void xfer_close_ep_force(td_xfer_t *x, ucp_ep_h ep);
 void xfer_close_pending_eps(td_xfer_t *x);
-void xfer_adopt_start(td_xfer_t *x, xfer_lease_t *l);
-void xfer_adopt_run(td_xfer_t *x);
 void xfer_conn_cb(ucp_conn_request_h req, void *arg);
 ucp_ep_h xfer_am_reply_ep(const ucp_am_recv_param_t *param);
 bool xfer_am_unpack(td_xfer_t *x, const void *header, size_t header_length, void *h, size_t size,
@@ -367,5 +365,9 @@ void xfer_lease_release(td_xfer_t *x, xfer_lease_t *l);
 bool xfer_lease_try_release(td_xfer_t *x, xfer_lease_t *l);
 void xfer_lease_fail(td_xfer_t *x, xfer_lease_t *l, td_status_t verdict);
 void xfer_lease_kill(td_xfer_t *x, xfer_lease_t *l);
+
+/* td_xfer_adopt.c */
+void xfer_adopt_start(td_xfer_t *x, xfer_lease_t *l);
+void xfer_adopt_run(td_xfer_t *x);
 
 #endif /* TD_XFER_INT_H */
