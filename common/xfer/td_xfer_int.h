@@ -308,20 +308,9 @@ bool xfer_budget_fits(td_xfer_t *x, size_t bytes);
 void xfer_budget_charge(td_xfer_t *x, size_t bytes);
 void xfer_close_ep_force(td_xfer_t *x, ucp_ep_h ep);
 void xfer_close_pending_eps(td_xfer_t *x);
-void xfer_conn_cb(ucp_conn_request_h req, void *arg);
 ucp_ep_h xfer_am_reply_ep(const ucp_am_recv_param_t *param);
 bool xfer_am_unpack(td_xfer_t *x, const void *header, size_t header_length, void *h, size_t size,
                     bool need_pool);
-ucs_status_t xfer_am_data_cb(void *arg, const void *header, size_t header_length, void *data, size_t length,
-                             const ucp_am_recv_param_t *param);
-ucs_status_t xfer_am_ready_cb(void *arg, const void *header, size_t header_length, void *data, size_t length,
-                              const ucp_am_recv_param_t *param);
-ucs_status_t xfer_am_hello_cb(void *arg, const void *header, size_t header_length, void *data, size_t length,
-                              const ucp_am_recv_param_t *param);
-ucs_status_t xfer_am_bind_cb(void *arg, const void *header, size_t header_length, void *data, size_t length,
-                             const ucp_am_recv_param_t *param);
-ucs_status_t xfer_am_abort_ack_cb(void *arg, const void *header, size_t header_length, void *data,
-                                  size_t length, const ucp_am_recv_param_t *param);
 void xfer_send_ctl(td_xfer_t *x, ucp_ep_h ep, unsigned id, uint64_t a_, uint64_t b, td_status_t st);
 void xfer_send_ack(td_xfer_t *x, ucp_ep_h ep, uint64_t request_id, uint64_t lease_id, td_status_t st);
 void xfer_send_set_status(td_xfer_send_t *s, td_status_t st);
@@ -369,5 +358,18 @@ void xfer_lease_kill(td_xfer_t *x, xfer_lease_t *l);
 /* td_xfer_adopt.c */
 void xfer_adopt_start(td_xfer_t *x, xfer_lease_t *l);
 void xfer_adopt_run(td_xfer_t *x);
+
+/* td_xfer_recv.c */
+void xfer_conn_cb(ucp_conn_request_h req, void *arg);
+ucs_status_t xfer_am_data_cb(void *arg, const void *header, size_t header_length, void *data, size_t length,
+                             const ucp_am_recv_param_t *param);
+ucs_status_t xfer_am_ready_cb(void *arg, const void *header, size_t header_length, void *data, size_t length,
+                              const ucp_am_recv_param_t *param);
+ucs_status_t xfer_am_hello_cb(void *arg, const void *header, size_t header_length, void *data, size_t length,
+                              const ucp_am_recv_param_t *param);
+ucs_status_t xfer_am_bind_cb(void *arg, const void *header, size_t header_length, void *data, size_t length,
+                             const ucp_am_recv_param_t *param);
+ucs_status_t xfer_am_abort_ack_cb(void *arg, const void *header, size_t header_length, void *data,
+                                  size_t length, const ucp_am_recv_param_t *param);
 
 #endif /* TD_XFER_INT_H */
