@@ -313,27 +313,10 @@ bool xfer_am_unpack(td_xfer_t *x, const void *header, size_t header_length, void
                     bool need_pool);
 void xfer_send_ctl(td_xfer_t *x, ucp_ep_h ep, unsigned id, uint64_t a_, uint64_t b, td_status_t st);
 void xfer_send_ack(td_xfer_t *x, ucp_ep_h ep, uint64_t request_id, uint64_t lease_id, td_status_t st);
-void xfer_send_set_status(td_xfer_send_t *s, td_status_t st);
-void xfer_send_maybe_done(td_xfer_send_t *s);
 void xfer_stage_give(td_xfer_t *x, send_op_t *op);
-void xfer_op_checksum(send_op_t *op, const uint8_t *bytes);
-size_t xfer_op_sync_bytes(const send_op_t *op);
-bool xfer_op_ready(const send_op_t *op);
-void xfer_post_op(td_xfer_t *x, send_op_t *op);
 bool xfer_copy_begin(td_xfer_t *x, send_op_t *op);
 void xfer_poll_copies(td_xfer_t *x);
-void xfer_post_ready(td_xfer_t *x, td_xfer_send_t *s);
-ucs_status_t xfer_am_ack_cb(void *arg, const void *header, size_t header_length, void *data, size_t length,
-                            const ucp_am_recv_param_t *param);
-ucs_status_t xfer_am_bind_ack_cb(void *arg, const void *header, size_t header_length, void *data,
-                                 size_t length, const ucp_am_recv_param_t *param);
-ucs_status_t xfer_am_abort_cb(void *arg, const void *header, size_t header_length, void *data, size_t length,
-                              const ucp_am_recv_param_t *param);
-void xfer_run_aborts(td_xfer_t *x);
-void xfer_post_flush(td_xfer_send_t *s);
 td_status_t xfer_stage_alloc(td_xfer_t *x);
-void xfer_send_count(td_xfer_t *x, const td_xfer_send_t *s);
-void xfer_send_free(td_xfer_send_t *s);
 void xfer_on_poll(uv_poll_t *h, int status, int events);
 void xfer_on_copy_wake(uv_async_t *h);
 void xfer_on_idle(uv_idle_t *h);
@@ -373,5 +356,24 @@ td_xfer_peer_t *xfer_peer_of_param(td_xfer_t *x, const ucp_am_recv_param_t *para
 td_xfer_peer_t *xfer_peer_of_ep(td_xfer_t *x, ucp_ep_h ep);
 ucs_status_t xfer_am_hello_ack_cb(void *arg, const void *header, size_t header_length, void *data,
                                   size_t length, const ucp_am_recv_param_t *param);
+
+/* td_xfer_send.c */
+void xfer_send_set_status(td_xfer_send_t *s, td_status_t st);
+void xfer_send_maybe_done(td_xfer_send_t *s);
+void xfer_op_checksum(send_op_t *op, const uint8_t *bytes);
+size_t xfer_op_sync_bytes(const send_op_t *op);
+bool xfer_op_ready(const send_op_t *op);
+void xfer_post_op(td_xfer_t *x, send_op_t *op);
+void xfer_post_ready(td_xfer_t *x, td_xfer_send_t *s);
+ucs_status_t xfer_am_ack_cb(void *arg, const void *header, size_t header_length, void *data, size_t length,
+                            const ucp_am_recv_param_t *param);
+ucs_status_t xfer_am_bind_ack_cb(void *arg, const void *header, size_t header_length, void *data,
+                                 size_t length, const ucp_am_recv_param_t *param);
+ucs_status_t xfer_am_abort_cb(void *arg, const void *header, size_t header_length, void *data, size_t length,
+                              const ucp_am_recv_param_t *param);
+void xfer_run_aborts(td_xfer_t *x);
+void xfer_post_flush(td_xfer_send_t *s);
+void xfer_send_count(td_xfer_t *x, const td_xfer_send_t *s);
+void xfer_send_free(td_xfer_send_t *s);
 
 #endif /* TD_XFER_INT_H */
