@@ -313,10 +313,6 @@ bool xfer_am_unpack(td_xfer_t *x, const void *header, size_t header_length, void
                     bool need_pool);
 void xfer_send_ctl(td_xfer_t *x, ucp_ep_h ep, unsigned id, uint64_t a_, uint64_t b, td_status_t st);
 void xfer_send_ack(td_xfer_t *x, ucp_ep_h ep, uint64_t request_id, uint64_t lease_id, td_status_t st);
-void xfer_stage_give(td_xfer_t *x, send_op_t *op);
-bool xfer_copy_begin(td_xfer_t *x, send_op_t *op);
-void xfer_poll_copies(td_xfer_t *x);
-td_status_t xfer_stage_alloc(td_xfer_t *x);
 void xfer_on_poll(uv_poll_t *h, int status, int events);
 void xfer_on_copy_wake(uv_async_t *h);
 void xfer_on_idle(uv_idle_t *h);
@@ -375,5 +371,11 @@ void xfer_run_aborts(td_xfer_t *x);
 void xfer_post_flush(td_xfer_send_t *s);
 void xfer_send_count(td_xfer_t *x, const td_xfer_send_t *s);
 void xfer_send_free(td_xfer_send_t *s);
+
+/* td_xfer_stage.c */
+void xfer_stage_give(td_xfer_t *x, send_op_t *op);
+bool xfer_copy_begin(td_xfer_t *x, send_op_t *op);
+void xfer_poll_copies(td_xfer_t *x);
+td_status_t xfer_stage_alloc(td_xfer_t *x);
 
 #endif /* TD_XFER_INT_H */
