@@ -304,8 +304,6 @@ typedef struct abort_job {
 /* td_xfer.c */
 td_status_t xfer_ucx_err(ucs_status_t st, const char *what);
 uint64_t xfer_block_checksum(const void *p, size_t n, uint32_t layer, uint32_t idx);
-bool xfer_budget_fits(td_xfer_t *x, size_t bytes);
-void xfer_budget_charge(td_xfer_t *x, size_t bytes);
 void xfer_close_ep_force(td_xfer_t *x, ucp_ep_h ep);
 void xfer_close_pending_eps(td_xfer_t *x);
 ucp_ep_h xfer_am_reply_ep(const ucp_am_recv_param_t *param);
@@ -313,11 +311,6 @@ bool xfer_am_unpack(td_xfer_t *x, const void *header, size_t header_length, void
                     bool need_pool);
 void xfer_send_ctl(td_xfer_t *x, ucp_ep_h ep, unsigned id, uint64_t a_, uint64_t b, td_status_t st);
 void xfer_send_ack(td_xfer_t *x, ucp_ep_h ep, uint64_t request_id, uint64_t lease_id, td_status_t st);
-void xfer_on_poll(uv_poll_t *h, int status, int events);
-void xfer_on_copy_wake(uv_async_t *h);
-void xfer_on_idle(uv_idle_t *h);
-void xfer_on_prepare(uv_prepare_t *h);
-void xfer_on_tick(uv_timer_t *h);
 void xfer_close_step(td_xfer_t *x);
 
 /* td_xfer_lease.c */
@@ -377,5 +370,14 @@ void xfer_stage_give(td_xfer_t *x, send_op_t *op);
 bool xfer_copy_begin(td_xfer_t *x, send_op_t *op);
 void xfer_poll_copies(td_xfer_t *x);
 td_status_t xfer_stage_alloc(td_xfer_t *x);
+
+/* td_xfer_loop.c */
+bool xfer_budget_fits(td_xfer_t *x, size_t bytes);
+void xfer_budget_charge(td_xfer_t *x, size_t bytes);
+void xfer_on_poll(uv_poll_t *h, int status, int events);
+void xfer_on_copy_wake(uv_async_t *h);
+void xfer_on_idle(uv_idle_t *h);
+void xfer_on_prepare(uv_prepare_t *h);
+void xfer_on_tick(uv_timer_t *h);
 
 #endif /* TD_XFER_INT_H */
