@@ -1,0 +1,203 @@
+/*
+ * router_int: the router's private state, shared by its files (router/router_*.c) and by
+ * nothing else: the config (router_config_t), one peer per registered node
+ * (router_peer_t), one request per Generate call (router_req_t) and the process's state
+ * struct (router_state_t), built in router_main.c. The functions below are the seams
+ * between the router's files; each is documented where it is defined.
+ */
+#ifndef ROUTER_INT_H
+#define ROUTER_INT_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "control.pb-c.h"
+#include "router_policy.h"
+#include "router_queue.h"
+#include "router_registry.h"
+#include "tandem.pb-c.h"
+#include "td_gen_params.h"
+#include "td_grpc.h"
+#include "td_metrics.h"
+#include "td_node.h"
+#include "td_sampler.h"
+#include "td_tokenizer.h"
+
+#define ROUTER_DEADLINE_SLACK_NS 10000000ll /* a reset this close to the deadline counts as the deadline */
+/* A stream refused a send (BUSY) and is still unwritable this many loop turns later: its
+ * client is not reading, and a backlog past max-backlog-tokens ends it. A refusal within
+ * one turn is normal (a burst of StepBatches read at once fills a small send queue before
+ * the turn's write); the gRPC layer's prepare hook writes and tells a reading client's
+ * call "writable" before the next poll. */
+#define ROUTER_BACKLOG_GRACE_TURNS 2
+
+/* The router's own keys; the common ones (model name, host, advertise, gateway and metrics
+ * ports, log level) are td_node's. */
+typedef struct router_config {
+    const char *tokenizer;     /* tokenizer path (a model's tokenizer.bin / .json / dir) */
+    int64_t control_port;
+    int64_t max_active;        /* requests on nodes at once; more wait in the queue */
+    int64_t max_queue;         /* requests waiting at most; beyond → RESOURCE_EXHAUSTED */
+    int64_t request_timeout_ms;/* deadline of a request whose client gave none */
+    int64_t max_backlog_tokens;/* tokens held for a client not reading; beyond → RESOURCE_EXHAUSTED */
+    int64_t send_queue_bytes;  /* per gateway stream: queued bytes before tokens wait in the backlog */
+    int64_t default_max_tokens;
+    int64_t lease_ms;          /* lease and Prefill bound beyond the estimated prefill wait */
+    int64_t max_prefill_wait_ms; /* a busy prefill node takes no prompt it would reach later */
+    int64_t max_tokenizing;    /* text prompts being encoded off the loop at most */
+    int64_t rpc_timeout_ms;
+    int64_t heartbeat_ms;
+    int64_t heartbeat_timeout_ms;
+    int64_t max_nodes;
+} router_config_t;
+
+typedef struct router_peer {
+    struct router_state *s;
+    td_grpc_channel_t *ch;
+    td_grpc_client_call_t *steps;
+    uint8_t *xfer_desc;
+    size_t xfer_desc_len;
+    uint64_t generation;
+    bool admit_refused;        /* refused an Admit: believed full until its next heartbeat or a
+                                * finish there (its StepBatch free counts do not lift it, so a
+                                * node refusing for want of request slots is not asked per step) */
+} router_peer_t;
+
+/* TOKENIZING: its text prompt is being encoded on libuv's thread pool (tok_job_t); then
+ * QUEUED (waiting for room), ADMIT, PREFILL, RUNNING. */
+typedef enum { REQ_TOKENIZING, REQ_QUEUED, REQ_ADMIT, REQ_PREFILL, REQ_RUNNING } router_req_state_t;
+
+/* Where token index 0 came from: the Prefill stream's FIRST_TOKEN or the lease's first
+ * SEQ_EVENT_TOKEN entry, whichever came first (the other is dropped); WITHHELD: the
+ * prefill's first token is a stop id, so the decode node's finish entry ends the request. */
+typedef enum { FIRST_NONE, FIRST_FROM_PREFILL, FIRST_FROM_DECODE, FIRST_WITHHELD } router_first_t;
+
+typedef struct router_state router_state_t;
+typedef struct tok_job tok_job_t;
+
+typedef struct router_req {
+    struct router_req *prev, *next;
+    struct router_req *lease_next;  /* chain in the lease map while have_lease */
+    router_queue_entry_t qe;        /* in the admission queue while REQ_QUEUED */
+    router_state_t *s;
+    td_grpc_call_t *call;
+    char id[64];
+    int32_t *prompt;
+    int32_t n_prompt;
+    int32_t max_tokens;
+    Tandem__Control__V1__SamplingParams sampling;
+    uint32_t stop_ids[TD_GEN_MAX_STOP_IDS];
+    size_t n_stop_ids;
+    td_stop_t *stop;
+    td_detok_t detok;
+    bool from_text;            /* the prompt was text the router tokenized (not prompt_ids) */
+    tok_job_t *tok_job;        /* while REQ_TOKENIZING: the job encoding the text */
+    uint32_t n_no_text;        /* generated ids the router's tokenizer cannot detokenize (the
+                                * model's vocabulary is larger): sent with empty text */
+    uint32_t first_no_text;    /* the first of them (logged once, when the request ends) */
+    router_pick_t pick;
+    router_pair_t tried[2];
+    int32_t n_tried;
+    char retry_why[160];       /* why the last pair failed: the error names it if no other does */
+    router_req_state_t state;
+    int32_t priority;
+    int64_t deadline_ns;       /* td_now_ns() clock; bounds queue, Admit, Prefill, decoding */
+    bool on_node;              /* counted in n_active (Admit sent, not yet ended) */
+    router_first_t first_src;
+    uint32_t first_token;
+    uint32_t decode_tokens;    /* SEQ_EVENT_TOKEN entries seen for the current lease */
+    /* output not yet queued on the gateway stream (the stream was over its send bound):
+     * flushed as one GenerateResponse when it becomes writable */
+    uint32_t *out_ids;
+    uint32_t n_out, cap_out;
+    char *out_text;            /* NUL-terminated */
+    size_t n_out_text, cap_out_text;
+    bool blocked;              /* the last send was refused (BUSY); wait for writable */
+    uint64_t blocked_turn;     /* s->turn when it became blocked */
+    bool dirty;                /* output appended during this StepBatch */
+    bool sent_msg;             /* a GenerateResponse went out (the first carries the id) */
+    uint64_t decode_gen;
+    uint64_t lease_id;
+    bool have_lease;
+    bool call_has_req_deadline; /* the pending node call's deadline is the request's */
+    int64_t lease_ttl_ms;       /* this pick's lease and Prefill bound (lease_ttl) */
+    uint32_t *blocks;          /* the lease's block ids, from Admit */
+    size_t n_blocks;
+    td_grpc_client_call_t *pending;
+    uint32_t completion;
+    uint32_t cached;
+    bool sent_any;
+    uint64_t t_arrival, t_picked, t_prefill, t_first, t_last;
+    double transfer_s, prefill_s;
+} router_req_t;
+
+struct router_state {
+    td_node_t proc;        /* loop, signals, /metrics, common config */
+    router_config_t cfg;
+    uv_timer_t tick;
+    td_tokenizer_t *tok;
+    router_registry_t *reg;
+    router_policy_config_t policy;
+    router_peer_t *peers;
+    router_req_t *reqs;        /* every request, queued or on nodes */
+    int32_t n_active;          /* requests on nodes (max-active bound) */
+    router_queue_t queue;
+    router_req_t **lease_map;  /* [lease_buckets] chains by (decode, lease id) */
+    uint32_t lease_buckets;    /* power of two */
+    uv_idle_t pump_idle;       /* runs pump() after the callback that made room */
+    uv_prepare_t turn_prepare; /* counts loop turns (turn) */
+    uint64_t turn;
+    bool pump_wanted;          /* room may have appeared: try the queue's head after this callback */
+    bool pumping;
+    int32_t n_tokenizing;      /* tok_job_t on the thread pool (max-tokenizing bound) */
+    uint64_t next_id;
+    td_grpc_server_t *gateway, *control;
+    td_metrics_t *metrics;
+    td_metric_family_t *f_requests;
+    td_metric_t *m_ttft, *m_tpot, *m_active, *m_tokens, *m_retries, *m_nodes_prefill, *m_nodes_decode;
+    td_metric_t *m_queue_depth, *m_queue_s, *m_first_mismatch;
+    bool shutting_down;
+    bool handles_up;
+    char refused[320];         /* the last registration refused, logged once ("id: reason") */
+};
+
+#define REQ_OF_QE(e) ((router_req_t *)((char *)(e) - offsetof(router_req_t, qe)))
+
+/* router_request.c: the request lifecycle */
+void router_want_pump(router_state_t *s);
+void router_count_outcome(router_state_t *s, const char *outcome);
+td_status_t router_tok_start(router_req_t *r, const char *text, size_t len);
+void router_req_free(router_req_t *r);
+void router_req_fail(router_req_t *r, td_grpc_code_t code, const char *msg, const char *outcome);
+void router_req_retry_or_fail(router_req_t *r, td_grpc_code_t code, const char *why);
+void router_req_arrived(router_req_t *r);
+void router_decode_lost(router_state_t *s, int32_t d, const char *why);
+
+/* router_lease.c: the lease map */
+void router_lease_set(router_req_t *r, uint64_t lease);
+void router_lease_forget(router_req_t *r);
+router_req_t *router_lease_find(router_state_t *s, int32_t decode, uint64_t gen, uint64_t lease);
+void router_lease_release(router_req_t *r, Tandem__Control__V1__ReleaseRequest__Reason why);
+
+/* router_relay.c: tokens from the nodes to the gateway stream */
+void router_out_flush(router_req_t *r);
+void router_first_from_prefill(router_req_t *r, uint32_t token);
+bool router_backlog_over(const router_req_t *r);
+void router_req_fail_slow(router_req_t *r);
+void router_on_steps_msg(td_grpc_client_call_t *c, const ProtobufCMessage *msg, void *data);
+void router_on_steps_done(td_grpc_client_call_t *c, td_grpc_code_t code, const char *msg, void *data);
+
+/* router_control.c: the Registry API (tandem.control.v1.Registry) and the node peers */
+void router_print_nodes(router_state_t *s);
+void router_peer_drop(router_state_t *s, int32_t idx);
+void on_register(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data);
+void on_heartbeat(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data);
+
+/* router_gateway.c: the gateway API (tandem.v1.Generation, grpc.health.v1.Health) */
+void on_generate(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data);
+void on_list_models(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data);
+void on_cluster_status(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data);
+void on_health(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data);
+
+#endif /* ROUTER_INT_H */

@@ -1,0 +1,349 @@
+/*
+ * router_relay: tokens from the nodes to the client. The pending output of a request (ids
+ * and detokenized text, stop strings matched here) goes out as one GenerateResponse per
+ * StepBatch, held in a bounded backlog while the client's stream is full; token 0 arrives
+ * twice (the Prefill stream and the lease's first step entry) and is sent once; a decode
+ * node's Steps stream (its StepBatches, and its end) is read here; the last message
+ * carries the finish reason, usage and timings (req_finish).
+ */
+#include "router_int.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "td_log.h"
+#include "td_util.h"
+
+/* ---- output: pending tokens, one GenerateResponse per flush ---------------------------- */
+
+/* Room for one more id and text_len more bytes (plus the NUL) in the pending output. The
+ * buffers are kept across flushes, so a running request stops allocating after its first
+ * few tokens. */
+static bool out_reserve(router_req_t *r, size_t text_len)
+{
+    if (r->n_out == r->cap_out) {
+        uint32_t cap = r->cap_out ? r->cap_out * 2 : 8;
+        uint32_t *p = realloc(r->out_ids, cap * sizeof *p);
+        if (!p)
+            return false;
+        r->out_ids = p;
+        r->cap_out = cap;
+    }
+    if (r->n_out_text + text_len + 1 > r->cap_out_text) {
+        size_t cap = TD_MAX(TD_MAX(r->cap_out_text * 2, r->n_out_text + text_len + 1), (size_t)64);
+        char *p = realloc(r->out_text, cap);
+        if (!p)
+            return false;
+        r->out_text = p;
+        r->cap_out_text = cap;
+    }
+    return true;
+}
+
+/* text may be NULL when len is 0 (an empty stop matcher's emit). */
+static void out_append_text(router_req_t *r, const char *text, size_t len)
+{
+    if (len)
+        memcpy(r->out_text + r->n_out_text, text, len);
+    r->n_out_text += len;
+    r->out_text[r->n_out_text] = '\0';
+}
+
+/* The pending output as a message (pointers into r; valid until the next append). */
+static void out_message(router_req_t *r, Tandem__V1__GenerateResponse *m)
+{
+    m->token_ids = r->out_ids;
+    m->n_token_ids = r->n_out;
+    m->text = r->out_text ? r->out_text : "";
+    if (!r->sent_msg)
+        m->request_id = r->id;
+}
+
+/* The pending output was queued on the stream at `now`: TTFT/TPOT and token counts. */
+static void out_account(router_req_t *r, uint64_t now)
+{
+    router_state_t *s = r->s;
+    uint32_t n = r->n_out;
+    if (n && !r->t_first) {
+        r->t_first = now;
+        td_metric_observe(s->m_ttft, (double)(now - r->t_arrival) * 1e-9);
+    } else if (n && r->t_last) {
+        td_metric_observe(s->m_tpot, (double)(now - r->t_last) * 1e-9 / (double)n);
+    }
+    if (n)
+        r->t_last = now;
+    td_metric_add(s->m_tokens, (double)n);
+    r->sent_msg = true;
+}
+
+static void out_clear(router_req_t *r)
+{
+    r->n_out = 0;
+    r->n_out_text = 0;
+    if (r->out_text)
+        r->out_text[0] = '\0';
+}
+
+/* Queues the pending output as one GenerateResponse, unless the stream is over its send
+ * bound: then it stays pending until the writable callback. */
+void router_out_flush(router_req_t *r)
+{
+    if (r->blocked || !r->call || (!r->n_out && !r->n_out_text))
+        return;
+    Tandem__V1__GenerateResponse m = TANDEM__V1__GENERATE_RESPONSE__INIT;
+    out_message(r, &m);
+    td_status_t st = td_grpc_call_send(r->call, &m.base);
+    if (st == TD_ERR_BUSY) {
+        r->blocked = true;
+        r->blocked_turn = r->s->turn;
+        return;
+    }
+    if (st != TD_OK) {
+        if (st != TD_ERR_CANCELLED) /* the cancel callback ends it otherwise */
+            td_warn("request %s: %u tokens not queued to the gateway stream: %s", r->id, r->n_out, td_strerror(st));
+        return;
+    }
+    out_account(r, td_now_ns());
+    out_clear(r);
+}
+
+/* The last message (pending output, finish reason, usage, timings), queued past the send
+ * bound (the backlog is bounded by max-backlog-tokens), and the stream ends OK. */
+static void req_finish(router_req_t *r, Tandem__V1__FinishReason reason)
+{
+    router_state_t *s = r->s;
+    router_peer_t *dp = &s->peers[r->pick.pair.decode];
+    if (dp->generation == r->decode_gen)
+        dp->admit_refused = false; /* its blocks and request slot are free again */
+    if (r->stop && s->tok && reason != TANDEM__V1__FINISH_REASON__FINISH_REASON_STOP) {
+        const char *a;
+        size_t alen;
+        td_stop_result_t sr = {0};
+        if (td_detok_flush(&r->detok, &a, &alen) == TD_OK && td_stop_feed(r->stop, a, alen, &sr) == TD_OK) {
+            const char *b = NULL;
+            size_t blen = 0;
+            if (!sr.matched)
+                td_stop_flush(r->stop, &b, &blen);
+            if (out_reserve(r, sr.emit_len + blen)) {
+                out_append_text(r, sr.emit, sr.emit_len);
+                if (blen)
+                    out_append_text(r, b, blen);
+            }
+        }
+    }
+    router_lease_forget(r); /* the decode node freed it with the finish (or was told to) */
+    Tandem__V1__GenerateResponse m = TANDEM__V1__GENERATE_RESPONSE__INIT;
+    Tandem__V1__Usage u = TANDEM__V1__USAGE__INIT;
+    Tandem__V1__Timings t = TANDEM__V1__TIMINGS__INIT;
+    out_message(r, &m);
+    m.request_id = r->id;
+    uint64_t now = td_now_ns();
+    bool had_first = r->t_first != 0;
+    m.finish_reason = reason;
+    u.prompt_tokens = (uint32_t)r->n_prompt;
+    u.completion_tokens = r->completion;
+    u.cached_tokens = r->cached;
+    m.usage = &u;
+    out_account(r, now);
+    t.queue_s = (double)(r->t_picked - r->t_arrival) * 1e-9;
+    t.prefill_s = r->prefill_s;
+    t.transfer_s = r->transfer_s;
+    t.first_token_s = r->t_first ? (double)(r->t_first - r->t_arrival) * 1e-9 : 0;
+    t.per_token_s = r->completion > 1 && had_first ? (double)(r->t_last - r->t_first) * 1e-9 / (r->completion - 1) : 0;
+    t.total_s = (double)(now - r->t_arrival) * 1e-9;
+    m.timings = &t;
+    if (r->call) {
+        td_grpc_call_set_data(r->call, NULL);
+        td_grpc_call_reply(r->call, &m.base);
+        r->call = NULL;
+    }
+    router_count_outcome(s, "ok");
+    router_req_free(r);
+}
+
+static bool is_stop_id(const router_req_t *r, uint32_t token)
+{
+    for (size_t i = 0; i < r->n_stop_ids; i++)
+        if (r->stop_ids[i] == token)
+            return true;
+    return r->s->tok && td_tokenizer_is_eos(r->s->tok, (int32_t)token);
+}
+
+/* The client has not drained its stream for ROUTER_BACKLOG_GRACE_TURNS loop turns and its
+ * backlog is past the bound. */
+bool router_backlog_over(const router_req_t *r)
+{
+    return r->blocked && (int64_t)r->n_out > r->s->cfg.max_backlog_tokens &&
+           r->s->turn - r->blocked_turn >= ROUTER_BACKLOG_GRACE_TURNS;
+}
+
+void router_req_fail_slow(router_req_t *r)
+{
+    char msg[160];
+    snprintf(msg, sizeof msg, "request %s: the client is not reading its stream (%u tokens pending)", r->id, r->n_out);
+    td_warn("%s", msg);
+    router_req_fail(r, TD_GRPC_RESOURCE_EXHAUSTED, msg, "slow_client");
+}
+
+/* One new token of a request, appended to its pending output (the caller flushes).
+ * Returns false when the request ended here (stop string, backlog bound, no memory). */
+static bool out_token(router_req_t *r, uint32_t token)
+{
+    router_state_t *s = r->s;
+    const char *text = "";
+    size_t len = 0;
+    bool matched = false;
+    if (s->tok && !td_tokenizer_id_to_piece(s->tok, (int32_t)token, NULL)) {
+        /* a model's vocabulary may be padded past its tokenizer's: the id goes out without
+         * text, counted and logged once per request (router_req_free), the stream left as it was */
+        if (!r->n_no_text++)
+            r->first_no_text = token;
+    } else if (r->stop && s->tok) {
+        const char *piece;
+        size_t plen;
+        td_stop_result_t sr;
+        if (td_detok_push(&r->detok, (int32_t)token, &piece, &plen) == TD_OK &&
+            td_stop_feed(r->stop, piece, plen, &sr) == TD_OK) {
+            text = sr.emit;
+            len = sr.emit_len;
+            matched = sr.matched;
+        }
+    }
+    if (!out_reserve(r, len)) {
+        router_req_fail(r, TD_GRPC_RESOURCE_EXHAUSTED, "router: out of memory", "exhausted");
+        return false;
+    }
+    r->completion++;
+    r->sent_any = true; /* committed to the client: no transparent retry from here on */
+    r->out_ids[r->n_out++] = token;
+    out_append_text(r, text, len);
+    if (matched) {
+        router_lease_release(r, TANDEM__CONTROL__V1__RELEASE_REQUEST__REASON__REASON_CANCELLED);
+        req_finish(r, TANDEM__V1__FINISH_REASON__FINISH_REASON_STOP);
+        return false;
+    }
+    if (router_backlog_over(r)) {
+        router_req_fail_slow(r);
+        return false;
+    }
+    r->dirty = true;
+    return true;
+}
+
+static void first_mismatch(router_req_t *r, const char *sent_by, uint32_t sent, uint32_t other)
+{
+    td_warn("request %s: first token %u came from the %s, the other source says %u; the client got %u", r->id, sent,
+            sent_by, other, sent);
+    td_metric_inc(r->s->m_first_mismatch);
+}
+
+/* Token index 0 from the Prefill stream: sent at once unless the lease's first step entry
+ * already sent it (then it is only compared), or it is a stop id (the decode node's finish
+ * entry will end the request). May end r. */
+void router_first_from_prefill(router_req_t *r, uint32_t token)
+{
+    switch (r->first_src) {
+    case FIRST_NONE:
+        r->first_token = token;
+        if (is_stop_id(r, token)) {
+            r->first_src = FIRST_WITHHELD;
+            return;
+        }
+        r->first_src = FIRST_FROM_PREFILL;
+        if (out_token(r, token)) {
+            r->dirty = false;
+            router_out_flush(r);
+        }
+        return;
+    case FIRST_FROM_DECODE:
+        if (token != r->first_token)
+            first_mismatch(r, "decode node", r->first_token, token);
+        return;
+    default: return;
+    }
+}
+
+/* The lease's first SEQ_EVENT_TOKEN entry: true when it is to be relayed (it came first). */
+static bool first_from_decode(router_req_t *r, uint32_t token)
+{
+    switch (r->first_src) {
+    case FIRST_FROM_PREFILL:
+        if (token != r->first_token)
+            first_mismatch(r, "prefill node", r->first_token, token);
+        return false;
+    case FIRST_WITHHELD: first_mismatch(r, "decode node", token, r->first_token); /* fall through */
+    default:
+        r->first_src = FIRST_FROM_DECODE;
+        r->first_token = token;
+        return true;
+    }
+}
+
+/* ---- decode node step streams ---------------------------------------------------------- */
+
+void router_on_steps_msg(td_grpc_client_call_t *c, const ProtobufCMessage *msg, void *data)
+{
+    router_peer_t *p = data;
+    router_state_t *s = p->s;
+    int32_t d = (int32_t)(p - s->peers);
+    const Tandem__Control__V1__StepBatch *b = (const void *)msg;
+    bool any = false;
+    for (size_t i = 0; i < b->n_seqs; i++) {
+        const Tandem__Control__V1__SeqStep *q = b->seqs[i];
+        router_req_t *r = router_lease_find(s, d, p->generation, q->lease_id);
+        if (!r || !r->call)
+            continue;
+        switch (q->event) {
+        case TANDEM__CONTROL__V1__SEQ_EVENT__SEQ_EVENT_TOKEN:
+            if (r->decode_tokens++ == 0 && !first_from_decode(r, q->token))
+                break; /* token 0 already sent from the Prefill stream */
+            any |= out_token(r, q->token);
+            break;
+        case TANDEM__CONTROL__V1__SEQ_EVENT__SEQ_EVENT_FINISHED_LENGTH:
+            req_finish(r, TANDEM__V1__FINISH_REASON__FINISH_REASON_LENGTH);
+            break;
+        case TANDEM__CONTROL__V1__SEQ_EVENT__SEQ_EVENT_FINISHED_STOP:
+            req_finish(r, TANDEM__V1__FINISH_REASON__FINISH_REASON_STOP);
+            break;
+        case TANDEM__CONTROL__V1__SEQ_EVENT__SEQ_EVENT_FINISHED_EOS:
+            req_finish(r, TANDEM__V1__FINISH_REASON__FINISH_REASON_EOS);
+            break;
+        default:
+            router_lease_forget(r);
+            router_req_retry_or_fail(r, TD_GRPC_UNAVAILABLE, "the decode node dropped the sequence");
+            break;
+        }
+    }
+    /* after the entries: a finish among them lifts an Admit refusal */
+    router_node_t *node = router_registry_node(s->reg, d);
+    if (node && !p->admit_refused)
+        node->load.free_blocks = (int32_t)TD_MIN(b->free_kv_blocks, (uint32_t)INT32_MAX);
+    /* one GenerateResponse per request per step, whatever the entries were */
+    for (size_t i = 0; any && i < b->n_seqs; i++) {
+        router_req_t *r = router_lease_find(s, d, p->generation, b->seqs[i]->lease_id);
+        if (r && r->dirty) {
+            r->dirty = false;
+            router_out_flush(r);
+        }
+    }
+    router_want_pump(s);
+}
+
+void router_on_steps_done(td_grpc_client_call_t *c, td_grpc_code_t code, const char *msg, void *data)
+{
+    router_peer_t *p = data;
+    router_state_t *s = p->s;
+    if (p->steps != c)
+        return;
+    p->steps = NULL;
+    int32_t d = (int32_t)(p - s->peers);
+    const router_node_t *n = router_registry_node_const(s->reg, d);
+    td_warn("router: decode node %s lost (%s: %s)", n ? n->info.id : "?", td_grpc_code_name(code), msg);
+    router_decode_lost(s, d, "decode node lost");
+    if (n)
+        router_registry_leave(s->reg, n->info.id); /* it registers again if it comes back */
+    p->generation++;
+    router_peer_drop(s, d);
+}
+

@@ -1,0 +1,545 @@
+/*
+ * router_request: the request lifecycle, from a request whose prompt ids are known to its
+ * end: the admission queue and its pump, the text prompt's tokenization off the loop, the
+ * pick of a pair, the Admit and Prefill calls, a retry on another pair, a node lost under
+ * its requests, and the end of a request (router_req_fail, router_req_free). See router_main.c for the
+ * whole path and docs/cluster.md, "Router".
+ */
+#include "router_int.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "router_admit.h"
+#include "td_log.h"
+#include "td_util.h"
+
+typedef enum { START_OK, START_NO_ROOM, START_ENDED } router_start_t;
+
+static router_start_t req_start(router_req_t *r);
+static void req_place(router_req_t *r);
+static void on_pump_idle(uv_idle_t *h);
+
+/* Room may have appeared (a request left its node, a node reported free blocks): try the
+ * queue's head once the current callback is done (an idle handle keeps the loop from
+ * blocking in poll until then), never from inside the code that freed the room. */
+void router_want_pump(router_state_t *s)
+{
+    if (s->pump_wanted || s->shutting_down || !s->handles_up || !router_queue_len(&s->queue))
+        return;
+    s->pump_wanted = true;
+    uv_idle_start(&s->pump_idle, on_pump_idle);
+}
+
+void router_count_outcome(router_state_t *s, const char *outcome)
+{
+    td_metric_t *m;
+    const char *v[] = {outcome};
+    if (td_metric_family_get(s->f_requests, v, &m) == TD_OK)
+        td_metric_inc(m);
+}
+
+/* The request no longer holds a max-active slot: the queue may move. */
+static void req_off_node(router_req_t *r)
+{
+    router_state_t *s = r->s;
+    if (!r->on_node)
+        return;
+    r->on_node = false;
+    s->n_active--;
+    td_metric_set(s->m_active, s->n_active);
+    router_want_pump(s);
+}
+
+/* ---- text prompts, encoded off the loop ------------------------------------------------ */
+
+/* A text prompt is encoded on libuv's thread pool: the cost grows with the text (1.4 s for a
+ * 3.9 MB prompt of one pre-token, issue 21), and this loop carries every heartbeat and
+ * stream. The job owns a copy of the text and the results; its request points at it while
+ * REQ_TOKENIZING. A request that ends meanwhile (cancel, deadline, shutdown) orphans it: the
+ * job runs to its end and frees itself. At most max-tokenizing jobs at once. The tokenizer
+ * is read-only after load, so encoding on another thread is safe. */
+struct tok_job {
+    uv_work_t work;               /* first: the job is its work request */
+    router_req_t *r;              /* NULL once orphaned */
+    router_state_t *s;
+    const td_tokenizer_t *tok;
+    char *text;
+    size_t len;
+    int32_t *ids;
+    size_t n;
+    td_status_t st;
+    char why[256];                /* the encoder's message (td_last_error is per thread) */
+};
+
+static void tok_job_orphan(router_req_t *r)
+{
+    r->tok_job->r = NULL;
+    r->tok_job = NULL;
+}
+
+static void tok_work(uv_work_t *w)
+{
+    tok_job_t *j = (tok_job_t *)w;
+    unsigned flags = td_tokenizer_bos_id(j->tok) >= 0 ? TD_TOK_ADD_BOS : 0;
+    j->st = td_tokenizer_encode(j->tok, j->text, j->len, flags, &j->ids, &j->n);
+    if (j->st != TD_OK)
+        snprintf(j->why, sizeof j->why, "%s", td_last_error());
+}
+
+static void tok_done(uv_work_t *w, int status)
+{
+    (void)status; /* never cancelled: uv_cancel is not used */
+    tok_job_t *j = (tok_job_t *)w;
+    router_req_t *r = j->r;
+    j->s->n_tokenizing--;
+    free(j->text);
+    if (!r) {
+        free(j->ids);
+        free(j);
+        return;
+    }
+    r->tok_job = NULL;
+    r->prompt = j->ids;
+    r->n_prompt = (int32_t)TD_MIN(j->n, (size_t)INT32_MAX);
+    char why[384];
+    td_status_t st = j->st;
+    if (st != TD_OK && st != TD_ERR_NOMEM)
+        snprintf(why, sizeof why, "the router's tokenizer cannot encode the prompt: %s", j->why);
+    free(j);
+    if (st == TD_ERR_NOMEM)
+        router_req_fail(r, TD_GRPC_RESOURCE_EXHAUSTED, "router: out of memory", "exhausted");
+    else if (st != TD_OK)
+        router_req_fail(r, TD_GRPC_INVALID_ARGUMENT, why, "invalid");
+    else if (r->n_prompt == 0)
+        router_req_fail(r, TD_GRPC_INVALID_ARGUMENT, "the prompt text encodes to no token ids", "invalid");
+    else
+        router_req_arrived(r);
+}
+
+/* Starts encoding r's text prompt. Errors (r untouched): TD_ERR_EXHAUSTED (max-tokenizing
+ * jobs already), TD_ERR_NOMEM. */
+td_status_t router_tok_start(router_req_t *r, const char *text, size_t len)
+{
+    router_state_t *s = r->s;
+    if (s->n_tokenizing >= s->cfg.max_tokenizing)
+        return td_errorf_quiet(TD_ERR_EXHAUSTED, "router: %d text prompts are being tokenized (max-tokenizing); "
+                               "retry later", s->n_tokenizing);
+    tok_job_t *j = calloc(1, sizeof *j);
+    if (!j || !(j->text = malloc(len ? len : 1))) {
+        free(j);
+        return td_errorf_quiet(TD_ERR_NOMEM, "router: out of memory");
+    }
+    memcpy(j->text, text, len);
+    j->len = len;
+    j->r = r;
+    j->s = s;
+    j->tok = s->tok;
+    if (uv_queue_work(&s->proc.loop, &j->work, tok_work, tok_done) != 0) {
+        free(j->text);
+        free(j);
+        return td_errorf_quiet(TD_ERR_NOMEM, "router: cannot queue the prompt's tokenization");
+    }
+    s->n_tokenizing++;
+    r->tok_job = j;
+    r->state = REQ_TOKENIZING;
+    return TD_OK;
+}
+
+void router_req_free(router_req_t *r)
+{
+    router_state_t *s = r->s;
+    if (r->prev)
+        r->prev->next = r->next;
+    else
+        s->reqs = r->next;
+    if (r->next)
+        r->next->prev = r->prev;
+    router_lease_forget(r);
+    if (r->tok_job)
+        tok_job_orphan(r); /* the job finishes on its thread and frees itself */
+    if (r->qe.queued) {
+        router_queue_remove(&s->queue, &r->qe);
+        td_metric_set(s->m_queue_depth, router_queue_len(&s->queue));
+    }
+    req_off_node(r);
+    if (r->pending) {
+        td_grpc_client_call_t *p = r->pending;
+        r->pending = NULL;
+        td_grpc_client_call_cancel(p); /* its done callback sees r->pending cleared → data NULL */
+    }
+    if (r->n_no_text)
+        td_warn("request %s: %u generated ids have no text in the router's tokenizer (%d ids), the first "
+                "%u; they were streamed as ids with empty text",
+                r->id, r->n_no_text, td_tokenizer_vocab_size(s->tok), r->first_no_text);
+    if (r->s->tok)
+        td_detok_free(&r->detok);
+    td_stop_destroy(r->stop);
+    free(r->prompt);
+    free(r->blocks);
+    free(r->out_ids);
+    free(r->out_text);
+    free(r);
+}
+
+/* Ends the gateway stream with an error status and forgets the request. */
+void router_req_fail(router_req_t *r, td_grpc_code_t code, const char *msg, const char *outcome)
+{
+    router_lease_release(r, code == TD_GRPC_DEADLINE_EXCEEDED ? TANDEM__CONTROL__V1__RELEASE_REQUEST__REASON__REASON_DEADLINE
+                                                       : TANDEM__CONTROL__V1__RELEASE_REQUEST__REASON__REASON_FAILED);
+    if (r->call) {
+        td_grpc_call_set_data(r->call, NULL);
+        td_grpc_call_finish(r->call, code, msg);
+        r->call = NULL;
+    }
+    router_count_outcome(r->s, outcome);
+    router_req_free(r);
+}
+
+static bool past_deadline(const router_req_t *r)
+{
+    return r->deadline_ns && (int64_t)td_now_ns() >= r->deadline_ns;
+}
+
+/* An outgoing call's deadline: its own bound, or less when the request's runs out first
+ * (remembered, so that the call's DEADLINE_EXCEEDED is the request's: the node call is timed
+ * on the loop's millisecond clock and may expire just before td_now_ns passes deadline_ns). */
+static uint32_t call_timeout_ms(router_req_t *r, int64_t bound_ms)
+{
+    r->call_has_req_deadline = false;
+    if (!r->deadline_ns)
+        return (uint32_t)bound_ms;
+    int64_t left = (r->deadline_ns - (int64_t)td_now_ns() + 999999) / 1000000;
+    r->call_has_req_deadline = left <= bound_ms;
+    return (uint32_t)TD_MAX(1, TD_MIN(bound_ms, left));
+}
+
+/* A node call ended with `code`: true when that is the request's own deadline passing, not a
+ * fault of the node (no retry, no mark against the node). */
+static bool call_hit_req_deadline(const router_req_t *r, td_grpc_code_t code)
+{
+    return code == TD_GRPC_DEADLINE_EXCEEDED && r->call_has_req_deadline;
+}
+
+/* Failure before a token reached the client: another pair once, else UNAVAILABLE. */
+void router_req_retry_or_fail(router_req_t *r, td_grpc_code_t code, const char *why)
+{
+    if (r->pending) { /* e.g. the decode node dropped the sequence while its Prefill still ran */
+        td_grpc_client_call_t *pc = r->pending;
+        r->pending = NULL;
+        td_grpc_client_call_cancel(pc); /* its done callback sees r->pending cleared */
+    }
+    router_lease_release(r, TANDEM__CONTROL__V1__RELEASE_REQUEST__REASON__REASON_FAILED);
+    if (past_deadline(r) || call_hit_req_deadline(r, code)) {
+        router_req_fail(r, TD_GRPC_DEADLINE_EXCEEDED, "deadline exceeded", "deadline");
+        return;
+    }
+    if (!r->sent_any && r->n_tried < 2) {
+        td_info("request %s: retrying on another pair (%s)", r->id, why);
+        snprintf(r->retry_why, sizeof r->retry_why, "%s", why);
+        td_metric_inc(r->s->m_retries);
+        req_off_node(r);
+        r->first_src = FIRST_NONE;
+        req_place(r);
+        return;
+    }
+    char msg[256];
+    snprintf(msg, sizeof msg, "request %s failed: %s", r->id, why);
+    router_req_fail(r, TD_GRPC_UNAVAILABLE, msg, "unavailable");
+}
+
+static void on_prefill_msg(td_grpc_client_call_t *c, const ProtobufCMessage *msg, void *data)
+{
+    router_req_t *r = data;
+    if (r->pending != c)
+        return;
+    const Tandem__Control__V1__PrefillResponse *p = (const void *)msg;
+    switch (p->phase) {
+    case TANDEM__CONTROL__V1__PREFILL_PHASE__PREFILL_PHASE_KV_DELIVERED: r->transfer_s = p->transfer_s; return;
+    case TANDEM__CONTROL__V1__PREFILL_PHASE__PREFILL_PHASE_FIRST_TOKEN:
+        r->prefill_s = p->prefill_s;
+        r->cached = p->cached_tokens;
+        break;
+    default: /* a one-message prefill node: first token and KV delivered at once */
+        r->prefill_s = p->prefill_s;
+        r->transfer_s = p->transfer_s;
+        r->cached = p->cached_tokens;
+        break;
+    }
+    router_first_from_prefill(r, p->first_token); /* may end r */
+}
+
+/* A node whose channel failed is not chosen again until it registers anew (its
+ * heartbeats are answered "reregister" meanwhile), so a retry goes elsewhere. */
+static void node_unreachable(router_state_t *s, int32_t idx)
+{
+    router_node_t *n = idx >= 0 ? router_registry_node(s->reg, idx) : NULL;
+    if (n && (!s->peers[idx].ch || !td_grpc_channel_is_usable(s->peers[idx].ch)))
+        n->up = false;
+}
+
+static void on_prefill_done(td_grpc_client_call_t *c, td_grpc_code_t code, const char *msg, void *data)
+{
+    router_req_t *r = data;
+    if (r->pending != c)
+        return; /* request already gone */
+    r->pending = NULL;
+    if (code != TD_GRPC_OK) {
+        node_unreachable(r->s, r->pick.pair.prefill);
+        router_req_retry_or_fail(r, code, msg[0] ? msg : td_grpc_code_name(code));
+        return;
+    }
+    r->state = REQ_RUNNING;
+}
+
+static void on_admit_msg(td_grpc_client_call_t *c, const ProtobufCMessage *msg, void *data)
+{
+    router_req_t *r = data;
+    if (r->pending != c || r->have_lease)
+        return;
+    const Tandem__Control__V1__AdmitResponse *a = (const void *)msg;
+    free(r->blocks);
+    r->n_blocks = 0;
+    if ((r->blocks = malloc((a->n_block_ids + 1) * sizeof *r->blocks))) {
+        if (a->n_block_ids)
+            memcpy(r->blocks, a->block_ids, a->n_block_ids * sizeof *r->blocks);
+        r->n_blocks = a->n_block_ids;
+    }
+    router_lease_set(r, a->lease_id);
+    r->cached = a->cached_tokens;
+}
+
+static void on_admit_done(td_grpc_client_call_t *c, td_grpc_code_t code, const char *msg, void *data)
+{
+    router_req_t *r = data;
+    if (r->pending != c)
+        return; /* request already gone */
+    r->pending = NULL;
+    router_state_t *s = r->s;
+    int32_t d = r->pick.pair.decode;
+    if (code == TD_GRPC_RESOURCE_EXHAUSTED && !r->have_lease && !r->sent_any && !past_deadline(r)) {
+        /* fuller than its last report: believe it full until it reports again, and wait in
+         * the queue at the request's old place (the pair is not used up as a retry) */
+        router_node_t *n = router_registry_node(s->reg, d);
+        if (n && s->peers[d].generation == r->decode_gen) {
+            n->load.free_blocks = 0;
+            s->peers[d].admit_refused = true;
+        }
+        r->n_tried--;
+        req_off_node(r);
+        req_place(r);
+        return;
+    }
+    if (code == TD_GRPC_INVALID_ARGUMENT) { /* e.g. longer than the model: no other node takes it */
+        router_req_fail(r, TD_GRPC_INVALID_ARGUMENT, msg[0] ? msg : "the decode node refused the request as invalid", "invalid");
+        return;
+    }
+    if (code != TD_GRPC_OK || !r->have_lease) {
+        node_unreachable(s, d);
+        router_req_retry_or_fail(r, code, msg[0] ? msg : td_grpc_code_name(code));
+        return;
+    }
+    router_peer_t *pp = &s->peers[r->pick.pair.prefill], *dp = &s->peers[d];
+    const router_node_t *dn = router_registry_node_const(s->reg, d);
+    Tandem__Control__V1__PrefillRequest q = TANDEM__CONTROL__V1__PREFILL_REQUEST__INIT;
+    q.request_id = r->id;
+    q.tokens = (uint32_t *)r->prompt;
+    q.n_tokens = (size_t)r->n_prompt;
+    q.decode_node_id = dn ? (char *)dn->info.id : "";
+    q.block_ids = r->blocks;
+    q.n_block_ids = r->n_blocks;
+    q.lease_id = r->lease_id;
+    q.sampling = &r->sampling;
+    q.decode_xfer.data = dp->xfer_desc;
+    q.decode_xfer.len = dp->xfer_desc_len;
+    td_grpc_call_opts_t o = {.response_desc = &tandem__control__v1__prefill_response__descriptor,
+                             .on_message = on_prefill_msg, .on_done = on_prefill_done, .data = r,
+                             .timeout_ms = call_timeout_ms(r, r->lease_ttl_ms)};
+    r->t_prefill = td_now_ns();
+    r->state = REQ_PREFILL;
+    if (!pp->ch ||
+        td_grpc_channel_call(pp->ch, "/tandem.control.v1.PrefillNode/Prefill", &q.base, &o, &r->pending) != TD_OK) {
+        r->pending = NULL;
+        node_unreachable(s, r->pick.pair.prefill);
+        router_req_retry_or_fail(r, TD_GRPC_UNAVAILABLE, "prefill node unreachable");
+    }
+}
+
+/* The checks that depend on the model's live nodes (router_admit): prompt ids within its
+ * vocabulary, prompt + max_tokens within its largest decode pool. Run at arrival and again
+ * when the request is put on a pair (nodes may have come meanwhile). False: `why` says why. */
+static bool req_admissible(const router_req_t *r, char *why, size_t why_len)
+{
+    const router_state_t *s = r->s;
+    const char *model = s->proc.cfg.model_name;
+    int64_t now = (int64_t)td_now_ns();
+    router_model_facts_t mf;
+    router_admit_model_facts(s->reg, model, now, &mf);
+    return router_admit_check_ids(r->prompt, r->n_prompt, mf.vocab_size, model, r->from_text, why, why_len) == TD_OK &&
+           router_admit_check_size(s->reg, model, r->n_prompt, r->max_tokens, now, why, why_len) == TD_OK;
+}
+
+/* How long a pick's decode lease lives, and its Prefill call may take: lease-ms for the
+ * transfer and the node calls, plus twice the time the prefill node is estimated to need
+ * before this prompt's first token (router_policy: its queued work at its reported rate), so
+ * a long prompt on a slow node or behind a queue is not cut off by a fixed bound, while a
+ * lost router still frees the blocks in bounded time. At most 600 s (the decode node's
+ * max-lease-ms caps it too). */
+static int64_t lease_ttl(const router_state_t *s, const router_pick_t *pick)
+{
+    double ms = (double)s->cfg.lease_ms + 2e3 * pick->prefill_wait_s;
+    return (int64_t)TD_MIN(ms, 600000.0);
+}
+
+/* Puts r on a pair now: START_OK (Admit sent; r may since have been retried or ended),
+ * START_NO_ROOM (no decode node has room: r untouched, to wait in the queue), START_ENDED
+ * (r failed and is freed). */
+static router_start_t req_start(router_req_t *r)
+{
+    router_state_t *s = r->s;
+    if (past_deadline(r)) {
+        router_req_fail(r, TD_GRPC_DEADLINE_EXCEEDED, "deadline exceeded before a decode node had room", "deadline");
+        return START_ENDED;
+    }
+    char why[384];
+    if (!req_admissible(r, why, sizeof why)) {
+        router_req_fail(r, TD_GRPC_INVALID_ARGUMENT, why, "invalid");
+        return START_ENDED;
+    }
+    router_pick_request_t pr = {.model = s->proc.cfg.model_name, .prompt = r->prompt, .n_prompt = r->n_prompt,
+                                .max_tokens = r->max_tokens, .exclude = r->tried, .n_exclude = r->n_tried,
+                                .now_ns = (int64_t)td_now_ns()};
+    router_pick_t pick;
+    td_status_t st = router_policy_pick(s->reg, &s->policy, &pr, &pick);
+    if (st != TD_OK) {
+        if (st == TD_ERR_EXHAUSTED)
+            return START_NO_ROOM;
+        if (st == TD_ERR_RANGE) { /* the size check above saw the same registry: not reached */
+            router_req_fail(r, TD_GRPC_INVALID_ARGUMENT, td_last_error(), "invalid");
+        } else {
+            char why[384]; /* the policy's reason, copied before the release can log another */
+            if (r->retry_why[0])
+                snprintf(why, sizeof why, "request %s failed on its pair (%s) and %s", r->id, r->retry_why,
+                         td_last_error());
+            else
+                snprintf(why, sizeof why, "%s", td_last_error());
+            router_req_fail(r, TD_GRPC_UNAVAILABLE, why, "unavailable");
+        }
+        return START_ENDED;
+    }
+    router_policy_commit(s->reg, &pr, &pick);
+    r->pick = pick;
+    r->tried[r->n_tried++] = pick.pair;
+    r->decode_gen = s->peers[pick.pair.decode].generation;
+    if (!r->t_picked) /* the first pick only (an Admit refusal or a retry picks again) */
+        td_metric_observe(s->m_queue_s, (double)(td_now_ns() - r->t_arrival) * 1e-9);
+    r->t_picked = td_now_ns();
+    r->state = REQ_ADMIT;
+    r->on_node = true;
+    s->n_active++;
+    td_metric_set(s->m_active, s->n_active);
+    Tandem__Control__V1__AdmitRequest q = TANDEM__CONTROL__V1__ADMIT_REQUEST__INIT;
+    q.request_id = r->id;
+    q.prompt_tokens = (uint32_t)r->n_prompt;
+    q.max_tokens = (uint32_t)r->max_tokens;
+    r->lease_ttl_ms = lease_ttl(s, &pick);
+    q.lease_ms = (uint32_t)r->lease_ttl_ms;
+    q.sampling = &r->sampling;
+    q.stop_ids = r->stop_ids;
+    q.n_stop_ids = r->n_stop_ids;
+    q.prompt_ids = (uint32_t *)r->prompt;
+    q.n_prompt_ids = (size_t)r->n_prompt;
+    td_grpc_call_opts_t o = {.response_desc = &tandem__control__v1__admit_response__descriptor,
+                             .on_message = on_admit_msg, .on_done = on_admit_done, .data = r,
+                             .timeout_ms = call_timeout_ms(r, s->cfg.rpc_timeout_ms)};
+    router_peer_t *dp = &s->peers[pick.pair.decode];
+    if (!dp->ch || !dp->steps ||
+        td_grpc_channel_call(dp->ch, "/tandem.control.v1.DecodeNode/Admit", &q.base, &o, &r->pending) != TD_OK) {
+        r->pending = NULL;
+        node_unreachable(s, pick.pair.decode);
+        router_req_retry_or_fail(r, TD_GRPC_UNAVAILABLE, "decode node unreachable");
+    }
+    return START_OK;
+}
+
+/* Starts the queue's head while there is room (max-active and a decode node with room);
+ * the head waiting for room holds back those behind it (FIFO within a priority). */
+static void pump(router_state_t *s)
+{
+    if (s->pumping)
+        return;
+    s->pumping = true;
+    router_queue_entry_t *e;
+    while (!s->shutting_down && s->n_active < s->cfg.max_active && (e = router_queue_peek(&s->queue))) {
+        router_req_t *r = REQ_OF_QE(e);
+        router_queue_remove(&s->queue, e);
+        if (req_start(r) == START_NO_ROOM) {
+            td_status_t st = router_queue_push(&s->queue, e, r->priority, r->deadline_ns, 0);
+            TD_ASSERT(st == TD_OK); /* it was just taken out */
+            break;
+        }
+    }
+    td_metric_set(s->m_queue_depth, router_queue_len(&s->queue));
+    s->pumping = false;
+}
+
+static void on_pump_idle(uv_idle_t *h)
+{
+    router_state_t *s = h->data;
+    uv_idle_stop(h);
+    s->pump_wanted = false;
+    pump(s);
+}
+
+/* A request without a node (new, or put back for a retry or an Admit refusal): started at
+ * once when nothing waits ahead of it and there is room, else queued at its place; a full
+ * queue refuses it (RESOURCE_EXHAUSTED). */
+static void req_place(router_req_t *r)
+{
+    router_state_t *s = r->s;
+    r->state = REQ_QUEUED;
+    if (!s->pumping && router_queue_len(&s->queue) == 0 && s->n_active < s->cfg.max_active &&
+        req_start(r) != START_NO_ROOM)
+        return;
+    if (router_queue_push(&s->queue, &r->qe, r->priority, r->deadline_ns, (int64_t)td_now_ns()) != TD_OK) {
+        router_req_fail(r, TD_GRPC_RESOURCE_EXHAUSTED, "router: admission queue full; retry later", "exhausted");
+        return;
+    }
+    td_metric_set(s->m_queue_depth, router_queue_len(&s->queue));
+    router_want_pump(s);
+}
+
+/* A decode node is gone (stream ended, or silent past the heartbeat bound). */
+void router_decode_lost(router_state_t *s, int32_t d, const char *why)
+{
+    router_peer_t *p = &s->peers[d];
+    router_node_t *n = router_registry_node(s->reg, d);
+    if (n)
+        n->up = false; /* so that the retries below go elsewhere */
+    for (router_req_t *r = s->reqs, *next; r; r = next) {
+        next = r->next;
+        if (r->on_node && r->pick.pair.decode == d && r->decode_gen == p->generation) {
+            router_lease_forget(r);
+            if (r->pending) {
+                td_grpc_client_call_t *pc = r->pending;
+                r->pending = NULL;
+                td_grpc_client_call_cancel(pc);
+            }
+            router_req_retry_or_fail(r, TD_GRPC_UNAVAILABLE, why);
+        }
+    }
+}
+
+/* A request whose prompt ids are known: checked against the model's live nodes
+ * (router_admit), then started or queued. */
+void router_req_arrived(router_req_t *r)
+{
+    char why[384];
+    if (!req_admissible(r, why, sizeof why)) {
+        router_req_fail(r, TD_GRPC_INVALID_ARGUMENT, why, "invalid");
+        return;
+    }
+    req_place(r);
+}
+
