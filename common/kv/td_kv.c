@@ -11,17 +11,19 @@
  * the cache (sequences grow their own tables):
  *   free stack   ids of free blocks; popping gives ascending ids from a fresh pool so
  *                that first allocations are contiguous (transfers coalesce them)
- *   LRU list     intrusive doubly linked list of cached blocks, head = least recent
- *   hash table   open addressing, linear probing, backward-shift deletion (no tombstones),
- *                slot = block id, key = that block's chained hash; at most one registered
- *                block per hash value
+ *   LRU list     a td_list of cached blocks (one node per block), front = least recent
+ *   hash table   a td_hash from a block's chained hash to its id, sized for every block at
+ *                creation so it never grows; at most one registered block per hash value
  */
 #include "td_kv.h"
 
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <xxhash.h>
 
+#include "td_hash.h"
+#include "td_list.h"
 #include "td_util.h"
 
 enum { BLOCK_FREE = 0, BLOCK_USED = 1, BLOCK_CACHED = 2 };
@@ -42,14 +44,11 @@ struct td_kv_cache {
     int32_t *free_stack;  /* [n_blocks] free ids; top at free_stack[n_free - 1] */
     int32_t n_free;
 
-    int32_t *lru_prev;    /* [n_blocks] */
-    int32_t *lru_next;    /* [n_blocks] */
-    int32_t lru_head;     /* least recently used cached block, -1 when none */
-    int32_t lru_tail;     /* most recently used */
+    td_list_t *lru_node;  /* [n_blocks] a cached block's place in lru */
+    td_list_t lru;        /* cached blocks, least recently used first */
     int32_t n_cached;
 
-    int32_t *table;       /* [table_cap] block id or -1 */
-    uint32_t table_mask;  /* table_cap - 1 (power of two >= 2 * n_blocks) */
+    td_hash_t table;      /* registered blocks: chained hash -> block id */
 
     uint64_t prefix_lookups;
     uint64_t prefix_hits;
@@ -74,119 +73,36 @@ static void kv_unlock(const td_kv_cache_t *c)
 
 /* ---- hashing ---------------------------------------------------------------------- */
 
-/* XXH64 (Yann Collet's xxHash, 64-bit) over the tokens as little-endian 32-bit words,
- * seeded with the predecessor's hash: fast, well distributed, and the same value on
- * every node for the same prefix. */
-#define XXH_P1 0x9E3779B185EBCA87ull
-#define XXH_P2 0xC2B2AE3D27D4EB4Full
-#define XXH_P3 0x165667B19E3779F9ull
-#define XXH_P4 0x85EBCA77C2B2AE63ull
-#define XXH_P5 0x27D4EB2F165667C5ull
-
-static inline uint64_t rotl64(uint64_t x, int r)
-{
-    return (x << r) | (x >> (64 - r));
-}
-
-static inline uint64_t xxh_round(uint64_t acc, uint64_t input)
-{
-    acc += input * XXH_P2;
-    acc = rotl64(acc, 31);
-    return acc * XXH_P1;
-}
-
-static inline uint64_t xxh_merge(uint64_t acc, uint64_t val)
-{
-    acc ^= xxh_round(0, val);
-    return acc * XXH_P1 + XXH_P4;
-}
-
-/* Two tokens as one little-endian 64-bit lane. */
-static inline uint64_t lane(const int32_t *t)
-{
-    return (uint64_t)(uint32_t)t[0] | ((uint64_t)(uint32_t)t[1] << 32);
-}
+/* XXH64 (libxxhash) over the tokens as little-endian 32-bit words, seeded with the
+ * predecessor's hash: fast, well distributed, and the same value on every node for the
+ * same prefix (test_kv pins known answers). The words are hashed where they lie, so the
+ * host must be little-endian. */
+_Static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
+               "block hashes are defined over little-endian token words: convert them first");
 
 uint64_t td_kv_block_hash(uint64_t prev, const int32_t *tokens, int32_t block_size)
 {
-    const uint64_t seed = prev;
-    const size_t len = (size_t)block_size * sizeof(int32_t);
-    int32_t i = 0;
-    uint64_t h;
-    if (block_size >= 8) {
-        uint64_t v1 = seed + XXH_P1 + XXH_P2, v2 = seed + XXH_P2, v3 = seed, v4 = seed - XXH_P1;
-        for (; i + 8 <= block_size; i += 8) {
-            v1 = xxh_round(v1, lane(tokens + i));
-            v2 = xxh_round(v2, lane(tokens + i + 2));
-            v3 = xxh_round(v3, lane(tokens + i + 4));
-            v4 = xxh_round(v4, lane(tokens + i + 6));
-        }
-        h = rotl64(v1, 1) + rotl64(v2, 7) + rotl64(v3, 12) + rotl64(v4, 18);
-        h = xxh_merge(h, v1);
-        h = xxh_merge(h, v2);
-        h = xxh_merge(h, v3);
-        h = xxh_merge(h, v4);
-    } else {
-        h = seed + XXH_P5;
-    }
-    h += (uint64_t)len;
-    for (; i + 2 <= block_size; i += 2) {
-        h ^= xxh_round(0, lane(tokens + i));
-        h = rotl64(h, 27) * XXH_P1 + XXH_P4;
-    }
-    if (i < block_size) {
-        h ^= (uint64_t)(uint32_t)tokens[i] * XXH_P1;
-        h = rotl64(h, 23) * XXH_P2 + XXH_P3;
-    }
-    h ^= h >> 33;
-    h *= XXH_P2;
-    h ^= h >> 29;
-    h *= XXH_P3;
-    h ^= h >> 32;
-    return h;
+    return XXH64(tokens, (size_t)block_size * sizeof(int32_t), prev);
 }
 
 /* ---- hash table ------------------------------------------------------------------- */
 
 static int32_t table_find(const td_kv_cache_t *c, uint64_t h)
 {
-    for (uint32_t i = (uint32_t)h & c->table_mask;; i = (i + 1) & c->table_mask) {
-        int32_t id = c->table[i];
-        if (id < 0)
-            return -1;
-        if (c->hash[id] == h)
-            return id;
-    }
+    const td_hash_slot_t *sl = td_hash_find(&c->table, h);
+    return sl ? (int32_t)sl->value : -1;
 }
 
 static void table_insert(td_kv_cache_t *c, int32_t id)
 {
-    uint32_t i = (uint32_t)c->hash[id] & c->table_mask;
-    while (c->table[i] >= 0)
-        i = (i + 1) & c->table_mask;
-    c->table[i] = id;
+    td_status_t st = td_hash_put(&c->table, c->hash[id], (uint64_t)id);
+    TD_ASSERT(st == TD_OK); /* sized for every block at creation: it never grows */
 }
 
-/* Removes block id from the table, shifting later members of its probe run back so that
- * lookups never need tombstones. */
 static void table_remove(td_kv_cache_t *c, int32_t id)
 {
-    uint32_t i = (uint32_t)c->hash[id] & c->table_mask;
-    while (c->table[i] != id) {
-        TD_ASSERT(c->table[i] >= 0);
-        i = (i + 1) & c->table_mask;
-    }
-    uint32_t hole = i;
-    for (uint32_t j = (hole + 1) & c->table_mask; c->table[j] >= 0; j = (j + 1) & c->table_mask) {
-        uint32_t home = (uint32_t)c->hash[c->table[j]] & c->table_mask;
-        /* The entry at j may move into the hole only if its home is not in (hole, j]. */
-        bool stays = (hole <= j) ? (home > hole && home <= j) : (home > hole || home <= j);
-        if (!stays) {
-            c->table[hole] = c->table[j];
-            hole = j;
-        }
-    }
-    c->table[hole] = -1;
+    bool found = td_hash_remove(&c->table, c->hash[id], (uint64_t)id);
+    TD_ASSERT(found);
 }
 
 static void unregister_block(td_kv_cache_t *c, int32_t id)
@@ -200,29 +116,19 @@ static void unregister_block(td_kv_cache_t *c, int32_t id)
 
 static void lru_push_tail(td_kv_cache_t *c, int32_t id)
 {
-    c->lru_prev[id] = c->lru_tail;
-    c->lru_next[id] = -1;
-    if (c->lru_tail >= 0)
-        c->lru_next[c->lru_tail] = id;
-    else
-        c->lru_head = id;
-    c->lru_tail = id;
+    td_list_push_back(&c->lru, &c->lru_node[id]);
     c->n_cached++;
 }
 
 static void lru_remove(td_kv_cache_t *c, int32_t id)
 {
-    int32_t p = c->lru_prev[id], n = c->lru_next[id];
-    if (p >= 0)
-        c->lru_next[p] = n;
-    else
-        c->lru_head = n;
-    if (n >= 0)
-        c->lru_prev[n] = p;
-    else
-        c->lru_tail = p;
-    c->lru_prev[id] = c->lru_next[id] = -1;
+    td_list_remove(&c->lru_node[id]);
     c->n_cached--;
+}
+
+static int32_t lru_id(const td_kv_cache_t *c, const td_list_t *n)
+{
+    return (int32_t)(n - c->lru_node);
 }
 
 /* Takes one block: the free list first, else evicts the least recently used cached block.
@@ -233,8 +139,8 @@ static int32_t take_block(td_kv_cache_t *c)
     if (c->n_free > 0) {
         id = c->free_stack[--c->n_free];
     } else {
-        id = c->lru_head;
-        TD_ASSERT(id >= 0);
+        TD_ASSERT(!td_list_empty(&c->lru));
+        id = lru_id(c, td_list_first(&c->lru));
         lru_remove(c, id);
         unregister_block(c, id);
         c->evictions++;
@@ -266,9 +172,6 @@ td_status_t td_kv_cache_create(const td_kv_config_t *cfg, td_kv_cache_t **cache_
         return td_errorf(TD_ERR_NOMEM, "kv cache: out of memory");
     pthread_mutex_init(&c->mu, NULL);
     size_t n = (size_t)cfg->n_blocks;
-    uint32_t cap = 16;
-    while (cap < 2 * n)
-        cap *= 2;
     c->n_blocks = cfg->n_blocks;
     c->block_size = cfg->block_size;
     c->prefix_cache = cfg->prefix_cache;
@@ -278,24 +181,20 @@ td_status_t td_kv_cache_create(const td_kv_config_t *cfg, td_kv_cache_t **cache_
     c->hash = calloc(n, sizeof *c->hash);
     c->prev_hash = calloc(n, sizeof *c->prev_hash);
     c->free_stack = malloc(n * sizeof *c->free_stack);
-    c->lru_prev = malloc(n * sizeof *c->lru_prev);
-    c->lru_next = malloc(n * sizeof *c->lru_next);
-    c->table = malloc((size_t)cap * sizeof *c->table);
+    c->lru_node = malloc(n * sizeof *c->lru_node);
     if (cfg->prefix_cache)
         c->key_tokens = malloc(n * (size_t)cfg->block_size * sizeof *c->key_tokens);
     if (!c->refs || !c->state || !c->registered || !c->hash || !c->prev_hash || !c->free_stack ||
-        !c->lru_prev || !c->lru_next || !c->table || (cfg->prefix_cache && !c->key_tokens)) {
+        !c->lru_node || (cfg->prefix_cache && !c->key_tokens) || td_hash_init(&c->table, n)) {
         td_kv_cache_destroy(c);
         return td_errorf(TD_ERR_NOMEM, "kv cache: out of memory for %d blocks", cfg->n_blocks);
     }
     for (int32_t i = 0; i < c->n_blocks; i++) {
         c->free_stack[i] = c->n_blocks - 1 - i; /* pops 0, 1, 2, ... */
-        c->lru_prev[i] = c->lru_next[i] = -1;
+        td_list_init(&c->lru_node[i]);
     }
     c->n_free = c->n_blocks;
-    c->lru_head = c->lru_tail = -1;
-    memset(c->table, 0xff, (size_t)cap * sizeof *c->table);
-    c->table_mask = cap - 1;
+    td_list_init(&c->lru);
     *cache_p = c;
     return TD_OK;
 }
@@ -311,9 +210,8 @@ void td_kv_cache_destroy(td_kv_cache_t *cache)
     free(cache->prev_hash);
     free(cache->key_tokens);
     free(cache->free_stack);
-    free(cache->lru_prev);
-    free(cache->lru_next);
-    free(cache->table);
+    free(cache->lru_node);
+    td_hash_free(&cache->table);
     pthread_mutex_destroy(&cache->mu);
     free(cache);
 }
@@ -731,18 +629,18 @@ static td_status_t kv_cache_check(const td_kv_cache_t *c)
     for (int32_t i = 0; i < c->n_free; i++)
         if (c->state[c->free_stack[i]] != BLOCK_FREE)
             return td_errorf(TD_ERR_INTERNAL, "kv check: free list holds non-free block %d", c->free_stack[i]);
-    int32_t walked = 0, prev = -1;
-    for (int32_t id = c->lru_head; id >= 0; id = c->lru_next[id]) {
-        if (c->state[id] != BLOCK_CACHED || c->lru_prev[id] != prev || ++walked > c->n_cached)
+    int32_t walked = 0;
+    TD_LIST_FOREACH(n, &c->lru) {
+        int32_t id = lru_id(c, n);
+        if (id < 0 || id >= c->n_blocks || c->state[id] != BLOCK_CACHED || n->next->prev != n ||
+            ++walked > c->n_cached)
             return td_errorf(TD_ERR_INTERNAL, "kv check: lru list broken at block %d", id);
-        prev = id;
     }
-    if (walked != c->n_cached || c->lru_tail != prev)
+    if (walked != c->n_cached)
         return td_errorf(TD_ERR_INTERNAL, "kv check: lru list has %d blocks, %d cached", walked, c->n_cached);
     int32_t in_table = 0;
-    for (uint32_t i = 0; i <= c->table_mask; i++)
-        if (c->table[i] >= 0)
-            in_table++;
+    TD_HASH_FOREACH(sl, &c->table)
+        in_table++;
     if (in_table != n_reg)
         return td_errorf(TD_ERR_INTERNAL, "kv check: table has %d entries, %d blocks registered", in_table,
                          n_reg);

@@ -1,5 +1,5 @@
 /*
- * td_tok_bpe: the hash maps of the tokenizer (model key -> id, id pair -> merge) and the
+ * td_tok_bpe: the tokenizer's two td_hash maps (model key -> id, id pair -> merge) and the
  * BPE merge loop shared by SentencePiece (best score first) and Hugging Face BPE (lowest
  * merge rank first). The loop keeps the word as a linked list of symbols and the
  * candidate pairs in a binary heap; a popped candidate is stale when its two symbols no
@@ -13,122 +13,74 @@
 
 #include "td_util.h"
 
-uint32_t td_tok_hash(const char *s, size_t len)
+static uint64_t key_hash(const char *s, size_t len)
 {
-    /* FNV-1a */
-    uint32_t h = 2166136261u;
-    for (size_t i = 0; i < len; i++) {
-        h ^= (uint8_t)s[i];
-        h *= 16777619u;
-    }
-    return h;
+    return td_fnv1a64(TD_FNV1A64_INIT, s, len);
+}
+
+static bool key_is(const td_tokenizer_t *tok, int32_t id, const char *s, size_t len)
+{
+    return tok->key_len[id] == len && !memcmp(tok->arena + tok->key_off[id], s, len);
 }
 
 td_status_t td_tok_map_build(td_tokenizer_t *tok)
 {
-    size_t cap = 16;
-    while (cap < (size_t)tok->n_vocab * 2)
-        cap <<= 1;
-    uint32_t *slots = calloc(cap, sizeof *slots);
-    if (!slots)
+    if (td_hash_init(&tok->vocab, (size_t)tok->n_vocab))
         return td_errorf(TD_ERR_NOMEM, "%s: no memory for the vocabulary map", tok->path);
-    uint32_t mask = (uint32_t)(cap - 1);
     for (int32_t id = 0; id < tok->n_vocab; id++) {
         if (!tok->key_len[id])
             continue;
         const char *k = tok->arena + tok->key_off[id];
-        uint32_t i = td_tok_hash(k, tok->key_len[id]) & mask;
-        bool dup = false;
-        while (slots[i]) {
-            uint32_t o = slots[i] - 1;
-            if (tok->key_len[o] == tok->key_len[id] && !memcmp(tok->arena + tok->key_off[o], k, tok->key_len[id])) {
-                dup = true; /* two ids with one key: the first one wins, as in a JSON object */
-                break;
-            }
-            i = (i + 1) & mask;
-        }
-        if (!dup)
-            slots[i] = (uint32_t)id + 1;
+        if (td_tok_map_get(tok, k, tok->key_len[id]) >= 0)
+            continue; /* two ids with one key: the first one wins, as in a JSON object */
+        td_status_t st = td_hash_put(&tok->vocab, key_hash(k, tok->key_len[id]), (uint64_t)id);
+        TD_ASSERT(st == TD_OK); /* sized for every id: it never grows */
     }
-    tok->vocab.slots = slots;
-    tok->vocab.mask = mask;
     return TD_OK;
-}
-
-void td_tok_map_free(td_tok_map_t *m)
-{
-    free(m->slots);
-    m->slots = NULL;
 }
 
 int32_t td_tok_map_get(const td_tokenizer_t *tok, const char *s, size_t len)
 {
-    if (!tok->vocab.slots || len == 0)
+    if (len == 0)
         return -1;
-    uint32_t i = td_tok_hash(s, len) & tok->vocab.mask;
-    for (;;) {
-        uint32_t v = tok->vocab.slots[i];
-        if (!v)
-            return -1;
-        uint32_t id = v - 1;
-        if (tok->key_len[id] == len && !memcmp(tok->arena + tok->key_off[id], s, len))
-            return (int32_t)id;
-        i = (i + 1) & tok->vocab.mask;
-    }
+    const td_hash_t *t = &tok->vocab;
+    for (const td_hash_slot_t *sl = td_hash_find(t, key_hash(s, len)); sl; sl = td_hash_find_next(t, sl))
+        if (key_is(tok, (int32_t)sl->value, s, len))
+            return (int32_t)sl->value;
+    return -1;
 }
 
-static uint64_t pair_hash(uint64_t k)
+/* An id pair as one 64-bit key: the key is its own hash, so a hit needs no other check. */
+static uint64_t pair_key(int32_t l, int32_t r)
 {
-    k ^= k >> 33;
-    k *= 0xff51afd7ed558ccdull;
-    k ^= k >> 33;
-    k *= 0xc4ceb9fe1a85ec53ull;
-    k ^= k >> 33;
-    return k;
+    return ((uint64_t)(uint32_t)(l + 1) << 32) | (uint32_t)(r + 1);
 }
 
-td_status_t td_tok_pairmap_init(td_tok_pairmap_t *m, size_t n)
+td_status_t td_tok_merges_init(td_tokenizer_t *tok, size_t n)
 {
-    size_t cap = 16;
-    while (cap < n * 2)
-        cap <<= 1;
-    m->slots = calloc(cap, sizeof *m->slots);
-    if (!m->slots)
+    if (td_hash_init(&tok->merges, n))
         return td_errorf(TD_ERR_NOMEM, "tokenizer: no memory for %zu merges", n);
-    m->mask = cap - 1;
     return TD_OK;
 }
 
-void td_tok_pairmap_free(td_tok_pairmap_t *m)
+void td_tok_merge_put(td_tokenizer_t *tok, int32_t l, int32_t r, int32_t rank, int32_t id)
 {
-    free(m->slots);
-    m->slots = NULL;
+    TD_ASSERT(rank >= 0 && id >= 0);
+    uint64_t key = pair_key(l, r);
+    if (td_hash_find(&tok->merges, key))
+        return;
+    td_status_t st = td_hash_put(&tok->merges, key, ((uint64_t)(uint32_t)rank << 32) | (uint32_t)id);
+    TD_ASSERT(st == TD_OK); /* sized for every merge: it never grows */
 }
 
-void td_tok_pairmap_put(td_tok_pairmap_t *m, int32_t l, int32_t r, int32_t rank, int32_t id)
+bool td_tok_merge_get(const td_tokenizer_t *tok, int32_t l, int32_t r, int32_t *rank_p, int32_t *id_p)
 {
-    uint64_t key = ((uint64_t)(uint32_t)(l + 1) << 32) | (uint32_t)(r + 1);
-    uint64_t i = pair_hash(key) & m->mask;
-    while (m->slots[i].key) {
-        if (m->slots[i].key == key)
-            return;
-        i = (i + 1) & m->mask;
-    }
-    m->slots[i] = (td_tok_pair_t){.key = key, .rank = rank, .id = id};
-}
-
-const td_tok_pair_t *td_tok_pairmap_get(const td_tok_pairmap_t *m, int32_t l, int32_t r)
-{
-    if (!m->slots)
-        return NULL;
-    uint64_t key = ((uint64_t)(uint32_t)(l + 1) << 32) | (uint32_t)(r + 1);
-    uint64_t i = pair_hash(key) & m->mask;
-    while (m->slots[i].key) {
-        if (m->slots[i].key == key)
-            return &m->slots[i];
-        i = (i + 1) & m->mask;
-    }
-    return NULL;
+    const td_hash_slot_t *sl = td_hash_find(&tok->merges, pair_key(l, r));
+    if (!sl)
+        return false;
+    *rank_p = (int32_t)(sl->value >> 32);
+    *id_p = (int32_t)(uint32_t)sl->value;
+    return true;
 }
 
 td_status_t td_tok_ids_push(td_tok_ids_t *a, int32_t id)
@@ -230,11 +182,10 @@ static td_status_t try_pair(const td_tokenizer_t *tok, const char *s, sym_t *sy,
     } else {
         if (a->id < 0 || b->id < 0)
             return TD_OK;
-        const td_tok_pair_t *p = td_tok_pairmap_get(&tok->merges, a->id, b->id);
-        if (!p)
+        int32_t rank;
+        if (!td_tok_merge_get(tok, a->id, b->id, &rank, &c.id))
             return TD_OK;
-        c.key = p->rank;
-        c.id = p->id;
+        c.key = rank;
     }
     return heap_push(h, c);
 }

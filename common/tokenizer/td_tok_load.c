@@ -780,7 +780,7 @@ static td_status_t load_json(td_tokenizer_t *tok, const char *json_path, const c
     /* merges: "a b" strings or ["a", "b"] pairs, rank = position */
     tok->algo = TD_TOK_ALGO_RANKS;
     size_t n_merges = merges ? (size_t)cJSON_GetArraySize(merges) : 0;
-    if ((st = td_tok_pairmap_init(&tok->merges, n_merges)))
+    if ((st = td_tok_merges_init(tok, n_merges)))
         goto out;
     int32_t rank = 0;
     cJSON_ArrayForEach(it, merges) {
@@ -836,7 +836,7 @@ static td_status_t load_json(td_tokenizer_t *tok, const char *json_path, const c
                            l < 0 ? "its left token" : r < 0 ? "its right token" : "the merged token");
             goto out;
         }
-        td_tok_pairmap_put(&tok->merges, l, r, rank, m);
+        td_tok_merge_put(tok, l, r, rank, m);
         rank++;
     }
 
@@ -881,8 +881,8 @@ void td_tokenizer_destroy(td_tokenizer_t *tok)
         pcre2_code_free(tok->pre[i].re);
         free(tok->pre[i].repl);
     }
-    td_tok_map_free(&tok->vocab);
-    td_tok_pairmap_free(&tok->merges);
+    td_hash_free(&tok->vocab);
+    td_hash_free(&tok->merges);
     free(tok->added);
     free(tok->scores);
     free(tok->flags);

@@ -1,15 +1,17 @@
 /*
  * td_tokenizer_int: the inside of td_tokenizer_t, shared by the files of module td_tok
  * (td_tokenizer.c: API, encode pipeline, decode; td_tok_load.c: file formats;
- * td_tok_bpe.c: hash maps and the merge loop; td_tok_nfc.c: Unicode NFC). Not for use
- * outside the module.
+ * td_tok_bpe.c: hash maps and the merge loop; td_tok_nfc.c: Unicode NFC by libutf8proc).
+ * Not for use outside the module.
  */
 #ifndef TD_TOKENIZER_INT_H
 #define TD_TOKENIZER_INT_H
 
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include <pcre2.h>
+#include <utf8proc.h>
 
+#include "td_hash.h"
 #include "td_tokenizer.h"
 
 /* ---- per-id flags ---- */
@@ -19,24 +21,6 @@ enum {
     TD_TOK_F_NOMERGE = 1u << 2, /* never the result of a SentencePiece merge (control, byte) */
     TD_TOK_F_ADDED = 1u << 3,   /* an added token of tokenizer.json */
 };
-
-/* Open-addressing map from byte strings (the ids' keys in the arena) to ids. */
-typedef struct td_tok_map {
-    uint32_t *slots; /* id + 1; 0 = empty */
-    uint32_t mask;
-} td_tok_map_t;
-
-/* Open-addressing map from an id pair to a merge (rank, result id). */
-typedef struct td_tok_pair {
-    uint64_t key; /* ((left + 1) << 32) | (right + 1); 0 = empty */
-    int32_t rank;
-    int32_t id;
-} td_tok_pair_t;
-
-typedef struct td_tok_pairmap {
-    td_tok_pair_t *slots;
-    uint64_t mask;
-} td_tok_pairmap_t;
 
 /* An added token of tokenizer.json, matched in the raw text before anything else. */
 typedef struct td_tok_added {
@@ -95,8 +79,8 @@ struct td_tokenizer {
     uint8_t *flags;                   /* [n_vocab] TD_TOK_F_* */
     float *scores;                    /* [n_vocab], ALGO_SCORES only */
 
-    td_tok_map_t vocab;               /* model key -> id */
-    td_tok_pairmap_t merges;          /* ALGO_RANKS */
+    td_hash_t vocab;                  /* model key -> id, by td_fnv1a64 of the key */
+    td_hash_t merges;                 /* ALGO_RANKS: id pair -> merge (td_tok_merge_*) */
     int32_t byte_id[256];             /* <0xXX> piece (or ByteLevel char) of each byte, -1 */
 
     td_tok_added_t *added;            /* sorted by first byte, then length descending */
@@ -127,20 +111,20 @@ struct td_tokenizer {
 
 /* ---- td_tok_bpe.c ---- */
 
-uint32_t td_tok_hash(const char *s, size_t len);
-
-/* Builds the model-key map over ids with key_len > 0. Errors: TD_ERR_NOMEM. */
+/* Builds tok->vocab over the ids with key_len > 0 (of two ids with one key the first
+ * wins, as in a JSON object). Errors: TD_ERR_NOMEM. */
 td_status_t td_tok_map_build(td_tokenizer_t *tok);
-void td_tok_map_free(td_tok_map_t *m);
 
 /* The id whose model key is s[0..len), or -1. */
 int32_t td_tok_map_get(const td_tokenizer_t *tok, const char *s, size_t len);
 
-td_status_t td_tok_pairmap_init(td_tok_pairmap_t *m, size_t n);
-void td_tok_pairmap_free(td_tok_pairmap_t *m);
-/* Adds a merge unless the pair is there already (the first, lowest rank, wins). */
-void td_tok_pairmap_put(td_tok_pairmap_t *m, int32_t l, int32_t r, int32_t rank, int32_t id);
-const td_tok_pair_t *td_tok_pairmap_get(const td_tok_pairmap_t *m, int32_t l, int32_t r);
+/* Makes tok->merges with room for n merges. Errors: TD_ERR_NOMEM. */
+td_status_t td_tok_merges_init(td_tokenizer_t *tok, size_t n);
+/* Adds the merge of ids (l, r) into id at rank (>= 0) unless the pair has one already (the
+ * first, lowest rank, wins); at most the n of td_tok_merges_init. */
+void td_tok_merge_put(td_tokenizer_t *tok, int32_t l, int32_t r, int32_t rank, int32_t id);
+/* The merge of ids (l, r): true with its rank and result id, or false. */
+bool td_tok_merge_get(const td_tokenizer_t *tok, int32_t l, int32_t r, int32_t *rank_p, int32_t *id_p);
 
 /* A growable id array. */
 typedef struct td_tok_ids {
@@ -160,38 +144,24 @@ td_status_t td_tok_bpe_word(const td_tokenizer_t *tok, const char *s, size_t len
 
 /* ---- td_tok_nfc.c ---- */
 
-typedef struct td_tok_ccc_range {
-    uint32_t lo, hi;
-    uint8_t ccc;
-} td_tok_ccc_range_t;
-
-typedef struct td_tok_decomp {
-    uint32_t cp, a, b; /* b = 0: singleton decomposition */
-} td_tok_decomp_t;
-
-typedef struct td_tok_comp {
-    uint32_t a, b, cp;
-} td_tok_comp_t;
-
-extern const td_tok_ccc_range_t td_tok_nfc_ccc[];
-extern const size_t td_tok_nfc_n_ccc;
-extern const td_tok_decomp_t td_tok_nfc_decomp[];
-extern const size_t td_tok_nfc_n_decomp;
-extern const td_tok_comp_t td_tok_nfc_comp[];
-extern const size_t td_tok_nfc_n_comp;
-
 /*
  * NFC of valid UTF-8 s[0..len) into a malloc'd buffer (*out_p, *out_len_p). Text that is
  * not valid UTF-8 is copied unchanged. Errors: TD_ERR_NOMEM.
  */
 td_status_t td_tok_nfc(const char *s, size_t len, char **out_p, size_t *out_len_p);
 
-/* Decodes one UTF-8 character at s[0..len): its length (1..4), or 0 when the bytes there
- * are not a valid character; *cp_p gets the code point when valid. */
-size_t td_tok_utf8_decode(const char *s, size_t len, uint32_t *cp_p);
-
-/* Encodes `cp` as UTF-8 into out[4]; returns the length. */
-size_t td_tok_utf8_encode(uint32_t cp, char *out);
+/* Length (1..4) of the valid UTF-8 character at s[0..len), or 0 where the bytes there are
+ * not one (libutf8proc's decoder: overlong forms, surrogates and code points past
+ * U+10FFFF are not); *cp_p gets the code point when valid. */
+static inline size_t td_tok_utf8_decode(const char *s, size_t len, uint32_t *cp_p)
+{
+    utf8proc_int32_t cp;
+    utf8proc_ssize_t n = utf8proc_iterate((const utf8proc_uint8_t *)s, (utf8proc_ssize_t)len, &cp);
+    if (n <= 0)
+        return 0;
+    *cp_p = (uint32_t)cp;
+    return (size_t)n;
+}
 
 /* ---- td_tok_load.c ---- */
 

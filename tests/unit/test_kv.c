@@ -497,6 +497,39 @@ Test(kv, hash_quality)
     cr_assert_neq(td_kv_block_hash(0, t3, 3), td_kv_block_hash(0, u3, 3));
 }
 
+Test(kv, block_hashes_are_the_same_on_every_node_and_in_every_version)
+{
+    /* Block hashes travel between nodes (prefix hits at the router, adopted blocks), so
+     * they are XXH64 of the tokens as little-endian 32-bit words, seeded with the
+     * predecessor's hash, and never change. These values were computed by tandem's own
+     * XXH64 before it moved to libxxhash, and block size 16 (seed 0), 3 and 9 were checked
+     * against a Python transcription of the xxHash specification. */
+    static const struct {
+        int32_t block_size;
+        uint64_t unseeded, seeded; /* seed 0, seed 0x0123456789abcdef */
+    } want[] = {
+        {1, 0x822e51211bf08373ull, 0x3457bc8d234b02e4ull},  {2, 0x7d08468841736f4aull, 0x46187738d5a6e3e4ull},
+        {3, 0x7edead6417065472ull, 0xc413e9b803b1c6d6ull},  {4, 0xb408a1e04438acfaull, 0x032a65730a28c488ull},
+        {7, 0x9e97d0a80349d7d4ull, 0xa0271cbd14caf4c4ull},  {8, 0x73a8d89301867224ull, 0xdc9561698006bd63ull},
+        {9, 0xd9b6821a288149eeull, 0x5c4af23d4ec8a131ull},  {15, 0x035fe28403915ceaull, 0xfc951b75c1e94998ull},
+        {16, 0xb7e0e8d2663ecafaull, 0x37888226c064c412ull}, {17, 0x0ffe9f4b5d957061ull, 0x4490d8b687655df3ull},
+        {32, 0x6e4e9101f2e90b06ull, 0x2be25932b9c3f7c0ull}, {33, 0x95b85e950e773219ull, 0x031388db452f388full},
+    };
+    int32_t t[40];
+    for (int i = 0; i < 40; i++) /* every bit pattern of a word: high bits, sign bit */
+        t[i] = (int32_t)((uint32_t)i * 2654435761u ^ (i % 3 == 0 ? 0x80000000u : 0));
+    for (size_t k = 0; k < TD_ARRAY_LEN(want); k++) {
+        cr_assert_eq(td_kv_block_hash(0, t, want[k].block_size), want[k].unseeded, "block size %d",
+                     want[k].block_size);
+        cr_assert_eq(td_kv_block_hash(0x0123456789abcdefull, t, want[k].block_size), want[k].seeded,
+                     "block size %d, seeded", want[k].block_size);
+    }
+    uint64_t chain[2];
+    cr_assert_eq(td_kv_chain_hashes(t, 32, 16, chain), 2);
+    cr_assert_eq(chain[0], 0xb7e0e8d2663ecafaull);
+    cr_assert_eq(chain[1], 0x6efd72359320ae0dull);
+}
+
 /* ---- randomized stress ------------------------------------------------------------ */
 
 enum { S_BLOCKS = 48, S_BS = 4, S_SEQS = 12, S_OPS = 20000 };
