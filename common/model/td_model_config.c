@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "td_hash.h"
 #include "td_util.h"
 
 #define CFG_MAX_DIM (1 << 24) /* beyond any real model; keeps products inside int64 */
@@ -395,21 +396,12 @@ typedef struct fnv {
     uint64_t h;
 } fnv_t;
 
-static void fnv_bytes(fnv_t *f, const void *p, size_t n)
-{
-    const unsigned char *b = p;
-    for (size_t i = 0; i < n; i++) {
-        f->h ^= b[i];
-        f->h *= 0x100000001b3ull;
-    }
-}
-
 /* Little-endian whatever the host, so the hash is the same on every node. */
 static void fnv_u32(fnv_t *f, uint32_t v)
 {
     unsigned char b[4] = {(unsigned char)v, (unsigned char)(v >> 8), (unsigned char)(v >> 16),
                           (unsigned char)(v >> 24)};
-    fnv_bytes(f, b, 4);
+    f->h = td_fnv1a64(f->h, b, 4);
 }
 
 static void fnv_f32(fnv_t *f, float v)
@@ -424,8 +416,7 @@ uint64_t td_model_fingerprint(const td_model_config_t *c)
     /* Everything the forward pass and the KV cache depend on, and nothing else: not the
      * weights' storage dtype, not the context limit, not bos/eos, not the path. Bump the
      * tag when the set of fields changes. */
-    fnv_t f = {0xcbf29ce484222325ull};
-    fnv_bytes(&f, "tandem-fp-1", 11);
+    fnv_t f = {td_fnv1a64(TD_FNV1A64_INIT, "tandem-fp-1", 11)};
     fnv_u32(&f, (uint32_t)c->arch);
     fnv_u32(&f, (uint32_t)c->dim);
     fnv_u32(&f, (uint32_t)c->hidden_dim);

@@ -22,6 +22,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "td_hash.h"
 #include "td_safetensors.h"
 #include "td_util.h"
 
@@ -49,16 +50,6 @@ static uint64_t splitmix64(uint64_t *s)
     z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
     z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
     return z ^ (z >> 31);
-}
-
-static uint64_t name_hash(const char *s)
-{
-    uint64_t h = 0xcbf29ce484222325ull;
-    for (; *s; s++) {
-        h ^= (unsigned char)*s;
-        h *= 0x100000001b3ull;
-    }
-    return h;
 }
 
 /* Approximately standard normal: the centred sum of four 16-bit uniforms, scaled to
@@ -320,7 +311,7 @@ static size_t list_tensors(const td_model_config_t *c, td_dtype_t dt, synth_tens
 static td_status_t write_values(td_st_writer_t *w, const synth_tensor_t *t, uint64_t seed, td_dtype_t dt,
                                 float *vals, void *conv)
 {
-    uint64_t state = seed ^ name_hash(t->name);
+    uint64_t state = seed ^ td_fnv1a64(TD_FNV1A64_INIT, t->name, strlen(t->name));
     size_t total = t->nbytes / td_dtype_size(dt);
     for (size_t done = 0; done < total;) {
         size_t n = TD_MIN((size_t)SYNTH_CHUNK, total - done);
