@@ -108,14 +108,14 @@ void xfer_close_ep_force(td_xfer_t *x, ucp_ep_h ep)
         return;
     }
     c->ep = ep;
-    list_push(&x->closing, &c->link);
+    td_list_push_back(&x->closing, &c->link);
 }
 
 void xfer_close_pending_eps(td_xfer_t *x)
 {
-    while (!list_empty(&x->closing)) {
-        ep_close_t *c = CONTAINER(x->closing.next, ep_close_t, link);
-        list_del(&c->link);
+    while (!td_list_empty(&x->closing)) {
+        ep_close_t *c = TD_CONTAINER_OF(x->closing.next, ep_close_t, link);
+        td_list_remove(&c->link);
         close_ep_now(x, c->ep);
         free(c);
     }
@@ -254,23 +254,27 @@ td_status_t td_xfer_create(uv_loop_t *loop, const td_xfer_config_t *cfg, td_xfer
     x->cfg = *cfg;
     snprintf(x->name, sizeof x->name, "%s", cfg->name ? cfg->name : "tandem");
     x->cfg.name = x->name;
-    list_init(&x->leases);
-    list_init(&x->conns);
-    list_init(&x->adopting);
-    list_init(&x->ready_list);
-    list_init(&x->peers);
-    list_init(&x->queue);
-    list_init(&x->stage_pieces);
-    list_init(&x->copying);
-    list_init(&x->done_list);
-    list_init(&x->closing);
-    list_init(&x->aborts);
+    td_list_init(&x->leases);
+    td_list_init(&x->conns);
+    td_list_init(&x->adopting);
+    td_list_init(&x->ready_list);
+    td_list_init(&x->peers);
+    td_list_init(&x->queue);
+    td_list_init(&x->stage_pieces);
+    td_list_init(&x->copying);
+    td_list_init(&x->done_list);
+    td_list_init(&x->closing);
+    td_list_init(&x->aborts);
+    if (td_hash_init(&x->lease_ids, 0) != TD_OK) {
+        ret = td_errorf(TD_ERR_NOMEM, "xfer: out of memory");
+        goto err_free;
+    }
 
     ucp_config_t *ucfg;
     st = ucp_config_read(NULL, NULL, &ucfg);
     if (st != UCS_OK) {
         ret = xfer_ucx_err(st, "read config");
-        goto err_free;
+        goto err_lease_ids;
     }
     ucp_params_t p = {.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME,
                       .features = UCP_FEATURE_RMA | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP,
@@ -279,7 +283,7 @@ td_status_t td_xfer_create(uv_loop_t *loop, const td_xfer_config_t *cfg, td_xfer
     ucp_config_release(ucfg);
     if (st != UCS_OK) {
         ret = xfer_ucx_err(st, "init");
-        goto err_free;
+        goto err_lease_ids;
     }
     ucp_worker_params_t wp = {.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE, .thread_mode = UCS_THREAD_MODE_SINGLE};
     st = ucp_worker_create(x->ctx, &wp, &x->worker);
@@ -351,6 +355,8 @@ err_worker:
     ucp_worker_destroy(x->worker);
 err_ctx:
     ucp_cleanup(x->ctx);
+err_lease_ids:
+    td_hash_free(&x->lease_ids);
 err_free:
     free(x);
     return ret;
@@ -382,15 +388,15 @@ void td_xfer_get_stats(const td_xfer_t *x, td_xfer_stats_t *stats)
 static void close_finish(td_xfer_t *x)
 {
     x->close_phase = CLOSE_DONE;
-    bool ring_busy = !list_empty(&x->copying);
+    bool ring_busy = !td_list_empty(&x->copying);
     if (ring_busy)
         td_warn("xfer %s: device-to-host copies did not finish within %llu s; the staging ring and this td_xfer "
                 "are leaked, not freed under them", x->name, CLOSE_COPIES_NS / 1000000000ull);
     else if (x->cfg.d2h && x->cfg.d2h->quiesce)
         x->cfg.d2h->quiesce(x->cfg.d2h->arg); /* no wake still to come into copy_wake */
     uv_close((uv_handle_t *)&x->poll, on_handle_closed); /* stops watching the efd now */
-    for (list_node_t *pn = x->peers.next; pn != &x->peers; pn = pn->next) {
-        td_xfer_peer_t *peer = CONTAINER(pn, td_xfer_peer_t, link);
+    TD_LIST_FOREACH(pn, &x->peers) {
+        td_xfer_peer_t *peer = TD_CONTAINER_OF(pn, td_xfer_peer_t, link);
         if (peer->rkey)
             ucp_rkey_destroy(peer->rkey);
         peer->rkey = NULL;
@@ -407,40 +413,41 @@ static void close_finish(td_xfer_t *x)
     }
     ucp_cleanup(x->ctx);
     x->ctx = NULL;
-    while (!list_empty(&x->aborts)) {
-        abort_job_t *j = CONTAINER(x->aborts.next, abort_job_t, link);
-        list_del(&j->link);
+    while (!td_list_empty(&x->aborts)) {
+        abort_job_t *j = TD_CONTAINER_OF(x->aborts.next, abort_job_t, link);
+        td_list_remove(&j->link);
         free(j);
     }
-    list_init(&x->done_list); /* its sends are on their peers' lists */
-    while (!list_empty(&x->peers)) {
-        td_xfer_peer_t *peer = CONTAINER(x->peers.next, td_xfer_peer_t, link);
-        while (!list_empty(&peer->sends)) /* callbacks made or not owed (td_xfer_destroy) */
-            xfer_send_free(CONTAINER(peer->sends.next, td_xfer_send_t, peer_link));
-        list_del(&peer->link);
+    td_list_init(&x->done_list); /* its sends are on their peers' lists */
+    while (!td_list_empty(&x->peers)) {
+        td_xfer_peer_t *peer = TD_CONTAINER_OF(x->peers.next, td_xfer_peer_t, link);
+        while (!td_list_empty(&peer->sends)) /* callbacks made or not owed (td_xfer_destroy) */
+            xfer_send_free(TD_CONTAINER_OF(peer->sends.next, td_xfer_send_t, peer_link));
+        td_list_remove(&peer->link);
         free(peer->rkey_buf);
         free(peer);
     }
-    while (!list_empty(&x->conns)) {
-        xfer_conn_t *c = CONTAINER(x->conns.next, xfer_conn_t, link);
-        list_del(&c->link);
+    while (!td_list_empty(&x->conns)) {
+        xfer_conn_t *c = TD_CONTAINER_OF(x->conns.next, xfer_conn_t, link);
+        td_list_remove(&c->link);
         free(c);
     }
-    while (!list_empty(&x->closing)) { /* their endpoints went with the worker */
-        ep_close_t *c = CONTAINER(x->closing.next, ep_close_t, link);
-        list_del(&c->link);
+    while (!td_list_empty(&x->closing)) { /* their endpoints went with the worker */
+        ep_close_t *c = TD_CONTAINER_OF(x->closing.next, ep_close_t, link);
+        td_list_remove(&c->link);
         free(c);
     }
-    TD_ASSERT(list_empty(&x->adopting)); /* td_xfer_destroy stopped them; none starts after */
-    while (!list_empty(&x->leases)) {
-        xfer_lease_t *l = CONTAINER(x->leases.next, xfer_lease_t, link);
+    TD_ASSERT(td_list_empty(&x->adopting)); /* td_xfer_destroy stopped them; none starts after */
+    while (!td_list_empty(&x->leases)) {
+        xfer_lease_t *l = TD_CONTAINER_OF(x->leases.next, xfer_lease_t, link);
         l->inflight = 0; /* the worker is gone: nothing writes any more */
         l->put_writer = NULL;
         xfer_lease_release(x, l);
     }
-    while (!list_empty(&x->ready_list)) {
-        ready_event_t *ev = CONTAINER(x->ready_list.next, ready_event_t, link);
-        list_del(&ev->link);
+    td_hash_free(&x->lease_ids);
+    while (!td_list_empty(&x->ready_list)) {
+        ready_event_t *ev = TD_CONTAINER_OF(x->ready_list.next, ready_event_t, link);
+        td_list_remove(&ev->link);
         for (int32_t i = 0; i < ev->r.n_blocks; i++)
             td_kv_unref_block(x->pool.kv, ev->r.blocks[i]);
         free(ev);
@@ -448,9 +455,9 @@ static void close_finish(td_xfer_t *x)
     free(x->landing_stack);
     x->landing_stack = NULL;
     if (!ring_busy) {
-        while (!list_empty(&x->stage_pieces)) { /* UCX is gone: nothing reads the ring */
-            stage_piece_t *pc = CONTAINER(x->stage_pieces.next, stage_piece_t, link);
-            list_del(&pc->link);
+        while (!td_list_empty(&x->stage_pieces)) { /* UCX is gone: nothing reads the ring */
+            stage_piece_t *pc = TD_CONTAINER_OF(x->stage_pieces.next, stage_piece_t, link);
+            td_list_remove(&pc->link);
             free(pc);
         }
         if (x->stage_pinned)
@@ -476,8 +483,8 @@ void xfer_close_step(td_xfer_t *x)
     case CLOSE_FLUSH: /* sender endpoints flushed, receiver endpoints closing (closes_inflight) */
         if (x->closes_inflight > 0 && now < x->close_deadline_ns)
             return;
-        for (list_node_t *n = x->conns.next; n != &x->conns; n = n->next) {
-            xfer_conn_t *c = CONTAINER(n, xfer_conn_t, link);
+        TD_LIST_FOREACH(n, &x->conns) {
+            xfer_conn_t *c = TD_CONTAINER_OF(n, xfer_conn_t, link);
             if (!c->closing) {
                 c->closing = true;
                 xfer_close_ep_force(x, c->ep);
@@ -495,7 +502,7 @@ void xfer_close_step(td_xfer_t *x)
         /* fall through */
     case CLOSE_COPIES: /* a copy still running writes into the ring: it must end first */
         xfer_poll_copies(x); /* done ones are dropped: their peers are closed */
-        if (!list_empty(&x->copying) && now < x->close_deadline_ns)
+        if (!td_list_empty(&x->copying) && now < x->close_deadline_ns)
             return;
         close_finish(x);
         return;
@@ -514,22 +521,22 @@ void td_xfer_destroy(td_xfer_t *x)
     x->on_ready = NULL;          /* adoptions not yet delivered return their blocks */
     /* Adoptions in progress stop: their senders are told UNAVAILABLE (the flush below
      * delivers it), their blocks return as any dead lease's. Nothing is copied any more. */
-    while (!list_empty(&x->adopting))
-        xfer_lease_fail(x, CONTAINER(x->adopting.next, xfer_lease_t, adopt_link), TD_ERR_UNAVAILABLE);
+    while (!td_list_empty(&x->adopting))
+        xfer_lease_fail(x, TD_CONTAINER_OF(x->adopting.next, xfer_lease_t, adopt_link), TD_ERR_UNAVAILABLE);
     /* No new senders: xfer_conn_cb rejects them from now on. The listener itself goes in
      * close_finish, after the loop has progressed the worker for a while: destroying it here,
      * while UCX's async thread may still be handling a connection request (one nobody
      * progressed yet), crashed UCX 1.13 in ucp_cm_server_conn_request_cb (test_decode_sched
      * under ASan, about 1 run in 3). */
     /* Fail every send; endpoints to receivers are queued for a force close (xfer_peer_fail). */
-    for (list_node_t *pn = x->peers.next; pn != &x->peers; pn = pn->next)
-        xfer_peer_fail(CONTAINER(pn, td_xfer_peer_t, link), TD_ERR_CLOSED);
+    TD_LIST_FOREACH(pn, &x->peers)
+        xfer_peer_fail(TD_CONTAINER_OF(pn, td_xfer_peer_t, link), TD_ERR_CLOSED);
     /* The done callbacks owed, now: none comes after this returns. A send whose operations
      * UCX still holds is freed from the loop once they are back (or with the worker). */
-    for (list_node_t *pn = x->peers.next; pn != &x->peers; pn = pn->next) {
-        td_xfer_peer_t *peer = CONTAINER(pn, td_xfer_peer_t, link);
-        for (list_node_t *m = peer->sends.next; m != &peer->sends; m = m->next) {
-            td_xfer_send_t *s = CONTAINER(m, td_xfer_send_t, peer_link);
+    TD_LIST_FOREACH(pn, &x->peers) {
+        td_xfer_peer_t *peer = TD_CONTAINER_OF(pn, td_xfer_peer_t, link);
+        TD_LIST_FOREACH(m, &peer->sends) {
+            td_xfer_send_t *s = TD_CONTAINER_OF(m, td_xfer_send_t, peer_link);
             xfer_send_set_status(s, TD_ERR_CLOSED);
             s->verdict = true;
             bool owed = s->finished && s->p.done;
@@ -546,8 +553,8 @@ void td_xfer_destroy(td_xfer_t *x)
     }
     /* Verdicts (ACKs) still on their way to senders are delivered before the endpoints
      * go: flush each sender endpoint, bounded by CLOSE_FLUSH_NS (xfer_close_step). */
-    for (list_node_t *n = x->conns.next; n != &x->conns; n = n->next) {
-        xfer_conn_t *c = CONTAINER(n, xfer_conn_t, link);
+    TD_LIST_FOREACH(n, &x->conns) {
+        xfer_conn_t *c = TD_CONTAINER_OF(n, xfer_conn_t, link);
         if (c->closing)
             continue;
         ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA,

@@ -28,7 +28,7 @@ void xfer_adopt_start(td_xfer_t *x, xfer_lease_t *l)
     l->adopt_layer = 0;
     l->adopt_idx = 0;
     l->adopt_sum = 0;
-    list_push(&x->adopting, &l->adopt_link);
+    td_list_push_back(&x->adopting, &l->adopt_link);
     x->acts++;
 }
 
@@ -89,14 +89,14 @@ static void adopt_finish(td_xfer_t *x, xfer_lease_t *l)
         xfer_lease_fail(x, l, TD_ERR_NOMEM);
         return;
     }
-    list_del(&l->adopt_link);
+    td_list_remove(&l->adopt_link);
     if (l->dev)
         xfer_landing_give(x, l);
     memcpy(ev->blocks, l->dev ? l->dev : l->blocks, (size_t)l->n_blocks * sizeof(int32_t));
     ev->r = (td_xfer_ready_t){.request_id = rd->request_id, .lease_id = l->id, .blocks = ev->blocks,
                               .n_blocks = l->n_blocks, .n_tokens = rd->n_tokens,
                               .first_token = rd->first_token};
-    list_push(&x->ready_list, &ev->link);
+    td_list_push_back(&x->ready_list, &ev->link);
     x->stats.leases_adopted++;
     xfer_send_ack(x, l->ready_ep, rd->request_id, l->id, TD_OK);
     xfer_lease_remove(x, l); /* block references pass to the ready callback */
@@ -133,8 +133,8 @@ static bool adopt_advance(td_xfer_t *x, xfer_lease_t *l)
 /* Adoption jobs, oldest first, until they are done or the budget is spent. */
 void xfer_adopt_run(td_xfer_t *x)
 {
-    while (!list_empty(&x->adopting)) {
-        if (!adopt_advance(x, CONTAINER(x->adopting.next, xfer_lease_t, adopt_link)))
+    while (!td_list_empty(&x->adopting)) {
+        if (!adopt_advance(x, TD_CONTAINER_OF(x->adopting.next, xfer_lease_t, adopt_link)))
             return;
         x->acts++; /* its ACK is posted: drain goes round */
     }

@@ -15,6 +15,9 @@
 
 #include <ucp/api/ucp.h>
 
+#include "td_hash.h"
+#include "td_list.h"
+
 enum {
     AM_DATA = 11,
     AM_READY = 12,
@@ -28,7 +31,6 @@ enum {
 };
 
 #define XFER_DESC_MAGIC 0x31584454u /* "TDX1" in little-endian memory order */
-#define LEASE_BUCKETS 256
 
 /* ---- wire structs (host byte order; the description's magic detects a foreign one) ---- */
 
@@ -78,30 +80,9 @@ typedef struct xfer_desc_wire {
 
 /* ---- state ---------------------------------------------------------------------------- */
 
-typedef struct list_node {
-    struct list_node *prev, *next;
-} list_node_t;
-
-static inline void list_init(list_node_t *h) { h->prev = h->next = h; }
-static inline bool list_empty(const list_node_t *h) { return h->next == h; }
-static inline void list_push(list_node_t *h, list_node_t *n)
-{
-    n->prev = h->prev;
-    n->next = h;
-    h->prev->next = n;
-    h->prev = n;
-}
-static inline void list_del(list_node_t *n)
-{
-    n->prev->next = n->next;
-    n->next->prev = n->prev;
-    n->prev = n->next = n;
-}
-#define CONTAINER(ptr, type, member) ((type *)((char *)(ptr)-offsetof(type, member)))
-
 /* A receiver-side endpoint accepted from a sender. */
 typedef struct xfer_conn {
-    list_node_t link;   /* x->conns */
+    td_list_t link;     /* x->conns */
     td_xfer_t *x;
     ucp_ep_h ep;
     bool closing;
@@ -114,8 +95,7 @@ typedef struct xfer_conn {
 typedef enum lease_state { LEASE_LIVE, LEASE_ADOPTING, LEASE_DEAD } lease_state_t;
 
 typedef struct xfer_lease {
-    list_node_t link;    /* x->leases */
-    struct xfer_lease *hnext;
+    td_list_t link;      /* x->leases */
     uint64_t id;
     uint64_t request_id;
     uint64_t deadline_ns;
@@ -129,7 +109,7 @@ typedef struct xfer_lease {
     bool ready_pending;  /* READY arrived before all bytes */
     am_ready_hdr_t ready;
     ucp_ep_h ready_ep;
-    list_node_t adopt_link;  /* x->adopting while ADOPTING, oldest first */
+    td_list_t adopt_link;    /* x->adopting while ADOPTING, oldest first */
     uint32_t adopt_layer;    /* the job's cursor: next (layer, index in the lease) to */
     uint32_t adopt_idx;      /* verify and copy, layer by layer */
     uint64_t adopt_sum;      /* checksum of the blocks verified so far */
@@ -146,19 +126,19 @@ typedef struct recv_op {
 
 /* An endpoint to close once we are out of UCX callbacks. */
 typedef struct ep_close {
-    list_node_t link;
+    td_list_t link;
     ucp_ep_h ep;
 } ep_close_t;
 
 /* A ready transfer waiting for the loop to hand it to the user. */
 typedef struct ready_event {
-    list_node_t link;
+    td_list_t link;
     td_xfer_ready_t r;
     int32_t blocks[];
 } ready_event_t;
 
 struct td_xfer_peer {
-    list_node_t link;  /* x->peers */
+    td_list_t link;    /* x->peers */
     td_xfer_t *x;
     ucp_ep_h ep;
     bool alive;
@@ -175,19 +155,19 @@ struct td_xfer_peer {
     uint16_t port;
     td_kv_layout_t layout;
     uint32_t n_blocks; /* the receiver's pool */
-    list_node_t sends; /* td_xfer_send_t.peer_link */
+    td_list_t sends;   /* td_xfer_send_t.peer_link */
 };
 
 /* A piece of the staging ring held by one posted operation; pieces return in the order
  * they were taken (a FIFO: the ring's tail passes only pieces that are done). */
 typedef struct stage_piece {
-    list_node_t link;  /* x->stage_pieces */
+    td_list_t link;    /* x->stage_pieces */
     size_t span;       /* bytes taken from the ring, incl. padding skipped at its end */
     bool done;
 } stage_piece_t;
 
 typedef struct send_op {
-    list_node_t link;  /* x->queue while waiting */
+    td_list_t link;    /* x->queue while waiting */
     td_xfer_send_t *s;
     am_data_hdr_t hdr; /* lives until the send completes (no COPY_HEADER in 1.13) */
     const void *src;   /* host bytes; for a device source, in the staging ring once copied */
@@ -199,8 +179,8 @@ typedef struct send_op {
 } send_op_t;
 
 struct td_xfer_send {
-    list_node_t peer_link;
-    list_node_t done_link; /* x->done_list when the verdict is in */
+    td_list_t peer_link;
+    td_list_t done_link;   /* x->done_list when the verdict is in */
     td_xfer_t *x;
     td_xfer_peer_t *peer;
     td_xfer_send_params_t p;
@@ -262,29 +242,29 @@ struct td_xfer {
     uint32_t dev_n_blocks;
     int32_t *landing_stack;
     uint64_t next_lease_id;
-    list_node_t leases;
-    xfer_lease_t *buckets[LEASE_BUCKETS];
-    list_node_t conns;
-    list_node_t adopting;  /* xfer_lease_t in state ADOPTING, adopted in this order */
-    list_node_t ready_list;
+    td_list_t leases;      /* every lease, oldest first (the deadline scan) */
+    td_hash_t lease_ids;   /* lease id -> xfer_lease_t * (xfer_lease_find) */
+    td_list_t conns;
+    td_list_t adopting;    /* xfer_lease_t in state ADOPTING, adopted in this order */
+    td_list_t ready_list;
 
     /* sender */
-    list_node_t peers;
-    list_node_t queue;     /* send_op_t not yet posted */
+    td_list_t peers;
+    td_list_t queue;       /* send_op_t not yet posted */
     uint32_t ops_posted;
-    list_node_t done_list; /* sends whose done callback is due */
-    list_node_t closing;   /* ep_close_t: endpoints to force-close */
+    td_list_t done_list;   /* sends whose done callback is due */
+    td_list_t closing;     /* ep_close_t: endpoints to force-close */
     uint32_t closes_inflight;
-    list_node_t aborts;    /* abort_job_t: ABORTs to confirm once our puts are flushed */
+    td_list_t aborts;      /* abort_job_t: ABORTs to confirm once our puts are flushed */
     uint64_t acts;         /* deferred actions taken (drain goes round while it grows) */
     uint64_t next_cookie;
     uint8_t *stage;        /* [cfg.staging_bytes] host ring device sources are copied through */
     size_t stage_head;     /* next byte to hand out */
     size_t stage_tail;     /* oldest byte still held */
     size_t stage_used;     /* bytes held (head == tail: empty when 0, full otherwise) */
-    list_node_t stage_pieces; /* stage_piece_t, oldest first */
+    td_list_t stage_pieces;   /* stage_piece_t, oldest first */
     bool stage_pinned;     /* the ring is page-locked by cfg.d2h->pin */
-    list_node_t copying;   /* send_op_t whose device-to-host copy runs, oldest first */
+    td_list_t copying;     /* send_op_t whose device-to-host copy runs, oldest first */
     uv_async_t copy_wake;  /* a copier's wake: poll the copies now */
 
     td_xfer_stats_t stats;
@@ -293,7 +273,7 @@ struct td_xfer {
 /* The receiver asks us to stop writing into a dead lease: drop the request's queued
  * puts now, confirm once its posted ones are done and the endpoint is flushed. */
 typedef struct abort_job {
-    list_node_t link; /* x->aborts */
+    td_list_t link;   /* x->aborts */
     td_xfer_peer_t *peer;
     uint64_t request_id, lease_id;
     bool flush_posted, flushed, failed;

@@ -14,19 +14,14 @@
 
 xfer_lease_t *xfer_lease_find(td_xfer_t *x, uint64_t id)
 {
-    for (xfer_lease_t *l = x->buckets[id % LEASE_BUCKETS]; l; l = l->hnext)
-        if (l->id == id)
-            return l;
-    return NULL;
+    td_hash_slot_t *e = td_hash_find(&x->lease_ids, id);
+    return e ? (xfer_lease_t *)(uintptr_t)e->value : NULL;
 }
 
 void xfer_lease_remove(td_xfer_t *x, xfer_lease_t *l)
 {
-    xfer_lease_t **pp = &x->buckets[l->id % LEASE_BUCKETS];
-    while (*pp != l)
-        pp = &(*pp)->hnext;
-    *pp = l->hnext;
-    list_del(&l->link);
+    td_hash_remove(&x->lease_ids, l->id, (uintptr_t)l);
+    td_list_remove(&l->link);
     x->stats.leases_live--;
     free(l);
 }
@@ -69,7 +64,7 @@ void xfer_lease_fail(td_xfer_t *x, xfer_lease_t *l, td_status_t verdict)
     if (l->state == LEASE_DEAD)
         return;
     if (l->state == LEASE_ADOPTING) {
-        list_del(&l->adopt_link);
+        td_list_remove(&l->adopt_link);
         xfer_send_ack(x, l->ready_ep, l->ready.request_id, l->id, verdict);
     }
     l->state = LEASE_DEAD;
@@ -109,10 +104,14 @@ td_status_t td_xfer_lease_create(td_xfer_t *x, uint64_t request_id, int32_t n_bl
         return td_errorf_quiet(TD_ERR_EXHAUSTED, "xfer lease: %d landing blocks requested, %u free", n_blocks,
                                x->stats.landing_free);
     xfer_lease_t *l = calloc(1, sizeof *l + (size_t)n_blocks * (dev ? 2 : 1) * sizeof(int32_t));
-    if (!l)
+    uint64_t id = x->next_lease_id + 1;
+    if (!l || td_hash_put(&x->lease_ids, id, (uintptr_t)l) != TD_OK) {
+        free(l);
         return td_errorf(TD_ERR_NOMEM, "xfer lease: out of memory");
+    }
     td_status_t st = td_kv_alloc_blocks(x->pool.kv, n_blocks, dev ? l->blocks + n_blocks : l->blocks);
     if (st != TD_OK) {
+        td_hash_remove(&x->lease_ids, id, (uintptr_t)l);
         free(l);
         return st; /* EXHAUSTED is not logged: the scheduler decides */
     }
@@ -121,14 +120,12 @@ td_status_t td_xfer_lease_create(td_xfer_t *x, uint64_t request_id, int32_t n_bl
         for (int32_t i = 0; i < n_blocks; i++)
             l->blocks[i] = x->landing_stack[--x->stats.landing_free];
     }
-    l->id = ++x->next_lease_id;
+    l->id = x->next_lease_id = id;
     l->request_id = request_id;
     l->n_blocks = n_blocks;
     l->deadline_ns = td_now_ns() + (uint64_t)ttl_ms * 1000000ull;
     l->state = LEASE_LIVE;
-    l->hnext = x->buckets[l->id % LEASE_BUCKETS];
-    x->buckets[l->id % LEASE_BUCKETS] = l;
-    list_push(&x->leases, &l->link);
+    td_list_push_back(&x->leases, &l->link);
     x->stats.leases_live++;
     x->stats.leases_created++;
     memcpy(blocks_out, l->blocks, (size_t)n_blocks * sizeof(int32_t));

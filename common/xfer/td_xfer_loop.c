@@ -40,12 +40,12 @@ static void run_deferred(td_xfer_t *x)
     xfer_close_pending_eps(x);
     xfer_run_aborts(x);
     /* Requests learn their primitive once their peer answered HELLO; put requests bind. */
-    for (list_node_t *pn = x->peers.next; pn != &x->peers; pn = pn->next) {
-        td_xfer_peer_t *peer = CONTAINER(pn, td_xfer_peer_t, link);
+    TD_LIST_FOREACH(pn, &x->peers) {
+        td_xfer_peer_t *peer = TD_CONTAINER_OF(pn, td_xfer_peer_t, link);
         if (!peer->hello_done || !peer->alive)
             continue;
-        for (list_node_t *n = peer->sends.next; n != &peer->sends; n = n->next) {
-            td_xfer_send_t *s = CONTAINER(n, td_xfer_send_t, peer_link);
+        TD_LIST_FOREACH(n, &peer->sends) {
+            td_xfer_send_t *s = TD_CONTAINER_OF(n, td_xfer_send_t, peer_link);
             if (s->mode != MODE_UNDECIDED || s->status != TD_OK)
                 continue;
             s->mode = peer->use_put ? MODE_PUT : MODE_AM;
@@ -58,10 +58,10 @@ static void run_deferred(td_xfer_t *x)
      * waiting for their peer or bind), and READY for requests whose data is in. A
      * device-source op first copies into the staging ring and goes when that is done. */
     xfer_poll_copies(x);
-    list_node_t *qn = x->queue.next;
+    td_list_t *qn = x->queue.next;
     bool stage_full = false; /* device-source ops keep their order behind one that waits */
     while (qn != &x->queue && x->ops_posted < x->cfg.max_inflight_ops) {
-        send_op_t *op = CONTAINER(qn, send_op_t, link);
+        send_op_t *op = TD_CONTAINER_OF(qn, send_op_t, link);
         qn = qn->next;
         if (!xfer_op_ready(op))
             continue;
@@ -74,15 +74,15 @@ static void run_deferred(td_xfer_t *x)
         if (!xfer_budget_fits(x, cost))
             break; /* the rest goes next loop iteration */
         xfer_budget_charge(x, cost);
-        list_del(&op->link);
+        td_list_remove(&op->link);
         xfer_post_op(x, op);
     }
     xfer_poll_copies(x); /* a copier that finished inside start: those ops go now */
     xfer_adopt_run(x);
-    for (list_node_t *pn = x->peers.next; pn != &x->peers; pn = pn->next) {
-        td_xfer_peer_t *peer = CONTAINER(pn, td_xfer_peer_t, link);
-        for (list_node_t *n = peer->sends.next; n != &peer->sends; n = n->next) {
-            td_xfer_send_t *s = CONTAINER(n, td_xfer_send_t, peer_link);
+    TD_LIST_FOREACH(pn, &x->peers) {
+        td_xfer_peer_t *peer = TD_CONTAINER_OF(pn, td_xfer_peer_t, link);
+        TD_LIST_FOREACH(n, &peer->sends) {
+            td_xfer_send_t *s = TD_CONTAINER_OF(n, td_xfer_send_t, peer_link);
             if (!s->finished || s->ready_posted || s->status != TD_OK || s->ops_out != 0)
                 continue;
             if (s->mode == MODE_PUT && !s->flushed) {
@@ -94,9 +94,9 @@ static void run_deferred(td_xfer_t *x)
             xfer_post_ready(x, s);
         }
     }
-    while (!list_empty(&x->done_list)) {
-        td_xfer_send_t *s = CONTAINER(x->done_list.next, td_xfer_send_t, done_link);
-        list_del(&s->done_link);
+    while (!td_list_empty(&x->done_list)) {
+        td_xfer_send_t *s = TD_CONTAINER_OF(x->done_list.next, td_xfer_send_t, done_link);
+        td_list_remove(&s->done_link);
         td_status_t st = s->status;
         td_xfer_done_cb cb = s->p.done; /* NULL: td_xfer_destroy made the callback or owed none */
         void *arg = s->p.arg;
@@ -109,9 +109,9 @@ static void run_deferred(td_xfer_t *x)
             cb(arg, rid, st);
         }
     }
-    while (!list_empty(&x->ready_list)) {
-        ready_event_t *ev = CONTAINER(x->ready_list.next, ready_event_t, link);
-        list_del(&ev->link);
+    while (!td_list_empty(&x->ready_list)) {
+        ready_event_t *ev = TD_CONTAINER_OF(x->ready_list.next, ready_event_t, link);
+        td_list_remove(&ev->link);
         x->delivered++;
         if (x->on_ready) {
             x->on_ready(x->ready_arg, &ev->r);
@@ -150,7 +150,7 @@ static void drain(td_xfer_t *x)
         calls++;
         if (ucp_worker_progress(x->worker) || x->acts != acts)
             continue;
-        if (!list_empty(&x->done_list) || !list_empty(&x->ready_list))
+        if (!td_list_empty(&x->done_list) || !td_list_empty(&x->ready_list))
             continue;
         ucs_status_t st = ucp_worker_arm(x->worker);
         if (st == UCS_OK)
@@ -215,10 +215,8 @@ void xfer_on_tick(uv_timer_t *h)
         return;
     }
     uint64_t now = td_now_ns();
-    list_node_t *n = x->leases.next;
-    while (n != &x->leases) {
-        xfer_lease_t *l = CONTAINER(n, xfer_lease_t, link);
-        n = n->next;
+    TD_LIST_FOREACH_SAFE(n, &x->leases) {
+        xfer_lease_t *l = TD_CONTAINER_OF(n, xfer_lease_t, link);
         /* An adopting lease too: adopted before its deadline or not at all (the decode node
          * forgets an admission soon after it). */
         if (l->state != LEASE_DEAD && now >= l->deadline_ns) {
@@ -235,11 +233,11 @@ void xfer_on_tick(uv_timer_t *h)
             xfer_lease_try_release(x, l);
         }
     }
-    for (list_node_t *pn = x->peers.next; pn != &x->peers; pn = pn->next) {
-        td_xfer_peer_t *peer = CONTAINER(pn, td_xfer_peer_t, link);
+    TD_LIST_FOREACH(pn, &x->peers) {
+        td_xfer_peer_t *peer = TD_CONTAINER_OF(pn, td_xfer_peer_t, link);
         bool stuck = false;
-        for (list_node_t *m = peer->sends.next; m != &peer->sends; m = m->next) {
-            td_xfer_send_t *s = CONTAINER(m, td_xfer_send_t, peer_link);
+        TD_LIST_FOREACH(m, &peer->sends) {
+            td_xfer_send_t *s = TD_CONTAINER_OF(m, td_xfer_send_t, peer_link);
             if (!s->done_queued && !s->verdict && now >= s->deadline_ns) {
                 td_errorf(TD_ERR_TIMEOUT, "xfer request %" PRIu64 ": no verdict after %u ms", s->p.request_id,
                           x->cfg.send_timeout_ms);
@@ -253,8 +251,8 @@ void xfer_on_tick(uv_timer_t *h)
         if (stuck && peer->alive)
             xfer_peer_fail(peer, TD_ERR_UNAVAILABLE);
         else if (stuck)
-            for (list_node_t *m = peer->sends.next; m != &peer->sends; m = m->next)
-                xfer_send_maybe_done(CONTAINER(m, td_xfer_send_t, peer_link));
+            TD_LIST_FOREACH(m, &peer->sends)
+                xfer_send_maybe_done(TD_CONTAINER_OF(m, td_xfer_send_t, peer_link));
     }
     drain(x);
 }

@@ -22,24 +22,22 @@ void xfer_peer_fail(td_xfer_peer_t *peer, td_status_t st)
         peer->alive = false;
         xfer_close_ep_force(x, peer->ep);
     }
-    for (list_node_t *n = peer->sends.next; n != &peer->sends; n = n->next) {
-        td_xfer_send_t *s = CONTAINER(n, td_xfer_send_t, peer_link);
+    TD_LIST_FOREACH(n, &peer->sends) {
+        td_xfer_send_t *s = TD_CONTAINER_OF(n, td_xfer_send_t, peer_link);
         xfer_send_set_status(s, st);
     }
     /* Queued operations of this peer never reach UCX. */
-    list_node_t *n = x->queue.next;
-    while (n != &x->queue) {
-        send_op_t *op = CONTAINER(n, send_op_t, link);
-        n = n->next;
+    TD_LIST_FOREACH_SAFE(n, &x->queue) {
+        send_op_t *op = TD_CONTAINER_OF(n, send_op_t, link);
         if (op->s->peer == peer) {
-            list_del(&op->link);
+            td_list_remove(&op->link);
             op->s->ops_out--;
             xfer_send_maybe_done(op->s);
             free(op);
         }
     }
-    for (list_node_t *m = peer->sends.next; m != &peer->sends; m = m->next)
-        xfer_send_maybe_done(CONTAINER(m, td_xfer_send_t, peer_link));
+    TD_LIST_FOREACH(m, &peer->sends)
+        xfer_send_maybe_done(TD_CONTAINER_OF(m, td_xfer_send_t, peer_link));
 }
 
 static void peer_err_cb(void *arg, ucp_ep_h ep, ucs_status_t status)
@@ -120,8 +118,8 @@ out:
 
 td_xfer_peer_t *xfer_peer_of_ep(td_xfer_t *x, ucp_ep_h ep)
 {
-    for (list_node_t *n = x->peers.next; n != &x->peers; n = n->next) {
-        td_xfer_peer_t *p = CONTAINER(n, td_xfer_peer_t, link);
+    TD_LIST_FOREACH(n, &x->peers) {
+        td_xfer_peer_t *p = TD_CONTAINER_OF(n, td_xfer_peer_t, link);
         if (p->alive && p->ep == ep)
             return p;
     }
@@ -135,8 +133,8 @@ ucs_status_t xfer_am_hello_ack_cb(void *arg, const void *header, size_t header_l
     am_ack_hdr_t h;
     if (!xfer_am_unpack(x, header, header_length, &h, sizeof h, false))
         return UCS_OK;
-    for (list_node_t *n = x->peers.next; n != &x->peers; n = n->next) {
-        td_xfer_peer_t *p = CONTAINER(n, td_xfer_peer_t, link);
+    TD_LIST_FOREACH(n, &x->peers) {
+        td_xfer_peer_t *p = TD_CONTAINER_OF(n, td_xfer_peer_t, link);
         if (p->cookie == h.request_id && p->alive && !p->hello_done) {
             if (h.status != TD_OK) {
                 xfer_peer_fail(p, TD_ERR_UNAVAILABLE);
@@ -164,8 +162,8 @@ td_status_t td_xfer_connect(td_xfer_t *x, const void *desc, size_t desc_len, con
         x->stats.fail_mismatch++;
         return td_errorf(TD_ERR_MISMATCH, "xfer connect: %s; refusing to send KV to this node", why);
     }
-    for (list_node_t *n = x->peers.next; n != &x->peers; n = n->next) {
-        td_xfer_peer_t *p = CONTAINER(n, td_xfer_peer_t, link);
+    TD_LIST_FOREACH(n, &x->peers) {
+        td_xfer_peer_t *p = TD_CONTAINER_OF(n, td_xfer_peer_t, link);
         if (p->alive && p->ip == w.ip && p->port == w.port) {
             p->layout = w.layout;
             p->n_blocks = w.n_blocks;
@@ -190,7 +188,7 @@ td_status_t td_xfer_connect(td_xfer_t *x, const void *desc, size_t desc_len, con
     p->port = w.port;
     p->layout = w.layout;
     p->n_blocks = w.n_blocks;
-    list_init(&p->sends);
+    td_list_init(&p->sends);
     struct sockaddr_in sin = {.sin_family = AF_INET, .sin_port = htons(w.port), .sin_addr.s_addr = w.ip};
     ucp_ep_params_t ep = {.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR |
                                         UCP_EP_PARAM_FIELD_ERR_HANDLER | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE,
@@ -205,7 +203,7 @@ td_status_t td_xfer_connect(td_xfer_t *x, const void *desc, size_t desc_len, con
         return xfer_ucx_err(st, "connect");
     }
     p->alive = true;
-    list_push(&x->peers, &p->link);
+    td_list_push_back(&x->peers, &p->link);
     /* Nothing else goes before the answer: UCX 1.13 mishandles larger messages pending
      * across the endpoint's wire-up reconfiguration (mm "Invalid am_short_iov length"). */
     xfer_send_ctl(x, p->ep, AM_HELLO, p->cookie, 0, TD_OK);

@@ -17,10 +17,8 @@ static void conn_err_cb(void *arg, ucp_ep_h ep, ucs_status_t status)
     td_xfer_t *x = c->x;
     td_info("xfer sender endpoint lost: %s", ucs_status_string(status));
     /* Leases this sender was writing can never complete: release them now. */
-    list_node_t *n = x->leases.next;
-    while (n != &x->leases) {
-        xfer_lease_t *l = CONTAINER(n, xfer_lease_t, link);
-        n = n->next;
+    TD_LIST_FOREACH_SAFE(n, &x->leases) {
+        xfer_lease_t *l = TD_CONTAINER_OF(n, xfer_lease_t, link);
         /* An adoption whose sender cannot hear the verdict stops: that sender reports the
          * transfer failed, so the request must not run here. */
         bool lost = l->state == LEASE_ADOPTING && l->ready_ep == ep;
@@ -47,7 +45,7 @@ static void conn_err_cb(void *arg, ucp_ep_h ep, ucs_status_t status)
         c->closing = true;
         xfer_close_ep_force(x, ep);
     }
-    list_del(&c->link);
+    td_list_remove(&c->link);
     free(c);
 }
 
@@ -76,13 +74,13 @@ void xfer_conn_cb(ucp_conn_request_h req, void *arg)
         free(c);
         return;
     }
-    list_push(&x->conns, &c->link);
+    td_list_push_back(&x->conns, &c->link);
 }
 
 static xfer_conn_t *conn_of_ep(td_xfer_t *x, ucp_ep_h ep)
 {
-    for (list_node_t *n = x->conns.next; n != &x->conns; n = n->next) {
-        xfer_conn_t *c = CONTAINER(n, xfer_conn_t, link);
+    TD_LIST_FOREACH(n, &x->conns) {
+        xfer_conn_t *c = TD_CONTAINER_OF(n, xfer_conn_t, link);
         if (c->ep == ep)
             return c;
     }

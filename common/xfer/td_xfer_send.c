@@ -37,7 +37,7 @@ void xfer_send_maybe_done(td_xfer_send_t *s)
         return;     /* waiting for the ACK */
     }
     s->done_queued = true;
-    list_push(&s->x->done_list, &s->done_link);
+    td_list_push_back(&s->x->done_list, &s->done_link);
 }
 
 /* Adds op's blocks (`bytes`: their K/V, host memory) to the request's checksum. Taken when
@@ -182,8 +182,8 @@ static td_xfer_send_t *send_find(td_xfer_peer_t *peer, uint64_t request_id, uint
 {
     if (!peer)
         return NULL;
-    for (list_node_t *n = peer->sends.next; n != &peer->sends; n = n->next) {
-        td_xfer_send_t *s = CONTAINER(n, td_xfer_send_t, peer_link);
+    TD_LIST_FOREACH(n, &peer->sends) {
+        td_xfer_send_t *s = TD_CONTAINER_OF(n, td_xfer_send_t, peer_link);
         if (s->p.request_id == request_id && s->p.lease_id == lease_id)
             return s;
     }
@@ -227,12 +227,10 @@ ucs_status_t xfer_am_bind_ack_cb(void *arg, const void *header, size_t header_le
 
 static void drop_queued(td_xfer_t *x, td_xfer_send_t *s)
 {
-    list_node_t *n = x->queue.next;
-    while (n != &x->queue) {
-        send_op_t *op = CONTAINER(n, send_op_t, link);
-        n = n->next;
+    TD_LIST_FOREACH_SAFE(n, &x->queue) {
+        send_op_t *op = TD_CONTAINER_OF(n, send_op_t, link);
         if (op->s == s) {
-            list_del(&op->link);
+            td_list_remove(&op->link);
             s->ops_out--;
             free(op);
         }
@@ -260,7 +258,7 @@ ucs_status_t xfer_am_abort_cb(void *arg, const void *header, size_t header_lengt
     j->peer = peer;
     j->request_id = h.request_id;
     j->lease_id = h.lease_id;
-    list_push(&x->aborts, &j->link);
+    td_list_push_back(&x->aborts, &j->link);
     return UCS_OK;
 }
 
@@ -277,10 +275,8 @@ static void abort_flushed_cb(void *request, ucs_status_t status, void *user_data
 
 void xfer_run_aborts(td_xfer_t *x)
 {
-    list_node_t *n = x->aborts.next;
-    while (n != &x->aborts) {
-        abort_job_t *j = CONTAINER(n, abort_job_t, link);
-        n = n->next;
+    TD_LIST_FOREACH_SAFE(n, &x->aborts) {
+        abort_job_t *j = TD_CONTAINER_OF(n, abort_job_t, link);
         if (!j->flush_posted) {
             td_xfer_send_t *s = send_find(j->peer, j->request_id, j->lease_id);
             if (j->peer->alive && s && s->ops_out > 0)
@@ -303,7 +299,7 @@ void xfer_run_aborts(td_xfer_t *x)
             xfer_send_ctl(x, j->peer->ep, AM_ABORT_ACK, j->request_id, j->lease_id, TD_OK);
         if (j->flushed || j->failed) {
             x->acts++;
-            list_del(&j->link);
+            td_list_remove(&j->link);
             free(j);
         }
     }
@@ -383,8 +379,8 @@ td_status_t td_xfer_send_begin(td_xfer_t *x, td_xfer_peer_t *peer, const td_xfer
     s->n_used = (int32_t)TD_DIV_CEIL(p->n_tokens, bs);
     s->start_ns = td_now_ns();
     s->deadline_ns = s->start_ns + (uint64_t)x->cfg.send_timeout_ms * 1000000ull;
-    list_init(&s->done_link);
-    list_push(&peer->sends, &s->peer_link);
+    td_list_init(&s->done_link);
+    td_list_push_back(&peer->sends, &s->peer_link);
     x->stats.transfers_inflight++;
     *s_p = s;
     return TD_OK;
@@ -431,7 +427,7 @@ td_status_t td_xfer_send_layer(td_xfer_send_t *s, uint32_t layer, const void *sr
         op->len = (size_t)(j - i) * bb;
         s->bytes += op->len; /* its checksum is taken when it is posted (xfer_op_checksum) */
         s->ops_out++;
-        list_push(&x->queue, &op->link);
+        td_list_push_back(&x->queue, &op->link);
         i = j;
     }
     return TD_OK;
@@ -472,7 +468,7 @@ void xfer_send_count(td_xfer_t *x, const td_xfer_send_t *s)
 
 void xfer_send_free(td_xfer_send_t *s)
 {
-    list_del(&s->peer_link);
+    td_list_remove(&s->peer_link);
     free(s->layer_seen);
     free(s->dst_blocks);
     free(s);

@@ -36,7 +36,7 @@ static bool stage_take(td_xfer_t *x, send_op_t *op)
     if (!pc)
         return false; /* tried again on the next drain */
     *pc = (stage_piece_t){.span = span};
-    list_push(&x->stage_pieces, &pc->link);
+    td_list_push_back(&x->stage_pieces, &pc->link);
     x->stage_head = (off + len) % cap;
     x->stage_used += span;
     op->piece = pc;
@@ -51,11 +51,11 @@ void xfer_stage_give(td_xfer_t *x, send_op_t *op)
         return;
     op->piece->done = true;
     op->piece = NULL;
-    while (!list_empty(&x->stage_pieces)) {
-        stage_piece_t *pc = CONTAINER(x->stage_pieces.next, stage_piece_t, link);
+    while (!td_list_empty(&x->stage_pieces)) {
+        stage_piece_t *pc = TD_CONTAINER_OF(x->stage_pieces.next, stage_piece_t, link);
         if (!pc->done)
             break;
-        list_del(&pc->link);
+        td_list_remove(&pc->link);
         x->stage_tail = (x->stage_tail + pc->span) % x->cfg.staging_bytes;
         x->stage_used -= pc->span;
         free(pc);
@@ -94,7 +94,7 @@ bool xfer_copy_begin(td_xfer_t *x, send_op_t *op)
 {
     if (!stage_take(x, op))
         return false;
-    list_del(&op->link);
+    td_list_remove(&op->link);
     x->acts++;
     td_status_t st = stage_start(x, op);
     if (st != TD_OK) {
@@ -103,7 +103,7 @@ bool xfer_copy_begin(td_xfer_t *x, send_op_t *op)
         return true;
     }
     x->ops_posted++;
-    list_push(&x->copying, &op->link);
+    td_list_push_back(&x->copying, &op->link);
     return true;
 }
 
@@ -112,8 +112,8 @@ bool xfer_copy_begin(td_xfer_t *x, send_op_t *op)
  * its piece of the ring whatever happens to its request: the device still writes there. */
 void xfer_poll_copies(td_xfer_t *x)
 {
-    while (!list_empty(&x->copying)) {
-        send_op_t *op = CONTAINER(x->copying.next, send_op_t, link);
+    while (!td_list_empty(&x->copying)) {
+        send_op_t *op = TD_CONTAINER_OF(x->copying.next, send_op_t, link);
         size_t cost = xfer_op_sync_bytes(op); /* its checksum, then posting it */
         if (!xfer_budget_fits(x, cost))
             return; /* next iteration (a copy that is done stays done) */
@@ -121,7 +121,7 @@ void xfer_poll_copies(td_xfer_t *x)
         if (st == TD_ERR_BUSY)
             return;
         xfer_budget_charge(x, cost);
-        list_del(&op->link);
+        td_list_remove(&op->link);
         x->ops_posted--;
         if (st != TD_OK)
             xfer_send_set_status(op->s, td_errorf(st, "xfer request %" PRIu64 ": copying layer %u from device memory "
