@@ -19,6 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "td_list.h"
 #include "td_util.h"
 
 const double td_metrics_latency_buckets[] = {0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005,
@@ -27,7 +28,7 @@ const double td_metrics_latency_buckets[] = {0.0001, 0.00025, 0.0005, 0.001, 0.0
 const size_t td_metrics_latency_n_buckets = TD_ARRAY_LEN(td_metrics_latency_buckets);
 
 struct td_metric {
-    td_metric_t *next;
+    td_list_t link;                      /* in fam->series */
     td_metric_family_t *fam;
     char **label_values;                 /* [fam->n_labels] */
     _Atomic uint64_t bits;               /* counter/gauge value as a double's bits */
@@ -38,7 +39,7 @@ struct td_metric {
 };
 
 struct td_metric_family {
-    td_metric_family_t *next;
+    td_list_t link;                      /* in the registry's families */
     td_metric_type_t type;
     char *name;
     char *help;
@@ -47,7 +48,7 @@ struct td_metric_family {
     size_t n_buckets;
     double buckets[TD_METRICS_MAX_BUCKETS];
     pthread_mutex_t lock;                /* guards the series list */
-    td_metric_t *series, **series_tail;
+    td_list_t series;                    /* td_metric_t, in creation order */
 };
 
 typedef struct metrics_collector {
@@ -57,7 +58,7 @@ typedef struct metrics_collector {
 
 struct td_metrics {
     pthread_mutex_t lock;                /* guards the family list and the collectors */
-    td_metric_family_t *families, **families_tail;
+    td_list_t families;                  /* td_metric_family_t, in registration order */
     metrics_collector_t collectors[TD_METRICS_MAX_COLLECTORS];
     int n_collectors;
 };
@@ -82,7 +83,7 @@ td_status_t td_metrics_create(td_metrics_t **reg_p)
     if (!reg)
         return td_errorf(TD_ERR_NOMEM, "metrics: out of memory creating the registry");
     pthread_mutex_init(&reg->lock, NULL);
-    reg->families_tail = &reg->families;
+    td_list_init(&reg->families);
     *reg_p = reg;
     return TD_OK;
 }
@@ -104,10 +105,8 @@ static void family_free(td_metric_family_t *f)
 {
     if (!f)
         return;
-    for (td_metric_t *m = f->series, *next; m; m = next) {
-        next = m->next;
-        metric_free(m, f->n_labels);
-    }
+    TD_LIST_FOREACH_SAFE(n, &f->series)
+        metric_free(TD_CONTAINER_OF(n, td_metric_t, link), f->n_labels);
     for (size_t i = 0; i < f->n_labels; i++)
         free(f->label_names[i]);
     free(f->name);
@@ -120,10 +119,8 @@ void td_metrics_destroy(td_metrics_t *reg)
 {
     if (!reg)
         return;
-    for (td_metric_family_t *f = reg->families, *next; f; f = next) {
-        next = f->next;
-        family_free(f);
-    }
+    TD_LIST_FOREACH_SAFE(n, &reg->families)
+        family_free(TD_CONTAINER_OF(n, td_metric_family_t, link));
     pthread_mutex_destroy(&reg->lock);
     free(reg);
 }
@@ -193,7 +190,8 @@ td_status_t td_metrics_register(td_metrics_t *reg, td_metric_type_t type, const 
 
     td_status_t st = TD_OK;
     pthread_mutex_lock(&reg->lock);
-    for (td_metric_family_t *f = reg->families; f; f = f->next) {
+    TD_LIST_FOREACH(n, &reg->families) {
+        td_metric_family_t *f = TD_CONTAINER_OF(n, td_metric_family_t, link);
         if (strcmp(f->name, name) != 0)
             continue;
         if (same_shape(f, type, label_names, n_labels, buckets, n_buckets))
@@ -207,7 +205,8 @@ td_status_t td_metrics_register(td_metrics_t *reg, td_metric_type_t type, const 
     if (!f)
         goto err_nomem;
     pthread_mutex_init(&f->lock, NULL);
-    f->series_tail = &f->series;
+    td_list_init(&f->link);
+    td_list_init(&f->series);
     f->type = type;
     f->name = strdup(name);
     f->help = strdup(help ? help : "");
@@ -222,8 +221,7 @@ td_status_t td_metrics_register(td_metrics_t *reg, td_metric_type_t type, const 
     f->n_buckets = n_buckets;
     for (size_t i = 0; i < n_buckets; i++)
         f->buckets[i] = buckets[i];
-    *reg->families_tail = f;
-    reg->families_tail = &f->next;
+    td_list_push_back(&reg->families, &f->link);
     *fam_p = f;
     goto out_unlock;
 
@@ -245,7 +243,8 @@ td_status_t td_metric_family_get(td_metric_family_t *fam, const char *const *lab
 
     td_status_t st = TD_OK;
     pthread_mutex_lock(&fam->lock);
-    for (td_metric_t *m = fam->series; m; m = m->next) {
+    TD_LIST_FOREACH(n, &fam->series) {
+        td_metric_t *m = TD_CONTAINER_OF(n, td_metric_t, link);
         size_t i = 0;
         while (i < fam->n_labels && strcmp(m->label_values[i], label_values[i]) == 0)
             i++;
@@ -269,8 +268,7 @@ td_status_t td_metric_family_get(td_metric_family_t *fam, const char *const *lab
     if (fam->type == TD_METRIC_HISTOGRAM &&
         !(m->bucket_counts = calloc(fam->n_buckets + 1, sizeof *m->bucket_counts)))
         goto err_metric;
-    *fam->series_tail = m;
-    fam->series_tail = &m->next;
+    td_list_push_back(&fam->series, &m->link);
     *m_p = m;
     goto out_unlock;
 
@@ -555,7 +553,8 @@ td_status_t td_metrics_render(td_metrics_t *reg, char **text_p, size_t *len_p)
     out_t o = {0};
     out_reserve(&o, 0);
     pthread_mutex_lock(&reg->lock);
-    for (td_metric_family_t *f = reg->families; f; f = f->next) {
+    TD_LIST_FOREACH(fn, &reg->families) {
+        td_metric_family_t *f = TD_CONTAINER_OF(fn, td_metric_family_t, link);
         out_str(&o, "# HELP ");
         out_str(&o, f->name);
         out_str(&o, " ");
@@ -566,7 +565,8 @@ td_status_t td_metrics_render(td_metrics_t *reg, char **text_p, size_t *len_p)
         out_str(&o, type_name(f->type));
         out_str(&o, "\n");
         pthread_mutex_lock(&f->lock);
-        for (td_metric_t *m = f->series; m; m = m->next) {
+        TD_LIST_FOREACH(mn, &f->series) {
+            td_metric_t *m = TD_CONTAINER_OF(mn, td_metric_t, link);
             if (f->type == TD_METRIC_HISTOGRAM) {
                 render_histogram(&o, f, m);
                 continue;
