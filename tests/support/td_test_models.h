@@ -1,45 +1,39 @@
 /*
- * td_test_models: the model-finding and engine setup the Criterion tests on the real tiny
- * model share (test_engine, test_decode_sched, test_prefill_sched). The model folder is
+ * td_test_models: where the Criterion tests find ../shared/models (the real tiny model and
+ * the reference tokenizers) and the engine setup the tests on stories260K share
+ * (test_engine, test_engine_cuda, test_decode_sched, test_prefill_sched). The folder is
  * $TANDEM_TEST_MODELS (ctest sets it to ../shared/models), else that folder next to the
- * source tree; a test without the model is skipped, saying so, never passed.
+ * source tree; a test without what it needs is skipped, saying so, never passed.
  *
- * Header-only (static inline): every tests/test_*.c is its own executable (CMakeLists.txt),
- * so there is no library of test helpers to link. Threads: the test's own.
+ * Part of the td_test_support library every tests/unit/test_*.c links. Threads: the
+ * test's own.
  */
 #ifndef TD_TEST_MODELS_H
 #define TD_TEST_MODELS_H
 
-#include <criterion/criterion.h>
 #include <stdbool.h>
-#include <stdio.h>
-#include <stdlib.h>
+#include <stddef.h>
 
 #include "td_backend.h"
+#include "td_dtype.h"
 #include "td_engine.h"
 #include "td_model.h"
-#include "td_status.h"
+
+/* The shared models folder: $TANDEM_TEST_MODELS when set and not empty, else
+ * ../shared/models beside the source tree. */
+const char *td_test_models_dir(void);
+
+/* Writes td_test_models_dir()/rel to path[cap] and skips the running test, naming the path
+ * and the variable, when it cannot be read (a file or a folder). */
+void td_test_model_file(const char *rel, char *path, size_t cap);
 
 /* The stories260K checkpoint's path (a static buffer: the same string every call). */
-static inline const char *td_test_stories_path(void)
-{
-    static char path[4096];
-    const char *d = getenv("TANDEM_TEST_MODELS");
-    snprintf(path, sizeof path, "%s/stories260K/stories260K.bin", d ? d : TD_SOURCE_DIR "/../shared/models");
-    return path;
-}
+const char *td_test_stories_path(void);
 
-/* Skips the running test, naming the path and the variable, when the checkpoint is absent. */
-static inline void td_test_skip_without_stories(void)
-{
-    FILE *f = fopen(td_test_stories_path(), "rb");
-    if (!f)
-        cr_skip_test("skipped: %s not found (set TANDEM_TEST_MODELS to the shared models folder)",
-                     td_test_stories_path());
-    fclose(f);
-}
+/* Skips the running test when the stories260K checkpoint is absent. */
+void td_test_skip_without_stories(void);
 
-/* The model, a CPU backend and (td_test_engine_open) an engine on them. */
+/* The model, a backend and (td_test_engine_open*) an engine on them. */
 typedef struct td_test_engine {
     td_model_t *model;
     td_backend_t *be;
@@ -48,39 +42,34 @@ typedef struct td_test_engine {
 } td_test_engine_t;
 
 /* Loads stories260K and a CPU backend of `threads` threads into *fx (zeroed first); asserts. */
-static inline void td_test_model_open(td_test_engine_t *fx, int threads)
-{
-    *fx = (td_test_engine_t){0};
-    cr_assert_eq(td_model_load(td_test_stories_path(), &fx->model), TD_OK, "%s", td_last_error());
-    fx->vocab = fx->model->config.vocab_size;
-    td_cpu_config_t cc = {.n_threads = threads};
-    cr_assert_eq(td_backend_cpu_create(&cc, &fx->be), TD_OK, "%s", td_last_error());
-}
+void td_test_model_open(td_test_engine_t *fx, int threads);
 
 /* td_test_model_open, then an engine built with *ec; asserts. */
-static inline void td_test_engine_open(td_test_engine_t *fx, int threads, const td_engine_config_t *ec)
-{
-    td_test_model_open(fx, threads);
-    cr_assert_eq(td_engine_create(fx->model, fx->be, ec, &fx->eng), TD_OK, "%s", td_last_error());
-}
+void td_test_engine_open(td_test_engine_t *fx, int threads, const td_engine_config_t *ec);
+
+/* stories260K on `be` (taken over by *fx), weights and KV cache in `dtype`, n_blocks KV
+ * blocks; asserts. */
+void td_test_engine_open_on(td_test_engine_t *fx, td_backend_t *be, td_dtype_t dtype, int n_blocks);
 
 /* Frees what the open functions made (NULL members are skipped). */
-static inline void td_test_engine_close(td_test_engine_t *fx)
-{
-    td_engine_destroy(fx->eng);
-    td_backend_destroy(fx->be);
-    td_model_destroy(fx->model);
-    *fx = (td_test_engine_t){0};
-}
+void td_test_engine_close(td_test_engine_t *fx);
 
 /* The index of the largest of v[0..n) (the first on ties): a greedy token. */
-static inline int td_test_argmax(const float *v, int n)
-{
-    int b = 0;
-    for (int i = 1; i < n; i++)
-        if (v[i] > v[b])
-            b = i;
-    return b;
-}
+int td_test_argmax(const float *v, int n);
+
+/* The next number (24 bits) of the tests' LCG, whose state is *s. */
+unsigned td_test_rng_next(unsigned *s);
+
+/* A prompt of n tokens (BOS, then ids 3..511 from td_test_rng_next); the caller frees it. */
+int *td_test_random_prompt(unsigned *s, int n);
+
+/*
+ * Runs n sequences through fx's engine together: prompts prefilled in chunks of at most
+ * `chunk` tokens (all sequences in the same steps), then greedy decode until each holds
+ * total[i] tokens. out[i] gets the generated ids; lhash (when not NULL) lhash[i] a hash of
+ * the bits of each generated token's logits row. Asserts every step.
+ */
+void td_test_engine_greedy(td_test_engine_t *fx, int n, int **prompts, const int *n_prompt, const int *total,
+                           int chunk, int **out, uint64_t **lhash);
 
 #endif /* TD_TEST_MODELS_H */

@@ -203,96 +203,6 @@ static void fx_close(fixture_t *fx)
     td_test_engine_close(fx);
 }
 
-/*
- * Runs n sequences through the engine together: prompts prefilled in chunks of at most
- * `chunk` tokens (all sequences in the same steps), then greedy decode until each holds
- * total[i] tokens. out[i] gets the generated ids; lhash (when not NULL) lhash[i] a hash of
- * the bits of each generated token's logits row.
- */
-static void engine_greedy_h(fixture_t *fx, int n, int **prompts, const int *n_prompt,
-                            const int *total, int chunk, int **out, uint64_t **lhash)
-{
-    int vocab = fx->model->config.vocab_size;
-    td_kv_seq_t *seqs = calloc((size_t)n, sizeof *seqs);
-    int *done = calloc((size_t)n, sizeof(int));   /* prompt tokens consumed */
-    int *gen = calloc((size_t)n, sizeof(int));    /* tokens generated */
-    int *next = calloc((size_t)n, sizeof(int));
-    td_engine_item_t *items = calloc((size_t)n, sizeof *items);
-    int *owner = calloc((size_t)n, sizeof(int));
-    float *logits = malloc((size_t)n * vocab * sizeof(float));
-    for (int i = 0; i < n; i++) {
-        td_kv_seq_init(&seqs[i]);
-        int cached = 0;
-        cr_assert_eq(td_engine_seq_start(fx->eng, &seqs[i], prompts[i], n_prompt[i], &cached), TD_OK);
-        done[i] = cached;
-    }
-    for (;;) {
-        int k = 0;
-        for (int i = 0; i < n; i++) {
-            if (n_prompt[i] + gen[i] >= total[i])
-                continue;
-            if (done[i] < n_prompt[i]) {
-                int len = n_prompt[i] - done[i];
-                if (len > chunk)
-                    len = chunk;
-                items[k] = (td_engine_item_t){.seq = &seqs[i], .tokens = prompts[i] + done[i],
-                                              .n_tokens = len,
-                                              .n_logits = done[i] + len == n_prompt[i]};
-            } else {
-                items[k] = (td_engine_item_t){.seq = &seqs[i], .tokens = &next[i], .n_tokens = 1,
-                                              .n_logits = 1};
-            }
-            owner[k++] = i;
-        }
-        if (k == 0)
-            break;
-        td_status_t st = td_engine_step(fx->eng, items, k, logits);
-        cr_assert_eq(st, TD_OK, "step: %s", td_last_error());
-        int row = 0;
-        for (int j = 0; j < k; j++) {
-            int i = owner[j];
-            if (done[i] < n_prompt[i])
-                done[i] += items[j].n_tokens;
-            if (items[j].n_logits) {
-                if (lhash) {
-                    uint64_t h = 1469598103934665603ull;
-                    const unsigned char *b = (const unsigned char *)(logits + (size_t)row * vocab);
-                    for (size_t q = 0; q < (size_t)vocab * sizeof(float); q++)
-                        h = (h ^ b[q]) * 1099511628211ull;
-                    lhash[i][gen[i]] = h;
-                }
-                next[i] = td_test_argmax(logits + (size_t)row * vocab, vocab);
-                out[i][gen[i]++] = next[i];
-                row++;
-            }
-        }
-    }
-    for (int i = 0; i < n; i++)
-        td_engine_seq_end(fx->eng, &seqs[i]);
-    free(seqs), free(done), free(gen), free(next), free(items), free(owner), free(logits);
-}
-
-static void engine_greedy(fixture_t *fx, int n, int **prompts, const int *n_prompt,
-                          const int *total, int chunk, int **out)
-{
-    engine_greedy_h(fx, n, prompts, n_prompt, total, chunk, out, NULL);
-}
-
-static unsigned rng_next(unsigned *s)
-{
-    *s = *s * 1103515245u + 12345u;
-    return (*s >> 8) & 0xffffff;
-}
-
-static int *random_prompt(unsigned *s, int n)
-{
-    int *p = malloc((size_t)n * sizeof(int));
-    p[0] = 1; /* BOS */
-    for (int i = 1; i < n; i++)
-        p[i] = 3 + (int)(rng_next(s) % 509);
-    return p;
-}
-
 Test(engine, greedy_matches_reference_to_512_tokens, .timeout = 300)
 {
     td_test_skip_without_stories();
@@ -303,11 +213,11 @@ Test(engine, greedy_matches_reference_to_512_tokens, .timeout = 300)
     unsigned s = 42;
     const int lens[] = {1, 5, 17, 100};
     for (size_t p = 0; p < sizeof lens / sizeof lens[0]; p++) {
-        int *prompt = random_prompt(&s, lens[p]);
+        int *prompt = td_test_random_prompt(&s, lens[p]);
         int total = r.seq_len;
         int *want = malloc((size_t)total * sizeof(int)), *got = malloc((size_t)total * sizeof(int));
         double gap = ref_greedy(&r, prompt, lens[p], total, want);
-        engine_greedy(&fx, 1, &prompt, &lens[p], &total, 64, &got);
+        td_test_engine_greedy(&fx, 1, &prompt, &lens[p], &total, 64, &got, NULL);
         for (int i = 0; i < total - lens[p]; i++)
             cr_assert_eq(got[i], want[i],
                          "prompt of %d tokens: generated token %d is %d, reference %d "
@@ -326,9 +236,9 @@ Test(engine, batch_and_chunk_invariance, .timeout = 300)
     unsigned s = 7;
     int *prompts[N], n_prompt[N], total[N], *alone[N], *got[N];
     for (int i = 0; i < N; i++) {
-        n_prompt[i] = 1 + (int)(rng_next(&s) % 120);
-        prompts[i] = random_prompt(&s, n_prompt[i]);
-        total[i] = n_prompt[i] + 24 + (int)(rng_next(&s) % 40);
+        n_prompt[i] = 1 + (int)(td_test_rng_next(&s) % 120);
+        prompts[i] = td_test_random_prompt(&s, n_prompt[i]);
+        total[i] = n_prompt[i] + 24 + (int)(td_test_rng_next(&s) % 40);
         alone[i] = malloc(512 * sizeof(int));
         got[i] = malloc(512 * sizeof(int));
     }
@@ -340,7 +250,7 @@ Test(engine, batch_and_chunk_invariance, .timeout = 300)
     fixture_t fx;
     fx_open(&fx, 2, false);
     for (int i = 0; i < N; i++)
-        engine_greedy_h(&fx, 1, &prompts[i], &n_prompt[i], &total[i], 4096, &alone[i], &h_alone[i]);
+        td_test_engine_greedy(&fx, 1, &prompts[i], &n_prompt[i], &total[i], 4096, &alone[i], &h_alone[i]);
     fx_close(&fx);
     /* Batch invariance, bit for bit: with whole prompts (each sequence's prefill computes
      * the same rows either way) every logits row of a sequence run in a batch of 32 equals
@@ -348,7 +258,7 @@ Test(engine, batch_and_chunk_invariance, .timeout = 300)
      * (docs/kernels.md "Batch invariance"). */
     for (int threads = 1; threads <= 2; threads++) {
         fx_open(&fx, threads, false);
-        engine_greedy_h(&fx, N, prompts, n_prompt, total, 4096, got, h_got);
+        td_test_engine_greedy(&fx, N, prompts, n_prompt, total, 4096, got, h_got);
         for (int i = 0; i < N; i++)
             for (int t = 0; t < total[i] - n_prompt[i]; t++)
                 cr_assert_eq(h_got[i][t], h_alone[i][t],
@@ -365,7 +275,7 @@ Test(engine, batch_and_chunk_invariance, .timeout = 300)
         if (n_prompt[i] <= 8 || n_prompt[i] % 8 == 1)
             continue;
         n_split++;
-        engine_greedy_h(&fx, 1, &prompts[i], &n_prompt[i], &total[i], 8, &got[i], &h_got[i]);
+        td_test_engine_greedy(&fx, 1, &prompts[i], &n_prompt[i], &total[i], 8, &got[i], &h_got[i]);
         for (int t = 0; t < total[i] - n_prompt[i]; t++)
             cr_assert_eq(h_got[i][t], h_alone[i][t],
                          "sequence %d (%d prompt tokens) token %d: prefilled in pieces of 8, its logits differ from "
@@ -378,7 +288,7 @@ Test(engine, batch_and_chunk_invariance, .timeout = 300)
     fx_open(&fx, 2, false);
     const int chunks[] = {4096, 1, 7, 64};
     for (size_t c = 0; c < sizeof chunks / sizeof chunks[0]; c++) {
-        engine_greedy(&fx, N, prompts, n_prompt, total, chunks[c], got);
+        td_test_engine_greedy(&fx, N, prompts, n_prompt, total, chunks[c], got, NULL);
         for (int i = 0; i < N; i++)
             for (int t = 0; t < total[i] - n_prompt[i]; t++)
                 cr_assert_eq(got[i][t], alone[i][t],
@@ -390,7 +300,7 @@ Test(engine, batch_and_chunk_invariance, .timeout = 300)
     /* prefix cache on: shared prompt prefixes are reused and results do not change */
     fx_open(&fx, 2, true);
     for (int round = 0; round < 2; round++) {
-        engine_greedy(&fx, N, prompts, n_prompt, total, 64, got);
+        td_test_engine_greedy(&fx, N, prompts, n_prompt, total, 64, got, NULL);
         for (int i = 0; i < N; i++)
             for (int t = 0; t < total[i] - n_prompt[i]; t++)
                 cr_assert_eq(got[i][t], alone[i][t], "prefix cache round %d: sequence %d token %d",
@@ -472,11 +382,11 @@ Test(engine, weights_converted_at_load, .timeout = 300)
     unsigned s = 3;
     const int lens[] = {1, 17, 100};
     for (size_t p = 0; p < sizeof lens / sizeof lens[0]; p++) {
-        int *prompt = random_prompt(&s, lens[p]);
+        int *prompt = td_test_random_prompt(&s, lens[p]);
         int total = lens[p] + 200;
         int *want = malloc(200 * sizeof(int)), *got = malloc(200 * sizeof(int));
         double gap = ref_greedy(&r, prompt, lens[p], total, want);
-        engine_greedy(&fx, 1, &prompt, &lens[p], &total, 64, &got);
+        td_test_engine_greedy(&fx, 1, &prompt, &lens[p], &total, 64, &got, NULL);
         for (int i = 0; i < 200; i++)
             cr_assert_eq(got[i], want[i],
                          "bf16 weights, prompt of %d tokens: token %d is %d, reference %d (smallest gap %g)",
@@ -489,204 +399,4 @@ Test(engine, weights_converted_at_load, .timeout = 300)
     cr_assert_null(bad);
     fx_close(&fx);
     ref_free(&r);
-}
-
-/* stories260K with weights and KV in `dtype` on `be` (taken over by the fixture) */
-static void fx_open_on(fixture_t *fx, td_backend_t *be, td_dtype_t dtype)
-{
-    *fx = (fixture_t){0};
-    fx->be = be;
-    cr_assert_eq(td_model_load(td_test_stories_path(), &fx->model), TD_OK, "%s", td_last_error());
-    fx->vocab = fx->model->config.vocab_size;
-    td_engine_config_t ec = td_engine_config_default();
-    ec.n_blocks = 256;
-    ec.weight_dtype = dtype;
-    ec.kv_dtype = dtype;
-    cr_assert_eq(td_engine_create(fx->model, be, &ec, &fx->eng), TD_OK, "%s", td_last_error());
-}
-
-/* stories260K on the CUDA backend (activations in act) and on the CPU, weights and KV cache
-   in dtype on both; skips without the model or a CUDA device, fails on any other error */
-static void cuda_pair_open(fixture_t *g, fixture_t *c, td_dtype_t act, td_dtype_t dtype)
-{
-    td_test_skip_without_stories();
-    td_backend_t *gpu, *cpu;
-    td_status_t st = td_backend_cuda_create(&(td_cuda_config_t){.device = 0, .act_dtype = act}, &gpu);
-    if (st == TD_ERR_UNSUPPORTED)
-        cr_skip_test("skipped: no CUDA device (%s)", td_last_error());
-    cr_assert_eq(st, TD_OK, "cuda backend on a machine with a device: %s", td_last_error());
-    cr_assert_eq(td_backend_cpu_create(&(td_cpu_config_t){.n_threads = 2}, &cpu), TD_OK);
-    fx_open_on(g, gpu, dtype);
-    fx_open_on(c, cpu, dtype);
-}
-
-/*
- * The CUDA backend end to end against the CPU backend: four prompts (1..100 tokens) in one
- * ragged batch, prefilled in chunks of 64 (a cached prefix for the 100-token prompt), then
- * n_match greedy decode steps, both engines in lockstep on the CPU's tokens (teacher
- * forcing, so one near-tie does not derail the rest of a sequence). Every logits row is
- * compared: normalised MSE under max_nmse (and, over all rows, mean_nmse), and the GPU's
- * argmax equal to the CPU's wherever the CPU's top-2 gap is at least tie_gap.
- *
- * Why not equal greedy tokens in bf16: on the GPU the activations are bf16 too (the CPU's
- * are f32), and stories260K (dim 64) amplifies their rounding. A CPU emulation of this very
- * run with every bf16 rounding the engine does (weights, KV, each op's output) and exact
- * kernels gives a worst row's logits nmse of 0.003-0.047 per prompt (mean 0.0015-0.003,
- * max |diff| up to 2.7 logits), flips the argmax 1-3 times in 32 tokens per prompt and
- * diverges greedily by token 8-24 of every prompt; a broken rope, attention window or GQA
- * head map gives mean nmse 0.9-2.6. In f32 the two differ only in summation order, but 10
- * of the 800 rows have a CPU top-2 gap under 1e-3 (the smallest near 5e-5).
- */
-static void cuda_matches_cpu(td_dtype_t dtype, int n_match, double max_nmse, double mean_nmse,
-                             double tie_gap)
-{
-    fixture_t g, c;
-    cuda_pair_open(&g, &c, dtype, dtype);
-    enum { N = 4 };
-    const int chunk = 64;
-    unsigned s = 11;
-    int lens[N] = {1, 5, 17, 100}, *prompts[N], done[N], gen[N], next[N], owner[N];
-    td_kv_seq_t sc[N], sg[N];
-    td_engine_item_t ic[N], ig[N];
-    int vocab = c.vocab;
-    float *lc = malloc((size_t)N * vocab * sizeof(float)), *lg = malloc((size_t)N * vocab * sizeof(float));
-    cr_assert(lc && lg);
-    for (int i = 0; i < N; i++) {
-        prompts[i] = random_prompt(&s, lens[i]);
-        td_kv_seq_init(&sc[i]);
-        td_kv_seq_init(&sg[i]);
-        int cc = 0, cg = 0;
-        cr_assert_eq(td_engine_seq_start(c.eng, &sc[i], prompts[i], lens[i], &cc), TD_OK);
-        cr_assert_eq(td_engine_seq_start(g.eng, &sg[i], prompts[i], lens[i], &cg), TD_OK);
-        cr_assert_eq(cc, cg);
-        done[i] = cc;
-        gen[i] = 0;
-    }
-    int rows = 0, ties = 0;
-    double sum_nmse = 0, worst = 0;
-    for (;;) {
-        int k = 0;
-        for (int i = 0; i < N; i++) {
-            if (gen[i] >= n_match)
-                continue;
-            if (done[i] < lens[i]) {
-                int len = lens[i] - done[i] < chunk ? lens[i] - done[i] : chunk;
-                ic[k] = (td_engine_item_t){.seq = &sc[i], .tokens = prompts[i] + done[i], .n_tokens = len,
-                                           .n_logits = done[i] + len == lens[i]};
-            } else {
-                ic[k] = (td_engine_item_t){.seq = &sc[i], .tokens = &next[i], .n_tokens = 1, .n_logits = 1};
-            }
-            ig[k] = ic[k];
-            ig[k].seq = &sg[i];
-            owner[k++] = i;
-        }
-        if (k == 0)
-            break;
-        cr_assert_eq(td_engine_step(c.eng, ic, k, lc), TD_OK, "cpu step: %s", td_last_error());
-        cr_assert_eq(td_engine_step(g.eng, ig, k, lg), TD_OK, "cuda step: %s", td_last_error());
-        int row = 0;
-        for (int j = 0; j < k; j++) {
-            int i = owner[j];
-            if (done[i] < lens[i])
-                done[i] += ic[j].n_tokens;
-            if (!ic[j].n_logits)
-                continue;
-            const float *want = lc + (size_t)row * vocab, *got = lg + (size_t)row * vocab;
-            row++;
-            double err = 0, ref = 0;
-            for (int v = 0; v < vocab; v++) {
-                cr_assert(isfinite(got[v]), "%s, prompt of %d tokens, token %d: CUDA logit %d is %g",
-                          td_dtype_name(dtype), lens[i], gen[i], v, got[v]);
-                double d = (double)got[v] - want[v];
-                err += d * d;
-                ref += (double)want[v] * want[v];
-            }
-            double nmse = err / ref;
-            cr_assert(nmse <= max_nmse, "%s, prompt of %d tokens, token %d: CUDA logits nmse %.3g > %.3g",
-                      td_dtype_name(dtype), lens[i], gen[i], nmse, max_nmse);
-            int best = td_test_argmax(want, vocab), gbest = td_test_argmax(got, vocab);
-            float second = -INFINITY;
-            for (int v = 0; v < vocab; v++)
-                if (v != best && want[v] > second)
-                    second = want[v];
-            if (want[best] - second < tie_gap)
-                ties++;
-            else
-                cr_assert_eq(gbest, best, "%s, prompt of %d tokens: CUDA token %d is %d, CPU %d (CPU top-2 gap %g)",
-                             td_dtype_name(dtype), lens[i], gen[i], gbest, best, want[best] - second);
-            sum_nmse += nmse;
-            worst = nmse > worst ? nmse : worst;
-            rows++;
-            next[i] = best;
-            gen[i]++;
-        }
-    }
-    cr_assert_eq(rows, N * n_match);
-    cr_assert(sum_nmse / rows <= mean_nmse, "%s: mean CUDA logits nmse %.3g > %.3g over %d rows",
-              td_dtype_name(dtype), sum_nmse / rows, mean_nmse, rows);
-    cr_log_info("%s: %d logits rows, nmse mean %.3g worst %.3g; %d with a CPU top-2 gap under %g (argmax "
-                "not compared)", td_dtype_name(dtype), rows, sum_nmse / rows, worst, ties, tie_gap);
-    for (int i = 0; i < N; i++) {
-        td_engine_seq_end(c.eng, &sc[i]);
-        td_engine_seq_end(g.eng, &sg[i]);
-        free(prompts[i]);
-    }
-    free(lc), free(lg);
-    fx_close(&g);
-    fx_close(&c);
-}
-
-/* f32: tokens equal to the CPU's but for near-ties (gap < 1e-3), logits to summation order */
-Test(engine, cuda_logits_match_cpu_f32, .timeout = 300)
-{
-    cuda_matches_cpu(TD_F32, 200, 1e-6, 1e-7, 1e-3);
-}
-
-/* bf16 activations: every row within 5x, the mean within 7x of what exact bf16 kernels give;
-   argmax only where the gap exceeds twice the largest rounding swing seen (2.7) */
-Test(engine, cuda_logits_match_cpu_bf16_activations, .timeout = 300)
-{
-    cuda_matches_cpu(TD_BF16, 32, 0.25, 0.02, 6.0);
-}
-
-/*
- * The acceptance check of the CUDA backend (issue 3), free-running: the same four prompts in
- * one ragged batch, chunked prefill, then greedy decode on each engine alone; the first
- * n_match generated tokens of every sequence must be equal. Weights and KV cache in
- * `dtype`, activations f32 on both (the CPU's always are; bf16 activations are compared by
- * logits above, since their rounding alone flips a greedy token of this tiny model).
- */
-static void cuda_greedy_matches_cpu(td_dtype_t dtype, int n_match)
-{
-    fixture_t g, c;
-    cuda_pair_open(&g, &c, TD_F32, dtype);
-    enum { N = 4 };
-    unsigned s = 11;
-    int lens[N] = {1, 5, 17, 100}, total[N], *prompts[N], *want[N], *got[N];
-    for (int i = 0; i < N; i++) {
-        prompts[i] = random_prompt(&s, lens[i]);
-        total[i] = lens[i] + n_match;
-        want[i] = malloc((size_t)n_match * sizeof(int));
-        got[i] = malloc((size_t)n_match * sizeof(int));
-    }
-    engine_greedy(&c, N, prompts, lens, total, 64, want);
-    engine_greedy(&g, N, prompts, lens, total, 64, got);
-    for (int i = 0; i < N; i++) {
-        for (int t = 0; t < n_match; t++)
-            cr_assert_eq(got[i][t], want[i][t], "%s weights and KV, prompt of %d tokens: CUDA token %d is %d, CPU %d",
-                         td_dtype_name(dtype), lens[i], t, got[i][t], want[i][t]);
-        free(prompts[i]), free(want[i]), free(got[i]);
-    }
-    fx_close(&g);
-    fx_close(&c);
-}
-
-Test(engine, cuda_greedy_equals_cpu_f32_200_tokens, .timeout = 300)
-{
-    cuda_greedy_matches_cpu(TD_F32, 200);
-}
-
-Test(engine, cuda_greedy_equals_cpu_bf16_32_tokens, .timeout = 300)
-{
-    cuda_greedy_matches_cpu(TD_BF16, 32);
 }

@@ -8,12 +8,17 @@
 #include <criterion/criterion.h>
 #include <netinet/in.h>
 #include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 #include <sys/socket.h>
 #include <sys/time.h>
 #include <unistd.h>
 
 #include "control.pb-c.h"
 #include "grpc_test_service.h"
+#include "health.pb-c.h"
+#include "tandem.pb-c.h"
 #include "td_test_net.h"
 #include "td_grpc_wire.h"
 #include "td_util.h"

@@ -16,16 +16,11 @@
 
 #include "td_model.h"
 #include "td_safetensors.h"
+#include "td_test_models.h"
 #include "td_tokenizer.h"
 #include "td_util.h"
 
 /* ---- helpers ----------------------------------------------------------------------- */
-
-static const char *models_dir(void)
-{
-    const char *d = getenv("TANDEM_TEST_MODELS");
-    return d && *d ? d : TD_SOURCE_DIR "/../shared/models";
-}
 
 static char tmp_root[256];
 
@@ -242,9 +237,7 @@ static void expect_dims(const td_model_config_t *c, dims_t w)
 Test(model_llama2c, stories260k_config_and_views, .timeout = 30)
 {
     char path[1024];
-    snprintf(path, sizeof path, "%s/stories260K/stories260K.bin", models_dir());
-    if (!td_is_file(path))
-        cr_skip_test("skipped: %s not found (set TANDEM_TEST_MODELS to the shared models folder)", path);
+    td_test_model_file("stories260K/stories260K.bin", path, sizeof path);
     td_model_t *m;
     cr_assert_eq(td_model_load(path, &m), TD_OK, "%s", td_last_error());
     const td_model_config_t *c = &m->config;

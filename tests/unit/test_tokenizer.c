@@ -13,16 +13,11 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "td_test_models.h"
 #include "td_tokenizer.h"
 #include "td_util.h"
 
 /* ---- helpers ---- */
-
-static const char *models_dir(void)
-{
-    const char *e = getenv("TANDEM_TEST_MODELS");
-    return e && *e ? e : TD_SOURCE_DIR "/../shared/models";
-}
 
 typedef struct row {
     char *text;
@@ -90,9 +85,7 @@ static void free_rows(rows_t *r)
 static td_tokenizer_t *load_shared(const char *rel)
 {
     char path[1024];
-    snprintf(path, sizeof path, "%s/%s", models_dir(), rel);
-    if (access(path, R_OK) != 0)
-        cr_skip_test("%s is absent (set TANDEM_TEST_MODELS to the shared models folder)", path);
+    td_test_model_file(rel, path, sizeof path);
     td_tokenizer_t *tok = NULL;
     cr_assert_eq(td_tokenizer_load(path, &tok), TD_OK, "load %s: %s", path, td_last_error());
     return tok;
