@@ -31,7 +31,6 @@
 #include <errno.h>
 #include <getopt.h>
 #include <math.h>
-#include <poll.h>
 #include <sched.h>
 #include <signal.h>
 #include <stdio.h>
@@ -39,11 +38,11 @@
 #include <string.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include "control.pb-c.h"
 #include "router_registry.h"
+#include "td_child.h"
 #include "td_node_client.h"
 #include "tandem.pb-c.h"
 #include "td_grpc.h"
@@ -112,14 +111,14 @@ typedef struct rb_state {
     bool loop_up;
     uv_timer_t wake;
     bool wake_up;
-    /* router process */
-    pid_t router_pid;
-    int router_fd;            /* the router's stdout, until watched on the loop */
+    /* router process (its stdout piped to us: router.out_fd, until watched on the loop) */
+    td_child_t router;
     uv_pipe_t router_out;
     bool router_out_open;
-    /* the no-op nodes' child process (its own loop; this struct is copied by fork) */
-    pid_t nodes_pid;
-    int nodes_fd;             /* parent: the child's reports; child: where it reports */
+    /* the no-op nodes' child process (forked, not exec'd: its own loop; this struct is
+     * copied by fork); nodes.out_fd: its reports, until watched on the loop */
+    td_child_t nodes;
+    int nodes_fd;             /* child: where it reports */
     uv_pipe_t nodes_out;
     bool nodes_out_open;
     char nodes_line[256];
@@ -226,7 +225,7 @@ static double rb_self_cpu_s(void)
 /* This process (load generator) and the no-op nodes' process. */
 static double rb_bench_cpu_s(const rb_state_t *s)
 {
-    double nodes = s->nodes_pid > 0 ? rb_proc_cpu_s(s->nodes_pid) : 0;
+    double nodes = s->nodes.pid > 0 ? rb_proc_cpu_s(s->nodes.pid) : 0;
     return rb_self_cpu_s() + (nodes > 0 ? nodes : 0);
 }
 
@@ -580,84 +579,43 @@ static void rb_on_router_out(uv_stream_t *st, ssize_t n, const uv_buf_t *buf)
     }
 }
 
-/* A child process with a pipe from it: fds[0] is the parent's read end, fds[1] the child's
- * write end (the caller closes the end it does not keep, on each side). Returns in both
- * processes, *pid_p 0 in the child. Errors (logged, nothing left open): TD_ERR_IO. */
-static td_status_t rb_fork_piped(int fds[2], pid_t *pid_p)
-{
-    if (pipe(fds) != 0)
-        return td_errorf(TD_ERR_IO, "bench router: pipe: %s", strerror(errno));
-    fflush(NULL);
-    pid_t pid = fork();
-    if (pid < 0) {
-        close(fds[0]);
-        close(fds[1]);
-        return td_errorf(TD_ERR_IO, "bench router: fork: %s", strerror(errno));
-    }
-    *pid_p = pid;
-    return TD_OK;
-}
-
-/* Forks and execs `tandem router` pinned to o->router_cpu, reads its gateway and control
- * addresses from its stdout. */
+/* Starts `tandem router` (pinned to o->router_cpu when pin; it ends with this process) and
+ * reads its gateway and control addresses from its stdout. */
 static td_status_t rb_router_start(rb_state_t *s, bool pin)
 {
-    int fds[2];
-    pid_t pid;
-    td_status_t st = rb_fork_piped(fds, &pid);
+    char *argv[] = {"tandem", "router", "--host", "127.0.0.1", "--port", "0", "--control-port", "0",
+                    "--metrics-port", "0", "--model-name", RB_MODEL, "--max-active", "1000000",
+                    "--heartbeat-ms", "100", "--heartbeat-timeout-ms", "10000", "--lease-ms", "60000",
+                    "--rpc-timeout-ms", "10000", "--log-level", (char *)s->o.router_log, NULL};
+    td_child_config_t cc = td_child_config_default();
+    cc.file = s->o.tandem;
+    cc.argv = argv;
+    cc.out = TD_CHILD_OUT_PIPE;
+    cc.die_with_parent = true;
+    cc.cpu = pin ? s->o.router_cpu : -1;
+    td_status_t st = td_child_spawn(&cc, &s->router);
     if (st != TD_OK)
         return st;
-    if (pid == 0) {
-        dup2(fds[1], STDOUT_FILENO);
-        close(fds[0]);
-        close(fds[1]);
-        prctl(PR_SET_PDEATHSIG, SIGTERM);
-        if (pin && !rb_pin(0, s->o.router_cpu))
-            _exit(126);
-        char *argv[] = {"tandem", "router", "--host", "127.0.0.1", "--port", "0", "--control-port", "0",
-                        "--metrics-port", "0", "--model-name", RB_MODEL, "--max-active", "1000000",
-                        "--heartbeat-ms", "100", "--heartbeat-timeout-ms", "10000", "--lease-ms", "60000",
-                        "--rpc-timeout-ms", "10000", "--log-level", (char *)s->o.router_log, NULL};
-        execv(s->o.tandem, argv);
-        _exit(127);
-    }
-    close(fds[1]);
-    s->router_pid = pid;
-    char buf[1024];
-    size_t len = 0;
     double deadline = td_now_s() + 10;
     while (!(s->gw_port && s->ctl_port)) {
-        struct pollfd pf = {.fd = fds[0], .events = POLLIN};
+        char line[256];
         int ms = (int)((deadline - td_now_s()) * 1e3);
-        if (ms <= 0 || poll(&pf, 1, ms) <= 0) {
-            close(fds[0]);
+        st = ms > 0 ? td_child_read_line(&s->router, ms, line, sizeof line) : TD_ERR_TIMEOUT;
+        if (st == TD_ERR_CANCELLED)
+            continue;
+        if (st == TD_ERR_TIMEOUT)
             return td_errorf(TD_ERR_TIMEOUT, "bench router: the router printed no addresses within 10 s");
-        }
-        ssize_t n = read(fds[0], buf + len, sizeof buf - 1 - len);
-        if (n <= 0) {
-            close(fds[0]);
+        if (st != TD_OK)
             return td_errorf(TD_ERR_IO, "bench router: the router exited before serving (see its stderr)");
+        unsigned port;
+        char host[64];
+        if (sscanf(line, "gateway: %63[^:]:%u", host, &port) == 2) {
+            snprintf(s->host, sizeof s->host, "%s", host);
+            s->gw_port = (uint16_t)port;
+        } else if (sscanf(line, "control: %63[^:]:%u", host, &port) == 2) {
+            s->ctl_port = (uint16_t)port;
         }
-        len += (size_t)n;
-        buf[len] = '\0';
-        char *nl;
-        while ((nl = strchr(buf, '\n'))) {
-            *nl = '\0';
-            unsigned port;
-            char host[64];
-            if (sscanf(buf, "gateway: %63[^:]:%u", host, &port) == 2) {
-                snprintf(s->host, sizeof s->host, "%s", host);
-                s->gw_port = (uint16_t)port;
-            } else if (sscanf(buf, "control: %63[^:]:%u", host, &port) == 2) {
-                s->ctl_port = (uint16_t)port;
-            }
-            len -= (size_t)(nl + 1 - buf);
-            memmove(buf, nl + 1, len + 1);
-        }
-        if (len == sizeof buf - 1)
-            len = 0;
     }
-    s->router_fd = fds[0];
     return TD_OK;
 }
 
@@ -677,25 +635,6 @@ static td_status_t rb_watch(rb_state_t *s, uv_pipe_t *p, int *fd, bool *open_fla
     *open_flag = true;
     uv_read_start((uv_stream_t *)p, rb_alloc, cb);
     return TD_OK;
-}
-
-/* SIGTERM, 5 s, then SIGKILL; reaps the child. */
-static void rb_child_stop(pid_t *pid)
-{
-    if (*pid <= 0)
-        return;
-    kill(*pid, SIGTERM);
-    int status;
-    for (int i = 0; i < 500; i++) {
-        if (waitpid(*pid, &status, WNOHANG) == *pid) {
-            *pid = 0;
-            return;
-        }
-        usleep(10000);
-    }
-    kill(*pid, SIGKILL);
-    waitpid(*pid, &status, 0);
-    *pid = 0;
 }
 
 /* ---- the no-op nodes' process ------------------------------------------------------------ */
@@ -781,26 +720,30 @@ static int rb_nodes_main(rb_state_t *s)
     return rc;
 }
 
-/* Forks the no-op nodes' process (before this process starts its loop). */
+/* Forks the no-op nodes' process (before this process starts its loop): a fork that runs
+ * rb_nodes_main, not a program, so not td_child_spawn; its reports come back on a pipe. */
 static td_status_t rb_nodes_fork(rb_state_t *s)
 {
     int fds[2];
-    pid_t pid;
-    td_status_t st = rb_fork_piped(fds, &pid);
-    if (st != TD_OK)
-        return st;
+    if (pipe(fds) != 0)
+        return td_errorf(TD_ERR_IO, "bench router: pipe: %s", strerror(errno));
+    fflush(NULL);
+    pid_t pid = fork();
+    if (pid < 0) {
+        int e = errno;
+        close(fds[0]);
+        close(fds[1]);
+        return td_errorf(TD_ERR_IO, "bench router: fork: %s", strerror(e));
+    }
     if (pid == 0) {
         close(fds[0]);
-        if (s->router_fd >= 0)
-            close(s->router_fd);
-        s->router_fd = -1;
-        s->router_pid = 0;
+        td_child_close(&s->router);
+        s->router.pid = 0;
         s->nodes_fd = fds[1];
         _exit(rb_nodes_main(s));
     }
     close(fds[1]);
-    s->nodes_pid = pid;
-    s->nodes_fd = fds[0];
+    s->nodes = (td_child_t){.pid = pid, .out_fd = fds[0]};
     return TD_OK;
 }
 
@@ -1054,10 +997,10 @@ static void rb_run_phase(rb_state_t *s, rb_phase_t ph, int n, uint32_t max_token
         rb_issue(s, &s->slots[i], max_tokens);
     rb_run_until(s, rb_never, td_now_s() + s->o.warmup_s);
     uint64_t c0 = *counter;
-    double t0 = td_now_s(), r0 = rb_proc_cpu_s(s->router_pid), b0 = rb_bench_cpu_s(s);
+    double t0 = td_now_s(), r0 = rb_proc_cpu_s(s->router.pid), b0 = rb_bench_cpu_s(s);
     rb_run_until(s, rb_never, t0 + s->o.duration_s);
     uint64_t c1 = *counter;
-    double t1 = td_now_s(), r1 = rb_proc_cpu_s(s->router_pid), b1 = rb_bench_cpu_s(s);
+    double t1 = td_now_s(), r1 = rb_proc_cpu_s(s->router.pid), b1 = rb_bench_cpu_s(s);
     s->issuing = false;
     for (int i = 0; i < n; i++)
         if (s->slots[i].call && ph == PH_RELAY)
@@ -1077,9 +1020,9 @@ static void rb_run_latency(rb_state_t *s, rb_phase_result_t *res)
     rb_lat_next(s);
     rb_run_until(s, rb_never, td_now_s() + s->o.warmup_s);
     s->lat_router.n = s->lat_direct.n = 0;
-    double t0 = td_now_s(), r0 = rb_proc_cpu_s(s->router_pid), b0 = rb_bench_cpu_s(s);
+    double t0 = td_now_s(), r0 = rb_proc_cpu_s(s->router.pid), b0 = rb_bench_cpu_s(s);
     rb_run_until(s, rb_never, t0 + s->o.duration_s);
-    double t1 = td_now_s(), r1 = rb_proc_cpu_s(s->router_pid), b1 = rb_bench_cpu_s(s);
+    double t1 = td_now_s(), r1 = rb_proc_cpu_s(s->router.pid), b1 = rb_bench_cpu_s(s);
     s->issuing = false;
     rb_run_until(s, rb_drained, td_now_s() + 10);
     qsort(s->lat_router.v, s->lat_router.n, sizeof(double), rb_cmp_double);
@@ -1182,12 +1125,10 @@ static void rb_close_all(rb_state_t *s)
     td_grpc_channel_close(s->d_decode, NULL, NULL);
     td_grpc_channel_close(s->d_prefill, NULL, NULL);
     s->stopping = true;
-    rb_child_stop(&s->router_pid);
-    rb_child_stop(&s->nodes_pid);
-    if (s->router_fd >= 0)
-        close(s->router_fd);
-    if (s->nodes_fd >= 0)
-        close(s->nodes_fd);
+    td_child_stop_all(&s->router, 1, 5000, NULL);
+    td_child_stop_all(&s->nodes, 1, 5000, NULL);
+    td_child_close(&s->router);
+    td_child_close(&s->nodes);
     if (!s->loop_up)
         return;
     if (s->wake_up)
@@ -1281,7 +1222,7 @@ int bench_router(int argc, char **argv)
     for (int i = 0; i < s->o.prompt_tokens; i++)
         s->prompt[i] = (uint32_t)(1 + i % 255);
     s->free_head = UINT32_MAX;
-    s->router_fd = s->nodes_fd = -1;
+    s->router.out_fd = s->nodes.out_fd = s->nodes_fd = -1;
     s->subs[0].s = s->subs[1].s = s;
     signal(SIGPIPE, SIG_IGN);
 
@@ -1303,8 +1244,8 @@ int bench_router(int argc, char **argv)
     uv_timer_init(&s->loop, &s->wake);
     s->wake_up = true;
     uv_timer_start(&s->wake, on_wake, 5, 5); /* bounds each UV_RUN_ONCE while waiting */
-    if (rb_watch(s, &s->router_out, &s->router_fd, &s->router_out_open, rb_on_router_out) != TD_OK ||
-        rb_watch(s, &s->nodes_out, &s->nodes_fd, &s->nodes_out_open, rb_on_nodes_out) != TD_OK)
+    if (rb_watch(s, &s->router_out, &s->router.out_fd, &s->router_out_open, rb_on_router_out) != TD_OK ||
+        rb_watch(s, &s->nodes_out, &s->nodes.out_fd, &s->nodes_out_open, rb_on_nodes_out) != TD_OK)
         goto out;
     rb_run_until(s, rb_have_ports, td_now_s() + 10);
     if (!rb_have_ports(s)) {
@@ -1335,7 +1276,7 @@ int bench_router(int argc, char **argv)
     rb_phase_result_t a = {.rate = NAN, .router_cpu = NAN, .bench_cpu = NAN}, b = a, cr = a;
     bool run_a = strchr(s->o.phases, 'a'), run_b = strchr(s->o.phases, 'b'), run_c = strchr(s->o.phases, 'c');
     if (!s->o.json)
-        fprintf(stderr, "bench router: router pid %d\n", (int)s->router_pid);
+        fprintf(stderr, "bench router: router pid %d\n", (int)s->router.pid);
     if (run_a) {
         if (!s->o.json)
             fprintf(stderr, "bench router: (a) requests/s, %d in flight, %.1f s\n", s->o.concurrency, s->o.duration_s);

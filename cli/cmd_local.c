@@ -6,17 +6,15 @@
  * (SIGTERM, then SIGKILL after a bound).
  */
 #include <errno.h>
-#include <fcntl.h>
-#include <poll.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
 #include "td_backend.h"
+#include "td_child.h"
 #include "td_cli.h"
 #include "td_engine.h"
 #include "td_log.h"
@@ -26,11 +24,8 @@
 #define LOCAL_MAX_CHILDREN 66
 
 typedef struct local_state {
-    pid_t pids[LOCAL_MAX_CHILDREN];
+    td_child_t kids[LOCAL_MAX_CHILDREN]; /* [0] the router, its stdout piped to us */
     int n;
-    int router_fd;           /* the router's stdout */
-    char buf[4096];
-    size_t len;
 } local_state_t;
 
 static volatile sig_atomic_t local_stop;
@@ -40,81 +35,34 @@ static void on_sig(int sig)
     local_stop = sig;
 }
 
-static pid_t spawn(const char *self, char *const argv[], int *out_fd)
+/* Starts this binary again with argv: the router with its stdout piped to us (out_pipe),
+ * a node with its stdout on our stderr (its banners are not our output). */
+static td_status_t spawn(local_state_t *l, const char *self, char *const argv[], bool out_pipe)
 {
-    int p[2] = {-1, -1};
-    if (out_fd && pipe(p) != 0)
-        return -1;
-    pid_t pid = fork();
-    if (pid == 0) {
-        if (out_fd) {
-            dup2(p[1], STDOUT_FILENO);
-            close(p[0]);
-            close(p[1]);
-        } else {
-            dup2(STDERR_FILENO, STDOUT_FILENO); /* node banners go to our stderr */
-        }
-        signal(SIGINT, SIG_DFL);
-        signal(SIGTERM, SIG_DFL);
-        execv(self, argv);
-        _exit(127);
-    }
-    if (out_fd) {
-        close(p[1]);
-        *out_fd = p[0];
-    }
-    return pid;
+    td_child_config_t cc = td_child_config_default();
+    cc.file = self;
+    cc.argv = argv;
+    cc.out = out_pipe ? TD_CHILD_OUT_PIPE : TD_CHILD_OUT_STDERR;
+    td_status_t st = td_child_spawn(&cc, &l->kids[l->n]);
+    if (st == TD_OK)
+        l->n++;
+    return st;
 }
 
-/* Reads one line of the router's stdout within timeout_ms; NULL on timeout/EOF. */
+/* Reads one line of the router's stdout within timeout_ms; NULL on timeout, EOF or a
+ * stop signal. */
 static const char *read_line(local_state_t *l, int timeout_ms, char *line, size_t cap)
 {
     uint64_t end = td_now_ns() + (uint64_t)timeout_ms * 1000000ull;
     for (;;) {
-        char *nl = memchr(l->buf, '\n', l->len);
-        if (nl) {
-            size_t n = (size_t)(nl - l->buf);
-            snprintf(line, cap, "%.*s", (int)n, l->buf);
-            memmove(l->buf, nl + 1, l->len - n - 1);
-            l->len -= n + 1;
-            return line;
-        }
         uint64_t now = td_now_ns();
-        if (now >= end || local_stop || l->len == sizeof l->buf)
+        if (now >= end || local_stop)
             return NULL;
-        struct pollfd pf = {.fd = l->router_fd, .events = POLLIN};
-        if (poll(&pf, 1, (int)((end - now) / 1000000ull) + 1) <= 0)
-            continue;
-        ssize_t r = read(l->router_fd, l->buf + l->len, sizeof l->buf - l->len);
-        if (r <= 0)
+        td_status_t st = td_child_read_line(&l->kids[0], (int)((end - now) / 1000000ull) + 1, line, cap);
+        if (st == TD_OK)
+            return line;
+        if (st != TD_ERR_CANCELLED) /* a signal: look at local_stop, then wait on */
             return NULL;
-        l->len += (size_t)r;
-    }
-}
-
-static void stop_all(local_state_t *l)
-{
-    for (int i = l->n - 1; i >= 0; i--)
-        if (l->pids[i] > 0)
-            kill(l->pids[i], SIGTERM);
-    uint64_t end = td_now_ns() + 5000000000ull;
-    int left = l->n;
-    while (left > 0) {
-        left = 0;
-        for (int i = 0; i < l->n; i++) {
-            if (l->pids[i] <= 0)
-                continue;
-            if (waitpid(l->pids[i], NULL, WNOHANG) == l->pids[i])
-                l->pids[i] = 0;
-            else if (td_now_ns() > end) {
-                kill(l->pids[i], SIGKILL);
-                waitpid(l->pids[i], NULL, 0);
-                l->pids[i] = 0;
-            } else
-                left++;
-        }
-        if (left)
-            usleep(20000);
     }
 }
 
@@ -247,7 +195,7 @@ int cmd_local(int argc, char **argv)
        thread inside its own pool), so the children start none */
     setenv("OPENBLAS_NUM_THREADS", "1", 1);
 
-    local_state_t l = {.router_fd = -1};
+    local_state_t l = {0};
     struct sigaction sa = {.sa_handler = on_sig};
     sigaction(SIGINT, &sa, NULL);
     sigaction(SIGTERM, &sa, NULL);
@@ -263,9 +211,8 @@ int cmd_local(int argc, char **argv)
         rargv[rn++] = "--tokenizer";
         rargv[rn++] = (char *)tokenizer;
     }
-    if ((l.pids[l.n] = spawn(self, rargv, &l.router_fd)) < 0)
+    if (spawn(&l, self, rargv, true) != TD_OK)
         goto out;
-    l.n++;
     while ((!gateway[0] || !control[0] || !metrics[0]) && read_line(&l, 10000, line, sizeof line)) {
         if (!strncmp(line, "gateway: ", 9))
             snprintf(gateway, sizeof gateway, "%s", line + 9);
@@ -300,9 +247,8 @@ int cmd_local(int argc, char **argv)
             nargv[k++] = "--advertise";
             nargv[k++] = (char *)advertise;
         }
-        if ((l.pids[l.n] = spawn(self, nargv, NULL)) < 0)
+        if (spawn(&l, self, nargv, false) != TD_OK)
             goto out;
-        l.n++;
     }
     bool ready = false;
     while (!ready && read_line(&l, 30000, line, sizeof line)) {
@@ -320,20 +266,21 @@ int cmd_local(int argc, char **argv)
     while (!local_stop) {
         read_line(&l, 200, line, sizeof line);
         bool died = false;
-        for (int i = 0; i < l.n; i++)
-            if (l.pids[i] > 0 && waitpid(l.pids[i], NULL, WNOHANG) == l.pids[i]) {
-                fprintf(stderr, "tandem local: process %d exited%s\n", (int)l.pids[i],
+        for (int i = 0; i < l.n; i++) {
+            pid_t pid = l.kids[i].pid;
+            if (pid > 0 && td_child_exited(&l.kids[i], NULL)) {
+                fprintf(stderr, "tandem local: process %d exited%s\n", (int)pid,
                         i == 0 ? "; stopping the cluster" : "");
-                l.pids[i] = 0;
                 died = died || i == 0; /* a node may die (the router fails over); the router may not */
             }
+        }
         if (died)
             goto out;
     }
     rc = 0;
 out:
-    stop_all(&l);
-    if (l.router_fd >= 0)
-        close(l.router_fd);
+    td_child_stop_all(l.kids, l.n, 5000, NULL);
+    if (l.n > 0)
+        td_child_close(&l.kids[0]);
     return rc;
 }

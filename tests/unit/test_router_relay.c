@@ -21,18 +21,16 @@
  * Skips when TANDEM_BIN is not set.
  */
 #include <criterion/criterion.h>
-#include <fcntl.h>
-#include <poll.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include "control.pb-c.h"
 #include "tandem.pb-c.h"
+#include "td_child.h"
 #include "td_grpc.h"
 #include "td_kv_layout.h"
 #include "td_util.h"
@@ -60,8 +58,7 @@ typedef struct gen {
 } gen_t;
 
 typedef struct env {
-    pid_t router;
-    FILE *router_out;
+    td_child_t router;            /* `tandem router`, its stdout piped to us */
     uint16_t gateway_port, control_port;
     uv_loop_t loop;
     uv_timer_t tick;
@@ -273,7 +270,8 @@ static void register_node(env_t *e, const char *id, Tandem__Control__V1__Role ro
 static void read_ports(env_t *e)
 {
     char line[512];
-    while ((!e->gateway_port || !e->control_port) && fgets(line, sizeof line, e->router_out)) {
+    while ((!e->gateway_port || !e->control_port) &&
+           td_child_read_line(&e->router, 10000, line, sizeof line) == TD_OK) {
         const char *colon = strrchr(line, ':');
         if (!strncmp(line, "gateway: ", 9) && colon)
             e->gateway_port = (uint16_t)atoi(colon + 1);
@@ -299,20 +297,12 @@ static void env_start(env_t *e, const char *const *router_args)
     for (int i = 0; router_args && router_args[i]; i++)
         argv[argc++] = (char *)router_args[i];
     argv[argc] = NULL;
-    int fds[2];
-    cr_assert_eq(pipe(fds), 0);
-    e->router = fork();
-    cr_assert_geq(e->router, 0);
-    if (e->router == 0) {
-        prctl(PR_SET_PDEATHSIG, SIGTERM); /* a failed assertion ends the test process */
-        dup2(fds[1], 1);
-        close(fds[0]);
-        close(fds[1]);
-        execv(bin, argv);
-        _exit(127);
-    }
-    close(fds[1]);
-    e->router_out = fdopen(fds[0], "r");
+    td_child_config_t rc = td_child_config_default();
+    rc.file = bin;
+    rc.argv = argv;
+    rc.out = TD_CHILD_OUT_PIPE;
+    rc.die_with_parent = true; /* a failed assertion ends the test process */
+    cr_assert_eq(td_child_spawn(&rc, &e->router), TD_OK, "%s", td_last_error());
     read_ports(e);
     cr_assert_eq(uv_loop_init(&e->loop), 0);
     uv_timer_init(&e->loop, &e->tick);
@@ -345,10 +335,9 @@ static void env_start(env_t *e, const char *const *router_args)
 
 static void env_stop(env_t *e)
 {
-    kill(e->router, SIGTERM);
     int status = 0;
-    waitpid(e->router, &status, 0);
-    fclose(e->router_out);
+    td_child_stop_all(&e->router, 1, 10000, &status);
+    td_child_close(&e->router);
     for (int i = 0; i < e->n_leases; i++)
         if (e->leases[i].prefill) {
             td_grpc_call_set_data(e->leases[i].prefill, NULL);
