@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "td_list.h"
 #include "td_util.h"
 
 static uint64_t key_hash(const char *s, size_t len)
@@ -103,8 +104,21 @@ typedef struct sym {
     int32_t id;      /* -1: not (yet) a piece of the vocabulary */
     uint32_t start;  /* bytes of the word */
     uint32_t len;    /* 0: merged away */
-    int32_t prev, next;
+    td_list_t link;  /* in the word, while not merged away */
 } sym_t;
+
+/* The symbol after / before a in the word, or NULL. */
+static sym_t *sym_next(const td_list_t *word, const sym_t *a)
+{
+    td_list_t *n = td_list_next(word, &a->link);
+    return n ? TD_CONTAINER_OF(n, sym_t, link) : NULL;
+}
+
+static sym_t *sym_prev(const td_list_t *word, const sym_t *a)
+{
+    td_list_t *n = td_list_prev(word, &a->link);
+    return n ? TD_CONTAINER_OF(n, sym_t, link) : NULL;
+}
 
 typedef struct cand {
     double key;      /* smaller merges first: rank, or -score */
@@ -166,13 +180,15 @@ static cand_t heap_pop(heap_t *h)
     return top;
 }
 
-/* Queues the merge of symbol l with its right neighbour, if the model has one. */
-static td_status_t try_pair(const td_tokenizer_t *tok, const char *s, sym_t *sy, int32_t l, heap_t *h)
+/* Queues the merge of symbol a (of the word, or NULL) with its right neighbour, if the
+ * model has one. */
+static td_status_t try_pair(const td_tokenizer_t *tok, const char *s, const td_list_t *word, const sym_t *sy,
+                            const sym_t *a, heap_t *h)
 {
-    if (l < 0 || sy[l].next < 0)
+    const sym_t *b = a ? sym_next(word, a) : NULL;
+    if (!b)
         return TD_OK;
-    const sym_t *a = &sy[l], *b = &sy[a->next];
-    cand_t c = {.left = l, .size = a->len + b->len};
+    cand_t c = {.left = (int32_t)(a - sy), .size = a->len + b->len};
     if (tok->algo == TD_TOK_ALGO_SCORES) {
         int32_t id = td_tok_map_get(tok, s + a->start, a->len + b->len);
         if (id < 0 || (tok->flags[id] & TD_TOK_F_NOMERGE))
@@ -264,36 +280,36 @@ td_status_t td_tok_bpe_word(const td_tokenizer_t *tok, const char *s, size_t len
         sy[n++] = (sym_t){.id = id, .start = (uint32_t)i, .len = (uint32_t)cl};
         i += cl;
     }
-    for (int32_t i = 0; i < n; i++) {
-        sy[i].prev = i - 1;
-        sy[i].next = i + 1 < n ? i + 1 : -1;
-    }
+    td_list_t word;
+    td_list_init(&word);
+    for (int32_t i = 0; i < n; i++)
+        td_list_push_back(&word, &sy[i].link);
 
     for (int32_t i = 0; i + 1 < n; i++)
-        if ((st = try_pair(tok, s, sy, i, &h)))
+        if ((st = try_pair(tok, s, &word, sy, &sy[i], &h)))
             goto out;
     while (h.n) {
         cand_t c = heap_pop(&h);
         sym_t *a = &sy[c.left];
-        if (!a->len || a->next < 0 || a->len + sy[a->next].len != c.size)
+        sym_t *b = a->len ? sym_next(&word, a) : NULL;
+        if (!b || a->len + b->len != c.size)
             continue; /* stale */
-        sym_t *b = &sy[a->next];
         a->len += b->len;
         a->id = c.id;
-        a->next = b->next;
-        if (b->next >= 0)
-            sy[b->next].prev = c.left;
+        td_list_remove(&b->link);
         b->len = 0;
-        if ((st = try_pair(tok, s, sy, a->prev, &h)) || (st = try_pair(tok, s, sy, c.left, &h)))
+        if ((st = try_pair(tok, s, &word, sy, sym_prev(&word, a), &h)) ||
+            (st = try_pair(tok, s, &word, sy, a, &h)))
             goto out;
     }
 
-    for (int32_t i = n ? 0 : -1; i >= 0; i = sy[i].next) {
-        int32_t id = sy[i].id;
+    TD_LIST_FOREACH(node, &word) {
+        const sym_t *y = TD_CONTAINER_OF(node, sym_t, link);
+        int32_t id = y->id;
         if (id >= 0) {
             st = td_tok_ids_push(out, id);
         } else if (tok->byte_fallback || tok->unk_id < 0) {
-            st = emit_bytes(tok, s + sy[i].start, sy[i].len, out); /* sentencepiece byte fallback */
+            st = emit_bytes(tok, s + y->start, y->len, out); /* sentencepiece byte fallback */
         } else if (!(tok->fuse_unk && out->n && out->v[out->n - 1] == tok->unk_id)) {
             st = td_tok_ids_push(out, tok->unk_id);
         }
