@@ -21,7 +21,7 @@ static td_status_t alloc_slots(size_t cap, td_hash_slot_t **slots_p)
 {
     td_hash_slot_t *slots = malloc(cap * sizeof *slots);
     if (!slots)
-        return td_errorf(TD_ERR_NOMEM, "hash table: out of memory for %zu slots", cap);
+        return td_errorf_quiet(TD_ERR_NOMEM, "hash table: out of memory for %zu slots", cap);
     for (size_t i = 0; i < cap; i++)
         slots[i] = (td_hash_slot_t){.hash = 0, .value = TD_HASH_EMPTY};
     *slots_p = slots;
@@ -59,7 +59,7 @@ td_status_t td_hash_init(td_hash_t *t, size_t n)
 {
     *t = (td_hash_t){0};
     if (n > SIZE_MAX / 4 / sizeof(td_hash_slot_t))
-        return td_errorf(TD_ERR_NOMEM, "hash table: %zu entries is too many", n);
+        return td_errorf_quiet(TD_ERR_NOMEM, "hash table: %zu entries is too many", n);
     size_t cap = cap_for(n);
     td_status_t st = alloc_slots(cap, &t->slots);
     if (st)
@@ -81,7 +81,7 @@ static td_status_t grow(td_hash_t *t)
 {
     size_t old_cap = t->mask + 1;
     if (old_cap > SIZE_MAX / 2 / sizeof(td_hash_slot_t))
-        return td_errorf(TD_ERR_NOMEM, "hash table: cannot grow past %zu slots", old_cap);
+        return td_errorf_quiet(TD_ERR_NOMEM, "hash table: cannot grow past %zu slots", old_cap);
     td_hash_slot_t *old = t->slots, *slots = NULL;
     td_status_t st = alloc_slots(old_cap * 2, &slots);
     if (st)

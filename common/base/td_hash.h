@@ -50,8 +50,8 @@ typedef struct td_hash {
 
 /*
  * Makes an empty table with room for n entries before it first grows (n = 0: the smallest
- * table). Errors: TD_ERR_NOMEM (logged; *t left as a table that holds nothing and can be
- * freed). Release with td_hash_free.
+ * table). Errors: TD_ERR_NOMEM (not logged: the caller says what the table was for; *t left
+ * as a table that holds nothing and can be freed). Release with td_hash_free.
  */
 td_status_t td_hash_init(td_hash_t *t, size_t n);
 
@@ -60,7 +60,8 @@ void td_hash_free(td_hash_t *t);
 
 /*
  * Adds the entry (hash, value); value != TD_HASH_EMPTY. Allocates only when the table must
- * grow to keep its load at or below 1/2. Errors: TD_ERR_NOMEM (logged; table unchanged).
+ * grow to keep its load at or below 1/2. Errors: TD_ERR_NOMEM (not logged, as for
+ * td_hash_init; table unchanged).
  */
 td_status_t td_hash_put(td_hash_t *t, uint64_t hash, uint64_t value);
 
