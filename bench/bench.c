@@ -1,7 +1,9 @@
 /*
  * bench: `tandem bench <name>` dispatches to one benchmark.
  */
+#include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "td_bench.h"
@@ -34,4 +36,23 @@ int cmd_bench(int argc, char **argv)
     fprintf(f, "\n'tandem bench <name> --help' lists each one's options; figures are ratios to a\n"
                "ceiling measured in the same run (docs/bench.md).\n");
     return f == stdout ? 0 : 2;
+}
+
+void bench_json_number(cJSON *obj, const char *key, double v, int decimals)
+{
+    double scale = pow(10.0, decimals);
+    cJSON_AddNumberToObject(obj, key, isfinite(v) ? round(v * scale) / scale : v);
+}
+
+int bench_json_print(FILE *f, cJSON *obj)
+{
+    char *text = obj ? cJSON_PrintUnformatted(obj) : NULL;
+    cJSON_Delete(obj);
+    if (!text) {
+        fprintf(stderr, "tandem bench: out of memory writing the JSON output\n");
+        return 1;
+    }
+    fprintf(f, "%s\n", text);
+    cJSON_free(text);
+    return 0;
 }

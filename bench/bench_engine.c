@@ -10,7 +10,6 @@
  * f32) written once to a cache folder.
  */
 #include <cblas.h>
-#include <getopt.h>
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -18,6 +17,7 @@
 
 #include "td_backend.h"
 #include "td_bench.h"
+#include "td_cli.h"
 #include "td_engine.h"
 #include "td_model.h"
 #include "td_threadpool.h"
@@ -225,66 +225,43 @@ static td_status_t ensure_model(const bench_opts_t *o, char *dir, size_t cap)
     return td_model_synth(&sp, dir, NULL);
 }
 
-static void usage(FILE *f)
-{
-    fprintf(f,
-            "usage: tandem bench engine [--model PATH | --preset NAME] [--dtype f32|bf16|f16]\n"
-            "                           [--device cpu|cuda[:N]] [--threads N] [--prompt-tokens N]\n"
-            "                           [--gen-tokens N] [--json]\n"
-            "  --preset   synthetic model shape (default llama-3.2-1b), written once under\n"
-            "             $TANDEM_CACHE or ~/.cache/tandem\n"
-            "  --dtype    dtype of the synthetic weights (default f32); on cuda also of the\n"
-            "             activations and the KV cache\n"
-            "  --device   where the engine runs (default cpu)\n"
-            "  --threads  compute threads (default: all cores)\n");
-}
-
 int bench_engine(int argc, char **argv)
 {
     bench_opts_t o = {.preset = "llama-3.2-1b", .dtype = TD_F32, .threads = 0,
                       .prompt_tokens = 512, .gen_tokens = 16};
-    static const struct option longopts[] = {
-        {"model", required_argument, 0, 'm'},    {"preset", required_argument, 0, 'p'},
-        {"dtype", required_argument, 0, 'd'},    {"threads", required_argument, 0, 't'},
-        {"prompt-tokens", required_argument, 0, 'P'}, {"gen-tokens", required_argument, 0, 'g'},
-        {"json", no_argument, 0, 'j'},           {"help", no_argument, 0, 'h'},
-        {"device", required_argument, 0, 'D'},
-        {0, 0, 0, 0},
+    int64_t threads = 0, prompt_tokens = o.prompt_tokens, gen_tokens = o.gen_tokens;
+    const td_opt_t opts[] = {
+        {.name = "model", .type = TD_OPT_STR, .ptr = &o.model, .arg = "PATH", .help = "a model to load instead of a preset"},
+        {.name = "preset", .type = TD_OPT_STR, .ptr = &o.preset, .arg = "NAME",
+         .help = "synthetic model shape (default llama-3.2-1b), written once under\n"
+                 "$TANDEM_CACHE or ~/.cache/tandem"},
+        {.name = "dtype", .type = TD_OPT_FN, .ptr = &o.dtype, .parse = cli_opt_dtype, .arg = "T",
+         .help = "f32|bf16|f16: dtype of the synthetic weights (default f32); on cuda also of the\n"
+                 "activations and the KV cache"},
+        {.name = "device", .type = TD_OPT_FN, .ptr = &o.device, .parse = cli_opt_device, .arg = "D",
+         .help = "where the engine runs: cpu (default), cuda or cuda:N"},
+        {.name = "threads", .type = TD_OPT_I64, .ptr = &threads, .min = 1, .max = 1024, .arg = "N",
+         .help = "compute threads (default: all cores)"},
+        {.name = "prompt-tokens", .type = TD_OPT_I64, .ptr = &prompt_tokens, .min = 1, .max = 1 << 16, .arg = "N",
+         .help = "prompt length of the prefill figure (default 512)"},
+        {.name = "gen-tokens", .type = TD_OPT_I64, .ptr = &gen_tokens, .min = 1, .max = 1 << 16, .arg = "N",
+         .help = "tokens generated per decode figure (default 16)"},
+        {.name = "json", .type = TD_OPT_BOOL, .ptr = &o.json, .help = "one JSON document on stdout (docs/bench.md)"},
     };
-    int64_t v;
-    optind = 1;
-    for (int ch; (ch = getopt_long(argc, argv, "", longopts, NULL)) != -1;) {
-        switch (ch) {
-        case 'm': o.model = optarg; break;
-        case 'p': o.preset = optarg; break;
-        case 'd':
-            if (td_dtype_parse_flag(optarg, &o.dtype) != TD_OK)
-                return 2;
-            break;
-        case 't':
-            if (td_parse_i64(optarg, 1, 1024, "--threads", &v) != TD_OK)
-                return 2;
-            o.threads = (int)v;
-            break;
-        case 'P':
-            if (td_parse_i64(optarg, 1, 1 << 16, "--prompt-tokens", &v) != TD_OK)
-                return 2;
-            o.prompt_tokens = (int)v;
-            break;
-        case 'g':
-            if (td_parse_i64(optarg, 1, 1 << 16, "--gen-tokens", &v) != TD_OK)
-                return 2;
-            o.gen_tokens = (int)v;
-            break;
-        case 'D':
-            if (td_device_parse(optarg, &o.device) != TD_OK)
-                return 2;
-            break;
-        case 'j': o.json = true; break;
-        case 'h': usage(stdout); return 0;
-        default: usage(stderr); return 2;
-        }
+    td_opts_t spec = {.prog = "bench engine", .opts = opts, .n_opts = TD_ARRAY_LEN(opts)};
+    td_opts_result_t r = {0};
+    if (td_opts_parse(&spec, argc, argv, &r) != TD_OK)
+        return 2;
+    if (r.help) {
+        printf("usage: tandem bench engine [--model PATH | --preset NAME] [--dtype f32|bf16|f16]\n"
+               "                           [--device cpu|cuda[:N]] [--threads N] [--prompt-tokens N]\n"
+               "                           [--gen-tokens N] [--json]\n");
+        td_opts_usage(stdout, opts, (int)TD_ARRAY_LEN(opts), false);
+        return 0;
     }
+    o.threads = (int)threads;
+    o.prompt_tokens = (int)prompt_tokens;
+    o.gen_tokens = (int)gen_tokens;
     if (o.threads <= 0)
         o.threads = td_cpu_count();
 
@@ -352,16 +329,29 @@ int bench_engine(int argc, char **argv)
     }
 
     if (o.json) {
-        printf("{\"model\": \"%s\", \"device\": \"%s\", \"threads\": %d, \"weight_bytes\": %zu, "
-               "\"read_bw_gbytes_per_s\": %.3f, \"sgemm_gflops\": %.2f, "
-               "\"decode_b1_tokens_per_s\": %.3f, \"decode_b1_bytes_per_token\": %.0f, "
-               "\"decode_b1_bw_ratio\": %.3f, \"prefill_tokens\": %d, "
-               "\"prefill_tokens_per_s\": %.2f, \"prefill_gflops\": %.2f, "
-               "\"prefill_sgemm_ratio\": %.3f, \"batched_decode_tokens_per_s\": "
-               "{\"1\": %.2f, \"8\": %.2f, \"32\": %.2f, \"64\": %.2f}}\n",
-               dir, be->ops->name, o.threads, td_engine_weight_bytes(eng), bw * 1e-9, sgemm * 1e-9, decode_tps,
-               bytes_per_token, decode_ratio, o.prompt_tokens, prefill_tps, prefill_flops * 1e-9,
-               prefill_flops / sgemm, batch_tps[0], batch_tps[1], batch_tps[2], batch_tps[3]);
+        cJSON *j = cJSON_CreateObject(), *batched = cJSON_CreateObject();
+        cJSON_AddStringToObject(j, "model", dir);
+        cJSON_AddStringToObject(j, "device", be->ops->name);
+        cJSON_AddNumberToObject(j, "threads", o.threads);
+        cJSON_AddNumberToObject(j, "weight_bytes", (double)td_engine_weight_bytes(eng));
+        bench_json_number(j, "read_bw_gbytes_per_s", bw * 1e-9, 3);
+        bench_json_number(j, "sgemm_gflops", sgemm * 1e-9, 2);
+        bench_json_number(j, "decode_b1_tokens_per_s", decode_tps, 3);
+        bench_json_number(j, "decode_b1_bytes_per_token", bytes_per_token, 0);
+        bench_json_number(j, "decode_b1_bw_ratio", decode_ratio, 3);
+        cJSON_AddNumberToObject(j, "prefill_tokens", o.prompt_tokens);
+        bench_json_number(j, "prefill_tokens_per_s", prefill_tps, 2);
+        bench_json_number(j, "prefill_gflops", prefill_flops * 1e-9, 2);
+        bench_json_number(j, "prefill_sgemm_ratio", prefill_flops / sgemm, 3);
+        for (int b = 0; b < 4; b++) {
+            char key[16];
+            snprintf(key, sizeof key, "%d", batches[b]);
+            bench_json_number(batched, key, batch_tps[b], 2);
+        }
+        if (!cJSON_AddItemToObject(j, "batched_decode_tokens_per_s", batched))
+            cJSON_Delete(batched);
+        if (bench_json_print(stdout, j) != 0)
+            goto out;
     } else {
         printf("model          %s (%s, %.2f GB of weights streamed per step, %s)\n", dir,
                c->arch_name, (double)td_engine_weight_bytes(eng) * 1e-9, be->ops->name);

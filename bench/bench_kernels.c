@@ -25,6 +25,7 @@
 
 #include "td_backend.h"
 #include "td_bench.h"
+#include "td_cli.h"
 #include "td_util.h"
 
 typedef struct bench_kernels_result {
@@ -298,23 +299,24 @@ int bench_kernels(int argc, char **argv)
 {
     bool json = false;
     int64_t device = 0, iters = 20;
-    for (int i = 1; i < argc; i++) {
-        if (!strcmp(argv[i], "--json")) {
-            json = true;
-        } else if (!strcmp(argv[i], "--device") && i + 1 < argc) {
-            if (td_parse_i64(argv[++i], 0, 63, "--device", &device) != TD_OK)
-                return 2;
-        } else if (!strcmp(argv[i], "--iters") && i + 1 < argc) {
-            if (td_parse_i64(argv[++i], 1, 100000, "--iters", &iters) != TD_OK)
-                return 2;
-        } else {
-            FILE *f = strcmp(argv[i], "--help") ? stderr : stdout;
-            fprintf(f, "usage: tandem bench kernels [--json] [--device N] [--iters N]\n"
-                       "  D2D copy and cuBLAS bf16 GEMM ceilings, then our prefill attention\n"
-                       "  (4k tokens, hd 128, causal, bf16) and decode attention (batch 64, ctx 4k,\n"
-                       "  32 q / 8 kv heads) on one CUDA device.\n");
-            return f == stdout ? 0 : 2;
-        }
+    const td_opt_t opts[] = {
+        {.name = "json", .type = TD_OPT_BOOL, .ptr = &json, .help = "one JSON document on stdout (docs/bench.md)"},
+        {.name = "device", .type = TD_OPT_I64, .ptr = &device, .min = 0, .max = 63, .arg = "N",
+         .help = "CUDA device (default 0)"},
+        {.name = "iters", .type = TD_OPT_I64, .ptr = &iters, .min = 1, .max = 100000, .arg = "N",
+         .help = "calls per timed round (default 20)"},
+    };
+    td_opts_t spec = {.prog = "bench kernels", .opts = opts, .n_opts = TD_ARRAY_LEN(opts)};
+    td_opts_result_t r_opts = {0};
+    if (td_opts_parse(&spec, argc, argv, &r_opts) != TD_OK)
+        return 2;
+    if (r_opts.help) {
+        printf("usage: tandem bench kernels [--json] [--device N] [--iters N]\n"
+               "  D2D copy and cuBLAS bf16 GEMM ceilings, then our prefill attention\n"
+               "  (4k tokens, hd 128, causal, bf16) and decode attention (batch 64, ctx 4k,\n"
+               "  32 q / 8 kv heads) on one CUDA device.\n\n");
+        td_opts_usage(stdout, opts, (int)TD_ARRAY_LEN(opts), false);
+        return 0;
     }
     td_backend_t *be = NULL;
     td_cuda_config_t cfg = {(int32_t)device, TD_BF16};
@@ -331,11 +333,16 @@ int bench_kernels(int argc, char **argv)
         return 1;
     }
     if (json) {
-        printf("{\"bench\":\"kernels\",\"copy_gbps\":%.1f,\"gemm_bf16_tflops\":%.1f,"
-               "\"prefill_attn_ms\":%.3f,\"prefill_attn_tflops\":%.1f,\"decode_attn_ms\":%.3f,"
-               "\"decode_attn_gbps\":%.1f,\"decode_attn_frac_of_copy\":%.3f}\n",
-               r.copy_gbps, r.gemm_tflops, r.prefill_ms, r.prefill_tflops, r.decode_ms,
-               r.decode_gbps, r.decode_frac);
+        cJSON *j = cJSON_CreateObject();
+        cJSON_AddStringToObject(j, "bench", "kernels");
+        bench_json_number(j, "copy_gbps", r.copy_gbps, 1);
+        bench_json_number(j, "gemm_bf16_tflops", r.gemm_tflops, 1);
+        bench_json_number(j, "prefill_attn_ms", r.prefill_ms, 3);
+        bench_json_number(j, "prefill_attn_tflops", r.prefill_tflops, 1);
+        bench_json_number(j, "decode_attn_ms", r.decode_ms, 3);
+        bench_json_number(j, "decode_attn_gbps", r.decode_gbps, 1);
+        bench_json_number(j, "decode_attn_frac_of_copy", r.decode_frac, 3);
+        return bench_json_print(stdout, j);
     } else {
         printf("copy d2d 1 GiB              %8.1f GB/s (read + write)\n", r.copy_gbps);
         printf("cuBLAS bf16 gemm 8192^3     %8.1f TFLOP/s\n", r.gemm_tflops);

@@ -36,6 +36,7 @@
 #include <unistd.h>
 
 #include "td_kv.h"
+#include "td_opts.h"
 #include "td_util.h"
 #include "td_xfer.h"
 #include "td_xfer_testkit.h"
@@ -375,40 +376,42 @@ static double kvx_median(const kvx_round_t *r, int64_t n, size_t field, double *
     return med;
 }
 
+static td_status_t parse_rma(const td_opt_t *opt, const char *value)
+{
+    return td_xfer_rma_parse(value, opt->ptr);
+}
+
 int bench_kvxfer(int argc, char **argv)
 {
     bool json = false;
     const char *transport = "tcp";
     td_xfer_rma_t rma = TD_XFER_RMA_AUTO;
     int64_t iters = 20, inflight = 0, window = 8, only_tokens = 0, rounds = 3;
-    for (int i = 1; i < argc; i++) {
-        if (!strcmp(argv[i], "--json"))
-            json = true;
-        else if (!strcmp(argv[i], "--transport") && i + 1 < argc)
-            transport = argv[++i];
-        else if (!strcmp(argv[i], "--rma") && i + 1 < argc) {
-            if (td_xfer_rma_parse(argv[++i], &rma) != TD_OK)
-                return 2;
-        } else if (!strcmp(argv[i], "--iters") && i + 1 < argc) {
-            if (td_parse_i64(argv[++i], 1, 100000, "--iters", &iters) != TD_OK)
-                return 2;
-        } else if (!strcmp(argv[i], "--window") && i + 1 < argc) {
-            if (td_parse_i64(argv[++i], 1, KVX_MAX_WINDOW, "--window", &window) != TD_OK)
-                return 2;
-        } else if (!strcmp(argv[i], "--tokens") && i + 1 < argc) {
-            if (td_parse_i64(argv[++i], 1, KVX_MAX_TOKENS, "--tokens", &only_tokens) != TD_OK)
-                return 2;
-        } else if (!strcmp(argv[i], "--inflight") && i + 1 < argc) {
-            if (td_parse_i64(argv[++i], 1, 65536, "--inflight", &inflight) != TD_OK)
-                return 2;
-        } else if (!strcmp(argv[i], "--rounds") && i + 1 < argc) {
-            if (td_parse_i64(argv[++i], 1, KVX_MAX_ROUNDS, "--rounds", &rounds) != TD_OK)
-                return 2;
-        } else {
-            fprintf(stderr, "usage: tandem bench kvxfer [--json] [--transport tcp|sm] [--rma auto|put|am] "
-                            "[--iters N] [--window N] [--inflight N] [--tokens N] [--rounds R]\n");
-            return 2;
-        }
+    const td_opt_t opts[] = {
+        {.name = "json", .type = TD_OPT_BOOL, .ptr = &json, .help = "one JSON document on stdout (docs/bench.md)"},
+        {.name = "transport", .type = TD_OPT_STR, .ptr = &transport, .arg = "T", .help = "tcp (default) or sm"},
+        {.name = "rma", .type = TD_OPT_FN, .ptr = &rma, .parse = parse_rma, .arg = "R",
+         .help = "auto (default), put or am: the primitive the sender uses"},
+        {.name = "iters", .type = TD_OPT_I64, .ptr = &iters, .min = 1, .max = 100000, .arg = "N",
+         .help = "transfers per timed round (default 20)"},
+        {.name = "window", .type = TD_OPT_I64, .ptr = &window, .min = 1, .max = KVX_MAX_WINDOW, .arg = "N",
+         .help = "transfers in flight at once (default 8)"},
+        {.name = "inflight", .type = TD_OPT_I64, .ptr = &inflight, .min = 1, .max = 65536, .arg = "N",
+         .help = "the sender's max_inflight_ops (default: td_xfer's)"},
+        {.name = "tokens", .type = TD_OPT_I64, .ptr = &only_tokens, .min = 1, .max = KVX_MAX_TOKENS, .arg = "N",
+         .help = "one sequence length instead of 16, 64, 256, 1024 and 4096"},
+        {.name = "rounds", .type = TD_OPT_I64, .ptr = &rounds, .min = 1, .max = KVX_MAX_ROUNDS, .arg = "R",
+         .help = "rounds per size; figures are their medians (default 3)"},
+    };
+    td_opts_t spec = {.prog = "bench kvxfer", .opts = opts, .n_opts = TD_ARRAY_LEN(opts)};
+    td_opts_result_t r_opts = {0};
+    if (td_opts_parse(&spec, argc, argv, &r_opts) != TD_OK)
+        return 2;
+    if (r_opts.help) {
+        printf("usage: tandem bench kvxfer [--json] [--transport tcp|sm] [--rma auto|put|am] "
+               "[--iters N] [--window N] [--inflight N] [--tokens N] [--rounds R]\n\n");
+        td_opts_usage(stdout, opts, (int)TD_ARRAY_LEN(opts), false);
+        return 0;
     }
     const char *tls = td_xfer_testkit_tls(transport);
     if (!tls) {
@@ -456,6 +459,7 @@ int bench_kvxfer(int argc, char **argv)
     int32_t src[KVX_MAX_BLOCKS];
     double *lat = malloc((size_t)iters * sizeof *lat);
     kvx_round_t round[KVX_MAX_ROUNDS];
+    cJSON *rows = NULL; /* --json: one object per size */
     td_xfer_config_t cfg = td_xfer_config_default();
     cfg.name = "kvx-tx";
     cfg.listen_ip = NULL;
@@ -480,7 +484,7 @@ int bench_kvxfer(int argc, char **argv)
     size_t n_sizes = only_tokens ? 1 : TD_ARRAY_LEN(all_sizes);
     size_t bb = td_kv_block_bytes(&KVX_LAYOUT);
     if (json)
-        fprintf(res, "[");
+        rows = cJSON_CreateArray();
     else
         fprintf(res, "%-9s %-4s %7s %12s %3s %3s %9s %11s %6s %11s %12s %11s %6s %11s %9s %6s %9s %10s %10s\n",
                "transport", "prim", "tokens", "bytes", "win", "rnd", "GB/s", "perftest", "ratio", "spread",
@@ -516,14 +520,29 @@ int bench_kvxfer(int argc, char **argv)
         double serial = (double)z.bytes / (p50 * 1e-6) / 1e9;
         const char *prim = put_used ? "put" : "am";
         if (json) {
-            fprintf(res, "%s\n {\"transport\": \"%s\", \"primitive\": \"%s\", \"tokens\": %u, \"bytes\": %zu, "
-                   "\"window\": %d, \"rounds\": %d, \"gbytes_per_s\": %.3f, \"perftest_gbytes_per_s\": %.3f, "
-                   "\"ratio\": %.3f, \"ratio_min\": %.3f, \"ratio_max\": %.3f, \"op_bytes\": %zu, "
-                   "\"perftest_op_gbytes_per_s\": %.3f, \"ratio_op\": %.3f, \"perftest_am_op_gbytes_per_s\": %.3f, "
-                   "\"copy_gbytes_per_s\": %.3f, \"ratio_copy\": %.3f, \"serial_gbytes_per_s\": %.3f, "
-                   "\"p50_us\": %.1f, \"p99_us\": %.1f}",
-                   k ? "," : "", transport, prim, z.tokens, z.bytes, z.win, (int)rounds, gbs, ref, ratio, ratio_min,
-                   ratio_max, z.op_bytes, op_ref, ratio_op, am, copy, ratio_copy, serial, p50, p99);
+            cJSON *row = cJSON_CreateObject();
+            cJSON_AddStringToObject(row, "transport", transport);
+            cJSON_AddStringToObject(row, "primitive", prim);
+            cJSON_AddNumberToObject(row, "tokens", z.tokens);
+            cJSON_AddNumberToObject(row, "bytes", (double)z.bytes);
+            cJSON_AddNumberToObject(row, "window", z.win);
+            cJSON_AddNumberToObject(row, "rounds", (double)rounds);
+            bench_json_number(row, "gbytes_per_s", gbs, 3);
+            bench_json_number(row, "perftest_gbytes_per_s", ref, 3);
+            bench_json_number(row, "ratio", ratio, 3);
+            bench_json_number(row, "ratio_min", ratio_min, 3);
+            bench_json_number(row, "ratio_max", ratio_max, 3);
+            cJSON_AddNumberToObject(row, "op_bytes", (double)z.op_bytes);
+            bench_json_number(row, "perftest_op_gbytes_per_s", op_ref, 3);
+            bench_json_number(row, "ratio_op", ratio_op, 3);
+            bench_json_number(row, "perftest_am_op_gbytes_per_s", am, 3);
+            bench_json_number(row, "copy_gbytes_per_s", copy, 3);
+            bench_json_number(row, "ratio_copy", ratio_copy, 3);
+            bench_json_number(row, "serial_gbytes_per_s", serial, 3);
+            bench_json_number(row, "p50_us", p50, 1);
+            bench_json_number(row, "p99_us", p99, 1);
+            if (!cJSON_AddItemToArray(rows, row))
+                cJSON_Delete(row);
         } else {
             char spread[32] = "-"; /* no round had a perftest figure */
             if (ratio_min > 0)
@@ -535,8 +554,12 @@ int bench_kvxfer(int argc, char **argv)
         }
         fflush(res);
     }
-    if (json)
-        fprintf(res, "\n]\n");
+    if (json) {
+        cJSON *doc = rows;
+        rows = NULL; /* the print frees it */
+        if (bench_json_print(res, doc) != 0)
+            goto out;
+    }
     rc = 0;
 out:
     close(to_rx[1]); /* the receiver stops at EOF */
@@ -548,6 +571,7 @@ out:
     close(to_tx[0]);
     free(pool);
     free(lat);
+    cJSON_Delete(rows);
     fclose(res);
     return rc;
 }

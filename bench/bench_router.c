@@ -29,7 +29,6 @@
 #include "td_bench.h"
 
 #include <errno.h>
-#include <getopt.h>
 #include <math.h>
 #include <sched.h>
 #include <signal.h>
@@ -47,6 +46,7 @@
 #include "tandem.pb-c.h"
 #include "td_grpc.h"
 #include "td_log.h"
+#include "td_opts.h"
 #include "td_util.h"
 
 #define RB_MODEL "bench"
@@ -1052,34 +1052,46 @@ static double rb_ratio(const rb_row_t *r)
     return r->value / r->goal;
 }
 
-static void rb_json_num(double v)
+/* key: v to 6 significant digits (as the text output), null when not a number */
+static void rb_json_num(cJSON *obj, const char *key, double v)
 {
-    if (isnan(v) || isinf(v))
-        printf("null");
+    char text[32];
+    snprintf(text, sizeof text, "%.6g", v);
+    if (isfinite(v))
+        cJSON_AddNumberToObject(obj, key, strtod(text, NULL));
     else
-        printf("%.6g", v);
+        cJSON_AddNullToObject(obj, key);
 }
 
-static void rb_print(const rb_state_t *s, const rb_row_t *rows, int n, bool pinned)
+static int rb_print(const rb_state_t *s, const rb_row_t *rows, int n, bool pinned)
 {
     if (s->o.json) {
-        printf("{\"bench\": \"router\", \"pinned\": %s, \"router_cpu\": %d, \"bench_cpu\": %d, "
-               "\"cpus\": %d, \"duration_s\": %g, \"concurrency\": %d, \"connections\": %d, "
-               "\"streams\": %d, \"stream_tokens\": %d, \"prompt_tokens\": %d, \"errors\": %llu, \"rows\": [",
-               pinned ? "true" : "false", s->o.router_cpu, s->o.bench_cpu, td_cpu_count(), s->o.duration_s,
-               s->o.concurrency, s->o.connections, s->o.streams, s->o.stream_tokens, s->o.prompt_tokens,
-               (unsigned long long)s->errors);
+        cJSON *j = cJSON_CreateObject(), *jrows = cJSON_CreateArray();
+        cJSON_AddStringToObject(j, "bench", "router");
+        cJSON_AddBoolToObject(j, "pinned", pinned);
+        cJSON_AddNumberToObject(j, "router_cpu", s->o.router_cpu);
+        cJSON_AddNumberToObject(j, "bench_cpu", s->o.bench_cpu);
+        cJSON_AddNumberToObject(j, "cpus", td_cpu_count());
+        rb_json_num(j, "duration_s", s->o.duration_s);
+        cJSON_AddNumberToObject(j, "concurrency", s->o.concurrency);
+        cJSON_AddNumberToObject(j, "connections", s->o.connections);
+        cJSON_AddNumberToObject(j, "streams", s->o.streams);
+        cJSON_AddNumberToObject(j, "stream_tokens", s->o.stream_tokens);
+        cJSON_AddNumberToObject(j, "prompt_tokens", s->o.prompt_tokens);
+        cJSON_AddNumberToObject(j, "errors", (double)s->errors);
         for (int i = 0; i < n; i++) {
-            printf("%s\n  {\"name\": \"%s\", \"value\": ", i ? "," : "", rows[i].name);
-            rb_json_num(rows[i].value);
-            printf(", \"unit\": \"%s\", \"goal\": ", rows[i].unit);
-            rb_json_num(rows[i].goal);
-            printf(", \"ratio\": ");
-            rb_json_num(rb_ratio(&rows[i]));
-            printf("}");
+            cJSON *row = cJSON_CreateObject();
+            cJSON_AddStringToObject(row, "name", rows[i].name);
+            rb_json_num(row, "value", rows[i].value);
+            cJSON_AddStringToObject(row, "unit", rows[i].unit);
+            rb_json_num(row, "goal", rows[i].goal);
+            rb_json_num(row, "ratio", rb_ratio(&rows[i]));
+            if (!cJSON_AddItemToArray(jrows, row))
+                cJSON_Delete(row);
         }
-        printf("\n]}\n");
-        return;
+        if (!cJSON_AddItemToObject(j, "rows", jrows))
+            cJSON_Delete(jrows);
+        return bench_json_print(stdout, j);
     }
     printf("router bench: router %s, load generator and no-op nodes %s (%d CPUs)\n",
            pinned ? "pinned to one core" : "not pinned", pinned ? "on another" : "anywhere", td_cpu_count());
@@ -1095,26 +1107,10 @@ static void rb_print(const rb_state_t *s, const rb_row_t *rows, int n, bool pinn
     }
     if (s->errors)
         printf("errors: %llu (first: %s)\n", (unsigned long long)s->errors, s->first_error);
+    return 0;
 }
 
 /* ---- main ------------------------------------------------------------------------------------ */
-
-static void rb_usage(FILE *f)
-{
-    fprintf(f,
-            "usage: tandem bench router [--json] [--duration S] [--concurrency N] [--connections N]\n"
-            "                           [--streams N] [--stream-tokens N] [--prompt-tokens N]\n"
-            "                           [--router-cpu N] [--bench-cpu N] [--phases abc] [--tandem PATH]\n"
-            "                           [--router-log LEVEL]\n"
-            "\n"
-            "A real `tandem router` (pinned to --router-cpu, default 0) with no-op prefill and decode\n"
-            "nodes and a gRPC load generator in this process (pinned to --bench-cpu, default 1).\n"
-            "Phases of --duration seconds each (default 5): (a) routed requests/s at --concurrency\n"
-            "(256) max_tokens=1 calls over --connections (8); (b) added latency p50/p99 at\n"
-            "concurrency 1 vs the same no-op node calls made directly; (c) relayed tokens/s over\n"
-            "--streams (64) streams of --stream-tokens (4096). Goals (issue 5): >= 20000\n"
-            "requests/s, >= 1000000 tokens/s, added p99 < 200 us. Keys in docs/bench.md.\n");
-}
 
 static void rb_close_all(rb_state_t *s)
 {
@@ -1142,6 +1138,14 @@ static void rb_close_all(rb_state_t *s)
         td_warn("bench router: loop closed with handles open");
 }
 
+static td_status_t rb_parse_phases(const td_opt_t *opt, const char *value)
+{
+    if (!value[0] || strspn(value, "abc") != strlen(value))
+        return td_errorf(TD_ERR_INVALID, "bench router: --phases takes letters of \"abc\", not '%s'", value);
+    *(const char **)opt->ptr = value;
+    return TD_OK;
+}
+
 int bench_router(int argc, char **argv)
 {
     rb_state_t *s = calloc(1, sizeof *s);
@@ -1152,57 +1156,68 @@ int bench_router(int argc, char **argv)
     s->o = (rb_opts_t){.duration_s = 5, .warmup_s = 0.5, .concurrency = 256, .connections = 8, .streams = 64,
                        .stream_tokens = 4096, .prompt_tokens = 16, .router_cpu = 0, .bench_cpu = 1,
                        .tandem = "/proc/self/exe", .router_log = "error", .phases = "abc"};
-    static const struct option longopts[] = {
-        {"json", no_argument, 0, 'j'},          {"duration", required_argument, 0, 'd'},
-        {"concurrency", required_argument, 0, 'c'}, {"connections", required_argument, 0, 'n'},
-        {"streams", required_argument, 0, 's'}, {"stream-tokens", required_argument, 0, 't'},
-        {"prompt-tokens", required_argument, 0, 'p'}, {"router-cpu", required_argument, 0, 'r'},
-        {"bench-cpu", required_argument, 0, 'b'}, {"tandem", required_argument, 0, 'x'},
-        {"router-log", required_argument, 0, 'l'}, {"phases", required_argument, 0, 'P'},
-        {"help", no_argument, 0, 'h'},          {0, 0, 0, 0}};
-    optind = 1;
-    int c, rc = 2;
-    int64_t v;
-    float f;
-    while ((c = getopt_long(argc, argv, "", longopts, NULL)) != -1) {
-        td_status_t st = TD_OK;
-        switch (c) {
-        case 'j': s->o.json = true; break;
-        case 'd':
-            if ((st = td_parse_f32(optarg, 0.05f, 3600, "--duration", &f)) == TD_OK) {
-                s->o.duration_s = f;
-                s->o.warmup_s = TD_MIN(0.5, f / 5);
-            }
-            break;
-        case 'c': if ((st = td_parse_i64(optarg, 1, 100000, "--concurrency", &v)) == TD_OK) s->o.concurrency = (int)v; break;
-        case 'n': if ((st = td_parse_i64(optarg, 1, 1024, "--connections", &v)) == TD_OK) s->o.connections = (int)v; break;
-        case 's': if ((st = td_parse_i64(optarg, 1, 100000, "--streams", &v)) == TD_OK) s->o.streams = (int)v; break;
-        case 't': if ((st = td_parse_i64(optarg, 1, 1 << 30, "--stream-tokens", &v)) == TD_OK) s->o.stream_tokens = (int)v; break;
-        case 'p': if ((st = td_parse_i64(optarg, 1, RB_MAX_PROMPT, "--prompt-tokens", &v)) == TD_OK) s->o.prompt_tokens = (int)v; break;
-        case 'r': if ((st = td_parse_i64(optarg, 0, CPU_SETSIZE - 1, "--router-cpu", &v)) == TD_OK) s->o.router_cpu = (int)v; break;
-        case 'b': if ((st = td_parse_i64(optarg, 0, CPU_SETSIZE - 1, "--bench-cpu", &v)) == TD_OK) s->o.bench_cpu = (int)v; break;
-        case 'x': s->o.tandem = optarg; break;
-        case 'l': s->o.router_log = optarg; break;
-        case 'P':
-            s->o.phases = optarg;
-            if (!optarg[0] || strspn(optarg, "abc") != strlen(optarg))
-                st = td_errorf(TD_ERR_INVALID, "--phases takes letters of \"abc\"");
-            break;
-        case 'h': rb_usage(stdout); free(s); return 0;
-        default: rb_usage(stderr); free(s); return 2;
-        }
-        if (st != TD_OK) {
-            fprintf(stderr, "tandem bench router: %s\n", td_last_error());
-            free(s);
-            return 2;
-        }
-    }
-    if (optind < argc) {
-        rb_usage(stderr);
+    int64_t concurrency = s->o.concurrency, connections = s->o.connections, streams = s->o.streams,
+            stream_tokens = s->o.stream_tokens, prompt_tokens = s->o.prompt_tokens, router_cpu = s->o.router_cpu,
+            bench_cpu = s->o.bench_cpu;
+    float duration = (float)s->o.duration_s;
+    const td_opt_t opts[] = {
+        {.name = "json", .type = TD_OPT_BOOL, .ptr = &s->o.json, .help = "one JSON document on stdout (docs/bench.md)"},
+        {.name = "duration", .type = TD_OPT_F32, .ptr = &duration, .fmin = 0.05f, .fmax = 3600, .arg = "S",
+         .help = "seconds per phase (default 5)"},
+        {.name = "concurrency", .type = TD_OPT_I64, .ptr = &concurrency, .min = 1, .max = 100000, .arg = "N",
+         .help = "calls in flight in phase a (default 256)"},
+        {.name = "connections", .type = TD_OPT_I64, .ptr = &connections, .min = 1, .max = 1024, .arg = "N",
+         .help = "gateway connections (default 8)"},
+        {.name = "streams", .type = TD_OPT_I64, .ptr = &streams, .min = 1, .max = 100000, .arg = "N",
+         .help = "streams of phase c (default 64)"},
+        {.name = "stream-tokens", .type = TD_OPT_I64, .ptr = &stream_tokens, .min = 1, .max = 1 << 30, .arg = "N",
+         .help = "max_tokens of a phase c stream (default 4096)"},
+        {.name = "prompt-tokens", .type = TD_OPT_I64, .ptr = &prompt_tokens, .min = 1, .max = RB_MAX_PROMPT,
+         .arg = "N", .help = "prompt ids per request (default 16)"},
+        {.name = "router-cpu", .type = TD_OPT_I64, .ptr = &router_cpu, .min = 0, .max = CPU_SETSIZE - 1,
+         .arg = "N", .help = "the core the router is pinned to (default 0)"},
+        {.name = "bench-cpu", .type = TD_OPT_I64, .ptr = &bench_cpu, .min = 0, .max = CPU_SETSIZE - 1, .arg = "N",
+         .help = "the core of the load generator and the no-op nodes (default 1)"},
+        {.name = "phases", .type = TD_OPT_FN, .ptr = &s->o.phases, .parse = rb_parse_phases, .arg = "abc",
+         .help = "which phases run (default abc)"},
+        {.name = "tandem", .type = TD_OPT_STR, .ptr = &s->o.tandem, .arg = "PATH",
+         .help = "the binary the router runs from (default: this one)"},
+        {.name = "router-log", .type = TD_OPT_STR, .ptr = &s->o.router_log, .arg = "LEVEL",
+         .help = "the router's --log-level (default error)"},
+    };
+    td_opts_t spec = {.prog = "bench router", .opts = opts, .n_opts = TD_ARRAY_LEN(opts)};
+    td_opts_result_t r_opts = {0};
+    if (td_opts_parse(&spec, argc, argv, &r_opts) != TD_OK) {
         free(s);
         return 2;
     }
-    rc = 1;
+    if (r_opts.help) {
+        printf("usage: tandem bench router [--json] [--duration S] [--concurrency N] [--connections N]\n"
+               "                           [--streams N] [--stream-tokens N] [--prompt-tokens N]\n"
+               "                           [--router-cpu N] [--bench-cpu N] [--phases abc] [--tandem PATH]\n"
+               "                           [--router-log LEVEL]\n"
+               "\n"
+               "A real `tandem router` (pinned to --router-cpu, default 0) with no-op prefill and decode\n"
+               "nodes and a gRPC load generator in this process (pinned to --bench-cpu, default 1).\n"
+               "Phases of --duration seconds each (default 5): (a) routed requests/s at --concurrency\n"
+               "(256) max_tokens=1 calls over --connections (8); (b) added latency p50/p99 at\n"
+               "concurrency 1 vs the same no-op node calls made directly; (c) relayed tokens/s over\n"
+               "--streams (64) streams of --stream-tokens (4096). Goals (issue 5): >= 20000\n"
+               "requests/s, >= 1000000 tokens/s, added p99 < 200 us. Keys in docs/bench.md.\n\n");
+        td_opts_usage(stdout, opts, (int)TD_ARRAY_LEN(opts), false);
+        free(s);
+        return 0;
+    }
+    s->o.duration_s = duration;
+    s->o.warmup_s = TD_MIN(0.5, duration / 5);
+    s->o.concurrency = (int)concurrency;
+    s->o.connections = (int)connections;
+    s->o.streams = (int)streams;
+    s->o.stream_tokens = (int)stream_tokens;
+    s->o.prompt_tokens = (int)prompt_tokens;
+    s->o.router_cpu = (int)router_cpu;
+    s->o.bench_cpu = (int)bench_cpu;
+    int rc = 1;
     int n_slots = TD_MAX(TD_MAX(s->o.concurrency, s->o.streams), 1);
     s->slots = calloc((size_t)n_slots, sizeof *s->slots);
     s->prompt = malloc((size_t)s->o.prompt_tokens * sizeof *s->prompt);
@@ -1315,7 +1330,8 @@ int bench_router(int argc, char **argv)
         {"relay_router_cpu_ns_per_token", cr.rate > 0 ? cr.router_cpu / cr.rate * 1e9 : NAN, "ns", NAN, true},
         {"relay_bench_cpu_busy", cr.bench_cpu, "cores", NAN, false},
     };
-    rb_print(s, rows, (int)TD_ARRAY_LEN(rows), pin);
+    if (rb_print(s, rows, (int)TD_ARRAY_LEN(rows), pin) != 0)
+        goto out;
     rc = (!run_a || a.count) && (!run_b || b.count) && (!run_c || cr.count) ? 0 : 1;
     if (rc)
         fprintf(stderr, "tandem bench router: a phase completed nothing (errors %llu, first: %s)\n",

@@ -6,6 +6,9 @@
 #ifndef TD_BENCH_H
 #define TD_BENCH_H
 
+#include <cjson/cJSON.h>
+#include <stdio.h>
+
 #include "td_backend.h"
 
 int bench_engine(int argc, char **argv);  /* bench/bench_engine.c */
@@ -20,5 +23,12 @@ int bench_router(int argc, char **argv);  /* bench/bench_router.c */
 td_status_t bench_copy_bandwidth(td_backend_t *be, size_t bytes, int iters, double *bytes_per_s);
 td_status_t bench_matmul_flops(td_backend_t *be, int32_t m, int32_t n, int32_t k, td_dtype_t w_dtype,
                                int iters, double *flops_p);
+
+/* --json output (bench/bench.c): adds key: v rounded to `decimals` places (the precision
+ * the text output shows) to obj; prints obj on one line to f, frees it and returns 0, or
+ * returns 1 (with the reason on stderr) when it could not be built. A NULL obj (an
+ * allocation that failed on the way) is that failure. */
+void bench_json_number(cJSON *obj, const char *key, double v, int decimals);
+int bench_json_print(FILE *f, cJSON *obj);
 
 #endif /* TD_BENCH_H */

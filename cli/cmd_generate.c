@@ -8,7 +8,6 @@
  * stderr, and a gRPC status turned into a message that says what to do.
  */
 #include <arpa/inet.h>
-#include <getopt.h>
 #include <inttypes.h>
 #include <math.h>
 #include <netdb.h>
@@ -60,61 +59,6 @@ typedef struct gen_opts {
     const char *local_only;    /* the first local-only flag given, to refuse with --server */
 } gen_opts_t;
 
-static void usage(FILE *f)
-{
-    fprintf(f,
-        "usage: tandem generate --model PATH [--tokenizer PATH] (--prompt TEXT | --prompt-ids \"1 2 3\")\n"
-        "                       [--max-tokens N] [--temperature T] [--top-k K] [--top-p P]\n"
-        "                       [--min-p P] [--repetition-penalty R] [--seed S] [--stop TEXT]...\n"
-        "                       [--stop-id ID]... [--threads N] [--device cpu|cuda[:N]]\n"
-        "                       [--dtype f32|f16|bf16] [--print-ids]\n"
-        "       tandem generate --server HOST:PORT (--prompt TEXT | --prompt-ids \"1 2 3\")\n"
-        "                       [the same sampling, stop and output flags]\n"
-        "                       [--model-name NAME] [--request-id ID] [--timeout S] [--connect-timeout S]\n"
-        "\n"
-        "  --model PATH        llama2.c checkpoint (.bin) or Hugging Face model directory\n"
-        "  --tokenizer PATH    tokenizer.bin / tokenizer.json / directory (default: beside the model)\n"
-        "  --prompt TEXT       prompt text (BOS is added when the model has one)\n"
-        "  --prompt-ids IDS    prompt token ids, space-separated, taken as given (no BOS added)\n"
-        "  --max-tokens N      most tokens to generate (default: up to the model's length;\n"
-        "                      with --server: the server's default-max-tokens, and N >= 1)\n"
-        "  --temperature T     0 = greedy (default 0)\n"
-        "  --top-k K --top-p P --min-p P --repetition-penalty R --seed S   sampling\n"
-        "  --stop TEXT         stop before this text (repeatable, up to %d)\n"
-        "  --stop-id ID        stop at this token id (repeatable); the model's EOS ids always stop\n"
-        "  --threads N         compute threads (default: all cores)\n"
-        "  --device D          cpu (default), cuda (GPU 0) or cuda:N\n"
-        "  --dtype T           weights and KV cache in T (converted at load), and on cuda the\n"
-        "                      activations too (the CPU's are f32); default: cpu: weights as\n"
-        "                      stored, KV cache f32; cuda: the model's dtype for all three\n"
-        "  --kv-mem MIB        KV cache budget (default: what prompt + max tokens need)\n"
-        "  --print-ids         print the generated ids on one line instead of text\n"
-        "\n"
-        "  --server HOST:PORT  generate on a cluster: a gRPC call of tandem.v1.Generation/Generate\n"
-        "                      to a router's gateway (the `gateway:` line of `tandem local`); HOST\n"
-        "                      is an IPv4/IPv6 address ([::1]:PORT) or a name. The server holds the\n"
-        "                      model and tokenizer, so --model, --tokenizer, --threads, --device, --dtype,\n"
-        "                      --kv-mem and --prefill-chunk are refused with --server (usage error).\n"
-        "  --model-name NAME   the served model to use (default: the server's only model)\n"
-        "  --request-id ID     the request id the router logs (default: the router assigns one)\n"
-        "  --timeout S         deadline of the whole generation, sent as grpc-timeout (default %.0f)\n"
-        "  --connect-timeout S bound on reaching the server (default %.0f)\n"
-        "\n"
-        "Text (or ids) go to stdout as they are produced; timings (prompt tokens/s, generation\n"
-        "tokens/s, time to first token; with --server also the router's queue, prefill,\n"
-        "transfer, first-token and per-token times) to stderr. Generation stops at a stop token\n"
-        "or string, at --max-tokens, or at the model's maximum length. Exit status: 0 done,\n"
-        "1 failed (with --server: the gRPC status is named in the message), 2 usage error.\n",
-        TD_STOP_MAX_STRINGS, (double)GEN_DEFAULT_TIMEOUT_S, (double)GEN_DEFAULT_CONNECT_TIMEOUT_S);
-}
-
-enum {
-    OPT_MODEL = 256, OPT_TOKENIZER, OPT_PROMPT, OPT_PROMPT_IDS, OPT_MAX_TOKENS, OPT_TEMP,
-    OPT_TOP_K, OPT_TOP_P, OPT_MIN_P, OPT_REP, OPT_SEED, OPT_STOP, OPT_STOP_ID, OPT_THREADS,
-    OPT_DEVICE, OPT_PRINT_IDS, OPT_KV_MEM, OPT_CHUNK, OPT_LOG, OPT_HELP, OPT_SERVER, OPT_MODEL_NAME,
-    OPT_REQUEST_ID, OPT_TIMEOUT, OPT_CONNECT_TIMEOUT, OPT_DTYPE,
-};
-
 /* The flag behind a td_gen_params_validate message (which begins with the request field's
  * name), so the user reads what they typed as well as the gateway's words; "" if none. */
 static const char *flag_of(const char *why)
@@ -135,124 +79,156 @@ static const char *flag_of(const char *why)
     return "";
 }
 
+static td_status_t parse_stop(const td_opt_t *opt, const char *v)
+{
+    gen_opts_t *o = opt->ptr;
+    if (o->n_stops < TD_STOP_MAX_STRINGS)
+        o->stops[o->n_stops] = v;
+    o->n_stops++;
+    return TD_OK;
+}
+
+static td_status_t parse_stop_id(const td_opt_t *opt, const char *v)
+{
+    gen_opts_t *o = opt->ptr;
+    int64_t id;
+    td_status_t st = td_parse_i64(v, 0, INT32_MAX, "generate: --stop-id", &id);
+    if (st != TD_OK)
+        return st;
+    if (o->n_stop_ids < TD_GEN_MAX_STOP_IDS)
+        o->stop_ids[o->n_stop_ids] = (int32_t)id;
+    o->n_stop_ids++;
+    return TD_OK;
+}
+
+static td_status_t parse_log_level(const td_opt_t *opt, const char *v)
+{
+    if (td_log_parse_level(v) < 0)
+        return td_errorf(TD_ERR_INVALID, "generate: --log-level: '%s' is not error|warn|info|debug", v);
+    td_log_set_level((td_log_level_t)td_log_parse_level(v));
+    return TD_OK;
+}
+
+/* The flags that need the model on this machine, refused with --server. */
+static bool local_only(const char *flag)
+{
+    static const char *const names[] = {"model", "tokenizer", "threads", "device", "dtype", "kv-mem", "prefill-chunk"};
+    for (size_t i = 0; i < TD_ARRAY_LEN(names); i++)
+        if (!strcmp(flag, names[i]))
+            return true;
+    return false;
+}
+
 static int parse_opts(int argc, char **argv, gen_opts_t *o)
 {
-    static const struct option longopts[] = {
-        {"model", required_argument, 0, OPT_MODEL},
-        {"tokenizer", required_argument, 0, OPT_TOKENIZER},
-        {"prompt", required_argument, 0, OPT_PROMPT},
-        {"prompt-ids", required_argument, 0, OPT_PROMPT_IDS},
-        {"max-tokens", required_argument, 0, OPT_MAX_TOKENS},
-        {"temperature", required_argument, 0, OPT_TEMP},
-        {"top-k", required_argument, 0, OPT_TOP_K},
-        {"top-p", required_argument, 0, OPT_TOP_P},
-        {"min-p", required_argument, 0, OPT_MIN_P},
-        {"repetition-penalty", required_argument, 0, OPT_REP},
-        {"seed", required_argument, 0, OPT_SEED},
-        {"stop", required_argument, 0, OPT_STOP},
-        {"stop-id", required_argument, 0, OPT_STOP_ID},
-        {"threads", required_argument, 0, OPT_THREADS},
-        {"device", required_argument, 0, OPT_DEVICE},
-        {"dtype", required_argument, 0, OPT_DTYPE},
-        {"print-ids", no_argument, 0, OPT_PRINT_IDS},
-        {"kv-mem", required_argument, 0, OPT_KV_MEM},
-        {"prefill-chunk", required_argument, 0, OPT_CHUNK},
-        {"log-level", required_argument, 0, OPT_LOG},
-        {"help", no_argument, 0, OPT_HELP},
-        {"server", required_argument, 0, OPT_SERVER},
-        {"model-name", required_argument, 0, OPT_MODEL_NAME},
-        {"request-id", required_argument, 0, OPT_REQUEST_ID},
-        {"timeout", required_argument, 0, OPT_TIMEOUT},
-        {"connect-timeout", required_argument, 0, OPT_CONNECT_TIMEOUT},
-        {0, 0, 0, 0},
+    /* request parameters are parsed for their type only; their ranges are checked by
+     * td_gen_params_validate below, as the gateway checks them */
+    int64_t top_k = o->sampling.top_k, seed = (int64_t)o->sampling.seed, kv_mib = 0;
+    td_dtype_t dtype = TD_F32;
+    char stop_help[64], timeout_help[96], connect_help[64];
+    snprintf(stop_help, sizeof stop_help, "stop before this text (repeatable, up to %d)", TD_STOP_MAX_STRINGS);
+    snprintf(timeout_help, sizeof timeout_help, "deadline of the whole generation, sent as grpc-timeout (default %.0f)",
+             (double)GEN_DEFAULT_TIMEOUT_S);
+    snprintf(connect_help, sizeof connect_help, "bound on reaching the server (default %.0f)",
+             (double)GEN_DEFAULT_CONNECT_TIMEOUT_S);
+    const td_opt_t opts[] = {
+        {.name = "model", .type = TD_OPT_STR, .ptr = &o->model, .arg = "PATH",
+         .help = "llama2.c checkpoint (.bin) or Hugging Face model directory"},
+        {.name = "tokenizer", .type = TD_OPT_STR, .ptr = &o->tokenizer, .arg = "PATH",
+         .help = "tokenizer.bin / tokenizer.json / directory (default: beside the model)"},
+        {.name = "prompt", .type = TD_OPT_STR, .ptr = &o->prompt, .arg = "TEXT",
+         .help = "prompt text (BOS is added when the model has one)"},
+        {.name = "prompt-ids", .type = TD_OPT_STR, .ptr = &o->prompt_ids, .arg = "IDS",
+         .help = "prompt token ids, space-separated, taken as given (no BOS added)"},
+        {.name = "max-tokens", .type = TD_OPT_I64, .ptr = &o->max_tokens, .min = INT64_MIN, .max = INT64_MAX,
+         .arg = "N", .help = "most tokens to generate (default: up to the model's length;\n"
+                             "with --server: the server's default-max-tokens, and N >= 1)"},
+        {.name = "temperature", .type = TD_OPT_F32, .ptr = &o->sampling.temperature, .arg = "T",
+         .help = "0 = greedy (default 0)"},
+        {.name = "top-k", .type = TD_OPT_I64, .ptr = &top_k, .min = INT32_MIN, .max = INT32_MAX, .arg = "K",
+         .help = "sample from the K most likely tokens (default 0: off)"},
+        {.name = "top-p", .type = TD_OPT_F32, .ptr = &o->sampling.top_p, .arg = "P",
+         .help = "nucleus sampling: the smallest set of probability >= P (default 1: off)"},
+        {.name = "min-p", .type = TD_OPT_F32, .ptr = &o->sampling.min_p, .arg = "P",
+         .help = "drop tokens below P times the most likely one's probability (default 0: off)"},
+        {.name = "repetition-penalty", .type = TD_OPT_F32, .ptr = &o->sampling.repetition_penalty, .arg = "R",
+         .help = "penalty on recently seen tokens (default 1: off)"},
+        {.name = "seed", .type = TD_OPT_I64, .ptr = &seed, .min = 0, .max = INT64_MAX, .arg = "S",
+         .help = "sampling seed (default 0)"},
+        {.name = "stop", .type = TD_OPT_FN, .ptr = o, .parse = parse_stop, .arg = "TEXT",
+         .help = stop_help},
+        {.name = "stop-id", .type = TD_OPT_FN, .ptr = o, .parse = parse_stop_id, .arg = "ID",
+         .help = "stop at this token id (repeatable); the model's EOS ids always stop"},
+        {.name = "threads", .type = TD_OPT_I64, .ptr = &o->threads, .min = 1, .max = 4096, .arg = "N",
+         .help = "compute threads (default: all cores)"},
+        {.name = "device", .type = TD_OPT_FN, .ptr = &o->device, .parse = cli_opt_device, .arg = "D",
+         .help = "cpu (default), cuda (GPU 0) or cuda:N"},
+        {.name = "dtype", .type = TD_OPT_FN, .ptr = &dtype, .parse = cli_opt_dtype, .arg = "T",
+         .help = "f32|f16|bf16: weights and KV cache in T (converted at load), and on cuda the\n"
+                 "activations too (the CPU's are f32); default: cpu: weights as\n"
+                 "stored, KV cache f32; cuda: the model's dtype for all three"},
+        {.name = "kv-mem", .type = TD_OPT_I64, .ptr = &kv_mib, .min = 1, .max = 1 << 22, .arg = "MIB",
+         .help = "KV cache budget (default: what prompt + max tokens need)"},
+        {.name = "prefill-chunk", .type = TD_OPT_I64, .ptr = &o->prefill_chunk, .min = 1, .max = 1 << 16,
+         .arg = "N", .help = "prompt tokens per prefill step (default: the prompt, at most 512)"},
+        {.name = "print-ids", .type = TD_OPT_BOOL, .ptr = &o->print_ids,
+         .help = "print the generated ids on one line instead of text"},
+        {.name = "log-level", .type = TD_OPT_FN, .parse = parse_log_level, .arg = "L",
+         .help = "error|warn|info|debug"},
+        {.name = "server", .type = TD_OPT_STR, .ptr = &o->server, .arg = "HOST:PORT",
+         .help = "generate on a cluster: a gRPC call of tandem.v1.Generation/Generate\n"
+                 "to a router's gateway (the `gateway:` line of `tandem local`); HOST\n"
+                 "is an IPv4/IPv6 address ([::1]:PORT) or a name. The server holds the\n"
+                 "model and tokenizer, so --model, --tokenizer, --threads, --device, --dtype,\n"
+                 "--kv-mem and --prefill-chunk are refused with --server (usage error)."},
+        {.name = "model-name", .type = TD_OPT_STR, .ptr = &o->model_name, .arg = "NAME",
+         .help = "the served model to use (default: the server's only model)"},
+        {.name = "request-id", .type = TD_OPT_STR, .ptr = &o->request_id, .arg = "ID",
+         .help = "the request id the router logs (default: the router assigns one)"},
+        {.name = "timeout", .type = TD_OPT_F32, .ptr = &o->timeout_s, .fmin = 0.001f, .fmax = 86400.0f, .arg = "S",
+         .help = timeout_help},
+        {.name = "connect-timeout", .type = TD_OPT_F32, .ptr = &o->connect_timeout_s, .fmin = 0.001f,
+         .fmax = 3600.0f, .arg = "S",
+         .help = connect_help},
     };
-    int64_t v;
-    float f;
-    optind = 1;
-    opterr = 1;
-    for (int ch, idx = -1; (ch = getopt_long(argc, argv, "", longopts, &idx)) != -1; idx = -1) {
-        td_status_t st = TD_OK;
-        if (idx >= 0 && !o->local_only &&
-            (ch == OPT_MODEL || ch == OPT_TOKENIZER || ch == OPT_THREADS || ch == OPT_DEVICE || ch == OPT_DTYPE ||
-             ch == OPT_KV_MEM || ch == OPT_CHUNK))
-            o->local_only = longopts[idx].name;
-        switch (ch) {
-        case OPT_MODEL: o->model = optarg; break;
-        case OPT_TOKENIZER: o->tokenizer = optarg; break;
-        case OPT_SERVER: o->server = optarg; break;
-        case OPT_MODEL_NAME: o->model_name = optarg; break;
-        case OPT_REQUEST_ID: o->request_id = optarg; break;
-        case OPT_TIMEOUT: st = td_parse_f32(optarg, 0.001f, 86400.0f, "--timeout", &o->timeout_s); break;
-        case OPT_CONNECT_TIMEOUT:
-            st = td_parse_f32(optarg, 0.001f, 3600.0f, "--connect-timeout", &o->connect_timeout_s);
-            break;
-        case OPT_PROMPT: o->prompt = optarg; break;
-        case OPT_PROMPT_IDS: o->prompt_ids = optarg; break;
-        /* request parameters are parsed for their type only; their ranges are checked by
-         * td_gen_params_validate below, as the gateway checks them */
-        case OPT_MAX_TOKENS:
-            st = td_parse_i64(optarg, INT64_MIN, INT64_MAX, "--max-tokens", &o->max_tokens);
-            o->max_tokens_given = true;
-            break;
-        case OPT_TEMP:
-            st = td_parse_f32(optarg, -INFINITY, INFINITY, "--temperature", &o->sampling.temperature);
-            break;
-        case OPT_TOP_K:
-            if ((st = td_parse_i64(optarg, INT32_MIN, INT32_MAX, "--top-k", &v)) == TD_OK)
-                o->sampling.top_k = (int32_t)v;
-            break;
-        case OPT_TOP_P: st = td_parse_f32(optarg, -INFINITY, INFINITY, "--top-p", &o->sampling.top_p); break;
-        case OPT_MIN_P: st = td_parse_f32(optarg, -INFINITY, INFINITY, "--min-p", &o->sampling.min_p); break;
-        case OPT_REP:
-            if ((st = td_parse_f32(optarg, -INFINITY, INFINITY, "--repetition-penalty", &f)) == TD_OK)
-                o->sampling.repetition_penalty = f;
-            break;
-        case OPT_SEED:
-            if ((st = td_parse_i64(optarg, 0, INT64_MAX, "--seed", &v)) == TD_OK)
-                o->sampling.seed = (uint64_t)v;
-            break;
-        case OPT_STOP:
-            if (o->n_stops < TD_STOP_MAX_STRINGS)
-                o->stops[o->n_stops] = optarg;
-            o->n_stops++;
-            break;
-        case OPT_STOP_ID:
-            if ((st = td_parse_i64(optarg, 0, INT32_MAX, "--stop-id", &v)) != TD_OK)
-                break;
-            if (o->n_stop_ids < TD_GEN_MAX_STOP_IDS)
-                o->stop_ids[o->n_stop_ids] = (int32_t)v;
-            o->n_stop_ids++;
-            break;
-        case OPT_THREADS: st = td_parse_i64(optarg, 1, 4096, "--threads", &o->threads); break;
-        case OPT_DEVICE: st = td_device_parse(optarg, &o->device); break;
-        case OPT_DTYPE: {
-            td_dtype_t t;
-            if ((st = td_dtype_parse_flag(optarg, &t)) == TD_OK)
-                o->dtype = (int)t;
-            break;
-        }
-        case OPT_PRINT_IDS: o->print_ids = true; break;
-        case OPT_KV_MEM:
-            if ((st = td_parse_i64(optarg, 1, 1 << 22, "--kv-mem", &v)) == TD_OK)
-                o->kv_mem = (size_t)v << 20;
-            break;
-        case OPT_CHUNK: st = td_parse_i64(optarg, 1, 1 << 16, "--prefill-chunk", &o->prefill_chunk); break;
-        case OPT_LOG:
-            if (td_log_parse_level(optarg) < 0)
-                st = td_errorf(TD_ERR_INVALID, "--log-level: '%s' is not error|warn|info|debug", optarg);
-            else
-                td_log_set_level((td_log_level_t)td_log_parse_level(optarg));
-            break;
-        case OPT_HELP: usage(stdout); return 0;
-        default: usage(stderr); return 2;
-        }
-        if (st != TD_OK)
-            return 2;
-    }
-    if (optind < argc) {
-        fprintf(stderr, "tandem generate: unexpected argument '%s'\n", argv[optind]);
+    enum { N_OPTS = TD_ARRAY_LEN(opts), OPT_MAX_TOKENS = 4, OPT_DTYPE = 15 };
+    int given[N_OPTS] = {0};
+    td_opts_t spec = {.prog = "generate", .opts = opts, .n_opts = N_OPTS};
+    td_opts_result_t r = {.given = given};
+    if (td_opts_parse(&spec, argc, argv, &r) != TD_OK)
         return 2;
+    if (r.help) {
+        printf("usage: tandem generate --model PATH [--tokenizer PATH] (--prompt TEXT | --prompt-ids \"1 2 3\")\n"
+               "                       [--max-tokens N] [--temperature T] [--top-k K] [--top-p P]\n"
+               "                       [--min-p P] [--repetition-penalty R] [--seed S] [--stop TEXT]...\n"
+               "                       [--stop-id ID]... [--threads N] [--device cpu|cuda[:N]]\n"
+               "                       [--dtype f32|f16|bf16] [--print-ids]\n"
+               "       tandem generate --server HOST:PORT (--prompt TEXT | --prompt-ids \"1 2 3\")\n"
+               "                       [the same sampling, stop and output flags]\n"
+               "                       [--model-name NAME] [--request-id ID] [--timeout S] [--connect-timeout S]\n"
+               "\n");
+        td_opts_usage(stdout, opts, N_OPTS, false);
+        printf("\n"
+               "Text (or ids) go to stdout as they are produced; timings (prompt tokens/s, generation\n"
+               "tokens/s, time to first token; with --server also the router's queue, prefill,\n"
+               "transfer, first-token and per-token times) to stderr. Generation stops at a stop token\n"
+               "or string, at --max-tokens, or at the model's maximum length. Exit status: 0 done,\n"
+               "1 failed (with --server: the gRPC status is named in the message), 2 usage error.\n");
+        return 0;
     }
+    o->sampling.top_k = (int32_t)top_k;
+    o->sampling.seed = (uint64_t)seed;
+    o->kv_mem = (size_t)kv_mib << 20;
+    TD_ASSERT(!strcmp(opts[OPT_MAX_TOKENS].name, "max-tokens") && !strcmp(opts[OPT_DTYPE].name, "dtype"));
+    o->max_tokens_given = given[OPT_MAX_TOKENS] != 0;
+    if (given[OPT_DTYPE])
+        o->dtype = (int)dtype;
+    int first_local = 0;
+    for (int i = 0; i < N_OPTS; i++)
+        if (given[i] && local_only(opts[i].name) && (!first_local || given[i] < first_local)) {
+            first_local = given[i];
+            o->local_only = opts[i].name;
+        }
     if (o->server && o->local_only) {
         fprintf(stderr,
                 "tandem generate: --%s applies to local generation only; with --server the server's "

@@ -124,47 +124,39 @@ int cmd_local(int argc, char **argv)
     const char *model = NULL, *tokenizer = NULL, *log_level = "warn", *host = "127.0.0.1", *advertise = NULL;
     const char *device = "cpu", *dtype = NULL;
     int64_t n_prefill = 1, n_decode = 1, threads = 0, kv_blocks = 0, kv_mem = 0;
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-        td_status_t st = TD_OK;
-        if (!strcmp(a, "--help")) {
-            printf("usage: tandem local --model PATH [--tokenizer PATH] [--prefill N] [--decode M]\n"
-                   "                    [--threads T] [--kv-blocks B | --kv-mem MIB] [--log-level L]\n"
-                   "                    [--host H] [--advertise A] [--device D] [--dtype T]\n\n"
-                   "Starts a router, N prefill and M decode nodes (separate processes) listening on\n"
-                   "--host (default 127.0.0.1) and reached at --advertise (default --host; required\n"
-                   "with a wildcard host), prints 'gateway: HOST:PORT' and 'metrics: URL' once all\n"
-                   "registered, and stops them all on SIGINT/SIGTERM. --threads is per node (default:\n"
-                   "this process's cores / (N + M), at least 1). The KV pools share one budget, %d%% of\n"
-                   "the memory available, split %d:1 between a decode and a prefill node and passed as\n"
-                   "--kv-mem; --kv-mem MIB (per node) or --kv-blocks B (per node) replace it.\n"
-                   "--device (cpu, cuda, cuda:N) and --dtype (f32, f16, bf16) go to every node.\n",
-                   TD_KV_LOCAL_PERCENT, TD_KV_LOCAL_DECODE_SHARE);
-            return 0;
-        }
-        if (!v) {
-            fprintf(stderr, "tandem local: %s needs a value\n", a);
-            return 2;
-        }
-        i++;
-        if (!strcmp(a, "--model")) model = v;
-        else if (!strcmp(a, "--tokenizer")) tokenizer = v;
-        else if (!strcmp(a, "--log-level")) log_level = v;
-        else if (!strcmp(a, "--host")) host = v;
-        else if (!strcmp(a, "--advertise")) advertise = v;
-        else if (!strcmp(a, "--device")) device = v; /* the nodes check both */
-        else if (!strcmp(a, "--dtype")) dtype = v;
-        else if (!strcmp(a, "--prefill")) st = td_parse_i64(v, 1, 32, "--prefill", &n_prefill);
-        else if (!strcmp(a, "--decode")) st = td_parse_i64(v, 1, 32, "--decode", &n_decode);
-        else if (!strcmp(a, "--threads")) st = td_parse_i64(v, 0, 4096, "--threads", &threads);
-        else if (!strcmp(a, "--kv-blocks")) st = td_parse_i64(v, 1, 1 << 24, "--kv-blocks", &kv_blocks);
-        else if (!strcmp(a, "--kv-mem")) st = td_parse_i64(v, 1, 1 << 30, "--kv-mem", &kv_mem);
-        else {
-            fprintf(stderr, "tandem local: unknown option %s\n", a);
-            return 2;
-        }
-        if (st != TD_OK)
-            return 2;
+    const td_opt_t opts[] = {
+        TD_OPT_STRING("model", &model, "model path (required)"),
+        TD_OPT_STRING("tokenizer", &tokenizer, "tokenizer path (default: beside the model)"),
+        TD_OPT_INT("prefill", &n_prefill, 1, 32, "prefill nodes (default 1)"),
+        TD_OPT_INT("decode", &n_decode, 1, 32, "decode nodes (default 1)"),
+        TD_OPT_INT("threads", &threads, 0, 4096, "compute threads per node (default 0: this process's cores / (N + M))"),
+        TD_OPT_INT("kv-blocks", &kv_blocks, 1, 1 << 24, "KV blocks per node (default: from the shared budget)"),
+        TD_OPT_INT("kv-mem", &kv_mem, 1, 1 << 30, "KV budget per node in MiB (default: from the shared budget)"),
+        TD_OPT_STRING("log-level", &log_level, "error|warn|info|debug, for every process (default warn)"),
+        TD_OPT_STRING("host", &host, "address every process listens on (default 127.0.0.1)"),
+        TD_OPT_STRING("advertise", &advertise, "address peers reach them at (default: --host)"),
+        TD_OPT_STRING("device", &device, "cpu (default), cuda or cuda:N, for every node"),
+        TD_OPT_STRING("dtype", &dtype, "f32|f16|bf16, for every node"),
+    };
+    td_opts_t spec = {.prog = "local", .opts = opts, .n_opts = TD_ARRAY_LEN(opts)};
+    td_opts_result_t r = {0};
+    if (td_opts_parse(&spec, argc, argv, &r) != TD_OK)
+        return 2;
+    if (r.help) {
+        printf("usage: tandem local --model PATH [--tokenizer PATH] [--prefill N] [--decode M]\n"
+               "                    [--threads T] [--kv-blocks B | --kv-mem MIB] [--log-level L]\n"
+               "                    [--host H] [--advertise A] [--device D] [--dtype T]\n\n"
+               "Starts a router, N prefill and M decode nodes (separate processes) listening on\n"
+               "--host (default 127.0.0.1) and reached at --advertise (default --host; required\n"
+               "with a wildcard host), prints 'gateway: HOST:PORT' and 'metrics: URL' once all\n"
+               "registered, and stops them all on SIGINT/SIGTERM. --threads is per node (default:\n"
+               "this process's cores / (N + M), at least 1). The KV pools share one budget, %d%% of\n"
+               "the memory available, split %d:1 between a decode and a prefill node and passed as\n"
+               "--kv-mem; --kv-mem MIB (per node) or --kv-blocks B (per node) replace it.\n"
+               "--device (cpu, cuda, cuda:N) and --dtype (f32, f16, bf16) go to every node.\n\n",
+               TD_KV_LOCAL_PERCENT, TD_KV_LOCAL_DECODE_SHARE);
+        td_opts_usage(stdout, opts, (int)TD_ARRAY_LEN(opts), false);
+        return 0;
     }
     if (!model) {
         fprintf(stderr, "tandem local: --model PATH is required\n");

@@ -3,7 +3,6 @@
  * model of a real shape (for benchmarks and tests, nothing to download), `info` shows
  * what a model is and what it costs (parameters, KV bytes per token, fingerprint).
  */
-#include <getopt.h>
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -20,25 +19,6 @@ static void usage_main(FILE *f)
                "  synth   write a random-weight Hugging Face model directory\n"
                "  info    describe a model (llama2.c .bin, Hugging Face directory or preset name)\n"
                "\n'tandem model <sub> --help' describes each.\n");
-}
-
-static void usage_synth(FILE *f)
-{
-    fprintf(f, "usage: tandem model synth --out DIR [--config NAME|config.json] [--arch ARCH] [--seed S]\n"
-               "                          [--dtype f32|f16|bf16] [--tokenizer PATH] [--shards N]\n"
-               "\n"
-               "  --out DIR          directory to write (created if missing)\n"
-               "  --config NAME      a preset (default tiny) or a config.json to copy the shape from\n"
-               "  --arch ARCH        llama|mistral|qwen2|qwen3 (default: the config's)\n"
-               "  --seed S           weights are a function of the seed (default 0)\n"
-               "  --dtype T          stored dtype (default bf16)\n"
-               "  --tokenizer PATH   tokenizer.json (or a directory holding one) to copy; default: a\n"
-               "                     built-in 258-token byte-level tokenizer (<s> 256, </s> 257)\n"
-               "  --shards N         split the weights over N files with an index (default 1)\n"
-               "\npresets:");
-    for (int i = 0; td_model_preset_names[i]; i++)
-        fprintf(f, " %s", td_model_preset_names[i]);
-    fprintf(f, "\n");
 }
 
 static void usage_info(FILE *f)
@@ -67,42 +47,41 @@ static td_status_t load_shape(const char *what, td_model_config_t *cfg)
 
 static int cmd_synth(int argc, char **argv)
 {
-    static const struct option opts[] = {
-        {"out", required_argument, NULL, 'o'},     {"config", required_argument, NULL, 'c'},
-        {"arch", required_argument, NULL, 'a'},    {"seed", required_argument, NULL, 's'},
-        {"dtype", required_argument, NULL, 'd'},   {"tokenizer", required_argument, NULL, 't'},
-        {"shards", required_argument, NULL, 'n'},  {"help", no_argument, NULL, 'h'},
-        {NULL, 0, NULL, 0},
-    };
     const char *out = NULL, *config = "tiny", *arch = NULL, *tok = NULL;
     int64_t seed = 0, shards = 1;
     td_dtype_t dtype = TD_BF16;
-    optind = 1;
-    int ch;
-    while ((ch = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
-        switch (ch) {
-        case 'o': out = optarg; break;
-        case 'c': config = optarg; break;
-        case 'a': arch = optarg; break;
-        case 't': tok = optarg; break;
-        case 's':
-            if (td_parse_i64(optarg, 0, INT64_MAX, "--seed", &seed) != TD_OK)
-                return 2; /* logged where decided */
-            break;
-        case 'n':
-            if (td_parse_i64(optarg, 1, 1000, "--shards", &shards) != TD_OK)
-                return 2;
-            break;
-        case 'd':
-            if (td_dtype_parse_flag(optarg, &dtype) != TD_OK)
-                return 2;
-            break;
-        case 'h': usage_synth(stdout); return 0;
-        default: usage_synth(stderr); return 2;
-        }
+    const td_opt_t opts[] = {
+        {.name = "out", .type = TD_OPT_STR, .ptr = &out, .arg = "DIR", .help = "directory to write (created if missing)"},
+        {.name = "config", .type = TD_OPT_STR, .ptr = &config, .arg = "NAME",
+         .help = "a preset (default tiny) or a config.json to copy the shape from"},
+        {.name = "arch", .type = TD_OPT_STR, .ptr = &arch, .arg = "ARCH",
+         .help = "llama|mistral|qwen2|qwen3 (default: the config's)"},
+        {.name = "seed", .type = TD_OPT_I64, .ptr = &seed, .min = 0, .max = INT64_MAX, .arg = "S",
+         .help = "weights are a function of the seed (default 0)"},
+        {.name = "dtype", .type = TD_OPT_FN, .ptr = &dtype, .parse = cli_opt_dtype, .arg = "T",
+         .help = "stored dtype: f32|f16|bf16 (default bf16)"},
+        {.name = "tokenizer", .type = TD_OPT_STR, .ptr = &tok, .arg = "PATH",
+         .help = "tokenizer.json (or a directory holding one) to copy; default: a\n"
+                 "built-in 258-token byte-level tokenizer (<s> 256, </s> 257)"},
+        {.name = "shards", .type = TD_OPT_I64, .ptr = &shards, .min = 1, .max = 1000, .arg = "N",
+         .help = "split the weights over N files with an index (default 1)"},
+    };
+    td_opts_t spec = {.prog = "model synth", .opts = opts, .n_opts = TD_ARRAY_LEN(opts)};
+    td_opts_result_t r = {0};
+    if (td_opts_parse(&spec, argc, argv, &r) != TD_OK)
+        return 2; /* logged where decided */
+    if (r.help) {
+        printf("usage: tandem model synth --out DIR [--config NAME|config.json] [--arch ARCH] [--seed S]\n"
+               "                          [--dtype f32|f16|bf16] [--tokenizer PATH] [--shards N]\n\n");
+        td_opts_usage(stdout, opts, (int)TD_ARRAY_LEN(opts), false);
+        printf("\npresets:");
+        for (int i = 0; td_model_preset_names[i]; i++)
+            printf(" %s", td_model_preset_names[i]);
+        printf("\n");
+        return 0;
     }
-    if (!out || optind != argc) {
-        usage_synth(stderr);
+    if (!out) {
+        fprintf(stderr, "tandem model synth: --out DIR is required (see --help)\n");
         return 2;
     }
     td_synth_params_t p;
@@ -165,11 +144,16 @@ static void print_config(const td_model_config_t *c)
 
 static int cmd_info(int argc, char **argv)
 {
-    if (argc != 2 || !strcmp(argv[1], "--help") || !strcmp(argv[1], "-h")) {
-        usage_info(argc == 2 ? stdout : stderr);
-        return argc == 2 ? 0 : 2;
+    char *args[1];
+    td_opts_t spec = {.prog = "model info", .max_args = 1};
+    td_opts_result_t r = {.args = args};
+    if (td_opts_parse(&spec, argc, argv, &r) != TD_OK)
+        return 2;
+    if (r.help || r.n_args != 1) {
+        usage_info(r.help ? stdout : stderr);
+        return r.help ? 0 : 2;
     }
-    const char *path = argv[1];
+    const char *path = args[0];
     td_model_config_t cfg;
     if (!td_is_file(path) && !td_is_dir(path) && td_model_preset(path, &cfg) == TD_OK) {
         printf("preset          %s\n", path);

@@ -11,21 +11,6 @@
 #include "td_tokenizer.h"
 #include "td_util.h"
 
-static void usage(FILE *f)
-{
-    fprintf(f, "usage: tandem tokenize --tokenizer PATH [--decode]\n"
-               "\n"
-               "Reads all of stdin. Without --decode: encodes it exactly as given (no newline\n"
-               "stripped) and prints the token ids, space-separated, on one line, without BOS/EOS.\n"
-               "With --decode: reads whitespace-separated token ids and prints their text\n"
-               "(special tokens skipped, no newline added).\n"
-               "\n"
-               "  --tokenizer PATH  tokenizer.bin (llama2.c), tokenizer.json, or a directory\n"
-               "                    holding tokenizer.json (+ tokenizer_config.json)\n"
-               "  --decode          ids -> text instead of text -> ids\n"
-               "  --help            this text\n");
-}
-
 /* Reads stdin to EOF into a malloc'd buffer (NUL-terminated). */
 static int read_stdin(char **buf_p, size_t *len_p)
 {
@@ -118,31 +103,29 @@ int cmd_tokenize(int argc, char **argv)
 {
     const char *path = NULL;
     bool decode = false;
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
-        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
-            usage(stdout);
-            return 0;
-        } else if (!strcmp(a, "--decode")) {
-            decode = true;
-        } else if (!strcmp(a, "--tokenizer")) {
-            if (i + 1 >= argc) {
-                fprintf(stderr, "tandem tokenize: --tokenizer needs a path\n\n");
-                usage(stderr);
-                return 2;
-            }
-            path = argv[++i];
-        } else if (!strncmp(a, "--tokenizer=", 12)) {
-            path = a + 12;
-        } else {
-            fprintf(stderr, "tandem tokenize: unknown argument '%s'\n\n", a);
-            usage(stderr);
-            return 2;
-        }
+    const td_opt_t opts[] = {
+        {.name = "tokenizer", .type = TD_OPT_STR, .ptr = &path, .arg = "PATH",
+         .help = "tokenizer.bin (llama2.c), tokenizer.json, or a directory\n"
+                 "holding tokenizer.json (+ tokenizer_config.json)"},
+        {.name = "decode", .type = TD_OPT_BOOL, .ptr = &decode, .help = "ids -> text instead of text -> ids"},
+    };
+    td_opts_t spec = {.prog = "tokenize", .opts = opts, .n_opts = TD_ARRAY_LEN(opts)};
+    td_opts_result_t r = {0};
+    if (td_opts_parse(&spec, argc, argv, &r) != TD_OK)
+        return 2;
+    if (r.help) {
+        printf("usage: tandem tokenize --tokenizer PATH [--decode]\n"
+               "\n"
+               "Reads all of stdin. Without --decode: encodes it exactly as given (no newline\n"
+               "stripped) and prints the token ids, space-separated, on one line, without BOS/EOS.\n"
+               "With --decode: reads whitespace-separated token ids and prints their text\n"
+               "(special tokens skipped, no newline added).\n"
+               "\n");
+        td_opts_usage(stdout, opts, (int)TD_ARRAY_LEN(opts), false);
+        return 0;
     }
     if (!path || !*path) {
-        fprintf(stderr, "tandem tokenize: --tokenizer PATH is required\n\n");
-        usage(stderr);
+        fprintf(stderr, "tandem tokenize: --tokenizer PATH is required (see --help)\n");
         return 2;
     }
 

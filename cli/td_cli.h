@@ -6,6 +6,8 @@
 #ifndef TD_CLI_H
 #define TD_CLI_H
 
+#include "td_opts.h"
+
 int cmd_generate(int argc, char **argv);
 int cmd_tokenize(int argc, char **argv);
 int cmd_model(int argc, char **argv);
@@ -14,5 +16,10 @@ int cmd_router(int argc, char **argv);
 int cmd_prefill(int argc, char **argv);
 int cmd_decode(int argc, char **argv);
 int cmd_local(int argc, char **argv);
+
+/* td_opts parse fns of the flags several commands share (cli/cli_opts.c): --device into a
+ * td_device_spec_t (cpu, cuda, cuda:N), --dtype into a td_dtype_t (f32|f16|bf16). */
+td_status_t cli_opt_device(const td_opt_t *opt, const char *value);
+td_status_t cli_opt_dtype(const td_opt_t *opt, const char *value);
 
 #endif /* TD_CLI_H */

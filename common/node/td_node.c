@@ -12,43 +12,9 @@
 #include "td_log.h"
 #include "td_util.h"
 
-#define TD_NODE_MAX_KEYS 64
-
 bool td_node_is_wildcard(const char *host)
 {
     return !host || !host[0] || !strcmp(host, "0.0.0.0") || !strcmp(host, "::") || !strcmp(host, "[::]");
-}
-
-/* The common keys of `kind` into out[]; returns how many. */
-static int common_keys(td_node_config_t *c, td_node_kind_t kind, td_node_conf_key_t *out)
-{
-    int n = 0;
-    bool node = kind == TD_NODE_NODE;
-    if (node)
-        out[n++] = (td_node_conf_key_t){"model", TD_NODE_CONF_STR, &c->model, 0, 0, "model path (required)"};
-    out[n++] = (td_node_conf_key_t){"model-name", TD_NODE_CONF_STR, &c->model_name, 0, 0,
-                                   node ? "name the router routes by" : "the model name served"};
-    if (node)
-        out[n++] = (td_node_conf_key_t){"router", TD_NODE_CONF_STR, &c->router, 0, 0, "router control address HOST:PORT"};
-    out[n++] = (td_node_conf_key_t){"host", TD_NODE_CONF_STR, &c->host, 0, 0,
-                                   "address to listen on (0.0.0.0: every interface; needs --advertise)"};
-    out[n++] = (td_node_conf_key_t){"advertise", TD_NODE_CONF_STR, &c->advertise, 0, 0,
-                                   "address peers reach this process at (default: --host)"};
-    if (node)
-        out[n++] = (td_node_conf_key_t){"node-id", TD_NODE_CONF_STR, &c->node_id, 0, 0, "unique node name"};
-    out[n++] = (td_node_conf_key_t){"port", TD_NODE_CONF_I64, &c->port, 0, 65535,
-                                   node ? "control gRPC port (0 = any)" : "gateway gRPC port (0 = any)"};
-    out[n++] = (td_node_conf_key_t){"metrics-port", TD_NODE_CONF_I64, &c->metrics_port, 0, 65535, "/metrics port (0 = any)"};
-    if (node) {
-        out[n++] = (td_node_conf_key_t){"threads", TD_NODE_CONF_I64, &c->threads, 0, 4096, "compute threads (0 = all cores)"};
-        out[n++] = (td_node_conf_key_t){"device", TD_NODE_CONF_STR, &c->device, 0, 0, "cpu, cuda (GPU 0) or cuda:N"};
-        out[n++] = (td_node_conf_key_t){"dtype", TD_NODE_CONF_STR, &c->dtype, 0, 0,
-                                       "f32|f16|bf16: weights and KV cache (and CUDA activations); "
-                                       "default: cpu: weights as stored, KV f32; cuda: the model's dtype. "
-                                       "Paired nodes must agree"};
-    }
-    out[n++] = (td_node_conf_key_t){"log-level", TD_NODE_CONF_STR, &c->log_level, 0, 0, "error|warn|info|debug"};
-    return n;
 }
 
 /* Checks what the table cannot: log level, a node's model and router, the address rule. */
@@ -86,8 +52,8 @@ static td_status_t validate(td_node_t *p)
     return TD_OK;
 }
 
-bool td_node_configure(td_node_t *p, const td_node_spec_t *spec, const td_node_conf_key_t *keys,
-                           int n_keys, int argc, char **argv, int *exit_p)
+bool td_node_configure(td_node_t *p, const td_node_spec_t *spec, const td_opt_t *keys, int n_keys,
+                       int argc, char **argv, int *exit_p)
 {
     TD_ASSERT(spec->prog && spec->on_shutdown);
     p->spec = *spec;
@@ -104,32 +70,26 @@ bool td_node_configure(td_node_t *p, const td_node_spec_t *spec, const td_node_c
             c->node_id = p->default_id;
         }
     }
-    td_node_conf_key_t all[TD_NODE_MAX_KEYS];
-    int n = common_keys(c, spec->kind, all);
-    TD_ASSERT(n + n_keys <= TD_NODE_MAX_KEYS);
-    memcpy(all + n, keys, (size_t)n_keys * sizeof *keys);
-    n += n_keys;
-    bool help;
-    if (td_node_conf_parse(spec->prog, all, n, argc, argv, &p->store, &help) != TD_OK) {
+    bool node = spec->kind == TD_NODE_NODE;
+    if (td_node_conf_parse(spec->prog, c, node, keys, n_keys, argc, argv, &p->conf) != TD_OK) {
         *exit_p = 2;
-        goto err_store;
+        goto err_conf;
     }
-    if (help) {
-        td_node_conf_usage(spec->prog, all, n);
+    if (p->conf.help) {
         *exit_p = 0;
-        goto err_store;
+        goto err_conf;
     }
     if (validate(p) != TD_OK) {
         *exit_p = 2;
-        goto err_store;
+        goto err_conf;
     }
     if (c->log_level)
         td_log_set_level((td_log_level_t)td_log_parse_level(c->log_level));
     uv_loop_init(&p->loop);
     p->loop_up = true;
     return true;
-err_store:
-    td_node_conf_free(&p->store);
+err_conf:
+    td_opts_result_free(&p->conf);
     return false;
 }
 
@@ -292,5 +252,5 @@ void td_node_stop(td_node_t *p)
 
 void td_node_free(td_node_t *p)
 {
-    td_node_conf_free(&p->store);
+    td_opts_result_free(&p->conf);
 }

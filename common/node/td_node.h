@@ -55,25 +55,6 @@ typedef enum td_node_kind {
     TD_NODE_NODE,   /* a prefill or decode node: a model, registers with a router */
 } td_node_kind_t;
 
-/* The keys every process (or every node) reads. NULL / 0 fields get their defaults in
- * td_node_configure; a process may preset any of them before (e.g. node_id). */
-typedef struct td_node_config {
-    const char *host;          /* listen address (default 127.0.0.1) */
-    const char *advertise;     /* address peers use (default: host; required for a wildcard host) */
-    int64_t port;              /* router: gateway gRPC; node: control gRPC (0 = any) */
-    int64_t metrics_port;      /* /metrics (0 = any) */
-    const char *model_name;    /* the model name served / routed by (default "default") */
-    const char *log_level;
-    /* nodes only */
-    const char *model;         /* model path (required) */
-    const char *router;        /* the router's control address HOST:PORT (default 127.0.0.1:7070) */
-    const char *node_id;       /* unique node name (default "<prog>0") */
-    int64_t threads;           /* compute threads (0 = all cores) */
-    const char *device;        /* cpu (default), cuda, cuda:N */
-    const char *dtype;         /* weights and KV cache (and CUDA activations): f32|f16|bf16;
-                                  NULL: td_device_default_dtype */
-} td_node_config_t;
-
 /* The process's part of shutdown: called once, on the loop thread, before the skeleton
  * closes the router client, /metrics and the signals. Must close every handle it opened. */
 typedef void (*td_node_shutdown_cb)(void *data);
@@ -97,7 +78,7 @@ typedef struct td_node {
     td_device_spec_t device;   /* nodes: parsed cfg.device */
     int dtype;                 /* nodes: parsed cfg.dtype; -1 (not given) until load_model
                                   applies td_device_default_dtype */
-    td_node_conf_store_t store;
+    td_opts_result_t conf;     /* the --config file's strings (cfg points into them) */
     td_http_server_t *http;
     td_metrics_loop_t *loop_metrics; /* loop lag and longest run, beside /metrics */
     td_node_client_t *client;
@@ -112,8 +93,8 @@ typedef struct td_node {
  * from main (0 after --help, 2 for a bad config, the reason logged once). The strings in
  * p->cfg stay valid until td_node_free.
  */
-bool td_node_configure(td_node_t *p, const td_node_spec_t *spec, const td_node_conf_key_t *keys,
-                           int n_keys, int argc, char **argv, int *exit_p);
+bool td_node_configure(td_node_t *p, const td_node_spec_t *spec, const td_opt_t *keys, int n_keys,
+                       int argc, char **argv, int *exit_p);
 
 /* True for an address that listens on every interface ("0.0.0.0", "::", "[::]", ""). */
 bool td_node_is_wildcard(const char *host);

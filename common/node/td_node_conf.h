@@ -1,9 +1,9 @@
 /*
- * td_node_conf: table-driven configuration for the cluster processes (router, prefill,
- * decode). A process describes its config struct once as a table of keys; the same keys
- * are accepted as `--key VALUE` / `--key=VALUE` flags and as `key = value` lines of a
- * `--config FILE` (# comments, blank lines). Flags given on the command line win over the
- * file, whatever their order. Defaults are whatever the struct held before parsing.
+ * td_node_conf: the config of the cluster processes (router, prefill, decode): the keys
+ * they all read (td_node_config_t) as a td_opts table, parsed together with the process's
+ * own table. Every key is accepted as `--key VALUE` / `--key=VALUE` and as a `key = value`
+ * line of a `--config FILE` (# comments, blank lines); flags given on the command line win
+ * over the file, whatever their order. Defaults are whatever the structs held before parsing.
  *
  * Threads: any; no global state. Errors are logged once (td_errorf) naming the key.
  */
@@ -14,40 +14,36 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "td_opts.h"
 #include "td_status.h"
 
-typedef enum td_node_conf_type {
-    TD_NODE_CONF_I64,  /* int64_t, range-checked */
-    TD_NODE_CONF_STR,  /* const char *, pointing into argv or into the parse's own copy */
-    TD_NODE_CONF_BOOL, /* bool: "true"/"false"/"1"/"0"; a bare flag means true */
-} td_node_conf_type_t;
-
-typedef struct td_node_conf_key {
-    const char *name;   /* "max-batch" */
-    td_node_conf_type_t type;
-    void *ptr;          /* int64_t *, const char **, bool * */
-    int64_t min, max;   /* I64 only */
-    const char *help;
-} td_node_conf_key_t;
-
-/* Strings read from a config file live here until td_node_conf_free. */
-typedef struct td_node_conf_store {
-    char *file_text;
-} td_node_conf_store_t;
+/* The keys every process (or every node) reads. NULL / 0 fields get their defaults in
+ * td_node_configure; a process may preset any of them before (e.g. node_id). */
+typedef struct td_node_config {
+    const char *host;          /* listen address (default 127.0.0.1) */
+    const char *advertise;     /* address peers use (default: host; required for a wildcard host) */
+    int64_t port;              /* router: gateway gRPC; node: control gRPC (0 = any) */
+    int64_t metrics_port;      /* /metrics (0 = any) */
+    const char *model_name;    /* the model name served / routed by (default "default") */
+    const char *log_level;
+    /* nodes only */
+    const char *model;         /* model path (required) */
+    const char *router;        /* the router's control address HOST:PORT (default 127.0.0.1:7070) */
+    const char *node_id;       /* unique node name (default "<prog>0") */
+    int64_t threads;           /* compute threads (0 = all cores) */
+    const char *device;        /* cpu (default), cuda, cuda:N */
+    const char *dtype;         /* weights and KV cache (and CUDA activations): f32|f16|bf16;
+                                  NULL: td_device_default_dtype */
+} td_node_config_t;
 
 /*
- * Parses argv[1..argc) against keys[0..n_keys) (plus --config FILE and --help). Returns
- * TD_OK, or TD_ERR_INVALID with the offending key logged. *help_p is set when --help
- * was given (nothing else is parsed then). `store` keeps file strings alive.
+ * Parses argv[1..argc) (and its --config FILE) against the common keys of a node (`node`)
+ * or of the router, followed by the process's keys[0..n_keys). On --help prints the usage
+ * of all of them to stdout and sets r->help. Returns TD_OK or TD_ERR_INVALID (logged,
+ * naming the key). The file's strings live in *r until td_opts_result_free.
  */
-td_status_t td_node_conf_parse(const char *prog, const td_node_conf_key_t *keys, int n_keys,
-                              int argc, char **argv, td_node_conf_store_t *store, bool *help_p);
-
-/* Prints "  --key VALUE   help (default ...)" lines for every key. */
-void td_node_conf_usage(const char *prog, const td_node_conf_key_t *keys, int n_keys);
-
-/* Frees what td_node_conf_parse kept. NULL-safe fields. */
-void td_node_conf_free(td_node_conf_store_t *store);
+td_status_t td_node_conf_parse(const char *prog, td_node_config_t *c, bool node, const td_opt_t *keys,
+                               int n_keys, int argc, char **argv, td_opts_result_t *r);
 
 /* Splits "host:port" into host (copied into host[0..cap)) and port. TD_ERR_INVALID. */
 td_status_t td_node_conf_split_addr(const char *addr, char *host, size_t cap, uint16_t *port_p);

@@ -29,7 +29,7 @@ static bool configure(td_node_t *p, fake_t *f, td_node_kind_t kind, const char *
     while (argv[argc])
         argc++;
     memset(p, 0, sizeof *p);
-    const td_node_conf_key_t keys[] = {{"kv-blocks", TD_NODE_CONF_I64, &f->kv_blocks, 1, 1 << 20, "blocks"}};
+    const td_opt_t keys[] = {TD_OPT_INT("kv-blocks", &f->kv_blocks, 1, 1 << 20, "blocks")};
     td_node_spec_t spec = {.prog = kind == TD_NODE_NODE ? "decode" : "router", .kind = kind,
                                .on_shutdown = on_shutdown, .data = f};
     return td_node_configure(p, &spec, keys, 1, argc, (char **)argv, rc);
