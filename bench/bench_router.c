@@ -46,6 +46,7 @@
 #include "tandem.pb-c.h"
 #include "td_grpc.h"
 #include "td_log.h"
+#include "td_node_fake.h"
 #include "td_opts.h"
 #include "td_util.h"
 
@@ -82,11 +83,9 @@ typedef struct rb_lease {
     uint32_t next_free;
 } rb_lease_t;
 
-/* A Steps subscriber of the no-op decode node and the leases it streams. */
+/* The leases a Steps subscriber of the no-op decode node streams (the subscription itself
+ * is td_node_fake's, slot RB_SUB_ROUTER or RB_SUB_DIRECT). */
 typedef struct rb_sub {
-    struct rb_state *s;
-    td_grpc_call_t *call;
-    bool blocked;             /* last send was BUSY: wait for the writable callback */
     uint32_t *live;           /* lease slots */
     uint32_t n_live, cap_live;
 } rb_sub_t;
@@ -131,7 +130,7 @@ typedef struct rb_state {
     char host[64];
     uint16_t gw_port, ctl_port;
     /* no-op nodes */
-    td_grpc_server_t *prefill_srv, *decode_srv;
+    td_node_fake_t *prefill_node, *decode_node;
     td_node_client_t *prefill_cli, *decode_cli;
     rb_lease_t *leases;
     uint32_t n_leases, cap_leases, free_head;
@@ -139,10 +138,9 @@ typedef struct rb_state {
     rb_sub_t subs[2];
     uv_idle_t stepper;
     bool stepping, stepper_up;
-    uint64_t turn, step_no;
-    Tandem__Control__V1__SeqStep *seq_buf;
-    Tandem__Control__V1__SeqStep **seq_ptrs;
-    uint32_t seq_cap;
+    uint64_t turn;
+    td_node_fake_entry_t *step_buf; /* [step_cap] a StepBatch's entries */
+    uint32_t step_cap;
     /* load generator */
     td_grpc_channel_t **gw;
     td_grpc_channel_t *d_decode, *d_prefill;
@@ -306,72 +304,50 @@ static void rb_stepper_start(rb_state_t *s)
 
 /* One step for one subscriber: a token for every live lease that is ready, the finish
  * entry after a lease's last token. Lease state changes only if the send was accepted. */
-static void rb_step_sub(rb_state_t *s, rb_sub_t *sub, bool *pending)
+static void rb_step_sub(rb_state_t *s, int i, bool *pending)
 {
-    if (!sub->call || sub->blocked || !sub->n_live)
+    rb_sub_t *sub = &s->subs[i];
+    if (!td_node_fake_subscribed(s->decode_node, i) || td_node_fake_blocked(s->decode_node, i) || !sub->n_live)
         return;
-    if (sub->n_live * 2 > s->seq_cap) {
+    if (sub->n_live * 2 > s->step_cap) {
         uint32_t cap = sub->n_live * 4;
-        Tandem__Control__V1__SeqStep *b = realloc(s->seq_buf, cap * sizeof *b);
-        if (b)
-            s->seq_buf = b;
-        Tandem__Control__V1__SeqStep **p = realloc(s->seq_ptrs, cap * sizeof *p);
-        if (p)
-            s->seq_ptrs = p;
-        if (!b || !p) {
+        td_node_fake_entry_t *b = realloc(s->step_buf, cap * sizeof *b);
+        if (!b) {
             s->failed = true;
             return;
         }
-        s->seq_cap = cap;
+        s->step_buf = b;
+        s->step_cap = cap;
     }
+    uint64_t step_no = td_node_fake_last_step(s->decode_node);
     uint32_t n = 0;
-    for (uint32_t i = 0; i < sub->n_live; i++) {
-        const rb_lease_t *l = &s->leases[sub->live[i]];
+    for (uint32_t k = 0; k < sub->n_live; k++) {
+        const rb_lease_t *l = &s->leases[sub->live[k]];
         if (l->ready_turn > s->turn) {
             *pending = true;
             continue;
         }
-        Tandem__Control__V1__SeqStep *q = &s->seq_buf[n];
-        tandem__control__v1__seq_step__init(q);
-        q->lease_id = l->id;
-        q->token = (uint32_t)(1 + (s->step_no + i) % 1000);
-        q->event = TANDEM__CONTROL__V1__SEQ_EVENT__SEQ_EVENT_TOKEN;
-        s->seq_ptrs[n] = q;
-        n++;
-        if (l->remaining == 1) {
-            q = &s->seq_buf[n];
-            tandem__control__v1__seq_step__init(q);
-            q->lease_id = l->id;
-            q->event = TANDEM__CONTROL__V1__SEQ_EVENT__SEQ_EVENT_FINISHED_LENGTH;
-            s->seq_ptrs[n] = q;
-            n++;
-        }
+        s->step_buf[n++] = (td_node_fake_entry_t){.lease_id = l->id, .token = (uint32_t)(1 + (step_no + k) % 1000),
+                                                  .event = TANDEM__CONTROL__V1__SEQ_EVENT__SEQ_EVENT_TOKEN};
+        if (l->remaining == 1)
+            s->step_buf[n++] = (td_node_fake_entry_t){
+                .lease_id = l->id, .event = TANDEM__CONTROL__V1__SEQ_EVENT__SEQ_EVENT_FINISHED_LENGTH};
     }
     if (!n)
         return;
-    Tandem__Control__V1__StepBatch b = TANDEM__CONTROL__V1__STEP_BATCH__INIT;
-    b.step = ++s->step_no;
-    b.seqs = s->seq_ptrs;
-    b.n_seqs = n;
-    b.free_kv_blocks = RB_CAPACITY_BLOCKS;
-    td_status_t st = td_grpc_call_send(sub->call, &b.base);
-    if (st == TD_ERR_BUSY) {
-        sub->blocked = true;
-        return;
-    }
-    if (st != TD_OK)
-        return; /* cancelled: the cancel callback forgets the subscriber */
-    for (uint32_t i = 0; i < sub->n_live;) {
-        rb_lease_t *l = &s->leases[sub->live[i]];
+    if (td_node_fake_step(s->decode_node, i, s->step_buf, n, RB_CAPACITY_BLOCKS) != TD_OK)
+        return; /* BUSY: the writable callback resumes; gone: the subscription ended */
+    for (uint32_t k = 0; k < sub->n_live;) {
+        rb_lease_t *l = &s->leases[sub->live[k]];
         if (l->ready_turn > s->turn) {
-            i++;
+            k++;
             continue;
         }
         if (--l->remaining == 0) {
-            rb_lease_free(s, l); /* swaps another lease into position i */
+            rb_lease_free(s, l); /* swaps another lease into position k */
             continue;
         }
-        i++;
+        k++;
     }
 }
 
@@ -381,10 +357,11 @@ static void on_stepper(uv_idle_t *h)
     s->turn++;
     bool pending = false;
     for (int i = 0; i < 2; i++)
-        rb_step_sub(s, &s->subs[i], &pending);
+        rb_step_sub(s, i, &pending);
     bool work = pending;
     for (int i = 0; i < 2; i++)
-        if (s->subs[i].call && !s->subs[i].blocked && s->subs[i].n_live)
+        if (td_node_fake_subscribed(s->decode_node, i) && !td_node_fake_blocked(s->decode_node, i) &&
+            s->subs[i].n_live)
             work = true;
     if (!work) {
         s->stepping = false;
@@ -392,46 +369,14 @@ static void on_stepper(uv_idle_t *h)
     }
 }
 
-static void on_steps_writable(td_grpc_call_t *call, void *data)
+static void on_steps_writable(td_node_fake_t *f, int sub)
 {
-    rb_sub_t *sub = data;
-    sub->blocked = false;
-    rb_stepper_start(sub->s);
+    rb_stepper_start(td_node_fake_data(f));
 }
 
-static void on_steps_cancel(td_grpc_call_t *call, td_status_t why, void *data)
+static void on_admit(td_node_fake_t *f, td_grpc_call_t *call, const Tandem__Control__V1__AdmitRequest *q)
 {
-    rb_sub_t *sub = data;
-    if (sub && sub->call == call) {
-        sub->call = NULL;
-        sub->blocked = false;
-    }
-    td_grpc_call_finish(call, TD_GRPC_CANCELLED, NULL);
-}
-
-static void on_steps(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data)
-{
-    rb_state_t *s = data;
-    const Tandem__Control__V1__StepsRequest *q = (const void *)msg;
-    int i = !strcmp(q->router_id, "bench-direct") ? RB_SUB_DIRECT : RB_SUB_ROUTER;
-    rb_sub_t *sub = &s->subs[i];
-    if (sub->call) { /* a second subscription replaces the first */
-        td_grpc_call_t *old = sub->call;
-        sub->call = NULL;
-        td_grpc_call_set_data(old, NULL);
-        td_grpc_call_finish(old, TD_GRPC_ABORTED, "replaced by a new subscription");
-    }
-    sub->call = call;
-    sub->blocked = false;
-    td_grpc_call_set_data(call, sub);
-    td_grpc_call_on_cancel(call, on_steps_cancel);
-    td_grpc_call_on_writable(call, on_steps_writable);
-}
-
-static void on_admit(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data)
-{
-    rb_state_t *s = data;
-    const Tandem__Control__V1__AdmitRequest *q = (const void *)msg;
+    rb_state_t *s = td_node_fake_data(f);
     if (!q->max_tokens || q->prompt_tokens > RB_MAX_PROMPT) {
         td_grpc_call_finish(call, TD_GRPC_INVALID_ARGUMENT, "no-op decode: max_tokens 0 or prompt too long");
         return;
@@ -449,17 +394,12 @@ static void on_admit(td_grpc_call_t *call, const ProtobufCMessage *msg, void *da
     size_t nb = q->prompt_tokens / RB_BLOCK + 1;
     for (size_t i = 0; i < nb; i++)
         blocks[i] = (uint32_t)i;
-    Tandem__Control__V1__AdmitResponse r = TANDEM__CONTROL__V1__ADMIT_RESPONSE__INIT;
-    r.lease_id = l->id;
-    r.block_ids = blocks;
-    r.n_block_ids = nb;
-    td_grpc_call_reply(call, &r.base);
+    td_node_fake_admit_reply(call, l->id, blocks, nb);
 }
 
-static void on_release(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data)
+static void on_release(td_node_fake_t *f, td_grpc_call_t *call, const Tandem__Control__V1__ReleaseRequest *q)
 {
-    rb_state_t *s = data;
-    const Tandem__Control__V1__ReleaseRequest *q = (const void *)msg;
+    rb_state_t *s = td_node_fake_data(f);
     Tandem__Control__V1__ReleaseResponse r = TANDEM__CONTROL__V1__RELEASE_RESPONSE__INIT;
     rb_lease_t *l = rb_lease_find(s, q->lease_id);
     if (l) {
@@ -471,24 +411,19 @@ static void on_release(td_grpc_call_t *call, const ProtobufCMessage *msg, void *
 
 /* ---- no-op prefill node ------------------------------------------------------------------ */
 
-static void on_prefill(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data)
+static void on_prefill(td_node_fake_t *f, td_grpc_call_t *call, const Tandem__Control__V1__PrefillRequest *q)
 {
-    rb_state_t *s = data;
-    const Tandem__Control__V1__PrefillRequest *q = (const void *)msg;
+    rb_state_t *s = td_node_fake_data(f);
     rb_lease_t *l = rb_lease_find(s, q->lease_id);
     if (!l || l->live_idx != UINT32_MAX) {
         td_grpc_call_finish(call, TD_GRPC_UNAVAILABLE, "no-op prefill: no such lease on the decode node");
         return;
     }
-    Tandem__Control__V1__PrefillResponse r = TANDEM__CONTROL__V1__PREFILL_RESPONSE__INIT;
-    r.first_token = 1;
-    r.phase = TANDEM__CONTROL__V1__PREFILL_PHASE__PREFILL_PHASE_FIRST_TOKEN;
-    if (td_grpc_call_send(call, &r.base) != TD_OK) {
+    if (td_node_fake_prefill_send(call, 1, TANDEM__CONTROL__V1__PREFILL_PHASE__PREFILL_PHASE_FIRST_TOKEN) != TD_OK) {
         td_grpc_call_finish(call, TD_GRPC_UNAVAILABLE, "no-op prefill: stream gone");
         return;
     }
-    r.phase = TANDEM__CONTROL__V1__PREFILL_PHASE__PREFILL_PHASE_KV_DELIVERED;
-    td_grpc_call_reply(call, &r.base);
+    td_node_fake_prefill_reply(call, 1, TANDEM__CONTROL__V1__PREFILL_PHASE__PREFILL_PHASE_KV_DELIVERED);
     /* the lease steps from the turn after the one that writes this reply, as a decode node
      * steps a sequence only after its kv-ready */
     rb_sub_t *sub = &s->subs[l->sub];
@@ -520,25 +455,18 @@ static void rb_load(void *data, td_node_load_t *load)
 
 static td_status_t rb_node_start(rb_state_t *s, td_node_role_t role)
 {
-    td_grpc_server_config_t sc = td_grpc_server_config_default();
-    sc.host = "127.0.0.1";
-    sc.max_concurrent_streams = 1u << 20;
-    td_grpc_server_t **srv = role == TD_NODE_ROLE_DECODE ? &s->decode_srv : &s->prefill_srv;
-    td_status_t st = td_grpc_server_create(&s->loop, &sc, srv);
+    static const td_node_fake_ops_t decode_ops = {.admit = on_admit, .release = on_release,
+                                                  .writable = on_steps_writable};
+    static const td_node_fake_ops_t prefill_ops = {.prefill = on_prefill};
+    td_node_fake_config_t fc = td_node_fake_config_default();
+    fc.max_concurrent_streams = 1u << 20;
+    fc.steps = role == TD_NODE_ROLE_DECODE;
+    fc.sub_router_ids[RB_SUB_DIRECT] = "bench-direct";
+    td_node_fake_t **node = role == TD_NODE_ROLE_DECODE ? &s->decode_node : &s->prefill_node;
+    td_status_t st = td_node_fake_create(&s->loop, &fc, role == TD_NODE_ROLE_DECODE ? &decode_ops : &prefill_ops,
+                                         s, node);
     if (st != TD_OK)
         return st;
-    if (role == TD_NODE_ROLE_DECODE) {
-        if ((st = td_grpc_server_add_method(*srv, "/tandem.control.v1.DecodeNode/Admit",
-                                            &tandem__control__v1__admit_request__descriptor, on_admit, s)) ||
-            (st = td_grpc_server_add_method(*srv, "/tandem.control.v1.DecodeNode/Release",
-                                            &tandem__control__v1__release_request__descriptor, on_release, s)) ||
-            (st = td_grpc_server_add_method(*srv, "/tandem.control.v1.DecodeNode/Steps",
-                                            &tandem__control__v1__steps_request__descriptor, on_steps, s)))
-            return st;
-    } else if ((st = td_grpc_server_add_method(*srv, "/tandem.control.v1.PrefillNode/Prefill",
-                                               &tandem__control__v1__prefill_request__descriptor, on_prefill, s))) {
-        return st;
-    }
     td_node_client_config_t cc = {.router_host = s->host, .router_port = s->ctl_port, .rpc_timeout_ms = 5000,
                                       .retry_ms = 50, .max_seq_len = ROUTER_MAX_SEQ_LEN, .max_prefill_tokens = 1u << 20};
     td_node_info_t *in = &cc.info;
@@ -547,7 +475,7 @@ static td_status_t rb_node_start(rb_state_t *s, td_node_role_t role)
     snprintf(in->model, sizeof in->model, "%s", RB_MODEL);
     in->layout = (td_kv_layout_t){.model_fingerprint = 0xbe4c4, .dtype = TD_BF16, .block_size = RB_BLOCK,
                                   .n_layers = 1, .n_kv_heads = 1, .head_dim = 64, .version = TD_KV_LAYOUT_VERSION};
-    snprintf(in->address, sizeof in->address, "127.0.0.1:%u", td_grpc_server_port(*srv));
+    snprintf(in->address, sizeof in->address, "127.0.0.1:%u", td_node_fake_port(*node));
     in->capacity_blocks = RB_CAPACITY_BLOCKS;
     in->max_batch = ROUTER_MAX_BATCH; /* no-op nodes: never the bound */
     static const uint8_t fake_xfer[8] = "noop-kv";
@@ -670,9 +598,9 @@ static void rb_nodes_close(rb_state_t *s)
     td_node_client_close(s->prefill_cli);
     td_node_client_close(s->decode_cli);
     s->prefill_cli = s->decode_cli = NULL;
-    td_grpc_server_close(s->prefill_srv, NULL, NULL);
-    td_grpc_server_close(s->decode_srv, NULL, NULL);
-    s->prefill_srv = s->decode_srv = NULL;
+    td_node_fake_close(s->prefill_node);
+    td_node_fake_close(s->decode_node);
+    s->prefill_node = s->decode_node = NULL;
     if (s->stepper_up)
         uv_close((uv_handle_t *)&s->stepper, NULL);
     if (s->wake_up)
@@ -711,8 +639,8 @@ static int rb_nodes_main(rb_state_t *s)
         rb_nodes_close(s);
         rc = 1;
     } else {
-        snprintf(line, sizeof line, "ports %u %u\n", td_grpc_server_port(s->prefill_srv),
-                 td_grpc_server_port(s->decode_srv));
+        snprintf(line, sizeof line, "ports %u %u\n", td_node_fake_port(s->prefill_node),
+                 td_node_fake_port(s->decode_node));
         rb_report(s, line);
     }
     uv_run(&s->loop, UV_RUN_DEFAULT);
@@ -803,7 +731,8 @@ static bool rb_drained(rb_state_t *s)
 static bool rb_nodes_up(rb_state_t *s)
 {
     return td_node_client_registered(s->prefill_cli) && td_node_client_registered(s->decode_cli) &&
-           s->subs[RB_SUB_ROUTER].call && s->subs[RB_SUB_DIRECT].call;
+           td_node_fake_subscribed(s->decode_node, RB_SUB_ROUTER) &&
+           td_node_fake_subscribed(s->decode_node, RB_SUB_DIRECT);
 }
 
 static bool rb_ready(rb_state_t *s)
@@ -1238,7 +1167,6 @@ int bench_router(int argc, char **argv)
         s->prompt[i] = (uint32_t)(1 + i % 255);
     s->free_head = UINT32_MAX;
     s->router.out_fd = s->nodes.out_fd = s->nodes_fd = -1;
-    s->subs[0].s = s->subs[1].s = s;
     signal(SIGPIPE, SIG_IGN);
 
     /* "one core" for the router is true only if nothing else runs there: the router on
@@ -1343,8 +1271,7 @@ out: /* failures were logged where they were decided (td_errorf) */
     free(s->subs[0].live);
     free(s->subs[1].live);
     free(s->leases);
-    free(s->seq_buf);
-    free(s->seq_ptrs);
+    free(s->step_buf);
     free(s->slots);
     free(s->prompt);
     free(s->gw);

@@ -39,11 +39,7 @@ static void on_tick(uv_timer_t *t)
         const router_node_t *n = router_registry_node_const(s->reg, i);
         if (n && !router_registry_is_live(s->reg, i, now)) {
             td_warn("router: node %s missed heartbeats; dropped", n->info.id);
-            if (n->info.role == TD_NODE_ROLE_DECODE)
-                router_decode_lost(s, i, "decode node stopped heartbeating");
-            router_registry_leave(s->reg, n->info.id);
-            s->peers[i].generation++;
-            router_peer_drop(s, i);
+            router_node_gone(s, i, "node stopped heartbeating", true);
             changed = true;
         }
     }
@@ -56,9 +52,9 @@ static void on_tick(uv_timer_t *t)
         router_req_fail(REQ_OF_QE(e), TD_GRPC_DEADLINE_EXCEEDED, "deadline exceeded waiting for a decode node with room",
                  "deadline");
     td_metric_set(s->m_queue_depth, router_queue_len(&s->queue));
-    for (router_req_t *r = s->reqs, *next; r; r = next) {
-        next = r->next;
-        if (r->on_node && r->deadline_ns && now >= r->deadline_ns)
+    TD_LIST_FOREACH_SAFE(it, &s->reqs) {
+        router_req_t *r = TD_CONTAINER_OF(it, router_req_t, link);
+        if (router_req_on_node(r) && r->deadline_ns && now >= r->deadline_ns)
             router_req_fail(r, TD_GRPC_DEADLINE_EXCEEDED, "deadline exceeded", "deadline");
         else if (router_backlog_over(r))
             router_req_fail_slow(r);
@@ -70,8 +66,8 @@ static void on_shutdown(void *data)
 {
     router_state_t *s = data;
     s->shutting_down = true;
-    while (s->reqs)
-        router_req_fail(s->reqs, TD_GRPC_UNAVAILABLE, "router shutting down", "unavailable");
+    while (!td_list_empty(&s->reqs))
+        router_req_fail(TD_CONTAINER_OF(td_list_first(&s->reqs), router_req_t, link), TD_GRPC_UNAVAILABLE, "router shutting down", "unavailable");
     for (int32_t i = 0; s->peers && i < (int32_t)s->cfg.max_nodes; i++)
         router_peer_drop(s, i);
     td_grpc_server_close(s->gateway, NULL, NULL);
@@ -139,6 +135,7 @@ int router_main(int argc, char **argv)
 {
     router_state_t st_, *s = &st_;
     memset(s, 0, sizeof *s);
+    td_list_init(&s->reqs);
     router_config_t *cfg = &s->cfg;
     const td_node_config_t *pc = &s->proc.cfg;
     *cfg = (router_config_t){.control_port = 0, .max_active = 1024, .max_queue = 4096, .request_timeout_ms = 300000,

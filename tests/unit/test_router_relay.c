@@ -1,8 +1,8 @@
 /*
  * test_router_relay: the real `tandem router` process ($TANDEM_BIN) against fake nodes
- * that this test plays itself (one td_grpc server answering PrefillNode and DecodeNode
- * calls, registered as one prefill and one decode node), so every message the router sees
- * from its nodes, and when, is decided here:
+ * that this test plays itself (td_node_fake: one server answering PrefillNode and
+ * DecodeNode calls, registered as one prefill and one decode node), so every message the
+ * router sees from its nodes, and when, is decided here:
  *
  *  - token 0 is relayed exactly once whether the Prefill stream's FIRST_TOKEN or the
  *    lease's first step entry comes first, and a one-message (phase-less) Prefill works;
@@ -33,6 +33,7 @@
 #include "td_child.h"
 #include "td_grpc.h"
 #include "td_kv_layout.h"
+#include "td_node_fake.h"
 #include "td_util.h"
 
 #define MAX_LEASES 16
@@ -62,10 +63,9 @@ typedef struct env {
     uint16_t gateway_port, control_port;
     uv_loop_t loop;
     uv_timer_t tick;
-    td_grpc_server_t *nodes;      /* the fake prefill + decode control API */
+    td_node_fake_t *nodes;        /* the fake prefill + decode control API */
     td_grpc_channel_t *control;   /* to the router's Registry */
     td_grpc_channel_t *gateway;   /* to the router's Generation */
-    td_grpc_call_t *steps;        /* the router's Steps subscription */
     int registered;
     lease_t leases[MAX_LEASES];
     int n_leases;
@@ -74,7 +74,6 @@ typedef struct env {
     int n_admit_calls;
     uint32_t prefill_first_token; /* what the fake prefill answers; 0 = hold the call */
     bool prefill_phaseless;       /* answer like a one-message prefill node */
-    uint64_t step;
 } env_t;
 
 /* ---- fake nodes --------------------------------------------------------------------------- */
@@ -87,10 +86,9 @@ static lease_t *lease_by_request(env_t *e, const char *id)
     return NULL;
 }
 
-static void on_admit(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data)
+static void on_admit(td_node_fake_t *f, td_grpc_call_t *call, const Tandem__Control__V1__AdmitRequest *q)
 {
-    env_t *e = data;
-    const Tandem__Control__V1__AdmitRequest *q = (const void *)msg;
+    env_t *e = td_node_fake_data(f);
     e->n_admit_calls++;
     if (e->refuse_admits > 0) {
         e->refuse_admits--;
@@ -101,20 +99,12 @@ static void on_admit(td_grpc_call_t *call, const ProtobufCMessage *msg, void *da
     lease_t *l = &e->leases[e->n_leases++];
     snprintf(l->request_id, sizeof l->request_id, "%s", q->request_id);
     l->id = 100 + (uint64_t)e->n_leases;
-    uint32_t blocks[4] = {0, 1, 2, 3};
-    Tandem__Control__V1__AdmitResponse r = TANDEM__CONTROL__V1__ADMIT_RESPONSE__INIT;
-    r.lease_id = l->id;
-    r.block_ids = blocks;
-    r.n_block_ids = 4;
-    td_grpc_call_reply(call, &r.base);
+    td_node_fake_admit_reply(call, l->id, (const uint32_t[]){0, 1, 2, 3}, 4);
 }
 
 static void send_prefill(td_grpc_call_t *call, uint32_t token, Tandem__Control__V1__PrefillPhase phase)
 {
-    Tandem__Control__V1__PrefillResponse r = TANDEM__CONTROL__V1__PREFILL_RESPONSE__INIT;
-    r.first_token = token;
-    r.phase = phase;
-    cr_assert_eq(td_grpc_call_send(call, &r.base), TD_OK);
+    cr_assert_eq(td_node_fake_prefill_send(call, token, phase), TD_OK);
 }
 
 static void on_prefill_cancel(td_grpc_call_t *call, td_status_t why, void *call_data)
@@ -125,10 +115,9 @@ static void on_prefill_cancel(td_grpc_call_t *call, td_status_t why, void *call_
     td_grpc_call_finish(call, TD_GRPC_CANCELLED, NULL);
 }
 
-static void on_prefill(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data)
+static void on_prefill(td_node_fake_t *f, td_grpc_call_t *call, const Tandem__Control__V1__PrefillRequest *q)
 {
-    env_t *e = data;
-    const Tandem__Control__V1__PrefillRequest *q = (const void *)msg;
+    env_t *e = td_node_fake_data(f);
     lease_t *l = lease_by_request(e, q->request_id);
     cr_assert_not_null(l, "Prefill for %s before its Admit", q->request_id);
     cr_assert_eq(q->lease_id, l->id);
@@ -154,10 +143,9 @@ static void prefill_deliver(lease_t *l)
     l->prefill = NULL;
 }
 
-static void on_release(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data)
+static void on_release(td_node_fake_t *f, td_grpc_call_t *call, const Tandem__Control__V1__ReleaseRequest *q)
 {
-    env_t *e = data;
-    const Tandem__Control__V1__ReleaseRequest *q = (const void *)msg;
+    env_t *e = td_node_fake_data(f);
     for (int i = 0; i < e->n_leases; i++)
         if (e->leases[i].id == q->lease_id) {
             e->leases[i].released = true;
@@ -169,41 +157,16 @@ static void on_release(td_grpc_call_t *call, const ProtobufCMessage *msg, void *
     td_grpc_call_reply(call, &r.base);
 }
 
-static void on_steps_cancel(td_grpc_call_t *call, td_status_t why, void *call_data)
-{
-    env_t *e = call_data;
-    e->steps = NULL;
-    td_grpc_call_finish(call, TD_GRPC_CANCELLED, NULL);
-}
-
-static void on_steps(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data)
-{
-    env_t *e = data;
-    e->steps = call;
-    td_grpc_call_set_data(call, e);
-    td_grpc_call_on_cancel(call, on_steps_cancel);
-}
-
 /* One StepBatch with one entry per (lease, token, event). */
 static td_status_t step(env_t *e, int n, const lease_t *const *ls, const uint32_t *tokens,
                         const Tandem__Control__V1__SeqEvent *events)
 {
-    Tandem__Control__V1__SeqStep seqs[8], *ptrs[8];
+    td_node_fake_entry_t seqs[8];
     cr_assert_leq(n, 8);
-    for (int i = 0; i < n; i++) {
-        tandem__control__v1__seq_step__init(&seqs[i]);
-        seqs[i].lease_id = ls[i]->id;
-        seqs[i].token = tokens[i];
-        seqs[i].event = events[i];
-        ptrs[i] = &seqs[i];
-    }
-    Tandem__Control__V1__StepBatch b = TANDEM__CONTROL__V1__STEP_BATCH__INIT;
-    b.step = ++e->step;
-    b.seqs = ptrs;
-    b.n_seqs = (size_t)n;
-    b.free_kv_blocks = 1000;
-    cr_assert_not_null(e->steps);
-    return td_grpc_call_send(e->steps, &b.base);
+    for (int i = 0; i < n; i++)
+        seqs[i] = (td_node_fake_entry_t){.lease_id = ls[i]->id, .token = tokens[i], .event = events[i]};
+    cr_assert(td_node_fake_subscribed(e->nodes, 0), "no Steps subscription");
+    return td_node_fake_step(e->nodes, 0, seqs, (size_t)n, 1000);
 }
 
 static void token(env_t *e, const lease_t *l, uint32_t t)
@@ -307,30 +270,17 @@ static void env_start(env_t *e, const char *const *router_args)
     cr_assert_eq(uv_loop_init(&e->loop), 0);
     uv_timer_init(&e->loop, &e->tick);
     uv_timer_start(&e->tick, on_tick, 10, 10);
-    td_grpc_server_config_t sc = td_grpc_server_config_default();
-    sc.host = "127.0.0.1";
-    cr_assert_eq(td_grpc_server_create(&e->loop, &sc, &e->nodes), TD_OK);
-    static const struct {
-        const char *path;
-        const ProtobufCMessageDescriptor *desc;
-        td_grpc_handler_cb cb;
-    } methods[] = {
-        {"/tandem.control.v1.DecodeNode/Admit", &tandem__control__v1__admit_request__descriptor, on_admit},
-        {"/tandem.control.v1.DecodeNode/Release", &tandem__control__v1__release_request__descriptor, on_release},
-        {"/tandem.control.v1.DecodeNode/Steps", &tandem__control__v1__steps_request__descriptor, on_steps},
-        {"/tandem.control.v1.PrefillNode/Prefill", &tandem__control__v1__prefill_request__descriptor, on_prefill},
-    };
-    for (size_t i = 0; i < TD_ARRAY_LEN(methods); i++)
-        cr_assert_eq(td_grpc_server_add_method(e->nodes, methods[i].path, methods[i].desc, methods[i].cb, e), TD_OK,
-                     "%s", methods[i].path);
+    static const td_node_fake_ops_t ops = {.admit = on_admit, .release = on_release, .prefill = on_prefill};
+    td_node_fake_config_t fc = td_node_fake_config_default();
+    cr_assert_eq(td_node_fake_create(&e->loop, &fc, &ops, e, &e->nodes), TD_OK, "%s", td_last_error());
     td_grpc_channel_config_t cc = td_grpc_channel_config_default();
     cr_assert_eq(td_grpc_channel_create(&e->loop, "127.0.0.1", e->control_port, &cc, &e->control), TD_OK);
     cc.initial_window_bytes = 65535; /* the smallest: a paused client holds the router back soon */
     cr_assert_eq(td_grpc_channel_create(&e->loop, "127.0.0.1", e->gateway_port, &cc, &e->gateway), TD_OK);
-    uint16_t port = td_grpc_server_port(e->nodes);
+    uint16_t port = td_node_fake_port(e->nodes);
     register_node(e, "p0", TANDEM__CONTROL__V1__ROLE__ROLE_PREFILL, port);
     register_node(e, "d0", TANDEM__CONTROL__V1__ROLE__ROLE_DECODE, port);
-    RUN_UNTIL(e, e->registered == 2 && e->steps);
+    RUN_UNTIL(e, e->registered == 2 && td_node_fake_subscribed(e->nodes, 0));
 }
 
 static void env_stop(env_t *e)
@@ -345,7 +295,7 @@ static void env_stop(env_t *e)
         }
     td_grpc_channel_close(e->control, NULL, NULL);
     td_grpc_channel_close(e->gateway, NULL, NULL);
-    td_grpc_server_close(e->nodes, NULL, NULL);
+    td_node_fake_close(e->nodes);
     uv_close((uv_handle_t *)&e->tick, NULL);
     uv_run(&e->loop, UV_RUN_DEFAULT);
     cr_assert_eq(uv_loop_close(&e->loop), 0, "test loop has handles left");
