@@ -15,6 +15,7 @@
 #include "td_util.h"
 #include "td_xfer.h"
 
+/* Closes a peer's Steps stream and channel (their callbacks then see nothing of it). */
 void router_peer_drop(router_state_t *s, int32_t idx)
 {
     router_peer_t *p = &s->peers[idx];
@@ -27,6 +28,20 @@ void router_peer_drop(router_state_t *s, int32_t idx)
         td_grpc_channel_close(p->ch, NULL, NULL);
         p->ch = NULL;
     }
+}
+
+/* A node is gone: its Steps stream ended, it went silent past heartbeat-timeout-ms, or it
+ * registered again (a restart). The requests on it fail over (`why` is their reason), it
+ * leaves the registry unless it is joining again (`leave` false), and its peer's stream and
+ * channel close; whatever its old generation still sends is ignored. */
+void router_node_gone(router_state_t *s, int32_t idx, const char *why, bool leave)
+{
+    router_decode_lost(s, idx, why);
+    const router_node_t *n = router_registry_node_const(s->reg, idx);
+    if (leave && n)
+        router_registry_leave(s->reg, n->info.id); /* it registers again if it comes back */
+    s->peers[idx].generation++;
+    router_peer_drop(s, idx);
 }
 
 /* ---- control API --------------------------------------------------------------------- */
@@ -159,9 +174,7 @@ void on_register(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data)
         return;
     }
     if (old >= 0) { /* a restart: whatever ran there is gone */
-        router_decode_lost(s, old, "node restarted");
-        s->peers[old].generation++;
-        router_peer_drop(s, old);
+        router_node_gone(s, old, "node restarted", false);
     }
     int32_t idx;
     if (router_registry_join(s->reg, &info, now, &idx) != TD_OK) {

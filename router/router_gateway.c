@@ -26,7 +26,7 @@ static void on_generate_cancel(td_grpc_call_t *call, td_status_t why, void *call
         router_lease_release(r, deadline ? TANDEM__CONTROL__V1__RELEASE_REQUEST__REASON__REASON_DEADLINE
                                   : TANDEM__CONTROL__V1__RELEASE_REQUEST__REASON__REASON_CANCELLED);
         router_count_outcome(r->s, deadline ? "deadline" : "cancelled");
-        router_req_free(r);
+        router_req_end(r);
     }
     td_grpc_call_finish(call, TD_GRPC_CANCELLED, NULL);
 }
@@ -106,7 +106,7 @@ void on_generate(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data)
         st = TD_ERR_INVALID;
         snprintf(why, sizeof why, "this router has no tokenizer (--tokenizer) for a text prompt: send prompt_ids");
     } else {
-        r->from_text = true; /* encoded off the loop once the rest is checked (router_tok_start) */
+        r->from_text = true; /* encoded off the loop once the rest is checked (router_req_submit) */
     }
     tandem__control__v1__sampling_params__init(&r->sampling);
     const td_sampling_t ts = gp.sampling;
@@ -153,17 +153,7 @@ void on_generate(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data)
         r->deadline_ns = (int64_t)r->t_arrival + (int64_t)(dl_ms > now_ms ? dl_ms - now_ms : 0) * 1000000;
     else if (s->cfg.request_timeout_ms)
         r->deadline_ns = (int64_t)r->t_arrival + s->cfg.request_timeout_ms * 1000000;
-    router_queue_entry_init(&r->qe);
-    r->next = s->reqs;
-    if (s->reqs)
-        s->reqs->prev = r;
-    s->reqs = r;
-    if (!r->from_text) {
-        router_req_arrived(r);
-    } else if ((st = router_tok_start(r, q->prompt, strlen(q->prompt))) != TD_OK) {
-        snprintf(why, sizeof why, "%s", td_last_error());
-        router_req_fail(r, TD_GRPC_RESOURCE_EXHAUSTED, why, "exhausted");
-    }
+    router_req_submit(r, q->prompt, r->from_text ? strlen(q->prompt) : 0);
 }
 
 void on_list_models(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data)

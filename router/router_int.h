@@ -19,6 +19,7 @@
 #include "tandem.pb-c.h"
 #include "td_gen_params.h"
 #include "td_grpc.h"
+#include "td_list.h"
 #include "td_metrics.h"
 #include "td_node.h"
 #include "td_sampler.h"
@@ -64,9 +65,18 @@ typedef struct router_peer {
                                 * node refusing for want of request slots is not asked per step) */
 } router_peer_t;
 
-/* TOKENIZING: its text prompt is being encoded on libuv's thread pool (tok_job_t); then
- * QUEUED (waiting for room), ADMIT, PREFILL, RUNNING. */
-typedef enum { REQ_TOKENIZING, REQ_QUEUED, REQ_ADMIT, REQ_PREFILL, REQ_RUNNING } router_req_state_t;
+/* Where a request is in its life; the diagram and the one function that moves a request from
+ * state to state (req_move) are in router_request.c. */
+typedef enum {
+    REQ_NEW,        /* built by the gateway, not yet submitted */
+    REQ_TOKENIZING, /* its text prompt is being encoded on libuv's thread pool (tok_job_t) */
+    REQ_QUEUED,     /* in the admission queue, waiting for room */
+    REQ_RETRY,      /* off its node after a failure or an Admit refusal: placed next turn */
+    REQ_ADMIT,      /* on a pair: Admit sent to the decode node */
+    REQ_PREFILL,    /* Prefill sent to the prefill node, with the lease */
+    REQ_RUNNING,    /* prefilled: tokens come from the decode node's steps */
+    REQ_ENDED,      /* freed (never seen: the move to it frees the request) */
+} router_req_state_t;
 
 /* Where token index 0 came from: the Prefill stream's FIRST_TOKEN or the lease's first
  * SEQ_EVENT_TOKEN entry, whichever came first (the other is dropped); WITHHELD: the
@@ -77,7 +87,7 @@ typedef struct router_state router_state_t;
 typedef struct tok_job tok_job_t;
 
 typedef struct router_req {
-    struct router_req *prev, *next;
+    td_list_t link;                 /* in router_state_t.reqs */
     struct router_req *lease_next;  /* chain in the lease map while have_lease */
     router_queue_entry_t qe;        /* in the admission queue while REQ_QUEUED */
     router_state_t *s;
@@ -103,7 +113,6 @@ typedef struct router_req {
     router_req_state_t state;
     int32_t priority;
     int64_t deadline_ns;       /* td_now_ns() clock; bounds queue, Admit, Prefill, decoding */
-    bool on_node;              /* counted in n_active (Admit sent, not yet ended) */
     router_first_t first_src;
     uint32_t first_token;
     uint32_t decode_tokens;    /* SEQ_EVENT_TOKEN entries seen for the current lease */
@@ -125,9 +134,9 @@ typedef struct router_req {
     uint32_t *blocks;          /* the lease's block ids, from Admit */
     size_t n_blocks;
     td_grpc_client_call_t *pending;
-    uint32_t completion;
+    uint32_t completion;       /* tokens sent: once one is, the request is the client's and
+                                * is not retried on another pair */
     uint32_t cached;
-    bool sent_any;
     uint64_t t_arrival, t_picked, t_prefill, t_first, t_last;
     double transfer_s, prefill_s;
 } router_req_t;
@@ -140,7 +149,8 @@ struct router_state {
     router_registry_t *reg;
     router_policy_config_t policy;
     router_peer_t *peers;
-    router_req_t *reqs;        /* every request, queued or on nodes */
+    td_list_t reqs;            /* every request (router_req_t.link), newest first */
+    int32_t n_retry;           /* requests in REQ_RETRY, placed by the pump's next run */
     int32_t n_active;          /* requests on nodes (max-active bound) */
     router_queue_t queue;
     router_req_t **lease_map;  /* [lease_buckets] chains by (decode, lease id) */
@@ -149,7 +159,6 @@ struct router_state {
     uv_prepare_t turn_prepare; /* counts loop turns (turn) */
     uint64_t turn;
     bool pump_wanted;          /* room may have appeared: try the queue's head after this callback */
-    bool pumping;
     int32_t n_tokenizing;      /* tok_job_t on the thread pool (max-tokenizing bound) */
     uint64_t next_id;
     td_grpc_server_t *gateway, *control;
@@ -162,16 +171,22 @@ struct router_state {
     char refused[320];         /* the last registration refused, logged once ("id: reason") */
 };
 
+/* On a node: counted in n_active (max-active), from the Admit until it ends or fails over. */
+static inline bool router_req_on_node(const router_req_t *r)
+{
+    return r->state == REQ_ADMIT || r->state == REQ_PREFILL || r->state == REQ_RUNNING;
+}
+
 #define REQ_OF_QE(e) ((router_req_t *)((char *)(e) - offsetof(router_req_t, qe)))
 
 /* router_request.c: the request lifecycle */
 void router_want_pump(router_state_t *s);
 void router_count_outcome(router_state_t *s, const char *outcome);
-td_status_t router_tok_start(router_req_t *r, const char *text, size_t len);
-void router_req_free(router_req_t *r);
+void router_req_submit(router_req_t *r, const char *text, size_t len);
+void router_req_end(router_req_t *r);
 void router_req_fail(router_req_t *r, td_grpc_code_t code, const char *msg, const char *outcome);
 void router_req_retry_or_fail(router_req_t *r, td_grpc_code_t code, const char *why);
-void router_req_arrived(router_req_t *r);
+void router_req_lost(router_req_t *r, const char *why);
 void router_decode_lost(router_state_t *s, int32_t d, const char *why);
 
 /* router_lease.c: the lease map */
@@ -191,6 +206,7 @@ void router_on_steps_done(td_grpc_client_call_t *c, td_grpc_code_t code, const c
 /* router_control.c: the Registry API (tandem.control.v1.Registry) and the node peers */
 void router_print_nodes(router_state_t *s);
 void router_peer_drop(router_state_t *s, int32_t idx);
+void router_node_gone(router_state_t *s, int32_t idx, const char *why, bool leave);
 void on_register(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data);
 void on_heartbeat(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data);
 

@@ -159,7 +159,7 @@ static void req_finish(router_req_t *r, Tandem__V1__FinishReason reason)
         r->call = NULL;
     }
     router_count_outcome(s, "ok");
-    router_req_free(r);
+    router_req_end(r);
 }
 
 static bool is_stop_id(const router_req_t *r, uint32_t token)
@@ -196,7 +196,7 @@ static bool out_token(router_req_t *r, uint32_t token)
     bool matched = false;
     if (s->tok && !td_tokenizer_id_to_piece(s->tok, (int32_t)token, NULL)) {
         /* a model's vocabulary may be padded past its tokenizer's: the id goes out without
-         * text, counted and logged once per request (router_req_free), the stream left as it was */
+         * text, counted and logged once per request (when it ends), the stream left as it was */
         if (!r->n_no_text++)
             r->first_no_text = token;
     } else if (r->stop && s->tok) {
@@ -215,7 +215,6 @@ static bool out_token(router_req_t *r, uint32_t token)
         return false;
     }
     r->completion++;
-    r->sent_any = true; /* committed to the client: no transparent retry from here on */
     r->out_ids[r->n_out++] = token;
     out_append_text(r, text, len);
     if (matched) {
@@ -310,8 +309,7 @@ void router_on_steps_msg(td_grpc_client_call_t *c, const ProtobufCMessage *msg, 
             req_finish(r, TANDEM__V1__FINISH_REASON__FINISH_REASON_EOS);
             break;
         default:
-            router_lease_forget(r);
-            router_req_retry_or_fail(r, TD_GRPC_UNAVAILABLE, "the decode node dropped the sequence");
+            router_req_lost(r, "the decode node dropped the sequence");
             break;
         }
     }
@@ -340,10 +338,6 @@ void router_on_steps_done(td_grpc_client_call_t *c, td_grpc_code_t code, const c
     int32_t d = (int32_t)(p - s->peers);
     const router_node_t *n = router_registry_node_const(s->reg, d);
     td_warn("router: decode node %s lost (%s: %s)", n ? n->info.id : "?", td_grpc_code_name(code), msg);
-    router_decode_lost(s, d, "decode node lost");
-    if (n)
-        router_registry_leave(s->reg, n->info.id); /* it registers again if it comes back */
-    p->generation++;
-    router_peer_drop(s, d);
+    router_node_gone(s, d, "decode node lost", true);
 }
 

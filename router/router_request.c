@@ -1,9 +1,35 @@
 /*
- * router_request: the request lifecycle, from a request whose prompt ids are known to its
- * end: the admission queue and its pump, the text prompt's tokenization off the loop, the
+ * router_request: the request lifecycle, from a Generate call accepted by the gateway to its
+ * end: the text prompt's tokenization off the loop, the admission queue and its pump, the
  * pick of a pair, the Admit and Prefill calls, a retry on another pair, a node lost under
- * its requests, and the end of a request (router_req_fail, router_req_free). See router_main.c for the
- * whole path and docs/cluster.md, "Router".
+ * its requests, and the end of a request. See router_main.c for the whole path and
+ * docs/cluster.md, "Router".
+ *
+ * One state field (router_req_t.state) and one function that changes it (req_move): it does
+ * the old state's exit work and the new state's entry work, so what holds in a state (in the
+ * queue, counted in n_active, a call pending) is set up and torn down in one place.
+ *
+ *   NEW ──text──▶ TOKENIZING ──ids──┐
+ *    │ ids                          ▼
+ *    └─────────────────────▶ placed: room and nothing queued ahead? ──no──▶ QUEUED
+ *                                   │ yes                                     │ pump: room
+ *                                   ▼                                         │
+ *           ┌─────────────────▶ ADMIT ◀─────────────────────────────────────────┘
+ *           │                     │ Admit answered with a lease
+ *           │                     ▼
+ *           │                  PREFILL ──Prefill OK──▶ RUNNING
+ *           │                     │                       │
+ *           │   failed before a token reached the client, a pair left to try;
+ *           │   or the decode node refused the Admit (full): off the node
+ *           │                     ▼                       │
+ *           └─placed next turn── RETRY ◀──────────────────┘
+ *
+ *   any state ──▶ ENDED: finished (relay), failed, cancelled, past its deadline, shutdown;
+ *                  the request is freed.
+ *
+ * A retry is never a nested call back into the start: RETRY only marks the request, and the
+ * pump (an idle handle, on the loop's next turn) places it again. A function that may end a
+ * request says so, and its caller does not touch the request after it.
  */
 #include "router_int.h"
 
@@ -15,18 +41,16 @@
 #include "td_log.h"
 #include "td_util.h"
 
-typedef enum { START_OK, START_NO_ROOM, START_ENDED } router_start_t;
-
-static router_start_t req_start(router_req_t *r);
-static void req_place(router_req_t *r);
+static bool req_move(router_req_t *r, router_req_state_t to);
 static void on_pump_idle(uv_idle_t *h);
 
-/* Room may have appeared (a request left its node, a node reported free blocks): try the
- * queue's head once the current callback is done (an idle handle keeps the loop from
- * blocking in poll until then), never from inside the code that freed the room. */
+/* Room may have appeared (a request left its node, a node reported free blocks) or a
+ * request waits to be placed again: the pump runs once the current callback is done (an
+ * idle handle keeps the loop from blocking in poll until then), never from inside the code
+ * that freed the room. */
 void router_want_pump(router_state_t *s)
 {
-    if (s->pump_wanted || s->shutting_down || !s->handles_up || !router_queue_len(&s->queue))
+    if (s->pump_wanted || s->shutting_down || !s->handles_up || (!router_queue_len(&s->queue) && !s->n_retry))
         return;
     s->pump_wanted = true;
     uv_idle_start(&s->pump_idle, on_pump_idle);
@@ -38,18 +62,6 @@ void router_count_outcome(router_state_t *s, const char *outcome)
     const char *v[] = {outcome};
     if (td_metric_family_get(s->f_requests, v, &m) == TD_OK)
         td_metric_inc(m);
-}
-
-/* The request no longer holds a max-active slot: the queue may move. */
-static void req_off_node(router_req_t *r)
-{
-    router_state_t *s = r->s;
-    if (!r->on_node)
-        return;
-    r->on_node = false;
-    s->n_active--;
-    td_metric_set(s->m_active, s->n_active);
-    router_want_pump(s);
 }
 
 /* ---- text prompts, encoded off the loop ------------------------------------------------ */
@@ -73,12 +85,6 @@ struct tok_job {
     char why[256];                /* the encoder's message (td_last_error is per thread) */
 };
 
-static void tok_job_orphan(router_req_t *r)
-{
-    r->tok_job->r = NULL;
-    r->tok_job = NULL;
-}
-
 static void tok_work(uv_work_t *w)
 {
     tok_job_t *j = (tok_job_t *)w;
@@ -87,6 +93,8 @@ static void tok_work(uv_work_t *w)
     if (j->st != TD_OK)
         snprintf(j->why, sizeof j->why, "%s", td_last_error());
 }
+
+static void req_arrived(router_req_t *r);
 
 static void tok_done(uv_work_t *w, int status)
 {
@@ -115,12 +123,12 @@ static void tok_done(uv_work_t *w, int status)
     else if (r->n_prompt == 0)
         router_req_fail(r, TD_GRPC_INVALID_ARGUMENT, "the prompt text encodes to no token ids", "invalid");
     else
-        router_req_arrived(r);
+        req_arrived(r);
 }
 
 /* Starts encoding r's text prompt. Errors (r untouched): TD_ERR_EXHAUSTED (max-tokenizing
  * jobs already), TD_ERR_NOMEM. */
-td_status_t router_tok_start(router_req_t *r, const char *text, size_t len)
+static td_status_t tok_start(router_req_t *r, const char *text, size_t len)
 {
     router_state_t *s = r->s;
     if (s->n_tokenizing >= s->cfg.max_tokenizing)
@@ -143,59 +151,10 @@ td_status_t router_tok_start(router_req_t *r, const char *text, size_t len)
     }
     s->n_tokenizing++;
     r->tok_job = j;
-    r->state = REQ_TOKENIZING;
     return TD_OK;
 }
 
-void router_req_free(router_req_t *r)
-{
-    router_state_t *s = r->s;
-    if (r->prev)
-        r->prev->next = r->next;
-    else
-        s->reqs = r->next;
-    if (r->next)
-        r->next->prev = r->prev;
-    router_lease_forget(r);
-    if (r->tok_job)
-        tok_job_orphan(r); /* the job finishes on its thread and frees itself */
-    if (r->qe.queued) {
-        router_queue_remove(&s->queue, &r->qe);
-        td_metric_set(s->m_queue_depth, router_queue_len(&s->queue));
-    }
-    req_off_node(r);
-    if (r->pending) {
-        td_grpc_client_call_t *p = r->pending;
-        r->pending = NULL;
-        td_grpc_client_call_cancel(p); /* its done callback sees r->pending cleared → data NULL */
-    }
-    if (r->n_no_text)
-        td_warn("request %s: %u generated ids have no text in the router's tokenizer (%d ids), the first "
-                "%u; they were streamed as ids with empty text",
-                r->id, r->n_no_text, td_tokenizer_vocab_size(s->tok), r->first_no_text);
-    if (r->s->tok)
-        td_detok_free(&r->detok);
-    td_stop_destroy(r->stop);
-    free(r->prompt);
-    free(r->blocks);
-    free(r->out_ids);
-    free(r->out_text);
-    free(r);
-}
-
-/* Ends the gateway stream with an error status and forgets the request. */
-void router_req_fail(router_req_t *r, td_grpc_code_t code, const char *msg, const char *outcome)
-{
-    router_lease_release(r, code == TD_GRPC_DEADLINE_EXCEEDED ? TANDEM__CONTROL__V1__RELEASE_REQUEST__REASON__REASON_DEADLINE
-                                                       : TANDEM__CONTROL__V1__RELEASE_REQUEST__REASON__REASON_FAILED);
-    if (r->call) {
-        td_grpc_call_set_data(r->call, NULL);
-        td_grpc_call_finish(r->call, code, msg);
-        r->call = NULL;
-    }
-    router_count_outcome(r->s, outcome);
-    router_req_free(r);
-}
+/* ---- deadlines ----------------------------------------------------------------------- */
 
 static bool past_deadline(const router_req_t *r)
 {
@@ -222,32 +181,73 @@ static bool call_hit_req_deadline(const router_req_t *r, td_grpc_code_t code)
     return code == TD_GRPC_DEADLINE_EXCEEDED && r->call_has_req_deadline;
 }
 
-/* Failure before a token reached the client: another pair once, else UNAVAILABLE. */
+/* ---- the end of a request -------------------------------------------------------------- */
+
+/* Ends the gateway stream with an error status and frees the request. */
+void router_req_fail(router_req_t *r, td_grpc_code_t code, const char *msg, const char *outcome)
+{
+    router_lease_release(r, code == TD_GRPC_DEADLINE_EXCEEDED ? TANDEM__CONTROL__V1__RELEASE_REQUEST__REASON__REASON_DEADLINE
+                                                       : TANDEM__CONTROL__V1__RELEASE_REQUEST__REASON__REASON_FAILED);
+    if (r->call) {
+        td_grpc_call_set_data(r->call, NULL);
+        td_grpc_call_finish(r->call, code, msg);
+        r->call = NULL;
+    }
+    router_count_outcome(r->s, outcome);
+    router_req_end(r);
+}
+
+/* Frees r (the move to ENDED); the caller has finished or detached its gateway call. */
+void router_req_end(router_req_t *r)
+{
+    req_move(r, REQ_ENDED);
+}
+
+/* Failure before a token reached the client: another pair once (RETRY), else UNAVAILABLE.
+ * Ends r or moves it off its node. */
 void router_req_retry_or_fail(router_req_t *r, td_grpc_code_t code, const char *why)
 {
-    if (r->pending) { /* e.g. the decode node dropped the sequence while its Prefill still ran */
-        td_grpc_client_call_t *pc = r->pending;
-        r->pending = NULL;
-        td_grpc_client_call_cancel(pc); /* its done callback sees r->pending cleared */
-    }
     router_lease_release(r, TANDEM__CONTROL__V1__RELEASE_REQUEST__REASON__REASON_FAILED);
     if (past_deadline(r) || call_hit_req_deadline(r, code)) {
         router_req_fail(r, TD_GRPC_DEADLINE_EXCEEDED, "deadline exceeded", "deadline");
         return;
     }
-    if (!r->sent_any && r->n_tried < 2) {
+    if (!r->completion && r->n_tried < 2) {
         td_info("request %s: retrying on another pair (%s)", r->id, why);
         snprintf(r->retry_why, sizeof r->retry_why, "%s", why);
         td_metric_inc(r->s->m_retries);
-        req_off_node(r);
         r->first_src = FIRST_NONE;
-        req_place(r);
+        req_move(r, REQ_RETRY);
         return;
     }
     char msg[256];
     snprintf(msg, sizeof msg, "request %s failed: %s", r->id, why);
     router_req_fail(r, TD_GRPC_UNAVAILABLE, msg, "unavailable");
 }
+
+/* r's decode node is gone, or dropped r's sequence: the lease went with it (no Release). */
+void router_req_lost(router_req_t *r, const char *why)
+{
+    router_lease_forget(r);
+    router_req_retry_or_fail(r, TD_GRPC_UNAVAILABLE, why);
+}
+
+/* A decode node is gone (its Steps stream ended, it went silent, or it registered again):
+ * the requests on it fail over. */
+void router_decode_lost(router_state_t *s, int32_t d, const char *why)
+{
+    router_peer_t *p = &s->peers[d];
+    router_node_t *n = router_registry_node(s->reg, d);
+    if (n)
+        n->up = false; /* so that the retries below go elsewhere */
+    TD_LIST_FOREACH_SAFE(it, &s->reqs) {
+        router_req_t *r = TD_CONTAINER_OF(it, router_req_t, link);
+        if (router_req_on_node(r) && r->pick.pair.decode == d && r->decode_gen == p->generation)
+            router_req_lost(r, why);
+    }
+}
+
+/* ---- node calls ---------------------------------------------------------------------- */
 
 static void on_prefill_msg(td_grpc_client_call_t *c, const ProtobufCMessage *msg, void *data)
 {
@@ -290,7 +290,7 @@ static void on_prefill_done(td_grpc_client_call_t *c, td_grpc_code_t code, const
         router_req_retry_or_fail(r, code, msg[0] ? msg : td_grpc_code_name(code));
         return;
     }
-    r->state = REQ_RUNNING;
+    req_move(r, REQ_RUNNING);
 }
 
 static void on_admit_msg(td_grpc_client_call_t *c, const ProtobufCMessage *msg, void *data)
@@ -318,7 +318,7 @@ static void on_admit_done(td_grpc_client_call_t *c, td_grpc_code_t code, const c
     r->pending = NULL;
     router_state_t *s = r->s;
     int32_t d = r->pick.pair.decode;
-    if (code == TD_GRPC_RESOURCE_EXHAUSTED && !r->have_lease && !r->sent_any && !past_deadline(r)) {
+    if (code == TD_GRPC_RESOURCE_EXHAUSTED && !r->have_lease && !r->completion && !past_deadline(r)) {
         /* fuller than its last report: believe it full until it reports again, and wait in
          * the queue at the request's old place (the pair is not used up as a retry) */
         router_node_t *n = router_registry_node(s->reg, d);
@@ -327,8 +327,7 @@ static void on_admit_done(td_grpc_client_call_t *c, td_grpc_code_t code, const c
             s->peers[d].admit_refused = true;
         }
         r->n_tried--;
-        req_off_node(r);
-        req_place(r);
+        req_move(r, REQ_RETRY);
         return;
     }
     if (code == TD_GRPC_INVALID_ARGUMENT) { /* e.g. longer than the model: no other node takes it */
@@ -340,6 +339,41 @@ static void on_admit_done(td_grpc_client_call_t *c, td_grpc_code_t code, const c
         router_req_retry_or_fail(r, code, msg[0] ? msg : td_grpc_code_name(code));
         return;
     }
+    req_move(r, REQ_PREFILL);
+}
+
+/* ADMIT's entry work: the Admit call to the picked decode node. May end r or move it on. */
+static void send_admit(router_req_t *r)
+{
+    router_state_t *s = r->s;
+    Tandem__Control__V1__AdmitRequest q = TANDEM__CONTROL__V1__ADMIT_REQUEST__INIT;
+    q.request_id = r->id;
+    q.prompt_tokens = (uint32_t)r->n_prompt;
+    q.max_tokens = (uint32_t)r->max_tokens;
+    q.lease_ms = (uint32_t)r->lease_ttl_ms;
+    q.sampling = &r->sampling;
+    q.stop_ids = r->stop_ids;
+    q.n_stop_ids = r->n_stop_ids;
+    q.prompt_ids = (uint32_t *)r->prompt;
+    q.n_prompt_ids = (size_t)r->n_prompt;
+    td_grpc_call_opts_t o = {.response_desc = &tandem__control__v1__admit_response__descriptor,
+                             .on_message = on_admit_msg, .on_done = on_admit_done, .data = r,
+                             .timeout_ms = call_timeout_ms(r, s->cfg.rpc_timeout_ms)};
+    router_peer_t *dp = &s->peers[r->pick.pair.decode];
+    if (!dp->ch || !dp->steps ||
+        td_grpc_channel_call(dp->ch, "/tandem.control.v1.DecodeNode/Admit", &q.base, &o, &r->pending) != TD_OK) {
+        r->pending = NULL;
+        node_unreachable(s, r->pick.pair.decode);
+        router_req_retry_or_fail(r, TD_GRPC_UNAVAILABLE, "decode node unreachable");
+    }
+}
+
+/* PREFILL's entry work: the Prefill call to the picked prefill node, with the lease the
+ * Admit got. May end r or move it on. */
+static void send_prefill(router_req_t *r)
+{
+    router_state_t *s = r->s;
+    int32_t d = r->pick.pair.decode;
     router_peer_t *pp = &s->peers[r->pick.pair.prefill], *dp = &s->peers[d];
     const router_node_t *dn = router_registry_node_const(s->reg, d);
     Tandem__Control__V1__PrefillRequest q = TANDEM__CONTROL__V1__PREFILL_REQUEST__INIT;
@@ -357,7 +391,6 @@ static void on_admit_done(td_grpc_client_call_t *c, td_grpc_code_t code, const c
                              .on_message = on_prefill_msg, .on_done = on_prefill_done, .data = r,
                              .timeout_ms = call_timeout_ms(r, r->lease_ttl_ms)};
     r->t_prefill = td_now_ns();
-    r->state = REQ_PREFILL;
     if (!pp->ch ||
         td_grpc_channel_call(pp->ch, "/tandem.control.v1.PrefillNode/Prefill", &q.base, &o, &r->pending) != TD_OK) {
         r->pending = NULL;
@@ -365,6 +398,8 @@ static void on_admit_done(td_grpc_client_call_t *c, td_grpc_code_t code, const c
         router_req_retry_or_fail(r, TD_GRPC_UNAVAILABLE, "prefill node unreachable");
     }
 }
+
+/* ---- placing a request on a pair ------------------------------------------------------- */
 
 /* The checks that depend on the model's live nodes (router_admit): prompt ids within its
  * vocabulary, prompt + max_tokens within its largest decode pool. Run at arrival and again
@@ -392,9 +427,11 @@ static int64_t lease_ttl(const router_state_t *s, const router_pick_t *pick)
     return (int64_t)TD_MIN(ms, 600000.0);
 }
 
-/* Puts r on a pair now: START_OK (Admit sent; r may since have been retried or ended),
- * START_NO_ROOM (no decode node has room: r untouched, to wait in the queue), START_ENDED
- * (r failed and is freed). */
+typedef enum { START_OK, START_NO_ROOM, START_ENDED } router_start_t;
+
+/* Puts r on a pair now (moves it to ADMIT): START_OK (r may since have moved on, or ended:
+ * do not touch it), START_NO_ROOM (no decode node has room: r untouched), START_ENDED (r
+ * failed and is freed). */
 static router_start_t req_start(router_req_t *r)
 {
     router_state_t *s = r->s;
@@ -435,105 +472,25 @@ static router_start_t req_start(router_req_t *r)
     if (!r->t_picked) /* the first pick only (an Admit refusal or a retry picks again) */
         td_metric_observe(s->m_queue_s, (double)(td_now_ns() - r->t_arrival) * 1e-9);
     r->t_picked = td_now_ns();
-    r->state = REQ_ADMIT;
-    r->on_node = true;
-    s->n_active++;
-    td_metric_set(s->m_active, s->n_active);
-    Tandem__Control__V1__AdmitRequest q = TANDEM__CONTROL__V1__ADMIT_REQUEST__INIT;
-    q.request_id = r->id;
-    q.prompt_tokens = (uint32_t)r->n_prompt;
-    q.max_tokens = (uint32_t)r->max_tokens;
     r->lease_ttl_ms = lease_ttl(s, &pick);
-    q.lease_ms = (uint32_t)r->lease_ttl_ms;
-    q.sampling = &r->sampling;
-    q.stop_ids = r->stop_ids;
-    q.n_stop_ids = r->n_stop_ids;
-    q.prompt_ids = (uint32_t *)r->prompt;
-    q.n_prompt_ids = (size_t)r->n_prompt;
-    td_grpc_call_opts_t o = {.response_desc = &tandem__control__v1__admit_response__descriptor,
-                             .on_message = on_admit_msg, .on_done = on_admit_done, .data = r,
-                             .timeout_ms = call_timeout_ms(r, s->cfg.rpc_timeout_ms)};
-    router_peer_t *dp = &s->peers[pick.pair.decode];
-    if (!dp->ch || !dp->steps ||
-        td_grpc_channel_call(dp->ch, "/tandem.control.v1.DecodeNode/Admit", &q.base, &o, &r->pending) != TD_OK) {
-        r->pending = NULL;
-        node_unreachable(s, pick.pair.decode);
-        router_req_retry_or_fail(r, TD_GRPC_UNAVAILABLE, "decode node unreachable");
-    }
+    req_move(r, REQ_ADMIT);
     return START_OK;
 }
 
-/* Starts the queue's head while there is room (max-active and a decode node with room);
- * the head waiting for room holds back those behind it (FIFO within a priority). */
-static void pump(router_state_t *s)
-{
-    if (s->pumping)
-        return;
-    s->pumping = true;
-    router_queue_entry_t *e;
-    while (!s->shutting_down && s->n_active < s->cfg.max_active && (e = router_queue_peek(&s->queue))) {
-        router_req_t *r = REQ_OF_QE(e);
-        router_queue_remove(&s->queue, e);
-        if (req_start(r) == START_NO_ROOM) {
-            td_status_t st = router_queue_push(&s->queue, e, r->priority, r->deadline_ns, 0);
-            TD_ASSERT(st == TD_OK); /* it was just taken out */
-            break;
-        }
-    }
-    td_metric_set(s->m_queue_depth, router_queue_len(&s->queue));
-    s->pumping = false;
-}
-
-static void on_pump_idle(uv_idle_t *h)
-{
-    router_state_t *s = h->data;
-    uv_idle_stop(h);
-    s->pump_wanted = false;
-    pump(s);
-}
-
-/* A request without a node (new, or put back for a retry or an Admit refusal): started at
- * once when nothing waits ahead of it and there is room, else queued at its place; a full
- * queue refuses it (RESOURCE_EXHAUSTED). */
+/* A request without a node (its prompt ids known, or back for a retry or after an Admit
+ * refusal): started at once when nothing waits ahead of it and there is room, else queued
+ * at its place; a full queue refuses it (RESOURCE_EXHAUSTED). May end r. */
 static void req_place(router_req_t *r)
 {
     router_state_t *s = r->s;
-    r->state = REQ_QUEUED;
-    if (!s->pumping && router_queue_len(&s->queue) == 0 && s->n_active < s->cfg.max_active &&
-        req_start(r) != START_NO_ROOM)
+    if (router_queue_len(&s->queue) == 0 && s->n_active < s->cfg.max_active && req_start(r) != START_NO_ROOM)
         return;
-    if (router_queue_push(&s->queue, &r->qe, r->priority, r->deadline_ns, (int64_t)td_now_ns()) != TD_OK) {
-        router_req_fail(r, TD_GRPC_RESOURCE_EXHAUSTED, "router: admission queue full; retry later", "exhausted");
-        return;
-    }
-    td_metric_set(s->m_queue_depth, router_queue_len(&s->queue));
-    router_want_pump(s);
-}
-
-/* A decode node is gone (stream ended, or silent past the heartbeat bound). */
-void router_decode_lost(router_state_t *s, int32_t d, const char *why)
-{
-    router_peer_t *p = &s->peers[d];
-    router_node_t *n = router_registry_node(s->reg, d);
-    if (n)
-        n->up = false; /* so that the retries below go elsewhere */
-    for (router_req_t *r = s->reqs, *next; r; r = next) {
-        next = r->next;
-        if (r->on_node && r->pick.pair.decode == d && r->decode_gen == p->generation) {
-            router_lease_forget(r);
-            if (r->pending) {
-                td_grpc_client_call_t *pc = r->pending;
-                r->pending = NULL;
-                td_grpc_client_call_cancel(pc);
-            }
-            router_req_retry_or_fail(r, TD_GRPC_UNAVAILABLE, why);
-        }
-    }
+    req_move(r, REQ_QUEUED);
 }
 
 /* A request whose prompt ids are known: checked against the model's live nodes
- * (router_admit), then started or queued. */
-void router_req_arrived(router_req_t *r)
+ * (router_admit), then placed. May end r. */
+static void req_arrived(router_req_t *r)
 {
     char why[384];
     if (!req_admissible(r, why, sizeof why)) {
@@ -543,3 +500,138 @@ void router_req_arrived(router_req_t *r)
     req_place(r);
 }
 
+/* A new request (REQ_NEW, its gateway call attached, from_text set) begins its life: a text
+ * prompt (text[0..len)) is encoded off the loop, prompt ids are checked and placed. May end
+ * r (refused: its call is finished). */
+void router_req_submit(router_req_t *r, const char *text, size_t len)
+{
+    router_state_t *s = r->s;
+    router_queue_entry_init(&r->qe);
+    td_list_push_front(&s->reqs, &r->link);
+    if (!r->from_text) {
+        req_arrived(r);
+        return;
+    }
+    if (tok_start(r, text, len) != TD_OK) {
+        char why[384];
+        snprintf(why, sizeof why, "%s", td_last_error());
+        router_req_fail(r, TD_GRPC_RESOURCE_EXHAUSTED, why, "exhausted");
+        return;
+    }
+    req_move(r, REQ_TOKENIZING);
+}
+
+/* The pump: requests back for a retry are placed again (in the order of s->reqs, newest
+ * first, as they were when a lost node failed them over at once), then the queue's head is
+ * started while there is room (max-active and a decode node with room); the head waiting for
+ * room holds back those behind it (FIFO within a priority). */
+static void on_pump_idle(uv_idle_t *h)
+{
+    router_state_t *s = h->data;
+    uv_idle_stop(h);
+    s->pump_wanted = false;
+    TD_LIST_FOREACH_SAFE(it, &s->reqs) {
+        router_req_t *r = TD_CONTAINER_OF(it, router_req_t, link);
+        if (!s->n_retry || s->shutting_down)
+            break;
+        if (r->state == REQ_RETRY)
+            req_place(r); /* may end r */
+    }
+    router_queue_entry_t *e;
+    while (!s->shutting_down && s->n_active < s->cfg.max_active && (e = router_queue_peek(&s->queue)))
+        if (req_start(REQ_OF_QE(e)) == START_NO_ROOM)
+            break; /* it stays at the head */
+    td_metric_set(s->m_queue_depth, router_queue_len(&s->queue));
+}
+
+/* ---- the one place a request changes state --------------------------------------------- */
+
+/*
+ * Moves r from its state to `to`: the old state's exit work, then the new state's entry work.
+ *   exit TOKENIZING: a job still encoding is orphaned (it frees itself)
+ *   exit QUEUED:     out of the admission queue
+ *   exit RETRY:      off the retry count
+ *   exit ADMIT, PREFILL, RUNNING (to a state off the node): the pending node call is
+ *                    cancelled, the lease forgotten, the max-active slot freed (the pump may run)
+ *   enter QUEUED:    into the admission queue at its place; a full queue ends r
+ *   enter RETRY:     counted; the pump places it on the loop's next turn
+ *   enter ADMIT:     counted in max-active; the Admit call (r->pick set by req_start)
+ *   enter PREFILL:   the Prefill call
+ *   enter ENDED:     unlinked and freed (the caller has ended its gateway call)
+ * Entry work that fails moves r on itself (retry, or end). Returns false when r is freed:
+ * after a move that may end r (to QUEUED, ADMIT, PREFILL, ENDED) the caller does not touch
+ * r unless true came back.
+ */
+static bool req_move(router_req_t *r, router_req_state_t to)
+{
+    router_state_t *s = r->s;
+    router_req_state_t from = r->state;
+    TD_ASSERT(from != REQ_ENDED && from != to);
+    switch (from) {
+    case REQ_TOKENIZING:
+        if (r->tok_job) { /* the job finishes on its thread and frees itself */
+            r->tok_job->r = NULL;
+            r->tok_job = NULL;
+        }
+        break;
+    case REQ_QUEUED:
+        if (r->qe.queued) { /* the pump or the deadline sweep may have taken it out already */
+            router_queue_remove(&s->queue, &r->qe);
+            td_metric_set(s->m_queue_depth, router_queue_len(&s->queue));
+        }
+        break;
+    case REQ_RETRY: s->n_retry--; break;
+    default: break;
+    }
+    bool on_node_to = to == REQ_ADMIT || to == REQ_PREFILL || to == REQ_RUNNING;
+    if (router_req_on_node(r) && !on_node_to) {
+        if (r->pending) {
+            td_grpc_client_call_t *p = r->pending;
+            r->pending = NULL;
+            td_grpc_client_call_cancel(p); /* its done callback sees r->pending cleared */
+        }
+        router_lease_forget(r);
+        s->n_active--;
+        td_metric_set(s->m_active, s->n_active);
+        router_want_pump(s);
+    }
+    r->state = to;
+    switch (to) {
+    case REQ_QUEUED:
+        if (router_queue_push(&s->queue, &r->qe, r->priority, r->deadline_ns, (int64_t)td_now_ns()) != TD_OK) {
+            router_req_fail(r, TD_GRPC_RESOURCE_EXHAUSTED, "router: admission queue full; retry later", "exhausted");
+            return false;
+        }
+        td_metric_set(s->m_queue_depth, router_queue_len(&s->queue));
+        router_want_pump(s);
+        return true;
+    case REQ_RETRY:
+        s->n_retry++;
+        router_want_pump(s);
+        return true;
+    case REQ_ADMIT:
+        s->n_active++;
+        td_metric_set(s->m_active, s->n_active);
+        send_admit(r);
+        return false; /* r may have moved on or ended */
+    case REQ_PREFILL:
+        send_prefill(r);
+        return false; /* idem */
+    case REQ_ENDED:
+        td_list_remove(&r->link);
+        if (r->n_no_text)
+            td_warn("request %s: %u generated ids have no text in the router's tokenizer (%d ids), the first "
+                    "%u; they were streamed as ids with empty text",
+                    r->id, r->n_no_text, td_tokenizer_vocab_size(s->tok), r->first_no_text);
+        if (s->tok)
+            td_detok_free(&r->detok);
+        td_stop_destroy(r->stop);
+        free(r->prompt);
+        free(r->blocks);
+        free(r->out_ids);
+        free(r->out_text);
+        free(r);
+        return false;
+    default: return true;
+    }
+}
