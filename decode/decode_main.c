@@ -719,24 +719,23 @@ static void on_shutdown(void *data)
 
 static td_status_t init_metrics(decode_state_t *s)
 {
-    td_metrics_t *m = s->metrics;
     static const double batch_buckets[] = {1, 2, 4, 8, 16, 32, 64, 128, 256};
-    td_status_t st;
-    if ((st = td_metrics_gauge(m, "tandem_decode_kv_blocks_used", "KV blocks held by sequences", &s->m_used)) ||
-        (st = td_metrics_gauge(m, "tandem_decode_kv_blocks_free", "KV blocks an allocation could get", &s->m_free)) ||
-        (st = td_metrics_gauge(m, "tandem_decode_running_sequences", "sequences in the running batch", &s->m_running)) ||
-        (st = td_metrics_gauge(m, "tandem_decode_waiting_sequences", "admitted sequences not yet running", &s->m_waiting)) ||
-        (st = td_metrics_counter(m, "tandem_decode_tokens_total", "tokens generated and streamed", &s->m_tokens)) ||
-        (st = td_metrics_counter(m, "tandem_decode_steps_total", "engine steps run", &s->m_steps)) ||
-        (st = td_metrics_histogram(m, "tandem_decode_step_seconds", "duration of one decode step",
-                                   td_metrics_latency_buckets, td_metrics_latency_n_buckets, &s->m_step_s)) ||
-        (st = td_metrics_histogram(m, "tandem_decode_batch_size", "sequences per decode step", batch_buckets,
-                                   sizeof batch_buckets / sizeof batch_buckets[0], &s->m_batch)) ||
-        (st = td_metrics_counter(m, "tandem_decode_admits_total", "Admit calls granted", &s->m_admits)) ||
-        (st = td_metrics_counter(m, "tandem_decode_admits_refused_total", "Admit calls refused", &s->m_refused)) ||
-        (st = td_metrics_counter(m, "tandem_decode_releases_total", "Release calls", &s->m_releases)))
-        return st;
-    return TD_OK;
+    const td_metric_def_t defs[] = {
+        TD_METRIC_DEF_GAUGE("tandem_decode_kv_blocks_used", "KV blocks held by sequences", &s->m_used),
+        TD_METRIC_DEF_GAUGE("tandem_decode_kv_blocks_free", "KV blocks an allocation could get", &s->m_free),
+        TD_METRIC_DEF_GAUGE("tandem_decode_running_sequences", "sequences in the running batch", &s->m_running),
+        TD_METRIC_DEF_GAUGE("tandem_decode_waiting_sequences", "admitted sequences not yet running", &s->m_waiting),
+        TD_METRIC_DEF_COUNTER("tandem_decode_tokens_total", "tokens generated and streamed", &s->m_tokens),
+        TD_METRIC_DEF_COUNTER("tandem_decode_steps_total", "engine steps run", &s->m_steps),
+        TD_METRIC_DEF_HISTOGRAM("tandem_decode_step_seconds", "duration of one decode step",
+                                td_metrics_latency_buckets, td_metrics_latency_n_buckets, &s->m_step_s),
+        TD_METRIC_DEF_HISTOGRAM("tandem_decode_batch_size", "sequences per decode step", batch_buckets,
+                                TD_ARRAY_LEN(batch_buckets), &s->m_batch),
+        TD_METRIC_DEF_COUNTER("tandem_decode_admits_total", "Admit calls granted", &s->m_admits),
+        TD_METRIC_DEF_COUNTER("tandem_decode_admits_refused_total", "Admit calls refused", &s->m_refused),
+        TD_METRIC_DEF_COUNTER("tandem_decode_releases_total", "Release calls", &s->m_releases),
+    };
+    return td_metrics_register_all(s->metrics, defs, TD_ARRAY_LEN(defs));
 }
 
 int decode_main(int argc, char **argv)
@@ -844,13 +843,13 @@ int decode_main(int argc, char **argv)
     gc.host = pc->host;
     gc.port = (uint16_t)pc->port;
     gc.metrics = s->metrics;
+    static const td_grpc_method_t methods[] = {
+        {"/tandem.control.v1.DecodeNode/Admit", &tandem__control__v1__admit_request__descriptor, on_admit},
+        {"/tandem.control.v1.DecodeNode/Release", &tandem__control__v1__release_request__descriptor, on_release},
+        {"/tandem.control.v1.DecodeNode/Steps", &tandem__control__v1__steps_request__descriptor, on_steps},
+    };
     if ((st = td_grpc_server_create(&s->proc.loop, &gc, &s->grpc)) != TD_OK ||
-        (st = td_grpc_server_add_method(s->grpc, "/tandem.control.v1.DecodeNode/Admit",
-                                        &tandem__control__v1__admit_request__descriptor, on_admit, s)) != TD_OK ||
-        (st = td_grpc_server_add_method(s->grpc, "/tandem.control.v1.DecodeNode/Release",
-                                        &tandem__control__v1__release_request__descriptor, on_release, s)) != TD_OK ||
-        (st = td_grpc_server_add_method(s->grpc, "/tandem.control.v1.DecodeNode/Steps",
-                                        &tandem__control__v1__steps_request__descriptor, on_steps, s)) != TD_OK)
+        (st = td_grpc_server_add_methods(s->grpc, methods, TD_ARRAY_LEN(methods), s)) != TD_OK)
         goto out;
     if ((st = td_node_serve(&s->proc, s->metrics)) != TD_OK)
         goto out;

@@ -640,35 +640,32 @@ static const double batch_size_buckets[] = {1, 2, 4, 8, 16, 32, 64, 128, 256};
 
 static td_status_t metrics_init(prefill_state_t *s)
 {
-    td_metrics_t *m;
-    td_status_t st;
-    if ((st = td_metrics_create(&s->metrics)) != TD_OK)
+    td_status_t st = td_metrics_create(&s->metrics);
+    if (st != TD_OK)
         return st;
-    m = s->metrics;
-    if ((st = td_metrics_counter(m, "tandem_prefill_requests_total", "Prefill calls received", &s->m_requests)) ||
-        (st = td_metrics_counter(m, "tandem_prefill_refused_total", "Prefill calls refused (queue full)", &s->m_refused)) ||
-        (st = td_metrics_counter(m, "tandem_prefill_failed_total", "Prefill calls that failed", &s->m_failed)) ||
-        (st = td_metrics_counter(m, "tandem_prefill_tokens_total", "prompt tokens computed", &s->m_tokens)) ||
-        (st = td_metrics_counter(m, "tandem_prefill_cached_tokens_total", "prompt tokens from the prefix cache",
-                                 &s->m_cached)) ||
-        (st = td_metrics_gauge(m, "tandem_prefill_queue_depth", "Prefill calls accepted and not finished",
-                               &s->m_queue)) ||
-        (st = td_metrics_histogram(m, "tandem_prefill_seconds", "Prefill call accepted until its first token",
-                                   td_metrics_latency_buckets, td_metrics_latency_n_buckets, &s->m_seconds)) ||
-        (st = td_metrics_histogram(m, "tandem_prefill_transfer_seconds",
-                                   "KV push from the first layer until the decode node adopted",
-                                   td_metrics_latency_buckets, td_metrics_latency_n_buckets, &s->m_xfer_s)) ||
-        (st = td_metrics_counter(m, "tandem_prefill_steps_total", "engine steps run", &s->m_steps)) ||
-        (st = td_metrics_histogram(m, "tandem_prefill_step_seconds", "duration of one engine step",
-                                   td_metrics_latency_buckets, td_metrics_latency_n_buckets, &s->m_step_s)) ||
-        (st = td_metrics_histogram(m, "tandem_prefill_batch_tokens", "prompt tokens in one engine step",
-                                   batch_token_buckets, TD_ARRAY_LEN(batch_token_buckets), &s->m_batch_tokens)) ||
-        (st = td_metrics_histogram(m, "tandem_prefill_batch_size", "prompts in one engine step", batch_size_buckets,
-                                   TD_ARRAY_LEN(batch_size_buckets), &s->m_batch_size)) ||
-        (st = td_metrics_gauge(m, "tandem_prefill_kv_blocks_used",
-                               "engine KV blocks referenced (prompts in progress or in transfer)", &s->m_blocks_used)))
-        return st;
-    return TD_OK;
+    const td_metric_def_t defs[] = {
+        TD_METRIC_DEF_COUNTER("tandem_prefill_requests_total", "Prefill calls received", &s->m_requests),
+        TD_METRIC_DEF_COUNTER("tandem_prefill_refused_total", "Prefill calls refused (queue full)", &s->m_refused),
+        TD_METRIC_DEF_COUNTER("tandem_prefill_failed_total", "Prefill calls that failed", &s->m_failed),
+        TD_METRIC_DEF_COUNTER("tandem_prefill_tokens_total", "prompt tokens computed", &s->m_tokens),
+        TD_METRIC_DEF_COUNTER("tandem_prefill_cached_tokens_total", "prompt tokens from the prefix cache", &s->m_cached),
+        TD_METRIC_DEF_GAUGE("tandem_prefill_queue_depth", "Prefill calls accepted and not finished", &s->m_queue),
+        TD_METRIC_DEF_HISTOGRAM("tandem_prefill_seconds", "Prefill call accepted until its first token",
+                                td_metrics_latency_buckets, td_metrics_latency_n_buckets, &s->m_seconds),
+        TD_METRIC_DEF_HISTOGRAM("tandem_prefill_transfer_seconds",
+                                "KV push from the first layer until the decode node adopted",
+                                td_metrics_latency_buckets, td_metrics_latency_n_buckets, &s->m_xfer_s),
+        TD_METRIC_DEF_COUNTER("tandem_prefill_steps_total", "engine steps run", &s->m_steps),
+        TD_METRIC_DEF_HISTOGRAM("tandem_prefill_step_seconds", "duration of one engine step",
+                                td_metrics_latency_buckets, td_metrics_latency_n_buckets, &s->m_step_s),
+        TD_METRIC_DEF_HISTOGRAM("tandem_prefill_batch_tokens", "prompt tokens in one engine step",
+                                batch_token_buckets, TD_ARRAY_LEN(batch_token_buckets), &s->m_batch_tokens),
+        TD_METRIC_DEF_HISTOGRAM("tandem_prefill_batch_size", "prompts in one engine step", batch_size_buckets,
+                                TD_ARRAY_LEN(batch_size_buckets), &s->m_batch_size),
+        TD_METRIC_DEF_GAUGE("tandem_prefill_kv_blocks_used",
+                            "engine KV blocks referenced (prompts in progress or in transfer)", &s->m_blocks_used),
+    };
+    return td_metrics_register_all(s->metrics, defs, TD_ARRAY_LEN(defs));
 }
 
 int prefill_main(int argc, char **argv)

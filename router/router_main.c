@@ -88,47 +88,49 @@ static void on_turn(uv_prepare_t *h)
 
 static td_status_t add_methods(router_state_t *s)
 {
-    td_status_t st;
-    if ((st = td_grpc_server_add_method(s->gateway, "/tandem.v1.Generation/Generate",
-                                        &tandem__v1__generate_request__descriptor, on_generate, s)) ||
-        (st = td_grpc_server_add_method(s->gateway, "/tandem.v1.Generation/ListModels",
-                                        &tandem__v1__list_models_request__descriptor, on_list_models, s)) ||
-        (st = td_grpc_server_add_method(s->gateway, "/tandem.v1.Generation/ClusterStatus",
-                                        &tandem__v1__cluster_status_request__descriptor, on_cluster_status, s)) ||
-        (st = td_grpc_server_add_method(s->gateway, "/grpc.health.v1.Health/Check",
-                                        &grpc__health__v1__health_check_request__descriptor, on_health, s)) ||
-        (st = td_grpc_server_add_method(s->control, "/tandem.control.v1.Registry/RegisterNode",
-                                        &tandem__control__v1__register_request__descriptor, on_register, s)) ||
-        (st = td_grpc_server_add_method(s->control, "/tandem.control.v1.Registry/Heartbeat",
-                                        &tandem__control__v1__heartbeat_request__descriptor, on_heartbeat, s)))
+    static const td_grpc_method_t gateway[] = {
+        {"/tandem.v1.Generation/Generate", &tandem__v1__generate_request__descriptor, on_generate},
+        {"/tandem.v1.Generation/ListModels", &tandem__v1__list_models_request__descriptor, on_list_models},
+        {"/tandem.v1.Generation/ClusterStatus", &tandem__v1__cluster_status_request__descriptor, on_cluster_status},
+        {"/grpc.health.v1.Health/Check", &grpc__health__v1__health_check_request__descriptor, on_health},
+    };
+    static const td_grpc_method_t control[] = {
+        {"/tandem.control.v1.Registry/RegisterNode", &tandem__control__v1__register_request__descriptor, on_register},
+        {"/tandem.control.v1.Registry/Heartbeat", &tandem__control__v1__heartbeat_request__descriptor, on_heartbeat},
+    };
+    td_status_t st = td_grpc_server_add_methods(s->gateway, gateway, TD_ARRAY_LEN(gateway), s);
+    if (st != TD_OK)
         return st;
-    return TD_OK;
+    return td_grpc_server_add_methods(s->control, control, TD_ARRAY_LEN(control), s);
 }
 
 static td_status_t init_metrics(router_state_t *s)
 {
-    td_metrics_t *m = s->metrics;
     const char *outcome[] = {"outcome"};
-    td_status_t st;
-    if ((st = td_metrics_register(m, TD_METRIC_COUNTER, "tandem_router_requests_total",
-                                  "Generate requests by outcome (ok, cancelled, deadline, exhausted, invalid, unavailable)",
-                                  outcome, 1, NULL, 0, &s->f_requests)) ||
-        (st = td_metrics_histogram(m, "tandem_router_ttft_seconds", "request arrival to first token sent",
-                                   td_metrics_latency_buckets, td_metrics_latency_n_buckets, &s->m_ttft)) ||
-        (st = td_metrics_histogram(m, "tandem_router_tpot_seconds", "time per output token after the first",
-                                   td_metrics_latency_buckets, td_metrics_latency_n_buckets, &s->m_tpot)) ||
-        (st = td_metrics_gauge(m, "tandem_router_active_requests", "requests in flight", &s->m_active)) ||
-        (st = td_metrics_counter(m, "tandem_router_relayed_tokens_total", "tokens relayed to gateways", &s->m_tokens)) ||
-        (st = td_metrics_counter(m, "tandem_router_retries_total", "requests retried on another pair", &s->m_retries)) ||
-        (st = td_metrics_gauge(m, "tandem_router_prefill_nodes_up", "prefill nodes registered and live", &s->m_nodes_prefill)) ||
-        (st = td_metrics_gauge(m, "tandem_router_decode_nodes_up", "decode nodes registered, live and streaming", &s->m_nodes_decode)) ||
-        (st = td_metrics_gauge(m, "tandem_router_queue_depth", "requests waiting in the admission queue", &s->m_queue_depth)) ||
-        (st = td_metrics_histogram(m, "tandem_router_queue_seconds", "request arrival until a pair was chosen",
-                                   td_metrics_latency_buckets, td_metrics_latency_n_buckets, &s->m_queue_s)) ||
-        (st = td_metrics_counter(m, "tandem_router_first_token_mismatch_total",
-                                 "first tokens on which the Prefill stream and the decode node disagreed", &s->m_first_mismatch)))
+    td_status_t st = td_metrics_register(s->metrics, TD_METRIC_COUNTER, "tandem_router_requests_total",
+                                         "Generate requests by outcome (ok, cancelled, deadline, exhausted, invalid, unavailable)",
+                                         outcome, 1, NULL, 0, &s->f_requests);
+    if (st != TD_OK)
         return st;
-    return TD_OK;
+    const td_metric_def_t defs[] = {
+        TD_METRIC_DEF_HISTOGRAM("tandem_router_ttft_seconds", "request arrival to first token sent",
+                                td_metrics_latency_buckets, td_metrics_latency_n_buckets, &s->m_ttft),
+        TD_METRIC_DEF_HISTOGRAM("tandem_router_tpot_seconds", "time per output token after the first",
+                                td_metrics_latency_buckets, td_metrics_latency_n_buckets, &s->m_tpot),
+        TD_METRIC_DEF_GAUGE("tandem_router_active_requests", "requests in flight", &s->m_active),
+        TD_METRIC_DEF_COUNTER("tandem_router_relayed_tokens_total", "tokens relayed to gateways", &s->m_tokens),
+        TD_METRIC_DEF_COUNTER("tandem_router_retries_total", "requests retried on another pair", &s->m_retries),
+        TD_METRIC_DEF_GAUGE("tandem_router_prefill_nodes_up", "prefill nodes registered and live", &s->m_nodes_prefill),
+        TD_METRIC_DEF_GAUGE("tandem_router_decode_nodes_up", "decode nodes registered, live and streaming",
+                            &s->m_nodes_decode),
+        TD_METRIC_DEF_GAUGE("tandem_router_queue_depth", "requests waiting in the admission queue", &s->m_queue_depth),
+        TD_METRIC_DEF_HISTOGRAM("tandem_router_queue_seconds", "request arrival until a pair was chosen",
+                                td_metrics_latency_buckets, td_metrics_latency_n_buckets, &s->m_queue_s),
+        TD_METRIC_DEF_COUNTER("tandem_router_first_token_mismatch_total",
+                              "first tokens on which the Prefill stream and the decode node disagreed",
+                              &s->m_first_mismatch),
+    };
+    return td_metrics_register_all(s->metrics, defs, TD_ARRAY_LEN(defs));
 }
 
 int router_main(int argc, char **argv)

@@ -281,27 +281,18 @@ out_unlock:
     return st;
 }
 
-static td_status_t single(td_metrics_t *reg, td_metric_type_t type, const char *name,
-                          const char *help, const double *buckets, size_t n_buckets,
-                          td_metric_t **m_p)
+td_status_t td_metrics_register_all(td_metrics_t *reg, const td_metric_def_t *defs, size_t n)
 {
-    td_metric_family_t *fam;
-    td_status_t st = td_metrics_register(reg, type, name, help, NULL, 0, buckets, n_buckets, &fam);
-    if (st != TD_OK)
-        return st;
-    return td_metric_family_get(fam, NULL, m_p);
-}
-
-td_status_t td_metrics_counter(td_metrics_t *reg, const char *name, const char *help,
-                               td_metric_t **m_p)
-{
-    return single(reg, TD_METRIC_COUNTER, name, help, NULL, 0, m_p);
-}
-
-td_status_t td_metrics_gauge(td_metrics_t *reg, const char *name, const char *help,
-                             td_metric_t **m_p)
-{
-    return single(reg, TD_METRIC_GAUGE, name, help, NULL, 0, m_p);
+    for (size_t i = 0; i < n; i++) {
+        const td_metric_def_t *d = &defs[i];
+        td_metric_family_t *fam;
+        td_status_t st = td_metrics_register(reg, d->type, d->name, d->help, NULL, 0, d->buckets, d->n_buckets, &fam);
+        if (st == TD_OK)
+            st = td_metric_family_get(fam, NULL, d->m_p);
+        if (st != TD_OK)
+            return st;
+    }
+    return TD_OK;
 }
 
 td_status_t td_metrics_counter_each(td_metrics_t *reg, const char *name, const char *help, const char *label,
@@ -312,12 +303,6 @@ td_status_t td_metrics_counter_each(td_metrics_t *reg, const char *name, const c
     for (size_t i = 0; st == TD_OK && i < n; i++)
         st = td_metric_family_get(fam, &values[i], &series[i]);
     return st;
-}
-
-td_status_t td_metrics_histogram(td_metrics_t *reg, const char *name, const char *help,
-                                 const double *buckets, size_t n_buckets, td_metric_t **m_p)
-{
-    return single(reg, TD_METRIC_HISTOGRAM, name, help, buckets, n_buckets, m_p);
 }
 
 void td_metric_add(td_metric_t *m, double v)

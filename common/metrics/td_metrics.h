@@ -58,13 +58,26 @@ td_status_t td_metrics_register(td_metrics_t *reg, td_metric_type_t type, const 
 td_status_t td_metric_family_get(td_metric_family_t *fam, const char *const *label_values,
                                  td_metric_t **m_p);
 
-/* Shorthand: registers an unlabelled family and returns its one series. Same errors. */
-td_status_t td_metrics_counter(td_metrics_t *reg, const char *name, const char *help,
-                               td_metric_t **m_p);
-td_status_t td_metrics_gauge(td_metrics_t *reg, const char *name, const char *help,
-                             td_metric_t **m_p);
-td_status_t td_metrics_histogram(td_metrics_t *reg, const char *name, const char *help,
-                                 const double *buckets, size_t n_buckets, td_metric_t **m_p);
+/* One unlabelled family to register and where its one series goes: an entry of the table
+ * td_metrics_register_all takes (spelled with the TD_METRIC_DEF_* macros below). */
+typedef struct td_metric_def {
+    td_metric_type_t type;
+    const char *name;
+    const char *help;
+    const double *buckets;     /* histograms: n_buckets upper bounds (td_metrics_register) */
+    size_t n_buckets;
+    td_metric_t **m_p;         /* receives the series */
+} td_metric_def_t;
+
+#define TD_METRIC_DEF_COUNTER(n, h, p) {.type = TD_METRIC_COUNTER, .name = (n), .help = (h), .m_p = (p)}
+#define TD_METRIC_DEF_GAUGE(n, h, p) {.type = TD_METRIC_GAUGE, .name = (n), .help = (h), .m_p = (p)}
+#define TD_METRIC_DEF_HISTOGRAM(n, h, b, nb, p) \
+    {.type = TD_METRIC_HISTOGRAM, .name = (n), .help = (h), .buckets = (b), .n_buckets = (nb), .m_p = (p)}
+
+/* Registers every family of defs[0..n) in order and stores each one's series in *m_p;
+ * stops at the first error (the errors of td_metrics_register and td_metric_family_get,
+ * logged naming the metric). Thread-safe. */
+td_status_t td_metrics_register_all(td_metrics_t *reg, const td_metric_def_t *defs, size_t n);
 
 /* Shorthand: registers a counter family with one label and returns the series of each of
  * values[0..n) in series[0..n) (a closed set, such as reasons). Same errors. */

@@ -82,14 +82,17 @@ td_status_t td_metrics_loop_start(uv_loop_t *loop, td_metrics_t *metrics, td_met
     td_metrics_loop_t *w = calloc(1, sizeof *w);
     if (!w)
         return td_errorf(TD_ERR_NOMEM, "loop metrics: out of memory");
-    td_status_t st;
-    if ((st = td_metrics_histogram(metrics, "tandem_event_loop_lag_seconds",
-                                   "How late a timer asking to fire every 10 ms fires on the event loop", lag_buckets,
-                                   TD_ARRAY_LEN(lag_buckets), &w->lag)) != TD_OK ||
-        (st = td_metrics_gauge(metrics, "tandem_event_loop_longest_run_seconds",
-                               "Longest run of event-loop callbacks between two waits for I/O since start "
-                               "(bounds the longest callback)",
-                               &w->longest)) != TD_OK) {
+    const td_metric_def_t defs[] = {
+        TD_METRIC_DEF_HISTOGRAM("tandem_event_loop_lag_seconds",
+                                "How late a timer asking to fire every 10 ms fires on the event loop", lag_buckets,
+                                TD_ARRAY_LEN(lag_buckets), &w->lag),
+        TD_METRIC_DEF_GAUGE("tandem_event_loop_longest_run_seconds",
+                            "Longest run of event-loop callbacks between two waits for I/O since start "
+                            "(bounds the longest callback)",
+                            &w->longest),
+    };
+    td_status_t st = td_metrics_register_all(metrics, defs, TD_ARRAY_LEN(defs));
+    if (st != TD_OK) {
         free(w);
         return st;
     }

@@ -149,6 +149,18 @@ td_status_t td_grpc_server_add_method(td_grpc_server_t *srv, const char *path,
                                       const ProtobufCMessageDescriptor *request_desc,
                                       td_grpc_handler_cb cb, void *data);
 
+/* One method of a service: an entry of the table td_grpc_server_add_methods takes. */
+typedef struct td_grpc_method {
+    const char *path;                              /* "/package.Service/Method" */
+    const ProtobufCMessageDescriptor *request_desc;
+    td_grpc_handler_cb cb;
+} td_grpc_method_t;
+
+/* td_grpc_server_add_method for each of methods[0..n) with the same `data`; stops at the
+ * first error (same errors). */
+td_status_t td_grpc_server_add_methods(td_grpc_server_t *srv, const td_grpc_method_t *methods, size_t n,
+                                       void *data);
+
 /*
  * Stops listening, closes every connection (running each unfinished call's cancel
  * callback with TD_ERR_CLOSED) and frees the server once every call has been finished by

@@ -1309,6 +1309,17 @@ td_status_t td_grpc_server_add_method(td_grpc_server_t *srv, const char *path,
     return TD_OK;
 }
 
+td_status_t td_grpc_server_add_methods(td_grpc_server_t *srv, const td_grpc_method_t *methods, size_t n,
+                                       void *data)
+{
+    for (size_t i = 0; i < n; i++) {
+        td_status_t st = td_grpc_server_add_method(srv, methods[i].path, methods[i].request_desc, methods[i].cb, data);
+        if (st != TD_OK)
+            return st;
+    }
+    return TD_OK;
+}
+
 void td_grpc_server_close(td_grpc_server_t *srv, void (*cb)(void *data), void *data)
 {
     if (!srv || srv->closing)

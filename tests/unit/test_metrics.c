@@ -9,6 +9,7 @@
 #include <netinet/in.h>
 #include <pthread.h>
 #include <signal.h>
+#include <string.h>
 #include <sys/socket.h>
 #include <sys/time.h>
 #include <unistd.h>
@@ -18,6 +19,7 @@
 #include "td_metrics.h"
 #include "td_metrics_loop.h"
 #include "td_test_net.h"
+#include "td_util.h"
 
 static const char golden[] =
     "# HELP tandem_requests_total Requests finished, by outcome.\n"
@@ -50,7 +52,9 @@ static td_metrics_t *golden_registry(void)
                                      "Requests finished, by outcome.", outcome, 1, NULL, 0, &req), TD_OK);
     cr_assert_eq(td_metric_family_get(req, (const char *[]){"ok"}, &ok), TD_OK);
     cr_assert_eq(td_metric_family_get(req, (const char *[]){"say \"hi\"\\\n"}, &odd), TD_OK);
-    cr_assert_eq(td_metrics_gauge(reg, "tandem_kv_blocks_free", "Free KV blocks \\ with a\nnewline.", &free_blocks), TD_OK);
+    const td_metric_def_t gauge[] = {
+        TD_METRIC_DEF_GAUGE("tandem_kv_blocks_free", "Free KV blocks \\ with a\nnewline.", &free_blocks)};
+    cr_assert_eq(td_metrics_register_all(reg, gauge, 1), TD_OK);
     cr_assert_eq(td_metrics_register(reg, TD_METRIC_HISTOGRAM, "tandem_ttft_seconds", "Time to first token.",
                                      role, 1, buckets, 3, &ttft), TD_OK);
     cr_assert_eq(td_metric_family_get(ttft, (const char *[]){"router"}, &router), TD_OK);
@@ -134,9 +138,11 @@ Test(metrics, concurrent_updates, .timeout = 30)
     td_metrics_t *reg;
     hammer_t hm;
     cr_assert_eq(td_metrics_create(&reg), TD_OK);
-    cr_assert_eq(td_metrics_counter(reg, "c_total", "c", &hm.c), TD_OK);
-    cr_assert_eq(td_metrics_histogram(reg, "h_seconds", "h", td_metrics_latency_buckets,
-                                      td_metrics_latency_n_buckets, &hm.h), TD_OK);
+    const td_metric_def_t defs[] = {
+        TD_METRIC_DEF_COUNTER("c_total", "c", &hm.c),
+        TD_METRIC_DEF_HISTOGRAM("h_seconds", "h", td_metrics_latency_buckets, td_metrics_latency_n_buckets, &hm.h),
+    };
+    cr_assert_eq(td_metrics_register_all(reg, defs, TD_ARRAY_LEN(defs)), TD_OK);
     pthread_t t[4];
     for (int i = 0; i < 4; i++)
         pthread_create(&t[i], NULL, hammer_thread, &hm);
@@ -455,4 +461,23 @@ Test(metrics, half_open_flood_does_not_lock_scrapers_out, .timeout = 120)
         close(half[i]);
     free(half);
     hostile_stop(&hs);
+}
+
+Test(metrics, register_all_registers_in_order_and_stops_at_the_first_error)
+{
+    td_metrics_t *reg;
+    td_metric_t *a = NULL, *b = NULL, *c = NULL;
+    cr_assert_eq(td_metrics_create(&reg), TD_OK);
+    const td_metric_def_t defs[] = {
+        TD_METRIC_DEF_COUNTER("a_total", "a", &a),
+        TD_METRIC_DEF_GAUGE("not a name", "b", &b),
+        TD_METRIC_DEF_GAUGE("c", "c", &c),
+    };
+    cr_assert_eq(td_metrics_register_all(reg, defs, TD_ARRAY_LEN(defs)), TD_ERR_INVALID);
+    cr_assert(strstr(td_last_error(), "not a name"), "%s", td_last_error());
+    cr_assert(a != NULL, "the entries before the bad one are registered");
+    cr_assert(b == NULL && c == NULL, "nothing after the bad one");
+    td_metric_inc(a);
+    cr_assert_float_eq(td_metric_value(a), 1.0, 0);
+    td_metrics_destroy(reg);
 }
