@@ -18,25 +18,25 @@ static int common_keys(td_node_config_t *c, bool node, td_opt_t *out)
     if (node)
         out[n++] = (td_opt_t)TD_OPT_STRING("model", &c->model, "model path (required)");
     out[n++] = (td_opt_t)TD_OPT_STRING("model-name", &c->model_name,
-                          node ? "name the router routes by" : "the model name served");
+                                       node ? "name the router routes by" : "the model name served");
     if (node)
         out[n++] = (td_opt_t)TD_OPT_STRING("router", &c->router, "router control address HOST:PORT");
     out[n++] = (td_opt_t)TD_OPT_STRING("host", &c->host,
-                          "address to listen on (0.0.0.0: every interface; needs --advertise)");
+                                       "address to listen on (0.0.0.0: every interface; needs --advertise)");
     out[n++] = (td_opt_t)TD_OPT_STRING("advertise", &c->advertise,
-                          "address peers reach this process at (default: --host)");
+                                       "address peers reach this process at (default: --host)");
     if (node)
         out[n++] = (td_opt_t)TD_OPT_STRING("node-id", &c->node_id, "unique node name");
     out[n++] = (td_opt_t)TD_OPT_INT("port", &c->port, 0, 65535,
-                          node ? "control gRPC port (0 = any)" : "gateway gRPC port (0 = any)");
+                                    node ? "control gRPC port (0 = any)" : "gateway gRPC port (0 = any)");
     out[n++] = (td_opt_t)TD_OPT_INT("metrics-port", &c->metrics_port, 0, 65535, "/metrics port (0 = any)");
     if (node) {
         out[n++] = (td_opt_t)TD_OPT_INT("threads", &c->threads, 0, 4096, "compute threads (0 = all cores)");
         out[n++] = (td_opt_t)TD_OPT_STRING("device", &c->device, "cpu, cuda (GPU 0) or cuda:N");
         out[n++] = (td_opt_t)TD_OPT_STRING("dtype", &c->dtype,
-                              "f32|f16|bf16: weights and KV cache (and CUDA activations); "
-                              "default: cpu: weights as stored, KV f32; cuda: the model's dtype. "
-                              "Paired nodes must agree");
+                                           "f32|f16|bf16: weights and KV cache (and CUDA activations); "
+                                           "default: cpu: weights as stored, KV f32; cuda: the model's dtype. "
+                                           "Paired nodes must agree");
     }
     out[n++] = (td_opt_t)TD_OPT_STRING("log-level", &c->log_level, "error|warn|info|debug");
     return n;
