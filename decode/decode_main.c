@@ -748,18 +748,18 @@ int decode_main(int argc, char **argv)
                              .result_queue = 64, .idle_wait_ms = 50};
     const td_opt_t keys[] = {
         TD_OPT_INT("kv-blocks", &cfg->kv_blocks, 0, 1 << 24,
-         "KV pool blocks (sequences and leases; 0 = as many as kv-mem holds)"),
+                   "KV pool blocks (sequences and leases; 0 = as many as kv-mem holds)"),
         TD_OPT_INT("kv-mem", &cfg->kv_mem, 0, 1 << 30,
-         "KV pool budget in MiB when kv-blocks is 0 (0 = 50% of the memory available, at most 64 GiB; "
-         "never more than max-batch sequences of the model's length)"),
+                   "KV pool budget in MiB when kv-blocks is 0 (0 = 50% of the memory available, at most 64 GiB; "
+                   "never more than max-batch sequences of the model's length)"),
         TD_OPT_INT("landing-blocks", &cfg->landing_blocks, 0, 1 << 24,
-         "--device cuda: host blocks transfers land in before their copy to the GPU (0 = kv-blocks / 4)"),
+                   "--device cuda: host blocks transfers land in before their copy to the GPU (0 = kv-blocks / 4)"),
         TD_OPT_INT("max-batch", &cfg->max_batch, 1, 4096, "running sequences at most"),
         TD_OPT_INT("max-lease-ms", &cfg->max_lease_ms, 1, 600000, "longest lease granted"),
         TD_OPT_INT("max-requests", &cfg->max_requests, 1, 1 << 20, "pending admissions at most"),
         TD_OPT_INT("result-queue", &cfg->result_queue, 1, 1 << 20, "step results waiting for the loop"),
         TD_OPT_INT("idle-wait-ms", &cfg->idle_wait_ms, 1, 10000,
-         "compute thread: longest single wait for work or room"),
+                   "compute thread: longest single wait for work or room"),
     };
     const td_node_spec_t spec = {.prog = "decode", .kind = TD_NODE_NODE, .on_shutdown = on_shutdown, .data = s};
     int rc;

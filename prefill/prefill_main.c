@@ -681,23 +681,23 @@ int prefill_main(int argc, char **argv)
                               .idle_wait_ms = 50, .send_timeout_ms = 30000};
     const td_opt_t keys[] = {
         TD_OPT_INT("kv-blocks", &cfg->kv_blocks, 0, 1 << 24,
-         "KV pool blocks (prompts in flight + prefix cache; 0 = as many as kv-mem holds)"),
+                   "KV pool blocks (prompts in flight + prefix cache; 0 = as many as kv-mem holds)"),
         TD_OPT_INT("kv-mem", &cfg->kv_mem, 0, 1 << 30,
-         "KV pool budget in MiB when kv-blocks is 0 (0 = 15% of the memory available, at most 16 GiB; "
-         "never more than 8 steps of max(max-batch-tokens, the model's length) tokens)"),
+                   "KV pool budget in MiB when kv-blocks is 0 (0 = 15% of the memory available, at most 16 GiB; "
+                   "never more than 8 steps of max(max-batch-tokens, the model's length) tokens)"),
         TD_OPT_INT("max-batch-tokens", &cfg->max_batch_tokens, 1, 1 << 16,
-         "prompt tokens in one engine step (longer prompts are chunked)"),
+                   "prompt tokens in one engine step (longer prompts are chunked)"),
         TD_OPT_INT("max-batch", &cfg->max_batch, 1, 4096, "prompts in one engine step"),
         TD_OPT_INT("max-queue", &cfg->max_queue, 1, 1 << 20,
-         "Prefill calls accepted and not finished (beyond: RESOURCE_EXHAUSTED)"),
+                   "Prefill calls accepted and not finished (beyond: RESOURCE_EXHAUSTED)"),
         TD_OPT_INT("max-queued-tokens", &cfg->max_queued_tokens, 1, (int64_t)1 << 40,
-         "prompt tokens waiting or in progress (beyond: RESOURCE_EXHAUSTED)"),
+                   "prompt tokens waiting or in progress (beyond: RESOURCE_EXHAUSTED)"),
         TD_OPT_INT("event-queue", &cfg->event_queue, 2, 1 << 20,
-         "compute-to-loop events waiting at most (the compute thread waits beyond)"),
+                   "compute-to-loop events waiting at most (the compute thread waits beyond)"),
         TD_OPT_INT("idle-wait-ms", &cfg->idle_wait_ms, 1, 10000,
-         "compute thread: longest single wait for work or room"),
+                   "compute thread: longest single wait for work or room"),
         TD_OPT_INT("send-timeout-ms", &cfg->send_timeout_ms, 1, 3600000,
-         "KV transfer: first layer until the decode node's verdict"),
+                   "KV transfer: first layer until the decode node's verdict"),
     };
     const td_node_spec_t spec = {.prog = "prefill", .kind = TD_NODE_NODE, .on_shutdown = on_shutdown, .data = s};
     int rc;
