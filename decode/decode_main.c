@@ -83,12 +83,21 @@ typedef struct decode_cmd {
     int32_t first_token;
 } decode_cmd_t;
 
-/* Compute → loop: one step's results (its address in the result ring). */
+/* What one entry of a step's results says of a sequence. */
+typedef enum { DECODE_OUT_TOKEN, DECODE_OUT_LENGTH, DECODE_OUT_STOP, DECODE_OUT_FAILED } decode_out_kind_t;
+
+typedef struct decode_out_seq {
+    uint64_t lease_id;
+    int32_t token;             /* DECODE_OUT_TOKEN: the new token; else -1 */
+    decode_out_kind_t kind;
+} decode_out_seq_t;
+
+/* Compute → loop: one step's results (its address in the result ring), C structs only: the
+ * loop turns them into a StepBatch (send_seqs). */
 typedef struct decode_out {
     uint64_t step;
     double step_s;
-    Tandem__Control__V1__SeqStep *seqs;  /* [cap] */
-    Tandem__Control__V1__SeqStep **ptrs; /* [cap] what the StepBatch points at */
+    decode_out_seq_t *seqs;    /* [cap] */
     int32_t n_seqs;
     uint32_t free_blocks;
 } decode_out_t;
@@ -129,6 +138,10 @@ typedef struct decode_state {
     uint64_t *failed;
     int32_t n_failed;
     bool backoff;             /* out of memory: wait idle-wait-ms before the next try */
+    /* loop thread: the StepBatch being sent, its entries made from a decode_out_t's */
+    Tandem__Control__V1__SeqStep *batch_seqs; /* [batch_cap] */
+    Tandem__Control__V1__SeqStep **batch_ptrs; /* [batch_cap] what the StepBatch points at */
+    int32_t batch_cap;
 } decode_state_t;
 
 /* The command ring's bound: a kv-ready command holds at least one block, so at most
@@ -142,15 +155,12 @@ static int32_t cmd_ring_size(const decode_config_t *cfg)
 
 /* ---- compute thread ------------------------------------------------------------------ */
 
-/* One allocation for a whole step result, so the loop sends it without allocating.
- * NULL: out of memory. */
+/* One allocation for a whole step result. NULL: out of memory. */
 static decode_out_t *out_new(int32_t cap)
 {
-    decode_out_t *o = calloc(1, sizeof *o + (size_t)cap * (sizeof *o->seqs + sizeof *o->ptrs));
-    if (o) {
-        o->seqs = (Tandem__Control__V1__SeqStep *)(o + 1);
-        o->ptrs = (Tandem__Control__V1__SeqStep **)(o->seqs + cap);
-    }
+    decode_out_t *o = calloc(1, sizeof *o + (size_t)cap * sizeof *o->seqs);
+    if (o)
+        o->seqs = (decode_out_seq_t *)(o + 1);
     return o;
 }
 
@@ -167,13 +177,9 @@ static void admit_free(decode_admit_t *a)
     }
 }
 
-static void add_seq(decode_out_t *o, uint64_t id, int32_t token, Tandem__Control__V1__SeqEvent ev)
+static void add_seq(decode_out_t *o, uint64_t id, int32_t token, decode_out_kind_t kind)
 {
-    Tandem__Control__V1__SeqStep *q = &o->seqs[o->n_seqs++];
-    tandem__control__v1__seq_step__init(q);
-    q->lease_id = id;
-    q->token = token >= 0 ? (uint32_t)token : 0;
-    q->event = ev;
+    o->seqs[o->n_seqs++] = (decode_out_seq_t){.lease_id = id, .token = token, .kind = kind};
 }
 
 /* Admits a request whose KV landed in its lease's blocks: the sequence adopts them (the
@@ -189,7 +195,7 @@ static void compute_admit(decode_state_t *s, decode_cmd_t *c, decode_out_t *fail
         td_warn("decode: lease %llu not admitted: %s", (unsigned long long)c->lease_id, td_last_error());
         for (int32_t i = 0; i < c->n_blocks; i++)
             td_kv_unref_block(s->kv, c->blocks[i]);
-        add_seq(fail_out, c->lease_id, -1, TANDEM__CONTROL__V1__SEQ_EVENT__SEQ_EVENT_FAILED);
+        add_seq(fail_out, c->lease_id, -1, DECODE_OUT_FAILED);
     }
     c->n_blocks = 0; /* the references went to the sequence or back to the pool */
 }
@@ -238,7 +244,7 @@ static void compute_main(void *arg)
             continue;
         }
         for (int32_t i = 0; i < s->n_failed; i++)
-            add_seq(o, s->failed[i], -1, TANDEM__CONTROL__V1__SEQ_EVENT__SEQ_EVENT_FAILED);
+            add_seq(o, s->failed[i], -1, DECODE_OUT_FAILED);
         s->n_failed = 0;
         for (int32_t i = 0; i < n_cmds; i++) {
             decode_cmd_t *c = &cmds[i];
@@ -262,15 +268,15 @@ static void compute_main(void *arg)
             for (int32_t i = 0; i < res.n_events && o->n_seqs + 2 <= cap; i++) {
                 const decode_event_t *e = &res.events[i];
                 if (e->token >= 0)
-                    add_seq(o, e->id, e->token, TANDEM__CONTROL__V1__SEQ_EVENT__SEQ_EVENT_TOKEN);
-                Tandem__Control__V1__SeqEvent ev;
+                    add_seq(o, e->id, e->token, DECODE_OUT_TOKEN);
+                decode_out_kind_t kind;
                 switch (e->finish) {
                 case DECODE_FINISH_NONE: continue;
-                case DECODE_FINISH_LENGTH: ev = TANDEM__CONTROL__V1__SEQ_EVENT__SEQ_EVENT_FINISHED_LENGTH; break;
-                case DECODE_FINISH_STOP: ev = TANDEM__CONTROL__V1__SEQ_EVENT__SEQ_EVENT_FINISHED_STOP; break;
-                default: ev = TANDEM__CONTROL__V1__SEQ_EVENT__SEQ_EVENT_FAILED; break;
+                case DECODE_FINISH_LENGTH: kind = DECODE_OUT_LENGTH; break;
+                case DECODE_FINISH_STOP: kind = DECODE_OUT_STOP; break;
+                default: kind = DECODE_OUT_FAILED; break;
                 }
-                add_seq(o, e->id, -1, ev);
+                add_seq(o, e->id, -1, kind);
             }
             if (res.n_seqs) {
                 td_metric_inc(s->m_steps);
@@ -341,45 +347,77 @@ static void send_batch(decode_state_t *s, Tandem__Control__V1__StepBatch *b)
     }
 }
 
+/* Room for n entries in the StepBatch scratch, grown once to a step's size and kept;
+ * returns the room there is (the startup size at least, when memory is short). */
+static int32_t batch_reserve(decode_state_t *s, int32_t n)
+{
+    if (n <= s->batch_cap)
+        return s->batch_cap;
+    int32_t cap = TD_MAX(n, 2 * s->batch_cap);
+    Tandem__Control__V1__SeqStep *q = realloc(s->batch_seqs, (size_t)cap * sizeof *q);
+    if (!q)
+        return s->batch_cap;
+    s->batch_seqs = q;
+    Tandem__Control__V1__SeqStep **p = realloc(s->batch_ptrs, (size_t)cap * sizeof *p);
+    if (!p)
+        return s->batch_cap;
+    s->batch_ptrs = p;
+    s->batch_cap = cap;
+    return cap;
+}
+
+/* The edge: a step's C entries become SeqSteps and go out as a StepBatch (as several, each
+ * with the step's numbers, only if memory for the scratch ran short). */
+static void send_seqs(decode_state_t *s, uint64_t step, double step_s, uint32_t free_blocks,
+                      const decode_out_seq_t *seqs, int32_t n)
+{
+    static const Tandem__Control__V1__SeqEvent event[] = {
+        [DECODE_OUT_TOKEN] = TANDEM__CONTROL__V1__SEQ_EVENT__SEQ_EVENT_TOKEN,
+        [DECODE_OUT_LENGTH] = TANDEM__CONTROL__V1__SEQ_EVENT__SEQ_EVENT_FINISHED_LENGTH,
+        [DECODE_OUT_STOP] = TANDEM__CONTROL__V1__SEQ_EVENT__SEQ_EVENT_FINISHED_STOP,
+        [DECODE_OUT_FAILED] = TANDEM__CONTROL__V1__SEQ_EVENT__SEQ_EVENT_FAILED,
+    };
+    int32_t cap = batch_reserve(s, n);
+    for (int32_t off = 0; off < n; off += cap) {
+        int32_t m = TD_MIN(cap, n - off);
+        for (int32_t i = 0; i < m; i++) {
+            const decode_out_seq_t *e = &seqs[off + i];
+            Tandem__Control__V1__SeqStep *q = &s->batch_seqs[i];
+            tandem__control__v1__seq_step__init(q);
+            q->lease_id = e->lease_id;
+            q->token = e->token >= 0 ? (uint32_t)e->token : 0;
+            q->event = event[e->kind];
+            s->batch_ptrs[i] = q;
+            if (e->kind == DECODE_OUT_TOKEN)
+                td_metric_inc(s->m_tokens);
+        }
+        Tandem__Control__V1__StepBatch b = TANDEM__CONTROL__V1__STEP_BATCH__INIT;
+        b.step = step;
+        b.step_s = step_s;
+        b.seqs = s->batch_ptrs;
+        b.n_seqs = (size_t)m;
+        b.free_kv_blocks = free_blocks;
+        send_batch(s, &b);
+    }
+}
+
 static void on_outs(void *data, void *events, int32_t n)
 {
     decode_state_t *s = data;
     decode_out_t **outs = events;
     for (int32_t k = 0; k < n; k++) {
         decode_out_t *o = outs[k];
-        if (o->n_seqs) {
-            Tandem__Control__V1__StepBatch b = TANDEM__CONTROL__V1__STEP_BATCH__INIT;
-            for (int32_t i = 0; i < o->n_seqs; i++) {
-                o->ptrs[i] = &o->seqs[i];
-                if (o->seqs[i].event == TANDEM__CONTROL__V1__SEQ_EVENT__SEQ_EVENT_TOKEN)
-                    td_metric_inc(s->m_tokens);
-            }
-            b.step = o->step;
-            b.step_s = o->step_s;
-            b.seqs = o->ptrs;
-            b.n_seqs = (size_t)o->n_seqs;
-            b.free_kv_blocks = o->free_blocks;
-            send_batch(s, &b);
-        }
+        send_seqs(s, o->step, o->step_s, o->free_blocks, o->seqs, o->n_seqs);
         out_free(o);
     }
 }
 
 /* A request the compute thread never got (its kv-ready could not be handed over): the
- * router hears FAILED now instead of at its deadline. One entry on the stack: nothing to
- * allocate. */
+ * router hears FAILED now instead of at its deadline. */
 static void report_failed(decode_state_t *s, uint64_t lease_id)
 {
-    Tandem__Control__V1__SeqStep q;
-    Tandem__Control__V1__SeqStep *ptrs[1] = {&q};
-    tandem__control__v1__seq_step__init(&q);
-    q.lease_id = lease_id;
-    q.event = TANDEM__CONTROL__V1__SEQ_EVENT__SEQ_EVENT_FAILED;
-    Tandem__Control__V1__StepBatch b = TANDEM__CONTROL__V1__STEP_BATCH__INIT;
-    b.seqs = ptrs;
-    b.n_seqs = 1;
-    b.free_kv_blocks = (uint32_t)atomic_load(&s->load_free);
-    send_batch(s, &b);
+    const decode_out_seq_t e = {.lease_id = lease_id, .token = -1, .kind = DECODE_OUT_FAILED};
+    send_seqs(s, 0, 0, (uint32_t)atomic_load(&s->load_free), &e, 1);
 }
 
 /* The pool's occupancy as the loop sees it. Leases take and return blocks on this thread
@@ -787,7 +825,8 @@ int decode_main(int argc, char **argv)
                                        .run = compute_main, .on_events = on_outs, .data = s};
     if ((st = td_node_worker_init(&s->worker, &s->proc.loop, &wc)) != TD_OK)
         goto out;
-    if (!(s->failed = malloc((size_t)cmd_ring_size(cfg) * sizeof *s->failed))) {
+    if (!(s->failed = malloc((size_t)cmd_ring_size(cfg) * sizeof *s->failed)) ||
+        batch_reserve(s, (int32_t)cfg->max_batch * 2 + 1) == 0) {
         st = td_errorf(TD_ERR_NOMEM, "decode: out of memory at startup");
         goto out;
     }
@@ -889,6 +928,8 @@ out:
     td_metrics_destroy(s->metrics);
     td_node_worker_free(&s->worker);
     free(s->failed);
+    free(s->batch_seqs);
+    free(s->batch_ptrs);
     td_node_free(&s->proc);
     return rc;
 }

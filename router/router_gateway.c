@@ -41,21 +41,12 @@ static void on_generate_writable(td_grpc_call_t *call, void *call_data)
     router_out_flush(r);
 }
 
-void on_generate(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data)
+/* The edge: a GenerateRequest's parameters as our own struct, for the one validation every
+ * front door runs (td_gen_params.h). Handed over as received but for what proto3 cannot
+ * tell from unset: top_p and repetition_penalty 0 mean "off" (proto/tandem.proto); negative,
+ * NaN and infinite values reach the check and are refused. The strings stay q's. */
+static td_gen_params_t gen_params_from_proto(const Tandem__V1__GenerateRequest *q)
 {
-    router_state_t *s = data;
-    const Tandem__V1__GenerateRequest *q = (const void *)msg;
-    if (s->shutting_down) {
-        td_grpc_call_finish(call, TD_GRPC_UNAVAILABLE, "router shutting down");
-        return;
-    }
-    if (q->model[0] && strcmp(q->model, s->proc.cfg.model_name)) {
-        td_grpc_call_finish(call, TD_GRPC_NOT_FOUND, "unknown model (see ListModels)");
-        return;
-    }
-    /* the one validation every front door runs (td_gen_params.h), on the request as received
-     * but for what proto3 cannot tell from unset: top_p and repetition_penalty 0 mean "off"
-     * (proto/tandem.proto); negative, NaN and infinite values reach the check and are refused */
     td_gen_params_t gp = td_gen_params_default();
     gp.max_tokens = q->max_tokens;
     gp.prompt_is_text = q->n_prompt_ids == 0;
@@ -73,6 +64,22 @@ void on_generate(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data)
             q->sampling->repetition_penalty == 0.0f ? 1.0f : q->sampling->repetition_penalty;
         gp.sampling.seed = q->sampling->seed;
     }
+    return gp;
+}
+
+void on_generate(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data)
+{
+    router_state_t *s = data;
+    const Tandem__V1__GenerateRequest *q = (const void *)msg;
+    if (s->shutting_down) {
+        td_grpc_call_finish(call, TD_GRPC_UNAVAILABLE, "router shutting down");
+        return;
+    }
+    if (q->model[0] && strcmp(q->model, s->proc.cfg.model_name)) {
+        td_grpc_call_finish(call, TD_GRPC_NOT_FOUND, "unknown model (see ListModels)");
+        return;
+    }
+    const td_gen_params_t gp = gen_params_from_proto(q);
     char why[384] = "";
     if (td_gen_params_validate(&gp, why, sizeof why) != TD_OK) {
         router_count_outcome(s, "invalid");
@@ -108,8 +115,6 @@ void on_generate(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data)
     } else {
         r->from_text = true; /* encoded off the loop once the rest is checked (router_req_submit) */
     }
-    tandem__control__v1__sampling_params__init(&r->sampling);
-    const td_sampling_t ts = gp.sampling;
     if (st == TD_OK && q->n_stop_strings && !s->tok) {
         st = TD_ERR_INVALID;
         snprintf(why, sizeof why, "this router has no tokenizer (--tokenizer) to match stop strings: send stop_ids");
@@ -128,12 +133,7 @@ void on_generate(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data)
                             nomem ? "router: out of memory" : why);
         return;
     }
-    r->sampling.temperature = ts.temperature;
-    r->sampling.top_k = (uint32_t)ts.top_k;
-    r->sampling.top_p = ts.top_p;
-    r->sampling.min_p = ts.min_p;
-    r->sampling.repetition_penalty = ts.repetition_penalty;
-    r->sampling.seed = ts.seed;
+    r->sampling = gp.sampling;
     if (q->n_stop_ids) /* bounded above; protobuf-c leaves the array NULL when empty */
         memcpy(r->stop_ids, q->stop_ids, q->n_stop_ids * sizeof *q->stop_ids);
     r->n_stop_ids = q->n_stop_ids;
