@@ -20,6 +20,7 @@
 #include <string.h>
 
 #include "td_grpc_wire.h"
+#include "td_list.h"
 #include "td_log.h"
 #include "td_rpc_tcp.h"
 #include "td_util.h"
@@ -27,13 +28,12 @@
 #define READ_BUF_BYTES (64 * 1024)
 
 struct td_grpc_client_call {
-    td_grpc_client_call_t *prev, *next;
+    td_list_t link;               /* in ch->calls until it ends, then maybe in ch->spare */
     td_grpc_channel_t *ch;
     int32_t stream_id;
     uv_timer_t timer;             /* never started: its close callback frees the call */
     uint64_t deadline;            /* uv_now() ms; 0 = none */
-    td_grpc_client_call_t *dl_prev, *dl_next; /* in the channel's deadline list */
-    bool in_dl;
+    td_list_t dl_link;            /* in ch->deadlines while it has a deadline to keep */
     td_grpc_call_opts_t opts;
     td_grpc_buf_t req;            /* framed request not yet taken by nghttp2 */
     td_grpc_buf_t resp;           /* response bytes not yet delivered */
@@ -48,6 +48,10 @@ struct td_grpc_client_call {
     char local_msg[160];
 };
 
+/* The call whose link / dl_link is the node n. */
+#define CALL_OF(n) TD_CONTAINER_OF(n, td_grpc_client_call_t, link)
+#define DL_CALL(n) TD_CONTAINER_OF(n, td_grpc_client_call_t, dl_link)
+
 typedef enum ch_state { CH_CONNECTING, CH_READY, CH_FAILED } ch_state_t;
 
 struct td_grpc_channel {
@@ -58,12 +62,12 @@ struct td_grpc_channel {
     uv_prepare_t pump;
     uv_timer_t dl_timer;          /* one timer for every call's deadline */
     uint64_t dl_armed;            /* the deadline it is set for; 0 = not set */
-    td_grpc_client_call_t *dl_head, *dl_tail; /* calls with a deadline, soonest first */
+    td_list_t deadlines;          /* calls with a deadline, soonest first (dl_link) */
     nghttp2_session *ses;
     ch_state_t state;
     char authority[300];
-    td_grpc_client_call_t *calls;
-    td_grpc_client_call_t *spare;  /* ended calls kept for reuse (TD_GRPC_SPARE_CALLS) */
+    td_list_t calls;              /* calls not yet ended, newest first (link) */
+    td_list_t spare;              /* ended calls kept for reuse (TD_GRPC_SPARE_CALLS), by link */
     int n_spare;
     int writes_in_flight;
     int open_handles;
@@ -92,8 +96,8 @@ static void channel_maybe_free(td_grpc_channel_t *ch)
     void (*cb)(void *) = ch->close_cb;
     void *data = ch->close_data;
     nghttp2_session_del(ch->ses);
-    for (td_grpc_client_call_t *c = ch->spare, *next; c; c = next) {
-        next = c->next;
+    TD_LIST_FOREACH_SAFE(n, &ch->spare) {
+        td_grpc_client_call_t *c = CALL_OF(n);
         td_grpc_buf_free(&c->req);
         td_grpc_buf_free(&c->resp);
         free(c);
@@ -122,8 +126,7 @@ static void call_timer_closed(uv_handle_t *h)
         memset(call, 0, sizeof *call);
         call->req = req;
         call->resp = resp;
-        call->next = ch->spare;
-        ch->spare = call;
+        td_list_push_front(&ch->spare, &call->link);
         ch->n_spare++;
     } else {
         td_grpc_buf_free(&call->req);
@@ -156,9 +159,10 @@ static void on_dl_timer(uv_timer_t *t);
 
 static void dl_arm(td_grpc_channel_t *ch)
 {
-    if (!ch->dl_head || ch->closing)
+    td_list_t *first = td_list_first(&ch->deadlines);
+    if (!first || ch->closing)
         return;
-    uint64_t d = ch->dl_head->deadline;
+    uint64_t d = DL_CALL(first)->deadline;
     if (ch->dl_armed && ch->dl_armed <= d)
         return; /* fires first; re-arms then */
     uint64_t now = uv_now(ch->loop);
@@ -168,37 +172,11 @@ static void dl_arm(td_grpc_channel_t *ch)
 
 static void dl_insert(td_grpc_channel_t *ch, td_grpc_client_call_t *call)
 {
-    td_grpc_client_call_t *p = ch->dl_tail;
-    while (p && p->deadline > call->deadline)
-        p = p->dl_prev;
-    call->dl_prev = p;
-    call->dl_next = p ? p->dl_next : ch->dl_head;
-    if (call->dl_next)
-        call->dl_next->dl_prev = call;
-    else
-        ch->dl_tail = call;
-    if (p)
-        p->dl_next = call;
-    else
-        ch->dl_head = call;
-    call->in_dl = true;
+    td_list_t *p = ch->deadlines.prev; /* the list's head once every deadline is later */
+    while (p != &ch->deadlines && DL_CALL(p)->deadline > call->deadline)
+        p = p->prev;
+    td_list_insert_after(p, &call->dl_link);
     dl_arm(ch);
-}
-
-static void dl_remove(td_grpc_channel_t *ch, td_grpc_client_call_t *call)
-{
-    if (!call->in_dl)
-        return;
-    if (call->dl_prev)
-        call->dl_prev->dl_next = call->dl_next;
-    else
-        ch->dl_head = call->dl_next;
-    if (call->dl_next)
-        call->dl_next->dl_prev = call->dl_prev;
-    else
-        ch->dl_tail = call->dl_prev;
-    call->dl_prev = call->dl_next = NULL;
-    call->in_dl = false;
 }
 
 static void call_abort(td_grpc_client_call_t *call, td_grpc_code_t code, const char *msg, uint32_t h2_error);
@@ -208,9 +186,10 @@ static void on_dl_timer(uv_timer_t *t)
     td_grpc_channel_t *ch = t->data;
     ch->dl_armed = 0;
     uint64_t now = uv_now(ch->loop);
-    while (!ch->closing && ch->dl_head && ch->dl_head->deadline <= now) {
-        td_grpc_client_call_t *call = ch->dl_head;
-        dl_remove(ch, call);
+    td_list_t *n;
+    while (!ch->closing && (n = td_list_first(&ch->deadlines)) && DL_CALL(n)->deadline <= now) {
+        td_grpc_client_call_t *call = DL_CALL(n);
+        td_list_remove(&call->dl_link);
         call_abort(call, TD_GRPC_DEADLINE_EXCEEDED, "deadline exceeded", NGHTTP2_CANCEL);
     }
     dl_arm(ch);
@@ -223,16 +202,11 @@ static void call_done(td_grpc_client_call_t *call, td_grpc_code_t code, const ch
         return;
     call->done = true;
     td_grpc_channel_t *ch = call->ch;
-    dl_remove(ch, call);
+    td_list_remove(&call->dl_link);
     call_consume(call);
     if (call->stream_id > 0 && ch->ses)
         nghttp2_session_set_stream_user_data(ch->ses, call->stream_id, NULL);
-    if (call->prev)
-        call->prev->next = call->next;
-    else
-        ch->calls = call->next;
-    if (call->next)
-        call->next->prev = call->prev;
+    td_list_remove(&call->link);
     call->opts.on_done(call, code, msg ? msg : "", call->opts.data);
     call->freeing = true;
     uv_close((uv_handle_t *)&call->timer, call_timer_closed);
@@ -421,8 +395,8 @@ static void channel_fail(td_grpc_channel_t *ch, const char *why)
         ch->tcp_closed = true;
         uv_close((uv_handle_t *)&ch->tcp, channel_handle_closed);
     }
-    while (ch->calls)
-        call_done(ch->calls, TD_GRPC_UNAVAILABLE, msg);
+    while (!td_list_empty(&ch->calls))
+        call_done(CALL_OF(td_list_first(&ch->calls)), TD_GRPC_UNAVAILABLE, msg);
 }
 
 static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf);
@@ -525,6 +499,9 @@ td_status_t td_grpc_channel_create(uv_loop_t *loop, const char *host, uint16_t p
         return td_errorf(TD_ERR_NOMEM, "grpc channel: out of memory");
     ch->loop = loop;
     ch->cfg = *cfg;
+    td_list_init(&ch->deadlines);
+    td_list_init(&ch->calls);
+    td_list_init(&ch->spare);
     snprintf(ch->authority, sizeof ch->authority, strchr(ip, ':') ? "[%s]:%u" : "%s:%u", ip, port);
 
     nghttp2_session_callbacks *cbs;
@@ -595,8 +572,8 @@ void td_grpc_channel_close(td_grpc_channel_t *ch, void (*cb)(void *data), void *
 {
     if (!ch || ch->closing)
         return;
-    while (ch->calls)
-        call_done(ch->calls, TD_GRPC_CANCELLED, "channel closed");
+    while (!td_list_empty(&ch->calls))
+        call_done(CALL_OF(td_list_first(&ch->calls)), TD_GRPC_CANCELLED, "channel closed");
     ch->closing = true;
     ch->close_cb = cb;
     ch->close_data = data;
@@ -618,14 +595,15 @@ td_status_t td_grpc_channel_call(td_grpc_channel_t *ch, const char *method,
     if (!td_grpc_channel_is_usable(ch))
         return td_errorf_quiet(TD_ERR_UNAVAILABLE, "grpc call %s: the channel to %s is not usable", method,
                                ch->authority);
-    td_grpc_client_call_t *call = ch->spare; /* zeroed but for its empty buffers */
-    if (call) {
-        ch->spare = call->next;
+    td_grpc_client_call_t *call; /* a spare one is zeroed but for its empty buffers */
+    if (!td_list_empty(&ch->spare)) {
+        call = CALL_OF(td_list_first(&ch->spare));
+        td_list_remove(&call->link);
         ch->n_spare--;
-        call->next = NULL;
     } else if (!(call = calloc(1, sizeof *call))) {
         return td_errorf(TD_ERR_NOMEM, "grpc call: out of memory");
     }
+    td_list_init(&call->dl_link);
     call->ch = ch;
     call->opts = *opts;
     call->grpc_status = -1;
@@ -659,10 +637,7 @@ td_status_t td_grpc_channel_call(td_grpc_channel_t *ch, const char *method,
     uv_timer_init(ch->loop, &call->timer);
     call->timer.data = call;
     ch->open_handles++;
-    call->next = ch->calls;
-    if (ch->calls)
-        ch->calls->prev = call;
-    ch->calls = call;
+    td_list_push_front(&ch->calls, &call->link);
     if (opts->timeout_ms) {
         call->deadline = uv_now(ch->loop) + opts->timeout_ms;
         dl_insert(ch, call);

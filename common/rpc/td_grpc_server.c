@@ -22,6 +22,7 @@
 #include <string.h>
 
 #include "td_grpc_wire.h"
+#include "td_list.h"
 #include "td_log.h"
 #include "td_rpc_tcp.h"
 #include "td_util.h"
@@ -70,11 +71,11 @@ struct td_grpc_server {
     uv_timer_t dl_timer;           /* one timer for the deadlines in the list below */
     uv_timer_t sweep;              /* connection deadlines (handshake, request, idle) */
     uint64_t dl_armed;             /* the deadline it is set for; 0 = not set */
-    td_grpc_call_t *dl_head, *dl_tail; /* calls with a deadline, soonest first */
+    td_list_t deadlines;           /* calls with a deadline, soonest first (dl_link) */
     uint16_t port;
     method_t *methods;
-    srv_conn_t *conns;
-    td_grpc_call_t *spare;         /* ended calls kept for reuse (TD_GRPC_SPARE_CALLS) */
+    td_list_t conns;               /* newest first (srv_conn_t.link) */
+    td_list_t spare;               /* ended calls kept for reuse (TD_GRPC_SPARE_CALLS), by link */
     int n_spare;
     uint32_t n_conns;
     uint32_t n_calls;              /* calls not yet freed */
@@ -87,11 +88,11 @@ struct td_grpc_server {
 };
 
 struct srv_conn {
-    srv_conn_t *prev, *next;
+    td_list_t link;                /* in srv->conns until closed */
     td_grpc_server_t *srv;
     uv_tcp_t tcp;
     nghttp2_session *ses;
-    td_grpc_call_t *calls;         /* calls whose stream is open */
+    td_list_t calls;               /* calls whose stream is open, newest first (link) */
     size_t preface_seen;           /* bytes of the client preface matched so far */
     uint64_t since;                /* uv_now at accept, handshake, and each call's start and
                                     * end: the idle / handshake clock, never moved by bytes */
@@ -106,14 +107,15 @@ struct srv_conn {
 };
 
 struct td_grpc_call {
-    td_grpc_call_t *prev, *next;   /* in conn->calls while the stream is open */
+    td_list_t link;                /* in conn->calls while the stream is open, then maybe in
+                                    * srv->spare */
     td_grpc_server_t *srv;
     srv_conn_t *conn;              /* NULL once the stream is gone */
     int32_t stream_id;
     uv_timer_t timer;              /* its close frees the call; started only for a deadline
                                     * far out of order in the server's list */
-    td_grpc_call_t *dl_prev, *dl_next;
-    bool in_dl, own_timer;
+    td_list_t dl_link;             /* in srv->deadlines, unless own_timer keeps its deadline */
+    bool own_timer;
     bool stall_reset;              /* reset for request_timeout_ms */
     uint64_t begun;                /* uv_now at its HEADERS: the request_timeout_ms clock */
     const method_t *method;
@@ -136,6 +138,11 @@ struct td_grpc_call {
     td_grpc_writable_cb on_writable;
     void *data;
 };
+
+/* The call whose link / dl_link is the node n; the connection whose link is n. */
+#define CALL_OF(n) TD_CONTAINER_OF(n, td_grpc_call_t, link)
+#define DL_CALL(n) TD_CONTAINER_OF(n, td_grpc_call_t, dl_link)
+#define CONN_OF(n) TD_CONTAINER_OF(n, srv_conn_t, link)
 
 td_grpc_server_config_t td_grpc_server_config_default(void)
 {
@@ -163,8 +170,8 @@ static void server_maybe_free(td_grpc_server_t *srv)
         return;
     void (*cb)(void *) = srv->close_cb;
     void *data = srv->close_data;
-    for (td_grpc_call_t *c = srv->spare, *next; c; c = next) {
-        next = c->next;
+    TD_LIST_FOREACH_SAFE(n, &srv->spare) {
+        td_grpc_call_t *c = CALL_OF(n);
         td_grpc_buf_free(&c->req);
         td_grpc_buf_free(&c->out);
         free(c);
@@ -200,8 +207,7 @@ static void call_timer_closed(uv_handle_t *h)
         memset(call, 0, sizeof *call);
         call->req = req;
         call->out = out;
-        call->next = srv->spare;
-        srv->spare = call;
+        td_list_push_front(&srv->spare, &call->link);
         srv->n_spare++;
     } else {
         td_grpc_buf_free(&call->req);
@@ -231,7 +237,7 @@ static void count_handled(td_grpc_call_t *call)
         td_metric_inc(m);
 }
 
-static void dl_remove(td_grpc_server_t *srv, td_grpc_call_t *call);
+static void dl_remove(td_grpc_call_t *call);
 
 /* The stream is gone (closed, reset, connection lost): detach, tell the handler. */
 static void call_detach(td_grpc_call_t *call, td_status_t why)
@@ -239,17 +245,11 @@ static void call_detach(td_grpc_call_t *call, td_status_t why)
     srv_conn_t *c = call->conn;
     if (!c)
         return;
-    if (call->prev)
-        call->prev->next = call->next;
-    else
-        c->calls = call->next;
-    if (call->next)
-        call->next->prev = call->prev;
-    call->prev = call->next = NULL;
+    td_list_remove(&call->link);
     call->conn = NULL;
     if (call->dispatched)
         c->since = uv_now(c->srv->loop); /* idle counts from the end of the last call */
-    dl_remove(call->srv, call);
+    dl_remove(call);
     if (!call->ended) {
         call->ended = true;
         call->code = TD_GRPC_CANCELLED;
@@ -518,9 +518,10 @@ static void on_dl_timer(uv_timer_t *t);
 
 static void dl_arm(td_grpc_server_t *srv)
 {
-    if (!srv->dl_head || srv->closing)
+    td_list_t *first = td_list_first(&srv->deadlines);
+    if (!first || srv->closing)
         return;
-    uint64_t d = srv->dl_head->deadline;
+    uint64_t d = DL_CALL(first)->deadline;
     if (srv->dl_armed && srv->dl_armed <= d)
         return; /* fires first; re-arms then */
     uint64_t now = uv_now(srv->loop);
@@ -535,48 +536,27 @@ static void on_own_deadline(uv_timer_t *t)
 
 static void dl_insert(td_grpc_server_t *srv, td_grpc_call_t *call)
 {
-    td_grpc_call_t *p = srv->dl_tail;
+    td_list_t *p = srv->deadlines.prev; /* the list's head once every deadline is later */
     int walk = 0;
-    while (p && p->deadline > call->deadline) {
+    while (p != &srv->deadlines && DL_CALL(p)->deadline > call->deadline) {
         if (++walk > DL_MAX_WALK) {
             call->own_timer = true;
             uv_timer_start(&call->timer, on_own_deadline, call->timeout_ms, 0);
             return;
         }
-        p = p->dl_prev;
+        p = p->prev;
     }
-    call->dl_prev = p;
-    call->dl_next = p ? p->dl_next : srv->dl_head;
-    if (call->dl_next)
-        call->dl_next->dl_prev = call;
-    else
-        srv->dl_tail = call;
-    if (p)
-        p->dl_next = call;
-    else
-        srv->dl_head = call;
-    call->in_dl = true;
+    td_list_insert_after(p, &call->dl_link);
     dl_arm(srv);
 }
 
-static void dl_remove(td_grpc_server_t *srv, td_grpc_call_t *call)
+static void dl_remove(td_grpc_call_t *call)
 {
     if (call->own_timer) {
         uv_timer_stop(&call->timer);
         call->own_timer = false;
     }
-    if (!call->in_dl)
-        return;
-    if (call->dl_prev)
-        call->dl_prev->dl_next = call->dl_next;
-    else
-        srv->dl_head = call->dl_next;
-    if (call->dl_next)
-        call->dl_next->dl_prev = call->dl_prev;
-    else
-        srv->dl_tail = call->dl_prev;
-    call->dl_prev = call->dl_next = NULL;
-    call->in_dl = false;
+    td_list_remove(&call->dl_link);
 }
 
 static void on_dl_timer(uv_timer_t *t)
@@ -584,9 +564,10 @@ static void on_dl_timer(uv_timer_t *t)
     td_grpc_server_t *srv = t->data;
     srv->dl_armed = 0;
     uint64_t now = uv_now(srv->loop);
-    while (!srv->closing && srv->dl_head && srv->dl_head->deadline <= now) {
-        td_grpc_call_t *call = srv->dl_head;
-        dl_remove(srv, call);
+    td_list_t *n;
+    while (!srv->closing && (n = td_list_first(&srv->deadlines)) && DL_CALL(n)->deadline <= now) {
+        td_grpc_call_t *call = DL_CALL(n);
+        dl_remove(call);
         call_deadline_hit(call);
     }
     dl_arm(srv);
@@ -612,14 +593,15 @@ static int on_begin_headers(nghttp2_session *ses, const nghttp2_frame *frame, vo
     srv_conn_t *c = user;
     if (frame->hd.type != NGHTTP2_HEADERS || frame->headers.cat != NGHTTP2_HCAT_REQUEST)
         return 0;
-    td_grpc_call_t *call = c->srv->spare; /* zeroed but for its empty buffers */
-    if (call) {
-        c->srv->spare = call->next;
+    td_grpc_call_t *call; /* a spare one is zeroed but for its empty buffers */
+    if (!td_list_empty(&c->srv->spare)) {
+        call = CALL_OF(td_list_first(&c->srv->spare));
+        td_list_remove(&call->link);
         c->srv->n_spare--;
-        call->next = NULL;
     } else if (!(call = calloc(1, sizeof *call))) {
         return NGHTTP2_ERR_TEMPORAL_CALLBACK_FAILURE;
     }
+    td_list_init(&call->dl_link);
     call->srv = c->srv;
     call->conn = c;
     call->stream_id = frame->hd.stream_id;
@@ -627,10 +609,7 @@ static int on_begin_headers(nghttp2_session *ses, const nghttp2_frame *frame, vo
     uv_timer_init(c->srv->loop, &call->timer);
     call->timer.data = call;
     c->srv->n_calls++;
-    call->next = c->calls;
-    if (c->calls)
-        c->calls->prev = call;
-    c->calls = call;
+    td_list_push_front(&c->calls, &call->link);
     nghttp2_session_set_stream_user_data(ses, frame->hd.stream_id, call);
     return 0;
 }
@@ -828,20 +807,15 @@ static void conn_close_now(srv_conn_t *c, td_status_t why)
         return;
     c->closed = true;
     td_grpc_server_t *srv = c->srv;
-    while (c->calls) {
-        td_grpc_call_t *call = c->calls;
+    while (!td_list_empty(&c->calls)) {
+        td_grpc_call_t *call = CALL_OF(td_list_first(&c->calls));
         if (c->ses)
             nghttp2_session_set_stream_user_data(c->ses, call->stream_id, NULL);
         call_detach(call, why);
     }
     nghttp2_session_del(c->ses);
     c->ses = NULL;
-    if (c->prev)
-        c->prev->next = c->next;
-    else
-        srv->conns = c->next;
-    if (c->next)
-        c->next->prev = c->prev;
+    td_list_remove(&c->link);
     srv->n_conns--;
     uv_close((uv_handle_t *)&c->tcp, conn_tcp_closed);
 }
@@ -867,8 +841,8 @@ static void conn_close_soon(srv_conn_t *c)
  * connection is never evicted nor closed as idle. */
 static bool conn_productive(const srv_conn_t *c)
 {
-    for (const td_grpc_call_t *call = c->calls; call; call = call->next)
-        if (call->dispatched)
+    TD_LIST_FOREACH(n, &c->calls)
+        if (CALL_OF(n)->dispatched)
             return true;
     return false;
 }
@@ -887,7 +861,8 @@ static srv_conn_t *conn_pick_victim(td_grpc_server_t *srv, const srv_conn_t *exc
 {
     srv_conn_t *best = NULL;
     int best_tier = 3;
-    for (srv_conn_t *c = srv->conns; c; c = c->next) {
+    TD_LIST_FOREACH(n, &srv->conns) {
+        srv_conn_t *c = CONN_OF(n);
         if (c == except || c->closed || c->closing || conn_productive(c))
             continue;
         int tier = !c->handshaken ? 0 : !c->served ? 1 : 2;
@@ -907,7 +882,8 @@ static conn_close_reason_t conn_overdue(srv_conn_t *c, uint64_t now)
     if (!c->handshaken)
         return now - c->since >= cfg->handshake_timeout_ms ? CONN_CLOSE_HANDSHAKE : CONN_CLOSE_N;
     bool productive = conn_productive(c), stalled = false;
-    for (td_grpc_call_t *call = c->calls; call; call = call->next) {
+    TD_LIST_FOREACH(n, &c->calls) {
+        td_grpc_call_t *call = CALL_OF(n);
         if (call->dispatched || call->stall_reset || now - call->begun < cfg->request_timeout_ms)
             continue;
         stalled = true;
@@ -929,19 +905,21 @@ static void on_sweep(uv_timer_t *t)
     td_grpc_server_t *srv = t->data;
     uint64_t now = uv_now(srv->loop);
     bool any = false;
-    for (srv_conn_t *c = srv->conns; c; c = c->next) {
+    TD_LIST_FOREACH(n, &srv->conns) {
+        srv_conn_t *c = CONN_OF(n);
         c->doom = c->closed || c->closing ? CONN_CLOSE_N : conn_overdue(c, now);
         any |= c->doom != CONN_CLOSE_N;
     }
     /* closing runs cancel callbacks that may touch other connections: rescan after each */
-    for (srv_conn_t *c = any ? srv->conns : NULL; c && !srv->closing;) {
+    for (td_list_t *n = any ? td_list_first(&srv->conns) : NULL; n && !srv->closing;) {
+        srv_conn_t *c = CONN_OF(n);
         if (c->doom != CONN_CLOSE_N && !c->closed) {
             conn_close_reason_t why = c->doom;
             c->doom = CONN_CLOSE_N;
             conn_drop(c, why);
-            c = srv->conns;
+            n = td_list_first(&srv->conns);
         } else {
-            c = c->next;
+            n = td_list_next(&srv->conns, n);
         }
     }
 }
@@ -1001,8 +979,8 @@ static void conn_pump(srv_conn_t *c)
             return;
         }
         bool notified = false;
-        for (td_grpc_call_t *call = c->calls, *next; call; call = next) {
-            next = call->next;
+        TD_LIST_FOREACH_SAFE(n, &c->calls) {
+            td_grpc_call_t *call = CALL_OF(n);
             if (call->want_writable && !call->ended &&
                 td_grpc_buf_size(&call->out) < c->srv->cfg.send_queue_bytes / 2) {
                 call->want_writable = false;
@@ -1116,9 +1094,10 @@ static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
 static void on_pump(uv_prepare_t *h)
 {
     td_grpc_server_t *srv = h->data;
-    for (srv_conn_t *c = srv->conns, *next; c; c = next) {
-        next = c->next;
-        conn_pump(c);
+    TD_LIST_FOREACH_SAFE(n, &srv->conns) {
+        if (srv->closing)
+            break; /* a callback closed the server: every connection is unlinked */
+        conn_pump(CONN_OF(n));
     }
 }
 
@@ -1133,13 +1112,11 @@ static void on_connection(uv_stream_t *listener, int status)
     c->srv = srv;
     c->since = uv_now(srv->loop);
     c->doom = CONN_CLOSE_N;
+    td_list_init(&c->calls);
     uv_tcp_init(srv->loop, &c->tcp);
     c->tcp.data = c;
     srv->open_handles++;
-    c->next = srv->conns;
-    if (srv->conns)
-        srv->conns->prev = c;
-    srv->conns = c;
+    td_list_push_front(&srv->conns, &c->link);
     srv->n_conns++;
     if (uv_accept(listener, (uv_stream_t *)&c->tcp) < 0)
         goto err_conn;
@@ -1217,6 +1194,9 @@ td_status_t td_grpc_server_create(uv_loop_t *loop, const td_grpc_server_config_t
     srv->loop = loop;
     srv->cfg = *cfg;
     srv->cfg.host = NULL; /* not kept */
+    td_list_init(&srv->deadlines);
+    td_list_init(&srv->conns);
+    td_list_init(&srv->spare);
     if (cfg->metrics) {
         const char *labels[2] = {"method", "code"};
         td_status_t st = td_metrics_register(cfg->metrics, TD_METRIC_COUNTER, "tandem_grpc_server_handled_total",
@@ -1266,10 +1246,10 @@ td_status_t td_grpc_server_create(uv_loop_t *loop, const td_grpc_server_config_t
 td_grpc_server_stats_t td_grpc_server_stats(const td_grpc_server_t *srv)
 {
     td_grpc_server_stats_t st = {0};
-    for (const srv_conn_t *c = srv->conns; c; c = c->next) {
-        for (const td_grpc_call_t *call = c->calls; call; call = call->next) {
+    TD_LIST_FOREACH(cn, &srv->conns) {
+        TD_LIST_FOREACH(n, &CONN_OF(cn)->calls) {
             st.open_calls++;
-            st.queued_bytes += td_grpc_buf_size(&call->out);
+            st.queued_bytes += td_grpc_buf_size(&CALL_OF(n)->out);
         }
     }
     return st;
@@ -1332,6 +1312,6 @@ void td_grpc_server_close(td_grpc_server_t *srv, void (*cb)(void *data), void *d
     uv_close((uv_handle_t *)&srv->kick, server_handle_closed);
     uv_close((uv_handle_t *)&srv->dl_timer, server_handle_closed);
     uv_close((uv_handle_t *)&srv->sweep, server_handle_closed);
-    while (srv->conns)
-        conn_close_now(srv->conns, TD_ERR_CLOSED);
+    while (!td_list_empty(&srv->conns))
+        conn_close_now(CONN_OF(td_list_first(&srv->conns)), TD_ERR_CLOSED);
 }

@@ -16,6 +16,7 @@
 #include <string.h>
 #include <strings.h>
 
+#include "td_list.h"
 #include "td_log.h"
 #include "td_rpc_tcp.h"
 #include "td_util.h"
@@ -31,7 +32,7 @@ struct td_http_server {
     uv_tcp_t listener;
     td_http_config_t cfg;
     uint16_t port;
-    http_conn_t *conns;         /* doubly linked list of live connections */
+    td_list_t conns;            /* live connections, newest first (http_conn_t.link) */
     uint32_t n_conns;
     bool closing;
     int pending_closes;         /* listener + connections still closing (any connection closed
@@ -42,7 +43,7 @@ struct td_http_server {
 };
 
 struct http_conn {
-    http_conn_t *prev, *next;
+    td_list_t link;             /* in srv->conns until it starts closing */
     td_http_server_t *srv;
     uv_tcp_t tcp;
     uv_timer_t idle;            /* one-shot: idle_timeout_ms, or request_timeout_ms once a
@@ -100,12 +101,7 @@ static void conn_close(http_conn_t *c)
         return;
     c->closing = true;
     td_http_server_t *srv = c->srv;
-    if (c->prev)
-        c->prev->next = c->next;
-    else
-        srv->conns = c->next;
-    if (c->next)
-        c->next->prev = c->prev;
+    td_list_remove(&c->link);
     srv->n_conns--;
     srv->pending_closes++;
     uv_close((uv_handle_t *)&c->tcp, conn_handle_closed);
@@ -356,7 +352,8 @@ static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
 static http_conn_t *pick_victim(td_http_server_t *srv, const http_conn_t *except)
 {
     http_conn_t *best = NULL;
-    for (http_conn_t *c = srv->conns; c; c = c->next) {
+    TD_LIST_FOREACH(n, &srv->conns) {
+        http_conn_t *c = TD_CONTAINER_OF(n, http_conn_t, link);
         if (c == except || c->closing || c->writing)
             continue;
         if (!best || (!c->served && best->served) ||
@@ -386,10 +383,7 @@ static void on_connection(uv_stream_t *listener, int status)
     c->idle.data = c;
     c->open_handles = 2;
     c->since = uv_now(srv->loop);
-    c->next = srv->conns;
-    if (srv->conns)
-        srv->conns->prev = c;
-    srv->conns = c;
+    td_list_push_front(&srv->conns, &c->link);
     srv->n_conns++;
     if (uv_accept(listener, (uv_stream_t *)&c->tcp) < 0) {
         conn_close(c);
@@ -434,6 +428,7 @@ td_status_t td_http_server_create(uv_loop_t *loop, const td_http_config_t *cfg,
         return td_errorf(TD_ERR_NOMEM, "http: out of memory");
     srv->loop = loop;
     srv->cfg = *cfg;
+    td_list_init(&srv->conns);
     if (!srv->cfg.max_connections)
         srv->cfg.max_connections = 64;
     if (!srv->cfg.idle_timeout_ms)
@@ -479,8 +474,8 @@ void td_http_server_close(td_http_server_t *srv, void (*cb)(void *data), void *d
     srv->close_data = data;
     srv->pending_closes++;
     uv_close((uv_handle_t *)&srv->listener, on_listener_closed);
-    while (srv->conns)
-        conn_close(srv->conns);
+    while (!td_list_empty(&srv->conns))
+        conn_close(TD_CONTAINER_OF(td_list_first(&srv->conns), http_conn_t, link));
 }
 
 void td_http_metrics_handler(void *data, const char *method, const char *path,
