@@ -87,7 +87,8 @@ td_status_t td_child_read_line(td_child_t *c, int timeout_ms, char *line, size_t
             return td_errorf_quiet(TD_ERR_CLOSED, "child %d: no stdout pipe", (int)c->pid);
         uint64_t now = td_now_ns();
         if (now >= end)
-            return td_errorf_quiet(TD_ERR_TIMEOUT, "child %d: no line within %d ms", (int)c->pid, timeout_ms);
+            return td_errorf_quiet(TD_ERR_TIMEOUT, "child %d: no line within %d ms", (int)c->pid,
+                                   timeout_ms);
         struct pollfd pf = {.fd = c->out_fd, .events = POLLIN};
         int r = poll(&pf, 1, (int)((end - now) / 1000000ull) + 1);
         if (r < 0 && errno == EINTR)

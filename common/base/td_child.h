@@ -33,12 +33,12 @@ typedef enum td_child_out {
 } td_child_out_t;
 
 typedef struct td_child_config {
-    const char *file;       /* the program's path (no PATH search) */
-    char *const *argv;      /* argv[0] included, NULL-terminated */
+    const char *file;  /* the program's path (no PATH search) */
+    char *const *argv; /* argv[0] included, NULL-terminated */
     td_child_out_t out;
-    bool die_with_parent;   /* SIGTERM to the child when this process ends, however it ends */
-    int cpu;                /* >= 0: the child runs only on this CPU (it exits 126 if that
-                               fails); -1: our affinity */
+    bool die_with_parent; /* SIGTERM to the child when this process ends, however it ends */
+    int cpu;              /* >= 0: the child runs only on this CPU (it exits 126 if that
+                             fails); -1: our affinity */
 } td_child_config_t;
 
 /* out INHERIT, die_with_parent false, cpu -1; file and argv to fill. */
@@ -47,9 +47,9 @@ td_child_config_t td_child_config_default(void);
 /* A started child. pid 0: none (never started, or reaped). */
 typedef struct td_child {
     pid_t pid;
-    int out_fd;             /* the read end of its stdout pipe (TD_CHILD_OUT_PIPE), else -1;
-                               the owner closes it (td_child_close) or takes it */
-    char buf[1024];         /* what td_child_read_line read past the last line */
+    int out_fd;     /* the read end of its stdout pipe (TD_CHILD_OUT_PIPE), else -1;
+                       the owner closes it (td_child_close) or takes it */
+    char buf[1024]; /* what td_child_read_line read past the last line */
     size_t len;
 } td_child_t;
 

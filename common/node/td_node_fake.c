@@ -9,8 +9,8 @@
 typedef struct td_node_fake_sub {
     td_node_fake_t *f;
     int index;
-    td_grpc_call_t *call;    /* NULL: no subscription */
-    bool blocked;            /* the last step was TD_ERR_BUSY */
+    td_grpc_call_t *call; /* NULL: no subscription */
+    bool blocked;         /* the last step was TD_ERR_BUSY */
 } td_node_fake_sub_t;
 
 struct td_node_fake {
@@ -90,8 +90,8 @@ static void on_steps(td_grpc_call_t *call, const ProtobufCMessage *msg, void *da
         f->ops.subscribed(f, i);
 }
 
-td_status_t td_node_fake_create(uv_loop_t *loop, const td_node_fake_config_t *c, const td_node_fake_ops_t *ops,
-                                void *data, td_node_fake_t **f_p)
+td_status_t td_node_fake_create(uv_loop_t *loop, const td_node_fake_config_t *c,
+                                const td_node_fake_ops_t *ops, void *data, td_node_fake_t **f_p)
 {
     td_node_fake_t *f = calloc(1, sizeof *f);
     if (!f)
@@ -116,15 +116,20 @@ td_status_t td_node_fake_create(uv_loop_t *loop, const td_node_fake_config_t *c,
         const ProtobufCMessageDescriptor *desc;
         td_grpc_handler_cb cb;
     } methods[] = {
-        {"/tandem.control.v1.DecodeNode/Admit", &tandem__control__v1__admit_request__descriptor, on_admit},
-        {"/tandem.control.v1.DecodeNode/Release", &tandem__control__v1__release_request__descriptor, on_release},
-        {"/tandem.control.v1.DecodeNode/Steps", &tandem__control__v1__steps_request__descriptor, on_steps},
-        {"/tandem.control.v1.PrefillNode/Prefill", &tandem__control__v1__prefill_request__descriptor, on_prefill},
+        {"/tandem.control.v1.DecodeNode/Admit", &tandem__control__v1__admit_request__descriptor,
+         on_admit},
+        {"/tandem.control.v1.DecodeNode/Release", &tandem__control__v1__release_request__descriptor,
+         on_release},
+        {"/tandem.control.v1.DecodeNode/Steps", &tandem__control__v1__steps_request__descriptor,
+         on_steps},
+        {"/tandem.control.v1.PrefillNode/Prefill",
+         &tandem__control__v1__prefill_request__descriptor, on_prefill},
     };
-    const bool served[] = {ops->admit != NULL, ops->release != NULL, c->steps, ops->prefill != NULL};
+    const bool served[] = {ops->admit != NULL, ops->release != NULL, c->steps,
+                           ops->prefill != NULL};
     for (size_t i = 0; i < sizeof methods / sizeof methods[0]; i++) {
-        if (served[i] &&
-            (st = td_grpc_server_add_method(f->srv, methods[i].path, methods[i].desc, methods[i].cb, f)) != TD_OK) {
+        if (served[i] && (st = td_grpc_server_add_method(f->srv, methods[i].path, methods[i].desc,
+                                                         methods[i].cb, f)) != TD_OK) {
             td_node_fake_close(f);
             return st;
         }
@@ -157,7 +162,8 @@ uint16_t td_node_fake_port(const td_node_fake_t *f)
     return td_grpc_server_port(f->srv);
 }
 
-void td_node_fake_admit_reply(td_grpc_call_t *call, uint64_t lease_id, const uint32_t *blocks, size_t n_blocks)
+void td_node_fake_admit_reply(td_grpc_call_t *call, uint64_t lease_id, const uint32_t *blocks,
+                              size_t n_blocks)
 {
     Tandem__Control__V1__AdmitResponse r = TANDEM__CONTROL__V1__ADMIT_RESPONSE__INIT;
     r.lease_id = lease_id;
@@ -175,7 +181,8 @@ td_status_t td_node_fake_prefill_send(td_grpc_call_t *call, uint32_t first_token
     return td_grpc_call_send(call, &r.base);
 }
 
-void td_node_fake_prefill_reply(td_grpc_call_t *call, uint32_t first_token, Tandem__Control__V1__PrefillPhase phase)
+void td_node_fake_prefill_reply(td_grpc_call_t *call, uint32_t first_token,
+                                Tandem__Control__V1__PrefillPhase phase)
 {
     Tandem__Control__V1__PrefillResponse r = TANDEM__CONTROL__V1__PREFILL_RESPONSE__INIT;
     r.first_token = first_token;

@@ -28,9 +28,12 @@ typedef struct td_node_fake td_node_fake_t;
 
 /* NULL: that method is not served. */
 typedef struct td_node_fake_ops {
-    void (*admit)(td_node_fake_t *f, td_grpc_call_t *call, const Tandem__Control__V1__AdmitRequest *q);
-    void (*release)(td_node_fake_t *f, td_grpc_call_t *call, const Tandem__Control__V1__ReleaseRequest *q);
-    void (*prefill)(td_node_fake_t *f, td_grpc_call_t *call, const Tandem__Control__V1__PrefillRequest *q);
+    void (*admit)(td_node_fake_t *f, td_grpc_call_t *call,
+                  const Tandem__Control__V1__AdmitRequest *q);
+    void (*release)(td_node_fake_t *f, td_grpc_call_t *call,
+                    const Tandem__Control__V1__ReleaseRequest *q);
+    void (*prefill)(td_node_fake_t *f, td_grpc_call_t *call,
+                    const Tandem__Control__V1__PrefillRequest *q);
     /* a Steps subscription came (or replaced the one in its slot) */
     void (*subscribed)(td_node_fake_t *f, int sub);
     /* subscription `sub`, blocked by a TD_ERR_BUSY step, can take a step again */
@@ -38,9 +41,9 @@ typedef struct td_node_fake_ops {
 } td_node_fake_ops_t;
 
 typedef struct td_node_fake_config {
-    const char *host;                 /* where to listen; port ephemeral */
-    uint32_t max_concurrent_streams;  /* per connection; 0: td_grpc's default */
-    bool steps;                       /* serve DecodeNode/Steps */
+    const char *host;                /* where to listen; port ephemeral */
+    uint32_t max_concurrent_streams; /* per connection; 0: td_grpc's default */
+    bool steps;                      /* serve DecodeNode/Steps */
     /* The Steps router_id that picks subscription slot i (i >= 1); any other router_id
      * takes slot 0. A new subscription in a taken slot ends the old one (ABORTED). */
     const char *sub_router_ids[TD_NODE_FAKE_MAX_SUBS];
@@ -51,8 +54,8 @@ td_node_fake_config_t td_node_fake_config_default(void);
 
 /* Serves the calls of `ops` on loop; data is the user's (td_node_fake_data). Errors: the
  * server's (TD_ERR_IO for a port that cannot be bound, TD_ERR_NOMEM). */
-td_status_t td_node_fake_create(uv_loop_t *loop, const td_node_fake_config_t *c, const td_node_fake_ops_t *ops,
-                                void *data, td_node_fake_t **f_p);
+td_status_t td_node_fake_create(uv_loop_t *loop, const td_node_fake_config_t *c,
+                                const td_node_fake_ops_t *ops, void *data, td_node_fake_t **f_p);
 
 /* Closes the server (open calls get their cancel callbacks, the subscriptions end) and
  * frees the kit once it closed. NULL is a no-op. */
@@ -62,14 +65,16 @@ void *td_node_fake_data(const td_node_fake_t *f);
 uint16_t td_node_fake_port(const td_node_fake_t *f);
 
 /* Ends an Admit with its lease and the block ids (copied). */
-void td_node_fake_admit_reply(td_grpc_call_t *call, uint64_t lease_id, const uint32_t *blocks, size_t n_blocks);
+void td_node_fake_admit_reply(td_grpc_call_t *call, uint64_t lease_id, const uint32_t *blocks,
+                              size_t n_blocks);
 
 /* One PrefillResponse (first_token, phase) on a Prefill stream; td_grpc_call_send's status. */
 td_status_t td_node_fake_prefill_send(td_grpc_call_t *call, uint32_t first_token,
                                       Tandem__Control__V1__PrefillPhase phase);
 
 /* The last PrefillResponse of a stream, queued whatever the send queue holds, and OK. */
-void td_node_fake_prefill_reply(td_grpc_call_t *call, uint32_t first_token, Tandem__Control__V1__PrefillPhase phase);
+void td_node_fake_prefill_reply(td_grpc_call_t *call, uint32_t first_token,
+                                Tandem__Control__V1__PrefillPhase phase);
 
 /* One entry of a StepBatch: a token (event TOKEN) or how a sequence ended. */
 typedef struct td_node_fake_entry {

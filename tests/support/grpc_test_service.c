@@ -151,7 +151,8 @@ static void handle_list_models(td_grpc_call_t *call, const ProtobufCMessage *req
 
 static void handle_health(td_grpc_call_t *call, const ProtobufCMessage *request, void *data)
 {
-    const Grpc__Health__V1__HealthCheckRequest *req = (const Grpc__Health__V1__HealthCheckRequest *)request;
+    const Grpc__Health__V1__HealthCheckRequest *req =
+        (const Grpc__Health__V1__HealthCheckRequest *)request;
     if (req->service[0] && strcmp(req->service, "tandem.v1.Generation") != 0) {
         td_grpc_call_finish(call, TD_GRPC_NOT_FOUND, "unknown service");
         return;
@@ -185,9 +186,11 @@ static void ts_thread(void *arg)
         td_grpc_server_add_method(ts->srv, "/tandem.v1.Generation/Generate",
                                   &tandem__v1__generate_request__descriptor, handle_generate, ts);
         td_grpc_server_add_method(ts->srv, "/tandem.v1.Generation/ListModels",
-                                  &tandem__v1__list_models_request__descriptor, handle_list_models, ts);
+                                  &tandem__v1__list_models_request__descriptor, handle_list_models,
+                                  ts);
         td_grpc_server_add_method(ts->srv, "/grpc.health.v1.Health/Check",
-                                  &grpc__health__v1__health_check_request__descriptor, handle_health, ts);
+                                  &grpc__health__v1__health_check_request__descriptor,
+                                  handle_health, ts);
     } else {
         uv_close((uv_handle_t *)&ts->stop, NULL);
     }

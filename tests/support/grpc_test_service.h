@@ -34,12 +34,12 @@ typedef struct test_server {
     uint16_t port;
     int create_status;
     int loop_close_rc;
-    _Atomic int cancel_reason;       /* td_status_t seen by the "slow" handler's cancel cb */
+    _Atomic int cancel_reason; /* td_status_t seen by the "slow" handler's cancel cb */
     _Atomic int cancels;
-    _Atomic int bp_busy;             /* BUSY returns seen by the back-pressure handler */
+    _Atomic int bp_busy; /* BUSY returns seen by the back-pressure handler */
     _Atomic size_t bp_max_queued;
     _Atomic int bp_sent;
-    _Atomic size_t ov_queued;        /* queued bytes when the "overflow" handler ended */
+    _Atomic size_t ov_queued; /* queued bytes when the "overflow" handler ended */
     _Atomic int handled;
 } test_server_t;
 

@@ -22,7 +22,8 @@ void td_test_model_file(const char *rel, char *path, size_t cap)
 {
     snprintf(path, cap, "%s/%s", td_test_models_dir(), rel);
     if (access(path, R_OK) != 0)
-        cr_skip_test("skipped: %s not found (set TANDEM_TEST_MODELS to the shared models folder)", path);
+        cr_skip_test("skipped: %s not found (set TANDEM_TEST_MODELS to the shared models folder)",
+                     path);
 }
 
 const char *td_test_stories_path(void)
@@ -51,6 +52,14 @@ void td_test_engine_open(td_test_engine_t *fx, int threads, const td_engine_conf
 {
     td_test_model_open(fx, threads);
     cr_assert_eq(td_engine_create(fx->model, fx->be, ec, &fx->eng), TD_OK, "%s", td_last_error());
+}
+
+void td_test_engine_open_cpu(td_test_engine_t *fx, int threads, int n_blocks, bool prefix_cache)
+{
+    td_engine_config_t ec = td_engine_config_default();
+    ec.n_blocks = n_blocks;
+    ec.prefix_cache = prefix_cache;
+    td_test_engine_open(fx, threads, &ec);
 }
 
 void td_test_engine_open_on(td_test_engine_t *fx, td_backend_t *be, td_dtype_t dtype, int n_blocks)
@@ -99,13 +108,13 @@ int *td_test_random_prompt(unsigned *s, int n)
     return p;
 }
 
-void td_test_engine_greedy(td_test_engine_t *fx, int n, int **prompts, const int *n_prompt, const int *total,
-                           int chunk, int **out, uint64_t **lhash)
+void td_test_engine_greedy(td_test_engine_t *fx, int n, int **prompts, const int *n_prompt,
+                           const int *total, int chunk, int **out, uint64_t **lhash)
 {
     int vocab = fx->model->config.vocab_size;
     td_kv_seq_t *seqs = calloc((size_t)n, sizeof *seqs);
-    int *done = calloc((size_t)n, sizeof(int));   /* prompt tokens consumed */
-    int *gen = calloc((size_t)n, sizeof(int));    /* tokens generated */
+    int *done = calloc((size_t)n, sizeof(int)); /* prompt tokens consumed */
+    int *gen = calloc((size_t)n, sizeof(int));  /* tokens generated */
     int *next = calloc((size_t)n, sizeof(int));
     td_engine_item_t *items = calloc((size_t)n, sizeof *items);
     int *owner = calloc((size_t)n, sizeof(int));
@@ -113,7 +122,8 @@ void td_test_engine_greedy(td_test_engine_t *fx, int n, int **prompts, const int
     for (int i = 0; i < n; i++) {
         td_kv_seq_init(&seqs[i]);
         int cached = 0;
-        cr_assert_eq(td_engine_seq_start(fx->eng, &seqs[i], prompts[i], n_prompt[i], &cached), TD_OK);
+        cr_assert_eq(td_engine_seq_start(fx->eng, &seqs[i], prompts[i], n_prompt[i], &cached),
+                     TD_OK);
         done[i] = cached;
     }
     for (;;) {
@@ -125,12 +135,13 @@ void td_test_engine_greedy(td_test_engine_t *fx, int n, int **prompts, const int
                 int len = n_prompt[i] - done[i];
                 if (len > chunk)
                     len = chunk;
-                items[k] = (td_engine_item_t){.seq = &seqs[i], .tokens = prompts[i] + done[i],
+                items[k] = (td_engine_item_t){.seq = &seqs[i],
+                                              .tokens = prompts[i] + done[i],
                                               .n_tokens = len,
                                               .n_logits = done[i] + len == n_prompt[i]};
             } else {
-                items[k] = (td_engine_item_t){.seq = &seqs[i], .tokens = &next[i], .n_tokens = 1,
-                                              .n_logits = 1};
+                items[k] = (td_engine_item_t){
+                    .seq = &seqs[i], .tokens = &next[i], .n_tokens = 1, .n_logits = 1};
             }
             owner[k++] = i;
         }

@@ -47,6 +47,10 @@ void td_test_model_open(td_test_engine_t *fx, int threads);
 /* td_test_model_open, then an engine built with *ec; asserts. */
 void td_test_engine_open(td_test_engine_t *fx, int threads, const td_engine_config_t *ec);
 
+/* td_test_engine_open with the default engine config but for n_blocks KV blocks and the
+ * prefix cache on or off: the fixture of the engine and scheduler tests. */
+void td_test_engine_open_cpu(td_test_engine_t *fx, int threads, int n_blocks, bool prefix_cache);
+
 /* stories260K on `be` (taken over by *fx), weights and KV cache in `dtype`, n_blocks KV
  * blocks; asserts. */
 void td_test_engine_open_on(td_test_engine_t *fx, td_backend_t *be, td_dtype_t dtype, int n_blocks);
@@ -69,7 +73,7 @@ int *td_test_random_prompt(unsigned *s, int n);
  * total[i] tokens. out[i] gets the generated ids; lhash (when not NULL) lhash[i] a hash of
  * the bits of each generated token's logits row. Asserts every step.
  */
-void td_test_engine_greedy(td_test_engine_t *fx, int n, int **prompts, const int *n_prompt, const int *total,
-                           int chunk, int **out, uint64_t **lhash);
+void td_test_engine_greedy(td_test_engine_t *fx, int n, int **prompts, const int *n_prompt,
+                           const int *total, int chunk, int **out, uint64_t **lhash);
 
 #endif /* TD_TEST_MODELS_H */

@@ -34,7 +34,7 @@ void td_test_half_open(uint16_t port, int *fds, int n, const char *half, size_t 
 typedef struct td_test_trickle {
     uint16_t port;
     int n;
-    int *fds;                   /* [n], connected by td_test_trickle_start */
+    int *fds; /* [n], connected by td_test_trickle_start */
     const char *msg;
     _Atomic bool stop;
     pthread_t thread;

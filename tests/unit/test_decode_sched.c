@@ -25,22 +25,7 @@
 #include "td_xfer.h"
 #include "td_xfer_testkit.h"
 
-typedef td_test_engine_t fixture_t;
-
-static void fx_open(fixture_t *fx, int n_blocks, bool prefix_cache)
-{
-    td_engine_config_t ec = td_engine_config_default();
-    ec.n_blocks = n_blocks;
-    ec.prefix_cache = prefix_cache;
-    td_test_engine_open(fx, 1, &ec);
-}
-
-static void fx_close(fixture_t *fx)
-{
-    td_test_engine_close(fx);
-}
-
-static bool is_eos(const fixture_t *fx, int t)
+static bool is_eos(const td_test_engine_t *fx, int t)
 {
     for (int i = 0; i < fx->model->config.n_eos; i++)
         if (fx->model->config.eos_ids[i] == t)
@@ -50,7 +35,7 @@ static bool is_eos(const fixture_t *fx, int t)
 
 /* The request alone through the engine (whole prompt in one step, greedy): returns the
  * number of output tokens; *eos_p when an EOS ended it. */
-static int alone(fixture_t *fx, const int32_t *prompt, int n_prompt, int max_tokens, int32_t *out,
+static int alone(td_test_engine_t *fx, const int32_t *prompt, int n_prompt, int max_tokens, int32_t *out,
                  bool *eos_p)
 {
     td_kv_seq_t seq;
@@ -140,7 +125,7 @@ static decode_request_t greedy_request(uint64_t id, const int32_t *prompt, int n
                               .sampling = td_sampling_default(), .max_tokens = max_tokens};
 }
 
-static void assert_no_leak(fixture_t *fx, decode_sched_t *ds)
+static void assert_no_leak(td_test_engine_t *fx, decode_sched_t *ds)
 {
     decode_sched_stats_t st;
     decode_sched_stats(ds, &st);
@@ -159,14 +144,14 @@ static decode_sched_t *sched_default(td_engine_t *eng)
 }
 
 /* Every request ended: assert_no_leak, then the scheduler goes. */
-static void sched_end(fixture_t *fx, decode_sched_t *ds)
+static void sched_end(td_test_engine_t *fx, decode_sched_t *ds)
 {
     assert_no_leak(fx, ds);
     decode_sched_destroy(ds);
 }
 
 /* N staggered requests; returns preemptions seen. */
-static uint64_t run_staggered(fixture_t *fx, const decode_sched_config_t *cfg, int n, unsigned seed,
+static uint64_t run_staggered(td_test_engine_t *fx, const decode_sched_config_t *cfg, int n, unsigned seed,
                               int max_prompt, int max_gen, int every)
 {
     static int32_t prompts[MAXN][MAXT], want[MAXN][MAXT];
@@ -217,41 +202,41 @@ static uint64_t run_staggered(fixture_t *fx, const decode_sched_config_t *cfg, i
 Test(decode_sched, staggered_requests_match_alone, .timeout = 300)
 {
     td_test_skip_without_stories();
-    fixture_t fx;
-    fx_open(&fx, 1024, true);
+    td_test_engine_t fx;
+    td_test_engine_open_cpu(&fx, 1, 1024, true);
     decode_sched_config_t cfg = decode_sched_config_default();
     cfg.max_batch = 6;          /* fewer slots than requests: some wait */
     cfg.max_batch_tokens = 48;  /* prompts are chunked and share steps with decodes */
     cfg.prefill_chunk = 20;
     uint64_t pre = run_staggered(&fx, &cfg, MAXN, 11, 120, 80, 3);
     cr_assert_eq(pre, 0, "a roomy pool preempted");
-    fx_close(&fx);
+    td_test_engine_close(&fx);
 }
 
 Test(decode_sched, preemption_under_a_tiny_pool_keeps_tokens_and_blocks, .timeout = 300)
 {
     td_test_skip_without_stories();
-    fixture_t fx;
-    fx_open(&fx, 16, true); /* 256 tokens for 8 requests of up to 60 + 120 */
+    td_test_engine_t fx;
+    td_test_engine_open_cpu(&fx, 1, 16, true); /* 256 tokens for 8 requests of up to 60 + 120 */
     decode_sched_config_t cfg = decode_sched_config_default();
     cfg.max_batch = 8;
     cfg.max_batch_tokens = 64;
     cfg.prefill_chunk = 32;
     uint64_t pre = run_staggered(&fx, &cfg, 8, 5, 60, 120, 1);
     cr_assert_gt(pre, 0, "the tiny pool never preempted: the test does not test preemption");
-    fx_close(&fx);
+    td_test_engine_close(&fx);
 
-    fx_open(&fx, 16, false); /* and without the prefix cache to lean on */
+    td_test_engine_open_cpu(&fx, 1, 16, false); /* and without the prefix cache to lean on */
     pre = run_staggered(&fx, &cfg, 8, 6, 60, 120, 1);
     cr_assert_gt(pre, 0);
-    fx_close(&fx);
+    td_test_engine_close(&fx);
 }
 
 Test(decode_sched, cancel_and_deadline_return_every_block, .timeout = 120)
 {
     td_test_skip_without_stories();
-    fixture_t fx;
-    fx_open(&fx, 256, true);
+    td_test_engine_t fx;
+    td_test_engine_open_cpu(&fx, 1, 256, true);
     decode_sched_t *ds = sched_default(fx.eng);
     int32_t p0[40], p1[40];
     unsigned s = 3;
@@ -320,14 +305,14 @@ Test(decode_sched, cancel_and_deadline_return_every_block, .timeout = 120)
     cr_assert_eq(st.used_blocks, before);
     cr_assert_eq(decode_sched_cancel(ds, 7), TD_OK);
     sched_end(&fx, ds);
-    fx_close(&fx);
+    td_test_engine_close(&fx);
 }
 
 Test(decode_sched, stop_ids_and_limits, .timeout = 120)
 {
     td_test_skip_without_stories();
-    fixture_t fx;
-    fx_open(&fx, 256, true);
+    td_test_engine_t fx;
+    td_test_engine_open_cpu(&fx, 1, 256, true);
     int32_t p[30], want[64];
     unsigned s = 9;
     random_prompt(&s, p, 30);
@@ -377,7 +362,7 @@ Test(decode_sched, stop_ids_and_limits, .timeout = 120)
     if (oc[5].finish == DECODE_FINISH_LENGTH)
         cr_assert_eq(oc[5].n, 4);
     sched_end(&fx, ds);
-    fx_close(&fx);
+    td_test_engine_close(&fx);
 }
 
 /* KV computed "elsewhere" (another sequence in the same pool, as a prefill node's push
@@ -385,8 +370,8 @@ Test(decode_sched, stop_ids_and_limits, .timeout = 120)
 Test(decode_sched, adopted_kv_continues_the_generation, .timeout = 120)
 {
     td_test_skip_without_stories();
-    fixture_t fx;
-    fx_open(&fx, 256, false); /* adopt needs private, unregistered blocks */
+    td_test_engine_t fx;
+    td_test_engine_open_cpu(&fx, 1, 256, false); /* adopt needs private, unregistered blocks */
     int32_t p[50], want[64];
     unsigned s = 21;
     random_prompt(&s, p, 50);
@@ -419,7 +404,7 @@ Test(decode_sched, adopted_kv_continues_the_generation, .timeout = 120)
     cr_assert_eq(oc[9].finish, eos ? DECODE_FINISH_STOP : DECODE_FINISH_LENGTH);
     sched_end(&fx, ds);
     free(logits);
-    fx_close(&fx);
+    td_test_engine_close(&fx);
 }
 
 /* ---- seeded sampling across the prefill/decode split ---------------------------------- */
@@ -430,8 +415,8 @@ Test(decode_sched, adopted_kv_continues_the_generation, .timeout = 120)
 Test(decode_sched, seeded_split_generation_equals_one_process, .timeout = 120)
 {
     td_test_skip_without_stories();
-    fixture_t fx;
-    fx_open(&fx, 256, false);
+    td_test_engine_t fx;
+    td_test_engine_open_cpu(&fx, 1, 256, false);
     td_sampling_t sp = td_sampling_default();
     sp.temperature = 1.0f;
     sp.seed = 12345;
@@ -493,7 +478,7 @@ Test(decode_sched, seeded_split_generation_equals_one_process, .timeout = 120)
                      want[i]);
     sched_end(&fx, ds);
     free(logits);
-    fx_close(&fx);
+    td_test_engine_close(&fx);
 }
 
 /* ---- one pool: leases of td_xfer on the engine's own blocks ---------------------------- */
@@ -503,7 +488,7 @@ Test(decode_sched, seeded_split_generation_equals_one_process, .timeout = 120)
  * sender lands straight in the blocks the sequence then adopts. A second engine plays
  * the prefill node (its own pool), a second td_xfer on the same loop the sender. */
 typedef struct shared_fx {
-    fixture_t fx;        /* the decode engine, on the xfer pool */
+    td_test_engine_t fx;        /* the decode engine, on the xfer pool */
     td_engine_t *pre;    /* the "prefill" engine, its own pool */
     uv_loop_t loop;
     td_xfer_t *rx, *tx;
@@ -544,7 +529,7 @@ static void shared_open(shared_fx_t *f, const char *tls)
 {
     memset(f, 0, sizeof *f);
     td_xfer_testkit_env(tls);
-    fixture_t *fx = &f->fx;
+    td_test_engine_t *fx = &f->fx;
     td_test_model_open(fx, 1);
     uv_loop_init(&f->loop);
 
@@ -586,7 +571,7 @@ static void shared_close(shared_fx_t *f)
     uv_run(&f->loop, UV_RUN_DEFAULT); /* td_xfer's shutdown runs on the loop until its handles close */
     cr_assert_eq(uv_loop_close(&f->loop), 0, "a handle of td_xfer is still open");
     td_engine_destroy(f->pre);
-    fx_close(&f->fx);
+    td_test_engine_close(&f->fx);
 }
 
 /* Prefills p on the "prefill" engine and pushes its KV into the lease (layer by layer

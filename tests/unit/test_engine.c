@@ -188,28 +188,13 @@ static double ref_greedy(ref_model_t *r, const int *prompt, int n_prompt, int to
 
 /* ---- the engine side --------------------------------------------------------------- */
 
-typedef td_test_engine_t fixture_t;
-
-static void fx_open(fixture_t *fx, int threads, bool prefix_cache)
-{
-    td_engine_config_t ec = td_engine_config_default();
-    ec.n_blocks = 2048;
-    ec.prefix_cache = prefix_cache;
-    td_test_engine_open(fx, threads, &ec);
-}
-
-static void fx_close(fixture_t *fx)
-{
-    td_test_engine_close(fx);
-}
-
 Test(engine, greedy_matches_reference_to_512_tokens, .timeout = 300)
 {
     td_test_skip_without_stories();
     ref_model_t r;
     ref_load(&r);
-    fixture_t fx;
-    fx_open(&fx, 2, false);
+    td_test_engine_t fx;
+    td_test_engine_open_cpu(&fx, 2, 2048, false);
     unsigned s = 42;
     const int lens[] = {1, 5, 17, 100};
     for (size_t p = 0; p < sizeof lens / sizeof lens[0]; p++) {
@@ -224,7 +209,7 @@ Test(engine, greedy_matches_reference_to_512_tokens, .timeout = 300)
                          "(reference's smallest top-2 gap %g)", lens[p], i, got[i], want[i], gap);
         free(prompt), free(want), free(got);
     }
-    fx_close(&fx);
+    td_test_engine_close(&fx);
     ref_free(&r);
 }
 
@@ -247,29 +232,29 @@ Test(engine, batch_and_chunk_invariance, .timeout = 300)
         h_alone[i] = malloc(512 * sizeof(uint64_t));
         h_got[i] = malloc(512 * sizeof(uint64_t));
     }
-    fixture_t fx;
-    fx_open(&fx, 2, false);
+    td_test_engine_t fx;
+    td_test_engine_open_cpu(&fx, 2, 2048, false);
     for (int i = 0; i < N; i++)
         td_test_engine_greedy(&fx, 1, &prompts[i], &n_prompt[i], &total[i], 4096, &alone[i], &h_alone[i]);
-    fx_close(&fx);
+    td_test_engine_close(&fx);
     /* Batch invariance, bit for bit: with whole prompts (each sequence's prefill computes
      * the same rows either way) every logits row of a sequence run in a batch of 32 equals
      * the one it gets alone, with 1 thread or 2; decode steps batch 1..32 sequences
      * (docs/kernels.md "Batch invariance"). */
     for (int threads = 1; threads <= 2; threads++) {
-        fx_open(&fx, threads, false);
+        td_test_engine_open_cpu(&fx, threads, 2048, false);
         td_test_engine_greedy(&fx, N, prompts, n_prompt, total, 4096, got, h_got);
         for (int i = 0; i < N; i++)
             for (int t = 0; t < total[i] - n_prompt[i]; t++)
                 cr_assert_eq(h_got[i][t], h_alone[i][t],
                              "%d threads: sequence %d token %d: its logits in a batch of %d differ from alone", threads,
                              i, t, N);
-        fx_close(&fx);
+        td_test_engine_close(&fx);
     }
     /* Split invariance, bit for bit: a prompt prefilled in pieces of 8 (the engine runs a
      * one-row step with the decode kernel, so pieces of two rows at least) gives the same
      * logits as prefilled whole. */
-    fx_open(&fx, 2, false);
+    td_test_engine_open_cpu(&fx, 2, 2048, false);
     int n_split = 0;
     for (int i = 0; i < N; i++) {
         if (n_prompt[i] <= 8 || n_prompt[i] % 8 == 1)
@@ -282,10 +267,10 @@ Test(engine, batch_and_chunk_invariance, .timeout = 300)
                          "prefilled whole", i, n_prompt[i], t);
     }
     cr_assert_gt(n_split, 8, "too few prompts to split: %d", n_split);
-    fx_close(&fx);
+    td_test_engine_close(&fx);
     for (int i = 0; i < N; i++)
         free(h_alone[i]), free(h_got[i]);
-    fx_open(&fx, 2, false);
+    td_test_engine_open_cpu(&fx, 2, 2048, false);
     const int chunks[] = {4096, 1, 7, 64};
     for (size_t c = 0; c < sizeof chunks / sizeof chunks[0]; c++) {
         td_test_engine_greedy(&fx, N, prompts, n_prompt, total, chunks[c], got, NULL);
@@ -295,10 +280,10 @@ Test(engine, batch_and_chunk_invariance, .timeout = 300)
                              "chunk %d: sequence %d token %d: batched %d, alone %d", chunks[c], i,
                              t, got[i][t], alone[i][t]);
     }
-    fx_close(&fx);
+    td_test_engine_close(&fx);
 
     /* prefix cache on: shared prompt prefixes are reused and results do not change */
-    fx_open(&fx, 2, true);
+    td_test_engine_open_cpu(&fx, 2, 2048, true);
     for (int round = 0; round < 2; round++) {
         td_test_engine_greedy(&fx, N, prompts, n_prompt, total, 64, got, NULL);
         for (int i = 0; i < N; i++)
@@ -309,7 +294,7 @@ Test(engine, batch_and_chunk_invariance, .timeout = 300)
     td_kv_stats_t st;
     td_kv_get_stats(td_engine_kv(fx.eng), &st);
     cr_assert_gt(st.prefix_hits, 0, "second round found no cached prefix block");
-    fx_close(&fx);
+    td_test_engine_close(&fx);
     for (int i = 0; i < N; i++)
         free(prompts[i]), free(alone[i]), free(got[i]);
 }
@@ -368,7 +353,7 @@ Test(engine, weights_converted_at_load, .timeout = 300)
     ref_model_t r;
     ref_load(&r);
     ref_round_weights(&r, TD_BF16);
-    fixture_t fx, f32;
+    td_test_engine_t fx, f32;
     td_engine_config_t ec = td_engine_config_default();
     ec.n_blocks = 2048;
     ec.weight_dtype = TD_BF16;
@@ -397,6 +382,6 @@ Test(engine, weights_converted_at_load, .timeout = 300)
     ec.weight_dtype = 7;
     cr_assert_eq(td_engine_create(fx.model, fx.be, &ec, &bad), TD_ERR_INVALID);
     cr_assert_null(bad);
-    fx_close(&fx);
+    td_test_engine_close(&fx);
     ref_free(&r);
 }

@@ -23,22 +23,8 @@
 #include "td_model.h"
 #include "td_test_models.h"
 
-typedef td_test_engine_t fixture_t;
-
-static void fx_open(fixture_t *fx, int n_blocks)
-{
-    td_engine_config_t ec = td_engine_config_default();
-    ec.n_blocks = n_blocks;
-    td_test_engine_open(fx, 1, &ec);
-}
-
-static void fx_close(fixture_t *fx)
-{
-    td_test_engine_close(fx);
-}
-
 /* The engine's greedy first token for the prompt alone, in one step. */
-static int first_alone(fixture_t *fx, const int32_t *p, int n)
+static int first_alone(td_test_engine_t *fx, const int32_t *p, int n)
 {
     td_kv_seq_t seq;
     td_kv_seq_init(&seq);
@@ -62,7 +48,7 @@ enum { N = 12, MAXP = 200 };
 static int32_t prompts[N][MAXP];
 static int n_prompt[N], want[N];
 
-static void make_prompts(fixture_t *fx, unsigned seed)
+static void make_prompts(td_test_engine_t *fx, unsigned seed)
 {
     unsigned s = seed;
     for (int i = 0; i < N; i++) {
@@ -83,7 +69,7 @@ static void submit_all(prefill_sched_t *ps)
     }
 }
 
-static void assert_no_leak(fixture_t *fx)
+static void assert_no_leak(td_test_engine_t *fx)
 {
     td_kv_stats_t ks;
     td_kv_get_stats(td_engine_kv(fx->eng), &ks);
@@ -94,10 +80,10 @@ static void assert_no_leak(fixture_t *fx)
 /* The start the prompt-batch tests share: a fixture of n_blocks KV blocks, the N prompts of
  * `seed` with their reference first tokens, and a scheduler with the default config but a
  * step budget of max_batch_tokens (that config in *cfg_p). */
-static prefill_sched_t *start(fixture_t *fx, int n_blocks, unsigned seed, int32_t max_batch_tokens,
+static prefill_sched_t *start(td_test_engine_t *fx, int n_blocks, unsigned seed, int32_t max_batch_tokens,
                               prefill_sched_config_t *cfg_p)
 {
-    fx_open(fx, n_blocks);
+    td_test_engine_open_cpu(fx, 1, n_blocks, true);
     make_prompts(fx, seed);
     *cfg_p = prefill_sched_config_default();
     cfg_p->max_batch_tokens = max_batch_tokens;
@@ -109,7 +95,7 @@ static prefill_sched_t *start(fixture_t *fx, int n_blocks, unsigned seed, int32_
 Test(prefill_sched, chunked_packing_respects_budget_and_first_tokens_match, .timeout = 300)
 {
     td_test_skip_without_stories();
-    fixture_t fx;
+    td_test_engine_t fx;
     prefill_sched_config_t cfg;
     prefill_sched_t *ps = start(&fx, 1024, 17, 64, &cfg);
     submit_all(ps);
@@ -173,13 +159,13 @@ Test(prefill_sched, chunked_packing_respects_budget_and_first_tokens_match, .tim
     cr_assert_eq(prefill_sched_release(ps, 0), TD_ERR_NOT_FOUND);
     assert_no_leak(&fx);
     prefill_sched_destroy(ps);
-    fx_close(&fx);
+    td_test_engine_close(&fx);
 }
 
 Test(prefill_sched, tiny_pool_restarts_and_bounds_refuse, .timeout = 300)
 {
     td_test_skip_without_stories();
-    fixture_t fx;
+    td_test_engine_t fx;
     prefill_sched_config_t cfg;
     /* 16 blocks, 256 tokens: prompts must take turns */
     prefill_sched_t *ps = start(&fx, 16, 29, 128, &cfg);
@@ -246,7 +232,7 @@ Test(prefill_sched, tiny_pool_restarts_and_bounds_refuse, .timeout = 300)
     cr_assert_eq(prefill_sched_submit(ps, &rq), TD_ERR_EXHAUSTED, "queue bound");
     prefill_sched_destroy(ps); /* releases the queued prompts */
     assert_no_leak(&fx);
-    fx_close(&fx);
+    td_test_engine_close(&fx);
 }
 
 /* ---- layer hooks --------------------------------------------------------------------- */
@@ -291,8 +277,8 @@ static void rec_layer(void *arg, uint32_t layer)
 Test(engine_layer_hook, once_per_layer_in_order_after_the_layer_is_written, .timeout = 120)
 {
     td_test_skip_without_stories();
-    fixture_t fx;
-    fx_open(&fx, 16); /* 256 tokens */
+    td_test_engine_t fx;
+    td_test_engine_open_cpu(&fx, 1, 16, true); /* 256 tokens */
     int n_layers = fx.model->config.n_layers;
     int32_t p[40];
     for (int i = 0; i < 40; i++)
@@ -348,7 +334,7 @@ Test(engine_layer_hook, once_per_layer_in_order_after_the_layer_is_written, .tim
     assert_no_leak(&fx);
     free(logits);
     free(r.snap);
-    fx_close(&fx);
+    td_test_engine_close(&fx);
 }
 
 enum { MAX_FIN = 16, MAX_FIN_BLOCKS = 16 };
@@ -390,7 +376,7 @@ static void rec_sched_layer(void *arg, uint32_t layer, const prefill_finishing_t
     }
 }
 
-static uint8_t *snapshot_seq(fixture_t *fx, const td_kv_seq_t *seq, int32_t nb)
+static uint8_t *snapshot_seq(td_test_engine_t *fx, const td_kv_seq_t *seq, int32_t nb)
 {
     size_t bb = block_bytes(fx->eng);
     int L = fx->model->config.n_layers;
@@ -404,7 +390,7 @@ static uint8_t *snapshot_seq(fixture_t *fx, const td_kv_seq_t *seq, int32_t nb)
 Test(prefill_sched, layer_hook_reports_finishing_prompts_and_blocks_hold_until_release, .timeout = 300)
 {
     td_test_skip_without_stories();
-    fixture_t fx;
+    td_test_engine_t fx;
     prefill_sched_config_t cfg;
     /* 40 blocks, 640 tokens: later prompts would reuse released blocks */
     prefill_sched_t *ps = start(&fx, 40, 41, 96, &cfg);
@@ -479,7 +465,7 @@ Test(prefill_sched, layer_hook_reports_finishing_prompts_and_blocks_hold_until_r
     free(held_bytes);
     free(now);
     prefill_sched_destroy(ps);
-    fx_close(&fx);
+    td_test_engine_close(&fx);
 }
 
 
@@ -503,8 +489,8 @@ static void count_layers(void *arg, uint32_t layer, const prefill_finishing_t *f
 Test(prefill_sched, a_prompt_failing_after_its_layers_were_handed_out_keeps_its_blocks, .timeout = 120)
 {
     td_test_skip_without_stories();
-    fixture_t fx;
-    fx_open(&fx, 64);
+    td_test_engine_t fx;
+    td_test_engine_open_cpu(&fx, 1, 64, true);
     cr_assert_geq(fx.model->config.n_layers, 2);
     real_ops = fx.be->ops;
     faulty_ops = *real_ops;
@@ -564,5 +550,5 @@ Test(prefill_sched, a_prompt_failing_after_its_layers_were_handed_out_keeps_its_
     prefill_sched_destroy(ps);
     assert_no_leak(&fx);
     fx.be->ops = real_ops;
-    fx_close(&fx);
+    td_test_engine_close(&fx);
 }
