@@ -19,6 +19,7 @@
 #include "tandem.pb-c.h"
 #include "td_gen_params.h"
 #include "td_grpc.h"
+#include "td_hash.h"
 #include "td_list.h"
 #include "td_metrics.h"
 #include "td_node.h"
@@ -88,7 +89,6 @@ typedef struct tok_job tok_job_t;
 
 typedef struct router_req {
     td_list_t link;                 /* in router_state_t.reqs */
-    struct router_req *lease_next;  /* chain in the lease map while have_lease */
     router_queue_entry_t qe;        /* in the admission queue while REQ_QUEUED */
     router_state_t *s;
     td_grpc_call_t *call;
@@ -154,8 +154,7 @@ struct router_state {
     int32_t n_retry;           /* requests in REQ_RETRY, placed by the pump's next run */
     int32_t n_active;          /* requests on nodes (max-active bound) */
     router_queue_t queue;
-    router_req_t **lease_map;  /* [lease_buckets] chains by (decode, lease id) */
-    uint32_t lease_buckets;    /* power of two */
+    td_hash_t leases;          /* the lease map (router_lease.c): requests by (decode, lease id) */
     uv_idle_t pump_idle;       /* runs pump() after the callback that made room */
     uv_prepare_t turn_prepare; /* counts loop turns (turn) */
     uint64_t turn;

@@ -2,15 +2,21 @@
  * router_lease: the lease map. A request that holds a decode node's lease (Admit answered)
  * is found by (decode node, lease id) when that node's StepBatch entries arrive, without a
  * scan; releasing a lease tells the decode node (Release) and forgets it here.
+ *
+ * The map is a td_hash from the pair folded into 64 bits to the request (its address); the
+ * fold may collide, so a find checks the request's own fields. Only requests on a node hold
+ * a lease, at most max-active of them: the table, made with room for that many, never
+ * grows, so setting a lease cannot fail.
  */
 #include "router_int.h"
 
+#include <stdint.h>
+
 #include "td_util.h"
 
-static uint32_t lease_hash(const router_state_t *s, int32_t decode, uint64_t lease)
+static uint64_t lease_key(int32_t decode, uint64_t lease)
 {
-    uint64_t h = (lease ^ ((uint64_t)(uint32_t)decode << 40)) * 0x9E3779B97F4A7C15ull;
-    return (uint32_t)(h >> 32) & (s->lease_buckets - 1);
+    return lease ^ ((uint64_t)(uint32_t)decode << 40);
 }
 
 void router_lease_set(router_req_t *r, uint64_t lease)
@@ -20,9 +26,8 @@ void router_lease_set(router_req_t *r, uint64_t lease)
     r->lease_id = lease;
     r->have_lease = true;
     r->decode_tokens = 0;
-    uint32_t h = lease_hash(s, r->pick.pair.decode, lease);
-    r->lease_next = s->lease_map[h];
-    s->lease_map[h] = r;
+    td_status_t st = td_hash_put(&s->leases, lease_key(r->pick.pair.decode, lease), (uintptr_t)r);
+    TD_ASSERT(st == TD_OK); /* sized for max-active at startup: it does not grow */
 }
 
 /* The lease is gone (released, finished, or its node lost): its step entries are ignored. */
@@ -32,19 +37,18 @@ void router_lease_forget(router_req_t *r)
     if (!r->have_lease)
         return;
     r->have_lease = false;
-    router_req_t **pp = &s->lease_map[lease_hash(s, r->pick.pair.decode, r->lease_id)];
-    while (*pp && *pp != r)
-        pp = &(*pp)->lease_next;
-    TD_ASSERT(*pp == r);
-    *pp = r->lease_next;
-    r->lease_next = NULL;
+    bool found = td_hash_remove(&s->leases, lease_key(r->pick.pair.decode, r->lease_id), (uintptr_t)r);
+    TD_ASSERT(found);
 }
 
 router_req_t *router_lease_find(router_state_t *s, int32_t decode, uint64_t gen, uint64_t lease)
 {
-    for (router_req_t *r = s->lease_map[lease_hash(s, decode, lease)]; r; r = r->lease_next)
+    td_hash_slot_t *e = td_hash_find(&s->leases, lease_key(decode, lease));
+    for (; e; e = td_hash_find_next(&s->leases, e)) {
+        router_req_t *r = (router_req_t *)(uintptr_t)e->value;
         if (r->lease_id == lease && r->pick.pair.decode == decode && r->decode_gen == gen)
             return r;
+    }
     return NULL;
 }
 

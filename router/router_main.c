@@ -15,6 +15,11 @@
  * before any token was sent is retried once on another pair; one deadline (the client's
  * grpc-timeout or request-timeout-ms) bounds the queue, Admit, Prefill and decoding;
  * client cancel and deadlines Release the lease. docs/cluster.md, "Router".
+ *
+ * This file holds the process's life, top to bottom: the loop's tick (nodes that went
+ * silent, deadlines), shutdown, the servers' methods and metrics, and router_main (config,
+ * subsystems, the loop, teardown). The rest of the router is one file per seam, listed in
+ * router_int.h.
  */
 #include "router_main.h"
 
@@ -67,7 +72,8 @@ static void on_shutdown(void *data)
     router_state_t *s = data;
     s->shutting_down = true;
     while (!td_list_empty(&s->reqs))
-        router_req_fail(TD_CONTAINER_OF(td_list_first(&s->reqs), router_req_t, link), TD_GRPC_UNAVAILABLE, "router shutting down", "unavailable");
+        router_req_fail(TD_CONTAINER_OF(td_list_first(&s->reqs), router_req_t, link), TD_GRPC_UNAVAILABLE,
+                        "router shutting down", "unavailable");
     for (int32_t i = 0; s->peers && i < (int32_t)s->cfg.max_nodes; i++)
         router_peer_drop(s, i);
     td_grpc_server_close(s->gateway, NULL, NULL);
@@ -189,10 +195,8 @@ int router_main(int argc, char **argv)
     for (int64_t i = 0; i < cfg->max_nodes; i++)
         s->peers[i].s = s;
     router_queue_init(&s->queue, (int32_t)cfg->max_queue);
-    for (s->lease_buckets = 64; s->lease_buckets < 2 * (uint64_t)cfg->max_active;)
-        s->lease_buckets *= 2;
-    if (!(s->lease_map = calloc(s->lease_buckets, sizeof *s->lease_map))) {
-        td_errorf(TD_ERR_NOMEM, "router: out of memory");
+    if (td_hash_init(&s->leases, (size_t)cfg->max_active) != TD_OK) {
+        td_errorf(TD_ERR_NOMEM, "router: out of memory for the lease map");
         goto out;
     }
     if ((st = td_metrics_create(&s->metrics)) != TD_OK || (st = init_metrics(s)) != TD_OK)
@@ -230,7 +234,7 @@ out:
     for (int64_t i = 0; s->peers && i < cfg->max_nodes; i++)
         free(s->peers[i].xfer_desc);
     free(s->peers);
-    free(s->lease_map);
+    td_hash_free(&s->leases);
     router_registry_destroy(s->reg);
     td_tokenizer_destroy(s->tok);
     td_metrics_destroy(s->metrics);

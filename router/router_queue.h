@@ -7,9 +7,9 @@
  * The queue is bounded: a push into a full queue is refused (the router answers
  * RESOURCE_EXHAUSTED at once).
  *
- * Intrusive, like libuv's queues: the caller embeds a router_queue_entry_t in its request
- * and owns that memory; the queue never allocates, so it cannot leak and push cannot fail
- * for want of memory. Time is passed in (nanoseconds on any monotonic clock).
+ * Intrusive (a td_list): the caller embeds a router_queue_entry_t in its request and owns
+ * that memory; the queue never allocates, so it cannot leak and push cannot fail for want
+ * of memory. Time is passed in (nanoseconds on any monotonic clock).
  *
  * Threads: one thread (the router's loop) uses a queue. No I/O, no clock.
  */
@@ -19,26 +19,27 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "td_list.h"
 #include "td_status.h"
 
 typedef struct router_queue_entry {
-    struct router_queue_entry *prev, *next; /* private */
+    td_list_t link;      /* private: in a queue's entries while queued */
     int32_t priority;    /* higher is served first */
     uint64_t seq;        /* arrival order, set by the first push */
     int64_t deadline_ns; /* 0 = none */
     int64_t enqueued_ns; /* when the entry was first queued */
-    bool queued;         /* in a queue now */
     bool has_seq;        /* private: seq assigned */
 } router_queue_entry_t;
 
 typedef struct router_queue {
-    router_queue_entry_t *head, *tail; /* head = next to serve */
+    td_list_t entries;   /* router_queue_entry_t.link, the next to serve first */
     int32_t len;
     int32_t cap;
     uint64_t next_seq;
 } router_queue_t;
 
-/* An empty queue holding at most `cap` entries (cap >= 0; 0 refuses every push). */
+/* An empty queue holding at most `cap` entries (cap >= 0; 0 refuses every push). The queue
+ * holds its own list head: it is not moved (copied) while it holds entries. */
 void router_queue_init(router_queue_t *q, int32_t cap);
 
 /* Zeroes an entry before its first push (it has no arrival number yet). */
@@ -65,6 +66,9 @@ void router_queue_remove(router_queue_t *q, router_queue_entry_t *e);
 /* Removes and returns one entry whose deadline is <= now_ns (the one served soonest among
  * them), or NULL when none has expired. Call until NULL. O(len). */
 router_queue_entry_t *router_queue_pop_expired(router_queue_t *q, int64_t now_ns);
+
+/* Whether e is in a queue now. */
+static inline bool router_queue_entry_queued(const router_queue_entry_t *e) { return td_list_linked(&e->link); }
 
 /* Entries queued now. */
 static inline int32_t router_queue_len(const router_queue_t *q) { return q->len; }

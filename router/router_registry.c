@@ -1,32 +1,32 @@
 /*
  * router_registry: node table, heartbeat liveness and the per-node bounded set of recent
- * prefix block hashes (a ring buffer for age plus an open-addressing index into it).
+ * prefix block hashes (a ring buffer for age plus a td_hash index into it).
  */
 #include "router_registry.h"
 
 #include <stdlib.h>
 #include <string.h>
 
+#include "td_hash.h"
 #include "td_util.h"
 
 /* ---- bounded set of hashes ---------------------------------------------------------- */
 
-/* ring[] holds the hashes in arrival order; index[] is a linear-probing table of
- * (ring slot + 1), 0 = empty, sized to a power of two at least twice the ring. */
+/* ring[] holds the hashes in arrival order; index maps each hash held to its ring slot (a
+ * td_hash made with room for the whole ring, so it never grows). */
 typedef struct router_prefix_set {
     uint64_t *ring;    /* [cap] */
     bool *live;        /* [cap] slot holds a hash present in index */
     int32_t cap, head; /* head: next slot to overwrite (the oldest) */
-    int32_t *index;    /* [mask + 1] */
-    uint32_t mask;
+    td_hash_t index;   /* hash -> ring slot */
 } router_prefix_set_t;
 
-static uint32_t hslot(uint64_t h, uint32_t mask)
+static void pset_destroy(router_prefix_set_t *s)
 {
-    h ^= h >> 33;
-    h *= 0xff51afd7ed558ccdull;
-    h ^= h >> 33;
-    return (uint32_t)h & mask;
+    if (!s)
+        return;
+    td_hash_free(&s->index);
+    free(s->ring), free(s->live), free(s);
 }
 
 static router_prefix_set_t *pset_create(int32_t cap)
@@ -34,78 +34,34 @@ static router_prefix_set_t *pset_create(int32_t cap)
     router_prefix_set_t *s = calloc(1, sizeof *s);
     if (!s)
         return NULL;
-    uint32_t size = 16;
-    while (size < 2u * (uint32_t)cap)
-        size <<= 1;
     s->cap = cap;
-    s->mask = size - 1;
     s->ring = calloc((size_t)cap, sizeof *s->ring);
     s->live = calloc((size_t)cap, sizeof *s->live);
-    s->index = calloc(size, sizeof *s->index);
-    if (!s->ring || !s->live || !s->index) {
-        free(s->ring), free(s->live), free(s->index), free(s);
+    if (!s->ring || !s->live || td_hash_init(&s->index, (size_t)cap) != TD_OK) {
+        pset_destroy(s);
         return NULL;
     }
     return s;
 }
 
-static void pset_destroy(router_prefix_set_t *s)
-{
-    if (!s)
-        return;
-    free(s->ring), free(s->live), free(s->index), free(s);
-}
-
-/* Table position of h, or -1. */
-static int64_t pset_lookup(const router_prefix_set_t *s, uint64_t h)
-{
-    for (uint32_t i = hslot(h, s->mask);; i = (i + 1) & s->mask) {
-        int32_t e = s->index[i];
-        if (e == 0)
-            return -1;
-        if (s->ring[e - 1] == h)
-            return i;
-    }
-}
-
-/* Deletes table position i with backward-shift (no tombstones). */
-static void pset_delete_at(router_prefix_set_t *s, uint32_t i)
-{
-    for (uint32_t j = (i + 1) & s->mask;; j = (j + 1) & s->mask) {
-        int32_t e = s->index[j];
-        if (e == 0)
-            break;
-        uint32_t home = hslot(s->ring[e - 1], s->mask);
-        /* e may move to i when i lies cyclically in [home, j) */
-        if (((j - home) & s->mask) >= ((j - i) & s->mask)) {
-            s->index[i] = e;
-            i = j;
-        }
-    }
-    s->index[i] = 0;
-}
-
 static void pset_add(router_prefix_set_t *s, uint64_t h)
 {
-    int64_t pos = pset_lookup(s, h);
-    if (pos >= 0) { /* refresh: forget the old slot, add at the young end */
-        int32_t slot = s->index[pos] - 1;
-        s->live[slot] = false;
-        pset_delete_at(s, (uint32_t)pos);
+    td_hash_slot_t *e = td_hash_find(&s->index, h);
+    if (e) { /* refresh: forget the old slot, add at the young end */
+        s->live[e->value] = false;
+        td_hash_remove_slot(&s->index, e);
     }
     int32_t slot = s->head;
     if (s->live[slot]) {
-        int64_t old = pset_lookup(s, s->ring[slot]);
-        TD_ASSERT(old >= 0);
-        pset_delete_at(s, (uint32_t)old);
+        td_hash_slot_t *old = td_hash_find(&s->index, s->ring[slot]);
+        TD_ASSERT(old);
+        td_hash_remove_slot(&s->index, old);
     }
     s->ring[slot] = h;
     s->live[slot] = true;
     s->head = (slot + 1) % s->cap;
-    uint32_t i = hslot(h, s->mask);
-    while (s->index[i] != 0)
-        i = (i + 1) & s->mask;
-    s->index[i] = slot + 1;
+    td_status_t st = td_hash_put(&s->index, h, (uint64_t)slot);
+    TD_ASSERT(st == TD_OK); /* at most cap entries: the table does not grow */
 }
 
 /* ---- registry ----------------------------------------------------------------------- */
@@ -368,7 +324,7 @@ int32_t router_registry_prefix_match(const router_registry_t *reg, int32_t index
     if (!node || !node->prefix)
         return 0;
     int32_t m = 0;
-    while (m < n && pset_lookup(node->prefix, hashes[m]) >= 0)
+    while (m < n && td_hash_find(&node->prefix->index, hashes[m]))
         m++;
     return m;
 }

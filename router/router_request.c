@@ -41,7 +41,7 @@
 #include "td_log.h"
 #include "td_util.h"
 
-static bool req_move(router_req_t *r, router_req_state_t to);
+static void req_move(router_req_t *r, router_req_state_t to);
 static void on_pump_idle(uv_idle_t *h);
 
 /* Room may have appeared (a request left its node, a node reported free blocks) or a
@@ -574,11 +574,10 @@ static void on_pump_idle(uv_idle_t *h)
  *   enter ADMIT:     counted in max-active; the Admit call (r->pick set by req_start)
  *   enter PREFILL:   the Prefill call
  *   enter ENDED:     unlinked and freed (the caller has ended its gateway call)
- * Entry work that fails moves r on itself (retry, or end). Returns false when r is freed:
- * after a move that may end r (to QUEUED, ADMIT, PREFILL, ENDED) the caller does not touch
- * r unless true came back.
+ * Entry work that fails moves r on itself (retry, or end): after a move to QUEUED, ADMIT,
+ * PREFILL or ENDED the caller does not touch r.
  */
-static bool req_move(router_req_t *r, router_req_state_t to)
+static void req_move(router_req_t *r, router_req_state_t to)
 {
     router_state_t *s = r->s;
     router_req_state_t from = r->state;
@@ -591,7 +590,7 @@ static bool req_move(router_req_t *r, router_req_state_t to)
         }
         break;
     case REQ_QUEUED:
-        if (r->qe.queued) { /* the pump or the deadline sweep may have taken it out already */
+        if (router_queue_entry_queued(&r->qe)) { /* the deadline sweep may have taken it out */
             router_queue_remove(&s->queue, &r->qe);
             td_metric_set(s->m_queue_depth, router_queue_len(&s->queue));
         }
@@ -616,23 +615,23 @@ static bool req_move(router_req_t *r, router_req_state_t to)
     case REQ_QUEUED:
         if (router_queue_push(&s->queue, &r->qe, r->priority, r->deadline_ns, (int64_t)td_now_ns()) != TD_OK) {
             router_req_fail(r, TD_GRPC_RESOURCE_EXHAUSTED, "router: admission queue full; retry later", "exhausted");
-            return false;
+            return;
         }
         td_metric_set(s->m_queue_depth, router_queue_len(&s->queue));
         router_want_pump(s);
-        return true;
+        return;
     case REQ_RETRY:
         s->n_retry++;
         router_want_pump(s);
-        return true;
+        return;
     case REQ_ADMIT:
         s->n_active++;
         td_metric_set(s->m_active, s->n_active);
-        send_admit(r);
-        return false; /* r may have moved on or ended */
+        send_admit(r); /* may move r on, or end it */
+        return;
     case REQ_PREFILL:
-        send_prefill(r);
-        return false; /* idem */
+        send_prefill(r); /* idem */
+        return;
     case REQ_ENDED:
         td_list_remove(&r->link);
         if (r->n_no_text)
@@ -647,7 +646,7 @@ static bool req_move(router_req_t *r, router_req_state_t to)
         free(r->out_ids);
         free(r->out_text);
         free(r);
-        return false;
-    default: return true;
+        return;
+    default: return;
     }
 }

@@ -50,8 +50,7 @@ Test(router_queue, fifo_within_priority)
         cr_assert_eq(pop_id(&q), i);
     cr_assert_eq(pop_id(&q), -1);
     cr_assert_eq(router_queue_len(&q), 0);
-    cr_assert_null(q.head);
-    cr_assert_null(q.tail);
+    cr_assert(td_list_empty(&q.entries));
 }
 
 Test(router_queue, higher_priority_first_then_fifo)
@@ -91,7 +90,7 @@ Test(router_queue, bound_refuses_and_leaves_entry_untouched)
     cr_assert_eq(router_queue_push(&q, &it[0].qe, 0, 0, 0), TD_OK);
     cr_assert_eq(router_queue_push(&q, &it[1].qe, 0, 0, 0), TD_OK);
     cr_assert_eq(router_queue_push(&q, &it[2].qe, 7, 0, 0), TD_ERR_EXHAUSTED);
-    cr_assert_not(it[2].qe.queued);
+    cr_assert_not(router_queue_entry_queued(&it[2].qe));
     cr_assert_eq(router_queue_len(&q), 2);
     cr_assert_eq(pop_id(&q), 0);
     cr_assert_eq(router_queue_push(&q, &it[2].qe, 7, 0, 0), TD_OK); /* room again */
@@ -115,7 +114,7 @@ Test(router_queue, deadline_removal)
     cr_assert_null(router_queue_pop_expired(&q, 99));
     router_queue_entry_t *e = router_queue_pop_expired(&q, 300);
     cr_assert_eq(ITEM(e)->id, 2);
-    cr_assert_not(e->queued);
+    cr_assert_not(router_queue_entry_queued(e));
     e = router_queue_pop_expired(&q, 300);
     cr_assert_eq(ITEM(e)->id, 4);
     cr_assert_null(router_queue_pop_expired(&q, 300));
@@ -136,14 +135,13 @@ Test(router_queue, cancel_removal_anywhere)
     router_queue_remove(&q, &it[4].qe); /* tail */
     router_queue_remove(&q, &it[4].qe); /* not queued: no-op */
     cr_assert_eq(router_queue_len(&q), 2);
-    cr_assert_eq(ITEM(q.tail)->id, 3);
+    cr_assert_eq(ITEM(TD_CONTAINER_OF(td_list_last(&q.entries), router_queue_entry_t, link))->id, 3);
     cr_assert_eq(pop_id(&q), 1);
     cr_assert_eq(pop_id(&q), 3);
     cr_assert_eq(router_queue_len(&q), 0);
-    cr_assert_null(q.head);
-    cr_assert_null(q.tail);
+    cr_assert(td_list_empty(&q.entries));
     for (int i = 0; i < 5; i++)
-        cr_assert_not(it[i].qe.queued);
+        cr_assert_not(router_queue_entry_queued(&it[i].qe));
 }
 
 Test(router_queue, drain_many_each_out_once)
