@@ -8,7 +8,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "td_log.h"
 #include "td_util.h"
 
 /* ---- adoption (receiver) ------------------------------------------------------------------

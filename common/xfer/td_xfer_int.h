@@ -279,22 +279,31 @@ typedef struct abort_job {
     bool flush_posted, flushed, failed;
 } abort_job_t;
 
-/* ---- what each file gives the others ---------------------------------------------- */
+/* ---- what each file gives the others ----------------------------------------------
+ * All on the loop thread. Those with a longer contract have it where they are defined. The
+ * AM handlers (xfer_am_*_cb) and the listener's xfer_conn_cb are set by td_xfer_create;
+ * UCX calls them from worker progress inside drain: they record facts and never call back
+ * into UCX progress or into the user. */
 
 /* td_xfer.c */
+/* A UCX status as a logged TD_ERR_UCX naming `what`. */
 td_status_t xfer_ucx_err(ucs_status_t st, const char *what);
 uint64_t xfer_block_checksum(const void *p, size_t n, uint32_t layer, uint32_t idx);
 void xfer_close_ep_force(td_xfer_t *x, ucp_ep_h ep);
+/* Force-closes the endpoints xfer_close_ep_force queued (outside UCX callbacks only). */
 void xfer_close_pending_eps(td_xfer_t *x);
 ucp_ep_h xfer_am_reply_ep(const ucp_am_recv_param_t *param);
 bool xfer_am_unpack(td_xfer_t *x, const void *header, size_t header_length, void *h, size_t size,
                     bool need_pool);
 void xfer_send_ctl(td_xfer_t *x, ucp_ep_h ep, unsigned id, uint64_t a_, uint64_t b, td_status_t st);
+/* The verdict on a kv-ready (AM_ACK) to the sender at ep; ep NULL: nothing is sent. */
 void xfer_send_ack(td_xfer_t *x, ucp_ep_h ep, uint64_t request_id, uint64_t lease_id, td_status_t st);
 void xfer_close_step(td_xfer_t *x);
 
 /* td_xfer_lease.c */
+/* The lease with this id (live, adopting or dead), or NULL. */
 xfer_lease_t *xfer_lease_find(td_xfer_t *x, uint64_t id);
+/* Forgets l and frees it; its blocks are no longer its own (returned or handed on). */
 void xfer_lease_remove(td_xfer_t *x, xfer_lease_t *l);
 void xfer_landing_give(td_xfer_t *x, xfer_lease_t *l);
 void xfer_lease_release(td_xfer_t *x, xfer_lease_t *l);
@@ -303,6 +312,7 @@ void xfer_lease_fail(td_xfer_t *x, xfer_lease_t *l, td_status_t verdict);
 void xfer_lease_kill(td_xfer_t *x, xfer_lease_t *l);
 
 /* td_xfer_adopt.c */
+/* A live lease whose bytes are all in and whose kv-ready passed becomes an adoption job. */
 void xfer_adopt_start(td_xfer_t *x, xfer_lease_t *l);
 void xfer_adopt_run(td_xfer_t *x);
 
@@ -320,19 +330,26 @@ ucs_status_t xfer_am_abort_ack_cb(void *arg, const void *header, size_t header_l
                                   size_t length, const ucp_am_recv_param_t *param);
 
 /* td_xfer_peer.c */
+/* The peer is lost (or x is going): its endpoint is queued for a force close, its sends
+ * fail with st, its queued operations are dropped. */
 void xfer_peer_fail(td_xfer_peer_t *peer, td_status_t st);
+/* The live peer whose endpoint a message came on / is ep, or NULL. */
 td_xfer_peer_t *xfer_peer_of_param(td_xfer_t *x, const ucp_am_recv_param_t *param);
 td_xfer_peer_t *xfer_peer_of_ep(td_xfer_t *x, ucp_ep_h ep);
 ucs_status_t xfer_am_hello_ack_cb(void *arg, const void *header, size_t header_length, void *data,
                                   size_t length, const ucp_am_recv_param_t *param);
 
 /* td_xfer_send.c */
+/* Records st as s's outcome unless it already failed or has its verdict. */
 void xfer_send_set_status(td_xfer_send_t *s, td_status_t st);
 void xfer_send_maybe_done(td_xfer_send_t *s);
 void xfer_op_checksum(send_op_t *op, const uint8_t *bytes);
 size_t xfer_op_sync_bytes(const send_op_t *op);
 bool xfer_op_ready(const send_op_t *op);
+/* Hands op to UCX (AM, put, or a copy into a peer's mapped pool), or drops it when its
+ * request failed or its peer is gone; op is the callee's either way. */
 void xfer_post_op(td_xfer_t *x, send_op_t *op);
+/* Sends s's kv-ready (READY): every DATA operation of s is complete (puts: flushed). */
 void xfer_post_ready(td_xfer_t *x, td_xfer_send_t *s);
 ucs_status_t xfer_am_ack_cb(void *arg, const void *header, size_t header_length, void *data, size_t length,
                             const ucp_am_recv_param_t *param);
@@ -340,9 +357,12 @@ ucs_status_t xfer_am_bind_ack_cb(void *arg, const void *header, size_t header_le
                                  size_t length, const ucp_am_recv_param_t *param);
 ucs_status_t xfer_am_abort_cb(void *arg, const void *header, size_t header_length, void *data, size_t length,
                               const ucp_am_recv_param_t *param);
+/* Advances the ABORT confirmations (abort_job_t): flush once the request's puts are back,
+ * then ABORT_ACK. */
 void xfer_run_aborts(td_xfer_t *x);
 void xfer_post_flush(td_xfer_send_t *s);
 void xfer_send_count(td_xfer_t *x, const td_xfer_send_t *s);
+/* Unlinks s from its peer and frees it (its done callback was made or is not owed). */
 void xfer_send_free(td_xfer_send_t *s);
 
 /* td_xfer_stage.c */
@@ -353,7 +373,9 @@ td_status_t xfer_stage_alloc(td_xfer_t *x);
 
 /* td_xfer_loop.c */
 bool xfer_budget_fits(td_xfer_t *x, size_t bytes);
+/* Counts `bytes` of synchronous work against this iteration's budget (after budget_fits). */
 void xfer_budget_charge(td_xfer_t *x, size_t bytes);
+/* The handles' callbacks (td_xfer_create starts them; shutdown uses the timer and idle). */
 void xfer_on_poll(uv_poll_t *h, int status, int events);
 void xfer_on_copy_wake(uv_async_t *h);
 void xfer_on_idle(uv_idle_t *h);

@@ -6,14 +6,12 @@
 #include "td_xfer_int.h"
 
 #include <arpa/inet.h>
-#include <inttypes.h>
 #include <netinet/in.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "td_log.h"
-#include "td_util.h"
 
 void xfer_peer_fail(td_xfer_peer_t *peer, td_status_t st)
 {

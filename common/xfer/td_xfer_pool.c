@@ -5,7 +5,6 @@
  */
 #include "td_xfer_int.h"
 
-#include <inttypes.h>
 #include <stdlib.h>
 #include <string.h>
 

@@ -9,7 +9,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "td_log.h"
 #include "td_util.h"
 
 static void hist_observe(td_xfer_stats_t *st, double s)

@@ -7,9 +7,7 @@
 
 #include <inttypes.h>
 #include <stdlib.h>
-#include <string.h>
 
-#include "td_log.h"
 #include "td_util.h"
 
 /* Takes `len` contiguous bytes of the ring for op (its piece), or returns false when they
