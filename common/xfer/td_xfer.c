@@ -40,7 +40,6 @@
 #include "td_xfer_int.h"
 
 #include <arpa/inet.h>
-#include <inttypes.h>
 #include <netinet/in.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -182,10 +181,9 @@ void xfer_send_ack(td_xfer_t *x, ucp_ep_h ep, uint64_t request_id, uint64_t leas
 
 uint64_t td_xfer_request_key(const char *request_id)
 {
-    uint64_t h = 1469598103934665603ull;
-    for (const char *p = request_id; *p; p++)
-        h = (h ^ (uint8_t)*p) * 1099511628211ull;
-    return h;
+    /* Not TD_FNV1A64_INIT: this start value (the standard basis less its last digit) is
+     * what nodes have always computed, so the keys stay the same. */
+    return td_fnv1a64(1469598103934665603ull, request_id, strlen(request_id));
 }
 
 td_xfer_config_t td_xfer_config_default(void)
