@@ -23,6 +23,7 @@
 #include "td_grpc.h"
 #include "td_log.h"
 #include "td_model.h"
+#include "td_node.h"
 #include "td_sampler.h"
 #include "td_tokenizer.h"
 #include "td_util.h"
@@ -616,13 +617,8 @@ static int gen_remote(gen_opts_t *o)
     for (int32_t i = 0; i < o->n_stop_ids; i++)
         stop_ids[i] = (uint32_t)o->stop_ids[i];
 
-    Tandem__V1__SamplingParams sp = TANDEM__V1__SAMPLING_PARAMS__INIT;
-    sp.temperature = o->sampling.temperature;
-    sp.top_k = (uint32_t)o->sampling.top_k;
-    sp.top_p = o->sampling.top_p;
-    sp.min_p = o->sampling.min_p;
-    sp.repetition_penalty = o->sampling.repetition_penalty;
-    sp.seed = o->sampling.seed;
+    Tandem__V1__SamplingParams sp;
+    td_node_sampling_to_proto(&o->sampling, &sp);
     Tandem__V1__GenerateRequest req = TANDEM__V1__GENERATE_REQUEST__INIT;
     req.prompt = o->prompt ? (char *)o->prompt : "";
     req.prompt_ids = wire_ids;

@@ -534,7 +534,7 @@ static void on_admit(td_grpc_call_t *call, const ProtobufCMessage *msg, void *da
         a->prompt[i] = (int32_t)r->prompt_ids[i];
     }
     a->n_prompt = (int32_t)r->n_prompt_ids;
-    a->sampling = td_node_sampling(r->sampling);
+    a->sampling = td_node_sampling_from_proto(r->sampling);
     if (td_sampling_validate(&a->sampling, why, sizeof why) != TD_OK) {
         admit_free(a);
         td_grpc_call_finish(call, TD_GRPC_INVALID_ARGUMENT, why);

@@ -534,7 +534,7 @@ static td_grpc_code_t parse_request(prefill_state_t *s, const Tandem__Control__V
     for (size_t i = 0; i < r->n_block_ids; i++)
         j->dst_blocks[i] = (int32_t)r->block_ids[i];
     j->n_dst = (int32_t)r->n_block_ids;
-    j->sampling = td_node_sampling(r->sampling);
+    j->sampling = td_node_sampling_from_proto(r->sampling);
     if (td_sampling_validate(&j->sampling, why, cap) != TD_OK)
         return TD_GRPC_INVALID_ARGUMENT;
     return TD_GRPC_OK;

@@ -54,16 +54,7 @@ static td_gen_params_t gen_params_from_proto(const Tandem__V1__GenerateRequest *
     gp.n_stop_ids = q->n_stop_ids;
     gp.n_stop_strings = q->n_stop_strings;
     gp.stop_strings = (const char *const *)q->stop_strings;
-    if (q->sampling) {
-        gp.sampling.temperature = q->sampling->temperature;
-        /* a top_k past INT32_MAX keeps every token, as INT32_MAX does */
-        gp.sampling.top_k = (int32_t)TD_MIN(q->sampling->top_k, (uint32_t)INT32_MAX);
-        gp.sampling.top_p = q->sampling->top_p == 0.0f ? 1.0f : q->sampling->top_p;
-        gp.sampling.min_p = q->sampling->min_p;
-        gp.sampling.repetition_penalty =
-            q->sampling->repetition_penalty == 0.0f ? 1.0f : q->sampling->repetition_penalty;
-        gp.sampling.seed = q->sampling->seed;
-    }
+    gp.sampling = td_node_sampling_from_proto(q->sampling);
     return gp;
 }
 

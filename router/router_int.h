@@ -97,7 +97,7 @@ typedef struct router_req {
     int32_t n_prompt;
     int32_t max_tokens;
     td_sampling_t sampling;    /* validated (td_gen_params_validate); in protobuf only in the
-                                * node calls' messages (router_request.c sampling_to_proto) */
+                                * node calls' messages (td_node_sampling_to_proto) */
     uint32_t stop_ids[TD_GEN_MAX_STOP_IDS];
     size_t n_stop_ids;
     td_stop_t *stop;

@@ -342,25 +342,14 @@ static void on_admit_done(td_grpc_client_call_t *c, td_grpc_code_t code, const c
     req_move(r, REQ_PREFILL);
 }
 
-/* The edge: a request's sampling parameters in a node call's message. */
-static void sampling_to_proto(const td_sampling_t *t, Tandem__Control__V1__SamplingParams *p)
-{
-    tandem__control__v1__sampling_params__init(p);
-    p->temperature = t->temperature;
-    p->top_k = (uint32_t)t->top_k;
-    p->top_p = t->top_p;
-    p->min_p = t->min_p;
-    p->repetition_penalty = t->repetition_penalty;
-    p->seed = t->seed;
-}
 
 /* ADMIT's entry work: the Admit call to the picked decode node. May end r or move it on. */
 static void send_admit(router_req_t *r)
 {
     router_state_t *s = r->s;
     Tandem__Control__V1__AdmitRequest q = TANDEM__CONTROL__V1__ADMIT_REQUEST__INIT;
-    Tandem__Control__V1__SamplingParams sp;
-    sampling_to_proto(&r->sampling, &sp);
+    Tandem__V1__SamplingParams sp;
+    td_node_sampling_to_proto(&r->sampling, &sp);
     q.request_id = r->id;
     q.prompt_tokens = (uint32_t)r->n_prompt;
     q.max_tokens = (uint32_t)r->max_tokens;
@@ -391,8 +380,8 @@ static void send_prefill(router_req_t *r)
     router_peer_t *pp = &s->peers[r->pick.pair.prefill], *dp = &s->peers[d];
     const router_node_t *dn = router_registry_node_const(s->reg, d);
     Tandem__Control__V1__PrefillRequest q = TANDEM__CONTROL__V1__PREFILL_REQUEST__INIT;
-    Tandem__Control__V1__SamplingParams sp;
-    sampling_to_proto(&r->sampling, &sp);
+    Tandem__V1__SamplingParams sp;
+    td_node_sampling_to_proto(&r->sampling, &sp);
     q.request_id = r->id;
     q.tokens = (uint32_t *)r->prompt;
     q.n_tokens = (size_t)r->n_prompt;

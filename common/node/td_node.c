@@ -197,18 +197,29 @@ td_engine_config_t td_node_engine_config(const td_node_t *p)
     return ec;
 }
 
-td_sampling_t td_node_sampling(const Tandem__Control__V1__SamplingParams *p)
+td_sampling_t td_node_sampling_from_proto(const Tandem__V1__SamplingParams *p)
 {
     td_sampling_t s = td_sampling_default();
     if (!p)
         return s;
     s.temperature = p->temperature;
-    s.top_k = (int32_t)p->top_k;
-    s.top_p = p->top_p > 0 ? p->top_p : 1.0f;
+    s.top_k = (int32_t)TD_MIN(p->top_k, (uint32_t)INT32_MAX);
+    s.top_p = p->top_p == 0.0f ? 1.0f : p->top_p;
     s.min_p = p->min_p;
-    s.repetition_penalty = p->repetition_penalty > 0 ? p->repetition_penalty : 1.0f;
+    s.repetition_penalty = p->repetition_penalty == 0.0f ? 1.0f : p->repetition_penalty;
     s.seed = p->seed;
     return s;
+}
+
+void td_node_sampling_to_proto(const td_sampling_t *s, Tandem__V1__SamplingParams *p)
+{
+    tandem__v1__sampling_params__init(p);
+    p->temperature = s->temperature;
+    p->top_k = (uint32_t)s->top_k;
+    p->top_p = s->top_p;
+    p->min_p = s->min_p;
+    p->repetition_penalty = s->repetition_penalty;
+    p->seed = s->seed;
 }
 
 int td_node_run(td_node_t *p)

@@ -142,13 +142,17 @@ td_status_t td_node_plan_kv(const td_node_t *p, const td_model_t *model, const t
 td_engine_config_t td_node_engine_config(const td_node_t *p);
 
 /*
- * Nodes: the sampling parameters of a control call (AdmitRequest.sampling,
- * PrefillRequest.sampling; NULL = the defaults, greedy) as a td_sampling_t, read one way by
- * both nodes, so a seeded request samples alike on each side of the split. An unset top_p
- * or repetition_penalty (<= 0) means 1. Not validated: the caller runs
- * td_sampling_validate. Any thread.
+ * The one conversion of sampling parameters from the wire (tandem.v1.SamplingParams: a
+ * GenerateRequest's at the gateway, an AdmitRequest's or PrefillRequest's at the nodes;
+ * NULL = the defaults, greedy), so every process reads a request alike and a seeded request
+ * samples alike on each side of the split. An unset (0) top_p or repetition_penalty means
+ * 1; a top_k past INT32_MAX keeps every token, as INT32_MAX does. Not validated: the caller
+ * runs td_sampling_validate (or td_gen_params_validate). Any thread.
  */
-td_sampling_t td_node_sampling(const Tandem__Control__V1__SamplingParams *p);
+td_sampling_t td_node_sampling_from_proto(const Tandem__V1__SamplingParams *p);
+
+/* The one conversion back: s into *p (initialised here; no allocation). */
+void td_node_sampling_to_proto(const td_sampling_t *s, Tandem__V1__SamplingParams *p);
 
 /* Runs the loop until shutdown has closed every handle. Returns 0 (the exit status). */
 int td_node_run(td_node_t *p);

@@ -145,13 +145,13 @@ Test(td_node, serve_then_shutdown_closes_everything)
     td_metrics_destroy(m);
 }
 
-Test(td_node, control_sampling_params_read_one_way)
+Test(td_node, sampling_params_one_conversion_each_way)
 {
-    td_sampling_t d = td_sampling_default(), s = td_node_sampling(NULL);
+    td_sampling_t d = td_sampling_default(), s = td_node_sampling_from_proto(NULL);
     cr_assert_eq(memcmp(&s, &d, sizeof s), 0, "no sampling message: the defaults");
 
-    Tandem__Control__V1__SamplingParams p = TANDEM__CONTROL__V1__SAMPLING_PARAMS__INIT;
-    s = td_node_sampling(&p);
+    Tandem__V1__SamplingParams p = TANDEM__V1__SAMPLING_PARAMS__INIT;
+    s = td_node_sampling_from_proto(&p);
     cr_assert_float_eq(s.top_p, 1.0f, 0, "unset top_p is 1");
     cr_assert_float_eq(s.repetition_penalty, 1.0f, 0, "unset penalty is 1");
     cr_assert_float_eq(s.temperature, 0.0f, 0);
@@ -162,7 +162,7 @@ Test(td_node, control_sampling_params_read_one_way)
     p.min_p = 0.05f;
     p.repetition_penalty = 1.3f;
     p.seed = 0x1234567890ull;
-    s = td_node_sampling(&p);
+    s = td_node_sampling_from_proto(&p);
     cr_assert_float_eq(s.temperature, 0.7f, 0);
     cr_assert_eq(s.top_k, 40);
     cr_assert_float_eq(s.top_p, 0.9f, 0);
@@ -170,4 +170,15 @@ Test(td_node, control_sampling_params_read_one_way)
     cr_assert_float_eq(s.repetition_penalty, 1.3f, 0);
     cr_assert_eq(s.seed, 0x1234567890ull);
     cr_assert_eq(s.penalty_window, d.penalty_window, "fields the message lacks keep their defaults");
+
+    Tandem__V1__SamplingParams back;
+    td_node_sampling_to_proto(&s, &back);
+    td_sampling_t again = td_node_sampling_from_proto(&back);
+    cr_assert_eq(memcmp(&again, &s, sizeof s), 0, "a round trip changes nothing");
+
+    p.top_k = UINT32_MAX; /* past INT32_MAX keeps every token, as INT32_MAX does */
+    cr_assert_eq(td_node_sampling_from_proto(&p).top_k, INT32_MAX);
+    p.top_p = -0.5f; /* out of range stays out of range: td_sampling_validate refuses it */
+    s = td_node_sampling_from_proto(&p);
+    cr_assert_neq(td_sampling_validate(&s, NULL, 0), TD_OK);
 }
