@@ -35,6 +35,7 @@
 #include "td_backend.h"
 #include "td_engine.h"
 #include "td_grpc.h"
+#include "td_list.h"
 #include "td_log.h"
 #include "td_metrics.h"
 #include "td_model.h"
@@ -63,7 +64,7 @@ typedef struct decode_config {
 
 /* An admitted request whose KV has not arrived yet (loop thread). */
 typedef struct decode_admit {
-    struct decode_admit *next;
+    td_list_t link;  /* in decode_state_t.admits */
     uint64_t lease_id;
     uint64_t deadline_ns;
     int32_t *prompt;
@@ -119,7 +120,7 @@ typedef struct decode_state {
     td_node_xfer_metrics_t xfer_metrics; /* td_xfer's statistics on /metrics */
     td_metric_t *m_used, *m_free, *m_running, *m_waiting, *m_tokens, *m_steps, *m_step_s, *m_batch,
         *m_admits, *m_refused, *m_releases;
-    decode_admit_t *admits;
+    td_list_t admits; /* decode_admit_t, newest first */
     int32_t n_admits;
     td_grpc_call_t *subs[DECODE_MAX_SUBSCRIBERS];
     int n_subs;
@@ -433,15 +434,21 @@ static void refresh_kv_load(decode_state_t *s)
     atomic_store(&s->load_free, ks.free + ks.cached);
 }
 
+static void admit_unlink(decode_state_t *s, decode_admit_t *a)
+{
+    td_list_remove(&a->link);
+    s->n_admits--;
+}
+
 static decode_admit_t *admit_take(decode_state_t *s, uint64_t lease_id)
 {
-    for (decode_admit_t **pp = &s->admits; *pp; pp = &(*pp)->next)
-        if ((*pp)->lease_id == lease_id) {
-            decode_admit_t *a = *pp;
-            *pp = a->next;
-            s->n_admits--;
+    TD_LIST_FOREACH(n, &s->admits) {
+        decode_admit_t *a = TD_CONTAINER_OF(n, decode_admit_t, link);
+        if (a->lease_id == lease_id) {
+            admit_unlink(s, a);
             return a;
         }
+    }
     return NULL;
 }
 
@@ -558,8 +565,7 @@ static void on_admit(td_grpc_call_t *call, const ProtobufCMessage *msg, void *da
         return;
     }
     a->deadline_ns = td_now_ns() + (uint64_t)ttl * 1000000ull + 1000000000ull;
-    a->next = s->admits;
-    s->admits = a;
+    td_list_push_front(&s->admits, &a->link);
     s->n_admits++;
     td_metric_inc(s->m_admits);
     Tandem__Control__V1__AdmitResponse resp = TANDEM__CONTROL__V1__ADMIT_RESPONSE__INIT;
@@ -716,15 +722,12 @@ static void on_sweep(uv_timer_t *t)
     decode_state_t *s = t->data;
     refresh_kv_load(s); /* expiries and quarantine ends happen in td_xfer's tick */
     uint64_t now = td_now_ns();
-    for (decode_admit_t **pp = &s->admits; *pp;) {
-        decode_admit_t *a = *pp;
+    TD_LIST_FOREACH_SAFE(n, &s->admits) {
+        decode_admit_t *a = TD_CONTAINER_OF(n, decode_admit_t, link);
         if (a->deadline_ns < now) {
-            *pp = a->next;
-            s->n_admits--;
+            admit_unlink(s, a);
             td_info("decode: lease %llu expired before kv-ready", (unsigned long long)a->lease_id);
             admit_free(a);
-        } else {
-            pp = &a->next;
         }
     }
 }
@@ -780,6 +783,7 @@ int decode_main(int argc, char **argv)
 {
     decode_state_t st_, *s = &st_;
     memset(s, 0, sizeof *s);
+    td_list_init(&s->admits);
     decode_config_t *cfg = &s->cfg;
     const td_node_config_t *pc = &s->proc.cfg;
     *cfg = (decode_config_t){.kv_blocks = 0, .max_batch = 64, .max_lease_ms = 600000, .max_requests = 256,
@@ -913,8 +917,11 @@ int decode_main(int argc, char **argv)
     rc = td_node_run(&s->proc);
 out:
     td_node_stop(&s->proc); /* partial init: closes what exists (NULL-safe closers) */
-    while (s->admits)
-        admit_free(admit_take(s, s->admits->lease_id));
+    TD_LIST_FOREACH_SAFE(n, &s->admits) {
+        decode_admit_t *a = TD_CONTAINER_OF(n, decode_admit_t, link);
+        admit_unlink(s, a);
+        admit_free(a);
+    }
     decode_cmd_t c;
     while (td_node_worker_pop_in(&s->worker, &c))
         cmd_discard(s, &c);

@@ -37,6 +37,7 @@
 #include "td_backend.h"
 #include "td_engine.h"
 #include "td_grpc.h"
+#include "td_list.h"
 #include "td_log.h"
 #include "td_metrics.h"
 #include "td_model.h"
@@ -59,7 +60,7 @@ typedef struct prefill_config {
 } prefill_config_t;
 
 typedef struct prefill_job {
-    struct prefill_job *prev, *next; /* loop: live jobs */
+    td_list_t link;            /* loop: in prefill_state_t.jobs */
     struct prefill_state *s;
     td_grpc_call_t *call;      /* NULL once the call ended (answered or cancelled) */
     uint64_t key;              /* td_xfer request id: FNV-1a of the request id string */
@@ -137,7 +138,7 @@ typedef struct prefill_state {
     td_metric_t *m_requests, *m_refused, *m_failed, *m_tokens, *m_cached, *m_seconds, *m_queue,
         *m_xfer_s, *m_steps, *m_step_s, *m_batch_tokens, *m_batch_size, *m_blocks_used;
     /* loop thread */
-    prefill_job_t *jobs;       /* live jobs */
+    td_list_t jobs;            /* live prefill_job_t, newest first */
     int32_t n_jobs;
     bool shutting_down;
     /* compute thread */
@@ -325,12 +326,7 @@ static void job_drop(prefill_job_t *j)
         td_grpc_call_set_data(j->call, NULL);
         td_grpc_call_finish(j->call, TD_GRPC_INTERNAL, "prefill: request dropped");
     }
-    if (j->prev)
-        j->prev->next = j->next;
-    else
-        s->jobs = j->next;
-    if (j->next)
-        j->next->prev = j->prev;
+    td_list_remove(&j->link);
     s->n_jobs--;
     td_metric_set(s->m_queue, s->n_jobs);
     job_free(j);
@@ -559,6 +555,7 @@ static void on_prefill(td_grpc_call_t *call, const ProtobufCMessage *msg, void *
         td_grpc_call_finish(call, TD_GRPC_RESOURCE_EXHAUSTED, "prefill node: out of memory");
         return;
     }
+    td_list_init(&j->link);
     char why[256];
     td_grpc_code_t code = parse_request(s, r, j, why, sizeof why);
     if (code != TD_GRPC_OK) {
@@ -585,10 +582,7 @@ static void on_prefill(td_grpc_call_t *call, const ProtobufCMessage *msg, void *
     j->call = call;
     td_grpc_call_set_data(call, j);
     td_grpc_call_on_cancel(call, on_prefill_cancel);
-    j->next = s->jobs;
-    if (s->jobs)
-        s->jobs->prev = j;
-    s->jobs = j;
+    td_list_push_front(&s->jobs, &j->link);
     s->n_jobs++;
     td_metric_set(s->m_queue, s->n_jobs);
     atomic_fetch_add(&s->unsubmitted_tokens, j->n_tokens);
@@ -614,8 +608,8 @@ static void on_shutdown(void *data)
     s->grpc = NULL;
     td_xfer_destroy(s->xfer); /* finished sends: done callbacks with TD_ERR_CLOSED */
     s->xfer = NULL;
-    for (prefill_job_t *j = s->jobs; j; j = j->next)
-        j->send = NULL; /* unfinished sends end without a callback (freed later, from the loop) */
+    TD_LIST_FOREACH(n, &s->jobs)
+        TD_CONTAINER_OF(n, prefill_job_t, link)->send = NULL; /* unfinished sends end without a callback (freed later, from the loop) */
 }
 
 /* Sizes the KV pool (td_engine_kv_plan: kv-blocks, else what kv-mem holds and the node
@@ -672,6 +666,7 @@ int prefill_main(int argc, char **argv)
 {
     prefill_state_t st_, *s = &st_;
     memset(s, 0, sizeof *s);
+    td_list_init(&s->jobs);
     prefill_config_t *cfg = &s->cfg;
     const td_node_config_t *pc = &s->proc.cfg;
     prefill_sched_config_t dsc = prefill_sched_config_default();
@@ -779,9 +774,9 @@ out:
     while (td_node_worker_pop_out(&s->worker, &ev))
         if (ev.kind == EV_PUSH_END)
             push_free(ev.push);
-    while (s->jobs) {
-        prefill_job_t *j = s->jobs;
-        s->jobs = j->next;
+    TD_LIST_FOREACH_SAFE(n, &s->jobs) {
+        prefill_job_t *j = TD_CONTAINER_OF(n, prefill_job_t, link);
+        td_list_remove(&j->link);
         job_free(j);
     }
     prefill_sched_destroy(s->sched);
