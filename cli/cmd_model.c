@@ -1,7 +1,8 @@
 /*
  * cmd_model: `tandem model`, tools around model files: `synth` writes a random-weight
  * model of a real shape (for benchmarks and tests, nothing to download), `info` shows
- * what a model is and what it costs (parameters, KV bytes per token, fingerprint).
+ * what a model is and what it costs (parameters, KV bytes per token, fingerprint), or for
+ * a GGUF file what the file holds (header, metadata, tensor table).
  */
 #include <inttypes.h>
 #include <stdio.h>
@@ -9,6 +10,7 @@
 #include <string.h>
 
 #include "td_cli.h"
+#include "td_gguf.h"
 #include "td_model.h"
 #include "td_util.h"
 
@@ -17,7 +19,7 @@ static void usage_main(FILE *f)
     fprintf(f, "usage: tandem model <synth|info> [options]\n"
                "\n"
                "  synth   write a random-weight Hugging Face model directory\n"
-               "  info    describe a model (llama2.c .bin, Hugging Face directory or preset name)\n"
+               "  info    describe a model (llama2.c .bin, Hugging Face directory, GGUF file or preset name)\n"
                "\n'tandem model <sub> --help' describes each.\n");
 }
 
@@ -26,7 +28,9 @@ static void usage_info(FILE *f)
     fprintf(f, "usage: tandem model info PATH|PRESET\n"
                "\n"
                "Prints arch, shapes, parameter count, dtype, fingerprint and KV bytes per token of a\n"
-               "llama2.c checkpoint, a Hugging Face model directory, or a preset (shape only).\n");
+               "llama2.c checkpoint, a Hugging Face model directory, or a preset (shape only).\n"
+               "For a GGUF file, prints its header, metadata (arrays: type, length, first values)\n"
+               "and tensor table (the engine does not load GGUF files yet).\n");
 }
 
 /* The shape to synthesize: a preset name or a config.json. */
@@ -142,6 +146,95 @@ static void print_config(const td_model_config_t *c)
            td_model_kv_bytes_per_token(c, TD_F32));
 }
 
+/* A string from the file, printable on one line: quoted, control bytes escaped, cut at
+ * max bytes. */
+static void print_gguf_str(td_gguf_str_t s, size_t max)
+{
+    putchar('"');
+    for (size_t i = 0; i < s.len && i < max; i++) {
+        unsigned char c = (unsigned char)s.data[i];
+        if (c == '"' || c == '\\')
+            printf("\\%c", c);
+        else if (c < 0x20 || c == 0x7f)
+            printf("\\x%02x", c);
+        else
+            putchar(c);
+    }
+    printf("\"%s", s.len > max ? "..." : "");
+}
+
+static void print_gguf_value(const td_gguf_kv_t *kv)
+{
+    switch (kv->type) {
+    case TD_GGUF_STRING: print_gguf_str(kv->v.str, 60); break;
+    case TD_GGUF_BOOL: printf("%s", kv->v.u64 ? "true" : "false"); break;
+    case TD_GGUF_F32: case TD_GGUF_F64: printf("%g", kv->v.f64); break;
+    case TD_GGUF_I8: case TD_GGUF_I16: case TD_GGUF_I32: case TD_GGUF_I64:
+        printf("%" PRId64, kv->v.i64);
+        break;
+    case TD_GGUF_ARRAY: {
+        printf("[%s; %zu]", td_gguf_type_name(kv->arr_type), kv->arr_len);
+        size_t n = TD_MIN(kv->arr_len, (size_t)4);
+        for (size_t i = 0; i < n; i++) {
+            printf(i ? ", " : " ");
+            switch (kv->arr_type) {
+            case TD_GGUF_STRING: print_gguf_str(td_gguf_arr_str(kv, i), 24); break;
+            case TD_GGUF_BOOL: printf("%s", td_gguf_arr_bool(kv, i) ? "true" : "false"); break;
+            case TD_GGUF_F32: case TD_GGUF_F64: printf("%g", td_gguf_arr_float(kv, i)); break;
+            case TD_GGUF_U64: printf("%" PRIu64, (uint64_t)td_gguf_arr_int(kv, i)); break;
+            default: printf("%" PRId64, td_gguf_arr_int(kv, i)); break;
+            }
+        }
+        printf("%s", kv->arr_len > n ? ", ..." : "");
+        break;
+    }
+    default: printf("%" PRIu64, kv->v.u64); break;
+    }
+}
+
+static int info_gguf(const char *path)
+{
+    td_gguf_t *g;
+    if (td_gguf_open(path, &g) != TD_OK)
+        return 1; /* logged where decided */
+    char sz[32];
+    size_t n_kv = td_gguf_kv_count(g), n_t = td_gguf_tensor_count(g);
+    printf("path            %s\n", path);
+    printf("format          GGUF v%u, %s\n", td_gguf_version(g), td_format_bytes(td_gguf_map(g)->size, sz, sizeof sz));
+    printf("metadata        %zu keys\n", n_kv);
+    printf("tensors         %zu\n", n_t);
+    printf("alignment       %zu\n", td_gguf_alignment(g));
+    printf("data            at byte %zu\n", td_gguf_data_offset(g));
+    printf("\nmetadata:\n");
+    for (size_t i = 0; i < n_kv; i++) {
+        const td_gguf_kv_t *kv = td_gguf_kv_at(g, i);
+        printf("  %-40s %-7s ", kv->key, td_gguf_type_name(kv->type));
+        print_gguf_value(kv);
+        printf("\n");
+    }
+    printf("\ntensors:\n  %-32s %-8s %-24s %12s %12s\n", "name", "type", "shape (ne[0] first)", "offset", "bytes");
+    for (size_t i = 0; i < n_t; i++) {
+        const td_gguf_tensor_t *t = td_gguf_tensor_at(g, i);
+        char shape[64], ty[16];
+        int o = snprintf(shape, sizeof shape, "[");
+        for (int d = 0; d < t->n_dims && o < (int)sizeof shape; d++)
+            o += snprintf(shape + o, sizeof shape - (size_t)o, "%s%" PRId64, d ? ", " : "", t->ne[d]);
+        if (o < (int)sizeof shape)
+            snprintf(shape + o, sizeof shape - (size_t)o, "]");
+        const char *tn = td_gguf_ggml_type_name(t->type);
+        if (tn)
+            snprintf(ty, sizeof ty, "%s", tn);
+        else
+            snprintf(ty, sizeof ty, "type %u", t->type);
+        if (t->known)
+            printf("  %-32s %-8s %-24s %12zu %12zu\n", t->name, ty, shape, t->file_offset, t->nbytes);
+        else
+            printf("  %-32s %-8s %-24s %12zu %12s\n", t->name, ty, shape, t->file_offset, "?");
+    }
+    td_gguf_close(g);
+    return 0;
+}
+
 static int cmd_info(int argc, char **argv)
 {
     char *args[1];
@@ -160,6 +253,8 @@ static int cmd_info(int argc, char **argv)
         print_config(&cfg);
         return 0;
     }
+    if (td_is_file(path) && td_gguf_is_gguf(path))
+        return info_gguf(path);
     td_model_t *m;
     if (td_model_load(path, &m) != TD_OK)
         return 1; /* logged where decided */
