@@ -221,9 +221,9 @@ static int info_gguf(const char *path)
             o += snprintf(shape + o, sizeof shape - (size_t)o, "%s%" PRId64, d ? ", " : "", t->ne[d]);
         if (o < (int)sizeof shape)
             snprintf(shape + o, sizeof shape - (size_t)o, "]");
-        const char *tn = td_gguf_ggml_type_name(t->type);
-        if (tn)
-            snprintf(ty, sizeof ty, "%s", tn);
+        const td_ggml_type_t *gt = td_ggml_type(t->type);
+        if (gt)
+            snprintf(ty, sizeof ty, "%s", gt->name);
         else
             snprintf(ty, sizeof ty, "type %u", t->type);
         if (t->known)

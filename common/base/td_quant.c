@@ -189,20 +189,42 @@ void td_quant_quantize_q4_0(const float *src, void *dst, size_t n)
     }
 }
 
-static const td_quant_traits_t quant_traits[] = {
-    {TD_Q4_0, "q4_0", TD_QK, sizeof(td_block_q4_0_t), td_quant_dequantize_q4_0},
-    {TD_Q4_1, "q4_1", TD_QK, sizeof(td_block_q4_1_t), td_quant_dequantize_q4_1},
-    {TD_Q5_0, "q5_0", TD_QK, sizeof(td_block_q5_0_t), td_quant_dequantize_q5_0},
-    {TD_Q5_1, "q5_1", TD_QK, sizeof(td_block_q5_1_t), td_quant_dequantize_q5_1},
-    {TD_Q8_0, "q8_0", TD_QK, sizeof(td_block_q8_0_t), td_quant_dequantize_q8_0},
-    {TD_Q4_K, "q4_k", TD_QK_K, sizeof(td_block_q4_k_t), td_quant_dequantize_q4_k},
-    {TD_Q6_K, "q6_k", TD_QK_K, sizeof(td_block_q6_k_t), td_quant_dequantize_q6_k},
+static const td_ggml_type_t ggml_types[] = {
+    [TD_GGML_F32] = {"F32", 1, 4, NULL},
+    [TD_GGML_F16] = {"F16", 1, 2, NULL},
+    [TD_GGML_Q4_0] = {"Q4_0", TD_QK, sizeof(td_block_q4_0_t), td_quant_dequantize_q4_0},
+    [TD_GGML_Q4_1] = {"Q4_1", TD_QK, sizeof(td_block_q4_1_t), td_quant_dequantize_q4_1},
+    [TD_GGML_Q5_0] = {"Q5_0", TD_QK, sizeof(td_block_q5_0_t), td_quant_dequantize_q5_0},
+    [TD_GGML_Q5_1] = {"Q5_1", TD_QK, sizeof(td_block_q5_1_t), td_quant_dequantize_q5_1},
+    [TD_GGML_Q8_0] = {"Q8_0", TD_QK, sizeof(td_block_q8_0_t), td_quant_dequantize_q8_0},
+    [9] = {"Q8_1", 0, 0, NULL},
+    [TD_GGML_Q2_K] = {"Q2_K", TD_QK_K, 84, NULL},
+    [TD_GGML_Q3_K] = {"Q3_K", TD_QK_K, 110, NULL},
+    [TD_GGML_Q4_K] = {"Q4_K", TD_QK_K, sizeof(td_block_q4_k_t), td_quant_dequantize_q4_k},
+    [TD_GGML_Q5_K] = {"Q5_K", TD_QK_K, 176, NULL},
+    [TD_GGML_Q6_K] = {"Q6_K", TD_QK_K, sizeof(td_block_q6_k_t), td_quant_dequantize_q6_k},
+    [TD_GGML_Q8_K] = {"Q8_K", TD_QK_K, 292, NULL},
+    [16] = {"IQ2_XXS", 0, 0, NULL},
+    [17] = {"IQ2_XS", 0, 0, NULL},
+    [18] = {"IQ3_XXS", 0, 0, NULL},
+    [19] = {"IQ1_S", 0, 0, NULL},
+    [20] = {"IQ4_NL", 0, 0, NULL},
+    [21] = {"IQ3_S", 0, 0, NULL},
+    [22] = {"IQ2_S", 0, 0, NULL},
+    [23] = {"IQ4_XS", 0, 0, NULL},
+    [24] = {"I8", 0, 0, NULL},
+    [25] = {"I16", 0, 0, NULL},
+    [26] = {"I32", 0, 0, NULL},
+    [27] = {"I64", 0, 0, NULL},
+    [28] = {"F64", 0, 0, NULL},
+    [29] = {"IQ1_M", 0, 0, NULL},
+    [TD_GGML_BF16] = {"BF16", 1, 2, NULL},
+    [34] = {"TQ1_0", 0, 0, NULL},
+    [35] = {"TQ2_0", 0, 0, NULL},
+    [39] = {"MXFP4", 0, 0, NULL},
 };
 
-const td_quant_traits_t *td_quant_traits(int type)
+const td_ggml_type_t *td_ggml_type(uint32_t type)
 {
-    for (size_t i = 0; i < TD_ARRAY_LEN(quant_traits); i++)
-        if ((int)quant_traits[i].type == type)
-            return &quant_traits[i];
-    return NULL;
+    return type < TD_ARRAY_LEN(ggml_types) && ggml_types[type].name ? &ggml_types[type] : NULL;
 }

@@ -104,29 +104,38 @@ _Static_assert(sizeof(td_block_q5_1_t) == 24, "Q5_1 block: 2 + 2 + 4 + 16 bytes"
 _Static_assert(sizeof(td_block_q4_k_t) == 144, "Q4_K block: 2 + 2 + 12 + 128 bytes");
 _Static_assert(sizeof(td_block_q6_k_t) == 210, "Q6_K block: 128 + 64 + 16 + 2 bytes");
 
-/* The formats, numbered as GGML numbers them (the type id in a GGUF tensor info). */
-typedef enum td_qtype {
-    TD_Q4_0 = 2,
-    TD_Q4_1 = 3,
-    TD_Q5_0 = 6,
-    TD_Q5_1 = 7,
-    TD_Q8_0 = 8,
-    TD_Q4_K = 12,
-    TD_Q6_K = 14,
-} td_qtype_t;
+/* ggml's tensor type ids (ggml.h; gguf-py's GGMLQuantizationType): the type id of a GGUF
+ * tensor info. Named here: the ids whose block layout is known (td_ggml_type). */
+typedef enum td_ggml_type_id {
+    TD_GGML_F32 = 0,
+    TD_GGML_F16 = 1,
+    TD_GGML_Q4_0 = 2,
+    TD_GGML_Q4_1 = 3,
+    TD_GGML_Q5_0 = 6,
+    TD_GGML_Q5_1 = 7,
+    TD_GGML_Q8_0 = 8,
+    TD_GGML_Q2_K = 10,
+    TD_GGML_Q3_K = 11,
+    TD_GGML_Q4_K = 12,
+    TD_GGML_Q5_K = 13,
+    TD_GGML_Q6_K = 14,
+    TD_GGML_Q8_K = 15,
+    TD_GGML_BF16 = 30,
+} td_ggml_type_id_t;
 
-/* What a reader of a tensor needs to know about its format. */
-typedef struct td_quant_traits {
-    td_qtype_t type;
-    const char *name;   /* "q4_0", ..., as GGML spells them in lower case */
-    size_t block_elems; /* weights per block (32 or 256) */
+/* What a reader of a tensor needs to know about its ggml type: the one table of them. */
+typedef struct td_ggml_type {
+    const char *name;   /* as gguf-py spells it: "F32", "Q4_K", "IQ2_XXS" */
+    size_t block_elems; /* weights per block (1 for F32/F16/BF16; 32 or 256); 0: the
+                           layout is not known here (the type is named, not readable) */
     size_t block_bytes; /* bytes per block */
-    /* Dequantizes n weights (a multiple of block_elems) from src to dst. */
+    /* A block format tandem dequantizes: n weights (a multiple of block_elems) from src to
+     * dst. NULL for the plain float types and for formats not read yet. */
     void (*dequantize)(const void *src, float *dst, size_t n);
-} td_quant_traits_t;
+} td_ggml_type_t;
 
-/* The traits of GGML type id `type`, or NULL when tandem does not read that format. */
-const td_quant_traits_t *td_quant_traits(int type);
+/* The entry of ggml type id `type`, or NULL for an id ggml does not define. */
+const td_ggml_type_t *td_ggml_type(uint32_t type);
 
 /*
  * Reference dequantizers: n weights (a multiple of the block's weight count; TD_ASSERT)

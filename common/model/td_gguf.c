@@ -31,42 +31,6 @@ struct td_gguf {
     td_hash_t tensor_index;  /* fnv1a(name) -> index into tensors */
 };
 
-/* ---- type tables --------------------------------------------------------------------- */
-
-typedef struct ggml_type_info {
-    const char *name;
-    size_t block_elems;   /* 0: layout not known here */
-    size_t block_bytes;
-} ggml_type_info_t;
-
-/* ggml's type ids (ggml.h, gguf-py's GGMLQuantizationType and GGML_QUANT_SIZES). */
-static const ggml_type_info_t ggml_types[] = {
-    [0] = {"F32", 1, 4},      [1] = {"F16", 1, 2},      [2] = {"Q4_0", 32, 18},
-    [3] = {"Q4_1", 32, 20},   [6] = {"Q5_0", 32, 22},   [7] = {"Q5_1", 32, 24},
-    [8] = {"Q8_0", 32, 34},   [9] = {"Q8_1", 0, 0},     [10] = {"Q2_K", 256, 84},
-    [11] = {"Q3_K", 256, 110}, [12] = {"Q4_K", 256, 144}, [13] = {"Q5_K", 256, 176},
-    [14] = {"Q6_K", 256, 210}, [15] = {"Q8_K", 256, 292}, [16] = {"IQ2_XXS", 0, 0},
-    [17] = {"IQ2_XS", 0, 0},  [18] = {"IQ3_XXS", 0, 0}, [19] = {"IQ1_S", 0, 0},
-    [20] = {"IQ4_NL", 0, 0},  [21] = {"IQ3_S", 0, 0},   [22] = {"IQ2_S", 0, 0},
-    [23] = {"IQ4_XS", 0, 0},  [24] = {"I8", 0, 0},      [25] = {"I16", 0, 0},
-    [26] = {"I32", 0, 0},     [27] = {"I64", 0, 0},     [28] = {"F64", 0, 0},
-    [29] = {"IQ1_M", 0, 0},   [30] = {"BF16", 1, 2},    [34] = {"TQ1_0", 0, 0},
-    [35] = {"TQ2_0", 0, 0},   [39] = {"MXFP4", 0, 0},
-};
-
-const char *td_gguf_ggml_type_name(uint32_t type)
-{
-    return type < TD_ARRAY_LEN(ggml_types) ? ggml_types[type].name : NULL;
-}
-
-bool td_gguf_ggml_type_layout(uint32_t type, size_t *block_elems, size_t *block_bytes)
-{
-    if (type >= TD_ARRAY_LEN(ggml_types) || !ggml_types[type].block_elems)
-        return false;
-    *block_elems = ggml_types[type].block_elems;
-    *block_bytes = ggml_types[type].block_bytes;
-    return true;
-}
 
 /* Bytes of one scalar of a fixed-size value type; 0 for string and array. */
 static size_t scalar_size(uint32_t t)
@@ -353,14 +317,15 @@ static td_status_t rd_tensor_info(rd_t *r, size_t i, td_gguf_tensor_t *t)
     at = r->pos;
     if ((s = rd_u64(r, "offset", &t->offset)) != TD_OK)
         return s;
-    size_t be, bb;
-    t->known = td_gguf_ggml_type_layout(t->type, &be, &bb);
+    const td_ggml_type_t *gt = td_ggml_type(t->type);
+    t->known = gt && gt->block_elems;
     if (!t->known)
         return TD_OK;
+    size_t be = gt->block_elems, bb = gt->block_bytes;
     /* nbytes = rows x (row length / block) x block bytes: the row must be whole blocks */
     if (t->ne[0] % (int64_t)be)
         return td_errorf(TD_ERR_FORMAT, "%s: %s: type %s needs rows of a multiple of %zu elements, ne[0] is %lld",
-                         r->path, r->ctx, ggml_types[t->type].name, be, (long long)t->ne[0]);
+                         r->path, r->ctx, gt->name, be, (long long)t->ne[0]);
     size_t nb = (size_t)t->ne[0] / be * bb;
     for (int d = 1; d < TD_GGUF_MAX_DIMS; d++)
         if (!td_mul_size(nb, (size_t)t->ne[d], &nb))
@@ -753,9 +718,9 @@ td_status_t td_gguf_tensor(const td_gguf_t *g, const char *name, const td_gguf_t
     if (!t)
         return td_errorf(TD_ERR_NOT_FOUND, "%s: no tensor %s", g->path, name);
     if (!t->known) {
-        const char *tn = td_gguf_ggml_type_name(t->type);
+        const td_ggml_type_t *gt = td_ggml_type(t->type);
         return td_errorf(TD_ERR_UNSUPPORTED, "%s: tensor %s has ggml type %u (%s), whose layout is not supported",
-                         g->path, name, t->type, tn ? tn : "unknown to ggml too");
+                         g->path, name, t->type, gt ? gt->name : "unknown to ggml too");
     }
     *t_p = t;
     return TD_OK;

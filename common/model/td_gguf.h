@@ -33,6 +33,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "td_quant.h"
 #include "td_status.h"
 #include "td_util.h"
 
@@ -56,24 +57,6 @@ typedef enum td_gguf_type {
     TD_GGUF_F64 = 12,
 } td_gguf_type_t;
 
-/* ggml tensor type ids of the types whose block layout td_gguf knows (others are listed
- * by number and named by td_gguf_ggml_type_name where ggml names them). */
-enum {
-    TD_GGML_F32 = 0,
-    TD_GGML_F16 = 1,
-    TD_GGML_Q4_0 = 2,
-    TD_GGML_Q4_1 = 3,
-    TD_GGML_Q5_0 = 6,
-    TD_GGML_Q5_1 = 7,
-    TD_GGML_Q8_0 = 8,
-    TD_GGML_Q2_K = 10,
-    TD_GGML_Q3_K = 11,
-    TD_GGML_Q4_K = 12,
-    TD_GGML_Q5_K = 13,
-    TD_GGML_Q6_K = 14,
-    TD_GGML_Q8_K = 15,
-    TD_GGML_BF16 = 30,
-};
 
 /* A string inside the map: len bytes at data, not NUL-terminated. */
 typedef struct td_gguf_str {
@@ -185,9 +168,5 @@ const td_gguf_tensor_t *td_gguf_find_tensor(const td_gguf_t *g, const char *name
  * TD_ERR_UNSUPPORTED (a ggml type whose layout we do not know, named), logged. */
 td_status_t td_gguf_tensor(const td_gguf_t *g, const char *name, const td_gguf_tensor_t **t_p);
 
-/* "Q4_K", "BF16", ... or NULL for an id ggml does not name. */
-const char *td_gguf_ggml_type_name(uint32_t type);
-/* Elements per block and bytes per block of a known type; false for others. */
-bool td_gguf_ggml_type_layout(uint32_t type, size_t *block_elems, size_t *block_bytes);
 
 #endif /* TD_GGUF_H */

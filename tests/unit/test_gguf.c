@@ -305,17 +305,15 @@ Test(gguf, ggml_type_layouts)
         {14, 256, 210, "Q6_K"}, {15, 256, 292, "Q8_K"},
     };
     for (size_t i = 0; i < TD_ARRAY_LEN(want); i++) {
-        size_t be, bb;
-        cr_assert(td_gguf_ggml_type_layout(want[i].id, &be, &bb));
-        cr_assert(be == want[i].be && bb == want[i].bb, "%s", want[i].name);
-        cr_assert_str_eq(td_gguf_ggml_type_name(want[i].id), want[i].name);
+        const td_ggml_type_t *t = td_ggml_type(want[i].id);
+        cr_assert(t && t->block_elems == want[i].be && t->block_bytes == want[i].bb, "%s", want[i].name);
+        cr_assert_str_eq(t->name, want[i].name);
     }
-    size_t be, bb;
-    cr_assert(!td_gguf_ggml_type_layout(16, &be, &bb)); /* IQ2_XXS: named, not known */
-    cr_assert_str_eq(td_gguf_ggml_type_name(16), "IQ2_XXS");
-    cr_assert(!td_gguf_ggml_type_layout(4, &be, &bb));
-    cr_assert_null(td_gguf_ggml_type_name(4));
-    cr_assert_null(td_gguf_ggml_type_name(1000));
+    const td_ggml_type_t *iq = td_ggml_type(16); /* IQ2_XXS: named, layout not known */
+    cr_assert(iq && iq->block_elems == 0);
+    cr_assert_str_eq(iq->name, "IQ2_XXS");
+    cr_assert_null(td_ggml_type(4));
+    cr_assert_null(td_ggml_type(1000));
 }
 
 /* Every prefix of the file up to the end of the last known tensor's bytes fails with a

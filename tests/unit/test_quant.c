@@ -18,6 +18,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 #include "td_quant.h"
 #include "td_util.h"
@@ -34,9 +35,9 @@ static void *read_fixture(const char *name, size_t *len_p)
 
 static void check_dequantize(const char *name, int type)
 {
-    const td_quant_traits_t *t = td_quant_traits(type);
-    cr_assert_not_null(t);
-    cr_assert_str_eq(t->name, name);
+    const td_ggml_type_t *t = td_ggml_type((uint32_t)type);
+    cr_assert(t && t->dequantize, "type %d", type);
+    cr_assert_eq(strcasecmp(t->name, name), 0, "%s is named %s", name, t->name);
     char fname[64];
     size_t n_raw, n_want;
     snprintf(fname, sizeof fname, "%s.blocks", name);
@@ -64,31 +65,31 @@ static void check_dequantize(const char *name, int type)
 
 Test(quant, q8_0_dequantize_matches_gguf_py)
 {
-    check_dequantize("q8_0", TD_Q8_0);
+    check_dequantize("q8_0", TD_GGML_Q8_0);
 }
 Test(quant, q4_0_dequantize_matches_gguf_py)
 {
-    check_dequantize("q4_0", TD_Q4_0);
+    check_dequantize("q4_0", TD_GGML_Q4_0);
 }
 Test(quant, q4_1_dequantize_matches_gguf_py)
 {
-    check_dequantize("q4_1", TD_Q4_1);
+    check_dequantize("q4_1", TD_GGML_Q4_1);
 }
 Test(quant, q5_0_dequantize_matches_gguf_py)
 {
-    check_dequantize("q5_0", TD_Q5_0);
+    check_dequantize("q5_0", TD_GGML_Q5_0);
 }
 Test(quant, q5_1_dequantize_matches_gguf_py)
 {
-    check_dequantize("q5_1", TD_Q5_1);
+    check_dequantize("q5_1", TD_GGML_Q5_1);
 }
 Test(quant, q4_k_dequantize_matches_gguf_py)
 {
-    check_dequantize("q4_k", TD_Q4_K);
+    check_dequantize("q4_k", TD_GGML_Q4_K);
 }
 Test(quant, q6_k_dequantize_matches_gguf_py)
 {
-    check_dequantize("q6_k", TD_Q6_K);
+    check_dequantize("q6_k", TD_GGML_Q6_K);
 }
 
 typedef void (*quantize_fn)(const float *src, void *dst, size_t n);
@@ -102,7 +103,7 @@ static void check_quantize(const char *name, quantize_fn quantize)
     snprintf(fname, sizeof fname, "%s.quant.blocks", name);
     uint8_t *want = read_fixture(fname, &n_want);
     size_t n = n_in / sizeof(float);
-    const td_quant_traits_t *t = td_quant_traits(strcmp(name, "q8_0") == 0 ? TD_Q8_0 : TD_Q4_0);
+    const td_ggml_type_t *t = td_ggml_type(strcmp(name, "q8_0") == 0 ? TD_GGML_Q8_0 : TD_GGML_Q4_0);
     cr_assert_eq(n_want, n / t->block_elems * t->block_bytes);
     uint8_t *got = calloc(1, n_want);
     quantize(x, got, n);
@@ -131,15 +132,16 @@ Test(quant, traits_give_ggml_block_sizes)
     } want[] = {{2, 32, 18}, {3, 32, 20},    {6, 32, 22},   {7, 32, 24},
                 {8, 32, 34}, {12, 256, 144}, {14, 256, 210}};
     for (size_t i = 0; i < TD_ARRAY_LEN(want); i++) {
-        const td_quant_traits_t *t = td_quant_traits(want[i].type);
-        cr_assert_not_null(t, "type %d", want[i].type);
+        const td_ggml_type_t *t = td_ggml_type((uint32_t)want[i].type);
+        cr_assert(t && t->dequantize, "type %d", want[i].type);
         cr_assert_eq(t->block_elems, want[i].elems, "%s", t->name);
         cr_assert_eq(t->block_bytes, want[i].bytes, "%s", t->name);
     }
     /* f32, f16, q8_1 (an activation format), q2_k, q8_k, bf16: not weight formats we read */
     static const int unread[] = {0, 1, 9, 10, 15, 30, -1, 1000};
     for (size_t i = 0; i < TD_ARRAY_LEN(unread); i++)
-        cr_assert_null(td_quant_traits(unread[i]), "type %d", unread[i]);
+        cr_assert(!td_ggml_type((uint32_t)unread[i]) || !td_ggml_type((uint32_t)unread[i])->dequantize, "type %d",
+                  unread[i]);
 }
 
 /* Seeded uniform in [-1, 1) (xorshift64*), the same sequence on every machine. */
