@@ -1,0 +1,251 @@
+/*
+ * td_cpu_quant: activation quantization and the Q8_0 / Q4_0 / Q4_1 row dots against it,
+ * scalar and AVX2, bit-identical (the sum order is the header's contract).
+ *
+ * The AVX2 technique is llama.cpp's (ggml-cpu quants.c): the 32 weight quants of a block are
+ * widened to 32 signed or unsigned bytes in weight order (4-bit: the low nibbles are weights
+ * 0..15, the high ones 16..31), _mm256_maddubs_epi16 multiplies unsigned by signed bytes and
+ * adds neighbours into 16 int16, _mm256_madd_epi16 by ones adds neighbours again into 8 int32
+ * lanes of 4 weights each, which are converted and FMA'd with the block's scale into 8 f32
+ * accumulators. Signed weights (Q8_0, Q4_0 after - 8) go through the sign trick: |w| times
+ * a * sign(w). No int16 saturation: |w| <= 128, |a| <= 127, so a pair is at most 32512.
+ * The scalar reference computes the same int32 lanes (exact, so any order) and then the same
+ * f32 operations in the same order, fmaf where AVX2 has an FMA.
+ */
+#include "td_cpu_quant.h"
+
+#include <math.h>
+
+#include "td_util.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define TD_CPU_QUANT_X86 1
+#endif
+
+void td_cpu_quant_act_row(const float *x, td_cpu_q8a_block_t *a, size_t k)
+{
+    TD_ASSERT(k % TD_QK == 0);
+    for (size_t b = 0; b < k / TD_QK; b++, x += TD_QK) {
+        float amax = 0.0f;
+        for (int i = 0; i < TD_QK; i++)
+            amax = fmaxf(amax, fabsf(x[i]));
+        float d = amax / 127.0f;
+        float id = d != 0.0f ? 1.0f / d : 0.0f;
+        int sum = 0;
+        for (int i = 0; i < TD_QK; i++) {
+            /* |x * id| <= 127 * (1 + 3 ulp) < 127.5: never rounds to 128 */
+            int q = (int)roundf(x[i] * id);
+            a[b].qs[i] = (int8_t)q;
+            sum += q;
+        }
+        a[b].d = d;
+        a[b].s = d * (float)sum;
+    }
+}
+
+/* ---- scalar reference ----------------------------------------------------------------- */
+
+/* The row's dot from its 8 lane accumulators (the header's fixed tree). */
+static float hsum_lanes(const float acc[8])
+{
+    return ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+}
+
+/* acc[l] += d * (sum of the 4 products of lane l), w[] the block's weight quants in order */
+static void block_lanes(float acc[8], float d, const int w[TD_QK], const int8_t *qa)
+{
+    for (int l = 0; l < 8; l++) {
+        int32_t p = 0;
+        for (int i = 4 * l; i < 4 * l + 4; i++)
+            p += w[i] * qa[i];
+        acc[l] = fmaf(d, (float)p, acc[l]);
+    }
+}
+
+static float dot_q8_0_scalar(const void *wv, const td_cpu_q8a_block_t *a, size_t k)
+{
+    const td_block_q8_0_t *w = wv;
+    float acc[8] = {0};
+    for (size_t b = 0; b < k / TD_QK; b++) {
+        int q[TD_QK];
+        for (int i = 0; i < TD_QK; i++)
+            q[i] = w[b].qs[i];
+        block_lanes(acc, td_f16_to_f32(w[b].d) * a[b].d, q, a[b].qs);
+    }
+    return hsum_lanes(acc);
+}
+
+/* the 32 nibbles of a Q4 block in weight order */
+static void nibbles(const uint8_t qs[TD_QK / 2], int bias, int q[TD_QK])
+{
+    for (int j = 0; j < TD_QK / 2; j++) {
+        q[j] = (qs[j] & 15) - bias;
+        q[j + TD_QK / 2] = (qs[j] >> 4) - bias;
+    }
+}
+
+static float dot_q4_0_scalar(const void *wv, const td_cpu_q8a_block_t *a, size_t k)
+{
+    const td_block_q4_0_t *w = wv;
+    float acc[8] = {0};
+    for (size_t b = 0; b < k / TD_QK; b++) {
+        int q[TD_QK];
+        nibbles(w[b].qs, 8, q);
+        block_lanes(acc, td_f16_to_f32(w[b].d) * a[b].d, q, a[b].qs);
+    }
+    return hsum_lanes(acc);
+}
+
+static float dot_q4_1_scalar(const void *wv, const td_cpu_q8a_block_t *a, size_t k)
+{
+    const td_block_q4_1_t *w = wv;
+    float acc[8] = {0};
+    float m = 0.0f;
+    for (size_t b = 0; b < k / TD_QK; b++) {
+        int q[TD_QK];
+        nibbles(w[b].qs, 0, q);
+        block_lanes(acc, td_f16_to_f32(w[b].d) * a[b].d, q, a[b].qs);
+        m = fmaf(td_f16_to_f32(w[b].m), a[b].s, m);
+    }
+    return hsum_lanes(acc) + m;
+}
+
+static const td_cpu_quant_ops_t ops_scalar = {
+    .name = "scalar",
+    .q8_0 = dot_q8_0_scalar,
+    .q4_0 = dot_q4_0_scalar,
+    .q4_1 = dot_q4_1_scalar,
+};
+
+/* ---- AVX2 ----------------------------------------------------------------------------- */
+
+#ifdef TD_CPU_QUANT_X86
+#define TD_AVX2 __attribute__((target("avx2,fma")))
+
+/* the hsum_lanes tree on a register: lanes l and l + 4 first, then (0,2)/(1,3), then 0+1 */
+static inline TD_AVX2 float hsum8(__m256 v)
+{
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* 8 int32 lanes, lane l = sum of u[i] * s[i] for i = 4l..4l+3 (u unsigned, s signed bytes) */
+static inline TD_AVX2 __m256i lanes_us8(__m256i u, __m256i s)
+{
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+
+/* the same for two signed byte vectors: |x| times y * sign(x) */
+static inline TD_AVX2 __m256i lanes_s8(__m256i x, __m256i y)
+{
+    return lanes_us8(_mm256_sign_epi8(x, x), _mm256_sign_epi8(y, x));
+}
+
+/* 16 bytes of nibbles to 32 bytes 0..15 in weight order (low nibbles, then high) */
+static inline TD_AVX2 __m256i nibbles32(const uint8_t *qs)
+{
+    __m128i v = _mm_loadu_si128((const __m128i *)qs);
+    __m256i both = _mm256_set_m128i(_mm_srli_epi16(v, 4), v);
+    return _mm256_and_si256(both, _mm256_set1_epi8(15));
+}
+
+static inline TD_AVX2 __m256i act32(const td_cpu_q8a_block_t *a)
+{
+    return _mm256_loadu_si256((const __m256i *)a->qs);
+}
+
+static TD_AVX2 float dot_q8_0_avx2(const void *wv, const td_cpu_q8a_block_t *a, size_t k)
+{
+    const td_block_q8_0_t *w = wv;
+    __m256 acc = _mm256_setzero_ps();
+    for (size_t b = 0; b < k / TD_QK; b++) {
+        __m256i q = _mm256_loadu_si256((const __m256i *)w[b].qs);
+        __m256 d = _mm256_set1_ps(td_f16_to_f32(w[b].d) * a[b].d);
+        acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(lanes_s8(q, act32(&a[b]))), acc);
+    }
+    return hsum8(acc);
+}
+
+static TD_AVX2 float dot_q4_0_avx2(const void *wv, const td_cpu_q8a_block_t *a, size_t k)
+{
+    const td_block_q4_0_t *w = wv;
+    __m256 acc = _mm256_setzero_ps();
+    for (size_t b = 0; b < k / TD_QK; b++) {
+        __m256i q = _mm256_sub_epi8(nibbles32(w[b].qs), _mm256_set1_epi8(8));
+        __m256 d = _mm256_set1_ps(td_f16_to_f32(w[b].d) * a[b].d);
+        acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(lanes_s8(q, act32(&a[b]))), acc);
+    }
+    return hsum8(acc);
+}
+
+static TD_AVX2 float dot_q4_1_avx2(const void *wv, const td_cpu_q8a_block_t *a, size_t k)
+{
+    const td_block_q4_1_t *w = wv;
+    __m256 acc = _mm256_setzero_ps();
+    float m = 0.0f;
+    for (size_t b = 0; b < k / TD_QK; b++) {
+        __m256 d = _mm256_set1_ps(td_f16_to_f32(w[b].d) * a[b].d);
+        __m256i p = lanes_us8(nibbles32(w[b].qs), act32(&a[b]));
+        acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(p), acc);
+        m = fmaf(td_f16_to_f32(w[b].m), a[b].s, m);
+    }
+    return hsum8(acc) + m;
+}
+
+static const td_cpu_quant_ops_t ops_avx2 = {
+    .name = "avx2",
+    .q8_0 = dot_q8_0_avx2,
+    .q4_0 = dot_q4_0_avx2,
+    .q4_1 = dot_q4_1_avx2,
+};
+#endif /* TD_CPU_QUANT_X86 */
+
+/* ---- choice and GEMV ------------------------------------------------------------------ */
+
+const td_cpu_quant_ops_t *td_cpu_quant_ops(td_cpu_quant_isa_t isa)
+{
+    switch (isa) {
+    case TD_CPU_QUANT_SCALAR: return &ops_scalar;
+    case TD_CPU_QUANT_AVX2:
+#ifdef TD_CPU_QUANT_X86
+        if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+            return &ops_avx2;
+#endif
+        return NULL;
+    case TD_CPU_QUANT_N_ISA: break;
+    }
+    return NULL;
+}
+
+const td_cpu_quant_ops_t *td_cpu_quant_ops_best(void)
+{
+    for (int isa = TD_CPU_QUANT_N_ISA - 1; isa > TD_CPU_QUANT_SCALAR; isa--) {
+        const td_cpu_quant_ops_t *ops = td_cpu_quant_ops((td_cpu_quant_isa_t)isa);
+        if (ops)
+            return ops;
+    }
+    return &ops_scalar;
+}
+
+td_cpu_quant_dot_fn td_cpu_quant_dot_of(const td_cpu_quant_ops_t *ops, uint32_t type)
+{
+    switch (type) {
+    case TD_GGML_Q8_0: return ops->q8_0;
+    case TD_GGML_Q4_0: return ops->q4_0;
+    case TD_GGML_Q4_1: return ops->q4_1;
+    }
+    return NULL;
+}
+
+void td_cpu_quant_gemv(const td_cpu_quant_ops_t *ops, uint32_t type, const void *w,
+                       size_t row_bytes, size_t r0, size_t r1, const td_cpu_q8a_block_t *a,
+                       size_t k, float *y)
+{
+    td_cpu_quant_dot_fn dot = td_cpu_quant_dot_of(ops, type);
+    TD_ASSERT(dot && k % TD_QK == 0);
+    for (size_t r = r0; r < r1; r++)
+        y[r] = dot((const uint8_t *)w + r * row_bytes, a, k);
+}

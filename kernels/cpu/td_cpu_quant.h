@@ -1,0 +1,91 @@
+/*
+ * td_cpu_quant: the CPU dot-product kernels a block-quantized matmul is built on (issue 14).
+ *
+ * llama.cpp's scheme: the activation row is quantized per block of 32 to int8 with one scale
+ * (td_cpu_q8a_block_t), and a weight row in Q8_0, Q4_0 or Q4_1 is dotted with it block by
+ * block in integers; the block's int32 partial sums are scaled by d_w * d_a in f32. Q4_1's
+ * offset m needs the activation block's sum: sum_i (d q_i + m) a_i = d_w d_a sum q_i qa_i +
+ * m * (d_a sum qa_i), so the activation block carries s = d_a * sum qa_i (llama.cpp's Q8_1).
+ *
+ * Two implementations of every dot, in td_cpu_quant_ops_t tables: the scalar reference and
+ * AVX2 (_mm256_maddubs_epi16 / _mm256_madd_epi16). Both sum in the same order (below), so
+ * they give bit-identical results. The AVX2 one is compiled with target attributes and
+ * chosen at run time (td_cpu_quant_ops_best: __builtin_cpu_supports), so a TD_NATIVE=OFF
+ * binary still runs on a CPU without AVX2. With TD_NATIVE (-march=native) the scalar code
+ * may itself be auto-vectorised and the binary needs the build machine's ISA anyway; the
+ * run-time choice stays real (both tables exist, tests run both). AVX-512 VNNI (vpdpbusd)
+ * is a later table, TD_CPU_QUANT_AVX512_VNNI, in the same enum.
+ *
+ * The order of the f32 sum (the contract of every implementation): for a row of k weights
+ * (nb = k / 32 blocks), the 32 products of a block are summed exactly in int32 in 8 lanes
+ * of 4 consecutive weights, p[b][l] = sum_{i=4l..4l+3} qw_i qa_i; each lane keeps an f32
+ * accumulator, acc[l] = fmaf(d_b, (float)p[b][l], acc[l]) for b = 0..nb-1 with
+ * d_b = f32(d_w) * d_a; the row's dot is ((acc0+acc4) + (acc2+acc6)) + ((acc1+acc5) +
+ * (acc3+acc7)) and, for Q4_1, + M where M = fmaf(f32(m_b), s_b, M) over the blocks in order.
+ *
+ * Range contract (why the int16 pair sums of maddubs never saturate): activation quants
+ * are in [-127, 127] (td_cpu_quant_act_row makes them so; never -128), weight quants are
+ * int8 (Q8_0, -128 allowed) or 4-bit. Thread safety: every function is pure; callers may
+ * run them on disjoint rows at once.
+ */
+#ifndef TD_CPU_QUANT_H
+#define TD_CPU_QUANT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "td_quant.h"
+
+/* One block of 32 quantized activations: a_i ~= d * qs[i]. Scales in f32 (not f16 as in
+ * ggml's Q8_1): activations are made per step, never stored, and f32 keeps them exact. */
+typedef struct td_cpu_q8a_block {
+    float d;          /* scale: amax / 127 (0 for a block of zeros) */
+    float s;          /* d * sum(qs), for the offset of Q4_1 weights */
+    int8_t qs[TD_QK]; /* round-half-away(x / d), in [-127, 127] */
+} td_cpu_q8a_block_t;
+
+/*
+ * Quantizes k floats (a multiple of 32; TD_ASSERT) to k / 32 activation blocks, as ggml's
+ * quantize_row_q8_1_ref does (d = amax / 127, q = roundf(x / d) computed as x * (1 / d)),
+ * with f32 scales. The input must be finite. Scalar: it reads each activation once per
+ * matmul, next to n rows of weights.
+ */
+void td_cpu_quant_act_row(const float *x, td_cpu_q8a_block_t *a, size_t k);
+
+/* A weight row of k weights (k / 32 blocks of its format at w) dotted with k / 32
+ * activation blocks, summed in the order of the header comment. */
+typedef float (*td_cpu_quant_dot_fn)(const void *w, const td_cpu_q8a_block_t *a, size_t k);
+
+typedef enum td_cpu_quant_isa {
+    TD_CPU_QUANT_SCALAR, /* plain C, the reference */
+    TD_CPU_QUANT_AVX2,   /* x86 AVX2 + FMA */
+    /* TD_CPU_QUANT_AVX512_VNNI: later (vpdpbusd for maddubs + madd, same sum order) */
+    TD_CPU_QUANT_N_ISA,
+} td_cpu_quant_isa_t;
+
+typedef struct td_cpu_quant_ops {
+    const char *name;           /* "scalar", "avx2" */
+    td_cpu_quant_dot_fn q8_0;   /* Q8_0 weights */
+    td_cpu_quant_dot_fn q4_0;   /* Q4_0 weights */
+    td_cpu_quant_dot_fn q4_1;   /* Q4_1 weights */
+} td_cpu_quant_ops_t;
+
+/* The kernels of `isa`, or NULL when this build has none or this CPU cannot run them. */
+const td_cpu_quant_ops_t *td_cpu_quant_ops(td_cpu_quant_isa_t isa);
+
+/* The fastest table this CPU runs (never NULL: the scalar one at worst). */
+const td_cpu_quant_ops_t *td_cpu_quant_ops_best(void);
+
+/* The dot of ggml type `type` in `ops` (Q8_0, Q4_0, Q4_1), or NULL for another type. */
+td_cpu_quant_dot_fn td_cpu_quant_dot_of(const td_cpu_quant_ops_t *ops, uint32_t type);
+
+/*
+ * GEMV: y[r] = dot(row r of W, a) for r in [r0, r1), row r at w + r * row_bytes
+ * (row_bytes = k / 32 * block_bytes for a dense matrix). `type` is a ggml type id with a
+ * dot in `ops` (TD_ASSERT). Rows are independent: threads may take disjoint [r0, r1).
+ */
+void td_cpu_quant_gemv(const td_cpu_quant_ops_t *ops, uint32_t type, const void *w,
+                       size_t row_bytes, size_t r0, size_t r1, const td_cpu_q8a_block_t *a,
+                       size_t k, float *y);
+
+#endif /* TD_CPU_QUANT_H */

@@ -1,0 +1,267 @@
+/*
+ * test_quant_dot: the quantized dot kernels of td_cpu_quant (issue 14) against a plain
+ * double-precision reference built from td_quant's dequantizers, and the AVX2 kernels
+ * against the scalar ones.
+ *
+ * Reference: the weight row dequantized by td_quant (bit-exact to ggml), the activation
+ * blocks dequantized as a_i = d * qs[i] in f32, their dot summed in double. The scalar
+ * kernel must be within (nb + 8) * 2^-24 * S of it, nb = k / 32 blocks, where S is the sum
+ * of the magnitudes of everything the kernel adds: sum |w_i a_i|, and for Q4_1 (whose
+ * kernel adds d q_i a_i and m * s separately, and these can cancel) also sum |d q_i a_i|,
+ * sum |m a_i| and sum_b |m_b s_b|. Why that bound: each of the 8 lane accumulators is a
+ * recursive f32 sum of nb FMA terms (at most nb - 1 roundings each, gamma_{nb} of the sum
+ * of magnitudes), the scale d_w * d_a is rounded once, the horizontal sum adds 3 levels
+ * and Q4_1's offset sum 1 more, and the reference's own f32 dequantization of a_i (and of
+ * d q + m) is off by half an ulp; nb + 8 units of 2^-24 cover all of them. Scales are chosen
+ * so nothing is subnormal in f32 (the bound is relative; subnormals would need an absolute
+ * term): f16 weight scales from subnormal to 65504, activation blocks from 1e-20 to 1e25.
+ *
+ * AVX2 vs scalar: bitwise. Both compute the same exact int32 lane sums and then the same f32
+ * operations in the same order (td_cpu_quant.h), so any difference is a bug, not rounding.
+ * Skipped on a CPU without AVX2 + FMA. Rows of 32..4096 weights, several not multiples of
+ * 256, random seeded data, Q8_0 quants over the full int8 range (-128 included).
+ */
+#include <criterion/criterion.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu/td_cpu_quant.h"
+#include "td_quant.h"
+#include "td_util.h"
+
+static const size_t row_lengths[] = {32, 64, 96, 256, 288, 1056, 2080, 4000, 4096};
+#define N_LENGTHS (sizeof row_lengths / sizeof row_lengths[0])
+static const uint32_t types[] = {TD_GGML_Q8_0, TD_GGML_Q4_0, TD_GGML_Q4_1};
+
+static uint64_t rng_next(uint64_t *s)
+{
+    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+static double rng_unit(uint64_t *s) /* [0, 1) */
+{
+    return (double)(rng_next(s) >> 11) * 0x1.0p-53;
+}
+
+/* f16 bits of a weight scale: typical (2^-6 .. 2^2) or extreme (zero, subnormal, smallest
+ * normal, 65504, anything finite), either sign */
+static uint16_t f16_scale(uint64_t *s, bool extreme)
+{
+    uint16_t sign = (uint16_t)((rng_next(s) & 1) << 15);
+    uint16_t mant = (uint16_t)(rng_next(s) & 1023);
+    if (!extreme)
+        return sign | (uint16_t)((9 + rng_next(s) % 8) << 10) | mant;
+    switch (rng_next(s) % 5) {
+    case 0: return sign | mant;                 /* subnormal (or zero) */
+    case 1: return sign | 0x0400;               /* smallest normal */
+    case 2: return sign | 0x7bff;               /* 65504 */
+    default: return sign | (uint16_t)((rng_next(s) % 31) << 10) | mant;
+    }
+}
+
+/* n_rows rows of k weights of `type`, raw random blocks (caller frees) */
+static void *make_weights(uint32_t type, size_t n_rows, size_t k, bool extreme, uint64_t *s)
+{
+    size_t nb = n_rows * k / TD_QK;
+    const td_ggml_type_t *t = td_ggml_type(type);
+    uint8_t *w = malloc(nb * t->block_bytes);
+    for (size_t b = 0; b < nb; b++) {
+        void *blk = w + b * t->block_bytes;
+        if (type == TD_GGML_Q8_0) {
+            td_block_q8_0_t *q = blk;
+            q->d = f16_scale(s, extreme);
+            for (int i = 0; i < TD_QK; i++)
+                q->qs[i] = (int8_t)(rng_next(s) & 255);
+        } else if (type == TD_GGML_Q4_0) {
+            td_block_q4_0_t *q = blk;
+            q->d = f16_scale(s, extreme);
+            for (int i = 0; i < TD_QK / 2; i++)
+                q->qs[i] = (uint8_t)rng_next(s);
+        } else {
+            td_block_q4_1_t *q = blk;
+            q->d = f16_scale(s, extreme);
+            q->m = f16_scale(s, extreme);
+            for (int i = 0; i < TD_QK / 2; i++)
+                q->qs[i] = (uint8_t)rng_next(s);
+        }
+    }
+    return w;
+}
+
+/* k activations quantized to blocks: uniform in [-1, 1), each block times 10^[-20, 25]
+ * when extreme; every 7th block zero */
+static td_cpu_q8a_block_t *make_act(size_t k, bool extreme, uint64_t *s)
+{
+    float *x = malloc(k * sizeof *x);
+    for (size_t b = 0; b < k / TD_QK; b++) {
+        double scale = extreme ? pow(10.0, -20.0 + 45.0 * rng_unit(s)) : 1.0;
+        for (int i = 0; i < TD_QK; i++)
+            x[b * TD_QK + i] = b % 7 == 6 ? 0.0f : (float)((2.0 * rng_unit(s) - 1.0) * scale);
+    }
+    td_cpu_q8a_block_t *a = malloc(k / TD_QK * sizeof *a);
+    td_cpu_quant_act_row(x, a, k);
+    free(x);
+    return a;
+}
+
+/* the double reference of one row, and the bound the scalar kernel must meet */
+static double reference(uint32_t type, const void *w, const td_cpu_q8a_block_t *a, size_t k,
+                        double *tol_p)
+{
+    const td_ggml_type_t *t = td_ggml_type(type);
+    float *wf = malloc(k * sizeof *wf);
+    t->dequantize(w, wf, k);
+    double dot = 0.0, mag = 0.0;
+    for (size_t i = 0; i < k; i++) {
+        const td_cpu_q8a_block_t *ab = &a[i / TD_QK];
+        double ai = (double)(ab->d * (float)ab->qs[i % TD_QK]);
+        dot += (double)wf[i] * ai;
+        mag += fabs((double)wf[i] * ai);
+        if (type == TD_GGML_Q4_1) {
+            const td_block_q4_1_t *q = (const td_block_q4_1_t *)w + i / TD_QK;
+            size_t j = i % TD_QK;
+            int qi = j < 16 ? q->qs[j] & 15 : q->qs[j - 16] >> 4;
+            double m = td_f16_to_f32(q->m);
+            mag += fabs(td_f16_to_f32(q->d) * qi * ai) + fabs(m * ai);
+            if (j == 0)
+                mag += fabs(m * ab->s);
+        }
+    }
+    free(wf);
+    *tol_p = (double)(k / TD_QK + 8) * 0x1.0p-24 * mag;
+    return dot;
+}
+
+static void check_scalar(bool extreme, uint64_t seed)
+{
+    const td_cpu_quant_ops_t *ops = td_cpu_quant_ops(TD_CPU_QUANT_SCALAR);
+    uint64_t s = seed;
+    for (size_t ti = 0; ti < 3; ti++) {
+        for (size_t li = 0; li < N_LENGTHS; li++) {
+            size_t k = row_lengths[li];
+            for (int rep = 0; rep < 4; rep++) {
+                void *w = make_weights(types[ti], 1, k, extreme, &s);
+                td_cpu_q8a_block_t *a = make_act(k, extreme, &s);
+                double tol, ref = reference(types[ti], w, a, k, &tol);
+                float got = td_cpu_quant_dot_of(ops, types[ti])(w, a, k);
+                cr_assert(isfinite(got), "type %u k %zu: %g", types[ti], k, got);
+                cr_assert(fabs(got - ref) <= tol,
+                          "type %u k %zu rep %d: scalar %.9g, double %.17g, |diff| %.3g > %.3g",
+                          types[ti], k, rep, got, ref, fabs(got - ref), tol);
+                free(w);
+                free(a);
+            }
+        }
+    }
+}
+
+Test(quant_dot, scalar_matches_double_reference)
+{
+    check_scalar(false, 1);
+}
+
+Test(quant_dot, scalar_matches_double_reference_extreme_scales)
+{
+    check_scalar(true, 2);
+}
+
+/* AVX2 and scalar GEMVs over n_rows rows: every output bit-identical, and each equal to
+ * its row's single dot */
+static void check_avx2(bool extreme, uint64_t seed)
+{
+    const td_cpu_quant_ops_t *avx2 = td_cpu_quant_ops(TD_CPU_QUANT_AVX2);
+    if (!avx2)
+        cr_skip_test("skipped: this CPU (or build) has no AVX2 + FMA");
+    const td_cpu_quant_ops_t *ref = td_cpu_quant_ops(TD_CPU_QUANT_SCALAR);
+    uint64_t s = seed;
+    const size_t n_rows = 5;
+    for (size_t ti = 0; ti < 3; ti++) {
+        const td_ggml_type_t *t = td_ggml_type(types[ti]);
+        for (size_t li = 0; li < N_LENGTHS; li++) {
+            size_t k = row_lengths[li];
+            size_t row_bytes = k / TD_QK * t->block_bytes;
+            void *w = make_weights(types[ti], n_rows, k, extreme, &s);
+            td_cpu_q8a_block_t *a = make_act(k, extreme, &s);
+            float y_ref[5], y[5];
+            td_cpu_quant_gemv(ref, types[ti], w, row_bytes, 0, n_rows, a, k, y_ref);
+            td_cpu_quant_gemv(avx2, types[ti], w, row_bytes, 0, n_rows, a, k, y);
+            for (size_t r = 0; r < n_rows; r++) {
+                uint32_t g, e;
+                memcpy(&g, &y[r], 4);
+                memcpy(&e, &y_ref[r], 4);
+                cr_assert_eq(g, e, "type %u k %zu row %zu: avx2 %a, scalar %a", types[ti], k, r,
+                             y[r], y_ref[r]);
+                float one = td_cpu_quant_dot_of(avx2, types[ti])(
+                    (const uint8_t *)w + r * row_bytes, a, k);
+                cr_assert_eq(memcmp(&one, &y[r], 4), 0, "gemv row %zu is not its dot", r);
+            }
+            free(w);
+            free(a);
+        }
+    }
+}
+
+Test(quant_dot, avx2_equals_scalar_bitwise)
+{
+    check_avx2(false, 3);
+}
+
+Test(quant_dot, avx2_equals_scalar_bitwise_extreme_scales)
+{
+    check_avx2(true, 4);
+}
+
+Test(quant_dot, best_is_avx2_when_the_cpu_has_it)
+{
+    const td_cpu_quant_ops_t *best = td_cpu_quant_ops_best();
+    cr_assert_not_null(best);
+    const td_cpu_quant_ops_t *avx2 = td_cpu_quant_ops(TD_CPU_QUANT_AVX2);
+    cr_assert_eq(best, avx2 ? avx2 : td_cpu_quant_ops(TD_CPU_QUANT_SCALAR), "best is %s",
+                 best->name);
+    cr_assert_null(td_cpu_quant_dot_of(best, TD_GGML_Q4_K), "no Q4_K dot yet");
+}
+
+/* activation quantization: quants in [-127, 127], each within half a step of x / d (plus
+ * the rounding of x * (1 / d)), s = d * sum exactly, zero blocks all zero */
+Test(quant_dot, act_row)
+{
+    uint64_t s = 5;
+    size_t k = 4096;
+    float *x = malloc(k * sizeof *x);
+    for (size_t i = 0; i < k; i++) {
+        double scale = pow(10.0, -20.0 + 45.0 * (double)(i / TD_QK) / (double)(k / TD_QK));
+        x[i] = i / TD_QK == 3 ? 0.0f : (float)((2.0 * rng_unit(&s) - 1.0) * scale);
+    }
+    x[7] = 1.0f; /* a block whose largest magnitude is exact and one of each sign */
+    x[8] = -1.0f;
+    td_cpu_q8a_block_t *a = malloc(k / TD_QK * sizeof *a);
+    td_cpu_quant_act_row(x, a, k);
+    for (size_t b = 0; b < k / TD_QK; b++) {
+        int sum = 0;
+        double amax = 0.0;
+        for (int i = 0; i < TD_QK; i++)
+            amax = fmax(amax, fabs(x[b * TD_QK + i]));
+        for (int i = 0; i < TD_QK; i++) {
+            int q = a[b].qs[i];
+            cr_assert(q >= -127 && q <= 127, "block %zu quant %d", b, q);
+            double err = fabs((double)x[b * TD_QK + i] - (double)a[b].d * q);
+            cr_assert(err <= (double)a[b].d * (0.5 + 0x1.0p-20), "block %zu weight %d: %g", b, i,
+                      err);
+            sum += q;
+        }
+        cr_assert(fabs((double)a[b].d - amax / 127.0) <= amax / 127.0 * 0x1.0p-24, "block %zu", b);
+        float want_s = a[b].d * (float)sum;
+        cr_assert_eq(memcmp(&a[b].s, &want_s, 4), 0, "block %zu s %g, want %g", b, a[b].s, want_s);
+        if (b == 3)
+            cr_assert(a[b].d == 0.0f && sum == 0 && a[b].s == 0.0f);
+    }
+    cr_assert_eq(a[0].qs[7], 127);
+    cr_assert_eq(a[0].qs[8], -127);
+    free(x);
+    free(a);
+}
