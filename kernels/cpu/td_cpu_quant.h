@@ -58,7 +58,7 @@ typedef float (*td_cpu_quant_dot_fn)(const void *w, const td_cpu_q8a_block_t *a,
 
 typedef enum td_cpu_quant_isa {
     TD_CPU_QUANT_SCALAR, /* plain C, the reference */
-    TD_CPU_QUANT_AVX2,   /* x86 AVX2 + FMA */
+    TD_CPU_QUANT_AVX2,   /* x86 AVX2 + FMA + F16C */
     /* TD_CPU_QUANT_AVX512_VNNI: later (vpdpbusd for maddubs + madd, same sum order) */
     TD_CPU_QUANT_N_ISA,
 } td_cpu_quant_isa_t;

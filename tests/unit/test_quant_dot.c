@@ -18,7 +18,7 @@
  *
  * AVX2 vs scalar: bitwise. Both compute the same exact int32 lane sums and then the same f32
  * operations in the same order (td_cpu_quant.h), so any difference is a bug, not rounding.
- * Skipped on a CPU without AVX2 + FMA. Rows of 32..4096 weights, several not multiples of
+ * Skipped on a CPU without AVX2 + FMA + F16C. Rows of 32..4096 weights, several not multiples of
  * 256, random seeded data, Q8_0 quants over the full int8 range (-128 included).
  */
 #include <criterion/criterion.h>
@@ -176,7 +176,7 @@ static void check_avx2(bool extreme, uint64_t seed)
 {
     const td_cpu_quant_ops_t *avx2 = td_cpu_quant_ops(TD_CPU_QUANT_AVX2);
     if (!avx2)
-        cr_skip_test("skipped: this CPU (or build) has no AVX2 + FMA");
+        cr_skip_test("skipped: this CPU (or build) has no AVX2 + FMA + F16C");
     const td_cpu_quant_ops_t *ref = td_cpu_quant_ops(TD_CPU_QUANT_SCALAR);
     uint64_t s = seed;
     const size_t n_rows = 5;
