@@ -1,7 +1,9 @@
 #!/bin/bash
 # test_cluster_deadline: on a 1+1 `tandem local` cluster, generations of 480 tokens with a
-# deadline far shorter than they take end DEADLINE_EXCEEDED: 8 grpcio streams with a 20 ms
-# client deadline, and one h2c request (curl) carrying `grpc-timeout: 20m` with no deadline
+# deadline far shorter than they take end DEADLINE_EXCEEDED: 8 grpcio streams with a 5 ms
+# client deadline (stories260K ends its stories after about 220 tokens, and a whole such
+# generation once came back within 20 ms), and one h2c request (curl) carrying
+# `grpc-timeout: 5m` with no deadline
 # of its own, so the status is the router's (grpc-status 4) while 4 other long streams keep the
 # decode node busy. Afterwards the decode node's used KV blocks return to the count before
 # (its /metrics, within 10 s), the router counted a deadline, and the next request is served.
@@ -13,9 +15,9 @@ cl_local 1 1
 [ -n "${CL_MURL[decode0]:-}" ] || { cl_fail "no decode0 metrics URL in tandem local's output"; cl_end; }
 base=$(cl_metric decode0 tandem_decode_kv_blocks_used) || { cl_fail "cannot read decode0's /metrics"; cl_end; }
 dl0=$(cl_metric router tandem_router_requests_total outcome=deadline 2>/dev/null || echo 0)
-cl_py deadline "$CL_GW" 8 $MAXTOK 0.02
+cl_py deadline "$CL_GW" 8 $MAXTOK 0.005
 if command -v curl >/dev/null && curl -V | grep -q HTTP2; then
-    "$CL_PY" "$CL_TOOL" rawdeadline "$CL_GW" $MAXTOK 20 4 || CL_FAIL=1
+    "$CL_PY" "$CL_TOOL" rawdeadline "$CL_GW" $MAXTOK 5 4 || CL_FAIL=1
     dl1=$(cl_metric router tandem_router_requests_total outcome=deadline 2>/dev/null || echo 0)
     echo "router deadline outcomes: $dl0 -> $dl1"
     [ "${dl1%.*}" -gt "${dl0%.*}" ] || cl_fail "the router counted no deadline outcome for the grpc-timeout request"
