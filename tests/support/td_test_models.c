@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include "td_status.h"
+#include "td_util.h"
 
 const char *td_test_models_dir(void)
 {
@@ -24,6 +25,18 @@ void td_test_model_file(const char *rel, char *path, size_t cap)
     if (access(path, R_OK) != 0)
         cr_skip_test("skipped: %s not found (set TANDEM_TEST_MODELS to the shared models folder)",
                      path);
+}
+
+char *td_test_fixture_read(const char *rel, size_t max_bytes, size_t *len_p)
+{
+    char path[4096];
+    snprintf(path, sizeof path, "%s/tests/fixtures/%s", TD_SOURCE_DIR, rel);
+    char *data;
+    size_t len;
+    cr_assert_eq(td_file_read_all(path, max_bytes, &data, &len), TD_OK, "fixture %s: %s", path, td_last_error());
+    if (len_p)
+        *len_p = len;
+    return data;
 }
 
 const char *td_test_stories_path(void)

@@ -27,6 +27,11 @@ const char *td_test_models_dir(void);
  * and the variable, when it cannot be read (a file or a folder). */
 void td_test_model_file(const char *rel, char *path, size_t cap);
 
+/* The whole of tests/fixtures/<rel> (committed with the source, never skipped), at most
+ * max_bytes, NUL-terminated; the caller frees. The running test fails naming the path and
+ * the error when it cannot be read. *len_p may be NULL. */
+char *td_test_fixture_read(const char *rel, size_t max_bytes, size_t *len_p);
+
 /* The stories260K checkpoint's path (a static buffer: the same string every call). */
 const char *td_test_stories_path(void);
 

@@ -12,33 +12,19 @@
 #include <string.h>
 
 #include "td_chat_template.h"
-
-static char *read_all(const char *path, size_t *len_p)
-{
-    FILE *f = fopen(path, "rb");
-    cr_assert(f, "cannot open %s", path);
-    fseek(f, 0, SEEK_END);
-    long n = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    char *s = malloc((size_t)n + 1);
-    cr_assert(s && fread(s, 1, (size_t)n, f) == (size_t)n);
-    s[n] = '\0';
-    fclose(f);
-    *len_p = (size_t)n;
-    return s;
-}
+#include "td_test_models.h"
 
 static void check_fixture(const char *name)
 {
-    char path[1024], err[512];
+    char path[256], err[512];
     size_t len;
-    snprintf(path, sizeof path, "%s/tests/fixtures/chat/%s.jinja", TD_SOURCE_DIR, name);
-    char *src = read_all(path, &len);
+    snprintf(path, sizeof path, "chat/%s.jinja", name);
+    char *src = td_test_fixture_read(path, 1u << 20, &len);
     td_chat_template_t *t = NULL;
     td_status_t st = td_chat_template_create(src, len, &t, err, sizeof err);
     cr_assert_eq(st, TD_OK, "%s: %s", name, err);
-    snprintf(path, sizeof path, "%s/tests/fixtures/chat/%s.jsonl", TD_SOURCE_DIR, name);
-    char *rows = read_all(path, &len);
+    snprintf(path, sizeof path, "chat/%s.jsonl", name);
+    char *rows = td_test_fixture_read(path, 16u << 20, &len);
     int n_rows = 0;
     for (char *line = strtok(rows, "\n"); line; line = strtok(NULL, "\n"), n_rows++) {
         cJSON *row = cJSON_Parse(line);

@@ -21,16 +21,15 @@
 #include <strings.h>
 
 #include "td_quant.h"
+#include "td_test_models.h"
 #include "td_util.h"
 
 /* The whole of tests/fixtures/quant/<name> (caller frees). */
 static void *read_fixture(const char *name, size_t *len_p)
 {
-    char path[1024];
-    snprintf(path, sizeof path, "%s/tests/fixtures/quant/%s", TD_SOURCE_DIR, name);
-    char *data;
-    cr_assert_eq(td_file_read_all(path, 1u << 20, &data, len_p), TD_OK, "cannot read %s", path);
-    return data;
+    char rel[256];
+    snprintf(rel, sizeof rel, "quant/%s", name);
+    return td_test_fixture_read(rel, 1u << 20, len_p);
 }
 
 static void check_dequantize(const char *name, int type)

@@ -39,16 +39,14 @@ static int hexval(char c)
 /* Reads tests/fixtures/tokenizer/<name>.<kind>.jsonl */
 static rows_t load_rows(const char *name, const char *kind)
 {
-    char path[1024];
-    snprintf(path, sizeof path, "%s/tests/fixtures/tokenizer/%s.%s.jsonl", TD_SOURCE_DIR, name, kind);
-    char *data;
-    size_t len;
-    cr_assert_eq(td_file_read_all(path, 64u << 20, &data, &len), TD_OK, "cannot read %s", path);
+    char rel[256];
+    snprintf(rel, sizeof rel, "tokenizer/%s.%s.jsonl", name, kind);
+    char *data = td_test_fixture_read(rel, 64u << 20, NULL);
     rows_t r = {0};
     size_t cap = 0;
     for (char *line = strtok(data, "\n"); line; line = strtok(NULL, "\n")) {
         cJSON *j = cJSON_Parse(line);
-        cr_assert_not_null(j, "%s: bad line", path);
+        cr_assert_not_null(j, "tests/fixtures/%s: bad line", rel);
         const cJSON *hex = cJSON_GetObjectItem(j, "hex"), *ids = cJSON_GetObjectItem(j, "ids"), *it;
         cr_assert(cJSON_IsString(hex) && cJSON_IsArray(ids));
         if (r.n == cap) {
@@ -539,9 +537,8 @@ Test(tokenizer, format_from_the_name, .timeout = 30)
     /* a UTF-8 byte-order mark is skipped: the same tokenizer, the same ids */
     char src[512], path[512];
     snprintf(src, sizeof src, "%s/tests/fixtures/tokenizer/bytelevel/tokenizer.json", TD_SOURCE_DIR);
-    char *data;
     size_t len;
-    cr_assert_eq(td_file_read_all(src, 64u << 20, &data, &len), TD_OK);
+    char *data = td_test_fixture_read("tokenizer/bytelevel/tokenizer.json", 64u << 20, &len);
     char *bom = malloc(len + 3);
     memcpy(bom, "\xef\xbb\xbf", 3);
     memcpy(bom + 3, data, len);
