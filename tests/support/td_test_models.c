@@ -39,6 +39,14 @@ char *td_test_fixture_read(const char *rel, size_t max_bytes, size_t *len_p)
     return data;
 }
 
+void td_test_write_file(const char *path, const void *data, size_t n)
+{
+    FILE *f = fopen(path, "wb");
+    cr_assert_not_null(f, "cannot create %s", path);
+    cr_assert_eq(fwrite(data, 1, n, f), n, "cannot write %s", path);
+    cr_assert_eq(fclose(f), 0, "cannot write %s", path);
+}
+
 const char *td_test_stories_path(void)
 {
     static char path[4096];

@@ -32,6 +32,10 @@ void td_test_model_file(const char *rel, char *path, size_t cap);
  * the error when it cannot be read. *len_p may be NULL. */
 char *td_test_fixture_read(const char *rel, size_t max_bytes, size_t *len_p);
 
+/* Writes data[0..n) to path (created or truncated); the running test fails naming the path
+ * when it cannot. */
+void td_test_write_file(const char *path, const void *data, size_t n);
+
 /* The stories260K checkpoint's path (a static buffer: the same string every call). */
 const char *td_test_stories_path(void);
 

@@ -14,6 +14,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "td_test_models.h"
 #include "td_gguf.h"
 #include "td_util.h"
 
@@ -106,18 +107,10 @@ static void tmp_teardown(void)
     unlink(tmp_path);
 }
 
-static void write_file(const void *p, size_t n)
-{
-    FILE *f = fopen(tmp_path, "wb");
-    cr_assert_not_null(f);
-    cr_assert_eq(fwrite(p, 1, n, f), n);
-    fclose(f);
-}
-
 /* Opens b's bytes; returns the status (and closes on success). */
 static td_status_t open_bytes(const void *p, size_t n)
 {
-    write_file(p, n);
+    td_test_write_file(tmp_path, p, n);
     td_gguf_t *g = NULL;
     td_status_t s = td_gguf_open(tmp_path, &g);
     if (s == TD_OK)
@@ -198,7 +191,7 @@ static void check_fixture(uint32_t version)
     buf_t b;
     size_t hl;
     build_fixture(&b, version, &hl);
-    write_file(b.p, b.len);
+    td_test_write_file(tmp_path, b.p, b.len);
     td_gguf_t *g;
     cr_assert_eq(td_gguf_open(tmp_path, &g), TD_OK, "%s", td_last_error());
     cr_assert_eq(td_gguf_version(g), version);

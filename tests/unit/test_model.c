@@ -48,17 +48,9 @@ static const char *tmp_path(char *buf, size_t cap, const char *name)
     return buf;
 }
 
-static void write_file(const char *path, const void *data, size_t n)
-{
-    FILE *f = fopen(path, "wb");
-    cr_assert_not_null(f, "cannot create %s", path);
-    cr_assert_eq(fwrite(data, 1, n, f), n);
-    cr_assert_eq(fclose(f), 0);
-}
-
 static void write_str(const char *path, const char *s)
 {
-    write_file(path, s, strlen(s));
+    td_test_write_file(path, s, strlen(s));
 }
 
 /* Prepends a UTF-8 byte-order mark to the file at path. */
@@ -83,7 +75,7 @@ static void write_st_raw(const char *path, const char *header, size_t data_len)
     for (int i = 0; i < 8; i++)
         buf[i] = (unsigned char)((uint64_t)hl >> (8 * i));
     memcpy(buf + 8, header, hl);
-    write_file(path, buf, 8 + hl + data_len);
+    td_test_write_file(path, buf, 8 + hl + data_len);
     free(buf);
 }
 
@@ -351,19 +343,19 @@ Test(model_llama2c, malformed_headers, .init = tmp_setup, .fini = tmp_teardown)
     expect_error(load_expect_fail(p), TD_ERR_FORMAT, "bad.bin", "header");
 
     const int32_t zero_heads[7] = {64, 172, 5, 0, 4, 512, 512};
-    write_file(p, zero_heads, sizeof zero_heads);
+    td_test_write_file(p, zero_heads, sizeof zero_heads);
     expect_error(load_expect_fail(p), TD_ERR_FORMAT, "bad.bin", "n_heads");
 
     const int32_t not_div[7] = {64, 172, 5, 8, 3, 512, 512};
-    write_file(p, not_div, sizeof not_div);
+    td_test_write_file(p, not_div, sizeof not_div);
     expect_error(load_expect_fail(p), TD_ERR_FORMAT, "bad.bin", "divisible");
 
     const int32_t neg[7] = {64, -172, 5, 8, 4, 512, 512};
-    write_file(p, neg, sizeof neg);
+    td_test_write_file(p, neg, sizeof neg);
     expect_error(load_expect_fail(p), TD_ERR_FORMAT, "bad.bin", "is out of range [1, 16777216]");
 
     const int32_t huge[7] = {1 << 24, 1 << 24, 1 << 20, 1 << 16, 1 << 16, 1 << 24, 1 << 30};
-    write_file(p, huge, sizeof huge);
+    td_test_write_file(p, huge, sizeof huge);
     expect_error(load_expect_fail(p), TD_ERR_FORMAT, "bad.bin", NULL);
 
     tmp_path(p, sizeof p, "absent.bin");
@@ -1071,7 +1063,7 @@ Test(model_hf, safetensors_file_errors, .init = tmp_setup, .fini = tmp_teardown)
     write_str(p, micro_config);
     snprintf(p, sizeof p, "%s/model.safetensors", dir);
     unsigned char b[16] = {0xff, 0xff, 0, 0, 0, 0, 0, 0, '{', '}'};
-    write_file(p, b, sizeof b);
+    td_test_write_file(p, b, sizeof b);
     expect_error(load_expect_fail(dir), TD_ERR_FORMAT, "model.safetensors", "beyond");
 
     /* A real model cut in half. */
@@ -1081,7 +1073,7 @@ Test(model_hf, safetensors_file_errors, .init = tmp_setup, .fini = tmp_teardown)
     char *data;
     size_t len;
     cr_assert_eq(td_file_read_all(p, 1 << 26, &data, &len), TD_OK);
-    write_file(p, data, len / 2);
+    td_test_write_file(p, data, len / 2);
     free(data);
     expect_error(load_expect_fail(dir), TD_ERR_FORMAT, "model.safetensors", "truncated");
 }

@@ -308,14 +308,6 @@ static void tmp_remove(tmpdir_t *t)
     cr_expect_eq(system(cmd), 0);
 }
 
-static void write_file(const char *path, const void *data, size_t len)
-{
-    FILE *f = fopen(path, "wb");
-    cr_assert_not_null(f, "cannot write %s", path);
-    cr_assert_eq(fwrite(data, 1, len, f), len);
-    fclose(f);
-}
-
 static void bin_add(char **buf, size_t *len, float score, const char *s)
 {
     int32_t l = (int32_t)strlen(s);
@@ -359,7 +351,7 @@ Test(tokenizer, small_bin_encode_decode, .timeout = 30)
     snprintf(path, sizeof path, "%s/tokenizer.bin", t.path);
     size_t len;
     char *bin = small_bin(&len);
-    write_file(path, bin, len);
+    td_test_write_file(path, bin, len);
     td_tokenizer_t *tok = NULL;
     cr_assert_eq(td_tokenizer_load(path, &tok), TD_OK, "%s", td_last_error());
     int32_t *ids;
@@ -403,7 +395,7 @@ Test(tokenizer, small_bin_encode_decode, .timeout = 30)
 
     /* truncations at every length are refused, never a crash */
     for (size_t cut = 0; cut < len; cut += cut < 64 ? 1 : 97) {
-        write_file(path, bin, cut);
+        td_test_write_file(path, bin, cut);
         tok = NULL;
         td_status_t st = td_tokenizer_load(path, &tok);
         if (cut == 4 + 13 + 13) /* ends right after a whole record but < 3 tokens */
@@ -413,7 +405,7 @@ Test(tokenizer, small_bin_encode_decode, .timeout = 30)
         else
             cr_expect(strstr(td_last_error(), path) != NULL, "error does not name the file: %s", td_last_error());
     }
-    write_file(path, bin, len - 1);
+    td_test_write_file(path, bin, len - 1);
     cr_expect_eq(td_tokenizer_load(path, &tok), TD_ERR_FORMAT);
     cr_expect(strstr(td_last_error(), "truncated") != NULL, "%s", td_last_error());
     free(bin);
@@ -426,7 +418,7 @@ static td_status_t load_text(const tmpdir_t *t, const char *name, const char *co
 {
     char path[512];
     snprintf(path, sizeof path, "%s/%s", t->path, name);
-    write_file(path, content, strlen(content));
+    td_test_write_file(path, content, strlen(content));
     td_tokenizer_t *tok = (td_tokenizer_t *)(uintptr_t)1;
     td_status_t st = td_tokenizer_load(path, &tok);
     if (st == TD_OK)
@@ -543,7 +535,7 @@ Test(tokenizer, format_from_the_name, .timeout = 30)
     memcpy(bom, "\xef\xbb\xbf", 3);
     memcpy(bom + 3, data, len);
     snprintf(path, sizeof path, "%s/bom.json", t.path);
-    write_file(path, bom, len + 3);
+    td_test_write_file(path, bom, len + 3);
     td_tokenizer_t *a = NULL, *b = NULL;
     cr_assert_eq(td_tokenizer_load(src, &a), TD_OK, "%s", td_last_error());
     cr_assert_eq(td_tokenizer_load(path, &b), TD_OK, "%s", td_last_error());
