@@ -763,7 +763,7 @@ int cmd_generate(int argc, char **argv)
     if ((st = td_backend_open(&o.device, (int32_t)o.threads, o.dtype < 0 ? TD_F32 : (td_dtype_t)o.dtype, &be)) != TD_OK)
         goto out;
     td_engine_config_t ec = td_engine_config_default();
-    td_engine_config_set_dtype(&ec, o.dtype);
+    td_engine_config_set_dtype(&ec, o.dtype, -1);
     ec.max_batch_tokens = (int32_t)(o.prefill_chunk ? o.prefill_chunk : TD_MIN(512, (int64_t)n_prompt));
     ec.max_seqs = 1;
     ec.max_logit_rows = 1;

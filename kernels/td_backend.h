@@ -59,9 +59,11 @@ typedef struct td_step_meta {
 typedef struct td_matmul_params {
     int32_t m, n, k;
     const void *x;        /* [m][k] act_dtype, rows contiguous */
-    const void *w;        /* [n][k] w_dtype (a PyTorch Linear weight as stored) */
+    const void *w;        /* [n][k] w_dtype (a PyTorch Linear weight as stored); a block
+                             type: each row k / block_elems blocks (td_dtype_bytes) */
     td_dtype_t w_dtype;
-    const void *bias;     /* [n] w_dtype, or NULL */
+    const void *bias;     /* [n] bias_dtype (a float type), or NULL */
+    td_dtype_t bias_dtype;
     void *y;              /* [m][n] act_dtype, or f32 when y_f32 */
     bool y_f32;           /* output in f32 whatever act_dtype is (logits) */
     bool accumulate;      /* y += result (the residual add) */

@@ -46,7 +46,7 @@ td_status_t td_kv_layout_validate(const td_kv_layout_t *l)
     if (l->version != TD_KV_LAYOUT_VERSION)
         return td_errorf_quiet(TD_ERR_UNSUPPORTED, "kv layout version %u unknown (this build: %u)",
                                l->version, TD_KV_LAYOUT_VERSION);
-    if (l->dtype >= TD_DTYPE_COUNT)
+    if (!td_dtype_is_float(l->dtype))
         return td_errorf_quiet(TD_ERR_INVALID, "kv layout dtype %u unknown", l->dtype);
     if (l->block_size == 0 || l->block_size > 1024 || l->n_layers == 0 || l->n_layers > 1024 ||
         l->n_kv_heads == 0 || l->n_kv_heads > 1024 || l->head_dim == 0 || l->head_dim > 1024)

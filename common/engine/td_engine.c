@@ -78,6 +78,7 @@ struct td_engine {
     td_engine_state_t s;
     td_engine_meta_t m;
     size_t weight_bytes;
+    uint32_t said_dequant;  /* bit t: the log said block type t is dequantized at load */
     td_engine_layer_cb layer_cb; /* td_engine_set_layer_hook; NULL: none */
     void *layer_arg;
 };
@@ -90,6 +91,7 @@ td_engine_config_t td_engine_config_default(void)
         .kv_mem_bytes = (size_t)1 << 30,
         .kv_dtype = TD_F32,
         .weight_dtype = TD_ENGINE_WEIGHTS_AS_STORED,
+        .weight_quant = -1,
         .prefix_cache = true,
         .max_batch_tokens = 2048,
         .max_seqs = 256,
@@ -98,8 +100,10 @@ td_engine_config_t td_engine_config_default(void)
     };
 }
 
-void td_engine_config_set_dtype(td_engine_config_t *cfg, int dtype)
+void td_engine_config_set_dtype(td_engine_config_t *cfg, int dtype, int quant)
 {
+    if (quant >= 0)
+        cfg->weight_quant = quant;
     if (dtype < 0)
         return;
     cfg->weight_dtype = dtype;
@@ -116,8 +120,36 @@ static size_t tensor_elems(const td_tensor_t *t)
     return n;
 }
 
+/* The dtype a weight is used in on the backend (td_engine_config_t.weight_dtype and
+ * .weight_quant say the rules). A block type the backend lacks is said once per type. */
+static td_dtype_t weight_want(td_engine_t *eng, const td_tensor_t *t)
+{
+    td_backend_t *be = eng->be;
+    const td_engine_config_t *cfg = &eng->cfg;
+    bool has = (be->weight_dtypes >> t->dtype) & 1u;
+    if (td_dtype_is_float(t->dtype)) {
+        if (cfg->weight_quant >= 0 && t->n_dims == 2)
+            return (td_dtype_t)cfg->weight_quant;
+        return cfg->weight_dtype != TD_ENGINE_WEIGHTS_AS_STORED ? (td_dtype_t)cfg->weight_dtype
+               : has                                            ? t->dtype
+                                                                : TD_F32;
+    }
+    if (has)
+        return t->dtype;
+    td_dtype_t want = cfg->weight_dtype != TD_ENGINE_WEIGHTS_AS_STORED ? (td_dtype_t)cfg->weight_dtype
+                      : be->act_dtype != TD_F32 && ((be->weight_dtypes >> be->act_dtype) & 1u)
+                          ? be->act_dtype
+                          : TD_F32;
+    if (!((eng->said_dequant >> t->dtype) & 1u)) {
+        eng->said_dequant |= 1u << t->dtype;
+        td_info("engine: the %s backend has no kernels for %s weights: dequantized to %s at load",
+                    be->ops->name, td_dtype_name(t->dtype), td_dtype_name(want));
+    }
+    return want;
+}
+
 /* Makes a host tensor usable by the backend: in place when it can, else converted (to the
- * configured weight dtype; as stored: kept when the backend takes it, else f32) and uploaded. */
+ * dtype weight_want picks) and uploaded. */
 static td_status_t upload_tensor(td_engine_t *eng, const td_tensor_t *t, bool counts,
                                  td_dev_tensor_t *out)
 {
@@ -126,17 +158,18 @@ static td_status_t upload_tensor(td_engine_t *eng, const td_tensor_t *t, bool co
     if (!t->data)
         return TD_OK;
     size_t n = tensor_elems(t);
-    td_dtype_t want = eng->cfg.weight_dtype != TD_ENGINE_WEIGHTS_AS_STORED ? (td_dtype_t)eng->cfg.weight_dtype
-                      : (be->weight_dtypes >> t->dtype) & 1u ? t->dtype
-                                                              : TD_F32;
+    td_dtype_t want = weight_want(eng, t);
+    if (!td_dtype_can_convert(want, t->dtype))
+        return td_errorf(TD_ERR_UNSUPPORTED, "engine: a %s weight cannot be converted to %s",
+                         td_dtype_name(t->dtype), td_dtype_name(want));
     if (counts)
-        eng->weight_bytes += n * td_dtype_size(want);
+        eng->weight_bytes += td_dtype_bytes(want, n);
     if (be->host_memory && want == t->dtype) {
         out->data = t->data;
         out->dtype = t->dtype;
         return TD_OK;
     }
-    size_t bytes = n * td_dtype_size(want);
+    size_t bytes = td_dtype_bytes(want, n);
     void *dev = NULL;
     td_status_t st = be->ops->alloc(be, bytes, &dev);
     if (st != TD_OK)
@@ -188,7 +221,7 @@ static td_status_t upload_weights(td_engine_t *eng)
     if (w->lm_head.data == w->embed.data && w->lm_head.dtype == w->embed.dtype) {
         eng->lm_head = eng->embed;
         eng->lm_head.owned = false;
-        eng->weight_bytes += tensor_elems(&w->lm_head) * td_dtype_size(eng->embed.dtype);
+        eng->weight_bytes += td_dtype_bytes(eng->embed.dtype, tensor_elems(&w->lm_head));
     } else if ((st = upload_tensor(eng, &w->lm_head, true, &eng->lm_head)) != TD_OK) {
         return st;
     }
@@ -260,11 +293,15 @@ static td_status_t check_config(const td_engine_config_t *cfg)
         cfg->max_logit_rows <= 0 || cfg->partition_tokens < 0)
         return td_errorf(TD_ERR_INVALID, "engine: n_blocks, max_batch_tokens, max_seqs, "
                                          "max_logit_rows and partition_tokens must be positive");
-    if ((unsigned)cfg->kv_dtype >= TD_DTYPE_COUNT ||
-        (cfg->weight_dtype != TD_ENGINE_WEIGHTS_AS_STORED && (cfg->weight_dtype < 0 || cfg->weight_dtype >= TD_DTYPE_COUNT)))
-        return td_errorf(TD_ERR_INVALID, "engine: KV dtype %d / weight dtype %d: each is a td_dtype_t (weights "
-                                         "may also be TD_ENGINE_WEIGHTS_AS_STORED)",
+    if (!td_dtype_is_float(cfg->kv_dtype) ||
+        (cfg->weight_dtype != TD_ENGINE_WEIGHTS_AS_STORED && !td_dtype_is_float(cfg->weight_dtype)))
+        return td_errorf(TD_ERR_INVALID, "engine: KV dtype %d / weight dtype %d: each is a float td_dtype_t "
+                                         "(weights may also be TD_ENGINE_WEIGHTS_AS_STORED)",
                          (int)cfg->kv_dtype, (int)cfg->weight_dtype);
+    if (cfg->weight_quant != -1 && !(td_dtype_is_block(cfg->weight_quant) &&
+                                     td_dtype_can_convert((td_dtype_t)cfg->weight_quant, TD_F32)))
+        return td_errorf(TD_ERR_INVALID, "engine: weight quantization %d is not q8_0 or q4_0 (or -1: none)",
+                         (int)cfg->weight_quant);
     if (cfg->partition_tokens % cfg->block_size)
         return td_errorf(TD_ERR_INVALID, "engine: partition size %d is not a multiple of the block size %d",
                          cfg->partition_tokens, cfg->block_size);
@@ -377,6 +414,10 @@ td_status_t td_engine_create(const td_model_t *model, td_backend_t *be,
     if (cfg->weight_dtype != TD_ENGINE_WEIGHTS_AS_STORED && !((be->weight_dtypes >> cfg->weight_dtype) & 1u))
         return td_errorf(TD_ERR_UNSUPPORTED, "engine: the %s backend has no %s weights", be->ops->name,
                          td_dtype_name((td_dtype_t)cfg->weight_dtype));
+    if (cfg->weight_quant >= 0 && !((be->weight_dtypes >> cfg->weight_quant) & 1u))
+        return td_errorf(TD_ERR_UNSUPPORTED, "engine: the %s backend has no kernels for %s weights: run without "
+                                             "--quant, or on the CPU",
+                         be->ops->name, td_dtype_name((td_dtype_t)cfg->weight_quant));
     if (c->head_dim > 1024 || c->head_dim % 2)
         return td_errorf(TD_ERR_UNSUPPORTED, "engine: head_dim %d must be even and at most 1024",
                          c->head_dim);
@@ -568,7 +609,7 @@ static td_status_t mm(td_backend_t *be, int32_t m, const td_dev_tensor_t *w, int
 {
     td_matmul_params_t p = {
         .m = m, .n = n, .k = k, .x = x, .w = w->data, .w_dtype = w->dtype,
-        .bias = bias ? bias->data : NULL, .y = y, .accumulate = accumulate,
+        .bias = bias ? bias->data : NULL, .bias_dtype = bias ? bias->dtype : TD_F32, .y = y, .accumulate = accumulate,
     };
     return be->ops->matmul(be, &p);
 }

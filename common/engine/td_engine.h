@@ -37,9 +37,16 @@ typedef struct td_engine_config {
     int32_t n_blocks;         /* KV pool blocks; 0 = as many as kv_mem_bytes holds */
     size_t kv_mem_bytes;      /* KV pool budget when n_blocks == 0 (1 GiB) */
     td_dtype_t kv_dtype;      /* KV element type (the backend must accept it) */
-    int32_t weight_dtype;     /* a td_dtype_t every weight is converted to once at load (the
-                                 backend must accept it), or TD_ENGINE_WEIGHTS_AS_STORED: each
-                                 weight keeps the file's dtype, f32 where the backend lacks it */
+    int32_t weight_dtype;     /* a float td_dtype_t every float-stored weight is converted to
+                                 once at load (the backend must accept it), or
+                                 TD_ENGINE_WEIGHTS_AS_STORED: each keeps the file's dtype, f32
+                                 where the backend lacks it. Block-quantized weights (GGUF) stay
+                                 as stored where the backend has kernels for their type, else
+                                 are dequantized at load (said once in the log) to weight_dtype,
+                                 or the backend's 16-bit activation type, or f32. */
+    int32_t weight_quant;     /* TD_Q8_0 or TD_Q4_0: every float-stored weight matrix (2-D:
+                                 projections, embedding, output) is quantized to it at load
+                                 (the backend must have kernels for it); -1: none (default) */
     bool prefix_cache;        /* keep full blocks for reuse across sequences (true) */
     int32_t max_batch_tokens; /* most new tokens in one step, all sequences (2048) */
     int32_t max_seqs;         /* most sequences in one step (256) */
@@ -56,8 +63,9 @@ typedef struct td_engine_config {
 td_engine_config_t td_engine_config_default(void);
 
 /* A process's --dtype (a td_dtype_t, or -1: leave the defaults) applied to the weights and
- * the KV cache, the one place it is done (tandem generate, the nodes). */
-void td_engine_config_set_dtype(td_engine_config_t *cfg, int dtype);
+ * the KV cache, and its --quant (a block td_dtype_t, or -1: none) to the weight matrices:
+ * the one place they are applied (tandem generate, the nodes, bench engine). */
+void td_engine_config_set_dtype(td_engine_config_t *cfg, int dtype, int quant);
 
 /*
  * Builds an engine: makes the model's weights available on the backend (uploading or

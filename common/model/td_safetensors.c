@@ -45,6 +45,7 @@ const char *td_st_dtype_name(td_dtype_t t)
     case TD_F32: return "F32";
     case TD_F16: return "F16";
     case TD_BF16: return "BF16";
+    default: break; /* safetensors holds no block types */
     }
     return "?";
 }

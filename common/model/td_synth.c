@@ -395,7 +395,7 @@ td_status_t td_model_synth_shards(const td_synth_params_t *p, int n_shards, cons
 {
     td_status_t s;
     td_model_config_t c = p->config;
-    if ((unsigned)p->dtype >= TD_DTYPE_COUNT)
+    if (!td_dtype_is_float(p->dtype))
         return td_errorf(TD_ERR_INVALID, "synth: unknown dtype %d", (int)p->dtype);
     if (!tokenizer_src) {
         if (c.vocab_size < TOK_EOS + 1)

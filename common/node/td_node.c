@@ -38,6 +38,13 @@ static td_status_t validate(td_node_t *p)
                 return TD_ERR_INVALID;
             p->dtype = (int)t;
         }
+        p->quant = -1;
+        if (c->quant) {
+            td_dtype_t t;
+            if (td_dtype_parse_quant_flag(c->quant, &t) != TD_OK)
+                return TD_ERR_INVALID;
+            p->quant = (int)t;
+        }
     }
     if (td_node_is_wildcard(c->host) && !c->advertise)
         return td_errorf(TD_ERR_INVALID,
@@ -193,7 +200,7 @@ td_status_t td_node_plan_kv(const td_node_t *p, const td_model_t *model, const t
 td_engine_config_t td_node_engine_config(const td_node_t *p)
 {
     td_engine_config_t ec = td_engine_config_default();
-    td_engine_config_set_dtype(&ec, p->dtype);
+    td_engine_config_set_dtype(&ec, p->dtype, p->quant);
     return ec;
 }
 

@@ -37,6 +37,9 @@ static int common_keys(td_node_config_t *c, bool node, td_opt_t *out)
                                            "f32|f16|bf16: weights and KV cache (and CUDA activations); "
                                            "default: cpu: weights as stored, KV f32; cuda: the model's dtype. "
                                            "Paired nodes must agree");
+        out[n++] = (td_opt_t)TD_OPT_STRING("quant", &c->quant,
+                                           "q8_0|q4_0: quantize an f32/f16/bf16 model's weight matrices at "
+                                           "load (CPU); default: as stored. Paired nodes must agree");
     }
     out[n++] = (td_opt_t)TD_OPT_STRING("log-level", &c->log_level, "error|warn|info|debug");
     return n;

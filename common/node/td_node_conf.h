@@ -34,6 +34,7 @@ typedef struct td_node_config {
     const char *device;        /* cpu (default), cuda, cuda:N */
     const char *dtype;         /* weights and KV cache (and CUDA activations): f32|f16|bf16;
                                   NULL: td_device_default_dtype */
+    const char *quant;         /* weight matrices quantized at load: q8_0|q4_0; NULL: as stored */
 } td_node_config_t;
 
 /*

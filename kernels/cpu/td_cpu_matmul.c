@@ -40,6 +40,7 @@ static float load_scalar(const void *p, td_dtype_t t, size_t i)
     case TD_F32: return ((const float *)p)[i];
     case TD_F16: return td_f16_to_f32(((const uint16_t *)p)[i]);
     case TD_BF16: return td_bf16_to_f32(((const uint16_t *)p)[i]);
+    default: break; /* block types never reach load_scalar */
     }
     return 0.0f;
 }
@@ -56,7 +57,7 @@ static inline void store_out(const td_matmul_params_t *p, int i, int j, float v)
 {
     float *y = (float *)p->y + (size_t)i * p->n + j;
     if (p->bias)
-        v += load_scalar(p->bias, p->w_dtype, (size_t)j);
+        v += load_scalar(p->bias, p->bias_dtype, (size_t)j);
     if (p->accumulate)
         v += *y;
     *y = v;
@@ -185,6 +186,7 @@ static void kernel_task(void *arg, int task, int thread)
     case TD_F32: small ? gemv_slice_t(p, TD_F32, n0, n1) : tile_slice_t(p, TD_F32, n0, n1); break;
     case TD_F16: small ? gemv_slice_t(p, TD_F16, n0, n1) : tile_slice_t(p, TD_F16, n0, n1); break;
     case TD_BF16: small ? gemv_slice_t(p, TD_BF16, n0, n1) : tile_slice_t(p, TD_BF16, n0, n1); break;
+    default: TD_ASSERT(!"kernel_task: block types go to the quantized path"); break;
     }
 }
 #endif /* AVX2 kernel */
@@ -201,7 +203,7 @@ static void sgemm_slice(const td_matmul_params_t *p, const float *w, int n0, int
         for (int j0 = 0; j0 < nn; j0 += 64) {
             int nb = TD_MIN(64, nn - j0);
             for (int j = 0; j < nb; j++)
-                b[j] = load_scalar(p->bias, p->w_dtype, (size_t)(n0 + j0 + j));
+                b[j] = load_scalar(p->bias, p->bias_dtype, (size_t)(n0 + j0 + j));
             for (int i = 0; i < p->m; i++) {
                 float *yr = y + (size_t)i * p->n + j0;
                 for (int j = 0; j < nb; j++)

@@ -71,8 +71,8 @@ td_status_t td_cuda_matmul(td_cuda_backend_t *c, const td_matmul_params_t *p)
                          p->m, p->n, p->k, td_dtype_name(wt), td_dtype_name(yt),
                          cublasGetStatusString(cs));
     if (direct)
-        return p->bias ? td_cuda_add_bias(c, p->y, yt, p->bias, wt, p->m, p->n) : TD_OK;
-    if (p->bias && (st = td_cuda_add_bias(c, y, TD_F32, p->bias, wt, p->m, p->n)) != TD_OK)
+        return p->bias ? td_cuda_add_bias(c, p->y, yt, p->bias, p->bias_dtype, p->m, p->n) : TD_OK;
+    if (p->bias && (st = td_cuda_add_bias(c, y, TD_F32, p->bias, p->bias_dtype, p->m, p->n)) != TD_OK)
         return st;
     return td_cuda_convert(c, p->y, yt, y, TD_F32, (size_t)p->m * p->n, p->accumulate);
 }

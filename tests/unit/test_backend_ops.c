@@ -334,10 +334,10 @@ static void td_check_matmul(td_pair_t *p, int32_t m, int32_t n, int32_t k, td_dt
     if (!accumulate)
         td_poison(p->gpu, yg, (size_t)m * n * td_dtype_size(yt));
     td_matmul_params_t mc = {.m = m, .n = n, .k = k, .x = xc, .w = wc, .w_dtype = cwt,
-                             .bias = bias ? bc : NULL, .y = yc, .y_f32 = y_f32,
+                             .bias = bias ? bc : NULL, .bias_dtype = cwt, .y = yc, .y_f32 = y_f32,
                              .accumulate = accumulate};
     td_matmul_params_t mg = mc;
-    mg.x = xg; mg.w = wg; mg.w_dtype = wt; mg.bias = bias ? bg : NULL; mg.y = yg;
+    mg.x = xg; mg.w = wg; mg.w_dtype = wt; mg.bias = bias ? bg : NULL; mg.bias_dtype = wt; mg.y = yg;
     TD_OK_OR_FAIL(p->cpu, p->cpu->ops->matmul(p->cpu, &mc));
     TD_OK_OR_FAIL(p->gpu, p->gpu->ops->matmul(p->gpu, &mg));
     float *want = td_down(p->cpu, yc, (size_t)m * n, TD_F32);

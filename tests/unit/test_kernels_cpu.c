@@ -137,7 +137,7 @@ static void matmul_case(td_backend_t *be, rng_t *r, int m, int n, int k, td_dtyp
             ref[(size_t)i * n + j] = s;
         }
     td_matmul_params_t p = {.m = m, .n = n, .k = k, .x = x, .w = w, .w_dtype = wt,
-                            .bias = bias ? b : NULL, .y = y, .accumulate = acc};
+                            .bias = bias ? b : NULL, .bias_dtype = wt, .y = y, .accumulate = acc};
     cr_assert_eq(be->ops->matmul(be, &p), TD_OK);
     char what[128];
     snprintf(what, sizeof(what), "matmul m %d n %d k %d w %s bias %d acc %d", m, n, k,

@@ -20,6 +20,7 @@
 #include <string.h>
 #include <strings.h>
 
+#include "td_dtype.h"
 #include "td_quant.h"
 #include "td_test_models.h"
 #include "td_util.h"
@@ -289,4 +290,56 @@ Test(quant, largest_magnitude_blocks_keep_a_finite_scale)
     cr_assert_eq(y[9], x[9]);
     for (int j = 0; j < TD_QK; j++)
         cr_assert(isfinite(y[j]) && fabsf(y[j] - x[j]) <= 65504.0f / 2, "q4_0 weight %d", j);
+}
+
+/* ---- td_dtype's block types: sizes, names, and td_dtype_convert through them ----------- */
+
+Test(quant, dtype_block_types_have_ggml_sizes_and_names)
+{
+    cr_expect_eq(td_dtype_bytes(TD_Q8_0, 64), 68);
+    cr_expect_eq(td_dtype_bytes(TD_Q4_1, 32), 20);
+    cr_expect_eq(td_dtype_bytes(TD_Q4_K, 512), 288);
+    cr_expect_eq(td_dtype_bytes(TD_Q6_K, 256), 210);
+    cr_expect_eq(td_dtype_bytes(TD_F16, 3), 6);
+    cr_expect_eq(td_dtype_block_elems(TD_Q6_K), 256);
+    cr_expect_eq(td_dtype_size(TD_Q8_0), 0, "a block type has no element size");
+    for (int t = 0; t < TD_DTYPE_COUNT; t++) {
+        cr_expect_eq(td_dtype_parse(td_dtype_name((td_dtype_t)t)), t, "%s", td_dtype_name((td_dtype_t)t));
+        cr_expect_eq(td_dtype_from_ggml(td_dtype_to_ggml((td_dtype_t)t)), t);
+        cr_expect_eq(td_dtype_is_float(t) + td_dtype_is_block(t), 1);
+    }
+    cr_expect_eq(td_dtype_parse("Q4_K"), TD_Q4_K);
+    cr_expect_eq(td_dtype_from_ggml(TD_GGML_Q2_K), -1);
+    td_dtype_t t = TD_F32;
+    cr_expect_eq(td_dtype_parse_quant_flag("q4_0", &t), TD_OK);
+    cr_expect_eq(t, TD_Q4_0);
+    cr_expect_eq(td_dtype_parse_quant_flag("q4_k", &t), TD_ERR_INVALID, "no Q4_K quantizer");
+    cr_expect_eq(td_dtype_parse_flag("q8_0", &t), TD_ERR_INVALID, "--dtype takes float types only");
+    cr_expect_eq(t, TD_Q4_0, "a refused flag leaves the value alone");
+    cr_expect(td_dtype_can_convert(TD_F16, TD_Q6_K));
+    cr_expect(!td_dtype_can_convert(TD_Q4_0, TD_Q8_0));
+    cr_expect(!td_dtype_can_convert(TD_Q4_K, TD_F32));
+}
+
+Test(quant, dtype_convert_quantizes_and_dequantizes_like_the_references)
+{
+    size_t n = 512;
+    float *x = random_weights(n, 7);
+    uint16_t *h = malloc(n * 2);
+    float *xh = malloc(n * 4), *back = malloc(n * 4), *want = malloc(n * 4);
+    td_block_q8_0_t q[16], qref[16];
+    td_dtype_convert(h, TD_F16, x, TD_F32, n);
+    td_dtype_convert(xh, TD_F32, h, TD_F16, n);
+    /* f16 -> Q8_0 quantizes the f16 values, as the reference does on their f32 */
+    td_dtype_convert(q, TD_Q8_0, h, TD_F16, n);
+    td_quant_quantize_q8_0(xh, qref, n);
+    cr_assert_eq(memcmp(q, qref, sizeof q), 0);
+    /* Q8_0 -> f32 is the reference dequantizer; -> bf16 its rounding */
+    td_dtype_convert(back, TD_F32, q, TD_Q8_0, n);
+    td_quant_dequantize_q8_0(q, want, n);
+    cr_assert_eq(memcmp(back, want, n * 4), 0);
+    td_dtype_convert(h, TD_BF16, q, TD_Q8_0, n);
+    for (size_t i = 0; i < n; i++)
+        cr_assert_eq(h[i], td_f32_to_bf16(want[i]), "weight %zu", i);
+    free(x), free(h), free(xh), free(back), free(want);
 }
