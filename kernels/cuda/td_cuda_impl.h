@@ -132,6 +132,7 @@ template <> struct td_cuda_type_of<__nv_bfloat16> { static const td_dtype_t valu
         case TD_F32: { typedef float T; __VA_ARGS__; } break;                                \
         case TD_F16: { typedef __half T; __VA_ARGS__; } break;                               \
         case TD_BF16: { typedef __nv_bfloat16 T; __VA_ARGS__; } break;                       \
+        default: break; /* block types: the engine dequantizes them for this backend */      \
         }                                                                                    \
     } while (0)
 
