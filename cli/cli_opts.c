@@ -15,3 +15,12 @@ td_status_t cli_opt_dtype(const td_opt_t *opt, const char *value)
 {
     return td_dtype_parse_flag(value, opt->ptr);
 }
+
+td_status_t cli_opt_quant(const td_opt_t *opt, const char *value)
+{
+    td_dtype_t t;
+    td_status_t st = td_dtype_parse_quant_flag(value, &t);
+    if (st == TD_OK)
+        *(int *)opt->ptr = (int)t;
+    return st;
+}

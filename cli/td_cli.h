@@ -18,8 +18,10 @@ int cmd_decode(int argc, char **argv);
 int cmd_local(int argc, char **argv);
 
 /* td_opts parse fns of the flags several commands share (cli/cli_opts.c): --device into a
- * td_device_spec_t (cpu, cuda, cuda:N), --dtype into a td_dtype_t (f32|f16|bf16). */
+ * td_device_spec_t (cpu, cuda, cuda:N), --dtype into a td_dtype_t (f32|f16|bf16), --quant
+ * into an int holding a block td_dtype_t (q8_0|q4_0; leave it -1 for "not given"). */
 td_status_t cli_opt_device(const td_opt_t *opt, const char *value);
 td_status_t cli_opt_dtype(const td_opt_t *opt, const char *value);
+td_status_t cli_opt_quant(const td_opt_t *opt, const char *value);
 
 #endif /* TD_CLI_H */
