@@ -1,8 +1,12 @@
 /*
  * bench_engine: `tandem bench engine`, the engine against ceilings measured in the same
- * run on the same device:
- *   - batch-1 decode: tokens/s x bytes streamed per token / measured bandwidth (CPU: all
- *     cores reading 1 GiB; CUDA: a device-to-device copy, bytes read + written)
+ * run on the same device, and (--vs-llamacpp) against llama.cpp's llama-bench on the same
+ * GGUF file, shape and thread count, run by this command right after:
+ *   - batch-1 decode: tokens/s x bytes streamed per token / measured bandwidth (CPU: the
+ *     threads reading a buffer as large as the weights, each its own contiguous part, so
+ *     that the probe sees what decode sees, caches included; CUDA: a device-to-device copy,
+ *     bytes read + written). A peer that reads the same weights faster than the probe
+ *     (llama.cpp) raises the ceiling: the probe is then said not to be the bound.
  *   - prefill: model FLOP/s at a 512-token prompt / a GEMM of the prefill's FFN shape
  *     (CPU: OpenBLAS sgemm; CUDA: the backend's cuBLAS matmul in the weights' dtype)
  *   - batched decode: aggregate tokens/s at batch 1, 8, 32, 64
@@ -15,10 +19,14 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <sys/wait.h>
+
 #include "td_backend.h"
 #include "td_bench.h"
+#include "td_child.h"
 #include "td_cli.h"
 #include "td_engine.h"
+#include "td_gguf.h"
 #include "td_model.h"
 #include "td_threadpool.h"
 #include "td_util.h"
@@ -29,6 +37,9 @@ typedef struct bench_opts {
     const char *model;
     const char *preset;
     td_dtype_t dtype;
+    int quant;               /* --quant: a block td_dtype_t, or -1 */
+    bool vs_llamacpp;
+    const char *llama_bench; /* path of llama-bench (--llama-bench or $LLAMA_BENCH) */
     td_device_spec_t device;
     int threads;
     int prompt_tokens;
@@ -57,11 +68,14 @@ static void read_task(void *arg, int task, int thread)
     (void)thread;
 }
 
-/* Read bandwidth over a buffer far larger than the caches, all threads: bytes/s. */
-static double measure_read_bw(td_pool_t *pool)
+/* Read bandwidth, all threads, over a buffer of `bytes` (the weights a decode step streams,
+ * at least 64 MiB), each thread reading one contiguous part as a GEMV over its rows does:
+ * bytes/s, best of 5 passes. */
+static double measure_read_bw(td_pool_t *pool, int threads, size_t bytes)
 {
-    const size_t bytes = (size_t)1 << 30;
-    const int tasks = 256;
+    bytes = TD_MAX(bytes, (size_t)64 << 20);
+    const int tasks = threads;
+    bytes = bytes / ((size_t)tasks * 4096) * ((size_t)tasks * 4096);
     uint64_t *buf = malloc(bytes);
     uint64_t *sums = calloc(tasks, sizeof(uint64_t));
     if (!buf || !sums) {
@@ -198,6 +212,92 @@ static double forward_flops(const td_model_config_t *c, double T, double prefix)
     return c->n_layers * (per_layer + attn) + 2.0 * c->dim * c->vocab_size;
 }
 
+/* ---- the peer: llama.cpp's llama-bench on the same file ----------------------------- */
+
+typedef struct llama_result {
+    double pp_tps;     /* prefill of prompt_tokens, tokens/s (avg of its repetitions) */
+    double tg_tps;     /* decode of gen_tokens at batch 1, tokens/s */
+    double model_size; /* bytes of weights, as llama-bench reports them */
+} llama_result_t;
+
+/* Runs `llama-bench -m FILE -p P -n G -t T -r 3 -o json` and reads its JSON from stdout. */
+static td_status_t run_llama_bench(const bench_opts_t *o, const char *model, llama_result_t *r)
+{
+    char p[16], n[16], t[16];
+    snprintf(p, sizeof p, "%d", o->prompt_tokens);
+    snprintf(n, sizeof n, "%d", o->gen_tokens);
+    snprintf(t, sizeof t, "%d", o->threads);
+    char *argv[] = {(char *)o->llama_bench, "-m", (char *)model, "-p", p, "-n", n, "-t", t,
+                    "-r", "3", "-o", "json", NULL};
+    td_child_config_t cc = td_child_config_default();
+    cc.file = o->llama_bench;
+    cc.argv = argv;
+    cc.out = TD_CHILD_OUT_PIPE;
+    cc.die_with_parent = true;
+    td_child_t child;
+    td_status_t st = td_child_spawn(&cc, &child);
+    if (st != TD_OK)
+        return st;
+    char *text = NULL, line[1024];
+    size_t len = 0, cap = 0;
+    uint64_t deadline = td_now_ns() + 900ull * 1000000000ull; /* a 1B model at 1 thread: minutes */
+    while (st == TD_OK) {
+        uint64_t now = td_now_ns();
+        if (now >= deadline) {
+            st = td_errorf(TD_ERR_TIMEOUT, "bench: %s did not finish within 900 s", o->llama_bench);
+            break;
+        }
+        td_status_t rs = td_child_read_line(&child, (int)((deadline - now) / 1000000), line, sizeof line);
+        if (rs == TD_ERR_CLOSED)
+            break;
+        if (rs == TD_ERR_CANCELLED || rs == TD_ERR_TIMEOUT)
+            continue;
+        size_t l = strlen(line);
+        if (len + l + 2 > cap) {
+            cap = (len + l + 2) * 2;
+            char *nt = realloc(text, cap);
+            if (!nt) {
+                st = td_errorf(TD_ERR_NOMEM, "bench: out of memory reading llama-bench's output");
+                break;
+            }
+            text = nt;
+        }
+        memcpy(text + len, line, l);
+        len += l;
+        text[len++] = '\n';
+        text[len] = 0;
+    }
+    int status = 0;
+    td_child_stop_all(&child, 1, 5000, &status);
+    td_child_close(&child);
+    if (st == TD_OK && (!WIFEXITED(status) || WEXITSTATUS(status) != 0))
+        st = td_errorf(TD_ERR_IO, "bench: %s exited with status %d (127: it cannot be run; pass --llama-bench PATH)",
+                       o->llama_bench, WIFEXITED(status) ? WEXITSTATUS(status) : -1);
+    cJSON *j = st == TD_OK && text ? cJSON_Parse(text) : NULL;
+    free(text);
+    if (st != TD_OK)
+        return st;
+    *r = (llama_result_t){0};
+    const cJSON *e;
+    cJSON_ArrayForEach(e, j) {
+        const cJSON *np = cJSON_GetObjectItem(e, "n_prompt"), *ng = cJSON_GetObjectItem(e, "n_gen");
+        const cJSON *ts = cJSON_GetObjectItem(e, "avg_ts"), *sz = cJSON_GetObjectItem(e, "model_size");
+        if (!cJSON_IsNumber(np) || !cJSON_IsNumber(ng) || !cJSON_IsNumber(ts))
+            continue;
+        if (np->valuedouble == o->prompt_tokens && ng->valuedouble == 0)
+            r->pp_tps = ts->valuedouble;
+        if (np->valuedouble == 0 && ng->valuedouble == o->gen_tokens)
+            r->tg_tps = ts->valuedouble;
+        if (cJSON_IsNumber(sz))
+            r->model_size = sz->valuedouble;
+    }
+    cJSON_Delete(j);
+    if (r->pp_tps <= 0 || r->tg_tps <= 0)
+        return td_errorf(TD_ERR_FORMAT, "bench: %s printed no pp%d/tg%d results in its JSON", o->llama_bench,
+                         o->prompt_tokens, o->gen_tokens);
+    return TD_OK;
+}
+
 static td_status_t ensure_model(const bench_opts_t *o, char *dir, size_t cap)
 {
     if (o->model) {
@@ -227,8 +327,8 @@ static td_status_t ensure_model(const bench_opts_t *o, char *dir, size_t cap)
 
 int bench_engine(int argc, char **argv)
 {
-    bench_opts_t o = {.preset = "llama-3.2-1b", .dtype = TD_F32, .threads = 0,
-                      .prompt_tokens = 512, .gen_tokens = 16};
+    bench_opts_t o = {.preset = "llama-3.2-1b", .dtype = TD_F32, .quant = -1, .threads = 0,
+                      .prompt_tokens = 512, .gen_tokens = 16, .llama_bench = getenv("LLAMA_BENCH")};
     int64_t threads = 0, prompt_tokens = o.prompt_tokens, gen_tokens = o.gen_tokens;
     const td_opt_t opts[] = {
         {.name = "model", .type = TD_OPT_STR, .ptr = &o.model, .arg = "PATH", .help = "a model to load instead of a preset"},
@@ -238,6 +338,8 @@ int bench_engine(int argc, char **argv)
         {.name = "dtype", .type = TD_OPT_FN, .ptr = &o.dtype, .parse = cli_opt_dtype, .arg = "T",
          .help = "f32|bf16|f16: dtype of the synthetic weights (default f32); on cuda also of the\n"
                  "activations and the KV cache"},
+        {.name = "quant", .type = TD_OPT_FN, .ptr = &o.quant, .parse = cli_opt_quant, .arg = "Q",
+         .help = "q8_0|q4_0: quantize the weight matrices at load (CPU)"},
         {.name = "device", .type = TD_OPT_FN, .ptr = &o.device, .parse = cli_opt_device, .arg = "D",
          .help = "where the engine runs: cpu (default), cuda or cuda:N"},
         {.name = "threads", .type = TD_OPT_I64, .ptr = &threads, .min = 1, .max = 1024, .arg = "N",
@@ -247,6 +349,11 @@ int bench_engine(int argc, char **argv)
         {.name = "gen-tokens", .type = TD_OPT_I64, .ptr = &gen_tokens, .min = 1, .max = 1 << 16, .arg = "N",
          .help = "tokens generated per decode figure (default 16)"},
         {.name = "json", .type = TD_OPT_BOOL, .ptr = &o.json, .help = "one JSON document on stdout (docs/bench.md)"},
+        {.name = "vs-llamacpp", .type = TD_OPT_BOOL, .ptr = &o.vs_llamacpp,
+         .help = "then run llama.cpp's llama-bench on the same GGUF file (--model FILE.gguf),\n"
+                 "prompt and generation lengths and threads, and print the ratios (CPU)"},
+        {.name = "llama-bench", .type = TD_OPT_STR, .ptr = &o.llama_bench, .arg = "PATH",
+         .help = "the llama-bench program of --vs-llamacpp (default: $LLAMA_BENCH)"},
     };
     td_opts_t spec = {.prog = "bench engine", .opts = opts, .n_opts = TD_ARRAY_LEN(opts)};
     td_opts_result_t r = {0};
@@ -254,8 +361,9 @@ int bench_engine(int argc, char **argv)
         return 2;
     if (r.help) {
         printf("usage: tandem bench engine [--model PATH | --preset NAME] [--dtype f32|bf16|f16]\n"
-               "                           [--device cpu|cuda[:N]] [--threads N] [--prompt-tokens N]\n"
-               "                           [--gen-tokens N] [--json]\n");
+               "                           [--quant q8_0|q4_0] [--device cpu|cuda[:N]] [--threads N]\n"
+               "                           [--prompt-tokens N] [--gen-tokens N] [--json]\n"
+               "                           [--vs-llamacpp [--llama-bench PATH]]\n");
         td_opts_usage(stdout, opts, (int)TD_ARRAY_LEN(opts), false);
         return 0;
     }
@@ -264,6 +372,12 @@ int bench_engine(int argc, char **argv)
     o.gen_tokens = (int)gen_tokens;
     if (o.threads <= 0)
         o.threads = td_cpu_count();
+    if (o.vs_llamacpp && (o.device.cuda || !o.model || !td_gguf_is_gguf(o.model) || !o.llama_bench)) {
+        fprintf(stderr, "tandem bench engine: --vs-llamacpp compares on the CPU on one GGUF file: it needs "
+                        "--model FILE.gguf and --llama-bench PATH (or $LLAMA_BENCH)%s\n",
+                o.device.cuda ? ", and no --device cuda" : "");
+        return 2;
+    }
 
     char dir[4096];
     td_model_t *model = NULL;
@@ -275,6 +389,18 @@ int bench_engine(int argc, char **argv)
         ensure_model(&o, dir, sizeof dir) != TD_OK || td_model_load(dir, &model) != TD_OK)
         goto out;
     const td_model_config_t *c = &model->config;
+    const int batches[] = {1, 8, 32, 64};
+    td_engine_config_t ec = td_engine_config_default();
+    td_engine_config_set_dtype(&ec, -1, o.quant);
+    if (o.device.cuda)
+        ec.kv_dtype = o.dtype;
+    ec.n_blocks = 64 * TD_DIV_CEIL(64 + o.gen_tokens + 1, ec.block_size) +
+                  TD_DIV_CEIL(o.prompt_tokens + o.gen_tokens + 1, ec.block_size) + 8;
+    ec.max_batch_tokens = TD_MAX(o.prompt_tokens, 64);
+    ec.prefix_cache = false;
+    if (td_engine_create(model, be, &ec, &eng) != TD_OK)
+        goto out;
+
     /* ceilings: bandwidth and GEMM FLOP/s on the device the engine runs on */
     double bw = 0, sgemm = 0;
     if (o.device.cuda) {
@@ -284,24 +410,13 @@ int bench_engine(int argc, char **argv)
     } else {
         if (td_pool_create(o.threads, &pool) != TD_OK)
             goto out;
-        bw = measure_read_bw(pool);
+        bw = measure_read_bw(pool, o.threads, td_engine_weight_bytes(eng));
         td_pool_destroy(pool);
         pool = NULL;
         sgemm = measure_sgemm(o.threads, o.prompt_tokens, c->hidden_dim, c->dim);
     }
     const char *bw_name = o.device.cuda ? "device copy bandwidth" : "read bandwidth";
     const char *gemm_name = o.device.cuda ? "cuBLAS gemm" : "OpenBLAS sgemm";
-
-    const int batches[] = {1, 8, 32, 64};
-    td_engine_config_t ec = td_engine_config_default();
-    if (o.device.cuda)
-        ec.kv_dtype = o.dtype;
-    ec.n_blocks = 64 * TD_DIV_CEIL(64 + o.gen_tokens + 1, ec.block_size) +
-                  TD_DIV_CEIL(o.prompt_tokens + o.gen_tokens + 1, ec.block_size) + 8;
-    ec.max_batch_tokens = TD_MAX(o.prompt_tokens, 64);
-    ec.prefix_cache = false;
-    if (td_engine_create(model, be, &ec, &eng) != TD_OK)
-        goto out;
 
     /* prefill at the prompt length, best of 3 */
     double pre_s = 1e30, dec_s = 0, p = 0, d = 0;
@@ -319,7 +434,6 @@ int bench_engine(int argc, char **argv)
     double decode_tps = o.gen_tokens / dec_s;
     size_t kv_tok = 2 * (size_t)c->n_layers * c->n_kv_heads * c->head_dim * td_dtype_size(ec.kv_dtype);
     double bytes_per_token = (double)td_engine_weight_bytes(eng) + kv_tok * (64 + o.gen_tokens / 2.0);
-    double decode_ratio = decode_tps * bytes_per_token / bw;
 
     double batch_tps[4];
     for (int b = 0; b < 4; b++) {
@@ -327,6 +441,19 @@ int bench_engine(int argc, char **argv)
             goto out;
         batch_tps[b] = batches[b] * o.gen_tokens / d;
     }
+
+    /* the peer, after our runs (never beside them: they share the cores) */
+    llama_result_t lr = {0};
+    double peer_bw = 0;
+    if (o.vs_llamacpp) {
+        if (run_llama_bench(&o, dir, &lr) != TD_OK)
+            goto out;
+        peer_bw = lr.tg_tps * lr.model_size;
+    }
+    /* the ceiling is what the fastest reader achieved: the probe, or the peer when faster */
+    bool probe_bound = peer_bw <= bw;
+    double ceiling = probe_bound ? bw : peer_bw;
+    double decode_ratio = decode_tps * bytes_per_token / ceiling;
 
     if (o.json) {
         cJSON *j = cJSON_CreateObject(), *batched = cJSON_CreateObject();
@@ -350,6 +477,14 @@ int bench_engine(int argc, char **argv)
         }
         if (!cJSON_AddItemToObject(j, "batched_decode_tokens_per_s", batched))
             cJSON_Delete(batched);
+        if (o.vs_llamacpp) {
+            bench_json_number(j, "llamacpp_decode_b1_tokens_per_s", lr.tg_tps, 3);
+            bench_json_number(j, "llamacpp_prefill_tokens_per_s", lr.pp_tps, 2);
+            bench_json_number(j, "llamacpp_read_gbytes_per_s", peer_bw * 1e-9, 3);
+            bench_json_number(j, "decode_vs_llamacpp", decode_tps / lr.tg_tps, 3);
+            bench_json_number(j, "prefill_vs_llamacpp", prefill_tps / lr.pp_tps, 3);
+            cJSON_AddBoolToObject(j, "read_bw_probe_is_bound", probe_bound);
+        }
         if (bench_json_print(stdout, j) != 0)
             goto out;
     } else {
@@ -358,13 +493,22 @@ int bench_engine(int argc, char **argv)
         printf("ceilings       %s %.2f GB/s, %s %.1f GFLOP/s (%dx%dx%d)\n", bw_name, bw * 1e-9,
                gemm_name, sgemm * 1e-9, o.prompt_tokens, c->hidden_dim, c->dim);
         printf("decode b=1     %.2f tokens/s x %.1f MB/token = %.2f GB/s = %.2f of %s\n", decode_tps,
-               bytes_per_token * 1e-6, decode_tps * bytes_per_token * 1e-9, decode_ratio, bw_name);
+               bytes_per_token * 1e-6, decode_tps * bytes_per_token * 1e-9, decode_ratio,
+               probe_bound ? bw_name : "llama.cpp's read rate");
         printf("prefill %4d   %.1f tokens/s = %.1f GFLOP/s = %.2f of %s\n", o.prompt_tokens,
                prefill_tps, prefill_flops * 1e-9, prefill_flops / sgemm, gemm_name);
         printf("batched decode");
         for (int b = 0; b < 4; b++)
             printf("  b=%d %.1f tok/s", batches[b], batch_tps[b]);
         printf("\n");
+        if (o.vs_llamacpp) {
+            printf("llama.cpp      %s, %d threads: decode tg%d %.2f tokens/s (reads %.2f GB/s), prefill pp%d "
+                   "%.1f tokens/s\n",
+                   o.llama_bench, o.threads, o.gen_tokens, lr.tg_tps, peer_bw * 1e-9, o.prompt_tokens, lr.pp_tps);
+            printf("vs llama.cpp   decode %.2fx, prefill %.2fx%s\n", decode_tps / lr.tg_tps, prefill_tps / lr.pp_tps,
+                   probe_bound ? "" : " (llama.cpp read the weights faster than the read probe: the probe is not "
+                                      "the bound, the ceiling above is llama.cpp's rate)");
+        }
     }
     rc = 0;
 out:
