@@ -5,7 +5,9 @@
  *
  * One set of threads: the backend's own td_pool_t does all the parallel work and OpenBLAS
  * is pinned to one thread (it is only ever called from inside pool tasks on slices).
- * Activations are f32; weights f32/f16/bf16; the KV pool f32/f16/bf16.
+ * Activations are f32; weights f32/f16/bf16 or block-quantized (the types td_cpu_quant
+ * has dots for; embed dequantizes a row with td_quant's reference); the KV pool
+ * f32/f16/bf16.
  */
 #include "td_cpu.h"
 
@@ -14,6 +16,7 @@
 #include <stdlib.h>
 
 #include "td_log.h"
+#include "td_quant.h"
 
 /* ---- memory --------------------------------------------------------------------- */
 
@@ -140,6 +143,7 @@ typedef struct embed_job {
     td_dtype_t dtype;
     int32_t dim;
     const int32_t *tokens;
+    void (*dequantize)(const void *src, float *dst, size_t n); /* block tables, else NULL */
     int rows, n_tasks;
 } embed_job_t;
 
@@ -148,10 +152,15 @@ static void embed_task(void *arg, int task, int thread)
     embed_job_t *j = arg;
     int r0, r1;
     task_rows(task, j->n_tasks, j->rows, &r0, &r1);
-    size_t row_bytes = (size_t)j->dim * td_dtype_size(j->dtype);
-    for (int r = r0; r < r1; r++)
-        td_cpu_to_f32(j->x + (size_t)r * j->dim, j->table + (size_t)j->tokens[r] * row_bytes,
-                      j->dtype, (size_t)j->dim);
+    size_t row_bytes = td_dtype_bytes(j->dtype, (size_t)j->dim);
+    for (int r = r0; r < r1; r++) {
+        float *x = j->x + (size_t)r * j->dim;
+        const unsigned char *row = j->table + (size_t)j->tokens[r] * row_bytes;
+        if (j->dequantize)
+            j->dequantize(row, x, (size_t)j->dim);
+        else
+            td_cpu_to_f32(x, row, j->dtype, (size_t)j->dim);
+    }
 }
 
 static td_status_t cpu_embed(td_backend_t *be, void *x, const void *table, td_dtype_t table_dtype,
@@ -161,6 +170,8 @@ static td_status_t cpu_embed(td_backend_t *be, void *x, const void *table, td_dt
     TD_ASSERT(cpu->have_step);
     embed_job_t j = {.x = x, .table = table, .dtype = table_dtype, .dim = dim,
                      .tokens = cpu->meta.tokens, .rows = cpu->meta.n_tokens};
+    if (td_dtype_is_block(table_dtype))
+        j.dequantize = td_ggml_type(td_dtype_to_ggml(table_dtype))->dequantize;
     j.n_tasks = row_tasks(cpu, j.rows, (size_t)dim);
     td_pool_run(cpu->pool, j.n_tasks, embed_task, &j);
     return TD_OK;
@@ -428,7 +439,9 @@ td_status_t td_backend_cpu_create(const td_cpu_config_t *cfg, td_backend_t **be_
         return td_errorf(TD_ERR_NOMEM, "cpu backend: out of memory");
     cpu->base.ops = &cpu_ops;
     cpu->base.act_dtype = TD_F32;
-    cpu->base.weight_dtypes = (1u << TD_F32) | (1u << TD_F16) | (1u << TD_BF16);
+    cpu->base.weight_dtypes = (1u << TD_F32) | (1u << TD_F16) | (1u << TD_BF16) |
+                              (1u << TD_Q8_0) | (1u << TD_Q4_0) | (1u << TD_Q4_1) |
+                              (1u << TD_Q4_K) | (1u << TD_Q6_K);
     cpu->base.kv_dtypes = (1u << TD_F32) | (1u << TD_F16) | (1u << TD_BF16);
     cpu->base.host_memory = !(cfg && cfg->device_memory);
     cpu->n_threads = n;

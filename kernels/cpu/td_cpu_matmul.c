@@ -1,5 +1,7 @@
 /*
- * td_cpu_matmul: Y[m][n] = X[m][k] . W[n][k]^T (+ bias) (+ Y), W in f32, f16 or bf16.
+ * td_cpu_matmul: Y[m][n] = X[m][k] . W[n][k]^T (+ bias) (+ Y), W in f32, f16 or bf16, or
+ * block-quantized (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K: qmatmul below, on td_cpu_quant's dots
+ * against X quantized once per call to int8 blocks, llama.cpp's scheme).
  *
  * The N dimension (rows of W, columns of Y) is split over the pool, so every thread
  * streams its own part of W exactly once and the whole of X (small) from cache.
@@ -23,6 +25,8 @@
 #include "td_cpu.h"
 
 #include <cblas.h>
+
+#include "td_cpu_quant.h"
 
 /* rows of W handed to one task: enough tasks for balance, slices big enough to stream */
 static int matmul_chunk(const td_cpu_t *cpu, int m, int n)
@@ -235,6 +239,77 @@ static void gemm_task(void *arg, int task, int thread)
 
 #endif /* no AVX2 kernel */
 
+/* ---- block-quantized W (td_cpu_quant) ------------------------------------------------- */
+
+/* W rows per tile of the quantized path: the tile's weights stay in L1 while every
+ * activation row passes over them, and its [m][QTILE] outputs fit the thread's scratch */
+#define QTILE 16
+
+typedef struct qmatmul_job {
+    const td_matmul_params_t *p;
+    td_cpu_t *cpu;
+    const td_cpu_quant_ops_t *ops;
+    uint32_t type;            /* ggml type id of W */
+    size_t row_bytes;         /* bytes of one W row */
+    td_cpu_q8a_block_t *a;    /* [m][k / 32] the quantized activations */
+    int chunk;                /* W rows per task */
+    int act_tasks;            /* tasks quantizing X */
+} qmatmul_job_t;
+
+static void qact_task(void *arg, int task, int thread)
+{
+    qmatmul_job_t *jb = arg;
+    const td_matmul_params_t *p = jb->p;
+    int i0 = (int)((int64_t)p->m * task / jb->act_tasks);
+    int i1 = (int)((int64_t)p->m * (task + 1) / jb->act_tasks);
+    size_t nb = (size_t)p->k / TD_QK;
+    for (int i = i0; i < i1; i++)
+        td_cpu_quant_act_row((const float *)p->x + (size_t)i * p->k, jb->a + (size_t)i * nb,
+                             (size_t)p->k);
+}
+
+/* One task: W rows [n0, n1) in tiles of QTILE rows against all m activation rows, each
+ * tile's products put through the epilogue (store_out) by this thread. */
+static void qmatmul_task(void *arg, int task, int thread)
+{
+    qmatmul_job_t *jb = arg;
+    const td_matmul_params_t *p = jb->p;
+    int n0 = task * jb->chunk;
+    int n1 = TD_MIN(p->n, n0 + jb->chunk);
+    float *tile = td_cpu_thread_scratch(jb->cpu, thread); /* [m][QTILE] */
+    for (int j = n0; j < n1; j += QTILE) {
+        int nn = TD_MIN(QTILE, n1 - j);
+        td_cpu_quant_gemm(jb->ops, jb->type, (const unsigned char *)p->w + (size_t)j * jb->row_bytes,
+                          jb->row_bytes, (size_t)nn, jb->a, (size_t)p->m, (size_t)p->k, tile,
+                          QTILE);
+        for (int i = 0; i < p->m; i++)
+            for (int r = 0; r < nn; r++)
+                store_out(p, i, j + r, tile[(size_t)i * QTILE + r]);
+    }
+}
+
+/* Quantizes the m rows of X once (in parallel when m is large), then splits W's rows over
+ * the pool. Every output is one td_cpu_quant dot in the contract's order: batch-invariant. */
+static td_status_t qmatmul(td_cpu_t *cpu, const td_matmul_params_t *p)
+{
+    size_t nb = (size_t)p->k / TD_QK;
+    size_t act_bytes = (size_t)p->m * nb * sizeof(td_cpu_q8a_block_t);
+    td_status_t st = td_cpu_reserve(cpu, (size_t)p->m * QTILE * sizeof(float), act_bytes);
+    if (st != TD_OK)
+        return st;
+    qmatmul_job_t jb = {.p = p, .cpu = cpu, .ops = td_cpu_quant_ops_best(),
+                        .type = td_dtype_to_ggml(p->w_dtype),
+                        .row_bytes = td_dtype_bytes(p->w_dtype, (size_t)p->k),
+                        .a = (td_cpu_q8a_block_t *)cpu->shared,
+                        .chunk = matmul_chunk(cpu, p->m, p->n)};
+    /* quantizing a row costs about what 1/8 of a W row's dot does: split it only when
+     * there are rows enough for every thread */
+    jb.act_tasks = p->m >= 4 * cpu->n_threads ? cpu->n_threads : 1;
+    td_pool_run(cpu->pool, jb.act_tasks, qact_task, &jb);
+    td_pool_run(cpu->pool, (p->n + jb.chunk - 1) / jb.chunk, qmatmul_task, &jb);
+    return TD_OK;
+}
+
 /* Contract (td_backend.h ops->matmul): y may not alias x or w. Errors: TD_ERR_NOMEM when
    the conversion scratch cannot grow. */
 td_status_t td_cpu_matmul(td_backend_t *be, const td_matmul_params_t *p)
@@ -243,6 +318,8 @@ td_status_t td_cpu_matmul(td_backend_t *be, const td_matmul_params_t *p)
     TD_ASSERT(p->m >= 0 && p->n >= 0 && p->k >= 0);
     if (p->m == 0 || p->n == 0)
         return TD_OK;
+    if (td_dtype_is_block(p->w_dtype))
+        return qmatmul(cpu, p);
     matmul_job_t jb = {.p = p, .cpu = cpu, .chunk = matmul_chunk(cpu, p->m, p->n)};
     int n_tasks = (p->n + jb.chunk - 1) / jb.chunk;
 #ifdef TD_HAVE_GEMV_KERNEL

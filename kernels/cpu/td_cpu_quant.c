@@ -1,6 +1,6 @@
 /*
- * td_cpu_quant: activation quantization and the Q8_0 / Q4_0 / Q4_1 row dots against it,
- * scalar and AVX2, bit-identical (the sum order is the header's contract).
+ * td_cpu_quant: activation quantization and the Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K row dots
+ * against it, scalar and AVX2, bit-identical (the sum order is the header's contract).
  *
  * The AVX2 technique is llama.cpp's (ggml-cpu quants.c): the 32 weight quants of a block are
  * widened to 32 signed or unsigned bytes in weight order (4-bit: the low nibbles are weights
@@ -15,6 +15,7 @@
 #include "td_cpu_quant.h"
 
 #include <math.h>
+#include <stdbool.h>
 
 #include "td_util.h"
 
@@ -28,18 +29,26 @@ void td_cpu_quant_act_row(const float *x, td_cpu_q8a_block_t *a, size_t k)
     TD_ASSERT(k % TD_QK == 0);
     for (size_t b = 0; b < k / TD_QK; b++, x += TD_QK) {
         float amax = 0.0f;
-        for (int i = 0; i < TD_QK; i++)
+        bool nan = false;
+        for (int i = 0; i < TD_QK; i++) {
             amax = fmaxf(amax, fabsf(x[i]));
+            nan |= x[i] != x[i];
+        }
         float d = amax / 127.0f;
         float id = d != 0.0f ? 1.0f / d : 0.0f;
         int sum = 0;
         for (int i = 0; i < TD_QK; i++) {
-            /* |x * id| <= 127 * (1 + 3 ulp) < 127.5: never rounds to 128 */
-            int q = (int)roundf(x[i] * id);
+            /* |x * id| <= 127 * (1 + 3 ulp) < 127.5: never rounds to 128. The clamp only
+             * matters in a non-finite block (NaN, inf * 0 = NaN): NaN becomes -127, a
+             * defined int8, and the block's d (NaN or inf) carries the fault on. */
+            float v = x[i] * id;
+            v = v >= -127.0f ? v : -127.0f;
+            v = v <= 127.0f ? v : 127.0f;
+            int q = (int)roundf(v);
             a[b].qs[i] = (int8_t)q;
             sum += q;
         }
-        a[b].d = d;
+        a[b].d = nan ? NAN : d;
         a[b].s = d * (float)sum;
     }
 }
@@ -52,14 +61,34 @@ static float hsum_lanes(const float acc[8])
     return ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
 }
 
-/* acc[l] += d * (sum of the 4 products of lane l), w[] the block's weight quants in order */
-static void block_lanes(float acc[8], float d, const int w[TD_QK], const int8_t *qa)
+/* p[l] = the sum of the 4 products of lane l, w[] the block's weight quants in order */
+static void lane_sums(int32_t p[8], const int w[TD_QK], const int8_t *qa)
 {
     for (int l = 0; l < 8; l++) {
-        int32_t p = 0;
+        p[l] = 0;
         for (int i = 4 * l; i < 4 * l + 4; i++)
-            p += w[i] * qa[i];
-        acc[l] = fmaf(d, (float)p, acc[l]);
+            p[l] += w[i] * qa[i];
+    }
+}
+
+/* acc[l] += d * (sum of the 4 products of lane l) */
+static void block_lanes(float acc[8], float d, const int w[TD_QK], const int8_t *qa)
+{
+    int32_t p[8];
+    lane_sums(p, w, qa);
+    for (int l = 0; l < 8; l++)
+        acc[l] = fmaf(d, (float)p[l], acc[l]);
+}
+
+/* The 6-bit scale and min of Q4_K sub-block s (td_quant.h's layout; td_quant's own copy is
+ * private to the dequantizer): all 8 at once, as the dots use them. */
+static void q4_k_scales_mins(const uint8_t scales[12], uint8_t sc[8], uint8_t mn[8])
+{
+    for (int s = 0; s < 4; s++) {
+        sc[s] = scales[s] & 63;
+        mn[s] = scales[s + 4] & 63;
+        sc[s + 4] = (uint8_t)((scales[s + 8] & 15) | (scales[s] >> 6) << 4);
+        mn[s + 4] = (uint8_t)((scales[s + 8] >> 4) | (scales[s + 4] >> 6) << 4);
     }
 }
 
@@ -111,11 +140,59 @@ static float dot_q4_1_scalar(const void *wv, const td_cpu_q8a_block_t *a, size_t
     return hsum_lanes(acc) + m;
 }
 
+/* Q4_K: 32-weight sub-block s of a super-block meets activation block 8 sb + s */
+static float dot_q4_k_scalar(const void *wv, const td_cpu_q8a_block_t *a, size_t k)
+{
+    const td_block_q4_k_t *w = wv;
+    float acc[8] = {0};
+    float m = 0.0f;
+    for (size_t sb = 0; sb < k / TD_QK_K; sb++, a += 8) {
+        float d = td_f16_to_f32(w[sb].d), dmin = td_f16_to_f32(w[sb].dmin);
+        uint8_t sc[8], mn[8];
+        q4_k_scales_mins(w[sb].scales, sc, mn);
+        for (int s = 0; s < 8; s++) {
+            const uint8_t *qs = w[sb].qs + 32 * (s / 2);
+            int q[TD_QK];
+            for (int l = 0; l < TD_QK; l++)
+                q[l] = s & 1 ? qs[l] >> 4 : qs[l] & 15;
+            block_lanes(acc, (d * (float)sc[s]) * a[s].d, q, a[s].qs);
+            m = fmaf(-(dmin * (float)mn[s]), a[s].s, m);
+        }
+    }
+    return hsum_lanes(acc) + m;
+}
+
+/* Q6_K: 32-weight block j (0..7) of a super-block is half h = j / 4, quarter c = j % 4,
+ * its weights (ql nibble c / 2 of ql[64h + 32 (c % 2) + l]) | (bits 2c of qh[32h + l]) << 4,
+ * minus 32; its lanes 0-3 take scale 2j, lanes 4-7 scale 2j + 1 */
+static float dot_q6_k_scalar(const void *wv, const td_cpu_q8a_block_t *a, size_t k)
+{
+    const td_block_q6_k_t *w = wv;
+    float acc[8] = {0};
+    for (size_t sb = 0; sb < k / TD_QK_K; sb++) {
+        float d = td_f16_to_f32(w[sb].d);
+        for (int j = 0; j < 8; j++, a++) {
+            int h = j / 4, c = j % 4;
+            const uint8_t *ql = w[sb].ql + 64 * h + 32 * (c % 2), *qh = w[sb].qh + 32 * h;
+            int q[TD_QK];
+            for (int l = 0; l < TD_QK; l++)
+                q[l] = (((ql[l] >> (4 * (c / 2))) & 15) | ((qh[l] >> (2 * c)) & 3) << 4) - 32;
+            int32_t p[8];
+            lane_sums(p, q, a->qs);
+            for (int l = 0; l < 8; l++)
+                acc[l] = fmaf(d * a->d, (float)(w[sb].scales[2 * j + l / 4] * p[l]), acc[l]);
+        }
+    }
+    return hsum_lanes(acc);
+}
+
 static const td_cpu_quant_ops_t ops_scalar = {
     .name = "scalar",
     .q8_0 = dot_q8_0_scalar,
     .q4_0 = dot_q4_0_scalar,
     .q4_1 = dot_q4_1_scalar,
+    .q4_k = dot_q4_k_scalar,
+    .q6_k = dot_q6_k_scalar,
 };
 
 /* ---- AVX2 ----------------------------------------------------------------------------- */
@@ -201,11 +278,70 @@ static TD_AVX2 float dot_q4_1_avx2(const void *wv, const td_cpu_q8a_block_t *a, 
     return hsum8(acc) + m;
 }
 
+static TD_AVX2 float dot_q4_k_avx2(const void *wv, const td_cpu_q8a_block_t *a, size_t k)
+{
+    const td_block_q4_k_t *w = wv;
+    __m256 acc = _mm256_setzero_ps();
+    float m = 0.0f;
+    const __m256i lo4 = _mm256_set1_epi8(15);
+    for (size_t sb = 0; sb < k / TD_QK_K; sb++, a += 8) {
+        float d = f16(w[sb].d), dmin = f16(w[sb].dmin);
+        uint8_t sc[8], mn[8];
+        q4_k_scales_mins(w[sb].scales, sc, mn);
+        for (int c = 0; c < 4; c++) {
+            __m256i raw = _mm256_loadu_si256((const __m256i *)(w[sb].qs + 32 * c));
+            __m256i q[2] = {_mm256_and_si256(raw, lo4),
+                            _mm256_and_si256(_mm256_srli_epi16(raw, 4), lo4)};
+            for (int h = 0; h < 2; h++) {
+                int s = 2 * c + h;
+                __m256 ds = _mm256_set1_ps((d * (float)sc[s]) * a[s].d);
+                acc = _mm256_fmadd_ps(ds, _mm256_cvtepi32_ps(lanes_us8(q[h], act32(&a[s]))), acc);
+                m = fmaf(-(dmin * (float)mn[s]), a[s].s, m);
+            }
+        }
+    }
+    return hsum8(acc) + m;
+}
+
+/* Q6_K with its two 16-weight scales folded into the second multiply-add: maddubs gives
+ * int16 pair sums, madd_epi16 by (scale 2j x 8, scale 2j + 1 x 8) the scaled lane sums */
+static TD_AVX2 float dot_q6_k_avx2(const void *wv, const td_cpu_q8a_block_t *a, size_t k)
+{
+    const td_block_q6_k_t *w = wv;
+    __m256 acc = _mm256_setzero_ps();
+    const __m256i lo4 = _mm256_set1_epi8(15), two = _mm256_set1_epi8(3);
+    for (size_t sb = 0; sb < k / TD_QK_K; sb++) {
+        float d = f16(w[sb].d);
+        for (int h = 0; h < 2; h++) {
+            __m256i qh = _mm256_loadu_si256((const __m256i *)(w[sb].qh + 32 * h));
+            __m256i ql[2] = {_mm256_loadu_si256((const __m256i *)(w[sb].ql + 64 * h)),
+                             _mm256_loadu_si256((const __m256i *)(w[sb].ql + 64 * h + 32))};
+            for (int c = 0; c < 4; c++, a++) {
+                int j = 4 * h + c;
+                __m256i lo = c < 2 ? ql[c] : _mm256_srli_epi16(ql[c - 2], 4);
+                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * c), two);
+                __m256i q = _mm256_sub_epi8(
+                    _mm256_or_si256(_mm256_and_si256(lo, lo4), _mm256_slli_epi16(hi, 4)),
+                    _mm256_set1_epi8(32));
+                __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(q, q),
+                                                     _mm256_sign_epi8(act32(a), q));
+                __m256i scv = _mm256_set_m128i(_mm_set1_epi16(w[sb].scales[2 * j + 1]),
+                                               _mm_set1_epi16(w[sb].scales[2 * j]));
+                __m256i p = _mm256_madd_epi16(pairs, scv);
+                acc = _mm256_fmadd_ps(_mm256_set1_ps(d * a->d), _mm256_cvtepi32_ps(p), acc);
+            }
+        }
+    }
+    return hsum8(acc);
+}
+
 static const td_cpu_quant_ops_t ops_avx2 = {
     .name = "avx2",
     .q8_0 = dot_q8_0_avx2,
     .q4_0 = dot_q4_0_avx2,
     .q4_1 = dot_q4_1_avx2,
+    .q4_k = dot_q4_k_avx2,
+    .q6_k = dot_q6_k_avx2,
 };
 #endif /* TD_CPU_QUANT_X86 */
 
@@ -243,6 +379,8 @@ td_cpu_quant_dot_fn td_cpu_quant_dot_of(const td_cpu_quant_ops_t *ops, uint32_t 
     case TD_GGML_Q8_0: return ops->q8_0;
     case TD_GGML_Q4_0: return ops->q4_0;
     case TD_GGML_Q4_1: return ops->q4_1;
+    case TD_GGML_Q4_K: return ops->q4_k;
+    case TD_GGML_Q6_K: return ops->q6_k;
     }
     return NULL;
 }
@@ -255,4 +393,16 @@ void td_cpu_quant_gemv(const td_cpu_quant_ops_t *ops, uint32_t type, const void 
     TD_ASSERT(dot && k % TD_QK == 0);
     for (size_t r = r0; r < r1; r++)
         y[r] = dot((const uint8_t *)w + r * row_bytes, a, k);
+}
+
+void td_cpu_quant_gemm(const td_cpu_quant_ops_t *ops, uint32_t type, const void *w,
+                       size_t row_bytes, size_t n_rows, const td_cpu_q8a_block_t *a, size_t m,
+                       size_t k, float *y, size_t ldy)
+{
+    td_cpu_quant_dot_fn dot = td_cpu_quant_dot_of(ops, type);
+    TD_ASSERT(dot && k % TD_QK == 0);
+    size_t nb = k / TD_QK;
+    for (size_t r = 0; r < n_rows; r++)
+        for (size_t i = 0; i < m; i++)
+            y[i * ldy + r] = dot((const uint8_t *)w + r * row_bytes, a + i * nb, k);
 }

@@ -18,7 +18,9 @@
 #include <string.h>
 
 #include "cpu/td_cpu.h"
+#include "cpu/td_cpu_quant.h"
 #include "td_backend.h"
+#include "td_quant.h"
 #include "td_util.h"
 
 /* ---- helpers -------------------------------------------------------------------- */
@@ -187,6 +189,168 @@ static td_step_meta_t simple_meta(int n_tokens, int32_t *tokens, int32_t *positi
     td_step_meta_t m = {.n_tokens = n_tokens, .n_seqs = 1, .tokens = tokens,
                         .positions = positions, .seq_start = seq_start};
     return m;
+}
+
+/* ---- block-quantized W ------------------------------------------------------------- */
+
+static const td_dtype_t block_dtypes[] = {TD_Q8_0, TD_Q4_0, TD_Q4_1, TD_Q4_K, TD_Q6_K};
+
+/* f16 bits of a scale in +-[2^-7, 2^-3) */
+static uint16_t rng_scale(rng_t *r)
+{
+    return td_f32_to_f16((float)ldexp(1.0 + (double)(rng_next(r) % 1024) / 1024.0,
+                                      -7 - rng_int(r, 4)) * ((rng_next(r) & 1) ? 1.0f : -1.0f));
+}
+
+/* n elements (a multiple of the block size) of block dtype t: random quants, random scales */
+static void *make_blocks(rng_t *r, td_dtype_t t, size_t n)
+{
+    size_t bytes = td_dtype_bytes(t, n), bb = td_dtype_block_bytes(t);
+    unsigned char *w = xmalloc(bytes);
+    for (size_t i = 0; i < bytes; i++)
+        w[i] = (unsigned char)rng_next(r);
+    for (size_t b = 0; b < bytes / bb; b++) {
+        unsigned char *blk = w + b * bb;
+        uint16_t d = rng_scale(r), m = rng_scale(r);
+        switch (t) {
+        case TD_Q8_0: ((td_block_q8_0_t *)blk)->d = d; break;
+        case TD_Q4_0: ((td_block_q4_0_t *)blk)->d = d; break;
+        case TD_Q4_1: ((td_block_q4_1_t *)blk)->d = d, ((td_block_q4_1_t *)blk)->m = m; break;
+        case TD_Q4_K: ((td_block_q4_k_t *)blk)->d = d, ((td_block_q4_k_t *)blk)->dmin = m; break;
+        case TD_Q6_K: ((td_block_q6_k_t *)blk)->d = d; break;
+        default: cr_assert_fail("make_blocks: %s is not a block type", td_dtype_name(t));
+        }
+    }
+    return w;
+}
+
+/*
+ * Quantized matmul against a double reference of what it computes: W dequantized by
+ * td_quant's reference, X rows quantized to int8 blocks (td_cpu_quant_act_row, the
+ * scheme's documented first step) and dequantized; then bias and accumulate. Relative
+ * tolerance 1e-5 covers the f32 sums of k <= 4096 terms.
+ */
+static void qmatmul_case(td_backend_t *be, rng_t *r, int m, int n, int k, td_dtype_t wt, bool bias,
+                         bool acc)
+{
+    size_t nb = (size_t)k / TD_QK;
+    float *x = xmalloc((size_t)m * k * 4), *wref = xmalloc((size_t)n * k * 4);
+    float *b = xmalloc((size_t)n * 4), *y = xmalloc((size_t)m * n * 4);
+    float *xq = xmalloc((size_t)k * 4);
+    double *ref = xmalloc((size_t)m * n * 8);
+    td_cpu_q8a_block_t *a = xmalloc(nb * sizeof *a);
+    void *w = make_blocks(r, wt, (size_t)n * k);
+    td_ggml_type(td_dtype_to_ggml(wt))->dequantize(w, wref, (size_t)n * k);
+    fill_random(r, x, TD_F32, NULL, (size_t)m * k);
+    fill_random(r, b, TD_F32, NULL, (size_t)n);
+    if (acc)
+        fill_random(r, y, TD_F32, NULL, (size_t)m * n);
+    else
+        poison(y, (size_t)m * n * 4);
+    for (int i = 0; i < m; i++) {
+        td_cpu_quant_act_row(x + (size_t)i * k, a, (size_t)k);
+        for (int q = 0; q < k; q++)
+            xq[q] = a[q / TD_QK].d * (float)a[q / TD_QK].qs[q % TD_QK];
+        for (int j = 0; j < n; j++) {
+            double s = 0;
+            for (int q = 0; q < k; q++)
+                s += (double)xq[q] * wref[(size_t)j * k + q];
+            ref[(size_t)i * n + j] = s + (bias ? b[j] : 0.0) + (acc ? y[(size_t)i * n + j] : 0.0);
+        }
+    }
+    td_matmul_params_t p = {.m = m, .n = n, .k = k, .x = x, .w = w, .w_dtype = wt,
+                            .bias = bias ? b : NULL, .bias_dtype = TD_F32, .y = y,
+                            .accumulate = acc};
+    cr_assert_eq(be->ops->matmul(be, &p), TD_OK);
+    char what[128];
+    snprintf(what, sizeof(what), "matmul m %d n %d k %d w %s bias %d acc %d", m, n, k,
+             td_dtype_name(wt), bias, acc);
+    check_close(what, y, ref, (size_t)m * n, 1e-5);
+    free(x), free(wref), free(b), free(y), free(xq), free(ref), free(a), free(w);
+}
+
+Test(kernels_cpu, matmul_block_weights, .timeout = 300)
+{
+    static const int ms[] = {1, 2, 3, 4, 5, 17, 64};
+    static const int nk[][2] = {{1, 256}, {7, 512}, {67, 256}, {40, 1024}, {130, 768}};
+    rng_t r = {0x5eed};
+    for (size_t ti = 0; ti < TD_ARRAY_LEN(thread_counts); ti++) {
+        td_backend_t *be = make_backend(thread_counts[ti]);
+        for (size_t d = 0; d < TD_ARRAY_LEN(block_dtypes); d++) {
+            cr_assert((be->weight_dtypes >> block_dtypes[d]) & 1u, "%s not in weight_dtypes",
+                      td_dtype_name(block_dtypes[d]));
+            for (size_t a = 0; a < TD_ARRAY_LEN(ms); a++)
+                for (size_t c = 0; c < TD_ARRAY_LEN(nk); c++)
+                    for (int f = 0; f < 4; f++)
+                        qmatmul_case(be, &r, ms[a], nk[c][0], nk[c][1], block_dtypes[d], f & 1,
+                                     f & 2);
+        }
+        td_backend_destroy(be);
+    }
+}
+
+/*
+ * Batch invariance with block W: every row of a 70-row matmul, computed alone (m = 1), in
+ * its batch and with another thread count, gives the same bits (docs/kernels.md).
+ */
+Test(kernels_cpu, matmul_block_weights_batch_invariant, .timeout = 120)
+{
+    const int m = 70, n = 300, k = 1024;
+    rng_t r = {0xba7c4};
+    td_backend_t *be1 = make_backend(1), *be4 = make_backend(4);
+    float *x = xmalloc((size_t)m * k * 4), *y = xmalloc((size_t)m * n * 4);
+    float *y4 = xmalloc((size_t)m * n * 4), *y1 = xmalloc((size_t)n * 4);
+    fill_random(&r, x, TD_F32, NULL, (size_t)m * k);
+    for (size_t d = 0; d < TD_ARRAY_LEN(block_dtypes); d++) {
+        void *w = make_blocks(&r, block_dtypes[d], (size_t)n * k);
+        td_matmul_params_t p = {.m = m, .n = n, .k = k, .x = x, .w = w,
+                                .w_dtype = block_dtypes[d], .y = y};
+        cr_assert_eq(be1->ops->matmul(be1, &p), TD_OK);
+        p.y = y4;
+        cr_assert_eq(be4->ops->matmul(be4, &p), TD_OK);
+        cr_assert_eq(memcmp(y, y4, (size_t)m * n * 4), 0, "%s: 1 vs 4 threads differ",
+                     td_dtype_name(block_dtypes[d]));
+        for (int i = 0; i < m; i++) {
+            td_matmul_params_t one = {.m = 1, .n = n, .k = k, .x = x + (size_t)i * k, .w = w,
+                                      .w_dtype = block_dtypes[d], .y = y1};
+            cr_assert_eq(be4->ops->matmul(be4, &one), TD_OK);
+            cr_assert_eq(memcmp(y1, y + (size_t)i * n, (size_t)n * 4), 0,
+                         "%s: row %d alone differs from row %d of %d", td_dtype_name(block_dtypes[d]),
+                         i, i, m);
+        }
+        free(w);
+    }
+    free(x), free(y), free(y4), free(y1);
+    td_backend_destroy(be1);
+    td_backend_destroy(be4);
+}
+
+/* embed from a block-typed table: each row exactly td_quant's dequantized row */
+Test(kernels_cpu, embed_block_table, .timeout = 60)
+{
+    rng_t r = {0xe4bed};
+    const int vocab = 20, dim = 512, rows = 9;
+    int32_t tokens[9], positions[9];
+    for (int i = 0; i < rows; i++)
+        tokens[i] = rng_int(&r, vocab), positions[i] = i;
+    for (size_t ti = 0; ti < TD_ARRAY_LEN(thread_counts); ti++) {
+        td_backend_t *be = make_backend(thread_counts[ti]);
+        td_step_meta_t meta = simple_meta(rows, tokens, positions);
+        cr_assert_eq(be->ops->set_step(be, &meta), TD_OK);
+        for (size_t d = 0; d < TD_ARRAY_LEN(block_dtypes); d++) {
+            td_dtype_t t = block_dtypes[d];
+            void *table = make_blocks(&r, t, (size_t)vocab * dim);
+            float *tref = xmalloc((size_t)vocab * dim * 4), *x = xmalloc((size_t)rows * dim * 4);
+            td_ggml_type(td_dtype_to_ggml(t))->dequantize(table, tref, (size_t)vocab * dim);
+            poison(x, (size_t)rows * dim * 4);
+            cr_assert_eq(be->ops->embed(be, x, table, t, dim), TD_OK);
+            for (int i = 0; i < rows; i++)
+                cr_assert_eq(memcmp(x + (size_t)i * dim, tref + (size_t)tokens[i] * dim,
+                                    (size_t)dim * 4), 0, "%s row %d", td_dtype_name(t), i);
+            free(table), free(tref), free(x);
+        }
+        td_backend_destroy(be);
+    }
 }
 
 Test(kernels_cpu, rmsnorm, .timeout = 120)

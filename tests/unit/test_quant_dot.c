@@ -16,6 +16,10 @@
  * so nothing is subnormal in f32 (the bound is relative; subnormals would need an absolute
  * term): f16 weight scales from subnormal to 65504, activation blocks from 1e-20 to 1e25.
  *
+ * Q4_K's kernel, like Q4_1's, adds the scaled quants and the mins apart, so its S also
+ * counts sum |dmin mn a_i| (twice: the weight is a difference) and sum_b |dmin mn s_b|,
+ * with mn bounded by 63.
+ *
  * AVX2 vs scalar: bitwise. Both compute the same exact int32 lane sums and then the same f32
  * operations in the same order (td_cpu_quant.h), so any difference is a bug, not rounding.
  * Skipped on a CPU without AVX2 + FMA + F16C. Rows of 32..4096 weights, several not multiples of
@@ -31,9 +35,17 @@
 #include "td_quant.h"
 #include "td_util.h"
 
-static const size_t row_lengths[] = {32, 64, 96, 256, 288, 1056, 2080, 4000, 4096};
+static const size_t row_lengths[] = {32, 64, 96, 256, 288, 512, 1056, 1280, 2080, 4000, 4096};
 #define N_LENGTHS (sizeof row_lengths / sizeof row_lengths[0])
-static const uint32_t types[] = {TD_GGML_Q8_0, TD_GGML_Q4_0, TD_GGML_Q4_1};
+static const uint32_t types[] = {TD_GGML_Q8_0, TD_GGML_Q4_0, TD_GGML_Q4_1, TD_GGML_Q4_K,
+                                 TD_GGML_Q6_K};
+#define N_TYPES (sizeof types / sizeof types[0])
+
+/* whether rows of k weights exist in `type` (the K formats come in blocks of 256) */
+static bool fits(uint32_t type, size_t k)
+{
+    return k % td_ggml_type(type)->block_elems == 0;
+}
 
 static uint64_t rng_next(uint64_t *s)
 {
@@ -67,8 +79,8 @@ static uint16_t f16_scale(uint64_t *s, bool extreme)
 /* n_rows rows of k weights of `type`, raw random blocks (caller frees) */
 static void *make_weights(uint32_t type, size_t n_rows, size_t k, bool extreme, uint64_t *s)
 {
-    size_t nb = n_rows * k / TD_QK;
     const td_ggml_type_t *t = td_ggml_type(type);
+    size_t nb = n_rows * k / t->block_elems;
     uint8_t *w = malloc(nb * t->block_bytes);
     for (size_t b = 0; b < nb; b++) {
         void *blk = w + b * t->block_bytes;
@@ -82,12 +94,22 @@ static void *make_weights(uint32_t type, size_t n_rows, size_t k, bool extreme, 
             q->d = f16_scale(s, extreme);
             for (int i = 0; i < TD_QK / 2; i++)
                 q->qs[i] = (uint8_t)rng_next(s);
-        } else {
+        } else if (type == TD_GGML_Q4_1) {
             td_block_q4_1_t *q = blk;
             q->d = f16_scale(s, extreme);
             q->m = f16_scale(s, extreme);
             for (int i = 0; i < TD_QK / 2; i++)
                 q->qs[i] = (uint8_t)rng_next(s);
+        } else { /* K formats: every byte random (6-bit scales, mins, quants), then d, dmin */
+            uint8_t *bytes = blk;
+            for (size_t i = 0; i < t->block_bytes; i++)
+                bytes[i] = (uint8_t)rng_next(s);
+            if (type == TD_GGML_Q4_K) {
+                ((td_block_q4_k_t *)blk)->d = f16_scale(s, extreme);
+                ((td_block_q4_k_t *)blk)->dmin = f16_scale(s, extreme);
+            } else {
+                ((td_block_q6_k_t *)blk)->d = f16_scale(s, extreme);
+            }
         }
     }
     return w;
@@ -130,6 +152,15 @@ static double reference(uint32_t type, const void *w, const td_cpu_q8a_block_t *
             mag += fabs(td_f16_to_f32(q->d) * qi * ai) + fabs(m * ai);
             if (j == 0)
                 mag += fabs(m * ab->s);
+        } else if (type == TD_GGML_Q4_K) {
+            /* the kernel adds (d sc) q a and -(dmin mn) s apart; the weight is their
+             * difference, so count both: |w a| <= |d sc q a| + |dmin mn a| */
+            const td_block_q4_k_t *q = (const td_block_q4_k_t *)w + i / TD_QK_K;
+            size_t j = i % TD_QK;
+            double mn = fabs((double)td_f16_to_f32(q->dmin)) * 63.0;
+            mag += fabs((double)wf[i] * ai) + 2.0 * mn * fabs(ai);
+            if (j == 0)
+                mag += mn * fabs((double)ab->s);
         }
     }
     free(wf);
@@ -141,9 +172,11 @@ static void check_scalar(bool extreme, uint64_t seed)
 {
     const td_cpu_quant_ops_t *ops = td_cpu_quant_ops(TD_CPU_QUANT_SCALAR);
     uint64_t s = seed;
-    for (size_t ti = 0; ti < 3; ti++) {
+    for (size_t ti = 0; ti < N_TYPES; ti++) {
         for (size_t li = 0; li < N_LENGTHS; li++) {
             size_t k = row_lengths[li];
+            if (!fits(types[ti], k))
+                continue;
             for (int rep = 0; rep < 4; rep++) {
                 void *w = make_weights(types[ti], 1, k, extreme, &s);
                 td_cpu_q8a_block_t *a = make_act(k, extreme, &s);
@@ -180,11 +213,13 @@ static void check_avx2(bool extreme, uint64_t seed)
     const td_cpu_quant_ops_t *ref = td_cpu_quant_ops(TD_CPU_QUANT_SCALAR);
     uint64_t s = seed;
     const size_t n_rows = 5;
-    for (size_t ti = 0; ti < 3; ti++) {
+    for (size_t ti = 0; ti < N_TYPES; ti++) {
         const td_ggml_type_t *t = td_ggml_type(types[ti]);
         for (size_t li = 0; li < N_LENGTHS; li++) {
             size_t k = row_lengths[li];
-            size_t row_bytes = k / TD_QK * t->block_bytes;
+            if (!fits(types[ti], k))
+                continue;
+            size_t row_bytes = k / t->block_elems * t->block_bytes;
             void *w = make_weights(types[ti], n_rows, k, extreme, &s);
             td_cpu_q8a_block_t *a = make_act(k, extreme, &s);
             float y_ref[5], y[5];
@@ -223,7 +258,9 @@ Test(quant_dot, best_is_avx2_when_the_cpu_has_it)
     const td_cpu_quant_ops_t *avx2 = td_cpu_quant_ops(TD_CPU_QUANT_AVX2);
     cr_assert_eq(best, avx2 ? avx2 : td_cpu_quant_ops(TD_CPU_QUANT_SCALAR), "best is %s",
                  best->name);
-    cr_assert_null(td_cpu_quant_dot_of(best, TD_GGML_Q4_K), "no Q4_K dot yet");
+    for (size_t ti = 0; ti < N_TYPES; ti++)
+        cr_assert_not_null(td_cpu_quant_dot_of(best, types[ti]), "type %u", types[ti]);
+    cr_assert_null(td_cpu_quant_dot_of(best, TD_GGML_Q5_0), "no Q5_0 dot");
 }
 
 /* activation quantization: quants in [-127, 127], each within half a step of x / d (plus
