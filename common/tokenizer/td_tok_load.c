@@ -15,6 +15,7 @@
 #include <string.h>
 #include <strings.h>
 
+#include "td_gguf.h"
 #include "td_log.h"
 #include "td_util.h"
 
@@ -22,7 +23,7 @@
 #define TD_TOK_MAX_IDS (1 << 24)
 
 /* GPT-2's pre-tokenizer regex, used by ByteLevel with use_regex. */
-static const char gpt2_pattern[] =
+const char td_tok_gpt2_pattern[] =
     "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+";
 
 td_status_t td_tok_arena_add(td_tokenizer_t *tok, const char *s, size_t len, uint32_t *off_p)
@@ -66,8 +67,7 @@ td_status_t td_tok_alloc_ids(td_tokenizer_t *tok, int32_t n)
     return TD_OK;
 }
 
-/* The byte of a "<0xXX>" piece, or -1. */
-static int byte_piece(const char *s, size_t len)
+int td_tok_byte_piece(const char *s, size_t len)
 {
     if (len != 6 || memcmp(s, "<0x", 3) || s[5] != '>')
         return -1;
@@ -82,7 +82,7 @@ static int byte_piece(const char *s, size_t len)
     return v;
 }
 
-static td_status_t add_norm(td_tokenizer_t *tok, td_tok_norm_kind_t kind, const char *a, const char *b)
+td_status_t td_tok_add_norm(td_tokenizer_t *tok, td_tok_norm_kind_t kind, const char *a, const char *b)
 {
     if (tok->n_norm == TD_TOK_MAX_STEPS)
         return td_errorf(TD_ERR_UNSUPPORTED, "%s: more than %d normalizer steps", tok->path, TD_TOK_MAX_STEPS);
@@ -154,7 +154,7 @@ static td_status_t load_bin(td_tokenizer_t *tok, const char *data, size_t size)
         tok->piece_off[id] = tok->key_off[id] = tok->surf_off[id] = off;
         tok->piece_len[id] = tok->key_len[id] = tok->surf_len[id] = (uint32_t)len;
         tok->flags[id] = 0;
-        int b = byte_piece(p, (size_t)len);
+        int b = td_tok_byte_piece(p, (size_t)len);
         if (b >= 0 && id < 259) {
             tok->flags[id] |= TD_TOK_F_NOMERGE;
             if (tok->byte_id[b] < 0)
@@ -180,18 +180,18 @@ static td_status_t load_bin(td_tokenizer_t *tok, const char *data, size_t size)
     tok->byte_fallback = tok->byte_id[0] >= 0;
     tok->unk_id = 0;
     tok->bos_id = 1;
+    tok->add_bos = true; /* llama2.c's run.c starts every prompt with BOS */
     tok->eos_ids[0] = 2;
     tok->n_eos = 1;
     /* llama2.c stores "▁" as ' '; sentencepiece also treats a literal "▁" in the text as a space */
-    if ((st = add_norm(tok, TD_TOK_NORM_REPLACE, "\xe2\x96\x81", " ")))
+    if ((st = td_tok_add_norm(tok, TD_TOK_NORM_REPLACE, "\xe2\x96\x81", " ")))
         return st;
     return td_tok_map_build(tok);
 }
 
 /* ---- tokenizer.json (Hugging Face) ---- */
 
-/* ByteLevel alphabet: bytes_to_unicode of GPT-2, and its inverse over U+0000..U+0143. */
-static void bytelevel_tables(uint32_t b2u[256], int16_t u2b[0x144])
+void td_tok_bytelevel_tables(uint32_t b2u[256], int16_t u2b[0x144])
 {
     int n = 0;
     for (int i = 0; i < 0x144; i++)
@@ -203,9 +203,7 @@ static void bytelevel_tables(uint32_t b2u[256], int16_t u2b[0x144])
     }
 }
 
-/* Converts a ByteLevel-alphabet string to the bytes it stands for (characters outside the
- * alphabet are kept as their UTF-8). out has room for len bytes. */
-static size_t bytelevel_to_bytes(const int16_t u2b[0x144], const char *s, size_t len, char *out)
+size_t td_tok_bytelevel_to_bytes(const int16_t u2b[0x144], const char *s, size_t len, char *out)
 {
     size_t o = 0;
     for (size_t i = 0; i < len;) {
@@ -236,7 +234,7 @@ static bool json_bool(const cJSON *o, const char *name, bool dflt)
     return cJSON_IsBool(v) ? cJSON_IsTrue(v) : dflt;
 }
 
-static td_status_t compile_re(td_tokenizer_t *tok, const char *pattern, bool literal, pcre2_code **re_p)
+td_status_t td_tok_compile_re(td_tokenizer_t *tok, const char *pattern, bool literal, pcre2_code **re_p)
 {
     int err;
     PCRE2_SIZE erroff;
@@ -271,12 +269,12 @@ static td_status_t parse_normalizer(td_tokenizer_t *tok, const cJSON *n)
         return TD_OK;
     }
     if (!strcmp(type, "NFC"))
-        return add_norm(tok, TD_TOK_NORM_NFC, NULL, NULL);
+        return td_tok_add_norm(tok, TD_TOK_NORM_NFC, NULL, NULL);
     if (!strcmp(type, "Prepend")) {
         const char *p = json_str(n, "prepend");
         if (!p)
             return td_errorf(TD_ERR_FORMAT, "%s: Prepend normalizer without a \"prepend\" string", tok->path);
-        return add_norm(tok, TD_TOK_NORM_PREPEND, p, NULL);
+        return td_tok_add_norm(tok, TD_TOK_NORM_PREPEND, p, NULL);
     }
     if (!strcmp(type, "Replace")) {
         const cJSON *pat = cJSON_GetObjectItemCaseSensitive(n, "pattern");
@@ -286,13 +284,13 @@ static td_status_t parse_normalizer(td_tokenizer_t *tok, const cJSON *n)
                              "\"content\": ...} is supported", tok->path);
         if (!*from)
             return td_errorf(TD_ERR_FORMAT, "%s: Replace normalizer with an empty pattern", tok->path);
-        return add_norm(tok, TD_TOK_NORM_REPLACE, from, to);
+        return td_tok_add_norm(tok, TD_TOK_NORM_REPLACE, from, to);
     }
     return td_errorf(TD_ERR_UNSUPPORTED, "%s: normalizer type \"%s\" is not supported (supported: Sequence, NFC, "
                      "Prepend, Replace)", tok->path, type);
 }
 
-static td_status_t add_pre(td_tokenizer_t *tok, td_tok_pre_t **p_p)
+td_status_t td_tok_add_pre(td_tokenizer_t *tok, td_tok_pre_t **p_p)
 {
     if (tok->n_pre == TD_TOK_MAX_STEPS)
         return td_errorf(TD_ERR_UNSUPPORTED, "%s: more than %d pre-tokenizer steps", tok->path, TD_TOK_MAX_STEPS);
@@ -327,23 +325,23 @@ static td_status_t parse_pre(td_tokenizer_t *tok, const cJSON *n)
         if (!behavior || strcmp(behavior, "Isolated") || json_bool(n, "invert", false))
             return td_errorf(TD_ERR_UNSUPPORTED, "%s: Split pre_tokenizer: only behavior \"Isolated\" without invert "
                              "is supported (got \"%s\")", tok->path, behavior ? behavior : "(none)");
-        if ((st = add_pre(tok, &p)))
+        if ((st = td_tok_add_pre(tok, &p)))
             return st;
         p->kind = TD_TOK_PRE_SPLIT;
-        return compile_re(tok, re ? re : lit, !re, &p->re);
+        return td_tok_compile_re(tok, re ? re : lit, !re, &p->re);
     }
     if (!strcmp(type, "ByteLevel")) {
-        if ((st = add_pre(tok, &p)))
+        if ((st = td_tok_add_pre(tok, &p)))
             return st;
         p->kind = TD_TOK_PRE_BYTELEVEL;
         p->add_prefix_space = json_bool(n, "add_prefix_space", true);
         tok->byte_level = true;
         if (json_bool(n, "use_regex", true))
-            return compile_re(tok, gpt2_pattern, false, &p->re);
+            return td_tok_compile_re(tok, td_tok_gpt2_pattern, false, &p->re);
         return TD_OK;
     }
     if (!strcmp(type, "Metaspace")) {
-        if ((st = add_pre(tok, &p)))
+        if ((st = td_tok_add_pre(tok, &p)))
             return st;
         p->kind = TD_TOK_PRE_METASPACE;
         const char *r = json_str(n, "replacement");
@@ -503,6 +501,9 @@ static td_status_t load_specials(td_tokenizer_t *tok, const char *dir)
         for (size_t i = 0; i < TD_ARRAY_LEN(bos_names) && tok->bos_id < 0; i++)
             tok->bos_id = lookup_token(tok, bos_names[i]);
     }
+    /* transformers' default when the config does not say: BOS where there is one */
+    tok->add_bos = tok->bos_id >= 0 && json_bool(cfg, "add_bos_token", true);
+    tok->add_eos = tok->n_eos && json_bool(cfg, "add_eos_token", false);
     if (td_path_join(p, sizeof p, dir, "generation_config.json") == TD_OK) {
         if ((st = parse_json_file(p, false, &gen))) {
             cJSON_Delete(cfg);
@@ -537,6 +538,17 @@ static int cmp_added(const void *a, const void *b, void *arg)
     if (x->len != y->len)
         return x->len > y->len ? -1 : 1;
     return x->id < y->id ? -1 : x->id > y->id;
+}
+
+void td_tok_index_added(td_tokenizer_t *tok)
+{
+    if (tok->n_added)
+        qsort_r(tok->added, tok->n_added, sizeof *tok->added, cmp_added, tok);
+    for (int b = 0, i = 0; b <= 256; b++) {
+        while (i < (int)tok->n_added && (uint8_t)tok->arena[tok->added[i].off] < b)
+            i++;
+        tok->added_first[b] = (uint32_t)i;
+    }
 }
 
 /* Whether id's vocabulary entry is s, as written or as the bytes a ByteLevel string
@@ -669,7 +681,7 @@ static td_status_t load_json(td_tokenizer_t *tok, const char *json_path, const c
         goto out;
     uint32_t b2u[256];
     int16_t u2b[0x144];
-    bytelevel_tables(b2u, u2b);
+    td_tok_bytelevel_tables(b2u, u2b);
     if (!(kbuf = malloc(max_piece))) {
         st = td_errorf(TD_ERR_NOMEM, "%s: no memory", tok->path);
         goto out;
@@ -690,7 +702,7 @@ static td_status_t load_json(td_tokenizer_t *tok, const char *json_path, const c
         tok->key_off[id] = tok->surf_off[id] = tok->piece_off[id];
         tok->key_len[id] = tok->surf_len[id] = (uint32_t)len;
         if (tok->byte_level) {
-            size_t kl = bytelevel_to_bytes(u2b, s, len, kbuf);
+            size_t kl = td_tok_bytelevel_to_bytes(u2b, s, len, kbuf);
             if ((st = td_tok_arena_add(tok, kbuf, kl, &tok->key_off[id])))
                 goto out;
             tok->key_len[id] = tok->surf_len[id] = (uint32_t)kl;
@@ -699,7 +711,7 @@ static td_status_t load_json(td_tokenizer_t *tok, const char *json_path, const c
                 tok->byte_id[(uint8_t)kbuf[0]] = id;
             continue;
         }
-        int b = byte_piece(s, len);
+        int b = td_tok_byte_piece(s, len);
         if (b >= 0) {
             if (tok->byte_id[b] < 0)
                 tok->byte_id[b] = id;
@@ -766,13 +778,7 @@ static td_status_t load_json(td_tokenizer_t *tok, const char *json_path, const c
             .id = id, .off = off, .len = (uint32_t)len,
             .lstrip = json_bool(it, "lstrip", false), .rstrip = json_bool(it, "rstrip", false)};
     }
-    if (tok->n_added)
-        qsort_r(tok->added, tok->n_added, sizeof *tok->added, cmp_added, tok);
-    for (int b = 0, i = 0; b <= 256; b++) {
-        while (i < (int)tok->n_added && (uint8_t)tok->arena[tok->added[i].off] < b)
-            i++;
-        tok->added_first[b] = (uint32_t)i;
-    }
+    td_tok_index_added(tok);
 
     if ((st = td_tok_map_build(tok)) || (st = check_ids(tok)))
         goto out;
@@ -819,8 +825,8 @@ static td_status_t load_json(td_tokenizer_t *tok, const char *json_path, const c
         }
         size_t kl, kr;
         if (tok->byte_level) {
-            kl = bytelevel_to_bytes(u2b, a, al, kbuf);
-            kr = bytelevel_to_bytes(u2b, b, bl, kbuf + kl);
+            kl = td_tok_bytelevel_to_bytes(u2b, a, al, kbuf);
+            kr = td_tok_bytelevel_to_bytes(u2b, b, bl, kbuf + kl);
         } else {
             memcpy(kbuf, a, al);
             memcpy(kbuf + al, b, bl);
@@ -909,7 +915,7 @@ td_status_t td_tokenizer_load(const char *path, td_tokenizer_t **tok_p)
     td_tokenizer_t *tok = calloc(1, sizeof *tok);
     if (!tok)
         return td_errorf(TD_ERR_NOMEM, "tokenizer: no memory");
-    tok->bos_id = tok->unk_id = -1;
+    tok->bos_id = tok->unk_id = tok->pad_id = -1;
     for (int b = 0; b < 256; b++)
         tok->byte_id[b] = -1;
 
@@ -927,6 +933,14 @@ td_status_t td_tokenizer_load(const char *path, td_tokenizer_t **tok_p)
                 goto err;
             }
         }
+    } else if (td_gguf_is_gguf(path)) {
+        if (!(tok->path = strdup(path))) {
+            st = td_errorf(TD_ERR_NOMEM, "tokenizer: no memory");
+            goto err;
+        }
+        if ((st = td_tok_load_gguf(tok)))
+            goto err;
+        goto done;
     } else {
         snprintf(json_path, sizeof json_path, "%s", path);
         char tmp[4096];
@@ -967,6 +981,7 @@ td_status_t td_tokenizer_load(const char *path, td_tokenizer_t **tok_p)
     if (st)
         goto err;
     free(data);
+done:
     td_debug("tokenizer %s: %d ids, bos %d, %zu eos", tok->path, tok->n_vocab, tok->bos_id, tok->n_eos);
     *tok_p = tok;
     return TD_OK;

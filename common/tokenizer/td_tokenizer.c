@@ -30,6 +30,21 @@ int32_t td_tokenizer_bos_id(const td_tokenizer_t *tok)
     return tok->bos_id;
 }
 
+bool td_tokenizer_add_bos(const td_tokenizer_t *tok)
+{
+    return tok->add_bos && tok->bos_id >= 0;
+}
+
+bool td_tokenizer_add_eos(const td_tokenizer_t *tok)
+{
+    return tok->add_eos && tok->n_eos;
+}
+
+int32_t td_tokenizer_pad_id(const td_tokenizer_t *tok)
+{
+    return tok->pad_id;
+}
+
 size_t td_tokenizer_eos_ids(const td_tokenizer_t *tok, const int32_t **ids_p)
 {
     *ids_p = tok->eos_ids;
@@ -360,6 +375,8 @@ td_status_t td_tokenizer_encode(const td_tokenizer_t *tok, const char *text, siz
         const td_tok_added_t *m = NULL;
         for (uint32_t k = tok->added_first[c]; k < tok->added_first[c + 1]; k++) {
             const td_tok_added_t *a = &tok->added[k];
+            if ((flags & TD_TOK_NO_PARSE_SPECIAL) && (tok->flags[a->id] & TD_TOK_F_SPECIAL))
+                continue;
             if (a->len <= len - i && !memcmp(text + i, tok->arena + a->off, a->len)) {
                 m = a; /* sorted longest first */
                 break;

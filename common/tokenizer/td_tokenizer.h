@@ -9,12 +9,17 @@
  *     pre-tokenizer) or byte-level style (GPT-2, Llama 3, Qwen: ByteLevel alphabet, regex
  *     Split pre-tokenizers run with PCRE2, merges by rank, NFC normalizer), or
  *   - a directory holding tokenizer.json and optionally tokenizer_config.json (which names
- *     bos_token / eos_token).
+ *     bos_token / eos_token), or
+ *   - a GGUF file (a model, or llama.cpp's vocab-only kind): its tokenizer.ggml.* metadata,
+ *     model "gpt2" (byte-level BPE with the pre-tokenizer tokenizer.ggml.pre names) or
+ *     "llama" (SentencePiece BPE by scores).
  * Encoding matches the reference implementations token for token (sentencepiece for
  * tokenizer.bin, HF `tokenizers` for tokenizer.json; tests/fixtures/tokenizer holds the
- * checked cases). Added tokens of a tokenizer.json (e.g. "<|begin_of_text|>", "<s>") that
+ * checked cases; GGUF files encode as llama.cpp's llama-tokenize does on them). Added tokens of a tokenizer.json (e.g. "<|begin_of_text|>", "<s>") that
  * appear in the text are emitted as their ids, as HF does; tokenizer.bin, like
- * sentencepiece, treats such text as ordinary characters.
+ * sentencepiece, treats such text as ordinary characters. In a GGUF vocabulary the control,
+ * unknown and user-defined tokens (tokenizer.ggml.token_type 3, 2, 4) are matched so, as
+ * llama.cpp does with parse_special; TD_TOK_NO_PARSE_SPECIAL leaves only user-defined ones.
  *
  * Decoding skips special tokens (HF skip_special_tokens=True, sentencepiece's control
  * pieces) and drops the dummy-prefix space at the start. td_detok_t decodes a stream of
@@ -42,11 +47,16 @@ typedef struct td_tokenizer td_tokenizer_t;
 enum {
     TD_TOK_ADD_BOS = 1u << 0, /* prepend the BOS id (where the tokenizer has one) */
     TD_TOK_ADD_EOS = 1u << 1, /* append the first EOS id (where it has one) */
+    /* special tokens' text in the input is encoded as ordinary text (llama.cpp's
+     * parse_special = false; llama-tokenize --no-parse-special): only added tokens that are
+     * not special (GGUF user-defined, tokenizer.json "special": false) are still matched */
+    TD_TOK_NO_PARSE_SPECIAL = 1u << 2,
 };
 
 /*
- * Loads a tokenizer from `path`: a tokenizer.bin (llama2.c format), a tokenizer.json, or a
- * directory containing tokenizer.json (+ optional tokenizer_config.json). The kind of
+ * Loads a tokenizer from `path`: a tokenizer.bin (llama2.c format), a tokenizer.json, a
+ * directory containing tokenizer.json (+ optional tokenizer_config.json), or a GGUF file
+ * (recognised by its magic; only the tokenizer.ggml.* metadata is read). The kind of
  * file is decided by its content, not its name. On success *tok_p owns everything (the
  * files are not kept open). Errors, each with a td_errorf message naming the file and
  * the problem: TD_ERR_IO (missing/unreadable), TD_ERR_FORMAT (truncated file, bad JSON,
@@ -64,7 +74,19 @@ int32_t td_tokenizer_vocab_size(const td_tokenizer_t *tok);
 /* BOS id, or -1 when the tokenizer has none (e.g. Qwen). */
 int32_t td_tokenizer_bos_id(const td_tokenizer_t *tok);
 
-/* The EOS ids (at most TD_TOK_MAX_EOS, possibly 0): *ids_p points into the tokenizer. */
+/* Whether the model's own prompts start with BOS / end with EOS: pass TD_TOK_ADD_BOS /
+ * TD_TOK_ADD_EOS to td_tokenizer_encode when so. GGUF: tokenizer.ggml.add_bos_token /
+ * add_eos_token (default as llama.cpp's: BOS for "llama" vocabularies and the llama3
+ * pre-tokenizer); tokenizer.json: tokenizer_config.json's add_bos_token / add_eos_token
+ * (default: BOS where there is one, no EOS); tokenizer.bin: BOS. */
+bool td_tokenizer_add_bos(const td_tokenizer_t *tok);
+bool td_tokenizer_add_eos(const td_tokenizer_t *tok);
+
+/* Padding id (GGUF tokenizer.ggml.padding_token_id), or -1. */
+int32_t td_tokenizer_pad_id(const td_tokenizer_t *tok);
+
+/* The EOS ids (at most TD_TOK_MAX_EOS, possibly 0): *ids_p points into the tokenizer. For
+ * GGUF: eos, eot, eom token ids and the end-of-turn tokens llama.cpp knows by name. */
 size_t td_tokenizer_eos_ids(const td_tokenizer_t *tok, const int32_t **ids_p);
 
 /* True if `id` is one of the EOS ids. */

@@ -107,6 +107,11 @@ struct td_tokenizer {
     int32_t bos_id;
     int32_t eos_ids[TD_TOK_MAX_EOS];
     size_t n_eos;
+    int32_t pad_id;
+
+    /* whether the model's own encoding starts with BOS / ends with EOS (GGUF
+     * tokenizer.ggml.add_bos_token / add_eos_token, tokenizer_config.json add_bos_token) */
+    bool add_bos, add_eos;
 };
 
 /* ---- td_tok_bpe.c ---- */
@@ -164,6 +169,41 @@ static inline size_t td_tok_utf8_decode(const char *s, size_t len, uint32_t *cp_
 }
 
 /* ---- td_tok_load.c ---- */
+
+/* GPT-2's pre-tokenizer regex (ByteLevel use_regex, llama.cpp's "gpt-2"). */
+extern const char td_tok_gpt2_pattern[];
+
+/* Compiles a pre-tokenizer regex (UTF, Unicode properties, JIT where available) into *re_p.
+ * Errors: TD_ERR_UNSUPPORTED naming the offset when it does not compile. */
+td_status_t td_tok_compile_re(td_tokenizer_t *tok, const char *pattern, bool literal, pcre2_code **re_p);
+
+/* Appends a normalizer / pre-tokenizer step (at most TD_TOK_MAX_STEPS each). Errors:
+ * TD_ERR_UNSUPPORTED (too many steps), TD_ERR_NOMEM. */
+td_status_t td_tok_add_norm(td_tokenizer_t *tok, td_tok_norm_kind_t kind, const char *a, const char *b);
+td_status_t td_tok_add_pre(td_tokenizer_t *tok, td_tok_pre_t **p_p);
+
+/* The byte of a "<0xXX>" piece, or -1. */
+int td_tok_byte_piece(const char *s, size_t len);
+
+/* ByteLevel alphabet: GPT-2's bytes_to_unicode and its inverse over U+0000..U+0143. */
+void td_tok_bytelevel_tables(uint32_t b2u[256], int16_t u2b[0x144]);
+/* Converts a ByteLevel-alphabet string to the bytes it stands for (characters outside the
+ * alphabet are kept as their UTF-8). out has room for len bytes. */
+size_t td_tok_bytelevel_to_bytes(const int16_t u2b[0x144], const char *s, size_t len, char *out);
+
+/* Sorts tok->added (first byte, then longest first) and fills added_first. */
+void td_tok_index_added(td_tokenizer_t *tok);
+
+/* ---- td_tok_gguf.c ---- */
+
+/*
+ * Fills `tok` (fresh from td_tokenizer_load, tok->path set) from the tokenizer.ggml.*
+ * metadata of the GGUF file at tok->path, as llama.cpp's llama-vocab.cpp reads it.
+ * Errors: TD_ERR_IO / TD_ERR_FORMAT (td_gguf's, or missing/mistyped keys),
+ * TD_ERR_UNSUPPORTED (a tokenizer model or pre-tokenizer name not implemented, named),
+ * TD_ERR_NOMEM.
+ */
+td_status_t td_tok_load_gguf(td_tokenizer_t *tok);
 
 /* Appends s[0..len) and a NUL to the arena; *off_p its offset. Errors: TD_ERR_NOMEM. */
 td_status_t td_tok_arena_add(td_tokenizer_t *tok, const char *s, size_t len, uint32_t *off_p);
