@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "td_cli.h"
 #include "td_gguf.h"
@@ -18,7 +19,7 @@ static void usage_main(FILE *f)
 {
     fprintf(f, "usage: tandem model <synth|info> [options]\n"
                "\n"
-               "  synth   write a random-weight Hugging Face model directory\n"
+               "  synth   write a random-weight model: a Hugging Face directory or a GGUF file\n"
                "  info    describe a model (llama2.c .bin, Hugging Face directory, GGUF file or preset name)\n"
                "\n'tandem model <sub> --help' describes each.\n");
 }
@@ -30,7 +31,7 @@ static void usage_info(FILE *f)
                "Prints arch, shapes, parameter count, dtype, fingerprint and KV bytes per token of a\n"
                "llama2.c checkpoint, a Hugging Face model directory, or a preset (shape only).\n"
                "For a GGUF file, prints its header, metadata (arrays: type, length, first values)\n"
-               "and tensor table (the engine does not load GGUF files yet).\n");
+               "and tensor table, then the model td_model_load makes of it.\n");
 }
 
 /* The shape to synthesize: a preset name or a config.json. */
@@ -51,11 +52,16 @@ static td_status_t load_shape(const char *what, td_model_config_t *cfg)
 
 static int cmd_synth(int argc, char **argv)
 {
-    const char *out = NULL, *config = "tiny", *arch = NULL, *tok = NULL;
+    const char *out = NULL, *config = "tiny", *arch = NULL, *tok = NULL, *format = "dir";
     int64_t seed = 0, shards = 1;
     td_dtype_t dtype = TD_BF16;
+    int quant = -1;
     const td_opt_t opts[] = {
-        {.name = "out", .type = TD_OPT_STR, .ptr = &out, .arg = "DIR", .help = "directory to write (created if missing)"},
+        {.name = "out", .type = TD_OPT_STR, .ptr = &out, .arg = "PATH",
+         .help = "directory to write (created if missing); with --format gguf the file"},
+        {.name = "format", .type = TD_OPT_STR, .ptr = &format, .arg = "F",
+         .help = "dir (Hugging Face: config.json, safetensors, tokenizer; default) or\n"
+                 "gguf (one file llama.cpp runs, q/k permuted as its converter does)"},
         {.name = "config", .type = TD_OPT_STR, .ptr = &config, .arg = "NAME",
          .help = "a preset (default tiny) or a config.json to copy the shape from"},
         {.name = "arch", .type = TD_OPT_STR, .ptr = &arch, .arg = "ARCH",
@@ -69,6 +75,8 @@ static int cmd_synth(int argc, char **argv)
                  "built-in 258-token byte-level tokenizer (<s> 256, </s> 257)"},
         {.name = "shards", .type = TD_OPT_I64, .ptr = &shards, .min = 1, .max = 1000, .arg = "N",
          .help = "split the weights over N files with an index (default 1)"},
+        {.name = "quant", .type = TD_OPT_FN, .ptr = &quant, .parse = cli_opt_quant, .arg = "Q",
+         .help = "with --format gguf: matrices quantized to q8_0|q4_0 (default: --dtype)"},
     };
     td_opts_t spec = {.prog = "model synth", .opts = opts, .n_opts = TD_ARRAY_LEN(opts)};
     td_opts_result_t r = {0};
@@ -76,7 +84,9 @@ static int cmd_synth(int argc, char **argv)
         return 2; /* logged where decided */
     if (r.help) {
         printf("usage: tandem model synth --out DIR [--config NAME|config.json] [--arch ARCH] [--seed S]\n"
-               "                          [--dtype f32|f16|bf16] [--tokenizer PATH] [--shards N]\n\n");
+               "                          [--dtype f32|f16|bf16] [--tokenizer PATH] [--shards N]\n"
+               "       tandem model synth --format gguf --out FILE.gguf [--config ...] [--arch ARCH] [--seed S]\n"
+               "                          [--dtype f32|f16|bf16] [--quant q8_0|q4_0]\n\n");
         td_opts_usage(stdout, opts, (int)TD_ARRAY_LEN(opts), false);
         printf("\npresets:");
         for (int i = 0; td_model_preset_names[i]; i++)
@@ -85,7 +95,21 @@ static int cmd_synth(int argc, char **argv)
         return 0;
     }
     if (!out) {
-        fprintf(stderr, "tandem model synth: --out DIR is required (see --help)\n");
+        fprintf(stderr, "tandem model synth: --out PATH is required (see --help)\n");
+        return 2;
+    }
+    bool gguf = !strcmp(format, "gguf");
+    if (!gguf && strcmp(format, "dir")) {
+        fprintf(stderr, "tandem model synth: --format must be dir or gguf, not '%s'\n", format);
+        return 2;
+    }
+    if (!gguf && (quant >= 0)) {
+        fprintf(stderr, "tandem model synth: --quant needs --format gguf (safetensors hold float weights)\n");
+        return 2;
+    }
+    if (gguf && (tok || shards != 1)) {
+        fprintf(stderr, "tandem model synth: --format gguf writes one file with the built-in byte tokenizer: "
+                        "--tokenizer and --shards are for --format dir\n");
         return 2;
     }
     td_synth_params_t p;
@@ -101,14 +125,16 @@ static int cmd_synth(int argc, char **argv)
         td_model_config_set_arch(&p.config, (td_arch_t)a);
     }
     p.seed = (uint64_t)seed;
-    p.dtype = dtype;
+    p.dtype = quant >= 0 ? (td_dtype_t)quant : dtype;
     double t0 = td_now_s();
-    if (td_model_synth_shards(&p, (int)shards, out, tok) != TD_OK)
+    if ((gguf ? td_model_synth_gguf(&p, out) : td_model_synth_shards(&p, (int)shards, out, tok)) != TD_OK)
         return 1;
     uint64_t params = td_model_param_count(&p.config);
+    struct stat sb;
+    double bytes = gguf ? (stat(out, &sb) == 0 ? (double)sb.st_size : 0.0) : (double)params * (double)td_dtype_size(p.dtype);
     fprintf(stderr, "wrote %s: %s %s, %.1fM parameters, %.1f MB, %.1f s\n", out,
-            td_model_arch_name(p.config.arch), td_dtype_name(p.dtype), (double)params / 1e6,
-            (double)params * (double)td_dtype_size(p.dtype) / 1e6, td_now_s() - t0);
+            td_model_arch_name(p.config.arch), td_dtype_name(p.dtype), (double)params / 1e6, bytes / 1e6,
+            td_now_s() - t0);
     return 0;
 }
 
@@ -232,6 +258,12 @@ static int info_gguf(const char *path)
             printf("  %-32s %-8s %-24s %12zu %12s\n", t->name, ty, shape, t->file_offset, "?");
     }
     td_gguf_close(g);
+    td_model_t *m;
+    if (td_model_load(path, &m) != TD_OK)
+        return 1; /* logged where decided */
+    printf("\nmodel:\n");
+    print_config(&m->config);
+    td_model_destroy(m);
     return 0;
 }
 

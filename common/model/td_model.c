@@ -1,7 +1,7 @@
 /*
  * td_model: loading a model's weights as views into memory-mapped files.
  *
- * Two formats: llama2.c checkpoints (one fp32 blob after a 7-int header, laid out as
+ * Two formats here (GGUF files in td_model_gguf.c): llama2.c checkpoints (one fp32 blob after a 7-int header, laid out as
  * run.c's memory_map_weights) and Hugging Face directories (config.json + safetensors,
  * single file or sharded with an index). Either way the loader's whole job is to prove
  * that every tensor the engine will read exists, has the shape the config implies and
@@ -16,22 +16,13 @@
 #include <string.h>
 
 #include "td_log.h"
+#include "td_model_store.h"
 #include "td_safetensors.h"
 #include "td_util.h"
 
 #define CONFIG_MAX_BYTES (16u << 20)
 
-/* What a loaded model keeps alive: the checkpoint map or the safetensors files. */
-typedef struct model_store {
-    td_mmap_t bin;                  /* llama2.c checkpoint */
-    td_safetensors_t **shards;      /* Hugging Face: one per file */
-    size_t n_shards;
-    void **copies;                  /* aligned copies of misaligned tensors (rare) */
-    size_t n_copies;
-} model_store_t;
-
-/* Keeps an aligned copy of n bytes alive as long as the store. */
-static td_status_t store_copy(model_store_t *s, const void *src, size_t n, void **copy_p)
+td_status_t td_model_store_copy(td_model_store_t *s, const void *src, size_t n, void **copy_p)
 {
     void **grown = realloc(s->copies, (s->n_copies + 1) * sizeof *grown);
     if (!grown)
@@ -46,11 +37,12 @@ static td_status_t store_copy(model_store_t *s, const void *src, size_t n, void 
     return TD_OK;
 }
 
-static void store_free(model_store_t *s)
+static void store_free(td_model_store_t *s)
 {
     if (!s)
         return;
     td_mmap_free(&s->bin);
+    td_gguf_close(s->gguf);
     for (size_t i = 0; i < s->n_shards; i++)
         td_safetensors_close(s->shards[i]);
     free(s->shards);
@@ -62,7 +54,7 @@ static void store_free(model_store_t *s)
 
 td_status_t td_model_populate(const td_model_t *model, int n_threads)
 {
-    const model_store_t *s = model->priv;
+    const td_model_store_t *s = model->priv;
     if (!s)
         return TD_OK;
     td_status_t st = TD_OK;
@@ -73,6 +65,8 @@ td_status_t td_model_populate(const td_model_t *model, int n_threads)
         if (m->data)
             st = td_mem_populate(m->data, m->size, n_threads, false);
     }
+    if (st == TD_OK && s->gguf)
+        st = td_mem_populate(td_gguf_map(s->gguf)->data, td_gguf_map(s->gguf)->size, n_threads, false);
     return st;
 }
 
@@ -85,7 +79,7 @@ void td_model_destroy(td_model_t *m)
     free(m);
 }
 
-static void set_view(td_tensor_t *t, const void *data, td_dtype_t dt, int64_t d0, int64_t d1)
+void td_model_set_view(td_tensor_t *t, const void *data, td_dtype_t dt, int64_t d0, int64_t d1)
 {
     t->data = data;
     t->dtype = dt;
@@ -95,10 +89,10 @@ static void set_view(td_tensor_t *t, const void *data, td_dtype_t dt, int64_t d0
     t->shape[2] = t->shape[3] = 0;
 }
 
-static td_status_t model_alloc(const char *path, td_model_t **m_p)
+td_status_t td_model_alloc(const char *path, td_model_t **m_p)
 {
     td_model_t *m = calloc(1, sizeof *m);
-    model_store_t *s = calloc(1, sizeof *s);
+    td_model_store_t *s = calloc(1, sizeof *s);
     if (!m || !s) {
         free(m);
         free(s);
@@ -147,10 +141,10 @@ static size_t take(cursor_t *c, size_t n0, size_t n1, size_t n2)
 static td_status_t load_llama2c(const char *path, td_model_t **m_p)
 {
     td_model_t *m;
-    td_status_t s = model_alloc(path, &m);
+    td_status_t s = td_model_alloc(path, &m);
     if (s != TD_OK)
         return s;
-    model_store_t *st = m->priv;
+    td_model_store_t *st = m->priv;
     if ((s = td_mmap_init(&st->bin, path)) != TD_OK)
         goto err_model;
     const unsigned char *base = st->bin.data;
@@ -224,21 +218,21 @@ static td_status_t load_llama2c(const char *path, td_model_t **m_p)
     }
     const float *f32 = (const float *)base; /* offsets are multiples of 4 from a page */
 #define AT(off) (f32 + (off) / 4)
-    set_view(&m->weights.embed, AT(o_embed), TD_F32, (int64_t)V, (int64_t)D);
+    td_model_set_view(&m->weights.embed, AT(o_embed), TD_F32, (int64_t)V, (int64_t)D);
     for (size_t l = 0; l < L; l++) {
         td_layer_weights_t *w = &m->weights.layers[l];
-        set_view(&w->attn_norm, AT(o_att_norm) + l * D, TD_F32, (int64_t)D, 0);
-        set_view(&w->wq, AT(o_wq) + l * q * D, TD_F32, (int64_t)q, (int64_t)D);
-        set_view(&w->wk, AT(o_wk) + l * kv * D, TD_F32, (int64_t)kv, (int64_t)D);
-        set_view(&w->wv, AT(o_wv) + l * kv * D, TD_F32, (int64_t)kv, (int64_t)D);
-        set_view(&w->wo, AT(o_wo) + l * D * q, TD_F32, (int64_t)D, (int64_t)q);
-        set_view(&w->ffn_norm, AT(o_ffn_norm) + l * D, TD_F32, (int64_t)D, 0);
-        set_view(&w->w_gate, AT(o_w1) + l * F * D, TD_F32, (int64_t)F, (int64_t)D);
-        set_view(&w->w_down, AT(o_w2) + l * D * F, TD_F32, (int64_t)D, (int64_t)F);
-        set_view(&w->w_up, AT(o_w3) + l * F * D, TD_F32, (int64_t)F, (int64_t)D);
+        td_model_set_view(&w->attn_norm, AT(o_att_norm) + l * D, TD_F32, (int64_t)D, 0);
+        td_model_set_view(&w->wq, AT(o_wq) + l * q * D, TD_F32, (int64_t)q, (int64_t)D);
+        td_model_set_view(&w->wk, AT(o_wk) + l * kv * D, TD_F32, (int64_t)kv, (int64_t)D);
+        td_model_set_view(&w->wv, AT(o_wv) + l * kv * D, TD_F32, (int64_t)kv, (int64_t)D);
+        td_model_set_view(&w->wo, AT(o_wo) + l * D * q, TD_F32, (int64_t)D, (int64_t)q);
+        td_model_set_view(&w->ffn_norm, AT(o_ffn_norm) + l * D, TD_F32, (int64_t)D, 0);
+        td_model_set_view(&w->w_gate, AT(o_w1) + l * F * D, TD_F32, (int64_t)F, (int64_t)D);
+        td_model_set_view(&w->w_down, AT(o_w2) + l * D * F, TD_F32, (int64_t)D, (int64_t)F);
+        td_model_set_view(&w->w_up, AT(o_w3) + l * F * D, TD_F32, (int64_t)F, (int64_t)D);
     }
-    set_view(&m->weights.final_norm, AT(o_final), TD_F32, (int64_t)D, 0);
-    set_view(&m->weights.lm_head, AT(o_cls), TD_F32, (int64_t)V, (int64_t)D);
+    td_model_set_view(&m->weights.final_norm, AT(o_final), TD_F32, (int64_t)D, 0);
+    td_model_set_view(&m->weights.lm_head, AT(o_cls), TD_F32, (int64_t)V, (int64_t)D);
 #undef AT
 
     char dir[4096], tok[4096 + 16];
@@ -260,7 +254,7 @@ err_model:
 typedef struct hf_ctx {
     const char *dir;
     td_model_t *m;
-    model_store_t *st;
+    td_model_store_t *st;
     cJSON *weight_map;      /* sharded: name -> file; NULL for a single file */
     char index_path[4200];
     td_dtype_t dtype;       /* of the first tensor bound: all must agree */
@@ -426,12 +420,12 @@ static td_status_t bind(hf_ctx_t *h, td_tensor_t *t, const char *name, bool opti
     const void *data = x->data;
     if ((uintptr_t)data % td_dtype_size(x->dtype) != 0) {
         void *copy;
-        td_status_t s = store_copy(h->st, x->data, x->nbytes, &copy);
+        td_status_t s = td_model_store_copy(h->st, x->data, x->nbytes, &copy);
         if (s != TD_OK)
             return td_errorf(s, "%s: out of memory copying misaligned tensor %s", file, name);
         data = copy;
     }
-    set_view(t, data, x->dtype, d0, nd == 2 ? d1 : 0);
+    td_model_set_view(t, data, x->dtype, d0, nd == 2 ? d1 : 0);
     return TD_OK;
 }
 
@@ -579,7 +573,7 @@ static td_status_t check_extra(hf_ctx_t *h)
 static td_status_t load_hf(const char *path, const char *dir, td_model_t **m_p)
 {
     td_model_t *m;
-    td_status_t s = model_alloc(path, &m);
+    td_status_t s = td_model_alloc(path, &m);
     if (s != TD_OK)
         return s;
     hf_ctx_t h = {.dir = dir, .m = m, .st = m->priv};
@@ -664,6 +658,8 @@ td_status_t td_model_load(const char *path, td_model_t **model_p)
         return load_hf(path, path, model_p);
     if (!td_is_file(path))
         return td_errorf(TD_ERR_IO, "%s: no such model file or directory", path);
+    if (td_gguf_is_gguf(path))
+        return td_model_load_gguf(path, model_p);
     /* A file of a Hugging Face directory stands for the directory. */
     if (!strcmp(base_name(path), "config.json") || ends_with(path, ".safetensors") ||
         ends_with(path, ".safetensors.index.json")) {

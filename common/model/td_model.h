@@ -1,7 +1,7 @@
 /*
  * td_model: a transformer's hyperparameters (td_model_config_t) and its weights as host
- * tensors (td_model_weights_t), loaded from a llama2.c checkpoint or a Hugging Face model
- * directory. Weights stay where the loader found them: memory-mapped files, never copied.
+ * tensors (td_model_weights_t), loaded from a llama2.c checkpoint, a Hugging Face model
+ * directory or a GGUF file (llama.cpp's format; block-quantized weights stay as stored). Weights stay where the loader found them: memory-mapped files, never copied.
  * Backends take them from here (converting or uploading as they need).
  *
  * Weight matrices are [out][in] (a PyTorch Linear weight), rows contiguous.
@@ -47,7 +47,10 @@ typedef struct td_model_config {
     bool tie_embeddings;    /* lm_head shares the embedding table */
     bool qkv_bias;          /* Qwen2 */
     bool qk_norm;           /* Qwen3 */
-    td_dtype_t dtype;       /* dtype the weights are stored in */
+    uint64_t rope_freqs_hash; /* td_fnv1a64 of the rope_freqs tensor's bytes (GGUF); 0: none */
+    td_dtype_t dtype;       /* dtype the weights are stored in; for a GGUF file the float
+                               type to dequantize its block types to where a backend has no
+                               kernels for them: f16 unless every matrix is bf16 or f32 */
     int32_t bos_id;         /* -1 when none */
     int32_t eos_ids[TD_MAX_EOS]; /* generation stops on any of these */
     int32_t n_eos;
@@ -83,6 +86,10 @@ typedef struct td_model_weights {
     td_layer_weights_t *layers; /* [n_layers] */
     td_tensor_t final_norm;     /* (dim) */
     td_tensor_t lm_head;        /* (vocab_size, dim); same data as embed when tied */
+    /* (head_dim / 2) f32, optional (data NULL when absent): per-pair frequency divisors
+     * (ggml's freq_factors): pair i rotates by pos * inv_freq[i] / rope_freqs[i]. Llama 3.x
+     * GGUF files carry these instead of rope_scaling metadata. */
+    td_tensor_t rope_freqs;
 } td_model_weights_t;
 
 typedef struct td_model td_model_t;
@@ -92,15 +99,19 @@ struct td_model {
     td_model_weights_t weights;
     uint64_t fingerprint;       /* td_model_fingerprint(&config) */
     char path[4096];            /* what was loaded */
-    char tokenizer_path[4096];  /* tokenizer found beside the model ("" if none) */
+    char tokenizer_path[4096];  /* tokenizer found beside the model ("" if none); for a GGUF
+                                   file the file itself (its tokenizer.ggml.* metadata) */
     void *priv;                 /* loader-owned storage (maps, buffers) */
 };
 
 /*
- * Loads a model. `path` is a llama2.c checkpoint file (.bin) or a Hugging Face model
- * directory (config.json + model.safetensors or model.safetensors.index.json shards).
- * Errors name the file and the problem: TD_ERR_IO, TD_ERR_FORMAT (bad JSON, truncated
- * file, wrong shape, missing tensor), TD_ERR_UNSUPPORTED (architecture, dtype).
+ * Loads a model. `path` is a GGUF file (recognised by its magic), a llama2.c checkpoint
+ * file (.bin) or a Hugging Face model directory (config.json + model.safetensors or
+ * model.safetensors.index.json shards). A GGUF file's llama/mistral q and k rows are in
+ * the order llama.cpp's converter permuted them to (rope_style TD_ROPE_PAIRS); qwen2/qwen3
+ * keep TD_ROPE_HALVES. Errors name the file and the problem: TD_ERR_IO, TD_ERR_FORMAT (bad
+ * JSON, truncated file, wrong shape, missing tensor or metadata key), TD_ERR_UNSUPPORTED
+ * (architecture, dtype, rope scaling).
  */
 td_status_t td_model_load(const char *path, td_model_t **model_p);
 /*
@@ -184,5 +195,18 @@ extern const char *const td_model_preset_names[];
  */
 td_status_t td_model_synth_shards(const td_synth_params_t *p, int n_shards, const char *out_dir,
                                   const char *tokenizer_src);
+
+/*
+ * Writes the model td_model_synth would (the same weights for the same seed) as one GGUF
+ * file at out_path, the way llama.cpp's converter would have written it: llama/mistral as
+ * GGUF arch "llama" with q/k rows permuted for adjacent-pair rope (td_model_load gives
+ * rope_style TD_ROPE_PAIRS, and the same logits as the safetensors model), qwen2/qwen3
+ * unpermuted; Llama 3 rope scaling as a rope_freqs tensor; the built-in byte tokenizer as
+ * tokenizer.ggml.* metadata (bos 256, eos 257). p->dtype is the matrices' type: f32, f16,
+ * bf16, or q8_0/q4_0 (quantized; rows must be whole blocks of 32); vectors are f32.
+ * Errors: TD_ERR_INVALID (dtype, shape, vocab < 258), TD_ERR_IO naming the file,
+ * TD_ERR_NOMEM. A failure leaves no file behind.
+ */
+td_status_t td_model_synth_gguf(const td_synth_params_t *p, const char *out_path);
 
 #endif /* TD_MODEL_H */

@@ -438,6 +438,11 @@ uint64_t td_model_fingerprint(const td_model_config_t *c)
     fnv_u32(&f, c->tie_embeddings);
     fnv_u32(&f, c->qkv_bias);
     fnv_u32(&f, c->qk_norm);
+    /* only when present, so models without them keep the fingerprints they had */
+    if (c->rope_freqs_hash) {
+        fnv_u32(&f, (uint32_t)c->rope_freqs_hash);
+        fnv_u32(&f, (uint32_t)(c->rope_freqs_hash >> 32));
+    }
     return f.h;
 }
 

@@ -11,17 +11,24 @@
  * the same bytes for the same (seed, config, dtype, shards). Values are approximately
  * N(0, 0.02) (the initializer_range of the reference implementations; an Irwin-Hall sum of
  * four uniforms, cheap enough to write 8B of them at disk speed), norms are 1.
+ *
+ * td_model_synth_gguf writes the same model (the same values for the same seed) as one
+ * GGUF file that llama.cpp runs: llama.cpp's tensor names, q/k rows permuted as its
+ * converter does, the byte tokenizer as tokenizer.ggml.* metadata, and for Llama 3 rope
+ * scaling the rope_freqs tensor its converter computes.
  */
 #include "td_model.h"
 
 #include <cjson/cJSON.h>
 #include <errno.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "td_gguf_writer.h"
 #include "td_hash.h"
 #include "td_safetensors.h"
 #include "td_util.h"
@@ -477,4 +484,287 @@ out:
 td_status_t td_model_synth(const td_synth_params_t *p, const char *out_dir, const char *tokenizer_src)
 {
     return td_model_synth_shards(p, 1, out_dir, tokenizer_src);
+}
+
+/* ---- GGUF -------------------------------------------------------------------------- */
+
+/* llama.cpp's name of a Hugging Face tensor name (the ones list_tensors makes). */
+static void gguf_name(const char *hf, char *out, size_t cap)
+{
+    static const char *const map[][2] = {
+        {"input_layernorm.weight", "attn_norm.weight"},
+        {"self_attn.q_proj.weight", "attn_q.weight"},
+        {"self_attn.k_proj.weight", "attn_k.weight"},
+        {"self_attn.v_proj.weight", "attn_v.weight"},
+        {"self_attn.q_proj.bias", "attn_q.bias"},
+        {"self_attn.k_proj.bias", "attn_k.bias"},
+        {"self_attn.v_proj.bias", "attn_v.bias"},
+        {"self_attn.q_norm.weight", "attn_q_norm.weight"},
+        {"self_attn.k_norm.weight", "attn_k_norm.weight"},
+        {"self_attn.o_proj.weight", "attn_output.weight"},
+        {"post_attention_layernorm.weight", "ffn_norm.weight"},
+        {"mlp.gate_proj.weight", "ffn_gate.weight"},
+        {"mlp.up_proj.weight", "ffn_up.weight"},
+        {"mlp.down_proj.weight", "ffn_down.weight"},
+    };
+    int layer, used = 0;
+    if (!strcmp(hf, "model.embed_tokens.weight"))
+        snprintf(out, cap, "token_embd.weight");
+    else if (!strcmp(hf, "model.norm.weight"))
+        snprintf(out, cap, "output_norm.weight");
+    else if (!strcmp(hf, "lm_head.weight"))
+        snprintf(out, cap, "output.weight");
+    else {
+        TD_ASSERT(sscanf(hf, "model.layers.%d.%n", &layer, &used) == 1 && used > 0);
+        for (size_t i = 0; i < TD_ARRAY_LEN(map); i++)
+            if (!strcmp(hf + used, map[i][0])) {
+                snprintf(out, cap, "blk.%d.%s", layer, map[i][1]);
+                return;
+            }
+        TD_ASSERT(!"a tensor list_tensors does not make");
+    }
+}
+
+/* ggml's file type of a model whose matrices are `dt` (llama_ftype: ALL_F32 0, MOSTLY_F16
+ * 1, MOSTLY_Q4_0 2, MOSTLY_Q8_0 7, MOSTLY_BF16 32). */
+static uint32_t gguf_file_type(td_dtype_t dt)
+{
+    switch (dt) {
+    case TD_F32: return 0;
+    case TD_F16: return 1;
+    case TD_Q4_0: return 2;
+    case TD_Q8_0: return 7;
+    default: return 32; /* bf16: the only other dtype synth accepts */
+    }
+}
+
+/* Llama 3's rope_scaling as the per-pair divisors llama.cpp's converter writes
+ * (rope_freqs.weight), in its float32 arithmetic. */
+static void llama3_rope_freqs(const td_model_config_t *c, float *out)
+{
+    int half = c->head_dim / 2;
+    double old_ctx = c->rope_original_max_pos;
+    double low_wavelen = old_ctx / c->rope_low_freq_factor, high_wavelen = old_ctx / c->rope_high_freq_factor;
+    for (int i = 0; i < half; i++) {
+        float freq = 1.0f / powf(c->rope_theta, (float)(2 * i) / (float)c->head_dim);
+        double wavelen = 2.0 * M_PI / freq;
+        if (wavelen < high_wavelen)
+            out[i] = 1.0f;
+        else if (wavelen > low_wavelen)
+            out[i] = c->rope_factor;
+        else {
+            double smooth = (old_ctx / wavelen - c->rope_low_freq_factor) /
+                            (c->rope_high_freq_factor - c->rope_low_freq_factor);
+            out[i] = (float)(1.0 / ((1.0 - smooth) / c->rope_factor + smooth));
+        }
+    }
+}
+
+/*
+ * The tokenizer metadata llama.cpp needs, for the built-in byte tokenizer: a "gpt2" (byte
+ * level BPE) vocabulary whose first 256 tokens are the byte characters, no merges, <s> 256
+ * and </s> 257, and unused control tokens up to vocab_size (llama.cpp wants one token per
+ * embedding row).
+ */
+static td_status_t gguf_tokenizer(td_gguf_writer_t *w, const td_model_config_t *c)
+{
+    size_t n = (size_t)c->vocab_size;
+    char(*text)[32] = calloc(n, sizeof *text);
+    const char **toks = calloc(n, sizeof *toks);
+    int32_t *types = calloc(n, sizeof *types);
+    td_status_t s = TD_OK;
+    if (!text || !toks || !types) {
+        s = td_errorf(TD_ERR_NOMEM, "synth: out of memory for the tokenizer");
+        goto out;
+    }
+    for (size_t i = 0; i < n; i++) {
+        if (i < 256)
+            utf8(byte_char((unsigned)i), text[i]);
+        else if (i == TOK_BOS)
+            snprintf(text[i], sizeof text[i], "<s>");
+        else if (i == TOK_EOS)
+            snprintf(text[i], sizeof text[i], "</s>");
+        else
+            snprintf(text[i], sizeof text[i], "<unused%zu>", i);
+        toks[i] = text[i];
+        types[i] = i < 256 ? 1 /* normal */ : i <= TOK_EOS ? 3 /* control */ : 5 /* unused */;
+    }
+    if ((s = td_gguf_writer_str(w, "tokenizer.ggml.model", "gpt2")) != TD_OK ||
+        (s = td_gguf_writer_str(w, "tokenizer.ggml.pre", "default")) != TD_OK ||
+        (s = td_gguf_writer_arr_str(w, "tokenizer.ggml.tokens", toks, n)) != TD_OK ||
+        (s = td_gguf_writer_arr_i32(w, "tokenizer.ggml.token_type", types, n)) != TD_OK ||
+        (s = td_gguf_writer_arr_str(w, "tokenizer.ggml.merges", NULL, 0)) != TD_OK ||
+        (s = td_gguf_writer_u32(w, "tokenizer.ggml.bos_token_id", TOK_BOS)) != TD_OK ||
+        (s = td_gguf_writer_u32(w, "tokenizer.ggml.eos_token_id", TOK_EOS)) != TD_OK ||
+        (s = td_gguf_writer_bool(w, "tokenizer.ggml.add_bos_token", true)) != TD_OK)
+        goto out;
+out:
+    free(types);
+    free(toks);
+    free(text);
+    return s;
+}
+
+static td_status_t gguf_metadata(td_gguf_writer_t *w, const td_model_config_t *c, const char *arch, td_dtype_t dt)
+{
+    td_status_t s;
+    char name[96], key[96];
+    snprintf(name, sizeof name, "tandem synth %s", c->arch_name);
+    if ((s = td_gguf_writer_str(w, "general.architecture", arch)) != TD_OK ||
+        (s = td_gguf_writer_str(w, "general.name", name)) != TD_OK ||
+        (s = td_gguf_writer_u32(w, "general.file_type", gguf_file_type(dt))) != TD_OK ||
+        (td_dtype_is_block(dt) && (s = td_gguf_writer_u32(w, "general.quantization_version", 2)) != TD_OK))
+        return s;
+    const struct {
+        const char *k;
+        int32_t v;
+    } ints[] = {
+        {"context_length", c->max_seq_len},      {"embedding_length", c->dim},
+        {"feed_forward_length", c->hidden_dim},  {"block_count", c->n_layers},
+        {"attention.head_count", c->n_heads},    {"attention.head_count_kv", c->n_kv_heads},
+        {"attention.key_length", c->head_dim},   {"attention.value_length", c->head_dim},
+        {"rope.dimension_count", c->head_dim},   {"vocab_size", c->vocab_size},
+    };
+    for (size_t i = 0; i < TD_ARRAY_LEN(ints); i++) {
+        snprintf(key, sizeof key, "%s.%s", arch, ints[i].k);
+        if ((s = td_gguf_writer_u32(w, key, (uint32_t)ints[i].v)) != TD_OK)
+            return s;
+    }
+    snprintf(key, sizeof key, "%s.attention.layer_norm_rms_epsilon", arch);
+    if ((s = td_gguf_writer_f32(w, key, c->norm_eps)) != TD_OK)
+        return s;
+    snprintf(key, sizeof key, "%s.rope.freq_base", arch);
+    if ((s = td_gguf_writer_f32(w, key, c->rope_theta)) != TD_OK)
+        return s;
+    return gguf_tokenizer(w, c);
+}
+
+/* llama.cpp's converter's permutation of a q or k projection's rows (n_head heads of hd
+ * rows): within each head, row i and row i + hd/2 become rows 2i and 2i + 1, so that
+ * adjacent-pair rope on the result is rotate_half rope on the original. */
+static void permute_rows(float *dst, const float *src, int64_t n_head, int64_t hd, int64_t cols)
+{
+    for (int64_t h = 0; h < n_head; h++)
+        for (int64_t i = 0; i < hd / 2; i++)
+            for (int64_t j = 0; j < 2; j++)
+                memcpy(dst + (h * hd + 2 * i + j) * cols, src + (h * hd + j * (hd / 2) + i) * cols,
+                       (size_t)cols * sizeof *dst);
+}
+
+/* Streams one tensor's values (as write_values draws them) through the GGUF writer. */
+static td_status_t gguf_values(td_gguf_writer_t *w, const synth_tensor_t *t, uint64_t seed, td_dtype_t dt,
+                               const td_model_config_t *c, float *vals, void *conv)
+{
+    uint64_t state = seed ^ td_fnv1a64(TD_FNV1A64_INIT, t->name, strlen(t->name));
+    size_t total = (size_t)t->shape[0] * (size_t)(t->n_dims == 2 ? t->shape[1] : 1);
+    bool is_q = strstr(t->name, "q_proj.weight") != NULL, is_k = strstr(t->name, "k_proj.weight") != NULL;
+    if ((is_q || is_k) && c->rope_style == TD_ROPE_PAIRS) {
+        /* the whole matrix, to permute its rows (at most tens of MB for the presets) */
+        float *orig = malloc(total * sizeof *orig), *perm = malloc(total * sizeof *perm);
+        td_status_t s = TD_OK;
+        if (!orig || !perm)
+            s = td_errorf(TD_ERR_NOMEM, "synth: out of memory for %s", t->name);
+        for (size_t i = 0; s == TD_OK && i < total; i++)
+            orig[i] = SYNTH_STD * approx_normal(&state);
+        if (s == TD_OK)
+            permute_rows(perm, orig, is_q ? c->n_heads : c->n_kv_heads, c->head_dim, t->shape[1]);
+        for (size_t done = 0; s == TD_OK && done < total;) {
+            size_t n = TD_MIN((size_t)SYNTH_CHUNK, total - done);
+            td_dtype_convert(conv, dt, perm + done, TD_F32, n);
+            s = td_gguf_writer_write(w, conv, td_dtype_bytes(dt, n));
+            done += n;
+        }
+        free(perm);
+        free(orig);
+        return s;
+    }
+    for (size_t done = 0; done < total;) {
+        size_t n = TD_MIN((size_t)SYNTH_CHUNK, total - done);
+        for (size_t i = 0; i < n; i++)
+            vals[i] = t->kind == K_NORM ? 1.0f : SYNTH_STD * approx_normal(&state);
+        td_dtype_convert(conv, dt, vals, TD_F32, n);
+        td_status_t s = td_gguf_writer_write(w, conv, td_dtype_bytes(dt, n));
+        if (s != TD_OK)
+            return s;
+        done += n;
+    }
+    return TD_OK;
+}
+
+td_status_t td_model_synth_gguf(const td_synth_params_t *p, const char *out_path)
+{
+    td_status_t s;
+    td_model_config_t c = p->config;
+    td_dtype_t dt = p->dtype;
+    if (!td_dtype_is_float(dt) && dt != TD_Q8_0 && dt != TD_Q4_0)
+        return td_errorf(TD_ERR_INVALID, "synth: GGUF matrices are f32, f16, bf16, q8_0 or q4_0, not %s",
+                         td_dtype_name(dt));
+    if (c.vocab_size < TOK_EOS + 1)
+        return td_errorf(TD_ERR_INVALID, "synth: vocab_size %d is too small for the built-in byte tokenizer (needs "
+                         "258)", c.vocab_size);
+    c.bos_id = TOK_BOS;
+    c.eos_ids[0] = TOK_EOS;
+    c.n_eos = 1;
+    /* llama.cpp's converter permutes llama/mistral q and k for adjacent-pair rope; qwen
+     * models keep NeoX rope and their rows as they are */
+    const char *arch = td_model_arch_name(c.arch);
+    if (c.arch == TD_ARCH_LLAMA || c.arch == TD_ARCH_MISTRAL) {
+        arch = "llama";
+        c.rope_style = TD_ROPE_PAIRS;
+    }
+    if ((s = td_model_config_validate(&c, "synth config")) != TD_OK)
+        return s;
+    size_t blk = td_dtype_block_elems(dt);
+    if (c.dim % (int32_t)blk || c.hidden_dim % (int32_t)blk || ((int64_t)c.n_heads * c.head_dim) % (int64_t)blk)
+        return td_errorf(TD_ERR_INVALID, "synth: %s needs rows that are whole blocks of %zu weights; dim %d, "
+                         "hidden_dim %d, n_heads x head_dim %d are not", td_dtype_name(dt), blk, c.dim,
+                         c.hidden_dim, c.n_heads * c.head_dim);
+
+    size_t cap = 3 + 14 * (size_t)c.n_layers;
+    synth_tensor_t *t = calloc(cap, sizeof *t);
+    float *vals = malloc(SYNTH_CHUNK * sizeof *vals);
+    void *conv = malloc(SYNTH_CHUNK * sizeof(float));
+    float *freqs = malloc((size_t)c.head_dim / 2 * sizeof *freqs);
+    td_gguf_writer_t *w = NULL;
+    if (!t || !vals || !conv || !freqs) {
+        s = td_errorf(TD_ERR_NOMEM, "synth: out of memory");
+        goto out;
+    }
+    size_t n = list_tensors(&c, TD_F32, t);
+    if ((s = td_gguf_writer_create(out_path, &w)) != TD_OK || (s = gguf_metadata(w, &c, arch, dt)) != TD_OK)
+        goto out;
+    bool with_freqs = c.rope_llama3 && c.rope_style == TD_ROPE_PAIRS;
+    for (size_t i = 0; i < n; i++) {
+        char name[96];
+        gguf_name(t[i].name, name, sizeof name);
+        int64_t ne[2] = {t[i].n_dims == 2 ? t[i].shape[1] : t[i].shape[0], t[i].shape[0]};
+        td_dtype_t tdt = t[i].kind == K_MATRIX ? dt : TD_F32; /* vectors stay f32, as llama.cpp keeps them */
+        if ((s = td_gguf_writer_tensor(w, name, t[i].n_dims, ne, td_dtype_to_ggml(tdt))) != TD_OK)
+            goto out;
+        if (i == 0 && with_freqs) {
+            int64_t fne[1] = {c.head_dim / 2};
+            if ((s = td_gguf_writer_tensor(w, "rope_freqs.weight", 1, fne, td_dtype_to_ggml(TD_F32))) != TD_OK)
+                goto out;
+        }
+    }
+    if ((s = td_gguf_writer_begin(w)) != TD_OK)
+        goto out;
+    for (size_t i = 0; i < n; i++) {
+        td_dtype_t tdt = t[i].kind == K_MATRIX ? dt : TD_F32;
+        if ((s = gguf_values(w, &t[i], p->seed, tdt, &c, vals, conv)) != TD_OK)
+            goto out;
+        if (i == 0 && with_freqs) {
+            llama3_rope_freqs(&c, freqs);
+            if ((s = td_gguf_writer_write(w, freqs, (size_t)c.head_dim / 2 * sizeof *freqs)) != TD_OK)
+                goto out;
+        }
+    }
+    s = td_gguf_writer_finish(w);
+out:
+    td_gguf_writer_destroy(w); /* removes the file unless finished */
+    free(freqs);
+    free(conv);
+    free(vals);
+    free(t);
+    return s;
 }

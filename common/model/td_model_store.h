@@ -1,0 +1,41 @@
+/*
+ * td_model_store: what the loaders of td_model share (internal to common/model): the
+ * storage a loaded model keeps alive, and the helpers that make a model and its views.
+ * td_model.c loads llama2.c checkpoints and Hugging Face directories; td_model_gguf.c
+ * loads GGUF files.
+ */
+#ifndef TD_MODEL_STORE_H
+#define TD_MODEL_STORE_H
+
+#include <stddef.h>
+
+#include "td_gguf.h"
+#include "td_model.h"
+#include "td_safetensors.h"
+#include "td_util.h"
+
+/* What a loaded model keeps alive (td_model_t.priv): the file(s) its views point into. */
+typedef struct td_model_store {
+    td_mmap_t bin;                  /* llama2.c checkpoint */
+    td_safetensors_t **shards;      /* Hugging Face: one per file */
+    size_t n_shards;
+    td_gguf_t *gguf;                /* a GGUF file */
+    void **copies;                  /* aligned copies of misaligned tensors (rare) */
+    size_t n_copies;
+} td_model_store_t;
+
+/* A zeroed model with an empty store and m->path = path. Errors: TD_ERR_NOMEM,
+ * TD_ERR_RANGE (path too long), logged. Free with td_model_destroy. */
+td_status_t td_model_alloc(const char *path, td_model_t **m_p);
+
+/* Keeps an aligned (malloc) copy of n bytes at src alive as long as the store.
+ * Errors: TD_ERR_NOMEM, not logged. */
+td_status_t td_model_store_copy(td_model_store_t *s, const void *src, size_t n, void **copy_p);
+
+/* Points t at data: a {d0} vector when d1 <= 0, else a {d0, d1} matrix. */
+void td_model_set_view(td_tensor_t *t, const void *data, td_dtype_t dt, int64_t d0, int64_t d1);
+
+/* Loads a GGUF file (td_model_gguf.c); td_model_load's contract. */
+td_status_t td_model_load_gguf(const char *path, td_model_t **m_p);
+
+#endif /* TD_MODEL_STORE_H */
