@@ -17,6 +17,7 @@
 #include <string.h>
 
 #include "td_backend.h"
+#include "cli_gen.h"
 #include "td_cli.h"
 #include "td_engine.h"
 #include "td_gen_params.h"
@@ -33,94 +34,18 @@
 #define GEN_DEFAULT_TIMEOUT_S 600.0f
 #define GEN_DEFAULT_CONNECT_TIMEOUT_S 5.0f
 
-typedef struct gen_opts {
-    const char *model;
-    const char *tokenizer;
-    const char *prompt;
-    const char *prompt_ids;
-    td_device_spec_t device;
-    int dtype;                 /* -1: weights as stored, f32 KV and activations */
-    int64_t max_tokens;        /* -1 (not given): up to the model's length */
-    bool max_tokens_given;     /* -1 given is refused, not taken as "not given" */
-    int64_t threads;
-    int64_t prefill_chunk;
-    size_t kv_mem;
-    bool print_ids;
-    td_sampling_t sampling;
-    const char *stops[TD_STOP_MAX_STRINGS];
-    int32_t n_stops;           /* given; only the first TD_STOP_MAX_STRINGS are kept (more are refused) */
-    int32_t stop_ids[TD_GEN_MAX_STOP_IDS];
-    int32_t n_stop_ids;        /* given; as n_stops */
-    /* --server mode */
-    const char *server;        /* HOST:PORT of a router's gateway */
-    const char *model_name;    /* GenerateRequest.model; NULL = the server's default */
-    const char *request_id;
-    float timeout_s;           /* whole call, sent as grpc-timeout */
-    float connect_timeout_s;   /* until the server answers a health check */
-    const char *local_only;    /* the first local-only flag given, to refuse with --server */
-} gen_opts_t;
-
-/* The flag behind a td_gen_params_validate message (which begins with the request field's
- * name), so the user reads what they typed as well as the gateway's words; "" if none. */
-static const char *flag_of(const char *why)
-{
-    static const struct {
-        const char *field, *flag;
-    } map[] = {
-        {"max_tokens", "--max-tokens"}, {"prompt", "--prompt"}, {"temperature", "--temperature"},
-        {"top_k", "--top-k"}, {"top_p", "--top-p"}, {"min_p", "--min-p"},
-        {"repetition_penalty", "--repetition-penalty"}, {"stop_ids", "--stop-id"},
-        {"stop_strings", "--stop"}, {"stop string", "--stop"},
-    };
-    for (size_t i = 0; i < sizeof map / sizeof map[0]; i++) {
-        size_t n = strlen(map[i].field);
-        if (!strncmp(why, map[i].field, n) && why[n] == ' ')
-            return map[i].flag;
-    }
-    return "";
-}
-
-static td_status_t parse_stop(const td_opt_t *opt, const char *v)
-{
-    gen_opts_t *o = opt->ptr;
-    if (o->n_stops < TD_STOP_MAX_STRINGS)
-        o->stops[o->n_stops] = v;
-    o->n_stops++;
-    return TD_OK;
-}
-
-static td_status_t parse_stop_id(const td_opt_t *opt, const char *v)
-{
-    gen_opts_t *o = opt->ptr;
-    int64_t id;
-    td_status_t st = td_parse_i64(v, 0, INT32_MAX, "generate: --stop-id", &id);
-    if (st != TD_OK)
-        return st;
-    if (o->n_stop_ids < TD_GEN_MAX_STOP_IDS)
-        o->stop_ids[o->n_stop_ids] = (int32_t)id;
-    o->n_stop_ids++;
-    return TD_OK;
-}
-
-static td_status_t parse_log_level(const td_opt_t *opt, const char *v)
-{
-    if (td_log_parse_level(v) < 0)
-        return td_errorf(TD_ERR_INVALID, "generate: --log-level: '%s' is not error|warn|info|debug", v);
-    td_log_set_level((td_log_level_t)td_log_parse_level(v));
-    return TD_OK;
-}
-
 /* The flags that need the model on this machine, refused with --server. */
 static bool local_only(const char *flag)
 {
-    static const char *const names[] = {"model", "tokenizer", "threads", "device", "dtype", "kv-mem", "prefill-chunk"};
+    static const char *const names[] = {"model", "tokenizer", "threads", "device", "dtype", "quant", "kv-mem",
+                                        "prefill-chunk", "chat", "system"};
     for (size_t i = 0; i < TD_ARRAY_LEN(names); i++)
         if (!strcmp(flag, names[i]))
             return true;
     return false;
 }
 
-static int parse_opts(int argc, char **argv, gen_opts_t *o)
+static int parse_opts(int argc, char **argv, cli_gen_opts_t *o)
 {
     /* request parameters are parsed for their type only; their ranges are checked by
      * td_gen_params_validate below, as the gateway checks them */
@@ -134,13 +59,18 @@ static int parse_opts(int argc, char **argv, gen_opts_t *o)
              (double)GEN_DEFAULT_CONNECT_TIMEOUT_S);
     const td_opt_t opts[] = {
         {.name = "model", .type = TD_OPT_STR, .ptr = &o->model, .arg = "PATH",
-         .help = "llama2.c checkpoint (.bin) or Hugging Face model directory"},
+         .help = "GGUF file, llama2.c checkpoint (.bin) or Hugging Face model directory"},
         {.name = "tokenizer", .type = TD_OPT_STR, .ptr = &o->tokenizer, .arg = "PATH",
          .help = "tokenizer.bin / tokenizer.json / directory (default: beside the model)"},
         {.name = "prompt", .type = TD_OPT_STR, .ptr = &o->prompt, .arg = "TEXT",
          .help = "prompt text (BOS is added when the model has one)"},
         {.name = "prompt-ids", .type = TD_OPT_STR, .ptr = &o->prompt_ids, .arg = "IDS",
          .help = "prompt token ids, space-separated, taken as given (no BOS added)"},
+        {.name = "chat", .type = TD_OPT_BOOL, .ptr = &o->chat,
+         .help = "the prompt is a user message: rendered with the model's chat template\n"
+                 "(docs/chat.md); generation also stops at the tokenizer's end-of-turn ids"},
+        {.name = "system", .type = TD_OPT_STR, .ptr = &o->system, .arg = "TEXT",
+         .help = "with --chat: a system message before the prompt"},
         {.name = "max-tokens", .type = TD_OPT_I64, .ptr = &o->max_tokens, .min = INT64_MIN, .max = INT64_MAX,
          .arg = "N", .help = "most tokens to generate (default: up to the model's length;\n"
                              "with --server: the server's default-max-tokens, and N >= 1)"},
@@ -156,9 +86,9 @@ static int parse_opts(int argc, char **argv, gen_opts_t *o)
          .help = "penalty on recently seen tokens (default 1: off)"},
         {.name = "seed", .type = TD_OPT_I64, .ptr = &seed, .min = 0, .max = INT64_MAX, .arg = "S",
          .help = "sampling seed (default 0)"},
-        {.name = "stop", .type = TD_OPT_FN, .ptr = o, .parse = parse_stop, .arg = "TEXT",
+        {.name = "stop", .type = TD_OPT_FN, .ptr = o, .parse = cli_gen_parse_stop, .arg = "TEXT",
          .help = stop_help},
-        {.name = "stop-id", .type = TD_OPT_FN, .ptr = o, .parse = parse_stop_id, .arg = "ID",
+        {.name = "stop-id", .type = TD_OPT_FN, .ptr = o, .parse = cli_gen_parse_stop_id, .arg = "ID",
          .help = "stop at this token id (repeatable); the model's EOS ids always stop"},
         {.name = "threads", .type = TD_OPT_I64, .ptr = &o->threads, .min = 1, .max = 4096, .arg = "N",
          .help = "compute threads (default: all cores)"},
@@ -168,13 +98,15 @@ static int parse_opts(int argc, char **argv, gen_opts_t *o)
          .help = "f32|f16|bf16: weights and KV cache in T (converted at load), and on cuda the\n"
                  "activations too (the CPU's are f32); default: cpu: weights as\n"
                  "stored, KV cache f32; cuda: the model's dtype for all three"},
+        {.name = "quant", .type = TD_OPT_FN, .ptr = &o->quant, .parse = cli_gen_parse_quant, .arg = "Q",
+         .help = "q8_0|q4_0: quantize the float weight matrices to Q at load"},
         {.name = "kv-mem", .type = TD_OPT_I64, .ptr = &kv_mib, .min = 1, .max = 1 << 22, .arg = "MIB",
          .help = "KV cache budget (default: what prompt + max tokens need)"},
         {.name = "prefill-chunk", .type = TD_OPT_I64, .ptr = &o->prefill_chunk, .min = 1, .max = 1 << 16,
          .arg = "N", .help = "prompt tokens per prefill step (default: the prompt, at most 512)"},
         {.name = "print-ids", .type = TD_OPT_BOOL, .ptr = &o->print_ids,
          .help = "print the generated ids on one line instead of text"},
-        {.name = "log-level", .type = TD_OPT_FN, .parse = parse_log_level, .arg = "L",
+        {.name = "log-level", .type = TD_OPT_FN, .parse = cli_gen_parse_log_level, .arg = "L",
          .help = "error|warn|info|debug"},
         {.name = "server", .type = TD_OPT_STR, .ptr = &o->server, .arg = "HOST:PORT",
          .help = "generate on a cluster: a gRPC call of tandem.v1.Generation/Generate\n"
@@ -192,7 +124,7 @@ static int parse_opts(int argc, char **argv, gen_opts_t *o)
          .fmax = 3600.0f, .arg = "S",
          .help = connect_help},
     };
-    enum { N_OPTS = TD_ARRAY_LEN(opts), OPT_MAX_TOKENS = 4, OPT_DTYPE = 15 };
+    enum { N_OPTS = TD_ARRAY_LEN(opts), OPT_MAX_TOKENS = 6, OPT_DTYPE = 17 };
     int given[N_OPTS] = {0};
     td_opts_t spec = {.prog = "generate", .opts = opts, .n_opts = N_OPTS};
     td_opts_result_t r = {.given = given};
@@ -200,10 +132,10 @@ static int parse_opts(int argc, char **argv, gen_opts_t *o)
         return 2;
     if (r.help) {
         printf("usage: tandem generate --model PATH [--tokenizer PATH] (--prompt TEXT | --prompt-ids \"1 2 3\")\n"
-               "                       [--max-tokens N] [--temperature T] [--top-k K] [--top-p P]\n"
+               "                       [--chat [--system TEXT]] [--max-tokens N] [--temperature T] [--top-k K] [--top-p P]\n"
                "                       [--min-p P] [--repetition-penalty R] [--seed S] [--stop TEXT]...\n"
                "                       [--stop-id ID]... [--threads N] [--device cpu|cuda[:N]]\n"
-               "                       [--dtype f32|f16|bf16] [--print-ids]\n"
+               "                       [--dtype f32|f16|bf16] [--quant q8_0|q4_0] [--print-ids]\n"
                "       tandem generate --server HOST:PORT (--prompt TEXT | --prompt-ids \"1 2 3\")\n"
                "                       [the same sampling, stop and output flags]\n"
                "                       [--model-name NAME] [--request-id ID] [--timeout S] [--connect-timeout S]\n"
@@ -250,25 +182,22 @@ static int parse_opts(int argc, char **argv, gen_opts_t *o)
                         "give N >= 1\n");
         return 2;
     }
+    if (o->system && !o->chat) {
+        fprintf(stderr, "tandem generate: --system needs --chat\n");
+        return 2;
+    }
+    if (o->chat && !o->prompt) {
+        fprintf(stderr, "tandem generate: --chat needs --prompt TEXT (the user's message)\n");
+        return 2;
+    }
     if (!o->prompt == !o->prompt_ids) {
         fprintf(stderr, "tandem generate: give exactly one of --prompt and --prompt-ids\n");
         return 2;
     }
     /* --prompt-ids is counted by the engine or the gateway: a flag's text (at most 128 KiB on
      * Linux) holds far fewer than TD_GEN_MAX_PROMPT ids */
-    td_gen_params_t gp = td_gen_params_default();
-    gp.max_tokens = o->max_tokens_given ? o->max_tokens : 0;
-    gp.sampling = o->sampling;
-    gp.prompt_is_text = o->prompt != NULL;
-    gp.prompt_len = o->prompt ? strlen(o->prompt) : 0;
-    gp.n_stop_ids = (size_t)o->n_stop_ids;
-    gp.n_stop_strings = (size_t)o->n_stops;
-    gp.stop_strings = o->stops;
-    char why[256];
-    if (td_gen_params_validate(&gp, why, sizeof why) != TD_OK) {
-        fprintf(stderr, "tandem generate: %s%s%s\n", flag_of(why), *flag_of(why) ? ": " : "", why);
+    if (!cli_gen_validate("generate", o, o->prompt != NULL, o->prompt ? strlen(o->prompt) : 0))
         return 2;
-    }
     return -1;
 }
 
@@ -315,38 +244,6 @@ static td_status_t parse_ids(const char *s, int32_t **ids_p, size_t *n_p)
     return TD_OK;
 }
 
-static bool is_stop_id(const td_model_config_t *c, const gen_opts_t *o, int32_t id)
-{
-    for (int i = 0; i < c->n_eos; i++)
-        if (c->eos_ids[i] == id)
-            return true;
-    for (int i = 0; i < o->n_stop_ids; i++)
-        if (o->stop_ids[i] == id)
-            return true;
-    return false;
-}
-
-/* Streams `id`'s text through the detokenizer and the stop matcher; *stopped_p when a
- * stop string completed. */
-static td_status_t emit_text(td_detok_t *dt, td_stop_t *stop, int32_t id, bool *stopped_p)
-{
-    /* a model's vocabulary may be padded past its tokenizer's: such ids have no text */
-    if (id >= td_tokenizer_vocab_size(dt->tok))
-        return TD_OK;
-    const char *text;
-    size_t len;
-    td_status_t st = td_detok_push(dt, id, &text, &len);
-    if (st != TD_OK)
-        return st;
-    td_stop_result_t r;
-    if ((st = td_stop_feed(stop, text, len, &r)) != TD_OK)
-        return st;
-    fwrite(r.emit, 1, r.emit_len, stdout);
-    fflush(stdout);
-    *stopped_p = r.matched;
-    return TD_OK;
-}
-
 /* ---- --server: a gRPC client of tandem.v1.Generation/Generate ----------------------- */
 
 typedef struct remote_state {
@@ -355,7 +252,7 @@ typedef struct remote_state {
     td_grpc_client_call_t *gen;        /* NULL once it ended */
     td_grpc_client_call_t *health;     /* the reachability probe; NULL once it ended */
     uv_signal_t sigint, sigterm;
-    const gen_opts_t *o;
+    const cli_gen_opts_t *o;
     const char *addr;                  /* "HOST:PORT" as given, for messages */
     bool reached;                      /* the server answered something */
     bool unreachable;                  /* the probe timed out before any answer */
@@ -583,7 +480,7 @@ static void remote_report_timings(const remote_state_t *r)
             r->first_token_s * 1e3, r->per_token_s * 1e3, r->total_s * 1e3);
 }
 
-static int gen_remote(gen_opts_t *o)
+static int gen_remote(cli_gen_opts_t *o)
 {
     if (o->timeout_s <= 0)
         o->timeout_s = GEN_DEFAULT_TIMEOUT_S;
@@ -692,7 +589,7 @@ out_loop:
 
 int cmd_generate(int argc, char **argv)
 {
-    gen_opts_t o = {.max_tokens = -1, .dtype = -1, .sampling = td_sampling_default()};
+    cli_gen_opts_t o = cli_gen_opts_default();
     int rc = parse_opts(argc, argv, &o);
     if (rc >= 0)
         return rc;
@@ -700,36 +597,27 @@ int cmd_generate(int argc, char **argv)
         return gen_remote(&o);
     rc = 1;
 
-    td_model_t *model = NULL;
-    td_tokenizer_t *tok = NULL;
-    td_backend_t *be = NULL;
-    td_engine_t *eng = NULL;
-    td_sampler_t *sampler = NULL;
-    td_stop_t *stop = NULL;
-    int32_t *prompt = NULL, *out_ids = NULL;
-    float *logits = NULL;
+    cli_gen_t g = {0};
+    cli_gen_result_t res = {0};
+    int32_t *prompt = NULL;
     size_t n_prompt = 0;
     td_kv_seq_t seq;
     td_kv_seq_init(&seq);
-    td_detok_t dt = {0};
     td_status_t st;
 
-    if ((st = td_model_load(o.model, &model)) != TD_OK)
+    if ((st = cli_gen_open(&g, &o, o.prompt || !o.print_ids)) != TD_OK)
         goto out;
-    const td_model_config_t *c = &model->config;
-    const char *tok_path = o.tokenizer ? o.tokenizer : (model->tokenizer_path[0] ? model->tokenizer_path : NULL);
-    if (tok_path) {
-        if ((st = td_tokenizer_load(tok_path, &tok)) != TD_OK)
+    if (o.chat) {
+        td_chat_message_t m[2];
+        size_t n = 0;
+        if (o.system)
+            m[n++] = (td_chat_message_t){.role = "system", .content = o.system};
+        m[n++] = (td_chat_message_t){.role = "user", .content = o.prompt};
+        if ((st = cli_gen_chat_prompt(&g, m, n, &prompt, &n_prompt)) != TD_OK)
             goto out;
-    } else if (o.prompt || !o.print_ids) {
-        td_errorf(TD_ERR_INVALID, "%s has no tokenizer beside it: pass --tokenizer PATH%s", o.model,
-                  o.prompt ? "" : ", or --print-ids to print token ids");
-        goto out;
-    }
-
-    if (o.prompt) {
-        unsigned flags = c->bos_id >= 0 ? TD_TOK_ADD_BOS : 0;
-        if ((st = td_tokenizer_encode(tok, o.prompt, strlen(o.prompt), flags, &prompt, &n_prompt)) != TD_OK)
+    } else if (o.prompt) {
+        if ((st = td_tokenizer_encode(g.tok, o.prompt, strlen(o.prompt), g.add_bos ? TD_TOK_ADD_BOS : 0, &prompt,
+                                      &n_prompt)) != TD_OK)
             goto out;
     } else if ((st = parse_ids(o.prompt_ids, &prompt, &n_prompt)) != TD_OK) {
         rc = st == TD_ERR_INVALID ? 2 : 1;
@@ -739,138 +627,29 @@ int cmd_generate(int argc, char **argv)
         rc = 2;
         goto out;
     }
-    if (n_prompt == 0) {
-        td_errorf(TD_ERR_INVALID, "the prompt text encodes to no token ids (and the model has no BOS token to "
-                                  "start from)");
+    if ((st = cli_gen_check_prompt(&g, prompt, n_prompt)) != TD_OK)
         goto out;
-    }
-    for (size_t i = 0; i < n_prompt; i++)
-        if (prompt[i] < 0 || prompt[i] >= c->vocab_size) {
-            td_errorf(TD_ERR_RANGE, "prompt token %d is outside the model's vocabulary [0, %d)", prompt[i],
-                      c->vocab_size);
-            goto out;
-        }
-    if ((int64_t)n_prompt >= c->max_seq_len) {
-        td_errorf(TD_ERR_RANGE, "the prompt has %zu tokens; the model's maximum length is %d", n_prompt,
-                  c->max_seq_len);
-        goto out;
-    }
-    int64_t room = c->max_seq_len - (int64_t)n_prompt;
+    int64_t room = g.model->config.max_seq_len - (int64_t)n_prompt;
     int64_t max_new = o.max_tokens < 0 ? room : TD_MIN(o.max_tokens, room);
 
-    if (o.dtype < 0)
-        o.dtype = td_device_default_dtype(&o.device, c->dtype);
-    if ((st = td_backend_open(&o.device, (int32_t)o.threads, o.dtype < 0 ? TD_F32 : (td_dtype_t)o.dtype, &be)) != TD_OK)
-        goto out;
+    /* one sequence, nothing to reuse: no prefix cache; the pool holds prompt + max tokens */
     td_engine_config_t ec = td_engine_config_default();
-    td_engine_config_set_dtype(&ec, o.dtype, -1);
     ec.max_batch_tokens = (int32_t)(o.prefill_chunk ? o.prefill_chunk : TD_MIN(512, (int64_t)n_prompt));
     ec.max_seqs = 1;
     ec.max_logit_rows = 1;
     ec.prefix_cache = false;
-    /* the pool holds what prompt + max tokens need, within the KV budget */
-    if (o.kv_mem)
-        ec.kv_mem_bytes = o.kv_mem;
-    uint64_t block_bytes = td_engine_kv_block_bytes(model, &ec);
-    int64_t need = TD_DIV_CEIL((int64_t)n_prompt + max_new + 1, ec.block_size);
-    int64_t fits = (int64_t)(ec.kv_mem_bytes / block_bytes);
-    ec.n_blocks = (int32_t)TD_MAX(1, TD_MIN(need, fits));
-    if ((st = td_engine_create(model, be, &ec, &eng)) != TD_OK)
+    if ((st = cli_gen_start_engine(&g, &o, &ec, (int64_t)n_prompt + max_new)) != TD_OK ||
+        (st = cli_gen_run(&g, &o, &seq, prompt, n_prompt, max_new, &res)) != TD_OK)
         goto out;
-    if ((st = td_sampler_create(&o.sampling, &sampler)) != TD_OK ||
-        (st = td_stop_create(o.stops, o.n_stops, &stop)) != TD_OK)
-        goto out;
-    logits = malloc((size_t)c->vocab_size * sizeof(float));
-    out_ids = malloc((size_t)(max_new + 1) * sizeof(int32_t));
-    if (!logits || !out_ids) {
-        td_errorf(TD_ERR_NOMEM, "out of memory");
-        goto out;
-    }
-    if (tok)
-        td_detok_init(&dt, tok);
-    for (size_t i = 0; i < n_prompt; i++)
-        td_sampler_accept(sampler, prompt[i]);
-
-    /* prefill in chunks; the last chunk's last row gives the first token's logits */
-    uint64_t t0 = td_now_ns();
-    for (size_t off = 0; off < n_prompt;) {
-        int32_t n = (int32_t)TD_MIN((size_t)ec.max_batch_tokens, n_prompt - off);
-        td_engine_item_t it = {.seq = &seq, .tokens = prompt + off, .n_tokens = n,
-                               .n_logits = off + (size_t)n == n_prompt};
-        if ((st = td_engine_step(eng, &it, 1, logits)) != TD_OK) {
-            if (st == TD_ERR_EXHAUSTED)
-                td_errorf(st, "the KV cache cannot hold the prompt: raise --kv-mem");
-            goto out;
-        }
-        off += (size_t)n;
-    }
-    uint64_t t_first = 0, t_prefill = td_now_ns() - t0;
-    int64_t n_gen = 0;
-    bool stopped = false;
-    while (n_gen < max_new && !stopped) {
-        int32_t next;
-        if ((st = td_sampler_sample(sampler, logits, c->vocab_size, &next)) != TD_OK)
-            goto out;
-        if (n_gen == 0)
-            t_first = td_now_ns() - t0;
-        if (is_stop_id(c, &o, next))
-            break;
-        td_sampler_accept(sampler, next);
-        out_ids[n_gen++] = next;
-        if (!o.print_ids && (st = emit_text(&dt, stop, next, &stopped)) != TD_OK)
-            goto out;
-        if (stopped || n_gen == max_new)
-            break;
-        td_engine_item_t it = {.seq = &seq, .tokens = &next, .n_tokens = 1, .n_logits = 1};
-        if ((st = td_engine_step(eng, &it, 1, logits)) == TD_ERR_EXHAUSTED) {
-            td_warn("generate: the KV cache is full at %d tokens; stopping (raise --kv-mem for longer)",
-                    seq.n_tokens);
-            break;
-        }
-        if (st != TD_OK)
-            goto out;
-    }
-    uint64_t t_total = td_now_ns() - t0;
-    if (o.print_ids) {
-        for (int64_t i = 0; i < n_gen; i++)
-            printf(i ? " %d" : "%d", out_ids[i]);
-        printf("\n");
-    } else if (!stopped) {
-        const char *text;
-        size_t len;
-        if ((st = td_detok_flush(&dt, &text, &len)) != TD_OK)
-            goto out;
-        td_stop_result_t r;
-        if ((st = td_stop_feed(stop, text, len, &r)) != TD_OK)
-            goto out;
-        fwrite(r.emit, 1, r.emit_len, stdout);
-        if (!r.matched) {
-            td_stop_flush(stop, &text, &len);
-            fwrite(text, 1, len, stdout);
-        }
-        fflush(stdout);
-    }
-    double gen_s = (double)(t_total - t_first) * 1e-9;
-    fprintf(stderr,
-            "\nprompt: %zu tokens, %.1f tokens/s | generation: %" PRId64
-            " tokens, %.1f tokens/s | time to first token: %.1f ms\n",
-            n_prompt, (double)n_prompt / ((double)t_prefill * 1e-9), n_gen,
-            n_gen > 1 ? (double)(n_gen - 1) / gen_s : 0.0, (double)t_first * 1e-6);
+    cli_gen_report(&res, false);
     rc = 0;
 out:
     if (rc && !td_last_error()[0])
         fprintf(stderr, "tandem generate: failed\n"); /* every decided error was logged where decided */
-    td_detok_free(&dt);
-    if (eng)
-        td_engine_seq_end(eng, &seq);
-    free(logits);
-    free(out_ids);
+    if (g.eng)
+        td_engine_seq_end(g.eng, &seq);
+    cli_gen_result_free(&res);
     free(prompt);
-    td_stop_destroy(stop);
-    td_sampler_destroy(sampler);
-    td_engine_destroy(eng);
-    td_backend_destroy(be);
-    td_tokenizer_destroy(tok);
-    td_model_destroy(model);
+    cli_gen_close(&g);
     return rc;
 }

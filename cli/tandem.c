@@ -19,6 +19,7 @@ typedef struct cmd {
 
 static const cmd_t cmds[] = {
     {"generate", cmd_generate, "generate text from a model on this machine"},
+    {"chat", cmd_chat, "chat with a model on this machine (its chat template, turns on stdin)"},
     {"tokenize", cmd_tokenize, "encode stdin to token ids (or decode ids with --decode)"},
     {"model", cmd_model, "model tools: synth (write a random-weight model), info"},
     {"bench", cmd_bench, "benchmarks: engine, kernels"},

@@ -9,6 +9,7 @@
 #include "td_opts.h"
 
 int cmd_generate(int argc, char **argv);
+int cmd_chat(int argc, char **argv);
 int cmd_tokenize(int argc, char **argv);
 int cmd_model(int argc, char **argv);
 int cmd_bench(int argc, char **argv);

@@ -1,0 +1,355 @@
+/*
+ * cli_gen: local generation shared by `tandem generate` and `tandem chat` (cli_gen.h).
+ */
+#include "cli_gen.h"
+
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "td_chat_source.h"
+#include "td_dtype.h"
+#include "td_log.h"
+#include "td_util.h"
+
+cli_gen_opts_t cli_gen_opts_default(void)
+{
+    return (cli_gen_opts_t){.max_tokens = -1, .dtype = -1, .quant = -1, .sampling = td_sampling_default()};
+}
+
+/* The flag behind a td_gen_params_validate message (which begins with the request field's
+ * name), so the user reads what they typed as well as the gateway's words; "" if none. */
+static const char *flag_of(const char *why)
+{
+    static const struct {
+        const char *field, *flag;
+    } map[] = {
+        {"max_tokens", "--max-tokens"}, {"prompt", "--prompt"}, {"temperature", "--temperature"},
+        {"top_k", "--top-k"}, {"top_p", "--top-p"}, {"min_p", "--min-p"},
+        {"repetition_penalty", "--repetition-penalty"}, {"stop_ids", "--stop-id"},
+        {"stop_strings", "--stop"}, {"stop string", "--stop"},
+    };
+    for (size_t i = 0; i < sizeof map / sizeof map[0]; i++) {
+        size_t n = strlen(map[i].field);
+        if (!strncmp(why, map[i].field, n) && why[n] == ' ')
+            return map[i].flag;
+    }
+    return "";
+}
+
+td_status_t cli_gen_parse_stop(const td_opt_t *opt, const char *v)
+{
+    cli_gen_opts_t *o = opt->ptr;
+    if (o->n_stops < TD_STOP_MAX_STRINGS)
+        o->stops[o->n_stops] = v;
+    o->n_stops++;
+    return TD_OK;
+}
+
+td_status_t cli_gen_parse_stop_id(const td_opt_t *opt, const char *v)
+{
+    cli_gen_opts_t *o = opt->ptr;
+    int64_t id;
+    td_status_t st = td_parse_i64(v, 0, INT32_MAX, "--stop-id", &id);
+    if (st != TD_OK)
+        return st;
+    if (o->n_stop_ids < TD_GEN_MAX_STOP_IDS)
+        o->stop_ids[o->n_stop_ids] = (int32_t)id;
+    o->n_stop_ids++;
+    return TD_OK;
+}
+
+td_status_t cli_gen_parse_log_level(const td_opt_t *opt, const char *v)
+{
+    (void)opt;
+    if (td_log_parse_level(v) < 0)
+        return td_errorf(TD_ERR_INVALID, "--log-level: '%s' is not error|warn|info|debug", v);
+    td_log_set_level((td_log_level_t)td_log_parse_level(v));
+    return TD_OK;
+}
+
+td_status_t cli_gen_parse_quant(const td_opt_t *opt, const char *v)
+{
+    td_dtype_t t;
+    td_status_t st = td_dtype_parse_quant_flag(v, &t);
+    if (st == TD_OK)
+        *(int *)opt->ptr = (int)t;
+    return st;
+}
+
+bool cli_gen_validate(const char *cmd, const cli_gen_opts_t *o, bool prompt_is_text, size_t prompt_len)
+{
+    td_gen_params_t gp = td_gen_params_default();
+    gp.max_tokens = o->max_tokens_given ? o->max_tokens : 0;
+    gp.sampling = o->sampling;
+    gp.prompt_is_text = prompt_is_text;
+    gp.prompt_len = prompt_len;
+    gp.n_stop_ids = (size_t)o->n_stop_ids;
+    gp.n_stop_strings = (size_t)o->n_stops;
+    gp.stop_strings = o->stops;
+    char why[256];
+    if (td_gen_params_validate(&gp, why, sizeof why) != TD_OK) {
+        fprintf(stderr, "tandem %s: %s%s%s\n", cmd, flag_of(why), *flag_of(why) ? ": " : "", why);
+        return false;
+    }
+    return true;
+}
+
+td_status_t cli_gen_open(cli_gen_t *g, const cli_gen_opts_t *o, bool need_tok)
+{
+    td_status_t st;
+    if ((st = td_model_load(o->model, &g->model)) != TD_OK)
+        return st;
+    const td_model_config_t *c = &g->model->config;
+    const char *tok_path = o->tokenizer ? o->tokenizer : (g->model->tokenizer_path[0] ? g->model->tokenizer_path : NULL);
+    if (tok_path) {
+        if ((st = td_tokenizer_load(tok_path, &g->tok)) != TD_OK)
+            return st;
+    } else if (need_tok) {
+        return td_errorf(TD_ERR_INVALID, "%s has no tokenizer beside it: pass --tokenizer PATH%s", o->model,
+                         o->prompt_ids || o->chat || o->prompt ? "" : ", or --print-ids to print token ids");
+    }
+    if (o->chat && (st = td_chat_template_for_model(o->model, tok_path, &g->chat)) != TD_OK)
+        return st;
+    /* a model that has a BOS token starts every text with it (the llama2.c and Hugging Face
+     * models tandem loads all do) */
+    g->add_bos = c->bos_id >= 0;
+    g->stop_at_tok_eos = o->chat;
+    int dtype = o->dtype < 0 ? td_device_default_dtype(&o->device, c->dtype) : o->dtype;
+    return td_backend_open(&o->device, (int32_t)o->threads, dtype < 0 ? TD_F32 : (td_dtype_t)dtype, &g->be);
+}
+
+td_status_t cli_gen_start_engine(cli_gen_t *g, const cli_gen_opts_t *o, td_engine_config_t *ec,
+                                 int64_t kv_tokens)
+{
+    const td_model_config_t *c = &g->model->config;
+    int dtype = o->dtype < 0 ? td_device_default_dtype(&o->device, c->dtype) : o->dtype;
+    td_engine_config_set_dtype(ec, dtype, o->quant);
+    if (o->kv_mem)
+        ec->kv_mem_bytes = o->kv_mem;
+    /* the pool holds what kv_tokens need, within the KV budget */
+    uint64_t block_bytes = td_engine_kv_block_bytes(g->model, ec);
+    int64_t need = TD_DIV_CEIL(kv_tokens + 1, ec->block_size);
+    int64_t fits = (int64_t)(ec->kv_mem_bytes / block_bytes);
+    ec->n_blocks = (int32_t)TD_MAX(1, TD_MIN(need, fits));
+    return td_engine_create(g->model, g->be, ec, &g->eng);
+}
+
+void cli_gen_close(cli_gen_t *g)
+{
+    td_engine_destroy(g->eng);
+    td_backend_destroy(g->be);
+    td_chat_template_destroy(g->chat);
+    td_tokenizer_destroy(g->tok);
+    td_model_destroy(g->model);
+    memset(g, 0, sizeof *g);
+}
+
+td_status_t cli_gen_chat_prompt(cli_gen_t *g, const td_chat_message_t *messages, size_t n,
+                                int32_t **ids_p, size_t *n_p)
+{
+    char *text;
+    size_t len;
+    td_status_t st = td_chat_render_messages(g->chat, g->tok, messages, n, &text, &len);
+    if (st != TD_OK)
+        return st;
+    td_debug("chat prompt: %s", text);
+    st = td_chat_encode(g->tok, text, len, g->add_bos, ids_p, n_p);
+    free(text);
+    return st;
+}
+
+td_status_t cli_gen_check_prompt(const cli_gen_t *g, const int32_t *ids, size_t n)
+{
+    const td_model_config_t *c = &g->model->config;
+    if (n == 0)
+        return td_errorf(TD_ERR_INVALID, "the prompt text encodes to no token ids (and the model has no BOS "
+                                         "token to start from)");
+    for (size_t i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= c->vocab_size)
+            return td_errorf(TD_ERR_RANGE, "prompt token %d is outside the model's vocabulary [0, %d)", ids[i],
+                             c->vocab_size);
+    if ((int64_t)n >= c->max_seq_len)
+        return td_errorf(TD_ERR_RANGE, "the prompt has %zu tokens; the model's maximum length is %d", n,
+                         c->max_seq_len);
+    return TD_OK;
+}
+
+void cli_gen_result_free(cli_gen_result_t *r)
+{
+    free(r->ids);
+    free(r->text);
+    memset(r, 0, sizeof *r);
+}
+
+static bool is_stop_id(const cli_gen_t *g, const cli_gen_opts_t *o, int32_t id)
+{
+    const td_model_config_t *c = &g->model->config;
+    for (int i = 0; i < c->n_eos; i++)
+        if (c->eos_ids[i] == id)
+            return true;
+    for (int i = 0; i < o->n_stop_ids && i < TD_GEN_MAX_STOP_IDS; i++)
+        if (o->stop_ids[i] == id)
+            return true;
+    return g->stop_at_tok_eos && g->tok && td_tokenizer_is_eos(g->tok, id);
+}
+
+/* Writes text to stdout and appends it to the result's text. */
+static td_status_t put_text(cli_gen_result_t *r, size_t *cap, const char *text, size_t len)
+{
+    if (!len)
+        return TD_OK;
+    fwrite(text, 1, len, stdout);
+    fflush(stdout);
+    if (r->text_len + len + 1 > *cap) {
+        size_t ncap = TD_MAX(2 * *cap, r->text_len + len + 1);
+        char *t = realloc(r->text, ncap);
+        if (!t)
+            return td_errorf(TD_ERR_NOMEM, "out of memory");
+        r->text = t;
+        *cap = ncap;
+    }
+    memcpy(r->text + r->text_len, text, len);
+    r->text_len += len;
+    r->text[r->text_len] = '\0';
+    return TD_OK;
+}
+
+/* Streams `id`'s text through the detokenizer and the stop matcher; *stopped_p when a
+ * stop string completed. */
+static td_status_t emit_text(td_detok_t *dt, td_stop_t *stop, int32_t id, cli_gen_result_t *r, size_t *cap,
+                             bool *stopped_p)
+{
+    /* a model's vocabulary may be padded past its tokenizer's: such ids have no text */
+    if (id >= td_tokenizer_vocab_size(dt->tok))
+        return TD_OK;
+    const char *text;
+    size_t len;
+    td_status_t st = td_detok_push(dt, id, &text, &len);
+    if (st != TD_OK)
+        return st;
+    td_stop_result_t sr;
+    if ((st = td_stop_feed(stop, text, len, &sr)) != TD_OK)
+        return st;
+    *stopped_p = sr.matched;
+    return put_text(r, cap, sr.emit, sr.emit_len);
+}
+
+td_status_t cli_gen_run(cli_gen_t *g, const cli_gen_opts_t *o, td_kv_seq_t *seq, const int32_t *prompt,
+                        size_t n_prompt, int64_t max_new, cli_gen_result_t *res)
+{
+    const td_model_config_t *c = &g->model->config;
+    const td_engine_config_t *ec = td_engine_config(g->eng);
+    td_sampler_t *sampler = NULL;
+    td_stop_t *stop = NULL;
+    float *logits = NULL;
+    td_detok_t dt = {0};
+    cli_gen_result_t r = {.n_prompt = n_prompt};
+    size_t text_cap = 0;
+    td_status_t st;
+
+    if ((st = td_sampler_create(&o->sampling, &sampler)) != TD_OK ||
+        (st = td_stop_create(o->stops, TD_MIN(o->n_stops, TD_STOP_MAX_STRINGS), &stop)) != TD_OK)
+        goto out;
+    logits = malloc((size_t)c->vocab_size * sizeof(float));
+    r.ids = malloc((size_t)(max_new + 1) * sizeof(int32_t));
+    if (!logits || !r.ids) {
+        st = td_errorf(TD_ERR_NOMEM, "out of memory");
+        goto out;
+    }
+    if (g->tok)
+        td_detok_init(&dt, g->tok);
+    for (size_t i = 0; i < n_prompt; i++)
+        td_sampler_accept(sampler, prompt[i]);
+
+    /* the engine attaches the cached prefix (a previous turn's KV); prefill the rest in
+     * chunks, the last chunk's last row giving the first token's logits */
+    uint64_t t0 = td_now_ns();
+    if ((st = td_engine_seq_start(g->eng, seq, prompt, (int32_t)n_prompt, &r.n_cached)) != TD_OK)
+        goto out;
+    for (size_t off = (size_t)r.n_cached; off < n_prompt;) {
+        int32_t n = (int32_t)TD_MIN((size_t)ec->max_batch_tokens, n_prompt - off);
+        td_engine_item_t it = {.seq = seq, .tokens = prompt + off, .n_tokens = n,
+                               .n_logits = off + (size_t)n == n_prompt};
+        if ((st = td_engine_step(g->eng, &it, 1, logits)) != TD_OK) {
+            if (st == TD_ERR_EXHAUSTED)
+                td_errorf(st, "the KV cache cannot hold the prompt: raise --kv-mem");
+            goto out;
+        }
+        off += (size_t)n;
+    }
+    r.t_prefill_ns = td_now_ns() - t0;
+    bool stopped = false;
+    while (r.n_gen < max_new && !stopped) {
+        int32_t next;
+        if ((st = td_sampler_sample(sampler, logits, c->vocab_size, &next)) != TD_OK)
+            goto out;
+        if (r.n_gen == 0)
+            r.t_first_ns = td_now_ns() - t0;
+        if (is_stop_id(g, o, next))
+            break;
+        td_sampler_accept(sampler, next);
+        r.ids[r.n_gen++] = next;
+        if (!o->print_ids && (st = emit_text(&dt, stop, next, &r, &text_cap, &stopped)) != TD_OK)
+            goto out;
+        if (stopped || r.n_gen == max_new)
+            break;
+        td_engine_item_t it = {.seq = seq, .tokens = &next, .n_tokens = 1, .n_logits = 1};
+        if ((st = td_engine_step(g->eng, &it, 1, logits)) == TD_ERR_EXHAUSTED) {
+            td_warn("generate: the KV cache is full at %d tokens; stopping (raise --kv-mem for longer)",
+                    seq->n_tokens);
+            st = TD_OK;
+            break;
+        }
+        if (st != TD_OK)
+            goto out;
+    }
+    r.t_total_ns = td_now_ns() - t0;
+    if (o->print_ids) {
+        for (int64_t i = 0; i < r.n_gen; i++)
+            printf(i ? " %d" : "%d", r.ids[i]);
+        printf("\n");
+    } else if (!stopped) {
+        const char *text;
+        size_t len;
+        if ((st = td_detok_flush(&dt, &text, &len)) != TD_OK)
+            goto out;
+        td_stop_result_t sr;
+        if ((st = td_stop_feed(stop, text, len, &sr)) != TD_OK || (st = put_text(&r, &text_cap, sr.emit, sr.emit_len)))
+            goto out;
+        if (!sr.matched) {
+            td_stop_flush(stop, &text, &len);
+            if ((st = put_text(&r, &text_cap, text, len)) != TD_OK)
+                goto out;
+        }
+    }
+    fflush(stdout);
+    if (!r.text && !(r.text = calloc(1, 1))) {
+        st = td_errorf(TD_ERR_NOMEM, "out of memory");
+        goto out;
+    }
+    *res = r;
+    r = (cli_gen_result_t){0};
+out:
+    cli_gen_result_free(&r);
+    td_detok_free(&dt);
+    free(logits);
+    td_stop_destroy(stop);
+    td_sampler_destroy(sampler);
+    return st;
+}
+
+void cli_gen_report(const cli_gen_result_t *r, bool show_cached)
+{
+    char cached[48] = "";
+    if (show_cached)
+        snprintf(cached, sizeof cached, " (%d cached)", r->n_cached);
+    size_t computed = r->n_prompt - (size_t)r->n_cached;
+    double gen_s = (double)(r->t_total_ns - r->t_first_ns) * 1e-9;
+    fprintf(stderr,
+            "\nprompt: %zu tokens%s, %.1f tokens/s | generation: %" PRId64
+            " tokens, %.1f tokens/s | time to first token: %.1f ms\n",
+            r->n_prompt, cached, (double)computed / ((double)r->t_prefill_ns * 1e-9), r->n_gen,
+            r->n_gen > 1 ? (double)(r->n_gen - 1) / gen_s : 0.0, (double)r->t_first_ns * 1e-6);
+}

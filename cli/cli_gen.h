@@ -1,0 +1,134 @@
+/*
+ * cli_gen: local generation, shared by `tandem generate` (one prompt) and `tandem chat` (a
+ * conversation, turn after turn): the options they share, a session (model, tokenizer, chat
+ * template, backend, engine) and one generation on it: prefill the prompt in chunks after
+ * the prefix the engine already caches, decode with the sampling parameters, stream the
+ * text (stop strings held back until decided) and report timings on stderr.
+ *
+ * Threads: the command's one thread. Errors: logged where decided (td_errorf).
+ */
+#ifndef CLI_GEN_H
+#define CLI_GEN_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "td_backend.h"
+#include "td_chat_template.h"
+#include "td_engine.h"
+#include "td_gen_params.h"
+#include "td_model.h"
+#include "td_opts.h"
+#include "td_sampler.h"
+#include "td_tokenizer.h"
+
+/* The options of a local generation (and generate's --server ones, unused by chat). */
+typedef struct cli_gen_opts {
+    const char *model;
+    const char *tokenizer;
+    const char *prompt;
+    const char *prompt_ids;
+    bool chat;                 /* the prompt is a user message rendered with the chat template */
+    const char *system;        /* a system message before it (chat only) */
+    td_device_spec_t device;
+    int dtype;                 /* -1: weights as stored, f32 KV and activations */
+    int quant;                 /* --quant: a block td_dtype_t, or -1 */
+    int64_t max_tokens;        /* -1 (not given): up to the model's length */
+    bool max_tokens_given;     /* -1 given is refused, not taken as "not given" */
+    int64_t threads;
+    int64_t prefill_chunk;
+    size_t kv_mem;
+    bool print_ids;
+    td_sampling_t sampling;
+    const char *stops[TD_STOP_MAX_STRINGS];
+    int32_t n_stops;           /* given; only the first TD_STOP_MAX_STRINGS are kept (more are refused) */
+    int32_t stop_ids[TD_GEN_MAX_STOP_IDS];
+    int32_t n_stop_ids;        /* given; as n_stops */
+    /* generate --server mode */
+    const char *server;        /* HOST:PORT of a router's gateway */
+    const char *model_name;    /* GenerateRequest.model; NULL = the server's default */
+    const char *request_id;
+    float timeout_s;           /* whole call, sent as grpc-timeout */
+    float connect_timeout_s;   /* until the server answers a health check */
+    const char *local_only;    /* the first local-only flag given, to refuse with --server */
+} cli_gen_opts_t;
+
+/* The defaults: nothing given, max_tokens -1, dtype and quant -1, td_sampling_default(). */
+cli_gen_opts_t cli_gen_opts_default(void);
+
+/* td_opts parse fns: --stop and --stop-id (repeatable; opt->ptr is the cli_gen_opts_t),
+ * --log-level (sets the log level), --quant (opt->ptr an int: the block td_dtype_t). */
+td_status_t cli_gen_parse_stop(const td_opt_t *opt, const char *v);
+td_status_t cli_gen_parse_stop_id(const td_opt_t *opt, const char *v);
+td_status_t cli_gen_parse_log_level(const td_opt_t *opt, const char *v);
+td_status_t cli_gen_parse_quant(const td_opt_t *opt, const char *v);
+
+/* Checks o's request parameters with td_gen_params_validate (the gateway's check) for a
+ * prompt of prompt_len bytes; on failure prints "tandem CMD: --flag: why" and returns false. */
+bool cli_gen_validate(const char *cmd, const cli_gen_opts_t *o, bool prompt_is_text, size_t prompt_len);
+
+/* What a local command holds. Zero-initialise, then cli_gen_open; cli_gen_close always. */
+typedef struct cli_gen {
+    td_model_t *model;
+    td_tokenizer_t *tok;       /* NULL when none was found and none was needed */
+    td_chat_template_t *chat;  /* the model's chat template (o->chat only) */
+    td_backend_t *be;
+    td_engine_t *eng;          /* after cli_gen_start_engine */
+    bool add_bos;              /* the model starts a text prompt with BOS */
+    bool stop_at_tok_eos;      /* the tokenizer's EOS / end-of-turn ids stop too (chat) */
+} cli_gen_t;
+
+/*
+ * Loads o->model, its tokenizer (o->tokenizer, else the one beside the model; a missing one is
+ * an error when need_tok, naming the flag to give), the chat template with o->chat, and opens
+ * the backend. Errors logged; g is left for cli_gen_close.
+ */
+td_status_t cli_gen_open(cli_gen_t *g, const cli_gen_opts_t *o, bool need_tok);
+
+/*
+ * Creates the engine with *ec (o's --dtype/--quant/--kv-mem applied) and a KV pool of the
+ * blocks kv_tokens tokens need, within the KV budget.
+ */
+td_status_t cli_gen_start_engine(cli_gen_t *g, const cli_gen_opts_t *o, td_engine_config_t *ec,
+                                 int64_t kv_tokens);
+
+/* Frees what g holds, in reverse; safe on a zeroed or partly opened g. */
+void cli_gen_close(cli_gen_t *g);
+
+/* A conversation's prompt ids: messages rendered with g's chat template and encoded
+ * (td_chat_source.h). *ids_p malloc'd (caller frees). */
+td_status_t cli_gen_chat_prompt(cli_gen_t *g, const td_chat_message_t *messages, size_t n,
+                                int32_t **ids_p, size_t *n_p);
+
+/* Checks prompt ids against the model (vocabulary, length; at least one id). */
+td_status_t cli_gen_check_prompt(const cli_gen_t *g, const int32_t *ids, size_t n);
+
+/* One generation's outcome. */
+typedef struct cli_gen_result {
+    size_t n_prompt;
+    int32_t n_cached;          /* prompt tokens whose KV the engine's prefix cache held */
+    int64_t n_gen;
+    int32_t *ids;              /* [n_gen] generated ids, malloc'd (cli_gen_result_free) */
+    char *text;                /* the text written to stdout, NUL-terminated, malloc'd */
+    size_t text_len;
+    uint64_t t_prefill_ns, t_first_ns, t_total_ns;
+} cli_gen_result_t;
+
+void cli_gen_result_free(cli_gen_result_t *r);
+
+/*
+ * Generates after prompt[0..n) on seq (an empty sequence: the engine's cached prefix is
+ * attached first) at most max_new tokens, streaming text to stdout (ids with
+ * o->print_ids, printed at the end). Stops at a stop id (the model's EOS ids, o's, and with
+ * stop_at_tok_eos the tokenizer's), a stop string, max_new, or a full KV cache (warned).
+ * seq keeps its tokens' KV for the caller to end. *r is filled on success.
+ */
+td_status_t cli_gen_run(cli_gen_t *g, const cli_gen_opts_t *o, td_kv_seq_t *seq, const int32_t *prompt,
+                        size_t n, int64_t max_new, cli_gen_result_t *r);
+
+/* The timings line on stderr: prompt tokens (and cached ones when show_cached) and
+ * tokens/s, generation tokens and tokens/s, time to first token. */
+void cli_gen_report(const cli_gen_result_t *r, bool show_cached);
+
+#endif /* CLI_GEN_H */
