@@ -16,6 +16,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "td_gguf.h"
 #include "td_gguf_writer.h"
 #include "td_model.h"
 #include "td_quant.h"
@@ -448,5 +449,69 @@ Test(model_gguf, smollm2_real_weights)
     cr_assert_geq(n, 90);
     free(row);
     free(text);
+    td_model_destroy(m);
+}
+
+/* ---- td_model_synth_gguf ------------------------------------------------------------ */
+
+/* What synth writes beside the weights: the metadata llama.cpp needs (its tokenizer: one
+ * token per embedding row, merges, bos/eos), Llama 3 rope scaling as rope_freqs, and
+ * refusals for what cannot be written. */
+Test(model_gguf, synth_metadata_and_rope_freqs)
+{
+    td_synth_params_t p = {.seed = 3, .dtype = TD_F16};
+    cr_assert_eq(td_model_preset("tiny", &p.config), TD_OK);
+    p.config.rope_theta = 500000.0f;
+    p.config.rope_llama3 = true;
+    p.config.rope_factor = 32.0f;
+    p.config.rope_low_freq_factor = 1.0f;
+    p.config.rope_high_freq_factor = 4.0f;
+    p.config.rope_original_max_pos = 64;
+    cr_assert_eq(td_model_synth_gguf(&p, path), TD_OK, "%s", td_last_error());
+
+    td_gguf_t *g;
+    cr_assert_eq(td_gguf_open(path, &g), TD_OK, "%s", td_last_error());
+    const td_gguf_kv_t *a;
+    cr_assert_eq(td_gguf_get_array(g, "tokenizer.ggml.tokens", TD_GGUF_STRING, &a), TD_OK);
+    cr_assert_eq(a->arr_len, 512);
+    td_gguf_str_t s = td_gguf_arr_str(a, 'A');
+    cr_assert(s.len == 1 && s.data[0] == 'A');
+    s = td_gguf_arr_str(a, 256);
+    cr_assert(s.len == 3 && !memcmp(s.data, "<s>", 3));
+    cr_assert_eq(td_gguf_get_array(g, "tokenizer.ggml.merges", TD_GGUF_STRING, &a), TD_OK);
+    cr_assert_eq(td_gguf_get_array(g, "tokenizer.ggml.token_type", TD_GGUF_I32, &a), TD_OK);
+    cr_assert(td_gguf_arr_int(a, 0) == 1 && td_gguf_arr_int(a, 257) == 3);
+    uint64_t u;
+    cr_assert(td_gguf_get_uint(g, "general.file_type", &u) == TD_OK && u == 1);
+    td_gguf_close(g);
+
+    td_model_t *m = load_ok();
+    cr_assert_eq(m->config.rope_style, TD_ROPE_PAIRS);
+    cr_assert(!m->config.rope_llama3, "the scaling is in rope_freqs");
+    cr_assert(m->config.bos_id == 256 && m->config.n_eos == 1 && m->config.eos_ids[0] == 257);
+    cr_assert_eq(m->config.dtype, TD_F16);
+    const float *f = m->weights.rope_freqs.data;
+    cr_assert_not_null(f);
+    /* pair i: wavelength 2 pi theta^(2i/hd) against 64/4 = 16 and 64/1 = 64 */
+    int hd = m->config.head_dim;
+    for (int i = 0; i < hd / 2; i++) {
+        double wavelen = 2 * M_PI * pow(500000.0, 2.0 * i / hd);
+        double want = wavelen < 16 ? 1 : wavelen > 64 ? 32 : 1 / ((1 - (64 / wavelen - 1) / 3) / 32 + (64 / wavelen - 1) / 3);
+        cr_assert_float_eq(f[i], want, 1e-4 * want, "pair %d: %g vs %g", i, (double)f[i], want);
+    }
+    cr_assert(f[0] == 1.0f && f[hd / 2 - 1] == 32.0f, "both ends of the ramp are exercised");
+    td_model_destroy(m);
+
+    /* tiny's ffn rows (176) are not whole Q4_0 blocks: refused, and no file left */
+    unlink(path);
+    p.dtype = TD_Q4_0;
+    td_clear_error();
+    cr_assert_eq(td_model_synth_gguf(&p, path), TD_ERR_INVALID);
+    cr_assert(strstr(td_last_error(), "hidden_dim 176"), "%s", td_last_error());
+    cr_assert(!td_is_file(path));
+    p.config.hidden_dim = 192;
+    cr_assert_eq(td_model_synth_gguf(&p, path), TD_OK, "%s", td_last_error());
+    m = load_ok();
+    cr_assert(m->weights.layers[3].w_down.dtype == TD_Q4_0 && m->weights.final_norm.dtype == TD_F32);
     td_model_destroy(m);
 }
