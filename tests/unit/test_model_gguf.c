@@ -515,3 +515,77 @@ Test(model_gguf, synth_metadata_and_rope_freqs)
     cr_assert(m->weights.layers[3].w_down.dtype == TD_Q4_0 && m->weights.final_norm.dtype == TD_F32);
     td_model_destroy(m);
 }
+
+/* ---- td_gguf_writer ---------------------------------------------------------------- */
+
+/* What the writer writes, td_gguf reads back (each value type it offers, two tensors with
+ * padding between them); what it cannot write whole, it refuses and leaves no file. */
+Test(model_gguf, writer_round_trip_and_refusals)
+{
+    td_gguf_writer_t *w;
+    cr_assert_eq(td_gguf_writer_create(path, &w), TD_OK);
+    static const int32_t ints[] = {-7, 0, 2147483647};
+    static const float floats[] = {0.5f, -1e30f};
+    static const char *const strs[] = {"a", "", "ü"};
+    cr_assert_eq(td_gguf_writer_u32(w, "u", 4000000000u), TD_OK);
+    cr_assert_eq(td_gguf_writer_i32(w, "i", -5), TD_OK);
+    cr_assert_eq(td_gguf_writer_f32(w, "f", 0.25f), TD_OK);
+    cr_assert_eq(td_gguf_writer_bool(w, "b", true), TD_OK);
+    cr_assert_eq(td_gguf_writer_str(w, "s", "hello"), TD_OK);
+    cr_assert_eq(td_gguf_writer_arr_i32(w, "ai", ints, 3), TD_OK);
+    cr_assert_eq(td_gguf_writer_arr_f32(w, "af", floats, 2), TD_OK);
+    cr_assert_eq(td_gguf_writer_arr_str(w, "as", strs, 3), TD_OK);
+    int64_t ne_bad[2] = {33, 2};
+    cr_assert_eq(td_gguf_writer_tensor(w, "bad", 2, ne_bad, TD_GGML_Q8_0), TD_ERR_INVALID, "33 is no Q8_0 row");
+    int64_t ne_a[1] = {3}, ne_b[2] = {32, 2};
+    cr_assert_eq(td_gguf_writer_tensor(w, "a", 1, ne_a, TD_GGML_F32), TD_OK);
+    cr_assert_eq(td_gguf_writer_tensor(w, "b", 2, ne_b, TD_GGML_Q8_0), TD_OK);
+    cr_assert_eq(td_gguf_writer_begin(w), TD_OK);
+    cr_assert_eq(td_gguf_writer_u32(w, "late", 1), TD_ERR_INVALID);
+    float a[3] = {1, 2, 3};
+    unsigned char b[68];
+    for (size_t i = 0; i < sizeof b; i++)
+        b[i] = (unsigned char)i;
+    cr_assert_eq(td_gguf_writer_write(w, a, 5), TD_OK); /* pieces of any size */
+    cr_assert_eq(td_gguf_writer_write(w, (char *)a + 5, 7), TD_OK);
+    cr_assert_eq(td_gguf_writer_write(w, b, sizeof b), TD_OK);
+    cr_assert_eq(td_gguf_writer_write(w, b, 1), TD_ERR_INVALID, "past the last tensor");
+    cr_assert_eq(td_gguf_writer_finish(w), TD_OK);
+    td_gguf_writer_destroy(w);
+
+    td_gguf_t *g;
+    cr_assert_eq(td_gguf_open(path, &g), TD_OK, "%s", td_last_error());
+    uint64_t u;
+    int64_t i;
+    double f;
+    bool bo;
+    td_gguf_str_t s;
+    const td_gguf_kv_t *kv;
+    cr_assert(td_gguf_get_uint(g, "u", &u) == TD_OK && u == 4000000000u);
+    cr_assert(td_gguf_get_int(g, "i", &i) == TD_OK && i == -5);
+    cr_assert(td_gguf_get_float(g, "f", &f) == TD_OK && f == 0.25);
+    cr_assert(td_gguf_get_bool(g, "b", &bo) == TD_OK && bo);
+    cr_assert(td_gguf_get_str(g, "s", &s) == TD_OK && s.len == 5 && !memcmp(s.data, "hello", 5));
+    cr_assert(td_gguf_get_array(g, "ai", TD_GGUF_I32, &kv) == TD_OK && kv->arr_len == 3);
+    cr_assert(td_gguf_arr_int(kv, 0) == -7 && td_gguf_arr_int(kv, 2) == 2147483647);
+    cr_assert(td_gguf_get_array(g, "af", TD_GGUF_F32, &kv) == TD_OK && td_gguf_arr_float(kv, 1) == -1e30f);
+    cr_assert(td_gguf_get_array(g, "as", TD_GGUF_STRING, &kv) == TD_OK && kv->arr_len == 3);
+    s = td_gguf_arr_str(kv, 2);
+    cr_assert(s.len == 2 && !memcmp(s.data, "ü", 2));
+    cr_assert_eq(td_gguf_kv_count(g), 8);
+    const td_gguf_tensor_t *t;
+    cr_assert_eq(td_gguf_tensor(g, "a", &t), TD_OK);
+    cr_assert(t->nbytes == 12 && !memcmp(t->data, a, 12));
+    cr_assert_eq(td_gguf_tensor(g, "b", &t), TD_OK);
+    cr_assert(t->offset == 32 && t->nbytes == 68 && !memcmp(t->data, b, 68));
+    td_gguf_close(g);
+
+    /* short data: finish refuses, and destroy removes the file */
+    cr_assert_eq(td_gguf_writer_create(path, &w), TD_OK);
+    cr_assert_eq(td_gguf_writer_tensor(w, "a", 1, ne_a, TD_GGML_F32), TD_OK);
+    cr_assert_eq(td_gguf_writer_begin(w), TD_OK);
+    cr_assert_eq(td_gguf_writer_write(w, a, 8), TD_OK);
+    cr_assert_eq(td_gguf_writer_finish(w), TD_ERR_INVALID);
+    td_gguf_writer_destroy(w);
+    cr_assert(!td_is_file(path));
+}
