@@ -112,9 +112,9 @@ td_status_t cli_gen_open(cli_gen_t *g, const cli_gen_opts_t *o, bool need_tok)
     }
     if (o->chat && (st = td_chat_template_for_model(o->model, tok_path, &g->chat)) != TD_OK)
         return st;
-    /* a model that has a BOS token starts every text with it (the llama2.c and Hugging Face
-     * models tandem loads all do) */
-    g->add_bos = c->bos_id >= 0;
+    /* the tokenizer says whether the model's prompts start with BOS (GGUF add_bos_token,
+     * tokenizer_config.json's); ids given without one are taken as given */
+    g->add_bos = g->tok && td_tokenizer_add_bos(g->tok);
     g->stop_at_tok_eos = o->chat;
     int dtype = o->dtype < 0 ? td_device_default_dtype(&o->device, c->dtype) : o->dtype;
     return td_backend_open(&o->device, (int32_t)o->threads, dtype < 0 ? TD_F32 : (td_dtype_t)dtype, &g->be);
