@@ -259,9 +259,14 @@ static void free_weights(td_engine_t *eng)
 
 /* ---- rope ------------------------------------------------------------------------- */
 
-/* Frequencies of the rotary pairs, with Llama 3's long-context scaling when configured. */
-static void rope_inv_freq(const td_model_config_t *c, float *inv_freq)
+/* Frequencies of the rotary pairs, with Llama 3's long-context scaling when configured, or
+ * divided by the model's per-pair rope_freqs (GGUF's form of the same scaling) when it has
+ * them. */
+static void rope_inv_freq(const td_model_t *model, float *inv_freq)
 {
+    const td_model_config_t *c = &model->config;
+    const td_tensor_t *ff = &model->weights.rope_freqs;
+    TD_ASSERT(!ff->data || (ff->dtype == TD_F32 && ff->shape[0] == c->head_dim / 2));
     int half = c->head_dim / 2;
     for (int i = 0; i < half; i++) {
         double freq = 1.0 / pow((double)c->rope_theta, (2.0 * i) / c->head_dim);
@@ -278,6 +283,8 @@ static void rope_inv_freq(const td_model_config_t *c, float *inv_freq)
                 freq = (1.0 - smooth) * freq / c->rope_factor + smooth * freq;
             }
         }
+        if (ff->data)
+            freq /= ((const float *)ff->data)[i];
         inv_freq[i] = (float)freq;
     }
 }
@@ -351,7 +358,7 @@ static td_status_t alloc_state(td_engine_t *eng)
             return st;
     }
     float inv_freq[512];
-    rope_inv_freq(c, inv_freq);
+    rope_inv_freq(eng->model, inv_freq);
     td_status_t st = be->ops->copy_h2d(be, eng->s.inv_freq, inv_freq,
                                        (size_t)c->head_dim / 2 * sizeof(float));
     if (st != TD_OK)

@@ -95,14 +95,29 @@ static void expect_close(const float *a, const float *b, size_t n, const char *w
               max_diff, max_abs);
 }
 
+/* Llama 3's rope scaling, strong enough at these few positions to move the logits: the
+ * safetensors model has it as config (the engine scales the frequencies), the GGUF one as a
+ * rope_freqs tensor (the engine divides by it). */
+static void set_llama3_rope(td_model_config_t *c)
+{
+    c->rope_theta = 500000.0f;
+    c->rope_llama3 = true;
+    c->rope_factor = 32.0f;
+    c->rope_low_freq_factor = 1.0f;
+    c->rope_high_freq_factor = 4.0f;
+    c->rope_original_max_pos = 16;
+}
+
 /* Synthesizes `arch` both ways (matrices in `dt`; the safetensors model in f32, quantized
  * by the engine when dt is a block type) and compares the engine's logits. */
-static void same_logits(td_arch_t arch, td_dtype_t dt)
+static void same_logits_rope(td_arch_t arch, td_dtype_t dt, bool llama3_rope)
 {
     td_synth_params_t p = {.seed = 14};
     cr_assert_eq(td_model_preset("tiny", &p.config), TD_OK);
     td_model_config_set_arch(&p.config, arch);
     p.config.hidden_dim = 192; /* rows of whole 32-weight blocks, for Q8_0 */
+    if (llama3_rope)
+        set_llama3_rope(&p.config);
     p.dtype = TD_F32;
     cr_assert_eq(td_model_synth(&p, dir, NULL), TD_OK, "%s", td_last_error());
     p.dtype = dt;
@@ -135,7 +150,49 @@ static void same_logits(td_arch_t arch, td_dtype_t dt)
     run_close(&gg);
 }
 
+static void same_logits(td_arch_t arch, td_dtype_t dt)
+{
+    same_logits_rope(arch, dt, false);
+}
+
 Test(model_gguf_engine, llama_f32) { same_logits(TD_ARCH_LLAMA, TD_F32); }
+Test(model_gguf_engine, llama3_rope_freqs_f32) { same_logits_rope(TD_ARCH_LLAMA, TD_F32, true); }
+
+/* The scaling above changes the logits (so the rope_freqs comparison can fail): the same
+ * weights without it give other logits after position 0. */
+Test(model_gguf_engine, llama3_rope_scaling_matters)
+{
+    td_synth_params_t p = {.seed = 14, .dtype = TD_F32};
+    cr_assert_eq(td_model_preset("tiny", &p.config), TD_OK);
+    p.config.hidden_dim = 192;
+    set_llama3_rope(&p.config);
+    cr_assert_eq(td_model_synth_gguf(&p, gguf), TD_OK, "%s", td_last_error());
+    run_t with, without;
+    run_open(&with, gguf, -1);
+    run_open(&without, gguf, -1);
+    cr_assert_not_null(without.model->weights.rope_freqs.data, "the GGUF carries rope_freqs");
+    td_engine_destroy(without.eng);
+    without.model->weights.rope_freqs.data = NULL;
+    td_engine_config_t ec = td_engine_config_default();
+    ec.n_blocks = 8;
+    ec.kv_dtype = TD_F32;
+    cr_assert_eq(td_engine_create(without.model, without.be, &ec, &without.eng), TD_OK);
+    int V = with.model->config.vocab_size;
+    int32_t prompt[N_PROMPT] = {256};
+    for (int i = 1; i < N_PROMPT; i++)
+        prompt[i] = (int32_t)((i * 37 + 11) % 256);
+    float *a = malloc((size_t)N_PROMPT * V * sizeof *a), *b = malloc((size_t)N_PROMPT * V * sizeof *b);
+    run_step(&with, prompt, N_PROMPT, a);
+    run_step(&without, prompt, N_PROMPT, b);
+    double d = 0;
+    for (size_t i = (size_t)V; i < (size_t)N_PROMPT * V; i++)
+        d = fmax(d, fabs((double)a[i] - b[i]));
+    cr_assert_gt(d, 1e-3, "rope_freqs should matter after position 0 (largest difference %g)", d);
+    free(a);
+    free(b);
+    run_close(&with);
+    run_close(&without);
+}
 Test(model_gguf_engine, llama_q8_0) { same_logits(TD_ARCH_LLAMA, TD_Q8_0); }
 Test(model_gguf_engine, qwen2_f32) { same_logits(TD_ARCH_QWEN2, TD_F32); }
 Test(model_gguf_engine, qwen3_f32) { same_logits(TD_ARCH_QWEN3, TD_F32); }
