@@ -3,7 +3,8 @@
 # tests/cluster/hostile/gen.py (deterministic, seed 21) from a synthetic tiny model, and replayed by
 # tests/cluster/hostile/replay.py while a 1+1 `tandem local` cluster on stories260K serves:
 #   1. model files (mutated config.json, model.safetensors, tokenizer.json,
-#      tokenizer_config.json) through `tandem model info` and `tandem generate`: each ends with
+#      tokenizer_config.json, and a GGUF file's header, metadata, tensor infos and tokenizer)
+#      through `tandem model info` and `tandem generate`: each ends with
 #      output or with an error naming a file of the model, never a signal, a timeout (30 s)
 #      or a sanitizer report, and none that cannot be right loads;
 #   2. bad values for every numeric flag of `tandem generate`, and unknown flags: exit 2 naming
@@ -21,7 +22,9 @@ start=$(date +%s)
 
 "$CL_BIN" model synth --out "$CL_T/base" >"$CL_T/synth.log" 2>&1 ||
     { cl_fail "tandem model synth: $(tail -3 "$CL_T/synth.log")"; cl_end; }
-"$CL_PY" "$H/gen.py" "$CL_T/corpus" --base "$CL_T/base" || { cl_fail "gen.py"; cl_end; }
+"$CL_BIN" model synth --format gguf --out "$CL_T/base.gguf" >>"$CL_T/synth.log" 2>&1 ||
+    { cl_fail "tandem model synth --format gguf: $(tail -3 "$CL_T/synth.log")"; cl_end; }
+"$CL_PY" "$H/gen.py" "$CL_T/corpus" --base "$CL_T/base" --gguf "$CL_T/base.gguf" || { cl_fail "gen.py"; cl_end; }
 
 cl_local 1 1 --threads 1
 # tandem local prints the nodes' control ports, not the router's: a node's --router has it

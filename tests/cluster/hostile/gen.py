@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """gen.py: writes the hostile-input corpus of tests/cluster/test_hostile_corpus.sh (issue 21).
 
-    gen.py OUT_DIR --base MODEL_DIR [--seed N]
+    gen.py OUT_DIR --base MODEL_DIR [--gguf FILE.gguf] [--seed N]
 
 MODEL_DIR is a synthetic model written by `tandem model synth --out MODEL_DIR` (the tiny
 preset: config.json, model.safetensors, tokenizer.json, tokenizer_config.json). The corpus
@@ -14,6 +14,11 @@ is deterministic for a given base model and seed, and has three groups:
                               shape or dtype, missing or extra; tokenizer.json and
                               tokenizer_config.json empty, with a BOM, truncated, of the wrong
                               types, with gaps in the vocabulary.
+  OUT_DIR/model/NNN-gguf-<name>.gguf  with --gguf (a `tandem model synth --format gguf` file):
+                              the file with one field mutated: every header count, string and
+                              array length, value type, tensor dimension, type and offset,
+                              alignment, hyperparameters that disagree with the tensors, and
+                              the tokenizer's metadata; the file cut at many points.
   OUT_DIR/model.jsonl         one line per model case: {"name", "dir", "expect"}, expect
                               "error" where no answer can be right (a config that disagrees
                               with the tensors, a broken file), "generate-error" for a broken
@@ -74,6 +79,16 @@ class ModelCases:
         row = {"name": name, "dir": d, "expect": expect}
         if message:
             row["message"] = message
+        if says:
+            row["says"] = says
+        self.rows.append(row)
+
+
+    def add_file(self, name, expect, data, says=None):
+        """A one-file model (GGUF): the case's "dir" is the file itself."""
+        path = os.path.join(self.out, "model", "%03d-%s.gguf" % (len(self.rows), name))
+        write(path, data)
+        row = {"name": name, "dir": path, "expect": expect}
         if says:
             row["says"] = says
         self.rows.append(row)
@@ -544,24 +559,178 @@ def grpc_bodies(rnd):
     return out
 
 
+# ---------------------------------------------------------------------------- group 1: GGUF
+
+GGUF_SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # type -> bytes
+
+
+def gguf_parse(b):
+    """The byte layout of a GGUF file: {"kv": {key: (entry_start, type_at, value_at, end)},
+    "tensors": [(name, start, ndims_at, ne_at, type_at, offset_at, end)], "data": offset}."""
+    pos = 24
+    n_tensors, n_kv = struct.unpack_from("<QQ", b, 8)
+
+    def string(p):
+        n = struct.unpack_from("<Q", b, p)[0]
+        return b[p + 8:p + 8 + n].decode("utf-8", "replace"), p + 8 + n
+
+    def value(t, p):
+        if t in GGUF_SCALAR:
+            return p + GGUF_SCALAR[t]
+        if t == 8:
+            return string(p)[1]
+        et, n = struct.unpack_from("<IQ", b, p)
+        p += 12
+        for _ in range(n):
+            p = value(et, p)
+        return p
+
+    kv, align = {}, 32
+    for _ in range(n_kv):
+        start = pos
+        key, pos = string(pos)
+        t = struct.unpack_from("<I", b, pos)[0]
+        end = value(t, pos + 4)
+        kv[key] = (start, pos, pos + 4, end)
+        if key == "general.alignment":
+            align = struct.unpack_from("<I", b, pos + 4)[0]
+        pos = end
+    tensors = []
+    for _ in range(n_tensors):
+        start = pos
+        name, pos = string(pos)
+        nd = struct.unpack_from("<I", b, pos)[0]
+        ne_at = pos + 4
+        type_at = ne_at + 8 * nd
+        tensors.append((name, start, pos, ne_at, type_at, type_at + 4, type_at + 12))
+        pos = type_at + 12
+    return {"kv": kv, "tensors": tensors, "data": (pos + align - 1) // align * align}
+
+
+def patch(b, at, fmt, *v):
+    b = bytearray(b)
+    struct.pack_into(fmt, b, at, *v)
+    return bytes(b)
+
+
+def gguf_cases(mc, g, rnd):
+    """Mutations of a synthetic GGUF (`tandem model synth --format gguf`): every header count,
+    length, type and offset the reader checks, hyperparameters that disagree with the tensors,
+    and tokenizer metadata (`model info` does not read the tokenizer: generate must refuse)."""
+    L = gguf_parse(g)
+    kv, ts = L["kv"], L["tensors"]
+    for tag, blob in [("empty", b""), ("magic-only", g[:4]), ("header-cut", g[:20]), ("zeros", bytes(len(g))),
+                      ("not-gguf", b"GGUX" + g[4:])]:
+        mc.add_file("gguf-%s" % tag, "error", blob)
+    for frac in (0.05, 0.2, 0.4, 0.6, 0.8, 0.99):
+        cut = int(len(g) * frac)
+        mc.add_file("gguf-cut-%d" % int(frac * 100), "error", g[:cut])
+    mc.add_file("gguf-cut-in-metadata", "error", g[:(kv["general.architecture"][3] + 3)])
+    mc.add_file("gguf-cut-in-tensor-infos", "error", g[:ts[len(ts) // 2][1] + 5])
+    for tag, v in [("v1", 1), ("v4", 4), ("big-endian", 0x03000000)]:
+        mc.add_file("gguf-version-%s" % tag, "error", patch(g, 4, "<I", v))
+    for tag, v in [("huge", 1 << 62), ("plus-one", len(ts) + 1), ("zero", 0)]:
+        mc.add_file("gguf-tensor-count-%s" % tag, "error", patch(g, 8, "<Q", v))
+    for tag, v in [("huge", 1 << 62), ("plus-one", len(kv) + 1)]:
+        mc.add_file("gguf-kv-count-%s" % tag, "error", patch(g, 16, "<Q", v))
+    first = kv["general.architecture"]
+    mc.add_file("gguf-key-length-huge", "error", patch(g, first[0], "<Q", 1 << 60))
+    mc.add_file("gguf-value-type-bogus", "error", patch(g, first[1], "<I", 99))
+    mc.add_file("gguf-string-length-huge", "error", patch(g, first[2], "<Q", 1 << 40))
+    toks = kv.get("tokenizer.ggml.tokens")
+    if toks:
+        mc.add_file("gguf-array-length-huge", "error", patch(g, toks[2] + 4, "<Q", 1 << 61))
+        mc.add_file("gguf-array-nested", "error", patch(g, toks[2], "<I", 9))
+    if "general.alignment" in kv:
+        for tag, v in [("zero", 0), ("three", 3), ("huge", 1 << 30)]:
+            mc.add_file("gguf-alignment-%s" % tag, "error", patch(g, kv["general.alignment"][2], "<I", v))
+    # tensor infos: a 2-D weight of a layer
+    name, start, nd_at, ne_at, type_at, off_at, end = next(t for t in ts if ".attn_q." in t[0])
+    ne0, ne1 = struct.unpack_from("<QQ", g, ne_at)
+    offset = struct.unpack_from("<Q", g, off_at)[0]
+    mc.add_file("gguf-ndims-5", "error", patch(g, nd_at, "<I", 5))
+    mc.add_file("gguf-ndims-huge", "error", patch(g, nd_at, "<I", 1 << 31))
+    mc.add_file("gguf-ne-huge", "error", patch(g, ne_at, "<Q", 1 << 40))
+    mc.add_file("gguf-ne-overflow", "error", patch(g, ne_at, "<QQ", 1 << 33, 1 << 33))
+    mc.add_file("gguf-ne-zero", "error", patch(g, ne_at, "<Q", 0))
+    gate = next(t for t in ts if ".ffn_gate." in t[0])  # not square
+    g0, g1 = struct.unpack_from("<QQ", g, gate[3])
+    mc.add_file("gguf-ne-transposed", "error", patch(g, gate[3], "<QQ", g1, g0))
+    for tag, v in [("bogus", 99), ("q5_k", 13)]:
+        mc.add_file("gguf-tensor-type-%s" % tag, "error", patch(g, type_at, "<I", v))
+    # a smaller block type: the data still lies inside the file (the reader allows gaps
+    # between tensors), so loading it is as right as refusing it
+    mc.add_file("gguf-tensor-type-q4_0-smaller", "any", patch(g, type_at, "<I", 2))
+    mc.add_file("gguf-offset-misaligned", "error", patch(g, off_at, "<Q", offset + 1))
+    mc.add_file("gguf-offset-past-end", "error", patch(g, off_at, "<Q", len(g)))
+    mc.add_file("gguf-offset-huge", "error", patch(g, off_at, "<Q", (1 << 64) - 32))
+    other = next(t for t in ts if t[0] != name and ".attn_k." in t[0])
+    mc.add_file("gguf-offset-overlap", "error",
+                patch(g, off_at, "<Q", struct.unpack_from("<Q", g, other[5])[0]))
+    # a duplicate tensor name: the name's bytes of another tensor of the same length
+    same = next((t for t in ts if t[0] != name and len(t[0]) == len(name)), None)
+    if same:
+        b = bytearray(g)
+        b[same[1] + 8:same[1] + 8 + len(name)] = name.encode()
+        mc.add_file("gguf-tensor-name-duplicate", "error", bytes(b))
+    # hyperparameters
+    arch = "llama"
+    for key, fmt, v, expect in [("block_count", "<I", 0, "error"), ("block_count", "<I", 1 << 30, "error"),
+                                ("embedding_length", "<I", ne0 * 2, "error"),
+                                ("attention.head_count", "<I", 0, "error"),
+                                ("attention.head_count_kv", "<I", 3, "error"),
+                                ("context_length", "<I", 0, "error"),
+                                ("attention.layer_norm_rms_epsilon", "<f", float("nan"), "error"),
+                                ("rope.freq_base", "<f", float("inf"), "error"),
+                                ("feed_forward_length", "<I", 7, "error")]:
+        k = "%s.%s" % (arch, key)
+        if k in kv:
+            mc.add_file("gguf-%s-%s" % (key.replace(".", "-"), str(v).replace(".", "")), expect,
+                        patch(g, kv[k][2], fmt, v))
+    if "%s.block_count" % arch in kv:
+        mc.add_file("gguf-block-count-string-type", "error", patch(g, kv["%s.block_count" % arch][1], "<I", 8))
+    mc.add_file("gguf-arch-unknown", "error", patch(g, kv["general.architecture"][2] + 8, "5s", b"gpt_x"))
+    # the tokenizer's metadata: generate must refuse, model info need not read it
+    if toks:
+        mc.add_file("gguf-tok-tokens-short", "generate-error", patch(g, toks[2] + 4, "<Q",
+                                                                    struct.unpack_from("<Q", g, toks[2] + 4)[0] - 1))
+    for key in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"):
+        if key in kv:
+            mc.add_file("gguf-%s-out-of-range" % key.split(".")[-1], "error", patch(g, kv[key][2], "<I", 1 << 30))
+    if "tokenizer.ggml.model" in kv:
+        at = kv["tokenizer.ggml.model"][2]
+        n = struct.unpack_from("<Q", g, at)[0]
+        mc.add_file("gguf-tok-model-unknown", "generate-error", patch(g, at + 8, "%ds" % n, b"z" * n))
+    if "tokenizer.ggml.token_type" in kv:
+        mc.add_file("gguf-tok-token-type-wrong-type", "generate-error",
+                    patch(g, kv["tokenizer.ggml.token_type"][2], "<I", 8))
+    for _ in range(12):  # random bytes in the metadata
+        b = bytearray(g)
+        for _ in range(4):
+            b[rnd.randrange(24, ts[0][1])] = rnd.randrange(256)
+        mc.add_file("gguf-metadata-noise-%d" % _, "any", bytes(b))
+
+
 # ---------------------------------------------------------------------------- main
 
 
 def main(argv):
-    out, base, seed = None, None, 21
+    out, base, gguf, seed = None, None, None, 21
     args = list(argv[1:])
     while args:
         a = args.pop(0)
         if a == "--base":
             base = args.pop(0)
+        elif a == "--gguf":
+            gguf = args.pop(0)
         elif a == "--seed":
             seed = int(args.pop(0))
         elif out is None:
             out = a
         else:
-            sys.exit("usage: gen.py OUT_DIR --base MODEL_DIR [--seed N]")
+            sys.exit("usage: gen.py OUT_DIR --base MODEL_DIR [--gguf FILE.gguf] [--seed N]")
     if not out or not base:
-        sys.exit("usage: gen.py OUT_DIR --base MODEL_DIR [--seed N]")
+        sys.exit("usage: gen.py OUT_DIR --base MODEL_DIR [--gguf FILE.gguf] [--seed N]")
     rnd = random.Random(seed)
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(base, "config.json")) as f:
@@ -576,6 +745,9 @@ def main(argv):
     config_cases(mc, cfg, rnd)
     safetensors_cases(mc, st, rnd)
     tokenizer_cases(mc, tok, tcfg)
+    if gguf:
+        with open(gguf, "rb") as f:
+            gguf_cases(mc, f.read(), rnd)
     with open(os.path.join(out, "model.jsonl"), "w") as f:
         for r in mc.rows:
             f.write(json.dumps(r) + "\n")
