@@ -16,6 +16,7 @@
 
 #include <math.h>
 #include <stdbool.h>
+#include <string.h>
 
 #include "td_util.h"
 
@@ -335,6 +336,124 @@ static TD_AVX2 float dot_q6_k_avx2(const void *wv, const td_cpu_q8a_block_t *a, 
     return hsum8(acc);
 }
 
+/*
+ * Register-blocked tiles: R W rows (R = 4 or 1) by M activation rows (1..4), R * M outputs
+ * with their own 8-lane accumulators, so a weight block is unpacked once per M activation
+ * rows and an activation block loaded once per R weight rows. Each output still gets its
+ * lanes' FMAs in block order and one hsum8: the same bits as its single dot. TILE_BODY is
+ * the one loop both ISAs share; LANES(q, x, off) gives the block's 8 int32 lane sums from
+ * the prepared weight bytes q, the activation quants x and off (per activation block:
+ * minus 8 or 128 times its lane sums, for VNNI's unsigned-times-signed trick).
+ */
+#define TILE_BODY(LANES, PREP_X)                                                               \
+    __m256 acc[4][4];                                                                          \
+    float mm[4][4];                                                                            \
+    for (int r = 0; r < R; r++)                                                                \
+        for (int i = 0; i < M; i++) {                                                          \
+            acc[r][i] = _mm256_setzero_ps();                                                   \
+            mm[r][i] = 0.0f;                                                                   \
+        }                                                                                      \
+    const size_t bb = type == TD_GGML_Q8_0 ? sizeof(td_block_q8_0_t)                           \
+                    : type == TD_GGML_Q4_0 ? sizeof(td_block_q4_0_t) : sizeof(td_block_q4_1_t);\
+    for (size_t b = 0; b < nb; b++) {                                                          \
+        __m256i xq[4], off[4];                                                                 \
+        for (int i = 0; i < M; i++) {                                                          \
+            xq[i] = act32(&a[i * nb + b]);                                                     \
+            PREP_X;                                                                            \
+        }                                                                                      \
+        for (int r = 0; r < R; r++) {                                                          \
+            const uint8_t *blk = (const uint8_t *)w + r * row_bytes + b * bb;                  \
+            uint16_t dh, mh = 0;                                                               \
+            memcpy(&dh, blk, 2);                                                               \
+            __m256i q;                                                                         \
+            if (type == TD_GGML_Q8_0) {                                                        \
+                q = _mm256_loadu_si256((const __m256i *)(blk + 2));                            \
+            } else if (type == TD_GGML_Q4_0) {                                                 \
+                q = nibbles32(blk + 2);                                                        \
+            } else {                                                                           \
+                memcpy(&mh, blk + 2, 2);                                                       \
+                q = nibbles32(blk + 4);                                                        \
+            }                                                                                  \
+            float dw = f16(dh), mw = f16(mh);                                                  \
+            for (int i = 0; i < M; i++) {                                                      \
+                const td_cpu_q8a_block_t *ab = &a[i * nb + b];                                 \
+                __m256i p = LANES(q, xq[i], off[i]);                                           \
+                acc[r][i] = _mm256_fmadd_ps(_mm256_set1_ps(dw * ab->d), _mm256_cvtepi32_ps(p), \
+                                            acc[r][i]);                                        \
+                if (type == TD_GGML_Q4_1)                                                      \
+                    mm[r][i] = fmaf(mw, ab->s, mm[r][i]);                                      \
+            }                                                                                  \
+        }                                                                                      \
+    }                                                                                          \
+    for (int r = 0; r < R; r++)                                                                \
+        for (int i = 0; i < M; i++)                                                            \
+            y[i * ldy + r] = type == TD_GGML_Q4_1 ? hsum8(acc[r][i]) + mm[r][i]                \
+                                                  : hsum8(acc[r][i]);
+
+/* AVX2: as the dots above (sign trick for signed weights) */
+static inline TD_AVX2 __m256i lanes_avx2(uint32_t type, __m256i q, __m256i x)
+{
+    if (type == TD_GGML_Q4_1)
+        return lanes_us8(q, x);
+    if (type == TD_GGML_Q4_0)
+        q = _mm256_sub_epi8(q, _mm256_set1_epi8(8));
+    return lanes_s8(q, x);
+}
+
+#define LANES_AVX2(q, x, off) ((void)(off), lanes_avx2(type, q, x))
+
+static inline __attribute__((always_inline)) TD_AVX2 void
+tile_avx2(uint32_t type, int R, int M, const void *w, size_t row_bytes,
+          const td_cpu_q8a_block_t *a, size_t nb, float *y, size_t ldy)
+{
+    TILE_BODY(LANES_AVX2, off[i] = xq[i])
+}
+
+/* Every (R, M) a tile can have, R = 4 or 1, M = 1..4, as constants for TILE_BODY's loops */
+#define TILE_DISPATCH(TILE, type, R, M, w, row_bytes, a, nb, y, ldy)                           \
+    do {                                                                                       \
+        if (R == 4) {                                                                          \
+            switch (M) {                                                                       \
+            case 1: TILE(type, 4, 1, w, row_bytes, a, nb, y, ldy); break;                      \
+            case 2: TILE(type, 4, 2, w, row_bytes, a, nb, y, ldy); break;                      \
+            case 3: TILE(type, 4, 3, w, row_bytes, a, nb, y, ldy); break;                      \
+            default: TILE(type, 4, 4, w, row_bytes, a, nb, y, ldy); break;                     \
+            }                                                                                  \
+        } else {                                                                               \
+            switch (M) {                                                                       \
+            case 1: TILE(type, 1, 1, w, row_bytes, a, nb, y, ldy); break;                      \
+            case 2: TILE(type, 1, 2, w, row_bytes, a, nb, y, ldy); break;                      \
+            case 3: TILE(type, 1, 3, w, row_bytes, a, nb, y, ldy); break;                      \
+            default: TILE(type, 1, 4, w, row_bytes, a, nb, y, ldy); break;                     \
+            }                                                                                  \
+        }                                                                                      \
+    } while (0)
+
+/* The blocked GEMM of one type (a constant after inlining): activation rows in groups of
+ * 4, W rows in groups of 4 (then singly) */
+#define GEMM_LOOPS(TILE, type)                                                                 \
+    size_t nb = k / TD_QK;                                                                     \
+    for (size_t i0 = 0; i0 < m; i0 += 4) {                                                     \
+        int M = (int)TD_MIN(4, m - i0);                                                        \
+        for (size_t r0 = 0; r0 < n_rows;) {                                                    \
+            int R = n_rows - r0 >= 4 ? 4 : 1;                                                  \
+            TILE_DISPATCH(TILE, type, R, M, (const uint8_t *)w + r0 * row_bytes, row_bytes,    \
+                          a + i0 * nb, nb, y + i0 * ldy + r0, ldy);                            \
+            r0 += (size_t)R;                                                                   \
+        }                                                                                      \
+    }
+
+#define GEMM_FN(NAME, ATTR, TILE, type)                                                        \
+    static ATTR void NAME(const void *w, size_t row_bytes, size_t n_rows,                      \
+                          const td_cpu_q8a_block_t *a, size_t m, size_t k, float *y, size_t ldy) \
+    {                                                                                          \
+        GEMM_LOOPS(TILE, type)                                                                 \
+    }
+
+GEMM_FN(gemm_q8_0_avx2, TD_AVX2, tile_avx2, TD_GGML_Q8_0)
+GEMM_FN(gemm_q4_0_avx2, TD_AVX2, tile_avx2, TD_GGML_Q4_0)
+GEMM_FN(gemm_q4_1_avx2, TD_AVX2, tile_avx2, TD_GGML_Q4_1)
+
 static const td_cpu_quant_ops_t ops_avx2 = {
     .name = "avx2",
     .q8_0 = dot_q8_0_avx2,
@@ -342,6 +461,73 @@ static const td_cpu_quant_ops_t ops_avx2 = {
     .q4_1 = dot_q4_1_avx2,
     .q4_k = dot_q4_k_avx2,
     .q6_k = dot_q6_k_avx2,
+    .gemm_q8_0 = gemm_q8_0_avx2,
+    .gemm_q4_0 = gemm_q4_0_avx2,
+    .gemm_q4_1 = gemm_q4_1_avx2,
+};
+
+/* ---- AVX-512 VNNI (256-bit vpdpbusd) ------------------------------------------------------ */
+
+#define TD_VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")))
+
+/*
+ * vpdpbusd multiplies unsigned by signed bytes and adds each lane's 4 products into an
+ * int32 accumulator in one instruction (AVX2 needs maddubs + madd), exactly, no int16 step.
+ * Signed weights are made unsigned: q + 8 - 8 for Q4_0 (the nibble as is) and q ^ 0x80 =
+ * q + 128 for Q8_0, and the excess (8 or 128 times the lane's activation sum) is the
+ * accumulator's start value, prepared once per activation block: the same exact int32.
+ */
+static inline TD_VNNI __m256i lanes_vnni(uint32_t type, __m256i q, __m256i x, __m256i off)
+{
+    if (type == TD_GGML_Q8_0)
+        q = _mm256_xor_si256(q, _mm256_set1_epi8((char)0x80));
+    return _mm256_dpbusd_epi32(off, q, x);
+}
+
+static inline TD_VNNI __m256i act_off_vnni(uint32_t type, __m256i x)
+{
+    if (type == TD_GGML_Q4_1)
+        return _mm256_setzero_si256();
+    __m256i s4 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8(1), x);
+    return _mm256_sub_epi32(_mm256_setzero_si256(),
+                            _mm256_slli_epi32(s4, type == TD_GGML_Q8_0 ? 7 : 3));
+}
+
+#define LANES_VNNI(q, x, off) lanes_vnni(type, q, x, off)
+
+static inline __attribute__((always_inline)) TD_VNNI void
+tile_vnni(uint32_t type, int R, int M, const void *w, size_t row_bytes,
+          const td_cpu_q8a_block_t *a, size_t nb, float *y, size_t ldy)
+{
+    TILE_BODY(LANES_VNNI, off[i] = act_off_vnni(type, xq[i]))
+}
+
+GEMM_FN(gemm_q8_0_vnni, TD_VNNI, tile_vnni, TD_GGML_Q8_0)
+GEMM_FN(gemm_q4_0_vnni, TD_VNNI, tile_vnni, TD_GGML_Q4_0)
+GEMM_FN(gemm_q4_1_vnni, TD_VNNI, tile_vnni, TD_GGML_Q4_1)
+
+#define DOT_VNNI(NAME, type)                                                                   \
+    static TD_VNNI float NAME(const void *w, const td_cpu_q8a_block_t *a, size_t k)            \
+    {                                                                                          \
+        float y;                                                                               \
+        tile_vnni(type, 1, 1, w, 0, a, k / TD_QK, &y, 1);                                      \
+        return y;                                                                              \
+    }
+
+DOT_VNNI(dot_q8_0_vnni, TD_GGML_Q8_0)
+DOT_VNNI(dot_q4_0_vnni, TD_GGML_Q4_0)
+DOT_VNNI(dot_q4_1_vnni, TD_GGML_Q4_1)
+
+static const td_cpu_quant_ops_t ops_vnni = {
+    .name = "avx512vnni",
+    .q8_0 = dot_q8_0_vnni,
+    .q4_0 = dot_q4_0_vnni,
+    .q4_1 = dot_q4_1_vnni,
+    .q4_k = dot_q4_k_avx2,
+    .q6_k = dot_q6_k_avx2,
+    .gemm_q8_0 = gemm_q8_0_vnni,
+    .gemm_q4_0 = gemm_q4_0_vnni,
+    .gemm_q4_1 = gemm_q4_1_vnni,
 };
 #endif /* TD_CPU_QUANT_X86 */
 
@@ -356,6 +542,14 @@ const td_cpu_quant_ops_t *td_cpu_quant_ops(td_cpu_quant_isa_t isa)
         if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
             __builtin_cpu_supports("f16c"))
             return &ops_avx2;
+#endif
+        return NULL;
+    case TD_CPU_QUANT_AVX512_VNNI:
+#ifdef TD_CPU_QUANT_X86
+        if (td_cpu_quant_ops(TD_CPU_QUANT_AVX2) && __builtin_cpu_supports("avx512f") &&
+            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw") &&
+            __builtin_cpu_supports("avx512vnni"))
+            return &ops_vnni;
 #endif
         return NULL;
     case TD_CPU_QUANT_N_ISA: break;
@@ -401,6 +595,13 @@ void td_cpu_quant_gemm(const td_cpu_quant_ops_t *ops, uint32_t type, const void 
 {
     td_cpu_quant_dot_fn dot = td_cpu_quant_dot_of(ops, type);
     TD_ASSERT(dot && k % TD_QK == 0);
+    td_cpu_quant_gemm_fn gemm = type == TD_GGML_Q8_0   ? ops->gemm_q8_0
+                              : type == TD_GGML_Q4_0 ? ops->gemm_q4_0
+                              : type == TD_GGML_Q4_1 ? ops->gemm_q4_1 : NULL;
+    if (gemm) {
+        gemm(w, row_bytes, n_rows, a, m, k, y, ldy);
+        return;
+    }
     size_t nb = k / TD_QK;
     for (size_t r = 0; r < n_rows; r++)
         for (size_t i = 0; i < m; i++)

@@ -71,17 +71,24 @@ typedef float (*td_cpu_quant_dot_fn)(const void *w, const td_cpu_q8a_block_t *a,
 typedef enum td_cpu_quant_isa {
     TD_CPU_QUANT_SCALAR, /* plain C, the reference */
     TD_CPU_QUANT_AVX2,   /* x86 AVX2 + FMA + F16C */
-    /* TD_CPU_QUANT_AVX512_VNNI: later (vpdpbusd for maddubs + madd, same sum order) */
+    TD_CPU_QUANT_AVX512_VNNI, /* AVX2 + AVX-512 F/VL/BW/VNNI: 256-bit vpdpbusd */
     TD_CPU_QUANT_N_ISA,
 } td_cpu_quant_isa_t;
 
+/* A table's blocked GEMM tile of one type (td_cpu_quant_gemm's contract, k % 32 == 0) */
+typedef void (*td_cpu_quant_gemm_fn)(const void *w, size_t row_bytes, size_t n_rows,
+                                     const td_cpu_q8a_block_t *a, size_t m, size_t k, float *y,
+                                     size_t ldy);
+
 typedef struct td_cpu_quant_ops {
-    const char *name;           /* "scalar", "avx2" */
+    const char *name;           /* "scalar", "avx2", "avx512vnni" */
     td_cpu_quant_dot_fn q8_0;   /* Q8_0 weights */
     td_cpu_quant_dot_fn q4_0;   /* Q4_0 weights */
     td_cpu_quant_dot_fn q4_1;   /* Q4_1 weights */
     td_cpu_quant_dot_fn q4_k;   /* Q4_K weights (k a multiple of 256) */
     td_cpu_quant_dot_fn q6_k;   /* Q6_K weights (k a multiple of 256) */
+    /* register-blocked tiles (NULL: td_cpu_quant_gemm calls the dot per output) */
+    td_cpu_quant_gemm_fn gemm_q8_0, gemm_q4_0, gemm_q4_1;
 } td_cpu_quant_ops_t;
 
 /* The kernels of `isa`, or NULL when this build has none or this CPU cannot run them. */

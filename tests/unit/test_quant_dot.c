@@ -20,10 +20,11 @@
  * counts sum |dmin mn a_i| (twice: the weight is a difference) and sum_b |dmin mn s_b|,
  * with mn bounded by 63.
  *
- * AVX2 vs scalar: bitwise. Both compute the same exact int32 lane sums and then the same f32
- * operations in the same order (td_cpu_quant.h), so any difference is a bug, not rounding.
- * Skipped on a CPU without AVX2 + FMA + F16C. Rows of 32..4096 weights, several not multiples of
- * 256, random seeded data, Q8_0 quants over the full int8 range (-128 included).
+ * Every SIMD table (AVX2, AVX-512 VNNI) vs scalar: bitwise, single dots and blocked GEMM
+ * tiles. All compute the same exact int32 lane sums and then the same f32 operations in the
+ * same order (td_cpu_quant.h), so any difference is a bug, not rounding. A table this CPU
+ * cannot run is skipped with a line saying so. Rows of 32..4096 weights, several not
+ * multiples of 256, random seeded data, Q8_0 quants over the full int8 range (-128 included).
  */
 #include <criterion/criterion.h>
 #include <math.h>
@@ -203,61 +204,112 @@ Test(quant_dot, scalar_matches_double_reference_extreme_scales)
     check_scalar(true, 2);
 }
 
-/* AVX2 and scalar GEMVs over n_rows rows: every output bit-identical, and each equal to
- * its row's single dot */
-static void check_avx2(bool extreme, uint64_t seed)
+/* Every SIMD table the CPU runs against the scalar one, GEMVs over n_rows rows: every
+ * output bit-identical, and each equal to its row's single dot. Skipped (with a line
+ * saying so) for tables this CPU cannot run. */
+static void check_tables(bool extreme, uint64_t seed)
 {
-    const td_cpu_quant_ops_t *avx2 = td_cpu_quant_ops(TD_CPU_QUANT_AVX2);
-    if (!avx2)
-        cr_skip_test("skipped: this CPU (or build) has no AVX2 + FMA + F16C");
     const td_cpu_quant_ops_t *ref = td_cpu_quant_ops(TD_CPU_QUANT_SCALAR);
-    uint64_t s = seed;
-    const size_t n_rows = 5;
-    for (size_t ti = 0; ti < N_TYPES; ti++) {
-        const td_ggml_type_t *t = td_ggml_type(types[ti]);
-        for (size_t li = 0; li < N_LENGTHS; li++) {
-            size_t k = row_lengths[li];
-            if (!fits(types[ti], k))
-                continue;
-            size_t row_bytes = k / t->block_elems * t->block_bytes;
-            void *w = make_weights(types[ti], n_rows, k, extreme, &s);
-            td_cpu_q8a_block_t *a = make_act(k, extreme, &s);
-            float y_ref[5], y[5];
-            td_cpu_quant_gemv(ref, types[ti], w, row_bytes, 0, n_rows, a, k, y_ref);
-            td_cpu_quant_gemv(avx2, types[ti], w, row_bytes, 0, n_rows, a, k, y);
-            for (size_t r = 0; r < n_rows; r++) {
-                uint32_t g, e;
-                memcpy(&g, &y[r], 4);
-                memcpy(&e, &y_ref[r], 4);
-                cr_assert_eq(g, e, "type %u k %zu row %zu: avx2 %a, scalar %a", types[ti], k, r,
-                             y[r], y_ref[r]);
-                float one = td_cpu_quant_dot_of(avx2, types[ti])(
-                    (const uint8_t *)w + r * row_bytes, a, k);
-                cr_assert_eq(memcmp(&one, &y[r], 4), 0, "gemv row %zu is not its dot", r);
+    int ran = 0;
+    for (int isa = TD_CPU_QUANT_SCALAR + 1; isa < TD_CPU_QUANT_N_ISA; isa++) {
+        const td_cpu_quant_ops_t *simd = td_cpu_quant_ops((td_cpu_quant_isa_t)isa);
+        if (!simd) {
+            cr_log_info("skipped: table %d (this CPU or build cannot run it)", isa);
+            continue;
+        }
+        ran++;
+        uint64_t s = seed;
+        const size_t n_rows = 5;
+        for (size_t ti = 0; ti < N_TYPES; ti++) {
+            const td_ggml_type_t *t = td_ggml_type(types[ti]);
+            for (size_t li = 0; li < N_LENGTHS; li++) {
+                size_t k = row_lengths[li];
+                if (!fits(types[ti], k))
+                    continue;
+                size_t row_bytes = k / t->block_elems * t->block_bytes;
+                void *w = make_weights(types[ti], n_rows, k, extreme, &s);
+                td_cpu_q8a_block_t *a = make_act(k, extreme, &s);
+                float y_ref[5], y[5];
+                td_cpu_quant_gemv(ref, types[ti], w, row_bytes, 0, n_rows, a, k, y_ref);
+                td_cpu_quant_gemv(simd, types[ti], w, row_bytes, 0, n_rows, a, k, y);
+                for (size_t r = 0; r < n_rows; r++) {
+                    cr_assert_eq(memcmp(&y[r], &y_ref[r], 4), 0,
+                                 "%s type %u k %zu row %zu: %a, scalar %a", simd->name, types[ti],
+                                 k, r, y[r], y_ref[r]);
+                    float one = td_cpu_quant_dot_of(simd, types[ti])(
+                        (const uint8_t *)w + r * row_bytes, a, k);
+                    cr_assert_eq(memcmp(&one, &y[r], 4), 0, "%s: gemv row %zu is not its dot",
+                                 simd->name, r);
+                }
+                free(w);
+                free(a);
             }
+        }
+    }
+    if (!ran)
+        cr_skip_test("skipped: this CPU (or build) runs no SIMD table");
+}
+
+Test(quant_dot, simd_tables_equal_scalar_bitwise)
+{
+    check_tables(false, 3);
+}
+
+Test(quant_dot, simd_tables_equal_scalar_bitwise_extreme_scales)
+{
+    check_tables(true, 4);
+}
+
+/* td_cpu_quant_gemm, every table, tiles of 1..9 W rows by 1..9 activation rows (every
+ * register-blocking remainder): each output bit-equal to the scalar dot of its pair */
+Test(quant_dot, gemm_tiles_equal_scalar_dots)
+{
+    const td_cpu_quant_ops_t *ref = td_cpu_quant_ops(TD_CPU_QUANT_SCALAR);
+    uint64_t s = 6;
+    const size_t k = 512, nmax = 9, ldy = 11;
+    for (int isa = TD_CPU_QUANT_SCALAR; isa < TD_CPU_QUANT_N_ISA; isa++) {
+        const td_cpu_quant_ops_t *ops = td_cpu_quant_ops((td_cpu_quant_isa_t)isa);
+        if (!ops)
+            continue;
+        for (size_t ti = 0; ti < N_TYPES; ti++) {
+            const td_ggml_type_t *t = td_ggml_type(types[ti]);
+            size_t row_bytes = k / t->block_elems * t->block_bytes;
+            void *w = make_weights(types[ti], nmax, k, ti % 2, &s);
+            td_cpu_q8a_block_t *a = malloc(nmax * (k / TD_QK) * sizeof *a);
+            for (size_t i = 0; i < nmax; i++) {
+                td_cpu_q8a_block_t *ai = make_act(k, ti % 2, &s);
+                memcpy(a + i * (k / TD_QK), ai, k / TD_QK * sizeof *a);
+                free(ai);
+            }
+            for (size_t n = 1; n <= nmax; n++)
+                for (size_t m = 1; m <= nmax; m++) {
+                    float y[9 * 11];
+                    memset(y, 0xff, sizeof y);
+                    td_cpu_quant_gemm(ops, types[ti], w, row_bytes, n, a, m, k, y, ldy);
+                    for (size_t i = 0; i < m; i++)
+                        for (size_t r = 0; r < n; r++) {
+                            float want = td_cpu_quant_dot_of(ref, types[ti])(
+                                (const uint8_t *)w + r * row_bytes, a + i * (k / TD_QK), k);
+                            cr_assert_eq(memcmp(&y[i * ldy + r], &want, 4), 0,
+                                         "%s type %u tile %zux%zu out (%zu, %zu): %a, want %a",
+                                         ops->name, types[ti], n, m, r, i, y[i * ldy + r], want);
+                        }
+                }
             free(w);
             free(a);
         }
     }
 }
 
-Test(quant_dot, avx2_equals_scalar_bitwise)
-{
-    check_avx2(false, 3);
-}
-
-Test(quant_dot, avx2_equals_scalar_bitwise_extreme_scales)
-{
-    check_avx2(true, 4);
-}
-
-Test(quant_dot, best_is_avx2_when_the_cpu_has_it)
+Test(quant_dot, best_is_the_widest_table_the_cpu_runs)
 {
     const td_cpu_quant_ops_t *best = td_cpu_quant_ops_best();
     cr_assert_not_null(best);
-    const td_cpu_quant_ops_t *avx2 = td_cpu_quant_ops(TD_CPU_QUANT_AVX2);
-    cr_assert_eq(best, avx2 ? avx2 : td_cpu_quant_ops(TD_CPU_QUANT_SCALAR), "best is %s",
-                 best->name);
+    const td_cpu_quant_ops_t *want = td_cpu_quant_ops(TD_CPU_QUANT_SCALAR);
+    for (int isa = TD_CPU_QUANT_SCALAR + 1; isa < TD_CPU_QUANT_N_ISA; isa++)
+        if (td_cpu_quant_ops((td_cpu_quant_isa_t)isa))
+            want = td_cpu_quant_ops((td_cpu_quant_isa_t)isa);
+    cr_assert_eq(best, want, "best is %s, want %s", best->name, want->name);
     for (size_t ti = 0; ti < N_TYPES; ti++)
         cr_assert_not_null(td_cpu_quant_dot_of(best, types[ti]), "type %u", types[ti]);
     cr_assert_null(td_cpu_quant_dot_of(best, TD_GGML_Q5_0), "no Q5_0 dot");
