@@ -20,6 +20,7 @@ typedef struct cmd {
 static const cmd_t cmds[] = {
     {"generate", cmd_generate, "generate text from a model on this machine"},
     {"chat", cmd_chat, "chat with a model on this machine (its chat template, turns on stdin)"},
+    {"perplexity", cmd_perplexity, "perplexity of a model on a text file (llama-perplexity's method)"},
     {"tokenize", cmd_tokenize, "encode stdin to token ids (or decode ids with --decode)"},
     {"model", cmd_model, "model tools: synth (write a random-weight model), info"},
     {"bench", cmd_bench, "benchmarks: engine, kernels"},
@@ -33,7 +34,7 @@ static void usage(FILE *f)
 {
     fprintf(f, "usage: tandem <command> [options]\n\ncommands:\n");
     for (size_t i = 0; i < sizeof cmds / sizeof cmds[0]; i++)
-        fprintf(f, "  %-10s %s\n", cmds[i].name, cmds[i].help);
+        fprintf(f, "  %-11s %s\n", cmds[i].name, cmds[i].help);
     fprintf(f, "\n  --version  print the version and compiled backends\n"
                "\n'tandem <command> --help' describes each command.\n");
 }

@@ -10,6 +10,7 @@
 
 int cmd_generate(int argc, char **argv);
 int cmd_chat(int argc, char **argv);
+int cmd_perplexity(int argc, char **argv);
 int cmd_tokenize(int argc, char **argv);
 int cmd_model(int argc, char **argv);
 int cmd_bench(int argc, char **argv);

@@ -1,6 +1,8 @@
 # An independent llama2.c forward pass in numpy (float64, full recompute, no cache), used
 # by tests/unit/test_generate_cli.sh to check `tandem generate --print-ids` end to end.
 #   /usr/bin/python3 llama2c_ref.py MODEL.bin "PROMPT IDS" N_TOKENS  -> greedy ids
+#   /usr/bin/python3 llama2c_ref.py MODEL.bin perplexity IDS_FILE CTX -> "PPL = X +/- Y"
+#   (tests/unit/test_cli_perplexity.sh checks `tandem perplexity` with it)
 import sys, struct, numpy as np
 d=open(sys.argv[1],'rb').read()
 dim,hid,L,nh,nkv,V,S=struct.unpack('7i',d[:28])
