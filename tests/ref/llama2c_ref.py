@@ -34,6 +34,19 @@ def forward(toks):
         h=rms(x,rf[l]); a=h@w1[l].T; b=h@w3[l].T
         x=x+((a/(1+np.exp(-a)))*b)@w2[l].T
     return rms(x,rfin)@emb.T
+if sys.argv[2]=='perplexity':
+    # llama2c_ref.py MODEL.bin perplexity IDS_FILE CTX -> llama-perplexity's method on the ids
+    # (BOS included): chunks of CTX tokens, each a fresh context starting with BOS (1), the
+    # second half of each scored; "PPL = X +/- Y"
+    ids=[int(t) for t in open(sys.argv[3]).read().split()]; ctx=int(sys.argv[4]); first=ctx//2
+    nll=nll2=0.0; cnt=0
+    for k in range(len(ids)//ctx):
+        ch=[1]+ids[k*ctx+1:(k+1)*ctx]; lg=forward(ch)
+        for i in range(first,ctx-1):
+            m=lg[i].max(); v=-(lg[i][ch[i+1]]-m-np.log(np.exp(lg[i]-m).sum())); nll+=v; nll2+=v*v; cnt+=1
+    nll/=cnt; nll2=nll2/cnt-nll*nll
+    print("PPL = %.6f +/- %.6f" % (np.exp(nll), np.sqrt(nll2/(cnt-1))*np.exp(nll)))
+    sys.exit(0)
 toks=[int(t) for t in sys.argv[2].split()]; n0=len(toks)
 for i in range(int(sys.argv[3])):
     lg=forward(toks); toks.append(int(lg[-1].argmax()))
