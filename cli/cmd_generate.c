@@ -38,7 +38,7 @@
 static bool local_only(const char *flag)
 {
     static const char *const names[] = {"model", "tokenizer", "threads", "device", "dtype", "quant", "kv-mem",
-                                        "prefill-chunk", "chat", "system"};
+                                        "prefill-chunk"};
     for (size_t i = 0; i < TD_ARRAY_LEN(names); i++)
         if (!strcmp(flag, names[i]))
             return true;
@@ -517,7 +517,21 @@ static int gen_remote(cli_gen_opts_t *o)
     Tandem__V1__SamplingParams sp;
     td_node_sampling_to_proto(&o->sampling, &sp);
     Tandem__V1__GenerateRequest req = TANDEM__V1__GENERATE_REQUEST__INIT;
-    req.prompt = o->prompt ? (char *)o->prompt : "";
+    /* --chat: the conversation goes as messages; the router renders it with its template */
+    Tandem__V1__ChatMessage turns[2], *turn_ptrs[2];
+    size_t n_turns = 0;
+    if (o->chat) {
+        const char *role[2] = {"system", "user"}, *content[2] = {o->system, o->prompt};
+        for (int i = o->system ? 0 : 1; i < 2; i++, n_turns++) {
+            tandem__v1__chat_message__init(&turns[n_turns]);
+            turns[n_turns].role = (char *)role[i];
+            turns[n_turns].content = (char *)content[i];
+            turn_ptrs[n_turns] = &turns[n_turns];
+        }
+        req.messages = turn_ptrs;
+        req.n_messages = n_turns;
+    }
+    req.prompt = o->prompt && !o->chat ? (char *)o->prompt : "";
     req.prompt_ids = wire_ids;
     req.n_prompt_ids = n_ids;
     req.max_tokens = o->max_tokens > 0 ? (uint32_t)o->max_tokens : 0;

@@ -51,6 +51,8 @@ static td_gen_params_t gen_params_from_proto(const Tandem__V1__GenerateRequest *
     gp.max_tokens = q->max_tokens;
     gp.prompt_is_text = q->n_prompt_ids == 0;
     gp.prompt_len = q->n_prompt_ids ? q->n_prompt_ids : strlen(q->prompt);
+    for (size_t i = 0; i < q->n_messages; i++) /* a conversation: its text counts as the prompt */
+        gp.prompt_len += strlen(q->messages[i]->role) + strlen(q->messages[i]->content);
     gp.n_stop_ids = q->n_stop_ids;
     gp.n_stop_strings = q->n_stop_strings;
     gp.stop_strings = (const char *const *)q->stop_strings;
@@ -89,7 +91,18 @@ void on_generate(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data)
     else
         snprintf(r->id, sizeof r->id, "r%llu", (unsigned long long)++s->next_id);
     td_status_t st = TD_OK;
-    if (q->n_prompt_ids) {
+    if (q->n_messages) {
+        if (q->n_prompt_ids || q->prompt[0]) {
+            st = TD_ERR_INVALID;
+            snprintf(why, sizeof why, "send a conversation (messages) or a prompt (prompt or prompt_ids), not both");
+        } else if (!s->chat) {
+            st = TD_ERR_INVALID;
+            snprintf(why, sizeof why, "this router has no chat template for its model (%s): send prompt or prompt_ids",
+                     s->tok ? "the tokenizer's model has none" : "no --tokenizer");
+        } else {
+            r->from_text = true; /* rendered and encoded off the loop (router_req_submit) */
+        }
+    } else if (q->n_prompt_ids) {
         if ((r->prompt = malloc(q->n_prompt_ids * sizeof(int32_t)))) {
             for (size_t i = 0; i < q->n_prompt_ids; i++) /* above INT32_MAX: negative, refused below */
                 r->prompt[i] = (int32_t)q->prompt_ids[i];
@@ -144,7 +157,7 @@ void on_generate(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data)
         r->deadline_ns = (int64_t)r->t_arrival + (int64_t)(dl_ms > now_ms ? dl_ms - now_ms : 0) * 1000000;
     else if (s->cfg.request_timeout_ms)
         r->deadline_ns = (int64_t)r->t_arrival + s->cfg.request_timeout_ms * 1000000;
-    router_req_submit(r, q->prompt, r->from_text ? strlen(q->prompt) : 0);
+    router_req_submit(r, q->prompt, r->from_text ? strlen(q->prompt) : 0, q->messages, q->n_messages);
 }
 
 void on_list_models(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data)

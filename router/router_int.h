@@ -17,6 +17,7 @@
 #include "router_queue.h"
 #include "router_registry.h"
 #include "tandem.pb-c.h"
+#include "td_chat_source.h"
 #include "td_gen_params.h"
 #include "td_grpc.h"
 #include "td_hash.h"
@@ -147,6 +148,7 @@ struct router_state {
     router_config_t cfg;
     uv_timer_t tick;
     td_tokenizer_t *tok;
+    td_chat_template_t *chat;  /* the model's chat template (from --tokenizer), or NULL */
     router_registry_t *reg;
     router_policy_config_t policy;
     router_peer_t *peers;
@@ -182,7 +184,10 @@ static inline bool router_req_on_node(const router_req_t *r)
 /* router_request.c: the request lifecycle */
 void router_want_pump(router_state_t *s);
 void router_count_outcome(router_state_t *s, const char *outcome);
-void router_req_submit(router_req_t *r, const char *text, size_t len);
+/* Queues r: its prompt ids as they are, or its text (len bytes) or conversation
+ * (messages[0..n_messages), rendered with s->chat) encoded first on the thread pool. */
+void router_req_submit(router_req_t *r, const char *text, size_t len,
+                       Tandem__V1__ChatMessage *const *messages, size_t n_messages);
 void router_req_end(router_req_t *r);
 void router_req_fail(router_req_t *r, td_grpc_code_t code, const char *msg, const char *outcome);
 void router_req_retry_or_fail(router_req_t *r, td_grpc_code_t code, const char *why);

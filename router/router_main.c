@@ -188,6 +188,10 @@ int router_main(int argc, char **argv)
     if ((cfg->tokenizer && (st = td_tokenizer_load(cfg->tokenizer, &s->tok)) != TD_OK) ||
         (st = router_registry_create(&rc_, &s->reg)) != TD_OK)
         goto out;
+    /* the chat template beside the tokenizer (a GGUF file's, tokenizer_config.json's): without
+     * one, conversations are refused and prompts still served */
+    if (s->tok && td_chat_template_for_model(cfg->tokenizer, NULL, &s->chat) != TD_OK)
+        td_info("router: no chat template (%s): conversations are refused, prompts are served", td_last_error());
     if (!(s->peers = calloc((size_t)cfg->max_nodes, sizeof *s->peers))) {
         td_errorf(TD_ERR_NOMEM, "router: out of memory");
         goto out;
@@ -236,6 +240,7 @@ out:
     free(s->peers);
     td_hash_free(&s->leases);
     router_registry_destroy(s->reg);
+    td_chat_template_destroy(s->chat);
     td_tokenizer_destroy(s->tok);
     td_metrics_destroy(s->metrics);
     td_node_free(&s->proc);

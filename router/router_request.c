@@ -77,6 +77,9 @@ struct tok_job {
     router_req_t *r;              /* NULL once orphaned */
     router_state_t *s;
     const td_tokenizer_t *tok;
+    const td_chat_template_t *chat; /* with messages: renders them into the text first */
+    td_chat_message_t *messages;    /* [n_messages], strings in the same allocation */
+    size_t n_messages;
     char *text;
     size_t len;
     int32_t *ids;
@@ -88,8 +91,16 @@ struct tok_job {
 static void tok_work(uv_work_t *w)
 {
     tok_job_t *j = (tok_job_t *)w;
-    unsigned flags = td_tokenizer_bos_id(j->tok) >= 0 ? TD_TOK_ADD_BOS : 0;
-    j->st = td_tokenizer_encode(j->tok, j->text, j->len, flags, &j->ids, &j->n);
+    if (j->n_messages) {
+        free(j->text);
+        j->text = NULL;
+        j->st = td_chat_render_messages(j->chat, j->tok, j->messages, j->n_messages, &j->text, &j->len);
+        if (j->st == TD_OK)
+            j->st = td_chat_encode(j->tok, j->text, j->len, td_tokenizer_add_bos(j->tok), &j->ids, &j->n);
+    } else {
+        unsigned flags = td_tokenizer_add_bos(j->tok) ? TD_TOK_ADD_BOS : 0;
+        j->st = td_tokenizer_encode(j->tok, j->text, j->len, flags, &j->ids, &j->n);
+    }
     if (j->st != TD_OK)
         snprintf(j->why, sizeof j->why, "%s", td_last_error());
 }
@@ -103,6 +114,7 @@ static void tok_done(uv_work_t *w, int status)
     router_req_t *r = j->r;
     j->s->n_tokenizing--;
     free(j->text);
+    free(j->messages);
     if (!r) {
         free(j->ids);
         free(j);
@@ -114,7 +126,10 @@ static void tok_done(uv_work_t *w, int status)
     char why[384];
     td_status_t st = j->st;
     if (st != TD_OK && st != TD_ERR_NOMEM)
-        snprintf(why, sizeof why, "the router's tokenizer cannot encode the prompt: %s", j->why);
+        snprintf(why, sizeof why, "%s: %s",
+                 j->n_messages ? "the router cannot render the conversation with the model's chat template"
+                               : "the router's tokenizer cannot encode the prompt",
+                 j->why);
     free(j);
     if (st == TD_ERR_NOMEM)
         router_req_fail(r, TD_GRPC_RESOURCE_EXHAUSTED, "router: out of memory", "exhausted");
@@ -126,26 +141,52 @@ static void tok_done(uv_work_t *w, int status)
         req_arrived(r);
 }
 
-/* Starts encoding r's text prompt. Errors (r untouched): TD_ERR_EXHAUSTED (max-tokenizing
- * jobs already), TD_ERR_NOMEM. */
-static td_status_t tok_start(router_req_t *r, const char *text, size_t len)
+/* A copy of a request's conversation the thread pool can read after the gateway call's
+ * message is gone: one allocation, the messages then their strings. NULL: out of memory. */
+static td_chat_message_t *messages_copy(Tandem__V1__ChatMessage *const *m, size_t n)
+{
+    size_t bytes = n * sizeof(td_chat_message_t);
+    for (size_t i = 0; i < n; i++)
+        bytes += strlen(m[i]->role) + strlen(m[i]->content) + 2;
+    td_chat_message_t *out = malloc(bytes);
+    if (!out)
+        return NULL;
+    char *p = (char *)(out + n);
+    for (size_t i = 0; i < n; i++) {
+        size_t lr = strlen(m[i]->role) + 1, lc = strlen(m[i]->content) + 1;
+        out[i].role = memcpy(p, m[i]->role, lr);
+        out[i].content = memcpy(p + lr, m[i]->content, lc);
+        p += lr + lc;
+    }
+    return out;
+}
+
+/* Starts encoding r's text prompt, or rendering and encoding its conversation. Errors (r
+ * untouched): TD_ERR_EXHAUSTED (max-tokenizing jobs already), TD_ERR_NOMEM. */
+static td_status_t tok_start(router_req_t *r, const char *text, size_t len,
+                             Tandem__V1__ChatMessage *const *messages, size_t n_messages)
 {
     router_state_t *s = r->s;
     if (s->n_tokenizing >= s->cfg.max_tokenizing)
         return td_errorf_quiet(TD_ERR_EXHAUSTED, "router: %d text prompts are being tokenized (max-tokenizing); "
                                "retry later", s->n_tokenizing);
     tok_job_t *j = calloc(1, sizeof *j);
-    if (!j || !(j->text = malloc(len ? len : 1))) {
+    if (!j || !(j->text = malloc(len ? len : 1)) || (n_messages && !(j->messages = messages_copy(messages, n_messages)))) {
+        if (j)
+            free(j->text);
         free(j);
         return td_errorf_quiet(TD_ERR_NOMEM, "router: out of memory");
     }
     memcpy(j->text, text, len);
     j->len = len;
+    j->n_messages = n_messages;
+    j->chat = s->chat;
     j->r = r;
     j->s = s;
     j->tok = s->tok;
     if (uv_queue_work(&s->proc.loop, &j->work, tok_work, tok_done) != 0) {
         free(j->text);
+        free(j->messages);
         free(j);
         return td_errorf_quiet(TD_ERR_NOMEM, "router: cannot queue the prompt's tokenization");
     }
@@ -508,7 +549,8 @@ static void req_arrived(router_req_t *r)
 /* A new request (REQ_NEW, its gateway call attached, from_text set) begins its life: a text
  * prompt (text[0..len)) is encoded off the loop, prompt ids are checked and placed. May end
  * r (refused: its call is finished). */
-void router_req_submit(router_req_t *r, const char *text, size_t len)
+void router_req_submit(router_req_t *r, const char *text, size_t len,
+                       Tandem__V1__ChatMessage *const *messages, size_t n_messages)
 {
     router_state_t *s = r->s;
     router_queue_entry_init(&r->qe);
@@ -517,7 +559,7 @@ void router_req_submit(router_req_t *r, const char *text, size_t len)
         req_arrived(r);
         return;
     }
-    if (tok_start(r, text, len) != TD_OK) {
+    if (tok_start(r, text, len, messages, n_messages) != TD_OK) {
         char why[384];
         snprintf(why, sizeof why, "%s", td_last_error());
         router_req_fail(r, TD_GRPC_RESOURCE_EXHAUSTED, why, "exhausted");
