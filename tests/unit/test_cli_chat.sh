@@ -29,7 +29,6 @@ says "--temperature: temperature -1 is out of range" "chat bad temperature"
 expect_rc 2 "--system without --chat" "$bin" generate --model x --prompt hi --system s
 says "--system needs --chat" "--system without --chat"
 expect_rc 2 "--chat without --prompt" "$bin" generate --model x --prompt-ids 1 --chat
-expect_rc 2 "--chat with --server" "$bin" generate --server 127.0.0.1:1 --prompt hi --chat
 expect_rc 2 "bad --quant" "$bin" generate --model x --prompt hi --quant q5_1
 
 if ! "$bin" model synth --arch llama --config tiny --seed 3 --dtype f32 --out "$dir/m" >/dev/null 2>&1; then
