@@ -227,3 +227,48 @@ Test(model_gguf_engine, pairs_on_unpermuted_rows_differ)
     run_close(&hf);
     run_close(&pairs);
 }
+
+/* A backend without kernels for a block type (CUDA today) gets the weights dequantized at
+ * load (the engine's weight_want): here the CPU backend with its block-type bits cleared.
+ * The engine then holds f32 matrices, and its logits agree with the block kernels' on the
+ * same file within what quantizing activations to 8 bits costs. */
+Test(model_gguf_engine, block_weights_dequantized_where_the_backend_has_no_kernels)
+{
+    td_synth_params_t p = {.seed = 14, .dtype = TD_Q8_0};
+    cr_assert_eq(td_model_preset("tiny", &p.config), TD_OK);
+    p.config.hidden_dim = 192;
+    cr_assert_eq(td_model_synth_gguf(&p, gguf), TD_OK, "%s", td_last_error());
+    run_t q, deq;
+    run_open(&q, gguf, -1);
+    deq = (run_t){0};
+    cr_assert_eq(td_model_load(gguf, &deq.model), TD_OK);
+    td_cpu_config_t cc = {.n_threads = 1};
+    cr_assert_eq(td_backend_cpu_create(&cc, &deq.be), TD_OK);
+    for (int t = TD_DTYPE_FLOAT_COUNT; t < TD_DTYPE_COUNT; t++)
+        deq.be->weight_dtypes &= ~(1u << t);
+    td_engine_config_t ec = td_engine_config_default();
+    ec.n_blocks = 8;
+    ec.kv_dtype = TD_F32;
+    cr_assert_eq(td_engine_create(deq.model, deq.be, &ec, &deq.eng), TD_OK, "%s", td_last_error());
+    td_kv_seq_init(&deq.seq);
+    /* the matrices as f32 (4 bytes a weight) instead of Q8_0 (34 bytes per 32) */
+    size_t qb = td_engine_weight_bytes(q.eng), db = td_engine_weight_bytes(deq.eng);
+    cr_assert(db > qb * 3, "dequantized weights %zu bytes vs %zu as Q8_0", db, qb);
+    int V = q.model->config.vocab_size;
+    int32_t prompt[N_PROMPT] = {256};
+    for (int i = 1; i < N_PROMPT; i++)
+        prompt[i] = (int32_t)((i * 37 + 11) % 256);
+    float *a = malloc((size_t)N_PROMPT * V * sizeof *a), *b = malloc((size_t)N_PROMPT * V * sizeof *b);
+    run_step(&q, prompt, N_PROMPT, a);
+    run_step(&deq, prompt, N_PROMPT, b);
+    double max_diff = 0, max_abs = 0;
+    for (size_t i = 0; i < (size_t)N_PROMPT * V; i++) {
+        max_diff = fmax(max_diff, fabs((double)a[i] - b[i]));
+        max_abs = fmax(max_abs, fabs((double)a[i]));
+    }
+    cr_assert(max_abs > 0 && max_diff <= 0.05 * max_abs, "logits differ by %g (largest %g)", max_diff, max_abs);
+    free(a);
+    free(b);
+    run_close(&q);
+    run_close(&deq);
+}
