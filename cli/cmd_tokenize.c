@@ -1,7 +1,9 @@
 /*
  * tandem tokenize: encode stdin to token ids, or decode ids to text, with any tokenizer
  * td_tok loads. The output is meant for scripts and for comparing with reference
- * tokenizers: ids without BOS/EOS on one line; decoded text exactly, no newline added.
+ * tokenizers: ids without BOS/EOS on one line (with --add-special, BOS/EOS where the
+ * tokenizer's model adds them, as llama.cpp's llama-tokenize does by default); decoded text
+ * exactly, no newline added.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -47,11 +49,11 @@ nomem:
     return 1;
 }
 
-static int do_encode(const td_tokenizer_t *tok, const char *text, size_t len)
+static int do_encode(const td_tokenizer_t *tok, const char *text, size_t len, unsigned flags)
 {
     int32_t *ids;
     size_t n;
-    if (td_tokenizer_encode(tok, text, len, 0, &ids, &n) != TD_OK)
+    if (td_tokenizer_encode(tok, text, len, flags, &ids, &n) != TD_OK)
         return 1; /* td_errorf has said why */
     for (size_t i = 0; i < n; i++)
         printf(i ? " %d" : "%d", ids[i]);
@@ -102,22 +104,29 @@ out:
 int cmd_tokenize(int argc, char **argv)
 {
     const char *path = NULL;
-    bool decode = false;
+    bool decode = false, add_special = false, no_parse_special = false;
     const td_opt_t opts[] = {
         {.name = "tokenizer", .type = TD_OPT_STR, .ptr = &path, .arg = "PATH",
-         .help = "tokenizer.bin (llama2.c), tokenizer.json, or a directory\n"
-                 "holding tokenizer.json (+ tokenizer_config.json)"},
+         .help = "tokenizer.bin (llama2.c), tokenizer.json, a directory\n"
+                 "holding tokenizer.json (+ tokenizer_config.json), or a GGUF file"},
         {.name = "decode", .type = TD_OPT_BOOL, .ptr = &decode, .help = "ids -> text instead of text -> ids"},
+        {.name = "add-special", .type = TD_OPT_BOOL, .ptr = &add_special,
+         .help = "add BOS / EOS where the tokenizer's model does (GGUF\n"
+                 "add_bos_token / add_eos_token): llama-tokenize's default"},
+        {.name = "no-parse-special", .type = TD_OPT_BOOL, .ptr = &no_parse_special,
+         .help = "encode the text of special tokens (<|im_start|>, <s>) as\n"
+                 "plain text, as llama-tokenize --no-parse-special"},
     };
     td_opts_t spec = {.prog = "tokenize", .opts = opts, .n_opts = TD_ARRAY_LEN(opts)};
     td_opts_result_t r = {0};
     if (td_opts_parse(&spec, argc, argv, &r) != TD_OK)
         return 2;
     if (r.help) {
-        printf("usage: tandem tokenize --tokenizer PATH [--decode]\n"
+        printf("usage: tandem tokenize --tokenizer PATH [--decode] [--add-special] [--no-parse-special]\n"
                "\n"
                "Reads all of stdin. Without --decode: encodes it exactly as given (no newline\n"
-               "stripped) and prints the token ids, space-separated, on one line, without BOS/EOS.\n"
+               "stripped) and prints the token ids, space-separated, on one line, without BOS/EOS\n"
+               "unless --add-special. Special tokens written in the text become their ids.\n"
                "With --decode: reads whitespace-separated token ids and prints their text\n"
                "(special tokens skipped, no newline added).\n"
                "\n");
@@ -136,7 +145,10 @@ int cmd_tokenize(int argc, char **argv)
     size_t len;
     int rc = read_stdin(&text, &len);
     if (rc == 0) {
-        rc = decode ? do_decode(tok, text) : do_encode(tok, text, len);
+        unsigned flags = (no_parse_special ? TD_TOK_NO_PARSE_SPECIAL : 0) |
+                         (add_special && td_tokenizer_add_bos(tok) ? TD_TOK_ADD_BOS : 0) |
+                         (add_special && td_tokenizer_add_eos(tok) ? TD_TOK_ADD_EOS : 0);
+        rc = decode ? do_decode(tok, text) : do_encode(tok, text, len, flags);
         free(text);
     }
     if (fflush(stdout) != 0 && rc == 0) {

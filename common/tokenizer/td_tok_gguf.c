@@ -365,9 +365,10 @@ td_status_t td_tok_load_gguf(td_tokenizer_t *tok)
         tok->add_bos = true;
     }
 
-    /* special ids: llama.cpp's defaults per model, then the file's */
-    int32_t eos = spm ? 2 : -1, eot = -1, eom = -1;
-    tok->bos_id = spm ? 1 : -1;
+    /* special ids: llama.cpp's defaults per model (11 for "gpt2" is its own, kept so that a
+     * file without the keys encodes the same), then the file's */
+    int32_t eos = spm ? 2 : 11, eot = -1, eom = -1;
+    tok->bos_id = spm ? 1 : 11;
     tok->unk_id = spm ? 0 : -1;
     if ((st = special_id(tok, g, "tokenizer.ggml.bos_token_id", &tok->bos_id)) ||
         (st = special_id(tok, g, "tokenizer.ggml.eos_token_id", &eos)) ||
