@@ -125,5 +125,30 @@ grep -qF "(new conversation)" "$err" && ok || bad "/reset not acknowledged"
 tail -c "$((size + 1))" "$out" | head -c "$size" >"$dir/third"
 cmp -s "$dir/third" "$dir/gen" && ok || bad "the reply after /reset differs from the first"
 
+# 4. SmolLM2 (GGUF: tokenizer.chat_template, add_bos_token false, <|im_start|> is also its BOS
+# id 1): the prompt is llama.cpp's (`llama-tokenize -m MODEL -f RENDERED --ids` on the text
+# jinja2 renders from the file's template: the ids below), and a second chat turn starts
+# from the first's KV
+gguf=${TANDEM_TEST_GGUF:-}
+if [ "${TD_SANITIZE:-OFF}" = ON ]; then
+    # minutes under ASan on 2 cores; the release build runs them
+    echo "skipped: sanitizer build: SmolLM2 chat checks (the release build runs them)"
+    skip=$((skip + 1))
+elif [ -z "$gguf" ] || [ ! -f "$gguf" ]; then
+    echo "skipped: TANDEM_TEST_GGUF unset or missing (scripts/fetch-model): SmolLM2 chat checks"
+    skip=$((skip + 1))
+else
+    ids="1 9690 198 2683 359 253 5356 5646 11173 3365 3511 308 34519 28 7018 411 407 19712 8182 2 198 1 4093 198"
+    ids="$ids 1780 314 260 3575 282 4649 47 2 198 1 520 9531 198"
+    want=$("$bin" generate --model "$gguf" --prompt-ids "$ids" --max-tokens 4 --print-ids 2>/dev/null)
+    got=$("$bin" generate --model "$gguf" --chat --prompt "What is the capital of France?" --max-tokens 4 \
+          --print-ids 2>/dev/null)
+    [ -n "$got" ] && [ "$got" = "$want" ] && ok || bad "SmolLM2 --chat: '$got', from llama.cpp's prompt ids '$want'"
+    printf 'What is the capital of France?\nAnd of Germany?\n' >"$dir/in"
+    "$bin" chat --model "$gguf" --max-tokens 30 <"$dir/in" >"$out" 2>"$err"
+    c2=$(grep "^prompt: " "$err" | sed -n 2p | sed 's/.*(\([0-9]*\) cached).*/\1/')
+    [ "${c2:-0}" -ge 48 ] && ok || bad "SmolLM2 chat: the second turn has '$c2' cached tokens, want >= 48: $(cat "$err")"
+fi
+
 echo "$pass passed, $fail failed, $skip skipped"
 [ "$fail" -eq 0 ]
