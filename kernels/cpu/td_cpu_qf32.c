@@ -257,9 +257,15 @@ TD_INLINE TD_Z void z_deq_unit(td_dtype_t t, const uint8_t *p, int u, const qf32
             qs = b->qs;
             lut = _mm512_mul_ps(z_f16(b->d), _mm512_sub_ps(z_iota(), _mm512_set1_ps(8)));
         } else {
+            /* d and m are adjacent: one broadcast and one convert give [d, m, d, m, ...],
+             * two in-lane shuffles the splats (cheaper than two of z_f16) */
             const td_block_q4_1_t *b = (const void *)p;
+            int32_t dm_bits;
+            memcpy(&dm_bits, &b->d, sizeof dm_bits);
+            __m512 dm = _mm512_cvtph_ps(_mm256_set1_epi32(dm_bits));
             qs = b->qs;
-            lut = _mm512_fmadd_ps(z_f16(b->d), z_iota(), z_f16(b->m));
+            lut = _mm512_fmadd_ps(_mm512_shuffle_ps(dm, dm, 0x00), z_iota(),
+                                  _mm512_shuffle_ps(dm, dm, 0x55));
         }
         __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(const void *)qs));
         out[0] = _mm512_permutexvar_ps(v, lut);
