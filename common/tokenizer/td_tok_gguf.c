@@ -78,14 +78,30 @@ static bool name_in(const char *names, const char *s, size_t len)
     }
 }
 
-/* End-of-generation tokens llama.cpp recognises by their text (and makes control tokens). */
-static const char *const eog_names[] = {"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
-                                        "<|eom_id|>", "<EOT>", "<|end_of_text|>", "<eos>"};
+/* End-of-generation tokens llama.cpp recognises by their text (and makes control tokens,
+ * so they are matched in the text), with its two exceptions: "<|end|>" is a user-defined
+ * token, not an end, beside "<|return|>" + "<|call|>" (or "<|calls|>" + "<|flush|>"), and
+ * "</s>" stays normal beside "<|tool_response>" or "<|plamo:eos|>". */
+static const char *const eog_names[] = {
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>", "<end_of_turn>",
+    "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>",
+    "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>", "<\xef\xbd\x9c" "end\xe2\x96\x81" "of\xe2\x96\x81"
+    "sentence\xef\xbd\x9c>", "[e~["};
+/* Tokens llama.cpp always treats as user-defined (gpt-oss's, rendered when decoding). */
+static const char *const user_names[] = {"<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"};
+/* Tokens whose presence decides the exceptions above. */
+static const char *const marker_names[] = {"<|return|>", "<|call|>", "<|calls|>", "<|flush|>", "<|tool_response>",
+                                           "<|plamo:eos|>"};
 
-static bool is_eog_name(const char *s, size_t len)
+static bool name_is(const char *name, td_gguf_str_t t)
 {
-    for (size_t i = 0; i < TD_ARRAY_LEN(eog_names); i++)
-        if (strlen(eog_names[i]) == len && !memcmp(eog_names[i], s, len))
+    return strlen(name) == t.len && !memcmp(name, t.data, t.len);
+}
+
+static bool in_names(const char *const *names, size_t n, td_gguf_str_t t)
+{
+    for (size_t i = 0; i < n; i++)
+        if (name_is(names[i], t))
             return true;
     return false;
 }
@@ -270,6 +286,12 @@ td_status_t td_tok_load_gguf(td_tokenizer_t *tok)
     uint32_t b2u[256];
     int16_t u2b[0x144];
     td_tok_bytelevel_tables(b2u, u2b);
+    bool has[TD_ARRAY_LEN(marker_names)] = {0};
+    for (size_t i = 0; i < n; i++)
+        for (size_t k = 0; k < TD_ARRAY_LEN(marker_names); k++)
+            has[k] |= name_is(marker_names[k], td_gguf_arr_str(tokens, i));
+    bool end_not_eog = (has[0] && has[1]) || (has[2] && has[3]);
+    bool s_not_eog = has[4] || has[5];
 
     for (size_t i = 0; i < n; i++) {
         int32_t id = (int32_t)i;
@@ -279,8 +301,15 @@ td_status_t td_tok_load_gguf(td_tokenizer_t *tok)
             st = td_errorf(TD_ERR_FORMAT, "%s: tokenizer.ggml.tokens[%zu] is empty", tok->path, i);
             goto out;
         }
-        if (is_eog_name(t.data, t.len))
+        bool eog = in_names(eog_names, TD_ARRAY_LEN(eog_names), t) && !(s_not_eog && name_is("</s>", t));
+        if (eog && end_not_eog && name_is("<|end|>", t)) {
+            eog = false;
+            type = TT_USER_DEFINED;
+        }
+        if (eog)
             type = TT_CONTROL;
+        if (in_names(user_names, TD_ARRAY_LEN(user_names), t))
+            type = TT_USER_DEFINED;
         tok->flags[id] = 0;
         if ((st = td_tok_arena_add(tok, t.data, t.len, &tok->piece_off[id])))
             goto out;
@@ -335,7 +364,7 @@ td_status_t td_tok_load_gguf(td_tokenizer_t *tok)
                 tok->surf_len[id] = (uint32_t)t.len;
             }
         }
-        if (type == TT_CONTROL && is_eog_name(t.data, t.len))
+        if (eog)
             add_eog(tok, id);
     }
     td_tok_index_added(tok);
