@@ -2,7 +2,8 @@
  * cmd_perplexity: `tandem perplexity`, a model's perplexity on a text file, computed exactly
  * as llama.cpp's llama-perplexity computes it, so the figures compare directly:
  *
- *   - the whole file is tokenized once (BOS first when the tokenizer adds one);
+ *   - the whole file is tokenized once (BOS first when the tokenizer adds one; special
+ *     tokens' text taken as text);
  *   - it is cut into chunks of n_ctx tokens (as many as fit, or --chunks), each evaluated in
  *     a fresh context (a new sequence: no KV shared between chunks), in batches of n_batch
  *     tokens, the chunk's first token replaced by BOS when the tokenizer adds one;
@@ -179,7 +180,10 @@ int cmd_perplexity(int argc, char **argv)
         goto out;
     }
     uint64_t t0 = td_now_ns();
-    if ((st = td_tokenizer_encode(g.tok, text, text_len, g.add_bos ? TD_TOK_ADD_BOS : 0, &tokens, &n_tokens)))
+    /* llama-perplexity's common_tokenize(ctx, text, add_special = true, parse_special = false):
+     * text that looks like a special token is text */
+    unsigned flags = TD_TOK_NO_PARSE_SPECIAL | (g.add_bos ? TD_TOK_ADD_BOS : 0);
+    if ((st = td_tokenizer_encode(g.tok, text, text_len, flags, &tokens, &n_tokens)))
         goto out;
     double t_tok = (double)(td_now_ns() - t0) * 1e-9;
     if (n_tokens < 2 * (size_t)p.ctx) {
