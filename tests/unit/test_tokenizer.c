@@ -226,6 +226,7 @@ Test(tokenizer, llama2_bin_matches_sentencepiece, .timeout = 60)
 {
     td_tokenizer_t *tok = load_shared("llama2-tokenizer/tokenizer.bin");
     expect_vocab(tok, 32000, 1, 2);
+    cr_expect(td_tokenizer_add_bos(tok) && !td_tokenizer_add_eos(tok), "llama2.c prompts start with BOS");
     size_t len;
     cr_expect_str_eq(td_tokenizer_id_to_piece(tok, 13, &len), "<0x0A>");
     cr_expect_null(td_tokenizer_id_to_piece(tok, 32000, &len));
@@ -237,6 +238,7 @@ Test(tokenizer, mistral_json_matches_hf, .timeout = 60)
 {
     td_tokenizer_t *tok = load_shared("tokenizers/mistral");
     expect_vocab(tok, 32000, 1, 2);
+    cr_expect(td_tokenizer_add_bos(tok) && !td_tokenizer_add_eos(tok), "tokenizer_config.json: add_bos_token true");
     cr_expect_eq(td_tokenizer_piece_to_id(tok, "\xe2\x96\x81the", 6), 272);
     check_all(tok, "mistral");
     td_tokenizer_destroy(tok);
@@ -247,6 +249,7 @@ Test(tokenizer, llama3_json_matches_hf, .timeout = 60)
     td_tokenizer_t *tok = load_shared("tokenizers/llama3");
     expect_vocab(tok, 128256, 128000, 128001);
     cr_expect(td_tokenizer_is_eos(tok, 128009)); /* <|eot_id|> ends a chat turn */
+    cr_expect(td_tokenizer_add_bos(tok), "no add_bos_token in the config: BOS, as transformers");
     cr_expect(td_tokenizer_is_special(tok, 128000));
     size_t len;
     cr_expect_str_eq(td_tokenizer_id_to_piece(tok, 128000, &len), "<|begin_of_text|>");
@@ -258,6 +261,7 @@ Test(tokenizer, qwen3_json_matches_hf, .timeout = 60)
 {
     td_tokenizer_t *tok = load_shared("tokenizers/qwen3/tokenizer.json");
     expect_vocab(tok, 151669, -1, 151645); /* eos: <|im_end|> */
+    cr_expect_not(td_tokenizer_add_bos(tok), "Qwen has no BOS");
     check_all(tok, "qwen3");
     td_tokenizer_destroy(tok);
 }
