@@ -63,7 +63,8 @@ static int parse_opts(int argc, char **argv, cli_gen_opts_t *o)
         {.name = "tokenizer", .type = TD_OPT_STR, .ptr = &o->tokenizer, .arg = "PATH",
          .help = "tokenizer.bin / tokenizer.json / directory (default: beside the model)"},
         {.name = "prompt", .type = TD_OPT_STR, .ptr = &o->prompt, .arg = "TEXT",
-         .help = "prompt text (BOS is added when the model has one)"},
+         .help = "prompt text (BOS first when the tokenizer adds one: GGUF add_bos_token,\n"
+                 "tokenizer_config.json add_bos_token, tokenizer.bin always)"},
         {.name = "prompt-ids", .type = TD_OPT_STR, .ptr = &o->prompt_ids, .arg = "IDS",
          .help = "prompt token ids, space-separated, taken as given (no BOS added)"},
         {.name = "chat", .type = TD_OPT_BOOL, .ptr = &o->chat,
@@ -132,9 +133,9 @@ static int parse_opts(int argc, char **argv, cli_gen_opts_t *o)
         return 2;
     if (r.help) {
         printf("usage: tandem generate --model PATH [--tokenizer PATH] (--prompt TEXT | --prompt-ids \"1 2 3\")\n"
-               "                       [--chat [--system TEXT]] [--max-tokens N] [--temperature T] [--top-k K] [--top-p P]\n"
-               "                       [--min-p P] [--repetition-penalty R] [--seed S] [--stop TEXT]...\n"
-               "                       [--stop-id ID]... [--threads N] [--device cpu|cuda[:N]]\n"
+               "                       [--chat [--system TEXT]] [--max-tokens N] [--temperature T]\n"
+               "                       [--top-k K] [--top-p P] [--min-p P] [--repetition-penalty R] [--seed S]\n"
+               "                       [--stop TEXT]... [--stop-id ID]... [--threads N] [--device cpu|cuda[:N]]\n"
                "                       [--dtype f32|f16|bf16] [--quant q8_0|q4_0] [--print-ids]\n"
                "       tandem generate --server HOST:PORT (--prompt TEXT | --prompt-ids \"1 2 3\")\n"
                "                       [the same sampling, stop and output flags]\n"
