@@ -79,6 +79,7 @@ struct td_engine {
     td_engine_meta_t m;
     size_t weight_bytes;
     uint32_t said_dequant;  /* bit t: the log said block type t is dequantized at load */
+    bool said_unquantized;  /* the log said some matrices cannot take --quant */
     td_engine_layer_cb layer_cb; /* td_engine_set_layer_hook; NULL: none */
     void *layer_arg;
 };
@@ -128,8 +129,17 @@ static td_dtype_t weight_want(td_engine_t *eng, const td_tensor_t *t)
     const td_engine_config_t *cfg = &eng->cfg;
     bool has = (be->weight_dtypes >> t->dtype) & 1u;
     if (td_dtype_is_float(t->dtype)) {
-        if (cfg->weight_quant >= 0 && t->n_dims == 2)
-            return (td_dtype_t)cfg->weight_quant;
+        if (cfg->weight_quant >= 0 && t->n_dims == 2) {
+            if (t->shape[1] % (int64_t)td_dtype_block_elems((td_dtype_t)cfg->weight_quant) == 0)
+                return (td_dtype_t)cfg->weight_quant;
+            /* rows that are not whole blocks stay as they are, as llama.cpp's quantize does */
+            if (!eng->said_unquantized) {
+                eng->said_unquantized = true;
+                td_info("engine: --quant %s: matrices whose rows (%lld weights) are not whole blocks of %zu stay %s",
+                        td_dtype_name((td_dtype_t)cfg->weight_quant), (long long)t->shape[1],
+                        td_dtype_block_elems((td_dtype_t)cfg->weight_quant), td_dtype_name(t->dtype));
+            }
+        }
         return cfg->weight_dtype != TD_ENGINE_WEIGHTS_AS_STORED ? (td_dtype_t)cfg->weight_dtype
                : has                                            ? t->dtype
                                                                 : TD_F32;

@@ -272,3 +272,33 @@ Test(model_gguf_engine, block_weights_dequantized_where_the_backend_has_no_kerne
     run_close(&q);
     run_close(&deq);
 }
+
+/* --quant on a model whose FFN rows are not whole blocks (tiny: 176 weights): those matrices
+ * stay as stored, the rest are quantized, and the model runs (it once hit an assertion). */
+Test(model_gguf_engine, quant_keeps_matrices_whose_rows_are_not_whole_blocks)
+{
+    td_synth_params_t p = {.seed = 14, .dtype = TD_F32};
+    cr_assert_eq(td_model_preset("tiny", &p.config), TD_OK);
+    cr_assert_eq(p.config.hidden_dim % 32 != 0, 1, "the preset's FFN width is not whole blocks");
+    cr_assert_eq(td_model_synth(&p, dir, NULL), TD_OK, "%s", td_last_error());
+    run_t f, q;
+    run_open(&f, dir, -1);
+    run_open(&q, dir, TD_Q8_0);
+    size_t fb = td_engine_weight_bytes(f.eng), qb = td_engine_weight_bytes(q.eng);
+    cr_assert(qb < fb * 3 / 4 && qb > fb / 4, "q8_0 %zu bytes vs f32 %zu: some matrices quantized, not all", qb, fb);
+    int V = f.model->config.vocab_size;
+    int32_t prompt[4] = {256, 72, 105, 33};
+    float *a = malloc(4 * (size_t)V * sizeof *a), *b = malloc(4 * (size_t)V * sizeof *b);
+    run_step(&f, prompt, 4, a);
+    run_step(&q, prompt, 4, b);
+    double max_diff = 0, max_abs = 0;
+    for (size_t i = 0; i < 4 * (size_t)V; i++) {
+        max_diff = fmax(max_diff, fabs((double)a[i] - b[i]));
+        max_abs = fmax(max_abs, fabs((double)a[i]));
+    }
+    cr_assert(max_diff > 0 && max_diff <= 0.05 * max_abs, "logits differ by %g (largest %g)", max_diff, max_abs);
+    free(a);
+    free(b);
+    run_close(&f);
+    run_close(&q);
+}
