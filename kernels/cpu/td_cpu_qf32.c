@@ -204,6 +204,24 @@ TD_INLINE size_t qf32_block_bytes(td_dtype_t t)
     }
 }
 
+/* Software prefetch of the W rows two tiles ahead (contiguous after this tile's in a dense
+ * matrix), row_bytes * R / nb bytes per block of this tile, so a tile is in cache when it
+ * starts. Why: with short rows (k = 576: 6 to 10 cache lines) the R interleaved row
+ * streams end before the hardware prefetcher has learnt them; measured GEMV from DRAM
+ * (196608 x 576, one thread, noisy VM), Q8_0 went from ~6 to 21-34 GFLOP/s, Q4_0 from ~21
+ * to ~37 (one tile ahead was not far enough for Q4_0). A prefetch never faults, so the
+ * last tiles' look past the matrix is harmless. */
+TD_INLINE size_t qf32_prefetch_step(int R, size_t row_bytes, size_t nb)
+{
+    return ((size_t)R * row_bytes + nb - 1) / nb;
+}
+
+TD_INLINE void qf32_prefetch_next(const uint8_t *next, size_t b, size_t step)
+{
+    for (size_t o = b * step; o < (b + 1) * step; o += 64)
+        _mm_prefetch((const char *)next + o, _MM_HINT_T0);
+}
+
 /* ---- AVX-512 ------------------------------------------------------------------------------ */
 
 #define TD_Z __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl")))
@@ -326,7 +344,9 @@ TD_INLINE TD_Z void z_tile(td_dtype_t t, int R, int M, const uint8_t *w, size_t 
     for (int r = 0; r < R; r++)
         for (int i = 0; i < M; i++)
             acc[r][i] = _mm512_setzero_ps();
-    for (size_t b = 0; b < k / be; b++) {
+    const size_t nb = k / be, ahead = qf32_prefetch_step(R, row_bytes, nb);
+    for (size_t b = 0; b < nb; b++) {
+        qf32_prefetch_next(w + 2 * (size_t)R * row_bytes, b, ahead);
         qf32_scales_t zs[Z_MAX_R];
         if (t == TD_Q6_K)
             for (int r = 0; r < R; r++)
@@ -483,7 +503,9 @@ TD_INLINE TD_Y void y_tile(td_dtype_t t, int R, int M, const uint8_t *w, size_t 
     for (int r = 0; r < R; r++)
         for (int i = 0; i < M; i++)
             acc[r][i].lo = acc[r][i].hi = _mm256_setzero_ps();
-    for (size_t b = 0; b < k / be; b++) {
+    const size_t nb = k / be, ahead = qf32_prefetch_step(R, row_bytes, nb);
+    for (size_t b = 0; b < nb; b++) {
+        qf32_prefetch_next(w + 2 * (size_t)R * row_bytes, b, ahead);
         qf32_scales_t zs[Y_MAX_R];
         for (int r = 0; r < R; r++)
             qf32_block_scales(t, w + r * row_bytes + b * bb, &zs[r]);
