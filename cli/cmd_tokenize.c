@@ -126,7 +126,8 @@ int cmd_tokenize(int argc, char **argv)
                "\n"
                "Reads all of stdin. Without --decode: encodes it exactly as given (no newline\n"
                "stripped) and prints the token ids, space-separated, on one line, without BOS/EOS\n"
-               "unless --add-special. Special tokens written in the text become their ids.\n"
+               "unless --add-special. Special tokens written in the text (tokenizer.json, GGUF)\n"
+               "become their ids.\n"
                "With --decode: reads whitespace-separated token ids and prints their text\n"
                "(special tokens skipped, no newline added).\n"
                "\n");

@@ -21,6 +21,7 @@
  */
 #include "td_tokenizer_int.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -276,7 +277,7 @@ td_status_t td_tok_load_gguf(td_tokenizer_t *tok)
         st = td_errorf(TD_ERR_NOMEM, "%s: no memory for %zu scores", tok->path, n);
         goto out;
     }
-    size_t max_len = 1;
+    size_t max_len = sizeof "[EMPTY_16777216]"; /* room for an empty token's stand-in */
     for (size_t i = 0; i < n; i++)
         max_len = TD_MAX(max_len, td_gguf_arr_str(tokens, i).len);
     if (!(kbuf = malloc(max_len * 3 + 1)) || !(tok->added = calloc(n, sizeof *tok->added))) {
@@ -297,9 +298,10 @@ td_status_t td_tok_load_gguf(td_tokenizer_t *tok)
         int32_t id = (int32_t)i;
         td_gguf_str_t t = td_gguf_arr_str(tokens, i);
         int64_t type = types ? td_gguf_arr_int(types, i) : TT_NORMAL;
-        if (t.len == 0) {
-            st = td_errorf(TD_ERR_FORMAT, "%s: tokenizer.ggml.tokens[%zu] is empty", tok->path, i);
-            goto out;
+        char empty[32];
+        if (t.len == 0) { /* llama.cpp's stand-in, so the id stays and nothing matches it */
+            t.len = (size_t)snprintf(empty, sizeof empty, "[EMPTY_%zu]", i);
+            t.data = empty;
         }
         bool eog = in_names(eog_names, TD_ARRAY_LEN(eog_names), t) && !(s_not_eog && name_is("</s>", t));
         if (eog && end_not_eog && name_is("<|end|>", t)) {
