@@ -345,6 +345,7 @@ static TD_AVX2 float dot_q6_k_avx2(const void *wv, const td_cpu_q8a_block_t *a, 
  * the prepared weight bytes q, the activation quants x and off (per activation block:
  * minus 8 or 128 times its lane sums, for VNNI's unsigned-times-signed trick).
  */
+#define TILE_PREFETCH 512
 #define TILE_BODY(LANES, PREP_X)                                                               \
     __m256 acc[4][4];                                                                          \
     float mm[4][4];                                                                            \
@@ -363,6 +364,7 @@ static TD_AVX2 float dot_q6_k_avx2(const void *wv, const td_cpu_q8a_block_t *a, 
         }                                                                                      \
         for (int r = 0; r < R; r++) {                                                          \
             const uint8_t *blk = (const uint8_t *)w + r * row_bytes + b * bb;                  \
+            _mm_prefetch((const char *)blk + 2 * R * row_bytes, _MM_HINT_T0);                   \
             uint16_t dh, mh = 0;                                                               \
             memcpy(&dh, blk, 2);                                                               \
             __m256i q;                                                                         \
