@@ -7,7 +7,8 @@
 #
 #   gguf_ref.py greedy MODEL.gguf --ids "1 2 3" [--n 64]
 #       greedy continuation, one line per token: "id margin" (margin: the top logit minus the
-#       runner-up, so a near-tie, where any rounding may flip the choice, shows)
+#       runner-up, so a near-tie, where any rounding may flip the choice, shows); it stops after
+#       the end-of-generation token (tokenizer.ggml.eos_token_id), as tandem and llama.cpp do
 #   gguf_ref.py perplexity MODEL.gguf --ids-file IDS.txt --ctx 128
 #       llama-perplexity's method on a token list (the text tokenized as llama.cpp does, BOS
 #       included when the model adds one): chunks of ctx tokens, each a fresh context, the first
@@ -58,6 +59,7 @@ class Model:
         self.eps = float(field(r, f"{arch}.attention.layer_norm_rms_epsilon"))
         self.add_bos = bool(field(r, "tokenizer.ggml.add_bos_token", True))
         self.bos = int(field(r, "tokenizer.ggml.bos_token_id"))
+        self.eos = int(field(r, "tokenizer.ggml.eos_token_id"))
         w = {}
         for t in r.tensors:
             # gguf-py gives rows of ne0 values: [ne1, ne0] for a matrix, as y = W @ x needs
@@ -121,6 +123,8 @@ def greedy(m, ids, n):
         top2 = np.argsort(logits)[-2:]
         tok = int(top2[1])
         print(tok, f"{logits[top2[1]] - logits[top2[0]]:.6f}", flush=True)
+        if tok == m.eos:
+            break
         logits = m.forward([tok], cache, pos)[-1]
         pos += 1
 
