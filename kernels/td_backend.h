@@ -186,6 +186,10 @@ typedef struct td_cpu_config {
     bool device_memory; /* treat its memory as a device's (host_memory false): the engine
                            uploads weights, the nodes stage KV through host buffers and a
                            landing area, as on a GPU; the device paths, tested without one */
+    bool int8_activations; /* block-quantized weights meet activations quantized to int8 per
+                              block of 32, llama.cpp's scheme (td_cpu_quant), instead of f32
+                              activations against weights dequantized in registers
+                              (td_cpu_qf32: exact to f32 rounding; the default) */
 } td_cpu_config_t;
 
 td_status_t td_backend_cpu_create(const td_cpu_config_t *cfg, td_backend_t **be_p);
@@ -207,6 +211,7 @@ bool td_backend_cuda_compiled(void);
 typedef struct td_device_spec {
     bool cuda;
     bool staged;     /* cpu:staged */
+    bool int8_act;   /* cpu:int8 (td_cpu_config_t.int8_activations) */
     int32_t index;   /* CUDA device ordinal */
 } td_device_spec_t;
 

@@ -444,6 +444,7 @@ td_status_t td_backend_cpu_create(const td_cpu_config_t *cfg, td_backend_t **be_
                               (1u << TD_Q4_K) | (1u << TD_Q6_K);
     cpu->base.kv_dtypes = (1u << TD_F32) | (1u << TD_F16) | (1u << TD_BF16);
     cpu->base.host_memory = !(cfg && cfg->device_memory);
+    cpu->int8_act = cfg && cfg->int8_activations;
     cpu->n_threads = n;
     st = td_pool_create(n, &cpu->pool);
     if (st != TD_OK)

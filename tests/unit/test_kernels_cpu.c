@@ -97,14 +97,19 @@ static void check_close(const char *what, const float *got, const double *ref, s
     }
 }
 
-static td_backend_t *make_backend(int threads)
+static td_backend_t *make_backend_int8(int threads, bool int8)
 {
-    td_cpu_config_t cfg = {.n_threads = threads};
+    td_cpu_config_t cfg = {.n_threads = threads, .int8_activations = int8};
     td_backend_t *be = NULL;
     cr_assert_eq(td_backend_cpu_create(&cfg, &be), TD_OK);
     cr_assert_eq(be->act_dtype, TD_F32);
     cr_assert(be->host_memory);
     return be;
+}
+
+static td_backend_t *make_backend(int threads)
+{
+    return make_backend_int8(threads, false);
 }
 
 static const int thread_counts[] = {1, 4};
@@ -226,12 +231,13 @@ static void *make_blocks(rng_t *r, td_dtype_t t, size_t n)
 
 /*
  * Quantized matmul against a double reference of what it computes: W dequantized by
- * td_quant's reference, X rows quantized to int8 blocks (td_cpu_quant_act_row, the
+ * td_quant's reference times X (the default, td_cpu_qf32), or, on a backend with
+ * int8_activations, times X rows quantized to int8 blocks (td_cpu_quant_act_row, that
  * scheme's documented first step) and dequantized; then bias and accumulate. Relative
  * tolerance 1e-5 covers the f32 sums of k <= 4096 terms.
  */
-static void qmatmul_case(td_backend_t *be, rng_t *r, int m, int n, int k, td_dtype_t wt, bool bias,
-                         bool acc)
+static void qmatmul_case(td_backend_t *be, bool int8, rng_t *r, int m, int n, int k, td_dtype_t wt,
+                         bool bias, bool acc)
 {
     size_t nb = (size_t)k / TD_QK;
     float *x = xmalloc((size_t)m * k * 4), *wref = xmalloc((size_t)n * k * 4);
@@ -250,7 +256,7 @@ static void qmatmul_case(td_backend_t *be, rng_t *r, int m, int n, int k, td_dty
     for (int i = 0; i < m; i++) {
         td_cpu_quant_act_row(x + (size_t)i * k, a, (size_t)k);
         for (int q = 0; q < k; q++)
-            xq[q] = a[q / TD_QK].d * (float)a[q / TD_QK].qs[q % TD_QK];
+            xq[q] = int8 ? a[q / TD_QK].d * (float)a[q / TD_QK].qs[q % TD_QK] : x[(size_t)i * k + q];
         for (int j = 0; j < n; j++) {
             double s = 0;
             for (int q = 0; q < k; q++)
@@ -263,8 +269,8 @@ static void qmatmul_case(td_backend_t *be, rng_t *r, int m, int n, int k, td_dty
                             .accumulate = acc};
     cr_assert_eq(be->ops->matmul(be, &p), TD_OK);
     char what[128];
-    snprintf(what, sizeof(what), "matmul m %d n %d k %d w %s bias %d acc %d", m, n, k,
-             td_dtype_name(wt), bias, acc);
+    snprintf(what, sizeof(what), "matmul m %d n %d k %d w %s bias %d acc %d int8 %d", m, n, k,
+             td_dtype_name(wt), bias, acc, int8);
     check_close(what, y, ref, (size_t)m * n, 1e-5);
     free(x), free(wref), free(b), free(y), free(xq), free(ref), free(a), free(w);
 }
@@ -274,15 +280,16 @@ Test(kernels_cpu, matmul_block_weights, .timeout = 300)
     static const int ms[] = {1, 2, 3, 4, 5, 17, 64};
     static const int nk[][2] = {{1, 256}, {7, 512}, {67, 256}, {40, 1024}, {130, 768}};
     rng_t r = {0x5eed};
-    for (size_t ti = 0; ti < TD_ARRAY_LEN(thread_counts); ti++) {
-        td_backend_t *be = make_backend(thread_counts[ti]);
+    for (size_t ti = 0; ti < 2 * TD_ARRAY_LEN(thread_counts); ti++) {
+        bool int8 = ti >= TD_ARRAY_LEN(thread_counts);
+        td_backend_t *be = make_backend_int8(thread_counts[ti % TD_ARRAY_LEN(thread_counts)], int8);
         for (size_t d = 0; d < TD_ARRAY_LEN(block_dtypes); d++) {
             cr_assert((be->weight_dtypes >> block_dtypes[d]) & 1u, "%s not in weight_dtypes",
                       td_dtype_name(block_dtypes[d]));
             for (size_t a = 0; a < TD_ARRAY_LEN(ms); a++)
                 for (size_t c = 0; c < TD_ARRAY_LEN(nk); c++)
                     for (int f = 0; f < 4; f++)
-                        qmatmul_case(be, &r, ms[a], nk[c][0], nk[c][1], block_dtypes[d], f & 1,
+                        qmatmul_case(be, int8, &r, ms[a], nk[c][0], nk[c][1], block_dtypes[d], f & 1,
                                      f & 2);
         }
         td_backend_destroy(be);
@@ -291,13 +298,14 @@ Test(kernels_cpu, matmul_block_weights, .timeout = 300)
 
 /*
  * Batch invariance with block W: every row of a 70-row matmul, computed alone (m = 1), in
- * its batch and with another thread count, gives the same bits (docs/kernels.md).
+ * its batch and with another thread count, gives the same bits (docs/kernels.md), with f32
+ * activations (the default) and int8 ones.
  */
-Test(kernels_cpu, matmul_block_weights_batch_invariant, .timeout = 120)
+static void block_batch_invariant(bool int8)
 {
     const int m = 70, n = 300, k = 1024;
     rng_t r = {0xba7c4};
-    td_backend_t *be1 = make_backend(1), *be4 = make_backend(4);
+    td_backend_t *be1 = make_backend_int8(1, int8), *be4 = make_backend_int8(4, int8);
     float *x = xmalloc((size_t)m * k * 4), *y = xmalloc((size_t)m * n * 4);
     float *y4 = xmalloc((size_t)m * n * 4), *y1 = xmalloc((size_t)n * 4);
     fill_random(&r, x, TD_F32, NULL, (size_t)m * k);
@@ -323,6 +331,16 @@ Test(kernels_cpu, matmul_block_weights_batch_invariant, .timeout = 120)
     free(x), free(y), free(y4), free(y1);
     td_backend_destroy(be1);
     td_backend_destroy(be4);
+}
+
+Test(kernels_cpu, matmul_block_weights_batch_invariant, .timeout = 120)
+{
+    block_batch_invariant(false);
+}
+
+Test(kernels_cpu, matmul_block_weights_int8_batch_invariant, .timeout = 120)
+{
+    block_batch_invariant(true);
 }
 
 /* embed from a block-typed table: each row exactly td_quant's dequantized row */
