@@ -429,39 +429,27 @@ static td_status_t bind(hf_ctx_t *h, td_tensor_t *t, const char *name, bool opti
     return TD_OK;
 }
 
-/* One tensor of a layer: model.layers.N.<suffix>, used when the config says so. */
-typedef struct layer_spec {
-    td_tensor_t *t;
-    const char *suffix;
-    bool use;
-    int64_t d0, d1;
-} layer_spec_t;
-
-#define LAYER_SPECS 14
-
-/* The tensors of a layer of config c, bound into w: one list for binding them and for
- * recognising the names in the files. */
-static void layer_specs(const td_model_config_t *c, td_layer_weights_t *w, layer_spec_t spec_out[LAYER_SPECS])
+void td_model_layer_specs(const td_model_config_t *c, td_layer_weights_t *w, td_layer_spec_t out[TD_LAYER_SPECS])
 {
     int64_t D = c->dim, F = c->hidden_dim, hd = c->head_dim;
     int64_t q = (int64_t)c->n_heads * hd, kv = (int64_t)c->n_kv_heads * hd;
-    const layer_spec_t spec[LAYER_SPECS] = {
-        {&w->attn_norm, "input_layernorm.weight", true, D, 0},
-        {&w->wq, "self_attn.q_proj.weight", true, q, D},
-        {&w->wk, "self_attn.k_proj.weight", true, kv, D},
-        {&w->wv, "self_attn.v_proj.weight", true, kv, D},
-        {&w->bq, "self_attn.q_proj.bias", c->qkv_bias, q, 0},
-        {&w->bk, "self_attn.k_proj.bias", c->qkv_bias, kv, 0},
-        {&w->bv, "self_attn.v_proj.bias", c->qkv_bias, kv, 0},
-        {&w->q_norm, "self_attn.q_norm.weight", c->qk_norm, hd, 0},
-        {&w->k_norm, "self_attn.k_norm.weight", c->qk_norm, hd, 0},
-        {&w->wo, "self_attn.o_proj.weight", true, D, q},
-        {&w->ffn_norm, "post_attention_layernorm.weight", true, D, 0},
-        {&w->w_gate, "mlp.gate_proj.weight", true, F, D},
-        {&w->w_up, "mlp.up_proj.weight", true, F, D},
-        {&w->w_down, "mlp.down_proj.weight", true, D, F},
+    const td_layer_spec_t spec[TD_LAYER_SPECS] = {
+        {&w->attn_norm, "input_layernorm.weight", "attn_norm.weight", true, D, 0},
+        {&w->wq, "self_attn.q_proj.weight", "attn_q.weight", true, q, D},
+        {&w->wk, "self_attn.k_proj.weight", "attn_k.weight", true, kv, D},
+        {&w->wv, "self_attn.v_proj.weight", "attn_v.weight", true, kv, D},
+        {&w->bq, "self_attn.q_proj.bias", "attn_q.bias", c->qkv_bias, q, 0},
+        {&w->bk, "self_attn.k_proj.bias", "attn_k.bias", c->qkv_bias, kv, 0},
+        {&w->bv, "self_attn.v_proj.bias", "attn_v.bias", c->qkv_bias, kv, 0},
+        {&w->q_norm, "self_attn.q_norm.weight", "attn_q_norm.weight", c->qk_norm, hd, 0},
+        {&w->k_norm, "self_attn.k_norm.weight", "attn_k_norm.weight", c->qk_norm, hd, 0},
+        {&w->wo, "self_attn.o_proj.weight", "attn_output.weight", true, D, q},
+        {&w->ffn_norm, "post_attention_layernorm.weight", "ffn_norm.weight", true, D, 0},
+        {&w->w_gate, "mlp.gate_proj.weight", "ffn_gate.weight", true, F, D},
+        {&w->w_up, "mlp.up_proj.weight", "ffn_up.weight", true, F, D},
+        {&w->w_down, "mlp.down_proj.weight", "ffn_down.weight", true, D, F},
     };
-    memcpy(spec_out, spec, sizeof spec);
+    memcpy(out, spec, sizeof spec);
 }
 
 static td_status_t bind_all(hf_ctx_t *h)
@@ -473,13 +461,13 @@ static td_status_t bind_all(hf_ctx_t *h)
     if ((s = bind(h, &m->weights.embed, "model.embed_tokens.weight", false, V, D)) != TD_OK)
         return s;
     for (int32_t l = 0; l < c->n_layers; l++) {
-        layer_spec_t spec[LAYER_SPECS];
-        layer_specs(c, &m->weights.layers[l], spec);
-        for (size_t i = 0; i < LAYER_SPECS; i++) {
+        td_layer_spec_t spec[TD_LAYER_SPECS];
+        td_model_layer_specs(c, &m->weights.layers[l], spec);
+        for (size_t i = 0; i < TD_LAYER_SPECS; i++) {
             if (!spec[i].use)
                 continue;
             char name[128];
-            snprintf(name, sizeof name, "model.layers.%d.%s", l, spec[i].suffix);
+            snprintf(name, sizeof name, "model.layers.%d.%s", l, spec[i].hf);
             if ((s = bind(h, spec[i].t, name, false, spec[i].d0, spec[i].d1)) != TD_OK)
                 return s;
         }
@@ -523,10 +511,10 @@ static tensor_role_t tensor_role(const td_model_config_t *c, const char *name, l
     if (!strcmp(suffix, "self_attn.rotary_emb.inv_freq"))
         return TENSOR_IGNORED;
     td_layer_weights_t w;
-    layer_spec_t spec[LAYER_SPECS];
-    layer_specs(c, &w, spec);
-    for (size_t i = 0; i < LAYER_SPECS; i++)
-        if (spec[i].use && !strcmp(suffix, spec[i].suffix))
+    td_layer_spec_t spec[TD_LAYER_SPECS];
+    td_model_layer_specs(c, &w, spec);
+    for (size_t i = 0; i < TD_LAYER_SPECS; i++)
+        if (spec[i].use && !strcmp(suffix, spec[i].hf))
             return TENSOR_USED;
     return TENSOR_UNKNOWN;
 }

@@ -208,39 +208,6 @@ static td_status_t bind(gguf_ctx_t *c, td_tensor_t *t, const char *name, bool op
     return TD_OK;
 }
 
-typedef struct layer_spec {
-    td_tensor_t *t;
-    const char *suffix;
-    bool use;
-    int64_t d0, d1;
-} layer_spec_t;
-
-#define LAYER_SPECS 14
-
-/* The tensors of a layer (blk.N.<suffix>) of config cfg, bound into w. */
-static void layer_specs(const td_model_config_t *cfg, td_layer_weights_t *w, layer_spec_t out[LAYER_SPECS])
-{
-    int64_t D = cfg->dim, F = cfg->hidden_dim, hd = cfg->head_dim;
-    int64_t q = (int64_t)cfg->n_heads * hd, kv = (int64_t)cfg->n_kv_heads * hd;
-    const layer_spec_t spec[LAYER_SPECS] = {
-        {&w->attn_norm, "attn_norm.weight", true, D, 0},
-        {&w->wq, "attn_q.weight", true, q, D},
-        {&w->wk, "attn_k.weight", true, kv, D},
-        {&w->wv, "attn_v.weight", true, kv, D},
-        {&w->bq, "attn_q.bias", cfg->qkv_bias, q, 0},
-        {&w->bk, "attn_k.bias", cfg->qkv_bias, kv, 0},
-        {&w->bv, "attn_v.bias", cfg->qkv_bias, kv, 0},
-        {&w->q_norm, "attn_q_norm.weight", cfg->qk_norm, hd, 0},
-        {&w->k_norm, "attn_k_norm.weight", cfg->qk_norm, hd, 0},
-        {&w->wo, "attn_output.weight", true, D, q},
-        {&w->ffn_norm, "ffn_norm.weight", true, D, 0},
-        {&w->w_gate, "ffn_gate.weight", true, F, D},
-        {&w->w_up, "ffn_up.weight", true, F, D},
-        {&w->w_down, "ffn_down.weight", true, D, F},
-    };
-    memcpy(out, spec, sizeof spec);
-}
-
 static td_status_t bind_all(gguf_ctx_t *c)
 {
     td_model_t *m = c->m;
@@ -250,11 +217,11 @@ static td_status_t bind_all(gguf_ctx_t *c)
     if ((s = bind(c, &m->weights.embed, "token_embd.weight", false, V, D)) != TD_OK)
         return s;
     for (int32_t l = 0; l < cfg->n_layers; l++) {
-        layer_spec_t spec[LAYER_SPECS];
-        layer_specs(cfg, &m->weights.layers[l], spec);
-        for (size_t i = 0; i < LAYER_SPECS; i++) {
+        td_layer_spec_t spec[TD_LAYER_SPECS];
+        td_model_layer_specs(cfg, &m->weights.layers[l], spec);
+        for (size_t i = 0; i < TD_LAYER_SPECS; i++) {
             char name[96];
-            snprintf(name, sizeof name, "blk.%d.%s", l, spec[i].suffix);
+            snprintf(name, sizeof name, "blk.%d.%s", l, spec[i].gguf);
             if (spec[i].use && (s = bind(c, spec[i].t, name, false, spec[i].d0, spec[i].d1)) != TD_OK)
                 return s;
         }
@@ -284,8 +251,8 @@ static td_status_t check_extra(gguf_ctx_t *c)
 {
     const td_model_config_t *cfg = &c->m->config;
     td_layer_weights_t w;
-    layer_spec_t spec[LAYER_SPECS];
-    layer_specs(cfg, &w, spec);
+    td_layer_spec_t spec[TD_LAYER_SPECS];
+    td_model_layer_specs(cfg, &w, spec);
     for (size_t i = 0; i < td_gguf_tensor_count(c->g); i++) {
         const char *name = td_gguf_tensor_at(c->g, i)->name;
         if (!strcmp(name, "token_embd.weight") || !strcmp(name, "output_norm.weight") ||
@@ -301,8 +268,8 @@ static td_status_t check_extra(gguf_ctx_t *c)
             if (*end == '.' && (*digits != '0' || end == digits + 1) && end - digits < 9)
                 suffix = end + 1;
         }
-        for (size_t k = 0; suffix && k < LAYER_SPECS; k++)
-            known |= spec[k].use && !strcmp(suffix, spec[k].suffix);
+        for (size_t k = 0; suffix && k < TD_LAYER_SPECS; k++)
+            known |= spec[k].use && !strcmp(suffix, spec[k].gguf);
         if (known && l >= cfg->n_layers)
             return td_errorf(TD_ERR_FORMAT, "%s: tensor %s is for block %ld, but %s.block_count is %d", c->path,
                              name, l, c->arch, cfg->n_layers);

@@ -7,7 +7,9 @@
 #ifndef TD_MODEL_STORE_H
 #define TD_MODEL_STORE_H
 
+#include <stdbool.h>
 #include <stddef.h>
+#include <stdint.h>
 
 #include "td_gguf.h"
 #include "td_model.h"
@@ -34,6 +36,23 @@ td_status_t td_model_store_copy(td_model_store_t *s, const void *src, size_t n, 
 
 /* Points t at data: a {d0} vector when d1 <= 0, else a {d0, d1} matrix. */
 void td_model_set_view(td_tensor_t *t, const void *data, td_dtype_t dt, int64_t d0, int64_t d1);
+
+/* One tensor of a layer: its name in each format (Hugging Face: model.layers.N.<hf>; GGUF:
+ * blk.N.<gguf>), where it binds, whether the config uses it, and its shape ({d0} or
+ * {d0, d1}). */
+typedef struct td_layer_spec {
+    td_tensor_t *t;
+    const char *hf;
+    const char *gguf;
+    bool use;
+    int64_t d0, d1;
+} td_layer_spec_t;
+
+#define TD_LAYER_SPECS 14
+
+/* The tensors of a layer of config c, bound into w: the one list both loaders bind from and
+ * recognise file names by. */
+void td_model_layer_specs(const td_model_config_t *c, td_layer_weights_t *w, td_layer_spec_t out[TD_LAYER_SPECS]);
 
 /* Loads a GGUF file (td_model_gguf.c); td_model_load's contract. */
 td_status_t td_model_load_gguf(const char *path, td_model_t **m_p);
