@@ -69,15 +69,6 @@ td_status_t cli_gen_parse_log_level(const td_opt_t *opt, const char *v)
     return TD_OK;
 }
 
-td_status_t cli_gen_parse_quant(const td_opt_t *opt, const char *v)
-{
-    td_dtype_t t;
-    td_status_t st = td_dtype_parse_quant_flag(v, &t);
-    if (st == TD_OK)
-        *(int *)opt->ptr = (int)t;
-    return st;
-}
-
 bool cli_gen_validate(const char *cmd, const cli_gen_opts_t *o, bool prompt_is_text, size_t prompt_len)
 {
     td_gen_params_t gp = td_gen_params_default();

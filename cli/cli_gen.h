@@ -58,11 +58,10 @@ typedef struct cli_gen_opts {
 cli_gen_opts_t cli_gen_opts_default(void);
 
 /* td_opts parse fns: --stop and --stop-id (repeatable; opt->ptr is the cli_gen_opts_t),
- * --log-level (sets the log level), --quant (opt->ptr an int: the block td_dtype_t). */
+ * --log-level (sets the log level); --quant is td_cli.h's cli_opt_quant. */
 td_status_t cli_gen_parse_stop(const td_opt_t *opt, const char *v);
 td_status_t cli_gen_parse_stop_id(const td_opt_t *opt, const char *v);
 td_status_t cli_gen_parse_log_level(const td_opt_t *opt, const char *v);
-td_status_t cli_gen_parse_quant(const td_opt_t *opt, const char *v);
 
 /* Checks o's request parameters with td_gen_params_validate (the gateway's check) for a
  * prompt of prompt_len bytes; on failure prints "tandem CMD: --flag: why" and returns false. */

@@ -88,7 +88,7 @@ static int parse_opts(int argc, char **argv, cli_gen_opts_t *o)
          .help = "cpu (default), cuda (GPU 0) or cuda:N"},
         {.name = "dtype", .type = TD_OPT_FN, .ptr = &dtype, .parse = cli_opt_dtype, .arg = "T",
          .help = "f32|f16|bf16: weights and KV cache in T (as generate --dtype)"},
-        {.name = "quant", .type = TD_OPT_FN, .ptr = &o->quant, .parse = cli_gen_parse_quant, .arg = "Q",
+        {.name = "quant", .type = TD_OPT_FN, .ptr = &o->quant, .parse = cli_opt_quant, .arg = "Q",
          .help = "q8_0|q4_0: quantize the float weight matrices to Q at load"},
         {.name = "kv-mem", .type = TD_OPT_I64, .ptr = &kv_mib, .min = 1, .max = 1 << 22, .arg = "MIB",
          .help = "KV cache budget (default: the model's length, and the cached turns)"},
