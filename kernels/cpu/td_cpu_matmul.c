@@ -248,6 +248,15 @@ static void gemm_task(void *arg, int task, int thread)
 
 /* ---- block-quantized W (td_cpu_quant) ------------------------------------------------- */
 
+/* Puts a tile's products (mm rows of X by nn rows of W from row j, at tile[i * ld + r])
+ * through the epilogue: the quantized paths' one way of writing Y. */
+static void store_tile(const td_matmul_params_t *p, int i0, int mm, int j, int nn, const float *tile, int ld)
+{
+    for (int i = 0; i < mm; i++)
+        for (int r = 0; r < nn; r++)
+            store_out(p, i0 + i, j + r, tile[(size_t)i * ld + r]);
+}
+
 /* The quantized path's tile: QTILE rows of W by QROWS rows of X. The activation rows
  * (QROWS * k / 32 blocks of 40 bytes: 40 KiB at k = 2048) and the W rows (18 KiB of Q4_0)
  * stay in L1/L2 while the blocked kernel sweeps them; with all of a 64-row X instead, L2
@@ -296,9 +305,7 @@ static void qmatmul_task(void *arg, int task, int thread)
                               (const unsigned char *)p->w + (size_t)j * jb->row_bytes,
                               jb->row_bytes, (size_t)nn, jb->a + (size_t)i0 * nb, (size_t)mm,
                               (size_t)p->k, tile, QTILE);
-            for (int i = 0; i < mm; i++)
-                for (int r = 0; r < nn; r++)
-                    store_out(p, i0 + i, j + r, tile[(size_t)i * QTILE + r]);
+            store_tile(p, i0, mm, j, nn, tile, QTILE);
         }
     }
 }
@@ -357,9 +364,7 @@ static void qf32_task(void *arg, int task, int thread)
             td_cpu_qf32_matmul(jb->ops, p->w_dtype, (const unsigned char *)p->w + (size_t)j * jb->row_bytes,
                                jb->row_bytes, 0, (size_t)nn, (const float *)p->x + (size_t)i0 * p->k, (size_t)mm,
                                (size_t)p->k, tile, QF_TILE);
-            for (int i = 0; i < mm; i++)
-                for (int r = 0; r < nn; r++)
-                    store_out(p, i0 + i, j + r, tile[(size_t)i * QF_TILE + r]);
+            store_tile(p, i0, mm, j, nn, tile, QF_TILE);
         }
     }
 }
