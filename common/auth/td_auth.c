@@ -1,0 +1,517 @@
+/*
+ * td_auth: API keys and the cluster secret (see td_auth.h), on OpenSSL's libcrypto:
+ * SHA-256 digests of keys compared with CRYPTO_memcmp, HMAC-SHA256 through EVP_MAC,
+ * randomness from RAND_bytes.
+ */
+#include "td_auth.h"
+
+#include <ctype.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <openssl/core_names.h>
+#include <openssl/crypto.h>
+#include <openssl/evp.h>
+#include <openssl/rand.h>
+#include <openssl/sha.h>
+
+#include "td_log.h"
+#include "td_util.h"
+
+#define FILE_MAX_BYTES (4u << 20)
+
+const char *td_auth_outcome_name(td_auth_outcome_t o)
+{
+    switch (o) {
+    case TD_AUTH_OK:
+        return "ok";
+    case TD_AUTH_MISSING:
+        return "missing";
+    default:
+        return "wrong";
+    }
+}
+
+/* Warns (once per load) when a secret file is readable by group or others. */
+static void warn_mode(const char *path, const char *what)
+{
+    struct stat st;
+    if (stat(path, &st) == 0 && (st.st_mode & 077))
+        td_warn("%s %s is readable by group or others (mode %03o): chmod 600 it", what, path,
+                (unsigned)(st.st_mode & 0777));
+}
+
+static bool is_blank(char c)
+{
+    return c == ' ' || c == '\t' || c == '\r';
+}
+
+/* ---- API keys ------------------------------------------------------------------------ */
+
+typedef struct digest {
+    uint8_t b[SHA256_DIGEST_LENGTH];
+} digest_t;
+
+struct td_auth_keys {
+    char *path;
+    digest_t *d; /* n digests of the keys */
+    size_t n;
+};
+
+/* Parses the file's text into digests (*d_p, *n_p); errors name the line, never the key. */
+static td_status_t keys_parse(const char *path, char *text, size_t len, digest_t **d_p, size_t *n_p)
+{
+    digest_t *d = NULL;
+    size_t n = 0;
+    td_status_t st = TD_OK;
+    int line_no = 0;
+    for (char *line = text; line && line < text + len;) {
+        char *nl = memchr(line, '\n', (size_t)(text + len - line));
+        char *end = nl ? nl : text + len;
+        line_no++;
+        while (line < end && is_blank(*line))
+            line++;
+        while (end > line && is_blank(end[-1]))
+            end--;
+        size_t kl = (size_t)(end - line);
+        if (kl && line[0] != '#') {
+            for (size_t i = 0; i < kl && st == TD_OK; i++)
+                if ((unsigned char)line[i] < 0x21 || (unsigned char)line[i] > 0x7e)
+                    st = td_errorf(TD_ERR_FORMAT, "api keys file %s: line %d: a key is printable ASCII without "
+                                   "spaces (character %zu is not)", path, line_no, i + 1);
+            if (st == TD_OK && (kl < TD_AUTH_KEY_MIN || kl > TD_AUTH_KEY_MAX))
+                st = td_errorf(TD_ERR_FORMAT, "api keys file %s: line %d: the key has %zu characters, allowed %d .. %d "
+                               "(make one with `openssl rand -hex 32`)", path, line_no, kl, TD_AUTH_KEY_MIN,
+                               TD_AUTH_KEY_MAX);
+            if (st == TD_OK && n == TD_AUTH_KEYS_MAX)
+                st = td_errorf(TD_ERR_FORMAT, "api keys file %s: more than %d keys", path, TD_AUTH_KEYS_MAX);
+            if (st != TD_OK)
+                goto err_digests;
+            if (!(n & (n + 1)) || !d) { /* grow at 0, 1, 3, 7, ... */
+                digest_t *g = realloc(d, (2 * n + 2) * sizeof *d);
+                if (!g) {
+                    st = td_errorf(TD_ERR_NOMEM, "api keys file %s: out of memory", path);
+                    goto err_digests;
+                }
+                d = g;
+            }
+            SHA256((const unsigned char *)line, kl, d[n].b);
+            for (size_t i = 0; i < n; i++)
+                if (!memcmp(d[i].b, d[n].b, sizeof d[n].b)) {
+                    st = td_errorf(TD_ERR_FORMAT, "api keys file %s: line %d repeats an earlier key: remove one",
+                                   path, line_no);
+                    goto err_digests;
+                }
+            n++;
+        }
+        line = nl ? nl + 1 : NULL;
+    }
+    if (!n) {
+        st = td_errorf(TD_ERR_FORMAT, "api keys file %s has no key (one per line; '#' starts a comment); "
+                       "to serve without keys, leave --api-keys-file out", path);
+        goto err_digests;
+    }
+    *d_p = d;
+    *n_p = n;
+    return TD_OK;
+err_digests:
+    if (d)
+        OPENSSL_cleanse(d, n * sizeof *d);
+    free(d);
+    return st;
+}
+
+static td_status_t keys_read(const char *path, digest_t **d_p, size_t *n_p)
+{
+    char *text;
+    size_t len;
+    td_status_t st = td_file_read_all(path, FILE_MAX_BYTES, &text, &len);
+    if (st != TD_OK)
+        return st; /* logged there, naming the path */
+    st = keys_parse(path, text, len, d_p, n_p);
+    OPENSSL_cleanse(text, len);
+    free(text);
+    if (st == TD_OK)
+        warn_mode(path, "api keys file");
+    return st;
+}
+
+td_status_t td_auth_keys_load(const char *path, td_auth_keys_t **keys_p)
+{
+    td_auth_keys_t *k = calloc(1, sizeof *k);
+    if (!k || !(k->path = strdup(path))) {
+        free(k);
+        return td_errorf(TD_ERR_NOMEM, "api keys file %s: out of memory", path);
+    }
+    td_status_t st = keys_read(path, &k->d, &k->n);
+    if (st != TD_OK) {
+        free(k->path);
+        free(k);
+        return st;
+    }
+    *keys_p = k;
+    return TD_OK;
+}
+
+td_status_t td_auth_keys_reload(td_auth_keys_t *keys)
+{
+    digest_t *d;
+    size_t n;
+    td_status_t st = keys_read(keys->path, &d, &n);
+    if (st != TD_OK)
+        return st;
+    OPENSSL_cleanse(keys->d, keys->n * sizeof *keys->d);
+    free(keys->d);
+    keys->d = d;
+    keys->n = n;
+    return TD_OK;
+}
+
+size_t td_auth_keys_count(const td_auth_keys_t *keys)
+{
+    return keys->n;
+}
+
+const char *td_auth_keys_path(const td_auth_keys_t *keys)
+{
+    return keys->path;
+}
+
+td_auth_outcome_t td_auth_keys_check(const td_auth_keys_t *keys, const char *key, size_t len)
+{
+    if (!len)
+        return TD_AUTH_MISSING;
+    digest_t h;
+    SHA256((const unsigned char *)key, len, h.b);
+    int match = 0;
+    for (size_t i = 0; i < keys->n; i++) /* every key, no early exit */
+        match |= CRYPTO_memcmp(h.b, keys->d[i].b, sizeof h.b) == 0;
+    OPENSSL_cleanse(&h, sizeof h);
+    return match ? TD_AUTH_OK : TD_AUTH_WRONG;
+}
+
+td_auth_outcome_t td_auth_keys_check_bearer(const td_auth_keys_t *keys, const char *authorization)
+{
+    if (!authorization || !authorization[0])
+        return TD_AUTH_MISSING;
+    const char *p = authorization;
+    while (*p == ' ' || *p == '\t')
+        p++;
+    if (strncasecmp(p, "bearer", 6) || (p[6] != ' ' && p[6] != '\t'))
+        return TD_AUTH_WRONG;
+    p += 6;
+    while (*p == ' ' || *p == '\t')
+        p++;
+    size_t len = strlen(p);
+    while (len && (p[len - 1] == ' ' || p[len - 1] == '\t'))
+        len--;
+    td_auth_outcome_t o = td_auth_keys_check(keys, p, len);
+    return o == TD_AUTH_MISSING ? TD_AUTH_WRONG : o; /* "Bearer" and nothing: a malformed credential */
+}
+
+void td_auth_keys_destroy(td_auth_keys_t *keys)
+{
+    if (!keys)
+        return;
+    if (keys->d)
+        OPENSSL_cleanse(keys->d, keys->n * sizeof *keys->d);
+    free(keys->d);
+    free(keys->path);
+    free(keys);
+}
+
+/* ---- cluster secret ------------------------------------------------------------------ */
+
+/* What a verifier remembers of one sender: the highest counter accepted and which of the
+ * TD_AUTH_REPLAY_BITS counters below it were (bit i: counter top - 1 - i). */
+typedef struct sender {
+    uint64_t id;
+    uint64_t top;
+    int64_t last_ms; /* when it was last accepted (the verifier's clock) */
+    uint64_t seen[TD_AUTH_REPLAY_BITS / 64];
+    bool used;
+} sender_t;
+
+struct td_auth_cluster {
+    td_auth_cluster_config_t cfg;
+    uint8_t key[SHA256_DIGEST_LENGTH]; /* SHA-256 of the secret: the HMAC key */
+    EVP_MAC *mac;
+    EVP_MAC_CTX *tmpl; /* keyed once; each message works on a copy */
+    sender_t *senders; /* TD_AUTH_MAX_SENDERS */
+};
+
+td_auth_cluster_config_t td_auth_cluster_config_default(void)
+{
+    return (td_auth_cluster_config_t){.window_ms = 60000};
+}
+
+td_status_t td_auth_cluster_create(const void *secret, size_t len, const td_auth_cluster_config_t *cfg,
+                                   td_auth_cluster_t **c_p)
+{
+    if (len < TD_AUTH_SECRET_MIN)
+        return td_errorf(TD_ERR_INVALID, "cluster secret: %zu characters, at least %d", len, TD_AUTH_SECRET_MIN);
+    if (cfg->window_ms <= 0)
+        return td_errorf(TD_ERR_INVALID, "cluster secret: window_ms must be positive");
+    td_auth_cluster_t *c = calloc(1, sizeof *c);
+    if (!c || !(c->senders = calloc(TD_AUTH_MAX_SENDERS, sizeof *c->senders))) {
+        free(c);
+        return td_errorf(TD_ERR_NOMEM, "cluster secret: out of memory");
+    }
+    c->cfg = *cfg;
+    SHA256(secret, len, c->key);
+    char digest[] = "SHA256";
+    OSSL_PARAM params[] = {OSSL_PARAM_construct_utf8_string(OSSL_MAC_PARAM_DIGEST, digest, 0), OSSL_PARAM_END};
+    if (!(c->mac = EVP_MAC_fetch(NULL, "HMAC", NULL)) || !(c->tmpl = EVP_MAC_CTX_new(c->mac)) ||
+        !EVP_MAC_init(c->tmpl, c->key, sizeof c->key, params)) {
+        td_auth_cluster_destroy(c);
+        return td_errorf(TD_ERR_INTERNAL, "cluster secret: libcrypto has no HMAC-SHA256");
+    }
+    *c_p = c;
+    return TD_OK;
+}
+
+td_status_t td_auth_cluster_load(const char *path, const td_auth_cluster_config_t *cfg, td_auth_cluster_t **c_p)
+{
+    char *text;
+    size_t len;
+    td_status_t st = td_file_read_all(path, FILE_MAX_BYTES, &text, &len);
+    if (st != TD_OK)
+        return st; /* logged there, naming the path */
+    while (len && (is_blank(text[len - 1]) || text[len - 1] == '\n'))
+        len--;
+    if (memchr(text, '\n', len) || memchr(text, '\0', len))
+        st = td_errorf(TD_ERR_FORMAT, "cluster secret file %s: the secret is one line (make one with "
+                       "`openssl rand -hex 32`)", path);
+    else if (len < TD_AUTH_SECRET_MIN)
+        st = td_errorf(TD_ERR_FORMAT, "cluster secret file %s: the secret has %zu characters, at least %d "
+                       "(make one with `openssl rand -hex 32`)", path, len, TD_AUTH_SECRET_MIN);
+    else
+        st = td_auth_cluster_create(text, len, cfg, c_p);
+    OPENSSL_cleanse(text, len);
+    free(text);
+    if (st == TD_OK)
+        warn_mode(path, "cluster secret file");
+    return st;
+}
+
+void td_auth_cluster_destroy(td_auth_cluster_t *c)
+{
+    if (!c)
+        return;
+    EVP_MAC_CTX_free(c->tmpl);
+    EVP_MAC_free(c->mac);
+    OPENSSL_cleanse(c->key, sizeof c->key);
+    free(c->senders);
+    free(c);
+}
+
+td_status_t td_auth_signer_init(td_auth_signer_t *s, td_auth_cluster_t *c)
+{
+    uint64_t id;
+    if (RAND_bytes((unsigned char *)&id, sizeof id) != 1)
+        return td_errorf(TD_ERR_IO, "cluster secret: no randomness for a sender id");
+    *s = (td_auth_signer_t){.cluster = c, .sender = id, .counter = 0};
+    return TD_OK;
+}
+
+int64_t td_auth_now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* HMAC over the domain tag, method, sender, counter, time and request into out[32]. */
+static bool mac_compute(td_auth_cluster_t *c, const char *method, uint64_t sender, uint64_t counter, int64_t ms,
+                        const void *request, size_t len, uint8_t out[SHA256_DIGEST_LENGTH])
+{
+    char head[400];
+    int hl = snprintf(head, sizeof head, "tandem-cluster-auth v1\n%s\n%016llx\n%llu\n%lld\n", method,
+                      (unsigned long long)sender, (unsigned long long)counter, (long long)ms);
+    if (hl < 0 || (size_t)hl >= sizeof head)
+        return false; /* a method path this long is no method of ours */
+    EVP_MAC_CTX *m = EVP_MAC_CTX_dup(c->tmpl);
+    size_t outl = 0;
+    bool ok = m && EVP_MAC_update(m, (const unsigned char *)head, (size_t)hl) &&
+              (!len || EVP_MAC_update(m, request, len)) && EVP_MAC_final(m, out, &outl, SHA256_DIGEST_LENGTH) &&
+              outl == SHA256_DIGEST_LENGTH;
+    EVP_MAC_CTX_free(m);
+    return ok;
+}
+
+td_status_t td_auth_sign(td_auth_signer_t *s, int64_t now_ms, const char *method, const void *request, size_t len,
+                         char *value, size_t cap)
+{
+    uint8_t mac[SHA256_DIGEST_LENGTH];
+    uint64_t ctr = ++s->counter;
+    if (!mac_compute(s->cluster, method, s->sender, ctr, now_ms, request, len, mac))
+        return td_errorf(TD_ERR_INTERNAL, "cluster auth: signing %s failed in libcrypto", method);
+    char hex[2 * SHA256_DIGEST_LENGTH + 1];
+    for (int i = 0; i < SHA256_DIGEST_LENGTH; i++)
+        snprintf(hex + 2 * i, 3, "%02x", mac[i]);
+    int n = snprintf(value, cap, "v1 %016llx %llu %lld %s", (unsigned long long)s->sender, (unsigned long long)ctr,
+                     (long long)now_ms, hex);
+    if (n < 0 || (size_t)n >= cap)
+        return td_errorf(TD_ERR_RANGE, "cluster auth: %zu bytes are too few for the header", cap);
+    return TD_OK;
+}
+
+static int hexval(char ch)
+{
+    return ch >= '0' && ch <= '9' ? ch - '0' : ch >= 'a' && ch <= 'f' ? ch - 'a' + 10 : -1;
+}
+
+/* "v1 SENDER COUNTER MS MAC" → fields; false when malformed. */
+static bool parse_value(const char *v, uint64_t *sender, uint64_t *ctr, int64_t *ms, uint8_t mac[SHA256_DIGEST_LENGTH])
+{
+    unsigned long long s, k;
+    long long t;
+    char hex[2 * SHA256_DIGEST_LENGTH + 2];
+    int used = 0;
+    if (strncmp(v, "v1 ", 3) || sscanf(v + 3, "%16llx %20llu %20lld %65s%n", &s, &k, &t, hex, &used) != 4 ||
+        v[3 + used] != '\0' || strlen(hex) != 2 * SHA256_DIGEST_LENGTH)
+        return false;
+    for (int i = 0; i < SHA256_DIGEST_LENGTH; i++) {
+        int hi = hexval(hex[2 * i]), lo = hexval(hex[2 * i + 1]);
+        if (hi < 0 || lo < 0)
+            return false;
+        mac[i] = (uint8_t)(hi << 4 | lo);
+    }
+    *sender = s;
+    *ctr = k;
+    *ms = t;
+    return k > 0;
+}
+
+/* The sender's entry: found, or a free one, or one idle past 2 windows (its messages are
+ * all stale by now, so forgetting it lets nothing in again). NULL: table full. */
+static sender_t *sender_slot(td_auth_cluster_t *c, uint64_t id, int64_t now_ms)
+{
+    sender_t *free_slot = NULL;
+    for (int i = 0; i < TD_AUTH_MAX_SENDERS; i++) {
+        sender_t *e = &c->senders[i];
+        if (e->used && e->id == id)
+            return e;
+        if (!free_slot && (!e->used || now_ms - e->last_ms > 2 * c->cfg.window_ms))
+            free_slot = e;
+    }
+    if (free_slot)
+        *free_slot = (sender_t){.id = id};
+    return free_slot;
+}
+
+/* Accepts counter k of e once; false for a repeat or one older than the bitmap. */
+static bool replay_accept(sender_t *e, uint64_t k)
+{
+    if (!e->used) {
+        e->used = true;
+        e->top = k;
+        return true;
+    }
+    if (k > e->top) { /* slide the window up by k - top */
+        uint64_t shift = k - e->top;
+        enum { W = TD_AUTH_REPLAY_BITS / 64 };
+        if (shift > TD_AUTH_REPLAY_BITS) {
+            memset(e->seen, 0, sizeof e->seen);
+        } else {
+            /* bit i (counter top-1-i) moves to bit i+shift; the old top becomes bit shift-1 */
+            uint64_t w = shift / 64, b = shift % 64;
+            for (int i = W - 1; i >= 0; i--) {
+                uint64_t v = 0;
+                if ((uint64_t)i >= w) {
+                    v = e->seen[i - w] << b;
+                    if (b && (uint64_t)i > w)
+                        v |= e->seen[i - w - 1] >> (64 - b);
+                }
+                e->seen[i] = v;
+            }
+            e->seen[(shift - 1) / 64] |= 1ull << ((shift - 1) % 64);
+        }
+        e->top = k;
+        return true;
+    }
+    if (k == e->top)
+        return false;
+    uint64_t i = e->top - 1 - k;
+    if (i >= TD_AUTH_REPLAY_BITS)
+        return false;
+    if (e->seen[i / 64] & (1ull << (i % 64)))
+        return false;
+    e->seen[i / 64] |= 1ull << (i % 64);
+    return true;
+}
+
+td_auth_outcome_t td_auth_verify(td_auth_cluster_t *c, int64_t now_ms, const char *method, const char *value,
+                                 const void *request, size_t len, char *why, size_t cap)
+{
+    if (!value || !value[0]) {
+        snprintf(why, cap, "no %s header: the caller has no cluster secret (--cluster-secret-file)", TD_AUTH_HEADER);
+        return TD_AUTH_MISSING;
+    }
+    uint64_t sender, ctr;
+    int64_t ms;
+    uint8_t mac[SHA256_DIGEST_LENGTH], want[SHA256_DIGEST_LENGTH];
+    if (!parse_value(value, &sender, &ctr, &ms, mac)) {
+        snprintf(why, cap, "malformed %s header", TD_AUTH_HEADER);
+        return TD_AUTH_WRONG;
+    }
+    if (!mac_compute(c, method, sender, ctr, ms, request, len, want) ||
+        CRYPTO_memcmp(mac, want, sizeof mac) != 0) {
+        snprintf(why, cap, "the signature does not match: the caller's cluster secret differs from ours");
+        return TD_AUTH_WRONG;
+    }
+    if (ms < now_ms - c->cfg.window_ms || ms > now_ms + c->cfg.window_ms) {
+        snprintf(why, cap, "stale signature: signed %lld ms from now, allowed +-%lld ms (clocks out of sync, "
+                 "or a replay)", (long long)(ms - now_ms), (long long)c->cfg.window_ms);
+        return TD_AUTH_WRONG;
+    }
+    sender_t *e = sender_slot(c, sender, now_ms);
+    if (!e) {
+        snprintf(why, cap, "more than %d senders signed within %lld ms", TD_AUTH_MAX_SENDERS,
+                 (long long)(2 * c->cfg.window_ms));
+        return TD_AUTH_WRONG;
+    }
+    if (!replay_accept(e, ctr)) {
+        snprintf(why, cap, "replayed request (sender %016llx counter %llu seen before or too old)",
+                 (unsigned long long)sender, (unsigned long long)ctr);
+        return TD_AUTH_WRONG;
+    }
+    e->last_ms = now_ms;
+    return TD_AUTH_OK;
+}
+
+td_status_t td_auth_secret_generate(const char *path)
+{
+    uint8_t raw[32];
+    char text[2 * sizeof raw + 2];
+    if (RAND_bytes(raw, sizeof raw) != 1)
+        return td_errorf(TD_ERR_IO, "cluster secret %s: no randomness", path);
+    for (size_t i = 0; i < sizeof raw; i++)
+        snprintf(text + 2 * i, 3, "%02x", raw[i]);
+    text[2 * sizeof raw] = '\n';
+    text[2 * sizeof raw + 1] = '\0';
+    OPENSSL_cleanse(raw, sizeof raw);
+    int fd = open(path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    if (fd < 0) {
+        td_status_t st = td_errorf(errno == EEXIST ? TD_ERR_INVALID : TD_ERR_IO, "cluster secret %s: %s", path,
+                                   strerror(errno));
+        OPENSSL_cleanse(text, sizeof text);
+        return st;
+    }
+    size_t n = strlen(text);
+    ssize_t w = write(fd, text, n);
+    int werr = errno;
+    OPENSSL_cleanse(text, sizeof text);
+    if (close(fd) != 0 || w != (ssize_t)n) {
+        unlink(path);
+        return td_errorf(TD_ERR_IO, "cluster secret %s: write failed: %s", path, strerror(werr));
+    }
+    return TD_OK;
+}

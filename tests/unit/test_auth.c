@@ -1,0 +1,248 @@
+/*
+ * Tests of td_auth: the API keys file's rules (comments, blanks, errors naming the line),
+ * checking keys and Bearer headers, SIGHUP reload keeping the old keys on a bad file;
+ * HMAC sign/verify of control calls: a wrong secret, another method or request, a stale
+ * time, a replay (repeated counter), out-of-order counters inside the window; the secret
+ * file written 0600.
+ */
+#include <criterion/criterion.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "td_auth.h"
+
+#define KEY_A "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"
+#define KEY_B "bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb-2"
+#define SECRET "0123456789abcdef0123456789abcdef0123456789abcdef"
+
+static char dir[64];
+
+static void setup(void)
+{
+    strcpy(dir, "/tmp/td_auth_XXXXXX");
+    cr_assert(mkdtemp(dir));
+}
+
+static void teardown(void)
+{
+    char cmd[128];
+    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+    cr_assert_eq(system(cmd), 0);
+}
+
+TestSuite(auth, .init = setup, .fini = teardown);
+
+static const char *write_file(const char *name, const char *text)
+{
+    static char path[128];
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    FILE *f = fopen(path, "w");
+    cr_assert(f);
+    fputs(text, f);
+    fclose(f);
+    chmod(path, 0600);
+    return path;
+}
+
+Test(auth, keys_file_comments_blanks_and_check)
+{
+    const char *p = write_file("keys", "# team keys\n\n   " KEY_A "  \r\n\t# old: " KEY_B "\n" KEY_B "\n");
+    td_auth_keys_t *k = NULL;
+    cr_assert_eq(td_auth_keys_load(p, &k), TD_OK);
+    cr_assert_eq(td_auth_keys_count(k), 2);
+    cr_assert_eq(td_auth_keys_check(k, KEY_A, strlen(KEY_A)), TD_AUTH_OK);
+    cr_assert_eq(td_auth_keys_check(k, KEY_B, strlen(KEY_B)), TD_AUTH_OK);
+    cr_assert_eq(td_auth_keys_check(k, KEY_A, strlen(KEY_A) - 1), TD_AUTH_WRONG, "a prefix is not the key");
+    cr_assert_eq(td_auth_keys_check(k, KEY_A "a", strlen(KEY_A) + 1), TD_AUTH_WRONG);
+    cr_assert_eq(td_auth_keys_check(k, "", 0), TD_AUTH_MISSING);
+    cr_assert_eq(td_auth_keys_check_bearer(k, "Bearer " KEY_A), TD_AUTH_OK);
+    cr_assert_eq(td_auth_keys_check_bearer(k, "bearer   " KEY_B " "), TD_AUTH_OK);
+    cr_assert_eq(td_auth_keys_check_bearer(k, NULL), TD_AUTH_MISSING);
+    cr_assert_eq(td_auth_keys_check_bearer(k, ""), TD_AUTH_MISSING);
+    cr_assert_eq(td_auth_keys_check_bearer(k, "Basic " KEY_A), TD_AUTH_WRONG);
+    cr_assert_eq(td_auth_keys_check_bearer(k, "Bearer"), TD_AUTH_WRONG);
+    cr_assert_eq(td_auth_keys_check_bearer(k, "Bearer "), TD_AUTH_WRONG);
+    cr_assert_eq(td_auth_keys_check_bearer(k, "Bearer" KEY_A), TD_AUTH_WRONG);
+    cr_assert_eq(td_auth_keys_check_bearer(k, "Bearer # team keys"), TD_AUTH_WRONG, "a comment is no key");
+    cr_assert_str_eq(td_auth_outcome_name(TD_AUTH_MISSING), "missing");
+    td_auth_keys_destroy(k);
+    td_auth_keys_destroy(NULL);
+}
+
+/* Each bad file is refused with a message naming the file and line, never the key. */
+Test(auth, keys_file_errors)
+{
+    static const struct {
+        const char *text, *says;
+    } bad[] = {
+        {"", "has no key"},
+        {"# only a comment\n\n", "has no key"},
+        {"short\n", "line 1: the key has 5 characters"},
+        {"# c\n" KEY_A " " KEY_B "\n", "line 2: a key is printable ASCII without spaces"},
+        {KEY_A "\n" KEY_B "\n" KEY_A "\n", "line 3 repeats an earlier key"},
+        {"\xc3\xa9" KEY_A "\n", "line 1: a key is printable ASCII"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        const char *p = write_file("bad", bad[i].text);
+        td_auth_keys_t *k = NULL;
+        cr_assert_eq(td_auth_keys_load(p, &k), TD_ERR_FORMAT, "case %zu", i);
+        cr_assert_null(k);
+        cr_assert(strstr(td_last_error(), bad[i].says), "case %zu: %s", i, td_last_error());
+        cr_assert(strstr(td_last_error(), p), "names the file: %s", td_last_error());
+        cr_assert_null(strstr(td_last_error(), KEY_A), "never the key: %s", td_last_error());
+    }
+    td_auth_keys_t *k = NULL;
+    cr_assert_eq(td_auth_keys_load("/nonexistent/keys", &k), TD_ERR_IO);
+    cr_assert(strstr(td_last_error(), "/nonexistent/keys"), "%s", td_last_error());
+}
+
+Test(auth, reload_swaps_keys_and_keeps_old_ones_on_a_bad_file)
+{
+    const char *p = write_file("keys", KEY_A "\n");
+    char path[128];
+    snprintf(path, sizeof path, "%s", p);
+    td_auth_keys_t *k = NULL;
+    cr_assert_eq(td_auth_keys_load(path, &k), TD_OK);
+    write_file("keys", KEY_B "\n");
+    cr_assert_eq(td_auth_keys_reload(k), TD_OK);
+    cr_assert_eq(td_auth_keys_check_bearer(k, "Bearer " KEY_A), TD_AUTH_WRONG, "rotated out");
+    cr_assert_eq(td_auth_keys_check_bearer(k, "Bearer " KEY_B), TD_AUTH_OK);
+    write_file("keys", "# emptied by mistake\n");
+    cr_assert_eq(td_auth_keys_reload(k), TD_ERR_FORMAT);
+    cr_assert_eq(td_auth_keys_check_bearer(k, "Bearer " KEY_B), TD_AUTH_OK, "the old keys stay in force");
+    cr_assert_eq(td_auth_keys_count(k), 1);
+    unlink(path);
+    cr_assert_eq(td_auth_keys_reload(k), TD_ERR_IO);
+    cr_assert_eq(td_auth_keys_check_bearer(k, "Bearer " KEY_B), TD_AUTH_OK);
+    td_auth_keys_destroy(k);
+}
+
+static td_auth_cluster_t *cluster(const char *secret, int64_t window_ms)
+{
+    td_auth_cluster_config_t cfg = td_auth_cluster_config_default();
+    if (window_ms)
+        cfg.window_ms = window_ms;
+    td_auth_cluster_t *c = NULL;
+    cr_assert_eq(td_auth_cluster_create(secret, strlen(secret), &cfg, &c), TD_OK, "%s", td_last_error());
+    return c;
+}
+
+#define M_ADMIT "/tandem.control.v1.DecodeNode/Admit"
+
+Test(auth, sign_verify_wrong_secret_method_body_stale)
+{
+    td_auth_cluster_t *a = cluster(SECRET, 0), *b = cluster(SECRET, 0), *rogue = cluster(SECRET "x", 0);
+    td_auth_signer_t s, r;
+    cr_assert_eq(td_auth_signer_init(&s, a), TD_OK);
+    cr_assert_eq(td_auth_signer_init(&r, rogue), TD_OK);
+    const char body[] = "\x0a\x03req";
+    char v[TD_AUTH_HEADER_CHARS], why[256];
+    int64_t now = 1700000000000;
+    cr_assert_eq(td_auth_sign(&s, now, M_ADMIT, body, sizeof body - 1, v, sizeof v), TD_OK);
+    cr_assert_eq(td_auth_verify(b, now + 5, M_ADMIT, v, body, sizeof body - 1, why, sizeof why), TD_AUTH_OK, "%s", why);
+    /* the same value again is a replay */
+    cr_assert_eq(td_auth_verify(b, now + 6, M_ADMIT, v, body, sizeof body - 1, why, sizeof why), TD_AUTH_WRONG);
+    cr_assert(strstr(why, "replayed"), "%s", why);
+    /* another method or body under the same signature */
+    cr_assert_eq(td_auth_sign(&s, now, M_ADMIT, body, sizeof body - 1, v, sizeof v), TD_OK);
+    cr_assert_eq(td_auth_verify(b, now, "/tandem.control.v1.DecodeNode/Release", v, body, sizeof body - 1, why,
+                                sizeof why), TD_AUTH_WRONG);
+    cr_assert(strstr(why, "signature does not match"), "%s", why);
+    cr_assert_eq(td_auth_verify(b, now, M_ADMIT, v, "\x0a\x03reX", 5, why, sizeof why), TD_AUTH_WRONG);
+    /* a wrong secret, no header, a malformed one */
+    cr_assert_eq(td_auth_sign(&r, now, M_ADMIT, body, sizeof body - 1, v, sizeof v), TD_OK);
+    cr_assert_eq(td_auth_verify(b, now, M_ADMIT, v, body, sizeof body - 1, why, sizeof why), TD_AUTH_WRONG);
+    cr_assert(strstr(why, "cluster secret differs"), "%s", why);
+    cr_assert_eq(td_auth_verify(b, now, M_ADMIT, NULL, body, sizeof body - 1, why, sizeof why), TD_AUTH_MISSING);
+    cr_assert_eq(td_auth_verify(b, now, M_ADMIT, "v1 zz", body, sizeof body - 1, why, sizeof why), TD_AUTH_WRONG);
+    cr_assert(strstr(why, "malformed"), "%s", why);
+    /* stale: a minute and more away, either way */
+    cr_assert_eq(td_auth_sign(&s, now - 60001, M_ADMIT, body, sizeof body - 1, v, sizeof v), TD_OK);
+    cr_assert_eq(td_auth_verify(b, now, M_ADMIT, v, body, sizeof body - 1, why, sizeof why), TD_AUTH_WRONG);
+    cr_assert(strstr(why, "stale"), "%s", why);
+    cr_assert_eq(td_auth_sign(&s, now + 60001, M_ADMIT, body, sizeof body - 1, v, sizeof v), TD_OK);
+    cr_assert_eq(td_auth_verify(b, now, M_ADMIT, v, body, sizeof body - 1, why, sizeof why), TD_AUTH_WRONG);
+    /* an empty request signs too */
+    cr_assert_eq(td_auth_sign(&s, now, M_ADMIT, NULL, 0, v, sizeof v), TD_OK);
+    cr_assert_eq(td_auth_verify(b, now, M_ADMIT, v, NULL, 0, why, sizeof why), TD_AUTH_OK, "%s", why);
+    td_auth_cluster_destroy(a);
+    td_auth_cluster_destroy(b);
+    td_auth_cluster_destroy(rogue);
+}
+
+/* Counters may arrive out of order within TD_AUTH_REPLAY_BITS, each accepted once; one
+ * older than the window is refused. Shadowed by a plain set of accepted counters. */
+Test(auth, replay_window_out_of_order)
+{
+    td_auth_cluster_t *a = cluster(SECRET, 0), *b = cluster(SECRET, 0);
+    td_auth_signer_t s;
+    cr_assert_eq(td_auth_signer_init(&s, a), TD_OK);
+    enum { N = 3000 };
+    static char vals[N][TD_AUTH_HEADER_CHARS];
+    int64_t now = 1700000000000;
+    for (int i = 0; i < N; i++)
+        cr_assert_eq(td_auth_sign(&s, now, M_ADMIT, "x", 1, vals[i], sizeof vals[i]), TD_OK);
+    static bool accepted[N];
+    int64_t top = -1;
+    char why[256];
+    /* the edges first: a jump of exactly the window keeps the old top in it */
+    cr_assert_eq(td_auth_verify(b, now, M_ADMIT, vals[0], "x", 1, why, sizeof why), TD_AUTH_OK, "%s", why);
+    cr_assert_eq(td_auth_verify(b, now, M_ADMIT, vals[TD_AUTH_REPLAY_BITS], "x", 1, why, sizeof why), TD_AUTH_OK);
+    cr_assert_eq(td_auth_verify(b, now, M_ADMIT, vals[0], "x", 1, why, sizeof why), TD_AUTH_WRONG);
+    accepted[0] = accepted[TD_AUTH_REPLAY_BITS] = true;
+    top = TD_AUTH_REPLAY_BITS;
+    srand(7);
+    for (int step = 0; step < 20000; step++) {
+        int i = rand() % N;
+        if (step % 3 == 0 && top >= 0) { /* often just above the top, as a connection delivers them */
+            int64_t j = top + 1 + rand() % 5;
+            i = (int)(j < N ? j : N - 1);
+        }
+        bool ok = td_auth_verify(b, now, M_ADMIT, vals[i], "x", 1, why, sizeof why) == TD_AUTH_OK;
+        bool want = !accepted[i] && (i > top || top - i <= TD_AUTH_REPLAY_BITS);
+        cr_assert_eq(ok, want, "counter %d (top %lld): %s", i + 1, (long long)top, why);
+        if (ok) {
+            accepted[i] = true;
+            if (i > top)
+                top = i;
+        }
+    }
+    td_auth_cluster_destroy(a);
+    td_auth_cluster_destroy(b);
+}
+
+Test(auth, secret_file_generate_load_rules)
+{
+    char path[128];
+    snprintf(path, sizeof path, "%s/secret", dir);
+    cr_assert_eq(td_auth_secret_generate(path), TD_OK);
+    struct stat st;
+    cr_assert_eq(stat(path, &st), 0);
+    cr_assert_eq(st.st_mode & 0777, 0600);
+    cr_assert_eq(td_auth_secret_generate(path), TD_ERR_INVALID, "never overwrites a secret");
+    td_auth_cluster_config_t cfg = td_auth_cluster_config_default();
+    td_auth_cluster_t *c = NULL, *d = NULL;
+    cr_assert_eq(td_auth_cluster_load(path, &cfg, &c), TD_OK, "%s", td_last_error());
+    td_auth_signer_t s;
+    cr_assert_eq(td_auth_signer_init(&s, c), TD_OK);
+    char v[TD_AUTH_HEADER_CHARS], why[256];
+    cr_assert_eq(td_auth_sign(&s, td_auth_now_ms(), M_ADMIT, "x", 1, v, sizeof v), TD_OK);
+    cr_assert_eq(td_auth_verify(c, td_auth_now_ms(), M_ADMIT, v, "x", 1, why, sizeof why), TD_AUTH_OK, "%s", why);
+    /* another generated secret is another cluster */
+    snprintf(path, sizeof path, "%s/secret2", dir);
+    cr_assert_eq(td_auth_secret_generate(path), TD_OK);
+    cr_assert_eq(td_auth_cluster_load(path, &cfg, &d), TD_OK);
+    cr_assert_eq(td_auth_sign(&s, td_auth_now_ms(), M_ADMIT, "x", 1, v, sizeof v), TD_OK);
+    cr_assert_eq(td_auth_verify(d, td_auth_now_ms(), M_ADMIT, v, "x", 1, why, sizeof why), TD_AUTH_WRONG);
+    td_auth_cluster_destroy(c);
+    td_auth_cluster_destroy(d);
+    /* too short, two lines */
+    cr_assert_eq(td_auth_cluster_load(write_file("short", "tooshort\n"), &cfg, &c), TD_ERR_FORMAT);
+    cr_assert(strstr(td_last_error(), "at least 32"), "%s", td_last_error());
+    cr_assert_eq(td_auth_cluster_load(write_file("two", SECRET "\n" SECRET "\n"), &cfg, &c), TD_ERR_FORMAT);
+    cr_assert(strstr(td_last_error(), "one line"), "%s", td_last_error());
+    cr_assert_eq(td_auth_cluster_load("/nonexistent/secret", &cfg, &c), TD_ERR_IO);
+}
