@@ -13,21 +13,67 @@
 #include "router_admit.h"
 #include "td_util.h"
 
-/* ---- gateway API ----------------------------------------------------------------------- */
+/* ---- gateway API: the Generate call as a request's sink --------------------------------- */
+
+static const char *const gw_none = "";
+
+static void gw_message(router_req_t *r, Tandem__V1__GenerateResponse *m)
+{
+    m->token_ids = r->out.ids;
+    m->n_token_ids = r->out.n;
+    m->text = r->out.text ? r->out.text : (char *)gw_none;
+    if (!r->sent_msg)
+        m->request_id = r->id;
+}
+
+static td_status_t gw_send(router_req_t *r)
+{
+    Tandem__V1__GenerateResponse m = TANDEM__V1__GENERATE_RESPONSE__INIT;
+    gw_message(r, &m);
+    return td_grpc_call_send(r->client, &m.base);
+}
+
+static void gw_finish(router_req_t *r, const router_summary_t *sum)
+{
+    static const Tandem__V1__FinishReason reasons[] = {
+        [ROUTER_FINISH_LENGTH] = TANDEM__V1__FINISH_REASON__FINISH_REASON_LENGTH,
+        [ROUTER_FINISH_STOP] = TANDEM__V1__FINISH_REASON__FINISH_REASON_STOP,
+        [ROUTER_FINISH_EOS] = TANDEM__V1__FINISH_REASON__FINISH_REASON_EOS,
+    };
+    Tandem__V1__GenerateResponse m = TANDEM__V1__GENERATE_RESPONSE__INIT;
+    Tandem__V1__Usage u = TANDEM__V1__USAGE__INIT;
+    Tandem__V1__Timings t = TANDEM__V1__TIMINGS__INIT;
+    gw_message(r, &m);
+    m.request_id = r->id;
+    m.finish_reason = reasons[sum->reason];
+    u.prompt_tokens = sum->prompt_tokens;
+    u.completion_tokens = sum->completion_tokens;
+    u.cached_tokens = sum->cached_tokens;
+    m.usage = &u;
+    t.queue_s = sum->queue_s;
+    t.prefill_s = sum->prefill_s;
+    t.transfer_s = sum->transfer_s;
+    t.first_token_s = sum->first_token_s;
+    t.per_token_s = sum->per_token_s;
+    t.total_s = sum->total_s;
+    m.timings = &t;
+    td_grpc_call_set_data(r->client, NULL);
+    td_grpc_call_reply(r->client, &m.base);
+}
+
+static void gw_fail(router_req_t *r, td_grpc_code_t code, const char *msg)
+{
+    td_grpc_call_set_data(r->client, NULL);
+    td_grpc_call_finish(r->client, code, msg);
+}
+
+static const router_sink_ops_t gw_sink = {.send = gw_send, .finish = gw_finish, .fail = gw_fail};
 
 static void on_generate_cancel(td_grpc_call_t *call, td_status_t why, void *call_data)
 {
     router_req_t *r = call_data;
-    if (r) {
-        /* a client's own deadline timer often resets the stream just before ours fires */
-        bool deadline = why == TD_ERR_TIMEOUT ||
-                        (r->deadline_ns && (int64_t)td_now_ns() + ROUTER_DEADLINE_SLACK_NS >= r->deadline_ns);
-        r->call = NULL;
-        router_lease_release(r, deadline ? TANDEM__CONTROL__V1__RELEASE_REQUEST__REASON__REASON_DEADLINE
-                                  : TANDEM__CONTROL__V1__RELEASE_REQUEST__REASON__REASON_CANCELLED);
-        router_count_outcome(r->s, deadline ? "deadline" : "cancelled");
-        router_req_end(r);
-    }
+    if (r)
+        router_req_client_gone(r, why == TD_ERR_TIMEOUT);
     td_grpc_call_finish(call, TD_GRPC_CANCELLED, NULL);
 }
 
@@ -35,10 +81,8 @@ static void on_generate_cancel(td_grpc_call_t *call, td_status_t why, void *call
 static void on_generate_writable(td_grpc_call_t *call, void *call_data)
 {
     router_req_t *r = call_data;
-    if (!r)
-        return;
-    r->blocked = false;
-    router_out_flush(r);
+    if (r)
+        router_req_writable(r);
 }
 
 /* The edge: a GenerateRequest's parameters as our own struct, for the one validation every
@@ -72,92 +116,36 @@ void on_generate(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data)
         td_grpc_call_finish(call, TD_GRPC_NOT_FOUND, "unknown model (see ListModels)");
         return;
     }
-    const td_gen_params_t gp = gen_params_from_proto(q);
-    char why[384] = "";
-    if (td_gen_params_validate(&gp, why, sizeof why) != TD_OK) {
-        router_count_outcome(s, "invalid");
-        td_grpc_call_finish(call, TD_GRPC_INVALID_ARGUMENT, why);
-        return;
-    }
-    router_req_t *r = calloc(1, sizeof *r);
-    if (!r) {
+    td_chat_message_t *messages = NULL;
+    if (q->n_messages && !(messages = malloc(q->n_messages * sizeof *messages))) {
         td_grpc_call_finish(call, TD_GRPC_RESOURCE_EXHAUSTED, "router: out of memory");
         return;
     }
-    r->s = s;
-    r->t_arrival = td_now_ns();
-    if (q->request_id[0])
-        snprintf(r->id, sizeof r->id, "%s", q->request_id);
-    else
-        snprintf(r->id, sizeof r->id, "r%llu", (unsigned long long)++s->next_id);
-    td_status_t st = TD_OK;
-    if (q->n_messages) {
-        if (q->n_prompt_ids || q->prompt[0]) {
-            st = TD_ERR_INVALID;
-            snprintf(why, sizeof why, "send a conversation (messages) or a prompt (prompt or prompt_ids), not both");
-        } else if (!s->chat) {
-            st = TD_ERR_INVALID;
-            snprintf(why, sizeof why, "this router has no chat template for its model (%s): send prompt or prompt_ids",
-                     s->tok ? "the tokenizer's model has none" : "no --tokenizer");
-        } else {
-            r->from_text = true; /* rendered and encoded off the loop (router_req_submit) */
-        }
-    } else if (q->n_prompt_ids) {
-        if ((r->prompt = malloc(q->n_prompt_ids * sizeof(int32_t)))) {
-            for (size_t i = 0; i < q->n_prompt_ids; i++) /* above INT32_MAX: negative, refused below */
-                r->prompt[i] = (int32_t)q->prompt_ids[i];
-            r->n_prompt = (int32_t)q->n_prompt_ids;
-        } else {
-            st = TD_ERR_NOMEM;
-        }
-    } else if (!q->prompt[0]) {
-        st = TD_ERR_INVALID;
-        snprintf(why, sizeof why, "the prompt is empty: send prompt (text) or prompt_ids");
-    } else if (!s->tok) {
-        st = TD_ERR_INVALID;
-        snprintf(why, sizeof why, "this router has no tokenizer (--tokenizer) for a text prompt: send prompt_ids");
-    } else {
-        r->from_text = true; /* encoded off the loop once the rest is checked (router_req_submit) */
-    }
-    if (st == TD_OK && q->n_stop_strings && !s->tok) {
-        st = TD_ERR_INVALID;
-        snprintf(why, sizeof why, "this router has no tokenizer (--tokenizer) to match stop strings: send stop_ids");
-    }
-    if (st == TD_OK && q->n_stop_strings &&
-        (st = td_stop_create((const char *const *)q->stop_strings, (int32_t)q->n_stop_strings, &r->stop)) != TD_OK)
-        snprintf(why, sizeof why, "stop strings: %s", td_last_error()); /* validated: out of memory */
-    r->max_tokens = gp.max_tokens ? (int32_t)gp.max_tokens : (int32_t)s->cfg.default_max_tokens;
-    if (st != TD_OK) {
-        bool nomem = st == TD_ERR_NOMEM;
-        free(r->prompt);
-        td_stop_destroy(r->stop);
-        free(r);
-        router_count_outcome(s, nomem ? "exhausted" : "invalid");
-        td_grpc_call_finish(call, nomem ? TD_GRPC_RESOURCE_EXHAUSTED : TD_GRPC_INVALID_ARGUMENT,
-                            nomem ? "router: out of memory" : why);
+    for (size_t i = 0; messages && i < q->n_messages; i++)
+        messages[i] = (td_chat_message_t){.role = q->messages[i]->role, .content = q->messages[i]->content};
+    /* the client's grpc-timeout (the gRPC layer also ends the stream then), else the
+     * configured default */
+    uint64_t dl_ms = td_grpc_call_deadline(call), now_ms = uv_now(&s->proc.loop);
+    router_req_spec_t spec = {.gp = gen_params_from_proto(q), .request_id = q->request_id,
+                              .prompt_ids = q->prompt_ids, .prompt = q->prompt, .prompt_text_len = strlen(q->prompt),
+                              .messages = messages, .n_messages = messages ? q->n_messages : 0,
+                              .stop_ids = q->stop_ids, .priority = q->priority ? q->priority->value : 0,
+                              .timeout_ms = dl_ms ? (int64_t)TD_MAX(dl_ms > now_ms ? dl_ms - now_ms : 0, 1) : 0};
+    router_req_t *r;
+    td_grpc_code_t code;
+    char why[384];
+    if (router_req_open(s, &spec, &code, why, sizeof why, &r) != TD_OK) {
+        free(messages);
+        td_grpc_call_finish(call, code, why);
         return;
     }
-    r->sampling = gp.sampling;
-    if (q->n_stop_ids) /* bounded above; protobuf-c leaves the array NULL when empty */
-        memcpy(r->stop_ids, q->stop_ids, q->n_stop_ids * sizeof *q->stop_ids);
-    r->n_stop_ids = q->n_stop_ids;
-    if (!r->stop)
-        td_stop_create(NULL, 0, &r->stop);
-    if (s->tok)
-        td_detok_init(&r->detok, s->tok);
-    r->call = call;
+    r->sink = &gw_sink;
+    r->client = call;
     td_grpc_call_set_data(call, r);
     td_grpc_call_on_cancel(call, on_generate_cancel);
     td_grpc_call_on_writable(call, on_generate_writable);
-    r->priority = q->priority ? q->priority->value : 0;
-    /* the client's grpc-timeout (the gRPC layer also ends the stream then), else the
-     * configured default: bounds the queue wait, Admit, Prefill and decoding */
-    uint64_t dl_ms = td_grpc_call_deadline(call), now_ms = uv_now(&s->proc.loop);
-    if (dl_ms)
-        r->deadline_ns = (int64_t)r->t_arrival + (int64_t)(dl_ms > now_ms ? dl_ms - now_ms : 0) * 1000000;
-    else if (s->cfg.request_timeout_ms)
-        r->deadline_ns = (int64_t)r->t_arrival + s->cfg.request_timeout_ms * 1000000;
-    router_req_submit(r, q->prompt, r->from_text ? strlen(q->prompt) : 0, q->messages, q->n_messages);
+    router_req_submit(r, &spec);
+    free(messages);
 }
 
 void on_list_models(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data)

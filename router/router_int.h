@@ -87,12 +87,74 @@ typedef enum { FIRST_NONE, FIRST_FROM_PREFILL, FIRST_FROM_DECODE, FIRST_WITHHELD
 
 typedef struct router_state router_state_t;
 typedef struct tok_job tok_job_t;
+typedef struct router_req router_req_t;
 
-typedef struct router_req {
+/* The output of a request that its client has not been sent yet (its front door was over
+ * its send bound, or the StepBatch is still being read): flushed as one message. Arrays
+ * grow by doubling and are kept across flushes; each token appends one entry to every
+ * per-token array (keep them in step: out_reserve / out_clear in router_relay.c). */
+typedef struct router_out {
+    uint32_t *ids;             /* [n] generated token ids */
+    uint32_t n, cap;
+    char *text;                /* [n_text] + NUL: their text, stop strings held back */
+    size_t n_text, cap_text;
+} router_out_t;
+
+/* How a request ended well (the front door names it: gRPC's FinishReason, OpenAI's "stop"
+ * for STOP and EOS, "length"). */
+typedef enum { ROUTER_FINISH_LENGTH, ROUTER_FINISH_STOP, ROUTER_FINISH_EOS } router_finish_t;
+
+/* What the last message of a request carries beside its pending output. */
+typedef struct router_summary {
+    router_finish_t reason;
+    uint32_t prompt_tokens, completion_tokens, cached_tokens;
+    double queue_s, prefill_s, transfer_s, first_token_s, per_token_s, total_s;
+} router_summary_t;
+
+/*
+ * A front door's side of a request (its sink): the gRPC gateway's Generate call
+ * (router_gateway.c) or an OpenAI HTTP request (router_http.c). The lifecycle and the
+ * relay talk to the client only through these, so both front doors share admission,
+ * deadlines, cancellation and relay. r->client is the front door's handle, NULL once the
+ * client is answered or gone; the ops are called only while it is set.
+ *   send:   r->out as one message. TD_OK: queued (the relay clears r->out); TD_ERR_BUSY: over
+ *           the client's send bound, r->out kept until the front door calls
+ *           router_req_writable; anything else: not sent, the client is going (its front door
+ *           ends r through router_req_client_gone).
+ *   finish: r->out and the summary as the last message; answers the client (r->client is
+ *           cleared by the caller).
+ *   fail:   answers the client with an error (code: the router's vocabulary, gRPC's codes;
+ *           the HTTP front door maps them to statuses), whatever was sent before.
+ * The front door tells the lifecycle about its client with router_req_writable and
+ * router_req_client_gone.
+ */
+typedef struct router_sink_ops {
+    td_status_t (*send)(router_req_t *r);
+    void (*finish)(router_req_t *r, const router_summary_t *sum);
+    void (*fail)(router_req_t *r, td_grpc_code_t code, const char *msg);
+} router_sink_ops_t;
+
+/* A new request as a front door hands it over (router_req_open): the edge checks are run
+ * there, once for every front door. Strings and arrays are borrowed for the call. */
+typedef struct router_req_spec {
+    td_gen_params_t gp;          /* as received: validated by router_req_open */
+    const char *request_id;      /* the client's, or NULL/"" (the router numbers it) */
+    const uint32_t *prompt_ids;  /* [gp.prompt_len] when !gp.prompt_is_text */
+    const char *prompt;          /* a text prompt ([prompt_text_len] bytes), or NULL */
+    size_t prompt_text_len;
+    const td_chat_message_t *messages; /* [n_messages] a conversation instead of a prompt */
+    size_t n_messages;
+    const uint32_t *stop_ids;    /* [gp.n_stop_ids] */
+    int32_t priority;
+    int64_t timeout_ms;          /* the client's deadline from now; 0: request-timeout-ms */
+} router_req_spec_t;
+
+struct router_req {
     td_list_t link;                 /* in router_state_t.reqs */
     router_queue_entry_t qe;        /* in the admission queue while REQ_QUEUED */
     router_state_t *s;
-    td_grpc_call_t *call;
+    const router_sink_ops_t *sink; /* the front door's (gRPC or HTTP) */
+    void *client;              /* its handle for r; NULL once answered or gone */
     char id[64];
     int32_t *prompt;
     int32_t n_prompt;
@@ -118,16 +180,11 @@ typedef struct router_req {
     router_first_t first_src;
     uint32_t first_token;
     uint32_t decode_tokens;    /* SEQ_EVENT_TOKEN entries seen for the current lease */
-    /* output not yet queued on the gateway stream (the stream was over its send bound):
-     * flushed as one GenerateResponse when it becomes writable */
-    uint32_t *out_ids;
-    uint32_t n_out, cap_out;
-    char *out_text;            /* NUL-terminated */
-    size_t n_out_text, cap_out_text;
+    router_out_t out;          /* output not yet sent to the client */
     bool blocked;              /* the last send was refused (BUSY); wait for writable */
     uint64_t blocked_turn;     /* s->turn when it became blocked */
     bool dirty;                /* output appended during this StepBatch */
-    bool sent_msg;             /* a GenerateResponse went out (the first carries the id) */
+    bool sent_msg;             /* a message went out (gRPC's first carries the id) */
     uint64_t decode_gen;
     uint64_t lease_id;
     bool have_lease;
@@ -141,7 +198,7 @@ typedef struct router_req {
     uint32_t cached;
     uint64_t t_arrival, t_picked, t_prefill, t_first, t_last;
     double transfer_s, prefill_s;
-} router_req_t;
+};
 
 struct router_state {
     td_node_t proc;        /* loop, signals, /metrics, common config */
@@ -184,10 +241,11 @@ static inline bool router_req_on_node(const router_req_t *r)
 /* router_request.c: the request lifecycle */
 void router_want_pump(router_state_t *s);
 void router_count_outcome(router_state_t *s, const char *outcome);
-/* Queues r: its prompt ids as they are, or its text (len bytes) or conversation
- * (messages[0..n_messages), rendered with s->chat) encoded first on the thread pool. */
-void router_req_submit(router_req_t *r, const char *text, size_t len,
-                       Tandem__V1__ChatMessage *const *messages, size_t n_messages);
+td_status_t router_req_open(router_state_t *s, const router_req_spec_t *spec, td_grpc_code_t *code_p,
+                            char *why, size_t why_cap, router_req_t **r_p);
+void router_req_submit(router_req_t *r, const router_req_spec_t *spec);
+void router_req_writable(router_req_t *r);
+void router_req_client_gone(router_req_t *r, bool deadline);
 void router_req_end(router_req_t *r);
 void router_req_fail(router_req_t *r, td_grpc_code_t code, const char *msg, const char *outcome);
 void router_req_retry_or_fail(router_req_t *r, td_grpc_code_t code, const char *why);

@@ -1,7 +1,8 @@
 /*
  * router_relay: tokens from the nodes to the client. The pending output of a request (ids
- * and detokenized text, stop strings matched here) goes out as one GenerateResponse per
- * StepBatch, held in a bounded backlog while the client's stream is full; token 0 arrives
+ * and detokenized text, stop strings matched here) goes out as one message per StepBatch
+ * through the request's front door (its sink: gRPC or HTTP), held in a bounded backlog
+ * while the client's stream is full; token 0 arrives
  * twice (the Prefill stream and the lease's first step entry) and is sent once; a decode
  * node's Steps stream (its StepBatches, and its end) is read here; the last message
  * carries the finish reason, usage and timings (req_finish).
@@ -15,56 +16,46 @@
 #include "td_log.h"
 #include "td_util.h"
 
-/* ---- output: pending tokens, one GenerateResponse per flush ---------------------------- */
+/* ---- output: pending tokens, one message per flush ------------------------------------- */
 
 /* Room for one more id and text_len more bytes (plus the NUL) in the pending output. The
  * buffers are kept across flushes, so a running request stops allocating after its first
  * few tokens. */
-static bool out_reserve(router_req_t *r, size_t text_len)
+static bool out_reserve(router_out_t *o, size_t text_len)
 {
-    if (r->n_out == r->cap_out) {
-        uint32_t cap = r->cap_out ? r->cap_out * 2 : 8;
-        uint32_t *p = realloc(r->out_ids, cap * sizeof *p);
+    if (o->n == o->cap) {
+        uint32_t cap = o->cap ? o->cap * 2 : 8;
+        uint32_t *p = realloc(o->ids, cap * sizeof *p);
         if (!p)
             return false;
-        r->out_ids = p;
-        r->cap_out = cap;
+        o->ids = p;
+        o->cap = cap;
     }
-    if (r->n_out_text + text_len + 1 > r->cap_out_text) {
-        size_t cap = TD_MAX(TD_MAX(r->cap_out_text * 2, r->n_out_text + text_len + 1), (size_t)64);
-        char *p = realloc(r->out_text, cap);
+    if (o->n_text + text_len + 1 > o->cap_text) {
+        size_t cap = TD_MAX(TD_MAX(o->cap_text * 2, o->n_text + text_len + 1), (size_t)64);
+        char *p = realloc(o->text, cap);
         if (!p)
             return false;
-        r->out_text = p;
-        r->cap_out_text = cap;
+        o->text = p;
+        o->cap_text = cap;
     }
     return true;
 }
 
 /* text may be NULL when len is 0 (an empty stop matcher's emit). */
-static void out_append_text(router_req_t *r, const char *text, size_t len)
+static void out_append_text(router_out_t *o, const char *text, size_t len)
 {
     if (len)
-        memcpy(r->out_text + r->n_out_text, text, len);
-    r->n_out_text += len;
-    r->out_text[r->n_out_text] = '\0';
-}
-
-/* The pending output as a message (pointers into r; valid until the next append). */
-static void out_message(router_req_t *r, Tandem__V1__GenerateResponse *m)
-{
-    m->token_ids = r->out_ids;
-    m->n_token_ids = r->n_out;
-    m->text = r->out_text ? r->out_text : "";
-    if (!r->sent_msg)
-        m->request_id = r->id;
+        memcpy(o->text + o->n_text, text, len);
+    o->n_text += len;
+    o->text[o->n_text] = '\0';
 }
 
 /* The pending output was queued on the stream at `now`: TTFT/TPOT and token counts. */
 static void out_account(router_req_t *r, uint64_t now)
 {
     router_state_t *s = r->s;
-    uint32_t n = r->n_out;
+    uint32_t n = r->out.n;
     if (n && !r->t_first) {
         r->t_first = now;
         td_metric_observe(s->m_ttft, (double)(now - r->t_arrival) * 1e-9);
@@ -77,23 +68,22 @@ static void out_account(router_req_t *r, uint64_t now)
     r->sent_msg = true;
 }
 
-static void out_clear(router_req_t *r)
+static void out_clear(router_out_t *o)
 {
-    r->n_out = 0;
-    r->n_out_text = 0;
-    if (r->out_text)
-        r->out_text[0] = '\0';
+    o->n = 0;
+    o->n_text = 0;
+    if (o->text)
+        o->text[0] = '\0';
 }
 
-/* Queues the pending output as one GenerateResponse, unless the stream is over its send
- * bound: then it stays pending until the writable callback. */
+/* Sends the pending output as one message through the request's front door, unless its
+ * stream is over its send bound: then it stays pending until the front door says writable
+ * (router_req_writable). */
 void router_out_flush(router_req_t *r)
 {
-    if (r->blocked || !r->call || (!r->n_out && !r->n_out_text))
+    if (r->blocked || !r->client || (!r->out.n && !r->out.n_text))
         return;
-    Tandem__V1__GenerateResponse m = TANDEM__V1__GENERATE_RESPONSE__INIT;
-    out_message(r, &m);
-    td_status_t st = td_grpc_call_send(r->call, &m.base);
+    td_status_t st = r->sink->send(r);
     if (st == TD_ERR_BUSY) {
         r->blocked = true;
         r->blocked_turn = r->s->turn;
@@ -101,22 +91,22 @@ void router_out_flush(router_req_t *r)
     }
     if (st != TD_OK) {
         if (st != TD_ERR_CANCELLED) /* the cancel callback ends it otherwise */
-            td_warn("request %s: %u tokens not queued to the gateway stream: %s", r->id, r->n_out, td_strerror(st));
+            td_warn("request %s: %u tokens not queued to the client's stream: %s", r->id, r->out.n, td_strerror(st));
         return;
     }
     out_account(r, td_now_ns());
-    out_clear(r);
+    out_clear(&r->out);
 }
 
 /* The last message (pending output, finish reason, usage, timings), queued past the send
  * bound (the backlog is bounded by max-backlog-tokens), and the stream ends OK. */
-static void req_finish(router_req_t *r, Tandem__V1__FinishReason reason)
+static void req_finish(router_req_t *r, router_finish_t reason)
 {
     router_state_t *s = r->s;
     router_peer_t *dp = &s->peers[r->pick.pair.decode];
     if (dp->generation == r->decode_gen)
         dp->admit_refused = false; /* its blocks and request slot are free again */
-    if (r->stop && s->tok && reason != TANDEM__V1__FINISH_REASON__FINISH_REASON_STOP) {
+    if (r->stop && s->tok && reason != ROUTER_FINISH_STOP) {
         const char *a;
         size_t alen;
         td_stop_result_t sr = {0};
@@ -125,38 +115,28 @@ static void req_finish(router_req_t *r, Tandem__V1__FinishReason reason)
             size_t blen = 0;
             if (!sr.matched)
                 td_stop_flush(r->stop, &b, &blen);
-            if (out_reserve(r, sr.emit_len + blen)) {
-                out_append_text(r, sr.emit, sr.emit_len);
+            if (out_reserve(&r->out, sr.emit_len + blen)) {
+                out_append_text(&r->out, sr.emit, sr.emit_len);
                 if (blen)
-                    out_append_text(r, b, blen);
+                    out_append_text(&r->out, b, blen);
             }
         }
     }
     router_lease_forget(r); /* the decode node freed it with the finish (or was told to) */
-    Tandem__V1__GenerateResponse m = TANDEM__V1__GENERATE_RESPONSE__INIT;
-    Tandem__V1__Usage u = TANDEM__V1__USAGE__INIT;
-    Tandem__V1__Timings t = TANDEM__V1__TIMINGS__INIT;
-    out_message(r, &m);
-    m.request_id = r->id;
     uint64_t now = td_now_ns();
     bool had_first = r->t_first != 0;
-    m.finish_reason = reason;
-    u.prompt_tokens = (uint32_t)r->n_prompt;
-    u.completion_tokens = r->completion;
-    u.cached_tokens = r->cached;
-    m.usage = &u;
+    router_summary_t sum = {.reason = reason, .prompt_tokens = (uint32_t)r->n_prompt,
+                            .completion_tokens = r->completion, .cached_tokens = r->cached};
     out_account(r, now);
-    t.queue_s = (double)(r->t_picked - r->t_arrival) * 1e-9;
-    t.prefill_s = r->prefill_s;
-    t.transfer_s = r->transfer_s;
-    t.first_token_s = r->t_first ? (double)(r->t_first - r->t_arrival) * 1e-9 : 0;
-    t.per_token_s = r->completion > 1 && had_first ? (double)(r->t_last - r->t_first) * 1e-9 / (r->completion - 1) : 0;
-    t.total_s = (double)(now - r->t_arrival) * 1e-9;
-    m.timings = &t;
-    if (r->call) {
-        td_grpc_call_set_data(r->call, NULL);
-        td_grpc_call_reply(r->call, &m.base);
-        r->call = NULL;
+    sum.queue_s = (double)(r->t_picked - r->t_arrival) * 1e-9;
+    sum.prefill_s = r->prefill_s;
+    sum.transfer_s = r->transfer_s;
+    sum.first_token_s = r->t_first ? (double)(r->t_first - r->t_arrival) * 1e-9 : 0;
+    sum.per_token_s = r->completion > 1 && had_first ? (double)(r->t_last - r->t_first) * 1e-9 / (r->completion - 1) : 0;
+    sum.total_s = (double)(now - r->t_arrival) * 1e-9;
+    if (r->client) {
+        r->sink->finish(r, &sum);
+        r->client = NULL;
     }
     router_count_outcome(s, "ok");
     router_req_end(r);
@@ -174,14 +154,14 @@ static bool is_stop_id(const router_req_t *r, uint32_t token)
  * backlog is past the bound. */
 bool router_backlog_over(const router_req_t *r)
 {
-    return r->blocked && (int64_t)r->n_out > r->s->cfg.max_backlog_tokens &&
+    return r->blocked && (int64_t)r->out.n > r->s->cfg.max_backlog_tokens &&
            r->s->turn - r->blocked_turn >= ROUTER_BACKLOG_GRACE_TURNS;
 }
 
 void router_req_fail_slow(router_req_t *r)
 {
     char msg[160];
-    snprintf(msg, sizeof msg, "request %s: the client is not reading its stream (%u tokens pending)", r->id, r->n_out);
+    snprintf(msg, sizeof msg, "request %s: the client is not reading its stream (%u tokens pending)", r->id, r->out.n);
     td_warn("%s", msg);
     router_req_fail(r, TD_GRPC_RESOURCE_EXHAUSTED, msg, "slow_client");
 }
@@ -210,16 +190,16 @@ static bool out_token(router_req_t *r, uint32_t token)
             matched = sr.matched;
         }
     }
-    if (!out_reserve(r, len)) {
+    if (!out_reserve(&r->out, len)) {
         router_req_fail(r, TD_GRPC_RESOURCE_EXHAUSTED, "router: out of memory", "exhausted");
         return false;
     }
     r->completion++;
-    r->out_ids[r->n_out++] = token;
-    out_append_text(r, text, len);
+    r->out.ids[r->out.n++] = token;
+    out_append_text(&r->out, text, len);
     if (matched) {
         router_lease_release(r, TANDEM__CONTROL__V1__RELEASE_REQUEST__REASON__REASON_CANCELLED);
-        req_finish(r, TANDEM__V1__FINISH_REASON__FINISH_REASON_STOP);
+        req_finish(r, ROUTER_FINISH_STOP);
         return false;
     }
     if (router_backlog_over(r)) {
@@ -291,7 +271,7 @@ void router_on_steps_msg(td_grpc_client_call_t *c, const ProtobufCMessage *msg, 
     for (size_t i = 0; i < b->n_seqs; i++) {
         const Tandem__Control__V1__SeqStep *q = b->seqs[i];
         router_req_t *r = router_lease_find(s, d, p->generation, q->lease_id);
-        if (!r || !r->call)
+        if (!r || !r->client)
             continue;
         switch (q->event) {
         case TANDEM__CONTROL__V1__SEQ_EVENT__SEQ_EVENT_TOKEN:
@@ -300,13 +280,13 @@ void router_on_steps_msg(td_grpc_client_call_t *c, const ProtobufCMessage *msg, 
             any |= out_token(r, q->token);
             break;
         case TANDEM__CONTROL__V1__SEQ_EVENT__SEQ_EVENT_FINISHED_LENGTH:
-            req_finish(r, TANDEM__V1__FINISH_REASON__FINISH_REASON_LENGTH);
+            req_finish(r, ROUTER_FINISH_LENGTH);
             break;
         case TANDEM__CONTROL__V1__SEQ_EVENT__SEQ_EVENT_FINISHED_STOP:
-            req_finish(r, TANDEM__V1__FINISH_REASON__FINISH_REASON_STOP);
+            req_finish(r, ROUTER_FINISH_STOP);
             break;
         case TANDEM__CONTROL__V1__SEQ_EVENT__SEQ_EVENT_FINISHED_EOS:
-            req_finish(r, TANDEM__V1__FINISH_REASON__FINISH_REASON_EOS);
+            req_finish(r, ROUTER_FINISH_EOS);
             break;
         default:
             router_req_lost(r, "the decode node dropped the sequence");
@@ -317,7 +297,7 @@ void router_on_steps_msg(td_grpc_client_call_t *c, const ProtobufCMessage *msg, 
     router_node_t *node = router_registry_node(s->reg, d);
     if (node && !p->admit_refused)
         node->load.free_blocks = (int32_t)TD_MIN(b->free_kv_blocks, (uint32_t)INT32_MAX);
-    /* one GenerateResponse per request per step, whatever the entries were */
+    /* one message per request per step, whatever the entries were */
     for (size_t i = 0; any && i < b->n_seqs; i++) {
         router_req_t *r = router_lease_find(s, d, p->generation, b->seqs[i]->lease_id);
         if (r && r->dirty) {

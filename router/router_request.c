@@ -141,21 +141,21 @@ static void tok_done(uv_work_t *w, int status)
         req_arrived(r);
 }
 
-/* A copy of a request's conversation the thread pool can read after the gateway call's
+/* A copy of a request's conversation the thread pool can read after the front door's
  * message is gone: one allocation, the messages then their strings. NULL: out of memory. */
-static td_chat_message_t *messages_copy(Tandem__V1__ChatMessage *const *m, size_t n)
+static td_chat_message_t *messages_copy(const td_chat_message_t *m, size_t n)
 {
     size_t bytes = n * sizeof(td_chat_message_t);
     for (size_t i = 0; i < n; i++)
-        bytes += strlen(m[i]->role) + strlen(m[i]->content) + 2;
+        bytes += strlen(m[i].role) + strlen(m[i].content) + 2;
     td_chat_message_t *out = malloc(bytes);
     if (!out)
         return NULL;
     char *p = (char *)(out + n);
     for (size_t i = 0; i < n; i++) {
-        size_t lr = strlen(m[i]->role) + 1, lc = strlen(m[i]->content) + 1;
-        out[i].role = memcpy(p, m[i]->role, lr);
-        out[i].content = memcpy(p + lr, m[i]->content, lc);
+        size_t lr = strlen(m[i].role) + 1, lc = strlen(m[i].content) + 1;
+        out[i].role = memcpy(p, m[i].role, lr);
+        out[i].content = memcpy(p + lr, m[i].content, lc);
         p += lr + lc;
     }
     return out;
@@ -164,7 +164,7 @@ static td_chat_message_t *messages_copy(Tandem__V1__ChatMessage *const *m, size_
 /* Starts encoding r's text prompt, or rendering and encoding its conversation. Errors (r
  * untouched): TD_ERR_EXHAUSTED (max-tokenizing jobs already), TD_ERR_NOMEM. */
 static td_status_t tok_start(router_req_t *r, const char *text, size_t len,
-                             Tandem__V1__ChatMessage *const *messages, size_t n_messages)
+                             const td_chat_message_t *messages, size_t n_messages)
 {
     router_state_t *s = r->s;
     if (s->n_tokenizing >= s->cfg.max_tokenizing)
@@ -177,7 +177,8 @@ static td_status_t tok_start(router_req_t *r, const char *text, size_t len,
         free(j);
         return td_errorf_quiet(TD_ERR_NOMEM, "router: out of memory");
     }
-    memcpy(j->text, text, len);
+    if (len)
+        memcpy(j->text, text, len);
     j->len = len;
     j->n_messages = n_messages;
     j->chat = s->chat;
@@ -224,21 +225,41 @@ static bool call_hit_req_deadline(const router_req_t *r, td_grpc_code_t code)
 
 /* ---- the end of a request -------------------------------------------------------------- */
 
-/* Ends the gateway stream with an error status and frees the request. */
+/* Answers the client with an error (its front door's fail) and frees the request. */
 void router_req_fail(router_req_t *r, td_grpc_code_t code, const char *msg, const char *outcome)
 {
     router_lease_release(r, code == TD_GRPC_DEADLINE_EXCEEDED ? TANDEM__CONTROL__V1__RELEASE_REQUEST__REASON__REASON_DEADLINE
                                                        : TANDEM__CONTROL__V1__RELEASE_REQUEST__REASON__REASON_FAILED);
-    if (r->call) {
-        td_grpc_call_set_data(r->call, NULL);
-        td_grpc_call_finish(r->call, code, msg);
-        r->call = NULL;
+    if (r->client) {
+        r->sink->fail(r, code, msg);
+        r->client = NULL;
     }
     router_count_outcome(r->s, outcome);
     router_req_end(r);
 }
 
-/* Frees r (the move to ENDED); the caller has finished or detached its gateway call. */
+/* The front door's client went away (a cancel, a reset or closed connection, or its own
+ * deadline: `deadline`), r->client already cleared by the front door: the lease is released
+ * (its blocks freed on the decode node) and r ends. */
+void router_req_client_gone(router_req_t *r, bool deadline)
+{
+    /* a client's own deadline timer often resets the stream just before ours fires */
+    deadline = deadline || (r->deadline_ns && (int64_t)td_now_ns() + ROUTER_DEADLINE_SLACK_NS >= r->deadline_ns);
+    r->client = NULL;
+    router_lease_release(r, deadline ? TANDEM__CONTROL__V1__RELEASE_REQUEST__REASON__REASON_DEADLINE
+                                     : TANDEM__CONTROL__V1__RELEASE_REQUEST__REASON__REASON_CANCELLED);
+    router_count_outcome(r->s, deadline ? "deadline" : "cancelled");
+    router_req_end(r);
+}
+
+/* The client's stream drained below its bound: the pending output goes out now. */
+void router_req_writable(router_req_t *r)
+{
+    r->blocked = false;
+    router_out_flush(r);
+}
+
+/* Frees r (the move to ENDED); the caller has answered or detached its client. */
 void router_req_end(router_req_t *r)
 {
     req_move(r, REQ_ENDED);
@@ -546,20 +567,118 @@ static void req_arrived(router_req_t *r)
     req_place(r);
 }
 
-/* A new request (REQ_NEW, its gateway call attached, from_text set) begins its life: a text
- * prompt (text[0..len)) is encoded off the loop, prompt ids are checked and placed. May end
- * r (refused: its call is finished). */
-void router_req_submit(router_req_t *r, const char *text, size_t len,
-                       Tandem__V1__ChatMessage *const *messages, size_t n_messages)
+/*
+ * The edge checks every front door runs, and the request they describe: the parameters
+ * (td_gen_params_validate), which prompt was sent and whether this router can read it
+ * (a tokenizer for text and stop strings, a chat template for a conversation). The model
+ * name is the front door's to check (its error differs). TD_OK: *r_p is a new request
+ * (REQ_NEW, not yet anyone's): the front door sets r->sink and r->client, then calls
+ * router_req_submit with the same spec. Errors (*r_p untouched): TD_ERR_INVALID or
+ * TD_ERR_NOMEM, with *code_p the code to answer and `why` the message for the client
+ * (counted in the requests' outcomes here). Loop thread.
+ */
+td_status_t router_req_open(router_state_t *s, const router_req_spec_t *spec, td_grpc_code_t *code_p,
+                            char *why, size_t why_cap, router_req_t **r_p)
+{
+    const td_gen_params_t *gp = &spec->gp;
+    why[0] = '\0';
+    if (td_gen_params_validate(gp, why, why_cap) != TD_OK) {
+        router_count_outcome(s, "invalid");
+        *code_p = TD_GRPC_INVALID_ARGUMENT;
+        return TD_ERR_INVALID;
+    }
+    router_req_t *r = calloc(1, sizeof *r);
+    if (!r)
+        goto err_nomem;
+    r->s = s;
+    r->t_arrival = td_now_ns();
+    if (spec->request_id && spec->request_id[0])
+        snprintf(r->id, sizeof r->id, "%s", spec->request_id);
+    else
+        snprintf(r->id, sizeof r->id, "r%llu", (unsigned long long)++s->next_id);
+    td_status_t st = TD_OK;
+    if (spec->n_messages) {
+        if (!gp->prompt_is_text || (spec->prompt && spec->prompt_text_len)) {
+            st = TD_ERR_INVALID;
+            snprintf(why, why_cap, "send a conversation (messages) or a prompt (prompt or prompt_ids), not both");
+        } else if (!s->chat) {
+            st = TD_ERR_INVALID;
+            snprintf(why, why_cap, "this router has no chat template for its model (%s): send a prompt",
+                     s->tok ? "the tokenizer's model has none" : "no --tokenizer");
+        } else {
+            r->from_text = true; /* rendered and encoded off the loop (router_req_submit) */
+        }
+    } else if (!gp->prompt_is_text) {
+        if ((r->prompt = malloc(gp->prompt_len * sizeof(int32_t)))) {
+            for (size_t i = 0; i < gp->prompt_len; i++) /* above INT32_MAX: negative, refused later */
+                r->prompt[i] = (int32_t)spec->prompt_ids[i];
+            r->n_prompt = (int32_t)gp->prompt_len;
+        } else {
+            st = TD_ERR_NOMEM;
+        }
+    } else if (!spec->prompt || !spec->prompt_text_len) {
+        st = TD_ERR_INVALID;
+        snprintf(why, why_cap, "the prompt is empty: send prompt (text) or prompt_ids");
+    } else if (!s->tok) {
+        st = TD_ERR_INVALID;
+        snprintf(why, why_cap, "this router has no tokenizer (--tokenizer) for a text prompt: send prompt_ids");
+    } else {
+        r->from_text = true; /* encoded off the loop once the rest is checked (router_req_submit) */
+    }
+    if (st == TD_OK && gp->n_stop_strings && !s->tok) {
+        st = TD_ERR_INVALID;
+        snprintf(why, why_cap, "this router has no tokenizer (--tokenizer) to match stop strings: send stop_ids");
+    }
+    if (st == TD_OK && (st = td_stop_create(gp->stop_strings, (int32_t)gp->n_stop_strings, &r->stop)) != TD_OK)
+        snprintf(why, why_cap, "stop strings: %s", td_last_error()); /* validated: out of memory */
+    if (st != TD_OK) {
+        free(r->prompt);
+        td_stop_destroy(r->stop);
+        free(r);
+        if (st == TD_ERR_NOMEM)
+            goto err_nomem;
+        router_count_outcome(s, "invalid");
+        *code_p = TD_GRPC_INVALID_ARGUMENT;
+        return TD_ERR_INVALID;
+    }
+    r->max_tokens = gp->max_tokens ? (int32_t)gp->max_tokens : (int32_t)s->cfg.default_max_tokens;
+    r->sampling = gp->sampling;
+    if (gp->n_stop_ids) /* bounded by the validation */
+        memcpy(r->stop_ids, spec->stop_ids, gp->n_stop_ids * sizeof *spec->stop_ids);
+    r->n_stop_ids = gp->n_stop_ids;
+    if (s->tok)
+        td_detok_init(&r->detok, s->tok);
+    r->priority = spec->priority;
+    /* the client's deadline, else the configured default: bounds the queue wait, Admit,
+     * Prefill and decoding */
+    if (spec->timeout_ms > 0)
+        r->deadline_ns = (int64_t)r->t_arrival + spec->timeout_ms * 1000000;
+    else if (s->cfg.request_timeout_ms)
+        r->deadline_ns = (int64_t)r->t_arrival + s->cfg.request_timeout_ms * 1000000;
+    *r_p = r;
+    return TD_OK;
+err_nomem:
+    router_count_outcome(s, "exhausted");
+    snprintf(why, why_cap, "router: out of memory");
+    *code_p = TD_GRPC_RESOURCE_EXHAUSTED;
+    return TD_ERR_NOMEM;
+}
+
+/* A new request from router_req_open (its sink and client set) begins its life: a text
+ * prompt or a conversation is encoded off the loop, prompt ids are checked and placed. May
+ * end r (refused: its client is answered through the sink). */
+void router_req_submit(router_req_t *r, const router_req_spec_t *spec)
 {
     router_state_t *s = r->s;
+    TD_ASSERT(r->sink && r->client && r->state == REQ_NEW);
     router_queue_entry_init(&r->qe);
     td_list_push_front(&s->reqs, &r->link);
     if (!r->from_text) {
         req_arrived(r);
         return;
     }
-    if (tok_start(r, text, len, messages, n_messages) != TD_OK) {
+    if (tok_start(r, spec->prompt, spec->n_messages ? 0 : spec->prompt_text_len, spec->messages,
+                  spec->n_messages) != TD_OK) {
         char why[384];
         snprintf(why, sizeof why, "%s", td_last_error());
         router_req_fail(r, TD_GRPC_RESOURCE_EXHAUSTED, why, "exhausted");
@@ -674,8 +793,8 @@ static void req_move(router_req_t *r, router_req_state_t to)
         td_stop_destroy(r->stop);
         free(r->prompt);
         free(r->blocks);
-        free(r->out_ids);
-        free(r->out_text);
+        free(r->out.ids);
+        free(r->out.text);
         free(r);
         return;
     default: return;
