@@ -1,15 +1,26 @@
 /*
- * td_http: the HTTP/1.1 server behind td_http.h.
+ * td_http: the HTTP/1.1 server behind td_http.h, on libhttp-parser.
  *
- * Each connection owns a TCP handle, an idle timer and a fixed request buffer of
- * max_request_bytes. Complete requests (headers ended by CRLFCRLF, plus Content-Length
- * bytes) are parsed in place, answered with one uv_write of headers + body, and consumed;
- * reading pauses while a response is in flight so a client cannot make us queue
- * unbounded responses. The connection's memory is freed when both handles have closed.
+ * A connection is a TCP handle, one timer and an http_parser. Bytes read go straight
+ * through the parser (from one read buffer the server shares) whose callbacks copy the
+ * request's line and headers into the request's bounded head buffer and its body into a
+ * buffer that grows to max_body_bytes. When a message is complete the parser is paused
+ * and the handler called; bytes that arrive meanwhile wait unparsed in the connection's
+ * input buffer (READ_BYTES; reading stops while it is full) and are parsed once the answer
+ * has been written, so pipelined requests are answered in order, one at a time, and a
+ * client that reads no answers makes us queue at most one.
+ *
+ * Every response piece is one uv_write of its own copy; `queued` counts its bytes until
+ * the write callback. The connection is in one of three lists, which make eviction O(1):
+ * `fresh` (never answered a request, nothing handled or queued), `idle` (answered one,
+ * nothing handled or queued; in the order they became idle) and `busy`. The one timer
+ * carries whichever deadline is nearest (conn_arm_timer). A connection's memory is freed
+ * when both handles have closed; a handled request still unanswered then gets on_abort.
  */
 #include "td_http.h"
 
-#include <ctype.h>
+#include <http_parser.h>
+#include <limits.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -21,55 +32,135 @@
 #include "td_rpc_tcp.h"
 #include "td_util.h"
 
+enum {
+    READ_BYTES = 64 * 1024,   /* the shared read buffer, and a connection's input buffer */
+    EXTRA_HEADER_BYTES = 4096, /* td_http_resp_header's bound */
+    HEAD_BYTES = 512,          /* status line + the server's headers */
+};
+
 typedef struct http_conn http_conn_t;
 
 /* Why the server closed a connection itself (the `reason` label). */
-enum { CLOSE_REQUEST, CLOSE_IDLE, CLOSE_EVICTED, CLOSE_REFUSED, CLOSE_N };
-static const char *const close_names[CLOSE_N] = {"request_timeout", "idle_timeout", "evicted", "refused"};
+enum { CLOSE_REQUEST, CLOSE_IDLE, CLOSE_WRITE, CLOSE_EVICTED, CLOSE_REFUSED, CLOSE_N, CLOSE_NONE = CLOSE_N };
+static const char *const close_names[CLOSE_N] = {"request_timeout", "idle_timeout", "write_timeout",
+                                                 "evicted", "refused"};
 
 struct td_http_server {
     uv_loop_t *loop;
     uv_tcp_t listener;
     td_http_config_t cfg;
+    http_parser_settings settings;
     uint16_t port;
-    td_list_t conns;            /* live connections, newest first (http_conn_t.link) */
+    td_list_t fresh, idle, busy; /* connections by state, oldest first (http_conn_t.link) */
     uint32_t n_conns;
     bool closing;
-    int pending_closes;         /* listener + connections still closing (any connection closed
-                                 * before the server was is still in flight when it closes) */
+    int pending_closes;          /* listener + connections still closing */
     void (*close_cb)(void *data);
     void *close_data;
-    td_metric_t *closed_by[CLOSE_N]; /* tandem_http_server_connections_closed_total{reason} */
+    td_metric_t *closed_by[CLOSE_N];
+    char rbuf[READ_BYTES];       /* what on_alloc hands a connection with no input waiting */
+};
+
+/* A request's life: its bytes arriving, handled (the handler has it), streaming, gone to
+ * on_abort. Answered requests are freed at once (their bytes are copies in the writes). */
+typedef enum req_state { REQ_READING, REQ_HANDLED, REQ_STREAMING, REQ_ABORTED } req_state_t;
+
+struct td_http_req {
+    http_conn_t *conn;
+    req_state_t state;
+    bool complete;               /* the whole message is in (the parser paused on it) */
+    bool keep_alive, http10, head_method;
+    const char *method;
+    const char *path, *query;    /* into head */
+    enum { LAST_URL, LAST_FIELD, LAST_VALUE } last;
+    bool headers_done;
+    uint32_t n_headers;
+    size_t url_len;
+    size_t head_len;             /* bytes used of head[max_request_bytes] */
+    char *body;                  /* [body_cap], body_len used */
+    size_t body_len, body_cap;
+    char *extra;                 /* response headers added, "Name: value\r\n"... */
+    size_t extra_len;
+    void *data;
+    td_http_req_cb on_abort, on_writable;
+    bool want_writable;
+    char head[];                 /* url\0 then name\0value\0 per header */
 };
 
 struct http_conn {
-    td_list_t link;             /* in srv->conns until it starts closing */
+    td_list_t link;              /* in srv->fresh, idle or busy until it starts closing */
+    td_list_t *list;             /* which one; NULL once closing (or never listed) */
     td_http_server_t *srv;
     uv_tcp_t tcp;
-    uv_timer_t idle;            /* one-shot: idle_timeout_ms, or request_timeout_ms once a
-                                 * request's first byte came; never restarted by bytes */
-    uv_write_t wreq;
-    char *buf;                  /* [cfg.max_request_bytes] */
-    size_t len;
-    char *out;                  /* the response in flight */
-    bool writing, close_after_write, closing;
-    bool in_request;            /* a request's first byte came, its answer is not written */
-    bool served;                /* answered a request once */
-    uint64_t since;             /* uv_now at accept or the last answer written */
+    uv_timer_t timer;            /* the nearest deadline, see conn_arm_timer */
+    http_parser parser;
+    td_http_req_t *req;          /* being read or handled; NULL between requests */
+    char *in;                    /* [READ_BYTES] input waiting while paused: in[in_off..+in_len) */
+    size_t in_off, in_len;
+    size_t queued;               /* bytes in writes not yet called back */
+    uint64_t since;              /* accept or the last answer written: the idle deadline's base */
+    uint64_t req_start;          /* the current request's first byte */
+    uint64_t write_progress;     /* the last write callback, or the first write queued */
+    int timer_reason;            /* CLOSE_* of the deadline the timer carries */
+    int err_status;              /* an answer the parser callbacks chose (413, 414, 431, ...) */
+    bool answered;               /* the current request is answered, its bytes still queued */
+    bool close_after;            /* close once the queue is empty */
+    bool served;                 /* answered a request once */
+    bool reading, read_done;     /* read_done: never read again (an error answer is going) */
+    bool closing;
     int open_handles;
 };
 
 td_http_config_t td_http_config_default(void)
 {
     return (td_http_config_t){
+        .name = "http",
         .host = "127.0.0.1",
         .port = 0,
         .max_request_bytes = 8192,
+        .max_body_bytes = 64 * 1024,
+        .max_write_queue_bytes = 256 * 1024,
         .max_connections = 64,
         .idle_timeout_ms = 30000,
         .request_timeout_ms = 10000,
+        .metrics_name = "tandem_http_server_connections_closed_total",
     };
 }
+
+const char *td_http_status_text(int status)
+{
+    switch (status) {
+    case 100: return "Continue";
+    case 200: return "OK";
+    case 201: return "Created";
+    case 202: return "Accepted";
+    case 204: return "No Content";
+    case 400: return "Bad Request";
+    case 401: return "Unauthorized";
+    case 403: return "Forbidden";
+    case 404: return "Not Found";
+    case 405: return "Method Not Allowed";
+    case 408: return "Request Timeout";
+    case 409: return "Conflict";
+    case 411: return "Length Required";
+    case 413: return "Payload Too Large";
+    case 414: return "URI Too Long";
+    case 415: return "Unsupported Media Type";
+    case 417: return "Expectation Failed";
+    case 422: return "Unprocessable Entity";
+    case 429: return "Too Many Requests";
+    case 431: return "Request Header Fields Too Large";
+    case 500: return "Internal Server Error";
+    case 501: return "Not Implemented";
+    case 502: return "Bad Gateway";
+    case 503: return "Service Unavailable";
+    case 504: return "Gateway Timeout";
+    case 505: return "HTTP Version Not Supported";
+    default: return "Status";
+    }
+}
+
+/* ---- lifetime ------------------------------------------------------------------------ */
 
 static void server_maybe_done(td_http_server_t *srv)
 {
@@ -82,285 +173,585 @@ static void server_maybe_done(td_http_server_t *srv)
         cb(data);
 }
 
+static void req_free(td_http_req_t *req)
+{
+    free(req->body);
+    free(req->extra);
+    free(req);
+}
+
 static void conn_handle_closed(uv_handle_t *h)
 {
     http_conn_t *c = h->data;
     if (--c->open_handles > 0)
         return;
+    /* every write has been called back (libuv cancels them before this) */
+    td_http_req_t *req = c->req;
+    c->req = NULL;
+    if (req) {
+        bool handled = req->state == REQ_HANDLED || req->state == REQ_STREAMING;
+        req->state = REQ_ABORTED;
+        if (handled && req->on_abort)
+            req->on_abort(req, req->data);
+        req_free(req);
+    }
     td_http_server_t *srv = c->srv;
-    free(c->buf);
-    free(c->out);
+    free(c->in);
     free(c);
     srv->pending_closes--;
     server_maybe_done(srv);
 }
 
-static void conn_close(http_conn_t *c)
+static void conn_unlist(http_conn_t *c)
+{
+    if (!c->list)
+        return;
+    td_list_remove(&c->link);
+    c->list = NULL;
+    c->srv->n_conns--;
+}
+
+static void conn_close(http_conn_t *c, int why)
 {
     if (c->closing)
         return;
     c->closing = true;
     td_http_server_t *srv = c->srv;
-    td_list_remove(&c->link);
-    srv->n_conns--;
+    if (why != CLOSE_NONE) {
+        td_debug("%s connection: closed, %s", srv->cfg.name, close_names[why]);
+        if (srv->closed_by[why])
+            td_metric_inc(srv->closed_by[why]);
+    }
+    conn_unlist(c);
     srv->pending_closes++;
     uv_close((uv_handle_t *)&c->tcp, conn_handle_closed);
-    uv_close((uv_handle_t *)&c->idle, conn_handle_closed);
+    uv_close((uv_handle_t *)&c->timer, conn_handle_closed);
 }
 
-static void count_close(td_http_server_t *srv, int why)
+/* Moves c to the list its state says: busy while a request is handled or bytes are
+ * queued, else fresh or idle (to the back: the newest). */
+static void conn_relist(http_conn_t *c)
 {
-    if (srv->closed_by[why])
-        td_metric_inc(srv->closed_by[why]);
-}
-
-static void on_idle(uv_timer_t *t)
-{
-    http_conn_t *c = t->data;
-    td_debug("http connection: closed, %s", close_names[c->in_request ? CLOSE_REQUEST : CLOSE_IDLE]);
-    count_close(c->srv, c->in_request ? CLOSE_REQUEST : CLOSE_IDLE);
-    conn_close(c);
-}
-
-/* Starts the request clock if bytes of a request are waiting and it is not running. */
-static void conn_request_begun(http_conn_t *c)
-{
-    if (c->in_request || c->len == 0)
-        return;
-    c->in_request = true;
-    uv_timer_start(&c->idle, on_idle, c->srv->cfg.request_timeout_ms, 0);
-}
-
-static void conn_process(http_conn_t *c);
-
-static void on_write(uv_write_t *req, int status)
-{
-    http_conn_t *c = req->data;
-    free(c->out);
-    c->out = NULL;
-    c->writing = false;
     if (c->closing)
         return;
-    if (status < 0 || c->close_after_write) {
-        conn_close(c);
+    bool busy = (c->req && c->req->state != REQ_READING) || c->queued > 0 || c->answered;
+    td_list_t *want = busy ? &c->srv->busy : c->served ? &c->srv->idle : &c->srv->fresh;
+    if (c->list == want)
+        return;
+    td_list_remove(&c->link);
+    td_list_push_back(want, &c->link);
+    c->list = want;
+}
+
+static void on_timer(uv_timer_t *t)
+{
+    http_conn_t *c = t->data;
+    conn_close(c, c->timer_reason);
+}
+
+/* Arms the timer for the nearest deadline that applies: the request's (its first byte +
+ * request_timeout_ms, until it is answered or its stream begun), the idle one (no request
+ * begun, nothing queued: since + idle_timeout_ms) and the write one (bytes queued: the last
+ * write progress + request_timeout_ms). None (a stream with nothing queued): stopped. */
+static void conn_arm_timer(http_conn_t *c)
+{
+    if (c->closing)
+        return;
+    const td_http_config_t *cfg = &c->srv->cfg;
+    uint64_t deadline = UINT64_MAX;
+    int why = CLOSE_NONE;
+    if (c->req && (c->req->state == REQ_READING || c->req->state == REQ_HANDLED)) {
+        deadline = c->req_start + cfg->request_timeout_ms;
+        why = CLOSE_REQUEST;
+    } else if (!c->req && c->queued == 0 && !c->answered) {
+        deadline = c->since + cfg->idle_timeout_ms;
+        why = CLOSE_IDLE;
+    }
+    if (c->queued > 0 && c->write_progress + cfg->request_timeout_ms < deadline) {
+        deadline = c->write_progress + cfg->request_timeout_ms;
+        why = CLOSE_WRITE;
+    }
+    if (why == CLOSE_NONE) {
+        uv_timer_stop(&c->timer);
         return;
     }
-    c->in_request = false;
+    uint64_t now = uv_now(c->srv->loop);
+    c->timer_reason = why;
+    uv_timer_start(&c->timer, on_timer, deadline > now ? deadline - now : 0, 0);
+}
+
+/* ---- writing ------------------------------------------------------------------------- */
+
+typedef struct http_write {
+    uv_write_t w;
+    http_conn_t *c;
+    size_t len;
+    char data[];
+} http_write_t;
+
+static void conn_resume(http_conn_t *c);
+
+/* The current answer is written: the connection waits for its next request (or closes). */
+static void conn_answer_written(http_conn_t *c)
+{
+    c->answered = false;
     c->served = true;
     c->since = uv_now(c->srv->loop);
-    uv_timer_start(&c->idle, on_idle, c->srv->cfg.idle_timeout_ms, 0);
-    conn_request_begun(c); /* a pipelined request may already be buffered */
-    conn_process(c);
-}
-
-static const char *reason_phrase(int status)
-{
-    switch (status) {
-    case 200: return "OK";
-    case 400: return "Bad Request";
-    case 404: return "Not Found";
-    case 405: return "Method Not Allowed";
-    case 413: return "Payload Too Large";
-    case 431: return "Request Header Fields Too Large";
-    case 500: return "Internal Server Error";
-    case 505: return "HTTP Version Not Supported";
-    default: return "Status";
-    }
-}
-
-/* Queues one response; takes ownership of body. */
-static void conn_reply(http_conn_t *c, int status, const char *ctype, char *body, size_t body_len,
-                       bool keep_alive)
-{
-    char head[512];
-    int n = snprintf(head, sizeof head,
-                     "HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %zu\r\n"
-                     "Connection: %s\r\n\r\n",
-                     status, reason_phrase(status), ctype ? ctype : "text/plain; charset=utf-8",
-                     body_len, keep_alive ? "keep-alive" : "close");
-    if (n < 0 || (size_t)n >= sizeof head) /* only an absurd content type gets here */
-        n = snprintf(head, sizeof head, "HTTP/1.1 500 %s\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
-                     reason_phrase(500)),
-        body_len = 0, keep_alive = false;
-    char *out = malloc((size_t)n + body_len);
-    if (!out) {
-        free(body);
-        conn_close(c);
+    if (c->close_after || c->srv->closing) {
+        conn_close(c, CLOSE_NONE);
         return;
     }
-    memcpy(out, head, (size_t)n);
-    if (body_len)
-        memcpy(out + n, body, body_len);
-    free(body);
-    c->out = out;
-    c->writing = true;
-    c->close_after_write = !keep_alive;
-    c->wreq.data = c;
-    uv_buf_t b = uv_buf_init(out, (unsigned)((size_t)n + body_len));
-    int rc = uv_write(&c->wreq, (uv_stream_t *)&c->tcp, &b, 1, on_write);
+    conn_relist(c);
+    conn_arm_timer(c);
+    conn_resume(c);
+}
+
+static void on_write(uv_write_t *w, int status)
+{
+    http_write_t *wr = w->data;
+    http_conn_t *c = wr->c;
+    c->queued -= wr->len;
+    free(wr);
+    if (c->closing)
+        return;
+    if (status < 0) {
+        td_debug("%s connection: write failed: %s", c->srv->cfg.name, uv_strerror(status));
+        conn_close(c, CLOSE_NONE);
+        return;
+    }
+    c->write_progress = uv_now(c->srv->loop);
+    td_http_req_t *req = c->req;
+    if (req && req->want_writable && c->queued <= c->srv->cfg.max_write_queue_bytes / 2) {
+        req->want_writable = false;
+        if (req->on_writable)
+            req->on_writable(req, req->data); /* may end the stream and free req */
+        if (c->closing)
+            return;
+    }
+    if (c->queued == 0 && c->answered) {
+        conn_answer_written(c);
+        return;
+    }
+    conn_relist(c);
+    conn_arm_timer(c);
+}
+
+/* A write of `len` bytes for the caller to fill; NULL when out of memory. */
+static http_write_t *write_new(http_conn_t *c, size_t len)
+{
+    http_write_t *wr = malloc(sizeof *wr + len);
+    if (!wr)
+        return NULL;
+    wr->c = c;
+    wr->len = len;
+    wr->w.data = wr;
+    return wr;
+}
+
+/* Queues wr (taking it). TD_ERR_CLOSED when the socket refuses it: the connection closes. */
+static td_status_t conn_send(http_conn_t *c, http_write_t *wr)
+{
+    if (c->queued == 0)
+        c->write_progress = uv_now(c->srv->loop);
+    uv_buf_t b = uv_buf_init(wr->data, (unsigned)wr->len);
+    int rc = uv_write(&wr->w, (uv_stream_t *)&c->tcp, &b, 1, on_write);
     if (rc < 0) {
-        free(out);
-        c->out = NULL;
-        c->writing = false;
-        conn_close(c);
+        free(wr);
+        td_debug("%s connection: write failed: %s", c->srv->cfg.name, uv_strerror(rc));
+        conn_close(c, CLOSE_NONE);
+        return TD_ERR_CLOSED;
     }
+    c->queued += wr->len;
+    return TD_OK;
 }
 
-static void conn_error(http_conn_t *c, int status, const char *msg)
+/* Formats a response head into out[HEAD_BYTES + extra]; returns its length. `length` is
+ * the Content-Length, or -1 for a chunked body, -2 for one the close ends. */
+static size_t format_head(char *out, int status, const char *ctype, long long length, bool keep_alive,
+                          const char *extra, size_t extra_len)
 {
-    char *body = strdup(msg);
-    conn_reply(c, status, NULL, body, body ? strlen(body) : 0, false);
+    int n = snprintf(out, HEAD_BYTES, "HTTP/1.1 %d %s\r\nContent-Type: %.200s\r\n", status,
+                     td_http_status_text(status), ctype ? ctype : "text/plain; charset=utf-8");
+    if (length >= 0)
+        n += snprintf(out + n, HEAD_BYTES - (size_t)n, "Content-Length: %lld\r\n", length);
+    else if (length == -1)
+        n += snprintf(out + n, HEAD_BYTES - (size_t)n, "Transfer-Encoding: chunked\r\n");
+    n += snprintf(out + n, HEAD_BYTES - (size_t)n, "Connection: %s\r\n", keep_alive ? "keep-alive" : "close");
+    memcpy(out + n, extra, extra_len);
+    memcpy(out + n + extra_len, "\r\n", 2);
+    return (size_t)n + extra_len + 2;
 }
 
-/* Finds header `name` (case-insensitive) in the CRLF-separated block [p, end). */
-static const char *find_header(const char *p, const char *end, const char *name, size_t *vlen)
+/* Answers with an error the server decided (garbage, a bound passed): the connection
+ * reads no more and closes once it is written. */
+static void conn_fail(http_conn_t *c, int status, const char *msg)
 {
-    size_t nl = strlen(name);
-    while (p < end) {
-        const char *eol = memchr(p, '\r', (size_t)(end - p));
-        if (!eol)
-            eol = end;
-        if ((size_t)(eol - p) > nl && p[nl] == ':' && strncasecmp(p, name, nl) == 0) {
-            const char *v = p + nl + 1;
-            while (v < eol && (*v == ' ' || *v == '\t'))
-                v++;
-            *vlen = (size_t)(eol - v);
-            return v;
+    if (c->closing)
+        return;
+    if (c->req) { /* never handed to the handler: errors come only while reading */
+        TD_ASSERT(c->req->state == REQ_READING);
+        req_free(c->req);
+        c->req = NULL;
+    }
+    td_debug("%s connection: %d, %s", c->srv->cfg.name, status, msg);
+    c->read_done = true;
+    c->in_off = c->in_len = 0;
+    if (c->reading) {
+        uv_read_stop((uv_stream_t *)&c->tcp);
+        c->reading = false;
+    }
+    size_t mlen = strlen(msg);
+    http_write_t *wr = write_new(c, HEAD_BYTES + mlen + 1);
+    if (!wr) {
+        conn_close(c, CLOSE_NONE);
+        return;
+    }
+    size_t n = format_head(wr->data, status, NULL, (long long)mlen + 1, false, "", 0);
+    memcpy(wr->data + n, msg, mlen);
+    wr->data[n + mlen] = '\n';
+    wr->len = n + mlen + 1;
+    c->answered = true;
+    c->close_after = true;
+    if (conn_send(c, wr) != TD_OK)
+        return;
+    conn_relist(c);
+    conn_arm_timer(c);
+}
+
+/* ---- parsing ------------------------------------------------------------------------- */
+
+static int on_message_begin(http_parser *p)
+{
+    http_conn_t *c = p->data;
+    size_t cap = c->srv->cfg.max_request_bytes;
+    td_http_req_t *req = calloc(1, sizeof *req + cap + 1);
+    if (!req) {
+        c->err_status = 503;
+        return -1;
+    }
+    req->conn = c;
+    req->state = REQ_READING;
+    req->last = LAST_URL;
+    c->req = req;
+    c->req_start = uv_now(c->srv->loop);
+    conn_arm_timer(c);
+    return 0;
+}
+
+/* Appends to the head buffer; false (431, or 414 for the URL) past max_request_bytes. */
+static bool head_append(http_conn_t *c, const char *at, size_t len, bool nul)
+{
+    td_http_req_t *req = c->req;
+    size_t cap = c->srv->cfg.max_request_bytes;
+    if (len + nul > cap - req->head_len) {
+        c->err_status = req->last == LAST_URL && !nul ? 414 : 431;
+        return false;
+    }
+    memcpy(req->head + req->head_len, at, len);
+    req->head_len += len;
+    if (nul)
+        req->head[req->head_len++] = '\0';
+    return true;
+}
+
+static int on_url(http_parser *p, const char *at, size_t len)
+{
+    http_conn_t *c = p->data;
+    if (!head_append(c, at, len, false))
+        return -1;
+    c->req->url_len += len;
+    return 0;
+}
+
+/* Ends the URL or value being written: a NUL, trailing blanks of a value dropped. */
+static bool head_end_item(http_conn_t *c)
+{
+    td_http_req_t *req = c->req;
+    if (req->last == LAST_VALUE)
+        while (req->head_len > 0 && (req->head[req->head_len - 1] == ' ' || req->head[req->head_len - 1] == '\t'))
+            req->head_len--;
+    return head_append(c, "", 0, true);
+}
+
+static int on_header_field(http_parser *p, const char *at, size_t len)
+{
+    http_conn_t *c = p->data;
+    td_http_req_t *req = c->req;
+    if (req->headers_done) { /* a chunked body's trailer: counted against the bound, dropped */
+        if (len > c->srv->cfg.max_request_bytes - req->head_len) {
+            c->err_status = 431;
+            return -1;
         }
-        p = eol + 2;
+        req->head_len += len;
+        return 0;
     }
-    return NULL;
+    if (req->last != LAST_FIELD) {
+        if (!head_end_item(c))
+            return -1;
+        req->n_headers++;
+        req->last = LAST_FIELD;
+    }
+    return head_append(c, at, len, false) ? 0 : -1;
 }
 
-/* Handles every complete request in the buffer, one at a time (the next waits for the
- * previous response's write). */
-static void conn_process(http_conn_t *c)
+static int on_header_value(http_parser *p, const char *at, size_t len)
+{
+    http_conn_t *c = p->data;
+    td_http_req_t *req = c->req;
+    if (req->headers_done)
+        return on_header_field(p, at, len);
+    if (req->last != LAST_VALUE) {
+        if (!head_end_item(c))
+            return -1;
+        req->last = LAST_VALUE;
+    }
+    return head_append(c, at, len, false) ? 0 : -1;
+}
+
+static int on_headers_complete(http_parser *p)
+{
+    http_conn_t *c = p->data;
+    td_http_req_t *req = c->req;
+    const td_http_config_t *cfg = &c->srv->cfg;
+    if (req->last == LAST_FIELD) { /* a name with no value cannot get here; be safe */
+        c->err_status = 400;
+        return -1;
+    }
+    if (!head_end_item(c))
+        return -1;
+    req->headers_done = true;
+    req->method = http_method_str((enum http_method)p->method);
+    char *q = memchr(req->head, '?', req->url_len);
+    req->path = req->head;
+    req->query = "";
+    if (q) {
+        *q = '\0';
+        req->query = q + 1;
+    }
+    req->http10 = p->http_major == 1 && p->http_minor == 0;
+    req->keep_alive = http_should_keep_alive(p) && p->http_major == 1;
+    req->head_method = p->method == HTTP_HEAD;
+    if (p->upgrade || p->method == HTTP_CONNECT) {
+        c->err_status = 501;
+        return -1;
+    }
+    if (p->http_major != 1) {
+        c->err_status = 505;
+        return -1;
+    }
+    bool chunked = p->flags & F_CHUNKED;
+    uint64_t declared = chunked || p->content_length == ULLONG_MAX ? 0 : p->content_length;
+    if (declared > cfg->max_body_bytes) {
+        c->err_status = 413;
+        return -1;
+    }
+    const char *expect = td_http_req_header(req, "expect");
+    if (expect) {
+        if (strcasecmp(expect, "100-continue") != 0 || req->http10) {
+            c->err_status = 417;
+            return -1;
+        }
+        if (chunked || declared > 0) {
+            static const char cont[] = "HTTP/1.1 100 Continue\r\n\r\n";
+            http_write_t *wr = write_new(c, sizeof cont - 1);
+            if (!wr) {
+                c->err_status = 503;
+                return -1;
+            }
+            memcpy(wr->data, cont, sizeof cont - 1);
+            if (conn_send(c, wr) != TD_OK)
+                return -1;
+        }
+    }
+    return 0;
+}
+
+static int on_body(http_parser *p, const char *at, size_t len)
+{
+    http_conn_t *c = p->data;
+    td_http_req_t *req = c->req;
+    size_t max = c->srv->cfg.max_body_bytes;
+    if (len > max - req->body_len) {
+        c->err_status = 413;
+        return -1;
+    }
+    if (req->body_len + len > req->body_cap) {
+        size_t cap = req->body_cap ? req->body_cap : 1024;
+        while (cap < req->body_len + len)
+            cap *= 2;
+        if (cap > max)
+            cap = max;
+        char *b = realloc(req->body, cap + 1); /* +1: td_http_req_body's "" when empty */
+        if (!b) {
+            c->err_status = 503;
+            return -1;
+        }
+        req->body = b;
+        req->body_cap = cap;
+    }
+    memcpy(req->body + req->body_len, at, len);
+    req->body_len += len;
+    return 0;
+}
+
+static int on_message_complete(http_parser *p)
+{
+    http_conn_t *c = p->data;
+    c->req->complete = true;
+    http_parser_pause(p, 1); /* the rest waits until this request is answered */
+    return 0;
+}
+
+static const char *parse_error_text(http_conn_t *c, enum http_errno e)
+{
+    switch (c->err_status) {
+    case 413: return "request body too large";
+    case 414: return "request target too long";
+    case 431: return "request headers too large";
+    case 417: return "only Expect: 100-continue is understood (HTTP/1.1)";
+    case 501: return "CONNECT and protocol upgrades are not supported";
+    case 505: return "only HTTP/1.x is served";
+    case 503: return "out of memory";
+    default: break;
+    }
+    if (e == HPE_HEADER_OVERFLOW)
+        return "request headers too large";
+    return http_errno_description(e);
+}
+
+/* Feeds data[0..len) to the parser; a complete request goes to the handler. Returns the
+ * bytes consumed (fewer than len when a request completed first: the rest waits). */
+static size_t conn_parse(http_conn_t *c, const char *data, size_t len)
 {
     td_http_server_t *srv = c->srv;
-    if (c->writing || c->closing || c->len == 0)
-        return;
-    char *hdr_end = NULL;
-    for (size_t i = 0; i + 3 < c->len; i++)
-        if (memcmp(c->buf + i, "\r\n\r\n", 4) == 0) {
-            hdr_end = c->buf + i;
-            break;
+    size_t n = http_parser_execute(&c->parser, &srv->settings, data, len);
+    if (c->closing)
+        return len;
+    enum http_errno e = HTTP_PARSER_ERRNO(&c->parser);
+    if (e == HPE_PAUSED && c->req && c->req->complete) {
+        td_http_req_t *req = c->req;
+        req->state = REQ_HANDLED;
+        if (!req->body) {
+            req->body = malloc(1);
+            if (!req->body) {
+                conn_fail(c, 503, "out of memory");
+                return len;
+            }
         }
-    if (!hdr_end) {
-        if (c->len >= srv->cfg.max_request_bytes)
-            conn_error(c, 431, "request too large\n");
-        return;
+        req->body[req->body_len] = '\0';
+        conn_relist(c);
+        conn_arm_timer(c);
+        srv->cfg.handler(srv->cfg.handler_data, req); /* may answer, and free req */
+        return n;
     }
-    /* request line: METHOD SP TARGET SP HTTP/1.x */
-    char *line_end = memchr(c->buf, '\r', (size_t)(hdr_end - c->buf) + 1);
-    char *sp1 = memchr(c->buf, ' ', (size_t)(line_end - c->buf));
-    char *sp2 = sp1 ? memchr(sp1 + 1, ' ', (size_t)(line_end - sp1 - 1)) : NULL;
-    if (!sp1 || !sp2 || sp1 == c->buf || sp2 == sp1 + 1 || line_end - sp2 - 1 != 8 ||
-        memcmp(sp2 + 1, "HTTP/1.", 7) != 0 || (sp2[8] != '0' && sp2[8] != '1')) {
-        conn_error(c, 400, "bad request line\n");
-        return;
+    if (e != HPE_OK) {
+        int status = c->err_status ? c->err_status : e == HPE_HEADER_OVERFLOW ? 431 : 400;
+        conn_fail(c, status, parse_error_text(c, e));
+        return len;
     }
-    for (char *p = c->buf; p < sp1; p++)
-        if (!isupper((unsigned char)*p)) {
-            conn_error(c, 400, "bad method\n");
-            return;
-        }
-    for (char *p = sp1 + 1; p < sp2; p++)
-        if ((unsigned char)*p <= 0x20 || (unsigned char)*p >= 0x7f) {
-            conn_error(c, 400, "bad request target\n");
-            return;
-        }
-    bool http10 = sp2[8] == '0';
-    const char *hdrs = line_end + 2, *hend = hdr_end + 2;
-    size_t vlen = 0;
-    const char *conn_hdr = find_header(hdrs, hend, "Connection", &vlen);
-    bool keep_alive = !http10;
-    if (conn_hdr && vlen == 5 && strncasecmp(conn_hdr, "close", 5) == 0)
-        keep_alive = false;
-    if (conn_hdr && vlen == 10 && strncasecmp(conn_hdr, "keep-alive", 10) == 0)
-        keep_alive = true;
-    size_t body_len = 0;
-    const char *cl = find_header(hdrs, hend, "Content-Length", &vlen);
-    if (cl) {
-        char num[24];
-        int64_t v;
-        if (vlen == 0 || vlen >= sizeof num) {
-            conn_error(c, 400, "bad content-length\n");
-            return;
-        }
-        memcpy(num, cl, vlen);
-        num[vlen] = '\0';
-        if (td_parse_i64(num, 0, (int64_t)srv->cfg.max_request_bytes, "content-length", &v) != TD_OK) {
-            conn_error(c, 413, "body too large\n");
-            return;
-        }
-        body_len = (size_t)v;
-    }
-    if (find_header(hdrs, hend, "Transfer-Encoding", &vlen)) {
-        conn_error(c, 400, "chunked bodies are not supported\n");
-        return;
-    }
-    size_t req_len = (size_t)(hdr_end + 4 - c->buf) + body_len;
-    if (req_len > srv->cfg.max_request_bytes) {
-        conn_error(c, 413, "body too large\n");
-        return;
-    }
-    if (c->len < req_len)
-        return; /* body still arriving */
-
-    *sp1 = '\0';
-    *sp2 = '\0';
-    td_http_reply_t reply = {0};
-    srv->cfg.handler(srv->cfg.handler_data, c->buf, sp1 + 1, &reply);
-    memmove(c->buf, c->buf + req_len, c->len - req_len);
-    c->len -= req_len;
-    if (reply.status == 0) {
-        free(reply.body);
-        reply = (td_http_reply_t){.status = 404, .body = strdup("not found\n")};
-        reply.body_len = reply.body ? strlen(reply.body) : 0;
-    }
-    conn_reply(c, reply.status, reply.content_type, reply.body, reply.body_len, keep_alive);
+    return n;
 }
 
+/* ---- reading ------------------------------------------------------------------------- */
+
+static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf);
+static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf);
+
+static bool conn_paused(const http_conn_t *c)
+{
+    return HTTP_PARSER_ERRNO(&c->parser) == HPE_PAUSED;
+}
+
+static void conn_read_start(http_conn_t *c)
+{
+    if (c->reading || c->read_done || c->closing || c->in_len >= READ_BYTES)
+        return;
+    if (uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read) < 0) {
+        conn_close(c, CLOSE_NONE);
+        return;
+    }
+    c->reading = true;
+}
+
+/* Parses the input that waited while the previous request was handled, then reads on. */
+static void conn_resume(http_conn_t *c)
+{
+    http_parser_pause(&c->parser, 0);
+    while (c->in_len > 0 && !c->closing && !c->read_done && !conn_paused(c)) {
+        size_t n = conn_parse(c, c->in + c->in_off, c->in_len);
+        if (c->closing || c->read_done)
+            return;
+        c->in_off += n;
+        c->in_len -= n;
+    }
+    if (c->in_len == 0)
+        c->in_off = 0;
+    conn_read_start(c);
+}
+
+/* Bytes go through the parser from the server's buffer; while a request is handled they
+ * wait in the connection's own. */
 static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf)
 {
     http_conn_t *c = h->data;
-    size_t room = c->srv->cfg.max_request_bytes - c->len;
-    *buf = uv_buf_init(c->buf + c->len, (unsigned)room);
+    if (!conn_paused(c) && c->in_len == 0) {
+        *buf = uv_buf_init(c->srv->rbuf, READ_BYTES);
+        return;
+    }
+    if (!c->in && !(c->in = malloc(READ_BYTES))) {
+        *buf = uv_buf_init(NULL, 0); /* on_read gets UV_ENOBUFS and closes */
+        return;
+    }
+    if (c->in_off > 0) {
+        memmove(c->in, c->in + c->in_off, c->in_len);
+        c->in_off = 0;
+    }
+    *buf = uv_buf_init(c->in + c->in_len, (unsigned)(READ_BYTES - c->in_len));
 }
 
 static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
 {
     http_conn_t *c = s->data;
     if (nread < 0) {
-        conn_close(c);
+        /* EOF or reset: the client is gone (a half-close cannot be told from a close) */
+        if (nread != UV_EOF)
+            td_debug("%s connection: read failed: %s", c->srv->cfg.name, uv_strerror((int)nread));
+        conn_close(c, CLOSE_NONE);
         return;
     }
-    if (nread == 0 || c->closing)
+    if (nread == 0 || c->closing || c->read_done)
         return;
-    c->len += (size_t)nread;
-    conn_request_begun(c);
-    if (c->writing && c->len >= c->srv->cfg.max_request_bytes) {
-        uv_read_stop(s); /* resumes never: a client that floods while we answer is dropped */
-        conn_close(c);
-        return;
+    if (buf->base == c->srv->rbuf) {
+        size_t n = conn_parse(c, buf->base, (size_t)nread);
+        if (n < (size_t)nread && !c->closing && !c->read_done) {
+            if (!c->in && !(c->in = malloc(READ_BYTES))) {
+                conn_close(c, CLOSE_NONE);
+                return;
+            }
+            memcpy(c->in, buf->base + n, (size_t)nread - n);
+            c->in_off = 0;
+            c->in_len = (size_t)nread - n;
+        }
+    } else {
+        c->in_len += (size_t)nread;
     }
-    conn_process(c);
+    if (c->reading && c->in_off + c->in_len >= READ_BYTES) {
+        uv_read_stop(s); /* resumed once the handled request is answered */
+        c->reading = false;
+    }
 }
 
-/* The connection to close to make room: not being answered; one that never completed a
- * request first, then the one idle longest; oldest first in each. */
-static http_conn_t *pick_victim(td_http_server_t *srv, const http_conn_t *except)
+/* ---- accepting ----------------------------------------------------------------------- */
+
+/* The connection to close to make room: the oldest never answered one, else the one idle
+ * longest; NULL when every connection is busy. */
+static http_conn_t *pick_victim(td_http_server_t *srv)
 {
-    http_conn_t *best = NULL;
-    TD_LIST_FOREACH(n, &srv->conns) {
-        http_conn_t *c = TD_CONTAINER_OF(n, http_conn_t, link);
-        if (c == except || c->closing || c->writing)
-            continue;
-        if (!best || (!c->served && best->served) ||
-            (c->served == best->served && c->since < best->since))
-            best = c;
-    }
-    return best;
+    if (!td_list_empty(&srv->fresh))
+        return TD_CONTAINER_OF(td_list_first(&srv->fresh), http_conn_t, link);
+    if (!td_list_empty(&srv->idle))
+        return TD_CONTAINER_OF(td_list_first(&srv->idle), http_conn_t, link);
+    return NULL;
 }
 
 static void on_connection(uv_stream_t *listener, int status)
@@ -371,40 +762,39 @@ static void on_connection(uv_stream_t *listener, int status)
     http_conn_t *c = calloc(1, sizeof *c);
     if (!c)
         return;
-    c->buf = malloc(srv->cfg.max_request_bytes);
-    if (!c->buf) {
-        free(c);
-        return;
-    }
     c->srv = srv;
     uv_tcp_init(srv->loop, &c->tcp);
-    uv_timer_init(srv->loop, &c->idle);
+    uv_timer_init(srv->loop, &c->timer);
     c->tcp.data = c;
-    c->idle.data = c;
+    c->timer.data = c;
     c->open_handles = 2;
-    c->since = uv_now(srv->loop);
-    td_list_push_front(&srv->conns, &c->link);
-    srv->n_conns++;
+    td_list_init(&c->link);
     if (uv_accept(listener, (uv_stream_t *)&c->tcp) < 0) {
-        conn_close(c);
+        conn_close(c, CLOSE_NONE);
         return;
     }
-    if (srv->n_conns > srv->cfg.max_connections) {
-        http_conn_t *victim = pick_victim(srv, c);
-        count_close(srv, victim ? CLOSE_EVICTED : CLOSE_REFUSED);
+    if (srv->n_conns >= srv->cfg.max_connections) {
+        http_conn_t *victim = pick_victim(srv);
         if (!victim) {
-            td_warn("http server: connection limit %u reached and every connection is being answered, "
-                    "refusing a connection", srv->cfg.max_connections);
-            conn_close(c);
+            td_warn("%s server: connection limit %u reached and every connection is busy, refusing a connection",
+                    srv->cfg.name, srv->cfg.max_connections);
+            conn_close(c, CLOSE_REFUSED);
             return;
         }
-        conn_close(victim);
+        conn_close(victim, CLOSE_EVICTED);
     }
+    td_list_push_back(&srv->fresh, &c->link);
+    c->list = &srv->fresh;
+    srv->n_conns++;
+    http_parser_init(&c->parser, HTTP_REQUEST);
+    c->parser.data = c;
+    c->since = uv_now(srv->loop);
     uv_tcp_nodelay(&c->tcp, 1);
-    uv_timer_start(&c->idle, on_idle, srv->cfg.idle_timeout_ms, 0);
-    if (uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read) < 0)
-        conn_close(c);
+    conn_arm_timer(c);
+    conn_read_start(c);
 }
+
+/* ---- the server ---------------------------------------------------------------------- */
 
 static void on_listener_closed(uv_handle_t *h)
 {
@@ -417,28 +807,46 @@ td_status_t td_http_server_create(uv_loop_t *loop, const td_http_config_t *cfg,
                                   td_http_server_t **srv_p)
 {
     struct sockaddr_storage addr;
+    td_http_config_t def = td_http_config_default();
+    const char *name = cfg->name ? cfg->name : def.name;
     if (!cfg->handler)
-        return td_errorf(TD_ERR_INVALID, "http: no handler given");
-    if (cfg->max_request_bytes < 64)
-        return td_errorf(TD_ERR_INVALID, "http: max_request_bytes %zu is below 64", cfg->max_request_bytes);
-    if (!td_rpc_tcp_addr(cfg->host, cfg->port, &addr))
-        return td_errorf(TD_ERR_INVALID, "http: host \"%s\" is not an IPv4 or IPv6 address", cfg->host);
+        return td_errorf(TD_ERR_INVALID, "%s: no handler given", name);
+    if (cfg->max_request_bytes < 64 || cfg->max_write_queue_bytes < 64)
+        return td_errorf(TD_ERR_INVALID, "%s: max_request_bytes %zu and max_write_queue_bytes %zu must be at least 64",
+                         name, cfg->max_request_bytes, cfg->max_write_queue_bytes);
+    if (!cfg->host || !td_rpc_tcp_addr(cfg->host, cfg->port, &addr))
+        return td_errorf(TD_ERR_INVALID, "%s: host \"%s\" is not an IPv4 or IPv6 address", name,
+                         cfg->host ? cfg->host : "(null)");
     td_http_server_t *srv = calloc(1, sizeof *srv);
     if (!srv)
-        return td_errorf(TD_ERR_NOMEM, "http: out of memory");
+        return td_errorf(TD_ERR_NOMEM, "%s: out of memory", name);
     srv->loop = loop;
     srv->cfg = *cfg;
-    td_list_init(&srv->conns);
+    srv->cfg.name = name;
+    if (!srv->cfg.metrics_name)
+        srv->cfg.metrics_name = def.metrics_name;
     if (!srv->cfg.max_connections)
-        srv->cfg.max_connections = 64;
+        srv->cfg.max_connections = def.max_connections;
     if (!srv->cfg.idle_timeout_ms)
-        srv->cfg.idle_timeout_ms = 30000;
+        srv->cfg.idle_timeout_ms = def.idle_timeout_ms;
     if (!srv->cfg.request_timeout_ms)
-        srv->cfg.request_timeout_ms = 10000;
+        srv->cfg.request_timeout_ms = def.request_timeout_ms;
+    td_list_init(&srv->fresh);
+    td_list_init(&srv->idle);
+    td_list_init(&srv->busy);
+    http_parser_settings_init(&srv->settings);
+    srv->settings.on_message_begin = on_message_begin;
+    srv->settings.on_url = on_url;
+    srv->settings.on_header_field = on_header_field;
+    srv->settings.on_header_value = on_header_value;
+    srv->settings.on_headers_complete = on_headers_complete;
+    srv->settings.on_body = on_body;
+    srv->settings.on_message_complete = on_message_complete;
     if (cfg->metrics) {
-        td_status_t st = td_metrics_counter_each(cfg->metrics, "tandem_http_server_connections_closed_total",
+        td_status_t st = td_metrics_counter_each(cfg->metrics, srv->cfg.metrics_name,
                                                  "Connections the HTTP server closed itself, by reason: "
-                                                 "request_timeout, idle_timeout, evicted (room for a new one), refused.",
+                                                 "request_timeout, idle_timeout, write_timeout (queued bytes "
+                                                 "unread), evicted (room for a new one), refused.",
                                                  "reason", close_names, CLOSE_N, srv->closed_by);
         if (st != TD_OK) {
             free(srv);
@@ -447,7 +855,7 @@ td_status_t td_http_server_create(uv_loop_t *loop, const td_http_config_t *cfg,
     }
     uv_tcp_init(loop, &srv->listener);
     srv->listener.data = srv;
-    td_status_t st = td_rpc_tcp_listen(&srv->listener, "http", cfg->host, cfg->port, on_connection, &srv->port);
+    td_status_t st = td_rpc_tcp_listen(&srv->listener, name, cfg->host, cfg->port, on_connection, &srv->port);
     if (st != TD_OK)
         goto err_listener;
     *srv_p = srv;
@@ -474,30 +882,238 @@ void td_http_server_close(td_http_server_t *srv, void (*cb)(void *data), void *d
     srv->close_data = data;
     srv->pending_closes++;
     uv_close((uv_handle_t *)&srv->listener, on_listener_closed);
-    while (!td_list_empty(&srv->conns))
-        conn_close(TD_CONTAINER_OF(td_list_first(&srv->conns), http_conn_t, link));
+    td_list_t *lists[] = {&srv->fresh, &srv->idle, &srv->busy};
+    for (size_t i = 0; i < TD_ARRAY_LEN(lists); i++)
+        while (!td_list_empty(lists[i]))
+            conn_close(TD_CONTAINER_OF(td_list_first(lists[i]), http_conn_t, link), CLOSE_NONE);
 }
 
-void td_http_metrics_handler(void *data, const char *method, const char *path,
-                             td_http_reply_t *reply)
+/* ---- requests ------------------------------------------------------------------------ */
+
+const char *td_http_req_method(const td_http_req_t *req)
 {
-    size_t plen = strcspn(path, "?");
-    if (plen != 8 || strncmp(path, "/metrics", 8) != 0)
-        return; /* 404 */
-    if (strcmp(method, "GET") != 0) {
-        reply->status = 405;
-        reply->body = strdup("only GET\n");
-        reply->body_len = reply->body ? strlen(reply->body) : 0;
+    return req->method;
+}
+
+const char *td_http_req_path(const td_http_req_t *req)
+{
+    return req->path;
+}
+
+const char *td_http_req_query(const td_http_req_t *req)
+{
+    return req->query;
+}
+
+const char *td_http_req_header(const td_http_req_t *req, const char *name)
+{
+    const char *p = req->head + req->url_len + 1;
+    for (uint32_t i = 0; i < req->n_headers; i++) {
+        const char *value = p + strlen(p) + 1;
+        if (strcasecmp(p, name) == 0)
+            return value;
+        p = value + strlen(value) + 1;
+    }
+    return NULL;
+}
+
+const char *td_http_req_body(const td_http_req_t *req, size_t *len_p)
+{
+    *len_p = req->body_len;
+    return req->body;
+}
+
+void td_http_req_set_data(td_http_req_t *req, void *data)
+{
+    req->data = data;
+}
+
+void *td_http_req_data(const td_http_req_t *req)
+{
+    return req->data;
+}
+
+void td_http_req_on_abort(td_http_req_t *req, td_http_req_cb cb)
+{
+    req->on_abort = cb;
+}
+
+void td_http_req_on_writable(td_http_req_t *req, td_http_req_cb cb)
+{
+    req->on_writable = cb;
+}
+
+size_t td_http_req_queued_bytes(const td_http_req_t *req)
+{
+    return req->conn->queued;
+}
+
+td_status_t td_http_resp_header(td_http_req_t *req, const char *name, const char *value)
+{
+    if (req->state != REQ_HANDLED)
+        return td_errorf_quiet(TD_ERR_CLOSED, "http: response header %s after the answer began", name);
+    size_t nl = strlen(name), vl = strlen(value);
+    if (nl == 0 || strcspn(name, "\r\n: \t") != nl || strcspn(value, "\r\n") != vl)
+        return td_errorf(TD_ERR_INVALID, "http: response header \"%s\" has an empty name, a blank, a colon, CR or LF",
+                         name);
+    if (req->extra_len + nl + vl + 4 > EXTRA_HEADER_BYTES)
+        return td_errorf(TD_ERR_RANGE, "http: response headers over %d bytes", EXTRA_HEADER_BYTES);
+    if (!req->extra && !(req->extra = malloc(EXTRA_HEADER_BYTES)))
+        return td_errorf(TD_ERR_NOMEM, "http: out of memory");
+    req->extra_len += (size_t)sprintf(req->extra + req->extra_len, "%s: %s\r\n", name, value);
+    return TD_OK;
+}
+
+/* The handler is done with req: it is freed; the connection goes on once its bytes are
+ * written (the next request, or the close). The caller relists and rearms c after its
+ * last write. */
+static void req_finish(td_http_req_t *req)
+{
+    http_conn_t *c = req->conn;
+    c->req = NULL;
+    req_free(req);
+    c->answered = true;
+}
+
+/* After the handler's last piece of an answer was queued. */
+static void conn_answer_queued(http_conn_t *c)
+{
+    if (c->closing)
+        return;
+    if (c->queued == 0) { /* nothing to wait for: only the close (see td_http_stream_begin) */
+        TD_ASSERT(c->close_after);
+        conn_close(c, CLOSE_NONE);
+        return;
+    }
+    conn_relist(c);
+    conn_arm_timer(c);
+}
+
+void td_http_respond(td_http_req_t *req, int status, const char *content_type, const char *body,
+                     size_t len)
+{
+    if (req->state == REQ_ABORTED) /* from inside on_abort: nothing to answer */
+        return;
+    TD_ASSERT(req->state == REQ_HANDLED);
+    http_conn_t *c = req->conn;
+    if (c->closing) {
+        req_finish(req);
+        return;
+    }
+    size_t blen = req->head_method ? 0 : len;
+    http_write_t *wr = write_new(c, HEAD_BYTES + req->extra_len + blen);
+    if (!wr) {
+        td_warn("%s connection: out of memory for a %zu-byte answer, closing", c->srv->cfg.name, len);
+        conn_close(c, CLOSE_NONE);
+        req_finish(req);
+        return;
+    }
+    bool keep = req->keep_alive && !c->srv->closing;
+    size_t n = format_head(wr->data, status, content_type, (long long)len, keep, req->extra ? req->extra : "",
+                           req->extra_len);
+    if (blen)
+        memcpy(wr->data + n, body, blen);
+    wr->len = n + blen;
+    c->close_after = !keep;
+    req_finish(req);
+    if (conn_send(c, wr) == TD_OK)
+        conn_answer_queued(c);
+}
+
+td_status_t td_http_stream_begin(td_http_req_t *req, int status, const char *content_type)
+{
+    if (req->state != REQ_HANDLED)
+        return td_errorf_quiet(TD_ERR_INVALID, "http: stream begun on a request already answering");
+    http_conn_t *c = req->conn;
+    if (c->closing)
+        return td_errorf_quiet(TD_ERR_CLOSED, "http: the client is gone");
+    http_write_t *wr = write_new(c, HEAD_BYTES + req->extra_len);
+    if (!wr)
+        return td_errorf(TD_ERR_NOMEM, "http: out of memory");
+    /* HTTP/1.0 has no chunks: the body runs to the close; a HEAD's stream (no body, so
+     * no last chunk) ends with one too */
+    bool keep = req->keep_alive && !req->http10 && !req->head_method && !c->srv->closing;
+    wr->len = format_head(wr->data, status, content_type, req->http10 ? -2 : -1, keep,
+                          req->extra ? req->extra : "", req->extra_len);
+    c->close_after = !keep;
+    req->state = REQ_STREAMING;
+    td_status_t st = conn_send(c, wr);
+    conn_arm_timer(c);
+    return st;
+}
+
+td_status_t td_http_stream_write(td_http_req_t *req, const char *data, size_t len)
+{
+    if (req->state != REQ_STREAMING)
+        return td_errorf_quiet(TD_ERR_INVALID, "http: stream write without a stream begun");
+    http_conn_t *c = req->conn;
+    if (c->closing)
+        return td_errorf_quiet(TD_ERR_CLOSED, "http: the client is gone");
+    if (len == 0 || req->head_method)
+        return TD_OK;
+    if (c->queued > 0 && c->queued + len > c->srv->cfg.max_write_queue_bytes) {
+        req->want_writable = true;
+        return TD_ERR_BUSY;
+    }
+    http_write_t *wr = write_new(c, len + 32);
+    if (!wr)
+        return td_errorf(TD_ERR_NOMEM, "http: out of memory");
+    size_t n = req->http10 ? 0 : (size_t)sprintf(wr->data, "%zx\r\n", len);
+    memcpy(wr->data + n, data, len);
+    n += len;
+    if (!req->http10) {
+        memcpy(wr->data + n, "\r\n", 2);
+        n += 2;
+    }
+    wr->len = n;
+    td_status_t st = conn_send(c, wr);
+    if (st == TD_OK)
+        conn_arm_timer(c);
+    return st;
+}
+
+void td_http_stream_end(td_http_req_t *req)
+{
+    if (req->state == REQ_ABORTED)
+        return;
+    TD_ASSERT(req->state == REQ_STREAMING);
+    http_conn_t *c = req->conn;
+    bool chunked = !req->http10 && !req->head_method;
+    req_finish(req);
+    if (c->closing)
+        return;
+    if (chunked) {
+        http_write_t *wr = write_new(c, 5);
+        if (!wr) {
+            conn_close(c, CLOSE_NONE);
+            return;
+        }
+        memcpy(wr->data, "0\r\n\r\n", 5);
+        if (conn_send(c, wr) != TD_OK)
+            return;
+    }
+    conn_answer_queued(c);
+}
+
+void td_http_metrics_handler(void *data, td_http_req_t *req)
+{
+    static const char not_found[] = "not found\n", only_get[] = "only GET\n";
+    if (strcmp(td_http_req_path(req), "/metrics") != 0) {
+        td_http_respond(req, 404, NULL, not_found, sizeof not_found - 1);
+        return;
+    }
+    const char *method = td_http_req_method(req);
+    if (strcmp(method, "GET") != 0 && strcmp(method, "HEAD") != 0) {
+        td_http_resp_header(req, "Allow", "GET, HEAD");
+        td_http_respond(req, 405, NULL, only_get, sizeof only_get - 1);
         return;
     }
     char *text;
     size_t len;
     if (td_metrics_render(data, &text, &len) != TD_OK) {
-        reply->status = 500;
+        td_http_respond(req, 500, NULL, "", 0);
         return;
     }
-    reply->status = 200;
-    reply->content_type = TD_METRICS_CONTENT_TYPE;
-    reply->body = text;
-    reply->body_len = len;
+    td_http_respond(req, 200, TD_METRICS_CONTENT_TYPE, text, len);
+    free(text);
 }

@@ -23,7 +23,7 @@ static void close_loop(uv_loop_t *loop)
     cr_assert_eq(uv_loop_close(loop), 0, "a handle was left open");
 }
 
-static void on_request(void *data, const char *method, const char *path, td_http_reply_t *reply) {}
+static void on_request(void *data, td_http_req_t *req) {}
 
 Test(rpc_tcp, addresses_are_ip_literals)
 {
