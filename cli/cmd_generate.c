@@ -147,7 +147,8 @@ static int parse_opts(int argc, char **argv, cli_gen_opts_t *o)
                "tokens/s, time to first token; with --server also the router's queue, prefill,\n"
                "transfer, first-token and per-token times) to stderr. Generation stops at a stop token\n"
                "or string, at --max-tokens, or at the model's maximum length. Exit status: 0 done,\n"
-               "1 failed (with --server: the gRPC status is named in the message), 2 usage error.\n");
+               "1 failed (with --server: the gRPC status is named in the message), 2 usage error.\n"
+               "With --server, a router that requires API keys gets the one in TANDEM_API_KEY.\n");
         return 0;
     }
     o->sampling.top_k = (int32_t)top_k;
@@ -557,6 +558,15 @@ static int gen_remote(cli_gen_opts_t *o)
     td_grpc_call_opts_t co = {.response_desc = &tandem__v1__generate_response__descriptor,
                               .on_message = on_gen_message, .on_done = on_gen_done, .data = &r,
                               .timeout_ms = (uint32_t)TD_MAX(1.0f, o->timeout_s * 1000.0f)};
+    /* the gateway's API key comes from the environment, not a flag: argv shows in ps */
+    const char *key = getenv("TANDEM_API_KEY");
+    char bearer[1024];
+    td_grpc_header_t auth = {"authorization", bearer};
+    if (key && key[0]) {
+        snprintf(bearer, sizeof bearer, "Bearer %s", key);
+        co.headers = &auth;
+        co.n_headers = 1;
+    }
     r.t0 = td_now_ns();
     if ((st = td_grpc_channel_call(r.ch, "/tandem.v1.Generation/Generate", &req.base, &co, &r.gen)) != TD_OK) {
         char why[256];

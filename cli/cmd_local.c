@@ -3,7 +3,8 @@
  * 127.0.0.1 as separate processes of this same binary (router, N prefill, M decode
  * nodes). Prints `gateway: HOST:PORT` and `metrics: URL` once every node registered, then
  * waits; SIGINT/SIGTERM (or the router's death) stops every process it started
- * (SIGTERM, then SIGKILL after a bound).
+ * (SIGTERM, then SIGKILL after a bound). Each cluster gets a cluster secret of its own
+ * (docs/security.md), written 0600 into a run directory that is removed at the end.
  */
 #include <errno.h>
 #include <signal.h>
@@ -13,6 +14,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "td_auth.h"
 #include "td_backend.h"
 #include "td_child.h"
 #include "td_cli.h"
@@ -122,7 +124,7 @@ static void local_plan(int64_t n_prefill, int64_t n_decode, int64_t threads, int
 int cmd_local(int argc, char **argv)
 {
     const char *model = NULL, *tokenizer = NULL, *log_level = "warn", *host = "127.0.0.1", *advertise = NULL;
-    const char *device = "cpu", *dtype = NULL;
+    const char *device = "cpu", *dtype = NULL, *api_keys = NULL;
     int64_t n_prefill = 1, n_decode = 1, threads = 0, kv_blocks = 0, kv_mem = 0;
     const td_opt_t opts[] = {
         TD_OPT_STRING("model", &model, "model path (required)"),
@@ -137,6 +139,7 @@ int cmd_local(int argc, char **argv)
         TD_OPT_STRING("advertise", &advertise, "address peers reach them at (default: --host)"),
         TD_OPT_STRING("device", &device, "cpu (default), cuda or cuda:N, for every node"),
         TD_OPT_STRING("dtype", &dtype, "f32|f16|bf16, for every node"),
+        TD_OPT_STRING("api-keys-file", &api_keys, "API keys the router's front doors require (docs/security.md)"),
     };
     td_opts_t spec = {.prog = "local", .opts = opts, .n_opts = TD_ARRAY_LEN(opts)};
     td_opts_result_t r = {0};
@@ -145,7 +148,8 @@ int cmd_local(int argc, char **argv)
     if (r.help) {
         printf("usage: tandem local --model PATH [--tokenizer PATH] [--prefill N] [--decode M]\n"
                "                    [--threads T] [--kv-blocks B | --kv-mem MIB] [--log-level L]\n"
-               "                    [--host H] [--advertise A] [--device D] [--dtype T]\n\n"
+               "                    [--host H] [--advertise A] [--device D] [--dtype T]\n"
+               "                    [--api-keys-file FILE]\n\n"
                "Starts a router, N prefill and M decode nodes (separate processes) listening on\n"
                "--host (default 127.0.0.1) and reached at --advertise (default --host; required\n"
                "with a wildcard host), prints 'gateway: HOST:PORT' and 'metrics: URL' once all\n"
@@ -153,7 +157,8 @@ int cmd_local(int argc, char **argv)
                "this process's cores / (N + M), at least 1). The KV pools share one budget, %d%% of\n"
                "the memory available, split %d:1 between a decode and a prefill node and passed as\n"
                "--kv-mem; --kv-mem MIB (per node) or --kv-blocks B (per node) replace it.\n"
-               "--device (cpu, cuda, cuda:N) and --dtype (f32, f16, bf16) go to every node.\n\n",
+               "--device (cpu, cuda, cuda:N) and --dtype (f32, f16, bf16) go to every node.\n"
+               "A cluster secret of its own is made for each run (docs/security.md).\n\n",
                TD_KV_LOCAL_PERCENT, TD_KV_LOCAL_DECODE_SHARE);
         td_opts_usage(stdout, opts, (int)TD_ARRAY_LEN(opts), false);
         return 0;
@@ -193,8 +198,24 @@ int cmd_local(int argc, char **argv)
     sigaction(SIGTERM, &sa, NULL);
     int rc = 1;
     char line[512], gateway[512] = "", control[512] = "", metrics[512] = "";
-    char *rargv[12] = {"tandem", "router", "--log-level", (char *)log_level, "--host", (char *)host};
-    int rn = 6;
+    /* the cluster's own secret: only these processes can join its control plane */
+    const char *tmp = getenv("TMPDIR");
+    char run_dir[4096], secret[4200];
+    snprintf(run_dir, sizeof run_dir, "%s/tandem-local-XXXXXX", tmp && tmp[0] ? tmp : "/tmp");
+    if (!mkdtemp(run_dir)) {
+        fprintf(stderr, "tandem local: cannot create a run directory %s: %s\n", run_dir, strerror(errno));
+        return 1;
+    }
+    snprintf(secret, sizeof secret, "%s/cluster.secret", run_dir);
+    if (td_auth_secret_generate(secret) != TD_OK)
+        goto out;
+    char *rargv[16] = {"tandem", "router", "--log-level", (char *)log_level, "--host", (char *)host,
+                       "--cluster-secret-file", secret};
+    int rn = 8;
+    if (api_keys) {
+        rargv[rn++] = "--api-keys-file";
+        rargv[rn++] = (char *)api_keys;
+    }
     if (advertise) { /* none: the child's default (--host) */
         rargv[rn++] = "--advertise";
         rargv[rn++] = (char *)advertise;
@@ -223,7 +244,8 @@ int cmd_local(int argc, char **argv)
         snprintf(id, sizeof id, "%s%lld", dec ? "decode" : "prefill", (long long)(dec ? i - n_prefill : i));
         char *nargv[] = {"tandem", dec ? "decode" : "prefill", "--model", (char *)model, "--router", control,
                          "--node-id", id, "--threads", plan.threads, "--log-level", (char *)log_level,
-                         "--host", (char *)host, "--device", (char *)device, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
+                         "--host", (char *)host, "--device", (char *)device, "--cluster-secret-file", secret,
+                         NULL, NULL, NULL, NULL, NULL, NULL, NULL};
         int k = 0;
         while (nargv[k]) /* the optional flags go after the fixed ones */
             k++;
@@ -274,5 +296,7 @@ out:
     td_child_stop_all(l.kids, l.n, 5000, NULL);
     if (l.n > 0)
         td_child_close(&l.kids[0]);
+    unlink(secret);
+    rmdir(run_dir);
     return rc;
 }

@@ -886,6 +886,7 @@ int decode_main(int argc, char **argv)
     gc.host = pc->host;
     gc.port = (uint16_t)pc->port;
     gc.metrics = s->metrics;
+    td_node_auth_guard_control(&s->proc.auth, &gc);
     static const td_grpc_method_t methods[] = {
         {"/tandem.control.v1.DecodeNode/Admit", &tandem__control__v1__admit_request__descriptor, on_admit},
         {"/tandem.control.v1.DecodeNode/Release", &tandem__control__v1__release_request__descriptor, on_release},

@@ -747,6 +747,7 @@ int prefill_main(int argc, char **argv)
     gc.host = pc->host;
     gc.port = (uint16_t)pc->port;
     gc.metrics = s->metrics;
+    td_node_auth_guard_control(&s->proc.auth, &gc);
     if ((st = td_grpc_server_create(&s->proc.loop, &gc, &s->grpc)) != TD_OK ||
         (st = td_grpc_server_add_method(s->grpc, "/tandem.control.v1.PrefillNode/Prefill",
                                         &tandem__control__v1__prefill_request__descriptor, on_prefill, s)) != TD_OK)

@@ -210,10 +210,12 @@ int router_main(int argc, char **argv)
     gc.port = (uint16_t)pc->port;
     gc.metrics = s->metrics;
     gc.send_queue_bytes = (size_t)cfg->send_queue_bytes;
+    td_node_auth_guard_gateway(&s->proc.auth, &gc);
     if ((st = td_grpc_server_create(&s->proc.loop, &gc, &s->gateway)) != TD_OK)
         goto out;
     gc.port = (uint16_t)cfg->control_port;
     gc.send_queue_bytes = td_grpc_server_config_default().send_queue_bytes;
+    td_node_auth_guard_control(&s->proc.auth, &gc);
     if ((st = td_grpc_server_create(&s->proc.loop, &gc, &s->control)) != TD_OK || (st = add_methods(s)) != TD_OK)
         goto out;
     if ((st = td_node_serve(&s->proc, s->metrics)) != TD_OK)

@@ -92,6 +92,10 @@ bool td_node_configure(td_node_t *p, const td_node_spec_t *spec, const td_opt_t 
     }
     if (c->log_level)
         td_log_set_level((td_log_level_t)td_log_parse_level(c->log_level));
+    if (td_node_auth_load(&p->auth, spec->prog, c->api_keys_file, c->cluster_secret_file) != TD_OK) {
+        *exit_p = 2;
+        goto err_conf;
+    }
     uv_loop_init(&p->loop);
     p->loop_up = true;
     return true;
@@ -121,6 +125,9 @@ td_status_t td_node_serve(td_node_t *p, td_metrics_t *metrics)
         if (st != TD_OK)
             return st;
     }
+    td_status_t st = td_node_auth_serve(&p->auth, &p->loop, metrics);
+    if (st != TD_OK)
+        return st;
     td_http_config_t hc = td_http_config_default();
     hc.host = p->cfg.host;
     hc.port = (uint16_t)p->cfg.metrics_port;
@@ -148,6 +155,7 @@ td_status_t td_node_register(td_node_t *p, td_node_client_config_t *nc, uint16_t
     bool v6 = strchr(c->advertise, ':') && c->advertise[0] != '[';
     snprintf(nc->info.address, sizeof nc->info.address, v6 ? "[%s]:%u" : "%s:%u", c->advertise, control_port);
     snprintf(p->address, sizeof p->address, "%s", nc->info.address);
+    nc->cluster = p->auth.cluster;
     td_status_t st = td_node_client_create(&p->loop, nc, load_cb, data, &p->client);
     if (st != TD_OK)
         return st;
@@ -248,6 +256,7 @@ void td_node_shutdown(td_node_t *p)
     p->http = NULL;
     td_metrics_loop_stop(p->loop_metrics);
     p->loop_metrics = NULL;
+    td_node_auth_close(&p->auth);
     if (p->signals_up) {
         uv_close((uv_handle_t *)&p->sigint, NULL);
         uv_close((uv_handle_t *)&p->sigterm, NULL);
@@ -270,5 +279,6 @@ void td_node_stop(td_node_t *p)
 
 void td_node_free(td_node_t *p)
 {
+    td_node_auth_free(&p->auth);
     td_opts_result_free(&p->conf);
 }

@@ -39,6 +39,7 @@
 #include "control.pb-c.h"
 #include "td_node_conf.h"
 #include "td_node_client.h"
+#include "td_node_auth.h"
 #include "td_backend.h"
 #include "td_engine.h"
 #include "td_http.h"
@@ -83,6 +84,7 @@ typedef struct td_node {
     td_http_server_t *http;
     td_metrics_loop_t *loop_metrics; /* loop lag and longest run, beside /metrics */
     td_node_client_t *client;
+    td_node_auth_t auth;       /* API keys (router) and cluster secret, from the config */
     uv_signal_t sigint, sigterm;
     bool loop_up, signals_up, shutting_down;
 } td_node_t;
@@ -90,7 +92,8 @@ typedef struct td_node {
 /*
  * Reads the config: the common keys of spec->kind followed by keys[0..n_keys), from
  * --config FILE and argv (td_node_conf), then --log-level, the node's --model and --router,
- * and the address rule; then initialises the loop. True: go on. False: return *exit_p
+ * and the address rule; loads the API keys and cluster secret files (td_node_auth); then
+ * initialises the loop. True: go on. False: return *exit_p
  * from main (0 after --help, 2 for a bad config, the reason logged once). The strings in
  * p->cfg stay valid until td_node_free.
  */
@@ -103,7 +106,8 @@ bool td_node_is_wildcard(const char *host);
 /*
  * Starts /metrics on cfg.host:cfg.metrics_port (serving `metrics`, which the caller keeps
  * alive until td_node_stop returned), the loop's own series in it (td_metrics_loop:
- * lag and longest run of callbacks) and the SIGINT/SIGTERM watch. Errors: those of
+ * lag and longest run of callbacks), the auth counters (td_node_auth_serve: SIGHUP reloads
+ * the API keys) and the SIGINT/SIGTERM watch. Errors: those of
  * td_http_server_create (logged there); the signals are watched in any case, so
  * td_node_stop can shut down.
  */

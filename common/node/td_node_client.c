@@ -9,6 +9,7 @@
 #include "control.pb-c.h"
 #include "td_grpc.h"
 #include "td_log.h"
+#include "td_node_auth.h"
 #include "td_util.h"
 
 struct td_node_client {
@@ -64,7 +65,7 @@ static void on_register_done(td_grpc_client_call_t *call, td_grpc_code_t code, c
     c->call_inflight = false;
     if (c->closing)
         return;
-    if (code == TD_GRPC_INVALID_ARGUMENT && !c->refused_logged) {
+    if ((code == TD_GRPC_INVALID_ARGUMENT || code == TD_GRPC_UNAUTHENTICATED) && !c->refused_logged) {
         /* a refusal, not a lost router: said once; it registers again in case it changes */
         td_log(TD_LOG_ERROR, "node %s: the router refused its registration: %s", c->cfg.info.id, message);
         c->refused_logged = true;
@@ -112,7 +113,8 @@ static bool ensure_channel(td_node_client_t *c)
         return true;
     drop_channel(c);
     td_grpc_channel_config_t cc = td_grpc_channel_config_default();
-    return td_grpc_channel_create(c->loop, c->router_host, c->cfg.router_port, &cc, &c->ch) == TD_OK;
+    return td_node_auth_sign_channel(c->cfg.cluster, &cc) == TD_OK &&
+           td_grpc_channel_create(c->loop, c->router_host, c->cfg.router_port, &cc, &c->ch) == TD_OK;
 }
 
 static void send_register(td_node_client_t *c)

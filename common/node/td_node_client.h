@@ -15,6 +15,7 @@
 #include <stdint.h>
 #include <uv.h>
 
+#include "td_auth.h"
 #include "td_node_info.h"
 #include "td_kv_layout.h"
 #include "td_status.h"
@@ -33,6 +34,8 @@ typedef struct td_node_client_config {
     uint32_t max_prefill_tokens; /* prefill nodes: token budget per step */
     uint32_t rpc_timeout_ms;     /* bound of each RegisterNode / Heartbeat call */
     uint32_t retry_ms;           /* wait before registering again after a failure */
+    td_auth_cluster_t *cluster;  /* the cluster secret every call is signed with; NULL: none
+                                    (borrowed: outlives the client) */
 } td_node_client_config_t;
 
 /* Fills *load with the node's current load (called before every heartbeat). */

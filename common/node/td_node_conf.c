@@ -41,6 +41,13 @@ static int common_keys(td_node_config_t *c, bool node, td_opt_t *out)
                                            "q8_0|q4_0: quantize an f32/f16/bf16 model's weight matrices at "
                                            "load (CPU); default: as stored. Paired nodes must agree");
     }
+    out[n++] = (td_opt_t)TD_OPT_STRING("cluster-secret-file", &c->cluster_secret_file,
+                                       "file holding the secret the router and its nodes share; every control "
+                                       "call is signed with it (docs/security.md); default: none, open");
+    if (!node)
+        out[n++] = (td_opt_t)TD_OPT_STRING("api-keys-file", &c->api_keys_file,
+                                           "API keys the gateway and HTTP API require (one a line, # comments; "
+                                           "reloaded on SIGHUP); default: none, open");
     out[n++] = (td_opt_t)TD_OPT_STRING("log-level", &c->log_level, "error|warn|info|debug");
     return n;
 }

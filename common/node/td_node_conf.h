@@ -26,6 +26,9 @@ typedef struct td_node_config {
     int64_t metrics_port;      /* /metrics (0 = any) */
     const char *model_name;    /* the model name served / routed by (default "default") */
     const char *log_level;
+    const char *cluster_secret_file; /* the secret every control call is signed with
+                                        (docs/security.md); NULL: control plane open */
+    const char *api_keys_file; /* router: keys the front doors require; NULL: none */
     /* nodes only */
     const char *model;         /* model path (required) */
     const char *router;        /* the router's control address HOST:PORT (default 127.0.0.1:7070) */

@@ -76,6 +76,22 @@ td_grpc_code_t td_grpc_code_from_status(td_status_t st);
 typedef struct td_grpc_server td_grpc_server_t;
 typedef struct td_grpc_call td_grpc_call_t;
 
+/* One metadata entry (an HTTP/2 header): lowercase name, printable ASCII value. */
+typedef struct td_grpc_header {
+    const char *name;
+    const char *value;
+} td_grpc_header_t;
+
+/*
+ * A server's gate (td_grpc_server_config_t.authenticate): runs once per call when its whole
+ * request has arrived, before it is unpacked or the handler runs, with the request bytes
+ * (without the gRPC prefix); td_grpc_call_header reads the call's metadata. TD_GRPC_OK lets
+ * the call through; any other code ends it with that code and why[] (cap bytes, written by
+ * the gate) as grpc-message, and the handler never sees it.
+ */
+typedef td_grpc_code_t (*td_grpc_auth_cb)(td_grpc_call_t *call, const void *request, size_t len, void *data,
+                                          char *why, size_t cap);
+
 typedef struct td_grpc_server_config {
     const char *host;                /* listen address, IPv4 or IPv6 literal; "127.0.0.1" */
     uint16_t port;                   /* 0 = ephemeral (td_grpc_server_port) */
@@ -109,6 +125,8 @@ typedef struct td_grpc_server_config {
                                       * "rapid reset" guard, whose own default (1000 burst,
                                       * 33/s) cuts off a router relaying cancels or racing
                                       * the end of calls; 0 = nghttp2's; 100000 */
+    td_grpc_auth_cb authenticate;    /* optional gate of every method (above); NULL: none */
+    void *auth_data;
 } td_grpc_server_config_t;
 
 td_grpc_server_config_t td_grpc_server_config_default(void);
@@ -187,6 +205,10 @@ const char *td_grpc_call_method(const td_grpc_call_t *call);
  * that serves only a known peer. TD_ERR_CLOSED (quiet) once the connection is gone. */
 td_status_t td_grpc_call_peer(const td_grpc_call_t *call, struct sockaddr_storage *addr_p);
 
+/* The value of request header `name` (lowercase; the first one when repeated), or NULL.
+ * Valid until the call is finished. Pseudo-headers (":path") are not kept. */
+const char *td_grpc_call_header(const td_grpc_call_t *call, const char *name);
+
 /* The call's deadline in uv_now() milliseconds of the server's loop, or 0 when the client
  * gave no grpc-timeout. */
 uint64_t td_grpc_call_deadline(const td_grpc_call_t *call);
@@ -228,11 +250,27 @@ void td_grpc_call_reply(td_grpc_call_t *call, const ProtobufCMessage *msg);
 typedef struct td_grpc_channel td_grpc_channel_t;
 typedef struct td_grpc_client_call td_grpc_client_call_t;
 
+/* Signs one request (td_grpc_channel_config_t.sign): writes the value of the channel's
+ * sign_header for `method` and the packed request[0..len) (without the gRPC prefix) into
+ * value[0..cap). An error fails the td_grpc_channel_call (no callback runs). */
+typedef td_status_t (*td_grpc_sign_cb)(void *data, const char *method, const void *request, size_t len,
+                                       char *value, size_t cap);
+
 typedef struct td_grpc_channel_config {
     size_t max_message_bytes;        /* largest request sent / response accepted; 4 MiB */
     uint32_t initial_window_bytes;   /* receive window per stream and connection; 1 MiB */
     uint32_t max_header_list_bytes;  /* 16 KiB */
+    /* optional: every call gets header sign_header: sign(sign_data, ...) (at most
+     * TD_GRPC_SIGN_CHARS). The channel owns sign_data from td_grpc_channel_create on, also
+     * when that fails: sign_free(sign_data) (may be NULL) runs when the channel is freed. */
+    const char *sign_header;         /* a static string */
+    td_grpc_sign_cb sign;
+    void *sign_data;
+    void (*sign_free)(void *sign_data);
 } td_grpc_channel_config_t;
+
+#define TD_GRPC_SIGN_CHARS 256
+#define TD_GRPC_MAX_CALL_HEADERS 8
 
 td_grpc_channel_config_t td_grpc_channel_config_default(void);
 
@@ -259,6 +297,11 @@ typedef struct td_grpc_call_opts {
      * malformed input). Used when the request message is NULL. */
     const void *raw_request;
     size_t raw_request_len;
+    /* Metadata sent with the request (copied; at most TD_GRPC_MAX_CALL_HEADERS), e.g.
+     * {"authorization", "Bearer KEY"}. Names lowercase, not pseudo-headers nor one the
+     * channel sets itself (content-type, te, grpc-timeout...). */
+    const td_grpc_header_t *headers;
+    size_t n_headers;
 } td_grpc_call_opts_t;
 
 /*

@@ -96,6 +96,8 @@ static void channel_maybe_free(td_grpc_channel_t *ch)
     void (*cb)(void *) = ch->close_cb;
     void *data = ch->close_data;
     nghttp2_session_del(ch->ses);
+    if (ch->cfg.sign_free)
+        ch->cfg.sign_free(ch->cfg.sign_data);
     TD_LIST_FOREACH_SAFE(n, &ch->spare) {
         td_grpc_client_call_t *c = CALL_OF(n);
         td_grpc_buf_free(&c->req);
@@ -488,15 +490,23 @@ td_status_t td_grpc_channel_create(uv_loop_t *loop, const char *host, uint16_t p
 {
     struct sockaddr_storage addr;
     const char *ip = strcmp(host, "localhost") == 0 ? "127.0.0.1" : host;
+    td_status_t st = TD_OK;
     if (!td_rpc_tcp_addr(ip, port, &addr))
-        return td_errorf(TD_ERR_INVALID, "grpc channel: \"%s\" is not an IP address (names are not resolved here)", host);
-    if (cfg->max_message_bytes == 0 || cfg->max_message_bytes > UINT32_MAX ||
-        cfg->initial_window_bytes < 65535 || cfg->initial_window_bytes > 0x7fffffff ||
-        cfg->max_header_list_bytes < 1024)
-        return td_errorf(TD_ERR_INVALID, "grpc channel: a limit in the configuration is zero or out of range");
-    td_grpc_channel_t *ch = calloc(1, sizeof *ch);
-    if (!ch)
-        return td_errorf(TD_ERR_NOMEM, "grpc channel: out of memory");
+        st = td_errorf(TD_ERR_INVALID, "grpc channel: \"%s\" is not an IP address (names are not resolved here)", host);
+    else if (cfg->max_message_bytes == 0 || cfg->max_message_bytes > UINT32_MAX ||
+             cfg->initial_window_bytes < 65535 || cfg->initial_window_bytes > 0x7fffffff ||
+             cfg->max_header_list_bytes < 1024)
+        st = td_errorf(TD_ERR_INVALID, "grpc channel: a limit in the configuration is zero or out of range");
+    else if (!cfg->sign != !cfg->sign_header)
+        st = td_errorf(TD_ERR_INVALID, "grpc channel: sign and sign_header go together");
+    td_grpc_channel_t *ch = st == TD_OK ? calloc(1, sizeof *ch) : NULL;
+    if (st == TD_OK && !ch)
+        st = td_errorf(TD_ERR_NOMEM, "grpc channel: out of memory");
+    if (st != TD_OK) {
+        if (cfg->sign_free) /* owned from here on, also on failure */
+            cfg->sign_free(cfg->sign_data);
+        return st;
+    }
     ch->loop = loop;
     ch->cfg = *cfg;
     td_list_init(&ch->deadlines);
@@ -545,7 +555,7 @@ td_status_t td_grpc_channel_create(uv_loop_t *loop, const char *host, uint16_t p
     uv_unref((uv_handle_t *)&ch->pump);
     rc = uv_tcp_connect(&ch->connect_req, &ch->tcp, (struct sockaddr *)&addr, on_connect);
     if (rc < 0) {
-        td_status_t st = td_errorf(TD_ERR_IO, "grpc channel: connect to %s: %s", ch->authority, uv_strerror(rc));
+        st = td_errorf(TD_ERR_IO, "grpc channel: connect to %s: %s", ch->authority, uv_strerror(rc));
         ch->closing = true;
         ch->tcp_closed = true;
         uv_close((uv_handle_t *)&ch->tcp, channel_handle_closed);
@@ -559,6 +569,8 @@ td_status_t td_grpc_channel_create(uv_loop_t *loop, const char *host, uint16_t p
 err_session:
     nghttp2_session_del(ch->ses);
 err_nomem:
+    if (cfg->sign_free)
+        cfg->sign_free(cfg->sign_data);
     free(ch);
     return td_errorf(TD_ERR_NOMEM, "grpc channel: out of memory");
 }
@@ -590,8 +602,13 @@ td_status_t td_grpc_channel_call(td_grpc_channel_t *ch, const char *method,
                                  const td_grpc_call_opts_t *opts, td_grpc_client_call_t **call_p)
 {
     if (!method || method[0] != '/' || strlen(method) >= 256 || !opts || !opts->on_done ||
-        (opts->on_message && !opts->response_desc) || (!request && !opts->raw_request && opts->raw_request_len))
+        (opts->on_message && !opts->response_desc) || (!request && !opts->raw_request && opts->raw_request_len) ||
+        opts->n_headers > TD_GRPC_MAX_CALL_HEADERS || (opts->n_headers && !opts->headers))
         return td_errorf(TD_ERR_INVALID, "grpc call: bad method or options");
+    for (size_t i = 0; i < opts->n_headers; i++)
+        if (!opts->headers[i].name || !opts->headers[i].value || !opts->headers[i].name[0] ||
+            opts->headers[i].name[0] == ':')
+            return td_errorf(TD_ERR_INVALID, "grpc call: header %zu has no name or value, or is a pseudo-header", i);
     if (!td_grpc_channel_is_usable(ch))
         return td_errorf_quiet(TD_ERR_UNAVAILABLE, "grpc call %s: the channel to %s is not usable", method,
                                ch->authority);
@@ -614,8 +631,15 @@ td_status_t td_grpc_channel_call(td_grpc_channel_t *ch, const char *method,
         goto err_call;
 
     char timeout[TD_GRPC_TIMEOUT_CHARS];
-    nghttp2_nv nv[8];
+    char sig[TD_GRPC_SIGN_CHARS];
+    nghttp2_nv nv[9 + TD_GRPC_MAX_CALL_HEADERS];
     size_t n = 0;
+    if (ch->cfg.sign) {
+        const uint8_t *bytes = call->req.data + call->req.off + TD_GRPC_PREFIX_BYTES;
+        size_t len = td_grpc_buf_size(&call->req) - TD_GRPC_PREFIX_BYTES;
+        if ((st = ch->cfg.sign(ch->cfg.sign_data, method, bytes, len, sig, sizeof sig)) != TD_OK)
+            goto err_call;
+    }
     nv[n++] = td_grpc_nv(":method", "POST");
     nv[n++] = td_grpc_nv(":scheme", "http");
     nv[n++] = td_grpc_nv(":path", method);
@@ -627,6 +651,10 @@ td_status_t td_grpc_channel_call(td_grpc_channel_t *ch, const char *method,
         td_grpc_format_timeout(opts->timeout_ms, timeout);
         nv[n++] = td_grpc_nv("grpc-timeout", timeout);
     }
+    if (ch->cfg.sign)
+        nv[n++] = td_grpc_nv(ch->cfg.sign_header, sig);
+    for (size_t i = 0; i < opts->n_headers; i++)
+        nv[n++] = td_grpc_nv(opts->headers[i].name, opts->headers[i].value);
     nghttp2_data_provider prd = {.source.ptr = NULL, .read_callback = req_read_cb};
     int32_t sid = nghttp2_submit_request(ch->ses, NULL, nv, n, &prd, call);
     if (sid < 0) {

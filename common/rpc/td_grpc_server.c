@@ -124,6 +124,9 @@ struct td_grpc_call {
     bool post, grpc_ctype, other_ctype, bad_encoding, bad_timeout, path_too_long;
     uint64_t timeout_ms, deadline;
     td_grpc_buf_t req;             /* request bytes as received */
+    char *meta;                    /* the request's headers but pseudo-headers, each
+                                    * "name\0value\0" (bounded by max_header_list_bytes) */
+    size_t meta_len, meta_cap;
     td_grpc_buf_t out;             /* framed responses not yet taken by nghttp2 */
     size_t out_msg_left;           /* bytes of out's first message still to take once nghttp2
                                     * took part of it (0: out starts at a message) */
@@ -200,6 +203,7 @@ static void call_timer_closed(uv_handle_t *h)
     td_grpc_call_t *call = h->data;
     td_grpc_server_t *srv = call->srv;
     free(call->message);
+    free(call->meta);
     if (srv->n_spare < TD_GRPC_SPARE_CALLS && !srv->closing) {
         td_grpc_buf_t req = call->req, out = call->out;
         td_grpc_buf_recycle(&req);
@@ -408,6 +412,18 @@ static ssize_t data_read_cb(nghttp2_session *ses, int32_t stream_id, uint8_t *bu
 const char *td_grpc_call_method(const td_grpc_call_t *call)
 {
     return call->path;
+}
+
+const char *td_grpc_call_header(const td_grpc_call_t *call, const char *name)
+{
+    for (size_t off = 0; off < call->meta_len;) {
+        const char *n = call->meta + off;
+        const char *v = n + strlen(n) + 1;
+        if (strcmp(n, name) == 0)
+            return v;
+        off = (size_t)(v - call->meta) + strlen(v) + 1;
+    }
+    return NULL;
 }
 
 td_status_t td_grpc_call_peer(const td_grpc_call_t *call, struct sockaddr_storage *addr_p)
@@ -620,6 +636,26 @@ static bool name_is(const uint8_t *name, size_t len, const char *lit)
     return len == n && memcmp(name, lit, n) == 0;
 }
 
+/* Keeps a request header for td_grpc_call_header. false: out of memory. */
+static bool meta_add(td_grpc_call_t *call, const uint8_t *name, size_t namelen, const uint8_t *value, size_t valuelen)
+{
+    size_t need = call->meta_len + namelen + valuelen + 2;
+    if (need > call->meta_cap) {
+        size_t cap = TD_MAX(need, call->meta_cap ? call->meta_cap * 2 : 256);
+        char *m = realloc(call->meta, cap);
+        if (!m)
+            return false;
+        call->meta = m;
+        call->meta_cap = cap;
+    }
+    memcpy(call->meta + call->meta_len, name, namelen);
+    call->meta[call->meta_len + namelen] = '\0';
+    memcpy(call->meta + call->meta_len + namelen + 1, value, valuelen);
+    call->meta[call->meta_len + namelen + 1 + valuelen] = '\0';
+    call->meta_len = need;
+    return true;
+}
+
 static int on_header(nghttp2_session *ses, const nghttp2_frame *frame, const uint8_t *name,
                      size_t namelen, const uint8_t *value, size_t valuelen, uint8_t flags, void *user)
 {
@@ -632,6 +668,8 @@ static int on_header(nghttp2_session *ses, const nghttp2_frame *frame, const uin
         return NGHTTP2_ERR_TEMPORAL_CALLBACK_FAILURE; /* resets this stream only */
     if (frame->headers.cat != NGHTTP2_HCAT_REQUEST)
         return 0; /* request trailers: ignored */
+    if (namelen && name[0] != ':' && !meta_add(call, name, namelen, value, valuelen))
+        return NGHTTP2_ERR_TEMPORAL_CALLBACK_FAILURE;
     if (name_is(name, namelen, ":method")) {
         call->post = valuelen == 4 && memcmp(value, "POST", 4) == 0;
     } else if (name_is(name, namelen, ":path")) {
@@ -716,7 +754,17 @@ static void call_dispatch(td_grpc_call_t *call)
         call_fail(call, TD_GRPC_UNIMPLEMENTED, "more than one request message (client streaming is not supported)");
         return;
     }
-    ProtobufCMessage *req = td_grpc_unpack(call->method->desc, call->req.data + call->req.off + TD_GRPC_PREFIX_BYTES, len);
+    const uint8_t *bytes = call->req.data + call->req.off + TD_GRPC_PREFIX_BYTES;
+    if (call->srv->cfg.authenticate) {
+        char why[256] = "";
+        td_grpc_code_t code = call->srv->cfg.authenticate(call, bytes, len, call->srv->cfg.auth_data, why, sizeof why);
+        if (code != TD_GRPC_OK) {
+            td_grpc_buf_free(&call->req);
+            call_fail(call, code, why);
+            return;
+        }
+    }
+    ProtobufCMessage *req = td_grpc_unpack(call->method->desc, bytes, len);
     td_grpc_buf_free(&call->req);
     if (!req) {
         char msg[256];

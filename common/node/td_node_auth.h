@@ -1,0 +1,76 @@
+/*
+ * td_node_auth: td_auth put to work in a cluster process (docs/security.md). One struct per
+ * process (in td_node_t) holds its API keys (router: --api-keys-file) and its cluster
+ * secret (every process: --cluster-secret-file), and gives:
+ *
+ * - gates for its gRPC servers (td_grpc_server_config_t.authenticate): the gateway's
+ *   checks `authorization: Bearer KEY` (grpc.health.v1.Health/Check stays open, for load
+ *   balancers), a control server's checks the tandem-cluster-auth signature of every
+ *   call. A refused call ends UNAUTHENTICATED before its request is unpacked;
+ * - signing for its gRPC channels to other members (td_grpc_channel_config_t.sign);
+ * - the check the HTTP front door calls (td_node_auth_check_key);
+ * - tandem_auth_api_key_total{outcome} and tandem_auth_cluster_total{outcome} on /metrics;
+ * - SIGHUP: the API keys file read again (a bad file keeps the keys in force, logged).
+ *
+ * Without a file the matching check is off (no gate, no signature), as before issue 15.
+ * Threads: the process's loop thread. Nothing here logs a key or the secret.
+ */
+#ifndef TD_NODE_AUTH_H
+#define TD_NODE_AUTH_H
+
+#include <stdbool.h>
+#include <stdint.h>
+#include <uv.h>
+
+#include "td_auth.h"
+#include "td_grpc.h"
+#include "td_metrics.h"
+#include "td_status.h"
+
+typedef struct td_node_auth {
+    const char *prog;                                   /* for logs */
+    td_auth_keys_t *keys;                               /* NULL: no API keys required */
+    td_auth_cluster_t *cluster;                         /* NULL: control plane open */
+    td_metric_t *key_outcomes[TD_AUTH_N_OUTCOMES];      /* tandem_auth_api_key_total{outcome} */
+    td_metric_t *cluster_outcomes[TD_AUTH_N_OUTCOMES];  /* tandem_auth_cluster_total{outcome} */
+    uv_signal_t sighup;
+    bool sighup_up;
+    struct {                /* control refusals logged lately, by "method: reason" */
+        char line[256];
+        int64_t ms;
+    } refusals[8];
+} td_node_auth_t;
+
+/*
+ * Loads keys_file (may be NULL) and secret_file (may be NULL) into *a (zeroed). Errors
+ * (those of td_auth_keys_load / td_auth_cluster_load, logged naming the file): nothing is
+ * kept.
+ */
+td_status_t td_node_auth_load(td_node_auth_t *a, const char *prog, const char *keys_file,
+                              const char *secret_file);
+
+/* Registers the counters in `metrics` and, with API keys, watches SIGHUP on `loop`.
+ * Errors: those of td_metrics_counter_each. */
+td_status_t td_node_auth_serve(td_node_auth_t *a, uv_loop_t *loop, td_metrics_t *metrics);
+
+/* Stops watching SIGHUP (shutdown). */
+void td_node_auth_close(td_node_auth_t *a);
+
+/* Frees keys and secret. Repeatable. */
+void td_node_auth_free(td_node_auth_t *a);
+
+/* Sets gc's gate for a front door (API keys); without keys clears it. */
+void td_node_auth_guard_gateway(td_node_auth_t *a, td_grpc_server_config_t *gc);
+
+/* Sets gc's gate for a control server (cluster secret); without a secret clears it. */
+void td_node_auth_guard_control(td_node_auth_t *a, td_grpc_server_config_t *gc);
+
+/* With a secret (cluster non-NULL), makes cc sign every call with a signer of its own.
+ * Errors: TD_ERR_NOMEM, TD_ERR_IO (no randomness); cc untouched then. */
+td_status_t td_node_auth_sign_channel(td_auth_cluster_t *cluster, td_grpc_channel_config_t *cc);
+
+/* The HTTP front door's check of an Authorization header value (NULL: absent), counted
+ * in tandem_auth_api_key_total. TD_AUTH_OK too when no keys are configured (not counted). */
+td_auth_outcome_t td_node_auth_check_key(td_node_auth_t *a, const char *authorization);
+
+#endif /* TD_NODE_AUTH_H */
