@@ -73,6 +73,7 @@ typedef struct decode_admit {
     int32_t max_tokens;
     int32_t stop_ids[DECODE_MAX_STOP_IDS];
     int32_t n_stop_ids;
+    td_logprobs_want_t logprobs; /* AdmitRequest.logprobs */
 } decode_admit_t;
 
 /* Loop → compute (by value in the command ring). */
@@ -91,6 +92,8 @@ typedef struct decode_out_seq {
     uint64_t lease_id;
     int32_t token;             /* DECODE_OUT_TOKEN: the new token; else -1 */
     decode_out_kind_t kind;
+    bool has_logprob;          /* TOKEN of a lease admitted with logprobs, sampled here */
+    td_token_logprob_t logprob;
 } decode_out_seq_t;
 
 /* Compute → loop: one step's results (its address in the result ring), C structs only: the
@@ -142,6 +145,7 @@ typedef struct decode_state {
     /* loop thread: the StepBatch being sent, its entries made from a decode_out_t's */
     Tandem__Control__V1__SeqStep *batch_seqs; /* [batch_cap] */
     Tandem__Control__V1__SeqStep **batch_ptrs; /* [batch_cap] what the StepBatch points at */
+    td_node_logprob_msg_t *batch_lps;          /* [batch_cap] the entries' log-probabilities */
     int32_t batch_cap;
 } decode_state_t;
 
@@ -191,7 +195,8 @@ static void compute_admit(decode_state_t *s, decode_cmd_t *c, decode_out_t *fail
     decode_request_t r = {.id = c->lease_id, .prompt = a->prompt, .n_prompt = a->n_prompt,
                           .kv_blocks = c->blocks, .n_kv_blocks = c->n_blocks, .first_token = c->first_token,
                           .sampling = a->sampling, .max_tokens = a->max_tokens,
-                          .stop_ids = a->stop_ids, .n_stop_ids = a->n_stop_ids};
+                          .stop_ids = a->stop_ids, .n_stop_ids = a->n_stop_ids,
+                          .logprobs = a->logprobs.on, .top_logprobs = a->logprobs.top};
     if (decode_sched_admit(s->sched, &r) != TD_OK) {
         td_warn("decode: lease %llu not admitted: %s", (unsigned long long)c->lease_id, td_last_error());
         for (int32_t i = 0; i < c->n_blocks; i++)
@@ -268,8 +273,13 @@ static void compute_main(void *arg)
             o->step_s = dt;
             for (int32_t i = 0; i < res.n_events && o->n_seqs + 2 <= cap; i++) {
                 const decode_event_t *e = &res.events[i];
-                if (e->token >= 0)
+                if (e->token >= 0) {
                     add_seq(o, e->id, e->token, DECODE_OUT_TOKEN);
+                    if (e->has_logprob) {
+                        o->seqs[o->n_seqs - 1].has_logprob = true;
+                        o->seqs[o->n_seqs - 1].logprob = e->logprob;
+                    }
+                }
                 decode_out_kind_t kind;
                 switch (e->finish) {
                 case DECODE_FINISH_NONE: continue;
@@ -363,6 +373,10 @@ static int32_t batch_reserve(decode_state_t *s, int32_t n)
     if (!p)
         return s->batch_cap;
     s->batch_ptrs = p;
+    td_node_logprob_msg_t *l = realloc(s->batch_lps, (size_t)cap * sizeof *l);
+    if (!l)
+        return s->batch_cap;
+    s->batch_lps = l;
     s->batch_cap = cap;
     return cap;
 }
@@ -388,6 +402,10 @@ static void send_seqs(decode_state_t *s, uint64_t step, double step_s, uint32_t 
             q->lease_id = e->lease_id;
             q->token = e->token >= 0 ? (uint32_t)e->token : 0;
             q->event = event[e->kind];
+            if (e->has_logprob) {
+                td_node_logprob_to_proto(&e->logprob, &s->batch_lps[i]);
+                q->logprob = &s->batch_lps[i].m;
+            }
             s->batch_ptrs[i] = q;
             if (e->kind == DECODE_OUT_TOKEN)
                 td_metric_inc(s->m_tokens);
@@ -543,6 +561,11 @@ static void on_admit(td_grpc_call_t *call, const ProtobufCMessage *msg, void *da
     a->n_prompt = (int32_t)r->n_prompt_ids;
     a->sampling = td_node_sampling_from_proto(r->sampling);
     if (td_sampling_validate(&a->sampling, why, sizeof why) != TD_OK) {
+        admit_free(a);
+        td_grpc_call_finish(call, TD_GRPC_INVALID_ARGUMENT, why);
+        return;
+    }
+    if (td_node_logprobs_from_proto(r->logprobs, &a->logprobs, why, sizeof why) != TD_OK) {
         admit_free(a);
         td_grpc_call_finish(call, TD_GRPC_INVALID_ARGUMENT, why);
         return;
@@ -938,6 +961,7 @@ out:
     free(s->failed);
     free(s->batch_seqs);
     free(s->batch_ptrs);
+    free(s->batch_lps);
     td_node_free(&s->proc);
     return rc;
 }

@@ -30,6 +30,8 @@ typedef struct dseq {
     int32_t *stop_ids;
     int32_t n_stop_ids;
     int64_t deadline_ns;
+    bool logprobs;          /* decode_request_t's */
+    int32_t top_logprobs;
 } dseq_t;
 
 typedef struct pending_finish {
@@ -180,9 +182,11 @@ static td_status_t flush_text(decode_sched_t *s, dseq_t *q)
 
 /*
  * A new token for q (sampled here, or the prefill node's first token): records it,
- * reports it and decides whether q ends. *finish_p = the reason, or NONE.
+ * reports it (with its log-probability lp, when sampled here for a request that asks; else
+ * NULL) and decides whether q ends. *finish_p = the reason, or NONE.
  */
-static td_status_t take_token(decode_sched_t *s, dseq_t *q, int32_t token, decode_finish_t *finish_p)
+static td_status_t take_token(decode_sched_t *s, dseq_t *q, int32_t token, const td_token_logprob_t *lp,
+                              decode_finish_t *finish_p)
 {
     td_status_t st;
     *finish_p = DECODE_FINISH_NONE;
@@ -192,7 +196,8 @@ static td_status_t take_token(decode_sched_t *s, dseq_t *q, int32_t token, decod
             return st;
         return flush_text(s, q);
     }
-    td_sampler_accept(q->sampler, token);
+    if ((st = td_sampler_accept(q->sampler, token)) != TD_OK)
+        return st;
     if (!q->pending_first) {
         TD_ASSERT(q->n_ctx < q->cap_ctx);
         q->ctx[q->n_ctx++] = token;
@@ -203,6 +208,10 @@ static td_status_t take_token(decode_sched_t *s, dseq_t *q, int32_t token, decod
     if ((st = event_add(s, q->id, token, q->n_gen - 1, DECODE_FINISH_NONE, TD_OK)) != TD_OK)
         return st;
     decode_event_t *ev = &s->evb[s->n_events - 1].ev;
+    if (lp) {
+        ev->has_logprob = true;
+        ev->logprob = *lp;
+    }
     if (s->tok) {
         const char *text;
         size_t len;
@@ -347,6 +356,9 @@ td_status_t decode_sched_admit(decode_sched_t *s, const decode_request_t *req)
     if (req->kv_blocks && (req->first_token < 0 || req->first_token >= mc->vocab_size))
         return td_errorf_quiet(TD_ERR_INVALID, "request %llu: first token %d outside the vocabulary",
                                (unsigned long long)req->id, req->first_token);
+    if (req->logprobs && (req->top_logprobs < 0 || req->top_logprobs > TD_LOGPROBS_MAX_TOP))
+        return td_errorf_quiet(TD_ERR_INVALID, "request %llu: top_logprobs %d is out of range [0, %d]",
+                               (unsigned long long)req->id, req->top_logprobs, TD_LOGPROBS_MAX_TOP);
     if (req->n_stops > 0 && !s->tok)
         return td_errorf_quiet(TD_ERR_INVALID, "request %llu: stop strings need a tokenizer on "
                                "this node", (unsigned long long)req->id);
@@ -364,6 +376,8 @@ td_status_t decode_sched_admit(decode_sched_t *s, const decode_request_t *req)
     q->max_new = TD_MIN(req->max_tokens, mc->max_seq_len - req->n_prompt);
     q->cap_ctx = req->n_prompt + q->max_new;
     q->deadline_ns = req->deadline_ns;
+    q->logprobs = req->logprobs;
+    q->top_logprobs = req->top_logprobs;
     q->ctx = malloc((size_t)q->cap_ctx * sizeof *q->ctx);
     q->stop_ids = malloc((size_t)TD_MAX(req->n_stop_ids, 1) * sizeof *q->stop_ids);
     if (!q->ctx || !q->stop_ids)
@@ -381,7 +395,7 @@ td_status_t decode_sched_admit(decode_sched_t *s, const decode_request_t *req)
     if (s->tok)
         td_detok_init(&q->detok, s->tok);
     for (int32_t i = 0; i < req->n_prompt; i++)
-        td_sampler_accept(q->sampler, req->prompt[i]);
+        td_sampler_accept_prompt(q->sampler, req->prompt[i]);
     if (req->kv_blocks) {
         st = td_kv_seq_adopt(s->kv, &q->kv, req->kv_blocks, req->n_kv_blocks, req->prompt,
                              req->n_prompt);
@@ -565,7 +579,7 @@ td_status_t decode_sched_step(decode_sched_t *s, int64_t now_ns, decode_step_res
         if (!q->pending_first)
             continue;
         decode_finish_t f;
-        if ((st = take_token(s, q, q->ctx[q->n_ctx - 1], &f)) != TD_OK)
+        if ((st = take_token(s, q, q->ctx[q->n_ctx - 1], NULL, &f)) != TD_OK)
             return st;
         if (f != DECODE_FINISH_NONE)
             end_running(s, q);
@@ -602,12 +616,15 @@ td_status_t decode_sched_step(decode_sched_t *s, int64_t now_ns, decode_step_res
         const float *lg = s->logits + (size_t)row++ * s->mc->vocab_size;
         int32_t token;
         decode_finish_t f;
+        td_token_logprob_t lp;
         td_status_t ss = td_sampler_sample(q->sampler, lg, s->mc->vocab_size, &token);
+        if (ss == TD_OK && q->logprobs)
+            ss = td_sampler_logprobs(lg, s->mc->vocab_size, token, q->top_logprobs, &lp);
         if (ss != TD_OK) {
             if ((st = event_add(s, q->id, -1, -1, DECODE_FINISH_ERROR, ss)) != TD_OK)
                 return st;
             f = DECODE_FINISH_ERROR;
-        } else if ((st = take_token(s, q, token, &f)) != TD_OK) {
+        } else if ((st = take_token(s, q, token, q->logprobs ? &lp : NULL, &f)) != TD_OK) {
             return st;
         }
         if (f != DECODE_FINISH_NONE)

@@ -85,6 +85,9 @@ typedef struct decode_request {
     const char *const *stops;    /* [n_stops] stop strings (needs a tokenizer) */
     int32_t n_stops;
     int64_t deadline_ns;         /* 0 = none */
+    bool logprobs;               /* report each sampled token's log-probability (not the
+                                    prefill node's first token's: that node reports it) */
+    int32_t top_logprobs;        /* with logprobs: alternatives per token, [0, TD_LOGPROBS_MAX_TOP] */
 } decode_request_t;
 
 /* Something that happened to one request in a step. */
@@ -96,6 +99,8 @@ typedef struct decode_event {
     size_t text_len;
     decode_finish_t finish; /* NONE while the request runs on */
     td_status_t status;     /* for DECODE_FINISH_ERROR: the cause */
+    bool has_logprob;       /* the request asked and this node sampled the token */
+    td_token_logprob_t logprob; /* when has_logprob: of the raw logits (td_sampler_logprobs) */
 } decode_event_t;
 
 /* What one step did. Owned by the scheduler, valid until its next call. */

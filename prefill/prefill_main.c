@@ -70,6 +70,7 @@ typedef struct prefill_job {
     int32_t *dst_blocks;       /* [n_dst] the decode node's leased blocks */
     int32_t n_dst;
     td_sampling_t sampling;
+    td_logprobs_want_t logprobs; /* PrefillRequest.logprobs */
     int64_t deadline_ns;       /* td_now_ns clock; 0 = none */
     td_xfer_peer_t *peer;
     uint64_t t_accept;
@@ -115,6 +116,8 @@ typedef struct prefill_event { /* compute → loop */
     int32_t first_token;
     int32_t cached;
     bool held;
+    td_token_logprob_t *logprobs; /* EV_DONE, asked: prefill_output_t's (the loop frees it) */
+    int32_t n_logprobs;
 } prefill_event_t;
 
 typedef struct prefill_state {
@@ -200,7 +203,8 @@ static void handle_msg(prefill_state_t *s, const prefill_msg_t *m)
     switch (m->kind) {
     case MSG_SUBMIT: {
         prefill_request_t rq = {.id = id, .prompt = j->tokens, .n_prompt = j->n_tokens,
-                                .sampling = j->sampling, .deadline_ns = j->deadline_ns};
+                                .sampling = j->sampling, .deadline_ns = j->deadline_ns,
+                                .logprobs = j->logprobs};
         td_status_t st = prefill_sched_submit(s->sched, &rq);
         atomic_fetch_sub(&s->unsubmitted_tokens, j->n_tokens);
         if (st != TD_OK)
@@ -263,10 +267,12 @@ static bool run_step(prefill_state_t *s)
         const prefill_output_t *o = &r.outputs[i];
         if (o->status == TD_OK)
             td_metric_add(s->m_cached, o->n_cached);
-        td_node_worker_emit(&s->worker, &(prefill_event_t){.kind = EV_DONE, .job = (prefill_job_t *)(uintptr_t)o->id,
+        if (!td_node_worker_emit(&s->worker, &(prefill_event_t){.kind = EV_DONE, .job = (prefill_job_t *)(uintptr_t)o->id,
                                                           .status = o->status, .first_token = o->first_token,
                                                           .cached = o->n_cached,
-                                                          .held = o->held || o->status == TD_OK});
+                                                          .held = o->held || o->status == TD_OK,
+                                                          .logprobs = o->logprobs, .n_logprobs = o->n_logprobs}))
+            free(o->logprobs); /* stopping: nobody will answer */
     }
     return r.n_seqs > 0 || r.n_outputs > 0;
 }
@@ -466,7 +472,24 @@ static void on_ev_done(prefill_state_t *s, const prefill_event_t *ev)
     r.first_token = (uint32_t)ev->first_token;
     r.cached_tokens = (uint32_t)ev->cached;
     r.prefill_s = prefill_s;
+    td_node_logprob_msg_t first;
+    Tandem__V1__TokenLogprob **prompt_msgs = NULL;
+    void *prompt_mem = NULL;
+    if (ev->n_logprobs > 0) {
+        /* the prompt's positions (when asked), then the first token's */
+        td_node_logprob_to_proto(&ev->logprobs[ev->n_logprobs - 1], &first);
+        r.first_logprob = &first.m;
+        if (ev->n_logprobs > 1 &&
+            td_node_logprobs_to_proto_array(ev->logprobs, (size_t)ev->n_logprobs - 1, &prompt_msgs, &prompt_mem) == TD_OK) {
+            r.prompt_logprobs = prompt_msgs;
+            r.n_prompt_logprobs = (size_t)ev->n_logprobs - 1;
+        } else if (ev->n_logprobs > 1) {
+            td_warn("prefill: request %llu: out of memory for %d prompt log-probabilities; sent without them",
+                    (unsigned long long)j->key, ev->n_logprobs - 1);
+        }
+    }
     td_grpc_call_send(j->call, &r.base); /* CANCELLED: the cancel callback aborts the send */
+    free(prompt_mem);
     td_xfer_send_finish(j->send, ev->first_token);
 }
 
@@ -479,7 +502,10 @@ static void on_events(void *data, void *events, int32_t n)
         switch (ev->kind) {
         case EV_LAYER: on_ev_layer(s, ev->layer, ev->push); break;
         case EV_PUSH_END: push_free(ev->push); break;
-        case EV_DONE: on_ev_done(s, ev); break;
+        case EV_DONE:
+            on_ev_done(s, ev);
+            free(ev->logprobs);
+            break;
         case EV_GONE: job_drop(ev->job); break;
         }
     }
@@ -531,8 +557,14 @@ static td_grpc_code_t parse_request(prefill_state_t *s, const Tandem__Control__V
         j->dst_blocks[i] = (int32_t)r->block_ids[i];
     j->n_dst = (int32_t)r->n_block_ids;
     j->sampling = td_node_sampling_from_proto(r->sampling);
-    if (td_sampling_validate(&j->sampling, why, cap) != TD_OK)
+    if (td_sampling_validate(&j->sampling, why, cap) != TD_OK ||
+        td_node_logprobs_from_proto(r->logprobs, &j->logprobs, why, cap) != TD_OK)
         return TD_GRPC_INVALID_ARGUMENT;
+    if (j->logprobs.prompt && j->n_tokens > TD_LOGPROBS_MAX_PROMPT) {
+        snprintf(why, cap, "prefill: prompt logprobs of %d tokens asked, at most %d", j->n_tokens,
+                 TD_LOGPROBS_MAX_PROMPT);
+        return TD_GRPC_INVALID_ARGUMENT;
+    }
     return TD_GRPC_OK;
 }
 

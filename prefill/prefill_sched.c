@@ -22,6 +22,9 @@ typedef struct pseq {
     td_sampler_t *sampler;
     int64_t deadline_ns;
     bool pushed;          /* its layers went to the layer hook: blocks held until release */
+    bool last_chunk;      /* its item in the running step ends the prompt */
+    td_logprobs_want_t lpw;
+    td_token_logprob_t *lps; /* with lpw.on: [n_prompt + 1] (lpw.prompt) or [1] */
 } pseq_t;
 
 struct prefill_sched {
@@ -63,6 +66,7 @@ static void pseq_destroy(prefill_sched_t *s, pseq_t *q)
         return;
     td_engine_seq_end(s->eng, &q->kv);
     td_sampler_destroy(q->sampler);
+    free(q->lps);
     free(q->prompt);
     free(q);
 }
@@ -150,6 +154,13 @@ td_status_t prefill_sched_submit(prefill_sched_t *s, const prefill_request_t *re
     td_status_t st;
     if ((st = td_sampling_validate(&req->sampling, NULL, 0)) != TD_OK)
         return td_errorf_quiet(st, "request %llu: %s", rid, td_last_error());
+    const td_logprobs_want_t *w = &req->logprobs;
+    if (w->on && (w->top < 0 || w->top > TD_LOGPROBS_MAX_TOP))
+        return td_errorf_quiet(TD_ERR_INVALID, "request %llu: top_logprobs %d is out of range [0, %d]", rid,
+                               w->top, TD_LOGPROBS_MAX_TOP);
+    if (w->on && w->prompt && req->n_prompt > TD_LOGPROBS_MAX_PROMPT)
+        return td_errorf_quiet(TD_ERR_INVALID, "request %llu: prompt logprobs of %d tokens, at most %d",
+                               rid, req->n_prompt, TD_LOGPROBS_MAX_PROMPT);
     pseq_t *q = calloc(1, sizeof *q);
     if (!q)
         return td_errorf(TD_ERR_NOMEM, "request %llu: out of memory", rid);
@@ -157,14 +168,17 @@ td_status_t prefill_sched_submit(prefill_sched_t *s, const prefill_request_t *re
     q->id = req->id;
     q->n_prompt = req->n_prompt;
     q->deadline_ns = req->deadline_ns;
+    q->lpw = req->logprobs.on ? req->logprobs : (td_logprobs_want_t){0};
     q->prompt = malloc((size_t)req->n_prompt * sizeof *q->prompt);
-    if (!q->prompt || (st = td_sampler_create(&req->sampling, &q->sampler)) != TD_OK) {
+    if (q->lpw.on)
+        q->lps = malloc((size_t)(q->lpw.prompt ? req->n_prompt + 1 : 1) * sizeof *q->lps);
+    if (!q->prompt || (q->lpw.on && !q->lps) || (st = td_sampler_create(&req->sampling, &q->sampler)) != TD_OK) {
         pseq_destroy(s, q);
         return td_errorf(TD_ERR_NOMEM, "request %llu: out of memory", rid);
     }
     memcpy(q->prompt, req->prompt, (size_t)req->n_prompt * sizeof *q->prompt);
     for (int32_t i = 0; i < req->n_prompt; i++)
-        td_sampler_accept(q->sampler, req->prompt[i]);
+        td_sampler_accept_prompt(q->sampler, req->prompt[i]);
     s->queue[s->n_queue++] = q;
     s->queued_tokens += q->n_prompt;
     return TD_OK;
@@ -235,9 +249,9 @@ static void on_engine_layer(void *arg, uint32_t layer)
         s->hook_fired = true;
         s->n_fin = 0;
         for (int32_t k = 0; k < s->n_step_items; k++) {
-            if (!s->items[k].n_logits)
-                continue;
             pseq_t *q = s->owners[k];
+            if (!q->last_chunk)
+                continue;
             q->pushed = true;
             s->fin[s->n_fin++] = (prefill_finishing_t){
                 .id = q->id, .blocks = q->kv.blocks,
@@ -253,7 +267,7 @@ static td_status_t engine_step(prefill_sched_t *s, int32_t n_items)
 {
     bool finishing = false;
     for (int32_t k = 0; k < n_items; k++)
-        finishing |= s->items[k].n_logits > 0;
+        finishing |= s->owners[k]->last_chunk;
     s->hook_fired = false;
     s->n_step_items = n_items;
     bool hooked = s->hook && finishing;
@@ -265,12 +279,17 @@ static td_status_t engine_step(prefill_sched_t *s, int32_t n_items)
     return st;
 }
 
+/* Packs the queue into items: a token budget, and a logit-row budget (the logits buffer's
+ * max_batch rows): a finishing chunk takes one row, a prompt-logprobs chunk one per token. */
 static int32_t build_batch(prefill_sched_t *s, int32_t max_items, int32_t *n_tokens_p)
 {
-    int32_t k = 0, budget = s->cfg.max_batch_tokens;
-    for (int32_t i = 0; i < s->n_queue && k < max_items && budget > 0; i++) {
+    int32_t k = 0, budget = s->cfg.max_batch_tokens, rows = s->cfg.max_batch;
+    for (int32_t i = 0; i < s->n_queue && k < max_items && budget > 0 && rows > 0; i++) {
         pseq_t *q = s->queue[i];
-        if (!q->started) {
+        if (!q->started && q->lpw.prompt) {
+            q->started = true; /* no cached prefix: every position's logits are computed */
+            q->n_cached = 0;
+        } else if (!q->started) {
             int32_t cached = 0;
             if (td_engine_seq_start(s->eng, &q->kv, q->prompt, q->n_prompt, &cached) != TD_OK) {
                 td_engine_seq_end(s->eng, &q->kv);
@@ -283,10 +302,15 @@ static int32_t build_batch(prefill_sched_t *s, int32_t max_items, int32_t *n_tok
         }
         int32_t rest = q->n_prompt - q->kv.n_tokens;
         int32_t n = TD_MIN(rest, budget);
+        if (q->lpw.prompt)
+            n = TD_MIN(n, rows);
+        int32_t n_logits = q->lpw.prompt ? n : n == rest;
+        q->last_chunk = n == rest;
         s->items[k] = (td_engine_item_t){.seq = &q->kv, .tokens = q->prompt + q->kv.n_tokens,
-                                         .n_tokens = n, .n_logits = n == rest};
+                                         .n_tokens = n, .n_logits = n_logits};
         s->owners[k++] = q;
         budget -= n;
+        rows -= n_logits;
     }
     *n_tokens_p = s->cfg.max_batch_tokens - budget;
     return k;
@@ -348,14 +372,34 @@ td_status_t prefill_sched_step(prefill_sched_t *s, int64_t now_ns, prefill_step_
     }
 
     int32_t row = 0;
+    const int32_t vocab = s->mc->vocab_size;
     for (int32_t j = 0; j < n_items; j++) {
         pseq_t *q = s->owners[j];
-        s->queued_tokens -= s->items[j].n_tokens;
-        if (!s->items[j].n_logits)
+        const td_engine_item_t *it = &s->items[j];
+        s->queued_tokens -= it->n_tokens;
+        const float *rows = s->logits + (size_t)row * vocab;
+        row += it->n_logits;
+        td_status_t ss = TD_OK;
+        if (q->lpw.prompt) {
+            /* row r of this chunk follows token start + r: it scores the next prompt token */
+            int32_t start = (int32_t)(it->tokens - q->prompt);
+            if (start == 0)
+                q->lps[0] = (td_token_logprob_t){.token = q->prompt[0]}; /* no context */
+            for (int32_t r = 0; r < it->n_logits && ss == TD_OK; r++) {
+                int32_t pos = start + r + 1;
+                if (pos < q->n_prompt)
+                    ss = td_sampler_logprobs(rows + (size_t)r * vocab, vocab, q->prompt[pos], q->lpw.top,
+                                             &q->lps[pos]);
+            }
+            rows += (size_t)(it->n_logits - 1) * vocab; /* the last row gives the first token */
+        }
+        if (!q->last_chunk && ss == TD_OK)
             continue;
-        const float *lg = s->logits + (size_t)row++ * s->mc->vocab_size;
         int32_t token = -1;
-        td_status_t ss = td_sampler_sample(q->sampler, lg, s->mc->vocab_size, &token);
+        if (ss == TD_OK)
+            ss = td_sampler_sample(q->sampler, rows, vocab, &token);
+        if (ss == TD_OK && q->lpw.on)
+            ss = td_sampler_logprobs(rows, vocab, token, q->lpw.top, &q->lps[q->lpw.prompt ? q->n_prompt : 0]);
         int32_t i = index_of(s->queue, s->n_queue, q->id);
         TD_ASSERT(i >= 0);
         if (ss != TD_OK) {
@@ -366,7 +410,9 @@ td_status_t prefill_sched_step(prefill_sched_t *s, int64_t now_ns, prefill_step_
         s->done[s->n_done++] = q;
         s->outputs[s->n_outputs++] = (prefill_output_t){
             .id = q->id, .status = TD_OK, .first_token = token, .seq = &q->kv,
-            .n_cached = q->n_cached};
+            .n_cached = q->n_cached, .logprobs = q->lps,
+            .n_logprobs = q->lpw.on ? (q->lpw.prompt ? q->n_prompt + 1 : 1) : 0};
+        q->lps = NULL; /* the caller's now */
     }
     *res = (prefill_step_result_t){
         .outputs = s->outputs,

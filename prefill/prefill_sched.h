@@ -9,7 +9,10 @@
  * (td_engine_seq_start), so repeated system prompts are computed once.
  *
  * When a prompt's last chunk has run, the step samples its first token with the
- * request's sampler and reports it with the sequence (td_kv_seq_t: block ids in position
+ * request's sampler (and, when asked, computes its log-probability; with prompt
+ * log-probabilities every chunk of that prompt asks the engine for all its rows, within the
+ * step's logit rows, and the prompt does not attach a cached prefix, whose positions would
+ * have no logits) and reports it with the sequence (td_kv_seq_t: block ids in position
  * order) so that the data plane can push the blocks to the decode node. The sequence keeps
  * its blocks until the caller calls prefill_sched_release(); full blocks then stay in the
  * prefix cache for later prompts.
@@ -55,6 +58,8 @@ typedef struct prefill_request {
     int32_t n_prompt;         /* 1 .. model length - 1 */
     td_sampling_t sampling;   /* for the first token */
     int64_t deadline_ns;      /* 0 = none */
+    td_logprobs_want_t logprobs; /* on: the first token's log-probability; prompt: also the
+                                    prompt's (n_prompt <= TD_LOGPROBS_MAX_PROMPT) */
 } prefill_request_t;
 
 /* A prompt that is done (or failed). */
@@ -67,6 +72,11 @@ typedef struct prefill_output {
     int32_t n_cached;         /* prompt tokens that came from the prefix cache */
     bool held;                /* failed after its layers were handed to the layer hook: its
                                  blocks stay until prefill_sched_release (TD_OK: always) */
+    td_token_logprob_t *logprobs; /* when TD_OK and asked: [n_logprobs], the prompt's
+                                 positions (with logprobs.prompt; position 0 has logprob 0
+                                 and no alternatives) then the first token's; the caller
+                                 owns it (free()) */
+    int32_t n_logprobs;
 } prefill_output_t;
 
 typedef struct prefill_step_result {
@@ -103,7 +113,8 @@ void prefill_sched_destroy(prefill_sched_t *sched);
 
 /*
  * Queues a prompt. Errors (quiet; the RPC edge reports them): TD_ERR_INVALID (bad fields,
- * duplicate id, unknown token ids), TD_ERR_RANGE (prompt not shorter than the model's
+ * duplicate id, unknown token ids, top_logprobs out of range, prompt log-probabilities of a
+ * prompt longer than TD_LOGPROBS_MAX_PROMPT), TD_ERR_RANGE (prompt not shorter than the model's
  * length), TD_ERR_EXHAUSTED (queue or token bound reached), TD_ERR_NOMEM.
  */
 td_status_t prefill_sched_submit(prefill_sched_t *sched, const prefill_request_t *req);

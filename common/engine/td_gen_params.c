@@ -27,6 +27,11 @@ td_status_t td_gen_params_validate(const td_gen_params_t *p, char *why, size_t w
         /* msg names the field */
     } else if (p->n_stop_ids > TD_GEN_MAX_STOP_IDS) {
         snprintf(msg, sizeof msg, "stop_ids has %zu ids, at most %d allowed", p->n_stop_ids, TD_GEN_MAX_STOP_IDS);
+    } else if (p->logprobs.on && (p->logprobs.top < 0 || p->logprobs.top > TD_LOGPROBS_MAX_TOP)) {
+        snprintf(msg, sizeof msg, "top_logprobs %d is out of range [0, %d]", p->logprobs.top, TD_LOGPROBS_MAX_TOP);
+    } else if (p->logprobs.on && p->logprobs.prompt && !p->prompt_is_text && p->prompt_len > TD_LOGPROBS_MAX_PROMPT) {
+        snprintf(msg, sizeof msg, "prompt_logprobs asked for a prompt of %zu ids, at most %d allowed", p->prompt_len,
+                 TD_LOGPROBS_MAX_PROMPT);
     } else if (p->n_stop_strings > TD_STOP_MAX_STRINGS) {
         snprintf(msg, sizeof msg, "stop_strings has %zu strings, at most %d allowed", p->n_stop_strings, TD_STOP_MAX_STRINGS);
     } else {

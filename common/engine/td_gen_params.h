@@ -37,9 +37,13 @@ typedef struct td_gen_params {
     const char *const *stop_strings; /* [n_stop_strings] NUL-terminated, each at most
                                         TD_STOP_MAX_LEN bytes; read only when n_stop_strings
                                         is in range; borrowed */
+    td_logprobs_want_t logprobs;     /* off by default; top in [0, TD_LOGPROBS_MAX_TOP]; prompt:
+                                        a prompt of ids at most TD_LOGPROBS_MAX_PROMPT long (a
+                                        text prompt's length is checked once it is encoded) */
 } td_gen_params_t;
 
-/* max_tokens 0, td_sampling_default(), an empty prompt, no stop ids or strings. */
+/* max_tokens 0, td_sampling_default(), an empty prompt, no stop ids or strings, no
+ * log-probabilities. */
 td_gen_params_t td_gen_params_default(void);
 
 /*
@@ -48,7 +52,8 @@ td_gen_params_t td_gen_params_default(void);
  * (0, 1]", "stop string 0 is 300 bytes long, at most 256 allowed"), in `why` if non-NULL and
  * as this thread's last error; the first fault found is reported. The message begins with the
  * field's name as above (max_tokens, prompt, temperature, top_k, top_p, min_p,
- * repetition_penalty, penalty_window, stop_ids, stop_strings, "stop string N"), so that a front
+ * repetition_penalty, penalty_window, presence_penalty, frequency_penalty, stop_ids,
+ * stop_strings, "stop string N", top_logprobs, prompt_logprobs), so that a front
  * door can tell its client which of its own names (a flag, a JSON key) it was. Does not log: a bad request
  * is the client's error, reported by the front door. Pure; any thread.
  */

@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "td_hash.h"
 #include "td_util.h"
 
 /* ---- parameters ------------------------------------------------------------------- */
@@ -28,6 +29,8 @@ td_sampling_t td_sampling_default(void)
         .min_p = 0.0f,
         .repetition_penalty = 1.0f,
         .penalty_window = 64,
+        .presence_penalty = 0.0f,
+        .frequency_penalty = 0.0f,
         .seed = 0,
     };
 }
@@ -55,6 +58,14 @@ td_status_t td_sampling_validate(const td_sampling_t *s, char *why, size_t why_c
     else if (s->penalty_window < 0 || s->penalty_window > TD_SAMPLING_MAX_WINDOW)
         snprintf(msg, sizeof msg, "penalty_window %d is out of range [0, %d]",
                  s->penalty_window, TD_SAMPLING_MAX_WINDOW);
+    else if (!isfinite(s->presence_penalty) || fabsf(s->presence_penalty) > TD_SAMPLING_MAX_OPENAI_PENALTY)
+        snprintf(msg, sizeof msg, "presence_penalty %g is out of range [-%g, %g] (0 = off)",
+                 (double)s->presence_penalty, (double)TD_SAMPLING_MAX_OPENAI_PENALTY,
+                 (double)TD_SAMPLING_MAX_OPENAI_PENALTY);
+    else if (!isfinite(s->frequency_penalty) || fabsf(s->frequency_penalty) > TD_SAMPLING_MAX_OPENAI_PENALTY)
+        snprintf(msg, sizeof msg, "frequency_penalty %g is out of range [-%g, %g] (0 = off)",
+                 (double)s->frequency_penalty, (double)TD_SAMPLING_MAX_OPENAI_PENALTY,
+                 (double)TD_SAMPLING_MAX_OPENAI_PENALTY);
     if (msg[0] == '\0')
         return TD_OK;
     if (why && why_cap > 0)
@@ -111,6 +122,8 @@ struct td_sampler {
     int32_t window_len;    /* valid entries */
     int32_t window_pos;    /* next write */
     int32_t *window_sort;  /* [p.penalty_window] scratch to apply the penalty once per id */
+    bool counting;         /* presence or frequency penalty set: counts is live */
+    td_hash_t counts;      /* generated token id -> times generated (0 after a reset) */
 
     float *val;            /* [cap] penalized logits of the whole vocabulary */
     cand_t *cand;          /* [cap] candidates */
@@ -142,6 +155,11 @@ td_status_t td_sampler_create(const td_sampling_t *params, td_sampler_t **sample
                              params->penalty_window);
         }
     }
+    s->counting = s->p.presence_penalty != 0.0f || s->p.frequency_penalty != 0.0f;
+    if (s->counting && td_hash_init(&s->counts, 64) != TD_OK) {
+        td_sampler_destroy(s);
+        return td_errorf(TD_ERR_NOMEM, "sampler: out of memory for the generated-token counts");
+    }
     seed_rng(s);
     *sampler_p = s;
     return TD_OK;
@@ -153,6 +171,7 @@ void td_sampler_destroy(td_sampler_t *sampler)
         return;
     free(sampler->window);
     free(sampler->window_sort);
+    td_hash_free(&sampler->counts);
     free(sampler->val);
     free(sampler->cand);
     free(sampler);
@@ -163,7 +182,7 @@ const td_sampling_t *td_sampler_params(const td_sampler_t *sampler)
     return &sampler->p;
 }
 
-void td_sampler_accept(td_sampler_t *sampler, int32_t token)
+void td_sampler_accept_prompt(td_sampler_t *sampler, int32_t token)
 {
     if (sampler->p.penalty_window == 0)
         return;
@@ -173,10 +192,28 @@ void td_sampler_accept(td_sampler_t *sampler, int32_t token)
         sampler->window_len++;
 }
 
+td_status_t td_sampler_accept(td_sampler_t *sampler, int32_t token)
+{
+    td_sampler_accept_prompt(sampler, token);
+    if (!sampler->counting || token < 0)
+        return TD_OK;
+    td_hash_slot_t *c = td_hash_find(&sampler->counts, (uint64_t)token);
+    if (c) {
+        c->value++;
+        return TD_OK;
+    }
+    if (td_hash_put(&sampler->counts, (uint64_t)token, 1) != TD_OK)
+        return td_errorf(TD_ERR_NOMEM, "sampler: out of memory for %zu generated-token counts",
+                         sampler->counts.n + 1);
+    return TD_OK;
+}
+
 void td_sampler_reset(td_sampler_t *sampler)
 {
     sampler->window_len = 0;
     sampler->window_pos = 0;
+    TD_HASH_FOREACH(c, &sampler->counts)
+        c->value = 0; /* kept as zero counts: no allocation when counting starts again */
     seed_rng(sampler);
 }
 
@@ -221,64 +258,82 @@ static inline bool cand_worse(const cand_t *a, const cand_t *b)
     return a->v < b->v || (a->v == b->v && a->id > b->id);
 }
 
+/* OpenAI's presence and frequency penalties over the generated counts: one subtraction
+ * per distinct generated id, O(distinct ids). */
+static void openai_penalties(td_sampler_t *s, int32_t vocab)
+{
+    const float pres = s->p.presence_penalty, freq = s->p.frequency_penalty;
+    TD_HASH_FOREACH(c, &s->counts) {
+        if (c->value == 0 || c->hash >= (uint64_t)vocab)
+            continue;
+        s->val[c->hash] -= pres + freq * (float)c->value;
+    }
+}
+
 /* Copies the logits with NaN as -inf and applies the repetition penalty once to every
  * distinct token of the window: positive logits are divided, negative ones multiplied
- * (CTRL, Keskar et al. 2019), so a penalty > 1 always makes the token less likely. */
+ * (CTRL, Keskar et al. 2019), so a penalty > 1 always makes the token less likely; then
+ * the presence and frequency penalties. */
 static void penalized_logits(td_sampler_t *s, const float *logits, int32_t vocab)
 {
     float *val = s->val;
     for (int32_t i = 0; i < vocab; i++)
         val[i] = isnan(logits[i]) ? -INFINITY : logits[i];
     const float pen = s->p.repetition_penalty;
-    if (pen == 1.0f || s->window_len == 0)
-        return;
-    memcpy(s->window_sort, s->window, (size_t)s->window_len * sizeof *s->window);
-    qsort(s->window_sort, (size_t)s->window_len, sizeof *s->window_sort, cmp_i32);
-    for (int32_t i = 0; i < s->window_len; i++) {
-        int32_t t = s->window_sort[i];
-        if ((i > 0 && t == s->window_sort[i - 1]) || t < 0 || t >= vocab)
-            continue;
-        val[t] = val[t] > 0.0f ? val[t] / pen : val[t] * pen;
+    if (pen != 1.0f && s->window_len > 0) {
+        memcpy(s->window_sort, s->window, (size_t)s->window_len * sizeof *s->window);
+        qsort(s->window_sort, (size_t)s->window_len, sizeof *s->window_sort, cmp_i32);
+        for (int32_t i = 0; i < s->window_len; i++) {
+            int32_t t = s->window_sort[i];
+            if ((i > 0 && t == s->window_sort[i - 1]) || t < 0 || t >= vocab)
+                continue;
+            val[t] = val[t] > 0.0f ? val[t] / pen : val[t] * pen;
+        }
+    }
+    if (s->counting)
+        openai_penalties(s, vocab);
+}
+
+/* Offers c to a k-entry min-heap h[0..*n) (root = worst kept): kept while fewer than k
+ * are held or when it beats the root. O(log k). */
+static void heap_offer(cand_t *h, int32_t *n, int32_t k, cand_t c)
+{
+    int32_t j;
+    if (*n < k) {
+        j = (*n)++; /* sift up */
+        while (j > 0 && cand_worse(&c, &h[(j - 1) / 2])) {
+            h[j] = h[(j - 1) / 2];
+            j = (j - 1) / 2;
+        }
+        h[j] = c;
+    } else if (cand_worse(&h[0], &c)) {
+        j = 0; /* replace the root, sift down */
+        for (;;) {
+            int32_t l = 2 * j + 1, m = j;
+            const cand_t *mv = &c;
+            if (l < *n && cand_worse(&h[l], mv)) {
+                m = l;
+                mv = &h[l];
+            }
+            if (l + 1 < *n && cand_worse(&h[l + 1], mv))
+                m = l + 1;
+            if (m == j)
+                break;
+            h[j] = h[m];
+            j = m;
+        }
+        h[j] = c;
     }
 }
 
-/* The k best of val[0..vocab) into cand[0..k), sorted best first: a k-entry min-heap
- * (root = worst kept), O(vocab log k). */
+/* The k best of val[0..vocab) into cand[0..k), sorted best first: O(vocab log k). */
 static int32_t select_top_k(td_sampler_t *s, int32_t vocab, int32_t k)
 {
     cand_t *h = s->cand;
     int32_t n = 0;
-    for (int32_t i = 0; i < vocab; i++) {
-        cand_t c = { s->val[i], i };
-        if (c.v == -INFINITY)
-            continue;
-        int32_t j;
-        if (n < k) {
-            j = n++; /* sift up */
-            while (j > 0 && cand_worse(&c, &h[(j - 1) / 2])) {
-                h[j] = h[(j - 1) / 2];
-                j = (j - 1) / 2;
-            }
-            h[j] = c;
-        } else if (cand_worse(&h[0], &c)) {
-            j = 0; /* replace the root, sift down */
-            for (;;) {
-                int32_t l = 2 * j + 1, m = j;
-                const cand_t *mv = &c;
-                if (l < n && cand_worse(&h[l], mv)) {
-                    m = l;
-                    mv = &h[l];
-                }
-                if (l + 1 < n && cand_worse(&h[l + 1], mv))
-                    m = l + 1;
-                if (m == j)
-                    break;
-                h[j] = h[m];
-                j = m;
-            }
-            h[j] = c;
-        }
-    }
+    for (int32_t i = 0; i < vocab; i++)
+        if (s->val[i] != -INFINITY)
+            heap_offer(h, &n, k, (cand_t){ s->val[i], i });
     qsort(h, (size_t)n, sizeof *h, cmp_cand_desc);
     return n;
 }
@@ -425,6 +480,47 @@ td_status_t td_sampler_sample(td_sampler_t *sampler, const float *logits, int32_
         }
     }
     *token_p = pick;
+    return TD_OK;
+}
+
+/* ---- log-probabilities ------------------------------------------------------------ */
+
+td_status_t td_sampler_logprobs(const float *logits, int32_t vocab, int32_t token, int32_t n_top,
+                                td_token_logprob_t *out_p)
+{
+    if (vocab <= 0 || token < 0 || token >= vocab || n_top < 0 || n_top > TD_LOGPROBS_MAX_TOP)
+        return td_errorf(TD_ERR_INVALID, "logprobs: token %d of a vocabulary of %d, %d alternatives "
+                         "(at most %d)", token, vocab, n_top, TD_LOGPROBS_MAX_TOP);
+    /* pass 1: the maximum, and the n_top best in a min-heap (root = worst kept) */
+    cand_t h[TD_LOGPROBS_MAX_TOP];
+    int32_t n = 0;
+    float mx = -INFINITY;
+    for (int32_t i = 0; i < vocab; i++) {
+        float v = logits[i];
+        if (isnan(v) || v == -INFINITY)
+            continue;
+        mx = TD_MAX(mx, v);
+        if (n_top > 0)
+            heap_offer(h, &n, n_top, (cand_t){ v, i });
+    }
+    if (mx == -INFINITY || mx == INFINITY)
+        return td_errorf(TD_ERR_INVALID, "logprobs: the %d logits have no finite maximum (are the "
+                         "model's weights NaN or Inf?)", vocab);
+    /* pass 2: the normalizer, log(sum exp(l - max)) + max */
+    double sum = 0.0;
+    for (int32_t i = 0; i < vocab; i++) {
+        float v = logits[i];
+        if (!isnan(v))
+            sum += exp((double)v - (double)mx);
+    }
+    const double lse = (double)mx + log(sum);
+    qsort(h, (size_t)n, sizeof *h, cmp_cand_desc);
+    td_token_logprob_t lp = { .token = token, .n_top = n };
+    float lt = logits[token];
+    lp.logprob = isnan(lt) ? -INFINITY : (float)((double)lt - lse);
+    for (int32_t i = 0; i < n; i++)
+        lp.top[i] = (td_top_logprob_t){ .token = h[i].id, .logprob = (float)((double)h[i].v - lse) };
+    *out_p = lp;
     return TD_OK;
 }
 

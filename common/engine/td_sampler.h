@@ -6,13 +6,21 @@
  * td_sampling_default(), checked by td_sampling_validate(): at the front doors as part of
  * td_gen_params_validate(), again by the nodes on what the router forwards). Each sequence
  * owns a td_sampler_t: its own PRNG seeded from the request's seed (so the same seed gives
- * the same tokens whatever else is in the batch), a window of recent tokens for the
- * repetition penalty, and scratch memory sized to the vocabulary on first use (no
- * allocation per token afterwards).
+ * the same tokens whatever else is in the batch), a window of recent tokens (prompt and
+ * generated) for the repetition penalty, the count of each generated token id for OpenAI's
+ * presence and frequency penalties, and scratch memory sized to the vocabulary on first use
+ * (no allocation per token afterwards).
  *
- * Order of operations (temperature > 0): repetition penalty, temperature, top-k, softmax,
- * top-p, min-p, draw. Temperature 0 is greedy: the argmax of the penalized logits, lowest
- * id on ties, no randomness consumed.
+ * Order of operations (temperature > 0): repetition penalty, presence and frequency
+ * penalties (logit -= presence * (count > 0) + frequency * count, over the generated tokens
+ * only, as OpenAI and vLLM define them), temperature, top-k, softmax, top-p, min-p, draw.
+ * Temperature 0 is greedy: the argmax of the penalized logits, lowest id on ties, no
+ * randomness consumed.
+ *
+ * Log-probabilities (td_sampler_logprobs) are of the model's raw distribution,
+ * log_softmax(logits), before penalties, temperature and truncation, as vLLM returns them
+ * by default: a separate pure function of the logits, so a node computes them only for the
+ * requests that ask, and for prompt rows as well as sampled ones.
  *
  * The stop matcher (td_stop_t) takes the detokenized text of each step and says how many
  * bytes may be sent to the client now: text that could still turn out to be the start of
@@ -37,20 +45,25 @@ typedef struct td_sampling {
     float min_p;              /* drop tokens with p < min_p * p_max; 0 = off */
     float repetition_penalty; /* CTRL-style, on tokens of the recent window; 1 = off */
     int32_t penalty_window;   /* how many recent accepted tokens the penalty looks at */
+    float presence_penalty;   /* OpenAI's: minus this once per id generated so far; 0 = off */
+    float frequency_penalty;  /* OpenAI's: minus this times the id's generated count; 0 = off */
     uint64_t seed;            /* PRNG seed; equal seeds give equal draws */
 } td_sampling_t;
 
-/* Greedy (temperature 0), every filter off, penalty 1 over a window of 64, seed 0. */
+/* Greedy (temperature 0), every filter off, penalty 1 over a window of 64, presence and
+ * frequency penalties 0, seed 0. */
 td_sampling_t td_sampling_default(void);
 
 /* Limits enforced by td_sampling_validate. */
 #define TD_SAMPLING_MAX_TEMPERATURE 100.0f
 #define TD_SAMPLING_MAX_PENALTY 100.0f
 #define TD_SAMPLING_MAX_WINDOW 8192
+#define TD_SAMPLING_MAX_OPENAI_PENALTY 2.0f /* presence/frequency in [-2, 2], OpenAI's range */
 
 /*
  * Checks every field: temperature in [0, 100], top_k >= 0, top_p in (0, 1], min_p in
- * [0, 1), repetition_penalty in (0, 100], penalty_window in [0, 8192], all finite.
+ * [0, 1), repetition_penalty in (0, 100], penalty_window in [0, 8192], presence_penalty and
+ * frequency_penalty in [-2, 2], all finite.
  * TD_OK or TD_ERR_INVALID with a message naming the field, its value and the range (in
  * `why` if non-NULL, and as this thread's last error). Does not log: bad requests are the
  * client's error, reported by the RPC edge.
@@ -76,11 +89,57 @@ const td_sampling_t *td_sampler_params(const td_sampler_t *sampler);
 td_status_t td_sampler_sample(td_sampler_t *sampler, const float *logits, int32_t vocab,
                               int32_t *token_p);
 
-/* Records a token (generated, or from the prompt) in the repetition-penalty window. */
-void td_sampler_accept(td_sampler_t *sampler, int32_t token);
+/*
+ * Records a generated token: in the repetition-penalty window and, when a presence or
+ * frequency penalty is set, in the generated-token counts. Errors: TD_ERR_NOMEM (only with
+ * those penalties, when the count table must grow; the token is then in the window but not
+ * counted).
+ */
+td_status_t td_sampler_accept(td_sampler_t *sampler, int32_t token);
 
-/* Forgets the penalty window and reseeds the PRNG from params->seed. */
+/* Records a prompt token: in the repetition-penalty window only (presence and frequency
+ * penalties look at generated tokens). */
+void td_sampler_accept_prompt(td_sampler_t *sampler, int32_t token);
+
+/* Forgets the penalty window and the generated counts, and reseeds the PRNG from
+ * params->seed. */
 void td_sampler_reset(td_sampler_t *sampler);
+
+/* ---- log-probabilities -------------------------------------------------------------- */
+
+#define TD_LOGPROBS_MAX_TOP 20 /* alternatives per position at most (OpenAI's limit) */
+#define TD_LOGPROBS_MAX_PROMPT 4096 /* prompt tokens at most when their logprobs are asked:
+                                       4096 x (20 alternatives) is about 1 MiB on the wire */
+
+/* What log-probabilities a request wants (GenerateRequest.logprobs on the wire). */
+typedef struct td_logprobs_want {
+    bool on;      /* each generated token's log-probability */
+    int32_t top;  /* with on: alternatives per position, [0, TD_LOGPROBS_MAX_TOP] */
+    bool prompt;  /* with on: also the prompt's tokens (at most TD_LOGPROBS_MAX_PROMPT) */
+} td_logprobs_want_t;
+
+typedef struct td_top_logprob {
+    int32_t token;
+    float logprob;
+} td_top_logprob_t;
+
+/* One position: the log-probability of `token` and the n_top most likely ids. */
+typedef struct td_token_logprob {
+    int32_t token;
+    float logprob;                          /* natural log; -inf for a NaN/-inf logit */
+    int32_t n_top;                          /* [0, TD_LOGPROBS_MAX_TOP] */
+    td_top_logprob_t top[TD_LOGPROBS_MAX_TOP]; /* most likely first, lower id on ties */
+} td_token_logprob_t;
+
+/*
+ * log_softmax(logits)[token] and the n_top largest entries of log_softmax(logits), NaN
+ * counted as -inf, in double precision for the normalizer. Two passes over the vocabulary
+ * and an n_top-entry heap: no sort of the vocabulary, no allocation. Errors: TD_ERR_INVALID
+ * (vocab <= 0, token outside [0, vocab), n_top outside [0, TD_LOGPROBS_MAX_TOP], no finite
+ * logit). *out_p set on success. Pure; any thread.
+ */
+td_status_t td_sampler_logprobs(const float *logits, int32_t vocab, int32_t token, int32_t n_top,
+                                td_token_logprob_t *out_p);
 
 /* ---- stop strings ------------------------------------------------------------------ */
 

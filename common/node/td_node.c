@@ -222,6 +222,8 @@ td_sampling_t td_node_sampling_from_proto(const Tandem__V1__SamplingParams *p)
     s.top_p = p->top_p == 0.0f ? 1.0f : p->top_p;
     s.min_p = p->min_p;
     s.repetition_penalty = p->repetition_penalty == 0.0f ? 1.0f : p->repetition_penalty;
+    s.presence_penalty = p->presence_penalty;
+    s.frequency_penalty = p->frequency_penalty;
     s.seed = p->seed;
     return s;
 }
@@ -234,7 +236,95 @@ void td_node_sampling_to_proto(const td_sampling_t *s, Tandem__V1__SamplingParam
     p->top_p = s->top_p;
     p->min_p = s->min_p;
     p->repetition_penalty = s->repetition_penalty;
+    p->presence_penalty = s->presence_penalty;
+    p->frequency_penalty = s->frequency_penalty;
     p->seed = s->seed;
+}
+
+td_status_t td_node_logprobs_from_proto(const Tandem__V1__LogprobsRequest *p, td_logprobs_want_t *w,
+                                        char *why, size_t why_cap)
+{
+    *w = (td_logprobs_want_t){0};
+    if (!p)
+        return TD_OK;
+    if (p->top_logprobs > TD_LOGPROBS_MAX_TOP) {
+        char msg[96];
+        snprintf(msg, sizeof msg, "top_logprobs %u is out of range [0, %d]", p->top_logprobs, TD_LOGPROBS_MAX_TOP);
+        if (why && why_cap)
+            snprintf(why, why_cap, "%s", msg);
+        return td_errorf_quiet(TD_ERR_INVALID, "%s", msg);
+    }
+    *w = (td_logprobs_want_t){.on = true, .top = (int32_t)p->top_logprobs, .prompt = p->prompt};
+    return TD_OK;
+}
+
+void td_node_logprobs_to_proto(const td_logprobs_want_t *w, Tandem__V1__LogprobsRequest *p)
+{
+    tandem__v1__logprobs_request__init(p);
+    p->top_logprobs = (uint32_t)TD_MAX(w->top, 0);
+    p->prompt = w->prompt;
+}
+
+void td_node_logprob_to_proto(const td_token_logprob_t *lp, td_node_logprob_msg_t *out)
+{
+    tandem__v1__token_logprob__init(&out->m);
+    out->m.token_id = (uint32_t)lp->token;
+    out->m.logprob = lp->logprob;
+    int32_t n = TD_MIN(TD_MAX(lp->n_top, 0), TD_LOGPROBS_MAX_TOP);
+    for (int32_t i = 0; i < n; i++) {
+        tandem__v1__top_logprob__init(&out->top[i]);
+        out->top[i].token_id = (uint32_t)lp->top[i].token;
+        out->top[i].logprob = lp->top[i].logprob;
+        out->ptrs[i] = &out->top[i];
+    }
+    out->m.top = n ? out->ptrs : NULL;
+    out->m.n_top = (size_t)n;
+}
+
+td_status_t td_node_logprobs_to_proto_array(const td_token_logprob_t *lps, size_t n,
+                                            Tandem__V1__TokenLogprob ***msgs_p, void **mem_p)
+{
+    size_t n_top = 0;
+    for (size_t i = 0; i < n; i++)
+        n_top += (size_t)TD_MIN(TD_MAX(lps[i].n_top, 0), TD_LOGPROBS_MAX_TOP);
+    /* pointers first, then the messages: every part stays aligned for its type */
+    size_t bytes = n * sizeof(Tandem__V1__TokenLogprob *) + n_top * sizeof(Tandem__V1__TopLogprob *) +
+                   n * sizeof(Tandem__V1__TokenLogprob) + n_top * sizeof(Tandem__V1__TopLogprob);
+    char *mem = malloc(TD_MAX(bytes, (size_t)1));
+    if (!mem)
+        return td_errorf_quiet(TD_ERR_NOMEM, "out of memory for %zu log-probabilities", n);
+    Tandem__V1__TokenLogprob **msgs = (void *)mem;
+    Tandem__V1__TopLogprob **top_ptrs = (void *)(msgs + n);
+    Tandem__V1__TokenLogprob *m = (void *)(top_ptrs + n_top);
+    Tandem__V1__TopLogprob *tops = (void *)(m + n);
+    for (size_t i = 0; i < n; i++) {
+        tandem__v1__token_logprob__init(&m[i]);
+        m[i].token_id = (uint32_t)lps[i].token;
+        m[i].logprob = lps[i].logprob;
+        size_t k = (size_t)TD_MIN(TD_MAX(lps[i].n_top, 0), TD_LOGPROBS_MAX_TOP);
+        m[i].top = k ? top_ptrs : NULL;
+        m[i].n_top = k;
+        for (size_t t = 0; t < k; t++) {
+            tandem__v1__top_logprob__init(tops);
+            tops->token_id = (uint32_t)lps[i].top[t].token;
+            tops->logprob = lps[i].top[t].logprob;
+            *top_ptrs++ = tops++;
+        }
+        msgs[i] = &m[i];
+    }
+    *msgs_p = msgs;
+    *mem_p = mem;
+    return TD_OK;
+}
+
+void td_node_logprob_from_proto(const Tandem__V1__TokenLogprob *m, td_token_logprob_t *lp)
+{
+    lp->token = (int32_t)TD_MIN(m->token_id, (uint32_t)INT32_MAX);
+    lp->logprob = m->logprob;
+    lp->n_top = (int32_t)TD_MIN(m->n_top, (size_t)TD_LOGPROBS_MAX_TOP);
+    for (int32_t i = 0; i < lp->n_top; i++)
+        lp->top[i] = (td_top_logprob_t){.token = (int32_t)TD_MIN(m->top[i]->token_id, (uint32_t)INT32_MAX),
+                                        .logprob = m->top[i]->logprob};
 }
 
 int td_node_run(td_node_t *p)

@@ -159,6 +159,35 @@ td_sampling_t td_node_sampling_from_proto(const Tandem__V1__SamplingParams *p);
 /* The one conversion back: s into *p (initialised here; no allocation). */
 void td_node_sampling_to_proto(const td_sampling_t *s, Tandem__V1__SamplingParams *p);
 
+/*
+ * Log-probabilities on the wire, converted in one place for the router and both nodes.
+ * td_node_logprobs_from_proto reads a LogprobsRequest (NULL = none) into *w and checks it:
+ * TD_ERR_INVALID with "top_logprobs N is out of range [0, 20]" in why (quiet; the RPC edge
+ * reports it). td_node_logprobs_to_proto writes it back (w->on false: leave the field
+ * absent; *p is initialised either way).
+ */
+td_status_t td_node_logprobs_from_proto(const Tandem__V1__LogprobsRequest *p, td_logprobs_want_t *w,
+                                        char *why, size_t why_cap);
+void td_node_logprobs_to_proto(const td_logprobs_want_t *w, Tandem__V1__LogprobsRequest *p);
+
+/* A TokenLogprob message with room for its alternatives, filled without allocation
+ * (pointers into itself: do not copy it once filled). */
+typedef struct td_node_logprob_msg {
+    Tandem__V1__TokenLogprob m;
+    Tandem__V1__TopLogprob top[TD_LOGPROBS_MAX_TOP];
+    Tandem__V1__TopLogprob *ptrs[TD_LOGPROBS_MAX_TOP];
+} td_node_logprob_msg_t;
+
+void td_node_logprob_to_proto(const td_token_logprob_t *lp, td_node_logprob_msg_t *out);
+/* Messages for lps[0..n) in one allocation (*mem_p: free() it once they are sent), *msgs_p
+ * pointing at [n] of them, for a repeated TokenLogprob field. Errors: TD_ERR_NOMEM (quiet:
+ * the caller says what for). */
+td_status_t td_node_logprobs_to_proto_array(const td_token_logprob_t *lps, size_t n,
+                                            Tandem__V1__TokenLogprob ***msgs_p, void **mem_p);
+
+/* The message into *lp; alternatives past TD_LOGPROBS_MAX_TOP are dropped. */
+void td_node_logprob_from_proto(const Tandem__V1__TokenLogprob *m, td_token_logprob_t *lp);
+
 /* Runs the loop until shutdown has closed every handle. Returns 0 (the exit status). */
 int td_node_run(td_node_t *p);
 

@@ -4,11 +4,13 @@
  * yields alone through the engine; finish reasons are right; cancel and deadlines give
  * every block back at once; a pool too small for everyone preempts and recomputes without
  * changing a token or leaking a block; KV adopted from "elsewhere" continues correctly,
- * and with a seed continues the random stream the "prefill" sampler began; KV pushed
+ * and with a seed continues the random stream the "prefill" sampler began; presence and
+ * frequency penalties and log-probabilities equal one process's sampler; KV pushed
  * through td_xfer lands in the engine's own pool (the decode node's one-pool arrangement)
  * and every leased block returns on finish, cancel, expiry and sender failure.
  */
 #include <criterion/criterion.h>
+#include <math.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -407,6 +409,93 @@ Test(decode_sched, adopted_kv_continues_the_generation, .timeout = 120)
     td_test_engine_close(&fx);
 }
 
+/* ---- penalties and log-probabilities ------------------------------------------------- */
+
+/* Greedy with OpenAI's penalties, logprobs asked: every token and its log-probability (of
+ * the raw logits) equal one process's sampler loop; a request that does not ask gets none. */
+Test(decode_sched, penalties_and_logprobs_equal_one_process, .timeout = 120)
+{
+    td_test_skip_without_stories();
+    td_test_engine_t fx;
+    td_test_engine_open_cpu(&fx, 1, 256, false);
+    td_sampling_t sp = td_sampling_default();
+    sp.presence_penalty = 1.5f;
+    sp.frequency_penalty = 2.0f;
+    enum { NP = 16, NG = 30, TOP = 4 };
+    int32_t p[NP], want[NG];
+    td_token_logprob_t want_lp[NG];
+    unsigned s = 9;
+    random_prompt(&s, p, NP);
+
+    td_sampler_t *one;
+    cr_assert_eq(td_sampler_create(&sp, &one), TD_OK);
+    for (int i = 0; i < NP; i++)
+        td_sampler_accept_prompt(one, p[i]);
+    td_kv_seq_t seq;
+    td_kv_seq_init(&seq);
+    float *logits = malloc((size_t)fx.vocab * sizeof(float));
+    td_engine_item_t it = {.seq = &seq, .tokens = p, .n_tokens = NP, .n_logits = 1};
+    cr_assert_eq(td_engine_step(fx.eng, &it, 1, logits), TD_OK);
+    int n = 0, unpenalized = 0;
+    while (n < NG) {
+        int32_t t;
+        cr_assert_eq(td_sampler_sample(one, logits, fx.vocab, &t), TD_OK);
+        if (is_eos(&fx, t))
+            break;
+        unpenalized += t != td_test_argmax(logits, fx.vocab);
+        cr_assert_eq(td_sampler_logprobs(logits, fx.vocab, t, TOP, &want_lp[n]), TD_OK);
+        cr_assert_eq(td_sampler_accept(one, t), TD_OK);
+        want[n++] = t;
+        it = (td_engine_item_t){.seq = &seq, .tokens = &want[n - 1], .n_tokens = 1, .n_logits = 1};
+        cr_assert_eq(td_engine_step(fx.eng, &it, 1, logits), TD_OK);
+    }
+    td_engine_seq_end(fx.eng, &seq);
+    td_sampler_destroy(one);
+    cr_assert_gt(unpenalized, 0, "the penalties never changed a greedy pick: the test shows nothing");
+
+    decode_sched_t *ds = sched_default(fx.eng);
+    decode_request_t rq = {.id = 1, .prompt = p, .n_prompt = NP, .sampling = sp, .max_tokens = n,
+                           .logprobs = true, .top_logprobs = TOP};
+    cr_assert_eq(decode_sched_admit(ds, &rq), TD_OK, "%s", td_last_error());
+    rq.id = 2;
+    rq.logprobs = false;
+    cr_assert_eq(decode_sched_admit(ds, &rq), TD_OK, "%s", td_last_error());
+    int got = 0, got2 = 0;
+    while (decode_sched_busy(ds)) {
+        decode_step_result_t r;
+        cr_assert_eq(decode_sched_step(ds, 0, &r), TD_OK);
+        for (int32_t i = 0; i < r.n_events; i++) {
+            const decode_event_t *e = &r.events[i];
+            if (e->token < 0)
+                continue;
+            if (e->id == 2) {
+                cr_assert(!e->has_logprob);
+                cr_assert_eq(e->token, want[got2++]);
+                continue;
+            }
+            cr_assert_lt(got, n);
+            cr_assert_eq(e->token, want[got], "token %d: %d, one process %d", got, e->token, want[got]);
+            cr_assert(e->has_logprob);
+            cr_assert_eq(e->logprob.token, e->token);
+            cr_assert(fabsf(e->logprob.logprob - want_lp[got].logprob) < 1e-4f, "token %d: logprob %g vs %g", got,
+                      (double)e->logprob.logprob, (double)want_lp[got].logprob);
+            cr_assert_eq(e->logprob.n_top, TOP);
+            for (int k = 0; k < TOP; k++)
+                cr_assert_eq(e->logprob.top[k].token, want_lp[got].top[k].token);
+            got++;
+        }
+    }
+    cr_assert_eq(got, n);
+    cr_assert_eq(got2, n);
+    rq.id = 3;
+    rq.logprobs = true;
+    rq.top_logprobs = TD_LOGPROBS_MAX_TOP + 1;
+    cr_assert_eq(decode_sched_admit(ds, &rq), TD_ERR_INVALID);
+    sched_end(&fx, ds);
+    free(logits);
+    td_test_engine_close(&fx);
+}
+
 /* ---- seeded sampling across the prefill/decode split ---------------------------------- */
 
 /* A seeded temperature > 0 generation split as the cluster splits it (the first token
@@ -428,7 +517,7 @@ Test(decode_sched, seeded_split_generation_equals_one_process, .timeout = 120)
     td_sampler_t *one;
     cr_assert_eq(td_sampler_create(&sp, &one), TD_OK);
     for (int i = 0; i < 20; i++)
-        td_sampler_accept(one, p[i]);
+        td_sampler_accept_prompt(one, p[i]);
     td_kv_seq_t seq;
     td_kv_seq_init(&seq);
     float *logits = malloc((size_t)fx.vocab * sizeof(float));
@@ -457,7 +546,7 @@ Test(decode_sched, seeded_split_generation_equals_one_process, .timeout = 120)
     td_sampler_t *pf;
     cr_assert_eq(td_sampler_create(&sp, &pf), TD_OK);
     for (int i = 0; i < 20; i++)
-        td_sampler_accept(pf, p[i]);
+        td_sampler_accept_prompt(pf, p[i]);
     int32_t first;
     cr_assert_eq(td_sampler_sample(pf, logits, fx.vocab, &first), TD_OK);
     td_sampler_destroy(pf);

@@ -9,9 +9,13 @@
  * step's finishing prompts with their final block tables, and a done prompt's blocks keep
  * their bytes while later prompts run until it is released; a prompt whose step fails
  * after its first layer was handed out (injected backend fault) keeps its blocks until
- * released, one failing before any layer frees them at once.
+ * released, one failing before any layer frees them at once. Log-probabilities: the first
+ * token's and, asked for the prompt, every prompt position's equal td_sampler_logprobs of the
+ * engine's rows for the prompt alone, in chunks bounded by the step's logit rows, without
+ * the prefix cache (a repeated prompt is computed again).
  */
 #include <criterion/criterion.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -550,5 +554,99 @@ Test(prefill_sched, a_prompt_failing_after_its_layers_were_handed_out_keeps_its_
     prefill_sched_destroy(ps);
     assert_no_leak(&fx);
     fx.be->ops = real_ops;
+    td_test_engine_close(&fx);
+}
+
+/* Every row of the prompt alone, in one step: row i follows prompt[0..i]. */
+static float *rows_alone(td_test_engine_t *fx, const int32_t *p, int n)
+{
+    td_kv_seq_t seq;
+    td_kv_seq_init(&seq);
+    float *logits = malloc((size_t)n * (size_t)fx->vocab * sizeof(float));
+    cr_assert_not_null(logits);
+    td_engine_item_t it = {.seq = &seq, .tokens = p, .n_tokens = n, .n_logits = n};
+    cr_assert_eq(td_engine_step(fx->eng, &it, 1, logits), TD_OK, "%s", td_last_error());
+    td_engine_seq_end(fx->eng, &seq);
+    return logits;
+}
+
+static void assert_logprob_near(const td_token_logprob_t *got, const td_token_logprob_t *want, const char *what, int pos)
+{
+    cr_assert_eq(got->token, want->token, "%s %d", what, pos);
+    cr_assert(fabsf(got->logprob - want->logprob) < 1e-3f, "%s %d: logprob %g, alone %g", what, pos,
+              (double)got->logprob, (double)want->logprob);
+    cr_assert_eq(got->n_top, want->n_top, "%s %d", what, pos);
+    for (int32_t k = 0; k < got->n_top; k++)
+        cr_assert(fabsf(got->top[k].logprob - want->top[k].logprob) < 1e-3f, "%s %d top %d", what, pos, k);
+}
+
+Test(prefill_sched, logprobs_of_the_first_token_and_the_prompt_match_the_engine_alone, .timeout = 300)
+{
+    td_test_skip_without_stories();
+    td_test_engine_t fx;
+    prefill_sched_config_t cfg;
+    prefill_sched_t *ps = start(&fx, 1024, 5, 64, &cfg); /* 64-token steps: several chunks */
+    prefill_sched_destroy(ps);
+    cfg.max_batch = 8; /* 8 logit rows a step: prompt-logprob chunks of at most 8 tokens */
+    cr_assert_eq(prefill_sched_create(fx.eng, &cfg, &ps), TD_OK, "%s", td_last_error());
+    const td_logprobs_want_t wants[3] = {
+        {.on = true, .top = 5, .prompt = true}, {.on = true, .top = 0, .prompt = false},
+        {.on = true, .top = TD_LOGPROBS_MAX_TOP, .prompt = true}};
+    /* prompt 0 twice: the second time its blocks are cached, and must not be used */
+    const int which[4] = {0, 1, 2, 0};
+    for (int round = 0; round < 2; round++) {
+        for (int k = round * 2; k < round * 2 + 2; k++) {
+            int i = which[k];
+            prefill_request_t rq = {.id = (uint64_t)(100 + k), .prompt = prompts[i], .n_prompt = n_prompt[i],
+                                    .sampling = td_sampling_default(), .logprobs = wants[k % 3]};
+            cr_assert_eq(prefill_sched_submit(ps, &rq), TD_OK, "%s", td_last_error());
+        }
+        int done = 0;
+        for (int steps = 0; done < 2; steps++) {
+            cr_assert_lt(steps, 1000);
+            prefill_step_result_t r;
+            cr_assert_eq(prefill_sched_step(ps, 0, &r), TD_OK);
+            for (int j = 0; j < r.n_outputs; j++) {
+                const prefill_output_t *o = &r.outputs[j];
+                int k = (int)o->id - 100, i = which[k];
+                const td_logprobs_want_t *w = &wants[k % 3];
+                cr_assert_eq(o->status, TD_OK);
+                cr_assert_eq(o->first_token, want[i]);
+                if (w->prompt)
+                    cr_assert_eq(o->n_cached, 0, "prompt logprobs used %d cached tokens", o->n_cached);
+                int n = n_prompt[i];
+                cr_assert_eq(o->n_logprobs, w->prompt ? n + 1 : 1);
+                float *rows = rows_alone(&fx, prompts[i], n);
+                td_token_logprob_t ref;
+                cr_assert_eq(td_sampler_logprobs(rows + (size_t)(n - 1) * fx.vocab, fx.vocab, want[i], w->top, &ref), TD_OK);
+                assert_logprob_near(&o->logprobs[o->n_logprobs - 1], &ref, "first token of prompt", i);
+                if (w->prompt) {
+                    cr_assert_eq(o->logprobs[0].token, prompts[i][0]);
+                    cr_assert(o->logprobs[0].logprob == 0.0f && o->logprobs[0].n_top == 0);
+                    for (int pos = 1; pos < n; pos++) {
+                        cr_assert_eq(td_sampler_logprobs(rows + (size_t)(pos - 1) * fx.vocab, fx.vocab, prompts[i][pos],
+                                                         w->top, &ref), TD_OK);
+                        assert_logprob_near(&o->logprobs[pos], &ref, "prompt position", pos);
+                    }
+                }
+                free(rows);
+                free(o->logprobs);
+                cr_assert_eq(prefill_sched_release(ps, o->id), TD_OK);
+                done++;
+            }
+        }
+    }
+    /* too long a prompt for its logprobs, or too many alternatives: refused by name */
+    int32_t *big = calloc(TD_LOGPROBS_MAX_PROMPT + 1, sizeof *big);
+    prefill_request_t rq = {.id = 900, .prompt = big, .n_prompt = TD_LOGPROBS_MAX_PROMPT + 1,
+                            .sampling = td_sampling_default(), .logprobs = {.on = true, .prompt = true}};
+    if (TD_LOGPROBS_MAX_PROMPT + 1 < fx.model->config.max_seq_len)
+        cr_assert_eq(prefill_sched_submit(ps, &rq), TD_ERR_INVALID);
+    rq.n_prompt = 3;
+    rq.logprobs.top = TD_LOGPROBS_MAX_TOP + 1;
+    cr_assert_eq(prefill_sched_submit(ps, &rq), TD_ERR_INVALID);
+    free(big);
+    prefill_sched_destroy(ps);
+    assert_no_leak(&fx);
     td_test_engine_close(&fx);
 }

@@ -1,8 +1,10 @@
 /*
  * Tests of td_sampler: parameter validation, greedy argmax, seeded reproducibility, the
  * filters (top-k, top-p, min-p) against brute-force references, the empirical
- * distribution against softmax, the repetition penalty, and the stop-string matcher
- * across token boundaries with its hold-back.
+ * distribution against softmax, the repetition penalty, OpenAI's presence and frequency
+ * penalties against a plain reference, log-probabilities against a double-precision
+ * log_softmax and a full sort, and the stop-string matcher across token boundaries with its
+ * hold-back.
  */
 #include <criterion/criterion.h>
 #include <math.h>
@@ -71,7 +73,8 @@ Test(sampler, defaults_and_validation)
     } bad[] = {
         { d, "temperature" }, { d, "temperature" }, { d, "top_k" },   { d, "top_p" },
         { d, "top_p" },       { d, "min_p" },       { d, "min_p" },   { d, "repetition_penalty" },
-        { d, "repetition_penalty" }, { d, "penalty_window" },
+        { d, "repetition_penalty" }, { d, "penalty_window" }, { d, "presence_penalty" },
+        { d, "presence_penalty" }, { d, "frequency_penalty" }, { d, "frequency_penalty" },
     };
     bad[0].s.temperature = -0.5f;
     bad[1].s.temperature = NAN;
@@ -83,6 +86,10 @@ Test(sampler, defaults_and_validation)
     bad[7].s.repetition_penalty = 0.0f;
     bad[8].s.repetition_penalty = INFINITY;
     bad[9].s.penalty_window = -3;
+    bad[10].s.presence_penalty = 2.5f;
+    bad[11].s.presence_penalty = NAN;
+    bad[12].s.frequency_penalty = -2.01f;
+    bad[13].s.frequency_penalty = -INFINITY;
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         char why[256] = "";
         cr_assert_eq(td_sampling_validate(&bad[i].s, why, sizeof why), TD_ERR_INVALID, "case %zu", i);
@@ -372,6 +379,157 @@ Test(sampler, repetition_penalty)
     td_sampler_accept(s, 99999); /* ids past the vocabulary are ignored */
     cr_assert_eq(draw(s, once, 2), 0);
     td_sampler_destroy(s);
+}
+
+/* The plain reference of the penalties: repetition (CTRL) once per distinct id of the last
+ * `window` tokens of hist (prompt and generated), then OpenAI's over the generated ids:
+ * logit -= presence * (count > 0) + frequency * count. */
+static void ref_penalize(const float *l, int32_t v, const td_sampling_t *p, const int32_t *hist, int32_t n_hist,
+                         int32_t n_prompt, float *out)
+{
+    for (int32_t i = 0; i < v; i++)
+        out[i] = l[i];
+    for (int32_t t = 0; t < v; t++) {
+        bool seen = false;
+        int32_t count = 0;
+        for (int32_t i = 0; i < n_hist; i++) {
+            if (hist[i] != t)
+                continue;
+            seen |= i >= n_hist - p->penalty_window;
+            count += i >= n_prompt;
+        }
+        if (seen)
+            out[t] = out[t] > 0.0f ? out[t] / p->repetition_penalty : out[t] * p->repetition_penalty;
+        out[t] -= p->presence_penalty * (float)(count > 0) + p->frequency_penalty * (float)count;
+    }
+}
+
+Test(sampler, presence_and_frequency_penalties_match_a_plain_reference)
+{
+    enum { V = 24, PROMPT = 6, STEPS = 60 };
+    const float pres[] = { 0.0f, 0.7f, -0.4f, 2.0f, 0.3f };
+    const float freq[] = { 0.5f, 0.0f, 0.25f, -1.0f, 2.0f };
+    const float rep[] = { 1.0f, 1.0f, 1.3f, 1.0f, 1.6f };
+    for (int c = 0; c < 5; c++) {
+        td_sampling_t p = td_sampling_default();
+        p.presence_penalty = pres[c];
+        p.frequency_penalty = freq[c];
+        p.repetition_penalty = rep[c];
+        p.penalty_window = 8;
+        td_sampler_t *s = make(p);
+        int32_t hist[PROMPT + STEPS];
+        int32_t n = 0;
+        for (int32_t i = 0; i < PROMPT; i++) {
+            hist[n++] = (i * 5) % V; /* prompt ids: only the repetition penalty sees them */
+            td_sampler_accept_prompt(s, hist[n - 1]);
+        }
+        float l[V], ref[V];
+        int changed = 0;
+        for (int32_t step = 0; step < STEPS; step++) {
+            fill_logits(l, V, (uint32_t)(c * 1000 + step), 1.0f);
+            ref_penalize(l, V, &p, hist, n, PROMPT, ref);
+            int32_t t = draw(s, l, V); /* greedy: the argmax of the penalized logits */
+            cr_assert_eq(t, argmax(ref, V), "case %d step %d", c, step);
+            changed += t != argmax(l, V);
+            /* continue with a mix of the pick and forced repeats, so counts reach several */
+            int32_t next = step % 3 == 0 ? 7 : t;
+            cr_assert_eq(td_sampler_accept(s, next), TD_OK);
+            hist[n++] = next;
+        }
+        if (pres[c] > 0.5f || freq[c] > 0.4f)
+            cr_assert_gt(changed, 0, "case %d: the penalties never changed a pick", c);
+        /* a reset forgets the counts as it forgets the window */
+        td_sampler_reset(s);
+        fill_logits(l, V, 7, 1.0f);
+        cr_assert_eq(draw(s, l, V), argmax(l, V));
+        td_sampler_destroy(s);
+    }
+}
+
+Test(sampler, frequency_penalty_counts_generated_tokens_only)
+{
+    td_sampling_t p = td_sampling_default();
+    p.frequency_penalty = 1.0f;
+    td_sampler_t *s = make(p);
+    float l[2] = { 1.0f, 0.5f };
+    for (int i = 0; i < 5; i++)
+        td_sampler_accept_prompt(s, 0); /* prompt: not counted */
+    cr_assert_eq(draw(s, l, 2), 0);
+    cr_assert_eq(td_sampler_accept(s, 0), TD_OK); /* 1.0 - 1 = 0 < 0.5 */
+    cr_assert_eq(draw(s, l, 2), 1);
+    cr_assert_eq(td_sampler_accept(s, 1), TD_OK); /* 0.5 - 1 = -0.5 < 0 */
+    cr_assert_eq(draw(s, l, 2), 0);
+    cr_assert_eq(td_sampler_accept(s, 99999), TD_OK); /* ids past the vocabulary are ignored */
+    cr_assert_eq(draw(s, l, 2), 0);
+    td_sampler_destroy(s);
+}
+
+Test(sampler, logprobs_match_log_softmax_and_a_full_sort)
+{
+    enum { V = 3000 };
+    float *l = malloc(V * sizeof *l);
+    double *ref = malloc(V * sizeof *ref);
+    int32_t *order = malloc(V * sizeof *order);
+    cr_assert(l && ref && order);
+    for (int c = 0; c < 4; c++) {
+        fill_logits(l, V, (uint32_t)(77 + c), 8.0f);
+        l[5] = NAN;
+        l[9] = -INFINITY;
+        l[100] = l[101] = l[argmax(l, V)]; /* ties at the top: lower id first */
+        double mx = -INFINITY, sum = 0.0;
+        for (int32_t i = 0; i < V; i++)
+            if (!isnan(l[i]))
+                mx = fmax(mx, l[i]);
+        for (int32_t i = 0; i < V; i++)
+            if (!isnan(l[i]))
+                sum += exp((double)l[i] - mx);
+        for (int32_t i = 0; i < V; i++)
+            ref[i] = isnan(l[i]) ? -INFINITY : (double)l[i] - mx - log(sum);
+        /* full selection sort by (logprob desc, id asc) of the first 20 */
+        for (int32_t i = 0; i < V; i++)
+            order[i] = i;
+        for (int32_t i = 0; i < TD_LOGPROBS_MAX_TOP; i++)
+            for (int32_t j = i + 1; j < V; j++)
+                if (ref[order[j]] > ref[order[i]] || (ref[order[j]] == ref[order[i]] && order[j] < order[i])) {
+                    int32_t t = order[i];
+                    order[i] = order[j];
+                    order[j] = t;
+                }
+        const int32_t n_tops[] = { 0, 1, 5, TD_LOGPROBS_MAX_TOP };
+        int32_t tok = (int32_t)(c * 711 + 3) % V;
+        td_token_logprob_t lp;
+        cr_assert_eq(td_sampler_logprobs(l, V, tok, n_tops[c], &lp), TD_OK, "%s", td_last_error());
+        cr_assert_eq(lp.token, tok);
+        cr_assert(fabs(lp.logprob - ref[tok]) < 1e-5 * fmax(1.0, fabs(ref[tok])), "%g vs %g", lp.logprob, ref[tok]);
+        cr_assert_eq(lp.n_top, n_tops[c]);
+        for (int32_t i = 0; i < lp.n_top; i++) {
+            cr_assert_eq(lp.top[i].token, order[i], "case %d rank %d", c, i);
+            cr_assert(fabs(lp.top[i].logprob - ref[order[i]]) < 1e-5, "rank %d", i);
+        }
+        cr_assert_eq(td_sampler_logprobs(l, V, 5, 0, &lp), TD_OK);
+        cr_assert(isinf(lp.logprob) && lp.logprob < 0, "a NaN logit has logprob -inf");
+    }
+    /* probabilities sum to 1 */
+    float small[4] = { 0.1f, -2.0f, 3.0f, 1.0f };
+    double total = 0.0;
+    for (int32_t t = 0; t < 4; t++) {
+        td_token_logprob_t lp;
+        cr_assert_eq(td_sampler_logprobs(small, 4, t, 4, &lp), TD_OK);
+        total += exp(lp.logprob);
+        cr_assert_eq(lp.top[0].token, 2);
+    }
+    cr_assert(fabs(total - 1.0) < 1e-6);
+    /* bad arguments are errors, not crashes */
+    td_token_logprob_t lp;
+    float none[3] = { NAN, -INFINITY, NAN };
+    cr_assert_eq(td_sampler_logprobs(none, 3, 0, 1, &lp), TD_ERR_INVALID);
+    cr_assert_eq(td_sampler_logprobs(small, 4, 4, 1, &lp), TD_ERR_INVALID);
+    cr_assert_eq(td_sampler_logprobs(small, 4, -1, 1, &lp), TD_ERR_INVALID);
+    cr_assert_eq(td_sampler_logprobs(small, 4, 0, TD_LOGPROBS_MAX_TOP + 1, &lp), TD_ERR_INVALID);
+    cr_assert_eq(td_sampler_logprobs(small, 0, 0, 1, &lp), TD_ERR_INVALID);
+    free(l);
+    free(ref);
+    free(order);
 }
 
 /* ---- stop strings ------------------------------------------------------------------ */
