@@ -15,7 +15,8 @@
 
 cli_gen_opts_t cli_gen_opts_default(void)
 {
-    return (cli_gen_opts_t){.max_tokens = -1, .dtype = -1, .quant = -1, .sampling = td_sampling_default()};
+    return (cli_gen_opts_t){.max_tokens = -1, .dtype = -1, .quant = -1, .logprobs = -1,
+                            .sampling = td_sampling_default()};
 }
 
 /* The flag behind a td_gen_params_validate message (which begins with the request field's
@@ -27,7 +28,9 @@ static const char *flag_of(const char *why)
     } map[] = {
         {"max_tokens", "--max-tokens"}, {"prompt", "--prompt"}, {"temperature", "--temperature"},
         {"top_k", "--top-k"}, {"top_p", "--top-p"}, {"min_p", "--min-p"},
-        {"repetition_penalty", "--repetition-penalty"}, {"stop_ids", "--stop-id"},
+        {"repetition_penalty", "--repetition-penalty"}, {"presence_penalty", "--presence-penalty"},
+        {"frequency_penalty", "--frequency-penalty"}, {"stop_ids", "--stop-id"},
+        {"top_logprobs", "--logprobs"}, {"prompt_logprobs", "--prompt-logprobs"},
         {"stop_strings", "--stop"}, {"stop string", "--stop"},
     };
     for (size_t i = 0; i < sizeof map / sizeof map[0]; i++) {
@@ -79,6 +82,9 @@ bool cli_gen_validate(const char *cmd, const cli_gen_opts_t *o, bool prompt_is_t
     gp.n_stop_ids = (size_t)o->n_stop_ids;
     gp.n_stop_strings = (size_t)o->n_stops;
     gp.stop_strings = o->stops;
+    if (o->logprobs >= 0)
+        gp.logprobs = (td_logprobs_want_t){.on = true, .top = (int32_t)TD_MIN(o->logprobs, (int64_t)INT32_MAX),
+                                           .prompt = o->prompt_logprobs};
     char why[256];
     if (td_gen_params_validate(&gp, why, sizeof why) != TD_OK) {
         fprintf(stderr, "tandem %s: %s%s%s\n", cmd, flag_of(why), *flag_of(why) ? ": " : "", why);
@@ -171,7 +177,20 @@ void cli_gen_result_free(cli_gen_result_t *r)
 {
     free(r->ids);
     free(r->text);
+    free(r->lps);
+    free(r->prompt_lps);
     memset(r, 0, sizeof *r);
+}
+
+void cli_gen_print_logprobs(const char *what, const td_token_logprob_t *lps, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
+        printf("logprob %s %zu %d %.6f", what, i, lps[i].token, (double)lps[i].logprob);
+        for (int32_t k = 0; k < lps[i].n_top; k++)
+            printf(" %d:%.6f", lps[i].top[k].token, (double)lps[i].top[k].logprob);
+        printf("\n");
+    }
+    fflush(stdout);
 }
 
 static bool is_stop_id(const cli_gen_t *g, const cli_gen_opts_t *o, int32_t id)
@@ -240,34 +259,54 @@ td_status_t cli_gen_run(cli_gen_t *g, const cli_gen_opts_t *o, td_kv_seq_t *seq,
     size_t text_cap = 0;
     td_status_t st;
 
+    const bool want_lp = o->logprobs >= 0, want_plp = want_lp && o->prompt_logprobs;
+    const int32_t top = (int32_t)TD_MIN(TD_MAX(o->logprobs, (int64_t)0), (int64_t)TD_LOGPROBS_MAX_TOP);
+    /* prompt logprobs: every row of a chunk (chunks of at most max_logit_rows tokens) */
+    const int32_t chunk = want_plp ? TD_MIN(ec->max_batch_tokens, ec->max_logit_rows) : ec->max_batch_tokens;
+    const size_t vocab = (size_t)c->vocab_size;
     if ((st = td_sampler_create(&o->sampling, &sampler)) != TD_OK ||
         (st = td_stop_create(o->stops, TD_MIN(o->n_stops, TD_STOP_MAX_STRINGS), &stop)) != TD_OK)
         goto out;
-    logits = malloc((size_t)c->vocab_size * sizeof(float));
+    logits = malloc((size_t)(want_plp ? chunk : 1) * vocab * sizeof(float));
     r.ids = malloc((size_t)(max_new + 1) * sizeof(int32_t));
-    if (!logits || !r.ids) {
+    if (want_lp)
+        r.lps = malloc((size_t)(max_new + 1) * sizeof *r.lps);
+    if (want_plp)
+        r.prompt_lps = malloc(n_prompt * sizeof *r.prompt_lps);
+    if (!logits || !r.ids || (want_lp && !r.lps) || (want_plp && !r.prompt_lps)) {
         st = td_errorf(TD_ERR_NOMEM, "out of memory");
         goto out;
     }
     if (g->tok)
         td_detok_init(&dt, g->tok);
     for (size_t i = 0; i < n_prompt; i++)
-        td_sampler_accept(sampler, prompt[i]);
+        td_sampler_accept_prompt(sampler, prompt[i]);
 
-    /* the engine attaches the cached prefix (a previous turn's KV); prefill the rest in
-     * chunks, the last chunk's last row giving the first token's logits */
+    /* the engine attaches the cached prefix (a previous turn's KV), unless every prompt
+     * position's logits are wanted; prefill the rest in chunks, the last chunk's last row
+     * giving the first token's logits */
     uint64_t t0 = td_now_ns();
-    if ((st = td_engine_seq_start(g->eng, seq, prompt, (int32_t)n_prompt, &r.n_cached)) != TD_OK)
+    if (!want_plp && (st = td_engine_seq_start(g->eng, seq, prompt, (int32_t)n_prompt, &r.n_cached)) != TD_OK)
         goto out;
+    if (want_plp && n_prompt)
+        r.prompt_lps[0] = (td_token_logprob_t){.token = prompt[0]}; /* no context: logprob 0 */
     for (size_t off = (size_t)r.n_cached; off < n_prompt;) {
-        int32_t n = (int32_t)TD_MIN((size_t)ec->max_batch_tokens, n_prompt - off);
+        int32_t n = (int32_t)TD_MIN((size_t)chunk, n_prompt - off);
+        bool last = off + (size_t)n == n_prompt;
         td_engine_item_t it = {.seq = seq, .tokens = prompt + off, .n_tokens = n,
-                               .n_logits = off + (size_t)n == n_prompt};
+                               .n_logits = want_plp ? n : last};
         if ((st = td_engine_step(g->eng, &it, 1, logits)) != TD_OK) {
             if (st == TD_ERR_EXHAUSTED)
                 td_errorf(st, "the KV cache cannot hold the prompt: raise --kv-mem");
             goto out;
         }
+        /* row k follows prompt[off + k]: it scores prompt[off + k + 1] */
+        for (int32_t k = 0; want_plp && k < n && off + (size_t)k + 1 < n_prompt; k++)
+            if ((st = td_sampler_logprobs(logits + (size_t)k * vocab, c->vocab_size, prompt[off + (size_t)k + 1], top,
+                                          &r.prompt_lps[off + (size_t)k + 1])) != TD_OK)
+                goto out;
+        if (want_plp && last && n > 1)
+            memmove(logits, logits + (size_t)(n - 1) * vocab, vocab * sizeof *logits);
         off += (size_t)n;
     }
     r.t_prefill_ns = td_now_ns() - t0;
@@ -280,7 +319,10 @@ td_status_t cli_gen_run(cli_gen_t *g, const cli_gen_opts_t *o, td_kv_seq_t *seq,
             r.t_first_ns = td_now_ns() - t0;
         if (is_stop_id(g, o, next))
             break;
-        td_sampler_accept(sampler, next);
+        if (want_lp && (st = td_sampler_logprobs(logits, c->vocab_size, next, top, &r.lps[r.n_gen])) != TD_OK)
+            goto out;
+        if ((st = td_sampler_accept(sampler, next)) != TD_OK)
+            goto out;
         r.ids[r.n_gen++] = next;
         if (!o->print_ids && (st = emit_text(&dt, stop, next, &r, &text_cap, &stopped)) != TD_OK)
             goto out;

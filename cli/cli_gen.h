@@ -40,6 +40,9 @@ typedef struct cli_gen_opts {
     int64_t prefill_chunk;
     size_t kv_mem;
     bool print_ids;
+    int64_t logprobs;          /* --logprobs N: each generated token's log-probability and N
+                                  alternatives (0..20); -1 = off */
+    bool prompt_logprobs;      /* --prompt-logprobs (with --logprobs): the prompt's too */
     td_sampling_t sampling;
     const char *stops[TD_STOP_MAX_STRINGS];
     int32_t n_stops;           /* given; only the first TD_STOP_MAX_STRINGS are kept (more are refused) */
@@ -112,9 +115,15 @@ typedef struct cli_gen_result {
     char *text;                /* the text written to stdout, NUL-terminated, malloc'd */
     size_t text_len;
     uint64_t t_prefill_ns, t_first_ns, t_total_ns;
+    td_token_logprob_t *lps;   /* [n_gen] with o->logprobs >= 0, else NULL */
+    td_token_logprob_t *prompt_lps; /* [n_prompt] with o->prompt_logprobs, else NULL */
 } cli_gen_result_t;
 
 void cli_gen_result_free(cli_gen_result_t *r);
+
+/* Prints lps[0..n) to stdout, one line each, the same for a local and a --server run:
+ * "logprob WHAT I ID LOGPROB[ ID:LOGPROB...]" (WHAT: prompt or gen; %.6f). */
+void cli_gen_print_logprobs(const char *what, const td_token_logprob_t *lps, size_t n);
 
 /*
  * Generates after prompt[0..n) on seq (an empty sequence: the engine's cached prefix is

@@ -85,6 +85,12 @@ static int parse_opts(int argc, char **argv, cli_gen_opts_t *o)
          .help = "drop tokens below P times the most likely one's probability (default 0: off)"},
         {.name = "repetition-penalty", .type = TD_OPT_F32, .ptr = &o->sampling.repetition_penalty, .arg = "R",
          .help = "penalty on recently seen tokens (default 1: off)"},
+        {.name = "presence-penalty", .type = TD_OPT_F32, .ptr = &o->sampling.presence_penalty, .arg = "P",
+         .help = "OpenAI's: subtract P from the logit of every token generated so far\n"
+                 "(-2..2, default 0: off)"},
+        {.name = "frequency-penalty", .type = TD_OPT_F32, .ptr = &o->sampling.frequency_penalty, .arg = "F",
+         .help = "OpenAI's: subtract F times the number of times a token was generated\n"
+                 "(-2..2, default 0: off)"},
         {.name = "seed", .type = TD_OPT_I64, .ptr = &seed, .min = 0, .max = INT64_MAX, .arg = "S",
          .help = "sampling seed (default 0)"},
         {.name = "stop", .type = TD_OPT_FN, .ptr = o, .parse = cli_gen_parse_stop, .arg = "TEXT",
@@ -107,6 +113,13 @@ static int parse_opts(int argc, char **argv, cli_gen_opts_t *o)
          .arg = "N", .help = "prompt tokens per prefill step (default: the prompt, at most 512)"},
         {.name = "print-ids", .type = TD_OPT_BOOL, .ptr = &o->print_ids,
          .help = "print the generated ids on one line instead of text"},
+        {.name = "logprobs", .type = TD_OPT_I64, .ptr = &o->logprobs, .min = INT32_MIN, .max = INT32_MAX, .arg = "N",
+         .help = "after the output, each generated token's log-probability (natural log, of the\n"
+                 "model's distribution before temperature and penalties) and its N most likely\n"
+                 "alternatives (0..20), one line each: logprob gen I ID LOGPROB ID:LOGPROB..."},
+        {.name = "prompt-logprobs", .type = TD_OPT_BOOL, .ptr = &o->prompt_logprobs,
+         .help = "with --logprobs: the prompt's tokens too (logprob prompt I ...; the first has\n"
+                 "no context: 0), computed without the prefix cache; at most 4096 tokens"},
         {.name = "log-level", .type = TD_OPT_FN, .parse = cli_gen_parse_log_level, .arg = "L",
          .help = "error|warn|info|debug"},
         {.name = "server", .type = TD_OPT_STR, .ptr = &o->server, .arg = "HOST:PORT",
@@ -125,7 +138,7 @@ static int parse_opts(int argc, char **argv, cli_gen_opts_t *o)
          .fmax = 3600.0f, .arg = "S",
          .help = connect_help},
     };
-    enum { N_OPTS = TD_ARRAY_LEN(opts), OPT_MAX_TOKENS = 6, OPT_DTYPE = 17 };
+    enum { N_OPTS = TD_ARRAY_LEN(opts), OPT_MAX_TOKENS = 6, OPT_DTYPE = 19 };
     int given[N_OPTS] = {0};
     td_opts_t spec = {.prog = "generate", .opts = opts, .n_opts = N_OPTS};
     td_opts_result_t r = {.given = given};
@@ -135,8 +148,10 @@ static int parse_opts(int argc, char **argv, cli_gen_opts_t *o)
         printf("usage: tandem generate --model PATH [--tokenizer PATH] (--prompt TEXT | --prompt-ids \"1 2 3\")\n"
                "                       [--chat [--system TEXT]] [--max-tokens N] [--temperature T]\n"
                "                       [--top-k K] [--top-p P] [--min-p P] [--repetition-penalty R] [--seed S]\n"
+               "                       [--presence-penalty P] [--frequency-penalty F]\n"
                "                       [--stop TEXT]... [--stop-id ID]... [--threads N] [--device cpu|cuda[:N]]\n"
                "                       [--dtype f32|f16|bf16] [--quant q8_0|q4_0] [--print-ids]\n"
+               "                       [--logprobs N [--prompt-logprobs]]\n"
                "       tandem generate --server HOST:PORT (--prompt TEXT | --prompt-ids \"1 2 3\")\n"
                "                       [the same sampling, stop and output flags]\n"
                "                       [--model-name NAME] [--request-id ID] [--timeout S] [--connect-timeout S]\n"
@@ -182,6 +197,10 @@ static int parse_opts(int argc, char **argv, cli_gen_opts_t *o)
     if (o->server && o->max_tokens == 0) {
         fprintf(stderr, "tandem generate: --max-tokens 0 with --server: the request's 0 means the server's default; "
                         "give N >= 1\n");
+        return 2;
+    }
+    if (o->prompt_logprobs && o->logprobs < 0) {
+        fprintf(stderr, "tandem generate: --prompt-logprobs needs --logprobs N\n");
         return 2;
     }
     if (o->system && !o->chat) {
@@ -270,6 +289,11 @@ typedef struct remote_state {
     uint32_t prompt_tokens, completion_tokens, cached_tokens;
     bool have_timings;
     double queue_s, prefill_s, transfer_s, first_token_s, per_token_s, total_s;
+    td_token_logprob_t *lps;           /* [n_lps] with --logprobs: as they came */
+    size_t n_lps, cap_lps;
+    td_token_logprob_t *prompt_lps;    /* [n_prompt_lps] with --prompt-logprobs */
+    size_t n_prompt_lps;
+    bool lps_short;                    /* out of memory, or a message without them */
 } remote_state_t;
 
 /* "HOST:PORT", "[v6]:PORT" or "name:PORT" → a numeric address (names resolved, IPv4
@@ -320,11 +344,41 @@ static void remote_print_ids(remote_state_t *r, const uint32_t *ids, size_t n)
     fflush(stdout);
 }
 
+/* A message's log-probabilities, kept to print after the output. */
+static void remote_keep_logprobs(remote_state_t *r, const Tandem__V1__GenerateResponse *m)
+{
+    if (m->n_logprobs != m->n_token_ids)
+        r->lps_short = true;
+    if (r->n_lps + m->n_logprobs > r->cap_lps) {
+        size_t cap = TD_MAX(2 * r->cap_lps, r->n_lps + m->n_logprobs);
+        td_token_logprob_t *p = realloc(r->lps, cap * sizeof *p);
+        if (!p) {
+            r->lps_short = true;
+            return;
+        }
+        r->lps = p;
+        r->cap_lps = cap;
+    }
+    for (size_t i = 0; i < m->n_logprobs; i++)
+        td_node_logprob_from_proto(m->logprobs[i], &r->lps[r->n_lps++]);
+    if (m->n_prompt_logprobs && !r->prompt_lps) {
+        if (!(r->prompt_lps = malloc(m->n_prompt_logprobs * sizeof *r->prompt_lps))) {
+            r->lps_short = true;
+            return;
+        }
+        for (size_t i = 0; i < m->n_prompt_logprobs; i++)
+            td_node_logprob_from_proto(m->prompt_logprobs[i], &r->prompt_lps[i]);
+        r->n_prompt_lps = m->n_prompt_logprobs;
+    }
+}
+
 static void on_gen_message(td_grpc_client_call_t *call, const ProtobufCMessage *msg, void *data)
 {
     remote_state_t *r = data;
     const Tandem__V1__GenerateResponse *m = (const void *)msg;
     r->reached = true;
+    if (r->o->logprobs >= 0)
+        remote_keep_logprobs(r, m);
     if (!r->request_id[0] && m->request_id && m->request_id[0])
         snprintf(r->request_id, sizeof r->request_id, "%s", m->request_id);
     if (m->n_token_ids) {
@@ -544,6 +598,12 @@ static int gen_remote(cli_gen_opts_t *o)
     req.n_stop_strings = (size_t)o->n_stops;
     req.request_id = o->request_id ? (char *)o->request_id : "";
     req.model = o->model_name ? (char *)o->model_name : "";
+    Tandem__V1__LogprobsRequest lq = TANDEM__V1__LOGPROBS_REQUEST__INIT;
+    if (o->logprobs >= 0) {
+        lq.top_logprobs = (uint32_t)o->logprobs; /* validated: 0..20 */
+        lq.prompt = o->prompt_logprobs;
+        req.logprobs = &lq;
+    }
 
     remote_state_t r = {.o = o, .addr = o->server};
     uv_loop_init(&r.loop);
@@ -589,6 +649,15 @@ static int gen_remote(cli_gen_opts_t *o)
         if (!o->print_ids && r.n_gen && !r.got_text)
             td_warn("generate: the server sent %u tokens but no text (a router without a tokenizer?): "
                     "add --print-ids to see the ids", r.n_gen);
+        if (o->logprobs >= 0) {
+            if (!o->print_ids)
+                printf("\n");
+            cli_gen_print_logprobs("prompt", r.prompt_lps, r.n_prompt_lps);
+            cli_gen_print_logprobs("gen", r.lps, r.n_lps);
+            if (r.lps_short || (o->prompt_logprobs && !r.n_prompt_lps))
+                td_warn("generate: the server sent fewer log-probabilities than asked (%zu for %u tokens%s)", r.n_lps,
+                        r.n_gen, o->prompt_logprobs && !r.n_prompt_lps ? ", none for the prompt" : "");
+        }
         remote_report_timings(&r);
         rc = 0;
     } else {
@@ -609,6 +678,8 @@ out_loop:
         td_warn("generate: a libuv handle was left open");
     free(wire_ids);
     free(ids);
+    free(r.lps);
+    free(r.prompt_lps);
     return rc;
 }
 
@@ -661,11 +732,17 @@ int cmd_generate(int argc, char **argv)
     td_engine_config_t ec = td_engine_config_default();
     ec.max_batch_tokens = (int32_t)(o.prefill_chunk ? o.prefill_chunk : TD_MIN(512, (int64_t)n_prompt));
     ec.max_seqs = 1;
-    ec.max_logit_rows = 1;
+    ec.max_logit_rows = o.prompt_logprobs ? ec.max_batch_tokens : 1; /* every prompt row, chunk by chunk */
     ec.prefix_cache = false;
     if ((st = cli_gen_start_engine(&g, &o, &ec, (int64_t)n_prompt + max_new)) != TD_OK ||
         (st = cli_gen_run(&g, &o, &seq, prompt, n_prompt, max_new, &res)) != TD_OK)
         goto out;
+    if (o.logprobs >= 0) {
+        if (!o.print_ids)
+            printf("\n");
+        cli_gen_print_logprobs("prompt", res.prompt_lps, res.prompt_lps ? res.n_prompt : 0);
+        cli_gen_print_logprobs("gen", res.lps, (size_t)res.n_gen);
+    }
     cli_gen_report(&res, false);
     rc = 0;
 out:

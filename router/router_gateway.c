@@ -11,26 +11,45 @@
 
 #include "health.pb-c.h"
 #include "router_admit.h"
+#include "td_log.h"
 #include "td_util.h"
 
 /* ---- gateway API: the Generate call as a request's sink --------------------------------- */
 
 static const char *const gw_none = "";
 
-static void gw_message(router_req_t *r, Tandem__V1__GenerateResponse *m)
+/* r->out as a message; the log-probabilities' messages are allocated in *mem (two blocks:
+ * free both once sent). TD_ERR_NOMEM: the message has what fitted (ids and text always). */
+static td_status_t gw_message(router_req_t *r, Tandem__V1__GenerateResponse *m, void *mem[2])
 {
+    td_status_t st = TD_OK;
+    mem[0] = mem[1] = NULL;
     m->token_ids = r->out.ids;
     m->n_token_ids = r->out.n;
     m->text = r->out.text ? r->out.text : (char *)gw_none;
     if (!r->sent_msg)
         m->request_id = r->id;
+    if (r->out.lps && r->out.n) {
+        st = td_node_logprobs_to_proto_array(r->out.lps, r->out.n, &m->logprobs, &mem[0]);
+        m->n_logprobs = st == TD_OK ? r->out.n : 0;
+    }
+    if (r->out.n_prompt_lps && st == TD_OK) {
+        st = td_node_logprobs_to_proto_array(r->out.prompt_lps, r->out.n_prompt_lps, &m->prompt_logprobs, &mem[1]);
+        m->n_prompt_logprobs = st == TD_OK ? r->out.n_prompt_lps : 0;
+    }
+    return st;
 }
 
 static td_status_t gw_send(router_req_t *r)
 {
     Tandem__V1__GenerateResponse m = TANDEM__V1__GENERATE_RESPONSE__INIT;
-    gw_message(r, &m);
-    return td_grpc_call_send(r->client, &m.base);
+    void *mem[2];
+    if (gw_message(r, &m, mem) != TD_OK)
+        td_warn("request %s: out of memory for %u log-probabilities; sent without them", r->id, r->out.n);
+    td_status_t st = td_grpc_call_send(r->client, &m.base);
+    free(mem[0]);
+    free(mem[1]);
+    return st;
 }
 
 static void gw_finish(router_req_t *r, const router_summary_t *sum)
@@ -43,7 +62,9 @@ static void gw_finish(router_req_t *r, const router_summary_t *sum)
     Tandem__V1__GenerateResponse m = TANDEM__V1__GENERATE_RESPONSE__INIT;
     Tandem__V1__Usage u = TANDEM__V1__USAGE__INIT;
     Tandem__V1__Timings t = TANDEM__V1__TIMINGS__INIT;
-    gw_message(r, &m);
+    void *mem[2];
+    if (gw_message(r, &m, mem) != TD_OK)
+        td_warn("request %s: out of memory for the log-probabilities of the last message; sent without them", r->id);
     m.request_id = r->id;
     m.finish_reason = reasons[sum->reason];
     u.prompt_tokens = sum->prompt_tokens;
@@ -59,6 +80,8 @@ static void gw_finish(router_req_t *r, const router_summary_t *sum)
     m.timings = &t;
     td_grpc_call_set_data(r->client, NULL);
     td_grpc_call_reply(r->client, &m.base);
+    free(mem[0]);
+    free(mem[1]);
 }
 
 static void gw_fail(router_req_t *r, td_grpc_code_t code, const char *msg)
@@ -101,6 +124,9 @@ static td_gen_params_t gen_params_from_proto(const Tandem__V1__GenerateRequest *
     gp.n_stop_strings = q->n_stop_strings;
     gp.stop_strings = (const char *const *)q->stop_strings;
     gp.sampling = td_node_sampling_from_proto(q->sampling);
+    if (q->logprobs) /* as received: td_gen_params_validate refuses top_logprobs past 20 by name */
+        gp.logprobs = (td_logprobs_want_t){.on = true, .top = (int32_t)TD_MIN(q->logprobs->top_logprobs, (uint32_t)INT32_MAX),
+                                           .prompt = q->logprobs->prompt};
     return gp;
 }
 

@@ -21,6 +21,7 @@
 #include "td_gen_params.h"
 #include "td_grpc.h"
 #include "td_hash.h"
+#include "td_http.h"
 #include "td_list.h"
 #include "td_metrics.h"
 #include "td_node.h"
@@ -53,6 +54,11 @@ typedef struct router_config {
     int64_t heartbeat_ms;
     int64_t heartbeat_timeout_ms;
     int64_t max_nodes;
+    int64_t http_port;         /* the OpenAI HTTP API (router_http.c); -1 = off, 0 = any */
+    int64_t http_max_body_bytes;
+    int64_t http_max_connections;
+    int64_t http_idle_timeout_ms;
+    int64_t http_request_timeout_ms;
 } router_config_t;
 
 typedef struct router_peer {
@@ -98,6 +104,10 @@ typedef struct router_out {
     uint32_t n, cap;
     char *text;                /* [n_text] + NUL: their text, stop strings held back */
     size_t n_text, cap_text;
+    td_token_logprob_t *lps;   /* [n] with r->logprobs.on (else NULL): token i's */
+    td_token_logprob_t *prompt_lps; /* [n_prompt_lps] from the Prefill stream when asked:
+                                  sent with the next message (the first), then freed */
+    uint32_t n_prompt_lps;
 } router_out_t;
 
 /* How a request ended well (the front door names it: gRPC's FinishReason, OpenAI's "stop"
@@ -179,6 +189,9 @@ struct router_req {
     int64_t deadline_ns;       /* td_now_ns() clock; bounds queue, Admit, Prefill, decoding */
     router_first_t first_src;
     uint32_t first_token;
+    td_logprobs_want_t logprobs; /* what the client asked (td_gen_params_t's) */
+    bool first_lp_wait;        /* token 0 came first from the decode node, which has no
+                                * logprob for it: output held until the Prefill stream's */
     uint32_t decode_tokens;    /* SEQ_EVENT_TOKEN entries seen for the current lease */
     router_out_t out;          /* output not yet sent to the client */
     bool blocked;              /* the last send was refused (BUSY); wait for writable */
@@ -221,6 +234,8 @@ struct router_state {
     int32_t n_tokenizing;      /* tok_job_t on the thread pool (max-tokenizing bound) */
     uint64_t next_id;
     td_grpc_server_t *gateway, *control;
+    td_http_server_t *http;    /* the OpenAI API and /metrics (--http-port), or NULL */
+    int64_t started_unix;      /* for GET /v1/models' "created" */
     td_metrics_t *metrics;
     td_metric_family_t *f_requests;
     td_metric_t *m_ttft, *m_tpot, *m_active, *m_tokens, *m_retries, *m_nodes_prefill, *m_nodes_decode;
@@ -260,11 +275,14 @@ void router_lease_release(router_req_t *r, Tandem__Control__V1__ReleaseRequest__
 
 /* router_relay.c: tokens from the nodes to the gateway stream */
 void router_out_flush(router_req_t *r);
-void router_first_from_prefill(router_req_t *r, uint32_t token);
+void router_first_from_prefill(router_req_t *r, const Tandem__Control__V1__PrefillResponse *p);
 bool router_backlog_over(const router_req_t *r);
 void router_req_fail_slow(router_req_t *r);
 void router_on_steps_msg(td_grpc_client_call_t *c, const ProtobufCMessage *msg, void *data);
 void router_on_steps_done(td_grpc_client_call_t *c, td_grpc_code_t code, const char *msg, void *data);
+
+/* router_http.c: the OpenAI HTTP API (td_http_handler_cb; data is the router_state_t) */
+void router_http_handler(void *data, td_http_req_t *req);
 
 /* router_control.c: the Registry API (tandem.control.v1.Registry) and the node peers */
 void router_print_nodes(router_state_t *s);

@@ -5,7 +5,10 @@
  * while the client's stream is full; token 0 arrives
  * twice (the Prefill stream and the lease's first step entry) and is sent once; a decode
  * node's Steps stream (its StepBatches, and its end) is read here; the last message
- * carries the finish reason, usage and timings (req_finish).
+ * carries the finish reason, usage and timings (req_finish). Log-probabilities, when asked,
+ * travel beside the ids (out.lps): token 0's from the Prefill stream (the decode node did
+ * not compute its logits), the rest from the step entries; the prompt's from the Prefill
+ * stream with the first message.
  */
 #include "router_int.h"
 
@@ -18,17 +21,27 @@
 
 /* ---- output: pending tokens, one message per flush ------------------------------------- */
 
-/* Room for one more id and text_len more bytes (plus the NUL) in the pending output. The
- * buffers are kept across flushes, so a running request stops allocating after its first
- * few tokens. */
-static bool out_reserve(router_out_t *o, size_t text_len)
+/* Room for one more id (and its logprob, with_lps) and text_len more bytes (plus the NUL)
+ * in the pending output. The buffers are kept across flushes, so a running request stops
+ * allocating after its first few tokens. */
+static bool out_reserve(router_out_t *o, size_t text_len, bool with_lps)
 {
+    if (with_lps && !o->lps && o->cap) {
+        if (!(o->lps = malloc(o->cap * sizeof *o->lps)))
+            return false;
+    }
     if (o->n == o->cap) {
         uint32_t cap = o->cap ? o->cap * 2 : 8;
         uint32_t *p = realloc(o->ids, cap * sizeof *p);
         if (!p)
             return false;
         o->ids = p;
+        if (with_lps) {
+            td_token_logprob_t *l = realloc(o->lps, cap * sizeof *l);
+            if (!l)
+                return false; /* ids grew, cap not yet: the next call grows again */
+            o->lps = l;
+        }
         o->cap = cap;
     }
     if (o->n_text + text_len + 1 > o->cap_text) {
@@ -74,6 +87,9 @@ static void out_clear(router_out_t *o)
     o->n_text = 0;
     if (o->text)
         o->text[0] = '\0';
+    free(o->prompt_lps);
+    o->prompt_lps = NULL;
+    o->n_prompt_lps = 0;
 }
 
 /* Sends the pending output as one message through the request's front door, unless its
@@ -81,7 +97,7 @@ static void out_clear(router_out_t *o)
  * (router_req_writable). */
 void router_out_flush(router_req_t *r)
 {
-    if (r->blocked || !r->client || (!r->out.n && !r->out.n_text))
+    if (r->blocked || !r->client || r->first_lp_wait || (!r->out.n && !r->out.n_text && !r->out.n_prompt_lps))
         return;
     td_status_t st = r->sink->send(r);
     if (st == TD_ERR_BUSY) {
@@ -106,6 +122,11 @@ static void req_finish(router_req_t *r, router_finish_t reason)
     router_peer_t *dp = &s->peers[r->pick.pair.decode];
     if (dp->generation == r->decode_gen)
         dp->admit_refused = false; /* its blocks and request slot are free again */
+    if (r->first_lp_wait) {
+        td_warn("request %s: finished before the prefill node's first-token log-probability came; token 0 goes "
+                "out with logprob 0", r->id);
+        r->first_lp_wait = false;
+    }
     if (r->stop && s->tok && reason != ROUTER_FINISH_STOP) {
         const char *a;
         size_t alen;
@@ -115,7 +136,7 @@ static void req_finish(router_req_t *r, router_finish_t reason)
             size_t blen = 0;
             if (!sr.matched)
                 td_stop_flush(r->stop, &b, &blen);
-            if (out_reserve(&r->out, sr.emit_len + blen)) {
+            if (out_reserve(&r->out, sr.emit_len + blen, r->logprobs.on)) {
                 out_append_text(&r->out, sr.emit, sr.emit_len);
                 if (blen)
                     out_append_text(&r->out, b, blen);
@@ -166,9 +187,11 @@ void router_req_fail_slow(router_req_t *r)
     router_req_fail(r, TD_GRPC_RESOURCE_EXHAUSTED, msg, "slow_client");
 }
 
-/* One new token of a request, appended to its pending output (the caller flushes).
- * Returns false when the request ended here (stop string, backlog bound, no memory). */
-static bool out_token(router_req_t *r, uint32_t token)
+/* One new token of a request, appended to its pending output (the caller flushes), with
+ * its log-probability when the request asked (lp; NULL: not known yet, a placeholder that
+ * router_first_from_prefill fills). Returns false when the request ended here (stop
+ * string, backlog bound, no memory). */
+static bool out_token(router_req_t *r, uint32_t token, const td_token_logprob_t *lp)
 {
     router_state_t *s = r->s;
     const char *text = "";
@@ -190,11 +213,13 @@ static bool out_token(router_req_t *r, uint32_t token)
             matched = sr.matched;
         }
     }
-    if (!out_reserve(&r->out, len)) {
+    if (!out_reserve(&r->out, len, r->logprobs.on)) {
         router_req_fail(r, TD_GRPC_RESOURCE_EXHAUSTED, "router: out of memory", "exhausted");
         return false;
     }
     r->completion++;
+    if (r->logprobs.on)
+        r->out.lps[r->out.n] = lp ? *lp : (td_token_logprob_t){.token = (int32_t)token};
     r->out.ids[r->out.n++] = token;
     out_append_text(&r->out, text, len);
     if (matched) {
@@ -217,11 +242,42 @@ static void first_mismatch(router_req_t *r, const char *sent_by, uint32_t sent, 
     td_metric_inc(r->s->m_first_mismatch);
 }
 
-/* Token index 0 from the Prefill stream: sent at once unless the lease's first step entry
- * already sent it (then it is only compared), or it is a stop id (the decode node's finish
- * entry will end the request). May end r. */
-void router_first_from_prefill(router_req_t *r, uint32_t token)
+/* The Prefill stream's log-probabilities, when the request asked: the prompt's go to the
+ * pending output (sent with the next message: the first, or the finish if token 0 is a stop
+ * id), the first token's into *first_p (true when there is one). */
+static bool prefill_logprobs(router_req_t *r, const Tandem__Control__V1__PrefillResponse *p, td_token_logprob_t *first_p)
 {
+    if (!r->logprobs.on)
+        return false;
+    if (r->logprobs.prompt && p->n_prompt_logprobs) {
+        td_token_logprob_t *lps = malloc(p->n_prompt_logprobs * sizeof *lps);
+        if (lps) {
+            for (size_t i = 0; i < p->n_prompt_logprobs; i++)
+                td_node_logprob_from_proto(p->prompt_logprobs[i], &lps[i]);
+            free(r->out.prompt_lps); /* an earlier pair's, never sent */
+            r->out.prompt_lps = lps;
+            r->out.n_prompt_lps = (uint32_t)p->n_prompt_logprobs;
+        } else {
+            td_warn("request %s: out of memory for %zu prompt log-probabilities; sent without them", r->id,
+                    p->n_prompt_logprobs);
+        }
+    }
+    if (!p->first_logprob) {
+        td_warn("request %s: the prefill node sent no log-probability for the first token", r->id);
+        return false;
+    }
+    td_node_logprob_from_proto(p->first_logprob, first_p);
+    return true;
+}
+
+/* Token index 0 from the Prefill stream: sent at once unless the lease's first step entry
+ * already sent it (then it is only compared, and gives its logprob to the held output), or
+ * it is a stop id (the decode node's finish entry will end the request). May end r. */
+void router_first_from_prefill(router_req_t *r, const Tandem__Control__V1__PrefillResponse *p)
+{
+    uint32_t token = p->first_token;
+    td_token_logprob_t lp;
+    bool have_lp = prefill_logprobs(r, p, &lp);
     switch (r->first_src) {
     case FIRST_NONE:
         r->first_token = token;
@@ -230,7 +286,7 @@ void router_first_from_prefill(router_req_t *r, uint32_t token)
             return;
         }
         r->first_src = FIRST_FROM_PREFILL;
-        if (out_token(r, token)) {
+        if (out_token(r, token, have_lp ? &lp : NULL)) {
             r->dirty = false;
             router_out_flush(r);
         }
@@ -238,13 +294,20 @@ void router_first_from_prefill(router_req_t *r, uint32_t token)
     case FIRST_FROM_DECODE:
         if (token != r->first_token)
             first_mismatch(r, "decode node", r->first_token, token);
+        if (r->first_lp_wait) {
+            r->first_lp_wait = false;
+            if (have_lp && token == r->first_token && r->out.lps)
+                r->out.lps[0] = lp; /* token 0 is still the held output's first */
+            router_out_flush(r);
+        }
         return;
     default: return;
     }
 }
 
-/* The lease's first SEQ_EVENT_TOKEN entry: true when it is to be relayed (it came first). */
-static bool first_from_decode(router_req_t *r, uint32_t token)
+/* The lease's first SEQ_EVENT_TOKEN entry (has_lp: with its logprob, as when the decode node
+ * prefilled the prompt itself): true when it is to be relayed (it came first). */
+static bool first_from_decode(router_req_t *r, uint32_t token, bool has_lp)
 {
     switch (r->first_src) {
     case FIRST_FROM_PREFILL:
@@ -255,6 +318,8 @@ static bool first_from_decode(router_req_t *r, uint32_t token)
     default:
         r->first_src = FIRST_FROM_DECODE;
         r->first_token = token;
+        /* without its logprob, that comes with the Prefill stream: hold the output until then */
+        r->first_lp_wait = r->logprobs.on && !has_lp && r->completion == 0;
         return true;
     }
 }
@@ -274,11 +339,15 @@ void router_on_steps_msg(td_grpc_client_call_t *c, const ProtobufCMessage *msg, 
         if (!r || !r->client)
             continue;
         switch (q->event) {
-        case TANDEM__CONTROL__V1__SEQ_EVENT__SEQ_EVENT_TOKEN:
-            if (r->decode_tokens++ == 0 && !first_from_decode(r, q->token))
+        case TANDEM__CONTROL__V1__SEQ_EVENT__SEQ_EVENT_TOKEN: {
+            if (r->decode_tokens++ == 0 && !first_from_decode(r, q->token, q->logprob != NULL))
                 break; /* token 0 already sent from the Prefill stream */
-            any |= out_token(r, q->token);
+            td_token_logprob_t lp;
+            if (q->logprob)
+                td_node_logprob_from_proto(q->logprob, &lp);
+            any |= out_token(r, q->token, q->logprob ? &lp : NULL);
             break;
+        }
         case TANDEM__CONTROL__V1__SEQ_EVENT__SEQ_EVENT_FINISHED_LENGTH:
             req_finish(r, ROUTER_FINISH_LENGTH);
             break;

@@ -329,7 +329,7 @@ static void on_prefill_msg(td_grpc_client_call_t *c, const ProtobufCMessage *msg
         r->cached = p->cached_tokens;
         break;
     }
-    router_first_from_prefill(r, p->first_token); /* may end r */
+    router_first_from_prefill(r, p); /* may end r */
 }
 
 /* A node whose channel failed is not chosen again until it registers anew (its
@@ -421,6 +421,9 @@ static void send_admit(router_req_t *r)
     q.n_stop_ids = r->n_stop_ids;
     q.prompt_ids = (uint32_t *)r->prompt;
     q.n_prompt_ids = (size_t)r->n_prompt;
+    Tandem__V1__LogprobsRequest lq;
+    td_node_logprobs_to_proto(&r->logprobs, &lq);
+    q.logprobs = r->logprobs.on ? &lq : NULL;
     td_grpc_call_opts_t o = {.response_desc = &tandem__control__v1__admit_response__descriptor,
                              .on_message = on_admit_msg, .on_done = on_admit_done, .data = r,
                              .timeout_ms = call_timeout_ms(r, s->cfg.rpc_timeout_ms)};
@@ -454,6 +457,9 @@ static void send_prefill(router_req_t *r)
     q.sampling = &sp;
     q.decode_xfer.data = dp->xfer_desc;
     q.decode_xfer.len = dp->xfer_desc_len;
+    Tandem__V1__LogprobsRequest lq;
+    td_node_logprobs_to_proto(&r->logprobs, &lq);
+    q.logprobs = r->logprobs.on ? &lq : NULL;
     td_grpc_call_opts_t o = {.response_desc = &tandem__control__v1__prefill_response__descriptor,
                              .on_message = on_prefill_msg, .on_done = on_prefill_done, .data = r,
                              .timeout_ms = call_timeout_ms(r, r->lease_ttl_ms)};
@@ -478,6 +484,11 @@ static bool req_admissible(const router_req_t *r, char *why, size_t why_len)
     int64_t now = (int64_t)td_now_ns();
     router_model_facts_t mf;
     router_admit_model_facts(s->reg, model, now, &mf);
+    if (r->logprobs.prompt && r->n_prompt > TD_LOGPROBS_MAX_PROMPT) {
+        snprintf(why, why_len, "prompt_logprobs asked for a prompt of %d tokens, at most %d allowed", r->n_prompt,
+                 TD_LOGPROBS_MAX_PROMPT);
+        return false;
+    }
     return router_admit_check_ids(r->prompt, r->n_prompt, mf.vocab_size, model, r->from_text, why, why_len) == TD_OK &&
            router_admit_check_size(s->reg, model, r->n_prompt, r->max_tokens, now, why, why_len) == TD_OK;
 }
@@ -643,6 +654,7 @@ td_status_t router_req_open(router_state_t *s, const router_req_spec_t *spec, td
     }
     r->max_tokens = gp->max_tokens ? (int32_t)gp->max_tokens : (int32_t)s->cfg.default_max_tokens;
     r->sampling = gp->sampling;
+    r->logprobs = gp->logprobs;
     if (gp->n_stop_ids) /* bounded by the validation */
         memcpy(r->stop_ids, spec->stop_ids, gp->n_stop_ids * sizeof *spec->stop_ids);
     r->n_stop_ids = gp->n_stop_ids;
@@ -795,6 +807,8 @@ static void req_move(router_req_t *r, router_req_state_t to)
         free(r->blocks);
         free(r->out.ids);
         free(r->out.text);
+        free(r->out.lps);
+        free(r->out.prompt_lps);
         free(r);
         return;
     default: return;
