@@ -36,12 +36,14 @@ enum {
     READ_BYTES = 64 * 1024,   /* the shared read buffer, and a connection's input buffer */
     EXTRA_HEADER_BYTES = 4096, /* td_http_resp_header's bound */
     HEAD_BYTES = 512,          /* status line + the server's headers */
+    LINGER_MS = 2000,          /* see http_conn.lingering */
 };
 
 typedef struct http_conn http_conn_t;
 
 /* Why the server closed a connection itself (the `reason` label). */
-enum { CLOSE_REQUEST, CLOSE_IDLE, CLOSE_WRITE, CLOSE_EVICTED, CLOSE_REFUSED, CLOSE_N, CLOSE_NONE = CLOSE_N };
+enum { CLOSE_REQUEST, CLOSE_IDLE, CLOSE_WRITE, CLOSE_EVICTED, CLOSE_REFUSED, CLOSE_N, /* counted */
+       CLOSE_LINGER = CLOSE_N, CLOSE_NONE };
 static const char *const close_names[CLOSE_N] = {"request_timeout", "idle_timeout", "write_timeout",
                                                  "evicted", "refused"};
 
@@ -54,6 +56,7 @@ struct td_http_server {
     td_list_t fresh, idle, busy; /* connections by state, oldest first (http_conn_t.link) */
     uint32_t n_conns;
     bool closing;
+    bool refusing;               /* the last connection was refused (warned once) */
     int pending_closes;          /* listener + connections still closing */
     void (*close_cb)(void *data);
     void *close_data;
@@ -106,7 +109,11 @@ struct http_conn {
     bool answered;               /* the current request is answered, its bytes still queued */
     bool close_after;            /* close once the queue is empty */
     bool served;                 /* answered a request once */
-    bool reading, read_done;     /* read_done: never read again (an error answer is going) */
+    bool reading;
+    bool discard;                /* an error answer is going: what arrives is read and dropped */
+    bool lingering;              /* it was written and our side shut: waiting for the client's
+                                  * close, at most LINGER_MS, so it reads the answer before a reset */
+    uv_shutdown_t shutdown;
     bool closing;
     int open_handles;
 };
@@ -217,7 +224,7 @@ static void conn_close(http_conn_t *c, int why)
         return;
     c->closing = true;
     td_http_server_t *srv = c->srv;
-    if (why != CLOSE_NONE) {
+    if (why < CLOSE_N) {
         td_debug("%s connection: closed, %s", srv->cfg.name, close_names[why]);
         if (srv->closed_by[why])
             td_metric_inc(srv->closed_by[why]);
@@ -255,7 +262,7 @@ static void on_timer(uv_timer_t *t)
  * write progress + request_timeout_ms). None (a stream with nothing queued): stopped. */
 static void conn_arm_timer(http_conn_t *c)
 {
-    if (c->closing)
+    if (c->closing || c->lingering)
         return;
     const td_http_config_t *cfg = &c->srv->cfg;
     uint64_t deadline = UINT64_MAX;
@@ -290,6 +297,14 @@ typedef struct http_write {
 } http_write_t;
 
 static void conn_resume(http_conn_t *c);
+static void conn_read_start(http_conn_t *c);
+
+static void on_shutdown(uv_shutdown_t *req, int status)
+{
+    http_conn_t *c = req->data;
+    if (status < 0)
+        conn_close(c, CLOSE_NONE);
+}
 
 /* The current answer is written: the connection waits for its next request (or closes). */
 static void conn_answer_written(http_conn_t *c)
@@ -297,6 +312,17 @@ static void conn_answer_written(http_conn_t *c)
     c->answered = false;
     c->served = true;
     c->since = uv_now(c->srv->loop);
+    if (c->discard && !c->srv->closing) {
+        c->lingering = true;
+        c->shutdown.data = c;
+        if (uv_shutdown(&c->shutdown, (uv_stream_t *)&c->tcp, on_shutdown) < 0) {
+            conn_close(c, CLOSE_NONE);
+            return;
+        }
+        c->timer_reason = CLOSE_LINGER;
+        uv_timer_start(&c->timer, on_timer, LINGER_MS, 0);
+        return;
+    }
     if (c->close_after || c->srv->closing) {
         conn_close(c, CLOSE_NONE);
         return;
@@ -383,7 +409,8 @@ static size_t format_head(char *out, int status, const char *ctype, long long le
 }
 
 /* Answers with an error the server decided (garbage, a bound passed): the connection
- * reads no more and closes once it is written. */
+ * parses no more, and closes once it is written and the client has closed its side (see
+ * http_conn.lingering). */
 static void conn_fail(http_conn_t *c, int status, const char *msg)
 {
     if (c->closing)
@@ -394,12 +421,8 @@ static void conn_fail(http_conn_t *c, int status, const char *msg)
         c->req = NULL;
     }
     td_debug("%s connection: %d, %s", c->srv->cfg.name, status, msg);
-    c->read_done = true;
+    c->discard = true;
     c->in_off = c->in_len = 0;
-    if (c->reading) {
-        uv_read_stop((uv_stream_t *)&c->tcp);
-        c->reading = false;
-    }
     size_t mlen = strlen(msg);
     http_write_t *wr = write_new(c, HEAD_BYTES + mlen + 1);
     if (!wr) {
@@ -416,6 +439,7 @@ static void conn_fail(http_conn_t *c, int status, const char *msg)
         return;
     conn_relist(c);
     conn_arm_timer(c);
+    conn_read_start(c); /* had it stopped for a full input buffer */
 }
 
 /* ---- parsing ------------------------------------------------------------------------- */
@@ -664,7 +688,7 @@ static bool conn_paused(const http_conn_t *c)
 
 static void conn_read_start(http_conn_t *c)
 {
-    if (c->reading || c->read_done || c->closing || c->in_len >= READ_BYTES)
+    if (c->reading || c->closing || c->in_len >= READ_BYTES)
         return;
     if (uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read) < 0) {
         conn_close(c, CLOSE_NONE);
@@ -677,10 +701,12 @@ static void conn_read_start(http_conn_t *c)
 static void conn_resume(http_conn_t *c)
 {
     http_parser_pause(&c->parser, 0);
-    while (c->in_len > 0 && !c->closing && !c->read_done && !conn_paused(c)) {
+    while (c->in_len > 0 && !c->closing && !c->discard && !conn_paused(c)) {
         size_t n = conn_parse(c, c->in + c->in_off, c->in_len);
-        if (c->closing || c->read_done)
+        if (c->closing)
             return;
+        if (c->discard)
+            break; /* an error answer is going; reading goes on, dropping */
         c->in_off += n;
         c->in_len -= n;
     }
@@ -694,7 +720,7 @@ static void conn_resume(http_conn_t *c)
 static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf)
 {
     http_conn_t *c = h->data;
-    if (!conn_paused(c) && c->in_len == 0) {
+    if ((!conn_paused(c) && c->in_len == 0) || c->discard) {
         *buf = uv_buf_init(c->srv->rbuf, READ_BYTES);
         return;
     }
@@ -719,11 +745,11 @@ static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
         conn_close(c, CLOSE_NONE);
         return;
     }
-    if (nread == 0 || c->closing || c->read_done)
+    if (nread == 0 || c->closing || c->discard)
         return;
     if (buf->base == c->srv->rbuf) {
         size_t n = conn_parse(c, buf->base, (size_t)nread);
-        if (n < (size_t)nread && !c->closing && !c->read_done) {
+        if (n < (size_t)nread && !c->closing && !c->discard) {
             if (!c->in && !(c->in = malloc(READ_BYTES))) {
                 conn_close(c, CLOSE_NONE);
                 return;
@@ -776,13 +802,16 @@ static void on_connection(uv_stream_t *listener, int status)
     if (srv->n_conns >= srv->cfg.max_connections) {
         http_conn_t *victim = pick_victim(srv);
         if (!victim) {
-            td_warn("%s server: connection limit %u reached and every connection is busy, refusing a connection",
-                    srv->cfg.name, srv->cfg.max_connections);
+            if (!srv->refusing) /* once per run of refusals: a flood must not flood the log */
+                td_warn("%s server: connection limit %u reached and every connection is busy, refusing "
+                        "connections (counted by %s)", srv->cfg.name, srv->cfg.max_connections, srv->cfg.metrics_name);
+            srv->refusing = true;
             conn_close(c, CLOSE_REFUSED);
             return;
         }
         conn_close(victim, CLOSE_EVICTED);
     }
+    srv->refusing = false;
     td_list_push_back(&srv->fresh, &c->link);
     c->list = &srv->fresh;
     srv->n_conns++;
@@ -954,7 +983,7 @@ td_status_t td_http_resp_header(td_http_req_t *req, const char *name, const char
         return td_errorf_quiet(TD_ERR_CLOSED, "http: response header %s after the answer began", name);
     size_t nl = strlen(name), vl = strlen(value);
     if (nl == 0 || strcspn(name, "\r\n: \t") != nl || strcspn(value, "\r\n") != vl)
-        return td_errorf(TD_ERR_INVALID, "http: response header \"%s\" has an empty name, a blank, a colon, CR or LF",
+        return td_errorf_quiet(TD_ERR_INVALID, "http: response header \"%s\" has an empty name, a blank, a colon, CR or LF",
                          name);
     if (req->extra_len + nl + vl + 4 > EXTRA_HEADER_BYTES)
         return td_errorf(TD_ERR_RANGE, "http: response headers over %d bytes", EXTRA_HEADER_BYTES);

@@ -90,8 +90,9 @@ typedef struct td_http_config {
     uint32_t request_timeout_ms; /* a request's first byte -> answered, absolute; also how
                                   * long queued bytes may sit unread; default 10000 */
     td_metrics_t *metrics;       /* optional: counts connections closed, by reason */
-    const char *metrics_name;    /* that counter's name (two servers on one registry need
-                                  * two); default tandem_http_server_connections_closed_total,
+    const char *metrics_name;    /* that counter's name (two servers on one registry share
+                                  * it unless named apart); default
+                                  * tandem_http_server_connections_closed_total,
                                   * label reason: request_timeout, idle_timeout,
                                   * write_timeout, evicted, refused */
     td_http_handler_cb handler;
