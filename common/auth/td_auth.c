@@ -22,6 +22,7 @@
 #include <openssl/rand.h>
 #include <openssl/sha.h>
 
+#include "td_hash.h"
 #include "td_log.h"
 #include "td_util.h"
 
@@ -243,8 +244,9 @@ struct td_auth_cluster {
     td_auth_cluster_config_t cfg;
     uint8_t key[SHA256_DIGEST_LENGTH]; /* SHA-256 of the secret: the HMAC key */
     EVP_MAC *mac;
-    EVP_MAC_CTX *tmpl; /* keyed once; each message works on a copy */
+    EVP_MAC_CTX *ctx;  /* keyed once; re-initialised with the same key for each message */
     sender_t *senders; /* TD_AUTH_MAX_SENDERS */
+    td_hash_t by_id;   /* sender id -> index in senders */
 };
 
 td_auth_cluster_config_t td_auth_cluster_config_default(void)
@@ -260,7 +262,10 @@ td_status_t td_auth_cluster_create(const void *secret, size_t len, const td_auth
     if (cfg->window_ms <= 0)
         return td_errorf(TD_ERR_INVALID, "cluster secret: window_ms must be positive");
     td_auth_cluster_t *c = calloc(1, sizeof *c);
-    if (!c || !(c->senders = calloc(TD_AUTH_MAX_SENDERS, sizeof *c->senders))) {
+    if (!c || !(c->senders = calloc(TD_AUTH_MAX_SENDERS, sizeof *c->senders)) ||
+        td_hash_init(&c->by_id, TD_AUTH_MAX_SENDERS) != TD_OK) {
+        if (c)
+            free(c->senders);
         free(c);
         return td_errorf(TD_ERR_NOMEM, "cluster secret: out of memory");
     }
@@ -268,8 +273,8 @@ td_status_t td_auth_cluster_create(const void *secret, size_t len, const td_auth
     SHA256(secret, len, c->key);
     char digest[] = "SHA256";
     OSSL_PARAM params[] = {OSSL_PARAM_construct_utf8_string(OSSL_MAC_PARAM_DIGEST, digest, 0), OSSL_PARAM_END};
-    if (!(c->mac = EVP_MAC_fetch(NULL, "HMAC", NULL)) || !(c->tmpl = EVP_MAC_CTX_new(c->mac)) ||
-        !EVP_MAC_init(c->tmpl, c->key, sizeof c->key, params)) {
+    if (!(c->mac = EVP_MAC_fetch(NULL, "HMAC", NULL)) || !(c->ctx = EVP_MAC_CTX_new(c->mac)) ||
+        !EVP_MAC_init(c->ctx, c->key, sizeof c->key, params)) {
         td_auth_cluster_destroy(c);
         return td_errorf(TD_ERR_INTERNAL, "cluster secret: libcrypto has no HMAC-SHA256");
     }
@@ -305,9 +310,10 @@ void td_auth_cluster_destroy(td_auth_cluster_t *c)
 {
     if (!c)
         return;
-    EVP_MAC_CTX_free(c->tmpl);
+    EVP_MAC_CTX_free(c->ctx);
     EVP_MAC_free(c->mac);
     OPENSSL_cleanse(c->key, sizeof c->key);
+    td_hash_free(&c->by_id);
     free(c->senders);
     free(c);
 }
@@ -337,13 +343,11 @@ static bool mac_compute(td_auth_cluster_t *c, const char *method, uint64_t sende
                       (unsigned long long)sender, (unsigned long long)counter, (long long)ms);
     if (hl < 0 || (size_t)hl >= sizeof head)
         return false; /* a method path this long is no method of ours */
-    EVP_MAC_CTX *m = EVP_MAC_CTX_dup(c->tmpl);
+    EVP_MAC_CTX *m = c->ctx;
     size_t outl = 0;
-    bool ok = m && EVP_MAC_update(m, (const unsigned char *)head, (size_t)hl) &&
-              (!len || EVP_MAC_update(m, request, len)) && EVP_MAC_final(m, out, &outl, SHA256_DIGEST_LENGTH) &&
-              outl == SHA256_DIGEST_LENGTH;
-    EVP_MAC_CTX_free(m);
-    return ok;
+    return EVP_MAC_init(m, NULL, 0, NULL) && /* the same key again: no key schedule, no copy */
+           EVP_MAC_update(m, (const unsigned char *)head, (size_t)hl) && (!len || EVP_MAC_update(m, request, len)) &&
+           EVP_MAC_final(m, out, &outl, SHA256_DIGEST_LENGTH) && outl == SHA256_DIGEST_LENGTH;
 }
 
 td_status_t td_auth_sign(td_auth_signer_t *s, int64_t now_ms, const char *method, const void *request, size_t len,
@@ -353,9 +357,13 @@ td_status_t td_auth_sign(td_auth_signer_t *s, int64_t now_ms, const char *method
     uint64_t ctr = ++s->counter;
     if (!mac_compute(s->cluster, method, s->sender, ctr, now_ms, request, len, mac))
         return td_errorf(TD_ERR_INTERNAL, "cluster auth: signing %s failed in libcrypto", method);
+    static const char digits[] = "0123456789abcdef";
     char hex[2 * SHA256_DIGEST_LENGTH + 1];
-    for (int i = 0; i < SHA256_DIGEST_LENGTH; i++)
-        snprintf(hex + 2 * i, 3, "%02x", mac[i]);
+    for (int i = 0; i < SHA256_DIGEST_LENGTH; i++) {
+        hex[2 * i] = digits[mac[i] >> 4];
+        hex[2 * i + 1] = digits[mac[i] & 15];
+    }
+    hex[2 * SHA256_DIGEST_LENGTH] = '\0';
     int n = snprintf(value, cap, "v1 %016llx %llu %lld %s", (unsigned long long)s->sender, (unsigned long long)ctr,
                      (long long)now_ms, hex);
     if (n < 0 || (size_t)n >= cap)
@@ -391,20 +399,25 @@ static bool parse_value(const char *v, uint64_t *sender, uint64_t *ctr, int64_t 
 }
 
 /* The sender's entry: found, or a free one, or one idle past 2 windows (its messages are
- * all stale by now, so forgetting it lets nothing in again). NULL: table full. */
+ * all stale by now, so forgetting it lets nothing in again). NULL: table full. A new entry
+ * is marked used by replay_accept. */
 static sender_t *sender_slot(td_auth_cluster_t *c, uint64_t id, int64_t now_ms)
 {
-    sender_t *free_slot = NULL;
-    for (int i = 0; i < TD_AUTH_MAX_SENDERS; i++) {
+    td_hash_slot_t *h = td_hash_find(&c->by_id, id);
+    if (h)
+        return &c->senders[h->value];
+    for (int i = 0; i < TD_AUTH_MAX_SENDERS; i++) { /* a new sender: rare, one per channel */
         sender_t *e = &c->senders[i];
-        if (e->used && e->id == id)
-            return e;
-        if (!free_slot && (!e->used || now_ms - e->last_ms > 2 * c->cfg.window_ms))
-            free_slot = e;
+        if (e->used && now_ms - e->last_ms <= 2 * c->cfg.window_ms)
+            continue;
+        if (e->used)
+            td_hash_remove(&c->by_id, e->id, (uint64_t)i);
+        if (td_hash_put(&c->by_id, id, (uint64_t)i) != TD_OK) /* never: sized for every slot */
+            return NULL;
+        *e = (sender_t){.id = id};
+        return e;
     }
-    if (free_slot)
-        *free_slot = (sender_t){.id = id};
-    return free_slot;
+    return NULL;
 }
 
 /* Accepts counter k of e once; false for a repeat or one older than the bitmap. */

@@ -246,3 +246,38 @@ Test(auth, secret_file_generate_load_rules)
     cr_assert(strstr(td_last_error(), "one line"), "%s", td_last_error());
     cr_assert_eq(td_auth_cluster_load("/nonexistent/secret", &cfg, &c), TD_ERR_IO);
 }
+
+/* A verifier remembers TD_AUTH_MAX_SENDERS senders; one more within the window is refused,
+ * and once the others went silent for two windows it takes their place, while their old
+ * signatures stay refused (stale). */
+Test(auth, sender_table_full_then_reused)
+{
+    td_auth_cluster_t *a = cluster(SECRET, 1000), *b = cluster(SECRET, 1000);
+    int64_t now = 1700000000000;
+    char v[TD_AUTH_HEADER_CHARS], old[TD_AUTH_HEADER_CHARS], why[256];
+    td_auth_signer_t s;
+    for (int i = 0; i < TD_AUTH_MAX_SENDERS; i++) {
+        cr_assert_eq(td_auth_signer_init(&s, a), TD_OK);
+        cr_assert_eq(td_auth_sign(&s, now, M_ADMIT, "x", 1, v, sizeof v), TD_OK);
+        cr_assert_eq(td_auth_verify(b, now, M_ADMIT, v, "x", 1, why, sizeof why), TD_AUTH_OK, "sender %d: %s", i, why);
+        /* a second call of the same sender is found again, not a new entry */
+        cr_assert_eq(td_auth_sign(&s, now, M_ADMIT, "x", 1, old, sizeof old), TD_OK);
+        cr_assert_eq(td_auth_verify(b, now, M_ADMIT, old, "x", 1, why, sizeof why), TD_AUTH_OK, "%s", why);
+    }
+    td_auth_signer_t extra;
+    cr_assert_eq(td_auth_signer_init(&extra, a), TD_OK);
+    cr_assert_eq(td_auth_sign(&extra, now, M_ADMIT, "x", 1, v, sizeof v), TD_OK);
+    cr_assert_eq(td_auth_verify(b, now, M_ADMIT, v, "x", 1, why, sizeof why), TD_AUTH_WRONG);
+    cr_assert(strstr(why, "senders"), "%s", why);
+    int64_t later = now + 2001;
+    cr_assert_eq(td_auth_sign(&extra, later, M_ADMIT, "x", 1, v, sizeof v), TD_OK);
+    cr_assert_eq(td_auth_verify(b, later, M_ADMIT, v, "x", 1, why, sizeof why), TD_AUTH_OK, "%s", why);
+    cr_assert_eq(td_auth_verify(b, later, M_ADMIT, old, "x", 1, why, sizeof why), TD_AUTH_WRONG);
+    cr_assert(strstr(why, "stale"), "%s", why);
+    /* the last old sender, signing anew, is still known or taken in again: accepted once */
+    cr_assert_eq(td_auth_sign(&s, later, M_ADMIT, "x", 1, v, sizeof v), TD_OK);
+    cr_assert_eq(td_auth_verify(b, later, M_ADMIT, v, "x", 1, why, sizeof why), TD_AUTH_OK, "%s", why);
+    cr_assert_eq(td_auth_verify(b, later, M_ADMIT, v, "x", 1, why, sizeof why), TD_AUTH_WRONG);
+    td_auth_cluster_destroy(a);
+    td_auth_cluster_destroy(b);
+}
