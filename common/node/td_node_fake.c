@@ -6,6 +6,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "td_node.h"
+
 typedef struct td_node_fake_sub {
     td_node_fake_t *f;
     int index;
@@ -22,6 +24,7 @@ struct td_node_fake {
     uint64_t step;
     Tandem__Control__V1__SeqStep *seq_buf; /* [seq_cap] a StepBatch's entries */
     Tandem__Control__V1__SeqStep **seq_ptrs;
+    td_node_logprob_msg_t *lp_buf;         /* [seq_cap] the entries' logprobs */
     size_t seq_cap;
 };
 
@@ -143,6 +146,7 @@ static void td_node_fake_closed(void *data)
     td_node_fake_t *f = data;
     free(f->seq_buf);
     free(f->seq_ptrs);
+    free(f->lp_buf);
     free(f);
 }
 
@@ -181,6 +185,28 @@ td_status_t td_node_fake_prefill_send(td_grpc_call_t *call, uint32_t first_token
     return td_grpc_call_send(call, &r.base);
 }
 
+td_status_t td_node_fake_prefill_send_logprobs(td_grpc_call_t *call, uint32_t first_token,
+                                               const td_token_logprob_t *first,
+                                               const td_token_logprob_t *prompt, size_t n_prompt)
+{
+    Tandem__Control__V1__PrefillResponse r = TANDEM__CONTROL__V1__PREFILL_RESPONSE__INIT;
+    r.first_token = first_token;
+    r.phase = TANDEM__CONTROL__V1__PREFILL_PHASE__PREFILL_PHASE_FIRST_TOKEN;
+    td_node_logprob_msg_t m;
+    td_node_logprob_to_proto(first, &m);
+    r.first_logprob = &m.m;
+    void *mem = NULL;
+    if (n_prompt) {
+        td_status_t st = td_node_logprobs_to_proto_array(prompt, n_prompt, &r.prompt_logprobs, &mem);
+        if (st != TD_OK)
+            return st;
+        r.n_prompt_logprobs = n_prompt;
+    }
+    td_status_t st = td_grpc_call_send(call, &r.base);
+    free(mem);
+    return st;
+}
+
 void td_node_fake_prefill_reply(td_grpc_call_t *call, uint32_t first_token,
                                 Tandem__Control__V1__PrefillPhase phase)
 {
@@ -204,7 +230,10 @@ td_status_t td_node_fake_step(td_node_fake_t *f, int sub, const td_node_fake_ent
         Tandem__Control__V1__SeqStep **p = realloc(f->seq_ptrs, cap * sizeof *p);
         if (p)
             f->seq_ptrs = p;
-        if (!b || !p)
+        td_node_logprob_msg_t *l = realloc(f->lp_buf, cap * sizeof *l);
+        if (l)
+            f->lp_buf = l;
+        if (!b || !p || !l)
             return TD_ERR_NOMEM;
         f->seq_cap = cap;
     }
@@ -214,6 +243,10 @@ td_status_t td_node_fake_step(td_node_fake_t *f, int sub, const td_node_fake_ent
         q->lease_id = e[i].lease_id;
         q->token = e[i].token;
         q->event = e[i].event;
+        if (e[i].logprob) {
+            td_node_logprob_to_proto(e[i].logprob, &f->lp_buf[i]);
+            q->logprob = &f->lp_buf[i].m;
+        }
         f->seq_ptrs[i] = q;
     }
     Tandem__Control__V1__StepBatch b = TANDEM__CONTROL__V1__STEP_BATCH__INIT;

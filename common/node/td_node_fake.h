@@ -20,6 +20,7 @@
 
 #include "control.pb-c.h"
 #include "td_grpc.h"
+#include "td_sampler.h"
 #include "td_status.h"
 
 #define TD_NODE_FAKE_MAX_SUBS 2 /* Steps subscriptions kept at once */
@@ -76,11 +77,18 @@ td_status_t td_node_fake_prefill_send(td_grpc_call_t *call, uint32_t first_token
 void td_node_fake_prefill_reply(td_grpc_call_t *call, uint32_t first_token,
                                 Tandem__Control__V1__PrefillPhase phase);
 
+/* One PrefillResponse FIRST_TOKEN with log-probabilities: the first token's (first) and, when
+ * n_prompt > 0, the prompt's (prompt[0..n_prompt)); td_grpc_call_send's status. */
+td_status_t td_node_fake_prefill_send_logprobs(td_grpc_call_t *call, uint32_t first_token,
+                                               const td_token_logprob_t *first,
+                                               const td_token_logprob_t *prompt, size_t n_prompt);
+
 /* One entry of a StepBatch: a token (event TOKEN) or how a sequence ended. */
 typedef struct td_node_fake_entry {
     uint64_t lease_id;
     uint32_t token;
     Tandem__Control__V1__SeqEvent event;
+    const td_token_logprob_t *logprob; /* SeqStep.logprob; NULL = none */
 } td_node_fake_entry_t;
 
 /*

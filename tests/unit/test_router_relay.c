@@ -6,6 +6,9 @@
  *
  *  - token 0 is relayed exactly once whether the Prefill stream's FIRST_TOKEN or the
  *    lease's first step entry comes first, and a one-message (phase-less) Prefill works;
+ *  - log-probabilities go out aligned with the ids, the prompt's with the first message,
+ *    token 0's from the Prefill stream: when the decode node's entry for it comes first the
+ *    output is held until the Prefill stream's logprob arrives;
  *  - a client that does not read gets every token, coalesced, once it reads again (no
  *    token dropped), and a client that stays away past max-backlog-tokens gets
  *    RESOURCE_EXHAUSTED and its lease is Released;
@@ -50,6 +53,11 @@ typedef struct lease {
 typedef struct gen {
     uint32_t ids[65536];
     size_t n_ids;
+    float lps[64];                /* logprobs, in the order they came */
+    uint32_t lp_ids[64];
+    size_t n_lps;
+    size_t n_prompt_lps;          /* prompt logprobs received ... */
+    int prompt_lps_msg;           /* ... in this message (1 = the first) */
     int n_messages;
     int finish_reason;
     bool done;
@@ -311,6 +319,14 @@ static void on_gen_msg(td_grpc_client_call_t *c, const ProtobufCMessage *msg, vo
     for (size_t i = 0; i < m->n_token_ids && g->n_ids < TD_ARRAY_LEN(g->ids); i++)
         g->ids[g->n_ids++] = m->token_ids[i];
     g->n_messages++;
+    for (size_t i = 0; i < m->n_logprobs && g->n_lps < TD_ARRAY_LEN(g->lps); i++) {
+        g->lp_ids[g->n_lps] = m->logprobs[i]->token_id;
+        g->lps[g->n_lps++] = m->logprobs[i]->logprob;
+    }
+    if (m->n_prompt_logprobs) {
+        g->n_prompt_lps += m->n_prompt_logprobs;
+        g->prompt_lps_msg = g->n_messages;
+    }
     if (m->finish_reason)
         g->finish_reason = m->finish_reason;
 }
@@ -324,7 +340,8 @@ static void on_gen_done(td_grpc_client_call_t *c, td_grpc_code_t code, const cha
     snprintf(g->message, sizeof g->message, "%s", msg);
 }
 
-static void generate(env_t *e, gen_t *g, const char *id, int32_t priority, bool has_priority, uint32_t timeout_ms)
+static void generate_lp(env_t *e, gen_t *g, const char *id, int32_t priority, bool has_priority, uint32_t timeout_ms,
+                        const Tandem__V1__LogprobsRequest *lp)
 {
     uint32_t prompt[3] = {1, 2, 3};
     Tandem__V1__Priority p = TANDEM__V1__PRIORITY__INIT;
@@ -336,10 +353,16 @@ static void generate(env_t *e, gen_t *g, const char *id, int32_t priority, bool 
     q.request_id = (char *)id;
     if (has_priority)
         q.priority = &p;
+    q.logprobs = (Tandem__V1__LogprobsRequest *)lp;
     memset(g, 0, sizeof *g);
     td_grpc_call_opts_t o = {.response_desc = &tandem__v1__generate_response__descriptor, .on_message = on_gen_msg,
                              .on_done = on_gen_done, .data = g, .timeout_ms = timeout_ms};
     cr_assert_eq(td_grpc_channel_call(e->gateway, "/tandem.v1.Generation/Generate", &q.base, &o, &g->call), TD_OK);
+}
+
+static void generate(env_t *e, gen_t *g, const char *id, int32_t priority, bool has_priority, uint32_t timeout_ms)
+{
+    generate_lp(e, g, id, priority, has_priority, timeout_ms, NULL);
 }
 
 /* Request "a" while the fake prefill node holds its Prefill call open; returns its lease
@@ -400,6 +423,52 @@ Test(router_relay, first_token_from_decode_then_prefill_dropped)
     token(&e, l, 9);
     finish(&e, l);
     expect_ids(&e, &g, (const uint32_t[]){7, 8, 9}, 3);
+    env_stop(&e);
+}
+
+/* The decode node's entry for token 0 (an adopted sequence's: no logprob) comes before the
+ * Prefill stream's FIRST_TOKEN: nothing goes out until the latter gives token 0's logprob,
+ * then ids and logprobs go out aligned, the prompt's with the first message. */
+Test(router_relay, logprobs_token0_waits_for_the_prefill_stream)
+{
+    env_t e;
+    env_start(&e, NULL);
+    static gen_t g;
+    Tandem__V1__LogprobsRequest lq = TANDEM__V1__LOGPROBS_REQUEST__INIT;
+    lq.top_logprobs = 1;
+    lq.prompt = true;
+    e.prefill_first_token = 0; /* hold the Prefill stream */
+    generate_lp(&e, &g, "a", 0, false, 0, &lq);
+    RUN_UNTIL(&e, e.n_leases == 1 && e.leases[0].prefill);
+    lease_t *l = &e.leases[0];
+    const td_token_logprob_t lp8 = {.token = 8, .logprob = -0.5f, .n_top = 1, .top = {{8, -0.5f}}};
+    td_node_fake_entry_t seqs[2] = {
+        {.lease_id = l->id, .token = 7, .event = TANDEM__CONTROL__V1__SEQ_EVENT__SEQ_EVENT_TOKEN},
+        {.lease_id = l->id, .token = 8, .event = TANDEM__CONTROL__V1__SEQ_EVENT__SEQ_EVENT_TOKEN, .logprob = &lp8}};
+    cr_assert_eq(td_node_fake_step(e.nodes, 0, &seqs[0], 1, 1000), TD_OK);
+    cr_assert_eq(td_node_fake_step(e.nodes, 0, &seqs[1], 1, 1000), TD_OK);
+    uint64_t t0 = td_now_ns();
+    while (td_now_ns() - t0 < 300000000ull) /* 0.3 s: the steps have long reached the router */
+        uv_run(&e.loop, UV_RUN_NOWAIT);
+    cr_assert_eq(g.n_messages, 0, "the output went out before token 0's logprob came");
+    const td_token_logprob_t lp7 = {.token = 7, .logprob = -0.25f, .n_top = 1, .top = {{7, -0.25f}}};
+    const td_token_logprob_t prompt[3] = {{.token = 1}, {.token = 2, .logprob = -3.0f}, {.token = 3, .logprob = -4.0f}};
+    cr_assert_eq(td_node_fake_prefill_send_logprobs(l->prefill, 7, &lp7, prompt, 3), TD_OK);
+    RUN_UNTIL(&e, g.n_ids == 2);
+    cr_assert_eq(g.n_lps, 2);
+    cr_assert(g.lp_ids[0] == 7 && g.lps[0] == -0.25f, "token 0: %u %g", g.lp_ids[0], (double)g.lps[0]);
+    cr_assert(g.lp_ids[1] == 8 && g.lps[1] == -0.5f, "token 1: %u %g", g.lp_ids[1], (double)g.lps[1]);
+    cr_assert_eq(g.n_prompt_lps, 3);
+    cr_assert_eq(g.prompt_lps_msg, 1, "the prompt's logprobs came in message %d", g.prompt_lps_msg);
+    prefill_deliver(l);
+    const td_token_logprob_t lp9 = {.token = 9, .logprob = -1.0f};
+    td_node_fake_entry_t s9 = {.lease_id = l->id, .token = 9, .event = TANDEM__CONTROL__V1__SEQ_EVENT__SEQ_EVENT_TOKEN,
+                               .logprob = &lp9};
+    cr_assert_eq(td_node_fake_step(e.nodes, 0, &s9, 1, 1000), TD_OK);
+    finish(&e, l);
+    expect_ids(&e, &g, (const uint32_t[]){7, 8, 9}, 3);
+    cr_assert_eq(g.n_lps, 3);
+    cr_assert(g.lp_ids[2] == 9 && g.lps[2] == -1.0f);
     env_stop(&e);
 }
 
