@@ -11,6 +11,7 @@
  * and refusal when every connection is busy. Every loop closes with no handle open.
  */
 #include <criterion/criterion.h>
+#include <errno.h>
 #include <http_parser.h>
 #include <signal.h>
 #include <stdatomic.h>
@@ -766,4 +767,97 @@ Test(http, config_errors_are_clear)
     uv_run(&loop, UV_RUN_DEFAULT);
     cr_assert_eq(uv_loop_close(&loop), 0);
     td_metrics_destroy(reg);
+}
+
+/* In-process fuzzing: valid requests of every kind, mutated (bit flips, bytes inserted,
+ * deleted, repeated, cut, spliced with another) by a fixed seed, each sent in random pieces on
+ * its own connection and half-closed; the server must close every one (answered or not) and
+ * still answer a good request after them. The sanitizer build is the real check. */
+Test(http, mutated_requests_never_break_the_server, .timeout = 120)
+{
+    srv_t *s = srv_start(&(td_http_config_t){.host = "127.0.0.1", .max_request_bytes = 512,
+                                             .max_body_bytes = 256, .max_write_queue_bytes = 4096,
+                                             .max_connections = 16});
+    static const char *const seeds[] = {
+        "GET /info?a=b HTTP/1.1\r\nHost: x\r\nX-Test: y\r\n\r\n",
+        "POST /echo HTTP/1.1\r\nContent-Length: 5\r\n\r\nhello",
+        "POST /async HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n3;x=y\r\nabc\r\n0\r\nT: v\r\n\r\n",
+        "POST /echo HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: 2\r\n\r\nok",
+        "GET /stream?n=3&size=8 HTTP/1.1\r\n\r\nGET /info HTTP/1.1\r\n\r\n",
+        "GET /stream?n=2&size=4 HTTP/1.0\r\nConnection: keep-alive\r\n\r\n",
+        "HEAD /info HTTP/1.1\r\n\r\nPOST /echo HTTP/1.1\r\nContent-Length: 1\r\n\r\nz",
+        "GET /hang HTTP/1.1\r\n\r\n",
+    };
+    uint64_t rng = 0x9e3779b97f4a7c15ull;
+#define RND() (rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17, rng)
+    static char buf[4096];
+    for (int i = 0; i < 3000; i++) {
+        const char *seed = seeds[RND() % TD_ARRAY_LEN(seeds)];
+        size_t len = strlen(seed);
+        memcpy(buf, seed, len);
+        for (int m = 0, nm = 1 + (int)(RND() % 4); m < nm; m++) {
+            size_t at = len ? RND() % len : 0;
+            switch (RND() % 6) {
+            case 0: buf[at] ^= (char)(1u << (RND() % 8)); break;
+            case 1: /* insert a byte */
+                if (len + 1 < sizeof buf) {
+                    memmove(buf + at + 1, buf + at, len - at);
+                    buf[at] = (char)RND();
+                    len++;
+                }
+                break;
+            case 2: /* delete a run */
+                if (len) {
+                    size_t n = 1 + RND() % 8;
+                    n = n > len - at ? len - at : n;
+                    memmove(buf + at, buf + at + n, len - at - n);
+                    len -= n;
+                }
+                break;
+            case 3: /* repeat a run */
+                if (len) {
+                    size_t n = 1 + RND() % 64;
+                    n = n > len - at ? len - at : n;
+                    for (int k = 0, times = 1 + (int)(RND() % 40); k < times && len + n < sizeof buf; k++) {
+                        memmove(buf + at + n, buf + at, len - at);
+                        len += n;
+                    }
+                }
+                break;
+            case 4: len = at; break; /* cut */
+            default: { /* splice another seed's tail */
+                const char *o = seeds[RND() % TD_ARRAY_LEN(seeds)];
+                size_t ol = strlen(o), from = RND() % ol;
+                if (at + ol - from < sizeof buf) {
+                    memcpy(buf + at, o + from, ol - from);
+                    len = at + ol - from;
+                }
+            }
+            }
+        }
+        int fd = td_test_connect(s->port);
+        for (size_t off = 0; off < len;) {
+            size_t n = 1 + RND() % (len - off);
+            if (send(fd, buf + off, n, MSG_NOSIGNAL) < 0)
+                break;
+            off += n;
+        }
+        shutdown(fd, SHUT_WR);
+        char b[4096];
+        ssize_t n;
+        while ((n = recv(fd, b, sizeof b, 0)) > 0) {
+        }
+        cr_assert(n == 0 || errno == ECONNRESET, "case %d: the server left the connection open (%s)", i,
+                  strerror(errno));
+        close(fd);
+    }
+#undef RND
+    int handled = atomic_load(&s->handled), aborts = atomic_load(&s->aborts);
+    cr_log_info("fuzz: %d requests reached the handler, %d aborted", handled, aborts);
+    cr_assert_gt(handled, 500, "the mutations should leave many requests whole (%d)", handled);
+    cr_assert_gt(aborts, 10, "and some handled when their client went (%d)", aborts);
+    client_t *c;
+    cr_assert_eq(request(s, "GET /info HTTP/1.1\r\n\r\n", &c), 200);
+    client_free(c);
+    srv_stop(s);
 }
