@@ -12,6 +12,11 @@
  * The N dimension (rows of W, columns of Y) is split over the pool, so every thread
  * streams its own part of W exactly once and the whole of X (small) from cache.
  *
+ * Float W (f32, f16, bf16) on a CPU with AVX-512: td_cpu_fgemm (fgemm_matmul below), 4 to 8 W
+ * rows widened to f32 in registers against 1 to 6 X rows in zmm accumulators, every output
+ * summed in its one order (16 lanes over k, then a fixed tree), so batch-invariant; decode
+ * tiles prefetch ahead, prefill runs X in chunks that stay in L2. Without AVX-512:
+ *
  * One hand-written AVX2/FMA kernel (gemv_block) computes every output: it reads 1-4 rows
  * of W at a time, converts f16/bf16 to f32 in registers, and multiplies them with 1-4 rows
  * of X, each output summed the same way (eight FMA lanes over k in order, one horizontal
@@ -32,6 +37,7 @@
 
 #include <cblas.h>
 
+#include "td_cpu_fgemm.h"
 #include "td_cpu_qf32.h"
 #include "td_cpu_quant.h"
 
@@ -246,6 +252,61 @@ static void gemm_task(void *arg, int task, int thread)
 
 #endif /* no AVX2 kernel */
 
+/* ---- float W, AVX-512 (td_cpu_fgemm) ---------------------------------------------------- */
+
+static void store_tile(const td_matmul_params_t *p, int i0, int mm, int j, int nn, const float *tile, int ld);
+
+/* W rows per td_cpu_fgemm call: a decode call streams 256 rows (its 8-row tiles prefetch
+ * ahead within the call's rows and into the next); a prefill call takes 16 (64 KiB of f16
+ * at k = 2048, in L1/L2 while the call's X chunk streams past them). */
+#define FG_DECODE_COLS 256
+#define FG_PREFILL_COLS 16
+#define FG_DECODE_ROWS 5 /* td_cpu_fgemm's decode tiles take m <= 5 */
+
+static int fgemm_cols(int m)
+{
+    return m <= FG_DECODE_ROWS ? FG_DECODE_COLS : FG_PREFILL_COLS;
+}
+
+static int fgemm_rows(const td_matmul_params_t *p)
+{
+    return p->m <= FG_DECODE_ROWS ? p->m : TD_MIN(p->m, (int)td_cpu_fgemm_x_rows((size_t)p->k));
+}
+
+/* One task: W rows [n0, n1) against X in chunks that stay in L2, each call's [rows][cols]
+ * products put through the epilogue (store_tile) by this thread. */
+static void fgemm_task(void *arg, int task, int thread)
+{
+    matmul_job_t *jb = arg;
+    const td_matmul_params_t *p = jb->p;
+    int n0 = task * jb->chunk;
+    int n1 = TD_MIN(p->n, n0 + jb->chunk);
+    int rows = fgemm_rows(p), cols = fgemm_cols(p->m);
+    size_t row_bytes = td_dtype_bytes(p->w_dtype, (size_t)p->k);
+    float *tile = td_cpu_thread_scratch(jb->cpu, thread); /* [rows][cols] */
+    for (int i0 = 0; i0 < p->m; i0 += rows) {
+        int mm = TD_MIN(rows, p->m - i0);
+        for (int j = n0; j < n1; j += cols) {
+            int nn = TD_MIN(cols, n1 - j);
+            td_cpu_fgemm(p->w_dtype, (const unsigned char *)p->w + (size_t)j * row_bytes, (size_t)nn,
+                         (const float *)p->x + (size_t)i0 * p->k, (size_t)mm, (size_t)p->k, tile,
+                         (size_t)cols);
+            store_tile(p, i0, mm, j, nn, tile, cols);
+        }
+    }
+}
+
+static td_status_t fgemm_matmul(td_cpu_t *cpu, const td_matmul_params_t *p)
+{
+    td_status_t st = td_cpu_reserve(cpu, (size_t)fgemm_rows(p) * fgemm_cols(p->m) * sizeof(float), 0);
+    if (st != TD_OK)
+        return st;
+    matmul_job_t jb = {.p = p, .cpu = cpu, .chunk = matmul_chunk(cpu, p->m, p->n)};
+    td_pool_run(cpu->pool, (p->n + jb.chunk - 1) / jb.chunk, fgemm_task, &jb);
+    return TD_OK;
+}
+
+
 /* ---- block-quantized W (td_cpu_quant) ------------------------------------------------- */
 
 /* Puts a tile's products (mm rows of X by nn rows of W from row j, at tile[i * ld + r])
@@ -391,6 +452,8 @@ td_status_t td_cpu_matmul(td_backend_t *be, const td_matmul_params_t *p)
         return TD_OK;
     if (td_dtype_is_block(p->w_dtype))
         return cpu->int8_act ? qmatmul(cpu, p) : qf32_matmul(cpu, p);
+    if (td_cpu_fgemm_available())
+        return fgemm_matmul(cpu, p);
     matmul_job_t jb = {.p = p, .cpu = cpu, .chunk = matmul_chunk(cpu, p->m, p->n)};
     int n_tasks = (p->n + jb.chunk - 1) / jb.chunk;
 #ifdef TD_HAVE_GEMV_KERNEL
