@@ -485,13 +485,63 @@ td_status_t td_sampler_sample(td_sampler_t *sampler, const float *logits, int32_
 
 /* ---- log-probabilities ------------------------------------------------------------ */
 
+/* exp(x) for x in [-87, 0] (smaller x is taken as -87: exp(-87) = 1.6e-38, nothing beside a
+ * sum >= 1; NaN too), without calls or branches so that a loop of it vectorizes: Cephes'
+ * expf (range reduction by ln 2 in two parts, a degree-6 polynomial; relative error about
+ * 2e-7), 2^n put together from its bits. With libm's exp in double a row of SmolLM2's
+ * 49152 logits took 290 us of td_sampler_logprobs, with this 60 us (a 4096-token prompt's
+ * logprobs: 0.25 s instead of 1.2 s). */
+static inline float exp_le0(float x)
+{
+    x = x >= -87.0f ? x : -87.0f;
+    const float magic = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
+    float t = x * 1.44269504088896341f + magic;
+    float n = t - magic;
+    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t ti, mi;
+    memcpy(&ti, &t, sizeof ti);
+    memcpy(&mi, &magic, sizeof mi);
+    int32_t bits = (ti - mi + 127) << 23; /* 2^n, n in [-126, 0] */
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+/* sum_i exp(l[i] - mx) over l[0..n) (NaN and -inf count as 0), 16 float lanes of 16 terms
+ * each flushed into a double: the loop vectorizes, the sum keeps double's precision. */
+static double sum_exp(const float *l, int32_t n, float mx)
+{
+    enum { LANES = 16, BLOCK = 16 * LANES };
+    double sum = 0.0;
+    int32_t i = 0;
+    for (; i + BLOCK <= n; i += BLOCK) {
+        float acc[LANES] = {0};
+        for (int32_t k = 0; k < BLOCK; k += LANES)
+            for (int32_t j = 0; j < LANES; j++)
+                acc[j] += exp_le0(l[i + k + j] - mx);
+        for (int32_t j = 0; j < LANES; j++)
+            sum += acc[j];
+    }
+    for (; i < n; i++)
+        sum += exp_le0(l[i] - mx);
+    return sum;
+}
+
 td_status_t td_sampler_logprobs(const float *logits, int32_t vocab, int32_t token, int32_t n_top,
                                 td_token_logprob_t *out_p)
 {
     if (vocab <= 0 || token < 0 || token >= vocab || n_top < 0 || n_top > TD_LOGPROBS_MAX_TOP)
         return td_errorf(TD_ERR_INVALID, "logprobs: token %d of a vocabulary of %d, %d alternatives "
                          "(at most %d)", token, vocab, n_top, TD_LOGPROBS_MAX_TOP);
-    /* pass 1: the maximum, and the n_top best in a min-heap (root = worst kept) */
+    /* pass 1: the maximum, and the n_top best in a min-heap (root = worst kept; most logits
+     * lose to it at the first compare) */
     cand_t h[TD_LOGPROBS_MAX_TOP];
     int32_t n = 0;
     float mx = -INFINITY;
@@ -500,20 +550,14 @@ td_status_t td_sampler_logprobs(const float *logits, int32_t vocab, int32_t toke
         if (isnan(v) || v == -INFINITY)
             continue;
         mx = TD_MAX(mx, v);
-        if (n_top > 0)
+        if (n < n_top || (n_top > 0 && v >= h[0].v))
             heap_offer(h, &n, n_top, (cand_t){ v, i });
     }
     if (mx == -INFINITY || mx == INFINITY)
         return td_errorf(TD_ERR_INVALID, "logprobs: the %d logits have no finite maximum (are the "
                          "model's weights NaN or Inf?)", vocab);
     /* pass 2: the normalizer, log(sum exp(l - max)) + max */
-    double sum = 0.0;
-    for (int32_t i = 0; i < vocab; i++) {
-        float v = logits[i];
-        if (!isnan(v))
-            sum += exp((double)v - (double)mx);
-    }
-    const double lse = (double)mx + log(sum);
+    const double lse = (double)mx + log(sum_exp(logits, vocab, mx));
     qsort(h, (size_t)n, sizeof *h, cmp_cand_desc);
     td_token_logprob_t lp = { .token = token, .n_top = n };
     float lt = logits[token];
