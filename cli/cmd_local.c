@@ -1,7 +1,8 @@
 /*
  * cmd_local: `tandem local --model PATH --prefill N --decode M`: a whole cluster on
  * 127.0.0.1 as separate processes of this same binary (router, N prefill, M decode
- * nodes). Prints `gateway: HOST:PORT` and `metrics: URL` once every node registered, then
+ * nodes). Prints `gateway: HOST:PORT`, `openai: URL` (the router's OpenAI HTTP API, unless
+ * --http-port -1) and `metrics: URL` once every node registered, then
  * waits; SIGINT/SIGTERM (or the router's death) stops every process it started
  * (SIGTERM, then SIGKILL after a bound). Each cluster gets a cluster secret of its own
  * (docs/security.md), written 0600 into a run directory that is removed at the end.
@@ -125,7 +126,7 @@ int cmd_local(int argc, char **argv)
 {
     const char *model = NULL, *tokenizer = NULL, *log_level = "warn", *host = "127.0.0.1", *advertise = NULL;
     const char *device = "cpu", *dtype = NULL, *api_keys = NULL;
-    int64_t n_prefill = 1, n_decode = 1, threads = 0, kv_blocks = 0, kv_mem = 0;
+    int64_t n_prefill = 1, n_decode = 1, threads = 0, kv_blocks = 0, kv_mem = 0, http_port = 0;
     const td_opt_t opts[] = {
         TD_OPT_STRING("model", &model, "model path (required)"),
         TD_OPT_STRING("tokenizer", &tokenizer, "tokenizer path (default: beside the model)"),
@@ -139,6 +140,7 @@ int cmd_local(int argc, char **argv)
         TD_OPT_STRING("advertise", &advertise, "address peers reach them at (default: --host)"),
         TD_OPT_STRING("device", &device, "cpu (default), cuda or cuda:N, for every node"),
         TD_OPT_STRING("dtype", &dtype, "f32|f16|bf16, for every node"),
+        TD_OPT_INT("http-port", &http_port, -1, 65535, "the router's OpenAI HTTP API port (default 0: any; -1: off)"),
         TD_OPT_STRING("api-keys-file", &api_keys, "API keys the router's front doors require (docs/security.md)"),
     };
     td_opts_t spec = {.prog = "local", .opts = opts, .n_opts = TD_ARRAY_LEN(opts)};
@@ -152,7 +154,8 @@ int cmd_local(int argc, char **argv)
                "                    [--api-keys-file FILE]\n\n"
                "Starts a router, N prefill and M decode nodes (separate processes) listening on\n"
                "--host (default 127.0.0.1) and reached at --advertise (default --host; required\n"
-               "with a wildcard host), prints 'gateway: HOST:PORT' and 'metrics: URL' once all\n"
+               "with a wildcard host), prints 'gateway: HOST:PORT', 'openai: URL' (the OpenAI HTTP\n"
+               "API, docs/openai.md; --http-port -1: none) and 'metrics: URL' once all\n"
                "registered, and stops them all on SIGINT/SIGTERM. --threads is per node (default:\n"
                "this process's cores / (N + M), at least 1). The KV pools share one budget, %d%% of\n"
                "the memory available, split %d:1 between a decode and a prefill node and passed as\n"
@@ -197,7 +200,8 @@ int cmd_local(int argc, char **argv)
     sigaction(SIGINT, &sa, NULL);
     sigaction(SIGTERM, &sa, NULL);
     int rc = 1;
-    char line[512], gateway[512] = "", control[512] = "", metrics[512] = "";
+    char line[512], gateway[512] = "", control[512] = "", metrics[512] = "", openai[512] = "", http_port_s[24];
+    snprintf(http_port_s, sizeof http_port_s, "%lld", (long long)http_port);
     /* the cluster's own secret: only these processes can join its control plane */
     const char *tmp = getenv("TMPDIR");
     char run_dir[4096], secret[4200];
@@ -209,7 +213,7 @@ int cmd_local(int argc, char **argv)
     snprintf(secret, sizeof secret, "%s/cluster.secret", run_dir);
     if (td_auth_secret_generate(secret) != TD_OK)
         goto out;
-    char *rargv[16] = {"tandem", "router", "--log-level", (char *)log_level, "--host", (char *)host,
+    char *rargv[18] = {"tandem", "router", "--log-level", (char *)log_level, "--host", (char *)host,
                        "--cluster-secret-file", secret};
     int rn = 8;
     if (api_keys) {
@@ -220,6 +224,8 @@ int cmd_local(int argc, char **argv)
         rargv[rn++] = "--advertise";
         rargv[rn++] = (char *)advertise;
     }
+    rargv[rn++] = "--http-port";
+    rargv[rn++] = http_port_s;
     if (tokenizer) {
         rargv[rn++] = "--tokenizer";
         rargv[rn++] = (char *)tokenizer;
@@ -233,6 +239,8 @@ int cmd_local(int argc, char **argv)
             snprintf(control, sizeof control, "%s", line + 9);
         else if (!strncmp(line, "metrics: ", 9))
             snprintf(metrics, sizeof metrics, "%s", line + 9);
+        else if (!strncmp(line, "openai: ", 8)) /* before metrics: */
+            snprintf(openai, sizeof openai, "%s", line + 8);
     }
     if (!metrics[0]) {
         fprintf(stderr, "tandem local: the router did not start\n");
@@ -274,7 +282,10 @@ int cmd_local(int argc, char **argv)
         fprintf(stderr, "tandem local: the nodes did not all register within 30 s\n");
         goto out;
     }
-    printf("gateway: %s\nmetrics: %s\n", gateway, metrics);
+    printf("gateway: %s\n", gateway);
+    if (openai[0])
+        printf("openai: %s\n", openai);
+    printf("metrics: %s\n", metrics);
     fflush(stdout);
     /* serve until a signal or a child's death; keep draining the router's stdout */
     while (!local_stop) {

@@ -2,6 +2,7 @@
  * router_main: the router process (see router_main.h and docs/cluster.md).
  *
  * Everything runs on one libuv loop: the gateway gRPC server (Generation, Health), the
+ * OpenAI HTTP API (--http-port, router_http.c; the same requests through another sink), the
  * control server (Registry), one client channel per node, and for each decode node a Steps
  * stream that carries every sequence's new token of one step in one message. A request
  * goes: tokenize → wait in the admission queue (router_queue) until a decode node has room
@@ -26,6 +27,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "health.pb-c.h"
 #include "router_int.h"
@@ -78,7 +80,9 @@ static void on_shutdown(void *data)
         router_peer_drop(s, i);
     td_grpc_server_close(s->gateway, NULL, NULL);
     td_grpc_server_close(s->control, NULL, NULL);
+    td_http_server_close(s->http, NULL, NULL); /* streams still draining their last bytes end */
     s->gateway = s->control = NULL;
+    s->http = NULL;
     if (s->handles_up) {
         uv_close((uv_handle_t *)&s->tick, NULL);
         uv_close((uv_handle_t *)&s->pump_idle, NULL);
@@ -149,7 +153,9 @@ int router_main(int argc, char **argv)
     *cfg = (router_config_t){.control_port = 0, .max_active = 1024, .max_queue = 4096, .request_timeout_ms = 300000,
                              .max_backlog_tokens = 4096, .send_queue_bytes = 256 << 10, .default_max_tokens = 256,
                              .lease_ms = 10000, .max_prefill_wait_ms = 5000, .max_tokenizing = 64, .rpc_timeout_ms = 5000, .heartbeat_ms = 200,
-                             .heartbeat_timeout_ms = 1500, .max_nodes = 256};
+                             .heartbeat_timeout_ms = 1500, .max_nodes = 256, .http_port = -1,
+                             .http_max_body_bytes = 8 << 20, .http_max_connections = 4096,
+                             .http_idle_timeout_ms = 30000, .http_request_timeout_ms = 0};
     const td_opt_t keys[] = {
         TD_OPT_STRING("tokenizer", &cfg->tokenizer, "tokenizer path (none: prompts as ids only, no text)"),
         TD_OPT_INT("control-port", &cfg->control_port, 0, 65535, "control gRPC port (0 = any)"),
@@ -173,6 +179,17 @@ int router_main(int argc, char **argv)
         TD_OPT_INT("heartbeat-ms", &cfg->heartbeat_ms, 10, 60000, "heartbeat interval asked of nodes"),
         TD_OPT_INT("heartbeat-timeout-ms", &cfg->heartbeat_timeout_ms, 20, 600000, "silence before a node is dropped"),
         TD_OPT_INT("max-nodes", &cfg->max_nodes, 1, 65536, "registered nodes at most"),
+        TD_OPT_INT("http-port", &cfg->http_port, -1, 65535,
+                   "OpenAI-compatible HTTP API, with /metrics too (-1 = off, 0 = any); docs/openai.md"),
+        TD_OPT_INT("http-max-body-bytes", &cfg->http_max_body_bytes, 1024, 1 << 30,
+                   "HTTP request body at most; beyond → 413"),
+        TD_OPT_INT("http-max-connections", &cfg->http_max_connections, 1, 1 << 20,
+                   "HTTP connections at once; beyond, the oldest idle one is closed"),
+        TD_OPT_INT("http-idle-timeout-ms", &cfg->http_idle_timeout_ms, 1, 86400000,
+                   "an HTTP connection without a request is closed after this"),
+        TD_OPT_INT("http-request-timeout-ms", &cfg->http_request_timeout_ms, 0, 86400000,
+                   "an HTTP request must be read and its answer begun within this "
+                   "(0 = request-timeout-ms + 10 s, so a whole answer is not cut short)"),
     };
     const td_node_spec_t spec = {.prog = "router", .kind = TD_NODE_ROUTER, .on_shutdown = on_shutdown, .data = s};
     int rc;
@@ -180,6 +197,13 @@ int router_main(int argc, char **argv)
         return rc;
     rc = 1;
     td_status_t st;
+    if (cfg->http_port > 0 && cfg->http_port == pc->metrics_port) {
+        td_errorf(TD_ERR_INVALID, "router: --http-port and --metrics-port are both %lld: the HTTP API serves "
+                  "/metrics too; leave --metrics-port 0 or give it another port", (long long)cfg->http_port);
+        rc = 2;
+        goto out;
+    }
+    s->started_unix = (int64_t)time(NULL);
     router_registry_config_t rc_ = router_registry_config_default();
     rc_.max_nodes = (int32_t)cfg->max_nodes;
     rc_.heartbeat_timeout_ns = cfg->heartbeat_timeout_ms * 1000000;
@@ -218,6 +242,25 @@ int router_main(int argc, char **argv)
     td_node_auth_guard_control(&s->proc.auth, &gc);
     if ((st = td_grpc_server_create(&s->proc.loop, &gc, &s->control)) != TD_OK || (st = add_methods(s)) != TD_OK)
         goto out;
+    if (cfg->http_port >= 0) {
+        td_http_config_t hc = td_http_config_default();
+        hc.name = "openai";
+        hc.host = pc->host;
+        hc.port = (uint16_t)cfg->http_port;
+        hc.max_body_bytes = (size_t)cfg->http_max_body_bytes;
+        hc.max_connections = (uint32_t)cfg->http_max_connections;
+        hc.idle_timeout_ms = (uint32_t)cfg->http_idle_timeout_ms;
+        /* a whole (non-streamed) answer comes when the request ends: its own deadline */
+        hc.request_timeout_ms = (uint32_t)(cfg->http_request_timeout_ms ? cfg->http_request_timeout_ms
+                                           : cfg->request_timeout_ms ? cfg->request_timeout_ms + 10000 : 86400000);
+        hc.max_write_queue_bytes = (size_t)cfg->send_queue_bytes;
+        hc.metrics = s->metrics;
+        hc.metrics_name = "tandem_router_http_connections_closed_total";
+        hc.handler = router_http_handler;
+        hc.handler_data = s;
+        if ((st = td_http_server_create(&s->proc.loop, &hc, &s->http)) != TD_OK)
+            goto out;
+    }
     if ((st = td_node_serve(&s->proc, s->metrics)) != TD_OK)
         goto out;
     uv_timer_init(&s->proc.loop, &s->tick);
@@ -229,9 +272,11 @@ int router_main(int argc, char **argv)
     s->turn_prepare.data = s;
     uv_prepare_start(&s->turn_prepare, on_turn);
     s->handles_up = true;
-    printf("gateway: %s:%u\ncontrol: %s:%u\nmetrics: http://%s:%u/metrics\n", pc->advertise,
-           td_grpc_server_port(s->gateway), pc->advertise, td_grpc_server_port(s->control), pc->advertise,
-           td_node_metrics_port(&s->proc));
+    printf("gateway: %s:%u\n", pc->advertise, td_grpc_server_port(s->gateway));
+    if (s->http)
+        printf("openai: http://%s:%u/v1\n", pc->advertise, td_http_server_port(s->http));
+    printf("control: %s:%u\nmetrics: http://%s:%u/metrics\n", pc->advertise, td_grpc_server_port(s->control),
+           pc->advertise, td_node_metrics_port(&s->proc));
     fflush(stdout);
 
     rc = td_node_run(&s->proc);

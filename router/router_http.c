@@ -1,0 +1,463 @@
+/*
+ * router_http: the router's OpenAI-compatible HTTP front door (--http-port), on td_http.
+ * POST /v1/completions and /v1/chat/completions become router requests through the same
+ * router_req_open / router_req_submit as gRPC's Generate, with this file's sink (an HTTP
+ * request) instead of a gRPC call; GET /v1/models, /health and /metrics answer at once.
+ * The JSON is router_openai's. docs/openai.md.
+ *
+ * A streamed request (stream: true) begins its SSE answer with its first text, so a
+ * request refused before it (a full queue, no pair up, a prompt too long for the model)
+ * still gets its HTTP status; a whole answer is sent when the request finishes. The relay's
+ * backpressure is td_http's: a chunk refused (BUSY) stays in the request's pending output
+ * until the connection drains. A connection that goes (the client closed it, a timeout)
+ * ends its request as a cancel: the lease is released and the decode node frees its blocks.
+ * The answer's last bytes (the finish chunk, usage, [DONE]) may wait for the connection to
+ * drain after the request itself has ended: the HTTP request's state (http_client_t)
+ * outlives the router request then, and is freed when the stream ends or aborts.
+ */
+#include "router_int.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "router_admit.h"
+#include "router_openai.h"
+#include "td_log.h"
+#include "td_util.h"
+
+typedef struct http_client {
+    router_state_t *s;
+    td_http_req_t *req;
+    router_req_t *r;            /* NULL once the router request ended */
+    router_oai_resp_t rs;
+    char id[80];
+    bool stream, include_usage;
+    bool began;                 /* the SSE answer began */
+    bool first;                 /* no chunk with text went out yet */
+    char *echo;                 /* completions with echo: the prompt's text, sent first */
+    size_t echo_len;
+    router_oai_buf_t text;      /* a whole answer: the text so far */
+    router_oai_buf_t out;       /* the bytes being written */
+    size_t tail_off;            /* after the request ended: out[tail_off..n) still to write */
+} http_client_t;
+
+static void client_free(http_client_t *hc)
+{
+    router_oai_buf_free(&hc->text);
+    router_oai_buf_free(&hc->out);
+    free(hc->echo);
+    free(hc);
+}
+
+/* ---- answers at once ------------------------------------------------------------------- */
+
+static void respond_json(td_http_req_t *req, int status, const router_oai_buf_t *b)
+{
+    if (b->oom) {
+        td_http_respond(req, 500, "application/json", "{\"error\":{\"message\":\"router: out of memory\","
+                        "\"type\":\"server_error\",\"param\":null,\"code\":null}}", 87);
+        return;
+    }
+    td_http_respond(req, status, "application/json", b->p, b->n);
+}
+
+static void respond_error(td_http_req_t *req, const router_oai_error_t *err)
+{
+    router_oai_buf_t b = {0};
+    router_oai_error_json(&b, err);
+    respond_json(req, err->status, &b);
+    router_oai_buf_free(&b);
+}
+
+/* Live prefill and decode nodes of the router's model (a decode node counts once its
+ * Steps stream is up), as router_print_nodes counts them. */
+static void nodes_up(const router_state_t *s, int *prefill_p, int *decode_p)
+{
+    int np = 0, nd = 0;
+    int64_t now = (int64_t)td_now_ns();
+    for (int32_t i = 0; i < router_registry_slots(s->reg); i++) {
+        const router_node_t *n = router_registry_node_const(s->reg, i);
+        if (!n || !router_registry_is_live(s->reg, i, now) || strcmp(n->info.model, s->proc.cfg.model_name))
+            continue;
+        if (n->info.role == TD_NODE_ROLE_DECODE)
+            nd += s->peers[i].steps != NULL;
+        else
+            np++;
+    }
+    *prefill_p = np;
+    *decode_p = nd;
+}
+
+static void http_health(router_state_t *s, td_http_req_t *req)
+{
+    int np, nd;
+    nodes_up(s, &np, &nd);
+    bool ok = np > 0 && nd > 0 && !s->shutting_down;
+    char body[160];
+    int n = snprintf(body, sizeof body, "{\"status\":\"%s\",\"prefill_nodes\":%d,\"decode_nodes\":%d}",
+                     ok ? "ok" : "unavailable", np, nd);
+    td_http_respond(req, ok ? 200 : 503, "application/json", body, (size_t)n);
+}
+
+static void http_models(router_state_t *s, td_http_req_t *req)
+{
+    router_oai_buf_t b = {0};
+    router_oai_models(&b, s->proc.cfg.model_name, s->started_unix);
+    respond_json(req, 200, &b);
+    router_oai_buf_free(&b);
+}
+
+/* ---- the sink: a router request's output as OpenAI's answer ---------------------------- */
+
+
+/* Writes out[tail_off..n) after the request ended, then ends the stream and frees hc; on
+ * BUSY waits for on_writable. */
+static void tail_drain(http_client_t *hc)
+{
+    td_status_t st = td_http_stream_write(hc->req, hc->out.p + hc->tail_off, hc->out.n - hc->tail_off);
+    if (st == TD_ERR_BUSY)
+        return; /* on_writable comes back here */
+    if (st == TD_OK)
+        td_http_stream_end(hc->req);
+    else if (st == TD_ERR_CLOSED)
+        return; /* on_abort follows and frees hc */
+    client_free(hc);
+}
+
+static td_status_t stream_begin(http_client_t *hc)
+{
+    if (hc->began)
+        return TD_OK;
+    td_status_t st = td_http_stream_begin(hc->req, 200, "text/event-stream");
+    if (st == TD_OK)
+        hc->began = true;
+    return st;
+}
+
+/* The text of this message: the echo first, then r's pending text, into *buf (kept as
+ * is when there is no echo: points into r->out). */
+static const char *message_text(http_client_t *hc, router_req_t *r, size_t *len_p, router_oai_buf_t *tmp)
+{
+    if (!hc->echo) {
+        *len_p = r->out.n_text;
+        return r->out.text ? r->out.text : "";
+    }
+    router_oai_buf_put(tmp, hc->echo, hc->echo_len);
+    router_oai_buf_put(tmp, r->out.text ? r->out.text : "", r->out.n_text);
+    *len_p = tmp->n;
+    return tmp->oom ? "" : tmp->p;
+}
+
+static void echo_sent(http_client_t *hc)
+{
+    free(hc->echo);
+    hc->echo = NULL;
+}
+
+static td_status_t http_send(router_req_t *r)
+{
+    http_client_t *hc = r->client;
+    if (!hc->stream) {
+        router_oai_buf_put(&hc->text, r->out.text ? r->out.text : "", r->out.n_text);
+        return hc->text.oom ? TD_ERR_NOMEM : TD_OK;
+    }
+    if (!r->out.n_text && !hc->echo)
+        return TD_OK; /* ids whose text is held back (a stop string may begin there) */
+    td_status_t st = stream_begin(hc);
+    if (st != TD_OK)
+        return st == TD_ERR_CLOSED ? TD_ERR_CANCELLED : st; /* closing: on_abort ends r */
+    router_oai_buf_t tmp = {0};
+    size_t len;
+    const char *text = message_text(hc, r, &len, &tmp);
+    hc->out.n = 0;
+    router_oai_chunk(&hc->out, &hc->rs, hc->first, text, len, NULL, hc->include_usage);
+    router_oai_buf_free(&tmp);
+    if (hc->out.oom)
+        return TD_ERR_NOMEM;
+    st = td_http_stream_write(hc->req, hc->out.p, hc->out.n);
+    if (st == TD_OK) {
+        hc->first = false;
+        echo_sent(hc);
+    }
+    return st == TD_ERR_CLOSED ? TD_ERR_CANCELLED : st;
+}
+
+static const char *reason_name(router_finish_t reason)
+{
+    return reason == ROUTER_FINISH_LENGTH ? "length" : "stop";
+}
+
+static void http_finish(router_req_t *r, const router_summary_t *sum)
+{
+    http_client_t *hc = r->client;
+    hc->r = NULL;
+    router_oai_usage_t u = {.prompt_tokens = sum->prompt_tokens, .completion_tokens = sum->completion_tokens,
+                            .cached_tokens = sum->cached_tokens};
+    if (!hc->stream) {
+        router_oai_buf_put(&hc->text, r->out.text ? r->out.text : "", r->out.n_text);
+        router_oai_buf_t b = {0};
+        if (hc->echo) {
+            router_oai_buf_put(&b, hc->echo, hc->echo_len);
+            router_oai_buf_put(&b, hc->text.p ? hc->text.p : "", hc->text.n);
+        }
+        router_oai_buf_t *t = hc->echo ? &b : &hc->text;
+        hc->out.n = 0;
+        router_oai_response(&hc->out, &hc->rs, t->p ? t->p : "", t->n, reason_name(sum->reason), &u);
+        router_oai_buf_free(&b);
+        respond_json(hc->req, 200, &hc->out);
+        client_free(hc);
+        return;
+    }
+    if (stream_begin(hc) != TD_OK)
+        return; /* the connection is closing: on_abort follows and frees hc */
+    router_oai_buf_t tmp = {0};
+    size_t len;
+    const char *text = message_text(hc, r, &len, &tmp);
+    hc->out.n = 0;
+    router_oai_chunk(&hc->out, &hc->rs, hc->first, text, len, reason_name(sum->reason), hc->include_usage);
+    router_oai_buf_free(&tmp);
+    if (hc->include_usage)
+        router_oai_usage_chunk(&hc->out, &hc->rs, &u);
+    router_oai_done(&hc->out);
+    hc->tail_off = 0;
+    if (hc->out.oom) {
+        td_http_stream_end(hc->req);
+        client_free(hc);
+        return;
+    }
+    tail_drain(hc);
+}
+
+static void http_fail(router_req_t *r, td_grpc_code_t code, const char *msg)
+{
+    http_client_t *hc = r->client;
+    hc->r = NULL;
+    router_oai_error_t err;
+    router_oai_error_from_code((int)code, msg, &err);
+    if (!hc->began) {
+        respond_error(hc->req, &err);
+        client_free(hc);
+        return;
+    }
+    /* mid-stream: an SSE event with the error, as OpenAI's servers send one */
+    hc->out.n = 0;
+    router_oai_buf_puts(&hc->out, "data: ");
+    router_oai_error_json(&hc->out, &err);
+    router_oai_buf_puts(&hc->out, "\n\n");
+    router_oai_done(&hc->out);
+    hc->tail_off = 0;
+    if (hc->out.oom) {
+        td_http_stream_end(hc->req);
+        client_free(hc);
+        return;
+    }
+    tail_drain(hc);
+}
+
+static const router_sink_ops_t http_sink = {.send = http_send, .finish = http_finish, .fail = http_fail};
+
+static void http_on_abort(td_http_req_t *req, void *data)
+{
+    http_client_t *hc = data;
+    router_req_t *r = hc->r;
+    if (r) {
+        hc->r = NULL;
+        r->client = NULL;
+        router_req_client_gone(r, false);
+    }
+    client_free(hc);
+}
+
+static void http_on_writable(td_http_req_t *req, void *data)
+{
+    http_client_t *hc = data;
+    if (hc->r)
+        router_req_writable(hc->r);
+    else
+        tail_drain(hc);
+}
+
+/* ---- generation requests --------------------------------------------------------------- */
+
+/* The prompt as text for echo: the text sent, or the ids decoded (*text_p malloc'ed).
+ * Errors: TD_ERR_RANGE (an id outside the tokenizer's vocabulary), TD_ERR_NOMEM. */
+static td_status_t echo_text(const router_state_t *s, const router_oai_req_t *q, char **text_p, size_t *len_p)
+{
+    if (!q->prompt)
+        return td_tokenizer_decode(s->tok, (const int32_t *)q->prompt_ids, q->gp.prompt_len, text_p, len_p);
+    char *t = malloc(q->prompt_len + 1);
+    if (!t)
+        return TD_ERR_NOMEM;
+    memcpy(t, q->prompt, q->prompt_len + 1);
+    *text_p = t;
+    *len_p = q->prompt_len;
+    return TD_OK;
+}
+
+/* The OpenAI name of the field td_gen_params_validate's message begins with ("" when it
+ * names none of them). */
+static void param_of(const char *why, router_oai_kind_t kind, char *param, size_t cap)
+{
+    static const char *const same[] = {"max_tokens", "temperature", "top_k", "top_p", "min_p",
+                                       "repetition_penalty", "presence_penalty", "frequency_penalty"};
+    size_t n = strcspn(why, " :");
+    param[0] = '\0';
+    for (size_t i = 0; i < TD_ARRAY_LEN(same); i++)
+        if (n == strlen(same[i]) && !strncmp(why, same[i], n))
+            snprintf(param, cap, "%s", same[i]);
+    if (!strncmp(why, "stop", 4))
+        snprintf(param, cap, "stop");
+    else if (n == 6 && !strncmp(why, "prompt", 6))
+        snprintf(param, cap, "%s", kind == ROUTER_OAI_CHAT ? "messages" : "prompt");
+}
+
+static void http_generate(router_state_t *s, td_http_req_t *req, router_oai_kind_t kind)
+{
+    router_oai_error_t err;
+    router_oai_req_t q;
+    size_t len;
+    char why[384];
+    const char *body = td_http_req_body(req, &len);
+    if (router_oai_parse(kind, body, len, &q, &err) != TD_OK) {
+        router_count_outcome(s, "invalid");
+        respond_error(req, &err);
+        return;
+    }
+    http_client_t *hc = NULL;
+    if (!s->tok) { /* OpenAI's answers are text */
+        router_oai_error_set(&err, 400, "invalid_request_error", NULL, NULL,
+                             "this router has no tokenizer (--tokenizer): it cannot answer in text; use the "
+                             "gRPC gateway with prompt_ids");
+        router_count_outcome(s, "invalid");
+        goto err_respond;
+    }
+    if (q.model && strcmp(q.model, s->proc.cfg.model_name)) {
+        router_oai_error_set(&err, 400, "invalid_request_error", "model", "model_not_found",
+                             "the model '%s' is not served here (see GET /v1/models): this router serves '%s'",
+                             q.model, s->proc.cfg.model_name);
+        router_count_outcome(s, "invalid");
+        goto err_respond;
+    }
+    if (q.logprobs >= 0) {
+        router_oai_error_set(&err, 400, "invalid_request_error", "logprobs", "unsupported_parameter",
+                             "log-probabilities are not served by this router yet");
+        router_count_outcome(s, "invalid");
+        goto err_respond;
+    }
+    /* checked here first for the parameter's name (router_req_open checks again, for every
+     * front door, and says the same) */
+    if (td_gen_params_validate(&q.gp, why, sizeof why) != TD_OK) {
+        router_oai_error_set(&err, 400, "invalid_request_error", NULL, NULL, "%s", why);
+        param_of(why, kind, err.param, sizeof err.param);
+        router_count_outcome(s, "invalid");
+        goto err_respond;
+    }
+    td_status_t st = (hc = calloc(1, sizeof *hc)) ? TD_OK : TD_ERR_NOMEM;
+    if (st == TD_OK && q.echo)
+        st = echo_text(s, &q, &hc->echo, &hc->echo_len);
+    if (st != TD_OK) {
+        if (st == TD_ERR_NOMEM)
+            router_oai_error_set(&err, 500, "server_error", NULL, NULL, "router: out of memory");
+        else
+            router_oai_error_set(&err, 400, "invalid_request_error", "prompt", NULL,
+                                 "'prompt' has a token id outside the vocabulary (%d ids)",
+                                 td_tokenizer_vocab_size(s->tok));
+        router_count_outcome(s, st == TD_ERR_NOMEM ? "exhausted" : "invalid");
+        goto err_respond;
+    }
+    router_req_spec_t spec = {.gp = q.gp, .prompt_ids = q.prompt_ids, .prompt = q.prompt,
+                              .prompt_text_len = q.prompt_len, .messages = q.messages, .n_messages = q.n_messages};
+    router_req_t *r;
+    td_grpc_code_t code;
+    if (router_req_open(s, &spec, &code, why, sizeof why, &r) != TD_OK) {
+        router_oai_error_from_code((int)code, why, &err);
+        goto err_respond;
+    }
+    hc->s = s;
+    hc->req = req;
+    hc->r = r;
+    hc->stream = q.stream;
+    hc->include_usage = q.stream && q.include_usage;
+    hc->first = true;
+    snprintf(hc->id, sizeof hc->id, "%s%s", kind == ROUTER_OAI_CHAT ? "chatcmpl-" : "cmpl-", r->id);
+    hc->rs = (router_oai_resp_t){.kind = kind, .id = hc->id, .model = s->proc.cfg.model_name,
+                                 .created = (int64_t)time(NULL)};
+    r->sink = &http_sink;
+    r->client = hc;
+    td_http_req_set_data(req, hc);
+    td_http_req_on_abort(req, http_on_abort);
+    td_http_req_on_writable(req, http_on_writable);
+    router_req_submit(r, &spec); /* may end r, answering req */
+    router_oai_req_free(&q);
+    return;
+err_respond:
+    if (hc)
+        client_free(hc);
+    router_oai_req_free(&q);
+    respond_error(req, &err);
+}
+
+/* ---- the server's one handler ---------------------------------------------------------- */
+
+static void method_not_allowed(td_http_req_t *req, const char *allow)
+{
+    router_oai_error_t err;
+    router_oai_error_set(&err, 405, "invalid_request_error", NULL, "method_not_allowed", "%s %s: use %s",
+                         td_http_req_method(req), td_http_req_path(req), allow);
+    td_http_resp_header(req, "Allow", allow);
+    respond_error(req, &err);
+}
+
+/* Every request of the HTTP server (td_http_handler_cb); data is the router's state. */
+void router_http_handler(void *data, td_http_req_t *req)
+{
+    router_state_t *s = data;
+    const char *path = td_http_req_path(req), *method = td_http_req_method(req);
+    bool get = !strcmp(method, "GET") || !strcmp(method, "HEAD"), post = !strcmp(method, "POST");
+    router_oai_error_t err;
+    if (!strcmp(path, "/metrics")) {
+        td_http_metrics_handler(s->metrics, req);
+        return;
+    }
+    bool gen_chat = !strcmp(path, "/v1/chat/completions"), gen_cmpl = !strcmp(path, "/v1/completions");
+    bool models = !strcmp(path, "/v1/models"), health = !strcmp(path, "/health");
+    if (!gen_chat && !gen_cmpl && !models && !health) {
+        router_oai_error_set(&err, 404, "invalid_request_error", NULL, "not_found",
+                             "%s %s: no such endpoint (POST /v1/completions, POST /v1/chat/completions, "
+                             "GET /v1/models, GET /health, GET /metrics)", method, path);
+        respond_error(req, &err);
+        return;
+    }
+    if ((gen_chat || gen_cmpl) && !post) {
+        method_not_allowed(req, "POST");
+        return;
+    }
+    if ((models || health) && !get) {
+        method_not_allowed(req, "GET");
+        return;
+    }
+    if (health) { /* probes carry no key */
+        http_health(s, req);
+        return;
+    }
+    td_auth_outcome_t ao = td_node_auth_check_key(&s->proc.auth, td_http_req_header(req, "authorization"));
+    if (ao != TD_AUTH_OK) {
+        router_oai_error_set(&err, 401, "invalid_request_error", NULL, "invalid_api_key",
+                             ao == TD_AUTH_MISSING ? "no API key: send the header 'Authorization: Bearer KEY'"
+                                                   : "the API key is not valid");
+        td_http_resp_header(req, "WWW-Authenticate", "Bearer");
+        respond_error(req, &err);
+        return;
+    }
+    if (s->shutting_down) {
+        router_oai_error_set(&err, 503, "service_unavailable", NULL, NULL, "router shutting down");
+        respond_error(req, &err);
+        return;
+    }
+    if (models)
+        http_models(s, req);
+    else
+        http_generate(s, req, gen_chat ? ROUTER_OAI_CHAT : ROUTER_OAI_COMPLETIONS);
+}

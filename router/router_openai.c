@@ -1,0 +1,712 @@
+/*
+ * router_openai: OpenAI's request bodies read into the router's request, and OpenAI's
+ * response shapes written (see router_openai.h). Reading is cJSON's; writing is by hand
+ * into a buffer, since a streamed request writes one chunk per step and a tree per chunk
+ * would cost more than the relay itself.
+ */
+#include "router_openai.h"
+
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "td_util.h"
+
+/* ---- errors ---------------------------------------------------------------------------- */
+
+void router_oai_error_set(router_oai_error_t *err, int status, const char *type, const char *param,
+                          const char *code, const char *fmt, ...)
+{
+    err->status = status;
+    err->type = type;
+    err->code = code;
+    snprintf(err->param, sizeof err->param, "%s", param ? param : "");
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err->message, sizeof err->message, fmt, ap);
+    va_end(ap);
+}
+
+void router_oai_error_from_code(int grpc_code, const char *msg, router_oai_error_t *err)
+{
+    int status = 500;
+    const char *type = "server_error";
+    switch (grpc_code) {
+    case 3: status = 400; type = "invalid_request_error"; break;           /* INVALID_ARGUMENT */
+    case 16: status = 401; type = "authentication_error"; break;          /* UNAUTHENTICATED */
+    case 5: status = 404; type = "not_found_error"; break;                /* NOT_FOUND */
+    case 8: status = 429; type = "rate_limit_error"; break;               /* RESOURCE_EXHAUSTED */
+    case 14: status = 503; type = "service_unavailable"; break;           /* UNAVAILABLE */
+    case 4: status = 504; type = "timeout"; break;                        /* DEADLINE_EXCEEDED */
+    default: break;
+    }
+    router_oai_error_set(err, status, type, NULL, NULL, "%s", msg && msg[0] ? msg : "request failed");
+}
+
+/* ---- reading --------------------------------------------------------------------------- */
+
+static void bad_type(router_oai_error_t *err, const char *param, const char *want, const cJSON *got)
+{
+    const char *what = cJSON_IsString(got) ? "a string" : cJSON_IsBool(got) ? "a boolean"
+                       : cJSON_IsNumber(got) ? "a number" : cJSON_IsArray(got) ? "an array"
+                       : cJSON_IsObject(got) ? "an object" : "something else";
+    router_oai_error_set(err, 400, "invalid_request_error", param, "invalid_type",
+                         "Invalid type for '%s': expected %s, but got %s instead.", param, want, what);
+}
+
+/* The member `name` of o; NULL when absent or null (OpenAI reads null as not given). */
+static const cJSON *member(const cJSON *o, const char *name)
+{
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, name);
+    return v && !cJSON_IsNull(v) ? v : NULL;
+}
+
+static bool get_number(const cJSON *o, const char *name, double *out, bool *given, router_oai_error_t *err)
+{
+    const cJSON *v = member(o, name);
+    if (given)
+        *given = v != NULL;
+    if (!v)
+        return true;
+    if (!cJSON_IsNumber(v)) {
+        bad_type(err, name, "a number", v);
+        return false;
+    }
+    *out = v->valuedouble;
+    return true;
+}
+
+/* An integer: a JSON number without a fraction. */
+static bool get_int(const cJSON *o, const char *name, int64_t *out, bool *given, router_oai_error_t *err)
+{
+    const cJSON *v = member(o, name);
+    if (given)
+        *given = v != NULL;
+    if (!v)
+        return true;
+    double d = v->valuedouble;
+    if (!cJSON_IsNumber(v) || d != floor(d) || !isfinite(d)) {
+        bad_type(err, name, "an integer", v);
+        return false;
+    }
+    /* past int64: kept at the edge of the range, so the range check names it */
+    *out = d >= 9.2e18 ? INT64_MAX : d <= -9.2e18 ? INT64_MIN : (int64_t)d;
+    return true;
+}
+
+static bool get_bool(const cJSON *o, const char *name, bool *out, router_oai_error_t *err)
+{
+    const cJSON *v = member(o, name);
+    if (!v)
+        return true;
+    if (!cJSON_IsBool(v)) {
+        bad_type(err, name, "a boolean", v);
+        return false;
+    }
+    *out = cJSON_IsTrue(v);
+    return true;
+}
+
+static bool get_string(const cJSON *o, const char *name, const char **out, router_oai_error_t *err)
+{
+    const cJSON *v = member(o, name);
+    if (!v)
+        return true;
+    if (!cJSON_IsString(v)) {
+        bad_type(err, name, "a string", v);
+        return false;
+    }
+    *out = v->valuestring;
+    return true;
+}
+
+/* Sampling parameters, handed over as received (td_gen_params_validate checks ranges by
+ * the same names). Defaults are OpenAI's: temperature 1 and top_p 1 when not given. */
+static bool read_sampling(const cJSON *o, td_gen_params_t *gp, router_oai_error_t *err)
+{
+    td_sampling_t *sp = &gp->sampling;
+    double temperature = 1.0, top_p = 1.0, min_p = 0, rep = 1, pres = 0, freq = 0;
+    int64_t top_k = 0, seed = 0;
+    if (!get_number(o, "temperature", &temperature, NULL, err) || !get_number(o, "top_p", &top_p, NULL, err) ||
+        !get_number(o, "min_p", &min_p, NULL, err) || !get_number(o, "repetition_penalty", &rep, NULL, err) ||
+        !get_number(o, "presence_penalty", &pres, NULL, err) ||
+        !get_number(o, "frequency_penalty", &freq, NULL, err) || !get_int(o, "top_k", &top_k, NULL, err) ||
+        !get_int(o, "seed", &seed, NULL, err))
+        return false;
+    sp->temperature = (float)temperature;
+    sp->top_p = (float)top_p;
+    sp->min_p = (float)min_p;
+    sp->repetition_penalty = (float)rep;
+    sp->presence_penalty = (float)pres;
+    sp->frequency_penalty = (float)freq;
+    /* vLLM's -1 (and 0) is "off", as our 0; other negatives reach the range check */
+    sp->top_k = top_k == -1 ? 0 : top_k > INT32_MAX ? INT32_MAX : top_k < INT32_MIN ? INT32_MIN : (int32_t)top_k;
+    sp->seed = (uint64_t)seed;
+    return true;
+}
+
+static bool read_stop(const cJSON *o, router_oai_req_t *q, router_oai_error_t *err)
+{
+    const cJSON *v = member(o, "stop");
+    size_t n = 0;
+    if (!v)
+        return true;
+    if (cJSON_IsString(v)) {
+        q->stops[n++] = v->valuestring;
+    } else if (cJSON_IsArray(v)) {
+        const cJSON *e;
+        cJSON_ArrayForEach(e, v) {
+            if (!cJSON_IsString(e)) {
+                bad_type(err, "stop", "a string or an array of strings", v);
+                return false;
+            }
+            if (n == TD_STOP_MAX_STRINGS) {
+                router_oai_error_set(err, 400, "invalid_request_error", "stop", NULL,
+                                     "'stop' has %d strings, at most %d are allowed", cJSON_GetArraySize(v),
+                                     TD_STOP_MAX_STRINGS);
+                return false;
+            }
+            q->stops[n++] = e->valuestring;
+        }
+    } else {
+        bad_type(err, "stop", "a string or an array of strings", v);
+        return false;
+    }
+    q->gp.n_stop_strings = n;
+    q->gp.stop_strings = q->stops;
+    return true;
+}
+
+/* A completions prompt: a string, an array of token ids, or either inside an array of one
+ * (one prompt per request: n and batches are refused). */
+static bool read_prompt(const cJSON *o, router_oai_req_t *q, router_oai_error_t *err)
+{
+    const cJSON *v = member(o, "prompt");
+    static const char want[] = "a string or an array of token ids";
+    if (!v) {
+        router_oai_error_set(err, 400, "invalid_request_error", "prompt", NULL, "'prompt' is required");
+        return false;
+    }
+    if (cJSON_IsArray(v) && cJSON_GetArraySize(v) == 1 &&
+        (cJSON_IsString(v->child) || cJSON_IsArray(v->child)))
+        v = v->child; /* ["text"] or [[ids]] */
+    if (cJSON_IsString(v)) {
+        q->prompt = v->valuestring;
+        q->prompt_len = strlen(v->valuestring);
+        q->gp.prompt_is_text = true;
+        q->gp.prompt_len = q->prompt_len;
+        return true;
+    }
+    if (!cJSON_IsArray(v)) {
+        bad_type(err, "prompt", want, v);
+        return false;
+    }
+    int n = cJSON_GetArraySize(v);
+    if (n == 0 || (n > 1 && !cJSON_IsNumber(v->child))) {
+        router_oai_error_set(err, 400, "invalid_request_error", "prompt", NULL,
+                             n ? "'prompt' holds %d prompts; send one per request" : "'prompt' is empty", n);
+        return false;
+    }
+    if (!(q->prompt_ids = malloc((size_t)n * sizeof *q->prompt_ids))) {
+        router_oai_error_set(err, 500, "server_error", NULL, NULL, "router: out of memory");
+        return false;
+    }
+    size_t i = 0;
+    const cJSON *e;
+    cJSON_ArrayForEach(e, v) {
+        double d = e->valuedouble;
+        if (!cJSON_IsNumber(e) || d != floor(d) || d < 0 || d > UINT32_MAX) {
+            router_oai_error_set(err, 400, "invalid_request_error", "prompt", NULL,
+                                 "'prompt' token %zu is not a token id (a non-negative integer)", i);
+            return false;
+        }
+        q->prompt_ids[i++] = (uint32_t)d;
+    }
+    q->gp.prompt_is_text = false;
+    q->gp.prompt_len = i;
+    return true;
+}
+
+/* A message's content: a string, or an array of text parts joined into one string (kept in
+ * the document: the part array is replaced by it). */
+static bool read_content(cJSON *m, size_t i, const char **out, router_oai_error_t *err)
+{
+    char param[64];
+    snprintf(param, sizeof param, "messages[%zu].content", i);
+    cJSON *c = cJSON_GetObjectItemCaseSensitive(m, "content");
+    if (!c || cJSON_IsNull(c)) {
+        *out = "";
+        return true;
+    }
+    if (cJSON_IsString(c)) {
+        *out = c->valuestring;
+        return true;
+    }
+    if (!cJSON_IsArray(c)) {
+        bad_type(err, param, "a string or an array of text parts", c);
+        return false;
+    }
+    router_oai_buf_t b = {0};
+    const cJSON *part;
+    cJSON_ArrayForEach(part, c) {
+        const cJSON *type = cJSON_GetObjectItemCaseSensitive(part, "type");
+        const cJSON *text = cJSON_GetObjectItemCaseSensitive(part, "text");
+        if (!cJSON_IsString(type) || strcmp(type->valuestring, "text") || !cJSON_IsString(text)) {
+            router_oai_buf_free(&b);
+            router_oai_error_set(err, 400, "invalid_request_error", param, NULL,
+                                 "'%s': only text parts ({\"type\": \"text\", \"text\": ...}) are served", param);
+            return false;
+        }
+        router_oai_buf_puts(&b, text->valuestring);
+    }
+    router_oai_buf_put(&b, "", 1); /* the NUL */
+    cJSON *joined = b.oom ? NULL : cJSON_CreateString(b.p);
+    router_oai_buf_free(&b);
+    if (!joined || !cJSON_ReplaceItemInObjectCaseSensitive(m, "content", joined)) {
+        cJSON_Delete(joined);
+        router_oai_error_set(err, 500, "server_error", NULL, NULL, "router: out of memory");
+        return false;
+    }
+    *out = joined->valuestring;
+    return true;
+}
+
+static bool read_messages(const cJSON *o, router_oai_req_t *q, router_oai_error_t *err)
+{
+    const cJSON *v = member(o, "messages");
+    if (!v) {
+        router_oai_error_set(err, 400, "invalid_request_error", "messages", NULL, "'messages' is required");
+        return false;
+    }
+    if (!cJSON_IsArray(v)) {
+        bad_type(err, "messages", "an array", v);
+        return false;
+    }
+    size_t n = (size_t)cJSON_GetArraySize(v);
+    if (!n) {
+        router_oai_error_set(err, 400, "invalid_request_error", "messages", NULL, "'messages' is empty");
+        return false;
+    }
+    if (!(q->messages = calloc(n, sizeof *q->messages))) {
+        router_oai_error_set(err, 500, "server_error", NULL, NULL, "router: out of memory");
+        return false;
+    }
+    size_t i = 0;
+    cJSON *m;
+    cJSON_ArrayForEach(m, v) {
+        char param[64];
+        snprintf(param, sizeof param, "messages[%zu]", i);
+        if (!cJSON_IsObject(m)) {
+            bad_type(err, param, "an object", m);
+            return false;
+        }
+        const cJSON *role = cJSON_GetObjectItemCaseSensitive(m, "role");
+        if (!cJSON_IsString(role)) {
+            snprintf(param, sizeof param, "messages[%zu].role", i);
+            if (role)
+                bad_type(err, param, "a string", role);
+            else
+                router_oai_error_set(err, 400, "invalid_request_error", param, NULL, "'%s' is required", param);
+            return false;
+        }
+        q->messages[i].role = role->valuestring;
+        if (!read_content(m, i, &q->messages[i].content, err))
+            return false;
+        q->gp.prompt_len += strlen(q->messages[i].role) + strlen(q->messages[i].content);
+        i++;
+    }
+    q->n_messages = n;
+    q->gp.prompt_is_text = true;
+    return true;
+}
+
+/* Features that change what a request means and are not served: refused by name rather
+ * than ignored. */
+static bool refuse_unserved(const cJSON *o, router_oai_error_t *err)
+{
+    int64_t n = 1, best_of = 1;
+    if (!get_int(o, "n", &n, NULL, err) || !get_int(o, "best_of", &best_of, NULL, err))
+        return false;
+    if (n != 1 || best_of != 1) {
+        const char *p = n != 1 ? "n" : "best_of";
+        router_oai_error_set(err, 400, "invalid_request_error", p, "unsupported_value",
+                             "'%s' %lld is not served: one choice per request (%s 1)", p,
+                             (long long)(n != 1 ? n : best_of), p);
+        return false;
+    }
+    static const char *const unserved[] = {"tools", "functions", "logit_bias", "suffix"};
+    for (size_t i = 0; i < TD_ARRAY_LEN(unserved); i++) {
+        const cJSON *v = member(o, unserved[i]);
+        if (v && !((cJSON_IsArray(v) || cJSON_IsObject(v)) && !v->child) && !(cJSON_IsString(v) && !v->valuestring[0])) {
+            router_oai_error_set(err, 400, "invalid_request_error", unserved[i], "unsupported_parameter",
+                                 "'%s' is not served by this server", unserved[i]);
+            return false;
+        }
+    }
+    const cJSON *rf = member(o, "response_format");
+    if (rf) {
+        const cJSON *t = cJSON_IsObject(rf) ? cJSON_GetObjectItemCaseSensitive(rf, "type") : NULL;
+        if (!cJSON_IsString(t) || strcmp(t->valuestring, "text")) {
+            router_oai_error_set(err, 400, "invalid_request_error", "response_format", "unsupported_parameter",
+                                 "'response_format' other than {\"type\": \"text\"} is not served");
+            return false;
+        }
+    }
+    return true;
+}
+
+static bool read_logprobs(const cJSON *o, router_oai_req_t *q, router_oai_error_t *err)
+{
+    int64_t top = 0;
+    bool top_given = false;
+    q->logprobs = -1;
+    if (q->kind == ROUTER_OAI_CHAT) {
+        bool want = false;
+        if (!get_bool(o, "logprobs", &want, err) || !get_int(o, "top_logprobs", &top, &top_given, err))
+            return false;
+        if (top_given && !want) {
+            router_oai_error_set(err, 400, "invalid_request_error", "top_logprobs", NULL,
+                                 "'top_logprobs' needs 'logprobs': true");
+            return false;
+        }
+        if (!want)
+            return true;
+    } else {
+        if (!get_int(o, "logprobs", &top, &top_given, err))
+            return false;
+        if (!top_given)
+            return true;
+    }
+    const char *p = q->kind == ROUTER_OAI_CHAT ? "top_logprobs" : "logprobs";
+    if (top < 0 || top > ROUTER_OAI_MAX_LOGPROBS) {
+        router_oai_error_set(err, 400, "invalid_request_error", p, NULL, "'%s' %lld is out of range [0, %d]", p,
+                             (long long)top, ROUTER_OAI_MAX_LOGPROBS);
+        return false;
+    }
+    q->logprobs = (int32_t)top;
+    return true;
+}
+
+td_status_t router_oai_parse(router_oai_kind_t kind, const char *body, size_t len, router_oai_req_t *q,
+                             router_oai_error_t *err)
+{
+    memset(q, 0, sizeof *q);
+    q->kind = kind;
+    q->gp = td_gen_params_default();
+    q->logprobs = -1;
+    const char *end = NULL;
+    q->doc = cJSON_ParseWithLengthOpts(body, len, &end, false);
+    while (q->doc && end < body + len && (*end == ' ' || *end == '\t' || *end == '\r' || *end == '\n'))
+        end++;
+    if (q->doc && end != body + len) { /* cJSON stops after the value: what follows is garbage */
+        cJSON_Delete(q->doc);
+        q->doc = NULL;
+    }
+    if (!q->doc) {
+        size_t at = end && end >= body ? (size_t)(end - body) : 0;
+        router_oai_error_set(err, 400, "invalid_request_error", NULL, NULL,
+                             "the body is not valid JSON (at byte %zu of %zu)", at, len);
+        goto err_free;
+    }
+    const cJSON *o = q->doc;
+    if (!cJSON_IsObject(o)) {
+        router_oai_error_set(err, 400, "invalid_request_error", NULL, NULL, "the body must be a JSON object");
+        goto err_free;
+    }
+    int64_t max_tokens = 0, max_completion_tokens = 0;
+    bool mt_given = false, mct_given = false;
+    const cJSON *so = member(o, "stream_options");
+    if (!get_string(o, "model", &q->model, err) || !get_int(o, "max_tokens", &max_tokens, &mt_given, err) ||
+        !get_int(o, "max_completion_tokens", &max_completion_tokens, &mct_given, err) ||
+        !read_sampling(o, &q->gp, err) || !read_stop(o, q, err) || !refuse_unserved(o, err) ||
+        !read_logprobs(o, q, err) || !get_bool(o, "stream", &q->stream, err) ||
+        !get_string(o, "user", &q->user, err))
+        goto err_free;
+    if (kind == ROUTER_OAI_COMPLETIONS && !get_bool(o, "echo", &q->echo, err))
+        goto err_free;
+    if (so && !cJSON_IsObject(so)) {
+        bad_type(err, "stream_options", "an object", so);
+        goto err_free;
+    }
+    if (so && !get_bool(so, "include_usage", &q->include_usage, err)) {
+        snprintf(err->param, sizeof err->param, "stream_options.include_usage");
+        goto err_free;
+    }
+    /* chat's newer name wins; 0 (and absent) is the router's default-max-tokens */
+    if ((mct_given ? max_completion_tokens : max_tokens) < 0) {
+        const char *p = mct_given ? "max_completion_tokens" : "max_tokens";
+        router_oai_error_set(err, 400, "invalid_request_error", p, NULL, "'%s' %lld must be at least 1", p,
+                             (long long)(mct_given ? max_completion_tokens : max_tokens));
+        goto err_free;
+    }
+    q->gp.max_tokens = mct_given ? max_completion_tokens : mt_given ? max_tokens : 0;
+    if (kind == ROUTER_OAI_CHAT ? !read_messages(o, q, err) : !read_prompt(o, q, err))
+        goto err_free;
+    return TD_OK;
+err_free:
+    router_oai_req_free(q);
+    return err->status == 500 ? TD_ERR_NOMEM : TD_ERR_INVALID;
+}
+
+void router_oai_req_free(router_oai_req_t *q)
+{
+    if (!q)
+        return;
+    cJSON_Delete(q->doc);
+    free(q->prompt_ids);
+    free(q->messages);
+    q->doc = NULL;
+    q->prompt_ids = NULL;
+    q->messages = NULL;
+}
+
+/* ---- writing --------------------------------------------------------------------------- */
+
+void router_oai_buf_free(router_oai_buf_t *b)
+{
+    free(b->p);
+    *b = (router_oai_buf_t){0};
+}
+
+static bool buf_reserve(router_oai_buf_t *b, size_t more)
+{
+    if (b->oom)
+        return false;
+    if (b->n + more + 1 <= b->cap)
+        return true;
+    size_t cap = TD_MAX(b->cap * 2, b->n + more + 1);
+    cap = TD_MAX(cap, (size_t)256);
+    char *p = realloc(b->p, cap);
+    if (!p) {
+        b->oom = true;
+        return false;
+    }
+    b->p = p;
+    b->cap = cap;
+    return true;
+}
+
+void router_oai_buf_put(router_oai_buf_t *b, const char *s, size_t len)
+{
+    if (!buf_reserve(b, len))
+        return;
+    if (len)
+        memcpy(b->p + b->n, s, len);
+    b->n += len;
+    b->p[b->n] = '\0';
+}
+
+void router_oai_buf_puts(router_oai_buf_t *b, const char *s)
+{
+    router_oai_buf_put(b, s, strlen(s));
+}
+
+void router_oai_buf_printf(router_oai_buf_t *b, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(NULL, 0, fmt, ap);
+    va_end(ap);
+    if (n < 0 || !buf_reserve(b, (size_t)n))
+        return;
+    va_start(ap, fmt);
+    vsnprintf(b->p + b->n, (size_t)n + 1, fmt, ap);
+    va_end(ap);
+    b->n += (size_t)n;
+}
+
+/* The length of the valid UTF-8 sequence at s[0..left), or 0 when it is not one (overlong
+ * forms, surrogates and code points past U+10FFFF included). */
+static size_t utf8_seq(const unsigned char *s, size_t left)
+{
+    unsigned c = s[0];
+    size_t n;
+    uint32_t cp;
+    if (c < 0x80)
+        return 1;
+    if (c >= 0xc2 && c <= 0xdf) {
+        n = 2;
+        cp = c & 0x1f;
+    } else if (c >= 0xe0 && c <= 0xef) {
+        n = 3;
+        cp = c & 0x0f;
+    } else if (c >= 0xf0 && c <= 0xf4) {
+        n = 4;
+        cp = c & 0x07;
+    } else {
+        return 0;
+    }
+    if (left < n)
+        return 0;
+    for (size_t i = 1; i < n; i++) {
+        if ((s[i] & 0xc0) != 0x80)
+            return 0;
+        cp = cp << 6 | (s[i] & 0x3f);
+    }
+    if ((n == 3 && (cp < 0x800 || (cp >= 0xd800 && cp <= 0xdfff))) || (n == 4 && (cp < 0x10000 || cp > 0x10ffff)))
+        return 0;
+    return n;
+}
+
+void router_oai_buf_json_str(router_oai_buf_t *b, const char *s, size_t len)
+{
+    static const char hex[] = "0123456789abcdef";
+    /* the worst case, every byte an invalid one written as \ufffd: 6 bytes each, quotes */
+    if (!buf_reserve(b, len * 6 + 2))
+        return;
+    char *o = b->p + b->n;
+    const unsigned char *u = (const unsigned char *)s;
+    *o++ = '"';
+    for (size_t i = 0; i < len;) {
+        unsigned c = u[i];
+        if (c >= 0x20 && c < 0x80 && c != '"' && c != '\\') {
+            *o++ = (char)c;
+            i++;
+            continue;
+        }
+        if (c < 0x80) {
+            *o++ = '\\';
+            switch (c) {
+            case '"': *o++ = '"'; break;
+            case '\\': *o++ = '\\'; break;
+            case '\n': *o++ = 'n'; break;
+            case '\r': *o++ = 'r'; break;
+            case '\t': *o++ = 't'; break;
+            default:
+                *o++ = 'u';
+                *o++ = '0';
+                *o++ = '0';
+                *o++ = hex[c >> 4];
+                *o++ = hex[c & 15];
+                break;
+            }
+            i++;
+            continue;
+        }
+        size_t n = utf8_seq(u + i, len - i);
+        if (n) {
+            memcpy(o, u + i, n);
+            o += n;
+            i += n;
+        } else {
+            memcpy(o, "\\ufffd", 6);
+            o += 6;
+            i++;
+        }
+    }
+    *o++ = '"';
+    b->n = (size_t)(o - b->p);
+    b->p[b->n] = '\0';
+}
+
+/* {"id":..,"object":..,"created":..,"model":.., */
+static void head(router_oai_buf_t *b, const router_oai_resp_t *rs, const char *object)
+{
+    router_oai_buf_puts(b, "{\"id\":");
+    router_oai_buf_json_str(b, rs->id, strlen(rs->id));
+    router_oai_buf_printf(b, ",\"object\":\"%s\",\"created\":%lld,\"model\":", object, (long long)rs->created);
+    router_oai_buf_json_str(b, rs->model, strlen(rs->model));
+}
+
+static void finish_reason(router_oai_buf_t *b, const char *reason)
+{
+    if (reason)
+        router_oai_buf_printf(b, ",\"finish_reason\":\"%s\"}", reason);
+    else
+        router_oai_buf_puts(b, ",\"finish_reason\":null}");
+}
+
+static void usage(router_oai_buf_t *b, const router_oai_usage_t *u)
+{
+    router_oai_buf_printf(b,
+                          "\"usage\":{\"prompt_tokens\":%u,\"completion_tokens\":%u,\"total_tokens\":%u,"
+                          "\"prompt_tokens_details\":{\"cached_tokens\":%u}}",
+                          u->prompt_tokens, u->completion_tokens, u->prompt_tokens + u->completion_tokens,
+                          u->cached_tokens);
+}
+
+void router_oai_chunk(router_oai_buf_t *b, const router_oai_resp_t *rs, bool first, const char *text, size_t len,
+                      const char *reason, bool usage_null)
+{
+    bool chat = rs->kind == ROUTER_OAI_CHAT;
+    router_oai_buf_puts(b, "data: ");
+    head(b, rs, chat ? "chat.completion.chunk" : "text_completion");
+    if (chat) {
+        router_oai_buf_puts(b, ",\"choices\":[{\"index\":0,\"delta\":{");
+        if (first)
+            router_oai_buf_puts(b, "\"role\":\"assistant\",");
+        if (first || len || !reason) { /* the last chunk's delta is {} when it has no text */
+            router_oai_buf_puts(b, "\"content\":");
+            router_oai_buf_json_str(b, text, len);
+        }
+        router_oai_buf_puts(b, "},\"logprobs\":null");
+    } else {
+        router_oai_buf_puts(b, ",\"choices\":[{\"index\":0,\"text\":");
+        router_oai_buf_json_str(b, text, len);
+        router_oai_buf_puts(b, ",\"logprobs\":null");
+    }
+    finish_reason(b, reason);
+    router_oai_buf_puts(b, usage_null ? "],\"usage\":null}\n\n" : "]}\n\n");
+}
+
+void router_oai_usage_chunk(router_oai_buf_t *b, const router_oai_resp_t *rs, const router_oai_usage_t *u)
+{
+    router_oai_buf_puts(b, "data: ");
+    head(b, rs, rs->kind == ROUTER_OAI_CHAT ? "chat.completion.chunk" : "text_completion");
+    router_oai_buf_puts(b, ",\"choices\":[],");
+    usage(b, u);
+    router_oai_buf_puts(b, "}\n\n");
+}
+
+void router_oai_done(router_oai_buf_t *b)
+{
+    router_oai_buf_puts(b, "data: [DONE]\n\n");
+}
+
+void router_oai_response(router_oai_buf_t *b, const router_oai_resp_t *rs, const char *text, size_t len,
+                         const char *reason, const router_oai_usage_t *u)
+{
+    bool chat = rs->kind == ROUTER_OAI_CHAT;
+    head(b, rs, chat ? "chat.completion" : "text_completion");
+    if (chat) {
+        router_oai_buf_puts(b, ",\"choices\":[{\"index\":0,\"message\":{\"role\":\"assistant\",\"content\":");
+        router_oai_buf_json_str(b, text, len);
+        router_oai_buf_puts(b, "},\"logprobs\":null");
+    } else {
+        router_oai_buf_puts(b, ",\"choices\":[{\"index\":0,\"text\":");
+        router_oai_buf_json_str(b, text, len);
+        router_oai_buf_puts(b, ",\"logprobs\":null");
+    }
+    finish_reason(b, reason);
+    router_oai_buf_puts(b, "],");
+    usage(b, u);
+    router_oai_buf_puts(b, "}");
+}
+
+void router_oai_error_json(router_oai_buf_t *b, const router_oai_error_t *err)
+{
+    router_oai_buf_puts(b, "{\"error\":{\"message\":");
+    router_oai_buf_json_str(b, err->message, strlen(err->message));
+    router_oai_buf_puts(b, ",\"type\":");
+    router_oai_buf_json_str(b, err->type, strlen(err->type));
+    router_oai_buf_puts(b, ",\"param\":");
+    if (err->param[0])
+        router_oai_buf_json_str(b, err->param, strlen(err->param));
+    else
+        router_oai_buf_puts(b, "null");
+    router_oai_buf_puts(b, ",\"code\":");
+    if (err->code)
+        router_oai_buf_json_str(b, err->code, strlen(err->code));
+    else
+        router_oai_buf_puts(b, "null");
+    router_oai_buf_puts(b, "}}");
+}
+
+void router_oai_models(router_oai_buf_t *b, const char *model, int64_t created)
+{
+    router_oai_buf_puts(b, "{\"object\":\"list\",\"data\":[{\"id\":");
+    router_oai_buf_json_str(b, model, strlen(model));
+    router_oai_buf_printf(b, ",\"object\":\"model\",\"created\":%lld,\"owned_by\":\"tandem\"}]}", (long long)created);
+}

@@ -1,0 +1,136 @@
+/*
+ * router_openai: OpenAI's HTTP API as the router reads and writes it, without any I/O
+ * (router_http.c serves it): a /v1/completions or /v1/chat/completions body parsed and
+ * checked into the router's own request (td_gen_params_t and the prompt or conversation),
+ * and the JSON the client gets back (a whole response, SSE chunks, errors, the model list)
+ * written into a growing buffer. docs/openai.md lists what is read and what is refused.
+ *
+ * Reading follows OpenAI's servers: unknown fields are ignored, a field of the wrong type
+ * is a 400 naming it (`param`), null is "not given". Values are handed over as received
+ * (td_gen_params_validate, run by router_req_open for every front door, refuses what is out
+ * of range with the field's name, which is OpenAI's name too).
+ *
+ * Pure; any thread; no global state.
+ */
+#ifndef ROUTER_OPENAI_H
+#define ROUTER_OPENAI_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <cjson/cJSON.h>
+
+#include "td_chat_template.h"
+#include "td_gen_params.h"
+#include "td_sampler.h"
+#include "td_status.h"
+
+#define ROUTER_OAI_MAX_LOGPROBS 20 /* top_logprobs / completions' logprobs at most */
+
+typedef enum { ROUTER_OAI_COMPLETIONS, ROUTER_OAI_CHAT } router_oai_kind_t;
+
+/* An error as OpenAI shapes it: {"error": {"message", "type", "param", "code"}}. */
+typedef struct router_oai_error {
+    int status;               /* HTTP status: 400, 401, 404, 405, 413, 429, 503, ... */
+    const char *type;         /* "invalid_request_error", ...; a static string */
+    const char *code;         /* NULL (null) or a static string ("model_not_found") */
+    char param[64];           /* "" (null) or the request's field */
+    char message[512];
+} router_oai_error_t;
+
+/* A parsed request. Strings point into doc (or are NULL when not given). */
+typedef struct router_oai_req {
+    router_oai_kind_t kind;
+    cJSON *doc;                       /* owns every string below */
+    const char *model;                /* NULL: not given */
+    td_gen_params_t gp;               /* as received (not yet validated); stop strings in stops */
+    const char *stops[TD_STOP_MAX_STRINGS + 1];
+    const char *prompt;               /* completions: a text prompt, or NULL */
+    size_t prompt_len;
+    uint32_t *prompt_ids;             /* completions: [gp.prompt_len] token ids, or NULL (malloc'ed) */
+    td_chat_message_t *messages;      /* chat: [n_messages] (malloc'ed; strings in doc) */
+    size_t n_messages;
+    bool stream, include_usage, echo;
+    int32_t logprobs;                 /* -1: none; else the alternatives per token wanted [0, 20] */
+    const char *user;
+} router_oai_req_t;
+
+/*
+ * Parses body[0..len) as a `kind` request into *q (all of it replaced). TD_OK, or
+ * TD_ERR_INVALID with *err filled (400, the field in param) for bad JSON, a wrong type, a
+ * missing prompt/messages, n other than 1, too many stops or logprobs past 20;
+ * TD_ERR_NOMEM (err: 500). On error *q holds nothing to free; on success free it with
+ * router_oai_req_free.
+ */
+td_status_t router_oai_parse(router_oai_kind_t kind, const char *body, size_t len, router_oai_req_t *q,
+                             router_oai_error_t *err);
+
+/* Frees what q holds. NULL-safe, repeatable. */
+void router_oai_req_free(router_oai_req_t *q);
+
+/* Fills *err (status, type, param or NULL, code or NULL; message printf-style). */
+void router_oai_error_set(router_oai_error_t *err, int status, const char *type, const char *param,
+                          const char *code, const char *fmt, ...) __attribute__((format(printf, 6, 7)));
+
+/* The OpenAI status and type for a failure in the router's vocabulary (gRPC codes):
+ * INVALID_ARGUMENT 400, UNAUTHENTICATED 401, NOT_FOUND 404, RESOURCE_EXHAUSTED 429,
+ * UNAVAILABLE 503, DEADLINE_EXCEEDED 504, others 500. */
+void router_oai_error_from_code(int grpc_code, const char *msg, router_oai_error_t *err);
+
+/* ---- writing ------------------------------------------------------------------------- */
+
+/* A growing byte buffer; on out of memory `oom` is set and further appends do nothing. */
+typedef struct router_oai_buf {
+    char *p;
+    size_t n, cap;
+    bool oom;
+} router_oai_buf_t;
+
+void router_oai_buf_free(router_oai_buf_t *b);
+void router_oai_buf_put(router_oai_buf_t *b, const char *s, size_t len);
+void router_oai_buf_puts(router_oai_buf_t *b, const char *s);
+void router_oai_buf_printf(router_oai_buf_t *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* s[0..len) as a JSON string, quoted; bytes that are not valid UTF-8 become U+FFFD (a
+ * token may end inside a character; the detokenizer holds those back, ids without text
+ * may not). */
+void router_oai_buf_json_str(router_oai_buf_t *b, const char *s, size_t len);
+
+/* What every response of one request shares. */
+typedef struct router_oai_resp {
+    router_oai_kind_t kind;
+    const char *id;           /* "cmpl-..." / "chatcmpl-..." */
+    const char *model;
+    int64_t created;          /* unix seconds */
+} router_oai_resp_t;
+
+/* The usage object's numbers. */
+typedef struct router_oai_usage {
+    uint32_t prompt_tokens, completion_tokens, cached_tokens;
+} router_oai_usage_t;
+
+/* One SSE event "data: {chunk}\n\n" with text[0..len) as choices[0].text (completions) or
+ * .delta.content (chat; the first chunk, `first`, also carries role "assistant");
+ * finish_reason ("stop", "length") or NULL (null); with `usage_null` ("include_usage" was
+ * asked) the chunk carries "usage": null as OpenAI's do. */
+void router_oai_chunk(router_oai_buf_t *b, const router_oai_resp_t *rs, bool first, const char *text, size_t len,
+                      const char *finish_reason, bool usage_null);
+
+/* The last chunk when usage was asked: "choices": [] and the usage. */
+void router_oai_usage_chunk(router_oai_buf_t *b, const router_oai_resp_t *rs, const router_oai_usage_t *u);
+
+/* "data: [DONE]\n\n" */
+void router_oai_done(router_oai_buf_t *b);
+
+/* A whole (non-streamed) response: the text as choices[0].text or .message.content, its
+ * finish_reason and the usage. */
+void router_oai_response(router_oai_buf_t *b, const router_oai_resp_t *rs, const char *text, size_t len,
+                         const char *finish_reason, const router_oai_usage_t *u);
+
+/* {"error": {...}} */
+void router_oai_error_json(router_oai_buf_t *b, const router_oai_error_t *err);
+
+/* GET /v1/models: one model, `created` unix seconds. */
+void router_oai_models(router_oai_buf_t *b, const char *model, int64_t created);
+
+#endif /* ROUTER_OPENAI_H */

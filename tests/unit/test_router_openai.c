@@ -1,0 +1,325 @@
+/*
+ * test_router_openai: the OpenAI front door's pure half. Request bodies read as OpenAI's
+ * servers read them (every served parameter lands in the router's request, unknown fields
+ * and nulls are "not given", wrong types are a 400 naming the field, one prompt and one
+ * choice per request); responses written in OpenAI's shapes, checked by parsing them back
+ * with cJSON (so an escape or a comma out of place fails), including text that is not
+ * valid UTF-8.
+ */
+#include <criterion/criterion.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "router_openai.h"
+
+static router_oai_req_t q;
+static router_oai_error_t err;
+
+static td_status_t parse(router_oai_kind_t kind, const char *body)
+{
+    memset(&err, 0, sizeof err);
+    return router_oai_parse(kind, body, strlen(body), &q, &err);
+}
+
+static void refused(router_oai_kind_t kind, const char *body, const char *param)
+{
+    cr_assert_eq(parse(kind, body), TD_ERR_INVALID, "%s was accepted", body);
+    cr_assert_eq(err.status, 400);
+    cr_assert_str_eq(err.param, param, "%s: param '%s', message %s", body, err.param, err.message);
+    cr_assert_gt(strlen(err.message), 10);
+}
+
+Test(router_openai, completions_every_parameter)
+{
+    cr_assert_eq(parse(ROUTER_OAI_COMPLETIONS,
+                       "{\"model\":\"m\",\"prompt\":\"Hello\",\"max_tokens\":7,\"temperature\":0.5,\"top_p\":0.9,"
+                       "\"top_k\":40,\"min_p\":0.05,\"seed\":42,\"stop\":[\"a\",\"bc\"],\"repetition_penalty\":1.1,"
+                       "\"presence_penalty\":0.5,\"frequency_penalty\":-0.25,\"n\":1,\"logprobs\":3,\"echo\":true,"
+                       "\"user\":\"u1\",\"stream\":true,\"stream_options\":{\"include_usage\":true},"
+                       "\"some_future_field\":{\"x\":[1]}}"),
+                 TD_OK, "%s", err.message);
+    cr_assert_str_eq(q.model, "m");
+    cr_assert_str_eq(q.prompt, "Hello");
+    cr_assert(q.gp.prompt_is_text);
+    cr_assert_eq(q.gp.prompt_len, 5);
+    cr_assert_eq(q.gp.max_tokens, 7);
+    cr_assert_float_eq(q.gp.sampling.temperature, 0.5f, 1e-6);
+    cr_assert_float_eq(q.gp.sampling.top_p, 0.9f, 1e-6);
+    cr_assert_eq(q.gp.sampling.top_k, 40);
+    cr_assert_float_eq(q.gp.sampling.min_p, 0.05f, 1e-6);
+    cr_assert_eq(q.gp.sampling.seed, 42);
+    cr_assert_float_eq(q.gp.sampling.repetition_penalty, 1.1f, 1e-6);
+    cr_assert_float_eq(q.gp.sampling.presence_penalty, 0.5f, 1e-6);
+    cr_assert_float_eq(q.gp.sampling.frequency_penalty, -0.25f, 1e-6);
+    cr_assert_eq(q.gp.n_stop_strings, 2);
+    cr_assert_str_eq(q.gp.stop_strings[1], "bc");
+    cr_assert_eq(q.logprobs, 3);
+    cr_assert(q.echo && q.stream && q.include_usage);
+    cr_assert_str_eq(q.user, "u1");
+    cr_assert_eq(td_gen_params_validate(&q.gp, NULL, 0), TD_OK);
+    router_oai_req_free(&q);
+    router_oai_req_free(&q); /* repeatable */
+}
+
+Test(router_openai, defaults_are_openais_and_null_is_not_given)
+{
+    cr_assert_eq(parse(ROUTER_OAI_COMPLETIONS,
+                       "{\"prompt\":\"x\",\"temperature\":null,\"stop\":null,\"max_tokens\":null,\"model\":null}"),
+                 TD_OK, "%s", err.message);
+    cr_assert_null(q.model);
+    cr_assert_float_eq(q.gp.sampling.temperature, 1.0f, 1e-6); /* OpenAI's default, not greedy */
+    cr_assert_float_eq(q.gp.sampling.top_p, 1.0f, 1e-6);
+    cr_assert_eq(q.gp.max_tokens, 0); /* the router's default-max-tokens */
+    cr_assert_eq(q.gp.n_stop_strings, 0);
+    cr_assert_eq(q.logprobs, -1);
+    cr_assert(!q.stream && !q.echo && !q.include_usage);
+    router_oai_req_free(&q);
+    cr_assert_eq(parse(ROUTER_OAI_COMPLETIONS, "{\"prompt\":\"x\",\"top_k\":-1,\"stop\":\"\\n\"}"), TD_OK);
+    cr_assert_eq(q.gp.sampling.top_k, 0); /* vLLM's -1: off */
+    cr_assert_eq(q.gp.n_stop_strings, 1);
+    cr_assert_str_eq(q.gp.stop_strings[0], "\n");
+    router_oai_req_free(&q);
+}
+
+Test(router_openai, completions_prompt_forms)
+{
+    cr_assert_eq(parse(ROUTER_OAI_COMPLETIONS, "{\"prompt\":[1,2,300000]}"), TD_OK, "%s", err.message);
+    cr_assert(!q.gp.prompt_is_text);
+    cr_assert_eq(q.gp.prompt_len, 3);
+    cr_assert_eq(q.prompt_ids[2], 300000);
+    router_oai_req_free(&q);
+    cr_assert_eq(parse(ROUTER_OAI_COMPLETIONS, "{\"prompt\":[[5,6]]}"), TD_OK);
+    cr_assert_eq(q.gp.prompt_len, 2);
+    cr_assert_eq(q.prompt_ids[1], 6);
+    router_oai_req_free(&q);
+    cr_assert_eq(parse(ROUTER_OAI_COMPLETIONS, "{\"prompt\":[\"one\"]}"), TD_OK);
+    cr_assert_str_eq(q.prompt, "one");
+    router_oai_req_free(&q);
+    refused(ROUTER_OAI_COMPLETIONS, "{\"prompt\":[\"one\",\"two\"]}", "prompt");
+    refused(ROUTER_OAI_COMPLETIONS, "{\"prompt\":[1,-2]}", "prompt");
+    refused(ROUTER_OAI_COMPLETIONS, "{\"prompt\":[1,2.5]}", "prompt");
+    refused(ROUTER_OAI_COMPLETIONS, "{\"prompt\":[]}", "prompt");
+    refused(ROUTER_OAI_COMPLETIONS, "{\"prompt\":7}", "prompt");
+    refused(ROUTER_OAI_COMPLETIONS, "{\"max_tokens\":3}", "prompt");
+}
+
+Test(router_openai, chat_messages)
+{
+    cr_assert_eq(parse(ROUTER_OAI_CHAT,
+                       "{\"messages\":[{\"role\":\"system\",\"content\":\"Be brief.\"},"
+                       "{\"role\":\"user\",\"content\":[{\"type\":\"text\",\"text\":\"Hi \"},"
+                       "{\"type\":\"text\",\"text\":\"there\"}],\"name\":\"bob\"}],"
+                       "\"max_completion_tokens\":5,\"max_tokens\":9,\"logprobs\":true,\"top_logprobs\":20}"),
+                 TD_OK, "%s", err.message);
+    cr_assert_eq(q.n_messages, 2);
+    cr_assert_str_eq(q.messages[0].role, "system");
+    cr_assert_str_eq(q.messages[1].content, "Hi there");
+    cr_assert(q.gp.prompt_is_text);
+    cr_assert_eq(q.gp.prompt_len, strlen("systemBe brief.userHi there"));
+    cr_assert_eq(q.gp.max_tokens, 5); /* the newer name wins */
+    cr_assert_eq(q.logprobs, 20);
+    router_oai_req_free(&q);
+    cr_assert_eq(parse(ROUTER_OAI_CHAT, "{\"messages\":[{\"role\":\"assistant\",\"content\":null}],\"logprobs\":false}"),
+                 TD_OK);
+    cr_assert_str_eq(q.messages[0].content, "");
+    cr_assert_eq(q.logprobs, -1);
+    router_oai_req_free(&q);
+    refused(ROUTER_OAI_CHAT, "{\"messages\":[]}", "messages");
+    refused(ROUTER_OAI_CHAT, "{\"prompt\":\"x\"}", "messages");
+    refused(ROUTER_OAI_CHAT, "{\"messages\":\"hi\"}", "messages");
+    refused(ROUTER_OAI_CHAT, "{\"messages\":[{\"content\":\"x\"}]}", "messages[0].role");
+    refused(ROUTER_OAI_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":\"a\"},{\"role\":1}]}", "messages[1].role");
+    refused(ROUTER_OAI_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":5}]}", "messages[0].content");
+    refused(ROUTER_OAI_CHAT,
+            "{\"messages\":[{\"role\":\"user\",\"content\":[{\"type\":\"image_url\",\"image_url\":{}}]}]}",
+            "messages[0].content");
+    refused(ROUTER_OAI_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"top_logprobs\":2}",
+            "top_logprobs");
+    refused(ROUTER_OAI_CHAT,
+            "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"logprobs\":true,\"top_logprobs\":21}",
+            "top_logprobs");
+    refused(ROUTER_OAI_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"logprobs\":3}", "logprobs");
+}
+
+Test(router_openai, wrong_types_name_the_parameter)
+{
+    refused(ROUTER_OAI_COMPLETIONS, "{\"prompt\":\"x\",\"temperature\":\"hot\"}", "temperature");
+    refused(ROUTER_OAI_COMPLETIONS, "{\"prompt\":\"x\",\"max_tokens\":1.5}", "max_tokens");
+    refused(ROUTER_OAI_COMPLETIONS, "{\"prompt\":\"x\",\"max_tokens\":-1}", "max_tokens");
+    refused(ROUTER_OAI_COMPLETIONS, "{\"prompt\":\"x\",\"top_k\":\"5\"}", "top_k");
+    refused(ROUTER_OAI_COMPLETIONS, "{\"prompt\":\"x\",\"seed\":true}", "seed");
+    refused(ROUTER_OAI_COMPLETIONS, "{\"prompt\":\"x\",\"stream\":\"yes\"}", "stream");
+    refused(ROUTER_OAI_COMPLETIONS, "{\"prompt\":\"x\",\"echo\":1}", "echo");
+    refused(ROUTER_OAI_COMPLETIONS, "{\"prompt\":\"x\",\"stop\":5}", "stop");
+    refused(ROUTER_OAI_COMPLETIONS, "{\"prompt\":\"x\",\"stop\":[\"a\",3]}", "stop");
+    refused(ROUTER_OAI_COMPLETIONS, "{\"prompt\":\"x\",\"model\":[]}", "model");
+    refused(ROUTER_OAI_COMPLETIONS, "{\"prompt\":\"x\",\"user\":5}", "user");
+    refused(ROUTER_OAI_COMPLETIONS, "{\"prompt\":\"x\",\"stream_options\":true}", "stream_options");
+    refused(ROUTER_OAI_COMPLETIONS, "{\"prompt\":\"x\",\"stream_options\":{\"include_usage\":1}}",
+            "stream_options.include_usage");
+    refused(ROUTER_OAI_COMPLETIONS, "{\"prompt\":\"x\",\"logprobs\":true}", "logprobs");
+    refused(ROUTER_OAI_COMPLETIONS, "{\"prompt\":\"x\",\"logprobs\":21}", "logprobs");
+    refused(ROUTER_OAI_COMPLETIONS,
+            "{\"prompt\":\"x\",\"stop\":[\"1\",\"2\",\"3\",\"4\",\"5\",\"6\",\"7\",\"8\",\"9\",\"10\",\"11\",\"12\","
+            "\"13\",\"14\",\"15\",\"16\",\"17\"]}",
+            "stop");
+}
+
+Test(router_openai, one_choice_and_unserved_features_refused_by_name)
+{
+    refused(ROUTER_OAI_COMPLETIONS, "{\"prompt\":\"x\",\"n\":2}", "n");
+    refused(ROUTER_OAI_COMPLETIONS, "{\"prompt\":\"x\",\"best_of\":3}", "best_of");
+    refused(ROUTER_OAI_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"tools\":[{\"type\":\"function\"}]}",
+            "tools");
+    refused(ROUTER_OAI_COMPLETIONS, "{\"prompt\":\"x\",\"logit_bias\":{\"5\":100}}", "logit_bias");
+    refused(ROUTER_OAI_CHAT,
+            "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"response_format\":{\"type\":\"json_object\"}}",
+            "response_format");
+    /* the empty forms clients send by default are no request for the feature */
+    cr_assert_eq(parse(ROUTER_OAI_CHAT,
+                       "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"tools\":[],\"logit_bias\":{},"
+                       "\"response_format\":{\"type\":\"text\"},\"n\":1}"),
+                 TD_OK, "%s", err.message);
+    router_oai_req_free(&q);
+}
+
+Test(router_openai, bad_json)
+{
+    refused(ROUTER_OAI_COMPLETIONS, "{\"prompt\": \"x\",", "");
+    refused(ROUTER_OAI_COMPLETIONS, "", "");
+    refused(ROUTER_OAI_COMPLETIONS, "[1,2]", "");
+    refused(ROUTER_OAI_COMPLETIONS, "{\"prompt\":\"x\"} trailing", "");
+    /* a NUL inside the body ends nothing early: the length is the body's */
+    char body[] = "{\"prompt\":\"x\"}\0garbage";
+    memset(&err, 0, sizeof err);
+    cr_assert_eq(router_oai_parse(ROUTER_OAI_COMPLETIONS, body, sizeof body - 1, &q, &err), TD_ERR_INVALID);
+}
+
+/* ---- writing ------------------------------------------------------------------------- */
+
+static cJSON *parsed(const router_oai_buf_t *b, const char *prefix)
+{
+    cr_assert(!b->oom);
+    size_t pl = strlen(prefix);
+    cr_assert_eq(strncmp(b->p, prefix, pl), 0, "'%s' does not begin with '%s'", b->p, prefix);
+    const char *end = NULL;
+    cJSON *j = cJSON_ParseWithOpts(b->p + pl, &end, false);
+    cr_assert_not_null(j, "not JSON: %s", b->p);
+    return j;
+}
+
+static const cJSON *at(const cJSON *j, const char *path)
+{
+    char buf[128];
+    snprintf(buf, sizeof buf, "%s", path);
+    const cJSON *v = j;
+    for (char *save, *k = strtok_r(buf, ".", &save); k; k = strtok_r(NULL, ".", &save))
+        v = k[0] >= '0' && k[0] <= '9' ? cJSON_GetArrayItem(v, atoi(k)) : cJSON_GetObjectItemCaseSensitive(v, k);
+    cr_assert_not_null(v, "no %s", path);
+    return v;
+}
+
+Test(router_openai, json_strings_escape_and_repair_utf8)
+{
+    router_oai_buf_t b = {0};
+    const char in[] = "q\"b\\n\n\t\x01 caf\xc3\xa9 \xe2\x82 \xff \xf0\x9f\x98\x80 \xed\xa0\x80";
+    router_oai_buf_json_str(&b, in, sizeof in - 1);
+    cJSON *j = cJSON_Parse(b.p);
+    cr_assert_not_null(j, "%s", b.p);
+    cr_assert_str_eq(j->valuestring, "q\"b\\n\n\t\x01 caf\xc3\xa9 \xef\xbf\xbd\xef\xbf\xbd \xef\xbf\xbd \xf0\x9f\x98\x80 "
+                                     "\xef\xbf\xbd\xef\xbf\xbd\xef\xbf\xbd");
+    cJSON_Delete(j);
+    router_oai_buf_free(&b);
+}
+
+Test(router_openai, stream_chunks)
+{
+    router_oai_resp_t chat = {.kind = ROUTER_OAI_CHAT, .id = "chatcmpl-r1", .model = "smol", .created = 1700000000};
+    router_oai_buf_t b = {0};
+    router_oai_chunk(&b, &chat, true, "Hel", 3, NULL, false);
+    cr_assert_eq(strcmp(b.p + b.n - 2, "\n\n"), 0);
+    cJSON *j = parsed(&b, "data: ");
+    cr_assert_str_eq(at(j, "object")->valuestring, "chat.completion.chunk");
+    cr_assert_str_eq(at(j, "id")->valuestring, "chatcmpl-r1");
+    cr_assert_eq(at(j, "created")->valuedouble, 1700000000);
+    cr_assert_str_eq(at(j, "choices.0.delta.role")->valuestring, "assistant");
+    cr_assert_str_eq(at(j, "choices.0.delta.content")->valuestring, "Hel");
+    cr_assert(cJSON_IsNull(at(j, "choices.0.finish_reason")));
+    cr_assert_null(cJSON_GetObjectItem(j, "usage"));
+    cJSON_Delete(j);
+    b.n = 0;
+    router_oai_chunk(&b, &chat, false, "", 0, "length", true);
+    j = parsed(&b, "data: ");
+    cr_assert_null(at(j, "choices.0.delta")->child, "the last chunk's delta is {}: %s", b.p);
+    cr_assert_str_eq(at(j, "choices.0.finish_reason")->valuestring, "length");
+    cr_assert(cJSON_IsNull(at(j, "usage")));
+    cJSON_Delete(j);
+    b.n = 0;
+    router_oai_usage_t u = {.prompt_tokens = 10, .completion_tokens = 4, .cached_tokens = 2};
+    router_oai_usage_chunk(&b, &chat, &u);
+    j = parsed(&b, "data: ");
+    cr_assert_eq(cJSON_GetArraySize(at(j, "choices")), 0);
+    cr_assert_eq(at(j, "usage.total_tokens")->valuedouble, 14);
+    cr_assert_eq(at(j, "usage.prompt_tokens_details.cached_tokens")->valuedouble, 2);
+    cJSON_Delete(j);
+    b.n = 0;
+    router_oai_resp_t cmpl = {.kind = ROUTER_OAI_COMPLETIONS, .id = "cmpl-r2", .model = "smol", .created = 5};
+    router_oai_chunk(&b, &cmpl, true, "a\"b", 3, "stop", false);
+    j = parsed(&b, "data: ");
+    cr_assert_str_eq(at(j, "object")->valuestring, "text_completion");
+    cr_assert_str_eq(at(j, "choices.0.text")->valuestring, "a\"b");
+    cr_assert_str_eq(at(j, "choices.0.finish_reason")->valuestring, "stop");
+    cJSON_Delete(j);
+    b.n = 0;
+    router_oai_done(&b);
+    cr_assert_str_eq(b.p, "data: [DONE]\n\n");
+    router_oai_buf_free(&b);
+}
+
+Test(router_openai, whole_responses_errors_models)
+{
+    router_oai_buf_t b = {0};
+    router_oai_usage_t u = {.prompt_tokens = 3, .completion_tokens = 2};
+    router_oai_resp_t chat = {.kind = ROUTER_OAI_CHAT, .id = "chatcmpl-x", .model = "smol", .created = 9};
+    router_oai_response(&b, &chat, "Paris.", 6, "stop", &u);
+    cJSON *j = parsed(&b, "");
+    cr_assert_str_eq(at(j, "object")->valuestring, "chat.completion");
+    cr_assert_str_eq(at(j, "choices.0.message.role")->valuestring, "assistant");
+    cr_assert_str_eq(at(j, "choices.0.message.content")->valuestring, "Paris.");
+    cr_assert_eq(at(j, "choices.0.index")->valuedouble, 0);
+    cr_assert_eq(at(j, "usage.completion_tokens")->valuedouble, 2);
+    cJSON_Delete(j);
+    router_oai_buf_free(&b);
+
+    router_oai_error_t e;
+    router_oai_error_from_code(8, "router: admission queue full; retry later", &e);
+    cr_assert_eq(e.status, 429);
+    router_oai_error_from_code(14, "no pair", &e);
+    cr_assert_eq(e.status, 503);
+    router_oai_error_from_code(3, "bad", &e);
+    cr_assert_eq(e.status, 400);
+    router_oai_error_set(&e, 400, "invalid_request_error", "temperature", "invalid_type", "temperature \"x\"");
+    router_oai_error_json(&b, &e);
+    j = parsed(&b, "");
+    cr_assert_str_eq(at(j, "error.message")->valuestring, "temperature \"x\"");
+    cr_assert_str_eq(at(j, "error.param")->valuestring, "temperature");
+    cr_assert_str_eq(at(j, "error.code")->valuestring, "invalid_type");
+    cJSON_Delete(j);
+    router_oai_buf_free(&b);
+    router_oai_error_set(&e, 404, "not_found_error", NULL, NULL, "no such path");
+    router_oai_error_json(&b, &e);
+    j = parsed(&b, "");
+    cr_assert(cJSON_IsNull(at(j, "error.param")) && cJSON_IsNull(at(j, "error.code")));
+    cJSON_Delete(j);
+    router_oai_buf_free(&b);
+
+    router_oai_models(&b, "smol", 7);
+    j = parsed(&b, "");
+    cr_assert_str_eq(at(j, "object")->valuestring, "list");
+    cr_assert_str_eq(at(j, "data.0.id")->valuestring, "smol");
+    cr_assert_str_eq(at(j, "data.0.object")->valuestring, "model");
+    cJSON_Delete(j);
+    router_oai_buf_free(&b);
+}
