@@ -119,7 +119,8 @@ static int parse_opts(int argc, char **argv, cli_gen_opts_t *o)
                  "alternatives (0..20), one line each: logprob gen I ID LOGPROB ID:LOGPROB..."},
         {.name = "prompt-logprobs", .type = TD_OPT_BOOL, .ptr = &o->prompt_logprobs,
          .help = "with --logprobs: the prompt's tokens too (logprob prompt I ...; the first has\n"
-                 "no context: 0), computed without the prefix cache; at most 4096 tokens"},
+                 "no context: 0), computed without the prefix cache; with --server at most\n"
+                 "4096 prompt tokens"},
         {.name = "log-level", .type = TD_OPT_FN, .parse = cli_gen_parse_log_level, .arg = "L",
          .help = "error|warn|info|debug"},
         {.name = "server", .type = TD_OPT_STR, .ptr = &o->server, .arg = "HOST:PORT",

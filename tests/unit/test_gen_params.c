@@ -23,12 +23,15 @@ static td_gen_params_t valid(void)
     p.sampling.top_p = 0.9f;
     p.sampling.min_p = 0.05f;
     p.sampling.repetition_penalty = 1.1f;
+    p.sampling.presence_penalty = 0.5f;
+    p.sampling.frequency_penalty = -0.5f;
     p.sampling.seed = UINT64_MAX;
     p.prompt_len = 12;
     p.prompt_is_text = true;
     p.n_stop_ids = 2;
     p.n_stop_strings = 3;
     p.stop_strings = stops_ok;
+    p.logprobs = (td_logprobs_want_t){.on = true, .top = 5};
     return p;
 }
 
@@ -81,6 +84,16 @@ Test(gen_params, every_range_boundary_is_accepted)
     OK_WITH(p.sampling.min_p = nextafterf(1.0f, 0.0f));
     OK_WITH(p.sampling.repetition_penalty = 1e-30f);
     OK_WITH(p.sampling.repetition_penalty = TD_SAMPLING_MAX_PENALTY);
+    OK_WITH(p.sampling.presence_penalty = -TD_SAMPLING_MAX_OPENAI_PENALTY);
+    OK_WITH(p.sampling.presence_penalty = TD_SAMPLING_MAX_OPENAI_PENALTY);
+    OK_WITH(p.sampling.frequency_penalty = -TD_SAMPLING_MAX_OPENAI_PENALTY);
+    OK_WITH(p.sampling.frequency_penalty = TD_SAMPLING_MAX_OPENAI_PENALTY);
+    OK_WITH(p.logprobs.top = 0);
+    OK_WITH(p.logprobs.top = TD_LOGPROBS_MAX_TOP);
+    OK_WITH((p.prompt_len = TD_LOGPROBS_MAX_PROMPT, p.prompt_is_text = false, p.logprobs.prompt = true));
+    /* a text prompt's length in tokens is checked once it is encoded */
+    OK_WITH((p.prompt_len = TD_LOGPROBS_MAX_PROMPT + 1, p.prompt_is_text = true, p.logprobs.prompt = true));
+    OK_WITH((p.logprobs.top = 99, p.logprobs.on = false)); /* not asked: not read */
     OK_WITH(p.sampling.seed = 0);
     OK_WITH(p.n_stop_ids = 0);
     OK_WITH(p.n_stop_ids = TD_GEN_MAX_STOP_IDS);
@@ -149,6 +162,15 @@ Test(gen_params, each_fault_is_refused_by_name_value_and_range)
     REFUSED(p.sampling.penalty_window = -1, "penalty_window -1 is out of range [0, 8192]");
     REFUSED(p.sampling.penalty_window = TD_SAMPLING_MAX_WINDOW + 1, "penalty_window 8193 is out of range [0, 8192]");
 
+    REFUSED(p.sampling.presence_penalty = 2.5f, "presence_penalty 2.5 is out of range [-2, 2] (0 = off)");
+    REFUSED(p.sampling.presence_penalty = NAN, "presence_penalty nan is out of range [-2, 2] (0 = off)");
+    REFUSED(p.sampling.frequency_penalty = -3.0f, "frequency_penalty -3 is out of range [-2, 2] (0 = off)");
+    REFUSED(p.sampling.frequency_penalty = INFINITY, "frequency_penalty inf is out of range [-2, 2] (0 = off)");
+    REFUSED(p.logprobs.top = 21, "top_logprobs 21 is out of range [0, 20]");
+    REFUSED(p.logprobs.top = -1, "top_logprobs -1 is out of range [0, 20]");
+    REFUSED((p.prompt_len = TD_LOGPROBS_MAX_PROMPT + 1, p.prompt_is_text = false, p.logprobs.prompt = true),
+            "prompt_logprobs asked for a prompt of 4097 ids, at most 4096 allowed");
+
     REFUSED(p.n_stop_ids = TD_GEN_MAX_STOP_IDS + 1, "stop_ids has 33 ids, at most 32 allowed");
     /* a count past the bound is refused before any string is read (the CLI keeps only 16) */
     REFUSED((p.n_stop_strings = TD_STOP_MAX_STRINGS + 1, p.stop_strings = NULL), "stop_strings has 17 strings, at most 16 allowed");
@@ -159,18 +181,20 @@ Test(gen_params, each_fault_is_refused_by_name_value_and_range)
 
 Test(gen_params, one_float_step_past_each_bound_is_refused)
 {
-    td_gen_params_t p[4] = {valid(), valid(), valid(), valid()};
+    td_gen_params_t p[6] = {valid(), valid(), valid(), valid(), valid(), valid()};
     struct {
         const char *field;
         float *v;
         float past;
-    } cases[4] = {
+    } cases[6] = {
         {"temperature", &p[0].sampling.temperature, nextafterf(TD_SAMPLING_MAX_TEMPERATURE, INFINITY)},
         {"top_p", &p[1].sampling.top_p, nextafterf(1.0f, 2.0f)},
         {"min_p", &p[2].sampling.min_p, nextafterf(0.0f, -1.0f)},
         {"repetition_penalty", &p[3].sampling.repetition_penalty, nextafterf(TD_SAMPLING_MAX_PENALTY, INFINITY)},
+        {"presence_penalty", &p[4].sampling.presence_penalty, nextafterf(TD_SAMPLING_MAX_OPENAI_PENALTY, INFINITY)},
+        {"frequency_penalty", &p[5].sampling.frequency_penalty, nextafterf(-TD_SAMPLING_MAX_OPENAI_PENALTY, -INFINITY)},
     };
-    for (int i = 0; i < 4; i++) {
+    for (int i = 0; i < 6; i++) {
         *cases[i].v = cases[i].past;
         char why[256] = "";
         cr_expect_eq(td_gen_params_validate(&p[i], why, sizeof why), TD_ERR_INVALID, "%s %.9g accepted",
