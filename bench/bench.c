@@ -18,6 +18,7 @@ static const struct {
     {"kernels", bench_kernels, "CUDA kernels vs copy bandwidth and cuBLAS (needs a GPU)"},
     {"kvxfer", bench_kvxfer, "KV transfer over UCX vs ucx_perftest"},
     {"router", bench_router, "router overhead and token relay with no-op nodes (one core)"},
+    {"http-server", bench_http_server, "the HTTP/1.1 server alone: tiny answers/s, latency, SSE events/s"},
 };
 
 int cmd_bench(int argc, char **argv)
@@ -32,7 +33,7 @@ int cmd_bench(int argc, char **argv)
         fprintf(f, "tandem bench: unknown benchmark '%s'\n\n", argv[1]);
     fprintf(f, "usage: tandem bench <name> [--json] [options]\n\nbenchmarks:\n");
     for (size_t i = 0; i < sizeof benches / sizeof benches[0]; i++)
-        fprintf(f, "  %-8s %s\n", benches[i].name, benches[i].help);
+        fprintf(f, "  %-11s %s\n", benches[i].name, benches[i].help);
     fprintf(f, "\n'tandem bench <name> --help' lists each one's options; figures are ratios to a\n"
                "ceiling measured in the same run (docs/bench.md).\n");
     return f == stdout ? 0 : 2;

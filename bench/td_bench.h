@@ -15,6 +15,7 @@ int bench_engine(int argc, char **argv);  /* bench/bench_engine.c */
 int bench_kernels(int argc, char **argv); /* bench/bench_kernels.c (CUDA kernels) */
 int bench_kvxfer(int argc, char **argv);  /* bench/bench_kvxfer.c */
 int bench_router(int argc, char **argv);  /* bench/bench_router.c */
+int bench_http_server(int argc, char **argv); /* bench/bench_http_server.c */
 
 /* Device ceilings through the backend interface (bench/bench_kernels.c), medians of 5 rounds
  * of `iters` calls after warm-up: bytes read + written per second by a device-to-device
