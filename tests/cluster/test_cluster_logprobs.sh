@@ -8,7 +8,10 @@
 #   - greedy with presence and frequency penalties: the same ids as the local run (the
 #     penalties travel gateway -> router -> both nodes), and different from the unpenalized;
 #   - the prompt's logprobs summed over the scored half of a chunk give the perplexity that
-#     `tandem perplexity --ctx C --chunks 1` prints for the same text (its llama.cpp method);
+#     `tandem perplexity --ctx C --chunks 1` prints for the same text (its llama.cpp method),
+#     C = 128 so the prefill node computes them in two 64-row steps; with the prompt in the
+#     prefix cache (two plain requests first, the second served from it), a prompt-logprobs
+#     request still computes every position (0 cached tokens) and gives the same, twice;
 #   - --logprobs 21 is refused naming top_logprobs (the CLI runs the gateway's td_gen_params check).
 # Skips without the GGUF (offline) or python3-grpcio.
 source "$(dirname "$0")/cluster_lib.sh"
@@ -72,8 +75,8 @@ got=$(timeout 120 "$CL_BIN" generate --server "$CL_GW" --prompt "$PPROMPT" --max
 n=$((n + 1))
 
 # the prompt's logprobs against `tandem perplexity`: one chunk of C tokens, its second half scored
-C=64
-cat >"$CL_T/text.txt" <<'EOF'
+C=128
+cat >"$CL_T/para.txt" <<'EOF'
 The old lighthouse stood at the edge of the cliff, its white paint peeling in long strips after
 decades of salt wind. Every evening the keeper climbed the spiral stairs, one hundred and twelve
 of them, to light the lamp that warned the fishing boats away from the rocks below. He had done
@@ -82,12 +85,22 @@ as a mirror. The village depended on him, though few people ever thought about i
 sometimes came up the path to ask him questions about ships and whales, and he always answered
 with patience, pointing out the distant shapes on the horizon and naming each vessel by its sails.
 EOF
+cat "$CL_T/para.txt" "$CL_T/para.txt" >"$CL_T/text.txt" # two chunks' worth, as perplexity wants
 ppl=$("$CL_BIN" perplexity --model "$CL_M" --file "$CL_T/text.txt" --ctx $C --chunks 1 --threads 1 2>"$CL_T/ppl.err" |
       sed -n 's/^Final estimate: PPL = \([0-9.]*\).*/\1/p')
 [ -n "$ppl" ] || cl_fail "tandem perplexity printed no estimate: $(tail -2 "$CL_T/ppl.err")"
 ids=$("$CL_BIN" tokenize --tokenizer "$CL_M" --add-special --no-parse-special <"$CL_T/text.txt" | tr ' ' '\n' | head -$C | tr '\n' ' ')
+for warm in 1 2; do
+    timeout 120 "$CL_BIN" generate --server "$CL_GW" --prompt-ids "$ids" --max-tokens 1 --print-ids --timeout 100 \
+        >/dev/null 2>"$CL_T/warm.err" || cl_fail "warm-up: $(tail -1 "$CL_T/warm.err")"
+done
+grep -q ' [1-9][0-9]* cached prompt tokens' "$CL_T/warm.err" ||
+    cl_fail "the repeated plain prompt was not served from the prefix cache: the check below shows nothing"
+for run in 1 2; do
 timeout 120 "$CL_BIN" generate --server "$CL_GW" --prompt-ids "$ids" --max-tokens 1 --print-ids --timeout 100 \
     --logprobs 0 --prompt-logprobs >"$CL_T/ppl.lp" 2>"$CL_T/ppl.gen.err" || cl_fail "cluster prompt logprobs: $(tail -1 "$CL_T/ppl.gen.err")"
+grep -q ' 0 cached prompt tokens' "$CL_T/ppl.gen.err" ||
+    cl_fail "run $run: prompt logprobs used the prefix cache: $(grep -o '[0-9]* cached prompt tokens' "$CL_T/ppl.gen.err")"
 if [ -n "$ppl" ]; then
     # perplexity scores positions C/2+1 .. C-1 (predicted by C/2 .. C-2)
     if msg=$("$CL_PY" - "$CL_T/ppl.lp" "$C" "$ppl" <<'EOF'
@@ -105,9 +118,10 @@ EOF
     ); then
         n=$((n + 1))
     else
-        cl_fail "$msg"
+        cl_fail "run $run: $msg"
     fi
 fi
+done
 
 # too many alternatives: refused by name
 if timeout 60 "$CL_BIN" generate --server "$CL_GW" --prompt "$PROMPT" --max-tokens 2 --logprobs 21 --timeout 30 \
