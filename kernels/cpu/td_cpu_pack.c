@@ -1,0 +1,572 @@
+/*
+ * td_cpu_pack: the packed layout, activation rows for it, and its int8 kernels: scalar (the
+ * reference), AVX2 (maddubs) and AVX-512 VNNI (vpdpbusd), bit-identical (the header's sum
+ * order). The SIMD tables are compiled with target attributes and chosen at run time.
+ *
+ * Shapes of the kernels: a call walks its groups one by one; per group the activation rows
+ * go in tiles (VNNI: 8 rows, AVX2: 4 rows per half group of 8 weight rows), and for each
+ * block the group's weight vectors are loaded and unpacked once, then dotted with every
+ * row of the tile. Tiles keep one f32 accumulator vector per activation row for the whole
+ * of k, so no partial sums leave registers; at decode (m = 1..4) this is one pass over the
+ * group's bytes, which is what bounds batch-1 speed.
+ */
+#include "td_cpu_pack.h"
+
+#include <math.h>
+#include <string.h>
+
+#include "td_quant.h"
+#include "td_util.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define TD_CPU_PACK_X86 1
+#endif
+
+#define TD_INLINE static inline __attribute__((always_inline))
+#define ROWS TD_CPU_PACK_ROWS
+#define WIDE 254 /* an activation quant Q = WIDE * hi + lo (td_cpu_pack.h) */
+
+/* bytes of one block's quants and scales in a group */
+TD_INLINE size_t quant_bytes(td_dtype_t t)
+{
+    return t == TD_Q8_0 ? ROWS * TD_QK : ROWS * TD_QK / 2;
+}
+
+TD_INLINE size_t scale_halves(td_dtype_t t) /* f16 values per block */
+{
+    return t == TD_Q4_1 ? 2 * ROWS : ROWS;
+}
+
+bool td_cpu_pack_supports(td_dtype_t type)
+{
+    return type == TD_Q8_0 || type == TD_Q4_0 || type == TD_Q4_1;
+}
+
+size_t td_cpu_pack_group_bytes(td_dtype_t type, size_t k)
+{
+    TD_ASSERT(td_cpu_pack_supports(type) && k % TD_QK == 0);
+    size_t b = k / TD_QK * (quant_bytes(type) + 2 * scale_halves(type));
+    return (b + 63) & ~(size_t)63;
+}
+
+size_t td_cpu_pack_bytes(td_dtype_t type, size_t n, size_t k)
+{
+    return (n + ROWS - 1) / ROWS * td_cpu_pack_group_bytes(type, k);
+}
+
+void td_cpu_pack_weights(void *dst, const void *w, td_dtype_t type, size_t n, size_t k)
+{
+    size_t nb = k / TD_QK, gb = td_cpu_pack_group_bytes(type, k), qb = quant_bytes(type);
+    size_t sh = scale_halves(type), row_bytes = td_dtype_bytes(type, k);
+    /* zero padding rows: quants 0 and scales +0.0 give outputs nobody stores */
+    memset(dst, 0, td_cpu_pack_bytes(type, n, k));
+    for (size_t j = 0; j < n; j++) {
+        unsigned char *gq = (unsigned char *)dst + j / ROWS * gb;
+        unsigned char *gs = gq + nb * qb;
+        size_t r = j % ROWS;
+        const unsigned char *row = (const unsigned char *)w + j * row_bytes;
+        for (size_t b = 0; b < nb; b++) {
+            uint16_t d, m = 0;
+            unsigned char *q = gq + b * qb;
+            if (type == TD_Q8_0) {
+                const td_block_q8_0_t *blk = (const td_block_q8_0_t *)row + b;
+                d = blk->d;
+                for (int e = 0; e < TD_QK; e++)
+                    q[64 * (e / 4) + 4 * r + e % 4] = (unsigned char)(blk->qs[e] + 128);
+            } else {
+                const uint8_t *qs;
+                if (type == TD_Q4_0) {
+                    const td_block_q4_0_t *blk = (const td_block_q4_0_t *)row + b;
+                    d = blk->d;
+                    qs = blk->qs;
+                } else {
+                    const td_block_q4_1_t *blk = (const td_block_q4_1_t *)row + b;
+                    d = blk->d;
+                    m = blk->m;
+                    qs = blk->qs;
+                }
+                for (int e = 0; e < TD_QK / 2; e++)
+                    q[64 * (e / 4) + 4 * r + e % 4] = qs[e];
+            }
+            /* f16 bits, stored byte-wise (gs is not 2-aligned for every caller's dst) */
+            memcpy(gs + 2 * (b * sh + r), &d, 2);
+            if (type == TD_Q4_1)
+                memcpy(gs + 2 * (b * sh + ROWS + r), &m, 2);
+        }
+    }
+}
+
+size_t td_cpu_pack_act_stride(size_t k)
+{
+    return (2 * k + 8 * (k / TD_QK) + 63) & ~(size_t)63;
+}
+
+/* Where the parts of an activation row of k are (the header's layout) */
+TD_INLINE const int8_t *act_hi(const unsigned char *a) { return (const int8_t *)a; }
+TD_INLINE const int8_t *act_lo(const unsigned char *a, size_t k) { return (const int8_t *)(a + k); }
+TD_INLINE const unsigned char *act_e(const unsigned char *a, size_t k) { return a + 2 * k; }
+TD_INLINE const unsigned char *act_c(const unsigned char *a, size_t k) { return a + 2 * k + 4 * (k / TD_QK); }
+
+/* c of a block from its scale e and sum of Q (the header's definition) */
+TD_INLINE void act_store_c(unsigned char *c, td_dtype_t type, float e, int32_t sum_q)
+{
+    float s = e * (float)sum_q;
+    int32_t ci = (type == TD_Q4_0 ? -8 : -128) * sum_q;
+    memcpy(c, type == TD_Q4_1 ? (const void *)&s : (const void *)&ci, 4);
+}
+
+/* The scalar quantizer of one block (the reference the SIMD one equals bit for bit):
+ * d = amax / 127 (amax ignores NaN), v = x * (1 / d) clamped to [-127, 127] (NaN to -127),
+ * hi = roundf(v), lo = roundf((v - hi) * 254) (v - hi is exact). Returns sum Q. */
+static int32_t act_block_scalar(const float *x, int8_t *hi, int8_t *lo, float *e_p)
+{
+    float amax = 0.0f;
+    bool nan = false;
+    for (int i = 0; i < TD_QK; i++) {
+        amax = fmaxf(amax, fabsf(x[i]));
+        nan |= x[i] != x[i];
+    }
+    float d = amax / 127.0f;
+    float id = d != 0.0f ? 1.0f / d : 0.0f;
+    int32_t sum = 0;
+    for (int i = 0; i < TD_QK; i++) {
+        float v = x[i] * id;
+        v = v >= -127.0f ? v : -127.0f;
+        v = v <= 127.0f ? v : 127.0f;
+        float h = roundf(v);
+        float l = roundf((v - h) * (float)WIDE);
+        hi[i] = (int8_t)h;
+        lo[i] = (int8_t)l;
+        sum += WIDE * (int32_t)h + (int32_t)l;
+    }
+    *e_p = nan ? NAN : d / (float)WIDE;
+    return sum;
+}
+
+static void act_row_scalar(const float *x, void *av, td_dtype_t type, size_t k)
+{
+    unsigned char *a = av;
+    for (size_t b = 0; b < k / TD_QK; b++) {
+        float e;
+        int32_t sum = act_block_scalar(x + b * TD_QK, (int8_t *)a + b * TD_QK, (int8_t *)a + k + b * TD_QK, &e);
+        memcpy(a + 2 * k + 4 * b, &e, 4);
+        act_store_c((unsigned char *)act_c(a, k) + 4 * b, type, e, sum);
+    }
+}
+
+#ifdef TD_CPU_PACK_X86
+#define TD_Z __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl")))
+
+/* roundf on 16 lanes: trunc, then one step away from zero when the exact remainder is >= 1/2 */
+TD_INLINE TD_Z __m512 round_half_away(__m512 v)
+{
+    __m512 t = _mm512_roundscale_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+    __mmask16 up = _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_sub_ps(v, t)), _mm512_set1_ps(0.5f), _CMP_GE_OQ);
+    __m512 one = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(_mm512_set1_ps(1.0f)),
+                                                     _mm512_and_si512(_mm512_castps_si512(v),
+                                                                      _mm512_set1_epi32(INT32_MIN))));
+    return _mm512_mask_add_ps(t, up, t, one);
+}
+
+/* act_block_scalar on AVX-512, bit for bit (max_ps returns its second operand for a NaN
+ * lane, so NaN is ignored in amax and clamped to -127 as the scalar code does) */
+static TD_Z int32_t act_block_avx512(const float *x, int8_t *hi, int8_t *lo, float *e_p)
+{
+    __m512 x0 = _mm512_loadu_ps(x), x1 = _mm512_loadu_ps(x + 16);
+    __m512 amax = _mm512_max_ps(_mm512_abs_ps(x0), _mm512_setzero_ps());
+    amax = _mm512_max_ps(_mm512_abs_ps(x1), amax);
+    bool nan = (_mm512_cmp_ps_mask(x0, x0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(x1, x1, _CMP_UNORD_Q)) != 0;
+    float d = _mm512_reduce_max_ps(amax) / 127.0f;
+    float id = d != 0.0f ? 1.0f / d : 0.0f;
+    __m512i sum = _mm512_setzero_si512();
+    for (int half = 0; half < 2; half++) {
+        __m512 v = _mm512_mul_ps(half ? x1 : x0, _mm512_set1_ps(id));
+        v = _mm512_min_ps(_mm512_max_ps(v, _mm512_set1_ps(-127.0f)), _mm512_set1_ps(127.0f));
+        __m512 h = round_half_away(v);
+        __m512 l = round_half_away(_mm512_mul_ps(_mm512_sub_ps(v, h), _mm512_set1_ps((float)WIDE)));
+        __m512i qh = _mm512_cvtps_epi32(h), ql = _mm512_cvtps_epi32(l);
+        sum = _mm512_add_epi32(sum, _mm512_add_epi32(_mm512_mullo_epi32(qh, _mm512_set1_epi32(WIDE)), ql));
+        _mm_storeu_si128((__m128i *)(hi + 16 * half), _mm512_cvtepi32_epi8(qh));
+        _mm_storeu_si128((__m128i *)(lo + 16 * half), _mm512_cvtepi32_epi8(ql));
+    }
+    *e_p = nan ? NAN : d / (float)WIDE;
+    return _mm512_reduce_add_epi32(sum);
+}
+
+static TD_Z void act_row_avx512(const float *x, void *av, td_dtype_t type, size_t k)
+{
+    unsigned char *a = av;
+    for (size_t b = 0; b < k / TD_QK; b++) {
+        float e;
+        int32_t sum = act_block_avx512(x + b * TD_QK, (int8_t *)a + b * TD_QK, (int8_t *)a + k + b * TD_QK, &e);
+        memcpy(a + 2 * k + 4 * b, &e, 4);
+        act_store_c((unsigned char *)act_c(a, k) + 4 * b, type, e, sum);
+    }
+}
+#endif
+
+void td_cpu_pack_act_row(const td_cpu_pack_ops_t *ops, const float *x, void *a, td_dtype_t type, size_t k)
+{
+    TD_ASSERT(k % TD_QK == 0 && td_cpu_pack_supports(type));
+    ops->act_row(x, a, type, k);
+}
+
+/* ---- scalar reference ------------------------------------------------------------------ */
+
+/* u of (row r, weight e) in a block's quants */
+TD_INLINE int unsigned_quant(td_dtype_t t, const unsigned char *q, size_t r, int e)
+{
+    if (t == TD_Q8_0)
+        return q[64 * (e / 4) + 4 * r + e % 4];
+    unsigned char byte = q[64 * ((e % 16) / 4) + 4 * r + e % 4];
+    return e < 16 ? byte & 15 : byte >> 4;
+}
+
+TD_INLINE float half_at(const unsigned char *p)
+{
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return td_f16_to_f32(h);
+}
+
+TD_INLINE void kernel_scalar(td_dtype_t t, const void *wp, size_t g0, size_t g1, size_t k,
+                             const void *av, size_t m, float *y, size_t ldy)
+{
+    size_t nb = k / TD_QK, gb = td_cpu_pack_group_bytes(t, k), qb = quant_bytes(t);
+    size_t sh = scale_halves(t), stride = td_cpu_pack_act_stride(k);
+    for (size_t g = g0; g < g1; g++) {
+        const unsigned char *gq = (const unsigned char *)wp + g * gb, *gs = gq + nb * qb;
+        for (size_t i = 0; i < m; i++) {
+            const unsigned char *a = (const unsigned char *)av + i * stride;
+            const int8_t *hi = act_hi(a), *lo = act_lo(a, k);
+            const unsigned char *ev = act_e(a, k), *c = act_c(a, k);
+            for (size_t r = 0; r < ROWS; r++) {
+                float acc = 0.0f, macc = 0.0f;
+                for (size_t b = 0; b < nb; b++) {
+                    int32_t p = 0;
+                    if (t != TD_Q4_1)
+                        memcpy(&p, c + 4 * b, 4);
+                    for (int e = 0; e < TD_QK; e++)
+                        p += unsigned_quant(t, gq + b * qb, r, e) * (WIDE * hi[b * TD_QK + e] + lo[b * TD_QK + e]);
+                    float ea;
+                    memcpy(&ea, ev + 4 * b, 4);
+                    float s = half_at(gs + 2 * (b * sh + r)) * ea;
+                    acc = fmaf((float)p, s, acc);
+                    if (t == TD_Q4_1) {
+                        float cf;
+                        memcpy(&cf, c + 4 * b, 4);
+                        macc = fmaf(half_at(gs + 2 * (b * sh + ROWS + r)), cf, macc);
+                    }
+                }
+                y[i * ldy + (g - g0) * ROWS + r] = t == TD_Q4_1 ? acc + macc : acc;
+            }
+        }
+    }
+}
+
+static void q8_0_scalar(const void *wp, size_t g0, size_t g1, size_t k, const void *a, size_t m,
+                        float *y, size_t ldy)
+{
+    kernel_scalar(TD_Q8_0, wp, g0, g1, k, a, m, y, ldy);
+}
+
+static void q4_0_scalar(const void *wp, size_t g0, size_t g1, size_t k, const void *a, size_t m,
+                        float *y, size_t ldy)
+{
+    kernel_scalar(TD_Q4_0, wp, g0, g1, k, a, m, y, ldy);
+}
+
+static void q4_1_scalar(const void *wp, size_t g0, size_t g1, size_t k, const void *a, size_t m,
+                        float *y, size_t ldy)
+{
+    kernel_scalar(TD_Q4_1, wp, g0, g1, k, a, m, y, ldy);
+}
+
+static const td_cpu_pack_ops_t ops_scalar = {
+    .name = "scalar", .act_row = act_row_scalar, .q8_0 = q8_0_scalar, .q4_0 = q4_0_scalar, .q4_1 = q4_1_scalar};
+
+#ifdef TD_CPU_PACK_X86
+
+TD_INLINE int32_t load_i32(const void *p)
+{
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+TD_INLINE float load_f32(const void *p)
+{
+    float v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* ---- AVX-512 VNNI ------------------------------------------------------------------------ */
+
+/* how far ahead decode tiles prefetch a group's quants: measured on Zen 4, 1 thread, a
+ * 147 MB Q4_0 matrix, m = 1: 8-12 GB/s without, 11-16 GB/s at 2 KiB (a busy machine) */
+#define PREFETCH_BYTES 2048
+
+#define TD_V __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
+
+/* One group (quants gq, scales gs) against R activation rows (at a, `stride` apart): the
+ * 16 outputs of row i go to y + i * ldy. */
+TD_INLINE TD_V void vnni_tile(td_dtype_t t, int R, const unsigned char *gq, const unsigned char *gs,
+                              size_t nb, size_t k, const unsigned char *a, size_t stride, float *y,
+                              size_t ldy)
+{
+    const size_t qb = quant_bytes(t), sh = scale_halves(t);
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    __m512 acc[8], macc[8];
+    for (int i = 0; i < R; i++)
+        acc[i] = macc[i] = _mm512_setzero_ps();
+    for (size_t b = 0; b < nb; b++) {
+        const unsigned char *q = gq + b * qb;
+        __m512i w[8];
+        if (R <= 4) /* decode streams the weights: ask for them ahead of the loads */
+            for (size_t off = 0; off < qb; off += 64)
+                _mm_prefetch((const char *)q + PREFETCH_BYTES + off, _MM_HINT_T0);
+        if (t == TD_Q8_0) {
+            for (int v = 0; v < 8; v++)
+                w[v] = _mm512_loadu_si512(q + 64 * v);
+        } else {
+            for (int v = 0; v < 4; v++) {
+                __m512i raw = _mm512_loadu_si512(q + 64 * v);
+                w[v] = _mm512_and_si512(raw, low4);
+                w[v + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+            }
+        }
+        const unsigned char *s = gs + 2 * b * sh;
+        __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)s));
+        __m512 mw = t == TD_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s + 2 * ROWS)))
+                                 : _mm512_setzero_ps();
+        for (int i = 0; i < R; i++) {
+            const unsigned char *ai = a + i * stride, *c = act_c(ai, k) + 4 * b;
+            const int8_t *hi = act_hi(ai) + b * TD_QK, *lo = act_lo(ai, k) + b * TD_QK;
+            /* two chains, hi and lo, joined exactly: WIDE * p_hi + p_lo */
+            __m512i ph = _mm512_setzero_si512();
+            __m512i pl = t == TD_Q4_1 ? _mm512_setzero_si512() : _mm512_set1_epi32(load_i32(c));
+            for (int v = 0; v < 8; v++) {
+                ph = _mm512_dpbusd_epi32(ph, w[v], _mm512_set1_epi32(load_i32(hi + 4 * v)));
+                pl = _mm512_dpbusd_epi32(pl, w[v], _mm512_set1_epi32(load_i32(lo + 4 * v)));
+            }
+            __m512i p0 = _mm512_add_epi32(_mm512_mullo_epi32(ph, _mm512_set1_epi32(WIDE)), pl);
+            __m512 sc = _mm512_mul_ps(dw, _mm512_set1_ps(load_f32(act_e(ai, k) + 4 * b)));
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p0), sc, acc[i]);
+            if (t == TD_Q4_1)
+                macc[i] = _mm512_fmadd_ps(mw, _mm512_set1_ps(load_f32(c)), macc[i]);
+        }
+    }
+    for (int i = 0; i < R; i++)
+        _mm512_storeu_ps(y + i * ldy, t == TD_Q4_1 ? _mm512_add_ps(acc[i], macc[i]) : acc[i]);
+}
+
+TD_INLINE TD_V void kernel_vnni(td_dtype_t t, const void *wp, size_t g0, size_t g1, size_t k,
+                                const void *av, size_t m, float *y, size_t ldy)
+{
+    size_t nb = k / TD_QK, gb = td_cpu_pack_group_bytes(t, k), stride = td_cpu_pack_act_stride(k);
+    const unsigned char *a = av;
+    for (size_t g = g0; g < g1; g++) {
+        const unsigned char *gq = (const unsigned char *)wp + g * gb, *gs = gq + nb * quant_bytes(t);
+        float *yg = y + (g - g0) * ROWS;
+        size_t i = 0;
+        for (; i + 8 <= m; i += 8)
+            vnni_tile(t, 8, gq, gs, nb, k, a + i * stride, stride, yg + i * ldy, ldy);
+        const unsigned char *ai = a + i * stride;
+        float *yi = yg + i * ldy;
+        switch (m - i) {
+        case 1: vnni_tile(t, 1, gq, gs, nb, k, ai, stride, yi, ldy); break;
+        case 2: vnni_tile(t, 2, gq, gs, nb, k, ai, stride, yi, ldy); break;
+        case 3: vnni_tile(t, 3, gq, gs, nb, k, ai, stride, yi, ldy); break;
+        case 4: vnni_tile(t, 4, gq, gs, nb, k, ai, stride, yi, ldy); break;
+        case 5: vnni_tile(t, 5, gq, gs, nb, k, ai, stride, yi, ldy); break;
+        case 6: vnni_tile(t, 6, gq, gs, nb, k, ai, stride, yi, ldy); break;
+        case 7: vnni_tile(t, 7, gq, gs, nb, k, ai, stride, yi, ldy); break;
+        default: break;
+        }
+    }
+}
+
+static TD_V void q8_0_vnni(const void *wp, size_t g0, size_t g1, size_t k, const void *a, size_t m,
+                           float *y, size_t ldy)
+{
+    kernel_vnni(TD_Q8_0, wp, g0, g1, k, a, m, y, ldy);
+}
+
+static TD_V void q4_0_vnni(const void *wp, size_t g0, size_t g1, size_t k, const void *a, size_t m,
+                           float *y, size_t ldy)
+{
+    kernel_vnni(TD_Q4_0, wp, g0, g1, k, a, m, y, ldy);
+}
+
+static TD_V void q4_1_vnni(const void *wp, size_t g0, size_t g1, size_t k, const void *a, size_t m,
+                           float *y, size_t ldy)
+{
+    kernel_vnni(TD_Q4_1, wp, g0, g1, k, a, m, y, ldy);
+}
+
+static const td_cpu_pack_ops_t ops_vnni = {
+    .name = "avx512vnni", .act_row = act_row_avx512, .q8_0 = q8_0_vnni, .q4_0 = q4_0_vnni, .q4_1 = q4_1_vnni};
+
+/* ---- AVX2 -------------------------------------------------------------------------------- */
+
+#define TD_Y __attribute__((target("avx2,fma,f16c")))
+
+/* Half h (weight rows 8h..8h+7) of one group against R <= 2 activation rows: the int32
+ * lanes of maddubs + madd(ones) are the same four-product sums vpdpbusd makes. Q8_0's
+ * quants are u = q + 128: the sign trick on q = u ^ 0x80 keeps maddubs' pairs in int16, and
+ * the sum starts at 0 instead of c (the same integer as VNNI's c + sum u Q). */
+TD_INLINE TD_Y void avx2_tile(td_dtype_t t, int R, int h, const unsigned char *gq,
+                              const unsigned char *gs, size_t nb, size_t k, const unsigned char *a,
+                              size_t stride, float *y, size_t ldy)
+{
+    const size_t qb = quant_bytes(t), sh = scale_halves(t);
+    const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const __m256i bias8 = _mm256_set1_epi8((char)0x80);
+    __m256 acc[2], macc[2];
+    for (int i = 0; i < R; i++)
+        acc[i] = macc[i] = _mm256_setzero_ps();
+    for (size_t b = 0; b < nb; b++) {
+        const unsigned char *q = gq + b * qb + 32 * h;
+        __m256i ph[2], pl[2];
+        for (int i = 0; i < R; i++) {
+            ph[i] = _mm256_setzero_si256();
+            pl[i] = t == TD_Q4_0 ? _mm256_set1_epi32(load_i32(act_c(a + i * stride, k) + 4 * b))
+                                 : _mm256_setzero_si256();
+        }
+        if (t == TD_Q8_0) {
+            for (int v = 0; v < 8; v++) {
+                __m256i sw = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(q + 64 * v)), bias8);
+                __m256i aw = _mm256_abs_epi8(sw);
+                for (int i = 0; i < R; i++) {
+                    const unsigned char *ai = a + i * stride;
+                    __m256i qh = _mm256_set1_epi32(load_i32(act_hi(ai) + b * TD_QK + 4 * v));
+                    __m256i ql = _mm256_set1_epi32(load_i32(act_lo(ai, k) + b * TD_QK + 4 * v));
+                    ph[i] = _mm256_add_epi32(ph[i], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(qh, sw)), ones));
+                    pl[i] = _mm256_add_epi32(pl[i], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(ql, sw)), ones));
+                }
+            }
+        } else {
+            for (int v = 0; v < 4; v++) {
+                __m256i raw = _mm256_loadu_si256((const __m256i *)(q + 64 * v));
+                __m256i lo4 = _mm256_and_si256(raw, low4);
+                __m256i hi4 = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+                for (int i = 0; i < R; i++) {
+                    const unsigned char *ai = a + i * stride;
+                    const int8_t *qh = act_hi(ai) + b * TD_QK, *ql = act_lo(ai, k) + b * TD_QK;
+                    /* nibble pairs: at most 2 * 15 * 127 each, 4 * that summed: no int16 overflow */
+                    __m256i sh16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo4, _mm256_set1_epi32(load_i32(qh + 4 * v))),
+                                                    _mm256_maddubs_epi16(hi4, _mm256_set1_epi32(load_i32(qh + 16 + 4 * v))));
+                    __m256i sl16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo4, _mm256_set1_epi32(load_i32(ql + 4 * v))),
+                                                    _mm256_maddubs_epi16(hi4, _mm256_set1_epi32(load_i32(ql + 16 + 4 * v))));
+                    ph[i] = _mm256_add_epi32(ph[i], _mm256_madd_epi16(sh16, ones));
+                    pl[i] = _mm256_add_epi32(pl[i], _mm256_madd_epi16(sl16, ones));
+                }
+            }
+        }
+        const unsigned char *s = gs + 2 * b * sh + 16 * h;
+        __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)s));
+        for (int i = 0; i < R; i++) {
+            const unsigned char *ai = a + i * stride;
+            __m256i p = _mm256_add_epi32(_mm256_mullo_epi32(ph[i], _mm256_set1_epi32(WIDE)), pl[i]);
+            __m256 sc = _mm256_mul_ps(dw, _mm256_set1_ps(load_f32(act_e(ai, k) + 4 * b)));
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), sc, acc[i]);
+            if (t == TD_Q4_1) {
+                __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + 2 * ROWS)));
+                macc[i] = _mm256_fmadd_ps(mw, _mm256_set1_ps(load_f32(act_c(ai, k) + 4 * b)), macc[i]);
+            }
+        }
+    }
+    for (int i = 0; i < R; i++)
+        _mm256_storeu_ps(y + i * ldy + 8 * h, t == TD_Q4_1 ? _mm256_add_ps(acc[i], macc[i]) : acc[i]);
+}
+
+TD_INLINE TD_Y void kernel_avx2(td_dtype_t t, const void *wp, size_t g0, size_t g1, size_t k,
+                                const void *av, size_t m, float *y, size_t ldy)
+{
+    size_t nb = k / TD_QK, gb = td_cpu_pack_group_bytes(t, k), stride = td_cpu_pack_act_stride(k);
+    const unsigned char *a = av;
+    for (size_t g = g0; g < g1; g++) {
+        const unsigned char *gq = (const unsigned char *)wp + g * gb, *gs = gq + nb * quant_bytes(t);
+        float *yg = y + (g - g0) * ROWS;
+        for (int h = 0; h < 2; h++) {
+            size_t i = 0;
+            for (; i + 2 <= m; i += 2)
+                avx2_tile(t, 2, h, gq, gs, nb, k, a + i * stride, stride, yg + i * ldy, ldy);
+            if (i < m)
+                avx2_tile(t, 1, h, gq, gs, nb, k, a + i * stride, stride, yg + i * ldy, ldy);
+        }
+    }
+}
+
+static TD_Y void q8_0_avx2(const void *wp, size_t g0, size_t g1, size_t k, const void *a, size_t m,
+                           float *y, size_t ldy)
+{
+    kernel_avx2(TD_Q8_0, wp, g0, g1, k, a, m, y, ldy);
+}
+
+static TD_Y void q4_0_avx2(const void *wp, size_t g0, size_t g1, size_t k, const void *a, size_t m,
+                           float *y, size_t ldy)
+{
+    kernel_avx2(TD_Q4_0, wp, g0, g1, k, a, m, y, ldy);
+}
+
+static TD_Y void q4_1_avx2(const void *wp, size_t g0, size_t g1, size_t k, const void *a, size_t m,
+                           float *y, size_t ldy)
+{
+    kernel_avx2(TD_Q4_1, wp, g0, g1, k, a, m, y, ldy);
+}
+
+static const td_cpu_pack_ops_t ops_avx2 = {
+    .name = "avx2", .act_row = act_row_scalar, .q8_0 = q8_0_avx2, .q4_0 = q4_0_avx2, .q4_1 = q4_1_avx2};
+
+#endif /* TD_CPU_PACK_X86 */
+
+/* ---- tables ------------------------------------------------------------------------------- */
+
+const td_cpu_pack_ops_t *td_cpu_pack_ops(td_cpu_pack_isa_t isa)
+{
+    switch (isa) {
+    case TD_CPU_PACK_SCALAR: return &ops_scalar;
+    case TD_CPU_PACK_AVX2:
+#ifdef TD_CPU_PACK_X86
+        if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+            __builtin_cpu_supports("f16c"))
+            return &ops_avx2;
+#endif
+        return NULL;
+    case TD_CPU_PACK_AVX512_VNNI:
+#ifdef TD_CPU_PACK_X86
+        if (td_cpu_pack_ops(TD_CPU_PACK_AVX2) && __builtin_cpu_supports("avx512f") &&
+            __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+            __builtin_cpu_supports("avx512vnni"))
+            return &ops_vnni;
+#endif
+        return NULL;
+    case TD_CPU_PACK_N_ISA: break;
+    }
+    return NULL;
+}
+
+const td_cpu_pack_ops_t *td_cpu_pack_ops_best(void)
+{
+    for (int isa = TD_CPU_PACK_N_ISA - 1; isa > TD_CPU_PACK_SCALAR; isa--) {
+        const td_cpu_pack_ops_t *ops = td_cpu_pack_ops((td_cpu_pack_isa_t)isa);
+        if (ops)
+            return ops;
+    }
+    return &ops_scalar;
+}
+
+td_cpu_pack_fn td_cpu_pack_fn_of(const td_cpu_pack_ops_t *ops, td_dtype_t type)
+{
+    switch (type) {
+    case TD_Q8_0: return ops->q8_0;
+    case TD_Q4_0: return ops->q4_0;
+    case TD_Q4_1: return ops->q4_1;
+    default: break;
+    }
+    TD_ASSERT(!"td_cpu_pack_fn_of: a type without a packed layout");
+    return NULL;
+}

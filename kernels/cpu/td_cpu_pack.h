@@ -1,0 +1,121 @@
+/*
+ * td_cpu_pack: block-quantized weights repacked at load for int8 activation dot products
+ * (issue 14), the CPU backend's default quantized matmul.
+ *
+ * Why a second layout. A row-major Q4_0 matrix makes every block's dot end in a horizontal
+ * sum of one row's lanes (td_cpu_quant). Repacked, one 64-byte vector holds the same four
+ * weights of 16 rows, so VNNI's vpdpbusd (u8 x s8, four products summed into each int32
+ * lane) gives 16 rows' partial sums at once against one broadcast of four activation bytes:
+ * no horizontal work, the 16 row scales are one vector, and in a prefill tile each unpacked
+ * weight vector serves several activation rows.
+ *
+ * The packed matrix: rows in groups of TD_CPU_PACK_ROWS (16; the last group padded with
+ * zero rows of scale 0), group after group, each group_bytes (td_cpu_pack_group_bytes)
+ * long, 64-byte multiples:
+ *   [nb blocks of quants][nb blocks of scales]      nb = k / 32
+ * Quants of one block, "u" the unsigned quant (Q4_0, Q4_1: the nibble 0..15; Q8_0: q + 128):
+ *   Q4_0, Q4_1: 4 vectors of 64 bytes; vector v byte 4r + j = u(row r, weight 4v + j) |
+ *               u(row r, weight 16 + 4v + j) << 4 (the stored qs byte 4v + j of row r:
+ *               the low nibbles are weights 4v..4v+3, the high ones 16+4v..16+4v+3)
+ *   Q8_0:       8 vectors of 64 bytes; vector q byte 4r + j = u(row r, weight 4q + j)
+ * Scales of one block: Q4_0, Q8_0: 16 f16 d (row order); Q4_1: 16 f16 d then 16 f16 m.
+ *
+ * Activations: each value in two int8 parts. llama.cpp rounds an activation block to one
+ * byte (q = round(x / d), d = amax / 127); on SmolLM2 that alone moves greedy answers off
+ * the exact model's after a few tokens (docs/correctness.md). Here the remainder gets a
+ * second byte: v = x * (1 / d) clamped to [-127, 127], hi = roundf(v), lo = roundf((v - hi) *
+ * 254), so x ~= e * Q with Q = 254 hi + lo and e = d / 254, off by at most e / 2 (1/508 of
+ * llama.cpp's step). Each weight vector then meets two broadcasts (two vpdpbusd) per block,
+ * which prefill has the compute for and batch-1 decode, bound by reading the weights, does
+ * not notice. Rows laid out for broadcasts (td_cpu_pack_act_row):
+ *   [k int8 hi][k int8 lo][nb f32 e][nb 32-bit c]   stride td_cpu_pack_act_stride(k)
+ * c folds the weights' offset into the integer sum: Q4_0 c = -8 * sum Q, Q8_0 c = -128 *
+ * sum Q (int32), so that c + sum u * Q = sum (u - offset) * Q exactly; Q4_1 c = e * sum Q
+ * (f32), the activation side of the offset term m * sum x. A block holding NaN gets e =
+ * NaN, one holding an infinity e = inf (its outputs NaN or inf, as an f32 matmul's).
+ *
+ * The sum (the contract of every implementation, so all tables give the same bits): for
+ * output (activation row i, weight row r), over blocks b in order:
+ *   p_b = exact integer sum over the block of (u - offset) Q   (an int32: 254 p_hi + p_lo)
+ *   acc = fmaf((float)p_b, d_w(r, b) * e(i, b), acc)            acc starts at +0.0
+ *   Q4_1 only: M = fmaf(m(r, b), c(i, b), M)                    (offset 0; M starts at +0.0)
+ * y = acc (Q4_1: acc + M). Nothing depends on m, on which rows a call computes or on the
+ * ISA: a row's output is the same alone, in a decode batch or in a 512-row prefill, so the
+ * backend stays batch-invariant (docs/kernels.md).
+ *
+ * Range: hi and lo in [-127, 127], u <= 255, so VNNI's products fit and AVX2's maddubs
+ * pairs never saturate (Q8_0 goes through the sign trick there: |w| * sign(q, w)); |p_b| <=
+ * 32 * 255 * 32512 + 128 * 32 * 32512 < 2^31.
+ *
+ * Threads: none inside; every function is pure, callers split the groups.
+ */
+#ifndef TD_CPU_PACK_H
+#define TD_CPU_PACK_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "td_dtype.h"
+
+#define TD_CPU_PACK_ROWS 16
+
+/* Whether `type` has a packed layout (Q8_0, Q4_0, Q4_1). */
+bool td_cpu_pack_supports(td_dtype_t type);
+
+/* Bytes of one packed group of 16 rows of k weights (k a multiple of 32). */
+size_t td_cpu_pack_group_bytes(td_dtype_t type, size_t k);
+
+/* Bytes of the packed form of a [n][k] matrix: ceil(n / 16) groups. */
+size_t td_cpu_pack_bytes(td_dtype_t type, size_t n, size_t k);
+
+/* Writes the packed form of the row-major [n][k] matrix w (as stored in GGUF) to dst
+ * (td_cpu_pack_bytes of it, any alignment; 64 for the kernels' sake). `type` supported,
+ * k % 32 == 0 (TD_ASSERT). w is only read. */
+void td_cpu_pack_weights(void *dst, const void *w, td_dtype_t type, size_t n, size_t k);
+
+/* Bytes of one quantized activation row of k floats (a multiple of 64). */
+size_t td_cpu_pack_act_stride(size_t k);
+
+/* A table's quantizer: the k floats at x (k % 32 == 0) into the activation row at a for
+ * weights of `type` (which sets c); every table writes the same bytes. */
+typedef void (*td_cpu_pack_act_fn)(const float *x, void *a, td_dtype_t type, size_t k);
+
+/*
+ * One table's kernel of one weight type: for activation rows i in [0, m) and packed groups
+ * g in [g0, g1) of the matrix at wp (k weights a row),
+ *   y[i * ldy + 16 (g - g0) + r] = dot(weight row 16 g + r, activation row i)
+ * summed in the header's order, activation row i at a + i * td_cpu_pack_act_stride(k).
+ * Register-blocked: each group's weight block is unpacked once for up to 8 activation
+ * rows (AVX-512 VNNI; AVX2: 2) while they stay in registers.
+ */
+typedef void (*td_cpu_pack_fn)(const void *wp, size_t g0, size_t g1, size_t k, const void *a,
+                               size_t m, float *y, size_t ldy);
+
+typedef enum td_cpu_pack_isa {
+    TD_CPU_PACK_SCALAR,      /* plain C, the reference */
+    TD_CPU_PACK_AVX2,        /* x86 AVX2 + FMA + F16C: maddubs */
+    TD_CPU_PACK_AVX512_VNNI, /* AVX-512 F/BW/VL/VNNI: vpdpbusd on zmm */
+    TD_CPU_PACK_N_ISA,
+} td_cpu_pack_isa_t;
+
+typedef struct td_cpu_pack_ops {
+    const char *name; /* "scalar", "avx2", "avx512vnni" */
+    td_cpu_pack_act_fn act_row;
+    td_cpu_pack_fn q8_0, q4_0, q4_1;
+} td_cpu_pack_ops_t;
+
+/* ops->act_row after checking k and type (TD_ASSERT). */
+void td_cpu_pack_act_row(const td_cpu_pack_ops_t *ops, const float *x, void *a, td_dtype_t type, size_t k);
+
+/* The kernels of `isa`, or NULL when this build has none or this CPU cannot run them
+ * (__builtin_cpu_supports; SIMD code is compiled with target attributes). */
+const td_cpu_pack_ops_t *td_cpu_pack_ops(td_cpu_pack_isa_t isa);
+
+/* The fastest table this CPU runs (never NULL). */
+const td_cpu_pack_ops_t *td_cpu_pack_ops_best(void);
+
+/* The kernel of `type` in `ops`; `type` supported (TD_ASSERT). */
+td_cpu_pack_fn td_cpu_pack_fn_of(const td_cpu_pack_ops_t *ops, td_dtype_t type);
+
+#endif /* TD_CPU_PACK_H */

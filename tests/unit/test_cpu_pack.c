@@ -1,0 +1,274 @@
+/*
+ * test_cpu_pack: the packed int8 kernels of td_cpu_pack (issue 14) against two double-precision
+ * references built from the row-major GGUF blocks (never from the packed bytes), and every
+ * SIMD table against the scalar one bit for bit.
+ *
+ * 1. The same int8 scheme: each output is sum over blocks of d_w e * (exact integer sum of
+ *    the signed weight quants times the two-byte activation quants Q = 254 hi + lo), + m * e
+ *    * sum Q for Q4_1, in double.
+ *    The scalar kernel's f32 sum of nb terms (one fma each, the scale rounded once, Q4_1's
+ *    two sums added once) is within (nb + 4) * 2^-24 * S of it, S the sum of the terms'
+ *    magnitudes. This catches a weight landing in the wrong lane or block.
+ * 2. The exact product: the weights dequantized by td_quant (bit-exact with gguf-py, checked
+ *    in test_quant) times the f32 activations, in double. e Q differs from x by at most
+ *    e / 2 per element (and the f32 rounding of x / d, under 0.01 e), so the kernel is
+ *    within sum |w| 0.51 e plus the bound of 1 on the magnitudes of w x: the scheme as a
+ *    whole, not only its sum.
+ * 3. AVX2 and AVX-512 VNNI tables equal scalar bitwise for m = 1..19 rows (tiles and their
+ *    tails) and group ranges that start past 0, and so do their activation quantizers,
+ *    NaN, infinities and halfway values included; a table this CPU lacks is skipped with a
+ *    line saying so.
+ * Rows of n = 1..40 (groups padded past n), k from 32 to 4096, Q8_0 quants over the full
+ * int8 range, activations with blocks of zeros and scales from 1e-3 to 1e3.
+ */
+#include <criterion/criterion.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu/td_cpu_pack.h"
+#include "td_quant.h"
+#include "td_util.h"
+
+static const td_dtype_t types[] = {TD_Q8_0, TD_Q4_0, TD_Q4_1};
+
+static uint64_t rng_next(uint64_t *s)
+{
+    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+static double rng_unit(uint64_t *s) /* [0, 1) */
+{
+    return (double)(rng_next(s) >> 11) * 0x1.0p-53;
+}
+
+/* n rows of k weights: random quants, f16 scales (and Q4_1 mins) of either sign in 2^-8..2^1 */
+static void *make_weights(td_dtype_t t, size_t n, size_t k, uint64_t *s)
+{
+    size_t bytes = td_dtype_bytes(t, n * k);
+    uint8_t *w = malloc(bytes);
+    for (size_t i = 0; i < bytes; i++)
+        w[i] = (uint8_t)rng_next(s);
+    size_t bb = td_dtype_bytes(t, TD_QK);
+    for (size_t b = 0; b < n * k / TD_QK; b++) {
+        uint16_t *h = (uint16_t *)(w + b * bb); /* d, then Q4_1's m */
+        for (int j = 0; j < (t == TD_Q4_1 ? 2 : 1); j++)
+            h[j] = (uint16_t)((rng_next(s) & 1) << 15 | (7 + rng_next(s) % 10) << 10 | (rng_next(s) & 1023));
+    }
+    return w;
+}
+
+static float *make_x(size_t m, size_t k, uint64_t *s)
+{
+    float *x = malloc(m * k * sizeof *x);
+    for (size_t b = 0; b < m * k / TD_QK; b++) {
+        double scale = pow(10.0, -3.0 + 6.0 * rng_unit(s));
+        for (int e = 0; e < TD_QK; e++)
+            x[b * TD_QK + e] = b % 5 == 4 ? 0.0f : (float)((2.0 * rng_unit(s) - 1.0) * scale);
+    }
+    return x;
+}
+
+/* signed quant e of a row-major block (the offset already taken: Q4_1's q is 0..15) */
+static int block_quant(td_dtype_t t, const uint8_t *blk, int e)
+{
+    if (t == TD_Q8_0)
+        return ((const td_block_q8_0_t *)blk)->qs[e];
+    const uint8_t *qs = t == TD_Q4_0 ? ((const td_block_q4_0_t *)blk)->qs : ((const td_block_q4_1_t *)blk)->qs;
+    int q = e < 16 ? qs[e] & 15 : qs[e - 16] >> 4;
+    return t == TD_Q4_0 ? q - 8 : q;
+}
+
+/* packed kernel of `ops` over the whole matrix: y[m][n_groups * 16] */
+static float *run(const td_cpu_pack_ops_t *ops, td_dtype_t t, const void *wp, size_t n, size_t k,
+                  const void *a, size_t m)
+{
+    size_t g = (n + TD_CPU_PACK_ROWS - 1) / TD_CPU_PACK_ROWS, ld = g * TD_CPU_PACK_ROWS;
+    float *y = malloc(m * ld * sizeof *y);
+    memset(y, 0xff, m * ld * sizeof *y); /* NaN: an output never written shows */
+    td_cpu_pack_fn_of(ops, t)(wp, 0, g, k, a, m, y, ld);
+    return y;
+}
+
+static void check_case(td_dtype_t t, size_t n, size_t k, size_t m, uint64_t seed)
+{
+    uint64_t s = seed;
+    size_t nb = k / TD_QK, bb = td_dtype_bytes(t, TD_QK), stride = td_cpu_pack_act_stride(k);
+    uint8_t *w = make_weights(t, n, k, &s);
+    float *x = make_x(m, k, &s), *wf = malloc(n * k * sizeof *wf);
+    td_dtype_convert(wf, TD_F32, w, t, n * k);
+    void *wp = aligned_alloc(64, td_cpu_pack_bytes(t, n, k));
+    td_cpu_pack_weights(wp, w, t, n, k);
+    unsigned char *a = aligned_alloc(64, m * stride);
+    const td_cpu_pack_ops_t *scalar = td_cpu_pack_ops(TD_CPU_PACK_SCALAR);
+    for (size_t i = 0; i < m; i++)
+        td_cpu_pack_act_row(scalar, x + i * k, a + i * stride, t, k);
+    size_t ld = (n + TD_CPU_PACK_ROWS - 1) / TD_CPU_PACK_ROWS * TD_CPU_PACK_ROWS;
+    float *y = run(scalar, t, wp, n, k, a, m);
+    int32_t *qa = malloc(k * sizeof *qa);
+    for (size_t i = 0; i < m; i++) {
+        const unsigned char *ai = a + i * stride;
+        for (size_t e = 0; e < k; e++)
+            qa[e] = 254 * ((const int8_t *)ai)[e] + ((const int8_t *)ai)[k + e];
+        const float *da = (const float *)(ai + 2 * k);
+        for (size_t r = 0; r < n; r++) {
+            double ref = 0, mag = 0, exact = 0, mag2 = 0, qerr = 0;
+            for (size_t b = 0; b < nb; b++) {
+                const uint8_t *blk = w + (r * nb + b) * bb;
+                uint16_t h[2];
+                memcpy(h, blk, sizeof h);
+                int64_t p = 0;
+                for (int e = 0; e < TD_QK; e++)
+                    p += (int64_t)block_quant(t, blk, e) * qa[b * TD_QK + e];
+                double term = (double)td_f16_to_f32(h[0]) * da[b] * (double)p;
+                ref += term;
+                mag += fabs(term);
+                if (t == TD_Q4_1) {
+                    int64_t sq = 0;
+                    for (int e = 0; e < TD_QK; e++)
+                        sq += qa[b * TD_QK + e];
+                    double mt = (double)td_f16_to_f32(h[1]) * ((double)da[b] * (double)sq);
+                    ref += mt;
+                    mag += fabs(mt);
+                }
+                for (int e = 0; e < TD_QK; e++) {
+                    double wv = wf[r * k + b * TD_QK + e], xv = x[i * k + b * TD_QK + e];
+                    exact += wv * xv;
+                    mag2 += fabs(wv * xv);
+                    qerr += fabs(wv) * da[b] * 0.51;
+                }
+            }
+            double got = y[i * ld + r], tol = (double)(nb + 4) * 0x1.0p-24 * mag;
+            cr_assert(fabs(got - ref) <= tol,
+                      "%s n %zu k %zu m %zu: out (%zu, %zu) = %.9g, int8 reference %.9g (tol %.3g)",
+                      td_dtype_name(t), n, k, m, i, r, got, ref, tol);
+            double tol2 = tol + (double)(nb + 4) * 0x1.0p-24 * mag2 + qerr;
+            cr_assert(fabs(got - exact) <= tol2,
+                      "%s n %zu k %zu m %zu: out (%zu, %zu) = %.9g, dequantized weights give %.9g (tol %.3g)",
+                      td_dtype_name(t), n, k, m, i, r, got, exact, tol2);
+        }
+    }
+    free(w), free(x), free(wf), free(wp), free(a), free(y), free(qa);
+}
+
+Test(cpu_pack, scalar_matches_double_references)
+{
+    static const size_t nk[][2] = {{1, 32}, {16, 64}, {17, 96}, {40, 1056}, {33, 4096}};
+    static const size_t ms[] = {1, 3, 9};
+    uint64_t seed = 1;
+    for (size_t ti = 0; ti < TD_ARRAY_LEN(types); ti++)
+        for (size_t c = 0; c < TD_ARRAY_LEN(nk); c++)
+            for (size_t mi = 0; mi < TD_ARRAY_LEN(ms); mi++)
+                check_case(types[ti], nk[c][0], nk[c][1], ms[mi], seed++);
+}
+
+/* every table the CPU runs equals scalar bitwise; a group range that starts past 0 writes
+ * the same bits at its own offsets */
+Test(cpu_pack, simd_tables_equal_scalar_bitwise)
+{
+    static const size_t nk[][2] = {{16, 32}, {40, 256}, {64, 2048}, {20, 8192}};
+    const td_cpu_pack_ops_t *scalar = td_cpu_pack_ops(TD_CPU_PACK_SCALAR);
+    for (int isa = TD_CPU_PACK_AVX2; isa < TD_CPU_PACK_N_ISA; isa++) {
+        const td_cpu_pack_ops_t *ops = td_cpu_pack_ops((td_cpu_pack_isa_t)isa);
+        if (!ops) {
+            printf("test_cpu_pack: skipped: table %d: this CPU cannot run it\n", isa);
+            continue;
+        }
+        uint64_t s = 7;
+        for (size_t ti = 0; ti < TD_ARRAY_LEN(types); ti++)
+            for (size_t c = 0; c < TD_ARRAY_LEN(nk); c++) {
+                td_dtype_t t = types[ti];
+                size_t n = nk[c][0], k = nk[c][1], m = k >= 2048 ? 11 : 19;
+                size_t stride = td_cpu_pack_act_stride(k), g = (n + 15) / 16, ld = g * 16;
+                uint8_t *w = make_weights(t, n, k, &s);
+                float *x = make_x(m, k, &s);
+                void *wp = aligned_alloc(64, td_cpu_pack_bytes(t, n, k));
+                td_cpu_pack_weights(wp, w, t, n, k);
+                unsigned char *a = aligned_alloc(64, m * stride);
+                for (size_t i = 0; i < m; i++)
+                    td_cpu_pack_act_row(scalar, x + i * k, a + i * stride, t, k);
+                float *want = run(scalar, t, wp, n, k, a, m);
+                for (size_t mm = 1; mm <= m; mm++) {
+                    float *got = run(ops, t, wp, n, k, a, mm);
+                    for (size_t i = 0; i < mm; i++)
+                        cr_assert_eq(memcmp(got + i * ld, want + i * ld, ld * sizeof(float)), 0,
+                                     "%s %s n %zu k %zu: row %zu of %zu differs from scalar", ops->name,
+                                     td_dtype_name(t), n, k, i, mm);
+                    free(got);
+                }
+                if (g > 1) {
+                    float *part = malloc(m * (g - 1) * 16 * sizeof(float));
+                    td_cpu_pack_fn_of(ops, t)(wp, 1, g, k, a, m, part, (g - 1) * 16);
+                    for (size_t i = 0; i < m; i++)
+                        cr_assert_eq(memcmp(part + i * (g - 1) * 16, want + i * ld + 16, (g - 1) * 16 * sizeof(float)),
+                                     0, "%s %s: groups [1, %zu) differ", ops->name, td_dtype_name(t), g);
+                    free(part);
+                }
+                free(w), free(x), free(wp), free(a), free(want);
+            }
+    }
+}
+
+/* The activation row: e Q within e / 2 of x (0.51 e with the rounding of x / d), hi and lo
+ * in [-127, 127], c as the header says, and every table's quantizer writing the scalar
+ * one's bytes; blocks of random values, halves (x = q + 1/2 with d = 1, so hi rounds away
+ * from zero), zeros, NaN (e NaN) and infinities (e inf) */
+Test(cpu_pack, act_row)
+{
+    uint64_t s = 3;
+    const size_t k = 256, nb = k / TD_QK, stride = td_cpu_pack_act_stride(k);
+    float *x = make_x(1, k, &s);
+    for (int e = 0; e < TD_QK; e++) /* block 1: amax 127, so d = 1 and x * (1 / d) = x */
+        x[TD_QK + e] = e == 0 ? 127.0f : (float)(e % 2 ? -1 : 1) * ((float)(e * 3 % 120) + 0.5f);
+    x[2 * TD_QK + 5] = NAN;
+    x[3 * TD_QK + 7] = INFINITY;
+    x[5 * TD_QK + 1] = -INFINITY;
+    unsigned char *a = aligned_alloc(64, stride), *b2 = aligned_alloc(64, stride);
+    cr_assert_eq(stride % 64, 0);
+    const td_cpu_pack_ops_t *scalar = td_cpu_pack_ops(TD_CPU_PACK_SCALAR);
+    for (size_t ti = 0; ti < TD_ARRAY_LEN(types); ti++) {
+        td_dtype_t t = types[ti];
+        td_cpu_pack_act_row(scalar, x, a, t, k);
+        for (size_t b = 0; b < nb; b++) {
+            float e;
+            memcpy(&e, a + 2 * k + 4 * b, 4);
+            if (b == 2)
+                cr_assert(isnan(e), "a block with NaN: e %g", e);
+            else if (b == 3 || b == 5)
+                cr_assert(isinf(e), "a block with an infinity: e %g", e);
+            int32_t sum = 0;
+            for (int j = 0; j < TD_QK; j++) {
+                int hi = ((const int8_t *)a)[b * TD_QK + j], lo = ((const int8_t *)a)[k + b * TD_QK + j];
+                cr_assert(hi >= -127 && hi <= 127 && lo >= -127 && lo <= 127);
+                sum += 254 * hi + lo;
+                if (b == 1)
+                    cr_assert_eq(hi, (int)roundf(x[TD_QK + j]), "halfway %g: hi %d", x[TD_QK + j], hi);
+                if (isfinite(e))
+                    cr_assert(fabs((double)e * (254 * hi + lo) - x[b * TD_QK + j]) <= 0.51 * e + 1e-30,
+                              "block %zu: x %g, e Q %g", b, x[b * TD_QK + j], (double)e * (254 * hi + lo));
+            }
+            if (t == TD_Q4_1) {
+                float c;
+                memcpy(&c, a + 2 * k + 4 * nb + 4 * b, 4);
+                cr_assert(memcmp(&c, &(float){e * (float)sum}, 4) == 0, "block %zu: c %g", b, c);
+            } else {
+                int32_t c;
+                memcpy(&c, a + 2 * k + 4 * nb + 4 * b, 4);
+                cr_assert_eq(c, (t == TD_Q4_0 ? -8 : -128) * sum);
+            }
+        }
+        for (int isa = TD_CPU_PACK_AVX2; isa < TD_CPU_PACK_N_ISA; isa++) {
+            const td_cpu_pack_ops_t *ops = td_cpu_pack_ops((td_cpu_pack_isa_t)isa);
+            if (!ops)
+                continue;
+            td_cpu_pack_act_row(ops, x, b2, t, k);
+            cr_assert_eq(memcmp(a, b2, 2 * k + 8 * nb), 0, "%s: the activation row differs from scalar", ops->name);
+        }
+    }
+    free(x), free(a), free(b2);
+}
