@@ -2,7 +2,9 @@
 # test_cluster_auth: API keys on the gRPC front door and the cluster secret on the control
 # plane (docs/security.md), with a router, prefill p0 and decode d0 sharing a secret:
 # - `tandem generate --server` with TANDEM_API_KEY right (answer equal to `tandem generate`),
-#   wrong and absent (UNAUTHENTICATED, nothing admitted); tandem_auth_api_key_total by outcome;
+#   wrong and absent (UNAUTHENTICATED, nothing admitted); the same on the OpenAI HTTP API
+#   with curl (200; 401 in OpenAI's error shape with WWW-Authenticate; /health open);
+#   tandem_auth_api_key_total by outcome;
 # - the keys file rotated by SIGHUP (the new key in, the old one out), and a bad file on
 #   SIGHUP keeps the keys in force, saying why;
 # - a rogue decode node without the secret and one with a wrong secret: refused at
@@ -12,9 +14,12 @@
 # - a process without the secret calling RegisterNode, Heartbeat, Admit, Release, Prefill and
 #   Steps directly: UNAUTHENTICATED every time; tandem_auth_cluster_total counts them;
 # - `tandem local` writes its cluster's own secret (mode 0600) and serves with it.
-# Skips without the model or python3-grpcio.
+# Skips without the model, Llama 3's tokenizer.json or python3-grpcio.
 source "$(dirname "$0")/cluster_lib.sh"
 cl_init
+# the HTTP API answers in text: the router needs a tokenizer (any: the prompts are ids)
+TOK="$(dirname "$CL_M")/../tokenizers/llama3/tokenizer.json"
+[ -f "$TOK" ] || { echo "SKIP: $TOK absent (set TANDEM_TEST_MODELS)"; exit 77; }
 KEY1=key-one-0123456789abcdef0123456789abcdef
 KEY2=key-two-fedcba9876543210fedcba9876543210
 printf '# front door keys\n%s\n' "$KEY1" >"$CL_T/keys"
@@ -48,7 +53,9 @@ gen local_absent "" "1 200 300" && cl_fail "tandem local served a request withou
 
 echo "== a router, p0 and d0 sharing a secret"
 cl_router --heartbeat-ms 100 --heartbeat-timeout-ms 1000 --cluster-secret-file "$CL_T/secret" \
-    --api-keys-file "$CL_T/keys"
+    --api-keys-file "$CL_T/keys" --http-port 0 --tokenizer "$TOK"
+OA=$(sed -n 's/^openai: //p' "$CL_T/router.out")
+[ -n "$OA" ] || cl_fail "the router printed no openai: line"
 cl_node prefill p0 --cluster-secret-file "$CL_T/secret"
 cl_node decode d0 --cluster-secret-file "$CL_T/secret"
 cl_wait_nodes 1 1
@@ -67,6 +74,44 @@ for o in ok:1 wrong:1 missing:1; do
     [ "${v%.*}" = "${o##*:}" ] || cl_fail "tandem_auth_api_key_total{outcome=${o%%:*}} is $v, want ${o##*:}"
 done
 [ "$(cl_metric d0 tandem_decode_admits_total | cut -d. -f1)" = 1 ] || cl_fail "refused requests reached d0"
+echo "== API keys on the OpenAI HTTP API"
+# http NAME AUTH-HEADER-OR-EMPTY METHOD PATH [BODY]: prints the status; body in $CL_T/NAME.http
+http() {
+    local name=$1 auth=$2 method=$3 path=$4 body=${5:-}
+    local args=(-s -o "$CL_T/$name.http" -D "$CL_T/$name.hdr" -w '%{http_code}' -X "$method" "$OA$path")
+    [ -n "$auth" ] && args+=(-H "Authorization: $auth")
+    [ -n "$body" ] && args+=(-H 'Content-Type: application/json' -d "$body")
+    curl "${args[@]}"
+}
+body='{"model":"default","prompt":[1,200,300],"max_tokens":16,"temperature":0}'
+[ "$(http h_right "Bearer $KEY1" POST /completions "$body")" = 200 ] ||
+    cl_fail "HTTP with the right key: $(cat "$CL_T/h_right.http")"
+"$CL_PY" - "$CL_T/h_right.http" "$want" <<'EOF' || cl_fail "HTTP completion differs from tandem generate"
+import json, sys
+r = json.load(open(sys.argv[1]))
+want = len(sys.argv[2].split())
+n = r["usage"]["completion_tokens"]
+print("http completion: %d tokens (want %d), finish_reason %s" % (n, want, r["choices"][0]["finish_reason"]))
+sys.exit(0 if n == want else 1)
+EOF
+for row in "h_wrong|Bearer ${KEY1}x|the API key is not valid" "h_basic|Basic $KEY1|the API key is not valid" \
+    "h_absent||no API key"; do
+    IFS='|' read -r name auth says <<<"$row"
+    code=$(http "$name" "$auth" POST /completions "$body")
+    [ "$code" = 401 ] || cl_fail "HTTP $name: status $code, want 401"
+    grep -q '"code": *"invalid_api_key"' "$CL_T/$name.http" && grep -q "$says" "$CL_T/$name.http" ||
+        cl_fail "HTTP $name: not OpenAI's 401 error: $(cat "$CL_T/$name.http")"
+    grep -qi '^WWW-Authenticate: Bearer' "$CL_T/$name.hdr" || cl_fail "HTTP $name: no WWW-Authenticate"
+done
+[ "$(http h_models "" GET /models)" = 401 ] || cl_fail "GET /v1/models without a key was served"
+[ "$(http h_models_ok "Bearer $KEY1" GET /models)" = 200 ] || cl_fail "GET /v1/models with the key failed"
+code=$(curl -s -o /dev/null -w '%{http_code}' "${OA%/v1}/health")
+[ "$code" = 200 ] || cl_fail "GET /health without a key: $code, want 200 (probes carry no key)"
+for o in ok:3 wrong:3 missing:3; do
+    v=$(cl_metric router tandem_auth_api_key_total "outcome=${o%%:*}")
+    [ "${v%.*}" = "${o##*:}" ] || cl_fail "after HTTP: tandem_auth_api_key_total{outcome=${o%%:*}} is $v, want ${o##*:}"
+done
+[ "$(cl_metric d0 tandem_decode_admits_total | cut -d. -f1)" = 2 ] || cl_fail "refused HTTP requests reached d0"
 curl -s "${CL_MURL[router]}" | grep -q "$KEY1" && cl_fail "/metrics shows a key"
 grep -q "$KEY1" "$CL_T"/router.err && cl_fail "the router logged a key"
 
@@ -113,7 +158,7 @@ for n in rogue0 rogue1 twin; do
     [ "${v%.*}" = 0 ] || cl_fail "$n was sent $v requests"
 done
 v=$(cl_metric d0 tandem_decode_admits_total)
-[ "${v%.*}" -ge 9 ] || cl_fail "d0 served $v requests, want at least 9"
+[ "${v%.*}" -ge 10 ] || cl_fail "d0 served $v requests, want at least 10"
 
 echo "== a process without the secret calls the control APIs directly"
 "$CL_PY" - "$CL_CTL" "$DC" "$PC" <<'EOF' || cl_fail "an unsigned control call was not refused"
@@ -152,4 +197,4 @@ v=$(cl_metric router tandem_auth_cluster_total "outcome=missing")
 v=$(cl_metric d0 tandem_auth_cluster_total "outcome=wrong")
 [ "${v%.*}" -ge 3 ] || cl_fail "d0 counted $v forged calls, want at least 3"
 for n in router p0 d0; do _cl_dead "${CL_PID[$n]}" && cl_fail "$n died"; done
-cl_end "API keys right/wrong/absent on the gRPC front door, SIGHUP rotation, rogue and twin nodes refused, unsigned and forged control calls refused"
+cl_end "API keys right/wrong/absent on the gRPC and HTTP front doors, SIGHUP rotation, rogue and twin nodes refused, unsigned and forged control calls refused"
