@@ -13,6 +13,8 @@
 #   secret is refused while d0 keeps serving;
 # - a process without the secret calling RegisterNode, Heartbeat, Admit, Release, Prefill and
 #   Steps directly: UNAUTHENTICATED every time; tandem_auth_cluster_total counts them;
+# - the router SIGKILLed and started again with the same secret: p0 and d0 register again
+#   and serve, the rogue nodes are refused again;
 # - `tandem local` writes its cluster's own secret (mode 0600) and serves with it.
 # Skips without the model, Llama 3's tokenizer.json or python3-grpcio.
 source "$(dirname "$0")/cluster_lib.sh"
@@ -52,7 +54,8 @@ gen local_right "$KEY1" "1 200 300" || cl_fail "tandem local: the right key fail
 gen local_absent "" "1 200 300" && cl_fail "tandem local served a request without a key"
 
 echo "== a router, p0 and d0 sharing a secret"
-cl_router --heartbeat-ms 100 --heartbeat-timeout-ms 1000 --cluster-secret-file "$CL_T/secret" \
+PORT=$("$CL_PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+cl_router --control-port "$PORT" --heartbeat-ms 100 --heartbeat-timeout-ms 1000 --cluster-secret-file "$CL_T/secret" \
     --api-keys-file "$CL_T/keys" --http-port 0 --tokenizer "$TOK"
 OA=$(sed -n 's/^openai: //p' "$CL_T/router.out")
 [ -n "$OA" ] || cl_fail "the router printed no openai: line"
@@ -197,4 +200,19 @@ v=$(cl_metric router tandem_auth_cluster_total "outcome=missing")
 v=$(cl_metric d0 tandem_auth_cluster_total "outcome=wrong")
 [ "${v%.*}" -ge 3 ] || cl_fail "d0 counted $v forged calls, want at least 3"
 for n in router p0 d0; do _cl_dead "${CL_PID[$n]}" && cl_fail "$n died"; done
-cl_end "API keys right/wrong/absent on the gRPC and HTTP front doors, SIGHUP rotation, rogue and twin nodes refused, unsigned and forged control calls refused"
+[ $CL_FAIL -eq 0 ] || cl_end
+
+echo "== a new router with the same secret: the members sign on with no session to restore"
+CL_KILLED[router]=1
+kill -KILL "${CL_PID[router]}"
+printf '%s\n' "$KEY2" >"$CL_T/keys"
+CL_ROUTER=router2
+cl_router --control-port "$PORT" --heartbeat-ms 100 --heartbeat-timeout-ms 1000 --cluster-secret-file "$CL_T/secret" \
+    --api-keys-file "$CL_T/keys"
+CL_WAIT_NODES_S=15 cl_wait_nodes 1 1
+gen again "$KEY2" "1 200 300" || cl_fail "the new router did not serve: $(cat "$CL_T/again.gen.err")"
+[ "$(cat "$CL_T/again.gen")" = "$want" ] || cl_fail "new router: want '$want' got '$(cat "$CL_T/again.gen")'"
+cl_wait_line "$CL_T/router2.err" "RegisterNode from .* refused" 5 || cl_fail "the rogue nodes were not refused by the new router"
+line=$(grep '^nodes: ' "$CL_T/router2.out" | tail -1)
+[ "$line" = "nodes: 1 prefill, 1 decode" ] || cl_fail "the new router counts rogue nodes: $line"
+cl_end "API keys right/wrong/absent on the gRPC and HTTP front doors, SIGHUP rotation, rogue and twin nodes refused, unsigned and forged control calls refused, a restarted router takes the members back"
