@@ -38,6 +38,11 @@ typedef struct http_client {
     bool first;                 /* no chunk with text went out yet */
     char *echo;                 /* completions with echo: the prompt's text, sent first */
     size_t echo_len;
+    bool logprobs;              /* the client asked for log-probabilities */
+    bool lp_first_null;         /* the first entry is the prompt's first token (echo) */
+    size_t lp_offset;           /* completions' text_offset of the next token */
+    td_token_logprob_t *lps;    /* a whole answer: every entry so far [n_lps] */
+    size_t n_lps, cap_lps;
     router_oai_buf_t text;      /* a whole answer: the text so far */
     router_oai_buf_t out;       /* the bytes being written */
     size_t tail_off;            /* after the request ended: out[tail_off..n) still to write */
@@ -45,6 +50,7 @@ typedef struct http_client {
 
 static void client_free(http_client_t *hc)
 {
+    free(hc->lps);
     router_oai_buf_free(&hc->text);
     router_oai_buf_free(&hc->out);
     free(hc->echo);
@@ -156,31 +162,91 @@ static void echo_sent(http_client_t *hc)
     hc->echo = NULL;
 }
 
+/* A token's text for its log-probability entry (router_oai_token_text_cb; ctx is the
+ * router): the id decoded alone. */
+static size_t token_text(void *ctx, int32_t id, char *buf, size_t cap)
+{
+    const router_state_t *s = ctx;
+    char *t = NULL;
+    size_t len = 0;
+    if (td_tokenizer_decode(s->tok, &id, 1, &t, &len) != TD_OK)
+        return 0;
+    len = TD_MIN(len, cap);
+    memcpy(buf, t, len);
+    free(t);
+    return len;
+}
+
+/* r's pending log-probabilities in order (the prompt's, sent with the first message, then
+ * the generated tokens'), appended to hc->lps. TD_ERR_NOMEM. */
+static td_status_t lps_append(http_client_t *hc, const router_req_t *r)
+{
+    size_t np = r->out.n_prompt_lps, ng = r->out.lps ? r->out.n : 0;
+    if (hc->n_lps + np + ng > hc->cap_lps) {
+        size_t cap = TD_MAX(hc->cap_lps * 2, hc->n_lps + np + ng);
+        td_token_logprob_t *p = realloc(hc->lps, cap * sizeof *p);
+        if (!p)
+            return TD_ERR_NOMEM;
+        hc->lps = p;
+        hc->cap_lps = cap;
+    }
+    if (np && !hc->n_lps)
+        hc->lp_first_null = true; /* the prompt's first token: no context */
+    if (np)
+        memcpy(hc->lps + hc->n_lps, r->out.prompt_lps, np * sizeof *hc->lps);
+    if (ng)
+        memcpy(hc->lps + hc->n_lps + np, r->out.lps, ng * sizeof *hc->lps);
+    hc->n_lps += np + ng;
+    return TD_OK;
+}
+
+/* choices[0].logprobs of hc->lps[from..n_lps) into *b; NULL when the client asked none (or
+ * out of memory: sent without them). */
+static const char *lps_json(http_client_t *hc, size_t from, router_oai_buf_t *b)
+{
+    if (!hc->logprobs)
+        return NULL;
+    hc->lp_offset = router_oai_logprobs(b, hc->rs.kind, hc->lps + from, hc->n_lps - from,
+                                        hc->lp_first_null && from == 0, hc->lp_offset, token_text, hc->s);
+    return b->oom ? NULL : b->p;
+}
+
 static td_status_t http_send(router_req_t *r)
 {
     http_client_t *hc = r->client;
+    if (hc->logprobs && lps_append(hc, r) != TD_OK)
+        return TD_ERR_NOMEM;
     if (!hc->stream) {
         router_oai_buf_put(&hc->text, r->out.text ? r->out.text : "", r->out.n_text);
         return hc->text.oom ? TD_ERR_NOMEM : TD_OK;
     }
-    if (!r->out.n_text && !hc->echo)
+    bool any_lp = hc->n_lps > 0;
+    if (!r->out.n_text && !hc->echo && !any_lp)
         return TD_OK; /* ids whose text is held back (a stop string may begin there) */
     td_status_t st = stream_begin(hc);
-    if (st != TD_OK)
+    if (st != TD_OK) {
+        hc->n_lps = 0;
         return st == TD_ERR_CLOSED ? TD_ERR_CANCELLED : st; /* closing: on_abort ends r */
-    router_oai_buf_t tmp = {0};
-    size_t len;
+    }
+    router_oai_buf_t tmp = {0}, lpb = {0};
+    size_t len, lp_offset = hc->lp_offset;
     const char *text = message_text(hc, r, &len, &tmp);
     hc->out.n = 0;
-    router_oai_chunk(&hc->out, &hc->rs, hc->first, text, len, NULL, hc->include_usage);
+    router_oai_chunk(&hc->out, &hc->rs, hc->first, text, len, any_lp ? lps_json(hc, 0, &lpb) : NULL, NULL,
+                     hc->include_usage);
     router_oai_buf_free(&tmp);
+    router_oai_buf_free(&lpb);
     if (hc->out.oom)
         return TD_ERR_NOMEM;
     st = td_http_stream_write(hc->req, hc->out.p, hc->out.n);
     if (st == TD_OK) {
         hc->first = false;
+        hc->lp_first_null = false;
         echo_sent(hc);
+    } else {
+        hc->lp_offset = lp_offset; /* the same entries go again with the retry */
     }
+    hc->n_lps = 0; /* r->out keeps them when the send did not go */
     return st == TD_ERR_CLOSED ? TD_ERR_CANCELLED : st;
 }
 
@@ -195,29 +261,35 @@ static void http_finish(router_req_t *r, const router_summary_t *sum)
     hc->r = NULL;
     router_oai_usage_t u = {.prompt_tokens = sum->prompt_tokens, .completion_tokens = sum->completion_tokens,
                             .cached_tokens = sum->cached_tokens};
+    if (hc->logprobs && lps_append(hc, r) != TD_OK)
+        hc->logprobs = false; /* out of memory: the answer goes without them */
     if (!hc->stream) {
         router_oai_buf_put(&hc->text, r->out.text ? r->out.text : "", r->out.n_text);
-        router_oai_buf_t b = {0};
+        router_oai_buf_t b = {0}, lpb = {0};
         if (hc->echo) {
             router_oai_buf_put(&b, hc->echo, hc->echo_len);
             router_oai_buf_put(&b, hc->text.p ? hc->text.p : "", hc->text.n);
         }
         router_oai_buf_t *t = hc->echo ? &b : &hc->text;
         hc->out.n = 0;
-        router_oai_response(&hc->out, &hc->rs, t->p ? t->p : "", t->n, reason_name(sum->reason), &u);
+        router_oai_response(&hc->out, &hc->rs, t->p ? t->p : "", t->n, lps_json(hc, 0, &lpb),
+                            reason_name(sum->reason), &u);
         router_oai_buf_free(&b);
+        router_oai_buf_free(&lpb);
         respond_json(hc->req, 200, &hc->out);
         client_free(hc);
         return;
     }
     if (stream_begin(hc) != TD_OK)
         return; /* the connection is closing: on_abort follows and frees hc */
-    router_oai_buf_t tmp = {0};
+    router_oai_buf_t tmp = {0}, lpb = {0};
     size_t len;
     const char *text = message_text(hc, r, &len, &tmp);
     hc->out.n = 0;
-    router_oai_chunk(&hc->out, &hc->rs, hc->first, text, len, reason_name(sum->reason), hc->include_usage);
+    router_oai_chunk(&hc->out, &hc->rs, hc->first, text, len, hc->n_lps ? lps_json(hc, 0, &lpb) : NULL,
+                     reason_name(sum->reason), hc->include_usage);
     router_oai_buf_free(&tmp);
+    router_oai_buf_free(&lpb);
     if (hc->include_usage)
         router_oai_usage_chunk(&hc->out, &hc->rs, &u);
     router_oai_done(&hc->out);
@@ -309,6 +381,8 @@ static void param_of(const char *why, router_oai_kind_t kind, char *param, size_
             snprintf(param, cap, "%s", same[i]);
     if (!strncmp(why, "stop", 4))
         snprintf(param, cap, "stop");
+    else if (!strncmp(why, "prompt_logprobs", 15) || !strncmp(why, "top_logprobs", 12))
+        snprintf(param, cap, "%s", kind == ROUTER_OAI_CHAT ? "top_logprobs" : "logprobs");
     else if (n == 6 && !strncmp(why, "prompt", 6))
         snprintf(param, cap, "%s", kind == ROUTER_OAI_CHAT ? "messages" : "prompt");
 }
@@ -340,12 +414,8 @@ static void http_generate(router_state_t *s, td_http_req_t *req, router_oai_kind
         router_count_outcome(s, "invalid");
         goto err_respond;
     }
-    if (q.logprobs >= 0) {
-        router_oai_error_set(&err, 400, "invalid_request_error", "logprobs", "unsupported_parameter",
-                             "log-probabilities are not served by this router yet");
-        router_count_outcome(s, "invalid");
-        goto err_respond;
-    }
+    if (q.logprobs >= 0) /* echo with logprobs: the prompt's too, as evaluation harnesses use */
+        q.gp.logprobs = (td_logprobs_want_t){.on = true, .top = q.logprobs, .prompt = q.echo};
     /* checked here first for the parameter's name (router_req_open checks again, for every
      * front door, and says the same) */
     if (td_gen_params_validate(&q.gp, why, sizeof why) != TD_OK) {
@@ -381,6 +451,7 @@ static void http_generate(router_state_t *s, td_http_req_t *req, router_oai_kind
     hc->stream = q.stream;
     hc->include_usage = q.stream && q.include_usage;
     hc->first = true;
+    hc->logprobs = q.logprobs >= 0;
     snprintf(hc->id, sizeof hc->id, "%s%s", kind == ROUTER_OAI_CHAT ? "chatcmpl-" : "cmpl-", r->id);
     hc->rs = (router_oai_resp_t){.kind = kind, .id = hc->id, .model = s->proc.cfg.model_name,
                                  .created = (int64_t)time(NULL)};

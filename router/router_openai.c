@@ -627,8 +627,97 @@ static void usage(router_oai_buf_t *b, const router_oai_usage_t *u)
                           u->cached_tokens);
 }
 
+static void num(router_oai_buf_t *b, float v)
+{
+    router_oai_buf_printf(b, "%.9g", isfinite(v) ? (double)v : -9999.0);
+}
+
+static void bytes_array(router_oai_buf_t *b, const char *t, size_t n)
+{
+    router_oai_buf_puts(b, "[");
+    for (size_t i = 0; i < n; i++)
+        router_oai_buf_printf(b, i ? ",%u" : "%u", (unsigned char)t[i]);
+    router_oai_buf_puts(b, "]");
+}
+
+size_t router_oai_logprobs(router_oai_buf_t *b, router_oai_kind_t kind, const td_token_logprob_t *lps, size_t n,
+                           bool first_null, size_t text_offset0, router_oai_token_text_cb text_cb, void *ctx)
+{
+    char t[256];
+    size_t off = text_offset0;
+    if (kind == ROUTER_OAI_CHAT) {
+        router_oai_buf_puts(b, "{\"content\":[");
+        for (size_t i = 0; i < n; i++) {
+            size_t tl = text_cb(ctx, lps[i].token, t, sizeof t);
+            off += tl;
+            router_oai_buf_puts(b, i ? ",{\"token\":" : "{\"token\":");
+            router_oai_buf_json_str(b, t, tl);
+            router_oai_buf_puts(b, ",\"logprob\":");
+            num(b, lps[i].logprob);
+            router_oai_buf_puts(b, ",\"bytes\":");
+            bytes_array(b, t, tl);
+            router_oai_buf_puts(b, ",\"top_logprobs\":[");
+            for (int32_t k = 0; k < lps[i].n_top; k++) {
+                size_t kl = text_cb(ctx, lps[i].top[k].token, t, sizeof t);
+                router_oai_buf_puts(b, k ? ",{\"token\":" : "{\"token\":");
+                router_oai_buf_json_str(b, t, kl);
+                router_oai_buf_puts(b, ",\"logprob\":");
+                num(b, lps[i].top[k].logprob);
+                router_oai_buf_puts(b, ",\"bytes\":");
+                bytes_array(b, t, kl);
+                router_oai_buf_puts(b, "}");
+            }
+            router_oai_buf_puts(b, "]}");
+        }
+        router_oai_buf_puts(b, "],\"refusal\":null}");
+        return off;
+    }
+    router_oai_buf_puts(b, "{\"tokens\":[");
+    for (size_t i = 0; i < n; i++) {
+        size_t tl = text_cb(ctx, lps[i].token, t, sizeof t);
+        if (i)
+            router_oai_buf_puts(b, ",");
+        router_oai_buf_json_str(b, t, tl);
+    }
+    router_oai_buf_puts(b, "],\"token_logprobs\":[");
+    for (size_t i = 0; i < n; i++) {
+        if (i)
+            router_oai_buf_puts(b, ",");
+        if (i == 0 && first_null)
+            router_oai_buf_puts(b, "null");
+        else
+            num(b, lps[i].logprob);
+    }
+    router_oai_buf_puts(b, "],\"top_logprobs\":[");
+    for (size_t i = 0; i < n; i++) {
+        if (i)
+            router_oai_buf_puts(b, ",");
+        if (i == 0 && first_null) {
+            router_oai_buf_puts(b, "null");
+            continue;
+        }
+        router_oai_buf_puts(b, "{");
+        for (int32_t k = 0; k < lps[i].n_top; k++) {
+            size_t kl = text_cb(ctx, lps[i].top[k].token, t, sizeof t);
+            if (k)
+                router_oai_buf_puts(b, ",");
+            router_oai_buf_json_str(b, t, kl); /* two ids of one text: the later key repeats, as OpenAI's */
+            router_oai_buf_puts(b, ":");
+            num(b, lps[i].top[k].logprob);
+        }
+        router_oai_buf_puts(b, "}");
+    }
+    router_oai_buf_puts(b, "],\"text_offset\":[");
+    for (size_t i = 0; i < n; i++) {
+        router_oai_buf_printf(b, i ? ",%zu" : "%zu", off);
+        off += text_cb(ctx, lps[i].token, t, sizeof t);
+    }
+    router_oai_buf_puts(b, "]}");
+    return off;
+}
+
 void router_oai_chunk(router_oai_buf_t *b, const router_oai_resp_t *rs, bool first, const char *text, size_t len,
-                      const char *reason, bool usage_null)
+                      const char *logprobs, const char *reason, bool usage_null)
 {
     bool chat = rs->kind == ROUTER_OAI_CHAT;
     router_oai_buf_puts(b, "data: ");
@@ -641,12 +730,13 @@ void router_oai_chunk(router_oai_buf_t *b, const router_oai_resp_t *rs, bool fir
             router_oai_buf_puts(b, "\"content\":");
             router_oai_buf_json_str(b, text, len);
         }
-        router_oai_buf_puts(b, "},\"logprobs\":null");
+        router_oai_buf_puts(b, "},\"logprobs\":");
     } else {
         router_oai_buf_puts(b, ",\"choices\":[{\"index\":0,\"text\":");
         router_oai_buf_json_str(b, text, len);
-        router_oai_buf_puts(b, ",\"logprobs\":null");
+        router_oai_buf_puts(b, ",\"logprobs\":");
     }
+    router_oai_buf_puts(b, logprobs ? logprobs : "null");
     finish_reason(b, reason);
     router_oai_buf_puts(b, usage_null ? "],\"usage\":null}\n\n" : "]}\n\n");
 }
@@ -666,19 +756,20 @@ void router_oai_done(router_oai_buf_t *b)
 }
 
 void router_oai_response(router_oai_buf_t *b, const router_oai_resp_t *rs, const char *text, size_t len,
-                         const char *reason, const router_oai_usage_t *u)
+                         const char *logprobs, const char *reason, const router_oai_usage_t *u)
 {
     bool chat = rs->kind == ROUTER_OAI_CHAT;
     head(b, rs, chat ? "chat.completion" : "text_completion");
     if (chat) {
         router_oai_buf_puts(b, ",\"choices\":[{\"index\":0,\"message\":{\"role\":\"assistant\",\"content\":");
         router_oai_buf_json_str(b, text, len);
-        router_oai_buf_puts(b, "},\"logprobs\":null");
+        router_oai_buf_puts(b, "},\"logprobs\":");
     } else {
         router_oai_buf_puts(b, ",\"choices\":[{\"index\":0,\"text\":");
         router_oai_buf_json_str(b, text, len);
-        router_oai_buf_puts(b, ",\"logprobs\":null");
+        router_oai_buf_puts(b, ",\"logprobs\":");
     }
+    router_oai_buf_puts(b, logprobs ? logprobs : "null");
     finish_reason(b, reason);
     router_oai_buf_puts(b, "],");
     usage(b, u);

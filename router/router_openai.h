@@ -109,12 +109,27 @@ typedef struct router_oai_usage {
     uint32_t prompt_tokens, completion_tokens, cached_tokens;
 } router_oai_usage_t;
 
+/* A token's text for log-probabilities: its bytes into buf[0..cap), the length returned
+ * (at most cap; 0 for none). */
+typedef size_t (*router_oai_token_text_cb)(void *ctx, int32_t id, char *buf, size_t cap);
+
+/* Log-probabilities of n tokens as the value of choices[0].logprobs: completions'
+ * {"tokens", "token_logprobs", "top_logprobs", "text_offset"} (offsets counted from
+ * text_offset0, token texts laid end to end), or chat's {"content": [{"token", "logprob",
+ * "bytes", "top_logprobs"}], "refusal": null}. With first_null the first token's logprob
+ * and alternatives are null (a prompt's first token has no context: echo). Non-finite
+ * logprobs are written as -9999.0 (JSON has no -inf). Returns the text offset after the
+ * last token (text_offset0 plus their texts' bytes), for the next message's. */
+size_t router_oai_logprobs(router_oai_buf_t *b, router_oai_kind_t kind, const td_token_logprob_t *lps, size_t n,
+                           bool first_null, size_t text_offset0, router_oai_token_text_cb text_cb, void *ctx);
+
 /* One SSE event "data: {chunk}\n\n" with text[0..len) as choices[0].text (completions) or
- * .delta.content (chat; the first chunk, `first`, also carries role "assistant");
- * finish_reason ("stop", "length") or NULL (null); with `usage_null` ("include_usage" was
- * asked) the chunk carries "usage": null as OpenAI's do. */
+ * .delta.content (chat; the first chunk, `first`, also carries role "assistant"); logprobs
+ * the JSON of choices[0].logprobs (router_oai_logprobs) or NULL (null); finish_reason
+ * ("stop", "length") or NULL (null); with `usage_null` ("include_usage" was asked) the
+ * chunk carries "usage": null as OpenAI's do. */
 void router_oai_chunk(router_oai_buf_t *b, const router_oai_resp_t *rs, bool first, const char *text, size_t len,
-                      const char *finish_reason, bool usage_null);
+                      const char *logprobs, const char *finish_reason, bool usage_null);
 
 /* The last chunk when usage was asked: "choices": [] and the usage. */
 void router_oai_usage_chunk(router_oai_buf_t *b, const router_oai_resp_t *rs, const router_oai_usage_t *u);
@@ -123,9 +138,9 @@ void router_oai_usage_chunk(router_oai_buf_t *b, const router_oai_resp_t *rs, co
 void router_oai_done(router_oai_buf_t *b);
 
 /* A whole (non-streamed) response: the text as choices[0].text or .message.content, its
- * finish_reason and the usage. */
+ * logprobs (as router_oai_chunk's), finish_reason and the usage. */
 void router_oai_response(router_oai_buf_t *b, const router_oai_resp_t *rs, const char *text, size_t len,
-                         const char *finish_reason, const router_oai_usage_t *u);
+                         const char *logprobs, const char *finish_reason, const router_oai_usage_t *u);
 
 /* {"error": {...}} */
 void router_oai_error_json(router_oai_buf_t *b, const router_oai_error_t *err);

@@ -8,6 +8,8 @@
     openai_client.py BASE_URL errors
         bad requests through the client: each must raise the right status with OpenAI's
         error body naming the parameter
+    openai_client.py BASE_URL logprobs MAX_TOKENS PROMPT
+        chat logprobs + top_logprobs and completions logprobs with echo: shapes and texts
     openai_client.py BASE_URL disconnect MAX_TOKENS PROMPT
         starts a streamed chat, reads two chunks and closes the connection
 """
@@ -93,6 +95,7 @@ def errors(client, model):
         ("max_tokens", 400, dict(max_tokens=-3)),
         ("stop", 400, dict(stop=5)),
         ("top_logprobs", 400, dict(logprobs=True, top_logprobs=21)),
+        ("top_logprobs", 400, dict(top_logprobs=2)),
         ("model", 400, dict(model="no-such-model")),
         ("messages", 400, dict(messages="hello")),
     ]
@@ -107,6 +110,36 @@ def errors(client, model):
             if e.status_code != status or body.get("param") != param or not body.get("message"):
                 fail("%r: status %d, body %r; want %d naming %s" % (kw, e.status_code, body, status, param))
     print("errors: %d bad requests refused with their parameter named" % len(cases))
+
+
+def logprobs(client, model, max_tokens, prompt):
+    """chat: one entry per generated token, their texts making the answer, 3 alternatives
+    each, the greedy token the most likely; completions with echo: the prompt's tokens first
+    (the first without a logprob), text offsets running over the returned text."""
+    r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
+                                       max_tokens=max_tokens, temperature=0, logprobs=True, top_logprobs=3)
+    c = r.choices[0]
+    lp = c.logprobs.content
+    if len(lp) != r.usage.completion_tokens or "".join(e.token for e in lp) != c.message.content:
+        fail("chat logprobs %r for %r" % (lp, c.message.content))
+    for e in lp:
+        if len(e.top_logprobs) != 3 or not e.logprob <= 0 or e.top_logprobs[0].token != e.token or \
+                bytes(e.bytes).decode() != e.token:
+            fail("chat logprob entry %r" % e)
+    r = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, logprobs=2,
+                                  echo=True)
+    c = r.choices[0]
+    l = c.logprobs
+    n = r.usage.prompt_tokens + r.usage.completion_tokens
+    if len(l.tokens) != n or l.token_logprobs[0] is not None or l.top_logprobs[0] is not None:
+        fail("echo logprobs %r (%d tokens)" % (l, n))
+    if not c.text.startswith(prompt) or "".join(l.tokens) != c.text:
+        fail("echo text %r, tokens %r" % (c.text, l.tokens))
+    if l.text_offset != [sum(len(t.encode()) for t in l.tokens[:i]) for i in range(n)]:
+        fail("text_offset %r" % l.text_offset)
+    if any(len(t) > 2 or max(t.values()) > 0 for t in l.top_logprobs[1:]):
+        fail("top_logprobs %r" % l.top_logprobs)
+    print("logprobs: chat %d entries, completions with echo %d" % (len(lp), n))
 
 
 def disconnect(client, model, max_tokens, prompt):
@@ -130,6 +163,8 @@ def main():
         sys.stdout.write(text(client, model, kind, mode == "stream", max_tokens, prompt))
     elif what == "errors":
         errors(client, model)
+    elif what == "logprobs":
+        logprobs(client, model, int(sys.argv[3]), sys.argv[4])
     elif what == "disconnect":
         disconnect(client, model, int(sys.argv[3]), sys.argv[4])
     else:

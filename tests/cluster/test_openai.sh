@@ -4,7 +4,7 @@
 # client (a venv of its own, scripts/openai-venv) and by curl:
 # - greedy chat and completions, whole and streamed (with include_usage), equal `tandem
 #   generate`'s text for the same conversation or prompt; shapes checked by the client
-#   (tests/cluster/openai_client.py);
+#   (tests/cluster/openai_client.py); log-probabilities (chat's, completions' with echo);
 # - SSE framing as sent on the wire (curl): text/event-stream, "data: {json}" events each
 #   followed by a blank line, a usage chunk, "data: [DONE]" last;
 # - bad requests: malformed JSON, wrong types (the parameter named), n > 1, an unknown model,
@@ -75,6 +75,9 @@ assert all(c["usage"] is None for c in chunks[:-1])
 print("sse: %d chunks, usage, [DONE]" % len(chunks))
 EOF
 
+# log-probabilities: chat's, and completions' with echo (the prompt's too, as harnesses use)
+"$OA_PY" "$CLIENT" "$OA" logprobs $MAXTOK "$P" >"$CL_T/lp" 2>&1 || cl_fail "logprobs: $(cat "$CL_T/lp")"
+
 # errors through the client (each names its parameter), then by hand
 "$OA_PY" "$CLIENT" "$OA" errors >"$CL_T/errors" 2>&1 || cl_fail "errors: $(cat "$CL_T/errors")"
 status() { # WANT_STATUS WANT_BODY_REGEX CURL_ARGS...
@@ -111,4 +114,4 @@ done
 [ "${c%.*}" -gt "${c0%.*}" ] || cl_fail "the disconnect was not counted cancelled ($c0 before, $c after)"
 cl_blocks_back decode0 "$base" "a client disconnected mid-stream"
 
-cl_end "$n OpenAI client generations equal tandem generate's on SmolLM2; SSE framing; errors; disconnect cancels"
+cl_end "$n OpenAI client generations equal tandem generate's on SmolLM2; logprobs; SSE framing; errors; disconnect cancels"

@@ -238,7 +238,7 @@ Test(router_openai, stream_chunks)
 {
     router_oai_resp_t chat = {.kind = ROUTER_OAI_CHAT, .id = "chatcmpl-r1", .model = "smol", .created = 1700000000};
     router_oai_buf_t b = {0};
-    router_oai_chunk(&b, &chat, true, "Hel", 3, NULL, false);
+    router_oai_chunk(&b, &chat, true, "Hel", 3, NULL, NULL, false);
     cr_assert_eq(strcmp(b.p + b.n - 2, "\n\n"), 0);
     cJSON *j = parsed(&b, "data: ");
     cr_assert_str_eq(at(j, "object")->valuestring, "chat.completion.chunk");
@@ -250,7 +250,7 @@ Test(router_openai, stream_chunks)
     cr_assert_null(cJSON_GetObjectItem(j, "usage"));
     cJSON_Delete(j);
     b.n = 0;
-    router_oai_chunk(&b, &chat, false, "", 0, "length", true);
+    router_oai_chunk(&b, &chat, false, "", 0, NULL, "length", true);
     j = parsed(&b, "data: ");
     cr_assert_null(at(j, "choices.0.delta")->child, "the last chunk's delta is {}: %s", b.p);
     cr_assert_str_eq(at(j, "choices.0.finish_reason")->valuestring, "length");
@@ -266,7 +266,7 @@ Test(router_openai, stream_chunks)
     cJSON_Delete(j);
     b.n = 0;
     router_oai_resp_t cmpl = {.kind = ROUTER_OAI_COMPLETIONS, .id = "cmpl-r2", .model = "smol", .created = 5};
-    router_oai_chunk(&b, &cmpl, true, "a\"b", 3, "stop", false);
+    router_oai_chunk(&b, &cmpl, true, "a\"b", 3, NULL, "stop", false);
     j = parsed(&b, "data: ");
     cr_assert_str_eq(at(j, "object")->valuestring, "text_completion");
     cr_assert_str_eq(at(j, "choices.0.text")->valuestring, "a\"b");
@@ -283,7 +283,7 @@ Test(router_openai, whole_responses_errors_models)
     router_oai_buf_t b = {0};
     router_oai_usage_t u = {.prompt_tokens = 3, .completion_tokens = 2};
     router_oai_resp_t chat = {.kind = ROUTER_OAI_CHAT, .id = "chatcmpl-x", .model = "smol", .created = 9};
-    router_oai_response(&b, &chat, "Paris.", 6, "stop", &u);
+    router_oai_response(&b, &chat, "Paris.", 6, NULL, "stop", &u);
     cJSON *j = parsed(&b, "");
     cr_assert_str_eq(at(j, "object")->valuestring, "chat.completion");
     cr_assert_str_eq(at(j, "choices.0.message.role")->valuestring, "assistant");
@@ -320,6 +320,61 @@ Test(router_openai, whole_responses_errors_models)
     cr_assert_str_eq(at(j, "object")->valuestring, "list");
     cr_assert_str_eq(at(j, "data.0.id")->valuestring, "smol");
     cr_assert_str_eq(at(j, "data.0.object")->valuestring, "model");
+    cJSON_Delete(j);
+    router_oai_buf_free(&b);
+}
+
+/* ---- log-probabilities --------------------------------------------------------------- */
+
+static size_t fake_text(void *ctx, int32_t id, char *buf, size_t cap)
+{
+    (void)ctx;
+    return (size_t)snprintf(buf, cap, id == 7 ? "\xc3\xa9" : "t%d", id); /* 7: "é", two bytes */
+}
+
+Test(router_openai, logprobs_shapes)
+{
+    td_token_logprob_t lps[2] = {{.token = 5, .logprob = -0.5f, .n_top = 2,
+                                  .top = {{.token = 5, .logprob = -0.5f}, {.token = 7, .logprob = -1.25f}}},
+                                 {.token = 7, .logprob = -INFINITY, .n_top = 0}};
+    router_oai_buf_t b = {0};
+    size_t end = router_oai_logprobs(&b, ROUTER_OAI_COMPLETIONS, lps, 2, true, 10, fake_text, NULL);
+    cr_assert_eq(end, 10 + 2 + 2, "text offsets run over the tokens' texts");
+    cJSON *j = parsed(&b, "");
+    cr_assert_str_eq(at(j, "tokens.0")->valuestring, "t5");
+    cr_assert_str_eq(at(j, "tokens.1")->valuestring, "\xc3\xa9");
+    cr_assert(cJSON_IsNull(at(j, "token_logprobs.0")), "echo: the prompt's first token has no logprob");
+    cr_assert_eq(at(j, "token_logprobs.1")->valuedouble, -9999.0, "-inf is not JSON");
+    cr_assert(cJSON_IsNull(at(j, "top_logprobs.0")));
+    cr_assert_eq(cJSON_GetArraySize(at(j, "top_logprobs.1")), 0);
+    cr_assert_eq(at(j, "text_offset.0")->valuedouble, 10);
+    cr_assert_eq(at(j, "text_offset.1")->valuedouble, 12);
+    cJSON_Delete(j);
+    b.n = 0;
+    router_oai_logprobs(&b, ROUTER_OAI_CHAT, lps, 1, false, 0, fake_text, NULL);
+    j = parsed(&b, "");
+    cr_assert_str_eq(at(j, "content.0.token")->valuestring, "t5");
+    cr_assert_float_eq(at(j, "content.0.logprob")->valuedouble, -0.5, 1e-9);
+    cr_assert_eq(at(j, "content.0.bytes.1")->valuedouble, '5');
+    cr_assert_str_eq(at(j, "content.0.top_logprobs.1.token")->valuestring, "\xc3\xa9");
+    cr_assert_eq(at(j, "content.0.top_logprobs.1.bytes.0")->valuedouble, 0xc3);
+    cr_assert_float_eq(at(j, "content.0.top_logprobs.1.logprob")->valuedouble, -1.25, 1e-9);
+    cr_assert(cJSON_IsNull(at(j, "refusal")));
+    cJSON_Delete(j);
+    /* carried in a chunk and a whole response */
+    char lp[256];
+    snprintf(lp, sizeof lp, "%s", b.p);
+    router_oai_resp_t chat = {.kind = ROUTER_OAI_CHAT, .id = "chatcmpl-l", .model = "m", .created = 1};
+    b.n = 0;
+    router_oai_chunk(&b, &chat, true, "t5", 2, lp, NULL, false);
+    j = parsed(&b, "data: ");
+    cr_assert_str_eq(at(j, "choices.0.logprobs.content.0.token")->valuestring, "t5");
+    cJSON_Delete(j);
+    b.n = 0;
+    router_oai_usage_t u = {.prompt_tokens = 1, .completion_tokens = 1};
+    router_oai_response(&b, &chat, "t5", 2, lp, "length", &u);
+    j = parsed(&b, "");
+    cr_assert_str_eq(at(j, "choices.0.logprobs.content.0.top_logprobs.0.token")->valuestring, "t5");
     cJSON_Delete(j);
     router_oai_buf_free(&b);
 }
