@@ -192,6 +192,8 @@ struct router_req {
     td_logprobs_want_t logprobs; /* what the client asked (td_gen_params_t's) */
     bool first_lp_wait;        /* token 0 came first from the decode node, which has no
                                 * logprob for it: output held until the Prefill stream's */
+    bool finish_deferred;      /* the decode node finished the sequence during first_lp_wait: */
+    router_finish_t deferred_reason; /* req_finish runs once the Prefill stream's logprob came */
     uint32_t decode_tokens;    /* SEQ_EVENT_TOKEN entries seen for the current lease */
     router_out_t out;          /* output not yet sent to the client */
     bool blocked;              /* the last send was refused (BUSY); wait for writable */

@@ -19,6 +19,8 @@
 #include "td_log.h"
 #include "td_util.h"
 
+#define ROUTER_LOGPROBS_MAX_BACKLOG 8192 /* pending tokens with logprobs (router_backlog_over) */
+
 /* ---- output: pending tokens, one message per flush ------------------------------------- */
 
 /* Room for one more id (and its logprob, with_lps) and text_len more bytes (plus the NUL)
@@ -175,8 +177,13 @@ static bool is_stop_id(const router_req_t *r, uint32_t token)
  * backlog is past the bound. */
 bool router_backlog_over(const router_req_t *r)
 {
-    return r->blocked && (int64_t)r->out.n > r->s->cfg.max_backlog_tokens &&
-           r->s->turn - r->blocked_turn >= ROUTER_BACKLOG_GRACE_TURNS;
+    /* with logprobs a pending token is up to ~240 bytes of the message (a TokenLogprob of 20
+     * alternatives): 8192 of them stay inside the gateway's 4 MiB message bound, beside a
+     * first message's 4096 prompt logprobs, whatever max-backlog-tokens says */
+    int64_t bound = r->s->cfg.max_backlog_tokens;
+    if (r->logprobs.on)
+        bound = TD_MIN(bound, (int64_t)ROUTER_LOGPROBS_MAX_BACKLOG);
+    return r->blocked && (int64_t)r->out.n > bound && r->s->turn - r->blocked_turn >= ROUTER_BACKLOG_GRACE_TURNS;
 }
 
 void router_req_fail_slow(router_req_t *r)
@@ -298,7 +305,10 @@ void router_first_from_prefill(router_req_t *r, const Tandem__Control__V1__Prefi
             r->first_lp_wait = false;
             if (have_lp && token == r->first_token && r->out.lps)
                 r->out.lps[0] = lp; /* token 0 is still the held output's first */
-            router_out_flush(r);
+            if (r->finish_deferred)
+                req_finish(r, r->deferred_reason);
+            else
+                router_out_flush(r);
         }
         return;
     default: return;
@@ -326,6 +336,18 @@ static bool first_from_decode(router_req_t *r, uint32_t token, bool has_lp)
 
 /* ---- decode node step streams ---------------------------------------------------------- */
 
+/* The decode node finished the sequence: the last message now, or, while token 0's logprob
+ * is still due from the Prefill stream, once it comes (router_first_from_prefill). */
+static void finish_entry(router_req_t *r, router_finish_t reason)
+{
+    if (r->first_lp_wait) {
+        r->finish_deferred = true;
+        r->deferred_reason = reason;
+        return;
+    }
+    req_finish(r, reason);
+}
+
 void router_on_steps_msg(td_grpc_client_call_t *c, const ProtobufCMessage *msg, void *data)
 {
     router_peer_t *p = data;
@@ -349,13 +371,13 @@ void router_on_steps_msg(td_grpc_client_call_t *c, const ProtobufCMessage *msg, 
             break;
         }
         case TANDEM__CONTROL__V1__SEQ_EVENT__SEQ_EVENT_FINISHED_LENGTH:
-            req_finish(r, ROUTER_FINISH_LENGTH);
+            finish_entry(r, ROUTER_FINISH_LENGTH);
             break;
         case TANDEM__CONTROL__V1__SEQ_EVENT__SEQ_EVENT_FINISHED_STOP:
-            req_finish(r, ROUTER_FINISH_STOP);
+            finish_entry(r, ROUTER_FINISH_STOP);
             break;
         case TANDEM__CONTROL__V1__SEQ_EVENT__SEQ_EVENT_FINISHED_EOS:
-            req_finish(r, ROUTER_FINISH_EOS);
+            finish_entry(r, ROUTER_FINISH_EOS);
             break;
         default:
             router_req_lost(r, "the decode node dropped the sequence");

@@ -100,13 +100,18 @@ for warm in $RUNS; do
     timeout 120 "$CL_BIN" generate --server "$CL_GW" --prompt-ids "$ids" --max-tokens 1 --print-ids --timeout 100 \
         >/dev/null 2>"$CL_T/warm.err" || cl_fail "warm-up: $(tail -1 "$CL_T/warm.err")"
 done
-[ "$RUNS" = 1 ] || grep -q ' [1-9][0-9]* cached prompt tokens' "$CL_T/warm.err" ||
-    cl_fail "the repeated plain prompt was not served from the prefix cache: the check below shows nothing"
+# the prefill node's count of prompt tokens served from its cache (usage.cached_tokens is the
+# decode node's when its step entry for token 0 beats the Prefill stream)
+cached_before=$(cl_metric prefill0 tandem_prefill_cached_tokens_total | cut -d. -f1)
+[ "$RUNS" = 1 ] || [ "$cached_before" -gt 0 ] ||
+    cl_fail "the repeated plain prompt was not served from the prefill node's prefix cache: the check below shows nothing"
 for run in $RUNS; do
 timeout 120 "$CL_BIN" generate --server "$CL_GW" --prompt-ids "$ids" --max-tokens 1 --print-ids --timeout 100 \
     --logprobs 0 --prompt-logprobs >"$CL_T/ppl.lp" 2>"$CL_T/ppl.gen.err" || cl_fail "cluster prompt logprobs: $(tail -1 "$CL_T/ppl.gen.err")"
+cached=$(cl_metric prefill0 tandem_prefill_cached_tokens_total | cut -d. -f1)
+[ "$cached" = "$cached_before" ] || cl_fail "run $run: prompt logprobs used $((cached - cached_before)) cached tokens"
 grep -q ' 0 cached prompt tokens' "$CL_T/ppl.gen.err" ||
-    cl_fail "run $run: prompt logprobs used the prefix cache: $(grep -o '[0-9]* cached prompt tokens' "$CL_T/ppl.gen.err")"
+    cl_fail "run $run: usage says $(grep -o '[0-9]* cached prompt tokens' "$CL_T/ppl.gen.err")"
 if [ -n "$ppl" ]; then
     # perplexity scores positions C/2+1 .. C-1 (predicted by C/2 .. C-2)
     if msg=$("$CL_PY" - "$CL_T/ppl.lp" "$C" "$ppl" <<'EOF'

@@ -8,7 +8,7 @@
  *    lease's first step entry comes first, and a one-message (phase-less) Prefill works;
  *  - log-probabilities go out aligned with the ids, the prompt's with the first message,
  *    token 0's from the Prefill stream: when the decode node's entry for it comes first the
- *    output is held until the Prefill stream's logprob arrives;
+ *    output (and a finish right behind it) is held until the Prefill stream's logprob arrives;
  *  - a client that does not read gets every token, coalesced, once it reads again (no
  *    token dropped), and a client that stays away past max-backlog-tokens gets
  *    RESOURCE_EXHAUSTED and its lease is Released;
@@ -470,6 +470,37 @@ Test(router_relay, logprobs_token0_waits_for_the_prefill_stream)
     cr_assert_eq(g.n_lps, 3);
     cr_assert(g.lp_ids[2] == 9 && g.lps[2] == -1.0f);
     env_stop(&e);
+}
+
+/* max_tokens 1 as the decode node reports it: token 0 and the finish in one StepBatch, before
+ * the Prefill stream's FIRST_TOKEN: the last message waits for token 0's logprob. */
+Test(router_relay, logprobs_a_finish_waits_for_token0s_logprob)
+{
+    env_t e;
+    env_start(&e, NULL);
+    static gen_t g;
+    Tandem__V1__LogprobsRequest lq = TANDEM__V1__LOGPROBS_REQUEST__INIT;
+    lq.prompt = true;
+    e.prefill_first_token = 0;
+    generate_lp(&e, &g, "a", 0, false, 0, &lq);
+    RUN_UNTIL(&e, e.n_leases == 1 && e.leases[0].prefill);
+    lease_t *l = &e.leases[0];
+    td_node_fake_entry_t seqs[2] = {
+        {.lease_id = l->id, .token = 7, .event = TANDEM__CONTROL__V1__SEQ_EVENT__SEQ_EVENT_TOKEN},
+        {.lease_id = l->id, .event = TANDEM__CONTROL__V1__SEQ_EVENT__SEQ_EVENT_FINISHED_LENGTH}};
+    cr_assert_eq(td_node_fake_step(e.nodes, 0, seqs, 2, 1000), TD_OK);
+    uint64_t t0 = td_now_ns();
+    while (td_now_ns() - t0 < 300000000ull)
+        uv_run(&e.loop, UV_RUN_NOWAIT);
+    cr_assert(!g.done && g.n_messages == 0, "the request ended before token 0's logprob came");
+    const td_token_logprob_t lp7 = {.token = 7, .logprob = -0.75f};
+    const td_token_logprob_t prompt[3] = {{.token = 1}, {.token = 2, .logprob = -3.0f}, {.token = 3, .logprob = -4.0f}};
+    cr_assert_eq(td_node_fake_prefill_send_logprobs(l->prefill, 7, &lp7, prompt, 3), TD_OK);
+    expect_ids(&e, &g, (const uint32_t[]){7}, 1);
+    cr_assert(g.n_lps == 1 && g.lps[0] == -0.75f);
+    cr_assert_eq(g.n_prompt_lps, 3);
+    cr_assert_eq(g.finish_reason, TANDEM__V1__FINISH_REASON__FINISH_REASON_LENGTH);
+    env_stop(&e); /* the ended request cancelled its Prefill call */
 }
 
 Test(router_relay, phaseless_prefill_reply_counts_once)
