@@ -140,4 +140,16 @@ if timeout 60 "$CL_BIN" generate --server "$CL_GW" --prompt "$PROMPT" --max-toke
     cl_fail "--logprobs 21 was not refused"
 fi
 grep -q 'top_logprobs 21' "$CL_T/bad.err" || cl_fail "--logprobs 21: $(cat "$CL_T/bad.err")"
+# prompt logprobs past 4096 prompt tokens: refused by the gateway (ids) and after encoding (text)
+long_ids=$(yes 28 | head -4097 | tr '\n' ' ')
+long_text=$(yes hello | head -4200 | tr '\n' ' ')
+for what in ids text; do
+    if [ $what = ids ]; then arg=(--prompt-ids "$long_ids"); else arg=(--prompt "$long_text"); fi
+    if timeout 60 "$CL_BIN" generate --server "$CL_GW" "${arg[@]}" --max-tokens 1 --logprobs 0 --prompt-logprobs \
+        --timeout 30 >/dev/null 2>"$CL_T/long.err"; then
+        cl_fail "prompt logprobs of a $what prompt past 4096 tokens were not refused"
+    fi
+    grep -q 'INVALID_ARGUMENT: prompt_logprobs asked for a prompt of 4[0-9]* .*at most 4096' "$CL_T/long.err" ||
+        cl_fail "long $what prompt: $(cat "$CL_T/long.err")"
+done
 cl_end "$n logprob lines and checks through the cluster equal the local engine's"
