@@ -4,9 +4,11 @@
  * advertised address (defaults to --host; a wildcard host without --advertise, or a
  * wildcard --advertise, refused naming --advertise), a node's --model and --router, and
  * a shutdown before anything was served (the process's callback once, the loop closes),
- * and the one reading of a control call's sampling parameters both nodes use.
+ * and the one reading of a control call's sampling parameters and log-probabilities both
+ * nodes and the router use.
  */
 #include <criterion/criterion.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "td_node.h"
@@ -162,7 +164,11 @@ Test(td_node, sampling_params_one_conversion_each_way)
     p.min_p = 0.05f;
     p.repetition_penalty = 1.3f;
     p.seed = 0x1234567890ull;
+    p.presence_penalty = -0.5f;
+    p.frequency_penalty = 1.25f;
     s = td_node_sampling_from_proto(&p);
+    cr_assert_float_eq(s.presence_penalty, -0.5f, 0);
+    cr_assert_float_eq(s.frequency_penalty, 1.25f, 0);
     cr_assert_float_eq(s.temperature, 0.7f, 0);
     cr_assert_eq(s.top_k, 40);
     cr_assert_float_eq(s.top_p, 0.9f, 0);
@@ -181,4 +187,60 @@ Test(td_node, sampling_params_one_conversion_each_way)
     p.top_p = -0.5f; /* out of range stays out of range: td_sampling_validate refuses it */
     s = td_node_sampling_from_proto(&p);
     cr_assert_neq(td_sampling_validate(&s, NULL, 0), TD_OK);
+}
+
+Test(td_node, logprobs_one_conversion_each_way)
+{
+    td_logprobs_want_t w = {.on = true, .top = 3};
+    char why[128] = "";
+    cr_assert_eq(td_node_logprobs_from_proto(NULL, &w, why, sizeof why), TD_OK);
+    cr_assert(!w.on, "no LogprobsRequest: none");
+    Tandem__V1__LogprobsRequest q = TANDEM__V1__LOGPROBS_REQUEST__INIT;
+    q.top_logprobs = 20;
+    q.prompt = true;
+    cr_assert_eq(td_node_logprobs_from_proto(&q, &w, why, sizeof why), TD_OK);
+    cr_assert(w.on && w.top == 20 && w.prompt);
+    Tandem__V1__LogprobsRequest back;
+    td_node_logprobs_to_proto(&w, &back);
+    cr_assert(back.top_logprobs == 20 && back.prompt);
+    q.top_logprobs = 21;
+    cr_assert_eq(td_node_logprobs_from_proto(&q, &w, why, sizeof why), TD_ERR_INVALID);
+    cr_assert_str_eq(why, "top_logprobs 21 is out of range [0, 20]");
+    cr_assert(!w.on);
+
+    /* answers: one message per position, in one allocation, back to the same values */
+    td_token_logprob_t lps[3] = {{.token = 5},
+                                 {.token = 6, .logprob = -1.5f, .n_top = 2, .top = {{6, -1.5f}, {9, -2.0f}}},
+                                 {.token = 7, .logprob = -0.25f, .n_top = 1, .top = {{7, -0.25f}}}};
+    Tandem__V1__TokenLogprob **msgs = NULL;
+    void *mem = NULL;
+    cr_assert_eq(td_node_logprobs_to_proto_array(lps, 3, &msgs, &mem), TD_OK);
+    Tandem__V1__GenerateResponse r = TANDEM__V1__GENERATE_RESPONSE__INIT;
+    r.logprobs = msgs;
+    r.n_logprobs = 3;
+    size_t len = protobuf_c_message_get_packed_size(&r.base);
+    uint8_t *buf = malloc(len);
+    cr_assert_not_null(buf);
+    protobuf_c_message_pack(&r.base, buf);
+    free(mem);
+    Tandem__V1__GenerateResponse *u = tandem__v1__generate_response__unpack(NULL, len, buf);
+    cr_assert_not_null(u);
+    cr_assert_eq(u->n_logprobs, 3);
+    for (int i = 0; i < 3; i++) {
+        td_token_logprob_t got;
+        td_node_logprob_from_proto(u->logprobs[i], &got);
+        cr_assert_eq(got.token, lps[i].token);
+        cr_assert_eq(got.logprob, lps[i].logprob);
+        cr_assert_eq(got.n_top, lps[i].n_top);
+        for (int k = 0; k < got.n_top; k++)
+            cr_assert(got.top[k].token == lps[i].top[k].token && got.top[k].logprob == lps[i].top[k].logprob);
+    }
+    tandem__v1__generate_response__free_unpacked(u, NULL);
+    free(buf);
+
+    td_node_logprob_msg_t one;
+    td_node_logprob_to_proto(&lps[1], &one);
+    td_token_logprob_t got;
+    td_node_logprob_from_proto(&one.m, &got);
+    cr_assert(got.token == 6 && got.n_top == 2 && got.top[1].token == 9 && got.top[1].logprob == -2.0f);
 }
