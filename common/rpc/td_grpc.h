@@ -206,7 +206,10 @@ const char *td_grpc_call_method(const td_grpc_call_t *call);
 td_status_t td_grpc_call_peer(const td_grpc_call_t *call, struct sockaddr_storage *addr_p);
 
 /* The value of request header `name` (lowercase; the first one when repeated), or NULL.
- * Valid until the call is finished. Pseudo-headers (":path") are not kept. */
+ * Valid until the call is finished. Kept: the metadata a caller sends (authorization,
+ * custom entries); not kept: pseudo-headers (":path") and what td_grpc reads itself or
+ * nobody needs (content-type, te, grpc-timeout, grpc-encoding, grpc-accept-encoding,
+ * user-agent), so a call without metadata costs no copy. */
 const char *td_grpc_call_header(const td_grpc_call_t *call, const char *name);
 
 /* The call's deadline in uv_now() milliseconds of the server's loop, or 0 when the client

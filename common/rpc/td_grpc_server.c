@@ -177,6 +177,7 @@ static void server_maybe_free(td_grpc_server_t *srv)
         td_grpc_call_t *c = CALL_OF(n);
         td_grpc_buf_free(&c->req);
         td_grpc_buf_free(&c->out);
+        free(c->meta);
         free(c);
     }
     for (method_t *m = srv->methods, *next; m; m = next) {
@@ -203,19 +204,23 @@ static void call_timer_closed(uv_handle_t *h)
     td_grpc_call_t *call = h->data;
     td_grpc_server_t *srv = call->srv;
     free(call->message);
-    free(call->meta);
     if (srv->n_spare < TD_GRPC_SPARE_CALLS && !srv->closing) {
         td_grpc_buf_t req = call->req, out = call->out;
+        char *meta = call->meta; /* kept, like the buffers: no allocation per call */
+        size_t meta_cap = call->meta_cap;
         td_grpc_buf_recycle(&req);
         td_grpc_buf_recycle(&out);
         memset(call, 0, sizeof *call);
         call->req = req;
         call->out = out;
+        call->meta = meta;
+        call->meta_cap = meta_cap;
         td_list_push_front(&srv->spare, &call->link);
         srv->n_spare++;
     } else {
         td_grpc_buf_free(&call->req);
         td_grpc_buf_free(&call->out);
+        free(call->meta);
         free(call);
     }
     srv->n_calls--;
@@ -668,8 +673,6 @@ static int on_header(nghttp2_session *ses, const nghttp2_frame *frame, const uin
         return NGHTTP2_ERR_TEMPORAL_CALLBACK_FAILURE; /* resets this stream only */
     if (frame->headers.cat != NGHTTP2_HCAT_REQUEST)
         return 0; /* request trailers: ignored */
-    if (namelen && name[0] != ':' && !meta_add(call, name, namelen, value, valuelen))
-        return NGHTTP2_ERR_TEMPORAL_CALLBACK_FAILURE;
     if (name_is(name, namelen, ":method")) {
         call->post = valuelen == 4 && memcmp(value, "POST", 4) == 0;
     } else if (name_is(name, namelen, ":path")) {
@@ -689,6 +692,9 @@ static int on_header(nghttp2_session *ses, const nghttp2_frame *frame, const uin
     } else if (name_is(name, namelen, "grpc-timeout")) {
         if (!td_grpc_parse_timeout((const char *)value, valuelen, &call->timeout_ms))
             call->bad_timeout = true;
+    } else if (namelen && name[0] != ':' && !name_is(name, namelen, "te") && !name_is(name, namelen, "user-agent") &&
+               !name_is(name, namelen, "grpc-accept-encoding") && !meta_add(call, name, namelen, value, valuelen)) {
+        return NGHTTP2_ERR_TEMPORAL_CALLBACK_FAILURE; /* out of memory: this stream only */
     }
     return 0;
 }
