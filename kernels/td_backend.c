@@ -24,8 +24,8 @@ td_status_t td_device_parse(const char *s, td_device_spec_t *out)
         *out = (td_device_spec_t){.cuda = false, .staged = true, .index = 0};
         return TD_OK;
     }
-    if (s && !strcmp(s, "cpu:int8")) {
-        *out = (td_device_spec_t){.cuda = false, .int8_act = true, .index = 0};
+    if (s && !strcmp(s, "cpu:exact")) {
+        *out = (td_device_spec_t){.cuda = false, .exact = true, .index = 0};
         return TD_OK;
     }
     if (s && !strcmp(s, "cuda")) {
@@ -38,7 +38,7 @@ td_status_t td_device_parse(const char *s, td_device_spec_t *out)
         *out = (td_device_spec_t){.cuda = true, .index = (int32_t)n};
         return TD_OK;
     }
-    return td_errorf(TD_ERR_INVALID, "--device '%s' is not cpu, cuda, cuda:N (N a device ordinal), cpu:int8 or cpu:staged",
+    return td_errorf(TD_ERR_INVALID, "--device '%s' is not cpu, cuda, cuda:N (N a device ordinal), cpu:exact or cpu:staged",
                      s ? s : "");
 }
 
@@ -52,7 +52,7 @@ td_status_t td_backend_open(const td_device_spec_t *dev, int32_t n_threads, td_d
 {
     if (!dev->cuda)
         return td_backend_cpu_create(&(td_cpu_config_t){.n_threads = n_threads, .device_memory = dev->staged,
-                                                         .int8_activations = dev->int8_act},
+                                                         .exact = dev->exact},
                                      be_p);
     td_status_t st = td_backend_cuda_create(&(td_cuda_config_t){.device = dev->index, .act_dtype = act_dtype}, be_p);
     if (st == TD_ERR_UNSUPPORTED)

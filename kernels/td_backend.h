@@ -64,6 +64,7 @@ typedef struct td_matmul_params {
     td_dtype_t w_dtype;
     const void *bias;     /* [n] bias_dtype (a float type), or NULL */
     td_dtype_t bias_dtype;
+    bool w_packed;        /* w is ops->weight_pack's form of a [n][k] w_dtype matrix */
     void *y;              /* [m][n] act_dtype, or f32 when y_f32 */
     bool y_f32;           /* output in f32 whatever act_dtype is (logits) */
     bool accumulate;      /* y += result (the residual add) */
@@ -170,6 +171,16 @@ typedef struct td_backend_ops {
     /* copies whole blocks (all layers, K and V) src[i] -> dst[i] in a pool (copy-on-write) */
     td_status_t (*copy_blocks)(td_backend_t *be, void *pool, const td_kv_layout_t *layout,
                                int32_t n_blocks, const int32_t *src, const int32_t *dst, int32_t n);
+
+    /* weights */
+    /* Repacks a block-typed weight [n][k] (w, host memory, only read) into a layout of
+       the backend's own that its matmul reads faster (CPU: 16 rows interleaved for int8 dot
+       products, td_cpu_pack.h). *packed_p is the new device buffer, freed with ops->free,
+       passed to matmul with w_packed; NULL (TD_OK) when the backend keeps this weight as
+       stored. NULL op: the backend never repacks (CUDA). Last in the table: the CUDA table is
+       positional and leaves it NULL. Errors: TD_ERR_NOMEM. */
+    td_status_t (*weight_pack)(td_backend_t *be, const void *w, td_dtype_t dtype, int32_t n, int32_t k,
+                               void **packed_p);
 } td_backend_ops_t;
 
 struct td_backend {
@@ -186,10 +197,12 @@ typedef struct td_cpu_config {
     bool device_memory; /* treat its memory as a device's (host_memory false): the engine
                            uploads weights, the nodes stage KV through host buffers and a
                            landing area, as on a GPU; the device paths, tested without one */
-    bool int8_activations; /* block-quantized weights meet activations quantized to int8 per
-                              block of 32, llama.cpp's scheme (td_cpu_quant), instead of f32
-                              activations against weights dequantized in registers
-                              (td_cpu_qf32: exact to f32 rounding; the default) */
+    bool exact;         /* block-quantized weights meet f32 activations, the weights
+                           dequantized in registers (td_cpu_qf32: exact to f32 rounding),
+                           instead of the default: activations quantized per block of 32 to
+                           integers for int8 dot products, against weights repacked at load
+                           (td_cpu_pack, two bytes a value; td_cpu_quant, llama.cpp's one
+                           byte, for the K formats) */
 } td_cpu_config_t;
 
 td_status_t td_backend_cpu_create(const td_cpu_config_t *cfg, td_backend_t **be_p);
@@ -206,12 +219,13 @@ td_status_t td_backend_cuda_create(const td_cuda_config_t *cfg, td_backend_t **b
 /* True when this build has the CUDA backend compiled in. */
 bool td_backend_cuda_compiled(void);
 
-/* Where a process computes: the --device value "cpu", "cuda" (device 0), "cuda:N", or
- * "cpu:staged" (the CPU backend with device_memory: the device paths without a GPU). */
+/* Where a process computes: the --device value "cpu", "cuda" (device 0), "cuda:N",
+ * "cpu:staged" (the CPU backend with device_memory: the device paths without a GPU) or
+ * "cpu:exact" (the CPU backend with exact: f32 activations for quantized weights). */
 typedef struct td_device_spec {
     bool cuda;
     bool staged;     /* cpu:staged */
-    bool int8_act;   /* cpu:int8 (td_cpu_config_t.int8_activations) */
+    bool exact;      /* cpu:exact (td_cpu_config_t.exact) */
     int32_t index;   /* CUDA device ordinal */
 } td_device_spec_t;
 

@@ -31,6 +31,7 @@ typedef struct td_dev_tensor {
     const void *data;   /* backend memory (or the model's host memory when usable in place) */
     td_dtype_t dtype;
     bool owned;         /* allocated by the engine on the backend */
+    bool packed;        /* ops->weight_pack's form of a [rows][cols] matrix (owned) */
 } td_dev_tensor_t;
 
 typedef struct td_layer_dev {
@@ -158,8 +159,38 @@ static td_dtype_t weight_want(td_engine_t *eng, const td_tensor_t *t)
     return want;
 }
 
-/* Makes a host tensor usable by the backend: in place when it can, else converted (to the
- * dtype weight_want picks) and uploaded. */
+/* A block-typed matrix in the backend's packed form (ops->weight_pack), from the host
+ * tensor t converted to `want` (--quant) when it is stored otherwise. out->data stays NULL
+ * when the backend keeps the matrix as stored. */
+static td_status_t pack_tensor(td_engine_t *eng, const td_tensor_t *t, td_dtype_t want, td_dev_tensor_t *out)
+{
+    td_backend_t *be = eng->be;
+    if (!be->ops->weight_pack || t->n_dims != 2 || !td_dtype_is_block(want))
+        return TD_OK;
+    size_t n = tensor_elems(t);
+    void *tmp = NULL;
+    if (want != t->dtype) {
+        tmp = malloc(td_dtype_bytes(want, n));
+        if (!tmp)
+            return td_errorf(TD_ERR_NOMEM, "engine: out of host memory quantizing a weight (%zu bytes)",
+                             td_dtype_bytes(want, n));
+        td_dtype_convert(tmp, want, t->data, t->dtype, n);
+    }
+    void *packed = NULL;
+    td_status_t st = be->ops->weight_pack(be, tmp ? tmp : t->data, want, (int32_t)t->shape[0],
+                                          (int32_t)t->shape[1], &packed);
+    free(tmp);
+    if (st != TD_OK || !packed)
+        return st;
+    out->data = packed;
+    out->dtype = want;
+    out->owned = true;
+    out->packed = true;
+    return TD_OK;
+}
+
+/* Makes a host tensor usable by the backend: packed when the backend repacks it, in place
+ * when it can, else converted (to the dtype weight_want picks) and uploaded. */
 static td_status_t upload_tensor(td_engine_t *eng, const td_tensor_t *t, bool counts,
                                  td_dev_tensor_t *out)
 {
@@ -174,6 +205,10 @@ static td_status_t upload_tensor(td_engine_t *eng, const td_tensor_t *t, bool co
                          td_dtype_name(t->dtype), td_dtype_name(want));
     if (counts)
         eng->weight_bytes += td_dtype_bytes(want, n);
+    /* the embedding table (counts false) is read by rows as stored: never packed */
+    td_status_t st = counts ? pack_tensor(eng, t, want, out) : TD_OK;
+    if (st != TD_OK || out->data)
+        return st;
     if (be->host_memory && want == t->dtype) {
         out->data = t->data;
         out->dtype = t->dtype;
@@ -181,7 +216,7 @@ static td_status_t upload_tensor(td_engine_t *eng, const td_tensor_t *t, bool co
     }
     size_t bytes = td_dtype_bytes(want, n);
     void *dev = NULL;
-    td_status_t st = be->ops->alloc(be, bytes, &dev);
+    st = be->ops->alloc(be, bytes, &dev);
     if (st != TD_OK)
         return st;
     if (be->host_memory) {
@@ -229,8 +264,14 @@ static td_status_t upload_weights(td_engine_t *eng)
     if ((st = upload_tensor(eng, &w->final_norm, true, &eng->final_norm)) != TD_OK)
         return st;
     if (w->lm_head.data == w->embed.data && w->lm_head.dtype == w->embed.dtype) {
-        eng->lm_head = eng->embed;
-        eng->lm_head.owned = false;
+        /* tied: the embedding's rows, or a packed copy of them for the matmul (embed reads
+         * rows as stored) */
+        if ((st = pack_tensor(eng, &w->lm_head, eng->embed.dtype, &eng->lm_head)) != TD_OK)
+            return st;
+        if (!eng->lm_head.data) {
+            eng->lm_head = eng->embed;
+            eng->lm_head.owned = false;
+        }
         eng->weight_bytes += td_dtype_bytes(eng->embed.dtype, tensor_elems(&w->lm_head));
     } else if ((st = upload_tensor(eng, &w->lm_head, true, &eng->lm_head)) != TD_OK) {
         return st;
@@ -625,7 +666,7 @@ static td_status_t mm(td_backend_t *be, int32_t m, const td_dev_tensor_t *w, int
                       const void *x, const td_dev_tensor_t *bias, void *y, bool accumulate)
 {
     td_matmul_params_t p = {
-        .m = m, .n = n, .k = k, .x = x, .w = w->data, .w_dtype = w->dtype,
+        .m = m, .n = n, .k = k, .x = x, .w = w->data, .w_dtype = w->dtype, .w_packed = w->packed,
         .bias = bias ? bias->data : NULL, .bias_dtype = bias ? bias->dtype : TD_F32, .y = y, .accumulate = accumulate,
     };
     return be->ops->matmul(be, &p);
@@ -721,7 +762,8 @@ td_status_t td_engine_step(td_engine_t *eng, const td_engine_item_t *items, int3
         if (st == TD_OK) {
             td_matmul_params_t p = {
                 .m = n_logits, .n = c->vocab_size, .k = c->dim, .x = eng->s.rows,
-                .w = eng->lm_head.data, .w_dtype = eng->lm_head.dtype, .y = eng->s.logits,
+                .w = eng->lm_head.data, .w_dtype = eng->lm_head.dtype, .w_packed = eng->lm_head.packed,
+                .y = eng->s.logits,
                 .y_f32 = true,
             };
             st = be->ops->matmul(be, &p);

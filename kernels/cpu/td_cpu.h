@@ -25,7 +25,7 @@ typedef struct td_cpu {
     td_backend_t base; /* first: a td_backend_t * is a td_cpu_t * */
     td_pool_t *pool;
     int n_threads;
-    bool int8_act;       /* td_cpu_config_t.int8_activations */
+    bool exact;          /* td_cpu_config_t.exact */
     td_step_meta_t meta; /* pointers owned by the engine, valid until the next set_step */
     bool have_step;
 

@@ -15,6 +15,7 @@
 #include <math.h>
 #include <stdlib.h>
 
+#include "td_cpu_pack.h"
 #include "td_log.h"
 #include "td_quant.h"
 
@@ -396,6 +397,49 @@ static void cpu_destroy(td_backend_t *be)
     free(cpu);
 }
 
+/* ---- weight packing (td_cpu_pack) -------------------------------------------------- */
+
+typedef struct pack_job {
+    unsigned char *dst;
+    const unsigned char *w;
+    td_dtype_t dtype;
+    int32_t n, k;
+    int groups; /* groups of 16 rows per task */
+} pack_job_t;
+
+static void pack_task(void *arg, int task, int thread)
+{
+    pack_job_t *jb = arg;
+    (void)thread;
+    int r0 = task * jb->groups * TD_CPU_PACK_ROWS;
+    int r1 = TD_MIN(jb->n, r0 + jb->groups * TD_CPU_PACK_ROWS);
+    /* groups are independent: rows [r0, r1) are a matrix of their own */
+    td_cpu_pack_weights(jb->dst + (size_t)(r0 / TD_CPU_PACK_ROWS) * td_cpu_pack_group_bytes(jb->dtype, (size_t)jb->k),
+                        jb->w + (size_t)r0 * td_dtype_bytes(jb->dtype, (size_t)jb->k), jb->dtype,
+                        (size_t)(r1 - r0), (size_t)jb->k);
+}
+
+/* Contract (td_backend.h ops->weight_pack): Q8_0, Q4_0 and Q4_1 matrices are packed unless
+ * the backend computes exactly (f32 activations read the stored rows); others stay. */
+static td_status_t cpu_weight_pack(td_backend_t *be, const void *w, td_dtype_t dtype, int32_t n,
+                                   int32_t k, void **packed_p)
+{
+    td_cpu_t *cpu = td_cpu_of(be);
+    *packed_p = NULL;
+    if (cpu->exact || !td_cpu_pack_supports(dtype) || n <= 0 || k <= 0 || k % TD_QK != 0)
+        return TD_OK;
+    void *dst = NULL;
+    td_status_t st = cpu_alloc(be, td_cpu_pack_bytes(dtype, (size_t)n, (size_t)k), &dst);
+    if (st != TD_OK)
+        return st;
+    int n_groups = (n + TD_CPU_PACK_ROWS - 1) / TD_CPU_PACK_ROWS;
+    pack_job_t jb = {.dst = dst, .w = w, .dtype = dtype, .n = n, .k = k,
+                     .groups = (n_groups + cpu->n_threads - 1) / cpu->n_threads};
+    td_pool_run(cpu->pool, (n_groups + jb.groups - 1) / jb.groups, pack_task, &jb);
+    *packed_p = dst;
+    return TD_OK;
+}
+
 static const td_backend_ops_t cpu_ops = {
     .name = "cpu",
     .destroy = cpu_destroy,
@@ -420,6 +464,7 @@ static const td_backend_ops_t cpu_ops = {
     .swiglu = cpu_swiglu,
     .gather_rows = cpu_gather_rows,
     .copy_blocks = cpu_copy_blocks,
+    .weight_pack = cpu_weight_pack,
 };
 
 /*
@@ -444,7 +489,7 @@ td_status_t td_backend_cpu_create(const td_cpu_config_t *cfg, td_backend_t **be_
                               (1u << TD_Q4_K) | (1u << TD_Q6_K);
     cpu->base.kv_dtypes = (1u << TD_F32) | (1u << TD_F16) | (1u << TD_BF16);
     cpu->base.host_memory = !(cfg && cfg->device_memory);
-    cpu->int8_act = cfg && cfg->int8_activations;
+    cpu->exact = cfg && cfg->exact;
     cpu->n_threads = n;
     st = td_pool_create(n, &cpu->pool);
     if (st != TD_OK)

@@ -1,13 +1,12 @@
 /*
  * td_cpu_matmul: Y[m][n] = X[m][k] . W[n][k]^T (+ bias) (+ Y), W in f32, f16 or bf16, or
- * block-quantized (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K). Block W meets f32 X by default
- * (qf32_matmul below, td_cpu_qf32: weights dequantized in registers, exact to f32
- * rounding); on a backend with int8_activations (--device cpu:int8) X is quantized once per
- * call to int8 blocks, llama.cpp's scheme (qmatmul, td_cpu_quant's dots). Measured on this
- * project's machines the exact path is as fast or faster end to end (SmolLM2-135M Q4_1, 1
- * thread: decode 97 vs 93 tokens/s, prefill 269 vs 212; a Llama-3.2-1B shape in Q4_0: decode
- * 14.6 vs 16.0, prefill 40 vs 42) and gives the exact model's tokens where int8 flips a
- * near-tie (docs/kernels.md).
+ * block-quantized (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K). By default block W meets X quantized
+ * once per call to integers: W that ops->weight_pack repacked at load (Q8_0, Q4_0, Q4_1)
+ * goes to td_cpu_pack's VNNI/AVX2 kernels with two-byte activations (pmatmul below), W as
+ * stored (Q4_K, Q6_K, or a caller's unpacked matrix) to td_cpu_quant's int8 dots, llama.cpp's
+ * scheme (qmatmul). On an exact backend (--device cpu:exact) X stays f32 and the weights are
+ * dequantized in registers (qf32_matmul, td_cpu_qf32: exact to f32 rounding, slower: its
+ * FMA peak here is below llama.cpp's integer prefill rate). docs/kernels.md has the figures.
  *
  * The N dimension (rows of W, columns of Y) is split over the pool, so every thread
  * streams its own part of W exactly once and the whole of X (small) from cache.
@@ -38,6 +37,7 @@
 #include <cblas.h>
 
 #include "td_cpu_fgemm.h"
+#include "td_cpu_pack.h"
 #include "td_cpu_qf32.h"
 #include "td_cpu_quant.h"
 
@@ -442,6 +442,77 @@ static td_status_t qf32_matmul(td_cpu_t *cpu, const td_matmul_params_t *p)
     return TD_OK;
 }
 
+/* ---- packed block-quantized W, int8 activations (td_cpu_pack) ------------------------- */
+
+/* Rows of X per kernel call and W groups per call: 64 activation rows (80 KiB at k = 1024)
+ * stay in L2 while the call sweeps its groups, each group's block serving tiles of 8 rows;
+ * the [PK_ROWS][PK_GROUPS * 16] f32 tile goes through the epilogue after each call. */
+#define PK_ROWS 64
+#define PK_GROUPS 8
+#define PK_COLS (PK_GROUPS * TD_CPU_PACK_ROWS)
+
+typedef struct pmatmul_job {
+    const td_matmul_params_t *p;
+    td_cpu_t *cpu;
+    const td_cpu_pack_ops_t *ops;
+    td_cpu_pack_fn fn;
+    unsigned char *a;         /* [m][stride] the quantized activations */
+    size_t stride;            /* bytes of one activation row */
+    int groups;               /* W groups (of 16 rows) per task */
+    int act_tasks;            /* tasks quantizing X */
+} pmatmul_job_t;
+
+static void pact_task(void *arg, int task, int thread)
+{
+    pmatmul_job_t *jb = arg;
+    const td_matmul_params_t *p = jb->p;
+    int i0 = (int)((int64_t)p->m * task / jb->act_tasks);
+    int i1 = (int)((int64_t)p->m * (task + 1) / jb->act_tasks);
+    for (int i = i0; i < i1; i++)
+        td_cpu_pack_act_row(jb->ops, (const float *)p->x + (size_t)i * p->k, jb->a + (size_t)i * jb->stride,
+                            p->w_dtype, (size_t)p->k);
+}
+
+/* One task: W groups [g0, g1) against X in chunks of PK_ROWS rows, PK_GROUPS groups a call. */
+static void pmatmul_task(void *arg, int task, int thread)
+{
+    pmatmul_job_t *jb = arg;
+    const td_matmul_params_t *p = jb->p;
+    int n_groups = (p->n + TD_CPU_PACK_ROWS - 1) / TD_CPU_PACK_ROWS;
+    int g0 = task * jb->groups, g1 = TD_MIN(n_groups, g0 + jb->groups);
+    float *tile = td_cpu_thread_scratch(jb->cpu, thread); /* [PK_ROWS][PK_COLS] */
+    for (int i0 = 0; i0 < p->m; i0 += PK_ROWS) {
+        int mm = TD_MIN(PK_ROWS, p->m - i0);
+        for (int g = g0; g < g1; g += PK_GROUPS) {
+            int ge = TD_MIN(g1, g + PK_GROUPS);
+            jb->fn(p->w, (size_t)g, (size_t)ge, (size_t)p->k, jb->a + (size_t)i0 * jb->stride, (size_t)mm,
+                   tile, PK_COLS);
+            int j = g * TD_CPU_PACK_ROWS;
+            store_tile(p, i0, mm, j, TD_MIN(p->n, ge * TD_CPU_PACK_ROWS) - j, tile, PK_COLS);
+        }
+    }
+}
+
+/* Quantizes X's rows once for W's type (in parallel when there are many), then splits W's
+ * groups over the pool. Every output is summed in td_cpu_pack's one order: batch-invariant. */
+static td_status_t pmatmul(td_cpu_t *cpu, const td_matmul_params_t *p)
+{
+    size_t stride = td_cpu_pack_act_stride((size_t)p->k);
+    td_status_t st = td_cpu_reserve(cpu, PK_ROWS * PK_COLS * sizeof(float), (size_t)p->m * stride);
+    if (st != TD_OK)
+        return st;
+    int n_groups = (p->n + TD_CPU_PACK_ROWS - 1) / TD_CPU_PACK_ROWS;
+    int tasks = cpu->n_threads == 1 ? 1 : cpu->n_threads * (p->m <= 4 ? 4 : 2);
+    pmatmul_job_t jb = {.p = p, .cpu = cpu, .ops = td_cpu_pack_ops_best(),
+                        .fn = td_cpu_pack_fn_of(td_cpu_pack_ops_best(), p->w_dtype),
+                        .a = cpu->shared, .stride = stride,
+                        .groups = (n_groups + tasks - 1) / tasks};
+    jb.act_tasks = p->m >= 4 * cpu->n_threads ? cpu->n_threads : 1;
+    td_pool_run(cpu->pool, jb.act_tasks, pact_task, &jb);
+    td_pool_run(cpu->pool, (n_groups + jb.groups - 1) / jb.groups, pmatmul_task, &jb);
+    return TD_OK;
+}
+
 /* Contract (td_backend.h ops->matmul): y may not alias x or w. Errors: TD_ERR_NOMEM when
    the conversion scratch cannot grow. */
 td_status_t td_cpu_matmul(td_backend_t *be, const td_matmul_params_t *p)
@@ -450,8 +521,10 @@ td_status_t td_cpu_matmul(td_backend_t *be, const td_matmul_params_t *p)
     TD_ASSERT(p->m >= 0 && p->n >= 0 && p->k >= 0);
     if (p->m == 0 || p->n == 0)
         return TD_OK;
+    if (p->w_packed)
+        return pmatmul(cpu, p);
     if (td_dtype_is_block(p->w_dtype))
-        return cpu->int8_act ? qmatmul(cpu, p) : qf32_matmul(cpu, p);
+        return cpu->exact ? qf32_matmul(cpu, p) : qmatmul(cpu, p);
     if (td_cpu_fgemm_available())
         return fgemm_matmul(cpu, p);
     matmul_job_t jb = {.p = p, .cpu = cpu, .chunk = matmul_chunk(cpu, p->m, p->n)};

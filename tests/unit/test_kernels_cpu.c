@@ -18,6 +18,7 @@
 #include <string.h>
 
 #include "cpu/td_cpu.h"
+#include "cpu/td_cpu_pack.h"
 #include "cpu/td_cpu_quant.h"
 #include "td_backend.h"
 #include "td_quant.h"
@@ -99,7 +100,7 @@ static void check_close(const char *what, const float *got, const double *ref, s
 
 static td_backend_t *make_backend_int8(int threads, bool int8)
 {
-    td_cpu_config_t cfg = {.n_threads = threads, .int8_activations = int8};
+    td_cpu_config_t cfg = {.n_threads = threads, .exact = !int8};
     td_backend_t *be = NULL;
     cr_assert_eq(td_backend_cpu_create(&cfg, &be), TD_OK);
     cr_assert_eq(be->act_dtype, TD_F32);
@@ -109,7 +110,7 @@ static td_backend_t *make_backend_int8(int threads, bool int8)
 
 static td_backend_t *make_backend(int threads)
 {
-    return make_backend_int8(threads, false);
+    return make_backend_int8(threads, true); /* the default */
 }
 
 static const int thread_counts[] = {1, 4};
@@ -231,20 +232,51 @@ static void *make_blocks(rng_t *r, td_dtype_t t, size_t n)
 
 /*
  * Quantized matmul against a double reference of what it computes: W dequantized by
- * td_quant's reference times X (the default, td_cpu_qf32), or, on a backend with
- * int8_activations, times X rows quantized to int8 blocks (td_cpu_quant_act_row, that
- * scheme's documented first step) and dequantized; then bias and accumulate. Relative
- * tolerance 1e-5 covers the f32 sums of k <= 4096 terms.
+ * td_quant's reference times X (an exact backend, td_cpu_qf32), or, by default, times X
+ * rows quantized the way the path does (each scheme's documented first step) and
+ * dequantized; then bias and accumulate. By default the weights are run both as stored
+ * (td_cpu_quant: int8 blocks, td_cpu_quant_act_row) and as ops->weight_pack packs them
+ * (td_cpu_pack: Q8_0, Q4_0, Q4_1, two-byte blocks, td_cpu_pack_act_row; an exact backend
+ * packs nothing). Relative tolerance 1e-5 covers the f32 sums of k <= 4096 terms.
  */
+enum { ACT_F32, ACT_INT8, ACT_PACKED };
+
+static void qmatmul_ref(int act, const float *x, const float *wref, const float *b, const float *y, int m,
+                        int n, int k, td_dtype_t wt, double *ref)
+{
+    size_t nb = (size_t)k / TD_QK;
+    float *xq = xmalloc((size_t)k * 4);
+    td_cpu_q8a_block_t *a = xmalloc(nb * sizeof *a);
+    unsigned char *ap = xmalloc(td_cpu_pack_act_stride((size_t)k));
+    for (int i = 0; i < m; i++) {
+        const float *xi = x + (size_t)i * k;
+        if (act == ACT_INT8)
+            td_cpu_quant_act_row(xi, a, (size_t)k);
+        if (act == ACT_PACKED)
+            td_cpu_pack_act_row(td_cpu_pack_ops(TD_CPU_PACK_SCALAR), xi, ap, wt, (size_t)k);
+        for (int q = 0; q < k; q++) {
+            float e;
+            memcpy(&e, ap + 2 * k + 4 * (q / TD_QK), 4);
+            xq[q] = act == ACT_INT8     ? a[q / TD_QK].d * (float)a[q / TD_QK].qs[q % TD_QK]
+                    : act == ACT_PACKED ? e * (float)(254 * (int8_t)ap[q] + (int8_t)ap[k + q])
+                                        : xi[q];
+        }
+        for (int j = 0; j < n; j++) {
+            double s = 0;
+            for (int q = 0; q < k; q++)
+                s += (double)xq[q] * wref[(size_t)j * k + q];
+            ref[(size_t)i * n + j] = s + (b ? b[j] : 0.0) + (y ? y[(size_t)i * n + j] : 0.0);
+        }
+    }
+    free(xq), free(a), free(ap);
+}
+
 static void qmatmul_case(td_backend_t *be, bool int8, rng_t *r, int m, int n, int k, td_dtype_t wt,
                          bool bias, bool acc)
 {
-    size_t nb = (size_t)k / TD_QK;
     float *x = xmalloc((size_t)m * k * 4), *wref = xmalloc((size_t)n * k * 4);
     float *b = xmalloc((size_t)n * 4), *y = xmalloc((size_t)m * n * 4);
-    float *xq = xmalloc((size_t)k * 4);
     double *ref = xmalloc((size_t)m * n * 8);
-    td_cpu_q8a_block_t *a = xmalloc(nb * sizeof *a);
     void *w = make_blocks(r, wt, (size_t)n * k);
     td_ggml_type(td_dtype_to_ggml(wt))->dequantize(w, wref, (size_t)n * k);
     fill_random(r, x, TD_F32, NULL, (size_t)m * k);
@@ -253,17 +285,9 @@ static void qmatmul_case(td_backend_t *be, bool int8, rng_t *r, int m, int n, in
         fill_random(r, y, TD_F32, NULL, (size_t)m * n);
     else
         poison(y, (size_t)m * n * 4);
-    for (int i = 0; i < m; i++) {
-        td_cpu_quant_act_row(x + (size_t)i * k, a, (size_t)k);
-        for (int q = 0; q < k; q++)
-            xq[q] = int8 ? a[q / TD_QK].d * (float)a[q / TD_QK].qs[q % TD_QK] : x[(size_t)i * k + q];
-        for (int j = 0; j < n; j++) {
-            double s = 0;
-            for (int q = 0; q < k; q++)
-                s += (double)xq[q] * wref[(size_t)j * k + q];
-            ref[(size_t)i * n + j] = s + (bias ? b[j] : 0.0) + (acc ? y[(size_t)i * n + j] : 0.0);
-        }
-    }
+    float *y_init = xmalloc((size_t)m * n * 4);
+    memcpy(y_init, y, (size_t)m * n * 4);
+    qmatmul_ref(int8 ? ACT_INT8 : ACT_F32, x, wref, bias ? b : NULL, acc ? y : NULL, m, n, k, wt, ref);
     td_matmul_params_t p = {.m = m, .n = n, .k = k, .x = x, .w = w, .w_dtype = wt,
                             .bias = bias ? b : NULL, .bias_dtype = TD_F32, .y = y,
                             .accumulate = acc};
@@ -272,7 +296,21 @@ static void qmatmul_case(td_backend_t *be, bool int8, rng_t *r, int m, int n, in
     snprintf(what, sizeof(what), "matmul m %d n %d k %d w %s bias %d acc %d int8 %d", m, n, k,
              td_dtype_name(wt), bias, acc, int8);
     check_close(what, y, ref, (size_t)m * n, 1e-5);
-    free(x), free(wref), free(b), free(y), free(xq), free(ref), free(a), free(w);
+    void *wp = NULL;
+    cr_assert_eq(be->ops->weight_pack(be, w, wt, n, k, &wp), TD_OK);
+    cr_assert_eq(wp != NULL, int8 && (wt == TD_Q8_0 || wt == TD_Q4_0 || wt == TD_Q4_1), "%s: packed %d", what,
+                 wp != NULL);
+    if (wp) {
+        memcpy(y, y_init, (size_t)m * n * 4);
+        p.w = wp;
+        p.w_packed = true;
+        cr_assert_eq(be->ops->matmul(be, &p), TD_OK);
+        strcat(what, " packed");
+        qmatmul_ref(ACT_PACKED, x, wref, bias ? b : NULL, acc ? y_init : NULL, m, n, k, wt, ref);
+        check_close(what, y, ref, (size_t)m * n, 1e-5);
+        be->ops->free(be, wp);
+    }
+    free(x), free(wref), free(b), free(y), free(y_init), free(ref), free(w);
 }
 
 Test(kernels_cpu, matmul_block_weights, .timeout = 300)
@@ -298,8 +336,8 @@ Test(kernels_cpu, matmul_block_weights, .timeout = 300)
 
 /*
  * Batch invariance with block W: every row of a 70-row matmul, computed alone (m = 1), in
- * its batch and with another thread count, gives the same bits (docs/kernels.md), with f32
- * activations (the default) and int8 ones.
+ * its batch and with another thread count, gives the same bits (docs/kernels.md), with int8
+ * activations (the default; weights as stored and packed) and f32 ones (an exact backend).
  */
 static void block_batch_invariant(bool int8)
 {
@@ -309,23 +347,33 @@ static void block_batch_invariant(bool int8)
     float *x = xmalloc((size_t)m * k * 4), *y = xmalloc((size_t)m * n * 4);
     float *y4 = xmalloc((size_t)m * n * 4), *y1 = xmalloc((size_t)n * 4);
     fill_random(&r, x, TD_F32, NULL, (size_t)m * k);
-    for (size_t d = 0; d < TD_ARRAY_LEN(block_dtypes); d++) {
-        void *w = make_blocks(&r, block_dtypes[d], (size_t)n * k);
-        td_matmul_params_t p = {.m = m, .n = n, .k = k, .x = x, .w = w,
-                                .w_dtype = block_dtypes[d], .y = y};
+    for (size_t v = 0; v < 2 * TD_ARRAY_LEN(block_dtypes); v++) {
+        size_t d = v / 2;
+        void *w = make_blocks(&r, block_dtypes[d], (size_t)n * k), *wp = NULL;
+        if (v % 2) { /* the same weights packed (by default: Q8_0, Q4_0, Q4_1) */
+            cr_assert_eq(be1->ops->weight_pack(be1, w, block_dtypes[d], n, k, &wp), TD_OK);
+            if (!wp) {
+                free(w);
+                continue;
+            }
+        }
+        td_matmul_params_t p = {.m = m, .n = n, .k = k, .x = x, .w = wp ? wp : w,
+                                .w_dtype = block_dtypes[d], .w_packed = wp != NULL, .y = y};
         cr_assert_eq(be1->ops->matmul(be1, &p), TD_OK);
         p.y = y4;
         cr_assert_eq(be4->ops->matmul(be4, &p), TD_OK);
         cr_assert_eq(memcmp(y, y4, (size_t)m * n * 4), 0, "%s: 1 vs 4 threads differ",
                      td_dtype_name(block_dtypes[d]));
         for (int i = 0; i < m; i++) {
-            td_matmul_params_t one = {.m = 1, .n = n, .k = k, .x = x + (size_t)i * k, .w = w,
-                                      .w_dtype = block_dtypes[d], .y = y1};
+            td_matmul_params_t one = {.m = 1, .n = n, .k = k, .x = x + (size_t)i * k, .w = p.w,
+                                      .w_dtype = block_dtypes[d], .w_packed = p.w_packed, .y = y1};
             cr_assert_eq(be4->ops->matmul(be4, &one), TD_OK);
             cr_assert_eq(memcmp(y1, y + (size_t)i * n, (size_t)n * 4), 0,
-                         "%s: row %d alone differs from row %d of %d", td_dtype_name(block_dtypes[d]),
-                         i, i, m);
+                         "%s%s: row %d alone differs from row %d of %d", td_dtype_name(block_dtypes[d]),
+                         wp ? " packed" : "", i, i, m);
         }
+        if (wp)
+            be1->ops->free(be1, wp);
         free(w);
     }
     free(x), free(y), free(y4), free(y1);
@@ -335,12 +383,12 @@ static void block_batch_invariant(bool int8)
 
 Test(kernels_cpu, matmul_block_weights_batch_invariant, .timeout = 120)
 {
-    block_batch_invariant(false);
+    block_batch_invariant(true);
 }
 
-Test(kernels_cpu, matmul_block_weights_int8_batch_invariant, .timeout = 120)
+Test(kernels_cpu, matmul_block_weights_exact_batch_invariant, .timeout = 120)
 {
-    block_batch_invariant(true);
+    block_batch_invariant(false);
 }
 
 /* embed from a block-typed table: each row exactly td_quant's dequantized row */
