@@ -77,7 +77,8 @@ typedef struct router_peer {
  * state to state (req_move) are in router_request.c. */
 typedef enum {
     REQ_NEW,        /* built by the gateway, not yet submitted */
-    REQ_TOKENIZING, /* its text prompt is being encoded on libuv's thread pool (tok_job_t) */
+    REQ_TOKENIZING, /* its long text prompt is being encoded on libuv's thread pool (tok_job_t;
+                     * a short one is encoded at once, router_req_submit) */
     REQ_QUEUED,     /* in the admission queue, waiting for room */
     REQ_RETRY,      /* off its node after a failure or an Admit refusal: placed next turn */
     REQ_ADMIT,      /* on a pair: Admit sent to the decode node */

@@ -64,7 +64,7 @@ void router_count_outcome(router_state_t *s, const char *outcome)
         td_metric_inc(m);
 }
 
-/* ---- text prompts, encoded off the loop ------------------------------------------------ */
+/* ---- text prompts, encoded off the loop (long ones) ------------------------------------ */
 
 /* A text prompt is encoded on libuv's thread pool: the cost grows with the text (1.4 s for a
  * 3.9 MB prompt of one pre-token, issue 21), and this loop carries every heartbeat and
@@ -161,13 +161,20 @@ static td_chat_message_t *messages_copy(const td_chat_message_t *m, size_t n)
     return out;
 }
 
-/* Starts encoding r's text prompt, or rendering and encoding its conversation. Errors (r
- * untouched): TD_ERR_EXHAUSTED (max-tokenizing jobs already), TD_ERR_NOMEM. */
+/* Text this short (a prompt, or a conversation's roles and contents) is encoded on the loop:
+ * the thread pool's round trip (a wakeup and two context switches each way) costs more than
+ * encoding it, and was most of an OpenAI chat request's router CPU (bench router --http). */
+#define ROUTER_TOKENIZE_INLINE_BYTES 2048
+
+/* Starts encoding r's text prompt, or rendering and encoding its conversation: queued on
+ * the thread pool, or with `now` only prepared (r->tok_job set, counted) for the caller to
+ * run on the loop. Errors (r untouched): TD_ERR_EXHAUSTED (max-tokenizing jobs already on
+ * the pool), TD_ERR_NOMEM. */
 static td_status_t tok_start(router_req_t *r, const char *text, size_t len,
-                             const td_chat_message_t *messages, size_t n_messages)
+                             const td_chat_message_t *messages, size_t n_messages, bool now)
 {
     router_state_t *s = r->s;
-    if (s->n_tokenizing >= s->cfg.max_tokenizing)
+    if (!now && s->n_tokenizing >= s->cfg.max_tokenizing)
         return td_errorf_quiet(TD_ERR_EXHAUSTED, "router: %d text prompts are being tokenized (max-tokenizing); "
                                "retry later", s->n_tokenizing);
     tok_job_t *j = calloc(1, sizeof *j);
@@ -185,7 +192,7 @@ static td_status_t tok_start(router_req_t *r, const char *text, size_t len,
     j->r = r;
     j->s = s;
     j->tok = s->tok;
-    if (uv_queue_work(&s->proc.loop, &j->work, tok_work, tok_done) != 0) {
+    if (!now && uv_queue_work(&s->proc.loop, &j->work, tok_work, tok_done) != 0) {
         free(j->text);
         free(j->messages);
         free(j);
@@ -689,11 +696,18 @@ void router_req_submit(router_req_t *r, const router_req_spec_t *spec)
         req_arrived(r);
         return;
     }
+    bool now = (spec->n_messages ? spec->gp.prompt_len : spec->prompt_text_len) <= ROUTER_TOKENIZE_INLINE_BYTES;
     if (tok_start(r, spec->prompt, spec->n_messages ? 0 : spec->prompt_text_len, spec->messages,
-                  spec->n_messages) != TD_OK) {
+                  spec->n_messages, now) != TD_OK) {
         char why[384];
         snprintf(why, sizeof why, "%s", td_last_error());
         router_req_fail(r, TD_GRPC_RESOURCE_EXHAUSTED, why, "exhausted");
+        return;
+    }
+    if (now) { /* the job's two halves, here: may end r */
+        uv_work_t *w = &r->tok_job->work;
+        tok_work(w);
+        tok_done(w, 0);
         return;
     }
     req_move(r, REQ_TOKENIZING);
