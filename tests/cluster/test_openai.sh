@@ -9,6 +9,7 @@
 #   followed by a blank line, a usage chunk, "data: [DONE]" last;
 # - bad requests: malformed JSON, wrong types (the parameter named), n > 1, an unknown model,
 #   a body over the limit (413), unknown path (404) and method (405); /health and /v1/models;
+#   a router with no nodes: /health and generations 503;
 # - a client that disconnects mid-stream cancels its request: counted cancelled, the decode
 #   node's KV blocks back to where they were.
 # Skips without the GGUF or without the openai client (offline). Lighter under the sanitizers.
@@ -113,5 +114,13 @@ for ((i = 0; i < 100; i++)); do
 done
 [ "${c%.*}" -gt "${c0%.*}" ] || cl_fail "the disconnect was not counted cancelled ($c0 before, $c after)"
 cl_blocks_back decode0 "$base" "a client disconnected mid-stream"
+
+# a router without nodes: /health 503, a generation 503 (no pair up), and the openai: line
+# of a router started with --http-port
+CL_ROUTER=bare cl_router --http-port 0 --tokenizer "$CL_M"
+BARE=$(sed -n 's/^openai: //p' "$CL_T/bare.out")
+[ -n "$BARE" ] || cl_fail "no 'openai:' line in the router's output: $(cat "$CL_T/bare.out")"
+status 503 '"status":"unavailable"' "${BARE%/v1}/health"
+status 503 '"type":"service_unavailable"' "$BARE/completions" -d '{"prompt":"Hi","max_tokens":2}'
 
 cl_end "$n OpenAI client generations equal tandem generate's on SmolLM2; logprobs; SSE framing; errors; disconnect cancels"
