@@ -44,8 +44,8 @@ typedef struct http_client {
     td_token_logprob_t *lps;    /* a whole answer: every entry so far [n_lps] */
     size_t n_lps, cap_lps;
     router_oai_buf_t text;      /* a whole answer: the text so far */
-    router_oai_buf_t out;       /* the bytes being written */
-    size_t tail_off;            /* after the request ended: out[tail_off..n) still to write */
+    router_oai_buf_t out;       /* the bytes being written (after the request ended: the
+                                 * answer's last bytes, until the connection takes them) */
 } http_client_t;
 
 static void client_free(http_client_t *hc)
@@ -118,17 +118,14 @@ static void http_models(router_state_t *s, td_http_req_t *req)
 /* ---- the sink: a router request's output as OpenAI's answer ---------------------------- */
 
 
-/* Writes out[tail_off..n) after the request ended, then ends the stream and frees hc; on
- * BUSY waits for on_writable. */
+/* Writes hc->out, the answer's last bytes, after the request ended, then ends the stream
+ * and frees hc; on BUSY waits for on_writable. */
 static void tail_drain(http_client_t *hc)
 {
-    td_status_t st = td_http_stream_write(hc->req, hc->out.p + hc->tail_off, hc->out.n - hc->tail_off);
-    if (st == TD_ERR_BUSY)
-        return; /* on_writable comes back here */
-    if (st == TD_OK)
-        td_http_stream_end(hc->req);
-    else if (st == TD_ERR_CLOSED)
-        return; /* on_abort follows and frees hc */
+    td_status_t st = td_http_stream_write(hc->req, hc->out.p, hc->out.n);
+    if (st == TD_ERR_BUSY || st == TD_ERR_CLOSED)
+        return; /* on_writable comes back here; or on_abort follows and frees hc */
+    td_http_stream_end(hc->req); /* sent, or out of memory for it: the stream ends either way */
     client_free(hc);
 }
 
@@ -142,8 +139,8 @@ static td_status_t stream_begin(http_client_t *hc)
     return st;
 }
 
-/* The text of this message: the echo first, then r's pending text, into *buf (kept as
- * is when there is no echo: points into r->out). */
+/* The text of this message: r's pending text (a pointer into r->out), or with an echo not
+ * yet sent the echo and that text, copied into *tmp. */
 static const char *message_text(http_client_t *hc, router_req_t *r, size_t *len_p, router_oai_buf_t *tmp)
 {
     if (!hc->echo) {
@@ -293,7 +290,6 @@ static void http_finish(router_req_t *r, const router_summary_t *sum)
     if (hc->include_usage)
         router_oai_usage_chunk(&hc->out, &hc->rs, &u);
     router_oai_done(&hc->out);
-    hc->tail_off = 0;
     if (hc->out.oom) {
         td_http_stream_end(hc->req);
         client_free(hc);
@@ -319,7 +315,6 @@ static void http_fail(router_req_t *r, td_grpc_code_t code, const char *msg)
     router_oai_error_json(&hc->out, &err);
     router_oai_buf_puts(&hc->out, "\n\n");
     router_oai_done(&hc->out);
-    hc->tail_off = 0;
     if (hc->out.oom) {
         td_http_stream_end(hc->req);
         client_free(hc);
