@@ -10,8 +10,9 @@
  * has been written, so pipelined requests are answered in order, one at a time, and a
  * client that reads no answers makes us queue at most one.
  *
- * Every response piece is one uv_write of its own copy; `queued` counts its bytes until
- * the write callback. The connection is in one of three lists, which make eviction O(1):
+ * Answers are copied into the connection's output blocks and written once per loop
+ * iteration (see "writing"); `queued` counts the bytes not yet written. The connection is
+ * in one of three lists, which make eviction O(1):
  * `fresh` (never answered a request, nothing handled or queued), `idle` (answered one,
  * nothing handled or queued; in the order they became idle) and `busy`. The one timer
  * carries whichever deadline is nearest (conn_arm_timer). A connection's memory is freed
@@ -37,9 +38,20 @@ enum {
     EXTRA_HEADER_BYTES = 4096, /* td_http_resp_header's bound */
     HEAD_BYTES = 512,          /* status line + the server's headers */
     LINGER_MS = 2000,          /* see http_conn.lingering */
+    BLOCK_BYTES = 16 * 1024,   /* an output block (a bigger piece gets a block its size) */
+    FREE_BLOCKS = 64,          /* output blocks the server keeps for reuse */
 };
 
 typedef struct http_conn http_conn_t;
+typedef struct out_block out_block_t;
+
+/* A piece of a connection's output (see "writing"). */
+struct out_block {
+    out_block_t *next;
+    size_t cap, off, len;        /* data[off..len) unwritten */
+    char data[];
+};
+
 
 /* Why the server closed a connection itself (the `reason` label). */
 enum { CLOSE_REQUEST, CLOSE_IDLE, CLOSE_WRITE, CLOSE_EVICTED, CLOSE_REFUSED, CLOSE_N, /* counted */
@@ -61,6 +73,10 @@ struct td_http_server {
     void (*close_cb)(void *data);
     void *close_data;
     td_metric_t *closed_by[CLOSE_N];
+    uv_idle_t flush;             /* writes the dirty connections' output, once per iteration */
+    td_list_t dirty;             /* connections with output to write (http_conn_t.dirty_link) */
+    out_block_t *free_blocks;    /* BLOCK_BYTES blocks for reuse, n_free_blocks of them */
+    size_t n_free_blocks;
     char rbuf[READ_BYTES];       /* what on_alloc hands a connection with no input waiting */
 };
 
@@ -100,7 +116,13 @@ struct http_conn {
     td_http_req_t *req;          /* being read or handled; NULL between requests */
     char *in;                    /* [READ_BYTES] input waiting while paused: in[in_off..+in_len) */
     size_t in_off, in_len;
-    size_t queued;               /* bytes in writes not yet called back */
+    out_block_t *out_head, *out_tail; /* output not yet written, `queued` bytes of it */
+    size_t queued;
+    size_t inflight;             /* of those, the bytes of the uv_write in flight (wreq) */
+    uv_write_t wreq;
+    bool writing;                /* wreq is in flight */
+    bool dirty;                  /* in srv->dirty */
+    td_list_t dirty_link;
     uint64_t since;              /* accept or the last answer written: the idle deadline's base */
     uint64_t req_start;          /* the current request's first byte */
     uint64_t write_progress;     /* the last write callback, or the first write queued */
@@ -110,6 +132,7 @@ struct http_conn {
     bool close_after;            /* close once the queue is empty */
     bool served;                 /* answered a request once */
     bool reading;
+    bool eof;                    /* the client half-closed after its answer was given */
     bool discard;                /* an error answer is going: what arrives is read and dropped */
     bool lingering;              /* it was written and our side shut: waiting for the client's
                                   * close, at most LINGER_MS, so it reads the answer before a reset */
@@ -175,10 +198,17 @@ static void server_maybe_done(td_http_server_t *srv)
         return;
     void (*cb)(void *) = srv->close_cb;
     void *data = srv->close_data;
+    while (srv->free_blocks) {
+        out_block_t *b = srv->free_blocks;
+        srv->free_blocks = b->next;
+        free(b);
+    }
     free(srv);
     if (cb)
         cb(data);
 }
+
+static void conn_free_blocks(http_conn_t *c);
 
 static void req_free(td_http_req_t *req)
 {
@@ -203,6 +233,7 @@ static void conn_handle_closed(uv_handle_t *h)
         req_free(req);
     }
     td_http_server_t *srv = c->srv;
+    conn_free_blocks(c);
     free(c->in);
     free(c);
     srv->pending_closes--;
@@ -230,6 +261,10 @@ static void conn_close(http_conn_t *c, int why)
             td_metric_inc(srv->closed_by[why]);
     }
     conn_unlist(c);
+    if (c->dirty) {
+        td_list_remove(&c->dirty_link);
+        c->dirty = false;
+    }
     srv->pending_closes++;
     uv_close((uv_handle_t *)&c->tcp, conn_handle_closed);
     uv_close((uv_handle_t *)&c->timer, conn_handle_closed);
@@ -250,10 +285,33 @@ static void conn_relist(http_conn_t *c)
     c->list = want;
 }
 
+static void conn_linger(http_conn_t *c);
+static void conn_read_start(http_conn_t *c);
+
+/* A deadline. A connection with nothing handled or queued (idle, or a request still
+ * arriving: a slowloris) is shut gently (conn_linger), so the client reads an end rather
+ * than a reset caused by bytes it sent meanwhile; the rest close at once (a handled
+ * request is aborted now, bytes nobody reads are dropped). */
 static void on_timer(uv_timer_t *t)
 {
     http_conn_t *c = t->data;
-    conn_close(c, c->timer_reason);
+    int why = c->timer_reason;
+    bool handled = c->req && c->req->state != REQ_READING;
+    if (why == CLOSE_LINGER || handled || c->queued > 0 || c->answered || c->lingering) {
+        conn_close(c, why);
+        return;
+    }
+    td_debug("%s connection: closed, %s", c->srv->cfg.name, close_names[why]);
+    if (c->srv->closed_by[why])
+        td_metric_inc(c->srv->closed_by[why]);
+    if (c->req) {
+        req_free(c->req);
+        c->req = NULL;
+    }
+    c->discard = true;
+    c->in_off = c->in_len = 0;
+    conn_read_start(c);
+    conn_linger(c);
 }
 
 /* Arms the timer for the nearest deadline that applies: the request's (its first byte +
@@ -289,15 +347,124 @@ static void conn_arm_timer(http_conn_t *c)
 
 /* ---- writing ------------------------------------------------------------------------- */
 
-typedef struct http_write {
-    uv_write_t w;
-    http_conn_t *c;
-    size_t len;
-    char data[];
-} http_write_t;
+/* Output waits in a connection's chain of blocks until the server's idle callback (once per
+ * loop iteration, before it polls, which it then does without blocking) writes each dirty
+ * connection's bytes at once as far as the socket takes them (uv_try_write) and hands the
+ * rest to one uv_write. An answer or a stream's chunks cost a copy into a block, not an allocation and a
+ * write each; a connection's chunks of one iteration go out in one system call. */
+static out_block_t *block_new(td_http_server_t *srv, size_t need)
+{
+    if (need <= BLOCK_BYTES && srv->free_blocks) {
+        out_block_t *b = srv->free_blocks;
+        srv->free_blocks = b->next;
+        srv->n_free_blocks--;
+        b->next = NULL;
+        b->off = b->len = 0;
+        return b;
+    }
+    size_t cap = need > BLOCK_BYTES ? need : BLOCK_BYTES;
+    out_block_t *b = malloc(sizeof *b + cap);
+    if (!b)
+        return NULL;
+    *b = (out_block_t){.cap = cap};
+    return b;
+}
+
+static void block_free(td_http_server_t *srv, out_block_t *b)
+{
+    if (b->cap == BLOCK_BYTES && srv->n_free_blocks < FREE_BLOCKS) {
+        b->next = srv->free_blocks;
+        srv->free_blocks = b;
+        srv->n_free_blocks++;
+        return;
+    }
+    free(b);
+}
+
+static void conn_free_blocks(http_conn_t *c)
+{
+    while (c->out_head) {
+        out_block_t *b = c->out_head;
+        c->out_head = b->next;
+        block_free(c->srv, b);
+    }
+    c->out_tail = NULL;
+}
+
+static void on_flush(uv_idle_t *h);
+
+static void conn_mark_dirty(http_conn_t *c)
+{
+    td_http_server_t *srv = c->srv;
+    if (c->dirty || c->writing || c->closing)
+        return; /* a write in flight flushes the rest from its callback */
+    c->dirty = true;
+    td_list_push_back(&srv->dirty, &c->dirty_link);
+    if (!uv_is_active((uv_handle_t *)&srv->flush))
+        uv_idle_start(&srv->flush, on_flush);
+}
+
+/* Room for `len` bytes at the end of c's output (a new block when the last has too little);
+ * conn_commit says how many were used. NULL when out of memory. */
+static char *conn_reserve(http_conn_t *c, size_t len)
+{
+    out_block_t *t = c->out_tail;
+    if (t && t->cap - t->len >= len)
+        return t->data + t->len;
+    out_block_t *b = block_new(c->srv, len);
+    if (!b)
+        return NULL;
+    if (t)
+        t->next = b;
+    else
+        c->out_head = b;
+    c->out_tail = b;
+    return b->data;
+}
+
+static void conn_commit(http_conn_t *c, size_t used)
+{
+    if (c->queued == 0)
+        c->write_progress = uv_now(c->srv->loop);
+    c->out_tail->len += used;
+    c->queued += used;
+    conn_mark_dirty(c);
+}
+
+/* Drops the first n written bytes; the blocks go back when nothing is left. */
+static void conn_consume(http_conn_t *c, size_t n)
+{
+    c->queued -= n;
+    c->write_progress = uv_now(c->srv->loop);
+    while (n > 0) {
+        out_block_t *b = c->out_head;
+        size_t take = b->len - b->off < n ? b->len - b->off : n;
+        b->off += take;
+        n -= take;
+        if (b->off == b->len && b != c->out_tail) {
+            c->out_head = b->next;
+            block_free(c->srv, b);
+        }
+    }
+    if (c->queued == 0)
+        conn_free_blocks(c);
+}
+
+/* The unwritten bytes as up to `max` buffers; their total. */
+static size_t conn_iov(http_conn_t *c, uv_buf_t *iov, unsigned max, unsigned *n_p)
+{
+    unsigned n = 0;
+    size_t total = 0;
+    for (out_block_t *b = c->out_head; b && n < max; b = b->next)
+        if (b->len > b->off) {
+            iov[n++] = uv_buf_init(b->data + b->off, (unsigned)(b->len - b->off));
+            total += b->len - b->off;
+        }
+    *n_p = n;
+    return total;
+}
 
 static void conn_resume(http_conn_t *c);
-static void conn_read_start(http_conn_t *c);
 
 static void on_shutdown(uv_shutdown_t *req, int status)
 {
@@ -306,21 +473,31 @@ static void on_shutdown(uv_shutdown_t *req, int status)
         conn_close(c, CLOSE_NONE);
 }
 
+/* Shuts our side and waits, dropping what comes, for the client's close: at most LINGER_MS. */
+static void conn_linger(http_conn_t *c)
+{
+    c->lingering = true;
+    c->shutdown.data = c;
+    if (uv_shutdown(&c->shutdown, (uv_stream_t *)&c->tcp, on_shutdown) < 0) {
+        conn_close(c, CLOSE_NONE);
+        return;
+    }
+    c->timer_reason = CLOSE_LINGER;
+    uv_timer_start(&c->timer, on_timer, LINGER_MS, 0);
+}
+
 /* The current answer is written: the connection waits for its next request (or closes). */
 static void conn_answer_written(http_conn_t *c)
 {
     c->answered = false;
     c->served = true;
     c->since = uv_now(c->srv->loop);
+    if (c->eof) {
+        conn_close(c, CLOSE_NONE);
+        return;
+    }
     if (c->discard && !c->srv->closing) {
-        c->lingering = true;
-        c->shutdown.data = c;
-        if (uv_shutdown(&c->shutdown, (uv_stream_t *)&c->tcp, on_shutdown) < 0) {
-            conn_close(c, CLOSE_NONE);
-            return;
-        }
-        c->timer_reason = CLOSE_LINGER;
-        uv_timer_start(&c->timer, on_timer, LINGER_MS, 0);
+        conn_linger(c);
         return;
     }
     if (c->close_after || c->srv->closing) {
@@ -332,20 +509,12 @@ static void conn_answer_written(http_conn_t *c)
     conn_resume(c);
 }
 
-static void on_write(uv_write_t *w, int status)
+/* After bytes were written: the handler's on_writable, the answer's end, the deadlines.
+ * Runs from loop callbacks only (flush, write), never inside a td_http_* call. */
+static void conn_progress(http_conn_t *c)
 {
-    http_write_t *wr = w->data;
-    http_conn_t *c = wr->c;
-    c->queued -= wr->len;
-    free(wr);
     if (c->closing)
         return;
-    if (status < 0) {
-        td_debug("%s connection: write failed: %s", c->srv->cfg.name, uv_strerror(status));
-        conn_close(c, CLOSE_NONE);
-        return;
-    }
-    c->write_progress = uv_now(c->srv->loop);
     td_http_req_t *req = c->req;
     if (req && req->want_writable && c->queued <= c->srv->cfg.max_write_queue_bytes / 2) {
         req->want_writable = false;
@@ -354,7 +523,7 @@ static void on_write(uv_write_t *w, int status)
         if (c->closing)
             return;
     }
-    if (c->queued == 0 && c->answered) {
+    if (c->queued == 0 && c->answered && !c->writing) {
         conn_answer_written(c);
         return;
     }
@@ -362,33 +531,77 @@ static void on_write(uv_write_t *w, int status)
     conn_arm_timer(c);
 }
 
-/* A write of `len` bytes for the caller to fill; NULL when out of memory. */
-static http_write_t *write_new(http_conn_t *c, size_t len)
+static void on_write(uv_write_t *w, int status);
+
+/* Writes what c has queued: at once as far as the socket takes it, the rest by uv_write. */
+static void conn_flush(http_conn_t *c)
 {
-    http_write_t *wr = malloc(sizeof *wr + len);
-    if (!wr)
-        return NULL;
-    wr->c = c;
-    wr->len = len;
-    wr->w.data = wr;
-    return wr;
+    if (c->closing || c->writing)
+        return;
+    uv_buf_t iov[16];
+    unsigned n;
+    if (conn_iov(c, iov, 16, &n) > 0) {
+        int w = uv_try_write((uv_stream_t *)&c->tcp, iov, n);
+        if (w < 0 && w != UV_EAGAIN) {
+            td_debug("%s connection: write failed: %s", c->srv->cfg.name, uv_strerror(w));
+            conn_close(c, CLOSE_NONE);
+            return;
+        }
+        if (w > 0)
+            conn_consume(c, (size_t)w);
+        size_t rest = conn_iov(c, iov, 16, &n);
+        if (rest > 0) {
+            c->wreq.data = c;
+            int rc = uv_write(&c->wreq, (uv_stream_t *)&c->tcp, iov, n, on_write);
+            if (rc < 0) {
+                td_debug("%s connection: write failed: %s", c->srv->cfg.name, uv_strerror(rc));
+                conn_close(c, CLOSE_NONE);
+                return;
+            }
+            c->writing = true;
+            c->inflight = rest;
+        }
+    }
+    conn_progress(c);
 }
 
-/* Queues wr (taking it). TD_ERR_CLOSED when the socket refuses it: the connection closes. */
-static td_status_t conn_send(http_conn_t *c, http_write_t *wr)
+static void on_write(uv_write_t *w, int status)
 {
-    if (c->queued == 0)
-        c->write_progress = uv_now(c->srv->loop);
-    uv_buf_t b = uv_buf_init(wr->data, (unsigned)wr->len);
-    int rc = uv_write(&wr->w, (uv_stream_t *)&c->tcp, &b, 1, on_write);
-    if (rc < 0) {
-        free(wr);
-        td_debug("%s connection: write failed: %s", c->srv->cfg.name, uv_strerror(rc));
+    http_conn_t *c = w->data;
+    c->writing = false;
+    if (c->closing)
+        return;
+    if (status < 0) {
+        td_debug("%s connection: write failed: %s", c->srv->cfg.name, uv_strerror(status));
         conn_close(c, CLOSE_NONE);
-        return TD_ERR_CLOSED;
+        return;
     }
-    c->queued += wr->len;
-    return TD_OK;
+    conn_consume(c, c->inflight);
+    c->inflight = 0;
+    conn_flush(c);
+}
+
+/* Flushes the connections dirty now; those that get output while it runs (a handler that
+ * writes from on_writable, the next pipelined answer) wait for the next loop iteration, so
+ * a stream to a fast reader cannot keep the loop from reading and accepting. */
+static void on_flush(uv_idle_t *h)
+{
+    td_http_server_t *srv = h->data;
+    td_list_t now;
+    td_list_init(&now);
+    while (!td_list_empty(&srv->dirty)) {
+        td_list_t *n = td_list_first(&srv->dirty);
+        td_list_remove(n);
+        td_list_push_back(&now, n);
+    }
+    while (!td_list_empty(&now)) {
+        http_conn_t *c = TD_CONTAINER_OF(td_list_first(&now), http_conn_t, dirty_link);
+        td_list_remove(&c->dirty_link);
+        c->dirty = false;
+        conn_flush(c);
+    }
+    if (td_list_empty(&srv->dirty))
+        uv_idle_stop(h);
 }
 
 /* Formats a response head into out[HEAD_BYTES + extra]; returns its length. `length` is
@@ -424,19 +637,17 @@ static void conn_fail(http_conn_t *c, int status, const char *msg)
     c->discard = true;
     c->in_off = c->in_len = 0;
     size_t mlen = strlen(msg);
-    http_write_t *wr = write_new(c, HEAD_BYTES + mlen + 1);
-    if (!wr) {
+    char *out = conn_reserve(c, HEAD_BYTES + mlen + 1);
+    if (!out) {
         conn_close(c, CLOSE_NONE);
         return;
     }
-    size_t n = format_head(wr->data, status, NULL, (long long)mlen + 1, false, "", 0);
-    memcpy(wr->data + n, msg, mlen);
-    wr->data[n + mlen] = '\n';
-    wr->len = n + mlen + 1;
+    size_t n = format_head(out, status, NULL, (long long)mlen + 1, false, "", 0);
+    memcpy(out + n, msg, mlen);
+    out[n + mlen] = '\n';
+    conn_commit(c, n + mlen + 1);
     c->answered = true;
     c->close_after = true;
-    if (conn_send(c, wr) != TD_OK)
-        return;
     conn_relist(c);
     conn_arm_timer(c);
     conn_read_start(c); /* had it stopped for a full input buffer */
@@ -577,14 +788,13 @@ static int on_headers_complete(http_parser *p)
         }
         if (chunked || declared > 0) {
             static const char cont[] = "HTTP/1.1 100 Continue\r\n\r\n";
-            http_write_t *wr = write_new(c, sizeof cont - 1);
-            if (!wr) {
+            char *out = conn_reserve(c, sizeof cont - 1);
+            if (!out) {
                 c->err_status = 503;
                 return -1;
             }
-            memcpy(wr->data, cont, sizeof cont - 1);
-            if (conn_send(c, wr) != TD_OK)
-                return -1;
+            memcpy(out, cont, sizeof cont - 1);
+            conn_commit(c, sizeof cont - 1);
         }
     }
     return 0;
@@ -688,7 +898,7 @@ static bool conn_paused(const http_conn_t *c)
 
 static void conn_read_start(http_conn_t *c)
 {
-    if (c->reading || c->closing || c->in_len >= READ_BYTES)
+    if (c->reading || c->closing || c->eof || c->in_len >= READ_BYTES)
         return;
     if (uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read) < 0) {
         conn_close(c, CLOSE_NONE);
@@ -739,10 +949,18 @@ static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
 {
     http_conn_t *c = s->data;
     if (nread < 0) {
-        /* EOF or reset: the client is gone (a half-close cannot be told from a close) */
-        if (nread != UV_EOF)
-            td_debug("%s connection: read failed: %s", c->srv->cfg.name, uv_strerror((int)nread));
-        conn_close(c, CLOSE_NONE);
+        /* EOF or reset. A request still handled is aborted (a half-close cannot be told
+         * from a close: the client is taken as gone); answers already given are written
+         * first (`printf 'GET ...' | nc`), and what else came is dropped. */
+        if (nread != UV_EOF || !c->answered) {
+            if (nread != UV_EOF)
+                td_debug("%s connection: read failed: %s", c->srv->cfg.name, uv_strerror((int)nread));
+            conn_close(c, CLOSE_NONE);
+            return;
+        }
+        uv_read_stop(s);
+        c->reading = false;
+        c->eof = true; /* closes once the answer is written (conn_answer_written) */
         return;
     }
     if (nread == 0 || c->closing || c->discard)
@@ -825,6 +1043,7 @@ static void on_connection(uv_stream_t *listener, int status)
 
 /* ---- the server ---------------------------------------------------------------------- */
 
+/* The listener's or the flush handle's close. */
 static void on_listener_closed(uv_handle_t *h)
 {
     td_http_server_t *srv = h->data;
@@ -882,6 +1101,9 @@ td_status_t td_http_server_create(uv_loop_t *loop, const td_http_config_t *cfg,
             return st;
         }
     }
+    td_list_init(&srv->dirty);
+    uv_idle_init(loop, &srv->flush);
+    srv->flush.data = srv;
     uv_tcp_init(loop, &srv->listener);
     srv->listener.data = srv;
     td_status_t st = td_rpc_tcp_listen(&srv->listener, name, cfg->host, cfg->port, on_connection, &srv->port);
@@ -892,7 +1114,8 @@ td_status_t td_http_server_create(uv_loop_t *loop, const td_http_config_t *cfg,
 
 err_listener:
     srv->closing = true;
-    srv->pending_closes = 1;
+    srv->pending_closes = 2;
+    uv_close((uv_handle_t *)&srv->flush, on_listener_closed);
     uv_close((uv_handle_t *)&srv->listener, on_listener_closed);
     return st;
 }
@@ -909,7 +1132,8 @@ void td_http_server_close(td_http_server_t *srv, void (*cb)(void *data), void *d
     srv->closing = true;
     srv->close_cb = cb;
     srv->close_data = data;
-    srv->pending_closes++;
+    srv->pending_closes += 2;
+    uv_close((uv_handle_t *)&srv->flush, on_listener_closed);
     uv_close((uv_handle_t *)&srv->listener, on_listener_closed);
     td_list_t *lists[] = {&srv->fresh, &srv->idle, &srv->busy};
     for (size_t i = 0; i < TD_ARRAY_LEN(lists); i++)
@@ -1030,23 +1254,22 @@ void td_http_respond(td_http_req_t *req, int status, const char *content_type, c
         return;
     }
     size_t blen = req->head_method ? 0 : len;
-    http_write_t *wr = write_new(c, HEAD_BYTES + req->extra_len + blen);
-    if (!wr) {
+    char *out = conn_reserve(c, HEAD_BYTES + req->extra_len + blen);
+    if (!out) {
         td_warn("%s connection: out of memory for a %zu-byte answer, closing", c->srv->cfg.name, len);
         conn_close(c, CLOSE_NONE);
         req_finish(req);
         return;
     }
     bool keep = req->keep_alive && !c->srv->closing;
-    size_t n = format_head(wr->data, status, content_type, (long long)len, keep, req->extra ? req->extra : "",
+    size_t n = format_head(out, status, content_type, (long long)len, keep, req->extra ? req->extra : "",
                            req->extra_len);
     if (blen)
-        memcpy(wr->data + n, body, blen);
-    wr->len = n + blen;
+        memcpy(out + n, body, blen);
+    conn_commit(c, n + blen);
     c->close_after = !keep;
     req_finish(req);
-    if (conn_send(c, wr) == TD_OK)
-        conn_answer_queued(c);
+    conn_answer_queued(c);
 }
 
 td_status_t td_http_stream_begin(td_http_req_t *req, int status, const char *content_type)
@@ -1056,19 +1279,18 @@ td_status_t td_http_stream_begin(td_http_req_t *req, int status, const char *con
     http_conn_t *c = req->conn;
     if (c->closing)
         return td_errorf_quiet(TD_ERR_CLOSED, "http: the client is gone");
-    http_write_t *wr = write_new(c, HEAD_BYTES + req->extra_len);
-    if (!wr)
+    char *out = conn_reserve(c, HEAD_BYTES + req->extra_len);
+    if (!out)
         return td_errorf(TD_ERR_NOMEM, "http: out of memory");
     /* HTTP/1.0 has no chunks: the body runs to the close; a HEAD's stream (no body, so
      * no last chunk) ends with one too */
     bool keep = req->keep_alive && !req->http10 && !req->head_method && !c->srv->closing;
-    wr->len = format_head(wr->data, status, content_type, req->http10 ? -2 : -1, keep,
-                          req->extra ? req->extra : "", req->extra_len);
+    conn_commit(c, format_head(out, status, content_type, req->http10 ? -2 : -1, keep,
+                               req->extra ? req->extra : "", req->extra_len));
     c->close_after = !keep;
     req->state = REQ_STREAMING;
-    td_status_t st = conn_send(c, wr);
     conn_arm_timer(c);
-    return st;
+    return TD_OK;
 }
 
 td_status_t td_http_stream_write(td_http_req_t *req, const char *data, size_t len)
@@ -1084,21 +1306,21 @@ td_status_t td_http_stream_write(td_http_req_t *req, const char *data, size_t le
         req->want_writable = true;
         return TD_ERR_BUSY;
     }
-    http_write_t *wr = write_new(c, len + 32);
-    if (!wr)
+    char *out = conn_reserve(c, len + 32);
+    if (!out)
         return td_errorf(TD_ERR_NOMEM, "http: out of memory");
-    size_t n = req->http10 ? 0 : (size_t)sprintf(wr->data, "%zx\r\n", len);
-    memcpy(wr->data + n, data, len);
+    bool was_empty = c->queued == 0;
+    size_t n = req->http10 ? 0 : (size_t)sprintf(out, "%zx\r\n", len);
+    memcpy(out + n, data, len);
     n += len;
     if (!req->http10) {
-        memcpy(wr->data + n, "\r\n", 2);
+        memcpy(out + n, "\r\n", 2);
         n += 2;
     }
-    wr->len = n;
-    td_status_t st = conn_send(c, wr);
-    if (st == TD_OK)
-        conn_arm_timer(c);
-    return st;
+    conn_commit(c, n);
+    if (was_empty)
+        conn_arm_timer(c); /* the write deadline starts */
+    return TD_OK;
 }
 
 void td_http_stream_end(td_http_req_t *req)
@@ -1112,14 +1334,13 @@ void td_http_stream_end(td_http_req_t *req)
     if (c->closing)
         return;
     if (chunked) {
-        http_write_t *wr = write_new(c, 5);
-        if (!wr) {
+        char *out = conn_reserve(c, 5);
+        if (!out) {
             conn_close(c, CLOSE_NONE);
             return;
         }
-        memcpy(wr->data, "0\r\n\r\n", 5);
-        if (conn_send(c, wr) != TD_OK)
-            return;
+        memcpy(out, "0\r\n\r\n", 5);
+        conn_commit(c, 5);
     }
     conn_answer_queued(c);
 }

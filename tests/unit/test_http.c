@@ -528,6 +528,13 @@ Test(http, keep_alive_serves_many_requests_and_close_closes, .timeout = 60)
     cr_assert_str_eq(c->conn, "close");
     cr_assert(client_closed(c));
     client_free(c);
+    /* a client that half-closes after its request (printf ... | nc) still reads the answer */
+    c = client_new(s->port);
+    client_sends(c, "GET /info HTTP/1.1\r\n\r\n");
+    shutdown(c->fd, SHUT_WR);
+    cr_assert_eq(client_read(c), 200, "a half-closed client lost its answer");
+    cr_assert(client_closed(c));
+    client_free(c);
     /* an HTTP/1.0 stream has no chunks: the close ends it */
     cr_assert_eq(request(s, "GET /stream?n=3&size=5 HTTP/1.0\r\n\r\n", &c), 200);
     cr_assert_eq(c->body_len, 15);
