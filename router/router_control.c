@@ -196,7 +196,7 @@ void on_register(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data)
         p->xfer_desc_len = q->ucx_worker_address.len;
     }
     td_grpc_channel_config_t cc = td_grpc_channel_config_default();
-    if (td_node_auth_sign_channel(s->proc.auth.cluster, &cc) != TD_OK ||
+    if (td_node_auth_sign_channel(s->proc.auth.cluster, info.id, &cc) != TD_OK ||
         td_grpc_channel_create(&s->proc.loop, host, port, &cc, &p->ch) != TD_OK) {
         router_registry_leave(s->reg, info.id);
         td_grpc_call_finish(call, TD_GRPC_UNAVAILABLE, "router cannot reach the node's control address");

@@ -318,12 +318,16 @@ void td_auth_cluster_destroy(td_auth_cluster_t *c)
     free(c);
 }
 
-td_status_t td_auth_signer_init(td_auth_signer_t *s, td_auth_cluster_t *c)
+td_status_t td_auth_signer_init(td_auth_signer_t *s, td_auth_cluster_t *c, const char *audience)
 {
+    if (!audience || !audience[0] || strlen(audience) >= TD_AUTH_AUDIENCE_MAX)
+        return td_errorf(TD_ERR_INVALID, "cluster auth: audience '%s' is empty or over %d bytes",
+                         audience ? audience : "", TD_AUTH_AUDIENCE_MAX - 1);
     uint64_t id;
     if (RAND_bytes((unsigned char *)&id, sizeof id) != 1)
         return td_errorf(TD_ERR_IO, "cluster secret: no randomness for a sender id");
     *s = (td_auth_signer_t){.cluster = c, .sender = id, .counter = 0};
+    strcpy(s->audience, audience);
     return TD_OK;
 }
 
@@ -334,12 +338,12 @@ int64_t td_auth_now_ms(void)
     return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
 
-/* HMAC over the domain tag, method, sender, counter, time and request into out[32]. */
-static bool mac_compute(td_auth_cluster_t *c, const char *method, uint64_t sender, uint64_t counter, int64_t ms,
-                        const void *request, size_t len, uint8_t out[SHA256_DIGEST_LENGTH])
+/* HMAC over the domain tag, audience, method, sender, counter, time and request into out[32]. */
+static bool mac_compute(td_auth_cluster_t *c, const char *audience, const char *method, uint64_t sender,
+                        uint64_t counter, int64_t ms, const void *request, size_t len, uint8_t out[SHA256_DIGEST_LENGTH])
 {
-    char head[400];
-    int hl = snprintf(head, sizeof head, "tandem-cluster-auth v1\n%s\n%016llx\n%llu\n%lld\n", method,
+    char head[480];
+    int hl = snprintf(head, sizeof head, "tandem-cluster-auth v1\n%s\n%s\n%016llx\n%llu\n%lld\n", audience, method,
                       (unsigned long long)sender, (unsigned long long)counter, (long long)ms);
     if (hl < 0 || (size_t)hl >= sizeof head)
         return false; /* a method path this long is no method of ours */
@@ -355,7 +359,7 @@ td_status_t td_auth_sign(td_auth_signer_t *s, int64_t now_ms, const char *method
 {
     uint8_t mac[SHA256_DIGEST_LENGTH];
     uint64_t ctr = ++s->counter;
-    if (!mac_compute(s->cluster, method, s->sender, ctr, now_ms, request, len, mac))
+    if (!mac_compute(s->cluster, s->audience, method, s->sender, ctr, now_ms, request, len, mac))
         return td_errorf(TD_ERR_INTERNAL, "cluster auth: signing %s failed in libcrypto", method);
     static const char digits[] = "0123456789abcdef";
     char hex[2 * SHA256_DIGEST_LENGTH + 1];
@@ -461,8 +465,8 @@ static bool replay_accept(sender_t *e, uint64_t k)
     return true;
 }
 
-td_auth_outcome_t td_auth_verify(td_auth_cluster_t *c, int64_t now_ms, const char *method, const char *value,
-                                 const void *request, size_t len, char *why, size_t cap)
+td_auth_outcome_t td_auth_verify(td_auth_cluster_t *c, int64_t now_ms, const char *audience, const char *method,
+                                 const char *value, const void *request, size_t len, char *why, size_t cap)
 {
     if (!value || !value[0]) {
         snprintf(why, cap, "no %s header: the caller has no cluster secret (--cluster-secret-file)", TD_AUTH_HEADER);
@@ -475,9 +479,10 @@ td_auth_outcome_t td_auth_verify(td_auth_cluster_t *c, int64_t now_ms, const cha
         snprintf(why, cap, "malformed %s header", TD_AUTH_HEADER);
         return TD_AUTH_WRONG;
     }
-    if (!mac_compute(c, method, sender, ctr, ms, request, len, want) ||
+    if (!mac_compute(c, audience, method, sender, ctr, ms, request, len, want) ||
         CRYPTO_memcmp(mac, want, sizeof mac) != 0) {
-        snprintf(why, cap, "the signature does not match: the caller's cluster secret differs from ours");
+        snprintf(why, cap, "the signature does not match: the caller's cluster secret differs from ours, or the "
+                 "call was signed for another receiver than %s", audience);
         return TD_AUTH_WRONG;
     }
     if (ms < now_ms - c->cfg.window_ms || ms > now_ms + c->cfg.window_ms) {

@@ -14,8 +14,10 @@
  *
  *       v1 <sender 16 hex> <counter> <unix ms> <HMAC-SHA256 64 hex>
  *
- *   with the HMAC (key SHA-256(secret)) over "tandem-cluster-auth v1", the method path,
- *   the sender, counter and time, and the serialized request. The receiver recomputes it
+ *   with the HMAC (key SHA-256(secret)) over "tandem-cluster-auth v1", the audience (who
+ *   the call is for: the node id of the node called, or "router"), the method path, the
+ *   sender, counter and time, and the serialized request. The receiver recomputes it with
+ *   its own audience, so a call signed for one node is refused by every other
  *   (CRYPTO_memcmp), refuses a time more than window_ms away from its clock, and keeps per
  *   sender (a random id per signer, i.e. per gRPC channel) the highest counter seen and a
  *   bitmap of the TD_AUTH_REPLAY_BITS before it, so each signed request is accepted once:
@@ -120,16 +122,21 @@ td_status_t td_auth_cluster_create(const void *secret, size_t len, const td_auth
 /* NULL is a no-op; keys are wiped. */
 void td_auth_cluster_destroy(td_auth_cluster_t *c);
 
-/* One signer: a random sender id and its counter. Caller-allocated; one per channel, so a
- * verifier sees each sender's counters in nearly the order they were signed. */
+#define TD_AUTH_AUDIENCE_MAX 64 /* bytes of an audience, NUL included (a node id fits) */
+
+/* One signer: a random sender id and its counter, for calls to one audience.
+ * Caller-allocated; one per channel, so a verifier sees each sender's counters in nearly
+ * the order they were signed. */
 typedef struct td_auth_signer {
     td_auth_cluster_t *cluster;
     uint64_t sender;
     uint64_t counter;
+    char audience[TD_AUTH_AUDIENCE_MAX];
 } td_auth_signer_t;
 
-/* Draws a random sender id. Errors: TD_ERR_IO (no randomness). */
-td_status_t td_auth_signer_init(td_auth_signer_t *s, td_auth_cluster_t *c);
+/* Draws a random sender id; `audience` (copied) is who the calls are for. Errors:
+ * TD_ERR_INVALID (audience empty or too long), TD_ERR_IO (no randomness). */
+td_status_t td_auth_signer_init(td_auth_signer_t *s, td_auth_cluster_t *c, const char *audience);
 
 /*
  * Signs `method` with request[0..len) at now_ms (unix ms) into value[0..cap)
@@ -141,12 +148,12 @@ td_status_t td_auth_sign(td_auth_signer_t *s, int64_t now_ms, const char *method
 
 /*
  * Verifies a header value (NULL when absent) for `method` and request[0..len) at now_ms,
- * and records its counter. TD_AUTH_OK, TD_AUTH_MISSING (no header) or TD_AUTH_WRONG with
+ * signed for `audience` (this receiver: its node id, or "router"), and records its counter. TD_AUTH_OK, TD_AUTH_MISSING (no header) or TD_AUTH_WRONG with
  * why[0..cap) saying which check failed (malformed, bad MAC, stale, replayed, too many
  * senders); nothing is logged (the caller logs what it refuses, once).
  */
-td_auth_outcome_t td_auth_verify(td_auth_cluster_t *c, int64_t now_ms, const char *method, const char *value,
-                                 const void *request, size_t len, char *why, size_t cap);
+td_auth_outcome_t td_auth_verify(td_auth_cluster_t *c, int64_t now_ms, const char *audience, const char *method,
+                                 const char *value, const void *request, size_t len, char *why, size_t cap);
 
 /* Current unix time in ms (CLOCK_REALTIME): the clock both sides use. */
 int64_t td_auth_now_ms(void);

@@ -15,9 +15,13 @@
 #define REFUSAL_LOG_MS 10000 /* the same refusal (method and reason, any peer) is logged again
                                 after this long: a node retrying every 200 ms is one line */
 
-td_status_t td_node_auth_load(td_node_auth_t *a, const char *prog, const char *keys_file, const char *secret_file)
+td_status_t td_node_auth_load(td_node_auth_t *a, const char *prog, const char *audience, const char *keys_file,
+                              const char *secret_file)
 {
     a->prog = prog;
+    if (strlen(audience) >= sizeof a->audience)
+        return td_errorf(TD_ERR_INVALID, "%s: node id '%s' is over %zu bytes", prog, audience, sizeof a->audience - 1);
+    strcpy(a->audience, audience);
     td_status_t st;
     if (keys_file && (st = td_auth_keys_load(keys_file, &a->keys)) != TD_OK)
         return st;
@@ -149,7 +153,7 @@ static td_grpc_code_t control_gate(td_grpc_call_t *call, const void *request, si
 {
     td_node_auth_t *a = data;
     char reason[200];
-    td_auth_outcome_t o = td_auth_verify(a->cluster, td_auth_now_ms(), td_grpc_call_method(call),
+    td_auth_outcome_t o = td_auth_verify(a->cluster, td_auth_now_ms(), a->audience, td_grpc_call_method(call),
                                          td_grpc_call_header(call, TD_AUTH_HEADER), request, len, reason,
                                          sizeof reason);
     count(a->cluster_outcomes, o);
@@ -178,14 +182,14 @@ static td_status_t sign_call(void *data, const char *method, const void *request
     return td_auth_sign(data, td_auth_now_ms(), method, request, len, value, cap);
 }
 
-td_status_t td_node_auth_sign_channel(td_auth_cluster_t *cluster, td_grpc_channel_config_t *cc)
+td_status_t td_node_auth_sign_channel(td_auth_cluster_t *cluster, const char *audience, td_grpc_channel_config_t *cc)
 {
     if (!cluster)
         return TD_OK;
     td_auth_signer_t *s = malloc(sizeof *s);
     if (!s)
         return td_errorf(TD_ERR_NOMEM, "cluster auth: out of memory for a signer");
-    td_status_t st = td_auth_signer_init(s, cluster);
+    td_status_t st = td_auth_signer_init(s, cluster, audience);
     if (st != TD_OK) {
         free(s);
         return st;

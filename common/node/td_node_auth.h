@@ -27,8 +27,11 @@
 #include "td_metrics.h"
 #include "td_status.h"
 
+#define TD_NODE_AUTH_ROUTER "router" /* the audience of calls to a router */
+
 typedef struct td_node_auth {
     const char *prog;                                   /* for logs */
+    char audience[TD_AUTH_AUDIENCE_MAX];                /* this process: its node id, or "router" */
     td_auth_keys_t *keys;                               /* NULL: no API keys required */
     td_auth_cluster_t *cluster;                         /* NULL: control plane open */
     td_metric_t *key_outcomes[TD_AUTH_N_OUTCOMES];      /* tandem_auth_api_key_total{outcome} */
@@ -42,11 +45,13 @@ typedef struct td_node_auth {
 } td_node_auth_t;
 
 /*
- * Loads keys_file (may be NULL) and secret_file (may be NULL) into *a (zeroed). Errors
- * (those of td_auth_keys_load / td_auth_cluster_load, logged naming the file): nothing is
- * kept.
+ * Loads keys_file (may be NULL) and secret_file (may be NULL) into *a (zeroed); control
+ * calls this process accepts must be signed for `audience` (a node: its node id; the
+ * router: TD_NODE_AUTH_ROUTER). Errors (those of td_auth_keys_load / td_auth_cluster_load,
+ * logged naming the file; TD_ERR_INVALID for an audience over TD_AUTH_AUDIENCE_MAX - 1
+ * bytes): nothing is kept.
  */
-td_status_t td_node_auth_load(td_node_auth_t *a, const char *prog, const char *keys_file,
+td_status_t td_node_auth_load(td_node_auth_t *a, const char *prog, const char *audience, const char *keys_file,
                               const char *secret_file);
 
 /* Registers the counters in `metrics` and, with API keys, watches SIGHUP on `loop`.
@@ -65,9 +70,11 @@ void td_node_auth_guard_gateway(td_node_auth_t *a, td_grpc_server_config_t *gc);
 /* Sets gc's gate for a control server (cluster secret); without a secret clears it. */
 void td_node_auth_guard_control(td_node_auth_t *a, td_grpc_server_config_t *gc);
 
-/* With a secret (cluster non-NULL), makes cc sign every call with a signer of its own.
- * Errors: TD_ERR_NOMEM, TD_ERR_IO (no randomness); cc untouched then. */
-td_status_t td_node_auth_sign_channel(td_auth_cluster_t *cluster, td_grpc_channel_config_t *cc);
+/* With a secret (cluster non-NULL), makes cc sign every call with a signer of its own, for
+ * `audience` (the node id of the node the channel reaches, or TD_NODE_AUTH_ROUTER).
+ * Errors: TD_ERR_INVALID (audience), TD_ERR_NOMEM, TD_ERR_IO (no randomness); cc untouched
+ * then. */
+td_status_t td_node_auth_sign_channel(td_auth_cluster_t *cluster, const char *audience, td_grpc_channel_config_t *cc);
 
 /* The HTTP front door's check of an Authorization header value (NULL: absent), counted
  * in tandem_auth_api_key_total. TD_AUTH_OK too when no keys are configured (not counted). */

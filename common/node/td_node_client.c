@@ -113,7 +113,7 @@ static bool ensure_channel(td_node_client_t *c)
         return true;
     drop_channel(c);
     td_grpc_channel_config_t cc = td_grpc_channel_config_default();
-    return td_node_auth_sign_channel(c->cfg.cluster, &cc) == TD_OK &&
+    return td_node_auth_sign_channel(c->cfg.cluster, TD_NODE_AUTH_ROUTER, &cc) == TD_OK &&
            td_grpc_channel_create(c->loop, c->router_host, c->cfg.router_port, &cc, &c->ch) == TD_OK;
 }
 

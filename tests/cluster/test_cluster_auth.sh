@@ -54,7 +54,23 @@ gen local_right "$KEY1" "1 200 300" || cl_fail "tandem local: the right key fail
 gen local_absent "" "1 200 300" && cl_fail "tandem local served a request without a key"
 
 echo "== a router, p0 and d0 sharing a secret"
-PORT=$("$CL_PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+# a control port below the ephemeral range: while the router is down, its nodes' reconnects
+# could otherwise be given it as their own port and connect to themselves, holding it
+PORT=$("$CL_PY" - <<'EOF'
+import random, socket
+lo = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+for port in random.sample(range(max(1024, lo - 8000), lo), 200):
+    s = socket.socket()
+    try:
+        s.bind(("127.0.0.1", port))
+        print(port)
+        break
+    except OSError:
+        pass
+    finally:
+        s.close()
+EOF
+)
 cl_router --control-port "$PORT" --heartbeat-ms 100 --heartbeat-timeout-ms 1000 --cluster-secret-file "$CL_T/secret" \
     --api-keys-file "$CL_T/keys" --http-port 0 --tokenizer "$TOK"
 OA=$(sed -n 's/^openai: //p' "$CL_T/router.out")
@@ -205,7 +221,8 @@ for n in router p0 d0; do _cl_dead "${CL_PID[$n]}" && cl_fail "$n died"; done
 echo "== a new router with the same secret: the members sign on with no session to restore"
 CL_KILLED[router]=1
 kill -KILL "${CL_PID[router]}"
-for i in $(seq 50); do _cl_dead "${CL_PID[router]}" && break; sleep 0.1; done # its port free again
+# its port is free once the process has wholly exited (a sanitizer build's exit takes a while)
+for i in $(seq 300); do ss -tln | grep -q "127.0.0.1:$PORT " || break; sleep 0.1; done
 printf '%s\n' "$KEY2" >"$CL_T/keys"
 CL_ROUTER=router2
 cl_router --control-port "$PORT" --heartbeat-ms 100 --heartbeat-timeout-ms 1000 --cluster-secret-file "$CL_T/secret" \

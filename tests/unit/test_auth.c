@@ -131,43 +131,51 @@ static td_auth_cluster_t *cluster(const char *secret, int64_t window_ms)
 }
 
 #define M_ADMIT "/tandem.control.v1.DecodeNode/Admit"
+#define AUD "decode0" /* the receiver the calls are signed for */
 
 Test(auth, sign_verify_wrong_secret_method_body_stale)
 {
     td_auth_cluster_t *a = cluster(SECRET, 0), *b = cluster(SECRET, 0), *rogue = cluster(SECRET "x", 0);
     td_auth_signer_t s, r;
-    cr_assert_eq(td_auth_signer_init(&s, a), TD_OK);
-    cr_assert_eq(td_auth_signer_init(&r, rogue), TD_OK);
+    cr_assert_eq(td_auth_signer_init(&s, a, AUD), TD_OK);
+    cr_assert_eq(td_auth_signer_init(&r, rogue, AUD), TD_OK);
     const char body[] = "\x0a\x03req";
     char v[TD_AUTH_HEADER_CHARS], why[256];
     int64_t now = 1700000000000;
     cr_assert_eq(td_auth_sign(&s, now, M_ADMIT, body, sizeof body - 1, v, sizeof v), TD_OK);
-    cr_assert_eq(td_auth_verify(b, now + 5, M_ADMIT, v, body, sizeof body - 1, why, sizeof why), TD_AUTH_OK, "%s", why);
+    cr_assert_eq(td_auth_verify(b, now + 5, AUD, M_ADMIT, v, body, sizeof body - 1, why, sizeof why), TD_AUTH_OK, "%s", why);
     /* the same value again is a replay */
-    cr_assert_eq(td_auth_verify(b, now + 6, M_ADMIT, v, body, sizeof body - 1, why, sizeof why), TD_AUTH_WRONG);
+    cr_assert_eq(td_auth_verify(b, now + 6, AUD, M_ADMIT, v, body, sizeof body - 1, why, sizeof why), TD_AUTH_WRONG);
     cr_assert(strstr(why, "replayed"), "%s", why);
     /* another method or body under the same signature */
     cr_assert_eq(td_auth_sign(&s, now, M_ADMIT, body, sizeof body - 1, v, sizeof v), TD_OK);
-    cr_assert_eq(td_auth_verify(b, now, "/tandem.control.v1.DecodeNode/Release", v, body, sizeof body - 1, why,
+    cr_assert_eq(td_auth_verify(b, now, AUD, "/tandem.control.v1.DecodeNode/Release", v, body, sizeof body - 1, why,
                                 sizeof why), TD_AUTH_WRONG);
     cr_assert(strstr(why, "signature does not match"), "%s", why);
-    cr_assert_eq(td_auth_verify(b, now, M_ADMIT, v, "\x0a\x03reX", 5, why, sizeof why), TD_AUTH_WRONG);
+    cr_assert_eq(td_auth_verify(b, now, AUD, M_ADMIT, v, "\x0a\x03reX", 5, why, sizeof why), TD_AUTH_WRONG);
+    /* signed for another receiver: refused here (a call to one node cannot be replayed to another) */
+    cr_assert_eq(td_auth_sign(&s, now, M_ADMIT, body, sizeof body - 1, v, sizeof v), TD_OK);
+    cr_assert_eq(td_auth_verify(b, now, "decode1", M_ADMIT, v, body, sizeof body - 1, why, sizeof why), TD_AUTH_WRONG);
+    cr_assert(strstr(why, "another receiver than decode1"), "%s", why);
+    cr_assert_eq(td_auth_verify(b, now, AUD, M_ADMIT, v, body, sizeof body - 1, why, sizeof why), TD_AUTH_OK, "%s", why);
+    td_auth_signer_t bad;
+    cr_assert_eq(td_auth_signer_init(&bad, a, ""), TD_ERR_INVALID);
     /* a wrong secret, no header, a malformed one */
     cr_assert_eq(td_auth_sign(&r, now, M_ADMIT, body, sizeof body - 1, v, sizeof v), TD_OK);
-    cr_assert_eq(td_auth_verify(b, now, M_ADMIT, v, body, sizeof body - 1, why, sizeof why), TD_AUTH_WRONG);
+    cr_assert_eq(td_auth_verify(b, now, AUD, M_ADMIT, v, body, sizeof body - 1, why, sizeof why), TD_AUTH_WRONG);
     cr_assert(strstr(why, "cluster secret differs"), "%s", why);
-    cr_assert_eq(td_auth_verify(b, now, M_ADMIT, NULL, body, sizeof body - 1, why, sizeof why), TD_AUTH_MISSING);
-    cr_assert_eq(td_auth_verify(b, now, M_ADMIT, "v1 zz", body, sizeof body - 1, why, sizeof why), TD_AUTH_WRONG);
+    cr_assert_eq(td_auth_verify(b, now, AUD, M_ADMIT, NULL, body, sizeof body - 1, why, sizeof why), TD_AUTH_MISSING);
+    cr_assert_eq(td_auth_verify(b, now, AUD, M_ADMIT, "v1 zz", body, sizeof body - 1, why, sizeof why), TD_AUTH_WRONG);
     cr_assert(strstr(why, "malformed"), "%s", why);
     /* stale: a minute and more away, either way */
     cr_assert_eq(td_auth_sign(&s, now - 60001, M_ADMIT, body, sizeof body - 1, v, sizeof v), TD_OK);
-    cr_assert_eq(td_auth_verify(b, now, M_ADMIT, v, body, sizeof body - 1, why, sizeof why), TD_AUTH_WRONG);
+    cr_assert_eq(td_auth_verify(b, now, AUD, M_ADMIT, v, body, sizeof body - 1, why, sizeof why), TD_AUTH_WRONG);
     cr_assert(strstr(why, "stale"), "%s", why);
     cr_assert_eq(td_auth_sign(&s, now + 60001, M_ADMIT, body, sizeof body - 1, v, sizeof v), TD_OK);
-    cr_assert_eq(td_auth_verify(b, now, M_ADMIT, v, body, sizeof body - 1, why, sizeof why), TD_AUTH_WRONG);
+    cr_assert_eq(td_auth_verify(b, now, AUD, M_ADMIT, v, body, sizeof body - 1, why, sizeof why), TD_AUTH_WRONG);
     /* an empty request signs too */
     cr_assert_eq(td_auth_sign(&s, now, M_ADMIT, NULL, 0, v, sizeof v), TD_OK);
-    cr_assert_eq(td_auth_verify(b, now, M_ADMIT, v, NULL, 0, why, sizeof why), TD_AUTH_OK, "%s", why);
+    cr_assert_eq(td_auth_verify(b, now, AUD, M_ADMIT, v, NULL, 0, why, sizeof why), TD_AUTH_OK, "%s", why);
     td_auth_cluster_destroy(a);
     td_auth_cluster_destroy(b);
     td_auth_cluster_destroy(rogue);
@@ -179,7 +187,7 @@ Test(auth, replay_window_out_of_order)
 {
     td_auth_cluster_t *a = cluster(SECRET, 0), *b = cluster(SECRET, 0);
     td_auth_signer_t s;
-    cr_assert_eq(td_auth_signer_init(&s, a), TD_OK);
+    cr_assert_eq(td_auth_signer_init(&s, a, AUD), TD_OK);
     enum { N = 3000 };
     static char vals[N][TD_AUTH_HEADER_CHARS];
     int64_t now = 1700000000000;
@@ -189,9 +197,9 @@ Test(auth, replay_window_out_of_order)
     int64_t top = -1;
     char why[256];
     /* the edges first: a jump of exactly the window keeps the old top in it */
-    cr_assert_eq(td_auth_verify(b, now, M_ADMIT, vals[0], "x", 1, why, sizeof why), TD_AUTH_OK, "%s", why);
-    cr_assert_eq(td_auth_verify(b, now, M_ADMIT, vals[TD_AUTH_REPLAY_BITS], "x", 1, why, sizeof why), TD_AUTH_OK);
-    cr_assert_eq(td_auth_verify(b, now, M_ADMIT, vals[0], "x", 1, why, sizeof why), TD_AUTH_WRONG);
+    cr_assert_eq(td_auth_verify(b, now, AUD, M_ADMIT, vals[0], "x", 1, why, sizeof why), TD_AUTH_OK, "%s", why);
+    cr_assert_eq(td_auth_verify(b, now, AUD, M_ADMIT, vals[TD_AUTH_REPLAY_BITS], "x", 1, why, sizeof why), TD_AUTH_OK);
+    cr_assert_eq(td_auth_verify(b, now, AUD, M_ADMIT, vals[0], "x", 1, why, sizeof why), TD_AUTH_WRONG);
     accepted[0] = accepted[TD_AUTH_REPLAY_BITS] = true;
     top = TD_AUTH_REPLAY_BITS;
     srand(7);
@@ -201,7 +209,7 @@ Test(auth, replay_window_out_of_order)
             int64_t j = top + 1 + rand() % 5;
             i = (int)(j < N ? j : N - 1);
         }
-        bool ok = td_auth_verify(b, now, M_ADMIT, vals[i], "x", 1, why, sizeof why) == TD_AUTH_OK;
+        bool ok = td_auth_verify(b, now, AUD, M_ADMIT, vals[i], "x", 1, why, sizeof why) == TD_AUTH_OK;
         bool want = !accepted[i] && (i > top || top - i <= TD_AUTH_REPLAY_BITS);
         cr_assert_eq(ok, want, "counter %d (top %lld): %s", i + 1, (long long)top, why);
         if (ok) {
@@ -227,16 +235,16 @@ Test(auth, secret_file_generate_load_rules)
     td_auth_cluster_t *c = NULL, *d = NULL;
     cr_assert_eq(td_auth_cluster_load(path, &cfg, &c), TD_OK, "%s", td_last_error());
     td_auth_signer_t s;
-    cr_assert_eq(td_auth_signer_init(&s, c), TD_OK);
+    cr_assert_eq(td_auth_signer_init(&s, c, AUD), TD_OK);
     char v[TD_AUTH_HEADER_CHARS], why[256];
     cr_assert_eq(td_auth_sign(&s, td_auth_now_ms(), M_ADMIT, "x", 1, v, sizeof v), TD_OK);
-    cr_assert_eq(td_auth_verify(c, td_auth_now_ms(), M_ADMIT, v, "x", 1, why, sizeof why), TD_AUTH_OK, "%s", why);
+    cr_assert_eq(td_auth_verify(c, td_auth_now_ms(), AUD, M_ADMIT, v, "x", 1, why, sizeof why), TD_AUTH_OK, "%s", why);
     /* another generated secret is another cluster */
     snprintf(path, sizeof path, "%s/secret2", dir);
     cr_assert_eq(td_auth_secret_generate(path), TD_OK);
     cr_assert_eq(td_auth_cluster_load(path, &cfg, &d), TD_OK);
     cr_assert_eq(td_auth_sign(&s, td_auth_now_ms(), M_ADMIT, "x", 1, v, sizeof v), TD_OK);
-    cr_assert_eq(td_auth_verify(d, td_auth_now_ms(), M_ADMIT, v, "x", 1, why, sizeof why), TD_AUTH_WRONG);
+    cr_assert_eq(td_auth_verify(d, td_auth_now_ms(), AUD, M_ADMIT, v, "x", 1, why, sizeof why), TD_AUTH_WRONG);
     td_auth_cluster_destroy(c);
     td_auth_cluster_destroy(d);
     /* too short, two lines */
@@ -257,27 +265,27 @@ Test(auth, sender_table_full_then_reused)
     char v[TD_AUTH_HEADER_CHARS], old[TD_AUTH_HEADER_CHARS], why[256];
     td_auth_signer_t s;
     for (int i = 0; i < TD_AUTH_MAX_SENDERS; i++) {
-        cr_assert_eq(td_auth_signer_init(&s, a), TD_OK);
+        cr_assert_eq(td_auth_signer_init(&s, a, AUD), TD_OK);
         cr_assert_eq(td_auth_sign(&s, now, M_ADMIT, "x", 1, v, sizeof v), TD_OK);
-        cr_assert_eq(td_auth_verify(b, now, M_ADMIT, v, "x", 1, why, sizeof why), TD_AUTH_OK, "sender %d: %s", i, why);
+        cr_assert_eq(td_auth_verify(b, now, AUD, M_ADMIT, v, "x", 1, why, sizeof why), TD_AUTH_OK, "sender %d: %s", i, why);
         /* a second call of the same sender is found again, not a new entry */
         cr_assert_eq(td_auth_sign(&s, now, M_ADMIT, "x", 1, old, sizeof old), TD_OK);
-        cr_assert_eq(td_auth_verify(b, now, M_ADMIT, old, "x", 1, why, sizeof why), TD_AUTH_OK, "%s", why);
+        cr_assert_eq(td_auth_verify(b, now, AUD, M_ADMIT, old, "x", 1, why, sizeof why), TD_AUTH_OK, "%s", why);
     }
     td_auth_signer_t extra;
-    cr_assert_eq(td_auth_signer_init(&extra, a), TD_OK);
+    cr_assert_eq(td_auth_signer_init(&extra, a, AUD), TD_OK);
     cr_assert_eq(td_auth_sign(&extra, now, M_ADMIT, "x", 1, v, sizeof v), TD_OK);
-    cr_assert_eq(td_auth_verify(b, now, M_ADMIT, v, "x", 1, why, sizeof why), TD_AUTH_WRONG);
+    cr_assert_eq(td_auth_verify(b, now, AUD, M_ADMIT, v, "x", 1, why, sizeof why), TD_AUTH_WRONG);
     cr_assert(strstr(why, "senders"), "%s", why);
     int64_t later = now + 2001;
     cr_assert_eq(td_auth_sign(&extra, later, M_ADMIT, "x", 1, v, sizeof v), TD_OK);
-    cr_assert_eq(td_auth_verify(b, later, M_ADMIT, v, "x", 1, why, sizeof why), TD_AUTH_OK, "%s", why);
-    cr_assert_eq(td_auth_verify(b, later, M_ADMIT, old, "x", 1, why, sizeof why), TD_AUTH_WRONG);
+    cr_assert_eq(td_auth_verify(b, later, AUD, M_ADMIT, v, "x", 1, why, sizeof why), TD_AUTH_OK, "%s", why);
+    cr_assert_eq(td_auth_verify(b, later, AUD, M_ADMIT, old, "x", 1, why, sizeof why), TD_AUTH_WRONG);
     cr_assert(strstr(why, "stale"), "%s", why);
     /* the last old sender, signing anew, is still known or taken in again: accepted once */
     cr_assert_eq(td_auth_sign(&s, later, M_ADMIT, "x", 1, v, sizeof v), TD_OK);
-    cr_assert_eq(td_auth_verify(b, later, M_ADMIT, v, "x", 1, why, sizeof why), TD_AUTH_OK, "%s", why);
-    cr_assert_eq(td_auth_verify(b, later, M_ADMIT, v, "x", 1, why, sizeof why), TD_AUTH_WRONG);
+    cr_assert_eq(td_auth_verify(b, later, AUD, M_ADMIT, v, "x", 1, why, sizeof why), TD_AUTH_OK, "%s", why);
+    cr_assert_eq(td_auth_verify(b, later, AUD, M_ADMIT, v, "x", 1, why, sizeof why), TD_AUTH_WRONG);
     td_auth_cluster_destroy(a);
     td_auth_cluster_destroy(b);
 }

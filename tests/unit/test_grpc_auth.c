@@ -57,7 +57,7 @@ static result_t list_models(uv_loop_t *loop, td_grpc_channel_t *ch, const td_grp
 static td_grpc_channel_t *channel(uv_loop_t *loop, uint16_t port, td_auth_cluster_t *signer_secret)
 {
     td_grpc_channel_config_t cc = td_grpc_channel_config_default();
-    cr_assert_eq(td_node_auth_sign_channel(signer_secret, &cc), TD_OK);
+    cr_assert_eq(td_node_auth_sign_channel(signer_secret, "test", &cc), TD_OK);
     td_grpc_channel_t *ch = NULL;
     cr_assert_eq(td_grpc_channel_create(loop, "127.0.0.1", port, &cc, &ch), TD_OK);
     return ch;
@@ -80,7 +80,7 @@ Test(grpc_auth, api_keys_on_the_gateway, .timeout = 30)
     cr_assert_eq(write(fd, "# test\n" KEY "\n", strlen("# test\n" KEY "\n")), (ssize_t)strlen("# test\n" KEY "\n"));
     close(fd);
     td_node_auth_t a = {0};
-    cr_assert_eq(td_node_auth_load(&a, "test", path, NULL), TD_OK);
+    cr_assert_eq(td_node_auth_load(&a, "test", TD_NODE_AUTH_ROUTER, path, NULL), TD_OK);
     unlink(path);
     uv_loop_t loop;
     cr_assert_eq(uv_loop_init(&loop), 0);
@@ -164,6 +164,7 @@ Test(grpc_auth, cluster_secret_on_a_control_server, .timeout = 30)
     td_auth_cluster_config_t ccfg = td_auth_cluster_config_default();
     cr_assert_eq(td_auth_cluster_create(SECRET, strlen(SECRET), &ccfg, &a.cluster), TD_OK);
     a.prog = "test";
+    strcpy(a.audience, "test"); /* the node id calls to this server are signed for */
     td_auth_cluster_t *member, *rogue;
     cr_assert_eq(td_auth_cluster_create(SECRET, strlen(SECRET), &ccfg, &member), TD_OK);
     cr_assert_eq(td_auth_cluster_create(SECRET "!", strlen(SECRET) + 1, &ccfg, &rogue), TD_OK);
@@ -185,6 +186,15 @@ Test(grpc_auth, cluster_secret_on_a_control_server, .timeout = 30)
     cr_assert_eq(r.code, TD_GRPC_UNAUTHENTICATED);
     cr_assert(strstr(r.message, "cluster secret differs"), "%s", r.message);
     td_grpc_channel_close(bad, NULL, NULL);
+    /* a member's call signed for another node */
+    td_grpc_channel_config_t oc = td_grpc_channel_config_default();
+    cr_assert_eq(td_node_auth_sign_channel(member, "other", &oc), TD_OK);
+    td_grpc_channel_t *other;
+    cr_assert_eq(td_grpc_channel_create(&loop, "127.0.0.1", port, &oc, &other), TD_OK);
+    r = list_models(&loop, other, NULL, 0);
+    cr_assert_eq(r.code, TD_GRPC_UNAUTHENTICATED);
+    cr_assert(strstr(r.message, "another receiver than test"), "%s", r.message);
+    td_grpc_channel_close(other, NULL, NULL);
     td_grpc_channel_t *open = channel(&loop, port, NULL);
     r = list_models(&loop, open, NULL, 0);
     cr_assert_eq(r.code, TD_GRPC_UNAUTHENTICATED);
@@ -193,7 +203,7 @@ Test(grpc_auth, cluster_secret_on_a_control_server, .timeout = 30)
 
     /* a captured signature sent again: the first passes, the copy is a replay */
     replayer_t rp = {0};
-    cr_assert_eq(td_auth_signer_init(&rp.s, member), TD_OK);
+    cr_assert_eq(td_auth_signer_init(&rp.s, member, "test"), TD_OK);
     td_grpc_channel_config_t cc = td_grpc_channel_config_default();
     cc.sign_header = TD_AUTH_HEADER;
     cc.sign = replay_sign;
