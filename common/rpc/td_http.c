@@ -7,8 +7,9 @@
  * buffer that grows to max_body_bytes. When a message is complete the parser is paused
  * and the handler called; bytes that arrive meanwhile wait unparsed in the connection's
  * input buffer (READ_BYTES; reading stops while it is full) and are parsed once the answer
- * has been written, so pipelined requests are answered in order, one at a time, and a
- * client that reads no answers makes us queue at most one.
+ * has been given and less than half max_write_queue_bytes waits to be written (conn_flush),
+ * so pipelined requests are answered in order, one at a time, and a client that reads no
+ * answers makes us queue at most about that much.
  *
  * Answers are copied into the connection's output blocks and written once per loop
  * iteration (see "writing"); `queued` counts the bytes not yet written. The connection is
@@ -537,6 +538,13 @@ static void on_write(uv_write_t *w, int status);
 static void conn_flush(http_conn_t *c)
 {
     if (c->closing || c->writing)
+        return;
+    /* pipelined requests behind an answer given: handled now, so that their answers go out
+     * in this write (each still after the one before it) */
+    while (c->answered && c->in_len > 0 && !c->close_after && !c->discard && !c->eof && !c->closing &&
+           c->queued < c->srv->cfg.max_write_queue_bytes / 2)
+        conn_answer_written(c);
+    if (c->closing)
         return;
     uv_buf_t iov[16];
     unsigned n;
