@@ -35,7 +35,8 @@
 #include "td_util.h"
 
 enum {
-    READ_BYTES = 64 * 1024,   /* the shared read buffer, and a connection's input buffer */
+    READ_BYTES = 64 * 1024,   /* the shared read buffer, and a connection's input bound */
+    IN_MIN_BYTES = 4096,       /* a connection's input buffer at first (it doubles as needed) */
     EXTRA_HEADER_BYTES = 4096, /* td_http_resp_header's bound */
     HEAD_BYTES = 512,          /* status line + the server's headers */
     LINGER_MS = 2000,          /* see http_conn.lingering */
@@ -115,7 +116,9 @@ struct http_conn {
     uv_timer_t timer;            /* the nearest deadline, see conn_arm_timer */
     http_parser parser;
     td_http_req_t *req;          /* being read or handled; NULL between requests */
-    char *in;                    /* [READ_BYTES] input waiting while paused: in[in_off..+in_len) */
+    char *in;                    /* [in_cap <= READ_BYTES] input waiting while paused:
+                                  * in[in_off..+in_len); freed when empty */
+    size_t in_cap;
     size_t in_off, in_len;
     out_block_t *out_head, *out_tail; /* output not yet written, `queued` bytes of it */
     size_t queued;
@@ -928,8 +931,11 @@ static void conn_resume(http_conn_t *c)
         c->in_off += n;
         c->in_len -= n;
     }
-    if (c->in_len == 0)
-        c->in_off = 0;
+    if (c->in_len == 0) { /* a streaming connection waits with no input buffer */
+        free(c->in);
+        c->in = NULL;
+        c->in_cap = c->in_off = 0;
+    }
     conn_read_start(c);
 }
 
@@ -942,15 +948,21 @@ static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf)
         *buf = uv_buf_init(c->srv->rbuf, READ_BYTES);
         return;
     }
-    if (!c->in && !(c->in = malloc(READ_BYTES))) {
-        *buf = uv_buf_init(NULL, 0); /* on_read gets UV_ENOBUFS and closes */
-        return;
-    }
     if (c->in_off > 0) {
         memmove(c->in, c->in + c->in_off, c->in_len);
         c->in_off = 0;
     }
-    *buf = uv_buf_init(c->in + c->in_len, (unsigned)(READ_BYTES - c->in_len));
+    if (c->in_len == c->in_cap) { /* below READ_BYTES: reading stops there */
+        size_t cap = c->in_cap ? 2 * c->in_cap : IN_MIN_BYTES;
+        char *in = realloc(c->in, cap < READ_BYTES ? cap : READ_BYTES);
+        if (!in) {
+            *buf = uv_buf_init(NULL, 0); /* on_read gets UV_ENOBUFS and closes */
+            return;
+        }
+        c->in = in;
+        c->in_cap = cap < READ_BYTES ? cap : READ_BYTES;
+    }
+    *buf = uv_buf_init(c->in + c->in_len, (unsigned)(c->in_cap - c->in_len));
 }
 
 static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
@@ -976,18 +988,25 @@ static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
     if (buf->base == c->srv->rbuf) {
         size_t n = conn_parse(c, buf->base, (size_t)nread);
         if (n < (size_t)nread && !c->closing && !c->discard) {
-            if (!c->in && !(c->in = malloc(READ_BYTES))) {
-                conn_close(c, CLOSE_NONE);
-                return;
+            size_t rest = (size_t)nread - n, cap = rest <= IN_MIN_BYTES ? IN_MIN_BYTES : READ_BYTES;
+            TD_ASSERT(c->in_len == 0); /* input waits only while paused, and it was not */
+            if (c->in_cap < cap) {
+                free(c->in);
+                c->in_cap = 0;
+                if (!(c->in = malloc(cap))) {
+                    conn_close(c, CLOSE_NONE);
+                    return;
+                }
+                c->in_cap = cap;
             }
-            memcpy(c->in, buf->base + n, (size_t)nread - n);
+            memcpy(c->in, buf->base + n, rest);
             c->in_off = 0;
-            c->in_len = (size_t)nread - n;
+            c->in_len = rest;
         }
     } else {
         c->in_len += (size_t)nread;
     }
-    if (c->reading && c->in_off + c->in_len >= READ_BYTES) {
+    if (c->reading && c->in_len >= READ_BYTES) {
         uv_read_stop(s); /* resumed once the handled request is answered */
         c->reading = false;
     }
