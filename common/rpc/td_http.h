@@ -27,13 +27,15 @@
  * "Connection: close" closes after the answer (an HTTP/1.0 stream is sent unchunked and
  * ended by the close).
  *
- * Backpressure: bytes handed to the socket and not yet written count against the
- * connection's max_write_queue_bytes; td_http_stream_write refuses (TD_ERR_BUSY, nothing
- * queued) past it, and the request's on_writable callback runs once the queue has drained
- * to half the bound.
+ * Writing: answers and chunks are copied into the connection's output and written once per
+ * loop iteration (one system call for all of a connection's pieces of that iteration), so a
+ * td_http_* call never writes to the socket itself. Backpressure: bytes not yet written
+ * count against the connection's max_write_queue_bytes; td_http_stream_write refuses
+ * (TD_ERR_BUSY, nothing queued) past it, and the request's on_writable callback runs once
+ * the queue has drained to half the bound.
  *
- * Abort: when the connection goes before a handled request is answered (the client closed
- * or reset it, a write failed, a deadline passed, the server closes), the request's
+ * Abort: when the connection goes before a handled request is answered (the client closed,
+ * half-closed or reset it, a write failed, a deadline passed, the server closes), the request's
  * on_abort runs exactly once, from a loop callback (never from inside a td_http_* call the
  * handler made), and the request is freed when it returns. A handler that answers later
  * than its own call must set on_abort before it returns; calls on a request whose connection
@@ -44,7 +46,10 @@
  * after its accept or its last answer; a request must be read and answered (td_http_respond
  * or td_http_stream_begin) within request_timeout_ms of its first byte; bytes queued for a
  * client that reads none of them for request_timeout_ms close the connection (a stream
- * otherwise lives as long as its handler keeps it: the caller's deadlines bound it).
+ * otherwise lives as long as its handler keeps it: the caller's deadlines bound it). A
+ * connection closed with nothing handled or queued (idle, slowloris, an error answer) is
+ * shut gently: FIN, then what the client still sends is dropped until it closes, at most
+ * 2 s, so it reads the end (or the 413) rather than a reset.
  *
  * Connection cap: at max_connections the oldest connection with no request being handled
  * and nothing being written is closed to make room (one that never completed a request
