@@ -313,9 +313,21 @@ static td_status_t fgemm_matmul(td_cpu_t *cpu, const td_matmul_params_t *p)
  * through the epilogue: the quantized paths' one way of writing Y. */
 static void store_tile(const td_matmul_params_t *p, int i0, int mm, int j, int nn, const float *tile, int ld)
 {
-    for (int i = 0; i < mm; i++)
-        for (int r = 0; r < nn; r++)
-            store_out(p, i0 + i, j + r, tile[(size_t)i * ld + r]);
+    for (int i = 0; i < mm; i++) {
+        float *y = (float *)p->y + (size_t)(i0 + i) * p->n + j;
+        const float *t = tile + (size_t)i * ld;
+        /* store_out's sums without its per-element tests, in loops that vectorise (a
+         * prefill's matmuls write ~400K outputs a token) */
+        if (p->bias) {
+            for (int r = 0; r < nn; r++)
+                store_out(p, i0 + i, j + r, t[r]);
+        } else if (p->accumulate) {
+            for (int r = 0; r < nn; r++)
+                y[r] = t[r] + y[r];
+        } else {
+            memcpy(y, t, (size_t)nn * sizeof(float));
+        }
+    }
 }
 
 /* The quantized path's tile: QTILE rows of W by QROWS rows of X. The activation rows
