@@ -476,6 +476,24 @@ static void method_not_allowed(td_http_req_t *req, const char *allow)
     respond_error(req, &err);
 }
 
+/* The answers td_http decides itself (413 body too large, 431, garbage: 400, ...) in
+ * OpenAI's error shape (td_http_config_t.error_body). */
+size_t router_http_error_body(void *data, int status, const char *message, char *out, size_t cap,
+                              const char **content_type)
+{
+    (void)data;
+    router_oai_error_t err;
+    router_oai_error_set(&err, status, "invalid_request_error", NULL, NULL, "%s", message);
+    router_oai_buf_t b = {0};
+    router_oai_error_json(&b, &err);
+    size_t n = !b.oom && b.n <= cap ? b.n : 0;
+    if (n)
+        memcpy(out, b.p, n);
+    router_oai_buf_free(&b);
+    *content_type = "application/json";
+    return n;
+}
+
 /* Every request of the HTTP server (td_http_handler_cb); data is the router's state. */
 void router_http_handler(void *data, td_http_req_t *req)
 {

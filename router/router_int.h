@@ -286,6 +286,8 @@ void router_on_steps_done(td_grpc_client_call_t *c, td_grpc_code_t code, const c
 
 /* router_http.c: the OpenAI HTTP API (td_http_handler_cb; data is the router_state_t) */
 void router_http_handler(void *data, td_http_req_t *req);
+size_t router_http_error_body(void *data, int status, const char *message, char *out, size_t cap,
+                              const char **content_type);
 
 /* router_control.c: the Registry API (tandem.control.v1.Registry) and the node peers */
 void router_print_nodes(router_state_t *s);

@@ -258,6 +258,7 @@ int router_main(int argc, char **argv)
         hc.metrics_name = "tandem_router_http_connections_closed_total";
         hc.handler = router_http_handler;
         hc.handler_data = s;
+        hc.error_body = router_http_error_body;
         if ((st = td_http_server_create(&s->proc.loop, &hc, &s->http)) != TD_OK)
             goto out;
     }

@@ -39,6 +39,7 @@ enum {
     IN_MIN_BYTES = 4096,       /* a connection's input buffer at first (it doubles as needed) */
     EXTRA_HEADER_BYTES = 4096, /* td_http_resp_header's bound */
     HEAD_BYTES = 512,          /* status line + the server's headers */
+    ERROR_BODY_BYTES = 1024,   /* an error answer the server decides (cfg.error_body) */
     LINGER_MS = 2000,          /* see http_conn.lingering */
     BLOCK_BYTES = 16 * 1024,   /* an output block (a bigger piece gets a block its size) */
     FREE_BLOCKS = 64,          /* output blocks the server keeps for reuse */
@@ -647,16 +648,23 @@ static void conn_fail(http_conn_t *c, int status, const char *msg)
     td_debug("%s connection: %d, %s", c->srv->cfg.name, status, msg);
     c->discard = true;
     c->in_off = c->in_len = 0;
-    size_t mlen = strlen(msg);
-    char *out = conn_reserve(c, HEAD_BYTES + mlen + 1);
+    const td_http_config_t *cfg = &c->srv->cfg;
+    char body[ERROR_BODY_BYTES];
+    const char *ctype = NULL;
+    size_t blen = cfg->error_body ? cfg->error_body(cfg->handler_data, status, msg, body, sizeof body, &ctype) : 0;
+    if (blen == 0 || blen > sizeof body) {
+        blen = (size_t)snprintf(body, sizeof body, "%s\n", msg);
+        blen = blen < sizeof body ? blen : sizeof body - 1;
+        ctype = NULL;
+    }
+    char *out = conn_reserve(c, HEAD_BYTES + blen);
     if (!out) {
         conn_close(c, CLOSE_NONE);
         return;
     }
-    size_t n = format_head(out, status, NULL, (long long)mlen + 1, false, "", 0);
-    memcpy(out + n, msg, mlen);
-    out[n + mlen] = '\n';
-    conn_commit(c, n + mlen + 1);
+    size_t n = format_head(out, status, ctype, (long long)blen, false, "", 0);
+    memcpy(out + n, body, blen);
+    conn_commit(c, n + blen);
     c->answered = true;
     c->close_after = true;
     conn_relist(c);

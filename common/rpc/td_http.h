@@ -102,6 +102,12 @@ typedef struct td_http_config {
                                   * write_timeout, evicted, refused */
     td_http_handler_cb handler;
     void *handler_data;
+    /* Optional: the body of an error answer the server decides itself (400 for garbage,
+     * 413, 414, 417, 431, 501, 505), so that an API answers those in its own error shape:
+     * writes at most cap bytes into out and returns their count (0 = the plain-text
+     * default), setting *content_type to a static string. Called with handler_data. */
+    size_t (*error_body)(void *data, int status, const char *message, char *out, size_t cap,
+                         const char **content_type);
 } td_http_config_t;
 
 /* Defaults for every field but handler/handler_data. */

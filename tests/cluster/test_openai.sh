@@ -94,7 +94,7 @@ status 400 '"param":"temperature"' "$OA/completions" -d '{"prompt":"x","temperat
 status 400 '"param":"prompt"' "$OA/completions" -d '{"prompt":["a","b"]}'
 status 400 '"param":"n"' "$OA/completions" -d '{"prompt":"x","n":3}'
 head -c 9000000 /dev/zero | tr '\0' a >"$CL_T/huge"
-status 413 '' "$OA/completions" --data-binary @"$CL_T/huge"
+status 413 '"error":\{"message":"request body too large"' "$OA/completions" --data-binary @"$CL_T/huge"
 status 404 '"code":"not_found"' "$OA/embeddings" -d '{}'
 status 405 '"code":"method_not_allowed"' "$OA/chat/completions"
 status 200 '"status":"ok"' "${OA%/v1}/health"
