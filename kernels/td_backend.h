@@ -177,8 +177,7 @@ typedef struct td_backend_ops {
        the backend's own that its matmul reads faster (CPU: 16 rows interleaved for int8 dot
        products, td_cpu_pack.h). *packed_p is the new device buffer, freed with ops->free,
        passed to matmul with w_packed; NULL (TD_OK) when the backend keeps this weight as
-       stored. NULL op: the backend never repacks (CUDA). Last in the table: the CUDA table is
-       positional and leaves it NULL. Errors: TD_ERR_NOMEM. */
+       stored. NULL op: the backend never repacks (CUDA). Errors: TD_ERR_NOMEM. */
     td_status_t (*weight_pack)(td_backend_t *be, const void *w, td_dtype_t dtype, int32_t n, int32_t k,
                                void **packed_p);
 } td_backend_ops_t;

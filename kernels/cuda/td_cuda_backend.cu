@@ -494,6 +494,7 @@ static const td_backend_ops_t td_cuda_ops = {
     /* .swiglu = */ td_cuda_op_swiglu,
     /* .gather_rows = */ td_cuda_op_gather_rows,
     /* .copy_blocks = */ td_cuda_op_copy_blocks,
+    /* .weight_pack = */ NULL, /* weights stay as uploaded: no repacked layouts on the GPU yet */
 };
 
 /* ---- creation ------------------------------------------------------------------------------ */
