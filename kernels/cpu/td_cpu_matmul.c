@@ -306,7 +306,6 @@ static td_status_t fgemm_matmul(td_cpu_t *cpu, const td_matmul_params_t *p)
     return TD_OK;
 }
 
-
 /* ---- block-quantized W (td_cpu_quant) ------------------------------------------------- */
 
 /* Puts a tile's products (mm rows of X by nn rows of W from row j, at tile[i * ld + r])
