@@ -18,6 +18,7 @@
 
 #include <stdint.h>
 
+#include "td_cpu_isa.h"
 #include "td_util.h"
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -199,9 +200,7 @@ static TD_Z void fgemm_bf16(const void *w, size_t n, const float *x, size_t m, s
 bool td_cpu_fgemm_available(void)
 {
 #ifdef TD_CPU_FGEMM_X86
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-           __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx512f") &&
-           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+    return td_cpu_has(TD_CPU_ISA_AVX512);
 #else
     return false;
 #endif

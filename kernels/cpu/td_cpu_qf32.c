@@ -21,6 +21,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "td_cpu_isa.h"
 #include "td_quant.h"
 #include "td_util.h"
 
@@ -586,15 +587,13 @@ const td_cpu_qf32_ops_t *td_cpu_qf32_ops(td_cpu_qf32_isa_t isa)
     case TD_CPU_QF32_SCALAR: return &ops_scalar;
     case TD_CPU_QF32_AVX2:
 #ifdef TD_CPU_QF32_X86
-        if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-            __builtin_cpu_supports("f16c"))
+        if (td_cpu_has(TD_CPU_ISA_AVX2))
             return &ops_avx2;
 #endif
         return NULL;
     case TD_CPU_QF32_AVX512:
 #ifdef TD_CPU_QF32_X86
-        if (td_cpu_qf32_ops(TD_CPU_QF32_AVX2) && __builtin_cpu_supports("avx512f") &&
-            __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl"))
+        if (td_cpu_has(TD_CPU_ISA_AVX512))
             return &ops_avx512;
 #endif
         return NULL;

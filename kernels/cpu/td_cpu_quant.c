@@ -18,6 +18,7 @@
 #include <stdbool.h>
 #include <string.h>
 
+#include "td_cpu_isa.h"
 #include "td_util.h"
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -541,16 +542,13 @@ const td_cpu_quant_ops_t *td_cpu_quant_ops(td_cpu_quant_isa_t isa)
     case TD_CPU_QUANT_SCALAR: return &ops_scalar;
     case TD_CPU_QUANT_AVX2:
 #ifdef TD_CPU_QUANT_X86
-        if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-            __builtin_cpu_supports("f16c"))
+        if (td_cpu_has(TD_CPU_ISA_AVX2))
             return &ops_avx2;
 #endif
         return NULL;
     case TD_CPU_QUANT_AVX512_VNNI:
 #ifdef TD_CPU_QUANT_X86
-        if (td_cpu_quant_ops(TD_CPU_QUANT_AVX2) && __builtin_cpu_supports("avx512f") &&
-            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw") &&
-            __builtin_cpu_supports("avx512vnni"))
+        if (td_cpu_has(TD_CPU_ISA_AVX512_VNNI))
             return &ops_vnni;
 #endif
         return NULL;

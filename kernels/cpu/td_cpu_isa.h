@@ -1,0 +1,35 @@
+/*
+ * td_cpu_isa: the x86 vector extensions the CPU kernels choose between at run time. Their
+ * SIMD code is compiled with target attributes, so one binary carries every path and
+ * picks by what this CPU has (__builtin_cpu_supports); on other architectures nothing.
+ */
+#ifndef TD_CPU_ISA_H
+#define TD_CPU_ISA_H
+
+#include <stdbool.h>
+
+typedef enum td_cpu_isa {
+    TD_CPU_ISA_AVX2,        /* AVX2, FMA and F16C */
+    TD_CPU_ISA_AVX512,      /* the above and AVX-512 F, BW and VL */
+    TD_CPU_ISA_AVX512_VNNI, /* the above and AVX-512 VNNI */
+} td_cpu_isa_t;
+
+static inline bool td_cpu_has(td_cpu_isa_t isa)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                __builtin_cpu_supports("f16c");
+    bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                  __builtin_cpu_supports("avx512vl");
+    switch (isa) {
+    case TD_CPU_ISA_AVX2: return avx2;
+    case TD_CPU_ISA_AVX512: return avx512;
+    case TD_CPU_ISA_AVX512_VNNI: return avx512 && __builtin_cpu_supports("avx512vnni");
+    }
+#else
+    (void)isa;
+#endif
+    return false;
+}
+
+#endif /* TD_CPU_ISA_H */
