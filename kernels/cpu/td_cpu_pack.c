@@ -27,6 +27,7 @@
 #define TD_INLINE static inline __attribute__((always_inline))
 #define ROWS TD_CPU_PACK_ROWS
 #define WIDE 254 /* an activation quant Q = WIDE * hi + lo (td_cpu_pack.h) */
+_Static_assert(WIDE == 256 - 2, "vnni_tile multiplies by WIDE with two shifts");
 
 /* bytes of one block's quants and scales in a group */
 TD_INLINE size_t quant_bytes(td_dtype_t t)
@@ -348,11 +349,26 @@ TD_INLINE TD_V void vnni_tile(td_dtype_t t, int R, const unsigned char *gq, cons
             /* two chains, hi and lo, joined exactly: WIDE * p_hi + p_lo */
             __m512i ph = _mm512_setzero_si512();
             __m512i pl = t == TD_Q4_1 ? _mm512_setzero_si512() : _mm512_set1_epi32(load_i32(c));
-            for (int v = 0; v < 8; v++) {
-                ph = _mm512_dpbusd_epi32(ph, w[v], _mm512_set1_epi32(load_i32(hi + 4 * v)));
-                pl = _mm512_dpbusd_epi32(pl, w[v], _mm512_set1_epi32(load_i32(lo + 4 * v)));
+            if (R <= 2) {
+                /* few rows: four chains of four, not two of eight, so that the dot products'
+                 * latency does not bound the block (integer sums: the same result) */
+                __m512i ph2 = _mm512_setzero_si512(), pl2 = _mm512_setzero_si512();
+                for (int v = 0; v < 8; v += 2) {
+                    ph = _mm512_dpbusd_epi32(ph, w[v], _mm512_set1_epi32(load_i32(hi + 4 * v)));
+                    pl = _mm512_dpbusd_epi32(pl, w[v], _mm512_set1_epi32(load_i32(lo + 4 * v)));
+                    ph2 = _mm512_dpbusd_epi32(ph2, w[v + 1], _mm512_set1_epi32(load_i32(hi + 4 * v + 4)));
+                    pl2 = _mm512_dpbusd_epi32(pl2, w[v + 1], _mm512_set1_epi32(load_i32(lo + 4 * v + 4)));
+                }
+                ph = _mm512_add_epi32(ph, ph2);
+                pl = _mm512_add_epi32(pl, pl2);
+            } else {
+                for (int v = 0; v < 8; v++) {
+                    ph = _mm512_dpbusd_epi32(ph, w[v], _mm512_set1_epi32(load_i32(hi + 4 * v)));
+                    pl = _mm512_dpbusd_epi32(pl, w[v], _mm512_set1_epi32(load_i32(lo + 4 * v)));
+                }
             }
-            __m512i p0 = _mm512_add_epi32(_mm512_mullo_epi32(ph, _mm512_set1_epi32(WIDE)), pl);
+            /* WIDE * ph + pl, the multiply as shifts (WIDE = 254 = 256 - 2) */
+            __m512i p0 = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(ph, 8), _mm512_slli_epi32(ph, 1)), pl);
             __m512 sc = _mm512_mul_ps(dw, _mm512_set1_ps(load_f32(act_e(ai, k) + 4 * b)));
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p0), sc, acc[i]);
             if (t == TD_Q4_1)
