@@ -267,23 +267,16 @@ TD_INLINE void kernel_scalar(td_dtype_t t, const void *wp, size_t g0, size_t g1,
     }
 }
 
-static void q8_0_scalar(const void *wp, size_t g0, size_t g1, size_t k, const void *a, size_t m,
-                        float *y, size_t ldy)
-{
-    kernel_scalar(TD_Q8_0, wp, g0, g1, k, a, m, y, ldy);
-}
-
-static void q4_0_scalar(const void *wp, size_t g0, size_t g1, size_t k, const void *a, size_t m,
-                        float *y, size_t ldy)
-{
-    kernel_scalar(TD_Q4_0, wp, g0, g1, k, a, m, y, ldy);
-}
-
-static void q4_1_scalar(const void *wp, size_t g0, size_t g1, size_t k, const void *a, size_t m,
-                        float *y, size_t ldy)
-{
-    kernel_scalar(TD_Q4_1, wp, g0, g1, k, a, m, y, ldy);
-}
+/* One type's entry of an ops table: the kernel with the type fixed (attr: its target). */
+#define PACK_FN(name, attr, kernel, type)                                                    \
+    static attr void name(const void *wp, size_t g0, size_t g1, size_t k, const void *a,     \
+                          size_t m, float *y, size_t ldy)                                    \
+    {                                                                                        \
+        kernel(type, wp, g0, g1, k, a, m, y, ldy);                                           \
+    }
+PACK_FN(q8_0_scalar, , kernel_scalar, TD_Q8_0)
+PACK_FN(q4_0_scalar, , kernel_scalar, TD_Q4_0)
+PACK_FN(q4_1_scalar, , kernel_scalar, TD_Q4_1)
 
 static const td_cpu_pack_ops_t ops_scalar = {
     .name = "scalar", .act_row = act_row_scalar, .q8_0 = q8_0_scalar, .q4_0 = q4_0_scalar, .q4_1 = q4_1_scalar};
@@ -405,23 +398,9 @@ TD_INLINE TD_V void kernel_vnni(td_dtype_t t, const void *wp, size_t g0, size_t 
     }
 }
 
-static TD_V void q8_0_vnni(const void *wp, size_t g0, size_t g1, size_t k, const void *a, size_t m,
-                           float *y, size_t ldy)
-{
-    kernel_vnni(TD_Q8_0, wp, g0, g1, k, a, m, y, ldy);
-}
-
-static TD_V void q4_0_vnni(const void *wp, size_t g0, size_t g1, size_t k, const void *a, size_t m,
-                           float *y, size_t ldy)
-{
-    kernel_vnni(TD_Q4_0, wp, g0, g1, k, a, m, y, ldy);
-}
-
-static TD_V void q4_1_vnni(const void *wp, size_t g0, size_t g1, size_t k, const void *a, size_t m,
-                           float *y, size_t ldy)
-{
-    kernel_vnni(TD_Q4_1, wp, g0, g1, k, a, m, y, ldy);
-}
+PACK_FN(q8_0_vnni, TD_V, kernel_vnni, TD_Q8_0)
+PACK_FN(q4_0_vnni, TD_V, kernel_vnni, TD_Q4_0)
+PACK_FN(q4_1_vnni, TD_V, kernel_vnni, TD_Q4_1)
 
 static const td_cpu_pack_ops_t ops_vnni = {
     .name = "avx512vnni", .act_row = act_row_avx512, .q8_0 = q8_0_vnni, .q4_0 = q4_0_vnni, .q4_1 = q4_1_vnni};
@@ -517,23 +496,9 @@ TD_INLINE TD_Y void kernel_avx2(td_dtype_t t, const void *wp, size_t g0, size_t 
     }
 }
 
-static TD_Y void q8_0_avx2(const void *wp, size_t g0, size_t g1, size_t k, const void *a, size_t m,
-                           float *y, size_t ldy)
-{
-    kernel_avx2(TD_Q8_0, wp, g0, g1, k, a, m, y, ldy);
-}
-
-static TD_Y void q4_0_avx2(const void *wp, size_t g0, size_t g1, size_t k, const void *a, size_t m,
-                           float *y, size_t ldy)
-{
-    kernel_avx2(TD_Q4_0, wp, g0, g1, k, a, m, y, ldy);
-}
-
-static TD_Y void q4_1_avx2(const void *wp, size_t g0, size_t g1, size_t k, const void *a, size_t m,
-                           float *y, size_t ldy)
-{
-    kernel_avx2(TD_Q4_1, wp, g0, g1, k, a, m, y, ldy);
-}
+PACK_FN(q8_0_avx2, TD_Y, kernel_avx2, TD_Q8_0)
+PACK_FN(q4_0_avx2, TD_Y, kernel_avx2, TD_Q4_0)
+PACK_FN(q4_1_avx2, TD_Y, kernel_avx2, TD_Q4_1)
 
 static const td_cpu_pack_ops_t ops_avx2 = {
     .name = "avx2", .act_row = act_row_scalar, .q8_0 = q8_0_avx2, .q4_0 = q4_0_avx2, .q4_1 = q4_1_avx2};
