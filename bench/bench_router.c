@@ -1,7 +1,7 @@
 /*
  * bench_router: `tandem bench router [--json] [--duration S] [--concurrency N]
  * [--connections N] [--streams N] [--stream-tokens N] [--prompt-tokens N]
- * [--router-cpu N] [--bench-cpu N] [--tandem PATH] [--http]`.
+ * [--router-cpu N] [--bench-cpu N] [--tandem PATH] [--http] [--hold S]`.
  *
  * What one router costs when the nodes cost nothing (issue 5, "Speed"). A real router
  * process (`tandem router`, this binary re-executed, pinned to one core) serves a load
@@ -28,6 +28,8 @@
  * a byte-level tokenizer with a one-line chat template (written by td_model_synth into a
  * temporary directory) so that every request is rendered and encoded and every token is one
  * letter of text; tokens are counted as letters of the SSE chunks' content at the client.
+ * With --hold S there are no phases: the router's addresses are printed and the no-op cluster
+ * serves for S seconds, so that `tandem bench serve` can measure its own ceiling against it.
  * Router CPU time (from /proc/PID/stat) per phase says whether the router or the load
  * generator was the limit. Rows: name, value, unit, goal, ratio (>= 1 meets the goal; for
  * latencies ratio = goal / value). Keys in docs/bench.md.
@@ -81,6 +83,7 @@ typedef struct rb_opts {
     const char *phases;       /* which of "abc" to run */
     bool json;
     bool http;                /* the load through the OpenAI HTTP API */
+    double hold_s;            /* > 0: no phases; the router and no-op nodes serve another load generator */
 } rb_opts_t;
 
 /* A lease of the no-op decode node: admitted, then live once Prefill ran. */
@@ -1399,7 +1402,7 @@ int bench_router(int argc, char **argv)
     int64_t concurrency = s->o.concurrency, connections = s->o.connections, streams = s->o.streams,
             stream_tokens = s->o.stream_tokens, prompt_tokens = s->o.prompt_tokens, router_cpu = s->o.router_cpu,
             bench_cpu = s->o.bench_cpu;
-    float duration = (float)s->o.duration_s;
+    float duration = (float)s->o.duration_s, hold = 0;
     const td_opt_t opts[] = {
         {.name = "json", .type = TD_OPT_BOOL, .ptr = &s->o.json, .help = "one JSON document on stdout (docs/bench.md)"},
         {.name = "duration", .type = TD_OPT_F32, .ptr = &duration, .fmin = 0.05f, .fmax = 3600, .arg = "S",
@@ -1426,6 +1429,9 @@ int bench_router(int argc, char **argv)
          .help = "the router's --log-level (default error)"},
         {.name = "http", .type = TD_OPT_BOOL, .ptr = &s->o.http,
          .help = "the load through the OpenAI HTTP API (streamed /v1/chat/completions; docs/openai.md)"},
+        {.name = "hold", .type = TD_OPT_F32, .ptr = &hold, .fmin = 0, .fmax = 86400, .arg = "S",
+         .help = "no phases: print the router's gateway: (and with --http openai:) line and serve the\n"
+                 "no-op nodes for S seconds, a target for `tandem bench serve`"},
     };
     td_opts_t spec = {.prog = "bench router", .opts = opts, .n_opts = TD_ARRAY_LEN(opts)};
     td_opts_result_t r_opts = {0};
@@ -1437,7 +1443,7 @@ int bench_router(int argc, char **argv)
         printf("usage: tandem bench router [--json] [--duration S] [--concurrency N] [--connections N]\n"
                "                           [--streams N] [--stream-tokens N] [--prompt-tokens N]\n"
                "                           [--router-cpu N] [--bench-cpu N] [--phases abc] [--tandem PATH]\n"
-               "                           [--router-log LEVEL] [--http]\n"
+               "                           [--router-log LEVEL] [--http] [--hold S]\n"
                "\n"
                "A real `tandem router` (pinned to --router-cpu, default 0) with no-op prefill and decode\n"
                "nodes and a gRPC load generator in this process (pinned to --bench-cpu, default 1).\n"
@@ -1455,6 +1461,7 @@ int bench_router(int argc, char **argv)
         return 0;
     }
     s->o.duration_s = duration;
+    s->o.hold_s = hold;
     s->o.warmup_s = TD_MIN(0.5, duration / 5);
     s->o.concurrency = (int)concurrency;
     s->o.connections = (int)connections;
@@ -1534,6 +1541,18 @@ int bench_router(int argc, char **argv)
     }
     /* the router counts a decode node once its Steps stream is up; give its registry a turn */
     rb_run_until(s, rb_never, td_now_s() + 0.2);
+    if (s->o.hold_s > 0) { /* a no-op cluster for `tandem bench serve` (docs/bench.md) */
+        printf("gateway: %s:%u\n", s->host, s->gw_port);
+        if (s->o.http)
+            printf("openai: http://%s:%u/v1\n", s->host, s->http_port);
+        fflush(stdout);
+        double r0 = rb_proc_cpu_s(s->router.pid), t0 = td_now_s();
+        rb_run_until(s, rb_never, t0 + s->o.hold_s);
+        fprintf(stderr, "bench router: held %.1f s, router cpu %.2f s\n", td_now_s() - t0,
+                rb_proc_cpu_s(s->router.pid) - r0);
+        rc = s->failed ? 1 : 0;
+        goto out;
+    }
 
     rb_phase_result_t a = {.rate = NAN, .router_cpu = NAN, .bench_cpu = NAN}, b = a, cr = a;
     bool run_a = strchr(s->o.phases, 'a'), run_b = strchr(s->o.phases, 'b'), run_c = strchr(s->o.phases, 'c');

@@ -107,6 +107,23 @@ rc=$?
 "$CL_PY" -c 'import json,sys; d=json.load(open(sys.argv[1])); assert d["failed"] == 3 and d["completed"] == 0 and "connect" in d["first_error"], d' \
     "$CL_T/f.json" || cl_fail "nothing listening: $(head -c 300 "$CL_T/f.json")"
 
+# ---- the load generator's own ceiling: no-op nodes behind a real router (bench router --hold) ----
+"$CL_BIN" bench router --http --hold 30 >"$CL_T/noop.out" 2>"$CL_T/noop.err" &
+NOOP=$!
+CL_BG+=("$NOOP")
+if cl_wait_line "$CL_T/noop.out" '^openai: ' 20; then
+    NOOP_OA=$(sed -n 's/^openai: //p' "$CL_T/noop.out")
+    timeout 60 "$CL_BIN" bench serve --openai "$NOOP_OA" --num-prompts 2000 --input-len 16 --output-len 2 \
+        --max-concurrency 64 --json >"$CL_T/n.json" 2>"$CL_T/bs.err" || cl_fail "bench serve against no-op nodes failed"
+    "$CL_PY" -c 'import json,sys; d=json.load(open(sys.argv[1])); assert d["completed"] == 2000 and d["total_output_tokens"] == 4000, d
+print("no-op nodes: %.0f requests/s, load generator %s us CPU per request" % (d["request_throughput"], d["bench_cpu_us_per_request"]))' \
+        "$CL_T/n.json" || cl_fail "no-op run: $(head -c 300 "$CL_T/n.json")"
+else
+    cl_fail "bench router --hold printed no openai: line: $(tail -3 "$CL_T/noop.err")"
+fi
+kill -TERM "$NOOP" 2>/dev/null
+wait "$NOOP" 2>/dev/null
+
 # ---- bad flags: one line naming the flag, exit 2 ----
 bad() { # FLAG ARGS...: exits 2 with one stderr line naming FLAG
     local flag=$1 rc; shift
