@@ -687,17 +687,20 @@ static td_status_t bs_run(bs_state_t *s, size_t first, size_t n, double rate, bo
     for (size_t i = 0; i < n; i++)
         o[i] = reqs[i].out;
     bs_summarize(o, n, (double)(t_last - s->t0) * 1e-9, &s->o.slo, &run->sum);
-    size_t k;
-#define BS_STAT_OF(field, dst)                                                                                        \
-    k = 0;                                                                                                             \
-    for (size_t i = 0; i < n; i++)                                                                                     \
-        if (o[i].ok && (strcmp(#field, "tpot_ms") || o[i].output_tokens > 1))                                          \
-            v[k++] = o[i].field;                                                                                       \
-    bs_stat_of(v, k, dst);
-    BS_STAT_OF(ttft_ms, &run->ttft)
-    BS_STAT_OF(tpot_ms, &run->tpot)
-    BS_STAT_OF(e2el_ms, &run->e2el)
-#undef BS_STAT_OF
+    size_t k = 0, kt = 0;
+    for (size_t i = 0; i < n; i++)
+        if (o[i].ok)
+            v[k++] = o[i].ttft_ms;
+    bs_stat_of(v, k, &run->ttft);
+    k = 0;
+    for (size_t i = 0; i < n; i++)
+        if (o[i].ok)
+            v[k++] = o[i].e2el_ms;
+    bs_stat_of(v, k, &run->e2el);
+    for (size_t i = 0; i < n; i++)
+        if (o[i].ok && o[i].output_tokens > 1) /* one token has no TPOT (vLLM leaves it out too) */
+            v[kt++] = o[i].tpot_ms;
+    bs_stat_of(v, kt, &run->tpot);
     k = 0;
     for (size_t i = 0; i < n; i++)
         if (reqs[i].out.ok)
@@ -1101,12 +1104,14 @@ int bench_serve(int argc, char **argv)
     td_opts_t spec = {.prog = "bench serve", .opts = opts, .n_opts = TD_ARRAY_LEN(opts)};
     td_opts_result_t ro = {0};
     if (td_opts_parse(&spec, argc, argv, &ro) != TD_OK) {
+        td_opts_result_free(&ro);
         free(s);
         return 2;
     }
     if (ro.help) {
         fputs(bs_usage, stdout);
         td_opts_usage(stdout, opts, (int)TD_ARRAY_LEN(opts), false);
+        td_opts_result_free(&ro);
         free(s);
         return 0;
     }
@@ -1123,6 +1128,7 @@ int bench_serve(int argc, char **argv)
         bad = td_errorf(TD_ERR_INVALID, "--sweep: a trace gives its own arrival times; sweep the random or sharegpt "
                         "dataset");
     if (bad != TD_OK) {
+        td_opts_result_free(&ro);
         free(s);
         return 2;
     }
@@ -1239,6 +1245,7 @@ err_data:
     bs_dataset_free(&s->data);
 err_opts:
     free(rates);
+    td_opts_result_free(&ro);
     free(s);
     return rc;
 }
