@@ -16,6 +16,7 @@
 
 #include "bench_serve.h"
 #include "td_status.h"
+#include "td_test_models.h"
 
 Test(bench_serve, percentiles_are_numpys)
 {
@@ -216,6 +217,33 @@ Test(bench_serve, sharegpt_first_human_turn_and_gpt_length)
     bs_dataset_free(&d);
     cr_assert_eq(bs_dataset_sharegpt_parse("{}", 2, "sg.json", NULL, 0, 0, &r, &d), TD_ERR_FORMAT);
     cr_assert_eq(bs_dataset_sharegpt_parse("[]", 2, "sg.json", NULL, 0, 0, &r, &d), TD_ERR_FORMAT);
+}
+
+/* With a tokenizer (--tokenizer) the lengths are its token counts: Llama 2's. */
+Test(bench_serve, sharegpt_lengths_from_the_tokenizer)
+{
+    char path[1024];
+    td_test_model_file("llama2-tokenizer/tokenizer.bin", path, sizeof path);
+    td_tokenizer_t *tok;
+    cr_assert_eq(td_tokenizer_load(path, &tok), TD_OK);
+    const char j[] = "[{\"conversations\": [{\"from\": \"human\", \"value\": \"Once upon a time there was a cat\"},"
+                     " {\"from\": \"gpt\", \"value\": \"The cat sat on the mat and was happy all day\"}]}]";
+    int32_t *ids;
+    size_t n_in, n_out;
+    cr_assert_eq(td_tokenizer_encode(tok, "Once upon a time there was a cat", 32, 0, &ids, &n_in), TD_OK);
+    free(ids);
+    cr_assert_eq(td_tokenizer_encode(tok, "The cat sat on the mat and was happy all day", 44, 0, &ids, &n_out), TD_OK);
+    free(ids);
+    bs_rng_t r;
+    bs_rng_seed(&r, 1);
+    bs_dataset_t d;
+    cr_assert_eq(bs_dataset_sharegpt_parse(j, strlen(j), "sg.json", tok, 0, 0, &r, &d), TD_OK);
+    cr_assert_eq(d.n, 1);
+    cr_assert_eq(d.items[0].input_len, n_in);
+    cr_assert_eq(d.items[0].output_len, n_out);
+    cr_assert(n_out >= 8 && n_out <= 14, "%zu tokens", n_out);
+    bs_dataset_free(&d);
+    td_tokenizer_destroy(tok);
 }
 
 Test(bench_serve, sweep_rates)
