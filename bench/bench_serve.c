@@ -17,9 +17,9 @@
  * rate after rate and names the highest that kept attainment >= --sweep-attainment.
  *
  * One thread, one libuv loop, non-blocking: an arrival timer, keep-alive HTTP/1.1
- * connections (one request in flight on each, as bench_router's --http client; at most
- * --max-connections) or gRPC channels, and a 50 ms tick that fails requests past
- * --request-timeout-s. The waiting queue holds at most --num-prompts requests (the
+ * connections (bench_http_client, shared with bench router --http: one request in flight on
+ * each, at most --max-connections) or gRPC channels, and a 50 ms tick that fails requests
+ * past --request-timeout-s. The waiting queue holds at most --num-prompts requests (the
  * dataset). Pure parts (datasets, arrivals, statistics, goodput) are in
  * bench_serve_stats.c. Output keys in docs/bench.md.
  */
@@ -27,7 +27,6 @@
 
 #include <errno.h>
 #include <stdarg.h>
-#include <http_parser.h>
 #include <math.h>
 #include <netdb.h>
 #include <signal.h>
@@ -37,6 +36,7 @@
 #include <sys/resource.h>
 #include <uv.h>
 
+#include "bench_http_client.h"
 #include "tandem.pb-c.h"
 #include "td_bench.h"
 #include "td_grpc.h"
@@ -45,7 +45,6 @@
 #include "td_opts.h"
 #include "td_util.h"
 
-#define BS_MAX_EVENT (64u << 10) /* one SSE event or an error body we keep */
 #define BS_TICK_MS 50
 
 typedef struct bs_opts {
@@ -86,22 +85,14 @@ typedef struct bs_req {
     bs_outcome_t out;
 } bs_req_t;
 
-/* A keep-alive HTTP/1.1 connection to the OpenAI API: one request in flight at a time. */
+/* A keep-alive connection to the OpenAI API and the request it carries. */
 struct bs_conn {
-    uv_tcp_t tcp;
-    uv_connect_t connect;
-    uv_write_t write;
-    http_parser parser;
+    bench_http_conn_t *h;
     bs_state_t *s;
     bs_req_t *req;            /* in flight, or NULL (then linked in the idle list) */
-    bool connected, closing, keep_alive;
-    bool complete, complete_ok; /* the response ended (acted on once the parser returns) */
     td_list_t link;           /* idle list */
-    char *ev;                 /* [BS_MAX_EVENT] the SSE event (or error body) being read */
-    size_t ev_len;
-    char *wbuf;               /* the request's bytes, alive until the write completes */
+    char *wbuf;               /* the request's bytes, alive until its verdict */
     size_t wlen, wcap;
-    char rbuf[64 << 10];
 };
 
 /* What one run (one rate) gave. */
@@ -207,41 +198,13 @@ static bool bs_buf_printf(char **buf, size_t *len, size_t *cap, const char *fmt,
     }
 }
 
-/* ---- the OpenAI API over HTTP/1.1 ---------------------------------------------------------- */
+/* ---- the OpenAI API over HTTP/1.1 (bench_http_client) ------------------------------------- */
 
 static void bs_dispatch(bs_state_t *s);
 
-static void bs_conn_on_close(uv_handle_t *h)
-{
-    bs_conn_t *c = h->data;
-    c->s->n_conns--;
-    free(c->ev);
-    free(c->wbuf);
-    free(c);
-}
-
-static void bs_conn_close(bs_conn_t *c)
-{
-    if (c->closing)
-        return;
-    c->closing = true;
-    td_list_remove(&c->link);
-    bs_req_t *r = c->req;
-    c->req = NULL;
-    if (r) {
-        r->conn = NULL;
-        bs_req_fail(r, "connection closed before the response ended");
-        bs_req_end(r, false);
-    }
-    uv_close((uv_handle_t *)&c->tcp, bs_conn_on_close);
-}
-
 /* One SSE event of a streamed completion: a token chunk, the usage chunk, an error, [DONE]. */
-static void bs_sse_event(bs_conn_t *c, uint64_t now)
+static void bs_sse_event(bs_req_t *r, const char *d, uint64_t now)
 {
-    bs_req_t *r = c->req;
-    c->ev[c->ev_len] = '\0';
-    const char *d = c->ev;
     if (strncmp(d, "data: ", 6))
         return; /* a comment or another field */
     d += 6;
@@ -269,133 +232,43 @@ static void bs_sse_event(bs_conn_t *c, uint64_t now)
     bs_req_token(r, now);
 }
 
-static int bs_http_on_body(http_parser *p, const char *at, size_t len)
+static void bs_http_on_event(bench_http_conn_t *h, const char *ev, size_t len, uint64_t now)
 {
-    bs_conn_t *c = p->data;
-    if (!c->req)
-        return 0;
-    if (p->status_code != 200) { /* keep the error body for the message */
-        size_t n = TD_MIN(len, BS_MAX_EVENT - 1 - c->ev_len);
-        memcpy(c->ev + c->ev_len, at, n);
-        c->ev_len += n;
-        return 0;
-    }
-    uint64_t now = td_now_ns();
-    for (size_t i = 0; i < len; i++) {
-        if (c->ev_len + 1 < BS_MAX_EVENT)
-            c->ev[c->ev_len++] = at[i];
-        if (at[i] == '\n' && c->ev_len >= 2 && c->ev[c->ev_len - 2] == '\n') {
-            c->ev_len -= 2;
-            bs_sse_event(c, now);
-            c->ev_len = 0;
-        }
-    }
-    return 0;
-}
-
-/* The response ended: its verdict waits until http_parser_execute returns, so that the
- * connection's next request (started by the verdict) never re-initialises a parser that
- * is still running. */
-static int bs_http_on_complete(http_parser *p)
-{
-    bs_conn_t *c = p->data;
-    bs_req_t *r = c->req;
-    if (!r)
-        return 0;
-    c->keep_alive = http_should_keep_alive(p);
-    c->complete_ok = p->status_code == 200 && r->done_marker && !r->error;
-    if (p->status_code != 200) {
-        c->ev[c->ev_len] = '\0';
-        bs_req_fail(r, "HTTP %u: %.300s", p->status_code, c->ev);
-    } else if (!r->done_marker) {
-        bs_req_fail(r, "the stream ended without data: [DONE]");
-    }
-    c->complete = true;
-    return 0;
-}
-
-static const http_parser_settings bs_http_settings = {.on_body = bs_http_on_body,
-                                                      .on_message_complete = bs_http_on_complete};
-
-static void bs_http_alloc(uv_handle_t *h, size_t size, uv_buf_t *buf)
-{
-    bs_conn_t *c = h->data;
-    *buf = uv_buf_init(c->rbuf, sizeof c->rbuf);
-}
-
-static void bs_http_on_read(uv_stream_t *st, ssize_t n, const uv_buf_t *buf)
-{
-    bs_conn_t *c = st->data;
-    if (n < 0) {
-        if (c->req)
-            bs_req_fail(c->req, "connection: %s", uv_strerror((int)n));
-        bs_conn_close(c);
-        return;
-    }
-    size_t used = http_parser_execute(&c->parser, &bs_http_settings, buf->base, (size_t)n);
-    if (HTTP_PARSER_ERRNO(&c->parser) != HPE_OK || used != (size_t)n) {
-        if (c->req)
-            bs_req_fail(c->req, "bad HTTP response: %s", http_errno_description(HTTP_PARSER_ERRNO(&c->parser)));
-        bs_conn_close(c);
-        return;
-    }
-    if (!c->complete)
-        return;
-    bs_req_t *r = c->req;
-    c->complete = false;
-    c->req = NULL;
-    r->conn = NULL;
-    if (c->keep_alive)
-        td_list_push_back(&c->s->idle_conns, &c->link);
-    else
-        bs_conn_close(c); /* the server said Connection: close */
-    bs_req_end(r, c->complete_ok);
-}
-
-static void bs_http_on_write(uv_write_t *w, int status)
-{
-    bs_conn_t *c = w->data;
-    if (status < 0 && !c->closing) {
-        if (c->req)
-            bs_req_fail(c->req, "send: %s", uv_strerror(status));
-        bs_conn_close(c);
-    }
-}
-
-static void bs_http_send(bs_conn_t *c)
-{
-    http_parser_init(&c->parser, HTTP_RESPONSE);
-    c->parser.data = c;
-    c->ev_len = 0;
-    c->keep_alive = true;
-    c->complete = false;
-    uv_buf_t b = uv_buf_init(c->wbuf, (unsigned)c->wlen);
-    c->write.data = c;
-    c->req->t_send = td_now_ns();
-    int rc = uv_write(&c->write, (uv_stream_t *)&c->tcp, &b, 1, bs_http_on_write);
-    if (rc) {
-        bs_req_fail(c->req, "send: %s", uv_strerror(rc));
-        bs_conn_close(c);
-    }
-}
-
-static void bs_http_on_connect(uv_connect_t *cr, int status)
-{
-    bs_conn_t *c = cr->data;
-    if (c->closing)
-        return;
-    if (status < 0) {
-        if (c->req)
-            bs_req_fail(c->req, "connect to %s:%u: %s", c->s->host, c->s->port, uv_strerror(status));
-        bs_conn_close(c);
-        return;
-    }
-    c->connected = true;
-    uv_tcp_nodelay(&c->tcp, 1);
-    uv_read_start((uv_stream_t *)&c->tcp, bs_http_alloc, bs_http_on_read);
+    bs_conn_t *c = bench_http_conn_data(h);
     if (c->req)
-        bs_http_send(c);
+        bs_sse_event(c->req, ev, now);
 }
+
+static void bs_http_on_done(bench_http_conn_t *h, unsigned status, const char *body, size_t len, bool keep_alive)
+{
+    bs_conn_t *c = bench_http_conn_data(h);
+    bs_req_t *r = c->req;
+    c->req = NULL;
+    if (!r)
+        return;
+    r->conn = NULL;
+    if (status == 0)
+        bs_req_fail(r, "%s", body);
+    else if (status != 200)
+        bs_req_fail(r, "HTTP %u: %.300s", status, body);
+    else if (!r->done_marker)
+        bs_req_fail(r, "the stream ended without data: [DONE]");
+    if (keep_alive)
+        td_list_push_back(&c->s->idle_conns, &c->link);
+    bs_req_end(r, status == 200 && r->done_marker && !r->error);
+}
+
+static void bs_http_on_close(bench_http_conn_t *h)
+{
+    bs_conn_t *c = bench_http_conn_data(h);
+    td_list_remove(&c->link);
+    c->s->n_conns--;
+    free(c->wbuf);
+    free(c);
+}
+
+static const bench_http_ops_t bs_http_ops = {.on_event = bs_http_on_event, .on_done = bs_http_on_done,
+                                             .on_close = bs_http_on_close};
 
 /* The request's bytes into c->wbuf: POST /v1/completions, streamed, with usage. */
 static bool bs_http_build(bs_conn_t *c, const bs_req_t *r)
@@ -437,43 +310,35 @@ static bool bs_http_build(bs_conn_t *c, const bs_req_t *r)
 static void bs_http_start(bs_state_t *s, bs_req_t *r)
 {
     bs_conn_t *c = NULL;
+    r->t_send = td_now_ns(); /* a new connection's connect time counts in TTFT, as a client sees it */
     if (!td_list_empty(&s->idle_conns)) {
         c = TD_CONTAINER_OF(s->idle_conns.next, bs_conn_t, link);
         td_list_remove(&c->link);
     } else {
-        if (!(c = calloc(1, sizeof *c)) || !(c->ev = malloc(BS_MAX_EVENT))) {
-            free(c);
-            r->t_send = td_now_ns();
+        if (!(c = calloc(1, sizeof *c))) {
             bs_req_fail(r, "out of memory for a connection");
             bs_req_end(r, false);
             return;
         }
         c->s = s;
         td_list_init(&c->link);
-        c->tcp.data = c->connect.data = c;
-        uv_tcp_init(&s->loop, &c->tcp);
-        s->n_conns++;
-        int rc = uv_tcp_connect(&c->connect, &c->tcp, (const struct sockaddr *)&s->addr, bs_http_on_connect);
-        if (rc) {
-            c->closing = true;
-            uv_close((uv_handle_t *)&c->tcp, bs_conn_on_close);
-            r->t_send = td_now_ns();
-            bs_req_fail(r, "connect to %s:%u: %s", s->host, s->port, uv_strerror(rc));
+        if (bench_http_conn_open(&s->loop, (const struct sockaddr *)&s->addr, &bs_http_ops, c, &c->h) != TD_OK) {
+            free(c);
+            bs_req_fail(r, "%s:%u: %s", s->host, s->port, td_last_error());
             bs_req_end(r, false);
             return;
         }
+        s->n_conns++;
+    }
+    if (!bs_http_build(c, r)) {
+        td_list_push_back(&s->idle_conns, &c->link);
+        bs_req_fail(r, "out of memory building the request");
+        bs_req_end(r, false);
+        return;
     }
     c->req = r;
     r->conn = c;
-    if (!bs_http_build(c, r)) {
-        r->t_send = td_now_ns();
-        bs_req_fail(r, "out of memory building the request");
-        bs_conn_close(c);
-        return;
-    }
-    r->t_send = td_now_ns(); /* a new connection's connect time counts in TTFT, as a client sees it */
-    if (c->connected)
-        bs_http_send(c);
+    bench_http_conn_send(c->h, c->wbuf, c->wlen);
 }
 
 /* ---- the gRPC gateway ----------------------------------------------------------------------- */
@@ -623,7 +488,7 @@ static void bs_on_tick(uv_timer_t *t)
         if (r->call) {
             td_grpc_client_call_cancel(r->call); /* its on_done ends it */
         } else if (r->conn) {
-            bs_conn_close(r->conn);
+            bench_http_conn_close(r->conn->h); /* its on_done ends it */
         }
         bs_req_end(r, false);
         n = s->active.next; /* ending one may have started others: rescan from the front */
@@ -1013,8 +878,11 @@ static td_status_t bs_load_dataset(bs_state_t *s, size_t n, bs_rng_t *rng)
 
 static void bs_close_all(bs_state_t *s)
 {
-    while (!td_list_empty(&s->idle_conns))
-        bs_conn_close(TD_CONTAINER_OF(s->idle_conns.next, bs_conn_t, link));
+    while (!td_list_empty(&s->idle_conns)) {
+        bs_conn_t *c = TD_CONTAINER_OF(s->idle_conns.next, bs_conn_t, link);
+        td_list_remove(&c->link);
+        bench_http_conn_close(c->h);
+    }
     for (int i = 0; i < s->n_gw; i++)
         td_grpc_channel_close(s->gw[i], NULL, NULL);
     uv_close((uv_handle_t *)&s->arrive, NULL);
