@@ -38,7 +38,6 @@
 
 #include <dirent.h>
 #include <errno.h>
-#include <http_parser.h>
 #include <math.h>
 #include <sched.h>
 #include <signal.h>
@@ -49,6 +48,7 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include "bench_http_client.h"
 #include "control.pb-c.h"
 #include "router_registry.h"
 #include "td_child.h"
@@ -105,12 +105,10 @@ typedef struct rb_sub {
 
 typedef enum { PH_IDLE, PH_RPS, PH_LAT, PH_RELAY } rb_phase_t;
 
-typedef struct rb_http rb_http_t;
-
 typedef struct rb_slot {
     struct rb_state *s;
     td_grpc_client_call_t *call;
-    rb_http_t *http;          /* --http: the slot's connection (NULL until the first call) */
+    bench_http_conn_t *http;  /* --http: the slot's connection (NULL until the first call) */
     uint64_t t_start;
     uint32_t tokens;
 } rb_slot_t;
@@ -849,30 +847,12 @@ static void rb_issue(rb_state_t *s, rb_slot_t *slot, uint32_t max_tokens)
 
 /* ---- --http: the load through the OpenAI HTTP API --------------------------------------- */
 
-/* One keep-alive connection of a slot, one streamed request on it at a time. Its end (the
- * response complete, or the connection gone) ends the slot's call as on_gen_done does. */
-struct rb_http {
-    uv_tcp_t tcp;
-    uv_connect_t connect;
-    uv_write_t write;
-    http_parser parser;
-    rb_slot_t *slot;
-    bool connected, busy, closing;
-    int pending;              /* the request to send once connected: 0 or 1 (http_req[]), -1 none */
-    char ev[512];             /* the SSE event being read */
-    size_t ev_len;
-    char rbuf[64 << 10];
-};
-
-static http_parser_settings rb_http_settings;
-
-static void rb_http_end(rb_http_t *h, bool ok)
+/* A slot's keep-alive connection (bench_http_client), one streamed request on it at a time.
+ * Its end (the answer complete, or the connection gone) ends the slot's call as on_gen_done
+ * does. */
+static void rb_http_end(rb_slot_t *slot, bool ok)
 {
-    rb_slot_t *slot = h->slot;
     rb_state_t *s = slot->s;
-    if (!h->busy)
-        return;
-    h->busy = false;
     slot->call = NULL;
     s->outstanding--;
     bool full = ok || (s->phase == PH_RELAY && !s->issuing); /* cancelled at the phase's end */
@@ -891,145 +871,55 @@ static void rb_http_end(rb_http_t *h, bool ok)
         rb_issue(s, slot, s->phase == PH_RELAY ? (uint32_t)s->o.stream_tokens : 1);
 }
 
-static void rb_http_on_close(uv_handle_t *hd)
-{
-    rb_http_t *h = hd->data;
-    rb_slot_t *slot = h->slot;
-    slot->http = NULL;
-    rb_http_end(h, false);
-    free(h);
-}
-
-static void rb_http_close(rb_http_t *h)
-{
-    if (h->closing)
-        return;
-    h->closing = true;
-    uv_close((uv_handle_t *)&h->tcp, rb_http_on_close);
-}
-
 /* The letters of an SSE event's "content" (each token is one letter). */
-static void rb_http_event(rb_http_t *h)
+static void rb_http_on_event(bench_http_conn_t *h, const char *ev, size_t len, uint64_t now)
 {
     static const char key[] = "\"content\":\"";
-    h->ev[h->ev_len] = '\0';
-    const char *p = strstr(h->ev, key);
+    rb_slot_t *slot = bench_http_conn_data(h);
+    const char *p = strstr(ev, key);
     if (!p)
         return;
     size_t n = strcspn(p + sizeof key - 1, "\"");
-    h->slot->tokens += (uint32_t)n;
-    h->slot->s->tokens += n;
+    slot->tokens += (uint32_t)n;
+    slot->s->tokens += n;
 }
 
-static int rb_http_on_body(http_parser *p, const char *at, size_t len)
+static void rb_http_on_done(bench_http_conn_t *h, unsigned status, const char *body, size_t len, bool keep_alive)
 {
-    rb_http_t *h = p->data;
-    for (size_t i = 0; i < len; i++) {
-        if (h->ev_len + 1 < sizeof h->ev)
-            h->ev[h->ev_len++] = at[i];
-        if (at[i] == '\n' && h->ev_len >= 2 && h->ev[h->ev_len - 2] == '\n') {
-            rb_http_event(h);
-            h->ev_len = 0;
-        }
-    }
-    return 0;
+    rb_slot_t *slot = bench_http_conn_data(h);
+    if (!keep_alive)
+        slot->http = NULL; /* it closes after this: the slot's next call opens another */
+    rb_http_end(slot, status == 200);
 }
 
-static int rb_http_on_complete(http_parser *p)
+static void rb_http_on_close(bench_http_conn_t *h)
 {
-    rb_http_t *h = p->data;
-    rb_http_end(h, p->status_code == 200);
-    return 0;
+    rb_slot_t *slot = bench_http_conn_data(h);
+    if (slot->http == h)
+        slot->http = NULL;
 }
 
-static void rb_http_alloc(uv_handle_t *hd, size_t size, uv_buf_t *buf)
-{
-    rb_http_t *h = hd->data;
-    *buf = uv_buf_init(h->rbuf, sizeof h->rbuf);
-}
-
-static void rb_http_on_read(uv_stream_t *st, ssize_t n, const uv_buf_t *buf)
-{
-    rb_http_t *h = st->data;
-    if (n < 0) {
-        rb_http_close(h);
-        return;
-    }
-    size_t used = http_parser_execute(&h->parser, &rb_http_settings, buf->base, (size_t)n);
-    if (used != (size_t)n || HTTP_PARSER_ERRNO(&h->parser) != HPE_OK) {
-        rb_note_error(h->slot->s, TD_GRPC_INTERNAL, http_errno_description(HTTP_PARSER_ERRNO(&h->parser)));
-        rb_http_close(h);
-    }
-}
-
-static void rb_http_on_write(uv_write_t *w, int status)
-{
-    if (status < 0)
-        rb_http_close(w->data);
-}
-
-static void rb_http_send(rb_http_t *h, int which)
-{
-    rb_state_t *s = h->slot->s;
-    http_parser_init(&h->parser, HTTP_RESPONSE);
-    h->parser.data = h;
-    h->ev_len = 0;
-    uv_buf_t b = uv_buf_init(s->http_req[which], (unsigned)s->http_req_len[which]);
-    h->write.data = h;
-    if (uv_write(&h->write, (uv_stream_t *)&h->tcp, &b, 1, rb_http_on_write) != 0)
-        rb_http_close(h);
-}
-
-static void rb_http_on_connect(uv_connect_t *c, int status)
-{
-    rb_http_t *h = c->data;
-    if (status < 0 || h->closing) {
-        if (status < 0)
-            rb_note_error(h->slot->s, TD_GRPC_UNAVAILABLE, uv_strerror(status));
-        rb_http_close(h);
-        return;
-    }
-    h->connected = true;
-    uv_tcp_nodelay(&h->tcp, 1);
-    uv_read_start((uv_stream_t *)&h->tcp, rb_http_alloc, rb_http_on_read);
-    if (h->pending >= 0)
-        rb_http_send(h, h->pending);
-    h->pending = -1;
-}
+static const bench_http_ops_t rb_http_ops = {.on_event = rb_http_on_event, .on_done = rb_http_on_done,
+                                             .on_close = rb_http_on_close};
 
 static void rb_http_issue(rb_state_t *s, rb_slot_t *slot, uint32_t max_tokens)
 {
     int which = max_tokens == 1 ? 0 : 1;
-    rb_http_t *h = slot->http;
-    if (!h) {
+    if (!slot->http) {
         struct sockaddr_in a;
-        if (!(h = calloc(1, sizeof *h)) || uv_ip4_addr(s->host, s->http_port, &a) != 0) {
-            free(h);
-            rb_note_error(s, TD_GRPC_RESOURCE_EXHAUSTED, "out of memory or bad address");
-            s->failed = true;
-            return;
-        }
-        h->slot = slot;
-        h->tcp.data = h->connect.data = h;
-        uv_tcp_init(&s->loop, &h->tcp);
-        if (uv_tcp_connect(&h->connect, &h->tcp, (const struct sockaddr *)&a, rb_http_on_connect) != 0) {
-            h->closing = true;
-            uv_close((uv_handle_t *)&h->tcp, (uv_close_cb)free);
+        if (uv_ip4_addr(s->host, s->http_port, &a) != 0 ||
+            bench_http_conn_open(&s->loop, (const struct sockaddr *)&a, &rb_http_ops, slot, &slot->http) != TD_OK) {
+            slot->http = NULL;
             rb_note_error(s, TD_GRPC_UNAVAILABLE, "connect failed");
             s->failed = true;
             return;
         }
-        slot->http = h;
     }
     slot->tokens = 0;
     slot->t_start = td_now_ns();
-    h->busy = true;
     s->issued++;
     s->outstanding++;
-    if (h->connected)
-        rb_http_send(h, which);
-    else
-        h->pending = which;
+    bench_http_conn_send(slot->http, s->http_req[which], s->http_req_len[which]);
 }
 
 /* The two requests' bytes (streamed chat of a prompt_tokens-letter message) and the
@@ -1037,9 +927,6 @@ static void rb_http_issue(rb_state_t *s, rb_slot_t *slot, uint32_t max_tokens)
  * temporary directory, with a chat template that is the messages' text. */
 static td_status_t rb_http_prepare(rb_state_t *s)
 {
-    http_parser_settings_init(&rb_http_settings);
-    rb_http_settings.on_body = rb_http_on_body;
-    rb_http_settings.on_message_complete = rb_http_on_complete;
     char content[RB_MAX_PROMPT + 1]; /* prompt_tokens letters: the template adds nothing, BOS aside */
     memset(content, 'a', (size_t)s->o.prompt_tokens);
     content[s->o.prompt_tokens] = '\0';
@@ -1240,8 +1127,8 @@ static void rb_run_phase(rb_state_t *s, rb_phase_t ph, int n, uint32_t max_token
     for (int i = 0; i < n; i++) {
         if (s->slots[i].call && ph == PH_RELAY)
             td_grpc_client_call_cancel(s->slots[i].call);
-        if (s->slots[i].http && s->slots[i].http->busy && ph == PH_RELAY)
-            rb_http_close(s->slots[i].http); /* a disconnect: the router cancels the request */
+        if (s->slots[i].http && bench_http_conn_busy(s->slots[i].http) && ph == PH_RELAY)
+            bench_http_conn_close(s->slots[i].http); /* a disconnect: the router cancels the request */
     }
     rb_run_until(s, rb_drained, td_now_s() + 10);
     res->count = c1 - c0;
@@ -1360,7 +1247,7 @@ static void rb_close_all(rb_state_t *s)
         td_grpc_channel_close(s->gw[i], NULL, NULL);
     for (int i = 0; s->slots && i < s->n_slots; i++)
         if (s->slots[i].http)
-            rb_http_close(s->slots[i].http);
+            bench_http_conn_close(s->slots[i].http);
     td_grpc_channel_close(s->d_decode, NULL, NULL);
     td_grpc_channel_close(s->d_prefill, NULL, NULL);
     s->stopping = true;
