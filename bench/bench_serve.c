@@ -473,26 +473,30 @@ static void bs_on_arrive(uv_timer_t *t)
     bs_dispatch(t->data);
 }
 
-/* Fails the requests past their deadline (every wait has one). */
+/* Fails the requests past their deadline (every wait has one). The expired ones are moved
+ * to a list of their own first: ending one starts others, which join the running list. */
 static void bs_on_tick(uv_timer_t *t)
 {
     bs_state_t *s = t->data;
     uint64_t now = td_now_ns();
-    td_list_t *n = s->active.next;
-    while (n != &s->active) {
-        bs_req_t *r = TD_CONTAINER_OF(n, bs_req_t, link);
-        n = n->next;
-        if (r->deadline > now)
-            continue;
-        bs_req_fail(r, "no answer within --request-timeout-s %.0f", s->o.request_timeout_s);
-        if (r->call) {
-            td_grpc_client_call_cancel(r->call); /* its on_done ends it */
-        } else if (r->conn) {
-            bench_http_conn_close(r->conn->h); /* its on_done ends it */
+    td_list_t expired;
+    td_list_init(&expired);
+    for (td_list_t *n = s->active.next, *next; n != &s->active; n = next) {
+        next = n->next;
+        if (TD_CONTAINER_OF(n, bs_req_t, link)->deadline <= now) {
+            td_list_remove(n);
+            td_list_push_back(&expired, n);
         }
+    }
+    while (!td_list_empty(&expired)) {
+        bs_req_t *r = TD_CONTAINER_OF(expired.next, bs_req_t, link);
+        bs_req_fail(r, "no answer within --request-timeout-s %g", s->o.request_timeout_s);
+        if (r->call)
+            td_grpc_client_call_cancel(r->call); /* its on_done ends it */
+        else if (r->conn)
+            bench_http_conn_close(r->conn->h); /* likewise */
         bs_req_end(r, false);
-        n = s->active.next; /* ending one may have started others: rescan from the front */
-        now = td_now_ns();
+        td_list_remove(&r->link);
     }
 }
 

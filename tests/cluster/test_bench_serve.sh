@@ -9,8 +9,10 @@
 #   tokens = Total generated tokens, no failures);
 # - gRPC gateway with a warm-up: the warm-up is left out of the figures, not of the
 #   router's counters; a --sweep of two rates names the best rate;
-# - a trace file replays its rows; a target where nothing listens: every request failed,
-#   exit 1; bad flags: one line naming the flag, exit 2.
+# - a trace file replays its rows; a target where nothing listens, and one that never
+#   answers (--request-timeout-s): every request failed, exit 1;
+# - 2000 requests against no-op nodes behind a real router (`bench router --http --hold`);
+# - bad flags: one line naming the flag, exit 2.
 # No timing is asserted (a shared machine).
 source "$(dirname "$0")/cluster_lib.sh"
 TOK="${TANDEM_TEST_MODELS:-$CL_SRC/../shared/models}/llama2-tokenizer/tokenizer.bin"
@@ -106,6 +108,27 @@ rc=$?
 [ $rc -eq 1 ] || cl_fail "nothing listening: exit $rc, want 1"
 "$CL_PY" -c 'import json,sys; d=json.load(open(sys.argv[1])); assert d["failed"] == 3 and d["completed"] == 0 and "connect" in d["first_error"], d' \
     "$CL_T/f.json" || cl_fail "nothing listening: $(head -c 300 "$CL_T/f.json")"
+
+# a server that accepts and never answers: every request fails at --request-timeout-s
+"$CL_PY" -c '
+import socket, sys, time
+s = socket.socket(); s.bind(("127.0.0.1", 0)); s.listen(64); s.settimeout(0.2)
+print(s.getsockname()[1], flush=True)
+held, end = [], time.time() + 10
+while time.time() < end:
+    try: held.append(s.accept())
+    except OSError: pass
+' >"$CL_T/silent.port" &
+SILENT=$!
+CL_BG+=("$SILENT")
+cl_wait_line "$CL_T/silent.port" '^[0-9]+$' 5 || cl_fail "the silent server did not start"
+timeout 30 "$CL_BIN" bench serve --openai "http://127.0.0.1:$(cat "$CL_T/silent.port")/v1" --num-prompts 4 \
+    --input-len 4 --output-len 2 --request-timeout-s 0.5 --json >"$CL_T/s.json" 2>/dev/null
+rc=$?
+[ $rc -eq 1 ] || cl_fail "silent server: exit $rc, want 1"
+"$CL_PY" -c 'import json,sys; d=json.load(open(sys.argv[1])); assert d["failed"] == 4 and "request-timeout-s" in d["first_error"] and d["duration"] < 5, d' \
+    "$CL_T/s.json" || cl_fail "silent server: $(head -c 300 "$CL_T/s.json")"
+kill "$SILENT" 2>/dev/null
 
 # ---- the load generator's own ceiling: no-op nodes behind a real router (bench router --hold) ----
 "$CL_BIN" bench router --http --hold 30 >"$CL_T/noop.out" 2>"$CL_T/noop.err" &
