@@ -127,6 +127,7 @@ struct bs_state {
     bool in_run, dispatching;
     bs_dataset_t data;
     uint32_t vocab;
+    char *model_json;         /* --model as a JSON string (escaped), or NULL */
 };
 
 /* ---- small helpers ----------------------------------------------------------------------- */
@@ -278,8 +279,8 @@ static bool bs_http_build(bs_conn_t *c, const bs_req_t *r)
     size_t len = 0, cap = 0;
     const bs_item_t *it = r->item;
     bool ok = bs_buf_printf(&body, &len, &cap, "{");
-    if (ok && s->o.model)
-        ok = bs_buf_printf(&body, &len, &cap, "\"model\":\"%s\",", s->o.model);
+    if (ok && s->model_json)
+        ok = bs_buf_printf(&body, &len, &cap, "\"model\":%s,", s->model_json);
     if (ok && it->text) {
         char *js = NULL;
         cJSON *str = cJSON_CreateString(it->text);
@@ -291,7 +292,7 @@ static bool bs_http_build(bs_conn_t *c, const bs_req_t *r)
     } else if (ok) {
         ok = bs_buf_printf(&body, &len, &cap, "\"prompt\":[");
         for (uint32_t i = 0; ok && i < it->input_len; i++)
-            ok = bs_buf_printf(&body, &len, &cap, i ? ",%u" : "%u", 1 + (it->id_offset + i) % (s->vocab - 1));
+            ok = bs_buf_printf(&body, &len, &cap, i ? ",%u" : "%u", bs_prompt_id(it, i, s->vocab));
         ok = ok && bs_buf_printf(&body, &len, &cap, "]");
     }
     ok = ok && bs_buf_printf(&body, &len, &cap,
@@ -380,7 +381,7 @@ static void bs_grpc_start(bs_state_t *s, bs_req_t *r)
             return;
         }
         for (uint32_t i = 0; i < it->input_len; i++)
-            ids[i] = 1 + (it->id_offset + i) % (s->vocab - 1);
+            ids[i] = bs_prompt_id(it, i, s->vocab);
         q.prompt_ids = ids;
         q.n_prompt_ids = it->input_len;
     }
@@ -1026,6 +1027,13 @@ int bench_serve(int argc, char **argv)
     if (s->data.timed)
         n_measured = s->data.n;
     s->vocab = (uint32_t)o->vocab_size;
+    if (o->model) {
+        cJSON *m = cJSON_CreateString(o->model);
+        s->model_json = m ? cJSON_PrintUnformatted(m) : NULL;
+        cJSON_Delete(m);
+        if (!s->model_json)
+            goto err_data;
+    }
     s->limit = o->max_concurrency ? o->max_concurrency : INT64_MAX;
     if (o->openai)
         s->limit = TD_MIN(s->limit, o->max_connections);
@@ -1114,6 +1122,7 @@ err_loop:
     free(runs);
     free(s->gw);
 err_data:
+    cJSON_free(s->model_json);
     bs_dataset_free(&s->data);
 err_opts:
     free(rates);

@@ -44,7 +44,7 @@ typedef struct bs_item {
     double arrival_s;         /* trace: when to send it (from the trace's first row); else -1 */
     uint32_t input_len;       /* prompt tokens (sent as ids) or, with text, the count known here (0: unknown) */
     uint32_t output_len;      /* max_tokens */
-    uint32_t id_offset;       /* where its prompt ids start in the vocabulary (ids prompts) */
+    uint64_t id_seed;         /* its prompt ids: bs_prompt_id(item, i, vocab) (ids prompts) */
     char *text;               /* ShareGPT: the prompt's text (sent as text); NULL: ids */
 } bs_item_t;
 
@@ -59,6 +59,13 @@ typedef struct bs_dataset {
  * output lengths likewise (each at least 1), prompt ids starting at a random offset.
  * Returns TD_ERR_NOMEM or TD_OK.
  */
+/*
+ * Prompt id i of an ids-prompt item: uniform in [1, vocab) and drawn from the item's own
+ * seed, so that two prompts share no prefix (a run of the vocabulary from an offset, vLLM's
+ * old way, repeats whole prompts once offsets collide, and a prefix cache serves them).
+ */
+uint32_t bs_prompt_id(const bs_item_t *it, uint32_t i, uint32_t vocab);
+
 td_status_t bs_dataset_random(bs_rng_t *r, size_t n, uint32_t input_len, uint32_t output_len, double range_ratio,
                               bs_dataset_t *d);
 

@@ -92,6 +92,12 @@ void bs_arrivals(bs_rng_t *r, double rate, double burstiness, size_t n, double *
 
 /* ---- datasets ---------------------------------------------------------------------------- */
 
+uint32_t bs_prompt_id(const bs_item_t *it, uint32_t i, uint32_t vocab)
+{
+    uint64_t x = it->id_seed + (uint64_t)i * 0x9e3779b97f4a7c15ull;
+    return 1 + (uint32_t)(splitmix64(&x) % (vocab - 1));
+}
+
 void bs_dataset_free(bs_dataset_t *d)
 {
     if (!d)
@@ -120,7 +126,7 @@ td_status_t bs_dataset_random(bs_rng_t *r, size_t n, uint32_t input_len, uint32_
         items[i].arrival_s = -1;
         items[i].input_len = len_in_range(r, input_len, range_ratio);
         items[i].output_len = len_in_range(r, output_len, range_ratio);
-        items[i].id_offset = (uint32_t)(bs_rng_next(r) >> 33);
+        items[i].id_seed = bs_rng_next(r);
     }
     *d = (bs_dataset_t){.items = items, .n = n};
     return TD_OK;
@@ -219,7 +225,7 @@ td_status_t bs_dataset_trace_parse(const char *text, size_t len, const char *nam
             cap = c;
         }
         items[n++] = (bs_item_t){.arrival_s = t, .input_len = in < 1 ? 1 : (uint32_t)in, .output_len = (uint32_t)out,
-                                 .id_offset = (uint32_t)(bs_rng_next(r) >> 33)};
+                                 .id_seed = bs_rng_next(r)};
     }
     if (!n) {
         st = td_errorf(TD_ERR_FORMAT, "%s: no requests in the trace", name);

@@ -28,7 +28,7 @@ N=40
 # ---- OpenAI API: summary lines, JSON keys, agreement with the router's counters ----
 ok0=$(metric tandem_router_requests_total outcome=ok)
 tok0=$(metric tandem_router_relayed_tokens_total)
-if ! timeout 60 "$CL_BIN" bench serve --openai "$OA" --num-prompts $N --request-rate 20 --input-len 24 \
+if ! timeout 60 "$CL_BIN" bench serve --openai "$OA" --model default --num-prompts $N --request-rate 20 --input-len 24 \
         --output-len 12 --range-ratio 0.5 --vocab-size 512 --seed 3 --goodput "ttft:2000 tpot:500" \
         --result-file "$CL_T/r.json" --save-detailed >"$CL_T/sum.txt" 2>"$CL_T/bs.err"; then
     cl_fail "bench serve --openai exited non-zero: $(tail -3 "$CL_T/bs.err")"

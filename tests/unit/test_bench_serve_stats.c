@@ -148,6 +148,16 @@ Test(bench_serve, random_dataset_lengths_in_range)
         cr_assert(!d.items[i].text && d.items[i].arrival_s < 0);
     }
     cr_assert(lo >= 50 && hi <= 150 && lo < 60 && hi > 140, "lo %u hi %u", lo, hi);
+    /* ids in [1, vocab), repeatable, and no two prompts alike */
+    for (uint32_t i = 0; i < 1000; i++) {
+        uint32_t id = bs_prompt_id(&d.items[0], i, 512);
+        cr_assert(id >= 1 && id < 512);
+        cr_assert_eq(id, bs_prompt_id(&d.items[0], i, 512));
+    }
+    int same = 0;
+    for (uint32_t i = 0; i < 64; i++)
+        same += bs_prompt_id(&d.items[0], i, 512) == bs_prompt_id(&d.items[1], i, 512);
+    cr_assert(same < 8, "%d of 64 ids equal", same);
     bs_dataset_free(&d);
     cr_assert_eq(bs_dataset_random(&r, 10, 100, 20, 0, &d), TD_OK);
     for (size_t i = 0; i < d.n; i++)
