@@ -1,7 +1,7 @@
 /*
  * bench_router: `tandem bench router [--json] [--duration S] [--concurrency N]
  * [--connections N] [--streams N] [--stream-tokens N] [--prompt-tokens N]
- * [--router-cpu N] [--bench-cpu N] [--tandem PATH] [--http]`.
+ * [--router-cpu N] [--bench-cpu N] [--tandem PATH] [--http] [--hold S]`.
  *
  * What one router costs when the nodes cost nothing (issue 5, "Speed"). A real router
  * process (`tandem router`, this binary re-executed, pinned to one core) serves a load
@@ -28,6 +28,8 @@
  * a byte-level tokenizer with a one-line chat template (written by td_model_synth into a
  * temporary directory) so that every request is rendered and encoded and every token is one
  * letter of text; tokens are counted as letters of the SSE chunks' content at the client.
+ * With --hold S there are no phases: the router's addresses are printed and the no-op cluster
+ * serves for S seconds, so that `tandem bench serve` can measure its own ceiling against it.
  * Router CPU time (from /proc/PID/stat) per phase says whether the router or the load
  * generator was the limit. Rows: name, value, unit, goal, ratio (>= 1 meets the goal; for
  * latencies ratio = goal / value). Keys in docs/bench.md.
@@ -36,7 +38,6 @@
 
 #include <dirent.h>
 #include <errno.h>
-#include <http_parser.h>
 #include <math.h>
 #include <sched.h>
 #include <signal.h>
@@ -47,6 +48,7 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include "bench_http_client.h"
 #include "control.pb-c.h"
 #include "router_registry.h"
 #include "td_child.h"
@@ -81,6 +83,7 @@ typedef struct rb_opts {
     const char *phases;       /* which of "abc" to run */
     bool json;
     bool http;                /* the load through the OpenAI HTTP API */
+    double hold_s;            /* > 0: no phases; the router and no-op nodes serve another load generator */
 } rb_opts_t;
 
 /* A lease of the no-op decode node: admitted, then live once Prefill ran. */
@@ -102,12 +105,10 @@ typedef struct rb_sub {
 
 typedef enum { PH_IDLE, PH_RPS, PH_LAT, PH_RELAY } rb_phase_t;
 
-typedef struct rb_http rb_http_t;
-
 typedef struct rb_slot {
     struct rb_state *s;
     td_grpc_client_call_t *call;
-    rb_http_t *http;          /* --http: the slot's connection (NULL until the first call) */
+    bench_http_conn_t *http;  /* --http: the slot's connection (NULL until the first call) */
     uint64_t t_start;
     uint32_t tokens;
 } rb_slot_t;
@@ -846,30 +847,12 @@ static void rb_issue(rb_state_t *s, rb_slot_t *slot, uint32_t max_tokens)
 
 /* ---- --http: the load through the OpenAI HTTP API --------------------------------------- */
 
-/* One keep-alive connection of a slot, one streamed request on it at a time. Its end (the
- * response complete, or the connection gone) ends the slot's call as on_gen_done does. */
-struct rb_http {
-    uv_tcp_t tcp;
-    uv_connect_t connect;
-    uv_write_t write;
-    http_parser parser;
-    rb_slot_t *slot;
-    bool connected, busy, closing;
-    int pending;              /* the request to send once connected: 0 or 1 (http_req[]), -1 none */
-    char ev[512];             /* the SSE event being read */
-    size_t ev_len;
-    char rbuf[64 << 10];
-};
-
-static http_parser_settings rb_http_settings;
-
-static void rb_http_end(rb_http_t *h, bool ok)
+/* A slot's keep-alive connection (bench_http_client), one streamed request on it at a time.
+ * Its end (the answer complete, or the connection gone) ends the slot's call as on_gen_done
+ * does. */
+static void rb_http_end(rb_slot_t *slot, bool ok)
 {
-    rb_slot_t *slot = h->slot;
     rb_state_t *s = slot->s;
-    if (!h->busy)
-        return;
-    h->busy = false;
     slot->call = NULL;
     s->outstanding--;
     bool full = ok || (s->phase == PH_RELAY && !s->issuing); /* cancelled at the phase's end */
@@ -888,145 +871,55 @@ static void rb_http_end(rb_http_t *h, bool ok)
         rb_issue(s, slot, s->phase == PH_RELAY ? (uint32_t)s->o.stream_tokens : 1);
 }
 
-static void rb_http_on_close(uv_handle_t *hd)
-{
-    rb_http_t *h = hd->data;
-    rb_slot_t *slot = h->slot;
-    slot->http = NULL;
-    rb_http_end(h, false);
-    free(h);
-}
-
-static void rb_http_close(rb_http_t *h)
-{
-    if (h->closing)
-        return;
-    h->closing = true;
-    uv_close((uv_handle_t *)&h->tcp, rb_http_on_close);
-}
-
 /* The letters of an SSE event's "content" (each token is one letter). */
-static void rb_http_event(rb_http_t *h)
+static void rb_http_on_event(bench_http_conn_t *h, const char *ev, size_t len, uint64_t now)
 {
     static const char key[] = "\"content\":\"";
-    h->ev[h->ev_len] = '\0';
-    const char *p = strstr(h->ev, key);
+    rb_slot_t *slot = bench_http_conn_data(h);
+    const char *p = strstr(ev, key);
     if (!p)
         return;
     size_t n = strcspn(p + sizeof key - 1, "\"");
-    h->slot->tokens += (uint32_t)n;
-    h->slot->s->tokens += n;
+    slot->tokens += (uint32_t)n;
+    slot->s->tokens += n;
 }
 
-static int rb_http_on_body(http_parser *p, const char *at, size_t len)
+static void rb_http_on_done(bench_http_conn_t *h, unsigned status, const char *body, size_t len, bool keep_alive)
 {
-    rb_http_t *h = p->data;
-    for (size_t i = 0; i < len; i++) {
-        if (h->ev_len + 1 < sizeof h->ev)
-            h->ev[h->ev_len++] = at[i];
-        if (at[i] == '\n' && h->ev_len >= 2 && h->ev[h->ev_len - 2] == '\n') {
-            rb_http_event(h);
-            h->ev_len = 0;
-        }
-    }
-    return 0;
+    rb_slot_t *slot = bench_http_conn_data(h);
+    if (!keep_alive)
+        slot->http = NULL; /* it closes after this: the slot's next call opens another */
+    rb_http_end(slot, status == 200);
 }
 
-static int rb_http_on_complete(http_parser *p)
+static void rb_http_on_close(bench_http_conn_t *h)
 {
-    rb_http_t *h = p->data;
-    rb_http_end(h, p->status_code == 200);
-    return 0;
+    rb_slot_t *slot = bench_http_conn_data(h);
+    if (slot->http == h)
+        slot->http = NULL;
 }
 
-static void rb_http_alloc(uv_handle_t *hd, size_t size, uv_buf_t *buf)
-{
-    rb_http_t *h = hd->data;
-    *buf = uv_buf_init(h->rbuf, sizeof h->rbuf);
-}
-
-static void rb_http_on_read(uv_stream_t *st, ssize_t n, const uv_buf_t *buf)
-{
-    rb_http_t *h = st->data;
-    if (n < 0) {
-        rb_http_close(h);
-        return;
-    }
-    size_t used = http_parser_execute(&h->parser, &rb_http_settings, buf->base, (size_t)n);
-    if (used != (size_t)n || HTTP_PARSER_ERRNO(&h->parser) != HPE_OK) {
-        rb_note_error(h->slot->s, TD_GRPC_INTERNAL, http_errno_description(HTTP_PARSER_ERRNO(&h->parser)));
-        rb_http_close(h);
-    }
-}
-
-static void rb_http_on_write(uv_write_t *w, int status)
-{
-    if (status < 0)
-        rb_http_close(w->data);
-}
-
-static void rb_http_send(rb_http_t *h, int which)
-{
-    rb_state_t *s = h->slot->s;
-    http_parser_init(&h->parser, HTTP_RESPONSE);
-    h->parser.data = h;
-    h->ev_len = 0;
-    uv_buf_t b = uv_buf_init(s->http_req[which], (unsigned)s->http_req_len[which]);
-    h->write.data = h;
-    if (uv_write(&h->write, (uv_stream_t *)&h->tcp, &b, 1, rb_http_on_write) != 0)
-        rb_http_close(h);
-}
-
-static void rb_http_on_connect(uv_connect_t *c, int status)
-{
-    rb_http_t *h = c->data;
-    if (status < 0 || h->closing) {
-        if (status < 0)
-            rb_note_error(h->slot->s, TD_GRPC_UNAVAILABLE, uv_strerror(status));
-        rb_http_close(h);
-        return;
-    }
-    h->connected = true;
-    uv_tcp_nodelay(&h->tcp, 1);
-    uv_read_start((uv_stream_t *)&h->tcp, rb_http_alloc, rb_http_on_read);
-    if (h->pending >= 0)
-        rb_http_send(h, h->pending);
-    h->pending = -1;
-}
+static const bench_http_ops_t rb_http_ops = {.on_event = rb_http_on_event, .on_done = rb_http_on_done,
+                                             .on_close = rb_http_on_close};
 
 static void rb_http_issue(rb_state_t *s, rb_slot_t *slot, uint32_t max_tokens)
 {
     int which = max_tokens == 1 ? 0 : 1;
-    rb_http_t *h = slot->http;
-    if (!h) {
+    if (!slot->http) {
         struct sockaddr_in a;
-        if (!(h = calloc(1, sizeof *h)) || uv_ip4_addr(s->host, s->http_port, &a) != 0) {
-            free(h);
-            rb_note_error(s, TD_GRPC_RESOURCE_EXHAUSTED, "out of memory or bad address");
-            s->failed = true;
-            return;
-        }
-        h->slot = slot;
-        h->tcp.data = h->connect.data = h;
-        uv_tcp_init(&s->loop, &h->tcp);
-        if (uv_tcp_connect(&h->connect, &h->tcp, (const struct sockaddr *)&a, rb_http_on_connect) != 0) {
-            h->closing = true;
-            uv_close((uv_handle_t *)&h->tcp, (uv_close_cb)free);
+        if (uv_ip4_addr(s->host, s->http_port, &a) != 0 ||
+            bench_http_conn_open(&s->loop, (const struct sockaddr *)&a, &rb_http_ops, slot, &slot->http) != TD_OK) {
+            slot->http = NULL;
             rb_note_error(s, TD_GRPC_UNAVAILABLE, "connect failed");
             s->failed = true;
             return;
         }
-        slot->http = h;
     }
     slot->tokens = 0;
     slot->t_start = td_now_ns();
-    h->busy = true;
     s->issued++;
     s->outstanding++;
-    if (h->connected)
-        rb_http_send(h, which);
-    else
-        h->pending = which;
+    bench_http_conn_send(slot->http, s->http_req[which], s->http_req_len[which]);
 }
 
 /* The two requests' bytes (streamed chat of a prompt_tokens-letter message) and the
@@ -1034,9 +927,6 @@ static void rb_http_issue(rb_state_t *s, rb_slot_t *slot, uint32_t max_tokens)
  * temporary directory, with a chat template that is the messages' text. */
 static td_status_t rb_http_prepare(rb_state_t *s)
 {
-    http_parser_settings_init(&rb_http_settings);
-    rb_http_settings.on_body = rb_http_on_body;
-    rb_http_settings.on_message_complete = rb_http_on_complete;
     char content[RB_MAX_PROMPT + 1]; /* prompt_tokens letters: the template adds nothing, BOS aside */
     memset(content, 'a', (size_t)s->o.prompt_tokens);
     content[s->o.prompt_tokens] = '\0';
@@ -1237,8 +1127,8 @@ static void rb_run_phase(rb_state_t *s, rb_phase_t ph, int n, uint32_t max_token
     for (int i = 0; i < n; i++) {
         if (s->slots[i].call && ph == PH_RELAY)
             td_grpc_client_call_cancel(s->slots[i].call);
-        if (s->slots[i].http && s->slots[i].http->busy && ph == PH_RELAY)
-            rb_http_close(s->slots[i].http); /* a disconnect: the router cancels the request */
+        if (s->slots[i].http && bench_http_conn_busy(s->slots[i].http) && ph == PH_RELAY)
+            bench_http_conn_close(s->slots[i].http); /* a disconnect: the router cancels the request */
     }
     rb_run_until(s, rb_drained, td_now_s() + 10);
     res->count = c1 - c0;
@@ -1357,7 +1247,7 @@ static void rb_close_all(rb_state_t *s)
         td_grpc_channel_close(s->gw[i], NULL, NULL);
     for (int i = 0; s->slots && i < s->n_slots; i++)
         if (s->slots[i].http)
-            rb_http_close(s->slots[i].http);
+            bench_http_conn_close(s->slots[i].http);
     td_grpc_channel_close(s->d_decode, NULL, NULL);
     td_grpc_channel_close(s->d_prefill, NULL, NULL);
     s->stopping = true;
@@ -1399,7 +1289,7 @@ int bench_router(int argc, char **argv)
     int64_t concurrency = s->o.concurrency, connections = s->o.connections, streams = s->o.streams,
             stream_tokens = s->o.stream_tokens, prompt_tokens = s->o.prompt_tokens, router_cpu = s->o.router_cpu,
             bench_cpu = s->o.bench_cpu;
-    float duration = (float)s->o.duration_s;
+    float duration = (float)s->o.duration_s, hold = 0;
     const td_opt_t opts[] = {
         {.name = "json", .type = TD_OPT_BOOL, .ptr = &s->o.json, .help = "one JSON document on stdout (docs/bench.md)"},
         {.name = "duration", .type = TD_OPT_F32, .ptr = &duration, .fmin = 0.05f, .fmax = 3600, .arg = "S",
@@ -1426,6 +1316,9 @@ int bench_router(int argc, char **argv)
          .help = "the router's --log-level (default error)"},
         {.name = "http", .type = TD_OPT_BOOL, .ptr = &s->o.http,
          .help = "the load through the OpenAI HTTP API (streamed /v1/chat/completions; docs/openai.md)"},
+        {.name = "hold", .type = TD_OPT_F32, .ptr = &hold, .fmin = 0, .fmax = 86400, .arg = "S",
+         .help = "no phases: print the router's gateway: (and with --http openai:) line and serve the\n"
+                 "no-op nodes for S seconds, a target for `tandem bench serve`"},
     };
     td_opts_t spec = {.prog = "bench router", .opts = opts, .n_opts = TD_ARRAY_LEN(opts)};
     td_opts_result_t r_opts = {0};
@@ -1437,7 +1330,7 @@ int bench_router(int argc, char **argv)
         printf("usage: tandem bench router [--json] [--duration S] [--concurrency N] [--connections N]\n"
                "                           [--streams N] [--stream-tokens N] [--prompt-tokens N]\n"
                "                           [--router-cpu N] [--bench-cpu N] [--phases abc] [--tandem PATH]\n"
-               "                           [--router-log LEVEL] [--http]\n"
+               "                           [--router-log LEVEL] [--http] [--hold S]\n"
                "\n"
                "A real `tandem router` (pinned to --router-cpu, default 0) with no-op prefill and decode\n"
                "nodes and a gRPC load generator in this process (pinned to --bench-cpu, default 1).\n"
@@ -1455,6 +1348,7 @@ int bench_router(int argc, char **argv)
         return 0;
     }
     s->o.duration_s = duration;
+    s->o.hold_s = hold;
     s->o.warmup_s = TD_MIN(0.5, duration / 5);
     s->o.concurrency = (int)concurrency;
     s->o.connections = (int)connections;
@@ -1534,6 +1428,18 @@ int bench_router(int argc, char **argv)
     }
     /* the router counts a decode node once its Steps stream is up; give its registry a turn */
     rb_run_until(s, rb_never, td_now_s() + 0.2);
+    if (s->o.hold_s > 0) { /* a no-op cluster for `tandem bench serve` (docs/bench.md) */
+        printf("gateway: %s:%u\n", s->host, s->gw_port);
+        if (s->o.http)
+            printf("openai: http://%s:%u/v1\n", s->host, s->http_port);
+        fflush(stdout);
+        double r0 = rb_proc_cpu_s(s->router.pid), t0 = td_now_s();
+        rb_run_until(s, rb_never, t0 + s->o.hold_s);
+        fprintf(stderr, "bench router: held %.1f s, router cpu %.2f s\n", td_now_s() - t0,
+                rb_proc_cpu_s(s->router.pid) - r0);
+        rc = s->failed ? 1 : 0;
+        goto out;
+    }
 
     rb_phase_result_t a = {.rate = NAN, .router_cpu = NAN, .bench_cpu = NAN}, b = a, cr = a;
     bool run_a = strchr(s->o.phases, 'a'), run_b = strchr(s->o.phases, 'b'), run_c = strchr(s->o.phases, 'c');
