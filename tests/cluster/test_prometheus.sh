@@ -10,7 +10,8 @@
 # - after `tandem bench serve` sends 30 requests, every panel query (with $__rate_interval
 #   and $__interval set to 15s, $job to its All value) answers status success, and the
 #   panels that must show the load answer non-empty and finite: request rate by outcome
-#   (> 0), TTFT p99, KV block occupancy, KV transfer bytes/s (> 0).
+#   (> 0), TTFT p50/p99, KV block occupancy, KV transfer bytes/s (> 0); the $job variable's
+#   label_values query lists the jobs.
 # Skips, saying so, where prometheus is not installed.
 PROM=${PROMETHEUS:-prometheus}
 if ! command -v "$PROM" >/dev/null 2>&1; then
@@ -95,6 +96,18 @@ titles = [p["title"] for p in dash["panels"]]
 for t in must:
     if t not in titles:
         bad(f"no panel '{t}' in the dashboard")
+# each query variable's label_values(METRIC, LABEL) lists some value (what Grafana offers)
+for v in dash["templating"]["list"]:
+    if v["type"] != "query":
+        continue
+    m = re.fullmatch(r"label_values\((\w+),\s*(\w+)\)", v["definition"])
+    if not m:
+        bad(f"variable {v['name']}: cannot evaluate {v['definition']}")
+        continue
+    vals = get(f"/api/v1/label/{m.group(2)}/values", **{"match[]": m.group(1)})["data"]
+    print(f"variable {v['name']}: {vals}")
+    if not vals:
+        bad(f"variable {v['name']}: {v['definition']} lists nothing")
 n = 0
 for p in dash["panels"]:
     assert p["datasource"]["uid"] == "${DS_PROMETHEUS}", p["title"]
