@@ -74,6 +74,7 @@ typedef struct decode_admit {
     int32_t stop_ids[DECODE_MAX_STOP_IDS];
     int32_t n_stop_ids;
     td_logprobs_want_t logprobs; /* AdmitRequest.logprobs */
+    bool ignore_eos;
 } decode_admit_t;
 
 /* Loop → compute (by value in the command ring). */
@@ -196,7 +197,8 @@ static void compute_admit(decode_state_t *s, decode_cmd_t *c, decode_out_t *fail
                           .kv_blocks = c->blocks, .n_kv_blocks = c->n_blocks, .first_token = c->first_token,
                           .sampling = a->sampling, .max_tokens = a->max_tokens,
                           .stop_ids = a->stop_ids, .n_stop_ids = a->n_stop_ids,
-                          .logprobs = a->logprobs.on, .top_logprobs = a->logprobs.top};
+                          .logprobs = a->logprobs.on, .top_logprobs = a->logprobs.top,
+                          .ignore_eos = a->ignore_eos};
     if (decode_sched_admit(s->sched, &r) != TD_OK) {
         td_warn("decode: lease %llu not admitted: %s", (unsigned long long)c->lease_id, td_last_error());
         for (int32_t i = 0; i < c->n_blocks; i++)
@@ -574,6 +576,7 @@ static void on_admit(td_grpc_call_t *call, const ProtobufCMessage *msg, void *da
     for (size_t i = 0; i < r->n_stop_ids; i++)
         a->stop_ids[i] = (int32_t)r->stop_ids[i];
     a->n_stop_ids = (int32_t)r->n_stop_ids;
+    a->ignore_eos = r->ignore_eos;
     int32_t n_blocks = (int32_t)TD_DIV_CEIL(a->n_prompt, (int32_t)s->layout.block_size);
     int32_t *blocks = malloc((size_t)n_blocks * sizeof *blocks);
     uint32_t ttl = (uint32_t)TD_MIN((int64_t)(r->lease_ms ? r->lease_ms : 10000), s->cfg.max_lease_ms);

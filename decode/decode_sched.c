@@ -32,6 +32,7 @@ typedef struct dseq {
     int64_t deadline_ns;
     bool logprobs;          /* decode_request_t's */
     int32_t top_logprobs;
+    bool ignore_eos;        /* decode_request_t's: EOS ids are not stops */
 } dseq_t;
 
 typedef struct pending_finish {
@@ -109,7 +110,7 @@ static void seq_destroy(decode_sched_t *s, dseq_t *q)
 
 static bool is_stop_id(const decode_sched_t *s, const dseq_t *q, int32_t id)
 {
-    for (int32_t i = 0; i < s->mc->n_eos; i++)
+    for (int32_t i = 0; i < s->mc->n_eos && !q->ignore_eos; i++)
         if (s->mc->eos_ids[i] == id)
             return true;
     for (int32_t i = 0; i < q->n_stop_ids; i++)
@@ -378,6 +379,7 @@ td_status_t decode_sched_admit(decode_sched_t *s, const decode_request_t *req)
     q->deadline_ns = req->deadline_ns;
     q->logprobs = req->logprobs;
     q->top_logprobs = req->top_logprobs;
+    q->ignore_eos = req->ignore_eos;
     q->ctx = malloc((size_t)q->cap_ctx * sizeof *q->ctx);
     q->stop_ids = malloc((size_t)TD_MAX(req->n_stop_ids, 1) * sizeof *q->stop_ids);
     if (!q->ctx || !q->stop_ids)

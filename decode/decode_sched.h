@@ -88,6 +88,7 @@ typedef struct decode_request {
     bool logprobs;               /* report each sampled token's log-probability (not the
                                     prefill node's first token's: that node reports it) */
     int32_t top_logprobs;        /* with logprobs: alternatives per token, [0, TD_LOGPROBS_MAX_TOP] */
+    bool ignore_eos;             /* the model's EOS ids do not stop it (stop ids still do) */
 } decode_request_t;
 
 /* Something that happened to one request in a step. */

@@ -124,6 +124,7 @@ static td_gen_params_t gen_params_from_proto(const Tandem__V1__GenerateRequest *
     gp.n_stop_strings = q->n_stop_strings;
     gp.stop_strings = (const char *const *)q->stop_strings;
     gp.sampling = td_node_sampling_from_proto(q->sampling);
+    gp.ignore_eos = q->ignore_eos;
     if (q->logprobs) /* as received: td_gen_params_validate refuses top_logprobs past 20 by name */
         gp.logprobs = (td_logprobs_want_t){.on = true, .top = (int32_t)TD_MIN(q->logprobs->top_logprobs, (uint32_t)INT32_MAX),
                                            .prompt = q->logprobs->prompt};

@@ -174,6 +174,7 @@ struct router_req {
                                 * node calls' messages (td_node_sampling_to_proto) */
     uint32_t stop_ids[TD_GEN_MAX_STOP_IDS];
     size_t n_stop_ids;
+    bool ignore_eos;           /* the model's EOS ids do not end the output (td_gen_params_t's) */
     td_stop_t *stop;
     td_detok_t detok;
     bool from_text;            /* the prompt was text the router tokenized (not prompt_ids) */
