@@ -212,8 +212,9 @@ void on_cluster_status(td_grpc_call_t *call, const ProtobufCMessage *msg, void *
         Tandem__V1__NodeStatus *x = &st[n];
         tandem__v1__node_status__init(x);
         x->node_id = (char *)nd->info.id;
-        x->role = nd->info.role == TD_NODE_ROLE_DECODE ? TANDEM__V1__NODE_ROLE__NODE_ROLE_DECODE
-                                                      : TANDEM__V1__NODE_ROLE__NODE_ROLE_PREFILL;
+        x->role = nd->info.role == TD_NODE_ROLE_DECODE    ? TANDEM__V1__NODE_ROLE__NODE_ROLE_DECODE
+                  : nd->info.role == TD_NODE_ROLE_UNIFIED ? TANDEM__V1__NODE_ROLE__NODE_ROLE_UNIFIED
+                                                          : TANDEM__V1__NODE_ROLE__NODE_ROLE_PREFILL;
         x->state = router_registry_is_live(s->reg, i, now) ? TANDEM__V1__NODE_STATE__NODE_STATE_UP
                                                            : TANDEM__V1__NODE_STATE__NODE_STATE_DOWN;
         x->model = (char *)nd->info.model;

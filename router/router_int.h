@@ -242,7 +242,8 @@ struct router_state {
     int64_t started_unix;      /* for GET /v1/models' "created" */
     td_metrics_t *metrics;
     td_metric_family_t *f_requests;
-    td_metric_t *m_ttft, *m_tpot, *m_active, *m_tokens, *m_retries, *m_nodes_prefill, *m_nodes_decode;
+    td_metric_t *m_ttft, *m_tpot, *m_active, *m_tokens, *m_retries, *m_nodes_prefill, *m_nodes_decode,
+        *m_nodes_unified;
     td_metric_t *m_queue_depth, *m_queue_s, *m_first_mismatch;
     bool shutting_down;
     bool handles_up;
