@@ -996,9 +996,9 @@ static int node_main(int argc, char **argv, bool unified)
         TD_OPT_INT("idle-wait-ms", &cfg->idle_wait_ms, 1, 10000,
                    "compute thread: longest single wait for work or room"),
         TD_OPT_INT("max-batch-tokens", &cfg->max_batch_tokens, 1, 1 << 20,
-                   "tokens one step feeds: one per running sequence, then prompt chunks (default 512)"),
+                   "tokens one step feeds: one per running sequence, then prompt chunks"),
         TD_OPT_INT("prefill-chunk", &cfg->prefill_chunk, 1, 1 << 20,
-                   "prompt tokens one sequence feeds in one step (default 256)"),
+                   "prompt tokens one sequence feeds in one step"),
     };
     const td_node_spec_t spec = {.prog = unified ? "unified" : "decode", .kind = TD_NODE_NODE,
                                  .on_shutdown = on_shutdown, .data = s};
