@@ -59,6 +59,8 @@ typedef struct bs_opts {
     const char *result_file, *sweep;
     float sweep_attainment;
     bool save_detailed, json;
+    bool ignore_eos_flag, no_ignore_eos; /* --ignore-eos, --no-ignore-eos as given */
+    bool ignore_eos;                     /* sent: the flags, else on for random and trace */
 } bs_opts_t;
 
 typedef struct bs_state bs_state_t;
@@ -296,8 +298,9 @@ static bool bs_http_build(bs_conn_t *c, const bs_req_t *r)
         ok = ok && bs_buf_printf(&body, &len, &cap, "]");
     }
     ok = ok && bs_buf_printf(&body, &len, &cap,
-                             ",\"max_tokens\":%u,\"temperature\":0,\"stream\":true,"
-                             "\"stream_options\":{\"include_usage\":true}}", it->output_len);
+                             ",\"max_tokens\":%u,\"temperature\":0,\"stream\":true,%s"
+                             "\"stream_options\":{\"include_usage\":true}}", it->output_len,
+                             s->o.ignore_eos ? "\"ignore_eos\":true," : "");
     c->wlen = 0;
     ok = ok && bs_buf_printf(&c->wbuf, &c->wlen, &c->wcap,
                              "POST %s/completions HTTP/1.1\r\nHost: %s:%u\r\nContent-Type: application/json\r\n"
@@ -386,6 +389,7 @@ static void bs_grpc_start(bs_state_t *s, bs_req_t *r)
         q.n_prompt_ids = it->input_len;
     }
     q.max_tokens = it->output_len;
+    q.ignore_eos = s->o.ignore_eos;
     if (s->o.model)
         q.model = (char *)s->o.model;
     char auth[300];
@@ -723,6 +727,7 @@ static void bs_json_run(const bs_state_t *s, const bs_run_t *r, cJSON *o)
         cJSON_AddBoolToObject(e, "ok", q->out.ok);
         cJSON_AddNumberToObject(e, "input_tokens", q->out.input_tokens);
         cJSON_AddNumberToObject(e, "output_tokens", q->out.output_tokens);
+        cJSON_AddNumberToObject(e, "requested_output_tokens", q->item ? q->item->output_len : 0);
         bs_json_num(e, "ttft_ms", q->out.ok ? q->out.ttft_ms : NAN, 3);
         bs_json_num(e, "tpot_ms", q->out.ok ? q->out.tpot_ms : NAN, 3);
         bs_json_num(e, "e2el_ms", q->out.ok ? q->out.e2el_ms : NAN, 3);
@@ -746,6 +751,7 @@ static cJSON *bs_json_doc(const bs_state_t *s, const bs_run_t *runs, size_t n_ru
     cJSON_AddStringToObject(j, "backend", s->o.openai ? "openai" : "grpc");
     cJSON_AddStringToObject(j, "target", s->o.openai ? s->o.openai : s->o.gateway);
     cJSON_AddStringToObject(j, "dataset", s->o.dataset);
+    cJSON_AddBoolToObject(j, "ignore_eos", s->o.ignore_eos);
     cJSON_AddNumberToObject(j, "num_prompts", (double)s->o.num_prompts);
     cJSON_AddNumberToObject(j, "warmup_prompts", (double)s->o.warmup_prompts);
     bs_json_num(j, "burstiness", s->o.burstiness, 3);
@@ -907,8 +913,9 @@ static const char bs_usage[] =
     "attainment, TTFT / TPOT / ITL / E2EL mean, std, median, p90, p99). --goodput \"ttft:MS\n"
     "tpot:MS e2el:MS\": DistServe's goodput (completed requests/s meeting every objective).\n"
     "--sweep R1,R2,.. or START:STOP:STEP: one run per rate, then the highest rate whose SLO\n"
-    "attainment is >= --sweep-attainment. The router has no ignore_eos: a request may end\n"
-    "at EOS before max_tokens; the counts are what was generated. Keys in docs/bench.md.\n\n";
+    "attainment is >= --sweep-attainment. The random and trace datasets send ignore_eos\n"
+    "(vLLM's): every request generates its max_tokens (--no-ignore-eos: it may end at EOS;\n"
+    "sharegpt's default). Keys in docs/bench.md.\n\n";
 
 int bench_serve(int argc, char **argv)
 {
@@ -972,6 +979,10 @@ int bench_serve(int argc, char **argv)
          .help = "write the JSON result there"},
         {.name = "save-detailed", .type = TD_OPT_BOOL, .ptr = &o->save_detailed,
          .help = "the JSON carries every request (times, tokens, ITLs, error)"},
+        {.name = "ignore-eos", .type = TD_OPT_BOOL, .ptr = &o->ignore_eos_flag,
+         .help = "send ignore_eos: output lengths as asked (default with random and trace)"},
+        {.name = "no-ignore-eos", .type = TD_OPT_BOOL, .ptr = &o->no_ignore_eos,
+         .help = "do not send ignore_eos: a request may end at EOS (default with sharegpt)"},
         {.name = "json", .type = TD_OPT_BOOL, .ptr = &o->json, .help = "the JSON result on stdout instead of the summary"},
     };
     td_opts_t spec = {.prog = "bench serve", .opts = opts, .n_opts = TD_ARRAY_LEN(opts)};
@@ -995,6 +1006,9 @@ int bench_serve(int argc, char **argv)
         bad = bs_target_openai(s);
     else if (sscanf(o->gateway, "%255[^:]:%hu", s->host, &s->port) != 2 || !s->port)
         bad = td_errorf(TD_ERR_INVALID, "--gateway: '%s' is not HOST:PORT", o->gateway);
+    if (bad == TD_OK && o->ignore_eos_flag && o->no_ignore_eos)
+        bad = td_errorf(TD_ERR_INVALID, "bench serve: give --ignore-eos or --no-ignore-eos, not both");
+    o->ignore_eos = o->ignore_eos_flag || (!o->no_ignore_eos && strcmp(o->dataset, "sharegpt"));
     if (bad == TD_OK && strcmp(o->dataset, "random") && !o->dataset_path)
         bad = td_errorf(TD_ERR_INVALID, "--dataset %s: needs --dataset-path FILE", o->dataset);
     if (bad == TD_OK && o->sweep && !strcmp(o->dataset, "trace"))

@@ -1,7 +1,7 @@
 /*
- * cmd_local: `tandem local --model PATH --prefill N --decode M`: a whole cluster on
- * 127.0.0.1 as separate processes of this same binary (router, N prefill, M decode
- * nodes). Prints `gateway: HOST:PORT`, `openai: URL` (the router's OpenAI HTTP API, unless
+ * cmd_local: `tandem local --model PATH --prefill N --decode M [--unified U]`: a whole
+ * cluster on 127.0.0.1 as separate processes of this same binary (router, N prefill, M
+ * decode and U unified nodes; `--unified U` alone: the colocated baseline). Prints `gateway: HOST:PORT`, `openai: URL` (the router's OpenAI HTTP API, unless
  * --http-port -1) and `metrics: URL` once every node registered, then
  * waits; SIGINT/SIGTERM (or the router's death) stops every process it started
  * (SIGTERM, then SIGKILL after a bound). Each cluster gets a cluster secret of its own
@@ -126,12 +126,15 @@ int cmd_local(int argc, char **argv)
 {
     const char *model = NULL, *tokenizer = NULL, *log_level = "warn", *host = "127.0.0.1", *advertise = NULL;
     const char *device = "cpu", *dtype = NULL, *api_keys = NULL;
-    int64_t n_prefill = 1, n_decode = 1, threads = 0, kv_blocks = 0, kv_mem = 0, http_port = 0;
+    /* -1: not given (1 each, or 0 each with --unified) */
+    int64_t n_prefill = -1, n_decode = -1, n_unified = 0, threads = 0, kv_blocks = 0, kv_mem = 0, http_port = 0;
     const td_opt_t opts[] = {
         TD_OPT_STRING("model", &model, "model path (required)"),
         TD_OPT_STRING("tokenizer", &tokenizer, "tokenizer path (default: beside the model)"),
-        TD_OPT_INT("prefill", &n_prefill, 1, 32, "prefill nodes (default 1)"),
-        TD_OPT_INT("decode", &n_decode, 1, 32, "decode nodes (default 1)"),
+        TD_OPT_INT("prefill", &n_prefill, 0, 32, "prefill nodes (default 1; 0 with --unified)"),
+        TD_OPT_INT("decode", &n_decode, 0, 32, "decode nodes (default 1; 0 with --unified)"),
+        TD_OPT_INT("unified", &n_unified, 0, 32,
+                   "unified nodes: prefill and decode in one engine, the colocated baseline (default 0)"),
         TD_OPT_INT("threads", &threads, 0, 4096, "compute threads per node (default 0: this process's cores / (N + M))"),
         TD_OPT_INT("kv-blocks", &kv_blocks, 1, 1 << 24, "KV blocks per node (default: from the shared budget)"),
         TD_OPT_INT("kv-mem", &kv_mem, 1, 1 << 30, "KV budget per node in MiB (default: from the shared budget)"),
@@ -148,7 +151,7 @@ int cmd_local(int argc, char **argv)
     if (td_opts_parse(&spec, argc, argv, &r) != TD_OK)
         return 2;
     if (r.help) {
-        printf("usage: tandem local --model PATH [--tokenizer PATH] [--prefill N] [--decode M]\n"
+        printf("usage: tandem local --model PATH [--tokenizer PATH] [--prefill N] [--decode M] [--unified U]\n"
                "                    [--threads T] [--kv-blocks B | --kv-mem MIB] [--log-level L]\n"
                "                    [--host H] [--advertise A] [--device D] [--dtype T]\n"
                "                    [--api-keys-file FILE]\n\n"
@@ -156,8 +159,11 @@ int cmd_local(int argc, char **argv)
                "--host (default 127.0.0.1) and reached at --advertise (default --host; required\n"
                "with a wildcard host), prints 'gateway: HOST:PORT', 'openai: URL' (the OpenAI HTTP\n"
                "API, docs/openai.md; --http-port -1: none) and 'metrics: URL' once all\n"
-               "registered, and stops them all on SIGINT/SIGTERM. --threads is per node (default:\n"
-               "this process's cores / (N + M), at least 1). The KV pools share one budget, %d%% of\n"
+               "registered, and stops them all on SIGINT/SIGTERM. --unified U starts U unified nodes\n"
+               "(prefill and decode in one engine, no KV transfer) instead of, or beside, the pairs:\n"
+               "`--unified 2` alone is the colocated baseline of `--prefill 1 --decode 1`.\n"
+               "--threads is per node (default:\n"
+               "this process's cores / (N + M + U), at least 1). The KV pools share one budget, %d%% of\n"
                "the memory available, split %d:1 between a decode and a prefill node and passed as\n"
                "--kv-mem; --kv-mem MIB (per node) or --kv-blocks B (per node) replace it.\n"
                "--device (cpu, cuda, cuda:N) and --dtype (f32, f16, bf16) go to every node.\n"
@@ -168,6 +174,16 @@ int cmd_local(int argc, char **argv)
     }
     if (!model) {
         fprintf(stderr, "tandem local: --model PATH is required\n");
+        return 2;
+    }
+    if (n_prefill < 0)
+        n_prefill = n_unified ? 0 : 1;
+    if (n_decode < 0)
+        n_decode = n_unified ? 0 : 1;
+    if ((n_prefill == 0) != (n_decode == 0) || n_prefill + n_decode + n_unified == 0) {
+        fprintf(stderr, "tandem local: --prefill %lld --decode %lld --unified %lld: prefill and decode nodes come "
+                "together (a pair), and some node must serve; e.g. --prefill 1 --decode 1, or --unified 2\n",
+                (long long)n_prefill, (long long)n_decode, (long long)n_unified);
         return 2;
     }
     char tok_path[4096];
@@ -189,7 +205,8 @@ int cmd_local(int argc, char **argv)
     if (td_device_parse(device, &dev) != TD_OK)
         return 2;
     local_plan_t plan;
-    local_plan(n_prefill, n_decode, threads, kv_blocks, kv_mem, dev.cuda, &plan);
+    /* a unified node holds sequences as a decode node does: its pool is sized like one */
+    local_plan(n_prefill, n_decode + n_unified, threads, kv_blocks, kv_mem, dev.cuda, &plan);
     /* OpenBLAS (pthreads) starts cores - 1 threads in every process at load, each spinning
        a while before it sleeps; the CPU backend never uses them (it runs OpenBLAS on one
        thread inside its own pool), so the children start none */
@@ -246,11 +263,13 @@ int cmd_local(int argc, char **argv)
         fprintf(stderr, "tandem local: the router did not start\n");
         goto out;
     }
-    for (int64_t i = 0; i < n_prefill + n_decode; i++) {
-        bool dec = i >= n_prefill;
+    for (int64_t i = 0; i < n_prefill + n_decode + n_unified; i++) {
+        bool dec = i >= n_prefill; /* decode or unified: a decode-sized pool */
+        const char *role = i >= n_prefill + n_decode ? "unified" : dec ? "decode" : "prefill";
+        int64_t k_role = i >= n_prefill + n_decode ? i - n_prefill - n_decode : dec ? i - n_prefill : i;
         char id[32];
-        snprintf(id, sizeof id, "%s%lld", dec ? "decode" : "prefill", (long long)(dec ? i - n_prefill : i));
-        char *nargv[] = {"tandem", dec ? "decode" : "prefill", "--model", (char *)model, "--router", control,
+        snprintf(id, sizeof id, "%s%lld", role, (long long)k_role);
+        char *nargv[] = {"tandem", (char *)role, "--model", (char *)model, "--router", control,
                          "--node-id", id, "--threads", plan.threads, "--log-level", (char *)log_level,
                          "--host", (char *)host, "--device", (char *)device, "--cluster-secret-file", secret,
                          NULL, NULL, NULL, NULL, NULL, NULL, NULL};
@@ -274,8 +293,9 @@ int cmd_local(int argc, char **argv)
     }
     bool ready = false;
     while (!ready && read_line(&l, 30000, line, sizeof line)) {
-        int np, nd;
-        if (sscanf(line, "nodes: %d prefill, %d decode", &np, &nd) == 2 && np >= n_prefill && nd >= n_decode)
+        int np, nd, nu = 0;
+        if (sscanf(line, "nodes: %d prefill, %d decode, %d unified", &np, &nd, &nu) >= 2 && np >= n_prefill &&
+            nd >= n_decode && nu >= n_unified)
             ready = true;
     }
     if (!ready) {

@@ -27,6 +27,7 @@ static const cmd_t cmds[] = {
     {"router", cmd_router, "cluster router: gateway gRPC API, node registry, token relay"},
     {"prefill", cmd_prefill, "cluster prefill node"},
     {"decode", cmd_decode, "cluster decode node"},
+    {"unified", cmd_unified, "cluster unified node: prefill and decode in one engine (colocated baseline)"},
     {"local", cmd_local, "a whole cluster (router + prefill + decode processes) on 127.0.0.1"},
 };
 

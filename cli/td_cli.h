@@ -17,6 +17,7 @@ int cmd_bench(int argc, char **argv);
 int cmd_router(int argc, char **argv);
 int cmd_prefill(int argc, char **argv);
 int cmd_decode(int argc, char **argv);
+int cmd_unified(int argc, char **argv);
 int cmd_local(int argc, char **argv);
 
 /* td_opts parse fns of the flags several commands share (cli/cli_opts.c): --device into a

@@ -13,6 +13,14 @@
  * the compute thread (bounded command ring), which adopts them into the request's sequence
  * and hands every step's events back (bounded result ring + uv_async_send); the loop
  * streams one StepBatch per step.
+ *
+ * The unified role (`tandem unified`, unified_main) is this process with prefill at home: no
+ * td_xfer and no transfer; the engine allocates its own pool. Admit only records the request
+ * (a lease id of its own, no block ids); the router's Prefill call for that lease hands it to
+ * the compute thread as a local-prefill admission (decode_sched prefills it in chunks inside
+ * the decode steps, within max-batch-tokens: chunked prefill with continuous batching), and
+ * is answered FIRST_TOKEN when the sequence's first token is streamed on Steps. So the router
+ * drives a unified node with the same request path as a (prefill, decode) pair.
  */
 #include "decode_node.h"
 
@@ -60,7 +68,17 @@ typedef struct decode_config {
     int64_t max_requests;     /* admitted + running at most (bounds every queue) */
     int64_t result_queue;     /* step results waiting for the loop */
     int64_t idle_wait_ms;     /* compute thread's bound on one wait */
+    int64_t max_batch_tokens; /* tokens one step feeds: decodes + prompt chunks */
+    int64_t prefill_chunk;    /* prompt tokens one sequence feeds in a step */
 } decode_config_t;
+
+/* A unified node's Prefill call, waiting for its lease's first token (loop thread). */
+typedef struct decode_prefill {
+    td_list_t link;           /* in decode_state_t.prefills */
+    uint64_t lease_id;
+    td_grpc_call_t *call;
+    uint64_t t0;              /* td_now_ns() at the call */
+} decode_prefill_t;
 
 /* An admitted request whose KV has not arrived yet (loop thread). */
 typedef struct decode_admit {
@@ -74,6 +92,7 @@ typedef struct decode_admit {
     int32_t stop_ids[DECODE_MAX_STOP_IDS];
     int32_t n_stop_ids;
     td_logprobs_want_t logprobs; /* AdmitRequest.logprobs */
+    bool ignore_eos;
 } decode_admit_t;
 
 /* Loop → compute (by value in the command ring). */
@@ -122,7 +141,11 @@ typedef struct decode_state {
     td_metrics_t *metrics;
     td_node_xfer_metrics_t xfer_metrics; /* td_xfer's statistics on /metrics */
     td_metric_t *m_used, *m_free, *m_running, *m_waiting, *m_tokens, *m_steps, *m_step_s, *m_batch,
-        *m_admits, *m_refused, *m_releases;
+        *m_admits, *m_refused, *m_releases, *m_prefill_tokens;
+    bool unified;             /* the unified role: no td_xfer, Prefill served here */
+    uint64_t next_lease;      /* unified: lease ids of its own */
+    td_list_t prefills;       /* unified: decode_prefill_t awaiting a first token */
+    int32_t n_prefills;
     td_list_t admits; /* decode_admit_t, newest first */
     int32_t n_admits;
     td_grpc_call_t *subs[DECODE_MAX_SUBSCRIBERS];
@@ -196,7 +219,8 @@ static void compute_admit(decode_state_t *s, decode_cmd_t *c, decode_out_t *fail
                           .kv_blocks = c->blocks, .n_kv_blocks = c->n_blocks, .first_token = c->first_token,
                           .sampling = a->sampling, .max_tokens = a->max_tokens,
                           .stop_ids = a->stop_ids, .n_stop_ids = a->n_stop_ids,
-                          .logprobs = a->logprobs.on, .top_logprobs = a->logprobs.top};
+                          .logprobs = a->logprobs.on, .top_logprobs = a->logprobs.top,
+                          .ignore_eos = a->ignore_eos};
     if (decode_sched_admit(s->sched, &r) != TD_OK) {
         td_warn("decode: lease %llu not admitted: %s", (unsigned long long)c->lease_id, td_last_error());
         for (int32_t i = 0; i < c->n_blocks; i++)
@@ -289,6 +313,8 @@ static void compute_main(void *arg)
                 }
                 add_seq(o, e->id, -1, kind);
             }
+            if (res.n_prefill_tokens)
+                td_metric_add(s->m_prefill_tokens, res.n_prefill_tokens);
             if (res.n_seqs) {
                 td_metric_inc(s->m_steps);
                 td_metric_observe(s->m_step_s, dt);
@@ -420,6 +446,52 @@ static void send_seqs(decode_state_t *s, uint64_t step, double step_s, uint32_t 
     }
 }
 
+static decode_prefill_t *prefill_find(decode_state_t *s, uint64_t lease_id)
+{
+    TD_LIST_FOREACH(n, &s->prefills) {
+        decode_prefill_t *w = TD_CONTAINER_OF(n, decode_prefill_t, link);
+        if (w->lease_id == lease_id)
+            return w;
+    }
+    return NULL;
+}
+
+static void prefill_end(decode_state_t *s, decode_prefill_t *w, td_grpc_code_t code, const char *why)
+{
+    td_list_remove(&w->link);
+    s->n_prefills--;
+    td_grpc_call_finish(w->call, code, why);
+    free(w);
+}
+
+/* Unified: a Prefill call is answered by its lease's first entry on Steps (sent just
+ * before): a token is the first token (FIRST_TOKEN, then OK: the router moves the request
+ * to RUNNING); a finish before any token (EOS first, or length) is OK too, the Steps entry
+ * having ended the request; a failure is UNAVAILABLE. */
+static void prefill_answer(decode_state_t *s, const decode_out_seq_t *e)
+{
+    decode_prefill_t *w = prefill_find(s, e->lease_id);
+    if (!w)
+        return;
+    if (e->kind == DECODE_OUT_FAILED) {
+        prefill_end(s, w, TD_GRPC_UNAVAILABLE, "unified node: the sequence failed before its first token");
+        return;
+    }
+    if (e->kind == DECODE_OUT_TOKEN) {
+        Tandem__Control__V1__PrefillResponse r = TANDEM__CONTROL__V1__PREFILL_RESPONSE__INIT;
+        td_node_logprob_msg_t lp;
+        r.phase = TANDEM__CONTROL__V1__PREFILL_PHASE__PREFILL_PHASE_FIRST_TOKEN;
+        r.first_token = (uint32_t)e->token;
+        r.prefill_s = (double)(td_now_ns() - w->t0) * 1e-9;
+        if (e->has_logprob) {
+            td_node_logprob_to_proto(&e->logprob, &lp);
+            r.first_logprob = &lp.m;
+        }
+        td_grpc_call_send(w->call, &r.base); /* CANCELLED: the router is gone, finish anyway */
+    }
+    prefill_end(s, w, TD_GRPC_OK, NULL);
+}
+
 static void on_outs(void *data, void *events, int32_t n)
 {
     decode_state_t *s = data;
@@ -427,6 +499,8 @@ static void on_outs(void *data, void *events, int32_t n)
     for (int32_t k = 0; k < n; k++) {
         decode_out_t *o = outs[k];
         send_seqs(s, o->step, o->step_s, o->free_blocks, o->seqs, o->n_seqs);
+        for (int32_t i = 0; s->n_prefills && i < o->n_seqs; i++)
+            prefill_answer(s, &o->seqs[i]);
         out_free(o);
     }
 }
@@ -574,12 +648,28 @@ static void on_admit(td_grpc_call_t *call, const ProtobufCMessage *msg, void *da
     for (size_t i = 0; i < r->n_stop_ids; i++)
         a->stop_ids[i] = (int32_t)r->stop_ids[i];
     a->n_stop_ids = (int32_t)r->n_stop_ids;
+    a->ignore_eos = r->ignore_eos;
     int32_t n_blocks = (int32_t)TD_DIV_CEIL(a->n_prompt, (int32_t)s->layout.block_size);
     int32_t *blocks = malloc((size_t)n_blocks * sizeof *blocks);
     uint32_t ttl = (uint32_t)TD_MIN((int64_t)(r->lease_ms ? r->lease_ms : 10000), s->cfg.max_lease_ms);
-    td_status_t st = blocks ? td_xfer_lease_create(s->xfer, td_xfer_request_key(r->request_id), n_blocks, ttl, blocks,
-                                                   &a->lease_id)
-                            : TD_ERR_NOMEM;
+    if (s->unified && a->logprobs.prompt) {
+        admit_free(a);
+        free(blocks);
+        td_grpc_call_finish(call, TD_GRPC_INVALID_ARGUMENT,
+                            "admit: prompt logprobs are not served by a unified node (it computes prompts "
+                            "in chunks inside decode steps); send them to a prefill/decode pair");
+        return;
+    }
+    td_status_t st;
+    if (s->unified) { /* no transfer: the lease only names the request until its Prefill call */
+        a->lease_id = ++s->next_lease;
+        n_blocks = 0;
+        st = blocks ? TD_OK : TD_ERR_NOMEM;
+    } else {
+        st = blocks ? td_xfer_lease_create(s->xfer, td_xfer_request_key(r->request_id), n_blocks, ttl, blocks,
+                                           &a->lease_id)
+                    : TD_ERR_NOMEM;
+    }
     if (st != TD_OK) {
         td_metric_inc(s->m_refused);
         free(blocks);
@@ -609,7 +699,8 @@ static void on_release(td_grpc_call_t *call, const ProtobufCMessage *msg, void *
     td_metric_inc(s->m_releases);
     decode_admit_t *a = admit_take(s, r->lease_id);
     if (a) { /* KV not here yet: the lease goes, and with it its blocks */
-        td_xfer_lease_cancel(s->xfer, r->lease_id);
+        if (!s->unified)
+            td_xfer_lease_cancel(s->xfer, r->lease_id);
         admit_free(a);
         resp.released = true;
         refresh_kv_load(s);
@@ -620,6 +711,65 @@ static void on_release(td_grpc_call_t *call, const ProtobufCMessage *msg, void *
                     (unsigned long long)r->lease_id, cmd_ring_size(&s->cfg));
     }
     td_grpc_call_reply(call, &resp.base);
+}
+
+/* The router gave up a unified Prefill call (its request ended or moved on): the call ends
+ * here; the sequence itself goes with the router's Release. */
+static void on_prefill_cancel(td_grpc_call_t *call, td_status_t why, void *call_data)
+{
+    (void)why;
+    decode_state_t *s = call_data;
+    TD_LIST_FOREACH(n, &s->prefills) {
+        decode_prefill_t *w = TD_CONTAINER_OF(n, decode_prefill_t, link);
+        if (w->call == call) {
+            prefill_end(s, w, TD_GRPC_CANCELLED, NULL);
+            return;
+        }
+    }
+    td_grpc_call_finish(call, TD_GRPC_CANCELLED, NULL);
+}
+
+/* Unified: the router's Prefill for a lease this node admitted. The request goes to the
+ * compute thread as a local-prefill admission; the call waits for the first token
+ * (prefill_answer). */
+static void on_prefill(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data)
+{
+    decode_state_t *s = data;
+    const Tandem__Control__V1__PrefillRequest *q = (const void *)msg;
+    char why[160];
+    if (s->shutting_down) {
+        td_grpc_call_finish(call, TD_GRPC_UNAVAILABLE, "unified node shutting down");
+        return;
+    }
+    if (q->logprobs && q->logprobs->prompt) {
+        td_grpc_call_finish(call, TD_GRPC_INVALID_ARGUMENT, "prefill: prompt logprobs are not served by a unified node");
+        return;
+    }
+    decode_admit_t *a = admit_take(s, q->lease_id);
+    if (!a) {
+        snprintf(why, sizeof why, "prefill: lease %llu is not admitted here (expired or released): admit it first",
+                 (unsigned long long)q->lease_id);
+        td_grpc_call_finish(call, TD_GRPC_NOT_FOUND, why);
+        return;
+    }
+    decode_prefill_t *w = s->n_prefills < s->cfg.max_requests ? calloc(1, sizeof *w) : NULL;
+    if (!w) {
+        admit_free(a);
+        td_grpc_call_finish(call, TD_GRPC_RESOURCE_EXHAUSTED, "unified node: too many prompts waiting for a first token");
+        return;
+    }
+    uint64_t lease_id = a->lease_id;
+    if (!td_node_worker_post(&s->worker, &(decode_cmd_t){.admit = a, .lease_id = lease_id})) {
+        admit_free(a);
+        free(w);
+        td_grpc_call_finish(call, TD_GRPC_UNAVAILABLE, "unified node: the command ring is full; retry");
+        return;
+    }
+    *w = (decode_prefill_t){.lease_id = lease_id, .call = call, .t0 = td_now_ns()};
+    td_list_push_front(&s->prefills, &w->link);
+    s->n_prefills++;
+    td_grpc_call_set_data(call, s);
+    td_grpc_call_on_cancel(call, on_prefill_cancel);
 }
 
 static void on_steps_cancel(td_grpc_call_t *call, td_status_t why, void *call_data)
@@ -769,6 +919,9 @@ static void on_shutdown(void *data)
     decode_state_t *s = data;
     s->shutting_down = true;
     td_node_worker_stop(&s->worker); /* joins the compute thread, closes its async handle */
+    while (s->n_prefills)
+        prefill_end(s, TD_CONTAINER_OF(s->prefills.next, decode_prefill_t, link), TD_GRPC_UNAVAILABLE,
+                    "unified node shutting down");
     while (s->n_subs) {
         td_grpc_call_t *c = s->subs[--s->n_subs];
         td_grpc_call_finish(c, TD_GRPC_UNAVAILABLE, "decode node shutting down");
@@ -781,36 +934,53 @@ static void on_shutdown(void *data)
         uv_close((uv_handle_t *)&s->sweep, NULL);
 }
 
+/* The role's metrics: tandem_decode_* on a decode node, tandem_unified_* on a unified one
+ * (the same series, so dashboards and tests read either by prefix). */
 static td_status_t init_metrics(decode_state_t *s)
 {
     static const double batch_buckets[] = {1, 2, 4, 8, 16, 32, 64, 128, 256};
+    static const char *const suffix[] = {"kv_blocks_used", "kv_blocks_free", "running_sequences", "waiting_sequences",
+                                         "tokens_total", "steps_total", "step_seconds", "batch_size", "admits_total",
+                                         "admits_refused_total", "releases_total", "prefill_tokens_total"};
+    char name[TD_ARRAY_LEN(suffix)][64];
+    for (size_t i = 0; i < TD_ARRAY_LEN(suffix); i++)
+        snprintf(name[i], sizeof name[i], "tandem_%s_%s", s->unified ? "unified" : "decode", suffix[i]);
     const td_metric_def_t defs[] = {
-        TD_METRIC_DEF_GAUGE("tandem_decode_kv_blocks_used", "KV blocks held by sequences", &s->m_used),
-        TD_METRIC_DEF_GAUGE("tandem_decode_kv_blocks_free", "KV blocks an allocation could get", &s->m_free),
-        TD_METRIC_DEF_GAUGE("tandem_decode_running_sequences", "sequences in the running batch", &s->m_running),
-        TD_METRIC_DEF_GAUGE("tandem_decode_waiting_sequences", "admitted sequences not yet running", &s->m_waiting),
-        TD_METRIC_DEF_COUNTER("tandem_decode_tokens_total", "tokens generated and streamed", &s->m_tokens),
-        TD_METRIC_DEF_COUNTER("tandem_decode_steps_total", "engine steps run", &s->m_steps),
-        TD_METRIC_DEF_HISTOGRAM("tandem_decode_step_seconds", "duration of one decode step",
+        TD_METRIC_DEF_GAUGE(name[0], "KV blocks held by sequences", &s->m_used),
+        TD_METRIC_DEF_GAUGE(name[1], "KV blocks an allocation could get", &s->m_free),
+        TD_METRIC_DEF_GAUGE(name[2], "sequences in the running batch", &s->m_running),
+        TD_METRIC_DEF_GAUGE(name[3], "admitted sequences not yet running", &s->m_waiting),
+        TD_METRIC_DEF_COUNTER(name[4], "tokens generated and streamed", &s->m_tokens),
+        TD_METRIC_DEF_COUNTER(name[5], "engine steps run", &s->m_steps),
+        TD_METRIC_DEF_HISTOGRAM(name[6], "duration of one decode step",
                                 td_metrics_latency_buckets, td_metrics_latency_n_buckets, &s->m_step_s),
-        TD_METRIC_DEF_HISTOGRAM("tandem_decode_batch_size", "sequences per decode step", batch_buckets,
+        TD_METRIC_DEF_HISTOGRAM(name[7], "sequences per decode step", batch_buckets,
                                 TD_ARRAY_LEN(batch_buckets), &s->m_batch),
-        TD_METRIC_DEF_COUNTER("tandem_decode_admits_total", "Admit calls granted", &s->m_admits),
-        TD_METRIC_DEF_COUNTER("tandem_decode_admits_refused_total", "Admit calls refused", &s->m_refused),
-        TD_METRIC_DEF_COUNTER("tandem_decode_releases_total", "Release calls", &s->m_releases),
+        TD_METRIC_DEF_COUNTER(name[8], "Admit calls granted", &s->m_admits),
+        TD_METRIC_DEF_COUNTER(name[9], "Admit calls refused", &s->m_refused),
+        TD_METRIC_DEF_COUNTER(name[10], "Release calls", &s->m_releases),
+        TD_METRIC_DEF_COUNTER(name[11], "context tokens computed here in prompt chunks (local prefill, "
+                                        "recompute after preemption)", &s->m_prefill_tokens),
     };
     return td_metrics_register_all(s->metrics, defs, TD_ARRAY_LEN(defs));
 }
 
-int decode_main(int argc, char **argv)
+/* The whole life of a decode node or (unified) a unified node: the same loop, compute
+ * thread and scheduler; a unified node has no data plane and serves Prefill itself. */
+static int node_main(int argc, char **argv, bool unified)
 {
     decode_state_t st_, *s = &st_;
     memset(s, 0, sizeof *s);
+    s->unified = unified;
     td_list_init(&s->admits);
+    td_list_init(&s->prefills);
     decode_config_t *cfg = &s->cfg;
     const td_node_config_t *pc = &s->proc.cfg;
+    const decode_sched_config_t sched_default = decode_sched_config_default();
     *cfg = (decode_config_t){.kv_blocks = 0, .max_batch = 64, .max_lease_ms = 600000, .max_requests = 256,
-                             .result_queue = 64, .idle_wait_ms = 50};
+                             .result_queue = 64, .idle_wait_ms = 50,
+                             .max_batch_tokens = sched_default.max_batch_tokens,
+                             .prefill_chunk = sched_default.prefill_chunk};
     const td_opt_t keys[] = {
         TD_OPT_INT("kv-blocks", &cfg->kv_blocks, 0, 1 << 24,
                    "KV pool blocks (sequences and leases; 0 = as many as kv-mem holds)"),
@@ -825,8 +995,13 @@ int decode_main(int argc, char **argv)
         TD_OPT_INT("result-queue", &cfg->result_queue, 1, 1 << 20, "step results waiting for the loop"),
         TD_OPT_INT("idle-wait-ms", &cfg->idle_wait_ms, 1, 10000,
                    "compute thread: longest single wait for work or room"),
+        TD_OPT_INT("max-batch-tokens", &cfg->max_batch_tokens, 1, 1 << 20,
+                   "tokens one step feeds: one per running sequence, then prompt chunks"),
+        TD_OPT_INT("prefill-chunk", &cfg->prefill_chunk, 1, 1 << 20,
+                   "prompt tokens one sequence feeds in one step"),
     };
-    const td_node_spec_t spec = {.prog = "decode", .kind = TD_NODE_NODE, .on_shutdown = on_shutdown, .data = s};
+    const td_node_spec_t spec = {.prog = unified ? "unified" : "decode", .kind = TD_NODE_NODE,
+                                 .on_shutdown = on_shutdown, .data = s};
     int rc;
     if (!td_node_configure(&s->proc, &spec, keys, (int)TD_ARRAY_LEN(keys), argc, argv, &rc))
         return rc;
@@ -840,7 +1015,7 @@ int decode_main(int argc, char **argv)
     td_engine_config_t ec = td_node_engine_config(&s->proc);
     ec.max_seqs = (int32_t)cfg->max_batch;
     ec.max_logit_rows = (int32_t)cfg->max_batch;
-    ec.max_batch_tokens = TD_MAX(512, (int32_t)cfg->max_batch);
+    ec.max_batch_tokens = TD_MAX((int32_t)cfg->max_batch_tokens, (int32_t)cfg->max_batch);
     if ((st = size_pool(s, &ec)) != TD_OK) /* before anything is allocated or registered */
         goto out;
     ec.n_blocks = (int32_t)cfg->kv_blocks;
@@ -859,6 +1034,15 @@ int decode_main(int argc, char **argv)
     }
     if ((st = td_metrics_create(&s->metrics)) != TD_OK || (st = init_metrics(s)) != TD_OK)
         goto out;
+    uint8_t desc[TD_XFER_DESC_MAX];
+    size_t desc_len = 0;
+    if (unified) {
+        /* no data plane: the engine allocates its pool and is its only writer */
+        if ((st = pool_result(s, td_engine_create(s->model, s->be, &ec, &s->eng))) != TD_OK)
+            goto out;
+        s->kv = td_engine_kv(s->eng);
+        goto sched;
+    }
     td_xfer_config_t xc = td_xfer_config_default();
     xc.name = pc->node_id;
     xc.listen_ip = pc->host;
@@ -894,14 +1078,15 @@ int decode_main(int argc, char **argv)
         if ((st = td_xfer_register_pool(s->xfer, &xp, on_kv_ready, s)) != TD_OK)
             goto out;
     }
-    decode_sched_config_t dc = decode_sched_config_default();
+    if ((st = td_xfer_describe(s->xfer, desc, sizeof desc, &desc_len)) != TD_OK)
+        goto out;
+sched:;
+    decode_sched_config_t dc = sched_default;
     dc.max_batch = (int32_t)cfg->max_batch;
     dc.max_waiting = (int32_t)cfg->max_requests;
+    dc.max_batch_tokens = (int32_t)cfg->max_batch_tokens;
+    dc.prefill_chunk = (int32_t)cfg->prefill_chunk;
     if ((st = decode_sched_create(s->eng, NULL, &dc, &s->sched)) != TD_OK)
-        goto out;
-    uint8_t desc[TD_XFER_DESC_MAX];
-    size_t desc_len;
-    if ((st = td_xfer_describe(s->xfer, desc, sizeof desc, &desc_len)) != TD_OK)
         goto out;
     if (pc->router)
         resolve_router(s, pc->router);
@@ -915,8 +1100,12 @@ int decode_main(int argc, char **argv)
         {"/tandem.control.v1.DecodeNode/Release", &tandem__control__v1__release_request__descriptor, on_release},
         {"/tandem.control.v1.DecodeNode/Steps", &tandem__control__v1__steps_request__descriptor, on_steps},
     };
+    static const td_grpc_method_t unified_methods[] = {
+        {"/tandem.control.v1.PrefillNode/Prefill", &tandem__control__v1__prefill_request__descriptor, on_prefill},
+    };
     if ((st = td_grpc_server_create(&s->proc.loop, &gc, &s->grpc)) != TD_OK ||
-        (st = td_grpc_server_add_methods(s->grpc, methods, TD_ARRAY_LEN(methods), s)) != TD_OK)
+        (st = td_grpc_server_add_methods(s->grpc, methods, TD_ARRAY_LEN(methods), s)) != TD_OK ||
+        (unified && (st = td_grpc_server_add_methods(s->grpc, unified_methods, TD_ARRAY_LEN(unified_methods), s)) != TD_OK))
         goto out;
     if ((st = td_node_serve(&s->proc, s->metrics)) != TD_OK)
         goto out;
@@ -927,9 +1116,10 @@ int decode_main(int argc, char **argv)
     if ((st = td_node_worker_start(&s->worker)) != TD_OK)
         goto out;
 
-    td_node_client_config_t nc = {.xfer_desc = desc, .xfer_desc_len = desc_len,
+    td_node_client_config_t nc = {.xfer_desc = desc_len ? desc : NULL, .xfer_desc_len = desc_len,
                                       .max_seq_len = (uint32_t)s->model->config.max_seq_len};
-    nc.info.role = TD_NODE_ROLE_DECODE;
+    nc.info.role = unified ? TD_NODE_ROLE_UNIFIED : TD_NODE_ROLE_DECODE;
+    nc.max_prefill_tokens = (uint32_t)cfg->max_batch_tokens;
     nc.info.layout = s->layout;
     nc.info.capacity_blocks = (int32_t)cfg->kv_blocks;
     nc.info.vocab_size = s->model->config.vocab_size; /* the router checks prompt ids against it */
@@ -964,4 +1154,14 @@ out:
     free(s->batch_lps);
     td_node_free(&s->proc);
     return rc;
+}
+
+int decode_main(int argc, char **argv)
+{
+    return node_main(argc, argv, false);
+}
+
+int unified_main(int argc, char **argv)
+{
+    return node_main(argc, argv, true);
 }

@@ -32,6 +32,7 @@ typedef struct dseq {
     int64_t deadline_ns;
     bool logprobs;          /* decode_request_t's */
     int32_t top_logprobs;
+    bool ignore_eos;        /* decode_request_t's: EOS ids are not stops */
 } dseq_t;
 
 typedef struct pending_finish {
@@ -109,7 +110,7 @@ static void seq_destroy(decode_sched_t *s, dseq_t *q)
 
 static bool is_stop_id(const decode_sched_t *s, const dseq_t *q, int32_t id)
 {
-    for (int32_t i = 0; i < s->mc->n_eos; i++)
+    for (int32_t i = 0; i < s->mc->n_eos && !q->ignore_eos; i++)
         if (s->mc->eos_ids[i] == id)
             return true;
     for (int32_t i = 0; i < q->n_stop_ids; i++)
@@ -378,6 +379,7 @@ td_status_t decode_sched_admit(decode_sched_t *s, const decode_request_t *req)
     q->deadline_ns = req->deadline_ns;
     q->logprobs = req->logprobs;
     q->top_logprobs = req->top_logprobs;
+    q->ignore_eos = req->ignore_eos;
     q->ctx = malloc((size_t)q->cap_ctx * sizeof *q->ctx);
     q->stop_ids = malloc((size_t)TD_MAX(req->n_stop_ids, 1) * sizeof *q->stop_ids);
     if (!q->ctx || !q->stop_ids)
@@ -486,9 +488,9 @@ static void admit_waiting(decode_sched_t *s)
 
 /* Builds the engine batch: one token for each generating sequence, then prompt chunks
  * in arrival order within the token budget. */
-static int32_t build_batch(decode_sched_t *s, int32_t *n_tokens_p)
+static int32_t build_batch(decode_sched_t *s, int32_t *n_tokens_p, int32_t *n_prefill_p)
 {
-    int32_t k = 0, budget = s->cfg.max_batch_tokens;
+    int32_t k = 0, budget = s->cfg.max_batch_tokens, prefill = 0;
     for (int pass = 0; pass < 2; pass++)
         for (int32_t i = 0; i < s->n_running && budget > 0; i++) {
             dseq_t *q = s->running[i];
@@ -501,8 +503,10 @@ static int32_t build_batch(decode_sched_t *s, int32_t *n_tokens_p)
                                              .n_tokens = n, .n_logits = n == rest};
             s->owners[k++] = q;
             budget -= n;
+            prefill += pass == 1 ? n : 0;
         }
     *n_tokens_p = s->cfg.max_batch_tokens - budget;
+    *n_prefill_p = prefill;
     return k;
 }
 
@@ -557,7 +561,7 @@ td_status_t decode_sched_step(decode_sched_t *s, int64_t now_ns, decode_step_res
     td_status_t st = TD_OK;
     s->n_events = 0;
     s->arena_len = 0;
-    int32_t n_preempted = 0, n_items = 0, n_tokens = 0;
+    int32_t n_preempted = 0, n_items = 0, n_tokens = 0, n_prefill = 0;
 
     for (int32_t i = 0; i < s->n_pending && st == TD_OK; i++)
         st = event_add(s, s->pending[i].id, -1, -1, s->pending[i].finish, TD_OK);
@@ -586,7 +590,7 @@ td_status_t decode_sched_step(decode_sched_t *s, int64_t now_ns, decode_step_res
     }
 
     for (;;) {
-        n_items = build_batch(s, &n_tokens);
+        n_items = build_batch(s, &n_tokens, &n_prefill);
         if (n_items == 0)
             break;
         td_status_t es = td_engine_step(s->eng, s->items, n_items, s->logits);
@@ -643,6 +647,7 @@ td_status_t decode_sched_step(decode_sched_t *s, int64_t now_ns, decode_step_res
         .n_events = s->n_events,
         .n_seqs = n_items,
         .n_tokens = n_items ? n_tokens : 0,
+        .n_prefill_tokens = n_items ? n_prefill : 0,
         .n_preempted = n_preempted,
         .n_running = s->n_running,
         .n_waiting = s->n_waiting,

@@ -19,6 +19,11 @@
  * block holder is preempted first; a lone sequence that cannot fit the pool ends with
  * DECODE_FINISH_ERROR rather than waiting forever.
  *
+ * The same scheduler serves the unified role (decode_main.c, `tandem unified`): every request
+ * is admitted without KV and prefilled here, its prompt chunks packed after the step's
+ * decode tokens up to max_batch_tokens (Sarathi-style chunked prefill), so a long prompt
+ * never stalls the running sequences for more than one chunk's worth of a step.
+ *
  * Stop conditions, checked in this order on each new token: an EOS id of the model or a
  * stop id of the request (the token is not part of the output, as in `tandem generate`),
  * a stop string (with a tokenizer: the streaming detokenizer feeds td_stop, text before
@@ -88,6 +93,7 @@ typedef struct decode_request {
     bool logprobs;               /* report each sampled token's log-probability (not the
                                     prefill node's first token's: that node reports it) */
     int32_t top_logprobs;        /* with logprobs: alternatives per token, [0, TD_LOGPROBS_MAX_TOP] */
+    bool ignore_eos;             /* the model's EOS ids do not stop it (stop ids still do) */
 } decode_request_t;
 
 /* Something that happened to one request in a step. */
@@ -109,6 +115,8 @@ typedef struct decode_step_result {
     int32_t n_events;
     int32_t n_seqs;               /* sequences in the engine step */
     int32_t n_tokens;             /* tokens the engine step fed */
+    int32_t n_prefill_tokens;     /* of them, context chunks (prompts, recomputes) beside the
+                                     one-token decodes */
     int32_t n_preempted;          /* sequences preempted in this step */
     int32_t n_running, n_waiting; /* after the step */
 } decode_step_result_t;

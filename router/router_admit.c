@@ -16,7 +16,7 @@ void router_admit_model_facts(const router_registry_t *reg, const char *model, i
         const router_node_t *n = router_registry_node_const(reg, i);
         if (!n || strcmp(n->info.model, model) || !router_registry_is_live(reg, i, now_ns))
             continue;
-        if (n->info.role == TD_NODE_ROLE_DECODE)
+        if (td_node_role_decodes(n->info.role))
             facts->n_decode++;
         /* the registry refuses a live node whose vocabulary differs, so any known one is it */
         if (n->info.vocab_size > 0)
@@ -74,7 +74,7 @@ td_status_t router_admit_check_size(const router_registry_t *reg, const char *mo
     int32_t n_live = 0, shortest_len = 0;
     for (int32_t i = 0; i < router_registry_slots(reg); i++) {
         const router_node_t *n = router_registry_node_const(reg, i);
-        if (!n || n->info.role != TD_NODE_ROLE_DECODE || strcmp(n->info.model, model) ||
+        if (!n || !td_node_role_decodes(n->info.role) || strcmp(n->info.model, model) ||
             !router_registry_is_live(reg, i, now_ns))
             continue;
         n_live++;

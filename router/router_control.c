@@ -48,16 +48,22 @@ void router_node_gone(router_state_t *s, int32_t idx, const char *why, bool leav
 
 void router_print_nodes(router_state_t *s)
 {
-    int np = 0, nd = 0;
+    int np = 0, nd = 0, nu = 0;
     int64_t now = (int64_t)td_now_ns();
     for (int32_t i = 0; i < router_registry_slots(s->reg); i++) {
         const router_node_t *n = router_registry_node_const(s->reg, i);
-        if (n && router_registry_is_live(s->reg, i, now) && (n->info.role != TD_NODE_ROLE_DECODE || s->peers[i].steps))
-            n->info.role == TD_NODE_ROLE_DECODE ? nd++ : np++;
+        if (!n || !router_registry_is_live(s->reg, i, now) || (td_node_role_decodes(n->info.role) && !s->peers[i].steps))
+            continue;
+        n->info.role == TD_NODE_ROLE_DECODE ? nd++ : n->info.role == TD_NODE_ROLE_UNIFIED ? nu++ : np++;
     }
     td_metric_set(s->m_nodes_prefill, np);
     td_metric_set(s->m_nodes_decode, nd);
-    printf("nodes: %d prefill, %d decode\n", np, nd);
+    td_metric_set(s->m_nodes_unified, nu);
+    /* the unified count only when there are some: the line is what scripts wait for */
+    if (nu)
+        printf("nodes: %d prefill, %d decode, %d unified\n", np, nd, nu);
+    else
+        printf("nodes: %d prefill, %d decode\n", np, nd);
     fflush(stdout);
 }
 
@@ -89,8 +95,9 @@ static bool register_edge_check(const Tandem__Control__V1__RegisterRequest *q, c
         snprintf(why, cap, "register: node_id is empty");
     else if (strlen(q->node_id) >= TD_NODE_ID_MAX)
         snprintf(why, cap, "register: node_id is %zu bytes, at most %d", strlen(q->node_id), TD_NODE_ID_MAX - 1);
-    else if (q->role != TANDEM__CONTROL__V1__ROLE__ROLE_PREFILL && q->role != TANDEM__CONTROL__V1__ROLE__ROLE_DECODE)
-        snprintf(why, cap, "register: node %s: role %d is not PREFILL (1) or DECODE (2)", id, (int)q->role);
+    else if (q->role != TANDEM__CONTROL__V1__ROLE__ROLE_PREFILL && q->role != TANDEM__CONTROL__V1__ROLE__ROLE_DECODE &&
+             q->role != TANDEM__CONTROL__V1__ROLE__ROLE_UNIFIED)
+        snprintf(why, cap, "register: node %s: role %d is not PREFILL (1), DECODE (2) or UNIFIED (3)", id, (int)q->role);
     else if (!q->model || strlen(q->model) >= TD_NODE_MODEL_MAX)
         snprintf(why, cap, "register: node %s: model is %zu bytes, at most %d", id, q->model ? strlen(q->model) : 0,
                  TD_NODE_MODEL_MAX - 1);
@@ -132,7 +139,7 @@ void on_register(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data)
     strcpy(info.id, q->node_id);
     strcpy(info.model, q->model);
     strcpy(info.address, q->control_address);
-    info.role = (td_node_role_t)q->role; /* checked: PREFILL or DECODE */
+    info.role = (td_node_role_t)q->role; /* checked: PREFILL, DECODE or UNIFIED */
     info.layout = (td_kv_layout_t){.model_fingerprint = q->layout->model_fingerprint, .dtype = q->layout->dtype,
                                    .block_size = q->layout->block_size, .n_layers = q->layout->n_layers,
                                    .n_kv_heads = q->layout->n_kv_heads, .head_dim = q->layout->head_dim,
@@ -202,7 +209,7 @@ void on_register(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data)
         td_grpc_call_finish(call, TD_GRPC_UNAVAILABLE, "router cannot reach the node's control address");
         return;
     }
-    if (info.role == TD_NODE_ROLE_DECODE) {
+    if (td_node_role_decodes(info.role)) {
         Tandem__Control__V1__StepsRequest sr = TANDEM__CONTROL__V1__STEPS_REQUEST__INIT;
         sr.router_id = "router";
         td_grpc_call_opts_t o = {.response_desc = &tandem__control__v1__step_batch__descriptor,
@@ -215,7 +222,7 @@ void on_register(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data)
             return;
         }
     }
-    td_info("router: node %s (%s) registered at %s", info.id, info.role == TD_NODE_ROLE_DECODE ? "decode" : "prefill",
+    td_info("router: node %s (%s) registered at %s", info.id, td_node_role_name(info.role),
             info.address);
     Tandem__Control__V1__RegisterResponse resp = TANDEM__CONTROL__V1__REGISTER_RESPONSE__INIT;
     resp.epoch = p->generation;

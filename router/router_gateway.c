@@ -124,6 +124,7 @@ static td_gen_params_t gen_params_from_proto(const Tandem__V1__GenerateRequest *
     gp.n_stop_strings = q->n_stop_strings;
     gp.stop_strings = (const char *const *)q->stop_strings;
     gp.sampling = td_node_sampling_from_proto(q->sampling);
+    gp.ignore_eos = q->ignore_eos;
     if (q->logprobs) /* as received: td_gen_params_validate refuses top_logprobs past 20 by name */
         gp.logprobs = (td_logprobs_want_t){.on = true, .top = (int32_t)TD_MIN(q->logprobs->top_logprobs, (uint32_t)INT32_MAX),
                                            .prompt = q->logprobs->prompt};
@@ -211,8 +212,9 @@ void on_cluster_status(td_grpc_call_t *call, const ProtobufCMessage *msg, void *
         Tandem__V1__NodeStatus *x = &st[n];
         tandem__v1__node_status__init(x);
         x->node_id = (char *)nd->info.id;
-        x->role = nd->info.role == TD_NODE_ROLE_DECODE ? TANDEM__V1__NODE_ROLE__NODE_ROLE_DECODE
-                                                      : TANDEM__V1__NODE_ROLE__NODE_ROLE_PREFILL;
+        x->role = nd->info.role == TD_NODE_ROLE_DECODE    ? TANDEM__V1__NODE_ROLE__NODE_ROLE_DECODE
+                  : nd->info.role == TD_NODE_ROLE_UNIFIED ? TANDEM__V1__NODE_ROLE__NODE_ROLE_UNIFIED
+                                                          : TANDEM__V1__NODE_ROLE__NODE_ROLE_PREFILL;
         x->state = router_registry_is_live(s->reg, i, now) ? TANDEM__V1__NODE_STATE__NODE_STATE_UP
                                                            : TANDEM__V1__NODE_STATE__NODE_STATE_DOWN;
         x->model = (char *)nd->info.model;

@@ -89,6 +89,8 @@ static void nodes_up(const router_state_t *s, int *prefill_p, int *decode_p)
             continue;
         if (n->info.role == TD_NODE_ROLE_DECODE)
             nd += s->peers[i].steps != NULL;
+        else if (n->info.role == TD_NODE_ROLE_UNIFIED) /* both ends of a pair */
+            np += s->peers[i].steps != NULL, nd += s->peers[i].steps != NULL;
         else
             np++;
     }

@@ -174,6 +174,7 @@ struct router_req {
                                 * node calls' messages (td_node_sampling_to_proto) */
     uint32_t stop_ids[TD_GEN_MAX_STOP_IDS];
     size_t n_stop_ids;
+    bool ignore_eos;           /* the model's EOS ids do not end the output (td_gen_params_t's) */
     td_stop_t *stop;
     td_detok_t detok;
     bool from_text;            /* the prompt was text the router tokenized (not prompt_ids) */
@@ -241,7 +242,8 @@ struct router_state {
     int64_t started_unix;      /* for GET /v1/models' "created" */
     td_metrics_t *metrics;
     td_metric_family_t *f_requests;
-    td_metric_t *m_ttft, *m_tpot, *m_active, *m_tokens, *m_retries, *m_nodes_prefill, *m_nodes_decode;
+    td_metric_t *m_ttft, *m_tpot, *m_active, *m_tokens, *m_retries, *m_nodes_prefill, *m_nodes_decode,
+        *m_nodes_unified;
     td_metric_t *m_queue_depth, *m_queue_s, *m_first_mismatch;
     bool shutting_down;
     bool handles_up;

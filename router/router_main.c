@@ -133,6 +133,8 @@ static td_status_t init_metrics(router_state_t *s)
         TD_METRIC_DEF_GAUGE("tandem_router_prefill_nodes_up", "prefill nodes registered and live", &s->m_nodes_prefill),
         TD_METRIC_DEF_GAUGE("tandem_router_decode_nodes_up", "decode nodes registered, live and streaming",
                             &s->m_nodes_decode),
+        TD_METRIC_DEF_GAUGE("tandem_router_unified_nodes_up", "unified nodes registered, live and streaming",
+                            &s->m_nodes_unified),
         TD_METRIC_DEF_GAUGE("tandem_router_queue_depth", "requests waiting in the admission queue", &s->m_queue_depth),
         TD_METRIC_DEF_HISTOGRAM("tandem_router_queue_seconds", "request arrival until a pair was chosen",
                                 td_metrics_latency_buckets, td_metrics_latency_n_buckets, &s->m_queue_s),

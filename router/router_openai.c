@@ -422,7 +422,7 @@ td_status_t router_oai_parse(router_oai_kind_t kind, const char *body, size_t le
         !get_int(o, "max_completion_tokens", &max_completion_tokens, &mct_given, err) ||
         !read_sampling(o, &q->gp, err) || !read_stop(o, q, err) || !refuse_unserved(o, err) ||
         !read_logprobs(o, q, err) || !get_bool(o, "stream", &q->stream, err) ||
-        !get_string(o, "user", &q->user, err))
+        !get_string(o, "user", &q->user, err) || !get_bool(o, "ignore_eos", &q->gp.ignore_eos, err))
         goto err_free;
     if (kind == ROUTER_OAI_COMPLETIONS && !get_bool(o, "echo", &q->echo, err))
         goto err_free;

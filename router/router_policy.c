@@ -1,8 +1,9 @@
 /*
  * router_policy: pair selection over the registry (see router_policy.h for the rules).
- * Decode candidates are ranked once per pick; for each in turn the best compatible,
- * not-excluded prefill node is sought; prompt block hashes are computed once per block
- * size met.
+ * Decode candidates (decode and unified nodes) are ranked once per pick; for each in turn
+ * the best compatible, not-excluded prefill node is sought, except that a unified node is
+ * its own prefill node (the pair {d, d}: admitted, prefilled and decoded there, no KV
+ * transfer); prompt block hashes are computed once per block size met.
  */
 #include "router_policy.h"
 
@@ -164,7 +165,8 @@ td_status_t router_policy_pick(const router_registry_t *reg, const router_policy
     int32_t n_live = 0, n_fit_ever = 0, n_rank = 0;
     for (int32_t d = 0; d < slots; d++) {
         const router_node_t *dn = router_registry_node_const(reg, d);
-        if (!serves(dn, req->model, TD_NODE_ROLE_DECODE) || !router_registry_is_live(reg, d, req->now_ns))
+        if (!(serves(dn, req->model, TD_NODE_ROLE_DECODE) || serves(dn, req->model, TD_NODE_ROLE_UNIFIED)) ||
+            !router_registry_is_live(reg, d, req->now_ns))
             continue;
         n_live++;
         int64_t need = router_admit_kv_blocks(req->n_prompt, req->max_tokens, &dn->info);
@@ -184,10 +186,17 @@ td_status_t router_policy_pick(const router_registry_t *reg, const router_policy
     for (int32_t r = 0; r < n_rank; r++) {
         int32_t d = ranks[r].index, prefix = 0;
         double wait = 0;
-        int32_t p = best_prefill(reg, cfg, req, d, &hc, &prefix, &wait, &n_busy);
-        if (p < 0 && !(cfg->local_prefill && !excluded(req, -1, d)))
-            continue;
         const router_node_t *dn = router_registry_node_const(reg, d);
+        int32_t p;
+        if (dn->info.role == TD_NODE_ROLE_UNIFIED) {
+            if (excluded(req, d, d))
+                continue;
+            p = d; /* its own prefill node: the prompt waits in its batch, not in a queue */
+        } else {
+            p = best_prefill(reg, cfg, req, d, &hc, &prefix, &wait, &n_busy);
+            if (p < 0 && !(cfg->local_prefill && !excluded(req, -1, d)))
+                continue;
+        }
         *pick_p = (router_pick_t){
             .pair = {.prefill = p, .decode = d},
             .blocks_needed = (int32_t)router_admit_kv_blocks(req->n_prompt, req->max_tokens, &dn->info),
@@ -198,7 +207,7 @@ td_status_t router_policy_pick(const router_registry_t *reg, const router_policy
         goto out;
     }
     if (n_live == 0)
-        st = td_errorf_quiet(TD_ERR_UNAVAILABLE, "no live decode node serves model %s", req->model);
+        st = td_errorf_quiet(TD_ERR_UNAVAILABLE, "no live decode or unified node serves model %s", req->model);
     else if (n_fit_ever == 0) {
         char why[384];
         router_admit_check_size(reg, req->model, req->n_prompt, req->max_tokens, req->now_ns, why, sizeof why);

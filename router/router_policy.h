@@ -18,6 +18,10 @@
  * 3. If no prefill node pairs with the best decode node, the next decode node is tried.
  *    With local_prefill on, a decode node with no prefill partner prefills locally
  *    (prefill index -1).
+ * 4. A unified node (TD_NODE_ROLE_UNIFIED) is ranked with the decode nodes by the same
+ *    rule and is its own prefill node: the pair {d, d} (excluded only as that pair), so the
+ *    router's one request path (Admit, Prefill, Steps) runs on one node with no transfer.
+ *    Decode and unified nodes may serve one model side by side (a mixed cluster).
  *
  * Outcomes: TD_OK with the pair; TD_ERR_EXHAUSTED when live decode nodes of the model
  * exist but none has room now, or every prefill partner is busy past max_prefill_wait_s

@@ -152,8 +152,8 @@ td_status_t router_registry_validate(const td_node_info_t *info)
         return td_errorf_quiet(TD_ERR_INVALID, "register: node_id has byte 0x%02x at offset %d: "
                                                "printable ASCII without spaces only",
                                (unsigned char)info->id[at], at);
-    if (info->role != TD_NODE_ROLE_PREFILL && info->role != TD_NODE_ROLE_DECODE)
-        return td_errorf_quiet(TD_ERR_INVALID, "register: node %s: role %d is not PREFILL (1) or DECODE (2)",
+    if (info->role != TD_NODE_ROLE_PREFILL && info->role != TD_NODE_ROLE_DECODE && info->role != TD_NODE_ROLE_UNIFIED)
+        return td_errorf_quiet(TD_ERR_INVALID, "register: node %s: role %d is not PREFILL (1), DECODE (2) or UNIFIED (3)",
                                info->id, (int)info->role);
     if (!info->model[0])
         return td_errorf_quiet(TD_ERR_INVALID, "register: node %s: model is empty", info->id);

@@ -170,7 +170,7 @@ static bool is_stop_id(const router_req_t *r, uint32_t token)
     for (size_t i = 0; i < r->n_stop_ids; i++)
         if (r->stop_ids[i] == token)
             return true;
-    return r->s->tok && td_tokenizer_is_eos(r->s->tok, (int32_t)token);
+    return !r->ignore_eos && r->s->tok && td_tokenizer_is_eos(r->s->tok, (int32_t)token);
 }
 
 /* The client has not drained its stream for ROUTER_BACKLOG_GRACE_TURNS loop turns and its

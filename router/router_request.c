@@ -424,6 +424,7 @@ static void send_admit(router_req_t *r)
     q.max_tokens = (uint32_t)r->max_tokens;
     q.lease_ms = (uint32_t)r->lease_ttl_ms;
     q.sampling = &sp;
+    q.ignore_eos = r->ignore_eos;
     q.stop_ids = r->stop_ids;
     q.n_stop_ids = r->n_stop_ids;
     q.prompt_ids = (uint32_t *)r->prompt;
@@ -662,6 +663,7 @@ td_status_t router_req_open(router_state_t *s, const router_req_spec_t *spec, td
     r->max_tokens = gp->max_tokens ? (int32_t)gp->max_tokens : (int32_t)s->cfg.default_max_tokens;
     r->sampling = gp->sampling;
     r->logprobs = gp->logprobs;
+    r->ignore_eos = gp->ignore_eos;
     if (gp->n_stop_ids) /* bounded by the validation */
         memcpy(r->stop_ids, spec->stop_ids, gp->n_stop_ids * sizeof *spec->stop_ids);
     r->n_stop_ids = gp->n_stop_ids;

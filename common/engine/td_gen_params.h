@@ -40,6 +40,9 @@ typedef struct td_gen_params {
     td_logprobs_want_t logprobs;     /* off by default; top in [0, TD_LOGPROBS_MAX_TOP]; prompt:
                                         a prompt of ids at most TD_LOGPROBS_MAX_PROMPT long (a
                                         text prompt's length is checked once it is encoded) */
+    bool ignore_eos;                 /* the model's EOS ids do not end the output (stop ids and
+                                        stop strings still do): fixed output lengths, as vLLM's
+                                        ignore_eos; false by default */
 } td_gen_params_t;
 
 /* max_tokens 0, td_sampling_default(), an empty prompt, no stop ids or strings, no

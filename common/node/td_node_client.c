@@ -136,8 +136,9 @@ static void send_register(td_node_client_t *c)
     cap.vocab_size = (uint32_t)in->vocab_size;
     Tandem__Control__V1__RegisterRequest req = TANDEM__CONTROL__V1__REGISTER_REQUEST__INIT;
     req.node_id = (char *)in->id;
-    req.role = in->role == TD_NODE_ROLE_DECODE ? TANDEM__CONTROL__V1__ROLE__ROLE_DECODE
-                                              : TANDEM__CONTROL__V1__ROLE__ROLE_PREFILL;
+    req.role = in->role == TD_NODE_ROLE_DECODE    ? TANDEM__CONTROL__V1__ROLE__ROLE_DECODE
+               : in->role == TD_NODE_ROLE_UNIFIED ? TANDEM__CONTROL__V1__ROLE__ROLE_UNIFIED
+                                                  : TANDEM__CONTROL__V1__ROLE__ROLE_PREFILL;
     req.model = (char *)in->model;
     req.layout = &lay;
     req.control_address = (char *)in->address;

@@ -7,6 +7,7 @@
 #ifndef TD_NODE_INFO_H
 #define TD_NODE_INFO_H
 
+#include <stdbool.h>
 #include <stdint.h>
 
 #include "td_kv_layout.h"
@@ -17,7 +18,20 @@
 typedef enum td_node_role {
     TD_NODE_ROLE_PREFILL = 1,
     TD_NODE_ROLE_DECODE = 2,
+    TD_NODE_ROLE_UNIFIED = 3, /* prefill and decode in one engine: the router pairs it with itself */
 } td_node_role_t;
+
+/* "prefill", "decode" or "unified". */
+static inline const char *td_node_role_name(td_node_role_t r)
+{
+    return r == TD_NODE_ROLE_DECODE ? "decode" : r == TD_NODE_ROLE_UNIFIED ? "unified" : "prefill";
+}
+
+/* Roles that hold sequences and stream their tokens (DecodeNode: Admit, Release, Steps). */
+static inline bool td_node_role_decodes(td_node_role_t r)
+{
+    return r == TD_NODE_ROLE_DECODE || r == TD_NODE_ROLE_UNIFIED;
+}
 
 /* What a node says about itself when it registers. */
 typedef struct td_node_info {

@@ -21,7 +21,7 @@ CL_NAMES=()          # process names in start order
 CL_BG=()             # background client pids (killed on exit)
 declare -A CL_PID    # name → pid
 declare -A CL_MURL   # name → /metrics URL
-declare -A CL_ROLE   # name → router, prefill or decode
+declare -A CL_ROLE   # name → router, prefill, decode or unified
 declare -A CL_KILLED # name → 1 once the test killed it on purpose
 
 cl_init() {
@@ -110,7 +110,7 @@ cl_wait_nodes() {
     exit 1
 }
 
-# cl_local NP ND [FLAGS...]: `tandem local`; sets CL_GW, CL_MURL[router] and CL_MURL[<node id>]
+# cl_local NP ND [FLAGS...]: `tandem local` (NP = ND = 0 with --unified U); sets CL_GW, CL_MURL[router] and CL_MURL[<node id>]
 # from the node banners it passes to its stderr
 cl_local() {
     local np=$1 nd=$2; shift 2
@@ -124,7 +124,7 @@ cl_local() {
     while read -r role id rest; do
         CL_MURL[${id%:}]=${rest##* }
         CL_ROLE[${id%:}]=$role
-    done < <(grep -E '^(prefill|decode) [^ ]+: control [^ ]+ metrics ' "$CL_T/local.err")
+    done < <(grep -E '^(prefill|decode|unified) [^ ]+: control [^ ]+ metrics ' "$CL_T/local.err")
 }
 
 # cl_py SUBCOMMAND ARGS...: runs cluster_faults.py and shows its output (also in $CL_T/py.log);
@@ -262,6 +262,11 @@ cl_idle() {
                 cl_fail "$name still has waiting sequences when idle: $v"
             v=$("$CL_PY" "$CL_TOOL" waitmetric "${CL_MURL[$name]}" tandem_kvxfer_leases_live == 0 10) ||
                 cl_fail "$name still holds KV transfer leases when idle: $v" ;;
+        unified)
+            for v in running_sequences waiting_sequences kv_blocks_used; do
+                "$CL_PY" "$CL_TOOL" waitmetric "${CL_MURL[$name]}" "tandem_unified_$v" == 0 10 >/dev/null ||
+                    cl_fail "$name: tandem_unified_$v is not 0 when idle"
+            done ;;
         prefill)
             v=$("$CL_PY" "$CL_TOOL" waitmetric "${CL_MURL[$name]}" tandem_kvxfer_transfers_inflight == 0 10) ||
                 cl_fail "$name still has KV transfers in flight when idle: $v" ;;

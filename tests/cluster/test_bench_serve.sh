@@ -63,6 +63,10 @@ assert d["total_output_tokens"] == tok, f"Total generated tokens {d['total_outpu
 assert d["goodput_config"] == {"ttft": 2000, "tpot": 500}, d["goodput_config"]
 assert len(d["requests"]) == n and all(r["ok"] for r in d["requests"])
 assert sum(r["output_tokens"] for r in d["requests"]) == tok
+# ignore_eos (on by default for --dataset random): every request generates what it asked
+assert d["ignore_eos"] is True, d["ignore_eos"]
+want = sum(r["requested_output_tokens"] for r in d["requests"])
+assert d["total_output_tokens"] == want, f"Total generated tokens {d['total_output_tokens']} != requested {want}"
 assert sum(r["input_tokens"] for r in d["requests"]) == d["total_input_tokens"]
 assert all(12 <= r["input_tokens"] <= 36 for r in d["requests"]), "range ratio 0.5 around 24"
 for k in ("mean_ttft_ms", "mean_e2el_ms", "request_throughput", "output_throughput"):
@@ -100,7 +104,7 @@ EOF
 printf 'arrival_s,input_len,output_len\n0,8,4\n0.05,16,3\n0.1,4,2\n' >"$CL_T/trace.csv"
 timeout 30 "$CL_BIN" bench serve --openai "$OA" --dataset trace --dataset-path "$CL_T/trace.csv" --vocab-size 512 \
     --json >"$CL_T/t.json" 2>"$CL_T/bs.err" || cl_fail "bench serve --dataset trace exited non-zero"
-"$CL_PY" -c 'import json,sys; d=json.load(open(sys.argv[1])); assert d["completed"] == 3 and d["total_input_tokens"] == 28 and d["total_output_tokens"] <= 9, d' \
+"$CL_PY" -c 'import json,sys; d=json.load(open(sys.argv[1])); assert d["completed"] == 3 and d["total_input_tokens"] == 28 and d["total_output_tokens"] == 9 and d["ignore_eos"], d' \
     "$CL_T/t.json" || cl_fail "trace run: $(head -c 400 "$CL_T/t.json")"
 timeout 30 "$CL_BIN" bench serve --openai http://127.0.0.1:1/v1 --num-prompts 3 --input-len 4 --output-len 2 --json \
     >"$CL_T/f.json" 2>/dev/null

@@ -8,6 +8,12 @@
  * frequency penalties and log-probabilities equal one process's sampler; KV pushed
  * through td_xfer lands in the engine's own pool (the decode node's one-pool arrangement)
  * and every leased block returns on finish, cancel, expiry and sender failure.
+ *
+ * The unified role (`tandem unified`) runs this scheduler with every request prefilled
+ * here: its tests (unified_*) check that a step carries every running sequence's token
+ * first and prompt chunks only within the token budget (a long prompt never stalls the
+ * decodes: Sarathi-style chunked prefill), that ignore_eos runs past EOS to max_tokens, and
+ * that a cancel in the middle of a chunked prefill gives every block back at once.
  */
 #include <criterion/criterion.h>
 #include <math.h>
@@ -909,4 +915,149 @@ Test(decode_sched, shared_pool_leases_and_engine_on_two_threads, .timeout = 240)
     decode_sched_destroy(c.ds);
     shared_close(f);
     free(f);
+}
+
+/* ---- the unified role: chunked prefill inside decode steps ------------------------------ */
+
+/* A running decode and a long prompt arriving: every step until the prompt is in carries
+ * the decode's token (no stall), feeds at most max_batch_tokens, and spends the rest of the
+ * budget on the prompt in chunks of at most prefill_chunk; both outputs equal their runs
+ * alone. */
+Test(decode_sched, unified_prompt_chunks_share_steps_with_decodes, .timeout = 120)
+{
+    td_test_skip_without_stories();
+    td_test_engine_t fx;
+    td_test_engine_open_cpu(&fx, 1, 256, false);
+    enum { NP = 200, BUDGET = 32, CHUNK = 24 };
+    static int32_t p0[8], p1[NP], want0[MAXT], want1[MAXT];
+    unsigned s = 21;
+    random_prompt(&s, p0, 8);
+    random_prompt(&s, p1, NP);
+    bool eos0, eos1;
+    int n0 = alone(&fx, p0, 8, 60, want0, &eos0), n1 = alone(&fx, p1, NP, 10, want1, &eos1);
+    cr_assert_geq(n0, 40, "prompt 0 ends too soon for the test (%d tokens): change the seed", n0);
+    decode_sched_config_t cfg = decode_sched_config_default();
+    cfg.max_batch_tokens = BUDGET;
+    cfg.prefill_chunk = CHUNK;
+    decode_sched_t *ds;
+    cr_assert_eq(decode_sched_create(fx.eng, NULL, &cfg, &ds), TD_OK, "%s", td_last_error());
+    static outcome_t oc[MAXN];
+    memset(oc, 0, sizeof oc);
+    decode_request_t r0 = greedy_request(0, p0, 8, 60), r1 = greedy_request(1, p1, NP, 10);
+    cr_assert_eq(decode_sched_admit(ds, &r0), TD_OK);
+    decode_step_result_t r;
+    for (int i = 0; i < 3; i++) { /* request 0 prefilled and decoding */
+        cr_assert_eq(decode_sched_step(ds, 0, &r), TD_OK);
+        collect(&r, oc);
+    }
+    cr_assert_eq(decode_sched_admit(ds, &r1), TD_OK);
+    int prefill_steps = 0, prompt_fed = 0;
+    while (oc[1].n == 0 && oc[1].finish_events == 0) {
+        int before = oc[0].n;
+        cr_assert_eq(decode_sched_step(ds, 0, &r), TD_OK);
+        collect(&r, oc);
+        cr_assert_eq(oc[0].n, before + 1, "the decode stalled behind the prompt (step %d)", prefill_steps);
+        cr_assert_leq(r.n_tokens, BUDGET);
+        cr_assert_eq(r.n_prefill_tokens, r.n_tokens - 1, "one decode token, the rest prompt");
+        cr_assert_leq(r.n_prefill_tokens, CHUNK);
+        prompt_fed += r.n_prefill_tokens;
+        prefill_steps++;
+    }
+    cr_assert_eq(prompt_fed, NP, "the prompt's tokens were fed once each (no prefix cache)");
+    cr_assert_eq(prefill_steps, (NP + CHUNK - 1) / CHUNK);
+    run_to_end(ds, oc);
+    cr_assert_eq(oc[0].n, n0);
+    cr_assert_eq(oc[1].n, n1);
+    for (int t = 0; t < n0; t++)
+        cr_assert_eq(oc[0].tokens[t], want0[t], "request 0 token %d", t);
+    for (int t = 0; t < n1; t++)
+        cr_assert_eq(oc[1].tokens[t], want1[t], "request 1 token %d", t);
+    sched_end(&fx, ds);
+    td_test_engine_close(&fx);
+}
+
+/* ignore_eos: a request that ends at EOS alone runs on to max_tokens, the tokens before
+ * the EOS unchanged; stop ids still stop it. */
+Test(decode_sched, unified_ignore_eos_runs_to_max_tokens, .timeout = 120)
+{
+    td_test_skip_without_stories();
+    td_test_engine_t fx;
+    td_test_engine_open_cpu(&fx, 1, 256, true);
+    static int32_t p[4], want[MAXT];
+    int n = 0, max = 400;
+    bool eos = false;
+    unsigned s = 1;
+    for (int tries = 0; tries < 50 && !eos; tries++) { /* a short prompt the model ends */
+        random_prompt(&s, p, 4);
+        n = alone(&fx, p, 4, max, want, &eos);
+    }
+    cr_assert(eos, "no prompt ended at EOS within %d tokens", max);
+    decode_sched_t *ds = sched_default(fx.eng);
+    static outcome_t oc[MAXN];
+    memset(oc, 0, sizeof oc);
+    decode_request_t rq = greedy_request(0, p, 4, max);
+    rq.ignore_eos = true;
+    cr_assert_eq(decode_sched_admit(ds, &rq), TD_OK);
+    run_to_end(ds, oc);
+    cr_assert_eq(oc[0].finish, DECODE_FINISH_LENGTH, "finish %s", decode_finish_name(oc[0].finish));
+    cr_assert_eq(oc[0].n, max, "%d tokens with ignore_eos, max_tokens %d (EOS after %d)", oc[0].n, max, n);
+    for (int t = 0; t < n; t++)
+        cr_assert_eq(oc[0].tokens[t], want[t], "token %d before the EOS changed", t);
+    bool eos_inside = false;
+    for (int t = n; t < max; t++)
+        eos_inside |= is_eos(&fx, oc[0].tokens[t]);
+    cr_assert(eos_inside, "the EOS id itself is output (it was sampled at token %d)", n);
+    /* a stop id still stops an ignore_eos request */
+    int32_t stop_id = want[n / 2];
+    bool earlier = false;
+    for (int t = 0; t < n / 2; t++)
+        earlier |= want[t] == stop_id;
+    memset(oc, 0, sizeof oc);
+    rq.id = 1;
+    rq.stop_ids = &stop_id;
+    rq.n_stop_ids = 1;
+    cr_assert_eq(decode_sched_admit(ds, &rq), TD_OK);
+    run_to_end(ds, oc);
+    cr_assert_eq(oc[1].finish, DECODE_FINISH_STOP);
+    if (!earlier)
+        cr_assert_eq(oc[1].n, n / 2);
+    sched_end(&fx, ds);
+    td_test_engine_close(&fx);
+}
+
+/* A cancel while the prompt is half prefilled (chunks of it in the pool, the rest to
+ * come) releases its blocks before decode_sched_cancel returns; the next step reports it. */
+Test(decode_sched, unified_cancel_mid_prefill_returns_every_block, .timeout = 120)
+{
+    td_test_skip_without_stories();
+    td_test_engine_t fx;
+    td_test_engine_open_cpu(&fx, 1, 256, false);
+    static int32_t p[300];
+    unsigned s = 5;
+    random_prompt(&s, p, 300);
+    decode_sched_config_t cfg = decode_sched_config_default();
+    cfg.max_batch_tokens = 64;
+    cfg.prefill_chunk = 64;
+    decode_sched_t *ds;
+    cr_assert_eq(decode_sched_create(fx.eng, NULL, &cfg, &ds), TD_OK, "%s", td_last_error());
+    decode_request_t rq = greedy_request(3, p, 300, 50);
+    cr_assert_eq(decode_sched_admit(ds, &rq), TD_OK);
+    decode_step_result_t r;
+    for (int i = 0; i < 2; i++) {
+        cr_assert_eq(decode_sched_step(ds, 0, &r), TD_OK);
+        cr_assert_eq(r.n_prefill_tokens, 64);
+        cr_assert_eq(r.n_events, 0, "no token before the prompt is in");
+    }
+    decode_sched_stats_t st;
+    decode_sched_stats(ds, &st);
+    cr_assert_eq(st.used_blocks, 128 / 16, "two chunks' blocks held: %d", st.used_blocks);
+    cr_assert_eq(decode_sched_cancel(ds, 3), TD_OK);
+    decode_sched_stats(ds, &st);
+    cr_assert_eq(st.used_blocks, 0, "%d blocks held after the cancel", st.used_blocks);
+    cr_assert_eq(decode_sched_step(ds, 0, &r), TD_OK);
+    cr_assert_eq(r.n_events, 1);
+    cr_assert_eq(r.events[0].finish, DECODE_FINISH_CANCELLED);
+    cr_assert(!decode_sched_busy(ds));
+    sched_end(&fx, ds);
+    td_test_engine_close(&fx);
 }

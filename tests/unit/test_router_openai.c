@@ -63,6 +63,29 @@ Test(router_openai, completions_every_parameter)
     router_oai_req_free(&q); /* repeatable */
 }
 
+/* vLLM's extra parameter: EOS does not end the output (fixed lengths for benchmarks) */
+Test(router_openai, ignore_eos_both_endpoints)
+{
+    cr_assert_eq(parse(ROUTER_OAI_COMPLETIONS, "{\"prompt\":\"x\"}"), TD_OK, "%s", err.message);
+    cr_assert_not(q.gp.ignore_eos, "off unless asked");
+    router_oai_req_free(&q);
+    cr_assert_eq(parse(ROUTER_OAI_COMPLETIONS, "{\"prompt\":[1,2],\"ignore_eos\":true,\"max_tokens\":9}"), TD_OK,
+                 "%s", err.message);
+    cr_assert(q.gp.ignore_eos);
+    router_oai_req_free(&q);
+    cr_assert_eq(parse(ROUTER_OAI_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],"
+                                        "\"ignore_eos\":true}"),
+                 TD_OK, "%s", err.message);
+    cr_assert(q.gp.ignore_eos);
+    router_oai_req_free(&q);
+    cr_assert_eq(parse(ROUTER_OAI_COMPLETIONS, "{\"prompt\":\"x\",\"ignore_eos\":null}"), TD_OK, "%s", err.message);
+    cr_assert_not(q.gp.ignore_eos, "null is not given");
+    router_oai_req_free(&q);
+    cr_assert_eq(parse(ROUTER_OAI_COMPLETIONS, "{\"prompt\":\"x\",\"ignore_eos\":false}"), TD_OK, "%s", err.message);
+    cr_assert_not(q.gp.ignore_eos);
+    router_oai_req_free(&q);
+}
+
 Test(router_openai, defaults_are_openais_and_null_is_not_given)
 {
     cr_assert_eq(parse(ROUTER_OAI_COMPLETIONS,
@@ -152,6 +175,9 @@ Test(router_openai, wrong_types_name_the_parameter)
     refused(ROUTER_OAI_COMPLETIONS, "{\"prompt\":\"x\",\"seed\":true}", "seed");
     refused(ROUTER_OAI_COMPLETIONS, "{\"prompt\":\"x\",\"stream\":\"yes\"}", "stream");
     refused(ROUTER_OAI_COMPLETIONS, "{\"prompt\":\"x\",\"echo\":1}", "echo");
+    refused(ROUTER_OAI_COMPLETIONS, "{\"prompt\":\"x\",\"ignore_eos\":\"true\"}", "ignore_eos");
+    refused(ROUTER_OAI_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"ignore_eos\":1}",
+            "ignore_eos");
     refused(ROUTER_OAI_COMPLETIONS, "{\"prompt\":\"x\",\"stop\":5}", "stop");
     refused(ROUTER_OAI_COMPLETIONS, "{\"prompt\":\"x\",\"stop\":[\"a\",3]}", "stop");
     refused(ROUTER_OAI_COMPLETIONS, "{\"prompt\":\"x\",\"model\":[]}", "model");

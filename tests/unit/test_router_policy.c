@@ -310,7 +310,7 @@ Test(router_policy, every_registration_field_is_checked_by_name)
         td_node_info_t info;
         const char *says;
     } cases[] = {
-        {"role 99", good, "role 99 is not PREFILL (1) or DECODE (2)"},
+        {"role 99", good, "role 99 is not PREFILL (1), DECODE (2) or UNIFIED (3)"},
         {"role 0", good, "role 0"},
         {"empty model", good, "model is empty"},
         {"a model with a newline", good, "model has byte 0x0a at offset 3"},
@@ -429,5 +429,51 @@ Test(router_policy, busy_prefill_nodes_hold_requests_in_the_router)
     pc.max_prefill_wait_s = 0;
     beat_rate(reg, "p1", 5000, 0, 100, 0, SEC);
     cr_assert_eq(pick_ok(reg, &pc, &rq).pair.prefill, p0);
+    router_registry_destroy(reg);
+}
+
+/* A unified node is ranked with the decode nodes and is its own prefill node: the pair
+ * {u, u}; with a (prefill, decode) pair beside it the ranking picks either; a tried {u, u}
+ * is excluded as that pair only; a prefill node never pairs with a unified node. */
+Test(router_policy, unified_nodes_pair_with_themselves)
+{
+    router_registry_t *reg = mkreg();
+    router_policy_config_t pc = router_policy_config_default();
+    router_pick_request_t rq = request(20, 20, 0);
+    int u0 = join(reg, "u0", TD_NODE_ROLE_UNIFIED, 8, 100, 0);
+    router_pick_t pk = pick_ok(reg, &pc, &rq);
+    cr_assert_eq(pk.pair.prefill, u0, "no prefill node needed");
+    cr_assert_eq(pk.pair.decode, u0);
+    cr_assert_eq(pk.blocks_needed, 3);
+    router_policy_commit(reg, &rq, &pk);
+    cr_assert_eq(router_registry_node(reg, u0)->load.running_seqs, 1, "booked as a decode node");
+    /* a pair beside it: a shorter batch wins, whichever kind */
+    int p0 = join(reg, "p0", TD_NODE_ROLE_PREFILL, 8, 100, 0);
+    int d0 = join(reg, "d0", TD_NODE_ROLE_DECODE, 8, 100, 0);
+    beat(reg, "p0", 0, 0, 100, 0);
+    beat(reg, "d0", 0, 0, 100, 0);
+    beat(reg, "u0", 0, 2, 100, 0);
+    pk = pick_ok(reg, &pc, &rq);
+    cr_assert_eq(pk.pair.decode, d0);
+    cr_assert_eq(pk.pair.prefill, p0, "the prefill node pairs with the decode node, never the unified one");
+    beat(reg, "d0", 0, 5, 100, 0);
+    pk = pick_ok(reg, &pc, &rq);
+    cr_assert_eq(pk.pair.decode, u0);
+    cr_assert_eq(pk.pair.prefill, u0);
+    /* retries: {u0, u0} tried leaves (p0, d0); both tried: none */
+    router_pair_t tried[2] = {pk.pair};
+    rq.exclude = tried;
+    rq.n_exclude = 1;
+    pk = pick_ok(reg, &pc, &rq);
+    cr_assert_eq(pk.pair.decode, d0);
+    cr_assert_eq(pk.pair.prefill, p0);
+    tried[1] = pk.pair;
+    rq.n_exclude = 2;
+    cr_assert_eq(router_policy_pick(reg, &pc, &rq, &pk), TD_ERR_UNAVAILABLE);
+    /* no room on any: exhausted, as for decode nodes */
+    rq.n_exclude = 0;
+    beat(reg, "u0", 0, 0, 2, 0);
+    beat(reg, "d0", 0, 0, 2, 0);
+    cr_assert_eq(router_policy_pick(reg, &pc, &rq, &pk), TD_ERR_EXHAUSTED);
     router_registry_destroy(reg);
 }
