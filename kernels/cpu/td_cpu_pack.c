@@ -336,6 +336,10 @@ TD_INLINE TD_V void vnni_tile(td_dtype_t t, int R, const unsigned char *gq, cons
         __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)s));
         __m512 mw = t == TD_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s + 2 * ROWS)))
                                  : _mm512_setzero_ps();
+        /* unrolled, so that acc[] and macc[] stay in registers: as a loop GCC keeps them in
+         * memory, a store and a reload per row and block (1B Q4_0 prefill tile 67 -> 80
+         * GFLOP/s on one core) */
+#pragma GCC unroll 8
         for (int i = 0; i < R; i++) {
             const unsigned char *ai = a + i * stride, *c = act_c(ai, k) + 4 * b;
             const int8_t *hi = act_hi(ai) + b * TD_QK, *lo = act_lo(ai, k) + b * TD_QK;
