@@ -612,6 +612,12 @@ td_status_t td_plan_max_rate(const td_plan_profile_t *p, const td_plan_cluster_t
         if ((hi *= 2) > 1e7)
             break;
     }
+    if (lo == 0) { /* not even 0.01 requests/s: the objectives are below the unloaded latency */
+        *rate_p = 0;
+        if (res_p)
+            *res_p = r;
+        return TD_OK;
+    }
     while (hi - lo > 0.01 * hi) {
         double mid = 0.5 * (lo + hi);
         if ((st = td_plan_at_rate(p, c, L, s, mid, &r)) != TD_OK)

@@ -110,8 +110,9 @@ td_status_t td_plan_at_rate(const td_plan_profile_t *p, const td_plan_cluster_t 
 
 /*
  * The highest rate (requests/s, within 1%) cluster c sustains at s->min_attainment: *rate_p
- * (0 when even a trickle is not: the objectives are below the unloaded latency) and the run
- * at that rate in *res_p (optional). Errors as td_plan_simulate.
+ * (0 when 0.01 requests/s is not: the objectives are below the unloaded latency) and the run
+ * at that rate (or at 0.01/s) in *res_p (optional). The runs are s->n_requests long, so a rate
+ * up to a few percent past capacity may pass in the queue a finite run builds. Errors as td_plan_simulate.
  */
 td_status_t td_plan_max_rate(const td_plan_profile_t *p, const td_plan_cluster_t *c, const td_plan_lengths_t *L,
                              const td_plan_search_t *s, double *rate_p, td_plan_result_t *res_p);
