@@ -28,6 +28,7 @@ static const cmd_t cmds[] = {
     {"prefill", cmd_prefill, "cluster prefill node"},
     {"decode", cmd_decode, "cluster decode node"},
     {"local", cmd_local, "a whole cluster (router + prefill + decode processes) on 127.0.0.1"},
+    {"plan", cmd_plan, "capacity planning: profile a model, simulate a cluster (splits, rates, nodes)"},
 };
 
 static void usage(FILE *f)

@@ -14,10 +14,9 @@
 #include "td_log.h"
 #include "td_util.h"
 
-double td_plan_prefill_step_s(const td_plan_profile_t *p, int64_t tokens)
+double td_plan_prefill_step_s(const td_plan_profile_t *p, int64_t tokens, double attn)
 {
-    double t = (double)tokens;
-    return TD_MAX(p->prefill_a_s + p->prefill_b_s * t + p->prefill_c_s * t * t, 1e-6);
+    return TD_MAX(p->prefill_a_s + p->prefill_b_s * (double)tokens + p->prefill_c_s * attn, 1e-6);
 }
 
 double td_plan_decode_step_s(const td_plan_profile_t *p, int64_t batch, int64_t context_tokens)
@@ -174,6 +173,7 @@ static td_status_t prefill_start(sim_t *s, int32_t i, double now)
     if (nd->busy || !fifo_len(&nd->q))
         return TD_OK;
     int64_t budget = s->c->prefill_max_batch_tokens, tokens = 0;
+    double attn = 0;
     nd->n_step = 0;
     for (size_t k = nd->q.head; k < nd->q.tail && budget > 0 && nd->n_step < s->c->prefill_max_batch; k++) {
         sreq_t *r = &s->r[nd->q.v[k]];
@@ -182,8 +182,9 @@ static td_status_t prefill_start(sim_t *s, int32_t i, double now)
         nd->step_tok[nd->n_step++] = take;
         budget -= take;
         tokens += take;
+        attn += (double)take * (r->prefilled + take);
     }
-    double dt = td_plan_prefill_step_s(s->p, tokens);
+    double dt = td_plan_prefill_step_s(s->p, tokens, attn);
     nd->busy = true;
     nd->busy_s += dt;
     return heap_push(&s->h, now + dt, EV_PREFILL, i);
@@ -338,6 +339,7 @@ static td_status_t unified_start(sim_t *s, int32_t i, double now)
     if (!nd->n_run)
         return TD_OK;
     int64_t budget = s->c->unified_max_batch_tokens, n_dec = 0, n_pre = 0, ctx = 0;
+    double attn = 0;
     nd->n_step = 0;
     for (int32_t k = 0; k < nd->n_run; k++) { /* generating ones first */
         sreq_t *r = &s->r[nd->run[k]];
@@ -358,10 +360,11 @@ static td_status_t unified_start(sim_t *s, int32_t i, double now)
         nd->step_tok[nd->n_step++] = take;
         budget -= take;
         n_pre += take;
+        attn += (double)take * (r->prefilled + take);
     }
     if (!nd->n_step) /* budget exhausted by decode tokens alone cannot happen: max_batch <= budget */
         return TD_OK;
-    double dt = n_pre ? td_plan_prefill_step_s(s->p, n_pre + n_dec) + s->p->decode_c_s * (double)ctx
+    double dt = n_pre ? td_plan_prefill_step_s(s->p, n_pre + n_dec, attn) + s->p->decode_c_s * (double)ctx
                       : td_plan_decode_step_s(s->p, n_dec, ctx);
     nd->busy = true;
     nd->busy_s += dt;

@@ -28,7 +28,10 @@
 
 /* Step times in seconds, fitted from measurements (tandem plan profile). */
 typedef struct td_plan_profile {
-    double prefill_a_s, prefill_b_s, prefill_c_s; /* prefill step of T tokens: a + b*T + c*T^2 */
+    double prefill_a_s, prefill_b_s, prefill_c_s; /* prefill step of T tokens in chunks of t_i tokens
+                                                     ending at position e_i: a + b*T + c*sum(t_i e_i)
+                                                     (attention: each new token reads its context;
+                                                     one prompt of T tokens: a + b*T + c*T^2) */
     double decode_a_s, decode_b_s, decode_c_s;    /* decode step of B sequences holding C context
                                                      tokens in all: a + b*B + c*C */
     double xfer_a_s, xfer_b_s;                    /* KV of a P-token prompt reaches its decode node
@@ -37,8 +40,9 @@ typedef struct td_plan_profile {
                                                      first token (and so to its end) */
 } td_plan_profile_t;
 
-/* The modelled step times (never below 1 us). */
-double td_plan_prefill_step_s(const td_plan_profile_t *p, int64_t tokens);
+/* The modelled step times (never below 1 us); attn = sum over the step's chunks of chunk
+ * tokens x the position the chunk ends at. */
+double td_plan_prefill_step_s(const td_plan_profile_t *p, int64_t tokens, double attn);
 double td_plan_decode_step_s(const td_plan_profile_t *p, int64_t batch, int64_t context_tokens);
 
 /* The cluster to simulate: either n_prefill + n_decode (both >= 1) or n_unified >= 1. */
