@@ -12,6 +12,9 @@
  *       simulates the cluster (common/plan/td_plan.h) and answers: the P:D split and batch
  *       limits with the most goodput per node, the highest rate N nodes sustain, the nodes a
  *       rate needs, and a what-if table.
+ *   tandem plan calibrate --profile P --prefill-metrics URL --decode-metrics URL --context C --out P2
+ *       scales a profile's fits to the mean step times the running nodes report (their own
+ *       step histograms: the whole scheduler step, at the CPU share they really had).
  *
  * The workload: `random:IN:OUT[:RANGE]` (bench serve's random dataset, its lengths drawn
  * with the same seed), `trace:FILE` (bench serve's trace format and parser), or a live
@@ -581,6 +584,123 @@ static td_status_t workload_metrics(const char *url, double window_s, size_t n, 
     return TD_OK;
 }
 
+/* ==== calibration from the nodes' own step histograms ================================================ */
+
+/* Scales a profile's fits so that they give the mean step the nodes measured (their step
+ * histograms count the whole scheduler step, sampling and sends included, at whatever share
+ * of the CPU the node had), at the mean batch they ran. One factor per node kind. */
+static int plan_calibrate(int argc, char **argv)
+{
+    const char *in = NULL, *out = NULL, *pm = NULL, *dm = NULL;
+    int64_t ctx = 0;
+    const td_opt_t opts[] = {
+        TD_OPT_STRING("profile", &in, "profile to calibrate (required)"),
+        TD_OPT_STRING("prefill-metrics", &pm, "a prefill node's /metrics URL"),
+        TD_OPT_STRING("decode-metrics", &dm, "a decode node's /metrics URL"),
+        TD_OPT_INT("context", &ctx, 1, 1 << 24, "mean context tokens of a decoding sequence (required with "
+                                              "--decode-metrics: prompt + half the output)"),
+        TD_OPT_STRING("out", &out, "calibrated profile to write (required)"),
+    };
+    td_opts_t spec = {.prog = "tandem plan calibrate", .opts = opts, .n_opts = TD_ARRAY_LEN(opts)};
+    td_opts_result_t r = {0};
+    if (td_opts_parse(&spec, argc, argv, &r) != TD_OK)
+        return 2;
+    if (r.help) {
+        printf("usage: tandem plan calibrate --profile P [--prefill-metrics URL] [--decode-metrics URL --context C]\n"
+               "                            --out FILE\n");
+        td_opts_usage(stdout, opts, (int)TD_ARRAY_LEN(opts), false);
+        return 0;
+    }
+    const char *bad = !in ? "--profile: required" : !out ? "--out: required"
+                      : !pm && !dm ? "--prefill-metrics: give it or --decode-metrics (or both)"
+                      : dm && !ctx ? "--context: required with --decode-metrics" : NULL;
+    if (bad) {
+        td_errorf(TD_ERR_INVALID, "tandem plan calibrate: %s", bad);
+        return 2;
+    }
+    td_plan_profile_t p;
+    char *text = NULL, *m = NULL;
+    size_t len = 0;
+    cJSON *j = NULL;
+    int rc = 1;
+    if (profile_load(in, &p) != TD_OK) {
+        rc = 2;
+        goto out;
+    }
+    if (td_file_read_all(in, (size_t)64 << 20, &text, &len) != TD_OK || !(j = cJSON_ParseWithLength(text, len)))
+        goto out;
+    cJSON *cal = cJSON_CreateObject();
+    cJSON_DeleteItemFromObjectCaseSensitive(j, "calibration"); /* a calibrated profile calibrated again */
+    cJSON_AddItemToObject(j, "calibration", cal);
+    if (pm) {
+        if (http_get(pm, &m) != TD_OK)
+            goto out;
+        double n = prom_value(m, "tandem_prefill_step_seconds_count"), ss = prom_value(m, "tandem_prefill_step_seconds_sum"),
+               ts = prom_value(m, "tandem_prefill_batch_tokens_sum"), ps = prom_value(m, "tandem_prefill_batch_size_sum");
+        free(m);
+        m = NULL;
+        if (!(n > 0) || !(ss > 0) || !(ts > 0) || !(ps > 0)) {
+            td_errorf(TD_ERR_INVALID, "--prefill-metrics: %s has no prefill steps counted (is it a prefill node that "
+                      "has served?)", pm);
+            rc = 2;
+            goto out;
+        }
+        double step = ss / n, tok = ts / n, prompts = ps / n, chunk = tok / prompts;
+        double f = step / td_plan_prefill_step_s(&p, (int64_t)round(tok), prompts * chunk * chunk);
+        cJSON *pre = cJSON_GetObjectItemCaseSensitive(j, "prefill");
+        cJSON_SetNumberValue(cJSON_GetObjectItemCaseSensitive(pre, "a_s"), p.prefill_a_s * f);
+        cJSON_SetNumberValue(cJSON_GetObjectItemCaseSensitive(pre, "b_s_per_token"), p.prefill_b_s * f);
+        cJSON_SetNumberValue(cJSON_GetObjectItemCaseSensitive(pre, "c_s_per_token2"), p.prefill_c_s * f);
+        cJSON_AddNumberToObject(cal, "prefill_factor", f);
+        cJSON_AddNumberToObject(cal, "prefill_steps", n);
+        cJSON_AddNumberToObject(cal, "prefill_mean_step_s", step);
+        cJSON_AddNumberToObject(cal, "prefill_mean_tokens", tok);
+        printf("Prefill: %.0f steps, mean %.3f ms at %.1f tokens: fits x %.3f\n", n, step * 1e3, tok, f);
+    }
+    if (dm) {
+        if (http_get(dm, &m) != TD_OK)
+            goto out;
+        double n = prom_value(m, "tandem_decode_step_seconds_count"), ss = prom_value(m, "tandem_decode_step_seconds_sum"),
+               bs = prom_value(m, "tandem_decode_batch_size_sum");
+        free(m);
+        m = NULL;
+        if (!(n > 0) || !(ss > 0) || !(bs > 0)) {
+            td_errorf(TD_ERR_INVALID, "--decode-metrics: %s has no decode steps counted (is it a decode node that "
+                      "has served?)", dm);
+            rc = 2;
+            goto out;
+        }
+        double step = ss / n, b = bs / n;
+        double f = step / td_plan_decode_step_s(&p, (int64_t)TD_MAX(round(b), 1.0), (int64_t)round(b * (double)ctx));
+        cJSON *dec = cJSON_GetObjectItemCaseSensitive(j, "decode");
+        cJSON_SetNumberValue(cJSON_GetObjectItemCaseSensitive(dec, "a_s"), p.decode_a_s * f);
+        cJSON_SetNumberValue(cJSON_GetObjectItemCaseSensitive(dec, "b_s_per_seq"), p.decode_b_s * f);
+        cJSON_SetNumberValue(cJSON_GetObjectItemCaseSensitive(dec, "c_s_per_context_token"), p.decode_c_s * f);
+        cJSON_AddNumberToObject(cal, "decode_factor", f);
+        cJSON_AddNumberToObject(cal, "decode_steps", n);
+        cJSON_AddNumberToObject(cal, "decode_mean_step_s", step);
+        cJSON_AddNumberToObject(cal, "decode_mean_batch", b);
+        printf("Decode: %.0f steps, mean %.3f ms at batch %.2f: fits x %.3f\n", n, step * 1e3, b, f);
+    }
+    char *t = cJSON_Print(j);
+    FILE *f = t ? fopen(out, "w") : NULL;
+    if (!f || fputs(t, f) < 0 || fputc('\n', f) < 0) {
+        td_errorf(TD_ERR_IO, "plan calibrate: cannot write %s: %s", out, strerror(errno));
+        if (f)
+            fclose(f);
+        free(t);
+        goto out;
+    }
+    fclose(f);
+    free(t);
+    printf("Profile written:                         %s\n", out);
+    rc = 0;
+out:
+    free(text), free(m);
+    cJSON_Delete(j);
+    return rc;
+}
+
 /* ==== the plan =================================================================================== */
 
 typedef struct plan_opts {
@@ -880,6 +1000,7 @@ out:
 static void plan_usage(FILE *f)
 {
     fprintf(f, "usage: tandem plan profile --model PATH [--threads N] [--out FILE]   (--help for its flags)\n"
+               "       tandem plan calibrate --profile P --prefill-metrics URL --decode-metrics URL --context C --out FILE\n"
                "       tandem plan --profile P (--workload random:IN:OUT[:RANGE]|trace:FILE | --metrics URL)\n"
                "                   --ttft MS --tpot MS [--rate R] [--nodes N] [--split P:D | --unified N] [--json]\n");
 }
@@ -888,6 +1009,8 @@ int cmd_plan(int argc, char **argv)
 {
     if (argc >= 2 && !strcmp(argv[1], "profile"))
         return plan_profile(argc - 1, argv + 1);
+    if (argc >= 2 && !strcmp(argv[1], "calibrate"))
+        return plan_calibrate(argc - 1, argv + 1);
     plan_opts_t o = {.attainment = 0.9, .overhead_ms = -1, .metrics_window_s = 5, .max_nodes = 8, .requests = 1000,
                      .prefill_max_batch_tokens = 512, .prefill_max_batch = 64, .decode_max_batch = 64};
     float ttft = 0, tpot = 0, rate = 0, att = 0.9f, overhead = -1, window = 5;

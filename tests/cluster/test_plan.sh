@@ -6,6 +6,7 @@
 # - `tandem local` 1 prefill + 1 decode (one thread each) serves `tandem bench serve` at one
 #   rate; the planner's prediction for the same split, rate and workload is within loose
 #   bounds of what was measured (50% on goodput and TTFT p90; a shared machine, so no more);
+# - `tandem plan calibrate` scales the profile by the nodes' own step histograms;
 # - the router's planner metrics count the run (arrivals, prompt and output lengths, per-node
 #   gauges) and `tandem plan --metrics URL` plans from them;
 # - a trace workload replays; --nodes answers split, batch limits and a what-if table;
@@ -104,6 +105,21 @@ else
     cl_fail "plan --metrics exited non-zero: $(cat "$CL_T/pm.err")"
 fi
 
+# ---- calibration from the nodes' own step histograms ----
+if "$CL_BIN" plan calibrate --profile "$CL_T/prof.json" --prefill-metrics "${CL_MURL[prefill0]}" \
+        --decode-metrics "${CL_MURL[decode0]}" --context 56 --out "$CL_T/cal.json" >"$CL_T/cal.out" 2>&1; then
+    "$CL_PY" - "$CL_T/prof.json" "$CL_T/cal.json" <<'EOF' || cl_fail "plan calibrate (above)"
+import json, sys
+p, c = json.load(open(sys.argv[1])), json.load(open(sys.argv[2]))
+k = c["calibration"]
+assert k["prefill_factor"] > 0 and k["decode_factor"] > 0 and k["prefill_steps"] > 0 and k["decode_steps"] > 0, k
+assert abs(c["decode"]["b_s_per_seq"] - p["decode"]["b_s_per_seq"] * k["decode_factor"]) < 1e-12, k
+assert c["prefill"]["points"] == p["prefill"]["points"]  # the raw points stay what was measured
+EOF
+else
+    cl_fail "plan calibrate exited non-zero: $(cat "$CL_T/cal.out")"
+fi
+
 # ---- a trace replays at its own times; --rate finds the nodes needed ----
 printf 'arrival_s,input_len,output_len\n0,32,8\n0.5,64,4\n1.0,16,16\n1.5,128,2\n' >"$CL_T/trace.csv"
 "$CL_BIN" plan --profile "$CL_T/prof.json" --workload "trace:$CL_T/trace.csv" --ttft 1000 --tpot 200 --split 1:1 \
@@ -138,5 +154,7 @@ bad --nodes --profile "$P" --workload random:8:8 --ttft 1 --tpot 1 --nodes 0
 bad --bogus --profile "$P" --workload random:8:8 --ttft 1 --tpot 1 --bogus 1
 bad --profile --profile "$CL_T/shape.json" --workload random:8:8 --ttft 1 --tpot 1 --rate 1
 bad --model profile --threads 1
+bad --context calibrate --profile "$P" --decode-metrics "${CL_MURL[decode0]}" --out "$CL_T/x.json"
+bad --out calibrate --profile "$P" --prefill-metrics "${CL_MURL[prefill0]}"
 
-cl_end "plan: profile, prediction within bounds of bench serve, planner metrics, --metrics, trace, --rate, bad flags"
+cl_end "plan: profile, prediction within bounds of bench serve, calibrate, planner metrics, --metrics, trace, --rate, bad flags"
