@@ -637,6 +637,8 @@ static int plan_calibrate(int argc, char **argv)
             goto out;
         double n = prom_value(m, "tandem_prefill_step_seconds_count"), ss = prom_value(m, "tandem_prefill_step_seconds_sum"),
                ts = prom_value(m, "tandem_prefill_batch_tokens_sum"), ps = prom_value(m, "tandem_prefill_batch_size_sum");
+        double xn = prom_value(m, "tandem_prefill_transfer_seconds_count"),
+               xs = prom_value(m, "tandem_prefill_transfer_seconds_sum");
         free(m);
         m = NULL;
         if (!(n > 0) || !(ss > 0) || !(ts > 0) || !(ps > 0)) {
@@ -656,6 +658,17 @@ static int plan_calibrate(int argc, char **argv)
         cJSON_AddNumberToObject(cal, "prefill_mean_step_s", step);
         cJSON_AddNumberToObject(cal, "prefill_mean_tokens", tok);
         printf("Prefill: %.0f steps, mean %.3f ms at %.1f tokens: fits x %.3f\n", n, step * 1e3, tok, f);
+        if (xn > 0 && xs >= 0) {
+            /* a transfer is timed from the first layer of the prompt's last step until the decode
+             * node adopted it: what outlasts that step is the delay between the first token and
+             * the sequence joining a decode batch (messages, adoption, not only bytes) */
+            double extra = TD_MAX(xs / xn - step, 0.0);
+            cJSON *kv = cJSON_GetObjectItemCaseSensitive(j, "kv_transfer");
+            cJSON_SetNumberValue(cJSON_GetObjectItemCaseSensitive(kv, "a_s"), extra);
+            cJSON_AddNumberToObject(cal, "kv_transfer_mean_s", xs / xn);
+            printf("KV transfer: %.0f, mean %.3f ms from the first layer: %.3f ms after the step\n", xn,
+                   xs / xn * 1e3, extra * 1e3);
+        }
     }
     if (dm) {
         if (http_get(dm, &m) != TD_OK)
