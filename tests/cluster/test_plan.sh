@@ -4,9 +4,10 @@
 #   compute, which the profile measures, outweighs the RPC hops, which it does not) (in-process engine, one thread) writes a
 #   profile with raw points and fits;
 # - `tandem local` 1 prefill + 1 decode (one thread each) serves `tandem bench serve` at one
-#   rate; the planner's prediction for the same split, rate and workload is within loose
-#   bounds of what was measured (50% on goodput and TTFT p90; a shared machine, so no more);
-# - `tandem plan calibrate` scales the profile by the nodes' own step histograms;
+#   rate; the planner's prediction for the same split, rate and workload, from the profile
+#   calibrated by a warm-up run (`tandem plan calibrate`: the nodes' own step histograms), is
+#   within loose bounds of what was measured (goodput within 1.5x, TTFT p90 within 2.5x: a
+#   shared machine whose neighbours move the tail; docs/goodput.md);
 # - the router's planner metrics count the run (arrivals, prompt and output lengths, per-node
 #   gauges) and `tandem plan --metrics URL` plans from them;
 # - a trace workload replays; --nodes answers split, batch limits and a what-if table;
@@ -14,9 +15,12 @@
 source "$(dirname "$0")/cluster_lib.sh"
 cl_init
 SAN=${TD_SANITIZE:-OFF}
-cat >"$CL_T/shape.json" <<'EOF'
-{"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 384, "intermediate_size": 1024,
- "num_hidden_layers": 6, "num_attention_heads": 6, "num_key_value_heads": 2, "vocab_size": 512,
+# the sanitizer build is unoptimised (-O0): a model 36x smaller, a smaller profile grid, a lower rate
+HID=384 INTER=1024 LAYERS=6 HEADS=6 PROF_FLAGS=(--max-batch 16) RATE=4 N=48
+[ "$SAN" = ON ] && HID=128 INTER=344 LAYERS=2 HEADS=2 PROF_FLAGS=(--max-batch 4 --max-tokens 64) RATE=1 N=12
+cat >"$CL_T/shape.json" <<EOF
+{"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": $HID, "intermediate_size": $INTER,
+ "num_hidden_layers": $LAYERS, "num_attention_heads": $HEADS, "num_key_value_heads": 2, "vocab_size": 512,
  "max_position_embeddings": 1024, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": false,
  "bos_token_id": 1, "eos_token_id": 2}
 EOF
@@ -24,7 +28,7 @@ EOF
     { cl_fail "model synth failed"; cl_end; }
 
 # ---- profile ----
-if ! "$CL_BIN" plan profile --model "$CL_T/m" --threads 1 --max-batch 16 --out "$CL_T/prof.json" \
+if ! "$CL_BIN" plan profile --model "$CL_T/m" --threads 1 "${PROF_FLAGS[@]}" --out "$CL_T/prof.json" \
         >"$CL_T/prof.out" 2>"$CL_T/prof.err"; then
     cl_fail "plan profile exited non-zero: $(tail -3 "$CL_T/prof.err")"
     cl_end
@@ -32,54 +36,76 @@ fi
 for line in "Profile written:" "Prefill step (ms):" "Decode step (ms):" "KV transfer (ms per token, modelled):"; do
     grep -qF "$line" "$CL_T/prof.out" || cl_fail "profile line '$line' missing"
 done
-"$CL_PY" - "$CL_T/prof.json" <<'EOF' || cl_fail "the profile (above)"
+"$CL_PY" - "$CL_T/prof.json" $LAYERS "${PROF_FLAGS[1]}" <<'EOF' || cl_fail "the profile (above)"
 import json, sys
 d = json.load(open(sys.argv[1]))
 pre, dec, kv = d["prefill"], d["decode"], d["kv_transfer"]
 assert len(pre["points"]) >= 4 and all(p["seconds"] > 0 for p in pre["points"]), pre
-assert len(dec["points"]) >= 6 and {p["batch"] for p in dec["points"]} >= {1, 16}, dec
+layers, max_batch = int(sys.argv[2]), int(sys.argv[3])
+assert len(dec["points"]) >= 6 and {p["batch"] for p in dec["points"]} >= {1, max_batch}, dec
 for k in ("a_s", "b_s_per_token", "c_s_per_token2"): assert k in pre, k
 for k in ("a_s", "b_s_per_seq", "c_s_per_context_token"): assert k in dec, k
-assert kv["bytes_per_token"] == 2 * 6 * 2 * 64 * 4 and kv["b_s_per_token"] > 0, kv
+assert kv["bytes_per_token"] == 2 * layers * 2 * 64 * 4 and kv["b_s_per_token"] > 0, kv
 # the fit reproduces its own points within 50% (the largest prompt's dominate nothing: relative fit)
 for p in pre["points"]:
     t = p["tokens"]; f = pre["a_s"] + pre["b_s_per_token"] * t + pre["c_s_per_token2"] * t * t
     assert abs(f - p["seconds"]) < 0.5 * p["seconds"], (p, f)
 EOF
 
-# ---- predicted against measured: 1 prefill + 1 decode, one rate ----
+# ---- predicted against measured: 1 prefill + 1 decode, one rate. First a warm-up run, and the
+# profile calibrated by the nodes' own step histograms of it (the nodes share this machine's
+# cores with whatever else runs; the in-process profile did not) ----
 CL_M="$CL_T/m"
 cl_local 1 1 --threads 1
-RATE=4 N=48
-[ "$SAN" = ON ] && RATE=2 N=24
+W=$((N / 4))
+timeout 120 "$CL_BIN" bench serve --gateway "$CL_GW" --num-prompts $W --request-rate $RATE --input-len 48 \
+    --output-len 16 --range-ratio 0.5 --vocab-size 256 --seed 2 >/dev/null 2>"$CL_T/bs.err" ||
+    cl_fail "warm-up bench serve exited non-zero: $(tail -3 "$CL_T/bs.err")"
+if "$CL_BIN" plan calibrate --profile "$CL_T/prof.json" --prefill-metrics "${CL_MURL[prefill0]}" \
+        --decode-metrics "${CL_MURL[decode0]}" --context 56 --out "$CL_T/cal.json" >"$CL_T/cal.out" 2>&1; then
+    "$CL_PY" - "$CL_T/prof.json" "$CL_T/cal.json" <<'EOF' || cl_fail "plan calibrate (above)"
+import json, sys
+p, c = json.load(open(sys.argv[1])), json.load(open(sys.argv[2]))
+k = c["calibration"]
+assert k["prefill_factor"] > 0 and k["decode_factor"] > 0 and k["prefill_steps"] > 0 and k["decode_steps"] > 0, k
+assert abs(c["decode"]["b_s_per_seq"] - p["decode"]["b_s_per_seq"] * k["decode_factor"]) < 1e-12, k
+assert c["prefill"]["points"] == p["prefill"]["points"]  # the raw points stay what was measured
+EOF
+else
+    cl_fail "plan calibrate exited non-zero: $(cat "$CL_T/cal.out")"
+fi
+
 if ! timeout 120 "$CL_BIN" bench serve --gateway "$CL_GW" --num-prompts $N --request-rate $RATE --input-len 48 \
         --output-len 16 --range-ratio 0.5 --vocab-size 256 --seed 1 --goodput "ttft:1000 tpot:200" \
         --result-file "$CL_T/m.json" >/dev/null 2>"$CL_T/bs.err"; then
     cl_fail "bench serve exited non-zero: $(tail -3 "$CL_T/bs.err")"
 fi
-"$CL_BIN" plan --profile "$CL_T/prof.json" --workload random:48:16:0.5 --ttft 1000 --tpot 200 --split 1:1 \
+"$CL_BIN" plan --profile "$CL_T/cal.json" --workload random:48:16:0.5 --ttft 1000 --tpot 200 --split 1:1 \
     --rate $RATE --seed 1 --requests 2000 --json >"$CL_T/p.json" 2>"$CL_T/p.err" ||
     cl_fail "plan --split exited non-zero: $(cat "$CL_T/p.err")"
 "$CL_PY" - "$CL_T/m.json" "$CL_T/p.json" "$SAN" <<'EOF' || cl_fail "predicted vs measured (above)"
 import json, sys
 m, p = json.load(open(sys.argv[1])), json.load(open(sys.argv[2]))["simulated"]
-bound = 2.0 if sys.argv[3] == "ON" else 0.5  # a sanitized cluster is not the profile's engine
-def near(what, meas, pred):
+san = sys.argv[3] == "ON"  # a sanitized cluster is not the profile's engine
+def near(what, meas, pred, factor):
     err = (pred - meas) / meas
-    print(f"{what}: measured {meas:.2f}, predicted {pred:.2f} ({err:+.0%})")
-    assert abs(err) <= bound, f"{what} off by {err:+.0%} (bound {bound:.0%})"
+    print(f"{what}: measured {meas:.2f}, predicted {pred:.2f} ({err:+.0%}; bound: within {factor}x)")
+    assert meas / factor <= pred <= meas * factor, f"{what} off by {err:+.0%}"
 assert m["completed"] == m["num_prompts"] and m["failed"] == 0, m["first_error"]
-near("goodput (req/s)", m["request_goodput"], p["goodput"])
-near("TTFT p90 (ms)", m["p90_ttft_ms"], p["ttft_p90_ms"])
+# goodput below capacity is the arrival rate: within 50% (x1.5) whatever the neighbours do; the
+# TTFT tail is what the neighbours move most (docs/goodput.md: -29% to -97% on bad minutes)
+near("goodput (req/s)", m["request_goodput"], p["goodput"], 3.0 if san else 1.5)
+near("TTFT p90 (ms)", m["p90_ttft_ms"], p["ttft_p90_ms"], 4.0 if san else 2.5)
 print(f"TPOT p90 (ms): measured {m['p90_tpot_ms']:.2f}, predicted {p['tpot_p90_ms']:.2f} (not bounded: the decode "
       f"node's per-step costs beyond the engine are not in the profile)")
 EOF
 
 # ---- the router's planner metrics, and planning from them ----
 metric() { cl_metric router "$@" 2>/dev/null || echo 0; }
-[ "$(metric tandem_router_requests_arrived_total)" = "$N" ] || cl_fail "requests_arrived_total $(metric tandem_router_requests_arrived_total), want $N"
-[ "$(metric tandem_router_prompt_tokens_count)" = "$N" ] || cl_fail "prompt_tokens_count, want $N"
-[ "$(metric tandem_router_output_tokens_count)" = "$N" ] || cl_fail "output_tokens_count, want $N"
+[ "$(metric tandem_router_requests_arrived_total)" = $((W + N)) ] ||
+    cl_fail "requests_arrived_total $(metric tandem_router_requests_arrived_total), want $((W + N))"
+[ "$(metric tandem_router_prompt_tokens_count)" = $((W + N)) ] || cl_fail "prompt_tokens_count, want $((W + N))"
+[ "$(metric tandem_router_output_tokens_count)" = $((W + N)) ] || cl_fail "output_tokens_count, want $((W + N))"
 curl -s "${CL_MURL[router]}" >"$CL_T/metrics.txt"
 for m in tandem_router_node_queued_prefill_tokens tandem_router_node_running_sequences \
          tandem_router_node_kv_blocks_free tandem_router_node_kv_blocks tandem_router_node_step_seconds; do
@@ -103,21 +129,6 @@ assert len(p["what_if"]) == 2 * 5 and {w["split"] for w in p["what_if"]} == {"1:
 EOF
 else
     cl_fail "plan --metrics exited non-zero: $(cat "$CL_T/pm.err")"
-fi
-
-# ---- calibration from the nodes' own step histograms ----
-if "$CL_BIN" plan calibrate --profile "$CL_T/prof.json" --prefill-metrics "${CL_MURL[prefill0]}" \
-        --decode-metrics "${CL_MURL[decode0]}" --context 56 --out "$CL_T/cal.json" >"$CL_T/cal.out" 2>&1; then
-    "$CL_PY" - "$CL_T/prof.json" "$CL_T/cal.json" <<'EOF' || cl_fail "plan calibrate (above)"
-import json, sys
-p, c = json.load(open(sys.argv[1])), json.load(open(sys.argv[2]))
-k = c["calibration"]
-assert k["prefill_factor"] > 0 and k["decode_factor"] > 0 and k["prefill_steps"] > 0 and k["decode_steps"] > 0, k
-assert abs(c["decode"]["b_s_per_seq"] - p["decode"]["b_s_per_seq"] * k["decode_factor"]) < 1e-12, k
-assert c["prefill"]["points"] == p["prefill"]["points"]  # the raw points stay what was measured
-EOF
-else
-    cl_fail "plan calibrate exited non-zero: $(cat "$CL_T/cal.out")"
 fi
 
 # ---- a trace replays at its own times; --rate finds the nodes needed ----
