@@ -28,6 +28,7 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/time.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <cjson/cJSON.h>
@@ -552,7 +553,9 @@ static td_status_t workload_metrics(const char *url, double window_s, size_t n, 
     if (st != TD_OK)
         return st;
     uint64_t t0 = td_now_ns();
-    usleep((useconds_t)(window_s * 1e6));
+    struct timespec ts = {.tv_sec = (time_t)window_s, .tv_nsec = (long)((window_s - floor(window_s)) * 1e9)};
+    while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+    }
     if ((st = http_get(url, &b)) != TD_OK) {
         free(a);
         return st;
