@@ -902,17 +902,21 @@ static int plan_run(const plan_opts_t *o, plan_ctx_t *x, workload_t *w)
         char name[32];
         split_name(name, sizeof name, &best_c);
         if (!o->json) {
-            printf("Highest rate %lld nodes sustain (req/s):  %.3f\n", (long long)o->nodes, best_rate);
-            printf("Best split for %lld nodes (P:D):           %s\n", (long long)o->nodes, name);
-            printf("Goodput per node at that rate (req/s):   %.3f\n", best_rate / (double)o->nodes);
+            char label[64];
+            snprintf(label, sizeof label, "Highest rate %lld nodes sustain (req/s):", (long long)o->nodes);
+            printf("%-41s%.3f\n", label, best_rate);
+            snprintf(label, sizeof label, "Best split for %lld nodes (P:D):", (long long)o->nodes);
+            printf("%-41s%s\n", label, name);
+            printf("Sustained rate per node (req/s):         %.3f\n", best_rate / (double)o->nodes);
             printf("Best batch limits:                       prefill-max-batch-tokens %d, decode-max-batch %d "
                    "(%.3f req/s)\n", lim.prefill_max_batch_tokens, lim.decode_max_batch, lim_rate);
-            printf("Unified %lld nodes sustain (req/s):        %.3f\n", (long long)o->nodes, u_rate);
+            snprintf(label, sizeof label, "Unified %lld nodes sustain (req/s):", (long long)o->nodes);
+            printf("%-41s%.3f\n", label, u_rate);
         }
         cJSON_AddNumberToObject(j, "nodes", (double)o->nodes);
         cJSON_AddNumberToObject(j, "max_rate", best_rate);
         cJSON_AddStringToObject(j, "best_split", name);
-        cJSON_AddNumberToObject(j, "goodput_per_node", best_rate / (double)o->nodes);
+        cJSON_AddNumberToObject(j, "max_rate_per_node", best_rate / (double)o->nodes);
         cJSON_AddNumberToObject(j, "best_prefill_max_batch_tokens", lim.prefill_max_batch_tokens);
         cJSON_AddNumberToObject(j, "best_decode_max_batch", lim.decode_max_batch);
         cJSON_AddNumberToObject(j, "best_limits_rate", lim_rate);

@@ -7,7 +7,8 @@
 #   rate; the planner's prediction for the same split, rate and workload, from the profile
 #   calibrated by a warm-up run (`tandem plan calibrate`: the nodes' own step histograms), is
 #   within loose bounds of what was measured (goodput within 1.5x, TTFT median within 2.5x; the
-#   p90s printed: on a shared machine the neighbours move the tail; docs/goodput.md);
+#   p90s printed: on a shared machine the neighbours move the tail; docs/goodput.md; under the
+#   sanitizer everything is printed and nothing bounded);
 # - the router's planner metrics count the run (arrivals, prompt and output lengths, per-node
 #   gauges) and `tandem plan --metrics URL` plans from them;
 # - a trace workload replays; --nodes answers split, batch limits and a what-if table;
@@ -90,13 +91,14 @@ san = sys.argv[3] == "ON"  # a sanitized cluster is not the profile's engine
 def near(what, meas, pred, factor):
     err = (pred - meas) / meas
     print(f"{what}: measured {meas:.2f}, predicted {pred:.2f} ({err:+.0%}; bound: within {factor}x)")
-    assert meas / factor <= pred <= meas * factor, f"{what} off by {err:+.0%}"
+    # sanitized, the router, gRPC and the data plane cost what no profile measures: printed only
+    assert san or meas / factor <= pred <= meas * factor, f"{what} off by {err:+.0%}"
 assert m["completed"] == m["num_prompts"] and m["failed"] == 0, m["first_error"]
 # goodput below capacity is the arrival rate: within 50% (x1.5) whatever the neighbours do; the
 # TTFT tail is what the neighbours move most (docs/goodput.md: -29% to -97% in bad minutes, and
 # -44% to -62% in this test's own runs), so the median is bounded and the p90 printed
-near("goodput (req/s)", m["request_goodput"], p["goodput"], 3.0 if san else 1.5)
-near("TTFT median (ms)", m["median_ttft_ms"], p["ttft_p50_ms"], 4.0 if san else 2.5)
+near("goodput (req/s)", m["request_goodput"], p["goodput"], 1.5)
+near("TTFT median (ms)", m["median_ttft_ms"], p["ttft_p50_ms"], 2.5)
 print(f"TTFT p90 (ms): measured {m['p90_ttft_ms']:.2f}, predicted {p['ttft_p90_ms']:.2f} (not bounded: the tail is "
       f"the neighbours')")
 print(f"TPOT p90 (ms): measured {m['p90_tpot_ms']:.2f}, predicted {p['tpot_p90_ms']:.2f} (not bounded: the decode "
