@@ -19,6 +19,7 @@ int cmd_prefill(int argc, char **argv);
 int cmd_decode(int argc, char **argv);
 int cmd_unified(int argc, char **argv);
 int cmd_local(int argc, char **argv);
+int cmd_plan(int argc, char **argv);
 
 /* td_opts parse fns of the flags several commands share (cli/cli_opts.c): --device into a
  * td_device_spec_t (cpu, cuda, cuda:N), --dtype into a td_dtype_t (f32|f16|bf16), --quant

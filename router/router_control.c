@@ -44,6 +44,28 @@ void router_node_gone(router_state_t *s, int32_t idx, const char *why, bool leav
     router_peer_drop(s, idx);
 }
 
+/* The node's load as gauges labelled by node and role (what `tandem plan` and dashboards
+ * read: utilisation per node). A node that leaves keeps its last values; its heartbeats
+ * stopping is what router_*_nodes_up says. */
+void router_node_load_metrics(router_state_t *s, int32_t idx, const td_node_load_t *l)
+{
+    const router_node_t *n = router_registry_node_const(s->reg, idx);
+    if (!n)
+        return;
+    const char *v[] = {n->info.id, n->info.role == TD_NODE_ROLE_DECODE ? "decode" : "prefill"};
+    struct {
+        td_metric_family_t *f;
+        double value;
+    } set[] = {{s->f_node_queued, (double)l->queued_prefill_tokens}, {s->f_node_running, l->running_seqs},
+               {s->f_node_free, l->free_blocks}, {s->f_node_blocks, n->info.capacity_blocks},
+               {s->f_node_step, l->step_ms * 1e-3}};
+    for (size_t i = 0; i < TD_ARRAY_LEN(set); i++) {
+        td_metric_t *m;
+        if (set[i].f && td_metric_family_get(set[i].f, v, &m) == TD_OK)
+            td_metric_set(m, set[i].value);
+    }
+}
+
 /* ---- control API --------------------------------------------------------------------- */
 
 void router_print_nodes(router_state_t *s)
@@ -255,6 +277,7 @@ void on_heartbeat(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data)
             l.prefill_tok_s = isfinite(tps) && tps > 0 ? tps : 0; /* a hint: garbage is "unknown" */
         }
         router_registry_heartbeat(s->reg, q->node_id, &l, (int64_t)td_now_ns());
+        router_node_load_metrics(s, idx, &l);
         s->peers[idx].admit_refused = false;
         router_want_pump(s);
     }

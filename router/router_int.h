@@ -245,6 +245,10 @@ struct router_state {
     td_metric_t *m_ttft, *m_tpot, *m_active, *m_tokens, *m_retries, *m_nodes_prefill, *m_nodes_decode,
         *m_nodes_unified;
     td_metric_t *m_queue_depth, *m_queue_s, *m_first_mismatch;
+    /* what `tandem plan --metrics` reads: arrivals, prompt and output lengths, and each
+     * node's load as its last heartbeat reported it (labels node, role) */
+    td_metric_t *m_arrived, *m_prompt_tokens, *m_output_tokens;
+    td_metric_family_t *f_node_queued, *f_node_running, *f_node_free, *f_node_blocks, *f_node_step;
     bool shutting_down;
     bool handles_up;
     char refused[320];         /* the last registration refused, logged once ("id: reason") */
@@ -295,6 +299,8 @@ size_t router_http_error_body(void *data, int status, const char *message, char 
 void router_print_nodes(router_state_t *s);
 void router_peer_drop(router_state_t *s, int32_t idx);
 void router_node_gone(router_state_t *s, int32_t idx, const char *why, bool leave);
+/* Sets the per-node load gauges of node idx from its heartbeat (router_control.c). */
+void router_node_load_metrics(router_state_t *s, int32_t idx, const td_node_load_t *l);
 void on_register(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data);
 void on_heartbeat(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data);
 

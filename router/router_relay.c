@@ -162,6 +162,7 @@ static void req_finish(router_req_t *r, router_finish_t reason)
         r->client = NULL;
     }
     router_count_outcome(s, "ok");
+    td_metric_observe(s->m_output_tokens, (double)r->completion);
     router_req_end(r);
 }
 

@@ -583,6 +583,7 @@ static void req_arrived(router_req_t *r)
         router_req_fail(r, TD_GRPC_INVALID_ARGUMENT, why, "invalid");
         return;
     }
+    td_metric_observe(r->s->m_prompt_tokens, (double)r->n_prompt);
     req_place(r);
 }
 
@@ -676,6 +677,7 @@ td_status_t router_req_open(router_state_t *s, const router_req_spec_t *spec, td
         r->deadline_ns = (int64_t)r->t_arrival + spec->timeout_ms * 1000000;
     else if (s->cfg.request_timeout_ms)
         r->deadline_ns = (int64_t)r->t_arrival + s->cfg.request_timeout_ms * 1000000;
+    td_metric_inc(s->m_arrived);
     *r_p = r;
     return TD_OK;
 err_nomem:

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# plan_validate.sh: predicted (tandem plan) against measured (tandem bench serve on tandem
+# local) for one model, one P:D split, one workload, several rates (docs/goodput.md
+# "Capacity planning"). Usage:
+#   bench/plan_validate.sh TANDEM MODEL PROFILE P D IN:OUT:RANGE TTFT_MS TPOT_MS N_PROMPTS RATE...
+# Prints one line per rate: rate, then measured and predicted goodput, TTFT p90, TPOT p90, and
+# the 1-minute load average (a shared machine: the neighbours' load is in every figure).
+# PROFILE `auto`: `tandem plan profile --threads 1` of MODEL again just before each rate, so
+# that the profile and the run see the same neighbours. PROFILE `calib:FILE`: FILE for the
+# first rate, then for each later rate FILE calibrated (`tandem plan calibrate`) by the step
+# histograms the nodes kept over the rates before it: predicted from the past, compared with
+# the next run. The cluster is started once with
+# --threads 1 per node and stopped at the end.
+set -u
+BIN=$1 MODEL=$2 PROF=$3 P=$4 D=$5 WL=$6 TTFT=$7 TPOT=$8 N=$9
+shift 9
+IFS=: read -r IN OUT RR <<<"$WL"
+T=$(mktemp -d)
+setsid "$BIN" local --model "$MODEL" --prefill "$P" --decode "$D" --threads 1 >"$T/local.out" 2>"$T/local.err" &
+LP=$!
+trap 'kill -TERM -- -$LP 2>/dev/null; wait $LP 2>/dev/null; rm -rf "$T"' EXIT
+for _ in $(seq 100); do grep -q '^gateway:' "$T/local.out" && break; sleep 0.2; done
+GW=$(sed -n 's/^gateway: //p' "$T/local.out")
+PM=$(sed -n 's/^prefill [^ ]*: control [^ ]* metrics //p' "$T/local.err" | head -1)
+DM=$(sed -n 's/^decode [^ ]*: control [^ ]* metrics //p' "$T/local.err" | head -1)
+[ -n "$GW" ] || { echo "tandem local did not start: $(tail -3 "$T/local.err")" >&2; exit 1; }
+printf '%-6s | %-10s %-10s | %-11s %-11s | %-11s %-11s | %s\n' rate good_meas good_pred ttft90_meas ttft90_pred \
+    tpot90_meas tpot90_pred load
+SEED=0
+for R in "$@"; do
+    SEED=$((SEED + 1)) # new prompts each rate: the prefill node's prefix cache would serve repeated ones
+    PF=$PROF
+    if [ "${PROF#calib:}" != "$PROF" ]; then
+        PF=${PROF#calib:}
+        if [ "$SEED" -gt 1 ]; then
+            "$BIN" plan calibrate --profile "$PF" --prefill-metrics "$PM" --decode-metrics "$DM" \
+                --context $((IN + OUT / 2)) --out "$T/cal.json" >"$T/cal.out" 2>&1 || { cat "$T/cal.out" >&2; exit 1; }
+            PF=$T/cal.json
+        fi
+    elif [ "$PROF" = auto ]; then
+        PF=$T/prof.json
+        "$BIN" plan profile --model "$MODEL" --threads 1 --out "$PF" >/dev/null 2>&1 || { echo "profile failed" >&2; exit 1; }
+    fi
+    "$BIN" bench serve --gateway "$GW" --num-prompts "$N" --request-rate "$R" --input-len "$IN" --output-len "$OUT" \
+        --range-ratio "$RR" --vocab-size 256 --seed $SEED --goodput "ttft:$TTFT tpot:$TPOT" --result-file "$T/m.json" \
+        >/dev/null 2>"$T/bs.err" || { echo "bench serve failed at rate $R: $(tail -2 "$T/bs.err")" >&2; exit 1; }
+    LOAD=$(cut -d' ' -f1 /proc/loadavg)
+    "$BIN" plan --profile "$PF" --workload "random:$IN:$OUT:$RR" --ttft "$TTFT" --tpot "$TPOT" \
+        --split "$P:$D" --rate "$R" --requests 4000 --seed $SEED --json >"$T/p.json" || exit 1
+    python3 - "$T/m.json" "$T/p.json" "$R" "$LOAD" <<'PY'
+import json, sys
+m, p, r = json.load(open(sys.argv[1])), json.load(open(sys.argv[2]))["simulated"], sys.argv[3]
+print(f"{r:<6} | {m['request_goodput']:<10.3f} {p['goodput']:<10.3f} | {m['p90_ttft_ms']:<11.1f} "
+      f"{p['ttft_p90_ms']:<11.1f} | {m['p90_tpot_ms']:<11.2f} {p['tpot_p90_ms']:<11.2f} | {sys.argv[4]}")
+PY
+done

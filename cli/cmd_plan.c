@@ -1,0 +1,1127 @@
+/*
+ * cmd_plan: `tandem plan`, the capacity planner (issue 16; docs/goodput.md "Capacity
+ * planning").
+ *
+ *   tandem plan profile --model PATH [--threads N] [--out FILE]
+ *       runs the engine in this process as `tandem bench engine` does and measures a prefill
+ *       step against its tokens, a decode step against batch size and context, and models the
+ *       KV transfer (bytes per token / this machine's memcpy bandwidth); writes the points and
+ *       least-squares fits as a JSON profile.
+ *   tandem plan --profile P (--workload W | --metrics URL) --ttft MS --tpot MS
+ *               [--rate R | --nodes N] [--split P:D | --unified N] [--json]
+ *       simulates the cluster (common/plan/td_plan.h) and answers: the P:D split and batch
+ *       limits with the most goodput per node, the highest rate N nodes sustain, the nodes a
+ *       rate needs, and a what-if table.
+ *   tandem plan calibrate --profile P --prefill-metrics URL --decode-metrics URL --context C --out P2
+ *       scales a profile's fits to the mean step times the running nodes report (their own
+ *       step histograms: the whole scheduler step, at the CPU share they really had).
+ *
+ * The workload: `random:IN:OUT[:RANGE]` (bench serve's random dataset, its lengths drawn
+ * with the same seed), `trace:FILE` (bench serve's trace format and parser), or a live
+ * router's /metrics (arrival rate from two scrapes, lengths from its histograms).
+ */
+#include <errno.h>
+#include <math.h>
+#include <netdb.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cjson/cJSON.h>
+
+#include "bench_serve.h"
+#include "td_backend.h"
+#include "td_cli.h"
+#include "td_engine.h"
+#include "td_log.h"
+#include "td_model.h"
+#include "td_plan.h"
+#include "td_util.h"
+
+/* ==== profile ================================================================================== */
+
+static int cmp_d(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+static double median(double *v, int n)
+{
+    qsort(v, (size_t)n, sizeof *v, cmp_d);
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+#define PROFILE_REPS 7
+
+/* Least squares on relative error: each row scaled by 1 / its time, so the short steps (the
+ * ones a lightly loaded node runs) weigh as much as the long ones. */
+static td_status_t fit_relative(double *x, double *y, int n, int k, double *coef)
+{
+    for (int i = 0; i < n; i++) {
+        double w = y[i] > 0 ? 1.0 / y[i] : 1.0;
+        for (int c = 0; c < k; c++)
+            x[i * k + c] *= w;
+        y[i] *= w;
+    }
+    return td_plan_fit(x, y, (size_t)n, k, coef);
+}
+
+/* Seconds of one prefill step of `tokens` tokens (one new sequence, one logit row): median. */
+static td_status_t time_prefill(td_engine_t *eng, const int32_t *toks, int tokens, float *logits, double *s_p)
+{
+    double t[PROFILE_REPS];
+    for (int rep = -1; rep < PROFILE_REPS; rep++) { /* one warm-up */
+        td_kv_seq_t seq;
+        td_kv_seq_init(&seq);
+        td_engine_item_t it = {.seq = &seq, .tokens = toks, .n_tokens = tokens, .n_logits = 1};
+        uint64_t t0 = td_now_ns();
+        td_status_t st = td_engine_step(eng, &it, 1, logits);
+        double dt = (double)(td_now_ns() - t0) * 1e-9;
+        td_engine_seq_end(eng, &seq);
+        if (st != TD_OK)
+            return st;
+        if (rep >= 0)
+            t[rep] = dt;
+    }
+    *s_p = median(t, PROFILE_REPS);
+    return TD_OK;
+}
+
+/* Seconds of one decode step of `batch` sequences holding `ctx` tokens each: median. */
+static td_status_t time_decode(td_engine_t *eng, const int32_t *toks, int batch, int ctx, float *logits, double *s_p)
+{
+    td_kv_seq_t *seqs = calloc((size_t)batch, sizeof *seqs);
+    td_engine_item_t *items = calloc((size_t)batch, sizeof *items);
+    int32_t *next = calloc((size_t)batch, sizeof *next);
+    if (!seqs || !items || !next) {
+        free(seqs), free(items), free(next);
+        return td_errorf(TD_ERR_NOMEM, "plan profile: out of memory");
+    }
+    td_status_t st = TD_OK;
+    int max_tok = td_engine_config(eng)->max_batch_tokens;
+    for (int i = 0; i < batch; i++)
+        td_kv_seq_init(&seqs[i]);
+    for (int i = 0; i < batch && st == TD_OK; i++)
+        for (int off = 0; off < ctx && st == TD_OK; off += max_tok) {
+            int n = TD_MIN(max_tok, ctx - off);
+            td_engine_item_t it = {.seq = &seqs[i], .tokens = toks + off, .n_tokens = n, .n_logits = 1};
+            st = td_engine_step(eng, &it, 1, logits);
+        }
+    double t[PROFILE_REPS + 1];
+    for (int rep = 0; rep <= PROFILE_REPS && st == TD_OK; rep++) { /* the first is a warm-up */
+        for (int i = 0; i < batch; i++) {
+            next[i] = toks[(i + rep) % ctx];
+            items[i] = (td_engine_item_t){.seq = &seqs[i], .tokens = &next[i], .n_tokens = 1, .n_logits = 1};
+        }
+        uint64_t t0 = td_now_ns();
+        st = td_engine_step(eng, items, batch, logits);
+        t[rep] = (double)(td_now_ns() - t0) * 1e-9;
+    }
+    for (int i = 0; i < batch; i++)
+        td_engine_seq_end(eng, &seqs[i]);
+    if (st == TD_OK)
+        *s_p = median(t + 1, PROFILE_REPS);
+    free(seqs), free(items), free(next);
+    return st;
+}
+
+/* memcpy bandwidth of this machine over 64 MiB, best of 5: the same-host KV copy's bound. */
+static double copy_bandwidth(void)
+{
+    size_t bytes = (size_t)64 << 20;
+    char *a = malloc(bytes), *b = malloc(bytes);
+    double best = 0;
+    if (a && b) {
+        memset(a, 1, bytes);
+        memset(b, 2, bytes);
+        for (int rep = 0; rep < 5; rep++) {
+            uint64_t t0 = td_now_ns();
+            memcpy(b, a, bytes);
+            best = TD_MAX(best, (double)bytes / ((double)(td_now_ns() - t0) * 1e-9));
+        }
+    }
+    free(a), free(b);
+    return best;
+}
+
+static int plan_profile(int argc, char **argv)
+{
+    const char *model_path = NULL, *out = "plan-profile.json";
+    int64_t threads = 1, max_tokens = 512, max_batch = 64;
+    td_device_spec_t dev = {0};
+    const td_opt_t opts[] = {
+        TD_OPT_STRING("model", &model_path, "model to run in this process (required)"),
+        TD_OPT_INT("threads", &threads, 1, 1024, "compute threads, as the nodes' --threads (default 1)"),
+        {.name = "device", .type = TD_OPT_FN, .ptr = &dev, .parse = cli_opt_device, .arg = "D",
+         .help = "cpu (default), cuda or cuda:N"},
+        TD_OPT_INT("max-tokens", &max_tokens, 8, 1 << 16,
+                   "largest prefill step measured, as a prefill node's max-batch-tokens (default 512)"),
+        TD_OPT_INT("max-batch", &max_batch, 1, 4096, "largest decode batch measured (default 64)"),
+        TD_OPT_STRING("out", &out, "the profile file to write (default plan-profile.json)"),
+    };
+    td_opts_t spec = {.prog = "tandem plan profile", .opts = opts, .n_opts = TD_ARRAY_LEN(opts)};
+    td_opts_result_t r = {0};
+    if (td_opts_parse(&spec, argc, argv, &r) != TD_OK)
+        return 2;
+    if (r.help) {
+        printf("usage: tandem plan profile --model PATH [--threads N] [--device D] [--max-tokens N]\n"
+               "                          [--max-batch N] [--out FILE]\n");
+        td_opts_usage(stdout, opts, (int)TD_ARRAY_LEN(opts), false);
+        return 0;
+    }
+    if (!model_path) {
+        td_errorf(TD_ERR_INVALID, "tandem plan profile: --model PATH is required (--gateway and --openai "
+                                  "profiles of a running cluster are not written yet)");
+        return 2;
+    }
+    int rc = 1;
+    td_backend_t *be = NULL;
+    td_model_t *model = NULL;
+    td_engine_t *eng = NULL;
+    float *logits = NULL;
+    int32_t *toks = NULL;
+    cJSON *j = NULL;
+    if (td_backend_open(&dev, (int32_t)threads, TD_F32, &be) != TD_OK || td_model_load(model_path, &model) != TD_OK)
+        goto out;
+    const td_model_config_t *c = &model->config;
+    int max_prompt = (int)TD_MIN(max_tokens, (int64_t)c->max_seq_len - 1);
+    static const int ctx_grid[] = {16, 128, 384, 1024};
+    int max_ctx = 16;
+    for (size_t i = 0; i < TD_ARRAY_LEN(ctx_grid); i++)
+        if (ctx_grid[i] + PROFILE_REPS + 2 < c->max_seq_len)
+            max_ctx = ctx_grid[i];
+    td_engine_config_t ec = td_engine_config_default();
+    ec.prefix_cache = false;
+    ec.max_batch_tokens = TD_MAX(max_prompt, 64);
+    ec.max_seqs = ec.max_logit_rows = (int32_t)TD_MAX(max_batch, 1);
+    ec.n_blocks = (int32_t)(max_batch * TD_DIV_CEIL(max_ctx + PROFILE_REPS + 2, ec.block_size) +
+                            TD_DIV_CEIL(max_prompt + 1, ec.block_size) + 8);
+    if (td_engine_create(model, be, &ec, &eng) != TD_OK)
+        goto out;
+    logits = malloc((size_t)TD_MAX(max_batch, 1) * c->vocab_size * sizeof(float));
+    toks = malloc((size_t)TD_MAX(max_prompt, max_ctx) * sizeof(int32_t));
+    if (!logits || !toks) {
+        td_errorf(TD_ERR_NOMEM, "plan profile: out of memory");
+        goto out;
+    }
+    uint64_t x = 12345;
+    for (int i = 0; i < TD_MAX(max_prompt, max_ctx); i++) {
+        x = x * 6364136223846793005ull + 1442695040888963407ull;
+        toks[i] = 1 + (int32_t)((x >> 33) % (uint64_t)TD_MAX(c->vocab_size - 1, 1));
+    }
+    j = cJSON_CreateObject();
+    cJSON_AddNumberToObject(j, "tandem_plan_profile", 1);
+    cJSON_AddStringToObject(j, "source", "engine");
+    cJSON_AddStringToObject(j, "model", model_path);
+    cJSON_AddNumberToObject(j, "threads", (double)threads);
+    cJSON_AddStringToObject(j, "device", dev.cuda ? "cuda" : "cpu");
+
+    /* prefill: one step of T tokens, T doubling up to the budget */
+    double px[32 * 3], py[32], pc[3];
+    int np = 0;
+    cJSON *pre = cJSON_AddObjectToObject(j, "prefill"), *pts = cJSON_AddArrayToObject(pre, "points");
+    for (int t = 8;; t = TD_MIN(2 * t, max_prompt)) {
+        double s = 0;
+        if (time_prefill(eng, toks, t, logits, &s) != TD_OK)
+            goto out;
+        px[np * 3] = 1, px[np * 3 + 1] = t, px[np * 3 + 2] = (double)t * t;
+        py[np++] = s;
+        cJSON *p = cJSON_CreateObject();
+        cJSON_AddNumberToObject(p, "tokens", t);
+        cJSON_AddNumberToObject(p, "seconds", s);
+        cJSON_AddItemToArray(pts, p);
+        fprintf(stderr, "plan profile: prefill %4d tokens  %9.3f ms\n", t, s * 1e3);
+        if (t == max_prompt)
+            break;
+    }
+    pc[2] = 0;
+    if (np < 4) /* too few sizes for a curvature: affine */
+        for (int i = 0; i < np; i++)
+            px[i * 2] = 1, px[i * 2 + 1] = px[i * 3 + 1];
+    if (fit_relative(px, py, np, np >= 4 ? 3 : 2, pc) != TD_OK)
+        goto out;
+    cJSON_AddNumberToObject(pre, "a_s", pc[0]);
+    cJSON_AddNumberToObject(pre, "b_s_per_token", pc[1]);
+    cJSON_AddNumberToObject(pre, "c_s_per_token2", pc[2]);
+
+    /* decode: a step of B sequences of C context tokens each */
+    double dx[64 * 3], dy[64], dc[3];
+    int nd = 0;
+    cJSON *dec = cJSON_AddObjectToObject(j, "decode");
+    pts = cJSON_AddArrayToObject(dec, "points");
+    for (size_t ci = 0; ci < TD_ARRAY_LEN(ctx_grid) && ctx_grid[ci] <= max_ctx; ci++)
+        for (int b = 1;; b = (int)TD_MIN(2 * b, max_batch)) {
+            double s = 0;
+            if (time_decode(eng, toks, b, ctx_grid[ci], logits, &s) != TD_OK)
+                goto out;
+            dx[nd * 3] = 1, dx[nd * 3 + 1] = b, dx[nd * 3 + 2] = (double)b * ctx_grid[ci];
+            dy[nd++] = s;
+            cJSON *p = cJSON_CreateObject();
+            cJSON_AddNumberToObject(p, "batch", b);
+            cJSON_AddNumberToObject(p, "context", ctx_grid[ci]);
+            cJSON_AddNumberToObject(p, "seconds", s);
+            cJSON_AddItemToArray(pts, p);
+            fprintf(stderr, "plan profile: decode batch %3d context %4d  %9.3f ms\n", b, ctx_grid[ci], s * 1e3);
+            if (b == max_batch)
+                break;
+        }
+    if (fit_relative(dx, dy, nd, 3, dc) != TD_OK)
+        goto out;
+    cJSON_AddNumberToObject(dec, "a_s", dc[0]);
+    cJSON_AddNumberToObject(dec, "b_s_per_seq", dc[1]);
+    cJSON_AddNumberToObject(dec, "c_s_per_context_token", dc[2]);
+
+    /* KV transfer: a model, not a measurement of td_xfer (bench kvxfer measures that) */
+    double per_tok = (double)td_engine_kv_block_bytes(model, &ec) / ec.block_size, bw = copy_bandwidth();
+    cJSON *kv = cJSON_AddObjectToObject(j, "kv_transfer");
+    cJSON_AddStringToObject(kv, "method", "model: KV bytes per token / this host's memcpy bandwidth (the same-host "
+                                          "shared-memory copy); a_s is not measured");
+    cJSON_AddNumberToObject(kv, "bytes_per_token", per_tok);
+    cJSON_AddNumberToObject(kv, "copy_bytes_per_s", bw);
+    cJSON_AddNumberToObject(kv, "a_s", 0);
+    cJSON_AddNumberToObject(kv, "b_s_per_token", bw > 0 ? per_tok / bw : 0);
+    cJSON_AddNumberToObject(j, "overhead_s", 0);
+
+    char *text = cJSON_Print(j);
+    FILE *f = text ? fopen(out, "w") : NULL;
+    if (!f || fputs(text, f) < 0 || fputc('\n', f) < 0) {
+        td_errorf(TD_ERR_IO, "plan profile: cannot write %s: %s", out, strerror(errno));
+        if (f)
+            fclose(f);
+        free(text);
+        goto out;
+    }
+    fclose(f);
+    free(text);
+    printf("Profile written:                         %s\n", out);
+    printf("Prefill step (ms):                       %.4f + %.6f x tokens + %.3g x tokens^2\n", pc[0] * 1e3,
+           pc[1] * 1e3, pc[2] * 1e3);
+    printf("Decode step (ms):                        %.4f + %.6f x batch + %.3g x context tokens\n", dc[0] * 1e3,
+           dc[1] * 1e3, dc[2] * 1e3);
+    printf("KV transfer (ms per token, modelled):    %.6f\n", bw > 0 ? per_tok / bw * 1e3 : 0);
+    rc = 0;
+out:
+    cJSON_Delete(j);
+    free(logits), free(toks);
+    td_engine_destroy(eng);
+    td_model_destroy(model);
+    td_backend_destroy(be);
+    return rc;
+}
+
+/* ==== reading a profile =========================================================================== */
+
+static double num(const cJSON *o, const char *k)
+{
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, k);
+    return cJSON_IsNumber(v) ? v->valuedouble : NAN;
+}
+
+static td_status_t profile_load(const char *path, td_plan_profile_t *p)
+{
+    char *text = NULL;
+    size_t len = 0;
+    td_status_t st = td_file_read_all(path, (size_t)64 << 20, &text, &len);
+    if (st != TD_OK)
+        return st;
+    cJSON *j = cJSON_ParseWithLength(text, len);
+    free(text);
+    const cJSON *pre = cJSON_GetObjectItemCaseSensitive(j, "prefill"),
+                *dec = cJSON_GetObjectItemCaseSensitive(j, "decode"),
+                *kv = cJSON_GetObjectItemCaseSensitive(j, "kv_transfer");
+    *p = (td_plan_profile_t){
+        .prefill_a_s = num(pre, "a_s"), .prefill_b_s = num(pre, "b_s_per_token"),
+        .prefill_c_s = num(pre, "c_s_per_token2"), .decode_a_s = num(dec, "a_s"),
+        .decode_b_s = num(dec, "b_s_per_seq"), .decode_c_s = num(dec, "c_s_per_context_token"),
+        .xfer_a_s = num(kv, "a_s"), .xfer_b_s = num(kv, "b_s_per_token"), .overhead_s = num(j, "overhead_s")};
+    cJSON_Delete(j);
+    const double *f = &p->prefill_a_s;
+    for (size_t i = 0; i < sizeof *p / sizeof(double); i++)
+        if (!isfinite(f[i]))
+            return td_errorf(TD_ERR_INVALID, "--profile: %s is not a profile `tandem plan profile` wrote (a "
+                                             "coefficient is missing)", path);
+    return TD_OK;
+}
+
+/* ==== workloads ================================================================================== */
+
+typedef struct workload {
+    int32_t *in, *out;
+    size_t n;
+    double rate;            /* the trace's or the live router's; 0: none */
+    td_plan_request_t *timed; /* a trace's own arrivals [n], or NULL */
+    char desc[256];
+} workload_t;
+
+static void workload_free(workload_t *w)
+{
+    free(w->in), free(w->out), free(w->timed);
+}
+
+static td_status_t workload_from_dataset(const bs_dataset_t *d, workload_t *w)
+{
+    w->n = d->n;
+    w->in = malloc(TD_MAX(d->n, (size_t)1) * sizeof(int32_t));
+    w->out = malloc(TD_MAX(d->n, (size_t)1) * sizeof(int32_t));
+    if (d->timed)
+        w->timed = malloc(TD_MAX(d->n, (size_t)1) * sizeof *w->timed);
+    if (!w->in || !w->out || (d->timed && !w->timed))
+        return td_errorf(TD_ERR_NOMEM, "plan: out of memory for the workload");
+    for (size_t i = 0; i < d->n; i++) {
+        w->in[i] = (int32_t)TD_MAX(d->items[i].input_len, 1u);
+        w->out[i] = (int32_t)TD_MAX(d->items[i].output_len, 1u);
+        if (w->timed)
+            w->timed[i] = (td_plan_request_t){d->items[i].arrival_s, w->in[i], w->out[i]};
+    }
+    if (d->timed && d->n > 1 && d->items[d->n - 1].arrival_s > 0)
+        w->rate = (double)(d->n - 1) / d->items[d->n - 1].arrival_s;
+    return TD_OK;
+}
+
+/* --workload random:IN:OUT[:RANGE] | trace:FILE */
+static td_status_t workload_parse(const char *spec, size_t n, uint64_t seed, workload_t *w)
+{
+    bs_rng_t rng;
+    bs_rng_seed(&rng, seed);
+    bs_dataset_t d = {0};
+    td_status_t st;
+    if (!strncmp(spec, "random:", 7)) {
+        char *end;
+        long in = strtol(spec + 7, &end, 10), out = *end == ':' ? strtol(end + 1, &end, 10) : 0;
+        double rr = 0;
+        if (*end == ':')
+            rr = strtod(end + 1, &end);
+        if (in < 1 || out < 1 || in > 1 << 20 || out > 1 << 20 || *end || rr < 0 || rr >= 1)
+            return td_errorf(TD_ERR_INVALID, "--workload: '%s' is not random:IN:OUT[:RANGE] (IN, OUT >= 1, "
+                                             "0 <= RANGE < 1)", spec);
+        if ((st = bs_dataset_random(&rng, n, (uint32_t)in, (uint32_t)out, rr, &d)) != TD_OK)
+            return st;
+        snprintf(w->desc, sizeof w->desc, "random input %ld output %ld range %.2f", in, out, rr);
+    } else if (!strncmp(spec, "trace:", 6)) {
+        char *text = NULL;
+        size_t len = 0;
+        if ((st = td_file_read_all(spec + 6, (size_t)1 << 30, &text, &len)) != TD_OK)
+            return st;
+        st = bs_dataset_trace_parse(text, len, spec + 6, 0, &rng, &d);
+        free(text);
+        if (st != TD_OK)
+            return st;
+        if (!d.n) {
+            bs_dataset_free(&d);
+            return td_errorf(TD_ERR_INVALID, "--workload: %s has no requests", spec + 6);
+        }
+        snprintf(w->desc, sizeof w->desc, "trace %s (%zu requests)", spec + 6, d.n);
+    } else {
+        return td_errorf(TD_ERR_INVALID, "--workload: '%s' is neither random:IN:OUT[:RANGE] nor trace:FILE", spec);
+    }
+    st = workload_from_dataset(&d, w);
+    bs_dataset_free(&d);
+    return st;
+}
+
+/* ---- a live router's /metrics ---- */
+
+/* GET url (http://HOST:PORT/PATH) with a 5 s bound: the body, NUL-terminated, in *body_p. */
+static td_status_t http_get(const char *url, char **body_p)
+{
+    char host[256], port[16] = "80";
+    const char *path = "/metrics";
+    if (strncmp(url, "http://", 7))
+        return td_errorf(TD_ERR_INVALID, "--metrics: '%s' is not http://HOST:PORT/metrics", url);
+    const char *h = url + 7, *slash = strchr(h, '/'), *colon = strchr(h, ':');
+    size_t hl = slash ? (size_t)(slash - h) : strlen(h);
+    if (slash)
+        path = slash;
+    if (colon && (!slash || colon < slash)) {
+        snprintf(port, sizeof port, "%.*s", (int)TD_MIN((size_t)(hl - (size_t)(colon - h) - 1), sizeof port - 1),
+                 colon + 1);
+        hl = (size_t)(colon - h);
+    }
+    if (!hl || hl >= sizeof host)
+        return td_errorf(TD_ERR_INVALID, "--metrics: no host in '%s'", url);
+    snprintf(host, sizeof host, "%.*s", (int)hl, h);
+    struct addrinfo hints = {.ai_socktype = SOCK_STREAM}, *ai = NULL;
+    if (getaddrinfo(host, port, &hints, &ai) != 0 || !ai)
+        return td_errorf(TD_ERR_UNAVAILABLE, "--metrics: cannot resolve %s", host);
+    int fd = socket(ai->ai_family, SOCK_STREAM, 0);
+    struct timeval tv = {.tv_sec = 5};
+    if (fd >= 0) {
+        setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+        setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+    }
+    if (fd < 0 || connect(fd, ai->ai_addr, ai->ai_addrlen) != 0) {
+        freeaddrinfo(ai);
+        if (fd >= 0)
+            close(fd);
+        return td_errorf(TD_ERR_UNAVAILABLE, "--metrics: cannot connect to %s:%s: %s", host, port, strerror(errno));
+    }
+    freeaddrinfo(ai);
+    char req[512];
+    int n = snprintf(req, sizeof req, "GET %s HTTP/1.0\r\nHost: %s\r\nConnection: close\r\n\r\n", path, host);
+    size_t cap = 1 << 16, len = 0;
+    char *buf = malloc(cap);
+    td_status_t st = TD_OK;
+    if (!buf || write(fd, req, (size_t)n) != n)
+        st = td_errorf(TD_ERR_IO, "--metrics: cannot send the request to %s:%s", host, port);
+    while (st == TD_OK) {
+        if (len + 1 == cap) {
+            char *nb = cap < ((size_t)64 << 20) ? realloc(buf, cap *= 2) : NULL;
+            if (!nb) {
+                st = td_errorf(TD_ERR_NOMEM, "--metrics: the answer is too large");
+                break;
+            }
+            buf = nb;
+        }
+        ssize_t k = read(fd, buf + len, cap - len - 1);
+        if (k < 0)
+            st = td_errorf(TD_ERR_IO, "--metrics: reading from %s:%s: %s", host, port, strerror(errno));
+        if (k <= 0)
+            break;
+        len += (size_t)k;
+    }
+    close(fd);
+    if (st != TD_OK) {
+        free(buf);
+        return st;
+    }
+    buf[len] = '\0';
+    char *body = strstr(buf, "\r\n\r\n");
+    if (strncmp(buf, "HTTP/1.", 7) || !strchr(buf, ' ') || atoi(strchr(buf, ' ') + 1) != 200 || !body) {
+        free(buf);
+        return td_errorf(TD_ERR_UNAVAILABLE, "--metrics: %s did not answer 200 with a body", url);
+    }
+    memmove(buf, body + 4, len - (size_t)(body + 4 - buf) + 1);
+    *body_p = buf;
+    return TD_OK;
+}
+
+/* The value of series `name` (exactly, no labels) in Prometheus text; NAN when absent. */
+static double prom_value(const char *text, const char *name)
+{
+    size_t nl = strlen(name);
+    for (const char *p = text; p && *p; p = strchr(p, '\n') ? strchr(p, '\n') + 1 : NULL)
+        if (!strncmp(p, name, nl) && p[nl] == ' ')
+            return strtod(p + nl + 1, NULL);
+    return NAN;
+}
+
+#define MAX_BUCKETS 64
+
+/* The buckets of histogram `name`: upper bounds and cumulative counts, +Inf last. */
+static int prom_buckets(const char *text, const char *name, double *le, double *cum)
+{
+    char pre[160];
+    int n = 0, pl = snprintf(pre, sizeof pre, "%s_bucket{le=\"", name);
+    for (const char *p = text; p && *p && n < MAX_BUCKETS; p = strchr(p, '\n') ? strchr(p, '\n') + 1 : NULL) {
+        if (strncmp(p, pre, (size_t)pl))
+            continue;
+        le[n] = !strncmp(p + pl, "+Inf", 4) ? INFINITY : strtod(p + pl, NULL);
+        const char *v = strstr(p, "} ");
+        cum[n++] = v ? strtod(v + 2, NULL) : 0;
+    }
+    return n;
+}
+
+/* n lengths spread over a histogram's buckets in proportion to their counts, each the middle
+ * of its bucket (the +Inf bucket: its lower bound); deterministic order (a stride through
+ * the quantiles, so any prefix spans the distribution). */
+static td_status_t lengths_from_hist(const double *le, const double *cum, int nb, size_t n, int32_t *v)
+{
+    double total = nb ? cum[nb - 1] : 0;
+    if (!(total > 0))
+        return TD_ERR_NOT_FOUND;
+    for (size_t i = 0; i < n; i++) {
+        double q = fmod((double)i * 0.6180339887498949, 1.0) * total; /* golden-ratio stride */
+        int b = 0;
+        while (b < nb - 1 && cum[b] <= q)
+            b++;
+        double lo = b ? le[b - 1] : 0, hi = isinf(le[b]) ? lo : le[b];
+        v[i] = (int32_t)TD_MAX(1.0, round(0.5 * (lo + hi)));
+    }
+    return TD_OK;
+}
+
+static td_status_t workload_metrics(const char *url, double window_s, size_t n, workload_t *w)
+{
+    char *a = NULL, *b = NULL;
+    td_status_t st = http_get(url, &a);
+    if (st != TD_OK)
+        return st;
+    uint64_t t0 = td_now_ns();
+    struct timespec ts = {.tv_sec = (time_t)window_s, .tv_nsec = (long)((window_s - floor(window_s)) * 1e9)};
+    while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+    }
+    if ((st = http_get(url, &b)) != TD_OK) {
+        free(a);
+        return st;
+    }
+    double dt = (double)(td_now_ns() - t0) * 1e-9;
+    double arr0 = prom_value(a, "tandem_router_requests_arrived_total"),
+           arr1 = prom_value(b, "tandem_router_requests_arrived_total");
+    double le[MAX_BUCKETS], cum[MAX_BUCKETS], le2[MAX_BUCKETS], cum2[MAX_BUCKETS];
+    int ni = prom_buckets(b, "tandem_router_prompt_tokens", le, cum);
+    int no = prom_buckets(b, "tandem_router_output_tokens", le2, cum2);
+    free(a);
+    w->in = malloc(n * sizeof(int32_t));
+    w->out = malloc(n * sizeof(int32_t));
+    if (!w->in || !w->out)
+        st = td_errorf(TD_ERR_NOMEM, "plan: out of memory for the workload");
+    else if (isnan(arr1) || !ni || !no)
+        st = td_errorf(TD_ERR_INVALID, "--metrics: %s has no tandem_router_requests_arrived_total or no prompt/"
+                                       "output token histograms: is it a tandem router's /metrics?", url);
+    else if (lengths_from_hist(le, cum, ni, n, w->in) != TD_OK || lengths_from_hist(le2, cum2, no, n, w->out) != TD_OK)
+        st = td_errorf(TD_ERR_INVALID, "--metrics: the router at %s has ended no request yet: nothing to plan from",
+                       url);
+    free(b);
+    if (st != TD_OK)
+        return st;
+    w->n = n;
+    w->rate = (arr1 - arr0) / dt;
+    snprintf(w->desc, sizeof w->desc, "live router %s (%.2f requests/s over %.1f s; lengths from its histograms)",
+             url, w->rate, dt);
+    return TD_OK;
+}
+
+/* ==== calibration from the nodes' own step histograms ================================================ */
+
+/* Scales a profile's fits so that they give the mean step the nodes measured (their step
+ * histograms count the whole scheduler step, sampling and sends included, at whatever share
+ * of the CPU the node had), at the mean batch they ran. One factor per node kind. */
+static int plan_calibrate(int argc, char **argv)
+{
+    const char *in = NULL, *out = NULL, *pm = NULL, *dm = NULL;
+    int64_t ctx = 0;
+    const td_opt_t opts[] = {
+        TD_OPT_STRING("profile", &in, "profile to calibrate (required)"),
+        TD_OPT_STRING("prefill-metrics", &pm, "a prefill node's /metrics URL"),
+        TD_OPT_STRING("decode-metrics", &dm, "a decode node's /metrics URL"),
+        TD_OPT_INT("context", &ctx, 1, 1 << 24, "mean context tokens of a decoding sequence (required with "
+                                              "--decode-metrics: prompt + half the output)"),
+        TD_OPT_STRING("out", &out, "calibrated profile to write (required)"),
+    };
+    td_opts_t spec = {.prog = "tandem plan calibrate", .opts = opts, .n_opts = TD_ARRAY_LEN(opts)};
+    td_opts_result_t r = {0};
+    if (td_opts_parse(&spec, argc, argv, &r) != TD_OK)
+        return 2;
+    if (r.help) {
+        printf("usage: tandem plan calibrate --profile P [--prefill-metrics URL] [--decode-metrics URL --context C]\n"
+               "                            --out FILE\n");
+        td_opts_usage(stdout, opts, (int)TD_ARRAY_LEN(opts), false);
+        return 0;
+    }
+    const char *bad = !in ? "--profile: required" : !out ? "--out: required"
+                      : !pm && !dm ? "--prefill-metrics: give it or --decode-metrics (or both)"
+                      : dm && !ctx ? "--context: required with --decode-metrics" : NULL;
+    if (bad) {
+        td_errorf(TD_ERR_INVALID, "tandem plan calibrate: %s", bad);
+        return 2;
+    }
+    td_plan_profile_t p;
+    char *text = NULL, *m = NULL;
+    size_t len = 0;
+    cJSON *j = NULL;
+    int rc = 1;
+    if (profile_load(in, &p) != TD_OK) {
+        rc = 2;
+        goto out;
+    }
+    if (td_file_read_all(in, (size_t)64 << 20, &text, &len) != TD_OK || !(j = cJSON_ParseWithLength(text, len)))
+        goto out;
+    cJSON *cal = cJSON_CreateObject();
+    cJSON_DeleteItemFromObjectCaseSensitive(j, "calibration"); /* a calibrated profile calibrated again */
+    cJSON_AddItemToObject(j, "calibration", cal);
+    if (pm) {
+        if (http_get(pm, &m) != TD_OK)
+            goto out;
+        double n = prom_value(m, "tandem_prefill_step_seconds_count"), ss = prom_value(m, "tandem_prefill_step_seconds_sum"),
+               ts = prom_value(m, "tandem_prefill_batch_tokens_sum"), ps = prom_value(m, "tandem_prefill_batch_size_sum");
+        double xn = prom_value(m, "tandem_prefill_transfer_seconds_count"),
+               xs = prom_value(m, "tandem_prefill_transfer_seconds_sum");
+        free(m);
+        m = NULL;
+        if (!(n > 0) || !(ss > 0) || !(ts > 0) || !(ps > 0)) {
+            td_errorf(TD_ERR_INVALID, "--prefill-metrics: %s has no prefill steps counted (is it a prefill node that "
+                      "has served?)", pm);
+            rc = 2;
+            goto out;
+        }
+        double step = ss / n, tok = ts / n, prompts = ps / n, chunk = tok / prompts;
+        double f = step / td_plan_prefill_step_s(&p, (int64_t)round(tok), prompts * chunk * chunk);
+        cJSON *pre = cJSON_GetObjectItemCaseSensitive(j, "prefill");
+        cJSON_SetNumberValue(cJSON_GetObjectItemCaseSensitive(pre, "a_s"), p.prefill_a_s * f);
+        cJSON_SetNumberValue(cJSON_GetObjectItemCaseSensitive(pre, "b_s_per_token"), p.prefill_b_s * f);
+        cJSON_SetNumberValue(cJSON_GetObjectItemCaseSensitive(pre, "c_s_per_token2"), p.prefill_c_s * f);
+        cJSON_AddNumberToObject(cal, "prefill_factor", f);
+        cJSON_AddNumberToObject(cal, "prefill_steps", n);
+        cJSON_AddNumberToObject(cal, "prefill_mean_step_s", step);
+        cJSON_AddNumberToObject(cal, "prefill_mean_tokens", tok);
+        printf("Prefill: %.0f steps, mean %.3f ms at %.1f tokens: fits x %.3f\n", n, step * 1e3, tok, f);
+        if (xn > 0 && xs >= 0) {
+            /* a transfer is timed from the first layer of the prompt's last step until the decode
+             * node adopted it: what outlasts that step is the delay between the first token and
+             * the sequence joining a decode batch (messages, adoption, not only bytes) */
+            double extra = TD_MAX(xs / xn - step, 0.0);
+            cJSON *kv = cJSON_GetObjectItemCaseSensitive(j, "kv_transfer");
+            cJSON_SetNumberValue(cJSON_GetObjectItemCaseSensitive(kv, "a_s"), extra);
+            cJSON_AddNumberToObject(cal, "kv_transfer_mean_s", xs / xn);
+            printf("KV transfer: %.0f, mean %.3f ms from the first layer: %.3f ms after the step\n", xn,
+                   xs / xn * 1e3, extra * 1e3);
+        }
+    }
+    if (dm) {
+        if (http_get(dm, &m) != TD_OK)
+            goto out;
+        double n = prom_value(m, "tandem_decode_step_seconds_count"), ss = prom_value(m, "tandem_decode_step_seconds_sum"),
+               bs = prom_value(m, "tandem_decode_batch_size_sum");
+        free(m);
+        m = NULL;
+        if (!(n > 0) || !(ss > 0) || !(bs > 0)) {
+            td_errorf(TD_ERR_INVALID, "--decode-metrics: %s has no decode steps counted (is it a decode node that "
+                      "has served?)", dm);
+            rc = 2;
+            goto out;
+        }
+        double step = ss / n, b = bs / n;
+        double f = step / td_plan_decode_step_s(&p, (int64_t)TD_MAX(round(b), 1.0), (int64_t)round(b * (double)ctx));
+        cJSON *dec = cJSON_GetObjectItemCaseSensitive(j, "decode");
+        cJSON_SetNumberValue(cJSON_GetObjectItemCaseSensitive(dec, "a_s"), p.decode_a_s * f);
+        cJSON_SetNumberValue(cJSON_GetObjectItemCaseSensitive(dec, "b_s_per_seq"), p.decode_b_s * f);
+        cJSON_SetNumberValue(cJSON_GetObjectItemCaseSensitive(dec, "c_s_per_context_token"), p.decode_c_s * f);
+        cJSON_AddNumberToObject(cal, "decode_factor", f);
+        cJSON_AddNumberToObject(cal, "decode_steps", n);
+        cJSON_AddNumberToObject(cal, "decode_mean_step_s", step);
+        cJSON_AddNumberToObject(cal, "decode_mean_batch", b);
+        printf("Decode: %.0f steps, mean %.3f ms at batch %.2f: fits x %.3f\n", n, step * 1e3, b, f);
+    }
+    char *t = cJSON_Print(j);
+    FILE *f = t ? fopen(out, "w") : NULL;
+    if (!f || fputs(t, f) < 0 || fputc('\n', f) < 0) {
+        td_errorf(TD_ERR_IO, "plan calibrate: cannot write %s: %s", out, strerror(errno));
+        if (f)
+            fclose(f);
+        free(t);
+        goto out;
+    }
+    fclose(f);
+    free(t);
+    printf("Profile written:                         %s\n", out);
+    rc = 0;
+out:
+    free(text), free(m);
+    cJSON_Delete(j);
+    return rc;
+}
+
+/* ==== the plan =================================================================================== */
+
+typedef struct plan_opts {
+    const char *profile, *workload, *metrics, *split, *rates;
+    double ttft_ms, tpot_ms, rate, attainment, overhead_ms, metrics_window_s;
+    int64_t nodes, unified, max_nodes, requests, seed;
+    int64_t prefill_max_batch_tokens, prefill_max_batch, decode_max_batch, decode_kv_tokens;
+    bool json;
+} plan_opts_t;
+
+typedef struct plan_ctx {
+    td_plan_profile_t prof;
+    td_plan_cluster_t base;
+    td_plan_lengths_t L;
+    td_plan_search_t s;
+} plan_ctx_t;
+
+static td_plan_cluster_t split_cluster(const plan_ctx_t *x, int p, int d, int u)
+{
+    td_plan_cluster_t c = x->base;
+    c.n_prefill = u ? 0 : p;
+    c.n_decode = u ? 0 : d;
+    c.n_unified = u;
+    return c;
+}
+
+static void split_name(char *b, size_t cap, const td_plan_cluster_t *c)
+{
+    if (c->n_unified)
+        snprintf(b, cap, "%dU", c->n_unified);
+    else
+        snprintf(b, cap, "%d:%d", c->n_prefill, c->n_decode);
+}
+
+static cJSON *result_json(const td_plan_cluster_t *c, double rate, const td_plan_result_t *r)
+{
+    char name[32];
+    split_name(name, sizeof name, c);
+    cJSON *o = cJSON_CreateObject();
+    cJSON_AddStringToObject(o, "split", name);
+    cJSON_AddNumberToObject(o, "rate", rate);
+    cJSON_AddNumberToObject(o, "goodput", r->goodput);
+    cJSON_AddNumberToObject(o, "goodput_per_node", r->goodput / (c->n_unified + c->n_prefill + c->n_decode));
+    cJSON_AddNumberToObject(o, "slo_attainment", r->attainment);
+    cJSON_AddNumberToObject(o, "throughput", r->throughput);
+    cJSON_AddNumberToObject(o, "ttft_p50_ms", r->ttft_p50_s * 1e3);
+    cJSON_AddNumberToObject(o, "ttft_p90_ms", r->ttft_p90_s * 1e3);
+    cJSON_AddNumberToObject(o, "tpot_p50_ms", isnan(r->tpot_p50_s) ? 0 : r->tpot_p50_s * 1e3);
+    cJSON_AddNumberToObject(o, "tpot_p90_ms", isnan(r->tpot_p90_s) ? 0 : r->tpot_p90_s * 1e3);
+    cJSON_AddNumberToObject(o, "prefill_busy", r->prefill_busy);
+    cJSON_AddNumberToObject(o, "decode_busy", r->decode_busy);
+    return o;
+}
+
+static void print_result(const char *what, const td_plan_cluster_t *c, double rate, const td_plan_result_t *r)
+{
+    char name[32];
+    split_name(name, sizeof name, c);
+    printf("%s split %s at %.3f req/s:\n", what, name, rate);
+    printf("  Request goodput (req/s):               %.3f\n", r->goodput);
+    printf("  SLO attainment (%%):                    %.2f\n", r->attainment * 100);
+    printf("  Request throughput (req/s):            %.3f\n", r->throughput);
+    printf("  P50 TTFT (ms):                         %.2f\n", r->ttft_p50_s * 1e3);
+    printf("  P90 TTFT (ms):                         %.2f\n", r->ttft_p90_s * 1e3);
+    printf("  P50 TPOT (ms):                         %.2f\n", r->tpot_p50_s * 1e3);
+    printf("  P90 TPOT (ms):                         %.2f\n", r->tpot_p90_s * 1e3);
+    printf("  Prefill / decode busy (%%):             %.1f / %.1f\n", r->prefill_busy * 100, r->decode_busy * 100);
+}
+
+/* The split of n nodes (and the unified n) with the highest sustained rate. */
+static td_status_t best_split(const plan_ctx_t *x, int n, td_plan_cluster_t *best_c, double *best_rate)
+{
+    *best_rate = -1;
+    for (int p = 1; p < n; p++) {
+        td_plan_cluster_t c = split_cluster(x, p, n - p, 0);
+        double r;
+        td_status_t st = td_plan_max_rate(&x->prof, &c, &x->L, &x->s, &r, NULL);
+        if (st != TD_OK)
+            return st;
+        if (r > *best_rate)
+            *best_rate = r, *best_c = c;
+    }
+    return TD_OK;
+}
+
+static int parse_split(const char *s, int *p, int *d)
+{
+    char *end;
+    long a = strtol(s, &end, 10), b = *end == ':' ? strtol(end + 1, &end, 10) : 0;
+    if (a < 1 || b < 1 || a > 1024 || b > 1024 || *end)
+        return -1;
+    *p = (int)a, *d = (int)b;
+    return 0;
+}
+
+static int plan_run(const plan_opts_t *o, plan_ctx_t *x, workload_t *w)
+{
+    cJSON *j = cJSON_CreateObject();
+    int rc = 1;
+    td_status_t st = TD_OK;
+    double mean_in = 0, mean_out = 0;
+    for (size_t i = 0; i < w->n; i++)
+        mean_in += (double)w->in[i] / (double)w->n, mean_out += (double)w->out[i] / (double)w->n;
+    double rate = o->rate > 0 ? o->rate : w->rate;
+    if (!o->json) {
+        printf("============ Capacity Plan ============\n");
+        printf("Profile:                                 %s\n", o->profile);
+        printf("Workload:                                %s\n", w->desc);
+        printf("Mean input / output tokens:              %.1f / %.1f\n", mean_in, mean_out);
+        printf("Objectives:                              TTFT %.1f ms, TPOT %.1f ms, attainment >= %.0f%%\n",
+               o->ttft_ms, o->tpot_ms, o->attainment * 100);
+        if (w->rate > 0)
+            printf("Workload arrival rate (req/s):           %.3f\n", w->rate);
+    }
+    cJSON_AddStringToObject(j, "profile", o->profile);
+    cJSON_AddStringToObject(j, "workload", w->desc);
+    cJSON_AddNumberToObject(j, "mean_input_tokens", mean_in);
+    cJSON_AddNumberToObject(j, "mean_output_tokens", mean_out);
+    cJSON_AddNumberToObject(j, "ttft_ms", o->ttft_ms);
+    cJSON_AddNumberToObject(j, "tpot_ms", o->tpot_ms);
+    cJSON_AddNumberToObject(j, "min_attainment", o->attainment);
+    if (w->rate > 0)
+        cJSON_AddNumberToObject(j, "workload_rate", w->rate);
+
+    int sp = 0, sd = 0;
+    if (o->split || o->unified) { /* one configuration */
+        if (o->split)
+            parse_split(o->split, &sp, &sd);
+        td_plan_cluster_t c = split_cluster(x, sp, sd, (int)o->unified);
+        td_plan_result_t r;
+        if (rate > 0 && w->timed && o->rate <= 0) { /* the trace's own times */
+            st = td_plan_simulate(&x->prof, &c, w->timed, w->n, &x->s.slo, &r);
+        } else if (rate > 0) {
+            st = td_plan_at_rate(&x->prof, &c, &x->L, &x->s, rate, &r);
+        } else {
+            st = td_plan_max_rate(&x->prof, &c, &x->L, &x->s, &rate, &r);
+            if (st == TD_OK && !o->json)
+                printf("Highest sustained rate (req/s):          %.3f\n", rate);
+            cJSON_AddNumberToObject(j, "max_rate", rate);
+        }
+        if (st != TD_OK)
+            goto out;
+        if (!o->json)
+            print_result("Simulated", &c, rate, &r);
+        cJSON_AddItemToObject(j, "simulated", result_json(&c, rate, &r));
+        rc = 0;
+        goto out;
+    }
+
+    int n_what = 0;
+    td_plan_cluster_t best_c = x->base;
+    double best_rate = 0;
+    if (o->nodes > 0) {
+        if (o->nodes < 2) {
+            td_plan_cluster_t u = split_cluster(x, 0, 0, 1);
+            if ((st = td_plan_max_rate(&x->prof, &u, &x->L, &x->s, &best_rate, NULL)) != TD_OK)
+                goto out;
+            best_c = u;
+        } else if ((st = best_split(x, (int)o->nodes, &best_c, &best_rate)) != TD_OK) {
+            goto out;
+        }
+        /* per-node batch limits of that split: the pair with the highest rate */
+        static const int32_t dmb[] = {8, 16, 32, 64, 128}, pmbt[] = {128, 256, 512, 1024, 2048};
+        td_plan_cluster_t lim = best_c;
+        double lim_rate = best_rate;
+        for (size_t a = 0; a < TD_ARRAY_LEN(dmb); a++)
+            for (size_t b = 0; b < TD_ARRAY_LEN(pmbt); b++) {
+                td_plan_cluster_t c = best_c;
+                c.decode_max_batch = dmb[a];
+                c.prefill_max_batch_tokens = c.unified_max_batch_tokens = pmbt[b];
+                if (c.n_unified && c.unified_max_batch_tokens <= c.decode_max_batch)
+                    continue;
+                double r;
+                if ((st = td_plan_max_rate(&x->prof, &c, &x->L, &x->s, &r, NULL)) != TD_OK)
+                    goto out;
+                if (r > lim_rate * 1.02) /* a clear win over the defaults, not the search's noise */
+                    lim_rate = r, lim = c;
+            }
+        td_plan_cluster_t u = split_cluster(x, 0, 0, (int)o->nodes);
+        double u_rate;
+        if ((st = td_plan_max_rate(&x->prof, &u, &x->L, &x->s, &u_rate, NULL)) != TD_OK)
+            goto out;
+        char name[32];
+        split_name(name, sizeof name, &best_c);
+        if (!o->json) {
+            char label[64];
+            snprintf(label, sizeof label, "Highest rate %lld nodes sustain (req/s):", (long long)o->nodes);
+            printf("%-41s%.3f\n", label, best_rate);
+            snprintf(label, sizeof label, "Best split for %lld nodes (P:D):", (long long)o->nodes);
+            printf("%-41s%s\n", label, name);
+            printf("Sustained rate per node (req/s):         %.3f\n", best_rate / (double)o->nodes);
+            printf("Best batch limits:                       prefill-max-batch-tokens %d, decode-max-batch %d "
+                   "(%.3f req/s)\n", lim.prefill_max_batch_tokens, lim.decode_max_batch, lim_rate);
+            snprintf(label, sizeof label, "Unified %lld nodes sustain (req/s):", (long long)o->nodes);
+            printf("%-41s%.3f\n", label, u_rate);
+        }
+        cJSON_AddNumberToObject(j, "nodes", (double)o->nodes);
+        cJSON_AddNumberToObject(j, "max_rate", best_rate);
+        cJSON_AddStringToObject(j, "best_split", name);
+        cJSON_AddNumberToObject(j, "max_rate_per_node", best_rate / (double)o->nodes);
+        cJSON_AddNumberToObject(j, "best_prefill_max_batch_tokens", lim.prefill_max_batch_tokens);
+        cJSON_AddNumberToObject(j, "best_decode_max_batch", lim.decode_max_batch);
+        cJSON_AddNumberToObject(j, "best_limits_rate", lim_rate);
+        cJSON_AddNumberToObject(j, "unified_max_rate", u_rate);
+        n_what = (int)o->nodes;
+    }
+    if (rate > 0) { /* the nodes the rate needs */
+        int need = 0, need_u = 0;
+        td_plan_cluster_t need_c = x->base;
+        for (int n = 2; n <= o->max_nodes && !need; n++) {
+            double r;
+            td_plan_cluster_t c;
+            if ((st = best_split(x, n, &c, &r)) != TD_OK)
+                goto out;
+            if (r >= rate)
+                need = n, need_c = c;
+        }
+        for (int n = 1; n <= o->max_nodes && !need_u; n++) {
+            td_plan_cluster_t c = split_cluster(x, 0, 0, n);
+            double r;
+            if ((st = td_plan_max_rate(&x->prof, &c, &x->L, &x->s, &r, NULL)) != TD_OK)
+                goto out;
+            if (r >= rate)
+                need_u = n;
+        }
+        char name[32] = "none";
+        if (need)
+            split_name(name, sizeof name, &need_c);
+        if (!o->json) {
+            printf("Target rate (req/s):                     %.3f\n", rate);
+            if (need)
+                printf("Nodes needed:                            %d (split %s)\n", need, name);
+            else
+                printf("Nodes needed:                            more than %lld\n", (long long)o->max_nodes);
+            if (need_u)
+                printf("Unified nodes needed:                    %d\n", need_u);
+            else
+                printf("Unified nodes needed:                    more than %lld\n", (long long)o->max_nodes);
+        }
+        cJSON_AddNumberToObject(j, "target_rate", rate);
+        cJSON_AddNumberToObject(j, "nodes_needed", need);
+        cJSON_AddStringToObject(j, "nodes_needed_split", name);
+        cJSON_AddNumberToObject(j, "unified_nodes_needed", need_u);
+        if (!n_what)
+            n_what = need ? need : (int)o->max_nodes;
+        if (!best_rate)
+            best_rate = rate;
+    }
+
+    /* what-if: every split of n_what nodes and n_what unified ones, at a few rates */
+    double *rates = NULL;
+    size_t n_rates = 0;
+    if (o->rates) {
+        if (bs_rates_parse(o->rates, &rates, &n_rates) != TD_OK) {
+            rc = 2;
+            goto out;
+        }
+    } else {
+        static const double f[] = {0.5, 0.75, 1.0, 1.25, 1.5};
+        if (!(rates = malloc(sizeof f)))
+            goto out;
+        for (size_t i = 0; i < TD_ARRAY_LEN(f); i++)
+            rates[i] = f[i] * TD_MAX(best_rate, 0.01);
+        n_rates = TD_ARRAY_LEN(f);
+    }
+    cJSON *tab = cJSON_AddArrayToObject(j, "what_if");
+    if (!o->json)
+        printf("--------------- What-if ---------------\n%-6s %10s %12s %14s %8s %12s %12s\n", "split", "rate",
+               "goodput", "goodput/node", "SLO %", "TTFT p90 ms", "TPOT p90 ms");
+    for (int p = 1; p <= n_what && st == TD_OK; p++) {
+        bool uni = p == n_what;
+        if (!uni && n_what - p < 1)
+            continue;
+        td_plan_cluster_t c = split_cluster(x, p, n_what - p, uni ? n_what : 0);
+        for (size_t i = 0; i < n_rates && st == TD_OK; i++) {
+            td_plan_result_t r;
+            if ((st = td_plan_at_rate(&x->prof, &c, &x->L, &x->s, rates[i], &r)) != TD_OK)
+                break;
+            cJSON_AddItemToArray(tab, result_json(&c, rates[i], &r));
+            char name[32];
+            split_name(name, sizeof name, &c);
+            if (!o->json)
+                printf("%-6s %10.3f %12.3f %14.3f %8.1f %12.2f %12.2f\n", name, rates[i], r.goodput,
+                       r.goodput / n_what, r.attainment * 100, r.ttft_p90_s * 1e3, r.tpot_p90_s * 1e3);
+        }
+    }
+    free(rates);
+    if (st == TD_OK)
+        rc = 0;
+out:
+    if (rc == 0 && o->json) {
+        char *t = cJSON_Print(j);
+        if (t)
+            puts(t);
+        free(t);
+    }
+    cJSON_Delete(j);
+    return rc;
+}
+
+static void plan_usage(FILE *f)
+{
+    fprintf(f, "usage: tandem plan profile --model PATH [--threads N] [--out FILE]   (--help for its flags)\n"
+               "       tandem plan calibrate --profile P --prefill-metrics URL --decode-metrics URL --context C --out FILE\n"
+               "       tandem plan --profile P (--workload random:IN:OUT[:RANGE]|trace:FILE | --metrics URL)\n"
+               "                   --ttft MS --tpot MS [--rate R] [--nodes N] [--split P:D | --unified N] [--json]\n");
+}
+
+int cmd_plan(int argc, char **argv)
+{
+    if (argc >= 2 && !strcmp(argv[1], "profile"))
+        return plan_profile(argc - 1, argv + 1);
+    if (argc >= 2 && !strcmp(argv[1], "calibrate"))
+        return plan_calibrate(argc - 1, argv + 1);
+    plan_opts_t o = {.attainment = 0.9, .overhead_ms = -1, .metrics_window_s = 5, .max_nodes = 8, .requests = 1000,
+                     .prefill_max_batch_tokens = 512, .prefill_max_batch = 64, .decode_max_batch = 64};
+    float ttft = 0, tpot = 0, rate = 0, att = 0.9f, overhead = -1, window = 5;
+    const td_opt_t opts[] = {
+        TD_OPT_STRING("profile", &o.profile, "profile file of `tandem plan profile` (required)"),
+        TD_OPT_STRING("workload", &o.workload, "random:IN:OUT[:RANGE] or trace:FILE (bench serve's trace format)"),
+        TD_OPT_STRING("metrics", &o.metrics, "a live router's /metrics URL: its arrival rate and length histograms"),
+        {.name = "metrics-window-s", .type = TD_OPT_F32, .ptr = &window, .fmin = 0.1f, .fmax = 3600, .arg = "S",
+         .help = "seconds between the two scrapes of --metrics (default 5)"},
+        {.name = "ttft", .type = TD_OPT_F32, .ptr = &ttft, .fmin = 1e-3f, .fmax = 1e7f, .arg = "MS",
+         .help = "TTFT objective in ms (required)"},
+        {.name = "tpot", .type = TD_OPT_F32, .ptr = &tpot, .fmin = 1e-3f, .fmax = 1e7f, .arg = "MS",
+         .help = "TPOT objective in ms (required)"},
+        {.name = "rate", .type = TD_OPT_F32, .ptr = &rate, .fmin = 1e-3f, .fmax = 1e7f, .arg = "R",
+         .help = "target requests/s: the nodes it needs (default: the trace's or the router's rate)"},
+        TD_OPT_INT("nodes", &o.nodes, 1, 1024, "nodes to split: the highest rate, best split and batch limits"),
+        TD_OPT_STRING("split", &o.split, "P:D: simulate only this split (at --rate, the trace's times, or its highest rate)"),
+        TD_OPT_INT("unified", &o.unified, 1, 1024, "N: simulate only N colocated nodes (chunked prefill)"),
+        TD_OPT_INT("max-nodes", &o.max_nodes, 2, 256, "largest cluster --rate searches (default 8)"),
+        TD_OPT_STRING("rates", &o.rates, "what-if rates: R1,R2,... or START:STOP:STEP (default: 0.5x..1.5x the best)"),
+        TD_OPT_INT("requests", &o.requests, 10, 10000000, "requests per simulated run (default 1000)"),
+        TD_OPT_INT("seed", &o.seed, 0, INT64_MAX, "workload lengths (as bench serve's --seed) and arrivals (default 0)"),
+        {.name = "attainment", .type = TD_OPT_F32, .ptr = &att, .fmin = 0.01f, .fmax = 1, .arg = "F",
+         .help = "SLO attainment a sustained rate keeps (default 0.9)"},
+        {.name = "overhead-ms", .type = TD_OPT_F32, .ptr = &overhead, .fmin = 0, .fmax = 1e6f, .arg = "MS",
+         .help = "router and RPC hops per request (default: the profile's)"},
+        TD_OPT_INT("prefill-max-batch-tokens", &o.prefill_max_batch_tokens, 1, 1 << 20, "prefill token budget (512)"),
+        TD_OPT_INT("prefill-max-batch", &o.prefill_max_batch, 1, 4096, "prompts per prefill step (64)"),
+        TD_OPT_INT("decode-max-batch", &o.decode_max_batch, 1, 4096, "sequences per decode step (64)"),
+        TD_OPT_INT("decode-kv-tokens", &o.decode_kv_tokens, 0, INT64_MAX, "KV tokens per decode node (0: unbounded)"),
+        {.name = "json", .type = TD_OPT_BOOL, .ptr = &o.json, .help = "one JSON document on stdout"},
+    };
+    td_opts_t spec = {.prog = "tandem plan", .opts = opts, .n_opts = TD_ARRAY_LEN(opts)};
+    td_opts_result_t r = {0};
+    if (td_opts_parse(&spec, argc, argv, &r) != TD_OK)
+        return 2;
+    if (r.help) {
+        plan_usage(stdout);
+        td_opts_usage(stdout, opts, (int)TD_ARRAY_LEN(opts), false);
+        return 0;
+    }
+    o.ttft_ms = ttft, o.tpot_ms = tpot, o.rate = rate, o.attainment = att, o.overhead_ms = overhead;
+    o.metrics_window_s = window;
+    int sp, sd;
+    const char *bad = NULL;
+    if (!o.profile)
+        bad = "--profile: required (a file of `tandem plan profile`)";
+    else if (!o.workload == !o.metrics)
+        bad = "--workload: give one of --workload random:IN:OUT[:RANGE]|trace:FILE and --metrics URL";
+    else if (ttft <= 0 || tpot <= 0)
+        bad = ttft <= 0 ? "--ttft: required (the TTFT objective in ms)" : "--tpot: required (the TPOT objective in ms)";
+    else if (o.split && parse_split(o.split, &sp, &sd))
+        bad = "--split: not P:D with P, D >= 1";
+    else if (o.split && o.unified)
+        bad = "--unified: give --split P:D or --unified N, not both";
+    else if (!o.split && !o.unified && !o.nodes && rate <= 0 && o.workload && strncmp(o.workload, "trace:", 6))
+        bad = "--rate: give --rate R or --nodes N (or a trace, whose rate is its own)";
+    if (bad) {
+        td_errorf(TD_ERR_INVALID, "tandem plan: %s", bad);
+        return 2;
+    }
+    plan_ctx_t x = {.base = td_plan_cluster_default(), .s = td_plan_search_default()};
+    x.base.prefill_max_batch_tokens = x.base.unified_max_batch_tokens = (int32_t)o.prefill_max_batch_tokens;
+    x.base.prefill_max_batch = (int32_t)o.prefill_max_batch;
+    x.base.decode_max_batch = (int32_t)o.decode_max_batch;
+    x.base.decode_kv_tokens = o.decode_kv_tokens;
+    x.s.n_requests = (size_t)o.requests;
+    x.s.seed = (uint64_t)o.seed + 1;
+    x.s.min_attainment = att;
+    x.s.slo = (td_plan_slo_t){.ttft_s = ttft * 1e-3, .tpot_s = tpot * 1e-3};
+    workload_t w = {0};
+    int rc = 1;
+    td_status_t st = profile_load(o.profile, &x.prof);
+    if (st == TD_OK && overhead >= 0)
+        x.prof.overhead_s = overhead * 1e-3;
+    if (st == TD_OK)
+        st = o.metrics ? workload_metrics(o.metrics, window, (size_t)o.requests, &w)
+                       : workload_parse(o.workload, (size_t)o.requests, (uint64_t)o.seed, &w);
+    if (st != TD_OK) {
+        rc = st == TD_ERR_INVALID ? 2 : 1;
+        goto out;
+    }
+    if (o.metrics && rate <= 0 && !o.nodes && !o.split && !o.unified && !(w.rate > 0)) {
+        td_errorf(TD_ERR_INVALID, "tandem plan: --rate: the router at %s saw no arrivals in %.1f s; give --rate R "
+                  "or --nodes N", o.metrics, window);
+        rc = 2;
+        goto out;
+    }
+    x.L = (td_plan_lengths_t){w.in, w.out, w.n};
+    rc = plan_run(&o, &x, &w);
+out:
+    workload_free(&w);
+    return rc;
+}

@@ -1,0 +1,673 @@
+/*
+ * td_plan: the discrete-event simulator of td_plan.h. One heap of events ordered by time
+ * (ties by the order they were made, so a run is deterministic): an arrival, a prefill,
+ * decode or unified node's step ending, a KV transfer landing. A node that is idle starts its
+ * next step the moment work reaches it; a step's length is the profile's for the batch it
+ * took when it began (work arriving meanwhile waits for the next step, as on the nodes).
+ */
+#include "td_plan.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "td_log.h"
+#include "td_util.h"
+
+double td_plan_prefill_step_s(const td_plan_profile_t *p, int64_t tokens, double attn)
+{
+    return TD_MAX(p->prefill_a_s + p->prefill_b_s * (double)tokens + p->prefill_c_s * attn, 1e-6);
+}
+
+double td_plan_decode_step_s(const td_plan_profile_t *p, int64_t batch, int64_t context_tokens)
+{
+    return TD_MAX(p->decode_a_s + p->decode_b_s * (double)batch + p->decode_c_s * (double)context_tokens, 1e-6);
+}
+
+td_plan_cluster_t td_plan_cluster_default(void)
+{
+    return (td_plan_cluster_t){.n_prefill = 1, .n_decode = 1, .prefill_max_batch_tokens = 512,
+                               .prefill_max_batch = 64, .decode_max_batch = 64, .unified_chunk = 256,
+                               .unified_max_batch_tokens = 512};
+}
+
+td_plan_search_t td_plan_search_default(void)
+{
+    return (td_plan_search_t){.n_requests = 1000, .seed = 1, .min_attainment = 0.9};
+}
+
+/* ---- events -------------------------------------------------------------------------------- */
+
+typedef enum ev_kind { EV_ARRIVE, EV_PREFILL, EV_XFER, EV_DECODE, EV_UNIFIED } ev_kind_t;
+
+typedef struct ev {
+    double t;
+    uint64_t order; /* ties: first made, first run */
+    int32_t kind, idx; /* idx: the request (ARRIVE, XFER) or the node */
+} ev_t;
+
+typedef struct heap {
+    ev_t *e;
+    size_t n, cap;
+    uint64_t next_order;
+} heap_t;
+
+static bool ev_before(const ev_t *a, const ev_t *b)
+{
+    return a->t < b->t || (a->t == b->t && a->order < b->order);
+}
+
+static td_status_t heap_push(heap_t *h, double t, int32_t kind, int32_t idx)
+{
+    if (h->n == h->cap) {
+        size_t cap = h->cap ? 2 * h->cap : 256;
+        ev_t *e = realloc(h->e, cap * sizeof *e);
+        if (!e)
+            return td_errorf(TD_ERR_NOMEM, "plan: out of memory for events");
+        h->e = e, h->cap = cap;
+    }
+    size_t i = h->n++;
+    h->e[i] = (ev_t){.t = t, .order = h->next_order++, .kind = kind, .idx = idx};
+    while (i > 0 && ev_before(&h->e[i], &h->e[(i - 1) / 2])) {
+        ev_t tmp = h->e[i];
+        h->e[i] = h->e[(i - 1) / 2];
+        h->e[(i - 1) / 2] = tmp;
+        i = (i - 1) / 2;
+    }
+    return TD_OK;
+}
+
+static ev_t heap_pop(heap_t *h)
+{
+    ev_t top = h->e[0];
+    h->e[0] = h->e[--h->n];
+    for (size_t i = 0;;) {
+        size_t l = 2 * i + 1, r = l + 1, m = i;
+        if (l < h->n && ev_before(&h->e[l], &h->e[m]))
+            m = l;
+        if (r < h->n && ev_before(&h->e[r], &h->e[m]))
+            m = r;
+        if (m == i)
+            break;
+        ev_t tmp = h->e[i];
+        h->e[i] = h->e[m];
+        h->e[m] = tmp;
+        i = m;
+    }
+    return top;
+}
+
+/* ---- state ----------------------------------------------------------------------------------- */
+
+typedef struct sreq {
+    int32_t input, output;
+    int32_t prefilled;  /* prompt tokens computed */
+    int32_t generated;  /* output tokens produced (the first by the prefill) */
+    int32_t node;       /* prefill or unified node */
+    int32_t dnode;      /* decode node */
+    double t_first, t_done;
+} sreq_t;
+
+/* A FIFO of request indices: every request enters a node's queue once, so n slots suffice. */
+typedef struct fifo {
+    int32_t *v;
+    size_t head, tail;
+} fifo_t;
+
+typedef struct node {
+    fifo_t q;           /* prefill/unified: prompts not yet fully computed; decode: adopted, waiting */
+    int32_t *run;       /* decode/unified: running sequences [max_batch] */
+    int32_t n_run;
+    int32_t *step;      /* the requests in the step under way (and their chunk) */
+    int32_t *step_tok;
+    int32_t n_step;
+    bool busy;
+    int64_t queued_tokens; /* prefill: prompt tokens not yet computed */
+    int32_t assigned;      /* decode: sequences placed here and not ended */
+    int64_t kv_tokens;     /* decode: tokens reserved by them */
+    double busy_s;
+} node_t;
+
+typedef struct sim {
+    const td_plan_profile_t *p;
+    const td_plan_cluster_t *c;
+    const td_plan_request_t *reqs;
+    size_t n;
+    sreq_t *r;
+    node_t *pn, *dn; /* prefill (or unified) nodes, decode nodes */
+    int32_t n_pn, n_dn;
+    fifo_t router_q; /* requests no decode node had room for */
+    heap_t h;
+    size_t ended;
+} sim_t;
+
+static td_status_t node_init(node_t *nd, size_t n, int32_t max_batch, int32_t max_step)
+{
+    memset(nd, 0, sizeof *nd);
+    nd->q.v = malloc(TD_MAX(n, (size_t)1) * sizeof(int32_t));
+    nd->run = malloc((size_t)TD_MAX(max_batch, 1) * sizeof(int32_t));
+    nd->step = malloc((size_t)TD_MAX(max_step, 1) * sizeof(int32_t));
+    nd->step_tok = malloc((size_t)TD_MAX(max_step, 1) * sizeof(int32_t));
+    if (!nd->q.v || !nd->run || !nd->step || !nd->step_tok)
+        return td_errorf(TD_ERR_NOMEM, "plan: out of memory for nodes");
+    return TD_OK;
+}
+
+static void node_free(node_t *nd)
+{
+    free(nd->q.v), free(nd->run), free(nd->step), free(nd->step_tok);
+}
+
+static size_t fifo_len(const fifo_t *f)
+{
+    return f->tail - f->head;
+}
+
+/* ---- prefill nodes --------------------------------------------------------------------------- */
+
+/* prefill_sched's packing: the queue's head first, each prompt taking what the token budget
+ * leaves, at most prefill_max_batch prompts. */
+static td_status_t prefill_start(sim_t *s, int32_t i, double now)
+{
+    node_t *nd = &s->pn[i];
+    if (nd->busy || !fifo_len(&nd->q))
+        return TD_OK;
+    int64_t budget = s->c->prefill_max_batch_tokens, tokens = 0;
+    double attn = 0;
+    nd->n_step = 0;
+    for (size_t k = nd->q.head; k < nd->q.tail && budget > 0 && nd->n_step < s->c->prefill_max_batch; k++) {
+        sreq_t *r = &s->r[nd->q.v[k]];
+        int32_t take = (int32_t)TD_MIN((int64_t)(r->input - r->prefilled), budget);
+        nd->step[nd->n_step] = nd->q.v[k];
+        nd->step_tok[nd->n_step++] = take;
+        budget -= take;
+        tokens += take;
+        attn += (double)take * (r->prefilled + take);
+    }
+    double dt = td_plan_prefill_step_s(s->p, tokens, attn);
+    nd->busy = true;
+    nd->busy_s += dt;
+    return heap_push(&s->h, now + dt, EV_PREFILL, i);
+}
+
+static td_status_t prefill_done(sim_t *s, int32_t i, double now)
+{
+    node_t *nd = &s->pn[i];
+    nd->busy = false;
+    for (int32_t k = 0; k < nd->n_step; k++) {
+        sreq_t *r = &s->r[nd->step[k]];
+        r->prefilled += nd->step_tok[k];
+        nd->queued_tokens -= nd->step_tok[k];
+        if (r->prefilled < r->input)
+            continue;
+        TD_ASSERT(nd->q.v[nd->q.head] == nd->step[k]); /* finished prompts are the queue's head */
+        nd->q.head++;
+        r->generated = 1;
+        r->t_first = now + s->p->overhead_s;
+        double xfer = s->p->xfer_a_s + s->p->xfer_b_s * r->input;
+        td_status_t st = heap_push(&s->h, now + TD_MAX(xfer, 0.0), EV_XFER, nd->step[k]);
+        if (st != TD_OK)
+            return st;
+    }
+    return prefill_start(s, i, now);
+}
+
+/* ---- decode nodes ---------------------------------------------------------------------------- */
+
+static void req_end(sim_t *s, int32_t id, double now)
+{
+    sreq_t *r = &s->r[id];
+    r->t_done = now + s->p->overhead_s;
+    s->ended++;
+    if (s->c->n_unified == 0) {
+        node_t *d = &s->dn[r->dnode];
+        d->assigned--;
+        d->kv_tokens -= r->input + r->output;
+    }
+}
+
+/* decode_sched: waiting sequences join the running batch while it is below max_batch; one
+ * token for every running sequence per step. */
+static td_status_t decode_start(sim_t *s, int32_t i, double now)
+{
+    node_t *nd = &s->dn[i];
+    if (nd->busy)
+        return TD_OK;
+    while (nd->n_run < s->c->decode_max_batch && fifo_len(&nd->q))
+        nd->run[nd->n_run++] = nd->q.v[nd->q.head++];
+    if (!nd->n_run)
+        return TD_OK;
+    int64_t ctx = 0;
+    for (int32_t k = 0; k < nd->n_run; k++)
+        ctx += s->r[nd->run[k]].input + s->r[nd->run[k]].generated;
+    double dt = td_plan_decode_step_s(s->p, nd->n_run, ctx);
+    nd->busy = true;
+    nd->busy_s += dt;
+    return heap_push(&s->h, now + dt, EV_DECODE, i);
+}
+
+static td_status_t place_pending(sim_t *s, double now);
+
+static td_status_t decode_done(sim_t *s, int32_t i, double now)
+{
+    node_t *nd = &s->dn[i];
+    nd->busy = false;
+    bool freed = false;
+    for (int32_t k = 0; k < nd->n_run;) {
+        sreq_t *r = &s->r[nd->run[k]];
+        if (++r->generated < r->output) {
+            k++;
+            continue;
+        }
+        req_end(s, nd->run[k], now);
+        nd->run[k] = nd->run[--nd->n_run];
+        freed = true;
+    }
+    td_status_t st = decode_start(s, i, now);
+    if (st == TD_OK && freed && s->c->decode_kv_tokens > 0)
+        st = place_pending(s, now);
+    return st;
+}
+
+static td_status_t xfer_done(sim_t *s, int32_t id, double now)
+{
+    sreq_t *r = &s->r[id];
+    if (r->generated >= r->output) { /* a one-token request ends with its first token */
+        req_end(s, id, now);
+        return s->c->decode_kv_tokens > 0 ? place_pending(s, now) : TD_OK;
+    }
+    node_t *nd = &s->dn[r->dnode];
+    nd->q.v[nd->q.tail++] = id;
+    return decode_start(s, r->dnode, now);
+}
+
+/* ---- the router ------------------------------------------------------------------------------ */
+
+/* router_policy: the decode node with room and the fewest sequences (lowest index on ties),
+ * then the prefill node with the fewest queued prompt tokens. false: no decode node has room. */
+static bool route(sim_t *s, int32_t id, double now, td_status_t *st_p)
+{
+    sreq_t *r = &s->r[id];
+    int64_t need = r->input + r->output;
+    int32_t d = -1;
+    for (int32_t k = 0; k < s->n_dn; k++) {
+        node_t *nd = &s->dn[k];
+        if (s->c->decode_kv_tokens > 0 && nd->kv_tokens + need > s->c->decode_kv_tokens &&
+            !(nd->assigned == 0)) /* an empty node takes anything, as decode_sched's head */
+            continue;
+        if (d < 0 || nd->assigned < s->dn[d].assigned)
+            d = k;
+    }
+    if (d < 0)
+        return false;
+    int32_t p = 0;
+    for (int32_t k = 1; k < s->n_pn; k++)
+        if (s->pn[k].queued_tokens < s->pn[p].queued_tokens)
+            p = k;
+    r->dnode = d;
+    r->node = p;
+    s->dn[d].assigned++;
+    s->dn[d].kv_tokens += need;
+    s->pn[p].q.v[s->pn[p].q.tail++] = id;
+    s->pn[p].queued_tokens += r->input;
+    *st_p = prefill_start(s, p, now);
+    return true;
+}
+
+/* Requests the router held back, in arrival order, while the head finds room. */
+static td_status_t place_pending(sim_t *s, double now)
+{
+    td_status_t st = TD_OK;
+    while (st == TD_OK && fifo_len(&s->router_q) && route(s, s->router_q.v[s->router_q.head], now, &st))
+        s->router_q.head++;
+    return st;
+}
+
+/* ---- unified nodes --------------------------------------------------------------------------- */
+
+/* A colocated node (decode_sched with local prefill): waiting prompts join the running set
+ * while it is below max_batch; a step is one token for every generating sequence, then prompt
+ * chunks (<= unified_chunk each) in arrival order until the token budget. A step with prompt
+ * tokens costs a prefill step of all its tokens plus the decode term of the context read. */
+static td_status_t unified_start(sim_t *s, int32_t i, double now)
+{
+    node_t *nd = &s->pn[i];
+    if (nd->busy)
+        return TD_OK;
+    while (nd->n_run < s->c->decode_max_batch && fifo_len(&nd->q))
+        nd->run[nd->n_run++] = nd->q.v[nd->q.head++];
+    if (!nd->n_run)
+        return TD_OK;
+    int64_t budget = s->c->unified_max_batch_tokens, n_dec = 0, n_pre = 0, ctx = 0;
+    double attn = 0;
+    nd->n_step = 0;
+    for (int32_t k = 0; k < nd->n_run; k++) { /* generating ones first */
+        sreq_t *r = &s->r[nd->run[k]];
+        if (r->prefilled < r->input)
+            continue;
+        nd->step[nd->n_step] = nd->run[k];
+        nd->step_tok[nd->n_step++] = 1;
+        n_dec++;
+        ctx += r->input + r->generated;
+    }
+    budget -= n_dec;
+    for (int32_t k = 0; k < nd->n_run && budget > 0; k++) {
+        sreq_t *r = &s->r[nd->run[k]];
+        if (r->prefilled >= r->input)
+            continue;
+        int32_t take = (int32_t)TD_MIN(TD_MIN((int64_t)(r->input - r->prefilled), (int64_t)s->c->unified_chunk), budget);
+        nd->step[nd->n_step] = nd->run[k];
+        nd->step_tok[nd->n_step++] = take;
+        budget -= take;
+        n_pre += take;
+        attn += (double)take * (r->prefilled + take);
+    }
+    if (!nd->n_step) /* budget exhausted by decode tokens alone cannot happen: max_batch <= budget */
+        return TD_OK;
+    double dt = n_pre ? td_plan_prefill_step_s(s->p, n_pre + n_dec, attn) + s->p->decode_c_s * (double)ctx
+                      : td_plan_decode_step_s(s->p, n_dec, ctx);
+    nd->busy = true;
+    nd->busy_s += dt;
+    return heap_push(&s->h, now + dt, EV_UNIFIED, i);
+}
+
+static td_status_t unified_done(sim_t *s, int32_t i, double now)
+{
+    node_t *nd = &s->pn[i];
+    nd->busy = false;
+    for (int32_t k = 0; k < nd->n_step; k++) {
+        sreq_t *r = &s->r[nd->step[k]];
+        if (r->prefilled < r->input) {
+            r->prefilled += nd->step_tok[k];
+            nd->queued_tokens -= nd->step_tok[k];
+            if (r->prefilled == r->input) {
+                r->generated = 1;
+                r->t_first = now + s->p->overhead_s;
+            }
+        } else {
+            r->generated++;
+        }
+    }
+    for (int32_t k = 0; k < nd->n_run;) { /* ended ones leave; the order of the rest is kept */
+        sreq_t *r = &s->r[nd->run[k]];
+        if (r->generated >= r->output && r->prefilled >= r->input) {
+            req_end(s, nd->run[k], now);
+            memmove(&nd->run[k], &nd->run[k + 1], (size_t)(nd->n_run - k - 1) * sizeof *nd->run);
+            nd->n_run--;
+        } else {
+            k++;
+        }
+    }
+    return unified_start(s, i, now);
+}
+
+static td_status_t arrive(sim_t *s, int32_t id, double now)
+{
+    if (s->c->n_unified > 0) { /* the unified node with the fewest queued prompt tokens, then sequences */
+        int32_t u = 0;
+        for (int32_t k = 1; k < s->n_pn; k++) {
+            const node_t *a = &s->pn[k], *b = &s->pn[u];
+            if (a->queued_tokens < b->queued_tokens ||
+                (a->queued_tokens == b->queued_tokens &&
+                 a->n_run + fifo_len(&a->q) < b->n_run + fifo_len(&b->q)))
+                u = k;
+        }
+        s->r[id].node = u;
+        s->pn[u].q.v[s->pn[u].q.tail++] = id;
+        s->pn[u].queued_tokens += s->r[id].input;
+        return unified_start(s, u, now);
+    }
+    td_status_t st = TD_OK;
+    if (fifo_len(&s->router_q) || !route(s, id, now, &st)) /* FIFO: none overtakes a waiting one */
+        s->router_q.v[s->router_q.tail++] = id;
+    return st;
+}
+
+/* ---- results --------------------------------------------------------------------------------- */
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+double td_plan_percentile(const double *sorted, size_t n, double q)
+{
+    if (n == 0)
+        return NAN;
+    double pos = q / 100.0 * (double)(n - 1);
+    size_t lo = (size_t)floor(pos), hi = TD_MIN(lo + 1, n - 1);
+    return sorted[lo] + (sorted[hi] - sorted[lo]) * (pos - (double)lo);
+}
+
+static td_status_t summarize(const sim_t *s, const td_plan_slo_t *slo, td_plan_result_t *res)
+{
+    double *ttft = malloc(TD_MAX(s->n, (size_t)1) * sizeof(double));
+    double *tpot = malloc(TD_MAX(s->n, (size_t)1) * sizeof(double));
+    if (!ttft || !tpot) {
+        free(ttft), free(tpot);
+        return td_errorf(TD_ERR_NOMEM, "plan: out of memory for results");
+    }
+    memset(res, 0, sizeof *res);
+    size_t n_tpot = 0;
+    double t0 = s->n ? s->reqs[0].arrival_s : 0, t_end = t0;
+    for (size_t i = 0; i < s->n; i++) {
+        const sreq_t *r = &s->r[i];
+        double a = s->reqs[i].arrival_s, tt = r->t_first - a;
+        double tp = r->output > 1 ? (r->t_done - r->t_first) / (double)(r->output - 1) : 0;
+        ttft[i] = tt;
+        res->ttft_mean_s += tt / (double)s->n;
+        if (r->output > 1)
+            tpot[n_tpot++] = tp;
+        t_end = TD_MAX(t_end, r->t_done);
+        if ((slo->ttft_s <= 0 || tt <= slo->ttft_s) && (slo->tpot_s <= 0 || tp <= slo->tpot_s))
+            res->good++;
+    }
+    qsort(ttft, s->n, sizeof *ttft, cmp_double);
+    qsort(tpot, n_tpot, sizeof *tpot, cmp_double);
+    res->n = s->n;
+    res->duration_s = t_end - t0;
+    res->throughput = res->duration_s > 0 ? (double)s->n / res->duration_s : 0;
+    res->goodput = res->duration_s > 0 ? (double)res->good / res->duration_s : 0;
+    res->attainment = s->n ? (double)res->good / (double)s->n : 0;
+    res->ttft_p50_s = td_plan_percentile(ttft, s->n, 50);
+    res->ttft_p90_s = td_plan_percentile(ttft, s->n, 90);
+    res->ttft_p99_s = td_plan_percentile(ttft, s->n, 99);
+    res->tpot_p50_s = td_plan_percentile(tpot, n_tpot, 50);
+    res->tpot_p90_s = td_plan_percentile(tpot, n_tpot, 90);
+    res->tpot_p99_s = td_plan_percentile(tpot, n_tpot, 99);
+    double pb = 0, db = 0;
+    for (int32_t k = 0; k < s->n_pn; k++)
+        pb += s->pn[k].busy_s;
+    for (int32_t k = 0; k < s->n_dn; k++)
+        db += s->dn[k].busy_s;
+    if (res->duration_s > 0) {
+        res->prefill_busy = pb / s->n_pn / res->duration_s;
+        res->decode_busy = s->n_dn ? db / s->n_dn / res->duration_s : res->prefill_busy;
+    }
+    free(ttft), free(tpot);
+    return TD_OK;
+}
+
+/* ---- the run --------------------------------------------------------------------------------- */
+
+static td_status_t check(const td_plan_cluster_t *c, const td_plan_request_t *reqs, size_t n)
+{
+    bool unified = c->n_unified > 0;
+    if (unified ? (c->n_prefill || c->n_decode) : (c->n_prefill < 1 || c->n_decode < 1))
+        return td_errorf(TD_ERR_INVALID, "plan: a cluster is prefill >= 1 and decode >= 1 nodes, or unified >= 1 "
+                                         "nodes (got %d prefill, %d decode, %d unified)",
+                         c->n_prefill, c->n_decode, c->n_unified);
+    if (c->prefill_max_batch_tokens < 1 || c->prefill_max_batch < 1 || c->decode_max_batch < 1 ||
+        c->decode_kv_tokens < 0 ||
+        (unified && (c->unified_chunk < 1 || c->unified_max_batch_tokens <= c->decode_max_batch)))
+        return td_errorf(TD_ERR_INVALID, "plan: batch limits must be >= 1 (a unified node's token budget above "
+                                         "its batch)");
+    for (size_t i = 0; i < n; i++)
+        if (reqs[i].input_len < 1 || reqs[i].output_len < 1 || !isfinite(reqs[i].arrival_s) ||
+            (i && reqs[i].arrival_s < reqs[i - 1].arrival_s))
+            return td_errorf(TD_ERR_INVALID, "plan: request %zu: lengths must be >= 1 and arrivals in order", i);
+    return TD_OK;
+}
+
+td_status_t td_plan_simulate(const td_plan_profile_t *p, const td_plan_cluster_t *c, const td_plan_request_t *reqs,
+                             size_t n, const td_plan_slo_t *slo, td_plan_result_t *res_p)
+{
+    td_status_t st = check(c, reqs, n);
+    if (st != TD_OK)
+        return st;
+    sim_t s = {.p = p, .c = c, .reqs = reqs, .n = n};
+    bool unified = c->n_unified > 0;
+    s.n_pn = unified ? c->n_unified : c->n_prefill;
+    s.n_dn = unified ? 0 : c->n_decode;
+    int32_t max_step = unified ? c->decode_max_batch : c->prefill_max_batch;
+    s.r = calloc(TD_MAX(n, (size_t)1), sizeof *s.r);
+    s.pn = calloc((size_t)s.n_pn, sizeof *s.pn);
+    s.dn = calloc((size_t)TD_MAX(s.n_dn, 1), sizeof *s.dn);
+    s.router_q.v = malloc(TD_MAX(n, (size_t)1) * sizeof(int32_t));
+    if (!s.r || !s.pn || !s.dn || !s.router_q.v) {
+        st = td_errorf(TD_ERR_NOMEM, "plan: out of memory for %zu requests", n);
+        goto out;
+    }
+    for (int32_t k = 0; k < s.n_pn && st == TD_OK; k++)
+        st = node_init(&s.pn[k], n, c->decode_max_batch, max_step);
+    for (int32_t k = 0; k < s.n_dn && st == TD_OK; k++)
+        st = node_init(&s.dn[k], n, c->decode_max_batch, 1);
+    for (size_t i = 0; i < n && st == TD_OK; i++) {
+        s.r[i] = (sreq_t){.input = reqs[i].input_len, .output = reqs[i].output_len, .node = -1, .dnode = -1};
+        st = heap_push(&s.h, reqs[i].arrival_s, EV_ARRIVE, (int32_t)i);
+    }
+    while (st == TD_OK && s.h.n) {
+        ev_t e = heap_pop(&s.h);
+        switch (e.kind) {
+        case EV_ARRIVE: st = arrive(&s, e.idx, e.t); break;
+        case EV_PREFILL: st = prefill_done(&s, e.idx, e.t); break;
+        case EV_XFER: st = xfer_done(&s, e.idx, e.t); break;
+        case EV_DECODE: st = decode_done(&s, e.idx, e.t); break;
+        case EV_UNIFIED: st = unified_done(&s, e.idx, e.t); break;
+        default: TD_ASSERT(!"unknown event");
+        }
+    }
+    if (st == TD_OK) {
+        TD_ASSERT(s.ended == n); /* every request ends: nothing waits for room that never comes */
+        st = summarize(&s, slo, res_p);
+    }
+out:
+    for (int32_t k = 0; s.pn && k < s.n_pn; k++)
+        node_free(&s.pn[k]);
+    for (int32_t k = 0; s.dn && k < s.n_dn; k++)
+        node_free(&s.dn[k]);
+    free(s.pn), free(s.dn), free(s.r), free(s.router_q.v), free(s.h.e);
+    return st;
+}
+
+/* ---- workloads and searches ------------------------------------------------------------------ */
+
+/* splitmix64: small, seedable, the same on every machine */
+static uint64_t next_u64(uint64_t *x)
+{
+    uint64_t z = (*x += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+void td_plan_arrivals(uint64_t seed, double rate, size_t n, const td_plan_lengths_t *L, td_plan_request_t *reqs)
+{
+    uint64_t x = seed;
+    double t = 0;
+    for (size_t i = 0; i < n; i++) {
+        double u = ((double)(next_u64(&x) >> 11) + 0.5) * 0x1.0p-53; /* (0, 1) */
+        if (i)
+            t += -log(u) / rate;
+        reqs[i] = (td_plan_request_t){.arrival_s = t, .input_len = L->input_len[i % L->n],
+                                      .output_len = L->output_len[i % L->n]};
+    }
+}
+
+td_status_t td_plan_at_rate(const td_plan_profile_t *p, const td_plan_cluster_t *c, const td_plan_lengths_t *L,
+                            const td_plan_search_t *s, double rate, td_plan_result_t *res_p)
+{
+    if (!(rate > 0) || !L->n || !s->n_requests)
+        return td_errorf(TD_ERR_INVALID, "plan: a rate > 0 and a workload of at least one request are needed");
+    td_plan_request_t *reqs = malloc(s->n_requests * sizeof *reqs);
+    if (!reqs)
+        return td_errorf(TD_ERR_NOMEM, "plan: out of memory for %zu requests", s->n_requests);
+    td_plan_arrivals(s->seed, rate, s->n_requests, L, reqs);
+    td_status_t st = td_plan_simulate(p, c, reqs, s->n_requests, &s->slo, res_p);
+    free(reqs);
+    return st;
+}
+
+td_status_t td_plan_max_rate(const td_plan_profile_t *p, const td_plan_cluster_t *c, const td_plan_lengths_t *L,
+                             const td_plan_search_t *s, double *rate_p, td_plan_result_t *res_p)
+{
+    td_plan_result_t r, best = {0};
+    double lo = 0, hi = 0.01;
+    td_status_t st;
+    /* grow until a rate is not sustained, then halve the bracket down to 1% */
+    for (;;) {
+        if ((st = td_plan_at_rate(p, c, L, s, hi, &r)) != TD_OK)
+            return st;
+        if (r.attainment < s->min_attainment)
+            break;
+        lo = hi, best = r;
+        if ((hi *= 2) > 1e7)
+            break;
+    }
+    if (lo == 0) { /* not even 0.01 requests/s: the objectives are below the unloaded latency */
+        *rate_p = 0;
+        if (res_p)
+            *res_p = r;
+        return TD_OK;
+    }
+    while (hi - lo > 0.01 * hi) {
+        double mid = 0.5 * (lo + hi);
+        if ((st = td_plan_at_rate(p, c, L, s, mid, &r)) != TD_OK)
+            return st;
+        if (r.attainment >= s->min_attainment)
+            lo = mid, best = r;
+        else
+            hi = mid;
+    }
+    *rate_p = lo;
+    if (res_p)
+        *res_p = best;
+    return TD_OK;
+}
+
+td_status_t td_plan_fit(const double *x, const double *y, size_t n, int k, double *coef)
+{
+    if (k < 1 || k > 4 || n < (size_t)k)
+        return td_errorf(TD_ERR_INVALID, "plan: a fit of %d coefficients needs at least that many points (%zu)", k, n);
+    double a[4][5] = {{0}};
+    for (size_t r = 0; r < n; r++)
+        for (int i = 0; i < k; i++) {
+            for (int j = 0; j < k; j++)
+                a[i][j] += x[r * k + i] * x[r * k + j];
+            a[i][k] += x[r * k + i] * y[r];
+        }
+    for (int i = 0; i < k; i++) { /* Gauss-Jordan with partial pivoting on the normal equations */
+        int piv = i;
+        for (int j = i + 1; j < k; j++)
+            if (fabs(a[j][i]) > fabs(a[piv][i]))
+                piv = j;
+        if (fabs(a[piv][i]) < 1e-300)
+            return td_errorf(TD_ERR_INVALID, "plan: the fit's points do not determine %d coefficients", k);
+        for (int j = 0; j <= k; j++) {
+            double t = a[i][j];
+            a[i][j] = a[piv][j];
+            a[piv][j] = t;
+        }
+        for (int r = 0; r < k; r++) {
+            if (r == i)
+                continue;
+            double f = a[r][i] / a[i][i];
+            for (int j = i; j <= k; j++)
+                a[r][j] -= f * a[i][j];
+        }
+    }
+    for (int i = 0; i < k; i++)
+        coef[i] = a[i][k] / a[i][i];
+    return TD_OK;
+}

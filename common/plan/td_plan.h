@@ -1,0 +1,133 @@
+/*
+ * td_plan: the capacity planner's model of a tandem cluster (`tandem plan`, docs/goodput.md
+ * "Capacity planning"). A discrete-event simulator in the manner of DistServe's: requests
+ * arrive (Poisson, or a trace's times), the router places each on a prefill node and a decode
+ * node (router_policy's ranking: the decode node with the fewest sequences, then the prefill
+ * node with the fewest queued prompt tokens), prefill nodes batch prompts head-first up to
+ * their token budget (prefill_sched), the KV moves to the decode node after a transfer delay,
+ * decode nodes step continuous batches (decode_sched) and a "unified" node does both with
+ * chunked prefill (a what-if: the colocated alternative). Step times come from a measured
+ * profile (td_plan_profile_t: affine and quadratic fits, `tandem plan profile`).
+ *
+ * Everything here is pure: time is simulated, nothing reads a clock or a file, results depend
+ * only on the inputs (and the seed of td_plan_arrivals). What it leaves out, on purpose: KV
+ * memory beyond a token budget (no preemption), prefix caching, sampling and stop strings
+ * (every request generates exactly its output length), network jitter and the host's
+ * neighbours.
+ *
+ * Threads: any; no shared state (each call allocates its own and frees it).
+ */
+#ifndef TD_PLAN_H
+#define TD_PLAN_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "td_status.h"
+
+/* Step times in seconds, fitted from measurements (tandem plan profile). */
+typedef struct td_plan_profile {
+    double prefill_a_s, prefill_b_s, prefill_c_s; /* prefill step of T tokens in chunks of t_i tokens
+                                                     ending at position e_i: a + b*T + c*sum(t_i e_i)
+                                                     (attention: each new token reads its context;
+                                                     one prompt of T tokens: a + b*T + c*T^2) */
+    double decode_a_s, decode_b_s, decode_c_s;    /* decode step of B sequences holding C context
+                                                     tokens in all: a + b*B + c*C */
+    double xfer_a_s, xfer_b_s;                    /* KV of a P-token prompt reaches its decode node
+                                                     a + b*P after the prompt's last chunk */
+    double overhead_s;                            /* router and RPC hops: added to every request's
+                                                     first token (and so to its end) */
+} td_plan_profile_t;
+
+/* The modelled step times (never below 1 us); attn = sum over the step's chunks of chunk
+ * tokens x the position the chunk ends at. */
+double td_plan_prefill_step_s(const td_plan_profile_t *p, int64_t tokens, double attn);
+double td_plan_decode_step_s(const td_plan_profile_t *p, int64_t batch, int64_t context_tokens);
+
+/* The cluster to simulate: either n_prefill + n_decode (both >= 1) or n_unified >= 1. */
+typedef struct td_plan_cluster {
+    int32_t n_prefill, n_decode, n_unified;
+    int32_t prefill_max_batch_tokens; /* prefill node's token budget per step (512) */
+    int32_t prefill_max_batch;        /* prompts per prefill step (64) */
+    int32_t decode_max_batch;         /* running sequences per decode (or unified) node (64) */
+    int32_t unified_chunk;            /* prompt tokens one sequence feeds per unified step (256) */
+    int32_t unified_max_batch_tokens; /* tokens per unified step (512) */
+    int64_t decode_kv_tokens;         /* prompt + output tokens a decode node holds at once; the
+                                         router queues requests that fit nowhere (0: unbounded) */
+} td_plan_cluster_t;
+
+/* tandem's defaults (docs/scheduling.md), one prefill and one decode node. */
+td_plan_cluster_t td_plan_cluster_default(void);
+
+typedef struct td_plan_request {
+    double arrival_s;
+    int32_t input_len, output_len; /* both >= 1 */
+} td_plan_request_t;
+
+typedef struct td_plan_slo {
+    double ttft_s, tpot_s; /* <= 0: not an objective */
+} td_plan_slo_t;
+
+/* What a simulated run measured, with bench serve's definitions (docs/bench.md): duration is
+ * first arrival to last end, goodput = requests meeting every objective / duration,
+ * attainment = those / all, TPOT leaves out one-token requests, percentiles as numpy's. */
+typedef struct td_plan_result {
+    size_t n, good;
+    double duration_s, throughput, goodput, attainment;
+    double ttft_mean_s, ttft_p50_s, ttft_p90_s, ttft_p99_s, tpot_p50_s, tpot_p90_s, tpot_p99_s;
+    double prefill_busy, decode_busy; /* fraction of the duration the nodes of the kind stepped,
+                                         averaged over them (unified: both the same) */
+} td_plan_result_t;
+
+/*
+ * Simulates reqs[0..n) (arrival times ascending) on cluster c with profile p. TD_OK and *res_p
+ * written; TD_ERR_INVALID (a cluster with no node of a kind, limits < 1, a request of length
+ * < 1, times out of order) or TD_ERR_NOMEM, logged. Deterministic.
+ */
+td_status_t td_plan_simulate(const td_plan_profile_t *p, const td_plan_cluster_t *c, const td_plan_request_t *reqs,
+                             size_t n, const td_plan_slo_t *slo, td_plan_result_t *res_p);
+
+/* A workload's request lengths, used in order and cycled. */
+typedef struct td_plan_lengths {
+    const int32_t *input_len, *output_len; /* [n] */
+    size_t n;
+} td_plan_lengths_t;
+
+/* n requests with Poisson arrivals at `rate` (exponential gaps from a PRNG seeded with seed;
+ * the same seed gives the same gaps scaled by 1/rate) and lengths from L. */
+void td_plan_arrivals(uint64_t seed, double rate, size_t n, const td_plan_lengths_t *L, td_plan_request_t *reqs);
+
+/* How the searches below simulate one rate. */
+typedef struct td_plan_search {
+    size_t n_requests;     /* per simulated run (1000) */
+    uint64_t seed;         /* arrivals (1) */
+    double min_attainment; /* a rate is sustained at this SLO attainment (0.9) */
+    td_plan_slo_t slo;
+} td_plan_search_t;
+
+td_plan_search_t td_plan_search_default(void);
+
+/* Simulates cluster c at `rate`: *res_p as td_plan_simulate. */
+td_status_t td_plan_at_rate(const td_plan_profile_t *p, const td_plan_cluster_t *c, const td_plan_lengths_t *L,
+                            const td_plan_search_t *s, double rate, td_plan_result_t *res_p);
+
+/*
+ * The highest rate (requests/s, within 1%) cluster c sustains at s->min_attainment: *rate_p
+ * (0 when 0.01 requests/s is not: the objectives are below the unloaded latency) and the run
+ * at that rate (or at 0.01/s) in *res_p (optional). The runs are s->n_requests long, so a rate
+ * up to a few percent past capacity may pass in the queue a finite run builds. Errors as td_plan_simulate.
+ */
+td_status_t td_plan_max_rate(const td_plan_profile_t *p, const td_plan_cluster_t *c, const td_plan_lengths_t *L,
+                             const td_plan_search_t *s, double *rate_p, td_plan_result_t *res_p);
+
+/*
+ * Least squares: coef[0..k) minimising |X coef - y| over n rows of X (row-major, n x k,
+ * k <= 4). TD_ERR_INVALID when the columns are dependent (or n < k).
+ */
+td_status_t td_plan_fit(const double *x, const double *y, size_t n, int k, double *coef);
+
+/* numpy's linear-interpolation percentile of sorted[0..n) (NAN when n == 0), q in [0, 100]. */
+double td_plan_percentile(const double *sorted, size_t n, double q);
+
+#endif /* TD_PLAN_H */

@@ -1,0 +1,183 @@
+/*
+ * test_plan_sim: the capacity planner's simulator (common/plan/td_plan.h) on cases whose
+ * answer is known without it: an unloaded cluster's TTFT is one prefill step and its TPOT one
+ * decode step; a prefill node of one prompt per step under Poisson arrivals is an M/D/1 queue
+ * (Pollaczek-Khinchine: mean wait rho S / (2 (1 - rho))); a rate beyond capacity is not
+ * sustained and the highest sustained one lies below capacity; the same seed gives the same
+ * run; least squares recovers the coefficients it was made from.
+ */
+#include <criterion/criterion.h>
+#include <math.h>
+#include <stdlib.h>
+
+#include "td_plan.h"
+
+/* a profile whose prefill step is 10 ms + 0.1 ms a token and decode step 5 ms + 1 ms a
+ * sequence, no context term, no transfer, no overhead */
+static td_plan_profile_t affine(void)
+{
+    return (td_plan_profile_t){.prefill_a_s = 0.010, .prefill_b_s = 0.0001, .decode_a_s = 0.005,
+                               .decode_b_s = 0.001};
+}
+
+static int32_t in_len[1] = {100}, out_len[1] = {20};
+static const td_plan_lengths_t L100x20 = {in_len, out_len, 1};
+
+Test(plan_sim, unloaded_ttft_is_one_prefill_step_and_tpot_one_decode_step)
+{
+    td_plan_profile_t p = affine();
+    p.xfer_a_s = 0.002;
+    p.overhead_s = 0.001;
+    td_plan_cluster_t c = td_plan_cluster_default();
+    td_plan_request_t reqs[5];
+    for (int i = 0; i < 5; i++) /* 10 s apart: never two at once */
+        reqs[i] = (td_plan_request_t){.arrival_s = 10.0 * i, .input_len = 100, .output_len = 20};
+    td_plan_slo_t slo = {.ttft_s = 0.0215, .tpot_s = 0.0062};
+    td_plan_result_t r;
+    cr_assert_eq(td_plan_simulate(&p, &c, reqs, 5, &slo, &r), TD_OK);
+    cr_assert_float_eq(r.ttft_p90_s, 0.010 + 0.0001 * 100 + 0.001, 1e-12, "%g", r.ttft_p90_s);
+    /* the transfer is a gap between the first and the second token: spread over the 19 */
+    cr_assert_float_eq(r.tpot_p90_s, (0.002 + 19 * 0.006) / 19, 1e-12, "%g", r.tpot_p90_s);
+    cr_assert_eq(r.good, 5);
+    cr_assert_float_eq(r.attainment, 1.0, 1e-12);
+    /* duration: first arrival to the last end (its prefill, transfer, 19 decode steps, hop) */
+    cr_assert_float_eq(r.duration_s, 40.0 + 0.020 + 0.002 + 19 * 0.006 + 0.001, 1e-9, "%g", r.duration_s);
+
+    slo.ttft_s = 0.0205; /* just below: nobody meets it */
+    cr_assert_eq(td_plan_simulate(&p, &c, reqs, 5, &slo, &r), TD_OK);
+    cr_assert_eq(r.good, 0);
+    cr_assert_eq(r.goodput, 0);
+}
+
+Test(plan_sim, a_unified_node_unloaded_is_the_same_two_steps)
+{
+    td_plan_profile_t p = affine();
+    td_plan_cluster_t c = td_plan_cluster_default();
+    c.n_prefill = c.n_decode = 0;
+    c.n_unified = 1;
+    td_plan_request_t reqs[1] = {{.arrival_s = 0, .input_len = 100, .output_len = 20}};
+    td_plan_slo_t slo = {0};
+    td_plan_result_t r;
+    cr_assert_eq(td_plan_simulate(&p, &c, reqs, 1, &slo, &r), TD_OK);
+    cr_assert_float_eq(r.ttft_p50_s, 0.020, 1e-12);
+    cr_assert_float_eq(r.tpot_p50_s, 0.006, 1e-12);
+}
+
+Test(plan_sim, one_prompt_per_step_is_an_md1_queue)
+{
+    /* service S = 20 ms, rho = 0.5: mean TTFT = S + rho S / (2 (1 - rho)) = 1.5 S */
+    td_plan_profile_t p = affine();
+    td_plan_cluster_t c = td_plan_cluster_default();
+    c.prefill_max_batch = 1;
+    int32_t in[1] = {100}, out[1] = {1};
+    td_plan_lengths_t L = {in, out, 1};
+    td_plan_search_t s = td_plan_search_default();
+    s.n_requests = 40000;
+    td_plan_result_t r;
+    cr_assert_eq(td_plan_at_rate(&p, &c, &L, &s, 0.5 / 0.020, &r), TD_OK);
+    cr_assert(fabs(r.ttft_mean_s - 0.030) < 0.030 * 0.05, "mean TTFT %g s, M/D/1 says 0.030 s", r.ttft_mean_s);
+    cr_assert(fabs(r.prefill_busy - 0.5) < 0.03, "prefill busy %g, rho 0.5", r.prefill_busy);
+    /* at low load the wait vanishes: TTFT is the service time */
+    cr_assert_eq(td_plan_at_rate(&p, &c, &L, &s, 0.01 / 0.020, &r), TD_OK);
+    cr_assert(fabs(r.ttft_mean_s - 0.020) < 0.020 * 0.02, "mean TTFT %g s at rho 0.01", r.ttft_mean_s);
+}
+
+Test(plan_sim, a_rate_beyond_capacity_is_not_sustained)
+{
+    /* prefill one prompt per step, 20 ms: at most 50 requests/s whatever the objectives */
+    td_plan_profile_t p = affine();
+    td_plan_cluster_t c = td_plan_cluster_default();
+    c.prefill_max_batch = 1;
+    td_plan_search_t s = td_plan_search_default();
+    s.slo = (td_plan_slo_t){.ttft_s = 0.2, .tpot_s = 0.1};
+    td_plan_result_t r;
+    cr_assert_eq(td_plan_at_rate(&p, &c, &L100x20, &s, 100, &r), TD_OK);
+    cr_assert(r.attainment < 0.5, "attainment %g at twice the capacity", r.attainment);
+    cr_assert(r.throughput < 51, "throughput %g above capacity", r.throughput);
+    double best;
+    cr_assert_eq(td_plan_max_rate(&p, &c, &L100x20, &s, &best, &r), TD_OK);
+    /* a finite run (1000 requests) absorbs a rate a little past capacity in its queue */
+    cr_assert(best > 20 && best < 51, "highest sustained rate %g, capacity 50", best);
+    cr_assert(r.attainment >= 0.9);
+    /* a second prefill node raises it (with a decode node that is no bound: 20 output tokens at
+     * 5 ms + 1 ms a sequence a step would cap it near 52/s) */
+    c.n_prefill = 2;
+    p.decode_b_s = 0.0001;
+    double best2;
+    cr_assert_eq(td_plan_max_rate(&p, &c, &L100x20, &s, &best2, NULL), TD_OK);
+    cr_assert(best2 > 1.5 * best, "2 prefill nodes: %g, 1: %g", best2, best);
+    /* objectives no request can meet: nothing is sustained */
+    s.slo.ttft_s = 0.001;
+    cr_assert_eq(td_plan_max_rate(&p, &c, &L100x20, &s, &best, NULL), TD_OK);
+    cr_assert_eq(best, 0);
+}
+
+Test(plan_sim, the_same_seed_gives_the_same_run)
+{
+    td_plan_profile_t p = affine();
+    p.decode_c_s = 1e-6;
+    p.prefill_c_s = 1e-8;
+    td_plan_cluster_t c = td_plan_cluster_default();
+    c.n_decode = 2;
+    int32_t in[3] = {50, 300, 700}, out[3] = {5, 40, 10};
+    td_plan_lengths_t L = {in, out, 3};
+    td_plan_search_t s = td_plan_search_default();
+    s.slo = (td_plan_slo_t){.ttft_s = 0.3, .tpot_s = 0.05};
+    td_plan_result_t a, b, d;
+    cr_assert_eq(td_plan_at_rate(&p, &c, &L, &s, 15, &a), TD_OK);
+    cr_assert_eq(td_plan_at_rate(&p, &c, &L, &s, 15, &b), TD_OK);
+    cr_assert(a.ttft_p90_s == b.ttft_p90_s && a.tpot_p90_s == b.tpot_p90_s && a.good == b.good &&
+              a.duration_s == b.duration_s);
+    s.seed = 2;
+    cr_assert_eq(td_plan_at_rate(&p, &c, &L, &s, 15, &d), TD_OK);
+    cr_assert(d.duration_s != a.duration_s);
+}
+
+Test(plan_sim, kv_room_makes_the_router_wait_but_everyone_ends)
+{
+    td_plan_profile_t p = affine();
+    td_plan_cluster_t c = td_plan_cluster_default();
+    c.decode_kv_tokens = 240; /* two 100+20 requests at once */
+    td_plan_request_t reqs[6];
+    for (int i = 0; i < 6; i++)
+        reqs[i] = (td_plan_request_t){.arrival_s = 0, .input_len = 100, .output_len = 20};
+    td_plan_slo_t slo = {0};
+    td_plan_result_t r, free_r;
+    cr_assert_eq(td_plan_simulate(&p, &c, reqs, 6, &slo, &r), TD_OK);
+    c.decode_kv_tokens = 0;
+    cr_assert_eq(td_plan_simulate(&p, &c, reqs, 6, &slo, &free_r), TD_OK);
+    cr_assert_eq(r.n, 6);
+    cr_assert(r.duration_s > free_r.duration_s, "%g vs %g", r.duration_s, free_r.duration_s);
+}
+
+Test(plan_sim, least_squares_recovers_its_coefficients)
+{
+    double x[6 * 3], y[6], coef[3];
+    for (int i = 0; i < 6; i++) {
+        double t = 16.0 * (1 << i);
+        x[i * 3] = 1, x[i * 3 + 1] = t, x[i * 3 + 2] = t * t;
+        y[i] = 0.002 + 3e-5 * t + 4e-9 * t * t;
+    }
+    cr_assert_eq(td_plan_fit(x, y, 6, 3, coef), TD_OK);
+    cr_assert_float_eq(coef[0], 0.002, 1e-9);
+    cr_assert_float_eq(coef[1], 3e-5, 1e-11);
+    cr_assert_float_eq(coef[2], 4e-9, 1e-13);
+    double same[4] = {1, 2, 1, 2}, yy[2] = {1, 1};
+    cr_assert_eq(td_plan_fit(same, yy, 2, 2, coef), TD_ERR_INVALID);
+}
+
+Test(plan_sim, bad_clusters_are_refused)
+{
+    td_plan_profile_t p = affine();
+    td_plan_cluster_t c = td_plan_cluster_default();
+    td_plan_request_t reqs[1] = {{.arrival_s = 0, .input_len = 0, .output_len = 1}};
+    td_plan_slo_t slo = {0};
+    td_plan_result_t r;
+    cr_assert_eq(td_plan_simulate(&p, &c, reqs, 1, &slo, &r), TD_ERR_INVALID);
+    reqs[0].input_len = 1;
+    c.n_decode = 0;
+    cr_assert_eq(td_plan_simulate(&p, &c, reqs, 1, &slo, &r), TD_ERR_INVALID);
+    c.n_decode = 1;
+    c.n_unified = 1;
+    cr_assert_eq(td_plan_simulate(&p, &c, reqs, 1, &slo, &r), TD_ERR_INVALID);
+}
