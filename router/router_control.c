@@ -52,7 +52,7 @@ void router_node_load_metrics(router_state_t *s, int32_t idx, const td_node_load
     const router_node_t *n = router_registry_node_const(s->reg, idx);
     if (!n)
         return;
-    const char *v[] = {n->info.id, n->info.role == TD_NODE_ROLE_DECODE ? "decode" : "prefill"};
+    const char *v[] = {n->info.id, td_node_role_name(n->info.role)};
     struct {
         td_metric_family_t *f;
         double value;
