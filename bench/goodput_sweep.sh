@@ -13,8 +13,8 @@
 # the router and the load generator stay on both cores (they are shared by every configuration).
 # Every configuration x mix gets a fresh cluster. Environment (defaults in brackets):
 #   TANDEM [build/tandem]  MODEL [scripts/fetch-model smollm2]  CORES [0,1]  CONFIGS [disagg unified2 unified1]
-#   MIXES [prefill decode]  NUM_PROMPTS [60]  SEED [1]  WARMUP [4]
-#   PREFILL_MIX ["512 32 0.25"]  DECODE_MIX ["64 256 0.25"]   (input-len output-len range-ratio)
+#   MIXES [prefill decode]  NUM_PROMPTS [30]  SEED [1]  WARMUP [4]
+#   PREFILL_MIX ["256 16 0.25"]  DECODE_MIX ["64 128 0.25"]   (input-len output-len range-ratio)
 #   PREFILL_SLO ["ttft:MS tpot:MS"]  DECODE_SLO [...]  PREFILL_RATES  DECODE_RATES  (see below)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,14 +28,14 @@ CORES=${CORES:-0,1}
 c0=${CORES%%,*} c1=${CORES##*,}
 CONFIGS=${CONFIGS:-disagg unified2 unified1}
 MIXES=${MIXES:-prefill decode}
-NUM_PROMPTS=${NUM_PROMPTS:-60}
+NUM_PROMPTS=${NUM_PROMPTS:-30}
 SEED=${SEED:-1}
 WARMUP=${WARMUP:-4}
-PREFILL_MIX=${PREFILL_MIX:-512 32 0.25}
-DECODE_MIX=${DECODE_MIX:-64 256 0.25}
+PREFILL_MIX=${PREFILL_MIX:-256 16 0.25}
+DECODE_MIX=${DECODE_MIX:-64 128 0.25}
 # objectives and rates: see docs/goodput.md "Objectives" for how they were chosen
-PREFILL_SLO=${PREFILL_SLO:-ttft:1500 tpot:60}
-DECODE_SLO=${DECODE_SLO:-ttft:600 tpot:60}
+PREFILL_SLO=${PREFILL_SLO:-ttft:3000 tpot:50}
+DECODE_SLO=${DECODE_SLO:-ttft:1000 tpot:60}
 PREFILL_RATES=${PREFILL_RATES:-0.5,1,1.5,2,3}
 DECODE_RATES=${DECODE_RATES:-0.5,1,2,3,4}
 
