@@ -62,7 +62,7 @@ start_cluster() {
     *) echo "goodput_sweep: unknown configuration $cfg" >&2; exit 2 ;;
   esac
   local fifo=$out/.local.$cfg.out
-  rm -f "$fifo"
+  : >"$fifo" # exists before the background start opens it
   taskset -c "$CORES" "$TANDEM" local --model "$MODEL" "${args[@]}" >"$fifo" 2>"$out/local.$cfg.err" &
   lpid=$!
   url=""
