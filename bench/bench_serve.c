@@ -1035,8 +1035,10 @@ int bench_serve(int argc, char **argv)
         rates[0] = o->request_rate;
     }
     size_t n_measured = (size_t)o->num_prompts;
-    if (bs_load_dataset(s, strcmp(o->dataset, "random") ? n_measured : n_measured + (size_t)o->warmup_prompts, &rng) !=
-        TD_OK)
+    /* random: a sweep gives every rate prompts of its own (slice i of the dataset), so that a
+       server's prefix cache never serves a rate the prompts an earlier rate sent */
+    bool fresh = !strcmp(o->dataset, "random");
+    if (bs_load_dataset(s, fresh ? n_measured * n_rates + (size_t)o->warmup_prompts : n_measured, &rng) != TD_OK)
         goto err_opts;
     if (s->data.timed)
         n_measured = s->data.n;
@@ -1090,7 +1092,7 @@ int bench_serve(int argc, char **argv)
         if (!o->json && !s->data.timed)
             fprintf(stderr, "bench serve: %zu requests at %.3g requests/s%s\n", n_measured, rates[i],
                     o->max_concurrency ? ", concurrency-limited" : "");
-        if (bs_run(s, 0, n_measured, rates[i], s->data.timed, &rng, &runs[i]) != TD_OK) {
+        if (bs_run(s, fresh ? i * n_measured : 0, n_measured, rates[i], s->data.timed, &rng, &runs[i]) != TD_OK) {
             free(attain);
             goto err_loop;
         }

@@ -81,12 +81,18 @@ EOF
 
 # ---- gRPC gateway: the warm-up counted by the router, not by the figures; a sweep ----
 ok0=$(metric tandem_router_requests_total outcome=ok)
-if ! timeout 60 "$CL_BIN" bench serve --gateway "$CL_GW" --num-prompts 10 --warmup-prompts 3 --input-len 8 \
-        --output-len 6 --vocab-size 512 --max-concurrency 4 --sweep 20,40 --goodput e2el:5000 \
+cached0=$(cl_metric prefill0 tandem_prefill_cached_tokens_total 2>/dev/null | cut -d. -f1)
+# 32-token prompts (two whole KV blocks): were a rate to resend an earlier rate's prompts, the
+# prefill node's prefix cache would serve them
+if ! timeout 60 "$CL_BIN" bench serve --gateway "$CL_GW" --num-prompts 10 --warmup-prompts 3 --input-len 32 \
+        --output-len 6 --vocab-size 512 --seed 11 --max-concurrency 4 --sweep 20,40 --goodput e2el:5000 \
         --json >"$CL_T/g.json" 2>"$CL_T/bs.err"; then
     cl_fail "bench serve --gateway exited non-zero: $(tail -3 "$CL_T/bs.err")"
 fi
 ok1=$(metric tandem_router_requests_total outcome=ok)
+cached1=$(cl_metric prefill0 tandem_prefill_cached_tokens_total 2>/dev/null | cut -d. -f1)
+[ "${cached1:-x}" = "${cached0:-y}" ] ||
+    cl_fail "the sweep's rates shared prompts: the prefix cache served $cached0 -> $cached1 tokens"
 "$CL_PY" - "$CL_T/g.json" "$((ok1 - ok0))" <<'EOF' || cl_fail "the gRPC sweep's JSON (above)"
 import json, sys
 d = json.load(open(sys.argv[1]))

@@ -1,0 +1,121 @@
+#!/usr/bin/python3
+"""Plots and tables of bench/goodput_sweep.sh's results (docs/goodput.md).
+
+    /usr/bin/python3 bench/goodput_plot.py [OUT_DIR [IMG_DIR]]
+
+Reads OUT_DIR/{disagg,unified2,unified1}-{prefill,decode}.json (`tandem bench serve
+--sweep ... --result-file`), writes IMG_DIR/goodput-{mix}.png (goodput, SLO attainment, TTFT p90
+and TPOT p90 against the request rate, one line per configuration) and prints markdown tables:
+per rate, and per configuration the highest rate at >= the sweep's attainment and goodput per core.
+Debian's python3-matplotlib (scripts/install-deps).
+"""
+import json
+import os
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+CONFIGS = [  # name, label, cores
+    ("disagg", "1 prefill + 1 decode (1 core each)", 2),
+    ("unified2", "2 unified (1 core each)", 2),
+    ("unified1", "1 unified (2 cores)", 2),
+]
+MIXES = ["prefill", "decode"]
+STYLE = {"disagg": ("tab:red", "o"), "unified2": ("tab:blue", "s"), "unified1": ("tab:green", "^")}
+
+
+def load(out):
+    res = {}
+    for cfg, _, _ in CONFIGS:
+        for mix in MIXES:
+            p = os.path.join(out, f"{cfg}-{mix}.json")
+            if os.path.exists(p):
+                with open(p) as f:
+                    res[(cfg, mix)] = json.load(f)
+    return res
+
+
+def fmt(v, nd=2):
+    return "-" if v is None else f"{v:.{nd}f}"
+
+
+def best_rate(runs, att):
+    ok = [r["request_rate"] for r in runs if r["slo_attainment"] is not None and r["slo_attainment"] >= att]
+    return max(ok) if ok else None
+
+
+def main():
+    out = sys.argv[1] if len(sys.argv) > 1 else "bench/goodput-out"
+    img = sys.argv[2] if len(sys.argv) > 2 else "docs/img"
+    os.makedirs(img, exist_ok=True)
+    res = load(out)
+    summary = {}
+    for mix in MIXES:
+        have = [(c, l, n) for c, l, n in CONFIGS if (c, mix) in res]
+        if not have:
+            continue
+        any_res = res[(have[0][0], mix)]
+        g = any_res.get("goodput_config", {})
+        obj = ", ".join(f"{k.upper()} <= {v:g} ms" for k, v in g.items() if v)
+        print(f"\n#### {mix}-heavy mix (objectives: {obj})\n")
+        print("| config | rate | req/s | goodput | attainment | TTFT p90 ms | TPOT p90 ms |")
+        print("|---|---|---|---|---|---|---|")
+        fig, ax = plt.subplots(2, 2, figsize=(8, 5.6), dpi=80)
+        for cfg, label, cores in have:
+            r = res[(cfg, mix)]
+            runs = sorted(r["runs"], key=lambda x: x["request_rate"])
+            for x in runs:
+                print(f"| {cfg} | {x['request_rate']:g} | {fmt(x['request_throughput'])} | "
+                      f"{fmt(x['request_goodput'])} | {fmt(x['slo_attainment'])} | "
+                      f"{fmt(x['p90_ttft_ms'], 0)} | {fmt(x['p90_tpot_ms'], 1)} |")
+            rates = [x["request_rate"] for x in runs]
+            col, mk = STYLE[cfg]
+            kw = dict(color=col, marker=mk, label=label, linewidth=1.5, markersize=5)
+            ax[0][0].plot(rates, [x["request_goodput"] for x in runs], **kw)
+            ax[0][1].plot(rates, [100 * (x["slo_attainment"] or 0) for x in runs], **kw)
+            ax[1][0].plot(rates, [x["p90_ttft_ms"] for x in runs], **kw)
+            ax[1][1].plot(rates, [x["p90_tpot_ms"] for x in runs], **kw)
+            att = r.get("sweep_attainment", 0.9)
+            gmax = max(x["request_goodput"] or 0 for x in runs)
+            summary[(cfg, mix)] = (best_rate(runs, att), gmax, gmax / cores, cores, label)
+        ax[0][0].plot([0, max(rates)], [0, max(rates)], color="grey", linestyle=":", linewidth=1, label="rate")
+        ax[0][0].set_ylabel("goodput (req/s)")
+        ax[0][1].axhline(90, color="grey", linestyle=":", linewidth=1)
+        ax[0][1].set_ylabel("SLO attainment (%)")
+        ax[0][1].set_ylim(0, 105)
+        for key, a in (("ttft", ax[1][0]), ("tpot", ax[1][1])):
+            if g.get(key):
+                a.axhline(g[key], color="grey", linestyle=":", linewidth=1)
+            a.set_yscale("log")
+            a.set_ylabel(f"{key.upper()} p90 (ms)")
+        for a in ax.flat:
+            a.set_xlabel("request rate (req/s)")
+            a.grid(True, alpha=0.3)
+        ax[0][0].legend(fontsize=7)
+        il, ol = any_res["runs"][0].get("total_input_tokens"), any_res["runs"][0].get("total_output_tokens")
+        n = any_res["runs"][0].get("completed") or 1
+        fig.suptitle(f"SmolLM2-135M Q4_1, {mix}-heavy mix (~{il // n} in / ~{ol // n} out), "
+                     f"{obj}; dotted: objective", fontsize=9)
+        fig.tight_layout()
+        path = os.path.join(img, f"goodput-{mix}.png")
+        fig.savefig(path)
+        plt.close(fig)
+        print(f"\n![{mix}-heavy]({os.path.relpath(path, 'docs')})")
+    print("\n| mix | config | highest rate at >= 90% attainment | max goodput req/s | goodput per core | vs best colocated |")
+    print("|---|---|---|---|---|---|")
+    for mix in MIXES:
+        colo = [summary[(c, mix)][2] for c in ("unified2", "unified1") if (c, mix) in summary]
+        best_colo = max(colo) if colo else None
+        for cfg, _, _ in CONFIGS:
+            if (cfg, mix) not in summary:
+                continue
+            br, gmax, gpc, cores, label = summary[(cfg, mix)]
+            ratio = f"{gpc / best_colo:.2f}x" if best_colo else "-"
+            print(f"| {mix} | {label} | {'none' if br is None else f'{br:g}'} | {gmax:.2f} | {gpc:.2f} | {ratio} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# The experiment of issue 16 (docs/goodput.md): goodput of the same two cores serving one model
+# disaggregated (1 prefill + 1 decode node, one core each) and colocated (2 unified nodes, one
+# core each; 1 unified node on both cores), under one router, measured by `tandem bench serve`
+# sweeping the request rate of each workload mix.
+#
+#   bench/goodput_sweep.sh [OUT_DIR]            the whole experiment (default OUT_DIR bench/goodput-out)
+#   bench/goodput_sweep.sh --probe [OUT_DIR]    unloaded TTFT / TPOT only (one request at a time),
+#                                               what the objectives are scaled from
+#
+# `tandem local` has no per-node CPU pinning: it is started on cores CORES (taskset), then each
+# node process (all of its threads: taskset -a) is pinned to its core once the cluster is up;
+# the router and the load generator stay on both cores (they are shared by every configuration).
+# Every configuration x mix gets a fresh cluster. Environment (defaults in brackets):
+#   TANDEM [build/tandem]  MODEL [scripts/fetch-model smollm2]  CORES [0,1]  CONFIGS [disagg unified2 unified1]
+#   MIXES [prefill decode]  NUM_PROMPTS [30]  SEED [1]  WARMUP [4]
+#   PREFILL_MIX ["256 16 0.25"]  DECODE_MIX ["64 128 0.25"]   (input-len output-len range-ratio)
+#   PREFILL_SLO ["ttft:MS tpot:MS"]  DECODE_SLO [...]  PREFILL_RATES  DECODE_RATES  (see below)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+probe=0
+if [ "${1:-}" = "--probe" ]; then probe=1; shift; fi
+out=${1:-bench/goodput-out}
+mkdir -p "$out"
+TANDEM=${TANDEM:-build/tandem}
+MODEL=${MODEL:-$(scripts/fetch-model smollm2)}
+CORES=${CORES:-0,1}
+c0=${CORES%%,*} c1=${CORES##*,}
+CONFIGS=${CONFIGS:-disagg unified2 unified1}
+MIXES=${MIXES:-prefill decode}
+NUM_PROMPTS=${NUM_PROMPTS:-30}
+SEED=${SEED:-1}
+WARMUP=${WARMUP:-4}
+PREFILL_MIX=${PREFILL_MIX:-256 16 0.25}
+DECODE_MIX=${DECODE_MIX:-64 128 0.25}
+# objectives and rates: see docs/goodput.md "Objectives" for how they were chosen
+PREFILL_SLO=${PREFILL_SLO:-ttft:3000 tpot:50}
+DECODE_SLO=${DECODE_SLO:-ttft:1000 tpot:60}
+PREFILL_RATES=${PREFILL_RATES:-0.5,1,1.5,2,3}
+DECODE_RATES=${DECODE_RATES:-0.5,1,2,3,4}
+
+log=$out/sweep.log
+echo "# $(date -u +%FT%TZ) $(uname -n) nproc=$(nproc) $(uptime)" >>"$log"
+
+lpid=""
+stop_cluster() {
+  if [ -n "$lpid" ]; then
+    kill -TERM "$lpid" 2>/dev/null || true
+    wait "$lpid" 2>/dev/null || true
+    lpid=""
+  fi
+}
+trap stop_cluster EXIT
+
+# start_cluster CONFIG: sets $url (the OpenAI base URL) and pins the nodes
+start_cluster() {
+  local cfg=$1 args
+  case "$cfg" in
+    disagg) args=(--prefill 1 --decode 1 --threads 1) ;;
+    unified2) args=(--unified 2 --threads 1) ;;
+    unified1) args=(--unified 1 --threads 2) ;;
+    *) echo "goodput_sweep: unknown configuration $cfg" >&2; exit 2 ;;
+  esac
+  local fifo=$out/.local.$cfg.out
+  : >"$fifo" # exists before the background start opens it
+  taskset -c "$CORES" "$TANDEM" local --model "$MODEL" "${args[@]}" >"$fifo" 2>"$out/local.$cfg.err" &
+  lpid=$!
+  url=""
+  for _ in $(seq 1 600); do
+    url=$(sed -n 's/^openai: //p' "$fifo" | head -1)
+    [ -n "$url" ] && break
+    kill -0 "$lpid" 2>/dev/null || { echo "goodput_sweep: tandem local died" >&2; cat "$out/local.$cfg.err" >&2; exit 1; }
+    sleep 0.1
+  done
+  [ -n "$url" ] || { echo "goodput_sweep: no openai: line from tandem local" >&2; exit 1; }
+  case "$url" in */v1) ;; *) url=${url%/}/v1 ;; esac
+  # pin each node process, every thread, to its core(s); the router (the first child) floats
+  local kid role pins=""
+  for kid in $(pgrep -P "$lpid"); do
+    role=$(tr '\0' ' ' <"/proc/$kid/cmdline" | awk '{print $2, $8}')
+    case "$role" in
+      "prefill prefill0"|"unified unified0") core=$c0 ;;
+      "decode decode0"|"unified unified1") core=$c1 ;;
+      *) continue ;;
+    esac
+    [ "$cfg" = unified1 ] && core=$CORES
+    taskset -a -p -c "$core" "$kid" >/dev/null
+    pins="$pins ${role#* }->cpu$core"
+  done
+  echo "$cfg: $url pinned:$pins" | tee -a "$log"
+}
+
+mix_args() { # mix -> input-len output-len range-ratio
+  case "$1" in
+    prefill) echo "$PREFILL_MIX" ;;
+    decode) echo "$DECODE_MIX" ;;
+    *) echo "goodput_sweep: unknown mix $1" >&2; exit 2 ;;
+  esac
+}
+
+for cfg in $CONFIGS; do
+  for mix in $MIXES; do
+    read -r il ol rr <<<"$(mix_args "$mix")"
+    start_cluster "$cfg"
+    common=(--openai "$url" --dataset random --input-len "$il" --output-len "$ol" --range-ratio "$rr"
+            --ignore-eos --vocab-size 49152 --seed "$SEED")
+    if [ "$probe" = 1 ]; then
+      # unloaded: one request at a time
+      echo "load: $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$log"
+      "$TANDEM" bench serve "${common[@]}" --num-prompts 8 --warmup-prompts 2 --max-concurrency 1 \
+        --result-file "$out/probe-$cfg-$mix.json" | grep -E "TTFT|TPOT|throughput" | tee -a "$log"
+    else
+      if [ "$mix" = prefill ]; then slo=$PREFILL_SLO rates=$PREFILL_RATES; else slo=$DECODE_SLO rates=$DECODE_RATES; fi
+      echo "$cfg/$mix: $il in / $ol out (r $rr), objectives '$slo', rates $rates, $NUM_PROMPTS prompts; load before: $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$log"
+      t0=$(date +%s)
+      "$TANDEM" bench serve "${common[@]}" --num-prompts "$NUM_PROMPTS" --warmup-prompts "$WARMUP" \
+        --goodput "$slo" --sweep "$rates" --result-file "$out/$cfg-$mix.json" 2>&1 |
+        sed -n '/^rate /,$p' | tee -a "$log"
+      echo "$cfg/$mix: $(( $(date +%s) - t0 )) s; load after: $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$log"
+      cut -d' ' -f1-3 /proc/loadavg >"$out/$cfg-$mix.load"
+    fi
+    stop_cluster
+  done
+done
