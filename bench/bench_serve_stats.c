@@ -11,37 +11,19 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* ---- PRNG ------------------------------------------------------------------------------ */
+#include "td_rng.h"
 
-static uint64_t splitmix64(uint64_t *x)
-{
-    uint64_t z = (*x += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
+/* ---- PRNG ------------------------------------------------------------------------------ */
 
 void bs_rng_seed(bs_rng_t *r, uint64_t seed)
 {
     for (int i = 0; i < 4; i++)
-        r->s[i] = splitmix64(&seed);
-}
-
-static uint64_t rotl(uint64_t x, int k)
-{
-    return (x << k) | (x >> (64 - k));
+        r->s[i] = td_splitmix64(&seed);
 }
 
 uint64_t bs_rng_next(bs_rng_t *r)
 {
-    uint64_t *s = r->s, out = rotl(s[1] * 5, 7) * 9, t = s[1] << 17;
-    s[2] ^= s[0];
-    s[3] ^= s[1];
-    s[1] ^= s[2];
-    s[0] ^= s[3];
-    s[2] ^= t;
-    s[3] = rotl(s[3], 45);
-    return out;
+    return td_xoshiro256ss(r->s);
 }
 
 double bs_rng_uniform(bs_rng_t *r)
@@ -95,7 +77,7 @@ void bs_arrivals(bs_rng_t *r, double rate, double burstiness, size_t n, double *
 uint32_t bs_prompt_id(const bs_item_t *it, uint32_t i, uint32_t vocab)
 {
     uint64_t x = it->id_seed + (uint64_t)i * 0x9e3779b97f4a7c15ull;
-    return 1 + (uint32_t)(splitmix64(&x) % (vocab - 1));
+    return 1 + (uint32_t)(td_splitmix64(&x) % (vocab - 1));
 }
 
 void bs_dataset_free(bs_dataset_t *d)

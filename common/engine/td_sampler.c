@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "td_hash.h"
+#include "td_rng.h"
 #include "td_util.h"
 
 /* ---- parameters ------------------------------------------------------------------- */
@@ -73,38 +74,12 @@ td_status_t td_sampling_validate(const td_sampling_t *s, char *why, size_t why_c
     return td_errorf_quiet(TD_ERR_INVALID, "%s", msg);
 }
 
-/* ---- PRNG: xoshiro256** seeded by splitmix64 (Blackman & Vigna) --------------------- */
-
-static uint64_t splitmix64(uint64_t *x)
-{
-    uint64_t z = (*x += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
-
-static inline uint64_t rotl(uint64_t x, int k)
-{
-    return (x << k) | (x >> (64 - k));
-}
-
-static uint64_t xoshiro_next(uint64_t s[4])
-{
-    uint64_t result = rotl(s[1] * 5, 7) * 9;
-    uint64_t t = s[1] << 17;
-    s[2] ^= s[0];
-    s[3] ^= s[1];
-    s[1] ^= s[2];
-    s[0] ^= s[3];
-    s[2] ^= t;
-    s[3] = rotl(s[3], 45);
-    return result;
-}
+/* ---- PRNG: td_rng's xoshiro256** seeded by splitmix64 ------------------------------ */
 
 /* Uniform in [0, 1) with 53 random bits. */
 static double uniform01(uint64_t s[4])
 {
-    return (double)(xoshiro_next(s) >> 11) * 0x1.0p-53;
+    return (double)(td_xoshiro256ss(s) >> 11) * 0x1.0p-53;
 }
 
 /* ---- sampler ---------------------------------------------------------------------- */
@@ -134,7 +109,7 @@ static void seed_rng(td_sampler_t *s)
 {
     uint64_t x = s->p.seed;
     for (int i = 0; i < 4; i++)
-        s->rng[i] = splitmix64(&x);
+        s->rng[i] = td_splitmix64(&x);
 }
 
 td_status_t td_sampler_create(const td_sampling_t *params, td_sampler_t **sampler_p)
@@ -707,5 +682,5 @@ void td_sampler_skip(td_sampler_t *sampler, int32_t n_tokens)
     if (sampler->p.temperature == 0.0f)
         return; /* greedy draws nothing */
     for (int32_t i = 0; i < n_tokens; i++)
-        (void)xoshiro_next(sampler->rng); /* td_sampler_sample draws exactly one per token */
+        (void)td_xoshiro256ss(sampler->rng); /* td_sampler_sample draws exactly one per token */
 }

@@ -30,6 +30,7 @@
 
 #include "td_gguf_writer.h"
 #include "td_hash.h"
+#include "td_rng.h"
 #include "td_safetensors.h"
 #include "td_util.h"
 
@@ -51,19 +52,11 @@ typedef struct synth_tensor {
 
 /* ---- random numbers ---------------------------------------------------------------- */
 
-static uint64_t splitmix64(uint64_t *s)
-{
-    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-
 /* Approximately standard normal: the centred sum of four 16-bit uniforms, scaled to
  * unit variance (bounded at +-3.46). */
 static float approx_normal(uint64_t *s)
 {
-    uint64_t r = splitmix64(s);
+    uint64_t r = td_splitmix64(s);
     uint32_t sum = (uint32_t)(r & 0xffff) + (uint32_t)((r >> 16) & 0xffff) + (uint32_t)((r >> 32) & 0xffff) +
                    (uint32_t)(r >> 48);
     return ((float)sum * (1.0f / 65535.0f) - 2.0f) * 1.7320508f;

@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "td_log.h"
+#include "td_rng.h"
 #include "td_util.h"
 
 double td_plan_prefill_step_s(const td_plan_profile_t *p, int64_t tokens, double attn)
@@ -563,21 +564,12 @@ out:
 
 /* ---- workloads and searches ------------------------------------------------------------------ */
 
-/* splitmix64: small, seedable, the same on every machine */
-static uint64_t next_u64(uint64_t *x)
-{
-    uint64_t z = (*x += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-
 void td_plan_arrivals(uint64_t seed, double rate, size_t n, const td_plan_lengths_t *L, td_plan_request_t *reqs)
 {
     uint64_t x = seed;
     double t = 0;
     for (size_t i = 0; i < n; i++) {
-        double u = ((double)(next_u64(&x) >> 11) + 0.5) * 0x1.0p-53; /* (0, 1) */
+        double u = ((double)(td_splitmix64(&x) >> 11) + 0.5) * 0x1.0p-53; /* (0, 1) */
         if (i)
             t += -log(u) / rate;
         reqs[i] = (td_plan_request_t){.arrival_s = t, .input_len = L->input_len[i % L->n],
