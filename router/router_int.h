@@ -283,7 +283,8 @@ router_req_t *router_lease_find(router_state_t *s, int32_t decode, uint64_t gen,
 void router_lease_release(router_req_t *r, Tandem__Control__V1__ReleaseRequest__Reason why);
 
 /* router_relay.c: tokens from the nodes to the gateway stream */
-void router_out_flush(router_req_t *r);
+/* now: td_now_ns() when the output became ready (the TTFT/TPOT it is accounted at) */
+void router_out_flush(router_req_t *r, uint64_t now);
 void router_first_from_prefill(router_req_t *r, const Tandem__Control__V1__PrefillResponse *p);
 bool router_backlog_over(const router_req_t *r);
 void router_req_fail_slow(router_req_t *r);

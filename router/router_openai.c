@@ -601,20 +601,41 @@ void router_oai_buf_json_str(router_oai_buf_t *b, const char *s, size_t len)
     b->p[b->n] = '\0';
 }
 
+/* v in decimal: every chunk of a stream carries "created" (printf was a third of the
+ * router's CPU per relayed token) */
+static void buf_int(router_oai_buf_t *b, int64_t v)
+{
+    char d[24], *e = d + sizeof d, *p = e;
+    uint64_t u = v < 0 ? 0 - (uint64_t)v : (uint64_t)v;
+    do {
+        *--p = (char)('0' + u % 10);
+        u /= 10;
+    } while (u);
+    if (v < 0)
+        *--p = '-';
+    router_oai_buf_put(b, p, (size_t)(e - p));
+}
+
 /* {"id":..,"object":..,"created":..,"model":.., */
 static void head(router_oai_buf_t *b, const router_oai_resp_t *rs, const char *object)
 {
     router_oai_buf_puts(b, "{\"id\":");
     router_oai_buf_json_str(b, rs->id, strlen(rs->id));
-    router_oai_buf_printf(b, ",\"object\":\"%s\",\"created\":%lld,\"model\":", object, (long long)rs->created);
+    router_oai_buf_puts(b, ",\"object\":\"");
+    router_oai_buf_puts(b, object);
+    router_oai_buf_puts(b, "\",\"created\":");
+    buf_int(b, rs->created);
+    router_oai_buf_puts(b, ",\"model\":");
     router_oai_buf_json_str(b, rs->model, strlen(rs->model));
 }
 
 static void finish_reason(router_oai_buf_t *b, const char *reason)
 {
-    if (reason)
-        router_oai_buf_printf(b, ",\"finish_reason\":\"%s\"}", reason);
-    else
+    if (reason) {
+        router_oai_buf_puts(b, ",\"finish_reason\":\"");
+        router_oai_buf_puts(b, reason);
+        router_oai_buf_puts(b, "\"}");
+    } else
         router_oai_buf_puts(b, ",\"finish_reason\":null}");
 }
 

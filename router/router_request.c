@@ -263,7 +263,7 @@ void router_req_client_gone(router_req_t *r, bool deadline)
 void router_req_writable(router_req_t *r)
 {
     r->blocked = false;
-    router_out_flush(r);
+    router_out_flush(r, td_now_ns());
 }
 
 /* Frees r (the move to ENDED); the caller has answered or detached its client. */

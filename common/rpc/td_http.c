@@ -1328,6 +1328,21 @@ td_status_t td_http_stream_begin(td_http_req_t *req, int status, const char *con
     return TD_OK;
 }
 
+/* A chunked body's size line ("%zx\r\n") into out, its length returned: every SSE chunk
+ * writes one, and sprintf cost a tenth of the router's CPU per relayed token. */
+static size_t chunk_size_line(char *out, size_t len)
+{
+    static const char hex[] = "0123456789abcdef";
+    int digits = 1;
+    while (digits < 16 && (len >> (4 * digits)))
+        digits++;
+    for (int d = 0; d < digits; d++)
+        out[d] = hex[(len >> (4 * (digits - 1 - d))) & 15];
+    out[digits] = '\r';
+    out[digits + 1] = '\n';
+    return (size_t)digits + 2;
+}
+
 td_status_t td_http_stream_write(td_http_req_t *req, const char *data, size_t len)
 {
     if (req->state != REQ_STREAMING)
@@ -1345,7 +1360,7 @@ td_status_t td_http_stream_write(td_http_req_t *req, const char *data, size_t le
     if (!out)
         return td_errorf(TD_ERR_NOMEM, "http: out of memory");
     bool was_empty = c->queued == 0;
-    size_t n = req->http10 ? 0 : (size_t)sprintf(out, "%zx\r\n", len);
+    size_t n = req->http10 ? 0 : chunk_size_line(out, len);
     memcpy(out + n, data, len);
     n += len;
     if (!req->http10) {
