@@ -194,7 +194,7 @@ Test(engine, greedy_matches_reference_to_512_tokens, .timeout = 300)
     ref_model_t r;
     ref_load(&r);
     td_test_engine_t fx;
-    td_test_engine_open_cpu(&fx, 2, 2048, false);
+    td_test_engine_open_cpu(&fx, 1, 2048, false);
     unsigned s = 42;
     const int lens[] = {1, 5, 17, 100};
     for (size_t p = 0; p < sizeof lens / sizeof lens[0]; p++) {
@@ -233,7 +233,7 @@ Test(engine, batch_and_chunk_invariance, .timeout = 300)
         h_got[i] = malloc(512 * sizeof(uint64_t));
     }
     td_test_engine_t fx;
-    td_test_engine_open_cpu(&fx, 2, 2048, false);
+    td_test_engine_open_cpu(&fx, 1, 2048, false);
     for (int i = 0; i < N; i++)
         td_test_engine_greedy(&fx, 1, &prompts[i], &n_prompt[i], &total[i], 4096, &alone[i], &h_alone[i]);
     td_test_engine_close(&fx);
@@ -254,7 +254,7 @@ Test(engine, batch_and_chunk_invariance, .timeout = 300)
     /* Split invariance, bit for bit: a prompt prefilled in pieces of 8 (the engine runs a
      * one-row step with the decode kernel, so pieces of two rows at least) gives the same
      * logits as prefilled whole. */
-    td_test_engine_open_cpu(&fx, 2, 2048, false);
+    td_test_engine_open_cpu(&fx, 1, 2048, false);
     int n_split = 0;
     for (int i = 0; i < N; i++) {
         if (n_prompt[i] <= 8 || n_prompt[i] % 8 == 1)
@@ -270,7 +270,7 @@ Test(engine, batch_and_chunk_invariance, .timeout = 300)
     td_test_engine_close(&fx);
     for (int i = 0; i < N; i++)
         free(h_alone[i]), free(h_got[i]);
-    td_test_engine_open_cpu(&fx, 2, 2048, false);
+    td_test_engine_open_cpu(&fx, 1, 2048, false);
     const int chunks[] = {4096, 1, 7, 64};
     for (size_t c = 0; c < sizeof chunks / sizeof chunks[0]; c++) {
         td_test_engine_greedy(&fx, N, prompts, n_prompt, total, chunks[c], got, NULL);
@@ -283,7 +283,7 @@ Test(engine, batch_and_chunk_invariance, .timeout = 300)
     td_test_engine_close(&fx);
 
     /* prefix cache on: shared prompt prefixes are reused and results do not change */
-    td_test_engine_open_cpu(&fx, 2, 2048, true);
+    td_test_engine_open_cpu(&fx, 1, 2048, true);
     for (int round = 0; round < 2; round++) {
         td_test_engine_greedy(&fx, N, prompts, n_prompt, total, 64, got, NULL);
         for (int i = 0; i < N; i++)
