@@ -3,7 +3,7 @@
 # writes a 254M-parameter Llama in f16 (hidden 1024, 16 layers, 16 heads / 8 KV heads,
 # vocab 32000: 509 MB) at test time; `tandem local` serves it with default flags as 1
 # prefill + 1 decode, then as 2 + 2 with a decode pool of more than 2 GB per node. Each
-# time 16 concurrent greedy requests with prompts of 1 to 512 ids drawn from the whole
+# time 16 concurrent greedy requests with prompts of 1 to 256 ids drawn from the whole
 # vocabulary must produce the ids of `tandem generate` on the same model, and every
 # process's event-loop lag p99 must stay under 50 ms (issue 12: the first transfer once
 # made the prefill node fault in the decode node's whole pool on its loop, 2.4 s, and the
@@ -17,7 +17,7 @@ if [ "${TD_SANITIZE:-OFF}" = ON ]; then
     # never takes more than max-batch sequences of the model's length can use
     HIDDEN=256 INTER=704 LAYERS=4 HEADS=4 KVHEADS=2 MAXLEN=128 MAXPOS=16384
 else
-    HIDDEN=1024 INTER=2816 LAYERS=16 HEADS=16 KVHEADS=8 MAXLEN=512 MAXPOS=2048
+    HIDDEN=1024 INTER=2816 LAYERS=16 HEADS=16 KVHEADS=8 MAXLEN=256 MAXPOS=2048
 fi
 MAXTOK=8
 LAG_BOUND_S=0.05

@@ -16,33 +16,47 @@ pass=0 fail=0
 ok() { pass=$((pass + 1)); }
 bad() { fail=$((fail + 1)); echo "FAIL: $*" >&2; }
 
-# row NAME KIND INDEX: writes $tmp/text (exact bytes) and $tmp/ids (one line)
-row() {
-    "$PY" - "$FIX/$1.$2.jsonl" "$3" "$tmp" <<'PYEOF'
+# rows NAME ROW...: the fixture's encode and decode rows (indices modulo the file's length)
+# as $tmp/KIND.ROW.text and $tmp/KIND.ROW.ids, one python start for them all
+rows() {
+    local name=$1
+    shift
+    "$PY" - "$FIX/$name" "$tmp" "$@" <<'PYEOF'
 import json, sys
-rows = open(sys.argv[1], encoding="utf-8").read().splitlines()
-r = json.loads(rows[int(sys.argv[2]) % len(rows)])
-open(sys.argv[3] + "/text", "wb").write(bytes.fromhex(r["hex"]))
-open(sys.argv[3] + "/ids", "w").write(" ".join(map(str, r["ids"])) + "\n")
+base, tmp, picks = sys.argv[1], sys.argv[2], sys.argv[3:]
+for kind in ("encode", "decode"):
+    rows = open(f"{base}.{kind}.jsonl", encoding="utf-8").read().splitlines()
+    for i in picks:
+        r = json.loads(rows[int(i) % len(rows)])
+        open(f"{tmp}/{kind}.{i}.text", "wb").write(bytes.fromhex(r["hex"]))
+        open(f"{tmp}/{kind}.{i}.ids", "w").write(" ".join(map(str, r["ids"])) + "\n")
 PYEOF
 }
 
-check() { # name tokenizer-path
+# check NAME TOKENIZER-PATH ROW...: each row through `tandem tokenize` and back. The full
+# fixtures run in-process in test_tokenizer; here each row is a process that loads the
+# tokenizer (0.3 s for the 9 MB tokenizer.json files), so the big ones take fewer rows.
+check() {
     local name=$1 path=$2 i
-    for i in 0 3 8 16 28 36 50 53 -31 -1; do
-        row "$name" encode "$i"
-        if "$BIN" tokenize --tokenizer "$path" < "$tmp/text" > "$tmp/out" && cmp -s "$tmp/out" "$tmp/ids"; then ok
-        else bad "$name encode row $i: want $(head -c 200 "$tmp/ids") got $(head -c 200 "$tmp/out")"; fi
-        row "$name" decode "$i"
-        if "$BIN" tokenize --tokenizer "$path" --decode < "$tmp/ids" > "$tmp/out" && cmp -s "$tmp/out" "$tmp/text"; then ok
+    shift 2
+    rows "$name" "$@"
+    for i in "$@"; do
+        if "$BIN" tokenize --tokenizer "$path" < "$tmp/encode.$i.text" > "$tmp/out" && cmp -s "$tmp/out" "$tmp/encode.$i.ids"; then ok
+        else bad "$name encode row $i: want $(head -c 200 "$tmp/encode.$i.ids") got $(head -c 200 "$tmp/out")"; fi
+        if "$BIN" tokenize --tokenizer "$path" --decode < "$tmp/decode.$i.ids" > "$tmp/out" && cmp -s "$tmp/out" "$tmp/decode.$i.text"; then ok
         else bad "$name decode row $i"; fi
     done
 }
 
-check bytelevel "$FIX/bytelevel"
-for spec in llama2:llama2-tokenizer/tokenizer.bin mistral:tokenizers/mistral llama3:tokenizers/llama3 qwen3:tokenizers/qwen3; do
-    name=${spec%%:*} rel=${spec#*:}
-    if [ -e "$MODELS/$rel" ]; then check "$name" "$MODELS/$rel"
+ALL_ROWS="0 3 8 16 28 36 50 53 -31 -1"
+FEW_ROWS="3 28 53 -1"
+check bytelevel "$FIX/bytelevel" $ALL_ROWS
+for spec in llama2:llama2-tokenizer/tokenizer.bin:ALL mistral:tokenizers/mistral:FEW llama3:tokenizers/llama3:FEW \
+            qwen3:tokenizers/qwen3:FEW; do
+    IFS=: read -r name rel n <<<"$spec"
+    picks=ALL_ROWS
+    [ "$n" = FEW ] && picks=FEW_ROWS
+    if [ -e "$MODELS/$rel" ]; then check "$name" "$MODELS/$rel" ${!picks}
     else echo "skip: $name: $MODELS/$rel is absent (set TANDEM_TEST_MODELS)"; fi
 done
 
