@@ -7,6 +7,9 @@
 #define TD_CPU_ISA_H
 
 #include <stdbool.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
 
 typedef enum td_cpu_isa {
     TD_CPU_ISA_AVX2,        /* AVX2, FMA and F16C */
@@ -17,8 +20,10 @@ typedef enum td_cpu_isa {
 static inline bool td_cpu_has(td_cpu_isa_t isa)
 {
 #if defined(__x86_64__) || defined(__i386__)
-    bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                __builtin_cpu_supports("f16c");
+    /* F16C from CPUID leaf 1 (ECX bit 29): clang's __builtin_cpu_supports has no "f16c" */
+    unsigned a, b, c, d;
+    bool f16c = __get_cpuid(1, &a, &b, &c, &d) && (c & (1u << 29));
+    bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c;
     bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                   __builtin_cpu_supports("avx512vl");
     switch (isa) {
