@@ -731,6 +731,8 @@ static void bs_json_run(const bs_state_t *s, const bs_run_t *r, cJSON *o)
         bs_json_num(e, "ttft_ms", q->out.ok ? q->out.ttft_ms : NAN, 3);
         bs_json_num(e, "tpot_ms", q->out.ok ? q->out.tpot_ms : NAN, 3);
         bs_json_num(e, "e2el_ms", q->out.ok ? q->out.e2el_ms : NAN, 3);
+        /* sent to ended, failed ones too (how fast a refusal came) */
+        bs_json_num(e, "end_ms", q->t_send && q->t_end ? (double)(q->t_end - q->t_send) * 1e-6 : NAN, 3);
         cJSON *itl = cJSON_AddArrayToObject(e, "itl_ms");
         for (uint32_t j = 0; itl && j < q->n_itl; j++)
             cJSON_AddItemToArray(itl, cJSON_CreateNumber(round(q->itl[j] * 1e3) / 1e3));
