@@ -794,6 +794,9 @@ int prefill_main(int argc, char **argv)
     nc.info.layout = s->layout;
     nc.info.capacity_blocks = (int32_t)cfg->kv_blocks;
     nc.info.vocab_size = s->model->config.vocab_size; /* the router checks prompt ids against it */
+    nc.info.n_eos = TD_MIN(s->model->config.n_eos, TD_NODE_MAX_EOS); /* the router withholds them */
+    for (int32_t i = 0; i < nc.info.n_eos; i++)
+        nc.info.eos_ids[i] = s->model->config.eos_ids[i];
     nc.info.max_batch = (int32_t)cfg->max_batch;
     if ((st = td_node_register(&s->proc, &nc, td_grpc_server_port(s->grpc), load_cb, s)) != TD_OK)
         goto out;

@@ -110,6 +110,15 @@ static void register_refused(router_state_t *s, const char *id, const char *reas
  * strings fit, the role is in the enum, layout and capacity are present and in range, the
  * transfer descriptor is bounded (the prefill node checks its content when it connects).
  * false: why[] says which field. */
+/* Every EOS id inside the vocabulary the node registers (any id when it says none). */
+static bool eos_ids_in_vocab(const Tandem__Control__V1__Capacity *c)
+{
+    for (size_t i = 0; i < c->n_eos_ids; i++)
+        if (c->eos_ids[i] > INT32_MAX || (c->vocab_size && c->eos_ids[i] >= c->vocab_size))
+            return false;
+    return true;
+}
+
 static bool register_edge_check(const Tandem__Control__V1__RegisterRequest *q, char *why, size_t cap)
 {
     const char *id = q->node_id && q->node_id[0] ? q->node_id : "?";
@@ -136,6 +145,12 @@ static bool register_edge_check(const Tandem__Control__V1__RegisterRequest *q, c
     else if (q->capacity->vocab_size > ROUTER_MAX_VOCAB)
         snprintf(why, cap, "register: node %s: capacity.vocab_size %u, allowed 0 (unknown) .. %d", id,
                  q->capacity->vocab_size, ROUTER_MAX_VOCAB);
+    else if (q->capacity->n_eos_ids > TD_NODE_MAX_EOS)
+        snprintf(why, cap, "register: node %s: capacity.eos_ids has %zu ids, at most %d", id, q->capacity->n_eos_ids,
+                 TD_NODE_MAX_EOS);
+    else if (!eos_ids_in_vocab(q->capacity))
+        snprintf(why, cap, "register: node %s: an id of capacity.eos_ids is past its vocab_size %u", id,
+                 q->capacity->vocab_size);
     else if (q->capacity->max_seq_len > ROUTER_MAX_SEQ_LEN)
         snprintf(why, cap, "register: node %s: capacity.max_seq_len %u, allowed 0 (unknown) .. %d", id,
                  q->capacity->max_seq_len, ROUTER_MAX_SEQ_LEN);
@@ -170,6 +185,9 @@ void on_register(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data)
     info.max_batch = (int32_t)q->capacity->max_batch;
     info.vocab_size = (int32_t)TD_MIN(q->capacity->vocab_size, (uint32_t)INT32_MAX);
     info.max_seq_len = (int32_t)TD_MIN(q->capacity->max_seq_len, (uint32_t)INT32_MAX);
+    info.n_eos = (int32_t)q->capacity->n_eos_ids; /* checked: at most TD_NODE_MAX_EOS, in the vocabulary */
+    for (int32_t i = 0; i < info.n_eos; i++)
+        info.eos_ids[i] = (int32_t)q->capacity->eos_ids[i];
     char host[TD_NODE_ADDRESS_MAX];
     uint16_t port;
     if (router_registry_validate(&info) != TD_OK) {

@@ -166,12 +166,23 @@ static void req_finish(router_req_t *r, router_finish_t reason)
     router_req_end(r);
 }
 
+/* A stop id of the request, or an EOS id of the model (unless ignore_eos): the router's
+ * tokenizer's, or without one the EOS ids the decode node registered (a llama2.c checkpoint
+ * has no tokenizer; its nodes still stop at its EOS, and so must the first token). */
 static bool is_stop_id(const router_req_t *r, uint32_t token)
 {
     for (size_t i = 0; i < r->n_stop_ids; i++)
         if (r->stop_ids[i] == token)
             return true;
-    return !r->ignore_eos && r->s->tok && td_tokenizer_is_eos(r->s->tok, (int32_t)token);
+    if (r->ignore_eos)
+        return false;
+    if (r->s->tok)
+        return td_tokenizer_is_eos(r->s->tok, (int32_t)token);
+    const router_node_t *d = router_registry_node(r->s->reg, r->pick.pair.decode);
+    for (int32_t i = 0; d && i < d->info.n_eos; i++)
+        if (d->info.eos_ids[i] == (int32_t)token)
+            return true;
+    return false;
 }
 
 /* The client has not drained its stream for ROUTER_BACKLOG_GRACE_TURNS loop turns and its

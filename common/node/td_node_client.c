@@ -134,6 +134,11 @@ static void send_register(td_node_client_t *c)
     cap.max_prefill_tokens = c->cfg.max_prefill_tokens;
     cap.max_seq_len = (uint32_t)in->max_seq_len;
     cap.vocab_size = (uint32_t)in->vocab_size;
+    uint32_t eos[TD_NODE_MAX_EOS];
+    for (int32_t i = 0; i < in->n_eos && i < TD_NODE_MAX_EOS; i++)
+        eos[i] = (uint32_t)in->eos_ids[i];
+    cap.n_eos_ids = (size_t)TD_MAX(TD_MIN(in->n_eos, TD_NODE_MAX_EOS), 0);
+    cap.eos_ids = eos;
     Tandem__Control__V1__RegisterRequest req = TANDEM__CONTROL__V1__REGISTER_REQUEST__INIT;
     req.node_id = (char *)in->id;
     req.role = in->role == TD_NODE_ROLE_DECODE    ? TANDEM__CONTROL__V1__ROLE__ROLE_DECODE

@@ -33,6 +33,8 @@ static inline bool td_node_role_decodes(td_node_role_t r)
     return r == TD_NODE_ROLE_DECODE || r == TD_NODE_ROLE_UNIFIED;
 }
 
+#define TD_NODE_MAX_EOS 8 /* the model config's TD_MAX_EOS */
+
 /* What a node says about itself when it registers. */
 typedef struct td_node_info {
     char id[TD_NODE_ID_MAX];       /* unique, non-empty */
@@ -45,6 +47,8 @@ typedef struct td_node_info {
     int32_t vocab_size;                /* the model's vocabulary (ids 0..vocab_size-1); 0 = unknown
                                         * (a node from before Capacity.vocab_size) */
     int32_t max_seq_len;               /* the model's length (prompt + output); 0 = unknown */
+    int32_t eos_ids[TD_NODE_MAX_EOS];  /* the model's end-of-sequence ids, [n_eos] */
+    int32_t n_eos;
 } td_node_info_t;
 
 /* What a heartbeat carries. */
