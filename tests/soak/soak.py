@@ -36,10 +36,10 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "cluster"))
 import grpc  # noqa: E402
+from cluster_faults import fetch_metric  # noqa: E402
 from cluster_wire import channel, generate_stub, parse_ids, request  # noqa: E402
 
 DEADLINE_S = 20.0
@@ -54,22 +54,12 @@ def free_port():
 
 
 def metric(url, name, label=""):
-    """Sum of the series of NAME (matching LABEL 'k=v' when given), or None."""
+    """Sum of the series of NAME (matching LABEL 'k=v' when given), or None when the process
+    does not answer or has no such series."""
     try:
-        with urllib.request.urlopen(url, timeout=3) as r:
-            text = r.read().decode()
+        return fetch_metric(url, name, label)
     except Exception:
         return None
-    total, found = 0.0, False
-    for line in text.splitlines():
-        if not line or line[0] == "#":
-            continue
-        series, _, value = line.rpartition(" ")
-        if series.split("{", 1)[0] != name or (label and label not in series.replace('"', "")):
-            continue
-        total += float(value)
-        found = True
-    return total if found else None
 
 
 def rss_kb(pid):
