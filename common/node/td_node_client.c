@@ -26,6 +26,9 @@ struct td_node_client {
     bool registered;
     bool closing;
     bool call_inflight;
+    bool draining;             /* td_node_client_drain: heartbeats say so, no new registration */
+    bool drain_told;           /* a heartbeat carrying draining succeeded */
+    bool hb_draining;          /* the heartbeat in flight carries draining */
     bool refused_logged;       /* the router's refusal was logged (until a registration succeeds) */
 };
 
@@ -43,11 +46,12 @@ static void drop_channel(td_node_client_t *c)
 static void fail(td_node_client_t *c, const char *what, const char *msg)
 {
     if (c->registered)
-        td_warn("node %s: %s failed (%s); registering again", c->cfg.info.id, what, msg);
+        td_warn("node %s: %s failed (%s); %s", c->cfg.info.id, what, msg,
+                c->draining ? "draining: not registering again" : "registering again");
     c->registered = false;
     c->epoch = 0;
     drop_channel(c);
-    if (!c->closing)
+    if (!c->closing && !c->draining)
         schedule(c, c->cfg.retry_ms);
 }
 
@@ -101,10 +105,15 @@ static void on_heartbeat_done(td_grpc_client_call_t *call, td_grpc_code_t code, 
     }
     if (!c->registered) { /* the router forgot us */
         c->epoch = 0;
-        schedule(c, 0);
+        if (!c->draining)
+            schedule(c, 0);
         return;
     }
-    schedule(c, c->interval_ms);
+    if (c->hb_draining && !c->drain_told) {
+        c->drain_told = true;
+        td_info("node %s: the router knows it drains", c->cfg.info.id);
+    }
+    schedule(c, c->draining && !c->drain_told ? 0 : c->interval_ms);
 }
 
 static bool ensure_channel(td_node_client_t *c)
@@ -167,6 +176,8 @@ static void send_heartbeat(td_node_client_t *c)
     load.recent_step_s = &step_s;
     load.n_recent_step_s = 1;
     load.prefill_tokens_per_s = (float)l.prefill_tok_s;
+    load.draining = c->draining;
+    c->hb_draining = c->draining;
     Tandem__Control__V1__HeartbeatRequest req = TANDEM__CONTROL__V1__HEARTBEAT_REQUEST__INIT;
     req.node_id = (char *)c->cfg.info.id;
     req.epoch = c->epoch;
@@ -191,7 +202,7 @@ static void on_timer(uv_timer_t *t)
     }
     if (c->registered)
         send_heartbeat(c);
-    else
+    else if (!c->draining)
         send_register(c);
 }
 
@@ -232,6 +243,21 @@ td_status_t td_node_client_create(uv_loop_t *loop, const td_node_client_config_t
     schedule(c, 0);
     *c_p = c;
     return TD_OK;
+}
+
+void td_node_client_drain(td_node_client_t *c)
+{
+    if (!c || c->draining || c->closing)
+        return;
+    c->draining = true;
+    if (c->registered && !c->call_inflight)
+        schedule(c, 0);
+    /* a call in flight: its completion schedules the next heartbeat, which says it */
+}
+
+bool td_node_client_drain_told(const td_node_client_t *c)
+{
+    return !c || !c->registered || c->drain_told;
 }
 
 bool td_node_client_registered(const td_node_client_t *c)

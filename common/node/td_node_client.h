@@ -48,6 +48,17 @@ td_status_t td_node_client_create(uv_loop_t *loop, const td_node_client_config_t
                                       td_node_load_cb load_cb, void *data,
                                       td_node_client_t **c_p);
 
+/*
+ * The node drains: every heartbeat from now on says so (Load.draining), the next one is sent
+ * at once (or as soon as the call in flight ends), and a node that loses its registration
+ * does not register again (it only finishes what it runs). NULL is a no-op.
+ */
+void td_node_client_drain(td_node_client_t *c);
+
+/* True once the router heard the drain (a heartbeat saying so succeeded), or when there is
+ * no router to tell (not registered, or NULL). */
+bool td_node_client_drain_told(const td_node_client_t *c);
+
 /* True while the last RegisterNode/Heartbeat succeeded. */
 bool td_node_client_registered(const td_node_client_t *c);
 

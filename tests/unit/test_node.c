@@ -24,6 +24,11 @@ static void on_shutdown(void *data)
     ((fake_t *)data)->shutdowns++;
 }
 
+static int32_t busy(void *data)
+{
+    return 0;
+}
+
 /* Runs td_node_configure over argv (NULL-terminated, argv[0] "tandem"). */
 static bool configure(td_node_t *p, fake_t *f, td_node_kind_t kind, const char **argv, int *rc)
 {
@@ -33,7 +38,7 @@ static bool configure(td_node_t *p, fake_t *f, td_node_kind_t kind, const char *
     memset(p, 0, sizeof *p);
     const td_opt_t keys[] = {TD_OPT_INT("kv-blocks", &f->kv_blocks, 1, 1 << 20, "blocks")};
     td_node_spec_t spec = {.prog = kind == TD_NODE_NODE ? "decode" : "router", .kind = kind,
-                               .on_shutdown = on_shutdown, .data = f};
+                               .on_shutdown = on_shutdown, .busy = busy, .data = f};
     return td_node_configure(p, &spec, keys, 1, argc, (char **)argv, rc);
 }
 
