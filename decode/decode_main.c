@@ -868,7 +868,8 @@ static void resolve_router(decode_state_t *s, const char *router)
 }
 
 /* Whether the call comes from the router this node registered with: a peer at one of its
- * addresses, or (a router on this host) any peer on this host. NULL: yes; else why not. */
+ * addresses (at startup, or the node client's latest lookup of its name), or (a router on
+ * this host) any peer on this host. NULL: yes; else why not. */
 static const char *steps_peer_refusal(const decode_state_t *s, td_grpc_call_t *call, char *why, size_t cap)
 {
     struct sockaddr_storage peer;
@@ -879,6 +880,12 @@ static const char *steps_peer_refusal(const decode_state_t *s, td_grpc_call_t *c
     for (int i = 0; i < s->n_router_addrs; i++)
         if (ip_of((const struct sockaddr *)&s->router_addrs[i], &r) && !memcmp(&r, &ip, sizeof ip))
             return NULL;
+    /* a --router name looked up again since startup (a router back at a new address: a
+       Kubernetes pod behind a headless Service) */
+    struct sockaddr_storage now;
+    if (td_node_client_router_ip(s->proc.client, &now) && ip_of((const struct sockaddr *)&now, &r) &&
+        !memcmp(&r, &ip, sizeof ip))
+        return NULL;
     if (s->router_local && ip_is_local(&ip))
         return NULL;
     inet_ntop(AF_INET6, &ip, txt, sizeof txt);

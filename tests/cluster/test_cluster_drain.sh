@@ -10,7 +10,7 @@
 # 3. 8 long streams on d1, drained by Node/Drain with a 300 ms timeout: d1 exits 0 anyway,
 #    logging the timeout, and the streams it could not finish end UNAVAILABLE.
 # Before that, a registered node answers readiness SERVING, and an unknown health service
-# NOT_FOUND. Skips without the model or python3-grpcio.
+# NOT_FOUND. d1 is given its router by a name (--router LOCALHOST:PORT), resolved by the node. Skips without the model or python3-grpcio.
 source "$(dirname "$0")/cluster_lib.sh"
 cl_init
 # A 20M-parameter random model (~300 tokens/s on one thread), so that a stream of 300 tokens
@@ -31,7 +31,9 @@ cl_router --heartbeat-ms 100 --heartbeat-timeout-ms 1000
 cl_node prefill p0
 cl_node prefill p1
 cl_node decode d0 --max-batch 2 # its 4 streams in two rounds: they outlast the checks
-cl_node decode d1
+# d1 finds its router by name (looked up like a Kubernetes Service's; LOCALHOST is not the
+# literal 'localhost' that the client maps without a lookup)
+CL_CTL="LOCALHOST:${CL_CTL##*:}" cl_node decode d1
 cl_wait_nodes 2 2
 ctl() { sed -n "s/^$1 $2: control \([^ ]*\) metrics .*/\1/p" "$CL_T/$2.out"; }
 D0=$(ctl decode d0) D1=$(ctl decode d1) P0=$(ctl prefill p0)
