@@ -52,6 +52,10 @@ static int common_keys(td_node_config_t *c, bool node, td_opt_t *out)
                                            "API keys the gateway and HTTP API require (one a line, # comments; "
                                            "reloaded on SIGHUP); default: none, open");
     out[n++] = (td_opt_t)TD_OPT_STRING("log-level", &c->log_level, "error|warn|info|debug");
+    out[n++] = (td_opt_t){.name = "check-config", .type = TD_OPT_BOOL, .ptr = &c->check_config,
+                          .help = "check the flags and the --config file (keys, values, addresses), print "
+                                  "'config ok' and exit 0 (2 when bad) without starting: deploy files, "
+                                  "systemd ExecStartPre"};
     return n;
 }
 
