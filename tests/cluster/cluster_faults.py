@@ -58,8 +58,10 @@ and exits 0 when the behaviour is right, 1 (with 'FAIL: why' lines) when not:
                                          node's control port answers WANT (SERVING, NOT_SERVING)
   drain HOST:PORT HOW NODE_CTL METRIC NODE_URL OTHER_URL REFS MAX_TOKENS NEW_REFS NEW_MAX [TIMEOUT_MS]
                                          streams of the prompts in REFS (- : none); once each
-                                         has a token the node is drained (HOW: TERM:PID, or rpc:
-                                         a Node/Drain call to NODE_CTL, with TIMEOUT_MS): while
+                                         has a token the node is drained (HOW: TERM:PID; exec:CMD,
+                                         a command that must exit 0, e.g. tandem drain; or rpc:
+                                         an unsigned Node/Drain call to NODE_CTL, with
+                                         TIMEOUT_MS): while
                                          streams run it must answer readiness NOT_SERVING and
                                          liveness SERVING; the prompts of NEW_REFS (- : none)
                                          then succeed, counted in METRIC at OTHER_URL, never at
@@ -68,6 +70,7 @@ and exits 0 when the behaviour is right, 1 (with 'FAIL: why' lines) when not:
 """
 import os
 import random
+import shlex
 import signal
 import socket
 import subprocess
@@ -991,6 +994,11 @@ def cmd_drain(target, how, node_ctl, metric, node_url, other_url, refs_path, max
     t0 = time.monotonic()
     if how.startswith("TERM:"):
         os.kill(int(how[5:]), signal.SIGTERM)
+    elif how.startswith("exec:"):
+        r = subprocess.run(shlex.split(how[5:]), capture_output=True, text=True, timeout=30)
+        print((r.stdout + r.stderr).strip())
+        if r.returncode != 0:
+            rc = fail("%s exited %d" % (how[5:], r.returncode))
     else:
         code, details, out = control_call(node_ctl, "/tandem.control.v1.Node/Drain", pb_varint(1, timeout_ms))
         if code != "OK":
