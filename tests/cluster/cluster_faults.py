@@ -992,6 +992,7 @@ def cmd_drain(target, how, node_ctl, metric, node_url, other_url, refs_path, max
     for s in streams:
         s.first.wait(max(0.0, end - time.monotonic()))
     t0 = time.monotonic()
+    before = sum(1 for s in streams if s.t_end is None)
     if how.startswith("TERM:"):
         os.kill(int(how[5:]), signal.SIGTERM)
     elif how.startswith("exec:"):
@@ -1007,15 +1008,16 @@ def cmd_drain(target, how, node_ctl, metric, node_url, other_url, refs_path, max
             f = dict(fields(out[0]))
             print("Drain answered: %d requests running, timeout %d ms" % (f.get(1, 0), f.get(2, 0)))
     running = sum(1 for s in streams if s.t_end is None)
-    if running:
+    if running:  # still draining (a short drain timeout may have ended it already)
         h = health(node_ctl)
         live = health(node_ctl, "liveness")
-        print("drain sent with %d of %d streams running; readiness %s, liveness %s" % (running, len(streams), h, live))
+        print("drain sent with %d of %d streams running (%d once it was answered); readiness %s, liveness %s"
+              % (before, len(streams), running, h, live))
         if h != "NOT_SERVING":
             rc = fail("a draining node answers readiness %s, want NOT_SERVING" % h)
         if live != "SERVING":
             rc = fail("a draining node answers liveness %s, want SERVING" % live)
-    elif streams:
+    elif streams and not before:
         rc = fail("every stream had ended before the drain: nothing was drained (make them longer)")
     time.sleep(0.3)  # the router hears the drain in the node's next heartbeat, sent at once
 

@@ -20,11 +20,14 @@ cl_init
 # outlasts the checks made while its node drains; every long stream has the same prompt, so
 # one `tandem generate` is its reference.
 MAXTOK=300
+HIDDEN=512 INTER=1408 LAYERS=6 HEADS=8
+# the sanitizer build runs a model ~20x slower: a ~40x smaller one keeps the streams as long
+[ "${TD_SANITIZE:-OFF}" = ON ] && HIDDEN=128 INTER=352 LAYERS=2 HEADS=4
 CL_M="$CL_T/drainmodel"
 cat >"$CL_T/config.json" <<EOF
-{"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 512,
- "intermediate_size": 1408, "num_hidden_layers": 6, "num_attention_heads": 8,
- "num_key_value_heads": 8, "vocab_size": 512, "max_position_embeddings": 1024,
+{"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": $HIDDEN,
+ "intermediate_size": $INTER, "num_hidden_layers": $LAYERS, "num_attention_heads": $HEADS,
+ "num_key_value_heads": $HEADS, "vocab_size": 512, "max_position_embeddings": 1024,
  "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": false,
  "bos_token_id": 256, "eos_token_id": 257}
 EOF
