@@ -122,6 +122,12 @@ Test(td_node, help_bad_values_and_node_requirements)
         {TD_NODE_NODE, {"tandem", "--model", "m", "--port", "70000", NULL}, 2},
         {TD_NODE_ROUTER, {"tandem", "--model", "m", NULL}, 2},                 /* a node key */
         {TD_NODE_ROUTER, {"tandem", "--kv-blocks", "0", NULL}, 2},
+        /* --check-config: checked and done, nothing started (no model, secret or loop) */
+        {TD_NODE_NODE, {"tandem", "--model", "m", "--check-config", NULL}, 0},
+        {TD_NODE_NODE, {"tandem", "--model", "m", "--cluster-secret-file", "/nonexistent", "--check-config", NULL}, 0},
+        {TD_NODE_NODE, {"tandem", "--model", "m", "--host", "0.0.0.0", "--check-config", NULL}, 2},
+        {TD_NODE_NODE, {"tandem", "--model", "m", "--drain-timeout-ms", "0", "--check-config", NULL}, 2},
+        {TD_NODE_ROUTER, {"tandem", "--check-config", NULL}, 0},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         td_node_t p;
