@@ -34,4 +34,4 @@ if "$PY" "$SRC/deploy/k8s/render.py" "$t" >/dev/null 2>"$t/err"; then
     echo "FAIL: render.py accepted a kustomization key it does not implement"; exit 1
 fi
 grep -q "configMapGenerator" "$t/err" || { echo "FAIL: render.py's refusal does not name the key: $(cat "$t/err")"; exit 1; }
-echo "PASS: deploy/k8s base and ${#dirs[@]} kustomizations rendered, valid for Kubernetes $K8S_VERSION, every tandem flag and config key accepted by the binary"
+echo "PASS: deploy/k8s: ${#dirs[@]} kustomizations (base and overlays) rendered, valid for Kubernetes $K8S_VERSION, every tandem flag and config key accepted by the binary"
