@@ -2,9 +2,27 @@
 # test_deploy_container: builds deploy/Containerfile with the first container engine that
 # works here (podman, docker) and runs `tandem --version` and `--check-config` of
 # the image's own deploy/systemd/decode.conf in it. The build compiles tandem inside the
-# image (minutes); without a working engine the test skips, saying which it tried.
+# image (minutes); without a working engine the test skips, saying which it tried, after
+# checking that the runtime stage installs the package of every library the binary links.
 set -u
 SRC=$(cd "${TD_SOURCE_DIR:-$(dirname "$0")/../..}" && pwd)
+BIN="${TANDEM_BIN:?TANDEM_BIN must point at the tandem binary}"
+# Without an engine too: every library the binary needs directly (its NEEDED entries) must
+# come from a package the image's runtime stage installs (the C runtime aside, and CUDA's,
+# which the image is built without).
+runtime=$(awk '/^FROM/{n++} n==2' "$SRC/deploy/Containerfile" | tr ' \\' '\n\n' | grep -E '^lib|^ca-')
+missing=()
+for so in $(readelf -d "$BIN" | sed -n 's/.*(NEEDED).*\[\(.*\)\]/\1/p'); do
+    path=$(ldd "$BIN" | awk -v l="$so" '$1 == l {print $3}')
+    [ -n "$path" ] || continue
+    pkg=$(dpkg -S "$(readlink -f "$path")" 2>/dev/null | cut -d: -f1)
+    case $pkg in ""|libc6|libgcc-s1|libstdc++6) continue ;; esac # not packaged (CUDA) or always there
+    grep -qx "$pkg" <<<"$runtime" || missing+=("$so ($pkg)")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+    echo "FAIL: deploy/Containerfile's runtime stage lacks the packages of: ${missing[*]}"; exit 1
+fi
+echo "runtime stage: every library tandem links is installed ($(echo $runtime | wc -w) packages)"
 engine=
 why=()
 for e in podman docker; do
