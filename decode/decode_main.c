@@ -583,13 +583,13 @@ static void on_kv_ready(void *arg, const td_xfer_ready_t *r)
         memcpy(blocks, r->blocks, (size_t)r->n_blocks * sizeof *blocks);
         decode_cmd_t c = {.admit = a, .lease_id = r->lease_id, .blocks = blocks, .n_blocks = r->n_blocks,
                           .first_token = r->first_token};
-        atomic_fetch_add(&s->admits_posted, 1);
+        atomic_fetch_add(&s->admits_posted, 1); /* before the compute thread can take it */
         posted = td_node_worker_post(&s->worker, &c);
-        if (!posted)
+        if (!posted) {
             atomic_fetch_sub(&s->admits_posted, 1);
-        if (!posted)
             td_warn("decode: lease %llu: kv-ready dropped, the command ring (%d) is full",
                     (unsigned long long)r->lease_id, cmd_ring_size(&s->cfg));
+        }
     } else if (a) {
         td_warn("decode: lease %llu: kv-ready with %u tokens, prompt has %d", (unsigned long long)r->lease_id,
                 r->n_tokens, a->n_prompt);
