@@ -15,6 +15,7 @@
  */
 #include <cblas.h>
 #include <inttypes.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -268,7 +269,7 @@ static td_status_t run_llama_bench(const bench_opts_t *o, const char *model, lla
         text[len] = 0;
     }
     int status = 0;
-    td_child_stop_all(&child, 1, 5000, &status);
+    td_child_stop_all(&child, 1, SIGTERM, 5000, &status);
     td_child_close(&child);
     if (st == TD_OK && (!WIFEXITED(status) || WEXITSTATUS(status) != 0))
         st = td_errorf(TD_ERR_IO, "bench: %s exited with status %d (127: it cannot be run; pass --llama-bench PATH)",

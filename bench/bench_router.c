@@ -1251,8 +1251,8 @@ static void rb_close_all(rb_state_t *s)
     td_grpc_channel_close(s->d_decode, NULL, NULL);
     td_grpc_channel_close(s->d_prefill, NULL, NULL);
     s->stopping = true;
-    td_child_stop_all(&s->router, 1, 5000, NULL);
-    td_child_stop_all(&s->nodes, 1, 5000, NULL);
+    td_child_stop_all(&s->router, 1, SIGTERM, 5000, NULL);
+    td_child_stop_all(&s->nodes, 1, SIGTERM, 5000, NULL);
     td_child_close(&s->router);
     td_child_close(&s->nodes);
     if (!s->loop_up)

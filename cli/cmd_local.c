@@ -4,7 +4,7 @@
  * decode and U unified nodes; `--unified U` alone: the colocated baseline). Prints `gateway: HOST:PORT`, `openai: URL` (the router's OpenAI HTTP API, unless
  * --http-port -1) and `metrics: URL` once every node registered, then
  * waits; SIGINT/SIGTERM (or the router's death) stops every process it started
- * (SIGTERM, then SIGKILL after a bound). Each cluster gets a cluster secret of its own
+ * (SIGINT, so that nodes stop at once rather than drain; SIGKILL after a bound). Each cluster gets a cluster secret of its own
  * (docs/security.md), written 0600 into a run directory that is removed at the end.
  */
 #include <errno.h>
@@ -324,7 +324,7 @@ int cmd_local(int argc, char **argv)
     }
     rc = 0;
 out:
-    td_child_stop_all(l.kids, l.n, 5000, NULL);
+    td_child_stop_all(l.kids, l.n, SIGINT, 5000, NULL); /* at once: no drain */
     if (l.n > 0)
         td_child_close(&l.kids[0]);
     unlink(secret);

@@ -29,6 +29,7 @@ static const cmd_t cmds[] = {
     {"decode", cmd_decode, "cluster decode node"},
     {"unified", cmd_unified, "cluster unified node: prefill and decode in one engine (colocated baseline)"},
     {"local", cmd_local, "a whole cluster (router + prefill + decode processes) on 127.0.0.1"},
+    {"drain", cmd_drain, "drain a cluster node: no new requests, finish what runs, exit (as SIGTERM)"},
     {"plan", cmd_plan, "capacity planning: profile a model, simulate a cluster (splits, rates, nodes)"},
 };
 

@@ -19,6 +19,7 @@ int cmd_prefill(int argc, char **argv);
 int cmd_decode(int argc, char **argv);
 int cmd_unified(int argc, char **argv);
 int cmd_local(int argc, char **argv);
+int cmd_drain(int argc, char **argv);
 int cmd_plan(int argc, char **argv);
 
 /* td_opts parse fns of the flags several commands share (cli/cli_opts.c): --device into a

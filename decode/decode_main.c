@@ -156,6 +156,9 @@ typedef struct decode_state {
     int n_router_addrs;
     bool router_local;
     _Atomic int32_t load_running, load_free;
+    /* draining's count of work (decode_busy): admissions posted to the compute thread and not
+       yet in load_running, step results not yet sent on Steps */
+    _Atomic int32_t admits_posted, outs_unsent;
     _Atomic int64_t step_ns;
     bool shutting_down;
     bool handles_up;          /* the sweep timer initialised */
@@ -249,6 +252,8 @@ static void compute_no_memory(decode_state_t *s, decode_cmd_t *cmds, int32_t n_c
         } else {
             decode_sched_cancel(s->sched, c->lease_id);
         }
+        if (c->admit)
+            atomic_fetch_sub(&s->admits_posted, 1);
         admit_free(c->admit);
         free(c->blocks);
     }
@@ -328,12 +333,24 @@ static void compute_main(void *arg)
         td_metric_set(s->m_free, ss.free_blocks);
         td_metric_set(s->m_running, ss.running);
         td_metric_set(s->m_waiting, ss.waiting);
+        /* outs_unsent, load_running, admits_posted in this order (decode_busy reads them in
+           the reverse one): a request is counted somewhere at every instant */
+        if (o->n_seqs)
+            atomic_fetch_add(&s->outs_unsent, 1);
         atomic_store(&s->load_running, ss.running + ss.waiting);
         atomic_store(&s->load_free, ss.free_blocks);
         o->free_blocks = (uint32_t)ss.free_blocks;
         o->step = ss.steps;
-        if (!o->n_seqs || !td_node_worker_emit(&s->worker, &o))
+        if (!o->n_seqs || !td_node_worker_emit(&s->worker, &o)) {
+            if (o->n_seqs)
+                atomic_fetch_sub(&s->outs_unsent, 1);
             out_free(o); /* nothing to send, or stopping */
+        }
+        int32_t n_admits = 0;
+        for (int32_t i = 0; i < n_cmds; i++)
+            n_admits += cmds[i].admit != NULL;
+        if (n_admits)
+            atomic_fetch_sub(&s->admits_posted, n_admits);
     }
 }
 
@@ -502,6 +519,7 @@ static void on_outs(void *data, void *events, int32_t n)
         for (int32_t i = 0; s->n_prefills && i < o->n_seqs; i++)
             prefill_answer(s, &o->seqs[i]);
         out_free(o);
+        atomic_fetch_sub(&s->outs_unsent, 1);
     }
 }
 
@@ -565,10 +583,13 @@ static void on_kv_ready(void *arg, const td_xfer_ready_t *r)
         memcpy(blocks, r->blocks, (size_t)r->n_blocks * sizeof *blocks);
         decode_cmd_t c = {.admit = a, .lease_id = r->lease_id, .blocks = blocks, .n_blocks = r->n_blocks,
                           .first_token = r->first_token};
+        atomic_fetch_add(&s->admits_posted, 1); /* before the compute thread can take it */
         posted = td_node_worker_post(&s->worker, &c);
-        if (!posted)
+        if (!posted) {
+            atomic_fetch_sub(&s->admits_posted, 1);
             td_warn("decode: lease %llu: kv-ready dropped, the command ring (%d) is full",
                     (unsigned long long)r->lease_id, cmd_ring_size(&s->cfg));
+        }
     } else if (a) {
         td_warn("decode: lease %llu: kv-ready with %u tokens, prompt has %d", (unsigned long long)r->lease_id,
                 r->n_tokens, a->n_prompt);
@@ -609,6 +630,11 @@ static void on_admit(td_grpc_call_t *call, const ProtobufCMessage *msg, void *da
         snprintf(why, sizeof why, "admit: %zu stop_ids, at most %d", r->n_stop_ids, DECODE_MAX_STOP_IDS);
     if (why[0]) {
         td_grpc_call_finish(call, TD_GRPC_INVALID_ARGUMENT, why);
+        return;
+    }
+    if (td_node_draining(&s->proc)) {
+        td_metric_inc(s->m_refused);
+        td_grpc_call_finish(call, TD_GRPC_UNAVAILABLE, "decode node draining: it takes no new request");
         return;
     }
     if (s->n_admits >= s->cfg.max_requests) {
@@ -759,7 +785,9 @@ static void on_prefill(td_grpc_call_t *call, const ProtobufCMessage *msg, void *
         return;
     }
     uint64_t lease_id = a->lease_id;
+    atomic_fetch_add(&s->admits_posted, 1);
     if (!td_node_worker_post(&s->worker, &(decode_cmd_t){.admit = a, .lease_id = lease_id})) {
+        atomic_fetch_sub(&s->admits_posted, 1);
         admit_free(a);
         free(w);
         td_grpc_call_finish(call, TD_GRPC_UNAVAILABLE, "unified node: the command ring is full; retry");
@@ -840,7 +868,8 @@ static void resolve_router(decode_state_t *s, const char *router)
 }
 
 /* Whether the call comes from the router this node registered with: a peer at one of its
- * addresses, or (a router on this host) any peer on this host. NULL: yes; else why not. */
+ * addresses (at startup, or the node client's latest lookup of its name), or (a router on
+ * this host) any peer on this host. NULL: yes; else why not. */
 static const char *steps_peer_refusal(const decode_state_t *s, td_grpc_call_t *call, char *why, size_t cap)
 {
     struct sockaddr_storage peer;
@@ -851,6 +880,12 @@ static const char *steps_peer_refusal(const decode_state_t *s, td_grpc_call_t *c
     for (int i = 0; i < s->n_router_addrs; i++)
         if (ip_of((const struct sockaddr *)&s->router_addrs[i], &r) && !memcmp(&r, &ip, sizeof ip))
             return NULL;
+    /* a --router name looked up again since startup (a router back at a new address: a
+       Kubernetes pod behind a headless Service) */
+    struct sockaddr_storage now;
+    if (td_node_client_router_ip(s->proc.client, &now) && ip_of((const struct sockaddr *)&now, &r) &&
+        !memcmp(&r, &ip, sizeof ip))
+        return NULL;
     if (s->router_local && ip_is_local(&ip))
         return NULL;
     inet_ntop(AF_INET6, &ip, txt, sizeof txt);
@@ -911,6 +946,22 @@ static void load_cb(void *data, td_node_load_t *l)
     l->running_seqs = atomic_load(&s->load_running);
     l->free_blocks = atomic_load(&s->load_free);
     l->step_ms = (double)atomic_load(&s->step_ns) * 1e-6;
+}
+
+/* Draining's count of the requests still here: admitted and waiting for their KV (or, on a
+ * unified node, for their Prefill call), handed to the compute thread, running or waiting
+ * there, their last step results not yet queued on Steps, or queued there but not yet
+ * written (+1: the router must read every token before the node goes). */
+static int32_t decode_busy(void *data)
+{
+    decode_state_t *s = data;
+    int32_t n = s->n_admits + s->n_prefills;
+    n += atomic_load(&s->admits_posted); /* the compute thread's order is the reverse */
+    n += atomic_load(&s->load_running);
+    n += atomic_load(&s->outs_unsent);
+    if (n == 0 && s->grpc && td_grpc_server_stats(s->grpc).queued_bytes > 0)
+        n = 1;
+    return n;
 }
 
 /* The decode node's part of shutdown (td_node_shutdown closes the rest). */
@@ -1001,7 +1052,7 @@ static int node_main(int argc, char **argv, bool unified)
                    "prompt tokens one sequence feeds in one step"),
     };
     const td_node_spec_t spec = {.prog = unified ? "unified" : "decode", .kind = TD_NODE_NODE,
-                                 .on_shutdown = on_shutdown, .data = s};
+                                 .on_shutdown = on_shutdown, .busy = decode_busy, .data = s};
     int rc;
     if (!td_node_configure(&s->proc, &spec, keys, (int)TD_ARRAY_LEN(keys), argc, argv, &rc))
         return rc;
@@ -1105,7 +1156,8 @@ sched:;
     };
     if ((st = td_grpc_server_create(&s->proc.loop, &gc, &s->grpc)) != TD_OK ||
         (st = td_grpc_server_add_methods(s->grpc, methods, TD_ARRAY_LEN(methods), s)) != TD_OK ||
-        (unified && (st = td_grpc_server_add_methods(s->grpc, unified_methods, TD_ARRAY_LEN(unified_methods), s)) != TD_OK))
+        (unified && (st = td_grpc_server_add_methods(s->grpc, unified_methods, TD_ARRAY_LEN(unified_methods), s)) != TD_OK) ||
+        (st = td_node_serve_control(&s->proc, s->grpc)) != TD_OK)
         goto out;
     if ((st = td_node_serve(&s->proc, s->metrics)) != TD_OK)
         goto out;

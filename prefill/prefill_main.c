@@ -577,6 +577,11 @@ static void on_prefill(td_grpc_call_t *call, const ProtobufCMessage *msg, void *
         td_grpc_call_finish(call, TD_GRPC_UNAVAILABLE, "prefill node shutting down");
         return;
     }
+    if (td_node_draining(&s->proc)) {
+        td_metric_inc(s->m_refused);
+        td_grpc_call_finish(call, TD_GRPC_UNAVAILABLE, "prefill node draining: it takes no new request");
+        return;
+    }
     if (s->n_jobs >= s->cfg.max_queue) {
         td_metric_inc(s->m_refused);
         td_grpc_call_finish(call, TD_GRPC_RESOURCE_EXHAUSTED, "prefill node: queue full");
@@ -628,6 +633,16 @@ static void load_cb(void *data, td_node_load_t *l)
     l->free_blocks = td_kv_available(td_engine_kv(s->eng)); /* td_kv serializes: a hint */
     l->step_ms = (double)atomic_load(&s->step_ns) * 1e-6;
     l->prefill_tok_s = (double)atomic_load(&s->milli_tok_s) * 1e-3;
+}
+
+/* Draining's count: jobs on the node (queued, computing, their KV in transfer, or their
+ * answer not yet written: +1 while the control server holds unwritten bytes). */
+static int32_t prefill_busy(void *data)
+{
+    prefill_state_t *s = data;
+    if (s->n_jobs)
+        return s->n_jobs;
+    return s->grpc && td_grpc_server_stats(s->grpc).queued_bytes > 0;
 }
 
 /* The prefill node's part of shutdown (td_node_shutdown closes the rest). */
@@ -726,7 +741,8 @@ int prefill_main(int argc, char **argv)
         TD_OPT_INT("send-timeout-ms", &cfg->send_timeout_ms, 1, 3600000,
                    "KV transfer: first layer until the decode node's verdict"),
     };
-    const td_node_spec_t spec = {.prog = "prefill", .kind = TD_NODE_NODE, .on_shutdown = on_shutdown, .data = s};
+    const td_node_spec_t spec = {.prog = "prefill", .kind = TD_NODE_NODE, .on_shutdown = on_shutdown,
+                                 .busy = prefill_busy, .data = s};
     int rc;
     if (!td_node_configure(&s->proc, &spec, keys, (int)TD_ARRAY_LEN(keys), argc, argv, &rc))
         return rc;
@@ -782,7 +798,8 @@ int prefill_main(int argc, char **argv)
     td_node_auth_guard_control(&s->proc.auth, &gc);
     if ((st = td_grpc_server_create(&s->proc.loop, &gc, &s->grpc)) != TD_OK ||
         (st = td_grpc_server_add_method(s->grpc, "/tandem.control.v1.PrefillNode/Prefill",
-                                        &tandem__control__v1__prefill_request__descriptor, on_prefill, s)) != TD_OK)
+                                        &tandem__control__v1__prefill_request__descriptor, on_prefill, s)) != TD_OK ||
+        (st = td_node_serve_control(&s->proc, s->grpc)) != TD_OK)
         goto out;
     if ((st = td_node_serve(&s->proc, s->metrics)) != TD_OK)
         goto out;

@@ -58,7 +58,7 @@ void router_node_load_metrics(router_state_t *s, int32_t idx, const td_node_load
         double value;
     } set[] = {{s->f_node_queued, (double)l->queued_prefill_tokens}, {s->f_node_running, l->running_seqs},
                {s->f_node_free, l->free_blocks}, {s->f_node_blocks, n->info.capacity_blocks},
-               {s->f_node_step, l->step_ms * 1e-3}};
+               {s->f_node_step, l->step_ms * 1e-3}, {s->f_node_draining, l->draining}};
     for (size_t i = 0; i < TD_ARRAY_LEN(set); i++) {
         td_metric_t *m;
         if (set[i].f && td_metric_family_get(set[i].f, v, &m) == TD_OK)
@@ -293,7 +293,11 @@ void on_heartbeat(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data)
             l.step_ms = isfinite(step_s) && step_s > 0 ? step_s * 1e3 : 0;
             float tps = q->load->prefill_tokens_per_s;
             l.prefill_tok_s = isfinite(tps) && tps > 0 ? tps : 0; /* a hint: garbage is "unknown" */
+            l.draining = q->load->draining;
         }
+        const router_node_t *n = router_registry_node_const(s->reg, idx);
+        if (l.draining && !n->load.draining) /* one line per drain: a node never stops draining */
+            td_info("router: node %s is draining: no new request goes to it; its running ones finish", q->node_id);
         router_registry_heartbeat(s->reg, q->node_id, &l, (int64_t)td_now_ns());
         router_node_load_metrics(s, idx, &l);
         s->peers[idx].admit_refused = false;

@@ -215,8 +215,9 @@ void on_cluster_status(td_grpc_call_t *call, const ProtobufCMessage *msg, void *
         x->role = nd->info.role == TD_NODE_ROLE_DECODE    ? TANDEM__V1__NODE_ROLE__NODE_ROLE_DECODE
                   : nd->info.role == TD_NODE_ROLE_UNIFIED ? TANDEM__V1__NODE_ROLE__NODE_ROLE_UNIFIED
                                                           : TANDEM__V1__NODE_ROLE__NODE_ROLE_PREFILL;
-        x->state = router_registry_is_live(s->reg, i, now) ? TANDEM__V1__NODE_STATE__NODE_STATE_UP
-                                                           : TANDEM__V1__NODE_STATE__NODE_STATE_DOWN;
+        x->state = !router_registry_is_live(s->reg, i, now) ? TANDEM__V1__NODE_STATE__NODE_STATE_DOWN
+                   : nd->load.draining                      ? TANDEM__V1__NODE_STATE__NODE_STATE_DRAINING
+                                                            : TANDEM__V1__NODE_STATE__NODE_STATE_UP;
         x->model = (char *)nd->info.model;
         x->address = (char *)nd->info.address;
         x->queued_prefill_tokens = (uint64_t)TD_MAX(nd->load.queued_prefill_tokens, 0);

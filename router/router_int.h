@@ -248,7 +248,8 @@ struct router_state {
     /* what `tandem plan --metrics` reads: arrivals, prompt and output lengths, and each
      * node's load as its last heartbeat reported it (labels node, role) */
     td_metric_t *m_arrived, *m_prompt_tokens, *m_output_tokens;
-    td_metric_family_t *f_node_queued, *f_node_running, *f_node_free, *f_node_blocks, *f_node_step;
+    td_metric_family_t *f_node_queued, *f_node_running, *f_node_free, *f_node_blocks, *f_node_step,
+        *f_node_draining;
     bool shutting_down;
     bool handles_up;
     char refused[320];         /* the last registration refused, logged once ("id: reason") */

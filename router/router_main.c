@@ -142,6 +142,8 @@ static td_status_t init_metrics(router_state_t *s)
          offsetof(router_state_t, f_node_blocks)},
         {"tandem_router_node_step_seconds", "the node's most recent engine step (last heartbeat)",
          offsetof(router_state_t, f_node_step)},
+        {"tandem_router_node_draining", "1 while the node drains (SIGTERM or Drain): routed nothing new",
+         offsetof(router_state_t, f_node_draining)},
     };
     for (size_t i = 0; i < TD_ARRAY_LEN(per_node); i++)
         if ((st = td_metrics_register(s->metrics, TD_METRIC_GAUGE, per_node[i].name, per_node[i].help, node_role, 2,

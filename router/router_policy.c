@@ -52,9 +52,10 @@ static bool excluded(const router_pick_request_t *req, int32_t prefill, int32_t 
     return false;
 }
 
+/* A draining node (its heartbeat says so) serves no new request: its running ones finish. */
 static bool serves(const router_node_t *n, const char *model, td_node_role_t role)
 {
-    return n && n->info.role == role && !strcmp(n->info.model, model);
+    return n && n->info.role == role && !n->load.draining && !strcmp(n->info.model, model);
 }
 
 /* Prompt block hashes for one block size, recomputed only when the size changes. */

@@ -1,6 +1,8 @@
 /*
  * router_policy: which (prefill, decode) pair serves a request.
  *
+ * A draining node (td_node_load_t.draining, from its heartbeats) is never chosen.
+ *
  * 1. Decode node: live, serving the request's model, with room — free KV blocks >= the
  *    blocks the request holds there at most (router_admit_kv_blocks: prompt plus max_tokens
  *    capped by the model's length, in its layout) — then the shortest running

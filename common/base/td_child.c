@@ -118,13 +118,13 @@ bool td_child_exited(td_child_t *c, int *status_p)
     return true;
 }
 
-void td_child_stop_all(td_child_t *children, int n, uint32_t grace_ms, int *status)
+void td_child_stop_all(td_child_t *children, int n, int signum, uint32_t grace_ms, int *status)
 {
     for (int i = n - 1; i >= 0; i--) {
         if (status)
             status[i] = 0;
         if (children[i].pid > 0)
-            kill(children[i].pid, SIGTERM);
+            kill(children[i].pid, signum);
     }
     uint64_t end = td_now_ns() + (uint64_t)grace_ms * 1000000ull;
     for (;;) {

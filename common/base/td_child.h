@@ -74,11 +74,12 @@ td_status_t td_child_read_line(td_child_t *c, int timeout_ms, char *line, size_t
 bool td_child_exited(td_child_t *c, int *status_p);
 
 /*
- * Stops children[0..n) together: SIGTERM to each (the last first), up to grace_ms for all
- * of them to exit, then SIGKILL to the rest; every one is reaped (pid 0). status[i] (when
- * status is not NULL) gets child i's waitpid status, 0 for one that was not running.
+ * Stops children[0..n) together: signum to each (the last first; SIGTERM, or SIGINT for a
+ * cluster node that must stop at once rather than drain), up to grace_ms for all of them to
+ * exit, then SIGKILL to the rest; every one is reaped (pid 0). status[i] (when status is not
+ * NULL) gets child i's waitpid status, 0 for one that was not running.
  */
-void td_child_stop_all(td_child_t *children, int n, uint32_t grace_ms, int *status);
+void td_child_stop_all(td_child_t *children, int n, int signum, uint32_t grace_ms, int *status);
 
 /* Closes out_fd if open (after the child was stopped, or to drop its output). */
 void td_child_close(td_child_t *c);

@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "health.pb-c.h"
 #include "td_log.h"
 #include "td_util.h"
 
@@ -76,6 +77,9 @@ bool td_node_configure(td_node_t *p, const td_node_spec_t *spec, const td_opt_t 
             snprintf(p->default_id, sizeof p->default_id, "%s0", spec->prog);
             c->node_id = p->default_id;
         }
+        if (!c->drain_timeout_ms)
+            c->drain_timeout_ms = TD_NODE_DRAIN_TIMEOUT_MS;
+        TD_ASSERT(spec->busy);
     }
     bool node = spec->kind == TD_NODE_NODE;
     if (td_node_conf_parse(spec->prog, c, node, keys, n_keys, argc, argv, &p->conf) != TD_OK) {
@@ -88,6 +92,11 @@ bool td_node_configure(td_node_t *p, const td_node_spec_t *spec, const td_opt_t 
     }
     if (validate(p) != TD_OK) {
         *exit_p = 2;
+        goto err_conf;
+    }
+    if (c->check_config) { /* the files it names belong to where it runs: not opened here */
+        printf("%s: config ok\n", spec->prog);
+        *exit_p = 0;
         goto err_conf;
     }
     if (c->log_level)
@@ -105,9 +114,105 @@ err_conf:
     return false;
 }
 
+/* SIGINT stops at once; a node's first SIGTERM drains it (what Kubernetes, systemd and
+ * Slurm send before their kill), a second one stops it. */
 static void on_signal(uv_signal_t *h, int signum)
 {
-    td_node_shutdown(h->data);
+    td_node_t *p = h->data;
+    if (signum == SIGTERM && p->spec.kind == TD_NODE_NODE && !p->draining) {
+        td_info("%s: SIGTERM: draining (a second SIGTERM or SIGINT stops at once)", p->spec.prog);
+        td_node_drain(p, 0);
+        return;
+    }
+    td_node_shutdown(p);
+}
+
+static void on_drain_tick(uv_timer_t *t)
+{
+    td_node_t *p = t->data;
+    if (p->shutting_down)
+        return;
+    int32_t busy = p->spec.busy(p->spec.data);
+    uint64_t now = td_now_ns();
+    double s = (double)(now - p->drain_start_ns) * 1e-9;
+    /* an idle node still waits (TD_NODE_DRAIN_TELL_MS at most) until the router heard it, so
+       that it stops choosing the node before its calls would find it gone */
+    bool told = td_node_client_drain_told(p->client) || now - p->drain_start_ns > TD_NODE_DRAIN_TELL_MS * 1000000ull;
+    if ((busy > 0 || !told) && now < p->drain_end_ns)
+        return;
+    if (busy > 0)
+        td_warn("%s %s: drain timeout (%.1f s) passed with %d requests still running; exiting anyway", p->spec.prog,
+                p->cfg.node_id, s, busy);
+    else
+        td_info("%s %s: drained in %.2f s; exiting", p->spec.prog, p->cfg.node_id, s);
+    td_node_shutdown(p);
+}
+
+void td_node_drain(td_node_t *p, uint32_t timeout_ms)
+{
+    TD_ASSERT(p->spec.kind == TD_NODE_NODE);
+    if (p->draining || p->shutting_down)
+        return;
+    p->draining = true;
+    uint64_t ms = (uint64_t)p->cfg.drain_timeout_ms;
+    if (timeout_ms && timeout_ms < ms)
+        ms = timeout_ms;
+    p->drain_start_ns = td_now_ns();
+    p->drain_end_ns = p->drain_start_ns + ms * 1000000ull;
+    td_info("%s %s: draining: no new requests; %d running; exit once they finish or in %.1f s", p->spec.prog,
+            p->cfg.node_id, p->spec.busy(p->spec.data), (double)ms * 1e-3);
+    td_node_client_drain(p->client); /* the router hears it now, not at the next heartbeat */
+    uv_timer_init(&p->loop, &p->drain_timer);
+    p->drain_timer.data = p;
+    p->drain_timer_up = true;
+    uv_timer_start(&p->drain_timer, on_drain_tick, 0, TD_NODE_DRAIN_POLL_MS);
+}
+
+bool td_node_draining(const td_node_t *p)
+{
+    return p->draining;
+}
+
+static void on_health(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data)
+{
+    td_node_t *p = data;
+    const Grpc__Health__V1__HealthCheckRequest *q = (const void *)msg;
+    const char *svc = q->service ? q->service : "";
+    bool ready = !p->shutting_down && !p->draining && td_node_client_registered(p->client);
+    if (!strcmp(svc, "liveness")) {
+        ready = !p->shutting_down;
+    } else if (svc[0] && strcmp(svc, "tandem.control.v1.DecodeNode") && strcmp(svc, "tandem.control.v1.PrefillNode") &&
+               strcmp(svc, "tandem.control.v1.Node")) {
+        td_grpc_call_finish(call, TD_GRPC_NOT_FOUND,
+                            "health: unknown service (\"\" or a node service: ready; \"liveness\": alive)");
+        return;
+    }
+    Grpc__Health__V1__HealthCheckResponse resp = GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__INIT;
+    resp.status = ready ? GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVING
+                        : GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__NOT_SERVING;
+    td_grpc_call_reply(call, &resp.base);
+}
+
+static void on_drain_call(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data)
+{
+    td_node_t *p = data;
+    const Tandem__Control__V1__DrainRequest *q = (const void *)msg;
+    if (!p->draining)
+        td_info("%s %s: Drain called", p->spec.prog, p->cfg.node_id);
+    td_node_drain(p, q->timeout_ms);
+    Tandem__Control__V1__DrainResponse resp = TANDEM__CONTROL__V1__DRAIN_RESPONSE__INIT;
+    resp.requests = (uint32_t)TD_MAX(p->spec.busy(p->spec.data), 0);
+    resp.timeout_ms = (uint32_t)((p->drain_end_ns - p->drain_start_ns) / 1000000ull);
+    td_grpc_call_reply(call, &resp.base);
+}
+
+td_status_t td_node_serve_control(td_node_t *p, td_grpc_server_t *srv)
+{
+    const td_grpc_method_t methods[] = {
+        {TD_NODE_AUTH_HEALTH_CHECK, &grpc__health__v1__health_check_request__descriptor, on_health},
+        {"/tandem.control.v1.Node/Drain", &tandem__control__v1__drain_request__descriptor, on_drain_call},
+    };
+    return td_grpc_server_add_methods(srv, methods, TD_ARRAY_LEN(methods), p);
 }
 
 td_status_t td_node_serve(td_node_t *p, td_metrics_t *metrics)
@@ -348,6 +453,10 @@ void td_node_shutdown(td_node_t *p)
     td_metrics_loop_stop(p->loop_metrics);
     p->loop_metrics = NULL;
     td_node_auth_close(&p->auth);
+    if (p->drain_timer_up) {
+        uv_close((uv_handle_t *)&p->drain_timer, NULL);
+        p->drain_timer_up = false;
+    }
     if (p->signals_up) {
         uv_close((uv_handle_t *)&p->sigint, NULL);
         uv_close((uv_handle_t *)&p->sigterm, NULL);

@@ -23,9 +23,18 @@
  * defaults to --host; a wildcard --host (0.0.0.0, ::) without --advertise is refused, since
  * a node registering 0.0.0.0:PORT is never reachable by its peers.
  *
- * Shutdown (SIGINT, SIGTERM, or td_node_shutdown): the process's on_shutdown callback
- * first (stop its compute thread, close its servers and handles), then the router client,
- * /metrics and the signal handles; the loop ends once every handle closed; exit 0.
+ * Shutdown (SIGINT, the router's SIGTERM, or td_node_shutdown): the process's on_shutdown
+ * callback first (stop its compute thread, close its servers and handles), then the router
+ * client, /metrics and the signal handles; the loop ends once every handle closed; exit 0.
+ *
+ * Draining (a node's SIGTERM, a Node/Drain call, td_node_drain): the node takes no new
+ * request (the process refuses them while td_node_draining), its heartbeat tells the router
+ * at once (which then routes nothing to it), its health turns NOT_SERVING, and it shuts down
+ * as above once spec.busy says nothing runs (its control server sent what it queued) and
+ * the router heard the drain (TD_NODE_DRAIN_TELL_MS at most), or after the drain timeout
+ * (--drain-timeout-ms) with a warning naming how many requests were still running.
+ * A second SIGTERM, or SIGINT, stops it at once. SIGTERM is what Kubernetes, systemd and
+ * Slurm send; `tandem local` stops its processes with SIGINT (at once, as before).
  *
  * Threads: the process's loop thread. No global state.
  */
@@ -60,10 +69,15 @@ typedef enum td_node_kind {
  * closes the router client, /metrics and the signals. Must close every handle it opened. */
 typedef void (*td_node_shutdown_cb)(void *data);
 
+/* Nodes: requests still on the node (queued, running, or with bytes the control server has
+ * not yet written); draining ends when it returns 0. Loop thread. */
+typedef int32_t (*td_node_busy_cb)(void *data);
+
 typedef struct td_node_spec {
     const char *prog;          /* "router", "prefill", "decode": usage, logs, banner */
     td_node_kind_t kind;
     td_node_shutdown_cb on_shutdown;
+    td_node_busy_cb busy;      /* nodes: required (draining); router: NULL (SIGTERM stops) */
     void *data;
 } td_node_spec_t;
 
@@ -86,8 +100,14 @@ typedef struct td_node {
     td_node_client_t *client;
     td_node_auth_t auth;       /* API keys (router) and cluster secret, from the config */
     uv_signal_t sigint, sigterm;
-    bool loop_up, signals_up, shutting_down;
+    uv_timer_t drain_timer;    /* draining: checks spec.busy every TD_NODE_DRAIN_POLL_MS */
+    uint64_t drain_start_ns, drain_end_ns; /* td_now_ns() at the start; the timeout's end */
+    bool loop_up, signals_up, shutting_down, draining, drain_timer_up;
 } td_node_t;
+
+#define TD_NODE_DRAIN_POLL_MS 50
+#define TD_NODE_DRAIN_TELL_MS 2000 /* an idle draining node's longest wait for the router to hear it */
+#define TD_NODE_DRAIN_TIMEOUT_MS 300000 /* --drain-timeout-ms default */
 
 /*
  * Reads the config: the common keys of spec->kind followed by keys[0..n_keys), from
@@ -187,6 +207,29 @@ td_status_t td_node_logprobs_to_proto_array(const td_token_logprob_t *lps, size_
 
 /* The message into *lp; alternatives past TD_LOGPROBS_MAX_TOP are dropped. */
 void td_node_logprob_from_proto(const Tandem__V1__TokenLogprob *m, td_token_logprob_t *lp);
+
+/*
+ * Nodes: begins draining (see the top of this file) with the bound timeout_ms (0: the
+ * config's drain-timeout-ms; else the smaller of both). Once begun, a later call changes
+ * nothing. Loop thread; after td_node_serve.
+ */
+void td_node_drain(td_node_t *p, uint32_t timeout_ms);
+
+/* True once draining began: the process refuses new work (UNAVAILABLE, "draining"). */
+bool td_node_draining(const td_node_t *p);
+
+/*
+ * Nodes: adds to the node's control server the methods every node serves the same way,
+ * with p as their data:
+ * - grpc.health.v1.Health/Check (open without the cluster secret, for Kubernetes' probes):
+ *   service "" (or the node's role service, e.g. "tandem.control.v1.DecodeNode"): SERVING
+ *   once registered with the router and not draining, else NOT_SERVING (readiness);
+ *   service "liveness": SERVING while the loop runs, draining included; another: NOT_FOUND.
+ * - tandem.control.v1.Node/Drain: td_node_drain, answered with the requests still running.
+ * The caller's control gate (td_node_auth_guard_control) lets Health/Check through.
+ * Errors: those of td_grpc_server_add_methods.
+ */
+td_status_t td_node_serve_control(td_node_t *p, td_grpc_server_t *srv);
 
 /* Runs the loop until shutdown has closed every handle. Returns 0 (the exit status). */
 int td_node_run(td_node_t *p);

@@ -11,7 +11,6 @@
 #include "td_log.h"
 #include "td_util.h"
 
-#define HEALTH_CHECK "/grpc.health.v1.Health/Check"
 #define REFUSAL_LOG_MS 10000 /* the same refusal (method and reason, any peer) is logged again
                                 after this long: a node retrying every 200 ms is one line */
 
@@ -99,7 +98,7 @@ static td_grpc_code_t gateway_gate(td_grpc_call_t *call, const void *request, si
                                    size_t cap)
 {
     td_node_auth_t *a = data;
-    if (!strcmp(td_grpc_call_method(call), HEALTH_CHECK))
+    if (!strcmp(td_grpc_call_method(call), TD_NODE_AUTH_HEALTH_CHECK))
         return TD_GRPC_OK;
     td_auth_outcome_t o = td_auth_keys_check_bearer(a->keys, td_grpc_call_header(call, "authorization"));
     count(a->key_outcomes, o);
@@ -152,6 +151,8 @@ static td_grpc_code_t control_gate(td_grpc_call_t *call, const void *request, si
                                    size_t cap)
 {
     td_node_auth_t *a = data;
+    if (!strcmp(td_grpc_call_method(call), TD_NODE_AUTH_HEALTH_CHECK))
+        return TD_GRPC_OK; /* SERVING or not, nothing more: Kubernetes' probes cannot sign */
     char reason[200];
     td_auth_outcome_t o = td_auth_verify(a->cluster, td_auth_now_ms(), a->audience, td_grpc_call_method(call),
                                          td_grpc_call_header(call, TD_AUTH_HEADER), request, len, reason,

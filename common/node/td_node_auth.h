@@ -6,7 +6,7 @@
  * - gates for its gRPC servers (td_grpc_server_config_t.authenticate): the gateway's
  *   checks `authorization: Bearer KEY` (grpc.health.v1.Health/Check stays open, for load
  *   balancers), a control server's checks the tandem-cluster-auth signature of every
- *   call. A refused call ends UNAUTHENTICATED before its request is unpacked;
+ *   call but Health/Check (Kubernetes' gRPC probes; it tells only SERVING or not). A refused call ends UNAUTHENTICATED before its request is unpacked;
  * - signing for its gRPC channels to other members (td_grpc_channel_config_t.sign);
  * - the check the HTTP front door calls (td_node_auth_check_key);
  * - tandem_auth_api_key_total{outcome} and tandem_auth_cluster_total{outcome} on /metrics;
@@ -28,6 +28,8 @@
 #include "td_status.h"
 
 #define TD_NODE_AUTH_ROUTER "router" /* the audience of calls to a router */
+#define TD_NODE_AUTH_HEALTH_CHECK "/grpc.health.v1.Health/Check" /* open on every server: probes
+                                        (load balancers, Kubernetes) carry no key or signature */
 
 typedef struct td_node_auth {
     const char *prog;                                   /* for logs */

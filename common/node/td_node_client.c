@@ -3,6 +3,7 @@
  */
 #include "td_node_client.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -15,7 +16,14 @@
 struct td_node_client {
     uv_loop_t *loop;
     td_node_client_config_t cfg;
-    char router_host[64];
+    char router_host[64];      /* as configured: an IP address or a name */
+    char router_ip[64];        /* the address the channel connects to (a name: its last lookup) */
+    bool router_named;         /* router_host is a name: looked up again for every new channel */
+    bool ip_fresh;             /* router_ip was looked up for the next channel */
+    bool resolving;            /* a lookup in flight (gai) */
+    bool resolve_failed_logged;
+    bool timer_closed;
+    uv_getaddrinfo_t gai;
     uint8_t *xfer_desc;
     td_node_load_cb load_cb;
     void *data;
@@ -26,6 +34,9 @@ struct td_node_client {
     bool registered;
     bool closing;
     bool call_inflight;
+    bool draining;             /* td_node_client_drain: heartbeats say so, no new registration */
+    bool drain_told;           /* a heartbeat carrying draining succeeded */
+    bool hb_draining;          /* the heartbeat in flight carries draining */
     bool refused_logged;       /* the router's refusal was logged (until a registration succeeds) */
 };
 
@@ -43,11 +54,12 @@ static void drop_channel(td_node_client_t *c)
 static void fail(td_node_client_t *c, const char *what, const char *msg)
 {
     if (c->registered)
-        td_warn("node %s: %s failed (%s); registering again", c->cfg.info.id, what, msg);
+        td_warn("node %s: %s failed (%s); %s", c->cfg.info.id, what, msg,
+                c->draining ? "draining: not registering again" : "registering again");
     c->registered = false;
     c->epoch = 0;
     drop_channel(c);
-    if (!c->closing)
+    if (!c->closing && !c->draining)
         schedule(c, c->cfg.retry_ms);
 }
 
@@ -76,8 +88,8 @@ static void on_register_done(td_grpc_client_call_t *call, td_grpc_code_t code, c
     }
     c->refused_logged = false;
     if (!c->registered)
-        td_info("node %s: registered with router %s:%u (epoch %llu)", c->cfg.info.id, c->router_host,
-                c->cfg.router_port, (unsigned long long)c->epoch);
+        td_info("node %s: registered with router %s:%u (%s, epoch %llu)", c->cfg.info.id, c->router_host,
+                c->cfg.router_port, c->router_ip, (unsigned long long)c->epoch);
     c->registered = true;
     schedule(c, c->interval_ms);
 }
@@ -101,10 +113,15 @@ static void on_heartbeat_done(td_grpc_client_call_t *call, td_grpc_code_t code, 
     }
     if (!c->registered) { /* the router forgot us */
         c->epoch = 0;
-        schedule(c, 0);
+        if (!c->draining)
+            schedule(c, 0);
         return;
     }
-    schedule(c, c->interval_ms);
+    if (c->hb_draining && !c->drain_told) {
+        c->drain_told = true;
+        td_info("node %s: the router knows it drains", c->cfg.info.id);
+    }
+    schedule(c, c->draining && !c->drain_told ? 0 : c->interval_ms);
 }
 
 static bool ensure_channel(td_node_client_t *c)
@@ -113,8 +130,9 @@ static bool ensure_channel(td_node_client_t *c)
         return true;
     drop_channel(c);
     td_grpc_channel_config_t cc = td_grpc_channel_config_default();
+    c->ip_fresh = false; /* a later channel looks the name up again */
     return td_node_auth_sign_channel(c->cfg.cluster, TD_NODE_AUTH_ROUTER, &cc) == TD_OK &&
-           td_grpc_channel_create(c->loop, c->router_host, c->cfg.router_port, &cc, &c->ch) == TD_OK;
+           td_grpc_channel_create(c->loop, c->router_ip, c->cfg.router_port, &cc, &c->ch) == TD_OK;
 }
 
 static void send_register(td_node_client_t *c)
@@ -172,6 +190,8 @@ static void send_heartbeat(td_node_client_t *c)
     load.recent_step_s = &step_s;
     load.n_recent_step_s = 1;
     load.prefill_tokens_per_s = (float)l.prefill_tok_s;
+    load.draining = c->draining;
+    c->hb_draining = c->draining;
     Tandem__Control__V1__HeartbeatRequest req = TANDEM__CONTROL__V1__HEARTBEAT_REQUEST__INIT;
     req.node_id = (char *)c->cfg.info.id;
     req.epoch = c->epoch;
@@ -185,18 +205,68 @@ static void send_heartbeat(td_node_client_t *c)
         c->call_inflight = true;
 }
 
+static void free_client(td_node_client_t *c)
+{
+    free(c->xfer_desc);
+    free(c);
+}
+
+/* A router given by name (a Kubernetes Service, a DNS entry) is looked up off the loop
+ * before each new channel, so a router that comes back at another address is found. */
+static void on_resolved(uv_getaddrinfo_t *req, int status, struct addrinfo *res)
+{
+    td_node_client_t *c = req->data;
+    c->resolving = false;
+    const struct addrinfo *a = res; /* IPv4 first (td_xfer's data plane is IPv4), else IPv6 */
+    while (a && a->ai_family != AF_INET)
+        a = a->ai_next;
+    for (a = a ? a : res; a && a->ai_family != AF_INET && a->ai_family != AF_INET6;)
+        a = a->ai_next;
+    if (status == 0 && a) {
+        if (a->ai_family == AF_INET)
+            uv_ip4_name((const struct sockaddr_in *)a->ai_addr, c->router_ip, sizeof c->router_ip);
+        else
+            uv_ip6_name((const struct sockaddr_in6 *)a->ai_addr, c->router_ip, sizeof c->router_ip);
+        c->ip_fresh = true;
+        c->resolve_failed_logged = false;
+    } else if (!c->closing && !c->resolve_failed_logged) {
+        td_warn("node %s: router %s does not resolve (%s); trying again every %u ms", c->cfg.info.id, c->router_host,
+                status ? uv_strerror(status) : "no IPv4 or IPv6 address", c->cfg.retry_ms);
+        c->resolve_failed_logged = true;
+    }
+    uv_freeaddrinfo(res);
+    if (c->closing) {
+        if (c->timer_closed)
+            free_client(c);
+        return;
+    }
+    schedule(c, c->ip_fresh ? 0 : c->cfg.retry_ms);
+}
+
 static void on_timer(uv_timer_t *t)
 {
     td_node_client_t *c = t->data;
-    if (c->closing || c->call_inflight)
+    if (c->closing || c->call_inflight || c->resolving)
         return;
+    if (c->router_named && !c->ip_fresh && !(c->ch && td_grpc_channel_is_usable(c->ch))) {
+        struct addrinfo hints = {.ai_socktype = SOCK_STREAM};
+        char port[8];
+        snprintf(port, sizeof port, "%u", c->cfg.router_port);
+        c->gai.data = c;
+        int rc = uv_getaddrinfo(c->loop, &c->gai, on_resolved, c->router_host, port, &hints);
+        if (rc == 0)
+            c->resolving = true;
+        else
+            schedule(c, c->cfg.retry_ms);
+        return;
+    }
     if (!ensure_channel(c)) {
         schedule(c, c->cfg.retry_ms);
         return;
     }
     if (c->registered)
         send_heartbeat(c);
-    else
+    else if (!c->draining)
         send_register(c);
 }
 
@@ -217,6 +287,11 @@ td_status_t td_node_client_create(uv_loop_t *loop, const td_node_client_config_t
     c->cfg = *cfg;
     strcpy(c->router_host, cfg->router_host);
     c->cfg.router_host = c->router_host;
+    const char *ip = strcmp(cfg->router_host, "localhost") ? cfg->router_host : "127.0.0.1";
+    struct sockaddr_in a4;
+    struct sockaddr_in6 a6;
+    c->router_named = uv_ip4_addr(ip, 0, &a4) != 0 && uv_ip6_addr(ip, 0, &a6) != 0;
+    snprintf(c->router_ip, sizeof c->router_ip, "%s", c->router_named ? "" : ip);
     if (!c->cfg.info.max_seq_len)
         c->cfg.info.max_seq_len = (int32_t)TD_MIN(cfg->max_seq_len, (uint32_t)INT32_MAX);
     if (!c->cfg.rpc_timeout_ms)
@@ -239,6 +314,21 @@ td_status_t td_node_client_create(uv_loop_t *loop, const td_node_client_config_t
     return TD_OK;
 }
 
+void td_node_client_drain(td_node_client_t *c)
+{
+    if (!c || c->draining || c->closing)
+        return;
+    c->draining = true;
+    if (c->registered && !c->call_inflight)
+        schedule(c, 0);
+    /* a call in flight: its completion schedules the next heartbeat, which says it */
+}
+
+bool td_node_client_drain_told(const td_node_client_t *c)
+{
+    return !c || !c->registered || c->drain_told;
+}
+
 bool td_node_client_registered(const td_node_client_t *c)
 {
     return c && c->registered;
@@ -247,8 +337,17 @@ bool td_node_client_registered(const td_node_client_t *c)
 static void on_timer_closed(uv_handle_t *h)
 {
     td_node_client_t *c = h->data;
-    free(c->xfer_desc);
-    free(c);
+    c->timer_closed = true;
+    if (!c->resolving) /* else on_resolved frees it (cancelled) */
+        free_client(c);
+}
+
+bool td_node_client_router_ip(const td_node_client_t *c, struct sockaddr_storage *addr_p)
+{
+    if (!c || !c->router_ip[0])
+        return false;
+    return uv_ip4_addr(c->router_ip, 0, (struct sockaddr_in *)addr_p) == 0 ||
+           uv_ip6_addr(c->router_ip, 0, (struct sockaddr_in6 *)addr_p) == 0;
 }
 
 void td_node_client_close(td_node_client_t *c)
@@ -257,5 +356,7 @@ void td_node_client_close(td_node_client_t *c)
         return;
     c->closing = true;
     drop_channel(c); /* ends an in-flight call with CANCELLED; its callback sees closing */
+    if (c->resolving)
+        uv_cancel((uv_req_t *)&c->gai); /* on_resolved runs (UV_EAI_CANCELED) and frees */
     uv_close((uv_handle_t *)&c->timer, on_timer_closed);
 }

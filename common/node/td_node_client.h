@@ -4,6 +4,8 @@
  * at the interval the router asks for. When the router is unreachable, a call fails, or the
  * router answers "reregister" (it restarted), the client drops its channel and registers
  * again after retry_ms, forever, until closed: nodes and routers may start in any order.
+ * A router given by name (router_host not an IP address: a Kubernetes Service, a DNS
+ * entry) is looked up (uv_getaddrinfo, off the loop) before every new channel.
  *
  * Threads: the node's loop thread. The load callback runs there too.
  */
@@ -13,6 +15,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/socket.h>
 #include <uv.h>
 
 #include "td_auth.h"
@@ -47,6 +50,21 @@ typedef void (*td_node_load_cb)(void *data, td_node_load_t *load);
 td_status_t td_node_client_create(uv_loop_t *loop, const td_node_client_config_t *cfg,
                                       td_node_load_cb load_cb, void *data,
                                       td_node_client_t **c_p);
+
+/*
+ * The node drains: every heartbeat from now on says so (Load.draining), the next one is sent
+ * at once (or as soon as the call in flight ends), and a node that loses its registration
+ * does not register again (it only finishes what it runs). NULL is a no-op.
+ */
+void td_node_client_drain(td_node_client_t *c);
+
+/* True once the router heard the drain (a heartbeat saying so succeeded), or when there is
+ * no router to tell (not registered, or NULL). */
+bool td_node_client_drain_told(const td_node_client_t *c);
+
+/* The address the client reaches the router at (the IP of --router, or what its name last
+ * resolved to) into *addr_p (port 0); false before a name resolved. */
+bool td_node_client_router_ip(const td_node_client_t *c, struct sockaddr_storage *addr_p);
 
 /* True while the last RegisterNode/Heartbeat succeeded. */
 bool td_node_client_registered(const td_node_client_t *c);

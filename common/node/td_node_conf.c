@@ -40,6 +40,9 @@ static int common_keys(td_node_config_t *c, bool node, td_opt_t *out)
         out[n++] = (td_opt_t)TD_OPT_STRING("quant", &c->quant,
                                            "q8_0|q4_0: quantize an f32/f16/bf16 model's weight matrices at "
                                            "load (CPU); default: as stored. Paired nodes must agree");
+        out[n++] = (td_opt_t)TD_OPT_INT("drain-timeout-ms", &c->drain_timeout_ms, 1, 86400000,
+                                        "SIGTERM or a Drain call: the node takes no new request and exits once "
+                                        "its running ones finish, or after this long");
     }
     out[n++] = (td_opt_t)TD_OPT_STRING("cluster-secret-file", &c->cluster_secret_file,
                                        "file holding the secret the router and its nodes share; every control "
@@ -49,6 +52,10 @@ static int common_keys(td_node_config_t *c, bool node, td_opt_t *out)
                                            "API keys the gateway and HTTP API require (one a line, # comments; "
                                            "reloaded on SIGHUP); default: none, open");
     out[n++] = (td_opt_t)TD_OPT_STRING("log-level", &c->log_level, "error|warn|info|debug");
+    out[n++] = (td_opt_t){.name = "check-config", .type = TD_OPT_BOOL, .ptr = &c->check_config,
+                          .help = "check the flags and the --config file (keys, values, addresses), print "
+                                  "'config ok' and exit 0 (2 when bad) without starting: deploy files, "
+                                  "systemd ExecStartPre"};
     return n;
 }
 

@@ -29,6 +29,7 @@ typedef struct td_node_config {
     const char *cluster_secret_file; /* the secret every control call is signed with
                                         (docs/security.md); NULL: control plane open */
     const char *api_keys_file; /* router: keys the front doors require; NULL: none */
+    bool check_config;         /* --check-config: check the flags and the file, then exit */
     /* nodes only */
     const char *model;         /* model path (required) */
     const char *router;        /* the router's control address HOST:PORT (default 127.0.0.1:7070) */
@@ -38,6 +39,8 @@ typedef struct td_node_config {
     const char *dtype;         /* weights and KV cache (and CUDA activations): f32|f16|bf16;
                                   NULL: td_device_default_dtype */
     const char *quant;         /* weight matrices quantized at load: q8_0|q4_0; NULL: as stored */
+    int64_t drain_timeout_ms;  /* SIGTERM / Drain: longest wait for running requests before
+                                  the node exits anyway (0: default 300000) */
 } td_node_config_t;
 
 /*

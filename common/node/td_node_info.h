@@ -58,6 +58,7 @@ typedef struct td_node_load {
     int32_t free_blocks;            /* KV blocks an allocation could get now */
     double step_ms;                 /* recent mean step time */
     double prefill_tok_s;           /* prefill: recent prompt tokens per second; 0 = unknown */
+    bool draining;                  /* the node takes no new request (td_node_drain) */
 } td_node_load_t;
 
 #endif

@@ -54,9 +54,23 @@ and exits 0 when the behaviour is right, 1 (with 'FAIL: why' lines) when not:
                                          each OK and exact, or UNAVAILABLE; half at least OK
   ping HOST:PORT                          one short request must succeed
   run HOST:PORT MAX_TOKENS REFS          every prompt of REFS concurrently; all must equal refs
+  health NODE_CTL SERVICE WANT           grpc.health.v1 Check of SERVICE ("" = readiness) on a
+                                         node's control port answers WANT (SERVING, NOT_SERVING)
+  drain HOST:PORT HOW NODE_CTL METRIC NODE_URL OTHER_URL REFS MAX_TOKENS NEW_REFS NEW_MAX [TIMEOUT_MS]
+                                         streams of the prompts in REFS (- : none); once each
+                                         has a token the node is drained (HOW: TERM:PID; exec:CMD,
+                                         a command that must exit 0, e.g. tandem drain; or rpc:
+                                         an unsigned Node/Drain call to NODE_CTL, with
+                                         TIMEOUT_MS): while
+                                         streams run it must answer readiness NOT_SERVING and
+                                         liveness SERVING; the prompts of NEW_REFS (- : none)
+                                         then succeed, counted in METRIC at OTHER_URL, never at
+                                         NODE_URL; every first stream must end OK equal to its
+                                         reference (with TIMEOUT_MS: or UNAVAILABLE, a prefix)
 """
 import os
 import random
+import shlex
 import signal
 import socket
 import subprocess
@@ -67,7 +81,8 @@ import urllib.request
 
 import grpc
 
-from cluster_wire import GENERATE, channel, generate_stub, parse_ids, pb_bytes, pb_f32, pb_packed, pb_varint, request
+from cluster_wire import (GENERATE, channel, fields, generate_stub, parse_ids, pb_bytes, pb_f32, pb_packed, pb_varint,
+                          request)
 
 
 def fetch_metric(url, name, label=""):
@@ -946,12 +961,110 @@ def cmd_run(target, max_tokens, refs_path):
     return rc
 
 
+HEALTH = "/grpc.health.v1.Health/Check"
+HEALTH_STATUS = {0: "UNKNOWN", 1: "SERVING", 2: "NOT_SERVING", 3: "SERVICE_UNKNOWN"}
+
+
+def health(node_ctl, service=""):
+    """The status name a node's grpc.health.v1 Check answers, or the gRPC code's name."""
+    code, details, out = control_call(node_ctl, HEALTH, pb_bytes(1, service) if service else b"", timeout=5)
+    if code != "OK":
+        return code
+    return HEALTH_STATUS.get(dict(fields(out[0])).get(1, 0), "?")
+
+
+def cmd_health(node_ctl, service, want):
+    got = health(node_ctl, service)
+    print("health %s service '%s': %s" % (node_ctl, service, got))
+    return 0 if got == want else fail("health of service '%s' is %s, want %s" % (service, got, want))
+
+
+def cmd_drain(target, how, node_ctl, metric, node_url, other_url, refs_path, max_tokens, new_refs_path, new_max,
+              timeout_ms="0"):
+    max_tokens, new_max, timeout_ms = int(max_tokens), int(new_max), int(timeout_ms)
+    prompts, refs = read_refs(refs_path) if refs_path != "-" else ([], [])
+    rc = 0
+    if health(node_ctl) != "SERVING":
+        rc = fail("the node was not SERVING before the drain: %s" % health(node_ctl))
+    stub = generate_stub(channel(target))
+    streams = [Stream(stub, p, max_tokens, timeout=120) for p in prompts]
+    end = time.monotonic() + 30
+    for s in streams:
+        s.first.wait(max(0.0, end - time.monotonic()))
+    t0 = time.monotonic()
+    before = sum(1 for s in streams if s.t_end is None)
+    if how.startswith("TERM:"):
+        os.kill(int(how[5:]), signal.SIGTERM)
+    elif how.startswith("exec:"):
+        r = subprocess.run(shlex.split(how[5:]), capture_output=True, text=True, timeout=30)
+        print((r.stdout + r.stderr).strip())
+        if r.returncode != 0:
+            rc = fail("%s exited %d" % (how[5:], r.returncode))
+    else:
+        code, details, out = control_call(node_ctl, "/tandem.control.v1.Node/Drain", pb_varint(1, timeout_ms))
+        if code != "OK":
+            rc = fail("Drain: %s %s" % (code, details))
+        else:
+            f = dict(fields(out[0]))
+            print("Drain answered: %d requests running, timeout %d ms" % (f.get(1, 0), f.get(2, 0)))
+    running = sum(1 for s in streams if s.t_end is None)
+    if running:  # still draining (a short drain timeout may have ended it already)
+        h = health(node_ctl)
+        live = health(node_ctl, "liveness")
+        print("drain sent with %d of %d streams running (%d once it was answered); readiness %s, liveness %s"
+              % (before, len(streams), running, h, live))
+        if h != "NOT_SERVING":
+            rc = fail("a draining node answers readiness %s, want NOT_SERVING" % h)
+        if live != "SERVING":
+            rc = fail("a draining node answers liveness %s, want SERVING" % live)
+    elif streams and not before:
+        rc = fail("every stream had ended before the drain: nothing was drained (make them longer)")
+    time.sleep(0.3)  # the router hears the drain in the node's next heartbeat, sent at once
+
+    def count(url):
+        try:
+            return fetch_metric(url, metric)
+        except (OSError, KeyError):
+            return None  # the node is gone
+
+    b_node, b_other = count(node_url), count(other_url)
+    new_prompts, new_refs = read_refs(new_refs_path) if new_refs_path != "-" else ([], [])
+    new = [Stream(stub, p, new_max) for p in new_prompts]
+    for s, ref in zip(new, new_refs):
+        if not s.join(50) or s.code != "OK" or s.got != ref:
+            rc = fail("new stream %s during the drain: %s %s %s" % (s.ids[:4], s.code, s.details, s.got[:8]))
+    a_node, a_other = count(node_url), count(other_url)
+    print("%d new requests during the drain: %s; %s on the draining node %s -> %s, on the other %s -> %s"
+          % (len(new), "all OK" if rc == 0 else "some failed", metric, b_node, a_node, b_other, a_other))
+    if new and a_node is not None and b_node is not None and a_node != b_node:
+        rc = fail("the draining node was given new requests")
+    if new and (a_other is None or b_other is None or a_other - b_other != len(new)):
+        rc = fail("the other node did not take all %d new requests" % len(new))
+    n_ok = n_unavail = 0
+    for s, ref in zip(streams, refs):
+        if not s.join(60):
+            rc = fail("stream %s did not end within 60 s" % s.ids[:4])
+        elif s.code == "OK" and s.got == ref:
+            n_ok += 1
+        elif timeout_ms and s.code == "UNAVAILABLE" and s.got == ref[:len(s.got)]:
+            n_unavail += 1
+        else:
+            rc = fail("stream %s: %s %s after %d of %d tokens" % (s.ids[:4], s.code, s.details, len(s.got), len(ref)))
+    last = max([s.t_end for s in streams if s.t_end] or [t0]) - t0
+    print("%d streams complete and exact, %d UNAVAILABLE (drain timeout); the last ended %.2f s after the drain"
+          % (n_ok, n_unavail, last))
+    if timeout_ms and n_unavail == 0:
+        rc = fail("no stream outlived the %d ms drain timeout" % timeout_ms)
+    return rc
+
+
 def main():
     cmds = {"metric": cmd_metric, "waitmetric": cmd_waitmetric, "cancel": cmd_cancel, "deadline": cmd_deadline,
             "rawdeadline": cmd_rawdeadline, "garbage": cmd_garbage, "nodekill": cmd_nodekill,
             "stopkill": cmd_stopkill, "stall": cmd_stall, "controlgarbage": cmd_controlgarbage, "stepsforeign": cmd_stepsforeign,
             "httpgarbage": cmd_httpgarbage, "slowreader": cmd_slowreader, "churn": cmd_churn, "ping": cmd_ping, "run": cmd_run,
-            "looplag": cmd_looplag, "bigprompt": cmd_bigprompt}
+            "looplag": cmd_looplag, "bigprompt": cmd_bigprompt, "health": cmd_health,
+            "drain": cmd_drain}
     if len(sys.argv) < 2 or sys.argv[1] not in cmds:
         print(__doc__)
         return 2

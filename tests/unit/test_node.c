@@ -24,6 +24,11 @@ static void on_shutdown(void *data)
     ((fake_t *)data)->shutdowns++;
 }
 
+static int32_t busy(void *data)
+{
+    return 0;
+}
+
 /* Runs td_node_configure over argv (NULL-terminated, argv[0] "tandem"). */
 static bool configure(td_node_t *p, fake_t *f, td_node_kind_t kind, const char **argv, int *rc)
 {
@@ -33,7 +38,7 @@ static bool configure(td_node_t *p, fake_t *f, td_node_kind_t kind, const char *
     memset(p, 0, sizeof *p);
     const td_opt_t keys[] = {TD_OPT_INT("kv-blocks", &f->kv_blocks, 1, 1 << 20, "blocks")};
     td_node_spec_t spec = {.prog = kind == TD_NODE_NODE ? "decode" : "router", .kind = kind,
-                               .on_shutdown = on_shutdown, .data = f};
+                               .on_shutdown = on_shutdown, .busy = busy, .data = f};
     return td_node_configure(p, &spec, keys, 1, argc, (char **)argv, rc);
 }
 
@@ -117,6 +122,12 @@ Test(td_node, help_bad_values_and_node_requirements)
         {TD_NODE_NODE, {"tandem", "--model", "m", "--port", "70000", NULL}, 2},
         {TD_NODE_ROUTER, {"tandem", "--model", "m", NULL}, 2},                 /* a node key */
         {TD_NODE_ROUTER, {"tandem", "--kv-blocks", "0", NULL}, 2},
+        /* --check-config: checked and done, nothing started (no model, secret or loop) */
+        {TD_NODE_NODE, {"tandem", "--model", "m", "--check-config", NULL}, 0},
+        {TD_NODE_NODE, {"tandem", "--model", "m", "--cluster-secret-file", "/nonexistent", "--check-config", NULL}, 0},
+        {TD_NODE_NODE, {"tandem", "--model", "m", "--host", "0.0.0.0", "--check-config", NULL}, 2},
+        {TD_NODE_NODE, {"tandem", "--model", "m", "--drain-timeout-ms", "0", "--check-config", NULL}, 2},
+        {TD_NODE_ROUTER, {"tandem", "--check-config", NULL}, 0},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         td_node_t p;

@@ -294,7 +294,7 @@ static void env_start(env_t *e, const char *const *router_args)
 static void env_stop(env_t *e)
 {
     int status = 0;
-    td_child_stop_all(&e->router, 1, 10000, &status);
+    td_child_stop_all(&e->router, 1, SIGTERM, 10000, &status);
     td_child_close(&e->router);
     for (int i = 0; i < e->n_leases; i++)
         if (e->leases[i].prefill) {
