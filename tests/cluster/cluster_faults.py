@@ -52,6 +52,16 @@ and exits 0 when the behaviour is right, 1 (with 'FAIL: why' lines) when not:
   churn HOST:PORT REFS MAX_TOKENS SECS THREADS STOPFILE
                                          streams back to back while nodes die and come back:
                                          each OK and exact, or UNAVAILABLE; half at least OK
+  migrate HOST:PORT MAX_TOKENS REFS SAMPLING AFTER KILL NODES EXPECT
+                                         streams of the prompts in REFS with SAMPLING ('greedy'
+                                         or 'T,SEED,REPETITION,FREQUENCY'); once every stream
+                                         has AFTER tokens, SIGKILL the decode nodes of NODES
+                                         (NAME=PID=METRICS_URL,...) that run a sequence (KILL
+                                         'serving') or all of them ('all'); prints 'killed
+                                         NAME'. EXPECT 'moved': each stream OK, equal to its
+                                         reference, usage.migrations 1 (the gap around the
+                                         kill printed); 'fail': each ends UNAVAILABLE naming
+                                         why, its tokens a prefix of the reference
   ping HOST:PORT                          one short request must succeed
   run HOST:PORT MAX_TOKENS REFS          every prompt of REFS concurrently; all must equal refs
 """
@@ -67,7 +77,8 @@ import urllib.request
 
 import grpc
 
-from cluster_wire import GENERATE, channel, generate_stub, parse_ids, pb_bytes, pb_f32, pb_packed, pb_varint, request
+from cluster_wire import (GENERATE, channel, fields, generate_stub, parse_ids, pb_bytes, pb_f32, pb_packed, pb_varint,
+                          request)
 
 
 def fetch_metric(url, name, label=""):
@@ -528,6 +539,8 @@ def cmd_nodekill(target, pid, sig, bound_ms, refs_path, max_tokens):
                 rc = fail("stream %s: UNAVAILABLE %.0f ms after the kill, past the %.0f ms bound" % (s.ids[:4], ms, bound_ms))
             if s.got != ref[:len(s.got)]:
                 rc = fail("stream %s: tokens before the failure differ from tandem generate" % s.ids[:4])
+            if n_unavail == 1:
+                print("  %s" % s.details)
         else:
             rc = fail("stream %s: ended %s %s (want OK or UNAVAILABLE)" % (s.ids[:4], s.code, s.details))
     print("%d streams OK, %d UNAVAILABLE" % (n_ok, n_unavail))
@@ -924,6 +937,89 @@ def cmd_churn(target, refs_path, max_tokens, seconds, concurrency, stop_file):
     return rc
 
 
+def sampling_bytes(spec):
+    """SamplingParams (GenerateRequest field 4) from 'T,SEED,REPETITION,FREQUENCY'; b'' for greedy."""
+    if spec == "greedy":
+        return b""
+    t, seed, rep, freq = spec.split(",")
+    body = pb_f32(1, float(t)) + pb_f32(5, float(rep)) + pb_varint(6, int(seed)) + pb_f32(8, float(freq))
+    return pb_bytes(4, body)
+
+
+def usage_migrations(msg):
+    """usage.migrations (GenerateResponse field 4, Usage field 4) of one message, None without usage."""
+    for f, v in fields(msg):
+        if f == 4 and isinstance(v, bytes):
+            return next((x for g, x in fields(v) if g == 4 and isinstance(x, int)), 0)
+    return None
+
+
+def cmd_migrate(target, max_tokens, refs_path, sampling, after, kill, nodes, expect):
+    max_tokens, after = int(max_tokens), int(after)
+    prompts, refs = read_refs(refs_path)
+    stub = generate_stub(channel(target))
+    named = [n.split("=", 2) for n in nodes.split(",")]
+    results = []
+
+    def run(ids):
+        r = {"got": [], "times": [], "code": None, "details": "", "migrations": None, "enough": threading.Event()}
+        results.append(r)
+        try:
+            for m in stub(request(ids, max_tokens) + sampling_bytes(sampling), timeout=60):
+                r["got"] += parse_ids(m)
+                r["times"].append((time.monotonic(), len(r["got"])))
+                mig = usage_migrations(m)
+                if mig is not None:
+                    r["migrations"] = mig
+                if len(r["got"]) >= after:
+                    r["enough"].set()
+            r["code"] = "OK"
+        except grpc.RpcError as e:
+            r["code"], r["details"] = e.code().name, e.details() or ""
+        except Exception as e:  # a parse error is a failure too, never a hang
+            r["code"], r["details"] = "CLIENT_ERROR", repr(e)
+        r["enough"].set()
+
+    threads = [threading.Thread(target=run, args=(p,), daemon=True) for p in prompts]
+    for t in threads:
+        t.start()
+    while len(results) < len(threads):
+        time.sleep(0.001)
+    for r in results:
+        r["enough"].wait(30)
+    victims = [(name, int(pid)) for name, pid, url in named
+               if kill == "all" or fetch_metric(url, "tandem_decode_running_sequences") >= 1]
+    t_kill = time.monotonic()
+    for name, pid in victims:
+        os.kill(pid, signal.SIGKILL)
+        print("killed %s" % name)
+    rc = 0 if victims else fail("no decode node of %s ran a sequence" % nodes)
+    for t in threads:
+        t.join(60)
+    for r, ref in zip(results, refs):
+        before = [n for tm, n in r["times"] if tm <= t_kill]
+        k = before[-1] if before else 0
+        later = [tm for tm, n in r["times"] if tm > t_kill and n > k]
+        gap = (later[0] - t_kill) * 1e3 if later else -1
+        print("stream of %d tokens: %s after %d tokens, %d at the kill, next token %.0f ms after it, migrations %s %s"
+              % (len(ref), r["code"], len(r["got"]), k, gap, r["migrations"], r["details"]))
+        if expect == "moved":
+            if r["code"] != "OK":
+                rc = fail("stream ended %s %s (want OK: moved to another pair)" % (r["code"], r["details"]))
+            elif r["got"] != ref:
+                rc = fail("ids differ from tandem generate:\n  want %s\n  got  %s" % (ref, r["got"]))
+            elif r["migrations"] != 1:
+                rc = fail("usage.migrations is %s, want 1" % r["migrations"])
+            if not 0 < k < len(ref):
+                rc = fail("the kill came at token %d of %d: not mid-stream" % (k, len(ref)))
+        else:
+            if r["code"] != "UNAVAILABLE" or not any(w in r["details"] for w in ("cannot move", "max-migrations")):
+                rc = fail("stream ended %s '%s' (want UNAVAILABLE saying why it cannot move)" % (r["code"], r["details"]))
+            if r["got"] != ref[:len(r["got"])]:
+                rc = fail("tokens before the failure differ from tandem generate")
+    return rc
+
+
 def cmd_ping(target):
     """One short request (8 tokens) must succeed."""
     err = normal_ok(generate_stub(channel(target)), "nothing")
@@ -951,7 +1047,7 @@ def main():
             "rawdeadline": cmd_rawdeadline, "garbage": cmd_garbage, "nodekill": cmd_nodekill,
             "stopkill": cmd_stopkill, "stall": cmd_stall, "controlgarbage": cmd_controlgarbage, "stepsforeign": cmd_stepsforeign,
             "httpgarbage": cmd_httpgarbage, "slowreader": cmd_slowreader, "churn": cmd_churn, "ping": cmd_ping, "run": cmd_run,
-            "looplag": cmd_looplag, "bigprompt": cmd_bigprompt}
+            "looplag": cmd_looplag, "bigprompt": cmd_bigprompt, "migrate": cmd_migrate}
     if len(sys.argv) < 2 or sys.argv[1] not in cmds:
         print(__doc__)
         return 2
