@@ -999,10 +999,15 @@ def cmd_migrate(target, max_tokens, refs_path, sampling, after, kill, nodes, exp
     for r, ref in zip(results, refs):
         before = [n for tm, n in r["times"] if tm <= t_kill]
         k = before[-1] if before else 0
-        later = [tm for tm, n in r["times"] if tm > t_kill and n > k]
-        gap = (later[0] - t_kill) * 1e3 if later else -1
-        print("stream of %d tokens: %s after %d tokens, %d at the kill, next token %.0f ms after it, migrations %s %s"
-              % (len(ref), r["code"], len(r["got"]), k, gap, r["migrations"], r["details"]))
+        # the move's gap: the longest wait between two messages from the kill on (tokens
+        # already in flight arrive first); beside the median wait of the whole stream
+        tms = [tm for tm, n in r["times"]]
+        waits = [b - a for a, b in zip(tms, tms[1:]) if b > t_kill]
+        gap = max(waits) * 1e3 if waits else -1
+        allw = sorted(b - a for a, b in zip(tms, tms[1:])) or [0]
+        print("stream of %d tokens: %s after %d tokens, %d at the kill, longest wait after it %.1f ms (median "
+              "wait %.2f ms), migrations %s %s" % (len(ref), r["code"], len(r["got"]), k, gap,
+                                                   allw[len(allw) // 2] * 1e3, r["migrations"], r["details"]))
         if expect == "moved":
             if r["code"] != "OK":
                 rc = fail("stream ended %s %s (want OK: moved to another pair)" % (r["code"], r["details"]))

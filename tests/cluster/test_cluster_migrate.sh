@@ -16,7 +16,7 @@ GREEDY="1 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25"
 SEEDED="1 40 41 42 43 44 45 46 47 48 49 50 51 52 53 54 55 56 57 58 59 60"
 echo "$GREEDY|$(cl_ref $MAXTOK "$GREEDY")" >"$CL_T/greedy"
 echo "$SEEDED|$("$CL_BIN" generate --model "$CL_M" --prompt-ids "$SEEDED" --max-tokens $MAXTOK --print-ids \
-    --threads 1 --temperature 0.9 --seed 42 --repetition-penalty 1.2 --frequency-penalty 0.3 2>/dev/null)" \
+    --threads 1 --temperature 0.9 --seed 4 --repetition-penalty 1.2 --frequency-penalty 0.3 2>/dev/null)" \
     >"$CL_T/seeded"
 for f in greedy seeded; do
     n=$(cut -d'|' -f2 "$CL_T/$f" | wc -w)
@@ -46,9 +46,10 @@ migrate greedy greedy serving moved
 cl_node decode d2
 cl_wait_nodes 1 2
 echo "== seeded stream with penalties, its decode node SIGKILLed after $AFTER tokens"
-migrate seeded 0.9,42,1.2,0.3 serving moved
+migrate seeded 0.9,4,1.2,0.3 serving moved
 m=$(cl_metric router tandem_router_migrations_total)
-echo "router migrations: $m"
+gs=$(cl_metric router tandem_router_migration_seconds_sum)
+echo "router migrations: $m, node lost to next token sent: $gs s in all"
 [ "${m%.*}" = 2 ] || cl_fail "tandem_router_migrations_total is $m, want 2"
 echo "== every decode node SIGKILLed under a stream"
 migrate greedy greedy all fail
