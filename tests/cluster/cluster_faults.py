@@ -78,7 +78,7 @@ import urllib.request
 import grpc
 
 from cluster_wire import (GENERATE, channel, fields, generate_stub, parse_ids, pb_bytes, pb_f32, pb_packed, pb_varint,
-                          request)
+                          read_varint, request)
 
 
 def fetch_metric(url, name, label=""):
@@ -946,6 +946,29 @@ def sampling_bytes(spec):
     return pb_bytes(4, body)
 
 
+def raw_fields(msg):
+    """(field number, wire type, value) of each field: an int for a varint, bytes otherwise."""
+    i = 0
+    while i < len(msg):
+        key, i = read_varint(msg, i)
+        field, wt = key >> 3, key & 7
+        if wt == 0:
+            v, i = read_varint(msg, i)
+        elif wt == 2:
+            ln, i = read_varint(msg, i)
+            v, i = msg[i:i + ln], i + ln
+        else:
+            n = 8 if wt == 1 else 4
+            v, i = msg[i:i + n], i + n
+        yield field, wt, v
+
+
+def token_logprobs(msg):
+    """GenerateResponse.logprobs (field 7): per token its TokenLogprob's bytes (token id,
+    logprob and alternatives, compared as they are: equal bytes, equal floats)."""
+    return [v for f, wt, v in raw_fields(msg) if f == 7 and wt == 2]
+
+
 def usage_migrations(msg):
     """usage.migrations (GenerateResponse field 4, Usage field 4) of one message, None without usage."""
     for f, v in fields(msg):
@@ -961,12 +984,17 @@ def cmd_migrate(target, max_tokens, refs_path, sampling, after, kill, nodes, exp
     named = [n.split("=", 2) for n in nodes.split(",")]
     results = []
 
-    def run(ids):
-        r = {"got": [], "times": [], "code": None, "details": "", "migrations": None, "enough": threading.Event()}
+    # with log-probabilities (2 alternatives): a moved stream's must be the same floats
+    body = lambda ids: request(ids, max_tokens) + sampling_bytes(sampling) + pb_bytes(11, pb_varint(1, 2))
+
+    def run(ids, results=results):
+        r = {"got": [], "lps": [], "times": [], "code": None, "details": "", "migrations": None,
+             "enough": threading.Event()}
         results.append(r)
         try:
-            for m in stub(request(ids, max_tokens) + sampling_bytes(sampling), timeout=60):
+            for m in stub(body(ids), timeout=60):
                 r["got"] += parse_ids(m)
+                r["lps"] += token_logprobs(m)
                 r["times"].append((time.monotonic(), len(r["got"])))
                 mig = usage_migrations(m)
                 if mig is not None:
@@ -980,6 +1008,10 @@ def cmd_migrate(target, max_tokens, refs_path, sampling, after, kill, nodes, exp
             r["code"], r["details"] = "CLIENT_ERROR", repr(e)
         r["enough"].set()
 
+    uninterrupted = []
+    if expect == "moved":  # the same requests first, untouched: the logprobs to compare with
+        for p in prompts:
+            run(p, uninterrupted)
     threads = [threading.Thread(target=run, args=(p,), daemon=True) for p in prompts]
     for t in threads:
         t.start()
@@ -996,7 +1028,7 @@ def cmd_migrate(target, max_tokens, refs_path, sampling, after, kill, nodes, exp
     rc = 0 if victims else fail("no decode node of %s ran a sequence" % nodes)
     for t in threads:
         t.join(60)
-    for r, ref in zip(results, refs):
+    for i, (r, ref) in enumerate(zip(results, refs)):
         before = [n for tm, n in r["times"] if tm <= t_kill]
         k = before[-1] if before else 0
         # the move's gap: the longest wait between two messages from the kill on (tokens
@@ -1015,6 +1047,13 @@ def cmd_migrate(target, max_tokens, refs_path, sampling, after, kill, nodes, exp
                 rc = fail("ids differ from tandem generate:\n  want %s\n  got  %s" % (ref, r["got"]))
             elif r["migrations"] != 1:
                 rc = fail("usage.migrations is %s, want 1" % r["migrations"])
+            elif uninterrupted[i]["got"] != ref or len(r["lps"]) != len(ref):
+                rc = fail("the uninterrupted run (%s) or the logprobs (%d for %d tokens) are off"
+                          % (uninterrupted[i]["code"], len(r["lps"]), len(ref)))
+            else:
+                diff = [j for j, (a, b) in enumerate(zip(r["lps"], uninterrupted[i]["lps"])) if a != b]
+                if diff:
+                    rc = fail("logprobs differ from an uninterrupted run's at tokens %s (moved at %d)" % (diff[:8], k))
             if not 0 < k < len(ref):
                 rc = fail("the kill came at token %d of %d: not mid-stream" % (k, len(ref)))
         else:
