@@ -62,9 +62,16 @@ and exits 0 when the behaviour is right, 1 (with 'FAIL: why' lines) when not:
                                          reference, usage.migrations 1 (the gap around the
                                          kill printed); 'fail': each ends UNAVAILABLE naming
                                          why, its tokens a prefix of the reference
+  migratehttp OPENAI_URL MAX_TOKENS REFS SAMPLING AFTER NODES
+                                         'migrate ... serving moved' through the OpenAI API: a
+                                         streamed completion of each prompt (ids) with
+                                         include_usage, run untouched first; once it has AFTER
+                                         tokens the serving decode node is SIGKILLed: the same
+                                         text and usage, plus usage.migrations 1
   ping HOST:PORT                          one short request must succeed
   run HOST:PORT MAX_TOKENS REFS          every prompt of REFS concurrently; all must equal refs
 """
+import json
 import os
 import random
 import signal
@@ -1064,6 +1071,70 @@ def cmd_migrate(target, max_tokens, refs_path, sampling, after, kill, nodes, exp
     return rc
 
 
+def sse_completion(url, ids, max_tokens, sampling, on_chunk=None):
+    """A streamed /completions of prompt ids (stream_options.include_usage, logprobs 1): (text
+    and token logprobs, usage, chunk times); on_chunk(n_chunks) after each chunk."""
+    body = {"prompt": ids, "max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True},
+            "temperature": 0, "logprobs": 1}
+    if sampling != "greedy":
+        t, seed, rep, freq = sampling.split(",")
+        body.update(temperature=float(t), seed=int(seed), repetition_penalty=float(rep), frequency_penalty=float(freq))
+    req = urllib.request.Request(url + "/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    text, lps, usage, times = "", [], None, []
+    try:
+        r = urllib.request.urlopen(req, timeout=60)
+    except urllib.error.HTTPError as e:
+        raise RuntimeError("HTTP %d: %s" % (e.code, e.read().decode(errors="replace")))
+    with r:
+        for line in r:
+            line = line.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            c = json.loads(line[6:])
+            if c.get("usage"):
+                usage = c["usage"]
+            if c.get("choices"):
+                text += c["choices"][0].get("text") or ""
+                lps += (c["choices"][0].get("logprobs") or {}).get("token_logprobs") or []
+                times.append(time.monotonic())
+                if on_chunk:
+                    on_chunk(len(times))
+    return (text, lps), usage, times
+
+
+def cmd_migratehttp(url, max_tokens, refs_path, sampling, after, nodes):
+    max_tokens, after = int(max_tokens), int(after)
+    prompts, refs = read_refs(refs_path)
+    named = [n.split("=", 2) for n in nodes.split(",")]
+    rc = 0
+    for ids, ref in zip(prompts, refs):
+        want_text, want_usage, _ = sse_completion(url, ids, max_tokens, sampling)
+        if want_usage is None or want_usage["completion_tokens"] != len(ref) or "migrations" in want_usage:
+            rc = fail("the untouched run's usage is %s for %d reference tokens" % (want_usage, len(ref)))
+        killed = []
+
+        def kill_at(n):  # chunks carry about one token each
+            if n == after and not killed:
+                for name, pid, murl in named:
+                    if fetch_metric(murl, "tandem_decode_running_sequences") >= 1:
+                        os.kill(int(pid), signal.SIGKILL)
+                        killed.append(name)
+                        print("killed %s" % name)
+
+        text, usage, times = sse_completion(url, ids, max_tokens, sampling, kill_at)
+        if not killed:
+            rc = fail("no decode node of %s ran the stream" % nodes)
+        print("openai stream: %d chunks, %d token logprobs, usage %s" % (len(times), len(text[1]), usage))
+        if len(text[1]) != len(ref):
+            rc = fail("%d token logprobs for %d tokens" % (len(text[1]), len(ref)))
+        if text != want_text:
+            rc = fail("text differs from the untouched run's:\n  want %r\n  got  %r" % (want_text, text))
+        if not usage or usage.get("migrations") != 1 or usage["completion_tokens"] != want_usage["completion_tokens"]:
+            rc = fail("usage %s, want %s with migrations 1" % (usage, want_usage))
+    return rc
+
+
 def cmd_ping(target):
     """One short request (8 tokens) must succeed."""
     err = normal_ok(generate_stub(channel(target)), "nothing")
@@ -1091,7 +1162,8 @@ def main():
             "rawdeadline": cmd_rawdeadline, "garbage": cmd_garbage, "nodekill": cmd_nodekill,
             "stopkill": cmd_stopkill, "stall": cmd_stall, "controlgarbage": cmd_controlgarbage, "stepsforeign": cmd_stepsforeign,
             "httpgarbage": cmd_httpgarbage, "slowreader": cmd_slowreader, "churn": cmd_churn, "ping": cmd_ping, "run": cmd_run,
-            "looplag": cmd_looplag, "bigprompt": cmd_bigprompt, "migrate": cmd_migrate}
+            "looplag": cmd_looplag, "bigprompt": cmd_bigprompt, "migrate": cmd_migrate,
+            "migratehttp": cmd_migratehttp}
     if len(sys.argv) < 2 or sys.argv[1] not in cmds:
         print(__doc__)
         return 2

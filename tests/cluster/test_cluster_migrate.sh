@@ -5,13 +5,18 @@
 # once it has 40 tokens, the decode node serving it is SIGKILLed; the stream must go on on
 # the other decode node and end OK with exactly the ids `tandem generate` gives (no error, no
 # duplicate, no missing token) and usage.migrations 1; the gap around the kill is printed.
-# A third decode node replaces the killed one between the two. Last, every decode node is
-# killed under a stream: it must end UNAVAILABLE saying why it cannot move. The router counts
+# A third decode node replaces the killed one between the two. The same through the OpenAI
+# API (a streamed seeded completion of prompt ids: the token logprobs and usage of an
+# untouched run, its text in Llama 2's vocabulary, and usage.migrations 1), a fourth decode node replacing the second killed. Last, every decode
+# node is killed under a stream: it must end UNAVAILABLE saying why it cannot move. The router counts
 # the moves in tandem_router_migrations_total. Skips without the model or python3-grpcio.
 source "$(dirname "$0")/cluster_lib.sh"
 cl_init
 MAXTOK=480 AFTER=40
-cl_cluster 2 --heartbeat-ms 100 --heartbeat-timeout-ms 1000 --max-migrations 2
+# the OpenAI API needs a tokenizer: Llama 2's (stories260K's own is not here) gives its ids text
+TOK="${TANDEM_TEST_MODELS:-$CL_SRC/../shared/models}/llama2-tokenizer/tokenizer.bin"
+cl_cluster 2 --heartbeat-ms 100 --heartbeat-timeout-ms 1000 --max-migrations 2 --http-port 0 --tokenizer "$TOK"
+OPENAI=$(sed -n 's/^openai: //p' "$CL_T/router.out")
 GREEDY="1 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25"
 SEEDED="1 40 41 42 43 44 45 46 47 48 49 50 51 52 53 54 55 56 57 58 59 60"
 echo "$GREEDY|$(cl_ref $MAXTOK "$GREEDY")" >"$CL_T/greedy"
@@ -51,6 +56,13 @@ m=$(cl_metric router tandem_router_migrations_total)
 gs=$(cl_metric router tandem_router_migration_seconds_sum)
 echo "router migrations: $m, node lost to next token sent: $gs s in all"
 [ "${m%.*}" = 2 ] || cl_fail "tandem_router_migrations_total is $m, want 2"
+echo "== the OpenAI front door: a streamed seeded completion, its decode node SIGKILLed"
+cl_node decode d3
+cl_wait_nodes 1 2
+"$CL_PY" "$CL_TOOL" migratehttp "$OPENAI" $MAXTOK "$CL_T/seeded" 0.9,4,1.2,0.3 $AFTER "$(live_decodes)" \
+    >"$CL_T/mig.log" 2>&1 || CL_FAIL=1
+cat "$CL_T/mig.log"
+for name in $(sed -n 's/^killed //p' "$CL_T/mig.log"); do CL_KILLED[$name]=1; done
 echo "== every decode node SIGKILLed under a stream"
 migrate greedy greedy all fail
 cl_end "streams whose decode node was killed mid-stream moved and ended equal to tandem generate (greedy and seeded); with no decode node left, UNAVAILABLE naming why"
