@@ -5,7 +5,9 @@
  * every block back at once; a pool too small for everyone preempts and recomputes without
  * changing a token or leaking a block; KV adopted from "elsewhere" continues correctly,
  * and with a seed continues the random stream the "prefill" sampler began; presence and
- * frequency penalties and log-probabilities equal one process's sampler; KV pushed
+ * frequency penalties and log-probabilities equal one process's sampler; a migrated
+ * stream (its earlier tokens replayed one row per step) continues with the one-process
+ * tokens and the same logprob floats; KV pushed
  * through td_xfer lands in the engine's own pool (the decode node's one-pool arrangement)
  * and every leased block returns on finish, cancel, expiry and sender failure.
  *
