@@ -57,8 +57,8 @@ and exits 0 when the behaviour is right, 1 (with 'FAIL: why' lines) when not:
                                          or 'T,SEED,REPETITION,FREQUENCY'); once every stream
                                          has AFTER tokens, SIGKILL the decode nodes of NODES
                                          (NAME=PID=METRICS_URL,...) that run a sequence (KILL
-                                         'serving') or all of them ('all'); prints 'killed
-                                         NAME'. EXPECT 'moved': each stream OK, equal to its
+                                         'serving'; 'stop': SIGSTOP them) or all of them
+                                         ('all'); prints 'killed NAME' ('stopped NAME'). EXPECT 'moved': each stream OK, equal to its
                                          reference, usage.migrations 1 (the gap around the
                                          kill printed); 'fail': each ends UNAVAILABLE naming
                                          why, its tokens a prefix of the reference
@@ -1029,9 +1029,9 @@ def cmd_migrate(target, max_tokens, refs_path, sampling, after, kill, nodes, exp
     victims = [(name, int(pid)) for name, pid, url in named
                if kill == "all" or fetch_metric(url, "tandem_decode_running_sequences") >= 1]
     t_kill = time.monotonic()
-    for name, pid in victims:
-        os.kill(pid, signal.SIGKILL)
-        print("killed %s" % name)
+    for name, pid in victims:  # 'stop': frozen, only the router's heartbeat bound can tell
+        os.kill(pid, signal.SIGSTOP if kill == "stop" else signal.SIGKILL)
+        print("%s %s" % ("stopped" if kill == "stop" else "killed", name))
     rc = 0 if victims else fail("no decode node of %s ran a sequence" % nodes)
     for t in threads:
         t.join(60)

@@ -1,15 +1,17 @@
 #!/bin/bash
 # test_cluster_migrate: mid-stream migration (docs/cluster.md "Migration"). A router
-# (heartbeat timeout 1000 ms, max-migrations 2), 1 prefill and 2 decode nodes. A long greedy
-# stream, then a long seeded one (temperature 0.9, seed, repetition and frequency penalties):
-# once it has 40 tokens, the decode node serving it is SIGKILLed; the stream must go on on
-# the other decode node and end OK with exactly the ids `tandem generate` gives (no error, no
-# duplicate, no missing token) and usage.migrations 1; the gap around the kill is printed.
-# A third decode node replaces the killed one between the two. The same through the OpenAI
-# API (a streamed seeded completion of prompt ids: the token logprobs and usage of an
-# untouched run, its text in Llama 2's vocabulary, and usage.migrations 1), a fourth decode node replacing the second killed. Last, every decode
-# node is killed under a stream: it must end UNAVAILABLE saying why it cannot move. The router counts
-# the moves in tandem_router_migrations_total. Skips without the model or python3-grpcio.
+# (heartbeat timeout 1000 ms, max-migrations 2, the OpenAI API on), 1 prefill and 2 decode
+# nodes. A long greedy stream, then a long seeded one (temperature 0.9, seed, repetition and
+# frequency penalties): once it has 40 tokens, the decode node serving it is SIGKILLed; the
+# stream must go on on another decode node and end OK with exactly the ids `tandem generate`
+# gives (no error, no duplicate, no missing token), the same logprob floats as an untouched
+# run of it, and usage.migrations 1; the gap around the kill is printed. A new decode node
+# replaces each killed one. The same through the OpenAI API (a streamed seeded completion of
+# prompt ids: the token logprobs and usage of an untouched run, and usage.migrations 1). Then
+# a greedy stream whose decode node is frozen (SIGSTOP: no connection reset, only the
+# heartbeat bound tells) moves too. Last, every decode node is killed under a stream: it must
+# end UNAVAILABLE saying why it cannot move. The router counts the moves in
+# tandem_router_migrations_total. Skips without the model or python3-grpcio.
 source "$(dirname "$0")/cluster_lib.sh"
 cl_init
 MAXTOK=480 AFTER=40
@@ -44,6 +46,7 @@ migrate() {
     cat "$CL_T/mig.log"
     local name
     for name in $(sed -n 's/^killed //p' "$CL_T/mig.log"); do CL_KILLED[$name]=1; done
+    for name in $(sed -n 's/^stopped //p' "$CL_T/mig.log"); do cl_kill "$name" KILL; done
 }
 
 echo "== greedy stream, its decode node SIGKILLed after $AFTER tokens"
@@ -63,6 +66,10 @@ cl_wait_nodes 1 2
     >"$CL_T/mig.log" 2>&1 || CL_FAIL=1
 cat "$CL_T/mig.log"
 for name in $(sed -n 's/^killed //p' "$CL_T/mig.log"); do CL_KILLED[$name]=1; done
+echo "== greedy stream, its decode node frozen (SIGSTOP) after $AFTER tokens: moved at the heartbeat bound"
+cl_node decode d4
+cl_wait_nodes 1 2
+migrate greedy greedy stop moved
 echo "== every decode node SIGKILLed under a stream"
 migrate greedy greedy all fail
 cl_end "streams whose decode node was killed mid-stream moved and ended equal to tandem generate (greedy and seeded); with no decode node left, UNAVAILABLE naming why"
