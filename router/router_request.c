@@ -288,8 +288,11 @@ static void req_migrate_or_fail(router_req_t *r, const char *why)
         router_req_finish(r, r->deferred_reason);
         return;
     }
-    if (r->completion >= (uint32_t)r->max_tokens) { /* the finish entry was lost with the node */
-        router_req_finish(r, ROUTER_FINISH_LENGTH);
+    router_model_facts_t mf;
+    router_admit_model_facts(s->reg, s->proc.cfg.model_name, (int64_t)td_now_ns(), &mf);
+    if (r->completion >= (uint32_t)r->max_tokens ||
+        (mf.max_seq_len && (int64_t)r->n_prompt + r->completion >= mf.max_seq_len)) {
+        router_req_finish(r, ROUTER_FINISH_LENGTH); /* it was done: the finish entry was lost with the node */
         return;
     }
     if (r->n_migrations >= s->cfg.max_migrations) {
