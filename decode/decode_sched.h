@@ -24,6 +24,12 @@
  * decode tokens up to max_batch_tokens (Sarathi-style chunked prefill), so a long prompt
  * never stalls the running sequences for more than one chunk's worth of a step.
  *
+ * A migrated stream (its first decode node was lost; the router moved it) is admitted with
+ * the tokens its client already has (decode_request_t.replay): they follow the prompt in
+ * the context and are fed one row per step, as they were fed when generated, so their KV
+ * and the next logits are the same floats; the sampler starts as after them. Its events
+ * then go on from output index n_replay.
+ *
  * Stop conditions, checked in this order on each new token: an EOS id of the model or a
  * stop id of the request (the token is not part of the output, as in `tandem generate`),
  * a stop string (with a tokenizer: the streaming detokenizer feeds td_stop, text before
