@@ -93,6 +93,8 @@ typedef struct decode_admit {
     int32_t n_stop_ids;
     td_logprobs_want_t logprobs; /* AdmitRequest.logprobs */
     bool ignore_eos;
+    int32_t *replay;             /* [n_replay] AdmitRequest.replay_ids (a migrated stream), or NULL */
+    int32_t n_replay;
 } decode_admit_t;
 
 /* Loop → compute (by value in the command ring). */
@@ -204,6 +206,7 @@ static void admit_free(decode_admit_t *a)
 {
     if (a) {
         free(a->prompt);
+        free(a->replay);
         free(a);
     }
 }
@@ -223,7 +226,7 @@ static void compute_admit(decode_state_t *s, decode_cmd_t *c, decode_out_t *fail
                           .sampling = a->sampling, .max_tokens = a->max_tokens,
                           .stop_ids = a->stop_ids, .n_stop_ids = a->n_stop_ids,
                           .logprobs = a->logprobs.on, .top_logprobs = a->logprobs.top,
-                          .ignore_eos = a->ignore_eos};
+                          .ignore_eos = a->ignore_eos, .replay = a->replay, .n_replay = a->n_replay};
     if (decode_sched_admit(s->sched, &r) != TD_OK) {
         td_warn("decode: lease %llu not admitted: %s", (unsigned long long)c->lease_id, td_last_error());
         for (int32_t i = 0; i < c->n_blocks; i++)
@@ -628,6 +631,9 @@ static void on_admit(td_grpc_call_t *call, const ProtobufCMessage *msg, void *da
         snprintf(why, sizeof why, "admit: max_tokens 0, at least 1");
     else if (r->n_stop_ids > DECODE_MAX_STOP_IDS)
         snprintf(why, sizeof why, "admit: %zu stop_ids, at most %d", r->n_stop_ids, DECODE_MAX_STOP_IDS);
+    else if (r->n_replay_ids >= r->max_tokens || r->n_replay_ids >= (size_t)mc->max_seq_len - r->n_prompt_ids)
+        snprintf(why, sizeof why, "admit: %zu replay_ids, fewer than max_tokens %u and the model's length %d - "
+                 "%zu prompt ids required", r->n_replay_ids, r->max_tokens, mc->max_seq_len, r->n_prompt_ids);
     if (why[0]) {
         td_grpc_call_finish(call, TD_GRPC_INVALID_ARGUMENT, why);
         return;
@@ -659,6 +665,22 @@ static void on_admit(td_grpc_call_t *call, const ProtobufCMessage *msg, void *da
         a->prompt[i] = (int32_t)r->prompt_ids[i];
     }
     a->n_prompt = (int32_t)r->n_prompt_ids;
+    if (r->n_replay_ids && !(a->replay = malloc(r->n_replay_ids * sizeof(int32_t)))) {
+        admit_free(a);
+        td_grpc_call_finish(call, TD_GRPC_RESOURCE_EXHAUSTED, "decode node: out of memory");
+        return;
+    }
+    for (size_t i = 0; i < r->n_replay_ids; i++) {
+        if (r->replay_ids[i] >= (uint32_t)mc->vocab_size) {
+            admit_free(a);
+            snprintf(why, sizeof why, "admit: replay_ids[%zu] = %u is outside the vocabulary of %d ids", i,
+                     r->replay_ids[i], mc->vocab_size);
+            td_grpc_call_finish(call, TD_GRPC_INVALID_ARGUMENT, why);
+            return;
+        }
+        a->replay[i] = (int32_t)r->replay_ids[i];
+    }
+    a->n_replay = (int32_t)r->n_replay_ids;
     a->sampling = td_node_sampling_from_proto(r->sampling);
     if (td_sampling_validate(&a->sampling, why, sizeof why) != TD_OK) {
         admit_free(a);

@@ -21,6 +21,8 @@ typedef struct dseq {
     int32_t n_ctx, cap_ctx;
     int32_t n_prompt;
     int32_t n_gen;          /* tokens of the output so far */
+    int32_t replay_end;     /* ctx[n_prompt..replay_end) replayed one row per step (a
+                               migrated stream's earlier output); n_prompt when none */
     int32_t max_new;        /* min(max_tokens, model length - n_prompt) */
     td_kv_seq_t kv;         /* KV of ctx[0..kv.n_tokens) */
     bool pending_first;     /* adopted: ctx[n_ctx - 1] came from the prefill node, unreported */
@@ -354,6 +356,16 @@ td_status_t decode_sched_admit(decode_sched_t *s, const decode_request_t *req)
             return td_errorf_quiet(TD_ERR_INVALID, "request %llu: prompt token %d is outside the "
                                    "vocabulary [0, %d)", (unsigned long long)req->id,
                                    req->prompt[i], mc->vocab_size);
+    if (req->n_replay < 0 || (req->n_replay && !req->replay) || req->n_replay >= req->max_tokens ||
+        req->n_replay >= mc->max_seq_len - req->n_prompt)
+        return td_errorf_quiet(TD_ERR_INVALID, "request %llu: %d tokens to replay, fewer than max_tokens %d and "
+                               "the model's length %d - prompt %d required", (unsigned long long)req->id,
+                               req->n_replay, req->max_tokens, mc->max_seq_len, req->n_prompt);
+    for (int32_t i = 0; i < req->n_replay; i++)
+        if (req->replay[i] < 0 || req->replay[i] >= mc->vocab_size)
+            return td_errorf_quiet(TD_ERR_INVALID, "request %llu: replayed token %d is outside the "
+                                   "vocabulary [0, %d)", (unsigned long long)req->id, req->replay[i],
+                                   mc->vocab_size);
     if (req->kv_blocks && (req->first_token < 0 || req->first_token >= mc->vocab_size))
         return td_errorf_quiet(TD_ERR_INVALID, "request %llu: first token %d outside the vocabulary",
                                (unsigned long long)req->id, req->first_token);
@@ -398,16 +410,34 @@ td_status_t decode_sched_admit(decode_sched_t *s, const decode_request_t *req)
         td_detok_init(&q->detok, s->tok);
     for (int32_t i = 0; i < req->n_prompt; i++)
         td_sampler_accept_prompt(q->sampler, req->prompt[i]);
+    /* a migrated stream's earlier output: generated tokens to the sampler (whose draws
+       were made elsewhere), context to feed, output already reported */
+    for (int32_t i = 0; i < req->n_replay; i++) {
+        if ((st = td_sampler_accept(q->sampler, req->replay[i])) != TD_OK)
+            goto err_seq;
+        const char *text; /* the detokenizer's state too (a character split across tokens) */
+        size_t len;
+        if (s->tok && (st = td_detok_push(&q->detok, req->replay[i], &text, &len)) != TD_OK)
+            goto err_seq;
+    }
+    td_sampler_skip(q->sampler, req->n_replay);
+    if (req->n_replay)
+        memcpy(q->ctx + q->n_ctx, req->replay, (size_t)req->n_replay * sizeof *q->ctx);
+    q->n_ctx += req->n_replay;
+    q->n_gen = req->n_replay;
+    q->replay_end = q->n_ctx;
     if (req->kv_blocks) {
         st = td_kv_seq_adopt(s->kv, &q->kv, req->kv_blocks, req->n_kv_blocks, req->prompt,
                              req->n_prompt);
         if (st != TD_OK)
             goto err_seq;
-        /* the first token is context (fed next) and output (reported by the next step);
-           the prefill node drew it from this seed's stream: continue after that draw */
-        td_sampler_skip(q->sampler, 1);
-        q->ctx[q->n_ctx++] = req->first_token;
-        q->pending_first = true;
+        if (!req->n_replay) {
+            /* the first token is context (fed next) and output (reported by the next step);
+               the prefill node drew it from this seed's stream: continue after that draw */
+            td_sampler_skip(q->sampler, 1);
+            q->ctx[q->n_ctx++] = req->first_token;
+            q->pending_first = true;
+        }
     }
     q->arrival = s->next_arrival++;
     waiting_insert(s, q);
@@ -494,11 +524,14 @@ static int32_t build_batch(decode_sched_t *s, int32_t *n_tokens_p, int32_t *n_pr
     for (int pass = 0; pass < 2; pass++)
         for (int32_t i = 0; i < s->n_running && budget > 0; i++) {
             dseq_t *q = s->running[i];
-            int32_t rest = q->n_ctx - q->kv.n_tokens;
+            int32_t rest = q->n_ctx - q->kv.n_tokens, rows = rest;
             TD_ASSERT(rest >= 1);
-            if ((rest == 1) != (pass == 0))
+            /* a replay: the prompt in chunks that end where it ends, then one row per step */
+            if (q->kv.n_tokens < q->replay_end && q->replay_end > q->n_prompt)
+                rows = q->kv.n_tokens < q->n_prompt ? q->n_prompt - q->kv.n_tokens : 1;
+            if ((rows == 1) != (pass == 0))
                 continue;
-            int32_t n = TD_MIN(TD_MIN(rest, s->cfg.prefill_chunk), budget);
+            int32_t n = TD_MIN(TD_MIN(rows, s->cfg.prefill_chunk), budget);
             s->items[k] = (td_engine_item_t){.seq = &q->kv, .tokens = q->ctx + q->kv.n_tokens,
                                              .n_tokens = n, .n_logits = n == rest};
             s->owners[k++] = q;

@@ -70,6 +70,7 @@ static void gw_finish(router_req_t *r, const router_summary_t *sum)
     u.prompt_tokens = sum->prompt_tokens;
     u.completion_tokens = sum->completion_tokens;
     u.cached_tokens = sum->cached_tokens;
+    u.migrations = sum->migrations;
     m.usage = &u;
     t.queue_s = sum->queue_s;
     t.prefill_s = sum->prefill_s;

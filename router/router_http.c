@@ -259,7 +259,7 @@ static void http_finish(router_req_t *r, const router_summary_t *sum)
     http_client_t *hc = r->client;
     hc->r = NULL;
     router_oai_usage_t u = {.prompt_tokens = sum->prompt_tokens, .completion_tokens = sum->completion_tokens,
-                            .cached_tokens = sum->cached_tokens};
+                            .cached_tokens = sum->cached_tokens, .migrations = sum->migrations};
     if (hc->logprobs && lps_append(hc, r) != TD_OK)
         hc->logprobs = false; /* out of memory: the answer goes without them */
     if (!hc->stream) {

@@ -59,6 +59,7 @@ typedef struct router_config {
     int64_t http_max_connections;
     int64_t http_idle_timeout_ms;
     int64_t http_request_timeout_ms;
+    int64_t max_migrations;    /* moves of a stream whose pair was lost after it sent tokens */
 } router_config_t;
 
 typedef struct router_peer {
@@ -119,6 +120,7 @@ typedef enum { ROUTER_FINISH_LENGTH, ROUTER_FINISH_STOP, ROUTER_FINISH_EOS } rou
 typedef struct router_summary {
     router_finish_t reason;
     uint32_t prompt_tokens, completion_tokens, cached_tokens;
+    uint32_t migrations;       /* times the stream moved to another pair (router_req_t's) */
     double queue_s, prefill_s, transfer_s, first_token_s, per_token_s, total_s;
 } router_summary_t;
 
@@ -210,8 +212,16 @@ struct router_req {
     uint32_t *blocks;          /* the lease's block ids, from Admit */
     size_t n_blocks;
     td_grpc_client_call_t *pending;
-    uint32_t completion;       /* tokens sent: once one is, the request is the client's and
-                                * is not retried on another pair */
+    uint32_t completion;       /* tokens sent: once one is, the request is the client's: a
+                                * lost pair moves it (a migration), it is not retried afresh */
+    uint32_t *gen;             /* [completion] every token sent (or pending), for a migration */
+    uint32_t cap_gen;
+    uint32_t resumed;          /* tokens the client had when this pair was picked (0: the first
+                                * pair, or retries before any token): the decode node replays
+                                * them (AdmitRequest.replay_ids), its first entry is token
+                                * `resumed`, the Prefill stream's first token is not relayed */
+    int32_t n_migrations;      /* moves so far (at most max-migrations) */
+    uint64_t t_lost;           /* when the last pair was lost, until the next token is sent */
     uint32_t cached;
     uint64_t t_arrival, t_picked, t_prefill, t_first, t_last;
     double transfer_s, prefill_s;
@@ -245,6 +255,7 @@ struct router_state {
     td_metric_t *m_ttft, *m_tpot, *m_active, *m_tokens, *m_retries, *m_nodes_prefill, *m_nodes_decode,
         *m_nodes_unified;
     td_metric_t *m_queue_depth, *m_queue_s, *m_first_mismatch;
+    td_metric_t *m_migrations, *m_migration_s; /* streams moved; loss to the next token sent */
     /* what `tandem plan --metrics` reads: arrivals, prompt and output lengths, and each
      * node's load as its last heartbeat reported it (labels node, role) */
     td_metric_t *m_arrived, *m_prompt_tokens, *m_output_tokens;
@@ -286,6 +297,7 @@ void router_lease_release(router_req_t *r, Tandem__Control__V1__ReleaseRequest__
 /* router_relay.c: tokens from the nodes to the gateway stream */
 /* now: td_now_ns() when the output became ready (the TTFT/TPOT it is accounted at) */
 void router_out_flush(router_req_t *r, uint64_t now);
+void router_req_finish(router_req_t *r, router_finish_t reason);
 void router_first_from_prefill(router_req_t *r, const Tandem__Control__V1__PrefillResponse *p);
 bool router_backlog_over(const router_req_t *r);
 void router_req_fail_slow(router_req_t *r);

@@ -156,7 +156,15 @@ static td_status_t init_metrics(router_state_t *s)
                                 td_metrics_latency_buckets, td_metrics_latency_n_buckets, &s->m_tpot),
         TD_METRIC_DEF_GAUGE("tandem_router_active_requests", "requests in flight", &s->m_active),
         TD_METRIC_DEF_COUNTER("tandem_router_relayed_tokens_total", "tokens relayed to gateways", &s->m_tokens),
-        TD_METRIC_DEF_COUNTER("tandem_router_retries_total", "requests retried on another pair", &s->m_retries),
+        TD_METRIC_DEF_COUNTER("tandem_router_retries_total",
+                              "requests retried on another pair before a token was sent (a node lost mid-prompt, "
+                              "an Admit or Prefill failed)", &s->m_retries),
+        TD_METRIC_DEF_COUNTER("tandem_router_migrations_total",
+                              "streams moved to another pair after their decode node was lost mid-stream",
+                              &s->m_migrations),
+        TD_METRIC_DEF_HISTOGRAM("tandem_router_migration_seconds",
+                                "a stream's pair lost until its next token was sent on the new pair",
+                                td_metrics_latency_buckets, td_metrics_latency_n_buckets, &s->m_migration_s),
         TD_METRIC_DEF_GAUGE("tandem_router_prefill_nodes_up", "prefill nodes registered and live", &s->m_nodes_prefill),
         TD_METRIC_DEF_GAUGE("tandem_router_decode_nodes_up", "decode nodes registered, live and streaming",
                             &s->m_nodes_decode),
@@ -190,7 +198,7 @@ int router_main(int argc, char **argv)
                              .lease_ms = 10000, .max_prefill_wait_ms = 5000, .max_tokenizing = 64, .rpc_timeout_ms = 5000, .heartbeat_ms = 200,
                              .heartbeat_timeout_ms = 1500, .max_nodes = 256, .http_port = -1,
                              .http_max_body_bytes = 8 << 20, .http_max_connections = 4096,
-                             .http_idle_timeout_ms = 30000, .http_request_timeout_ms = 0};
+                             .http_idle_timeout_ms = 30000, .http_request_timeout_ms = 0, .max_migrations = 2};
     const td_opt_t keys[] = {
         TD_OPT_STRING("tokenizer", &cfg->tokenizer, "tokenizer path (none: prompts as ids only, no text)"),
         TD_OPT_INT("control-port", &cfg->control_port, 0, 65535, "control gRPC port (0 = any)"),
@@ -214,6 +222,9 @@ int router_main(int argc, char **argv)
         TD_OPT_INT("heartbeat-ms", &cfg->heartbeat_ms, 10, 60000, "heartbeat interval asked of nodes"),
         TD_OPT_INT("heartbeat-timeout-ms", &cfg->heartbeat_timeout_ms, 20, 600000, "silence before a node is dropped"),
         TD_OPT_INT("max-nodes", &cfg->max_nodes, 1, 65536, "registered nodes at most"),
+        TD_OPT_INT("max-migrations", &cfg->max_migrations, 0, 64,
+                   "moves of a stream whose decode node is lost mid-stream (re-prefill and replay on a live "
+                   "pair); beyond → UNAVAILABLE (0 = never move)"),
         TD_OPT_INT("http-port", &cfg->http_port, -1, 65535,
                    "OpenAI-compatible HTTP API, with /metrics too (-1 = off, 0 = any); docs/openai.md"),
         TD_OPT_INT("http-max-body-bytes", &cfg->http_max_body_bytes, 1024, 1 << 30,

@@ -643,9 +643,12 @@ static void usage(router_oai_buf_t *b, const router_oai_usage_t *u)
 {
     router_oai_buf_printf(b,
                           "\"usage\":{\"prompt_tokens\":%u,\"completion_tokens\":%u,\"total_tokens\":%u,"
-                          "\"prompt_tokens_details\":{\"cached_tokens\":%u}}",
+                          "\"prompt_tokens_details\":{\"cached_tokens\":%u}",
                           u->prompt_tokens, u->completion_tokens, u->prompt_tokens + u->completion_tokens,
                           u->cached_tokens);
+    if (u->migrations) /* only then: the object stays OpenAI's own otherwise */
+        router_oai_buf_printf(b, ",\"migrations\":%u", u->migrations);
+    router_oai_buf_puts(b, "}");
 }
 
 static void num(router_oai_buf_t *b, float v)

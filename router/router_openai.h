@@ -107,6 +107,7 @@ typedef struct router_oai_resp {
 /* The usage object's numbers. */
 typedef struct router_oai_usage {
     uint32_t prompt_tokens, completion_tokens, cached_tokens;
+    uint32_t migrations;      /* > 0: "migrations", tandem's own field (the stream moved) */
 } router_oai_usage_t;
 
 /* A token's text for log-probabilities: its bytes into buf[0..cap), the length returned

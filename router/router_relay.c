@@ -71,6 +71,10 @@ static void out_account(router_req_t *r, uint64_t now)
 {
     router_state_t *s = r->s;
     uint32_t n = r->out.n;
+    if (n && r->t_lost) { /* the first token since its pair was lost: the migration's gap */
+        td_metric_observe(s->m_migration_s, (double)(now - r->t_lost) * 1e-9);
+        r->t_lost = 0;
+    }
     if (n && !r->t_first) {
         r->t_first = now;
         td_metric_observe(s->m_ttft, (double)(now - r->t_arrival) * 1e-9);
@@ -117,8 +121,8 @@ void router_out_flush(router_req_t *r, uint64_t now)
 }
 
 /* The last message (pending output, finish reason, usage, timings), queued past the send
- * bound (the backlog is bounded by max-backlog-tokens), and the stream ends OK. */
-static void req_finish(router_req_t *r, router_finish_t reason)
+ * bound (the backlog is bounded by max-backlog-tokens), and the stream ends OK. Ends r. */
+void router_req_finish(router_req_t *r, router_finish_t reason)
 {
     router_state_t *s = r->s;
     router_peer_t *dp = &s->peers[r->pick.pair.decode];
@@ -149,7 +153,8 @@ static void req_finish(router_req_t *r, router_finish_t reason)
     uint64_t now = td_now_ns();
     bool had_first = r->t_first != 0;
     router_summary_t sum = {.reason = reason, .prompt_tokens = (uint32_t)r->n_prompt,
-                            .completion_tokens = r->completion, .cached_tokens = r->cached};
+                            .completion_tokens = r->completion, .cached_tokens = r->cached,
+                            .migrations = (uint32_t)r->n_migrations};
     out_account(r, now);
     sum.queue_s = (double)(r->t_picked - r->t_arrival) * 1e-9;
     sum.prefill_s = r->prefill_s;
@@ -206,6 +211,22 @@ void router_req_fail_slow(router_req_t *r)
     router_req_fail(r, TD_GRPC_RESOURCE_EXHAUSTED, msg, "slow_client");
 }
 
+/* Keeps token as output index r->completion in r->gen (what a migration replays): grows by
+ * doubling, so a request allocates O(log n) times. False: out of memory. */
+static bool gen_push(router_req_t *r, uint32_t token)
+{
+    if (r->completion == r->cap_gen) {
+        uint32_t cap = r->cap_gen ? r->cap_gen * 2 : 16;
+        uint32_t *g = realloc(r->gen, cap * sizeof *g);
+        if (!g)
+            return false;
+        r->gen = g;
+        r->cap_gen = cap;
+    }
+    r->gen[r->completion] = token;
+    return true;
+}
+
 /* One new token of a request, appended to its pending output (the caller flushes), with
  * its log-probability when the request asked (lp; NULL: not known yet, a placeholder that
  * router_first_from_prefill fills). Returns false when the request ended here (stop
@@ -232,7 +253,7 @@ static bool out_token(router_req_t *r, uint32_t token, const td_token_logprob_t 
             matched = sr.matched;
         }
     }
-    if (!out_reserve(&r->out, len, r->logprobs.on)) {
+    if (!out_reserve(&r->out, len, r->logprobs.on) || !gen_push(r, token)) {
         router_req_fail(r, TD_GRPC_RESOURCE_EXHAUSTED, "router: out of memory", "exhausted");
         return false;
     }
@@ -243,7 +264,7 @@ static bool out_token(router_req_t *r, uint32_t token, const td_token_logprob_t 
     out_append_text(&r->out, text, len);
     if (matched) {
         router_lease_release(r, TANDEM__CONTROL__V1__RELEASE_REQUEST__REASON__REASON_CANCELLED);
-        req_finish(r, ROUTER_FINISH_STOP);
+        router_req_finish(r, ROUTER_FINISH_STOP);
         return false;
     }
     if (router_backlog_over(r)) {
@@ -318,7 +339,7 @@ void router_first_from_prefill(router_req_t *r, const Tandem__Control__V1__Prefi
             if (have_lp && token == r->first_token && r->out.lps)
                 r->out.lps[0] = lp; /* token 0 is still the held output's first */
             if (r->finish_deferred)
-                req_finish(r, r->deferred_reason);
+                router_req_finish(r, r->deferred_reason);
             else
                 router_out_flush(r, td_now_ns());
         }
@@ -357,7 +378,7 @@ static void finish_entry(router_req_t *r, router_finish_t reason)
         r->deferred_reason = reason;
         return;
     }
-    req_finish(r, reason);
+    router_req_finish(r, reason);
 }
 
 void router_on_steps_msg(td_grpc_client_call_t *c, const ProtobufCMessage *msg, void *data)
@@ -374,7 +395,8 @@ void router_on_steps_msg(td_grpc_client_call_t *c, const ProtobufCMessage *msg, 
             continue;
         switch (q->event) {
         case TANDEM__CONTROL__V1__SEQ_EVENT__SEQ_EVENT_TOKEN: {
-            if (r->decode_tokens++ == 0 && !first_from_decode(r, q->token, q->logprob != NULL))
+            /* a moved stream's entries are all new tokens (token 0 is the client's already) */
+            if (r->decode_tokens++ == 0 && !r->resumed && !first_from_decode(r, q->token, q->logprob != NULL))
                 break; /* token 0 already sent from the Prefill stream */
             td_token_logprob_t lp;
             if (q->logprob)

@@ -20,6 +20,7 @@
  *           │                  PREFILL ──Prefill OK──▶ RUNNING
  *           │                     │                       │
  *           │   failed before a token reached the client, a pair left to try;
+ *           │   failed after (a migration: max-migrations left, the client's tokens replayed);
  *           │   or the decode node refused the Admit (full): off the node
  *           │                     ▼                       │
  *           └─placed next turn── RETRY ◀──────────────────┘
@@ -272,8 +273,60 @@ void router_req_end(router_req_t *r)
     req_move(r, REQ_ENDED);
 }
 
-/* Failure before a token reached the client: another pair once (RETRY), else UNAVAILABLE.
- * Ends r or moves it off its node. */
+/*
+ * r's pair failed after tokens reached its client: the stream moves to another pair (RETRY,
+ * placed by the pump like a retry) that re-prefills the prompt and replays the tokens the
+ * client has (r->resumed; AdmitRequest.replay_ids), so it continues with exactly the tokens
+ * the lost pair would have sent; at most max-migrations times, then UNAVAILABLE naming why.
+ * Ends r or moves it off its node.
+ */
+static void req_migrate_or_fail(router_req_t *r, const char *why)
+{
+    router_state_t *s = r->s;
+    char msg[384];
+    if (r->finish_deferred) { /* the decode node had finished it: only token 0's logprob was due */
+        router_req_finish(r, r->deferred_reason);
+        return;
+    }
+    router_model_facts_t mf;
+    router_admit_model_facts(s->reg, s->proc.cfg.model_name, (int64_t)td_now_ns(), &mf);
+    if (r->completion >= (uint32_t)r->max_tokens ||
+        (mf.max_seq_len && (int64_t)r->n_prompt + r->completion >= mf.max_seq_len)) {
+        router_req_finish(r, ROUTER_FINISH_LENGTH); /* it was done: the finish entry was lost with the node */
+        return;
+    }
+    if (r->n_migrations >= s->cfg.max_migrations) {
+        if (s->cfg.max_migrations)
+            snprintf(msg, sizeof msg, "request %s failed after %u tokens: %s; it moved to another pair %d times "
+                     "already (max-migrations %lld)", r->id, r->completion, why, r->n_migrations,
+                     (long long)s->cfg.max_migrations);
+        else
+            snprintf(msg, sizeof msg, "request %s failed after %u tokens: %s; streams are not moved "
+                     "(max-migrations 0)", r->id, r->completion, why);
+        router_req_fail(r, TD_GRPC_UNAVAILABLE, msg, "unavailable");
+        return;
+    }
+    r->n_migrations++;
+    td_metric_inc(s->m_migrations);
+    td_info("request %s: moving to another pair after %u tokens (%s), move %d of at most %lld", r->id,
+            r->completion, why, r->n_migrations, (long long)s->cfg.max_migrations);
+    snprintf(r->retry_why, sizeof r->retry_why, "%s", why);
+    if (r->first_lp_wait) { /* token 0 came from the lost decode node; its logprob was due from the Prefill */
+        td_warn("request %s: token 0's log-probability was lost with its pair; it goes out with logprob 0", r->id);
+        r->first_lp_wait = false;
+    }
+    r->resumed = r->completion;
+    if (!r->t_lost)
+        r->t_lost = td_now_ns();
+    r->decode_tokens = 0;
+    r->tried[0] = r->pick.pair; /* not that pair again; a lost node is down anyway */
+    r->n_tried = 1;
+    req_move(r, REQ_RETRY);
+    router_out_flush(r, td_now_ns()); /* output held for token 0's logprob, if any */
+}
+
+/* A pair failed: before a token reached the client, another pair once (RETRY), else
+ * UNAVAILABLE; after, a migration (req_migrate_or_fail). Ends r or moves it off its node. */
 void router_req_retry_or_fail(router_req_t *r, td_grpc_code_t code, const char *why)
 {
     router_lease_release(r, TANDEM__CONTROL__V1__RELEASE_REQUEST__REASON__REASON_FAILED);
@@ -281,7 +334,11 @@ void router_req_retry_or_fail(router_req_t *r, td_grpc_code_t code, const char *
         router_req_fail(r, TD_GRPC_DEADLINE_EXCEEDED, "deadline exceeded", "deadline");
         return;
     }
-    if (!r->completion && r->n_tried < 2) {
+    if (r->completion) {
+        req_migrate_or_fail(r, why);
+        return;
+    }
+    if (r->n_tried < 2) {
         td_info("request %s: retrying on another pair (%s)", r->id, why);
         snprintf(r->retry_why, sizeof r->retry_why, "%s", why);
         td_metric_inc(r->s->m_retries);
@@ -324,6 +381,17 @@ static void on_prefill_msg(td_grpc_client_call_t *c, const ProtobufCMessage *msg
     if (r->pending != c)
         return;
     const Tandem__Control__V1__PrefillResponse *p = (const void *)msg;
+    if (r->resumed) {
+        /* a moved stream: the prompt's token 0 again, which the client has (a unified node
+         * answers with its first entry instead: token `resumed`, relayed from Steps) */
+        if (p->phase != TANDEM__CONTROL__V1__PREFILL_PHASE__PREFILL_PHASE_KV_DELIVERED &&
+            r->pick.pair.prefill != r->pick.pair.decode && p->first_token != r->gen[0]) {
+            td_warn("request %s: moved, the new prefill node's first token is %u, the client got %u", r->id,
+                    p->first_token, r->gen[0]);
+            td_metric_inc(r->s->m_first_mismatch);
+        }
+        return;
+    }
     switch (p->phase) {
     case TANDEM__CONTROL__V1__PREFILL_PHASE__PREFILL_PHASE_KV_DELIVERED: r->transfer_s = p->transfer_s; return;
     case TANDEM__CONTROL__V1__PREFILL_PHASE__PREFILL_PHASE_FIRST_TOKEN:
@@ -376,7 +444,8 @@ static void on_admit_msg(td_grpc_client_call_t *c, const ProtobufCMessage *msg, 
         r->n_blocks = a->n_block_ids;
     }
     router_lease_set(r, a->lease_id);
-    r->cached = a->cached_tokens;
+    if (!r->resumed) /* a moved stream keeps its first pair's figure */
+        r->cached = a->cached_tokens;
 }
 
 static void on_admit_done(td_grpc_client_call_t *c, td_grpc_code_t code, const char *msg, void *data)
@@ -387,7 +456,7 @@ static void on_admit_done(td_grpc_client_call_t *c, td_grpc_code_t code, const c
     r->pending = NULL;
     router_state_t *s = r->s;
     int32_t d = r->pick.pair.decode;
-    if (code == TD_GRPC_RESOURCE_EXHAUSTED && !r->have_lease && !r->completion && !past_deadline(r)) {
+    if (code == TD_GRPC_RESOURCE_EXHAUSTED && !r->have_lease && !past_deadline(r)) {
         /* fuller than its last report: believe it full until it reports again, and wait in
          * the queue at the request's old place (the pair is not used up as a retry) */
         router_node_t *n = router_registry_node(s->reg, d);
@@ -432,6 +501,8 @@ static void send_admit(router_req_t *r)
     Tandem__V1__LogprobsRequest lq;
     td_node_logprobs_to_proto(&r->logprobs, &lq);
     q.logprobs = r->logprobs.on ? &lq : NULL;
+    q.replay_ids = r->gen; /* a moved stream: what its client has */
+    q.n_replay_ids = r->resumed;
     td_grpc_call_opts_t o = {.response_desc = &tandem__control__v1__admit_response__descriptor,
                              .on_message = on_admit_msg, .on_done = on_admit_done, .data = r,
                              .timeout_ms = call_timeout_ms(r, s->cfg.rpc_timeout_ms)};
@@ -467,7 +538,7 @@ static void send_prefill(router_req_t *r)
     q.decode_xfer.len = dp->xfer_desc_len;
     Tandem__V1__LogprobsRequest lq;
     td_node_logprobs_to_proto(&r->logprobs, &lq);
-    q.logprobs = r->logprobs.on ? &lq : NULL;
+    q.logprobs = r->logprobs.on && !r->resumed ? &lq : NULL; /* moved: the client has token 0's */
     td_grpc_call_opts_t o = {.response_desc = &tandem__control__v1__prefill_response__descriptor,
                              .on_message = on_prefill_msg, .on_done = on_prefill_done, .data = r,
                              .timeout_ms = call_timeout_ms(r, r->lease_ttl_ms)};
@@ -542,7 +613,10 @@ static router_start_t req_start(router_req_t *r)
             router_req_fail(r, TD_GRPC_INVALID_ARGUMENT, td_last_error(), "invalid");
         } else {
             char why[384]; /* the policy's reason, copied before the release can log another */
-            if (r->retry_why[0])
+            if (r->retry_why[0] && r->completion)
+                snprintf(why, sizeof why, "request %s failed on its pair after %u tokens (%s) and cannot move: %s",
+                         r->id, r->completion, r->retry_why, td_last_error());
+            else if (r->retry_why[0])
                 snprintf(why, sizeof why, "request %s failed on its pair (%s) and %s", r->id, r->retry_why,
                          td_last_error());
             else
@@ -827,6 +901,7 @@ static void req_move(router_req_t *r, router_req_state_t to)
         free(r->out.text);
         free(r->out.lps);
         free(r->out.prompt_lps);
+        free(r->gen);
         free(r);
         return;
     default: return;

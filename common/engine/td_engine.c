@@ -551,8 +551,10 @@ td_status_t td_engine_seq_start(td_engine_t *eng, td_kv_seq_t *seq, const int32_
                                 int32_t n, int32_t *n_cached_p)
 {
     int32_t cached = 0;
-    if (eng->cfg.prefix_cache && n > 1) {
-        td_status_t st = td_kv_seq_match_prefix(eng->kv, seq, tokens, n, n - 1, &cached);
+    /* never leave one row to compute (the header says why): a prompt of 17 tokens with its
+       first block cached is computed whole, one of 33 from token 16 on */
+    if (eng->cfg.prefix_cache && n > 2) {
+        td_status_t st = td_kv_seq_match_prefix(eng->kv, seq, tokens, n, n - 2, &cached);
         if (st != TD_OK)
             return st;
     }

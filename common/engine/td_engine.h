@@ -97,8 +97,10 @@ td_status_t td_engine_step(td_engine_t *eng, const td_engine_item_t *items, int3
 
 /*
  * Prepares a new (empty) sequence for a prompt: attaches the cached prefix blocks that
- * match tokens[0..n) (at most n - 1 tokens so at least one is computed). Returns the
- * number of prompt tokens now cached in *n_cached_p.
+ * match tokens[0..n) (at most n - 2 tokens, so that at least two are computed: a piece of
+ * one row would run the decode kernel, whose floats differ in the last bits from the same
+ * row computed in a longer piece, and the prompt's KV would then depend on what was
+ * cached). Returns the number of prompt tokens now cached in *n_cached_p.
  */
 td_status_t td_engine_seq_start(td_engine_t *eng, td_kv_seq_t *seq, const int32_t *tokens,
                                 int32_t n, int32_t *n_cached_p);

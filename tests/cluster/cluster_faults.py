@@ -52,6 +52,22 @@ and exits 0 when the behaviour is right, 1 (with 'FAIL: why' lines) when not:
   churn HOST:PORT REFS MAX_TOKENS SECS THREADS STOPFILE
                                          streams back to back while nodes die and come back:
                                          each OK and exact, or UNAVAILABLE; half at least OK
+  migrate HOST:PORT MAX_TOKENS REFS SAMPLING AFTER KILL NODES EXPECT
+                                         streams of the prompts in REFS with SAMPLING ('greedy'
+                                         or 'T,SEED,REPETITION,FREQUENCY'); once every stream
+                                         has AFTER tokens, SIGKILL the decode nodes of NODES
+                                         (NAME=PID=METRICS_URL,...) that run a sequence (KILL
+                                         'serving'; 'stop': SIGSTOP them) or all of them
+                                         ('all'); prints 'killed NAME' ('stopped NAME'). EXPECT 'moved': each stream OK, equal to its
+                                         reference, usage.migrations 1 (the gap around the
+                                         kill printed); 'fail': each ends UNAVAILABLE naming
+                                         why, its tokens a prefix of the reference
+  migratehttp OPENAI_URL MAX_TOKENS REFS SAMPLING AFTER NODES
+                                         'migrate ... serving moved' through the OpenAI API: a
+                                         streamed completion of each prompt (ids) with
+                                         include_usage, run untouched first; once it has AFTER
+                                         tokens the serving decode node is SIGKILLed: the same
+                                         text and usage, plus usage.migrations 1
   ping HOST:PORT                          one short request must succeed
   run HOST:PORT MAX_TOKENS REFS          every prompt of REFS concurrently; all must equal refs
   health NODE_CTL SERVICE WANT           grpc.health.v1 Check of SERVICE ("" = readiness) on a
@@ -68,6 +84,7 @@ and exits 0 when the behaviour is right, 1 (with 'FAIL: why' lines) when not:
                                          NODE_URL; every first stream must end OK equal to its
                                          reference (with TIMEOUT_MS: or UNAVAILABLE, a prefix)
 """
+import json
 import os
 import random
 import shlex
@@ -82,7 +99,7 @@ import urllib.request
 import grpc
 
 from cluster_wire import (GENERATE, channel, fields, generate_stub, parse_ids, pb_bytes, pb_f32, pb_packed, pb_varint,
-                          request)
+                          read_varint, request)
 
 
 def fetch_metric(url, name, label=""):
@@ -543,6 +560,8 @@ def cmd_nodekill(target, pid, sig, bound_ms, refs_path, max_tokens):
                 rc = fail("stream %s: UNAVAILABLE %.0f ms after the kill, past the %.0f ms bound" % (s.ids[:4], ms, bound_ms))
             if s.got != ref[:len(s.got)]:
                 rc = fail("stream %s: tokens before the failure differ from tandem generate" % s.ids[:4])
+            if n_unavail == 1:
+                print("  %s" % s.details)
         else:
             rc = fail("stream %s: ended %s %s (want OK or UNAVAILABLE)" % (s.ids[:4], s.code, s.details))
     print("%d streams OK, %d UNAVAILABLE" % (n_ok, n_unavail))
@@ -939,6 +958,197 @@ def cmd_churn(target, refs_path, max_tokens, seconds, concurrency, stop_file):
     return rc
 
 
+def sampling_bytes(spec):
+    """SamplingParams (GenerateRequest field 4) from 'T,SEED,REPETITION,FREQUENCY'; b'' for greedy."""
+    if spec == "greedy":
+        return b""
+    t, seed, rep, freq = spec.split(",")
+    body = pb_f32(1, float(t)) + pb_f32(5, float(rep)) + pb_varint(6, int(seed)) + pb_f32(8, float(freq))
+    return pb_bytes(4, body)
+
+
+def raw_fields(msg):
+    """(field number, wire type, value) of each field: an int for a varint, bytes otherwise."""
+    i = 0
+    while i < len(msg):
+        key, i = read_varint(msg, i)
+        field, wt = key >> 3, key & 7
+        if wt == 0:
+            v, i = read_varint(msg, i)
+        elif wt == 2:
+            ln, i = read_varint(msg, i)
+            v, i = msg[i:i + ln], i + ln
+        else:
+            n = 8 if wt == 1 else 4
+            v, i = msg[i:i + n], i + n
+        yield field, wt, v
+
+
+def token_logprobs(msg):
+    """GenerateResponse.logprobs (field 7): per token its TokenLogprob's bytes (token id,
+    logprob and alternatives, compared as they are: equal bytes, equal floats)."""
+    return [v for f, wt, v in raw_fields(msg) if f == 7 and wt == 2]
+
+
+def usage_migrations(msg):
+    """usage.migrations (GenerateResponse field 4, Usage field 4) of one message, None without usage."""
+    for f, v in fields(msg):
+        if f == 4 and isinstance(v, bytes):
+            return next((x for g, x in fields(v) if g == 4 and isinstance(x, int)), 0)
+    return None
+
+
+def cmd_migrate(target, max_tokens, refs_path, sampling, after, kill, nodes, expect):
+    max_tokens, after = int(max_tokens), int(after)
+    prompts, refs = read_refs(refs_path)
+    stub = generate_stub(channel(target))
+    named = [n.split("=", 2) for n in nodes.split(",")]
+    results = []
+
+    # with log-probabilities (2 alternatives): a moved stream's must be the same floats
+    body = lambda ids: request(ids, max_tokens) + sampling_bytes(sampling) + pb_bytes(11, pb_varint(1, 2))
+
+    def run(ids, results=results):
+        r = {"got": [], "lps": [], "times": [], "code": None, "details": "", "migrations": None,
+             "enough": threading.Event()}
+        results.append(r)
+        try:
+            for m in stub(body(ids), timeout=60):
+                r["got"] += parse_ids(m)
+                r["lps"] += token_logprobs(m)
+                r["times"].append((time.monotonic(), len(r["got"])))
+                mig = usage_migrations(m)
+                if mig is not None:
+                    r["migrations"] = mig
+                if len(r["got"]) >= after:
+                    r["enough"].set()
+            r["code"] = "OK"
+        except grpc.RpcError as e:
+            r["code"], r["details"] = e.code().name, e.details() or ""
+        except Exception as e:  # a parse error is a failure too, never a hang
+            r["code"], r["details"] = "CLIENT_ERROR", repr(e)
+        r["enough"].set()
+
+    uninterrupted = []
+    if expect == "moved":  # the same requests first, untouched: the logprobs to compare with
+        for p in prompts:
+            run(p, uninterrupted)
+    threads = [threading.Thread(target=run, args=(p,), daemon=True) for p in prompts]
+    for t in threads:
+        t.start()
+    while len(results) < len(threads):
+        time.sleep(0.001)
+    for r in results:
+        r["enough"].wait(30)
+    victims = [(name, int(pid)) for name, pid, url in named
+               if kill == "all" or fetch_metric(url, "tandem_decode_running_sequences") >= 1]
+    t_kill = time.monotonic()
+    for name, pid in victims:  # 'stop': frozen, only the router's heartbeat bound can tell
+        os.kill(pid, signal.SIGSTOP if kill == "stop" else signal.SIGKILL)
+        print("%s %s" % ("stopped" if kill == "stop" else "killed", name))
+    rc = 0 if victims else fail("no decode node of %s ran a sequence" % nodes)
+    for t in threads:
+        t.join(60)
+    for i, (r, ref) in enumerate(zip(results, refs)):
+        before = [n for tm, n in r["times"] if tm <= t_kill]
+        k = before[-1] if before else 0
+        # the move's gap: the longest wait between two messages from the kill on (tokens
+        # already in flight arrive first); beside the median wait of the whole stream
+        tms = [tm for tm, n in r["times"]]
+        waits = [b - a for a, b in zip(tms, tms[1:]) if b > t_kill]
+        gap = max(waits) * 1e3 if waits else -1
+        allw = sorted(b - a for a, b in zip(tms, tms[1:])) or [0]
+        print("stream of %d tokens: %s after %d tokens, %d at the kill, longest wait after it %.1f ms (median "
+              "wait %.2f ms), migrations %s %s" % (len(ref), r["code"], len(r["got"]), k, gap,
+                                                   allw[len(allw) // 2] * 1e3, r["migrations"], r["details"]))
+        if expect == "moved":
+            if r["code"] != "OK":
+                rc = fail("stream ended %s %s (want OK: moved to another pair)" % (r["code"], r["details"]))
+            elif r["got"] != ref:
+                rc = fail("ids differ from tandem generate:\n  want %s\n  got  %s" % (ref, r["got"]))
+            elif r["migrations"] != 1:
+                rc = fail("usage.migrations is %s, want 1" % r["migrations"])
+            elif uninterrupted[i]["got"] != ref or len(r["lps"]) != len(ref):
+                rc = fail("the uninterrupted run (%s) or the logprobs (%d for %d tokens) are off"
+                          % (uninterrupted[i]["code"], len(r["lps"]), len(ref)))
+            else:
+                diff = [j for j, (a, b) in enumerate(zip(r["lps"], uninterrupted[i]["lps"])) if a != b]
+                if diff:
+                    rc = fail("logprobs differ from an uninterrupted run's at tokens %s (moved at %d)" % (diff[:8], k))
+            if not 0 < k < len(ref):
+                rc = fail("the kill came at token %d of %d: not mid-stream" % (k, len(ref)))
+        else:
+            if r["code"] != "UNAVAILABLE" or not any(w in r["details"] for w in ("cannot move", "max-migrations")):
+                rc = fail("stream ended %s '%s' (want UNAVAILABLE saying why it cannot move)" % (r["code"], r["details"]))
+            if r["got"] != ref[:len(r["got"])]:
+                rc = fail("tokens before the failure differ from tandem generate")
+    return rc
+
+
+def sse_completion(url, ids, max_tokens, sampling, on_chunk=None):
+    """A streamed /completions of prompt ids (stream_options.include_usage, logprobs 1): (text
+    and token logprobs, usage, chunk times); on_chunk(n_chunks) after each chunk."""
+    body = {"prompt": ids, "max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True},
+            "temperature": 0, "logprobs": 1}
+    if sampling != "greedy":
+        t, seed, rep, freq = sampling.split(",")
+        body.update(temperature=float(t), seed=int(seed), repetition_penalty=float(rep), frequency_penalty=float(freq))
+    req = urllib.request.Request(url + "/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    text, lps, usage, times = "", [], None, []
+    try:
+        r = urllib.request.urlopen(req, timeout=60)
+    except urllib.error.HTTPError as e:
+        raise RuntimeError("HTTP %d: %s" % (e.code, e.read().decode(errors="replace")))
+    with r:
+        for line in r:
+            line = line.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            c = json.loads(line[6:])
+            if c.get("usage"):
+                usage = c["usage"]
+            if c.get("choices"):
+                text += c["choices"][0].get("text") or ""
+                lps += (c["choices"][0].get("logprobs") or {}).get("token_logprobs") or []
+                times.append(time.monotonic())
+                if on_chunk:
+                    on_chunk(len(times))
+    return (text, lps), usage, times
+
+
+def cmd_migratehttp(url, max_tokens, refs_path, sampling, after, nodes):
+    max_tokens, after = int(max_tokens), int(after)
+    prompts, refs = read_refs(refs_path)
+    named = [n.split("=", 2) for n in nodes.split(",")]
+    rc = 0
+    for ids, ref in zip(prompts, refs):
+        want_text, want_usage, _ = sse_completion(url, ids, max_tokens, sampling)
+        if want_usage is None or want_usage["completion_tokens"] != len(ref) or "migrations" in want_usage:
+            rc = fail("the untouched run's usage is %s for %d reference tokens" % (want_usage, len(ref)))
+        killed = []
+
+        def kill_at(n):  # chunks carry about one token each
+            if n == after and not killed:
+                for name, pid, murl in named:
+                    if fetch_metric(murl, "tandem_decode_running_sequences") >= 1:
+                        os.kill(int(pid), signal.SIGKILL)
+                        killed.append(name)
+                        print("killed %s" % name)
+
+        text, usage, times = sse_completion(url, ids, max_tokens, sampling, kill_at)
+        if not killed:
+            rc = fail("no decode node of %s ran the stream" % nodes)
+        print("openai stream: %d chunks, %d token logprobs, usage %s" % (len(times), len(text[1]), usage))
+        if len(text[1]) != len(ref):
+            rc = fail("%d token logprobs for %d tokens" % (len(text[1]), len(ref)))
+        if text != want_text:
+            rc = fail("text differs from the untouched run's:\n  want %r\n  got  %r" % (want_text, text))
+        if not usage or usage.get("migrations") != 1 or usage["completion_tokens"] != want_usage["completion_tokens"]:
+            rc = fail("usage %s, want %s with migrations 1" % (usage, want_usage))
+    return rc
+
+
 def cmd_ping(target):
     """One short request (8 tokens) must succeed."""
     err = normal_ok(generate_stub(channel(target)), "nothing")
@@ -1064,7 +1274,7 @@ def main():
             "stopkill": cmd_stopkill, "stall": cmd_stall, "controlgarbage": cmd_controlgarbage, "stepsforeign": cmd_stepsforeign,
             "httpgarbage": cmd_httpgarbage, "slowreader": cmd_slowreader, "churn": cmd_churn, "ping": cmd_ping, "run": cmd_run,
             "looplag": cmd_looplag, "bigprompt": cmd_bigprompt, "health": cmd_health,
-            "drain": cmd_drain}
+            "drain": cmd_drain, "migrate": cmd_migrate, "migratehttp": cmd_migratehttp}
     if len(sys.argv) < 2 or sys.argv[1] not in cmds:
         print(__doc__)
         return 2

@@ -3,7 +3,8 @@
 # 2 decode nodes started one by one; 6 client threads stream greedy generations back to back
 # while, every ~1.5 s, one node is SIGKILLed and started again under the same id (p0, d1, p1,
 # d0, ...; one node of each role always stays up). Every stream must end OK and equal `tandem
-# generate`, or UNAVAILABLE (tokens so far a prefix of it); at least half must succeed. Then
+# generate`, or UNAVAILABLE (tokens so far a prefix of it); at least half must succeed (a
+# stream whose decode node dies moves to the other: docs/cluster.md "Migration"). Then
 # the router has nothing in flight and no more open fds than before (+8), every decode node's
 # used KV blocks return to 0, all processes live and no sanitizer report came. Skips without the model or python3-grpcio.
 source "$(dirname "$0")/cluster_lib.sh"
@@ -42,6 +43,7 @@ sleep 1
 touch "$CL_T/stop"
 wait $CH || CL_FAIL=1
 cut -c1-400 "$CL_T/churn.log"
+echo "router: $(cl_metric router tandem_router_migrations_total) streams moved mid-stream, $(cl_metric router tandem_router_retries_total) requests retried before a token"
 cl_wait_nodes 2 2
 "$CL_PY" "$CL_TOOL" ping "$CL_GW" || cl_fail "no request served after the churn"
 fds1=$(ls "/proc/${CL_PID[router]}/fd" | wc -l)

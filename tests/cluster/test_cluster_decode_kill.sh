@@ -1,8 +1,10 @@
 #!/bin/bash
-# test_cluster_decode_kill: a router (heartbeat timeout 1000 ms), 1 prefill and 2 decode
+# test_cluster_decode_kill: a router (heartbeat timeout 1000 ms) that moves no stream
+# (--max-migrations 0: the moves are test_cluster_migrate's), 1 prefill and 2 decode
 # nodes started one by one. 8 long streams (480 tokens) run across both decode nodes; once
 # each has a token, one decode node is SIGKILLed: its streams must end UNAVAILABLE within
-# the heartbeat bound (1000 ms + 1000 ms slack), the other streams must finish equal to
+# the heartbeat bound (1000 ms + 1000 ms slack) saying they were not moved, the other
+# streams must finish equal to
 # `tandem generate`, and new requests must succeed on the surviving decode node. Then a
 # third decode node joins and is frozen (SIGSTOP: no connection reset, only silence): its
 # streams must end UNAVAILABLE within the heartbeat bound (1000 ms + 1500 ms slack) too. Last,
@@ -13,7 +15,7 @@
 source "$(dirname "$0")/cluster_lib.sh"
 cl_init
 HB=1000 MAXTOK=480
-cl_cluster 2 --heartbeat-ms 100 --heartbeat-timeout-ms $HB
+cl_cluster 2 --heartbeat-ms 100 --heartbeat-timeout-ms $HB --max-migrations 0
 d1base=$(cl_metric d1 tandem_decode_kv_blocks_used)
 cl_refs long $MAXTOK 40
 cl_refs short 32 60 77

@@ -5,7 +5,9 @@
  * every block back at once; a pool too small for everyone preempts and recomputes without
  * changing a token or leaking a block; KV adopted from "elsewhere" continues correctly,
  * and with a seed continues the random stream the "prefill" sampler began; presence and
- * frequency penalties and log-probabilities equal one process's sampler; KV pushed
+ * frequency penalties and log-probabilities equal one process's sampler; a migrated
+ * stream (its earlier tokens replayed one row per step) continues with the one-process
+ * tokens and the same logprob floats; KV pushed
  * through td_xfer lands in the engine's own pool (the decode node's one-pool arrangement)
  * and every leased block returns on finish, cancel, expiry and sender failure.
  *
@@ -89,6 +91,7 @@ enum { MAXN = 16, MAXT = 600 };
 
 typedef struct outcome {
     int32_t tokens[MAXT];
+    float lps[MAXT];        /* tokens[i]'s log-probability, when the event had one */
     int n;
     decode_finish_t finish;
     td_status_t status;
@@ -107,6 +110,7 @@ static void collect(const decode_step_result_t *r, outcome_t *oc)
         if (e->token >= 0) {
             cr_assert_eq(e->index, o->n, "request %llu: token index %d, expected %d",
                          (unsigned long long)e->id, e->index, o->n);
+            o->lps[o->n] = e->has_logprob ? e->logprob.logprob : 0.0f;
             o->tokens[o->n++] = e->token;
         }
         if (e->finish != DECODE_FINISH_NONE) {
@@ -571,6 +575,106 @@ Test(decode_sched, seeded_split_generation_equals_one_process, .timeout = 120)
     for (int i = 0; i < n; i++)
         cr_assert_eq(oc[3].tokens[i], want[i], "token %d: split %d, one process %d", i, oc[3].tokens[i],
                      want[i]);
+    sched_end(&fx, ds);
+    free(logits);
+    td_test_engine_close(&fx);
+}
+
+/* A migrated stream (the router re-prefills the prompt elsewhere and replays the tokens the
+ * client already has, decode_request_t.replay): the rest of the generation equals one
+ * process's, for a seeded sampler with repetition, presence and frequency penalties, after
+ * 1, a few and half of the tokens, with the prompt's KV from a "prefill node" or prefilled
+ * here (a unified node), beside another sequence. */
+Test(decode_sched, migrated_generation_equals_one_process, .timeout = 120)
+{
+    td_test_skip_without_stories();
+    td_test_engine_t fx;
+    td_test_engine_open_cpu(&fx, 1, 256, false);
+    td_sampling_t sp = td_sampling_default();
+    sp.temperature = 0.9f;
+    sp.seed = 777;
+    sp.repetition_penalty = 1.3f;
+    sp.presence_penalty = 0.5f;
+    sp.frequency_penalty = 0.3f;
+    enum { NP = 21, NT = 48 };
+    int32_t p[NP], want[NT];
+    float want_lp[NT]; /* of the raw logits: equal floats only if the logits are the same bits */
+    unsigned s = 9;
+    random_prompt(&s, p, NP);
+
+    td_sampler_t *one;
+    cr_assert_eq(td_sampler_create(&sp, &one), TD_OK);
+    for (int i = 0; i < NP; i++)
+        td_sampler_accept_prompt(one, p[i]);
+    td_kv_seq_t seq;
+    td_kv_seq_init(&seq);
+    float *logits = malloc((size_t)fx.vocab * sizeof(float));
+    td_engine_item_t it = {.seq = &seq, .tokens = p, .n_tokens = NP, .n_logits = 1};
+    cr_assert_eq(td_engine_step(fx.eng, &it, 1, logits), TD_OK);
+    int n = 0;
+    while (n < NT) {
+        int32_t t;
+        cr_assert_eq(td_sampler_sample(one, logits, fx.vocab, &t), TD_OK);
+        if (is_eos(&fx, t))
+            break;
+        td_sampler_accept(one, t);
+        td_token_logprob_t lp;
+        cr_assert_eq(td_sampler_logprobs(logits, fx.vocab, t, 0, &lp), TD_OK);
+        want_lp[n] = lp.logprob;
+        want[n++] = t;
+        it = (td_engine_item_t){.seq = &seq, .tokens = &want[n - 1], .n_tokens = 1, .n_logits = 1};
+        cr_assert_eq(td_engine_step(fx.eng, &it, 1, logits), TD_OK);
+    }
+    td_engine_seq_end(fx.eng, &seq);
+    td_sampler_destroy(one);
+    cr_assert_geq(n, 8, "the seeded reference generation is too short to compare (%d tokens)", n);
+
+    const int ks[] = {1, 3, n / 2};
+    for (int home = 0; home < 2; home++) {
+        for (size_t j = 0; j < TD_ARRAY_LEN(ks); j++) {
+            int k = ks[j];
+            decode_sched_t *ds = sched_default(fx.eng);
+            /* a neighbour decoding in the same steps (its prompt computed before: a step
+               with a chunk of several rows runs the prefill kernel for all its rows) */
+            decode_request_t other = {.id = 1, .prompt = p + 3, .n_prompt = 9, .sampling = sp, .max_tokens = 20};
+            cr_assert_eq(decode_sched_admit(ds, &other), TD_OK, "%s", td_last_error());
+            decode_step_result_t r0;
+            cr_assert_eq(decode_sched_step(ds, 0, &r0), TD_OK);
+            outcome_t oc[MAXN] = {0};
+            collect(&r0, oc);
+            td_kv_seq_t pre;
+            td_kv_seq_init(&pre);
+            decode_request_t rq = {.id = 3, .prompt = p, .n_prompt = NP, .sampling = sp, .max_tokens = n,
+                                   .replay = want, .n_replay = k, .logprobs = true};
+            if (!home) { /* the prompt's KV from a prefill node, which sampled token 0 again */
+                it = (td_engine_item_t){.seq = &pre, .tokens = p, .n_tokens = NP, .n_logits = 1};
+                cr_assert_eq(td_engine_step(fx.eng, &it, 1, logits), TD_OK);
+                rq.kv_blocks = pre.blocks;
+                rq.n_kv_blocks = pre.n_blocks;
+                rq.first_token = want[0];
+            }
+            cr_assert_eq(decode_sched_admit(ds, &rq), TD_OK, "%s", td_last_error());
+            free(pre.blocks);
+            free(pre.tokens);
+            memcpy(oc[3].tokens, want, (size_t)k * sizeof *want); /* events go on at index k */
+            oc[3].n = k;
+            run_to_end(ds, oc);
+            cr_assert_eq(oc[3].n, n, "home %d, %d replayed: %d tokens, want %d", home, k, oc[3].n, n);
+            for (int i = k; i < n; i++) {
+                cr_assert_eq(oc[3].tokens[i], want[i], "home %d, %d replayed: token %d is %d, one process %d",
+                             home, k, i, oc[3].tokens[i], want[i]);
+                /* the same bits: the replayed rows ran the decode kernel, as when generated */
+                cr_assert(oc[3].lps[i] == want_lp[i], "home %d, %d replayed: token %d's logprob %.9g, one process "
+                          "%.9g", home, k, i, (double)oc[3].lps[i], (double)want_lp[i]);
+            }
+            sched_end(&fx, ds);
+        }
+    }
+    /* a replay that leaves nothing to generate is refused */
+    decode_sched_t *ds = sched_default(fx.eng);
+    decode_request_t rq = {.id = 4, .prompt = p, .n_prompt = NP, .sampling = sp, .max_tokens = 3,
+                           .replay = want, .n_replay = 3};
+    cr_assert_eq(decode_sched_admit(ds, &rq), TD_ERR_INVALID);
     sched_end(&fx, ds);
     free(logits);
     td_test_engine_close(&fx);

@@ -310,6 +310,40 @@ Test(engine, batch_and_chunk_invariance, .timeout = 300)
         free(prompts[i]), free(alone[i]), free(got[i]);
 }
 
+/* A prompt computed again after its blocks were cached gives the same logits bits: the
+ * cached prefix never leaves a one-row piece (which would run the decode kernel), so a
+ * 17-token prompt is computed whole again and a 33-token one from token 16 on. */
+Test(engine, cached_prefix_leaves_two_rows_and_the_same_logits, .timeout = 60)
+{
+    td_test_skip_without_stories();
+    td_test_engine_t fx;
+    td_test_engine_open_cpu(&fx, 1, 256, true);
+    int32_t p[33];
+    for (int i = 0; i < 33; i++)
+        p[i] = i ? 20 + 7 * i : 1;
+    float *a = malloc((size_t)fx.vocab * sizeof(float)), *b = malloc((size_t)fx.vocab * sizeof(float));
+    const int32_t lens[] = {17, 33, 18, 32};
+    const int32_t want_cached[] = {0, 16, 16, 16};
+    for (int k = 0; k < 4; k++) {
+        for (int round = 0; round < 2; round++) {
+            td_kv_seq_t seq;
+            td_kv_seq_init(&seq);
+            int32_t cached = -1;
+            cr_assert_eq(td_engine_seq_start(fx.eng, &seq, p, lens[k], &cached), TD_OK);
+            if (round)
+                cr_assert_eq(cached, want_cached[k], "prompt of %d: %d cached, want %d", lens[k], cached,
+                             want_cached[k]);
+            td_engine_item_t it = {.seq = &seq, .tokens = p + cached, .n_tokens = lens[k] - cached, .n_logits = 1};
+            cr_assert_eq(td_engine_step(fx.eng, &it, 1, round ? b : a), TD_OK);
+            td_engine_seq_end(fx.eng, &seq);
+        }
+        cr_assert(!memcmp(a, b, (size_t)fx.vocab * sizeof(float)), "prompt of %d: other logits after a cached prefix",
+                  lens[k]);
+    }
+    free(a), free(b);
+    td_test_engine_close(&fx);
+}
+
 Test(engine, exhausted_pool_is_an_error_the_caller_can_act_on, .timeout = 60)
 {
     td_test_skip_without_stories();

@@ -289,6 +289,14 @@ Test(router_openai, stream_chunks)
     cr_assert_eq(cJSON_GetArraySize(at(j, "choices")), 0);
     cr_assert_eq(at(j, "usage.total_tokens")->valuedouble, 14);
     cr_assert_eq(at(j, "usage.prompt_tokens_details.cached_tokens")->valuedouble, 2);
+    cr_assert_null(cJSON_GetObjectItem(at(j, "usage"), "migrations"), "OpenAI's usage unless it moved: %s", b.p);
+    cJSON_Delete(j);
+    b.n = 0;
+    u.migrations = 2; /* a stream that moved: tandem's own field */
+    router_oai_usage_chunk(&b, &chat, &u);
+    j = parsed(&b, "data: ");
+    cr_assert_eq(at(j, "usage.migrations")->valuedouble, 2);
+    cr_assert_eq(at(j, "usage.prompt_tokens_details.cached_tokens")->valuedouble, 2);
     cJSON_Delete(j);
     b.n = 0;
     router_oai_resp_t cmpl = {.kind = ROUTER_OAI_COMPLETIONS, .id = "cmpl-r2", .model = "smol", .created = 5};

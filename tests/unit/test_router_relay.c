@@ -19,7 +19,11 @@
  *  - an Admit refused RESOURCE_EXHAUSTED puts the request back in the queue, and the node
  *    is not asked again at every StepBatch, only after a finish there;
  *  - a sequence the decode node drops while its Prefill still runs: the Prefill call is
- *    cancelled and the request fails over (UNAVAILABLE when no other pair exists).
+ *    cancelled and the request fails over (UNAVAILABLE when no other pair exists);
+ *  - a sequence dropped after tokens went out moves to another pair (a migration): the new
+ *    Admit carries the tokens the client has (replay_ids), the new Prefill's token 0 is not
+ *    relayed again, the stream goes on from the decode node's entries and its last message
+ *    says it moved; past --max-migrations it ends UNAVAILABLE naming the bound.
  *
  * Skips when TANDEM_BIN is not set.
  */
@@ -48,6 +52,9 @@ typedef struct lease {
     td_grpc_call_t *prefill; /* held open until the scenario ends it */
     bool released;
     int release_reason;
+    uint32_t replay[8];           /* AdmitRequest.replay_ids (a moved stream) */
+    size_t n_replay;
+    bool prefill_logprobs;        /* its Prefill asked for log-probabilities */
 } lease_t;
 
 typedef struct gen {
@@ -60,6 +67,7 @@ typedef struct gen {
     int prompt_lps_msg;           /* ... in this message (1 = the first) */
     int n_messages;
     int finish_reason;
+    uint32_t migrations;          /* the last message's usage.migrations */
     bool done;
     td_grpc_code_t code;
     char message[256];
@@ -80,6 +88,7 @@ typedef struct env {
     int n_releases;
     int refuse_admits;            /* refuse this many Admits RESOURCE_EXHAUSTED */
     int n_admit_calls;
+    int n_prefill_calls;
     uint32_t prefill_first_token; /* what the fake prefill answers; 0 = hold the call */
     bool prefill_phaseless;       /* answer like a one-message prefill node */
 } env_t;
@@ -88,7 +97,7 @@ typedef struct env {
 
 static lease_t *lease_by_request(env_t *e, const char *id)
 {
-    for (int i = 0; i < e->n_leases; i++)
+    for (int i = e->n_leases - 1; i >= 0; i--) /* the newest: a moved request has several */
         if (!strcmp(e->leases[i].request_id, id))
             return &e->leases[i];
     return NULL;
@@ -107,6 +116,9 @@ static void on_admit(td_node_fake_t *f, td_grpc_call_t *call, const Tandem__Cont
     lease_t *l = &e->leases[e->n_leases++];
     snprintf(l->request_id, sizeof l->request_id, "%s", q->request_id);
     l->id = 100 + (uint64_t)e->n_leases;
+    for (size_t i = 0; i < q->n_replay_ids && i < TD_ARRAY_LEN(l->replay); i++)
+        l->replay[i] = q->replay_ids[i];
+    l->n_replay = q->n_replay_ids;
     td_node_fake_admit_reply(call, l->id, (const uint32_t[]){0, 1, 2, 3}, 4);
 }
 
@@ -129,6 +141,8 @@ static void on_prefill(td_node_fake_t *f, td_grpc_call_t *call, const Tandem__Co
     lease_t *l = lease_by_request(e, q->request_id);
     cr_assert_not_null(l, "Prefill for %s before its Admit", q->request_id);
     cr_assert_eq(q->lease_id, l->id);
+    e->n_prefill_calls++;
+    l->prefill_logprobs = q->logprobs != NULL;
     if (e->prefill_phaseless) {
         send_prefill(call, e->prefill_first_token, TANDEM__CONTROL__V1__PREFILL_PHASE__PREFILL_PHASE_UNSPECIFIED);
         td_grpc_call_finish(call, TD_GRPC_OK, NULL);
@@ -180,6 +194,13 @@ static td_status_t step(env_t *e, int n, const lease_t *const *ls, const uint32_
 static void token(env_t *e, const lease_t *l, uint32_t t)
 {
     Tandem__Control__V1__SeqEvent ev = TANDEM__CONTROL__V1__SEQ_EVENT__SEQ_EVENT_TOKEN;
+    cr_assert_eq(step(e, 1, &l, &t, &ev), TD_OK);
+}
+
+static void dropped(env_t *e, const lease_t *l)
+{
+    uint32_t t = 0;
+    Tandem__Control__V1__SeqEvent ev = TANDEM__CONTROL__V1__SEQ_EVENT__SEQ_EVENT_FAILED;
     cr_assert_eq(step(e, 1, &l, &t, &ev), TD_OK);
 }
 
@@ -329,6 +350,8 @@ static void on_gen_msg(td_grpc_client_call_t *c, const ProtobufCMessage *msg, vo
     }
     if (m->finish_reason)
         g->finish_reason = m->finish_reason;
+    if (m->usage)
+        g->migrations = m->usage->migrations;
 }
 
 static void on_gen_done(td_grpc_client_call_t *c, td_grpc_code_t code, const char *msg, void *data)
@@ -708,5 +731,50 @@ Test(router_relay, admit_refused_waits_in_queue_without_asking_per_step)
     RUN_UNTIL(&e, a.done && b.done);
     cr_assert_eq(a.code, TD_GRPC_OK, "%s", a.message);
     cr_assert_eq(b.code, TD_GRPC_OK, "%s", b.message);
+    env_stop(&e);
+}
+
+Test(router_relay, dropped_after_tokens_moves_and_replays)
+{
+    env_t e;
+    env_start(&e, (const char *const[]){"--max-migrations", "1", NULL});
+    register_node(&e, "p1", TANDEM__CONTROL__V1__ROLE__ROLE_PREFILL, td_node_fake_port(e.nodes));
+    RUN_UNTIL(&e, e.registered == 3);
+    e.prefill_first_token = 7;
+    e.prefill_phaseless = true;
+    static gen_t a, b;
+    generate(&e, &a, "a", 0, false, 0);
+    RUN_UNTIL(&e, e.n_leases == 1 && a.n_ids == 1);
+    token(&e, &e.leases[0], 7); /* the decode node's token 0: dropped */
+    token(&e, &e.leases[0], 8);
+    token(&e, &e.leases[0], 9);
+    RUN_UNTIL(&e, a.n_ids == 3);
+    dropped(&e, &e.leases[0]);
+    /* moved: a new Admit (the other prefill node with d0) with what the client has, then
+       its Prefill (the router has the lease: the decode node's entries are matched) */
+    RUN_UNTIL(&e, e.n_leases == 2 && e.leases[1].n_replay == 3 && e.n_prefill_calls == 2);
+    cr_assert_str_eq(e.leases[1].request_id, "a");
+    cr_assert(e.leases[1].replay[0] == 7 && e.leases[1].replay[1] == 8 && e.leases[1].replay[2] == 9);
+    token(&e, &e.leases[1], 10); /* its Prefill answered 7 (token 0 again): not relayed */
+    token(&e, &e.leases[1], 11);
+    finish(&e, &e.leases[1]);
+    expect_ids(&e, &a, (const uint32_t[]){7, 8, 9, 10, 11}, 5);
+    cr_assert_eq(a.migrations, 1, "usage.migrations %u", a.migrations);
+
+    /* a second loss: past --max-migrations 1 */
+    generate(&e, &b, "b", 0, false, 0);
+    RUN_UNTIL(&e, e.n_leases == 3 && b.n_ids == 1);
+    token(&e, &e.leases[2], 7); /* token 0 again: dropped */
+    token(&e, &e.leases[2], 8);
+    RUN_UNTIL(&e, b.n_ids == 2);
+    dropped(&e, &e.leases[2]);
+    RUN_UNTIL(&e, e.n_leases == 4 && e.leases[3].n_replay == 2 && e.n_prefill_calls == 4);
+    token(&e, &e.leases[3], 9);
+    RUN_UNTIL(&e, b.n_ids == 3);
+    dropped(&e, &e.leases[3]);
+    RUN_UNTIL(&e, b.done);
+    cr_assert_eq(b.code, TD_GRPC_UNAVAILABLE, "%s: %s", td_grpc_code_name(b.code), b.message);
+    cr_assert(strstr(b.message, "max-migrations 1"), "%s", b.message);
+    cr_assert(b.n_ids == 3 && b.ids[0] == 7 && b.ids[1] == 8 && b.ids[2] == 9);
     env_stop(&e);
 }
