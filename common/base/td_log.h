@@ -8,6 +8,7 @@
 #define TD_LOG_H
 
 typedef enum td_log_level {
+    TD_LOG_OFF = -1, /* nothing at all (the fuzz harnesses, whose inputs are mostly errors) */
     TD_LOG_ERROR = 0,
     TD_LOG_WARN = 1,
     TD_LOG_INFO = 2,

@@ -12,6 +12,7 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <uv.h>
 
@@ -22,18 +23,37 @@
 
 static inline void fuzz_net_feed(uv_loop_t *loop, uint16_t port, const uint8_t *data, size_t size)
 {
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0);
     struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons(port), .sin_addr.s_addr = htonl(0x7f000001)};
-    if (fd < 0 || connect(fd, (struct sockaddr *)&a, sizeof a) != 0) {
+    /* non-blocking: libFuzzer's timers interrupt a blocking connect (EINTR) */
+    if (fd < 0 || (connect(fd, (struct sockaddr *)&a, sizeof a) != 0 && errno != EINPROGRESS)) {
         perror("fuzz_net: connect");
         abort();
     }
     struct linger lg = {.l_onoff = 1, .l_linger = 0}; /* no TIME_WAIT pile-up over millions of runs */
     setsockopt(fd, SOL_SOCKET, SO_LINGER, &lg, sizeof lg);
-    fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
+    uint64_t end = td_now_ns() + (uint64_t)FUZZ_NET_BOUND_MS * 1000000u;
+    for (;;) { /* connected: writable, with no error pending */
+        struct pollfd p = {.fd = fd, .events = POLLOUT};
+        if (poll(&p, 1, 0) == 1) {
+            int err = 0;
+            socklen_t len = sizeof err;
+            getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len);
+            if (err) {
+                fprintf(stderr, "fuzz_net: connect: %s\n", strerror(err));
+                abort();
+            }
+            break;
+        }
+        uv_run(loop, UV_RUN_NOWAIT);
+        if (td_now_ns() > end) {
+            fprintf(stderr, "fuzz_net: the server did not accept in %d ms\n", FUZZ_NET_BOUND_MS);
+            abort();
+        }
+    }
     size_t off = 0;
     bool shut = false, closed = false;
-    uint64_t end = td_now_ns() + (uint64_t)FUZZ_NET_BOUND_MS * 1000000u;
+    end = td_now_ns() + (uint64_t)FUZZ_NET_BOUND_MS * 1000000u;
     char sink[65536];
     while (!closed) {
         if (off < size) {
