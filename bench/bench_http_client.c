@@ -83,11 +83,19 @@ static int bh_on_body(http_parser *p, const char *at, size_t len)
         c->ev_len += n;
         return 0;
     }
+    /* line by line (memchr, memcpy): a byte at a time was three quarters of the load
+     * generator's CPU in `bench router --http` phase c, where it, not the router, set the
+     * relayed tokens/s; an event ends at an empty line */
     uint64_t now = td_now_ns();
-    for (size_t i = 0; i < len; i++) {
-        if (c->ev_len + 1 < BH_MAX_EVENT)
-            c->ev[c->ev_len++] = at[i];
-        if (at[i] == '\n' && c->ev_len >= 2 && c->ev[c->ev_len - 2] == '\n') {
+    size_t i = 0;
+    while (i < len) {
+        const char *nl = memchr(at + i, '\n', len - i);
+        size_t end = nl ? (size_t)(nl - at) + 1 : len;
+        size_t n = TD_MIN(end - i, BH_MAX_EVENT - 1 - c->ev_len); /* an oversized event is cut */
+        memcpy(c->ev + c->ev_len, at + i, n);
+        c->ev_len += n;
+        i = end;
+        if (nl && c->ev_len >= 2 && c->ev[c->ev_len - 1] == '\n' && c->ev[c->ev_len - 2] == '\n') {
             c->ev_len -= 2;
             c->ev[c->ev_len] = '\0';
             if (c->ops->on_event)
