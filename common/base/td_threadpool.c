@@ -33,7 +33,7 @@
 #endif
 
 /* How long a worker polls for a new job, and the caller for the workers, before sleeping. */
-#define TD_POOL_SPIN_NS 100000
+#define TD_POOL_SPIN_NS 1000000
 /* Polls between clock readings while spinning. */
 #define TD_POOL_SPIN_CHECK 64
 

@@ -6,6 +6,7 @@
 #ifndef TD_CPU_ISA_H
 #define TD_CPU_ISA_H
 
+#include <stdatomic.h>
 #include <stdbool.h>
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
@@ -20,9 +21,17 @@ typedef enum td_cpu_isa {
 static inline bool td_cpu_has(td_cpu_isa_t isa)
 {
 #if defined(__x86_64__) || defined(__i386__)
-    /* F16C from CPUID leaf 1 (ECX bit 29): clang's __builtin_cpu_supports has no "f16c" */
-    unsigned a, b, c, d;
-    bool f16c = __get_cpuid(1, &a, &b, &c, &d) && (c & (1u << 29));
+    /* F16C from CPUID leaf 1 (ECX bit 29): clang's __builtin_cpu_supports has no "f16c".
+     * Read once: the kernels ask on every call, and in a virtual machine CPUID traps to the
+     * hypervisor (asked each time it cost SmolLM2's 2-thread decode a fifth of its speed). */
+    static _Atomic int f16c_known = -1;
+    int known = atomic_load_explicit(&f16c_known, memory_order_relaxed);
+    if (known < 0) {
+        unsigned a, b, c, d;
+        known = __get_cpuid(1, &a, &b, &c, &d) && (c & (1u << 29));
+        atomic_store_explicit(&f16c_known, known, memory_order_relaxed);
+    }
+    bool f16c = known == 1;
     bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c;
     bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                   __builtin_cpu_supports("avx512vl");
