@@ -7,12 +7,12 @@
  * out of the job, so the next run may overwrite the job fields safely.
  *
  * A decode step runs ~10 jobs per layer, so wake-up latency matters more than idle cost:
- * workers spin on the generation counter for TD_POOL_SPIN_NS before they sleep on a
+ * workers spin on the generation counter for TD_POOL_SPIN_NS (1 ms) before they sleep on a
  * condition variable (and the caller as long on the workers' check-out). The bound is time,
- * not a count of pauses: a pause is ~10 ns on Zen 4 and ~40-60 ns on Sapphire Rapids, where
- * 20,000 of them spun 1 ms, and a thread that spins while the one it waits for has no core
- * (more runnable threads than cores) holds that core for all of it: test_engine's 2-thread
- * runs of a tiny model took 27-32 s beside another test, 1-3 s with one thread. The lost-wake-up race
+ * not a count of pauses: a pause is ~10 ns on Zen 4 and ~40-60 ns on Sapphire Rapids, so
+ * 20,000 of them spun 0.2 ms on one and 1 ms on the other. A thread that spins while the
+ * one it waits for has no core (more runnable threads than cores) holds that core all that
+ * time, so the tests run small models on one thread. The lost-wake-up race
  * is closed by checking the generation under the mutex before sleeping and by publishing
  * the generation before taking the mutex to broadcast.
  */
