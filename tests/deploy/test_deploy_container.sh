@@ -16,7 +16,8 @@ for so in $(readelf -d "$BIN" | sed -n 's/.*(NEEDED).*\[\(.*\)\]/\1/p'); do
     path=$(ldd "$BIN" | awk -v l="$so" '$1 == l {print $3}')
     [ -n "$path" ] || continue
     pkg=$(dpkg -S "$(readlink -f "$path")" 2>/dev/null | cut -d: -f1)
-    case $pkg in ""|libc6|libgcc-s1|libstdc++6) continue ;; esac # not packaged (CUDA) or always there
+    # not packaged (CUDA), always there, or the sanitizer build's runtimes (never shipped)
+    case $pkg in ""|libc6|libgcc-s1|libstdc++6|libasan*|libubsan*|liblsan*|libtsan*) continue ;; esac
     grep -qx "$pkg" <<<"$runtime" || missing+=("$so ($pkg)")
 done
 if [ ${#missing[@]} -gt 0 ]; then
