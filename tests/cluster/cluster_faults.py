@@ -99,7 +99,7 @@ import urllib.request
 import grpc
 
 from cluster_wire import (GENERATE, channel, fields, generate_stub, parse_ids, pb_bytes, pb_f32, pb_packed, pb_varint,
-                          read_varint, request)
+                          raw_fields, request)
 
 
 def fetch_metric(url, name, label=""):
@@ -965,23 +965,6 @@ def sampling_bytes(spec):
     t, seed, rep, freq = spec.split(",")
     body = pb_f32(1, float(t)) + pb_f32(5, float(rep)) + pb_varint(6, int(seed)) + pb_f32(8, float(freq))
     return pb_bytes(4, body)
-
-
-def raw_fields(msg):
-    """(field number, wire type, value) of each field: an int for a varint, bytes otherwise."""
-    i = 0
-    while i < len(msg):
-        key, i = read_varint(msg, i)
-        field, wt = key >> 3, key & 7
-        if wt == 0:
-            v, i = read_varint(msg, i)
-        elif wt == 2:
-            ln, i = read_varint(msg, i)
-            v, i = msg[i:i + ln], i + ln
-        else:
-            n = 8 if wt == 1 else 4
-            v, i = msg[i:i + n], i + n
-        yield field, wt, v
 
 
 def token_logprobs(msg):

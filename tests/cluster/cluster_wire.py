@@ -57,26 +57,30 @@ def request(ids, max_tokens):
     return pb_packed(2, ids) + pb_varint(3, max_tokens)
 
 
-def fields(msg):
-    """(field number, value) of each field of one message: an int for a varint, bytes for a
-    length-delimited field; fixed-width fields are skipped."""
+def raw_fields(msg):
+    """(field number, wire type, value) of each field of one message: an int for a varint,
+    bytes for a length-delimited or fixed-width field."""
     i = 0
     while i < len(msg):
         key, i = read_varint(msg, i)
         field, wt = key >> 3, key & 7
         if wt == 0:
             v, i = read_varint(msg, i)
-            yield field, v
         elif wt == 2:
             ln, i = read_varint(msg, i)
-            yield field, msg[i:i + ln]
-            i += ln
-        elif wt == 1:
-            i += 8
-        elif wt == 5:
-            i += 4
+            v, i = msg[i:i + ln], i + ln
+        elif wt in (1, 5):
+            n = 8 if wt == 1 else 4
+            v, i = msg[i:i + n], i + n
         else:
             raise ValueError("bad wire type %d" % wt)
+        yield field, wt, v
+
+
+def fields(msg):
+    """(field number, value) of each field of one message: an int for a varint, bytes for a
+    length-delimited field; fixed-width fields are skipped."""
+    return ((f, v) for f, wt, v in raw_fields(msg) if wt in (0, 2))
 
 
 def parse_ids(msg):
