@@ -13,6 +13,7 @@
 # the router and the load generator stay on both cores (they are shared by every configuration).
 # Every configuration x mix gets a fresh cluster. Environment (defaults in brackets):
 #   TANDEM [build/tandem]  MODEL [scripts/fetch-model smollm2]  CORES [0,1]  CONFIGS [disagg unified2 unified1]
+#     (a unified configuration may name its prompt chunk: unified2@64 runs --prefill-chunk 64)
 #   MIXES [prefill decode]  NUM_PROMPTS [30]  SEED [1]  WARMUP [4]
 #   PREFILL_MIX ["256 16 0.25"]  DECODE_MIX ["64 128 0.25"]   (input-len output-len range-ratio)
 #   PREFILL_SLO ["ttft:MS tpot:MS"]  DECODE_SLO [...]  PREFILL_RATES  DECODE_RATES  (see below)
@@ -55,12 +56,14 @@ trap stop_cluster EXIT
 # start_cluster CONFIG: sets $url (the OpenAI base URL) and pins the nodes
 start_cluster() {
   local cfg=$1 args
-  case "$cfg" in
+  case "${cfg%@*}" in
     disagg) args=(--prefill 1 --decode 1 --threads 1) ;;
     unified2) args=(--unified 2 --threads 1) ;;
     unified1) args=(--unified 1 --threads 2) ;;
     *) echo "goodput_sweep: unknown configuration $cfg" >&2; exit 2 ;;
   esac
+  # CONFIG@N: unified nodes feed prompts in chunks of N tokens (--prefill-chunk; default 256)
+  case "$cfg" in *@*) args+=(--prefill-chunk "${cfg#*@}") ;; esac
   local fifo=$out/.local.$cfg.out
   : >"$fifo" # exists before the background start opens it
   taskset -c "$CORES" "$TANDEM" local --model "$MODEL" "${args[@]}" >"$fifo" 2>"$out/local.$cfg.err" &
@@ -83,7 +86,7 @@ start_cluster() {
       "decode decode0"|"unified unified1") core=$c1 ;;
       *) continue ;;
     esac
-    [ "$cfg" = unified1 ] && core=$CORES
+    [ "${cfg%@*}" = unified1 ] && core=$CORES
     taskset -a -p -c "$core" "$kid" >/dev/null
     pins="$pins ${role#* }->cpu$core"
   done

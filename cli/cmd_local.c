@@ -128,6 +128,7 @@ int cmd_local(int argc, char **argv)
     const char *device = "cpu", *dtype = NULL, *api_keys = NULL;
     /* -1: not given (1 each, or 0 each with --unified) */
     int64_t n_prefill = -1, n_decode = -1, n_unified = 0, threads = 0, kv_blocks = 0, kv_mem = 0, http_port = 0;
+    int64_t prefill_chunk = 0;
     const td_opt_t opts[] = {
         TD_OPT_STRING("model", &model, "model path (required)"),
         TD_OPT_STRING("tokenizer", &tokenizer, "tokenizer path (default: beside the model)"),
@@ -135,6 +136,8 @@ int cmd_local(int argc, char **argv)
         TD_OPT_INT("decode", &n_decode, 0, 32, "decode nodes (default 1; 0 with --unified)"),
         TD_OPT_INT("unified", &n_unified, 0, 32,
                    "unified nodes: prefill and decode in one engine, the colocated baseline (default 0)"),
+        TD_OPT_INT("prefill-chunk", &prefill_chunk, 0, 1 << 20,
+                   "prompt tokens a unified node feeds a sequence in one step (default 0: the node's own, 256)"),
         TD_OPT_INT("threads", &threads, 0, 4096, "compute threads per node (default 0: this process's cores / (N + M))"),
         TD_OPT_INT("kv-blocks", &kv_blocks, 1, 1 << 24, "KV blocks per node (default: from the shared budget)"),
         TD_OPT_INT("kv-mem", &kv_mem, 1, 1 << 30, "KV budget per node in MiB (default: from the shared budget)"),
@@ -154,7 +157,7 @@ int cmd_local(int argc, char **argv)
         printf("usage: tandem local --model PATH [--tokenizer PATH] [--prefill N] [--decode M] [--unified U]\n"
                "                    [--threads T] [--kv-blocks B | --kv-mem MIB] [--log-level L]\n"
                "                    [--host H] [--advertise A] [--device D] [--dtype T]\n"
-               "                    [--api-keys-file FILE]\n\n"
+               "                    [--api-keys-file FILE] [--prefill-chunk N]\n\n"
                "Starts a router, N prefill and M decode nodes (separate processes) listening on\n"
                "--host (default 127.0.0.1) and reached at --advertise (default --host; required\n"
                "with a wildcard host), prints 'gateway: HOST:PORT', 'openai: URL' (the OpenAI HTTP\n"
@@ -166,7 +169,8 @@ int cmd_local(int argc, char **argv)
                "this process's cores / (N + M + U), at least 1). The KV pools share one budget, %d%% of\n"
                "the memory available, split %d:1 between a decode and a prefill node and passed as\n"
                "--kv-mem; --kv-mem MIB (per node) or --kv-blocks B (per node) replace it.\n"
-               "--device (cpu, cuda, cuda:N) and --dtype (f32, f16, bf16) go to every node.\n"
+               "--device (cpu, cuda, cuda:N) and --dtype (f32, f16, bf16) go to every node,\n"
+               "--prefill-chunk to the unified ones.\n"
                "A cluster secret of its own is made for each run (docs/security.md).\n\n",
                TD_KV_LOCAL_PERCENT, TD_KV_LOCAL_DECODE_SHARE);
         td_opts_usage(stdout, opts, (int)TD_ARRAY_LEN(opts), false);
@@ -272,7 +276,7 @@ int cmd_local(int argc, char **argv)
         char *nargv[] = {"tandem", (char *)role, "--model", (char *)model, "--router", control,
                          "--node-id", id, "--threads", plan.threads, "--log-level", (char *)log_level,
                          "--host", (char *)host, "--device", (char *)device, "--cluster-secret-file", secret,
-                         NULL, NULL, NULL, NULL, NULL, NULL, NULL};
+                         NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
         int k = 0;
         while (nargv[k]) /* the optional flags go after the fixed ones */
             k++;
@@ -287,6 +291,12 @@ int cmd_local(int argc, char **argv)
         if (advertise) {
             nargv[k++] = "--advertise";
             nargv[k++] = (char *)advertise;
+        }
+        char chunk[24];
+        if (prefill_chunk > 0 && !strcmp(role, "unified")) {
+            snprintf(chunk, sizeof chunk, "%lld", (long long)prefill_chunk);
+            nargv[k++] = "--prefill-chunk";
+            nargv[k++] = chunk;
         }
         if (spawn(&l, self, nargv, false) != TD_OK)
             goto out;
