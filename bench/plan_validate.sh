@@ -10,16 +10,34 @@
 # first rate, then for each later rate FILE calibrated (`tandem plan calibrate`) by the step
 # histograms the nodes kept over the rates before it: predicted from the past, compared with
 # the next run. The cluster is started once with
-# --threads 1 per node and stopped at the end.
+# --threads 1 per node and stopped at the end. P `u` and D N: N unified nodes (the colocated
+# configuration; `plan --unified N`) instead of P prefill and D decode nodes.
+# PIN=CORES (e.g. PIN=0,1): each node process, all its threads, pinned to one of CORES in turn
+# once the cluster is up (router and load generator float), as bench/goodput_sweep.sh does.
 set -u
 BIN=$1 MODEL=$2 PROF=$3 P=$4 D=$5 WL=$6 TTFT=$7 TPOT=$8 N=$9
 shift 9
 IFS=: read -r IN OUT RR <<<"$WL"
+VOCAB=${VOCAB:-256}
 T=$(mktemp -d)
-setsid "$BIN" local --model "$MODEL" --prefill "$P" --decode "$D" --threads 1 >"$T/local.out" 2>"$T/local.err" &
+if [ "$P" = u ]; then
+    NODES=(--unified "$D") SPLIT=(--unified "$D")
+else
+    NODES=(--prefill "$P" --decode "$D") SPLIT=(--split "$P:$D")
+fi
+setsid "$BIN" local --model "$MODEL" "${NODES[@]}" --threads 1 >"$T/local.out" 2>"$T/local.err" &
 LP=$!
 trap 'kill -TERM -- -$LP 2>/dev/null; wait $LP 2>/dev/null; rm -rf "$T"' EXIT
 for _ in $(seq 100); do grep -q '^gateway:' "$T/local.out" && break; sleep 0.2; done
+if [ -n "${PIN:-}" ]; then
+    IFS=, read -r -a CORES <<<"$PIN"
+    i=0
+    for kid in $(pgrep -P "$LP"); do
+        case "$(tr '\0' ' ' <"/proc/$kid/cmdline" | awk '{print $2}')" in
+            prefill|decode|unified) taskset -a -p -c "${CORES[$((i % ${#CORES[@]}))]}" "$kid" >/dev/null; i=$((i + 1)) ;;
+        esac
+    done
+fi
 GW=$(sed -n 's/^gateway: //p' "$T/local.out")
 PM=$(sed -n 's/^prefill [^ ]*: control [^ ]* metrics //p' "$T/local.err" | head -1)
 DM=$(sed -n 's/^decode [^ ]*: control [^ ]* metrics //p' "$T/local.err" | head -1)
@@ -42,11 +60,11 @@ for R in "$@"; do
         "$BIN" plan profile --model "$MODEL" --threads 1 --out "$PF" >/dev/null 2>&1 || { echo "profile failed" >&2; exit 1; }
     fi
     "$BIN" bench serve --gateway "$GW" --num-prompts "$N" --request-rate "$R" --input-len "$IN" --output-len "$OUT" \
-        --range-ratio "$RR" --vocab-size 256 --seed $SEED --goodput "ttft:$TTFT tpot:$TPOT" --result-file "$T/m.json" \
+        --range-ratio "$RR" --vocab-size "$VOCAB" --seed $SEED --goodput "ttft:$TTFT tpot:$TPOT" --result-file "$T/m.json" \
         >/dev/null 2>"$T/bs.err" || { echo "bench serve failed at rate $R: $(tail -2 "$T/bs.err")" >&2; exit 1; }
     LOAD=$(cut -d' ' -f1 /proc/loadavg)
     "$BIN" plan --profile "$PF" --workload "random:$IN:$OUT:$RR" --ttft "$TTFT" --tpot "$TPOT" \
-        --split "$P:$D" --rate "$R" --requests 4000 --seed $SEED --json >"$T/p.json" || exit 1
+        "${SPLIT[@]}" --rate "$R" --requests 4000 --seed $SEED --json >"$T/p.json" || exit 1
     python3 - "$T/m.json" "$T/p.json" "$R" "$LOAD" <<'PY'
 import json, sys
 m, p, r = json.load(open(sys.argv[1])), json.load(open(sys.argv[2]))["simulated"], sys.argv[3]

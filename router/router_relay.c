@@ -171,9 +171,10 @@ void router_req_finish(router_req_t *r, router_finish_t reason)
     router_req_end(r);
 }
 
-/* A stop id of the request, or an EOS id of the model (unless ignore_eos): the router's
- * tokenizer's, or without one the EOS ids the decode node registered (a llama2.c checkpoint
- * has no tokenizer; its nodes still stop at its EOS, and so must the first token). */
+/* A stop id of the request, or an EOS id of the model (unless ignore_eos): the ids the
+ * request's decode node registered, the very ids it stops later tokens at, so that the first
+ * token (from the prefill node) ends a request exactly as a later one would, with or without
+ * a tokenizer on the router. */
 static bool is_stop_id(const router_req_t *r, uint32_t token)
 {
     for (size_t i = 0; i < r->n_stop_ids; i++)
@@ -181,8 +182,6 @@ static bool is_stop_id(const router_req_t *r, uint32_t token)
             return true;
     if (r->ignore_eos)
         return false;
-    if (r->s->tok)
-        return td_tokenizer_is_eos(r->s->tok, (int32_t)token);
     const router_node_t *d = router_registry_node(r->s->reg, r->pick.pair.decode);
     for (int32_t i = 0; d && i < d->info.n_eos; i++)
         if (d->info.eos_ids[i] == (int32_t)token)
