@@ -164,6 +164,29 @@ static size_t fifo_len(const fifo_t *f)
     return f->tail - f->head;
 }
 
+/* ---- a node's step ----------------------------------------------------------------------------- */
+
+/* Adds `take` prompt tokens of request id to the node's step (budget, tokens and the attention
+ * term follow). */
+static void step_take_prompt(sim_t *s, node_t *nd, int32_t id, int32_t take, int64_t *budget, int64_t *tokens,
+                             double *attn)
+{
+    const sreq_t *r = &s->r[id];
+    nd->step[nd->n_step] = id;
+    nd->step_tok[nd->n_step++] = take;
+    *budget -= take;
+    *tokens += take;
+    *attn += (double)take * (r->prefilled + take);
+}
+
+/* The node computes a step of dt seconds from now: busy until its event of `kind`. */
+static td_status_t step_run(sim_t *s, node_t *nd, double dt, double now, int32_t kind, int32_t i)
+{
+    nd->busy = true;
+    nd->busy_s += dt;
+    return heap_push(&s->h, now + dt, kind, i);
+}
+
 /* ---- prefill nodes --------------------------------------------------------------------------- */
 
 /* prefill_sched's packing: the queue's head first, each prompt taking what the token budget
@@ -177,18 +200,11 @@ static td_status_t prefill_start(sim_t *s, int32_t i, double now)
     double attn = 0;
     nd->n_step = 0;
     for (size_t k = nd->q.head; k < nd->q.tail && budget > 0 && nd->n_step < s->c->prefill_max_batch; k++) {
-        sreq_t *r = &s->r[nd->q.v[k]];
-        int32_t take = (int32_t)TD_MIN((int64_t)(r->input - r->prefilled), budget);
-        nd->step[nd->n_step] = nd->q.v[k];
-        nd->step_tok[nd->n_step++] = take;
-        budget -= take;
-        tokens += take;
-        attn += (double)take * (r->prefilled + take);
+        const sreq_t *r = &s->r[nd->q.v[k]];
+        step_take_prompt(s, nd, nd->q.v[k], (int32_t)TD_MIN((int64_t)(r->input - r->prefilled), budget), &budget,
+                         &tokens, &attn);
     }
-    double dt = td_plan_prefill_step_s(s->p, tokens, attn);
-    nd->busy = true;
-    nd->busy_s += dt;
-    return heap_push(&s->h, now + dt, EV_PREFILL, i);
+    return step_run(s, nd, td_plan_prefill_step_s(s->p, tokens, attn), now, EV_PREFILL, i);
 }
 
 static td_status_t prefill_done(sim_t *s, int32_t i, double now)
@@ -241,10 +257,7 @@ static td_status_t decode_start(sim_t *s, int32_t i, double now)
     int64_t ctx = 0;
     for (int32_t k = 0; k < nd->n_run; k++)
         ctx += s->r[nd->run[k]].input + s->r[nd->run[k]].generated;
-    double dt = td_plan_decode_step_s(s->p, nd->n_run, ctx);
-    nd->busy = true;
-    nd->busy_s += dt;
-    return heap_push(&s->h, now + dt, EV_DECODE, i);
+    return step_run(s, nd, td_plan_decode_step_s(s->p, nd->n_run, ctx), now, EV_DECODE, i);
 }
 
 static td_status_t place_pending(sim_t *s, double now);
@@ -356,20 +369,15 @@ static td_status_t unified_start(sim_t *s, int32_t i, double now)
         sreq_t *r = &s->r[nd->run[k]];
         if (r->prefilled >= r->input)
             continue;
-        int32_t take = (int32_t)TD_MIN(TD_MIN((int64_t)(r->input - r->prefilled), (int64_t)s->c->unified_chunk), budget);
-        nd->step[nd->n_step] = nd->run[k];
-        nd->step_tok[nd->n_step++] = take;
-        budget -= take;
-        n_pre += take;
-        attn += (double)take * (r->prefilled + take);
+        step_take_prompt(s, nd, nd->run[k],
+                         (int32_t)TD_MIN(TD_MIN((int64_t)(r->input - r->prefilled), (int64_t)s->c->unified_chunk), budget),
+                         &budget, &n_pre, &attn);
     }
     if (!nd->n_step) /* budget exhausted by decode tokens alone cannot happen: max_batch <= budget */
         return TD_OK;
     double dt = n_pre ? td_plan_prefill_step_s(s->p, n_pre + n_dec, attn) + s->p->decode_c_s * (double)ctx
                       : td_plan_decode_step_s(s->p, n_dec, ctx);
-    nd->busy = true;
-    nd->busy_s += dt;
-    return heap_push(&s->h, now + dt, EV_UNIFIED, i);
+    return step_run(s, nd, dt, now, EV_UNIFIED, i);
 }
 
 static td_status_t unified_done(sim_t *s, int32_t i, double now)
