@@ -1,9 +1,10 @@
 #!/usr/bin/python3
 """Plots and tables of bench/goodput_sweep.sh's results (docs/goodput.md).
 
-    /usr/bin/python3 bench/goodput_plot.py [OUT_DIR [IMG_DIR]]
+    /usr/bin/python3 bench/goodput_plot.py [OUT_DIR[,OUT_DIR...] [IMG_DIR]]
 
-Reads OUT_DIR/{disagg,unified2,unified1}-{prefill,decode}.json (`tandem bench serve
+Reads OUT_DIR/{disagg,unified2,unified2@32,unified1}-{prefill,decode}.json (several OUT_DIRs,
+comma-separated: a configuration's runs of every one, e.g. a second sweep at more rates) (`tandem bench serve
 --sweep ... --result-file`), writes IMG_DIR/goodput-{mix}.png (goodput, SLO attainment, TTFT p90
 and TPOT p90 against the request rate, one line per configuration) and prints markdown tables:
 per rate, and per configuration the highest rate at >= the sweep's attainment and goodput per core.
@@ -21,20 +22,27 @@ import matplotlib.pyplot as plt  # noqa: E402
 CONFIGS = [  # name, label, cores
     ("disagg", "1 prefill + 1 decode (1 core each)", 2),
     ("unified2", "2 unified (1 core each)", 2),
+    ("unified2@32", "2 unified, 32-token prompt chunks (1 core each)", 2),
     ("unified1", "1 unified (2 cores)", 2),
 ]
 MIXES = ["prefill", "decode"]
-STYLE = {"disagg": ("tab:red", "o"), "unified2": ("tab:blue", "s"), "unified1": ("tab:green", "^")}
+STYLE = {"disagg": ("tab:red", "o"), "unified2": ("tab:blue", "s"), "unified2@32": ("tab:purple", "v"), "unified1": ("tab:green", "^")}
 
 
-def load(out):
+def load(outs):
     res = {}
-    for cfg, _, _ in CONFIGS:
-        for mix in MIXES:
-            p = os.path.join(out, f"{cfg}-{mix}.json")
-            if os.path.exists(p):
+    for out in outs.split(","):
+        for cfg, _, _ in CONFIGS:
+            for mix in MIXES:
+                p = os.path.join(out, f"{cfg}-{mix}.json")
+                if not os.path.exists(p):
+                    continue
                 with open(p) as f:
-                    res[(cfg, mix)] = json.load(f)
+                    r = json.load(f)
+                if (cfg, mix) in res:
+                    res[(cfg, mix)]["runs"] += r["runs"]
+                else:
+                    res[(cfg, mix)] = r
     return res
 
 
@@ -80,7 +88,7 @@ def main():
             ax[1][1].plot(rates, [x["p90_tpot_ms"] for x in runs], **kw)
             att = r.get("sweep_attainment", 0.9)
             gmax = max(x["request_goodput"] or 0 for x in runs)
-            summary[(cfg, mix)] = (best_rate(runs, att), gmax, gmax / cores, cores, label)
+            summary[(cfg, mix)] = (best_rate(runs, att), gmax, cores, label)
         ax[0][0].plot([0, max(rates)], [0, max(rates)], color="grey", linestyle=":", linewidth=1, label="rate")
         ax[0][0].set_ylabel("goodput (req/s)")
         ax[0][1].axhline(90, color="grey", linestyle=":", linewidth=1)
@@ -104,17 +112,24 @@ def main():
         fig.savefig(path)
         plt.close(fig)
         print(f"\n![{mix}-heavy]({os.path.relpath(path, 'docs')})")
-    print("\n| mix | config | highest rate at >= 90% attainment | max goodput req/s | goodput per core | vs best colocated |")
-    print("|---|---|---|---|---|---|")
+    # goodput per core two ways: DistServe's (the highest rate served at >= 90% attainment, per
+    # core) and the highest goodput any rate of the sweep measured, per core
+    print("\n| mix | config | highest rate at >= 90% attainment | per core | vs best colocated "
+          "| max goodput req/s | per core | vs best colocated |")
+    print("|---|---|---|---|---|---|---|---|")
     for mix in MIXES:
-        colo = [summary[(c, mix)][2] for c in ("unified2", "unified1") if (c, mix) in summary]
-        best_colo = max(colo) if colo else None
+        colo = [summary[(c, mix)] for c, _, _ in CONFIGS if c.startswith("unified") and (c, mix) in summary]
+        best_rate_colo = max(((x[0] or 0) / x[2] for x in colo), default=None)
+        best_good_colo = max((x[1] / x[2] for x in colo), default=None)
         for cfg, _, _ in CONFIGS:
             if (cfg, mix) not in summary:
                 continue
-            br, gmax, gpc, cores, label = summary[(cfg, mix)]
-            ratio = f"{gpc / best_colo:.2f}x" if best_colo else "-"
-            print(f"| {mix} | {label} | {'none' if br is None else f'{br:g}'} | {gmax:.2f} | {gpc:.2f} | {ratio} |")
+            br, gmax, cores, label = summary[(cfg, mix)]
+            rpc = (br or 0) / cores
+            r1 = f"{rpc / best_rate_colo:.2f}x" if best_rate_colo else "-"
+            r2 = f"{gmax / cores / best_good_colo:.2f}x" if best_good_colo else "-"
+            print(f"| {mix} | {label} | {'none' if br is None else f'{br:g}'} | {rpc:.2f} | {r1} | "
+                  f"{gmax:.2f} | {gmax / cores:.2f} | {r2} |")
 
 
 if __name__ == "__main__":
