@@ -632,9 +632,10 @@ static double float_to_nice_double(float f)
     return (double)f;
 }
 
-/* The window the way the arch's config.json says it: Mistral's sliding_window alone when
- * every layer slides; otherwise (Qwen, or a per-layer pattern) use_sliding_window and
- * layer_types, which transformers' Qwen2/Qwen3/Mistral configs all read. */
+/* The window the way the arch's config.json says it: sliding_window (Qwen: with
+ * use_sliding_window and max_window_layers 0, so every layer slides), and layer_types when
+ * only some layers slide (newer transformers configs' per-layer list, which
+ * parse_sliding_window reads for every arch). */
 static td_status_t add_sliding_window(cJSON *r, const td_model_config_t *c)
 {
     bool qwen = c->arch == TD_ARCH_QWEN2 || c->arch == TD_ARCH_QWEN3;
@@ -656,8 +657,6 @@ static td_status_t add_sliding_window(cJSON *r, const td_model_config_t *c)
     if (qwen)
         cJSON_AddNumberToObject(r, "max_window_layers", 0);
     if (!all) {
-        if (c->arch == TD_ARCH_MISTRAL)
-            return td_errorf(TD_ERR_UNSUPPORTED, "config.json: a Mistral config slides every layer or none");
         cJSON *t = cJSON_AddArrayToObject(r, "layer_types");
         if (!t)
             return td_errorf(TD_ERR_NOMEM, "config.json: out of memory");
