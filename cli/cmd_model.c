@@ -164,6 +164,20 @@ static void print_config(const td_model_config_t *c)
     printf("tied embeddings %s\n", c->tie_embeddings ? "yes" : "no");
     printf("qkv bias        %s\n", c->qkv_bias ? "yes" : "no");
     printf("qk norm         %s\n", c->qk_norm ? "yes" : "no");
+    if (c->sliding_window > 0) {
+        printf("sliding window  %d tokens, ", c->sliding_window);
+        if (td_model_kv_window(c) > 0) {
+            printf("every layer\n");
+        } else {
+            printf("layers");
+            for (int32_t l = 0; l < c->n_layers; l++)
+                if (td_model_layer_window(c, l) > 0)
+                    printf(" %d", l);
+            printf("\n");
+        }
+    } else {
+        printf("sliding window  none\n");
+    }
     printf("bos             %d\n", c->bos_id);
     printf("eos            ");
     for (int i = 0; i < c->n_eos; i++)
