@@ -6,7 +6,9 @@
 # blocks behind the window back to its pool as it goes (tandem_decode_kv_blocks_window_
 # released_total), and the second round of the same prompts (prefix-cache hits on the
 # prefill node, with blocks the window has left) must answer the same again. Every KV byte
-# sent is received, and cl_end checks nothing is left held. Skips without python3-grpcio.
+# sent is received. Then a unified node (prefill and decode in one engine and one pool,
+# releasing as it decodes) answers the same prompts the same way. cl_stop/cl_end check nothing is left held (no running sequence,
+# lease or used block once idle). Skips without python3-grpcio.
 source "$(dirname "$0")/cluster_lib.sh"
 cl_init
 CL_M="$CL_T/tiny-swa"
@@ -27,4 +29,13 @@ echo "decode0 blocks released behind the window: $released"
 hits=$(cl_metric prefill0 tandem_prefill_cached_tokens_total)
 echo "prefill0 prompt tokens from its prefix cache: $hits"
 [ "${hits%.*}" -gt 0 ] 2>/dev/null || cl_fail "the second round hit no cached prefix on the prefill node ('$hits')"
-cl_end "${#PROMPTS[@]} x 2 sliding-window generations through the cluster equal local generate"
+cl_stop
+CL_NAMES=() CL_PID=()
+
+echo "== unified"
+cl_local 0 0 --unified 1 --threads 1
+cl_concurrent_equal 90 "${PROMPTS[@]}"
+released=$(cl_metric unified0 tandem_unified_kv_blocks_window_released_total)
+echo "unified0 blocks released behind the window: $released"
+[ "${released%.*}" -gt 0 ] 2>/dev/null || cl_fail "the unified node released no block behind the window ('$released')"
+cl_end "${#PROMPTS[@]} x 3 sliding-window generations (prefill + decode, unified) equal local generate"
