@@ -188,7 +188,8 @@ td_status_t td_model_synth(const td_synth_params_t *p, const char *out_dir, cons
 td_status_t td_model_config_validate(const td_model_config_t *cfg, const char *origin);
 
 /* Serialises cfg as a Hugging Face config.json for its arch (torch_dtype from `dtype`).
- * *json_p is heap text the caller frees with free(). Errors: TD_ERR_NOMEM. */
+ * *json_p is heap text the caller frees with free(). Errors: TD_ERR_NOMEM, TD_ERR_UNSUPPORTED
+ * (a sliding window on a llama config, which has no key for one). */
 td_status_t td_model_config_to_json(const td_model_config_t *cfg, td_dtype_t dtype, char **json_p);
 
 /* Number of weights (parameters) the config implies; the embedding counted once when tied. */

@@ -160,10 +160,10 @@ static td_status_t parse_sliding_window(const cJSON *root, const char *origin, t
                          cfg->n_layers);
     memset(cfg->swa_layers, 0, sizeof cfg->swa_layers);
     bool any = false;
-    for (int32_t l = 0; l < cfg->n_layers; l++) {
+    const cJSON *t = cJSON_IsArray(types) ? types->child : NULL; /* walked, not indexed: O(n) */
+    for (int32_t l = 0; l < cfg->n_layers; l++, t = t ? t->next : NULL) {
         bool slides = l >= first;
         if (cJSON_IsArray(types)) {
-            const cJSON *t = cJSON_GetArrayItem(types, l);
             const char *k = cJSON_IsString(t) ? t->valuestring : "";
             slides = !strcmp(k, "sliding_attention");
             if (!slides && strcmp(k, "full_attention"))
