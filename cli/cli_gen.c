@@ -337,6 +337,7 @@ td_status_t cli_gen_run(cli_gen_t *g, const cli_gen_opts_t *o, td_kv_seq_t *seq,
         }
         if (st != TD_OK)
             goto out;
+        td_engine_seq_release_window(g->eng, seq); /* blocks behind a sliding window */
     }
     r.t_total_ns = td_now_ns() - t0;
     if (o->print_ids) {

@@ -53,7 +53,7 @@ static td_status_t load_shape(const char *what, td_model_config_t *cfg)
 static int cmd_synth(int argc, char **argv)
 {
     const char *out = NULL, *config = "tiny", *arch = NULL, *tok = NULL, *format = "dir";
-    int64_t seed = 0, shards = 1;
+    int64_t seed = 0, shards = 1, window = -1;
     td_dtype_t dtype = TD_BF16;
     int quant = -1;
     const td_opt_t opts[] = {
@@ -66,6 +66,9 @@ static int cmd_synth(int argc, char **argv)
          .help = "a preset (default tiny) or a config.json to copy the shape from"},
         {.name = "arch", .type = TD_OPT_STR, .ptr = &arch, .arg = "ARCH",
          .help = "llama|mistral|qwen2|qwen3 (default: the config's)"},
+        {.name = "sliding-window", .type = TD_OPT_I64, .ptr = &window, .min = 0, .max = 1 << 24, .arg = "W",
+         .help = "every layer attends to its last W positions (a Mistral-style sliding\n"
+                 "window; 0: none; default: the config's)"},
         {.name = "seed", .type = TD_OPT_I64, .ptr = &seed, .min = 0, .max = INT64_MAX, .arg = "S",
          .help = "weights are a function of the seed (default 0)"},
         {.name = "dtype", .type = TD_OPT_FN, .ptr = &dtype, .parse = cli_opt_dtype, .arg = "T",
@@ -85,6 +88,7 @@ static int cmd_synth(int argc, char **argv)
     if (r.help) {
         printf("usage: tandem model synth --out DIR [--config NAME|config.json] [--arch ARCH] [--seed S]\n"
                "                          [--dtype f32|f16|bf16] [--tokenizer PATH] [--shards N]\n"
+               "                          [--sliding-window W]\n"
                "       tandem model synth --format gguf --out FILE.gguf [--config ...] [--arch ARCH] [--seed S]\n"
                "                          [--dtype f32|f16|bf16] [--quant q8_0|q4_0]\n\n");
         td_opts_usage(stdout, opts, (int)TD_ARRAY_LEN(opts), false);
@@ -124,6 +128,8 @@ static int cmd_synth(int argc, char **argv)
         }
         td_model_config_set_arch(&p.config, (td_arch_t)a);
     }
+    if (window >= 0)
+        td_model_config_set_window(&p.config, (int32_t)window);
     p.seed = (uint64_t)seed;
     p.dtype = quant >= 0 ? (td_dtype_t)quant : dtype;
     double t0 = td_now_s();
@@ -158,6 +164,20 @@ static void print_config(const td_model_config_t *c)
     printf("tied embeddings %s\n", c->tie_embeddings ? "yes" : "no");
     printf("qkv bias        %s\n", c->qkv_bias ? "yes" : "no");
     printf("qk norm         %s\n", c->qk_norm ? "yes" : "no");
+    if (c->sliding_window > 0) {
+        printf("sliding window  %d tokens, ", c->sliding_window);
+        if (td_model_kv_window(c) > 0) {
+            printf("every layer\n");
+        } else {
+            printf("layers");
+            for (int32_t l = 0; l < c->n_layers; l++)
+                if (td_model_layer_window(c, l) > 0)
+                    printf(" %d", l);
+            printf("\n");
+        }
+    } else {
+        printf("sliding window  none\n");
+    }
     printf("bos             %d\n", c->bos_id);
     printf("eos            ");
     for (int i = 0; i < c->n_eos; i++)

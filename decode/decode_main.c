@@ -143,7 +143,8 @@ typedef struct decode_state {
     td_metrics_t *metrics;
     td_node_xfer_metrics_t xfer_metrics; /* td_xfer's statistics on /metrics */
     td_metric_t *m_used, *m_free, *m_running, *m_waiting, *m_tokens, *m_steps, *m_step_s, *m_batch,
-        *m_admits, *m_refused, *m_releases, *m_prefill_tokens;
+        *m_admits, *m_refused, *m_releases, *m_prefill_tokens, *m_window_released;
+    uint64_t window_released; /* decode_sched_stats' count already added to m_window_released */
     bool unified;             /* the unified role: no td_xfer, Prefill served here */
     uint64_t next_lease;      /* unified: lease ids of its own */
     td_list_t prefills;       /* unified: decode_prefill_t awaiting a first token */
@@ -336,6 +337,8 @@ static void compute_main(void *arg)
         td_metric_set(s->m_free, ss.free_blocks);
         td_metric_set(s->m_running, ss.running);
         td_metric_set(s->m_waiting, ss.waiting);
+        td_metric_add(s->m_window_released, (double)(ss.window_released - s->window_released));
+        s->window_released = ss.window_released;
         /* outs_unsent, load_running, admits_posted in this order (decode_busy reads them in
            the reverse one): a request is counted somewhere at every instant */
         if (o->n_seqs)
@@ -1014,7 +1017,8 @@ static td_status_t init_metrics(decode_state_t *s)
     static const double batch_buckets[] = {1, 2, 4, 8, 16, 32, 64, 128, 256};
     static const char *const suffix[] = {"kv_blocks_used", "kv_blocks_free", "running_sequences", "waiting_sequences",
                                          "tokens_total", "steps_total", "step_seconds", "batch_size", "admits_total",
-                                         "admits_refused_total", "releases_total", "prefill_tokens_total"};
+                                         "admits_refused_total", "releases_total", "prefill_tokens_total",
+                                         "kv_blocks_window_released_total"};
     char name[TD_ARRAY_LEN(suffix)][64];
     for (size_t i = 0; i < TD_ARRAY_LEN(suffix); i++)
         snprintf(name[i], sizeof name[i], "tandem_%s_%s", s->unified ? "unified" : "decode", suffix[i]);
@@ -1034,6 +1038,8 @@ static td_status_t init_metrics(decode_state_t *s)
         TD_METRIC_DEF_COUNTER(name[10], "Release calls", &s->m_releases),
         TD_METRIC_DEF_COUNTER(name[11], "context tokens computed here in prompt chunks (local prefill, "
                                         "recompute after preemption)", &s->m_prefill_tokens),
+        TD_METRIC_DEF_COUNTER(name[12], "KV blocks sequences gave back early: behind every layer's "
+                                        "sliding window", &s->m_window_released),
     };
     return td_metrics_register_all(s->metrics, defs, TD_ARRAY_LEN(defs));
 }

@@ -645,6 +645,11 @@ td_status_t decode_sched_step(decode_sched_t *s, int64_t now_ns, decode_step_res
         break;
     }
 
+    /* sliding window: blocks behind every layer's window go back to the pool now, before
+       a sequence that finishes below gives back the rest */
+    for (int32_t j = 0; j < n_items; j++)
+        td_engine_seq_release_window(s->eng, s->items[j].seq);
+
     int32_t row = 0;
     for (int32_t j = 0; j < n_items; j++) {
         dseq_t *q = s->owners[j];
@@ -705,5 +710,6 @@ void decode_sched_stats(const decode_sched_t *s, decode_sched_stats_t *st)
         .preemptions = s->preemptions,
         .tokens_generated = s->tokens_generated,
         .steps = s->steps,
+        .window_released = ks.window_released,
     };
 }

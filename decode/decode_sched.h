@@ -143,6 +143,7 @@ typedef struct decode_sched_stats {
     uint64_t preemptions;      /* since creation */
     uint64_t tokens_generated;
     uint64_t steps;
+    uint64_t window_released;  /* KV blocks sequences gave back past their sliding window */
 } decode_sched_stats_t;
 
 typedef struct decode_sched decode_sched_t;

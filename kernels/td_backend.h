@@ -106,6 +106,10 @@ typedef struct td_attn_params {
     float scale;               /* softmax scale, usually 1/sqrt(head_dim) */
     int32_t partition_tokens;  /* decode split-KV partition size in tokens (multiple of block
                                   size); 0 = the backend's heuristic */
+    int32_t window;            /* sliding window: a row at position p attends to the keys in
+                                  (p - window, p] only, and block-table entries of blocks wholly
+                                  below its rows' windows are never read (they may be released,
+                                  -1); 0 = the whole causal context */
 } td_attn_params_t;
 
 typedef struct td_backend_ops {
@@ -156,7 +160,8 @@ typedef struct td_backend_ops {
     td_status_t (*matmul)(td_backend_t *be, const td_matmul_params_t *p);
     td_status_t (*rope_kv_write)(td_backend_t *be, const td_rope_kv_params_t *p);
     /* FlashAttention-style: query tiles against K/V tiles of the paged cache, online
-       softmax, causal (row at position p sees positions <= p), any number of new rows per
+       softmax, causal (row at position p sees positions <= p, and > p - window when
+       p->window is set), any number of new rows per
        sequence attending to the cached prefix plus themselves */
     td_status_t (*attn_prefill)(td_backend_t *be, const td_attn_params_t *p);
     /* FlashDecoding split-KV: exactly one new row per sequence; each sequence's context

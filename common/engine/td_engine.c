@@ -8,7 +8,8 @@
  *     q,k  = rmsnorm per head (Qwen3 only)
  *     q,k  = rope(q, k) at each row's position, and in the same pass (one op)
  *     cache[layer][slot(row)] = k, v
- *     att  = attention(q, cache)   prefill (tiles, causal) or decode (split-KV)
+ *     att  = attention(q, cache)   prefill (tiles, causal) or decode (split-KV); a
+ *                                  sliding layer sees only its last `window` positions
  *     x   += att . Wo                                       (residual fused in the GEMM)
  *     xb   = rmsnorm(x) * ffn_norm
  *     x   += (silu(xb . Wgate) * (xb . Wup)) . Wdown
@@ -81,6 +82,7 @@ struct td_engine {
     size_t weight_bytes;
     uint32_t said_dequant;  /* bit t: the log said block type t is dequantized at load */
     bool said_unquantized;  /* the log said some matrices cannot take --quant */
+    int32_t kv_window;      /* td_model_kv_window: 0 when some layer reads the whole context */
     td_engine_layer_cb layer_cb; /* td_engine_set_layer_hook; NULL: none */
     void *layer_arg;
 };
@@ -490,6 +492,7 @@ td_status_t td_engine_create(const td_model_t *model, td_backend_t *be,
     eng->model = model;
     eng->be = be;
     eng->cfg = *cfg;
+    eng->kv_window = td_model_kv_window(c);
     td_engine_kv_layout_for(model, cfg, &eng->layout);
     size_t per_block = (size_t)c->n_layers * td_kv_block_bytes(&eng->layout);
     int64_t n_blocks = cfg->n_blocks ? cfg->n_blocks : (int64_t)(cfg->kv_mem_bytes / per_block);
@@ -562,6 +565,14 @@ td_status_t td_engine_seq_start(td_engine_t *eng, td_kv_seq_t *seq, const int32_
     return TD_OK;
 }
 
+int32_t td_engine_seq_release_window(td_engine_t *eng, td_kv_seq_t *seq)
+{
+    if (eng->kv_window == 0)
+        return 0;
+    /* the next query sits at n_tokens and reads keys from n_tokens - window + 1 on */
+    return td_kv_seq_release_before(eng->kv, seq, seq->n_tokens - eng->kv_window + 1);
+}
+
 void td_engine_seq_end(td_engine_t *eng, td_kv_seq_t *seq)
 {
     td_kv_seq_free(eng->kv, seq);
@@ -587,6 +598,14 @@ static td_status_t check_items(const td_engine_t *eng, const td_engine_item_t *i
             return td_errorf(TD_ERR_RANGE,
                              "engine: sequence would reach %d tokens, the model's limit is %d",
                              it->seq->n_tokens + it->n_tokens, c->max_seq_len);
+        /* the kernels never read a released block: the step's first row must not need one */
+        if (it->seq->n_released > 0 &&
+            (eng->kv_window == 0 ||
+             (int64_t)it->seq->n_released * eng->cfg.block_size > it->seq->n_tokens - eng->kv_window + 1))
+            return td_errorf(TD_ERR_INVALID,
+                             "engine: item %d gave back %d blocks that a query at position %d still reads "
+                             "(window %d): release only with td_engine_seq_release_window", i,
+                             it->seq->n_released, it->seq->n_tokens, eng->kv_window);
         for (int32_t j = 0; j < it->n_tokens; j++)
             if (it->tokens[j] < 0 || it->tokens[j] >= c->vocab_size)
                 return td_errorf(TD_ERR_RANGE, "engine: token id %d outside the vocabulary [0, %d)",
@@ -710,6 +729,7 @@ static td_status_t forward_layer(td_engine_t *eng, int32_t l, int32_t T, bool de
         .q = s->q, .out = s->att, .kv_layer = kv_layer, .layout = &eng->layout,
         .n_blocks = eng->n_blocks, .n_heads = c->n_heads,
         .scale = 1.0f / sqrtf((float)c->head_dim), .partition_tokens = eng->cfg.partition_tokens,
+        .window = td_model_layer_window(c, l),
     };
     TRY(decode ? ops->attn_decode(be, &ap) : ops->attn_prefill(be, &ap));
     TRY(mm(be, T, &w->wo, c->dim, qd, s->att, NULL, s->x, true));

@@ -105,6 +105,18 @@ td_status_t td_engine_step(td_engine_t *eng, const td_engine_item_t *items, int3
 td_status_t td_engine_seq_start(td_engine_t *eng, td_kv_seq_t *seq, const int32_t *tokens,
                                 int32_t n, int32_t *n_cached_p);
 
+/*
+ * Sliding window: gives back the sequence's leading KV blocks that no query at position
+ * seq->n_tokens or later reads in any layer (td_model_kv_window; nothing when some layer
+ * attends to the whole context) and returns how many. Their table entries become
+ * TD_KV_RELEASED and the step refuses (TD_ERR_INVALID) a sequence whose first new row
+ * would need one, so call it only where the sequence moves forward from n_tokens: after
+ * a step, not before truncating it. A decode node and `tandem generate` call it after
+ * every step; a prefill node never does (its transfer reads every block of the prompt
+ * after the step). Shared and prefix-cached blocks follow td_kv_seq_release_before.
+ */
+int32_t td_engine_seq_release_window(td_engine_t *eng, td_kv_seq_t *seq);
+
 /* Releases everything a sequence holds (its blocks go back, full ones stay cached). */
 void td_engine_seq_end(td_engine_t *eng, td_kv_seq_t *seq);
 

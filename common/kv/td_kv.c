@@ -53,6 +53,7 @@ struct td_kv_cache {
     uint64_t prefix_lookups;
     uint64_t prefix_hits;
     uint64_t evictions;
+    uint64_t window_released;
 
     /* Serializes every public operation (the kv_* functions below assume it is held):
      * the decode node leases blocks on its loop thread while its engine runs on the
@@ -235,6 +236,7 @@ static void kv_get_stats(const td_kv_cache_t *cache, td_kv_stats_t *stats)
     stats->prefix_lookups = cache->prefix_lookups;
     stats->prefix_hits = cache->prefix_hits;
     stats->evictions = cache->evictions;
+    stats->window_released = cache->window_released;
 }
 
 static td_status_t kv_alloc_blocks(td_kv_cache_t *cache, int32_t n, int32_t *ids)
@@ -292,10 +294,26 @@ void td_kv_seq_init(td_kv_seq_t *seq)
  * first and are evicted before the blocks their chain depends on. */
 static void release_blocks_from(td_kv_cache_t *cache, td_kv_seq_t *seq, int32_t first)
 {
-    for (int32_t i = seq->n_blocks - 1; i >= first; i--)
+    for (int32_t i = seq->n_blocks - 1; i >= TD_MAX(first, seq->n_released); i--)
         kv_unref_block(cache, seq->blocks[i]);
     if (seq->n_blocks > first)
         seq->n_blocks = first;
+    if (seq->n_released > first)
+        seq->n_released = first;
+}
+
+/* Leading blocks go first to last: the LRU list then holds them in chain order. */
+static int32_t kv_seq_release_before(td_kv_cache_t *cache, td_kv_seq_t *seq, int32_t pos)
+{
+    const int32_t end = TD_MIN(TD_MIN(pos, seq->n_tokens) / cache->block_size, seq->n_blocks);
+    int32_t n = 0;
+    for (int32_t i = seq->n_released; i < end; i++, n++) {
+        kv_unref_block(cache, seq->blocks[i]);
+        seq->blocks[i] = TD_KV_RELEASED;
+    }
+    seq->n_released = TD_MAX(seq->n_released, end);
+    cache->window_released += (uint64_t)n;
+    return n;
 }
 
 static void kv_seq_free(td_kv_cache_t *cache, td_kv_seq_t *seq)
@@ -507,6 +525,7 @@ static void kv_seq_truncate(td_kv_cache_t *cache, td_kv_seq_t *seq, int32_t n_ke
         n_keep = 0;
     if (n_keep >= seq->n_tokens)
         return;
+    TD_ASSERT(n_keep >= seq->n_released * bs); /* the caller's contract: those blocks are gone */
     seq->n_tokens = n_keep;
     release_blocks_from(cache, seq, TD_DIV_CEIL(n_keep, bs));
     /* A registered block cut in the middle will be overwritten: if only we hold it, it
@@ -536,9 +555,11 @@ static td_status_t kv_seq_fork(td_kv_cache_t *cache, const td_kv_seq_t *src, td_
     if (st != TD_OK)
         return st;
     for (int32_t i = 0; i < nb; i++) {
-        kv_ref_block(cache, src->blocks[i]);
+        if (i >= src->n_released)
+            kv_ref_block(cache, src->blocks[i]);
         dst->blocks[i] = src->blocks[i];
     }
+    dst->n_released = TD_MIN(src->n_released, nb);
     if (src->n_tokens > 0)
         memcpy(dst->tokens, src->tokens, (size_t)src->n_tokens * sizeof *src->tokens);
     dst->n_blocks = nb;
@@ -746,6 +767,14 @@ void td_kv_seq_truncate(td_kv_cache_t *cache, td_kv_seq_t *seq, int32_t n_keep)
     kv_lock(cache);
     kv_seq_truncate(cache, seq, n_keep);
     kv_unlock(cache);
+}
+
+int32_t td_kv_seq_release_before(td_kv_cache_t *cache, td_kv_seq_t *seq, int32_t pos)
+{
+    kv_lock(cache);
+    int32_t n = kv_seq_release_before(cache, seq, pos);
+    kv_unlock(cache);
+    return n;
 }
 
 td_status_t td_kv_seq_fork(td_kv_cache_t *cache, const td_kv_seq_t *src, td_kv_seq_t *dst)

@@ -48,7 +48,12 @@ typedef struct td_kv_seq {
     int32_t cap_tokens;
     int32_t n_hashed;     /* full blocks already registered in the prefix cache */
     uint64_t last_hash;   /* chained hash of block n_hashed - 1 (0 when none) */
+    int32_t n_released;   /* leading blocks given back (sliding window): blocks[0..n_released)
+                             are TD_KV_RELEASED; block i still holds positions [i*bs, (i+1)*bs) */
 } td_kv_seq_t;
+
+/* A block-table entry whose block was given back (td_kv_seq_release_before). */
+#define TD_KV_RELEASED (-1)
 
 /* Pending copy-on-write copies: the caller copies block src[i] to dst[i] in the pool. */
 #define TD_KV_MAX_COW 4
@@ -66,6 +71,7 @@ typedef struct td_kv_stats {
     uint64_t prefix_lookups;   /* full blocks looked up by td_kv_seq_match_prefix */
     uint64_t prefix_hits;      /* of those, found */
     uint64_t evictions;
+    uint64_t window_released;  /* blocks sequences gave back early (td_kv_seq_release_before) */
 } td_kv_stats_t;
 
 /* Errors: TD_ERR_INVALID for n_blocks <= 0 or block_size <= 0, TD_ERR_NOMEM. */
@@ -120,10 +126,24 @@ td_status_t td_kv_seq_reserve(td_kv_cache_t *cache, td_kv_seq_t *seq, int32_t n_
 td_status_t td_kv_seq_commit(td_kv_cache_t *cache, td_kv_seq_t *seq, const int32_t *tokens,
                              int32_t n);
 
-/* Drops the last n committed tokens (blocks no longer needed are released). */
+/* Drops the last n committed tokens (blocks no longer needed are released). n_keep must not
+ * reach into blocks given back by td_kv_seq_release_before (asserted: they are gone). */
 void td_kv_seq_truncate(td_kv_cache_t *cache, td_kv_seq_t *seq, int32_t n_keep);
 
-/* dst (empty) shares every block of src (refs taken) and copies its tokens. */
+/*
+ * Sliding window: gives back the sequence's leading blocks that hold only positions before
+ * `pos` (blocks [n_released, pos / block_size), and never past the committed tokens), which
+ * the caller knows no query will read again. Their table entries become TD_KV_RELEASED;
+ * every other block keeps its index, so positions and slots do not move. References drop
+ * as in td_kv_seq_free: a block another sequence shares stays with it, a registered prefix
+ * block whose last reference goes is parked on the LRU list (still matchable, evictable).
+ * The prefix hashes (n_hashed, last_hash) are kept, so later blocks still register. Returns
+ * the number of blocks given back.
+ */
+int32_t td_kv_seq_release_before(td_kv_cache_t *cache, td_kv_seq_t *seq, int32_t pos);
+
+/* dst (empty) shares every block of src (refs taken) and copies its tokens; blocks src gave
+ * back are given back in dst too. */
 td_status_t td_kv_seq_fork(td_kv_cache_t *cache, const td_kv_seq_t *src, td_kv_seq_t *dst);
 
 /*

@@ -25,6 +25,10 @@ typedef enum td_arch {
 
 #define TD_MAX_EOS 8
 
+/* Most layers a per-layer sliding-window pattern can describe (td_model_config_t.swa_layers);
+ * the deepest published models have 126. */
+#define TD_SWA_MAX_LAYERS 256
+
 typedef struct td_model_config {
     td_arch_t arch;
     char arch_name[64];     /* as in config.json "architectures"[0], or "llama2.c" */
@@ -54,6 +58,13 @@ typedef struct td_model_config {
     int32_t bos_id;         /* -1 when none */
     int32_t eos_ids[TD_MAX_EOS]; /* generation stops on any of these */
     int32_t n_eos;
+    /* Sliding-window attention (Mistral sliding_window, Qwen2/3 use_sliding_window with
+     * max_window_layers, a config's layer_types, GGUF <arch>.attention.sliding_window): in a
+     * sliding layer a query at position p attends to the keys in (p - window, p]. An attention
+     * mask, not a context limit: max_seq_len stays the model's own. 0: every layer attends
+     * to the whole context. td_model_layer_window() is the one reader. */
+    int32_t sliding_window;
+    uint64_t swa_layers[TD_SWA_MAX_LAYERS / 64]; /* bit l: layer l slides (sliding_window > 0) */
 } td_model_config_t;
 
 /* A host tensor: a view into a mapped file (or synthesized buffer) owned by the model. */
@@ -138,8 +149,21 @@ td_status_t td_model_config_from_json(const char *json, const char *origin, td_m
  * interchangeable KV. */
 uint64_t td_model_fingerprint(const td_model_config_t *cfg);
 
+/* The attention window of layer `layer`: cfg->sliding_window when that layer slides, 0 when
+ * it attends to the whole context. */
+int32_t td_model_layer_window(const td_model_config_t *cfg, int32_t layer);
+
+/* The window every layer's attention fits in: the largest layer window, or 0 when some layer
+ * attends to the whole context (then no KV block ever falls out of reach). Keys at positions
+ * <= p - td_model_kv_window() are read by no query at p or later. */
+int32_t td_model_kv_window(const td_model_config_t *cfg);
+
+/* Makes every layer of cfg slide with `window` tokens (0: none). */
+void td_model_config_set_window(td_model_config_t *cfg, int32_t window);
+
 /* Named preset shapes for synthesis: "tinyllama-1.1b", "llama-3.2-1b", "llama-3-8b",
- * "qwen2-7b", "tiny" (a few MB, for tests). Returns TD_ERR_NOT_FOUND for other names. */
+ * "qwen2-7b", "mistral-7b" (sliding window 4096), "tiny" (a few MB, for tests), "tiny-swa" (tiny,
+ * Mistral-shaped, sliding window 40). Returns TD_ERR_NOT_FOUND for other names. */
 td_status_t td_model_preset(const char *name, td_model_config_t *cfg);
 
 typedef struct td_synth_params {
@@ -164,7 +188,8 @@ td_status_t td_model_synth(const td_synth_params_t *p, const char *out_dir, cons
 td_status_t td_model_config_validate(const td_model_config_t *cfg, const char *origin);
 
 /* Serialises cfg as a Hugging Face config.json for its arch (torch_dtype from `dtype`).
- * *json_p is heap text the caller frees with free(). Errors: TD_ERR_NOMEM. */
+ * *json_p is heap text the caller frees with free(). Errors: TD_ERR_NOMEM, TD_ERR_UNSUPPORTED
+ * (a sliding window on a llama config, which has no key for one). */
 td_status_t td_model_config_to_json(const td_model_config_t *cfg, td_dtype_t dtype, char **json_p);
 
 /* Number of weights (parameters) the config implies; the embedding counted once when tied. */

@@ -132,6 +132,83 @@ static td_status_t get_bool(const cJSON *root, const char *origin, const char *k
     return TD_OK;
 }
 
+/*
+ * The sliding window (td_model_config_t.sliding_window) by Hugging Face's rules. Mistral:
+ * sliding_window (null: none) on every layer. Qwen2/Qwen3: only with use_sliding_window, on
+ * the layers from max_window_layers (default 28) on. layer_types ("sliding_attention" or
+ * "full_attention" per layer), where a config has it, decides each layer's kind instead.
+ * Llama has no window. A window that no layer uses is no window (sliding_window 0).
+ */
+static td_status_t parse_sliding_window(const cJSON *root, const char *origin, td_model_config_t *cfg)
+{
+    td_status_t s;
+    bool use = cfg->arch == TD_ARCH_MISTRAL;
+    bool qwen = cfg->arch == TD_ARCH_QWEN2 || cfg->arch == TD_ARCH_QWEN3;
+    if (qwen && (s = get_bool(root, origin, "use_sliding_window", false, &use)) != TD_OK)
+        return s;
+    int64_t window = 0, first = 0;
+    if (use && (s = get_int(root, origin, "sliding_window", false, 0, 1, CFG_MAX_SEQ, &window)) != TD_OK)
+        return s;
+    if (window == 0)
+        return TD_OK;
+    if (qwen && (s = get_int(root, origin, "max_window_layers", false, 28, 0, CFG_MAX_DIM, &first)) != TD_OK)
+        return s;
+    const cJSON *types = cJSON_GetObjectItemCaseSensitive(root, "layer_types");
+    if (types && !cJSON_IsNull(types) &&
+        (!cJSON_IsArray(types) || cJSON_GetArraySize(types) != cfg->n_layers))
+        return td_errorf(TD_ERR_FORMAT, "%s: layer_types must list num_hidden_layers (%d) layer kinds", origin,
+                         cfg->n_layers);
+    memset(cfg->swa_layers, 0, sizeof cfg->swa_layers);
+    bool any = false;
+    const cJSON *t = cJSON_IsArray(types) ? types->child : NULL; /* walked, not indexed: O(n) */
+    for (int32_t l = 0; l < cfg->n_layers; l++, t = t ? t->next : NULL) {
+        bool slides = l >= first;
+        if (cJSON_IsArray(types)) {
+            const char *k = cJSON_IsString(t) ? t->valuestring : "";
+            slides = !strcmp(k, "sliding_attention");
+            if (!slides && strcmp(k, "full_attention"))
+                return td_errorf(TD_ERR_UNSUPPORTED, "%s: layer_types[%d] must be \"sliding_attention\" or "
+                                 "\"full_attention\", not \"%.40s\"", origin, l, k);
+        }
+        if (!slides)
+            continue;
+        if (l >= TD_SWA_MAX_LAYERS)
+            return td_errorf(TD_ERR_UNSUPPORTED, "%s: layer %d slides; per-layer windows are supported for the "
+                             "first %d layers", origin, l, TD_SWA_MAX_LAYERS);
+        cfg->swa_layers[l / 64] |= 1ull << (l % 64);
+        any = true;
+    }
+    cfg->sliding_window = any ? (int32_t)window : 0;
+    return TD_OK;
+}
+
+int32_t td_model_layer_window(const td_model_config_t *c, int32_t layer)
+{
+    if (c->sliding_window <= 0 || layer < 0 || layer >= TD_SWA_MAX_LAYERS)
+        return 0;
+    return (c->swa_layers[layer / 64] >> (layer % 64)) & 1 ? c->sliding_window : 0;
+}
+
+int32_t td_model_kv_window(const td_model_config_t *c)
+{
+    int32_t w = 0;
+    for (int32_t l = 0; l < c->n_layers; l++) {
+        int32_t lw = td_model_layer_window(c, l);
+        if (lw == 0)
+            return 0;
+        w = TD_MAX(w, lw);
+    }
+    return w;
+}
+
+void td_model_config_set_window(td_model_config_t *c, int32_t window)
+{
+    memset(c->swa_layers, 0, sizeof c->swa_layers);
+    c->sliding_window = window > 0 ? window : 0;
+    for (int32_t l = 0; window > 0 && l < TD_MIN(c->n_layers, TD_SWA_MAX_LAYERS); l++)
+        c->swa_layers[l / 64] |= 1ull << (l % 64);
+}
+
 /* eos_token_id: an int, a list of ints, or null. Appends to cfg's list without duplicates. */
 static td_status_t get_eos(const cJSON *root, const char *origin, td_model_config_t *cfg)
 {
@@ -296,15 +373,8 @@ td_status_t td_model_config_from_json(const char *json, const char *origin, td_m
         goto out;
     }
 
-    /* A sliding window we do not implement: attention stays exact as long as the context
-     * never exceeds the window, so the window becomes the context limit. */
-    const cJSON *sw = cJSON_GetObjectItemCaseSensitive(root, "sliding_window");
-    bool use_sw = cfg.arch == TD_ARCH_MISTRAL;
-    if (cfg.arch != TD_ARCH_MISTRAL &&
-        (s = get_bool(root, origin, "use_sliding_window", false, &use_sw)) != TD_OK)
+    if ((s = parse_sliding_window(root, origin, &cfg)) != TD_OK)
         goto out;
-    if (use_sw && cJSON_IsNumber(sw) && sw->valuedouble >= 1 && sw->valuedouble < cfg.max_seq_len)
-        cfg.max_seq_len = (int32_t)sw->valuedouble;
 
     const cJSON *tdt = cJSON_GetObjectItemCaseSensitive(root, "torch_dtype");
     if (!tdt)
@@ -357,6 +427,12 @@ td_status_t td_model_config_validate(const td_model_config_t *c, const char *ori
          !(c->rope_high_freq_factor > c->rope_low_freq_factor) || c->rope_original_max_pos <= 0))
         return td_errorf(TD_ERR_FORMAT, "%s: rope_scaling llama3 needs factor > 0, 0 < low_freq_factor < "
                          "high_freq_factor and original_max_position_embeddings > 0", origin);
+    if (c->sliding_window < 0 || c->sliding_window > CFG_MAX_SEQ)
+        return td_errorf(TD_ERR_FORMAT, "%s: sliding_window %d is out of range [1, %d] (0: none)", origin,
+                         c->sliding_window, CFG_MAX_SEQ);
+    if (c->sliding_window > 0 && c->n_layers > TD_SWA_MAX_LAYERS)
+        return td_errorf(TD_ERR_UNSUPPORTED, "%s: a sliding window on a model of %d layers (at most %d)", origin,
+                         c->n_layers, TD_SWA_MAX_LAYERS);
     if (c->bos_id < -1 || c->bos_id >= c->vocab_size)
         return td_errorf(TD_ERR_FORMAT, "%s: bos_token_id %d is outside the vocabulary (%d)", origin, c->bos_id,
                          c->vocab_size);
@@ -443,13 +519,19 @@ uint64_t td_model_fingerprint(const td_model_config_t *c)
         fnv_u32(&f, (uint32_t)c->rope_freqs_hash);
         fnv_u32(&f, (uint32_t)(c->rope_freqs_hash >> 32));
     }
+    if (c->sliding_window > 0) {
+        fnv_u32(&f, (uint32_t)c->sliding_window);
+        for (int32_t l = 0; l < c->n_layers; l++)
+            fnv_u32(&f, td_model_layer_window(c, l) > 0);
+    }
     return f.h;
 }
 
 /* ---- presets ----------------------------------------------------------------------- */
 
 const char *const td_model_preset_names[] = {
-    "tiny", "small", "tinyllama-1.1b", "llama-3.2-1b", "llama-3-8b", "qwen2-7b", "qwen3-0.6b", NULL,
+    "tiny", "small", "tinyllama-1.1b", "llama-3.2-1b", "llama-3-8b", "qwen2-7b", "qwen3-0.6b", "tiny-swa",
+    "mistral-7b", NULL,
 };
 
 typedef struct preset {
@@ -478,6 +560,20 @@ static const preset_t presets[] = {
      151643, 0, 0, 0, 0},
     {"qwen3-0.6b", TD_ARCH_QWEN3, 1024, 3072, 28, 16, 8, 128, 151936, 40960, 1e-6f, 1000000.0f, true, 151643,
      151645, 0, 0, 0, 0},
+    {"tiny-swa", TD_ARCH_MISTRAL, 64, 176, 4, 8, 4, 8, 512, 2048, 1e-5f, 10000.0f, false, 256, 257, 0, 0, 0, 0},
+    {"mistral-7b", TD_ARCH_MISTRAL, 4096, 14336, 32, 32, 8, 128, 32000, 32768, 1e-5f, 10000.0f, false, 1, 2, 0,
+     0, 0, 0},
+};
+
+/* Presets whose every layer slides (Mistral's sliding_window). tiny-swa: tiny with a window
+   of 40 tokens (2.5 blocks of 16: a window need not be whole blocks), for tests that run
+   past the window. */
+static const struct {
+    const char *name;
+    int32_t window;
+} preset_windows[] = {
+    {"tiny-swa", 40},
+    {"mistral-7b", 4096},
 };
 
 td_status_t td_model_preset(const char *name, td_model_config_t *cfg)
@@ -511,6 +607,9 @@ td_status_t td_model_preset(const char *name, td_model_config_t *cfg)
             c.rope_high_freq_factor = p->r3_high;
             c.rope_original_max_pos = p->r3_orig;
         }
+        for (size_t k = 0; k < TD_ARRAY_LEN(preset_windows); k++)
+            if (!strcmp(name, preset_windows[k].name))
+                td_model_config_set_window(&c, preset_windows[k].window);
         *cfg = c;
         return TD_OK;
     }
@@ -533,8 +632,44 @@ static double float_to_nice_double(float f)
     return (double)f;
 }
 
+/* The window the way the arch's config.json says it: sliding_window (Qwen: with
+ * use_sliding_window and max_window_layers 0, so every layer slides), and layer_types when
+ * only some layers slide (newer transformers configs' per-layer list, which
+ * parse_sliding_window reads for every arch). */
+static td_status_t add_sliding_window(cJSON *r, const td_model_config_t *c)
+{
+    bool qwen = c->arch == TD_ARCH_QWEN2 || c->arch == TD_ARCH_QWEN3;
+    if (c->arch == TD_ARCH_LLAMA && c->sliding_window > 0)
+        return td_errorf(TD_ERR_UNSUPPORTED, "config.json: a llama config has no sliding window (arch mistral, "
+                         "qwen2 or qwen3 has)");
+    if (c->sliding_window <= 0) {
+        if (qwen)
+            cJSON_AddBoolToObject(r, "use_sliding_window", false);
+        cJSON_AddNullToObject(r, "sliding_window");
+        return TD_OK;
+    }
+    bool all = true;
+    for (int32_t l = 0; l < c->n_layers; l++)
+        all = all && td_model_layer_window(c, l) > 0;
+    if (qwen)
+        cJSON_AddBoolToObject(r, "use_sliding_window", true);
+    cJSON_AddNumberToObject(r, "sliding_window", c->sliding_window);
+    if (qwen)
+        cJSON_AddNumberToObject(r, "max_window_layers", 0);
+    if (!all) {
+        cJSON *t = cJSON_AddArrayToObject(r, "layer_types");
+        if (!t)
+            return td_errorf(TD_ERR_NOMEM, "config.json: out of memory");
+        for (int32_t l = 0; l < c->n_layers; l++)
+            cJSON_AddItemToArray(t, cJSON_CreateString(td_model_layer_window(c, l) > 0 ? "sliding_attention"
+                                                                                         : "full_attention"));
+    }
+    return TD_OK;
+}
+
 td_status_t td_model_config_to_json(const td_model_config_t *c, td_dtype_t dtype, char **json_p)
 {
+    td_status_t s;
     static const char *const torch_dtypes[] = {"float32", "float16", "bfloat16"};
     cJSON *r = cJSON_CreateObject();
     if (!r)
@@ -569,11 +704,9 @@ td_status_t td_model_config_to_json(const td_model_config_t *c, td_dtype_t dtype
     cJSON_AddStringToObject(r, "hidden_act", "silu");
     if (c->arch != TD_ARCH_QWEN2)
         cJSON_AddBoolToObject(r, "attention_bias", false);
-    if (c->arch == TD_ARCH_QWEN2 || c->arch == TD_ARCH_QWEN3) {
-        cJSON_AddBoolToObject(r, "use_sliding_window", false);
-        cJSON_AddNullToObject(r, "sliding_window");
-    } else if (c->arch == TD_ARCH_MISTRAL) {
-        cJSON_AddNullToObject(r, "sliding_window");
+    if ((c->arch != TD_ARCH_LLAMA || c->sliding_window > 0) && (s = add_sliding_window(r, c)) != TD_OK) {
+        cJSON_Delete(r);
+        return s;
     }
     if (c->bos_id >= 0)
         cJSON_AddNumberToObject(r, "bos_token_id", c->bos_id);

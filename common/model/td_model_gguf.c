@@ -337,6 +337,12 @@ static td_status_t read_config(gguf_ctx_t *c)
                          cfg->head_dim);
     if ((s = check_rope_scaling(c)) != TD_OK)
         return s;
+    /* llama.cpp's key for a window on every layer (it writes a per-layer pattern only for
+       architectures we do not load) */
+    int32_t window;
+    if ((s = key_int(c, "attention.sliding_window", 0, GGUF_MAX_DIM, &window)) != TD_OK)
+        return s;
+    td_model_config_set_window(cfg, window);
 
     /* the vocabulary is what the embedding holds; the tokenizer and the key must agree */
     const td_gguf_tensor_t *e = td_gguf_find_tensor(c->g, "token_embd.weight");

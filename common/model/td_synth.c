@@ -629,6 +629,15 @@ static td_status_t gguf_metadata(td_gguf_writer_t *w, const td_model_config_t *c
     snprintf(key, sizeof key, "%s.rope.freq_base", arch);
     if ((s = td_gguf_writer_f32(w, key, c->rope_theta)) != TD_OK)
         return s;
+    if (c->sliding_window > 0) {
+        /* GGUF has one window for every layer (tandem reads it; llama.cpp's llama and qwen2
+           graphs ignore it and attend to the whole context) */
+        if (td_model_kv_window(c) != c->sliding_window)
+            return td_errorf(TD_ERR_UNSUPPORTED, "gguf: a sliding window on some layers only has no GGUF key");
+        snprintf(key, sizeof key, "%s.attention.sliding_window", arch);
+        if ((s = td_gguf_writer_u32(w, key, (uint32_t)c->sliding_window)) != TD_OK)
+            return s;
+    }
     return gguf_tokenizer(w, c);
 }
 

@@ -14,8 +14,11 @@
  * S = Q K^T (tile_scores), online softmax (running max m, running sum l, accumulator O
  * rescaled by exp(m_old - m_new)), O += P V (tile_accumulate), each output summed one fixed
  * way whatever the tile's row count (split invariance). KV tiles entirely above the causal
- * diagonal are never read; there is never an N x N matrix. Tasks are ordered last query tile first
- * (the longest) so the dynamic hand-out balances the causal triangle.
+ * diagonal are never read; there is never an N x N matrix. A sliding window (p->window = W)
+ * masks keys at <= pos - W as well; tiles wholly below a task's first row's window are
+ * skipped and the keys below it never gathered (their blocks may have been released).
+ * Tasks are ordered last query tile first (the longest) so the dynamic hand-out balances
+ * the causal triangle.
  *
  * Decode (FlashDecoding split-KV). One new row per sequence. The context is cut into
  * partitions of P tokens (P a multiple of block_size); one task per (sequence, partition,
@@ -23,6 +26,8 @@
  * unnormalised output over its partition, reading each K/V element once. A second pass
  * merges a sequence's partitions by log-sum-exp. P comes from the caller or from
  * decode_partition(): a constant 256 tokens, the same for every batch (batch invariance).
+ * With a sliding window only the last W keys are split into partitions (at the same
+ * multiples of P), so decode reads O(W) keys however long the sequence.
  *
  * All scratch comes from the backend context (grow-only): no allocation in steady state.
  */
@@ -200,22 +205,35 @@ static void prefill_task(void *arg, int task, int thread)
     }
 
     const int last_pos = ctx0 + tk->q1 - 1; /* keys beyond it are masked for every row */
-    for (int kv0 = 0; kv0 <= last_pos; kv0 += TK) {
+    const int W = p->window;
+    /* keys below the first row's window are masked for every row (and may be released) */
+    const int lo_task = W > 0 ? TD_MAX(0, ctx0 + tk->q0 - W + 1) : 0;
+    /* tiles stay at multiples of TK whatever lo_task is: a row's sums then do not depend on
+       which rows share its task (split invariance) */
+    for (int kv0 = lo_task / TK * TK; kv0 <= last_pos; kv0 += TK) {
         const int cnt = TD_MIN(TK, TD_MIN(seq_len, last_pos + 1) - kv0);
-        gather_kv(kv, table, 0, tk->kvh, kv0, kv0 + cnt, Kt);
-        gather_kv(kv, table, 1, tk->kvh, kv0, kv0 + cnt, Vt);
+        const int g0 = TD_MAX(kv0, lo_task) - kv0; /* first key of the tile to read */
+        if (g0 > 0) { /* masked keys: zeros, so that 0 * V adds nothing */
+            memset(Kt, 0, (size_t)g0 * hd * sizeof(float));
+            memset(Vt, 0, (size_t)g0 * hd * sizeof(float));
+        }
+        gather_kv(kv, table, 0, tk->kvh, kv0 + g0, kv0 + cnt, Kt + (size_t)g0 * hd);
+        gather_kv(kv, table, 1, tk->kvh, kv0 + g0, kv0 + cnt, Vt + (size_t)g0 * hd);
         tile_scores(Q, Kt, S, rows, cnt, hd, TK);
         for (int r = 0; r < rows; r++) {
             float *sr = S + (size_t)r * TK;
             const int pos = ctx0 + tk->q0 + r / G;
             const int vis = TD_MIN(cnt, pos - kv0 + 1); /* causal: keys at <= pos */
-            if (vis <= 0) {
+            const int lo = W > 0 ? TD_MAX(0, pos - W + 1 - kv0) : 0; /* window: keys > pos - W */
+            if (vis <= lo) {
                 memset(sr, 0, (size_t)cnt * sizeof(float));
                 continue;
             }
-            const float mx = td_cpu_max(sr, vis);
+            const float mx = td_cpu_max(sr + lo, vis - lo);
             const float m_new = mx > M[r] ? mx : M[r];
-            const float sum = td_cpu_exp_sum(sr, m_new, vis);
+            const float sum = td_cpu_exp_sum(sr + lo, m_new, vis - lo);
+            for (int c = 0; c < lo; c++)
+                sr[c] = 0.0f;
             for (int c = vis; c < cnt; c++)
                 sr[c] = 0.0f;
             if (m_new != M[r]) {
@@ -494,6 +512,14 @@ static int decode_partition(int bs)
     return (TD_CPU_DECODE_PARTITION + bs - 1) / bs * bs;
 }
 
+/* First key the row of a sequence of seq_len tokens attends to: the window's start. The
+   partitions stay at multiples of P from position 0, the first one cut at the window's
+   start, so that a sequence's partitions still depend on nothing but its own length. */
+static int decode_window_start(const td_attn_params_t *p, int seq_len)
+{
+    return p->window > 0 ? TD_MAX(0, seq_len - p->window) : 0;
+}
+
 /* Contract (td_backend.h ops->attn_decode): needs set_step with exactly one new row per
    sequence. Errors: TD_ERR_NOMEM when scratch cannot grow. */
 td_status_t td_cpu_attn_decode(td_backend_t *be, const td_attn_params_t *p)
@@ -513,7 +539,7 @@ td_status_t td_cpu_attn_decode(td_backend_t *be, const td_attn_params_t *p)
     size_t n_parts = 0;
     for (int s = 0; s < meta->n_seqs; s++) {
         TD_ASSERT(meta->seq_start[s + 1] - meta->seq_start[s] == 1 && meta->seq_len[s] >= 1);
-        n_parts += (size_t)TD_DIV_CEIL(meta->seq_len[s], P);
+        n_parts += (size_t)(TD_DIV_CEIL(meta->seq_len[s], P) - decode_window_start(p, meta->seq_len[s]) / P);
     }
     size_t parts_bytes = (n_parts * sizeof(decode_part_t) + 63) & ~(size_t)63;
     size_t starts_bytes = ((size_t)(meta->n_seqs + 1) * sizeof(int32_t) + 63) & ~(size_t)63;
@@ -528,8 +554,9 @@ td_status_t td_cpu_attn_decode(td_backend_t *be, const td_attn_params_t *p)
     size_t q = 0;
     for (int s = 0; s < meta->n_seqs; s++) {
         part_start[s] = (int32_t)q;
-        for (int t0 = 0; t0 < meta->seq_len[s]; t0 += P)
-            parts[q++] = (decode_part_t){.seq = s, .t0 = t0, .t1 = TD_MIN(meta->seq_len[s], t0 + P)};
+        const int lo = decode_window_start(p, meta->seq_len[s]);
+        for (int t0 = lo / P * P; t0 < meta->seq_len[s]; t0 += P)
+            parts[q++] = (decode_part_t){.seq = s, .t0 = TD_MAX(t0, lo), .t1 = TD_MIN(meta->seq_len[s], t0 + P)};
     }
     part_start[meta->n_seqs] = (int32_t)q;
     j.parts = parts;

@@ -19,6 +19,11 @@
  * Pass 2 (td_decode_merge_kernel), grid [n_heads][sequences]: merges a sequence's
  * partitions by log-sum-exp. Sequences of one partition are skipped.
  *
+ * Sliding window (params->window = W): only the keys in [L - W, L) are read; the partitions
+ * keep their places (multiples of the partition size from position 0), the first one cut
+ * at the window's start, and blockIdx.x counts from the first partition the window touches,
+ * so the grid is ceil(W / P) + 1 partitions wide however long the sequence.
+ *
  * Split (td_decode_partition): params->partition_tokens, else a constant TD_DEC_PART tokens
  * (not a heuristic on batch or SM count, so a sequence's result does not depend on the rest
  * of the batch), rounded up to a multiple of the KV block size, at most TD_DEC_PMAX tokens
@@ -81,8 +86,17 @@ struct td_dec_args {
     const int32_t *seq_start, *seq_len, *block_tables;
     int32_t max_blocks, block_size, n_kv_heads, n_heads, head_dim, group, n_hchunks;
     int32_t part_tokens, max_parts, tpr;
+    int32_t window;       /* sliding window (td_attn_params_t.window); 0: none */
     float scale_log2;
 };
+
+/* The first key the new row at position L - 1 reads: the sliding window's start (0 without
+   one). Partitions stay at multiples of part_tokens from position 0 and those wholly below
+   it are skipped, so a sequence's partitions still depend on nothing but its length. */
+__device__ __forceinline__ int32_t td_dec_lo(const td_dec_args &a, int32_t L)
+{
+    return a.window > 0 ? max(0, L - a.window) : 0;
+}
 
 template <typename TQ, typename TK>
 __global__ void __launch_bounds__(TD_DEC_THREADS, TD_DEC_MINB)
@@ -90,14 +104,16 @@ td_decode_part_kernel(td_dec_args a)
 {
     const int EPV = td_vec<TK>::n;
     extern __shared__ float smem[];
-    const int32_t seq = blockIdx.z, part = blockIdx.x;
+    const int32_t seq = blockIdx.z;
     const int32_t kvh = blockIdx.y / a.n_hchunks, hchunk = blockIdx.y % a.n_hchunks;
     const int32_t L = a.seq_len[seq];
-    const int32_t t0 = part * a.part_tokens;
-    if (t0 >= L)
+    const int32_t lo = td_dec_lo(a, L), p_first = lo / a.part_tokens;
+    const int32_t part = p_first + blockIdx.x; /* absolute: its workspace slot */
+    if (part * a.part_tokens >= L)
         return;
-    const int32_t n = min(L - t0, a.part_tokens);
-    const int32_t n_parts = (L + a.part_tokens - 1) / a.part_tokens;
+    const int32_t t0 = max(part * a.part_tokens, lo); /* keys below the window: never read */
+    const int32_t n = min(L, (part + 1) * a.part_tokens) - t0;
+    const int32_t n_parts = (L + a.part_tokens - 1) / a.part_tokens - p_first; /* computed ones */
     const int32_t h0 = kvh * a.group + hchunk * TD_DEC_GMAX;
     const int32_t gc = min(TD_DEC_GMAX, a.group - hchunk * TD_DEC_GMAX);
     const int32_t hd = a.head_dim, nch = hd / EPV;
@@ -304,21 +320,22 @@ __global__ void td_decode_merge_kernel(td_dec_args a)
 {
     const int32_t h = blockIdx.x, seq = blockIdx.y;
     const int32_t L = a.seq_len[seq];
+    const int32_t p_first = td_dec_lo(a, L) / a.part_tokens;
     const int32_t n_parts = (L + a.part_tokens - 1) / a.part_tokens;
-    if (n_parts <= 1)
+    if (n_parts - p_first <= 1)
         return;
     const size_t base = ((size_t)seq * a.n_heads + h) * a.max_parts;
     float m = -INFINITY;
-    for (int32_t p = 0; p < n_parts; p++)
+    for (int32_t p = p_first; p < n_parts; p++)
         m = fmaxf(m, a.ws_ml[2 * (base + p)]);
     float wsum = 0.0f;
-    for (int32_t p = 0; p < n_parts; p++)
+    for (int32_t p = p_first; p < n_parts; p++)
         wsum += a.ws_ml[2 * (base + p) + 1] * exp2f(a.ws_ml[2 * (base + p)] - m);
     const int32_t row = a.seq_start[seq];
     TQ *out = (TQ *)a.out + ((size_t)row * a.n_heads + h) * a.head_dim;
     for (int32_t d = threadIdx.x; d < a.head_dim; d += blockDim.x) {
         float o = 0.0f;
-        for (int32_t p = 0; p < n_parts; p++) {
+        for (int32_t p = p_first; p < n_parts; p++) {
             float w = a.ws_ml[2 * (base + p) + 1] * exp2f(a.ws_ml[2 * (base + p)] - m);
             o += w * a.ws_o[(base + p) * a.head_dim + d];
         }
@@ -389,6 +406,7 @@ td_status_t td_cuda_attn_decode(td_cuda_backend_t *c, const td_attn_params_t *p)
     a.tpr = tpr;
     a.scale_log2 = p->scale * 1.4426950408889634f;
     a.part_tokens = td_decode_partition(p->partition_tokens, a.block_size);
+    a.window = p->window;
     a.max_parts = (st->max_seq_len + a.part_tokens - 1) / a.part_tokens;
     if (a.max_parts < 1)
         a.max_parts = 1;
@@ -410,7 +428,11 @@ td_status_t td_cuda_attn_decode(td_cuda_backend_t *c, const td_attn_params_t *p)
     if (smem + smem_static > c->smem_optin)
         return td_errorf(TD_ERR_UNSUPPORTED, "cuda: decode attention needs %zu bytes of shared "
                          "memory, the device allows %zu", smem + smem_static, c->smem_optin);
-    dim3 grid(a.max_parts, n_kv * a.n_hchunks, st->n_seqs);
+    /* a window of W keys touches at most ceil(W / P) + 1 partitions of each sequence */
+    int32_t grid_parts = a.max_parts;
+    if (a.window > 0 && (a.window + a.part_tokens - 1) / a.part_tokens + 1 < grid_parts)
+        grid_parts = (a.window + a.part_tokens - 1) / a.part_tokens + 1;
+    dim3 grid(grid_parts, n_kv * a.n_hchunks, st->n_seqs);
     TD_CUDA_DISPATCH(c->base.act_dtype, TQ, TD_CUDA_DISPATCH(kt, TK, {
         /* once per instantiation and context: the most any launch may use (smem varies with
            head_dim and the partition) */

@@ -20,6 +20,9 @@
  *     16 rows (and a warp of padding rows computes nothing), and only tiles that cross the
  *     diagonal or the context's end pay for the mask; chunked prefill falls out of it: a
  *     row at position p sees keys 0..min(p, seq_len - 1) of the cache;
+ *   - sliding window (p->window = W): keys <= p - W are masked too; a tile's KV loop starts
+ *     at the tile holding its first row's window start (keys below it are never loaded:
+ *     their blocks may be released) and a warp skips tiles wholly below its own window;
  *   - heavy tiles first: set_step lists the tiles of all sequences by their last row's
  *     position, largest first, and block x takes tile x.
  * Generic path (td_prefill_generic_kernel; fp32, mixed dtypes, other head dims up to 256, and
@@ -36,6 +39,7 @@ struct td_pf_args {
     const void *kv;
     const int32_t *positions, *seq_start, *seq_len, *block_tables, *qtile_seq, *qtile_row;
     int32_t n_seqs, n_qtiles, max_blocks, block_size, n_kv_heads, n_heads, head_dim, group;
+    int32_t window; /* sliding window (td_attn_params_t.window); 0: none */
     float scale_log2;
 };
 
@@ -136,6 +140,10 @@ td_prefill_mma_kernel(td_pf_args a)
     const int32_t max_pos = a.positions[row0 + nrows - 1];
     const int32_t kv_len = min(L, max_pos + 1);
     const int32_t n_tiles = (kv_len + BN - 1) / BN;
+    /* sliding window: keys below the first row's window are masked for every row of the tile
+       (and their blocks may be released): never loaded, and tiles wholly below it skipped */
+    const int32_t kv_lo = a.window > 0 ? max(0, min_pos - a.window + 1) : 0;
+    const int32_t t_first = kv_lo / BN;
     const size_t block_elems = (size_t)a.block_size * a.n_kv_heads * D;
     const int32_t *bt = a.block_tables + (size_t)seq * a.max_blocks;
     const T *kv = (const T *)a.kv;
@@ -152,7 +160,7 @@ td_prefill_mma_kernel(td_pf_args a)
         for (int i = tid; i < BN * CH; i += TD_PF_THREADS) {
             int r = i / CH, ch = i % CH;
             int32_t j = t * BN + r;
-            bool ok = j < kv_len;
+            bool ok = j < kv_len && j >= kv_lo;
             const T *src = kv;
             if (ok) {
                 int32_t b = bt[j / a.block_size], off = j % a.block_size;
@@ -162,7 +170,7 @@ td_prefill_mma_kernel(td_pf_args a)
             td_cp_async16(vs + td_swz<D>(r, ch), ok ? src + block_elems : src, ok);
         }
     };
-    load_kv(0, 0);
+    load_kv(t_first, t_first & 1);
     td_cp_commit();
 
     /* row positions of this thread's two rows (gid and gid + 8 of the warp's 16) */
@@ -173,10 +181,13 @@ td_prefill_mma_kernel(td_pf_args a)
        that start past its last row's position (positions grow along a sequence's rows):
        such a tile is fully masked for it, so skipping leaves its m, l and O exactly as they
        are. Both tests are warp-uniform and skip only the warp's ldmatrix/mma/softmax work:
-       every thread still issues the copies and reaches every barrier. A warp with rows
-       always computes tile 0, so it loads its Q fragments there. */
-    const int32_t warp_tiles = /* KV tiles this warp computes: 0 .. warp_tiles - 1 */
+       every thread still issues the copies and reaches every barrier. With a sliding window
+       a warp likewise skips the tiles wholly below its first row's window. A warp with rows
+       always computes tile warp_first, so it loads its Q fragments there. */
+    const int32_t warp_tiles = /* KV tiles this warp computes: warp_first .. warp_tiles - 1 */
         warp * 16 < nrows ? a.positions[row0 + min(warp * 16 + 15, nrows - 1)] / BN + 1 : 0;
+    const int32_t warp_first =
+        a.window > 0 && warp * 16 < nrows ? max(0, a.positions[row0 + warp * 16] - a.window + 1) / BN : 0;
 
     uint32_t qf[D / 16][4];
     float o[D / 8][4];
@@ -185,7 +196,7 @@ td_prefill_mma_kernel(td_pf_args a)
         o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
     float mA = -INFINITY, mB = -INFINITY, lA = 0.0f, lB = 0.0f;
 
-    for (int32_t t = 0; t < n_tiles; t++) {
+    for (int32_t t = t_first; t < n_tiles; t++) {
         if (t + 1 < n_tiles) {
             load_kv(t + 1, (t + 1) & 1);
             td_cp_commit();
@@ -194,8 +205,8 @@ td_prefill_mma_kernel(td_pf_args a)
             td_cp_wait<0>();
         }
         __syncthreads();
-        if (t < warp_tiles) { /* warp-uniform: see above */
-            if (t == 0) {
+        if (t >= warp_first && t < warp_tiles) { /* warp-uniform: see above */
+            if (t == warp_first) {
 #pragma unroll
                 for (int kk = 0; kk < D / 16; kk++)
                     td_ldsm_x4(qf[kk], Qs + td_swz<D>(warp * 16 + (lane % 16), kk * 2 + lane / 16));
@@ -223,7 +234,8 @@ td_prefill_mma_kernel(td_pf_args a)
             /* scale, mask on tiles that cross the diagonal or the context's end, online
                softmax; keys >= kv_len (zero-filled) are masked too, so even a row whose
                position is past seq_len sees only the context */
-            const bool need_mask = (t + 1) * BN - 1 > min_pos || (t + 1) * BN > kv_len;
+            const bool need_mask = (t + 1) * BN - 1 > min_pos || (t + 1) * BN > kv_len ||
+                                   (a.window > 0 && t * BN <= max_pos - a.window);
             float tmA = -INFINITY, tmB = -INFINITY;
 #pragma unroll
             for (int j = 0; j < BN / 8; j++) {
@@ -232,7 +244,8 @@ td_prefill_mma_kernel(td_pf_args a)
                     float v = s[j][e] * a.scale_log2;
                     if (need_mask) {
                         int32_t key = t * BN + j * 8 + tig * 2 + (e & 1);
-                        if (key > (e < 2 ? posA : posB) || key >= kv_len)
+                        int32_t pos = e < 2 ? posA : posB;
+                        if (key > pos || key >= kv_len || (a.window > 0 && key <= pos - a.window))
                             v = -INFINITY;
                     }
                     s[j][e] = v;
@@ -245,18 +258,21 @@ td_prefill_mma_kernel(td_pf_args a)
                 tmA = fmaxf(tmA, __shfl_xor_sync(0xffffffffu, tmA, off));
                 tmB = fmaxf(tmB, __shfl_xor_sync(0xffffffffu, tmB, off));
             }
-            /* key 0 is visible to every row, so after tile 0 the maxima are finite */
+            /* without a window key 0 is visible to every row, so after tile 0 the maxima are
+               finite; with one a row may see nothing yet in its warp's first tiles, and then
+               subtracts 0 instead of -inf (exp2f(-inf - -inf) would be NaN) */
             float nmA = fmaxf(mA, tmA), nmB = fmaxf(mB, tmB);
-            float cA = exp2f(mA - nmA), cB = exp2f(mB - nmB);
+            float bA = nmA == -INFINITY ? 0.0f : nmA, bB = nmB == -INFINITY ? 0.0f : nmB;
+            float cA = exp2f(mA - bA), cB = exp2f(mB - bB);
             mA = nmA;
             mB = nmB;
             float sumA = 0.0f, sumB = 0.0f;
 #pragma unroll
             for (int j = 0; j < BN / 8; j++) {
-                s[j][0] = exp2f(s[j][0] - mA);
-                s[j][1] = exp2f(s[j][1] - mA);
-                s[j][2] = exp2f(s[j][2] - mB);
-                s[j][3] = exp2f(s[j][3] - mB);
+                s[j][0] = exp2f(s[j][0] - bA);
+                s[j][1] = exp2f(s[j][1] - bA);
+                s[j][2] = exp2f(s[j][2] - bB);
+                s[j][3] = exp2f(s[j][3] - bB);
                 sumA += s[j][0] + s[j][1];
                 sumB += s[j][2] + s[j][3];
             }
@@ -353,6 +369,7 @@ td_prefill_generic_kernel(td_pf_args a)
     }
     const int32_t seq = lo;
     const int32_t kv_len = min(a.seq_len[seq], a.positions[row] + 1);
+    const int32_t kv_lo = a.window > 0 ? max(0, a.positions[row] - a.window + 1) : 0; /* window */
     const size_t block_elems = (size_t)a.block_size * a.n_kv_heads * hd;
     const int32_t *bt = a.block_tables + (size_t)seq * a.max_blocks;
     const TK *kv = (const TK *)a.kv;
@@ -362,7 +379,7 @@ td_prefill_generic_kernel(td_pf_args a)
     __syncthreads();
 
     float m = -INFINITY, l = 0.0f, acc0 = 0.0f, acc1 = 0.0f;
-    for (int32_t c0 = 0; c0 < kv_len; c0 += TD_PFG_THREADS) {
+    for (int32_t c0 = kv_lo; c0 < kv_len; c0 += TD_PFG_THREADS) {
         int32_t j = c0 + tid;
         float s = -INFINITY;
         if (j < kv_len) {
@@ -452,6 +469,7 @@ td_status_t td_cuda_attn_prefill(td_cuda_backend_t *c, const td_attn_params_t *p
     a.n_heads = p->n_heads;
     a.head_dim = hd;
     a.group = p->n_heads / a.n_kv_heads;
+    a.window = p->window;
     a.scale_log2 = p->scale * 1.4426950408889634f;
 
     /* the tensor-core path copies Q and K/V rows with 16-byte cp.async and stores pairs of

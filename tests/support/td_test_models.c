@@ -170,6 +170,8 @@ void td_test_engine_greedy(td_test_engine_t *fx, int n, int **prompts, const int
             break;
         td_status_t st = td_engine_step(fx->eng, items, k, logits);
         cr_assert_eq(st, TD_OK, "step: %s", td_last_error());
+        for (int j = 0; j < k; j++) /* as a decode node does (a no-op without a window) */
+            td_engine_seq_release_window(fx->eng, items[j].seq);
         int row = 0;
         for (int j = 0; j < k; j++) {
             int i = owner[j];

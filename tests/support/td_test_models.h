@@ -80,7 +80,8 @@ int *td_test_random_prompt(unsigned *s, int n);
  * Runs n sequences through fx's engine together: prompts prefilled in chunks of at most
  * `chunk` tokens (all sequences in the same steps), then greedy decode until each holds
  * total[i] tokens. out[i] gets the generated ids; lhash (when not NULL) lhash[i] a hash of
- * the bits of each generated token's logits row. Asserts every step.
+ * the bits of each generated token's logits row. After every step each sequence gives back
+ * the blocks behind a sliding window (td_engine_seq_release_window). Asserts every step.
  */
 void td_test_engine_greedy(td_test_engine_t *fx, int n, int **prompts, const int *n_prompt,
                            const int *total, int chunk, int **out, uint64_t **lhash);

@@ -624,7 +624,7 @@ typedef struct td_attn_case {
     int32_t partition_tokens;
 } td_attn_case_t;
 
-static void td_check_attn(td_pair_t *p, const td_attn_case_t *c, td_dtype_t kt)
+static void td_check_attn(td_pair_t *p, const td_attn_case_t *c, td_dtype_t kt, int32_t window)
 {
     td_test_step_t s;
     td_step_make(&s, c->n_seqs, c->q_len, c->ctx, c->bs, 10);
@@ -641,7 +641,7 @@ static void td_check_attn(td_pair_t *p, const td_attn_case_t *c, td_dtype_t kt)
     td_attn_params_t ac = {.q = qc, .out = oc, .kv_layer = tp.kc, .layout = &tp.lc,
                            .n_blocks = tp.n_blocks, .n_heads = c->n_heads,
                            .scale = 1.0f / sqrtf((float)c->hd),
-                           .partition_tokens = c->partition_tokens};
+                           .partition_tokens = c->partition_tokens, .window = window};
     td_attn_params_t ag = ac;
     ag.q = qg; ag.out = og; ag.kv_layer = tp.kg; ag.layout = &tp.lg;
     if (c->decode) {
@@ -653,9 +653,9 @@ static void td_check_attn(td_pair_t *p, const td_attn_case_t *c, td_dtype_t kt)
     }
     float *want = td_down(p->cpu, oc, n, TD_F32), *got = td_down(p->gpu, og, n, p->act);
     char what[200];
-    snprintf(what, sizeof(what), "%s %s (act %s, kv %s, heads %d/%d, hd %d, bs %d)",
+    snprintf(what, sizeof(what), "%s %s (act %s, kv %s, heads %d/%d, hd %d, bs %d, window %d)",
              c->decode ? "attn_decode" : "attn_prefill", c->name, td_dtype_name(p->act),
-             td_dtype_name(kt), c->n_heads, c->n_kv, c->hd, c->bs);
+             td_dtype_name(kt), c->n_heads, c->n_kv, c->hd, c->bs, window);
     /* the weaker of the two dtypes sets the bound; P is rounded to 16 bits in the mma path */
     td_dtype_t weak = (p->act == TD_BF16 || kt == TD_BF16) ? TD_BF16
                       : (p->act == TD_F16 || kt == TD_F16) ? TD_F16 : TD_F32;
@@ -667,18 +667,24 @@ static void td_check_attn(td_pair_t *p, const td_attn_case_t *c, td_dtype_t kt)
     td_step_free(&s);
 }
 
-/* every act dtype with the same KV dtype, plus mixed act/KV pairs on the first act */
-static void td_attn_all_dtypes(const td_attn_case_t *c)
+/* every act dtype with the same KV dtype, plus mixed act/KV pairs on the first act; a
+   sliding window of `window` tokens (0: none) */
+static void td_attn_all_dtypes_window(const td_attn_case_t *c, int32_t window)
 {
     for (int a = 0; a < 3; a++) {
         td_pair_t p = td_open(td_all_dtypes[a]);
-        td_check_attn(&p, c, td_all_dtypes[a]);
+        td_check_attn(&p, c, td_all_dtypes[a], window);
         if (a == 2)
-            td_check_attn(&p, c, TD_F32); /* bf16 activations over an f32 cache */
+            td_check_attn(&p, c, TD_F32, window); /* bf16 activations over an f32 cache */
         if (a == 0)
-            td_check_attn(&p, c, TD_BF16); /* f32 activations over a bf16 cache */
+            td_check_attn(&p, c, TD_BF16, window); /* f32 activations over a bf16 cache */
         td_close(&p);
     }
+}
+
+static void td_attn_all_dtypes(const td_attn_case_t *c)
+{
+    td_attn_all_dtypes_window(c, 0);
 }
 
 static const int32_t q1[] = {1}, q77[] = {77}, q300[] = {300}, q64[] = {64};
@@ -749,6 +755,26 @@ Test(backend_ops, attn_decode, .timeout = 600)
                               shapes[i][3], true, 0};
         td_attn_all_dtypes(&one);
     }
+}
+
+/* Sliding windows smaller than a block, than the 64-token KV tile, and crossing partitions,
+   on the tensor-core and generic prefill paths and the split-KV decode */
+Test(backend_ops, attn_sliding_window, .timeout = 600)
+{
+    static const int32_t shapes[][4] = {{8, 2, 128, 16}, {8, 4, 64, 16}, {8, 4, 8, 16}, {8, 2, 128, 48}};
+    static const int32_t windows[] = {1, 7, 40, 100, 300};
+    static const int32_t dq[] = {1, 1, 1, 1, 1}, dc[] = {1, 40, 41, 300, 1000};
+    for (size_t i = 0; i < TD_ARRAY_LEN(shapes); i++)
+        for (size_t w = 0; w < TD_ARRAY_LEN(windows); w++) {
+            td_attn_case_t ragged = {"ragged batch of 6", 6, fq, fc, shapes[i][0], shapes[i][1],
+                                     shapes[i][2], shapes[i][3], false, 0};
+            td_attn_all_dtypes_window(&ragged, windows[w]);
+            td_attn_case_t dec = {"ragged decode of 5", 5, dq, dc, shapes[i][0], shapes[i][1], shapes[i][2],
+                                  shapes[i][3], true, 64};
+            td_attn_all_dtypes_window(&dec, windows[w]);
+            dec.partition_tokens = 0;
+            td_attn_all_dtypes_window(&dec, windows[w]);
+        }
 }
 
 Test(backend_ops, attn_decode_long, .timeout = 600)

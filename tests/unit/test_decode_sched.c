@@ -244,6 +244,37 @@ Test(decode_sched, preemption_under_a_tiny_pool_keeps_tokens_and_blocks, .timeou
     td_test_engine_close(&fx);
 }
 
+/* Sliding window: the scheduler gives blocks behind every layer's window back after each
+   step, so a pool that makes full attention preempt runs the same requests without
+   preempting, and the tokens (prompts chunked across the window) equal each alone. */
+Test(decode_sched, sliding_window_releases_blocks_instead_of_preempting, .timeout = 300)
+{
+    td_test_skip_without_stories();
+    decode_sched_config_t cfg = decode_sched_config_default();
+    cfg.max_batch = 8;
+    cfg.max_batch_tokens = 64;
+    cfg.prefill_chunk = 20;
+    for (int window = 0; window <= 24; window += 24) {
+        td_test_engine_t fx;
+        td_test_model_open(&fx, 1);
+        td_model_config_set_window(&fx.model->config, window);
+        td_engine_config_t ec = td_engine_config_default();
+        ec.n_blocks = 16; /* 256 tokens for 8 requests of up to 60 + 120 */
+        cr_assert_eq(td_engine_create(fx.model, fx.be, &ec, &fx.eng), TD_OK, "%s", td_last_error());
+        uint64_t pre = run_staggered(&fx, &cfg, 8, 5, 60, 120, 1);
+        td_kv_stats_t ks;
+        td_kv_get_stats(td_engine_kv(fx.eng), &ks);
+        if (window) {
+            cr_assert_eq(pre, 0, "window %d: %llu preemptions", window, (unsigned long long)pre);
+            cr_assert_gt(ks.window_released, 0);
+        } else {
+            cr_assert_gt(pre, 0, "full attention never preempted: the pool does not test the window");
+            cr_assert_eq(ks.window_released, 0);
+        }
+        td_test_engine_close(&fx);
+    }
+}
+
 Test(decode_sched, cancel_and_deadline_return_every_block, .timeout = 120)
 {
     td_test_skip_without_stories();

@@ -23,6 +23,8 @@ typedef struct ref_model {
     float *data;  /* the whole file after the header */
     float *emb, *rms_att, *wq, *wk, *wv, *wo, *rms_ffn, *w1, *w2, *w3, *rms_final, *wcls;
     double *k_cache, *v_cache; /* [layer][seq_len][kv_dim] */
+    int window;                /* sliding window of the layers in window_layers (0: none) */
+    unsigned window_layers;    /* bit l: layer l slides */
 } ref_model_t;
 
 static void ref_load(ref_model_t *r)
@@ -115,9 +117,11 @@ static void ref_forward(ref_model_t *r, int token, int pos, double *logits)
                 vec[i + 1] = v0 * fci + v1 * fcr;
             }
         }
+        /* a sliding layer attends to positions (pos - window, pos] */
+        int t0 = r->window > 0 && (r->window_layers >> l) & 1 ? fmax(0, pos - r->window + 1) : 0;
         for (int h = 0; h < r->n_heads; h++) {
             double *qh = q + h * hd, mx = -INFINITY, sum = 0;
-            for (int t = 0; t <= pos; t++) {
+            for (int t = t0; t <= pos; t++) {
                 double *kt = r->k_cache + ((size_t)l * r->seq_len + t) * kvd + (h / kv_mul) * hd;
                 double s = 0;
                 for (int i = 0; i < hd; i++)
@@ -125,11 +129,11 @@ static void ref_forward(ref_model_t *r, int token, int pos, double *logits)
                 att[t] = s / sqrt((double)hd);
                 mx = fmax(mx, att[t]);
             }
-            for (int t = 0; t <= pos; t++)
+            for (int t = t0; t <= pos; t++)
                 sum += att[t] = exp(att[t] - mx);
             double *o = xb + h * hd;
             memset(o, 0, (size_t)hd * sizeof(double));
-            for (int t = 0; t <= pos; t++) {
+            for (int t = t0; t <= pos; t++) {
                 double *vt = r->v_cache + ((size_t)l * r->seq_len + t) * kvd + (h / kv_mul) * hd;
                 for (int i = 0; i < hd; i++)
                     o[i] += att[t] / sum * vt[i];
@@ -429,4 +433,191 @@ Test(engine, weights_converted_at_load, .timeout = 300)
     cr_assert_null(bad);
     td_test_engine_close(&fx);
     ref_free(&r);
+}
+
+/* ---- sliding window ------------------------------------------------------------------ */
+
+/* stories260K with a sliding window of `window` tokens on the layers of `layers` (bit l:
+   layer l slides), the reference given the same, and an engine of 16-token blocks. */
+static void swa_open(td_test_engine_t *fx, ref_model_t *r, int threads, int window, unsigned layers,
+                     bool prefix_cache)
+{
+    td_test_model_open(fx, threads);
+    td_model_config_t *c = &fx->model->config;
+    td_model_config_set_window(c, window);
+    c->swa_layers[0] &= layers;
+    if (r) {
+        r->window = window;
+        r->window_layers = layers;
+    }
+    td_engine_config_t ec = td_engine_config_default();
+    ec.n_blocks = 2048;
+    ec.prefix_cache = prefix_cache;
+    cr_assert_eq(td_engine_create(fx->model, fx->be, &ec, &fx->eng), TD_OK, "%s", td_last_error());
+}
+
+#ifdef __SANITIZE_ADDRESS__
+#define SWA_TEST_LEN 110
+#else
+#define SWA_TEST_LEN 220
+#endif
+
+/* Greedy tokens far past the window equal the double reference with the same mask, for a
+   window on every layer (blocks behind it go back to the pool, counted exactly) and on some
+   layers only (nothing can go back: the full layers read everything). */
+Test(engine, sliding_window_matches_reference_beyond_the_window, .timeout = 300)
+{
+    td_test_skip_without_stories();
+    static const struct {
+        int window;
+        unsigned layers;
+    } cases[] = {{40, ~0u}, {24, 0x16u}};
+    const int lens[] = {5, 60, 100};
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        ref_model_t r;
+        ref_load(&r);
+        td_test_engine_t fx;
+        swa_open(&fx, &r, 2, cases[k].window, cases[k].layers, false);
+        bool all = cases[k].layers == ~0u;
+        cr_assert_eq(td_model_kv_window(&fx.model->config), all ? cases[k].window : 0);
+        unsigned s = 99;
+        int64_t want_released = 0;
+        for (size_t p = 0; p < sizeof lens / sizeof lens[0]; p++) {
+            int *prompt = td_test_random_prompt(&s, lens[p]);
+            int total = SWA_TEST_LEN;
+            int *want = malloc((size_t)total * sizeof(int)), *got = malloc((size_t)total * sizeof(int));
+            double gap = ref_greedy(&r, prompt, lens[p], total, want);
+            td_test_engine_greedy(&fx, 1, &prompt, &lens[p], &total, 64, &got, NULL);
+            for (int i = 0; i < total - lens[p]; i++)
+                cr_assert_eq(got[i], want[i],
+                             "window %d: prompt of %d tokens: generated token %d is %d, reference %d "
+                             "(reference's smallest top-2 gap %g)", cases[k].window, lens[p], i, got[i], want[i],
+                             gap);
+            /* the last step left total - 1 tokens in the cache; every whole block below
+               position total - 1 - window + 1 went back */
+            if (all)
+                want_released += (total - cases[k].window) / 16;
+            free(prompt), free(want), free(got);
+        }
+        td_kv_stats_t st;
+        td_kv_get_stats(td_engine_kv(fx.eng), &st);
+        cr_assert_eq((int64_t)st.window_released, want_released, "window %d: %llu blocks released, want %lld",
+                     cases[k].window, (unsigned long long)st.window_released, (long long)want_released);
+        cr_assert(!all || want_released > 0);
+        cr_assert_eq(st.used, 0, "blocks still held after every sequence ended");
+        td_test_engine_close(&fx);
+        ref_free(&r);
+    }
+}
+
+/* With a window: the same logits bits alone or batched, prefilled whole or in pieces of 8
+   whose windows cross block and piece boundaries, and with prompts taken from the prefix
+   cache (blocks behind the window included); greedy tokens the same for chunks of 1 and 7. */
+Test(engine, sliding_window_batch_chunk_and_prefix_invariance, .timeout = 300)
+{
+    td_test_skip_without_stories();
+    enum { N = 10 };
+    unsigned s = 5;
+    int *prompts[N], n_prompt[N], total[N], *alone[N], *got[N];
+    uint64_t *h_alone[N], *h_got[N];
+    for (int i = 0; i < N; i++) {
+        n_prompt[i] = 2 + (int)(td_test_rng_next(&s) % 110);
+        prompts[i] = td_test_random_prompt(&s, n_prompt[i]);
+        total[i] = n_prompt[i] + 20 + (int)(td_test_rng_next(&s) % 50);
+        alone[i] = malloc(256 * sizeof(int)), got[i] = malloc(256 * sizeof(int));
+        h_alone[i] = malloc(256 * sizeof(uint64_t)), h_got[i] = malloc(256 * sizeof(uint64_t));
+    }
+    td_test_engine_t fx;
+    swa_open(&fx, NULL, 1, 21, ~0u, false);
+    for (int i = 0; i < N; i++)
+        td_test_engine_greedy(&fx, 1, &prompts[i], &n_prompt[i], &total[i], 4096, &alone[i], &h_alone[i]);
+    td_test_engine_close(&fx);
+
+    swa_open(&fx, NULL, 2, 21, ~0u, false);
+    td_test_engine_greedy(&fx, N, prompts, n_prompt, total, 4096, got, h_got);
+    for (int i = 0; i < N; i++)
+        for (int t = 0; t < total[i] - n_prompt[i]; t++)
+            cr_assert_eq(h_got[i][t], h_alone[i][t], "sequence %d token %d: batched logits differ from alone", i, t);
+    int n_split = 0;
+    for (int i = 0; i < N; i++) {
+        if (n_prompt[i] <= 8 || n_prompt[i] % 8 == 1)
+            continue;
+        n_split++;
+        td_test_engine_greedy(&fx, 1, &prompts[i], &n_prompt[i], &total[i], 8, &got[i], &h_got[i]);
+        for (int t = 0; t < total[i] - n_prompt[i]; t++)
+            cr_assert_eq(h_got[i][t], h_alone[i][t], "sequence %d (%d prompt tokens) token %d: prefilled in pieces "
+                         "of 8, logits differ", i, n_prompt[i], t);
+    }
+    cr_assert_gt(n_split, N / 4);
+    const int chunks[] = {1, 7};
+    for (size_t c = 0; c < 2; c++) {
+        td_test_engine_greedy(&fx, N, prompts, n_prompt, total, chunks[c], got, NULL);
+        for (int i = 0; i < N; i++)
+            for (int t = 0; t < total[i] - n_prompt[i]; t++)
+                cr_assert_eq(got[i][t], alone[i][t], "chunk %d: sequence %d token %d", chunks[c], i, t);
+    }
+    td_test_engine_close(&fx);
+
+    /* prefix cache: the second round attaches blocks the first released behind its window */
+    swa_open(&fx, NULL, 1, 21, ~0u, true);
+    for (int round = 0; round < 2; round++)
+        for (int i = 0; i < N; i++) {
+            td_test_engine_greedy(&fx, 1, &prompts[i], &n_prompt[i], &total[i], 4096, &got[i], &h_got[i]);
+            for (int t = 0; t < total[i] - n_prompt[i]; t++)
+                cr_assert_eq(got[i][t], alone[i][t], "prefix cache round %d: sequence %d token %d", round, i, t);
+        }
+    td_kv_stats_t st;
+    td_kv_get_stats(td_engine_kv(fx.eng), &st);
+    cr_assert_gt(st.prefix_hits, 0, "second round found no cached prefix block");
+    cr_assert_gt(st.window_released, 0);
+    cr_assert_eq(st.used, 0);
+    cr_assert_eq(td_kv_cache_check(td_engine_kv(fx.eng)), TD_OK, "%s", td_last_error());
+    td_test_engine_close(&fx);
+    for (int i = 0; i < N; i++)
+        free(prompts[i]), free(alone[i]), free(got[i]), free(h_alone[i]), free(h_got[i]);
+}
+
+/* A prompt longer than the window computed again from the prefix cache gives the same
+   logits bits, and a step that would read a block given back is refused, not computed. */
+Test(engine, sliding_window_prefix_hit_and_released_blocks, .timeout = 60)
+{
+    td_test_skip_without_stories();
+    td_test_engine_t fx;
+    swa_open(&fx, NULL, 1, 30, ~0u, true);
+    int32_t p[100];
+    for (int i = 0; i < 100; i++)
+        p[i] = i ? 3 + (7 * i) % 500 : 1;
+    float *lg[3];
+    for (int k = 0; k < 3; k++)
+        lg[k] = malloc((size_t)fx.vocab * sizeof(float));
+    for (int round = 0; round < 2; round++) {
+        td_kv_seq_t seq;
+        td_kv_seq_init(&seq);
+        int32_t cached = -1;
+        cr_assert_eq(td_engine_seq_start(fx.eng, &seq, p, 100, &cached), TD_OK);
+        cr_assert_eq(cached, round ? 96 : 0);
+        td_engine_item_t it = {.seq = &seq, .tokens = p + cached, .n_tokens = 100 - cached, .n_logits = 1};
+        cr_assert_eq(td_engine_step(fx.eng, &it, 1, lg[round]), TD_OK);
+        /* 100 tokens, window 30: the next query (position 100) reads from 71 on: blocks 0..3 go */
+        cr_assert_eq(td_engine_seq_release_window(fx.eng, &seq), 4);
+        cr_assert_eq(td_engine_seq_release_window(fx.eng, &seq), 0);
+        int32_t t = 5;
+        td_engine_item_t one = {.seq = &seq, .tokens = &t, .n_tokens = 1, .n_logits = 1};
+        cr_assert_eq(td_engine_step(fx.eng, &one, 1, lg[2]), TD_OK);
+        if (round == 0) {
+            /* give back block 4 (positions 64..79) by hand: the query at 101 reads from 72 on,
+               so the next step must refuse, not read a block that is not there */
+            cr_assert_eq(td_kv_seq_release_before(td_engine_kv(fx.eng), &seq, 80), 1);
+            cr_assert_eq(td_engine_step(fx.eng, &one, 1, lg[2]), TD_ERR_INVALID);
+        }
+        td_engine_seq_end(fx.eng, &seq);
+    }
+    cr_assert(!memcmp(lg[0], lg[1], (size_t)fx.vocab * sizeof(float)),
+              "a prompt beyond the window: other logits after a cached prefix");
+    for (int k = 0; k < 3; k++)
+        free(lg[k]);
+    td_kv_stats_t st;
+    td_kv_get_stats(td_engine_kv(fx.eng), &st);
+    cr_assert_eq(st.used, 0);
+    td_test_engine_close(&fx);
 }

@@ -620,6 +620,8 @@ typedef struct attn_case {
     td_dtype_t kv_dtype;
     int partition_tokens;
     bool decode;
+    int window;          /* sliding window (0: none); blocks below every row's window are
+                            "released": their table entries point at a NaN-poisoned block */
 } attn_case_t;
 
 static void attn_run(td_backend_t *be, rng_t *r, const attn_case_t *c)
@@ -657,6 +659,14 @@ static void attn_run(td_backend_t *be, rng_t *r, const attn_case_t *c)
     for (int s = 0, used = 0; s < c->n_seqs; s++)
         for (int b = 0; b < max_blocks; b++)
             tables[s * max_blocks + b] = b < TD_DIV_CEIL(c->ctx[s], bs) ? perm[used++] : -1;
+    /* released blocks: wholly below the first new row's window; perm[n_blocks - 1] is a spare
+       block nobody writes, poisoned with NaNs, so a kernel that reads one fails the check */
+    int released[MAX_SEQS] = {0};
+    for (int s = 0; c->window > 0 && s < c->n_seqs; s++) {
+        released[s] = TD_MAX(0, c->ctx[s] - c->q_len[s] - c->window + 1) / bs;
+        for (int b = 0; b < released[s]; b++)
+            tables[s * max_blocks + b] = perm[n_blocks - 1];
+    }
 
     /* ground truth K/V per sequence [ctx][n_kv][hd], rounded to the KV dtype */
     float *kref[MAX_SEQS], *vref[MAX_SEQS];
@@ -679,7 +689,8 @@ static void attn_run(td_backend_t *be, rng_t *r, const attn_case_t *c)
                 vt[e] = round_to(rng_val(r), c->kv_dtype);
             }
             int32_t b = tables[s * max_blocks + t / bs];
-            if (t < prefix) { /* cached prefix: written straight into the pool */
+            if (t < released[s] * bs) { /* released: nothing to write */
+            } else if (t < prefix) { /* cached prefix: written straight into the pool */
                 size_t ko = ((size_t)b * 2 + 0) * block_elems + (size_t)(t % bs) * row;
                 size_t vo = ((size_t)b * 2 + 1) * block_elems + (size_t)(t % bs) * row;
                 td_dtype_convert(pool + ko * esz, c->kv_dtype, kt, TD_F32, row);
@@ -717,8 +728,9 @@ static void attn_run(td_backend_t *be, rng_t *r, const attn_case_t *c)
             for (int h = 0; h < nh; h++) {
                 const float *qv = q + ((size_t)(seq_start[s] + i) * nh + h) * hd;
                 int kvh = h / c->G;
+                int t_lo = c->window > 0 ? TD_MAX(0, pos - c->window + 1) : 0;
                 double mx = -INFINITY, sum = 0;
-                for (int t = 0; t <= pos; t++) {
+                for (int t = t_lo; t <= pos; t++) {
                     const float *kv = kref[s] + (size_t)t * row + (size_t)kvh * hd;
                     double d = 0;
                     for (int e = 0; e < hd; e++)
@@ -726,12 +738,12 @@ static void attn_run(td_backend_t *be, rng_t *r, const attn_case_t *c)
                     sc[t] = d * (float)scale;
                     mx = fmax(mx, sc[t]);
                 }
-                for (int t = 0; t <= pos; t++)
+                for (int t = t_lo; t <= pos; t++)
                     sum += (sc[t] = exp(sc[t] - mx));
                 double *o = ref + ((size_t)(seq_start[s] + i) * nh + h) * hd;
                 for (int e = 0; e < hd; e++)
                     o[e] = 0;
-                for (int t = 0; t <= pos; t++) {
+                for (int t = t_lo; t <= pos; t++) {
                     const float *vv = vref[s] + (size_t)t * row + (size_t)kvh * hd;
                     for (int e = 0; e < hd; e++)
                         o[e] += sc[t] / sum * vv[e];
@@ -740,13 +752,13 @@ static void attn_run(td_backend_t *be, rng_t *r, const attn_case_t *c)
         }
     td_attn_params_t p = {.q = q, .out = out, .kv_layer = pool, .layout = &layout,
                           .n_blocks = n_blocks, .n_heads = nh, .scale = (float)scale,
-                          .partition_tokens = c->partition_tokens};
+                          .partition_tokens = c->partition_tokens, .window = c->window};
     td_status_t st = c->decode ? be->ops->attn_decode(be, &p) : be->ops->attn_prefill(be, &p);
     cr_assert_eq(st, TD_OK);
     char what[256];
-    snprintf(what, sizeof(what), "%s seqs %d (q %d ctx %d ...) kv %d G %d hd %d bs %d %s part %d",
+    snprintf(what, sizeof(what), "%s seqs %d (q %d ctx %d ...) kv %d G %d hd %d bs %d %s part %d window %d",
              c->decode ? "attn_decode" : "attn_prefill", c->n_seqs, c->q_len[0], c->ctx[0], n_kv,
-             c->G, hd, bs, td_dtype_name(c->kv_dtype), c->partition_tokens);
+             c->G, hd, bs, td_dtype_name(c->kv_dtype), c->partition_tokens, c->window);
     check_close(what, out, ref, nq, 2e-4);
 
     for (int s = 0; s < c->n_seqs; s++)
@@ -883,6 +895,35 @@ Test(kernels_cpu, attn_decode, .timeout = 600)
         attn_run(be, &r, &c);
         c.partition_tokens = 48;
         attn_run(be, &r, &c);
+        td_backend_destroy(be);
+    }
+}
+
+/* Sliding window: contexts far beyond the window, windows smaller and larger than a block
+   and than a tile, prefill pieces that start inside, at and past the window, and decode
+   at every partition size; the blocks below the window are released (poisoned) and must
+   never be read. */
+Test(kernels_cpu, attn_sliding_window, .timeout = 600)
+{
+    static const int windows[] = {1, 5, 16, 40, 100, 300};
+    static const int parts[] = {0, 1, 3, 100000};
+    rng_t r = {15};
+    for (size_t ti = 0; ti < TD_ARRAY_LEN(thread_counts); ti++) {
+        td_backend_t *be = make_backend(thread_counts[ti]);
+        int n = 0;
+        for (size_t wi = 0; wi < TD_ARRAY_LEN(windows); wi++, n++) {
+            int bs = 8 << (n % 2), G = 1 << (n % 3), W = windows[wi];
+            attn_case_t c = {.n_seqs = 5, .q_len = {7, 1, 33, 100, 130}, .ctx = {7, 60, 90, 400, 700},
+                             .n_kv = 2, .G = G, .hd = 32 << (n % 2), .bs = bs,
+                             .kv_dtype = dtypes[n % 3], .window = W};
+            attn_run(be, &r, &c);
+            for (size_t pi = 0; pi < TD_ARRAY_LEN(parts); pi++) {
+                attn_case_t d = {.n_seqs = 4, .q_len = {1, 1, 1, 1}, .ctx = {1, W, W + 1, 1000},
+                                 .n_kv = 2, .G = G, .hd = 64, .bs = bs, .kv_dtype = dtypes[(n + pi) % 3],
+                                 .decode = true, .partition_tokens = parts[pi] * bs, .window = W};
+                attn_run(be, &r, &d);
+            }
+        }
         td_backend_destroy(be);
     }
 }

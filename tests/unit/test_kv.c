@@ -530,6 +530,66 @@ Test(kv, block_hashes_are_the_same_on_every_node_and_in_every_version)
     cr_assert_eq(chain[1], 0x6efd72359320ae0dull);
 }
 
+/* Sliding window: leading blocks go back early under the usual reference rules, their
+   entries read TD_KV_RELEASED, later blocks keep their places, and nothing is dropped twice. */
+Test(kv, release_before_window)
+{
+    td_kv_cache_t *c = make_cache(8, 4, true);
+    int32_t toks[14] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14};
+    td_kv_seq_t a, b, f;
+    td_kv_seq_init(&a);
+    td_kv_seq_init(&b);
+    td_kv_seq_init(&f);
+    append(c, &a, toks, 10); /* blocks 0, 1 full and registered, block 2 holds 2 tokens */
+    int32_t a1 = a.blocks[1], a2 = a.blocks[2];
+
+    /* b shares a's first block through the prefix cache */
+    int32_t n_cached = -1;
+    cr_assert_eq(td_kv_seq_match_prefix(c, &b, toks, 6, 6, &n_cached), TD_OK);
+    cr_assert_eq(n_cached, 4);
+    int32_t shared = b.blocks[0];
+    cr_assert_eq(td_kv_block_refs(c, shared), 2);
+
+    /* nothing before position 3 is a whole block; position 9 frees blocks 0 and 1 only */
+    cr_assert_eq(td_kv_seq_release_before(c, &a, 3), 0);
+    cr_assert_eq(td_kv_seq_release_before(c, &a, 9), 2);
+    cr_assert(a.n_released == 2 && a.blocks[0] == TD_KV_RELEASED && a.blocks[1] == TD_KV_RELEASED);
+    cr_assert(a.blocks[2] == a2 && a.n_blocks == 3 && a.n_tokens == 10);
+    cr_assert_eq(td_kv_block_refs(c, shared), 1); /* b keeps it */
+    cr_assert_eq(td_kv_block_refs(c, a1), 0);
+    td_kv_stats_t s = stats_of(c);
+    cr_assert(s.used == 2 && s.cached == 1 && s.window_released == 2, "used %d cached %d", s.used, s.cached);
+    /* again, or past the committed tokens: nothing more (block 2 is still being written) */
+    cr_assert_eq(td_kv_seq_release_before(c, &a, 9), 0);
+    cr_assert_eq(td_kv_seq_release_before(c, &a, 100), 0);
+
+    /* the sequence goes on growing at the same positions; its new full block registers */
+    append(c, &a, toks + 10, 4);
+    cr_assert_eq(a.n_hashed, 3);
+    /* a fork shares only what a still holds */
+    cr_assert_eq(td_kv_seq_fork(c, &a, &f), TD_OK);
+    cr_assert(f.n_released == 2 && f.blocks[0] == TD_KV_RELEASED && td_kv_block_refs(c, a2) == 2);
+    td_kv_seq_free(c, &f);
+    td_kv_seq_free(c, &a);
+    td_kv_seq_free(c, &b);
+    s = stats_of(c);
+    cr_assert_eq(s.used, 0);
+    /* the whole prompt is still in the prefix cache, chain intact */
+    cr_assert_eq(cached_prefix(c, toks, 14), 12);
+    td_kv_cache_destroy(c);
+}
+
+Test(kv, truncate_into_released_blocks_aborts, .signal = SIGABRT)
+{
+    td_kv_cache_t *c = make_cache(8, 4, false);
+    int32_t toks[10] = {0};
+    td_kv_seq_t a;
+    td_kv_seq_init(&a);
+    append(c, &a, toks, 10);
+    td_kv_seq_release_before(c, &a, 8);
+    td_kv_seq_truncate(c, &a, 5);
+}
+
 /* ---- randomized stress ------------------------------------------------------------ */
 
 enum { S_BLOCKS = 48, S_BS = 4, S_SEQS = 12, S_OPS = 20000 };
@@ -579,11 +639,14 @@ static void check_all(stress_t *st, int op)
     for (int i = 0; i < S_SEQS; i++) {
         td_kv_seq_t *s = &st->seq[i];
         cr_assert_leq(s->n_tokens, s->n_blocks * S_BS);
-        for (int32_t b = 0; b < s->n_blocks; b++)
+        cr_assert_leq(s->n_released * S_BS, s->n_tokens);
+        for (int32_t b = 0; b < s->n_released; b++)
+            cr_assert_eq(s->blocks[b], TD_KV_RELEASED, "op %d seq %d block %d", op, i, b);
+        for (int32_t b = s->n_released; b < s->n_blocks; b++)
             if (holders[s->blocks[b]]++ == 0)
                 n_held++;
         /* every committed token's row holds that token: nothing shared wrongly */
-        for (int32_t p = 0; p < s->n_tokens; p++)
+        for (int32_t p = s->n_released * S_BS; p < s->n_tokens; p++)
             cr_assert_eq(st->pool[s->blocks[p / S_BS]][p % S_BS], s->tokens[p],
                          "op %d seq %d pos %d", op, i, p);
     }
@@ -604,7 +667,7 @@ Test(kv, randomized_stress, .timeout = 120)
     for (int i = 0; i < S_SEQS; i++)
         td_kv_seq_init(&st->seq[i]);
     int32_t toks[64];
-    int n_exhausted = 0, n_hit_tokens = 0, n_cow = 0;
+    int n_exhausted = 0, n_hit_tokens = 0, n_cow = 0, n_released = 0;
     for (int op = 0; op < S_OPS; op++) {
         td_kv_seq_t *s = &st->seq[rnd(st, S_SEQS)];
         uint32_t what = rnd(st, 100);
@@ -657,9 +720,12 @@ Test(kv, randomized_stress, .timeout = 120)
                 apply_cow(st, &cow);
                 random_tokens(st, toks, n);
                 write_and_commit(st, s, toks, n);
+                if (rnd(st, 3) == 0) /* a sliding window of 0..7 tokens moved past blocks */
+                    n_released += td_kv_seq_release_before(st->c, s, s->n_tokens - (int32_t)rnd(st, 8));
             }
         } else if (what < 72) {
-            td_kv_seq_truncate(st->c, s, (int32_t)rnd(st, (uint32_t)s->n_tokens + 1));
+            int32_t lo = s->n_released * S_BS; /* released blocks cannot come back */
+            td_kv_seq_truncate(st->c, s, lo + (int32_t)rnd(st, (uint32_t)(s->n_tokens - lo) + 1));
         } else if (what < 85) {
             td_kv_seq_t *d = &st->seq[rnd(st, S_SEQS)];
             if (d != s && d->n_tokens == 0 && d->n_blocks == 0)
@@ -676,6 +742,8 @@ Test(kv, randomized_stress, .timeout = 120)
     cr_assert_gt(n_hit_tokens, 0);
     cr_assert_gt(n_cow, 0);
     cr_assert_gt(s.evictions, 0);
+    cr_assert_gt(n_released, 0);
+    cr_assert_eq(s.window_released, (uint64_t)n_released);
     for (int i = 0; i < S_SEQS; i++)
         td_kv_seq_free(st->c, &st->seq[i]);
     td_kv_get_stats(st->c, &s);

@@ -660,13 +660,20 @@ Test(model_config, parses_llama3_qwen3_and_generation_config, .init = tmp_setup,
     cr_assert_eq(td_model_preset("qwen3-0.6b", &preset), TD_OK);
     cr_expect_eq(td_model_fingerprint(&c), td_model_fingerprint(&preset));
 
-    /* Mistral's sliding window bounds the context (attention stays exact inside it). */
+    /* Mistral's sliding window is an attention mask on every layer, not a context limit */
     const char *mistral =
         "{\"architectures\": [\"MistralForCausalLM\"], \"hidden_size\": 4096, \"intermediate_size\": 14336,"
         " \"num_hidden_layers\": 32, \"num_attention_heads\": 32, \"num_key_value_heads\": 8,"
-        " \"vocab_size\": 32000, \"max_position_embeddings\": 32768, \"sliding_window\": 4096}";
+        " \"vocab_size\": 32000, \"max_position_embeddings\": 32768, \"sliding_window\": 4096,"
+        " \"rms_norm_eps\": 1e-05, \"rope_theta\": 10000.0}";
     cr_assert_eq(td_model_config_from_json(mistral, "config.json", &c), TD_OK, "%s", td_last_error());
-    cr_expect_eq(c.max_seq_len, 4096);
+    cr_expect_eq(c.max_seq_len, 32768);
+    cr_expect_eq(c.sliding_window, 4096);
+    cr_expect_eq(td_model_layer_window(&c, 0), 4096);
+    cr_expect_eq(td_model_layer_window(&c, 31), 4096);
+    cr_expect_eq(td_model_kv_window(&c), 4096);
+    cr_assert_eq(td_model_preset("mistral-7b", &preset), TD_OK);
+    cr_expect_eq(td_model_fingerprint(&c), td_model_fingerprint(&preset), "mistral-7b differs from its config.json");
     cr_expect_eq(c.bos_id, -1);
     cr_expect_eq(c.n_eos, 0);
 
@@ -846,6 +853,130 @@ Test(model_config, fingerprint_tracks_shape_not_storage)
     cr_expect_eq(td_model_fingerprint(&c), fp);
 #undef DIFFERS
 #undef SAME
+}
+
+/* A micro Mistral/Qwen config.json of 4 layers with `extra` keys spliced in. */
+static td_status_t window_config(const char *arch, const char *extra, td_model_config_t *c)
+{
+    char json[1024];
+    snprintf(json, sizeof json,
+             "{\"architectures\": [\"%s\"], \"hidden_size\": 8, \"intermediate_size\": 16,"
+             " \"num_hidden_layers\": 4, \"num_attention_heads\": 2, \"vocab_size\": 32,"
+             " \"max_position_embeddings\": 4096%s%s}", arch, *extra ? ", " : "", extra);
+    return td_model_config_from_json(json, "cfg-origin.json", c);
+}
+
+/* The sliding window by each arch's rules (Mistral: every layer; Qwen: use_sliding_window
+   and max_window_layers; layer_types wins), the context limit left alone, bad values named,
+   and config.json / GGUF written back with the same windows. */
+Test(model_config, sliding_window_per_layer, .init = tmp_setup, .fini = tmp_teardown)
+{
+    static const struct {
+        const char *arch, *extra;
+        int32_t window;
+        unsigned layers; /* bit l: layer l slides */
+    } ok[] = {
+        {"MistralForCausalLM", "\"sliding_window\": 100", 100, 0xf},
+        {"MistralForCausalLM", "\"sliding_window\": null", 0, 0},
+        {"MistralForCausalLM", "", 0, 0},
+        {"Qwen2ForCausalLM", "\"use_sliding_window\": true, \"sliding_window\": 64, \"max_window_layers\": 1", 64, 0xe},
+        {"Qwen2ForCausalLM", "\"use_sliding_window\": false, \"sliding_window\": 64, \"max_window_layers\": 1", 0, 0},
+        /* HF's default max_window_layers (28) is past these 4 layers: no layer slides */
+        {"Qwen2ForCausalLM", "\"use_sliding_window\": true, \"sliding_window\": 64", 0, 0},
+        {"Qwen3ForCausalLM", "\"use_sliding_window\": true, \"sliding_window\": 8, \"max_window_layers\": 0, "
+         "\"layer_types\": [\"full_attention\", \"sliding_attention\", \"full_attention\", \"sliding_attention\"]",
+         8, 0xa},
+        {"MistralForCausalLM", "\"sliding_window\": 16, \"layer_types\": [\"sliding_attention\", "
+         "\"sliding_attention\", \"sliding_attention\", \"full_attention\"]", 16, 0x7},
+        /* Llama has no window: the key is ignored, as transformers ignores it */
+        {"LlamaForCausalLM", "\"sliding_window\": 100", 0, 0},
+    };
+    for (size_t i = 0; i < TD_ARRAY_LEN(ok); i++) {
+        td_model_config_t c;
+        cr_assert_eq(window_config(ok[i].arch, ok[i].extra, &c), TD_OK, "case %zu: %s", i, td_last_error());
+        cr_expect_eq(c.max_seq_len, 4096, "case %zu: the window changed the context limit", i);
+        cr_expect_eq(c.sliding_window, ok[i].window, "case %zu", i);
+        for (int32_t l = 0; l < 4; l++)
+            cr_expect_eq(td_model_layer_window(&c, l), (ok[i].layers >> l) & 1 ? ok[i].window : 0,
+                         "case %zu layer %d", i, l);
+        cr_expect_eq(td_model_kv_window(&c), ok[i].layers == 0xf ? ok[i].window : 0, "case %zu", i);
+        /* written back and read again: the same windows, the same fingerprint */
+        char *json = NULL;
+        cr_assert_eq(td_model_config_to_json(&c, TD_BF16, &json), TD_OK, "case %zu: %s", i, td_last_error());
+        td_model_config_t back;
+        cr_assert_eq(td_model_config_from_json(json, "written", &back), TD_OK, "case %zu: %s\n%s", i,
+                     td_last_error(), json);
+        cr_expect_eq(back.sliding_window, c.sliding_window, "case %zu: %s", i, json);
+        cr_expect_eq(memcmp(back.swa_layers, c.swa_layers, sizeof c.swa_layers), 0, "case %zu: %s", i, json);
+        cr_expect_eq(td_model_fingerprint(&back), td_model_fingerprint(&c), "case %zu", i);
+        free(json);
+    }
+
+    static const struct {
+        const char *arch, *extra;
+        td_status_t want;
+        const char *needle;
+    } bad[] = {
+        {"MistralForCausalLM", "\"sliding_window\": 0", TD_ERR_FORMAT, "sliding_window 0 is out of range"},
+        {"MistralForCausalLM", "\"sliding_window\": -4096", TD_ERR_FORMAT, "sliding_window -4096 is out of range"},
+        {"MistralForCausalLM", "\"sliding_window\": 1e12", TD_ERR_FORMAT, "sliding_window 1000000000000 is out of range"},
+        {"MistralForCausalLM", "\"sliding_window\": 40.5", TD_ERR_FORMAT, "sliding_window 40.5"},
+        {"MistralForCausalLM", "\"sliding_window\": \"4096\"", TD_ERR_FORMAT, "\"sliding_window\" must be an integer"},
+        {"Qwen2ForCausalLM", "\"use_sliding_window\": 1, \"sliding_window\": 64", TD_ERR_FORMAT, "use_sliding_window"},
+        {"Qwen2ForCausalLM", "\"use_sliding_window\": true, \"sliding_window\": 64, \"max_window_layers\": -1",
+         TD_ERR_FORMAT, "max_window_layers -1 is out of range"},
+        {"MistralForCausalLM", "\"sliding_window\": 16, \"layer_types\": [\"sliding_attention\"]", TD_ERR_FORMAT,
+         "layer_types must list num_hidden_layers (4)"},
+        {"MistralForCausalLM", "\"sliding_window\": 16, \"layer_types\": [\"sliding_attention\", \"chunked_attention\", "
+         "\"full_attention\", \"full_attention\"]", TD_ERR_UNSUPPORTED, "layer_types[1]"},
+    };
+    for (size_t i = 0; i < TD_ARRAY_LEN(bad); i++) {
+        td_model_config_t c;
+        memset(&c, 0x5a, sizeof c);
+        td_model_config_t before = c;
+        td_clear_error();
+        td_status_t s = window_config(bad[i].arch, bad[i].extra, &c);
+        cr_expect_eq(s, bad[i].want, "bad case %zu: %s (%s)", i, td_status_name(s), td_last_error());
+        cr_expect_not_null(strstr(td_last_error(), "cfg-origin.json"), "bad case %zu: %s", i, td_last_error());
+        cr_expect_not_null(strstr(td_last_error(), bad[i].needle), "bad case %zu: \"%s\" lacks \"%s\"", i,
+                           td_last_error(), bad[i].needle);
+        cr_expect_eq(memcmp(&c, &before, sizeof c), 0, "bad case %zu: output written on failure", i);
+    }
+
+    /* the window is part of the math: it changes the fingerprint; tiny-swa is tiny with one */
+    td_model_config_t tiny, swa;
+    cr_assert_eq(td_model_preset("tiny", &tiny), TD_OK);
+    cr_assert_eq(td_model_preset("tiny-swa", &swa), TD_OK);
+    cr_expect_eq(swa.sliding_window, 40);
+    cr_expect_eq(td_model_kv_window(&swa), 40);
+    cr_expect_neq(td_model_fingerprint(&swa), td_model_fingerprint(&tiny));
+    td_model_config_t other = swa;
+    td_model_config_set_window(&other, 41);
+    cr_expect_neq(td_model_fingerprint(&other), td_model_fingerprint(&swa));
+    other = swa;
+    other.swa_layers[0] &= ~1ull;
+    cr_expect_neq(td_model_fingerprint(&other), td_model_fingerprint(&swa));
+    cr_expect_eq(td_model_kv_window(&other), 0);
+
+    /* a GGUF file carries it as mistral... llama.attention.sliding_window */
+    char path[512];
+    tmp_path(path, sizeof path, "swa.gguf");
+    td_synth_params_t p;
+    memset(&p, 0, sizeof p);
+    p.config = swa;
+    p.dtype = TD_F32;
+    cr_assert_eq(td_model_synth_gguf(&p, path), TD_OK, "%s", td_last_error());
+    td_model_t *m;
+    cr_assert_eq(td_model_load(path, &m), TD_OK, "%s", td_last_error());
+    cr_expect_eq(m->config.sliding_window, 40);
+    cr_expect_eq(td_model_kv_window(&m->config), 40);
+    cr_expect_eq(m->config.max_seq_len, swa.max_seq_len);
+    td_model_destroy(m);
+    /* a per-layer pattern has no GGUF key: refused, not dropped */
+    p.config = other;
+    p.config.sliding_window = 40;
+    tmp_path(path, sizeof path, "swa2.gguf");
+    cr_expect_eq(td_model_synth_gguf(&p, path), TD_ERR_UNSUPPORTED);
 }
 
 /* ---- malformed Hugging Face directories -------------------------------------------- */
