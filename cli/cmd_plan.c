@@ -7,6 +7,12 @@
  *       step against its tokens, a decode step against batch size and context, and models the
  *       KV transfer (bytes per token / this machine's memcpy bandwidth); writes the points and
  *       least-squares fits as a JSON profile.
+ *   tandem plan profile (--gateway HOST:PORT | --openai URL) [--prefill-metrics URL]
+ *       the same profile measured through a running cluster with bench serve's client
+ *       (bench_serve_client.h): prefill from lone requests' TTFT (the prefill node's engine
+ *       time per request with --prefill-metrics, the rest the fixed overhead), decode from the
+ *       gaps between tokens of B streams generating together, the KV transfer from a lone
+ *       request's first gap minus the decode step.
  *   tandem plan --profile P (--workload W | --metrics URL) --ttft MS --tpot MS
  *               [--rate R | --nodes N] [--split P:D | --unified N] [--json]
  *       simulates the cluster (common/plan/td_plan.h) and answers: the P:D split and batch
@@ -55,6 +61,16 @@ static double median(double *v, int n)
 {
     qsort(v, (size_t)n, sizeof *v, cmp_d);
     return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+/* The median of the finite values of v[0..n) (reordered); NAN when there are none. */
+static double median_finite(double *v, int n)
+{
+    int k = 0;
+    for (int i = 0; i < n; i++)
+        if (isfinite(v[i]))
+            v[k++] = v[i];
+    return k ? median(v, k) : NAN;
 }
 
 #define PROFILE_REPS 7
@@ -186,29 +202,40 @@ static td_status_t prefill_counts_get(const char *url, prefill_counts_t *c)
 
 /* Runs the items and fails unless every one was answered: the first error, saying what was sent. */
 static td_status_t cluster_run(bs_client_t *cl, const cluster_prof_opts_t *o, const bs_dataset_t *d, int64_t conc,
-                               bs_replies_t *rep)
+                               bs_replies_t *rep, bool first)
 {
+    char hint[160];
+    if (first)
+        snprintf(hint, sizeof hint, "is the cluster up, and is that its %s?",
+                 o->cfg.gateway ? "gRPC gateway (tandem local prints 'gateway: HOST:PORT')"
+                                : "OpenAI API (tandem local prints 'openai: URL')");
+    else
+        snprintf(hint, sizeof hint, "does the model hold %u tokens (--max-tokens, --max-context, --decode-tokens), "
+                 "and the decode node %lld sequences (--max-batch)?", d->items[0].input_len + d->items[0].output_len,
+                 (long long)conc);
     td_status_t st = bs_client_run(cl, d->items, d->n, conc, rep);
     if (st != TD_OK)
         return st;
     for (size_t i = 0; i < rep->n; i++)
         if (!rep->r[i].ok || rep->r[i].output_tokens < d->items[i].output_len) {
             st = td_errorf(TD_ERR_UNAVAILABLE, "plan profile: %s: a request of %u prompt tokens and %u output tokens "
-                           "(%lld at once) %s%s; is the cluster up, and does the model hold %u tokens (--max-tokens, "
-                           "--max-context, --decode-tokens)?", o->target, d->items[i].input_len,
-                           d->items[i].output_len, (long long)conc, rep->r[i].ok ? "ended early" : "failed: ",
-                           rep->r[i].ok ? "" : rep->r[i].error ? rep->r[i].error : "no reason given",
-                           d->items[i].input_len + d->items[i].output_len);
+                           "(%lld at once) %s%s; %s", o->target, d->items[i].input_len, d->items[i].output_len,
+                           (long long)conc, rep->r[i].ok ? "ended early" : "failed: ",
+                           rep->r[i].ok ? "" : rep->r[i].error ? rep->r[i].error : "no reason given", hint);
             bs_replies_free(rep);
             return st;
         }
     return TD_OK;
 }
 
-/* A decode point: B streams in flight at once; the gaps between tokens while all B were
- * generating (after the last one's first token, before the first one's last token) are decode
- * steps of batch B. Their median, the context they saw, and how many per stream there were. */
-static void decode_window(const bs_replies_t *rep, uint32_t prompt, double *step_s, double *ctx, double *per_stream)
+/* A decode point: B streams in flight at once; while all B were generating (after the last
+ * one's first token, before the first one's last) each decode step gave each stream one token.
+ * Per stream: the time from its first to its last message inside that window over the tokens
+ * between them, a message counted as output_tokens / messages tokens (a router or client that
+ * fell behind sends several in one; messages read together, gaps of 0, cost nothing). The
+ * median over the streams, the context at the window's middle, and the gaps a stream had. */
+static void decode_window(const bs_replies_t *rep, uint32_t prompt, double *step_s, double *ctx, double *per_stream,
+                          double *tok_per_msg)
 {
     double w0 = 0, w1 = INFINITY;
     for (size_t i = 0; i < rep->n; i++) {
@@ -218,31 +245,35 @@ static void decode_window(const bs_replies_t *rep, uint32_t prompt, double *step
             last += r->itl_ms[k];
         w0 = TD_MAX(w0, t), w1 = TD_MIN(w1, last);
     }
-    size_t n = 0, cap = 0;
-    for (size_t i = 0; i < rep->n; i++)
-        cap += rep->r[i].n_itl;
-    double *g = malloc((cap + 1) * sizeof *g), *c = malloc((cap + 1) * sizeof *c);
-    *step_s = *ctx = NAN, *per_stream = 0;
-    if (!g || !c) {
-        free(g), free(c);
-        return;
-    }
-    for (size_t i = 0; i < rep->n; i++) {
+    double st[4096], cx[4096], gaps = 0, tpm = 0;
+    size_t n = 0;
+    for (size_t i = 0; i < rep->n && n < TD_ARRAY_LEN(st); i++) {
         const bs_reply_t *r = &rep->r[i];
-        double t = r->start_ms + r->ttft_ms;
-        for (uint32_t k = 0; k < r->n_itl; k++) {
-            double t1 = t + r->itl_ms[k];
-            if (t >= w0 && t1 <= w1)
-                g[n] = r->itl_ms[k] * 1e-3, c[n++] = prompt + k + 1; /* the step that made token k+1 */
-            t = t1;
+        double f = (double)r->output_tokens / (double)(r->n_itl + 1), t = r->start_ms + r->ttft_ms, ta = NAN, tb = 0;
+        uint32_t ka = 0, kb = 0;
+        tpm += f / (double)rep->n;
+        for (uint32_t k = 0; k <= r->n_itl; k++) { /* message k at time t */
+            if (t >= w0 && t <= w1) {
+                if (isnan(ta))
+                    ta = t, ka = k;
+                tb = t, kb = k;
+            }
+            if (k < r->n_itl)
+                t += r->itl_ms[k];
         }
+        if (isnan(ta) || kb == ka)
+            continue;
+        gaps += kb - ka;
+        st[n] = (tb - ta) * 1e-3 / ((double)(kb - ka) * f);
+        cx[n++] = prompt + 0.5 * (double)(ka + kb) * f + 1; /* the step that made the middle token */
     }
+    *step_s = *ctx = NAN;
+    *per_stream = gaps / (double)TD_MAX(rep->n, (size_t)1);
+    *tok_per_msg = tpm;
     if (n) {
-        *step_s = median(g, (int)n);
-        *ctx = median(c, (int)n);
-        *per_stream = (double)n / (double)rep->n;
+        *step_s = median(st, (int)n);
+        *ctx = median(cx, (int)n);
     }
-    free(g), free(c);
 }
 
 static int plan_profile_cluster(const cluster_prof_opts_t *o)
@@ -267,7 +298,7 @@ static int plan_profile_cluster(const cluster_prof_opts_t *o)
         goto out;
     }
     /* one request first: a cluster that is not there is one clear error, and a warm-up */
-    if (bs_dataset_random(&rng, 1, 8, 2, 0, &d) != TD_OK || cluster_run(cl, o, &d, 1, &rep) != TD_OK)
+    if (bs_dataset_random(&rng, 1, 8, 2, 0, &d) != TD_OK || cluster_run(cl, o, &d, 1, &rep, true) != TD_OK)
         goto out;
     bs_replies_free(&rep);
     bs_dataset_free(&d);
@@ -306,7 +337,7 @@ static int plan_profile_cluster(const cluster_prof_opts_t *o)
         td_status_t st = TD_OK;
         for (int i = 0; i < o->reps && st == TD_OK; i++) {
             bs_dataset_t one = {.items = &d.items[i], .n = 1};
-            if ((st = cluster_run(cl, o, &one, 1, &rep)) != TD_OK)
+            if ((st = cluster_run(cl, o, &one, 1, &rep, false)) != TD_OK)
                 break;
             tt[i] = rep.r[0].ttft_ms * 1e-3, gap[i] = rep.r[0].n_itl ? rep.r[0].itl_ms[0] * 1e-3 : NAN;
             bs_replies_free(&rep);
@@ -335,7 +366,7 @@ static int plan_profile_cluster(const cluster_prof_opts_t *o)
             free(eng), free(xn);
             goto out;
         }
-        tok[n_t] = t, ttft[n_t] = median(tt, (int)o->reps), gap1[n_t] = median(gap, (int)o->reps);
+        tok[n_t] = t, ttft[n_t] = median(tt, (int)o->reps), gap1[n_t] = median_finite(gap, (int)o->reps);
         engine[n_t] = o->prefill_metrics ? median(eng, (int)o->reps) : NAN;
         xfer_node[n_t] = n_xn ? median(xn, n_xn) : NAN;
         free(eng), free(xn);
@@ -389,13 +420,13 @@ static int plan_profile_cluster(const cluster_prof_opts_t *o)
     pts = cJSON_AddArrayToObject(dec, "points");
     for (size_t ci = 0; ci < TD_ARRAY_LEN(ctx_grid) && ctx_grid[ci] + o->decode_tokens <= o->max_context; ci++)
         for (int b = 1; nd < 64; b = (int)TD_MIN(2 * b, o->max_batch)) {
-            double step = NAN, ctx = NAN, per = 0;
+            double step = NAN, ctx = NAN, per = 0, tpm = 1;
             out_len = TD_MIN(out_len, o->max_context - ctx_grid[ci]);
             for (int tries = 0;; tries++) {
                 if (bs_dataset_random(&rng, (size_t)b, (uint32_t)ctx_grid[ci], (uint32_t)out_len, 0, &d) != TD_OK ||
-                    cluster_run(cl, o, &d, b, &rep) != TD_OK)
+                    cluster_run(cl, o, &d, b, &rep, false) != TD_OK)
                     goto out;
-                decode_window(&rep, (uint32_t)ctx_grid[ci], &step, &ctx, &per);
+                decode_window(&rep, (uint32_t)ctx_grid[ci], &step, &ctx, &per, &tpm);
                 bs_replies_free(&rep);
                 bs_dataset_free(&d);
                 if (per >= 8 || tries == 3 || ctx_grid[ci] + 2 * out_len > o->max_context)
@@ -409,9 +440,9 @@ static int plan_profile_cluster(const cluster_prof_opts_t *o)
             for (; n_rounds < TD_MIN(o->reps, 16) && per >= 2; n_rounds++) {
                 double p2;
                 if (bs_dataset_random(&rng, (size_t)b, (uint32_t)ctx_grid[ci], (uint32_t)out_len, 0, &d) != TD_OK ||
-                    cluster_run(cl, o, &d, b, &rep) != TD_OK)
+                    cluster_run(cl, o, &d, b, &rep, false) != TD_OK)
                     goto out;
-                decode_window(&rep, (uint32_t)ctx_grid[ci], &steps[n_rounds], &ctxs[n_rounds], &p2);
+                decode_window(&rep, (uint32_t)ctx_grid[ci], &steps[n_rounds], &ctxs[n_rounds], &p2, &tpm);
                 bs_replies_free(&rep);
                 bs_dataset_free(&d);
                 if (!(p2 >= 2))
@@ -419,12 +450,21 @@ static int plan_profile_cluster(const cluster_prof_opts_t *o)
             }
             if (per >= 2)
                 step = median(steps, n_rounds), ctx = median(ctxs, n_rounds);
-            if (!(per >= 2)) {
-                td_errorf(TD_ERR_UNAVAILABLE, "plan profile: %s: %d streams of %d prompt tokens and %lld output "
-                          "tokens never generated together (their prefills outlasted them); give a larger "
-                          "--decode-tokens or --max-context, or a smaller --max-batch", o->target, b, ctx_grid[ci],
-                          (long long)out_len);
-                goto out;
+            if (!(per >= 2)) { /* left out, said so; too few points left is the error below */
+                td_warn("plan profile: %d streams of %d prompt tokens and %lld output tokens never generated "
+                        "together (their prefills outlasted them): point left out (a larger --decode-tokens or "
+                        "--max-context keeps it)", b, ctx_grid[ci], (long long)out_len);
+                cJSON *sk = cJSON_GetObjectItemCaseSensitive(dec, "left_out");
+                if (!sk)
+                    sk = cJSON_AddArrayToObject(dec, "left_out");
+                cJSON *p = cJSON_CreateObject();
+                cJSON_AddNumberToObject(p, "batch", b);
+                cJSON_AddNumberToObject(p, "prompt_tokens", ctx_grid[ci]);
+                cJSON_AddNumberToObject(p, "output_tokens", (double)out_len);
+                cJSON_AddItemToArray(sk, p);
+                if (b == o->max_batch)
+                    break;
+                continue;
             }
             dx[nd * 3] = 1, dx[nd * 3 + 1] = b, dx[nd * 3 + 2] = (double)b * ctx;
             dy[nd++] = step;
@@ -436,6 +476,7 @@ static int plan_profile_cluster(const cluster_prof_opts_t *o)
             cJSON_AddNumberToObject(p, "output_tokens", (double)out_len);
             cJSON_AddNumberToObject(p, "gaps_per_stream", per);
             cJSON_AddNumberToObject(p, "rounds", n_rounds);
+            cJSON_AddNumberToObject(p, "tokens_per_message", tpm);
             cJSON_AddItemToArray(pts, p);
             fprintf(stderr, "plan profile: decode batch %3d context %6.1f  %9.3f ms (%.1f gaps a stream)\n", b, ctx,
                     step * 1e3, per);
@@ -443,16 +484,17 @@ static int plan_profile_cluster(const cluster_prof_opts_t *o)
                 break;
         }
     if (nd < 3) {
-        td_errorf(TD_ERR_INVALID, "plan profile: %d decode points are too few to fit three terms: raise --max-batch or "
-                  "--max-context", nd);
+        td_errorf(TD_ERR_INVALID, "plan profile: %d decode points are too few to fit three terms: raise --max-batch, "
+                  "--max-context or --decode-tokens", nd);
         rc = 2;
         goto out;
     }
     if (fit_relative(dx, dy, nd, 3, dc) != TD_OK)
         goto out;
     cJSON_AddStringToObject(dec, "method", "B concurrent streams (ignore_eos) through the front door; seconds: the "
-                                           "median gap between tokens while all B generated (relay included), "
-                                           "median over --reps rounds; context: the median context those steps saw");
+                                           "time between tokens while all B generated (relay included; a message "
+                                           "of several tokens counted as such), median over the streams and over "
+                                           "--reps rounds; context: the context at the middle of that time");
     cJSON_AddNumberToObject(dec, "a_s", dc[0]);
     cJSON_AddNumberToObject(dec, "b_s_per_seq", dc[1]);
     cJSON_AddNumberToObject(dec, "c_s_per_context_token", dc[2]);
@@ -460,25 +502,26 @@ static int plan_profile_cluster(const cluster_prof_opts_t *o)
     /* KV transfer: a lone request's second token waits for its KV to reach the decode node and one
      * decode step there; what the first gap outlasts that step is the transfer (and adoption) */
     double xx[32 * 2], xy[32], xc[2] = {0, 0}, sum = 0;
+    int nx = 0;
     cJSON *kv = cJSON_AddObjectToObject(j, "kv_transfer");
     pts = cJSON_AddArrayToObject(kv, "points");
     for (int i = 0; i < n_t; i++) {
+        if (!isfinite(gap1[i])) /* both tokens came in one message every time: no gap to read */
+            continue;
         td_plan_profile_t pf = {.decode_a_s = dc[0], .decode_b_s = dc[1], .decode_c_s = dc[2]};
-        xx[i * 2] = 1, xx[i * 2 + 1] = tok[i];
-        xy[i] = gap1[i] - td_plan_decode_step_s(&pf, 1, tok[i] + 1);
-        sum += xy[i];
+        xx[nx * 2] = 1, xx[nx * 2 + 1] = tok[i];
+        xy[nx] = gap1[i] - td_plan_decode_step_s(&pf, 1, tok[i] + 1);
+        sum += xy[nx];
         cJSON *p = cJSON_CreateObject();
         cJSON_AddNumberToObject(p, "tokens", tok[i]);
         cJSON_AddNumberToObject(p, "first_gap_s", gap1[i]);
-        cJSON_AddNumberToObject(p, "seconds", xy[i]);
+        cJSON_AddNumberToObject(p, "seconds", xy[nx++]);
         if (!isnan(xfer_node[i]))
             cJSON_AddNumberToObject(p, "node_transfer_s", xfer_node[i]);
         cJSON_AddItemToArray(pts, p);
     }
-    if (td_plan_fit(xx, xy, (size_t)n_t, 2, xc) != TD_OK)
-        goto out;
-    if (xc[1] < 0) /* no growth with the prompt measured: a constant */
-        xc[0] = sum / n_t, xc[1] = 0;
+    if (nx < 2 || td_plan_fit(xx, xy, (size_t)nx, 2, xc) != TD_OK || xc[1] < 0)
+        xc[0] = nx ? sum / nx : 0, xc[1] = 0; /* no growth with the prompt measured: a constant */
     xc[0] = TD_MAX(xc[0], 0.0);
     cJSON_AddStringToObject(kv, "method", "measured: a lone request's first gap between tokens minus the decode fit "
                                           "at batch 1 (the KV's arrival, adoption and relay); fitted a + b x tokens, "
@@ -1445,7 +1488,8 @@ out:
 
 static void plan_usage(FILE *f)
 {
-    fprintf(f, "usage: tandem plan profile --model PATH [--threads N] [--out FILE]   (--help for its flags)\n"
+    fprintf(f, "usage: tandem plan profile (--model PATH | --gateway HOST:PORT | --openai URL) [--out FILE]   (--help for "
+               "its flags)\n"
                "       tandem plan calibrate --profile P --prefill-metrics URL --decode-metrics URL --context C --out FILE\n"
                "       tandem plan --profile P (--workload random:IN:OUT[:RANGE]|trace:FILE | --metrics URL)\n"
                "                   --ttft MS --tpot MS [--rate R] [--nodes N] [--split P:D | --unified N] [--json]\n");

@@ -139,8 +139,8 @@ fi
 # ---- a profile measured through the running cluster (--gateway; the prefill node's /metrics for the
 # engine's part of TTFT): well-formed, its fits near the in-process profile of the same model (loose:
 # the cluster's nodes, router and this client share two noisy cores), and the planner reads it ----
-GP=(--max-tokens 128 --max-batch 4 --max-context 192 --reps 3)
-[ "$SAN" = ON ] && GP=(--max-tokens 64 --max-batch 4 --max-context 96 --reps 2 --request-timeout-s 120)
+GP=(--max-tokens 128 --max-batch 4 --max-context 256 --reps 3)
+[ "$SAN" = ON ] && GP=(--max-tokens 64 --max-batch 4 --max-context 160 --reps 2 --request-timeout-s 120)
 if timeout 300 "$CL_BIN" plan profile --gateway "$CL_GW" --prefill-metrics "${CL_MURL[prefill0]}" "${GP[@]}" \
         --out "$CL_T/gw.json" >"$CL_T/gw.out" 2>"$CL_T/gw.err"; then
     cat "$CL_T/gw.out"
@@ -157,8 +157,9 @@ pre, dec, kv, ov = g["prefill"], g["decode"], g["kv_transfer"], g["overheads"]
 assert [q["tokens"] for q in pre["points"]] == [t for t in (8, 16, 32, 64, 128, 256) if t <= max_tokens], pre
 for q in pre["points"]:  # the node's engine time is part of what the client waited for
     assert 0 < q["node_engine_s"] < q["ttft_s"] and q["seconds"] == q["node_engine_s"], q
-assert {q["batch"] for q in dec["points"]} == {1, 2, 4} and all(q["seconds"] > 0 for q in dec["points"]), dec
-assert len({q["prompt_tokens"] for q in dec["points"]}) >= 2, dec
+# prompts 16 and 128 (+ 32 output tokens within --max-context 256) x batches 1, 2, 4: measured or left out, said so
+assert len(dec["points"]) >= 3 and len(dec["points"]) + len(dec.get("left_out", [])) == 6, dec
+assert {q["batch"] for q in dec["points"]} <= {1, 2, 4} and all(q["seconds"] > 0 for q in dec["points"]), dec
 for q in dec["points"]:  # the steps measured saw the prompt and some of the output
     assert q["prompt_tokens"] < q["context"] <= q["prompt_tokens"] + q["output_tokens"], q
 coef = lambda o, ks: [o[k] for k in ks]
@@ -166,17 +167,34 @@ for v in coef(pre, ("a_s", "b_s_per_token", "c_s_per_token2")) + coef(dec, ("a_s
         "c_s_per_context_token")) + coef(kv, ("a_s", "b_s_per_token")) + [g["overhead_s"]]:
     assert isinstance(v, (int, float)) and math.isfinite(v), g
 assert kv["a_s"] >= 0 and kv["b_s_per_token"] >= 0 and 0 <= g["overhead_s"] < 1.0, (kv, g["overhead_s"])
-assert len(kv["points"]) == len(pre["points"]) and ov["method"] and len(ov["ttft_minus_engine_s"]) == len(pre["points"])
+assert 1 <= len(kv["points"]) <= len(pre["points"]) and ov["method"] and len(ov["ttft_minus_engine_s"]) == len(pre["points"])
 pf = lambda o, t: o["a_s"] + o["b_s_per_token"] * t + o["c_s_per_token2"] * t * t
 df = lambda o, b, c: o["a_s"] + o["b_s_per_seq"] * b + o["c_s_per_context_token"] * b * c
-def near(what, gw, ip, lo, hi):
-    print(f"{what}: gateway {gw * 1e3:.3f} ms, in-process {ip * 1e3:.3f} ms (x{gw / ip:.2f}; bound x{lo}..x{hi})")
-    assert san or lo * ip <= gw <= hi * ip, what
-# the same engine on the same machine: the node's step within 4x of the in-process one either way; a
-# token through the cluster costs the step plus the relay, at most 8x (one core shared by 3 processes)
-near(f"prefill step of {max_tokens} tokens", pf(pre, max_tokens), pf(p["prefill"], max_tokens), 0.25, 4)
-near("decode step batch 1 context 128", df(dec, 1, 128), df(p["decode"], 1, 128), 0.5, 8)
-near(f"decode step batch {max_batch} context 128", df(dec, max_batch, 128), df(p["decode"], max_batch, 128), 0.5, 8)
+med = lambda v: sorted(v)[len(v) // 2]
+# the fits follow their own points (median relative error; a neighbour's burst moves single points)
+for what, pts, f in (("prefill", pre["points"], lambda q: pf(pre, q["tokens"])),
+                     ("decode", dec["points"], lambda q: df(dec, q["batch"], q["context"]))):
+    err = med([abs(f(q) - q["seconds"]) / q["seconds"] for q in pts])
+    print(f"gateway {what} fit: median relative error over its points {err:.0%} (bound 50%)")
+    assert san or err < 0.5, what
+# the same engine on the same machine, point for point (the raw points: an in-process fit of a loaded
+# minute extrapolates anywhere), median ratio within 10x either way: the two profiles ran a minute
+# apart on two cores that neighbours load to 5-10 (in-process decode steps of 1.5 ms normally, 15-40
+# ms in such a minute); 10x still catches a unit, a window or a count gone wrong
+def ratio(what, pairs, lo, hi):
+    r = med([g / i for g, i in pairs])
+    print(f"{what}: gateway / in-process, median over {len(pairs)} points: x{r:.2f} (bound x{lo}..x{hi})")
+    assert san or lo <= r <= hi, what
+ip_pre = {q["tokens"]: q["seconds"] for q in p["prefill"]["points"]}
+ratio("prefill step", [(q["seconds"], ip_pre[q["tokens"]]) for q in pre["points"] if q["tokens"] in ip_pre], 0.1, 10)
+ip_dec = {}
+for q in p["decode"]["points"]:
+    ip_dec.setdefault(q["batch"], []).append(q["seconds"])
+ratio("decode step", [(q["seconds"], med(ip_dec[q["batch"]])) for q in dec["points"] if q["batch"] in ip_dec], 0.1, 10)
+for t in (8, max_tokens):
+    print(f"prefill fit at {t} tokens: gateway {pf(pre, t) * 1e3:.3f} ms, in-process {pf(p['prefill'], t) * 1e3:.3f} ms")
+print(f"decode fit at batch {max_batch} context 128: gateway {df(dec, max_batch, 128) * 1e3:.3f} ms, in-process "
+      f"{df(p['decode'], max_batch, 128) * 1e3:.3f} ms")
 print(f"KV transfer: {kv['a_s'] * 1e3:.3f} ms + {kv['b_s_per_token'] * 1e3:.5f} ms/token; overhead "
       f"{g['overhead_s'] * 1e3:.3f} ms (the in-process profile has 0 and a modelled "
       f"{p['kv_transfer']['b_s_per_token'] * 1e3:.5f} ms/token)")
