@@ -21,7 +21,8 @@
  * each, at most --max-connections) or gRPC channels, and a 50 ms tick that fails requests
  * past --request-timeout-s. The waiting queue holds at most --num-prompts requests (the
  * dataset). Pure parts (datasets, arrivals, statistics, goodput) are in
- * bench_serve_stats.c. Output keys in docs/bench.md.
+ * bench_serve_stats.c. Output keys in docs/bench.md. The same client, run by run, is a library
+ * for `tandem plan profile --gateway/--openai` (bench_serve_client.h, at the end of this file).
  */
 #include "bench_serve.h"
 
