@@ -228,52 +228,32 @@ static td_status_t cluster_run(bs_client_t *cl, const cluster_prof_opts_t *o, co
     return TD_OK;
 }
 
-/* A decode point: B streams in flight at once; while all B were generating (after the last
- * one's first token, before the first one's last) each decode step gave each stream one token.
- * Per stream: the time from its first to its last message inside that window over the tokens
- * between them, a message counted as output_tokens / messages tokens (a router or client that
- * fell behind sends several in one; messages read together, gaps of 0, cost nothing). The
- * median over the streams, the context at the window's middle, and the gaps a stream had. */
+/* A decode point from B replies (td_plan_decode_window); NAN step when out of memory. */
 static void decode_window(const bs_replies_t *rep, uint32_t prompt, double *step_s, double *ctx, double *per_stream,
                           double *tok_per_msg)
 {
-    double w0 = 0, w1 = INFINITY;
-    for (size_t i = 0; i < rep->n; i++) {
-        const bs_reply_t *r = &rep->r[i];
-        double t = r->start_ms + r->ttft_ms, last = t;
-        for (uint32_t k = 0; k < r->n_itl; k++)
-            last += r->itl_ms[k];
-        w0 = TD_MAX(w0, t), w1 = TD_MIN(w1, last);
-    }
-    double st[4096], cx[4096], gaps = 0, tpm = 0;
-    size_t n = 0;
-    for (size_t i = 0; i < rep->n && n < TD_ARRAY_LEN(st); i++) {
-        const bs_reply_t *r = &rep->r[i];
-        double f = (double)r->output_tokens / (double)(r->n_itl + 1), t = r->start_ms + r->ttft_ms, ta = NAN, tb = 0;
-        uint32_t ka = 0, kb = 0;
-        tpm += f / (double)rep->n;
-        for (uint32_t k = 0; k <= r->n_itl; k++) { /* message k at time t */
-            if (t >= w0 && t <= w1) {
-                if (isnan(ta))
-                    ta = t, ka = k;
-                tb = t, kb = k;
-            }
-            if (k < r->n_itl)
-                t += r->itl_ms[k];
+    td_plan_stream_t *st = malloc((rep->n ? rep->n : 1) * sizeof *st);
+    double *gaps = NULL;
+    size_t n_gaps = 0;
+    for (size_t i = 0; i < rep->n; i++)
+        n_gaps += rep->r[i].n_itl;
+    gaps = malloc((n_gaps ? n_gaps : 1) * sizeof *gaps);
+    td_plan_decode_point_t pt = {.step_s = NAN, .context = NAN};
+    if (st && gaps) {
+        double *g = gaps;
+        for (size_t i = 0; i < rep->n; i++) {
+            const bs_reply_t *r = &rep->r[i];
+            for (uint32_t k = 0; k < r->n_itl; k++)
+                g[k] = r->itl_ms[k] * 1e-3;
+            st[i] = (td_plan_stream_t){.first_s = (r->start_ms + r->ttft_ms) * 1e-3, .gaps_s = g,
+                                       .n_gaps = r->n_itl, .tokens = r->output_tokens};
+            g += r->n_itl;
         }
-        if (isnan(ta) || kb == ka)
-            continue;
-        gaps += kb - ka;
-        st[n] = (tb - ta) * 1e-3 / ((double)(kb - ka) * f);
-        cx[n++] = prompt + 0.5 * (double)(ka + kb) * f + 1; /* the step that made the middle token */
+        if (td_plan_decode_window(st, rep->n, prompt, &pt) != TD_OK)
+            pt = (td_plan_decode_point_t){.step_s = NAN, .context = NAN};
     }
-    *step_s = *ctx = NAN;
-    *per_stream = gaps / (double)TD_MAX(rep->n, (size_t)1);
-    *tok_per_msg = tpm;
-    if (n) {
-        *step_s = median(st, (int)n);
-        *ctx = median(cx, (int)n);
-    }
+    free(st), free(gaps);
+    *step_s = pt.step_s, *ctx = pt.context, *per_stream = pt.gaps_per_stream, *tok_per_msg = pt.tokens_per_message;
 }
 
 static int plan_profile_cluster(const cluster_prof_opts_t *o)
