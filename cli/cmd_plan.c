@@ -580,7 +580,7 @@ static int plan_profile(int argc, char **argv)
         TD_OPT_STRING("prefill-metrics", &co.prefill_metrics,
                       "cluster: its (only) prefill node's /metrics URL: the engine's part of TTFT, the overhead apart"),
         TD_OPT_INT("max-context", &co.max_context, 32, 1 << 20,
-                   "cluster: longest prompt + output a decode stream may have (default 512)"),
+                   "cluster: longest prompt + output a decode stream may have, >= 128 + --decode-tokens (default 512)"),
         TD_OPT_INT("decode-tokens", &co.decode_tokens, 8, 1 << 20,
                    "cluster: output tokens of a decode stream, doubled while B streams do not overlap (default 32)"),
         TD_OPT_INT("reps", &co.reps, 1, 1000, "cluster: lone requests per prompt length, rounds per decode point (default 5)"),
@@ -609,8 +609,9 @@ static int plan_profile(int argc, char **argv)
                       : cluster && threads ? "--threads: only with --model (a cluster's nodes have their own)"
                       : cluster && dev.cuda ? "--device: only with --model (a cluster's nodes have their own)"
                       : !cluster && co.prefill_metrics ? "--prefill-metrics: only with --gateway or --openai"
-                      : cluster && co.decode_tokens + 16 > co.max_context
-                          ? "--max-context: must hold a 16-token prompt and --decode-tokens"
+                      : cluster && co.decode_tokens + 128 > co.max_context
+                          ? "--max-context: must hold a 128-token prompt and --decode-tokens (two prompt lengths, "
+                            "16 and 128, or the context term cannot be told from the batch term)"
                           : NULL;
     if (bad) {
         td_errorf(TD_ERR_INVALID, "tandem plan profile: %s", bad);
