@@ -21,7 +21,8 @@
  * each, at most --max-connections) or gRPC channels, and a 50 ms tick that fails requests
  * past --request-timeout-s. The waiting queue holds at most --num-prompts requests (the
  * dataset). Pure parts (datasets, arrivals, statistics, goodput) are in
- * bench_serve_stats.c. Output keys in docs/bench.md.
+ * bench_serve_stats.c. Output keys in docs/bench.md. The same client, run by run, is a library
+ * for `tandem plan profile --gateway/--openai` (bench_serve_client.h, at the end of this file).
  */
 #include "bench_serve.h"
 
@@ -37,6 +38,7 @@
 #include <uv.h>
 
 #include "bench_http_client.h"
+#include "bench_serve_client.h"
 #include "tandem.pb-c.h"
 #include "td_bench.h"
 #include "td_grpc.h"
@@ -505,9 +507,9 @@ static void bs_on_tick(uv_timer_t *t)
     }
 }
 
-/* Runs `n` requests (items[first + i % n_items]) at `rate`; the results stay in *run. */
-static td_status_t bs_run(bs_state_t *s, size_t first, size_t n, double rate, bool timed, bs_rng_t *rng,
-                          bs_run_t *run)
+/* Runs `n` requests (d->items[(first + i) % d->n]) at `rate`; the results stay in *run. */
+static td_status_t bs_run(bs_state_t *s, const bs_dataset_t *d, size_t first, size_t n, double rate, bool timed,
+                          bs_rng_t *rng, bs_run_t *run)
 {
     bs_req_t *reqs = calloc(n ? n : 1, sizeof *reqs);
     double *at = malloc((n ? n : 1) * sizeof *at);
@@ -518,11 +520,11 @@ static td_status_t bs_run(bs_state_t *s, size_t first, size_t n, double rate, bo
     }
     if (timed)
         for (size_t i = 0; i < n; i++)
-            at[i] = s->data.items[(first + i) % s->data.n].arrival_s;
+            at[i] = d->items[(first + i) % d->n].arrival_s;
     else
         bs_arrivals(rng, rate, s->o.burstiness, n, at);
     for (size_t i = 0; i < n; i++) {
-        reqs[i] = (bs_req_t){.s = s, .item = &s->data.items[(first + i) % s->data.n], .arrival_s = at[i]};
+        reqs[i] = (bs_req_t){.s = s, .item = &d->items[(first + i) % d->n], .arrival_s = at[i]};
         td_list_init(&reqs[i].link);
     }
     free(at);
@@ -903,6 +905,48 @@ static void bs_close_all(bs_state_t *s)
     uv_run(&s->loop, UV_RUN_DEFAULT);
     if (uv_loop_close(&s->loop) != 0)
         td_warn("bench serve: loop closed with handles open");
+    free(s->gw);
+    s->gw = NULL;
+    s->n_gw = 0;
+}
+
+/* --openai or --gateway (exactly one) into the target's host, port, path and address; `prog`
+ * names the command in the message. */
+static td_status_t bs_target_parse(bs_state_t *s, const char *prog)
+{
+    const bs_opts_t *o = &s->o;
+    if (!o->openai == !o->gateway)
+        return td_errorf(TD_ERR_INVALID, "%s: give one of --openai URL or --gateway HOST:PORT", prog);
+    if (o->openai)
+        return bs_target_openai(s);
+    if (sscanf(o->gateway, "%255[^:]:%hu", s->host, &s->port) != 2 || !s->port)
+        return td_errorf(TD_ERR_INVALID, "--gateway: '%s' is not HOST:PORT", o->gateway);
+    return TD_OK;
+}
+
+/* The loop, its arrival timer and deadline tick, and the gRPC channels of --gateway. On an
+ * error what was made is still closed by bs_close_all. */
+static td_status_t bs_open(bs_state_t *s)
+{
+    uv_loop_init(&s->loop);
+    td_list_init(&s->waiting);
+    td_list_init(&s->active);
+    td_list_init(&s->idle_conns);
+    uv_timer_init(&s->loop, &s->arrive);
+    uv_timer_init(&s->loop, &s->tick);
+    s->arrive.data = s->tick.data = s;
+    uv_timer_start(&s->tick, bs_on_tick, BS_TICK_MS, BS_TICK_MS);
+    if (!s->o.gateway)
+        return TD_OK;
+    td_grpc_channel_config_t cc = td_grpc_channel_config_default();
+    if (!(s->gw = calloc((size_t)s->o.connections, sizeof *s->gw)))
+        return td_errorf(TD_ERR_NOMEM, "bench serve: out of memory for %lld channels", (long long)s->o.connections);
+    for (; s->n_gw < s->o.connections; s->n_gw++) {
+        td_status_t st = td_grpc_channel_create(&s->loop, s->host, s->port, &cc, &s->gw[s->n_gw]);
+        if (st != TD_OK)
+            return st;
+    }
+    return TD_OK;
 }
 
 static const char bs_usage[] =
@@ -1001,13 +1045,7 @@ int bench_serve(int argc, char **argv)
         free(s);
         return 0;
     }
-    td_status_t bad = TD_OK;
-    if (!o->openai == !o->gateway)
-        bad = td_errorf(TD_ERR_INVALID, "bench serve: give one of --openai URL or --gateway HOST:PORT");
-    else if (o->openai)
-        bad = bs_target_openai(s);
-    else if (sscanf(o->gateway, "%255[^:]:%hu", s->host, &s->port) != 2 || !s->port)
-        bad = td_errorf(TD_ERR_INVALID, "--gateway: '%s' is not HOST:PORT", o->gateway);
+    td_status_t bad = bs_target_parse(s, "bench serve");
     if (bad == TD_OK && o->ignore_eos_flag && o->no_ignore_eos)
         bad = td_errorf(TD_ERR_INVALID, "bench serve: give --ignore-eos or --no-ignore-eos, not both");
     o->ignore_eos = o->ignore_eos_flag || (!o->no_ignore_eos && strcmp(o->dataset, "sharegpt"));
@@ -1057,29 +1095,15 @@ int bench_serve(int argc, char **argv)
         s->limit = TD_MIN(s->limit, o->max_connections);
     if (!(runs = calloc(n_rates, sizeof *runs)))
         goto err_data;
-    uv_loop_init(&s->loop);
-    td_list_init(&s->waiting);
-    td_list_init(&s->active);
-    td_list_init(&s->idle_conns);
-    uv_timer_init(&s->loop, &s->arrive);
-    uv_timer_init(&s->loop, &s->tick);
-    s->arrive.data = s->tick.data = s;
-    uv_timer_start(&s->tick, bs_on_tick, BS_TICK_MS, BS_TICK_MS);
-    if (o->gateway) {
-        td_grpc_channel_config_t cc = td_grpc_channel_config_default();
-        if (!(s->gw = calloc((size_t)o->connections, sizeof *s->gw)))
-            goto err_loop;
-        for (; s->n_gw < o->connections; s->n_gw++)
-            if (td_grpc_channel_create(&s->loop, s->host, s->port, &cc, &s->gw[s->n_gw]) != TD_OK)
-                goto err_loop;
-    }
+    if (bs_open(s) != TD_OK)
+        goto err_loop;
     /* warm-up: the dataset's last requests (random: extra ones), all at once, not counted */
     if (o->warmup_prompts) {
         bs_run_t w;
         size_t first = s->data.n > (size_t)o->warmup_prompts ? s->data.n - (size_t)o->warmup_prompts : 0;
         if (!o->json)
             fprintf(stderr, "bench serve: warm-up, %lld requests\n", (long long)o->warmup_prompts);
-        if (bs_run(s, first, (size_t)o->warmup_prompts, INFINITY, false, &rng, &w) != TD_OK)
+        if (bs_run(s, &s->data, first, (size_t)o->warmup_prompts, INFINITY, false, &rng, &w) != TD_OK)
             goto err_loop;
         if (w.sum.failed)
             fprintf(stderr, "bench serve: %llu of the warm-up requests failed (first: %s)\n",
@@ -1094,7 +1118,7 @@ int bench_serve(int argc, char **argv)
         if (!o->json && !s->data.timed)
             fprintf(stderr, "bench serve: %zu requests at %.3g requests/s%s\n", n_measured, rates[i],
                     o->max_concurrency ? ", concurrency-limited" : "");
-        if (bs_run(s, fresh ? i * n_measured : 0, n_measured, rates[i], s->data.timed, &rng, &runs[i]) != TD_OK) {
+        if (bs_run(s, &s->data, fresh ? i * n_measured : 0, n_measured, rates[i], s->data.timed, &rng, &runs[i]) != TD_OK) {
             free(attain);
             goto err_loop;
         }
@@ -1138,7 +1162,6 @@ err_loop:
     for (size_t i = 0; runs && i < n_rates; i++)
         bs_run_free(&runs[i]);
     free(runs);
-    free(s->gw);
 err_data:
     cJSON_free(s->model_json);
     bs_dataset_free(&s->data);
@@ -1147,4 +1170,98 @@ err_opts:
     td_opts_result_free(&ro);
     free(s);
     return rc;
+}
+
+/* ---- the load generator as a library (bench_serve_client.h) ----------------------------------- */
+
+struct bs_client {
+    bs_state_t s;
+};
+
+bs_client_config_t bs_client_config_default(void)
+{
+    return (bs_client_config_t){.vocab = 256, .ignore_eos = true, .request_timeout_s = 300, .connections = 4};
+}
+
+td_status_t bs_client_create(const bs_client_config_t *cfg, const char *prog, bs_client_t **c_p)
+{
+    bs_client_t *c = calloc(1, sizeof *c);
+    if (!c)
+        return td_errorf(TD_ERR_NOMEM, "%s: out of memory", prog);
+    bs_state_t *s = &c->s;
+    s->o = (bs_opts_t){.openai = cfg->openai, .gateway = cfg->gateway, .model = cfg->model,
+                       .api_key = cfg->api_key, .burstiness = 1, .request_timeout_s = (float)cfg->request_timeout_s,
+                       .connections = TD_MAX(cfg->connections, 1), .max_connections = 1000,
+                       .ignore_eos = cfg->ignore_eos};
+    s->vocab = TD_MAX(cfg->vocab, 2u);
+    td_status_t st = bs_target_parse(s, prog);
+    if (st == TD_OK && cfg->model) {
+        cJSON *m = cJSON_CreateString(cfg->model);
+        s->model_json = m ? cJSON_PrintUnformatted(m) : NULL;
+        cJSON_Delete(m);
+        if (!s->model_json)
+            st = td_errorf(TD_ERR_NOMEM, "%s: out of memory", prog);
+    }
+    if (st != TD_OK) {
+        cJSON_free(s->model_json);
+        free(c);
+        return st;
+    }
+    if ((st = bs_open(s)) != TD_OK) {
+        bs_client_destroy(c);
+        return st;
+    }
+    *c_p = c;
+    return TD_OK;
+}
+
+td_status_t bs_client_run(bs_client_t *c, const bs_item_t *items, size_t n, int64_t max_concurrency,
+                          bs_replies_t *out_p)
+{
+    bs_state_t *s = &c->s;
+    bs_dataset_t d = {.items = (bs_item_t *)items, .n = n};
+    bs_run_t *run = calloc(1, sizeof *run);
+    bs_reply_t *r = calloc(n ? n : 1, sizeof *r);
+    if (!run || !r) {
+        free(run), free(r);
+        return td_errorf(TD_ERR_NOMEM, "bench serve: out of memory for %zu replies", n);
+    }
+    bs_rng_t rng; /* arrivals at an infinite rate draw nothing */
+    bs_rng_seed(&rng, 0);
+    s->limit = TD_MAX(max_concurrency, 1);
+    td_status_t st = bs_run(s, &d, 0, n, INFINITY, false, &rng, run);
+    if (st != TD_OK) {
+        bs_run_free(run);
+        free(run), free(r);
+        return st;
+    }
+    for (size_t i = 0; i < n; i++) {
+        const bs_req_t *q = &run->reqs[i];
+        r[i] = (bs_reply_t){.ok = q->out.ok, .error = q->error, .output_tokens = q->out.output_tokens,
+                            .start_ms = q->t_send ? (double)(q->t_send - run->t0) * 1e-6 : 0,
+                            .ttft_ms = q->out.ttft_ms, .e2el_ms = q->out.e2el_ms, .itl_ms = q->itl,
+                            .n_itl = q->n_itl};
+    }
+    *out_p = (bs_replies_t){.r = r, .n = n, .run = run};
+    return TD_OK;
+}
+
+void bs_replies_free(bs_replies_t *r)
+{
+    if (!r)
+        return;
+    if (r->run)
+        bs_run_free(r->run);
+    free(r->run);
+    free(r->r);
+    *r = (bs_replies_t){0};
+}
+
+void bs_client_destroy(bs_client_t *c)
+{
+    if (!c)
+        return;
+    bs_close_all(&c->s);
+    cJSON_free(c->s.model_json);
+    free(c);
 }

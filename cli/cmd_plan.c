@@ -7,6 +7,12 @@
  *       step against its tokens, a decode step against batch size and context, and models the
  *       KV transfer (bytes per token / this machine's memcpy bandwidth); writes the points and
  *       least-squares fits as a JSON profile.
+ *   tandem plan profile (--gateway HOST:PORT | --openai URL) [--prefill-metrics URL]
+ *       the same profile measured through a running cluster with bench serve's client
+ *       (bench_serve_client.h): prefill from lone requests' TTFT (the prefill node's engine
+ *       time per request with --prefill-metrics, the rest the fixed overhead), decode from the
+ *       gaps between tokens of B streams generating together, the KV transfer from a lone
+ *       request's first gap minus the decode step.
  *   tandem plan --profile P (--workload W | --metrics URL) --ttft MS --tpot MS
  *               [--rate R | --nodes N] [--split P:D | --unified N] [--json]
  *       simulates the cluster (common/plan/td_plan.h) and answers: the P:D split and batch
@@ -34,6 +40,7 @@
 #include <cjson/cJSON.h>
 
 #include "bench_serve.h"
+#include "bench_serve_client.h"
 #include "td_backend.h"
 #include "td_cli.h"
 #include "td_engine.h"
@@ -54,6 +61,16 @@ static double median(double *v, int n)
 {
     qsort(v, (size_t)n, sizeof *v, cmp_d);
     return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+/* The median of the finite values of v[0..n) (reordered); NAN when there are none. */
+static double median_finite(double *v, int n)
+{
+    int k = 0;
+    for (int i = 0; i < n; i++)
+        if (isfinite(v[i]))
+            v[k++] = v[i];
+    return k ? median(v, k) : NAN;
 }
 
 #define PROFILE_REPS 7
@@ -149,19 +166,428 @@ static double copy_bandwidth(void)
     return best;
 }
 
+/* ---- through a running cluster: --gateway HOST:PORT | --openai URL ---------------------------- */
+
+static td_status_t http_get(const char *url, char **body_p);
+static double prom_value(const char *text, const char *name);
+
+typedef struct cluster_prof_opts {
+    bs_client_config_t cfg;
+    const char *target, *prefill_metrics, *out;
+    int64_t max_tokens, max_batch, max_context, decode_tokens, reps;
+} cluster_prof_opts_t;
+
+/* What a prefill node's /metrics counts; NAN where it has not the series. */
+typedef struct prefill_counts {
+    double requests, step_s, transfers, transfer_s, cached_tokens;
+} prefill_counts_t;
+
+static td_status_t prefill_counts_get(const char *url, prefill_counts_t *c)
+{
+    char *m = NULL;
+    td_status_t st = http_get(url, &m);
+    if (st != TD_OK)
+        return st;
+    *c = (prefill_counts_t){prom_value(m, "tandem_prefill_requests_total"),
+                            prom_value(m, "tandem_prefill_step_seconds_sum"),
+                            prom_value(m, "tandem_prefill_transfer_seconds_count"),
+                            prom_value(m, "tandem_prefill_transfer_seconds_sum"),
+                            prom_value(m, "tandem_prefill_cached_tokens_total")};
+    free(m);
+    if (isnan(c->requests) || isnan(c->step_s))
+        return td_errorf(TD_ERR_INVALID, "--prefill-metrics: %s has no tandem_prefill_requests_total or "
+                                         "tandem_prefill_step_seconds: is it a prefill node's /metrics?", url);
+    return TD_OK;
+}
+
+/* Runs the items and fails unless every one was answered: the first error, saying what was sent. */
+static td_status_t cluster_run(bs_client_t *cl, const cluster_prof_opts_t *o, const bs_dataset_t *d, int64_t conc,
+                               bs_replies_t *rep, bool first)
+{
+    char hint[160];
+    if (first)
+        snprintf(hint, sizeof hint, "is the cluster up, and is that its %s?",
+                 o->cfg.gateway ? "gRPC gateway (tandem local prints 'gateway: HOST:PORT')"
+                                : "OpenAI API (tandem local prints 'openai: URL')");
+    else
+        snprintf(hint, sizeof hint, "does the model hold %u tokens (--max-tokens, --max-context, --decode-tokens), "
+                 "and the decode node %lld sequences (--max-batch)?", d->items[0].input_len + d->items[0].output_len,
+                 (long long)conc);
+    td_status_t st = bs_client_run(cl, d->items, d->n, conc, rep);
+    if (st != TD_OK)
+        return st;
+    for (size_t i = 0; i < rep->n; i++)
+        if (!rep->r[i].ok || rep->r[i].output_tokens < d->items[i].output_len) {
+            st = td_errorf(TD_ERR_UNAVAILABLE, "plan profile: %s: a request of %u prompt tokens and %u output tokens "
+                           "(%lld at once) %s%s; %s", o->target, d->items[i].input_len, d->items[i].output_len,
+                           (long long)conc, rep->r[i].ok ? "ended early" : "failed: ",
+                           rep->r[i].ok ? "" : rep->r[i].error ? rep->r[i].error : "no reason given", hint);
+            bs_replies_free(rep);
+            return st;
+        }
+    return TD_OK;
+}
+
+/* A decode point from B replies (td_plan_decode_window); NAN step when out of memory. */
+static void decode_window(const bs_replies_t *rep, uint32_t prompt, double *step_s, double *ctx, double *per_stream,
+                          double *tok_per_msg)
+{
+    td_plan_stream_t *st = malloc((rep->n ? rep->n : 1) * sizeof *st);
+    double *gaps = NULL;
+    size_t n_gaps = 0;
+    for (size_t i = 0; i < rep->n; i++)
+        n_gaps += rep->r[i].n_itl;
+    gaps = malloc((n_gaps ? n_gaps : 1) * sizeof *gaps);
+    td_plan_decode_point_t pt = {.step_s = NAN, .context = NAN};
+    if (st && gaps) {
+        double *g = gaps;
+        for (size_t i = 0; i < rep->n; i++) {
+            const bs_reply_t *r = &rep->r[i];
+            for (uint32_t k = 0; k < r->n_itl; k++)
+                g[k] = r->itl_ms[k] * 1e-3;
+            st[i] = (td_plan_stream_t){.first_s = (r->start_ms + r->ttft_ms) * 1e-3, .gaps_s = g,
+                                       .n_gaps = r->n_itl, .tokens = r->output_tokens};
+            g += r->n_itl;
+        }
+        if (td_plan_decode_window(st, rep->n, prompt, &pt) != TD_OK)
+            pt = (td_plan_decode_point_t){.step_s = NAN, .context = NAN};
+    }
+    free(st), free(gaps);
+    *step_s = pt.step_s, *ctx = pt.context, *per_stream = pt.gaps_per_stream, *tok_per_msg = pt.tokens_per_message;
+}
+
+static int plan_profile_cluster(const cluster_prof_opts_t *o)
+{
+    int rc = 1;
+    bs_client_t *cl = NULL;
+    bs_replies_t rep = {0};
+    bs_dataset_t d = {0};
+    cJSON *j = NULL;
+    /* prompts of their own each time: a second profile of the same cluster must not find the
+     * first one's prompts in the prefill node's prefix cache */
+    uint64_t seed = td_now_ns() ^ ((uint64_t)getpid() << 32);
+    bs_rng_t rng;
+    bs_rng_seed(&rng, seed);
+    double *tt = malloc((size_t)o->reps * sizeof *tt), *gap = malloc((size_t)o->reps * sizeof *gap);
+    if (!tt || !gap) {
+        td_errorf(TD_ERR_NOMEM, "plan profile: out of memory");
+        goto out;
+    }
+    if (bs_client_create(&o->cfg, "tandem plan profile", &cl) != TD_OK) {
+        rc = 2;
+        goto out;
+    }
+    /* one request first: a cluster that is not there is one clear error, and a warm-up */
+    if (bs_dataset_random(&rng, 1, 8, 2, 0, &d) != TD_OK || cluster_run(cl, o, &d, 1, &rep, true) != TD_OK)
+        goto out;
+    bs_replies_free(&rep);
+    bs_dataset_free(&d);
+    j = cJSON_CreateObject();
+    cJSON_AddNumberToObject(j, "tandem_plan_profile", 1);
+    cJSON_AddStringToObject(j, "source", o->cfg.gateway ? "gateway" : "openai");
+    cJSON_AddStringToObject(j, "target", o->target);
+    cJSON_AddStringToObject(j, "model", o->cfg.model ? o->cfg.model : "(the served one)");
+    cJSON_AddNumberToObject(j, "vocab_size", o->cfg.vocab);
+    cJSON_AddNumberToObject(j, "prompt_seed", (double)(seed >> 12)); /* a JSON number holds 52 bits */
+
+    /* prefill: lone requests of T prompt tokens and 2 output tokens; TTFT, and the first gap */
+    int n_t = 0;
+    int32_t tok[32];
+    double ttft[32], gap1[32], engine[32], xfer_node[32];
+    cJSON *pre = cJSON_AddObjectToObject(j, "prefill"), *pts = cJSON_AddArrayToObject(pre, "points");
+    for (int t = 8; n_t < 32; t = (int)TD_MIN(2 * t, o->max_tokens)) {
+        /* one request at a time, the node's counters read between them: its engine time per
+         * request, a median beside TTFT's (a mean would carry the one step a neighbour delayed) */
+        prefill_counts_t c0 = {0}, c1 = {0};
+        double *eng = malloc((size_t)o->reps * sizeof *eng), *xn = malloc((size_t)o->reps * sizeof *xn);
+        int n_xn = 0;
+        if (!eng || !xn) {
+            free(eng), free(xn);
+            td_errorf(TD_ERR_NOMEM, "plan profile: out of memory");
+            goto out;
+        }
+        if (o->prefill_metrics && prefill_counts_get(o->prefill_metrics, &c0) != TD_OK) {
+            free(eng), free(xn);
+            goto out;
+        }
+        if (bs_dataset_random(&rng, (size_t)o->reps, (uint32_t)t, 2, 0, &d) != TD_OK) {
+            free(eng), free(xn);
+            goto out;
+        }
+        td_status_t st = TD_OK;
+        for (int i = 0; i < o->reps && st == TD_OK; i++) {
+            bs_dataset_t one = {.items = &d.items[i], .n = 1};
+            if ((st = cluster_run(cl, o, &one, 1, &rep, false)) != TD_OK)
+                break;
+            tt[i] = rep.r[0].ttft_ms * 1e-3, gap[i] = rep.r[0].n_itl ? rep.r[0].itl_ms[0] * 1e-3 : NAN;
+            bs_replies_free(&rep);
+            if (!o->prefill_metrics || (st = prefill_counts_get(o->prefill_metrics, &c1)) != TD_OK)
+                continue;
+            if (c1.requests - c0.requests != 1) {
+                st = td_errorf(TD_ERR_INVALID, "--prefill-metrics: %s counted %.0f Prefill calls for one request: is "
+                               "it the only prefill node of the cluster at %s, and idle but for this?",
+                               o->prefill_metrics, c1.requests - c0.requests, o->target);
+                rc = 2;
+                break;
+            }
+            if (c1.cached_tokens > c0.cached_tokens) {
+                st = td_errorf(TD_ERR_INVALID, "plan profile: the prefill node's prefix cache served %.0f tokens of a "
+                               "%d-token prompt: its engine time is not a prefill of T tokens (another client sending "
+                               "the same prompts?)", c1.cached_tokens - c0.cached_tokens, t);
+                break;
+            }
+            eng[i] = c1.step_s - c0.step_s;
+            if (c1.transfers > c0.transfers)
+                xn[n_xn++] = (c1.transfer_s - c0.transfer_s) / (c1.transfers - c0.transfers);
+            c0 = c1;
+        }
+        bs_dataset_free(&d);
+        if (st != TD_OK) {
+            free(eng), free(xn);
+            goto out;
+        }
+        tok[n_t] = t, ttft[n_t] = median(tt, (int)o->reps), gap1[n_t] = median_finite(gap, (int)o->reps);
+        engine[n_t] = o->prefill_metrics ? median(eng, (int)o->reps) : NAN;
+        xfer_node[n_t] = n_xn ? median(xn, n_xn) : NAN;
+        free(eng), free(xn);
+        cJSON *p = cJSON_CreateObject();
+        cJSON_AddNumberToObject(p, "tokens", t);
+        cJSON_AddNumberToObject(p, "ttft_s", ttft[n_t]);
+        if (o->prefill_metrics) {
+            cJSON_AddNumberToObject(p, "node_engine_s", engine[n_t]);
+            if (!isnan(xfer_node[n_t]))
+                cJSON_AddNumberToObject(p, "node_transfer_s", xfer_node[n_t]);
+        }
+        double y = o->prefill_metrics ? engine[n_t] : ttft[n_t];
+        cJSON_AddNumberToObject(p, "seconds", y);
+        cJSON_AddItemToArray(pts, p);
+        fprintf(stderr, "plan profile: prefill %4d tokens  TTFT %9.3f ms%s", t, ttft[n_t] * 1e3,
+                o->prefill_metrics ? "" : "\n");
+        if (o->prefill_metrics)
+            fprintf(stderr, "  node engine %9.3f ms\n", engine[n_t] * 1e3);
+        n_t++;
+        if (t == o->max_tokens)
+            break;
+    }
+    double px[32 * 3], py[32], pc[3] = {0};
+    for (int i = 0; i < n_t; i++) {
+        px[i * 3] = 1, px[i * 3 + 1] = tok[i], px[i * 3 + 2] = (double)tok[i] * tok[i];
+        py[i] = o->prefill_metrics ? engine[i] : ttft[i];
+    }
+    if (n_t < 4)
+        for (int i = 0; i < n_t; i++)
+            px[i * 2] = 1, px[i * 2 + 1] = px[i * 3 + 1];
+    if (fit_relative(px, py, n_t, n_t >= 4 ? 3 : 2, pc) != TD_OK)
+        goto out;
+    cJSON_AddStringToObject(pre, "method", o->prefill_metrics
+                                               ? "lone requests of T prompt tokens through the front door; seconds: "
+                                                 "the prefill node's engine steps per request (its /metrics), median "
+                                                 "TTFT in ttft_s"
+                                               : "lone requests of T prompt tokens through the front door; seconds: "
+                                                 "median TTFT (router, RPC hops and relay included: no "
+                                                 "--prefill-metrics to tell the engine's part)");
+    cJSON_AddNumberToObject(pre, "requests_per_point", (double)o->reps);
+    cJSON_AddNumberToObject(pre, "a_s", pc[0]);
+    cJSON_AddNumberToObject(pre, "b_s_per_token", pc[1]);
+    cJSON_AddNumberToObject(pre, "c_s_per_token2", pc[2]);
+
+    /* decode: B streams of P prompt tokens at once, long enough that all B generate together */
+    static const int ctx_grid[] = {16, 128, 384, 1024};
+    double dx[64 * 3], dy[64], dc[3];
+    int nd = 0;
+    int64_t out_len = o->decode_tokens;
+    cJSON *dec = cJSON_AddObjectToObject(j, "decode");
+    pts = cJSON_AddArrayToObject(dec, "points");
+    for (size_t ci = 0; ci < TD_ARRAY_LEN(ctx_grid) && ctx_grid[ci] + o->decode_tokens <= o->max_context; ci++)
+        for (int b = 1; nd < 64; b = (int)TD_MIN(2 * b, o->max_batch)) {
+            double step = NAN, ctx = NAN, per = 0, tpm = 1;
+            out_len = TD_MIN(out_len, o->max_context - ctx_grid[ci]);
+            for (int tries = 0;; tries++) {
+                if (bs_dataset_random(&rng, (size_t)b, (uint32_t)ctx_grid[ci], (uint32_t)out_len, 0, &d) != TD_OK ||
+                    cluster_run(cl, o, &d, b, &rep, false) != TD_OK)
+                    goto out;
+                decode_window(&rep, (uint32_t)ctx_grid[ci], &step, &ctx, &per, &tpm);
+                bs_replies_free(&rep);
+                bs_dataset_free(&d);
+                if (per >= 8 || tries == 3 || ctx_grid[ci] + 2 * out_len > o->max_context)
+                    break;
+                out_len *= 2; /* the prompts' prefills outlasted the first streams: longer outputs */
+            }
+            /* more rounds of the same point: the median of their medians (a neighbour's burst
+             * slows one round of ~30 steps, not all) */
+            double steps[16] = {step}, ctxs[16] = {ctx};
+            int n_rounds = 1;
+            for (; n_rounds < TD_MIN(o->reps, 16) && per >= 2; n_rounds++) {
+                double p2;
+                if (bs_dataset_random(&rng, (size_t)b, (uint32_t)ctx_grid[ci], (uint32_t)out_len, 0, &d) != TD_OK ||
+                    cluster_run(cl, o, &d, b, &rep, false) != TD_OK)
+                    goto out;
+                decode_window(&rep, (uint32_t)ctx_grid[ci], &steps[n_rounds], &ctxs[n_rounds], &p2, &tpm);
+                bs_replies_free(&rep);
+                bs_dataset_free(&d);
+                if (!(p2 >= 2))
+                    break;
+            }
+            if (per >= 2)
+                step = median(steps, n_rounds), ctx = median(ctxs, n_rounds);
+            if (!(per >= 2)) { /* left out, said so; too few points left is the error below */
+                td_warn("plan profile: %d streams of %d prompt tokens and %lld output tokens never generated "
+                        "together (their prefills outlasted them): point left out (a larger --decode-tokens or "
+                        "--max-context keeps it)", b, ctx_grid[ci], (long long)out_len);
+                cJSON *sk = cJSON_GetObjectItemCaseSensitive(dec, "left_out");
+                if (!sk)
+                    sk = cJSON_AddArrayToObject(dec, "left_out");
+                cJSON *p = cJSON_CreateObject();
+                cJSON_AddNumberToObject(p, "batch", b);
+                cJSON_AddNumberToObject(p, "prompt_tokens", ctx_grid[ci]);
+                cJSON_AddNumberToObject(p, "output_tokens", (double)out_len);
+                cJSON_AddItemToArray(sk, p);
+                if (b == o->max_batch)
+                    break;
+                continue;
+            }
+            dx[nd * 3] = 1, dx[nd * 3 + 1] = b, dx[nd * 3 + 2] = (double)b * ctx;
+            dy[nd++] = step;
+            cJSON *p = cJSON_CreateObject();
+            cJSON_AddNumberToObject(p, "batch", b);
+            cJSON_AddNumberToObject(p, "context", ctx);
+            cJSON_AddNumberToObject(p, "seconds", step);
+            cJSON_AddNumberToObject(p, "prompt_tokens", ctx_grid[ci]);
+            cJSON_AddNumberToObject(p, "output_tokens", (double)out_len);
+            cJSON_AddNumberToObject(p, "gaps_per_stream", per);
+            cJSON_AddNumberToObject(p, "rounds", n_rounds);
+            cJSON_AddNumberToObject(p, "tokens_per_message", tpm);
+            cJSON_AddItemToArray(pts, p);
+            fprintf(stderr, "plan profile: decode batch %3d context %6.1f  %9.3f ms (%.1f gaps a stream)\n", b, ctx,
+                    step * 1e3, per);
+            if (b == o->max_batch)
+                break;
+        }
+    if (nd < 3) {
+        td_errorf(TD_ERR_INVALID, "plan profile: %d decode points are too few to fit three terms: raise --max-batch, "
+                  "--max-context or --decode-tokens", nd);
+        rc = 2;
+        goto out;
+    }
+    if (fit_relative(dx, dy, nd, 3, dc) != TD_OK)
+        goto out;
+    cJSON_AddStringToObject(dec, "method", "B concurrent streams (ignore_eos) through the front door; seconds: the "
+                                           "time between tokens while all B generated (relay included; a message "
+                                           "of several tokens counted as such), median over the streams and over "
+                                           "--reps rounds; context: the context at the middle of that time");
+    cJSON_AddNumberToObject(dec, "a_s", dc[0]);
+    cJSON_AddNumberToObject(dec, "b_s_per_seq", dc[1]);
+    cJSON_AddNumberToObject(dec, "c_s_per_context_token", dc[2]);
+
+    /* KV transfer: a lone request's second token waits for its KV to reach the decode node and one
+     * decode step there; what the first gap outlasts that step is the transfer (and adoption) */
+    double xx[32 * 2], xy[32], xc[2] = {0, 0}, sum = 0;
+    int nx = 0;
+    cJSON *kv = cJSON_AddObjectToObject(j, "kv_transfer");
+    pts = cJSON_AddArrayToObject(kv, "points");
+    for (int i = 0; i < n_t; i++) {
+        if (!isfinite(gap1[i])) /* both tokens came in one message every time: no gap to read */
+            continue;
+        td_plan_profile_t pf = {.decode_a_s = dc[0], .decode_b_s = dc[1], .decode_c_s = dc[2]};
+        xx[nx * 2] = 1, xx[nx * 2 + 1] = tok[i];
+        xy[nx] = gap1[i] - td_plan_decode_step_s(&pf, 1, tok[i] + 1);
+        sum += xy[nx];
+        cJSON *p = cJSON_CreateObject();
+        cJSON_AddNumberToObject(p, "tokens", tok[i]);
+        cJSON_AddNumberToObject(p, "first_gap_s", gap1[i]);
+        cJSON_AddNumberToObject(p, "seconds", xy[nx++]);
+        if (!isnan(xfer_node[i]))
+            cJSON_AddNumberToObject(p, "node_transfer_s", xfer_node[i]);
+        cJSON_AddItemToArray(pts, p);
+    }
+    if (nx < 2 || td_plan_fit(xx, xy, (size_t)nx, 2, xc) != TD_OK || xc[1] < 0)
+        xc[0] = nx ? sum / nx : 0, xc[1] = 0; /* no growth with the prompt measured: a constant */
+    xc[0] = TD_MAX(xc[0], 0.0);
+    cJSON_AddStringToObject(kv, "method", "measured: a lone request's first gap between tokens minus the decode fit "
+                                          "at batch 1 (the KV's arrival, adoption and relay); fitted a + b x tokens, "
+                                          "clamped at 0");
+    cJSON_AddNumberToObject(kv, "a_s", xc[0]);
+    cJSON_AddNumberToObject(kv, "b_s_per_token", xc[1]);
+
+    /* the fixed overhead: what TTFT outlasts the prefill node's engine steps */
+    double over = 0;
+    cJSON *ov = cJSON_AddObjectToObject(j, "overheads");
+    if (o->prefill_metrics) {
+        double r[32];
+        cJSON *arr = cJSON_AddArrayToObject(ov, "ttft_minus_engine_s");
+        for (int i = 0; i < n_t; i++) {
+            r[i] = ttft[i] - engine[i];
+            cJSON_AddItemToArray(arr, cJSON_CreateNumber(r[i]));
+        }
+        over = TD_MAX(median(r, n_t), 0.0);
+        cJSON_AddStringToObject(ov, "method", "median over prompt lengths of TTFT minus the prefill node's engine "
+                                              "time per request: router, RPC hops, the node's queue and the relay");
+    } else {
+        cJSON_AddStringToObject(ov, "method", "not separated: without --prefill-metrics the router, RPC hops and "
+                                              "relay are inside the prefill fit (its a_s); overhead_s is 0");
+    }
+    cJSON_AddNumberToObject(ov, "ttft_intercept_s", pc[0] + (o->prefill_metrics ? over : 0));
+    cJSON_AddNumberToObject(j, "overhead_s", over);
+
+    char *text = cJSON_Print(j);
+    FILE *f = text ? fopen(o->out, "w") : NULL;
+    if (!f || fputs(text, f) < 0 || fputc('\n', f) < 0) {
+        td_errorf(TD_ERR_IO, "plan profile: cannot write %s: %s", o->out, strerror(errno));
+        if (f)
+            fclose(f);
+        free(text);
+        goto out;
+    }
+    fclose(f);
+    free(text);
+    printf("Profile written:                         %s\n", o->out);
+    printf("Measured through:                        %s %s\n", o->cfg.gateway ? "gateway" : "openai", o->target);
+    printf("Prefill step (ms):                       %.4f + %.6f x tokens + %.3g x tokens^2%s\n", pc[0] * 1e3,
+           pc[1] * 1e3, pc[2] * 1e3, o->prefill_metrics ? "" : " (TTFT)");
+    printf("Decode step (ms):                        %.4f + %.6f x batch + %.3g x context tokens\n", dc[0] * 1e3,
+           dc[1] * 1e3, dc[2] * 1e3);
+    printf("KV transfer (ms, measured):              %.4f + %.6f x tokens\n", xc[0] * 1e3, xc[1] * 1e3);
+    printf("Fixed overhead (ms):                     %.4f%s\n", over * 1e3,
+           o->prefill_metrics ? "" : " (not separated: give --prefill-metrics)");
+    rc = 0;
+out:
+    bs_replies_free(&rep);
+    bs_dataset_free(&d);
+    bs_client_destroy(cl);
+    cJSON_Delete(j);
+    free(tt), free(gap);
+    return rc;
+}
+
 static int plan_profile(int argc, char **argv)
 {
     const char *model_path = NULL, *out = "plan-profile.json";
-    int64_t threads = 1, max_tokens = 512, max_batch = 64;
+    int64_t threads = 0, max_tokens = 0, max_batch = 0, vocab = 256;
     td_device_spec_t dev = {0};
+    float timeout_s = 60;
+    cluster_prof_opts_t co = {.cfg = bs_client_config_default(), .max_context = 512, .decode_tokens = 32, .reps = 5};
     const td_opt_t opts[] = {
-        TD_OPT_STRING("model", &model_path, "model to run in this process (required)"),
-        TD_OPT_INT("threads", &threads, 1, 1024, "compute threads, as the nodes' --threads (default 1)"),
+        TD_OPT_STRING("model", &model_path, "model to run in this process"),
+        TD_OPT_STRING("gateway", &co.cfg.gateway, "a running cluster's gRPC gateway HOST:PORT: measure through it"),
+        TD_OPT_STRING("openai", &co.cfg.openai, "a running cluster's OpenAI API http://HOST:PORT[/v1]: measure "
+                                                "through it"),
+        TD_OPT_INT("threads", &threads, 1, 1024, "--model: compute threads, as the nodes' --threads (default 1)"),
         {.name = "device", .type = TD_OPT_FN, .ptr = &dev, .parse = cli_opt_device, .arg = "D",
-         .help = "cpu (default), cuda or cuda:N"},
+         .help = "--model: cpu (default), cuda or cuda:N"},
         TD_OPT_INT("max-tokens", &max_tokens, 8, 1 << 16,
-                   "largest prefill step measured, as a prefill node's max-batch-tokens (default 512)"),
-        TD_OPT_INT("max-batch", &max_batch, 1, 4096, "largest decode batch measured (default 64)"),
+                   "largest prompt measured, as a prefill node's max-batch-tokens (default 512; cluster: 256)"),
+        TD_OPT_INT("max-batch", &max_batch, 1, 4096, "largest decode batch measured (default 64; cluster: 16)"),
+        TD_OPT_STRING("prefill-metrics", &co.prefill_metrics,
+                      "cluster: its (only) prefill node's /metrics URL: the engine's part of TTFT, the overhead apart"),
+        TD_OPT_INT("max-context", &co.max_context, 32, 1 << 20,
+                   "cluster: longest prompt + output a decode stream may have, >= 128 + --decode-tokens (default 512)"),
+        TD_OPT_INT("decode-tokens", &co.decode_tokens, 8, 1 << 20,
+                   "cluster: output tokens of a decode stream, doubled while B streams do not overlap (default 32)"),
+        TD_OPT_INT("reps", &co.reps, 1, 1000, "cluster: lone requests per prompt length, rounds per decode point (default 5)"),
+        TD_OPT_INT("vocab-size", &vocab, 2, 1 << 24, "cluster: prompt ids drawn from [1, V) (default 256)"),
+        TD_OPT_STRING("api-key", &co.cfg.api_key, "cluster: sent as Authorization: Bearer KEY"),
+        {.name = "request-timeout-s", .type = TD_OPT_F32, .ptr = &timeout_s, .fmin = 0.1f, .fmax = 86400, .arg = "S",
+         .help = "cluster: a request not ended within this fails the profile (default 60)"},
         TD_OPT_STRING("out", &out, "the profile file to write (default plan-profile.json)"),
     };
     td_opts_t spec = {.prog = "tandem plan profile", .opts = opts, .n_opts = TD_ARRAY_LEN(opts)};
@@ -170,15 +596,39 @@ static int plan_profile(int argc, char **argv)
         return 2;
     if (r.help) {
         printf("usage: tandem plan profile --model PATH [--threads N] [--device D] [--max-tokens N]\n"
-               "                          [--max-batch N] [--out FILE]\n");
+               "                          [--max-batch N] [--out FILE]\n"
+               "       tandem plan profile (--gateway HOST:PORT | --openai URL) [--prefill-metrics URL]\n"
+               "                          [--max-tokens N] [--max-batch N] [--max-context N] [--decode-tokens N]\n"
+               "                          [--reps N] [--vocab-size V] [--out FILE]\n");
         td_opts_usage(stdout, opts, (int)TD_ARRAY_LEN(opts), false);
         return 0;
     }
-    if (!model_path) {
-        td_errorf(TD_ERR_INVALID, "tandem plan profile: --model PATH is required (--gateway and --openai "
-                                  "profiles of a running cluster are not written yet)");
+    bool cluster = co.cfg.gateway || co.cfg.openai;
+    const char *bad = (model_path != NULL) + (co.cfg.gateway != NULL) + (co.cfg.openai != NULL) != 1
+                          ? "--model: give one of --model PATH (in this process), --gateway HOST:PORT or --openai URL"
+                      : cluster && threads ? "--threads: only with --model (a cluster's nodes have their own)"
+                      : cluster && dev.cuda ? "--device: only with --model (a cluster's nodes have their own)"
+                      : !cluster && co.prefill_metrics ? "--prefill-metrics: only with --gateway or --openai"
+                      : cluster && co.decode_tokens + 128 > co.max_context
+                          ? "--max-context: must hold a 128-token prompt and --decode-tokens (two prompt lengths, "
+                            "16 and 128, or the context term cannot be told from the batch term)"
+                          : NULL;
+    if (bad) {
+        td_errorf(TD_ERR_INVALID, "tandem plan profile: %s", bad);
         return 2;
     }
+    if (cluster) {
+        co.target = co.cfg.gateway ? co.cfg.gateway : co.cfg.openai;
+        co.out = out;
+        co.cfg.vocab = (uint32_t)vocab;
+        co.cfg.request_timeout_s = timeout_s;
+        co.max_tokens = max_tokens ? max_tokens : 256;
+        co.max_batch = max_batch ? max_batch : 16;
+        return plan_profile_cluster(&co);
+    }
+    threads = threads ? threads : 1;
+    max_tokens = max_tokens ? max_tokens : 512;
+    max_batch = max_batch ? max_batch : 64;
     int rc = 1;
     td_backend_t *be = NULL;
     td_model_t *model = NULL;
@@ -1019,7 +1469,8 @@ out:
 
 static void plan_usage(FILE *f)
 {
-    fprintf(f, "usage: tandem plan profile --model PATH [--threads N] [--out FILE]   (--help for its flags)\n"
+    fprintf(f, "usage: tandem plan profile (--model PATH | --gateway HOST:PORT | --openai URL) [--out FILE]   (--help for "
+               "its flags)\n"
                "       tandem plan calibrate --profile P --prefill-metrics URL --decode-metrics URL --context C --out FILE\n"
                "       tandem plan --profile P (--workload random:IN:OUT[:RANGE]|trace:FILE | --metrics URL)\n"
                "                   --ttft MS --tpot MS [--rate R] [--nodes N] [--split P:D | --unified N] [--json]\n");

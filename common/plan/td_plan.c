@@ -671,3 +671,54 @@ td_status_t td_plan_fit(const double *x, const double *y, size_t n, int k, doubl
         coef[i] = a[i][k] / a[i][i];
     return TD_OK;
 }
+
+/* ---- a decode point measured through a cluster ---- */
+
+td_status_t td_plan_decode_window(const td_plan_stream_t *streams, size_t n, int64_t prompt,
+                                  td_plan_decode_point_t *point_p)
+{
+    double w0 = -INFINITY, w1 = INFINITY;
+    for (size_t i = 0; i < n; i++) {
+        double last = streams[i].first_s;
+        for (uint32_t k = 0; k < streams[i].n_gaps; k++)
+            last += streams[i].gaps_s[k];
+        w0 = TD_MAX(w0, streams[i].first_s), w1 = TD_MIN(w1, last);
+    }
+    double *step = malloc((n ? n : 1) * sizeof *step), *ctx = malloc((n ? n : 1) * sizeof *ctx);
+    if (!step || !ctx) {
+        free(step), free(ctx);
+        return td_errorf(TD_ERR_NOMEM, "plan: out of memory for %zu streams", n);
+    }
+    double gaps = 0, tpm = 0;
+    size_t m = 0;
+    for (size_t i = 0; i < n; i++) {
+        const td_plan_stream_t *s = &streams[i];
+        double f = (double)s->tokens / (double)(s->n_gaps + 1), t = s->first_s, ta = NAN, tb = 0;
+        uint32_t ka = 0, kb = 0;
+        tpm += f / (double)n;
+        for (uint32_t k = 0; k <= s->n_gaps; k++) { /* message k arrives at t */
+            if (t >= w0 && t <= w1) {
+                if (isnan(ta))
+                    ta = t, ka = k;
+                tb = t, kb = k;
+            }
+            if (k < s->n_gaps)
+                t += s->gaps_s[k];
+        }
+        if (isnan(ta) || kb == ka)
+            continue;
+        gaps += kb - ka;
+        step[m] = (tb - ta) / ((double)(kb - ka) * f);
+        ctx[m++] = (double)prompt + 0.5 * (double)(ka + kb) * f + 1; /* the step that made the middle token */
+    }
+    *point_p = (td_plan_decode_point_t){.step_s = NAN, .context = NAN, .gaps_per_stream = n ? gaps / (double)n : 0,
+                                        .tokens_per_message = tpm};
+    if (m) {
+        qsort(step, m, sizeof *step, cmp_double);
+        qsort(ctx, m, sizeof *ctx, cmp_double);
+        point_p->step_s = td_plan_percentile(step, m, 50);
+        point_p->context = td_plan_percentile(ctx, m, 50);
+    }
+    free(step), free(ctx);
+    return TD_OK;
+}

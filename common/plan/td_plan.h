@@ -7,7 +7,9 @@
  * their token budget (prefill_sched), the KV moves to the decode node after a transfer delay,
  * decode nodes step continuous batches (decode_sched) and a "unified" node does both with
  * chunked prefill (a what-if: the colocated alternative). Step times come from a measured
- * profile (td_plan_profile_t: affine and quadratic fits, `tandem plan profile`).
+ * profile (td_plan_profile_t: affine and quadratic fits, `tandem plan profile`); the fits
+ * (td_plan_fit) and the reading of a decode step from streams a client timed through a cluster
+ * (td_plan_decode_window, `plan profile --gateway`) are here too, pure like the rest.
  *
  * Everything here is pure: time is simulated, nothing reads a clock or a file, results depend
  * only on the inputs (and the seed of td_plan_arrivals). What it leaves out, on purpose: KV
@@ -126,6 +128,35 @@ td_status_t td_plan_max_rate(const td_plan_profile_t *p, const td_plan_cluster_t
  * k <= 4). TD_ERR_INVALID when the columns are dependent (or n < k).
  */
 td_status_t td_plan_fit(const double *x, const double *y, size_t n, int k, double *coef);
+
+/*
+ * A decode measurement through a cluster: B streams started together, each a prompt of `prompt`
+ * tokens and a generation the client saw as messages (first at first_s, then gaps_s[0..n_gaps),
+ * seconds) carrying `tokens` tokens in all. While all B generated (after the last stream's first
+ * message, before the first stream's last) every decode step gave each stream one token.
+ */
+typedef struct td_plan_stream {
+    double first_s;         /* the first message's arrival, on a clock shared by the streams */
+    const double *gaps_s;   /* [n_gaps] between consecutive messages */
+    uint32_t n_gaps;
+    uint32_t tokens;        /* tokens the stream carried (the server's usage) */
+} td_plan_stream_t;
+
+typedef struct td_plan_decode_point {
+    double step_s;          /* median over the streams of window time / tokens in it; NAN: none */
+    double context;         /* median context of the step that made a stream's middle window token */
+    double gaps_per_stream; /* message gaps inside the window, a stream on average */
+    double tokens_per_message; /* tokens / messages, the streams' mean (> 1: messages merged) */
+} td_plan_decode_point_t;
+
+/*
+ * The decode step of batch n from streams[0..n): per stream, the time from its first to its last
+ * message inside the window over the tokens between them, a message counted as tokens /
+ * messages tokens (a router or client that fell behind sends several in one; messages read
+ * together, gaps of 0, cost nothing). No I/O; TD_ERR_NOMEM.
+ */
+td_status_t td_plan_decode_window(const td_plan_stream_t *streams, size_t n, int64_t prompt,
+                                  td_plan_decode_point_t *point_p);
 
 /* numpy's linear-interpolation percentile of sorted[0..n) (NAN when n == 0), q in [0, 100]. */
 double td_plan_percentile(const double *sorted, size_t n, double q);

@@ -4,13 +4,16 @@
  * decode step; a prefill node of one prompt per step under Poisson arrivals is an M/D/1 queue
  * (Pollaczek-Khinchine: mean wait rho S / (2 (1 - rho))); a rate beyond capacity is not
  * sustained and the highest sustained one lies below capacity; the same seed gives the same
- * run; least squares recovers the coefficients it was made from.
+ * run; least squares recovers the coefficients it was made from; a decode step read from
+ * streams timed through a cluster is the step while all of them generate, whatever the ramp
+ * before it and however the tokens were packed into messages.
  */
 #include <criterion/criterion.h>
 #include <math.h>
 #include <stdlib.h>
 
 #include "td_plan.h"
+#include "td_util.h"
 
 /* a profile whose prefill step is 10 ms + 0.1 ms a token and decode step 5 ms + 1 ms a
  * sequence, no context term, no transfer, no overhead */
@@ -180,4 +183,68 @@ Test(plan_sim, bad_clusters_are_refused)
     c.n_decode = 1;
     c.n_unified = 1;
     cr_assert_eq(td_plan_simulate(&p, &c, reqs, 1, &slo, &r), TD_ERR_INVALID);
+}
+
+/* ---- a decode step read from streams timed through a cluster (td_plan_decode_window) ---- */
+
+/* A stream of `tokens` tokens whose k-th token (k = 0..tokens-1) arrives at t[k], sent `per`
+ * tokens to a message (the message leaves with its last token): its first time and gaps. */
+static td_plan_stream_t stream_of(const double *t, uint32_t tokens, uint32_t per, double *gaps)
+{
+    uint32_t n_msg = (tokens + per - 1) / per;
+    double prev = t[per - 1];
+    for (uint32_t m = 1; m < n_msg; m++) {
+        double at = t[TD_MIN((m + 1) * per, tokens) - 1];
+        gaps[m - 1] = at - prev;
+        prev = at;
+    }
+    return (td_plan_stream_t){.first_s = t[per - 1], .gaps_s = gaps, .n_gaps = n_msg - 1, .tokens = tokens};
+}
+
+Test(plan_window, the_steps_while_every_stream_generates_not_the_ramp)
+{
+    /* A starts at 0 alone (1 ms steps), B joins at 10 ms; from then on a step of both is 3 ms */
+    double ta[30], tb[30], ga[30], gb[30];
+    for (int k = 0; k < 30; k++) {
+        ta[k] = k <= 10 ? 0.001 * k : 0.010 + 0.003 * (k - 10);
+        tb[k] = 0.010 + 0.003 * k;
+    }
+    td_plan_stream_t s[2] = {stream_of(ta, 30, 1, ga), stream_of(tb, 30, 1, gb)};
+    td_plan_decode_point_t pt;
+    cr_assert_eq(td_plan_decode_window(s, 2, 100, &pt), TD_OK);
+    cr_assert_float_eq(pt.step_s, 0.003, 1e-12, "%g", pt.step_s);
+    cr_assert_float_eq(pt.tokens_per_message, 1.0, 1e-12);
+    /* window [10 ms, A's last at 67 ms]: A's tokens 10..29, B's 0..19: middles 19.5 and 9.5 */
+    cr_assert_float_eq(pt.context, 100 + 0.5 * (19.5 + 9.5) + 1, 1e-9, "%g", pt.context);
+    cr_assert_float_eq(pt.gaps_per_stream, 19.0, 1e-12, "%g", pt.gaps_per_stream);
+}
+
+Test(plan_window, merged_messages_and_messages_read_together_count_their_tokens)
+{
+    /* both streams step every 2 ms; A's router sends two tokens a message, B's client reads two
+     * messages at once (a gap of 0, then 4 ms) */
+    double ta[40], tb[40], ga[40], gb[40];
+    for (int k = 0; k < 40; k++)
+        ta[k] = 0.002 * k, tb[k] = 0.002 * k + 0.0005;
+    double rb[40]; /* B: message k read when message k | 1 arrived */
+    for (int k = 0; k < 40; k++)
+        rb[k] = tb[k | 1];
+    td_plan_stream_t s[2] = {stream_of(ta, 40, 2, ga), stream_of(rb, 40, 1, gb)};
+    td_plan_decode_point_t pt;
+    cr_assert_eq(td_plan_decode_window(s, 2, 16, &pt), TD_OK);
+    /* exact for A; B's first message in the window was read with the next one: a token of 37 */
+    cr_assert_float_eq(pt.step_s, 0.002, 0.002 * 0.05, "%g", pt.step_s);
+    cr_assert_float_eq(pt.tokens_per_message, (2.0 + 1.0) / 2, 1e-12, "%g", pt.tokens_per_message);
+}
+
+Test(plan_window, streams_that_never_generate_together_give_no_step)
+{
+    double ta[10], tb[10], ga[10], gb[10];
+    for (int k = 0; k < 10; k++)
+        ta[k] = 0.001 * k, tb[k] = 0.100 + 0.001 * k; /* B's first token after A's last */
+    td_plan_stream_t s[2] = {stream_of(ta, 10, 1, ga), stream_of(tb, 10, 1, gb)};
+    td_plan_decode_point_t pt;
+    cr_assert_eq(td_plan_decode_window(s, 2, 16, &pt), TD_OK);
+    cr_assert(isnan(pt.step_s) && isnan(pt.context));
+    cr_assert_float_eq(pt.gaps_per_stream, 0.0, 1e-12);
 }
