@@ -88,7 +88,7 @@ void td_spec_adapt_update(td_spec_adapt_t *a, const td_spec_config_t *cfg, int32
         return;
     if (accepted == 0) {
         a->misses++;
-        a->backoff = 1 << TD_MIN(a->misses, 6); /* 2, 4, ... 64 steps */
+        a->backoff = 1 << TD_MIN(2 * a->misses, 6); /* 4, 16, then 64 steps */
         TD_ASSERT(a->backoff <= TD_SPEC_MAX_BACKOFF);
         a->k = TD_MAX(1, a->k / 2);
         return;

@@ -21,7 +21,7 @@
  * The controller (td_spec_adapt_t) sizes each sequence's next draft from how its last ones
  * fared: a fully accepted draft doubles k (up to k_max), a partly accepted one shrinks it to
  * the accepted count plus one, and a draft of which nothing was accepted backs off drafting
- * for 2, 4, ... 64 steps, so a sequence whose drafts never land costs one verify step in
+ * for 4, 16, then 64 steps, so a sequence whose drafts never land costs one verify step in
  * dozens (the no-slowdown goal: docs/scheduling.md "Speculative decoding").
  *
  * Threads: every object here is used by one thread at a time (the caller's decode loop).
