@@ -599,7 +599,7 @@ int bench_engine(int argc, char **argv)
         {.name = "draft-model", .type = TD_OPT_STR, .ptr = &o.draft_model, .arg = "PATH",
          .help = "the draft model of --spec draft-model (sharing the vocabulary)"},
         {.name = "draft-tokens", .type = TD_OPT_I64, .ptr = &draft_tokens, .min = 1, .max = TD_SPEC_MAX_DRAFT,
-         .arg = "K", .help = "most draft tokens per verify step (default 5)"},
+         .arg = "K", .help = "most draft tokens per verify step (default 8)"},
         {.name = "spec-prompt-ids", .type = TD_OPT_STR, .ptr = &o.spec_prompt, .arg = "IDS",
          .help = "the --spec workload's prompt (default: 24 random ids, four times)"},
         {.name = "spec-reps", .type = TD_OPT_I64, .ptr = &spec_reps, .min = 1, .max = 100, .arg = "N",

@@ -145,7 +145,7 @@ static int parse_opts(int argc, char **argv, cli_gen_opts_t *o)
         {.name = "draft-model", .type = TD_OPT_STR, .ptr = &o->draft_model, .arg = "PATH",
          .help = "a small model sharing the vocabulary that drafts (implies --spec draft-model)"},
         {.name = "draft-tokens", .type = TD_OPT_I64, .ptr = &draft_tokens, .min = 1, .max = TD_SPEC_MAX_DRAFT,
-         .arg = "K", .help = "most draft tokens verified per step (default 5; adaptive below it)"},
+         .arg = "K", .help = "most draft tokens verified per step (default 8; adaptive below it)"},
     };
     enum { N_OPTS = TD_ARRAY_LEN(opts), OPT_MAX_TOKENS = 6, OPT_DTYPE = 19 };
     int given[N_OPTS] = {0};

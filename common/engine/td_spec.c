@@ -11,7 +11,7 @@
 
 td_spec_config_t td_spec_config_default(void)
 {
-    return (td_spec_config_t){.mode = TD_SPEC_OFF, .k_max = 5, .ngram_max = 3, .ngram_min = 1, .adaptive = true};
+    return (td_spec_config_t){.mode = TD_SPEC_OFF, .k_max = 8, .ngram_max = 3, .ngram_min = 1, .adaptive = true};
 }
 
 static const char *const mode_names[] = {"off", "prompt-lookup", "draft-model"};

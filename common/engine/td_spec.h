@@ -47,7 +47,7 @@ typedef enum td_spec_mode {
 
 typedef struct td_spec_config {
     td_spec_mode_t mode;
-    int32_t k_max;     /* draft tokens at most per verify step, 1..TD_SPEC_MAX_DRAFT (5) */
+    int32_t k_max;     /* draft tokens at most per verify step, 1..TD_SPEC_MAX_DRAFT (8) */
     int32_t ngram_max; /* prompt lookup: longest n-gram matched (3) */
     int32_t ngram_min; /* prompt lookup: shortest (1) */
     bool adaptive;     /* the controller sizes drafts and backs off (true); false: always k_max */
