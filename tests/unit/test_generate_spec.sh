@@ -120,10 +120,10 @@ def clamp(x, lo, hi):
     [ "${TD_SANITIZE:-OFF}" = ON ] && modes=(seeded)
     for mode in "${modes[@]}"; do
         case $mode in
-            greedy) flags=(--model "$gguf" --chat --prompt "$code" --max-tokens 64 --threads 2) ;;
-            seeded) flags=(--model "$gguf" --chat --prompt "$code" --max-tokens 64 --threads 2 --temperature 0.7
+            greedy) flags=(--model "$gguf" --chat --prompt "$code" --max-tokens 40 --threads 2) ;;
+            seeded) flags=(--model "$gguf" --chat --prompt "$code" --max-tokens 40 --threads 2 --temperature 0.7
                            --seed 11 --logprobs 2 --repetition-penalty 1.05) ;;
-            stop) flags=(--model "$gguf" --chat --prompt "$code" --max-tokens 64 --threads 2 --stop "return x") ;;
+            stop) flags=(--model "$gguf" --chat --prompt "$code" --max-tokens 40 --threads 2 --stop "return x") ;;
         esac
         "$bin" generate "${flags[@]}" >"$tmp/s-$mode-off.out" 2>"$tmp/s-$mode-off.err" || bad "smollm2 $mode off failed"
         "$bin" generate "${flags[@]}" --spec prompt-lookup >"$tmp/s-$mode-pl.out" 2>"$tmp/s-$mode-pl.err" ||
