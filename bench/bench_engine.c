@@ -10,6 +10,9 @@
  *   - prefill: model FLOP/s at a 512-token prompt / a GEMM of the prefill's FFN shape
  *     (CPU: OpenBLAS sgemm; CUDA: the backend's cuBLAS matmul in the weights' dtype)
  *   - batched decode: aggregate tokens/s at batch 1, 8, 32, 64
+ *   - with --spec: batch-1 greedy decode with speculative decoding against without it, runs
+ *     alternated (A/B), on a prompt that repeats itself (--spec-prompt-ids, else a random
+ *     unit of 24 ids four times): tokens/s both ways, the speed-up, the acceptance
  * The model is --model PATH, or a synthetic one of a preset shape (default llama-3.2-1b,
  * f32) written once to a cache folder.
  */
@@ -29,6 +32,7 @@
 #include "td_engine.h"
 #include "td_gguf.h"
 #include "td_model.h"
+#include "td_spec.h"
 #include "td_threadpool.h"
 #include "td_util.h"
 
@@ -46,6 +50,10 @@ typedef struct bench_opts {
     int prompt_tokens;
     int gen_tokens;
     bool json;
+    td_spec_config_t spec;   /* --spec, --draft-tokens */
+    const char *draft_model; /* --draft-model */
+    const char *spec_prompt; /* --spec-prompt-ids */
+    int spec_reps;           /* --spec-reps: A/B pairs */
 } bench_opts_t;
 
 /* ---- ceilings ----------------------------------------------------------------------- */
@@ -200,6 +208,176 @@ out:
     return st;
 }
 
+/* ---- speculative decoding ------------------------------------------------------------- */
+
+typedef struct spec_result {
+    double off_tps, on_tps;   /* median of the reps */
+    td_spec_stats_t stats;    /* of the last run with speculation */
+    int n_gen;
+} spec_result_t;
+
+static int argmax_f(const float *v, int n)
+{
+    int b = 0;
+    for (int i = 1; i < n; i++)
+        if (v[i] > v[b])
+            b = i;
+    return b;
+}
+
+/* One greedy batch-1 generation of up to `gen` tokens after prompt[0..n) (EOS ignored: the
+ * figure is per token), with speculation per sc (mode off: one token a step); the decode
+ * seconds (after the first token) and, with speculation, its counters. Its tokens go to
+ * out[0..gen) (the caller compares both ways: a bench that changed the output is wrong). */
+static td_status_t spec_run(td_engine_t *eng, td_spec_draft_t *draft, const td_spec_config_t *sc,
+                            const int32_t *prompt, int n, int gen, int32_t *out, double *secs_p,
+                            td_spec_stats_t *stats)
+{
+    const td_model_config_t *c = td_engine_model_config(eng);
+    size_t vocab = (size_t)c->vocab_size;
+    float *logits = malloc((size_t)(TD_SPEC_MAX_DRAFT + 1) * vocab * sizeof(float));
+    int32_t *ctx = malloc((size_t)(n + gen + 1) * sizeof *ctx);
+    td_kv_seq_t seq, dseq;
+    td_kv_seq_init(&seq);
+    td_kv_seq_init(&dseq);
+    td_spec_adapt_t adapt;
+    td_spec_adapt_init(&adapt, sc);
+    memset(stats, 0, sizeof *stats);
+    td_status_t st = TD_OK;
+    if (!logits || !ctx) {
+        st = td_errorf(TD_ERR_NOMEM, "bench: out of memory");
+        goto out;
+    }
+    memcpy(ctx, prompt, (size_t)n * sizeof *ctx);
+    int n_ctx = n, n_gen = 0;
+    td_engine_item_t it = {.seq = &seq, .tokens = prompt, .n_tokens = n, .n_logits = 1};
+    if ((st = td_engine_step(eng, &it, 1, logits)) != TD_OK)
+        goto out;
+    ctx[n_ctx++] = out[n_gen++] = argmax_f(logits, (int)vocab);
+    uint64_t t0 = td_now_ns();
+    while (n_gen < gen) {
+        int32_t d[TD_SPEC_MAX_DRAFT], m = 0, next = ctx[n_ctx - 1];
+        int k = sc->mode == TD_SPEC_OFF ? 0 : TD_MIN(td_spec_adapt_want(&adapt, sc), gen - n_gen - 1);
+        if (k > 0 && sc->mode == TD_SPEC_PROMPT_LOOKUP)
+            m = td_spec_lookup(ctx, n_ctx, sc->ngram_min, sc->ngram_max, k, d);
+        else if (k > 0 && (st = td_spec_draft_run(draft, &dseq, ctx, n_ctx, k, d, &m)) != TD_OK)
+            goto out;
+        int32_t feed[TD_SPEC_MAX_DRAFT + 1] = {next};
+        memcpy(feed + 1, d, (size_t)m * sizeof *d);
+        int n_before = seq.n_tokens;
+        it = (td_engine_item_t){.seq = &seq, .tokens = feed, .n_tokens = m + 1, .n_logits = m + 1, .verify = m > 0};
+        if ((st = td_engine_step(eng, &it, 1, logits)) != TD_OK)
+            goto out;
+        int taken = 0, acc = 0;
+        for (int i = 0; i <= m && n_gen < gen; i++) {
+            int32_t t = argmax_f(logits + (size_t)i * vocab, (int)vocab);
+            ctx[n_ctx++] = out[n_gen++] = t;
+            taken++;
+            if (i == m || t != d[i])
+                break;
+            acc++;
+        }
+        if (m > 0) {
+            td_engine_seq_rollback(eng, &seq, n_before + taken);
+            td_spec_adapt_update(&adapt, sc, m, acc);
+            stats->verify_steps++;
+            stats->drafted += (uint64_t)m;
+            stats->accepted += (uint64_t)acc;
+            stats->tokens += (uint64_t)taken;
+        } else {
+            stats->plain_steps++;
+        }
+    }
+    *secs_p = (double)(td_now_ns() - t0) * 1e-9;
+out:
+    td_engine_seq_end(eng, &seq);
+    if (draft)
+        td_spec_draft_seq_end(draft, &dseq);
+    free(logits);
+    free(ctx);
+    return st;
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* The --spec figure: reps A/B pairs (off, then on), medians of each. */
+static td_status_t spec_bench(const bench_opts_t *o, td_engine_t *eng, td_spec_draft_t *draft, spec_result_t *r)
+{
+    const td_model_config_t *c = td_engine_model_config(eng);
+    int32_t *prompt = NULL;
+    size_t n = 0;
+    td_status_t st = TD_OK;
+    if (o->spec_prompt) {
+        for (const char *p = o->spec_prompt; *p;) {
+            char *end;
+            long v = strtol(p, &end, 10);
+            if (end == p)
+                break;
+            int32_t *np = realloc(prompt, (n + 1) * sizeof *np);
+            if (!np)
+                return td_errorf(TD_ERR_NOMEM, "bench: out of memory");
+            prompt = np;
+            prompt[n++] = (int32_t)v;
+            p = end;
+        }
+        for (size_t i = 0; i < n; i++)
+            if (prompt[i] < 0 || prompt[i] >= c->vocab_size) {
+                free(prompt);
+                return td_errorf(TD_ERR_INVALID, "--spec-prompt-ids: id %d is outside the vocabulary [0, %d)",
+                                 prompt[i], c->vocab_size);
+            }
+    } else { /* a unit of 24 random ids, four times */
+        int32_t *unit = random_tokens(24, c->vocab_size, 99);
+        prompt = malloc(96 * sizeof *prompt);
+        if (!unit || !prompt) {
+            free(unit), free(prompt);
+            return td_errorf(TD_ERR_NOMEM, "bench: out of memory");
+        }
+        for (int i = 0; i < 96; i++)
+            prompt[i] = unit[i % 24];
+        n = 96;
+        free(unit);
+    }
+    if (n == 0)
+        return td_errorf(TD_ERR_INVALID, "--spec-prompt-ids: no ids");
+    int reps = o->spec_reps, gen = o->gen_tokens;
+    double *off = calloc((size_t)reps, sizeof *off), *on = calloc((size_t)reps, sizeof *on);
+    int32_t *a = malloc((size_t)gen * sizeof *a), *b = malloc((size_t)gen * sizeof *b);
+    td_spec_config_t none = o->spec;
+    none.mode = TD_SPEC_OFF;
+    if (!off || !on || !a || !b) {
+        st = td_errorf(TD_ERR_NOMEM, "bench: out of memory");
+        goto out;
+    }
+    td_spec_stats_t dummy;
+    for (int i = 0; i < reps && st == TD_OK; i++) {
+        double s_off = 0, s_on = 0;
+        if ((st = spec_run(eng, NULL, &none, prompt, (int)n, gen, a, &s_off, &dummy)) != TD_OK ||
+            (st = spec_run(eng, draft, &o->spec, prompt, (int)n, gen, b, &s_on, &r->stats)) != TD_OK)
+            break;
+        if (memcmp(a, b, (size_t)gen * sizeof *a)) {
+            st = td_errorf(TD_ERR_INTERNAL, "bench: speculative decoding changed the greedy output (a bug)");
+            break;
+        }
+        off[i] = (gen - 1) / s_off;
+        on[i] = (gen - 1) / s_on;
+    }
+    if (st == TD_OK) {
+        qsort(off, (size_t)reps, sizeof *off, cmp_double);
+        qsort(on, (size_t)reps, sizeof *on, cmp_double);
+        r->off_tps = off[reps / 2];
+        r->on_tps = on[reps / 2];
+        r->n_gen = gen;
+    }
+out:
+    free(off), free(on), free(a), free(b), free(prompt);
+    return st;
+}
+
 /* FLOPs of a forward pass over T new tokens after `prefix` cached ones (matmuls and
  * causal attention), per the model's shape, with logits for the last row only: that is
  * what run_batch asks of a prompt (the LM head over all T rows, never computed, inflated a
@@ -326,11 +504,71 @@ static td_status_t ensure_model(const bench_opts_t *o, char *dir, size_t cap)
     return td_model_synth(&sp, dir, NULL);
 }
 
+/* `bench engine --spec`: the speculative decoding figure alone; returns the exit status. */
+static int spec_main(const bench_opts_t *o, const td_model_t *model, td_backend_t *be, td_engine_t *eng,
+                     const td_engine_config_t *ec, const char *dir)
+{
+    td_model_t *dmodel = NULL;
+    td_engine_t *deng = NULL;
+    td_spec_draft_t *draft = NULL;
+    spec_result_t r = {0};
+    int rc = 1;
+    if (o->draft_model) {
+        td_engine_config_t dc = *ec;
+        dc.max_logit_rows = 1;
+        if (td_model_load(o->draft_model, &dmodel) != TD_OK || td_engine_create(dmodel, be, &dc, &deng) != TD_OK ||
+            td_spec_draft_create(deng, model->config.vocab_size, &draft) != TD_OK)
+            goto out;
+    }
+    if (spec_bench(o, eng, draft, &r) != TD_OK)
+        goto out;
+    const td_spec_stats_t *sp = &r.stats;
+    double per_step = sp->verify_steps ? (double)sp->tokens / (double)sp->verify_steps : 0.0;
+    if (o->json) {
+        cJSON *j = cJSON_CreateObject();
+        cJSON_AddStringToObject(j, "model", dir);
+        cJSON_AddStringToObject(j, "device", be->ops->name);
+        cJSON_AddNumberToObject(j, "threads", o->threads);
+        cJSON_AddStringToObject(j, "spec", td_spec_mode_name(o->spec.mode));
+        if (o->draft_model)
+            cJSON_AddStringToObject(j, "draft_model", o->draft_model);
+        cJSON_AddNumberToObject(j, "draft_tokens", o->spec.k_max);
+        cJSON_AddNumberToObject(j, "gen_tokens", r.n_gen);
+        cJSON_AddNumberToObject(j, "reps", o->spec_reps);
+        bench_json_number(j, "decode_tokens_per_s_off", r.off_tps, 3);
+        bench_json_number(j, "decode_tokens_per_s_on", r.on_tps, 3);
+        bench_json_number(j, "speedup", r.on_tps / r.off_tps, 3);
+        bench_json_number(j, "acceptance", td_spec_acceptance(sp), 3);
+        bench_json_number(j, "tokens_per_verify_step", per_step, 3);
+        cJSON_AddNumberToObject(j, "verify_steps", (double)sp->verify_steps);
+        cJSON_AddNumberToObject(j, "plain_steps", (double)sp->plain_steps);
+        if (bench_json_print(stdout, j) != 0)
+            goto out;
+    } else {
+        printf("model          %s (%s, %s, %d threads)\n", dir, model->config.arch_name, be->ops->name, o->threads);
+        printf("speculation    %s%s%s, up to %d draft tokens, %d tokens greedy, median of %d A/B pairs\n",
+               td_spec_mode_name(o->spec.mode), o->draft_model ? " " : "", o->draft_model ? o->draft_model : "",
+               o->spec.k_max, r.n_gen, o->spec_reps);
+        printf("decode b=1     off %.2f tokens/s, on %.2f tokens/s: %.2fx\n", r.off_tps, r.on_tps, r.on_tps / r.off_tps);
+        printf("drafts         %" PRIu64 " verify steps, %" PRIu64 " plain; %" PRIu64 " drafted, %" PRIu64
+               " accepted (%.1f%%); %.2f tokens per verify step\n",
+               sp->verify_steps, sp->plain_steps, sp->drafted, sp->accepted, 100.0 * td_spec_acceptance(sp), per_step);
+    }
+    rc = 0;
+out:
+    td_spec_draft_destroy(draft);
+    td_engine_destroy(deng);
+    td_model_destroy(dmodel);
+    return rc;
+}
+
 int bench_engine(int argc, char **argv)
 {
     bench_opts_t o = {.preset = "llama-3.2-1b", .dtype = TD_F32, .quant = -1, .threads = 0,
                       .prompt_tokens = 512, .gen_tokens = 16, .llama_bench = getenv("LLAMA_BENCH")};
-    int64_t threads = 0, prompt_tokens = o.prompt_tokens, gen_tokens = o.gen_tokens;
+    o.spec = td_spec_config_default();
+    int64_t threads = 0, prompt_tokens = o.prompt_tokens, gen_tokens = o.gen_tokens, draft_tokens = o.spec.k_max,
+            spec_reps = 5;
     const td_opt_t opts[] = {
         {.name = "model", .type = TD_OPT_STR, .ptr = &o.model, .arg = "PATH", .help = "a model to load instead of a preset"},
         {.name = "preset", .type = TD_OPT_STR, .ptr = &o.preset, .arg = "NAME",
@@ -355,6 +593,17 @@ int bench_engine(int argc, char **argv)
                  "prompt and generation lengths and threads, and print the ratios (CPU)"},
         {.name = "llama-bench", .type = TD_OPT_STR, .ptr = &o.llama_bench, .arg = "PATH",
          .help = "the llama-bench program of --vs-llamacpp (default: $LLAMA_BENCH)"},
+        {.name = "spec", .type = TD_OPT_FN, .ptr = &o.spec.mode, .parse = cli_opt_spec, .arg = "MODE",
+         .help = "prompt-lookup|draft-model: only the speculative decoding figure: batch-1\n"
+                 "greedy decode of --gen-tokens with and without it, A/B alternated"},
+        {.name = "draft-model", .type = TD_OPT_STR, .ptr = &o.draft_model, .arg = "PATH",
+         .help = "the draft model of --spec draft-model (sharing the vocabulary)"},
+        {.name = "draft-tokens", .type = TD_OPT_I64, .ptr = &draft_tokens, .min = 1, .max = TD_SPEC_MAX_DRAFT,
+         .arg = "K", .help = "most draft tokens per verify step (default 8)"},
+        {.name = "spec-prompt-ids", .type = TD_OPT_STR, .ptr = &o.spec_prompt, .arg = "IDS",
+         .help = "the --spec workload's prompt (default: 24 random ids, four times)"},
+        {.name = "spec-reps", .type = TD_OPT_I64, .ptr = &spec_reps, .min = 1, .max = 100, .arg = "N",
+         .help = "A/B pairs of the --spec figure; medians reported (default 5)"},
     };
     td_opts_t spec = {.prog = "bench engine", .opts = opts, .n_opts = TD_ARRAY_LEN(opts)};
     td_opts_result_t r = {0};
@@ -364,13 +613,27 @@ int bench_engine(int argc, char **argv)
         printf("usage: tandem bench engine [--model PATH | --preset NAME] [--dtype f32|bf16|f16]\n"
                "                           [--quant q8_0|q4_0] [--device cpu|cuda[:N]] [--threads N]\n"
                "                           [--prompt-tokens N] [--gen-tokens N] [--json]\n"
-               "                           [--vs-llamacpp [--llama-bench PATH]]\n");
+               "                           [--vs-llamacpp [--llama-bench PATH]]\n"
+               "                           [--spec prompt-lookup|draft-model [--draft-model PATH] [--draft-tokens K]\n"
+               "                            [--spec-prompt-ids IDS] [--spec-reps N]]\n");
         td_opts_usage(stdout, opts, (int)TD_ARRAY_LEN(opts), false);
         return 0;
     }
     o.threads = (int)threads;
     o.prompt_tokens = (int)prompt_tokens;
     o.gen_tokens = (int)gen_tokens;
+    o.spec.k_max = (int32_t)draft_tokens;
+    o.spec_reps = (int)spec_reps;
+    if (o.draft_model && o.spec.mode == TD_SPEC_OFF)
+        o.spec.mode = TD_SPEC_DRAFT_MODEL;
+    if ((o.spec.mode == TD_SPEC_DRAFT_MODEL) != (o.draft_model != NULL)) {
+        fprintf(stderr, "tandem bench engine: --spec draft-model and --draft-model PATH go together\n");
+        return 2;
+    }
+    if (o.spec.mode != TD_SPEC_OFF && o.gen_tokens < 2) {
+        fprintf(stderr, "tandem bench engine: --spec needs --gen-tokens of 2 or more\n");
+        return 2;
+    }
     if (o.threads <= 0)
         o.threads = td_cpu_count();
     if (o.vs_llamacpp && (o.device.cuda || !o.model || !td_gguf_is_gguf(o.model) || !o.llama_bench)) {
@@ -399,8 +662,17 @@ int bench_engine(int argc, char **argv)
                   TD_DIV_CEIL(o.prompt_tokens + o.gen_tokens + 1, ec.block_size) + 8;
     ec.max_batch_tokens = TD_MAX(o.prompt_tokens, 64);
     ec.prefix_cache = false;
+    if (o.spec.mode != TD_SPEC_OFF) {
+        ec.max_logit_rows = TD_SPEC_MAX_DRAFT + 1;
+        ec.max_batch_tokens = TD_MAX(ec.max_batch_tokens, 512);
+        ec.n_blocks = TD_DIV_CEIL(4096 + o.gen_tokens + TD_SPEC_MAX_DRAFT + 1, ec.block_size) + 8;
+    }
     if (td_engine_create(model, be, &ec, &eng) != TD_OK)
         goto out;
+    if (o.spec.mode != TD_SPEC_OFF) {
+        rc = spec_main(&o, model, be, eng, &ec, dir);
+        goto out;
+    }
 
     /* ceilings: bandwidth and GEMM FLOP/s on the device the engine runs on */
     double bw = 0, sgemm = 0;

@@ -16,7 +16,7 @@
 cli_gen_opts_t cli_gen_opts_default(void)
 {
     return (cli_gen_opts_t){.max_tokens = -1, .dtype = -1, .quant = -1, .logprobs = -1,
-                            .sampling = td_sampling_default()};
+                            .sampling = td_sampling_default(), .spec = td_spec_config_default()};
 }
 
 /* The flag behind a td_gen_params_validate message (which begins with the request field's
@@ -117,6 +117,56 @@ td_status_t cli_gen_open(cli_gen_t *g, const cli_gen_opts_t *o, bool need_tok)
     return td_backend_open(&o->device, (int32_t)o->threads, dtype < 0 ? TD_F32 : (td_dtype_t)dtype, &g->be);
 }
 
+/* The draft model must speak the model's tokens: the same vocabulary size and, when both
+ * have a tokenizer, the same piece for every id. */
+static td_status_t check_draft_vocab(const cli_gen_t *g, const cli_gen_opts_t *o)
+{
+    int32_t nv = g->model->config.vocab_size, dv = g->draft_model->config.vocab_size;
+    if (nv != dv)
+        return td_errorf(TD_ERR_INVALID, "--draft-model %s: its vocabulary has %d tokens, --model's %d: a draft model "
+                         "must share the model's vocabulary (the same tokenizer)", o->draft_model, dv, nv);
+    if (!g->tok || !g->draft_model->tokenizer_path[0])
+        return TD_OK;
+    td_tokenizer_t *dt = NULL;
+    td_status_t st = td_tokenizer_load(g->draft_model->tokenizer_path, &dt);
+    if (st != TD_OK)
+        return st;
+    int32_t n = td_tokenizer_vocab_size(g->tok);
+    if (td_tokenizer_vocab_size(dt) != n)
+        st = td_errorf(TD_ERR_INVALID, "--draft-model %s: its tokenizer has %d tokens, the model's %d: a draft model "
+                       "must share the model's tokenizer", o->draft_model, td_tokenizer_vocab_size(dt), n);
+    for (int32_t id = 0; st == TD_OK && id < n; id++) {
+        size_t la, lb;
+        const char *a = td_tokenizer_id_to_piece(g->tok, id, &la), *b = td_tokenizer_id_to_piece(dt, id, &lb);
+        if (la != lb || memcmp(a, b, la))
+            st = td_errorf(TD_ERR_INVALID, "--draft-model %s: token %d is '%.*s' in its tokenizer, '%.*s' in the "
+                           "model's: a draft model must share the model's tokenizer", o->draft_model, id, (int)lb, b,
+                           (int)la, a);
+    }
+    td_tokenizer_destroy(dt);
+    return st;
+}
+
+/* --spec draft-model: the draft model on the same backend, an engine like the model's. */
+static td_status_t open_draft(cli_gen_t *g, const cli_gen_opts_t *o, const td_engine_config_t *ec, int64_t kv_tokens)
+{
+    if (!o->draft_model)
+        return td_errorf(TD_ERR_INVALID, "--spec draft-model needs --draft-model PATH (a small model sharing the "
+                         "vocabulary)");
+    td_status_t st = td_model_load(o->draft_model, &g->draft_model);
+    if (st != TD_OK || (st = check_draft_vocab(g, o)) != TD_OK)
+        return st;
+    td_engine_config_t dc = *ec;
+    dc.max_logit_rows = 1;
+    dc.max_batch_tokens = TD_MAX(ec->max_batch_tokens, 1);
+    int64_t need = TD_DIV_CEIL(kv_tokens + TD_SPEC_MAX_DRAFT + 1, dc.block_size);
+    int64_t fits = (int64_t)(dc.kv_mem_bytes / td_engine_kv_block_bytes(g->draft_model, &dc));
+    dc.n_blocks = (int32_t)TD_MAX(1, TD_MIN(need, fits));
+    if ((st = td_engine_create(g->draft_model, g->be, &dc, &g->draft_eng)) != TD_OK)
+        return st;
+    return td_spec_draft_create(g->draft_eng, g->model->config.vocab_size, &g->draft);
+}
+
 td_status_t cli_gen_start_engine(cli_gen_t *g, const cli_gen_opts_t *o, td_engine_config_t *ec,
                                  int64_t kv_tokens)
 {
@@ -130,11 +180,21 @@ td_status_t cli_gen_start_engine(cli_gen_t *g, const cli_gen_opts_t *o, td_engin
     int64_t need = TD_DIV_CEIL(kv_tokens + 1, ec->block_size);
     int64_t fits = (int64_t)(ec->kv_mem_bytes / block_bytes);
     ec->n_blocks = (int32_t)TD_MAX(1, TD_MIN(need, fits));
-    return td_engine_create(g->model, g->be, ec, &g->eng);
+    if (o->spec.mode != TD_SPEC_OFF) { /* a verify step: the last token and k drafts */
+        ec->max_batch_tokens = TD_MAX(ec->max_batch_tokens, o->spec.k_max + 1);
+        ec->max_logit_rows = TD_MAX(ec->max_logit_rows, o->spec.k_max + 1);
+    }
+    td_status_t st = td_engine_create(g->model, g->be, ec, &g->eng);
+    if (st != TD_OK || o->spec.mode != TD_SPEC_DRAFT_MODEL)
+        return st;
+    return open_draft(g, o, ec, kv_tokens);
 }
 
 void cli_gen_close(cli_gen_t *g)
 {
+    td_spec_draft_destroy(g->draft);
+    td_engine_destroy(g->draft_eng);
+    td_model_destroy(g->draft_model);
     td_engine_destroy(g->eng);
     td_backend_destroy(g->be);
     td_chat_template_destroy(g->chat);
@@ -246,6 +306,56 @@ static td_status_t emit_text(td_detok_t *dt, td_stop_t *stop, int32_t id, cli_ge
     return put_text(r, cap, sr.emit, sr.emit_len);
 }
 
+/* One generation's decode state: what taking a token touches. */
+typedef struct gen_state {
+    cli_gen_t *g;
+    const cli_gen_opts_t *o;
+    td_sampler_t *sampler;
+    td_stop_t *stop;
+    td_detok_t *dt;
+    cli_gen_result_t *r;
+    size_t *text_cap;
+    int32_t *ctx;       /* [n_prompt + max_new] prompt, then the tokens taken */
+    int32_t n_ctx;
+    int64_t max_new;
+    bool want_lp;
+    int32_t top;
+    uint64_t t0;
+    bool done;          /* a stop id, a stop string or max_new: take no more */
+    bool stopped;       /* a stop string matched */
+} gen_state_t;
+
+/* Samples the token after the row `logits` and takes it as sequential decoding does: a stop
+ * id ends the generation (not output), else its logprobs, the sampler's record, the output
+ * and its text (a stop string or max_new then end it). The one path of every token, with or
+ * without speculation, so both give the same tokens, text and random stream. */
+static td_status_t take_token(gen_state_t *s, const float *logits, int32_t *next_p)
+{
+    const td_model_config_t *c = &s->g->model->config;
+    cli_gen_result_t *r = s->r;
+    int32_t next;
+    td_status_t st = td_sampler_sample(s->sampler, logits, c->vocab_size, &next);
+    if (st != TD_OK)
+        return st;
+    if (r->n_gen == 0)
+        r->t_first_ns = td_now_ns() - s->t0;
+    *next_p = next;
+    if (is_stop_id(s->g, s->o, next)) {
+        s->done = true;
+        return TD_OK;
+    }
+    if (s->want_lp && (st = td_sampler_logprobs(logits, c->vocab_size, next, s->top, &r->lps[r->n_gen])) != TD_OK)
+        return st;
+    if ((st = td_sampler_accept(s->sampler, next)) != TD_OK)
+        return st;
+    r->ids[r->n_gen++] = next;
+    s->ctx[s->n_ctx++] = next;
+    if (!s->o->print_ids && (st = emit_text(s->dt, s->stop, next, r, s->text_cap, &s->stopped)) != TD_OK)
+        return st;
+    s->done = s->stopped || r->n_gen == s->max_new;
+    return TD_OK;
+}
+
 td_status_t cli_gen_run(cli_gen_t *g, const cli_gen_opts_t *o, td_kv_seq_t *seq, const int32_t *prompt,
                         size_t n_prompt, int64_t max_new, cli_gen_result_t *res)
 {
@@ -253,7 +363,10 @@ td_status_t cli_gen_run(cli_gen_t *g, const cli_gen_opts_t *o, td_kv_seq_t *seq,
     const td_engine_config_t *ec = td_engine_config(g->eng);
     td_sampler_t *sampler = NULL;
     td_stop_t *stop = NULL;
-    float *logits = NULL;
+    float *logits = NULL, *vlogits = NULL;
+    int32_t *ctx = NULL;
+    td_kv_seq_t dseq; /* the draft model's sequence (--spec draft-model) */
+    td_kv_seq_init(&dseq);
     td_detok_t dt = {0};
     cli_gen_result_t r = {.n_prompt = n_prompt};
     size_t text_cap = 0;
@@ -268,12 +381,14 @@ td_status_t cli_gen_run(cli_gen_t *g, const cli_gen_opts_t *o, td_kv_seq_t *seq,
         (st = td_stop_create(o->stops, TD_MIN(o->n_stops, TD_STOP_MAX_STRINGS), &stop)) != TD_OK)
         goto out;
     logits = malloc((size_t)(want_plp ? chunk : 1) * vocab * sizeof(float));
+    vlogits = malloc((size_t)(o->spec.mode != TD_SPEC_OFF ? o->spec.k_max + 1 : 1) * vocab * sizeof(float));
+    ctx = malloc((n_prompt + (size_t)max_new + 1) * sizeof *ctx);
     r.ids = malloc((size_t)(max_new + 1) * sizeof(int32_t));
     if (want_lp)
         r.lps = malloc((size_t)(max_new + 1) * sizeof *r.lps);
     if (want_plp)
         r.prompt_lps = malloc(n_prompt * sizeof *r.prompt_lps);
-    if (!logits || !r.ids || (want_lp && !r.lps) || (want_plp && !r.prompt_lps)) {
+    if (!logits || !vlogits || !ctx || !r.ids || (want_lp && !r.lps) || (want_plp && !r.prompt_lps)) {
         st = td_errorf(TD_ERR_NOMEM, "out of memory");
         goto out;
     }
@@ -310,24 +425,56 @@ td_status_t cli_gen_run(cli_gen_t *g, const cli_gen_opts_t *o, td_kv_seq_t *seq,
         off += (size_t)n;
     }
     r.t_prefill_ns = td_now_ns() - t0;
-    bool stopped = false;
-    while (r.n_gen < max_new && !stopped) {
-        int32_t next;
-        if ((st = td_sampler_sample(sampler, logits, c->vocab_size, &next)) != TD_OK)
+    /* the context the drafters read: the prompt, then each token as it is taken */
+    memcpy(ctx, prompt, n_prompt * sizeof *ctx);
+    gen_state_t gs = {.g = g, .o = o, .sampler = sampler, .stop = stop, .dt = &dt, .r = &r, .text_cap = &text_cap,
+                      .ctx = ctx, .n_ctx = (int32_t)n_prompt, .max_new = max_new, .want_lp = want_lp, .top = top,
+                      .t0 = t0};
+    const bool spec = o->spec.mode != TD_SPEC_OFF;
+    td_spec_adapt_t adapt;
+    td_spec_adapt_init(&adapt, &o->spec);
+    int32_t next, draft[TD_SPEC_MAX_DRAFT];
+    if (max_new > 0 && (st = take_token(&gs, logits, &next)) != TD_OK)
+        goto out;
+    while (max_new > 0 && !gs.done) {
+        /* drafts, at most as many as may still be output after `next` */
+        int32_t k = spec ? (int32_t)TD_MIN((int64_t)td_spec_adapt_want(&adapt, &o->spec), max_new - r.n_gen - 1) : 0, m = 0;
+        if (k > 0 && o->spec.mode == TD_SPEC_PROMPT_LOOKUP)
+            m = td_spec_lookup(ctx, gs.n_ctx, o->spec.ngram_min, o->spec.ngram_max, k, draft);
+        else if (k > 0 && (st = td_spec_draft_run(g->draft, &dseq, ctx, gs.n_ctx, k, draft, &m)) != TD_OK)
             goto out;
-        if (r.n_gen == 0)
-            r.t_first_ns = td_now_ns() - t0;
-        if (is_stop_id(g, o, next))
-            break;
-        if (want_lp && (st = td_sampler_logprobs(logits, c->vocab_size, next, top, &r.lps[r.n_gen])) != TD_OK)
-            goto out;
-        if ((st = td_sampler_accept(sampler, next)) != TD_OK)
-            goto out;
-        r.ids[r.n_gen++] = next;
-        if (!o->print_ids && (st = emit_text(&dt, stop, next, &r, &text_cap, &stopped)) != TD_OK)
-            goto out;
-        if (stopped || r.n_gen == max_new)
-            break;
+        if (m > 0) {
+            /* verify: rows next, draft[0..m); row i's token is taken while it equals draft[i] */
+            int32_t feed[TD_SPEC_MAX_DRAFT + 1], n_before = seq->n_tokens, taken = 0;
+            feed[0] = next;
+            memcpy(feed + 1, draft, (size_t)m * sizeof *draft);
+            td_engine_item_t it = {.seq = seq, .tokens = feed, .n_tokens = m + 1, .n_logits = m + 1, .verify = true};
+            st = td_engine_step(g->eng, &it, 1, vlogits);
+            if (st == TD_OK) {
+                int32_t acc = 0;
+                for (int32_t i = 0; i <= m && !gs.done; i++) {
+                    if ((st = take_token(&gs, vlogits + (size_t)i * vocab, &next)) != TD_OK)
+                        goto out;
+                    taken++;
+                    if (i == m || next != draft[i])
+                        break;
+                    acc++;
+                }
+                td_engine_seq_rollback(g->eng, seq, n_before + taken);
+                td_engine_seq_release_window(g->eng, seq); /* after the rollback: the tokens kept */
+                td_spec_adapt_update(&adapt, &o->spec, m, acc);
+                r.spec.verify_steps++;
+                r.spec.drafted += (uint64_t)m;
+                r.spec.accepted += (uint64_t)acc;
+                r.spec.tokens += (uint64_t)taken;
+                continue;
+            }
+            if (st != TD_ERR_EXHAUSTED)
+                goto out;
+            /* the pool cannot hold the drafts: a plain step */
+        }
+        if (spec)
+            r.spec.plain_steps++;
         td_engine_item_t it = {.seq = seq, .tokens = &next, .n_tokens = 1, .n_logits = 1};
         if ((st = td_engine_step(g->eng, &it, 1, logits)) == TD_ERR_EXHAUSTED) {
             td_warn("generate: the KV cache is full at %d tokens; stopping (raise --kv-mem for longer)",
@@ -335,10 +482,11 @@ td_status_t cli_gen_run(cli_gen_t *g, const cli_gen_opts_t *o, td_kv_seq_t *seq,
             st = TD_OK;
             break;
         }
-        if (st != TD_OK)
+        if (st != TD_OK || (st = take_token(&gs, logits, &next)) != TD_OK)
             goto out;
         td_engine_seq_release_window(g->eng, seq); /* blocks behind a sliding window */
     }
+    bool stopped = gs.stopped;
     r.t_total_ns = td_now_ns() - t0;
     if (o->print_ids) {
         for (int64_t i = 0; i < r.n_gen; i++)
@@ -366,8 +514,12 @@ td_status_t cli_gen_run(cli_gen_t *g, const cli_gen_opts_t *o, td_kv_seq_t *seq,
     *res = r;
     r = (cli_gen_result_t){0};
 out:
+    if (g->draft)
+        td_spec_draft_seq_end(g->draft, &dseq);
     cli_gen_result_free(&r);
     td_detok_free(&dt);
+    free(ctx);
+    free(vlogits);
     free(logits);
     td_stop_destroy(stop);
     td_sampler_destroy(sampler);
@@ -386,4 +538,11 @@ void cli_gen_report(const cli_gen_result_t *r, bool show_cached)
             " tokens, %.1f tokens/s | time to first token: %.1f ms\n",
             r->n_prompt, cached, (double)computed / ((double)r->t_prefill_ns * 1e-9), r->n_gen,
             r->n_gen > 1 ? (double)(r->n_gen - 1) / gen_s : 0.0, (double)r->t_first_ns * 1e-6);
+    const td_spec_stats_t *sp = &r->spec;
+    if (sp->verify_steps + sp->plain_steps > 0)
+        fprintf(stderr,
+                "speculation: %" PRIu64 " verify steps, %" PRIu64 " plain | drafted %" PRIu64 ", accepted %" PRIu64
+                " (%.1f%%) | %.2f tokens per verify step\n",
+                sp->verify_steps, sp->plain_steps, sp->drafted, sp->accepted, 100.0 * td_spec_acceptance(sp),
+                sp->verify_steps ? (double)sp->tokens / (double)sp->verify_steps : 0.0);
 }

@@ -21,6 +21,7 @@
 #include "td_model.h"
 #include "td_opts.h"
 #include "td_sampler.h"
+#include "td_spec.h"
 #include "td_tokenizer.h"
 
 /* The options of a local generation (and generate's --server ones, unused by chat). */
@@ -48,6 +49,8 @@ typedef struct cli_gen_opts {
     int32_t n_stops;           /* given; only the first TD_STOP_MAX_STRINGS are kept (more are refused) */
     int32_t stop_ids[TD_GEN_MAX_STOP_IDS];
     int32_t n_stop_ids;        /* given; as n_stops */
+    td_spec_config_t spec;     /* --spec, --draft-tokens (speculative decoding; off by default) */
+    const char *draft_model;   /* --draft-model PATH: the draft-model drafter's model */
     /* generate --server mode */
     const char *server;        /* HOST:PORT of a router's gateway */
     const char *model_name;    /* GenerateRequest.model; NULL = the server's default */
@@ -79,6 +82,9 @@ typedef struct cli_gen {
     td_engine_t *eng;          /* after cli_gen_start_engine */
     bool add_bos;              /* the model starts a text prompt with BOS */
     bool stop_at_tok_eos;      /* the tokenizer's EOS / end-of-turn ids stop too (chat) */
+    td_model_t *draft_model;   /* --spec draft-model: the drafter's model, engine and state */
+    td_engine_t *draft_eng;
+    td_spec_draft_t *draft;
 } cli_gen_t;
 
 /*
@@ -89,8 +95,10 @@ typedef struct cli_gen {
 td_status_t cli_gen_open(cli_gen_t *g, const cli_gen_opts_t *o, bool need_tok);
 
 /*
- * Creates the engine with *ec (o's --dtype/--quant/--kv-mem applied) and a KV pool of the
- * blocks kv_tokens tokens need, within the KV budget.
+ * Creates the engine with *ec (o's --dtype/--quant/--kv-mem applied; room for a verify step of
+ * --draft-tokens + 1 rows when o->spec is on) and a KV pool of the blocks kv_tokens tokens
+ * need, within the KV budget; with --spec draft-model also the draft model's engine (same
+ * backend and dtypes, a pool as large), after checking that it shares the vocabulary.
  */
 td_status_t cli_gen_start_engine(cli_gen_t *g, const cli_gen_opts_t *o, td_engine_config_t *ec,
                                  int64_t kv_tokens);
@@ -117,6 +125,7 @@ typedef struct cli_gen_result {
     uint64_t t_prefill_ns, t_first_ns, t_total_ns;
     td_token_logprob_t *lps;   /* [n_gen] with o->logprobs >= 0, else NULL */
     td_token_logprob_t *prompt_lps; /* [n_prompt] with o->prompt_logprobs, else NULL */
+    td_spec_stats_t spec;      /* speculative decoding's counters (all 0 when off) */
 } cli_gen_result_t;
 
 void cli_gen_result_free(cli_gen_result_t *r);
@@ -130,13 +139,16 @@ void cli_gen_print_logprobs(const char *what, const td_token_logprob_t *lps, siz
  * attached first) at most max_new tokens, streaming text to stdout (ids with
  * o->print_ids, printed at the end). Stops at a stop id (the model's EOS ids, o's, and with
  * stop_at_tok_eos the tokenizer's), a stop string, max_new, or a full KV cache (warned).
- * seq keeps its tokens' KV for the caller to end. *r is filled on success.
+ * With o->spec on, drafts are verified several tokens a step (td_spec.h); the tokens, text
+ * and logprobs are the same as without. seq keeps its tokens' KV for the caller to end. *r is
+ * filled on success.
  */
 td_status_t cli_gen_run(cli_gen_t *g, const cli_gen_opts_t *o, td_kv_seq_t *seq, const int32_t *prompt,
                         size_t n, int64_t max_new, cli_gen_result_t *r);
 
 /* The timings line on stderr: prompt tokens (and cached ones when show_cached) and
- * tokens/s, generation tokens and tokens/s, time to first token. */
+ * tokens/s, generation tokens and tokens/s, time to first token; with speculation a second
+ * line: verify steps, drafted and accepted tokens, acceptance, tokens per step. */
 void cli_gen_report(const cli_gen_result_t *r, bool show_cached);
 
 #endif /* CLI_GEN_H */

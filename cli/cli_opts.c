@@ -5,6 +5,7 @@
 
 #include "td_backend.h"
 #include "td_dtype.h"
+#include "td_spec.h"
 
 td_status_t cli_opt_device(const td_opt_t *opt, const char *value)
 {
@@ -23,4 +24,13 @@ td_status_t cli_opt_quant(const td_opt_t *opt, const char *value)
     if (st == TD_OK)
         *(int *)opt->ptr = (int)t;
     return st;
+}
+
+td_status_t cli_opt_spec(const td_opt_t *opt, const char *value)
+{
+    td_spec_mode_t m;
+    if (td_spec_parse_mode(value, &m) != TD_OK)
+        return td_errorf(TD_ERR_INVALID, "%s", td_last_error());
+    *(td_spec_mode_t *)opt->ptr = m;
+    return TD_OK;
 }

@@ -38,7 +38,7 @@
 static bool local_only(const char *flag)
 {
     static const char *const names[] = {"model", "tokenizer", "threads", "device", "dtype", "quant", "kv-mem",
-                                        "prefill-chunk"};
+                                        "prefill-chunk", "spec", "draft-model", "draft-tokens"};
     for (size_t i = 0; i < TD_ARRAY_LEN(names); i++)
         if (!strcmp(flag, names[i]))
             return true;
@@ -49,7 +49,7 @@ static int parse_opts(int argc, char **argv, cli_gen_opts_t *o)
 {
     /* request parameters are parsed for their type only; their ranges are checked by
      * td_gen_params_validate below, as the gateway checks them */
-    int64_t top_k = o->sampling.top_k, seed = (int64_t)o->sampling.seed, kv_mib = 0;
+    int64_t top_k = o->sampling.top_k, seed = (int64_t)o->sampling.seed, kv_mib = 0, draft_tokens = o->spec.k_max;
     td_dtype_t dtype = TD_F32;
     char stop_help[64], timeout_help[96], connect_help[64];
     snprintf(stop_help, sizeof stop_help, "stop before this text (repeatable, up to %d)", TD_STOP_MAX_STRINGS);
@@ -138,6 +138,14 @@ static int parse_opts(int argc, char **argv, cli_gen_opts_t *o)
         {.name = "connect-timeout", .type = TD_OPT_F32, .ptr = &o->connect_timeout_s, .fmin = 0.001f,
          .fmax = 3600.0f, .arg = "S",
          .help = connect_help},
+        {.name = "spec", .type = TD_OPT_FN, .ptr = &o->spec.mode, .parse = cli_opt_spec, .arg = "MODE",
+         .help = "speculative decoding: off (default) | prompt-lookup (drafts copied from\n"
+                 "earlier in the prompt and output) | draft-model (--draft-model drafts); the\n"
+                 "output is the same token for token, logprobs included"},
+        {.name = "draft-model", .type = TD_OPT_STR, .ptr = &o->draft_model, .arg = "PATH",
+         .help = "a small model sharing the vocabulary that drafts (implies --spec draft-model)"},
+        {.name = "draft-tokens", .type = TD_OPT_I64, .ptr = &draft_tokens, .min = 1, .max = TD_SPEC_MAX_DRAFT,
+         .arg = "K", .help = "most draft tokens verified per step (default 8; adaptive below it)"},
     };
     enum { N_OPTS = TD_ARRAY_LEN(opts), OPT_MAX_TOKENS = 6, OPT_DTYPE = 19 };
     int given[N_OPTS] = {0};
@@ -153,6 +161,7 @@ static int parse_opts(int argc, char **argv, cli_gen_opts_t *o)
                "                       [--stop TEXT]... [--stop-id ID]... [--threads N] [--device cpu|cuda[:N]]\n"
                "                       [--dtype f32|f16|bf16] [--quant q8_0|q4_0] [--print-ids]\n"
                "                       [--logprobs N [--prompt-logprobs]]\n"
+               "                       [--spec off|prompt-lookup|draft-model] [--draft-model PATH] [--draft-tokens K]\n"
                "       tandem generate --server HOST:PORT (--prompt TEXT | --prompt-ids \"1 2 3\")\n"
                "                       [the same sampling, stop and output flags]\n"
                "                       [--model-name NAME] [--request-id ID] [--timeout S] [--connect-timeout S]\n"
@@ -169,6 +178,18 @@ static int parse_opts(int argc, char **argv, cli_gen_opts_t *o)
     }
     o->sampling.top_k = (int32_t)top_k;
     o->sampling.seed = (uint64_t)seed;
+    o->spec.k_max = (int32_t)draft_tokens;
+    if (o->draft_model && o->spec.mode == TD_SPEC_OFF)
+        o->spec.mode = TD_SPEC_DRAFT_MODEL;
+    if (o->spec.mode == TD_SPEC_DRAFT_MODEL && !o->draft_model) {
+        fprintf(stderr, "tandem generate: --spec draft-model needs --draft-model PATH\n");
+        return 2;
+    }
+    if (o->draft_model && o->spec.mode != TD_SPEC_DRAFT_MODEL) {
+        fprintf(stderr, "tandem generate: --draft-model drafts for --spec draft-model, not --spec %s\n",
+                td_spec_mode_name(o->spec.mode));
+        return 2;
+    }
     o->kv_mem = (size_t)kv_mib << 20;
     TD_ASSERT(!strcmp(opts[OPT_MAX_TOKENS].name, "max-tokens") && !strcmp(opts[OPT_DTYPE].name, "dtype"));
     o->max_tokens_given = given[OPT_MAX_TOKENS] != 0;

@@ -70,6 +70,8 @@ typedef struct decode_config {
     int64_t idle_wait_ms;     /* compute thread's bound on one wait */
     int64_t max_batch_tokens; /* tokens one step feeds: decodes + prompt chunks */
     int64_t prefill_chunk;    /* prompt tokens one sequence feeds in a step */
+    const char *spec;         /* speculative decoding: off | prompt-lookup */
+    int64_t draft_tokens;     /* most draft tokens per sequence and step */
 } decode_config_t;
 
 /* A unified node's Prefill call, waiting for its lease's first token (loop thread). */
@@ -145,6 +147,8 @@ typedef struct decode_state {
     td_metric_t *m_used, *m_free, *m_running, *m_waiting, *m_tokens, *m_steps, *m_step_s, *m_batch,
         *m_admits, *m_refused, *m_releases, *m_prefill_tokens, *m_window_released;
     uint64_t window_released; /* decode_sched_stats' count already added to m_window_released */
+    td_metric_t *m_spec_verify, *m_spec_drafted, *m_spec_accepted, *m_spec_acceptance, *m_spec_tokens_per_step;
+    td_spec_stats_t spec_seen; /* compute thread: the counters already added to the metrics */
     bool unified;             /* the unified role: no td_xfer, Prefill served here */
     uint64_t next_lease;      /* unified: lease ids of its own */
     td_list_t prefills;       /* unified: decode_prefill_t awaiting a first token */
@@ -177,6 +181,22 @@ typedef struct decode_state {
     td_node_logprob_msg_t *batch_lps;          /* [batch_cap] the entries' log-probabilities */
     int32_t batch_cap;
 } decode_state_t;
+
+/* Speculative decoding's series from the scheduler's counters (compute thread): counters by
+ * their growth since the last step, the acceptance (accepted / drafted) and the tokens per
+ * sequence-step (1 without speculation; the speed-up in steps) since startup. */
+static void spec_metrics(decode_state_t *s, const td_spec_stats_t *now)
+{
+    td_spec_stats_t *was = &s->spec_seen;
+    td_metric_add(s->m_spec_verify, (double)(now->verify_steps - was->verify_steps));
+    td_metric_add(s->m_spec_drafted, (double)(now->drafted - was->drafted));
+    td_metric_add(s->m_spec_accepted, (double)(now->accepted - was->accepted));
+    uint64_t seq_steps = now->verify_steps + now->plain_steps;
+    td_metric_set(s->m_spec_acceptance, td_spec_acceptance(now));
+    if (seq_steps)
+        td_metric_set(s->m_spec_tokens_per_step, (double)(now->tokens + now->plain_steps) / (double)seq_steps);
+    *was = *now;
+}
 
 /* The command ring's bound: a kv-ready command holds at least one block, so at most
  * kv-blocks of them wait; Release commands come one per request the router ends, and
@@ -339,6 +359,8 @@ static void compute_main(void *arg)
         td_metric_set(s->m_waiting, ss.waiting);
         td_metric_add(s->m_window_released, (double)(ss.window_released - s->window_released));
         s->window_released = ss.window_released;
+        if (s->m_spec_verify)
+            spec_metrics(s, &ss.spec);
         /* outs_unsent, load_running, admits_posted in this order (decode_busy reads them in
            the reverse one): a request is counted somewhere at every instant */
         if (o->n_seqs)
@@ -1010,6 +1032,26 @@ static void on_shutdown(void *data)
         uv_close((uv_handle_t *)&s->sweep, NULL);
 }
 
+/* Speculative decoding's series, registered only when it is on (tandem_<role>_spec_*). */
+static td_status_t init_spec_metrics(decode_state_t *s)
+{
+    static const char *const suffix[] = {"spec_verify_steps_total", "spec_draft_tokens_total",
+                                         "spec_accepted_tokens_total", "spec_acceptance_ratio",
+                                         "spec_tokens_per_step"};
+    char name[TD_ARRAY_LEN(suffix)][64];
+    for (size_t i = 0; i < TD_ARRAY_LEN(suffix); i++)
+        snprintf(name[i], sizeof name[i], "tandem_%s_%s", s->unified ? "unified" : "decode", suffix[i]);
+    const td_metric_def_t defs[] = {
+        TD_METRIC_DEF_COUNTER(name[0], "sequence-steps that verified drafts", &s->m_spec_verify),
+        TD_METRIC_DEF_COUNTER(name[1], "draft tokens proposed", &s->m_spec_drafted),
+        TD_METRIC_DEF_COUNTER(name[2], "draft tokens accepted", &s->m_spec_accepted),
+        TD_METRIC_DEF_GAUGE(name[3], "accepted / proposed draft tokens since startup", &s->m_spec_acceptance),
+        TD_METRIC_DEF_GAUGE(name[4], "tokens per sequence-step since startup (1 without speculation)",
+                            &s->m_spec_tokens_per_step),
+    };
+    return td_metrics_register_all(s->metrics, defs, TD_ARRAY_LEN(defs));
+}
+
 /* The role's metrics: tandem_decode_* on a decode node, tandem_unified_* on a unified one
  * (the same series, so dashboards and tests read either by prefix). */
 static td_status_t init_metrics(decode_state_t *s)
@@ -1059,7 +1101,8 @@ static int node_main(int argc, char **argv, bool unified)
     *cfg = (decode_config_t){.kv_blocks = 0, .max_batch = 64, .max_lease_ms = 600000, .max_requests = 256,
                              .result_queue = 64, .idle_wait_ms = 50,
                              .max_batch_tokens = sched_default.max_batch_tokens,
-                             .prefill_chunk = sched_default.prefill_chunk};
+                             .prefill_chunk = sched_default.prefill_chunk, .spec = "off",
+                             .draft_tokens = sched_default.spec.k_max};
     const td_opt_t keys[] = {
         TD_OPT_INT("kv-blocks", &cfg->kv_blocks, 0, 1 << 24,
                    "KV pool blocks (sequences and leases; 0 = as many as kv-mem holds)"),
@@ -1078,12 +1121,24 @@ static int node_main(int argc, char **argv, bool unified)
                    "tokens one step feeds: one per running sequence, then prompt chunks"),
         TD_OPT_INT("prefill-chunk", &cfg->prefill_chunk, 1, 1 << 20,
                    "prompt tokens one sequence feeds in one step"),
+        TD_OPT_STRING("spec", &cfg->spec,
+                      "speculative decoding: off (default) | prompt-lookup (drafts copied from earlier in the "
+                      "prompt and output, verified in one step; the same tokens as off)"),
+        TD_OPT_INT("draft-tokens", &cfg->draft_tokens, 1, TD_SPEC_MAX_DRAFT,
+                   "with spec: most draft tokens per sequence and step (adaptive below it)"),
     };
     const td_node_spec_t spec = {.prog = unified ? "unified" : "decode", .kind = TD_NODE_NODE,
                                  .on_shutdown = on_shutdown, .busy = decode_busy, .data = s};
     int rc;
     if (!td_node_configure(&s->proc, &spec, keys, (int)TD_ARRAY_LEN(keys), argc, argv, &rc))
         return rc;
+    decode_sched_config_t dc = sched_default;
+    if (td_spec_parse_mode(cfg->spec, &dc.spec.mode) != TD_OK || dc.spec.mode == TD_SPEC_DRAFT_MODEL) {
+        fprintf(stderr, "tandem %s: spec '%s' is not off|prompt-lookup (a draft model is tandem generate's only)\n",
+                spec.prog, cfg->spec);
+        return 2;
+    }
+    dc.spec.k_max = (int32_t)cfg->draft_tokens;
     rc = 1;
 
     /* subsystems: compute thread's rings, model, xfer with the KV pool it allocates,
@@ -1094,6 +1149,8 @@ static int node_main(int argc, char **argv, bool unified)
     td_engine_config_t ec = td_node_engine_config(&s->proc);
     ec.max_seqs = (int32_t)cfg->max_batch;
     ec.max_logit_rows = (int32_t)cfg->max_batch;
+    if (dc.spec.mode != TD_SPEC_OFF) /* verify items: a row per draft token too */
+        ec.max_logit_rows = (int32_t)TD_MIN(cfg->max_batch * (cfg->draft_tokens + 1), (int64_t)4096);
     ec.max_batch_tokens = TD_MAX((int32_t)cfg->max_batch_tokens, (int32_t)cfg->max_batch);
     if ((st = size_pool(s, &ec)) != TD_OK) /* before anything is allocated or registered */
         goto out;
@@ -1111,7 +1168,8 @@ static int node_main(int argc, char **argv, bool unified)
         st = td_errorf(TD_ERR_NOMEM, "decode: out of memory at startup");
         goto out;
     }
-    if ((st = td_metrics_create(&s->metrics)) != TD_OK || (st = init_metrics(s)) != TD_OK)
+    if ((st = td_metrics_create(&s->metrics)) != TD_OK || (st = init_metrics(s)) != TD_OK ||
+        (dc.spec.mode != TD_SPEC_OFF && (st = init_spec_metrics(s)) != TD_OK))
         goto out;
     uint8_t desc[TD_XFER_DESC_MAX];
     size_t desc_len = 0;
@@ -1160,7 +1218,6 @@ static int node_main(int argc, char **argv, bool unified)
     if ((st = td_xfer_describe(s->xfer, desc, sizeof desc, &desc_len)) != TD_OK)
         goto out;
 sched:;
-    decode_sched_config_t dc = sched_default;
     dc.max_batch = (int32_t)cfg->max_batch;
     dc.max_waiting = (int32_t)cfg->max_requests;
     dc.max_batch_tokens = (int32_t)cfg->max_batch_tokens;

@@ -35,6 +35,9 @@ typedef struct dseq {
     bool logprobs;          /* decode_request_t's */
     int32_t top_logprobs;
     bool ignore_eos;        /* decode_request_t's: EOS ids are not stops */
+    td_spec_adapt_t adapt;  /* speculative decoding: the size of its next draft */
+    int32_t draft[TD_SPEC_MAX_DRAFT]; /* this step's drafts (also in ctx after n_ctx) */
+    int32_t n_draft;
 } dseq_t;
 
 typedef struct pending_finish {
@@ -67,9 +70,11 @@ struct decode_sched {
     size_t arena_len, arena_cap;
     td_engine_item_t *items; /* [max_batch] */
     dseq_t **owners;         /* [max_batch] */
-    float *logits;           /* [max_batch][vocab] */
+    float *logits;           /* [logit_rows][vocab] */
+    int32_t logit_rows;      /* max_batch, plus room for drafts with speculation */
     uint64_t next_arrival;
     uint64_t preemptions, tokens_generated, steps;
+    td_spec_stats_t spec;
 };
 
 const char *decode_finish_name(decode_finish_t f)
@@ -92,6 +97,7 @@ decode_sched_config_t decode_sched_config_default(void)
         .prefill_chunk = 256,
         .max_waiting = 256,
         .admit_reserve = 0,
+        .spec = td_spec_config_default(),
     };
 }
 
@@ -273,6 +279,11 @@ static void drop_kv(decode_sched_t *s, dseq_t *q)
 td_status_t decode_sched_create(td_engine_t *eng, const td_tokenizer_t *tok,
                                 const decode_sched_config_t *cfg, decode_sched_t **sched_p)
 {
+    if (cfg->spec.mode != TD_SPEC_OFF && td_spec_config_validate(&cfg->spec) != TD_OK)
+        return td_errorf(TD_ERR_INVALID, "decode sched: %s", td_last_error());
+    if (cfg->spec.mode == TD_SPEC_DRAFT_MODEL)
+        return td_errorf(TD_ERR_UNSUPPORTED, "decode sched: speculation with a draft model is not available on "
+                         "decode nodes (tandem generate has it): use --spec prompt-lookup");
     if (cfg->max_batch <= 0 || cfg->max_batch_tokens <= 0 || cfg->prefill_chunk <= 0 ||
         cfg->max_waiting <= 0 || cfg->admit_reserve < 0)
         return td_errorf(TD_ERR_INVALID,
@@ -297,7 +308,11 @@ td_status_t decode_sched_create(td_engine_t *eng, const td_tokenizer_t *tok,
     s->waiting = calloc((size_t)s->cap_waiting, sizeof *s->waiting);
     s->items = calloc((size_t)s->cfg.max_batch, sizeof *s->items);
     s->owners = calloc((size_t)s->cfg.max_batch, sizeof *s->owners);
-    s->logits = malloc((size_t)s->cfg.max_batch * s->mc->vocab_size * sizeof(float));
+    /* verify items' rows: as many as the engine returns, within what the batch can draft */
+    s->logit_rows = s->cfg.max_batch;
+    if (cfg->spec.mode != TD_SPEC_OFF)
+        s->logit_rows = (int32_t)TD_MIN((int64_t)ec->max_logit_rows, (int64_t)s->cfg.max_batch * (cfg->spec.k_max + 1));
+    s->logits = malloc((size_t)s->logit_rows * s->mc->vocab_size * sizeof(float));
     if (!s->running || !s->waiting || !s->items || !s->owners || !s->logits) {
         decode_sched_destroy(s);
         return td_errorf(TD_ERR_NOMEM, "decode sched: out of memory for a batch of %d",
@@ -392,6 +407,7 @@ td_status_t decode_sched_admit(decode_sched_t *s, const decode_request_t *req)
     q->logprobs = req->logprobs;
     q->top_logprobs = req->top_logprobs;
     q->ignore_eos = req->ignore_eos;
+    td_spec_adapt_init(&q->adapt, &s->cfg.spec);
     q->ctx = malloc((size_t)q->cap_ctx * sizeof *q->ctx);
     q->stop_ids = malloc((size_t)TD_MAX(req->n_stop_ids, 1) * sizeof *q->stop_ids);
     if (!q->ctx || !q->stop_ids)
@@ -516,9 +532,43 @@ static void admit_waiting(decode_sched_t *s)
     }
 }
 
+/* Speculation in a batch of one-row items only: each generating sequence past its replay
+ * may turn its item into a verify item of its token and its drafts (prompt lookup), within
+ * the token budget and the logit rows. The drafts are written after the context's end
+ * (ctx has room for max_new tokens) so the item's tokens stay contiguous. Returns the
+ * tokens added. */
+static int32_t add_drafts(decode_sched_t *s, int32_t n_items, int32_t budget)
+{
+    const td_spec_config_t *sc = &s->cfg.spec;
+    int32_t added = 0, rows = n_items;
+    for (int32_t j = 0; j < n_items && budget > 0; j++) {
+        dseq_t *q = s->owners[j];
+        td_engine_item_t *it = &s->items[j];
+        if (it->n_tokens != 1 || it->n_logits != 1 || q->kv.n_tokens < q->replay_end)
+            continue;
+        int32_t k = td_spec_adapt_want(&q->adapt, sc);
+        k = TD_MIN(TD_MIN(k, q->max_new - q->n_gen - 1), TD_MIN(budget, s->logit_rows - rows));
+        if (k <= 0)
+            continue;
+        int32_t m = td_spec_lookup(q->ctx, q->n_ctx, sc->ngram_min, sc->ngram_max, k, q->draft);
+        if (m <= 0)
+            continue;
+        TD_ASSERT(q->n_ctx + m <= q->cap_ctx);
+        memcpy(q->ctx + q->n_ctx, q->draft, (size_t)m * sizeof *q->draft);
+        q->n_draft = m;
+        *it = (td_engine_item_t){.seq = &q->kv, .tokens = q->ctx + q->kv.n_tokens, .n_tokens = 1 + m,
+                                 .n_logits = 1 + m, .verify = true};
+        budget -= m;
+        added += m;
+        rows += m;
+    }
+    return added;
+}
+
 /* Builds the engine batch: one token for each generating sequence, then prompt chunks
- * in arrival order within the token budget. */
-static int32_t build_batch(decode_sched_t *s, int32_t *n_tokens_p, int32_t *n_prefill_p)
+ * in arrival order within the token budget; with speculation on (draft) and no prompt
+ * chunk, drafts after the one-row items' tokens. */
+static int32_t build_batch(decode_sched_t *s, bool draft, int32_t *n_tokens_p, int32_t *n_prefill_p)
 {
     int32_t k = 0, budget = s->cfg.max_batch_tokens, prefill = 0;
     for (int pass = 0; pass < 2; pass++)
@@ -538,6 +588,10 @@ static int32_t build_batch(decode_sched_t *s, int32_t *n_tokens_p, int32_t *n_pr
             budget -= n;
             prefill += pass == 1 ? n : 0;
         }
+    for (int32_t j = 0; j < k; j++)
+        s->owners[j]->n_draft = 0;
+    if (prefill == 0 && draft)
+        budget -= add_drafts(s, k, budget);
     *n_tokens_p = s->cfg.max_batch_tokens - budget;
     *n_prefill_p = prefill;
     return k;
@@ -622,13 +676,18 @@ td_status_t decode_sched_step(decode_sched_t *s, int64_t now_ns, decode_step_res
             end_running(s, q);
     }
 
+    bool draft = s->cfg.spec.mode != TD_SPEC_OFF;
     for (;;) {
-        n_items = build_batch(s, &n_tokens, &n_prefill);
+        n_items = build_batch(s, draft, &n_tokens, &n_prefill);
         if (n_items == 0)
             break;
         td_status_t es = td_engine_step(s->eng, s->items, n_items, s->logits);
         if (es == TD_OK)
             break;
+        if (es == TD_ERR_EXHAUSTED && draft) { /* drafts go before anyone is preempted */
+            draft = false;
+            continue;
+        }
         if (es == TD_ERR_EXHAUSTED && preempt_youngest(s, &n_preempted))
             continue;
         /* cannot proceed: a lone sequence larger than the pool, or a failing engine */
@@ -645,30 +704,52 @@ td_status_t decode_sched_step(decode_sched_t *s, int64_t now_ns, decode_step_res
         break;
     }
 
-    /* sliding window: blocks behind every layer's window go back to the pool now, before
-       a sequence that finishes below gives back the rest */
-    for (int32_t j = 0; j < n_items; j++)
-        td_engine_seq_release_window(s->eng, s->items[j].seq);
-
+    /* sliding window: each sequence's blocks behind every layer's window go back to the pool
+       once its step is settled (after a verify step's rollback: the window follows the tokens
+       kept, not the drafts), before a sequence that finishes gives back the rest */
     int32_t row = 0;
     for (int32_t j = 0; j < n_items; j++) {
         dseq_t *q = s->owners[j];
-        if (!s->items[j].n_logits)
+        const td_engine_item_t *it = &s->items[j];
+        if (!it->n_logits) {
+            td_engine_seq_release_window(s->eng, it->seq);
             continue;
-        const float *lg = s->logits + (size_t)row++ * s->mc->vocab_size;
-        int32_t token;
-        decode_finish_t f;
-        td_token_logprob_t lp;
-        td_status_t ss = td_sampler_sample(q->sampler, lg, s->mc->vocab_size, &token);
-        if (ss == TD_OK && q->logprobs)
-            ss = td_sampler_logprobs(lg, s->mc->vocab_size, token, q->top_logprobs, &lp);
-        if (ss != TD_OK) {
-            if ((st = event_add(s, q->id, -1, -1, DECODE_FINISH_ERROR, ss)) != TD_OK)
-                return st;
-            f = DECODE_FINISH_ERROR;
-        } else if ((st = take_token(s, q, token, q->logprobs ? &lp : NULL, &f)) != TD_OK) {
-            return st;
         }
+        /* row i follows the token fed at i: sampled in order, on while it equals draft i */
+        int32_t kv_before = q->kv.n_tokens - it->n_tokens, taken = 0, accepted = 0;
+        decode_finish_t f = DECODE_FINISH_NONE;
+        for (int32_t i = 0; i < it->n_logits && f == DECODE_FINISH_NONE; i++) {
+            const float *lg = s->logits + (size_t)(row + i) * s->mc->vocab_size;
+            int32_t token;
+            td_token_logprob_t lp;
+            td_status_t ss = td_sampler_sample(q->sampler, lg, s->mc->vocab_size, &token);
+            if (ss == TD_OK && q->logprobs)
+                ss = td_sampler_logprobs(lg, s->mc->vocab_size, token, q->top_logprobs, &lp);
+            if (ss != TD_OK) {
+                if ((st = event_add(s, q->id, -1, -1, DECODE_FINISH_ERROR, ss)) != TD_OK)
+                    return st;
+                f = DECODE_FINISH_ERROR;
+            } else if ((st = take_token(s, q, token, q->logprobs ? &lp : NULL, &f)) != TD_OK) {
+                return st;
+            }
+            taken++;
+            if (i == q->n_draft || token != q->draft[i])
+                break;
+            accepted++;
+        }
+        row += it->n_logits;
+        if (it->verify) {
+            td_engine_seq_rollback(s->eng, &q->kv, kv_before + taken);
+            td_spec_adapt_update(&q->adapt, &s->cfg.spec, q->n_draft, accepted);
+            s->spec.verify_steps++;
+            s->spec.drafted += (uint64_t)q->n_draft;
+            s->spec.accepted += (uint64_t)accepted;
+            s->spec.tokens += (uint64_t)taken;
+        } else if (s->cfg.spec.mode != TD_SPEC_OFF) {
+            s->spec.plain_steps++;
+        }
+        q->n_draft = 0;
+        td_engine_seq_release_window(s->eng, it->seq);
         if (f != DECODE_FINISH_NONE)
             end_running(s, q);
     }
@@ -711,5 +792,6 @@ void decode_sched_stats(const decode_sched_t *s, decode_sched_stats_t *st)
         .tokens_generated = s->tokens_generated,
         .steps = s->steps,
         .window_released = ks.window_released,
+        .spec = s->spec,
     };
 }

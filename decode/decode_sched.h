@@ -36,6 +36,15 @@
  * the stop string is emitted, the rest withheld), max tokens or the model's length.
  * Cancellation and deadlines end a request at once and release all its blocks.
  *
+ * Speculative decoding (cfg.spec, prompt lookup): in a step with no prompt chunk, each
+ * generating sequence may bring drafts (td_spec_lookup over its context, sized by its own
+ * td_spec_adapt_t) after its token: one verify item (td_engine_item_t.verify) whose rows are
+ * sampled in order with the sequence's sampler, a draft taken while the sampled token equals
+ * it, every token through the same take_token as a one-row step's, and the KV of rejected
+ * drafts rolled back. Output, logprobs and random streams are those of one token per step.
+ * Drafts count against max_batch_tokens and the engine's logit rows; a step that would not
+ * fit the pool with them runs without them before anyone is preempted.
+ *
  * Time is passed in (now_ns, any monotonic clock, the one deadlines use); no I/O.
  * Threads: a scheduler and its engine are used by one thread at a time (the node's
  * compute thread).
@@ -49,6 +58,7 @@
 
 #include "td_engine.h"
 #include "td_sampler.h"
+#include "td_spec.h"
 #include "td_status.h"
 #include "td_tokenizer.h"
 
@@ -61,6 +71,8 @@ typedef struct decode_sched_config {
     int32_t max_waiting;      /* admitted requests not yet running (256) */
     int32_t admit_reserve;    /* free blocks kept back when moving a waiting request in,
                                  so running ones can grow (0) */
+    td_spec_config_t spec;    /* speculative decoding (off; prompt lookup only here: see
+                                 "Speculative decoding" above) */
 } decode_sched_config_t;
 
 decode_sched_config_t decode_sched_config_default(void);
@@ -144,6 +156,7 @@ typedef struct decode_sched_stats {
     uint64_t tokens_generated;
     uint64_t steps;
     uint64_t window_released;  /* KV blocks sequences gave back past their sliding window */
+    td_spec_stats_t spec;      /* speculative decoding's counters since creation */
 } decode_sched_stats_t;
 
 typedef struct decode_sched decode_sched_t;

@@ -60,11 +60,13 @@ typedef struct td_engine_meta {
     int32_t *tokens;       /* [max_tokens] */
     int32_t *positions;    /* [max_tokens] */
     int32_t *slots;        /* [max_tokens] */
-    int32_t *seq_start;    /* [max_seqs + 1] */
-    int32_t *seq_len;      /* [max_seqs] */
-    int32_t *block_tables; /* [max_seqs][max_blocks] */
+    int32_t *seq_start;    /* [max_meta_seqs + 1] */
+    int32_t *seq_len;      /* [max_meta_seqs] */
+    int32_t *block_tables; /* [max_meta_seqs][max_blocks] */
     int32_t *logit_rows;   /* [max_logit_rows] */
     int32_t max_blocks;
+    int32_t max_meta_seqs; /* max_seqs + max_logit_rows: a verify item's rows are each a
+                              sequence of their own to the backend (build_meta) */
 } td_engine_meta_t;
 
 struct td_engine {
@@ -368,9 +370,9 @@ static td_status_t check_config(const td_engine_config_t *cfg)
     return TD_OK;
 }
 
-/* The step metadata's block table ([max_seqs][max_blocks] int32) is host memory rewritten
- * at every step; 1 GiB is far above any real shape (256 sequences of 1M tokens in blocks of
- * 16 take 64 MiB) and keeps a hostile config from asking for more. */
+/* The step metadata's block table ([max_seqs + max_logit_rows][max_blocks] int32) is host
+ * memory rewritten at every step; 1 GiB is far above any real shape (512 sequences of 1M
+ * tokens in blocks of 16 take 128 MiB) and keeps a hostile config from asking for more. */
 #define TD_ENGINE_MAX_TABLE_BYTES ((size_t)1 << 30)
 
 static td_status_t alloc_state(td_engine_t *eng)
@@ -423,20 +425,21 @@ static td_status_t alloc_state(td_engine_t *eng)
      * huge allocation reported as out of memory). */
     int64_t max_blocks = ((int64_t)c->max_seq_len + eng->cfg.block_size - 1) / eng->cfg.block_size;
     max_blocks = TD_MAX(TD_MIN(max_blocks, (int64_t)eng->n_blocks), (int64_t)1);
-    size_t table_bytes;
-    if (!td_mul_size((size_t)eng->cfg.max_seqs, (size_t)max_blocks, &table_bytes) ||
+    size_t table_bytes, meta_seqs = (size_t)eng->cfg.max_seqs + R;
+    if (!td_mul_size(meta_seqs, (size_t)max_blocks, &table_bytes) ||
         !td_mul_size(table_bytes, sizeof(int32_t), &table_bytes) || table_bytes > TD_ENGINE_MAX_TABLE_BYTES)
         return td_errorf(TD_ERR_INVALID, "engine: the block table of %d sequences x %lld blocks (a context of "
                          "%d positions from max_position_embeddings, at most the pool's %d blocks of %d tokens) is over "
                          "its limit of %zu MiB: lower max_position_embeddings, the batch size or the KV pool",
-                         eng->cfg.max_seqs, (long long)max_blocks, c->max_seq_len, eng->n_blocks, eng->cfg.block_size,
+                         (int)meta_seqs, (long long)max_blocks, c->max_seq_len, eng->n_blocks, eng->cfg.block_size,
                          TD_ENGINE_MAX_TABLE_BYTES >> 20);
     eng->m.max_blocks = (int32_t)max_blocks;
+    eng->m.max_meta_seqs = (int32_t)meta_seqs;
     eng->m.tokens = malloc(T * sizeof(int32_t));
     eng->m.positions = malloc(T * sizeof(int32_t));
     eng->m.slots = malloc(T * sizeof(int32_t));
-    eng->m.seq_start = malloc(((size_t)eng->cfg.max_seqs + 1) * sizeof(int32_t));
-    eng->m.seq_len = malloc((size_t)eng->cfg.max_seqs * sizeof(int32_t));
+    eng->m.seq_start = malloc((meta_seqs + 1) * sizeof(int32_t));
+    eng->m.seq_len = malloc(meta_seqs * sizeof(int32_t));
     eng->m.block_tables = malloc(table_bytes);
     eng->m.logit_rows = malloc(R * sizeof(int32_t));
     if (!eng->m.tokens || !eng->m.positions || !eng->m.slots || !eng->m.seq_start ||
@@ -573,6 +576,11 @@ int32_t td_engine_seq_release_window(td_engine_t *eng, td_kv_seq_t *seq)
     return td_kv_seq_release_before(eng->kv, seq, seq->n_tokens - eng->kv_window + 1);
 }
 
+void td_engine_seq_rollback(td_engine_t *eng, td_kv_seq_t *seq, int32_t n_keep)
+{
+    td_kv_seq_truncate(eng->kv, seq, n_keep);
+}
+
 void td_engine_seq_end(td_engine_t *eng, td_kv_seq_t *seq)
 {
     td_kv_seq_free(eng->kv, seq);
@@ -580,20 +588,28 @@ void td_engine_seq_end(td_engine_t *eng, td_kv_seq_t *seq)
 
 /* ---- the step --------------------------------------------------------------------- */
 
+/* Checks a step's items; *decode_p: every item is one row or a verify item, so the step runs
+ * the decode attention kernel (td_engine_item_t.verify). */
 static td_status_t check_items(const td_engine_t *eng, const td_engine_item_t *items, int32_t n_items,
-                               int32_t *n_tokens_p, int32_t *n_logits_p, int32_t *max_q_p)
+                               int32_t *n_tokens_p, int32_t *n_logits_p, int32_t *max_q_p, bool *decode_p)
 {
     const td_model_config_t *c = &eng->model->config;
     if (n_items <= 0 || n_items > eng->cfg.max_seqs)
         return td_errorf(TD_ERR_RANGE, "engine: %d sequences in a step (limit %d)", n_items,
                          eng->cfg.max_seqs);
-    int64_t total = 0, logits = 0;
-    int32_t max_q = 0;
+    int64_t total = 0, logits = 0, meta_seqs = 0;
+    int32_t max_q = 0, n_verify = 0, n_prefill = 0;
     for (int32_t i = 0; i < n_items; i++) {
         const td_engine_item_t *it = &items[i];
         if (it->n_tokens <= 0 || it->n_logits < 0 || it->n_logits > it->n_tokens)
             return td_errorf(TD_ERR_INVALID, "engine: item %d has %d tokens and asks %d logits", i,
                              it->n_tokens, it->n_logits);
+        if (it->verify && it->n_logits != it->n_tokens)
+            return td_errorf(TD_ERR_INVALID, "engine: verify item %d asks %d logits of its %d rows: a verify "
+                             "item asks every row's", i, it->n_logits, it->n_tokens);
+        n_verify += it->verify;
+        n_prefill += !it->verify && it->n_tokens > 1;
+        meta_seqs += it->verify ? it->n_tokens : 1;
         if ((int64_t)it->seq->n_tokens + it->n_tokens > c->max_seq_len)
             return td_errorf(TD_ERR_RANGE,
                              "engine: sequence would reach %d tokens, the model's limit is %d",
@@ -620,6 +636,11 @@ static td_status_t check_items(const td_engine_t *eng, const td_engine_item_t *i
     if (logits > eng->cfg.max_logit_rows)
         return td_errorf(TD_ERR_RANGE, "engine: %lld logit rows in a step (limit %d)",
                          (long long)logits, eng->cfg.max_logit_rows);
+    if (n_verify > 0 && n_prefill > 0)
+        return td_errorf(TD_ERR_INVALID, "engine: %d verify items share a step with %d prefill pieces: the "
+                         "prefill kernel would run their rows; step them apart", n_verify, n_prefill);
+    TD_ASSERT(meta_seqs <= eng->m.max_meta_seqs);
+    *decode_p = n_prefill == 0;
     *n_tokens_p = (int32_t)total;
     *n_logits_p = (int32_t)logits;
     *max_q_p = max_q;
@@ -645,21 +666,28 @@ static td_status_t reserve_items(td_engine_t *eng, const td_engine_item_t *items
     return TD_OK;
 }
 
+/* The backend's view of the step. A verify item's row at position p is given to the backend
+ * as a sequence of its own, one row long, of context p + 1 over the same block table: the
+ * decode kernel then computes it exactly as the one-row step at p would (same partitions,
+ * same merge), and never reads the K/V of the later rows written in this step. */
 static void build_meta(td_engine_t *eng, const td_engine_item_t *items, int32_t n_items,
                        int32_t n_tokens, int32_t max_q, td_step_meta_t *meta)
 {
     td_engine_meta_t *m = &eng->m;
-    int32_t bs = eng->cfg.block_size, row = 0, lrow = 0, max_len = 0;
+    int32_t bs = eng->cfg.block_size, row = 0, lrow = 0, max_len = 0, ms = 0;
     for (int32_t i = 0; i < n_items; i++) {
         const td_engine_item_t *it = &items[i];
         const td_kv_seq_t *seq = it->seq;
-        m->seq_start[i] = row;
-        m->seq_len[i] = seq->n_tokens + it->n_tokens;
-        max_len = TD_MAX(max_len, m->seq_len[i]);
-        int32_t *bt = m->block_tables + (size_t)i * m->max_blocks;
-        memcpy(bt, seq->blocks, (size_t)seq->n_blocks * sizeof(int32_t));
         for (int32_t j = 0; j < it->n_tokens; j++, row++) {
             int32_t pos = seq->n_tokens + j;
+            if (j == 0 || it->verify) {
+                m->seq_start[ms] = row;
+                m->seq_len[ms] = it->verify ? pos + 1 : seq->n_tokens + it->n_tokens;
+                max_len = TD_MAX(max_len, m->seq_len[ms]);
+                int32_t *bt = m->block_tables + (size_t)ms * m->max_blocks;
+                memcpy(bt, seq->blocks, (size_t)seq->n_blocks * sizeof(int32_t));
+                ms++;
+            }
             m->tokens[row] = it->tokens[j];
             m->positions[row] = pos;
             m->slots[row] = seq->blocks[pos / bs] * bs + pos % bs;
@@ -667,10 +695,10 @@ static void build_meta(td_engine_t *eng, const td_engine_item_t *items, int32_t 
                 m->logit_rows[lrow++] = row;
         }
     }
-    m->seq_start[n_items] = row;
+    m->seq_start[ms] = row;
     *meta = (td_step_meta_t){
         .n_tokens = n_tokens,
-        .n_seqs = n_items,
+        .n_seqs = ms,
         .tokens = m->tokens,
         .positions = m->positions,
         .slots = m->slots,
@@ -751,7 +779,8 @@ td_status_t td_engine_step(td_engine_t *eng, const td_engine_item_t *items, int3
     const td_model_config_t *c = &eng->model->config;
     td_backend_t *be = eng->be;
     int32_t T = 0, n_logits = 0, max_q = 0;
-    td_status_t st = check_items(eng, items, n_items, &T, &n_logits, &max_q);
+    bool decode = false;
+    td_status_t st = check_items(eng, items, n_items, &T, &n_logits, &max_q, &decode);
     if (st != TD_OK)
         return st;
     if (n_logits > 0 && !logits)
@@ -760,13 +789,13 @@ td_status_t td_engine_step(td_engine_t *eng, const td_engine_item_t *items, int3
         return st;
 
     td_step_meta_t meta;
-    build_meta(eng, items, n_items, T, max_q, &meta);
+    build_meta(eng, items, n_items, T, decode ? 1 : max_q, &meta);
     if ((st = be->ops->set_step(be, &meta)) != TD_OK)
         return st;
     if ((st = be->ops->embed(be, eng->s.x, eng->embed.data, eng->embed.dtype, c->dim)) != TD_OK)
         return st;
     for (int32_t l = 0; l < c->n_layers; l++) {
-        if ((st = forward_layer(eng, l, T, max_q == 1)) != TD_OK)
+        if ((st = forward_layer(eng, l, T, decode)) != TD_OK)
             return st;
         if (eng->layer_cb) {
             /* the hook's reader (a transfer) may read the pool right away */

@@ -84,6 +84,13 @@ typedef struct td_engine_item {
     const int32_t *tokens;  /* [n_tokens] new tokens */
     int32_t n_tokens;       /* >= 1 */
     int32_t n_logits;       /* logits wanted for the last n_logits new tokens (0..n_tokens) */
+    bool verify;            /* speculative verification: the rows are decode tokens (the last
+                               sampled token, then drafts), each attending as a one-row decode
+                               step at its own position would (the decode kernel, causal), so
+                               row i's logits are bit-identical to those of the i-th of n_tokens
+                               one-row steps. Needs n_logits == n_tokens; cannot share a step
+                               with a multi-row item that is not a verify item (that step runs
+                               the prefill kernel). Rejected rows: td_engine_seq_rollback. */
 } td_engine_item_t;
 
 /*
@@ -116,6 +123,15 @@ td_status_t td_engine_seq_start(td_engine_t *eng, td_kv_seq_t *seq, const int32_
  * after the step). Shared and prefix-cached blocks follow td_kv_seq_release_before.
  */
 int32_t td_engine_seq_release_window(td_engine_t *eng, td_kv_seq_t *seq);
+
+/*
+ * Rolls a sequence back to its first n_keep tokens (speculative decoding: the draft tokens
+ * a verify step wrote that were rejected). Blocks past n_keep go back to the pool (a full
+ * one registered in the prefix cache stays cached: its K/V are those of its tokens); a
+ * registered block cut in the middle leaves the prefix cache first (td_kv_seq_truncate).
+ * n_keep >= seq->n_tokens changes nothing.
+ */
+void td_engine_seq_rollback(td_engine_t *eng, td_kv_seq_t *seq, int32_t n_keep);
 
 /* Releases everything a sequence holds (its blocks go back, full ones stay cached). */
 void td_engine_seq_end(td_engine_t *eng, td_kv_seq_t *seq);

@@ -1196,3 +1196,134 @@ Test(decode_sched, unified_cancel_mid_prefill_returns_every_block, .timeout = 12
     sched_end(&fx, ds);
     td_test_engine_close(&fx);
 }
+
+/* ---- speculative decoding ----------------------------------------------------------------- */
+
+/* N requests (greedy, seeded with logprobs, seeded with penalties and a stop id, in turn) with
+ * prompts that repeat themselves, admitted one every `every` steps (all at once when every >
+ * 10000), run to the end under cfg; the outcomes and the scheduler's stats. */
+static void run_spec_mix(td_test_engine_t *fx, const decode_sched_config_t *cfg, int n, int every, outcome_t *oc,
+                         decode_sched_stats_t *st)
+{
+    static int32_t prompts[MAXN][96];
+    int n_prompt[MAXN];
+    unsigned s = 21;
+    for (int i = 0; i < n; i++) {
+        int unit = 6 + (int)(rng_next(&s) % 12), reps = 2 + i % 3;
+        random_prompt(&s, prompts[i], unit);
+        for (int r = 1; r < reps; r++)
+            memcpy(prompts[i] + r * unit, prompts[i] + 1, (size_t)(unit - 1) * sizeof(int32_t));
+        n_prompt[i] = unit + (reps - 1) * (unit - 1);
+    }
+    memset(oc, 0, (size_t)n * sizeof *oc);
+    decode_sched_t *ds;
+    cr_assert_eq(decode_sched_create(fx->eng, NULL, cfg, &ds), TD_OK, "%s", td_last_error());
+    int32_t stop_id = 300;
+    int admitted = 0;
+    for (int step = 0; step < 20000 && (admitted < n || decode_sched_busy(ds)); step++) {
+        while (admitted < n && (step % every == 0 || every > 10000)) {
+            int i = admitted++;
+            decode_request_t rq = greedy_request((uint64_t)i, prompts[i], n_prompt[i], 40 + 13 * i);
+            if (i % 3 >= 1) {
+                rq.sampling.temperature = 0.3f + 0.1f * (float)(i % 4);
+                rq.sampling.top_p = 0.9f;
+                rq.sampling.seed = 100 + (uint64_t)i;
+                rq.logprobs = true;
+                rq.top_logprobs = 3;
+            }
+            if (i % 3 == 2) {
+                rq.sampling.repetition_penalty = 1.1f;
+                rq.sampling.frequency_penalty = 0.3f;
+                rq.stop_ids = &stop_id;
+                rq.n_stop_ids = 1;
+            }
+            cr_assert_eq(decode_sched_admit(ds, &rq), TD_OK, "%s", td_last_error());
+            if (every <= 10000)
+                break;
+        }
+        decode_step_result_t r;
+        cr_assert_eq(decode_sched_step(ds, 0, &r), TD_OK);
+        cr_assert_leq(r.n_tokens, cfg->max_batch_tokens);
+        /* every > 10000: all prompts in the first step, pure decode steps after it */
+        cr_assert(every <= 10000 || step == 0 || r.n_prefill_tokens == 0, "step %d carries a prompt chunk", step);
+        collect(&r, oc);
+    }
+    cr_assert(!decode_sched_busy(ds), "requests left after 20000 steps");
+    decode_sched_stats(ds, st);
+    sched_end(fx, ds);
+}
+
+/* Speculation changes the number of steps, nothing else: every request's tokens, logprob
+ * floats and finish reason equal those without it (greedy, seeded, penalties, stop ids,
+ * max tokens), drafts were accepted, and no block leaks. Pool 0 is a decode node's case:
+ * every prompt is in before the first decode step, so every later step is a pure decode
+ * step and the floats are compared bit for bit. Pool 1 is tiny: requests arrive one every
+ * 4 steps and are preempted and recomputed, and a step carrying a prompt chunk runs the
+ * prefill kernel for every row in it (docs/kernels.md "Batch invariance": a one-row item
+ * beside a chunk is not bit-equal to a pure decode step), so which floats a token gets
+ * depends on step timing, which speculation changes; there the greedy requests' tokens and
+ * finishes are compared (as preemption_under_a_tiny_pool_keeps_tokens_and_blocks does). */
+Test(decode_sched, speculation_changes_steps_not_tokens, .timeout = 300)
+{
+    td_test_skip_without_stories();
+    enum { N = 9 };
+    static outcome_t off[N], on[N];
+    const struct {
+        int n_blocks;
+        bool prefix_cache;
+        int max_batch, max_batch_tokens, prefill_chunk, every;
+    } pools[] = {{1024, true, N, 512, 96, 100000}, {12, false, 5, 48, 16, 4}};
+    for (size_t p = 0; p < sizeof pools / sizeof pools[0]; p++) {
+        td_test_engine_t fx;
+        td_test_engine_open_cpu(&fx, 1, pools[p].n_blocks, pools[p].prefix_cache);
+        decode_sched_config_t cfg = decode_sched_config_default();
+        cfg.max_batch = pools[p].max_batch;
+        cfg.max_batch_tokens = pools[p].max_batch_tokens;
+        cfg.prefill_chunk = pools[p].prefill_chunk;
+        decode_sched_stats_t st_off, st_on;
+        run_spec_mix(&fx, &cfg, N, pools[p].every, off, &st_off);
+        cfg.spec.mode = TD_SPEC_PROMPT_LOOKUP;
+        cfg.spec.k_max = 4;
+        run_spec_mix(&fx, &cfg, N, pools[p].every, on, &st_on);
+        for (int i = 0; i < N; i++) {
+            cr_assert_eq(on[i].finish_events, 1);
+            if (p > 0 && i % 3 != 0)
+                continue; /* sampled at temperature > 0: a last-bit difference may flip a draw */
+            cr_assert_eq(on[i].finish, off[i].finish, "pool %zu request %d: finish %s, without speculation %s", p, i,
+                         decode_finish_name(on[i].finish), decode_finish_name(off[i].finish));
+            cr_assert_eq(on[i].n, off[i].n, "pool %zu request %d: %d tokens, without speculation %d", p, i, on[i].n,
+                         off[i].n);
+            cr_assert(!memcmp(on[i].tokens, off[i].tokens, (size_t)on[i].n * sizeof(int32_t)),
+                      "pool %zu request %d: other tokens with speculation", p, i);
+            cr_assert(p > 0 || !memcmp(on[i].lps, off[i].lps, (size_t)on[i].n * sizeof(float)),
+                      "pool %zu request %d: other logprobs with speculation", p, i);
+        }
+        cr_assert_gt(st_on.spec.accepted, 0, "pool %zu: no draft accepted (%llu drafted): the test shows nothing", p,
+                     (unsigned long long)st_on.spec.drafted);
+        cr_assert_lt(st_on.steps, st_off.steps, "pool %zu: %llu steps with speculation, %llu without", p,
+                     (unsigned long long)st_on.steps, (unsigned long long)st_off.steps);
+        if (p == 0)
+            cr_assert_eq(st_on.tokens_generated, st_off.tokens_generated);
+        if (pools[p].n_blocks < 64)
+            cr_assert_gt(st_on.preemptions, 0, "the tiny pool never preempted");
+        cr_assert_eq(st_off.spec.drafted, 0);
+        td_test_engine_close(&fx);
+    }
+}
+
+Test(decode_sched, speculation_config_is_checked, .timeout = 60)
+{
+    td_test_skip_without_stories();
+    td_test_engine_t fx;
+    td_test_engine_open_cpu(&fx, 1, 64, false);
+    decode_sched_config_t cfg = decode_sched_config_default();
+    decode_sched_t *ds = NULL;
+    cfg.spec.mode = TD_SPEC_PROMPT_LOOKUP;
+    cfg.spec.k_max = TD_SPEC_MAX_DRAFT + 1;
+    cr_assert_eq(decode_sched_create(fx.eng, NULL, &cfg, &ds), TD_ERR_INVALID);
+    cfg.spec = td_spec_config_default();
+    cfg.spec.mode = TD_SPEC_DRAFT_MODEL;
+    cr_assert_eq(decode_sched_create(fx.eng, NULL, &cfg, &ds), TD_ERR_UNSUPPORTED);
+    cr_assert_null(ds);
+    td_test_engine_close(&fx);
+}

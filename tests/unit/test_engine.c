@@ -621,3 +621,160 @@ Test(engine, sliding_window_prefix_hit_and_released_blocks, .timeout = 60)
     cr_assert_eq(st.used, 0);
     td_test_engine_close(&fx);
 }
+
+/* ---- speculative verification ------------------------------------------------------- */
+
+/* Prefills prompt[0..n) into an empty seq (no logits kept). */
+static void prefill_seq(td_engine_t *eng, td_kv_seq_t *seq, const int32_t *prompt, int32_t n)
+{
+    td_kv_seq_init(seq);
+    td_engine_item_t it = {.seq = seq, .tokens = prompt, .n_tokens = n, .n_logits = 0};
+    cr_assert_eq(td_engine_step(eng, &it, 1, NULL), TD_OK, "%s", td_last_error());
+}
+
+/*
+ * The verify step's promise, bit for bit: a verify item of K rows gives, row by row, the logits
+ * of K one-row decode steps fed the same tokens, whatever shares its step (alone; beside one-row
+ * items and another verify item); after a rollback to any kept prefix the next one-row step
+ * gives the same logits again; no block leaks, and the cache's bookkeeping stays consistent.
+ * The rows cross a block boundary (prompt of 13, K = 7, blocks of 16) so that a rollback frees
+ * a block the verify step reserved.
+ */
+static void check_verify_rows(td_engine_t *eng, int vocab, const char *what)
+{
+    enum { NP = 13, K = 7 };
+    int32_t prompt[NP], draft[K], other[3] = {7, 300, 42};
+    unsigned s = 11;
+    for (int i = 0; i < NP; i++)
+        prompt[i] = i ? 3 + (int32_t)(td_test_rng_next(&s) % 500) : 1;
+    for (int i = 0; i < K; i++)
+        draft[i] = 3 + (int32_t)(td_test_rng_next(&s) % 500);
+    size_t row = (size_t)vocab * sizeof(float);
+    float *want = malloc(K * row), *got = malloc((K + 1 + 3) * row), *one = malloc(row);
+    cr_assert(want && got && one);
+    td_kv_cache_t *kv = td_engine_kv(eng);
+    td_kv_stats_t st0;
+    td_kv_get_stats(kv, &st0);
+
+    /* K one-row steps */
+    td_kv_seq_t a;
+    prefill_seq(eng, &a, prompt, NP);
+    for (int i = 0; i < K; i++) {
+        td_engine_item_t it = {.seq = &a, .tokens = &draft[i], .n_tokens = 1, .n_logits = 1};
+        cr_assert_eq(td_engine_step(eng, &it, 1, want + (size_t)i * vocab), TD_OK, "%s", td_last_error());
+    }
+
+    /* one verify item alone */
+    td_kv_seq_t b;
+    prefill_seq(eng, &b, prompt, NP);
+    td_engine_item_t vb = {.seq = &b, .tokens = draft, .n_tokens = K, .n_logits = K, .verify = true};
+    cr_assert_eq(td_engine_step(eng, &vb, 1, got), TD_OK, "%s", td_last_error());
+    for (int i = 0; i < K; i++)
+        cr_assert(!memcmp(got + (size_t)i * vocab, want + (size_t)i * vocab, row),
+                  "%s: verify row %d alone differs from the one-row step", what, i);
+    cr_assert_eq(b.n_tokens, NP + K);
+
+    /* rollback to each kept length, then the next one-row step equals the sequential one */
+    for (int keep = NP + K - 1; keep >= NP; keep -= 3) {
+        td_engine_seq_rollback(eng, &b, keep);
+        cr_assert_eq(b.n_tokens, keep);
+        cr_assert_eq(b.n_blocks, (keep + 15) / 16, "%s: rollback to %d keeps %d blocks", what, keep, b.n_blocks);
+        cr_assert_eq(td_kv_cache_check(kv), TD_OK, "%s", td_last_error());
+        int j = keep - NP; /* the next token to feed is draft[j], whose logits are want[j] */
+        td_engine_item_t it = {.seq = &b, .tokens = &draft[j], .n_tokens = 1, .n_logits = 1};
+        cr_assert_eq(td_engine_step(eng, &it, 1, one), TD_OK, "%s", td_last_error());
+        cr_assert(!memcmp(one, want + (size_t)j * vocab, row), "%s: after a rollback to %d, the step differs", what,
+                  keep);
+        td_engine_seq_rollback(eng, &b, keep);
+    }
+    td_engine_seq_end(eng, &b);
+
+    /* in a mixed batch: a one-row item, the verify item, another verify item of 2 rows */
+    td_kv_seq_t c, d;
+    prefill_seq(eng, &b, prompt, NP);
+    prefill_seq(eng, &c, prompt, 5);
+    prefill_seq(eng, &d, prompt + 2, 9);
+    td_engine_item_t items[3] = {
+        {.seq = &c, .tokens = &other[0], .n_tokens = 1, .n_logits = 1},
+        {.seq = &b, .tokens = draft, .n_tokens = K, .n_logits = K, .verify = true},
+        {.seq = &d, .tokens = &other[1], .n_tokens = 2, .n_logits = 2, .verify = true},
+    };
+    cr_assert_eq(td_engine_step(eng, items, 3, got), TD_OK, "%s", td_last_error());
+    for (int i = 0; i < K; i++)
+        cr_assert(!memcmp(got + (size_t)(1 + i) * vocab, want + (size_t)i * vocab, row),
+                  "%s: verify row %d in a batch of 3 differs from the one-row step", what, i);
+
+    /* a verify item beside a prefill piece is refused, nothing advances */
+    int32_t n_b = b.n_tokens, n_c = c.n_tokens;
+    td_engine_item_t mixed[2] = {
+        {.seq = &c, .tokens = other, .n_tokens = 3, .n_logits = 1},
+        {.seq = &b, .tokens = draft, .n_tokens = 2, .n_logits = 2, .verify = true},
+    };
+    cr_assert_eq(td_engine_step(eng, mixed, 2, got), TD_ERR_INVALID);
+    cr_assert_eq(b.n_tokens, n_b);
+    cr_assert_eq(c.n_tokens, n_c);
+    td_engine_item_t partial = {.seq = &b, .tokens = draft, .n_tokens = 2, .n_logits = 1, .verify = true};
+    cr_assert_eq(td_engine_step(eng, &partial, 1, got), TD_ERR_INVALID);
+
+    td_engine_seq_end(eng, &a);
+    td_engine_seq_end(eng, &b);
+    td_engine_seq_end(eng, &c);
+    td_engine_seq_end(eng, &d);
+    td_kv_stats_t st1;
+    td_kv_get_stats(kv, &st1);
+    cr_assert_eq(st1.used, 0, "%s: %d blocks still referenced after every sequence ended", what, st1.used);
+    cr_assert_eq(st1.free + st1.cached, st0.free + st0.cached, "%s: blocks leaked", what);
+    cr_assert_eq(td_kv_cache_check(kv), TD_OK, "%s", td_last_error());
+    free(want), free(got), free(one);
+}
+
+Test(engine, verify_rows_equal_one_row_steps, .timeout = 120)
+{
+    td_test_skip_without_stories();
+    struct {
+        const char *what;
+        int weight_dtype, kv_dtype, quant, threads;
+        bool prefix_cache;
+    } cases[] = {
+        {"f32", TD_ENGINE_WEIGHTS_AS_STORED, TD_F32, -1, 1, false},
+        {"f32, 2 threads, prefix cache", TD_ENGINE_WEIGHTS_AS_STORED, TD_F32, -1, 2, true},
+        {"f16 weights and KV", TD_F16, TD_F16, -1, 2, false},
+        {"bf16 weights and KV", TD_BF16, TD_BF16, -1, 1, true},
+        {"q8_0 weights", TD_ENGINE_WEIGHTS_AS_STORED, TD_F32, TD_Q8_0, 2, false},
+        {"q4_0 weights", TD_ENGINE_WEIGHTS_AS_STORED, TD_F32, TD_Q4_0, 1, true},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        td_engine_config_t ec = td_engine_config_default();
+        ec.n_blocks = 64;
+        ec.prefix_cache = cases[i].prefix_cache;
+        ec.weight_dtype = cases[i].weight_dtype;
+        ec.kv_dtype = (td_dtype_t)cases[i].kv_dtype;
+        ec.weight_quant = cases[i].quant;
+        td_test_engine_t fx;
+        td_test_engine_open(&fx, cases[i].threads, &ec);
+        check_verify_rows(fx.eng, fx.vocab, cases[i].what);
+        td_test_engine_close(&fx);
+    }
+}
+
+/* The same on the real model when TANDEM_TEST_GGUF names it (SmolLM2-135M-Instruct.Q4_1.gguf:
+ * Q4_1 matrices through the int8 dot-product kernels, grouped-query attention). */
+Test(engine, verify_rows_equal_one_row_steps_gguf, .timeout = 300)
+{
+    const char *path = getenv("TANDEM_TEST_GGUF");
+    if (!path || !*path)
+        cr_skip_test("TANDEM_TEST_GGUF does not name a file (set it to SmolLM2-135M-Instruct.Q4_1.gguf)");
+    td_model_t *model = NULL;
+    td_backend_t *be = NULL;
+    td_engine_t *eng = NULL;
+    cr_assert_eq(td_model_load(path, &model), TD_OK, "%s", td_last_error());
+    td_cpu_config_t cc = {.n_threads = 2};
+    cr_assert_eq(td_backend_cpu_create(&cc, &be), TD_OK, "%s", td_last_error());
+    td_engine_config_t ec = td_engine_config_default();
+    ec.n_blocks = 64;
+    cr_assert_eq(td_engine_create(model, be, &ec, &eng), TD_OK, "%s", td_last_error());
+    check_verify_rows(eng, model->config.vocab_size, "gguf q4_1");
+    td_engine_destroy(eng);
+    td_backend_destroy(be);
+    td_model_destroy(model);
+}
