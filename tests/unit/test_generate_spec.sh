@@ -95,6 +95,16 @@ for n in 1 2 7; do
         --draft-tokens 8
     cmp -s "$tmp/max$n-off.out" "$tmp/max$n-pl.out" && ok || bad "--max-tokens $n differs with speculation"
 done
+# a sliding window (tiny-swa: 40 tokens on every layer): far past the window, with blocks going
+# back behind it after every step, a verify step's rollback leaves the same tokens
+"$bin" model synth --config tiny-swa --out "$tmp/swa" >/dev/null 2>&1 || bad "model synth --config tiny-swa failed"
+run swa-off --model "$tmp/swa" --prompt-ids "$story" --max-tokens 200 --print-ids
+for k in 3 8; do
+    run "swa-pl$k" --model "$tmp/swa" --prompt-ids "$story" --max-tokens 200 --print-ids \
+        --spec prompt-lookup --draft-tokens "$k"
+    same swa-off "swa-pl$k" "sliding window, prompt lookup, $k draft tokens"
+done
+some_accepted "sliding window, prompt lookup"
 
 # a draft model of another vocabulary (a synth model of 300 tokens, stories260K has 512) is refused
 "$bin" model synth --out "$tmp/synth512" >/dev/null 2>&1 || bad "model synth failed"
