@@ -33,6 +33,8 @@ static const struct {
     {TD_ARCH_MISTRAL, "mistral", "MistralForCausalLM"},
     {TD_ARCH_QWEN2, "qwen2", "Qwen2ForCausalLM"},
     {TD_ARCH_QWEN3, "qwen3", "Qwen3ForCausalLM"},
+    {TD_ARCH_MIXTRAL, "mixtral", "MixtralForCausalLM"},
+    {TD_ARCH_QWEN3_MOE, "qwen3_moe", "Qwen3MoeForCausalLM"},
 };
 
 const char *td_model_arch_name(td_arch_t arch)
@@ -65,7 +67,13 @@ void td_model_config_set_arch(td_model_config_t *cfg, td_arch_t arch)
     snprintf(cfg->arch_name, sizeof cfg->arch_name, "%s", arch_hf_name(arch));
     cfg->rope_style = TD_ROPE_HALVES;
     cfg->qkv_bias = arch == TD_ARCH_QWEN2;
-    cfg->qk_norm = arch == TD_ARCH_QWEN3;
+    cfg->qk_norm = arch == TD_ARCH_QWEN3 || arch == TD_ARCH_QWEN3_MOE;
+    cfg->moe_norm_topk = arch == TD_ARCH_MIXTRAL;
+}
+
+static bool arch_is_moe(td_arch_t arch)
+{
+    return arch == TD_ARCH_MIXTRAL || arch == TD_ARCH_QWEN3_MOE;
 }
 
 /* ---- parsing ----------------------------------------------------------------------- */
@@ -194,6 +202,34 @@ static td_status_t parse_rope_scaling(const cJSON *root, const char *origin, td_
     return TD_OK;
 }
 
+/* The experts of a Mixtral (num_local_experts, intermediate_size per expert) or Qwen3-MoE
+ * (num_experts, moe_intermediate_size, norm_topk_prob) config.json. Qwen3-MoE configs that
+ * keep some layers dense (mlp_only_layers, decoder_sparse_step > 1) are refused: no
+ * published checkpoint has them and the engine has one FFN kind per model. */
+static td_status_t parse_moe(const cJSON *root, const char *origin, td_model_config_t *cfg)
+{
+    bool mixtral = cfg->arch == TD_ARCH_MIXTRAL;
+    int64_t e = 0, k = 0, fe = cfg->hidden_dim, step = 1;
+    td_status_t s;
+    if ((s = get_int(root, origin, mixtral ? "num_local_experts" : "num_experts", true, 0, 1, CFG_MAX_DIM, &e)) !=
+            TD_OK ||
+        (s = get_int(root, origin, "num_experts_per_tok", true, 0, 1, CFG_MAX_DIM, &k)) != TD_OK ||
+        (!mixtral &&
+         (s = get_int(root, origin, "moe_intermediate_size", true, 0, 1, CFG_MAX_DIM, &fe)) != TD_OK) ||
+        (!mixtral && (s = get_bool(root, origin, "norm_topk_prob", false, &cfg->moe_norm_topk)) != TD_OK) ||
+        (!mixtral && (s = get_int(root, origin, "decoder_sparse_step", false, 1, 1, CFG_MAX_DIM, &step)) != TD_OK))
+        return s;
+    const cJSON *dense = cJSON_GetObjectItemCaseSensitive(root, "mlp_only_layers");
+    if (step != 1 || (cJSON_IsArray(dense) && cJSON_GetArraySize(dense) > 0))
+        return td_errorf(TD_ERR_UNSUPPORTED, "%s: decoder_sparse_step %lld / mlp_only_layers: dense layers "
+                         "between the expert layers are not supported (every layer must be sparse)", origin,
+                         (long long)step);
+    cfg->n_experts = (int32_t)e;
+    cfg->n_experts_used = (int32_t)k;
+    cfg->expert_hidden_dim = (int32_t)fe;
+    return TD_OK;
+}
+
 td_status_t td_model_config_from_json(const char *json, const char *origin, td_model_config_t *cfg_out)
 {
     td_status_t s = TD_OK;
@@ -230,7 +266,7 @@ td_status_t td_model_config_from_json(const char *json, const char *origin, td_m
     if (arch < 0) {
         s = td_errorf(TD_ERR_UNSUPPORTED,
                       "%s: architecture %.64s is not supported (LlamaForCausalLM, MistralForCausalLM, "
-                      "Qwen2ForCausalLM, Qwen3ForCausalLM are)",
+                      "Qwen2ForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM are)",
                       origin, an);
         goto out;
     }
@@ -299,12 +335,16 @@ td_status_t td_model_config_from_json(const char *json, const char *origin, td_m
     /* A sliding window we do not implement: attention stays exact as long as the context
      * never exceeds the window, so the window becomes the context limit. */
     const cJSON *sw = cJSON_GetObjectItemCaseSensitive(root, "sliding_window");
-    bool use_sw = cfg.arch == TD_ARCH_MISTRAL;
-    if (cfg.arch != TD_ARCH_MISTRAL &&
+    bool mistral_like = cfg.arch == TD_ARCH_MISTRAL || cfg.arch == TD_ARCH_MIXTRAL;
+    bool use_sw = mistral_like;
+    if (!mistral_like &&
         (s = get_bool(root, origin, "use_sliding_window", false, &use_sw)) != TD_OK)
         goto out;
     if (use_sw && cJSON_IsNumber(sw) && sw->valuedouble >= 1 && sw->valuedouble < cfg.max_seq_len)
         cfg.max_seq_len = (int32_t)sw->valuedouble;
+
+    if (arch_is_moe(cfg.arch) && (s = parse_moe(root, origin, &cfg)) != TD_OK)
+        goto out;
 
     const cJSON *tdt = cJSON_GetObjectItemCaseSensitive(root, "torch_dtype");
     if (!tdt)
@@ -357,6 +397,23 @@ td_status_t td_model_config_validate(const td_model_config_t *c, const char *ori
          !(c->rope_high_freq_factor > c->rope_low_freq_factor) || c->rope_original_max_pos <= 0))
         return td_errorf(TD_ERR_FORMAT, "%s: rope_scaling llama3 needs factor > 0, 0 < low_freq_factor < "
                          "high_freq_factor and original_max_position_embeddings > 0", origin);
+    if (arch_is_moe(c->arch) != (c->n_experts > 0))
+        return td_errorf(TD_ERR_FORMAT, "%s: a %s model needs %s (num_local_experts / num_experts / "
+                         "expert_count), got %d", origin, td_model_arch_name(c->arch),
+                         arch_is_moe(c->arch) ? "experts" : "no experts", c->n_experts);
+    if (c->n_experts > 0) {
+        if (c->n_experts > TD_MAX_EXPERTS)
+            return td_errorf(TD_ERR_FORMAT, "%s: num_experts (expert_count) %d is out of range [1, %d]", origin,
+                             c->n_experts, TD_MAX_EXPERTS);
+        if (c->n_experts_used < 1 || c->n_experts_used > c->n_experts)
+            return td_errorf(TD_ERR_FORMAT, "%s: num_experts_per_tok (expert_used_count) %d is out of range "
+                             "[1, %d]: a token cannot use more experts than the %d there are", origin,
+                             c->n_experts_used, c->n_experts, c->n_experts);
+        if (c->expert_hidden_dim < 1 || c->expert_hidden_dim > CFG_MAX_DIM)
+            return td_errorf(TD_ERR_FORMAT, "%s: the experts' intermediate size (moe_intermediate_size / "
+                             "expert_feed_forward_length) %d is out of range [1, %d]", origin,
+                             c->expert_hidden_dim, CFG_MAX_DIM);
+    }
     if (c->bos_id < -1 || c->bos_id >= c->vocab_size)
         return td_errorf(TD_ERR_FORMAT, "%s: bos_token_id %d is outside the vocabulary (%d)", origin, c->bos_id,
                          c->vocab_size);
@@ -376,12 +433,21 @@ uint64_t td_model_param_count(const td_model_config_t *c)
     uint64_t d = (uint64_t)c->dim, f = (uint64_t)c->hidden_dim, hd = (uint64_t)c->head_dim;
     uint64_t q = (uint64_t)c->n_heads * hd, kv = (uint64_t)c->n_kv_heads * hd;
     uint64_t layer = 2 * d + d * q + 2 * d * kv + q * d + 3 * d * f;
+    if (c->n_experts > 0) /* the router, and the experts instead of the dense FFN */
+        layer += (uint64_t)c->n_experts * (d + 3 * d * (uint64_t)c->expert_hidden_dim) - 3 * d * f;
     if (c->qkv_bias)
         layer += q + 2 * kv;
     if (c->qk_norm)
         layer += 2 * hd;
     uint64_t embed = (uint64_t)c->vocab_size * d;
     return embed * (c->tie_embeddings ? 1 : 2) + d + layer * (uint64_t)c->n_layers;
+}
+
+uint64_t td_model_active_param_count(const td_model_config_t *c)
+{
+    uint64_t idle = (uint64_t)(c->n_experts - c->n_experts_used) * 3 * (uint64_t)c->dim *
+                    (uint64_t)c->expert_hidden_dim * (uint64_t)c->n_layers;
+    return td_model_param_count(c) - (c->n_experts > 0 ? idle : 0);
 }
 
 uint64_t td_model_kv_bytes_per_token(const td_model_config_t *c, td_dtype_t kv_dtype)
@@ -439,6 +505,12 @@ uint64_t td_model_fingerprint(const td_model_config_t *c)
     fnv_u32(&f, c->qkv_bias);
     fnv_u32(&f, c->qk_norm);
     /* only when present, so models without them keep the fingerprints they had */
+    if (c->n_experts > 0) {
+        fnv_u32(&f, (uint32_t)c->n_experts);
+        fnv_u32(&f, (uint32_t)c->n_experts_used);
+        fnv_u32(&f, (uint32_t)c->expert_hidden_dim);
+        fnv_u32(&f, c->moe_norm_topk);
+    }
     if (c->rope_freqs_hash) {
         fnv_u32(&f, (uint32_t)c->rope_freqs_hash);
         fnv_u32(&f, (uint32_t)(c->rope_freqs_hash >> 32));
@@ -449,7 +521,8 @@ uint64_t td_model_fingerprint(const td_model_config_t *c)
 /* ---- presets ----------------------------------------------------------------------- */
 
 const char *const td_model_preset_names[] = {
-    "tiny", "small", "tinyllama-1.1b", "llama-3.2-1b", "llama-3-8b", "qwen2-7b", "qwen3-0.6b", NULL,
+    "tiny", "small", "tinyllama-1.1b", "llama-3.2-1b", "llama-3-8b", "qwen2-7b", "qwen3-0.6b",
+    "tiny-mixtral", "tiny-qwen3moe", "mixtral-8x7b", "qwen3-30b-a3b", NULL,
 };
 
 typedef struct preset {
@@ -461,23 +534,35 @@ typedef struct preset {
     int32_t bos, eos;
     float r3_factor, r3_low, r3_high; /* llama3 rope scaling when r3_factor > 0 */
     int32_t r3_orig;
+    int32_t experts, experts_used, expert_hidden; /* a mixture of experts when experts > 0 */
+    bool norm_topk;
 } preset_t;
 
 /* Values from each model's published config.json (base models). */
 static const preset_t presets[] = {
     /* name            arch           dim   ffn    L   H   KV  hd   vocab   maxpos  eps    theta     tie */
-    {"tiny", TD_ARCH_LLAMA, 64, 176, 4, 8, 4, 8, 512, 2048, 1e-5f, 10000.0f, false, 256, 257, 0, 0, 0, 0},
-    {"small", TD_ARCH_LLAMA, 768, 2048, 12, 12, 4, 64, 32000, 2048, 1e-5f, 10000.0f, true, 1, 2, 0, 0, 0, 0},
+    {"tiny", TD_ARCH_LLAMA, 64, 176, 4, 8, 4, 8, 512, 2048, 1e-5f, 10000.0f, false, 256, 257, 0, 0, 0, 0, 0, 0, 0, false},
+    {"small", TD_ARCH_LLAMA, 768, 2048, 12, 12, 4, 64, 32000, 2048, 1e-5f, 10000.0f, true, 1, 2, 0, 0, 0, 0, 0, 0, 0, false},
     {"tinyllama-1.1b", TD_ARCH_LLAMA, 2048, 5632, 22, 32, 4, 64, 32000, 2048, 1e-5f, 10000.0f, false, 1, 2, 0, 0,
-     0, 0},
+     0, 0, 0, 0, 0, false},
     {"llama-3.2-1b", TD_ARCH_LLAMA, 2048, 8192, 16, 32, 8, 64, 128256, 131072, 1e-5f, 500000.0f, true, 128000,
-     128001, 32.0f, 1.0f, 4.0f, 8192},
+     128001, 32.0f, 1.0f, 4.0f, 8192, 0, 0, 0, false},
     {"llama-3-8b", TD_ARCH_LLAMA, 4096, 14336, 32, 32, 8, 128, 128256, 8192, 1e-5f, 500000.0f, false, 128000,
-     128001, 0, 0, 0, 0},
+     128001, 0, 0, 0, 0, 0, 0, 0, false},
     {"qwen2-7b", TD_ARCH_QWEN2, 3584, 18944, 28, 28, 4, 128, 152064, 131072, 1e-6f, 1000000.0f, false, 151643,
-     151643, 0, 0, 0, 0},
+     151643, 0, 0, 0, 0, 0, 0, 0, false},
     {"qwen3-0.6b", TD_ARCH_QWEN3, 1024, 3072, 28, 16, 8, 128, 151936, 40960, 1e-6f, 1000000.0f, true, 151643,
-     151645, 0, 0, 0, 0},
+     151645, 0, 0, 0, 0, 0, 0, 0, false},
+    /* mixtures of experts: two tiny ones for tests (rows whole q8_0/q4_0 blocks), and the
+       layouts of Mixtral-8x7B and Qwen3-30B-A3B (experts, top-k, expert FFN width) */
+    {"tiny-mixtral", TD_ARCH_MIXTRAL, 64, 96, 3, 8, 4, 8, 512, 2048, 1e-5f, 1000000.0f, false, 256, 257, 0, 0, 0,
+     0, 4, 2, 96, true},
+    {"tiny-qwen3moe", TD_ARCH_QWEN3_MOE, 64, 192, 3, 4, 2, 16, 512, 2048, 1e-6f, 1000000.0f, false, 256, 257, 0, 0,
+     0, 0, 8, 3, 32, true},
+    {"mixtral-8x7b", TD_ARCH_MIXTRAL, 4096, 14336, 32, 32, 8, 128, 32000, 32768, 1e-5f, 1000000.0f, false, 1, 2,
+     0, 0, 0, 0, 8, 2, 14336, true},
+    {"qwen3-30b-a3b", TD_ARCH_QWEN3_MOE, 2048, 6144, 48, 32, 4, 128, 151936, 40960, 1e-6f, 1000000.0f, false,
+     151643, 151645, 0, 0, 0, 0, 128, 8, 768, true},
 };
 
 td_status_t td_model_preset(const char *name, td_model_config_t *cfg)
@@ -511,6 +596,10 @@ td_status_t td_model_preset(const char *name, td_model_config_t *cfg)
             c.rope_high_freq_factor = p->r3_high;
             c.rope_original_max_pos = p->r3_orig;
         }
+        c.n_experts = p->experts;
+        c.n_experts_used = p->experts_used;
+        c.expert_hidden_dim = p->expert_hidden;
+        c.moe_norm_topk = p->norm_topk;
         *cfg = c;
         return TD_OK;
     }
@@ -569,11 +658,22 @@ td_status_t td_model_config_to_json(const td_model_config_t *c, td_dtype_t dtype
     cJSON_AddStringToObject(r, "hidden_act", "silu");
     if (c->arch != TD_ARCH_QWEN2)
         cJSON_AddBoolToObject(r, "attention_bias", false);
-    if (c->arch == TD_ARCH_QWEN2 || c->arch == TD_ARCH_QWEN3) {
+    if (c->arch == TD_ARCH_QWEN2 || c->arch == TD_ARCH_QWEN3 || c->arch == TD_ARCH_QWEN3_MOE) {
         cJSON_AddBoolToObject(r, "use_sliding_window", false);
         cJSON_AddNullToObject(r, "sliding_window");
-    } else if (c->arch == TD_ARCH_MISTRAL) {
+    } else if (c->arch == TD_ARCH_MISTRAL || c->arch == TD_ARCH_MIXTRAL) {
         cJSON_AddNullToObject(r, "sliding_window");
+    }
+    if (c->arch == TD_ARCH_MIXTRAL) {
+        cJSON_AddNumberToObject(r, "num_local_experts", c->n_experts);
+        cJSON_AddNumberToObject(r, "num_experts_per_tok", c->n_experts_used);
+    } else if (c->arch == TD_ARCH_QWEN3_MOE) {
+        cJSON_AddNumberToObject(r, "num_experts", c->n_experts);
+        cJSON_AddNumberToObject(r, "num_experts_per_tok", c->n_experts_used);
+        cJSON_AddNumberToObject(r, "moe_intermediate_size", c->expert_hidden_dim);
+        cJSON_AddBoolToObject(r, "norm_topk_prob", c->moe_norm_topk);
+        cJSON_AddNumberToObject(r, "decoder_sparse_step", 1);
+        cJSON_AddArrayToObject(r, "mlp_only_layers");
     }
     if (c->bos_id >= 0)
         cJSON_AddNumberToObject(r, "bos_token_id", c->bos_id);

@@ -208,6 +208,56 @@ static td_status_t bind(gguf_ctx_t *c, td_tensor_t *t, const char *name, bool op
     return TD_OK;
 }
 
+/*
+ * A layer's experts from one 3-D tensor `name` (ne {d1, d0, n_experts}: the experts' [d0][d1]
+ * matrices one after another): checks it as bind does and points each expert's view (at
+ * `offset` in td_expert_weights_t) at its slice.
+ */
+static td_status_t bind_experts(gguf_ctx_t *c, td_expert_weights_t *experts, size_t offset, const char *name,
+                                int64_t d0, int64_t d1)
+{
+    const td_model_config_t *cfg = &c->m->config;
+    const td_gguf_tensor_t *x = td_gguf_find_tensor(c->g, name);
+    if (!x)
+        return td_errorf(TD_ERR_FORMAT, "%s: missing tensor %s (the experts of a %s model with %s.expert_count "
+                         "%d)", c->path, name, c->arch, c->arch, cfg->n_experts);
+    int dt = td_dtype_from_ggml(x->type);
+    if (dt < 0 || !x->known) {
+        const td_ggml_type_t *gt = td_ggml_type(x->type);
+        return td_errorf(TD_ERR_UNSUPPORTED, "%s: tensor %s has ggml type %s (%u), which tandem cannot compute "
+                         "with: requantize the model with llama-quantize", c->path, name, gt ? gt->name : "unknown",
+                         x->type);
+    }
+    int64_t want[3] = {d1, d0, cfg->n_experts};
+    if (x->n_dims != 3 || x->ne[0] != want[0] || x->ne[1] != want[1] || x->ne[2] != want[2]) {
+        char got[128], exp[96];
+        fmt_ne(got, sizeof got, x->n_dims, x->ne);
+        fmt_ne(exp, sizeof exp, 3, want);
+        return td_errorf(TD_ERR_FORMAT, "%s: tensor %s has ne [%s] (GGUF order, fastest first), but the %s.* "
+                         "metadata (expert_count, embedding and expert feed-forward lengths) implies [%s]", c->path,
+                         name, got, c->arch, exp);
+    }
+    if (x->ne[0] % (int64_t)td_dtype_block_elems((td_dtype_t)dt) != 0)
+        return td_errorf(TD_ERR_FORMAT, "%s: tensor %s: rows of %lld weights are not a whole number of %s blocks",
+                         c->path, name, (long long)x->ne[0], td_dtype_name((td_dtype_t)dt));
+    c->matrices_bf16_f32 &= dt == TD_BF16 || dt == TD_F32;
+    c->any_bf16 |= dt == TD_BF16;
+    size_t per = td_dtype_bytes((td_dtype_t)dt, (size_t)d0 * (size_t)d1);
+    const char *data = x->data;
+    /* an expert's slice is whole rows, so it is as aligned as the tensor (block sizes are even) */
+    size_t align = dt == TD_F32 ? 4 : 2;
+    if ((uintptr_t)data % align != 0) {
+        void *copy;
+        if (td_model_store_copy(c->m->priv, x->data, x->nbytes, &copy) != TD_OK)
+            return td_errorf(TD_ERR_NOMEM, "%s: out of memory copying misaligned tensor %s", c->path, name);
+        data = copy;
+    }
+    for (int32_t e = 0; e < cfg->n_experts; e++)
+        td_model_set_view((td_tensor_t *)((char *)&experts[e] + offset), data + (size_t)e * per, (td_dtype_t)dt,
+                          d0, d1);
+    return TD_OK;
+}
+
 static td_status_t bind_all(gguf_ctx_t *c)
 {
     td_model_t *m = c->m;
@@ -223,6 +273,14 @@ static td_status_t bind_all(gguf_ctx_t *c)
             char name[96];
             snprintf(name, sizeof name, "blk.%d.%s", l, spec[i].gguf);
             if (spec[i].use && (s = bind(c, spec[i].t, name, false, spec[i].d0, spec[i].d1)) != TD_OK)
+                return s;
+        }
+        td_expert_spec_t es[TD_EXPERT_SPECS];
+        td_model_expert_specs(cfg, es);
+        for (size_t i = 0; cfg->n_experts > 0 && i < TD_EXPERT_SPECS; i++) {
+            char name[96];
+            snprintf(name, sizeof name, "blk.%d.%s", l, es[i].gguf);
+            if ((s = bind_experts(c, m->weights.layers[l].experts, es[i].offset, name, es[i].d0, es[i].d1)) != TD_OK)
                 return s;
         }
     }
@@ -253,6 +311,8 @@ static td_status_t check_extra(gguf_ctx_t *c)
     td_layer_weights_t w;
     td_layer_spec_t spec[TD_LAYER_SPECS];
     td_model_layer_specs(cfg, &w, spec);
+    td_expert_spec_t es[TD_EXPERT_SPECS];
+    td_model_expert_specs(cfg, es);
     for (size_t i = 0; i < td_gguf_tensor_count(c->g); i++) {
         const char *name = td_gguf_tensor_at(c->g, i)->name;
         if (!strcmp(name, "token_embd.weight") || !strcmp(name, "output_norm.weight") ||
@@ -270,6 +330,8 @@ static td_status_t check_extra(gguf_ctx_t *c)
         }
         for (size_t k = 0; suffix && k < TD_LAYER_SPECS; k++)
             known |= spec[k].use && !strcmp(suffix, spec[k].gguf);
+        for (size_t k = 0; suffix && cfg->n_experts > 0 && k < TD_EXPERT_SPECS; k++)
+            known |= !strcmp(suffix, es[k].gguf);
         if (known && l >= cfg->n_layers)
             return td_errorf(TD_ERR_FORMAT, "%s: tensor %s is for block %ld, but %s.block_count is %d", c->path,
                              name, l, c->arch, cfg->n_layers);
@@ -281,6 +343,36 @@ static td_status_t check_extra(gguf_ctx_t *c)
 }
 
 /* ---- the config -------------------------------------------------------------------- */
+
+/* A mixture of experts' keys: {arch}.expert_count, expert_used_count, and for qwen3moe
+ * expert_feed_forward_length (Mixtral's experts are feed_forward_length wide). Both
+ * renormalise the top-k weights in llama.cpp (its qwen3moe graph always does); a file may
+ * say otherwise with {arch}.expert_weights_norm. */
+static td_status_t read_experts(gguf_ctx_t *c)
+{
+    td_model_config_t *cfg = &c->m->config;
+    if (cfg->arch != TD_ARCH_MIXTRAL && cfg->arch != TD_ARCH_QWEN3_MOE)
+        return TD_OK;
+    td_status_t s;
+    if ((s = key_int(c, "expert_count", -1, TD_MAX_EXPERTS, &cfg->n_experts)) != TD_OK ||
+        (s = key_int(c, "expert_used_count", -1, GGUF_MAX_DIM, &cfg->n_experts_used)) != TD_OK ||
+        (s = key_int(c, "expert_feed_forward_length", cfg->arch == TD_ARCH_MIXTRAL ? cfg->hidden_dim : -1,
+                     GGUF_MAX_DIM, &cfg->expert_hidden_dim)) != TD_OK)
+        return s;
+    if (cfg->n_experts_used > cfg->n_experts)
+        return td_errorf(TD_ERR_FORMAT, "%s: %s.expert_used_count %d is more than %s.expert_count %d", c->path,
+                         c->arch, cfg->n_experts_used, c->arch, cfg->n_experts);
+    char key[128];
+    snprintf(key, sizeof key, "%s.expert_weights_norm", c->arch);
+    cfg->moe_norm_topk = true;
+    if (td_gguf_find(c->g, key) && td_gguf_get_bool(c->g, key, &cfg->moe_norm_topk) != TD_OK)
+        return TD_ERR_FORMAT;
+    /* shared experts and other gating functions (DeepSeek, Qwen2-MoE) are other models */
+    snprintf(key, sizeof key, "%s.expert_shared_count", c->arch);
+    if (td_gguf_find(c->g, key))
+        return td_errorf(TD_ERR_UNSUPPORTED, "%s: %s: shared experts are not supported", c->path, key);
+    return TD_OK;
+}
 
 static td_status_t read_config(gguf_ctx_t *c)
 {
@@ -298,12 +390,19 @@ static td_status_t read_config(gguf_ctx_t *c)
         arch = TD_ARCH_QWEN2;
     else if (!strcmp(c->arch, "qwen3") && a.len == 5)
         arch = TD_ARCH_QWEN3;
+    else if (!strcmp(c->arch, "qwen3moe") && a.len == 8)
+        arch = TD_ARCH_QWEN3_MOE;
     else
         return td_errorf(TD_ERR_UNSUPPORTED, "%s: general.architecture \"%.*s\" is not supported (llama, qwen2, "
-                         "qwen3)", c->path, (int)TD_MIN(a.len, (size_t)64), a.data);
+                         "qwen3, qwen3moe)", c->path, (int)TD_MIN(a.len, (size_t)64), a.data);
+    /* Mixtral's GGUFs are "llama" with experts, as llama.cpp's converter writes them */
+    char key[128];
+    snprintf(key, sizeof key, "%s.expert_count", c->arch);
+    if (arch == TD_ARCH_LLAMA && td_gguf_find(c->g, key))
+        arch = TD_ARCH_MIXTRAL;
     td_model_config_set_arch(cfg, arch);
     snprintf(cfg->arch_name, sizeof cfg->arch_name, "gguf %s", c->arch);
-    cfg->rope_style = arch == TD_ARCH_LLAMA ? TD_ROPE_PAIRS : TD_ROPE_HALVES;
+    cfg->rope_style = arch == TD_ARCH_LLAMA || arch == TD_ARCH_MIXTRAL ? TD_ROPE_PAIRS : TD_ROPE_HALVES;
 
     td_status_t s;
     if ((s = key_int(c, "embedding_length", -1, GGUF_MAX_DIM, &cfg->dim)) != TD_OK ||
@@ -335,7 +434,7 @@ static td_status_t read_config(gguf_ctx_t *c)
         return td_errorf(TD_ERR_UNSUPPORTED, "%s: %s.rope.dimension_count %d: partial rotary embeddings (of fewer "
                          "than key_length %d dimensions) are not supported", c->path, c->arch, rope_dim,
                          cfg->head_dim);
-    if ((s = check_rope_scaling(c)) != TD_OK)
+    if ((s = check_rope_scaling(c)) != TD_OK || (s = read_experts(c)) != TD_OK)
         return s;
 
     /* the vocabulary is what the embedding holds; the tokenizer and the key must agree */
@@ -392,7 +491,7 @@ td_status_t td_model_load_gguf(const char *path, td_model_t **m_p)
         s = td_errorf(TD_ERR_NOMEM, "%s: out of memory", path);
         goto err_model;
     }
-    if ((s = bind_all(&c)) != TD_OK || (s = check_extra(&c)) != TD_OK)
+    if ((s = td_model_alloc_experts(m)) != TD_OK || (s = bind_all(&c)) != TD_OK || (s = check_extra(&c)) != TD_OK)
         goto err_model;
     m->config.dtype = !c.matrices_bf16_f32 ? TD_F16 : c.any_bf16 ? TD_BF16 : TD_F32;
     snprintf(m->tokenizer_path, sizeof m->tokenizer_path, "%s", path); /* fits: m->path holds it */
