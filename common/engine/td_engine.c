@@ -307,7 +307,13 @@ static td_status_t upload_weights(td_engine_t *eng)
 #undef UP
         if (c->n_experts == 0)
             continue;
-        if ((st = upload_tensor(eng, &lw->router, true, &ld->router)) != TD_OK)
+        /* the router stays as stored under --quant, as llama.cpp's quantize keeps
+           ffn_gate_inp: its logits choose the experts, a near-tie flips on rounding */
+        int32_t quant = eng->cfg.weight_quant;
+        eng->cfg.weight_quant = -1;
+        st = upload_tensor(eng, &lw->router, true, &ld->router);
+        eng->cfg.weight_quant = quant;
+        if (st != TD_OK)
             return st;
         ld->exp = calloc((size_t)c->n_experts * 3, sizeof *ld->exp);
         if (!ld->exp)
@@ -422,6 +428,9 @@ static td_status_t alloc_state(td_engine_t *eng)
     size_t E = moe ? (size_t)c->n_experts : 1, TK = T * (moe ? (size_t)c->n_experts_used : 1);
     size_t ffn = moe ? (size_t)c->expert_hidden_dim : (size_t)c->hidden_dim;
     size_t moe_rows = moe ? TK : 1;
+    if (TK > INT32_MAX)
+        return td_errorf(TD_ERR_INVALID, "engine: max_batch_tokens %zu x %d experts per token is more rows than a "
+                         "step can hold (2^31): lower max_batch_tokens", T, c->n_experts_used);
     /* every size is rows x width x element, each checked: the widths come from a model's
      * config.json, whose numbers may be anything up to INT32_MAX */
     struct {

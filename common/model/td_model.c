@@ -74,8 +74,8 @@ void td_model_destroy(td_model_t *m)
 {
     if (!m)
         return;
-    for (int32_t l = 0; m->weights.layers && l < m->config.n_layers; l++)
-        free(m->weights.layers[l].experts);
+    if (m->weights.layers && m->config.n_layers > 0)
+        free(m->weights.layers[0].experts); /* every layer's experts: one allocation */
     free(m->weights.layers);
     store_free(m->priv);
     free(m);
@@ -475,11 +475,19 @@ void td_model_expert_specs(const td_model_config_t *c, td_expert_spec_t out[TD_E
 td_status_t td_model_alloc_experts(td_model_t *m)
 {
     const td_model_config_t *c = &m->config;
-    for (int32_t l = 0; c->n_experts > 0 && l < c->n_layers; l++) {
-        m->weights.layers[l].experts = calloc((size_t)c->n_experts, sizeof(td_expert_weights_t));
-        if (!m->weights.layers[l].experts)
-            return td_errorf(TD_ERR_NOMEM, "%s: out of memory for %d experts", m->path, c->n_experts);
-    }
+    if (c->n_experts == 0)
+        return TD_OK;
+    /* one zeroed allocation for all layers: a hostile file's layer count costs address
+       space (untouched pages), not a loop of allocations, before its first missing tensor */
+    size_t n;
+    td_expert_weights_t *all = NULL;
+    if (td_mul_size((size_t)c->n_layers, (size_t)c->n_experts, &n))
+        all = calloc(n, sizeof *all);
+    if (!all)
+        return td_errorf(TD_ERR_NOMEM, "%s: out of memory for %d layers of %d experts", m->path, c->n_layers,
+                         c->n_experts);
+    for (int32_t l = 0; l < c->n_layers; l++)
+        m->weights.layers[l].experts = all + (size_t)l * (size_t)c->n_experts;
     return TD_OK;
 }
 

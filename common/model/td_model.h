@@ -93,7 +93,8 @@ typedef struct td_layer_weights {
     td_tensor_t w_down;     /* (dim, hidden_dim)  llama2.c w2 */
     /* mixture of experts (config n_experts > 0) instead of w_gate/w_up/w_down */
     td_tensor_t router;     /* (n_experts, dim) logits of the experts for a token */
-    struct td_expert_weights *experts; /* [n_experts], owned by the model; NULL when dense */
+    struct td_expert_weights *experts; /* [n_experts], owned by the model (all layers' are one
+                                          allocation); NULL when dense */
 } td_layer_weights_t;
 
 /* One expert's SwiGLU FFN (Mixtral w1/w3/w2, Qwen3-MoE gate/up/down_proj; a GGUF file's

@@ -69,8 +69,9 @@ typedef struct td_expert_spec {
 
 void td_model_expert_specs(const td_model_config_t *c, td_expert_spec_t out[TD_EXPERT_SPECS]);
 
-/* Allocates every layer's experts array (config n_experts > 0; nothing for a dense model).
- * m->weights.layers must exist. Errors: TD_ERR_NOMEM, logged naming m->path. */
+/* Allocates every layer's experts array (config n_experts > 0; nothing for a dense model):
+ * slices of one allocation, layers[0].experts, that td_model_destroy frees. m->weights.layers
+ * must exist. Errors: TD_ERR_NOMEM, logged naming m->path. */
 td_status_t td_model_alloc_experts(td_model_t *m);
 
 /* Whether `suffix` (a tensor name after model.layers.N.) is one of the experts' Hugging Face

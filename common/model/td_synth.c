@@ -50,6 +50,7 @@ typedef struct synth_tensor {
     size_t nbytes;
     int shard;
     int32_t expert;          /* an expert's matrix: its number; -1 otherwise */
+    bool f32;                /* GGUF: stored f32 whatever the matrices' type (the router) */
     const char *gguf_experts; /* GGUF: the 3-D tensor of all experts it is a slice of */
 } synth_tensor_t;
 
@@ -270,6 +271,7 @@ static void add_tensor(synth_tensor_t *t, size_t *n, td_dtype_t dt, const char *
     x->nbytes = (size_t)d0 * (size_t)(d1 > 0 ? d1 : 1) * td_dtype_size(dt);
     x->expert = -1;
     x->gguf_experts = NULL;
+    x->f32 = false;
 }
 
 /* Tensors a model of config c has: 3 + per layer 14, or 15 + 3 per expert. */
@@ -317,6 +319,7 @@ static size_t list_tensors(const td_model_config_t *c, td_dtype_t dt, synth_tens
         }
         ADD(c->arch == TD_ARCH_MIXTRAL ? "block_sparse_moe.gate.weight" : "mlp.gate.weight", K_MATRIX,
             c->n_experts, D);
+        t[n - 1].f32 = true; /* llama.cpp's converter keeps ffn_gate_inp F32 */
         td_expert_spec_t es[TD_EXPERT_SPECS];
         td_model_expert_specs(c, es);
         for (size_t i = 0; i < TD_EXPERT_SPECS; i++) {
@@ -784,7 +787,8 @@ td_status_t td_model_synth_gguf(const td_synth_params_t *p, const char *out_path
         char name[96];
         int64_t ne[3] = {t[i].n_dims == 2 ? t[i].shape[1] : t[i].shape[0], t[i].shape[0], c.n_experts};
         int n_dims = t[i].n_dims;
-        td_dtype_t tdt = t[i].kind == K_MATRIX ? dt : TD_F32; /* vectors stay f32, as llama.cpp keeps them */
+        /* vectors stay f32, as llama.cpp keeps them */
+        td_dtype_t tdt = t[i].kind == K_MATRIX && !t[i].f32 ? dt : TD_F32;
         if (t[i].expert > 0)
             continue; /* inside the 3-D tensor expert 0 opens; its values follow in order */
         if (t[i].expert == 0) {
@@ -806,7 +810,7 @@ td_status_t td_model_synth_gguf(const td_synth_params_t *p, const char *out_path
     if ((s = td_gguf_writer_begin(w)) != TD_OK)
         goto out;
     for (size_t i = 0; i < n; i++) {
-        td_dtype_t tdt = t[i].kind == K_MATRIX ? dt : TD_F32;
+        td_dtype_t tdt = t[i].kind == K_MATRIX && !t[i].f32 ? dt : TD_F32;
         if ((s = gguf_values(w, &t[i], p->seed, tdt, &c, vals, conv)) != TD_OK)
             goto out;
         if (i == 0 && with_freqs) {
