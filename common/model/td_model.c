@@ -472,17 +472,18 @@ void td_model_expert_specs(const td_model_config_t *c, td_expert_spec_t out[TD_E
     memcpy(out, spec, sizeof spec);
 }
 
-td_status_t td_model_alloc_experts(td_model_t *m)
+td_status_t td_model_alloc_experts(td_model_t *m, const char *origin, size_t n_tensors, size_t per_layer)
 {
     const td_model_config_t *c = &m->config;
     if (c->n_experts == 0)
         return TD_OK;
-    /* one zeroed allocation for all layers: a hostile file's layer count costs address
-       space (untouched pages), not a loop of allocations, before its first missing tensor */
-    size_t n;
-    td_expert_weights_t *all = NULL;
-    if (td_mul_size((size_t)c->n_layers, (size_t)c->n_experts, &n))
-        all = calloc(n, sizeof *all);
+    size_t want;
+    if (!td_mul_size((size_t)c->n_layers, per_layer, &want) || want > n_tensors)
+        return td_errorf(TD_ERR_FORMAT, "%s: %d layers of %d experts need %zu tensors a layer, and the file%s %zu in "
+                         "all: the config does not describe these weights", origin, c->n_layers, c->n_experts,
+                         per_layer, m->path[0] && td_is_dir(m->path) ? "s hold" : " holds", n_tensors);
+    size_t n = (size_t)c->n_layers * (size_t)c->n_experts; /* <= want: no overflow */
+    td_expert_weights_t *all = calloc(n, sizeof *all);
     if (!all)
         return td_errorf(TD_ERR_NOMEM, "%s: out of memory for %d layers of %d experts", m->path, c->n_layers,
                          c->n_experts);
@@ -692,7 +693,12 @@ static td_status_t load_hf(const char *path, const char *dir, td_model_t **m_p)
         s = td_errorf(TD_ERR_NOMEM, "%s: out of memory", dir);
         goto err_index;
     }
-    if ((s = td_model_alloc_experts(m)) != TD_OK || (s = bind_all(&h)) != TD_OK || (s = check_extra(&h)) != TD_OK)
+    size_t n_tensors = 0;
+    for (size_t i = 0; i < h.st->n_shards; i++)
+        n_tensors += td_safetensors_count(h.st->shards[i]);
+    /* per layer: every expert's three matrices */
+    if ((s = td_model_alloc_experts(m, dir, n_tensors, 3 * (size_t)m->config.n_experts)) != TD_OK ||
+        (s = bind_all(&h)) != TD_OK || (s = check_extra(&h)) != TD_OK)
         goto err_index;
     cJSON_Delete(index_root);
     m->config.dtype = h.dtype;

@@ -491,7 +491,9 @@ td_status_t td_model_load_gguf(const char *path, td_model_t **m_p)
         s = td_errorf(TD_ERR_NOMEM, "%s: out of memory", path);
         goto err_model;
     }
-    if ((s = td_model_alloc_experts(m)) != TD_OK || (s = bind_all(&c)) != TD_OK || (s = check_extra(&c)) != TD_OK)
+    /* per layer: the three 3-D tensors of the experts */
+    if ((s = td_model_alloc_experts(m, path, td_gguf_tensor_count(c.g), 3)) != TD_OK ||
+        (s = bind_all(&c)) != TD_OK || (s = check_extra(&c)) != TD_OK)
         goto err_model;
     m->config.dtype = !c.matrices_bf16_f32 ? TD_F16 : c.any_bf16 ? TD_BF16 : TD_F32;
     snprintf(m->tokenizer_path, sizeof m->tokenizer_path, "%s", path); /* fits: m->path holds it */

@@ -71,8 +71,11 @@ void td_model_expert_specs(const td_model_config_t *c, td_expert_spec_t out[TD_E
 
 /* Allocates every layer's experts array (config n_experts > 0; nothing for a dense model):
  * slices of one allocation, layers[0].experts, that td_model_destroy frees. m->weights.layers
- * must exist. Errors: TD_ERR_NOMEM, logged naming m->path. */
-td_status_t td_model_alloc_experts(td_model_t *m);
+ * must exist. `n_tensors` is how many tensors the file(s) hold and `per_layer` how many of
+ * them a layer's experts take: a config that implies more is refused first, so a hostile
+ * layer or expert count allocates nothing. Errors: TD_ERR_FORMAT (naming `origin`),
+ * TD_ERR_NOMEM, logged. */
+td_status_t td_model_alloc_experts(td_model_t *m, const char *origin, size_t n_tensors, size_t per_layer);
 
 /* Whether `suffix` (a tensor name after model.layers.N.) is one of the experts' Hugging Face
  * tensors of config c, expert number below n_experts. */
