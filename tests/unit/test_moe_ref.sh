@@ -121,6 +121,21 @@ PY
 expect_rc 1 "no top-k" "$bin" generate --model "$m" --prompt-ids "256" --max-tokens 1
 says 'missing field "num_experts_per_tok"' "no top-k"
 
+cp "$dir/config.orig" "$m/config.json"
+# an expert's tensor renamed in the safetensors header (same length): missing, by name
+"$py" - "$m/model.safetensors" <<'PY'
+import sys
+p = sys.argv[1]
+b = bytearray(open(p, "rb").read())
+o = b"layers.2.block_sparse_moe.experts.3.w2.weight"
+i = b.find(o)
+assert i > 0
+b[i:i + len(o)] = o.replace(b".w2.", b".w9.")
+open(p, "wb").write(b)
+PY
+expect_rc 1 "missing expert tensor" "$bin" generate --model "$m" --prompt-ids "256" --max-tokens 1
+says "missing tensor model.layers.2.block_sparse_moe.experts.3.w2.weight" "missing expert tensor"
+
 # GGUF: metadata and tensor names patched in place (same lengths)
 g=$dir/bad.gguf
 expect_rc 0 "synth tiny-mixtral gguf" "$bin" model synth --config tiny-mixtral --dtype f32 --format gguf --out "$g"
