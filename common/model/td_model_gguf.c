@@ -157,11 +157,15 @@ static void fmt_ne(char *out, size_t cap, int n, const int64_t *ne)
 }
 
 /*
- * Finds tensor `name`, checks its type and its shape {d0} or {d0, d1} (td order; GGUF's ne
- * is {d1, d0}) and points t at it. An absent optional tensor leaves t zeroed.
+ * Finds tensor `name` and checks it: a type tandem computes with, n_dims `nd` with ne
+ * `want` (GGUF order, fastest first), rows of whole blocks, vectors in a float type. Its
+ * bytes (an aligned copy when the file's are not) into *data_p, its dtype into *dt_p. An
+ * absent optional tensor leaves *data_p NULL.
  */
-static td_status_t bind(gguf_ctx_t *c, td_tensor_t *t, const char *name, bool optional, int64_t d0, int64_t d1)
+static td_status_t find_tensor(gguf_ctx_t *c, const char *name, bool optional, int nd, const int64_t *want,
+                               const void **data_p, td_dtype_t *dt_p)
 {
+    *data_p = NULL;
     const td_gguf_tensor_t *x = td_gguf_find_tensor(c->g, name);
     if (!x) {
         if (optional)
@@ -175,10 +179,11 @@ static td_status_t bind(gguf_ctx_t *c, td_tensor_t *t, const char *name, bool op
                          "with (it reads F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K): requantize "
                          "the model with llama-quantize", c->path, name, gt ? gt->name : "unknown", x->type);
     }
-    int nd = d1 > 0 ? 2 : 1;
-    int64_t want[2] = {nd == 2 ? d1 : d0, d0};
-    if (x->n_dims != nd || x->ne[0] != want[0] || (nd == 2 && x->ne[1] != want[1])) {
-        char got[128], exp[64];
+    bool same = x->n_dims == nd;
+    for (int i = 0; same && i < nd; i++)
+        same = x->ne[i] == want[i];
+    if (!same) {
+        char got[128], exp[96];
         fmt_ne(got, sizeof got, x->n_dims, x->ne);
         fmt_ne(exp, sizeof exp, nd, want);
         return td_errorf(TD_ERR_FORMAT, "%s: tensor %s has ne [%s] (GGUF order, fastest first), but the %s.* "
@@ -190,7 +195,7 @@ static td_status_t bind(gguf_ctx_t *c, td_tensor_t *t, const char *name, bool op
     if (nd == 1 && !td_dtype_is_float(dt))
         return td_errorf(TD_ERR_UNSUPPORTED, "%s: tensor %s is a vector stored as %s; vectors must be F32, F16 or "
                          "BF16", c->path, name, td_dtype_name((td_dtype_t)dt));
-    if (nd == 2) {
+    if (nd >= 2) {
         c->matrices_bf16_f32 &= dt == TD_BF16 || dt == TD_F32;
         c->any_bf16 |= dt == TD_BF16;
     }
@@ -204,56 +209,41 @@ static td_status_t bind(gguf_ctx_t *c, td_tensor_t *t, const char *name, bool op
             return td_errorf(TD_ERR_NOMEM, "%s: out of memory copying misaligned tensor %s", c->path, name);
         data = copy;
     }
-    td_model_set_view(t, data, (td_dtype_t)dt, d0, nd == 2 ? d1 : 0);
+    *data_p = data;
+    *dt_p = (td_dtype_t)dt;
     return TD_OK;
 }
 
-/*
- * A layer's experts from one 3-D tensor `name` (ne {d1, d0, n_experts}: the experts' [d0][d1]
- * matrices one after another): checks it as bind does and points each expert's view (at
- * `offset` in td_expert_weights_t) at its slice.
- */
+/* Points t at tensor `name` of shape {d0} or {d0, d1} (td order; GGUF's ne is {d1, d0}). An
+ * absent optional tensor leaves t zeroed. */
+static td_status_t bind(gguf_ctx_t *c, td_tensor_t *t, const char *name, bool optional, int64_t d0, int64_t d1)
+{
+    int nd = d1 > 0 ? 2 : 1;
+    int64_t want[2] = {nd == 2 ? d1 : d0, d0};
+    const void *data;
+    td_dtype_t dt;
+    td_status_t s = find_tensor(c, name, optional, nd, want, &data, &dt);
+    if (s == TD_OK && data)
+        td_model_set_view(t, data, dt, d0, nd == 2 ? d1 : 0);
+    return s;
+}
+
+/* A layer's experts from one 3-D tensor `name` (ne {d1, d0, n_experts}: the experts' [d0][d1]
+ * matrices one after another): each expert's view (at `offset` in td_expert_weights_t) is
+ * its slice, whole rows, so as aligned as the tensor (block sizes are even). */
 static td_status_t bind_experts(gguf_ctx_t *c, td_expert_weights_t *experts, size_t offset, const char *name,
                                 int64_t d0, int64_t d1)
 {
-    const td_model_config_t *cfg = &c->m->config;
-    const td_gguf_tensor_t *x = td_gguf_find_tensor(c->g, name);
-    if (!x)
-        return td_errorf(TD_ERR_FORMAT, "%s: missing tensor %s (the experts of a %s model with %s.expert_count "
-                         "%d)", c->path, name, c->arch, c->arch, cfg->n_experts);
-    int dt = td_dtype_from_ggml(x->type);
-    if (dt < 0 || !x->known) {
-        const td_ggml_type_t *gt = td_ggml_type(x->type);
-        return td_errorf(TD_ERR_UNSUPPORTED, "%s: tensor %s has ggml type %s (%u), which tandem cannot compute "
-                         "with: requantize the model with llama-quantize", c->path, name, gt ? gt->name : "unknown",
-                         x->type);
-    }
-    int64_t want[3] = {d1, d0, cfg->n_experts};
-    if (x->n_dims != 3 || x->ne[0] != want[0] || x->ne[1] != want[1] || x->ne[2] != want[2]) {
-        char got[128], exp[96];
-        fmt_ne(got, sizeof got, x->n_dims, x->ne);
-        fmt_ne(exp, sizeof exp, 3, want);
-        return td_errorf(TD_ERR_FORMAT, "%s: tensor %s has ne [%s] (GGUF order, fastest first), but the %s.* "
-                         "metadata (expert_count, embedding and expert feed-forward lengths) implies [%s]", c->path,
-                         name, got, c->arch, exp);
-    }
-    if (x->ne[0] % (int64_t)td_dtype_block_elems((td_dtype_t)dt) != 0)
-        return td_errorf(TD_ERR_FORMAT, "%s: tensor %s: rows of %lld weights are not a whole number of %s blocks",
-                         c->path, name, (long long)x->ne[0], td_dtype_name((td_dtype_t)dt));
-    c->matrices_bf16_f32 &= dt == TD_BF16 || dt == TD_F32;
-    c->any_bf16 |= dt == TD_BF16;
-    size_t per = td_dtype_bytes((td_dtype_t)dt, (size_t)d0 * (size_t)d1);
-    const char *data = x->data;
-    /* an expert's slice is whole rows, so it is as aligned as the tensor (block sizes are even) */
-    size_t align = dt == TD_F32 ? 4 : 2;
-    if ((uintptr_t)data % align != 0) {
-        void *copy;
-        if (td_model_store_copy(c->m->priv, x->data, x->nbytes, &copy) != TD_OK)
-            return td_errorf(TD_ERR_NOMEM, "%s: out of memory copying misaligned tensor %s", c->path, name);
-        data = copy;
-    }
-    for (int32_t e = 0; e < cfg->n_experts; e++)
-        td_model_set_view((td_tensor_t *)((char *)&experts[e] + offset), data + (size_t)e * per, (td_dtype_t)dt,
+    int32_t n = c->m->config.n_experts;
+    const int64_t want[3] = {d1, d0, n};
+    const void *data;
+    td_dtype_t dt;
+    td_status_t s = find_tensor(c, name, false, 3, want, &data, &dt);
+    if (s != TD_OK)
+        return s;
+    size_t per = td_dtype_bytes(dt, (size_t)d0 * (size_t)d1);
+    for (int32_t e = 0; e < n; e++)
+        td_model_set_view((td_tensor_t *)((char *)&experts[e] + offset), (const char *)data + (size_t)e * per, dt,
                           d0, d1);
     return TD_OK;
 }
