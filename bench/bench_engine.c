@@ -14,7 +14,9 @@
  *     alternated (A/B), on a prompt that repeats itself (--spec-prompt-ids, else a random
  *     unit of 24 ids four times): tokens/s both ways, the speed-up, the acceptance
  * The model is --model PATH, or a synthetic one of a preset shape (default llama-3.2-1b,
- * f32) written once to a cache folder.
+ * f32; --layers N keeps the shape of a layer and N of them) written once to a cache folder.
+ * A mixture of experts streams only its active weights per decoded token (the experts the
+ * router picks): the bandwidth bound of batch-1 decode is taken over those bytes.
  */
 #include <cblas.h>
 #include <inttypes.h>
@@ -41,6 +43,7 @@ void openblas_set_num_threads(int num_threads);
 typedef struct bench_opts {
     const char *model;
     const char *preset;
+    int layers;              /* --layers: the preset with this many layers; 0: as it is */
     td_dtype_t dtype;
     int quant;               /* --quant: a block td_dtype_t, or -1 */
     bool vs_llamacpp;
@@ -385,8 +388,10 @@ out:
 static double forward_flops(const td_model_config_t *c, double T, double prefix)
 {
     double qd = (double)c->n_heads * c->head_dim, kvd = (double)c->n_kv_heads * c->head_dim;
-    double per_layer = 2 * T * c->dim * (qd + 2 * kvd) + 2 * T * qd * c->dim +
-                       2 * T * c->dim * c->hidden_dim * 3.0;
+    /* a mixture: the router, and k experts per token */
+    double ffn = c->n_experts > 0 ? (double)c->expert_hidden_dim * c->n_experts_used : (double)c->hidden_dim;
+    double per_layer = 2 * T * c->dim * (qd + 2 * kvd) + 2 * T * qd * c->dim + 2 * T * c->dim * ffn * 3.0 +
+                       2 * T * c->dim * (double)c->n_experts;
     double attn = 2.0 * 2.0 * qd * (T * prefix + T * (T + 1) / 2);
     return c->n_layers * (per_layer + attn) + 2.0 * c->dim * c->vocab_size;
 }
@@ -490,7 +495,10 @@ static td_status_t ensure_model(const bench_opts_t *o, char *dir, size_t cap)
         snprintf(home_cache, sizeof home_cache, "%s/.cache/tandem", home ? home : "/tmp");
         base = home_cache;
     }
-    snprintf(dir, cap, "%s/bench-%s-%s", base, o->preset, td_dtype_name(o->dtype));
+    char layers[24] = "";
+    if (o->layers > 0)
+        snprintf(layers, sizeof layers, "-L%d", o->layers);
+    snprintf(dir, cap, "%s/bench-%s%s-%s", base, o->preset, layers, td_dtype_name(o->dtype));
     /* td_model_synth writes config.json last: with it the model is whole */
     char cfg[4096 + 16];
     snprintf(cfg, sizeof cfg, "%s/config.json", dir);
@@ -500,6 +508,8 @@ static td_status_t ensure_model(const bench_opts_t *o, char *dir, size_t cap)
     td_status_t st = td_model_preset(o->preset, &sp.config);
     if (st != TD_OK)
         return td_errorf(st, "bench: unknown preset '%s'", o->preset);
+    if (o->layers > 0)
+        sp.config.n_layers = o->layers;
     fprintf(stderr, "bench: writing a synthetic %s model to %s (once)\n", o->preset, dir);
     return td_model_synth(&sp, dir, NULL);
 }
@@ -568,12 +578,15 @@ int bench_engine(int argc, char **argv)
                       .prompt_tokens = 512, .gen_tokens = 16, .llama_bench = getenv("LLAMA_BENCH")};
     o.spec = td_spec_config_default();
     int64_t threads = 0, prompt_tokens = o.prompt_tokens, gen_tokens = o.gen_tokens, draft_tokens = o.spec.k_max,
-            spec_reps = 5;
+            spec_reps = 5, layers = 0;
     const td_opt_t opts[] = {
         {.name = "model", .type = TD_OPT_STR, .ptr = &o.model, .arg = "PATH", .help = "a model to load instead of a preset"},
         {.name = "preset", .type = TD_OPT_STR, .ptr = &o.preset, .arg = "NAME",
          .help = "synthetic model shape (default llama-3.2-1b), written once under\n"
                  "$TANDEM_CACHE or ~/.cache/tandem"},
+        {.name = "layers", .type = TD_OPT_I64, .ptr = &layers, .min = 1, .max = 1024, .arg = "N",
+         .help = "the preset's layer shape, N layers (a real shape that fits in memory;\n"
+                 "per-layer figures scale)"},
         {.name = "dtype", .type = TD_OPT_FN, .ptr = &o.dtype, .parse = cli_opt_dtype, .arg = "T",
          .help = "f32|bf16|f16: dtype of the synthetic weights (default f32); on cuda also of the\n"
                  "activations and the KV cache"},
@@ -610,7 +623,7 @@ int bench_engine(int argc, char **argv)
     if (td_opts_parse(&spec, argc, argv, &r) != TD_OK)
         return 2;
     if (r.help) {
-        printf("usage: tandem bench engine [--model PATH | --preset NAME] [--dtype f32|bf16|f16]\n"
+        printf("usage: tandem bench engine [--model PATH | --preset NAME [--layers N]] [--dtype f32|bf16|f16]\n"
                "                           [--quant q8_0|q4_0] [--device cpu|cuda[:N]] [--threads N]\n"
                "                           [--prompt-tokens N] [--gen-tokens N] [--json]\n"
                "                           [--vs-llamacpp [--llama-bench PATH]]\n"
@@ -620,6 +633,11 @@ int bench_engine(int argc, char **argv)
         return 0;
     }
     o.threads = (int)threads;
+    o.layers = (int)layers;
+    if (o.layers && o.model) {
+        fprintf(stderr, "tandem bench engine: --layers shapes a --preset model, not --model\n");
+        return 2;
+    }
     o.prompt_tokens = (int)prompt_tokens;
     o.gen_tokens = (int)gen_tokens;
     o.spec.k_max = (int32_t)draft_tokens;
@@ -674,11 +692,13 @@ int bench_engine(int argc, char **argv)
         goto out;
     }
 
-    /* ceilings: bandwidth and GEMM FLOP/s on the device the engine runs on */
+    /* ceilings: bandwidth and GEMM FLOP/s on the device the engine runs on (the GEMM of an
+       FFN matrix: a mixture's expert width) */
     double bw = 0, sgemm = 0;
+    int32_t ffn_dim = c->n_experts > 0 ? c->expert_hidden_dim : c->hidden_dim;
     if (o.device.cuda) {
         if (bench_copy_bandwidth(be, (size_t)1 << 30, 10, &bw) != TD_OK ||
-            bench_matmul_flops(be, o.prompt_tokens, c->hidden_dim, c->dim, o.dtype, 10, &sgemm) != TD_OK)
+            bench_matmul_flops(be, o.prompt_tokens, ffn_dim, c->dim, o.dtype, 10, &sgemm) != TD_OK)
             goto out;
     } else {
         if (td_pool_create(o.threads, &pool) != TD_OK)
@@ -686,7 +706,7 @@ int bench_engine(int argc, char **argv)
         bw = measure_read_bw(pool, o.threads, td_engine_weight_bytes(eng));
         td_pool_destroy(pool);
         pool = NULL;
-        sgemm = measure_sgemm(o.threads, o.prompt_tokens, c->hidden_dim, c->dim);
+        sgemm = measure_sgemm(o.threads, o.prompt_tokens, ffn_dim, c->dim);
     }
     const char *bw_name = o.device.cuda ? "device copy bandwidth" : "read bandwidth";
     const char *gemm_name = o.device.cuda ? "cuBLAS gemm" : "OpenBLAS sgemm";
@@ -706,7 +726,9 @@ int bench_engine(int argc, char **argv)
         goto out;
     double decode_tps = o.gen_tokens / dec_s;
     size_t kv_tok = 2 * (size_t)c->n_layers * c->n_kv_heads * c->head_dim * td_dtype_size(ec.kv_dtype);
-    double bytes_per_token = (double)td_engine_weight_bytes(eng) + kv_tok * (64 + o.gen_tokens / 2.0);
+    /* a mixture reads the router's k experts of each layer per token, not all of them */
+    double active = (double)td_engine_active_weight_bytes(eng);
+    double bytes_per_token = active + kv_tok * (64 + o.gen_tokens / 2.0);
 
     double batch_tps[4];
     for (int b = 0; b < 4; b++) {
@@ -734,6 +756,9 @@ int bench_engine(int argc, char **argv)
         cJSON_AddStringToObject(j, "device", be->ops->name);
         cJSON_AddNumberToObject(j, "threads", o.threads);
         cJSON_AddNumberToObject(j, "weight_bytes", (double)td_engine_weight_bytes(eng));
+        cJSON_AddNumberToObject(j, "active_weight_bytes", active);
+        cJSON_AddNumberToObject(j, "experts", c->n_experts);
+        cJSON_AddNumberToObject(j, "experts_per_token", c->n_experts_used);
         bench_json_number(j, "read_bw_gbytes_per_s", bw * 1e-9, 3);
         bench_json_number(j, "sgemm_gflops", sgemm * 1e-9, 2);
         bench_json_number(j, "decode_b1_tokens_per_s", decode_tps, 3);
@@ -763,8 +788,11 @@ int bench_engine(int argc, char **argv)
     } else {
         printf("model          %s (%s, %.2f GB of weights streamed per step, %s)\n", dir,
                c->arch_name, (double)td_engine_weight_bytes(eng) * 1e-9, be->ops->name);
+        if (c->n_experts > 0)
+            printf("experts        %d of %d per token: %.3f GB of active weights per token (of %.3f GB)\n",
+                   c->n_experts_used, c->n_experts, active * 1e-9, (double)td_engine_weight_bytes(eng) * 1e-9);
         printf("ceilings       %s %.2f GB/s, %s %.1f GFLOP/s (%dx%dx%d)\n", bw_name, bw * 1e-9,
-               gemm_name, sgemm * 1e-9, o.prompt_tokens, c->hidden_dim, c->dim);
+               gemm_name, sgemm * 1e-9, o.prompt_tokens, ffn_dim, c->dim);
         printf("decode b=1     %.2f tokens/s x %.1f MB/token = %.2f GB/s = %.2f of %s\n", decode_tps,
                bytes_per_token * 1e-6, decode_tps * bytes_per_token * 1e-9, decode_ratio,
                probe_bound ? bw_name : "llama.cpp's read rate");

@@ -65,7 +65,8 @@ static int cmd_synth(int argc, char **argv)
         {.name = "config", .type = TD_OPT_STR, .ptr = &config, .arg = "NAME",
          .help = "a preset (default tiny) or a config.json to copy the shape from"},
         {.name = "arch", .type = TD_OPT_STR, .ptr = &arch, .arg = "ARCH",
-         .help = "llama|mistral|qwen2|qwen3 (default: the config's)"},
+         .help = "llama|mistral|qwen2|qwen3|mixtral|qwen3_moe (default: the config's;\n"
+                 "mixtral and qwen3_moe need a shape with experts: tiny-mixtral, ...)"},
         {.name = "sliding-window", .type = TD_OPT_I64, .ptr = &window, .min = 0, .max = 1 << 24, .arg = "W",
          .help = "every layer attends to its last W positions (a Mistral-style sliding\n"
                  "window; 0: none; default: the config's)"},
@@ -123,7 +124,7 @@ static int cmd_synth(int argc, char **argv)
     if (arch) {
         int a = td_model_arch_parse(arch);
         if (a < 0) {
-            fprintf(stderr, "tandem model synth: --arch must be llama, mistral, qwen2 or qwen3\n");
+            fprintf(stderr, "tandem model synth: --arch must be llama, mistral, qwen2, qwen3, mixtral or qwen3_moe\n");
             return 2;
         }
         td_model_config_set_arch(&p.config, (td_arch_t)a);
@@ -178,6 +179,10 @@ static void print_config(const td_model_config_t *c)
     } else {
         printf("sliding window  none\n");
     }
+    if (c->n_experts > 0)
+        printf("experts         %d, %d per token, hidden_dim %d, top-k weights %s\n", c->n_experts,
+               c->n_experts_used, c->expert_hidden_dim,
+               c->moe_norm_topk ? "renormalised (softmax over the top k)" : "as in the softmax over all");
     printf("bos             %d\n", c->bos_id);
     printf("eos            ");
     for (int i = 0; i < c->n_eos; i++)
@@ -187,6 +192,10 @@ static void print_config(const td_model_config_t *c)
     printf("dtype           %s\n", td_dtype_name(c->dtype));
     printf("parameters      %" PRIu64 " (%.2fB), %.1f MB as %s\n", params, (double)params / 1e9,
            (double)params * (double)td_dtype_size(c->dtype) / 1e6, td_dtype_name(c->dtype));
+    if (c->n_experts > 0) {
+        uint64_t active = td_model_active_param_count(c);
+        printf("active params   %" PRIu64 " (%.2fB) per token\n", active, (double)active / 1e9);
+    }
     printf("fingerprint     %016" PRIx64 "\n", td_model_fingerprint(c));
     printf("kv bytes/token  %" PRIu64 " (f16/bf16), %" PRIu64 " (f32)\n", td_model_kv_bytes_per_token(c, TD_BF16),
            td_model_kv_bytes_per_token(c, TD_F32));

@@ -173,6 +173,14 @@ typedef struct td_backend_ops {
     /* dst[i] = src[rows[i]] for n rows of `dim` act_dtype elements (rows: host array) */
     td_status_t (*gather_rows)(td_backend_t *be, void *dst, const void *src, const int32_t *rows,
                                int32_t n, int32_t dim);
+    /* The experts' outputs of a mixture summed into the residual stream: for each of n rows,
+       x[t] += sum over r = 0..k-1, in that order, of weights[t * k + r] * y[slots[t * k + r]]
+       (the sum in f32, then added to x). x [n][dim], y [rows >= max slot + 1][dim], both
+       act_dtype; slots and weights are host arrays of n * k. A row's sum is a fixed sequence
+       of operations on its own values, so it does not depend on how the engine grouped the
+       rows of a step by expert (the engine's batch invariance). */
+    td_status_t (*moe_combine)(td_backend_t *be, void *x, const void *y, const int32_t *slots,
+                               const float *weights, int32_t n, int32_t k, int32_t dim);
     /* copies whole blocks (all layers, K and V) src[i] -> dst[i] in a pool (copy-on-write) */
     td_status_t (*copy_blocks)(td_backend_t *be, void *pool, const td_kv_layout_t *layout,
                                int32_t n_blocks, const int32_t *src, const int32_t *dst, int32_t n);

@@ -13,6 +13,11 @@
  *     x   += att . Wo                                       (residual fused in the GEMM)
  *     xb   = rmsnorm(x) * ffn_norm
  *     x   += (silu(xb . Wgate) * (xb . Wup)) . Wdown
+ *          or, a mixture of experts: the router picks k experts e_r of a row with weights g_r
+ *          (td_engine_moe_route), and for each row
+ *     x   += sum over r = 0..k-1 of g_r * (silu(xb . Wgate_e_r) * (xb . Wup_e_r)) . Wdown_e_r
+ *          computed as one matmul per expert over the rows routed to it (grouped), summed
+ *          back per row in the order of r (forward_moe)
  *   logits = rmsnorm(x[rows asked]) * final_norm . Wlm      f32 to the host
  *
  * T is the step's rows: every sequence's new tokens, one sequence after another.
@@ -38,6 +43,8 @@ typedef struct td_dev_tensor {
 typedef struct td_layer_dev {
     td_dev_tensor_t attn_norm, wq, wk, wv, bq, bk, bv, q_norm, k_norm, wo;
     td_dev_tensor_t ffn_norm, w_gate, w_up, w_down;
+    td_dev_tensor_t router;  /* mixture of experts: (n_experts, dim) */
+    td_dev_tensor_t *exp;    /* [n_experts][3]: expert e's gate, up, down at 3e..3e+2; NULL: dense */
 } td_layer_dev_t;
 
 /* Per-step scratch on the backend, sized by the config's bounds. */
@@ -48,8 +55,11 @@ typedef struct td_engine_state {
     void *k;        /* [max_tokens][n_kv_heads * head_dim] */
     void *v;        /* [max_tokens][n_kv_heads * head_dim] */
     void *att;      /* [max_tokens][n_heads * head_dim] attention output */
-    void *gate;     /* [max_tokens][hidden_dim] */
-    void *up;       /* [max_tokens][hidden_dim] */
+    void *gate;     /* [max_tokens][hidden_dim]; a mixture: [max_tokens * k][expert_hidden_dim] */
+    void *up;       /* as gate */
+    float *router;  /* mixture of experts: [max_tokens][n_experts] f32 router logits */
+    void *moe_in;   /* [max_tokens * k][dim] xb's rows grouped by expert */
+    void *moe_out;  /* [max_tokens * k][dim] each grouped row's expert output */
     void *rows;     /* [max_logit_rows][dim] hidden rows whose logits are wanted */
     void *logits;   /* [max_logit_rows][vocab] f32 */
     float *inv_freq; /* [head_dim / 2] rope frequencies (backend memory) */
@@ -67,6 +77,13 @@ typedef struct td_engine_meta {
     int32_t max_blocks;
     int32_t max_meta_seqs; /* max_seqs + max_logit_rows: a verify item's rows are each a
                               sequence of their own to the backend (build_meta) */
+    /* mixture of experts, host: the routing of a step's rows (k = n_experts_used) */
+    float *route_logits;   /* [max_tokens][n_experts] */
+    int32_t *route_ids;    /* [max_tokens][k] expert of each row's rank r */
+    float *route_w;        /* [max_tokens][k] its weight */
+    int32_t *group_rows;   /* [max_tokens * k] the row of each grouped row (by expert, rows in order) */
+    int32_t *slot_rows;    /* [max_tokens][k] the grouped row of (row, rank) */
+    int32_t *expert_start; /* [n_experts + 1] first grouped row of each expert */
 } td_engine_meta_t;
 
 struct td_engine {
@@ -82,6 +99,7 @@ struct td_engine {
     td_engine_state_t s;
     td_engine_meta_t m;
     size_t weight_bytes;
+    size_t expert_bytes;    /* of weight_bytes, the experts' (all of them) */
     uint32_t said_dequant;  /* bit t: the log said block type t is dequantized at load */
     bool said_unquantized;  /* the log said some matrices cannot take --quant */
     int32_t kv_window;      /* td_model_kv_window: 0 when some layer reads the whole context */
@@ -291,6 +309,28 @@ static td_status_t upload_weights(td_engine_t *eng)
         return st;
         TD_LAYER_TENSORS(UP)
 #undef UP
+        if (c->n_experts == 0)
+            continue;
+        /* the router stays as stored under --quant, as llama.cpp's quantize keeps
+           ffn_gate_inp: its logits choose the experts, a near-tie flips on rounding */
+        int32_t quant = eng->cfg.weight_quant;
+        eng->cfg.weight_quant = -1;
+        st = upload_tensor(eng, &lw->router, true, &ld->router);
+        eng->cfg.weight_quant = quant;
+        if (st != TD_OK)
+            return st;
+        ld->exp = calloc((size_t)c->n_experts * 3, sizeof *ld->exp);
+        if (!ld->exp)
+            return td_errorf(TD_ERR_NOMEM, "engine: out of memory for %d experts", c->n_experts);
+        size_t before = eng->weight_bytes;
+        for (int32_t e = 0; e < c->n_experts; e++) {
+            const td_expert_weights_t *ew = &lw->experts[e];
+            if ((st = upload_tensor(eng, &ew->w_gate, true, &ld->exp[3 * e])) != TD_OK ||
+                (st = upload_tensor(eng, &ew->w_up, true, &ld->exp[3 * e + 1])) != TD_OK ||
+                (st = upload_tensor(eng, &ew->w_down, true, &ld->exp[3 * e + 2])) != TD_OK)
+                return st;
+        }
+        eng->expert_bytes += eng->weight_bytes - before;
     }
     return TD_OK;
 }
@@ -307,6 +347,10 @@ static void free_weights(td_engine_t *eng)
 #define FR(name) free_tensor(eng, &ld->name);
         TD_LAYER_TENSORS(FR)
 #undef FR
+        free_tensor(eng, &ld->router);
+        for (int32_t i = 0; ld->exp && i < 3 * eng->model->config.n_experts; i++)
+            free_tensor(eng, &ld->exp[i]);
+        free(ld->exp);
     }
     free(eng->layers);
     eng->layers = NULL;
@@ -383,6 +427,14 @@ static td_status_t alloc_state(td_engine_t *eng)
     size_t T = (size_t)eng->cfg.max_batch_tokens;
     size_t R = (size_t)eng->cfg.max_logit_rows;
     size_t qd = (size_t)c->n_heads * c->head_dim, kvd = (size_t)c->n_kv_heads * c->head_dim;
+    /* a mixture's FFN runs on each row k times (once per expert it is routed to) */
+    bool moe = c->n_experts > 0;
+    size_t E = moe ? (size_t)c->n_experts : 1, TK = T * (moe ? (size_t)c->n_experts_used : 1);
+    size_t ffn = moe ? (size_t)c->expert_hidden_dim : (size_t)c->hidden_dim;
+    size_t moe_rows = moe ? TK : 1;
+    if (TK > INT32_MAX)
+        return td_errorf(TD_ERR_INVALID, "engine: max_batch_tokens %zu x %d experts per token is more rows than a "
+                         "step can hold (2^31): lower max_batch_tokens", T, c->n_experts_used);
     /* every size is rows x width x element, each checked: the widths come from a model's
      * config.json, whose numbers may be anything up to INT32_MAX */
     struct {
@@ -396,8 +448,13 @@ static td_status_t alloc_state(td_engine_t *eng)
         {&eng->s.k, "keys (max_batch_tokens x kv heads x head_dim)", T, kvd, act},
         {&eng->s.v, "values (max_batch_tokens x kv heads x head_dim)", T, kvd, act},
         {&eng->s.att, "attention output (max_batch_tokens x heads x head_dim)", T, qd, act},
-        {&eng->s.gate, "mlp gate (max_batch_tokens x intermediate_size)", T, (size_t)c->hidden_dim, act},
-        {&eng->s.up, "mlp up (max_batch_tokens x intermediate_size)", T, (size_t)c->hidden_dim, act},
+        {&eng->s.gate, "mlp gate (max_batch_tokens [x experts per token] x intermediate_size)", TK, ffn, act},
+        {&eng->s.up, "mlp up (max_batch_tokens [x experts per token] x intermediate_size)", TK, ffn, act},
+        {(void **)&eng->s.router, "router logits (max_batch_tokens x experts)", moe ? T : 1, E, sizeof(float)},
+        {&eng->s.moe_in, "expert inputs (max_batch_tokens x experts per token x hidden_size)", moe_rows,
+         (size_t)c->dim, act},
+        {&eng->s.moe_out, "expert outputs (max_batch_tokens x experts per token x hidden_size)", moe_rows,
+         (size_t)c->dim, act},
         {&eng->s.rows, "logit rows (max_logit_rows x hidden_size)", R, (size_t)c->dim, act},
         {&eng->s.logits, "logits (max_logit_rows x vocab_size)", R, (size_t)c->vocab_size, sizeof(float)},
         {(void **)&eng->s.inv_freq, "rope frequencies (head_dim / 2)", 1, (size_t)c->head_dim / 2, sizeof(float)},
@@ -445,13 +502,25 @@ static td_status_t alloc_state(td_engine_t *eng)
     if (!eng->m.tokens || !eng->m.positions || !eng->m.slots || !eng->m.seq_start ||
         !eng->m.seq_len || !eng->m.block_tables || !eng->m.logit_rows)
         return td_errorf(TD_ERR_NOMEM, "engine: out of memory for step metadata");
+    if (moe) {
+        eng->m.route_logits = malloc(T * E * sizeof(float)); /* T * E: checked above (router) */
+        eng->m.route_ids = malloc(TK * sizeof(int32_t));
+        eng->m.route_w = malloc(TK * sizeof(float));
+        eng->m.group_rows = malloc(TK * sizeof(int32_t));
+        eng->m.slot_rows = malloc(TK * sizeof(int32_t));
+        eng->m.expert_start = malloc((E + 1) * sizeof(int32_t));
+        if (!eng->m.route_logits || !eng->m.route_ids || !eng->m.route_w || !eng->m.group_rows ||
+            !eng->m.slot_rows || !eng->m.expert_start)
+            return td_errorf(TD_ERR_NOMEM, "engine: out of memory for the routing of %zu rows", T);
+    }
     return TD_OK;
 }
 
 static void free_state(td_engine_t *eng)
 {
-    void *bufs[] = {eng->s.x,  eng->s.xb,   eng->s.q,    eng->s.k,      eng->s.v,       eng->s.att,
-                    eng->s.gate, eng->s.up, eng->s.rows, eng->s.logits, eng->s.inv_freq};
+    void *bufs[] = {eng->s.x,    eng->s.xb,     eng->s.q,        eng->s.k,      eng->s.v,
+                    eng->s.att,  eng->s.gate,   eng->s.up,       eng->s.rows,   eng->s.logits,
+                    eng->s.inv_freq, eng->s.router, eng->s.moe_in, eng->s.moe_out};
     for (size_t i = 0; i < TD_ARRAY_LEN(bufs); i++)
         if (bufs[i])
             eng->be->ops->free(eng->be, bufs[i]);
@@ -462,6 +531,12 @@ static void free_state(td_engine_t *eng)
     free(eng->m.seq_len);
     free(eng->m.block_tables);
     free(eng->m.logit_rows);
+    free(eng->m.route_logits);
+    free(eng->m.route_ids);
+    free(eng->m.route_w);
+    free(eng->m.group_rows);
+    free(eng->m.slot_rows);
+    free(eng->m.expert_start);
 }
 
 td_status_t td_engine_create(const td_model_t *model, td_backend_t *be,
@@ -721,6 +796,109 @@ static td_status_t mm(td_backend_t *be, int32_t m, const td_dev_tensor_t *w, int
     return be->ops->matmul(be, &p);
 }
 
+void td_engine_moe_route(const float *logits, int32_t n_experts, int32_t k, bool norm_topk, int32_t *ids,
+                         float *weights)
+{
+    /* one pass, keeping the best k so far in order: expert e goes in before the first kept
+       one whose logit it strictly exceeds, so among equal logits the lower id stays first */
+    int32_t n = 0;
+    for (int32_t e = 0; e < n_experts; e++) {
+        int32_t at = n;
+        while (at > 0 && logits[e] > logits[ids[at - 1]])
+            at--;
+        if (at >= k)
+            continue;
+        for (int32_t q = TD_MIN(n, k - 1); q > at; q--)
+            ids[q] = ids[q - 1];
+        ids[at] = e;
+        n = TD_MIN(n + 1, k);
+    }
+    /* softmax in double: exp of (logit - the top one), over the k picked or over all */
+    double top = logits[ids[0]], sum = 0.0;
+    if (norm_topk)
+        for (int32_t r = 0; r < k; r++)
+            sum += exp((double)logits[ids[r]] - top);
+    else
+        for (int32_t e = 0; e < n_experts; e++)
+            sum += exp((double)logits[e] - top);
+    for (int32_t r = 0; r < k; r++)
+        weights[r] = (float)(exp((double)logits[ids[r]] - top) / sum);
+}
+
+/*
+ * The FFN of a mixture of experts over the step's T rows of xb, added to x. The router's
+ * logits come to the host, which routes each row (td_engine_moe_route) and groups the rows
+ * by expert (a counting sort: expert by expert, rows in step order); one gather makes the
+ * grouped input, each expert's three matmuls run on its group alone (the backend's own
+ * matmul on a slice: m = the rows routed to it), one swiglu covers every group, and
+ * moe_combine sums each row's k outputs into x in rank order. A row's result depends only
+ * on its own values: the matmul is batch-invariant (docs/kernels.md) and the sum's order is
+ * the row's ranks, whatever else the step routed where.
+ */
+static td_status_t forward_moe(td_engine_t *eng, const td_layer_dev_t *w, int32_t T)
+{
+    const td_model_config_t *c = &eng->model->config;
+    td_backend_t *be = eng->be;
+    td_engine_state_t *s = &eng->s;
+    td_engine_meta_t *m = &eng->m;
+    int32_t E = c->n_experts, K = c->n_experts_used, D = c->dim, F = c->expert_hidden_dim;
+    size_t act = td_dtype_size(be->act_dtype);
+    td_status_t st;
+    td_matmul_params_t rp = {
+        .m = T, .n = E, .k = D, .x = s->xb, .w = w->router.data, .w_dtype = w->router.dtype,
+        .w_packed = w->router.packed, .y = s->router, .y_f32 = true,
+    };
+    if ((st = be->ops->matmul(be, &rp)) != TD_OK ||
+        (st = be->ops->copy_d2h(be, m->route_logits, s->router, (size_t)T * E * sizeof(float))) != TD_OK)
+        return st;
+
+    int32_t *start = m->expert_start;
+    memset(start, 0, ((size_t)E + 1) * sizeof *start);
+    for (int32_t t = 0; t < T; t++) {
+        td_engine_moe_route(m->route_logits + (size_t)t * E, E, K, c->moe_norm_topk, m->route_ids + (size_t)t * K,
+                            m->route_w + (size_t)t * K);
+        for (int32_t r = 0; r < K; r++)
+            start[m->route_ids[(size_t)t * K + r] + 1]++;
+    }
+    for (int32_t e = 0; e < E; e++)
+        start[e + 1] += start[e];
+    /* fill: start[e] walks through expert e's group, then is restored */
+    for (int32_t t = 0; t < T; t++)
+        for (int32_t r = 0; r < K; r++) {
+            int32_t g = start[m->route_ids[(size_t)t * K + r]]++;
+            m->group_rows[g] = t;
+            m->slot_rows[(size_t)t * K + r] = g;
+        }
+    for (int32_t e = E; e > 0; e--)
+        start[e] = start[e - 1];
+    start[0] = 0;
+
+    if ((st = be->ops->gather_rows(be, s->moe_in, s->xb, m->group_rows, T * K, D)) != TD_OK)
+        return st;
+    for (int32_t e = 0; e < E; e++) {
+        int32_t n = start[e + 1] - start[e];
+        if (n == 0)
+            continue;
+        const void *x = (const char *)s->moe_in + (size_t)start[e] * D * act;
+        void *g = (char *)s->gate + (size_t)start[e] * F * act, *u = (char *)s->up + (size_t)start[e] * F * act;
+        if ((st = mm(be, n, &w->exp[3 * e], F, D, x, NULL, g, false)) != TD_OK ||
+            (st = mm(be, n, &w->exp[3 * e + 1], F, D, x, NULL, u, false)) != TD_OK)
+            return st;
+    }
+    if ((st = be->ops->swiglu(be, s->gate, s->gate, s->up, T * K, F)) != TD_OK)
+        return st;
+    for (int32_t e = 0; e < E; e++) {
+        int32_t n = start[e + 1] - start[e];
+        if (n == 0)
+            continue;
+        const void *g = (const char *)s->gate + (size_t)start[e] * F * act;
+        void *y = (char *)s->moe_out + (size_t)start[e] * D * act;
+        if ((st = mm(be, n, &w->exp[3 * e + 2], D, F, g, NULL, y, false)) != TD_OK)
+            return st;
+    }
+    return be->ops->moe_combine(be, s->x, s->moe_out, m->slot_rows, m->route_w, T, K, D);
+}
+
 static td_status_t forward_layer(td_engine_t *eng, int32_t l, int32_t T, bool decode)
 {
     const td_model_config_t *c = &eng->model->config;
@@ -765,6 +943,8 @@ static td_status_t forward_layer(td_engine_t *eng, int32_t l, int32_t T, bool de
     /* feed-forward sub-layer */
     TRY(ops->rmsnorm(be, s->xb, s->x, NULL, w->ffn_norm.data, w->ffn_norm.dtype, T, c->dim,
                      c->norm_eps));
+    if (w->exp)
+        return forward_moe(eng, w, T);
     TRY(mm(be, T, &w->w_gate, c->hidden_dim, c->dim, s->xb, NULL, s->gate, false));
     TRY(mm(be, T, &w->w_up, c->hidden_dim, c->dim, s->xb, NULL, s->up, false));
     TRY(ops->swiglu(be, s->gate, s->gate, s->up, T, c->hidden_dim));
@@ -877,6 +1057,16 @@ void td_engine_set_layer_hook(td_engine_t *eng, td_engine_layer_cb cb, void *arg
 size_t td_engine_weight_bytes(const td_engine_t *eng)
 {
     return eng->weight_bytes;
+}
+
+size_t td_engine_active_weight_bytes(const td_engine_t *eng)
+{
+    const td_model_config_t *c = &eng->model->config;
+    if (c->n_experts == 0)
+        return eng->weight_bytes;
+    /* every expert of a layer has the same shape (and, in every file we load, the same type) */
+    size_t idle = (size_t)((double)eng->expert_bytes * (c->n_experts - c->n_experts_used) / c->n_experts);
+    return eng->weight_bytes - idle;
 }
 
 void td_engine_kv_layout_for(const td_model_t *model, const td_engine_config_t *cfg,

@@ -162,6 +162,21 @@ void td_engine_set_layer_hook(td_engine_t *eng, td_engine_layer_cb cb, void *arg
  * bandwidth ratios in benchmarks. */
 size_t td_engine_weight_bytes(const td_engine_t *eng);
 
+/* Bytes of weights one token's forward pass reads: td_engine_weight_bytes less, in a
+ * mixture of experts, the experts the router does not pick for it (n_experts -
+ * n_experts_used of each layer's); equal to td_engine_weight_bytes for a dense model. What
+ * batch-1 decode streams per token, for its bandwidth bound. */
+size_t td_engine_active_weight_bytes(const td_engine_t *eng);
+
+/*
+ * The router of a mixture of experts for one token: the k experts of the highest logits
+ * (ties: the lower expert id first), in descending order of logit, into ids[0..k), and
+ * their weights: softmax over those k logits when norm_topk, else their probabilities in
+ * the softmax over all n_experts. Pure; any thread.
+ */
+void td_engine_moe_route(const float *logits, int32_t n_experts, int32_t k, bool norm_topk, int32_t *ids,
+                         float *weights);
+
 /* The KV layout an engine created with (model, cfg) has, before creating it (to size and
  * register a caller-provided pool). Pure; cfg need not be validated. */
 void td_engine_kv_layout_for(const td_model_t *model, const td_engine_config_t *cfg,

@@ -74,6 +74,8 @@ void td_model_destroy(td_model_t *m)
 {
     if (!m)
         return;
+    if (m->weights.layers && m->config.n_layers > 0)
+        free(m->weights.layers[0].experts); /* every layer's experts: one allocation */
     free(m->weights.layers);
     store_free(m->priv);
     free(m);
@@ -431,7 +433,8 @@ static td_status_t bind(hf_ctx_t *h, td_tensor_t *t, const char *name, bool opti
 
 void td_model_layer_specs(const td_model_config_t *c, td_layer_weights_t *w, td_layer_spec_t out[TD_LAYER_SPECS])
 {
-    int64_t D = c->dim, F = c->hidden_dim, hd = c->head_dim;
+    int64_t D = c->dim, F = c->hidden_dim, hd = c->head_dim, E = c->n_experts;
+    bool dense = c->n_experts == 0;
     int64_t q = (int64_t)c->n_heads * hd, kv = (int64_t)c->n_kv_heads * hd;
     const td_layer_spec_t spec[TD_LAYER_SPECS] = {
         {&w->attn_norm, "input_layernorm.weight", "attn_norm.weight", true, D, 0},
@@ -445,11 +448,74 @@ void td_model_layer_specs(const td_model_config_t *c, td_layer_weights_t *w, td_
         {&w->k_norm, "self_attn.k_norm.weight", "attn_k_norm.weight", c->qk_norm, hd, 0},
         {&w->wo, "self_attn.o_proj.weight", "attn_output.weight", true, D, q},
         {&w->ffn_norm, "post_attention_layernorm.weight", "ffn_norm.weight", true, D, 0},
-        {&w->w_gate, "mlp.gate_proj.weight", "ffn_gate.weight", true, F, D},
-        {&w->w_up, "mlp.up_proj.weight", "ffn_up.weight", true, F, D},
-        {&w->w_down, "mlp.down_proj.weight", "ffn_down.weight", true, D, F},
+        {&w->w_gate, "mlp.gate_proj.weight", "ffn_gate.weight", dense, F, D},
+        {&w->w_up, "mlp.up_proj.weight", "ffn_up.weight", dense, F, D},
+        {&w->w_down, "mlp.down_proj.weight", "ffn_down.weight", dense, D, F},
+        {&w->router, c->arch == TD_ARCH_MIXTRAL ? "block_sparse_moe.gate.weight" : "mlp.gate.weight",
+         "ffn_gate_inp.weight", !dense, E, D},
     };
     memcpy(out, spec, sizeof spec);
+}
+
+void td_model_expert_specs(const td_model_config_t *c, td_expert_spec_t out[TD_EXPERT_SPECS])
+{
+    int64_t D = c->dim, F = c->expert_hidden_dim;
+    bool mixtral = c->arch == TD_ARCH_MIXTRAL;
+    const td_expert_spec_t spec[TD_EXPERT_SPECS] = {
+        {mixtral ? "block_sparse_moe.experts.%d.w1.weight" : "mlp.experts.%d.gate_proj.weight",
+         "ffn_gate_exps.weight", F, D, offsetof(td_expert_weights_t, w_gate)},
+        {mixtral ? "block_sparse_moe.experts.%d.w3.weight" : "mlp.experts.%d.up_proj.weight",
+         "ffn_up_exps.weight", F, D, offsetof(td_expert_weights_t, w_up)},
+        {mixtral ? "block_sparse_moe.experts.%d.w2.weight" : "mlp.experts.%d.down_proj.weight",
+         "ffn_down_exps.weight", D, F, offsetof(td_expert_weights_t, w_down)},
+    };
+    memcpy(out, spec, sizeof spec);
+}
+
+td_status_t td_model_alloc_experts(td_model_t *m, const char *origin, size_t n_tensors, size_t per_layer)
+{
+    const td_model_config_t *c = &m->config;
+    if (c->n_experts == 0)
+        return TD_OK;
+    size_t want;
+    if (!td_mul_size((size_t)c->n_layers, per_layer, &want) || want > n_tensors)
+        return td_errorf(TD_ERR_FORMAT, "%s: %d layers of %d experts need %zu tensors a layer, and the file%s %zu in "
+                         "all: the config does not describe these weights", origin, c->n_layers, c->n_experts,
+                         per_layer, m->path[0] && td_is_dir(m->path) ? "s hold" : " holds", n_tensors);
+    size_t n = (size_t)c->n_layers * (size_t)c->n_experts; /* <= want: no overflow */
+    td_expert_weights_t *all = calloc(n, sizeof *all);
+    if (!all)
+        return td_errorf(TD_ERR_NOMEM, "%s: out of memory for %d layers of %d experts", m->path, c->n_layers,
+                         c->n_experts);
+    for (int32_t l = 0; l < c->n_layers; l++)
+        m->weights.layers[l].experts = all + (size_t)l * (size_t)c->n_experts;
+    return TD_OK;
+}
+
+bool td_model_is_expert_name(const td_model_config_t *c, const char *suffix)
+{
+    if (c->n_experts == 0)
+        return false;
+    td_expert_spec_t spec[TD_EXPERT_SPECS];
+    td_model_expert_specs(c, spec);
+    for (size_t i = 0; i < TD_EXPERT_SPECS; i++) {
+        /* the name printed back from the number read must be the whole suffix: "07" or
+           " 7" would not be the tensor bound as expert 7 */
+        const char *pct = strstr(spec[i].hf, "%d");
+        size_t pre = (size_t)(pct - spec[i].hf);
+        if (strncmp(suffix, spec[i].hf, pre) != 0 || suffix[pre] < '0' || suffix[pre] > '9')
+            continue;
+        char *end;
+        errno = 0;
+        long e = strtol(suffix + pre, &end, 10);
+        if (errno || e >= c->n_experts || end - (suffix + pre) > 7)
+            continue;
+        char name[128];
+        snprintf(name, sizeof name, spec[i].hf, (int)e);
+        if (!strcmp(name, suffix))
+            return true;
+    }
+    return false;
 }
 
 static td_status_t bind_all(hf_ctx_t *h)
@@ -470,6 +536,18 @@ static td_status_t bind_all(hf_ctx_t *h)
             snprintf(name, sizeof name, "model.layers.%d.%s", l, spec[i].hf);
             if ((s = bind(h, spec[i].t, name, false, spec[i].d0, spec[i].d1)) != TD_OK)
                 return s;
+        }
+        td_expert_spec_t es[TD_EXPERT_SPECS];
+        td_model_expert_specs(c, es);
+        for (int32_t e = 0; e < c->n_experts; e++) {
+            for (size_t i = 0; i < TD_EXPERT_SPECS; i++) {
+                char suffix[96], name[128];
+                snprintf(suffix, sizeof suffix, es[i].hf, (int)e);
+                snprintf(name, sizeof name, "model.layers.%d.%s", l, suffix);
+                td_tensor_t *t = (td_tensor_t *)((char *)&m->weights.layers[l].experts[e] + es[i].offset);
+                if ((s = bind(h, t, name, false, es[i].d0, es[i].d1)) != TD_OK)
+                    return s;
+            }
         }
     }
     if ((s = bind(h, &m->weights.final_norm, "model.norm.weight", false, D, 0)) != TD_OK)
@@ -516,7 +594,7 @@ static tensor_role_t tensor_role(const td_model_config_t *c, const char *name, l
     for (size_t i = 0; i < TD_LAYER_SPECS; i++)
         if (spec[i].use && !strcmp(suffix, spec[i].hf))
             return TENSOR_USED;
-    return TENSOR_UNKNOWN;
+    return td_model_is_expert_name(c, suffix) ? TENSOR_USED : TENSOR_UNKNOWN;
 }
 
 /*
@@ -615,7 +693,12 @@ static td_status_t load_hf(const char *path, const char *dir, td_model_t **m_p)
         s = td_errorf(TD_ERR_NOMEM, "%s: out of memory", dir);
         goto err_index;
     }
-    if ((s = bind_all(&h)) != TD_OK || (s = check_extra(&h)) != TD_OK)
+    size_t n_tensors = 0;
+    for (size_t i = 0; i < h.st->n_shards; i++)
+        n_tensors += td_safetensors_count(h.st->shards[i]);
+    /* per layer: every expert's three matrices */
+    if ((s = td_model_alloc_experts(m, dir, n_tensors, 3 * (size_t)m->config.n_experts)) != TD_OK ||
+        (s = bind_all(&h)) != TD_OK || (s = check_extra(&h)) != TD_OK)
         goto err_index;
     cJSON_Delete(index_root);
     m->config.dtype = h.dtype;

@@ -21,9 +21,12 @@ typedef enum td_arch {
     TD_ARCH_MISTRAL = 1, /* MistralForCausalLM */
     TD_ARCH_QWEN2 = 2,   /* Qwen2ForCausalLM: q/k/v biases */
     TD_ARCH_QWEN3 = 3,   /* Qwen3ForCausalLM: q/k RMS norms */
+    TD_ARCH_MIXTRAL = 4, /* MixtralForCausalLM: Mistral with a mixture-of-experts FFN */
+    TD_ARCH_QWEN3_MOE = 5, /* Qwen3MoeForCausalLM: Qwen3 with a mixture-of-experts FFN */
 } td_arch_t;
 
 #define TD_MAX_EOS 8
+#define TD_MAX_EXPERTS 1024 /* beyond any published mixture (DeepSeek-V3: 256) */
 
 /* Most layers a per-layer sliding-window pattern can describe (td_model_config_t.swa_layers);
  * the deepest published models have 126. */
@@ -51,6 +54,15 @@ typedef struct td_model_config {
     bool tie_embeddings;    /* lm_head shares the embedding table */
     bool qkv_bias;          /* Qwen2 */
     bool qk_norm;           /* Qwen3 */
+    /* Mixture of experts (n_experts > 0): every layer's FFN is n_experts SwiGLU experts of
+     * expert_hidden_dim, of which a router picks n_experts_used per token. The router's
+     * logits select the top n_experts_used (ties: the lower expert id); their weights are
+     * softmax over those logits when moe_norm_topk (Mixtral always; Qwen3-MoE's
+     * norm_topk_prob), else each one's share of the softmax over all experts. */
+    int32_t n_experts;         /* num_local_experts / num_experts; 0: a dense FFN */
+    int32_t n_experts_used;    /* num_experts_per_tok (top-k), 1..n_experts */
+    int32_t expert_hidden_dim; /* Mixtral intermediate_size; Qwen3-MoE moe_intermediate_size */
+    bool moe_norm_topk;
     uint64_t rope_freqs_hash; /* td_fnv1a64 of the rope_freqs tensor's bytes (GGUF); 0: none */
     td_dtype_t dtype;       /* dtype the weights are stored in; for a GGUF file the float
                                type to dequantize its block types to where a backend has no
@@ -90,7 +102,19 @@ typedef struct td_layer_weights {
     td_tensor_t w_gate;     /* (hidden_dim, dim)  llama2.c w1 */
     td_tensor_t w_up;       /* (hidden_dim, dim)  llama2.c w3 */
     td_tensor_t w_down;     /* (dim, hidden_dim)  llama2.c w2 */
+    /* mixture of experts (config n_experts > 0) instead of w_gate/w_up/w_down */
+    td_tensor_t router;     /* (n_experts, dim) logits of the experts for a token */
+    struct td_expert_weights *experts; /* [n_experts], owned by the model (all layers' are one
+                                          allocation); NULL when dense */
 } td_layer_weights_t;
+
+/* One expert's SwiGLU FFN (Mixtral w1/w3/w2, Qwen3-MoE gate/up/down_proj; a GGUF file's
+ * 3-D ffn_*_exps tensors hold them one after another, these are views of its slices). */
+typedef struct td_expert_weights {
+    td_tensor_t w_gate;     /* (expert_hidden_dim, dim) */
+    td_tensor_t w_up;       /* (expert_hidden_dim, dim) */
+    td_tensor_t w_down;     /* (dim, expert_hidden_dim) */
+} td_expert_weights_t;
 
 typedef struct td_model_weights {
     td_tensor_t embed;          /* (vocab_size, dim) */
@@ -195,18 +219,22 @@ td_status_t td_model_config_to_json(const td_model_config_t *cfg, td_dtype_t dty
 /* Number of weights (parameters) the config implies; the embedding counted once when tied. */
 uint64_t td_model_param_count(const td_model_config_t *cfg);
 
+/* The weights one token's forward pass reads: td_model_param_count less the experts the
+ * router does not pick (n_experts - n_experts_used per layer); the same for a dense model. */
+uint64_t td_model_active_param_count(const td_model_config_t *cfg);
+
 /* Bytes of K+V per token over all layers for KV elements of `kv_dtype`. */
 uint64_t td_model_kv_bytes_per_token(const td_model_config_t *cfg, td_dtype_t kv_dtype);
 
-/* "llama", "mistral", "qwen2", "qwen3" (the Hugging Face model_type). */
+/* "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe" (the Hugging Face model_type). */
 const char *td_model_arch_name(td_arch_t arch);
 
 /* Parses a model_type ("llama", ...) or an architectures name ("LlamaForCausalLM", ...).
  * Returns -1 for anything else. */
 int td_model_arch_parse(const char *s);
 
-/* Makes cfg an `arch` model: sets arch, arch_name, rope style HALVES, qkv_bias (qwen2)
- * and qk_norm (qwen3). Shapes are left alone. */
+/* Makes cfg an `arch` model: sets arch, arch_name, rope style HALVES, qkv_bias (qwen2),
+ * qk_norm (qwen3, qwen3_moe) and moe_norm_topk (mixtral). Shapes are left alone. */
 void td_model_config_set_arch(td_model_config_t *cfg, td_arch_t arch);
 
 /* Names of the presets td_model_preset() knows, NULL-terminated. */

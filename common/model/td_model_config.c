@@ -33,6 +33,8 @@ static const struct {
     {TD_ARCH_MISTRAL, "mistral", "MistralForCausalLM"},
     {TD_ARCH_QWEN2, "qwen2", "Qwen2ForCausalLM"},
     {TD_ARCH_QWEN3, "qwen3", "Qwen3ForCausalLM"},
+    {TD_ARCH_MIXTRAL, "mixtral", "MixtralForCausalLM"},
+    {TD_ARCH_QWEN3_MOE, "qwen3_moe", "Qwen3MoeForCausalLM"},
 };
 
 const char *td_model_arch_name(td_arch_t arch)
@@ -65,7 +67,13 @@ void td_model_config_set_arch(td_model_config_t *cfg, td_arch_t arch)
     snprintf(cfg->arch_name, sizeof cfg->arch_name, "%s", arch_hf_name(arch));
     cfg->rope_style = TD_ROPE_HALVES;
     cfg->qkv_bias = arch == TD_ARCH_QWEN2;
-    cfg->qk_norm = arch == TD_ARCH_QWEN3;
+    cfg->qk_norm = arch == TD_ARCH_QWEN3 || arch == TD_ARCH_QWEN3_MOE;
+    cfg->moe_norm_topk = arch == TD_ARCH_MIXTRAL;
+}
+
+static bool arch_is_moe(td_arch_t arch)
+{
+    return arch == TD_ARCH_MIXTRAL || arch == TD_ARCH_QWEN3_MOE;
 }
 
 /* ---- parsing ----------------------------------------------------------------------- */
@@ -133,8 +141,8 @@ static td_status_t get_bool(const cJSON *root, const char *origin, const char *k
 }
 
 /*
- * The sliding window (td_model_config_t.sliding_window) by Hugging Face's rules. Mistral:
- * sliding_window (null: none) on every layer. Qwen2/Qwen3: only with use_sliding_window, on
+ * The sliding window (td_model_config_t.sliding_window) by Hugging Face's rules. Mistral and
+ * Mixtral: sliding_window (null: none) on every layer. Qwen2/Qwen3/Qwen3-MoE: only with use_sliding_window, on
  * the layers from max_window_layers (default 28) on. layer_types ("sliding_attention" or
  * "full_attention" per layer), where a config has it, decides each layer's kind instead.
  * Llama has no window. A window that no layer uses is no window (sliding_window 0).
@@ -142,8 +150,8 @@ static td_status_t get_bool(const cJSON *root, const char *origin, const char *k
 static td_status_t parse_sliding_window(const cJSON *root, const char *origin, td_model_config_t *cfg)
 {
     td_status_t s;
-    bool use = cfg->arch == TD_ARCH_MISTRAL;
-    bool qwen = cfg->arch == TD_ARCH_QWEN2 || cfg->arch == TD_ARCH_QWEN3;
+    bool use = cfg->arch == TD_ARCH_MISTRAL || cfg->arch == TD_ARCH_MIXTRAL;
+    bool qwen = cfg->arch == TD_ARCH_QWEN2 || cfg->arch == TD_ARCH_QWEN3 || cfg->arch == TD_ARCH_QWEN3_MOE;
     if (qwen && (s = get_bool(root, origin, "use_sliding_window", false, &use)) != TD_OK)
         return s;
     int64_t window = 0, first = 0;
@@ -271,6 +279,34 @@ static td_status_t parse_rope_scaling(const cJSON *root, const char *origin, td_
     return TD_OK;
 }
 
+/* The experts of a Mixtral (num_local_experts, intermediate_size per expert) or Qwen3-MoE
+ * (num_experts, moe_intermediate_size, norm_topk_prob) config.json. Qwen3-MoE configs that
+ * keep some layers dense (mlp_only_layers, decoder_sparse_step > 1) are refused: no
+ * published checkpoint has them and the engine has one FFN kind per model. */
+static td_status_t parse_moe(const cJSON *root, const char *origin, td_model_config_t *cfg)
+{
+    bool mixtral = cfg->arch == TD_ARCH_MIXTRAL;
+    int64_t e = 0, k = 0, fe = cfg->hidden_dim, step = 1;
+    td_status_t s;
+    if ((s = get_int(root, origin, mixtral ? "num_local_experts" : "num_experts", true, 0, 1, CFG_MAX_DIM, &e)) !=
+            TD_OK ||
+        (s = get_int(root, origin, "num_experts_per_tok", true, 0, 1, CFG_MAX_DIM, &k)) != TD_OK ||
+        (!mixtral &&
+         (s = get_int(root, origin, "moe_intermediate_size", true, 0, 1, CFG_MAX_DIM, &fe)) != TD_OK) ||
+        (!mixtral && (s = get_bool(root, origin, "norm_topk_prob", false, &cfg->moe_norm_topk)) != TD_OK) ||
+        (!mixtral && (s = get_int(root, origin, "decoder_sparse_step", false, 1, 1, CFG_MAX_DIM, &step)) != TD_OK))
+        return s;
+    const cJSON *dense = cJSON_GetObjectItemCaseSensitive(root, "mlp_only_layers");
+    if (step != 1 || (cJSON_IsArray(dense) && cJSON_GetArraySize(dense) > 0))
+        return td_errorf(TD_ERR_UNSUPPORTED, "%s: decoder_sparse_step %lld / mlp_only_layers: dense layers "
+                         "between the expert layers are not supported (every layer must be sparse)", origin,
+                         (long long)step);
+    cfg->n_experts = (int32_t)e;
+    cfg->n_experts_used = (int32_t)k;
+    cfg->expert_hidden_dim = (int32_t)fe;
+    return TD_OK;
+}
+
 td_status_t td_model_config_from_json(const char *json, const char *origin, td_model_config_t *cfg_out)
 {
     td_status_t s = TD_OK;
@@ -307,7 +343,7 @@ td_status_t td_model_config_from_json(const char *json, const char *origin, td_m
     if (arch < 0) {
         s = td_errorf(TD_ERR_UNSUPPORTED,
                       "%s: architecture %.64s is not supported (LlamaForCausalLM, MistralForCausalLM, "
-                      "Qwen2ForCausalLM, Qwen3ForCausalLM are)",
+                      "Qwen2ForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM are)",
                       origin, an);
         goto out;
     }
@@ -376,6 +412,9 @@ td_status_t td_model_config_from_json(const char *json, const char *origin, td_m
     if ((s = parse_sliding_window(root, origin, &cfg)) != TD_OK)
         goto out;
 
+    if (arch_is_moe(cfg.arch) && (s = parse_moe(root, origin, &cfg)) != TD_OK)
+        goto out;
+
     const cJSON *tdt = cJSON_GetObjectItemCaseSensitive(root, "torch_dtype");
     if (!tdt)
         tdt = cJSON_GetObjectItemCaseSensitive(root, "dtype");
@@ -433,6 +472,23 @@ td_status_t td_model_config_validate(const td_model_config_t *c, const char *ori
     if (c->sliding_window > 0 && c->n_layers > TD_SWA_MAX_LAYERS)
         return td_errorf(TD_ERR_UNSUPPORTED, "%s: a sliding window on a model of %d layers (at most %d)", origin,
                          c->n_layers, TD_SWA_MAX_LAYERS);
+    if (arch_is_moe(c->arch) != (c->n_experts > 0))
+        return td_errorf(TD_ERR_FORMAT, "%s: a %s model needs %s (num_local_experts / num_experts / "
+                         "expert_count), got %d", origin, td_model_arch_name(c->arch),
+                         arch_is_moe(c->arch) ? "experts" : "no experts", c->n_experts);
+    if (c->n_experts > 0) {
+        if (c->n_experts > TD_MAX_EXPERTS)
+            return td_errorf(TD_ERR_FORMAT, "%s: num_experts (expert_count) %d is out of range [1, %d]", origin,
+                             c->n_experts, TD_MAX_EXPERTS);
+        if (c->n_experts_used < 1 || c->n_experts_used > c->n_experts)
+            return td_errorf(TD_ERR_FORMAT, "%s: num_experts_per_tok (expert_used_count) %d is out of range "
+                             "[1, %d]: a token cannot use more experts than the %d there are", origin,
+                             c->n_experts_used, c->n_experts, c->n_experts);
+        if (c->expert_hidden_dim < 1 || c->expert_hidden_dim > CFG_MAX_DIM)
+            return td_errorf(TD_ERR_FORMAT, "%s: the experts' intermediate size (moe_intermediate_size / "
+                             "expert_feed_forward_length) %d is out of range [1, %d]", origin,
+                             c->expert_hidden_dim, CFG_MAX_DIM);
+    }
     if (c->bos_id < -1 || c->bos_id >= c->vocab_size)
         return td_errorf(TD_ERR_FORMAT, "%s: bos_token_id %d is outside the vocabulary (%d)", origin, c->bos_id,
                          c->vocab_size);
@@ -452,12 +508,21 @@ uint64_t td_model_param_count(const td_model_config_t *c)
     uint64_t d = (uint64_t)c->dim, f = (uint64_t)c->hidden_dim, hd = (uint64_t)c->head_dim;
     uint64_t q = (uint64_t)c->n_heads * hd, kv = (uint64_t)c->n_kv_heads * hd;
     uint64_t layer = 2 * d + d * q + 2 * d * kv + q * d + 3 * d * f;
+    if (c->n_experts > 0) /* the router, and the experts instead of the dense FFN */
+        layer += (uint64_t)c->n_experts * (d + 3 * d * (uint64_t)c->expert_hidden_dim) - 3 * d * f;
     if (c->qkv_bias)
         layer += q + 2 * kv;
     if (c->qk_norm)
         layer += 2 * hd;
     uint64_t embed = (uint64_t)c->vocab_size * d;
     return embed * (c->tie_embeddings ? 1 : 2) + d + layer * (uint64_t)c->n_layers;
+}
+
+uint64_t td_model_active_param_count(const td_model_config_t *c)
+{
+    uint64_t idle = (uint64_t)(c->n_experts - c->n_experts_used) * 3 * (uint64_t)c->dim *
+                    (uint64_t)c->expert_hidden_dim * (uint64_t)c->n_layers;
+    return td_model_param_count(c) - (c->n_experts > 0 ? idle : 0);
 }
 
 uint64_t td_model_kv_bytes_per_token(const td_model_config_t *c, td_dtype_t kv_dtype)
@@ -515,6 +580,12 @@ uint64_t td_model_fingerprint(const td_model_config_t *c)
     fnv_u32(&f, c->qkv_bias);
     fnv_u32(&f, c->qk_norm);
     /* only when present, so models without them keep the fingerprints they had */
+    if (c->n_experts > 0) {
+        fnv_u32(&f, (uint32_t)c->n_experts);
+        fnv_u32(&f, (uint32_t)c->n_experts_used);
+        fnv_u32(&f, (uint32_t)c->expert_hidden_dim);
+        fnv_u32(&f, c->moe_norm_topk);
+    }
     if (c->rope_freqs_hash) {
         fnv_u32(&f, (uint32_t)c->rope_freqs_hash);
         fnv_u32(&f, (uint32_t)(c->rope_freqs_hash >> 32));
@@ -531,7 +602,7 @@ uint64_t td_model_fingerprint(const td_model_config_t *c)
 
 const char *const td_model_preset_names[] = {
     "tiny", "small", "tinyllama-1.1b", "llama-3.2-1b", "llama-3-8b", "qwen2-7b", "qwen3-0.6b", "tiny-swa",
-    "mistral-7b", NULL,
+    "mistral-7b", "tiny-mixtral", "tiny-qwen3moe", "mixtral-8x7b", "qwen3-30b-a3b", NULL,
 };
 
 typedef struct preset {
@@ -543,26 +614,39 @@ typedef struct preset {
     int32_t bos, eos;
     float r3_factor, r3_low, r3_high; /* llama3 rope scaling when r3_factor > 0 */
     int32_t r3_orig;
+    int32_t experts, experts_used, expert_hidden; /* a mixture of experts when experts > 0 */
+    bool norm_topk;
 } preset_t;
 
 /* Values from each model's published config.json (base models). */
 static const preset_t presets[] = {
     /* name            arch           dim   ffn    L   H   KV  hd   vocab   maxpos  eps    theta     tie */
-    {"tiny", TD_ARCH_LLAMA, 64, 176, 4, 8, 4, 8, 512, 2048, 1e-5f, 10000.0f, false, 256, 257, 0, 0, 0, 0},
-    {"small", TD_ARCH_LLAMA, 768, 2048, 12, 12, 4, 64, 32000, 2048, 1e-5f, 10000.0f, true, 1, 2, 0, 0, 0, 0},
+    {"tiny", TD_ARCH_LLAMA, 64, 176, 4, 8, 4, 8, 512, 2048, 1e-5f, 10000.0f, false, 256, 257, 0, 0, 0, 0, 0, 0, 0, false},
+    {"small", TD_ARCH_LLAMA, 768, 2048, 12, 12, 4, 64, 32000, 2048, 1e-5f, 10000.0f, true, 1, 2, 0, 0, 0, 0, 0, 0, 0, false},
     {"tinyllama-1.1b", TD_ARCH_LLAMA, 2048, 5632, 22, 32, 4, 64, 32000, 2048, 1e-5f, 10000.0f, false, 1, 2, 0, 0,
-     0, 0},
+     0, 0, 0, 0, 0, false},
     {"llama-3.2-1b", TD_ARCH_LLAMA, 2048, 8192, 16, 32, 8, 64, 128256, 131072, 1e-5f, 500000.0f, true, 128000,
-     128001, 32.0f, 1.0f, 4.0f, 8192},
+     128001, 32.0f, 1.0f, 4.0f, 8192, 0, 0, 0, false},
     {"llama-3-8b", TD_ARCH_LLAMA, 4096, 14336, 32, 32, 8, 128, 128256, 8192, 1e-5f, 500000.0f, false, 128000,
-     128001, 0, 0, 0, 0},
+     128001, 0, 0, 0, 0, 0, 0, 0, false},
     {"qwen2-7b", TD_ARCH_QWEN2, 3584, 18944, 28, 28, 4, 128, 152064, 131072, 1e-6f, 1000000.0f, false, 151643,
-     151643, 0, 0, 0, 0},
+     151643, 0, 0, 0, 0, 0, 0, 0, false},
     {"qwen3-0.6b", TD_ARCH_QWEN3, 1024, 3072, 28, 16, 8, 128, 151936, 40960, 1e-6f, 1000000.0f, true, 151643,
-     151645, 0, 0, 0, 0},
-    {"tiny-swa", TD_ARCH_MISTRAL, 64, 176, 4, 8, 4, 8, 512, 2048, 1e-5f, 10000.0f, false, 256, 257, 0, 0, 0, 0},
+     151645, 0, 0, 0, 0, 0, 0, 0, false},
+    /* mixtures of experts: two tiny ones for tests (rows whole q8_0/q4_0 blocks), and the
+       layouts of Mixtral-8x7B and Qwen3-30B-A3B (experts, top-k, expert FFN width) */
+    {"tiny-mixtral", TD_ARCH_MIXTRAL, 64, 96, 3, 8, 4, 8, 512, 2048, 1e-5f, 1000000.0f, false, 256, 257, 0, 0, 0,
+     0, 4, 2, 96, true},
+    {"tiny-qwen3moe", TD_ARCH_QWEN3_MOE, 64, 192, 3, 4, 2, 16, 512, 2048, 1e-6f, 1000000.0f, false, 256, 257, 0, 0,
+     0, 0, 8, 3, 32, true},
+    {"mixtral-8x7b", TD_ARCH_MIXTRAL, 4096, 14336, 32, 32, 8, 128, 32000, 32768, 1e-5f, 1000000.0f, false, 1, 2,
+     0, 0, 0, 0, 8, 2, 14336, true},
+    {"qwen3-30b-a3b", TD_ARCH_QWEN3_MOE, 2048, 6144, 48, 32, 4, 128, 151936, 40960, 1e-6f, 1000000.0f, false,
+     151643, 151645, 0, 0, 0, 0, 128, 8, 768, true},
+    {"tiny-swa", TD_ARCH_MISTRAL, 64, 176, 4, 8, 4, 8, 512, 2048, 1e-5f, 10000.0f, false, 256, 257, 0, 0, 0, 0,
+     0, 0, 0, false},
     {"mistral-7b", TD_ARCH_MISTRAL, 4096, 14336, 32, 32, 8, 128, 32000, 32768, 1e-5f, 10000.0f, false, 1, 2, 0,
-     0, 0, 0},
+     0, 0, 0, 0, 0, 0, false},
 };
 
 /* Presets whose every layer slides (Mistral's sliding_window). tiny-swa: tiny with a window
@@ -610,6 +694,10 @@ td_status_t td_model_preset(const char *name, td_model_config_t *cfg)
         for (size_t k = 0; k < TD_ARRAY_LEN(preset_windows); k++)
             if (!strcmp(name, preset_windows[k].name))
                 td_model_config_set_window(&c, preset_windows[k].window);
+        c.n_experts = p->experts;
+        c.n_experts_used = p->experts_used;
+        c.expert_hidden_dim = p->expert_hidden;
+        c.moe_norm_topk = p->norm_topk;
         *cfg = c;
         return TD_OK;
     }
@@ -638,7 +726,7 @@ static double float_to_nice_double(float f)
  * parse_sliding_window reads for every arch). */
 static td_status_t add_sliding_window(cJSON *r, const td_model_config_t *c)
 {
-    bool qwen = c->arch == TD_ARCH_QWEN2 || c->arch == TD_ARCH_QWEN3;
+    bool qwen = c->arch == TD_ARCH_QWEN2 || c->arch == TD_ARCH_QWEN3 || c->arch == TD_ARCH_QWEN3_MOE;
     if (c->arch == TD_ARCH_LLAMA && c->sliding_window > 0)
         return td_errorf(TD_ERR_UNSUPPORTED, "config.json: a llama config has no sliding window (arch mistral, "
                          "qwen2 or qwen3 has)");
@@ -707,6 +795,17 @@ td_status_t td_model_config_to_json(const td_model_config_t *c, td_dtype_t dtype
     if ((c->arch != TD_ARCH_LLAMA || c->sliding_window > 0) && (s = add_sliding_window(r, c)) != TD_OK) {
         cJSON_Delete(r);
         return s;
+    }
+    if (c->arch == TD_ARCH_MIXTRAL) {
+        cJSON_AddNumberToObject(r, "num_local_experts", c->n_experts);
+        cJSON_AddNumberToObject(r, "num_experts_per_tok", c->n_experts_used);
+    } else if (c->arch == TD_ARCH_QWEN3_MOE) {
+        cJSON_AddNumberToObject(r, "num_experts", c->n_experts);
+        cJSON_AddNumberToObject(r, "num_experts_per_tok", c->n_experts_used);
+        cJSON_AddNumberToObject(r, "moe_intermediate_size", c->expert_hidden_dim);
+        cJSON_AddBoolToObject(r, "norm_topk_prob", c->moe_norm_topk);
+        cJSON_AddNumberToObject(r, "decoder_sparse_step", 1);
+        cJSON_AddArrayToObject(r, "mlp_only_layers");
     }
     if (c->bos_id >= 0)
         cJSON_AddNumberToObject(r, "bos_token_id", c->bos_id);

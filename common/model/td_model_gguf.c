@@ -157,11 +157,15 @@ static void fmt_ne(char *out, size_t cap, int n, const int64_t *ne)
 }
 
 /*
- * Finds tensor `name`, checks its type and its shape {d0} or {d0, d1} (td order; GGUF's ne
- * is {d1, d0}) and points t at it. An absent optional tensor leaves t zeroed.
+ * Finds tensor `name` and checks it: a type tandem computes with, n_dims `nd` with ne
+ * `want` (GGUF order, fastest first), rows of whole blocks, vectors in a float type. Its
+ * bytes (an aligned copy when the file's are not) into *data_p, its dtype into *dt_p. An
+ * absent optional tensor leaves *data_p NULL.
  */
-static td_status_t bind(gguf_ctx_t *c, td_tensor_t *t, const char *name, bool optional, int64_t d0, int64_t d1)
+static td_status_t find_tensor(gguf_ctx_t *c, const char *name, bool optional, int nd, const int64_t *want,
+                               const void **data_p, td_dtype_t *dt_p)
 {
+    *data_p = NULL;
     const td_gguf_tensor_t *x = td_gguf_find_tensor(c->g, name);
     if (!x) {
         if (optional)
@@ -175,10 +179,11 @@ static td_status_t bind(gguf_ctx_t *c, td_tensor_t *t, const char *name, bool op
                          "with (it reads F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K): requantize "
                          "the model with llama-quantize", c->path, name, gt ? gt->name : "unknown", x->type);
     }
-    int nd = d1 > 0 ? 2 : 1;
-    int64_t want[2] = {nd == 2 ? d1 : d0, d0};
-    if (x->n_dims != nd || x->ne[0] != want[0] || (nd == 2 && x->ne[1] != want[1])) {
-        char got[128], exp[64];
+    bool same = x->n_dims == nd;
+    for (int i = 0; same && i < nd; i++)
+        same = x->ne[i] == want[i];
+    if (!same) {
+        char got[128], exp[96];
         fmt_ne(got, sizeof got, x->n_dims, x->ne);
         fmt_ne(exp, sizeof exp, nd, want);
         return td_errorf(TD_ERR_FORMAT, "%s: tensor %s has ne [%s] (GGUF order, fastest first), but the %s.* "
@@ -190,7 +195,7 @@ static td_status_t bind(gguf_ctx_t *c, td_tensor_t *t, const char *name, bool op
     if (nd == 1 && !td_dtype_is_float(dt))
         return td_errorf(TD_ERR_UNSUPPORTED, "%s: tensor %s is a vector stored as %s; vectors must be F32, F16 or "
                          "BF16", c->path, name, td_dtype_name((td_dtype_t)dt));
-    if (nd == 2) {
+    if (nd >= 2) {
         c->matrices_bf16_f32 &= dt == TD_BF16 || dt == TD_F32;
         c->any_bf16 |= dt == TD_BF16;
     }
@@ -204,7 +209,42 @@ static td_status_t bind(gguf_ctx_t *c, td_tensor_t *t, const char *name, bool op
             return td_errorf(TD_ERR_NOMEM, "%s: out of memory copying misaligned tensor %s", c->path, name);
         data = copy;
     }
-    td_model_set_view(t, data, (td_dtype_t)dt, d0, nd == 2 ? d1 : 0);
+    *data_p = data;
+    *dt_p = (td_dtype_t)dt;
+    return TD_OK;
+}
+
+/* Points t at tensor `name` of shape {d0} or {d0, d1} (td order; GGUF's ne is {d1, d0}). An
+ * absent optional tensor leaves t zeroed. */
+static td_status_t bind(gguf_ctx_t *c, td_tensor_t *t, const char *name, bool optional, int64_t d0, int64_t d1)
+{
+    int nd = d1 > 0 ? 2 : 1;
+    int64_t want[2] = {nd == 2 ? d1 : d0, d0};
+    const void *data;
+    td_dtype_t dt;
+    td_status_t s = find_tensor(c, name, optional, nd, want, &data, &dt);
+    if (s == TD_OK && data)
+        td_model_set_view(t, data, dt, d0, nd == 2 ? d1 : 0);
+    return s;
+}
+
+/* A layer's experts from one 3-D tensor `name` (ne {d1, d0, n_experts}: the experts' [d0][d1]
+ * matrices one after another): each expert's view (at `offset` in td_expert_weights_t) is
+ * its slice, whole rows, so as aligned as the tensor (block sizes are even). */
+static td_status_t bind_experts(gguf_ctx_t *c, td_expert_weights_t *experts, size_t offset, const char *name,
+                                int64_t d0, int64_t d1)
+{
+    int32_t n = c->m->config.n_experts;
+    const int64_t want[3] = {d1, d0, n};
+    const void *data;
+    td_dtype_t dt;
+    td_status_t s = find_tensor(c, name, false, 3, want, &data, &dt);
+    if (s != TD_OK)
+        return s;
+    size_t per = td_dtype_bytes(dt, (size_t)d0 * (size_t)d1);
+    for (int32_t e = 0; e < n; e++)
+        td_model_set_view((td_tensor_t *)((char *)&experts[e] + offset), (const char *)data + (size_t)e * per, dt,
+                          d0, d1);
     return TD_OK;
 }
 
@@ -223,6 +263,14 @@ static td_status_t bind_all(gguf_ctx_t *c)
             char name[96];
             snprintf(name, sizeof name, "blk.%d.%s", l, spec[i].gguf);
             if (spec[i].use && (s = bind(c, spec[i].t, name, false, spec[i].d0, spec[i].d1)) != TD_OK)
+                return s;
+        }
+        td_expert_spec_t es[TD_EXPERT_SPECS];
+        td_model_expert_specs(cfg, es);
+        for (size_t i = 0; cfg->n_experts > 0 && i < TD_EXPERT_SPECS; i++) {
+            char name[96];
+            snprintf(name, sizeof name, "blk.%d.%s", l, es[i].gguf);
+            if ((s = bind_experts(c, m->weights.layers[l].experts, es[i].offset, name, es[i].d0, es[i].d1)) != TD_OK)
                 return s;
         }
     }
@@ -253,6 +301,8 @@ static td_status_t check_extra(gguf_ctx_t *c)
     td_layer_weights_t w;
     td_layer_spec_t spec[TD_LAYER_SPECS];
     td_model_layer_specs(cfg, &w, spec);
+    td_expert_spec_t es[TD_EXPERT_SPECS];
+    td_model_expert_specs(cfg, es);
     for (size_t i = 0; i < td_gguf_tensor_count(c->g); i++) {
         const char *name = td_gguf_tensor_at(c->g, i)->name;
         if (!strcmp(name, "token_embd.weight") || !strcmp(name, "output_norm.weight") ||
@@ -270,6 +320,8 @@ static td_status_t check_extra(gguf_ctx_t *c)
         }
         for (size_t k = 0; suffix && k < TD_LAYER_SPECS; k++)
             known |= spec[k].use && !strcmp(suffix, spec[k].gguf);
+        for (size_t k = 0; suffix && cfg->n_experts > 0 && k < TD_EXPERT_SPECS; k++)
+            known |= !strcmp(suffix, es[k].gguf);
         if (known && l >= cfg->n_layers)
             return td_errorf(TD_ERR_FORMAT, "%s: tensor %s is for block %ld, but %s.block_count is %d", c->path,
                              name, l, c->arch, cfg->n_layers);
@@ -281,6 +333,36 @@ static td_status_t check_extra(gguf_ctx_t *c)
 }
 
 /* ---- the config -------------------------------------------------------------------- */
+
+/* A mixture of experts' keys: {arch}.expert_count, expert_used_count, and for qwen3moe
+ * expert_feed_forward_length (Mixtral's experts are feed_forward_length wide). Both
+ * renormalise the top-k weights in llama.cpp (its qwen3moe graph always does); a file may
+ * say otherwise with {arch}.expert_weights_norm. */
+static td_status_t read_experts(gguf_ctx_t *c)
+{
+    td_model_config_t *cfg = &c->m->config;
+    if (cfg->arch != TD_ARCH_MIXTRAL && cfg->arch != TD_ARCH_QWEN3_MOE)
+        return TD_OK;
+    td_status_t s;
+    if ((s = key_int(c, "expert_count", -1, TD_MAX_EXPERTS, &cfg->n_experts)) != TD_OK ||
+        (s = key_int(c, "expert_used_count", -1, GGUF_MAX_DIM, &cfg->n_experts_used)) != TD_OK ||
+        (s = key_int(c, "expert_feed_forward_length", cfg->arch == TD_ARCH_MIXTRAL ? cfg->hidden_dim : -1,
+                     GGUF_MAX_DIM, &cfg->expert_hidden_dim)) != TD_OK)
+        return s;
+    if (cfg->n_experts_used > cfg->n_experts)
+        return td_errorf(TD_ERR_FORMAT, "%s: %s.expert_used_count %d is more than %s.expert_count %d", c->path,
+                         c->arch, cfg->n_experts_used, c->arch, cfg->n_experts);
+    char key[128];
+    snprintf(key, sizeof key, "%s.expert_weights_norm", c->arch);
+    cfg->moe_norm_topk = true;
+    if (td_gguf_find(c->g, key) && td_gguf_get_bool(c->g, key, &cfg->moe_norm_topk) != TD_OK)
+        return TD_ERR_FORMAT;
+    /* shared experts and other gating functions (DeepSeek, Qwen2-MoE) are other models */
+    snprintf(key, sizeof key, "%s.expert_shared_count", c->arch);
+    if (td_gguf_find(c->g, key))
+        return td_errorf(TD_ERR_UNSUPPORTED, "%s: %s: shared experts are not supported", c->path, key);
+    return TD_OK;
+}
 
 static td_status_t read_config(gguf_ctx_t *c)
 {
@@ -298,12 +380,19 @@ static td_status_t read_config(gguf_ctx_t *c)
         arch = TD_ARCH_QWEN2;
     else if (!strcmp(c->arch, "qwen3") && a.len == 5)
         arch = TD_ARCH_QWEN3;
+    else if (!strcmp(c->arch, "qwen3moe") && a.len == 8)
+        arch = TD_ARCH_QWEN3_MOE;
     else
         return td_errorf(TD_ERR_UNSUPPORTED, "%s: general.architecture \"%.*s\" is not supported (llama, qwen2, "
-                         "qwen3)", c->path, (int)TD_MIN(a.len, (size_t)64), a.data);
+                         "qwen3, qwen3moe)", c->path, (int)TD_MIN(a.len, (size_t)64), a.data);
+    /* Mixtral's GGUFs are "llama" with experts, as llama.cpp's converter writes them */
+    char key[128];
+    snprintf(key, sizeof key, "%s.expert_count", c->arch);
+    if (arch == TD_ARCH_LLAMA && td_gguf_find(c->g, key))
+        arch = TD_ARCH_MIXTRAL;
     td_model_config_set_arch(cfg, arch);
     snprintf(cfg->arch_name, sizeof cfg->arch_name, "gguf %s", c->arch);
-    cfg->rope_style = arch == TD_ARCH_LLAMA ? TD_ROPE_PAIRS : TD_ROPE_HALVES;
+    cfg->rope_style = arch == TD_ARCH_LLAMA || arch == TD_ARCH_MIXTRAL ? TD_ROPE_PAIRS : TD_ROPE_HALVES;
 
     td_status_t s;
     if ((s = key_int(c, "embedding_length", -1, GGUF_MAX_DIM, &cfg->dim)) != TD_OK ||
@@ -335,7 +424,7 @@ static td_status_t read_config(gguf_ctx_t *c)
         return td_errorf(TD_ERR_UNSUPPORTED, "%s: %s.rope.dimension_count %d: partial rotary embeddings (of fewer "
                          "than key_length %d dimensions) are not supported", c->path, c->arch, rope_dim,
                          cfg->head_dim);
-    if ((s = check_rope_scaling(c)) != TD_OK)
+    if ((s = check_rope_scaling(c)) != TD_OK || (s = read_experts(c)) != TD_OK)
         return s;
     /* llama.cpp's key for a window on every layer (it writes a per-layer pattern only for
        architectures we do not load) */
@@ -398,7 +487,9 @@ td_status_t td_model_load_gguf(const char *path, td_model_t **m_p)
         s = td_errorf(TD_ERR_NOMEM, "%s: out of memory", path);
         goto err_model;
     }
-    if ((s = bind_all(&c)) != TD_OK || (s = check_extra(&c)) != TD_OK)
+    /* per layer: the three 3-D tensors of the experts */
+    if ((s = td_model_alloc_experts(m, path, td_gguf_tensor_count(c.g), 3)) != TD_OK ||
+        (s = bind_all(&c)) != TD_OK || (s = check_extra(&c)) != TD_OK)
         goto err_model;
     m->config.dtype = !c.matrices_bf16_f32 ? TD_F16 : c.any_bf16 ? TD_BF16 : TD_F32;
     snprintf(m->tokenizer_path, sizeof m->tokenizer_path, "%s", path); /* fits: m->path holds it */

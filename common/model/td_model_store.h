@@ -48,11 +48,38 @@ typedef struct td_layer_spec {
     int64_t d0, d1;
 } td_layer_spec_t;
 
-#define TD_LAYER_SPECS 14
+#define TD_LAYER_SPECS 15
 
 /* The tensors of a layer of config c, bound into w: the one list both loaders bind from and
- * recognise file names by. */
+ * recognise file names by. A mixture of experts has the router here and its experts in
+ * td_model_expert_specs; a dense model the FFN here. */
 void td_model_layer_specs(const td_model_config_t *c, td_layer_weights_t *w, td_layer_spec_t out[TD_LAYER_SPECS]);
+
+/* One matrix of every expert of a layer: its Hugging Face name with the expert's number as
+ * %d (model.layers.N.<hf>: one tensor per expert), its GGUF name (blk.N.<gguf>: one 3-D
+ * tensor, ne {d1, d0, n_experts}), its shape per expert, and where expert e's view goes. */
+typedef struct td_expert_spec {
+    const char *hf;
+    const char *gguf;
+    int64_t d0, d1;
+    size_t offset;  /* of the td_tensor_t in td_expert_weights_t */
+} td_expert_spec_t;
+
+#define TD_EXPERT_SPECS 3
+
+void td_model_expert_specs(const td_model_config_t *c, td_expert_spec_t out[TD_EXPERT_SPECS]);
+
+/* Allocates every layer's experts array (config n_experts > 0; nothing for a dense model):
+ * slices of one allocation, layers[0].experts, that td_model_destroy frees. m->weights.layers
+ * must exist. `n_tensors` is how many tensors the file(s) hold and `per_layer` how many of
+ * them a layer's experts take: a config that implies more is refused first, so a hostile
+ * layer or expert count allocates nothing. Errors: TD_ERR_FORMAT (naming `origin`),
+ * TD_ERR_NOMEM, logged. */
+td_status_t td_model_alloc_experts(td_model_t *m, const char *origin, size_t n_tensors, size_t per_layer);
+
+/* Whether `suffix` (a tensor name after model.layers.N.) is one of the experts' Hugging Face
+ * tensors of config c, expert number below n_experts. */
+bool td_model_is_expert_name(const td_model_config_t *c, const char *suffix);
 
 /* Loads a GGUF file (td_model_gguf.c); td_model_load's contract. */
 td_status_t td_model_load_gguf(const char *path, td_model_t **m_p);

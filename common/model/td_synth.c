@@ -29,6 +29,7 @@
 #include <unistd.h>
 
 #include "td_gguf_writer.h"
+#include "td_model_store.h"
 #include "td_hash.h"
 #include "td_rng.h"
 #include "td_safetensors.h"
@@ -48,6 +49,9 @@ typedef struct synth_tensor {
     kind_t kind;
     size_t nbytes;
     int shard;
+    int32_t expert;          /* an expert's matrix: its number; -1 otherwise */
+    bool f32;                /* GGUF: stored f32 whatever the matrices' type (the router) */
+    const char *gguf_experts; /* GGUF: the 3-D tensor of all experts it is a slice of */
 } synth_tensor_t;
 
 /* ---- random numbers ---------------------------------------------------------------- */
@@ -265,9 +269,20 @@ static void add_tensor(synth_tensor_t *t, size_t *n, td_dtype_t dt, const char *
     x->shape[0] = d0;
     x->shape[1] = d1;
     x->nbytes = (size_t)d0 * (size_t)(d1 > 0 ? d1 : 1) * td_dtype_size(dt);
+    x->expert = -1;
+    x->gguf_experts = NULL;
+    x->f32 = false;
 }
 
-/* Every tensor of the model in Hugging Face order. t has room for 3 + 14 per layer. */
+/* Tensors a model of config c has: 3 + per layer 14, or 15 + 3 per expert. */
+static size_t max_tensors(const td_model_config_t *c)
+{
+    return 3 + (15 + 3 * (size_t)c->n_experts) * (size_t)c->n_layers;
+}
+
+/* Every tensor of the model in Hugging Face order (a mixture's experts matrix by matrix,
+ * expert by expert within each, as GGUF's 3-D tensors hold them). t has room for
+ * max_tensors(c). */
 static size_t list_tensors(const td_model_config_t *c, td_dtype_t dt, synth_tensor_t *t)
 {
     size_t n = 0;
@@ -296,9 +311,26 @@ static size_t list_tensors(const td_model_config_t *c, td_dtype_t dt, synth_tens
         }
         ADD("self_attn.o_proj.weight", K_MATRIX, D, q);
         ADD("post_attention_layernorm.weight", K_NORM, D, 0);
-        ADD("mlp.gate_proj.weight", K_MATRIX, F, D);
-        ADD("mlp.up_proj.weight", K_MATRIX, F, D);
-        ADD("mlp.down_proj.weight", K_MATRIX, D, F);
+        if (c->n_experts == 0) {
+            ADD("mlp.gate_proj.weight", K_MATRIX, F, D);
+            ADD("mlp.up_proj.weight", K_MATRIX, F, D);
+            ADD("mlp.down_proj.weight", K_MATRIX, D, F);
+            continue;
+        }
+        ADD(c->arch == TD_ARCH_MIXTRAL ? "block_sparse_moe.gate.weight" : "mlp.gate.weight", K_MATRIX,
+            c->n_experts, D);
+        t[n - 1].f32 = true; /* llama.cpp's converter keeps ffn_gate_inp F32 */
+        td_expert_spec_t es[TD_EXPERT_SPECS];
+        td_model_expert_specs(c, es);
+        for (size_t i = 0; i < TD_EXPERT_SPECS; i++) {
+            for (int32_t e = 0; e < c->n_experts; e++) {
+                char suffix[48]; /* "block_sparse_moe.experts.1023.w1.weight" at most */
+                snprintf(suffix, sizeof suffix, es[i].hf, (int)e);
+                ADD(suffix, K_MATRIX, es[i].d0, es[i].d1);
+                t[n - 1].expert = e;
+                t[n - 1].gguf_experts = es[i].gguf;
+            }
+        }
 #undef ADD
     }
     add_tensor(t, &n, dt, "model.norm.weight", K_NORM, D, 0);
@@ -408,7 +440,7 @@ td_status_t td_model_synth_shards(const td_synth_params_t *p, int n_shards, cons
     c.dtype = p->dtype;
     if ((s = td_model_config_validate(&c, "synth config")) != TD_OK)
         return s;
-    size_t cap = 3 + 14 * (size_t)c.n_layers;
+    size_t cap = max_tensors(&c);
     if (n_shards < 1 || (size_t)n_shards > cap)
         return td_errorf(TD_ERR_INVALID, "synth: %d shards for a model of at most %zu tensors", n_shards, cap);
     if ((s = td_mkdir_p(out_dir)) != TD_OK)
@@ -499,6 +531,8 @@ static void gguf_name(const char *hf, char *out, size_t cap)
         {"mlp.gate_proj.weight", "ffn_gate.weight"},
         {"mlp.up_proj.weight", "ffn_up.weight"},
         {"mlp.down_proj.weight", "ffn_down.weight"},
+        {"block_sparse_moe.gate.weight", "ffn_gate_inp.weight"},
+        {"mlp.gate.weight", "ffn_gate_inp.weight"},
     };
     int layer, used = 0;
     if (!strcmp(hf, "model.embed_tokens.weight"))
@@ -623,6 +657,22 @@ static td_status_t gguf_metadata(td_gguf_writer_t *w, const td_model_config_t *c
         if ((s = td_gguf_writer_u32(w, key, (uint32_t)ints[i].v)) != TD_OK)
             return s;
     }
+    if (c->n_experts > 0) {
+        const struct {
+            const char *k;
+            int32_t v;
+        } moe[] = {
+            {"expert_count", c->n_experts},
+            {"expert_used_count", c->n_experts_used},
+            {"expert_feed_forward_length", c->expert_hidden_dim},
+        };
+        /* llama.cpp's llama arch takes the experts' width from feed_forward_length */
+        for (size_t i = 0; i < TD_ARRAY_LEN(moe) - (c->arch == TD_ARCH_MIXTRAL); i++) {
+            snprintf(key, sizeof key, "%s.%s", arch, moe[i].k);
+            if ((s = td_gguf_writer_u32(w, key, (uint32_t)moe[i].v)) != TD_OK)
+                return s;
+        }
+    }
     snprintf(key, sizeof key, "%s.attention.layer_norm_rms_epsilon", arch);
     if ((s = td_gguf_writer_f32(w, key, c->norm_eps)) != TD_OK)
         return s;
@@ -709,8 +759,8 @@ td_status_t td_model_synth_gguf(const td_synth_params_t *p, const char *out_path
     c.n_eos = 1;
     /* llama.cpp's converter permutes llama/mistral q and k for adjacent-pair rope; qwen
      * models keep NeoX rope and their rows as they are */
-    const char *arch = td_model_arch_name(c.arch);
-    if (c.arch == TD_ARCH_LLAMA || c.arch == TD_ARCH_MISTRAL) {
+    const char *arch = c.arch == TD_ARCH_QWEN3_MOE ? "qwen3moe" : td_model_arch_name(c.arch);
+    if (c.arch == TD_ARCH_LLAMA || c.arch == TD_ARCH_MISTRAL || c.arch == TD_ARCH_MIXTRAL) {
         arch = "llama";
         c.rope_style = TD_ROPE_PAIRS;
     }
@@ -722,7 +772,13 @@ td_status_t td_model_synth_gguf(const td_synth_params_t *p, const char *out_path
                          "hidden_dim %d, n_heads x head_dim %d are not", td_dtype_name(dt), blk, c.dim,
                          c.hidden_dim, c.n_heads * c.head_dim);
 
-    size_t cap = 3 + 14 * (size_t)c.n_layers;
+    if (c.n_experts > 0 && !c.moe_norm_topk)
+        return td_errorf(TD_ERR_INVALID, "synth: a GGUF mixture of experts renormalises its top-k weights "
+                         "(llama.cpp's qwen3moe graph always does): norm_topk_prob false has no GGUF form");
+    if (c.n_experts > 0 && c.expert_hidden_dim % (int32_t)blk)
+        return td_errorf(TD_ERR_INVALID, "synth: %s needs rows that are whole blocks of %zu weights; the experts' "
+                         "hidden_dim %d is not", td_dtype_name(dt), blk, c.expert_hidden_dim);
+    size_t cap = max_tensors(&c);
     synth_tensor_t *t = calloc(cap, sizeof *t);
     float *vals = malloc(SYNTH_CHUNK * sizeof *vals);
     void *conv = malloc(SYNTH_CHUNK * sizeof(float));
@@ -738,10 +794,21 @@ td_status_t td_model_synth_gguf(const td_synth_params_t *p, const char *out_path
     bool with_freqs = c.rope_llama3 && c.rope_style == TD_ROPE_PAIRS;
     for (size_t i = 0; i < n; i++) {
         char name[96];
-        gguf_name(t[i].name, name, sizeof name);
-        int64_t ne[2] = {t[i].n_dims == 2 ? t[i].shape[1] : t[i].shape[0], t[i].shape[0]};
-        td_dtype_t tdt = t[i].kind == K_MATRIX ? dt : TD_F32; /* vectors stay f32, as llama.cpp keeps them */
-        if ((s = td_gguf_writer_tensor(w, name, t[i].n_dims, ne, td_dtype_to_ggml(tdt))) != TD_OK)
+        int64_t ne[3] = {t[i].n_dims == 2 ? t[i].shape[1] : t[i].shape[0], t[i].shape[0], c.n_experts};
+        int n_dims = t[i].n_dims;
+        /* vectors stay f32, as llama.cpp keeps them */
+        td_dtype_t tdt = t[i].kind == K_MATRIX && !t[i].f32 ? dt : TD_F32;
+        if (t[i].expert > 0)
+            continue; /* inside the 3-D tensor expert 0 opens; its values follow in order */
+        if (t[i].expert == 0) {
+            int layer = 0;
+            TD_ASSERT(sscanf(t[i].name, "model.layers.%d.", &layer) == 1);
+            snprintf(name, sizeof name, "blk.%d.%s", layer, t[i].gguf_experts);
+            n_dims = 3;
+        } else {
+            gguf_name(t[i].name, name, sizeof name);
+        }
+        if ((s = td_gguf_writer_tensor(w, name, n_dims, ne, td_dtype_to_ggml(tdt))) != TD_OK)
             goto out;
         if (i == 0 && with_freqs) {
             int64_t fne[1] = {c.head_dim / 2};
@@ -752,7 +819,7 @@ td_status_t td_model_synth_gguf(const td_synth_params_t *p, const char *out_path
     if ((s = td_gguf_writer_begin(w)) != TD_OK)
         goto out;
     for (size_t i = 0; i < n; i++) {
-        td_dtype_t tdt = t[i].kind == K_MATRIX ? dt : TD_F32;
+        td_dtype_t tdt = t[i].kind == K_MATRIX && !t[i].f32 ? dt : TD_F32;
         if ((s = gguf_values(w, &t[i], p->seed, tdt, &c, vals, conv)) != TD_OK)
             goto out;
         if (i == 0 && with_freqs) {

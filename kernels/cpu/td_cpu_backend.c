@@ -1,6 +1,7 @@
 /*
  * td_cpu_backend: the CPU backend's context, memory, step metadata and the row-wise ops
- * (embed, rmsnorm, rope fused with the KV write, swiglu, gather_rows, copy_blocks). Matmul and attention
+ * (embed, rmsnorm, rope fused with the KV write, swiglu, gather_rows, moe_combine, copy_blocks). Matmul
+ * and attention
  * live in td_cpu_matmul.c and td_cpu_attn.c.
  *
  * One set of threads: the backend's own td_pool_t does all the parallel work and OpenBLAS
@@ -370,6 +371,53 @@ static td_status_t cpu_gather_rows(td_backend_t *be, void *dst, const void *src,
     return TD_OK;
 }
 
+/* ---- moe_combine ------------------------------------------------------------------ */
+
+typedef struct combine_job {
+    float *x;
+    const float *y;
+    const int32_t *slots;
+    const float *weights;
+    int32_t n, k, dim, n_tasks;
+} combine_job_t;
+
+static void combine_task(void *arg, int task, int thread)
+{
+    combine_job_t *j = arg;
+    (void)thread;
+    int r0, r1;
+    task_rows(task, j->n_tasks, j->n, &r0, &r1);
+    float acc[256];
+    for (int t = r0; t < r1; t++) {
+        float *x = j->x + (size_t)t * (size_t)j->dim;
+        const int32_t *slot = j->slots + (size_t)t * (size_t)j->k;
+        const float *w = j->weights + (size_t)t * (size_t)j->k;
+        /* per element: 0 + w0 y0 + w1 y1 + ..., then x += that; a stripe of elements at a
+           time so that the inner loop runs along a row */
+        for (int32_t i0 = 0; i0 < j->dim; i0 += (int32_t)TD_ARRAY_LEN(acc)) {
+            int32_t n = TD_MIN(j->dim - i0, (int32_t)TD_ARRAY_LEN(acc));
+            memset(acc, 0, (size_t)n * sizeof *acc);
+            for (int32_t r = 0; r < j->k; r++) {
+                const float *y = j->y + (size_t)slot[r] * (size_t)j->dim + i0;
+                for (int32_t i = 0; i < n; i++)
+                    acc[i] += w[r] * y[i];
+            }
+            for (int32_t i = 0; i < n; i++)
+                x[i0 + i] += acc[i];
+        }
+    }
+}
+
+static td_status_t cpu_moe_combine(td_backend_t *be, void *x, const void *y, const int32_t *slots,
+                                   const float *weights, int32_t n, int32_t k, int32_t dim)
+{
+    td_cpu_t *cpu = td_cpu_of(be);
+    combine_job_t j = {.x = x, .y = y, .slots = slots, .weights = weights, .n = n, .k = k, .dim = dim};
+    j.n_tasks = row_tasks(cpu, n, (size_t)k * (size_t)dim);
+    td_pool_run(cpu->pool, j.n_tasks, combine_task, &j);
+    return TD_OK;
+}
+
 static td_status_t cpu_copy_blocks(td_backend_t *be, void *pool, const td_kv_layout_t *layout,
                                    int32_t n_blocks, const int32_t *src, const int32_t *dst,
                                    int32_t n)
@@ -463,6 +511,7 @@ static const td_backend_ops_t cpu_ops = {
     .attn_decode = td_cpu_attn_decode,
     .swiglu = cpu_swiglu,
     .gather_rows = cpu_gather_rows,
+    .moe_combine = cpu_moe_combine,
     .copy_blocks = cpu_copy_blocks,
     .weight_pack = cpu_weight_pack,
 };

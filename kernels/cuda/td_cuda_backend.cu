@@ -88,6 +88,7 @@ static void td_cuda_destroy(td_backend_t *be)
     if (c->meta_done)
         cudaEventDestroy(c->meta_done);
     cudaFree(c->rows_dev);
+    cudaFree(c->moe_dev);
     for (int i = 0; i < 3; i++)
         cudaFree(c->scratch[i]);
     cudaFree(c->dec_ws);
@@ -449,6 +450,12 @@ static td_status_t td_cuda_op_gather_rows(td_backend_t *be, void *dst, const voi
     return td_cuda_gather_rows(td_cuda_ctx(be), dst, src, rows, n, dim);
 }
 
+static td_status_t td_cuda_op_moe_combine(td_backend_t *be, void *x, const void *y, const int32_t *slots,
+                                          const float *weights, int32_t n, int32_t k, int32_t dim)
+{
+    return td_cuda_moe_combine(td_cuda_ctx(be), x, y, slots, weights, n, k, dim);
+}
+
 static td_status_t td_cuda_op_copy_blocks(td_backend_t *be, void *pool,
                                           const td_kv_layout_t *layout, int32_t n_blocks,
                                           const int32_t *src, const int32_t *dst, int32_t n)
@@ -493,6 +500,7 @@ static const td_backend_ops_t td_cuda_ops = {
     /* .attn_decode = */ td_cuda_op_attn_decode,
     /* .swiglu = */ td_cuda_op_swiglu,
     /* .gather_rows = */ td_cuda_op_gather_rows,
+    /* .moe_combine = */ td_cuda_op_moe_combine,
     /* .copy_blocks = */ td_cuda_op_copy_blocks,
     /* .weight_pack = */ NULL, /* weights stay as uploaded: no repacked layouts on the GPU yet */
 };

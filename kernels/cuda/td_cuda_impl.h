@@ -72,6 +72,8 @@ typedef struct td_cuda_backend {
     /* scratch: host row lists for gather_rows, GEMM dtype conversion, decode partials */
     int32_t *rows_dev;
     size_t rows_cap;          /* int32 elements */
+    void *moe_dev;            /* moe_combine: the host's slots then weights, uploaded */
+    size_t moe_cap;           /* bytes */
     void *scratch[3];         /* matmul: X widened, product in f32, W widened */
     size_t scratch_cap[3];    /* bytes */
     float *dec_ws;            /* decode partial outputs and (max, sum) pairs */
@@ -147,6 +149,8 @@ td_status_t td_cuda_swiglu(td_cuda_backend_t *c, void *out, const void *gate, co
                            int32_t rows, int32_t hidden);
 td_status_t td_cuda_gather_rows(td_cuda_backend_t *c, void *dst, const void *src,
                                 const int32_t *rows, int32_t n, int32_t dim);
+td_status_t td_cuda_moe_combine(td_cuda_backend_t *c, void *x, const void *y, const int32_t *slots,
+                                const float *weights, int32_t n, int32_t k, int32_t dim);
 /* elementwise dst = convert(src) (+ dst when accumulate), n elements */
 td_status_t td_cuda_convert(td_cuda_backend_t *c, void *dst, td_dtype_t dst_t, const void *src,
                             td_dtype_t src_t, size_t n, bool accumulate);

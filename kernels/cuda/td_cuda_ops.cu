@@ -1,6 +1,7 @@
 /*
  * td_cuda_ops: the row-wise ops of the CUDA backend: embedding lookup, RMSNorm fused with
- * the residual add, RoPE fused with the KV-cache write, SwiGLU, row gather, dtype conversion and bias.
+ * the residual add, RoPE fused with the KV-cache write, SwiGLU, row gather, the experts' weighted
+ * sum of a mixture (moe_combine), dtype conversion and bias.
  * All are memory-bound: one pass over their inputs, fp32 arithmetic, the step's positions
  * and slots read from the metadata set_step uploaded (nothing copied per op).
  *
@@ -230,6 +231,43 @@ td_status_t td_cuda_gather_rows(td_cuda_backend_t *c, void *dst, const void *src
     TD_CUDA_DISPATCH(c->base.act_dtype, TA,
         td_gather_kernel<TA><<<n, 256, 0, c->stream>>>((TA *)dst, (const TA *)src, c->rows_dev, dim));
     TD_CUDA_LAUNCHED("gather_rows");
+    return TD_OK;
+}
+
+/* ---- moe_combine ------------------------------------------------------------------------ */
+
+/* One block per row t: x[t][i] += sum over r in order of w[t][r] * y[slot[t][r]][i], in f32.
+   The order of r is fixed per row (the CPU's, so the two backends sum alike). */
+template <typename TA>
+__global__ void td_moe_combine_kernel(TA *x, const TA *y, const int32_t *slots, const float *weights, int32_t k,
+                                      int32_t dim)
+{
+    const int32_t *slot = slots + (size_t)blockIdx.x * k;
+    const float *w = weights + (size_t)blockIdx.x * k;
+    TA *xr = x + (size_t)blockIdx.x * dim;
+    for (int32_t i = threadIdx.x; i < dim; i += blockDim.x) {
+        float acc = 0.0f;
+        for (int32_t r = 0; r < k; r++)
+            acc = fmaf(w[r], td_ld(y + (size_t)slot[r] * dim + i), acc);
+        td_st(xr + i, td_ld(xr + i) + acc);
+    }
+}
+
+td_status_t td_cuda_moe_combine(td_cuda_backend_t *c, void *x, const void *y, const int32_t *slots,
+                                const float *weights, int32_t n, int32_t k, int32_t dim)
+{
+    if (n == 0)
+        return TD_OK;
+    size_t half = (size_t)n * k * sizeof(int32_t); /* slots, then as many f32 weights */
+    td_status_t st = td_cuda_reserve(c, &c->moe_dev, &c->moe_cap, 2 * half, "moe_combine lists");
+    if (st != TD_OK)
+        return st;
+    TD_CUDA_TRY(cudaMemcpyAsync(c->moe_dev, slots, half, cudaMemcpyHostToDevice, c->stream));
+    TD_CUDA_TRY(cudaMemcpyAsync((char *)c->moe_dev + half, weights, half, cudaMemcpyHostToDevice, c->stream));
+    TD_CUDA_DISPATCH(c->base.act_dtype, TA,
+        td_moe_combine_kernel<TA><<<n, 256, 0, c->stream>>>((TA *)x, (const TA *)y, (const int32_t *)c->moe_dev,
+                                                            (const float *)((char *)c->moe_dev + half), k, dim));
+    TD_CUDA_LAUNCHED("moe_combine");
     return TD_OK;
 }
 

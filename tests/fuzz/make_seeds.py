@@ -56,6 +56,22 @@ put("model_files", "config-llama3.json", b"\0" + json.dumps(dict(cfg, rope_theta
     "factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0, "original_max_position_embeddings": 8192,
     "rope_type": "llama3"})).encode())
 
+# mixtures of experts: Mixtral (a "llama" GGUF with expert_count) and Qwen3-MoE (qwen3moe), their
+# 3-D ffn_*_exps tensors; their config.json fields (beside the dense safetensors: the experts'
+# tensors are missing, and refused)
+moe = {"mixtral": dict(cfg, model_type="mixtral", architectures=["MixtralForCausalLM"], num_local_experts=4,
+                       num_experts_per_tok=2, intermediate_size=32),
+       "qwen3moe": dict(cfg, model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], num_experts=4,
+                        num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, head_dim=16)}
+for name, c in moe.items():
+    with open(os.path.join(tmp, name + ".json"), "w") as f:
+        json.dump(c, f)
+    out = os.path.join(tmp, name + ".gguf")
+    run(tandem, "model", "synth", "--format", "gguf", "--config", os.path.join(tmp, name + ".json"), "--dtype", "f16",
+        "--quant", "q8_0", "--out", out)
+    put("gguf", "model-%s-q8_0.gguf" % name, open(out, "rb").read())
+    put("model_files", "config-%s.json" % name, b"\0" + json.dumps(c).encode())
+
 # tokenizers: the byte-level fixture's tokenizer.json (selector 0) and a llama2.c
 # tokenizer.bin of 260 pieces with scores (selector 1)
 put("tokenizer", "bytelevel.json", b"\0" + open(os.path.join(root, "tests/fixtures/tokenizer/bytelevel/tokenizer.json"), "rb").read())

@@ -375,7 +375,7 @@ Test(backend_ops, matmul, .timeout = 300)
     }
 }
 
-/* ---- swiglu, gather_rows --------------------------------------------------------------------- */
+/* ---- swiglu, gather_rows, moe_combine --------------------------------------------------------------------- */
 
 Test(backend_ops, swiglu, .timeout = 120)
 {
@@ -429,6 +429,34 @@ Test(backend_ops, gather_rows, .timeout = 120)
         free(want); free(got); free(x);
         p.cpu->ops->free(p.cpu, xc); p.cpu->ops->free(p.cpu, oc);
         p.gpu->ops->free(p.gpu, xg); p.gpu->ops->free(p.gpu, og);
+        td_close(&p);
+    }
+}
+
+/* The experts' weighted sum of a mixture: 9 rows, k = 3 slots each into 30 expert-output rows
+   (repeats and every row of y not used), residual x added in place. */
+Test(backend_ops, moe_combine, .timeout = 120)
+{
+    for (int a = 0; a < 3; a++) {
+        td_pair_t p = td_open(td_all_dtypes[a]);
+        enum { N = 9, K = 3, Y = 30 };
+        int32_t dim = 333, slots[N * K];
+        float w[N * K];
+        for (int i = 0; i < N * K; i++) {
+            slots[i] = td_rand_int(Y);
+            w[i] = fabsf(td_rand(1.0f));
+        }
+        float *x = td_rand_vec((size_t)N * dim, 1.0f, p.act), *y = td_rand_vec((size_t)Y * dim, 1.0f, p.act);
+        void *xc = td_up(p.cpu, x, (size_t)N * dim, TD_F32), *xg = td_up(p.gpu, x, (size_t)N * dim, p.act);
+        void *yc = td_up(p.cpu, y, (size_t)Y * dim, TD_F32), *yg = td_up(p.gpu, y, (size_t)Y * dim, p.act);
+        TD_OK_OR_FAIL(p.cpu, p.cpu->ops->moe_combine(p.cpu, xc, yc, slots, w, N, K, dim));
+        TD_OK_OR_FAIL(p.gpu, p.gpu->ops->moe_combine(p.gpu, xg, yg, slots, w, N, K, dim));
+        float *want = td_down(p.cpu, xc, (size_t)N * dim, TD_F32);
+        float *got = td_down(p.gpu, xg, (size_t)N * dim, p.act);
+        td_check("moe_combine", got, want, (size_t)N * dim, td_tol(p.act));
+        free(want); free(got); free(x); free(y);
+        p.cpu->ops->free(p.cpu, xc); p.cpu->ops->free(p.cpu, yc);
+        p.gpu->ops->free(p.gpu, xg); p.gpu->ops->free(p.gpu, yg);
         td_close(&p);
     }
 }

@@ -527,6 +527,46 @@ Test(kernels_cpu, embed_swiglu_gather, .timeout = 60)
     }
 }
 
+/* moe_combine against a double sum: each row plus its k weighted slots (repeated slots,
+   rows wider than a stripe of 256 and not a multiple of it), 1 and 4 threads; and a row's
+   result is bit-identical whatever other rows the call holds (the engine's invariance). */
+Test(kernels_cpu, moe_combine, .timeout = 60)
+{
+    rng_t r = {11};
+    enum { N = 17, K = 4, Y = 40, DIM = 600 };
+    int32_t slots[N * K];
+    float w[N * K];
+    float *x0 = xmalloc((size_t)N * DIM * 4), *y = xmalloc((size_t)Y * DIM * 4), *x = xmalloc((size_t)N * DIM * 4);
+    double *ref = xmalloc((size_t)N * DIM * 8);
+    fill_random(&r, x0, TD_F32, NULL, (size_t)N * DIM);
+    fill_random(&r, y, TD_F32, NULL, (size_t)Y * DIM);
+    for (int i = 0; i < N * K; i++) {
+        slots[i] = rng_int(&r, Y);
+        w[i] = fabsf(rng_val(&r));
+    }
+    slots[1] = slots[0]; /* one row takes the same output twice */
+    for (int t = 0; t < N; t++)
+        for (int i = 0; i < DIM; i++) {
+            double acc = 0;
+            for (int k = 0; k < K; k++)
+                acc += (double)w[t * K + k] * y[(size_t)slots[t * K + k] * DIM + i];
+            ref[(size_t)t * DIM + i] = x0[(size_t)t * DIM + i] + acc;
+        }
+    float *alone = xmalloc(DIM * 4);
+    for (size_t ti = 0; ti < TD_ARRAY_LEN(thread_counts); ti++) {
+        td_backend_t *be = make_backend(thread_counts[ti]);
+        memcpy(x, x0, (size_t)N * DIM * 4);
+        cr_assert_eq(be->ops->moe_combine(be, x, y, slots, w, N, K, DIM), TD_OK);
+        check_close("moe_combine", x, ref, (size_t)N * DIM, 1e-6);
+        /* row 5 alone: the same bits as in the call of 17 rows */
+        memcpy(alone, x0 + 5 * DIM, DIM * 4);
+        cr_assert_eq(be->ops->moe_combine(be, alone, y, slots + 5 * K, w + 5 * K, 1, K, DIM), TD_OK);
+        cr_assert(!memcmp(alone, x + 5 * DIM, DIM * 4), "moe_combine: row 5 alone differs from row 5 of 17");
+        td_backend_destroy(be);
+    }
+    free(x0), free(y), free(x), free(ref), free(alone);
+}
+
 /* rope_kv_write against a plain double-precision rotation: q rotated in place, k rotated
    into its cache slot (layer 1 of a 2-layer f32 pool), v copied; a row with slot -1 writes
    nothing and slots no row names keep their poison. */
