@@ -12,6 +12,9 @@
 # the next run. The cluster is started once with
 # --threads 1 per node and stopped at the end. P `u` and D N: N unified nodes (the colocated
 # configuration; `plan --unified N`) instead of P prefill and D decode nodes.
+# TRACE=1: each rate's N requests are one trace (Poisson arrivals, lengths as --dataset
+# random draws them) that bench serve replays and plan simulates: the prediction is for the
+# very arrivals measured. Else plan simulates 4000 requests of the same distribution.
 # PIN=CORES (e.g. PIN=0,1): each node process, all its threads, pinned to one of CORES in turn
 # once the cluster is up (router and load generator float), as bench/goodput_sweep.sh does.
 set -u
@@ -59,12 +62,32 @@ for R in "$@"; do
         PF=$T/prof.json
         "$BIN" plan profile --model "$MODEL" --threads 1 --out "$PF" >/dev/null 2>&1 || { echo "profile failed" >&2; exit 1; }
     fi
-    "$BIN" bench serve --gateway "$GW" --num-prompts "$N" --request-rate "$R" --input-len "$IN" --output-len "$OUT" \
-        --range-ratio "$RR" --vocab-size "$VOCAB" --seed $SEED --goodput "ttft:$TTFT tpot:$TPOT" --result-file "$T/m.json" \
+    if [ -n "${TRACE:-}" ]; then
+        # one trace for both: N Poisson arrivals at R and lengths drawn as --dataset random
+        # draws them, replayed by bench serve and simulated by plan (the same arrivals, not a
+        # 4000-request stationary run against an N-request sample)
+        python3 - "$T/trace.csv" "$N" "$R" "$IN" "$OUT" "$RR" "$SEED" <<'PY'
+import random, sys
+path, n, rate, i, o, rr, seed = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), float(sys.argv[6]), int(sys.argv[7])
+g = random.Random(seed)
+t = 0.0
+with open(path, "w") as f:
+    for _ in range(n):
+        t += g.expovariate(rate)
+        f.write(f"{t:.6f},{g.randint(max(1, int(i * (1 - rr))), int(i * (1 + rr)))},"
+                f"{g.randint(max(1, int(o * (1 - rr))), int(o * (1 + rr)))}\n")
+PY
+        DATA=(--dataset trace --dataset-path "$T/trace.csv") WL=(--workload "trace:$T/trace.csv")
+    else
+        DATA=(--request-rate "$R" --input-len "$IN" --output-len "$OUT" --range-ratio "$RR")
+        WL=(--workload "random:$IN:$OUT:$RR" --rate "$R" --requests 4000)
+    fi
+    "$BIN" bench serve --gateway "$GW" --num-prompts "$N" "${DATA[@]}" \
+        --vocab-size "$VOCAB" --seed $SEED --goodput "ttft:$TTFT tpot:$TPOT" --result-file "$T/m.json" \
         >/dev/null 2>"$T/bs.err" || { echo "bench serve failed at rate $R: $(tail -2 "$T/bs.err")" >&2; exit 1; }
     LOAD=$(cut -d' ' -f1 /proc/loadavg)
-    "$BIN" plan --profile "$PF" --workload "random:$IN:$OUT:$RR" --ttft "$TTFT" --tpot "$TPOT" \
-        "${SPLIT[@]}" --rate "$R" --requests 4000 --seed $SEED --json >"$T/p.json" || exit 1
+    "$BIN" plan --profile "$PF" "${WL[@]}" --ttft "$TTFT" --tpot "$TPOT" \
+        "${SPLIT[@]}" --seed $SEED --json >"$T/p.json" || exit 1
     python3 - "$T/m.json" "$T/p.json" "$R" "$LOAD" <<'PY'
 import json, sys
 m, p, r = json.load(open(sys.argv[1])), json.load(open(sys.argv[2]))["simulated"], sys.argv[3]
