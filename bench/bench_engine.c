@@ -321,17 +321,20 @@ static td_status_t spec_bench(const bench_opts_t *o, td_engine_t *eng, td_spec_d
             if (end == p)
                 break;
             int32_t *np = realloc(prompt, (n + 1) * sizeof *np);
-            if (!np)
+            if (!np) {
+                free(prompt);
                 return td_errorf(TD_ERR_NOMEM, "bench: out of memory");
+            }
             prompt = np;
             prompt[n++] = (int32_t)v;
             p = end;
         }
         for (size_t i = 0; i < n; i++)
             if (prompt[i] < 0 || prompt[i] >= c->vocab_size) {
+                int32_t bad = prompt[i];
                 free(prompt);
-                return td_errorf(TD_ERR_INVALID, "--spec-prompt-ids: id %d is outside the vocabulary [0, %d)",
-                                 prompt[i], c->vocab_size);
+                return td_errorf(TD_ERR_INVALID, "--spec-prompt-ids: id %d is outside the vocabulary [0, %d)", bad,
+                                 c->vocab_size);
             }
     } else { /* a unit of 24 random ids, four times */
         int32_t *unit = random_tokens(24, c->vocab_size, 99);
