@@ -29,6 +29,7 @@ typedef struct ref_model {
 
 static void ref_load(ref_model_t *r)
 {
+    *r = (ref_model_t){0}; /* no sliding window unless a test sets one */
     FILE *f = fopen(td_test_stories_path(), "rb");
     cr_assert(f);
     int hdr[7];
