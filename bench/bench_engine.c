@@ -219,15 +219,6 @@ typedef struct spec_result {
     int n_gen;
 } spec_result_t;
 
-static int argmax_f(const float *v, int n)
-{
-    int b = 0;
-    for (int i = 1; i < n; i++)
-        if (v[i] > v[b])
-            b = i;
-    return b;
-}
-
 /* One greedy batch-1 generation of up to `gen` tokens after prompt[0..n) (EOS ignored: the
  * figure is per token), with speculation per sc (mode off: one token a step); the decode
  * seconds (after the first token) and, with speculation, its counters. Its tokens go to
@@ -256,7 +247,7 @@ static td_status_t spec_run(td_engine_t *eng, td_spec_draft_t *draft, const td_s
     td_engine_item_t it = {.seq = &seq, .tokens = prompt, .n_tokens = n, .n_logits = 1};
     if ((st = td_engine_step(eng, &it, 1, logits)) != TD_OK)
         goto out;
-    ctx[n_ctx++] = out[n_gen++] = argmax_f(logits, (int)vocab);
+    ctx[n_ctx++] = out[n_gen++] = td_spec_argmax(logits, c->vocab_size);
     uint64_t t0 = td_now_ns();
     while (n_gen < gen) {
         int32_t d[TD_SPEC_MAX_DRAFT], m = 0, next = ctx[n_ctx - 1];
@@ -273,7 +264,7 @@ static td_status_t spec_run(td_engine_t *eng, td_spec_draft_t *draft, const td_s
             goto out;
         int taken = 0, acc = 0;
         for (int i = 0; i <= m && n_gen < gen; i++) {
-            int32_t t = argmax_f(logits + (size_t)i * vocab, (int)vocab);
+            int32_t t = td_spec_argmax(logits + (size_t)i * vocab, c->vocab_size);
             ctx[n_ctx++] = out[n_gen++] = t;
             taken++;
             if (i == m || t != d[i])

@@ -256,6 +256,23 @@ static void decode_window(const bs_replies_t *rep, uint32_t prompt, double *step
     *step_s = pt.step_s, *ctx = pt.context, *per_stream = pt.gaps_per_stream, *tok_per_msg = pt.tokens_per_message;
 }
 
+/* Writes a profile's JSON to path (what: the command, for the message). */
+static td_status_t profile_write(const cJSON *j, const char *what, const char *path)
+{
+    char *text = cJSON_Print(j);
+    FILE *f = text ? fopen(path, "w") : NULL;
+    if (!f || fputs(text, f) < 0 || fputc('\n', f) < 0) {
+        td_status_t st = td_errorf(TD_ERR_IO, "%s: cannot write %s: %s", what, path, strerror(errno));
+        if (f)
+            fclose(f);
+        free(text);
+        return st;
+    }
+    fclose(f);
+    free(text);
+    return TD_OK;
+}
+
 static int plan_profile_cluster(const cluster_prof_opts_t *o)
 {
     int rc = 1;
@@ -529,17 +546,8 @@ static int plan_profile_cluster(const cluster_prof_opts_t *o)
     cJSON_AddNumberToObject(ov, "ttft_intercept_s", pc[0] + (o->prefill_metrics ? over : 0));
     cJSON_AddNumberToObject(j, "overhead_s", over);
 
-    char *text = cJSON_Print(j);
-    FILE *f = text ? fopen(o->out, "w") : NULL;
-    if (!f || fputs(text, f) < 0 || fputc('\n', f) < 0) {
-        td_errorf(TD_ERR_IO, "plan profile: cannot write %s: %s", o->out, strerror(errno));
-        if (f)
-            fclose(f);
-        free(text);
+    if (profile_write(j, "plan profile", o->out) != TD_OK)
         goto out;
-    }
-    fclose(f);
-    free(text);
     printf("Profile written:                         %s\n", o->out);
     printf("Measured through:                        %s %s\n", o->cfg.gateway ? "gateway" : "openai", o->target);
     printf("Prefill step (ms):                       %.4f + %.6f x tokens + %.3g x tokens^2%s\n", pc[0] * 1e3,
@@ -737,17 +745,8 @@ static int plan_profile(int argc, char **argv)
     cJSON_AddNumberToObject(kv, "b_s_per_token", bw > 0 ? per_tok / bw : 0);
     cJSON_AddNumberToObject(j, "overhead_s", 0);
 
-    char *text = cJSON_Print(j);
-    FILE *f = text ? fopen(out, "w") : NULL;
-    if (!f || fputs(text, f) < 0 || fputc('\n', f) < 0) {
-        td_errorf(TD_ERR_IO, "plan profile: cannot write %s: %s", out, strerror(errno));
-        if (f)
-            fclose(f);
-        free(text);
+    if (profile_write(j, "plan profile", out) != TD_OK)
         goto out;
-    }
-    fclose(f);
-    free(text);
     printf("Profile written:                         %s\n", out);
     printf("Prefill step (ms):                       %.4f + %.6f x tokens + %.3g x tokens^2\n", pc[0] * 1e3,
            pc[1] * 1e3, pc[2] * 1e3);
@@ -1148,17 +1147,8 @@ static int plan_calibrate(int argc, char **argv)
         cJSON_AddNumberToObject(cal, "decode_mean_batch", b);
         printf("Decode: %.0f steps, mean %.3f ms at batch %.2f: fits x %.3f\n", n, step * 1e3, b, f);
     }
-    char *t = cJSON_Print(j);
-    FILE *f = t ? fopen(out, "w") : NULL;
-    if (!f || fputs(t, f) < 0 || fputc('\n', f) < 0) {
-        td_errorf(TD_ERR_IO, "plan calibrate: cannot write %s: %s", out, strerror(errno));
-        if (f)
-            fclose(f);
-        free(t);
+    if (profile_write(j, "plan calibrate", out) != TD_OK)
         goto out;
-    }
-    fclose(f);
-    free(t);
     printf("Profile written:                         %s\n", out);
     rc = 0;
 out:

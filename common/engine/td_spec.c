@@ -143,7 +143,7 @@ void td_spec_draft_seq_end(td_spec_draft_t *d, td_kv_seq_t *seq)
     td_engine_seq_end(d->eng, seq);
 }
 
-static int32_t argmax(const float *v, int32_t n)
+int32_t td_spec_argmax(const float *v, int32_t n)
 {
     int32_t best = 0;
     for (int32_t i = 1; i < n; i++)
@@ -175,7 +175,7 @@ td_status_t td_spec_draft_run(td_spec_draft_t *d, td_kv_seq_t *seq, const int32_
     }
     int32_t m = 0;
     while (st == TD_OK) {
-        draft[m++] = argmax(d->logits, d->vocab);
+        draft[m++] = td_spec_argmax(d->logits, d->vocab);
         if (m == k)
             break;
         td_engine_item_t it = {.seq = seq, .tokens = &draft[m - 1], .n_tokens = 1, .n_logits = 1};

@@ -127,4 +127,8 @@ td_status_t td_spec_draft_run(td_spec_draft_t *d, td_kv_seq_t *seq, const int32_
 /* Releases a slot's blocks in the draft engine. */
 void td_spec_draft_seq_end(td_spec_draft_t *d, td_kv_seq_t *seq);
 
+/* The greedy token of a logits row: the index of its largest value, the lowest on ties (the
+ * sampler's greedy rule), for drafts and for greedy figures in benchmarks. */
+int32_t td_spec_argmax(const float *v, int32_t n);
+
 #endif /* TD_SPEC_H */
