@@ -10,6 +10,7 @@
 #ifndef TD_CPU_H
 #define TD_CPU_H
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -150,7 +151,12 @@ static inline void td_cpu_scale(float *y, float a, int n)
 
 /*
  * exp(x) as softmax (x <= 0) and silu use it, ~2 ulp on [-87, 88]: range reduction by ln 2
- * and a degree-6 polynomial, written without calls or branches so loops over it vectorise.
+ * and a degree-6 polynomial, written without calls or branches so loops over it vectorise,
+ * and bit-identical to td_cpu_exp8's lanes (the same fused multiply-adds, fmaf, and floor as
+ * a conversion: |x * log2 e + 0.5| < 128 after the clamp), so a row's tail computed here
+ * equals what a vector lane would give: no result depends on where a task's range starts.
+ * (With __builtin_floorf GCC called floorf, whose SSE4.1 form may raise inexact, in every
+ * iteration: SwiGLU took 12% of a SmolLM2 prefill, scalar.)
  * Defined for every input (docs/kernels.md): below -87, -inf included, it gives exp(-87)
  * ~1.6e-38 (never denormal garbage; nothing beside a 1 in a sum); above 88, +inf included,
  * exp(88) ~1.65e38 (finite); NaN gives NaN. The clamp is written so that NaN fails both
@@ -162,16 +168,18 @@ static inline float td_cpu_exp(float x)
 {
     float c = x > -87.0f ? x : -87.0f;
     c = c < 88.0f ? c : 88.0f;
-    float n = __builtin_floorf(c * 1.44269504088896341f + 0.5f);
-    float r = c - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
+    float v = fmaf(c, 1.44269504088896341f, 0.5f);
+    float t = (float)(int32_t)v; /* truncation; floor is one less below zero */
+    float n = t > v ? t - 1.0f : t;
+    float r = fmaf(-n, 0.693359375f, c);
+    r = fmaf(-n, -2.12194440e-4f, r);
     float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
+    p = fmaf(p, r, 1.3981999507e-3f);
+    p = fmaf(p, r, 8.3334519073e-3f);
+    p = fmaf(p, r, 4.1665795894e-2f);
+    p = fmaf(p, r, 1.6666665459e-1f);
+    p = fmaf(p, r, 5.0000001201e-1f);
+    p = fmaf(p * r, r, r + 1.0f);
     uint32_t e = (uint32_t)((int32_t)n + 127) << 23;
     float scale;
     memcpy(&scale, &e, sizeof(scale));
