@@ -179,15 +179,8 @@ static int parse_opts(int argc, char **argv, cli_gen_opts_t *o)
     o->sampling.top_k = (int32_t)top_k;
     o->sampling.seed = (uint64_t)seed;
     o->spec.k_max = (int32_t)draft_tokens;
-    if (o->draft_model && o->spec.mode == TD_SPEC_OFF)
-        o->spec.mode = TD_SPEC_DRAFT_MODEL;
-    if (o->spec.mode == TD_SPEC_DRAFT_MODEL && !o->draft_model) {
-        fprintf(stderr, "tandem generate: --spec draft-model needs --draft-model PATH\n");
-        return 2;
-    }
-    if (o->draft_model && o->spec.mode != TD_SPEC_DRAFT_MODEL) {
-        fprintf(stderr, "tandem generate: --draft-model drafts for --spec draft-model, not --spec %s\n",
-                td_spec_mode_name(o->spec.mode));
+    if (td_spec_resolve_mode(&o->spec.mode, o->draft_model != NULL) != TD_OK) {
+        fprintf(stderr, "tandem generate: %s\n", td_last_error());
         return 2;
     }
     o->kv_mem = (size_t)kv_mib << 20;
