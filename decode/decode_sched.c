@@ -538,20 +538,22 @@ static void admit_waiting(decode_sched_t *s)
 }
 
 /* Up to k drafts for q in q->draft: prompt lookup over its context, or the draft model's
- * greedy tokens after it. A draft run that fails (the engine logged why) drafts nothing, its
- * draft KV is not trusted (dropped: the next run refeeds the context), and it counts as a
- * draft of which nothing was accepted, so the sequence backs off instead of failing each step. */
+ * greedy tokens after it. A draft run that yields nothing (the draft pool is full: it gave
+ * the sequence's draft blocks back) or fails (the engine logged why; its draft KV is not
+ * trusted, dropped, and the next run refeeds the context) counts as a draft of which nothing
+ * was accepted: the sequence backs off 4, 16, 64 steps rather than refeeding its whole
+ * context into the draft engine every step, and never fails for it. */
 static int32_t propose(decode_sched_t *s, dseq_t *q, int32_t k)
 {
     const td_spec_config_t *sc = &s->cfg.spec;
     if (sc->mode == TD_SPEC_PROMPT_LOOKUP)
         return td_spec_lookup(q->ctx, q->n_ctx, sc->ngram_min, sc->ngram_max, k, q->draft);
     int32_t m = 0;
-    if (td_spec_draft_run(s->cfg.draft, &q->dkv, q->ctx, q->n_ctx, k, q->draft, &m) == TD_OK)
-        return m;
-    td_spec_draft_seq_end(s->cfg.draft, &q->dkv);
-    td_spec_adapt_update(&q->adapt, sc, k, 0);
-    return 0;
+    if (td_spec_draft_run(s->cfg.draft, &q->dkv, q->ctx, q->n_ctx, k, q->draft, &m) != TD_OK)
+        td_spec_draft_seq_end(s->cfg.draft, &q->dkv);
+    if (m == 0)
+        td_spec_adapt_update(&q->adapt, sc, k, 0);
+    return m;
 }
 
 /* Speculation in a batch of one-row items only: each generating sequence past its replay

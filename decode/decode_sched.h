@@ -48,7 +48,9 @@
  * what of the context it lacks, so it follows rollbacks and recomputes by itself); it goes
  * with the sequence's own KV, in the one place that drops that (finish, cancel, deadline,
  * error, preemption). A sequence that the draft pool cannot hold, or whose draft run fails
- * (the engine logged why), drafts nothing that step: speculation is never an error.
+ * (the engine logged why), drafts nothing and backs off as after a rejected draft:
+ * speculation is never an error. Drafting runs the draft engine for one sequence at a time,
+ * and a sequence's first draft (or its first after a preemption) feeds its whole context.
  *
  * Time is passed in (now_ns, any monotonic clock, the one deadlines use); no I/O.
  * Threads: a scheduler and its engine are used by one thread at a time (the node's

@@ -1406,8 +1406,11 @@ Test(decode_sched, draft_model_changes_steps_not_tokens, .timeout = 300)
         }
         cr_assert_gt(st_on.spec.accepted, 0, "pool %zu: no draft accepted (%llu drafted): the test shows nothing", p,
                      (unsigned long long)st_on.spec.drafted);
-        cr_assert_lt(st_on.steps, st_off.steps, "pool %zu: %llu steps with a draft model, %llu without", p,
-                     (unsigned long long)st_on.steps, (unsigned long long)st_off.steps);
+        /* a draft pool too small for the longest request: it never drafts, and sets the step count */
+        bool roomy = pools[p].draft_blocks >= 64;
+        cr_assert(roomy ? st_on.steps < st_off.steps : st_on.steps <= st_off.steps,
+                  "pool %zu: %llu steps with a draft model, %llu without", p, (unsigned long long)st_on.steps,
+                  (unsigned long long)st_off.steps);
         if (pools[p].n_blocks < 64)
             cr_assert_gt(st_on.preemptions, 0, "the tiny pool never preempted");
         td_spec_draft_destroy(draft);
