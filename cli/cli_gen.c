@@ -72,6 +72,15 @@ td_status_t cli_gen_parse_log_level(const td_opt_t *opt, const char *v)
     return TD_OK;
 }
 
+bool cli_gen_spec_resolve(const char *cmd, cli_gen_opts_t *o, int64_t k)
+{
+    o->spec.k_max = (int32_t)k;
+    if (td_spec_resolve_mode(&o->spec.mode, o->draft_model != NULL) == TD_OK)
+        return true;
+    fprintf(stderr, "tandem %s: %s\n", cmd, td_last_error());
+    return false;
+}
+
 bool cli_gen_validate(const char *cmd, const cli_gen_opts_t *o, bool prompt_is_text, size_t prompt_len)
 {
     td_gen_params_t gp = td_gen_params_default();

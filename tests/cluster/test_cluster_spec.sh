@@ -1,7 +1,7 @@
 #!/bin/bash
 # test_cluster_spec: a decode node with --spec prompt-lookup, then one with --draft-model
 # (speculative decoding, docs/scheduling.md "Speculative decoding"; here stories260K drafts
-# for itself), streams the same tokens as `tandem generate` without speculation, greedy and
+# for itself), then a unified node that `tandem local --unified 1 --draft-model` started, streams the same tokens as `tandem generate` without speculation, greedy and
 # seeded, for prompts that repeat themselves (so drafts are accepted: its /metrics says so,
 # an acceptance ratio above 0 and tokens per sequence-step above 1). A draft model of another
 # vocabulary, and --spec and --draft-model that disagree, are refused at startup with a
@@ -58,16 +58,16 @@ generations_equal() {
         done
     done
 }
-# drafts_landed NODE: its /metrics shows accepted drafts, an acceptance ratio and more than
+# drafts_landed NODE: its /metrics (tandem_decode_spec_*, or tandem_unified_spec_* on a unified node) shows accepted drafts, an acceptance ratio and more than
 # one token per sequence-step; says them
 drafts_landed() {
-    local acc ratio tps
-    acc=$(cl_metric "$1" tandem_decode_spec_accepted_tokens_total)
-    ratio=$(cl_metric "$1" tandem_decode_spec_acceptance_ratio)
-    tps=$(cl_metric "$1" tandem_decode_spec_tokens_per_step)
-    awk -v a="$acc" 'BEGIN { exit !(a > 0) }' || cl_fail "no draft accepted on $1 (tandem_decode_spec_accepted_tokens_total $acc)"
-    awk -v r="$ratio" 'BEGIN { exit !(r > 0 && r <= 1) }' || cl_fail "$1: tandem_decode_spec_acceptance_ratio $ratio"
-    awk -v t="$tps" 'BEGIN { exit !(t > 1) }' || cl_fail "$1: tandem_decode_spec_tokens_per_step $tps is not above 1"
+    local acc ratio tps m="tandem_${CL_ROLE[$1]}_spec"
+    acc=$(cl_metric "$1" "${m}_accepted_tokens_total")
+    ratio=$(cl_metric "$1" "${m}_acceptance_ratio")
+    tps=$(cl_metric "$1" "${m}_tokens_per_step")
+    awk -v a="$acc" 'BEGIN { exit !(a > 0) }' || cl_fail "no draft accepted on $1 (${m}_accepted_tokens_total $acc)"
+    awk -v r="$ratio" 'BEGIN { exit !(r > 0 && r <= 1) }' || cl_fail "$1: ${m}_acceptance_ratio $ratio"
+    awk -v t="$tps" 'BEGIN { exit !(t > 1) }' || cl_fail "$1: ${m}_tokens_per_step $tps is not above 1"
     echo "$1: $acc drafts accepted, acceptance $ratio, $tps tokens per step"
 }
 generations_equal "prompt lookup on the decode node"
@@ -87,4 +87,11 @@ cl_wait_nodes 1 1 # the line d1's registration printed
 grep -q "^decode d1: draft model $CL_M " "$CL_T/d1.err" || cl_fail "d1 did not say which draft model it loaded"
 generations_equal "a draft model on the decode node"
 dm=$(drafts_landed d1)
-cl_end "$n generations through speculating decode nodes equal local generate ($pl; $dm)"
+
+# tandem local passes --draft-model and --draft-tokens on to its unified node (a new cluster:
+# the first one stops here, with its idle check)
+cl_stop
+cl_local 0 0 --unified 1 --draft-model "$CL_M" --draft-tokens 4 --threads 1
+generations_equal "a draft model on tandem local's unified node"
+un=$(drafts_landed unified0)
+cl_end "$n generations through speculating nodes equal local generate ($pl; $dm; $un)"
