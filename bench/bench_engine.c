@@ -520,7 +520,9 @@ static int spec_main(const bench_opts_t *o, const td_model_t *model, td_backend_
     if (o->draft_model) {
         td_engine_config_t dc = *ec;
         dc.max_logit_rows = 1;
-        if (td_model_load(o->draft_model, &dmodel) != TD_OK || td_engine_create(dmodel, be, &dc, &deng) != TD_OK ||
+        if (td_model_load(o->draft_model, &dmodel) != TD_OK ||
+            td_spec_draft_check(model, NULL, dmodel, o->draft_model) != TD_OK ||
+            td_engine_create(dmodel, be, &dc, &deng) != TD_OK ||
             td_spec_draft_create(deng, model->config.vocab_size, &draft) != TD_OK)
             goto out;
     }
@@ -636,10 +638,8 @@ int bench_engine(int argc, char **argv)
     o.gen_tokens = (int)gen_tokens;
     o.spec.k_max = (int32_t)draft_tokens;
     o.spec_reps = (int)spec_reps;
-    if (o.draft_model && o.spec.mode == TD_SPEC_OFF)
-        o.spec.mode = TD_SPEC_DRAFT_MODEL;
-    if ((o.spec.mode == TD_SPEC_DRAFT_MODEL) != (o.draft_model != NULL)) {
-        fprintf(stderr, "tandem bench engine: --spec draft-model and --draft-model PATH go together\n");
+    if (td_spec_resolve_mode(&o.spec.mode, o.draft_model != NULL) != TD_OK) {
+        fprintf(stderr, "tandem bench engine: %s\n", td_last_error());
         return 2;
     }
     if (o.spec.mode != TD_SPEC_OFF && o.gen_tokens < 2) {

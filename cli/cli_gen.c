@@ -72,6 +72,15 @@ td_status_t cli_gen_parse_log_level(const td_opt_t *opt, const char *v)
     return TD_OK;
 }
 
+bool cli_gen_spec_resolve(const char *cmd, cli_gen_opts_t *o, int64_t k)
+{
+    o->spec.k_max = (int32_t)k;
+    if (td_spec_resolve_mode(&o->spec.mode, o->draft_model != NULL) == TD_OK)
+        return true;
+    fprintf(stderr, "tandem %s: %s\n", cmd, td_last_error());
+    return false;
+}
+
 bool cli_gen_validate(const char *cmd, const cli_gen_opts_t *o, bool prompt_is_text, size_t prompt_len)
 {
     td_gen_params_t gp = td_gen_params_default();
@@ -117,36 +126,6 @@ td_status_t cli_gen_open(cli_gen_t *g, const cli_gen_opts_t *o, bool need_tok)
     return td_backend_open(&o->device, (int32_t)o->threads, dtype < 0 ? TD_F32 : (td_dtype_t)dtype, &g->be);
 }
 
-/* The draft model must speak the model's tokens: the same vocabulary size and, when both
- * have a tokenizer, the same piece for every id. */
-static td_status_t check_draft_vocab(const cli_gen_t *g, const cli_gen_opts_t *o)
-{
-    int32_t nv = g->model->config.vocab_size, dv = g->draft_model->config.vocab_size;
-    if (nv != dv)
-        return td_errorf(TD_ERR_INVALID, "--draft-model %s: its vocabulary has %d tokens, --model's %d: a draft model "
-                         "must share the model's vocabulary (the same tokenizer)", o->draft_model, dv, nv);
-    if (!g->tok || !g->draft_model->tokenizer_path[0])
-        return TD_OK;
-    td_tokenizer_t *dt = NULL;
-    td_status_t st = td_tokenizer_load(g->draft_model->tokenizer_path, &dt);
-    if (st != TD_OK)
-        return st;
-    int32_t n = td_tokenizer_vocab_size(g->tok);
-    if (td_tokenizer_vocab_size(dt) != n)
-        st = td_errorf(TD_ERR_INVALID, "--draft-model %s: its tokenizer has %d tokens, the model's %d: a draft model "
-                       "must share the model's tokenizer", o->draft_model, td_tokenizer_vocab_size(dt), n);
-    for (int32_t id = 0; st == TD_OK && id < n; id++) {
-        size_t la, lb;
-        const char *a = td_tokenizer_id_to_piece(g->tok, id, &la), *b = td_tokenizer_id_to_piece(dt, id, &lb);
-        if (la != lb || memcmp(a, b, la))
-            st = td_errorf(TD_ERR_INVALID, "--draft-model %s: token %d is '%.*s' in its tokenizer, '%.*s' in the "
-                           "model's: a draft model must share the model's tokenizer", o->draft_model, id, (int)lb, b,
-                           (int)la, a);
-    }
-    td_tokenizer_destroy(dt);
-    return st;
-}
-
 /* --spec draft-model: the draft model on the same backend, an engine like the model's. */
 static td_status_t open_draft(cli_gen_t *g, const cli_gen_opts_t *o, const td_engine_config_t *ec, int64_t kv_tokens)
 {
@@ -154,7 +133,7 @@ static td_status_t open_draft(cli_gen_t *g, const cli_gen_opts_t *o, const td_en
         return td_errorf(TD_ERR_INVALID, "--spec draft-model needs --draft-model PATH (a small model sharing the "
                          "vocabulary)");
     td_status_t st = td_model_load(o->draft_model, &g->draft_model);
-    if (st != TD_OK || (st = check_draft_vocab(g, o)) != TD_OK)
+    if (st != TD_OK || (st = td_spec_draft_check(g->model, g->tok, g->draft_model, o->draft_model)) != TD_OK)
         return st;
     td_engine_config_t dc = *ec;
     dc.max_logit_rows = 1;

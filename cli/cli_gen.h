@@ -69,6 +69,24 @@ td_status_t cli_gen_parse_stop(const td_opt_t *opt, const char *v);
 td_status_t cli_gen_parse_stop_id(const td_opt_t *opt, const char *v);
 td_status_t cli_gen_parse_log_level(const td_opt_t *opt, const char *v);
 
+/* The speculative decoding flags of generate and chat: three td_opt_t initialisers, --spec
+ * into o->spec.mode (td_cli.h's cli_opt_spec), --draft-model into o->draft_model and
+ * --draft-tokens into the int64_t *k; cli_gen_spec_resolve after parsing. */
+#define CLI_GEN_SPEC_OPTS(o, k)                                                                                   \
+    {.name = "spec", .type = TD_OPT_FN, .ptr = &(o)->spec.mode, .parse = cli_opt_spec, .arg = "MODE",            \
+     .help = "speculative decoding: off (default) | prompt-lookup (drafts copied from\n"                          \
+             "earlier in the prompt and output) | draft-model (--draft-model drafts); the\n"                      \
+             "output is the same token for token, logprobs included"},                                           \
+    {.name = "draft-model", .type = TD_OPT_STR, .ptr = &(o)->draft_model, .arg = "PATH",                          \
+     .help = "a small model sharing the vocabulary that drafts (implies --spec draft-model)"},                   \
+    {.name = "draft-tokens", .type = TD_OPT_I64, .ptr = (k), .min = 1, .max = TD_SPEC_MAX_DRAFT, .arg = "K",      \
+     .help = "most draft tokens verified per step (default 8; adaptive below it)"}
+
+/* After CLI_GEN_SPEC_OPTS were parsed: --draft-tokens k into o->spec, and --spec and
+ * --draft-model reconciled (td_spec_resolve_mode); on a conflict prints "tandem CMD: why"
+ * and returns false (a usage error). */
+bool cli_gen_spec_resolve(const char *cmd, cli_gen_opts_t *o, int64_t k);
+
 /* Checks o's request parameters with td_gen_params_validate (the gateway's check) for a
  * prompt of prompt_len bytes; on failure prints "tandem CMD: --flag: why" and returns false. */
 bool cli_gen_validate(const char *cmd, const cli_gen_opts_t *o, bool prompt_is_text, size_t prompt_len);

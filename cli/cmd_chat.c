@@ -54,7 +54,7 @@ static void conv_truncate(chat_conv_t *c, size_t n)
 
 static int parse_opts(int argc, char **argv, cli_gen_opts_t *o)
 {
-    int64_t top_k = o->sampling.top_k, seed = (int64_t)o->sampling.seed, kv_mib = 0;
+    int64_t top_k = o->sampling.top_k, seed = (int64_t)o->sampling.seed, kv_mib = 0, draft_tokens = o->spec.k_max;
     td_dtype_t dtype = TD_F32;
     char stop_help[64];
     snprintf(stop_help, sizeof stop_help, "stop a reply before this text (repeatable, up to %d)",
@@ -96,6 +96,7 @@ static int parse_opts(int argc, char **argv, cli_gen_opts_t *o)
          .arg = "N", .help = "prompt tokens per prefill step (default 512)"},
         {.name = "log-level", .type = TD_OPT_FN, .parse = cli_gen_parse_log_level, .arg = "L",
          .help = "error|warn|info|debug (debug shows each rendered prompt)"},
+        CLI_GEN_SPEC_OPTS(o, &draft_tokens),
     };
     enum { N_OPTS = TD_ARRAY_LEN(opts), OPT_MAX_TOKENS = 3, OPT_DTYPE = 13 };
     int given[N_OPTS] = {0};
@@ -107,7 +108,8 @@ static int parse_opts(int argc, char **argv, cli_gen_opts_t *o)
         printf("usage: tandem chat --model PATH [--system TEXT] [--max-tokens N] [--temperature T]\n"
                "                   [--top-k K] [--top-p P] [--min-p P] [--repetition-penalty R] [--seed S]\n"
                "                   [--stop TEXT]... [--threads N] [--device cpu|cuda[:N]] [--dtype T]\n"
-               "                   [--quant q8_0|q4_0]\n\n");
+               "                   [--quant q8_0|q4_0] [--spec off|prompt-lookup|draft-model]\n"
+               "                   [--draft-model PATH] [--draft-tokens K]\n\n");
         td_opts_usage(stdout, opts, N_OPTS, false);
         printf("\n"
                "Reads the user's messages from stdin, one a line, and streams each reply to stdout (a\n"
@@ -120,6 +122,8 @@ static int parse_opts(int argc, char **argv, cli_gen_opts_t *o)
     TD_ASSERT(!strcmp(opts[OPT_MAX_TOKENS].name, "max-tokens") && !strcmp(opts[OPT_DTYPE].name, "dtype"));
     o->sampling.top_k = (int32_t)top_k;
     o->sampling.seed = (uint64_t)seed;
+    if (!cli_gen_spec_resolve("chat", o, draft_tokens))
+        return 2;
     o->kv_mem = (size_t)kv_mib << 20;
     o->max_tokens_given = given[OPT_MAX_TOKENS] != 0;
     if (given[OPT_DTYPE])

@@ -138,14 +138,7 @@ static int parse_opts(int argc, char **argv, cli_gen_opts_t *o)
         {.name = "connect-timeout", .type = TD_OPT_F32, .ptr = &o->connect_timeout_s, .fmin = 0.001f,
          .fmax = 3600.0f, .arg = "S",
          .help = connect_help},
-        {.name = "spec", .type = TD_OPT_FN, .ptr = &o->spec.mode, .parse = cli_opt_spec, .arg = "MODE",
-         .help = "speculative decoding: off (default) | prompt-lookup (drafts copied from\n"
-                 "earlier in the prompt and output) | draft-model (--draft-model drafts); the\n"
-                 "output is the same token for token, logprobs included"},
-        {.name = "draft-model", .type = TD_OPT_STR, .ptr = &o->draft_model, .arg = "PATH",
-         .help = "a small model sharing the vocabulary that drafts (implies --spec draft-model)"},
-        {.name = "draft-tokens", .type = TD_OPT_I64, .ptr = &draft_tokens, .min = 1, .max = TD_SPEC_MAX_DRAFT,
-         .arg = "K", .help = "most draft tokens verified per step (default 8; adaptive below it)"},
+        CLI_GEN_SPEC_OPTS(o, &draft_tokens),
     };
     enum { N_OPTS = TD_ARRAY_LEN(opts), OPT_MAX_TOKENS = 6, OPT_DTYPE = 19 };
     int given[N_OPTS] = {0};
@@ -178,18 +171,8 @@ static int parse_opts(int argc, char **argv, cli_gen_opts_t *o)
     }
     o->sampling.top_k = (int32_t)top_k;
     o->sampling.seed = (uint64_t)seed;
-    o->spec.k_max = (int32_t)draft_tokens;
-    if (o->draft_model && o->spec.mode == TD_SPEC_OFF)
-        o->spec.mode = TD_SPEC_DRAFT_MODEL;
-    if (o->spec.mode == TD_SPEC_DRAFT_MODEL && !o->draft_model) {
-        fprintf(stderr, "tandem generate: --spec draft-model needs --draft-model PATH\n");
+    if (!cli_gen_spec_resolve("generate", o, draft_tokens))
         return 2;
-    }
-    if (o->draft_model && o->spec.mode != TD_SPEC_DRAFT_MODEL) {
-        fprintf(stderr, "tandem generate: --draft-model drafts for --spec draft-model, not --spec %s\n",
-                td_spec_mode_name(o->spec.mode));
-        return 2;
-    }
     o->kv_mem = (size_t)kv_mib << 20;
     TD_ASSERT(!strcmp(opts[OPT_MAX_TOKENS].name, "max-tokens") && !strcmp(opts[OPT_DTYPE].name, "dtype"));
     o->max_tokens_given = given[OPT_MAX_TOKENS] != 0;

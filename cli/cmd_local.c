@@ -22,6 +22,7 @@
 #include "td_engine.h"
 #include "td_log.h"
 #include "td_model.h"
+#include "td_spec.h"
 #include "td_util.h"
 
 #define LOCAL_MAX_CHILDREN 66
@@ -125,10 +126,10 @@ static void local_plan(int64_t n_prefill, int64_t n_decode, int64_t threads, int
 int cmd_local(int argc, char **argv)
 {
     const char *model = NULL, *tokenizer = NULL, *log_level = "warn", *host = "127.0.0.1", *advertise = NULL;
-    const char *device = "cpu", *dtype = NULL, *api_keys = NULL;
+    const char *device = "cpu", *dtype = NULL, *api_keys = NULL, *spec_mode = "off", *draft_model = NULL;
     /* -1: not given (1 each, or 0 each with --unified) */
     int64_t n_prefill = -1, n_decode = -1, n_unified = 0, threads = 0, kv_blocks = 0, kv_mem = 0, http_port = 0;
-    int64_t prefill_chunk = 0;
+    int64_t prefill_chunk = 0, draft_tokens = 0;
     const td_opt_t opts[] = {
         TD_OPT_STRING("model", &model, "model path (required)"),
         TD_OPT_STRING("tokenizer", &tokenizer, "tokenizer path (default: beside the model)"),
@@ -148,6 +149,12 @@ int cmd_local(int argc, char **argv)
         TD_OPT_STRING("dtype", &dtype, "f32|f16|bf16, for every node"),
         TD_OPT_INT("http-port", &http_port, -1, 65535, "the router's OpenAI HTTP API port (default 0: any; -1: off)"),
         TD_OPT_STRING("api-keys-file", &api_keys, "API keys the router's front doors require (docs/security.md)"),
+        TD_OPT_STRING("spec", &spec_mode, "speculative decoding on the decode and unified nodes: off (default) | "
+                      "prompt-lookup | draft-model"),
+        TD_OPT_STRING("draft-model", &draft_model, "the draft model of those nodes (implies --spec draft-model; its "
+                      "KV pool comes on top of the shared budget)"),
+        TD_OPT_INT("draft-tokens", &draft_tokens, 0, TD_SPEC_MAX_DRAFT,
+                   "with --spec: most draft tokens per sequence and step (default 0: the node's own, 8)"),
     };
     td_opts_t spec = {.prog = "local", .opts = opts, .n_opts = TD_ARRAY_LEN(opts)};
     td_opts_result_t r = {0};
@@ -157,7 +164,8 @@ int cmd_local(int argc, char **argv)
         printf("usage: tandem local --model PATH [--tokenizer PATH] [--prefill N] [--decode M] [--unified U]\n"
                "                    [--threads T] [--kv-blocks B | --kv-mem MIB] [--log-level L]\n"
                "                    [--host H] [--advertise A] [--device D] [--dtype T]\n"
-               "                    [--api-keys-file FILE] [--prefill-chunk N]\n\n"
+               "                    [--api-keys-file FILE] [--prefill-chunk N]\n"
+               "                    [--spec off|prompt-lookup|draft-model] [--draft-model PATH] [--draft-tokens K]\n\n"
                "Starts a router, N prefill and M decode nodes (separate processes) listening on\n"
                "--host (default 127.0.0.1) and reached at --advertise (default --host; required\n"
                "with a wildcard host), prints 'gateway: HOST:PORT', 'openai: URL' (the OpenAI HTTP\n"
@@ -170,7 +178,8 @@ int cmd_local(int argc, char **argv)
                "the memory available, split %d:1 between a decode and a prefill node and passed as\n"
                "--kv-mem; --kv-mem MIB (per node) or --kv-blocks B (per node) replace it.\n"
                "--device (cpu, cuda, cuda:N) and --dtype (f32, f16, bf16) go to every node,\n"
-               "--prefill-chunk to the unified ones.\n"
+               "--prefill-chunk to the unified ones, --spec, --draft-model and --draft-tokens to the\n"
+               "decode and unified ones.\n"
                "A cluster secret of its own is made for each run (docs/security.md).\n\n",
                TD_KV_LOCAL_PERCENT, TD_KV_LOCAL_DECODE_SHARE);
         td_opts_usage(stdout, opts, (int)TD_ARRAY_LEN(opts), false);
@@ -178,6 +187,11 @@ int cmd_local(int argc, char **argv)
     }
     if (!model) {
         fprintf(stderr, "tandem local: --model PATH is required\n");
+        return 2;
+    }
+    td_spec_mode_t mode;
+    if (td_spec_parse_mode(spec_mode, &mode) != TD_OK || td_spec_resolve_mode(&mode, draft_model != NULL) != TD_OK) {
+        fprintf(stderr, "tandem local: %s\n", td_last_error());
         return 2;
     }
     if (n_prefill < 0)
@@ -276,7 +290,8 @@ int cmd_local(int argc, char **argv)
         char *nargv[] = {"tandem", (char *)role, "--model", (char *)model, "--router", control,
                          "--node-id", id, "--threads", plan.threads, "--log-level", (char *)log_level,
                          "--host", (char *)host, "--device", (char *)device, "--cluster-secret-file", secret,
-                         NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
+                         NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+                         NULL};
         int k = 0;
         while (nargv[k]) /* the optional flags go after the fixed ones */
             k++;
@@ -298,6 +313,21 @@ int cmd_local(int argc, char **argv)
             nargv[k++] = "--prefill-chunk";
             nargv[k++] = chunk;
         }
+        char ks[24];
+        if (dec && mode != TD_SPEC_OFF) {
+            nargv[k++] = "--spec";
+            nargv[k++] = (char *)td_spec_mode_name(mode);
+        }
+        if (dec && draft_model) {
+            nargv[k++] = "--draft-model";
+            nargv[k++] = (char *)draft_model;
+        }
+        if (dec && draft_tokens > 0) {
+            snprintf(ks, sizeof ks, "%lld", (long long)draft_tokens);
+            nargv[k++] = "--draft-tokens";
+            nargv[k++] = ks;
+        }
+        TD_ASSERT((size_t)k < TD_ARRAY_LEN(nargv));
         if (spawn(&l, self, nargv, false) != TD_OK)
             goto out;
     }

@@ -70,7 +70,8 @@ typedef struct decode_config {
     int64_t idle_wait_ms;     /* compute thread's bound on one wait */
     int64_t max_batch_tokens; /* tokens one step feeds: decodes + prompt chunks */
     int64_t prefill_chunk;    /* prompt tokens one sequence feeds in a step */
-    const char *spec;         /* speculative decoding: off | prompt-lookup */
+    const char *spec;         /* speculative decoding: off | prompt-lookup | draft-model */
+    const char *draft_model;  /* spec draft-model: the drafter's model (NULL: none) */
     int64_t draft_tokens;     /* most draft tokens per sequence and step */
 } decode_config_t;
 
@@ -138,6 +139,9 @@ typedef struct decode_state {
     td_backend_t *be;
     td_engine_t *eng;
     decode_sched_t *sched;
+    td_model_t *draft_model;  /* --draft-model: the drafter's model, engine and state (open_draft) */
+    td_engine_t *draft_eng;
+    td_spec_draft_t *draft;
     td_kv_layout_t layout;
     td_kv_cache_t *kv;        /* the engine's block manager, shared with td_xfer's leases */
     td_xfer_t *xfer;
@@ -398,6 +402,54 @@ static td_status_t size_pool(decode_state_t *s, const td_engine_config_t *ec)
                               .device = s->proc.device.cuda, .device_default = TD_KV_DECODE_DEVICE_DEFAULT,
                               .useful_tokens = s->cfg.max_batch * mc->max_seq_len, .useful_what = what};
     return td_node_plan_kv(&s->proc, s->model, ec, &pp, &s->cfg.kv_blocks, &s->pool_bytes);
+}
+
+/* --draft-model: the draft model, refused unless it speaks the model's tokens; before the KV
+ * pool is sized and allocated, so a refusal costs nothing. */
+static td_status_t load_draft(decode_state_t *s)
+{
+    td_status_t st = td_model_load(s->cfg.draft_model, &s->draft_model);
+    if (st != TD_OK)
+        return st;
+    return td_spec_draft_check(s->model, NULL, s->draft_model, s->cfg.draft_model);
+}
+
+/* --draft-model: on the model's backend and threads, an engine for the draft model (loaded
+ * by load_draft) with a KV pool of its own, and the drafter. Each running
+ * sequence keeps its context in the draft pool too, so the pool holds as many tokens as the
+ * model's plus every sequence's drafts (at most max-batch sequences of the draft model's
+ * length); prefix blocks shared in the model's pool are not shared there, so with shared
+ * prefixes a sequence may find it full and skip drafting (decode_sched.h). Says what it
+ * loaded on stderr whatever the log level, like the model's pool (size_pool). */
+static td_status_t open_draft(decode_state_t *s, const td_engine_config_t *ec)
+{
+    const char *path = s->cfg.draft_model;
+    td_status_t st;
+    const td_model_config_t *dm = &s->draft_model->config;
+    td_engine_config_t dc = *ec;
+    dc.kv_pool = NULL;       /* nothing is transferred into it: the engine allocates it */
+    dc.prefix_cache = false; /* td_spec_draft_run feeds its sequences, never matches prefixes */
+    dc.max_seqs = 1;         /* one sequence a run */
+    dc.max_logit_rows = 1;
+    int64_t bs = dc.block_size, mb = s->cfg.max_batch;
+    int64_t n = s->cfg.kv_blocks + mb * (1 + TD_DIV_CEIL(s->cfg.draft_tokens, bs));
+    n = TD_MIN(TD_MIN(n, mb * TD_DIV_CEIL((int64_t)dm->max_seq_len, bs)), (int64_t)1 << 24);
+    dc.n_blocks = (int32_t)n;
+    size_t bytes = (size_t)n * td_engine_kv_block_bytes(s->draft_model, &dc), avail;
+    char b1[32], b2[32];
+    if (s->be->host_memory && td_mem_available(&avail) == TD_OK && bytes > avail)
+        return td_errorf(TD_ERR_NOMEM, "--draft-model %s: its KV pool of %lld blocks (%s: the model's pool's tokens "
+                         "and every sequence's drafts) is more than the %s of memory available: lower --kv-mem or "
+                         "--kv-blocks", path, (long long)n, td_format_bytes(bytes, b1, sizeof b1),
+                         td_format_bytes(avail, b2, sizeof b2));
+    if ((st = td_engine_create(s->draft_model, s->be, &dc, &s->draft_eng)) != TD_OK ||
+        (st = td_spec_draft_create(s->draft_eng, s->model->config.vocab_size, &s->draft)) != TD_OK)
+        return st;
+    fprintf(stderr, "%s %s: draft model %s (%d layers, %d tokens of vocabulary), %lld draft tokens at most; its kv "
+            "pool %lld blocks x %lld tokens = %lld tokens, %s\n", s->proc.spec.prog, s->proc.cfg.node_id, path,
+            dm->n_layers, dm->vocab_size, (long long)s->cfg.draft_tokens, (long long)n, (long long)bs,
+            (long long)(n * bs), td_format_bytes(bytes, b1, sizeof b1));
+    return TD_OK;
 }
 
 /* st of the call that allocates the pool; a failure is said with the size and the flag
@@ -1123,7 +1175,11 @@ static int node_main(int argc, char **argv, bool unified)
                    "prompt tokens one sequence feeds in one step"),
         TD_OPT_STRING("spec", &cfg->spec,
                       "speculative decoding: off (default) | prompt-lookup (drafts copied from earlier in the "
-                      "prompt and output, verified in one step; the same tokens as off)"),
+                      "prompt and output, verified in one step; the same tokens as off) | draft-model (drafts "
+                      "from draft-model)"),
+        TD_OPT_STRING("draft-model", &cfg->draft_model,
+                      "a small model sharing the model's vocabulary that drafts, on its own KV pool (implies "
+                      "spec draft-model)"),
         TD_OPT_INT("draft-tokens", &cfg->draft_tokens, 1, TD_SPEC_MAX_DRAFT,
                    "with spec: most draft tokens per sequence and step (adaptive below it)"),
     };
@@ -1133,9 +1189,9 @@ static int node_main(int argc, char **argv, bool unified)
     if (!td_node_configure(&s->proc, &spec, keys, (int)TD_ARRAY_LEN(keys), argc, argv, &rc))
         return rc;
     decode_sched_config_t dc = sched_default;
-    if (td_spec_parse_mode(cfg->spec, &dc.spec.mode) != TD_OK || dc.spec.mode == TD_SPEC_DRAFT_MODEL) {
-        fprintf(stderr, "tandem %s: spec '%s' is not off|prompt-lookup (a draft model is tandem generate's only)\n",
-                spec.prog, cfg->spec);
+    if (td_spec_parse_mode(cfg->spec, &dc.spec.mode) != TD_OK ||
+        td_spec_resolve_mode(&dc.spec.mode, cfg->draft_model != NULL) != TD_OK) {
+        fprintf(stderr, "tandem %s: %s\n", spec.prog, td_last_error());
         return 2;
     }
     dc.spec.k_max = (int32_t)cfg->draft_tokens;
@@ -1144,7 +1200,8 @@ static int node_main(int argc, char **argv, bool unified)
     /* subsystems: compute thread's rings, model, xfer with the KV pool it allocates,
        engine on that pool, scheduler, servers, router client */
     td_status_t st;
-    if ((st = td_node_load_model(&s->proc, &s->model, &s->be)) != TD_OK)
+    if ((st = td_node_load_model(&s->proc, &s->model, &s->be)) != TD_OK ||
+        (cfg->draft_model && (st = load_draft(s)) != TD_OK))
         goto out;
     td_engine_config_t ec = td_node_engine_config(&s->proc);
     ec.max_seqs = (int32_t)cfg->max_batch;
@@ -1222,6 +1279,9 @@ sched:;
     dc.max_waiting = (int32_t)cfg->max_requests;
     dc.max_batch_tokens = (int32_t)cfg->max_batch_tokens;
     dc.prefill_chunk = (int32_t)cfg->prefill_chunk;
+    if (cfg->draft_model && (st = open_draft(s, &ec)) != TD_OK)
+        goto out;
+    dc.draft = s->draft;
     if ((st = decode_sched_create(s->eng, NULL, &dc, &s->sched)) != TD_OK)
         goto out;
     if (pc->router)
@@ -1283,6 +1343,9 @@ out:
     while (td_node_worker_pop_out(&s->worker, &o))
         out_free(o);
     decode_sched_destroy(s->sched);
+    td_spec_draft_destroy(s->draft);
+    td_engine_destroy(s->draft_eng);
+    td_model_destroy(s->draft_model);
     td_engine_destroy(s->eng);
     td_backend_destroy(s->be);
     td_model_destroy(s->model);

@@ -36,6 +36,8 @@ typedef struct dseq {
     int32_t top_logprobs;
     bool ignore_eos;        /* decode_request_t's: EOS ids are not stops */
     td_spec_adapt_t adapt;  /* speculative decoding: the size of its next draft */
+    td_kv_seq_t dkv;        /* with a draft model: its KV of (a prefix of) ctx, in the draft
+                               engine's pool; dropped with kv (drop_kv) */
     int32_t draft[TD_SPEC_MAX_DRAFT]; /* this step's drafts (also in ctx after n_ctx) */
     int32_t n_draft;
 } dseq_t;
@@ -103,11 +105,20 @@ decode_sched_config_t decode_sched_config_default(void)
 
 /* ---- sequences ---------------------------------------------------------------------- */
 
+/* Takes back every block q holds, in the pool and in the draft engine's: the one release of
+ * a sequence's KV, whether it ends or is preempted (then it recomputes later from ctx). */
+static void drop_kv(decode_sched_t *s, dseq_t *q)
+{
+    td_engine_seq_end(s->eng, &q->kv);
+    if (s->cfg.draft)
+        td_spec_draft_seq_end(s->cfg.draft, &q->dkv);
+}
+
 static void seq_destroy(decode_sched_t *s, dseq_t *q)
 {
     if (!q)
         return;
-    td_engine_seq_end(s->eng, &q->kv);
+    drop_kv(s, q);
     td_sampler_destroy(q->sampler);
     td_stop_destroy(q->stop);
     td_detok_free(&q->detok);
@@ -267,13 +278,6 @@ static void remove_at(dseq_t **arr, int32_t *n, int32_t i)
     (*n)--;
 }
 
-/* Takes back every block of q (it recomputes later from its context). */
-static void drop_kv(decode_sched_t *s, dseq_t *q)
-{
-    td_engine_seq_end(s->eng, &q->kv);
-    td_kv_seq_init(&q->kv);
-}
-
 /* ---- create / admit / cancel -------------------------------------------------------- */
 
 td_status_t decode_sched_create(td_engine_t *eng, const td_tokenizer_t *tok,
@@ -281,9 +285,9 @@ td_status_t decode_sched_create(td_engine_t *eng, const td_tokenizer_t *tok,
 {
     if (cfg->spec.mode != TD_SPEC_OFF && td_spec_config_validate(&cfg->spec) != TD_OK)
         return td_errorf(TD_ERR_INVALID, "decode sched: %s", td_last_error());
-    if (cfg->spec.mode == TD_SPEC_DRAFT_MODEL)
-        return td_errorf(TD_ERR_UNSUPPORTED, "decode sched: speculation with a draft model is not available on "
-                         "decode nodes (tandem generate has it): use --spec prompt-lookup");
+    if ((cfg->spec.mode == TD_SPEC_DRAFT_MODEL) != (cfg->draft != NULL))
+        return td_errorf(TD_ERR_INVALID, "decode sched: spec %s with%s a drafter: a draft model drafts for "
+                         "draft-model, which needs one", td_spec_mode_name(cfg->spec.mode), cfg->draft ? "" : "out");
     if (cfg->max_batch <= 0 || cfg->max_batch_tokens <= 0 || cfg->prefill_chunk <= 0 ||
         cfg->max_waiting <= 0 || cfg->admit_reserve < 0)
         return td_errorf(TD_ERR_INVALID,
@@ -399,6 +403,7 @@ td_status_t decode_sched_admit(decode_sched_t *s, const decode_request_t *req)
     if (!q)
         goto err_nomem;
     td_kv_seq_init(&q->kv);
+    td_kv_seq_init(&q->dkv);
     q->id = req->id;
     q->n_prompt = req->n_prompt;
     q->max_new = TD_MIN(req->max_tokens, mc->max_seq_len - req->n_prompt);
@@ -532,8 +537,27 @@ static void admit_waiting(decode_sched_t *s)
     }
 }
 
+/* Up to k drafts for q in q->draft: prompt lookup over its context, or the draft model's
+ * greedy tokens after it. A draft run that yields nothing (the draft pool is full: it gave
+ * the sequence's draft blocks back) or fails (the engine logged why; its draft KV is not
+ * trusted, dropped, and the next run refeeds the context) counts as a draft of which nothing
+ * was accepted: the sequence backs off 4, 16, 64 steps rather than refeeding its whole
+ * context into the draft engine every step, and never fails for it. */
+static int32_t propose(decode_sched_t *s, dseq_t *q, int32_t k)
+{
+    const td_spec_config_t *sc = &s->cfg.spec;
+    if (sc->mode == TD_SPEC_PROMPT_LOOKUP)
+        return td_spec_lookup(q->ctx, q->n_ctx, sc->ngram_min, sc->ngram_max, k, q->draft);
+    int32_t m = 0;
+    if (td_spec_draft_run(s->cfg.draft, &q->dkv, q->ctx, q->n_ctx, k, q->draft, &m) != TD_OK)
+        td_spec_draft_seq_end(s->cfg.draft, &q->dkv);
+    if (m == 0)
+        td_spec_adapt_update(&q->adapt, sc, k, 0);
+    return m;
+}
+
 /* Speculation in a batch of one-row items only: each generating sequence past its replay
- * may turn its item into a verify item of its token and its drafts (prompt lookup), within
+ * may turn its item into a verify item of its token and its drafts (propose), within
  * the token budget and the logit rows. The drafts are written after the context's end
  * (ctx has room for max_new tokens) so the item's tokens stay contiguous. Returns the
  * tokens added. */
@@ -550,7 +574,7 @@ static int32_t add_drafts(decode_sched_t *s, int32_t n_items, int32_t budget)
         k = TD_MIN(TD_MIN(k, q->max_new - q->n_gen - 1), TD_MIN(budget, s->logit_rows - rows));
         if (k <= 0)
             continue;
-        int32_t m = td_spec_lookup(q->ctx, q->n_ctx, sc->ngram_min, sc->ngram_max, k, q->draft);
+        int32_t m = propose(s, q, k);
         if (m <= 0)
             continue;
         TD_ASSERT(q->n_ctx + m <= q->cap_ctx);

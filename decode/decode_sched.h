@@ -36,14 +36,21 @@
  * the stop string is emitted, the rest withheld), max tokens or the model's length.
  * Cancellation and deadlines end a request at once and release all its blocks.
  *
- * Speculative decoding (cfg.spec, prompt lookup): in a step with no prompt chunk, each
- * generating sequence may bring drafts (td_spec_lookup over its context, sized by its own
- * td_spec_adapt_t) after its token: one verify item (td_engine_item_t.verify) whose rows are
+ * Speculative decoding (cfg.spec): in a step with no prompt chunk, each generating sequence
+ * may bring drafts (sized by its own td_spec_adapt_t: prompt lookup over its context, or the
+ * draft model's greedy tokens, cfg.draft) after its token: one verify item (td_engine_item_t.verify) whose rows are
  * sampled in order with the sequence's sampler, a draft taken while the sampled token equals
  * it, every token through the same take_token as a one-row step's, and the KV of rejected
  * drafts rolled back. Output, logprobs and random streams are those of one token per step.
  * Drafts count against max_batch_tokens and the engine's logit rows; a step that would not
- * fit the pool with them runs without them before anyone is preempted.
+ * fit the pool with them runs without them before anyone is preempted. With a draft model
+ * each sequence also holds a sequence of the draft engine's KV (td_spec_draft_run feeds it
+ * what of the context it lacks, so it follows rollbacks and recomputes by itself); it goes
+ * with the sequence's own KV, in the one place that drops that (finish, cancel, deadline,
+ * error, preemption). A sequence that the draft pool cannot hold, or whose draft run fails
+ * (the engine logged why), drafts nothing and backs off as after a rejected draft:
+ * speculation is never an error. Drafting runs the draft engine for one sequence at a time,
+ * and a sequence's first draft (or its first after a preemption) feeds its whole context.
  *
  * Time is passed in (now_ns, any monotonic clock, the one deadlines use); no I/O.
  * Threads: a scheduler and its engine are used by one thread at a time (the node's
@@ -71,8 +78,10 @@ typedef struct decode_sched_config {
     int32_t max_waiting;      /* admitted requests not yet running (256) */
     int32_t admit_reserve;    /* free blocks kept back when moving a waiting request in,
                                  so running ones can grow (0) */
-    td_spec_config_t spec;    /* speculative decoding (off; prompt lookup only here: see
-                                 "Speculative decoding" above) */
+    td_spec_config_t spec;    /* speculative decoding (off; see "Speculative decoding" above) */
+    td_spec_draft_t *draft;   /* spec.mode draft-model: the drafter, over an engine of its own
+                                 (the caller's, outliving the scheduler and used by nobody else
+                                 meanwhile); NULL otherwise */
 } decode_sched_config_t;
 
 decode_sched_config_t decode_sched_config_default(void);
@@ -164,7 +173,8 @@ typedef struct decode_sched decode_sched_t;
 /*
  * Creates a scheduler around `eng` (which must outlive it and not be driven by anyone
  * else meanwhile). `tok` may be NULL: then no text and no stop strings. Errors:
- * TD_ERR_INVALID (a limit <= 0), TD_ERR_NOMEM.
+ * TD_ERR_INVALID (a limit <= 0, a bad spec config, draft-model without cfg.draft),
+ * TD_ERR_NOMEM.
  */
 td_status_t decode_sched_create(td_engine_t *eng, const td_tokenizer_t *tok,
                                 const decode_sched_config_t *cfg, decode_sched_t **sched_p);

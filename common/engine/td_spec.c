@@ -31,6 +31,19 @@ const char *td_spec_mode_name(td_spec_mode_t mode)
     return (size_t)mode < TD_ARRAY_LEN(mode_names) ? mode_names[mode] : "?";
 }
 
+td_status_t td_spec_resolve_mode(td_spec_mode_t *mode, bool have_draft_model)
+{
+    if (have_draft_model && *mode == TD_SPEC_OFF)
+        *mode = TD_SPEC_DRAFT_MODEL;
+    if (*mode == TD_SPEC_DRAFT_MODEL && !have_draft_model)
+        return td_errorf_quiet(TD_ERR_INVALID, "--spec draft-model needs --draft-model PATH (a small model sharing "
+                               "the model's vocabulary)");
+    if (have_draft_model && *mode != TD_SPEC_DRAFT_MODEL)
+        return td_errorf_quiet(TD_ERR_INVALID, "--draft-model drafts for --spec draft-model, not --spec %s",
+                               td_spec_mode_name(*mode));
+    return TD_OK;
+}
+
 td_status_t td_spec_config_validate(const td_spec_config_t *cfg)
 {
     if ((size_t)cfg->mode >= TD_ARRAY_LEN(mode_names))
@@ -103,6 +116,41 @@ double td_spec_acceptance(const td_spec_stats_t *s)
 }
 
 /* ---- the draft model ----------------------------------------------------------------- */
+
+td_status_t td_spec_draft_check(const td_model_t *target, const td_tokenizer_t *tok, const td_model_t *draft,
+                                const char *draft_path)
+{
+    int32_t nv = target->config.vocab_size, dv = draft->config.vocab_size;
+    if (nv != dv)
+        return td_errorf(TD_ERR_INVALID, "--draft-model %s: its vocabulary has %d tokens, the model's %d: a "
+                         "draft model must share the model's vocabulary (the same tokenizer)", draft_path, dv, nv);
+    if (!draft->tokenizer_path[0] || (!tok && !target->tokenizer_path[0]))
+        return TD_OK; /* no pieces to compare */
+    td_tokenizer_t *own = NULL, *dt = NULL;
+    td_status_t st = TD_OK;
+    if (!tok && (st = td_tokenizer_load(target->tokenizer_path, &own)) != TD_OK)
+        return st;
+    if (!tok)
+        tok = own;
+    if ((st = td_tokenizer_load(draft->tokenizer_path, &dt)) != TD_OK)
+        goto out;
+    int32_t n = td_tokenizer_vocab_size(tok);
+    if (td_tokenizer_vocab_size(dt) != n)
+        st = td_errorf(TD_ERR_INVALID, "--draft-model %s: its tokenizer has %d tokens, the model's %d: a draft "
+                       "model must share the model's tokenizer", draft_path, td_tokenizer_vocab_size(dt), n);
+    for (int32_t id = 0; st == TD_OK && id < n; id++) {
+        size_t la, lb;
+        const char *a = td_tokenizer_id_to_piece(tok, id, &la), *b = td_tokenizer_id_to_piece(dt, id, &lb);
+        if (la != lb || memcmp(a, b, la))
+            st = td_errorf(TD_ERR_INVALID, "--draft-model %s: token %d is '%.*s' in its tokenizer, '%.*s' in "
+                           "the model's: a draft model must share the model's tokenizer", draft_path, id, (int)lb,
+                           b, (int)la, a);
+    }
+out:
+    td_tokenizer_destroy(dt);
+    td_tokenizer_destroy(own);
+    return st;
+}
 
 struct td_spec_draft {
     td_engine_t *eng;

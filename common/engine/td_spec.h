@@ -36,6 +36,7 @@
 #include "td_engine.h"
 #include "td_kv.h"
 #include "td_status.h"
+#include "td_tokenizer.h"
 
 typedef enum td_spec_mode {
     TD_SPEC_OFF = 0,
@@ -59,6 +60,11 @@ td_spec_config_t td_spec_config_default(void);
  * choices, not logged) otherwise. */
 td_status_t td_spec_parse_mode(const char *s, td_spec_mode_t *mode_p);
 const char *td_spec_mode_name(td_spec_mode_t mode);
+
+/* --spec and --draft-model together, the one rule every command applies: a draft model given
+ * with the mode off makes it draft-model; draft-model needs a draft model; a draft model
+ * drafts for draft-model only. TD_ERR_INVALID (a message naming the flags, not logged). */
+td_status_t td_spec_resolve_mode(td_spec_mode_t *mode, bool have_draft_model);
 
 /* Checks a config's ranges: TD_ERR_INVALID naming the field (not logged). */
 td_status_t td_spec_config_validate(const td_spec_config_t *cfg);
@@ -103,6 +109,16 @@ double td_spec_acceptance(const td_spec_stats_t *s);
 /* ---- the draft model ----------------------------------------------------------------- */
 
 typedef struct td_spec_draft td_spec_draft_t;
+
+/*
+ * Whether `draft` (loaded from draft_path, which messages name) speaks `target`'s tokens: the
+ * same vocabulary size and, when both have a tokenizer, the same piece for every id. `tok` is
+ * the target's tokenizer, or NULL: then the target's own (its tokenizer_path) is loaded for
+ * the check when it has one. Errors (logged): TD_ERR_INVALID saying what differs; the
+ * tokenizer loader's.
+ */
+td_status_t td_spec_draft_check(const td_model_t *target, const td_tokenizer_t *tok, const td_model_t *draft,
+                                const char *draft_path);
 
 /*
  * A drafter over `eng`, an engine of the draft model (owned by the caller, outliving the

@@ -26,6 +26,8 @@ expect_rc 2 "chat without --model" "$bin" chat
 says "give --model PATH" "chat without --model"
 expect_rc 2 "chat bad temperature" "$bin" chat --model x --temperature -1
 says "--temperature: temperature -1 is out of range" "chat bad temperature"
+expect_rc 2 "chat --spec draft-model without a draft model" "$bin" chat --model x --spec draft-model
+says "--draft-model PATH" "chat --spec draft-model without a draft model"
 expect_rc 2 "--system without --chat" "$bin" generate --model x --prompt hi --system s
 says "--system needs --chat" "--system without --chat"
 expect_rc 2 "--chat without --prompt" "$bin" generate --model x --prompt-ids 1 --chat
@@ -124,6 +126,12 @@ grep -qF "(new conversation)" "$err" && ok || bad "/reset not acknowledged"
 # the turn after /reset is the first turn again: the same reply
 tail -c "$((size + 1))" "$out" | head -c "$size" >"$dir/third"
 cmp -s "$dir/third" "$dir/gen" && ok || bad "the reply after /reset differs from the first"
+# with a draft model (the model drafting for itself): the same replies, and drafts accepted
+"$bin" chat --model "$m" --system "$sys" --max-tokens 10 --draft-model "$m" --draft-tokens 4 <"$dir/in" \
+    >"$dir/spec.out" 2>"$dir/spec.err"
+cmp -s "$out" "$dir/spec.out" && ok || bad "chat --draft-model: other replies: $(head -c 300 "$dir/spec.err")"
+grep -qE "^speculation: .* accepted [1-9]" "$dir/spec.err" && ok ||
+    bad "chat --draft-model: no draft accepted: $(grep speculation "$dir/spec.err")"
 
 # 4. SmolLM2 (GGUF: tokenizer.chat_template, add_bos_token false, <|im_start|> is also its BOS
 # id 1): the prompt is llama.cpp's (`llama-tokenize -m MODEL -f RENDERED --ids` on the text

@@ -16,6 +16,10 @@
  * first and prompt chunks only within the token budget (a long prompt never stalls the
  * decodes: Sarathi-style chunked prefill), that ignore_eos runs past EOS to max_tokens, and
  * that a cancel in the middle of a chunked prefill gives every block back at once.
+ *
+ * Speculative decoding (speculation_*, draft_model_*): prompt lookup and a draft model change
+ * the number of steps, not the tokens or logprob floats, and a draft model's blocks go back
+ * with the sequence's own on finish, cancel, deadline and preemption.
  */
 #include <criterion/criterion.h>
 #include <math.h>
@@ -1199,11 +1203,20 @@ Test(decode_sched, unified_cancel_mid_prefill_returns_every_block, .timeout = 12
 
 /* ---- speculative decoding ----------------------------------------------------------------- */
 
+/* Blocks held in an engine's pool. */
+static int32_t used_blocks(td_engine_t *eng)
+{
+    td_kv_stats_t ks;
+    td_kv_get_stats(td_engine_kv(eng), &ks);
+    return ks.used;
+}
+
 /* N requests (greedy, seeded with logprobs, seeded with penalties and a stop id, in turn) with
  * prompts that repeat themselves, admitted one every `every` steps (all at once when every >
- * 10000), run to the end under cfg; the outcomes and the scheduler's stats. */
-static void run_spec_mix(td_test_engine_t *fx, const decode_sched_config_t *cfg, int n, int every, outcome_t *oc,
-                         decode_sched_stats_t *st)
+ * 10000), run to the end under cfg; the outcomes and the scheduler's stats. With cfg->draft,
+ * deng is the draft model's engine: once every request is done, its pool holds no block. */
+static void run_spec_mix(td_test_engine_t *fx, const decode_sched_config_t *cfg, td_engine_t *deng, int n, int every,
+                         outcome_t *oc, decode_sched_stats_t *st)
 {
     static int32_t prompts[MAXN][96];
     int n_prompt[MAXN];
@@ -1250,15 +1263,74 @@ static void run_spec_mix(td_test_engine_t *fx, const decode_sched_config_t *cfg,
     }
     cr_assert(!decode_sched_busy(ds), "requests left after 20000 steps");
     decode_sched_stats(ds, st);
+    if (deng) {
+        cr_assert_eq(used_blocks(deng), 0, "%d draft blocks held after every request ended", used_blocks(deng));
+        cr_assert_eq(td_kv_cache_check(td_engine_kv(deng)), TD_OK, "%s", td_last_error());
+    }
     sched_end(fx, ds);
+}
+
+/* A pool for the speculation tests: the engine's blocks, the scheduler's limits, requests
+ * admitted one every `every` steps (all at once past 10000), the draft model's blocks. */
+typedef struct spec_pool {
+    int n_blocks;
+    bool prefix_cache;
+    int max_batch, max_batch_tokens, prefill_chunk, every, draft_blocks;
+} spec_pool_t;
+
+enum { SPEC_N = 9 };
+
+/* Pool p: the mix (run_spec_mix) without speculation, then with spec (draft: the drafter over
+ * deng, for a draft model). Every request's tokens and finish equal; where every prompt is in
+ * before the first decode step (a decode node's case: pure decode steps) its logprob floats
+ * too, bit for bit; elsewhere (step timing changes which kernel computes a row,
+ * docs/kernels.md "Batch invariance") only the greedy requests are compared. Drafts were
+ * accepted, and with `fewer` the steps were fewer. The stats of the run with speculation. */
+static void spec_equals_off(td_test_engine_t *fx, const spec_pool_t *pl, size_t p, const td_spec_config_t *spec,
+                            td_spec_draft_t *draft, td_engine_t *deng, bool fewer, decode_sched_stats_t *st_on)
+{
+    static outcome_t off[SPEC_N], on[SPEC_N];
+    decode_sched_config_t cfg = decode_sched_config_default();
+    cfg.max_batch = pl->max_batch;
+    cfg.max_batch_tokens = pl->max_batch_tokens;
+    cfg.prefill_chunk = pl->prefill_chunk;
+    decode_sched_stats_t st_off;
+    run_spec_mix(fx, &cfg, NULL, SPEC_N, pl->every, off, &st_off);
+    cfg.spec = *spec;
+    cfg.draft = draft;
+    run_spec_mix(fx, &cfg, deng, SPEC_N, pl->every, on, st_on);
+    bool exact = pl->every > 10000;
+    for (int i = 0; i < SPEC_N; i++) {
+        cr_assert_eq(on[i].finish_events, 1);
+        if (!exact && i % 3 != 0)
+            continue; /* sampled at temperature > 0: a last-bit difference may flip a draw */
+        cr_assert_eq(on[i].finish, off[i].finish, "pool %zu request %d: finish %s, without speculation %s", p, i,
+                     decode_finish_name(on[i].finish), decode_finish_name(off[i].finish));
+        cr_assert_eq(on[i].n, off[i].n, "pool %zu request %d: %d tokens, without speculation %d", p, i, on[i].n,
+                     off[i].n);
+        cr_assert(!memcmp(on[i].tokens, off[i].tokens, (size_t)on[i].n * sizeof(int32_t)),
+                  "pool %zu request %d: other tokens with speculation", p, i);
+        cr_assert(!exact || !memcmp(on[i].lps, off[i].lps, (size_t)on[i].n * sizeof(float)),
+                  "pool %zu request %d: other logprobs with speculation", p, i);
+    }
+    cr_assert_gt(st_on->spec.accepted, 0, "pool %zu: no draft accepted (%llu drafted): the test shows nothing", p,
+                 (unsigned long long)st_on->spec.drafted);
+    cr_assert(fewer ? st_on->steps < st_off.steps : st_on->steps <= st_off.steps,
+              "pool %zu: %llu steps with speculation, %llu without", p, (unsigned long long)st_on->steps,
+              (unsigned long long)st_off.steps);
+    if (exact)
+        cr_assert_eq(st_on->tokens_generated, st_off.tokens_generated);
+    if (pl->n_blocks < 64)
+        cr_assert_gt(st_on->preemptions, 0, "the tiny pool never preempted");
+    cr_assert_eq(st_off.spec.drafted, 0);
 }
 
 /* Speculation changes the number of steps, nothing else: every request's tokens, logprob
  * floats and finish reason equal those without it (greedy, seeded, penalties, stop ids,
- * max tokens), drafts were accepted, and no block leaks. Pool 0 is a decode node's case:
- * every prompt is in before the first decode step, so every later step is a pure decode
- * step and the floats are compared bit for bit. Pool 1 is tiny: requests arrive one every
- * 4 steps and are preempted and recomputed, and a step carrying a prompt chunk runs the
+ * max tokens), drafts were accepted, and no block leaks (spec_equals_off). Pool 0 is a decode
+ * node's case: every prompt is in before the first decode step, so every later step is a pure
+ * decode step and the floats are compared bit for bit. Pool 1 is tiny: requests arrive one
+ * every 4 steps and are preempted and recomputed, and a step carrying a prompt chunk runs the
  * prefill kernel for every row in it (docs/kernels.md "Batch invariance": a one-row item
  * beside a chunk is not bit-equal to a pure decode step), so which floats a token gets
  * depends on step timing, which speculation changes; there the greedy requests' tokens and
@@ -1266,47 +1338,15 @@ static void run_spec_mix(td_test_engine_t *fx, const decode_sched_config_t *cfg,
 Test(decode_sched, speculation_changes_steps_not_tokens, .timeout = 300)
 {
     td_test_skip_without_stories();
-    enum { N = 9 };
-    static outcome_t off[N], on[N];
-    const struct {
-        int n_blocks;
-        bool prefix_cache;
-        int max_batch, max_batch_tokens, prefill_chunk, every;
-    } pools[] = {{1024, true, N, 512, 96, 100000}, {12, false, 5, 48, 16, 4}};
-    for (size_t p = 0; p < sizeof pools / sizeof pools[0]; p++) {
+    const spec_pool_t pools[] = {{1024, true, SPEC_N, 512, 96, 100000, 0}, {12, false, 5, 48, 16, 4, 0}};
+    td_spec_config_t spec = td_spec_config_default();
+    spec.mode = TD_SPEC_PROMPT_LOOKUP;
+    spec.k_max = 4;
+    for (size_t p = 0; p < TD_ARRAY_LEN(pools); p++) {
         td_test_engine_t fx;
         td_test_engine_open_cpu(&fx, 1, pools[p].n_blocks, pools[p].prefix_cache);
-        decode_sched_config_t cfg = decode_sched_config_default();
-        cfg.max_batch = pools[p].max_batch;
-        cfg.max_batch_tokens = pools[p].max_batch_tokens;
-        cfg.prefill_chunk = pools[p].prefill_chunk;
-        decode_sched_stats_t st_off, st_on;
-        run_spec_mix(&fx, &cfg, N, pools[p].every, off, &st_off);
-        cfg.spec.mode = TD_SPEC_PROMPT_LOOKUP;
-        cfg.spec.k_max = 4;
-        run_spec_mix(&fx, &cfg, N, pools[p].every, on, &st_on);
-        for (int i = 0; i < N; i++) {
-            cr_assert_eq(on[i].finish_events, 1);
-            if (p > 0 && i % 3 != 0)
-                continue; /* sampled at temperature > 0: a last-bit difference may flip a draw */
-            cr_assert_eq(on[i].finish, off[i].finish, "pool %zu request %d: finish %s, without speculation %s", p, i,
-                         decode_finish_name(on[i].finish), decode_finish_name(off[i].finish));
-            cr_assert_eq(on[i].n, off[i].n, "pool %zu request %d: %d tokens, without speculation %d", p, i, on[i].n,
-                         off[i].n);
-            cr_assert(!memcmp(on[i].tokens, off[i].tokens, (size_t)on[i].n * sizeof(int32_t)),
-                      "pool %zu request %d: other tokens with speculation", p, i);
-            cr_assert(p > 0 || !memcmp(on[i].lps, off[i].lps, (size_t)on[i].n * sizeof(float)),
-                      "pool %zu request %d: other logprobs with speculation", p, i);
-        }
-        cr_assert_gt(st_on.spec.accepted, 0, "pool %zu: no draft accepted (%llu drafted): the test shows nothing", p,
-                     (unsigned long long)st_on.spec.drafted);
-        cr_assert_lt(st_on.steps, st_off.steps, "pool %zu: %llu steps with speculation, %llu without", p,
-                     (unsigned long long)st_on.steps, (unsigned long long)st_off.steps);
-        if (p == 0)
-            cr_assert_eq(st_on.tokens_generated, st_off.tokens_generated);
-        if (pools[p].n_blocks < 64)
-            cr_assert_gt(st_on.preemptions, 0, "the tiny pool never preempted");
-        cr_assert_eq(st_off.spec.drafted, 0);
+        decode_sched_stats_t st;
+        spec_equals_off(&fx, &pools[p], p, &spec, NULL, NULL, true, &st);
         td_test_engine_close(&fx);
     }
 }
@@ -1322,8 +1362,90 @@ Test(decode_sched, speculation_config_is_checked, .timeout = 60)
     cfg.spec.k_max = TD_SPEC_MAX_DRAFT + 1;
     cr_assert_eq(decode_sched_create(fx.eng, NULL, &cfg, &ds), TD_ERR_INVALID);
     cfg.spec = td_spec_config_default();
-    cfg.spec.mode = TD_SPEC_DRAFT_MODEL;
-    cr_assert_eq(decode_sched_create(fx.eng, NULL, &cfg, &ds), TD_ERR_UNSUPPORTED);
+    cfg.spec.mode = TD_SPEC_DRAFT_MODEL; /* without a drafter */
+    cr_assert_eq(decode_sched_create(fx.eng, NULL, &cfg, &ds), TD_ERR_INVALID);
     cr_assert_null(ds);
+    td_test_engine_close(&fx);
+}
+
+/* stories260K drafting for itself: an engine of its own on fx's model and backend, n_blocks
+ * KV blocks, and the drafter over it. */
+static void draft_open(td_test_engine_t *fx, int n_blocks, td_engine_t **deng_p, td_spec_draft_t **draft_p)
+{
+    td_engine_config_t dc = td_engine_config_default();
+    dc.n_blocks = n_blocks;
+    dc.prefix_cache = false;
+    dc.max_seqs = 1;
+    dc.max_logit_rows = 1;
+    cr_assert_eq(td_engine_create(fx->model, fx->be, &dc, deng_p), TD_OK, "%s", td_last_error());
+    cr_assert_eq(td_spec_draft_create(*deng_p, fx->vocab, draft_p), TD_OK, "%s", td_last_error());
+}
+
+/* With a draft model too, speculation changes the number of steps, nothing else (the pools of
+ * speculation_changes_steps_not_tokens), and also with a draft pool too small for most
+ * contexts (6 blocks: those sequences skip drafting and back off, nobody fails; the longest
+ * request never drafts and sets the step count). Every draft block is back once the requests
+ * are done, preempted ones included (run_spec_mix). */
+Test(decode_sched, draft_model_changes_steps_not_tokens, .timeout = 300)
+{
+    td_test_skip_without_stories();
+    const spec_pool_t pools[] = {{1024, true, SPEC_N, 512, 96, 100000, 1024}, {1024, true, SPEC_N, 512, 96, 100000, 6},
+                                 {12, false, 5, 48, 16, 4, 1024}};
+    td_spec_config_t spec = td_spec_config_default();
+    spec.mode = TD_SPEC_DRAFT_MODEL;
+    spec.k_max = 4;
+    for (size_t p = 0; p < TD_ARRAY_LEN(pools); p++) {
+        td_test_engine_t fx;
+        td_test_engine_open_cpu(&fx, 1, pools[p].n_blocks, pools[p].prefix_cache);
+        td_engine_t *deng;
+        td_spec_draft_t *draft;
+        draft_open(&fx, pools[p].draft_blocks, &deng, &draft);
+        decode_sched_stats_t st;
+        spec_equals_off(&fx, &pools[p], p, &spec, draft, deng, pools[p].draft_blocks >= 64, &st);
+        td_spec_draft_destroy(draft);
+        td_engine_destroy(deng);
+        td_test_engine_close(&fx);
+    }
+}
+
+/* Cancel and deadline give a sequence's draft blocks back at once, as they do its own. */
+Test(decode_sched, draft_model_blocks_go_with_cancel_and_deadline, .timeout = 120)
+{
+    td_test_skip_without_stories();
+    td_test_engine_t fx;
+    td_test_engine_open_cpu(&fx, 1, 256, false);
+    td_engine_t *deng;
+    td_spec_draft_t *draft;
+    draft_open(&fx, 256, &deng, &draft);
+    decode_sched_config_t cfg = decode_sched_config_default();
+    cfg.spec.mode = TD_SPEC_DRAFT_MODEL;
+    cfg.spec.k_max = 4;
+    cfg.draft = draft;
+    decode_sched_t *ds;
+    cr_assert_eq(decode_sched_create(fx.eng, NULL, &cfg, &ds), TD_OK, "%s", td_last_error());
+    unsigned s = 5;
+    int32_t p0[40], p1[40];
+    random_prompt(&s, p0, 40);
+    random_prompt(&s, p1, 40);
+    decode_request_t r0 = greedy_request(0, p0, 40, 200), r1 = greedy_request(1, p1, 40, 200);
+    r1.deadline_ns = 1000;
+    cr_assert_eq(decode_sched_admit(ds, &r0), TD_OK, "%s", td_last_error());
+    cr_assert_eq(decode_sched_admit(ds, &r1), TD_OK, "%s", td_last_error());
+    decode_step_result_t r;
+    for (int i = 0; i < 4; i++) /* the prompts, then decode steps that draft */
+        cr_assert_eq(decode_sched_step(ds, 0, &r), TD_OK);
+    decode_sched_stats_t st;
+    decode_sched_stats(ds, &st);
+    cr_assert_gt(st.spec.drafted, 0, "nothing drafted: the test shows nothing");
+    int32_t held = used_blocks(deng);
+    cr_assert_geq(held, 2 * 3, "%d draft blocks for two contexts of 40+ tokens", held);
+    cr_assert_eq(decode_sched_cancel(ds, 0), TD_OK);
+    cr_assert_lt(used_blocks(deng), held, "the cancel left its draft blocks (%d held)", used_blocks(deng));
+    cr_assert_eq(decode_sched_step(ds, 2000, &r), TD_OK); /* request 1's deadline */
+    cr_assert_eq(used_blocks(deng), 0, "%d draft blocks held after cancel and deadline", used_blocks(deng));
+    cr_assert(!decode_sched_busy(ds));
+    sched_end(&fx, ds);
+    td_spec_draft_destroy(draft);
+    td_engine_destroy(deng);
     td_test_engine_close(&fx);
 }
