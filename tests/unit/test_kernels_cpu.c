@@ -1022,6 +1022,34 @@ Test(kernels_cpu, exp_special_values)
 #endif
 }
 
+/* The scalar exp is the 8-lane one lane by lane: the same bits for every input (a row's tail
+ * goes through td_cpu_exp, its body through td_cpu_exp8; if they differed, a SwiGLU or softmax
+ * result would depend on where a task's range started). Every float on a fine grid over
+ * [-100, 100] and the special values. */
+Test(kernels_cpu, exp_scalar_equals_lanes)
+{
+#if defined(__AVX2__) && defined(__FMA__)
+    float in[8], lane[8];
+    int bad = 0;
+    for (int i = 0; i < 200000 + N_SPECIAL; i += 8) {
+        for (int l = 0; l < 8; l++) {
+            int t = i + l;
+            in[l] = t < 200000 ? -100.0f + (float)t * 1e-3f + (float)(t % 7) * 1.3e-7f
+                    : t < 200000 + N_SPECIAL ? special_in[t - 200000] : 0.0f;
+        }
+        _mm256_storeu_ps(lane, td_cpu_exp8(_mm256_loadu_ps(in)));
+        for (int l = 0; l < 8; l++) {
+            float s = td_cpu_exp(in[l]);
+            if (memcmp(&s, &lane[l], sizeof s) != 0 && !(isnan(s) && isnan(lane[l])) && bad++ < 5)
+                cr_log_error("exp(%.9g): scalar %.9g, lane %.9g", (double)in[l], (double)s, (double)lane[l]);
+        }
+    }
+    cr_assert_eq(bad, 0, "%d inputs where td_cpu_exp and td_cpu_exp8 differ", bad);
+#else
+    cr_skip_test("no AVX2/FMA build: there is no 8-lane exp");
+#endif
+}
+
 /* Softmax as attention computes it (max, then exp(x - max) and the sum, on rows long enough
  * for the 8-lane path and its scalar tail): a NaN anywhere, or +inf (inf - inf), makes the
  * row NaN; -inf entries (masked) weigh ~0; huge finite values are exact after the shift. */
