@@ -8,6 +8,10 @@ comma-separated: a configuration's runs of every one, e.g. a second sweep at mor
 --sweep ... --result-file`), writes IMG_DIR/goodput-{mix}.png (goodput, SLO attainment, TTFT p90
 and TPOT p90 against the request rate, one line per configuration) and prints markdown tables:
 per rate, and per configuration the highest rate at >= the sweep's attainment and goodput per core.
+Where the runs carry every request (goodput_sweep.sh DETAILED=1), the same requests are scored
+again against a range of TPOT objectives at the sweep's TTFT objective (DistServe's "SLO scale"):
+a table of each configuration's highest rate at >= the attainment per objective, the ratio of
+the disaggregated one to the best colocated one per core, and IMG_DIR/goodput-{mix}-slo.png.
 Debian's python3-matplotlib (scripts/install-deps).
 """
 import json
@@ -53,6 +57,96 @@ def fmt(v, nd=2):
 def best_rate(runs, att):
     ok = [r["request_rate"] for r in runs if r["slo_attainment"] is not None and r["slo_attainment"] >= att]
     return max(ok) if ok else None
+
+
+# TPOT objectives the SLO scale scores, as multiples of the unloaded disaggregated TPOT median
+# when the sweep has a --probe result beside it, else of the sweep's own TPOT objective / 2.2
+SLO_SCALE = [1.25, 1.5, 1.75, 2.0, 2.2, 2.5, 3.0, 4.0, 6.0]
+
+
+def rescore(run, ttft_ms, tpot_ms):
+    """(attainment, goodput) of one run's requests against the two objectives, as bench serve
+    scores them (bs_slo_met: completed, TTFT and TPOT each within its objective; attainment over
+    every request sent, goodput over the run's duration)"""
+    reqs = run["requests"]
+    good = sum(1 for q in reqs if q["ok"] and q["ttft_ms"] is not None and q["ttft_ms"] <= ttft_ms
+               and (q["tpot_ms"] or 0) <= tpot_ms)
+    return good / len(reqs), good / run["duration"]
+
+
+def slo_scale(res, mix, img, base_tpot):
+    have = [(c, l, n) for c, l, n in CONFIGS if (c, mix) in res and all("requests" in x for x in res[(c, mix)]["runs"])]
+    if not have:
+        return
+    g = res[(have[0][0], mix)].get("goodput_config", {})
+    ttft = g.get("ttft") or float("inf")
+    att = res[(have[0][0], mix)].get("sweep_attainment", 0.9)
+    tpots = [round(base_tpot * k, 1) for k in SLO_SCALE]
+    best = {}  # (cfg, tpot) -> (highest rate at >= att, the same with every lower rate meeting it too, max goodput)
+    for cfg, _, _ in have:
+        runs = sorted(res[(cfg, mix)]["runs"], key=lambda x: x["request_rate"])
+        for tp in tpots:
+            scored = [(x["request_rate"], *rescore(x, ttft, tp)) for x in runs]
+            ok = [r for r, a, _ in scored if a >= att]
+            below = None
+            for r, a, _ in scored:
+                if a < att:
+                    break
+                below = r
+            best[(cfg, tp)] = (max(ok) if ok else None, below, max(gp for _, _, gp in scored))
+    print(f"\n#### {mix}-heavy mix, the same requests scored against other TPOT objectives "
+          f"(TTFT <= {ttft:g} ms; unloaded TPOT median {base_tpot:g} ms)\n")
+    print("highest rate at >= {:.0f}% attainment (in brackets: the highest with every lower rate swept meeting it "
+          "too), max goodput req/s; ratio: disaggregated over the best colocated, per core\n".format(100 * att))
+    print("| TPOT objective | scale | " + " | ".join(c for c, _, _ in have) + " | ratio (highest rate) | ratio (max goodput) |")
+    print("|---|---|" + "---|" * len(have) + "---|---|")
+    ratios = []
+    for tp, k in zip(tpots, SLO_SCALE):
+        cells = []
+        for cfg, _, _ in have:
+            b, lo, gm = best[(cfg, tp)]
+            cells.append(f"{'none' if b is None else f'{b:g}'} ({'none' if lo is None else f'{lo:g}'}), {gm:.2f}")
+        cores = {c: n for c, _, n in have}
+        dis = best.get(("disagg", tp))
+        colo = [(best[(c, tp)], cores[c]) for c, _, _ in have if c.startswith("unified")]
+        r1 = r2 = "-"
+        if dis and colo:
+            cb = max(((x[0] or 0) / n for x, n in colo))
+            cg = max((x[2] / n for x, n in colo))
+            d1, d2 = (dis[0] or 0) / cores["disagg"], dis[2] / cores["disagg"]
+            r1 = "inf (colocated: none)" if cb == 0 and d1 > 0 else ("-" if cb == 0 else f"{d1 / cb:.2f}x")
+            r2 = f"{d2 / cg:.2f}x" if cg else "-"
+            ratios.append((tp, d1 / cb if cb else None, d2 / cg if cg else None))
+        print(f"| {tp:g} ms | {k:g}x | " + " | ".join(cells) + f" | {r1} | {r2} |")
+    fig, ax = plt.subplots(1, 2, figsize=(8, 3.2), dpi=80)
+    for cfg, label, _ in have:
+        col, mk = STYLE[cfg]
+        kw = dict(color=col, marker=mk, label=label, linewidth=1.5, markersize=5)
+        ax[0].plot(tpots, [best[(cfg, tp)][0] or 0 for tp in tpots], **kw)
+        ax[1].plot(tpots, [best[(cfg, tp)][2] for tp in tpots], **kw)
+    ax[0].set_ylabel(f"highest rate at >= {100 * att:.0f}% (req/s)")
+    ax[1].set_ylabel("max goodput (req/s)")
+    for a in ax:
+        a.set_xlabel("TPOT objective (ms)")
+        a.set_xscale("log")
+        a.grid(True, alpha=0.3)
+    ax[0].legend(fontsize=7)
+    fig.suptitle(f"{mix}-heavy mix: the same runs scored against TPOT objectives (TTFT <= {ttft:g} ms)", fontsize=9)
+    fig.tight_layout()
+    path = os.path.join(img, f"goodput-{mix}-slo.png")
+    fig.savefig(path)
+    plt.close(fig)
+    print(f"\n![{mix}-heavy, SLO scale]({os.path.relpath(path, 'docs')})")
+
+
+def probe_tpot(outs, mix):
+    """the unloaded disaggregated TPOT median of goodput_sweep.sh --probe, if one is there"""
+    for out in outs.split(","):
+        p = os.path.join(out, f"probe-disagg-{mix}.json")
+        if os.path.exists(p):
+            with open(p) as f:
+                return json.load(f).get("median_tpot_ms")
+    return None
 
 
 def main():
@@ -130,6 +224,12 @@ def main():
             r2 = f"{gmax / cores / best_good_colo:.2f}x" if best_good_colo else "-"
             print(f"| {mix} | {label} | {'none' if br is None else f'{br:g}'} | {rpc:.2f} | {r1} | "
                   f"{gmax:.2f} | {gmax / cores:.2f} | {r2} |")
+    for mix in MIXES:
+        if not any((c, mix) in res for c, _, _ in CONFIGS):
+            continue
+        g = next(res[(c, mix)] for c, _, _ in CONFIGS if (c, mix) in res).get("goodput_config", {})
+        base = probe_tpot(out, mix) or ((g.get("tpot") or 30) / 2.2)
+        slo_scale(res, mix, img, base)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,8 @@
 #   MIXES [prefill decode]  NUM_PROMPTS [30]  SEED [1]  WARMUP [4]
 #   PREFILL_MIX ["256 16 0.25"]  DECODE_MIX ["64 128 0.25"]   (input-len output-len range-ratio)
 #   PREFILL_SLO ["ttft:MS tpot:MS"]  DECODE_SLO [...]  PREFILL_RATES  DECODE_RATES  (see below)
+#   DETAILED [0]  1: the result files carry every request (--save-detailed), so that
+#     bench/goodput_plot.py can score the same runs against other objectives (its SLO scale)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 probe=0
@@ -116,8 +118,10 @@ for cfg in $CONFIGS; do
       if [ "$mix" = prefill ]; then slo=$PREFILL_SLO rates=$PREFILL_RATES; else slo=$DECODE_SLO rates=$DECODE_RATES; fi
       echo "$cfg/$mix: $il in / $ol out (r $rr), objectives '$slo', rates $rates, $NUM_PROMPTS prompts; load before: $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$log"
       t0=$(date +%s)
+      detailed=()
+      [ "${DETAILED:-0}" = 1 ] && detailed=(--save-detailed)
       "$TANDEM" bench serve "${common[@]}" --num-prompts "$NUM_PROMPTS" --warmup-prompts "$WARMUP" \
-        --goodput "$slo" --sweep "$rates" --result-file "$out/$cfg-$mix.json" 2>&1 |
+        --goodput "$slo" --sweep "$rates" --result-file "$out/$cfg-$mix.json" "${detailed[@]}" 2>&1 |
         sed -n '/^rate /,$p' | tee -a "$log"
       echo "$cfg/$mix: $(( $(date +%s) - t0 )) s; load after: $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$log"
       cut -d' ' -f1-3 /proc/loadavg >"$out/$cfg-$mix.load"
