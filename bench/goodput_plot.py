@@ -131,7 +131,10 @@ def slo_scale(res, mix, img, base_tpot):
         a.set_xscale("log")
         a.grid(True, alpha=0.3)
     ax[0].legend(fontsize=7)
-    fig.suptitle(f"{mix}-heavy mix: the same runs scored against TPOT objectives (TTFT <= {ttft:g} ms)", fontsize=9)
+    r0 = res[(have[0][0], mix)]["runs"][0]
+    n0 = r0.get("completed") or 1
+    fig.suptitle(f"{mix}-heavy mix (~{r0['total_input_tokens'] // n0} in / ~{r0['total_output_tokens'] // n0} out): "
+                 f"the same runs scored against TPOT objectives (TTFT <= {ttft:g} ms)", fontsize=9)
     fig.tight_layout()
     path = os.path.join(img, f"goodput-{mix}-slo.png")
     fig.savefig(path)
