@@ -64,6 +64,18 @@ def best_rate(runs, att):
 SLO_SCALE = [1.25, 1.5, 1.75, 2.0, 2.2, 2.5, 3.0, 4.0, 6.0]
 
 
+def finish_fig(fig, run, mix, what, path, alt):
+    """titles fig with the mix's mean lengths (from one run) and what, writes it to path and
+    prints its markdown line"""
+    n = run.get("completed") or 1
+    fig.suptitle(f"SmolLM2-135M Q4_1, {mix}-heavy mix (~{run['total_input_tokens'] // n} in / "
+                 f"~{run['total_output_tokens'] // n} out), {what}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    print(f"\n![{alt}]({os.path.relpath(path, 'docs')})")
+
+
 def rescore(run, ttft_ms, tpot_ms):
     """(attainment, goodput) of one run's requests against the two objectives, as bench serve
     scores them (bs_slo_met: completed, TTFT and TPOT each within its objective; attainment over
@@ -131,15 +143,9 @@ def slo_scale(res, mix, img, base_tpot):
         a.set_xscale("log")
         a.grid(True, alpha=0.3)
     ax[0].legend(fontsize=7)
-    r0 = res[(have[0][0], mix)]["runs"][0]
-    n0 = r0.get("completed") or 1
-    fig.suptitle(f"{mix}-heavy mix (~{r0['total_input_tokens'] // n0} in / ~{r0['total_output_tokens'] // n0} out): "
-                 f"the same runs scored against TPOT objectives (TTFT <= {ttft:g} ms)", fontsize=9)
-    fig.tight_layout()
-    path = os.path.join(img, f"goodput-{mix}-slo.png")
-    fig.savefig(path)
-    plt.close(fig)
-    print(f"\n![{mix}-heavy, SLO scale]({os.path.relpath(path, 'docs')})")
+    finish_fig(fig, res[(have[0][0], mix)]["runs"][0], mix,
+               f"the same runs scored against TPOT objectives (TTFT <= {ttft:g} ms)",
+               os.path.join(img, f"goodput-{mix}-slo.png"), f"{mix}-heavy, SLO scale")
 
 
 def probe_tpot(outs, mix):
@@ -200,15 +206,8 @@ def main():
             a.set_xlabel("request rate (req/s)")
             a.grid(True, alpha=0.3)
         ax[0][0].legend(fontsize=7)
-        il, ol = any_res["runs"][0].get("total_input_tokens"), any_res["runs"][0].get("total_output_tokens")
-        n = any_res["runs"][0].get("completed") or 1
-        fig.suptitle(f"SmolLM2-135M Q4_1, {mix}-heavy mix (~{il // n} in / ~{ol // n} out), "
-                     f"{obj}; dotted: objective", fontsize=9)
-        fig.tight_layout()
-        path = os.path.join(img, f"goodput-{mix}.png")
-        fig.savefig(path)
-        plt.close(fig)
-        print(f"\n![{mix}-heavy]({os.path.relpath(path, 'docs')})")
+        finish_fig(fig, any_res["runs"][0], mix, f"{obj}; dotted: objective",
+                   os.path.join(img, f"goodput-{mix}.png"), f"{mix}-heavy")
     # goodput per core two ways: DistServe's (the highest rate served at >= 90% attainment, per
     # core) and the highest goodput any rate of the sweep measured, per core
     print("\n| mix | config | highest rate at >= 90% attainment | per core | vs best colocated "
