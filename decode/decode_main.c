@@ -1189,10 +1189,11 @@ static int node_main(int argc, char **argv, bool unified)
     if (!td_node_configure(&s->proc, &spec, keys, (int)TD_ARRAY_LEN(keys), argc, argv, &rc))
         return rc;
     decode_sched_config_t dc = sched_default;
+    rc = 2; /* a usage error; through `out`, which frees what td_node_configure made (its loop) */
     if (td_spec_parse_mode(cfg->spec, &dc.spec.mode) != TD_OK ||
         td_spec_resolve_mode(&dc.spec.mode, cfg->draft_model != NULL) != TD_OK) {
         fprintf(stderr, "tandem %s: %s\n", spec.prog, td_last_error());
-        return 2;
+        goto out;
     }
     dc.spec.k_max = (int32_t)cfg->draft_tokens;
     rc = 1;
