@@ -7,19 +7,7 @@
 # (the prefix cache's count on stderr), /reset and /exit; clear errors without a template.
 set -u
 bin=${TANDEM_BIN:?TANDEM_BIN must point to the tandem binary}
-pass=0 fail=0 skip=0
-ok() { pass=$((pass + 1)); }
-bad() { fail=$((fail + 1)); echo "FAIL: $*"; }
-dir=$(mktemp -d)
-out=$dir/out err=$dir/err
-trap 'rm -rf "$dir"' EXIT
-expect_rc() { # expect_rc WANT DESCRIPTION CMD...
-    local want=$1 what=$2; shift 2
-    "$@" >"$out" 2>"$err" </dev/null
-    local rc=$?
-    if [ "$rc" -eq "$want" ]; then ok; else bad "$what: exit $rc, want $want: $(head -c 300 "$err")"; fi
-}
-says() { grep -qF -- "$1" "$err" && ok || bad "$2: '$(head -c 300 "$err")' does not say '$1'"; }
+source "$(dirname "$0")/cli_lib.sh" # pass/fail counters, $dir, $out, $err, expect_rc, says
 
 expect_rc 0 "chat --help" "$bin" chat --help
 expect_rc 2 "chat without --model" "$bin" chat
