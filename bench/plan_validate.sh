@@ -17,6 +17,8 @@
 # very arrivals measured. Else plan simulates 4000 requests of the same distribution.
 # PIN=CORES (e.g. PIN=0,1): each node process, all its threads, pinned to one of CORES in turn
 # once the cluster is up (router and load generator float), as bench/goodput_sweep.sh does.
+# KEEP=DIR: each rate's bench serve result (with --save-detailed: per-request TTFT, TPOT,
+# inter-token gaps), the plan's JSON and the trace are kept in DIR as RATE.{serve,plan}.json.
 set -u
 BIN=$1 MODEL=$2 PROF=$3 P=$4 D=$5 WL=$6 TTFT=$7 TPOT=$8 N=$9
 shift 9
@@ -84,10 +86,15 @@ PY
     fi
     "$BIN" bench serve --gateway "$GW" --num-prompts "$N" "${DATA[@]}" \
         --vocab-size "$VOCAB" --seed $SEED --goodput "ttft:$TTFT tpot:$TPOT" --result-file "$T/m.json" \
+        ${KEEP:+--save-detailed} \
         >/dev/null 2>"$T/bs.err" || { echo "bench serve failed at rate $R: $(tail -2 "$T/bs.err")" >&2; exit 1; }
     LOAD=$(cut -d' ' -f1 /proc/loadavg)
     "$BIN" plan --profile "$PF" "${WL[@]}" --ttft "$TTFT" --tpot "$TPOT" \
         "${SPLIT[@]}" --seed $SEED --json >"$T/p.json" || exit 1
+    if [ -n "${KEEP:-}" ]; then
+        mkdir -p "$KEEP" && cp "$T/m.json" "$KEEP/$R.serve.json" && cp "$T/p.json" "$KEEP/$R.plan.json"
+        [ -f "$T/trace.csv" ] && cp "$T/trace.csv" "$KEEP/$R.trace.csv"
+    fi
     python3 - "$T/m.json" "$T/p.json" "$R" "$LOAD" <<'PY'
 import json, sys
 m, p, r = json.load(open(sys.argv[1])), json.load(open(sys.argv[2]))["simulated"], sys.argv[3]

@@ -107,6 +107,8 @@ typedef struct decode_cmd {
     int32_t *blocks;           /* [n_blocks] the landed lease's blocks, one reference each */
     int32_t n_blocks;
     int32_t first_token;
+    int32_t prompt_posted;     /* a unified node's prompt: its tokens, counted in prompt_posted
+                                  until the compute thread has it (0 otherwise) */
 } decode_cmd_t;
 
 /* What one entry of a step's results says of a sequence. */
@@ -167,6 +169,12 @@ typedef struct decode_state {
     int n_router_addrs;
     bool router_local;
     _Atomic int32_t load_running, load_free;
+    /* the router ranks unified nodes by the prompt tokens they still feed: those in the
+       scheduler (load_context, refreshed once commands are taken and after each step) and
+       those posted to the compute thread and not yet taken (prompt_posted); the compute thread
+       stores the first before it takes from the second, so a prompt is counted (maybe twice
+       for a moment) from its Prefill call until its last chunk */
+    _Atomic int64_t load_context, prompt_posted;
     /* draining's count of work (decode_busy): admissions posted to the compute thread and not
        yet in load_running, step results not yet sent on Steps */
     _Atomic int32_t admits_posted, outs_unsent;
@@ -282,6 +290,7 @@ static void compute_no_memory(decode_state_t *s, decode_cmd_t *cmds, int32_t n_c
         }
         if (c->admit)
             atomic_fetch_sub(&s->admits_posted, 1);
+        atomic_fetch_sub(&s->prompt_posted, c->prompt_posted);
         admit_free(c->admit);
         free(c->blocks);
     }
@@ -317,6 +326,15 @@ static void compute_main(void *arg)
                 decode_sched_cancel(s->sched, c->lease_id);
             admit_free(c->admit);
             free(c->blocks);
+        }
+        int64_t taken_prompt = 0;
+        for (int32_t i = 0; i < n_cmds; i++)
+            taken_prompt += cmds[i].prompt_posted;
+        if (taken_prompt) { /* a step of these chunks may run for a second: say so now */
+            decode_sched_stats_t ss;
+            decode_sched_stats(s->sched, &ss);
+            atomic_store(&s->load_context, ss.context_tokens);
+            atomic_fetch_sub(&s->prompt_posted, taken_prompt);
         }
         decode_step_result_t res = {0};
         uint64_t t0 = td_now_ns();
@@ -371,6 +389,7 @@ static void compute_main(void *arg)
             atomic_fetch_add(&s->outs_unsent, 1);
         atomic_store(&s->load_running, ss.running + ss.waiting);
         atomic_store(&s->load_free, ss.free_blocks);
+        atomic_store(&s->load_context, ss.context_tokens);
         o->free_blocks = (uint32_t)ss.free_blocks;
         o->step = ss.steps;
         if (!o->n_seqs || !td_node_worker_emit(&s->worker, &o)) {
@@ -884,9 +903,12 @@ static void on_prefill(td_grpc_call_t *call, const ProtobufCMessage *msg, void *
         return;
     }
     uint64_t lease_id = a->lease_id;
+    int32_t n_prompt = a->n_prompt;
     atomic_fetch_add(&s->admits_posted, 1);
-    if (!td_node_worker_post(&s->worker, &(decode_cmd_t){.admit = a, .lease_id = lease_id})) {
+    atomic_fetch_add(&s->prompt_posted, n_prompt);
+    if (!td_node_worker_post(&s->worker, &(decode_cmd_t){.admit = a, .lease_id = lease_id, .prompt_posted = n_prompt})) {
         atomic_fetch_sub(&s->admits_posted, 1);
+        atomic_fetch_sub(&s->prompt_posted, n_prompt);
         admit_free(a);
         free(w);
         td_grpc_call_finish(call, TD_GRPC_UNAVAILABLE, "unified node: the command ring is full; retry");
@@ -1043,6 +1065,8 @@ static void load_cb(void *data, td_node_load_t *l)
 {
     decode_state_t *s = data;
     l->running_seqs = atomic_load(&s->load_running);
+    int64_t posted = atomic_load(&s->prompt_posted); /* first: see load_context's comment */
+    l->queued_prefill_tokens = posted + atomic_load(&s->load_context);
     l->free_blocks = atomic_load(&s->load_free);
     l->step_ms = (double)atomic_load(&s->step_ns) * 1e-6;
 }

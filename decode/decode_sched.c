@@ -807,9 +807,15 @@ void decode_sched_stats(const decode_sched_t *s, decode_sched_stats_t *st)
 {
     td_kv_stats_t ks;
     td_kv_get_stats(s->kv, &ks);
+    int64_t context = 0; /* bounded by max_batch + max_waiting sequences */
+    for (int32_t i = 0; i < s->n_running; i++)
+        context += s->running[i]->n_ctx - s->running[i]->kv.n_tokens - 1;
+    for (int32_t i = 0; i < s->n_waiting; i++)
+        context += s->waiting[i]->n_ctx - s->waiting[i]->kv.n_tokens - 1;
     *st = (decode_sched_stats_t){
         .running = s->n_running,
         .waiting = s->n_waiting,
+        .context_tokens = context,
         .free_blocks = ks.free + ks.cached,
         .used_blocks = ks.used,
         .preemptions = s->preemptions,

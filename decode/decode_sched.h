@@ -159,6 +159,10 @@ typedef struct decode_step_result {
 
 typedef struct decode_sched_stats {
     int32_t running, waiting;
+    int64_t context_tokens;    /* context the running and waiting sequences still have to feed
+                                  beyond their next token: prompts being (or to be) prefilled
+                                  here, recomputes after preemption, replays (a unified node's
+                                  queued prompt work, reported to the router) */
     int32_t free_blocks;       /* blocks an allocation could get (free + cached) */
     int32_t used_blocks;
     uint64_t preemptions;      /* since creation */

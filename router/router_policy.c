@@ -27,6 +27,7 @@ router_policy_config_t router_policy_config_default(void)
 
 typedef struct decode_rank {
     int32_t index;
+    int64_t queued;  /* prompt tokens it still prefills itself (a unified node's queue) */
     int32_t running;
     double step_ms;
     int32_t free_blocks;
@@ -35,6 +36,8 @@ typedef struct decode_rank {
 static int cmp_rank(const void *a, const void *b)
 {
     const decode_rank_t *x = a, *y = b;
+    if (x->queued != y->queued)
+        return x->queued < y->queued ? -1 : 1;
     if (x->running != y->running)
         return x->running < y->running ? -1 : 1;
     if (x->step_ms != y->step_ms)
@@ -176,7 +179,8 @@ td_status_t router_policy_pick(const router_registry_t *reg, const router_policy
         n_fit_ever++;
         if (need > dn->load.free_blocks)
             continue;
-        ranks[n_rank++] = (decode_rank_t){.index = d, .running = dn->load.running_seqs,
+        ranks[n_rank++] = (decode_rank_t){.index = d, .queued = dn->load.queued_prefill_tokens,
+                                          .running = dn->load.running_seqs,
                                           .step_ms = dn->load.step_ms,
                                           .free_blocks = dn->load.free_blocks};
     }

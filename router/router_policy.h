@@ -5,8 +5,11 @@
  *
  * 1. Decode node: live, serving the request's model, with room — free KV blocks >= the
  *    blocks the request holds there at most (router_admit_kv_blocks: prompt plus max_tokens
- *    capped by the model's length, in its layout) — then the shortest running
- *    batch (ties: shorter recent step time, more free blocks, lower index).
+ *    capped by the model's length, in its layout) — then the fewest prompt tokens it
+ *    still prefills itself (a unified node's queue, a local prefill; 0 for a decode node
+ *    fed by prefill nodes), then the shortest running batch (ties: shorter recent step
+ *    time, more free blocks, lower index). A prompt queued on a unified node stalls every
+ *    sequence there for its chunks, so its queue weighs first (as tandem plan simulates).
  * 2. Prefill node for that decode node: live, same model, KV layout identical to the
  *    decode node's (td_kv_layout_compare), the pair not excluded; the least estimated
  *    work wins: queued prefill tokens plus the prompt tokens it would still compute,

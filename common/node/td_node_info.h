@@ -53,7 +53,9 @@ typedef struct td_node_info {
 
 /* What a heartbeat carries. */
 typedef struct td_node_load {
-    int64_t queued_prefill_tokens;  /* prompt tokens waiting or in progress (prefill) */
+    int64_t queued_prefill_tokens;  /* prompt tokens waiting or in progress (prefill; a decode
+                                       or unified node: prompt and recompute tokens it still
+                                       feeds itself) */
     int32_t running_seqs;           /* sequences in the running batch (decode) */
     int32_t free_blocks;            /* KV blocks an allocation could get now */
     double step_ms;                 /* recent mean step time */

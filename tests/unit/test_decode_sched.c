@@ -1089,12 +1089,20 @@ Test(decode_sched, unified_prompt_chunks_share_steps_with_decodes, .timeout = 12
         cr_assert_eq(decode_sched_step(ds, 0, &r), TD_OK);
         collect(&r, oc);
     }
+    decode_sched_stats_t st;
+    decode_sched_stats(ds, &st);
+    cr_assert_eq(st.context_tokens, 0, "a generating sequence has no context left to feed");
     cr_assert_eq(decode_sched_admit(ds, &r1), TD_OK);
+    decode_sched_stats(ds, &st);
+    cr_assert_eq(st.context_tokens, NP - 1, "the waiting prompt, all but its last token (fed as any next token)");
     int prefill_steps = 0, prompt_fed = 0;
     while (oc[1].n == 0 && oc[1].finish_events == 0) {
         int before = oc[0].n;
         cr_assert_eq(decode_sched_step(ds, 0, &r), TD_OK);
         collect(&r, oc);
+        decode_sched_stats(ds, &st);
+        cr_assert_eq(st.context_tokens, TD_MAX(NP - 1 - prompt_fed - r.n_prefill_tokens, 0),
+                     "what the router is told is queued here (step %d)", prefill_steps);
         cr_assert_eq(oc[0].n, before + 1, "the decode stalled behind the prompt (step %d)", prefill_steps);
         cr_assert_leq(r.n_tokens, BUDGET);
         cr_assert_eq(r.n_prefill_tokens, r.n_tokens - 1, "one decode token, the rest prompt");

@@ -432,6 +432,37 @@ Test(router_policy, busy_prefill_nodes_hold_requests_in_the_router)
     router_registry_destroy(reg);
 }
 
+/* Unified nodes are ranked by the prompt tokens they still prefill before their batch: a
+ * prompt there stalls every running sequence for its chunks, so a node that only decodes
+ * (more sequences, no prompt) takes the next one; a pick books its prompt on the node
+ * itself, so a burst between heartbeats spreads by queued tokens. */
+Test(router_policy, unified_nodes_ranked_by_queued_prompt_first)
+{
+    router_registry_t *reg = mkreg();
+    router_policy_config_t pc = router_policy_config_default();
+    router_pick_request_t rq = request(200, 20, 0);
+    int u0 = join(reg, "u0", TD_NODE_ROLE_UNIFIED, 8, 1000, 0);
+    int u1 = join(reg, "u1", TD_NODE_ROLE_UNIFIED, 8, 1000, 0);
+    beat(reg, "u0", 234, 1, 1000, 0); /* one sequence, its prompt not yet prefilled */
+    beat(reg, "u1", 0, 3, 1000, 0);   /* three sequences generating */
+    router_pick_t pk = pick_ok(reg, &pc, &rq);
+    cr_assert_eq(pk.pair.decode, u1, "the node with no prompt queued, though it runs more");
+    cr_assert_eq(pk.pair.prefill, u1);
+    router_policy_commit(reg, &rq, &pk);
+    cr_assert_eq(router_registry_node(reg, u1)->load.queued_prefill_tokens, 200, "the prompt is booked there");
+    pk = pick_ok(reg, &pc, &rq);
+    cr_assert_eq(pk.pair.decode, u1, "200 queued tokens against 234");
+    router_policy_commit(reg, &rq, &pk);
+    pk = pick_ok(reg, &pc, &rq);
+    cr_assert_eq(pk.pair.decode, u0, "400 queued tokens against 234");
+    /* equal queues: the shorter batch */
+    beat(reg, "u0", 0, 2, 1000, 0);
+    beat(reg, "u1", 0, 1, 1000, 0);
+    pk = pick_ok(reg, &pc, &rq);
+    cr_assert_eq(pk.pair.decode, u1);
+    router_registry_destroy(reg);
+}
+
 /* A unified node is ranked with the decode nodes and is its own prefill node: the pair
  * {u, u}; with a (prefill, decode) pair beside it the ranking picks either; a tried {u, u}
  * is excluded as that pair only; a prefill node never pairs with a unified node. */
