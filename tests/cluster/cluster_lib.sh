@@ -24,6 +24,20 @@ declare -A CL_MURL   # name → /metrics URL
 declare -A CL_ROLE   # name → router, prefill, decode or unified
 declare -A CL_KILLED # name → 1 once the test killed it on purpose
 
+# cl_need_gguf: exits 77 (skip) unless $TANDEM_TEST_GGUF is a file (SmolLM2, which
+# scripts/test fetches); cl_init_gguf: that, cl_init, and CL_M set to it
+cl_need_gguf() {
+    if [ -z "${TANDEM_TEST_GGUF:-}" ] || [ ! -f "$TANDEM_TEST_GGUF" ]; then
+        echo "SKIP: TANDEM_TEST_GGUF is not a file (scripts/fetch-model smollm2 fetches SmolLM2)"
+        exit 77
+    fi
+}
+cl_init_gguf() {
+    cl_need_gguf
+    cl_init
+    CL_M="$TANDEM_TEST_GGUF"
+}
+
 cl_init() {
     if [ ! -f "$CL_M" ]; then echo "SKIP: $CL_M absent (set TANDEM_TEST_MODELS)"; exit 77; fi
     if ! "$CL_PY" -c 'import grpc' 2>/dev/null; then echo "SKIP: $CL_PY lacks grpc (python3-grpcio)"; exit 77; fi

@@ -8,12 +8,7 @@
 # the router encodes from the GGUF vocabulary likewise. A request with both messages and a
 # prompt is refused with a message. Skips without the GGUF (offline) or python3-grpcio.
 source "$(dirname "$0")/cluster_lib.sh"
-if [ -z "${TANDEM_TEST_GGUF:-}" ] || [ ! -f "$TANDEM_TEST_GGUF" ]; then
-    echo "SKIP: TANDEM_TEST_GGUF is not a file (scripts/fetch-model smollm2 fetches SmolLM2)"
-    exit 77
-fi
-cl_init
-CL_M="$TANDEM_TEST_GGUF"
+cl_init_gguf
 MAXTOK=12
 [ "${TD_SANITIZE:-OFF}" = ON ] && MAXTOK=3 # the model runs ~20x slower under the sanitizers
 cl_local 1 1 --threads 1 --kv-mem 128

@@ -16,12 +16,7 @@
 #   - --logprobs 21 is refused naming top_logprobs (the CLI runs the gateway's td_gen_params check).
 # Skips without the GGUF (offline) or python3-grpcio.
 source "$(dirname "$0")/cluster_lib.sh"
-if [ -z "${TANDEM_TEST_GGUF:-}" ] || [ ! -f "$TANDEM_TEST_GGUF" ]; then
-    echo "SKIP: TANDEM_TEST_GGUF is not a file (scripts/fetch-model smollm2 fetches SmolLM2)"
-    exit 77
-fi
-cl_init
-CL_M="$TANDEM_TEST_GGUF"
+cl_init_gguf
 MAXTOK=8 PENTOK=16 RUNS="1 2"
 if [ "${TD_SANITIZE:-OFF}" = ON ]; then # the model runs ~20x slower under the sanitizers
     MAXTOK=3 PENTOK=6 RUNS=1

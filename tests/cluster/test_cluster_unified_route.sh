@@ -9,12 +9,7 @@
 # last finished step, so the router saw two idle nodes and the second request often
 # landed behind the first: docs/goodput.md, planner validation.) Skips without the GGUF.
 source "$(dirname "$0")/cluster_lib.sh"
-if [ -z "${TANDEM_TEST_GGUF:-}" ] || [ ! -f "$TANDEM_TEST_GGUF" ]; then
-    echo "SKIP: TANDEM_TEST_GGUF is not a file (scripts/fetch-model smollm2 fetches SmolLM2)"
-    exit 77
-fi
-cl_init
-CL_M="$TANDEM_TEST_GGUF"
+cl_init_gguf
 N=480
 [ "${TD_SANITIZE:-OFF}" = ON ] && N=48
 cl_local 0 0 --unified 2 --threads 1 --kv-mem 128

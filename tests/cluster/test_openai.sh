@@ -14,18 +14,14 @@
 #   node's KV blocks back to where they were.
 # Skips without the GGUF or without the openai client (offline). Lighter under the sanitizers.
 source "$(dirname "$0")/cluster_lib.sh"
-if [ -z "${TANDEM_TEST_GGUF:-}" ] || [ ! -f "$TANDEM_TEST_GGUF" ]; then
-    echo "SKIP: TANDEM_TEST_GGUF is not a file (scripts/fetch-model smollm2 fetches SmolLM2)"
-    exit 77
-fi
+cl_need_gguf
 if ! OA_PY=$("$CL_SRC/scripts/openai-venv" 2>/tmp/openai-venv.$$); then
     echo "SKIP: no openai Python client: $(tail -1 /tmp/openai-venv.$$)"
     rm -f /tmp/openai-venv.$$
     exit 77
 fi
 rm -f /tmp/openai-venv.$$
-cl_init
-CL_M="$TANDEM_TEST_GGUF"
+cl_init_gguf
 MAXTOK=12
 SAN=0
 [ "${TD_SANITIZE:-OFF}" = ON ] && MAXTOK=3 SAN=1 # the model runs ~20x slower under the sanitizers
