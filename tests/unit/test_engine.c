@@ -800,7 +800,14 @@ Test(engine, split_invariance_gguf, .timeout = 300)
     cr_assert_eq(td_engine_create(fx.model, fx.be, &ec, &fx.eng), TD_OK, "%s", td_last_error());
     fx.vocab = fx.model->config.vocab_size;
     unsigned s = 11;
-    const int lens[] = {37, 62, 100}; /* none 1 past a multiple of 8 or 5: a one-row piece runs the decode kernel */
+    /* none 1 past a multiple of 8 or 5: a one-row piece runs the decode kernel. Under ASan (-O0),
+       where SmolLM2's three prefills of these take 50 s of CPU, the first two: the same kernels,
+       whole tiles and odd last rows, pieces of 8 and of 5; the release build runs all three. */
+#ifdef __SANITIZE_ADDRESS__
+    const int lens[] = {37, 62};
+#else
+    const int lens[] = {37, 62, 100};
+#endif
     for (size_t p = 0; p < sizeof lens / sizeof lens[0]; p++) {
         int n = lens[p], total = n + 4, *prompt = td_test_random_prompt(&s, n);
         int *whole = malloc(8 * sizeof(int)), *got = malloc(8 * sizeof(int));
