@@ -5,6 +5,7 @@
  */
 #include "td_node_worker.h"
 
+#include <sched.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -175,8 +176,15 @@ bool td_node_worker_emit(td_node_worker_t *w, const void *ev)
         wait_bounded(w);
     bool ok = ring_push(&w->out, ev);
     pthread_mutex_unlock(&w->mu);
-    if (ok)
+    if (ok) {
         uv_async_send(&w->async);
+        /* A node on one core (taskset, a cgroup of one CPU): the loop thread just woken
+           shares it with this thread, and the scheduler would let it run only at its next
+           tick (4 ms at HZ=250), so a step's tokens and a layer's KV would leave up to a tick
+           late (decode ITLs came in multiples of 4 ms). Yielding hands it the core now; with
+           a core to spare it is a no-op. */
+        sched_yield();
+    }
     return ok;
 }
 
