@@ -318,18 +318,17 @@ static void compute_main(void *arg)
         for (int32_t i = 0; i < s->n_failed; i++)
             add_seq(o, s->failed[i], -1, DECODE_OUT_FAILED);
         s->n_failed = 0;
+        int64_t taken_prompt = 0;
         for (int32_t i = 0; i < n_cmds; i++) {
             decode_cmd_t *c = &cmds[i];
             if (c->admit)
                 compute_admit(s, c, o);
             else
                 decode_sched_cancel(s->sched, c->lease_id);
+            taken_prompt += c->prompt_posted;
             admit_free(c->admit);
             free(c->blocks);
         }
-        int64_t taken_prompt = 0;
-        for (int32_t i = 0; i < n_cmds; i++)
-            taken_prompt += cmds[i].prompt_posted;
         if (taken_prompt) { /* a step of these chunks may run for a second: say so now */
             decode_sched_stats_t ss;
             decode_sched_stats(s->sched, &ss);
