@@ -548,11 +548,20 @@ Test(router_relay, phaseless_prefill_reply_counts_once)
 #define FLOOD 40000
 #define BIG 0x200000u
 
-/* Starts request "a", pauses its client after the first token (token 1), then sends single-
- * token steps BIG+2 .. BIG+FLOOD for it, waiting out the router's TD_ERR_BUSY; with
- * until_released it stops as soon as the router released the lease and lets the loop run a
- * turn after each step. Returns the lease. */
-static lease_t *flood_paused_client(env_t *e, gen_t *g, bool until_released)
+/* Sends a single-token step for l, waiting out the router's TD_ERR_BUSY. */
+static void flood_step(env_t *e, const lease_t *l, uint32_t id)
+{
+    td_status_t st;
+    while ((st = step(e, 1, (const lease_t *const[]){l}, &id,
+                      (Tandem__Control__V1__SeqEvent[]){TANDEM__CONTROL__V1__SEQ_EVENT__SEQ_EVENT_TOKEN})) ==
+           TD_ERR_BUSY)
+        uv_run(&e->loop, UV_RUN_ONCE);
+    cr_assert_eq(st, TD_OK);
+}
+
+/* Starts request "a", pauses its client after the first token (token 1) and returns its
+ * lease. */
+static lease_t *start_paused_client(env_t *e, gen_t *g)
 {
     e->prefill_first_token = 1;
     e->prefill_phaseless = true;
@@ -561,17 +570,6 @@ static lease_t *flood_paused_client(env_t *e, gen_t *g, bool until_released)
     td_grpc_client_call_pause(g->call, true);
     lease_t *l = &e->leases[0];
     token(e, l, 1);
-    for (uint32_t t = 2; t <= FLOOD && !(until_released && l->released); t++) {
-        td_status_t st;
-        uint32_t id = BIG + t;
-        while ((st = step(e, 1, (const lease_t *const[]){l}, &id,
-                          (Tandem__Control__V1__SeqEvent[]){TANDEM__CONTROL__V1__SEQ_EVENT__SEQ_EVENT_TOKEN})) ==
-               TD_ERR_BUSY)
-            uv_run(&e->loop, UV_RUN_ONCE);
-        cr_assert_eq(st, TD_OK);
-        if (until_released)
-            uv_run(&e->loop, UV_RUN_NOWAIT);
-    }
     return l;
 }
 
@@ -581,7 +579,9 @@ Test(router_relay, paused_client_gets_every_token_coalesced)
     const char *args[] = {"--send-queue-bytes", "1024", "--max-backlog-tokens", "100000", NULL};
     env_start(&e, args);
     static gen_t g;
-    lease_t *l = flood_paused_client(&e, &g, false);
+    lease_t *l = start_paused_client(&e, &g); /* then steps BIG+2 .. BIG+FLOOD */
+    for (uint32_t t = 2; t <= FLOOD; t++)
+        flood_step(&e, l, BIG + t);
     finish(&e, l);
     /* let the router take every step while the client still does not read */
     for (int i = 0; i < 100; i++)
@@ -604,8 +604,24 @@ Test(router_relay, client_not_reading_past_bound_ends_exhausted_and_releases)
     const char *args[] = {"--send-queue-bytes", "1024", "--max-backlog-tokens", "64", NULL};
     env_start(&e, args);
     static gen_t g;
-    lease_t *l = flood_paused_client(&e, &g, true);
-    RUN_UNTIL(&e, l->released);
+    lease_t *l = start_paused_client(&e, &g);
+    /* A router that reads a burst of steps in one loop turn sends it as one message, which
+     * its send bound admits (it bounds what is queued before a send, not one message): only
+     * the tokens after that wait in the backlog. The router is stopped while a burst is
+     * sent, so that this happens every run (a loaded machine did it by chance); then steps
+     * go on until the router ends the request, bounded by time, not by a count that the
+     * burst may swallow. */
+    uint32_t t = 2;
+    kill(e.router.pid, SIGSTOP);
+    for (; t < 2 + 1000; t++)
+        flood_step(&e, l, BIG + t);
+    kill(e.router.pid, SIGCONT);
+    uint64_t t0 = td_now_ns();
+    for (; !l->released && td_now_ns() - t0 < 20000000000ull; t++) {
+        flood_step(&e, l, BIG + t);
+        uv_run(&e.loop, UV_RUN_NOWAIT);
+    }
+    cr_assert(l->released, "the router did not release the lease after %u tokens to a client that reads none", t - 1);
     td_grpc_client_call_pause(g.call, false);
     RUN_UNTIL(&e, g.done);
     /* The router ends it RESOURCE_EXHAUSTED; when a message was already half on the wire the
