@@ -1164,6 +1164,7 @@ typedef struct plan_opts {
     double ttft_ms, tpot_ms, rate, attainment, overhead_ms, metrics_window_s;
     int64_t nodes, unified, max_nodes, requests, seed;
     int64_t prefill_max_batch_tokens, prefill_max_batch, decode_max_batch, decode_kv_tokens;
+    int64_t unified_max_batch_tokens, unified_chunk;
     bool json;
 } plan_opts_t;
 
@@ -1472,8 +1473,12 @@ int cmd_plan(int argc, char **argv)
         return plan_profile(argc - 1, argv + 1);
     if (argc >= 2 && !strcmp(argv[1], "calibrate"))
         return plan_calibrate(argc - 1, argv + 1);
+    /* the batch limits default to the nodes' own (td_sched_defaults.h) */
+    const td_plan_cluster_t dc = td_plan_cluster_default();
     plan_opts_t o = {.attainment = 0.9, .overhead_ms = -1, .metrics_window_s = 5, .max_nodes = 8, .requests = 1000,
-                     .prefill_max_batch_tokens = 512, .prefill_max_batch = 64, .decode_max_batch = 64};
+                     .prefill_max_batch_tokens = dc.prefill_max_batch_tokens, .prefill_max_batch = dc.prefill_max_batch,
+                     .decode_max_batch = dc.decode_max_batch, .unified_max_batch_tokens = dc.unified_max_batch_tokens,
+                     .unified_chunk = dc.unified_chunk};
     float ttft = 0, tpot = 0, rate = 0, att = 0.9f, overhead = -1, window = 5;
     const td_opt_t opts[] = {
         TD_OPT_STRING("profile", &o.profile, "profile file of `tandem plan profile` (required)"),
@@ -1498,9 +1503,16 @@ int cmd_plan(int argc, char **argv)
          .help = "SLO attainment a sustained rate keeps (default 0.9)"},
         {.name = "overhead-ms", .type = TD_OPT_F32, .ptr = &overhead, .fmin = 0, .fmax = 1e6f, .arg = "MS",
          .help = "router and RPC hops per request (default: the profile's)"},
-        TD_OPT_INT("prefill-max-batch-tokens", &o.prefill_max_batch_tokens, 1, 1 << 20, "prefill token budget (512)"),
-        TD_OPT_INT("prefill-max-batch", &o.prefill_max_batch, 1, 4096, "prompts per prefill step (64)"),
-        TD_OPT_INT("decode-max-batch", &o.decode_max_batch, 1, 4096, "sequences per decode step (64)"),
+        TD_OPT_INT("prefill-max-batch-tokens", &o.prefill_max_batch_tokens, 1, 1 << 20,
+                   "prompt tokens per prefill step (a prefill node's --max-batch-tokens, 2048)"),
+        TD_OPT_INT("prefill-max-batch", &o.prefill_max_batch, 1, 4096,
+                   "prompts per prefill step (a prefill node's --max-batch, 64)"),
+        TD_OPT_INT("decode-max-batch", &o.decode_max_batch, 1, 4096,
+                   "sequences per decode or unified step (the node's --max-batch, 64)"),
+        TD_OPT_INT("unified-max-batch-tokens", &o.unified_max_batch_tokens, 2, 1 << 20,
+                   "tokens per unified step (a unified node's --max-batch-tokens, 512)"),
+        TD_OPT_INT("unified-chunk", &o.unified_chunk, 1, 1 << 20,
+                   "prompt tokens a sequence feeds per unified step (a unified node's --prefill-chunk, 256)"),
         TD_OPT_INT("decode-kv-tokens", &o.decode_kv_tokens, 0, INT64_MAX, "KV tokens per decode node (0: unbounded)"),
         {.name = "json", .type = TD_OPT_BOOL, .ptr = &o.json, .help = "one JSON document on stdout"},
     };
@@ -1534,7 +1546,9 @@ int cmd_plan(int argc, char **argv)
         return 2;
     }
     plan_ctx_t x = {.base = td_plan_cluster_default(), .s = td_plan_search_default()};
-    x.base.prefill_max_batch_tokens = x.base.unified_max_batch_tokens = (int32_t)o.prefill_max_batch_tokens;
+    x.base.prefill_max_batch_tokens = (int32_t)o.prefill_max_batch_tokens;
+    x.base.unified_max_batch_tokens = (int32_t)o.unified_max_batch_tokens;
+    x.base.unified_chunk = (int32_t)o.unified_chunk;
     x.base.prefill_max_batch = (int32_t)o.prefill_max_batch;
     x.base.decode_max_batch = (int32_t)o.decode_max_batch;
     x.base.decode_kv_tokens = o.decode_kv_tokens;

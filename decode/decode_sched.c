@@ -12,6 +12,7 @@
 
 #include "td_kv.h"
 #include "td_log.h"
+#include "td_sched_defaults.h"
 #include "td_util.h"
 
 typedef struct dseq {
@@ -94,9 +95,9 @@ const char *decode_finish_name(decode_finish_t f)
 decode_sched_config_t decode_sched_config_default(void)
 {
     return (decode_sched_config_t){
-        .max_batch = 64,
-        .max_batch_tokens = 512,
-        .prefill_chunk = 256,
+        .max_batch = TD_DECODE_MAX_BATCH,
+        .max_batch_tokens = TD_DECODE_MAX_BATCH_TOKENS,
+        .prefill_chunk = TD_DECODE_PREFILL_CHUNK,
         .max_waiting = 256,
         .admit_reserve = 0,
         .spec = td_spec_config_default(),

@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "td_kv.h"
+#include "td_sched_defaults.h"
 #include "td_util.h"
 
 typedef struct pseq {
@@ -55,8 +56,8 @@ prefill_sched_config_t prefill_sched_config_default(void)
     return (prefill_sched_config_t){
         .max_queue = 256,
         .max_queued_tokens = (int64_t)1 << 20,
-        .max_batch_tokens = 2048,
-        .max_batch = 64,
+        .max_batch_tokens = TD_PREFILL_MAX_BATCH_TOKENS,
+        .max_batch = TD_PREFILL_MAX_BATCH,
     };
 }
 

@@ -13,6 +13,7 @@
 
 #include "td_log.h"
 #include "td_rng.h"
+#include "td_sched_defaults.h"
 #include "td_util.h"
 
 double td_plan_prefill_step_s(const td_plan_profile_t *p, int64_t tokens, double attn)
@@ -27,9 +28,11 @@ double td_plan_decode_step_s(const td_plan_profile_t *p, int64_t batch, int64_t 
 
 td_plan_cluster_t td_plan_cluster_default(void)
 {
-    return (td_plan_cluster_t){.n_prefill = 1, .n_decode = 1, .prefill_max_batch_tokens = 512,
-                               .prefill_max_batch = 64, .decode_max_batch = 64, .unified_chunk = 256,
-                               .unified_max_batch_tokens = 512};
+    return (td_plan_cluster_t){.n_prefill = 1, .n_decode = 1,
+                               .prefill_max_batch_tokens = TD_PREFILL_MAX_BATCH_TOKENS,
+                               .prefill_max_batch = TD_PREFILL_MAX_BATCH, .decode_max_batch = TD_DECODE_MAX_BATCH,
+                               .unified_chunk = TD_DECODE_PREFILL_CHUNK,
+                               .unified_max_batch_tokens = TD_DECODE_MAX_BATCH_TOKENS};
 }
 
 td_plan_search_t td_plan_search_default(void)

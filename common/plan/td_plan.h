@@ -50,11 +50,12 @@ double td_plan_decode_step_s(const td_plan_profile_t *p, int64_t batch, int64_t 
 /* The cluster to simulate: either n_prefill + n_decode (both >= 1) or n_unified >= 1. */
 typedef struct td_plan_cluster {
     int32_t n_prefill, n_decode, n_unified;
-    int32_t prefill_max_batch_tokens; /* prefill node's token budget per step (512) */
+    int32_t prefill_max_batch_tokens; /* prefill node's token budget per step (2048) */
     int32_t prefill_max_batch;        /* prompts per prefill step (64) */
     int32_t decode_max_batch;         /* running sequences per decode (or unified) node (64) */
     int32_t unified_chunk;            /* prompt tokens one sequence feeds per unified step (256) */
     int32_t unified_max_batch_tokens; /* tokens per unified step (512) */
+    /* (the defaults: td_sched_defaults.h, the nodes' own) */
     int64_t decode_kv_tokens;         /* prompt + output tokens a decode node holds at once; the
                                          router queues requests that fit nowhere (0: unbounded) */
 } td_plan_cluster_t;

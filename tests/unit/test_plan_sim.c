@@ -66,6 +66,31 @@ Test(plan_sim, a_unified_node_unloaded_is_the_same_two_steps)
     cr_assert_float_eq(r.tpot_p50_s, 0.006, 1e-12);
 }
 
+Test(plan_sim, the_default_prefill_step_batches_as_a_prefill_node_does)
+{
+    /* A prefill node packs up to 2048 prompt tokens in a step (prefill_sched's default). Six
+     * 250-token prompts arrive at once: the first starts a step alone (as a node's compute
+     * thread takes the first as soon as it comes), the other five wait and are one step of
+     * 1250 tokens, their first tokens all at its end. A planner with a smaller budget (it had
+     * 512) spreads them over three steps, and then predicts neither their wait nor five
+     * sequences joining a decode batch at once. */
+    td_plan_profile_t p = affine();
+    td_plan_cluster_t c = td_plan_cluster_default();
+    td_plan_request_t reqs[6];
+    for (int i = 0; i < 6; i++)
+        reqs[i] = (td_plan_request_t){.arrival_s = 0, .input_len = 250, .output_len = 2};
+    td_plan_slo_t slo = {0};
+    td_plan_result_t r;
+    cr_assert_eq(td_plan_simulate(&p, &c, reqs, 6, &slo, &r), TD_OK);
+    const double ttft = (0.010 + 0.0001 * 250) + (0.010 + 0.0001 * 1250);
+    cr_assert_float_eq(r.ttft_p50_s, ttft, 1e-12, "TTFT p50 %g s; one step of 250 tokens, then one of 1250: %g s",
+                       r.ttft_p50_s, ttft);
+    cr_assert_float_eq(r.ttft_p90_s, ttft, 1e-12, "TTFT p90 %g s", r.ttft_p90_s);
+    /* the five reach the decode node together: the first starts a step alone (6 ms), the
+     * other four wait for it and step together (9 ms) */
+    cr_assert_float_eq(r.tpot_p50_s, 0.006 + 0.009, 1e-12, "TPOT p50 %g s", r.tpot_p50_s);
+}
+
 Test(plan_sim, one_prompt_per_step_is_an_md1_queue)
 {
     /* service S = 20 ms, rho = 0.5: mean TTFT = S + rho S / (2 (1 - rho)) = 1.5 S */
