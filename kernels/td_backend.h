@@ -219,8 +219,10 @@ typedef struct td_cpu_config {
 
 td_status_t td_backend_cpu_create(const td_cpu_config_t *cfg, td_backend_t **be_p);
 
-/* CUDA backend; TD_ERR_UNSUPPORTED, not logged (a probe's answer), when built without CUDA
- * or device cfg->device is not there or not usable; other errors are logged. */
+/* CUDA backend; TD_ERR_UNSUPPORTED, not logged (a probe's answer), when built without CUDA,
+ * when its module (libtandem-cuda.so, loaded on the first call: kernels/cuda/td_cuda_module.h)
+ * or the CUDA runtime it links is not installed, or when device cfg->device is not there or
+ * not usable; other errors are logged. Thread-safe. */
 typedef struct td_cuda_config {
     int32_t device;
     td_dtype_t act_dtype;

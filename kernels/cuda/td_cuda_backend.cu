@@ -11,6 +11,10 @@
  */
 #include "td_cuda_impl.h"
 
+extern "C" {
+#include "td_cuda_module.h"
+}
+
 #include <stdlib.h>
 #include <string.h>
 
@@ -507,18 +511,13 @@ static const td_backend_ops_t td_cuda_ops = {
 
 /* ---- creation ------------------------------------------------------------------------------ */
 
-extern "C" bool td_backend_cuda_compiled(void)
-{
-    return true;
-}
-
 /*
  * Creates a CUDA backend on cfg->device with activations in cfg->act_dtype.
  * Errors: TD_ERR_UNSUPPORTED, not logged (callers probe), when no device is usable (no
  * driver, no GPU, bad index, older than sm_80),
  * TD_ERR_NOMEM / TD_ERR_CUDA when the stream, handles or workspace cannot be made.
  */
-extern "C" td_status_t td_backend_cuda_create(const td_cuda_config_t *cfg, td_backend_t **be_p)
+extern "C" td_status_t td_cuda_backend_create(const td_cuda_config_t *cfg, td_backend_t **be_p)
 {
     int n_dev = 0;
     cudaError_t e = cudaGetDeviceCount(&n_dev);

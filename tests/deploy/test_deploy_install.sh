@@ -1,7 +1,7 @@
 #!/bin/bash
 # test_deploy_install: `cmake --install` of the build the test runs from (the directory of
 # $TANDEM_BIN) into a temp prefix: the binary runs from there (--version, --check-config on
-# the installed systemd example), and the deploy files and docs are where deploy/README.md
+# the installed systemd example, its CUDA module loads where CUDA is compiled), and the deploy files and docs are where deploy/README.md
 # says (share/tandem/deploy/..., share/doc/tandem/...), the Slurm script executable.
 set -u
 SRC=$(cd "${TD_SOURCE_DIR:-$(dirname "$0")/../..}" && pwd)
@@ -26,6 +26,14 @@ done
 n=$(cd "$SRC/deploy" && find . -type f ! -path '*/__pycache__/*' | wc -l)
 m=$(cd "$T/usr/share/tandem/deploy" && find . -type f | wc -l)
 [ "$n" = "$m" ] || bad "deploy/ has $n files, $m installed"
+# a CUDA build installs the backend's module (LIBDIR/tandem/libtandem-cuda.so) where the
+# installed binary looks for it: opening the backend (before the model, which is not there)
+# answers from inside the module ("no usable CUDA device" here, nothing on a GPU machine)
+if "$T/usr/bin/tandem" --version 2>&1 | grep -q '^backends: .*cuda'; then
+    out=$("$T/usr/bin/tandem" plan profile --model "$T/none.gguf" --device cuda --out "$T/p.json" 2>&1)
+    case "$out" in *libtandem-cuda.so*) bad "the installed binary does not load its CUDA module: $out" ;; esac
+    echo "installed, --device cuda: $(echo "$out" | head -1)"
+fi
 out=$("$T/usr/bin/tandem" decode --config "$T/usr/share/tandem/deploy/systemd/decode.conf" --check-config 2>&1) ||
     bad "the installed binary refuses the installed decode.conf: $out"
 [ $fail -eq 0 ] || exit 1

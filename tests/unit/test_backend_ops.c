@@ -236,6 +236,25 @@ static void td_step_set(td_pair_t *p, const td_test_step_t *s)
 
 /* ---- embed ---------------------------------------------------------------------------------- */
 
+/* A CUDA build loads its backend module (libtandem-cuda.so, beside this test) on first use.
+ * Whatever the machine, the answer must come from inside the module (a backend, or "no
+ * usable CUDA device" where there is no GPU), not from the loading: a module missing, built
+ * with a symbol nothing defines, or of another interface version. */
+Test(backend_ops, cuda_module_loads)
+{
+    if (!td_backend_cuda_compiled())
+        cr_skip_test("skipped: built without CUDA");
+    td_backend_t *be = NULL;
+    td_status_t st = td_backend_cuda_create(&(td_cuda_config_t){0, TD_BF16}, &be);
+    if (st == TD_OK) {
+        td_backend_destroy(be);
+        return;
+    }
+    cr_assert_eq(st, TD_ERR_UNSUPPORTED, "%s", td_last_error());
+    cr_assert(!strstr(td_last_error(), "libtandem-cuda.so") && !strncmp(td_last_error(), "cuda: ", 6),
+              "the CUDA module did not load: %s", td_last_error());
+}
+
 Test(backend_ops, embed, .timeout = 120)
 {
     for (int a = 0; a < 3; a++) {
