@@ -18,7 +18,9 @@
 # PIN=CORES (e.g. PIN=0,1): each node process, all its threads, pinned to one of CORES in turn
 # once the cluster is up (router and load generator float), as bench/goodput_sweep.sh does.
 # KEEP=DIR: each rate's bench serve result (with --save-detailed: per-request TTFT, TPOT,
-# inter-token gaps), the plan's JSON and the trace are kept in DIR as RATE.{serve,plan}.json.
+# inter-token gaps), the plan's JSON and the trace are kept in DIR as RATE.{serve,plan}.json;
+# bench/plan_keep_stats.py reads them (the machine's speed against the profile's, and the
+# measured p90s' sampling intervals).
 set -u
 BIN=$1 MODEL=$2 PROF=$3 P=$4 D=$5 WL=$6 TTFT=$7 TPOT=$8 N=$9
 shift 9
