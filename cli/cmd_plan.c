@@ -109,14 +109,17 @@ static td_status_t time_prefill(td_engine_t *eng, const int32_t *toks, int token
     return TD_OK;
 }
 
-/* Seconds of one decode step of `batch` sequences holding `ctx` tokens each: median. */
-static td_status_t time_decode(td_engine_t *eng, const int32_t *toks, int batch, int ctx, float *logits, double *s_p)
+/* Seconds of one decode step of `batch` sequences holding `ctx` tokens each, over `reps` steps
+ * after a warm-up one: their median (*median_p) and mean (*mean_p, optional). */
+static td_status_t time_decode(td_engine_t *eng, const int32_t *toks, int batch, int ctx, int reps, float *logits,
+                               double *median_p, double *mean_p)
 {
     td_kv_seq_t *seqs = calloc((size_t)batch, sizeof *seqs);
     td_engine_item_t *items = calloc((size_t)batch, sizeof *items);
     int32_t *next = calloc((size_t)batch, sizeof *next);
-    if (!seqs || !items || !next) {
-        free(seqs), free(items), free(next);
+    double *t = malloc((size_t)(reps + 1) * sizeof *t);
+    if (!seqs || !items || !next || !t) {
+        free(seqs), free(items), free(next), free(t);
         return td_errorf(TD_ERR_NOMEM, "plan profile: out of memory");
     }
     td_status_t st = TD_OK;
@@ -129,8 +132,8 @@ static td_status_t time_decode(td_engine_t *eng, const int32_t *toks, int batch,
             td_engine_item_t it = {.seq = &seqs[i], .tokens = toks + off, .n_tokens = n, .n_logits = 1};
             st = td_engine_step(eng, &it, 1, logits);
         }
-    double t[PROFILE_REPS + 1];
-    for (int rep = 0; rep <= PROFILE_REPS && st == TD_OK; rep++) { /* the first is a warm-up */
+    double sum = 0;
+    for (int rep = 0; rep <= reps && st == TD_OK; rep++) { /* the first is a warm-up */
         for (int i = 0; i < batch; i++) {
             next[i] = toks[(i + rep) % ctx];
             items[i] = (td_engine_item_t){.seq = &seqs[i], .tokens = &next[i], .n_tokens = 1, .n_logits = 1};
@@ -138,13 +141,38 @@ static td_status_t time_decode(td_engine_t *eng, const int32_t *toks, int batch,
         uint64_t t0 = td_now_ns();
         st = td_engine_step(eng, items, batch, logits);
         t[rep] = (double)(td_now_ns() - t0) * 1e-9;
+        sum += rep ? t[rep] : 0;
     }
     for (int i = 0; i < batch; i++)
         td_engine_seq_end(eng, &seqs[i]);
-    if (st == TD_OK)
-        *s_p = median(t + 1, PROFILE_REPS);
-    free(seqs), free(items), free(next);
+    if (st == TD_OK) {
+        if (mean_p)
+            *mean_p = sum / reps;
+        *median_p = median(t + 1, reps);
+    }
+    free(seqs), free(items), free(next), free(t);
     return st;
+}
+
+/* The profile's "speed" section from k lone decode runs of `tokens` steps each whose mean steps
+ * are means[0..k): each over their median, sorted (the simulator draws a node's speed from them,
+ * per window of a run's length: td_plan_profile_t). Printed as its spread. */
+static void speed_section(cJSON *j, double *means, int k, int tokens, const char *method)
+{
+    if (k < 1)
+        return;
+    double med = median(means, k); /* sorts means */
+    cJSON *sp = cJSON_AddObjectToObject(j, "speed"), *fs = cJSON_AddArrayToObject(sp, "factors");
+    for (int i = 0; i < k; i++)
+        cJSON_AddItemToArray(fs, cJSON_CreateNumber(means[i] / med));
+    cJSON_AddNumberToObject(sp, "window_s", med * tokens);
+    cJSON_AddNumberToObject(sp, "runs", k);
+    cJSON_AddNumberToObject(sp, "tokens_per_run", tokens);
+    cJSON_AddNumberToObject(sp, "median_step_s", med);
+    cJSON_AddStringToObject(sp, "method", method);
+    double f10 = means[(int)(0.1 * (k - 1))] / med, f90 = means[(int)ceil(0.9 * (k - 1))] / med;
+    fprintf(stderr, "plan profile: speed over %d runs of %d steps: median step %.3f ms, p10 x %.3f, p90 x %.3f\n",
+            k, tokens, med * 1e3, f10, f90);
 }
 
 /* memcpy bandwidth of this machine over 64 MiB, best of 5: the same-host KV copy's bound. */
@@ -174,7 +202,7 @@ static double prom_value(const char *text, const char *name);
 typedef struct cluster_prof_opts {
     bs_client_config_t cfg;
     const char *target, *prefill_metrics, *out;
-    int64_t max_tokens, max_batch, max_context, decode_tokens, reps;
+    int64_t max_tokens, max_batch, max_context, decode_tokens, reps, speed_runs;
 } cluster_prof_opts_t;
 
 /* What a prefill node's /metrics counts; NAN where it has not the series. */
@@ -496,6 +524,41 @@ static int plan_profile_cluster(const cluster_prof_opts_t *o)
     cJSON_AddNumberToObject(dec, "b_s_per_seq", dc[1]);
     cJSON_AddNumberToObject(dec, "c_s_per_context_token", dc[2]);
 
+    /* speed: lone requests of 16 prompt tokens and --decode-tokens, one after another; each one's
+     * mean time between tokens from its second (the first gap carries the KV transfer) */
+    if (o->speed_runs > 0) {
+        double *means = malloc((size_t)o->speed_runs * sizeof *means);
+        int k = 0;
+        if (!means || bs_dataset_random(&rng, (size_t)o->speed_runs, 16, (uint32_t)o->decode_tokens, 0, &d) != TD_OK) {
+            free(means);
+            td_errorf(TD_ERR_NOMEM, "plan profile: out of memory");
+            goto out;
+        }
+        td_status_t st = TD_OK;
+        for (int64_t i = 0; i < o->speed_runs && st == TD_OK; i++) {
+            bs_dataset_t one = {.items = &d.items[i], .n = 1};
+            if ((st = cluster_run(cl, o, &one, 1, &rep, false)) != TD_OK)
+                break;
+            const bs_reply_t *r = &rep.r[0];
+            if (r->n_itl >= 2) { /* tokens a message: a router that fell behind merges them */
+                double sum = 0, f = (double)r->output_tokens / (double)(r->n_itl + 1);
+                for (uint32_t g = 1; g < r->n_itl; g++)
+                    sum += r->itl_ms[g] * 1e-3;
+                means[k++] = sum / ((double)(r->n_itl - 1) * f);
+            }
+            bs_replies_free(&rep);
+        }
+        bs_dataset_free(&d);
+        if (st == TD_OK)
+            speed_section(j, means, k, (int)o->decode_tokens - 2,
+                          "lone requests of 16 prompt tokens and tokens_per_run + 2 output tokens, one at a time "
+                          "through the front door; a factor: one request's mean time between tokens after its "
+                          "second token over the median of those means");
+        free(means);
+        if (st != TD_OK)
+            goto out;
+    }
+
     /* KV transfer: a lone request's second token waits for its KV to reach the decode node and one
      * decode step there; what the first gap outlasts that step is the transfer (and adoption) */
     double xx[32 * 2], xy[32], xc[2] = {0, 0}, sum = 0;
@@ -573,7 +636,8 @@ static int plan_profile(int argc, char **argv)
     int64_t threads = 0, max_tokens = 0, max_batch = 0, vocab = 256;
     td_device_spec_t dev = {0};
     float timeout_s = 60;
-    cluster_prof_opts_t co = {.cfg = bs_client_config_default(), .max_context = 512, .decode_tokens = 32, .reps = 5};
+    cluster_prof_opts_t co = {.cfg = bs_client_config_default(), .max_context = 512, .decode_tokens = 32, .reps = 5,
+                              .speed_runs = 32};
     const td_opt_t opts[] = {
         TD_OPT_STRING("model", &model_path, "model to run in this process"),
         TD_OPT_STRING("gateway", &co.cfg.gateway, "a running cluster's gRPC gateway HOST:PORT: measure through it"),
@@ -590,8 +654,12 @@ static int plan_profile(int argc, char **argv)
         TD_OPT_INT("max-context", &co.max_context, 32, 1 << 20,
                    "cluster: longest prompt + output a decode stream may have, >= 128 + --decode-tokens (default 512)"),
         TD_OPT_INT("decode-tokens", &co.decode_tokens, 8, 1 << 20,
-                   "cluster: output tokens of a decode stream, doubled while B streams do not overlap (default 32)"),
+                   "output tokens of a speed run; cluster: of a decode stream too, doubled while B streams do not "
+                   "overlap (default 32)"),
         TD_OPT_INT("reps", &co.reps, 1, 1000, "cluster: lone requests per prompt length, rounds per decode point (default 5)"),
+        TD_OPT_INT("speed-runs", &co.speed_runs, 0, TD_PLAN_SPEED_MAX,
+                   "lone decode runs of --decode-tokens whose spread the planner draws the nodes' speed from "
+                   "(default 32; 0: none, every step takes its fit)"),
         TD_OPT_INT("vocab-size", &vocab, 2, 1 << 24, "cluster: prompt ids drawn from [1, V) (default 256)"),
         TD_OPT_STRING("api-key", &co.cfg.api_key, "cluster: sent as Authorization: Bearer KEY"),
         {.name = "request-timeout-s", .type = TD_OPT_F32, .ptr = &timeout_s, .fmin = 0.1f, .fmax = 86400, .arg = "S",
@@ -604,10 +672,10 @@ static int plan_profile(int argc, char **argv)
         return 2;
     if (r.help) {
         printf("usage: tandem plan profile --model PATH [--threads N] [--device D] [--max-tokens N]\n"
-               "                          [--max-batch N] [--out FILE]\n"
+               "                          [--max-batch N] [--speed-runs N] [--decode-tokens N] [--out FILE]\n"
                "       tandem plan profile (--gateway HOST:PORT | --openai URL) [--prefill-metrics URL]\n"
                "                          [--max-tokens N] [--max-batch N] [--max-context N] [--decode-tokens N]\n"
-               "                          [--reps N] [--vocab-size V] [--out FILE]\n");
+               "                          [--reps N] [--speed-runs N] [--vocab-size V] [--out FILE]\n");
         td_opts_usage(stdout, opts, (int)TD_ARRAY_LEN(opts), false);
         return 0;
     }
@@ -658,7 +726,7 @@ static int plan_profile(int argc, char **argv)
     ec.max_batch_tokens = TD_MAX(max_prompt, 64);
     ec.max_seqs = ec.max_logit_rows = (int32_t)TD_MAX(max_batch, 1);
     ec.n_blocks = (int32_t)(max_batch * TD_DIV_CEIL(max_ctx + PROFILE_REPS + 2, ec.block_size) +
-                            TD_DIV_CEIL(max_prompt + 1, ec.block_size) + 8);
+                            TD_DIV_CEIL(TD_MAX(max_prompt + 1, 16 + co.decode_tokens + 2), ec.block_size) + 8);
     if (td_engine_create(model, be, &ec, &eng) != TD_OK)
         goto out;
     logits = malloc((size_t)TD_MAX(max_batch, 1) * c->vocab_size * sizeof(float));
@@ -715,7 +783,7 @@ static int plan_profile(int argc, char **argv)
     for (size_t ci = 0; ci < TD_ARRAY_LEN(ctx_grid) && ctx_grid[ci] <= max_ctx; ci++)
         for (int b = 1;; b = (int)TD_MIN(2 * b, max_batch)) {
             double s = 0;
-            if (time_decode(eng, toks, b, ctx_grid[ci], logits, &s) != TD_OK)
+            if (time_decode(eng, toks, b, ctx_grid[ci], PROFILE_REPS, logits, &s, NULL) != TD_OK)
                 goto out;
             dx[nd * 3] = 1, dx[nd * 3 + 1] = b, dx[nd * 3 + 2] = (double)b * ctx_grid[ci];
             dy[nd++] = s;
@@ -733,6 +801,30 @@ static int plan_profile(int argc, char **argv)
     cJSON_AddNumberToObject(dec, "a_s", dc[0]);
     cJSON_AddNumberToObject(dec, "b_s_per_seq", dc[1]);
     cJSON_AddNumberToObject(dec, "c_s_per_context_token", dc[2]);
+
+    /* speed: runs of --decode-tokens batch-1 steps over 16 context tokens, one after another */
+    if (co.speed_runs > 0) {
+        double *means = malloc((size_t)co.speed_runs * sizeof *means);
+        if (!means) {
+            td_errorf(TD_ERR_NOMEM, "plan profile: out of memory");
+            goto out;
+        }
+        td_status_t st = TD_OK;
+        int steps = (int)TD_MIN(co.decode_tokens, (int64_t)c->max_seq_len - 16 - 2); /* the model's context */
+        for (int64_t i = 0; i < co.speed_runs && st == TD_OK; i++) {
+            double med;
+            st = steps >= 2 ? time_decode(eng, toks, 1, 16, steps, logits, &med, &means[i])
+                            : td_errorf(TD_ERR_INVALID, "plan profile: the model's context (%d tokens) holds no speed "
+                                        "run: give --speed-runs 0", c->max_seq_len);
+        }
+        if (st == TD_OK)
+            speed_section(j, means, (int)co.speed_runs, steps,
+                          "runs of tokens_per_run decode steps of one sequence of 16 context tokens, one after "
+                          "another; a factor: one run's mean step over the median of those means");
+        free(means);
+        if (st != TD_OK)
+            goto out;
+    }
 
     /* KV transfer: a model, not a measurement of td_xfer (bench kvxfer measures that) */
     double per_tok = (double)td_engine_kv_block_bytes(model, &ec) / ec.block_size, bw = copy_bandwidth();
@@ -788,12 +880,43 @@ static td_status_t profile_load(const char *path, td_plan_profile_t *p)
         .prefill_c_s = num(pre, "c_s_per_token2"), .decode_a_s = num(dec, "a_s"),
         .decode_b_s = num(dec, "b_s_per_seq"), .decode_c_s = num(dec, "c_s_per_context_token"),
         .xfer_a_s = num(kv, "a_s"), .xfer_b_s = num(kv, "b_s_per_token"), .overhead_s = num(j, "overhead_s")};
-    cJSON_Delete(j);
-    const double *f = &p->prefill_a_s;
-    for (size_t i = 0; i < sizeof *p / sizeof(double); i++)
-        if (!isfinite(f[i]))
+    const double coef[] = {p->prefill_a_s, p->prefill_b_s, p->prefill_c_s, p->decode_a_s, p->decode_b_s,
+                           p->decode_c_s, p->xfer_a_s, p->xfer_b_s, p->overhead_s};
+    for (size_t i = 0; i < TD_ARRAY_LEN(coef); i++)
+        if (!isfinite(coef[i])) {
+            cJSON_Delete(j);
             return td_errorf(TD_ERR_INVALID, "--profile: %s is not a profile `tandem plan profile` wrote (a "
                                              "coefficient is missing)", path);
+        }
+    /* the speed spread: optional (profiles before it, and calibrated ones of them, have none) */
+    const cJSON *sp = cJSON_GetObjectItemCaseSensitive(j, "speed"),
+                *fs = cJSON_GetObjectItemCaseSensitive(sp, "factors");
+    const char *bad = NULL;
+    char why[96];
+    if (sp) {
+        int n = cJSON_GetArraySize(fs);
+        p->speed_window_s = num(sp, "window_s");
+        snprintf(why, sizeof why, "speed.factors is not an array of 1 to %d numbers", TD_PLAN_SPEED_MAX);
+        if (!cJSON_IsArray(fs) || n < 1 || n > TD_PLAN_SPEED_MAX)
+            bad = why;
+        else if (!(p->speed_window_s > 0) || !isfinite(p->speed_window_s))
+            bad = "speed.window_s is not a number > 0";
+        const cJSON *f;
+        cJSON_ArrayForEach(f, fs) {
+            if (bad)
+                break;
+            if (!cJSON_IsNumber(f) || !(f->valuedouble > 0) || !isfinite(f->valuedouble))
+                bad = "a speed factor is not a number > 0";
+            else
+                p->speed_f[p->n_speed++] = f->valuedouble;
+        }
+    }
+    cJSON_Delete(j);
+    qsort(p->speed_f, (size_t)p->n_speed, sizeof *p->speed_f, cmp_d); /* for the p10 and p90 printed */
+    if (bad) {
+        p->n_speed = 0;
+        return td_errorf(TD_ERR_INVALID, "--profile: %s: %s (write it again with `tandem plan profile`)", path, bad);
+    }
     return TD_OK;
 }
 
@@ -1265,6 +1388,12 @@ static int plan_run(const plan_opts_t *o, plan_ctx_t *x, workload_t *w)
     if (!o->json) {
         printf("============ Capacity Plan ============\n");
         printf("Profile:                                 %s\n", o->profile);
+        if (x->prof.n_speed > 0)
+            printf("Node speed:                              drawn from %d measured factors (p10 x %.3f, p90 x %.3f) "
+                   "per %.3g s\n", x->prof.n_speed, x->prof.speed_f[(int)(0.1 * (x->prof.n_speed - 1))],
+                   x->prof.speed_f[(int)ceil(0.9 * (x->prof.n_speed - 1))], x->prof.speed_window_s);
+        else
+            printf("Node speed:                              fixed (the profile has no speed factors)\n");
         printf("Workload:                                %s\n", w->desc);
         printf("Mean input / output tokens:              %.1f / %.1f\n", mean_in, mean_out);
         printf("Objectives:                              TTFT %.1f ms, TPOT %.1f ms, attainment >= %.0f%%\n",
@@ -1273,6 +1402,7 @@ static int plan_run(const plan_opts_t *o, plan_ctx_t *x, workload_t *w)
             printf("Workload arrival rate (req/s):           %.3f\n", w->rate);
     }
     cJSON_AddStringToObject(j, "profile", o->profile);
+    cJSON_AddNumberToObject(j, "speed_factors", x->prof.n_speed);
     cJSON_AddStringToObject(j, "workload", w->desc);
     cJSON_AddNumberToObject(j, "mean_input_tokens", mean_in);
     cJSON_AddNumberToObject(j, "mean_output_tokens", mean_out);

@@ -26,6 +26,14 @@ double td_plan_decode_step_s(const td_plan_profile_t *p, int64_t batch, int64_t 
     return TD_MAX(p->decode_a_s + p->decode_b_s * (double)batch + p->decode_c_s * (double)context_tokens, 1e-6);
 }
 
+double td_plan_speed(const td_plan_profile_t *p, uint32_t replica, int32_t node, double t)
+{
+    if (p->n_speed <= 0 || !(p->speed_window_s > 0) || !(t >= 0))
+        return 1;
+    uint64_t x = ((uint64_t)replica << 52) ^ ((uint64_t)(uint32_t)node << 32) ^ (uint64_t)floor(t / p->speed_window_s);
+    return p->speed_f[td_splitmix64(&x) % (uint64_t)p->n_speed];
+}
+
 td_plan_cluster_t td_plan_cluster_default(void)
 {
     return (td_plan_cluster_t){.n_prefill = 1, .n_decode = 1,
@@ -143,6 +151,7 @@ typedef struct sim {
     fifo_t router_q; /* requests no decode node had room for */
     heap_t h;
     size_t ended;
+    uint32_t replica; /* which draws of the nodes' speed (td_plan_speed) */
 } sim_t;
 
 static td_status_t node_init(node_t *nd, size_t n, int32_t max_batch, int32_t max_step)
@@ -182,9 +191,11 @@ static void step_take_prompt(sim_t *s, node_t *nd, int32_t id, int32_t take, int
     *attn += (double)take * (r->prefilled + take);
 }
 
-/* The node computes a step of dt seconds from now: busy until its event of `kind`. */
+/* The node computes a step the fits time at dt seconds, at the node's speed now (decode nodes
+ * numbered after the prefill or unified ones): busy until its event of `kind`. */
 static td_status_t step_run(sim_t *s, node_t *nd, double dt, double now, int32_t kind, int32_t i)
 {
+    dt *= td_plan_speed(s->p, s->replica, kind == EV_DECODE ? s->n_pn + i : i, now);
     nd->busy = true;
     nd->busy_s += dt;
     return heap_push(&s->h, now + dt, kind, i);
@@ -452,53 +463,60 @@ double td_plan_percentile(const double *sorted, size_t n, double q)
     return sorted[lo] + (sorted[hi] - sorted[lo]) * (pos - (double)lo);
 }
 
-static td_status_t summarize(const sim_t *s, const td_plan_slo_t *slo, td_plan_result_t *res)
+/* What the replicas of a run measured, pooled (summarize adds one replica, pool_result reads). */
+typedef struct pool {
+    double *ttft, *tpot; /* [replicas x n] */
+    size_t n, n_tpot, good;
+    double duration_s, ttft_sum, prefill_busy_s, decode_busy_s;
+    int32_t n_pn, n_dn;
+} pool_t;
+
+static void summarize(const sim_t *s, const td_plan_slo_t *slo, pool_t *pl)
 {
-    double *ttft = malloc(TD_MAX(s->n, (size_t)1) * sizeof(double));
-    double *tpot = malloc(TD_MAX(s->n, (size_t)1) * sizeof(double));
-    if (!ttft || !tpot) {
-        free(ttft), free(tpot);
-        return td_errorf(TD_ERR_NOMEM, "plan: out of memory for results");
-    }
-    memset(res, 0, sizeof *res);
-    size_t n_tpot = 0;
     double t0 = s->n ? s->reqs[0].arrival_s : 0, t_end = t0;
     for (size_t i = 0; i < s->n; i++) {
         const sreq_t *r = &s->r[i];
         double a = s->reqs[i].arrival_s, tt = r->t_first - a;
         double tp = r->output > 1 ? (r->t_done - r->t_first) / (double)(r->output - 1) : 0;
-        ttft[i] = tt;
-        res->ttft_mean_s += tt / (double)s->n;
+        pl->ttft[pl->n++] = tt;
+        pl->ttft_sum += tt;
         if (r->output > 1)
-            tpot[n_tpot++] = tp;
+            pl->tpot[pl->n_tpot++] = tp;
         t_end = TD_MAX(t_end, r->t_done);
         if ((slo->ttft_s <= 0 || tt <= slo->ttft_s) && (slo->tpot_s <= 0 || tp <= slo->tpot_s))
-            res->good++;
+            pl->good++;
     }
-    qsort(ttft, s->n, sizeof *ttft, cmp_double);
-    qsort(tpot, n_tpot, sizeof *tpot, cmp_double);
-    res->n = s->n;
-    res->duration_s = t_end - t0;
-    res->throughput = res->duration_s > 0 ? (double)s->n / res->duration_s : 0;
-    res->goodput = res->duration_s > 0 ? (double)res->good / res->duration_s : 0;
-    res->attainment = s->n ? (double)res->good / (double)s->n : 0;
-    res->ttft_p50_s = td_plan_percentile(ttft, s->n, 50);
-    res->ttft_p90_s = td_plan_percentile(ttft, s->n, 90);
-    res->ttft_p99_s = td_plan_percentile(ttft, s->n, 99);
-    res->tpot_p50_s = td_plan_percentile(tpot, n_tpot, 50);
-    res->tpot_p90_s = td_plan_percentile(tpot, n_tpot, 90);
-    res->tpot_p99_s = td_plan_percentile(tpot, n_tpot, 99);
-    double pb = 0, db = 0;
+    pl->duration_s += t_end - t0;
     for (int32_t k = 0; k < s->n_pn; k++)
-        pb += s->pn[k].busy_s;
+        pl->prefill_busy_s += s->pn[k].busy_s;
     for (int32_t k = 0; k < s->n_dn; k++)
-        db += s->dn[k].busy_s;
-    if (res->duration_s > 0) {
-        res->prefill_busy = pb / s->n_pn / res->duration_s;
-        res->decode_busy = s->n_dn ? db / s->n_dn / res->duration_s : res->prefill_busy;
+        pl->decode_busy_s += s->dn[k].busy_s;
+    pl->n_pn = s->n_pn, pl->n_dn = s->n_dn;
+}
+
+/* The replicas as one run of all their requests over all their durations. */
+static void pool_result(pool_t *pl, td_plan_result_t *res)
+{
+    memset(res, 0, sizeof *res);
+    qsort(pl->ttft, pl->n, sizeof *pl->ttft, cmp_double);
+    qsort(pl->tpot, pl->n_tpot, sizeof *pl->tpot, cmp_double);
+    res->n = pl->n;
+    res->good = pl->good;
+    res->duration_s = pl->duration_s;
+    res->throughput = pl->duration_s > 0 ? (double)pl->n / pl->duration_s : 0;
+    res->goodput = pl->duration_s > 0 ? (double)pl->good / pl->duration_s : 0;
+    res->attainment = pl->n ? (double)pl->good / (double)pl->n : 0;
+    res->ttft_mean_s = pl->n ? pl->ttft_sum / (double)pl->n : 0;
+    res->ttft_p50_s = td_plan_percentile(pl->ttft, pl->n, 50);
+    res->ttft_p90_s = td_plan_percentile(pl->ttft, pl->n, 90);
+    res->ttft_p99_s = td_plan_percentile(pl->ttft, pl->n, 99);
+    res->tpot_p50_s = td_plan_percentile(pl->tpot, pl->n_tpot, 50);
+    res->tpot_p90_s = td_plan_percentile(pl->tpot, pl->n_tpot, 90);
+    res->tpot_p99_s = td_plan_percentile(pl->tpot, pl->n_tpot, 99);
+    if (pl->duration_s > 0) {
+        res->prefill_busy = pl->prefill_busy_s / pl->n_pn / pl->duration_s;
+        res->decode_busy = pl->n_dn ? pl->decode_busy_s / pl->n_dn / pl->duration_s : res->prefill_busy;
     }
-    free(ttft), free(tpot);
-    return TD_OK;
 }
 
 /* ---- the run --------------------------------------------------------------------------------- */
@@ -522,17 +540,17 @@ static td_status_t check(const td_plan_cluster_t *c, const td_plan_request_t *re
     return TD_OK;
 }
 
-td_status_t td_plan_simulate(const td_plan_profile_t *p, const td_plan_cluster_t *c, const td_plan_request_t *reqs,
-                             size_t n, const td_plan_slo_t *slo, td_plan_result_t *res_p)
+/* One replica: the requests through the cluster, the nodes' speed drawn as `replica`'s. */
+static td_status_t simulate_once(const td_plan_profile_t *p, const td_plan_cluster_t *c,
+                                 const td_plan_request_t *reqs, size_t n, uint32_t replica,
+                                 const td_plan_slo_t *slo, pool_t *pl)
 {
-    td_status_t st = check(c, reqs, n);
-    if (st != TD_OK)
-        return st;
-    sim_t s = {.p = p, .c = c, .reqs = reqs, .n = n};
+    sim_t s = {.p = p, .c = c, .reqs = reqs, .n = n, .replica = replica};
     bool unified = c->n_unified > 0;
     s.n_pn = unified ? c->n_unified : c->n_prefill;
     s.n_dn = unified ? 0 : c->n_decode;
     int32_t max_step = unified ? c->decode_max_batch : c->prefill_max_batch;
+    td_status_t st = TD_OK;
     s.r = calloc(TD_MAX(n, (size_t)1), sizeof *s.r);
     s.pn = calloc((size_t)s.n_pn, sizeof *s.pn);
     s.dn = calloc((size_t)TD_MAX(s.n_dn, 1), sizeof *s.dn);
@@ -562,7 +580,7 @@ td_status_t td_plan_simulate(const td_plan_profile_t *p, const td_plan_cluster_t
     }
     if (st == TD_OK) {
         TD_ASSERT(s.ended == n); /* every request ends: nothing waits for room that never comes */
-        st = summarize(&s, slo, res_p);
+        summarize(&s, slo, pl);
     }
 out:
     for (int32_t k = 0; s.pn && k < s.n_pn; k++)
@@ -570,6 +588,28 @@ out:
     for (int32_t k = 0; s.dn && k < s.n_dn; k++)
         node_free(&s.dn[k]);
     free(s.pn), free(s.dn), free(s.r), free(s.router_q.v), free(s.h.e);
+    return st;
+}
+
+td_status_t td_plan_simulate(const td_plan_profile_t *p, const td_plan_cluster_t *c, const td_plan_request_t *reqs,
+                             size_t n, const td_plan_slo_t *slo, td_plan_result_t *res_p)
+{
+    td_status_t st = check(c, reqs, n);
+    if (st != TD_OK)
+        return st;
+    /* with speed factors, one run of a few requests would read its percentiles off a few draws */
+    size_t replicas = p->n_speed > 0 ? TD_MIN(TD_MAX((size_t)TD_PLAN_SPEED_REQUESTS / TD_MAX(n, (size_t)1), (size_t)1),
+                                              (size_t)TD_PLAN_SPEED_REPLICAS)
+                                     : 1;
+    pool_t pl = {.ttft = malloc(TD_MAX(n * replicas, (size_t)1) * sizeof(double)),
+                 .tpot = malloc(TD_MAX(n * replicas, (size_t)1) * sizeof(double))};
+    if (!pl.ttft || !pl.tpot)
+        st = td_errorf(TD_ERR_NOMEM, "plan: out of memory for the results of %zu requests", n * replicas);
+    for (size_t k = 0; k < replicas && st == TD_OK; k++)
+        st = simulate_once(p, c, reqs, n, (uint32_t)k, slo, &pl);
+    if (st == TD_OK)
+        pool_result(&pl, res_p);
+    free(pl.ttft), free(pl.tpot);
     return st;
 }
 

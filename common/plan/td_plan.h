@@ -12,10 +12,11 @@
  * (td_plan_decode_window, `plan profile --gateway`) are here too, pure like the rest.
  *
  * Everything here is pure: time is simulated, nothing reads a clock or a file, results depend
- * only on the inputs (and the seed of td_plan_arrivals). What it leaves out, on purpose: KV
- * memory beyond a token budget (no preemption), prefix caching, sampling and stop strings
- * (every request generates exactly its output length), network jitter and the host's
- * neighbours.
+ * only on the inputs (and the seed of td_plan_arrivals). A node's speed varies as the
+ * profile measured it varying (td_plan_profile_t's speed factors, drawn per node and window
+ * from a fixed sequence). What it leaves out, on purpose: KV memory beyond a token budget (no
+ * preemption), prefix caching, sampling and stop strings (every request generates exactly its
+ * output length), network jitter apart from the speed factors.
  *
  * Threads: any; no shared state (each call allocates its own and frees it).
  */
@@ -27,6 +28,14 @@
 #include <stdint.h>
 
 #include "td_status.h"
+
+/* The most speed factors a profile holds (plan profile's --speed-requests). */
+#define TD_PLAN_SPEED_MAX 256
+/* With speed factors td_plan_simulate runs the requests again with other draws until it has
+ * about TD_PLAN_SPEED_REQUESTS of them (at most TD_PLAN_SPEED_REPLICAS runs) and reports them
+ * pooled: a trace of 80 requests is read off 4000 draws, not off the few its own run makes. */
+#define TD_PLAN_SPEED_REQUESTS 4000
+#define TD_PLAN_SPEED_REPLICAS 64
 
 /* Step times in seconds, fitted from measurements (tandem plan profile). */
 typedef struct td_plan_profile {
@@ -40,10 +49,18 @@ typedef struct td_plan_profile {
                                                      a + b*P after the prompt's last chunk */
     double overhead_s;                            /* router and RPC hops: added to every request's
                                                      first token (and so to its end) */
+    /* How a node's speed varies over time: every step a node starts in window k (of
+     * speed_window_s seconds) takes the fits above x speed_f[j], j drawn for that node and window
+     * from a fixed sequence (the simulation stays deterministic). The factors are what
+     * `plan profile` measured: lone requests' mean step over their median, so the fits stay the
+     * median and the factors the spread around it. n_speed 0: every step exactly the fit. */
+    double speed_f[TD_PLAN_SPEED_MAX];
+    int32_t n_speed;
+    double speed_window_s;
 } td_plan_profile_t;
 
 /* The modelled step times (never below 1 us); attn = sum over the step's chunks of chunk
- * tokens x the position the chunk ends at. */
+ * tokens x the position the chunk ends at. The fits alone: the speed factors are the simulator's. */
 double td_plan_prefill_step_s(const td_plan_profile_t *p, int64_t tokens, double attn);
 double td_plan_decode_step_s(const td_plan_profile_t *p, int64_t batch, int64_t context_tokens);
 
@@ -62,6 +79,10 @@ typedef struct td_plan_cluster {
 
 /* tandem's defaults (docs/scheduling.md), one prefill and one decode node. */
 td_plan_cluster_t td_plan_cluster_default(void);
+
+/* The speed factor of node `node` (any numbering the caller keeps) at time t in the simulation's
+ * replica `replica`: 1 without factors. */
+double td_plan_speed(const td_plan_profile_t *p, uint32_t replica, int32_t node, double t);
 
 typedef struct td_plan_request {
     double arrival_s;
@@ -86,7 +107,9 @@ typedef struct td_plan_result {
 /*
  * Simulates reqs[0..n) (arrival times ascending) on cluster c with profile p. TD_OK and *res_p
  * written; TD_ERR_INVALID (a cluster with no node of a kind, limits < 1, a request of length
- * < 1, times out of order) or TD_ERR_NOMEM, logged. Deterministic.
+ * < 1, times out of order) or TD_ERR_NOMEM, logged. Deterministic. With speed factors the
+ * result is the replicas' (TD_PLAN_SPEED_REQUESTS) pooled: n counts every replica's requests,
+ * duration their durations summed.
  */
 td_status_t td_plan_simulate(const td_plan_profile_t *p, const td_plan_cluster_t *c, const td_plan_request_t *reqs,
                              size_t n, const td_plan_slo_t *slo, td_plan_result_t *res_p);

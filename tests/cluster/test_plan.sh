@@ -51,6 +51,12 @@ assert kv["bytes_per_token"] == 2 * layers * 2 * 64 * 4 and kv["b_s_per_token"] 
 for p in pre["points"]:
     t = p["tokens"]; f = pre["a_s"] + pre["b_s_per_token"] * t + pre["c_s_per_token2"] * t * t
     assert abs(f - p["seconds"]) < 0.5 * p["seconds"], (p, f)
+# the speed spread: 32 runs (the default), each run's mean step over their median
+sp = d["speed"]
+f = sp["factors"]
+assert len(f) == sp["runs"] == 32 and f == sorted(f) and all(x > 0 for x in f), sp
+assert abs((f[15] + f[16]) / 2 - 1) < 1e-9 and sp["window_s"] == sp["median_step_s"] * sp["tokens_per_run"] > 0, sp
+print(f"speed: p10 x{f[3]:.3f}, p90 x{f[28]:.3f} over {sp['window_s'] * 1e3:.2f} ms runs")
 EOF
 
 # ---- predicted against measured: 1 prefill + 1 decode, one rate. First a warm-up run, and the
@@ -139,8 +145,8 @@ fi
 # ---- a profile measured through the running cluster (--gateway; the prefill node's /metrics for the
 # engine's part of TTFT): well-formed, its fits near the in-process profile of the same model (loose:
 # the cluster's nodes, router and this client share two noisy cores), and the planner reads it ----
-GP=(--max-tokens 128 --max-batch 4 --max-context 256 --reps 3)
-[ "$SAN" = ON ] && GP=(--max-tokens 64 --max-batch 4 --max-context 160 --reps 2 --request-timeout-s 120)
+GP=(--max-tokens 128 --max-batch 4 --max-context 256 --reps 3 --speed-runs 8)
+[ "$SAN" = ON ] && GP=(--max-tokens 64 --max-batch 4 --max-context 160 --reps 2 --speed-runs 8 --request-timeout-s 120)
 if timeout 300 "$CL_BIN" plan profile --gateway "$CL_GW" --prefill-metrics "${CL_MURL[prefill0]}" "${GP[@]}" \
         --out "$CL_T/gw.json" >"$CL_T/gw.out" 2>"$CL_T/gw.err"; then
     cat "$CL_T/gw.out"
@@ -167,6 +173,10 @@ for v in coef(pre, ("a_s", "b_s_per_token", "c_s_per_token2")) + coef(dec, ("a_s
         "c_s_per_context_token")) + coef(kv, ("a_s", "b_s_per_token")) + [g["overhead_s"]]:
     assert isinstance(v, (int, float)) and math.isfinite(v), g
 assert kv["a_s"] >= 0 and kv["b_s_per_token"] >= 0 and 0 <= g["overhead_s"] < 1.0, (kv, g["overhead_s"])
+# --speed-runs 8 lone requests of 16 + 32 tokens: 30 gaps each after the second token
+sp = g["speed"]
+assert len(sp["factors"]) == sp["runs"] == 8 and sp["tokens_per_run"] == 30 and sp["window_s"] > 0, sp
+assert min(sp["factors"]) <= 1 <= max(sp["factors"]) and all(x > 0 for x in sp["factors"]), sp
 assert 1 <= len(kv["points"]) <= len(pre["points"]) and ov["method"] and len(ov["ttft_minus_engine_s"]) == len(pre["points"])
 pf = lambda o, t: o["a_s"] + o["b_s_per_token"] * t + o["c_s_per_token2"] * t * t
 df = lambda o, b, c: o["a_s"] + o["b_s_per_seq"] * b + o["c_s_per_context_token"] * b * c
@@ -249,6 +259,12 @@ bad --rate --profile "$P" --workload random:8:8 --ttft 1 --tpot 1
 bad --nodes --profile "$P" --workload random:8:8 --ttft 1 --tpot 1 --nodes 0
 bad --bogus --profile "$P" --workload random:8:8 --ttft 1 --tpot 1 --bogus 1
 bad --profile --profile "$CL_T/shape.json" --workload random:8:8 --ttft 1 --tpot 1 --rate 1
+for sp in '{"factors": [0, 1], "window_s": 1}' '{"factors": [1], "window_s": -1}' '{"factors": []}' '{"factors": "x"}'; do
+    "$CL_PY" -c 'import json, sys; d = json.load(open(sys.argv[1])); d["speed"] = json.loads(sys.argv[2]);
+json.dump(d, open(sys.argv[3], "w"))' "$P" "$sp" "$CL_T/badspeed.json"
+    bad --profile --profile "$CL_T/badspeed.json" --workload random:8:8 --ttft 1 --tpot 1 --rate 1
+done
+bad --speed-runs profile --model "$CL_T/m" --speed-runs 100000
 bad --model profile --threads 1
 bad --model profile --model "$CL_T/m" --gateway "$CL_GW"
 bad --gateway profile --gateway nocolon

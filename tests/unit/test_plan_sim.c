@@ -6,7 +6,8 @@
  * sustained and the highest sustained one lies below capacity; the same seed gives the same
  * run; least squares recovers the coefficients it was made from; a decode step read from
  * streams timed through a cluster is the step while all of them generate, whatever the ramp
- * before it and however the tokens were packed into messages.
+ * before it and however the tokens were packed into messages; a profile's speed factors slow
+ * every step they are drawn for, per window, as a fixed sequence.
  */
 #include <criterion/criterion.h>
 #include <math.h>
@@ -89,6 +90,71 @@ Test(plan_sim, the_default_prefill_step_batches_as_a_prefill_node_does)
     /* the five reach the decode node together: the first starts a step alone (6 ms), the
      * other four wait for it and step together (9 ms) */
     cr_assert_float_eq(r.tpot_p50_s, 0.006 + 0.009, 1e-12, "TPOT p50 %g s", r.tpot_p50_s);
+}
+
+/* Five lone requests of 100 prompt and 20 output tokens, 10 s apart. */
+static void lone_requests(td_plan_request_t reqs[5])
+{
+    for (int i = 0; i < 5; i++)
+        reqs[i] = (td_plan_request_t){.arrival_s = 10.0 * i, .input_len = 100, .output_len = 20};
+}
+
+Test(plan_sim, a_speed_factor_scales_every_step_of_every_node_not_the_transfer)
+{
+    td_plan_profile_t p = affine();
+    p.xfer_a_s = 0.002;
+    p.speed_f[0] = 2, p.n_speed = 1, p.speed_window_s = 0.5;
+    td_plan_cluster_t c = td_plan_cluster_default();
+    td_plan_request_t reqs[5];
+    lone_requests(reqs);
+    td_plan_slo_t slo = {0};
+    td_plan_result_t r;
+    cr_assert_eq(td_plan_simulate(&p, &c, reqs, 5, &slo, &r), TD_OK);
+    cr_assert_float_eq(r.ttft_p90_s, 2 * 0.020, 1e-12, "TTFT p90 %g s: the prefill step at half speed", r.ttft_p90_s);
+    cr_assert_float_eq(r.tpot_p90_s, (0.002 + 19 * 2 * 0.006) / 19, 1e-12, "TPOT p90 %g s", r.tpot_p90_s);
+    /* pooled over the replicas that make ~TD_PLAN_SPEED_REQUESTS requests */
+    cr_assert_eq(r.n, 5 * (size_t)TD_PLAN_SPEED_REPLICAS, "%zu requests pooled", r.n);
+    cr_assert_float_eq(r.throughput, 5 / (40 + 0.040 + 0.002 + 19 * 0.012), 1e-9, "%g req/s", r.throughput);
+
+    c.n_prefill = c.n_decode = 0;
+    c.n_unified = 1;
+    cr_assert_eq(td_plan_simulate(&p, &c, reqs, 5, &slo, &r), TD_OK);
+    cr_assert_float_eq(r.ttft_p50_s, 2 * 0.020, 1e-12, "unified TTFT p50 %g s", r.ttft_p50_s);
+    cr_assert_float_eq(r.tpot_p50_s, 2 * 0.006, 1e-12, "unified TPOT p50 %g s", r.tpot_p50_s);
+}
+
+Test(plan_sim, speed_factors_are_drawn_per_window_so_latencies_spread_as_they_do)
+{
+    /* factors 1 and 3, windows far longer than a request: a request runs at one speed or the
+     * other, and about half the draws are each */
+    td_plan_profile_t p = affine();
+    p.speed_f[0] = 1, p.speed_f[1] = 3, p.n_speed = 2, p.speed_window_s = 1000;
+    td_plan_cluster_t c = td_plan_cluster_default();
+    td_plan_request_t reqs[5];
+    lone_requests(reqs);
+    td_plan_slo_t slo = {.ttft_s = 0.030}; /* met at speed 1 (20 ms), missed at 3 (60 ms) */
+    td_plan_result_t r, again;
+    cr_assert_eq(td_plan_simulate(&p, &c, reqs, 5, &slo, &r), TD_OK);
+    cr_assert(r.attainment > 0.25 && r.attainment < 0.75, "attainment %g: half the windows are slow", r.attainment);
+    cr_assert_float_eq(r.ttft_p90_s, 3 * 0.020, 1e-12, "TTFT p90 %g s", r.ttft_p90_s);
+    cr_assert_float_eq(r.tpot_p90_s, 3 * 0.006, 1e-12, "TPOT p90 %g s", r.tpot_p90_s);
+    /* the draws are a fixed sequence: the same inputs, the same result */
+    cr_assert_eq(td_plan_simulate(&p, &c, reqs, 5, &slo, &again), TD_OK);
+    cr_assert_eq(again.good, r.good);
+    cr_assert_eq(again.ttft_p50_s, r.ttft_p50_s);
+
+    /* windows shorter than a step: a request's 19 steps mix both speeds, so its TPOT lies
+     * between, and no longer at either end */
+    p.speed_window_s = 0.001;
+    cr_assert_eq(td_plan_simulate(&p, &c, reqs, 5, &slo, &r), TD_OK);
+    cr_assert(r.tpot_p50_s > 0.0065 && r.tpot_p50_s < 0.0175, "TPOT p50 %g s", r.tpot_p50_s);
+    cr_assert(r.tpot_p90_s < 3 * 0.006 - 1e-6, "TPOT p90 %g s", r.tpot_p90_s);
+
+    /* without factors every step is the fit: p90 = p50 */
+    p.n_speed = 0;
+    cr_assert_eq(td_plan_simulate(&p, &c, reqs, 5, &slo, &r), TD_OK);
+    cr_assert_eq(r.n, 5);
+    cr_assert_float_eq(r.tpot_p90_s, r.tpot_p50_s, 1e-15);
 }
 
 Test(plan_sim, one_prompt_per_step_is_an_md1_queue)
