@@ -154,25 +154,54 @@ static td_status_t time_decode(td_engine_t *eng, const int32_t *toks, int batch,
     return st;
 }
 
-/* The profile's "speed" section from k lone decode runs of `tokens` steps each whose mean steps
- * are means[0..k): each over their median, sorted (the simulator draws a node's speed from them,
- * per window of a run's length: td_plan_profile_t). Printed as its spread. */
+/* The standard normal's quantile: Phi^-1(q), q in (0, 1), by bisection on erfc (to 1e-12). */
+static double normal_quantile(double q)
+{
+    double lo = -40, hi = 40;
+    for (int i = 0; i < 200 && hi - lo > 1e-12; i++) {
+        double mid = 0.5 * (lo + hi);
+        if (0.5 * erfc(-mid / sqrt(2.0)) < q)
+            lo = mid;
+        else
+            hi = mid;
+    }
+    return 0.5 * (lo + hi);
+}
+
+/*
+ * The profile's "speed" section from k lone decode runs of `tokens` steps each whose mean steps
+ * are means[0..k) (reordered). Each run over their median is a run factor (kept as measured,
+ * `run_factors`); the simulator draws from `factors`: the quantiles at (i + 0.5) / k of a
+ * log-normal of median 1 whose interquartile range is the run factors' (sigma = ln(q75 / q25) /
+ * 1.349). The interquartile range, not the extremes: a run that a neighbour's burst stopped for
+ * a second is one sample in 32, and as a drawn factor it would be the node stopping for 1/32 of
+ * the time. The window is a run's length.
+ */
 static void speed_section(cJSON *j, double *means, int k, int tokens, const char *method)
 {
     if (k < 1)
         return;
     double med = median(means, k); /* sorts means */
-    cJSON *sp = cJSON_AddObjectToObject(j, "speed"), *fs = cJSON_AddArrayToObject(sp, "factors");
+    cJSON *sp = cJSON_AddObjectToObject(j, "speed"), *fs = cJSON_AddArrayToObject(sp, "factors"),
+          *rf = cJSON_AddArrayToObject(sp, "run_factors");
     for (int i = 0; i < k; i++)
-        cJSON_AddItemToArray(fs, cJSON_CreateNumber(means[i] / med));
+        means[i] /= med;
+    for (int i = 0; i < k; i++)
+        cJSON_AddItemToArray(rf, cJSON_CreateNumber(means[i]));
+    double q25 = td_plan_percentile(means, (size_t)k, 25), q75 = td_plan_percentile(means, (size_t)k, 75);
+    double sigma = q25 > 0 ? log(q75 / q25) / 1.349 : 0;
+    for (int i = 0; i < k; i++)
+        cJSON_AddItemToArray(fs, cJSON_CreateNumber(exp(sigma * normal_quantile((i + 0.5) / k))));
+    cJSON_AddNumberToObject(sp, "sigma", sigma);
     cJSON_AddNumberToObject(sp, "window_s", med * tokens);
     cJSON_AddNumberToObject(sp, "runs", k);
     cJSON_AddNumberToObject(sp, "tokens_per_run", tokens);
     cJSON_AddNumberToObject(sp, "median_step_s", med);
     cJSON_AddStringToObject(sp, "method", method);
-    double f10 = means[(int)(0.1 * (k - 1))] / med, f90 = means[(int)ceil(0.9 * (k - 1))] / med;
-    fprintf(stderr, "plan profile: speed over %d runs of %d steps: median step %.3f ms, p10 x %.3f, p90 x %.3f\n",
-            k, tokens, med * 1e3, f10, f90);
+    fprintf(stderr, "plan profile: speed over %d runs of %d steps: median step %.3f ms; runs p10 x %.3f, p90 x %.3f, "
+            "max x %.3f; drawn: log-normal sigma %.4f (p10 x %.3f, p90 x %.3f)\n", k, tokens, med * 1e3,
+            td_plan_percentile(means, (size_t)k, 10), td_plan_percentile(means, (size_t)k, 90), means[k - 1], sigma,
+            exp(-1.2816 * sigma), exp(1.2816 * sigma));
 }
 
 /* memcpy bandwidth of this machine over 64 MiB, best of 5: the same-host KV copy's bound. */
@@ -552,8 +581,9 @@ static int plan_profile_cluster(const cluster_prof_opts_t *o)
         if (st == TD_OK)
             speed_section(j, means, k, (int)o->decode_tokens - 2,
                           "lone requests of 16 prompt tokens and tokens_per_run + 2 output tokens, one at a time "
-                          "through the front door; a factor: one request's mean time between tokens after its "
-                          "second token over the median of those means");
+                          "through the front door; a run factor: one request's mean time between tokens after "
+                          "its second token over the median of those means; factors: a log-normal's quantiles "
+                          "with the run factors' median (1) and interquartile range");
         free(means);
         if (st != TD_OK)
             goto out;
@@ -820,7 +850,8 @@ static int plan_profile(int argc, char **argv)
         if (st == TD_OK)
             speed_section(j, means, (int)co.speed_runs, steps,
                           "runs of tokens_per_run decode steps of one sequence of 16 context tokens, one after "
-                          "another; a factor: one run's mean step over the median of those means");
+                          "another; a run factor: one run's mean step over the median of those means; factors: a "
+                          "log-normal's quantiles with the run factors' median (1) and interquartile range");
         free(means);
         if (st != TD_OK)
             goto out;
@@ -1479,8 +1510,10 @@ static int plan_run(const plan_opts_t *o, plan_ctx_t *x, workload_t *w)
             snprintf(label, sizeof label, "Best split for %lld nodes (P:D):", (long long)o->nodes);
             printf("%-41s%s\n", label, name);
             printf("Sustained rate per node (req/s):         %.3f\n", best_rate / (double)o->nodes);
-            printf("Best batch limits:                       prefill-max-batch-tokens %d, decode-max-batch %d "
-                   "(%.3f req/s)\n", lim.prefill_max_batch_tokens, lim.decode_max_batch, lim_rate);
+            printf("Best batch limits:                       %s %d, decode-max-batch %d (%.3f req/s)\n",
+                   lim.n_unified ? "unified-max-batch-tokens" : "prefill-max-batch-tokens",
+                   lim.n_unified ? lim.unified_max_batch_tokens : lim.prefill_max_batch_tokens, lim.decode_max_batch,
+                   lim_rate);
             snprintf(label, sizeof label, "Unified %lld nodes sustain (req/s):", (long long)o->nodes);
             printf("%-41s%.3f\n", label, u_rate);
         }
@@ -1488,7 +1521,8 @@ static int plan_run(const plan_opts_t *o, plan_ctx_t *x, workload_t *w)
         cJSON_AddNumberToObject(j, "max_rate", best_rate);
         cJSON_AddStringToObject(j, "best_split", name);
         cJSON_AddNumberToObject(j, "max_rate_per_node", best_rate / (double)o->nodes);
-        cJSON_AddNumberToObject(j, "best_prefill_max_batch_tokens", lim.prefill_max_batch_tokens);
+        cJSON_AddNumberToObject(j, lim.n_unified ? "best_unified_max_batch_tokens" : "best_prefill_max_batch_tokens",
+                                lim.n_unified ? lim.unified_max_batch_tokens : lim.prefill_max_batch_tokens);
         cJSON_AddNumberToObject(j, "best_decode_max_batch", lim.decode_max_batch);
         cJSON_AddNumberToObject(j, "best_limits_rate", lim_rate);
         cJSON_AddNumberToObject(j, "unified_max_rate", u_rate);

@@ -51,12 +51,18 @@ assert kv["bytes_per_token"] == 2 * layers * 2 * 64 * 4 and kv["b_s_per_token"] 
 for p in pre["points"]:
     t = p["tokens"]; f = pre["a_s"] + pre["b_s_per_token"] * t + pre["c_s_per_token2"] * t * t
     assert abs(f - p["seconds"]) < 0.5 * p["seconds"], (p, f)
-# the speed spread: 32 runs (the default), each run's mean step over their median
+# the speed spread: 32 runs (the default), each run's mean step over their median; the factors
+# drawn are a log-normal's quantiles of median 1 and the runs' interquartile range
+import math
 sp = d["speed"]
-f = sp["factors"]
-assert len(f) == sp["runs"] == 32 and f == sorted(f) and all(x > 0 for x in f), sp
-assert abs((f[15] + f[16]) / 2 - 1) < 1e-9 and sp["window_s"] == sp["median_step_s"] * sp["tokens_per_run"] > 0, sp
-print(f"speed: p10 x{f[3]:.3f}, p90 x{f[28]:.3f} over {sp['window_s'] * 1e3:.2f} ms runs")
+f, rf = sp["factors"], sp["run_factors"]
+assert len(f) == len(rf) == sp["runs"] == 32 and f == sorted(f) and rf == sorted(rf) and min(f) > 0, sp
+assert abs((rf[15] + rf[16]) / 2 - 1) < 1e-9 and abs(math.log(f[15] * f[16])) < 1e-9, sp
+lq = lambda v, q: v[7] + (v[8] - v[7]) * 0.75 if q == 25 else v[23] + (v[24] - v[23]) * 0.25  # numpy's, n = 32
+assert abs(sp["sigma"] - math.log(lq(rf, 75) / lq(rf, 25)) / 1.349) < 1e-9, sp
+assert abs(f[-1] - math.exp(sp["sigma"] * 2.1539)) < 1e-3 * f[-1], sp  # Phi^-1(31.5 / 32) = 2.1539
+assert sp["window_s"] == sp["median_step_s"] * sp["tokens_per_run"] > 0, sp
+print(f"speed: runs p10 x{rf[3]:.3f}, p90 x{rf[28]:.3f}; sigma {sp['sigma']:.4f} over {sp['window_s'] * 1e3:.2f} ms runs")
 EOF
 
 # ---- predicted against measured: 1 prefill + 1 decode, one rate. First a warm-up run, and the
@@ -237,6 +243,16 @@ grep -qE "^Simulated split 1:1 at 2\.000 req/s:" "$CL_T/pt.out" || cl_fail "trac
 for line in "Target rate (req/s):" "Nodes needed:" "Unified nodes needed:" "--------------- What-if"; do
     grep -qF -- "$line" "$CL_T/pr.out" || cl_fail "plan --rate: line '$line' missing: $(cat "$CL_T/pr.out")"
 done
+grep -qE "^Node speed: +drawn from 32 measured factors" "$CL_T/pr.out" || cl_fail "plan: no speed line: $(cat "$CL_T/pr.out")"
+# one node is a unified one: its best limits name the unified node's flags (a profile without
+# speed factors and short runs: the search's 25 pairs of limits, cheap)
+"$CL_PY" -c 'import json, sys; d = json.load(open(sys.argv[1])); del d["speed"]; json.dump(d, open(sys.argv[2], "w"))' \
+    "$CL_T/prof.json" "$CL_T/nospeed.json"
+"$CL_BIN" plan --profile "$CL_T/nospeed.json" --workload random:48:16 --ttft 1000 --tpot 200 --nodes 1 --requests 200 \
+    >"$CL_T/n1.out" 2>&1 || cl_fail "plan --nodes 1 exited non-zero: $(cat "$CL_T/n1.out")"
+grep -qE "^Node speed: +fixed" "$CL_T/n1.out" || cl_fail "plan --nodes 1: no fixed speed line: $(cat "$CL_T/n1.out")"
+grep -qE "^Best batch limits: +unified-max-batch-tokens [0-9]+, decode-max-batch [0-9]+ " "$CL_T/n1.out" ||
+    cl_fail "plan --nodes 1: want a unified node's limits: $(cat "$CL_T/n1.out")"
 
 # ---- bad flags: one line naming the flag, exit 2 ----
 bad() { # FLAG ARGS...
