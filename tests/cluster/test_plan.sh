@@ -65,6 +65,11 @@ assert sp["window_s"] == sp["median_step_s"] * sp["tokens_per_run"] > 0, sp
 print(f"speed: runs p10 x{rf[3]:.3f}, p90 x{rf[28]:.3f}; sigma {sp['sigma']:.4f} over {sp['window_s'] * 1e3:.2f} ms runs")
 EOF
 
+# the searches below check what the planner answers, not the speed draws: on a profile without
+# them (a simulation with them runs ~4000 requests, 4x a search's 1000: -O0 minutes)
+"$CL_PY" -c 'import json, sys; d = json.load(open(sys.argv[1])); del d["speed"]; json.dump(d, open(sys.argv[2], "w"))' \
+    "$CL_T/prof.json" "$CL_T/nospeed.json"
+
 # ---- predicted against measured: 1 prefill + 1 decode, one rate. First a warm-up run, and the
 # profile calibrated by the nodes' own step histograms of it (the nodes share this machine's
 # cores with whatever else runs; the in-process profile did not) ----
@@ -130,7 +135,7 @@ for m in tandem_router_node_queued_prefill_tokens tandem_router_node_running_seq
 done
 grep -qE '^tandem_router_node_kv_blocks\{node="prefill0",role="prefill"\} [1-9]' "$CL_T/metrics.txt" ||
     cl_fail "tandem_router_node_kv_blocks{node=prefill0} missing or 0"
-if "$CL_BIN" plan --profile "$CL_T/prof.json" --metrics "${CL_MURL[router]}" --metrics-window-s 0.5 --ttft 1000 \
+if "$CL_BIN" plan --profile "$CL_T/nospeed.json" --metrics "${CL_MURL[router]}" --metrics-window-s 0.5 --ttft 1000 \
         --tpot 200 --nodes 2 --requests 300 --json >"$CL_T/pm.json" 2>"$CL_T/pm.err"; then
     "$CL_PY" - "$CL_T/pm.json" "$CL_T/m.json" <<'EOF' || cl_fail "plan --metrics (above)"
 import json, sys
@@ -238,16 +243,14 @@ printf 'arrival_s,input_len,output_len\n0,32,8\n0.5,64,4\n1.0,16,16\n1.5,128,2\n
     >"$CL_T/pt.out" 2>&1 || cl_fail "plan on a trace exited non-zero: $(cat "$CL_T/pt.out")"
 grep -qE "^Workload arrival rate \(req/s\): +2\.000$" "$CL_T/pt.out" || cl_fail "trace rate: $(cat "$CL_T/pt.out")"
 grep -qE "^Simulated split 1:1 at 2\.000 req/s:" "$CL_T/pt.out" || cl_fail "trace run: $(cat "$CL_T/pt.out")"
-"$CL_BIN" plan --profile "$CL_T/prof.json" --workload random:48:16 --ttft 1000 --tpot 200 --rate 20 --max-nodes 6 \
+grep -qE "^Node speed: +drawn from 32 measured factors" "$CL_T/pt.out" || cl_fail "plan: no speed line: $(cat "$CL_T/pt.out")"
+"$CL_BIN" plan --profile "$CL_T/nospeed.json" --workload random:48:16 --ttft 1000 --tpot 200 --rate 20 --max-nodes 6 \
     >"$CL_T/pr.out" 2>&1 || cl_fail "plan --rate exited non-zero: $(cat "$CL_T/pr.out")"
 for line in "Target rate (req/s):" "Nodes needed:" "Unified nodes needed:" "--------------- What-if"; do
     grep -qF -- "$line" "$CL_T/pr.out" || cl_fail "plan --rate: line '$line' missing: $(cat "$CL_T/pr.out")"
 done
-grep -qE "^Node speed: +drawn from 32 measured factors" "$CL_T/pr.out" || cl_fail "plan: no speed line: $(cat "$CL_T/pr.out")"
-# one node is a unified one: its best limits name the unified node's flags (a profile without
-# speed factors and short runs: the search's 25 pairs of limits, cheap)
-"$CL_PY" -c 'import json, sys; d = json.load(open(sys.argv[1])); del d["speed"]; json.dump(d, open(sys.argv[2], "w"))' \
-    "$CL_T/prof.json" "$CL_T/nospeed.json"
+# one node is a unified one: its best limits name the unified node's flags (short runs: the
+# search's 25 pairs of limits, cheap)
 "$CL_BIN" plan --profile "$CL_T/nospeed.json" --workload random:48:16 --ttft 1000 --tpot 200 --nodes 1 --requests 200 \
     >"$CL_T/n1.out" 2>&1 || cl_fail "plan --nodes 1 exited non-zero: $(cat "$CL_T/n1.out")"
 grep -qE "^Node speed: +fixed" "$CL_T/n1.out" || cl_fail "plan --nodes 1: no fixed speed line: $(cat "$CL_T/n1.out")"
