@@ -191,11 +191,35 @@ static void step_take_prompt(sim_t *s, node_t *nd, int32_t id, int32_t take, int
     *attn += (double)take * (r->prefilled + take);
 }
 
-/* The node computes a step the fits time at dt seconds, at the node's speed now (decode nodes
- * numbered after the prefill or unified ones): busy until its event of `kind`. */
+/* Windows a step is walked through one by one; a longer one takes the factors' mean. */
+#define SPEED_WALK_MAX 64
+
+/* How long node `node` takes from `now` for work the fits time at dt seconds: window by window
+ * at each window's speed (a step that spans windows averages their factors, as a long prefill
+ * step on a machine whose speed varies does); past SPEED_WALK_MAX windows, at the factors' mean. */
+double td_plan_step_elapsed(const td_plan_profile_t *p, uint32_t replica, int32_t node, double now, double dt)
+{
+    if (p->n_speed <= 0 || !(p->speed_window_s > 0))
+        return dt;
+    double w = p->speed_window_s, t = now, work = dt;
+    for (int k = 0; k < SPEED_WALK_MAX; k++) {
+        double f = td_plan_speed(p, replica, node, t), end = (floor(t / w) + 1) * w;
+        if (work * f <= end - t)
+            return t + work * f - now;
+        work -= (end - t) / f;
+        t = end;
+    }
+    double mean = 0;
+    for (int32_t j = 0; j < p->n_speed; j++)
+        mean += p->speed_f[j] / p->n_speed;
+    return t + work * mean - now;
+}
+
+/* The node computes a step the fits time at dt seconds, at the node's speed from now on (decode
+ * nodes numbered after the prefill or unified ones): busy until its event of `kind`. */
 static td_status_t step_run(sim_t *s, node_t *nd, double dt, double now, int32_t kind, int32_t i)
 {
-    dt *= td_plan_speed(s->p, s->replica, kind == EV_DECODE ? s->n_pn + i : i, now);
+    dt = td_plan_step_elapsed(s->p, s->replica, kind == EV_DECODE ? s->n_pn + i : i, now, dt);
     nd->busy = true;
     nd->busy_s += dt;
     return heap_push(&s->h, now + dt, kind, i);

@@ -49,9 +49,9 @@ typedef struct td_plan_profile {
                                                      a + b*P after the prompt's last chunk */
     double overhead_s;                            /* router and RPC hops: added to every request's
                                                      first token (and so to its end) */
-    /* How a node's speed varies over time: every step a node starts in window k (of
-     * speed_window_s seconds) takes the fits above x speed_f[j], j drawn for that node and window
-     * from a fixed sequence (the simulation stays deterministic). The factors are what
+    /* How a node's speed varies over time: during window k (of speed_window_s seconds) a node
+     * computes at 1 / speed_f[j] of the fits' speed, j drawn for that node and window from a
+     * fixed sequence (the simulation stays deterministic; td_plan_step_elapsed). The factors are what
      * `plan profile` measured: lone requests' mean step over their median, so the fits stay the
      * median and the factors the spread around it. n_speed 0: every step exactly the fit. */
     double speed_f[TD_PLAN_SPEED_MAX];
@@ -83,6 +83,11 @@ td_plan_cluster_t td_plan_cluster_default(void);
 /* The speed factor of node `node` (any numbering the caller keeps) at time t in the simulation's
  * replica `replica`: 1 without factors. */
 double td_plan_speed(const td_plan_profile_t *p, uint32_t replica, int32_t node, double t);
+
+/* Seconds node `node` takes from time `now` for a step the fits time at dt: window by window
+ * at each one's factor (a step spanning windows averages them; past 64 windows, the rest at
+ * the factors' mean). dt without factors. */
+double td_plan_step_elapsed(const td_plan_profile_t *p, uint32_t replica, int32_t node, double now, double dt);
 
 typedef struct td_plan_request {
     double arrival_s;

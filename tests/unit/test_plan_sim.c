@@ -157,6 +157,38 @@ Test(plan_sim, speed_factors_are_drawn_per_window_so_latencies_spread_as_they_do
     cr_assert_float_eq(r.tpot_p90_s, r.tpot_p50_s, 1e-15);
 }
 
+/* The work a node does from t0 to t1: each window's time in the span over its factor. */
+static double work_done(const td_plan_profile_t *p, double t0, double t1)
+{
+    double w = p->speed_window_s, done = 0;
+    for (double t = t0; t < t1;) {
+        double end = fmin((floor(t / w) + 1) * w, t1);
+        done += (end - t) / td_plan_speed(p, 0, 0, t);
+        t = end;
+    }
+    return done;
+}
+
+Test(plan_sim, a_step_spanning_windows_runs_each_at_its_speed)
+{
+    td_plan_profile_t p = affine();
+    p.speed_f[0] = 1, p.speed_f[1] = 3, p.n_speed = 2, p.speed_window_s = 1;
+    /* inside one window: the step times that window's factor */
+    double f = td_plan_speed(&p, 0, 0, 0.25);
+    cr_assert_float_eq(td_plan_step_elapsed(&p, 0, 0, 0.25, 0.1), 0.1 * f, 1e-12);
+    /* across windows: it ends when the work of each window at its speed adds up to the step */
+    for (double dt = 0.5; dt < 20; dt *= 1.7) {
+        double el = td_plan_step_elapsed(&p, 0, 0, 0.5, dt);
+        cr_assert(el >= dt - 1e-9 && el <= 3 * dt + 1e-9, "%g s of work took %g s", dt, el);
+        cr_assert_float_eq(work_done(&p, 0.5, 0.5 + el), dt, 1e-9, "%g s of work took %g s", dt, el);
+    }
+    /* far past 64 windows: the rest at the factors' mean, 2 */
+    double el = td_plan_step_elapsed(&p, 0, 0, 0, 10000);
+    cr_assert(el > 19000 && el < 20100, "%g s", el);
+    p.n_speed = 0;
+    cr_assert_eq(td_plan_step_elapsed(&p, 0, 0, 3.0, 0.7), 0.7);
+}
+
 Test(plan_sim, one_prompt_per_step_is_an_md1_queue)
 {
     /* service S = 20 ms, rho = 0.5: mean TTFT = S + rho S / (2 (1 - rho)) = 1.5 S */
