@@ -179,9 +179,12 @@ static double normal_quantile(double q)
  */
 static void speed_section(cJSON *j, double *means, int k, int tokens, const char *method)
 {
-    if (k < 1)
+    double med = k > 0 ? median(means, k) : 0; /* sorts means */
+    if (!(med > 0)) {
+        td_warn("plan profile: no speed run could be timed: the profile has no speed section (every step "
+                "will take its fit)");
         return;
-    double med = median(means, k); /* sorts means */
+    }
     cJSON *sp = cJSON_AddObjectToObject(j, "speed"), *fs = cJSON_AddArrayToObject(sp, "factors"),
           *rf = cJSON_AddArrayToObject(sp, "run_factors");
     for (int i = 0; i < k; i++)
@@ -573,7 +576,8 @@ static int plan_profile_cluster(const cluster_prof_opts_t *o)
                 double sum = 0, f = (double)r->output_tokens / (double)(r->n_itl + 1);
                 for (uint32_t g = 1; g < r->n_itl; g++)
                     sum += r->itl_ms[g] * 1e-3;
-                means[k++] = sum / ((double)(r->n_itl - 1) * f);
+                if (sum > 0) /* all its messages read together: no time to read */
+                    means[k++] = sum / ((double)(r->n_itl - 1) * f);
             }
             bs_replies_free(&rep);
         }
