@@ -561,9 +561,12 @@ static int plan_profile_cluster(const cluster_prof_opts_t *o)
     if (o->speed_runs > 0) {
         double *means = malloc((size_t)o->speed_runs * sizeof *means);
         int k = 0;
-        if (!means || bs_dataset_random(&rng, (size_t)o->speed_runs, 16, (uint32_t)o->decode_tokens, 0, &d) != TD_OK) {
-            free(means);
+        if (!means) {
             td_errorf(TD_ERR_NOMEM, "plan profile: out of memory");
+            goto out;
+        }
+        if (bs_dataset_random(&rng, (size_t)o->speed_runs, 16, (uint32_t)o->decode_tokens, 0, &d) != TD_OK) {
+            free(means);
             goto out;
         }
         td_status_t st = TD_OK;
@@ -947,7 +950,8 @@ static td_status_t profile_load(const char *path, td_plan_profile_t *p)
         }
     }
     cJSON_Delete(j);
-    qsort(p->speed_f, (size_t)p->n_speed, sizeof *p->speed_f, cmp_d); /* for the p10 and p90 printed */
+    /* sorted: td_plan_percentile reads the p10 and p90 printed */
+    qsort(p->speed_f, (size_t)p->n_speed, sizeof *p->speed_f, cmp_d);
     if (bad) {
         p->n_speed = 0;
         return td_errorf(TD_ERR_INVALID, "--profile: %s: %s (write it again with `tandem plan profile`)", path, bad);
@@ -1425,8 +1429,8 @@ static int plan_run(const plan_opts_t *o, plan_ctx_t *x, workload_t *w)
         printf("Profile:                                 %s\n", o->profile);
         if (x->prof.n_speed > 0)
             printf("Node speed:                              drawn from %d measured factors (p10 x %.3f, p90 x %.3f) "
-                   "per %.3g s\n", x->prof.n_speed, x->prof.speed_f[(int)(0.1 * (x->prof.n_speed - 1))],
-                   x->prof.speed_f[(int)ceil(0.9 * (x->prof.n_speed - 1))], x->prof.speed_window_s);
+                   "per %.3g s\n", x->prof.n_speed, td_plan_percentile(x->prof.speed_f, (size_t)x->prof.n_speed, 10),
+                   td_plan_percentile(x->prof.speed_f, (size_t)x->prof.n_speed, 90), x->prof.speed_window_s);
         else
             printf("Node speed:                              fixed (the profile has no speed factors)\n");
         printf("Workload:                                %s\n", w->desc);
