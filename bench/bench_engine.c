@@ -534,6 +534,8 @@ static int spec_main(const bench_opts_t *o, const td_model_t *model, td_backend_
         cJSON *j = cJSON_CreateObject();
         cJSON_AddStringToObject(j, "model", dir);
         cJSON_AddStringToObject(j, "device", be->ops->name);
+        if (td_backend_cpu_isa(be))
+            cJSON_AddStringToObject(j, "cpu_isa", td_backend_cpu_isa(be));
         cJSON_AddNumberToObject(j, "threads", o->threads);
         cJSON_AddStringToObject(j, "spec", td_spec_mode_name(o->spec.mode));
         if (o->draft_model)
@@ -748,6 +750,8 @@ int bench_engine(int argc, char **argv)
         cJSON *j = cJSON_CreateObject(), *batched = cJSON_CreateObject();
         cJSON_AddStringToObject(j, "model", dir);
         cJSON_AddStringToObject(j, "device", be->ops->name);
+        if (td_backend_cpu_isa(be))
+            cJSON_AddStringToObject(j, "cpu_isa", td_backend_cpu_isa(be));
         cJSON_AddNumberToObject(j, "threads", o.threads);
         cJSON_AddNumberToObject(j, "weight_bytes", (double)td_engine_weight_bytes(eng));
         cJSON_AddNumberToObject(j, "active_weight_bytes", active);
@@ -780,8 +784,9 @@ int bench_engine(int argc, char **argv)
         if (bench_json_print(stdout, j) != 0)
             goto out;
     } else {
-        printf("model          %s (%s, %.2f GB of weights streamed per step, %s)\n", dir,
-               c->arch_name, (double)td_engine_weight_bytes(eng) * 1e-9, be->ops->name);
+        printf("model          %s (%s, %.2f GB of weights streamed per step, %s%s%s)\n", dir,
+               c->arch_name, (double)td_engine_weight_bytes(eng) * 1e-9, be->ops->name,
+               td_backend_cpu_isa(be) ? " kernels " : "", td_backend_cpu_isa(be) ? td_backend_cpu_isa(be) : "");
         if (c->n_experts > 0)
             printf("experts        %d of %d per token: %.3f GB of active weights per token (of %.3f GB)\n",
                    c->n_experts_used, c->n_experts, active * 1e-9, (double)td_engine_weight_bytes(eng) * 1e-9);

@@ -50,6 +50,11 @@ int main(int argc, char **argv)
     }
     if (!strcmp(argv[1], "--version") || !strcmp(argv[1], "version")) {
         printf("tandem %s\nbackends: cpu%s\n", TD_VERSION, td_backend_cuda_compiled() ? " cuda" : "");
+        const char *isa, *best;
+        if (td_backend_cpu_isa_choose(NULL, &isa, &best) != TD_OK)
+            return 1; /* TANDEM_CPU_ISA is wrong: the message says why */
+        printf("cpu kernels: %s (this CPU's best: %s%s)\n", isa, best,
+               strcmp(isa, best) ? "; TANDEM_CPU_ISA chose a lower one" : "; TANDEM_CPU_ISA=avx2 or scalar measures lower ones");
         return 0;
     }
     if (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h") || !strcmp(argv[1], "help")) {

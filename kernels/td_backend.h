@@ -215,9 +215,23 @@ typedef struct td_cpu_config {
                            integers for int8 dot products, against weights repacked at load
                            (td_cpu_pack, two bytes a value; td_cpu_quant, llama.cpp's one
                            byte, for the K formats) */
+    const char *isa;    /* the kernels' instruction set: "scalar", "avx2", "avx512" or
+                           "avx512vnni"; NULL or "" for $TANDEM_CPU_ISA, and when that is
+                           unset the best this CPU runs. A lower one is for measuring the
+                           kernels other machines run; one this CPU lacks is an error */
 } td_cpu_config_t;
 
+/* Errors: TD_ERR_INVALID (logged) for an isa (cfg->isa or TANDEM_CPU_ISA) that is not a
+ * level or that this CPU does not run; TD_ERR_NOMEM, TD_ERR_INTERNAL (threads). */
 td_status_t td_backend_cpu_create(const td_cpu_config_t *cfg, td_backend_t **be_p);
+
+/* The instruction set a CPU backend's kernels run ("avx2", ...), NULL for another backend. */
+const char *td_backend_cpu_isa(const td_backend_t *be);
+
+/* The instruction set td_backend_cpu_create would choose for cfg->isa = want (NULL: from
+ * TANDEM_CPU_ISA, else the best), and the best this CPU runs, as static strings: what
+ * `tandem --version` prints. Errors: td_backend_cpu_create's TD_ERR_INVALID. */
+td_status_t td_backend_cpu_isa_choose(const char *want, const char **isa_p, const char **best_p);
 
 /* CUDA backend; TD_ERR_UNSUPPORTED, not logged (a probe's answer), when built without CUDA,
  * when its module (libtandem-cuda.so, loaded on the first call: kernels/cuda/td_cuda_module.h)

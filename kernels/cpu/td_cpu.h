@@ -15,10 +15,11 @@
 #include <string.h>
 
 #include "td_backend.h"
+#include "td_cpu_kernels.h"
 #include "td_threadpool.h"
 #include "td_util.h"
 
-#ifdef __AVX2__
+#if TD_CPU_X86
 #include <immintrin.h>
 #endif
 
@@ -27,6 +28,7 @@ typedef struct td_cpu {
     td_pool_t *pool;
     int n_threads;
     bool exact;          /* td_cpu_config_t.exact */
+    td_cpu_kernels_t k;  /* every op's kernels, of one ISA level, chosen at creation */
     td_step_meta_t meta; /* pointers owned by the engine, valid until the next set_step */
     bool have_step;
 
@@ -111,7 +113,16 @@ static inline void td_cpu_from_f32(void *dst, td_dtype_t t, const float *src, si
 
 static inline float td_cpu_dot(const float *a, const float *b, int n)
 {
-#ifdef __AVX2__
+    float s = 0.0f;
+    for (int i = 0; i < n; i++)
+        s += a[i] * b[i];
+    return s;
+}
+
+#if TD_CPU_X86
+/* td_cpu_dot in two 8-lane FMA chains, one horizontal sum, a scalar tail */
+TD_CPU_AVX2 static inline float td_cpu_dot_avx2(const float *a, const float *b, int n)
+{
     __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
     int i = 0;
     for (; i + 16 <= n; i += 16) {
@@ -128,13 +139,8 @@ static inline float td_cpu_dot(const float *a, const float *b, int n)
     for (; i < n; i++)
         s += a[i] * b[i];
     return s;
-#else
-    float s = 0.0f;
-    for (int i = 0; i < n; i++)
-        s += a[i] * b[i];
-    return s;
-#endif
 }
+#endif
 
 /* y += a * x */
 static inline void td_cpu_axpy(float *restrict y, float a, const float *restrict x, int n)
@@ -186,10 +192,10 @@ static inline float td_cpu_exp(float x)
     return x == x ? p * scale : x; /* NaN in, NaN out */
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if TD_CPU_X86
 /* td_cpu_exp on 8 lanes (same constants, same clamping, same special values: max/min_ps
  * return their second operand for a NaN lane, the final blend puts the NaN back) */
-static inline __m256 td_cpu_exp8(__m256 x)
+TD_CPU_AVX2 static inline __m256 td_cpu_exp8(__m256 x)
 {
     __m256 c = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
     __m256 n = _mm256_floor_ps(
@@ -209,10 +215,10 @@ static inline __m256 td_cpu_exp8(__m256 x)
 }
 #endif
 
-#ifdef __AVX2__
+#if TD_CPU_X86
 /* The sum of v's eight lanes, always in the same order (the kernels' results depend on it
  * being one order: batch invariance, docs/kernels.md). */
-static inline float td_cpu_hsum8(__m256 v)
+TD_CPU_AVX2 static inline float td_cpu_hsum8(__m256 v)
 {
     __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     h = _mm_add_ps(h, _mm_movehl_ps(h, h));
@@ -225,8 +231,27 @@ static inline float td_cpu_hsum8(__m256 v)
 static inline float td_cpu_max(const float *x, int n)
 {
     float m = x[0];
+    for (int i = 1; i < n; i++)
+        m = x[i] > m ? x[i] : m;
+    return m;
+}
+
+/* x[i] = exp(x[i] - m) in place; returns the sum of the results */
+static inline float td_cpu_exp_sum(float *x, float m, int n)
+{
+    float s = 0.0f;
+    for (int i = 0; i < n; i++) {
+        x[i] = td_cpu_exp(x[i] - m);
+        s += x[i];
+    }
+    return s;
+}
+
+#if TD_CPU_X86
+TD_CPU_AVX2 static inline float td_cpu_max_avx2(const float *x, int n)
+{
+    float m = x[0];
     int i = 0;
-#ifdef __AVX2__
     if (n >= 8) {
         __m256 v = _mm256_loadu_ps(x);
         for (i = 8; i + 8 <= n; i += 8)
@@ -236,31 +261,28 @@ static inline float td_cpu_max(const float *x, int n)
         h = _mm_max_ss(h, _mm_movehdup_ps(h));
         m = _mm_cvtss_f32(h);
     }
-#endif
     for (; i < n; i++)
         m = x[i] > m ? x[i] : m;
     return m;
 }
 
-/* x[i] = exp(x[i] - m) in place; returns the sum of the results */
-static inline float td_cpu_exp_sum(float *x, float m, int n)
+/* td_cpu_exp_sum with td_cpu_exp8: the same exps, the sum in 8 lanes then one hsum */
+TD_CPU_AVX2 static inline float td_cpu_exp_sum_avx2(float *x, float m, int n)
 {
     int i = 0;
-    float s = 0.0f;
-#if defined(__AVX2__) && defined(__FMA__)
     __m256 acc = _mm256_setzero_ps(), mv = _mm256_set1_ps(m);
     for (; i + 8 <= n; i += 8) {
         __m256 e = td_cpu_exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), mv));
         _mm256_storeu_ps(x + i, e);
         acc = _mm256_add_ps(acc, e);
     }
-    s = td_cpu_hsum8(acc);
-#endif
+    float s = td_cpu_hsum8(acc);
     for (; i < n; i++) {
         x[i] = td_cpu_exp(x[i] - m);
         s += x[i];
     }
     return s;
 }
+#endif
 
 #endif /* TD_CPU_H */

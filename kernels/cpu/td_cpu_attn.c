@@ -64,8 +64,8 @@ static inline const unsigned char *kv_at(const kv_view_t *v, int32_t b, int kv, 
 }
 
 /* Copies tokens [t0, t1) of KV head h of one sequence into dst[t1 - t0][hd] as f32. */
-static void gather_kv(const kv_view_t *v, const int32_t *table, int kv, int h, int t0, int t1,
-                      float *dst)
+static void gather_kv(const td_cpu_attn_ops_t *ops, const kv_view_t *v, const int32_t *table, int kv,
+                      int h, int t0, int t1, float *dst)
 {
     const int hd = v->hd;
     for (int t = t0; t < t1; t++) {
@@ -76,7 +76,7 @@ static void gather_kv(const kv_view_t *v, const int32_t *table, int kv, int h, i
             for (int e = 0; e < hd; e++)
                 d[e] = f[e];
         } else {
-            td_cpu_to_f32(d, src, v->dtype, (size_t)hd);
+            ops->to_f32(d, src, v->dtype, (size_t)hd);
         }
     }
 }
@@ -106,18 +106,31 @@ typedef struct prefill_job {
  */
 static void tile_scores(const float *Q, const float *K, float *S, int rows, int cnt, int hd, int ld_s)
 {
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < cnt; c++)
+            S[(size_t)r * ld_s + c] = td_cpu_dot(Q + (size_t)r * hd, K + (size_t)c * hd, hd);
+}
+
+static void tile_accumulate(float *O, const float *S, const float *V, int rows, int cnt, int hd, int ld_s)
+{
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < cnt; c++)
+            td_cpu_axpy(O + (size_t)r * hd, S[(size_t)r * ld_s + c], V + (size_t)c * hd, hd);
+}
+
+#if TD_CPU_X86
+TD_CPU_AVX2 static void tile_scores_avx2(const float *Q, const float *K, float *S, int rows, int cnt, int hd,
+                                         int ld_s)
+{
     for (int r = 0; r < rows; r++) {
         const float *q = Q + (size_t)r * hd;
         for (int c = 0; c < cnt; c++) {
             const float *k = K + (size_t)c * hd;
             int d = 0;
-            float sum = 0.0f;
-#if defined(__AVX2__) && defined(__FMA__)
             __m256 acc = _mm256_setzero_ps();
             for (; d + 8 <= hd; d += 8)
                 acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), acc);
-            sum = td_cpu_hsum8(acc);
-#endif
+            float sum = td_cpu_hsum8(acc);
             for (; d < hd; d++)
                 sum += q[d] * k[d];
             S[(size_t)r * ld_s + c] = sum;
@@ -125,13 +138,13 @@ static void tile_scores(const float *Q, const float *K, float *S, int rows, int 
     }
 }
 
-static void tile_accumulate(float *O, const float *S, const float *V, int rows, int cnt, int hd, int ld_s)
+TD_CPU_AVX2 static void tile_accumulate_avx2(float *O, const float *S, const float *V, int rows, int cnt,
+                                             int hd, int ld_s)
 {
     for (int r = 0; r < rows; r++) {
         float *o = O + (size_t)r * hd;
         const float *sr = S + (size_t)r * ld_s;
         int d = 0;
-#if defined(__AVX2__) && defined(__FMA__)
         for (; d + 32 <= hd; d += 32) {
             __m256 a0 = _mm256_loadu_ps(o + d), a1 = _mm256_loadu_ps(o + d + 8);
             __m256 a2 = _mm256_loadu_ps(o + d + 16), a3 = _mm256_loadu_ps(o + d + 24);
@@ -154,7 +167,6 @@ static void tile_accumulate(float *O, const float *S, const float *V, int rows, 
                 a = _mm256_fmadd_ps(_mm256_set1_ps(sr[c]), _mm256_loadu_ps(V + (size_t)c * hd + d), a);
             _mm256_storeu_ps(o + d, a);
         }
-#endif
         for (; d < hd; d++) {
             float a = o[d];
             for (int c = 0; c < cnt; c++)
@@ -163,6 +175,7 @@ static void tile_accumulate(float *O, const float *S, const float *V, int rows, 
         }
     }
 }
+#endif
 
 static void prefill_task(void *arg, int task, int thread)
 {
@@ -171,6 +184,7 @@ static void prefill_task(void *arg, int task, int thread)
     const td_step_meta_t *meta = j->meta;
     const kv_view_t *kv = &j->kv;
     const prefill_task_t *tk = &j->tasks[task];
+    const td_cpu_attn_ops_t *ops = j->cpu->k.attn;
     const int hd = kv->hd, G = j->G, TK = j->TK;
     const int s = tk->seq, h0 = tk->kvh * G;
     const int q_len = meta->seq_start[s + 1] - meta->seq_start[s];
@@ -217,9 +231,9 @@ static void prefill_task(void *arg, int task, int thread)
             memset(Kt, 0, (size_t)g0 * hd * sizeof(float));
             memset(Vt, 0, (size_t)g0 * hd * sizeof(float));
         }
-        gather_kv(kv, table, 0, tk->kvh, kv0 + g0, kv0 + cnt, Kt + (size_t)g0 * hd);
-        gather_kv(kv, table, 1, tk->kvh, kv0 + g0, kv0 + cnt, Vt + (size_t)g0 * hd);
-        tile_scores(Q, Kt, S, rows, cnt, hd, TK);
+        gather_kv(ops, kv, table, 0, tk->kvh, kv0 + g0, kv0 + cnt, Kt + (size_t)g0 * hd);
+        gather_kv(ops, kv, table, 1, tk->kvh, kv0 + g0, kv0 + cnt, Vt + (size_t)g0 * hd);
+        ops->tile_scores(Q, Kt, S, rows, cnt, hd, TK);
         for (int r = 0; r < rows; r++) {
             float *sr = S + (size_t)r * TK;
             const int pos = ctx0 + tk->q0 + r / G;
@@ -229,9 +243,9 @@ static void prefill_task(void *arg, int task, int thread)
                 memset(sr, 0, (size_t)cnt * sizeof(float));
                 continue;
             }
-            const float mx = td_cpu_max(sr + lo, vis - lo);
+            const float mx = ops->max(sr + lo, vis - lo);
             const float m_new = mx > M[r] ? mx : M[r];
-            const float sum = td_cpu_exp_sum(sr + lo, m_new, vis - lo);
+            const float sum = ops->exp_sum(sr + lo, m_new, vis - lo);
             for (int c = 0; c < lo; c++)
                 sr[c] = 0.0f;
             for (int c = vis; c < cnt; c++)
@@ -244,7 +258,7 @@ static void prefill_task(void *arg, int task, int thread)
             }
             L[r] += sum;
         }
-        tile_accumulate(O, S, Vt, rows, cnt, hd, TK);
+        ops->tile_accumulate(O, S, Vt, rows, cnt, hd, TK);
     }
 
     float *out = p->out;
@@ -308,9 +322,29 @@ td_status_t td_cpu_attn_prefill(td_backend_t *be, const td_attn_params_t *p)
 
 /* ---- decode inner kernels --------------------------------------------------------- */
 
-#ifdef __AVX2__
+/* S[g][c] = Qs[g] . K[c] for G query rows and cnt keys (row stride `stride`); S row stride ldS */
+static void block_scores(const float *Qs, int G, int hd, const float *K, size_t stride, int cnt,
+                         float *S, int ldS)
+{
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < cnt; c++)
+            S[(size_t)g * ldS + c] = td_cpu_dot(Qs + (size_t)g * hd, K + c * stride, hd);
+}
+
+/* acc[g][0..hd) += sum_c S[g][c] * V[c] for G rows (acc row stride ld_acc) */
+static void block_pv(float *acc, size_t ld_acc, const float *S, int ldS, int G, int hd,
+                     const float *V, size_t stride, int cnt)
+{
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < cnt; c++)
+            td_cpu_axpy(acc + (size_t)g * ld_acc, S[(size_t)g * ldS + c], V + c * stride, hd);
+}
+
+#if TD_CPU_X86
+#define TD_AVX2_INLINE TD_CPU_AVX2 static inline __attribute__((always_inline))
+
 /* [sum(a0), sum(a1), ..., sum(a7)]: eight horizontal sums for the price of about two */
-static inline __m256 hsum8x8(const __m256 a[8])
+TD_AVX2_INLINE __m256 hsum8x8(const __m256 a[8])
 {
     __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
     __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
@@ -319,9 +353,7 @@ static inline __m256 hsum8x8(const __m256 a[8])
 }
 
 /* acc[0 .. 8W) += sum_c S[c] * V[c][0 .. 8W), accumulator kept in registers */
-static inline __attribute__((always_inline)) void pv_chunk(float *acc, const float *S,
-                                                           const float *V, size_t stride, int cnt,
-                                                           int W)
+TD_AVX2_INLINE void pv_chunk(float *acc, const float *S, const float *V, size_t stride, int cnt, int W)
 {
     __m256 r[8];
     for (int u = 0; u < W; u++)
@@ -334,17 +366,15 @@ static inline __attribute__((always_inline)) void pv_chunk(float *acc, const flo
     for (int u = 0; u < W; u++)
         _mm256_storeu_ps(acc + 8 * u, r[u]);
 }
-#endif
 
-/* S[g][c] = Qs[g] . K[c] for G query rows and cnt keys (row stride `stride`); S row stride ldS */
-static void block_scores(const float *Qs, int G, int hd, const float *K, size_t stride, int cnt,
-                         float *S, int ldS)
+/* block_scores: 8 keys at a time, register-blocked, one 8x8 horizontal reduction */
+TD_CPU_AVX2 static void block_scores_avx2(const float *Qs, int G, int hd, const float *K, size_t stride,
+                                          int cnt, float *S, int ldS)
 {
     for (int g = 0; g < G; g++) {
         const float *qg = Qs + (size_t)g * hd;
         float *sg = S + (size_t)g * ldS;
         int c = 0;
-#ifdef __AVX2__
         if (hd % 8 == 0)
             for (; c + 8 <= cnt; c += 8) {
                 __m256 a[8];
@@ -357,32 +387,92 @@ static void block_scores(const float *Qs, int G, int hd, const float *K, size_t 
                 }
                 _mm256_storeu_ps(sg + c, hsum8x8(a));
             }
-#endif
         for (; c < cnt; c++)
-            sg[c] = td_cpu_dot(qg, K + c * stride, hd);
+            sg[c] = td_cpu_dot_avx2(qg, K + c * stride, hd);
     }
 }
 
-/* acc[g][0..hd) += sum_c S[g][c] * V[c] for G rows (acc row stride ld_acc) */
-static void block_pv(float *acc, size_t ld_acc, const float *S, int ldS, int G, int hd,
-                     const float *V, size_t stride, int cnt)
+/* block_pv: the accumulator 64 floats at a time in registers */
+TD_CPU_AVX2 static void block_pv_avx2(float *acc, size_t ld_acc, const float *S, int ldS, int G, int hd,
+                                      const float *V, size_t stride, int cnt)
 {
     for (int g = 0; g < G; g++) {
         float *ag = acc + (size_t)g * ld_acc;
         const float *sg = S + (size_t)g * ldS;
         int d0 = 0;
-#ifdef __AVX2__
         for (; d0 + 64 <= hd; d0 += 64)
             pv_chunk(ag + d0, sg, V + d0, stride, cnt, 8);
         for (; d0 + 32 <= hd; d0 += 32)
             pv_chunk(ag + d0, sg, V + d0, stride, cnt, 4);
         for (; d0 + 8 <= hd; d0 += 8)
             pv_chunk(ag + d0, sg, V + d0, stride, cnt, 1);
-#endif
         if (d0 < hd)
             for (int c = 0; c < cnt; c++)
                 td_cpu_axpy(ag + d0, sg[c], V + c * stride + d0, hd - d0);
     }
+}
+
+/* KV elements to f32: F16C eight at a time (bf16 and f32 as the scalar form) */
+TD_CPU_AVX2 static void to_f32_avx2(float *dst, const void *src, td_dtype_t t, size_t n)
+{
+    if (t != TD_F16) {
+        td_cpu_to_f32(dst, src, t, n);
+        return;
+    }
+    const uint16_t *s = src;
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + i))));
+    for (; i < n; i++)
+        dst[i] = td_f16_to_f32(s[i]);
+}
+
+static float max_avx2(const float *x, int n)
+{
+    return td_cpu_max_avx2(x, n);
+}
+
+static float exp_sum_avx2(float *x, float m, int n)
+{
+    return td_cpu_exp_sum_avx2(x, m, n);
+}
+
+static const td_cpu_attn_ops_t attn_avx2 = {
+    .tile_scores = tile_scores_avx2, .tile_accumulate = tile_accumulate_avx2,
+    .block_scores = block_scores_avx2, .block_pv = block_pv_avx2,
+    .max = max_avx2, .exp_sum = exp_sum_avx2, .to_f32 = to_f32_avx2,
+};
+#endif /* TD_CPU_X86 */
+
+static float max_scalar(const float *x, int n)
+{
+    return td_cpu_max(x, n);
+}
+
+static float exp_sum_scalar(float *x, float m, int n)
+{
+    return td_cpu_exp_sum(x, m, n);
+}
+
+static void to_f32_scalar(float *dst, const void *src, td_dtype_t t, size_t n)
+{
+    td_cpu_to_f32(dst, src, t, n);
+}
+
+static const td_cpu_attn_ops_t attn_scalar = {
+    .tile_scores = tile_scores, .tile_accumulate = tile_accumulate,
+    .block_scores = block_scores, .block_pv = block_pv,
+    .max = max_scalar, .exp_sum = exp_sum_scalar, .to_f32 = to_f32_scalar,
+};
+
+const td_cpu_attn_ops_t *td_cpu_attn_ops(td_cpu_isa_t isa)
+{
+    TD_ASSERT(td_cpu_isa_runs(isa));
+#if TD_CPU_X86
+    if (isa >= TD_CPU_ISA_AVX2)
+        return &attn_avx2;
+#endif
+    return &attn_scalar;
 }
 
 /* ---- decode ----------------------------------------------------------------------- */
@@ -410,6 +500,7 @@ static void decode_task(void *arg, int task, int thread)
     const int hd = kv->hd, G = j->G, bs = kv->bs, n_kv = kv->n_kv;
     const int part = task / n_kv, h = task % n_kv;
     const decode_part_t *dp = &j->parts[part];
+    const td_cpu_attn_ops_t *ops = j->cpu->k.attn;
     const int s = dp->seq;
     const int32_t *table = j->meta->block_tables + (size_t)s * j->meta->max_blocks;
     const size_t tok = (size_t)j->meta->seq_start[s];
@@ -441,20 +532,20 @@ static void decode_task(void *arg, int task, int thread)
             V = (const float *)kv_at(kv, b, 1, t0 % bs, h);
             stride = kv->row;
         } else {
-            gather_kv(kv, table, 0, h, t0, t0 + cnt, Kc);
-            gather_kv(kv, table, 1, h, t0, t0 + cnt, Vc);
+            gather_kv(ops, kv, table, 0, h, t0, t0 + cnt, Kc);
+            gather_kv(ops, kv, table, 1, h, t0, t0 + cnt, Vc);
             K = Kc;
             V = Vc;
             stride = (size_t)hd;
         }
-        block_scores(Qs, G, hd, K, stride, cnt, S, bs);
+        ops->block_scores(Qs, G, hd, K, stride, cnt, S, bs);
         for (int g = 0; g < G; g++) {
             float *sr = S + (size_t)g * bs;
             float *acc = part_out + (size_t)g * (hd + 2);
-            const float mx = td_cpu_max(sr, cnt);
+            const float mx = ops->max(sr, cnt);
             const float m_old = acc[hd];
             const float m_new = mx > m_old ? mx : m_old;
-            const float sum = td_cpu_exp_sum(sr, m_new, cnt);
+            const float sum = ops->exp_sum(sr, m_new, cnt);
             if (m_new != m_old) {
                 const float alpha = expf(m_old - m_new);
                 acc[hd + 1] *= alpha;
@@ -463,7 +554,7 @@ static void decode_task(void *arg, int task, int thread)
             }
             acc[hd + 1] += sum;
         }
-        block_pv(part_out, (size_t)hd + 2, S, bs, G, hd, V, stride, cnt);
+        ops->block_pv(part_out, (size_t)hd + 2, S, bs, G, hd, V, stride, cnt);
     }
 }
 

@@ -187,6 +187,7 @@ typedef struct rmsnorm_job {
     int32_t rows, dim;
     float eps;
     int n_tasks;
+    float (*dot)(const float *a, const float *b, int n); /* the sum of squares */
 } rmsnorm_job_t;
 
 static void rmsnorm_task(void *arg, int task, int thread)
@@ -205,7 +206,7 @@ static void rmsnorm_task(void *arg, int task, int thread)
                 res[i] += x[i];
             src = res;
         }
-        float ss = td_cpu_dot(src, src, d);
+        float ss = j->dot(src, src, d);
         float inv = (float)(1.0 / sqrt((double)ss / d + (double)j->eps));
         const float *w = j->w;
         for (int i = 0; i < d; i++)
@@ -218,7 +219,7 @@ static td_status_t cpu_rmsnorm(td_backend_t *be, void *out, void *x, void *resid
 {
     td_cpu_t *cpu = td_cpu_of(be);
     rmsnorm_job_t j = {.out = out, .x = x, .residual = residual, .w = w, .rows = rows,
-                       .dim = dim, .eps = eps};
+                       .dim = dim, .eps = eps, .dot = cpu->k.row->dot};
     if (w_dtype != TD_F32) {
         td_status_t st = td_cpu_reserve(cpu, 0, (size_t)dim * sizeof(float));
         if (st != TD_OK)
@@ -330,6 +331,7 @@ typedef struct swiglu_job {
     const float *gate, *up;
     size_t n;
     int n_tasks;
+    void (*fn)(float *out, const float *gate, const float *up, size_t i0, size_t i1);
 } swiglu_job_t;
 
 /* silu(g) * u = g / (1 + e^-g) * u; g is clamped at -88 first (NaN passes): below it silu
@@ -341,30 +343,66 @@ static inline float swiglu1(float g, float u)
     return g / (1.0f + td_cpu_exp(-g)) * u;
 }
 
-static void swiglu_task(void *arg, int task, int thread)
+static void swiglu_scalar(float *out, const float *gate, const float *up, size_t i0, size_t i1)
 {
-    swiglu_job_t *j = arg;
-    size_t i = j->n * (size_t)task / (size_t)j->n_tasks;
-    size_t i1 = j->n * (size_t)(task + 1) / (size_t)j->n_tasks;
-#if defined(__AVX2__) && defined(__FMA__)
+    for (size_t i = i0; i < i1; i++)
+        out[i] = swiglu1(gate[i], up[i]);
+}
+
+static float dot_scalar(const float *a, const float *b, int n)
+{
+    return td_cpu_dot(a, b, n);
+}
+
+static const td_cpu_row_ops_t row_scalar = {.dot = dot_scalar, .swiglu = swiglu_scalar};
+
+#if TD_CPU_X86
+TD_CPU_AVX2 static void swiglu_avx2(float *out, const float *gate, const float *up, size_t i, size_t i1)
+{
     const __m256 lo = _mm256_set1_ps(-88.0f), one = _mm256_set1_ps(1.0f), neg = _mm256_set1_ps(-0.0f);
     for (; i + 8 <= i1; i += 8) {
         /* max_ps gives its second operand where one is NaN: g stays NaN */
-        __m256 g = _mm256_max_ps(lo, _mm256_loadu_ps(j->gate + i));
+        __m256 g = _mm256_max_ps(lo, _mm256_loadu_ps(gate + i));
         __m256 e = td_cpu_exp8(_mm256_xor_ps(g, neg));
-        __m256 y = _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), _mm256_loadu_ps(j->up + i));
-        _mm256_storeu_ps(j->out + i, y);
+        __m256 y = _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), _mm256_loadu_ps(up + i));
+        _mm256_storeu_ps(out + i, y);
     }
-#endif
     for (; i < i1; i++)
-        j->out[i] = swiglu1(j->gate[i], j->up[i]);
+        out[i] = swiglu1(gate[i], up[i]);
+}
+
+static float dot_avx2(const float *a, const float *b, int n)
+{
+    return td_cpu_dot_avx2(a, b, n);
+}
+
+static const td_cpu_row_ops_t row_avx2 = {.dot = dot_avx2, .swiglu = swiglu_avx2};
+#endif
+
+const td_cpu_row_ops_t *td_cpu_row_ops(td_cpu_isa_t isa)
+{
+    TD_ASSERT(td_cpu_isa_runs(isa));
+#if TD_CPU_X86
+    if (isa >= TD_CPU_ISA_AVX2)
+        return &row_avx2;
+#endif
+    return &row_scalar;
+}
+
+static void swiglu_task(void *arg, int task, int thread)
+{
+    swiglu_job_t *j = arg;
+    size_t i0 = j->n * (size_t)task / (size_t)j->n_tasks;
+    size_t i1 = j->n * (size_t)(task + 1) / (size_t)j->n_tasks;
+    j->fn(j->out, j->gate, j->up, i0, i1);
 }
 
 static td_status_t cpu_swiglu(td_backend_t *be, void *out, const void *gate, const void *up,
                               int32_t rows, int32_t hidden)
 {
     td_cpu_t *cpu = td_cpu_of(be);
-    swiglu_job_t j = {.out = out, .gate = gate, .up = up, .n = (size_t)rows * hidden};
+    swiglu_job_t j = {.out = out, .gate = gate, .up = up, .n = (size_t)rows * hidden,
+                      .fn = cpu->k.row->swiglu};
     size_t tasks = (j.n + 16383) / 16384;
     if (tasks > (size_t)cpu->n_threads * 4)
         tasks = (size_t)cpu->n_threads * 4;
@@ -533,8 +571,10 @@ static const td_backend_ops_t cpu_ops = {
 /*
  * Contract (td_backend.h): creates the CPU backend with its own pool of cfg->n_threads
  * threads (<= 0: all online CPUs; cfg may be NULL). Sets OpenBLAS to one thread for the
- * whole process, since this backend calls it only from inside its own pool. Errors:
- * TD_ERR_NOMEM, TD_ERR_INTERNAL (threads). *be_p is written only on success.
+ * whole process, since this backend calls it only from inside its own pool. Fills the
+ * kernel table once for the ISA level cfg->isa or TANDEM_CPU_ISA names, else the best this
+ * CPU runs. Errors: TD_ERR_INVALID (that level unknown or not run here), TD_ERR_NOMEM,
+ * TD_ERR_INTERNAL (threads). *be_p is written only on success.
  */
 td_status_t td_backend_cpu_create(const td_cpu_config_t *cfg, td_backend_t **be_p)
 {
@@ -542,6 +582,10 @@ td_status_t td_backend_cpu_create(const td_cpu_config_t *cfg, td_backend_t **be_
     int n = cfg ? cfg->n_threads : 0;
     if (n <= 0)
         n = td_cpu_count();
+    td_cpu_isa_t isa;
+    st = td_cpu_isa_choose(cfg ? cfg->isa : NULL, &isa);
+    if (st != TD_OK)
+        return st;
     td_cpu_t *cpu = calloc(1, sizeof(*cpu));
     if (!cpu)
         return td_errorf(TD_ERR_NOMEM, "cpu backend: out of memory");
@@ -553,16 +597,42 @@ td_status_t td_backend_cpu_create(const td_cpu_config_t *cfg, td_backend_t **be_
     cpu->base.kv_dtypes = (1u << TD_F32) | (1u << TD_F16) | (1u << TD_BF16);
     cpu->base.host_memory = !(cfg && cfg->device_memory);
     cpu->exact = cfg && cfg->exact;
+    td_cpu_kernels_fill(isa, &cpu->k);
     cpu->n_threads = n;
     st = td_pool_create(n, &cpu->pool);
     if (st != TD_OK)
         goto err_cpu;
     openblas_set_num_threads(1);
-    td_debug("cpu backend threads %d%s", n, cpu->base.host_memory ? "" : ", memory treated as a device's");
+    td_debug("cpu backend threads %d, kernels %s%s", n, td_cpu_isa_name(isa),
+             cpu->base.host_memory ? "" : ", memory treated as a device's");
     *be_p = &cpu->base;
     return TD_OK;
 
 err_cpu:
     free(cpu);
     return st;
+}
+
+void td_cpu_kernels_fill(td_cpu_isa_t isa, td_cpu_kernels_t *k)
+{
+    TD_ASSERT(td_cpu_isa_runs(isa));
+    *k = (td_cpu_kernels_t){.isa = isa, .fmatmul = td_cpu_fmatmul_of(isa), .pack = td_cpu_pack_ops(isa),
+                            .quant = td_cpu_quant_ops(isa), .qf32 = td_cpu_qf32_ops(isa),
+                            .attn = td_cpu_attn_ops(isa), .row = td_cpu_row_ops(isa)};
+}
+
+const char *td_backend_cpu_isa(const td_backend_t *be)
+{
+    return be && be->ops == &cpu_ops ? td_cpu_isa_name(((const td_cpu_t *)be)->k.isa) : NULL;
+}
+
+td_status_t td_backend_cpu_isa_choose(const char *want, const char **isa_p, const char **best_p)
+{
+    td_cpu_isa_t isa;
+    td_status_t st = td_cpu_isa_choose(want, &isa);
+    if (st != TD_OK)
+        return st;
+    *isa_p = td_cpu_isa_name(isa);
+    *best_p = td_cpu_isa_name(td_cpu_isa_best());
+    return TD_OK;
 }

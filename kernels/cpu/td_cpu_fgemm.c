@@ -200,7 +200,7 @@ static TD_Z void fgemm_bf16(const void *w, size_t n, const float *x, size_t m, s
 bool td_cpu_fgemm_available(void)
 {
 #ifdef TD_CPU_FGEMM_X86
-    return td_cpu_has(TD_CPU_ISA_AVX512);
+    return td_cpu_isa_runs(TD_CPU_ISA_AVX512);
 #else
     return false;
 #endif

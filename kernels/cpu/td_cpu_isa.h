@@ -1,49 +1,41 @@
 /*
- * td_cpu_isa: the x86 vector extensions the CPU kernels choose between at run time. Their
- * SIMD code is compiled with target attributes, so one binary carries every path and
- * picks by what this CPU has (__builtin_cpu_supports); on other architectures nothing.
+ * td_cpu_isa: the one list of x86 vector extensions the CPU kernels are written for, and
+ * which of them this CPU runs. Every SIMD kernel is compiled with a target attribute, so
+ * one binary (a -DTD_NATIVE=OFF build included) carries every path; the CPU backend picks
+ * one level when it is created (td_cpu_kernels_fill) and every op then runs that level's
+ * kernels. Levels are ordered: each one's CPUs run every lower one's kernels too.
  */
 #ifndef TD_CPU_ISA_H
 #define TD_CPU_ISA_H
 
-#include <stdatomic.h>
 #include <stdbool.h>
-#if defined(__x86_64__) || defined(__i386__)
-#include <cpuid.h>
-#endif
+
+#include "td_status.h"
 
 typedef enum td_cpu_isa {
+    TD_CPU_ISA_SCALAR,      /* plain C: the reference, and any CPU */
     TD_CPU_ISA_AVX2,        /* AVX2, FMA and F16C */
     TD_CPU_ISA_AVX512,      /* the above and AVX-512 F, BW and VL */
     TD_CPU_ISA_AVX512_VNNI, /* the above and AVX-512 VNNI */
+    TD_CPU_ISA_COUNT,
 } td_cpu_isa_t;
 
-static inline bool td_cpu_has(td_cpu_isa_t isa)
-{
-#if defined(__x86_64__) || defined(__i386__)
-    /* F16C from CPUID leaf 1 (ECX bit 29): clang's __builtin_cpu_supports has no "f16c".
-     * Read once: the kernels ask on every call, and in a virtual machine CPUID traps to the
-     * hypervisor (asked each time it cost SmolLM2's 2-thread decode a fifth of its speed). */
-    static _Atomic int f16c_known = -1;
-    int known = atomic_load_explicit(&f16c_known, memory_order_relaxed);
-    if (known < 0) {
-        unsigned a, b, c, d;
-        known = __get_cpuid(1, &a, &b, &c, &d) && (c & (1u << 29));
-        atomic_store_explicit(&f16c_known, known, memory_order_relaxed);
-    }
-    bool f16c = known == 1;
-    bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c;
-    bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                  __builtin_cpu_supports("avx512vl");
-    switch (isa) {
-    case TD_CPU_ISA_AVX2: return avx2;
-    case TD_CPU_ISA_AVX512: return avx512;
-    case TD_CPU_ISA_AVX512_VNNI: return avx512 && __builtin_cpu_supports("avx512vnni");
-    }
-#else
-    (void)isa;
-#endif
-    return false;
-}
+/* True when this CPU runs `isa`'s kernels (always for TD_CPU_ISA_SCALAR). Cheap after the
+ * first call: CPUID is read once (in a virtual machine it traps to the hypervisor). */
+bool td_cpu_isa_runs(td_cpu_isa_t isa);
+
+/* The highest level this CPU runs. */
+td_cpu_isa_t td_cpu_isa_best(void);
+
+/* "scalar", "avx2", "avx512", "avx512vnni" (what TANDEM_CPU_ISA and --version spell). */
+const char *td_cpu_isa_name(td_cpu_isa_t isa);
+
+/*
+ * The level the CPU backend runs for `want`: a level's name (above), or NULL or "" for the
+ * environment's TANDEM_CPU_ISA, and when that is unset or empty the best this CPU runs.
+ * Errors (logged, *isa_p untouched): TD_ERR_INVALID for a name that is no level, or a level
+ * above what this CPU runs (the message lists the ones it does).
+ */
+td_status_t td_cpu_isa_choose(const char *want, td_cpu_isa_t *isa_p);
 
 #endif /* TD_CPU_ISA_H */

@@ -80,10 +80,11 @@ static inline void store_out(const td_matmul_params_t *p, int i, int j, float v)
     *y = v;
 }
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define TD_HAVE_GEMV_KERNEL 1
+#if TD_CPU_X86
+/* AVX2 helpers: compiled for AVX2 whatever the build's -march, inlined into the kernels */
+#define TD_AVX2_INLINE TD_CPU_AVX2 static inline __attribute__((always_inline))
 
-static inline __attribute__((always_inline)) __m256 load8(td_dtype_t t, const void *w, size_t i)
+TD_AVX2_INLINE __m256 load8(td_dtype_t t, const void *w, size_t i)
 {
     if (t == TD_F32)
         return _mm256_loadu_ps((const float *)w + i);
@@ -97,7 +98,7 @@ static inline __attribute__((always_inline)) __m256 load8(td_dtype_t t, const vo
  * R rows of W (starting at row j) times M rows of X; R, M and t are compile-time constants
  * at every call site so the loops fully unroll into R*M independent FMA chains.
  */
-static inline __attribute__((always_inline)) void gemv_block(const td_matmul_params_t *p, int R,
+TD_AVX2_INLINE void gemv_block(const td_matmul_params_t *p, int R,
                                                              int M, td_dtype_t t, int j, int i0)
 {
     const int k = p->k;
@@ -129,7 +130,7 @@ static inline __attribute__((always_inline)) void gemv_block(const td_matmul_par
 }
 
 /* One slice [n0, n1) for m <= 4 with W dtype t (a constant after inlining). */
-static inline __attribute__((always_inline)) void gemv_slice_t(const td_matmul_params_t *p,
+TD_AVX2_INLINE void gemv_slice_t(const td_matmul_params_t *p,
                                                                td_dtype_t t, int n0, int n1)
 {
     int j = n0;
@@ -158,7 +159,7 @@ static inline __attribute__((always_inline)) void gemv_slice_t(const td_matmul_p
 }
 
 /* Rows [i, i + M) of X, M = n (1..3), against W rows [j, j + R): the tail of a chunk. */
-static inline __attribute__((always_inline)) void tile_tail(const td_matmul_params_t *p, int R, td_dtype_t t,
+TD_AVX2_INLINE void tile_tail(const td_matmul_params_t *p, int R, td_dtype_t t,
                                                             int j, int i, int n)
 {
     switch (n) {
@@ -170,7 +171,7 @@ static inline __attribute__((always_inline)) void tile_tail(const td_matmul_para
 
 /* One slice [n0, n1) for m > 4: chunks of 64 X rows, 2x4 tiles (8 accumulators, 4 rows of X
  * and 1 of W in registers), the same per-output sums as gemv_slice_t. */
-static inline __attribute__((always_inline)) void tile_slice_t(const td_matmul_params_t *p,
+TD_AVX2_INLINE void tile_slice_t(const td_matmul_params_t *p,
                                                                td_dtype_t t, int n0, int n1)
 {
     for (int i0 = 0; i0 < p->m; i0 += 64) {
@@ -192,7 +193,7 @@ static inline __attribute__((always_inline)) void tile_slice_t(const td_matmul_p
 }
 
 /* One task: W rows [n0, n1) for every row of X, by the m <= 4 or the tiled shape. */
-static void kernel_task(void *arg, int task, int thread)
+TD_CPU_AVX2 static void kernel_task(void *arg, int task, int thread)
 {
     matmul_job_t *jb = arg;
     const td_matmul_params_t *p = jb->p;
@@ -206,9 +207,18 @@ static void kernel_task(void *arg, int task, int thread)
     default: TD_ASSERT(!"kernel_task: block types go to the quantized path"); break;
     }
 }
-#endif /* AVX2 kernel */
 
-#ifndef TD_HAVE_GEMV_KERNEL
+/* The float matmul of level AVX2 (and of AVX-512 CPUs forced to it). */
+static td_status_t gemv_matmul(td_cpu_t *cpu, const td_matmul_params_t *p)
+{
+    matmul_job_t jb = {.p = p, .cpu = cpu, .chunk = matmul_chunk(cpu, p->m, p->n)};
+    td_pool_run(cpu->pool, (p->n + jb.chunk - 1) / jb.chunk, kernel_task, &jb);
+    return TD_OK;
+}
+#endif /* TD_CPU_X86 */
+
+/* ---- float W, scalar level: OpenBLAS sgemm on converted tiles of W ---------------------- */
+
 /* sgemm of X against W rows [n0, n0 + nn) given as f32 `w` (row stride k), then epilogue. */
 static void sgemm_slice(const td_matmul_params_t *p, const float *w, int n0, int nn)
 {
@@ -250,7 +260,21 @@ static void gemm_task(void *arg, int task, int thread)
     }
 }
 
-#endif /* no AVX2 kernel */
+/* The float matmul of the scalar level: not batch-invariant (sgemm's sums depend on m). */
+static td_status_t blas_matmul(td_cpu_t *cpu, const td_matmul_params_t *p)
+{
+    matmul_job_t jb = {.p = p, .cpu = cpu, .chunk = matmul_chunk(cpu, p->m, p->n)};
+    if (p->w_dtype != TD_F32) {
+        /* ~512 KiB of converted rows per tile: stays in L2 while sgemm sweeps X over it */
+        int rows = (int)TD_MAX(8, (131072 / TD_MAX(p->k, 1)) / 8 * 8);
+        jb.tile_rows = TD_MIN(rows, jb.chunk);
+        td_status_t st = td_cpu_reserve(cpu, (size_t)jb.tile_rows * p->k * sizeof(float), 0);
+        if (st != TD_OK)
+            return st;
+    }
+    td_pool_run(cpu->pool, (p->n + jb.chunk - 1) / jb.chunk, gemm_task, &jb);
+    return TD_OK;
+}
 
 /* ---- float W, AVX-512 (td_cpu_fgemm) ---------------------------------------------------- */
 
@@ -391,7 +415,7 @@ static td_status_t qmatmul(td_cpu_t *cpu, const td_matmul_params_t *p)
     td_status_t st = td_cpu_reserve(cpu, QROWS * QTILE * sizeof(float), act_bytes);
     if (st != TD_OK)
         return st;
-    qmatmul_job_t jb = {.p = p, .cpu = cpu, .ops = td_cpu_quant_ops_best(),
+    qmatmul_job_t jb = {.p = p, .cpu = cpu, .ops = cpu->k.quant,
                         .type = td_dtype_to_ggml(p->w_dtype),
                         .row_bytes = td_dtype_bytes(p->w_dtype, (size_t)p->k),
                         .a = (td_cpu_q8a_block_t *)cpu->shared,
@@ -446,7 +470,7 @@ static td_status_t qf32_matmul(td_cpu_t *cpu, const td_matmul_params_t *p)
     td_status_t st = td_cpu_reserve(cpu, QF_ROWS * QF_TILE * sizeof(float), 0);
     if (st != TD_OK)
         return st;
-    qf32_job_t jb = {.p = p, .cpu = cpu, .ops = td_cpu_qf32_ops_best(),
+    qf32_job_t jb = {.p = p, .cpu = cpu, .ops = cpu->k.qf32,
                      .row_bytes = td_dtype_bytes(p->w_dtype, (size_t)p->k),
                      .chunk = matmul_chunk(cpu, p->m, p->n)};
     td_pool_run(cpu->pool, (p->n + jb.chunk - 1) / jb.chunk, qf32_task, &jb);
@@ -514,8 +538,8 @@ static td_status_t pmatmul(td_cpu_t *cpu, const td_matmul_params_t *p)
         return st;
     int n_groups = (p->n + TD_CPU_PACK_ROWS - 1) / TD_CPU_PACK_ROWS;
     int tasks = cpu->n_threads == 1 ? 1 : cpu->n_threads * (p->m <= 4 ? 4 : 2);
-    pmatmul_job_t jb = {.p = p, .cpu = cpu, .ops = td_cpu_pack_ops_best(),
-                        .fn = td_cpu_pack_fn_of(td_cpu_pack_ops_best(), p->w_dtype),
+    pmatmul_job_t jb = {.p = p, .cpu = cpu, .ops = cpu->k.pack,
+                        .fn = td_cpu_pack_fn_of(cpu->k.pack, p->w_dtype),
                         .a = cpu->shared, .stride = stride,
                         .groups = (n_groups + tasks - 1) / tasks};
     jb.act_tasks = p->m >= 4 * cpu->n_threads ? cpu->n_threads : 1;
@@ -536,23 +560,17 @@ td_status_t td_cpu_matmul(td_backend_t *be, const td_matmul_params_t *p)
         return pmatmul(cpu, p);
     if (td_dtype_is_block(p->w_dtype))
         return cpu->exact ? qf32_matmul(cpu, p) : qmatmul(cpu, p);
-    if (td_cpu_fgemm_available())
-        return fgemm_matmul(cpu, p);
-    matmul_job_t jb = {.p = p, .cpu = cpu, .chunk = matmul_chunk(cpu, p->m, p->n)};
-    int n_tasks = (p->n + jb.chunk - 1) / jb.chunk;
-#ifdef TD_HAVE_GEMV_KERNEL
-    td_pool_run(cpu->pool, n_tasks, kernel_task, &jb);
-    return TD_OK;
-#else
-    if (p->w_dtype != TD_F32) {
-        /* ~512 KiB of converted rows per tile: stays in L2 while sgemm sweeps X over it */
-        int rows = (int)TD_MAX(8, (131072 / TD_MAX(p->k, 1)) / 8 * 8);
-        jb.tile_rows = TD_MIN(rows, jb.chunk);
-        td_status_t st = td_cpu_reserve(cpu, (size_t)jb.tile_rows * p->k * sizeof(float), 0);
-        if (st != TD_OK)
-            return st;
-    }
-    td_pool_run(cpu->pool, n_tasks, gemm_task, &jb);
-    return TD_OK;
+    return cpu->k.fmatmul(cpu, p);
+}
+
+td_cpu_fmatmul_fn td_cpu_fmatmul_of(td_cpu_isa_t isa)
+{
+    TD_ASSERT(td_cpu_isa_runs(isa));
+#if TD_CPU_X86
+    if (isa >= TD_CPU_ISA_AVX512)
+        return fgemm_matmul;
+    if (isa >= TD_CPU_ISA_AVX2)
+        return gemv_matmul;
 #endif
+    return blas_matmul;
 }

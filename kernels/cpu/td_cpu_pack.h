@@ -56,6 +56,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "td_cpu_isa.h"
 #include "td_dtype.h"
 
 #define TD_CPU_PACK_ROWS 16
@@ -92,12 +93,6 @@ typedef void (*td_cpu_pack_act_fn)(const float *x, void *a, td_dtype_t type, siz
 typedef void (*td_cpu_pack_fn)(const void *wp, size_t g0, size_t g1, size_t k, const void *a,
                                size_t m, float *y, size_t ldy);
 
-typedef enum td_cpu_pack_isa {
-    TD_CPU_PACK_SCALAR,      /* plain C, the reference */
-    TD_CPU_PACK_AVX2,        /* x86 AVX2 + FMA + F16C: maddubs */
-    TD_CPU_PACK_AVX512_VNNI, /* AVX-512 F/BW/VL/VNNI: vpdpbusd on zmm */
-    TD_CPU_PACK_N_ISA,
-} td_cpu_pack_isa_t;
 
 typedef struct td_cpu_pack_ops {
     const char *name; /* "scalar", "avx2", "avx512vnni" */
@@ -108,12 +103,9 @@ typedef struct td_cpu_pack_ops {
 /* ops->act_row after checking k and type (TD_ASSERT). */
 void td_cpu_pack_act_row(const td_cpu_pack_ops_t *ops, const float *x, void *a, td_dtype_t type, size_t k);
 
-/* The kernels of `isa`, or NULL when this build has none or this CPU cannot run them
- * (__builtin_cpu_supports; SIMD code is compiled with target attributes). */
-const td_cpu_pack_ops_t *td_cpu_pack_ops(td_cpu_pack_isa_t isa);
-
-/* The fastest table this CPU runs (never NULL). */
-const td_cpu_pack_ops_t *td_cpu_pack_ops_best(void);
+/* The kernels this family runs at level `isa` (td_cpu_isa.h): its best table at or below
+ * it, never NULL. `isa` must run on this CPU (TD_ASSERT). */
+const td_cpu_pack_ops_t *td_cpu_pack_ops(td_cpu_isa_t isa);
 
 /* The kernel of `type` in `ops`; `type` supported (TD_ASSERT). */
 td_cpu_pack_fn td_cpu_pack_fn_of(const td_cpu_pack_ops_t *ops, td_dtype_t type);

@@ -581,34 +581,15 @@ static const td_cpu_qf32_ops_t ops_avx2 = {
 
 /* ---- tables ------------------------------------------------------------------------------- */
 
-const td_cpu_qf32_ops_t *td_cpu_qf32_ops(td_cpu_qf32_isa_t isa)
+const td_cpu_qf32_ops_t *td_cpu_qf32_ops(td_cpu_isa_t isa)
 {
-    switch (isa) {
-    case TD_CPU_QF32_SCALAR: return &ops_scalar;
-    case TD_CPU_QF32_AVX2:
+    TD_ASSERT(td_cpu_isa_runs(isa));
 #ifdef TD_CPU_QF32_X86
-        if (td_cpu_has(TD_CPU_ISA_AVX2))
-            return &ops_avx2;
+    if (isa >= TD_CPU_ISA_AVX512)
+        return &ops_avx512;
+    if (isa >= TD_CPU_ISA_AVX2)
+        return &ops_avx2;
 #endif
-        return NULL;
-    case TD_CPU_QF32_AVX512:
-#ifdef TD_CPU_QF32_X86
-        if (td_cpu_has(TD_CPU_ISA_AVX512))
-            return &ops_avx512;
-#endif
-        return NULL;
-    case TD_CPU_QF32_N_ISA: break;
-    }
-    return NULL;
-}
-
-const td_cpu_qf32_ops_t *td_cpu_qf32_ops_best(void)
-{
-    for (int isa = TD_CPU_QF32_N_ISA - 1; isa > TD_CPU_QF32_SCALAR; isa--) {
-        const td_cpu_qf32_ops_t *ops = td_cpu_qf32_ops((td_cpu_qf32_isa_t)isa);
-        if (ops)
-            return ops;
-    }
     return &ops_scalar;
 }
 

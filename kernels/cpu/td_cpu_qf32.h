@@ -33,6 +33,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 
+#include "td_cpu_isa.h"
 #include "td_dtype.h"
 
 /*
@@ -48,25 +49,15 @@
 typedef void (*td_cpu_qf32_fn)(const void *w, size_t row_bytes, size_t n0, size_t n1,
                                const float *x, size_t m, size_t k, float *y, size_t ldy);
 
-typedef enum td_cpu_qf32_isa {
-    TD_CPU_QF32_SCALAR, /* plain C, the reference */
-    TD_CPU_QF32_AVX2,   /* x86 AVX2 + FMA + F16C */
-    TD_CPU_QF32_AVX512, /* AVX2 + AVX-512 F/BW/VL */
-    TD_CPU_QF32_N_ISA,
-} td_cpu_qf32_isa_t;
 
 typedef struct td_cpu_qf32_ops {
     const char *name; /* "scalar", "avx2", "avx512" */
     td_cpu_qf32_fn q8_0, q4_0, q4_1, q4_k, q6_k;
 } td_cpu_qf32_ops_t;
 
-/* The kernels of `isa`, or NULL when this build has none or this CPU cannot run them
- * (decided with __builtin_cpu_supports; the SIMD code is compiled with target attributes,
- * so a build without -march=native has it too). */
-const td_cpu_qf32_ops_t *td_cpu_qf32_ops(td_cpu_qf32_isa_t isa);
-
-/* The fastest table this CPU runs (never NULL: the scalar one at worst). */
-const td_cpu_qf32_ops_t *td_cpu_qf32_ops_best(void);
+/* The kernels this family runs at level `isa` (td_cpu_isa.h): its best table at or below
+ * it, never NULL. `isa` must run on this CPU (TD_ASSERT). */
+const td_cpu_qf32_ops_t *td_cpu_qf32_ops(td_cpu_isa_t isa);
 
 /* The kernel of `type` in `ops`, or NULL for a type this family does not handle (float
  * types, Q5_0, Q5_1). */
@@ -75,7 +66,7 @@ td_cpu_qf32_fn td_cpu_qf32_fn_of(const td_cpu_qf32_ops_t *ops, td_dtype_t type);
 /*
  * The matmul of the td_cpu_qf32_fn contract with `type` (one td_cpu_qf32_fn_of gives
  * non-NULL for: TD_ASSERT) and k a multiple of its block (TD_ASSERT). What the CPU backend
- * calls per thread: td_cpu_qf32_matmul(td_cpu_qf32_ops_best(), type, w, row_bytes, n0, n1,
+ * calls per thread: td_cpu_qf32_matmul(cpu->k.qf32, type, w, row_bytes, n0, n1,
  * x, m, k, y, n) for that thread's [n0, n1).
  */
 void td_cpu_qf32_matmul(const td_cpu_qf32_ops_t *ops, td_dtype_t type, const void *w,

@@ -536,34 +536,15 @@ static const td_cpu_quant_ops_t ops_vnni = {
 
 /* ---- choice and GEMV ------------------------------------------------------------------ */
 
-const td_cpu_quant_ops_t *td_cpu_quant_ops(td_cpu_quant_isa_t isa)
+const td_cpu_quant_ops_t *td_cpu_quant_ops(td_cpu_isa_t isa)
 {
-    switch (isa) {
-    case TD_CPU_QUANT_SCALAR: return &ops_scalar;
-    case TD_CPU_QUANT_AVX2:
+    TD_ASSERT(td_cpu_isa_runs(isa));
 #ifdef TD_CPU_QUANT_X86
-        if (td_cpu_has(TD_CPU_ISA_AVX2))
-            return &ops_avx2;
+    if (isa >= TD_CPU_ISA_AVX512_VNNI)
+        return &ops_vnni;
+    if (isa >= TD_CPU_ISA_AVX2)
+        return &ops_avx2;
 #endif
-        return NULL;
-    case TD_CPU_QUANT_AVX512_VNNI:
-#ifdef TD_CPU_QUANT_X86
-        if (td_cpu_has(TD_CPU_ISA_AVX512_VNNI))
-            return &ops_vnni;
-#endif
-        return NULL;
-    case TD_CPU_QUANT_N_ISA: break;
-    }
-    return NULL;
-}
-
-const td_cpu_quant_ops_t *td_cpu_quant_ops_best(void)
-{
-    for (int isa = TD_CPU_QUANT_N_ISA - 1; isa > TD_CPU_QUANT_SCALAR; isa--) {
-        const td_cpu_quant_ops_t *ops = td_cpu_quant_ops((td_cpu_quant_isa_t)isa);
-        if (ops)
-            return ops;
-    }
     return &ops_scalar;
 }
 

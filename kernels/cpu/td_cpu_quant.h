@@ -44,6 +44,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "td_cpu_isa.h"
 #include "td_quant.h"
 
 /* One block of 32 quantized activations: a_i ~= d * qs[i]. Scales in f32 (not f16 as in
@@ -68,12 +69,6 @@ void td_cpu_quant_act_row(const float *x, td_cpu_q8a_block_t *a, size_t k);
  * activation blocks, summed in the order of the header comment. */
 typedef float (*td_cpu_quant_dot_fn)(const void *w, const td_cpu_q8a_block_t *a, size_t k);
 
-typedef enum td_cpu_quant_isa {
-    TD_CPU_QUANT_SCALAR, /* plain C, the reference */
-    TD_CPU_QUANT_AVX2,   /* x86 AVX2 + FMA + F16C */
-    TD_CPU_QUANT_AVX512_VNNI, /* AVX2 + AVX-512 F/VL/BW/VNNI: 256-bit vpdpbusd */
-    TD_CPU_QUANT_N_ISA,
-} td_cpu_quant_isa_t;
 
 /* A table's blocked GEMM tile of one type (td_cpu_quant_gemm's contract, k % 32 == 0) */
 typedef void (*td_cpu_quant_gemm_fn)(const void *w, size_t row_bytes, size_t n_rows,
@@ -91,11 +86,9 @@ typedef struct td_cpu_quant_ops {
     td_cpu_quant_gemm_fn gemm_q8_0, gemm_q4_0, gemm_q4_1;
 } td_cpu_quant_ops_t;
 
-/* The kernels of `isa`, or NULL when this build has none or this CPU cannot run them. */
-const td_cpu_quant_ops_t *td_cpu_quant_ops(td_cpu_quant_isa_t isa);
-
-/* The fastest table this CPU runs (never NULL: the scalar one at worst). */
-const td_cpu_quant_ops_t *td_cpu_quant_ops_best(void);
+/* The kernels this family runs at level `isa` (td_cpu_isa.h): its best table at or below
+ * it, never NULL. `isa` must run on this CPU (TD_ASSERT). */
+const td_cpu_quant_ops_t *td_cpu_quant_ops(td_cpu_isa_t isa);
 
 /* The dot of ggml type `type` in `ops` (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K), or NULL for
  * another type. */

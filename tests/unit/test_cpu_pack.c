@@ -105,7 +105,7 @@ static void check_case(td_dtype_t t, size_t n, size_t k, size_t m, uint64_t seed
     void *wp = aligned_alloc(64, td_cpu_pack_bytes(t, n, k));
     td_cpu_pack_weights(wp, w, t, n, k);
     unsigned char *a = aligned_alloc(64, m * stride);
-    const td_cpu_pack_ops_t *scalar = td_cpu_pack_ops(TD_CPU_PACK_SCALAR);
+    const td_cpu_pack_ops_t *scalar = td_cpu_pack_ops(TD_CPU_ISA_SCALAR);
     for (size_t i = 0; i < m; i++)
         td_cpu_pack_act_row(scalar, x + i * k, a + i * stride, t, k);
     size_t ld = (n + TD_CPU_PACK_ROWS - 1) / TD_CPU_PACK_ROWS * TD_CPU_PACK_ROWS;
@@ -172,13 +172,15 @@ Test(cpu_pack, scalar_matches_double_references)
 Test(cpu_pack, simd_tables_equal_scalar_bitwise)
 {
     static const size_t nk[][2] = {{16, 32}, {40, 256}, {64, 2048}, {20, 8192}};
-    const td_cpu_pack_ops_t *scalar = td_cpu_pack_ops(TD_CPU_PACK_SCALAR);
-    for (int isa = TD_CPU_PACK_AVX2; isa < TD_CPU_PACK_N_ISA; isa++) {
-        const td_cpu_pack_ops_t *ops = td_cpu_pack_ops((td_cpu_pack_isa_t)isa);
-        if (!ops) {
-            printf("test_cpu_pack: skipped: table %d: this CPU cannot run it\n", isa);
+    const td_cpu_pack_ops_t *scalar = td_cpu_pack_ops(TD_CPU_ISA_SCALAR);
+    for (int isa = TD_CPU_ISA_AVX2; isa < TD_CPU_ISA_COUNT; isa++) {
+        if (!td_cpu_isa_runs((td_cpu_isa_t)isa)) {
+            printf("test_cpu_pack: skipped: level %s: this CPU cannot run it\n", td_cpu_isa_name((td_cpu_isa_t)isa));
             continue;
         }
+        const td_cpu_pack_ops_t *ops = td_cpu_pack_ops((td_cpu_isa_t)isa);
+        if (ops == td_cpu_pack_ops((td_cpu_isa_t)(isa - 1)))
+            continue; /* the level below's table, checked already */
         uint64_t s = 7;
         for (size_t ti = 0; ti < TD_ARRAY_LEN(types); ti++)
             for (size_t c = 0; c < TD_ARRAY_LEN(nk); c++) {
@@ -230,7 +232,7 @@ Test(cpu_pack, act_row)
     x[5 * TD_QK + 1] = -INFINITY;
     unsigned char *a = aligned_alloc(64, stride), *b2 = aligned_alloc(64, stride);
     cr_assert_eq(stride % 64, 0);
-    const td_cpu_pack_ops_t *scalar = td_cpu_pack_ops(TD_CPU_PACK_SCALAR);
+    const td_cpu_pack_ops_t *scalar = td_cpu_pack_ops(TD_CPU_ISA_SCALAR);
     for (size_t ti = 0; ti < TD_ARRAY_LEN(types); ti++) {
         td_dtype_t t = types[ti];
         td_cpu_pack_act_row(scalar, x, a, t, k);
@@ -262,10 +264,8 @@ Test(cpu_pack, act_row)
                 cr_assert_eq(c, (t == TD_Q4_0 ? -8 : -128) * sum);
             }
         }
-        for (int isa = TD_CPU_PACK_AVX2; isa < TD_CPU_PACK_N_ISA; isa++) {
-            const td_cpu_pack_ops_t *ops = td_cpu_pack_ops((td_cpu_pack_isa_t)isa);
-            if (!ops)
-                continue;
+        for (int isa = TD_CPU_ISA_AVX2; isa <= (int)td_cpu_isa_best(); isa++) {
+            const td_cpu_pack_ops_t *ops = td_cpu_pack_ops((td_cpu_isa_t)isa);
             td_cpu_pack_act_row(ops, x, b2, t, k);
             cr_assert_eq(memcmp(a, b2, 2 * k + 8 * nb), 0, "%s: the activation row differs from scalar", ops->name);
         }

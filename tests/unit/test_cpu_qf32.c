@@ -96,30 +96,29 @@ static uint32_t bits(float f)
 }
 
 /* the tables this CPU runs; logs the ones it skips */
-static size_t tables(const td_cpu_qf32_ops_t *out[TD_CPU_QF32_N_ISA])
+static size_t tables(const td_cpu_qf32_ops_t *out[TD_CPU_ISA_COUNT])
 {
-    static const char *const names[] = {"scalar", "avx2", "avx512"};
     size_t n = 0;
-    for (int isa = 0; isa < TD_CPU_QF32_N_ISA; isa++) {
-        const td_cpu_qf32_ops_t *ops = td_cpu_qf32_ops((td_cpu_qf32_isa_t)isa);
-        if (ops)
+    for (int isa = 0; isa < TD_CPU_ISA_COUNT; isa++) {
+        if (!td_cpu_isa_runs((td_cpu_isa_t)isa)) {
+            fprintf(stderr, "skipped: level %s (this CPU cannot run it)\n", td_cpu_isa_name((td_cpu_isa_t)isa));
+            continue;
+        }
+        const td_cpu_qf32_ops_t *ops = td_cpu_qf32_ops((td_cpu_isa_t)isa);
+        if (n == 0 || out[n - 1] != ops) /* a level without a table of its own runs the one below */
             out[n++] = ops;
-        else
-            fprintf(stderr, "skipped: table %s (this CPU or build lacks it)\n", names[isa]);
     }
     return n;
 }
 
 Test(cpu_qf32, tables_and_types)
 {
-    const td_cpu_qf32_ops_t *best = td_cpu_qf32_ops_best();
+    const td_cpu_qf32_ops_t *best = td_cpu_qf32_ops(td_cpu_isa_best());
     cr_assert(best);
-    cr_assert_eq(td_cpu_qf32_ops(TD_CPU_QF32_SCALAR), td_cpu_qf32_ops(0));
     for (size_t t = 0; t < N_TYPES; t++)
         cr_assert(td_cpu_qf32_fn_of(best, types[t]), "type %d has a kernel", types[t]);
     cr_assert_null(td_cpu_qf32_fn_of(best, TD_F32));
     cr_assert_null(td_cpu_qf32_fn_of(best, TD_Q5_0));
-    cr_assert_null(td_cpu_qf32_ops(TD_CPU_QF32_N_ISA));
 }
 
 /* Every table, every type, several k: within the f32 bound of the double reference over
@@ -128,7 +127,7 @@ Test(cpu_qf32, tables_and_types)
 Test(cpu_qf32, matches_reference_and_scalar)
 {
     static const size_t ks[] = {32, 64, 96, 256, 576, 1536};
-    const td_cpu_qf32_ops_t *ops[TD_CPU_QF32_N_ISA];
+    const td_cpu_qf32_ops_t *ops[TD_CPU_ISA_COUNT];
     size_t n_ops = tables(ops);
     uint64_t seed = 14;
     const size_t n = 9, m = 11, ldy = n + 3;
@@ -186,7 +185,7 @@ Test(cpu_qf32, matches_reference_and_scalar)
 Test(cpu_qf32, batch_invariant)
 {
     static const size_t group[] = {1, 3, 4, 5, 9, 64};
-    const td_cpu_qf32_ops_t *ops[TD_CPU_QF32_N_ISA];
+    const td_cpu_qf32_ops_t *ops[TD_CPU_ISA_COUNT];
     size_t n_ops = tables(ops);
     uint64_t seed = 41;
     const size_t n = 13, m = 64;

@@ -100,6 +100,12 @@ static void check_close(const char *what, const float *got, const double *ref, s
 
 static td_backend_t *make_backend_int8(int threads, bool int8)
 {
+    const char *isa, *best;
+    if (td_backend_cpu_isa_choose(NULL, &isa, &best) != TD_OK) {
+        /* TANDEM_CPU_ISA above this CPU skips; a name that is no level fails */
+        cr_assert(strstr(td_last_error(), "does not run"), "%s", td_last_error());
+        cr_skip_test("%s", td_last_error());
+    }
     td_cpu_config_t cfg = {.n_threads = threads, .exact = !int8};
     td_backend_t *be = NULL;
     cr_assert_eq(td_backend_cpu_create(&cfg, &be), TD_OK);
@@ -253,7 +259,7 @@ static void qmatmul_ref(int act, const float *x, const float *wref, const float 
         if (act == ACT_INT8)
             td_cpu_quant_act_row(xi, a, (size_t)k);
         if (act == ACT_PACKED)
-            td_cpu_pack_act_row(td_cpu_pack_ops(TD_CPU_PACK_SCALAR), xi, ap, wt, (size_t)k);
+            td_cpu_pack_act_row(td_cpu_pack_ops(TD_CPU_ISA_SCALAR), xi, ap, wt, (size_t)k);
         for (int q = 0; q < k; q++) {
             float e;
             memcpy(&e, ap + 2 * k + 4 * (q / TD_QK), 4);
@@ -1155,4 +1161,35 @@ Test(backend_open, cpu_staged_is_device_memory)
     cr_assert_eq(td_backend_open(&(td_device_spec_t){0}, 1, TD_F32, &be), TD_OK);
     cr_assert(be->host_memory);
     td_backend_destroy(be);
+}
+
+/* The kernel level a CPU backend runs: each level this CPU has, by name, is what the
+ * backend reports; a name that is no level, and a level above this CPU's, are refused
+ * with a message that lists what it runs. */
+Test(backend_open, cpu_isa_levels)
+{
+    static const char *const levels[] = {"scalar", "avx2", "avx512", "avx512vnni"};
+    const char *isa, *best;
+    cr_assert_eq(td_backend_cpu_isa_choose("scalar", &isa, &best), TD_OK);
+    size_t n_best = 0;
+    while (n_best < TD_ARRAY_LEN(levels) && strcmp(levels[n_best], best))
+        n_best++;
+    cr_assert_lt(n_best, TD_ARRAY_LEN(levels), "best level %s is one of the four", best);
+    for (size_t i = 0; i < TD_ARRAY_LEN(levels); i++) {
+        td_backend_t *be = NULL;
+        td_status_t st = td_backend_cpu_create(&(td_cpu_config_t){.n_threads = 1, .isa = levels[i]}, &be);
+        if (i > n_best) {
+            cr_assert_eq(st, TD_ERR_INVALID, "%s above this CPU's %s", levels[i], best);
+            cr_assert_null(be);
+            cr_assert(strstr(td_last_error(), best), "the message names what the CPU runs: %s", td_last_error());
+            continue;
+        }
+        cr_assert_eq(st, TD_OK, "%s: %s", levels[i], td_last_error());
+        cr_assert_str_eq(td_backend_cpu_isa(be), levels[i]);
+        td_backend_destroy(be);
+    }
+    cr_assert_eq(td_backend_cpu_isa_choose("avx3", &isa, &best), TD_ERR_INVALID);
+    cr_assert(strstr(td_last_error(), "avx3") && strstr(td_last_error(), "scalar, avx2, avx512, avx512vnni"),
+              "%s", td_last_error());
+    cr_assert_null(td_backend_cpu_isa(NULL));
 }
