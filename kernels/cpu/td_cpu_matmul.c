@@ -14,7 +14,8 @@
  * Float W (f32, f16, bf16) on a CPU with AVX-512: td_cpu_fgemm (fgemm_matmul below), 4 to 8 W
  * rows widened to f32 in registers against 1 to 6 X rows in zmm accumulators, every output
  * summed in its one order (16 lanes over k, then a fixed tree), so batch-invariant; decode
- * tiles prefetch ahead, prefill runs X in chunks that stay in L2. Without AVX-512:
+ * tiles prefetch ahead, prefill runs X in chunks that stay in L2. At level avx2 (the
+ * kernel table's fmatmul, td_cpu_kernels.h):
  *
  * One hand-written AVX2/FMA kernel (gemv_block) computes every output: it reads 1-4 rows
  * of W at a time, converts f16/bf16 to f32 in registers, and multiplies them with 1-4 rows
@@ -26,8 +27,8 @@
  *    This is the memory-bandwidth path of batch-1 decode.
  *  - larger m: X in chunks of 64 rows (kept in L2) against 2-row blocks of W (kept in L1)
  *    in 2x4 tiles; W is streamed once per chunk.
- * Without AVX2/FMA/F16C (TD_NATIVE off on an old CPU) cblas_sgemm on converted tiles of W
- * does it all, and batch invariance is not promised.
+ * At level scalar (a CPU without AVX2/FMA/F16C, or TANDEM_CPU_ISA=scalar) cblas_sgemm on
+ * converted tiles of W does it all, and batch invariance is not promised.
  *
  * The result is written with the epilogue (bias, accumulate) by the thread that owns the
  * slice, so no two threads touch the same column of Y.

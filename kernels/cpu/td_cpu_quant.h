@@ -11,14 +11,12 @@
  * same activation blocks (ggml uses a 256-wide Q8_K there; one activation format for all
  * weight types keeps the matmul's quantize step one step).
  *
- * Two implementations of every dot, in td_cpu_quant_ops_t tables: the scalar reference and
- * AVX2 (_mm256_maddubs_epi16 / _mm256_madd_epi16). Both sum in the same order (below), so
- * they give bit-identical results. The AVX2 one is compiled with target attributes and
- * chosen at run time (td_cpu_quant_ops_best: __builtin_cpu_supports), so a TD_NATIVE=OFF
- * binary still runs on a CPU without AVX2. With TD_NATIVE (-march=native) the scalar code
- * may itself be auto-vectorised and the binary needs the build machine's ISA anyway; the
- * run-time choice stays real (both tables exist, tests run both). AVX-512 VNNI (vpdpbusd)
- * is a later table, TD_CPU_QUANT_AVX512_VNNI, in the same enum.
+ * Three implementations of every dot, in td_cpu_quant_ops_t tables: the scalar reference,
+ * AVX2 (_mm256_maddubs_epi16 / _mm256_madd_epi16) and AVX-512 VNNI (256-bit vpdpbusd). All
+ * sum in the same order (below), so they give bit-identical results. The SIMD ones are
+ * compiled with target attributes; the CPU backend takes the table of its ISA level
+ * (td_cpu_quant_ops(isa), td_cpu_kernels.h), so a TD_NATIVE=OFF binary runs the best one
+ * the machine has and TANDEM_CPU_ISA can force a lower one.
  *
  * The order of the f32 sum (the contract of every implementation): for a row of k weights
  * (nb = k / 32 blocks), the 32 products of a block are summed exactly in int32 in 8 lanes
