@@ -179,18 +179,30 @@ static td_status_t run_batch(td_engine_t *eng, int batch, int prompt, int gen, d
     pinned = !be->host_memory && be->ops->host_pin(be, logits, logit_bytes) == TD_OK;
     for (int i = 0; i < batch; i++)
         td_kv_seq_init(&seqs[i]);
-    /* prefill sequence by sequence within the token budget */
+    /* prefill: as many sequences a step as the token budget holds (a sequence longer than
+       what is left of it goes on in the next step), as a serving node batches prompts; one
+       step per sequence made the batch-64 runs 64 weight passes */
     uint64_t t0 = td_now_ns();
     int max_tokens = td_engine_config(eng)->max_batch_tokens;
-    for (int i = 0; i < batch && st == TD_OK; i++) {
-        for (int off = 0; off < prompt && st == TD_OK; off += max_tokens) {
-            int n = TD_MIN(max_tokens, prompt - off);
-            td_engine_item_t it = {.seq = &seqs[i], .tokens = toks + (size_t)i * prompt + off,
-                                   .n_tokens = n, .n_logits = off + n == prompt};
-            st = td_engine_step(eng, &it, 1, logits);
+    for (int i = 0, done = 0; i < batch && st == TD_OK;) { /* done: tokens of sequence i prefilled */
+        int n_items = 0, budget = max_tokens;
+        for (int q = i; q < batch && budget > 0; q++) {
+            int from = q == i ? done : 0, n = TD_MIN(budget, prompt - from);
+            items[n_items++] = (td_engine_item_t){.seq = &seqs[q], .tokens = toks + (size_t)q * prompt + from,
+                                                  .n_tokens = n, .n_logits = from + n == prompt};
+            budget -= n;
+            if (from + n < prompt) { /* q goes on in the next step, from there */
+                i = q;
+                done = from + n;
+                break;
+            }
+            i = q + 1;
+            done = 0;
         }
-        next[i] = (int32_t)(i % c->vocab_size);
+        st = td_engine_step(eng, items, n_items, logits);
     }
+    for (int i = 0; i < batch; i++)
+        next[i] = (int32_t)(i % c->vocab_size);
     *prefill_s = (double)(td_now_ns() - t0) * 1e-9;
     t0 = td_now_ns();
     for (int s = 0; s < gen && st == TD_OK; s++) {

@@ -453,9 +453,103 @@ tile_avx2(uint32_t type, int R, int M, const void *w, size_t row_bytes,
         GEMM_LOOPS(TILE, type)                                                                 \
     }
 
+/*
+ * The K formats' tiles: R W rows by M activation rows, each super-block's scales decoded
+ * and each 32-weight piece unpacked once per W row for all M activation rows (the per-row
+ * dots did both M times over in a prefill). Every output takes the operations of its
+ * single dot (dot_q4_k_avx2, dot_q6_k_avx2) in the same order: the same bits.
+ */
+static inline __attribute__((always_inline)) TD_AVX2 void
+tile_q4_k(int R, int M, const void *w, size_t row_bytes, const td_cpu_q8a_block_t *a, size_t nb,
+          float *y, size_t ldy)
+{
+    __m256 acc[4][4];
+    float mm[4][4];
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < M; i++) {
+            acc[r][i] = _mm256_setzero_ps();
+            mm[r][i] = 0.0f;
+        }
+    const __m256i lo4 = _mm256_set1_epi8(15);
+    for (size_t sb = 0; sb < nb / 8; sb++)
+        for (int r = 0; r < R; r++) {
+            const td_block_q4_k_t *blk = (const td_block_q4_k_t *)((const uint8_t *)w + r * row_bytes) + sb;
+            _mm_prefetch((const char *)blk + 2 * R * row_bytes, _MM_HINT_T0);
+            float d = f16(blk->d), dmin = f16(blk->dmin);
+            uint8_t sc[8], mn[8];
+            q4_k_scales_mins(blk->scales, sc, mn);
+            for (int c = 0; c < 4; c++) {
+                __m256i raw = _mm256_loadu_si256((const __m256i *)(blk->qs + 32 * c));
+                __m256i q[2] = {_mm256_and_si256(raw, lo4), _mm256_and_si256(_mm256_srli_epi16(raw, 4), lo4)};
+                for (int h = 0; h < 2; h++) {
+                    int s = 2 * c + h;
+                    float dsc = d * (float)sc[s], mnv = -(dmin * (float)mn[s]);
+                    for (int i = 0; i < M; i++) {
+                        const td_cpu_q8a_block_t *ab = &a[i * nb + sb * 8 + s];
+                        acc[r][i] = _mm256_fmadd_ps(_mm256_set1_ps(dsc * ab->d),
+                                                    _mm256_cvtepi32_ps(lanes_us8(q[h], act32(ab))), acc[r][i]);
+                        mm[r][i] = fmaf(mnv, ab->s, mm[r][i]);
+                    }
+                }
+            }
+        }
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < M; i++)
+            y[i * ldy + r] = hsum8(acc[r][i]) + mm[r][i];
+}
+
+static inline __attribute__((always_inline)) TD_AVX2 void
+tile_q6_k(int R, int M, const void *w, size_t row_bytes, const td_cpu_q8a_block_t *a, size_t nb,
+          float *y, size_t ldy)
+{
+    __m256 acc[4][4];
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < M; i++)
+            acc[r][i] = _mm256_setzero_ps();
+    const __m256i lo4 = _mm256_set1_epi8(15), two = _mm256_set1_epi8(3);
+    for (size_t sb = 0; sb < nb / 8; sb++)
+        for (int r = 0; r < R; r++) {
+            const td_block_q6_k_t *blk = (const td_block_q6_k_t *)((const uint8_t *)w + r * row_bytes) + sb;
+            _mm_prefetch((const char *)blk + 2 * R * row_bytes, _MM_HINT_T0);
+            _mm_prefetch((const char *)blk + 2 * R * row_bytes + 64, _MM_HINT_T0);
+            _mm_prefetch((const char *)blk + 2 * R * row_bytes + 128, _MM_HINT_T0);
+            float d = f16(blk->d);
+            for (int h = 0; h < 2; h++) {
+                __m256i qh = _mm256_loadu_si256((const __m256i *)(blk->qh + 32 * h));
+                __m256i ql[2] = {_mm256_loadu_si256((const __m256i *)(blk->ql + 64 * h)),
+                                 _mm256_loadu_si256((const __m256i *)(blk->ql + 64 * h + 32))};
+                for (int c = 0; c < 4; c++) {
+                    int j = 4 * h + c;
+                    __m256i lo = c < 2 ? ql[c] : _mm256_srli_epi16(ql[c - 2], 4);
+                    __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * c), two);
+                    __m256i q = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(lo, lo4), _mm256_slli_epi16(hi, 4)),
+                                                _mm256_set1_epi8(32));
+                    __m256i qa = _mm256_sign_epi8(q, q);
+                    __m256i scv = _mm256_set_m128i(_mm_set1_epi16(blk->scales[2 * j + 1]),
+                                                   _mm_set1_epi16(blk->scales[2 * j]));
+                    for (int i = 0; i < M; i++) {
+                        const td_cpu_q8a_block_t *ab = &a[i * nb + sb * 8 + j];
+                        __m256i pairs = _mm256_maddubs_epi16(qa, _mm256_sign_epi8(act32(ab), q));
+                        __m256i p = _mm256_madd_epi16(pairs, scv);
+                        acc[r][i] = _mm256_fmadd_ps(_mm256_set1_ps(d * ab->d), _mm256_cvtepi32_ps(p), acc[r][i]);
+                    }
+                }
+            }
+        }
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < M; i++)
+            y[i * ldy + r] = hsum8(acc[r][i]);
+}
+
+/* TILE_DISPATCH's signature for the K tiles (their type is in their name) */
+#define TILE_Q4_K(type, R, M, w, row_bytes, a, nb, y, ldy) tile_q4_k(R, M, w, row_bytes, a, nb, y, ldy)
+#define TILE_Q6_K(type, R, M, w, row_bytes, a, nb, y, ldy) tile_q6_k(R, M, w, row_bytes, a, nb, y, ldy)
+
 GEMM_FN(gemm_q8_0_avx2, TD_AVX2, tile_avx2, TD_GGML_Q8_0)
 GEMM_FN(gemm_q4_0_avx2, TD_AVX2, tile_avx2, TD_GGML_Q4_0)
 GEMM_FN(gemm_q4_1_avx2, TD_AVX2, tile_avx2, TD_GGML_Q4_1)
+GEMM_FN(gemm_q4_k_avx2, TD_AVX2, TILE_Q4_K, TD_GGML_Q4_K)
+GEMM_FN(gemm_q6_k_avx2, TD_AVX2, TILE_Q6_K, TD_GGML_Q6_K)
 
 static const td_cpu_quant_ops_t ops_avx2 = {
     .name = "avx2",
@@ -467,6 +561,8 @@ static const td_cpu_quant_ops_t ops_avx2 = {
     .gemm_q8_0 = gemm_q8_0_avx2,
     .gemm_q4_0 = gemm_q4_0_avx2,
     .gemm_q4_1 = gemm_q4_1_avx2,
+    .gemm_q4_k = gemm_q4_k_avx2,
+    .gemm_q6_k = gemm_q6_k_avx2,
 };
 
 /* ---- AVX-512 VNNI (256-bit vpdpbusd) ------------------------------------------------------ */
@@ -531,6 +627,8 @@ static const td_cpu_quant_ops_t ops_vnni = {
     .gemm_q8_0 = gemm_q8_0_vnni,
     .gemm_q4_0 = gemm_q4_0_vnni,
     .gemm_q4_1 = gemm_q4_1_vnni,
+    .gemm_q4_k = gemm_q4_k_avx2,
+    .gemm_q6_k = gemm_q6_k_avx2,
 };
 #endif /* TD_CPU_QUANT_X86 */
 
@@ -578,7 +676,9 @@ void td_cpu_quant_gemm(const td_cpu_quant_ops_t *ops, uint32_t type, const void 
     TD_ASSERT(dot && k % TD_QK == 0);
     td_cpu_quant_gemm_fn gemm = type == TD_GGML_Q8_0   ? ops->gemm_q8_0
                               : type == TD_GGML_Q4_0 ? ops->gemm_q4_0
-                              : type == TD_GGML_Q4_1 ? ops->gemm_q4_1 : NULL;
+                              : type == TD_GGML_Q4_1 ? ops->gemm_q4_1
+                              : type == TD_GGML_Q4_K ? ops->gemm_q4_k
+                              : type == TD_GGML_Q6_K ? ops->gemm_q6_k : NULL;
     if (gemm) {
         gemm(w, row_bytes, n_rows, a, m, k, y, ldy);
         return;

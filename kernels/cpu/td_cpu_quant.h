@@ -81,7 +81,7 @@ typedef struct td_cpu_quant_ops {
     td_cpu_quant_dot_fn q4_k;   /* Q4_K weights (k a multiple of 256) */
     td_cpu_quant_dot_fn q6_k;   /* Q6_K weights (k a multiple of 256) */
     /* register-blocked tiles (NULL: td_cpu_quant_gemm calls the dot per output) */
-    td_cpu_quant_gemm_fn gemm_q8_0, gemm_q4_0, gemm_q4_1;
+    td_cpu_quant_gemm_fn gemm_q8_0, gemm_q4_0, gemm_q4_1, gemm_q4_k, gemm_q6_k;
 } td_cpu_quant_ops_t;
 
 /* The kernels this family runs at level `isa` (td_cpu_isa.h): its best table at or below
