@@ -380,8 +380,7 @@ static void qact_task(void *arg, int task, int thread)
     int i1 = (int)((int64_t)p->m * (task + 1) / jb->act_tasks);
     size_t nb = (size_t)p->k / TD_QK;
     for (int i = i0; i < i1; i++)
-        td_cpu_quant_act_row((const float *)p->x + (size_t)i * p->k, jb->a + (size_t)i * nb,
-                             (size_t)p->k);
+        jb->ops->act_row((const float *)p->x + (size_t)i * p->k, jb->a + (size_t)i * nb, (size_t)p->k);
 }
 
 /* One task: W rows [n0, n1) against X in chunks of QROWS rows, tiles of QTILE W rows, each

@@ -75,6 +75,8 @@ typedef void (*td_cpu_quant_gemm_fn)(const void *w, size_t row_bytes, size_t n_r
 
 typedef struct td_cpu_quant_ops {
     const char *name;           /* "scalar", "avx2", "avx512vnni" */
+    /* td_cpu_quant_act_row's quantizer (every table writes the same bytes) */
+    void (*act_row)(const float *x, td_cpu_q8a_block_t *a, size_t k);
     td_cpu_quant_dot_fn q8_0;   /* Q8_0 weights */
     td_cpu_quant_dot_fn q4_0;   /* Q4_0 weights */
     td_cpu_quant_dot_fn q4_1;   /* Q4_1 weights */

@@ -349,3 +349,37 @@ Test(quant_dot, act_row)
     free(x);
     free(a);
 }
+
+/* every table's activation quantizer writes the scalar one's bytes: random blocks over 45
+ * decades, halfway values (x / d = n + 1/2), NaN, +-inf, zero and denormal blocks */
+Test(quant_dot, act_row_tables_equal_scalar_bitwise)
+{
+    const size_t k = 32 * 64;
+    float *x = malloc(k * sizeof *x);
+    uint64_t s = 11;
+    for (size_t i = 0; i < k; i++) {
+        double scale = pow(10.0, -20.0 + 45.0 * (double)(i / TD_QK) / (double)(k / TD_QK));
+        x[i] = (float)((2.0 * rng_unit(&s) - 1.0) * scale);
+    }
+    for (int i = 0; i < TD_QK; i++) {
+        x[1 * TD_QK + i] = 127.0f - (float)i - 0.5f; /* d = 1: every value halfway */
+        x[2 * TD_QK + i] = 0.0f;
+        x[3 * TD_QK + i] = 1e-44f * (float)(i - 16);
+    }
+    x[1 * TD_QK] = 127.0f;
+    x[4 * TD_QK + 5] = NAN;
+    x[5 * TD_QK + 9] = INFINITY;
+    x[6 * TD_QK + 31] = -INFINITY;
+    x[7 * TD_QK + 0] = NAN, x[7 * TD_QK + 1] = INFINITY;
+    td_cpu_q8a_block_t *want = malloc(k / TD_QK * sizeof *want), *got = malloc(k / TD_QK * sizeof *got);
+    td_cpu_quant_act_row(x, want, k);
+    for (int isa = TD_CPU_ISA_SCALAR; isa <= (int)td_cpu_isa_best(); isa++) {
+        const td_cpu_quant_ops_t *ops = td_cpu_quant_ops((td_cpu_isa_t)isa);
+        memset(got, 0x5a, k / TD_QK * sizeof *got);
+        ops->act_row(x, got, k);
+        for (size_t b = 0; b < k / TD_QK; b++)
+            cr_assert_eq(memcmp(&got[b], &want[b], sizeof *got), 0, "%s: block %zu differs from scalar (d %a vs %a)",
+                         ops->name, b, got[b].d, want[b].d);
+    }
+    free(x), free(want), free(got);
+}
