@@ -499,6 +499,23 @@ tile_avx2(uint32_t type, int R, int M, const void *w, size_t row_bytes,
  * dots did both M times over in a prefill). Every output takes the operations of its
  * single dot (dot_q4_k_avx2, dot_q6_k_avx2) in the same order: the same bits.
  */
+/* A Q4_K super-block's 8 sub-block scales d * sc and negated mins -(dmin * mn) as f32 (the
+ * dots' exact products), unpacked with 32-bit word operations instead of byte by byte (the
+ * byte loop and its scalar int-to-float conversions were a sixth of a Q4_K decode) */
+static inline __attribute__((always_inline)) TD_AVX2 void q4_k_scales_f32(const td_block_q4_k_t *blk, float dsc[8],
+                                                                          float mnv[8])
+{
+    uint32_t w[3];
+    memcpy(w, blk->scales, 12);
+    uint64_t sc = (uint64_t)(w[0] & 0x3f3f3f3fu) | (uint64_t)((w[2] & 0x0f0f0f0fu) | ((w[0] >> 2) & 0x30303030u)) << 32;
+    uint64_t mn = (uint64_t)(w[1] & 0x3f3f3f3fu) |
+                  (uint64_t)(((w[2] >> 4) & 0x0f0f0f0fu) | ((w[1] >> 2) & 0x30303030u)) << 32;
+    __m256 scf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc)));
+    __m256 mnf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn)));
+    _mm256_storeu_ps(dsc, _mm256_mul_ps(_mm256_set1_ps(f16(blk->d)), scf));
+    _mm256_storeu_ps(mnv, _mm256_xor_ps(_mm256_mul_ps(_mm256_set1_ps(f16(blk->dmin)), mnf), _mm256_set1_ps(-0.0f)));
+}
+
 static inline __attribute__((always_inline)) TD_AVX2 void
 tile_q4_k(int R, int M, const void *w, size_t row_bytes, const td_cpu_q8a_block_t *a, size_t nb,
           float *y, size_t ldy)
@@ -514,21 +531,24 @@ tile_q4_k(int R, int M, const void *w, size_t row_bytes, const td_cpu_q8a_block_
     for (size_t sb = 0; sb < nb / 8; sb++)
         for (int r = 0; r < R; r++) {
             const td_block_q4_k_t *blk = (const td_block_q4_k_t *)((const uint8_t *)w + r * row_bytes) + sb;
-            _mm_prefetch((const char *)blk + 2 * R * row_bytes, _MM_HINT_T0);
-            float d = f16(blk->d), dmin = f16(blk->dmin);
-            uint8_t sc[8], mn[8];
-            q4_k_scales_mins(blk->scales, sc, mn);
+            /* all the block's lines: 144-byte blocks of 4 short interleaved rows defeat the
+               hardware prefetcher, and one line a block left most loads to miss */
+            const char *ahead = (const char *)blk + 2 * R * row_bytes;
+            _mm_prefetch(ahead, _MM_HINT_T0);
+            _mm_prefetch(ahead + 64, _MM_HINT_T0);
+            _mm_prefetch(ahead + sizeof *blk - 1, _MM_HINT_T0);
+            float dsc[8], mnv[8];
+            q4_k_scales_f32(blk, dsc, mnv);
             for (int c = 0; c < 4; c++) {
                 __m256i raw = _mm256_loadu_si256((const __m256i *)(blk->qs + 32 * c));
                 __m256i q[2] = {_mm256_and_si256(raw, lo4), _mm256_and_si256(_mm256_srli_epi16(raw, 4), lo4)};
                 for (int h = 0; h < 2; h++) {
                     int s = 2 * c + h;
-                    float dsc = d * (float)sc[s], mnv = -(dmin * (float)mn[s]);
                     for (int i = 0; i < M; i++) {
                         const td_cpu_q8a_block_t *ab = &a[i * nb + sb * 8 + s];
-                        acc[r][i] = _mm256_fmadd_ps(_mm256_set1_ps(dsc * ab->d),
-                                                    _mm256_cvtepi32_ps(lanes_us8(q[h], act32(ab))), acc[r][i]);
-                        mm[r][i] = fmaf(mnv, ab->s, mm[r][i]);
+                        __m256 ds = _mm256_mul_ps(_mm256_broadcast_ss(&dsc[s]), _mm256_broadcast_ss(&ab->d));
+                        acc[r][i] = _mm256_fmadd_ps(ds, _mm256_cvtepi32_ps(lanes_us8(q[h], act32(ab))), acc[r][i]);
+                        mm[r][i] = fmaf(mnv[s], ab->s, mm[r][i]);
                     }
                 }
             }
@@ -550,9 +570,11 @@ tile_q6_k(int R, int M, const void *w, size_t row_bytes, const td_cpu_q8a_block_
     for (size_t sb = 0; sb < nb / 8; sb++)
         for (int r = 0; r < R; r++) {
             const td_block_q6_k_t *blk = (const td_block_q6_k_t *)((const uint8_t *)w + r * row_bytes) + sb;
-            _mm_prefetch((const char *)blk + 2 * R * row_bytes, _MM_HINT_T0);
-            _mm_prefetch((const char *)blk + 2 * R * row_bytes + 64, _MM_HINT_T0);
-            _mm_prefetch((const char *)blk + 2 * R * row_bytes + 128, _MM_HINT_T0);
+            const char *ahead = (const char *)blk + 2 * R * row_bytes;
+            _mm_prefetch(ahead, _MM_HINT_T0);
+            _mm_prefetch(ahead + 64, _MM_HINT_T0);
+            _mm_prefetch(ahead + 128, _MM_HINT_T0);
+            _mm_prefetch(ahead + sizeof *blk - 1, _MM_HINT_T0);
             float d = f16(blk->d);
             for (int h = 0; h < 2; h++) {
                 __m256i qh = _mm256_loadu_si256((const __m256i *)(blk->qh + 32 * h));
