@@ -529,6 +529,7 @@ tile_q4_k(int R, int M, const void *w, size_t row_bytes, const td_cpu_q8a_block_
         }
     const __m256i lo4 = _mm256_set1_epi8(15);
     for (size_t sb = 0; sb < nb / 8; sb++)
+#pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
             const td_block_q4_k_t *blk = (const td_block_q4_k_t *)((const uint8_t *)w + r * row_bytes) + sb;
             /* all the block's lines: 144-byte blocks of 4 short interleaved rows defeat the
@@ -539,11 +540,14 @@ tile_q4_k(int R, int M, const void *w, size_t row_bytes, const td_cpu_q8a_block_
             _mm_prefetch(ahead + sizeof *blk - 1, _MM_HINT_T0);
             float dsc[8], mnv[8];
             q4_k_scales_f32(blk, dsc, mnv);
+#pragma GCC unroll 4
             for (int c = 0; c < 4; c++) {
                 __m256i raw = _mm256_loadu_si256((const __m256i *)(blk->qs + 32 * c));
                 __m256i q[2] = {_mm256_and_si256(raw, lo4), _mm256_and_si256(_mm256_srli_epi16(raw, 4), lo4)};
+#pragma GCC unroll 2
                 for (int h = 0; h < 2; h++) {
                     int s = 2 * c + h;
+#pragma GCC unroll 4
                     for (int i = 0; i < M; i++) {
                         const td_cpu_q8a_block_t *ab = &a[i * nb + sb * 8 + s];
                         __m256 ds = _mm256_mul_ps(_mm256_broadcast_ss(&dsc[s]), _mm256_broadcast_ss(&ab->d));
@@ -568,6 +572,7 @@ tile_q6_k(int R, int M, const void *w, size_t row_bytes, const td_cpu_q8a_block_
             acc[r][i] = _mm256_setzero_ps();
     const __m256i lo4 = _mm256_set1_epi8(15), two = _mm256_set1_epi8(3);
     for (size_t sb = 0; sb < nb / 8; sb++)
+#pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
             const td_block_q6_k_t *blk = (const td_block_q6_k_t *)((const uint8_t *)w + r * row_bytes) + sb;
             const char *ahead = (const char *)blk + 2 * R * row_bytes;
@@ -576,11 +581,13 @@ tile_q6_k(int R, int M, const void *w, size_t row_bytes, const td_cpu_q8a_block_
             _mm_prefetch(ahead + 128, _MM_HINT_T0);
             _mm_prefetch(ahead + sizeof *blk - 1, _MM_HINT_T0);
             float d = f16(blk->d);
+#pragma GCC unroll 2
             for (int h = 0; h < 2; h++) {
                 __m256i qh = _mm256_loadu_si256((const __m256i *)(blk->qh + 32 * h));
                 __m256i ql[2] = {_mm256_loadu_si256((const __m256i *)(blk->ql + 64 * h)),
                                  _mm256_loadu_si256((const __m256i *)(blk->ql + 64 * h + 32))};
-                for (int c = 0; c < 4; c++) {
+#pragma GCC unroll 4
+            for (int c = 0; c < 4; c++) {
                     int j = 4 * h + c;
                     __m256i lo = c < 2 ? ql[c] : _mm256_srli_epi16(ql[c - 2], 4);
                     __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * c), two);
@@ -589,6 +596,7 @@ tile_q6_k(int R, int M, const void *w, size_t row_bytes, const td_cpu_q8a_block_
                     __m256i qa = _mm256_sign_epi8(q, q);
                     __m256i scv = _mm256_set_m128i(_mm_set1_epi16(blk->scales[2 * j + 1]),
                                                    _mm_set1_epi16(blk->scales[2 * j]));
+#pragma GCC unroll 4
                     for (int i = 0; i < M; i++) {
                         const td_cpu_q8a_block_t *ab = &a[i * nb + sb * 8 + j];
                         __m256i pairs = _mm256_maddubs_epi16(qa, _mm256_sign_epi8(act32(ab), q));
