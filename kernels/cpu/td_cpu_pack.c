@@ -481,20 +481,21 @@ static const td_cpu_pack_ops_t ops_vnni = {
 /* ---- AVX2 -------------------------------------------------------------------------------- */
 
 /* Halves [h0, h0 + H) (weight rows 8h..8h+7) of one group against R activation rows,
- * R * H <= 2: two rows by one half (prefill pairs), or one row by both halves in one pass
- * (decode: every byte of a quant line used as it arrives; two passes of one half each read
- * each line twice and let half of it wait). The int32 lanes of maddubs + madd(ones) are the
- * same four-product sums vpdpbusd makes. Q8_0's quants are u = q + 128: the sign trick on
- * q = u ^ 0x80 keeps maddubs' pairs in int16, and the sum starts at 0 instead of c (the same
- * integer as VNNI's c + sum u Q). */
+ * R * H <= 4: up to four rows by one half (prefill), or one row by both halves in one pass
+ * (decode: every byte of a quant line used as it arrives). The int32 lanes of maddubs +
+ * madd are the same four-product sums vpdpbusd makes; the hi part's int16 pair sums are
+ * widened by a madd with 254 instead of 1, so each block's exact integer p = 254 p_hi + p_lo
+ * builds up in one accumulator a row. Q8_0's quants are u = q + 128: the sign trick on
+ * q = u ^ 0x80 keeps maddubs' pairs in int16, and the sum starts at 0 instead of c (the
+ * same integer as VNNI's c + sum u Q). */
 TD_INLINE TD_Y void avx2_tile(td_dtype_t t, int R, int h0, int H, const unsigned char *gq,
                               const unsigned char *gs, size_t nb, size_t k, const unsigned char *a,
                               size_t stride, float *y, size_t ldy)
 {
     const size_t qb = quant_bytes(t), sh = scale_halves(t);
-    const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), wide = _mm256_set1_epi16(WIDE);
     const __m256i bias8 = _mm256_set1_epi8((char)0x80);
-    __m256 acc[2][2], macc[2][2];
+    __m256 acc[2][4], macc[2][4];
     for (int x = 0; x < H; x++)
         for (int i = 0; i < R; i++)
             acc[x][i] = macc[x][i] = _mm256_setzero_ps();
@@ -505,12 +506,10 @@ TD_INLINE TD_Y void avx2_tile(td_dtype_t t, int R, int h0, int H, const unsigned
         for (int x = 0; x < H; x++) {
             const int h = h0 + x;
             const unsigned char *q = gq + b * qb + 32 * h;
-            __m256i ph[2], pl[2];
-            for (int i = 0; i < R; i++) {
-                ph[i] = _mm256_setzero_si256();
-                pl[i] = t == TD_Q4_0 ? _mm256_set1_epi32(load_i32(act_c(a + i * stride, k) + 4 * b))
-                                     : _mm256_setzero_si256();
-            }
+            __m256i p[4];
+            for (int i = 0; i < R; i++)
+                p[i] = t == TD_Q4_0 ? _mm256_set1_epi32(load_i32(act_c(a + i * stride, k) + 4 * b))
+                                    : _mm256_setzero_si256();
             if (t == TD_Q8_0) {
                 for (int v = 0; v < 8; v++) {
                     __m256i sw = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(q + 64 * v)), bias8);
@@ -519,8 +518,8 @@ TD_INLINE TD_Y void avx2_tile(td_dtype_t t, int R, int h0, int H, const unsigned
                         const unsigned char *ai = a + i * stride;
                         __m256i qh = _mm256_set1_epi32(load_i32(act_hi(ai) + b * TD_QK + 4 * v));
                         __m256i ql = _mm256_set1_epi32(load_i32(act_lo(ai, k) + b * TD_QK + 4 * v));
-                        ph[i] = _mm256_add_epi32(ph[i], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(qh, sw)), ones));
-                        pl[i] = _mm256_add_epi32(pl[i], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(ql, sw)), ones));
+                        p[i] = _mm256_add_epi32(p[i], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(qh, sw)), wide));
+                        p[i] = _mm256_add_epi32(p[i], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(ql, sw)), ones));
                     }
                 }
             } else {
@@ -536,8 +535,8 @@ TD_INLINE TD_Y void avx2_tile(td_dtype_t t, int R, int h0, int H, const unsigned
                                                         _mm256_maddubs_epi16(hi4, _mm256_set1_epi32(load_i32(qh + 16 + 4 * v))));
                         __m256i sl16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo4, _mm256_set1_epi32(load_i32(ql + 4 * v))),
                                                         _mm256_maddubs_epi16(hi4, _mm256_set1_epi32(load_i32(ql + 16 + 4 * v))));
-                        ph[i] = _mm256_add_epi32(ph[i], _mm256_madd_epi16(sh16, ones));
-                        pl[i] = _mm256_add_epi32(pl[i], _mm256_madd_epi16(sl16, ones));
+                        p[i] = _mm256_add_epi32(p[i], _mm256_add_epi32(_mm256_madd_epi16(sh16, wide),
+                                                                       _mm256_madd_epi16(sl16, ones)));
                     }
                 }
             }
@@ -545,9 +544,8 @@ TD_INLINE TD_Y void avx2_tile(td_dtype_t t, int R, int h0, int H, const unsigned
             __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)s));
             for (int i = 0; i < R; i++) {
                 const unsigned char *ai = a + i * stride;
-                __m256i p = _mm256_add_epi32(_mm256_mullo_epi32(ph[i], _mm256_set1_epi32(WIDE)), pl[i]);
                 __m256 sc = _mm256_mul_ps(dw, _mm256_set1_ps(load_f32(act_e(ai, k) + 4 * b)));
-                acc[x][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), sc, acc[x][i]);
+                acc[x][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[i]), sc, acc[x][i]);
                 if (t == TD_Q4_1) {
                     __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + 2 * ROWS)));
                     macc[x][i] = _mm256_fmadd_ps(mw, _mm256_set1_ps(load_f32(act_c(ai, k) + 4 * b)), macc[x][i]);
@@ -571,10 +569,19 @@ TD_INLINE TD_Y void kernel_avx2(td_dtype_t t, const void *wp, size_t g0, size_t 
         float *yg = y + (g - g0) * ROWS;
         size_t i = 0;
         for (int h = 0; h < 2; h++)
-            for (i = 0; i + 2 <= m; i += 2)
-                avx2_tile(t, 2, h, 1, gq, gs, nb, k, a + i * stride, stride, yg + i * ldy, ldy);
-        if (i < m) /* the odd row (decode: the only one): both halves in one pass */
-            avx2_tile(t, 1, 0, 2, gq, gs, nb, k, a + i * stride, stride, yg + i * ldy, ldy);
+            for (i = 0; i + 4 <= m; i += 4)
+                avx2_tile(t, 4, h, 1, gq, gs, nb, k, a + i * stride, stride, yg + i * ldy, ldy);
+        const unsigned char *ai = a + i * stride;
+        float *yi = yg + i * ldy;
+        switch (m - i) { /* the last rows (decode: all of them), both halves in one pass */
+        case 1: avx2_tile(t, 1, 0, 2, gq, gs, nb, k, ai, stride, yi, ldy); break;
+        case 2: avx2_tile(t, 2, 0, 2, gq, gs, nb, k, ai, stride, yi, ldy); break;
+        case 3:
+            avx2_tile(t, 3, 0, 1, gq, gs, nb, k, ai, stride, yi, ldy);
+            avx2_tile(t, 3, 1, 1, gq, gs, nb, k, ai, stride, yi, ldy);
+            break;
+        default: break;
+        }
     }
 }
 
