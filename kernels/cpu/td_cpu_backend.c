@@ -526,7 +526,7 @@ static td_status_t cpu_weight_pack(td_backend_t *be, const void *w, td_dtype_t d
 {
     td_cpu_t *cpu = td_cpu_of(be);
     *packed_p = NULL;
-    if (cpu->exact || !td_cpu_pack_supports(dtype) || n <= 0 || k <= 0 || k % TD_QK != 0)
+    if (cpu->exact || !td_cpu_pack_supports(dtype) || n <= 0 || k <= 0 || k % td_dtype_block_elems(dtype) != 0)
         return TD_OK;
     void *dst = NULL;
     td_status_t st = cpu_alloc(be, td_cpu_pack_bytes(dtype, (size_t)n, (size_t)k), &dst);

@@ -35,20 +35,39 @@ TD_INLINE size_t quant_bytes(td_dtype_t t)
     return t == TD_Q8_0 ? ROWS * TD_QK : ROWS * TD_QK / 2;
 }
 
-TD_INLINE size_t scale_halves(td_dtype_t t) /* f16 values per block */
+TD_INLINE size_t scale_halves(td_dtype_t t) /* f16 values per block (not Q4_K) */
 {
     return t == TD_Q4_1 ? 2 * ROWS : ROWS;
 }
 
+/* Q4_K's scales, per super-block of a group (the header's layout): 16 f16 d, 16 f16 dmin,
+ * then 8 sub-blocks x 16 rows of 6-bit sc, then of mn */
+#define K_SCALE_BYTES (4 * ROWS + 16 * ROWS)
+#define K_D 0
+#define K_DMIN (2 * ROWS)
+#define K_SC(s) (4 * ROWS + (s) * ROWS)
+#define K_MN(s) (12 * ROWS + (s) * ROWS)
+
+TD_INLINE size_t scale_bytes(td_dtype_t t) /* per 32-weight block of a group */
+{
+    return t == TD_Q4_K ? K_SCALE_BYTES / 8 : 2 * scale_halves(t);
+}
+
+/* Q4_K, Q4_1: an offset term m * (e sum Q) beside the integer sum (c is f32) */
+TD_INLINE bool has_min(td_dtype_t t)
+{
+    return t == TD_Q4_1 || t == TD_Q4_K;
+}
+
 bool td_cpu_pack_supports(td_dtype_t type)
 {
-    return type == TD_Q8_0 || type == TD_Q4_0 || type == TD_Q4_1;
+    return type == TD_Q8_0 || type == TD_Q4_0 || type == TD_Q4_1 || type == TD_Q4_K;
 }
 
 size_t td_cpu_pack_group_bytes(td_dtype_t type, size_t k)
 {
-    TD_ASSERT(td_cpu_pack_supports(type) && k % TD_QK == 0);
-    size_t b = k / TD_QK * (quant_bytes(type) + 2 * scale_halves(type));
+    TD_ASSERT(td_cpu_pack_supports(type) && k % td_dtype_block_elems(type) == 0);
+    size_t b = k / TD_QK * (quant_bytes(type) + scale_bytes(type));
     return (b + 63) & ~(size_t)63;
 }
 
@@ -57,12 +76,55 @@ size_t td_cpu_pack_bytes(td_dtype_t type, size_t n, size_t k)
     return (n + ROWS - 1) / ROWS * td_cpu_pack_group_bytes(type, k);
 }
 
+/* Q4_K: sub-block s of a super-block becomes a 32-weight block laid out as Q4_1's (byte e:
+ * weight e low, weight e + 16 high), its scales kept as stored (f16 d, dmin; 6-bit sc, mn) */
+static void pack_q4_k(void *dst, const void *w, size_t n, size_t k)
+{
+    size_t nb = k / TD_QK, gb = td_cpu_pack_group_bytes(TD_Q4_K, k), qb = quant_bytes(TD_Q4_K);
+    for (size_t j = 0; j < n; j++) {
+        unsigned char *gq = (unsigned char *)dst + j / ROWS * gb;
+        unsigned char *gs = gq + nb * qb;
+        size_t r = j % ROWS;
+        const td_block_q4_k_t *row = (const td_block_q4_k_t *)((const unsigned char *)w + j * td_dtype_bytes(TD_Q4_K, k));
+        for (size_t sb = 0; sb < k / TD_QK_K; sb++) {
+            const td_block_q4_k_t *blk = &row[sb];
+            unsigned char *ks = gs + sb * K_SCALE_BYTES;
+            memcpy(ks + K_D + 2 * r, &blk->d, 2);
+            memcpy(ks + K_DMIN + 2 * r, &blk->dmin, 2);
+            for (int sub = 0; sub < 8; sub++) {
+                const uint8_t *chunk = blk->qs + 32 * (sub / 2);
+                int shift = 4 * (sub % 2);
+                uint8_t qs[TD_QK / 2];
+                for (int e = 0; e < TD_QK / 2; e++)
+                    qs[e] = (uint8_t)(((chunk[e] >> shift) & 15) | ((chunk[e + 16] >> shift) & 15) << 4);
+                unsigned char *q = gq + (sb * 8 + (size_t)sub) * qb;
+                for (int e = 0; e < TD_QK / 2; e++)
+                    q[64 * (e / 4) + 4 * r + e % 4] = qs[e];
+                uint8_t sc, mn;
+                if (sub < 4) {
+                    sc = blk->scales[sub] & 63;
+                    mn = blk->scales[sub + 4] & 63;
+                } else {
+                    sc = (uint8_t)((blk->scales[sub + 4] & 15) | (blk->scales[sub - 4] >> 6) << 4);
+                    mn = (uint8_t)((blk->scales[sub + 4] >> 4) | (blk->scales[sub] >> 6) << 4);
+                }
+                ks[K_SC(sub) + r] = sc;
+                ks[K_MN(sub) + r] = mn;
+            }
+        }
+    }
+}
+
 void td_cpu_pack_weights(void *dst, const void *w, td_dtype_t type, size_t n, size_t k)
 {
     size_t nb = k / TD_QK, gb = td_cpu_pack_group_bytes(type, k), qb = quant_bytes(type);
     size_t sh = scale_halves(type), row_bytes = td_dtype_bytes(type, k);
     /* zero padding rows: quants 0 and scales +0.0 give outputs nobody stores */
     memset(dst, 0, td_cpu_pack_bytes(type, n, k));
+    if (type == TD_Q4_K) {
+        pack_q4_k(dst, w, n, k);
+        return;
+    }
     for (size_t j = 0; j < n; j++) {
         unsigned char *gq = (unsigned char *)dst + j / ROWS * gb;
         unsigned char *gs = gq + nb * qb;
@@ -115,7 +177,7 @@ TD_INLINE void act_store_c(unsigned char *c, td_dtype_t type, float e, int32_t s
 {
     float s = e * (float)sum_q;
     int32_t ci = (type == TD_Q4_0 ? -8 : -128) * sum_q;
-    memcpy(c, type == TD_Q4_1 ? (const void *)&s : (const void *)&ci, 4);
+    memcpy(c, has_min(type) ? (const void *)&s : (const void *)&ci, 4);
 }
 
 /* The scalar quantizer of one block (the reference the SIMD one equals bit for bit):
@@ -301,11 +363,27 @@ TD_INLINE float half_at(const unsigned char *p)
     return td_f16_to_f32(h);
 }
 
+/* A block's weight scale d_w and offset m of row r (Q4_K: d * sc and -(dmin * mn), exact in
+ * f32; Q4_0, Q8_0: m unused) */
+TD_INLINE void row_scales(td_dtype_t t, const unsigned char *gs, size_t b, size_t r, float *d_p, float *m_p)
+{
+    if (t == TD_Q4_K) {
+        const unsigned char *ks = gs + b / 8 * K_SCALE_BYTES;
+        size_t sub = b % 8;
+        *d_p = half_at(ks + K_D + 2 * r) * (float)ks[K_SC(sub) + r];
+        *m_p = -(half_at(ks + K_DMIN + 2 * r) * (float)ks[K_MN(sub) + r]);
+        return;
+    }
+    size_t sh = scale_halves(t);
+    *d_p = half_at(gs + 2 * (b * sh + r));
+    *m_p = t == TD_Q4_1 ? half_at(gs + 2 * (b * sh + ROWS + r)) : 0.0f;
+}
+
 TD_INLINE void kernel_scalar(td_dtype_t t, const void *wp, size_t g0, size_t g1, size_t k,
                              const void *av, size_t m, float *y, size_t ldy)
 {
     size_t nb = k / TD_QK, gb = td_cpu_pack_group_bytes(t, k), qb = quant_bytes(t);
-    size_t sh = scale_halves(t), stride = td_cpu_pack_act_stride(k);
+    size_t stride = td_cpu_pack_act_stride(k);
     for (size_t g = g0; g < g1; g++) {
         const unsigned char *gq = (const unsigned char *)wp + g * gb, *gs = gq + nb * qb;
         for (size_t i = 0; i < m; i++) {
@@ -316,21 +394,21 @@ TD_INLINE void kernel_scalar(td_dtype_t t, const void *wp, size_t g0, size_t g1,
                 float acc = 0.0f, macc = 0.0f;
                 for (size_t b = 0; b < nb; b++) {
                     int32_t p = 0;
-                    if (t != TD_Q4_1)
+                    if (!has_min(t))
                         memcpy(&p, c + 4 * b, 4);
                     for (int e = 0; e < TD_QK; e++)
                         p += unsigned_quant(t, gq + b * qb, r, e) * (WIDE * hi[b * TD_QK + e] + lo[b * TD_QK + e]);
-                    float ea;
+                    float ea, dw, mw;
                     memcpy(&ea, ev + 4 * b, 4);
-                    float s = half_at(gs + 2 * (b * sh + r)) * ea;
-                    acc = fmaf((float)p, s, acc);
-                    if (t == TD_Q4_1) {
+                    row_scales(t, gs, b, r, &dw, &mw);
+                    acc = fmaf((float)p, dw * ea, acc);
+                    if (has_min(t)) {
                         float cf;
                         memcpy(&cf, c + 4 * b, 4);
-                        macc = fmaf(half_at(gs + 2 * (b * sh + ROWS + r)), cf, macc);
+                        macc = fmaf(mw, cf, macc);
                     }
                 }
-                y[i * ldy + (g - g0) * ROWS + r] = t == TD_Q4_1 ? acc + macc : acc;
+                y[i * ldy + (g - g0) * ROWS + r] = has_min(t) ? acc + macc : acc;
             }
         }
     }
@@ -346,9 +424,11 @@ TD_INLINE void kernel_scalar(td_dtype_t t, const void *wp, size_t g0, size_t g1,
 PACK_FN(q8_0_scalar, , kernel_scalar, TD_Q8_0)
 PACK_FN(q4_0_scalar, , kernel_scalar, TD_Q4_0)
 PACK_FN(q4_1_scalar, , kernel_scalar, TD_Q4_1)
+PACK_FN(q4_k_scalar, , kernel_scalar, TD_Q4_K)
 
 static const td_cpu_pack_ops_t ops_scalar = {
-    .name = "scalar", .act_row = act_row_scalar, .q8_0 = q8_0_scalar, .q4_0 = q4_0_scalar, .q4_1 = q4_1_scalar};
+    .name = "scalar", .act_row = act_row_scalar, .q8_0 = q8_0_scalar, .q4_0 = q4_0_scalar, .q4_1 = q4_1_scalar,
+    .q4_k = q4_k_scalar};
 
 #ifdef TD_CPU_PACK_X86
 
@@ -380,7 +460,7 @@ TD_INLINE TD_V void vnni_tile(td_dtype_t t, int R, const unsigned char *gq, cons
                               size_t nb, size_t k, const unsigned char *a, size_t stride, float *y,
                               size_t ldy)
 {
-    const size_t qb = quant_bytes(t), sh = scale_halves(t);
+    const size_t qb = quant_bytes(t);
     const __m512i low4 = _mm512_set1_epi8(0x0F);
     __m512 acc[8], macc[8];
     for (int i = 0; i < R; i++)
@@ -401,10 +481,21 @@ TD_INLINE TD_V void vnni_tile(td_dtype_t t, int R, const unsigned char *gq, cons
                 w[v + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
             }
         }
-        const unsigned char *s = gs + 2 * b * sh;
-        __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)s));
-        __m512 mw = t == TD_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s + 2 * ROWS)))
-                                 : _mm512_setzero_ps();
+        __m512 dw, mw = _mm512_setzero_ps();
+        if (t == TD_Q4_K) { /* d * sc and -(dmin * mn): the scalar kernel's exact products */
+            const unsigned char *ks = gs + b / 8 * K_SCALE_BYTES;
+            __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(ks + K_SC(b % 8)))));
+            __m512 mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(ks + K_MN(b % 8)))));
+            dw = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(ks + K_D))), sc);
+            mw = _mm512_castsi512_ps(_mm512_xor_si512(
+                _mm512_castps_si512(_mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(ks + K_DMIN))), mn)),
+                _mm512_set1_epi32(INT32_MIN)));
+        } else {
+            const unsigned char *s = gs + 2 * b * scale_halves(t);
+            dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)s));
+            if (t == TD_Q4_1)
+                mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s + 2 * ROWS)));
+        }
         /* unrolled, so that acc[] and macc[] stay in registers: as a loop GCC keeps them in
          * memory, a store and a reload per row and block (1B Q4_0 prefill tile 67 -> 80
          * GFLOP/s on one core) */
@@ -414,7 +505,7 @@ TD_INLINE TD_V void vnni_tile(td_dtype_t t, int R, const unsigned char *gq, cons
             const int8_t *hi = act_hi(ai) + b * TD_QK, *lo = act_lo(ai, k) + b * TD_QK;
             /* two chains, hi and lo, joined exactly: WIDE * p_hi + p_lo */
             __m512i ph = _mm512_setzero_si512();
-            __m512i pl = t == TD_Q4_1 ? _mm512_setzero_si512() : _mm512_set1_epi32(load_i32(c));
+            __m512i pl = has_min(t) ? _mm512_setzero_si512() : _mm512_set1_epi32(load_i32(c));
             if (R <= 2) {
                 /* few rows: four chains of four, not two of eight, so that the dot products'
                  * latency does not bound the block (integer sums: the same result) */
@@ -437,12 +528,12 @@ TD_INLINE TD_V void vnni_tile(td_dtype_t t, int R, const unsigned char *gq, cons
             __m512i p0 = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(ph, 8), _mm512_slli_epi32(ph, 1)), pl);
             __m512 sc = _mm512_mul_ps(dw, _mm512_set1_ps(load_f32(act_e(ai, k) + 4 * b)));
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p0), sc, acc[i]);
-            if (t == TD_Q4_1)
+            if (has_min(t))
                 macc[i] = _mm512_fmadd_ps(mw, _mm512_set1_ps(load_f32(c)), macc[i]);
         }
     }
     for (int i = 0; i < R; i++)
-        _mm512_storeu_ps(y + i * ldy, t == TD_Q4_1 ? _mm512_add_ps(acc[i], macc[i]) : acc[i]);
+        _mm512_storeu_ps(y + i * ldy, has_min(t) ? _mm512_add_ps(acc[i], macc[i]) : acc[i]);
 }
 
 TD_INLINE TD_V void kernel_vnni(td_dtype_t t, const void *wp, size_t g0, size_t g1, size_t k,
@@ -474,9 +565,11 @@ TD_INLINE TD_V void kernel_vnni(td_dtype_t t, const void *wp, size_t g0, size_t 
 PACK_FN(q8_0_vnni, TD_V, kernel_vnni, TD_Q8_0)
 PACK_FN(q4_0_vnni, TD_V, kernel_vnni, TD_Q4_0)
 PACK_FN(q4_1_vnni, TD_V, kernel_vnni, TD_Q4_1)
+PACK_FN(q4_k_vnni, TD_V, kernel_vnni, TD_Q4_K)
 
 static const td_cpu_pack_ops_t ops_vnni = {
-    .name = "avx512vnni", .act_row = act_row_avx512, .q8_0 = q8_0_vnni, .q4_0 = q4_0_vnni, .q4_1 = q4_1_vnni};
+    .name = "avx512vnni", .act_row = act_row_avx512, .q8_0 = q8_0_vnni, .q4_0 = q4_0_vnni, .q4_1 = q4_1_vnni,
+    .q4_k = q4_k_vnni};
 
 /* ---- AVX2 -------------------------------------------------------------------------------- */
 
@@ -492,7 +585,7 @@ TD_INLINE TD_Y void avx2_tile(td_dtype_t t, int R, int h0, int H, const unsigned
                               const unsigned char *gs, size_t nb, size_t k, const unsigned char *a,
                               size_t stride, float *y, size_t ldy)
 {
-    const size_t qb = quant_bytes(t), sh = scale_halves(t);
+    const size_t qb = quant_bytes(t);
     const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), wide = _mm256_set1_epi16(WIDE);
     const __m256i bias8 = _mm256_set1_epi8((char)0x80);
     __m256 acc[2][4], macc[2][4];
@@ -540,23 +633,33 @@ TD_INLINE TD_Y void avx2_tile(td_dtype_t t, int R, int h0, int H, const unsigned
                     }
                 }
             }
-            const unsigned char *s = gs + 2 * b * sh + 16 * h;
-            __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)s));
+            __m256 dw, mw = _mm256_setzero_ps();
+            if (t == TD_Q4_K) { /* d * sc and -(dmin * mn) of rows 8h..8h+7: the scalar kernel's exact products */
+                const unsigned char *ks = gs + b / 8 * K_SCALE_BYTES;
+                __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(ks + K_SC(b % 8) + 8 * h))));
+                __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(ks + K_MN(b % 8) + 8 * h))));
+                dw = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ks + K_D + 16 * h))), sc);
+                mw = _mm256_xor_ps(_mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ks + K_DMIN + 16 * h))), mn),
+                                   _mm256_set1_ps(-0.0f));
+            } else {
+                const unsigned char *s = gs + 2 * b * scale_halves(t) + 16 * h;
+                dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)s));
+                if (t == TD_Q4_1)
+                    mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + 2 * ROWS)));
+            }
             for (int i = 0; i < R; i++) {
                 const unsigned char *ai = a + i * stride;
                 __m256 sc = _mm256_mul_ps(dw, _mm256_set1_ps(load_f32(act_e(ai, k) + 4 * b)));
                 acc[x][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[i]), sc, acc[x][i]);
-                if (t == TD_Q4_1) {
-                    __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + 2 * ROWS)));
+                if (has_min(t))
                     macc[x][i] = _mm256_fmadd_ps(mw, _mm256_set1_ps(load_f32(act_c(ai, k) + 4 * b)), macc[x][i]);
-                }
             }
         }
     }
     for (int x = 0; x < H; x++)
         for (int i = 0; i < R; i++)
             _mm256_storeu_ps(y + i * ldy + 8 * (h0 + x),
-                             t == TD_Q4_1 ? _mm256_add_ps(acc[x][i], macc[x][i]) : acc[x][i]);
+                             has_min(t) ? _mm256_add_ps(acc[x][i], macc[x][i]) : acc[x][i]);
 }
 
 TD_INLINE TD_Y void kernel_avx2(td_dtype_t t, const void *wp, size_t g0, size_t g1, size_t k,
@@ -588,9 +691,11 @@ TD_INLINE TD_Y void kernel_avx2(td_dtype_t t, const void *wp, size_t g0, size_t 
 PACK_FN(q8_0_avx2, TD_Y, kernel_avx2, TD_Q8_0)
 PACK_FN(q4_0_avx2, TD_Y, kernel_avx2, TD_Q4_0)
 PACK_FN(q4_1_avx2, TD_Y, kernel_avx2, TD_Q4_1)
+PACK_FN(q4_k_avx2, TD_Y, kernel_avx2, TD_Q4_K)
 
 static const td_cpu_pack_ops_t ops_avx2 = {
-    .name = "avx2", .act_row = act_row_avx2, .q8_0 = q8_0_avx2, .q4_0 = q4_0_avx2, .q4_1 = q4_1_avx2};
+    .name = "avx2", .act_row = act_row_avx2, .q8_0 = q8_0_avx2, .q4_0 = q4_0_avx2, .q4_1 = q4_1_avx2,
+    .q4_k = q4_k_avx2};
 
 #endif /* TD_CPU_PACK_X86 */
 
@@ -614,6 +719,7 @@ td_cpu_pack_fn td_cpu_pack_fn_of(const td_cpu_pack_ops_t *ops, td_dtype_t type)
     case TD_Q8_0: return ops->q8_0;
     case TD_Q4_0: return ops->q4_0;
     case TD_Q4_1: return ops->q4_1;
+    case TD_Q4_K: return ops->q4_k;
     default: break;
     }
     TD_ASSERT(!"td_cpu_pack_fn_of: a type without a packed layout");

@@ -97,7 +97,7 @@ typedef void (*td_cpu_pack_fn)(const void *wp, size_t g0, size_t g1, size_t k, c
 typedef struct td_cpu_pack_ops {
     const char *name; /* "scalar", "avx2", "avx512vnni" */
     td_cpu_pack_act_fn act_row;
-    td_cpu_pack_fn q8_0, q4_0, q4_1;
+    td_cpu_pack_fn q8_0, q4_0, q4_1, q4_k;
 } td_cpu_pack_ops_t;
 
 /* ops->act_row after checking k and type (TD_ASSERT). */

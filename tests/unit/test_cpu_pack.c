@@ -32,7 +32,7 @@
 #include "td_quant.h"
 #include "td_util.h"
 
-static const td_dtype_t types[] = {TD_Q8_0, TD_Q4_0, TD_Q4_1};
+static const td_dtype_t types[] = {TD_Q8_0, TD_Q4_0, TD_Q4_1, TD_Q4_K};
 
 static uint64_t rng_next(uint64_t *s)
 {
@@ -47,17 +47,18 @@ static double rng_unit(uint64_t *s) /* [0, 1) */
     return (double)(rng_next(s) >> 11) * 0x1.0p-53;
 }
 
-/* n rows of k weights: random quants, f16 scales (and Q4_1 mins) of either sign in 2^-8..2^1 */
+/* n rows of k weights: random quants (Q4_K: random 6-bit scales and mins), f16 scales (and
+ * Q4_1's mins, Q4_K's dmin) of either sign in 2^-8..2^1 */
 static void *make_weights(td_dtype_t t, size_t n, size_t k, uint64_t *s)
 {
     size_t bytes = td_dtype_bytes(t, n * k);
     uint8_t *w = malloc(bytes);
     for (size_t i = 0; i < bytes; i++)
         w[i] = (uint8_t)rng_next(s);
-    size_t bb = td_dtype_bytes(t, TD_QK);
-    for (size_t b = 0; b < n * k / TD_QK; b++) {
-        uint16_t *h = (uint16_t *)(w + b * bb); /* d, then Q4_1's m */
-        for (int j = 0; j < (t == TD_Q4_1 ? 2 : 1); j++)
+    size_t be = td_dtype_block_elems(t), bb = td_dtype_bytes(t, be);
+    for (size_t b = 0; b < n * k / be; b++) {
+        uint16_t *h = (uint16_t *)(w + b * bb); /* d, then Q4_1's m or Q4_K's dmin */
+        for (int j = 0; j < (t == TD_Q4_1 || t == TD_Q4_K ? 2 : 1); j++)
             h[j] = (uint16_t)((rng_next(s) & 1) << 15 | (7 + rng_next(s) % 10) << 10 | (rng_next(s) & 1023));
     }
     return w;
@@ -74,14 +75,42 @@ static float *make_x(size_t m, size_t k, uint64_t *s)
     return x;
 }
 
-/* signed quant e of a row-major block (the offset already taken: Q4_1's q is 0..15) */
-static int block_quant(td_dtype_t t, const uint8_t *blk, int e)
+/* signed quant e of a row as stored in GGUF (the offset already taken: Q4_1's and Q4_K's q
+ * are 0..15), read from the GGUF layout, never from the packed one */
+static int row_quant(td_dtype_t t, const uint8_t *row, size_t e)
 {
+    if (t == TD_Q4_K) {
+        const td_block_q4_k_t *blk = (const td_block_q4_k_t *)row + e / TD_QK_K;
+        size_t sub = e % TD_QK_K / TD_QK, j = e % TD_QK;
+        return (blk->qs[32 * (sub / 2) + j] >> (4 * (sub % 2))) & 15;
+    }
+    const uint8_t *blk = row + e / TD_QK * td_dtype_bytes(t, TD_QK);
+    e %= TD_QK;
     if (t == TD_Q8_0)
         return ((const td_block_q8_0_t *)blk)->qs[e];
     const uint8_t *qs = t == TD_Q4_0 ? ((const td_block_q4_0_t *)blk)->qs : ((const td_block_q4_1_t *)blk)->qs;
     int q = e < 16 ? qs[e] & 15 : qs[e - 16] >> 4;
     return t == TD_Q4_0 ? q - 8 : q;
+}
+
+/* 32-block b's weight scale and offset (Q4_1: m; Q4_K: -(dmin * mn); else 0) in double, from
+ * the GGUF layout (td_quant.h's description of Q4_K's 12 scale bytes) */
+static void row_scales(td_dtype_t t, const uint8_t *row, size_t b, double *d_p, double *m_p)
+{
+    if (t == TD_Q4_K) {
+        const td_block_q4_k_t *blk = (const td_block_q4_k_t *)row + b / 8;
+        size_t sub = b % 8;
+        const uint8_t *sc = blk->scales;
+        int scale = sub < 4 ? sc[sub] & 63 : (sc[sub + 4] & 15) | (sc[sub - 4] >> 6) << 4;
+        int min = sub < 4 ? sc[sub + 4] & 63 : (sc[sub + 4] >> 4) | (sc[sub] >> 6) << 4;
+        *d_p = (double)td_f16_to_f32(blk->d) * scale;
+        *m_p = -(double)td_f16_to_f32(blk->dmin) * min;
+        return;
+    }
+    uint16_t h[2];
+    memcpy(h, row + b * td_dtype_bytes(t, TD_QK), sizeof h);
+    *d_p = td_f16_to_f32(h[0]);
+    *m_p = t == TD_Q4_1 ? td_f16_to_f32(h[1]) : 0.0;
 }
 
 /* packed kernel of `ops` over the whole matrix: y[m][n_groups * 16] */
@@ -98,7 +127,7 @@ static float *run(const td_cpu_pack_ops_t *ops, td_dtype_t t, const void *wp, si
 static void check_case(td_dtype_t t, size_t n, size_t k, size_t m, uint64_t seed)
 {
     uint64_t s = seed;
-    size_t nb = k / TD_QK, bb = td_dtype_bytes(t, TD_QK), stride = td_cpu_pack_act_stride(k);
+    size_t nb = k / TD_QK, row_bytes = td_dtype_bytes(t, k), stride = td_cpu_pack_act_stride(k);
     uint8_t *w = make_weights(t, n, k, &s);
     float *x = make_x(m, k, &s), *wf = malloc(n * k * sizeof *wf);
     td_dtype_convert(wf, TD_F32, w, t, n * k);
@@ -119,20 +148,20 @@ static void check_case(td_dtype_t t, size_t n, size_t k, size_t m, uint64_t seed
         for (size_t r = 0; r < n; r++) {
             double ref = 0, mag = 0, exact = 0, mag2 = 0, qerr = 0;
             for (size_t b = 0; b < nb; b++) {
-                const uint8_t *blk = w + (r * nb + b) * bb;
-                uint16_t h[2];
-                memcpy(h, blk, sizeof h);
+                const uint8_t *row = w + r * row_bytes;
+                double dw, mw;
+                row_scales(t, row, b, &dw, &mw);
                 int64_t p = 0;
                 for (int e = 0; e < TD_QK; e++)
-                    p += (int64_t)block_quant(t, blk, e) * qa[b * TD_QK + e];
-                double term = (double)td_f16_to_f32(h[0]) * da[b] * (double)p;
+                    p += (int64_t)row_quant(t, row, b * TD_QK + e) * qa[b * TD_QK + e];
+                double term = dw * da[b] * (double)p;
                 ref += term;
                 mag += fabs(term);
-                if (t == TD_Q4_1) {
+                if (t == TD_Q4_1 || t == TD_Q4_K) {
                     int64_t sq = 0;
                     for (int e = 0; e < TD_QK; e++)
                         sq += qa[b * TD_QK + e];
-                    double mt = (double)td_f16_to_f32(h[1]) * ((double)da[b] * (double)sq);
+                    double mt = mw * ((double)da[b] * (double)sq);
                     ref += mt;
                     mag += fabs(mt);
                 }
@@ -158,13 +187,14 @@ static void check_case(td_dtype_t t, size_t n, size_t k, size_t m, uint64_t seed
 
 Test(cpu_pack, scalar_matches_double_references)
 {
-    static const size_t nk[][2] = {{1, 32}, {16, 64}, {17, 96}, {40, 1056}, {33, 4096}};
+    static const size_t nk[][2] = {{1, 32}, {16, 64}, {17, 96}, {9, 256}, {40, 768}, {40, 1056}, {33, 4096}};
     static const size_t ms[] = {1, 3, 9};
     uint64_t seed = 1;
     for (size_t ti = 0; ti < TD_ARRAY_LEN(types); ti++)
         for (size_t c = 0; c < TD_ARRAY_LEN(nk); c++)
             for (size_t mi = 0; mi < TD_ARRAY_LEN(ms); mi++)
-                check_case(types[ti], nk[c][0], nk[c][1], ms[mi], seed++);
+                if (nk[c][1] % td_dtype_block_elems(types[ti]) == 0)
+                    check_case(types[ti], nk[c][0], nk[c][1], ms[mi], seed++);
 }
 
 /* every table the CPU runs equals scalar bitwise; a group range that starts past 0 writes
@@ -186,6 +216,8 @@ Test(cpu_pack, simd_tables_equal_scalar_bitwise)
             for (size_t c = 0; c < TD_ARRAY_LEN(nk); c++) {
                 td_dtype_t t = types[ti];
                 size_t n = nk[c][0], k = nk[c][1], m = k >= 2048 ? 11 : 19;
+                if (k % td_dtype_block_elems(t) != 0)
+                    continue;
                 size_t stride = td_cpu_pack_act_stride(k), g = (n + 15) / 16, ld = g * 16;
                 uint8_t *w = make_weights(t, n, k, &s);
                 float *x = make_x(m, k, &s);
@@ -254,7 +286,7 @@ Test(cpu_pack, act_row)
                     cr_assert(fabs((double)e * (254 * hi + lo) - x[b * TD_QK + j]) <= 0.51 * e + 1e-30,
                               "block %zu: x %g, e Q %g", b, x[b * TD_QK + j], (double)e * (254 * hi + lo));
             }
-            if (t == TD_Q4_1) {
+            if (t == TD_Q4_1 || t == TD_Q4_K) {
                 float c;
                 memcpy(&c, a + 2 * k + 4 * nb + 4 * b, 4);
                 cr_assert(memcmp(&c, &(float){e * (float)sum}, 4) == 0, "block %zu: c %g", b, c);

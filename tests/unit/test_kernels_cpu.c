@@ -242,7 +242,7 @@ static void *make_blocks(rng_t *r, td_dtype_t t, size_t n)
  * rows quantized the way the path does (each scheme's documented first step) and
  * dequantized; then bias and accumulate. By default the weights are run both as stored
  * (td_cpu_quant: int8 blocks, td_cpu_quant_act_row) and as ops->weight_pack packs them
- * (td_cpu_pack: Q8_0, Q4_0, Q4_1, two-byte blocks, td_cpu_pack_act_row; an exact backend
+ * (td_cpu_pack: Q8_0, Q4_0, Q4_1, Q4_K, two-byte blocks, td_cpu_pack_act_row; an exact backend
  * packs nothing). Relative tolerance 1e-5 covers the f32 sums of k <= 4096 terms.
  */
 enum { ACT_F32, ACT_INT8, ACT_PACKED };
@@ -304,8 +304,8 @@ static void qmatmul_case(td_backend_t *be, bool int8, rng_t *r, int m, int n, in
     check_close(what, y, ref, (size_t)m * n, 1e-5);
     void *wp = NULL;
     cr_assert_eq(be->ops->weight_pack(be, w, wt, n, k, &wp), TD_OK);
-    cr_assert_eq(wp != NULL, int8 && (wt == TD_Q8_0 || wt == TD_Q4_0 || wt == TD_Q4_1), "%s: packed %d", what,
-                 wp != NULL);
+    cr_assert_eq(wp != NULL, int8 && (wt == TD_Q8_0 || wt == TD_Q4_0 || wt == TD_Q4_1 || wt == TD_Q4_K),
+                 "%s: packed %d", what, wp != NULL);
     if (wp) {
         memcpy(y, y_init, (size_t)m * n * 4);
         p.w = wp;
