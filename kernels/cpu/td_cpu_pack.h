@@ -19,6 +19,10 @@
  *               the low nibbles are weights 4v..4v+3, the high ones 16+4v..16+4v+3)
  *   Q8_0:       8 vectors of 64 bytes; vector q byte 4r + j = u(row r, weight 4q + j)
  * Scales of one block: Q4_0, Q8_0: 16 f16 d (row order); Q4_1: 16 f16 d then 16 f16 m.
+ * Q4_K: each 32-weight sub-block is a block of the Q4_1 layout (u = q, 0..15), and the scales
+ * go per super-block of 8 blocks, 320 bytes: 16 f16 d, 16 f16 dmin (row order, as stored),
+ * then for sub-blocks 0..7 the 16 rows' 6-bit sc bytes, then their mn bytes. A block's
+ * d_w = d * sc and m = -(dmin * mn), both exact in f32; from there Q4_K is Q4_1.
  *
  * Activations: each value in two int8 parts. llama.cpp rounds an activation block to one
  * byte (q = round(x / d), d = amax / 127); on SmolLM2 that alone moves greedy answers off
@@ -30,7 +34,7 @@
  * not notice. Rows laid out for broadcasts (td_cpu_pack_act_row):
  *   [k int8 hi][k int8 lo][nb f32 e][nb 32-bit c]   stride td_cpu_pack_act_stride(k)
  * c folds the weights' offset into the integer sum: Q4_0 c = -8 * sum Q, Q8_0 c = -128 *
- * sum Q (int32), so that c + sum u * Q = sum (u - offset) * Q exactly; Q4_1 c = e * sum Q
+ * sum Q (int32), so that c + sum u * Q = sum (u - offset) * Q exactly; Q4_1 and Q4_K c = e * sum Q
  * (f32), the activation side of the offset term m * sum x. A block holding NaN gets e =
  * NaN, one holding an infinity e = inf (its outputs NaN or inf, as an f32 matmul's).
  *
@@ -38,8 +42,8 @@
  * output (activation row i, weight row r), over blocks b in order:
  *   p_b = exact integer sum over the block of (u - offset) Q   (an int32: 254 p_hi + p_lo)
  *   acc = fmaf((float)p_b, d_w(r, b) * e(i, b), acc)            acc starts at +0.0
- *   Q4_1 only: M = fmaf(m(r, b), c(i, b), M)                    (offset 0; M starts at +0.0)
- * y = acc (Q4_1: acc + M). Nothing depends on m, on which rows a call computes or on the
+ *   Q4_1, Q4_K only: M = fmaf(m(r, b), c(i, b), M)              (offset 0; M starts at +0.0)
+ * y = acc (Q4_1, Q4_K: acc + M). Nothing depends on m, on which rows a call computes or on the
  * ISA: a row's output is the same alone, in a decode batch or in a 512-row prefill, so the
  * backend stays batch-invariant (docs/kernels.md).
  *
@@ -61,10 +65,10 @@
 
 #define TD_CPU_PACK_ROWS 16
 
-/* Whether `type` has a packed layout (Q8_0, Q4_0, Q4_1). */
+/* Whether `type` has a packed layout (Q8_0, Q4_0, Q4_1, Q4_K). */
 bool td_cpu_pack_supports(td_dtype_t type);
 
-/* Bytes of one packed group of 16 rows of k weights (k a multiple of 32). */
+/* Bytes of one packed group of 16 rows of k weights (k a multiple of the type's block). */
 size_t td_cpu_pack_group_bytes(td_dtype_t type, size_t k);
 
 /* Bytes of the packed form of a [n][k] matrix: ceil(n / 16) groups. */
@@ -72,7 +76,7 @@ size_t td_cpu_pack_bytes(td_dtype_t type, size_t n, size_t k);
 
 /* Writes the packed form of the row-major [n][k] matrix w (as stored in GGUF) to dst
  * (td_cpu_pack_bytes of it, any alignment; 64 for the kernels' sake). `type` supported,
- * k % 32 == 0 (TD_ASSERT). w is only read. */
+ * k a multiple of its block (TD_ASSERT). w is only read. */
 void td_cpu_pack_weights(void *dst, const void *w, td_dtype_t type, size_t n, size_t k);
 
 /* Bytes of one quantized activation row of k floats (a multiple of 64). */
