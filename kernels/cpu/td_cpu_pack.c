@@ -21,6 +21,8 @@
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+
+#include "td_cpu_simd.h"
 #define TD_CPU_PACK_X86 1
 #endif
 
@@ -208,15 +210,25 @@ static int32_t act_block_scalar(const float *x, int8_t *hi, int8_t *lo, float *e
     return sum;
 }
 
-static void act_row_scalar(const float *x, void *av, td_dtype_t type, size_t k)
+/* One block's quantizer: hi and lo of the 32 floats at x, *e_p its scale; returns sum Q. */
+typedef int32_t (*act_block_fn)(const float *x, int8_t *hi, int8_t *lo, float *e_p);
+
+/* The activation row of the header's layout, block by block (every table's loop: `block`
+ * is a constant, inlined into each table's row function) */
+TD_INLINE void act_row_blocks(act_block_fn block, const float *x, void *av, td_dtype_t type, size_t k)
 {
     unsigned char *a = av;
     for (size_t b = 0; b < k / TD_QK; b++) {
         float e;
-        int32_t sum = act_block_scalar(x + b * TD_QK, (int8_t *)a + b * TD_QK, (int8_t *)a + k + b * TD_QK, &e);
+        int32_t sum = block(x + b * TD_QK, (int8_t *)a + b * TD_QK, (int8_t *)a + k + b * TD_QK, &e);
         memcpy(a + 2 * k + 4 * b, &e, 4);
         act_store_c((unsigned char *)act_c(a, k) + 4 * b, type, e, sum);
     }
+}
+
+static void act_row_scalar(const float *x, void *av, td_dtype_t type, size_t k)
+{
+    act_row_blocks(act_block_scalar, x, av, type, k);
 }
 
 #ifdef TD_CPU_PACK_X86
@@ -260,13 +272,7 @@ static TD_Z int32_t act_block_avx512(const float *x, int8_t *hi, int8_t *lo, flo
 
 static TD_Z void act_row_avx512(const float *x, void *av, td_dtype_t type, size_t k)
 {
-    unsigned char *a = av;
-    for (size_t b = 0; b < k / TD_QK; b++) {
-        float e;
-        int32_t sum = act_block_avx512(x + b * TD_QK, (int8_t *)a + b * TD_QK, (int8_t *)a + k + b * TD_QK, &e);
-        memcpy(a + 2 * k + 4 * b, &e, 4);
-        act_store_c((unsigned char *)act_c(a, k) + 4 * b, type, e, sum);
-    }
+    act_row_blocks(act_block_avx512, x, av, type, k);
 }
 
 #define TD_Y __attribute__((target("avx2,fma,f16c")))
@@ -275,67 +281,31 @@ static TD_Z void act_row_avx512(const float *x, void *av, td_dtype_t type, size_
  * forced to avx2: none 29 tokens/s, 1 KiB 30, 2 KiB 31.8, 4 KiB 32.2, 8 KiB 30.5 */
 #define AVX2_PREFETCH_BYTES 4096
 
-/* round_half_away on 8 lanes */
-TD_INLINE TD_Y __m256 round_half_away8(__m256 v)
-{
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    __m256 t = _mm256_round_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
-    __m256 up = _mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_sub_ps(v, t)), _mm256_set1_ps(0.5f), _CMP_GE_OQ);
-    __m256 one = _mm256_or_ps(_mm256_set1_ps(1.0f), _mm256_and_ps(v, sign));
-    return _mm256_add_ps(t, _mm256_and_ps(up, one));
-}
-
-/* 4 x 8 int32 (each in [-127, 127]) to 32 int8 in order */
-TD_INLINE TD_Y __m256i pack32_i8(const __m256i q[4])
-{
-    __m256i ab = _mm256_packs_epi32(q[0], q[1]), cd = _mm256_packs_epi32(q[2], q[3]);
-    return _mm256_permutevar8x32_epi32(_mm256_packs_epi16(ab, cd), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-}
-
-/* act_block_scalar on AVX2, bit for bit (max_ps returns its second operand for a NaN lane:
- * NaN is ignored in amax and clamped to -127, as the scalar code does) */
+/* act_block_scalar on AVX2, bit for bit (td_cpu_simd's pieces are the scalar C's operations) */
 static TD_Y int32_t act_block_avx2(const float *x, int8_t *hi, int8_t *lo, float *e_p)
 {
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    __m256 xv[4], amax = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
-    for (int j = 0; j < 4; j++) {
-        xv[j] = _mm256_loadu_ps(x + 8 * j);
-        amax = _mm256_max_ps(_mm256_andnot_ps(sign, xv[j]), amax);
-        nan = _mm256_or_ps(nan, _mm256_cmp_ps(xv[j], xv[j], _CMP_UNORD_Q));
-    }
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    float d = _mm_cvtss_f32(m4) / 127.0f;
+    __m256 xv[4];
+    bool nan;
+    float d = td_cpu_simd_amax32(x, xv, &nan) / 127.0f;
     float id = d != 0.0f ? 1.0f / d : 0.0f;
     __m256i qh[4], ql[4], sum = _mm256_setzero_si256();
     for (int j = 0; j < 4; j++) {
-        __m256 v = _mm256_mul_ps(xv[j], _mm256_set1_ps(id));
-        v = _mm256_min_ps(_mm256_max_ps(v, _mm256_set1_ps(-127.0f)), _mm256_set1_ps(127.0f));
-        __m256 h = round_half_away8(v);
-        __m256 l = round_half_away8(_mm256_mul_ps(_mm256_sub_ps(v, h), _mm256_set1_ps((float)WIDE)));
+        __m256 v = td_cpu_simd_clamp127(_mm256_mul_ps(xv[j], _mm256_set1_ps(id)));
+        __m256 h = td_cpu_simd_round_away(v);
+        __m256 l = td_cpu_simd_round_away(_mm256_mul_ps(_mm256_sub_ps(v, h), _mm256_set1_ps((float)WIDE)));
         qh[j] = _mm256_cvtps_epi32(h);
         ql[j] = _mm256_cvtps_epi32(l);
         sum = _mm256_add_epi32(sum, _mm256_add_epi32(_mm256_mullo_epi32(qh[j], _mm256_set1_epi32(WIDE)), ql[j]));
     }
-    _mm256_storeu_si256((__m256i *)hi, pack32_i8(qh));
-    _mm256_storeu_si256((__m256i *)lo, pack32_i8(ql));
-    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
-    *e_p = _mm256_movemask_ps(nan) ? NAN : d / (float)WIDE;
-    return _mm_cvtsi128_si32(s4);
+    _mm256_storeu_si256((__m256i *)hi, td_cpu_simd_pack_i8(qh));
+    _mm256_storeu_si256((__m256i *)lo, td_cpu_simd_pack_i8(ql));
+    *e_p = nan ? NAN : d / (float)WIDE;
+    return td_cpu_simd_hsum_i32(sum);
 }
 
 static TD_Y void act_row_avx2(const float *x, void *av, td_dtype_t type, size_t k)
 {
-    unsigned char *a = av;
-    for (size_t b = 0; b < k / TD_QK; b++) {
-        float e;
-        int32_t sum = act_block_avx2(x + b * TD_QK, (int8_t *)a + b * TD_QK, (int8_t *)a + k + b * TD_QK, &e);
-        memcpy(a + 2 * k + 4 * b, &e, 4);
-        act_store_c((unsigned char *)act_c(a, k) + 4 * b, type, e, sum);
-    }
+    act_row_blocks(act_block_avx2, x, av, type, k);
 }
 #endif
 

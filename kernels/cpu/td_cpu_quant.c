@@ -23,6 +23,8 @@
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+
+#include "td_cpu_simd.h"
 #define TD_CPU_QUANT_X86 1
 #endif
 
@@ -208,37 +210,20 @@ static const td_cpu_quant_ops_t ops_scalar = {
  * truncation plus one away from zero at a remainder >= 1/2, the same integer sum */
 static TD_AVX2 void act_row_avx2(const float *x, td_cpu_q8a_block_t *a, size_t k)
 {
-    const __m256 sign = _mm256_set1_ps(-0.0f);
     for (size_t b = 0; b < k / TD_QK; b++, x += TD_QK) {
-        __m256 xv[4], amax = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
-        for (int j = 0; j < 4; j++) {
-            xv[j] = _mm256_loadu_ps(x + 8 * j);
-            amax = _mm256_max_ps(_mm256_andnot_ps(sign, xv[j]), amax);
-            nan = _mm256_or_ps(nan, _mm256_cmp_ps(xv[j], xv[j], _CMP_UNORD_Q));
-        }
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-        float d = _mm_cvtss_f32(m4) / 127.0f;
+        __m256 xv[4];
+        bool nan;
+        float d = td_cpu_simd_amax32(x, xv, &nan) / 127.0f;
         float id = d != 0.0f ? 1.0f / d : 0.0f;
         __m256i q[4], sum = _mm256_setzero_si256();
         for (int j = 0; j < 4; j++) {
-            __m256 v = _mm256_mul_ps(xv[j], _mm256_set1_ps(id));
-            v = _mm256_min_ps(_mm256_max_ps(v, _mm256_set1_ps(-127.0f)), _mm256_set1_ps(127.0f));
-            __m256 t = _mm256_round_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
-            __m256 up = _mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_sub_ps(v, t)), _mm256_set1_ps(0.5f), _CMP_GE_OQ);
-            __m256 one = _mm256_or_ps(_mm256_set1_ps(1.0f), _mm256_and_ps(v, sign));
-            q[j] = _mm256_cvtps_epi32(_mm256_add_ps(t, _mm256_and_ps(up, one)));
+            __m256 v = td_cpu_simd_clamp127(_mm256_mul_ps(xv[j], _mm256_set1_ps(id)));
+            q[j] = _mm256_cvtps_epi32(td_cpu_simd_round_away(v));
             sum = _mm256_add_epi32(sum, q[j]);
         }
-        __m256i ab = _mm256_packs_epi32(q[0], q[1]), cd = _mm256_packs_epi32(q[2], q[3]);
-        _mm256_storeu_si256((__m256i *)a[b].qs, _mm256_permutevar8x32_epi32(_mm256_packs_epi16(ab, cd),
-                                                                            _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
-        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
-        a[b].d = _mm256_movemask_ps(nan) ? NAN : d;
-        a[b].s = d * (float)_mm_cvtsi128_si32(s4);
+        _mm256_storeu_si256((__m256i *)a[b].qs, td_cpu_simd_pack_i8(q));
+        a[b].d = nan ? NAN : d;
+        a[b].s = d * (float)td_cpu_simd_hsum_i32(sum);
     }
 }
 
