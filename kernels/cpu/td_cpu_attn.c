@@ -104,8 +104,9 @@ typedef struct prefill_job {
  *   tile_scores:     S[r][c] = Q[r] . K[c], 8 FMA lanes over d in order, then one hsum.
  *   tile_accumulate: O[r][d] += S[r][c] * V[c][d] for c in order.
  */
-static void tile_scores(const float *Q, const float *K, float *S, int rows, int cnt, int hd, int ld_s)
+static void tile_scores(const float *Q, const float *K, float *S, int rows, int cnt, int hd, int ld_s, float *tmp)
 {
+    (void)tmp;
     for (int r = 0; r < rows; r++)
         for (int c = 0; c < cnt; c++)
             S[(size_t)r * ld_s + c] = td_cpu_dot(Q + (size_t)r * hd, K + (size_t)c * hd, hd);
@@ -120,8 +121,9 @@ static void tile_accumulate(float *O, const float *S, const float *V, int rows, 
 
 #if TD_CPU_X86
 TD_CPU_AVX2 static void tile_scores_avx2(const float *Q, const float *K, float *S, int rows, int cnt, int hd,
-                                         int ld_s)
+                                         int ld_s, float *tmp)
 {
+    (void)tmp;
     for (int r = 0; r < rows; r++) {
         const float *q = Q + (size_t)r * hd;
         for (int c = 0; c < cnt; c++) {
@@ -193,7 +195,7 @@ static void prefill_task(void *arg, int task, int thread)
     const int32_t *table = meta->block_tables + (size_t)s * meta->max_blocks;
     const int nq = tk->q1 - tk->q0, rows = nq * G;
 
-    /* scratch: Q[rows][hd] O[rows][hd] S[rows][TK] m[rows] l[rows] K[TK][hd] V[TK][hd] */
+    /* scratch: Q[rows][hd] O[rows][hd] S[rows][TK] m[rows] l[rows] K[TK][hd] V[TK][hd] KT[hd][TK16] */
     float *Q = td_cpu_thread_scratch(j->cpu, thread);
     float *O = Q + (size_t)j->TQ * G * hd;
     float *S = O + (size_t)j->TQ * G * hd;
@@ -201,6 +203,7 @@ static void prefill_task(void *arg, int task, int thread)
     float *L = M + (size_t)j->TQ * G;
     float *Kt = L + (size_t)j->TQ * G;
     float *Vt = Kt + (size_t)TK * hd;
+    float *KT = Vt + (size_t)TK * hd; /* [hd][TK rounded up to 16]: K transposed, for AVX-512 */
 
     const float *q = p->q;
     for (int i = 0; i < nq; i++) {
@@ -233,7 +236,7 @@ static void prefill_task(void *arg, int task, int thread)
         }
         gather_kv(ops, kv, table, 0, tk->kvh, kv0 + g0, kv0 + cnt, Kt + (size_t)g0 * hd);
         gather_kv(ops, kv, table, 1, tk->kvh, kv0 + g0, kv0 + cnt, Vt + (size_t)g0 * hd);
-        ops->tile_scores(Q, Kt, S, rows, cnt, hd, TK);
+        ops->tile_scores(Q, Kt, S, rows, cnt, hd, TK, KT);
         for (int r = 0; r < rows; r++) {
             float *sr = S + (size_t)r * TK;
             const int pos = ctx0 + tk->q0 + r / G;
@@ -298,7 +301,8 @@ td_status_t td_cpu_attn_prefill(td_backend_t *be, const td_attn_params_t *p)
     if (n_tasks == 0)
         return TD_OK;
     size_t rows = (size_t)j.TQ * j.G, hd = (size_t)j.kv.hd;
-    size_t per_thread = (rows * hd * 2 + rows * j.TK + rows * 2 + (size_t)j.TK * hd * 2) *
+    size_t per_thread = (rows * hd * 2 + rows * j.TK + rows * 2 + (size_t)j.TK * hd * 2 +
+                         hd * (size_t)TD_DIV_CEIL(j.TK, 16) * 16) *
                         sizeof(float);
     td_status_t st = td_cpu_reserve(cpu, per_thread, n_tasks * sizeof(prefill_task_t));
     if (st != TD_OK)
@@ -442,6 +446,79 @@ static const td_cpu_attn_ops_t attn_avx2 = {
     .block_scores = block_scores_avx2, .block_pv = block_pv_avx2,
     .max = max_avx2, .exp_sum = exp_sum_avx2, .to_f32 = to_f32_avx2,
 };
+
+/* ---- AVX-512: the prefill tile's scores without horizontal sums -------------------------- */
+
+#define TD_AVX512 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl")))
+
+/* R query rows by C blocks of 16 keys: S[r][16 b + l] = sum over d in order of
+ * Q[r][d] * KT[d][16 b + l] (KT: K transposed, ld columns), one FMA chain a score */
+static inline __attribute__((always_inline)) TD_AVX512 void
+scores_block(const float *Q, const float *KT, int ld, float *S, int ld_s, int hd, int R, int C, int c0,
+             __mmask16 last)
+{
+    __m512 acc[4][2];
+    for (int r = 0; r < R; r++)
+        for (int b = 0; b < C; b++)
+            acc[r][b] = _mm512_setzero_ps();
+    for (int d = 0; d < hd; d++) {
+        __m512 k[2];
+        for (int b = 0; b < C; b++)
+            k[b] = _mm512_loadu_ps(KT + (size_t)d * ld + c0 + 16 * b);
+        for (int r = 0; r < R; r++) {
+            __m512 q = _mm512_set1_ps(Q[(size_t)r * hd + d]);
+            for (int b = 0; b < C; b++)
+                acc[r][b] = _mm512_fmadd_ps(q, k[b], acc[r][b]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int b = 0; b < C; b++)
+            _mm512_mask_storeu_ps(S + (size_t)r * ld_s + c0 + 16 * b, b == C - 1 ? last : 0xffff, acc[r][b]);
+}
+
+/* tile_scores with K transposed once per tile into tmp (hd x the keys rounded up to 16,
+ * zero-padded), so that 16 keys' scores are one zmm: 4 rows by 32 keys a pass (8 chains) */
+TD_AVX512 static void tile_scores_avx512(const float *Q, const float *K, float *S, int rows, int cnt, int hd,
+                                         int ld_s, float *tmp)
+{
+    const int ld = TD_DIV_CEIL(cnt, 16) * 16;
+    for (int d = 0; d < hd; d++) {
+        for (int c = 0; c < cnt; c++)
+            tmp[(size_t)d * ld + c] = K[(size_t)c * hd + d];
+        for (int c = cnt; c < ld; c++)
+            tmp[(size_t)d * ld + c] = 0.0f;
+    }
+    const __mmask16 tail = cnt % 16 ? (__mmask16)((1u << (cnt % 16)) - 1) : 0xffff;
+    for (int r = 0; r < rows; r += 4) {
+        const int R = TD_MIN(4, rows - r);
+        const float *q = Q + (size_t)r * hd;
+        float *s = S + (size_t)r * ld_s;
+        int c0 = 0;
+        for (; c0 + 32 <= ld; c0 += 32) {
+            __mmask16 last = c0 + 32 == ld ? tail : 0xffff;
+            switch (R) {
+            case 4: scores_block(q, tmp, ld, s, ld_s, hd, 4, 2, c0, last); break;
+            case 3: scores_block(q, tmp, ld, s, ld_s, hd, 3, 2, c0, last); break;
+            case 2: scores_block(q, tmp, ld, s, ld_s, hd, 2, 2, c0, last); break;
+            default: scores_block(q, tmp, ld, s, ld_s, hd, 1, 2, c0, last); break;
+            }
+        }
+        if (c0 < ld) { /* one block of 16 left */
+            switch (R) {
+            case 4: scores_block(q, tmp, ld, s, ld_s, hd, 4, 1, c0, tail); break;
+            case 3: scores_block(q, tmp, ld, s, ld_s, hd, 3, 1, c0, tail); break;
+            case 2: scores_block(q, tmp, ld, s, ld_s, hd, 2, 1, c0, tail); break;
+            default: scores_block(q, tmp, ld, s, ld_s, hd, 1, 1, c0, tail); break;
+            }
+        }
+    }
+}
+
+static const td_cpu_attn_ops_t attn_avx512 = {
+    .tile_scores = tile_scores_avx512, .tile_accumulate = tile_accumulate_avx2, /* a zmm version measured slower */
+    .block_scores = block_scores_avx2, .block_pv = block_pv_avx2,
+    .max = max_avx2, .exp_sum = exp_sum_avx2, .to_f32 = to_f32_avx2,
+};
 #endif /* TD_CPU_X86 */
 
 static float max_scalar(const float *x, int n)
@@ -469,6 +546,8 @@ const td_cpu_attn_ops_t *td_cpu_attn_ops(td_cpu_isa_t isa)
 {
     TD_ASSERT(td_cpu_isa_runs(isa));
 #if TD_CPU_X86
+    if (isa >= TD_CPU_ISA_AVX512)
+        return &attn_avx512;
     if (isa >= TD_CPU_ISA_AVX2)
         return &attn_avx2;
 #endif

@@ -39,7 +39,8 @@ typedef td_status_t (*td_cpu_fmatmul_fn)(td_cpu_t *cpu, const td_matmul_params_t
 
 /*
  * Attention's inner kernels (td_cpu_attn.c has their callers and the shapes):
- *   tile_scores      S[r][c] = Q[r] . K[c]                 (prefill; S row stride ld_s)
+ *   tile_scores      S[r][c] = Q[r] . K[c]                 (prefill; S row stride ld_s; AVX-512
+ *                    transposes K into its scratch, so 16 keys are one zmm)
  *   tile_accumulate  O[r][d] += sum_c S[r][c] V[c][d]      (prefill)
  *   block_scores     S[g][c] = Qs[g] . K[c]                (decode; K row stride `stride`)
  *   block_pv         acc[g][d] += sum_c S[g][c] V[c][d]   (decode)
@@ -47,7 +48,8 @@ typedef td_status_t (*td_cpu_fmatmul_fn)(td_cpu_t *cpu, const td_matmul_params_t
  *   to_f32           n elements of a KV dtype to f32 (the gathers of f16/bf16 KV)
  */
 typedef struct td_cpu_attn_ops {
-    void (*tile_scores)(const float *Q, const float *K, float *S, int rows, int cnt, int hd, int ld_s);
+    void (*tile_scores)(const float *Q, const float *K, float *S, int rows, int cnt, int hd, int ld_s,
+                        float *tmp); /* tmp: hd x ceil(cnt / 16) * 16 floats of scratch */
     void (*tile_accumulate)(float *O, const float *S, const float *V, int rows, int cnt, int hd, int ld_s);
     void (*block_scores)(const float *Qs, int G, int hd, const float *K, size_t stride, int cnt,
                          float *S, int ldS);
