@@ -538,7 +538,7 @@ static void pack_task(void *arg, int task, int thread)
                         (size_t)(r1 - r0), (size_t)jb->k);
 }
 
-/* Contract (td_backend.h ops->weight_pack): Q8_0, Q4_0, Q4_1 and Q4_K matrices are packed unless
+/* Contract (td_backend.h ops->weight_pack): Q8_0, Q4_0, Q4_1, Q4_K and Q6_K matrices are packed unless
  * the backend computes exactly (f32 activations read the stored rows); others stay. */
 static td_status_t cpu_weight_pack(td_backend_t *be, const void *w, td_dtype_t dtype, int32_t n,
                                    int32_t k, void **packed_p)

@@ -1,9 +1,9 @@
 /*
  * td_cpu_matmul: Y[m][n] = X[m][k] . W[n][k]^T (+ bias) (+ Y), W in f32, f16 or bf16, or
  * block-quantized (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K). By default block W meets X quantized
- * once per call to integers: W that ops->weight_pack repacked at load (Q8_0, Q4_0, Q4_1, Q4_K)
+ * once per call to integers: W that ops->weight_pack repacked at load (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K)
  * goes to td_cpu_pack's VNNI/AVX2 kernels with two-byte activations (pmatmul below), W as
- * stored (Q6_K, or a caller's unpacked matrix) to td_cpu_quant's int8 dots, llama.cpp's
+ * stored (a caller's unpacked matrix) to td_cpu_quant's int8 dots, llama.cpp's
  * scheme (qmatmul). On an exact backend (--device cpu:exact) X stays f32 and the weights are
  * dequantized in registers (qf32_matmul, td_cpu_qf32: exact to f32 rounding, slower: its
  * FMA peak here is below llama.cpp's integer prefill rate). docs/kernels.md has the figures.

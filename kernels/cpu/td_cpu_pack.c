@@ -34,7 +34,7 @@ _Static_assert(WIDE == 256 - 2, "vnni_tile multiplies by WIDE with two shifts");
 /* bytes of one block's quants and scales in a group */
 TD_INLINE size_t quant_bytes(td_dtype_t t)
 {
-    return t == TD_Q8_0 ? ROWS * TD_QK : ROWS * TD_QK / 2;
+    return t == TD_Q8_0 ? ROWS * TD_QK : t == TD_Q6_K ? ROWS * TD_QK * 3 / 4 : ROWS * TD_QK / 2;
 }
 
 TD_INLINE size_t scale_halves(td_dtype_t t) /* f16 values per block (not Q4_K) */
@@ -50,9 +50,14 @@ TD_INLINE size_t scale_halves(td_dtype_t t) /* f16 values per block (not Q4_K) *
 #define K_SC(s) (4 * ROWS + (s) * ROWS)
 #define K_MN(s) (12 * ROWS + (s) * ROWS)
 
+/* Q6_K's scales, per super-block of a group: 16 f16 d, then per block the 16 rows' int8
+ * scale of its first 16 weights, then of its last 16 */
+#define K6_SCALE_BYTES (2 * ROWS + 8 * 2 * ROWS)
+#define K6_SC(b, half) (2 * ROWS + (b) * 2 * ROWS + (half) * ROWS)
+
 TD_INLINE size_t scale_bytes(td_dtype_t t) /* per 32-weight block of a group */
 {
-    return t == TD_Q4_K ? K_SCALE_BYTES / 8 : 2 * scale_halves(t);
+    return t == TD_Q4_K ? K_SCALE_BYTES / 8 : t == TD_Q6_K ? K6_SCALE_BYTES / 8 : 2 * scale_halves(t);
 }
 
 /* Q4_K, Q4_1: an offset term m * (e sum Q) beside the integer sum (c is f32) */
@@ -63,7 +68,7 @@ TD_INLINE bool has_min(td_dtype_t t)
 
 bool td_cpu_pack_supports(td_dtype_t type)
 {
-    return type == TD_Q8_0 || type == TD_Q4_0 || type == TD_Q4_1 || type == TD_Q4_K;
+    return type == TD_Q8_0 || type == TD_Q4_0 || type == TD_Q4_1 || type == TD_Q4_K || type == TD_Q6_K;
 }
 
 size_t td_cpu_pack_group_bytes(td_dtype_t type, size_t k)
@@ -117,6 +122,42 @@ static void pack_q4_k(void *dst, const void *w, size_t n, size_t k)
     }
 }
 
+/* Q6_K: block j of a super-block (32 weights, two 16-weight scales) becomes the Q4 nibble
+ * layout of its low 4 bits (4 vectors) and two vectors of its high 2 bits: vector 4 byte
+ * 4r + i holds weights i, 4 + i, 8 + i, 12 + i at bits 0-1, 2-3, 4-5, 6-7, vector 5 the same
+ * for weights 16 + ... (the header's layout); d and the scales kept as stored */
+static void pack_q6_k(void *dst, const void *w, size_t n, size_t k)
+{
+    size_t nb = k / TD_QK, gb = td_cpu_pack_group_bytes(TD_Q6_K, k), qb = quant_bytes(TD_Q6_K);
+    for (size_t jr = 0; jr < n; jr++) {
+        unsigned char *gq = (unsigned char *)dst + jr / ROWS * gb;
+        unsigned char *gs = gq + nb * qb;
+        size_t r = jr % ROWS;
+        const td_block_q6_k_t *row = (const td_block_q6_k_t *)((const unsigned char *)w + jr * td_dtype_bytes(TD_Q6_K, k));
+        for (size_t sb = 0; sb < k / TD_QK_K; sb++) {
+            const td_block_q6_k_t *blk = &row[sb];
+            unsigned char *ks = gs + sb * K6_SCALE_BYTES;
+            memcpy(ks + 2 * r, &blk->d, 2);
+            for (int j = 0; j < 8; j++) {
+                int h = j / 4, c = j % 4;
+                const uint8_t *ql = blk->ql + 64 * h + 32 * (c % 2), *qh = blk->qh + 32 * h;
+                uint8_t u[TD_QK];
+                for (int l = 0; l < TD_QK; l++)
+                    u[l] = (uint8_t)(((ql[l] >> (4 * (c / 2))) & 15) | ((qh[l] >> (2 * c)) & 3) << 4);
+                unsigned char *q = gq + (sb * 8 + (size_t)j) * qb;
+                for (int i = 0; i < 16; i++) {
+                    int v = i / 4, e = i % 4; /* weights i and 16 + i: vector v, byte 4r + e */
+                    q[64 * v + 4 * r + e] = (unsigned char)((u[i] & 15) | (u[16 + i] & 15) << 4);
+                    q[256 + 4 * r + e] |= (unsigned char)((u[i] >> 4) << (2 * v));
+                    q[320 + 4 * r + e] |= (unsigned char)((u[16 + i] >> 4) << (2 * v));
+                }
+                ks[K6_SC(j, 0) + r] = (unsigned char)blk->scales[2 * j];
+                ks[K6_SC(j, 1) + r] = (unsigned char)blk->scales[2 * j + 1];
+            }
+        }
+    }
+}
+
 void td_cpu_pack_weights(void *dst, const void *w, td_dtype_t type, size_t n, size_t k)
 {
     size_t nb = k / TD_QK, gb = td_cpu_pack_group_bytes(type, k), qb = quant_bytes(type);
@@ -125,6 +166,10 @@ void td_cpu_pack_weights(void *dst, const void *w, td_dtype_t type, size_t n, si
     memset(dst, 0, td_cpu_pack_bytes(type, n, k));
     if (type == TD_Q4_K) {
         pack_q4_k(dst, w, n, k);
+        return;
+    }
+    if (type == TD_Q6_K) {
+        pack_q6_k(dst, w, n, k);
         return;
     }
     for (size_t j = 0; j < n; j++) {
@@ -165,7 +210,7 @@ void td_cpu_pack_weights(void *dst, const void *w, td_dtype_t type, size_t n, si
 
 size_t td_cpu_pack_act_stride(size_t k)
 {
-    return (2 * k + 8 * (k / TD_QK) + 63) & ~(size_t)63;
+    return (2 * k + 12 * (k / TD_QK) + 63) & ~(size_t)63;
 }
 
 /* Where the parts of an activation row of k are (the header's layout) */
@@ -173,19 +218,28 @@ TD_INLINE const int8_t *act_hi(const unsigned char *a) { return (const int8_t *)
 TD_INLINE const int8_t *act_lo(const unsigned char *a, size_t k) { return (const int8_t *)(a + k); }
 TD_INLINE const unsigned char *act_e(const unsigned char *a, size_t k) { return a + 2 * k; }
 TD_INLINE const unsigned char *act_c(const unsigned char *a, size_t k) { return a + 2 * k + 4 * (k / TD_QK); }
+TD_INLINE const unsigned char *act_c2(const unsigned char *a, size_t k) { return a + 2 * k + 8 * (k / TD_QK); }
 
-/* c of a block from its scale e and sum of Q (the header's definition) */
-TD_INLINE void act_store_c(unsigned char *c, td_dtype_t type, float e, int32_t sum_q)
+/* c (and c2) of a block from its scale e and sums of Q, of the whole block and of its first
+ * 16 values (the header's definitions; c2 only Q6_K's, 0 for the others) */
+TD_INLINE void act_store_c(unsigned char *c, unsigned char *c2, td_dtype_t type, float e, int32_t sum_q,
+                           int32_t sum_first)
 {
     float s = e * (float)sum_q;
-    int32_t ci = (type == TD_Q4_0 ? -8 : -128) * sum_q;
+    int32_t ci = (type == TD_Q4_0 ? -8 : -128) * sum_q, c2i = 0;
+    if (type == TD_Q6_K) {
+        ci = -32 * sum_first;
+        c2i = -32 * (sum_q - sum_first);
+    }
     memcpy(c, has_min(type) ? (const void *)&s : (const void *)&ci, 4);
+    memcpy(c2, &c2i, 4);
 }
 
 /* The scalar quantizer of one block (the reference the SIMD one equals bit for bit):
  * d = amax / 127 (amax ignores NaN), v = x * (1 / d) clamped to [-127, 127] (NaN to -127),
- * hi = roundf(v), lo = roundf((v - hi) * 254) (v - hi is exact). Returns sum Q. */
-static int32_t act_block_scalar(const float *x, int8_t *hi, int8_t *lo, float *e_p)
+ * hi = roundf(v), lo = roundf((v - hi) * 254) (v - hi is exact). Returns sum Q, and the sum
+ * of the first 16 in *first_p. */
+static int32_t act_block_scalar(const float *x, int8_t *hi, int8_t *lo, float *e_p, int32_t *first_p)
 {
     float amax = 0.0f;
     bool nan = false;
@@ -205,13 +259,16 @@ static int32_t act_block_scalar(const float *x, int8_t *hi, int8_t *lo, float *e
         hi[i] = (int8_t)h;
         lo[i] = (int8_t)l;
         sum += WIDE * (int32_t)h + (int32_t)l;
+        if (i == TD_QK / 2 - 1)
+            *first_p = sum;
     }
     *e_p = nan ? NAN : d / (float)WIDE;
     return sum;
 }
 
-/* One block's quantizer: hi and lo of the 32 floats at x, *e_p its scale; returns sum Q. */
-typedef int32_t (*act_block_fn)(const float *x, int8_t *hi, int8_t *lo, float *e_p);
+/* One block's quantizer: hi and lo of the 32 floats at x, *e_p its scale; returns sum Q and
+ * the sum of the first 16 Q in *first_p. */
+typedef int32_t (*act_block_fn)(const float *x, int8_t *hi, int8_t *lo, float *e_p, int32_t *first_p);
 
 /* The activation row of the header's layout, block by block (every table's loop: `block`
  * is a constant, inlined into each table's row function) */
@@ -220,9 +277,9 @@ TD_INLINE void act_row_blocks(act_block_fn block, const float *x, void *av, td_d
     unsigned char *a = av;
     for (size_t b = 0; b < k / TD_QK; b++) {
         float e;
-        int32_t sum = block(x + b * TD_QK, (int8_t *)a + b * TD_QK, (int8_t *)a + k + b * TD_QK, &e);
+        int32_t first = 0, sum = block(x + b * TD_QK, (int8_t *)a + b * TD_QK, (int8_t *)a + k + b * TD_QK, &e, &first);
         memcpy(a + 2 * k + 4 * b, &e, 4);
-        act_store_c((unsigned char *)act_c(a, k) + 4 * b, type, e, sum);
+        act_store_c((unsigned char *)act_c(a, k) + 4 * b, (unsigned char *)act_c2(a, k) + 4 * b, type, e, sum, first);
     }
 }
 
@@ -247,7 +304,7 @@ TD_INLINE TD_Z __m512 round_half_away(__m512 v)
 
 /* act_block_scalar on AVX-512, bit for bit (max_ps returns its second operand for a NaN
  * lane, so NaN is ignored in amax and clamped to -127 as the scalar code does) */
-static TD_Z int32_t act_block_avx512(const float *x, int8_t *hi, int8_t *lo, float *e_p)
+static TD_Z int32_t act_block_avx512(const float *x, int8_t *hi, int8_t *lo, float *e_p, int32_t *first_p)
 {
     __m512 x0 = _mm512_loadu_ps(x), x1 = _mm512_loadu_ps(x + 16);
     __m512 amax = _mm512_max_ps(_mm512_abs_ps(x0), _mm512_setzero_ps());
@@ -263,6 +320,8 @@ static TD_Z int32_t act_block_avx512(const float *x, int8_t *hi, int8_t *lo, flo
         __m512 l = round_half_away(_mm512_mul_ps(_mm512_sub_ps(v, h), _mm512_set1_ps((float)WIDE)));
         __m512i qh = _mm512_cvtps_epi32(h), ql = _mm512_cvtps_epi32(l);
         sum = _mm512_add_epi32(sum, _mm512_add_epi32(_mm512_mullo_epi32(qh, _mm512_set1_epi32(WIDE)), ql));
+        if (half == 0)
+            *first_p = _mm512_reduce_add_epi32(sum);
         _mm_storeu_si128((__m128i *)(hi + 16 * half), _mm512_cvtepi32_epi8(qh));
         _mm_storeu_si128((__m128i *)(lo + 16 * half), _mm512_cvtepi32_epi8(ql));
     }
@@ -282,7 +341,7 @@ static TD_Z void act_row_avx512(const float *x, void *av, td_dtype_t type, size_
 #define AVX2_PREFETCH_BYTES 4096
 
 /* act_block_scalar on AVX2, bit for bit (td_cpu_simd's pieces are the scalar C's operations) */
-static TD_Y int32_t act_block_avx2(const float *x, int8_t *hi, int8_t *lo, float *e_p)
+static TD_Y int32_t act_block_avx2(const float *x, int8_t *hi, int8_t *lo, float *e_p, int32_t *first_p)
 {
     __m256 xv[4];
     bool nan;
@@ -296,6 +355,8 @@ static TD_Y int32_t act_block_avx2(const float *x, int8_t *hi, int8_t *lo, float
         qh[j] = _mm256_cvtps_epi32(h);
         ql[j] = _mm256_cvtps_epi32(l);
         sum = _mm256_add_epi32(sum, _mm256_add_epi32(_mm256_mullo_epi32(qh[j], _mm256_set1_epi32(WIDE)), ql[j]));
+        if (j == 1)
+            *first_p = td_cpu_simd_hsum_i32(sum);
     }
     _mm256_storeu_si256((__m256i *)hi, td_cpu_simd_pack_i8(qh));
     _mm256_storeu_si256((__m256i *)lo, td_cpu_simd_pack_i8(ql));
@@ -322,6 +383,11 @@ TD_INLINE int unsigned_quant(td_dtype_t t, const unsigned char *q, size_t r, int
 {
     if (t == TD_Q8_0)
         return q[64 * (e / 4) + 4 * r + e % 4];
+    if (t == TD_Q6_K) {
+        int i = e % 16, lo = q[64 * (i / 4) + 4 * r + i % 4] >> (e < 16 ? 0 : 4) & 15;
+        int hi = q[(e < 16 ? 256 : 320) + 4 * r + i % 4] >> (2 * (i / 4)) & 3;
+        return lo | hi << 4;
+    }
     unsigned char byte = q[64 * ((e % 16) / 4) + 4 * r + e % 4];
     return e < 16 ? byte & 15 : byte >> 4;
 }
@@ -349,6 +415,21 @@ TD_INLINE void row_scales(td_dtype_t t, const unsigned char *gs, size_t b, size_
     *m_p = t == TD_Q4_1 ? half_at(gs + 2 * (b * sh + ROWS + r)) : 0.0f;
 }
 
+/* Q6_K's block: two exact integer halves, each with its own scale (the header's contract) */
+TD_INLINE float q6_k_block_scalar(const unsigned char *gq, const unsigned char *gs, size_t b, size_t r,
+                                  const int8_t *hi, const int8_t *lo, float ea, int32_t c, int32_t c2, float acc)
+{
+    const unsigned char *ks = gs + b / 8 * K6_SCALE_BYTES;
+    float d = half_at(ks + 2 * r);
+    int32_t p[2] = {c, c2};
+    for (int e = 0; e < TD_QK; e++)
+        p[e / 16] += unsigned_quant(TD_Q6_K, gq + b * quant_bytes(TD_Q6_K), r, e) *
+                     (WIDE * hi[b * TD_QK + e] + lo[b * TD_QK + e]);
+    for (int h = 0; h < 2; h++)
+        acc = fmaf((float)p[h], d * (float)(int8_t)ks[K6_SC(b % 8, h) + r] * ea, acc);
+    return acc;
+}
+
 TD_INLINE void kernel_scalar(td_dtype_t t, const void *wp, size_t g0, size_t g1, size_t k,
                              const void *av, size_t m, float *y, size_t ldy)
 {
@@ -363,6 +444,15 @@ TD_INLINE void kernel_scalar(td_dtype_t t, const void *wp, size_t g0, size_t g1,
             for (size_t r = 0; r < ROWS; r++) {
                 float acc = 0.0f, macc = 0.0f;
                 for (size_t b = 0; b < nb; b++) {
+                    if (t == TD_Q6_K) {
+                        float ea;
+                        int32_t cb, c2;
+                        memcpy(&ea, ev + 4 * b, 4);
+                        memcpy(&cb, c + 4 * b, 4);
+                        memcpy(&c2, act_c2(a, k) + 4 * b, 4);
+                        acc = q6_k_block_scalar(gq, gs, b, r, hi, lo, ea, cb, c2, acc);
+                        continue;
+                    }
                     int32_t p = 0;
                     if (!has_min(t))
                         memcpy(&p, c + 4 * b, 4);
@@ -395,10 +485,11 @@ PACK_FN(q8_0_scalar, , kernel_scalar, TD_Q8_0)
 PACK_FN(q4_0_scalar, , kernel_scalar, TD_Q4_0)
 PACK_FN(q4_1_scalar, , kernel_scalar, TD_Q4_1)
 PACK_FN(q4_k_scalar, , kernel_scalar, TD_Q4_K)
+PACK_FN(q6_k_scalar, , kernel_scalar, TD_Q6_K)
 
 static const td_cpu_pack_ops_t ops_scalar = {
     .name = "scalar", .act_row = act_row_scalar, .q8_0 = q8_0_scalar, .q4_0 = q4_0_scalar, .q4_1 = q4_1_scalar,
-    .q4_k = q4_k_scalar};
+    .q4_k = q4_k_scalar, .q6_k = q6_k_scalar};
 
 #ifdef TD_CPU_PACK_X86
 
@@ -506,6 +597,61 @@ TD_INLINE TD_V void vnni_tile(td_dtype_t t, int R, const unsigned char *gq, cons
         _mm512_storeu_ps(y + i * ldy, has_min(t) ? _mm512_add_ps(acc[i], macc[i]) : acc[i]);
 }
 
+/* Q6_K's 2-bit planes: the high bits of the weights of nibble vector v, at bits 4-5 */
+#define Q6_HI_ZMM(hb, v) ((v) == 3 ? _mm512_srli_epi16(hb, 2) : _mm512_slli_epi16(hb, 4 - 2 * (v)))
+
+/* One Q6_K group against R activation rows: the 8 weight vectors of a block made once (u =
+ * low nibble | high bits << 4, 0..63), then per row the two halves' exact integers (c + sum u
+ * Q: c = -32 sum Q of the half) and their two FMAs, half 0 first */
+TD_INLINE TD_V void vnni_tile_q6_k(int R, const unsigned char *gq, const unsigned char *gs, size_t nb, size_t k,
+                                   const unsigned char *a, size_t stride, float *y, size_t ldy)
+{
+    const size_t qb = quant_bytes(TD_Q6_K);
+    const __m512i low4 = _mm512_set1_epi8(0x0F), hi2 = _mm512_set1_epi8(0x30);
+    __m512 acc[8];
+    for (int i = 0; i < R; i++)
+        acc[i] = _mm512_setzero_ps();
+    for (size_t b = 0; b < nb; b++) {
+        const unsigned char *q = gq + b * qb;
+        if (R <= 4)
+            for (size_t off = 0; off < qb; off += 64)
+                _mm_prefetch((const char *)q + PREFETCH_BYTES + off, _MM_HINT_T0);
+        __m512i w[8];
+        const __m512i hb0 = _mm512_loadu_si512(q + 256), hb1 = _mm512_loadu_si512(q + 320);
+#pragma GCC unroll 4
+        for (int v = 0; v < 4; v++) {
+            __m512i raw = _mm512_loadu_si512(q + 64 * v);
+            w[v] = _mm512_or_si512(_mm512_and_si512(raw, low4), _mm512_and_si512(Q6_HI_ZMM(hb0, v), hi2));
+            w[v + 4] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(raw, 4), low4),
+                                       _mm512_and_si512(Q6_HI_ZMM(hb1, v), hi2));
+        }
+        const unsigned char *ks = gs + b / 8 * K6_SCALE_BYTES;
+        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)ks));
+        __m512 dw[2];
+        for (int h = 0; h < 2; h++)
+            dw[h] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                         _mm_loadu_si128((const __m128i *)(ks + K6_SC(b % 8, h))))));
+#pragma GCC unroll 8
+        for (int i = 0; i < R; i++) {
+            const unsigned char *ai = a + i * stride;
+            const int8_t *hi = act_hi(ai) + b * TD_QK, *lo = act_lo(ai, k) + b * TD_QK;
+            __m512 e = _mm512_set1_ps(load_f32(act_e(ai, k) + 4 * b));
+            for (int h = 0; h < 2; h++) {
+                __m512i ph = _mm512_setzero_si512();
+                __m512i pl = _mm512_set1_epi32(load_i32((h ? act_c2(ai, k) : act_c(ai, k)) + 4 * b));
+                for (int v = 0; v < 4; v++) {
+                    ph = _mm512_dpbusd_epi32(ph, w[4 * h + v], _mm512_set1_epi32(load_i32(hi + 16 * h + 4 * v)));
+                    pl = _mm512_dpbusd_epi32(pl, w[4 * h + v], _mm512_set1_epi32(load_i32(lo + 16 * h + 4 * v)));
+                }
+                __m512i p = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(ph, 8), _mm512_slli_epi32(ph, 1)), pl);
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(dw[h], e), acc[i]);
+            }
+        }
+    }
+    for (int i = 0; i < R; i++)
+        _mm512_storeu_ps(y + i * ldy, acc[i]);
+}
+
 TD_INLINE TD_V void kernel_vnni(td_dtype_t t, const void *wp, size_t g0, size_t g1, size_t k,
                                 const void *av, size_t m, float *y, size_t ldy)
 {
@@ -514,21 +660,25 @@ TD_INLINE TD_V void kernel_vnni(td_dtype_t t, const void *wp, size_t g0, size_t 
     for (size_t g = g0; g < g1; g++) {
         const unsigned char *gq = (const unsigned char *)wp + g * gb, *gs = gq + nb * quant_bytes(t);
         float *yg = y + (g - g0) * ROWS;
+#define VNNI_TILE(R, ai, yi)                                                                    \
+    (t == TD_Q6_K ? vnni_tile_q6_k(R, gq, gs, nb, k, ai, stride, yi, ldy)                       \
+                  : vnni_tile(t, R, gq, gs, nb, k, ai, stride, yi, ldy))
         size_t i = 0;
         for (; i + 8 <= m; i += 8)
-            vnni_tile(t, 8, gq, gs, nb, k, a + i * stride, stride, yg + i * ldy, ldy);
+            VNNI_TILE(8, a + i * stride, yg + i * ldy);
         const unsigned char *ai = a + i * stride;
         float *yi = yg + i * ldy;
         switch (m - i) {
-        case 1: vnni_tile(t, 1, gq, gs, nb, k, ai, stride, yi, ldy); break;
-        case 2: vnni_tile(t, 2, gq, gs, nb, k, ai, stride, yi, ldy); break;
-        case 3: vnni_tile(t, 3, gq, gs, nb, k, ai, stride, yi, ldy); break;
-        case 4: vnni_tile(t, 4, gq, gs, nb, k, ai, stride, yi, ldy); break;
-        case 5: vnni_tile(t, 5, gq, gs, nb, k, ai, stride, yi, ldy); break;
-        case 6: vnni_tile(t, 6, gq, gs, nb, k, ai, stride, yi, ldy); break;
-        case 7: vnni_tile(t, 7, gq, gs, nb, k, ai, stride, yi, ldy); break;
+        case 1: VNNI_TILE(1, ai, yi); break;
+        case 2: VNNI_TILE(2, ai, yi); break;
+        case 3: VNNI_TILE(3, ai, yi); break;
+        case 4: VNNI_TILE(4, ai, yi); break;
+        case 5: VNNI_TILE(5, ai, yi); break;
+        case 6: VNNI_TILE(6, ai, yi); break;
+        case 7: VNNI_TILE(7, ai, yi); break;
         default: break;
         }
+#undef VNNI_TILE
     }
 }
 
@@ -536,10 +686,11 @@ PACK_FN(q8_0_vnni, TD_V, kernel_vnni, TD_Q8_0)
 PACK_FN(q4_0_vnni, TD_V, kernel_vnni, TD_Q4_0)
 PACK_FN(q4_1_vnni, TD_V, kernel_vnni, TD_Q4_1)
 PACK_FN(q4_k_vnni, TD_V, kernel_vnni, TD_Q4_K)
+PACK_FN(q6_k_vnni, TD_V, kernel_vnni, TD_Q6_K)
 
 static const td_cpu_pack_ops_t ops_vnni = {
     .name = "avx512vnni", .act_row = act_row_avx512, .q8_0 = q8_0_vnni, .q4_0 = q4_0_vnni, .q4_1 = q4_1_vnni,
-    .q4_k = q4_k_vnni};
+    .q4_k = q4_k_vnni, .q6_k = q6_k_vnni};
 
 /* ---- AVX2 -------------------------------------------------------------------------------- */
 
@@ -632,6 +783,68 @@ TD_INLINE TD_Y void avx2_tile(td_dtype_t t, int R, int h0, int H, const unsigned
                              has_min(t) ? _mm256_add_ps(acc[x][i], macc[x][i]) : acc[x][i]);
 }
 
+#define Q6_HI_YMM(hb, v) ((v) == 3 ? _mm256_srli_epi16(hb, 2) : _mm256_slli_epi16(hb, 4 - 2 * (v)))
+
+/* vnni_tile_q6_k's sums on AVX2 for halves [h0, h0 + H) of a group (8 rows each) by R rows,
+ * R * H <= 4: maddubs (u <= 63: pairs within int16) + madd, hi widened by 254 */
+TD_INLINE TD_Y void avx2_tile_q6_k(int R, int h0, int H, const unsigned char *gq, const unsigned char *gs,
+                                   size_t nb, size_t k, const unsigned char *a, size_t stride, float *y, size_t ldy)
+{
+    const size_t qb = quant_bytes(TD_Q6_K);
+    const __m256i low4 = _mm256_set1_epi8(0x0F), hi2 = _mm256_set1_epi8(0x30);
+    const __m256i ones = _mm256_set1_epi16(1), wide = _mm256_set1_epi16(WIDE);
+    __m256 acc[2][4];
+    for (int x = 0; x < H; x++)
+        for (int i = 0; i < R; i++)
+            acc[x][i] = _mm256_setzero_ps();
+    for (size_t b = 0; b < nb; b++) {
+        if (H == 2)
+            for (size_t o = 0; o < qb; o += 64)
+                _mm_prefetch((const char *)gq + b * qb + o + AVX2_PREFETCH_BYTES, _MM_HINT_T0);
+        const unsigned char *ks = gs + b / 8 * K6_SCALE_BYTES;
+        for (int x = 0; x < H; x++) {
+            const int hr = h0 + x; /* rows 8 hr .. 8 hr + 7 */
+            const unsigned char *q = gq + b * qb + 32 * hr;
+            const __m256i hb0 = _mm256_loadu_si256((const __m256i *)(q + 256));
+            const __m256i hb1 = _mm256_loadu_si256((const __m256i *)(q + 320));
+            __m256i p[2][4];
+            for (int i = 0; i < R; i++)
+                for (int h = 0; h < 2; h++)
+                    p[h][i] = _mm256_set1_epi32(load_i32((h ? act_c2(a + i * stride, k) : act_c(a + i * stride, k)) + 4 * b));
+#pragma GCC unroll 4
+            for (int v = 0; v < 4; v++) {
+                __m256i raw = _mm256_loadu_si256((const __m256i *)(q + 64 * v));
+                __m256i wv[2] = {_mm256_or_si256(_mm256_and_si256(raw, low4), _mm256_and_si256(Q6_HI_YMM(hb0, v), hi2)),
+                                 _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low4),
+                                                 _mm256_and_si256(Q6_HI_YMM(hb1, v), hi2))};
+                for (int i = 0; i < R; i++) {
+                    const unsigned char *ai = a + i * stride;
+                    const int8_t *hi = act_hi(ai) + b * TD_QK, *lo = act_lo(ai, k) + b * TD_QK;
+                    for (int h = 0; h < 2; h++) {
+                        __m256i sh = _mm256_maddubs_epi16(wv[h], _mm256_set1_epi32(load_i32(hi + 16 * h + 4 * v)));
+                        __m256i sl = _mm256_maddubs_epi16(wv[h], _mm256_set1_epi32(load_i32(lo + 16 * h + 4 * v)));
+                        p[h][i] = _mm256_add_epi32(p[h][i], _mm256_add_epi32(_mm256_madd_epi16(sh, wide),
+                                                                             _mm256_madd_epi16(sl, ones)));
+                    }
+                }
+            }
+            __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ks + 16 * hr)));
+            __m256 dw[2];
+            for (int h = 0; h < 2; h++)
+                dw[h] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                             _mm_loadl_epi64((const __m128i *)(ks + K6_SC(b % 8, h) + 8 * hr)))));
+            for (int i = 0; i < R; i++) {
+                __m256 e = _mm256_set1_ps(load_f32(act_e(a + i * stride, k) + 4 * b));
+                for (int h = 0; h < 2; h++)
+                    acc[x][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[h][i]), _mm256_mul_ps(dw[h], e), acc[x][i]);
+            }
+        }
+    }
+    for (int x = 0; x < H; x++)
+        for (int i = 0; i < R; i++)
+            _mm256_storeu_ps(y + i * ldy + 8 * (h0 + x), acc[x][i]);
+}
+
 TD_INLINE TD_Y void kernel_avx2(td_dtype_t t, const void *wp, size_t g0, size_t g1, size_t k,
                                 const void *av, size_t m, float *y, size_t ldy)
 {
@@ -641,6 +854,14 @@ TD_INLINE TD_Y void kernel_avx2(td_dtype_t t, const void *wp, size_t g0, size_t 
         const unsigned char *gq = (const unsigned char *)wp + g * gb, *gs = gq + nb * quant_bytes(t);
         float *yg = y + (g - g0) * ROWS;
         size_t i = 0;
+        if (t == TD_Q6_K) { /* twice the accumulators a row: tiles of 2 rows, the odd one alone */
+            for (int h = 0; h < 2; h++)
+                for (i = 0; i + 2 <= m; i += 2)
+                    avx2_tile_q6_k(2, h, 1, gq, gs, nb, k, a + i * stride, stride, yg + i * ldy, ldy);
+            if (i < m)
+                avx2_tile_q6_k(1, 0, 2, gq, gs, nb, k, a + i * stride, stride, yg + i * ldy, ldy);
+            continue;
+        }
         for (int h = 0; h < 2; h++)
             for (i = 0; i + 4 <= m; i += 4)
                 avx2_tile(t, 4, h, 1, gq, gs, nb, k, a + i * stride, stride, yg + i * ldy, ldy);
@@ -662,10 +883,11 @@ PACK_FN(q8_0_avx2, TD_Y, kernel_avx2, TD_Q8_0)
 PACK_FN(q4_0_avx2, TD_Y, kernel_avx2, TD_Q4_0)
 PACK_FN(q4_1_avx2, TD_Y, kernel_avx2, TD_Q4_1)
 PACK_FN(q4_k_avx2, TD_Y, kernel_avx2, TD_Q4_K)
+PACK_FN(q6_k_avx2, TD_Y, kernel_avx2, TD_Q6_K)
 
 static const td_cpu_pack_ops_t ops_avx2 = {
     .name = "avx2", .act_row = act_row_avx2, .q8_0 = q8_0_avx2, .q4_0 = q4_0_avx2, .q4_1 = q4_1_avx2,
-    .q4_k = q4_k_avx2};
+    .q4_k = q4_k_avx2, .q6_k = q6_k_avx2};
 
 #endif /* TD_CPU_PACK_X86 */
 
@@ -690,6 +912,7 @@ td_cpu_pack_fn td_cpu_pack_fn_of(const td_cpu_pack_ops_t *ops, td_dtype_t type)
     case TD_Q4_0: return ops->q4_0;
     case TD_Q4_1: return ops->q4_1;
     case TD_Q4_K: return ops->q4_k;
+    case TD_Q6_K: return ops->q6_k;
     default: break;
     }
     TD_ASSERT(!"td_cpu_pack_fn_of: a type without a packed layout");

@@ -23,6 +23,7 @@
  */
 #include <criterion/criterion.h>
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -32,7 +33,7 @@
 #include "td_quant.h"
 #include "td_util.h"
 
-static const td_dtype_t types[] = {TD_Q8_0, TD_Q4_0, TD_Q4_1, TD_Q4_K};
+static const td_dtype_t types[] = {TD_Q8_0, TD_Q4_0, TD_Q4_1, TD_Q4_K, TD_Q6_K};
 
 static uint64_t rng_next(uint64_t *s)
 {
@@ -57,7 +58,8 @@ static void *make_weights(td_dtype_t t, size_t n, size_t k, uint64_t *s)
         w[i] = (uint8_t)rng_next(s);
     size_t be = td_dtype_block_elems(t), bb = td_dtype_bytes(t, be);
     for (size_t b = 0; b < n * k / be; b++) {
-        uint16_t *h = (uint16_t *)(w + b * bb); /* d, then Q4_1's m or Q4_K's dmin */
+        /* d, then Q4_1's m or Q4_K's dmin; Q6_K's d ends its block */
+        uint16_t *h = (uint16_t *)(w + b * bb + (t == TD_Q6_K ? offsetof(td_block_q6_k_t, d) : 0));
         for (int j = 0; j < (t == TD_Q4_1 || t == TD_Q4_K ? 2 : 1); j++)
             h[j] = (uint16_t)((rng_next(s) & 1) << 15 | (7 + rng_next(s) % 10) << 10 | (rng_next(s) & 1023));
     }
@@ -79,6 +81,13 @@ static float *make_x(size_t m, size_t k, uint64_t *s)
  * are 0..15), read from the GGUF layout, never from the packed one */
 static int row_quant(td_dtype_t t, const uint8_t *row, size_t e)
 {
+    if (t == TD_Q6_K) { /* td_quant.h's description of Q6_K's planes */
+        const td_block_q6_k_t *blk = (const td_block_q6_k_t *)row + e / TD_QK_K;
+        size_t w = e % TD_QK_K, h = w / 128, l = w % 32, quarter = w % 128 / 32;
+        int lo = (blk->ql[64 * h + l + 32 * (quarter % 2)] >> (4 * (quarter / 2))) & 15;
+        int hi = (blk->qh[32 * h + l] >> (2 * quarter)) & 3;
+        return (lo | hi << 4) - 32;
+    }
     if (t == TD_Q4_K) {
         const td_block_q4_k_t *blk = (const td_block_q4_k_t *)row + e / TD_QK_K;
         size_t sub = e % TD_QK_K / TD_QK, j = e % TD_QK;
@@ -93,10 +102,17 @@ static int row_quant(td_dtype_t t, const uint8_t *row, size_t e)
     return t == TD_Q4_0 ? q - 8 : q;
 }
 
-/* 32-block b's weight scale and offset (Q4_1: m; Q4_K: -(dmin * mn); else 0) in double, from
- * the GGUF layout (td_quant.h's description of Q4_K's 12 scale bytes) */
-static void row_scales(td_dtype_t t, const uint8_t *row, size_t b, double *d_p, double *m_p)
+/* 32-block b's weight scale of its half `half` (16 weights; only Q6_K's halves differ) and
+ * offset (Q4_1: m; Q4_K: -(dmin * mn); else 0) in double, from the GGUF layout (td_quant.h's
+ * description of Q4_K's 12 scale bytes) */
+static void row_scales(td_dtype_t t, const uint8_t *row, size_t b, int half, double *d_p, double *m_p)
 {
+    if (t == TD_Q6_K) {
+        const td_block_q6_k_t *blk = (const td_block_q6_k_t *)row + b / 8;
+        *d_p = (double)td_f16_to_f32(blk->d) * blk->scales[2 * (b % 8) + (size_t)half];
+        *m_p = 0.0;
+        return;
+    }
     if (t == TD_Q4_K) {
         const td_block_q4_k_t *blk = (const td_block_q4_k_t *)row + b / 8;
         size_t sub = b % 8;
@@ -150,13 +166,15 @@ static void check_case(td_dtype_t t, size_t n, size_t k, size_t m, uint64_t seed
             for (size_t b = 0; b < nb; b++) {
                 const uint8_t *row = w + r * row_bytes;
                 double dw, mw;
-                row_scales(t, row, b, &dw, &mw);
-                int64_t p = 0;
-                for (int e = 0; e < TD_QK; e++)
-                    p += (int64_t)row_quant(t, row, b * TD_QK + e) * qa[b * TD_QK + e];
-                double term = dw * da[b] * (double)p;
-                ref += term;
-                mag += fabs(term);
+                for (int half = 0; half < 2; half++) { /* Q6_K's halves have scales of their own */
+                    row_scales(t, row, b, half, &dw, &mw);
+                    int64_t p = 0;
+                    for (int e = 16 * half; e < 16 * half + 16; e++)
+                        p += (int64_t)row_quant(t, row, b * TD_QK + e) * qa[b * TD_QK + e];
+                    double term = dw * da[b] * (double)p;
+                    ref += term;
+                    mag += fabs(term);
+                }
                 if (t == TD_Q4_1 || t == TD_Q4_K) {
                     int64_t sq = 0;
                     for (int e = 0; e < TD_QK; e++)
@@ -275,11 +293,13 @@ Test(cpu_pack, act_row)
                 cr_assert(isnan(e), "a block with NaN: e %g", e);
             else if (b == 3 || b == 5)
                 cr_assert(isinf(e), "a block with an infinity: e %g", e);
-            int32_t sum = 0;
+            int32_t sum = 0, first = 0;
             for (int j = 0; j < TD_QK; j++) {
                 int hi = ((const int8_t *)a)[b * TD_QK + j], lo = ((const int8_t *)a)[k + b * TD_QK + j];
                 cr_assert(hi >= -127 && hi <= 127 && lo >= -127 && lo <= 127);
                 sum += 254 * hi + lo;
+                if (j == TD_QK / 2 - 1)
+                    first = sum;
                 if (b == 1)
                     cr_assert_eq(hi, (int)roundf(x[TD_QK + j]), "halfway %g: hi %d", x[TD_QK + j], hi);
                 if (isfinite(e))
@@ -290,6 +310,11 @@ Test(cpu_pack, act_row)
                 float c;
                 memcpy(&c, a + 2 * k + 4 * nb + 4 * b, 4);
                 cr_assert(memcmp(&c, &(float){e * (float)sum}, 4) == 0, "block %zu: c %g", b, c);
+            } else if (t == TD_Q6_K) { /* c and c2: the offset 32 times each half's sum of Q */
+                int32_t c[2];
+                memcpy(&c[0], a + 2 * k + 4 * nb + 4 * b, 4);
+                memcpy(&c[1], a + 2 * k + 8 * nb + 4 * b, 4);
+                cr_assert(c[0] == -32 * first && c[1] == -32 * (sum - first), "block %zu: c %d %d", b, c[0], c[1]);
             } else {
                 int32_t c;
                 memcpy(&c, a + 2 * k + 4 * nb + 4 * b, 4);
@@ -299,7 +324,7 @@ Test(cpu_pack, act_row)
         for (int isa = TD_CPU_ISA_AVX2; isa <= (int)td_cpu_isa_best(); isa++) {
             const td_cpu_pack_ops_t *ops = td_cpu_pack_ops((td_cpu_isa_t)isa);
             td_cpu_pack_act_row(ops, x, b2, t, k);
-            cr_assert_eq(memcmp(a, b2, 2 * k + 8 * nb), 0, "%s: the activation row differs from scalar", ops->name);
+            cr_assert_eq(memcmp(a, b2, 2 * k + 12 * nb), 0, "%s: the activation row differs from scalar", ops->name);
         }
     }
     free(x), free(a), free(b2);
