@@ -89,8 +89,7 @@ void td_quant_dequantize_q5_1(const void *src, float *dst, size_t n)
     }
 }
 
-/* Sub-block s's 6-bit scale and min from a Q4_K block's 12 packed bytes (td_quant.h). */
-static void q4_k_scale_min(const uint8_t scales[12], int s, int *sc, int *mn)
+void td_quant_q4_k_scale_min(const uint8_t scales[12], int s, int *sc, int *mn)
 {
     if (s < 4) {
         *sc = scales[s] & 63;
@@ -111,9 +110,9 @@ void td_quant_dequantize_q4_k(const void *src, float *dst, size_t n)
         for (int c = 0; c < 4; c++) { /* chunk c: sub-blocks 2c (low) and 2c + 1 (high) */
             const uint8_t *q = b[i].qs + 32 * c;
             int sc, mn;
-            q4_k_scale_min(b[i].scales, 2 * c, &sc, &mn);
+            td_quant_q4_k_scale_min(b[i].scales, 2 * c, &sc, &mn);
             float d_lo = d * (float)sc, m_lo = dmin * (float)mn;
-            q4_k_scale_min(b[i].scales, 2 * c + 1, &sc, &mn);
+            td_quant_q4_k_scale_min(b[i].scales, 2 * c + 1, &sc, &mn);
             float d_hi = d * (float)sc, m_hi = dmin * (float)mn;
             for (int l = 0; l < 32; l++) {
                 dst[l] = d_lo * (float)(q[l] & 0x0f) - m_lo;
@@ -122,6 +121,16 @@ void td_quant_dequantize_q4_k(const void *src, float *dst, size_t n)
             dst += 64;
         }
     }
+}
+
+void td_quant_q6_k_piece(const td_block_q6_k_t *b, int j, uint8_t q[32])
+{
+    /* piece j = 4h + c: half h, low nibbles of ql[64h + 32 (c % 2) + l] (c < 2) or high ones,
+       bits 2c, 2c + 1 of qh[32h + l] */
+    int h = j / 4, c = j % 4;
+    const uint8_t *ql = b->ql + 64 * h + 32 * (c % 2), *qh = b->qh + 32 * h;
+    for (int l = 0; l < 32; l++)
+        q[l] = (uint8_t)(((ql[l] >> (4 * (c / 2))) & 15) | ((qh[l] >> (2 * c)) & 3) << 4);
 }
 
 void td_quant_dequantize_q6_k(const void *src, float *dst, size_t n)

@@ -150,6 +150,14 @@ void td_quant_dequantize_q5_1(const void *src, float *dst, size_t n);
 void td_quant_dequantize_q4_k(const void *src, float *dst, size_t n);
 void td_quant_dequantize_q6_k(const void *src, float *dst, size_t n);
 
+/* Q4_K sub-block s's (0..7) 6-bit scale and min from a block's 12 packed scale bytes (the
+ * layout above): what every reader of Q4_K blocks (dequantizer, dots, packing) calls. */
+void td_quant_q4_k_scale_min(const uint8_t scales[12], int s, int *sc, int *mn);
+
+/* The unsigned quants q (0..63, the value is d * scale * (q - 32)) of Q6_K weights
+ * 32 j .. 32 j + 31 (j in 0..7) of block b, from its ql/qh planes (the layout above). */
+void td_quant_q6_k_piece(const td_block_q6_k_t *b, int j, uint8_t q[32]);
+
 /*
  * Reference quantizers, byte-identical to ggml's quantize_row_q8_0_ref / q4_0_ref (and
  * gguf-py's quantize): n floats (a multiple of 32; TD_ASSERT) to n / 32 blocks at dst.

@@ -345,10 +345,8 @@ static void block_pv(float *acc, size_t ld_acc, const float *S, int ldS, int G, 
 }
 
 #if TD_CPU_X86
-#define TD_AVX2_INLINE TD_CPU_AVX2 static inline __attribute__((always_inline))
-
 /* [sum(a0), sum(a1), ..., sum(a7)]: eight horizontal sums for the price of about two */
-TD_AVX2_INLINE __m256 hsum8x8(const __m256 a[8])
+TD_CPU_AVX2_INLINE __m256 hsum8x8(const __m256 a[8])
 {
     __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
     __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
@@ -357,7 +355,7 @@ TD_AVX2_INLINE __m256 hsum8x8(const __m256 a[8])
 }
 
 /* acc[0 .. 8W) += sum_c S[c] * V[c][0 .. 8W), accumulator kept in registers */
-TD_AVX2_INLINE void pv_chunk(float *acc, const float *S, const float *V, size_t stride, int cnt, int W)
+TD_CPU_AVX2_INLINE void pv_chunk(float *acc, const float *S, const float *V, size_t stride, int cnt, int W)
 {
     __m256 r[8];
     for (int u = 0; u < W; u++)

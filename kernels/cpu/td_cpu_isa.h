@@ -12,6 +12,15 @@
 
 #include "td_status.h"
 
+#if defined(__x86_64__) || defined(__i386__)
+#define TD_CPU_X86 1
+/* what every AVX2 kernel is compiled for (TD_CPU_ISA_AVX2), and its inlined helpers */
+#define TD_CPU_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define TD_CPU_AVX2_INLINE TD_CPU_AVX2 static inline __attribute__((always_inline))
+#else
+#define TD_CPU_X86 0
+#endif
+
 typedef enum td_cpu_isa {
     TD_CPU_ISA_SCALAR,      /* plain C: the reference, and any CPU */
     TD_CPU_ISA_AVX2,        /* AVX2, FMA and F16C */

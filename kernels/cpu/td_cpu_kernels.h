@@ -24,14 +24,6 @@
 #include "td_cpu_qf32.h"
 #include "td_cpu_quant.h"
 
-#if defined(__x86_64__) || defined(__i386__)
-#define TD_CPU_X86 1
-/* what every AVX2 kernel is compiled for (TD_CPU_ISA_AVX2) */
-#define TD_CPU_AVX2 __attribute__((target("avx2,fma,f16c")))
-#else
-#define TD_CPU_X86 0
-#endif
-
 typedef struct td_cpu td_cpu_t;
 
 /* The float matmul (W f32, f16 or bf16) for the whole call: td_cpu_matmul's contract. */

@@ -82,10 +82,7 @@ static inline void store_out(const td_matmul_params_t *p, int i, int j, float v)
 }
 
 #if TD_CPU_X86
-/* AVX2 helpers: compiled for AVX2 whatever the build's -march, inlined into the kernels */
-#define TD_AVX2_INLINE TD_CPU_AVX2 static inline __attribute__((always_inline))
-
-TD_AVX2_INLINE __m256 load8(td_dtype_t t, const void *w, size_t i)
+TD_CPU_AVX2_INLINE __m256 load8(td_dtype_t t, const void *w, size_t i)
 {
     if (t == TD_F32)
         return _mm256_loadu_ps((const float *)w + i);
@@ -99,7 +96,7 @@ TD_AVX2_INLINE __m256 load8(td_dtype_t t, const void *w, size_t i)
  * R rows of W (starting at row j) times M rows of X; R, M and t are compile-time constants
  * at every call site so the loops fully unroll into R*M independent FMA chains.
  */
-TD_AVX2_INLINE void gemv_block(const td_matmul_params_t *p, int R,
+TD_CPU_AVX2_INLINE void gemv_block(const td_matmul_params_t *p, int R,
                                                              int M, td_dtype_t t, int j, int i0)
 {
     const int k = p->k;
@@ -131,7 +128,7 @@ TD_AVX2_INLINE void gemv_block(const td_matmul_params_t *p, int R,
 }
 
 /* One slice [n0, n1) for m <= 4 with W dtype t (a constant after inlining). */
-TD_AVX2_INLINE void gemv_slice_t(const td_matmul_params_t *p,
+TD_CPU_AVX2_INLINE void gemv_slice_t(const td_matmul_params_t *p,
                                                                td_dtype_t t, int n0, int n1)
 {
     int j = n0;
@@ -160,7 +157,7 @@ TD_AVX2_INLINE void gemv_slice_t(const td_matmul_params_t *p,
 }
 
 /* Rows [i, i + M) of X, M = n (1..3), against W rows [j, j + R): the tail of a chunk. */
-TD_AVX2_INLINE void tile_tail(const td_matmul_params_t *p, int R, td_dtype_t t,
+TD_CPU_AVX2_INLINE void tile_tail(const td_matmul_params_t *p, int R, td_dtype_t t,
                                                             int j, int i, int n)
 {
     switch (n) {
@@ -172,7 +169,7 @@ TD_AVX2_INLINE void tile_tail(const td_matmul_params_t *p, int R, td_dtype_t t,
 
 /* One slice [n0, n1) for m > 4: chunks of 64 X rows, 2x4 tiles (8 accumulators, 4 rows of X
  * and 1 of W in registers), the same per-output sums as gemv_slice_t. */
-TD_AVX2_INLINE void tile_slice_t(const td_matmul_params_t *p,
+TD_CPU_AVX2_INLINE void tile_slice_t(const td_matmul_params_t *p,
                                                                td_dtype_t t, int n0, int n1)
 {
     for (int i0 = 0; i0 < p->m; i0 += 64) {

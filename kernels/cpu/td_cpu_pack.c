@@ -83,15 +83,30 @@ size_t td_cpu_pack_bytes(td_dtype_t type, size_t n, size_t k)
     return (n + ROWS - 1) / ROWS * td_cpu_pack_group_bytes(type, k);
 }
 
+/* Row j's place in a packed matrix: the quants of its group (the block's scales follow at
+ * gq + nb * quant_bytes) and its row within the group */
+TD_INLINE unsigned char *group_of(void *dst, td_dtype_t t, size_t k, size_t j, size_t *r_p)
+{
+    *r_p = j % ROWS;
+    return (unsigned char *)dst + j / ROWS * td_cpu_pack_group_bytes(t, k);
+}
+
+/* A 4-bit block's 16 stored bytes (byte e: weight e low, weight e + 16 high) into row r of
+ * its 4 quant vectors (the header's Q4 layout) */
+TD_INLINE void place_q4(unsigned char *q, size_t r, const uint8_t qs[TD_QK / 2])
+{
+    for (int e = 0; e < TD_QK / 2; e++)
+        q[64 * (e / 4) + 4 * r + e % 4] = qs[e];
+}
+
 /* Q4_K: sub-block s of a super-block becomes a 32-weight block laid out as Q4_1's (byte e:
  * weight e low, weight e + 16 high), its scales kept as stored (f16 d, dmin; 6-bit sc, mn) */
 static void pack_q4_k(void *dst, const void *w, size_t n, size_t k)
 {
-    size_t nb = k / TD_QK, gb = td_cpu_pack_group_bytes(TD_Q4_K, k), qb = quant_bytes(TD_Q4_K);
+    size_t nb = k / TD_QK, qb = quant_bytes(TD_Q4_K);
     for (size_t j = 0; j < n; j++) {
-        unsigned char *gq = (unsigned char *)dst + j / ROWS * gb;
-        unsigned char *gs = gq + nb * qb;
-        size_t r = j % ROWS;
+        size_t r;
+        unsigned char *gq = group_of(dst, TD_Q4_K, k, j, &r), *gs = gq + nb * qb;
         const td_block_q4_k_t *row = (const td_block_q4_k_t *)((const unsigned char *)w + j * td_dtype_bytes(TD_Q4_K, k));
         for (size_t sb = 0; sb < k / TD_QK_K; sb++) {
             const td_block_q4_k_t *blk = &row[sb];
@@ -100,57 +115,45 @@ static void pack_q4_k(void *dst, const void *w, size_t n, size_t k)
             memcpy(ks + K_DMIN + 2 * r, &blk->dmin, 2);
             for (int sub = 0; sub < 8; sub++) {
                 const uint8_t *chunk = blk->qs + 32 * (sub / 2);
-                int shift = 4 * (sub % 2);
+                int shift = 4 * (sub % 2), sc, mn;
                 uint8_t qs[TD_QK / 2];
                 for (int e = 0; e < TD_QK / 2; e++)
                     qs[e] = (uint8_t)(((chunk[e] >> shift) & 15) | ((chunk[e + 16] >> shift) & 15) << 4);
-                unsigned char *q = gq + (sb * 8 + (size_t)sub) * qb;
-                for (int e = 0; e < TD_QK / 2; e++)
-                    q[64 * (e / 4) + 4 * r + e % 4] = qs[e];
-                uint8_t sc, mn;
-                if (sub < 4) {
-                    sc = blk->scales[sub] & 63;
-                    mn = blk->scales[sub + 4] & 63;
-                } else {
-                    sc = (uint8_t)((blk->scales[sub + 4] & 15) | (blk->scales[sub - 4] >> 6) << 4);
-                    mn = (uint8_t)((blk->scales[sub + 4] >> 4) | (blk->scales[sub] >> 6) << 4);
-                }
-                ks[K_SC(sub) + r] = sc;
-                ks[K_MN(sub) + r] = mn;
+                place_q4(gq + (sb * 8 + (size_t)sub) * qb, r, qs);
+                td_quant_q4_k_scale_min(blk->scales, sub, &sc, &mn);
+                ks[K_SC(sub) + r] = (unsigned char)sc;
+                ks[K_MN(sub) + r] = (unsigned char)mn;
             }
         }
     }
 }
 
-/* Q6_K: block j of a super-block (32 weights, two 16-weight scales) becomes the Q4 nibble
- * layout of its low 4 bits (4 vectors) and two vectors of its high 2 bits: vector 4 byte
- * 4r + i holds weights i, 4 + i, 8 + i, 12 + i at bits 0-1, 2-3, 4-5, 6-7, vector 5 the same
- * for weights 16 + ... (the header's layout); d and the scales kept as stored */
+/* Q6_K: block j of a super-block (32 weights, two 16-weight scales) becomes the Q4 layout of
+ * its low 4 bits (4 vectors) and two vectors of its high 2 bits: vector 4 byte 4r + i holds
+ * weights i, 4 + i, 8 + i, 12 + i at bits 0-1, 2-3, 4-5, 6-7, vector 5 the same for weights
+ * 16 + ... (the header's layout); d and the scales kept as stored */
 static void pack_q6_k(void *dst, const void *w, size_t n, size_t k)
 {
-    size_t nb = k / TD_QK, gb = td_cpu_pack_group_bytes(TD_Q6_K, k), qb = quant_bytes(TD_Q6_K);
+    size_t nb = k / TD_QK, qb = quant_bytes(TD_Q6_K);
     for (size_t jr = 0; jr < n; jr++) {
-        unsigned char *gq = (unsigned char *)dst + jr / ROWS * gb;
-        unsigned char *gs = gq + nb * qb;
-        size_t r = jr % ROWS;
+        size_t r;
+        unsigned char *gq = group_of(dst, TD_Q6_K, k, jr, &r), *gs = gq + nb * qb;
         const td_block_q6_k_t *row = (const td_block_q6_k_t *)((const unsigned char *)w + jr * td_dtype_bytes(TD_Q6_K, k));
         for (size_t sb = 0; sb < k / TD_QK_K; sb++) {
             const td_block_q6_k_t *blk = &row[sb];
             unsigned char *ks = gs + sb * K6_SCALE_BYTES;
             memcpy(ks + 2 * r, &blk->d, 2);
             for (int j = 0; j < 8; j++) {
-                int h = j / 4, c = j % 4;
-                const uint8_t *ql = blk->ql + 64 * h + 32 * (c % 2), *qh = blk->qh + 32 * h;
-                uint8_t u[TD_QK];
-                for (int l = 0; l < TD_QK; l++)
-                    u[l] = (uint8_t)(((ql[l] >> (4 * (c / 2))) & 15) | ((qh[l] >> (2 * c)) & 3) << 4);
+                uint8_t u[TD_QK], qs[TD_QK / 2];
+                td_quant_q6_k_piece(blk, j, u);
                 unsigned char *q = gq + (sb * 8 + (size_t)j) * qb;
                 for (int i = 0; i < 16; i++) {
                     int v = i / 4, e = i % 4; /* weights i and 16 + i: vector v, byte 4r + e */
-                    q[64 * v + 4 * r + e] = (unsigned char)((u[i] & 15) | (u[16 + i] & 15) << 4);
+                    qs[i] = (uint8_t)((u[i] & 15) | (u[16 + i] & 15) << 4);
                     q[256 + 4 * r + e] |= (unsigned char)((u[i] >> 4) << (2 * v));
                     q[320 + 4 * r + e] |= (unsigned char)((u[16 + i] >> 4) << (2 * v));
                 }
+                place_q4(q, r, qs);
                 ks[K6_SC(j, 0) + r] = (unsigned char)blk->scales[2 * j];
                 ks[K6_SC(j, 1) + r] = (unsigned char)blk->scales[2 * j + 1];
             }
@@ -160,7 +163,7 @@ static void pack_q6_k(void *dst, const void *w, size_t n, size_t k)
 
 void td_cpu_pack_weights(void *dst, const void *w, td_dtype_t type, size_t n, size_t k)
 {
-    size_t nb = k / TD_QK, gb = td_cpu_pack_group_bytes(type, k), qb = quant_bytes(type);
+    size_t nb = k / TD_QK, qb = quant_bytes(type);
     size_t sh = scale_halves(type), row_bytes = td_dtype_bytes(type, k);
     /* zero padding rows: quants 0 and scales +0.0 give outputs nobody stores */
     memset(dst, 0, td_cpu_pack_bytes(type, n, k));
@@ -173,9 +176,8 @@ void td_cpu_pack_weights(void *dst, const void *w, td_dtype_t type, size_t n, si
         return;
     }
     for (size_t j = 0; j < n; j++) {
-        unsigned char *gq = (unsigned char *)dst + j / ROWS * gb;
-        unsigned char *gs = gq + nb * qb;
-        size_t r = j % ROWS;
+        size_t r;
+        unsigned char *gq = group_of(dst, type, k, j, &r), *gs = gq + nb * qb;
         const unsigned char *row = (const unsigned char *)w + j * row_bytes;
         for (size_t b = 0; b < nb; b++) {
             uint16_t d, m = 0;
@@ -197,8 +199,7 @@ void td_cpu_pack_weights(void *dst, const void *w, td_dtype_t type, size_t n, si
                     m = blk->m;
                     qs = blk->qs;
                 }
-                for (int e = 0; e < TD_QK / 2; e++)
-                    q[64 * (e / 4) + 4 * r + e % 4] = qs[e];
+                place_q4(q, r, qs);
             }
             /* f16 bits, stored byte-wise (gs is not 2-aligned for every caller's dst) */
             memcpy(gs + 2 * (b * sh + r), &d, 2);

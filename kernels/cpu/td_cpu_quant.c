@@ -84,15 +84,14 @@ static void block_lanes(float acc[8], float d, const int w[TD_QK], const int8_t 
         acc[l] = fmaf(d, (float)p[l], acc[l]);
 }
 
-/* The 6-bit scale and min of Q4_K sub-block s (td_quant.h's layout; td_quant's own copy is
- * private to the dequantizer): all 8 at once, as the dots use them. */
+/* The 6-bit scales and mins of a Q4_K block's 8 sub-blocks, as the dots use them. */
 static void q4_k_scales_mins(const uint8_t scales[12], uint8_t sc[8], uint8_t mn[8])
 {
-    for (int s = 0; s < 4; s++) {
-        sc[s] = scales[s] & 63;
-        mn[s] = scales[s + 4] & 63;
-        sc[s + 4] = (uint8_t)((scales[s + 8] & 15) | (scales[s] >> 6) << 4);
-        mn[s + 4] = (uint8_t)((scales[s + 8] >> 4) | (scales[s + 4] >> 6) << 4);
+    for (int s = 0; s < 8; s++) {
+        int c, m;
+        td_quant_q4_k_scale_min(scales, s, &c, &m);
+        sc[s] = (uint8_t)c;
+        mn[s] = (uint8_t)m;
     }
 }
 
@@ -176,11 +175,11 @@ static float dot_q6_k_scalar(const void *wv, const td_cpu_q8a_block_t *a, size_t
     for (size_t sb = 0; sb < k / TD_QK_K; sb++) {
         float d = td_f16_to_f32(w[sb].d);
         for (int j = 0; j < 8; j++, a++) {
-            int h = j / 4, c = j % 4;
-            const uint8_t *ql = w[sb].ql + 64 * h + 32 * (c % 2), *qh = w[sb].qh + 32 * h;
+            uint8_t u[TD_QK];
+            td_quant_q6_k_piece(&w[sb], j, u);
             int q[TD_QK];
             for (int l = 0; l < TD_QK; l++)
-                q[l] = (((ql[l] >> (4 * (c / 2))) & 15) | ((qh[l] >> (2 * c)) & 3) << 4) - 32;
+                q[l] = u[l] - 32;
             int32_t p[8];
             lane_sums(p, q, a->qs);
             for (int l = 0; l < 8; l++)
