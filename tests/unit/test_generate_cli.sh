@@ -17,9 +17,16 @@ expect_rc() { # expect_rc WANT DESCRIPTION CMD...
     if [ "$rc" -eq "$want" ]; then ok; else bad "$what: exit $rc, want $want: $(head -c 300 /tmp/td_gen_err.$$)"; fi
 }
 
-# --version names the compiled backends
-v=$("$bin" --version)
+# --version names the compiled backends and the CPU kernel level (TANDEM_CPU_ISA lowers it;
+# a name that is no level exits 1 saying which levels this CPU runs)
+v=$(env -u TANDEM_CPU_ISA "$bin" --version)
 case "$v" in *"backends: cpu"*) ok ;; *) bad "--version: '$v'" ;; esac
+case "$v" in *"cpu kernels: "*"this CPU's best: "*) ok ;; *) bad "--version has no kernel level: '$v'" ;; esac
+v=$(TANDEM_CPU_ISA=scalar "$bin" --version)
+case "$v" in *"cpu kernels: scalar"*) ok ;; *) bad "TANDEM_CPU_ISA=scalar --version: '$v'" ;; esac
+expect_rc 1 "TANDEM_CPU_ISA=avx3 --version" env TANDEM_CPU_ISA=avx3 "$bin" --version
+grep -qF "TANDEM_CPU_ISA=avx3 is not a kernel level" /tmp/td_gen_err.$$ && ok ||
+    bad "TANDEM_CPU_ISA=avx3: '$(head -c 300 /tmp/td_gen_err.$$)'"
 expect_rc 0 "generate --help" "$bin" generate --help
 expect_rc 2 "unknown flag" "$bin" generate --bogus
 expect_rc 2 "no model" "$bin" generate --prompt-ids "1"
