@@ -15,6 +15,7 @@
 #include <cblas.h>
 #include <math.h>
 #include <stdlib.h>
+#include <sys/mman.h>
 
 #include "td_cpu_pack.h"
 #include "td_log.h"
@@ -37,6 +38,28 @@ static td_status_t cpu_alloc(td_backend_t *be, size_t bytes, void **ptr_p)
 static void cpu_free(td_backend_t *be, void *ptr)
 {
     free(ptr);
+}
+
+/* Weights a decode step streams whole: in 2 MiB pages where the kernel gives them
+ * (transparent huge pages in "madvise" mode, the common default, only for ranges that ask):
+ * a 4 KiB page stops the hardware prefetcher at every page and costs a TLB miss per 64
+ * lines. The cost: each matrix is rounded up to a whole huge page and its partly used last
+ * one is resident in full (1B Q4_0: 1.63 GB maximum RSS against 1.52 GB, for decode 37.2
+ * against 35.2 tokens/s at avx512vnni; advising only the whole pages kept the memory and
+ * lost the speed). One arena for all packed weights would waste one tail, not one a matrix.
+ * Freed by cpu_free (aligned_alloc). */
+static td_status_t cpu_alloc_weights(size_t bytes, void **ptr_p)
+{
+    const size_t huge = (size_t)2 << 20;
+    if (bytes < huge)
+        return cpu_alloc(NULL, bytes, ptr_p);
+    size_t rounded = (bytes + huge - 1) & ~(huge - 1);
+    void *p = aligned_alloc(huge, rounded);
+    if (!p)
+        return td_errorf(TD_ERR_NOMEM, "cpu backend: out of memory allocating %zu bytes of weights", bytes);
+    (void)madvise(p, rounded, MADV_HUGEPAGE); /* advice: without it the pages are 4 KiB */
+    *ptr_p = p;
+    return TD_OK;
 }
 
 static td_status_t cpu_copy(td_backend_t *be, void *dst, const void *src, size_t bytes)
@@ -529,7 +552,7 @@ static td_status_t cpu_weight_pack(td_backend_t *be, const void *w, td_dtype_t d
     if (cpu->exact || !td_cpu_pack_supports(dtype) || n <= 0 || k <= 0 || k % td_dtype_block_elems(dtype) != 0)
         return TD_OK;
     void *dst = NULL;
-    td_status_t st = cpu_alloc(be, td_cpu_pack_bytes(dtype, (size_t)n, (size_t)k), &dst);
+    td_status_t st = cpu_alloc_weights(td_cpu_pack_bytes(dtype, (size_t)n, (size_t)k), &dst);
     if (st != TD_OK)
         return st;
     int n_groups = (n + TD_CPU_PACK_ROWS - 1) / TD_CPU_PACK_ROWS;
