@@ -35,6 +35,7 @@
 #include "td_gguf.h"
 #include "td_model.h"
 #include "td_spec.h"
+#include "td_stats.h"
 #include "td_threadpool.h"
 #include "td_util.h"
 
@@ -309,12 +310,6 @@ out:
     return st;
 }
 
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
-
 /* The --spec figure: reps A/B pairs (off, then on), medians of each. */
 static td_status_t spec_bench(const bench_opts_t *o, td_engine_t *eng, td_spec_draft_t *draft, spec_result_t *r)
 {
@@ -381,8 +376,8 @@ static td_status_t spec_bench(const bench_opts_t *o, td_engine_t *eng, td_spec_d
         on[i] = (gen - 1) / s_on;
     }
     if (st == TD_OK) {
-        qsort(off, (size_t)reps, sizeof *off, cmp_double);
-        qsort(on, (size_t)reps, sizeof *on, cmp_double);
+        td_stats_sort(off, (size_t)reps);
+        td_stats_sort(on, (size_t)reps);
         r->off_tps = off[reps / 2];
         r->on_tps = on[reps / 2];
         r->n_gen = gen;

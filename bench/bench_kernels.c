@@ -28,6 +28,7 @@
 #include "td_bench.h"
 #include "td_cli.h"
 #include "td_quant.h"
+#include "td_stats.h"
 #include "td_util.h"
 
 typedef struct bench_kernels_result {
@@ -47,12 +48,6 @@ typedef struct bench_kernels_copy {
 
 /* what a timed round runs */
 typedef td_status_t (*bench_kernels_fn)(td_backend_t *be, void *arg);
-
-static int bench_kernels_cmp(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
 
 /* median seconds per call over 5 rounds of `iters` calls, after 2 warm-up calls */
 static td_status_t bench_kernels_time(td_backend_t *be, bench_kernels_fn fn, void *arg, int iters,
@@ -74,8 +69,8 @@ static td_status_t bench_kernels_time(td_backend_t *be, bench_kernels_fn fn, voi
             return st;
         t[r] = (td_now_s() - t0) / iters;
     }
-    qsort(t, 5, sizeof(double), bench_kernels_cmp);
-    *sec_p = t[2];
+    td_stats_sort(t, 5);
+    *sec_p = td_stats_median(t, 5);
     return TD_OK;
 }
 

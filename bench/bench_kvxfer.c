@@ -37,6 +37,7 @@
 
 #include "td_kv.h"
 #include "td_opts.h"
+#include "td_stats.h"
 #include "td_util.h"
 #include "td_xfer.h"
 #include "td_xfer_testkit.h"
@@ -201,12 +202,6 @@ static void kvx_on_done(void *arg, uint64_t request_id, td_status_t st)
     t->st = st;
 }
 
-static int kvx_cmp(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
-
 typedef struct kvx_ctx {
     uv_loop_t *loop;
     td_xfer_t *x;
@@ -305,7 +300,7 @@ static bool kvx_latency(kvx_ctx_t *c, const kvx_size_t *z, int64_t iters, double
         if (it >= 0)
             lat[it] = us;
     }
-    qsort(lat, (size_t)iters, sizeof *lat, kvx_cmp);
+    td_stats_sort(lat, (size_t)iters);
     *p50 = lat[iters / 2];
     *p99 = lat[TD_MIN(iters - 1, (int64_t)((double)iters * 0.99))];
     return true;
@@ -364,8 +359,8 @@ static double kvx_median(const kvx_round_t *r, int64_t n, size_t field, double *
     }
     double med = -1, min = -1, max = -1;
     if (m) {
-        qsort(v, m, sizeof *v, kvx_cmp);
-        med = m % 2 ? v[m / 2] : (v[m / 2 - 1] + v[m / 2]) / 2;
+        td_stats_sort(v, m);
+        med = td_stats_median(v, m);
         min = v[0];
         max = v[m - 1];
     }

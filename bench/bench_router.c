@@ -59,6 +59,7 @@
 #include "td_model.h"
 #include "td_node_fake.h"
 #include "td_opts.h"
+#include "td_stats.h"
 #include "td_util.h"
 
 #define RB_MODEL "bench"
@@ -193,12 +194,6 @@ static bool rb_samples_add(rb_samples_t *x, double v)
     }
     x->v[x->n++] = v;
     return true;
-}
-
-static int rb_cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
 }
 
 /* Nearest-rank percentile of sorted samples; NAN when there are none. */
@@ -1150,8 +1145,8 @@ static void rb_run_latency(rb_state_t *s, rb_phase_result_t *res)
     double t1 = td_now_s(), r1 = rb_proc_cpu_s(s->router.pid), b1 = rb_bench_cpu_s(s);
     s->issuing = false;
     rb_run_until(s, rb_drained, td_now_s() + 10);
-    qsort(s->lat_router.v, s->lat_router.n, sizeof(double), rb_cmp_double);
-    qsort(s->lat_direct.v, s->lat_direct.n, sizeof(double), rb_cmp_double);
+    td_stats_sort(s->lat_router.v, s->lat_router.n);
+    td_stats_sort(s->lat_direct.v, s->lat_direct.n);
     res->count = s->lat_router.n;
     res->rate = (double)s->lat_router.n / (t1 - t0);
     res->router_cpu = r0 >= 0 && r1 >= 0 ? (r1 - r0) / (t1 - t0) : NAN;

@@ -99,10 +99,7 @@ typedef struct bs_stat {
     double mean, std, median, p90, p99; /* NAN with no samples; std is the population's (numpy's) */
 } bs_stat_t;
 
-/* The q-th percentile (0..100) of n sorted values, interpolated as numpy.percentile does. */
-double bs_percentile(const double *sorted, size_t n, double q);
-
-/* Sorts v[0..n) in place and summarises it. */
+/* Sorts v[0..n) in place and summarises it (percentiles: td_stats_percentile, numpy's). */
 void bs_stat_of(double *v, size_t n, bs_stat_t *out);
 
 /* ---- objectives and goodput ---------------------------------------------------------- */

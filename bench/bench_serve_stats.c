@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "td_rng.h"
+#include "td_stats.h"
 
 /* ---- PRNG ------------------------------------------------------------------------------ */
 
@@ -315,37 +316,21 @@ out:
 
 /* ---- statistics ---------------------------------------------------------------------------- */
 
-double bs_percentile(const double *sorted, size_t n, double q)
-{
-    if (!n)
-        return NAN;
-    double pos = q / 100.0 * (double)(n - 1);
-    size_t lo = (size_t)floor(pos), hi = lo + 1 < n ? lo + 1 : lo;
-    double f = pos - (double)lo;
-    return sorted[lo] + (sorted[hi] - sorted[lo]) * f;
-}
-
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
-
 void bs_stat_of(double *v, size_t n, bs_stat_t *out)
 {
     if (!n) {
         *out = (bs_stat_t){NAN, NAN, NAN, NAN, NAN};
         return;
     }
-    qsort(v, n, sizeof *v, cmp_double);
+    td_stats_sort(v, n);
     double sum = 0, sq = 0;
     for (size_t i = 0; i < n; i++)
         sum += v[i];
     double mean = sum / (double)n;
     for (size_t i = 0; i < n; i++)
         sq += (v[i] - mean) * (v[i] - mean);
-    *out = (bs_stat_t){.mean = mean, .std = sqrt(sq / (double)n), .median = bs_percentile(v, n, 50),
-                       .p90 = bs_percentile(v, n, 90), .p99 = bs_percentile(v, n, 99)};
+    *out = (bs_stat_t){.mean = mean, .std = sqrt(sq / (double)n), .median = td_stats_percentile(v, n, 50),
+                       .p90 = td_stats_percentile(v, n, 90), .p99 = td_stats_percentile(v, n, 99)};
 }
 
 /* ---- objectives and goodput ------------------------------------------------------------------ */

@@ -47,20 +47,16 @@
 #include "td_log.h"
 #include "td_model.h"
 #include "td_plan.h"
+#include "td_stats.h"
 #include "td_util.h"
 
 /* ==== profile ================================================================================== */
 
-static int cmp_d(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
-
+/* The median of v[0..n) (sorted in place). */
 static double median(double *v, int n)
 {
-    qsort(v, (size_t)n, sizeof *v, cmp_d);
-    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+    td_stats_sort(v, (size_t)n);
+    return td_stats_median(v, (size_t)n);
 }
 
 /* The median of the finite values of v[0..n) (reordered); NAN when there are none. */
@@ -191,7 +187,7 @@ static void speed_section(cJSON *j, double *means, int k, int tokens, const char
         means[i] /= med;
     for (int i = 0; i < k; i++)
         cJSON_AddItemToArray(rf, cJSON_CreateNumber(means[i]));
-    double q25 = td_plan_percentile(means, (size_t)k, 25), q75 = td_plan_percentile(means, (size_t)k, 75);
+    double q25 = td_stats_percentile(means, (size_t)k, 25), q75 = td_stats_percentile(means, (size_t)k, 75);
     double sigma = q25 > 0 ? log(q75 / q25) / 1.349 : 0;
     for (int i = 0; i < k; i++)
         cJSON_AddItemToArray(fs, cJSON_CreateNumber(exp(sigma * normal_quantile((i + 0.5) / k))));
@@ -203,7 +199,7 @@ static void speed_section(cJSON *j, double *means, int k, int tokens, const char
     cJSON_AddStringToObject(sp, "method", method);
     fprintf(stderr, "plan profile: speed over %d runs of %d steps: median step %.3f ms; runs p10 x %.3f, p90 x %.3f, "
             "max x %.3f; drawn: log-normal sigma %.4f (p10 x %.3f, p90 x %.3f)\n", k, tokens, med * 1e3,
-            td_plan_percentile(means, (size_t)k, 10), td_plan_percentile(means, (size_t)k, 90), means[k - 1], sigma,
+            td_stats_percentile(means, (size_t)k, 10), td_stats_percentile(means, (size_t)k, 90), means[k - 1], sigma,
             exp(-1.2816 * sigma), exp(1.2816 * sigma));
 }
 
@@ -950,8 +946,8 @@ static td_status_t profile_load(const char *path, td_plan_profile_t *p)
         }
     }
     cJSON_Delete(j);
-    /* sorted: td_plan_percentile reads the p10 and p90 printed */
-    qsort(p->speed_f, (size_t)p->n_speed, sizeof *p->speed_f, cmp_d);
+    /* sorted: td_stats_percentile reads the p10 and p90 printed */
+    td_stats_sort(p->speed_f, (size_t)p->n_speed);
     if (bad) {
         p->n_speed = 0;
         return td_errorf(TD_ERR_INVALID, "--profile: %s: %s (write it again with `tandem plan profile`)", path, bad);
@@ -1429,8 +1425,8 @@ static int plan_run(const plan_opts_t *o, plan_ctx_t *x, workload_t *w)
         printf("Profile:                                 %s\n", o->profile);
         if (x->prof.n_speed > 0)
             printf("Node speed:                              drawn from %d measured factors (p10 x %.3f, p90 x %.3f) "
-                   "per %.3g s\n", x->prof.n_speed, td_plan_percentile(x->prof.speed_f, (size_t)x->prof.n_speed, 10),
-                   td_plan_percentile(x->prof.speed_f, (size_t)x->prof.n_speed, 90), x->prof.speed_window_s);
+                   "per %.3g s\n", x->prof.n_speed, td_stats_percentile(x->prof.speed_f, (size_t)x->prof.n_speed, 10),
+                   td_stats_percentile(x->prof.speed_f, (size_t)x->prof.n_speed, 90), x->prof.speed_window_s);
         else
             printf("Node speed:                              fixed (the profile has no speed factors)\n");
         printf("Workload:                                %s\n", w->desc);

@@ -14,6 +14,7 @@
 #include "td_log.h"
 #include "td_rng.h"
 #include "td_sched_defaults.h"
+#include "td_stats.h"
 #include "td_util.h"
 
 double td_plan_prefill_step_s(const td_plan_profile_t *p, int64_t tokens, double attn)
@@ -472,21 +473,6 @@ static td_status_t arrive(sim_t *s, int32_t id, double now)
 
 /* ---- results --------------------------------------------------------------------------------- */
 
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
-
-double td_plan_percentile(const double *sorted, size_t n, double q)
-{
-    if (n == 0)
-        return NAN;
-    double pos = q / 100.0 * (double)(n - 1);
-    size_t lo = (size_t)floor(pos), hi = TD_MIN(lo + 1, n - 1);
-    return sorted[lo] + (sorted[hi] - sorted[lo]) * (pos - (double)lo);
-}
-
 /* What the replicas of a run measured, pooled (summarize adds one replica, pool_result reads). */
 typedef struct pool {
     double *ttft, *tpot; /* [replicas x n] */
@@ -522,8 +508,8 @@ static void summarize(const sim_t *s, const td_plan_slo_t *slo, pool_t *pl)
 static void pool_result(pool_t *pl, td_plan_result_t *res)
 {
     memset(res, 0, sizeof *res);
-    qsort(pl->ttft, pl->n, sizeof *pl->ttft, cmp_double);
-    qsort(pl->tpot, pl->n_tpot, sizeof *pl->tpot, cmp_double);
+    td_stats_sort(pl->ttft, pl->n);
+    td_stats_sort(pl->tpot, pl->n_tpot);
     res->n = pl->n;
     res->good = pl->good;
     res->duration_s = pl->duration_s;
@@ -531,12 +517,12 @@ static void pool_result(pool_t *pl, td_plan_result_t *res)
     res->goodput = pl->duration_s > 0 ? (double)pl->good / pl->duration_s : 0;
     res->attainment = pl->n ? (double)pl->good / (double)pl->n : 0;
     res->ttft_mean_s = pl->n ? pl->ttft_sum / (double)pl->n : 0;
-    res->ttft_p50_s = td_plan_percentile(pl->ttft, pl->n, 50);
-    res->ttft_p90_s = td_plan_percentile(pl->ttft, pl->n, 90);
-    res->ttft_p99_s = td_plan_percentile(pl->ttft, pl->n, 99);
-    res->tpot_p50_s = td_plan_percentile(pl->tpot, pl->n_tpot, 50);
-    res->tpot_p90_s = td_plan_percentile(pl->tpot, pl->n_tpot, 90);
-    res->tpot_p99_s = td_plan_percentile(pl->tpot, pl->n_tpot, 99);
+    res->ttft_p50_s = td_stats_percentile(pl->ttft, pl->n, 50);
+    res->ttft_p90_s = td_stats_percentile(pl->ttft, pl->n, 90);
+    res->ttft_p99_s = td_stats_percentile(pl->ttft, pl->n, 99);
+    res->tpot_p50_s = td_stats_percentile(pl->tpot, pl->n_tpot, 50);
+    res->tpot_p90_s = td_stats_percentile(pl->tpot, pl->n_tpot, 90);
+    res->tpot_p99_s = td_stats_percentile(pl->tpot, pl->n_tpot, 99);
     if (pl->duration_s > 0) {
         res->prefill_busy = pl->prefill_busy_s / pl->n_pn / pl->duration_s;
         res->decode_busy = pl->n_dn ? pl->decode_busy_s / pl->n_dn / pl->duration_s : res->prefill_busy;
@@ -781,10 +767,10 @@ td_status_t td_plan_decode_window(const td_plan_stream_t *streams, size_t n, int
     *point_p = (td_plan_decode_point_t){.step_s = NAN, .context = NAN, .gaps_per_stream = n ? gaps / (double)n : 0,
                                         .tokens_per_message = tpm};
     if (m) {
-        qsort(step, m, sizeof *step, cmp_double);
-        qsort(ctx, m, sizeof *ctx, cmp_double);
-        point_p->step_s = td_plan_percentile(step, m, 50);
-        point_p->context = td_plan_percentile(ctx, m, 50);
+        td_stats_sort(step, m);
+        td_stats_sort(ctx, m);
+        point_p->step_s = td_stats_percentile(step, m, 50);
+        point_p->context = td_stats_percentile(ctx, m, 50);
     }
     free(step), free(ctx);
     return TD_OK;

@@ -187,7 +187,4 @@ typedef struct td_plan_decode_point {
 td_status_t td_plan_decode_window(const td_plan_stream_t *streams, size_t n, int64_t prompt,
                                   td_plan_decode_point_t *point_p);
 
-/* numpy's linear-interpolation percentile of sorted[0..n) (NAN when n == 0), q in [0, 100]. */
-double td_plan_percentile(const double *sorted, size_t n, double q);
-
 #endif /* TD_PLAN_H */
