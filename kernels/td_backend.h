@@ -198,7 +198,9 @@ typedef struct td_backend_ops {
 struct td_backend {
     const td_backend_ops_t *ops;
     td_dtype_t act_dtype;
-    uint32_t weight_dtypes; /* bit mask of 1u << td_dtype_t the matmul accepts */
+    uint32_t weight_dtypes; /* bit mask of 1u << td_dtype_t the matmul accepts (a type some
+                               backend reads only packed, CPU Q5_K and IQ4_XS, is in it only
+                               when ops->weight_pack always packs it) */
     uint32_t kv_dtypes;     /* bit mask of KV pool dtypes the attention ops accept */
     bool host_memory;       /* device memory is host memory (pointers interchangeable) */
 };

@@ -17,7 +17,7 @@ static const struct {
 } block_types[TD_DTYPE_COUNT - TD_DTYPE_FLOAT_COUNT] = {
     {"q8_0", TD_GGML_Q8_0}, {"q4_0", TD_GGML_Q4_0}, {"q4_1", TD_GGML_Q4_1},
     {"q5_0", TD_GGML_Q5_0}, {"q5_1", TD_GGML_Q5_1}, {"q4_k", TD_GGML_Q4_K},
-    {"q6_k", TD_GGML_Q6_K},
+    {"q6_k", TD_GGML_Q6_K}, {"q5_k", TD_GGML_Q5_K}, {"iq4_xs", TD_GGML_IQ4_XS},
 };
 static const uint32_t float_ggml[TD_DTYPE_FLOAT_COUNT] = {TD_GGML_F32, TD_GGML_F16, TD_GGML_BF16};
 

@@ -2,7 +2,7 @@
  * td_dtype: element types of weights, activations and the KV cache.
  *
  * Two kinds. The float types (f32, f16, bf16) are element types: activations, the KV cache
- * and any weight. The block-quantized types (Q8_0 ... Q6_K, td_quant.h) are weight
+ * and any weight. The block-quantized types (Q8_0 ... IQ4_XS, td_quant.h) are weight
  * storage only: a row of n weights is n / td_dtype_block_elems(t) blocks of
  * td_dtype_block_bytes(t) bytes, and has no per-element size (td_dtype_size is for float
  * types; td_dtype_bytes gives the bytes of n weights of either kind).
@@ -28,10 +28,12 @@ typedef enum td_dtype {
     TD_Q5_1 = 7,
     TD_Q4_K = 8,
     TD_Q6_K = 9,
+    TD_Q5_K = 10,
+    TD_IQ4_XS = 11,
 } td_dtype_t;
 
 #define TD_DTYPE_FLOAT_COUNT 3 /* f32, f16, bf16: [0, 3) */
-#define TD_DTYPE_COUNT 10      /* every td_dtype_t: [0, 10) */
+#define TD_DTYPE_COUNT 12      /* every td_dtype_t: [0, 12) */
 
 /* True for f32, f16, bf16 (element types); false for block types and out-of-range values. */
 static inline bool td_dtype_is_float(int t)
@@ -52,7 +54,7 @@ static inline size_t td_dtype_size(td_dtype_t t)
 }
 
 /* Weights per block: 1 for a float type, 32 (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) or 256 (Q4_K,
- * Q6_K). */
+ * Q6_K, Q5_K, IQ4_XS). */
 size_t td_dtype_block_elems(td_dtype_t t);
 /* Bytes per block (td_dtype_size for a float type). */
 size_t td_dtype_block_bytes(td_dtype_t t);
@@ -64,8 +66,8 @@ size_t td_dtype_bytes(td_dtype_t t, size_t n);
 uint32_t td_dtype_to_ggml(td_dtype_t t);
 int td_dtype_from_ggml(uint32_t ggml_type);
 
-/* "f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q6_k"; "?" for an
- * unknown value. */
+/* "f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q6_k", "q5_k",
+ * "iq4_xs"; "?" for an unknown value. */
 const char *td_dtype_name(td_dtype_t t);
 
 /* Parses "f32|fp32|float32", "f16|fp16|float16", "bf16|bfloat16" and the block names of

@@ -4,9 +4,9 @@
  * Exactness: each weight is computed with the same f32 operations as ggml's reference and
  * gguf-py, and each is the exact value rounded once. The partial products are exact in f32
  * (an f16 scale has 11 significant bits, a quant at most 6, a sub-scale at most 8), so Q8_0,
- * Q4_0 and Q5_0 do not round at all, Q4_1, Q5_1 and Q4_K round only in their final add or
- * subtract, and Q6_K's d * scale * q (up to 25 bits) rounds once whichever product comes
- * first. An FMA would not change a result either, since its product is exact too.
+ * Q4_0, Q5_0 and IQ4_XS (d * (ls - 32) * value: at most 24 bits) do not round at all, Q4_1,
+ * Q5_1, Q4_K and Q5_K round only in their final add or subtract, and Q6_K's d * scale * q (up
+ * to 25 bits) rounds once whichever product comes first. An FMA would not change a result either, since its product is exact too.
  */
 #include "td_quant.h"
 
@@ -123,6 +123,58 @@ void td_quant_dequantize_q4_k(const void *src, float *dst, size_t n)
     }
 }
 
+void td_quant_q5_k_piece(const td_block_q5_k_t *b, int s, uint8_t q[32])
+{
+    const uint8_t *qs = b->qs + 32 * (s / 2);
+    for (int l = 0; l < 32; l++)
+        q[l] = (uint8_t)(((qs[l] >> (4 * (s % 2))) & 15) | ((b->qh[l] >> s) & 1) << 4);
+}
+
+void td_quant_dequantize_q5_k(const void *src, float *dst, size_t n)
+{
+    TD_ASSERT(n % TD_QK_K == 0);
+    const td_block_q5_k_t *b = src;
+    for (size_t i = 0; i < n / TD_QK_K; i++) {
+        float d = td_f16_to_f32(b[i].d);
+        float dmin = td_f16_to_f32(b[i].dmin);
+        for (int s = 0; s < 8; s++, dst += 32) {
+            int sc, mn;
+            uint8_t q[32];
+            td_quant_q4_k_scale_min(b[i].scales, s, &sc, &mn);
+            td_quant_q5_k_piece(&b[i], s, q);
+            float dl = d * (float)sc, ml = dmin * (float)mn;
+            for (int l = 0; l < 32; l++)
+                dst[l] = dl * (float)q[l] - ml;
+        }
+    }
+}
+
+const int8_t td_quant_iq4nl_values[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                          1,    13,   25,  38,  53,  69,  89,  113};
+
+int td_quant_iq4_xs_scale(const td_block_iq4_xs_t *b, int s)
+{
+    int ls = ((b->scales_l[s / 2] >> (4 * (s % 2))) & 15) | ((b->scales_h >> (2 * s)) & 3) << 4;
+    return ls - 32;
+}
+
+void td_quant_dequantize_iq4_xs(const void *src, float *dst, size_t n)
+{
+    TD_ASSERT(n % TD_QK_K == 0);
+    const td_block_iq4_xs_t *b = src;
+    for (size_t i = 0; i < n / TD_QK_K; i++) {
+        float d = td_f16_to_f32(b[i].d);
+        for (int s = 0; s < 8; s++, dst += 32) {
+            const uint8_t *qs = b[i].qs + 16 * s;
+            float dl = d * (float)td_quant_iq4_xs_scale(&b[i], s);
+            for (int j = 0; j < 16; j++) {
+                dst[j] = dl * (float)td_quant_iq4nl_values[qs[j] & 15];
+                dst[j + 16] = dl * (float)td_quant_iq4nl_values[qs[j] >> 4];
+            }
+        }
+    }
+}
+
 void td_quant_q6_k_piece(const td_block_q6_k_t *b, int j, uint8_t q[32])
 {
     /* piece j = 4h + c: half h, low nibbles of ql[64h + 32 (c % 2) + l] (c < 2) or high ones,
@@ -210,7 +262,7 @@ static const td_ggml_type_t ggml_types[] = {
     [TD_GGML_Q2_K] = {"Q2_K", TD_QK_K, 84, NULL},
     [TD_GGML_Q3_K] = {"Q3_K", TD_QK_K, 110, NULL},
     [TD_GGML_Q4_K] = {"Q4_K", TD_QK_K, sizeof(td_block_q4_k_t), td_quant_dequantize_q4_k},
-    [TD_GGML_Q5_K] = {"Q5_K", TD_QK_K, 176, NULL},
+    [TD_GGML_Q5_K] = {"Q5_K", TD_QK_K, sizeof(td_block_q5_k_t), td_quant_dequantize_q5_k},
     [TD_GGML_Q6_K] = {"Q6_K", TD_QK_K, sizeof(td_block_q6_k_t), td_quant_dequantize_q6_k},
     [TD_GGML_Q8_K] = {"Q8_K", TD_QK_K, 292, NULL},
     [16] = {"IQ2_XXS", 0, 0, NULL},
@@ -220,7 +272,7 @@ static const td_ggml_type_t ggml_types[] = {
     [20] = {"IQ4_NL", 0, 0, NULL},
     [21] = {"IQ3_S", 0, 0, NULL},
     [22] = {"IQ2_S", 0, 0, NULL},
-    [23] = {"IQ4_XS", 0, 0, NULL},
+    [TD_GGML_IQ4_XS] = {"IQ4_XS", TD_QK_K, sizeof(td_block_iq4_xs_t), td_quant_dequantize_iq4_xs},
     [24] = {"I8", 0, 0, NULL},
     [25] = {"I16", 0, 0, NULL},
     [26] = {"I32", 0, 0, NULL},

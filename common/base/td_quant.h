@@ -1,6 +1,6 @@
 /*
  * td_quant: the GGML block-quantized weight formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K,
- * Q6_K) as byte-exact structs, with the scalar reference dequantizer of each and the
+ * Q5_K, Q6_K, IQ4_XS) as byte-exact structs, with the scalar reference dequantizer of each and the
  * reference quantizer of Q8_0 and Q4_0.
  *
  * Why in base (level 0) and not in kernels/cpu: the layouts are a storage format, like the
@@ -27,7 +27,7 @@
 #include <stdint.h>
 
 #define TD_QK 32    /* weights per block of Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 */
-#define TD_QK_K 256 /* weights per block (super-block) of Q4_K, Q6_K */
+#define TD_QK_K 256 /* weights per block (super-block) of Q4_K, Q5_K, Q6_K, IQ4_XS */
 
 /* Q8_0: x[i] = d * qs[i]. */
 typedef struct td_block_q8_0 {
@@ -82,6 +82,35 @@ typedef struct td_block_q4_k {
 } td_block_q4_k_t;
 
 /*
+ * Q5_K: Q4_K with a fifth bit: x = (d * sc[s]) * q - (dmin * mn[s]), q in 0..31. scales as
+ * Q4_K's; the low 4 bits of q in qs as Q4_K's nibbles, bit 4 of weight l of sub-block s
+ * (l in 0..31) is bit s of qh[l].
+ */
+typedef struct td_block_q5_k {
+    uint16_t d;
+    uint16_t dmin;
+    uint8_t scales[12];
+    uint8_t qh[TD_QK_K / 8];
+    uint8_t qs[TD_QK_K / 2];
+} td_block_q5_k_t;
+
+/*
+ * IQ4_XS: 8 sub-blocks of 32 weights, x = (d * (ls[s] - 32)) * td_quant_iq4nl_values[q], q a
+ * 4-bit index into a fixed non-linear table. ls[s] is 6 bits: the low 4 in nibble s % 2 of
+ * scales_l[s / 2], the high 2 in bits 2s, 2s + 1 of scales_h. qs: 16 bytes a sub-block,
+ * byte j holding weight j in its low nibble and weight j + 16 in its high one (as Q4_0).
+ */
+typedef struct td_block_iq4_xs {
+    uint16_t d;
+    uint16_t scales_h;
+    uint8_t scales_l[TD_QK_K / 64];
+    uint8_t qs[TD_QK_K / 2];
+} td_block_iq4_xs_t;
+
+/* IQ4_NL / IQ4_XS's 16 values (ggml's kvalues_iq4nl) */
+extern const int8_t td_quant_iq4nl_values[16];
+
+/*
  * Q6_K: 16 sub-blocks of 16 weights, signed 8-bit scale each: x = (d * scales[s]) * (q - 32),
  * q in 0..63 (4 low bits in ql, 2 high bits in qh). Two halves of 128 weights; in half h,
  * for l in 0..31, weights l, l + 32, l + 64, l + 96 take the low nibble of ql[64h + l], the
@@ -102,7 +131,9 @@ _Static_assert(sizeof(td_block_q4_1_t) == 20, "Q4_1 block: 2 + 2 + 16 bytes");
 _Static_assert(sizeof(td_block_q5_0_t) == 22, "Q5_0 block: 2 + 4 + 16 bytes");
 _Static_assert(sizeof(td_block_q5_1_t) == 24, "Q5_1 block: 2 + 2 + 4 + 16 bytes");
 _Static_assert(sizeof(td_block_q4_k_t) == 144, "Q4_K block: 2 + 2 + 12 + 128 bytes");
+_Static_assert(sizeof(td_block_q5_k_t) == 176, "Q5_K block: 2 + 2 + 12 + 32 + 128 bytes");
 _Static_assert(sizeof(td_block_q6_k_t) == 210, "Q6_K block: 128 + 64 + 16 + 2 bytes");
+_Static_assert(sizeof(td_block_iq4_xs_t) == 136, "IQ4_XS block: 2 + 2 + 4 + 128 bytes");
 
 /* ggml's tensor type ids (ggml.h; gguf-py's GGMLQuantizationType): the type id of a GGUF
  * tensor info. Named here: the ids whose block layout is known (td_ggml_type). */
@@ -120,6 +151,7 @@ typedef enum td_ggml_type_id {
     TD_GGML_Q5_K = 13,
     TD_GGML_Q6_K = 14,
     TD_GGML_Q8_K = 15,
+    TD_GGML_IQ4_XS = 23,
     TD_GGML_BF16 = 30,
 } td_ggml_type_id_t;
 
@@ -148,11 +180,19 @@ void td_quant_dequantize_q4_1(const void *src, float *dst, size_t n);
 void td_quant_dequantize_q5_0(const void *src, float *dst, size_t n);
 void td_quant_dequantize_q5_1(const void *src, float *dst, size_t n);
 void td_quant_dequantize_q4_k(const void *src, float *dst, size_t n);
+void td_quant_dequantize_q5_k(const void *src, float *dst, size_t n);
 void td_quant_dequantize_q6_k(const void *src, float *dst, size_t n);
+void td_quant_dequantize_iq4_xs(const void *src, float *dst, size_t n);
 
 /* Q4_K sub-block s's (0..7) 6-bit scale and min from a block's 12 packed scale bytes (the
  * layout above): what every reader of Q4_K blocks (dequantizer, dots, packing) calls. */
 void td_quant_q4_k_scale_min(const uint8_t scales[12], int s, int *sc, int *mn);
+
+/* The quants q (0..31) of Q5_K sub-block s (0..7) of block b: low 4 bits and the qh bit. */
+void td_quant_q5_k_piece(const td_block_q5_k_t *b, int s, uint8_t q[32]);
+
+/* IQ4_XS sub-block s's (0..7) scale ls - 32 (-32..31) of block b (the layout above). */
+int td_quant_iq4_xs_scale(const td_block_iq4_xs_t *b, int s);
 
 /* The unsigned quants q (0..63, the value is d * scale * (q - 32)) of Q6_K weights
  * 32 j .. 32 j + 31 (j in 0..7) of block b, from its ql/qh planes (the layout above). */

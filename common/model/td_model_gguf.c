@@ -176,7 +176,7 @@ static td_status_t find_tensor(gguf_ctx_t *c, const char *name, bool optional, i
     if (dt < 0 || !x->known) {
         const td_ggml_type_t *gt = td_ggml_type(x->type);
         return td_errorf(TD_ERR_UNSUPPORTED, "%s: tensor %s has ggml type %s (%u), which tandem cannot compute "
-                         "with (it reads F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K): requantize "
+                         "with (it reads F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_XS): requantize "
                          "the model with llama-quantize", c->path, name, gt ? gt->name : "unknown", x->type);
     }
     bool same = x->n_dims == nd;

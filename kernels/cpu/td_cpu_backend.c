@@ -542,8 +542,9 @@ static void pack_task(void *arg, int task, int thread)
                         (size_t)(r1 - r0), (size_t)jb->k);
 }
 
-/* Contract (td_backend.h ops->weight_pack): Q8_0, Q4_0, Q4_1, Q4_K and Q6_K matrices are packed unless
- * the backend computes exactly (f32 activations read the stored rows); others stay. */
+/* Contract (td_backend.h ops->weight_pack): Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K and IQ4_XS matrices
+ * are packed unless the backend computes exactly (f32 activations read the stored rows; its
+ * weight_dtypes then lacks Q5_K and IQ4_XS, which only the packed kernels read); others stay. */
 static td_status_t cpu_weight_pack(td_backend_t *be, const void *w, td_dtype_t dtype, int32_t n,
                                    int32_t k, void **packed_p)
 {
@@ -614,12 +615,16 @@ td_status_t td_backend_cpu_create(const td_cpu_config_t *cfg, td_backend_t **be_
         return td_errorf(TD_ERR_NOMEM, "cpu backend: out of memory");
     cpu->base.ops = &cpu_ops;
     cpu->base.act_dtype = TD_F32;
+    cpu->exact = cfg && cfg->exact;
     cpu->base.weight_dtypes = (1u << TD_F32) | (1u << TD_F16) | (1u << TD_BF16) |
                               (1u << TD_Q8_0) | (1u << TD_Q4_0) | (1u << TD_Q4_1) |
                               (1u << TD_Q4_K) | (1u << TD_Q6_K);
+    /* read only packed (cpu_weight_pack always packs them): an exact backend, which packs
+     * nothing, has them dequantized at load */
+    if (!cpu->exact)
+        cpu->base.weight_dtypes |= (1u << TD_Q5_K) | (1u << TD_IQ4_XS);
     cpu->base.kv_dtypes = (1u << TD_F32) | (1u << TD_F16) | (1u << TD_BF16);
     cpu->base.host_memory = !(cfg && cfg->device_memory);
-    cpu->exact = cfg && cfg->exact;
     td_cpu_kernels_fill(isa, &cpu->k);
     cpu->n_threads = n;
     st = td_pool_create(n, &cpu->pool);

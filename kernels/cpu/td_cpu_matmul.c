@@ -1,7 +1,7 @@
 /*
  * td_cpu_matmul: Y[m][n] = X[m][k] . W[n][k]^T (+ bias) (+ Y), W in f32, f16 or bf16, or
- * block-quantized (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K). By default block W meets X quantized
- * once per call to integers: W that ops->weight_pack repacked at load (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K)
+ * block-quantized (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K; Q5_K and IQ4_XS packed only). By default block W
+ * meets X quantized once per call to integers: W that ops->weight_pack repacked at load (those and Q5_K, IQ4_XS)
  * goes to td_cpu_pack's VNNI/AVX2 kernels with two-byte activations (pmatmul below), W as
  * stored (a caller's unpacked matrix) to td_cpu_quant's int8 dots, llama.cpp's
  * scheme (qmatmul). On an exact backend (--device cpu:exact) X stays f32 and the weights are
@@ -555,6 +555,9 @@ td_status_t td_cpu_matmul(td_backend_t *be, const td_matmul_params_t *p)
         return TD_OK;
     if (p->w_packed)
         return pmatmul(cpu, p);
+    if (p->w_dtype == TD_Q5_K || p->w_dtype == TD_IQ4_XS)
+        return td_errorf(TD_ERR_UNSUPPORTED, "cpu matmul: %s weights are read only in the packed form "
+                         "ops->weight_pack makes; pack the matrix first", td_dtype_name(p->w_dtype));
     if (td_dtype_is_block(p->w_dtype))
         return cpu->exact ? qf32_matmul(cpu, p) : qmatmul(cpu, p);
     return cpu->k.fmatmul(cpu, p);

@@ -34,7 +34,10 @@ _Static_assert(WIDE == 256 - 2, "vnni_tile multiplies by WIDE with two shifts");
 /* bytes of one block's quants and scales in a group */
 TD_INLINE size_t quant_bytes(td_dtype_t t)
 {
-    return t == TD_Q8_0 ? ROWS * TD_QK : t == TD_Q6_K ? ROWS * TD_QK * 3 / 4 : ROWS * TD_QK / 2;
+    return t == TD_Q8_0   ? ROWS * TD_QK
+           : t == TD_Q6_K ? ROWS * TD_QK * 3 / 4
+           : t == TD_Q5_K ? ROWS * TD_QK * 5 / 8
+                          : ROWS * TD_QK / 2;
 }
 
 TD_INLINE size_t scale_halves(td_dtype_t t) /* f16 values per block (not Q4_K) */
@@ -42,8 +45,8 @@ TD_INLINE size_t scale_halves(td_dtype_t t) /* f16 values per block (not Q4_K) *
     return t == TD_Q4_1 ? 2 * ROWS : ROWS;
 }
 
-/* Q4_K's scales, per super-block of a group (the header's layout): 16 f16 d, 16 f16 dmin,
- * then 8 sub-blocks x 16 rows of 6-bit sc, then of mn */
+/* Q4_K's and Q5_K's scales, per super-block of a group (the header's layout): 16 f16 d, 16
+ * f16 dmin, then 8 sub-blocks x 16 rows of 6-bit sc, then of mn */
 #define K_SCALE_BYTES (4 * ROWS + 16 * ROWS)
 #define K_D 0
 #define K_DMIN (2 * ROWS)
@@ -55,20 +58,35 @@ TD_INLINE size_t scale_halves(td_dtype_t t) /* f16 values per block (not Q4_K) *
 #define K6_SCALE_BYTES (2 * ROWS + 8 * 2 * ROWS)
 #define K6_SC(b, half) (2 * ROWS + (b) * 2 * ROWS + (half) * ROWS)
 
-TD_INLINE size_t scale_bytes(td_dtype_t t) /* per 32-weight block of a group */
+/* IQ4_XS's scales, per super-block of a group: 16 f16 d, then per block the 16 rows' int8
+ * ls - 32 */
+#define XS_SCALE_BYTES (2 * ROWS + 8 * ROWS)
+#define XS_SC(b) (2 * ROWS + (b) * ROWS)
+
+/* Q4_K and Q5_K: scales as stored, a block's d * sc and -(dmin * mn) */
+TD_INLINE bool k_scales(td_dtype_t t)
 {
-    return t == TD_Q4_K ? K_SCALE_BYTES / 8 : t == TD_Q6_K ? K6_SCALE_BYTES / 8 : 2 * scale_halves(t);
+    return t == TD_Q4_K || t == TD_Q5_K;
 }
 
-/* Q4_K, Q4_1: an offset term m * (e sum Q) beside the integer sum (c is f32) */
+TD_INLINE size_t scale_bytes(td_dtype_t t) /* per 32-weight block of a group */
+{
+    return k_scales(t)       ? K_SCALE_BYTES / 8
+           : t == TD_Q6_K   ? K6_SCALE_BYTES / 8
+           : t == TD_IQ4_XS ? XS_SCALE_BYTES / 8
+                            : 2 * scale_halves(t);
+}
+
+/* Q4_1, Q4_K, Q5_K: an offset term m * (e sum Q) beside the integer sum (c is f32) */
 TD_INLINE bool has_min(td_dtype_t t)
 {
-    return t == TD_Q4_1 || t == TD_Q4_K;
+    return t == TD_Q4_1 || k_scales(t);
 }
 
 bool td_cpu_pack_supports(td_dtype_t type)
 {
-    return type == TD_Q8_0 || type == TD_Q4_0 || type == TD_Q4_1 || type == TD_Q4_K || type == TD_Q6_K;
+    return type == TD_Q8_0 || type == TD_Q4_0 || type == TD_Q4_1 || type == TD_Q4_K || type == TD_Q5_K ||
+           type == TD_Q6_K || type == TD_IQ4_XS;
 }
 
 size_t td_cpu_pack_group_bytes(td_dtype_t type, size_t k)
@@ -128,6 +146,61 @@ static void pack_q4_k(void *dst, const void *w, size_t n, size_t k)
     }
 }
 
+/* Q5_K: sub-block s becomes Q4_K's layout of its low 4 bits and one vector of its fifth
+ * bits: vector 4 byte 4r + i holds those of weights i, 4 + i, 8 + i, 12 + i at bits 0..3
+ * and of weights 16 + i, ... at bits 4..7 (the header's layout); scales as Q4_K's */
+static void pack_q5_k(void *dst, const void *w, size_t n, size_t k)
+{
+    size_t nb = k / TD_QK, qb = quant_bytes(TD_Q5_K);
+    for (size_t j = 0; j < n; j++) {
+        size_t r;
+        unsigned char *gq = group_of(dst, TD_Q5_K, k, j, &r), *gs = gq + nb * qb;
+        const td_block_q5_k_t *row = (const td_block_q5_k_t *)((const unsigned char *)w + j * td_dtype_bytes(TD_Q5_K, k));
+        for (size_t sb = 0; sb < k / TD_QK_K; sb++) {
+            const td_block_q5_k_t *blk = &row[sb];
+            unsigned char *ks = gs + sb * K_SCALE_BYTES;
+            memcpy(ks + K_D + 2 * r, &blk->d, 2);
+            memcpy(ks + K_DMIN + 2 * r, &blk->dmin, 2);
+            for (int sub = 0; sub < 8; sub++) {
+                uint8_t u[TD_QK], qs[TD_QK / 2];
+                int sc, mn;
+                td_quant_q5_k_piece(blk, sub, u);
+                unsigned char *q = gq + (sb * 8 + (size_t)sub) * qb;
+                for (int i = 0; i < 16; i++) {
+                    qs[i] = (uint8_t)((u[i] & 15) | (u[16 + i] & 15) << 4);
+                    q[256 + 4 * r + i % 4] |= (unsigned char)((u[i] >> 4) << (i / 4) | (u[16 + i] >> 4) << (4 + i / 4));
+                }
+                place_q4(q, r, qs);
+                td_quant_q4_k_scale_min(blk->scales, sub, &sc, &mn);
+                ks[K_SC(sub) + r] = (unsigned char)sc;
+                ks[K_MN(sub) + r] = (unsigned char)mn;
+            }
+        }
+    }
+}
+
+/* IQ4_XS: each 32-weight sub-block's 4-bit indices in the Q4 layout (as stored: byte j holds
+ * weights j and j + 16), f16 d and the int8 ls - 32 of each sub-block kept */
+static void pack_iq4_xs(void *dst, const void *w, size_t n, size_t k)
+{
+    size_t nb = k / TD_QK, qb = quant_bytes(TD_IQ4_XS);
+    for (size_t j = 0; j < n; j++) {
+        size_t r;
+        unsigned char *gq = group_of(dst, TD_IQ4_XS, k, j, &r), *gs = gq + nb * qb;
+        const td_block_iq4_xs_t *row =
+            (const td_block_iq4_xs_t *)((const unsigned char *)w + j * td_dtype_bytes(TD_IQ4_XS, k));
+        for (size_t sb = 0; sb < k / TD_QK_K; sb++) {
+            const td_block_iq4_xs_t *blk = &row[sb];
+            unsigned char *ks = gs + sb * XS_SCALE_BYTES;
+            memcpy(ks + 2 * r, &blk->d, 2);
+            for (int sub = 0; sub < 8; sub++) {
+                place_q4(gq + (sb * 8 + (size_t)sub) * qb, r, blk->qs + 16 * sub);
+                ks[XS_SC(sub) + r] = (unsigned char)(int8_t)td_quant_iq4_xs_scale(blk, sub);
+            }
+        }
+    }
+}
+
 /* Q6_K: block j of a super-block (32 weights, two 16-weight scales) becomes the Q4 layout of
  * its low 4 bits (4 vectors) and two vectors of its high 2 bits: vector 4 byte 4r + i holds
  * weights i, 4 + i, 8 + i, 12 + i at bits 0-1, 2-3, 4-5, 6-7, vector 5 the same for weights
@@ -173,6 +246,14 @@ void td_cpu_pack_weights(void *dst, const void *w, td_dtype_t type, size_t n, si
     }
     if (type == TD_Q6_K) {
         pack_q6_k(dst, w, n, k);
+        return;
+    }
+    if (type == TD_Q5_K) {
+        pack_q5_k(dst, w, n, k);
+        return;
+    }
+    if (type == TD_IQ4_XS) {
+        pack_iq4_xs(dst, w, n, k);
         return;
     }
     for (size_t j = 0; j < n; j++) {
@@ -227,7 +308,7 @@ TD_INLINE void act_store_c(unsigned char *c, unsigned char *c2, td_dtype_t type,
                            int32_t sum_first)
 {
     float s = e * (float)sum_q;
-    int32_t ci = (type == TD_Q4_0 ? -8 : -128) * sum_q, c2i = 0;
+    int32_t ci = (type == TD_Q4_0 ? -8 : -128) * sum_q, c2i = 0; /* Q8_0, IQ4_XS: -128 */
     if (type == TD_Q6_K) {
         ci = -32 * sum_first;
         c2i = -32 * (sum_q - sum_first);
@@ -390,7 +471,12 @@ TD_INLINE int unsigned_quant(td_dtype_t t, const unsigned char *q, size_t r, int
         return lo | hi << 4;
     }
     unsigned char byte = q[64 * ((e % 16) / 4) + 4 * r + e % 4];
-    return e < 16 ? byte & 15 : byte >> 4;
+    int nibble = e < 16 ? byte & 15 : byte >> 4;
+    if (t == TD_Q5_K)
+        return nibble | (q[256 + 4 * r + e % 4] >> ((e % 16) / 4 + (e < 16 ? 0 : 4)) & 1) << 4;
+    if (t == TD_IQ4_XS)
+        return td_quant_iq4nl_values[nibble] + 128;
+    return nibble;
 }
 
 TD_INLINE float half_at(const unsigned char *p)
@@ -400,11 +486,17 @@ TD_INLINE float half_at(const unsigned char *p)
     return td_f16_to_f32(h);
 }
 
-/* A block's weight scale d_w and offset m of row r (Q4_K: d * sc and -(dmin * mn), exact in
- * f32; Q4_0, Q8_0: m unused) */
+/* A block's weight scale d_w and offset m of row r (Q4_K, Q5_K: d * sc and -(dmin * mn),
+ * IQ4_XS: d * (ls - 32), exact in f32; Q4_0, Q8_0, IQ4_XS: m unused) */
 TD_INLINE void row_scales(td_dtype_t t, const unsigned char *gs, size_t b, size_t r, float *d_p, float *m_p)
 {
-    if (t == TD_Q4_K) {
+    if (t == TD_IQ4_XS) {
+        const unsigned char *ks = gs + b / 8 * XS_SCALE_BYTES;
+        *d_p = half_at(ks + 2 * r) * (float)(int8_t)ks[XS_SC(b % 8) + r];
+        *m_p = 0.0f;
+        return;
+    }
+    if (k_scales(t)) {
         const unsigned char *ks = gs + b / 8 * K_SCALE_BYTES;
         size_t sub = b % 8;
         *d_p = half_at(ks + K_D + 2 * r) * (float)ks[K_SC(sub) + r];
@@ -487,10 +579,12 @@ PACK_FN(q4_0_scalar, , kernel_scalar, TD_Q4_0)
 PACK_FN(q4_1_scalar, , kernel_scalar, TD_Q4_1)
 PACK_FN(q4_k_scalar, , kernel_scalar, TD_Q4_K)
 PACK_FN(q6_k_scalar, , kernel_scalar, TD_Q6_K)
+PACK_FN(q5_k_scalar, , kernel_scalar, TD_Q5_K)
+PACK_FN(iq4_xs_scalar, , kernel_scalar, TD_IQ4_XS)
 
 static const td_cpu_pack_ops_t ops_scalar = {
     .name = "scalar", .act_row = act_row_scalar, .q8_0 = q8_0_scalar, .q4_0 = q4_0_scalar, .q4_1 = q4_1_scalar,
-    .q4_k = q4_k_scalar, .q6_k = q6_k_scalar};
+    .q4_k = q4_k_scalar, .q5_k = q5_k_scalar, .q6_k = q6_k_scalar, .iq4_xs = iq4_xs_scalar};
 
 #ifdef TD_CPU_PACK_X86
 
@@ -523,7 +617,10 @@ TD_INLINE TD_V void vnni_tile(td_dtype_t t, int R, const unsigned char *gq, cons
                               size_t ldy)
 {
     const size_t qb = quant_bytes(t);
-    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    const __m512i low4 = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10);
+    /* IQ4_XS: u = value + 128 of each index, in every 128-bit lane for vpshufb */
+    const __m512i iq4u = _mm512_broadcast_i32x4(_mm_add_epi8(
+        _mm_loadu_si128((const __m128i *)td_quant_iq4nl_values), _mm_set1_epi8((char)0x80)));
     __m512 acc[8], macc[8];
     for (int i = 0; i < R; i++)
         acc[i] = macc[i] = _mm512_setzero_ps();
@@ -542,9 +639,27 @@ TD_INLINE TD_V void vnni_tile(td_dtype_t t, int R, const unsigned char *gq, cons
                 w[v] = _mm512_and_si512(raw, low4);
                 w[v + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
             }
+            if (t == TD_Q5_K) { /* the fifth bits: weight 4v + j's at bit v, 16 + 4v + j's at 4 + v */
+                const __m512i hb = _mm512_loadu_si512(q + 256);
+                w[0] = _mm512_or_si512(w[0], _mm512_and_si512(_mm512_slli_epi16(hb, 4), bit4));
+                w[1] = _mm512_or_si512(w[1], _mm512_and_si512(_mm512_slli_epi16(hb, 3), bit4));
+                w[2] = _mm512_or_si512(w[2], _mm512_and_si512(_mm512_slli_epi16(hb, 2), bit4));
+                w[3] = _mm512_or_si512(w[3], _mm512_and_si512(_mm512_slli_epi16(hb, 1), bit4));
+                w[4] = _mm512_or_si512(w[4], _mm512_and_si512(hb, bit4));
+                w[5] = _mm512_or_si512(w[5], _mm512_and_si512(_mm512_srli_epi16(hb, 1), bit4));
+                w[6] = _mm512_or_si512(w[6], _mm512_and_si512(_mm512_srli_epi16(hb, 2), bit4));
+                w[7] = _mm512_or_si512(w[7], _mm512_and_si512(_mm512_srli_epi16(hb, 3), bit4));
+            }
+            if (t == TD_IQ4_XS)
+                for (int v = 0; v < 8; v++)
+                    w[v] = _mm512_shuffle_epi8(iq4u, w[v]);
         }
         __m512 dw, mw = _mm512_setzero_ps();
-        if (t == TD_Q4_K) { /* d * sc and -(dmin * mn): the scalar kernel's exact products */
+        if (t == TD_IQ4_XS) { /* d * (ls - 32): exact */
+            const unsigned char *ks = gs + b / 8 * XS_SCALE_BYTES;
+            dw = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)ks)),
+                               _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(ks + XS_SC(b % 8))))));
+        } else if (k_scales(t)) { /* d * sc and -(dmin * mn): the scalar kernel's exact products */
             const unsigned char *ks = gs + b / 8 * K_SCALE_BYTES;
             __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(ks + K_SC(b % 8)))));
             __m512 mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(ks + K_MN(b % 8)))));
@@ -688,10 +803,12 @@ PACK_FN(q4_0_vnni, TD_V, kernel_vnni, TD_Q4_0)
 PACK_FN(q4_1_vnni, TD_V, kernel_vnni, TD_Q4_1)
 PACK_FN(q4_k_vnni, TD_V, kernel_vnni, TD_Q4_K)
 PACK_FN(q6_k_vnni, TD_V, kernel_vnni, TD_Q6_K)
+PACK_FN(q5_k_vnni, TD_V, kernel_vnni, TD_Q5_K)
+PACK_FN(iq4_xs_vnni, TD_V, kernel_vnni, TD_IQ4_XS)
 
 static const td_cpu_pack_ops_t ops_vnni = {
     .name = "avx512vnni", .act_row = act_row_avx512, .q8_0 = q8_0_vnni, .q4_0 = q4_0_vnni, .q4_1 = q4_1_vnni,
-    .q4_k = q4_k_vnni, .q6_k = q6_k_vnni};
+    .q4_k = q4_k_vnni, .q5_k = q5_k_vnni, .q6_k = q6_k_vnni, .iq4_xs = iq4_xs_vnni};
 
 /* ---- AVX2 -------------------------------------------------------------------------------- */
 
@@ -709,7 +826,9 @@ TD_INLINE TD_Y void avx2_tile(td_dtype_t t, int R, int h0, int H, const unsigned
 {
     const size_t qb = quant_bytes(t);
     const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), wide = _mm256_set1_epi16(WIDE);
-    const __m256i bias8 = _mm256_set1_epi8((char)0x80);
+    const __m256i bias8 = _mm256_set1_epi8((char)0x80), bit4 = _mm256_set1_epi8(0x10);
+    /* IQ4_XS: the signed values of the indices in both lanes, for vpshufb */
+    const __m256i iq4s = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)td_quant_iq4nl_values));
     __m256 acc[2][4], macc[2][4];
     for (int x = 0; x < H; x++)
         for (int i = 0; i < R; i++)
@@ -738,14 +857,36 @@ TD_INLINE TD_Y void avx2_tile(td_dtype_t t, int R, int h0, int H, const unsigned
                     }
                 }
             } else {
+                const __m256i hb = t == TD_Q5_K ? _mm256_loadu_si256((const __m256i *)(q + 256)) : _mm256_setzero_si256();
+#pragma GCC unroll 4
                 for (int v = 0; v < 4; v++) {
                     __m256i raw = _mm256_loadu_si256((const __m256i *)(q + 64 * v));
                     __m256i lo4 = _mm256_and_si256(raw, low4);
                     __m256i hi4 = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+                    if (t == TD_Q5_K) { /* the fifth bits: weight 4v + j's at bit v, 16 + 4v + j's at 4 + v */
+                        lo4 = _mm256_or_si256(lo4, _mm256_and_si256(_mm256_slli_epi16(hb, 4 - v), bit4));
+                        hi4 = _mm256_or_si256(hi4, _mm256_and_si256(_mm256_srli_epi16(hb, v), bit4));
+                    }
+                    if (t == TD_IQ4_XS) { /* signed values, Q8_0's sign trick; pairs up to 2 * 127 * 127: one madd each */
+                        __m256i sl = _mm256_shuffle_epi8(iq4s, lo4), sh = _mm256_shuffle_epi8(iq4s, hi4);
+                        __m256i al = _mm256_abs_epi8(sl), ah = _mm256_abs_epi8(sh);
+                        for (int i = 0; i < R; i++) {
+                            const unsigned char *ai = a + i * stride;
+                            const int8_t *qh = act_hi(ai) + b * TD_QK, *ql = act_lo(ai, k) + b * TD_QK;
+                            __m256i ph = _mm256_add_epi32(
+                                _mm256_madd_epi16(_mm256_maddubs_epi16(al, _mm256_sign_epi8(_mm256_set1_epi32(load_i32(qh + 4 * v)), sl)), wide),
+                                _mm256_madd_epi16(_mm256_maddubs_epi16(ah, _mm256_sign_epi8(_mm256_set1_epi32(load_i32(qh + 16 + 4 * v)), sh)), wide));
+                            __m256i pl = _mm256_add_epi32(
+                                _mm256_madd_epi16(_mm256_maddubs_epi16(al, _mm256_sign_epi8(_mm256_set1_epi32(load_i32(ql + 4 * v)), sl)), ones),
+                                _mm256_madd_epi16(_mm256_maddubs_epi16(ah, _mm256_sign_epi8(_mm256_set1_epi32(load_i32(ql + 16 + 4 * v)), sh)), ones));
+                            p[i] = _mm256_add_epi32(p[i], _mm256_add_epi32(ph, pl));
+                        }
+                        continue;
+                    }
                     for (int i = 0; i < R; i++) {
                         const unsigned char *ai = a + i * stride;
                         const int8_t *qh = act_hi(ai) + b * TD_QK, *ql = act_lo(ai, k) + b * TD_QK;
-                        /* nibble pairs: at most 2 * 15 * 127 each, 4 * that summed: no int16 overflow */
+                        /* pairs of u <= 31: at most 2 * 31 * 127 each, two summed: no int16 overflow */
                         __m256i sh16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo4, _mm256_set1_epi32(load_i32(qh + 4 * v))),
                                                         _mm256_maddubs_epi16(hi4, _mm256_set1_epi32(load_i32(qh + 16 + 4 * v))));
                         __m256i sl16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo4, _mm256_set1_epi32(load_i32(ql + 4 * v))),
@@ -756,7 +897,11 @@ TD_INLINE TD_Y void avx2_tile(td_dtype_t t, int R, int h0, int H, const unsigned
                 }
             }
             __m256 dw, mw = _mm256_setzero_ps();
-            if (t == TD_Q4_K) { /* d * sc and -(dmin * mn) of rows 8h..8h+7: the scalar kernel's exact products */
+            if (t == TD_IQ4_XS) { /* d * (ls - 32) of rows 8h..8h+7: exact */
+                const unsigned char *ks = gs + b / 8 * XS_SCALE_BYTES;
+                dw = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ks + 16 * h))),
+                                   _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(ks + XS_SC(b % 8) + 8 * h)))));
+            } else if (k_scales(t)) { /* d * sc and -(dmin * mn) of rows 8h..8h+7: the scalar kernel's exact products */
                 const unsigned char *ks = gs + b / 8 * K_SCALE_BYTES;
                 __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(ks + K_SC(b % 8) + 8 * h))));
                 __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(ks + K_MN(b % 8) + 8 * h))));
@@ -885,10 +1030,12 @@ PACK_FN(q4_0_avx2, TD_Y, kernel_avx2, TD_Q4_0)
 PACK_FN(q4_1_avx2, TD_Y, kernel_avx2, TD_Q4_1)
 PACK_FN(q4_k_avx2, TD_Y, kernel_avx2, TD_Q4_K)
 PACK_FN(q6_k_avx2, TD_Y, kernel_avx2, TD_Q6_K)
+PACK_FN(q5_k_avx2, TD_Y, kernel_avx2, TD_Q5_K)
+PACK_FN(iq4_xs_avx2, TD_Y, kernel_avx2, TD_IQ4_XS)
 
 static const td_cpu_pack_ops_t ops_avx2 = {
     .name = "avx2", .act_row = act_row_avx2, .q8_0 = q8_0_avx2, .q4_0 = q4_0_avx2, .q4_1 = q4_1_avx2,
-    .q4_k = q4_k_avx2, .q6_k = q6_k_avx2};
+    .q4_k = q4_k_avx2, .q5_k = q5_k_avx2, .q6_k = q6_k_avx2, .iq4_xs = iq4_xs_avx2};
 
 #endif /* TD_CPU_PACK_X86 */
 
@@ -914,6 +1061,8 @@ td_cpu_pack_fn td_cpu_pack_fn_of(const td_cpu_pack_ops_t *ops, td_dtype_t type)
     case TD_Q4_1: return ops->q4_1;
     case TD_Q4_K: return ops->q4_k;
     case TD_Q6_K: return ops->q6_k;
+    case TD_Q5_K: return ops->q5_k;
+    case TD_IQ4_XS: return ops->iq4_xs;
     default: break;
     }
     TD_ASSERT(!"td_cpu_pack_fn_of: a type without a packed layout");

@@ -23,6 +23,11 @@
  * go per super-block of 8 blocks, 320 bytes: 16 f16 d, 16 f16 dmin (row order, as stored),
  * then for sub-blocks 0..7 the 16 rows' 6-bit sc bytes, then their mn bytes. A block's
  * d_w = d * sc and m = -(dmin * mn), both exact in f32; from there Q4_K is Q4_1.
+ * Q5_K: as Q4_K (u = q, 0..31) with a fifth vector of the fifth bits: byte 4r + j holds those
+ * of weights j, 4 + j, 8 + j, 12 + j at bits 0..3 and of weights 16 + j, ... at bits 4..7.
+ * IQ4_XS: each 32-weight block is the Q4 layout of its 4-bit indices; u = value + 128 (the
+ * value from td_quant_iq4nl_values, offset 128 as Q8_0's); scales per super-block, 160 bytes:
+ * 16 f16 d, then per block the 16 rows' int8 ls - 32. A block's d_w = d * (ls - 32), exact.
  * Q6_K: each 32-weight block is 6 vectors: the Q4 layout of the low 4 bits of u = q (0..63,
  * offset 32), then two vectors of the high 2 bits: vector 4 byte 4r + j holds those of
  * weights j, 4 + j, 8 + j, 12 + j at bits 0-1, 2-3, 4-5, 6-7, vector 5 the same for weights
@@ -39,9 +44,9 @@
  * which prefill has the compute for and batch-1 decode, bound by reading the weights, does
  * not notice. Rows laid out for broadcasts (td_cpu_pack_act_row):
  *   [k int8 hi][k int8 lo][nb f32 e][nb 32-bit c][nb int32 c2]   stride td_cpu_pack_act_stride(k)
- * c folds the weights' offset into the integer sum: Q4_0 c = -8 * sum Q, Q8_0 c = -128 *
- * sum Q (int32), so that c + sum u * Q = sum (u - offset) * Q exactly; Q6_K c = -32 * the sum of
- * the block's first 16 Q and c2 = -32 * that of its last 16 (0 for other types); Q4_1 and Q4_K c = e * sum Q
+ * c folds the weights' offset into the integer sum: Q4_0 c = -8 * sum Q, Q8_0 and IQ4_XS c =
+ * -128 * sum Q (int32), so that c + sum u * Q = sum (u - offset) * Q exactly; Q6_K c = -32 * the sum of
+ * the block's first 16 Q and c2 = -32 * that of its last 16 (0 for other types); Q4_1, Q4_K and Q5_K c = e * sum Q
  * (f32), the activation side of the offset term m * sum x. A block holding NaN gets e =
  * NaN, one holding an infinity e = inf (its outputs NaN or inf, as an f32 matmul's).
  *
@@ -49,15 +54,15 @@
  * output (activation row i, weight row r), over blocks b in order:
  *   p_b = exact integer sum over the block of (u - offset) Q   (an int32: 254 p_hi + p_lo)
  *   acc = fmaf((float)p_b, d_w(r, b) * e(i, b), acc)            acc starts at +0.0
- *   Q4_1, Q4_K only: M = fmaf(m(r, b), c(i, b), M)              (offset 0; M starts at +0.0)
+ *   Q4_1, Q4_K, Q5_K only: M = fmaf(m(r, b), c(i, b), M)        (offset 0; M starts at +0.0)
  *   Q6_K instead: for half h = 0, 1: p_h = c_h + sum over the half of u Q (c_0 = c, c_1 = c2),
  *   acc = fmaf((float)p_h, d_w(r, b, h) * e(i, b), acc)          (|p_h| < 2^24: exact in f32)
- * y = acc (Q4_1, Q4_K: acc + M). Nothing depends on m, on which rows a call computes or on the
+ * y = acc (Q4_1, Q4_K, Q5_K: acc + M). Nothing depends on m, on which rows a call computes or on the
  * ISA: a row's output is the same alone, in a decode batch or in a 512-row prefill, so the
  * backend stays batch-invariant (docs/kernels.md).
  *
  * Range: hi and lo in [-127, 127], u <= 255, so VNNI's products fit and AVX2's maddubs
- * pairs never saturate (Q8_0 goes through the sign trick there: |w| * sign(q, w)); |p_b| <=
+ * pairs never saturate (Q8_0 and IQ4_XS go through the sign trick there: |w| * sign(q, w)); |p_b| <=
  * 32 * 255 * 32512 + 128 * 32 * 32512 < 2^31. Q6_K: u <= 63, AVX2's pairs 2 * 63 * 127 fit in
  * int16, and a half's |p_h| <= 16 * 32 * 32512 < 2^24.
  *
@@ -75,7 +80,7 @@
 
 #define TD_CPU_PACK_ROWS 16
 
-/* Whether `type` has a packed layout (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K). */
+/* Whether `type` has a packed layout (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, IQ4_XS). */
 bool td_cpu_pack_supports(td_dtype_t type);
 
 /* Bytes of one packed group of 16 rows of k weights (k a multiple of the type's block). */
@@ -111,7 +116,7 @@ typedef void (*td_cpu_pack_fn)(const void *wp, size_t g0, size_t g1, size_t k, c
 typedef struct td_cpu_pack_ops {
     const char *name; /* "scalar", "avx2", "avx512vnni" */
     td_cpu_pack_act_fn act_row;
-    td_cpu_pack_fn q8_0, q4_0, q4_1, q4_k, q6_k;
+    td_cpu_pack_fn q8_0, q4_0, q4_1, q4_k, q5_k, q6_k, iq4_xs;
 } td_cpu_pack_ops_t;
 
 /* ops->act_row after checking k and type (TD_ASSERT). */

@@ -33,7 +33,13 @@
 #include "td_quant.h"
 #include "td_util.h"
 
-static const td_dtype_t types[] = {TD_Q8_0, TD_Q4_0, TD_Q4_1, TD_Q4_K, TD_Q6_K};
+static const td_dtype_t types[] = {TD_Q8_0, TD_Q4_0, TD_Q4_1, TD_Q4_K, TD_Q6_K, TD_Q5_K, TD_IQ4_XS};
+
+/* Q4_1, Q4_K, Q5_K: a min term beside the integer sum */
+static bool has_min(td_dtype_t t)
+{
+    return t == TD_Q4_1 || t == TD_Q4_K || t == TD_Q5_K;
+}
 
 static uint64_t rng_next(uint64_t *s)
 {
@@ -48,8 +54,8 @@ static double rng_unit(uint64_t *s) /* [0, 1) */
     return (double)(rng_next(s) >> 11) * 0x1.0p-53;
 }
 
-/* n rows of k weights: random quants (Q4_K: random 6-bit scales and mins), f16 scales (and
- * Q4_1's mins, Q4_K's dmin) of either sign in 2^-8..2^1 */
+/* n rows of k weights: random quants (Q4_K, Q5_K: random 6-bit scales and mins; IQ4_XS: random
+ * 6-bit scales), f16 scales (and Q4_1's mins, Q4_K's and Q5_K's dmin) of either sign in 2^-8..2^1 */
 static void *make_weights(td_dtype_t t, size_t n, size_t k, uint64_t *s)
 {
     size_t bytes = td_dtype_bytes(t, n * k);
@@ -58,9 +64,9 @@ static void *make_weights(td_dtype_t t, size_t n, size_t k, uint64_t *s)
         w[i] = (uint8_t)rng_next(s);
     size_t be = td_dtype_block_elems(t), bb = td_dtype_bytes(t, be);
     for (size_t b = 0; b < n * k / be; b++) {
-        /* d, then Q4_1's m or Q4_K's dmin; Q6_K's d ends its block */
+        /* d, then Q4_1's m or Q4_K's, Q5_K's dmin; Q6_K's d ends its block */
         uint16_t *h = (uint16_t *)(w + b * bb + (t == TD_Q6_K ? offsetof(td_block_q6_k_t, d) : 0));
-        for (int j = 0; j < (t == TD_Q4_1 || t == TD_Q4_K ? 2 : 1); j++)
+        for (int j = 0; j < (has_min(t) ? 2 : 1); j++)
             h[j] = (uint16_t)((rng_next(s) & 1) << 15 | (7 + rng_next(s) % 10) << 10 | (rng_next(s) & 1023));
     }
     return w;
@@ -78,7 +84,8 @@ static float *make_x(size_t m, size_t k, uint64_t *s)
 }
 
 /* signed quant e of a row as stored in GGUF (the offset already taken: Q4_1's and Q4_K's q
- * are 0..15), read from the GGUF layout, never from the packed one */
+ * are 0..15, Q5_K's 0..31; IQ4_XS: the table's value), read from the GGUF layout, never from
+ * the packed one */
 static int row_quant(td_dtype_t t, const uint8_t *row, size_t e)
 {
     if (t == TD_Q6_K) { /* td_quant.h's description of Q6_K's planes */
@@ -92,6 +99,17 @@ static int row_quant(td_dtype_t t, const uint8_t *row, size_t e)
         const td_block_q4_k_t *blk = (const td_block_q4_k_t *)row + e / TD_QK_K;
         size_t sub = e % TD_QK_K / TD_QK, j = e % TD_QK;
         return (blk->qs[32 * (sub / 2) + j] >> (4 * (sub % 2))) & 15;
+    }
+    if (t == TD_Q5_K) { /* Q4_K's nibbles, bit `sub` of qh[j] the fifth */
+        const td_block_q5_k_t *blk = (const td_block_q5_k_t *)row + e / TD_QK_K;
+        size_t sub = e % TD_QK_K / TD_QK, j = e % TD_QK;
+        return ((blk->qs[32 * (sub / 2) + j] >> (4 * (sub % 2))) & 15) | ((blk->qh[j] >> sub) & 1) << 4;
+    }
+    if (t == TD_IQ4_XS) { /* byte j % 16 of the sub-block's 16, low nibble for j < 16 */
+        const td_block_iq4_xs_t *blk = (const td_block_iq4_xs_t *)row + e / TD_QK_K;
+        size_t sub = e % TD_QK_K / TD_QK, j = e % TD_QK;
+        static const int values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+        return values[(blk->qs[16 * sub + j % 16] >> (j < 16 ? 0 : 4)) & 15];
     }
     const uint8_t *blk = row + e / TD_QK * td_dtype_bytes(t, TD_QK);
     e %= TD_QK;
@@ -113,8 +131,16 @@ static void row_scales(td_dtype_t t, const uint8_t *row, size_t b, int half, dou
         *m_p = 0.0;
         return;
     }
-    if (t == TD_Q4_K) {
-        const td_block_q4_k_t *blk = (const td_block_q4_k_t *)row + b / 8;
+    if (t == TD_IQ4_XS) { /* 6-bit ls: 4 bits from scales_l, 2 from scales_h */
+        const td_block_iq4_xs_t *blk = (const td_block_iq4_xs_t *)row + b / 8;
+        size_t sub = b % 8;
+        int ls = ((blk->scales_l[sub / 2] >> (4 * (sub % 2))) & 15) | ((blk->scales_h >> (2 * sub)) & 3) << 4;
+        *d_p = (double)td_f16_to_f32(blk->d) * (ls - 32);
+        *m_p = 0.0;
+        return;
+    }
+    if (t == TD_Q4_K || t == TD_Q5_K) { /* the same 12 scale bytes after d and dmin */
+        const td_block_q4_k_t *blk = (const td_block_q4_k_t *)(row + b / 8 * td_dtype_bytes(t, TD_QK_K));
         size_t sub = b % 8;
         const uint8_t *sc = blk->scales;
         int scale = sub < 4 ? sc[sub] & 63 : (sc[sub + 4] & 15) | (sc[sub - 4] >> 6) << 4;
@@ -175,7 +201,7 @@ static void check_case(td_dtype_t t, size_t n, size_t k, size_t m, uint64_t seed
                     ref += term;
                     mag += fabs(term);
                 }
-                if (t == TD_Q4_1 || t == TD_Q4_K) {
+                if (has_min(t)) {
                     int64_t sq = 0;
                     for (int e = 0; e < TD_QK; e++)
                         sq += qa[b * TD_QK + e];
@@ -306,7 +332,7 @@ Test(cpu_pack, act_row)
                     cr_assert(fabs((double)e * (254 * hi + lo) - x[b * TD_QK + j]) <= 0.51 * e + 1e-30,
                               "block %zu: x %g, e Q %g", b, x[b * TD_QK + j], (double)e * (254 * hi + lo));
             }
-            if (t == TD_Q4_1 || t == TD_Q4_K) {
+            if (has_min(t)) {
                 float c;
                 memcpy(&c, a + 2 * k + 4 * nb + 4 * b, 4);
                 cr_assert(memcmp(&c, &(float){e * (float)sum}, 4) == 0, "block %zu: c %g", b, c);

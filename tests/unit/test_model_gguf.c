@@ -34,7 +34,7 @@ typedef struct tiny {
     const char *skip_tensor;   /* a tensor not written */
     const char *wide_tensor;   /* a matrix written with 32 more columns */
     const char *extra_tensor;  /* an extra [32] f32 tensor */
-    const char *q5k_tensor;    /* a matrix written as Q5_K (a type tandem has no dtype for) */
+    const char *q3k_tensor;    /* a matrix written as Q3_K (a type tandem has no dtype for) */
     int n_tokens;              /* length of tokenizer.ggml.tokens (default vocab) */
     int heads_kv;              /* head_count_kv (default 2) */
     int eos;                   /* tokenizer.ggml.eos_token_id (default 2) */
@@ -169,27 +169,27 @@ static void write_tiny(const tiny_t *o)
     for (int i = 0; i < n; i++) {
         if (o->skip_tensor && !strcmp(o->skip_tensor, s[i].name))
             continue;
-        bool q5k = o->q5k_tensor && !strcmp(o->q5k_tensor, s[i].name);
+        bool q3k = o->q3k_tensor && !strcmp(o->q3k_tensor, s[i].name);
         int64_t cols = s[i].d1 > 0 ? s[i].d1 : s[i].d0;
         if (o->wide_tensor && !strcmp(o->wide_tensor, s[i].name))
             cols += 32;
-        if (q5k)
+        if (q3k)
             cols = 256;
         int64_t ne[2] = {cols, s[i].d0};
-        cr_assert_eq(td_gguf_writer_tensor(w, s[i].name, s[i].d1 > 0 ? 2 : 1, ne, q5k ? TD_GGML_Q5_K : s[i].type),
+        cr_assert_eq(td_gguf_writer_tensor(w, s[i].name, s[i].d1 > 0 ? 2 : 1, ne, q3k ? TD_GGML_Q3_K : s[i].type),
                      TD_OK, "%s", td_last_error());
     }
     cr_assert_eq(td_gguf_writer_begin(w), TD_OK);
     for (int i = 0; i < n; i++) {
         if (o->skip_tensor && !strcmp(o->skip_tensor, s[i].name))
             continue;
-        bool q5k = o->q5k_tensor && !strcmp(o->q5k_tensor, s[i].name);
+        bool q3k = o->q3k_tensor && !strcmp(o->q3k_tensor, s[i].name);
         int64_t cols = s[i].d1 > 0 ? s[i].d1 : s[i].d0;
         if (o->wide_tensor && !strcmp(o->wide_tensor, s[i].name))
             cols += 32;
         int64_t rows = s[i].d1 > 0 ? s[i].d0 : 1;
-        if (q5k) {
-            size_t bytes = (size_t)rows * 176; /* one 256-weight Q5_K block per row */
+        if (q3k) {
+            size_t bytes = (size_t)rows * 110; /* one 256-weight Q3_K block per row */
             void *z = calloc(1, bytes);
             cr_assert_eq(td_gguf_writer_write(w, z, bytes), TD_OK);
             free(z);
@@ -340,7 +340,7 @@ Test(model_gguf, errors_name_the_file_and_field)
         {{.extra_tensor = "blk.0.attn_sinks.weight"}, TD_ERR_FORMAT, "tensor blk.0.attn_sinks.weight is not part"},
         {{.extra_tensor = "blk.7.attn_norm.weight"}, TD_ERR_FORMAT, "block_count is 2"},
         {{.extra_tensor = "blk.01.attn_norm.weight"}, TD_ERR_FORMAT, "blk.01.attn_norm.weight is not part"},
-        {{.q5k_tensor = "blk.0.ffn_gate.weight"}, TD_ERR_UNSUPPORTED, "blk.0.ffn_gate.weight has ggml type Q5_K"},
+        {{.q3k_tensor = "blk.0.ffn_gate.weight"}, TD_ERR_UNSUPPORTED, "blk.0.ffn_gate.weight has ggml type Q3_K"},
         {{.n_tokens = 39}, TD_ERR_FORMAT, "tokenizer.ggml.tokens has 39 tokens"},
         {{.heads_kv = 3}, TD_ERR_FORMAT, "head_count 4 is not a multiple of head_count_kv 3"},
         {{.eos = 40}, TD_ERR_FORMAT, "tokenizer.ggml.eos_token_id = 40 is outside the vocabulary"},

@@ -91,6 +91,14 @@ Test(quant, q6_k_dequantize_matches_gguf_py)
 {
     check_dequantize("q6_k", TD_GGML_Q6_K);
 }
+Test(quant, q5_k_dequantize_matches_gguf_py)
+{
+    check_dequantize("q5_k", TD_GGML_Q5_K);
+}
+Test(quant, iq4_xs_dequantize_matches_gguf_py)
+{
+    check_dequantize("iq4_xs", TD_GGML_IQ4_XS);
+}
 
 typedef void (*quantize_fn)(const float *src, void *dst, size_t n);
 
@@ -300,6 +308,9 @@ Test(quant, dtype_block_types_have_ggml_sizes_and_names)
     cr_expect_eq(td_dtype_bytes(TD_Q4_1, 32), 20);
     cr_expect_eq(td_dtype_bytes(TD_Q4_K, 512), 288);
     cr_expect_eq(td_dtype_bytes(TD_Q6_K, 256), 210);
+    cr_expect_eq(td_dtype_bytes(TD_Q5_K, 512), 352);
+    cr_expect_eq(td_dtype_bytes(TD_IQ4_XS, 256), 136);
+    cr_expect_str_eq(td_dtype_name(TD_IQ4_XS), "iq4_xs");
     cr_expect_eq(td_dtype_bytes(TD_F16, 3), 6);
     cr_expect_eq(td_dtype_block_elems(TD_Q6_K), 256);
     cr_expect_eq(td_dtype_size(TD_Q8_0), 0, "a block type has no element size");
