@@ -12,6 +12,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <utf8proc.h>
+
 #include "td_util.h"
 
 /* ---- errors ---------------------------------------------------------------------------- */
@@ -518,36 +520,12 @@ void router_oai_buf_printf(router_oai_buf_t *b, const char *fmt, ...)
 }
 
 /* The length of the valid UTF-8 sequence at s[0..left), or 0 when it is not one (overlong
- * forms, surrogates and code points past U+10FFFF included). */
+ * forms, surrogates and code points past U+10FFFF included): libutf8proc's decoder. */
 static size_t utf8_seq(const unsigned char *s, size_t left)
 {
-    unsigned c = s[0];
-    size_t n;
-    uint32_t cp;
-    if (c < 0x80)
-        return 1;
-    if (c >= 0xc2 && c <= 0xdf) {
-        n = 2;
-        cp = c & 0x1f;
-    } else if (c >= 0xe0 && c <= 0xef) {
-        n = 3;
-        cp = c & 0x0f;
-    } else if (c >= 0xf0 && c <= 0xf4) {
-        n = 4;
-        cp = c & 0x07;
-    } else {
-        return 0;
-    }
-    if (left < n)
-        return 0;
-    for (size_t i = 1; i < n; i++) {
-        if ((s[i] & 0xc0) != 0x80)
-            return 0;
-        cp = cp << 6 | (s[i] & 0x3f);
-    }
-    if ((n == 3 && (cp < 0x800 || (cp >= 0xd800 && cp <= 0xdfff))) || (n == 4 && (cp < 0x10000 || cp > 0x10ffff)))
-        return 0;
-    return n;
+    utf8proc_int32_t cp;
+    utf8proc_ssize_t n = utf8proc_iterate(s, (utf8proc_ssize_t)left, &cp);
+    return n > 0 ? (size_t)n : 0;
 }
 
 void router_oai_buf_json_str(router_oai_buf_t *b, const char *s, size_t len)
