@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "td_arena.h"
 #include "td_util.h"
 
 const char *td_grpc_code_name(td_grpc_code_t code)
@@ -165,93 +166,47 @@ bool td_grpc_peek_prefix(const td_grpc_buf_t *b, uint8_t *compressed, uint32_t *
 /*
  * One arena per unpacked message: protobuf-c makes one allocation per sub-message, string
  * and repeated array (a StepBatch of 64 entries is 66), so it bumps through chunks and
- * frees them all at once. The first chunk starts with the arena itself and the first
- * allocation (protobuf-c allocates the top-level message first) follows it at a fixed
- * offset, which is how td_grpc_free_unpacked finds the arena. Chunks count against the
- * budget (16 bytes per wire byte + 64 KiB), so a hostile message still costs a bounded
- * amount of memory.
+ * frees them all at once. The arena and protobuf-c's allocator are the first allocation
+ * of the first chunk and the top-level message (protobuf-c allocates it first) the next,
+ * at a fixed offset, which is how td_grpc_free_unpacked finds the arena. Chunks after the
+ * first count against the budget (16 bytes per wire byte + 64 KiB), so a hostile message
+ * still costs a bounded amount of memory.
  */
-typedef struct arena_chunk {
-    struct arena_chunk *next;
-    size_t used, cap;            /* bytes of data[] */
-    _Alignas(16) uint8_t data[];
-} arena_chunk_t;
-
-typedef struct arena {
-    size_t left;                 /* budget */
-    arena_chunk_t *chunks;       /* newest first; the last one is the first chunk */
+typedef struct wire_arena {
+    td_arena_t arena;
     ProtobufCAllocator alloc;
-} arena_t;
+} wire_arena_t;
 
-#define ARENA_HDR TD_DIV_CEIL(sizeof(arena_t), 16) * 16
+#define WIRE_ARENA_HDR TD_DIV_CEIL(sizeof(wire_arena_t), 16) * 16
 
-static arena_chunk_t *arena_chunk_new(arena_t *a, size_t cap)
+static void *wire_arena_alloc(void *data, size_t size)
 {
-    if (cap > a->left)
-        return NULL;
-    arena_chunk_t *c = malloc(sizeof *c + cap);
-    if (!c)
-        return NULL;
-    a->left -= cap;
-    c->next = a->chunks;
-    c->used = 0;
-    c->cap = cap;
-    a->chunks = c;
-    return c;
+    return td_arena_alloc(&((wire_arena_t *)data)->arena, size);
 }
 
-static void *arena_alloc(void *data, size_t size)
-{
-    arena_t *a = data;
-    size = TD_DIV_CEIL(size ? size : 1, 16) * 16;
-    arena_chunk_t *c = a->chunks;
-    if (c->cap - c->used < size) {
-        size_t cap = TD_MAX(2 * c->cap, size);
-        if (cap > a->left)
-            cap = size;
-        if (!(c = arena_chunk_new(a, cap)))
-            return NULL;
-    }
-    void *p = c->data + c->used;
-    c->used += size;
-    return p;
-}
-
-static void arena_free(void *data, void *ptr)
+static void wire_arena_free(void *data, void *ptr)
 {
     /* everything goes with the arena */
-}
-
-static void arena_destroy(arena_t *a)
-{
-    /* the first chunk holds the arena: free it last */
-    for (arena_chunk_t *c = a->chunks, *next; c; c = next) {
-        next = c->next;
-        free(c);
-    }
 }
 
 ProtobufCMessage *td_grpc_unpack(const ProtobufCMessageDescriptor *desc, const uint8_t *p, size_t n)
 {
     size_t bound = n > (SIZE_MAX - 65536) / 16 ? SIZE_MAX : n * 16 + 65536;
     /* room for the arena, the top-level message and what the wire bytes usually unpack to */
-    size_t first = ARENA_HDR + TD_DIV_CEIL(desc->sizeof_message, 16) * 16 + TD_MIN(4 * n + 256, bound / 2);
-    arena_chunk_t *c = malloc(sizeof *c + first);
-    if (!c)
+    size_t first = WIRE_ARENA_HDR + TD_DIV_CEIL(desc->sizeof_message, 16) * 16 + TD_MIN(4 * n + 256, bound / 2);
+    td_arena_t arena;
+    td_arena_init(&arena, first, bound > SIZE_MAX - first ? SIZE_MAX : bound + first); /* the first chunk is free */
+    wire_arena_t *w = td_arena_alloc(&arena, sizeof *w);
+    if (!w)
         return NULL;
-    c->next = NULL;
-    c->cap = first;
-    c->used = ARENA_HDR;
-    arena_t *a = (arena_t *)c->data;
-    a->left = bound;
-    a->chunks = c;
-    a->alloc = (ProtobufCAllocator){arena_alloc, arena_free, a};
-    ProtobufCMessage *m = protobuf_c_message_unpack(desc, &a->alloc, n, p);
+    w->arena = arena; /* the arena now lives in its first chunk */
+    w->alloc = (ProtobufCAllocator){wire_arena_alloc, wire_arena_free, w};
+    ProtobufCMessage *m = protobuf_c_message_unpack(desc, &w->alloc, n, p);
     if (!m) {
-        arena_destroy(a);
+        td_arena_free(&w->arena);
         return NULL;
     }
-    TD_ASSERT((uint8_t *)m == c->data + ARENA_HDR); /* the top-level message came first */
+    TD_ASSERT((uint8_t *)m == (uint8_t *)w + WIRE_ARENA_HDR); /* the top-level message came first */
     return m;
 }
 
@@ -259,7 +214,7 @@ void td_grpc_free_unpacked(ProtobufCMessage *m)
 {
     if (!m)
         return;
-    arena_destroy((arena_t *)((uint8_t *)m - ARENA_HDR));
+    td_arena_free(&((wire_arena_t *)((uint8_t *)m - WIRE_ARENA_HDR))->arena);
 }
 
 /* ---- header encodings --------------------------------------------------------------- */

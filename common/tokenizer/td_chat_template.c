@@ -17,52 +17,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "td_arena.h"
+
 #define MAX_DEPTH 64 /* nested statements + nested expressions */
-
-/* ---- arena ---- */
-
-typedef struct chunk {
-    struct chunk *next;
-    size_t used, cap;
-    _Alignas(max_align_t) unsigned char data[];
-} chunk_t;
-
-typedef struct arena {
-    chunk_t *head;
-    size_t total, limit; /* bytes obtained from malloc; 0 limit: none */
-    bool over_limit;     /* the last refusal was the limit, not malloc */
-} arena_t;
-
-static void *arena_alloc(arena_t *a, size_t n)
-{
-    n = (n + 15) & ~(size_t)15;
-    if (!a->head || a->head->cap - a->head->used < n) {
-        size_t cap = n > 65536 ? n : 65536;
-        a->over_limit = a->limit && (cap > a->limit || a->total > a->limit - cap);
-        if (a->over_limit)
-            return NULL;
-        chunk_t *c = malloc(sizeof *c + cap);
-        if (!c)
-            return NULL;
-        c->next = a->head;
-        c->used = 0;
-        c->cap = cap;
-        a->head = c;
-        a->total += cap;
-    }
-    void *p = a->head->data + a->head->used;
-    a->head->used += n;
-    return p;
-}
-
-static void arena_free(arena_t *a)
-{
-    for (chunk_t *c = a->head, *next; c; c = next) {
-        next = c->next;
-        free(c);
-    }
-    a->head = NULL;
-}
 
 /* ---- errors ---- */
 
@@ -121,7 +78,7 @@ typedef struct tok {
 
 typedef struct lexer {
     errctx_t *e;
-    arena_t *a;
+    td_arena_t *a;
     const char *src;
     size_t len;
     tok_t *v;
@@ -159,9 +116,9 @@ static td_status_t push_tok(lexer_t *lx, tok_t t)
 
 /* Copies s[0..n) into the arena with \r\n and \r turned into \n, as jinja2 normalizes
  * newlines in template data and string literals. */
-static const char *copy_normalized(arena_t *a, const char *s, size_t n, size_t *n_p)
+static const char *copy_normalized(td_arena_t *a, const char *s, size_t n, size_t *n_p)
 {
-    char *d = arena_alloc(a, n + 1);
+    char *d = td_arena_alloc(a, n + 1);
     if (!d)
         return NULL;
     size_t k = 0;
@@ -212,7 +169,7 @@ static td_status_t lex_tag(lexer_t *lx, size_t *pos, bool is_var, bool *strip_af
         if (s[p] == '\'' || s[p] == '"') {
             char q = s[p];
             size_t start = ++p;
-            char *d = arena_alloc(lx->a, lx->len - start + 1);
+            char *d = td_arena_alloc(lx->a, lx->len - start + 1);
             if (!d)
                 return TD_ERR_NOMEM;
             size_t k = 0;
@@ -434,7 +391,7 @@ struct node {
 };
 
 struct td_chat_template {
-    arena_t arena;
+    td_arena_t arena;
     char *src; /* a copy, for error positions at render time */
     size_t len;
     node_t *body;
@@ -444,7 +401,7 @@ struct td_chat_template {
 
 typedef struct parser {
     errctx_t *e;
-    arena_t *a;
+    td_arena_t *a;
     tok_t *t;
     size_t i;
     int depth;
@@ -452,7 +409,7 @@ typedef struct parser {
 
 static node_t *new_node(parser_t *p, node_kind_t kind, size_t pos)
 {
-    node_t *n = arena_alloc(p->a, sizeof *n);
+    node_t *n = td_arena_alloc(p->a, sizeof *n);
     if (n) {
         memset(n, 0, sizeof *n);
         n->kind = kind;
@@ -560,7 +517,7 @@ static td_status_t parse_args(parser_t *p, const char *close, node_t *n)
     }
     TRY(expect_op(p, close));
     n->nargs = k;
-    n->args = arena_alloc(p->a, (k ? k : 1) * sizeof *n->args);
+    n->args = td_arena_alloc(p->a, (k ? k : 1) * sizeof *n->args);
     if (!n->args)
         return TD_ERR_NOMEM;
     memcpy(n->args, items, k * sizeof *items);
@@ -578,7 +535,7 @@ static td_status_t parse_primary(parser_t *p, node_t **out)
         /* adjacent string literals concatenate, as in Python */
         while (cur(p)->kind == T_STRING) {
             const tok_t *u = cur(p);
-            char *d = arena_alloc(p->a, n->v.u.s.n + u->n + 1);
+            char *d = td_arena_alloc(p->a, n->v.u.s.n + u->n + 1);
             if (!d)
                 return TD_ERR_NOMEM;
             memcpy(d, n->v.u.s.p, n->v.u.s.n);
@@ -1054,6 +1011,7 @@ td_status_t td_chat_template_create(const char *src, size_t len, td_chat_templat
     td_chat_template_t *t = calloc(1, sizeof *t);
     if (!t)
         return TD_ERR_NOMEM;
+    td_arena_init(&t->arena, 0, 0);
     td_status_t st = TD_ERR_NOMEM;
     t->src = malloc(len + 1);
     if (!t->src)
@@ -1087,7 +1045,7 @@ void td_chat_template_destroy(td_chat_template_t *t)
 {
     if (!t)
         return;
-    arena_free(&t->arena);
+    td_arena_free(&t->arena);
     free(t->src);
     free(t);
 }
@@ -1103,7 +1061,7 @@ typedef struct binding {
 typedef struct render {
     errctx_t e;
     const td_chat_render_t *r;
-    arena_t a;
+    td_arena_t a;
     char *out;
     size_t out_n, out_cap;
     uint64_t steps;
@@ -1121,7 +1079,7 @@ static td_status_t nomem(render_t *R, size_t pos)
 
 static void *ralloc(render_t *R, size_t n)
 {
-    return arena_alloc(&R->a, n);
+    return td_arena_alloc(&R->a, n);
 }
 
 static td_status_t step(render_t *R, size_t pos)
@@ -1793,13 +1751,14 @@ td_status_t td_chat_template_render(const td_chat_template_t *t, const td_chat_r
 {
     if (!t || !r || !out_p || (r->n_messages && !r->messages))
         return TD_ERR_INVALID;
-    render_t R = {.e = {t->src, t->len, err, err_cap}, .r = r, .a = {.limit = r->max_memory}};
+    render_t R = {.e = {t->src, t->len, err, err_cap}, .r = r};
+    td_arena_init(&R.a, 0, r->max_memory);
     td_status_t st = bind_globals(&R);
     if (!st)
         st = exec_body(&R, t->body, R.n_vars);
     if (!st)
         st = emit(&R, t->len, "", 0); /* an empty render still gets a buffer */
-    arena_free(&R.a);
+    td_arena_free(&R.a);
     if (st) {
         free(R.out);
         return st;
