@@ -167,53 +167,36 @@ static void ts_closed(void *data)
     (void)data;
 }
 
-static void ts_on_stop(uv_async_t *a)
+static td_status_t ts_open(uv_loop_t *loop, void *data)
 {
-    test_server_t *ts = a->data;
-    td_grpc_server_close(ts->srv, ts_closed, ts);
-    uv_close((uv_handle_t *)&ts->stop, NULL);
+    test_server_t *ts = data;
+    td_status_t st = td_grpc_server_create(loop, &ts->cfg, &ts->srv);
+    if (st != TD_OK)
+        return st;
+    ts->port = td_grpc_server_port(ts->srv);
+    td_grpc_server_add_method(ts->srv, "/tandem.v1.Generation/Generate", &tandem__v1__generate_request__descriptor,
+                              handle_generate, ts);
+    td_grpc_server_add_method(ts->srv, "/tandem.v1.Generation/ListModels",
+                              &tandem__v1__list_models_request__descriptor, handle_list_models, ts);
+    td_grpc_server_add_method(ts->srv, "/grpc.health.v1.Health/Check",
+                              &grpc__health__v1__health_check_request__descriptor, handle_health, ts);
+    return TD_OK;
 }
 
-static void ts_thread(void *arg)
+static void ts_close(void *data)
 {
-    test_server_t *ts = arg;
-    uv_loop_init(&ts->loop);
-    uv_async_init(&ts->loop, &ts->stop, ts_on_stop);
-    ts->stop.data = ts;
-    ts->create_status = td_grpc_server_create(&ts->loop, &ts->cfg, &ts->srv);
-    if (ts->create_status == TD_OK) {
-        ts->port = td_grpc_server_port(ts->srv);
-        td_grpc_server_add_method(ts->srv, "/tandem.v1.Generation/Generate",
-                                  &tandem__v1__generate_request__descriptor, handle_generate, ts);
-        td_grpc_server_add_method(ts->srv, "/tandem.v1.Generation/ListModels",
-                                  &tandem__v1__list_models_request__descriptor, handle_list_models,
-                                  ts);
-        td_grpc_server_add_method(ts->srv, "/grpc.health.v1.Health/Check",
-                                  &grpc__health__v1__health_check_request__descriptor,
-                                  handle_health, ts);
-    } else {
-        uv_close((uv_handle_t *)&ts->stop, NULL);
-    }
-    uv_sem_post(&ts->ready);
-    uv_run(&ts->loop, UV_RUN_DEFAULT);
-    ts->loop_close_rc = uv_loop_close(&ts->loop);
+    test_server_t *ts = data;
+    td_grpc_server_close(ts->srv, ts_closed, ts);
 }
 
 uint16_t ts_start(test_server_t *ts, const td_grpc_server_config_t *cfg)
 {
     memset(ts, 0, sizeof *ts);
     ts->cfg = *cfg;
-    uv_sem_init(&ts->ready, 0);
-    uv_thread_create(&ts->thread, ts_thread, ts);
-    uv_sem_wait(&ts->ready);
-    uv_sem_destroy(&ts->ready);
-    return ts->create_status == TD_OK ? ts->port : 0;
+    return td_test_loop_start(&ts->l, ts_open, ts_close, ts) == TD_OK ? ts->port : 0;
 }
 
 int ts_stop(test_server_t *ts)
 {
-    if (ts->create_status == TD_OK)
-        uv_async_send(&ts->stop);
-    uv_thread_join(&ts->thread);
-    return ts->loop_close_rc;
+    return td_test_loop_stop(&ts->l);
 }

@@ -21,19 +21,15 @@
 #include <uv.h>
 
 #include "td_grpc.h"
+#include "td_test_loop.h"
 
 #define BP_MESSAGES 10000 /* what the "backpressure" prompt streams */
 
 typedef struct test_server {
-    uv_thread_t thread;
-    uv_loop_t loop;
-    uv_async_t stop;
-    uv_sem_t ready;
+    td_test_loop_t l;
     td_grpc_server_config_t cfg;
     td_grpc_server_t *srv;
     uint16_t port;
-    int create_status;
-    int loop_close_rc;
     _Atomic int cancel_reason; /* td_status_t seen by the "slow" handler's cancel cb */
     _Atomic int cancels;
     _Atomic int bp_busy; /* BUSY returns seen by the back-pressure handler */

@@ -22,21 +22,18 @@
 #include <unistd.h>
 
 #include "td_http.h"
+#include "td_test_loop.h"
 #include "td_test_net.h"
 #include "td_util.h"
 
 /* ---- the server side --------------------------------------------------------------- */
 
 typedef struct srv {
-    uv_thread_t thread;
-    uv_loop_t loop;
-    uv_async_t stop;
-    uv_sem_t ready;
+    td_test_loop_t l;
     td_http_config_t cfg;
     td_metrics_t *reg;
     td_http_server_t *http;
     uint16_t port;
-    int loop_close_rc;
     /* what the handlers saw, read by the test thread */
     _Atomic int aborts, streams_done, busy_seen, handled;
     _Atomic size_t max_queued;
@@ -129,7 +126,7 @@ static void handler(void *data, td_http_req_t *req)
     cr_assert(st);
     st->s = s;
     st->req = req;
-    uv_timer_init(&s->loop, &st->timer);
+    uv_timer_init(&s->l.loop, &st->timer);
     st->timer.data = st;
     td_http_req_set_data(req, st);
     td_http_req_on_abort(req, on_abort);
@@ -155,27 +152,22 @@ static void handler(void *data, td_http_req_t *req)
     uv_close((uv_handle_t *)&st->timer, stream_free);
 }
 
-static void on_stop(uv_async_t *a)
+static td_status_t srv_open(uv_loop_t *loop, void *data)
 {
-    srv_t *s = a->data;
-    td_http_server_close(s->http, NULL, NULL);
-    uv_close((uv_handle_t *)&s->stop, NULL);
-}
-
-static void srv_thread(void *arg)
-{
-    srv_t *s = arg;
-    uv_loop_init(&s->loop);
-    uv_async_init(&s->loop, &s->stop, on_stop);
-    s->stop.data = s;
+    srv_t *s = data;
     s->cfg.handler = handler;
     s->cfg.handler_data = s;
     s->cfg.metrics = s->reg;
-    if (td_http_server_create(&s->loop, &s->cfg, &s->http) == TD_OK)
+    td_status_t st = td_http_server_create(loop, &s->cfg, &s->http);
+    if (st == TD_OK)
         s->port = td_http_server_port(s->http);
-    uv_sem_post(&s->ready);
-    uv_run(&s->loop, UV_RUN_DEFAULT);
-    s->loop_close_rc = uv_loop_close(&s->loop);
+    return st;
+}
+
+static void srv_close(void *data)
+{
+    srv_t *s = data;
+    td_http_server_close(s->http, NULL, NULL);
 }
 
 static srv_t *srv_start(const td_http_config_t *cfg)
@@ -185,19 +177,15 @@ static srv_t *srv_start(const td_http_config_t *cfg)
     cr_assert(s);
     s->cfg = *cfg;
     cr_assert_eq(td_metrics_create(&s->reg), TD_OK);
-    uv_sem_init(&s->ready, 0);
-    uv_thread_create(&s->thread, srv_thread, s);
-    uv_sem_wait(&s->ready);
+    td_test_loop_start(&s->l, srv_open, srv_close, s);
     cr_assert_neq(s->port, 0, "the server did not start: %s", td_last_error());
     return s;
 }
 
 static void srv_stop(srv_t *s)
 {
-    uv_async_send(&s->stop);
-    uv_thread_join(&s->thread);
-    uv_sem_destroy(&s->ready);
-    cr_assert_eq(s->loop_close_rc, 0, "the server left handles open");
+    int loop_close_rc = td_test_loop_stop(&s->l);
+    cr_assert_eq(loop_close_rc, 0, "the server left handles open");
     td_metrics_destroy(s->reg);
     free(s);
 }
@@ -630,11 +618,9 @@ Test(http, disconnect_aborts_once, .timeout = 30)
     cr_assert(wait_for(&s->handled, 4));
     usleep(100000);
     cr_assert_eq(atomic_load(&s->aborts), 2, "aborted twice, or too early");
-    uv_async_send(&s->stop);
-    uv_thread_join(&s->thread);
+    int loop_close_rc = td_test_loop_stop(&s->l);
     cr_assert_eq(atomic_load(&s->aborts), 4, "the server's close aborts what it still handles");
-    cr_assert_eq(s->loop_close_rc, 0, "the server left handles open");
-    uv_sem_destroy(&s->ready);
+    cr_assert_eq(loop_close_rc, 0, "the server left handles open");
     td_metrics_destroy(s->reg);
     free(s);
     client_free(left);

@@ -18,6 +18,7 @@
 #include "td_http.h"
 #include "td_metrics.h"
 #include "td_metrics_loop.h"
+#include "td_test_loop.h"
 #include "td_test_net.h"
 #include "td_util.h"
 
@@ -158,39 +159,36 @@ Test(metrics, concurrent_updates, .timeout = 30)
 
 /* ---- /metrics over HTTP ------------------------------------------------------------- */
 
+/* A /metrics server of `reg` on its own loop thread. */
 typedef struct http_srv {
-    uv_thread_t thread;
-    uv_loop_t loop;
-    uv_async_t stop;
-    uv_sem_t ready;
+    td_test_loop_t l;
+    td_http_config_t cfg;
     td_metrics_t *reg;
     td_http_server_t *srv;
     uint16_t port;
-    int loop_close_rc;
 } http_srv_t;
 
-static void on_stop(uv_async_t *a)
+static td_status_t http_open(uv_loop_t *loop, void *data)
 {
-    http_srv_t *h = a->data;
-    td_http_server_close(h->srv, NULL, NULL);
-    uv_close((uv_handle_t *)&h->stop, NULL);
+    http_srv_t *h = data;
+    td_status_t st = td_http_server_create(loop, &h->cfg, &h->srv);
+    if (st == TD_OK)
+        h->port = td_http_server_port(h->srv);
+    return st;
 }
 
-static void http_thread(void *arg)
+static void http_close(void *data)
 {
-    http_srv_t *h = arg;
-    uv_loop_init(&h->loop);
-    uv_async_init(&h->loop, &h->stop, on_stop);
-    h->stop.data = h;
-    td_http_config_t cfg = td_http_config_default();
-    cfg.handler = td_http_metrics_handler;
-    cfg.handler_data = h->reg;
-    cfg.max_request_bytes = 1024;
-    if (td_http_server_create(&h->loop, &cfg, &h->srv) == TD_OK)
-        h->port = td_http_server_port(h->srv);
-    uv_sem_post(&h->ready);
-    uv_run(&h->loop, UV_RUN_DEFAULT);
-    h->loop_close_rc = uv_loop_close(&h->loop);
+    http_srv_t *h = data;
+    td_http_server_close(h->srv, NULL, NULL);
+}
+
+/* Stops the server, checks that its loop closed every handle, and destroys its registry. */
+static void http_stop(http_srv_t *h)
+{
+    int loop_close_rc = td_test_loop_stop(&h->l);
+    cr_assert_eq(loop_close_rc, 0, "http server left handles open");
+    td_metrics_destroy(h->reg);
 }
 
 /* Reads one response with Content-Length; returns its total length. */
@@ -216,11 +214,11 @@ static size_t read_response(int fd, char *buf, size_t cap)
 Test(metrics, http_metrics_endpoint, .timeout = 30)
 {
     signal(SIGPIPE, SIG_IGN);
-    http_srv_t h = {0};
-    h.reg = golden_registry();
-    uv_sem_init(&h.ready, 0);
-    uv_thread_create(&h.thread, http_thread, &h);
-    uv_sem_wait(&h.ready);
+    http_srv_t h = {.reg = golden_registry(), .cfg = td_http_config_default()};
+    h.cfg.handler = td_http_metrics_handler;
+    h.cfg.handler_data = h.reg;
+    h.cfg.max_request_bytes = 1024;
+    td_test_loop_start(&h.l, http_open, http_close, &h);
     cr_assert_neq(h.port, 0);
     static char buf[65536];
 
@@ -268,11 +266,7 @@ Test(metrics, http_metrics_endpoint, .timeout = 30)
     cr_assert(strstr(buf, "Connection: close"));
     close(fd);
 
-    uv_async_send(&h.stop);
-    uv_thread_join(&h.thread);
-    uv_sem_destroy(&h.ready);
-    cr_assert_eq(h.loop_close_rc, 0, "http server left handles open");
-    td_metrics_destroy(h.reg);
+    http_stop(&h);
 }
 
 /* ---- td_metrics_loop ----------------------------------------------------------------- */
@@ -339,47 +333,18 @@ Test(metrics, loop_lag_and_longest_run, .timeout = 30)
 
 /* ---- idle, slow and half-open connections ------------------------------------------ */
 
-typedef struct hostile_srv {
-    http_srv_t h;
-    td_http_config_t cfg;
-} hostile_srv_t;
-
-static void hostile_thread(void *arg)
-{
-    hostile_srv_t *hs = arg;
-    http_srv_t *h = &hs->h;
-    uv_loop_init(&h->loop);
-    uv_async_init(&h->loop, &h->stop, on_stop);
-    h->stop.data = h;
-    hs->cfg.handler = td_http_metrics_handler;
-    hs->cfg.handler_data = h->reg;
-    hs->cfg.metrics = h->reg;
-    if (td_http_server_create(&h->loop, &hs->cfg, &h->srv) == TD_OK)
-        h->port = td_http_server_port(h->srv);
-    uv_sem_post(&h->ready);
-    uv_run(&h->loop, UV_RUN_DEFAULT);
-    h->loop_close_rc = uv_loop_close(&h->loop);
-}
-
-static void hostile_start(hostile_srv_t *hs, const td_http_config_t *cfg)
+/* A /metrics server with `cfg` that counts its closed connections in its own registry. */
+static void hostile_start(http_srv_t *hs, const td_http_config_t *cfg)
 {
     signal(SIGPIPE, SIG_IGN);
     memset(hs, 0, sizeof *hs);
+    cr_assert_eq(td_metrics_create(&hs->reg), TD_OK);
     hs->cfg = *cfg;
-    cr_assert_eq(td_metrics_create(&hs->h.reg), TD_OK);
-    uv_sem_init(&hs->h.ready, 0);
-    uv_thread_create(&hs->h.thread, hostile_thread, hs);
-    uv_sem_wait(&hs->h.ready);
-    cr_assert_neq(hs->h.port, 0);
-}
-
-static void hostile_stop(hostile_srv_t *hs)
-{
-    uv_async_send(&hs->h.stop);
-    uv_thread_join(&hs->h.thread);
-    uv_sem_destroy(&hs->h.ready);
-    cr_assert_eq(hs->h.loop_close_rc, 0, "http server left handles open");
-    td_metrics_destroy(hs->h.reg);
+    hs->cfg.handler = td_http_metrics_handler;
+    hs->cfg.handler_data = hs->reg;
+    hs->cfg.metrics = hs->reg;
+    td_test_loop_start(&hs->l, http_open, http_close, hs);
+    cr_assert_neq(hs->port, 0);
 }
 
 /* One scrape on a new connection: 200 with the closed-connection counter, whose value for
@@ -404,7 +369,7 @@ static double scrape_closed(uint16_t port, const char *reason)
  * from its first byte), although every gap is far below the idle timeout (30 s). */
 Test(metrics, trickled_request_is_closed_at_its_deadline, .timeout = 30)
 {
-    hostile_srv_t hs;
+    http_srv_t hs;
     td_http_config_t cfg = td_http_config_default();
     cfg.request_timeout_ms = 500;
     hostile_start(&hs, &cfg);
@@ -412,13 +377,13 @@ Test(metrics, trickled_request_is_closed_at_its_deadline, .timeout = 30)
     static char head[200] = "GET /metrics HTTP/1.1\r\nX-Slow: ";
     memset(head + strlen(head), 'a', sizeof head - 1 - strlen(head));
     td_test_trickle_t t = {0};
-    td_test_trickle_start(&t, hs.h.port, 1, head); /* 20 s if never closed */
+    td_test_trickle_start(&t, hs.port, 1, head); /* 20 s if never closed */
     char b;
     cr_assert_eq(recv(t.fds[0], &b, 1, 0), 0, "the trickled request was not closed (or was answered)");
     td_test_trickle_stop(&t);
 
-    cr_assert_geq(scrape_closed(hs.h.port, "request_timeout"), 1);
-    hostile_stop(&hs);
+    cr_assert_geq(scrape_closed(hs.port, "request_timeout"), 1);
+    http_stop(&hs);
 }
 
 /* The issue's lock-out: 2,000 connections that sent half a request line and 200 that
@@ -429,38 +394,38 @@ Test(metrics, half_open_flood_does_not_lock_scrapers_out, .timeout = 120)
     enum { N_HALF = 2000, N_SLOW = 200 };
     if (!td_test_raise_nofile(N_HALF + N_SLOW + 256))
         cr_skip_test("RLIMIT_NOFILE cannot be raised to %d (hard limit too low)", N_HALF + N_SLOW + 256);
-    hostile_srv_t hs;
+    http_srv_t hs;
     td_http_config_t cfg = td_http_config_default();
     hostile_start(&hs, &cfg);
     static char buf[65536];
 
-    int keep = td_test_connect(hs.h.port);
+    int keep = td_test_connect(hs.port);
     const char *get = "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n";
     send(keep, get, strlen(get), MSG_NOSIGNAL);
     read_response(keep, buf, sizeof buf);
 
     int *half = calloc(N_HALF, sizeof *half);
     cr_assert(half);
-    td_test_half_open(hs.h.port, half, N_HALF, "GET /met", 8);
+    td_test_half_open(hs.port, half, N_HALF, "GET /met", 8);
     td_test_trickle_t slow = {0};
-    td_test_trickle_start(&slow, hs.h.port, N_SLOW, "GET /metrics HTTP/1.1\r\nHost: a-slow-client.example\r\n\r\n");
+    td_test_trickle_start(&slow, hs.port, N_SLOW, "GET /metrics HTTP/1.1\r\nHost: a-slow-client.example\r\n\r\n");
 
     for (int i = 0; i < 20; i++)
-        scrape_closed(hs.h.port, "evicted");
+        scrape_closed(hs.port, "evicted");
     cr_assert_eq(send(keep, get, strlen(get), MSG_NOSIGNAL), (ssize_t)strlen(get));
     read_response(keep, buf, sizeof buf);
     cr_assert(strncmp(buf, "HTTP/1.1 200 OK\r\n", 17) == 0, "the kept-alive scraper lost its connection: %s", buf);
     /* a loaded machine may take past the 10 s request deadline: those count there */
-    double made_room = scrape_closed(hs.h.port, "evicted") + scrape_closed(hs.h.port, "request_timeout");
+    double made_room = scrape_closed(hs.port, "evicted") + scrape_closed(hs.port, "request_timeout");
     cr_assert_geq(made_room, N_HALF + N_SLOW - 64, "connections were refused, not evicted");
-    cr_assert_eq(scrape_closed(hs.h.port, "refused"), 0);
+    cr_assert_eq(scrape_closed(hs.port, "refused"), 0);
     close(keep);
 
     td_test_trickle_stop(&slow);
     for (int i = 0; i < N_HALF; i++)
         close(half[i]);
     free(half);
-    hostile_stop(&hs);
+    http_stop(&hs);
 }
 
 Test(metrics, register_all_registers_in_order_and_stops_at_the_first_error)
