@@ -1,5 +1,6 @@
 /*
- * td_test_loop: a server's loop on a thread of its own, stopped by an async (td_test_loop.h).
+ * td_test_loop: a server's loop on a thread of its own, stopped by an async, and an HTTP
+ * server on one (td_test_loop.h).
  */
 #include "td_test_loop.h"
 
@@ -43,4 +44,31 @@ int td_test_loop_stop(td_test_loop_t *l)
         uv_async_send(&l->stop);
     uv_thread_join(&l->thread);
     return l->loop_close_rc;
+}
+
+static td_status_t http_open(uv_loop_t *loop, void *data)
+{
+    td_test_http_t *h = data;
+    td_status_t st = td_http_server_create(loop, &h->cfg, &h->srv);
+    if (st == TD_OK)
+        h->port = td_http_server_port(h->srv);
+    return st;
+}
+
+static void http_close(void *data)
+{
+    td_test_http_t *h = data;
+    td_http_server_close(h->srv, NULL, NULL);
+}
+
+void td_test_http_start(td_test_http_t *h, const td_http_config_t *cfg)
+{
+    *h = (td_test_http_t){.cfg = *cfg};
+    td_status_t st = td_test_loop_start(&h->l, http_open, http_close, h);
+    cr_assert_eq(st, TD_OK, "the HTTP server did not start: %s", td_strerror(st));
+}
+
+int td_test_http_stop(td_test_http_t *h)
+{
+    return td_test_loop_stop(&h->l);
 }

@@ -9,14 +9,18 @@
  * is only touched on its own thread, and the only call from the test's thread is
  * uv_async_send.
  *
+ * td_test_http is the common case, an HTTP server (td_http.h) on such a loop.
+ *
  * Part of the td_test_support library every tests/unit/test_*.c links; tested by
  * test_test_loop.
  */
 #ifndef TD_TEST_LOOP_H
 #define TD_TEST_LOOP_H
 
+#include <stdint.h>
 #include <uv.h>
 
+#include "td_http.h"
 #include "td_status.h"
 
 /* On the loop's thread, before the loop runs: create the server on `loop`. Anything but
@@ -49,5 +53,21 @@ td_status_t td_test_loop_start(td_test_loop_t *l, td_test_loop_start_cb start_cb
  * end and the thread to exit, and returns uv_loop_close's result: 0 when every handle was
  * closed, so a test asserts it. */
 int td_test_loop_stop(td_test_loop_t *l);
+
+/* An HTTP server on a td_test_loop. */
+typedef struct td_test_http {
+    td_test_loop_t l;
+    td_http_config_t cfg;
+    td_http_server_t *srv;
+    uint16_t port;
+} td_test_http_t;
+
+/* Starts an HTTP server with *cfg (its handler and registry included) on its own loop
+ * thread; asserts that it listens, then h->port is its port. */
+void td_test_http_start(td_test_http_t *h, const td_http_config_t *cfg);
+
+/* Closes the server, ends its loop and thread; returns uv_loop_close's result (0: every
+ * handle closed). */
+int td_test_http_stop(td_test_http_t *h);
 
 #endif /* TD_TEST_LOOP_H */

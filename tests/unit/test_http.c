@@ -29,11 +29,8 @@
 /* ---- the server side --------------------------------------------------------------- */
 
 typedef struct srv {
-    td_test_loop_t l;
-    td_http_config_t cfg;
+    td_test_http_t h;
     td_metrics_t *reg;
-    td_http_server_t *http;
-    uint16_t port;
     /* what the handlers saw, read by the test thread */
     _Atomic int aborts, streams_done, busy_seen, handled;
     _Atomic size_t max_queued;
@@ -126,7 +123,7 @@ static void handler(void *data, td_http_req_t *req)
     cr_assert(st);
     st->s = s;
     st->req = req;
-    uv_timer_init(&s->l.loop, &st->timer);
+    uv_timer_init(&s->h.l.loop, &st->timer);
     st->timer.data = st;
     td_http_req_set_data(req, st);
     td_http_req_on_abort(req, on_abort);
@@ -152,39 +149,23 @@ static void handler(void *data, td_http_req_t *req)
     uv_close((uv_handle_t *)&st->timer, stream_free);
 }
 
-static td_status_t srv_open(uv_loop_t *loop, void *data)
-{
-    srv_t *s = data;
-    s->cfg.handler = handler;
-    s->cfg.handler_data = s;
-    s->cfg.metrics = s->reg;
-    td_status_t st = td_http_server_create(loop, &s->cfg, &s->http);
-    if (st == TD_OK)
-        s->port = td_http_server_port(s->http);
-    return st;
-}
-
-static void srv_close(void *data)
-{
-    srv_t *s = data;
-    td_http_server_close(s->http, NULL, NULL);
-}
-
 static srv_t *srv_start(const td_http_config_t *cfg)
 {
     signal(SIGPIPE, SIG_IGN);
     srv_t *s = calloc(1, sizeof *s);
     cr_assert(s);
-    s->cfg = *cfg;
     cr_assert_eq(td_metrics_create(&s->reg), TD_OK);
-    td_test_loop_start(&s->l, srv_open, srv_close, s);
-    cr_assert_neq(s->port, 0, "the server did not start: %s", td_last_error());
+    td_http_config_t c = *cfg;
+    c.handler = handler;
+    c.handler_data = s;
+    c.metrics = s->reg;
+    td_test_http_start(&s->h, &c);
     return s;
 }
 
 static void srv_stop(srv_t *s)
 {
-    int loop_close_rc = td_test_loop_stop(&s->l);
+    int loop_close_rc = td_test_http_stop(&s->h);
     cr_assert_eq(loop_close_rc, 0, "the server left handles open");
     td_metrics_destroy(s->reg);
     free(s);
@@ -364,7 +345,7 @@ static bool client_closed(client_t *c)
 /* One request on a fresh connection: its status; the body in c->body. */
 static int request(srv_t *s, const char *raw, client_t **c_p)
 {
-    client_t *c = client_new(s->port);
+    client_t *c = client_new(s->h.port);
     client_sends(c, raw);
     int st = client_read(c);
     *c_p = c;
@@ -377,7 +358,7 @@ Test(http, bodies_by_length_and_chunked, .timeout = 30)
 {
     srv_t *s = srv_start(&(td_http_config_t){.host = "127.0.0.1", .max_request_bytes = 1024,
                                              .max_body_bytes = 4096, .max_write_queue_bytes = 65536});
-    client_t *c = client_new(s->port);
+    client_t *c = client_new(s->h.port);
     client_sends(c, "POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 11\r\n\r\nhello world");
     cr_assert_eq(client_read(c), 200);
     cr_assert_str_eq(c->body, "hello world");
@@ -430,7 +411,7 @@ Test(http, limits_and_garbage_get_their_status_and_close, .timeout = 30)
     cr_assert(client_closed(c));
     client_free(c);
     /* ... while the client goes on sending it: the 413 still arrives, not a reset */
-    c = client_new(s->port);
+    c = client_new(s->h.port);
     client_sends(c, "POST /echo HTTP/1.1\r\nContent-Length: 1000000\r\n\r\n");
     static char junk[256 * 1024];
     memset(junk, 'j', sizeof junk);
@@ -442,7 +423,7 @@ Test(http, limits_and_garbage_get_their_status_and_close, .timeout = 30)
     cr_assert_eq(request(s, "POST /echo HTTP/1.1\r\nContent-Length: 99999\r\nExpect: 100-continue\r\n\r\n", &c), 413);
     client_free(c);
     /* a chunked body that grows past it */
-    c = client_new(s->port);
+    c = client_new(s->h.port);
     client_sends(c, "POST /echo HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n");
     static char chunk[1100];
     memset(chunk, 'c', sizeof chunk);
@@ -495,7 +476,7 @@ Test(http, keep_alive_serves_many_requests_and_close_closes, .timeout = 60)
 {
     srv_t *s = srv_start(&(td_http_config_t){.host = "127.0.0.1", .max_request_bytes = 1024,
                                              .max_body_bytes = 4096, .max_write_queue_bytes = 65536});
-    client_t *c = client_new(s->port);
+    client_t *c = client_new(s->h.port);
     for (int i = 0; i < 2000; i++) {
         char req[128], want[16];
         snprintf(want, sizeof want, "%d", i);
@@ -517,7 +498,7 @@ Test(http, keep_alive_serves_many_requests_and_close_closes, .timeout = 60)
     cr_assert(client_closed(c));
     client_free(c);
     /* a client that half-closes after its request (printf ... | nc) still reads the answer */
-    c = client_new(s->port);
+    c = client_new(s->h.port);
     client_sends(c, "GET /info HTTP/1.1\r\n\r\n");
     shutdown(c->fd, SHUT_WR);
     cr_assert_eq(client_read(c), 200, "a half-closed client lost its answer");
@@ -528,7 +509,7 @@ Test(http, keep_alive_serves_many_requests_and_close_closes, .timeout = 60)
     cr_assert_eq(c->body_len, 15);
     client_free(c);
     /* and HTTP/1.0 asking for keep-alive gets it */
-    c = client_new(s->port);
+    c = client_new(s->h.port);
     for (int i = 0; i < 3; i++) {
         client_sends(c, "GET /info HTTP/1.0\r\nConnection: keep-alive\r\n\r\n");
         cr_assert_eq(client_read(c), 200);
@@ -548,7 +529,7 @@ Test(http, pipelined_requests_are_answered_in_order, .timeout = 30)
     for (int i = 0; i < N; i++)
         len += (size_t)sprintf(all + len, "POST /%s HTTP/1.1\r\nX-Seq: %d\r\nContent-Length: %d\r\n\r\n%*d",
                                i % 3 == 0 ? "async" : "echo", i, 6, 6, i);
-    client_t *c = client_new(s->port);
+    client_t *c = client_new(s->h.port);
     client_send(c, all, len);
     for (int i = 0; i < N; i++) {
         char want[16];
@@ -575,7 +556,7 @@ Test(http, stream_to_a_slow_reader_is_held_to_the_bound, .timeout = 60)
 {
     srv_t *s = srv_start(&(td_http_config_t){.host = "127.0.0.1", .max_request_bytes = 1024,
                                              .max_body_bytes = 4096, .max_write_queue_bytes = 65536});
-    client_t *c = client_new(s->port);
+    client_t *c = client_new(s->h.port);
     client_sends(c, "GET /stream?n=2048&size=16384 HTTP/1.1\r\n\r\n");
     usleep(500000);
     cr_assert_gt(atomic_load(&s->busy_seen), 0, "the slow reader never filled the queue");
@@ -599,26 +580,26 @@ Test(http, disconnect_aborts_once, .timeout = 30)
 {
     srv_t *s = srv_start(&(td_http_config_t){.host = "127.0.0.1", .max_request_bytes = 1024,
                                              .max_body_bytes = 4096, .max_write_queue_bytes = 65536});
-    client_t *c = client_new(s->port);
+    client_t *c = client_new(s->h.port);
     client_sends(c, "GET /stream?n=-1&size=1000 HTTP/1.1\r\n\r\n");
     char b[8192];
     cr_assert_gt(recv(c->fd, b, sizeof b, 0), 0);
     client_free(c);
     cr_assert(wait_for(&s->aborts, 1), "no abort after the client went mid-stream");
 
-    c = client_new(s->port);
+    c = client_new(s->h.port);
     client_sends(c, "GET /hang HTTP/1.1\r\n\r\n");
     cr_assert(wait_for(&s->handled, 2));
     client_free(c);
     cr_assert(wait_for(&s->aborts, 2), "no abort after a handled request's client went");
 
-    client_t *left = client_new(s->port), *left2 = client_new(s->port);
+    client_t *left = client_new(s->h.port), *left2 = client_new(s->h.port);
     client_sends(left, "GET /hang HTTP/1.1\r\n\r\n");
     client_sends(left2, "GET /stream?n=-1&size=1000 HTTP/1.1\r\n\r\n");
     cr_assert(wait_for(&s->handled, 4));
     usleep(100000);
     cr_assert_eq(atomic_load(&s->aborts), 2, "aborted twice, or too early");
-    int loop_close_rc = td_test_loop_stop(&s->l);
+    int loop_close_rc = td_test_http_stop(&s->h);
     cr_assert_eq(atomic_load(&s->aborts), 4, "the server's close aborts what it still handles");
     cr_assert_eq(loop_close_rc, 0, "the server left handles open");
     td_metrics_destroy(s->reg);
@@ -636,7 +617,7 @@ Test(http, slowloris_idle_and_unread_answers_are_closed_at_their_deadlines, .tim
                                              .max_body_bytes = 1 << 20, .max_write_queue_bytes = 65536,
                                              .idle_timeout_ms = 300, .request_timeout_ms = 500});
     td_test_trickle_t t = {0};
-    td_test_trickle_start(&t, s->port, 2, "GET /info HTTP/1.1\r\nX-Slow: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa\r\n\r\n");
+    td_test_trickle_start(&t, s->h.port, 2, "GET /info HTTP/1.1\r\nX-Slow: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa\r\n\r\n");
     uint64_t t0 = td_now_ns();
     char b;
     cr_assert_eq(recv(t.fds[0], &b, 1, 0), 0, "the trickled head was not closed (or was answered)");
@@ -645,17 +626,17 @@ Test(http, slowloris_idle_and_unread_answers_are_closed_at_their_deadlines, .tim
     td_test_trickle_stop(&t);
     cr_assert_geq(closed(s, "request_timeout"), 2);
 
-    td_test_trickle_start(&t, s->port, 1, "POST /echo HTTP/1.1\r\nContent-Length: 2000\r\n\r\nbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb");
+    td_test_trickle_start(&t, s->h.port, 1, "POST /echo HTTP/1.1\r\nContent-Length: 2000\r\n\r\nbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb");
     cr_assert_eq(recv(t.fds[0], &b, 1, 0), 0, "the trickled body was not closed");
     td_test_trickle_stop(&t);
 
-    client_t *c = client_new(s->port);
+    client_t *c = client_new(s->h.port);
     cr_assert(client_closed(c), "an idle connection stayed open");
     client_free(c);
     cr_assert_geq(closed(s, "idle_timeout"), 1);
 
     /* 64 MiB of stream the client never reads: closed once the queue sits unread */
-    c = client_new(s->port);
+    c = client_new(s->h.port);
     client_sends(c, "GET /stream?n=4096&size=16384 HTTP/1.1\r\n\r\n");
     cr_assert(wait_for(&s->aborts, 1), "a stream nobody reads was not aborted");
     cr_assert_geq(closed(s, "write_timeout"), 1);
@@ -673,12 +654,12 @@ Test(http, a_thousand_idle_connections_hold_the_cap, .timeout = 120)
     srv_t *s = srv_start(&(td_http_config_t){.host = "127.0.0.1", .max_request_bytes = 1024,
                                              .max_body_bytes = 4096, .max_write_queue_bytes = 65536,
                                              .max_connections = CAP});
-    client_t *keep = client_new(s->port);
+    client_t *keep = client_new(s->h.port);
     client_sends(keep, "GET /info HTTP/1.1\r\n\r\n");
     cr_assert_eq(client_read(keep), 200);
     int *fds = calloc(N, sizeof *fds);
     cr_assert(fds);
-    td_test_half_open(s->port, fds, N, "", 0);
+    td_test_half_open(s->h.port, fds, N, "", 0);
     client_t *c;
     cr_assert_eq(request(s, "GET /info HTTP/1.1\r\n\r\n", &c), 200);
     client_free(c);
@@ -705,11 +686,11 @@ Test(http, busy_connections_are_never_evicted, .timeout = 30)
                                              .max_connections = CAP});
     client_t *busy[CAP];
     for (int i = 0; i < CAP; i++) {
-        busy[i] = client_new(s->port);
+        busy[i] = client_new(s->h.port);
         client_sends(busy[i], "GET /hang HTTP/1.1\r\n\r\n");
     }
     cr_assert(wait_for(&s->handled, CAP));
-    client_t *c = client_new(s->port);
+    client_t *c = client_new(s->h.port);
     cr_assert(client_closed(c), "a connection past the cap was let in");
     client_free(c);
     cr_assert_eq(closed(s, "refused"), 1);
@@ -828,7 +809,7 @@ Test(http, mutated_requests_never_break_the_server, .timeout = 120)
             }
             }
         }
-        int fd = td_test_connect(s->port);
+        int fd = td_test_connect(s->h.port);
         for (size_t off = 0; off < len;) {
             size_t n = 1 + RND() % (len - off);
             if (send(fd, buf + off, n, MSG_NOSIGNAL) < 0)

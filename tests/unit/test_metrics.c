@@ -161,32 +161,23 @@ Test(metrics, concurrent_updates, .timeout = 30)
 
 /* A /metrics server of `reg` on its own loop thread. */
 typedef struct http_srv {
-    td_test_loop_t l;
-    td_http_config_t cfg;
+    td_test_http_t h;
     td_metrics_t *reg;
-    td_http_server_t *srv;
-    uint16_t port;
 } http_srv_t;
 
-static td_status_t http_open(uv_loop_t *loop, void *data)
+/* Starts the server with cfg, its handler the /metrics one of h->reg. */
+static void http_start(http_srv_t *h, const td_http_config_t *cfg)
 {
-    http_srv_t *h = data;
-    td_status_t st = td_http_server_create(loop, &h->cfg, &h->srv);
-    if (st == TD_OK)
-        h->port = td_http_server_port(h->srv);
-    return st;
-}
-
-static void http_close(void *data)
-{
-    http_srv_t *h = data;
-    td_http_server_close(h->srv, NULL, NULL);
+    td_http_config_t c = *cfg;
+    c.handler = td_http_metrics_handler;
+    c.handler_data = h->reg;
+    td_test_http_start(&h->h, &c);
 }
 
 /* Stops the server, checks that its loop closed every handle, and destroys its registry. */
 static void http_stop(http_srv_t *h)
 {
-    int loop_close_rc = td_test_loop_stop(&h->l);
+    int loop_close_rc = td_test_http_stop(&h->h);
     cr_assert_eq(loop_close_rc, 0, "http server left handles open");
     td_metrics_destroy(h->reg);
 }
@@ -214,16 +205,14 @@ static size_t read_response(int fd, char *buf, size_t cap)
 Test(metrics, http_metrics_endpoint, .timeout = 30)
 {
     signal(SIGPIPE, SIG_IGN);
-    http_srv_t h = {.reg = golden_registry(), .cfg = td_http_config_default()};
-    h.cfg.handler = td_http_metrics_handler;
-    h.cfg.handler_data = h.reg;
-    h.cfg.max_request_bytes = 1024;
-    td_test_loop_start(&h.l, http_open, http_close, &h);
-    cr_assert_neq(h.port, 0);
+    http_srv_t h = {.reg = golden_registry()};
+    td_http_config_t cfg = td_http_config_default();
+    cfg.max_request_bytes = 1024;
+    http_start(&h, &cfg);
     static char buf[65536];
 
     /* two requests on one keep-alive connection */
-    int fd = td_test_connect(h.port);
+    int fd = td_test_connect(h.h.port);
     const char *get = "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n";
     for (int i = 0; i < 2; i++) {
         send(fd, get, strlen(get), 0);
@@ -241,7 +230,7 @@ Test(metrics, http_metrics_endpoint, .timeout = 30)
     close(fd);
 
     /* garbage: 400 and close */
-    fd = td_test_connect(h.port);
+    fd = td_test_connect(h.h.port);
     send(fd, "\x01\x02 garbage\r\n\r\n", 14, 0);
     read_response(fd, buf, sizeof buf);
     cr_assert(strncmp(buf, "HTTP/1.1 400", 12) == 0, "got: %s", buf);
@@ -249,7 +238,7 @@ Test(metrics, http_metrics_endpoint, .timeout = 30)
     close(fd);
 
     /* a request over the bound (1 KiB): 431 and close */
-    fd = td_test_connect(h.port);
+    fd = td_test_connect(h.h.port);
     char big[2048];
     memset(big, 'a', sizeof big);
     memcpy(big, "GET /metrics HTTP/1.1\r\nX: ", 26);
@@ -259,7 +248,7 @@ Test(metrics, http_metrics_endpoint, .timeout = 30)
     close(fd);
 
     /* still serving, and HTTP/1.0 closes after the answer */
-    fd = td_test_connect(h.port);
+    fd = td_test_connect(h.h.port);
     send(fd, "GET /metrics HTTP/1.0\r\n\r\n", 25, 0);
     read_response(fd, buf, sizeof buf);
     cr_assert(strncmp(buf, "HTTP/1.1 200", 12) == 0);
@@ -339,12 +328,9 @@ static void hostile_start(http_srv_t *hs, const td_http_config_t *cfg)
     signal(SIGPIPE, SIG_IGN);
     memset(hs, 0, sizeof *hs);
     cr_assert_eq(td_metrics_create(&hs->reg), TD_OK);
-    hs->cfg = *cfg;
-    hs->cfg.handler = td_http_metrics_handler;
-    hs->cfg.handler_data = hs->reg;
-    hs->cfg.metrics = hs->reg;
-    td_test_loop_start(&hs->l, http_open, http_close, hs);
-    cr_assert_neq(hs->port, 0);
+    td_http_config_t c = *cfg;
+    c.metrics = hs->reg;
+    http_start(hs, &c);
 }
 
 /* One scrape on a new connection: 200 with the closed-connection counter, whose value for
@@ -377,12 +363,12 @@ Test(metrics, trickled_request_is_closed_at_its_deadline, .timeout = 30)
     static char head[200] = "GET /metrics HTTP/1.1\r\nX-Slow: ";
     memset(head + strlen(head), 'a', sizeof head - 1 - strlen(head));
     td_test_trickle_t t = {0};
-    td_test_trickle_start(&t, hs.port, 1, head); /* 20 s if never closed */
+    td_test_trickle_start(&t, hs.h.port, 1, head); /* 20 s if never closed */
     char b;
     cr_assert_eq(recv(t.fds[0], &b, 1, 0), 0, "the trickled request was not closed (or was answered)");
     td_test_trickle_stop(&t);
 
-    cr_assert_geq(scrape_closed(hs.port, "request_timeout"), 1);
+    cr_assert_geq(scrape_closed(hs.h.port, "request_timeout"), 1);
     http_stop(&hs);
 }
 
@@ -399,26 +385,26 @@ Test(metrics, half_open_flood_does_not_lock_scrapers_out, .timeout = 120)
     hostile_start(&hs, &cfg);
     static char buf[65536];
 
-    int keep = td_test_connect(hs.port);
+    int keep = td_test_connect(hs.h.port);
     const char *get = "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n";
     send(keep, get, strlen(get), MSG_NOSIGNAL);
     read_response(keep, buf, sizeof buf);
 
     int *half = calloc(N_HALF, sizeof *half);
     cr_assert(half);
-    td_test_half_open(hs.port, half, N_HALF, "GET /met", 8);
+    td_test_half_open(hs.h.port, half, N_HALF, "GET /met", 8);
     td_test_trickle_t slow = {0};
-    td_test_trickle_start(&slow, hs.port, N_SLOW, "GET /metrics HTTP/1.1\r\nHost: a-slow-client.example\r\n\r\n");
+    td_test_trickle_start(&slow, hs.h.port, N_SLOW, "GET /metrics HTTP/1.1\r\nHost: a-slow-client.example\r\n\r\n");
 
     for (int i = 0; i < 20; i++)
-        scrape_closed(hs.port, "evicted");
+        scrape_closed(hs.h.port, "evicted");
     cr_assert_eq(send(keep, get, strlen(get), MSG_NOSIGNAL), (ssize_t)strlen(get));
     read_response(keep, buf, sizeof buf);
     cr_assert(strncmp(buf, "HTTP/1.1 200 OK\r\n", 17) == 0, "the kept-alive scraper lost its connection: %s", buf);
     /* a loaded machine may take past the 10 s request deadline: those count there */
-    double made_room = scrape_closed(hs.port, "evicted") + scrape_closed(hs.port, "request_timeout");
+    double made_room = scrape_closed(hs.h.port, "evicted") + scrape_closed(hs.h.port, "request_timeout");
     cr_assert_geq(made_room, N_HALF + N_SLOW - 64, "connections were refused, not evicted");
-    cr_assert_eq(scrape_closed(hs.port, "refused"), 0);
+    cr_assert_eq(scrape_closed(hs.h.port, "refused"), 0);
     close(keep);
 
     td_test_trickle_stop(&slow);
