@@ -47,6 +47,7 @@ typedef struct bench_opts {
     int layers;              /* --layers: the preset with this many layers; 0: as it is */
     td_dtype_t dtype;
     int quant;               /* --quant: a block td_dtype_t, or -1 */
+    int kv_dtype;            /* --kv-dtype: f32, f16, bf16 or Q8_0; -1: f32 (cpu), --dtype (cuda) */
     bool vs_llamacpp;
     const char *llama_bench; /* path of llama-bench (--llama-bench or $LLAMA_BENCH) */
     td_device_spec_t device;
@@ -584,7 +585,7 @@ out:
 
 int bench_engine(int argc, char **argv)
 {
-    bench_opts_t o = {.preset = "llama-3.2-1b", .dtype = TD_F32, .quant = -1, .threads = 0,
+    bench_opts_t o = {.preset = "llama-3.2-1b", .dtype = TD_F32, .quant = -1, .kv_dtype = -1, .threads = 0,
                       .prompt_tokens = 512, .gen_tokens = 16, .llama_bench = getenv("LLAMA_BENCH")};
     o.spec = td_spec_config_default();
     int64_t threads = 0, prompt_tokens = o.prompt_tokens, gen_tokens = o.gen_tokens, draft_tokens = o.spec.k_max,
@@ -602,6 +603,8 @@ int bench_engine(int argc, char **argv)
                  "activations and the KV cache"},
         {.name = "quant", .type = TD_OPT_FN, .ptr = &o.quant, .parse = cli_opt_quant, .arg = "Q",
          .help = "q8_0|q4_0: quantize the weight matrices at load (CPU)"},
+        {.name = "kv-dtype", .type = TD_OPT_FN, .ptr = &o.kv_dtype, .parse = cli_opt_kv_dtype, .arg = "T",
+         .help = "f32|f16|bf16|q8_0: the KV cache (default: cpu f32, cuda --dtype)"},
         {.name = "device", .type = TD_OPT_FN, .ptr = &o.device, .parse = cli_opt_device, .arg = "D",
          .help = "where the engine runs: cpu (default), cuda or cuda:N"},
         {.name = "threads", .type = TD_OPT_I64, .ptr = &threads, .min = 1, .max = 1024, .arg = "N",
@@ -634,7 +637,7 @@ int bench_engine(int argc, char **argv)
         return 2;
     if (r.help) {
         printf("usage: tandem bench engine [--model PATH | --preset NAME [--layers N]] [--dtype f32|bf16|f16]\n"
-               "                           [--quant q8_0|q4_0] [--device cpu|cuda[:N]] [--threads N]\n"
+               "                           [--quant q8_0|q4_0] [--kv-dtype T] [--device cpu|cuda[:N]] [--threads N]\n"
                "                           [--prompt-tokens N] [--gen-tokens N] [--json]\n"
                "                           [--vs-llamacpp [--llama-bench PATH]]\n"
                "                           [--spec prompt-lookup|draft-model [--draft-model PATH] [--draft-tokens K]\n"
@@ -681,9 +684,7 @@ int bench_engine(int argc, char **argv)
     const td_model_config_t *c = &model->config;
     const int batches[] = {1, 8, 32, 64};
     td_engine_config_t ec = td_engine_config_default();
-    td_engine_config_set_dtype(&ec, -1, o.quant);
-    if (o.device.cuda)
-        ec.kv_dtype = o.dtype;
+    td_engine_config_set_dtype(&ec, -1, o.quant, o.kv_dtype >= 0 ? o.kv_dtype : o.device.cuda ? (int)o.dtype : -1);
     ec.n_blocks = 64 * TD_DIV_CEIL(64 + o.gen_tokens + 1, ec.block_size) +
                   TD_DIV_CEIL(o.prompt_tokens + o.gen_tokens + 1, ec.block_size) + 8;
     ec.max_batch_tokens = TD_MAX(o.prompt_tokens, 64);
@@ -734,7 +735,7 @@ int bench_engine(int argc, char **argv)
     if (run_batch(eng, 1, 64, o.gen_tokens, &p, &dec_s) != TD_OK)
         goto out;
     double decode_tps = o.gen_tokens / dec_s;
-    size_t kv_tok = 2 * (size_t)c->n_layers * c->n_kv_heads * c->head_dim * td_dtype_size(ec.kv_dtype);
+    size_t kv_tok = (size_t)td_model_kv_bytes_per_token(c, ec.kv_dtype);
     /* a mixture reads the router's k experts of each layer per token, not all of them */
     double active = (double)td_engine_active_weight_bytes(eng);
     double bytes_per_token = active + kv_tok * (64 + o.gen_tokens / 2.0);
@@ -766,6 +767,7 @@ int bench_engine(int argc, char **argv)
         cJSON_AddStringToObject(j, "device", be->ops->name);
         if (td_backend_cpu_isa(be))
             cJSON_AddStringToObject(j, "cpu_isa", td_backend_cpu_isa(be));
+        cJSON_AddStringToObject(j, "kv_dtype", td_dtype_name(ec.kv_dtype));
         cJSON_AddNumberToObject(j, "threads", o.threads);
         cJSON_AddNumberToObject(j, "weight_bytes", (double)td_engine_weight_bytes(eng));
         cJSON_AddNumberToObject(j, "active_weight_bytes", active);
@@ -798,9 +800,10 @@ int bench_engine(int argc, char **argv)
         if (bench_json_print(stdout, j) != 0)
             goto out;
     } else {
-        printf("model          %s (%s, %.2f GB of weights streamed per step, %s%s%s)\n", dir,
+        printf("model          %s (%s, %.2f GB of weights streamed per step, %s%s%s, KV %s)\n", dir,
                c->arch_name, (double)td_engine_weight_bytes(eng) * 1e-9, be->ops->name,
-               td_backend_cpu_isa(be) ? " kernels " : "", td_backend_cpu_isa(be) ? td_backend_cpu_isa(be) : "");
+               td_backend_cpu_isa(be) ? " kernels " : "", td_backend_cpu_isa(be) ? td_backend_cpu_isa(be) : "",
+               td_dtype_name(ec.kv_dtype));
         if (c->n_experts > 0)
             printf("experts        %d of %d per token: %.3f GB of active weights per token (of %.3f GB)\n",
                    c->n_experts_used, c->n_experts, active * 1e-9, (double)td_engine_weight_bytes(eng) * 1e-9);

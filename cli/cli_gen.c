@@ -15,7 +15,7 @@
 
 cli_gen_opts_t cli_gen_opts_default(void)
 {
-    return (cli_gen_opts_t){.max_tokens = -1, .dtype = -1, .quant = -1, .logprobs = -1,
+    return (cli_gen_opts_t){.max_tokens = -1, .dtype = -1, .quant = -1, .kv_dtype = -1, .logprobs = -1,
                             .sampling = td_sampling_default(), .spec = td_spec_config_default()};
 }
 
@@ -151,7 +151,7 @@ td_status_t cli_gen_start_engine(cli_gen_t *g, const cli_gen_opts_t *o, td_engin
 {
     const td_model_config_t *c = &g->model->config;
     int dtype = o->dtype < 0 ? td_device_default_dtype(&o->device, c->dtype) : o->dtype;
-    td_engine_config_set_dtype(ec, dtype, o->quant);
+    td_engine_config_set_dtype(ec, dtype, o->quant, o->kv_dtype);
     if (o->kv_mem)
         ec->kv_mem_bytes = o->kv_mem;
     /* the pool holds what kv_tokens need, within the KV budget */

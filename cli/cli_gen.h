@@ -35,6 +35,7 @@ typedef struct cli_gen_opts {
     td_device_spec_t device;
     int dtype;                 /* -1: weights as stored, f32 KV and activations */
     int quant;                 /* --quant: a block td_dtype_t, or -1 */
+    int kv_dtype;              /* --kv-dtype: f32, f16, bf16 or Q8_0; -1: as dtype */
     int64_t max_tokens;        /* -1 (not given): up to the model's length */
     bool max_tokens_given;     /* -1 given is refused, not taken as "not given" */
     int64_t threads;

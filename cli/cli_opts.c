@@ -26,6 +26,15 @@ td_status_t cli_opt_quant(const td_opt_t *opt, const char *value)
     return st;
 }
 
+td_status_t cli_opt_kv_dtype(const td_opt_t *opt, const char *value)
+{
+    td_dtype_t t;
+    td_status_t st = td_dtype_parse_kv_flag(value, &t);
+    if (st == TD_OK)
+        *(int *)opt->ptr = (int)t;
+    return st;
+}
+
 td_status_t cli_opt_spec(const td_opt_t *opt, const char *value)
 {
     td_spec_mode_t m;

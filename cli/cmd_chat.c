@@ -90,6 +90,9 @@ static int parse_opts(int argc, char **argv, cli_gen_opts_t *o)
          .help = "f32|f16|bf16: weights and KV cache in T (as generate --dtype)"},
         {.name = "quant", .type = TD_OPT_FN, .ptr = &o->quant, .parse = cli_opt_quant, .arg = "Q",
          .help = "q8_0|q4_0: quantize the float weight matrices to Q at load"},
+        {.name = "kv-dtype", .type = TD_OPT_FN, .ptr = &o->kv_dtype, .parse = cli_opt_kv_dtype, .arg = "T",
+         .help = "f32|f16|bf16|q8_0: the KV cache in T (default: as --dtype; q8_0: blocks of 32\n"
+                 "with an f16 scale, half of f16's memory, llama.cpp's -ctk/-ctv q8_0)"},
         {.name = "kv-mem", .type = TD_OPT_I64, .ptr = &kv_mib, .min = 1, .max = 1 << 22, .arg = "MIB",
          .help = "KV cache budget (default: the model's length, and the cached turns)"},
         {.name = "prefill-chunk", .type = TD_OPT_I64, .ptr = &o->prefill_chunk, .min = 1, .max = 1 << 16,
@@ -108,7 +111,7 @@ static int parse_opts(int argc, char **argv, cli_gen_opts_t *o)
         printf("usage: tandem chat --model PATH [--system TEXT] [--max-tokens N] [--temperature T]\n"
                "                   [--top-k K] [--top-p P] [--min-p P] [--repetition-penalty R] [--seed S]\n"
                "                   [--stop TEXT]... [--threads N] [--device cpu|cuda[:N]] [--dtype T]\n"
-               "                   [--quant q8_0|q4_0] [--spec off|prompt-lookup|draft-model]\n"
+               "                   [--quant q8_0|q4_0] [--kv-dtype T] [--spec off|prompt-lookup|draft-model]\n"
                "                   [--draft-model PATH] [--draft-tokens K]\n\n");
         td_opts_usage(stdout, opts, N_OPTS, false);
         printf("\n"

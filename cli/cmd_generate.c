@@ -37,7 +37,7 @@
 /* The flags that need the model on this machine, refused with --server. */
 static bool local_only(const char *flag)
 {
-    static const char *const names[] = {"model", "tokenizer", "threads", "device", "dtype", "quant", "kv-mem",
+    static const char *const names[] = {"model", "tokenizer", "threads", "device", "dtype", "quant", "kv-dtype", "kv-mem",
                                         "prefill-chunk", "spec", "draft-model", "draft-tokens"};
     for (size_t i = 0; i < TD_ARRAY_LEN(names); i++)
         if (!strcmp(flag, names[i]))
@@ -107,6 +107,9 @@ static int parse_opts(int argc, char **argv, cli_gen_opts_t *o)
                  "stored, KV cache f32; cuda: the model's dtype for all three"},
         {.name = "quant", .type = TD_OPT_FN, .ptr = &o->quant, .parse = cli_opt_quant, .arg = "Q",
          .help = "q8_0|q4_0: quantize the float weight matrices to Q at load"},
+        {.name = "kv-dtype", .type = TD_OPT_FN, .ptr = &o->kv_dtype, .parse = cli_opt_kv_dtype, .arg = "T",
+         .help = "f32|f16|bf16|q8_0: the KV cache in T (default: as --dtype; q8_0: blocks of 32\n"
+                 "with an f16 scale, half of f16's memory, llama.cpp's -ctk/-ctv q8_0)"},
         {.name = "kv-mem", .type = TD_OPT_I64, .ptr = &kv_mib, .min = 1, .max = 1 << 22, .arg = "MIB",
          .help = "KV cache budget (default: what prompt + max tokens need)"},
         {.name = "prefill-chunk", .type = TD_OPT_I64, .ptr = &o->prefill_chunk, .min = 1, .max = 1 << 16,
@@ -152,7 +155,7 @@ static int parse_opts(int argc, char **argv, cli_gen_opts_t *o)
                "                       [--top-k K] [--top-p P] [--min-p P] [--repetition-penalty R] [--seed S]\n"
                "                       [--presence-penalty P] [--frequency-penalty F]\n"
                "                       [--stop TEXT]... [--stop-id ID]... [--threads N] [--device cpu|cuda[:N]]\n"
-               "                       [--dtype f32|f16|bf16] [--quant q8_0|q4_0] [--print-ids]\n"
+               "                       [--dtype f32|f16|bf16] [--quant q8_0|q4_0] [--kv-dtype T] [--print-ids]\n"
                "                       [--logprobs N [--prompt-logprobs]]\n"
                "                       [--spec off|prompt-lookup|draft-model] [--draft-model PATH] [--draft-tokens K]\n"
                "       tandem generate --server HOST:PORT (--prompt TEXT | --prompt-ids \"1 2 3\")\n"

@@ -126,7 +126,7 @@ static void local_plan(int64_t n_prefill, int64_t n_decode, int64_t threads, int
 int cmd_local(int argc, char **argv)
 {
     const char *model = NULL, *tokenizer = NULL, *log_level = "warn", *host = "127.0.0.1", *advertise = NULL;
-    const char *device = "cpu", *dtype = NULL, *api_keys = NULL, *spec_mode = "off", *draft_model = NULL;
+    const char *device = "cpu", *dtype = NULL, *kv_dtype = NULL, *api_keys = NULL, *spec_mode = "off", *draft_model = NULL;
     /* -1: not given (1 each, or 0 each with --unified) */
     int64_t n_prefill = -1, n_decode = -1, n_unified = 0, threads = 0, kv_blocks = 0, kv_mem = 0, http_port = 0;
     int64_t prefill_chunk = 0, draft_tokens = 0;
@@ -147,6 +147,7 @@ int cmd_local(int argc, char **argv)
         TD_OPT_STRING("advertise", &advertise, "address peers reach them at (default: --host)"),
         TD_OPT_STRING("device", &device, "cpu (default), cuda or cuda:N, for every node"),
         TD_OPT_STRING("dtype", &dtype, "f32|f16|bf16, for every node"),
+        TD_OPT_STRING("kv-dtype", &kv_dtype, "f32|f16|bf16|q8_0: every node's KV cache (default: as --dtype)"),
         TD_OPT_INT("http-port", &http_port, -1, 65535, "the router's OpenAI HTTP API port (default 0: any; -1: off)"),
         TD_OPT_STRING("api-keys-file", &api_keys, "API keys the router's front doors require (docs/security.md)"),
         TD_OPT_STRING("spec", &spec_mode, "speculative decoding on the decode and unified nodes: off (default) | "
@@ -163,7 +164,7 @@ int cmd_local(int argc, char **argv)
     if (r.help) {
         printf("usage: tandem local --model PATH [--tokenizer PATH] [--prefill N] [--decode M] [--unified U]\n"
                "                    [--threads T] [--kv-blocks B | --kv-mem MIB] [--log-level L]\n"
-               "                    [--host H] [--advertise A] [--device D] [--dtype T]\n"
+               "                    [--host H] [--advertise A] [--device D] [--dtype T] [--kv-dtype T]\n"
                "                    [--api-keys-file FILE] [--prefill-chunk N]\n"
                "                    [--spec off|prompt-lookup|draft-model] [--draft-model PATH] [--draft-tokens K]\n\n"
                "Starts a router, N prefill and M decode nodes (separate processes) listening on\n"
@@ -177,7 +178,7 @@ int cmd_local(int argc, char **argv)
                "this process's cores / (N + M + U), at least 1). The KV pools share one budget, %d%% of\n"
                "the memory available, split %d:1 between a decode and a prefill node and passed as\n"
                "--kv-mem; --kv-mem MIB (per node) or --kv-blocks B (per node) replace it.\n"
-               "--device (cpu, cuda, cuda:N) and --dtype (f32, f16, bf16) go to every node,\n"
+               "--device (cpu, cuda, cuda:N), --dtype (f32, f16, bf16) and --kv-dtype go to every node,\n"
                "--prefill-chunk to the unified ones, --spec, --draft-model and --draft-tokens to the\n"
                "decode and unified ones.\n"
                "A cluster secret of its own is made for each run (docs/security.md).\n\n",
@@ -302,6 +303,10 @@ int cmd_local(int argc, char **argv)
         if (dtype) {
             nargv[k++] = "--dtype";
             nargv[k++] = (char *)dtype;
+        }
+        if (kv_dtype) {
+            nargv[k++] = "--kv-dtype";
+            nargv[k++] = (char *)kv_dtype;
         }
         if (advertise) {
             nargv[k++] = "--advertise";

@@ -62,6 +62,9 @@ static int parse_opts(int argc, char **argv, cli_gen_opts_t *o, ppl_opts_t *p)
          .help = "f32|f16|bf16: weights and KV cache in T (as generate --dtype)"},
         {.name = "quant", .type = TD_OPT_FN, .ptr = &o->quant, .parse = cli_opt_quant, .arg = "Q",
          .help = "q8_0|q4_0: quantize the float weight matrices to Q at load"},
+        {.name = "kv-dtype", .type = TD_OPT_FN, .ptr = &o->kv_dtype, .parse = cli_opt_kv_dtype, .arg = "T",
+         .help = "f32|f16|bf16|q8_0: the KV cache in T (default: as --dtype; q8_0: blocks of 32\n"
+                 "with an f16 scale, half of f16's memory, llama.cpp's -ctk/-ctv q8_0)"},
         {.name = "log-level", .type = TD_OPT_FN, .parse = cli_gen_parse_log_level, .arg = "L",
          .help = "error|warn|info|debug"},
     };
@@ -74,7 +77,7 @@ static int parse_opts(int argc, char **argv, cli_gen_opts_t *o, ppl_opts_t *p)
     if (r.help) {
         printf("usage: tandem perplexity --model PATH --file TEXT [--ctx N] [--batch N] [--chunks K]\n"
                "                         [--tokenizer PATH] [--threads N] [--device D] [--dtype T]\n"
-               "                         [--quant q8_0|q4_0]\n\n");
+               "                         [--quant q8_0|q4_0] [--kv-dtype T]\n\n");
         td_opts_usage(stdout, opts, N_OPTS, false);
         printf("\n"
                "llama-perplexity's method and output (docs/chat.md): chunks of --ctx tokens, each a\n"

@@ -28,6 +28,7 @@ int cmd_plan(int argc, char **argv);
 td_status_t cli_opt_device(const td_opt_t *opt, const char *value);
 td_status_t cli_opt_dtype(const td_opt_t *opt, const char *value);
 td_status_t cli_opt_quant(const td_opt_t *opt, const char *value);
+td_status_t cli_opt_kv_dtype(const td_opt_t *opt, const char *value); /* into an int, as cli_opt_quant */
 /* --spec into a td_spec_mode_t (off|prompt-lookup|draft-model). */
 td_status_t cli_opt_spec(const td_opt_t *opt, const char *value);
 

@@ -70,6 +70,15 @@ td_status_t td_dtype_parse_flag(const char *s, td_dtype_t *out)
     return TD_OK;
 }
 
+td_status_t td_dtype_parse_kv_flag(const char *s, td_dtype_t *out)
+{
+    int t = td_dtype_parse(s ? s : "");
+    if (!td_dtype_is_float(t) && t != TD_Q8_0)
+        return td_errorf(TD_ERR_INVALID, "--kv-dtype '%s' is not f32, f16, bf16 or q8_0", s ? s : "");
+    *out = (td_dtype_t)t;
+    return TD_OK;
+}
+
 const char *td_dtype_name(td_dtype_t t)
 {
     switch (t) {

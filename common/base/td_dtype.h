@@ -78,6 +78,10 @@ int td_dtype_parse(const char *s);
  * TD_ERR_INVALID, logged naming the value, and *out untouched. */
 td_status_t td_dtype_parse_flag(const char *s, td_dtype_t *out);
 
+/* td_dtype_parse for a --kv-dtype value: f32, f16, bf16 or q8_0 (td_kv_layout.h). Errors as
+ * td_dtype_parse_flag. */
+td_status_t td_dtype_parse_kv_flag(const char *s, td_dtype_t *out);
+
 /* td_dtype_parse for a --quant value: a block type with a quantizer (td_dtype_can_convert
  * from f32): q8_0 or q4_0. Errors as td_dtype_parse_flag. */
 td_status_t td_dtype_parse_quant_flag(const char *s, td_dtype_t *out);

@@ -7,6 +7,10 @@
  *
  *   pool[n_layers][n_blocks][2 (K, V)][block_size][n_kv_heads][head_dim]   (dtype)
  *
+ * dtype is a float type or Q8_0 (td_quant.h: blocks of 32 values with an f16 scale, as
+ * llama.cpp's -ctk q8_0), whose blocks run along head_dim (a multiple of 32): each token's
+ * head row is head_dim / 32 whole blocks, so every offset below is a whole number of them.
+ *
  * K of block b in layer l starts at element ((l * n_blocks + b) * 2 + 0) * block_elems,
  * V at ((l * n_blocks + b) * 2 + 1) * block_elems, with block_elems =
  * block_size * n_kv_heads * head_dim. A token at position p of a sequence lives in block
@@ -16,6 +20,7 @@
 #ifndef TD_KV_LAYOUT_H
 #define TD_KV_LAYOUT_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -40,10 +45,30 @@ static inline size_t td_kv_block_elems(const td_kv_layout_t *l)
     return (size_t)l->block_size * l->n_kv_heads * l->head_dim;
 }
 
+/* A Q8_0 block (td_quant.h td_block_q8_0_t, checked in td_kv_layout.c): its values and bytes */
+#define TD_KV_Q8_0_ELEMS 32
+#define TD_KV_Q8_0_BYTES 34
+
+/* Whether KV elements may be stored as `dtype`: f32, f16, bf16 or Q8_0. */
+static inline bool td_kv_dtype_valid(uint32_t dtype)
+{
+    return td_dtype_is_float((int)dtype) || dtype == TD_Q8_0;
+}
+
+/* Bytes of n KV elements of `dtype` (n a multiple of its block: head rows are); 0 for a
+ * dtype that is not td_kv_dtype_valid or an n that is not whole blocks. Header-only (the
+ * CUDA module calls it and links no td_dtype functions). */
+static inline size_t td_kv_bytes(uint32_t dtype, size_t n)
+{
+    if (dtype == TD_Q8_0)
+        return n % TD_KV_Q8_0_ELEMS == 0 ? n / TD_KV_Q8_0_ELEMS * TD_KV_Q8_0_BYTES : 0;
+    return td_dtype_is_float((int)dtype) ? n * td_dtype_size((td_dtype_t)dtype) : 0;
+}
+
 /* Bytes of K+V of one block in one layer (the unit of a transfer). */
 static inline size_t td_kv_block_bytes(const td_kv_layout_t *l)
 {
-    return 2 * td_kv_block_elems(l) * td_dtype_size((td_dtype_t)l->dtype);
+    return 2 * td_kv_bytes(l->dtype, td_kv_block_elems(l));
 }
 
 /* Byte offset of block `b` of layer `layer` (its K; V follows K) in a pool of n_blocks. */

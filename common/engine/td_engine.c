@@ -124,14 +124,16 @@ td_engine_config_t td_engine_config_default(void)
     };
 }
 
-void td_engine_config_set_dtype(td_engine_config_t *cfg, int dtype, int quant)
+void td_engine_config_set_dtype(td_engine_config_t *cfg, int dtype, int quant, int kv_dtype)
 {
     if (quant >= 0)
         cfg->weight_quant = quant;
-    if (dtype < 0)
-        return;
-    cfg->weight_dtype = dtype;
-    cfg->kv_dtype = (td_dtype_t)dtype;
+    if (dtype >= 0) {
+        cfg->weight_dtype = dtype;
+        cfg->kv_dtype = (td_dtype_t)dtype;
+    }
+    if (kv_dtype >= 0)
+        cfg->kv_dtype = (td_dtype_t)kv_dtype;
 }
 
 /* ---- weights ---------------------------------------------------------------------- */
@@ -399,10 +401,10 @@ static td_status_t check_config(const td_engine_config_t *cfg)
         cfg->max_logit_rows <= 0 || cfg->partition_tokens < 0)
         return td_errorf(TD_ERR_INVALID, "engine: n_blocks, max_batch_tokens, max_seqs, "
                                          "max_logit_rows and partition_tokens must be positive");
-    if (!td_dtype_is_float(cfg->kv_dtype) ||
+    if (!td_kv_dtype_valid(cfg->kv_dtype) ||
         (cfg->weight_dtype != TD_ENGINE_WEIGHTS_AS_STORED && !td_dtype_is_float(cfg->weight_dtype)))
-        return td_errorf(TD_ERR_INVALID, "engine: KV dtype %d / weight dtype %d: each is a float td_dtype_t "
-                                         "(weights may also be TD_ENGINE_WEIGHTS_AS_STORED)",
+        return td_errorf(TD_ERR_INVALID, "engine: KV dtype %d / weight dtype %d: the KV a float td_dtype_t or "
+                                         "Q8_0, the weights a float one (or TD_ENGINE_WEIGHTS_AS_STORED)",
                          (int)cfg->kv_dtype, (int)cfg->weight_dtype);
     if (cfg->weight_quant != -1 && !(td_dtype_is_block(cfg->weight_quant) &&
                                      td_dtype_can_convert((td_dtype_t)cfg->weight_quant, TD_F32)))
@@ -559,6 +561,10 @@ td_status_t td_engine_create(const td_model_t *model, td_backend_t *be,
     if (c->head_dim > 1024 || c->head_dim % 2)
         return td_errorf(TD_ERR_UNSUPPORTED, "engine: head_dim %d must be even and at most 1024",
                          c->head_dim);
+    if (c->head_dim % (int)td_dtype_block_elems(cfg->kv_dtype) != 0)
+        return td_errorf(TD_ERR_UNSUPPORTED, "engine: a %s KV cache needs head_dim a multiple of %zu, and this "
+                         "model's is %d: use --kv-dtype f16 or bf16", td_dtype_name(cfg->kv_dtype),
+                         td_dtype_block_elems(cfg->kv_dtype), c->head_dim);
     if (cfg->kv_pool && (!be->host_memory || cfg->n_blocks <= 0))
         return td_errorf(TD_ERR_INVALID, "engine: a caller-provided KV pool needs a host-memory backend "
                                          "(%s is not) and an explicit n_blocks (%d)",

@@ -63,9 +63,10 @@ typedef struct td_engine_config {
 td_engine_config_t td_engine_config_default(void);
 
 /* A process's --dtype (a td_dtype_t, or -1: leave the defaults) applied to the weights and
- * the KV cache, and its --quant (a block td_dtype_t, or -1: none) to the weight matrices:
- * the one place they are applied (tandem generate, the nodes, bench engine). */
-void td_engine_config_set_dtype(td_engine_config_t *cfg, int dtype, int quant);
+ * the KV cache, its --quant (a block td_dtype_t, or -1: none) to the weight matrices, and
+ * its --kv-dtype (a float td_dtype_t or Q8_0, or -1: as --dtype) to the KV cache: the one
+ * place they are applied (tandem generate, perplexity, the nodes, bench engine). */
+void td_engine_config_set_dtype(td_engine_config_t *cfg, int dtype, int quant, int kv_dtype);
 
 /*
  * Builds an engine: makes the model's weights available on the backend (uploading or

@@ -223,7 +223,8 @@ uint64_t td_model_param_count(const td_model_config_t *cfg);
  * router does not pick (n_experts - n_experts_used per layer); the same for a dense model. */
 uint64_t td_model_active_param_count(const td_model_config_t *cfg);
 
-/* Bytes of K+V per token over all layers for KV elements of `kv_dtype`. */
+/* Bytes of K+V per token over all layers for KV elements of `kv_dtype` (td_kv_bytes: 0 for a
+ * dtype a KV cache cannot have). */
 uint64_t td_model_kv_bytes_per_token(const td_model_config_t *cfg, td_dtype_t kv_dtype);
 
 /* "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe" (the Hugging Face model_type). */

@@ -15,6 +15,7 @@
 #include <string.h>
 
 #include "td_hash.h"
+#include "td_kv_layout.h"
 #include "td_util.h"
 
 #define CFG_MAX_DIM (1 << 24) /* beyond any real model; keeps products inside int64 */
@@ -527,8 +528,7 @@ uint64_t td_model_active_param_count(const td_model_config_t *c)
 
 uint64_t td_model_kv_bytes_per_token(const td_model_config_t *c, td_dtype_t kv_dtype)
 {
-    return 2ull * (uint64_t)c->n_layers * (uint64_t)c->n_kv_heads * (uint64_t)c->head_dim *
-           td_dtype_size(kv_dtype);
+    return 2ull * (uint64_t)c->n_layers * td_kv_bytes(kv_dtype, (size_t)c->n_kv_heads * (size_t)c->head_dim);
 }
 
 /* ---- fingerprint ------------------------------------------------------------------- */

@@ -46,6 +46,13 @@ static td_status_t validate(td_node_t *p)
                 return TD_ERR_INVALID;
             p->quant = (int)t;
         }
+        p->kv_dtype = -1;
+        if (c->kv_dtype) {
+            td_dtype_t t;
+            if (td_dtype_parse_kv_flag(c->kv_dtype, &t) != TD_OK)
+                return TD_ERR_INVALID;
+            p->kv_dtype = (int)t;
+        }
     }
     if (td_node_is_wildcard(c->host) && !c->advertise)
         return td_errorf(TD_ERR_INVALID,
@@ -314,7 +321,7 @@ td_status_t td_node_plan_kv(const td_node_t *p, const td_model_t *model, const t
 td_engine_config_t td_node_engine_config(const td_node_t *p)
 {
     td_engine_config_t ec = td_engine_config_default();
-    td_engine_config_set_dtype(&ec, p->dtype, p->quant);
+    td_engine_config_set_dtype(&ec, p->dtype, p->quant, p->kv_dtype);
     return ec;
 }
 

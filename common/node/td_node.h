@@ -94,6 +94,7 @@ typedef struct td_node {
     int dtype;                 /* nodes: parsed cfg.dtype; -1 (not given) until load_model
                                   applies td_device_default_dtype */
     int quant;                 /* nodes: parsed cfg.quant (a block td_dtype_t), -1: none */
+    int kv_dtype;              /* nodes: parsed cfg.kv_dtype, -1: as dtype */
     td_opts_result_t conf;     /* the --config file's strings (cfg points into them) */
     td_http_server_t *http;
     td_metrics_loop_t *loop_metrics; /* loop lag and longest run, beside /metrics */

@@ -39,6 +39,7 @@ typedef struct td_node_config {
     const char *dtype;         /* weights and KV cache (and CUDA activations): f32|f16|bf16;
                                   NULL: td_device_default_dtype */
     const char *quant;         /* weight matrices quantized at load: q8_0|q4_0; NULL: as stored */
+    const char *kv_dtype;      /* KV cache: f32|f16|bf16|q8_0; NULL: as dtype */
     int64_t drain_timeout_ms;  /* SIGTERM / Drain: longest wait for running requests before
                                   the node exits anyway (0: default 300000) */
 } td_node_config_t;

@@ -16,6 +16,7 @@
 
 #include "td_backend.h"
 #include "td_cpu_kernels.h"
+#include "td_quant.h"
 #include "td_threadpool.h"
 #include "td_util.h"
 
@@ -59,12 +60,17 @@ td_status_t td_cpu_attn_decode(td_backend_t *be, const td_attn_params_t *p);
 
 /* ---- element conversion ---------------------------------------------------------- */
 
-/* dst[i] = (float)src[i] for n elements of dtype t. */
+/* dst[i] = (float)src[i] for n elements of dtype t: a float type, or Q8_0 (a KV cache's; n
+ * a multiple of 32) through td_quant's reference. */
 static inline void td_cpu_to_f32(float *dst, const void *src, td_dtype_t t, size_t n)
 {
     size_t i = 0;
     if (t == TD_F32) {
         memcpy(dst, src, n * sizeof(float));
+        return;
+    }
+    if (t == TD_Q8_0) {
+        td_quant_dequantize_q8_0(src, dst, n);
         return;
     }
     const uint16_t *s = src;
@@ -86,12 +92,17 @@ static inline void td_cpu_to_f32(float *dst, const void *src, td_dtype_t t, size
         dst[i] = td_f16_to_f32(s[i]);
 }
 
-/* dst[i] = src[i] converted to dtype t (round to nearest even) for n floats. */
+/* dst[i] = src[i] converted to dtype t (round to nearest even) for n floats; Q8_0 (a KV
+ * cache's; n a multiple of 32) through td_quant's reference quantizer. */
 static inline void td_cpu_from_f32(void *dst, td_dtype_t t, const float *src, size_t n)
 {
     size_t i = 0;
     if (t == TD_F32) {
         memcpy(dst, src, n * sizeof(float));
+        return;
+    }
+    if (t == TD_Q8_0) {
+        td_quant_quantize_q8_0(src, dst, n);
         return;
     }
     uint16_t *d = dst;

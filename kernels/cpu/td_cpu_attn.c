@@ -3,14 +3,15 @@
  *
  * Shapes (td_backend.h, td_kv_layout.h):
  *   q, out   [n_tokens][n_heads][head_dim]            f32
- *   kv_layer [n_blocks][2 (K, V)][block_size][n_kv_heads][head_dim]   layout->dtype
+ *   kv_layer [n_blocks][2 (K, V)][block_size][n_kv_heads][head_dim]   layout->dtype (a float type
+ *            or Q8_0, whose blocks run along head_dim)
  * Query head h reads KV head h / G, G = n_heads / n_kv_heads (the GQA group).
  * A sequence's new rows are its last q_len positions: row i sits at seq_len - q_len + i.
  *
  * Prefill (FlashAttention-style). One task per (sequence, KV head, query tile of TQ
  * tokens); the G heads of the group are stacked into one TQ*G-row query tile (pre-scaled)
  * so each K/V element loaded serves all of them. KV is walked in tiles of TK tokens (whole
- * blocks through the block table), gathered into a contiguous f32 tile (converting f16/bf16),
+ * blocks through the block table), gathered into a contiguous f32 tile (converting f16/bf16/Q8_0),
  * S = Q K^T (tile_scores), online softmax (running max m, running sum l, accumulator O
  * rescaled by exp(m_old - m_new)), O += P V (tile_accumulate), each output summed one fixed
  * way whatever the tile's row count (split invariance). KV tiles entirely above the causal
@@ -40,18 +41,17 @@
 typedef struct kv_view {
     const unsigned char *layer;
     td_dtype_t dtype;
-    size_t esz;
+    size_t head_bytes; /* one token's row of one KV head: hd elements (Q8_0: whole blocks) */
     int bs, n_kv, hd;
-    size_t block_elems, row; /* row = n_kv * hd: stride between tokens of a block */
+    size_t row; /* row = n_kv * hd: stride in elements between tokens of a block (f32 reads) */
 } kv_view_t;
 
 static kv_view_t kv_view_of(const td_attn_params_t *p)
 {
     const td_kv_layout_t *l = p->layout;
     kv_view_t v = {.layer = p->kv_layer, .dtype = (td_dtype_t)l->dtype,
-                   .esz = td_dtype_size((td_dtype_t)l->dtype), .bs = (int)l->block_size,
-                   .n_kv = (int)l->n_kv_heads, .hd = (int)l->head_dim,
-                   .block_elems = td_kv_block_elems(l)};
+                   .head_bytes = td_kv_bytes(l->dtype, l->head_dim), .bs = (int)l->block_size,
+                   .n_kv = (int)l->n_kv_heads, .hd = (int)l->head_dim};
     v.row = (size_t)v.n_kv * v.hd;
     return v;
 }
@@ -59,8 +59,8 @@ static kv_view_t kv_view_of(const td_attn_params_t *p)
 /* Address of row `off` of K (kv = 0) or V (kv = 1) of block b, KV head h. */
 static inline const unsigned char *kv_at(const kv_view_t *v, int32_t b, int kv, int off, int h)
 {
-    size_t e = ((size_t)b * 2 + kv) * v->block_elems + (size_t)off * v->row + (size_t)h * v->hd;
-    return v->layer + e * v->esz;
+    size_t rows = (((size_t)b * 2 + kv) * v->bs + (size_t)off) * v->n_kv + (size_t)h; /* in head rows */
+    return v->layer + rows * v->head_bytes;
 }
 
 /* Copies tokens [t0, t1) of KV head h of one sequence into dst[t1 - t0][hd] as f32. */
@@ -414,9 +414,22 @@ TD_CPU_AVX2 static void block_pv_avx2(float *acc, size_t ld_acc, const float *S,
     }
 }
 
-/* KV elements to f32: F16C eight at a time (bf16 and f32 as the scalar form) */
+/* KV elements to f32: F16C eight at a time, Q8_0 as td_quant's (float)q * d eight at a time
+ * (the same one rounding); bf16 and f32 as the scalar form */
 TD_CPU_AVX2 static void to_f32_avx2(float *dst, const void *src, td_dtype_t t, size_t n)
 {
+    if (t == TD_Q8_0) {
+        const td_block_q8_0_t *b = src;
+        for (size_t k = 0; k < n / TD_QK; k++) {
+            __m256 d = _mm256_set1_ps(td_f16_to_f32(b[k].d));
+            for (int j = 0; j < TD_QK; j += 8)
+                _mm256_storeu_ps(dst + k * TD_QK + j,
+                                 _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                                   _mm_loadl_epi64((const __m128i *)(b[k].qs + j)))),
+                                               d));
+        }
+        return;
+    }
     if (t != TD_F16) {
         td_cpu_to_f32(dst, src, t, n);
         return;

@@ -302,9 +302,8 @@ static void rope_task(void *arg, int task, int thread)
     float cs[512], sn[512]; /* head_dim <= 1024 (td_kv_layout_validate) */
     const td_kv_layout_t *l = j->layout;
     td_dtype_t t = (td_dtype_t)l->dtype;
-    size_t esz = td_dtype_size(t);
     size_t row = (size_t)j->n_kv_heads * hd;
-    size_t block_elems = td_kv_block_elems(l);
+    size_t row_bytes = td_kv_bytes(l->dtype, row); /* one token's K (or V): whole Q8_0 blocks */
     for (int r = r0; r < r1; r++) {
         float *k = j->k + (size_t)r * row;
         if (j->inv_freq) {
@@ -324,10 +323,10 @@ static void rope_task(void *arg, int task, int thread)
         if (slot < 0) /* a padding row with no cache slot */
             continue;
         size_t b = (size_t)slot / l->block_size, off = (size_t)slot % l->block_size;
-        size_t k_at = (b * 2 + 0) * block_elems + off * row;
-        size_t v_at = (b * 2 + 1) * block_elems + off * row;
-        td_cpu_from_f32(j->layer + k_at * esz, t, k, row);
-        td_cpu_from_f32(j->layer + v_at * esz, t, j->v + (size_t)r * row, row);
+        size_t k_at = (b * 2 + 0) * l->block_size + off; /* in token rows */
+        size_t v_at = (b * 2 + 1) * l->block_size + off;
+        td_cpu_from_f32(j->layer + k_at * row_bytes, t, k, row);
+        td_cpu_from_f32(j->layer + v_at * row_bytes, t, j->v + (size_t)r * row, row);
     }
 }
 
@@ -623,7 +622,7 @@ td_status_t td_backend_cpu_create(const td_cpu_config_t *cfg, td_backend_t **be_
      * nothing, has them dequantized at load */
     if (!cpu->exact)
         cpu->base.weight_dtypes |= (1u << TD_Q5_K) | (1u << TD_IQ4_XS);
-    cpu->base.kv_dtypes = (1u << TD_F32) | (1u << TD_F16) | (1u << TD_BF16);
+    cpu->base.kv_dtypes = (1u << TD_F32) | (1u << TD_F16) | (1u << TD_BF16) | (1u << TD_Q8_0);
     cpu->base.host_memory = !(cfg && cfg->device_memory);
     td_cpu_kernels_fill(isa, &cpu->k);
     cpu->n_threads = n;

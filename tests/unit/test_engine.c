@@ -729,6 +729,25 @@ static void check_verify_rows(td_engine_t *eng, int vocab, const char *what)
     free(want), free(got), free(one);
 }
 
+/* A Q8_0 KV cache needs head_dim in whole blocks of 32: stories260K's 8 is refused by name,
+ * and nothing is created. */
+Test(engine, q8_0_kv_needs_whole_blocks)
+{
+    td_test_skip_without_stories();
+    td_engine_config_t ec = td_engine_config_default();
+    ec.n_blocks = 16;
+    ec.kv_dtype = TD_Q8_0;
+    td_test_engine_t fx = {0};
+    cr_assert_eq(td_model_load(td_test_stories_path(), &fx.model), TD_OK, "%s", td_last_error());
+    cr_assert_eq(td_backend_cpu_create(NULL, &fx.be), TD_OK);
+    td_engine_t *eng = NULL;
+    cr_assert_eq(td_engine_create(fx.model, fx.be, &ec, &eng), TD_ERR_UNSUPPORTED);
+    cr_assert_null(eng);
+    cr_assert(strstr(td_last_error(), "q8_0 KV cache needs head_dim a multiple of 32"), "%s", td_last_error());
+    td_backend_destroy(fx.be);
+    td_model_destroy(fx.model);
+}
+
 Test(engine, verify_rows_equal_one_row_steps, .timeout = 120)
 {
     td_test_skip_without_stories();
@@ -759,7 +778,8 @@ Test(engine, verify_rows_equal_one_row_steps, .timeout = 120)
 }
 
 /* The same on the real model when TANDEM_TEST_GGUF names it (SmolLM2-135M-Instruct.Q4_1.gguf:
- * Q4_1 matrices through the int8 dot-product kernels, grouped-query attention). */
+ * Q4_1 matrices through the int8 dot-product kernels, grouped-query attention), with an f32
+ * and a Q8_0 KV cache. */
 Test(engine, verify_rows_equal_one_row_steps_gguf, .timeout = 300)
 {
     const char *path = getenv("TANDEM_TEST_GGUF");
@@ -771,11 +791,14 @@ Test(engine, verify_rows_equal_one_row_steps_gguf, .timeout = 300)
     cr_assert_eq(td_model_load(path, &model), TD_OK, "%s", td_last_error());
     td_cpu_config_t cc = {.n_threads = 2};
     cr_assert_eq(td_backend_cpu_create(&cc, &be), TD_OK, "%s", td_last_error());
-    td_engine_config_t ec = td_engine_config_default();
-    ec.n_blocks = 64;
-    cr_assert_eq(td_engine_create(model, be, &ec, &eng), TD_OK, "%s", td_last_error());
-    check_verify_rows(eng, model->config.vocab_size, "gguf q4_1");
-    td_engine_destroy(eng);
+    for (int kv = 0; kv < 2; kv++) {
+        td_engine_config_t ec = td_engine_config_default();
+        ec.n_blocks = 64;
+        ec.kv_dtype = kv ? TD_Q8_0 : TD_F32;
+        cr_assert_eq(td_engine_create(model, be, &ec, &eng), TD_OK, "%s", td_last_error());
+        check_verify_rows(eng, model->config.vocab_size, kv ? "gguf q4_1, q8_0 KV" : "gguf q4_1");
+        td_engine_destroy(eng);
+    }
     td_backend_destroy(be);
     td_model_destroy(model);
 }

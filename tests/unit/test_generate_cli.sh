@@ -72,6 +72,8 @@ grep -q "'gpu' is not cpu, cuda, cuda:N" /tmp/td_gen_err.$$ && ok || bad "bad --
 expect_rc 2 "bad --device cuda:x" "$bin" generate --model x --prompt-ids 1 --device cuda:x
 expect_rc 2 "bad --dtype" "$bin" generate --model x --prompt-ids 1 --dtype int8
 grep -q "'int8' is not f32, f16 or bf16" /tmp/td_gen_err.$$ && ok || bad "bad --dtype: message does not name it"
+expect_rc 2 "bad --kv-dtype" "$bin" generate --model x --prompt-ids 1 --kv-dtype q4_0
+grep -q "'q4_0' is not f32, f16, bf16 or q8_0" /tmp/td_gen_err.$$ && ok || bad "bad --kv-dtype: message does not name it"
 
 if [ ! -f "$model" ]; then
     echo "skipped: $model not found (set TANDEM_TEST_MODELS): golden generation checks"
@@ -79,6 +81,10 @@ if [ ! -f "$model" ]; then
 else
     expect_rc 1 "token outside the vocabulary" "$bin" generate --model "$model" --prompt-ids "1 512" --print-ids
     grep -q "outside" /tmp/td_gen_err.$$ && ok || bad "out-of-vocab: unclear message"
+    # a Q8_0 KV cache needs head_dim in whole blocks of 32: stories260K's 8 is refused, exit 1
+    expect_rc 1 "q8_0 KV on head_dim 8" "$bin" generate --model "$model" --prompt-ids "1" --kv-dtype q8_0 --print-ids
+    grep -q "q8_0 KV cache needs head_dim a multiple of 32" /tmp/td_gen_err.$$ && ok ||
+        bad "q8_0 KV on head_dim 8: $(head -c 300 /tmp/td_gen_err.$$)"
     expect_rc 2 "garbage ids" "$bin" generate --model "$model" --prompt-ids "1 x2" --print-ids
     expect_rc 1 "text prompt without tokenizer" "$bin" generate --model "$model" --prompt "hi"
     # --device cuda without a GPU says why (exit 1); with one, the engine test compares tokens

@@ -84,6 +84,21 @@ static void *xmalloc(size_t n)
     return p;
 }
 
+/* n floats as a KV cache of dtype t holds them: each rounded to a float type, or Q8_0's
+ * blocks of 32 quantized and dequantized by td_quant's references (n a multiple of 32) */
+static void round_kv(float *x, size_t n, td_dtype_t t)
+{
+    if (t != TD_Q8_0) {
+        for (size_t i = 0; i < n; i++)
+            x[i] = round_to(x[i], t);
+        return;
+    }
+    td_block_q8_0_t *b = xmalloc(td_dtype_bytes(TD_Q8_0, n));
+    td_quant_quantize_q8_0(x, b, n);
+    td_quant_dequantize_q8_0(b, x, n);
+    free(b);
+}
+
 static void check_close(const char *what, const float *got, const double *ref, size_t n, double tol)
 {
     double ss = 0;
@@ -752,7 +767,7 @@ static void attn_run(td_backend_t *be, rng_t *r, const attn_case_t *c)
     unsigned char *pool = NULL;
     cr_assert_eq(be->ops->alloc(be, pool_bytes, (void **)&pool), TD_OK);
     poison(pool, pool_bytes);
-    size_t esz = td_dtype_size(c->kv_dtype), block_elems = td_kv_block_elems(&layout);
+    size_t block_elems = td_kv_block_elems(&layout);
     float *knew = xmalloc((size_t)n_tokens * row * 4), *vnew = xmalloc((size_t)n_tokens * row * 4);
     int32_t *slots = xmalloc((size_t)n_tokens * 4), *positions = xmalloc((size_t)n_tokens * 4);
     int32_t *tokens = xmalloc((size_t)n_tokens * 4);
@@ -763,16 +778,18 @@ static void attn_run(td_backend_t *be, rng_t *r, const attn_case_t *c)
         for (int t = 0; t < c->ctx[s]; t++) {
             float *kt = kref[s] + (size_t)t * row, *vt = vref[s] + (size_t)t * row;
             for (size_t e = 0; e < row; e++) {
-                kt[e] = round_to(rng_val(r), c->kv_dtype);
-                vt[e] = round_to(rng_val(r), c->kv_dtype);
+                kt[e] = rng_val(r);
+                vt[e] = rng_val(r);
             }
+            round_kv(kt, row, c->kv_dtype);
+            round_kv(vt, row, c->kv_dtype);
             int32_t b = tables[s * max_blocks + t / bs];
             if (t < released[s] * bs) { /* released: nothing to write */
             } else if (t < prefix) { /* cached prefix: written straight into the pool */
                 size_t ko = ((size_t)b * 2 + 0) * block_elems + (size_t)(t % bs) * row;
                 size_t vo = ((size_t)b * 2 + 1) * block_elems + (size_t)(t % bs) * row;
-                td_dtype_convert(pool + ko * esz, c->kv_dtype, kt, TD_F32, row);
-                td_dtype_convert(pool + vo * esz, c->kv_dtype, vt, TD_F32, row);
+                td_dtype_convert(pool + td_kv_bytes(c->kv_dtype, ko), c->kv_dtype, kt, TD_F32, row);
+                td_dtype_convert(pool + td_kv_bytes(c->kv_dtype, vo), c->kv_dtype, vt, TD_F32, row);
             } else { /* new rows: through rope_kv_write (no rotation) */
                 int i = seq_start[s] + t - prefix;
                 memcpy(knew + (size_t)i * row, kt, row * 4);
@@ -850,37 +867,38 @@ Test(kernels_cpu, kv_write_layout_and_copy_blocks, .timeout = 60)
 {
     rng_t r = {5};
     td_backend_t *be = make_backend(4);
-    for (size_t d = 0; d < TD_ARRAY_LEN(dtypes); d++) {
-        td_kv_layout_t l = {.dtype = dtypes[d], .block_size = 4, .n_layers = 3, .n_kv_heads = 2,
-                            .head_dim = 8, .version = TD_KV_LAYOUT_VERSION};
+    static const td_dtype_t kv_types[] = {TD_F32, TD_F16, TD_BF16, TD_Q8_0};
+    for (size_t d = 0; d < TD_ARRAY_LEN(kv_types); d++) {
+        td_dtype_t t = kv_types[d];
+        uint32_t hd = t == TD_Q8_0 ? 32 : 8; /* Q8_0: whole blocks along head_dim */
+        td_kv_layout_t l = {.dtype = t, .block_size = 4, .n_layers = 3, .n_kv_heads = 2,
+                            .head_dim = hd, .version = TD_KV_LAYOUT_VERSION};
+        cr_assert_eq(td_kv_layout_validate(&l), TD_OK);
         const int n_blocks = 5, rows = 6, layer = 1;
-        size_t bytes = td_kv_pool_bytes(&l, n_blocks), row = 16, esz = td_dtype_size(dtypes[d]);
+        size_t bytes = td_kv_pool_bytes(&l, n_blocks), row = 2 * hd, row_bytes = td_kv_bytes(t, row);
         unsigned char *pool = xmalloc(bytes);
         poison(pool, bytes);
         int32_t slots[6] = {0, 5, 19, 18, 7, -1}, tokens[6] = {0}, pos[6] = {0};
         td_step_meta_t meta = simple_meta(rows, tokens, pos);
         meta.slots = slots;
         cr_assert_eq(be->ops->set_step(be, &meta), TD_OK);
-        float k[96], v[96];
-        fill_random(&r, k, dtypes[d], NULL, 96); /* values exact in the KV dtype */
-        fill_random(&r, v, dtypes[d], NULL, 96);
-        for (int i = 0; i < 96; i++) {
-            k[i] = round_to(k[i], dtypes[d]);
-            v[i] = round_to(v[i], dtypes[d]);
-        }
+        float k[6 * 64], v[6 * 64], got[64];
+        fill_random(&r, k, TD_F32, NULL, rows * row);
+        fill_random(&r, v, TD_F32, NULL, rows * row);
+        round_kv(k, rows * row, t); /* values exact in the KV dtype */
+        round_kv(v, rows * row, t);
         unsigned char *lbase = pool + td_kv_block_offset(&l, n_blocks, layer, 0);
         td_rope_kv_params_t wp = {.k = k, .v = v, .n_heads = 2, .kv_layer = lbase, .layout = &l,
                                   .n_blocks = n_blocks};
         cr_assert_eq(be->ops->rope_kv_write(be, &wp), TD_OK);
         for (int i = 0; i < 5; i++) {
             int b = slots[i] / 4, off = slots[i] % 4;
-            float got[16];
             td_dtype_convert(got, TD_F32, pool + td_kv_block_offset(&l, n_blocks, layer, b) +
-                             off * row * esz, dtypes[d], row);
-            cr_assert_eq(memcmp(got, k + i * row, row * 4), 0, "K row %d", i);
+                             off * row_bytes, t, row);
+            cr_assert_eq(memcmp(got, k + i * row, row * 4), 0, "%s K row %d", td_dtype_name(t), i);
             td_dtype_convert(got, TD_F32, pool + td_kv_block_offset(&l, n_blocks, layer, b) +
-                             (4 + off) * row * esz, dtypes[d], row);
-            cr_assert_eq(memcmp(got, v + i * row, row * 4), 0, "V row %d", i);
+                             (4 + off) * row_bytes, t, row);
+            cr_assert_eq(memcmp(got, v + i * row, row * 4), 0, "%s V row %d", td_dtype_name(t), i);
         }
         /* block 2 of layer 1 has no write: still poison; other layers untouched */
         unsigned char ff[8];
@@ -1001,6 +1019,35 @@ Test(kernels_cpu, attn_sliding_window, .timeout = 600)
                                  .decode = true, .partition_tokens = parts[pi] * bs, .window = W};
                 attn_run(be, &r, &d);
             }
+        }
+        td_backend_destroy(be);
+    }
+}
+
+/* A Q8_0 KV cache (blocks of 32 along head_dim, written by rope_kv_write's quantizer): prefill
+   shapes, a ragged batch, decode over partitions and a sliding window, against the double
+   reference on the values the cache holds (td_quant's quantize then dequantize). */
+Test(kernels_cpu, attn_q8_0_kv, .timeout = 300)
+{
+    static const int parts[] = {0, 1, 100000};
+    rng_t r = {16};
+    for (size_t ti = 0; ti < TD_ARRAY_LEN(thread_counts); ti++) {
+        td_backend_t *be = make_backend(thread_counts[ti]);
+        for (int hd = 32; hd <= 128; hd *= 2) {
+            attn_case_t c = {.n_seqs = 1, .q_len = {33}, .ctx = {130}, .n_kv = 2, .G = 4, .hd = hd, .bs = 16,
+                             .kv_dtype = TD_Q8_0};
+            attn_run(be, &r, &c);
+        }
+        attn_case_t c = {.n_seqs = 5, .q_len = {7, 1, 33, 100, 16}, .ctx = {7, 60, 90, 100, 257},
+                         .n_kv = 2, .G = 4, .hd = 64, .bs = 16, .kv_dtype = TD_Q8_0};
+        attn_run(be, &r, &c);
+        for (size_t pi = 0; pi < TD_ARRAY_LEN(parts); pi++) {
+            attn_case_t d = {.n_seqs = 4, .q_len = {1, 1, 1, 1}, .ctx = {1, 33, 257, 1000}, .n_kv = 2, .G = 8,
+                             .hd = 64, .bs = 8, .kv_dtype = TD_Q8_0, .decode = true,
+                             .partition_tokens = parts[pi] * 8};
+            attn_run(be, &r, &d);
+            d.window = 40;
+            attn_run(be, &r, &d);
         }
         td_backend_destroy(be);
     }
