@@ -40,6 +40,10 @@ td_status_t td_device_parse(const char *s, td_device_spec_t *out)
         *out = (td_device_spec_t){.cuda = false, .exact = true, .index = 0};
         return TD_OK;
     }
+    if (s && !strcmp(s, "cpu:q8")) {
+        *out = (td_device_spec_t){.cuda = false, .q8 = true, .index = 0};
+        return TD_OK;
+    }
     if (s && !strcmp(s, "cuda")) {
         *out = (td_device_spec_t){.cuda = true, .index = 0};
         return TD_OK;
@@ -50,7 +54,8 @@ td_status_t td_device_parse(const char *s, td_device_spec_t *out)
         *out = (td_device_spec_t){.cuda = true, .index = (int32_t)n};
         return TD_OK;
     }
-    return td_errorf(TD_ERR_INVALID, "--device '%s' is not cpu, cuda, cuda:N (N a device ordinal), cpu:exact or cpu:staged",
+    return td_errorf(TD_ERR_INVALID, "--device '%s' is not cpu, cuda, cuda:N (N a device ordinal), cpu:exact, cpu:q8 "
+                     "or cpu:staged",
                      s ? s : "");
 }
 
@@ -64,7 +69,7 @@ td_status_t td_backend_open(const td_device_spec_t *dev, int32_t n_threads, td_d
 {
     if (!dev->cuda)
         return td_backend_cpu_create(&(td_cpu_config_t){.n_threads = n_threads, .device_memory = dev->staged,
-                                                         .exact = dev->exact},
+                                                         .exact = dev->exact, .act_one_byte = dev->q8},
                                      be_p);
     td_status_t st = td_backend_cuda_create(&(td_cuda_config_t){.device = dev->index, .act_dtype = act_dtype}, be_p);
     if (st == TD_ERR_UNSUPPORTED)

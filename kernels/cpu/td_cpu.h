@@ -29,6 +29,7 @@ typedef struct td_cpu {
     td_pool_t *pool;
     int n_threads;
     bool exact;          /* td_cpu_config_t.exact */
+    bool act_one_byte;   /* td_cpu_config_t.act_one_byte */
     td_cpu_kernels_t k;  /* every op's kernels, of one ISA level, chosen at creation */
     td_step_meta_t meta; /* pointers owned by the engine, valid until the next set_step */
     bool have_step;

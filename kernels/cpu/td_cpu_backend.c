@@ -615,6 +615,7 @@ td_status_t td_backend_cpu_create(const td_cpu_config_t *cfg, td_backend_t **be_
     cpu->base.ops = &cpu_ops;
     cpu->base.act_dtype = TD_F32;
     cpu->exact = cfg && cfg->exact;
+    cpu->act_one_byte = cfg && cfg->act_one_byte;
     cpu->base.weight_dtypes = (1u << TD_F32) | (1u << TD_F16) | (1u << TD_BF16) |
                               (1u << TD_Q8_0) | (1u << TD_Q4_0) | (1u << TD_Q4_1) |
                               (1u << TD_Q4_K) | (1u << TD_Q6_K);

@@ -502,7 +502,7 @@ static void pact_task(void *arg, int task, int thread)
     int i1 = (int)((int64_t)p->m * (task + 1) / jb->act_tasks);
     for (int i = i0; i < i1; i++)
         td_cpu_pack_act_row(jb->ops, (const float *)p->x + (size_t)i * p->k, jb->a + (size_t)i * jb->stride,
-                            p->w_dtype, (size_t)p->k);
+                            p->w_dtype, (size_t)p->k, jb->cpu->act_one_byte);
 }
 
 /* One task: W groups [g0, g1) against X in chunks of PK_ROWS rows, PK_GROUPS groups a call. */
@@ -536,7 +536,7 @@ static td_status_t pmatmul(td_cpu_t *cpu, const td_matmul_params_t *p)
     int n_groups = (p->n + TD_CPU_PACK_ROWS - 1) / TD_CPU_PACK_ROWS;
     int tasks = cpu->n_threads == 1 ? 1 : cpu->n_threads * (p->m <= 4 ? 4 : 2);
     pmatmul_job_t jb = {.p = p, .cpu = cpu, .ops = cpu->k.pack,
-                        .fn = td_cpu_pack_fn_of(cpu->k.pack, p->w_dtype),
+                        .fn = td_cpu_pack_fn_of(cpu->k.pack, p->w_dtype, cpu->act_one_byte),
                         .a = cpu->shared, .stride = stride,
                         .groups = (n_groups + tasks - 1) / tasks};
     jb.act_tasks = p->m >= 4 * cpu->n_threads ? cpu->n_threads : 1;

@@ -354,20 +354,31 @@ typedef int32_t (*act_block_fn)(const float *x, int8_t *hi, int8_t *lo, float *e
 
 /* The activation row of the header's layout, block by block (every table's loop: `block`
  * is a constant, inlined into each table's row function) */
-TD_INLINE void act_row_blocks(act_block_fn block, const float *x, void *av, td_dtype_t type, size_t k)
+TD_INLINE void act_row_blocks(act_block_fn block, const float *x, void *av, td_dtype_t type, size_t k,
+                              bool one_byte)
 {
     unsigned char *a = av;
     for (size_t b = 0; b < k / TD_QK; b++) {
         float e;
-        int32_t first = 0, sum = block(x + b * TD_QK, (int8_t *)a + b * TD_QK, (int8_t *)a + k + b * TD_QK, &e, &first);
+        int8_t *hi = (int8_t *)a + b * TD_QK, *lo = (int8_t *)a + k + b * TD_QK;
+        int32_t first = 0, sum = block(x + b * TD_QK, hi, lo, &e, &first);
+        if (one_byte) { /* the second byte dropped: Q = 254 hi, llama.cpp's one-byte rounding */
+            memset(lo, 0, TD_QK);
+            sum = first = 0;
+            for (int i = 0; i < TD_QK; i++) {
+                sum += WIDE * hi[i];
+                if (i == TD_QK / 2 - 1)
+                    first = sum;
+            }
+        }
         memcpy(a + 2 * k + 4 * b, &e, 4);
         act_store_c((unsigned char *)act_c(a, k) + 4 * b, (unsigned char *)act_c2(a, k) + 4 * b, type, e, sum, first);
     }
 }
 
-static void act_row_scalar(const float *x, void *av, td_dtype_t type, size_t k)
+static void act_row_scalar(const float *x, void *av, td_dtype_t type, size_t k, bool one_byte)
 {
-    act_row_blocks(act_block_scalar, x, av, type, k);
+    act_row_blocks(act_block_scalar, x, av, type, k, one_byte);
 }
 
 #ifdef TD_CPU_PACK_X86
@@ -411,9 +422,9 @@ static TD_Z int32_t act_block_avx512(const float *x, int8_t *hi, int8_t *lo, flo
     return _mm512_reduce_add_epi32(sum);
 }
 
-static TD_Z void act_row_avx512(const float *x, void *av, td_dtype_t type, size_t k)
+static TD_Z void act_row_avx512(const float *x, void *av, td_dtype_t type, size_t k, bool one_byte)
 {
-    act_row_blocks(act_block_avx512, x, av, type, k);
+    act_row_blocks(act_block_avx512, x, av, type, k, one_byte);
 }
 
 #define TD_Y __attribute__((target("avx2,fma,f16c")))
@@ -446,16 +457,17 @@ static TD_Y int32_t act_block_avx2(const float *x, int8_t *hi, int8_t *lo, float
     return td_cpu_simd_hsum_i32(sum);
 }
 
-static TD_Y void act_row_avx2(const float *x, void *av, td_dtype_t type, size_t k)
+static TD_Y void act_row_avx2(const float *x, void *av, td_dtype_t type, size_t k, bool one_byte)
 {
-    act_row_blocks(act_block_avx2, x, av, type, k);
+    act_row_blocks(act_block_avx2, x, av, type, k, one_byte);
 }
 #endif
 
-void td_cpu_pack_act_row(const td_cpu_pack_ops_t *ops, const float *x, void *a, td_dtype_t type, size_t k)
+void td_cpu_pack_act_row(const td_cpu_pack_ops_t *ops, const float *x, void *a, td_dtype_t type, size_t k,
+                         bool one_byte)
 {
     TD_ASSERT(k % TD_QK == 0 && td_cpu_pack_supports(type));
-    ops->act_row(x, a, type, k);
+    ops->act_row(x, a, type, k, one_byte);
 }
 
 /* ---- scalar reference ------------------------------------------------------------------ */
@@ -567,24 +579,38 @@ TD_INLINE void kernel_scalar(td_dtype_t t, const void *wp, size_t g0, size_t g1,
     }
 }
 
-/* One type's entry of an ops table: the kernel with the type fixed (attr: its target). */
-#define PACK_FN(name, attr, kernel, type)                                                    \
+/* One type's entry of an ops table: the kernel with the type and the activation bytes fixed
+ * (attr: its target); a table's seven entries of one mode, and the table's fns of it. */
+#define PACK_FN(name, attr, kernel, type, one)                                               \
     static attr void name(const void *wp, size_t g0, size_t g1, size_t k, const void *a,     \
                           size_t m, float *y, size_t ldy)                                    \
     {                                                                                        \
-        kernel(type, wp, g0, g1, k, a, m, y, ldy);                                           \
+        kernel(type, one, wp, g0, g1, k, a, m, y, ldy);                                      \
     }
-PACK_FN(q8_0_scalar, , kernel_scalar, TD_Q8_0)
-PACK_FN(q4_0_scalar, , kernel_scalar, TD_Q4_0)
-PACK_FN(q4_1_scalar, , kernel_scalar, TD_Q4_1)
-PACK_FN(q4_k_scalar, , kernel_scalar, TD_Q4_K)
-PACK_FN(q6_k_scalar, , kernel_scalar, TD_Q6_K)
-PACK_FN(q5_k_scalar, , kernel_scalar, TD_Q5_K)
-PACK_FN(iq4_xs_scalar, , kernel_scalar, TD_IQ4_XS)
+#define PACK_FNS(sfx, attr, kernel, one)                   \
+    PACK_FN(q8_0_##sfx, attr, kernel, TD_Q8_0, one)        \
+    PACK_FN(q4_0_##sfx, attr, kernel, TD_Q4_0, one)        \
+    PACK_FN(q4_1_##sfx, attr, kernel, TD_Q4_1, one)        \
+    PACK_FN(q4_k_##sfx, attr, kernel, TD_Q4_K, one)        \
+    PACK_FN(q5_k_##sfx, attr, kernel, TD_Q5_K, one)        \
+    PACK_FN(q6_k_##sfx, attr, kernel, TD_Q6_K, one)        \
+    PACK_FN(iq4_xs_##sfx, attr, kernel, TD_IQ4_XS, one)
+#define PACK_TABLE(sfx)                                                                        \
+    {.q8_0 = q8_0_##sfx, .q4_0 = q4_0_##sfx, .q4_1 = q4_1_##sfx, .q4_k = q4_k_##sfx,          \
+     .q5_k = q5_k_##sfx, .q6_k = q6_k_##sfx, .iq4_xs = iq4_xs_##sfx}
+
+/* the scalar kernel reads lo as it is: a one-byte row's zeros add nothing, so one set serves
+ * both modes */
+TD_INLINE void kernel_scalar_any(td_dtype_t t, bool one_byte, const void *wp, size_t g0, size_t g1, size_t k,
+                                 const void *av, size_t m, float *y, size_t ldy)
+{
+    (void)one_byte;
+    kernel_scalar(t, wp, g0, g1, k, av, m, y, ldy);
+}
+PACK_FNS(scalar, , kernel_scalar_any, false)
 
 static const td_cpu_pack_ops_t ops_scalar = {
-    .name = "scalar", .act_row = act_row_scalar, .q8_0 = q8_0_scalar, .q4_0 = q4_0_scalar, .q4_1 = q4_1_scalar,
-    .q4_k = q4_k_scalar, .q5_k = q5_k_scalar, .q6_k = q6_k_scalar, .iq4_xs = iq4_xs_scalar};
+    .name = "scalar", .act_row = act_row_scalar, .two_byte = PACK_TABLE(scalar), .one_byte = PACK_TABLE(scalar)};
 
 #ifdef TD_CPU_PACK_X86
 
@@ -612,7 +638,7 @@ TD_INLINE float load_f32(const void *p)
 
 /* One group (quants gq, scales gs) against R activation rows (at a, `stride` apart): the
  * 16 outputs of row i go to y + i * ldy. */
-TD_INLINE TD_V void vnni_tile(td_dtype_t t, int R, const unsigned char *gq, const unsigned char *gs,
+TD_INLINE TD_V void vnni_tile(td_dtype_t t, bool one, int R, const unsigned char *gq, const unsigned char *gs,
                               size_t nb, size_t k, const unsigned char *a, size_t stride, float *y,
                               size_t ldy)
 {
@@ -680,10 +706,22 @@ TD_INLINE TD_V void vnni_tile(td_dtype_t t, int R, const unsigned char *gq, cons
         for (int i = 0; i < R; i++) {
             const unsigned char *ai = a + i * stride, *c = act_c(ai, k) + 4 * b;
             const int8_t *hi = act_hi(ai) + b * TD_QK, *lo = act_lo(ai, k) + b * TD_QK;
-            /* two chains, hi and lo, joined exactly: WIDE * p_hi + p_lo */
+            /* two chains, hi and lo, joined exactly: WIDE * p_hi + p_lo (one byte: lo is 0, skipped) */
             __m512i ph = _mm512_setzero_si512();
             __m512i pl = has_min(t) ? _mm512_setzero_si512() : _mm512_set1_epi32(load_i32(c));
-            if (R <= 2) {
+            if (one && R <= 2) { /* four chains of two over hi alone, for the latency */
+                __m512i ph2 = _mm512_setzero_si512(), ph3 = _mm512_setzero_si512(), ph4 = _mm512_setzero_si512();
+                for (int v = 0; v < 8; v += 4) {
+                    ph = _mm512_dpbusd_epi32(ph, w[v], _mm512_set1_epi32(load_i32(hi + 4 * v)));
+                    ph2 = _mm512_dpbusd_epi32(ph2, w[v + 1], _mm512_set1_epi32(load_i32(hi + 4 * v + 4)));
+                    ph3 = _mm512_dpbusd_epi32(ph3, w[v + 2], _mm512_set1_epi32(load_i32(hi + 4 * v + 8)));
+                    ph4 = _mm512_dpbusd_epi32(ph4, w[v + 3], _mm512_set1_epi32(load_i32(hi + 4 * v + 12)));
+                }
+                ph = _mm512_add_epi32(_mm512_add_epi32(ph, ph2), _mm512_add_epi32(ph3, ph4));
+            } else if (one) {
+                for (int v = 0; v < 8; v++)
+                    ph = _mm512_dpbusd_epi32(ph, w[v], _mm512_set1_epi32(load_i32(hi + 4 * v)));
+            } else if (R <= 2) {
                 /* few rows: four chains of four, not two of eight, so that the dot products'
                  * latency does not bound the block (integer sums: the same result) */
                 __m512i ph2 = _mm512_setzero_si512(), pl2 = _mm512_setzero_si512();
@@ -719,7 +757,7 @@ TD_INLINE TD_V void vnni_tile(td_dtype_t t, int R, const unsigned char *gq, cons
 /* One Q6_K group against R activation rows: the 8 weight vectors of a block made once (u =
  * low nibble | high bits << 4, 0..63), then per row the two halves' exact integers (c + sum u
  * Q: c = -32 sum Q of the half) and their two FMAs, half 0 first */
-TD_INLINE TD_V void vnni_tile_q6_k(int R, const unsigned char *gq, const unsigned char *gs, size_t nb, size_t k,
+TD_INLINE TD_V void vnni_tile_q6_k(bool one, int R, const unsigned char *gq, const unsigned char *gs, size_t nb, size_t k,
                                    const unsigned char *a, size_t stride, float *y, size_t ldy)
 {
     const size_t qb = quant_bytes(TD_Q6_K);
@@ -757,7 +795,8 @@ TD_INLINE TD_V void vnni_tile_q6_k(int R, const unsigned char *gq, const unsigne
                 __m512i pl = _mm512_set1_epi32(load_i32((h ? act_c2(ai, k) : act_c(ai, k)) + 4 * b));
                 for (int v = 0; v < 4; v++) {
                     ph = _mm512_dpbusd_epi32(ph, w[4 * h + v], _mm512_set1_epi32(load_i32(hi + 16 * h + 4 * v)));
-                    pl = _mm512_dpbusd_epi32(pl, w[4 * h + v], _mm512_set1_epi32(load_i32(lo + 16 * h + 4 * v)));
+                    if (!one)
+                        pl = _mm512_dpbusd_epi32(pl, w[4 * h + v], _mm512_set1_epi32(load_i32(lo + 16 * h + 4 * v)));
                 }
                 __m512i p = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(ph, 8), _mm512_slli_epi32(ph, 1)), pl);
                 acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(dw[h], e), acc[i]);
@@ -768,7 +807,7 @@ TD_INLINE TD_V void vnni_tile_q6_k(int R, const unsigned char *gq, const unsigne
         _mm512_storeu_ps(y + i * ldy, acc[i]);
 }
 
-TD_INLINE TD_V void kernel_vnni(td_dtype_t t, const void *wp, size_t g0, size_t g1, size_t k,
+TD_INLINE TD_V void kernel_vnni(td_dtype_t t, bool one, const void *wp, size_t g0, size_t g1, size_t k,
                                 const void *av, size_t m, float *y, size_t ldy)
 {
     size_t nb = k / TD_QK, gb = td_cpu_pack_group_bytes(t, k), stride = td_cpu_pack_act_stride(k);
@@ -777,8 +816,8 @@ TD_INLINE TD_V void kernel_vnni(td_dtype_t t, const void *wp, size_t g0, size_t 
         const unsigned char *gq = (const unsigned char *)wp + g * gb, *gs = gq + nb * quant_bytes(t);
         float *yg = y + (g - g0) * ROWS;
 #define VNNI_TILE(R, ai, yi)                                                                    \
-    (t == TD_Q6_K ? vnni_tile_q6_k(R, gq, gs, nb, k, ai, stride, yi, ldy)                       \
-                  : vnni_tile(t, R, gq, gs, nb, k, ai, stride, yi, ldy))
+    (t == TD_Q6_K ? vnni_tile_q6_k(one, R, gq, gs, nb, k, ai, stride, yi, ldy)                  \
+                  : vnni_tile(t, one, R, gq, gs, nb, k, ai, stride, yi, ldy))
         size_t i = 0;
         for (; i + 8 <= m; i += 8)
             VNNI_TILE(8, a + i * stride, yg + i * ldy);
@@ -798,17 +837,11 @@ TD_INLINE TD_V void kernel_vnni(td_dtype_t t, const void *wp, size_t g0, size_t 
     }
 }
 
-PACK_FN(q8_0_vnni, TD_V, kernel_vnni, TD_Q8_0)
-PACK_FN(q4_0_vnni, TD_V, kernel_vnni, TD_Q4_0)
-PACK_FN(q4_1_vnni, TD_V, kernel_vnni, TD_Q4_1)
-PACK_FN(q4_k_vnni, TD_V, kernel_vnni, TD_Q4_K)
-PACK_FN(q6_k_vnni, TD_V, kernel_vnni, TD_Q6_K)
-PACK_FN(q5_k_vnni, TD_V, kernel_vnni, TD_Q5_K)
-PACK_FN(iq4_xs_vnni, TD_V, kernel_vnni, TD_IQ4_XS)
+PACK_FNS(vnni2, TD_V, kernel_vnni, false)
+PACK_FNS(vnni1, TD_V, kernel_vnni, true)
 
 static const td_cpu_pack_ops_t ops_vnni = {
-    .name = "avx512vnni", .act_row = act_row_avx512, .q8_0 = q8_0_vnni, .q4_0 = q4_0_vnni, .q4_1 = q4_1_vnni,
-    .q4_k = q4_k_vnni, .q5_k = q5_k_vnni, .q6_k = q6_k_vnni, .iq4_xs = iq4_xs_vnni};
+    .name = "avx512vnni", .act_row = act_row_avx512, .two_byte = PACK_TABLE(vnni2), .one_byte = PACK_TABLE(vnni1)};
 
 /* ---- AVX2 -------------------------------------------------------------------------------- */
 
@@ -820,7 +853,7 @@ static const td_cpu_pack_ops_t ops_vnni = {
  * builds up in one accumulator a row. Q8_0's quants are u = q + 128: the sign trick on
  * q = u ^ 0x80 keeps maddubs' pairs in int16, and the sum starts at 0 instead of c (the
  * same integer as VNNI's c + sum u Q). */
-TD_INLINE TD_Y void avx2_tile(td_dtype_t t, int R, int h0, int H, const unsigned char *gq,
+TD_INLINE TD_Y void avx2_tile(td_dtype_t t, bool one, int R, int h0, int H, const unsigned char *gq,
                               const unsigned char *gs, size_t nb, size_t k, const unsigned char *a,
                               size_t stride, float *y, size_t ldy)
 {
@@ -853,7 +886,8 @@ TD_INLINE TD_Y void avx2_tile(td_dtype_t t, int R, int h0, int H, const unsigned
                         __m256i qh = _mm256_set1_epi32(load_i32(act_hi(ai) + b * TD_QK + 4 * v));
                         __m256i ql = _mm256_set1_epi32(load_i32(act_lo(ai, k) + b * TD_QK + 4 * v));
                         p[i] = _mm256_add_epi32(p[i], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(qh, sw)), wide));
-                        p[i] = _mm256_add_epi32(p[i], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(ql, sw)), ones));
+                        if (!one)
+                            p[i] = _mm256_add_epi32(p[i], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(ql, sw)), ones));
                     }
                 }
             } else {
@@ -876,10 +910,13 @@ TD_INLINE TD_Y void avx2_tile(td_dtype_t t, int R, int h0, int H, const unsigned
                             __m256i ph = _mm256_add_epi32(
                                 _mm256_madd_epi16(_mm256_maddubs_epi16(al, _mm256_sign_epi8(_mm256_set1_epi32(load_i32(qh + 4 * v)), sl)), wide),
                                 _mm256_madd_epi16(_mm256_maddubs_epi16(ah, _mm256_sign_epi8(_mm256_set1_epi32(load_i32(qh + 16 + 4 * v)), sh)), wide));
+                            p[i] = _mm256_add_epi32(p[i], ph);
+                            if (one)
+                                continue;
                             __m256i pl = _mm256_add_epi32(
                                 _mm256_madd_epi16(_mm256_maddubs_epi16(al, _mm256_sign_epi8(_mm256_set1_epi32(load_i32(ql + 4 * v)), sl)), ones),
                                 _mm256_madd_epi16(_mm256_maddubs_epi16(ah, _mm256_sign_epi8(_mm256_set1_epi32(load_i32(ql + 16 + 4 * v)), sh)), ones));
-                            p[i] = _mm256_add_epi32(p[i], _mm256_add_epi32(ph, pl));
+                            p[i] = _mm256_add_epi32(p[i], pl);
                         }
                         continue;
                     }
@@ -889,6 +926,10 @@ TD_INLINE TD_Y void avx2_tile(td_dtype_t t, int R, int h0, int H, const unsigned
                         /* pairs of u <= 31: at most 2 * 31 * 127 each, two summed: no int16 overflow */
                         __m256i sh16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo4, _mm256_set1_epi32(load_i32(qh + 4 * v))),
                                                         _mm256_maddubs_epi16(hi4, _mm256_set1_epi32(load_i32(qh + 16 + 4 * v))));
+                        if (one) {
+                            p[i] = _mm256_add_epi32(p[i], _mm256_madd_epi16(sh16, wide));
+                            continue;
+                        }
                         __m256i sl16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo4, _mm256_set1_epi32(load_i32(ql + 4 * v))),
                                                         _mm256_maddubs_epi16(hi4, _mm256_set1_epi32(load_i32(ql + 16 + 4 * v))));
                         p[i] = _mm256_add_epi32(p[i], _mm256_add_epi32(_mm256_madd_epi16(sh16, wide),
@@ -933,7 +974,7 @@ TD_INLINE TD_Y void avx2_tile(td_dtype_t t, int R, int h0, int H, const unsigned
 
 /* vnni_tile_q6_k's sums on AVX2 for halves [h0, h0 + H) of a group (8 rows each) by R rows,
  * R * H <= 4: maddubs (u <= 63: pairs within int16) + madd, hi widened by 254 */
-TD_INLINE TD_Y void avx2_tile_q6_k(int R, int h0, int H, const unsigned char *gq, const unsigned char *gs,
+TD_INLINE TD_Y void avx2_tile_q6_k(bool one, int R, int h0, int H, const unsigned char *gq, const unsigned char *gs,
                                    size_t nb, size_t k, const unsigned char *a, size_t stride, float *y, size_t ldy)
 {
     const size_t qb = quant_bytes(TD_Q6_K);
@@ -968,6 +1009,10 @@ TD_INLINE TD_Y void avx2_tile_q6_k(int R, int h0, int H, const unsigned char *gq
                     const int8_t *hi = act_hi(ai) + b * TD_QK, *lo = act_lo(ai, k) + b * TD_QK;
                     for (int h = 0; h < 2; h++) {
                         __m256i sh = _mm256_maddubs_epi16(wv[h], _mm256_set1_epi32(load_i32(hi + 16 * h + 4 * v)));
+                        if (one) {
+                            p[h][i] = _mm256_add_epi32(p[h][i], _mm256_madd_epi16(sh, wide));
+                            continue;
+                        }
                         __m256i sl = _mm256_maddubs_epi16(wv[h], _mm256_set1_epi32(load_i32(lo + 16 * h + 4 * v)));
                         p[h][i] = _mm256_add_epi32(p[h][i], _mm256_add_epi32(_mm256_madd_epi16(sh, wide),
                                                                              _mm256_madd_epi16(sl, ones)));
@@ -991,7 +1036,7 @@ TD_INLINE TD_Y void avx2_tile_q6_k(int R, int h0, int H, const unsigned char *gq
             _mm256_storeu_ps(y + i * ldy + 8 * (h0 + x), acc[x][i]);
 }
 
-TD_INLINE TD_Y void kernel_avx2(td_dtype_t t, const void *wp, size_t g0, size_t g1, size_t k,
+TD_INLINE TD_Y void kernel_avx2(td_dtype_t t, bool one, const void *wp, size_t g0, size_t g1, size_t k,
                                 const void *av, size_t m, float *y, size_t ldy)
 {
     size_t nb = k / TD_QK, gb = td_cpu_pack_group_bytes(t, k), stride = td_cpu_pack_act_stride(k);
@@ -1003,39 +1048,33 @@ TD_INLINE TD_Y void kernel_avx2(td_dtype_t t, const void *wp, size_t g0, size_t 
         if (t == TD_Q6_K) { /* twice the accumulators a row: tiles of 2 rows, the odd one alone */
             for (int h = 0; h < 2; h++)
                 for (i = 0; i + 2 <= m; i += 2)
-                    avx2_tile_q6_k(2, h, 1, gq, gs, nb, k, a + i * stride, stride, yg + i * ldy, ldy);
+                    avx2_tile_q6_k(one, 2, h, 1, gq, gs, nb, k, a + i * stride, stride, yg + i * ldy, ldy);
             if (i < m)
-                avx2_tile_q6_k(1, 0, 2, gq, gs, nb, k, a + i * stride, stride, yg + i * ldy, ldy);
+                avx2_tile_q6_k(one, 1, 0, 2, gq, gs, nb, k, a + i * stride, stride, yg + i * ldy, ldy);
             continue;
         }
         for (int h = 0; h < 2; h++)
             for (i = 0; i + 4 <= m; i += 4)
-                avx2_tile(t, 4, h, 1, gq, gs, nb, k, a + i * stride, stride, yg + i * ldy, ldy);
+                avx2_tile(t, one, 4, h, 1, gq, gs, nb, k, a + i * stride, stride, yg + i * ldy, ldy);
         const unsigned char *ai = a + i * stride;
         float *yi = yg + i * ldy;
         switch (m - i) { /* the last rows (decode: all of them), both halves in one pass */
-        case 1: avx2_tile(t, 1, 0, 2, gq, gs, nb, k, ai, stride, yi, ldy); break;
-        case 2: avx2_tile(t, 2, 0, 2, gq, gs, nb, k, ai, stride, yi, ldy); break;
+        case 1: avx2_tile(t, one, 1, 0, 2, gq, gs, nb, k, ai, stride, yi, ldy); break;
+        case 2: avx2_tile(t, one, 2, 0, 2, gq, gs, nb, k, ai, stride, yi, ldy); break;
         case 3:
-            avx2_tile(t, 3, 0, 1, gq, gs, nb, k, ai, stride, yi, ldy);
-            avx2_tile(t, 3, 1, 1, gq, gs, nb, k, ai, stride, yi, ldy);
+            avx2_tile(t, one, 3, 0, 1, gq, gs, nb, k, ai, stride, yi, ldy);
+            avx2_tile(t, one, 3, 1, 1, gq, gs, nb, k, ai, stride, yi, ldy);
             break;
         default: break;
         }
     }
 }
 
-PACK_FN(q8_0_avx2, TD_Y, kernel_avx2, TD_Q8_0)
-PACK_FN(q4_0_avx2, TD_Y, kernel_avx2, TD_Q4_0)
-PACK_FN(q4_1_avx2, TD_Y, kernel_avx2, TD_Q4_1)
-PACK_FN(q4_k_avx2, TD_Y, kernel_avx2, TD_Q4_K)
-PACK_FN(q6_k_avx2, TD_Y, kernel_avx2, TD_Q6_K)
-PACK_FN(q5_k_avx2, TD_Y, kernel_avx2, TD_Q5_K)
-PACK_FN(iq4_xs_avx2, TD_Y, kernel_avx2, TD_IQ4_XS)
+PACK_FNS(avx2_2, TD_Y, kernel_avx2, false)
+PACK_FNS(avx2_1, TD_Y, kernel_avx2, true)
 
 static const td_cpu_pack_ops_t ops_avx2 = {
-    .name = "avx2", .act_row = act_row_avx2, .q8_0 = q8_0_avx2, .q4_0 = q4_0_avx2, .q4_1 = q4_1_avx2,
-    .q4_k = q4_k_avx2, .q5_k = q5_k_avx2, .q6_k = q6_k_avx2, .iq4_xs = iq4_xs_avx2};
+    .name = "avx2", .act_row = act_row_avx2, .two_byte = PACK_TABLE(avx2_2), .one_byte = PACK_TABLE(avx2_1)};
 
 #endif /* TD_CPU_PACK_X86 */
 
@@ -1053,16 +1092,17 @@ const td_cpu_pack_ops_t *td_cpu_pack_ops(td_cpu_isa_t isa)
     return &ops_scalar;
 }
 
-td_cpu_pack_fn td_cpu_pack_fn_of(const td_cpu_pack_ops_t *ops, td_dtype_t type)
+td_cpu_pack_fn td_cpu_pack_fn_of(const td_cpu_pack_ops_t *ops, td_dtype_t type, bool one_byte)
 {
+    const td_cpu_pack_fns_t *f = one_byte ? &ops->one_byte : &ops->two_byte;
     switch (type) {
-    case TD_Q8_0: return ops->q8_0;
-    case TD_Q4_0: return ops->q4_0;
-    case TD_Q4_1: return ops->q4_1;
-    case TD_Q4_K: return ops->q4_k;
-    case TD_Q6_K: return ops->q6_k;
-    case TD_Q5_K: return ops->q5_k;
-    case TD_IQ4_XS: return ops->iq4_xs;
+    case TD_Q8_0: return f->q8_0;
+    case TD_Q4_0: return f->q4_0;
+    case TD_Q4_1: return f->q4_1;
+    case TD_Q4_K: return f->q4_k;
+    case TD_Q6_K: return f->q6_k;
+    case TD_Q5_K: return f->q5_k;
+    case TD_IQ4_XS: return f->iq4_xs;
     default: break;
     }
     TD_ASSERT(!"td_cpu_pack_fn_of: a type without a packed layout");

@@ -98,8 +98,9 @@ void td_cpu_pack_weights(void *dst, const void *w, td_dtype_t type, size_t n, si
 size_t td_cpu_pack_act_stride(size_t k);
 
 /* A table's quantizer: the k floats at x (k % 32 == 0) into the activation row at a for
- * weights of `type` (which sets c); every table writes the same bytes. */
-typedef void (*td_cpu_pack_act_fn)(const float *x, void *a, td_dtype_t type, size_t k);
+ * weights of `type` (which sets c); every table writes the same bytes. one_byte: lo all 0
+ * (Q = 254 hi, llama.cpp's one-byte rounding; c from those Q). */
+typedef void (*td_cpu_pack_act_fn)(const float *x, void *a, td_dtype_t type, size_t k, bool one_byte);
 
 /*
  * One table's kernel of one weight type: for activation rows i in [0, m) and packed groups
@@ -113,20 +114,29 @@ typedef void (*td_cpu_pack_fn)(const void *wp, size_t g0, size_t g1, size_t k, c
                                size_t m, float *y, size_t ldy);
 
 
+typedef struct td_cpu_pack_fns {
+    td_cpu_pack_fn q8_0, q4_0, q4_1, q4_k, q5_k, q6_k, iq4_xs;
+} td_cpu_pack_fns_t;
+
 typedef struct td_cpu_pack_ops {
     const char *name; /* "scalar", "avx2", "avx512vnni" */
     td_cpu_pack_act_fn act_row;
-    td_cpu_pack_fn q8_0, q4_0, q4_1, q4_k, q5_k, q6_k, iq4_xs;
+    td_cpu_pack_fns_t two_byte; /* the header's sum */
+    td_cpu_pack_fns_t one_byte; /* the same sum on rows whose lo parts are all 0 (act_row's
+                                   one_byte), which these skip: equal bits, half the integer
+                                   work (scalar: the two_byte kernels) */
 } td_cpu_pack_ops_t;
 
 /* ops->act_row after checking k and type (TD_ASSERT). */
-void td_cpu_pack_act_row(const td_cpu_pack_ops_t *ops, const float *x, void *a, td_dtype_t type, size_t k);
+void td_cpu_pack_act_row(const td_cpu_pack_ops_t *ops, const float *x, void *a, td_dtype_t type, size_t k,
+                         bool one_byte);
 
 /* The kernels this family runs at level `isa` (td_cpu_isa.h): its best table at or below
  * it, never NULL. `isa` must run on this CPU (TD_ASSERT). */
 const td_cpu_pack_ops_t *td_cpu_pack_ops(td_cpu_isa_t isa);
 
-/* The kernel of `type` in `ops`; `type` supported (TD_ASSERT). */
-td_cpu_pack_fn td_cpu_pack_fn_of(const td_cpu_pack_ops_t *ops, td_dtype_t type);
+/* The kernel of `type` in `ops` for two-byte rows, or with one_byte for rows act_row made
+ * with one_byte (on any other row they would drop the lo parts); `type` supported (TD_ASSERT). */
+td_cpu_pack_fn td_cpu_pack_fn_of(const td_cpu_pack_ops_t *ops, td_dtype_t type, bool one_byte);
 
 #endif /* TD_CPU_PACK_H */

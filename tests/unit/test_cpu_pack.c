@@ -155,18 +155,19 @@ static void row_scales(td_dtype_t t, const uint8_t *row, size_t b, int half, dou
     *m_p = t == TD_Q4_1 ? td_f16_to_f32(h[1]) : 0.0;
 }
 
-/* packed kernel of `ops` over the whole matrix: y[m][n_groups * 16] */
+/* packed kernel of `ops` (its one-byte set with `one`) over the whole matrix: y[m][n_groups * 16] */
 static float *run(const td_cpu_pack_ops_t *ops, td_dtype_t t, const void *wp, size_t n, size_t k,
-                  const void *a, size_t m)
+                  const void *a, size_t m, bool one)
 {
     size_t g = (n + TD_CPU_PACK_ROWS - 1) / TD_CPU_PACK_ROWS, ld = g * TD_CPU_PACK_ROWS;
     float *y = malloc(m * ld * sizeof *y);
     memset(y, 0xff, m * ld * sizeof *y); /* NaN: an output never written shows */
-    td_cpu_pack_fn_of(ops, t)(wp, 0, g, k, a, m, y, ld);
+    td_cpu_pack_fn_of(ops, t, one)(wp, 0, g, k, a, m, y, ld);
     return y;
 }
 
-static void check_case(td_dtype_t t, size_t n, size_t k, size_t m, uint64_t seed)
+/* one: rows of one byte a value (lo 0), whose e Q is within d / 2 = 127 e of x, not e / 2 */
+static void check_case(td_dtype_t t, size_t n, size_t k, size_t m, uint64_t seed, bool one)
 {
     uint64_t s = seed;
     size_t nb = k / TD_QK, row_bytes = td_dtype_bytes(t, k), stride = td_cpu_pack_act_stride(k);
@@ -178,9 +179,9 @@ static void check_case(td_dtype_t t, size_t n, size_t k, size_t m, uint64_t seed
     unsigned char *a = aligned_alloc(64, m * stride);
     const td_cpu_pack_ops_t *scalar = td_cpu_pack_ops(TD_CPU_ISA_SCALAR);
     for (size_t i = 0; i < m; i++)
-        td_cpu_pack_act_row(scalar, x + i * k, a + i * stride, t, k);
+        td_cpu_pack_act_row(scalar, x + i * k, a + i * stride, t, k, one);
     size_t ld = (n + TD_CPU_PACK_ROWS - 1) / TD_CPU_PACK_ROWS * TD_CPU_PACK_ROWS;
-    float *y = run(scalar, t, wp, n, k, a, m);
+    float *y = run(scalar, t, wp, n, k, a, m, one);
     int32_t *qa = malloc(k * sizeof *qa);
     for (size_t i = 0; i < m; i++) {
         const unsigned char *ai = a + i * stride;
@@ -213,7 +214,7 @@ static void check_case(td_dtype_t t, size_t n, size_t k, size_t m, uint64_t seed
                     double wv = wf[r * k + b * TD_QK + e], xv = x[i * k + b * TD_QK + e];
                     exact += wv * xv;
                     mag2 += fabs(wv * xv);
-                    qerr += fabs(wv) * da[b] * 0.51;
+                    qerr += fabs(wv) * da[b] * (one ? 127.5 : 0.51);
                 }
             }
             double got = y[i * ld + r], tol = (double)(nb + 4) * 0x1.0p-24 * mag;
@@ -237,8 +238,10 @@ Test(cpu_pack, scalar_matches_double_references)
     for (size_t ti = 0; ti < TD_ARRAY_LEN(types); ti++)
         for (size_t c = 0; c < TD_ARRAY_LEN(nk); c++)
             for (size_t mi = 0; mi < TD_ARRAY_LEN(ms); mi++)
-                if (nk[c][1] % td_dtype_block_elems(types[ti]) == 0)
-                    check_case(types[ti], nk[c][0], nk[c][1], ms[mi], seed++);
+                if (nk[c][1] % td_dtype_block_elems(types[ti]) == 0) {
+                    check_case(types[ti], nk[c][0], nk[c][1], ms[mi], seed, false);
+                    check_case(types[ti], nk[c][0], nk[c][1], ms[mi], seed++, true);
+                }
 }
 
 /* every table the CPU runs equals scalar bitwise; a group range that starts past 0 writes
@@ -268,26 +271,30 @@ Test(cpu_pack, simd_tables_equal_scalar_bitwise)
                 void *wp = aligned_alloc(64, td_cpu_pack_bytes(t, n, k));
                 td_cpu_pack_weights(wp, w, t, n, k);
                 unsigned char *a = aligned_alloc(64, m * stride);
-                for (size_t i = 0; i < m; i++)
-                    td_cpu_pack_act_row(scalar, x + i * k, a + i * stride, t, k);
-                float *want = run(scalar, t, wp, n, k, a, m);
-                for (size_t mm = 1; mm <= m; mm++) {
-                    float *got = run(ops, t, wp, n, k, a, mm);
-                    for (size_t i = 0; i < mm; i++)
-                        cr_assert_eq(memcmp(got + i * ld, want + i * ld, ld * sizeof(float)), 0,
-                                     "%s %s n %zu k %zu: row %zu of %zu differs from scalar", ops->name,
-                                     td_dtype_name(t), n, k, i, mm);
-                    free(got);
-                }
-                if (g > 1) {
-                    float *part = malloc(m * (g - 1) * 16 * sizeof(float));
-                    td_cpu_pack_fn_of(ops, t)(wp, 1, g, k, a, m, part, (g - 1) * 16);
+                for (int one = 0; one < 2; one++) { /* two-byte rows, then one-byte ones */
+                    const char *mode = one ? "one-byte" : "two-byte";
                     for (size_t i = 0; i < m; i++)
-                        cr_assert_eq(memcmp(part + i * (g - 1) * 16, want + i * ld + 16, (g - 1) * 16 * sizeof(float)),
-                                     0, "%s %s: groups [1, %zu) differ", ops->name, td_dtype_name(t), g);
-                    free(part);
+                        td_cpu_pack_act_row(scalar, x + i * k, a + i * stride, t, k, one);
+                    float *want = run(scalar, t, wp, n, k, a, m, false);
+                    for (size_t mm = 1; mm <= m; mm++) {
+                        float *got = run(ops, t, wp, n, k, a, mm, one);
+                        for (size_t i = 0; i < mm; i++)
+                            cr_assert_eq(memcmp(got + i * ld, want + i * ld, ld * sizeof(float)), 0,
+                                         "%s %s %s n %zu k %zu: row %zu of %zu differs from scalar", ops->name, mode,
+                                         td_dtype_name(t), n, k, i, mm);
+                        free(got);
+                    }
+                    if (g > 1) {
+                        float *part = malloc(m * (g - 1) * 16 * sizeof(float));
+                        td_cpu_pack_fn_of(ops, t, one)(wp, 1, g, k, a, m, part, (g - 1) * 16);
+                        for (size_t i = 0; i < m; i++)
+                            cr_assert_eq(memcmp(part + i * (g - 1) * 16, want + i * ld + 16, (g - 1) * 16 * sizeof(float)),
+                                         0, "%s %s %s: groups [1, %zu) differ", ops->name, mode, td_dtype_name(t), g);
+                        free(part);
+                    }
+                    free(want);
                 }
-                free(w), free(x), free(wp), free(a), free(want);
+                free(w), free(x), free(wp), free(a);
             }
     }
 }
@@ -311,7 +318,40 @@ Test(cpu_pack, act_row)
     const td_cpu_pack_ops_t *scalar = td_cpu_pack_ops(TD_CPU_ISA_SCALAR);
     for (size_t ti = 0; ti < TD_ARRAY_LEN(types); ti++) {
         td_dtype_t t = types[ti];
-        td_cpu_pack_act_row(scalar, x, a, t, k);
+        /* one byte: the two-byte row's hi, lo all 0, c from Q = 254 hi; every table the same */
+        td_cpu_pack_act_row(scalar, x, a, t, k, false);
+        td_cpu_pack_act_row(scalar, x, b2, t, k, true);
+        cr_assert_eq(memcmp(a, b2, k), 0, "%s: one byte's hi differs from two bytes'", td_dtype_name(t));
+        cr_assert_eq(memcmp(a + 2 * k, b2 + 2 * k, 4 * nb), 0, "%s: one byte's e differs", td_dtype_name(t));
+        for (size_t e = 0; e < k; e++)
+            cr_assert_eq(((const int8_t *)b2)[k + e], 0, "%s: one byte's lo %zu is not 0", td_dtype_name(t), e);
+        for (size_t b = 0; b < nb; b++) {
+            int32_t sum = 0, first = 0;
+            for (int j = 0; j < TD_QK; j++) {
+                sum += 254 * ((const int8_t *)b2)[b * TD_QK + j];
+                first = j == TD_QK / 2 - 1 ? sum : first;
+            }
+            float e, c;
+            memcpy(&e, b2 + 2 * k + 4 * b, 4);
+            int32_t ci[2];
+            memcpy(&c, b2 + 2 * k + 4 * nb + 4 * b, 4);
+            memcpy(&ci[0], b2 + 2 * k + 4 * nb + 4 * b, 4);
+            memcpy(&ci[1], b2 + 2 * k + 8 * nb + 4 * b, 4);
+            if (t == TD_Q4_1 || t == TD_Q4_K || t == TD_Q5_K)
+                cr_assert(memcmp(&c, &(float){e * (float)sum}, 4) == 0, "one byte, block %zu: c %g", b, c);
+            else if (t == TD_Q6_K)
+                cr_assert(ci[0] == -32 * first && ci[1] == -32 * (sum - first), "one byte, block %zu", b);
+            else
+                cr_assert_eq(ci[0], (t == TD_Q4_0 ? -8 : -128) * sum, "one byte, block %zu", b);
+        }
+        for (int isa = TD_CPU_ISA_AVX2; isa <= (int)td_cpu_isa_best(); isa++) {
+            unsigned char *b3 = aligned_alloc(64, stride);
+            td_cpu_pack_act_row(td_cpu_pack_ops((td_cpu_isa_t)isa), x, b3, t, k, true);
+            cr_assert_eq(memcmp(b2, b3, 2 * k + 12 * nb), 0, "%s: the one-byte row differs from scalar",
+                         td_cpu_isa_name((td_cpu_isa_t)isa));
+            free(b3);
+        }
+        td_cpu_pack_act_row(scalar, x, a, t, k, false);
         for (size_t b = 0; b < nb; b++) {
             float e;
             memcpy(&e, a + 2 * k + 4 * b, 4);
@@ -349,7 +389,7 @@ Test(cpu_pack, act_row)
         }
         for (int isa = TD_CPU_ISA_AVX2; isa <= (int)td_cpu_isa_best(); isa++) {
             const td_cpu_pack_ops_t *ops = td_cpu_pack_ops((td_cpu_isa_t)isa);
-            td_cpu_pack_act_row(ops, x, b2, t, k);
+            td_cpu_pack_act_row(ops, x, b2, t, k, false);
             cr_assert_eq(memcmp(a, b2, 2 * k + 12 * nb), 0, "%s: the activation row differs from scalar", ops->name);
         }
     }
