@@ -768,6 +768,8 @@ int bench_engine(int argc, char **argv)
         if (td_backend_cpu_isa(be))
             cJSON_AddStringToObject(j, "cpu_isa", td_backend_cpu_isa(be));
         cJSON_AddStringToObject(j, "kv_dtype", td_dtype_name(ec.kv_dtype));
+        if (td_backend_cpu_isa(be)) /* what the quantized matmul's activations are (--device cpu[:exact|:q8]) */
+            cJSON_AddStringToObject(j, "cpu_activations", o.device.exact ? "f32" : o.device.q8 ? "one-byte" : "two-byte");
         cJSON_AddNumberToObject(j, "threads", o.threads);
         cJSON_AddNumberToObject(j, "weight_bytes", (double)td_engine_weight_bytes(eng));
         cJSON_AddNumberToObject(j, "active_weight_bytes", active);
@@ -800,9 +802,11 @@ int bench_engine(int argc, char **argv)
         if (bench_json_print(stdout, j) != 0)
             goto out;
     } else {
-        printf("model          %s (%s, %.2f GB of weights streamed per step, %s%s%s, KV %s)\n", dir,
+        printf("model          %s (%s, %.2f GB of weights streamed per step, %s%s%s%s, KV %s)\n", dir,
                c->arch_name, (double)td_engine_weight_bytes(eng) * 1e-9, be->ops->name,
                td_backend_cpu_isa(be) ? " kernels " : "", td_backend_cpu_isa(be) ? td_backend_cpu_isa(be) : "",
+               !td_backend_cpu_isa(be) ? "" : o.device.exact ? ", f32 activations"
+                                            : o.device.q8   ? ", one-byte activations" : "",
                td_dtype_name(ec.kv_dtype));
         if (c->n_experts > 0)
             printf("experts        %d of %d per token: %.3f GB of active weights per token (of %.3f GB)\n",
