@@ -25,7 +25,6 @@
 #include "decode_node.h"
 
 #include <arpa/inet.h>
-#include <ifaddrs.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <stdatomic.h>
@@ -34,9 +33,11 @@
 #include <string.h>
 
 #include "control.pb-c.h"
+#include "decode_admit.h"
 #include "decode_sched.h"
-#include "td_node_conf.h"
+#include "td_node_addr.h"
 #include "td_node_client.h"
+#include "td_node_conf.h"
 #include "td_node.h"
 #include "td_node_worker.h"
 #include "td_node_xfer_metrics.h"
@@ -50,8 +51,6 @@
 #include "td_util.h"
 #include "td_xfer.h"
 
-#define DECODE_MAX_STOP_IDS 32
-#define DECODE_MAX_REQUEST_ID 255 /* bytes of AdmitRequest.request_id (the router's are < 64) */
 /* The Steps stream carries every sequence's tokens: it has one subscriber, the router this
  * node registered with (docs/cluster.md "Who may subscribe to Steps"). */
 #define DECODE_MAX_SUBSCRIBERS 1
@@ -82,23 +81,6 @@ typedef struct decode_prefill {
     td_grpc_call_t *call;
     uint64_t t0;              /* td_now_ns() at the call */
 } decode_prefill_t;
-
-/* An admitted request whose KV has not arrived yet (loop thread). */
-typedef struct decode_admit {
-    td_list_t link;  /* in decode_state_t.admits */
-    uint64_t lease_id;
-    uint64_t deadline_ns;
-    int32_t *prompt;
-    int32_t n_prompt;
-    td_sampling_t sampling;
-    int32_t max_tokens;
-    int32_t stop_ids[DECODE_MAX_STOP_IDS];
-    int32_t n_stop_ids;
-    td_logprobs_want_t logprobs; /* AdmitRequest.logprobs */
-    bool ignore_eos;
-    int32_t *replay;             /* [n_replay] AdmitRequest.replay_ids (a migrated stream), or NULL */
-    int32_t n_replay;
-} decode_admit_t;
 
 /* Loop → compute (by value in the command ring). */
 typedef struct decode_cmd {
@@ -235,15 +217,6 @@ static void out_free(decode_out_t *o)
     free(o);
 }
 
-static void admit_free(decode_admit_t *a)
-{
-    if (a) {
-        free(a->prompt);
-        free(a->replay);
-        free(a);
-    }
-}
-
 static void add_seq(decode_out_t *o, uint64_t id, int32_t token, decode_out_kind_t kind)
 {
     o->seqs[o->n_seqs++] = (decode_out_seq_t){.lease_id = id, .token = token, .kind = kind};
@@ -291,7 +264,7 @@ static void compute_no_memory(decode_state_t *s, decode_cmd_t *cmds, int32_t n_c
         if (c->admit)
             atomic_fetch_sub(&s->admits_posted, 1);
         atomic_fetch_sub(&s->prompt_posted, c->prompt_posted);
-        admit_free(c->admit);
+        decode_admit_free(c->admit);
         free(c->blocks);
     }
     s->backoff = true;
@@ -326,7 +299,7 @@ static void compute_main(void *arg)
             else
                 decode_sched_cancel(s->sched, c->lease_id);
             taken_prompt += c->prompt_posted;
-            admit_free(c->admit);
+            decode_admit_free(c->admit);
             free(c->blocks);
         }
         if (taken_prompt) { /* a step of these chunks may run for a second: say so now */
@@ -484,7 +457,7 @@ static td_status_t pool_result(decode_state_t *s, td_status_t st)
 /* A command nobody took: its admission and its blocks' references go. */
 static void cmd_discard(decode_state_t *s, decode_cmd_t *c)
 {
-    admit_free(c->admit);
+    decode_admit_free(c->admit);
     for (int32_t i = 0; i < c->n_blocks; i++)
         td_kv_unref_block(s->kv, c->blocks[i]);
     free(c->blocks);
@@ -700,109 +673,35 @@ static void on_kv_ready(void *arg, const td_xfer_ready_t *r)
                 td_warn("decode: lease %llu: kv-ready dropped, out of memory", (unsigned long long)r->lease_id);
             report_failed(s, r->lease_id);
         }
-        admit_free(a);
+        decode_admit_free(a);
         free(blocks);
         refresh_kv_load(s);
     }
 }
 
+/* AdmitRequest: checked and read (decode_admit.c) around the node's gate, then a lease of the
+ * prompt's blocks (a unified node: a lease id only) and the reply naming them. */
 static void on_admit(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data)
 {
     decode_state_t *s = data;
     const Tandem__Control__V1__AdmitRequest *r = (const void *)msg;
-    const td_model_config_t *mc = &s->model->config;
     char why[256];
-    why[0] = 0;
-    if (!r->request_id || !r->request_id[0] || strlen(r->request_id) > DECODE_MAX_REQUEST_ID)
-        snprintf(why, sizeof why, "admit: request_id must be 1 .. %d bytes (%zu given)", DECODE_MAX_REQUEST_ID,
-                 r->request_id ? strlen(r->request_id) : 0);
-    else if (r->n_prompt_ids == 0 || r->n_prompt_ids >= (size_t)mc->max_seq_len)
-        snprintf(why, sizeof why, "admit: prompt_ids holds %zu ids, allowed 1 .. %d (the model's length - 1)",
-                 r->n_prompt_ids, mc->max_seq_len - 1);
-    else if (r->n_prompt_ids != r->prompt_tokens)
-        snprintf(why, sizeof why, "admit: prompt_tokens %u, but prompt_ids holds %zu ids", r->prompt_tokens,
-                 r->n_prompt_ids);
-    else if (r->max_tokens == 0)
-        snprintf(why, sizeof why, "admit: max_tokens 0, at least 1");
-    else if (r->n_stop_ids > DECODE_MAX_STOP_IDS)
-        snprintf(why, sizeof why, "admit: %zu stop_ids, at most %d", r->n_stop_ids, DECODE_MAX_STOP_IDS);
-    else if (r->n_replay_ids >= r->max_tokens || r->n_replay_ids >= (size_t)mc->max_seq_len - r->n_prompt_ids)
-        snprintf(why, sizeof why, "admit: %zu replay_ids, fewer than max_tokens %u and the model's length %d - "
-                 "%zu prompt ids required", r->n_replay_ids, r->max_tokens, mc->max_seq_len, r->n_prompt_ids);
-    if (why[0]) {
+    decode_admit_t *a = NULL;
+    if (!decode_admit_check(r, &s->model->config, why, sizeof why)) {
         td_grpc_call_finish(call, TD_GRPC_INVALID_ARGUMENT, why);
         return;
     }
-    if (td_node_draining(&s->proc)) {
-        td_metric_inc(s->m_refused);
-        td_grpc_call_finish(call, TD_GRPC_UNAVAILABLE, "decode node draining: it takes no new request");
+    if (!td_node_take_or_refuse(&s->proc, call, s->m_refused, "decode node", s->n_admits, s->cfg.max_requests,
+                                "too many pending admissions"))
+        return;
+    td_grpc_code_t code = decode_admit_read(r, &s->model->config, s->unified, &a, why, sizeof why);
+    if (code != TD_GRPC_OK) {
+        td_grpc_call_finish(call, code, why);
         return;
     }
-    if (s->n_admits >= s->cfg.max_requests) {
-        td_metric_inc(s->m_refused);
-        td_grpc_call_finish(call, TD_GRPC_RESOURCE_EXHAUSTED, "decode node: too many pending admissions");
-        return;
-    }
-    decode_admit_t *a = calloc(1, sizeof *a);
-    if (!a || !(a->prompt = malloc(r->n_prompt_ids * sizeof(int32_t)))) {
-        free(a);
-        td_grpc_call_finish(call, TD_GRPC_RESOURCE_EXHAUSTED, "decode node: out of memory");
-        return;
-    }
-    for (size_t i = 0; i < r->n_prompt_ids; i++) {
-        if (r->prompt_ids[i] >= (uint32_t)mc->vocab_size) {
-            admit_free(a);
-            snprintf(why, sizeof why, "admit: prompt_ids[%zu] = %u is outside the vocabulary of %d ids", i,
-                     r->prompt_ids[i], mc->vocab_size);
-            td_grpc_call_finish(call, TD_GRPC_INVALID_ARGUMENT, why);
-            return;
-        }
-        a->prompt[i] = (int32_t)r->prompt_ids[i];
-    }
-    a->n_prompt = (int32_t)r->n_prompt_ids;
-    if (r->n_replay_ids && !(a->replay = malloc(r->n_replay_ids * sizeof(int32_t)))) {
-        admit_free(a);
-        td_grpc_call_finish(call, TD_GRPC_RESOURCE_EXHAUSTED, "decode node: out of memory");
-        return;
-    }
-    for (size_t i = 0; i < r->n_replay_ids; i++) {
-        if (r->replay_ids[i] >= (uint32_t)mc->vocab_size) {
-            admit_free(a);
-            snprintf(why, sizeof why, "admit: replay_ids[%zu] = %u is outside the vocabulary of %d ids", i,
-                     r->replay_ids[i], mc->vocab_size);
-            td_grpc_call_finish(call, TD_GRPC_INVALID_ARGUMENT, why);
-            return;
-        }
-        a->replay[i] = (int32_t)r->replay_ids[i];
-    }
-    a->n_replay = (int32_t)r->n_replay_ids;
-    a->sampling = td_node_sampling_from_proto(r->sampling);
-    if (td_sampling_validate(&a->sampling, why, sizeof why) != TD_OK) {
-        admit_free(a);
-        td_grpc_call_finish(call, TD_GRPC_INVALID_ARGUMENT, why);
-        return;
-    }
-    if (td_node_logprobs_from_proto(r->logprobs, &a->logprobs, why, sizeof why) != TD_OK) {
-        admit_free(a);
-        td_grpc_call_finish(call, TD_GRPC_INVALID_ARGUMENT, why);
-        return;
-    }
-    a->max_tokens = (int32_t)TD_MIN(r->max_tokens, (uint32_t)INT32_MAX);
-    for (size_t i = 0; i < r->n_stop_ids; i++)
-        a->stop_ids[i] = (int32_t)r->stop_ids[i];
-    a->n_stop_ids = (int32_t)r->n_stop_ids;
-    a->ignore_eos = r->ignore_eos;
     int32_t n_blocks = (int32_t)TD_DIV_CEIL(a->n_prompt, (int32_t)s->layout.block_size);
     int32_t *blocks = malloc((size_t)n_blocks * sizeof *blocks);
     uint32_t ttl = (uint32_t)TD_MIN((int64_t)(r->lease_ms ? r->lease_ms : 10000), s->cfg.max_lease_ms);
-    if (s->unified && a->logprobs.prompt) {
-        admit_free(a);
-        free(blocks);
-        td_grpc_call_finish(call, TD_GRPC_INVALID_ARGUMENT,
-                            "admit: prompt logprobs are not served by a unified node (it computes prompts "
-                            "in chunks inside decode steps); send them to a prefill/decode pair");
-        return;
-    }
     td_status_t st;
     if (s->unified) { /* no transfer: the lease only names the request until its Prefill call */
         a->lease_id = ++s->next_lease;
@@ -816,7 +715,7 @@ static void on_admit(td_grpc_call_t *call, const ProtobufCMessage *msg, void *da
     if (st != TD_OK) {
         td_metric_inc(s->m_refused);
         free(blocks);
-        admit_free(a);
+        decode_admit_free(a);
         td_grpc_call_finish(call, TD_GRPC_RESOURCE_EXHAUSTED, "decode node: no free KV blocks");
         return;
     }
@@ -844,7 +743,7 @@ static void on_release(td_grpc_call_t *call, const ProtobufCMessage *msg, void *
     if (a) { /* KV not here yet: the lease goes, and with it its blocks */
         if (!s->unified)
             td_xfer_lease_cancel(s->xfer, r->lease_id);
-        admit_free(a);
+        decode_admit_free(a);
         resp.released = true;
         refresh_kv_load(s);
     } else {
@@ -897,7 +796,7 @@ static void on_prefill(td_grpc_call_t *call, const ProtobufCMessage *msg, void *
     }
     decode_prefill_t *w = s->n_prefills < s->cfg.max_requests ? calloc(1, sizeof *w) : NULL;
     if (!w) {
-        admit_free(a);
+        decode_admit_free(a);
         td_grpc_call_finish(call, TD_GRPC_RESOURCE_EXHAUSTED, "unified node: too many prompts waiting for a first token");
         return;
     }
@@ -908,7 +807,7 @@ static void on_prefill(td_grpc_call_t *call, const ProtobufCMessage *msg, void *
     if (!td_node_worker_post(&s->worker, &(decode_cmd_t){.admit = a, .lease_id = lease_id, .prompt_posted = n_prompt})) {
         atomic_fetch_sub(&s->admits_posted, 1);
         atomic_fetch_sub(&s->prompt_posted, n_prompt);
-        admit_free(a);
+        decode_admit_free(a);
         free(w);
         td_grpc_call_finish(call, TD_GRPC_UNAVAILABLE, "unified node: the command ring is full; retry");
         return;
@@ -931,39 +830,6 @@ static void on_steps_cancel(td_grpc_call_t *call, td_status_t why, void *call_da
     td_grpc_call_finish(call, TD_GRPC_CANCELLED, NULL);
 }
 
-/* The address of a (v4, v6 or v4-mapped v6) socket address as an IPv6 address, so that
- * 127.0.0.1 and ::ffff:127.0.0.1 compare equal. false: not an IP address. */
-static bool ip_of(const struct sockaddr *a, struct in6_addr *ip)
-{
-    if (a->sa_family == AF_INET6) {
-        *ip = ((const struct sockaddr_in6 *)a)->sin6_addr;
-        return true;
-    }
-    if (a->sa_family != AF_INET)
-        return false;
-    memset(ip, 0, sizeof *ip);
-    ip->s6_addr[10] = ip->s6_addr[11] = 0xff;
-    memcpy(&ip->s6_addr[12], &((const struct sockaddr_in *)a)->sin_addr, 4);
-    return true;
-}
-
-/* True when ip is a loopback address or one of this host's interfaces. */
-static bool ip_is_local(const struct in6_addr *ip)
-{
-    static const uint8_t v4mapped[12] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff};
-    if (IN6_IS_ADDR_LOOPBACK(ip) || (!memcmp(ip->s6_addr, v4mapped, 12) && ip->s6_addr[12] == 127))
-        return true;
-    struct ifaddrs *ifs, *i;
-    if (getifaddrs(&ifs) != 0)
-        return false;
-    bool local = false;
-    struct in6_addr a;
-    for (i = ifs; i && !local; i = i->ifa_next)
-        local = i->ifa_addr && ip_of(i->ifa_addr, &a) && !memcmp(&a, ip, sizeof a);
-    freeifaddrs(ifs);
-    return local;
-}
-
 /* Resolves --router (startup, before the loop runs) into the addresses a Steps subscriber
  * must come from. A name that does not resolve is not fatal: the node registers when the
  * router appears, and no one may subscribe meanwhile. */
@@ -979,10 +845,10 @@ static void resolve_router(decode_state_t *s, const char *router)
     }
     for (struct addrinfo *a = res; a && s->n_router_addrs < DECODE_MAX_ROUTER_ADDRS; a = a->ai_next) {
         struct in6_addr ip;
-        if (!ip_of(a->ai_addr, &ip))
+        if (!td_node_ip_of(a->ai_addr, &ip))
             continue;
         memcpy(&s->router_addrs[s->n_router_addrs++], a->ai_addr, a->ai_addrlen);
-        s->router_local = s->router_local || ip_is_local(&ip);
+        s->router_local = s->router_local || td_node_ip_is_local(&ip);
     }
     freeaddrinfo(res);
 }
@@ -995,18 +861,18 @@ static const char *steps_peer_refusal(const decode_state_t *s, td_grpc_call_t *c
     struct sockaddr_storage peer;
     struct in6_addr ip, r;
     char txt[INET6_ADDRSTRLEN] = "?";
-    if (td_grpc_call_peer(call, &peer) != TD_OK || !ip_of((const struct sockaddr *)&peer, &ip))
+    if (td_grpc_call_peer(call, &peer) != TD_OK || !td_node_ip_of((const struct sockaddr *)&peer, &ip))
         return "decode node: the Steps subscriber's address is unknown";
     for (int i = 0; i < s->n_router_addrs; i++)
-        if (ip_of((const struct sockaddr *)&s->router_addrs[i], &r) && !memcmp(&r, &ip, sizeof ip))
+        if (td_node_ip_of((const struct sockaddr *)&s->router_addrs[i], &r) && !memcmp(&r, &ip, sizeof ip))
             return NULL;
     /* a --router name looked up again since startup (a router back at a new address: a
        Kubernetes pod behind a headless Service) */
     struct sockaddr_storage now;
-    if (td_node_client_router_ip(s->proc.client, &now) && ip_of((const struct sockaddr *)&now, &r) &&
+    if (td_node_client_router_ip(s->proc.client, &now) && td_node_ip_of((const struct sockaddr *)&now, &r) &&
         !memcmp(&r, &ip, sizeof ip))
         return NULL;
-    if (s->router_local && ip_is_local(&ip))
+    if (s->router_local && td_node_ip_is_local(&ip))
         return NULL;
     inet_ntop(AF_INET6, &ip, txt, sizeof txt);
     snprintf(why, cap, "decode node: Steps is served only to the router this node registers with (%s); "
@@ -1055,7 +921,7 @@ static void on_sweep(uv_timer_t *t)
         if (a->deadline_ns < now) {
             admit_unlink(s, a);
             td_info("decode: lease %llu expired before kv-ready", (unsigned long long)a->lease_id);
-            admit_free(a);
+            decode_admit_free(a);
         }
     }
 }
@@ -1358,7 +1224,7 @@ out:
     TD_LIST_FOREACH_SAFE(n, &s->admits) {
         decode_admit_t *a = TD_CONTAINER_OF(n, decode_admit_t, link);
         admit_unlink(s, a);
-        admit_free(a);
+        decode_admit_free(a);
     }
     decode_cmd_t c;
     while (td_node_worker_pop_in(&s->worker, &c))

@@ -577,16 +577,9 @@ static void on_prefill(td_grpc_call_t *call, const ProtobufCMessage *msg, void *
         td_grpc_call_finish(call, TD_GRPC_UNAVAILABLE, "prefill node shutting down");
         return;
     }
-    if (td_node_draining(&s->proc)) {
-        td_metric_inc(s->m_refused);
-        td_grpc_call_finish(call, TD_GRPC_UNAVAILABLE, "prefill node draining: it takes no new request");
+    if (!td_node_take_or_refuse(&s->proc, call, s->m_refused, "prefill node", s->n_jobs, s->cfg.max_queue,
+                                "queue full"))
         return;
-    }
-    if (s->n_jobs >= s->cfg.max_queue) {
-        td_metric_inc(s->m_refused);
-        td_grpc_call_finish(call, TD_GRPC_RESOURCE_EXHAUSTED, "prefill node: queue full");
-        return;
-    }
     prefill_job_t *j = calloc(1, sizeof *j);
     if (!j) {
         td_grpc_call_finish(call, TD_GRPC_RESOURCE_EXHAUSTED, "prefill node: out of memory");

@@ -180,6 +180,25 @@ bool td_node_draining(const td_node_t *p)
     return p->draining;
 }
 
+bool td_node_take_or_refuse(const td_node_t *p, td_grpc_call_t *call, td_metric_t *refused, const char *what,
+                            int64_t pending, int64_t cap, const char *full)
+{
+    char why[160];
+    if (td_node_draining(p)) {
+        td_metric_inc(refused);
+        snprintf(why, sizeof why, "%s draining: it takes no new request", what);
+        td_grpc_call_finish(call, TD_GRPC_UNAVAILABLE, why);
+        return false;
+    }
+    if (pending >= cap) {
+        td_metric_inc(refused);
+        snprintf(why, sizeof why, "%s: %s", what, full);
+        td_grpc_call_finish(call, TD_GRPC_RESOURCE_EXHAUSTED, why);
+        return false;
+    }
+    return true;
+}
+
 static void on_health(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data)
 {
     td_node_t *p = data;

@@ -219,6 +219,13 @@ void td_node_drain(td_node_t *p, uint32_t timeout_ms);
 /* True once draining began: the process refuses new work (UNAVAILABLE, "draining"). */
 bool td_node_draining(const td_node_t *p);
 
+/* The gate a node's request handler passes before it takes work: while draining it finishes
+ * the call UNAVAILABLE "<what> draining: it takes no new request", with `pending` at `cap`
+ * RESOURCE_EXHAUSTED "<what>: <full>"; either way it counts `refused` and returns false.
+ * True: take the work. Loop thread. */
+bool td_node_take_or_refuse(const td_node_t *p, td_grpc_call_t *call, td_metric_t *refused, const char *what,
+                            int64_t pending, int64_t cap, const char *full);
+
 /*
  * Nodes: adds to the node's control server the methods every node serves the same way,
  * with p as their data:

@@ -1,0 +1,103 @@
+/*
+ * decode_admit: AdmitRequest -> decode_admit_t, checked (decode_admit.h).
+ */
+#include "decode_admit.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "td_util.h"
+
+bool decode_admit_check(const Tandem__Control__V1__AdmitRequest *r, const td_model_config_t *mc, char *why,
+                        size_t cap)
+{
+    if (!r->request_id || !r->request_id[0] || strlen(r->request_id) > DECODE_MAX_REQUEST_ID)
+        snprintf(why, cap, "admit: request_id must be 1 .. %d bytes (%zu given)", DECODE_MAX_REQUEST_ID,
+                 r->request_id ? strlen(r->request_id) : 0);
+    else if (r->n_prompt_ids == 0 || r->n_prompt_ids >= (size_t)mc->max_seq_len)
+        snprintf(why, cap, "admit: prompt_ids holds %zu ids, allowed 1 .. %d (the model's length - 1)",
+                 r->n_prompt_ids, mc->max_seq_len - 1);
+    else if (r->n_prompt_ids != r->prompt_tokens)
+        snprintf(why, cap, "admit: prompt_tokens %u, but prompt_ids holds %zu ids", r->prompt_tokens,
+                 r->n_prompt_ids);
+    else if (r->max_tokens == 0)
+        snprintf(why, cap, "admit: max_tokens 0, at least 1");
+    else if (r->n_stop_ids > DECODE_MAX_STOP_IDS)
+        snprintf(why, cap, "admit: %zu stop_ids, at most %d", r->n_stop_ids, DECODE_MAX_STOP_IDS);
+    else if (r->n_replay_ids >= r->max_tokens || r->n_replay_ids >= (size_t)mc->max_seq_len - r->n_prompt_ids)
+        snprintf(why, cap, "admit: %zu replay_ids, fewer than max_tokens %u and the model's length %d - "
+                 "%zu prompt ids required", r->n_replay_ids, r->max_tokens, mc->max_seq_len, r->n_prompt_ids);
+    else
+        return true;
+    return false;
+}
+
+/* n ids (prompt_ids or replay_ids, named `what`) into a new array at *out, each inside the
+ * vocabulary of mc. NULL *out for n == 0. */
+static td_grpc_code_t read_ids(const uint32_t *ids, size_t n, const char *what, const td_model_config_t *mc,
+                               int32_t **out, char *why, size_t cap)
+{
+    *out = NULL;
+    if (n == 0)
+        return TD_GRPC_OK;
+    if (!(*out = malloc(n * sizeof **out))) {
+        snprintf(why, cap, "decode node: out of memory");
+        return TD_GRPC_RESOURCE_EXHAUSTED;
+    }
+    for (size_t i = 0; i < n; i++) {
+        if (ids[i] >= (uint32_t)mc->vocab_size) {
+            snprintf(why, cap, "admit: %s[%zu] = %u is outside the vocabulary of %d ids", what, i, ids[i],
+                     mc->vocab_size);
+            return TD_GRPC_INVALID_ARGUMENT;
+        }
+        (*out)[i] = (int32_t)ids[i];
+    }
+    return TD_GRPC_OK;
+}
+
+td_grpc_code_t decode_admit_read(const Tandem__Control__V1__AdmitRequest *r, const td_model_config_t *mc,
+                                 bool unified, decode_admit_t **a_p, char *why, size_t cap)
+{
+    decode_admit_t *a = calloc(1, sizeof *a);
+    if (!a) {
+        snprintf(why, cap, "decode node: out of memory");
+        return TD_GRPC_RESOURCE_EXHAUSTED;
+    }
+    td_grpc_code_t code = read_ids(r->prompt_ids, r->n_prompt_ids, "prompt_ids", mc, &a->prompt, why, cap);
+    if (code == TD_GRPC_OK)
+        code = read_ids(r->replay_ids, r->n_replay_ids, "replay_ids", mc, &a->replay, why, cap);
+    a->n_prompt = (int32_t)r->n_prompt_ids;
+    a->n_replay = (int32_t)r->n_replay_ids;
+    if (code == TD_GRPC_OK) {
+        a->sampling = td_node_sampling_from_proto(r->sampling);
+        if (td_sampling_validate(&a->sampling, why, cap) != TD_OK ||
+            td_node_logprobs_from_proto(r->logprobs, &a->logprobs, why, cap) != TD_OK)
+            code = TD_GRPC_INVALID_ARGUMENT;
+    }
+    if (code == TD_GRPC_OK && unified && a->logprobs.prompt) {
+        snprintf(why, cap, "admit: prompt logprobs are not served by a unified node (it computes prompts "
+                           "in chunks inside decode steps); send them to a prefill/decode pair");
+        code = TD_GRPC_INVALID_ARGUMENT;
+    }
+    if (code != TD_GRPC_OK) {
+        decode_admit_free(a);
+        return code;
+    }
+    a->max_tokens = (int32_t)TD_MIN(r->max_tokens, (uint32_t)INT32_MAX);
+    for (size_t i = 0; i < r->n_stop_ids; i++)
+        a->stop_ids[i] = (int32_t)r->stop_ids[i];
+    a->n_stop_ids = (int32_t)r->n_stop_ids;
+    a->ignore_eos = r->ignore_eos;
+    *a_p = a;
+    return TD_GRPC_OK;
+}
+
+void decode_admit_free(decode_admit_t *a)
+{
+    if (a) {
+        free(a->prompt);
+        free(a->replay);
+        free(a);
+    }
+}

@@ -1,0 +1,58 @@
+/*
+ * decode_admit: an AdmitRequest read into the decode node's own form (decode_admit_t), every
+ * field checked on the way; what on_admit (decode_main.c) needs before it leases blocks.
+ *
+ * Two steps, so that a malformed request hears INVALID_ARGUMENT before a draining or full
+ * node says UNAVAILABLE or RESOURCE_EXHAUSTED: decode_admit_check (the message's own shape:
+ * ids, counts, lengths) runs before the node's gate (td_node_take_or_refuse), decode_admit_read
+ * (the copies, the vocabulary, sampling and logprobs, the unified role's limits) after it.
+ * Loop thread; pure but for the allocation.
+ */
+#ifndef DECODE_ADMIT_H
+#define DECODE_ADMIT_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "control.pb-c.h"
+#include "td_grpc.h"
+#include "td_list.h"
+#include "td_model.h"
+#include "td_node.h"
+
+#define DECODE_MAX_STOP_IDS 32
+#define DECODE_MAX_REQUEST_ID 255 /* bytes of AdmitRequest.request_id (the router's are < 64) */
+
+/* An admitted request whose KV has not arrived yet (loop thread). */
+typedef struct decode_admit {
+    td_list_t link;  /* in decode_state_t.admits */
+    uint64_t lease_id;
+    uint64_t deadline_ns;
+    int32_t *prompt;
+    int32_t n_prompt;
+    td_sampling_t sampling;
+    int32_t max_tokens;
+    int32_t stop_ids[DECODE_MAX_STOP_IDS];
+    int32_t n_stop_ids;
+    td_logprobs_want_t logprobs; /* AdmitRequest.logprobs */
+    bool ignore_eos;
+    int32_t *replay;             /* [n_replay] AdmitRequest.replay_ids (a migrated stream), or NULL */
+    int32_t n_replay;
+} decode_admit_t;
+
+/* The request's shape against the model mc: false with the reason in why (INVALID_ARGUMENT). */
+bool decode_admit_check(const Tandem__Control__V1__AdmitRequest *r, const td_model_config_t *mc, char *why,
+                        size_t cap);
+
+/* A checked request (decode_admit_check) read into a new *a_p (lease_id and deadline 0, not
+ * linked). TD_GRPC_OK; else INVALID_ARGUMENT (an id outside the vocabulary, bad sampling or
+ * logprobs, prompt logprobs asked of a unified node) or RESOURCE_EXHAUSTED (out of memory),
+ * the reason in why and *a_p untouched. */
+td_grpc_code_t decode_admit_read(const Tandem__Control__V1__AdmitRequest *r, const td_model_config_t *mc,
+                                 bool unified, decode_admit_t **a_p, char *why, size_t cap);
+
+/* Frees an admission (NULL-safe). */
+void decode_admit_free(decode_admit_t *a);
+
+#endif /* DECODE_ADMIT_H */
