@@ -1029,6 +1029,143 @@ static td_status_t init_metrics(decode_state_t *s)
 
 /* The whole life of a decode node or (unified) a unified node: the same loop, compute
  * thread and scheduler; a unified node has no data plane and serves Prefill itself. */
+/* The engine on its KV pool: a unified node's own (no data plane: the engine allocates its
+ * pool and is its only writer); a decode node's through td_xfer, whose descriptor (for the
+ * router to hand to prefill nodes) goes to desc. */
+static td_status_t open_pool(decode_state_t *s, td_engine_config_t *ec, uint8_t *desc, size_t cap, size_t *desc_len)
+{
+    const decode_config_t *cfg = &s->cfg;
+    const td_node_config_t *pc = &s->proc.cfg;
+    td_status_t st;
+    *desc_len = 0;
+    if (s->unified) {
+        if ((st = pool_result(s, td_engine_create(s->model, s->be, ec, &s->eng))) != TD_OK)
+            return st;
+        s->kv = td_engine_kv(s->eng);
+        return TD_OK;
+    }
+    td_xfer_config_t xc = td_xfer_config_default();
+    xc.name = pc->node_id;
+    xc.listen_ip = pc->host;
+    xc.advertise_ip = pc->advertise; /* the descriptor the router hands to prefill nodes */
+    if ((st = td_xfer_create(&s->proc.loop, &xc, &s->xfer)) != TD_OK ||
+        (st = td_node_xfer_metrics_init(&s->xfer_metrics, s->metrics, s->xfer)) != TD_OK)
+        return st;
+    td_xfer_pool_t xp = {.layout = s->layout, .base = NULL, .n_blocks = (uint32_t)cfg->kv_blocks,
+                         .mem = TD_XFER_MEM_HOST, .kv = NULL};
+    if (s->be->host_memory) {
+        /* UCX allocates the pool (shared memory for senders on this host); the engine
+           computes on it */
+        if ((st = pool_result(s, td_xfer_register_pool(s->xfer, &xp, on_kv_ready, s))) != TD_OK)
+            return st;
+        ec->kv_pool = td_xfer_pool_base(s->xfer);
+        if ((st = td_engine_create(s->model, s->be, ec, &s->eng)) != TD_OK)
+            return st;
+        s->kv = td_engine_kv(s->eng);
+        if ((st = td_xfer_pool_set_kv(s->xfer, s->kv)) != TD_OK)
+            return st;
+    } else {
+        /* a device pool (the engine's): senders write a host landing area and kv-ready
+           copies the landed blocks in (docs/xfer.md "Memory types") */
+        if ((st = pool_result(s, td_engine_create(s->model, s->be, ec, &s->eng))) != TD_OK)
+            return st;
+        s->kv = td_engine_kv(s->eng);
+        xp.base = td_engine_kv_pool(s->eng, NULL);
+        xp.mem = TD_XFER_MEM_CUDA;
+        xp.kv = s->kv;
+        xp.landing_blocks = (uint32_t)(cfg->landing_blocks ? cfg->landing_blocks : TD_MAX(1, cfg->kv_blocks / 4));
+        xp.copy_h2d = copy_landed;
+        xp.copy_arg = s->be;
+        if ((st = td_xfer_register_pool(s->xfer, &xp, on_kv_ready, s)) != TD_OK)
+            return st;
+    }
+    return td_xfer_describe(s->xfer, desc, cap, desc_len);
+}
+
+/* The control server (a unified node's also answers Prefill), /metrics, the sweep timer and
+ * the compute thread. */
+static td_status_t serve(decode_state_t *s)
+{
+    const td_node_config_t *pc = &s->proc.cfg;
+    td_grpc_server_config_t gc = td_grpc_server_config_default();
+    gc.host = pc->host;
+    gc.port = (uint16_t)pc->port;
+    gc.metrics = s->metrics;
+    td_node_auth_guard_control(&s->proc.auth, &gc);
+    static const td_grpc_method_t methods[] = {
+        {"/tandem.control.v1.DecodeNode/Admit", &tandem__control__v1__admit_request__descriptor, on_admit},
+        {"/tandem.control.v1.DecodeNode/Release", &tandem__control__v1__release_request__descriptor, on_release},
+        {"/tandem.control.v1.DecodeNode/Steps", &tandem__control__v1__steps_request__descriptor, on_steps},
+    };
+    static const td_grpc_method_t unified_methods[] = {
+        {"/tandem.control.v1.PrefillNode/Prefill", &tandem__control__v1__prefill_request__descriptor, on_prefill},
+    };
+    td_status_t st;
+    if ((st = td_grpc_server_create(&s->proc.loop, &gc, &s->grpc)) != TD_OK ||
+        (st = td_grpc_server_add_methods(s->grpc, methods, TD_ARRAY_LEN(methods), s)) != TD_OK ||
+        (s->unified && (st = td_grpc_server_add_methods(s->grpc, unified_methods, TD_ARRAY_LEN(unified_methods), s)) != TD_OK) ||
+        (st = td_node_serve_control(&s->proc, s->grpc)) != TD_OK)
+        return st;
+    if ((st = td_node_serve(&s->proc, s->metrics)) != TD_OK)
+        return st;
+    uv_timer_init(&s->proc.loop, &s->sweep);
+    s->sweep.data = s;
+    uv_timer_start(&s->sweep, on_sweep, 100, 100);
+    s->handles_up = true;
+    return td_node_worker_start(&s->worker);
+}
+
+/* Registers with the router: role, layout, capacity, the vocabulary and EOS ids it checks
+ * prompts against, and the data plane's descriptor (NULL for a unified node). */
+static td_status_t register_node(decode_state_t *s, const uint8_t *desc, size_t desc_len)
+{
+    const decode_config_t *cfg = &s->cfg;
+    td_node_client_config_t nc = {.xfer_desc = desc_len ? desc : NULL, .xfer_desc_len = desc_len,
+                                      .max_seq_len = (uint32_t)s->model->config.max_seq_len};
+    nc.info.role = s->unified ? TD_NODE_ROLE_UNIFIED : TD_NODE_ROLE_DECODE;
+    nc.max_prefill_tokens = (uint32_t)cfg->max_batch_tokens;
+    nc.info.layout = s->layout;
+    nc.info.capacity_blocks = (int32_t)cfg->kv_blocks;
+    nc.info.vocab_size = s->model->config.vocab_size; /* the router checks prompt ids against it */
+    nc.info.n_eos = TD_MIN(s->model->config.n_eos, TD_NODE_MAX_EOS); /* the router withholds them */
+    for (int32_t i = 0; i < nc.info.n_eos; i++)
+        nc.info.eos_ids[i] = s->model->config.eos_ids[i];
+    nc.info.max_batch = (int32_t)cfg->max_batch;
+    atomic_store(&s->load_free, (int32_t)cfg->kv_blocks);
+    return td_node_register(&s->proc, &nc, td_grpc_server_port(s->grpc), load_cb, s);
+}
+
+/* Everything node_main made, in reverse, whatever got made (NULL-safe closers). */
+static void free_state(decode_state_t *s)
+{
+    td_node_stop(&s->proc); /* partial init: closes what exists (NULL-safe closers) */
+    TD_LIST_FOREACH_SAFE(n, &s->admits) {
+        decode_admit_t *a = TD_CONTAINER_OF(n, decode_admit_t, link);
+        admit_unlink(s, a);
+        decode_admit_free(a);
+    }
+    decode_cmd_t c;
+    while (td_node_worker_pop_in(&s->worker, &c))
+        cmd_discard(s, &c);
+    decode_out_t *o;
+    while (td_node_worker_pop_out(&s->worker, &o))
+        out_free(o);
+    decode_sched_destroy(s->sched);
+    td_spec_draft_destroy(s->draft);
+    td_engine_destroy(s->draft_eng);
+    td_model_destroy(s->draft_model);
+    td_engine_destroy(s->eng);
+    td_backend_destroy(s->be);
+    td_model_destroy(s->model);
+    td_metrics_destroy(s->metrics);
+    td_node_worker_free(&s->worker);
+    free(s->failed);
+    free(s->batch_seqs);
+    free(s->batch_ptrs);
+    free(s->batch_lps);
+    td_node_free(&s->proc);
+}
+
 static int node_main(int argc, char **argv, bool unified)
 {
     decode_state_t st_, *s = &st_;
@@ -1120,51 +1257,8 @@ static int node_main(int argc, char **argv, bool unified)
         goto out;
     uint8_t desc[TD_XFER_DESC_MAX];
     size_t desc_len = 0;
-    if (unified) {
-        /* no data plane: the engine allocates its pool and is its only writer */
-        if ((st = pool_result(s, td_engine_create(s->model, s->be, &ec, &s->eng))) != TD_OK)
-            goto out;
-        s->kv = td_engine_kv(s->eng);
-        goto sched;
-    }
-    td_xfer_config_t xc = td_xfer_config_default();
-    xc.name = pc->node_id;
-    xc.listen_ip = pc->host;
-    xc.advertise_ip = pc->advertise; /* the descriptor the router hands to prefill nodes */
-    if ((st = td_xfer_create(&s->proc.loop, &xc, &s->xfer)) != TD_OK ||
-        (st = td_node_xfer_metrics_init(&s->xfer_metrics, s->metrics, s->xfer)) != TD_OK)
+    if ((st = open_pool(s, &ec, desc, sizeof desc, &desc_len)) != TD_OK)
         goto out;
-    td_xfer_pool_t xp = {.layout = s->layout, .base = NULL, .n_blocks = (uint32_t)cfg->kv_blocks,
-                         .mem = TD_XFER_MEM_HOST, .kv = NULL};
-    if (s->be->host_memory) {
-        /* UCX allocates the pool (shared memory for senders on this host); the engine
-           computes on it */
-        if ((st = pool_result(s, td_xfer_register_pool(s->xfer, &xp, on_kv_ready, s))) != TD_OK)
-            goto out;
-        ec.kv_pool = td_xfer_pool_base(s->xfer);
-        if ((st = td_engine_create(s->model, s->be, &ec, &s->eng)) != TD_OK)
-            goto out;
-        s->kv = td_engine_kv(s->eng);
-        if ((st = td_xfer_pool_set_kv(s->xfer, s->kv)) != TD_OK)
-            goto out;
-    } else {
-        /* a device pool (the engine's): senders write a host landing area and kv-ready
-           copies the landed blocks in (docs/xfer.md "Memory types") */
-        if ((st = pool_result(s, td_engine_create(s->model, s->be, &ec, &s->eng))) != TD_OK)
-            goto out;
-        s->kv = td_engine_kv(s->eng);
-        xp.base = td_engine_kv_pool(s->eng, NULL);
-        xp.mem = TD_XFER_MEM_CUDA;
-        xp.kv = s->kv;
-        xp.landing_blocks = (uint32_t)(cfg->landing_blocks ? cfg->landing_blocks : TD_MAX(1, cfg->kv_blocks / 4));
-        xp.copy_h2d = copy_landed;
-        xp.copy_arg = s->be;
-        if ((st = td_xfer_register_pool(s->xfer, &xp, on_kv_ready, s)) != TD_OK)
-            goto out;
-    }
-    if ((st = td_xfer_describe(s->xfer, desc, sizeof desc, &desc_len)) != TD_OK)
-        goto out;
-sched:;
     dc.max_batch = (int32_t)cfg->max_batch;
     dc.max_waiting = (int32_t)cfg->max_requests;
     dc.max_batch_tokens = (int32_t)cfg->max_batch_tokens;
@@ -1176,76 +1270,12 @@ sched:;
         goto out;
     if (pc->router)
         resolve_router(s, pc->router);
-    td_grpc_server_config_t gc = td_grpc_server_config_default();
-    gc.host = pc->host;
-    gc.port = (uint16_t)pc->port;
-    gc.metrics = s->metrics;
-    td_node_auth_guard_control(&s->proc.auth, &gc);
-    static const td_grpc_method_t methods[] = {
-        {"/tandem.control.v1.DecodeNode/Admit", &tandem__control__v1__admit_request__descriptor, on_admit},
-        {"/tandem.control.v1.DecodeNode/Release", &tandem__control__v1__release_request__descriptor, on_release},
-        {"/tandem.control.v1.DecodeNode/Steps", &tandem__control__v1__steps_request__descriptor, on_steps},
-    };
-    static const td_grpc_method_t unified_methods[] = {
-        {"/tandem.control.v1.PrefillNode/Prefill", &tandem__control__v1__prefill_request__descriptor, on_prefill},
-    };
-    if ((st = td_grpc_server_create(&s->proc.loop, &gc, &s->grpc)) != TD_OK ||
-        (st = td_grpc_server_add_methods(s->grpc, methods, TD_ARRAY_LEN(methods), s)) != TD_OK ||
-        (unified && (st = td_grpc_server_add_methods(s->grpc, unified_methods, TD_ARRAY_LEN(unified_methods), s)) != TD_OK) ||
-        (st = td_node_serve_control(&s->proc, s->grpc)) != TD_OK)
-        goto out;
-    if ((st = td_node_serve(&s->proc, s->metrics)) != TD_OK)
-        goto out;
-    uv_timer_init(&s->proc.loop, &s->sweep);
-    s->sweep.data = s;
-    uv_timer_start(&s->sweep, on_sweep, 100, 100);
-    s->handles_up = true;
-    if ((st = td_node_worker_start(&s->worker)) != TD_OK)
-        goto out;
-
-    td_node_client_config_t nc = {.xfer_desc = desc_len ? desc : NULL, .xfer_desc_len = desc_len,
-                                      .max_seq_len = (uint32_t)s->model->config.max_seq_len};
-    nc.info.role = unified ? TD_NODE_ROLE_UNIFIED : TD_NODE_ROLE_DECODE;
-    nc.max_prefill_tokens = (uint32_t)cfg->max_batch_tokens;
-    nc.info.layout = s->layout;
-    nc.info.capacity_blocks = (int32_t)cfg->kv_blocks;
-    nc.info.vocab_size = s->model->config.vocab_size; /* the router checks prompt ids against it */
-    nc.info.n_eos = TD_MIN(s->model->config.n_eos, TD_NODE_MAX_EOS); /* the router withholds them */
-    for (int32_t i = 0; i < nc.info.n_eos; i++)
-        nc.info.eos_ids[i] = s->model->config.eos_ids[i];
-    nc.info.max_batch = (int32_t)cfg->max_batch;
-    atomic_store(&s->load_free, (int32_t)cfg->kv_blocks);
-    if ((st = td_node_register(&s->proc, &nc, td_grpc_server_port(s->grpc), load_cb, s)) != TD_OK)
+    if ((st = serve(s)) != TD_OK || (st = register_node(s, desc, desc_len)) != TD_OK)
         goto out;
 
     rc = td_node_run(&s->proc);
 out:
-    td_node_stop(&s->proc); /* partial init: closes what exists (NULL-safe closers) */
-    TD_LIST_FOREACH_SAFE(n, &s->admits) {
-        decode_admit_t *a = TD_CONTAINER_OF(n, decode_admit_t, link);
-        admit_unlink(s, a);
-        decode_admit_free(a);
-    }
-    decode_cmd_t c;
-    while (td_node_worker_pop_in(&s->worker, &c))
-        cmd_discard(s, &c);
-    decode_out_t *o;
-    while (td_node_worker_pop_out(&s->worker, &o))
-        out_free(o);
-    decode_sched_destroy(s->sched);
-    td_spec_draft_destroy(s->draft);
-    td_engine_destroy(s->draft_eng);
-    td_model_destroy(s->draft_model);
-    td_engine_destroy(s->eng);
-    td_backend_destroy(s->be);
-    td_model_destroy(s->model);
-    td_metrics_destroy(s->metrics);
-    td_node_worker_free(&s->worker);
-    free(s->failed);
-    free(s->batch_seqs);
-    free(s->batch_ptrs);
-    free(s->batch_lps);
-    td_node_free(&s->proc);
+    free_state(s);
     return rc;
 }
 
