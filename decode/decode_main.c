@@ -35,6 +35,7 @@
 #include "control.pb-c.h"
 #include "decode_admit.h"
 #include "decode_sched.h"
+#include "decode_state.h"
 #include "td_node_addr.h"
 #include "td_node_client.h"
 #include "td_node_conf.h"
@@ -51,331 +52,6 @@
 #include "td_util.h"
 #include "td_xfer.h"
 
-/* The Steps stream carries every sequence's tokens: it has one subscriber, the router this
- * node registered with (docs/cluster.md "Who may subscribe to Steps"). */
-#define DECODE_MAX_SUBSCRIBERS 1
-#define DECODE_MAX_ROUTER_ADDRS 8
-
-/* The decode node's own keys; the common ones (model, router, host, advertise, node id,
- * ports, threads, log level) are td_node's. */
-typedef struct decode_config {
-    int64_t kv_blocks;        /* the pool: engine sequences and transfer leases (0: from kv_mem) */
-    int64_t kv_mem;           /* MiB the pool may take when kv_blocks is 0 (0: a share of memory) */
-    int64_t landing_blocks;   /* device pool: host blocks senders write (0: kv_blocks / 4) */
-    int64_t max_batch;
-    int64_t max_lease_ms;
-    int64_t max_requests;     /* admitted + running at most (bounds every queue) */
-    int64_t result_queue;     /* step results waiting for the loop */
-    int64_t idle_wait_ms;     /* compute thread's bound on one wait */
-    int64_t max_batch_tokens; /* tokens one step feeds: decodes + prompt chunks */
-    int64_t prefill_chunk;    /* prompt tokens one sequence feeds in a step */
-    const char *spec;         /* speculative decoding: off | prompt-lookup | draft-model */
-    const char *draft_model;  /* spec draft-model: the drafter's model (NULL: none) */
-    int64_t draft_tokens;     /* most draft tokens per sequence and step */
-} decode_config_t;
-
-/* A unified node's Prefill call, waiting for its lease's first token (loop thread). */
-typedef struct decode_prefill {
-    td_list_t link;           /* in decode_state_t.prefills */
-    uint64_t lease_id;
-    td_grpc_call_t *call;
-    uint64_t t0;              /* td_now_ns() at the call */
-} decode_prefill_t;
-
-/* Loop → compute (by value in the command ring). */
-typedef struct decode_cmd {
-    decode_admit_t *admit;     /* NULL: cancel lease_id */
-    uint64_t lease_id;
-    int32_t *blocks;           /* [n_blocks] the landed lease's blocks, one reference each */
-    int32_t n_blocks;
-    int32_t first_token;
-    int32_t prompt_posted;     /* a unified node's prompt: its tokens, counted in prompt_posted
-                                  until the compute thread has it (0 otherwise) */
-} decode_cmd_t;
-
-/* What one entry of a step's results says of a sequence. */
-typedef enum { DECODE_OUT_TOKEN, DECODE_OUT_LENGTH, DECODE_OUT_STOP, DECODE_OUT_FAILED } decode_out_kind_t;
-
-typedef struct decode_out_seq {
-    uint64_t lease_id;
-    int32_t token;             /* DECODE_OUT_TOKEN: the new token; else -1 */
-    decode_out_kind_t kind;
-    bool has_logprob;          /* TOKEN of a lease admitted with logprobs, sampled here */
-    td_token_logprob_t logprob;
-} decode_out_seq_t;
-
-/* Compute → loop: one step's results (its address in the result ring), C structs only: the
- * loop turns them into a StepBatch (send_seqs). */
-typedef struct decode_out {
-    uint64_t step;
-    double step_s;
-    decode_out_seq_t *seqs;    /* [cap] */
-    int32_t n_seqs;
-    uint32_t free_blocks;
-} decode_out_t;
-
-typedef struct decode_state {
-    td_node_t proc;       /* loop, signals, /metrics, router client, common config */
-    decode_config_t cfg;
-    td_node_worker_t worker;   /* the compute thread, its command and result rings */
-    uv_timer_t sweep;
-    td_model_t *model;
-    td_backend_t *be;
-    td_engine_t *eng;
-    decode_sched_t *sched;
-    td_model_t *draft_model;  /* --draft-model: the drafter's model, engine and state (open_draft) */
-    td_engine_t *draft_eng;
-    td_spec_draft_t *draft;
-    td_kv_layout_t layout;
-    td_kv_cache_t *kv;        /* the engine's block manager, shared with td_xfer's leases */
-    td_xfer_t *xfer;
-    td_grpc_server_t *grpc;
-    td_metrics_t *metrics;
-    td_node_xfer_metrics_t xfer_metrics; /* td_xfer's statistics on /metrics */
-    td_metric_t *m_used, *m_free, *m_running, *m_waiting, *m_tokens, *m_steps, *m_step_s, *m_batch,
-        *m_admits, *m_refused, *m_releases, *m_prefill_tokens, *m_window_released;
-    uint64_t window_released; /* decode_sched_stats' count already added to m_window_released */
-    td_metric_t *m_spec_verify, *m_spec_drafted, *m_spec_accepted, *m_spec_acceptance, *m_spec_tokens_per_step;
-    td_spec_stats_t spec_seen; /* compute thread: the counters already added to the metrics */
-    bool unified;             /* the unified role: no td_xfer, Prefill served here */
-    uint64_t next_lease;      /* unified: lease ids of its own */
-    td_list_t prefills;       /* unified: decode_prefill_t awaiting a first token */
-    int32_t n_prefills;
-    td_list_t admits; /* decode_admit_t, newest first */
-    int32_t n_admits;
-    td_grpc_call_t *subs[DECODE_MAX_SUBSCRIBERS];
-    int n_subs;
-    /* the router's addresses (--router resolved at startup): only a peer at one of them may
-       subscribe to Steps; router_local: the router is on this host (any local peer then) */
-    struct sockaddr_storage router_addrs[DECODE_MAX_ROUTER_ADDRS];
-    int n_router_addrs;
-    bool router_local;
-    _Atomic int32_t load_running, load_free;
-    /* the router ranks unified nodes by the prompt tokens they still feed: those in the
-       scheduler (load_context, refreshed once commands are taken and after each step) and
-       those posted to the compute thread and not yet taken (prompt_posted); the compute thread
-       stores the first before it takes from the second, so a prompt is counted (maybe twice
-       for a moment) from its Prefill call until its last chunk */
-    _Atomic int64_t load_context, prompt_posted;
-    /* draining's count of work (decode_busy): admissions posted to the compute thread and not
-       yet in load_running, step results not yet sent on Steps */
-    _Atomic int32_t admits_posted, outs_unsent;
-    _Atomic int64_t step_ns;
-    bool shutting_down;
-    bool handles_up;          /* the sweep timer initialised */
-    size_t pool_bytes;        /* the KV pool (td_engine_kv_plan) */
-    /* compute thread: admissions taken while no step result could be allocated, reported
-       FAILED with the next one ([cmd_ring_size]: at most one per command) */
-    uint64_t *failed;
-    int32_t n_failed;
-    bool backoff;             /* out of memory: wait idle-wait-ms before the next try */
-    /* loop thread: the StepBatch being sent, its entries made from a decode_out_t's */
-    Tandem__Control__V1__SeqStep *batch_seqs; /* [batch_cap] */
-    Tandem__Control__V1__SeqStep **batch_ptrs; /* [batch_cap] what the StepBatch points at */
-    td_node_logprob_msg_t *batch_lps;          /* [batch_cap] the entries' log-probabilities */
-    int32_t batch_cap;
-} decode_state_t;
-
-/* Speculative decoding's series from the scheduler's counters (compute thread): counters by
- * their growth since the last step, the acceptance (accepted / drafted) and the tokens per
- * sequence-step (1 without speculation; the speed-up in steps) since startup. */
-static void spec_metrics(decode_state_t *s, const td_spec_stats_t *now)
-{
-    td_spec_stats_t *was = &s->spec_seen;
-    td_metric_add(s->m_spec_verify, (double)(now->verify_steps - was->verify_steps));
-    td_metric_add(s->m_spec_drafted, (double)(now->drafted - was->drafted));
-    td_metric_add(s->m_spec_accepted, (double)(now->accepted - was->accepted));
-    uint64_t seq_steps = now->verify_steps + now->plain_steps;
-    td_metric_set(s->m_spec_acceptance, td_spec_acceptance(now));
-    if (seq_steps)
-        td_metric_set(s->m_spec_tokens_per_step, (double)(now->tokens + now->plain_steps) / (double)seq_steps);
-    *was = *now;
-}
-
-/* The command ring's bound: a kv-ready command holds at least one block, so at most
- * kv-blocks of them wait; Release commands come one per request the router ends, and
- * 4 * max-requests + 16 is their margin. A full ring is refused, not waited on: kv-ready's
- * blocks go back to the pool, Release answers released = false. */
-static int32_t cmd_ring_size(const decode_config_t *cfg)
-{
-    return (int32_t)(cfg->kv_blocks + 4 * cfg->max_requests + 16);
-}
-
-/* ---- compute thread ------------------------------------------------------------------ */
-
-/* One allocation for a whole step result. NULL: out of memory. */
-static decode_out_t *out_new(int32_t cap)
-{
-    decode_out_t *o = calloc(1, sizeof *o + (size_t)cap * sizeof *o->seqs);
-    if (o)
-        o->seqs = (decode_out_seq_t *)(o + 1);
-    return o;
-}
-
-static void out_free(decode_out_t *o)
-{
-    free(o);
-}
-
-static void add_seq(decode_out_t *o, uint64_t id, int32_t token, decode_out_kind_t kind)
-{
-    o->seqs[o->n_seqs++] = (decode_out_seq_t){.lease_id = id, .token = token, .kind = kind};
-}
-
-/* Admits a request whose KV landed in its lease's blocks: the sequence adopts them (the
- * command's references pass to it), or they go back to the pool. */
-static void compute_admit(decode_state_t *s, decode_cmd_t *c, decode_out_t *fail_out)
-{
-    decode_admit_t *a = c->admit;
-    decode_request_t r = {.id = c->lease_id, .prompt = a->prompt, .n_prompt = a->n_prompt,
-                          .kv_blocks = c->blocks, .n_kv_blocks = c->n_blocks, .first_token = c->first_token,
-                          .sampling = a->sampling, .max_tokens = a->max_tokens,
-                          .stop_ids = a->stop_ids, .n_stop_ids = a->n_stop_ids,
-                          .logprobs = a->logprobs.on, .top_logprobs = a->logprobs.top,
-                          .ignore_eos = a->ignore_eos, .replay = a->replay, .n_replay = a->n_replay};
-    if (decode_sched_admit(s->sched, &r) != TD_OK) {
-        td_warn("decode: lease %llu not admitted: %s", (unsigned long long)c->lease_id, td_last_error());
-        for (int32_t i = 0; i < c->n_blocks; i++)
-            td_kv_unref_block(s->kv, c->blocks[i]);
-        add_seq(fail_out, c->lease_id, -1, DECODE_OUT_FAILED);
-    }
-    c->n_blocks = 0; /* the references went to the sequence or back to the pool */
-}
-
-/* No memory for a step result. Nothing here may stop the node: the admissions taken fail
- * (their blocks go back to the pool, their lease ids are reported FAILED with the next
- * result), cancels apply, and no step runs: the running sequences lose nothing and step
- * again after an idle wait (s->backoff), when memory may be back. */
-static void compute_no_memory(decode_state_t *s, decode_cmd_t *cmds, int32_t n_cmds)
-{
-    td_warn("decode: out of memory for a step result: %d commands taken, the running sequences wait", n_cmds);
-    for (int32_t i = 0; i < n_cmds; i++) {
-        decode_cmd_t *c = &cmds[i];
-        if (c->admit) {
-            for (int32_t k = 0; k < c->n_blocks; k++)
-                td_kv_unref_block(s->kv, c->blocks[k]);
-            if (s->n_failed < cmd_ring_size(&s->cfg))
-                s->failed[s->n_failed++] = c->lease_id;
-            else /* the report is lost too: the router's deadline ends the request */
-                td_warn("decode: lease %llu failed unreported (out of memory)", (unsigned long long)c->lease_id);
-        } else {
-            decode_sched_cancel(s->sched, c->lease_id);
-        }
-        if (c->admit)
-            atomic_fetch_sub(&s->admits_posted, 1);
-        atomic_fetch_sub(&s->prompt_posted, c->prompt_posted);
-        decode_admit_free(c->admit);
-        free(c->blocks);
-    }
-    s->backoff = true;
-}
-
-static void compute_main(void *arg)
-{
-    decode_state_t *s = arg;
-    for (;;) {
-        void *taken;
-        int32_t n_cmds = td_node_worker_take(&s->worker, !decode_sched_busy(s->sched) || s->backoff, &taken);
-        if (n_cmds < 0)
-            break;
-        s->backoff = false;
-        if (n_cmds == 0 && !decode_sched_busy(s->sched) && !s->n_failed)
-            continue; /* an idle wait ran out */
-        decode_cmd_t *cmds = taken;
-        int32_t cap = (int32_t)s->cfg.max_requests * 2 + n_cmds + s->n_failed + 1;
-        decode_out_t *o = out_new(cap);
-        if (!o) {
-            compute_no_memory(s, cmds, n_cmds);
-            continue;
-        }
-        for (int32_t i = 0; i < s->n_failed; i++)
-            add_seq(o, s->failed[i], -1, DECODE_OUT_FAILED);
-        s->n_failed = 0;
-        int64_t taken_prompt = 0;
-        for (int32_t i = 0; i < n_cmds; i++) {
-            decode_cmd_t *c = &cmds[i];
-            if (c->admit)
-                compute_admit(s, c, o);
-            else
-                decode_sched_cancel(s->sched, c->lease_id);
-            taken_prompt += c->prompt_posted;
-            decode_admit_free(c->admit);
-            free(c->blocks);
-        }
-        if (taken_prompt) { /* a step of these chunks may run for a second: say so now */
-            decode_sched_stats_t ss;
-            decode_sched_stats(s->sched, &ss);
-            atomic_store(&s->load_context, ss.context_tokens);
-            atomic_fetch_sub(&s->prompt_posted, taken_prompt);
-        }
-        decode_step_result_t res = {0};
-        uint64_t t0 = td_now_ns();
-        bool stepped = false;
-        if (decode_sched_busy(s->sched)) {
-            stepped = decode_sched_step(s->sched, (int64_t)t0, &res) == TD_OK;
-            s->backoff = !stepped; /* out of memory (logged there): wait, do not spin */
-        }
-        if (stepped) {
-            double dt = (double)(td_now_ns() - t0) * 1e-9;
-            o->step_s = dt;
-            for (int32_t i = 0; i < res.n_events && o->n_seqs + 2 <= cap; i++) {
-                const decode_event_t *e = &res.events[i];
-                if (e->token >= 0) {
-                    add_seq(o, e->id, e->token, DECODE_OUT_TOKEN);
-                    if (e->has_logprob) {
-                        o->seqs[o->n_seqs - 1].has_logprob = true;
-                        o->seqs[o->n_seqs - 1].logprob = e->logprob;
-                    }
-                }
-                decode_out_kind_t kind;
-                switch (e->finish) {
-                case DECODE_FINISH_NONE: continue;
-                case DECODE_FINISH_LENGTH: kind = DECODE_OUT_LENGTH; break;
-                case DECODE_FINISH_STOP: kind = DECODE_OUT_STOP; break;
-                default: kind = DECODE_OUT_FAILED; break;
-                }
-                add_seq(o, e->id, -1, kind);
-            }
-            if (res.n_prefill_tokens)
-                td_metric_add(s->m_prefill_tokens, res.n_prefill_tokens);
-            if (res.n_seqs) {
-                td_metric_inc(s->m_steps);
-                td_metric_observe(s->m_step_s, dt);
-                td_metric_observe(s->m_batch, res.n_seqs);
-                atomic_store(&s->step_ns, (int64_t)(dt * 1e9));
-            }
-        }
-        decode_sched_stats_t ss;
-        decode_sched_stats(s->sched, &ss);
-        td_metric_set(s->m_used, ss.used_blocks);
-        td_metric_set(s->m_free, ss.free_blocks);
-        td_metric_set(s->m_running, ss.running);
-        td_metric_set(s->m_waiting, ss.waiting);
-        td_metric_add(s->m_window_released, (double)(ss.window_released - s->window_released));
-        s->window_released = ss.window_released;
-        if (s->m_spec_verify)
-            spec_metrics(s, &ss.spec);
-        /* outs_unsent, load_running, admits_posted in this order (decode_busy reads them in
-           the reverse one): a request is counted somewhere at every instant */
-        if (o->n_seqs)
-            atomic_fetch_add(&s->outs_unsent, 1);
-        atomic_store(&s->load_running, ss.running + ss.waiting);
-        atomic_store(&s->load_free, ss.free_blocks);
-        atomic_store(&s->load_context, ss.context_tokens);
-        o->free_blocks = (uint32_t)ss.free_blocks;
-        o->step = ss.steps;
-        if (!o->n_seqs || !td_node_worker_emit(&s->worker, &o)) {
-            if (o->n_seqs)
-                atomic_fetch_sub(&s->outs_unsent, 1);
-            out_free(o); /* nothing to send, or stopping */
-        }
-        int32_t n_admits = 0;
-        for (int32_t i = 0; i < n_cmds; i++)
-            n_admits += cmds[i].admit != NULL;
-        if (n_admits)
-            atomic_fetch_sub(&s->admits_posted, n_admits);
-    }
-}
 
 /* ---- loop thread ----------------------------------------------------------------------- */
 
@@ -589,7 +265,7 @@ static void on_outs(void *data, void *events, int32_t n)
         send_seqs(s, o->step, o->step_s, o->free_blocks, o->seqs, o->n_seqs);
         for (int32_t i = 0; s->n_prefills && i < o->n_seqs; i++)
             prefill_answer(s, &o->seqs[i]);
-        out_free(o);
+        decode_out_free(o);
         atomic_fetch_sub(&s->outs_unsent, 1);
     }
 }
@@ -659,7 +335,7 @@ static void on_kv_ready(void *arg, const td_xfer_ready_t *r)
         if (!posted) {
             atomic_fetch_sub(&s->admits_posted, 1);
             td_warn("decode: lease %llu: kv-ready dropped, the command ring (%d) is full",
-                    (unsigned long long)r->lease_id, cmd_ring_size(&s->cfg));
+                    (unsigned long long)r->lease_id, decode_cmd_ring_size(&s->cfg));
         }
     } else if (a) {
         td_warn("decode: lease %llu: kv-ready with %u tokens, prompt has %d", (unsigned long long)r->lease_id,
@@ -750,7 +426,7 @@ static void on_release(td_grpc_call_t *call, const ProtobufCMessage *msg, void *
         resp.released = td_node_worker_post(&s->worker, &(decode_cmd_t){.lease_id = r->lease_id});
         if (!resp.released)
             td_warn("decode: lease %llu: release dropped, the command ring (%d) is full",
-                    (unsigned long long)r->lease_id, cmd_ring_size(&s->cfg));
+                    (unsigned long long)r->lease_id, decode_cmd_ring_size(&s->cfg));
     }
     td_grpc_call_reply(call, &resp.base);
 }
@@ -1149,7 +825,7 @@ static void free_state(decode_state_t *s)
         cmd_discard(s, &c);
     decode_out_t *o;
     while (td_node_worker_pop_out(&s->worker, &o))
-        out_free(o);
+        decode_out_free(o);
     decode_sched_destroy(s->sched);
     td_spec_draft_destroy(s->draft);
     td_engine_destroy(s->draft_eng);
@@ -1242,12 +918,12 @@ static int node_main(int argc, char **argv, bool unified)
     td_engine_kv_layout_for(s->model, &ec, &s->layout);
     /* the command ring's bound depends on the pool (cmd_ring_size) */
     const td_node_worker_config_t wc = {.name = "decode", .msg_size = sizeof(decode_cmd_t),
-                                       .msg_cap = cmd_ring_size(cfg), .event_size = sizeof(decode_out_t *),
+                                       .msg_cap = decode_cmd_ring_size(cfg), .event_size = sizeof(decode_out_t *),
                                        .event_cap = (int32_t)cfg->result_queue, .wait_ms = cfg->idle_wait_ms,
-                                       .run = compute_main, .on_events = on_outs, .data = s};
+                                       .run = decode_compute_main, .on_events = on_outs, .data = s};
     if ((st = td_node_worker_init(&s->worker, &s->proc.loop, &wc)) != TD_OK)
         goto out;
-    if (!(s->failed = malloc((size_t)cmd_ring_size(cfg) * sizeof *s->failed)) ||
+    if (!(s->failed = malloc((size_t)decode_cmd_ring_size(cfg) * sizeof *s->failed)) ||
         batch_reserve(s, (int32_t)cfg->max_batch * 2 + 1) == 0) {
         st = td_errorf(TD_ERR_NOMEM, "decode: out of memory at startup");
         goto out;

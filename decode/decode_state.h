@@ -1,0 +1,162 @@
+/*
+ * decode_state: the decode node's process state and the messages between its two threads,
+ * shared by decode_main.c (the loop thread: gRPC, td_xfer, the router client) and
+ * decode_compute.c (the compute thread: the engine and decode_sched). Private to decode/.
+ */
+#ifndef DECODE_STATE_H
+#define DECODE_STATE_H
+
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <sys/socket.h>
+
+#include "control.pb-c.h"
+#include "decode_admit.h"
+#include "decode_sched.h"
+#include "td_engine.h"
+#include "td_grpc.h"
+#include "td_list.h"
+#include "td_metrics.h"
+#include "td_model.h"
+#include "td_node.h"
+#include "td_node_worker.h"
+#include "td_node_xfer_metrics.h"
+#include "td_xfer.h"
+
+/* The Steps stream carries every sequence's tokens: it has one subscriber, the router this
+ * node registered with (docs/cluster.md "Who may subscribe to Steps"). */
+#define DECODE_MAX_SUBSCRIBERS 1
+#define DECODE_MAX_ROUTER_ADDRS 8
+
+/* The decode node's own keys; the common ones (model, router, host, advertise, node id,
+ * ports, threads, log level) are td_node's. */
+typedef struct decode_config {
+    int64_t kv_blocks;        /* the pool: engine sequences and transfer leases (0: from kv_mem) */
+    int64_t kv_mem;           /* MiB the pool may take when kv_blocks is 0 (0: a share of memory) */
+    int64_t landing_blocks;   /* device pool: host blocks senders write (0: kv_blocks / 4) */
+    int64_t max_batch;
+    int64_t max_lease_ms;
+    int64_t max_requests;     /* admitted + running at most (bounds every queue) */
+    int64_t result_queue;     /* step results waiting for the loop */
+    int64_t idle_wait_ms;     /* compute thread's bound on one wait */
+    int64_t max_batch_tokens; /* tokens one step feeds: decodes + prompt chunks */
+    int64_t prefill_chunk;    /* prompt tokens one sequence feeds in a step */
+    const char *spec;         /* speculative decoding: off | prompt-lookup | draft-model */
+    const char *draft_model;  /* spec draft-model: the drafter's model (NULL: none) */
+    int64_t draft_tokens;     /* most draft tokens per sequence and step */
+} decode_config_t;
+
+/* A unified node's Prefill call, waiting for its lease's first token (loop thread). */
+typedef struct decode_prefill {
+    td_list_t link;           /* in decode_state_t.prefills */
+    uint64_t lease_id;
+    td_grpc_call_t *call;
+    uint64_t t0;              /* td_now_ns() at the call */
+} decode_prefill_t;
+
+/* Loop → compute (by value in the command ring). */
+typedef struct decode_cmd {
+    decode_admit_t *admit;     /* NULL: cancel lease_id */
+    uint64_t lease_id;
+    int32_t *blocks;           /* [n_blocks] the landed lease's blocks, one reference each */
+    int32_t n_blocks;
+    int32_t first_token;
+    int32_t prompt_posted;     /* a unified node's prompt: its tokens, counted in prompt_posted
+                                  until the compute thread has it (0 otherwise) */
+} decode_cmd_t;
+
+/* What one entry of a step's results says of a sequence. */
+typedef enum { DECODE_OUT_TOKEN, DECODE_OUT_LENGTH, DECODE_OUT_STOP, DECODE_OUT_FAILED } decode_out_kind_t;
+
+typedef struct decode_out_seq {
+    uint64_t lease_id;
+    int32_t token;             /* DECODE_OUT_TOKEN: the new token; else -1 */
+    decode_out_kind_t kind;
+    bool has_logprob;          /* TOKEN of a lease admitted with logprobs, sampled here */
+    td_token_logprob_t logprob;
+} decode_out_seq_t;
+
+/* Compute → loop: one step's results (its address in the result ring), C structs only: the
+ * loop turns them into a StepBatch (send_seqs). */
+typedef struct decode_out {
+    uint64_t step;
+    double step_s;
+    decode_out_seq_t *seqs;    /* [cap] */
+    int32_t n_seqs;
+    uint32_t free_blocks;
+} decode_out_t;
+
+typedef struct decode_state {
+    td_node_t proc;       /* loop, signals, /metrics, router client, common config */
+    decode_config_t cfg;
+    td_node_worker_t worker;   /* the compute thread, its command and result rings */
+    uv_timer_t sweep;
+    td_model_t *model;
+    td_backend_t *be;
+    td_engine_t *eng;
+    decode_sched_t *sched;
+    td_model_t *draft_model;  /* --draft-model: the drafter's model, engine and state (open_draft) */
+    td_engine_t *draft_eng;
+    td_spec_draft_t *draft;
+    td_kv_layout_t layout;
+    td_kv_cache_t *kv;        /* the engine's block manager, shared with td_xfer's leases */
+    td_xfer_t *xfer;
+    td_grpc_server_t *grpc;
+    td_metrics_t *metrics;
+    td_node_xfer_metrics_t xfer_metrics; /* td_xfer's statistics on /metrics */
+    td_metric_t *m_used, *m_free, *m_running, *m_waiting, *m_tokens, *m_steps, *m_step_s, *m_batch,
+        *m_admits, *m_refused, *m_releases, *m_prefill_tokens, *m_window_released;
+    uint64_t window_released; /* decode_sched_stats' count already added to m_window_released */
+    td_metric_t *m_spec_verify, *m_spec_drafted, *m_spec_accepted, *m_spec_acceptance, *m_spec_tokens_per_step;
+    td_spec_stats_t spec_seen; /* compute thread: the counters already added to the metrics */
+    bool unified;             /* the unified role: no td_xfer, Prefill served here */
+    uint64_t next_lease;      /* unified: lease ids of its own */
+    td_list_t prefills;       /* unified: decode_prefill_t awaiting a first token */
+    int32_t n_prefills;
+    td_list_t admits; /* decode_admit_t, newest first */
+    int32_t n_admits;
+    td_grpc_call_t *subs[DECODE_MAX_SUBSCRIBERS];
+    int n_subs;
+    /* the router's addresses (--router resolved at startup): only a peer at one of them may
+       subscribe to Steps; router_local: the router is on this host (any local peer then) */
+    struct sockaddr_storage router_addrs[DECODE_MAX_ROUTER_ADDRS];
+    int n_router_addrs;
+    bool router_local;
+    _Atomic int32_t load_running, load_free;
+    /* the router ranks unified nodes by the prompt tokens they still feed: those in the
+       scheduler (load_context, refreshed once commands are taken and after each step) and
+       those posted to the compute thread and not yet taken (prompt_posted); the compute thread
+       stores the first before it takes from the second, so a prompt is counted (maybe twice
+       for a moment) from its Prefill call until its last chunk */
+    _Atomic int64_t load_context, prompt_posted;
+    /* draining's count of work (decode_busy): admissions posted to the compute thread and not
+       yet in load_running, step results not yet sent on Steps */
+    _Atomic int32_t admits_posted, outs_unsent;
+    _Atomic int64_t step_ns;
+    bool shutting_down;
+    bool handles_up;          /* the sweep timer initialised */
+    size_t pool_bytes;        /* the KV pool (td_engine_kv_plan) */
+    /* compute thread: admissions taken while no step result could be allocated, reported
+       FAILED with the next one ([cmd_ring_size]: at most one per command) */
+    uint64_t *failed;
+    int32_t n_failed;
+    bool backoff;             /* out of memory: wait idle-wait-ms before the next try */
+    /* loop thread: the StepBatch being sent, its entries made from a decode_out_t's */
+    Tandem__Control__V1__SeqStep *batch_seqs; /* [batch_cap] */
+    Tandem__Control__V1__SeqStep **batch_ptrs; /* [batch_cap] what the StepBatch points at */
+    td_node_logprob_msg_t *batch_lps;          /* [batch_cap] the entries' log-probabilities */
+    int32_t batch_cap;
+} decode_state_t;
+
+/* The command ring's bound (decode_compute.c says why). */
+int32_t decode_cmd_ring_size(const decode_config_t *cfg);
+
+/* Frees a step result (NULL-safe). */
+void decode_out_free(decode_out_t *o);
+
+/* The compute thread's body (td_node_worker_config_t.run, arg the decode_state_t): takes the
+ * loop's commands, steps the scheduler, hands each step's results back. */
+void decode_compute_main(void *arg);
+
+#endif /* DECODE_STATE_H */
