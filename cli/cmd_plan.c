@@ -45,6 +45,7 @@
 #include "td_cli.h"
 #include "td_engine.h"
 #include "td_log.h"
+#include "td_metrics.h"
 #include "td_model.h"
 #include "td_plan.h"
 #include "td_stats.h"
@@ -225,7 +226,6 @@ static double copy_bandwidth(void)
 /* ---- through a running cluster: --gateway HOST:PORT | --openai URL ---------------------------- */
 
 static td_status_t http_get(const char *url, char **body_p);
-static double prom_value(const char *text, const char *name);
 
 typedef struct cluster_prof_opts {
     bs_client_config_t cfg;
@@ -244,11 +244,11 @@ static td_status_t prefill_counts_get(const char *url, prefill_counts_t *c)
     td_status_t st = http_get(url, &m);
     if (st != TD_OK)
         return st;
-    *c = (prefill_counts_t){prom_value(m, "tandem_prefill_requests_total"),
-                            prom_value(m, "tandem_prefill_step_seconds_sum"),
-                            prom_value(m, "tandem_prefill_transfer_seconds_count"),
-                            prom_value(m, "tandem_prefill_transfer_seconds_sum"),
-                            prom_value(m, "tandem_prefill_cached_tokens_total")};
+    *c = (prefill_counts_t){td_metrics_text_value(m, "tandem_prefill_requests_total"),
+                            td_metrics_text_value(m, "tandem_prefill_step_seconds_sum"),
+                            td_metrics_text_value(m, "tandem_prefill_transfer_seconds_count"),
+                            td_metrics_text_value(m, "tandem_prefill_transfer_seconds_sum"),
+                            td_metrics_text_value(m, "tandem_prefill_cached_tokens_total")};
     free(m);
     if (isnan(c->requests) || isnan(c->step_s))
         return td_errorf(TD_ERR_INVALID, "--prefill-metrics: %s has no tandem_prefill_requests_total or "
@@ -1107,32 +1107,7 @@ static td_status_t http_get(const char *url, char **body_p)
     return TD_OK;
 }
 
-/* The value of series `name` (exactly, no labels) in Prometheus text; NAN when absent. */
-static double prom_value(const char *text, const char *name)
-{
-    size_t nl = strlen(name);
-    for (const char *p = text; p && *p; p = strchr(p, '\n') ? strchr(p, '\n') + 1 : NULL)
-        if (!strncmp(p, name, nl) && p[nl] == ' ')
-            return strtod(p + nl + 1, NULL);
-    return NAN;
-}
-
 #define MAX_BUCKETS 64
-
-/* The buckets of histogram `name`: upper bounds and cumulative counts, +Inf last. */
-static int prom_buckets(const char *text, const char *name, double *le, double *cum)
-{
-    char pre[160];
-    int n = 0, pl = snprintf(pre, sizeof pre, "%s_bucket{le=\"", name);
-    for (const char *p = text; p && *p && n < MAX_BUCKETS; p = strchr(p, '\n') ? strchr(p, '\n') + 1 : NULL) {
-        if (strncmp(p, pre, (size_t)pl))
-            continue;
-        le[n] = !strncmp(p + pl, "+Inf", 4) ? INFINITY : strtod(p + pl, NULL);
-        const char *v = strstr(p, "} ");
-        cum[n++] = v ? strtod(v + 2, NULL) : 0;
-    }
-    return n;
-}
 
 /* n lengths spread over a histogram's buckets in proportion to their counts, each the middle
  * of its bucket (the +Inf bucket: its lower bound); deterministic order (a stride through
@@ -1168,11 +1143,11 @@ static td_status_t workload_metrics(const char *url, double window_s, size_t n, 
         return st;
     }
     double dt = (double)(td_now_ns() - t0) * 1e-9;
-    double arr0 = prom_value(a, "tandem_router_requests_arrived_total"),
-           arr1 = prom_value(b, "tandem_router_requests_arrived_total");
+    double arr0 = td_metrics_text_value(a, "tandem_router_requests_arrived_total"),
+           arr1 = td_metrics_text_value(b, "tandem_router_requests_arrived_total");
     double le[MAX_BUCKETS], cum[MAX_BUCKETS], le2[MAX_BUCKETS], cum2[MAX_BUCKETS];
-    int ni = prom_buckets(b, "tandem_router_prompt_tokens", le, cum);
-    int no = prom_buckets(b, "tandem_router_output_tokens", le2, cum2);
+    int ni = td_metrics_text_buckets(b, "tandem_router_prompt_tokens", le, cum, MAX_BUCKETS);
+    int no = td_metrics_text_buckets(b, "tandem_router_output_tokens", le2, cum2, MAX_BUCKETS);
     free(a);
     w->in = malloc(n * sizeof(int32_t));
     w->out = malloc(n * sizeof(int32_t));
@@ -1245,10 +1220,10 @@ static int plan_calibrate(int argc, char **argv)
     if (pm) {
         if (http_get(pm, &m) != TD_OK)
             goto out;
-        double n = prom_value(m, "tandem_prefill_step_seconds_count"), ss = prom_value(m, "tandem_prefill_step_seconds_sum"),
-               ts = prom_value(m, "tandem_prefill_batch_tokens_sum"), ps = prom_value(m, "tandem_prefill_batch_size_sum");
-        double xn = prom_value(m, "tandem_prefill_transfer_seconds_count"),
-               xs = prom_value(m, "tandem_prefill_transfer_seconds_sum");
+        double n = td_metrics_text_value(m, "tandem_prefill_step_seconds_count"), ss = td_metrics_text_value(m, "tandem_prefill_step_seconds_sum"),
+               ts = td_metrics_text_value(m, "tandem_prefill_batch_tokens_sum"), ps = td_metrics_text_value(m, "tandem_prefill_batch_size_sum");
+        double xn = td_metrics_text_value(m, "tandem_prefill_transfer_seconds_count"),
+               xs = td_metrics_text_value(m, "tandem_prefill_transfer_seconds_sum");
         free(m);
         m = NULL;
         if (!(n > 0) || !(ss > 0) || !(ts > 0) || !(ps > 0)) {
@@ -1283,8 +1258,8 @@ static int plan_calibrate(int argc, char **argv)
     if (dm) {
         if (http_get(dm, &m) != TD_OK)
             goto out;
-        double n = prom_value(m, "tandem_decode_step_seconds_count"), ss = prom_value(m, "tandem_decode_step_seconds_sum"),
-               bs = prom_value(m, "tandem_decode_batch_size_sum");
+        double n = td_metrics_text_value(m, "tandem_decode_step_seconds_count"), ss = td_metrics_text_value(m, "tandem_decode_step_seconds_sum"),
+               bs = td_metrics_text_value(m, "tandem_decode_batch_size_sum");
         free(m);
         m = NULL;
         if (!(n > 0) || !(ss > 0) || !(bs > 0)) {

@@ -572,3 +572,37 @@ td_status_t td_metrics_render(td_metrics_t *reg, char **text_p, size_t *len_p)
     *len_p = o.len;
     return TD_OK;
 }
+
+/* ---- reading the text back ---------------------------------------------------------- */
+
+/* The line after p, or NULL at the end. */
+static const char *next_line(const char *p)
+{
+    const char *nl = strchr(p, '\n');
+    return nl ? nl + 1 : NULL;
+}
+
+double td_metrics_text_value(const char *text, const char *name)
+{
+    size_t nl = strlen(name);
+    for (const char *p = text; p && *p; p = next_line(p))
+        if (!strncmp(p, name, nl) && p[nl] == ' ')
+            return strtod(p + nl + 1, NULL);
+    return NAN;
+}
+
+int td_metrics_text_buckets(const char *text, const char *name, double *le, double *cum, int cap)
+{
+    char pre[160];
+    int n = 0, pl = snprintf(pre, sizeof pre, "%s_bucket{le=\"", name);
+    if (pl <= 0 || (size_t)pl >= sizeof pre)
+        return 0;
+    for (const char *p = text; p && *p && n < cap; p = next_line(p)) {
+        if (strncmp(p, pre, (size_t)pl))
+            continue;
+        le[n] = !strncmp(p + pl, "+Inf", 4) ? INFINITY : strtod(p + pl, NULL);
+        const char *v = strstr(p, "} ");
+        cum[n++] = v ? strtod(v + 2, NULL) : 0;
+    }
+    return n;
+}

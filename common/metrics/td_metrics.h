@@ -121,6 +121,15 @@ td_status_t td_metrics_add_collector(td_metrics_t *reg, td_metrics_collect_cb fn
  */
 td_status_t td_metrics_render(td_metrics_t *reg, char **text_p, size_t *len_p);
 
+/*
+ * Reading Prometheus text back (what td_metrics_render writes; a live router's /metrics for
+ * `tandem plan`): the value of the series `name` with no labels, NAN when the text has none;
+ * and the buckets of histogram `name`, their upper bounds in le[] (+Inf as INFINITY) and
+ * cumulative counts in cum[], at most cap of them, in the text's order; returns how many.
+ */
+double td_metrics_text_value(const char *text, const char *name);
+int td_metrics_text_buckets(const char *text, const char *name, double *le, double *cum, int cap);
+
 /* The Content-Type of td_metrics_render's output. */
 #define TD_METRICS_CONTENT_TYPE "text/plain; version=0.0.4; charset=utf-8"
 

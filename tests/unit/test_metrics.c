@@ -6,6 +6,7 @@
  */
 #include <arpa/inet.h>
 #include <criterion/criterion.h>
+#include <math.h>
 #include <netinet/in.h>
 #include <pthread.h>
 #include <signal.h>
@@ -82,6 +83,40 @@ Test(metrics, golden_rendering)
     cr_assert_eq(td_metrics_render(reg, &text, &len), TD_OK);
     cr_assert_str_eq(text, golden);
     cr_assert_eq(len, strlen(golden));
+    free(text);
+    td_metrics_destroy(reg);
+}
+
+/* What td_metrics_render writes reads back: an unlabelled series' value, an absent one NAN,
+ * a labelled one not taken for it, and an unlabelled histogram's buckets (+Inf last) */
+Test(metrics, text_reads_back)
+{
+    td_metrics_t *reg = golden_registry();
+    td_metric_family_t *lens;
+    td_metric_t *len1;
+    const double buckets[] = {16, 64, 256};
+    cr_assert_eq(td_metrics_register(reg, TD_METRIC_HISTOGRAM, "tandem_prompt_tokens", "Prompt lengths.", NULL, 0,
+                                     buckets, 3, &lens), TD_OK);
+    cr_assert_eq(td_metric_family_get(lens, NULL, &len1), TD_OK);
+    td_metric_observe(len1, 10);
+    td_metric_observe(len1, 100);
+    td_metric_observe(len1, 100);
+    td_metric_observe(len1, 1000);
+    char *text;
+    size_t len;
+    cr_assert_eq(td_metrics_render(reg, &text, &len), TD_OK);
+    cr_assert_eq(td_metrics_text_value(text, "tandem_kv_blocks_free"), 12.5);
+    cr_assert(isnan(td_metrics_text_value(text, "tandem_kv_blocks")), "a prefix is not the series");
+    cr_assert(isnan(td_metrics_text_value(text, "tandem_requests_total")), "a labelled series has no bare value");
+    cr_assert_eq(td_metrics_text_value(text, "tandem_prompt_tokens_count"), 4);
+    double le[8], cum[8];
+    int n = td_metrics_text_buckets(text, "tandem_prompt_tokens", le, cum, 8);
+    cr_assert_eq(n, 4);
+    const double want_le[] = {16, 64, 256, INFINITY}, want_cum[] = {1, 1, 3, 4};
+    for (int i = 0; i < n; i++)
+        cr_assert(le[i] == want_le[i] && cum[i] == want_cum[i], "bucket %d: le %g cum %g", i, le[i], cum[i]);
+    cr_assert_eq(td_metrics_text_buckets(text, "tandem_prompt_tokens", le, cum, 2), 2, "at most cap");
+    cr_assert_eq(td_metrics_text_buckets(text, "tandem_none", le, cum, 8), 0);
     free(text);
     td_metrics_destroy(reg);
 }
