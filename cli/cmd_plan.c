@@ -329,46 +329,31 @@ static td_status_t profile_write(const cJSON *j, const char *what, const char *p
     return TD_OK;
 }
 
-static int plan_profile_cluster(const cluster_prof_opts_t *o)
-{
-    int rc = 1;
-    bs_client_t *cl = NULL;
-    bs_replies_t rep = {0};
-    bs_dataset_t d = {0};
-    cJSON *j = NULL;
-    /* prompts of their own each time: a second profile of the same cluster must not find the
-     * first one's prompts in the prefill node's prefix cache */
-    uint64_t seed = td_now_ns() ^ ((uint64_t)getpid() << 32);
+/* One profile of a running cluster (plan_profile_cluster): its client, prompts, the JSON being
+ * built, and what the prefill sweep measured for the fits after it. */
+typedef struct prof_run {
+    const cluster_prof_opts_t *o;
+    bs_client_t *cl;
     bs_rng_t rng;
-    bs_rng_seed(&rng, seed);
-    double *tt = malloc((size_t)o->reps * sizeof *tt), *gap = malloc((size_t)o->reps * sizeof *gap);
-    if (!tt || !gap) {
-        td_errorf(TD_ERR_NOMEM, "plan profile: out of memory");
-        goto out;
-    }
-    if (bs_client_create(&o->cfg, "tandem plan profile", &cl) != TD_OK) {
-        rc = 2;
-        goto out;
-    }
-    /* one request first: a cluster that is not there is one clear error, and a warm-up */
-    if (bs_dataset_random(&rng, 1, 8, 2, 0, &d) != TD_OK || cluster_run(cl, o, &d, 1, &rep, true) != TD_OK)
-        goto out;
-    bs_replies_free(&rep);
-    bs_dataset_free(&d);
-    j = cJSON_CreateObject();
-    cJSON_AddNumberToObject(j, "tandem_plan_profile", 1);
-    cJSON_AddStringToObject(j, "source", o->cfg.gateway ? "gateway" : "openai");
-    cJSON_AddStringToObject(j, "target", o->target);
-    cJSON_AddStringToObject(j, "model", o->cfg.model ? o->cfg.model : "(the served one)");
-    cJSON_AddNumberToObject(j, "vocab_size", o->cfg.vocab);
-    cJSON_AddNumberToObject(j, "prompt_seed", (double)(seed >> 12)); /* a JSON number holds 52 bits */
-
-    /* prefill: lone requests of T prompt tokens and 2 output tokens; TTFT, and the first gap */
-    int n_t = 0;
+    bs_replies_t rep;
+    bs_dataset_t d;
+    cJSON *j;
+    double *tt, *gap; /* [o->reps] one point's TTFTs and first gaps */
+    int n_t;          /* prefill points */
     int32_t tok[32];
     double ttft[32], gap1[32], engine[32], xfer_node[32];
-    cJSON *pre = cJSON_AddObjectToObject(j, "prefill"), *pts = cJSON_AddArrayToObject(pre, "points");
-    for (int t = 8; n_t < 32; t = (int)TD_MIN(2 * t, o->max_tokens)) {
+    double pc[3], dc[3], xc[2]; /* the prefill, decode and KV-transfer fits */
+    bool usage;                 /* a failure the user's flags can fix (exit 2) */
+} prof_run_t;
+
+/* Prefill: lone requests of T prompt tokens (T doubling from 8 to --max-tokens), the JSON's
+ * "prefill" and the fit r->pc. false: failed, said. */
+static bool prof_prefill(prof_run_t *r)
+{
+    const cluster_prof_opts_t *o = r->o;
+    /* 2 output tokens: TTFT, and the first gap */
+    cJSON *pre = cJSON_AddObjectToObject(r->j, "prefill"), *pts = cJSON_AddArrayToObject(pre, "points");
+    for (int t = 8; r->n_t < 32; t = (int)TD_MIN(2 * t, o->max_tokens)) {
         /* one request at a time, the node's counters read between them: its engine time per
          * request, a median beside TTFT's (a mean would carry the one step a neighbour delayed) */
         prefill_counts_t c0 = {0}, c1 = {0};
@@ -377,35 +362,35 @@ static int plan_profile_cluster(const cluster_prof_opts_t *o)
         if (!eng || !xn) {
             free(eng), free(xn);
             td_errorf(TD_ERR_NOMEM, "plan profile: out of memory");
-            goto out;
+            return false;
         }
         if (o->prefill_metrics && prefill_counts_get(o->prefill_metrics, &c0) != TD_OK) {
             free(eng), free(xn);
-            goto out;
+            return false;
         }
-        if (bs_dataset_random(&rng, (size_t)o->reps, (uint32_t)t, 2, 0, &d) != TD_OK) {
+        if (bs_dataset_random(&r->rng, (size_t)o->reps, (uint32_t)t, 2, 0, &r->d) != TD_OK) {
             free(eng), free(xn);
-            goto out;
+            return false;
         }
         td_status_t st = TD_OK;
         for (int i = 0; i < o->reps && st == TD_OK; i++) {
-            bs_dataset_t one = {.items = &d.items[i], .n = 1};
-            if ((st = cluster_run(cl, o, &one, 1, &rep, false)) != TD_OK)
+            bs_dataset_t one = {.items = &r->d.items[i], .n = 1};
+            if ((st = cluster_run(r->cl, o, &one, 1, &r->rep, false)) != TD_OK)
                 break;
-            tt[i] = rep.r[0].ttft_ms * 1e-3, gap[i] = rep.r[0].n_itl ? rep.r[0].itl_ms[0] * 1e-3 : NAN;
-            bs_replies_free(&rep);
+            r->tt[i] = r->rep.r[0].ttft_ms * 1e-3, r->gap[i] = r->rep.r[0].n_itl ? r->rep.r[0].itl_ms[0] * 1e-3 : NAN;
+            bs_replies_free(&r->rep);
             if (!o->prefill_metrics || (st = prefill_counts_get(o->prefill_metrics, &c1)) != TD_OK)
                 continue;
             if (c1.requests - c0.requests != 1) {
                 st = td_errorf(TD_ERR_INVALID, "--prefill-metrics: %s counted %.0f Prefill calls for one request: is "
                                "it the only prefill node of the cluster at %s, and idle but for this?",
                                o->prefill_metrics, c1.requests - c0.requests, o->target);
-                rc = 2;
+                r->usage = true;
                 break;
             }
             if (c1.cached_tokens > c0.cached_tokens) {
                 st = td_errorf(TD_ERR_INVALID, "plan profile: the prefill node's prefix cache served %.0f tokens of a "
-                               "%d-token prompt: its engine time is not a prefill of T tokens (another client sending "
+                               "%d-token prompt: its r->engine time is not a prefill of T tokens (another client sending "
                                "the same prompts?)", c1.cached_tokens - c0.cached_tokens, t);
                 break;
             }
@@ -414,74 +399,82 @@ static int plan_profile_cluster(const cluster_prof_opts_t *o)
                 xn[n_xn++] = (c1.transfer_s - c0.transfer_s) / (c1.transfers - c0.transfers);
             c0 = c1;
         }
-        bs_dataset_free(&d);
+        bs_dataset_free(&r->d);
         if (st != TD_OK) {
             free(eng), free(xn);
-            goto out;
+            return false;
         }
-        tok[n_t] = t, ttft[n_t] = median(tt, (int)o->reps), gap1[n_t] = median_finite(gap, (int)o->reps);
-        engine[n_t] = o->prefill_metrics ? median(eng, (int)o->reps) : NAN;
-        xfer_node[n_t] = n_xn ? median(xn, n_xn) : NAN;
+        r->tok[r->n_t] = t, r->ttft[r->n_t] = median(r->tt, (int)o->reps), r->gap1[r->n_t] = median_finite(r->gap, (int)o->reps);
+        r->engine[r->n_t] = o->prefill_metrics ? median(eng, (int)o->reps) : NAN;
+        r->xfer_node[r->n_t] = n_xn ? median(xn, n_xn) : NAN;
         free(eng), free(xn);
         cJSON *p = cJSON_CreateObject();
         cJSON_AddNumberToObject(p, "tokens", t);
-        cJSON_AddNumberToObject(p, "ttft_s", ttft[n_t]);
+        cJSON_AddNumberToObject(p, "ttft_s", r->ttft[r->n_t]);
         if (o->prefill_metrics) {
-            cJSON_AddNumberToObject(p, "node_engine_s", engine[n_t]);
-            if (!isnan(xfer_node[n_t]))
-                cJSON_AddNumberToObject(p, "node_transfer_s", xfer_node[n_t]);
+            cJSON_AddNumberToObject(p, "node_engine_s", r->engine[r->n_t]);
+            if (!isnan(r->xfer_node[r->n_t]))
+                cJSON_AddNumberToObject(p, "node_transfer_s", r->xfer_node[r->n_t]);
         }
-        double y = o->prefill_metrics ? engine[n_t] : ttft[n_t];
+        double y = o->prefill_metrics ? r->engine[r->n_t] : r->ttft[r->n_t];
         cJSON_AddNumberToObject(p, "seconds", y);
         cJSON_AddItemToArray(pts, p);
-        fprintf(stderr, "plan profile: prefill %4d tokens  TTFT %9.3f ms%s", t, ttft[n_t] * 1e3,
+        fprintf(stderr, "plan profile: prefill %4d tokens  TTFT %9.3f ms%s", t, r->ttft[r->n_t] * 1e3,
                 o->prefill_metrics ? "" : "\n");
         if (o->prefill_metrics)
-            fprintf(stderr, "  node engine %9.3f ms\n", engine[n_t] * 1e3);
-        n_t++;
+            fprintf(stderr, "  node r->engine %9.3f ms\n", r->engine[r->n_t] * 1e3);
+        r->n_t++;
         if (t == o->max_tokens)
             break;
     }
-    double px[32 * 3], py[32], pc[3] = {0};
-    for (int i = 0; i < n_t; i++) {
-        px[i * 3] = 1, px[i * 3 + 1] = tok[i], px[i * 3 + 2] = (double)tok[i] * tok[i];
-        py[i] = o->prefill_metrics ? engine[i] : ttft[i];
+    double px[32 * 3], py[32];
+    for (int i = 0; i < r->n_t; i++) {
+        px[i * 3] = 1, px[i * 3 + 1] = r->tok[i], px[i * 3 + 2] = (double)r->tok[i] * r->tok[i];
+        py[i] = o->prefill_metrics ? r->engine[i] : r->ttft[i];
     }
-    if (n_t < 4)
-        for (int i = 0; i < n_t; i++)
+    if (r->n_t < 4)
+        for (int i = 0; i < r->n_t; i++)
             px[i * 2] = 1, px[i * 2 + 1] = px[i * 3 + 1];
-    if (fit_relative(px, py, n_t, n_t >= 4 ? 3 : 2, pc) != TD_OK)
-        goto out;
+    if (fit_relative(px, py, r->n_t, r->n_t >= 4 ? 3 : 2, r->pc) != TD_OK)
+        return false;
     cJSON_AddStringToObject(pre, "method", o->prefill_metrics
                                                ? "lone requests of T prompt tokens through the front door; seconds: "
-                                                 "the prefill node's engine steps per request (its /metrics), median "
+                                                 "the prefill node's r->engine steps per request (its /metrics), median "
                                                  "TTFT in ttft_s"
                                                : "lone requests of T prompt tokens through the front door; seconds: "
                                                  "median TTFT (router, RPC hops and relay included: no "
-                                                 "--prefill-metrics to tell the engine's part)");
+                                                 "--prefill-metrics to tell the r->engine's part)");
     cJSON_AddNumberToObject(pre, "requests_per_point", (double)o->reps);
-    cJSON_AddNumberToObject(pre, "a_s", pc[0]);
-    cJSON_AddNumberToObject(pre, "b_s_per_token", pc[1]);
-    cJSON_AddNumberToObject(pre, "c_s_per_token2", pc[2]);
+    cJSON_AddNumberToObject(pre, "a_s", r->pc[0]);
+    cJSON_AddNumberToObject(pre, "b_s_per_token", r->pc[1]);
+    cJSON_AddNumberToObject(pre, "c_s_per_token2", r->pc[2]);
 
-    /* decode: B streams of P prompt tokens at once, long enough that all B generate together */
+    return true;
+}
+
+/* Decode: B streams of P prompt tokens at once over a grid of B and P, the JSON's "decode" and
+ * the fit r->dc. false: failed, said. */
+static bool prof_decode(prof_run_t *r)
+{
+    const cluster_prof_opts_t *o = r->o;
+    /* long enough that all B generate together */
     static const int ctx_grid[] = {16, 128, 384, 1024};
-    double dx[64 * 3], dy[64], dc[3];
+    double dx[64 * 3], dy[64];
     int nd = 0;
     int64_t out_len = o->decode_tokens;
-    cJSON *dec = cJSON_AddObjectToObject(j, "decode");
-    pts = cJSON_AddArrayToObject(dec, "points");
+    cJSON *dec = cJSON_AddObjectToObject(r->j, "decode");
+    cJSON *pts = cJSON_AddArrayToObject(dec, "points");
     for (size_t ci = 0; ci < TD_ARRAY_LEN(ctx_grid) && ctx_grid[ci] + o->decode_tokens <= o->max_context; ci++)
         for (int b = 1; nd < 64; b = (int)TD_MIN(2 * b, o->max_batch)) {
             double step = NAN, ctx = NAN, per = 0, tpm = 1;
             out_len = TD_MIN(out_len, o->max_context - ctx_grid[ci]);
             for (int tries = 0;; tries++) {
-                if (bs_dataset_random(&rng, (size_t)b, (uint32_t)ctx_grid[ci], (uint32_t)out_len, 0, &d) != TD_OK ||
-                    cluster_run(cl, o, &d, b, &rep, false) != TD_OK)
-                    goto out;
-                decode_window(&rep, (uint32_t)ctx_grid[ci], &step, &ctx, &per, &tpm);
-                bs_replies_free(&rep);
-                bs_dataset_free(&d);
+                if (bs_dataset_random(&r->rng, (size_t)b, (uint32_t)ctx_grid[ci], (uint32_t)out_len, 0, &r->d) != TD_OK ||
+                    cluster_run(r->cl, o, &r->d, b, &r->rep, false) != TD_OK)
+                    return false;
+                decode_window(&r->rep, (uint32_t)ctx_grid[ci], &step, &ctx, &per, &tpm);
+                bs_replies_free(&r->rep);
+                bs_dataset_free(&r->d);
                 if (per >= 8 || tries == 3 || ctx_grid[ci] + 2 * out_len > o->max_context)
                     break;
                 out_len *= 2; /* the prompts' prefills outlasted the first streams: longer outputs */
@@ -492,12 +485,12 @@ static int plan_profile_cluster(const cluster_prof_opts_t *o)
             int n_rounds = 1;
             for (; n_rounds < TD_MIN(o->reps, 16) && per >= 2; n_rounds++) {
                 double p2;
-                if (bs_dataset_random(&rng, (size_t)b, (uint32_t)ctx_grid[ci], (uint32_t)out_len, 0, &d) != TD_OK ||
-                    cluster_run(cl, o, &d, b, &rep, false) != TD_OK)
-                    goto out;
-                decode_window(&rep, (uint32_t)ctx_grid[ci], &steps[n_rounds], &ctxs[n_rounds], &p2, &tpm);
-                bs_replies_free(&rep);
-                bs_dataset_free(&d);
+                if (bs_dataset_random(&r->rng, (size_t)b, (uint32_t)ctx_grid[ci], (uint32_t)out_len, 0, &r->d) != TD_OK ||
+                    cluster_run(r->cl, o, &r->d, b, &r->rep, false) != TD_OK)
+                    return false;
+                decode_window(&r->rep, (uint32_t)ctx_grid[ci], &steps[n_rounds], &ctxs[n_rounds], &p2, &tpm);
+                bs_replies_free(&r->rep);
+                bs_dataset_free(&r->d);
                 if (!(p2 >= 2))
                     break;
             }
@@ -539,19 +532,26 @@ static int plan_profile_cluster(const cluster_prof_opts_t *o)
     if (nd < 3) {
         td_errorf(TD_ERR_INVALID, "plan profile: %d decode points are too few to fit three terms: raise --max-batch, "
                   "--max-context or --decode-tokens", nd);
-        rc = 2;
-        goto out;
+        r->usage = true;
+        return false;
     }
-    if (fit_relative(dx, dy, nd, 3, dc) != TD_OK)
-        goto out;
+    if (fit_relative(dx, dy, nd, 3, r->dc) != TD_OK)
+        return false;
     cJSON_AddStringToObject(dec, "method", "B concurrent streams (ignore_eos) through the front door; seconds: the "
                                            "time between tokens while all B generated (relay included; a message "
                                            "of several tokens counted as such), median over the streams and over "
                                            "--reps rounds; context: the context at the middle of that time");
-    cJSON_AddNumberToObject(dec, "a_s", dc[0]);
-    cJSON_AddNumberToObject(dec, "b_s_per_seq", dc[1]);
-    cJSON_AddNumberToObject(dec, "c_s_per_context_token", dc[2]);
+    cJSON_AddNumberToObject(dec, "a_s", r->dc[0]);
+    cJSON_AddNumberToObject(dec, "b_s_per_seq", r->dc[1]);
+    cJSON_AddNumberToObject(dec, "c_s_per_context_token", r->dc[2]);
 
+    return true;
+}
+
+/* Speed: --speed-runs lone requests (the JSON's "speed"). false: failed, said. */
+static bool prof_speed(prof_run_t *r)
+{
+    const cluster_prof_opts_t *o = r->o;
     /* speed: lone requests of 16 prompt tokens and --decode-tokens, one after another; each one's
      * mean time between tokens from its second (the first gap carries the KV transfer) */
     if (o->speed_runs > 0) {
@@ -559,89 +559,142 @@ static int plan_profile_cluster(const cluster_prof_opts_t *o)
         int k = 0;
         if (!means) {
             td_errorf(TD_ERR_NOMEM, "plan profile: out of memory");
-            goto out;
+            return false;
         }
-        if (bs_dataset_random(&rng, (size_t)o->speed_runs, 16, (uint32_t)o->decode_tokens, 0, &d) != TD_OK) {
+        if (bs_dataset_random(&r->rng, (size_t)o->speed_runs, 16, (uint32_t)o->decode_tokens, 0, &r->d) != TD_OK) {
             free(means);
-            goto out;
+            return false;
         }
         td_status_t st = TD_OK;
         for (int64_t i = 0; i < o->speed_runs && st == TD_OK; i++) {
-            bs_dataset_t one = {.items = &d.items[i], .n = 1};
-            if ((st = cluster_run(cl, o, &one, 1, &rep, false)) != TD_OK)
+            bs_dataset_t one = {.items = &r->d.items[i], .n = 1};
+            if ((st = cluster_run(r->cl, o, &one, 1, &r->rep, false)) != TD_OK)
                 break;
-            const bs_reply_t *r = &rep.r[0];
-            if (r->n_itl >= 2) { /* tokens a message: a router that fell behind merges them */
-                double sum = 0, f = (double)r->output_tokens / (double)(r->n_itl + 1);
-                for (uint32_t g = 1; g < r->n_itl; g++)
-                    sum += r->itl_ms[g] * 1e-3;
+            const bs_reply_t *rr = &r->rep.r[0];
+            if (rr->n_itl >= 2) { /* tokens a message: a router that fell behind merges them */
+                double sum = 0, f = (double)rr->output_tokens / (double)(rr->n_itl + 1);
+                for (uint32_t g = 1; g < rr->n_itl; g++)
+                    sum += rr->itl_ms[g] * 1e-3;
                 if (sum > 0) /* all its messages read together: no time to read */
-                    means[k++] = sum / ((double)(r->n_itl - 1) * f);
+                    means[k++] = sum / ((double)(rr->n_itl - 1) * f);
             }
-            bs_replies_free(&rep);
+            bs_replies_free(&r->rep);
         }
-        bs_dataset_free(&d);
+        bs_dataset_free(&r->d);
         if (st == TD_OK)
-            speed_section(j, means, k, (int)o->decode_tokens - 2,
+            speed_section(r->j, means, k, (int)o->decode_tokens - 2,
                           "lone requests of 16 prompt tokens and tokens_per_run + 2 output tokens, one at a time "
                           "through the front door; a run factor: one request's mean time between tokens after "
                           "its second token over the median of those means; factors: a log-normal's quantiles "
                           "with the run factors' median (1) and interquartile range");
         free(means);
         if (st != TD_OK)
-            goto out;
+            return false;
     }
 
+    return true;
+}
+
+/* KV transfer, from the prefill points' first gaps and the decode fit: the JSON's "kv_transfer"
+ * and the fit r->xc. */
+static void prof_kv_transfer(prof_run_t *r)
+{
     /* KV transfer: a lone request's second token waits for its KV to reach the decode node and one
      * decode step there; what the first gap outlasts that step is the transfer (and adoption) */
-    double xx[32 * 2], xy[32], xc[2] = {0, 0}, sum = 0;
+    double xx[32 * 2], xy[32], sum = 0;
     int nx = 0;
-    cJSON *kv = cJSON_AddObjectToObject(j, "kv_transfer");
-    pts = cJSON_AddArrayToObject(kv, "points");
-    for (int i = 0; i < n_t; i++) {
-        if (!isfinite(gap1[i])) /* both tokens came in one message every time: no gap to read */
+    cJSON *kv = cJSON_AddObjectToObject(r->j, "kv_transfer");
+    cJSON *pts = cJSON_AddArrayToObject(kv, "points");
+    for (int i = 0; i < r->n_t; i++) {
+        if (!isfinite(r->gap1[i])) /* both tokens came in one message every time: no gap to read */
             continue;
-        td_plan_profile_t pf = {.decode_a_s = dc[0], .decode_b_s = dc[1], .decode_c_s = dc[2]};
-        xx[nx * 2] = 1, xx[nx * 2 + 1] = tok[i];
-        xy[nx] = gap1[i] - td_plan_decode_step_s(&pf, 1, tok[i] + 1);
+        td_plan_profile_t pf = {.decode_a_s = r->dc[0], .decode_b_s = r->dc[1], .decode_c_s = r->dc[2]};
+        xx[nx * 2] = 1, xx[nx * 2 + 1] = r->tok[i];
+        xy[nx] = r->gap1[i] - td_plan_decode_step_s(&pf, 1, r->tok[i] + 1);
         sum += xy[nx];
         cJSON *p = cJSON_CreateObject();
-        cJSON_AddNumberToObject(p, "tokens", tok[i]);
-        cJSON_AddNumberToObject(p, "first_gap_s", gap1[i]);
+        cJSON_AddNumberToObject(p, "tokens", r->tok[i]);
+        cJSON_AddNumberToObject(p, "first_gap_s", r->gap1[i]);
         cJSON_AddNumberToObject(p, "seconds", xy[nx++]);
-        if (!isnan(xfer_node[i]))
-            cJSON_AddNumberToObject(p, "node_transfer_s", xfer_node[i]);
+        if (!isnan(r->xfer_node[i]))
+            cJSON_AddNumberToObject(p, "node_transfer_s", r->xfer_node[i]);
         cJSON_AddItemToArray(pts, p);
     }
-    if (nx < 2 || td_plan_fit(xx, xy, (size_t)nx, 2, xc) != TD_OK || xc[1] < 0)
-        xc[0] = nx ? sum / nx : 0, xc[1] = 0; /* no growth with the prompt measured: a constant */
-    xc[0] = TD_MAX(xc[0], 0.0);
-    cJSON_AddStringToObject(kv, "method", "measured: a lone request's first gap between tokens minus the decode fit "
+    if (nx < 2 || td_plan_fit(xx, xy, (size_t)nx, 2, r->xc) != TD_OK || r->xc[1] < 0)
+        r->xc[0] = nx ? sum / nx : 0, r->xc[1] = 0; /* no growth with the prompt measured: a constant */
+    r->xc[0] = TD_MAX(r->xc[0], 0.0);
+    cJSON_AddStringToObject(kv, "method", "measured: a lone request's first r->gap between tokens minus the decode fit "
                                           "at batch 1 (the KV's arrival, adoption and relay); fitted a + b x tokens, "
                                           "clamped at 0");
-    cJSON_AddNumberToObject(kv, "a_s", xc[0]);
-    cJSON_AddNumberToObject(kv, "b_s_per_token", xc[1]);
+    cJSON_AddNumberToObject(kv, "a_s", r->xc[0]);
+    cJSON_AddNumberToObject(kv, "b_s_per_token", r->xc[1]);
 
+}
+
+/* The fixed overhead (the JSON's "overheads" and "overhead_s"), returned. */
+static double prof_overhead(prof_run_t *r)
+{
+    const cluster_prof_opts_t *o = r->o;
     /* the fixed overhead: what TTFT outlasts the prefill node's engine steps */
     double over = 0;
-    cJSON *ov = cJSON_AddObjectToObject(j, "overheads");
+    cJSON *ov = cJSON_AddObjectToObject(r->j, "overheads");
     if (o->prefill_metrics) {
-        double r[32];
+        double diff[32];
         cJSON *arr = cJSON_AddArrayToObject(ov, "ttft_minus_engine_s");
-        for (int i = 0; i < n_t; i++) {
-            r[i] = ttft[i] - engine[i];
-            cJSON_AddItemToArray(arr, cJSON_CreateNumber(r[i]));
+        for (int i = 0; i < r->n_t; i++) {
+            diff[i] = r->ttft[i] - r->engine[i];
+            cJSON_AddItemToArray(arr, cJSON_CreateNumber(diff[i]));
         }
-        over = TD_MAX(median(r, n_t), 0.0);
-        cJSON_AddStringToObject(ov, "method", "median over prompt lengths of TTFT minus the prefill node's engine "
+        over = TD_MAX(median(diff, r->n_t), 0.0);
+        cJSON_AddStringToObject(ov, "method", "median over prompt lengths of TTFT minus the prefill node's r->engine "
                                               "time per request: router, RPC hops, the node's queue and the relay");
     } else {
         cJSON_AddStringToObject(ov, "method", "not separated: without --prefill-metrics the router, RPC hops and "
                                               "relay are inside the prefill fit (its a_s); overhead_s is 0");
     }
-    cJSON_AddNumberToObject(ov, "ttft_intercept_s", pc[0] + (o->prefill_metrics ? over : 0));
-    cJSON_AddNumberToObject(j, "overhead_s", over);
+    cJSON_AddNumberToObject(ov, "ttft_intercept_s", r->pc[0] + (o->prefill_metrics ? over : 0));
+    cJSON_AddNumberToObject(r->j, "overhead_s", over);
 
+    return over;
+}
+
+static int plan_profile_cluster(const cluster_prof_opts_t *o)
+{
+    int rc = 1;
+    prof_run_t r_ = {.o = o}, *r = &r_;
+    /* prompts of their own each time: a second profile of the same cluster must not find the
+     * first one's prompts in the prefill node's prefix cache */
+    uint64_t seed = td_now_ns() ^ ((uint64_t)getpid() << 32);
+    bs_rng_seed(&r->rng, seed);
+    r->tt = malloc((size_t)o->reps * sizeof *r->tt);
+    r->gap = malloc((size_t)o->reps * sizeof *r->gap);
+    if (!r->tt || !r->gap) {
+        td_errorf(TD_ERR_NOMEM, "plan profile: out of memory");
+        goto out;
+    }
+    if (bs_client_create(&o->cfg, "tandem plan profile", &r->cl) != TD_OK) {
+        rc = 2;
+        goto out;
+    }
+    /* one request first: a cluster that is not there is one clear error, and a warm-up */
+    if (bs_dataset_random(&r->rng, 1, 8, 2, 0, &r->d) != TD_OK || cluster_run(r->cl, o, &r->d, 1, &r->rep, true) != TD_OK)
+        goto out;
+    bs_replies_free(&r->rep);
+    bs_dataset_free(&r->d);
+    cJSON *j = r->j = cJSON_CreateObject();
+    cJSON_AddNumberToObject(j, "tandem_plan_profile", 1);
+    cJSON_AddStringToObject(j, "source", o->cfg.gateway ? "gateway" : "openai");
+    cJSON_AddStringToObject(j, "target", o->target);
+    cJSON_AddStringToObject(j, "model", o->cfg.model ? o->cfg.model : "(the served one)");
+    cJSON_AddNumberToObject(j, "vocab_size", o->cfg.vocab);
+    cJSON_AddNumberToObject(j, "prompt_seed", (double)(seed >> 12)); /* a JSON number holds 52 bits */
+    if (!prof_prefill(r) || !prof_decode(r) || !prof_speed(r)) {
+        rc = r->usage ? 2 : 1;
+        goto out;
+    }
+    prof_kv_transfer(r);
+    double over = prof_overhead(r);
+    const double *pc = r->pc, *dc = r->dc, *xc = r->xc;
     if (profile_write(j, "plan profile", o->out) != TD_OK)
         goto out;
     printf("Profile written:                         %s\n", o->out);
@@ -655,11 +708,11 @@ static int plan_profile_cluster(const cluster_prof_opts_t *o)
            o->prefill_metrics ? "" : " (not separated: give --prefill-metrics)");
     rc = 0;
 out:
-    bs_replies_free(&rep);
-    bs_dataset_free(&d);
-    bs_client_destroy(cl);
-    cJSON_Delete(j);
-    free(tt), free(gap);
+    bs_replies_free(&r->rep);
+    bs_dataset_free(&r->d);
+    bs_client_destroy(r->cl);
+    cJSON_Delete(r->j);
+    free(r->tt), free(r->gap);
     return rc;
 }
 
