@@ -19,28 +19,6 @@ cli_gen_opts_t cli_gen_opts_default(void)
                             .sampling = td_sampling_default(), .spec = td_spec_config_default()};
 }
 
-/* The flag behind a td_gen_params_validate message (which begins with the request field's
- * name), so the user reads what they typed as well as the gateway's words; "" if none. */
-static const char *flag_of(const char *why)
-{
-    static const struct {
-        const char *field, *flag;
-    } map[] = {
-        {"max_tokens", "--max-tokens"}, {"prompt", "--prompt"}, {"temperature", "--temperature"},
-        {"top_k", "--top-k"}, {"top_p", "--top-p"}, {"min_p", "--min-p"},
-        {"repetition_penalty", "--repetition-penalty"}, {"presence_penalty", "--presence-penalty"},
-        {"frequency_penalty", "--frequency-penalty"}, {"stop_ids", "--stop-id"},
-        {"top_logprobs", "--logprobs"}, {"prompt_logprobs", "--prompt-logprobs"},
-        {"stop_strings", "--stop"}, {"stop string", "--stop"},
-    };
-    for (size_t i = 0; i < sizeof map / sizeof map[0]; i++) {
-        size_t n = strlen(map[i].field);
-        if (!strncmp(why, map[i].field, n) && why[n] == ' ')
-            return map[i].flag;
-    }
-    return "";
-}
-
 td_status_t cli_gen_parse_stop(const td_opt_t *opt, const char *v)
 {
     cli_gen_opts_t *o = opt->ptr;
@@ -95,8 +73,10 @@ bool cli_gen_validate(const char *cmd, const cli_gen_opts_t *o, bool prompt_is_t
         gp.logprobs = (td_logprobs_want_t){.on = true, .top = (int32_t)TD_MIN(o->logprobs, (int64_t)INT32_MAX),
                                            .prompt = o->prompt_logprobs};
     char why[256];
-    if (td_gen_params_validate(&gp, why, sizeof why) != TD_OK) {
-        fprintf(stderr, "tandem %s: %s%s%s\n", cmd, flag_of(why), *flag_of(why) ? ": " : "", why);
+    td_gen_field_t bad = td_gen_params_check(&gp, why, sizeof why);
+    if (bad != TD_GEN_FIELD_NONE) { /* the flag the user typed, then the gateway's words */
+        const char *flag = td_gen_field_names(bad)->flag;
+        fprintf(stderr, "tandem %s: %s%s%s\n", cmd, flag, *flag ? ": " : "", why);
         return false;
     }
     return true;

@@ -365,25 +365,6 @@ static td_status_t echo_text(const router_state_t *s, const router_oai_req_t *q,
     return TD_OK;
 }
 
-/* The OpenAI name of the field td_gen_params_validate's message begins with ("" when it
- * names none of them). */
-static void param_of(const char *why, router_oai_kind_t kind, char *param, size_t cap)
-{
-    static const char *const same[] = {"max_tokens", "temperature", "top_k", "top_p", "min_p",
-                                       "repetition_penalty", "presence_penalty", "frequency_penalty"};
-    size_t n = strcspn(why, " :");
-    param[0] = '\0';
-    for (size_t i = 0; i < TD_ARRAY_LEN(same); i++)
-        if (n == strlen(same[i]) && !strncmp(why, same[i], n))
-            snprintf(param, cap, "%s", same[i]);
-    if (!strncmp(why, "stop", 4))
-        snprintf(param, cap, "stop");
-    else if (!strncmp(why, "prompt_logprobs", 15) || !strncmp(why, "top_logprobs", 12))
-        snprintf(param, cap, "%s", kind == ROUTER_OAI_CHAT ? "top_logprobs" : "logprobs");
-    else if (n == 6 && !strncmp(why, "prompt", 6))
-        snprintf(param, cap, "%s", kind == ROUTER_OAI_CHAT ? "messages" : "prompt");
-}
-
 static void http_generate(router_state_t *s, td_http_req_t *req, router_oai_kind_t kind)
 {
     router_oai_error_t err;
@@ -415,9 +396,11 @@ static void http_generate(router_state_t *s, td_http_req_t *req, router_oai_kind
         q.gp.logprobs = (td_logprobs_want_t){.on = true, .top = q.logprobs, .prompt = q.echo};
     /* checked here first for the parameter's name (router_req_open checks again, for every
      * front door, and says the same) */
-    if (td_gen_params_validate(&q.gp, why, sizeof why) != TD_OK) {
+    td_gen_field_t bad = td_gen_params_check(&q.gp, why, sizeof why);
+    if (bad != TD_GEN_FIELD_NONE) {
+        const td_gen_field_names_t *names = td_gen_field_names(bad);
         router_oai_error_set(&err, 400, "invalid_request_error", NULL, NULL, "%s", why);
-        param_of(why, kind, err.param, sizeof err.param);
+        snprintf(err.param, sizeof err.param, "%s", kind == ROUTER_OAI_CHAT ? names->openai_chat : names->openai);
         router_count_outcome(s, "invalid");
         goto err_respond;
     }

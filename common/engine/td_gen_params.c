@@ -13,38 +13,79 @@ td_gen_params_t td_gen_params_default(void)
     return (td_gen_params_t){.sampling = td_sampling_default()};
 }
 
-td_status_t td_gen_params_validate(const td_gen_params_t *p, char *why, size_t why_cap)
+static const td_gen_field_names_t field_names[TD_GEN_FIELD_COUNT] = {
+    [TD_GEN_FIELD_NONE] = {"", "", "", ""},
+#define TD_GEN_FIELD_NAMES(id, req, flag, oai, chat) [TD_GEN_FIELD_##id] = {req, flag, oai, chat},
+    TD_GEN_FIELDS(TD_GEN_FIELD_NAMES)
+#undef TD_GEN_FIELD_NAMES
+};
+
+const td_gen_field_names_t *td_gen_field_names(td_gen_field_t f)
+{
+    return (unsigned)f < TD_GEN_FIELD_COUNT ? &field_names[f] : &field_names[TD_GEN_FIELD_NONE];
+}
+
+/* td_sampling_check's fields as the request's */
+static const td_gen_field_t sampling_fields[] = {
+    [TD_SAMPLING_FIELD_NONE] = TD_GEN_FIELD_NONE,
+    [TD_SAMPLING_FIELD_TEMPERATURE] = TD_GEN_FIELD_TEMPERATURE,
+    [TD_SAMPLING_FIELD_TOP_K] = TD_GEN_FIELD_TOP_K,
+    [TD_SAMPLING_FIELD_TOP_P] = TD_GEN_FIELD_TOP_P,
+    [TD_SAMPLING_FIELD_MIN_P] = TD_GEN_FIELD_MIN_P,
+    [TD_SAMPLING_FIELD_REPETITION_PENALTY] = TD_GEN_FIELD_REPETITION_PENALTY,
+    [TD_SAMPLING_FIELD_PENALTY_WINDOW] = TD_GEN_FIELD_PENALTY_WINDOW,
+    [TD_SAMPLING_FIELD_PRESENCE_PENALTY] = TD_GEN_FIELD_PRESENCE_PENALTY,
+    [TD_SAMPLING_FIELD_FREQUENCY_PENALTY] = TD_GEN_FIELD_FREQUENCY_PENALTY,
+};
+
+td_gen_field_t td_gen_params_check(const td_gen_params_t *p, char *why, size_t why_cap)
 {
     char msg[256];
-    msg[0] = '\0';
+    td_gen_field_t f = TD_GEN_FIELD_NONE;
+    td_sampling_field_t sf;
     if (p->max_tokens < 0 || p->max_tokens > TD_GEN_MAX_TOKENS) {
+        f = TD_GEN_FIELD_MAX_TOKENS;
         snprintf(msg, sizeof msg, "max_tokens %lld is out of range [0, %d]", (long long)p->max_tokens,
                  TD_GEN_MAX_TOKENS);
     } else if (p->prompt_len > TD_GEN_MAX_PROMPT) {
+        f = TD_GEN_FIELD_PROMPT;
         snprintf(msg, sizeof msg, "prompt is %zu %s long, at most %u allowed", p->prompt_len,
                  p->prompt_is_text ? "bytes" : "ids", TD_GEN_MAX_PROMPT);
-    } else if (td_sampling_validate(&p->sampling, msg, sizeof msg) != TD_OK) {
-        /* msg names the field */
+    } else if ((sf = td_sampling_check(&p->sampling, msg, sizeof msg)) != TD_SAMPLING_FIELD_NONE) {
+        f = sampling_fields[sf]; /* msg names the field */
     } else if (p->n_stop_ids > TD_GEN_MAX_STOP_IDS) {
+        f = TD_GEN_FIELD_STOP_IDS;
         snprintf(msg, sizeof msg, "stop_ids has %zu ids, at most %d allowed", p->n_stop_ids, TD_GEN_MAX_STOP_IDS);
     } else if (p->logprobs.on && (p->logprobs.top < 0 || p->logprobs.top > TD_LOGPROBS_MAX_TOP)) {
+        f = TD_GEN_FIELD_TOP_LOGPROBS;
         snprintf(msg, sizeof msg, "top_logprobs %d is out of range [0, %d]", p->logprobs.top, TD_LOGPROBS_MAX_TOP);
     } else if (p->logprobs.on && p->logprobs.prompt && !p->prompt_is_text && p->prompt_len > TD_LOGPROBS_MAX_PROMPT) {
+        f = TD_GEN_FIELD_PROMPT_LOGPROBS;
         snprintf(msg, sizeof msg, "prompt_logprobs asked for a prompt of %zu ids, at most %d allowed", p->prompt_len,
                  TD_LOGPROBS_MAX_PROMPT);
     } else if (p->n_stop_strings > TD_STOP_MAX_STRINGS) {
+        f = TD_GEN_FIELD_STOP_STRINGS;
         snprintf(msg, sizeof msg, "stop_strings has %zu strings, at most %d allowed", p->n_stop_strings, TD_STOP_MAX_STRINGS);
     } else {
         for (size_t i = 0; i < p->n_stop_strings; i++) {
             size_t len = strlen(p->stop_strings[i]);
             if (len > TD_STOP_MAX_LEN) {
+                f = TD_GEN_FIELD_STOP_STRINGS;
                 snprintf(msg, sizeof msg, "stop string %zu is %zu bytes long, at most %d allowed", i, len,
                          TD_STOP_MAX_LEN);
                 break;
             }
         }
     }
-    if (msg[0] == '\0')
+    if (f != TD_GEN_FIELD_NONE && why && why_cap > 0)
+        snprintf(why, why_cap, "%s", msg);
+    return f;
+}
+
+td_status_t td_gen_params_validate(const td_gen_params_t *p, char *why, size_t why_cap)
+{
+    char msg[256];
+    if (td_gen_params_check(p, msg, sizeof msg) == TD_GEN_FIELD_NONE)
         return TD_OK;
     if (why && why_cap > 0)
         snprintf(why, why_cap, "%s", msg);

@@ -36,38 +36,52 @@ td_sampling_t td_sampling_default(void)
     };
 }
 
-td_status_t td_sampling_validate(const td_sampling_t *s, char *why, size_t why_cap)
+td_sampling_field_t td_sampling_check(const td_sampling_t *s, char *why, size_t why_cap)
 {
     char msg[256];
-    msg[0] = '\0';
-    if (!isfinite(s->temperature) || s->temperature < 0.0f ||
-        s->temperature > TD_SAMPLING_MAX_TEMPERATURE)
+    td_sampling_field_t f = TD_SAMPLING_FIELD_NONE;
+    if (!isfinite(s->temperature) || s->temperature < 0.0f || s->temperature > TD_SAMPLING_MAX_TEMPERATURE) {
+        f = TD_SAMPLING_FIELD_TEMPERATURE;
         snprintf(msg, sizeof msg, "temperature %g is out of range [0, %g] (0 = greedy)",
                  (double)s->temperature, (double)TD_SAMPLING_MAX_TEMPERATURE);
-    else if (s->top_k < 0)
+    } else if (s->top_k < 0) {
+        f = TD_SAMPLING_FIELD_TOP_K;
         snprintf(msg, sizeof msg, "top_k %d is out of range [0, %d] (0 = off)", s->top_k, INT32_MAX);
-    else if (!isfinite(s->top_p) || s->top_p <= 0.0f || s->top_p > 1.0f)
-        snprintf(msg, sizeof msg, "top_p %g is out of range (0, 1] (1 = off)",
-                 (double)s->top_p);
-    else if (!isfinite(s->min_p) || s->min_p < 0.0f || s->min_p >= 1.0f)
-        snprintf(msg, sizeof msg, "min_p %g is out of range [0, 1) (0 = off)",
-                 (double)s->min_p);
-    else if (!isfinite(s->repetition_penalty) || s->repetition_penalty <= 0.0f ||
-             s->repetition_penalty > TD_SAMPLING_MAX_PENALTY)
+    } else if (!isfinite(s->top_p) || s->top_p <= 0.0f || s->top_p > 1.0f) {
+        f = TD_SAMPLING_FIELD_TOP_P;
+        snprintf(msg, sizeof msg, "top_p %g is out of range (0, 1] (1 = off)", (double)s->top_p);
+    } else if (!isfinite(s->min_p) || s->min_p < 0.0f || s->min_p >= 1.0f) {
+        f = TD_SAMPLING_FIELD_MIN_P;
+        snprintf(msg, sizeof msg, "min_p %g is out of range [0, 1) (0 = off)", (double)s->min_p);
+    } else if (!isfinite(s->repetition_penalty) || s->repetition_penalty <= 0.0f ||
+               s->repetition_penalty > TD_SAMPLING_MAX_PENALTY) {
+        f = TD_SAMPLING_FIELD_REPETITION_PENALTY;
         snprintf(msg, sizeof msg, "repetition_penalty %g is out of range (0, %g] (1 = off)",
                  (double)s->repetition_penalty, (double)TD_SAMPLING_MAX_PENALTY);
-    else if (s->penalty_window < 0 || s->penalty_window > TD_SAMPLING_MAX_WINDOW)
-        snprintf(msg, sizeof msg, "penalty_window %d is out of range [0, %d]",
-                 s->penalty_window, TD_SAMPLING_MAX_WINDOW);
-    else if (!isfinite(s->presence_penalty) || fabsf(s->presence_penalty) > TD_SAMPLING_MAX_OPENAI_PENALTY)
+    } else if (s->penalty_window < 0 || s->penalty_window > TD_SAMPLING_MAX_WINDOW) {
+        f = TD_SAMPLING_FIELD_PENALTY_WINDOW;
+        snprintf(msg, sizeof msg, "penalty_window %d is out of range [0, %d]", s->penalty_window,
+                 TD_SAMPLING_MAX_WINDOW);
+    } else if (!isfinite(s->presence_penalty) || fabsf(s->presence_penalty) > TD_SAMPLING_MAX_OPENAI_PENALTY) {
+        f = TD_SAMPLING_FIELD_PRESENCE_PENALTY;
         snprintf(msg, sizeof msg, "presence_penalty %g is out of range [-%g, %g] (0 = off)",
                  (double)s->presence_penalty, (double)TD_SAMPLING_MAX_OPENAI_PENALTY,
                  (double)TD_SAMPLING_MAX_OPENAI_PENALTY);
-    else if (!isfinite(s->frequency_penalty) || fabsf(s->frequency_penalty) > TD_SAMPLING_MAX_OPENAI_PENALTY)
+    } else if (!isfinite(s->frequency_penalty) || fabsf(s->frequency_penalty) > TD_SAMPLING_MAX_OPENAI_PENALTY) {
+        f = TD_SAMPLING_FIELD_FREQUENCY_PENALTY;
         snprintf(msg, sizeof msg, "frequency_penalty %g is out of range [-%g, %g] (0 = off)",
                  (double)s->frequency_penalty, (double)TD_SAMPLING_MAX_OPENAI_PENALTY,
                  (double)TD_SAMPLING_MAX_OPENAI_PENALTY);
-    if (msg[0] == '\0')
+    }
+    if (f != TD_SAMPLING_FIELD_NONE && why && why_cap > 0)
+        snprintf(why, why_cap, "%s", msg);
+    return f;
+}
+
+td_status_t td_sampling_validate(const td_sampling_t *s, char *why, size_t why_cap)
+{
+    char msg[256];
+    if (td_sampling_check(s, msg, sizeof msg) == TD_SAMPLING_FIELD_NONE)
         return TD_OK;
     if (why && why_cap > 0)
         snprintf(why, why_cap, "%s", msg);

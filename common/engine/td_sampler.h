@@ -60,6 +60,23 @@ td_sampling_t td_sampling_default(void);
 #define TD_SAMPLING_MAX_WINDOW 8192
 #define TD_SAMPLING_MAX_OPENAI_PENALTY 2.0f /* presence/frequency in [-2, 2], OpenAI's range */
 
+/* The fields td_sampling_check reports, in the order it checks them. */
+typedef enum td_sampling_field {
+    TD_SAMPLING_FIELD_NONE = 0, /* all in range */
+    TD_SAMPLING_FIELD_TEMPERATURE,
+    TD_SAMPLING_FIELD_TOP_K,
+    TD_SAMPLING_FIELD_TOP_P,
+    TD_SAMPLING_FIELD_MIN_P,
+    TD_SAMPLING_FIELD_REPETITION_PENALTY,
+    TD_SAMPLING_FIELD_PENALTY_WINDOW,
+    TD_SAMPLING_FIELD_PRESENCE_PENALTY,
+    TD_SAMPLING_FIELD_FREQUENCY_PENALTY,
+} td_sampling_field_t;
+
+/* td_sampling_validate's check, returning which field failed (NONE: every one is in range)
+ * with td_sampling_validate's message in why (if non-NULL); sets no last error. Pure. */
+td_sampling_field_t td_sampling_check(const td_sampling_t *s, char *why, size_t why_cap);
+
 /*
  * Checks every field: temperature in [0, 100], top_k >= 0, top_p in (0, 1], min_p in
  * [0, 1), repetition_penalty in (0, 100], penalty_window in [0, 8192], presence_penalty and

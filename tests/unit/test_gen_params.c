@@ -6,6 +6,7 @@
  */
 #include <criterion/criterion.h>
 #include <math.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -39,15 +40,41 @@ static void expect_ok(const td_gen_params_t *p, const char *what)
 {
     char why[256] = "";
     cr_expect_eq(td_gen_params_validate(p, why, sizeof why), TD_OK, "%s refused: %s", what, why);
+    cr_expect_eq(td_gen_params_check(p, NULL, 0), TD_GEN_FIELD_NONE, "%s: check found a field", what);
 }
 
+/* Every field has its request name; the front doors' names where they have the field */
+Test(gen_params, field_names_table)
+{
+    for (int f = 1; f < TD_GEN_FIELD_COUNT; f++) {
+        const td_gen_field_names_t *n = td_gen_field_names((td_gen_field_t)f);
+        cr_expect(n->request[0], "field %d has no request name", f);
+        cr_expect(f == TD_GEN_FIELD_PENALTY_WINDOW || (n->flag[0] == '-' && n->openai[0] && n->openai_chat[0]),
+                  "field %s lacks a flag or an OpenAI name", n->request);
+    }
+    cr_expect_str_eq(td_gen_field_names(TD_GEN_FIELD_PROMPT)->openai_chat, "messages");
+    cr_expect_str_eq(td_gen_field_names(TD_GEN_FIELD_TOP_LOGPROBS)->openai, "logprobs");
+    cr_expect_str_eq(td_gen_field_names((td_gen_field_t)999)->request, "");
+}
+
+/* ... and td_gen_params_check names the field the message begins with (TD_GEN_FIELDS' request
+ * name; "stop string N" is STOP_STRINGS), the field the front doors translate */
 static void expect_refused(const td_gen_params_t *p, const char *want)
 {
-    char why[256] = "";
+    char why[256] = "", why2[256] = "";
     cr_assert_eq(td_gen_params_validate(p, why, sizeof why), TD_ERR_INVALID, "accepted, want '%s'", want);
     cr_expect_str_eq(why, want);
     cr_expect_str_eq(td_last_error(), want);
     cr_expect_eq(td_gen_params_validate(p, NULL, 0), TD_ERR_INVALID, "without why: '%s'", want);
+    td_gen_field_t f = td_gen_params_check(p, why2, sizeof why2);
+    cr_assert_neq(f, TD_GEN_FIELD_NONE, "check passed '%s'", want);
+    cr_expect_str_eq(why2, want);
+    const char *req = td_gen_field_names(f)->request;
+    size_t n = strlen(req);
+    bool named = n && !strncmp(want, req, n) && want[n] == ' ';
+    if (f == TD_GEN_FIELD_STOP_STRINGS && !strncmp(want, "stop string ", 12))
+        named = true;
+    cr_expect(named, "field %d (%s) for '%s'", (int)f, req, want);
 }
 
 Test(gen_params, defaults_and_a_full_request_are_valid)
