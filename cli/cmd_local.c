@@ -123,38 +123,169 @@ static void local_plan(int64_t n_prefill, int64_t n_decode, int64_t threads, int
             n_prefill == 1 ? "" : "s", td_format_bytes(dec, ds, sizeof ds), td_format_bytes(pre, ps, sizeof ps));
 }
 
+/* tandem local's flags (-1: not given) */
+typedef struct local_opts {
+    const char *model, *tokenizer, *log_level, *host, *advertise, *device, *dtype, *kv_dtype, *api_keys, *spec_mode,
+        *draft_model;
+    int64_t n_prefill, n_decode, n_unified, threads, kv_blocks, kv_mem, http_port, prefill_chunk, draft_tokens;
+    td_spec_mode_t mode; /* spec_mode resolved */
+} local_opts_t;
+
+/* The router's addresses, from its first lines */
+typedef struct local_router {
+    char gateway[512], control[512], metrics[512], openai[512];
+} local_router_t;
+
+/* Starts the router (the first child, its stdout piped) and reads its addresses. */
+static td_status_t start_router(local_state_t *l, const local_opts_t *o, const char *self, const char *secret,
+                                local_router_t *rt)
+{
+    char http_port_s[24], line[512];
+    snprintf(http_port_s, sizeof http_port_s, "%lld", (long long)o->http_port);
+    char *rargv[18] = {"tandem", "router", "--log-level", (char *)o->log_level, "--host", (char *)o->host,
+                       "--cluster-secret-file", (char *)secret};
+    int rn = 8;
+    if (o->api_keys) {
+        rargv[rn++] = "--api-keys-file";
+        rargv[rn++] = (char *)o->api_keys;
+    }
+    if (o->advertise) { /* none: the child's default (--host) */
+        rargv[rn++] = "--advertise";
+        rargv[rn++] = (char *)o->advertise;
+    }
+    rargv[rn++] = "--http-port";
+    rargv[rn++] = http_port_s;
+    if (o->tokenizer) {
+        rargv[rn++] = "--tokenizer";
+        rargv[rn++] = (char *)o->tokenizer;
+    }
+    td_status_t st = spawn(l, self, rargv, true);
+    if (st != TD_OK)
+        return st;
+    while ((!rt->gateway[0] || !rt->control[0] || !rt->metrics[0]) && read_line(l, 10000, line, sizeof line)) {
+        if (!strncmp(line, "gateway: ", 9))
+            snprintf(rt->gateway, sizeof rt->gateway, "%s", line + 9);
+        else if (!strncmp(line, "control: ", 9))
+            snprintf(rt->control, sizeof rt->control, "%s", line + 9);
+        else if (!strncmp(line, "metrics: ", 9))
+            snprintf(rt->metrics, sizeof rt->metrics, "%s", line + 9);
+        else if (!strncmp(line, "openai: ", 8)) /* before metrics: */
+            snprintf(rt->openai, sizeof rt->openai, "%s", line + 8);
+    }
+    if (!rt->metrics[0]) {
+        fprintf(stderr, "tandem local: the router did not start\n");
+        return TD_ERR_UNAVAILABLE;
+    }
+    return TD_OK;
+}
+
+/* Starts node i: the prefill nodes first, then the decode nodes, then the unified ones. */
+static td_status_t start_node(local_state_t *l, const local_opts_t *o, const local_plan_t *plan, const char *self,
+                              const char *control, const char *secret, int64_t i)
+{
+    bool dec = i >= o->n_prefill; /* decode or unified: a decode-sized pool */
+    const char *role = i >= o->n_prefill + o->n_decode ? "unified" : dec ? "decode" : "prefill";
+    int64_t k_role = i >= o->n_prefill + o->n_decode ? i - o->n_prefill - o->n_decode : dec ? i - o->n_prefill : i;
+    char id[32];
+    snprintf(id, sizeof id, "%s%lld", role, (long long)k_role);
+    char *nargv[] = {"tandem", (char *)role, "--model", (char *)o->model, "--router", (char *)control,
+                     "--node-id", id, "--threads", (char *)plan->threads, "--log-level", (char *)o->log_level,
+                     "--host", (char *)o->host, "--device", (char *)o->device, "--cluster-secret-file", (char *)secret,
+                     NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+                     NULL};
+    int k = 0;
+    while (nargv[k]) /* the optional flags go after the fixed ones */
+        k++;
+    if (plan->kv_flag) {
+        nargv[k++] = (char *)plan->kv_flag;
+        nargv[k++] = (char *)(dec ? plan->kv_decode : plan->kv_prefill);
+    }
+    if (o->dtype) {
+        nargv[k++] = "--dtype";
+        nargv[k++] = (char *)o->dtype;
+    }
+    if (o->kv_dtype) {
+        nargv[k++] = "--kv-dtype";
+        nargv[k++] = (char *)o->kv_dtype;
+    }
+    if (o->advertise) {
+        nargv[k++] = "--advertise";
+        nargv[k++] = (char *)o->advertise;
+    }
+    char chunk[24];
+    if (o->prefill_chunk > 0 && !strcmp(role, "unified")) {
+        snprintf(chunk, sizeof chunk, "%lld", (long long)o->prefill_chunk);
+        nargv[k++] = "--prefill-chunk";
+        nargv[k++] = chunk;
+    }
+    char ks[24];
+    if (dec && o->mode != TD_SPEC_OFF) {
+        nargv[k++] = "--spec";
+        nargv[k++] = (char *)td_spec_mode_name(o->mode);
+    }
+    if (dec && o->draft_model) {
+        nargv[k++] = "--draft-model";
+        nargv[k++] = (char *)o->draft_model;
+    }
+    if (dec && o->draft_tokens > 0) {
+        snprintf(ks, sizeof ks, "%lld", (long long)o->draft_tokens);
+        nargv[k++] = "--draft-tokens";
+        nargv[k++] = ks;
+    }
+    TD_ASSERT((size_t)k < TD_ARRAY_LEN(nargv));
+    return spawn(l, self, nargv, false);
+}
+
+/* Serves until a signal (0) or the router's death (1); a node may die (the router fails over). */
+static int serve_until_stopped(local_state_t *l)
+{
+    char line[512];
+    while (!local_stop) {
+        read_line(l, 200, line, sizeof line); /* keep draining the router's stdout */
+        bool died = false;
+        for (int i = 0; i < l->n; i++) {
+            pid_t pid = l->kids[i].pid;
+            if (pid > 0 && td_child_exited(&l->kids[i], NULL)) {
+                fprintf(stderr, "tandem local: process %d exited%s\n", (int)pid,
+                        i == 0 ? "; stopping the cluster" : "");
+                died = died || i == 0;
+            }
+        }
+        if (died)
+            return 1;
+    }
+    return 0;
+}
+
 int cmd_local(int argc, char **argv)
 {
-    const char *model = NULL, *tokenizer = NULL, *log_level = "warn", *host = "127.0.0.1", *advertise = NULL;
-    const char *device = "cpu", *dtype = NULL, *kv_dtype = NULL, *api_keys = NULL, *spec_mode = "off", *draft_model = NULL;
-    /* -1: not given (1 each, or 0 each with --unified) */
-    int64_t n_prefill = -1, n_decode = -1, n_unified = 0, threads = 0, kv_blocks = 0, kv_mem = 0, http_port = 0;
-    int64_t prefill_chunk = 0, draft_tokens = 0;
+    local_opts_t o = {.log_level = "warn", .host = "127.0.0.1", .device = "cpu", .spec_mode = "off",
+                      .n_prefill = -1, .n_decode = -1}; /* -1: 1 each, or 0 each with --unified */
     const td_opt_t opts[] = {
-        TD_OPT_STRING("model", &model, "model path (required)"),
-        TD_OPT_STRING("tokenizer", &tokenizer, "tokenizer path (default: beside the model)"),
-        TD_OPT_INT("prefill", &n_prefill, 0, 32, "prefill nodes (default 1; 0 with --unified)"),
-        TD_OPT_INT("decode", &n_decode, 0, 32, "decode nodes (default 1; 0 with --unified)"),
-        TD_OPT_INT("unified", &n_unified, 0, 32,
+        TD_OPT_STRING("model", &o.model, "model path (required)"),
+        TD_OPT_STRING("tokenizer", &o.tokenizer, "tokenizer path (default: beside the model)"),
+        TD_OPT_INT("prefill", &o.n_prefill, 0, 32, "prefill nodes (default 1; 0 with --unified)"),
+        TD_OPT_INT("decode", &o.n_decode, 0, 32, "decode nodes (default 1; 0 with --unified)"),
+        TD_OPT_INT("unified", &o.n_unified, 0, 32,
                    "unified nodes: prefill and decode in one engine, the colocated baseline (default 0)"),
-        TD_OPT_INT("prefill-chunk", &prefill_chunk, 0, 1 << 20,
+        TD_OPT_INT("prefill-chunk", &o.prefill_chunk, 0, 1 << 20,
                    "prompt tokens a unified node feeds a sequence in one step (default 0: the node's own, 256)"),
-        TD_OPT_INT("threads", &threads, 0, 4096, "compute threads per node (default 0: this process's cores / (N + M))"),
-        TD_OPT_INT("kv-blocks", &kv_blocks, 1, 1 << 24, "KV blocks per node (default: from the shared budget)"),
-        TD_OPT_INT("kv-mem", &kv_mem, 1, 1 << 30, "KV budget per node in MiB (default: from the shared budget)"),
-        TD_OPT_STRING("log-level", &log_level, "error|warn|info|debug, for every process (default warn)"),
-        TD_OPT_STRING("host", &host, "address every process listens on (default 127.0.0.1)"),
-        TD_OPT_STRING("advertise", &advertise, "address peers reach them at (default: --host)"),
-        TD_OPT_STRING("device", &device, "cpu (default), cuda or cuda:N, for every node"),
-        TD_OPT_STRING("dtype", &dtype, "f32|f16|bf16, for every node"),
-        TD_OPT_STRING("kv-dtype", &kv_dtype, "f32|f16|bf16|q8_0: every node's KV cache (default: as --dtype)"),
-        TD_OPT_INT("http-port", &http_port, -1, 65535, "the router's OpenAI HTTP API port (default 0: any; -1: off)"),
-        TD_OPT_STRING("api-keys-file", &api_keys, "API keys the router's front doors require (docs/security.md)"),
-        TD_OPT_STRING("spec", &spec_mode, "speculative decoding on the decode and unified nodes: off (default) | "
+        TD_OPT_INT("threads", &o.threads, 0, 4096, "compute threads per node (default 0: this process's cores / (N + M))"),
+        TD_OPT_INT("kv-blocks", &o.kv_blocks, 1, 1 << 24, "KV blocks per node (default: from the shared budget)"),
+        TD_OPT_INT("kv-mem", &o.kv_mem, 1, 1 << 30, "KV budget per node in MiB (default: from the shared budget)"),
+        TD_OPT_STRING("log-level", &o.log_level, "error|warn|info|debug, for every process (default warn)"),
+        TD_OPT_STRING("host", &o.host, "address every process listens on (default 127.0.0.1)"),
+        TD_OPT_STRING("advertise", &o.advertise, "address peers reach them at (default: --host)"),
+        TD_OPT_STRING("device", &o.device, "cpu (default), cuda or cuda:N, for every node"),
+        TD_OPT_STRING("dtype", &o.dtype, "f32|f16|bf16, for every node"),
+        TD_OPT_STRING("kv-dtype", &o.kv_dtype, "f32|f16|bf16|q8_0: every node's KV cache (default: as --dtype)"),
+        TD_OPT_INT("http-port", &o.http_port, -1, 65535, "the router's OpenAI HTTP API port (default 0: any; -1: off)"),
+        TD_OPT_STRING("api-keys-file", &o.api_keys, "API keys the router's front doors require (docs/security.md)"),
+        TD_OPT_STRING("spec", &o.spec_mode, "speculative decoding on the decode and unified nodes: off (default) | "
                       "prompt-lookup | draft-model"),
-        TD_OPT_STRING("draft-model", &draft_model, "the draft model of those nodes (implies --spec draft-model; its "
+        TD_OPT_STRING("draft-model", &o.draft_model, "the draft model of those nodes (implies --spec draft-model; its "
                       "KV pool comes on top of the shared budget)"),
-        TD_OPT_INT("draft-tokens", &draft_tokens, 0, TD_SPEC_MAX_DRAFT,
+        TD_OPT_INT("draft-tokens", &o.draft_tokens, 0, TD_SPEC_MAX_DRAFT,
                    "with --spec: most draft tokens per sequence and step (default 0: the node's own, 8)"),
     };
     td_opts_t spec = {.prog = "local", .opts = opts, .n_opts = TD_ARRAY_LEN(opts)};
@@ -186,33 +317,33 @@ int cmd_local(int argc, char **argv)
         td_opts_usage(stdout, opts, (int)TD_ARRAY_LEN(opts), false);
         return 0;
     }
-    if (!model) {
+    if (!o.model) {
         fprintf(stderr, "tandem local: --model PATH is required\n");
         return 2;
     }
-    td_spec_mode_t mode;
-    if (td_spec_parse_mode(spec_mode, &mode) != TD_OK || td_spec_resolve_mode(&mode, draft_model != NULL) != TD_OK) {
+    if (td_spec_parse_mode(o.spec_mode, &o.mode) != TD_OK ||
+        td_spec_resolve_mode(&o.mode, o.draft_model != NULL) != TD_OK) {
         fprintf(stderr, "tandem local: %s\n", td_last_error());
         return 2;
     }
-    if (n_prefill < 0)
-        n_prefill = n_unified ? 0 : 1;
-    if (n_decode < 0)
-        n_decode = n_unified ? 0 : 1;
-    if ((n_prefill == 0) != (n_decode == 0) || n_prefill + n_decode + n_unified == 0) {
+    if (o.n_prefill < 0)
+        o.n_prefill = o.n_unified ? 0 : 1;
+    if (o.n_decode < 0)
+        o.n_decode = o.n_unified ? 0 : 1;
+    if ((o.n_prefill == 0) != (o.n_decode == 0) || o.n_prefill + o.n_decode + o.n_unified == 0) {
         fprintf(stderr, "tandem local: --prefill %lld --decode %lld --unified %lld: prefill and decode nodes come "
                 "together (a pair), and some node must serve; e.g. --prefill 1 --decode 1, or --unified 2\n",
-                (long long)n_prefill, (long long)n_decode, (long long)n_unified);
+                (long long)o.n_prefill, (long long)o.n_decode, (long long)o.n_unified);
         return 2;
     }
     char tok_path[4096];
-    if (!tokenizer) {
+    if (!o.tokenizer) {
         td_model_t *m;
-        if (td_model_load(model, &m) != TD_OK)
+        if (td_model_load(o.model, &m) != TD_OK)
             return 1;
         snprintf(tok_path, sizeof tok_path, "%s", m->tokenizer_path);
         td_model_destroy(m);
-        tokenizer = tok_path[0] ? tok_path : NULL; /* none: the cluster takes token ids only */
+        o.tokenizer = tok_path[0] ? tok_path : NULL; /* none: the cluster takes token ids only */
     }
     char self[4096];
     ssize_t sl = readlink("/proc/self/exe", self, sizeof self - 1);
@@ -221,11 +352,11 @@ int cmd_local(int argc, char **argv)
     self[sl] = '\0';
 
     td_device_spec_t dev;
-    if (td_device_parse(device, &dev) != TD_OK)
+    if (td_device_parse(o.device, &dev) != TD_OK)
         return 2;
     local_plan_t plan;
     /* a unified node holds sequences as a decode node does: its pool is sized like one */
-    local_plan(n_prefill, n_decode + n_unified, threads, kv_blocks, kv_mem, dev.cuda, &plan);
+    local_plan(o.n_prefill, o.n_decode + o.n_unified, o.threads, o.kv_blocks, o.kv_mem, dev.cuda, &plan);
     /* OpenBLAS (pthreads) starts cores - 1 threads in every process at load, each spinning
        a while before it sleeps; the CPU backend never uses them (it runs OpenBLAS on one
        thread inside its own pool), so the children start none */
@@ -236,8 +367,8 @@ int cmd_local(int argc, char **argv)
     sigaction(SIGINT, &sa, NULL);
     sigaction(SIGTERM, &sa, NULL);
     int rc = 1;
-    char line[512], gateway[512] = "", control[512] = "", metrics[512] = "", openai[512] = "", http_port_s[24];
-    snprintf(http_port_s, sizeof http_port_s, "%lld", (long long)http_port);
+    char line[512];
+    local_router_t rt = {0};
     /* the cluster's own secret: only these processes can join its control plane */
     const char *tmp = getenv("TMPDIR");
     char run_dir[4096], secret[4200];
@@ -247,127 +378,28 @@ int cmd_local(int argc, char **argv)
         return 1;
     }
     snprintf(secret, sizeof secret, "%s/cluster.secret", run_dir);
-    if (td_auth_secret_generate(secret) != TD_OK)
+    if (td_auth_secret_generate(secret) != TD_OK || start_router(&l, &o, self, secret, &rt) != TD_OK)
         goto out;
-    char *rargv[18] = {"tandem", "router", "--log-level", (char *)log_level, "--host", (char *)host,
-                       "--cluster-secret-file", secret};
-    int rn = 8;
-    if (api_keys) {
-        rargv[rn++] = "--api-keys-file";
-        rargv[rn++] = (char *)api_keys;
-    }
-    if (advertise) { /* none: the child's default (--host) */
-        rargv[rn++] = "--advertise";
-        rargv[rn++] = (char *)advertise;
-    }
-    rargv[rn++] = "--http-port";
-    rargv[rn++] = http_port_s;
-    if (tokenizer) {
-        rargv[rn++] = "--tokenizer";
-        rargv[rn++] = (char *)tokenizer;
-    }
-    if (spawn(&l, self, rargv, true) != TD_OK)
-        goto out;
-    while ((!gateway[0] || !control[0] || !metrics[0]) && read_line(&l, 10000, line, sizeof line)) {
-        if (!strncmp(line, "gateway: ", 9))
-            snprintf(gateway, sizeof gateway, "%s", line + 9);
-        else if (!strncmp(line, "control: ", 9))
-            snprintf(control, sizeof control, "%s", line + 9);
-        else if (!strncmp(line, "metrics: ", 9))
-            snprintf(metrics, sizeof metrics, "%s", line + 9);
-        else if (!strncmp(line, "openai: ", 8)) /* before metrics: */
-            snprintf(openai, sizeof openai, "%s", line + 8);
-    }
-    if (!metrics[0]) {
-        fprintf(stderr, "tandem local: the router did not start\n");
-        goto out;
-    }
-    for (int64_t i = 0; i < n_prefill + n_decode + n_unified; i++) {
-        bool dec = i >= n_prefill; /* decode or unified: a decode-sized pool */
-        const char *role = i >= n_prefill + n_decode ? "unified" : dec ? "decode" : "prefill";
-        int64_t k_role = i >= n_prefill + n_decode ? i - n_prefill - n_decode : dec ? i - n_prefill : i;
-        char id[32];
-        snprintf(id, sizeof id, "%s%lld", role, (long long)k_role);
-        char *nargv[] = {"tandem", (char *)role, "--model", (char *)model, "--router", control,
-                         "--node-id", id, "--threads", plan.threads, "--log-level", (char *)log_level,
-                         "--host", (char *)host, "--device", (char *)device, "--cluster-secret-file", secret,
-                         NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
-                         NULL};
-        int k = 0;
-        while (nargv[k]) /* the optional flags go after the fixed ones */
-            k++;
-        if (plan.kv_flag) {
-            nargv[k++] = (char *)plan.kv_flag;
-            nargv[k++] = dec ? plan.kv_decode : plan.kv_prefill;
-        }
-        if (dtype) {
-            nargv[k++] = "--dtype";
-            nargv[k++] = (char *)dtype;
-        }
-        if (kv_dtype) {
-            nargv[k++] = "--kv-dtype";
-            nargv[k++] = (char *)kv_dtype;
-        }
-        if (advertise) {
-            nargv[k++] = "--advertise";
-            nargv[k++] = (char *)advertise;
-        }
-        char chunk[24];
-        if (prefill_chunk > 0 && !strcmp(role, "unified")) {
-            snprintf(chunk, sizeof chunk, "%lld", (long long)prefill_chunk);
-            nargv[k++] = "--prefill-chunk";
-            nargv[k++] = chunk;
-        }
-        char ks[24];
-        if (dec && mode != TD_SPEC_OFF) {
-            nargv[k++] = "--spec";
-            nargv[k++] = (char *)td_spec_mode_name(mode);
-        }
-        if (dec && draft_model) {
-            nargv[k++] = "--draft-model";
-            nargv[k++] = (char *)draft_model;
-        }
-        if (dec && draft_tokens > 0) {
-            snprintf(ks, sizeof ks, "%lld", (long long)draft_tokens);
-            nargv[k++] = "--draft-tokens";
-            nargv[k++] = ks;
-        }
-        TD_ASSERT((size_t)k < TD_ARRAY_LEN(nargv));
-        if (spawn(&l, self, nargv, false) != TD_OK)
+    for (int64_t i = 0; i < o.n_prefill + o.n_decode + o.n_unified; i++)
+        if (start_node(&l, &o, &plan, self, rt.control, secret, i) != TD_OK)
             goto out;
-    }
     bool ready = false;
     while (!ready && read_line(&l, 30000, line, sizeof line)) {
         int np, nd, nu = 0;
-        if (sscanf(line, "nodes: %d prefill, %d decode, %d unified", &np, &nd, &nu) >= 2 && np >= n_prefill &&
-            nd >= n_decode && nu >= n_unified)
+        if (sscanf(line, "nodes: %d prefill, %d decode, %d unified", &np, &nd, &nu) >= 2 && np >= o.n_prefill &&
+            nd >= o.n_decode && nu >= o.n_unified)
             ready = true;
     }
     if (!ready) {
         fprintf(stderr, "tandem local: the nodes did not all register within 30 s\n");
         goto out;
     }
-    printf("gateway: %s\n", gateway);
-    if (openai[0])
-        printf("openai: %s\n", openai);
-    printf("metrics: %s\n", metrics);
+    printf("gateway: %s\n", rt.gateway);
+    if (rt.openai[0])
+        printf("openai: %s\n", rt.openai);
+    printf("metrics: %s\n", rt.metrics);
     fflush(stdout);
-    /* serve until a signal or a child's death; keep draining the router's stdout */
-    while (!local_stop) {
-        read_line(&l, 200, line, sizeof line);
-        bool died = false;
-        for (int i = 0; i < l.n; i++) {
-            pid_t pid = l.kids[i].pid;
-            if (pid > 0 && td_child_exited(&l.kids[i], NULL)) {
-                fprintf(stderr, "tandem local: process %d exited%s\n", (int)pid,
-                        i == 0 ? "; stopping the cluster" : "");
-                died = died || i == 0; /* a node may die (the router fails over); the router may not */
-            }
-        }
-        if (died)
-            goto out;
-    }
-    rc = 0;
+    rc = serve_until_stopped(&l);
 out:
     td_child_stop_all(l.kids, l.n, SIGINT, 5000, NULL); /* at once: no drain */
     if (l.n > 0)
