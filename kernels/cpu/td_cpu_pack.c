@@ -117,61 +117,42 @@ TD_INLINE void place_q4(unsigned char *q, size_t r, const uint8_t qs[TD_QK / 2])
         q[64 * (e / 4) + 4 * r + e % 4] = qs[e];
 }
 
-/* Q4_K: sub-block s of a super-block becomes a 32-weight block laid out as Q4_1's (byte e:
- * weight e low, weight e + 16 high), its scales kept as stored (f16 d, dmin; 6-bit sc, mn) */
-static void pack_q4_k(void *dst, const void *w, size_t n, size_t k)
+/* Q4_K and Q5_K: sub-block s of a super-block becomes a 32-weight block of the Q4 layout of
+ * its low 4 bits (byte e: weight e low, weight e + 16 high), and for Q5_K a fifth vector of its
+ * fifth bits: byte 4r + i holds those of weights i, 4 + i, 8 + i, 12 + i at bits 0..3 and of
+ * weights 16 + i, ... at bits 4..7 (the header's layout); d, dmin and the 6-bit sc, mn kept as
+ * stored */
+static void pack_k4(void *dst, const void *w, td_dtype_t t, size_t n, size_t k)
 {
-    size_t nb = k / TD_QK, qb = quant_bytes(TD_Q4_K);
+    size_t nb = k / TD_QK, qb = quant_bytes(t), row_bytes = td_dtype_bytes(t, k);
     for (size_t j = 0; j < n; j++) {
         size_t r;
-        unsigned char *gq = group_of(dst, TD_Q4_K, k, j, &r), *gs = gq + nb * qb;
-        const td_block_q4_k_t *row = (const td_block_q4_k_t *)((const unsigned char *)w + j * td_dtype_bytes(TD_Q4_K, k));
+        unsigned char *gq = group_of(dst, t, k, j, &r), *gs = gq + nb * qb;
+        const unsigned char *row = (const unsigned char *)w + j * row_bytes;
         for (size_t sb = 0; sb < k / TD_QK_K; sb++) {
-            const td_block_q4_k_t *blk = &row[sb];
+            const td_block_q4_k_t *b4 = t == TD_Q4_K ? (const td_block_q4_k_t *)row + sb : NULL;
+            const td_block_q5_k_t *b5 = t == TD_Q5_K ? (const td_block_q5_k_t *)row + sb : NULL;
             unsigned char *ks = gs + sb * K_SCALE_BYTES;
-            memcpy(ks + K_D + 2 * r, &blk->d, 2);
-            memcpy(ks + K_DMIN + 2 * r, &blk->dmin, 2);
-            for (int sub = 0; sub < 8; sub++) {
-                const uint8_t *chunk = blk->qs + 32 * (sub / 2);
-                int shift = 4 * (sub % 2), sc, mn;
-                uint8_t qs[TD_QK / 2];
-                for (int e = 0; e < TD_QK / 2; e++)
-                    qs[e] = (uint8_t)(((chunk[e] >> shift) & 15) | ((chunk[e + 16] >> shift) & 15) << 4);
-                place_q4(gq + (sb * 8 + (size_t)sub) * qb, r, qs);
-                td_quant_q4_k_scale_min(blk->scales, sub, &sc, &mn);
-                ks[K_SC(sub) + r] = (unsigned char)sc;
-                ks[K_MN(sub) + r] = (unsigned char)mn;
-            }
-        }
-    }
-}
-
-/* Q5_K: sub-block s becomes Q4_K's layout of its low 4 bits and one vector of its fifth
- * bits: vector 4 byte 4r + i holds those of weights i, 4 + i, 8 + i, 12 + i at bits 0..3
- * and of weights 16 + i, ... at bits 4..7 (the header's layout); scales as Q4_K's */
-static void pack_q5_k(void *dst, const void *w, size_t n, size_t k)
-{
-    size_t nb = k / TD_QK, qb = quant_bytes(TD_Q5_K);
-    for (size_t j = 0; j < n; j++) {
-        size_t r;
-        unsigned char *gq = group_of(dst, TD_Q5_K, k, j, &r), *gs = gq + nb * qb;
-        const td_block_q5_k_t *row = (const td_block_q5_k_t *)((const unsigned char *)w + j * td_dtype_bytes(TD_Q5_K, k));
-        for (size_t sb = 0; sb < k / TD_QK_K; sb++) {
-            const td_block_q5_k_t *blk = &row[sb];
-            unsigned char *ks = gs + sb * K_SCALE_BYTES;
-            memcpy(ks + K_D + 2 * r, &blk->d, 2);
-            memcpy(ks + K_DMIN + 2 * r, &blk->dmin, 2);
+            memcpy(ks + K_D + 2 * r, b4 ? &b4->d : &b5->d, 2);
+            memcpy(ks + K_DMIN + 2 * r, b4 ? &b4->dmin : &b5->dmin, 2);
             for (int sub = 0; sub < 8; sub++) {
                 uint8_t u[TD_QK], qs[TD_QK / 2];
                 int sc, mn;
-                td_quant_q5_k_piece(blk, sub, u);
+                if (b5) {
+                    td_quant_q5_k_piece(b5, sub, u);
+                } else { /* chunk sub / 2: sub-block 2c in the low nibbles, 2c + 1 in the high ones */
+                    for (int e = 0; e < TD_QK; e++)
+                        u[e] = (uint8_t)((b4->qs[32 * (sub / 2) + e] >> (4 * (sub % 2))) & 15);
+                }
                 unsigned char *q = gq + (sb * 8 + (size_t)sub) * qb;
                 for (int i = 0; i < 16; i++) {
                     qs[i] = (uint8_t)((u[i] & 15) | (u[16 + i] & 15) << 4);
-                    q[256 + 4 * r + i % 4] |= (unsigned char)((u[i] >> 4) << (i / 4) | (u[16 + i] >> 4) << (4 + i / 4));
+                    if (b5)
+                        q[256 + 4 * r + i % 4] |=
+                            (unsigned char)((u[i] >> 4) << (i / 4) | (u[16 + i] >> 4) << (4 + i / 4));
                 }
                 place_q4(q, r, qs);
-                td_quant_q4_k_scale_min(blk->scales, sub, &sc, &mn);
+                td_quant_q4_k_scale_min(b4 ? b4->scales : b5->scales, sub, &sc, &mn);
                 ks[K_SC(sub) + r] = (unsigned char)sc;
                 ks[K_MN(sub) + r] = (unsigned char)mn;
             }
@@ -240,16 +221,12 @@ void td_cpu_pack_weights(void *dst, const void *w, td_dtype_t type, size_t n, si
     size_t sh = scale_halves(type), row_bytes = td_dtype_bytes(type, k);
     /* zero padding rows: quants 0 and scales +0.0 give outputs nobody stores */
     memset(dst, 0, td_cpu_pack_bytes(type, n, k));
-    if (type == TD_Q4_K) {
-        pack_q4_k(dst, w, n, k);
+    if (k_scales(type)) {
+        pack_k4(dst, w, type, n, k);
         return;
     }
     if (type == TD_Q6_K) {
         pack_q6_k(dst, w, n, k);
-        return;
-    }
-    if (type == TD_Q5_K) {
-        pack_q5_k(dst, w, n, k);
         return;
     }
     if (type == TD_IQ4_XS) {
