@@ -406,9 +406,20 @@ static TD_Z void act_row_avx512(const float *x, void *av, td_dtype_t type, size_
 
 #define TD_Y __attribute__((target("avx2,fma,f16c")))
 
-/* how far ahead the AVX2 decode tile prefetches a group's quants: 1B Q4_0, 2 threads, Zen 4
- * forced to avx2: none 29 tokens/s, 1 KiB 30, 2 KiB 31.8, 4 KiB 32.2, 8 KiB 30.5 */
-#define AVX2_PREFETCH_BYTES 4096
+/* Decode tiles (m <= 4) stream the weights: each block asks for the lines this far ahead
+ * into L2 (T1), never past the end of the call's groups (a thread's share: what lies beyond
+ * is another thread's). L1 prefetches (T0) hold a line-fill buffer for a whole DRAM round
+ * trip, and a core has few: on Zen 4 (1 thread, a 151 MB Q4_0 matrix, m = 1) T0 at 2 KiB
+ * read 12 GB/s, T1 at 8 KiB 16, at 32 KiB 19.7 (2 threads: 18-24 -> 33 GB/s). */
+#define DECODE_PREFETCH_BYTES 32768
+
+TD_INLINE void decode_prefetch(const unsigned char *q, size_t bytes, const unsigned char *end)
+{
+    uintptr_t p = (uintptr_t)q + DECODE_PREFETCH_BYTES;
+    for (size_t off = 0; off < bytes; off += 64)
+        if (p + off < (uintptr_t)end)
+            _mm_prefetch((const char *)(p + off), _MM_HINT_T1);
+}
 
 /* act_block_scalar on AVX2, bit for bit (td_cpu_simd's pieces are the scalar C's operations) */
 static TD_Y int32_t act_block_avx2(const float *x, int8_t *hi, int8_t *lo, float *e_p, int32_t *first_p)
@@ -607,17 +618,13 @@ TD_INLINE float load_f32(const void *p)
 
 /* ---- AVX-512 VNNI ------------------------------------------------------------------------ */
 
-/* how far ahead decode tiles prefetch a group's quants: measured on Zen 4, 1 thread, a
- * 147 MB Q4_0 matrix, m = 1: 8-12 GB/s without, 11-16 GB/s at 2 KiB (a busy machine) */
-#define PREFETCH_BYTES 2048
-
 #define TD_V __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
 
 /* One group (quants gq, scales gs) against R activation rows (at a, `stride` apart): the
  * 16 outputs of row i go to y + i * ldy. */
 TD_INLINE TD_V void vnni_tile(td_dtype_t t, bool one, int R, const unsigned char *gq, const unsigned char *gs,
                               size_t nb, size_t k, const unsigned char *a, size_t stride, float *y,
-                              size_t ldy)
+                              size_t ldy, const unsigned char *pf_end)
 {
     const size_t qb = quant_bytes(t);
     const __m512i low4 = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10);
@@ -630,9 +637,8 @@ TD_INLINE TD_V void vnni_tile(td_dtype_t t, bool one, int R, const unsigned char
     for (size_t b = 0; b < nb; b++) {
         const unsigned char *q = gq + b * qb;
         __m512i w[8];
-        if (R <= 4) /* decode streams the weights: ask for them ahead of the loads */
-            for (size_t off = 0; off < qb; off += 64)
-                _mm_prefetch((const char *)q + PREFETCH_BYTES + off, _MM_HINT_T0);
+        if (R <= 4)
+            decode_prefetch(q, qb, pf_end);
         if (t == TD_Q8_0) {
             for (int v = 0; v < 8; v++)
                 w[v] = _mm512_loadu_si512(q + 64 * v);
@@ -735,7 +741,8 @@ TD_INLINE TD_V void vnni_tile(td_dtype_t t, bool one, int R, const unsigned char
  * low nibble | high bits << 4, 0..63), then per row the two halves' exact integers (c + sum u
  * Q: c = -32 sum Q of the half) and their two FMAs, half 0 first */
 TD_INLINE TD_V void vnni_tile_q6_k(bool one, int R, const unsigned char *gq, const unsigned char *gs, size_t nb, size_t k,
-                                   const unsigned char *a, size_t stride, float *y, size_t ldy)
+                                   const unsigned char *a, size_t stride, float *y, size_t ldy,
+                                   const unsigned char *pf_end)
 {
     const size_t qb = quant_bytes(TD_Q6_K);
     const __m512i low4 = _mm512_set1_epi8(0x0F), hi2 = _mm512_set1_epi8(0x30);
@@ -745,8 +752,7 @@ TD_INLINE TD_V void vnni_tile_q6_k(bool one, int R, const unsigned char *gq, con
     for (size_t b = 0; b < nb; b++) {
         const unsigned char *q = gq + b * qb;
         if (R <= 4)
-            for (size_t off = 0; off < qb; off += 64)
-                _mm_prefetch((const char *)q + PREFETCH_BYTES + off, _MM_HINT_T0);
+            decode_prefetch(q, qb, pf_end);
         __m512i w[8];
         const __m512i hb0 = _mm512_loadu_si512(q + 256), hb1 = _mm512_loadu_si512(q + 320);
 #pragma GCC unroll 4
@@ -788,13 +794,13 @@ TD_INLINE TD_V void kernel_vnni(td_dtype_t t, bool one, const void *wp, size_t g
                                 const void *av, size_t m, float *y, size_t ldy)
 {
     size_t nb = k / TD_QK, gb = td_cpu_pack_group_bytes(t, k), stride = td_cpu_pack_act_stride(k);
-    const unsigned char *a = av;
+    const unsigned char *a = av, *end = (const unsigned char *)wp + g1 * gb;
     for (size_t g = g0; g < g1; g++) {
         const unsigned char *gq = (const unsigned char *)wp + g * gb, *gs = gq + nb * quant_bytes(t);
         float *yg = y + (g - g0) * ROWS;
 #define VNNI_TILE(R, ai, yi)                                                                    \
-    (t == TD_Q6_K ? vnni_tile_q6_k(one, R, gq, gs, nb, k, ai, stride, yi, ldy)                  \
-                  : vnni_tile(t, one, R, gq, gs, nb, k, ai, stride, yi, ldy))
+    (t == TD_Q6_K ? vnni_tile_q6_k(one, R, gq, gs, nb, k, ai, stride, yi, ldy, end)             \
+                  : vnni_tile(t, one, R, gq, gs, nb, k, ai, stride, yi, ldy, end))
         size_t i = 0;
         for (; i + 8 <= m; i += 8)
             VNNI_TILE(8, a + i * stride, yg + i * ldy);
@@ -832,7 +838,7 @@ static const td_cpu_pack_ops_t ops_vnni = {
  * same integer as VNNI's c + sum u Q). */
 TD_INLINE TD_Y void avx2_tile(td_dtype_t t, bool one, int R, int h0, int H, const unsigned char *gq,
                               const unsigned char *gs, size_t nb, size_t k, const unsigned char *a,
-                              size_t stride, float *y, size_t ldy)
+                              size_t stride, float *y, size_t ldy, const unsigned char *pf_end)
 {
     const size_t qb = quant_bytes(t);
     const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), wide = _mm256_set1_epi16(WIDE);
@@ -844,9 +850,8 @@ TD_INLINE TD_Y void avx2_tile(td_dtype_t t, bool one, int R, int h0, int H, cons
         for (int i = 0; i < R; i++)
             acc[x][i] = macc[x][i] = _mm256_setzero_ps();
     for (size_t b = 0; b < nb; b++) {
-        if (H == 2) /* decode: the block's lines AVX2_PREFETCH_BYTES ahead (past the last block: the group's scales) */
-            for (size_t o = 0; o < qb; o += 64)
-                _mm_prefetch((const char *)gq + b * qb + o + AVX2_PREFETCH_BYTES, _MM_HINT_T0);
+        if (H == 2) /* decode */
+            decode_prefetch(gq + b * qb, qb, pf_end);
         for (int x = 0; x < H; x++) {
             const int h = h0 + x;
             const unsigned char *q = gq + b * qb + 32 * h;
@@ -952,7 +957,8 @@ TD_INLINE TD_Y void avx2_tile(td_dtype_t t, bool one, int R, int h0, int H, cons
 /* vnni_tile_q6_k's sums on AVX2 for halves [h0, h0 + H) of a group (8 rows each) by R rows,
  * R * H <= 4: maddubs (u <= 63: pairs within int16) + madd, hi widened by 254 */
 TD_INLINE TD_Y void avx2_tile_q6_k(bool one, int R, int h0, int H, const unsigned char *gq, const unsigned char *gs,
-                                   size_t nb, size_t k, const unsigned char *a, size_t stride, float *y, size_t ldy)
+                                   size_t nb, size_t k, const unsigned char *a, size_t stride, float *y, size_t ldy,
+                                   const unsigned char *pf_end)
 {
     const size_t qb = quant_bytes(TD_Q6_K);
     const __m256i low4 = _mm256_set1_epi8(0x0F), hi2 = _mm256_set1_epi8(0x30);
@@ -963,8 +969,7 @@ TD_INLINE TD_Y void avx2_tile_q6_k(bool one, int R, int h0, int H, const unsigne
             acc[x][i] = _mm256_setzero_ps();
     for (size_t b = 0; b < nb; b++) {
         if (H == 2)
-            for (size_t o = 0; o < qb; o += 64)
-                _mm_prefetch((const char *)gq + b * qb + o + AVX2_PREFETCH_BYTES, _MM_HINT_T0);
+            decode_prefetch(gq + b * qb, qb, pf_end);
         const unsigned char *ks = gs + b / 8 * K6_SCALE_BYTES;
         for (int x = 0; x < H; x++) {
             const int hr = h0 + x; /* rows 8 hr .. 8 hr + 7 */
@@ -1017,7 +1022,7 @@ TD_INLINE TD_Y void kernel_avx2(td_dtype_t t, bool one, const void *wp, size_t g
                                 const void *av, size_t m, float *y, size_t ldy)
 {
     size_t nb = k / TD_QK, gb = td_cpu_pack_group_bytes(t, k), stride = td_cpu_pack_act_stride(k);
-    const unsigned char *a = av;
+    const unsigned char *a = av, *end = (const unsigned char *)wp + g1 * gb;
     for (size_t g = g0; g < g1; g++) {
         const unsigned char *gq = (const unsigned char *)wp + g * gb, *gs = gq + nb * quant_bytes(t);
         float *yg = y + (g - g0) * ROWS;
@@ -1025,22 +1030,22 @@ TD_INLINE TD_Y void kernel_avx2(td_dtype_t t, bool one, const void *wp, size_t g
         if (t == TD_Q6_K) { /* twice the accumulators a row: tiles of 2 rows, the odd one alone */
             for (int h = 0; h < 2; h++)
                 for (i = 0; i + 2 <= m; i += 2)
-                    avx2_tile_q6_k(one, 2, h, 1, gq, gs, nb, k, a + i * stride, stride, yg + i * ldy, ldy);
+                    avx2_tile_q6_k(one, 2, h, 1, gq, gs, nb, k, a + i * stride, stride, yg + i * ldy, ldy, end);
             if (i < m)
-                avx2_tile_q6_k(one, 1, 0, 2, gq, gs, nb, k, a + i * stride, stride, yg + i * ldy, ldy);
+                avx2_tile_q6_k(one, 1, 0, 2, gq, gs, nb, k, a + i * stride, stride, yg + i * ldy, ldy, end);
             continue;
         }
         for (int h = 0; h < 2; h++)
             for (i = 0; i + 4 <= m; i += 4)
-                avx2_tile(t, one, 4, h, 1, gq, gs, nb, k, a + i * stride, stride, yg + i * ldy, ldy);
+                avx2_tile(t, one, 4, h, 1, gq, gs, nb, k, a + i * stride, stride, yg + i * ldy, ldy, end);
         const unsigned char *ai = a + i * stride;
         float *yi = yg + i * ldy;
         switch (m - i) { /* the last rows (decode: all of them), both halves in one pass */
-        case 1: avx2_tile(t, one, 1, 0, 2, gq, gs, nb, k, ai, stride, yi, ldy); break;
-        case 2: avx2_tile(t, one, 2, 0, 2, gq, gs, nb, k, ai, stride, yi, ldy); break;
+        case 1: avx2_tile(t, one, 1, 0, 2, gq, gs, nb, k, ai, stride, yi, ldy, end); break;
+        case 2: avx2_tile(t, one, 2, 0, 2, gq, gs, nb, k, ai, stride, yi, ldy, end); break;
         case 3:
-            avx2_tile(t, one, 3, 0, 1, gq, gs, nb, k, ai, stride, yi, ldy);
-            avx2_tile(t, one, 3, 1, 1, gq, gs, nb, k, ai, stride, yi, ldy);
+            avx2_tile(t, one, 3, 0, 1, gq, gs, nb, k, ai, stride, yi, ldy, end);
+            avx2_tile(t, one, 3, 1, 1, gq, gs, nb, k, ai, stride, yi, ldy, end);
             break;
         default: break;
         }
