@@ -517,7 +517,7 @@ static void pmatmul_task(void *arg, int task, int thread)
         int mm = TD_MIN(PK_ROWS, p->m - i0);
         for (int g = g0; g < g1; g += PK_GROUPS) {
             int ge = TD_MIN(g1, g + PK_GROUPS);
-            jb->fn(p->w, (size_t)g, (size_t)ge, (size_t)p->k, jb->a + (size_t)i0 * jb->stride, (size_t)mm,
+            jb->fn(p->w, (size_t)g, (size_t)ge, (size_t)g1, (size_t)p->k, jb->a + (size_t)i0 * jb->stride, (size_t)mm,
                    tile, PK_COLS);
             int j = g * TD_CPU_PACK_ROWS;
             store_tile(p, i0, mm, j, TD_MIN(p->n, ge * TD_CPU_PACK_ROWS) - j, tile, PK_COLS);

@@ -108,9 +108,11 @@ typedef void (*td_cpu_pack_act_fn)(const float *x, void *a, td_dtype_t type, siz
  *   y[i * ldy + 16 (g - g0) + r] = dot(weight row 16 g + r, activation row i)
  * summed in the header's order, activation row i at a + i * td_cpu_pack_act_stride(k).
  * Register-blocked: each group's weight block is unpacked once for up to 8 activation
- * rows (AVX-512 VNNI; AVX2: 2) while they stay in registers.
+ * rows (AVX-512 VNNI; AVX2: 2) while they stay in registers. Decode calls (m <= 4) stream
+ * the weights and prefetch ahead of their loads, up to group g_pf (>= g1): the end of the
+ * caller's share when it makes several calls over it (past it lie other threads' groups).
  */
-typedef void (*td_cpu_pack_fn)(const void *wp, size_t g0, size_t g1, size_t k, const void *a,
+typedef void (*td_cpu_pack_fn)(const void *wp, size_t g0, size_t g1, size_t g_pf, size_t k, const void *a,
                                size_t m, float *y, size_t ldy);
 
 

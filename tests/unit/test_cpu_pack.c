@@ -162,7 +162,7 @@ static float *run(const td_cpu_pack_ops_t *ops, td_dtype_t t, const void *wp, si
     size_t g = (n + TD_CPU_PACK_ROWS - 1) / TD_CPU_PACK_ROWS, ld = g * TD_CPU_PACK_ROWS;
     float *y = malloc(m * ld * sizeof *y);
     memset(y, 0xff, m * ld * sizeof *y); /* NaN: an output never written shows */
-    td_cpu_pack_fn_of(ops, t, one)(wp, 0, g, k, a, m, y, ld);
+    td_cpu_pack_fn_of(ops, t, one)(wp, 0, g, g, k, a, m, y, ld);
     return y;
 }
 
@@ -286,7 +286,7 @@ Test(cpu_pack, simd_tables_equal_scalar_bitwise)
                     }
                     if (g > 1) {
                         float *part = malloc(m * (g - 1) * 16 * sizeof(float));
-                        td_cpu_pack_fn_of(ops, t, one)(wp, 1, g, k, a, m, part, (g - 1) * 16);
+                        td_cpu_pack_fn_of(ops, t, one)(wp, 1, g, g, k, a, m, part, (g - 1) * 16);
                         for (size_t i = 0; i < m; i++)
                             cr_assert_eq(memcmp(part + i * (g - 1) * 16, want + i * ld + 16, (g - 1) * 16 * sizeof(float)),
                                          0, "%s %s %s: groups [1, %zu) differ", ops->name, mode, td_dtype_name(t), g);

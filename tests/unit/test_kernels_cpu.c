@@ -1260,7 +1260,7 @@ Test(backend_open, cpu_q8_runs_one_byte_activations)
     for (int i = 0; i < m; i++)
         td_cpu_pack_act_row(scalar, x + (size_t)i * k, a + (size_t)i * stride, TD_Q4_0, k, true);
     float *ref = xmalloc((size_t)m * ld * 4);
-    td_cpu_pack_fn_of(scalar, TD_Q4_0, false)(wp, 0, 3, k, a, m, ref, ld);
+    td_cpu_pack_fn_of(scalar, TD_Q4_0, false)(wp, 0, 3, 3, k, a, m, ref, ld);
     int differ = 0;
     for (int i = 0; i < m; i++)
         for (int j = 0; j < n; j++) {
