@@ -521,15 +521,10 @@ static int parse_split(const char *s, int *p, int *d)
     return 0;
 }
 
-static int plan_run(const plan_opts_t *o, plan_ctx_t *x, loadgen_workload_t *w)
+/* The plan's header: profile, speed, workload, objectives. */
+static void plan_header(const plan_opts_t *o, const plan_ctx_t *x, const loadgen_workload_t *w, cJSON *j,
+                        double mean_in, double mean_out)
 {
-    cJSON *j = cJSON_CreateObject();
-    int rc = 1;
-    td_status_t st = TD_OK;
-    double mean_in = 0, mean_out = 0;
-    for (size_t i = 0; i < w->n; i++)
-        mean_in += (double)w->in[i] / (double)w->n, mean_out += (double)w->out[i] / (double)w->n;
-    double rate = o->rate > 0 ? o->rate : w->rate;
     if (!o->json) {
         printf("============ Capacity Plan ============\n");
         printf("Profile:                                 %s\n", o->profile);
@@ -556,147 +551,158 @@ static int plan_run(const plan_opts_t *o, plan_ctx_t *x, loadgen_workload_t *w)
     cJSON_AddNumberToObject(j, "min_attainment", o->attainment);
     if (w->rate > 0)
         cJSON_AddNumberToObject(j, "workload_rate", w->rate);
+}
 
+/* --split or --unified: that one configuration, at the rate, the trace's times or its highest rate. */
+static td_status_t plan_one(const plan_opts_t *o, const plan_ctx_t *x, const loadgen_workload_t *w, double rate,
+                            cJSON *j)
+{
     int sp = 0, sd = 0;
-    if (o->split || o->unified) { /* one configuration */
-        if (o->split)
-            parse_split(o->split, &sp, &sd);
-        td_plan_cluster_t c = split_cluster(x, sp, sd, (int)o->unified);
-        td_plan_result_t r;
-        if (rate > 0 && w->timed && o->rate <= 0) { /* the trace's own times */
-            st = td_plan_simulate(&x->prof, &c, w->timed, w->n, &x->s.slo, &r);
-        } else if (rate > 0) {
-            st = td_plan_at_rate(&x->prof, &c, &x->L, &x->s, rate, &r);
-        } else {
-            st = td_plan_max_rate(&x->prof, &c, &x->L, &x->s, &rate, &r);
-            if (st == TD_OK && !o->json)
-                printf("Highest sustained rate (req/s):          %.3f\n", rate);
-            cJSON_AddNumberToObject(j, "max_rate", rate);
-        }
-        if (st != TD_OK)
-            goto out;
-        if (!o->json)
-            print_result("Simulated", &c, rate, &r);
-        cJSON_AddItemToObject(j, "simulated", result_json(&c, rate, &r));
-        rc = 0;
-        goto out;
+    td_status_t st;
+    if (o->split)
+        parse_split(o->split, &sp, &sd);
+    td_plan_cluster_t c = split_cluster(x, sp, sd, (int)o->unified);
+    td_plan_result_t r;
+    if (rate > 0 && w->timed && o->rate <= 0) { /* the trace's own times */
+        st = td_plan_simulate(&x->prof, &c, w->timed, w->n, &x->s.slo, &r);
+    } else if (rate > 0) {
+        st = td_plan_at_rate(&x->prof, &c, &x->L, &x->s, rate, &r);
+    } else {
+        st = td_plan_max_rate(&x->prof, &c, &x->L, &x->s, &rate, &r);
+        if (st == TD_OK && !o->json)
+            printf("Highest sustained rate (req/s):          %.3f\n", rate);
+        cJSON_AddNumberToObject(j, "max_rate", rate);
     }
+    if (st != TD_OK)
+        return st;
+    if (!o->json)
+        print_result("Simulated", &c, rate, &r);
+    cJSON_AddItemToObject(j, "simulated", result_json(&c, rate, &r));
+    return TD_OK;
+}
 
-    int n_what = 0;
+/* --nodes N: the best split of N nodes, its batch limits, and N unified nodes. */
+static td_status_t plan_nodes(const plan_opts_t *o, const plan_ctx_t *x, cJSON *j, double *best_rate_p)
+{
+    td_status_t st;
     td_plan_cluster_t best_c = x->base;
     double best_rate = 0;
-    if (o->nodes > 0) {
-        if (o->nodes < 2) {
-            td_plan_cluster_t u = split_cluster(x, 0, 0, 1);
-            if ((st = td_plan_max_rate(&x->prof, &u, &x->L, &x->s, &best_rate, NULL)) != TD_OK)
-                goto out;
-            best_c = u;
-        } else if ((st = best_split(x, (int)o->nodes, &best_c, &best_rate)) != TD_OK) {
-            goto out;
-        }
-        /* per-node batch limits of that split: the pair with the highest rate */
-        static const int32_t dmb[] = {8, 16, 32, 64, 128}, pmbt[] = {128, 256, 512, 1024, 2048};
-        td_plan_cluster_t lim = best_c;
-        double lim_rate = best_rate;
-        for (size_t a = 0; a < TD_ARRAY_LEN(dmb); a++)
-            for (size_t b = 0; b < TD_ARRAY_LEN(pmbt); b++) {
-                td_plan_cluster_t c = best_c;
-                c.decode_max_batch = dmb[a];
-                c.prefill_max_batch_tokens = c.unified_max_batch_tokens = pmbt[b];
-                if (c.n_unified && c.unified_max_batch_tokens <= c.decode_max_batch)
-                    continue;
-                double r;
-                if ((st = td_plan_max_rate(&x->prof, &c, &x->L, &x->s, &r, NULL)) != TD_OK)
-                    goto out;
-                if (r > lim_rate * 1.02) /* a clear win over the defaults, not the search's noise */
-                    lim_rate = r, lim = c;
-            }
-        td_plan_cluster_t u = split_cluster(x, 0, 0, (int)o->nodes);
-        double u_rate;
-        if ((st = td_plan_max_rate(&x->prof, &u, &x->L, &x->s, &u_rate, NULL)) != TD_OK)
-            goto out;
-        char name[32];
-        split_name(name, sizeof name, &best_c);
-        if (!o->json) {
-            char label[64];
-            snprintf(label, sizeof label, "Highest rate %lld nodes sustain (req/s):", (long long)o->nodes);
-            printf("%-41s%.3f\n", label, best_rate);
-            snprintf(label, sizeof label, "Best split for %lld nodes (P:D):", (long long)o->nodes);
-            printf("%-41s%s\n", label, name);
-            printf("Sustained rate per node (req/s):         %.3f\n", best_rate / (double)o->nodes);
-            printf("Best batch limits:                       %s %d, decode-max-batch %d (%.3f req/s)\n",
-                   lim.n_unified ? "unified-max-batch-tokens" : "prefill-max-batch-tokens",
-                   lim.n_unified ? lim.unified_max_batch_tokens : lim.prefill_max_batch_tokens, lim.decode_max_batch,
-                   lim_rate);
-            snprintf(label, sizeof label, "Unified %lld nodes sustain (req/s):", (long long)o->nodes);
-            printf("%-41s%.3f\n", label, u_rate);
-        }
-        cJSON_AddNumberToObject(j, "nodes", (double)o->nodes);
-        cJSON_AddNumberToObject(j, "max_rate", best_rate);
-        cJSON_AddStringToObject(j, "best_split", name);
-        cJSON_AddNumberToObject(j, "max_rate_per_node", best_rate / (double)o->nodes);
-        cJSON_AddNumberToObject(j, lim.n_unified ? "best_unified_max_batch_tokens" : "best_prefill_max_batch_tokens",
-                                lim.n_unified ? lim.unified_max_batch_tokens : lim.prefill_max_batch_tokens);
-        cJSON_AddNumberToObject(j, "best_decode_max_batch", lim.decode_max_batch);
-        cJSON_AddNumberToObject(j, "best_limits_rate", lim_rate);
-        cJSON_AddNumberToObject(j, "unified_max_rate", u_rate);
-        n_what = (int)o->nodes;
+    if (o->nodes < 2) {
+        td_plan_cluster_t u = split_cluster(x, 0, 0, 1);
+        if ((st = td_plan_max_rate(&x->prof, &u, &x->L, &x->s, &best_rate, NULL)) != TD_OK)
+            return st;
+        best_c = u;
+    } else if ((st = best_split(x, (int)o->nodes, &best_c, &best_rate)) != TD_OK) {
+        return st;
     }
-    if (rate > 0) { /* the nodes the rate needs */
-        int need = 0, need_u = 0;
-        td_plan_cluster_t need_c = x->base;
-        for (int n = 2; n <= o->max_nodes && !need; n++) {
-            double r;
-            td_plan_cluster_t c;
-            if ((st = best_split(x, n, &c, &r)) != TD_OK)
-                goto out;
-            if (r >= rate)
-                need = n, need_c = c;
-        }
-        for (int n = 1; n <= o->max_nodes && !need_u; n++) {
-            td_plan_cluster_t c = split_cluster(x, 0, 0, n);
+    /* per-node batch limits of that split: the pair with the highest rate */
+    static const int32_t dmb[] = {8, 16, 32, 64, 128}, pmbt[] = {128, 256, 512, 1024, 2048};
+    td_plan_cluster_t lim = best_c;
+    double lim_rate = best_rate;
+    for (size_t a = 0; a < TD_ARRAY_LEN(dmb); a++)
+        for (size_t b = 0; b < TD_ARRAY_LEN(pmbt); b++) {
+            td_plan_cluster_t c = best_c;
+            c.decode_max_batch = dmb[a];
+            c.prefill_max_batch_tokens = c.unified_max_batch_tokens = pmbt[b];
+            if (c.n_unified && c.unified_max_batch_tokens <= c.decode_max_batch)
+                continue;
             double r;
             if ((st = td_plan_max_rate(&x->prof, &c, &x->L, &x->s, &r, NULL)) != TD_OK)
-                goto out;
-            if (r >= rate)
-                need_u = n;
+                return st;
+            if (r > lim_rate * 1.02) /* a clear win over the defaults, not the search's noise */
+                lim_rate = r, lim = c;
         }
-        char name[32] = "none";
-        if (need)
-            split_name(name, sizeof name, &need_c);
-        if (!o->json) {
-            printf("Target rate (req/s):                     %.3f\n", rate);
-            if (need)
-                printf("Nodes needed:                            %d (split %s)\n", need, name);
-            else
-                printf("Nodes needed:                            more than %lld\n", (long long)o->max_nodes);
-            if (need_u)
-                printf("Unified nodes needed:                    %d\n", need_u);
-            else
-                printf("Unified nodes needed:                    more than %lld\n", (long long)o->max_nodes);
-        }
-        cJSON_AddNumberToObject(j, "target_rate", rate);
-        cJSON_AddNumberToObject(j, "nodes_needed", need);
-        cJSON_AddStringToObject(j, "nodes_needed_split", name);
-        cJSON_AddNumberToObject(j, "unified_nodes_needed", need_u);
-        if (!n_what)
-            n_what = need ? need : (int)o->max_nodes;
-        if (!best_rate)
-            best_rate = rate;
+    td_plan_cluster_t u = split_cluster(x, 0, 0, (int)o->nodes);
+    double u_rate;
+    if ((st = td_plan_max_rate(&x->prof, &u, &x->L, &x->s, &u_rate, NULL)) != TD_OK)
+        return st;
+    char name[32];
+    split_name(name, sizeof name, &best_c);
+    if (!o->json) {
+        char label[64];
+        snprintf(label, sizeof label, "Highest rate %lld nodes sustain (req/s):", (long long)o->nodes);
+        printf("%-41s%.3f\n", label, best_rate);
+        snprintf(label, sizeof label, "Best split for %lld nodes (P:D):", (long long)o->nodes);
+        printf("%-41s%s\n", label, name);
+        printf("Sustained rate per node (req/s):         %.3f\n", best_rate / (double)o->nodes);
+        printf("Best batch limits:                       %s %d, decode-max-batch %d (%.3f req/s)\n",
+               lim.n_unified ? "unified-max-batch-tokens" : "prefill-max-batch-tokens",
+               lim.n_unified ? lim.unified_max_batch_tokens : lim.prefill_max_batch_tokens, lim.decode_max_batch,
+               lim_rate);
+        snprintf(label, sizeof label, "Unified %lld nodes sustain (req/s):", (long long)o->nodes);
+        printf("%-41s%.3f\n", label, u_rate);
     }
+    cJSON_AddNumberToObject(j, "nodes", (double)o->nodes);
+    cJSON_AddNumberToObject(j, "max_rate", best_rate);
+    cJSON_AddStringToObject(j, "best_split", name);
+    cJSON_AddNumberToObject(j, "max_rate_per_node", best_rate / (double)o->nodes);
+    cJSON_AddNumberToObject(j, lim.n_unified ? "best_unified_max_batch_tokens" : "best_prefill_max_batch_tokens",
+                            lim.n_unified ? lim.unified_max_batch_tokens : lim.prefill_max_batch_tokens);
+    cJSON_AddNumberToObject(j, "best_decode_max_batch", lim.decode_max_batch);
+    cJSON_AddNumberToObject(j, "best_limits_rate", lim_rate);
+    cJSON_AddNumberToObject(j, "unified_max_rate", u_rate);
+    *best_rate_p = best_rate;
+    return TD_OK;
+}
 
-    /* what-if: every split of n_what nodes and n_what unified ones, at a few rates */
+/* --rate R (or the workload's): the nodes it needs, split and unified; *need_p the split's. */
+static td_status_t plan_need(const plan_opts_t *o, const plan_ctx_t *x, double rate, cJSON *j, int *need_p)
+{
+    td_status_t st;
+    int need = 0, need_u = 0;
+    td_plan_cluster_t need_c = x->base;
+    for (int n = 2; n <= o->max_nodes && !need; n++) {
+        double r;
+        td_plan_cluster_t c;
+        if ((st = best_split(x, n, &c, &r)) != TD_OK)
+            return st;
+        if (r >= rate)
+            need = n, need_c = c;
+    }
+    for (int n = 1; n <= o->max_nodes && !need_u; n++) {
+        td_plan_cluster_t c = split_cluster(x, 0, 0, n);
+        double r;
+        if ((st = td_plan_max_rate(&x->prof, &c, &x->L, &x->s, &r, NULL)) != TD_OK)
+            return st;
+        if (r >= rate)
+            need_u = n;
+    }
+    char name[32] = "none";
+    if (need)
+        split_name(name, sizeof name, &need_c);
+    if (!o->json) {
+        printf("Target rate (req/s):                     %.3f\n", rate);
+        if (need)
+            printf("Nodes needed:                            %d (split %s)\n", need, name);
+        else
+            printf("Nodes needed:                            more than %lld\n", (long long)o->max_nodes);
+        if (need_u)
+            printf("Unified nodes needed:                    %d\n", need_u);
+        else
+            printf("Unified nodes needed:                    more than %lld\n", (long long)o->max_nodes);
+    }
+    cJSON_AddNumberToObject(j, "target_rate", rate);
+    cJSON_AddNumberToObject(j, "nodes_needed", need);
+    cJSON_AddStringToObject(j, "nodes_needed_split", name);
+    cJSON_AddNumberToObject(j, "unified_nodes_needed", need_u);
+    *need_p = need;
+    return TD_OK;
+}
+
+/* What-if: every split of n_what nodes and n_what unified ones, at a few rates (--rates, or
+ * around best_rate). The exit code: 2 for a bad --rates, 1 for a failed simulation. */
+static int plan_what_if(const plan_opts_t *o, const plan_ctx_t *x, int n_what, double best_rate, cJSON *j)
+{
+    td_status_t st = TD_OK;
     double *rates = NULL;
     size_t n_rates = 0;
     if (o->rates) {
-        if (loadgen_rates_parse(o->rates, &rates, &n_rates) != TD_OK) {
-            rc = 2;
-            goto out;
-        }
+        if (loadgen_rates_parse(o->rates, &rates, &n_rates) != TD_OK)
+            return 2;
     } else {
         static const double f[] = {0.5, 0.75, 1.0, 1.25, 1.5};
         if (!(rates = malloc(sizeof f)))
-            goto out;
+            return 1;
         for (size_t i = 0; i < TD_ARRAY_LEN(f); i++)
             rates[i] = f[i] * TD_MAX(best_rate, 0.01);
         n_rates = TD_ARRAY_LEN(f);
@@ -723,8 +729,40 @@ static int plan_run(const plan_opts_t *o, plan_ctx_t *x, loadgen_workload_t *w)
         }
     }
     free(rates);
-    if (st == TD_OK)
-        rc = 0;
+    return st == TD_OK ? 0 : 1;
+}
+
+static int plan_run(const plan_opts_t *o, plan_ctx_t *x, loadgen_workload_t *w)
+{
+    cJSON *j = cJSON_CreateObject();
+    int rc = 1;
+    td_status_t st = TD_OK;
+    double mean_in = 0, mean_out = 0;
+    for (size_t i = 0; i < w->n; i++)
+        mean_in += (double)w->in[i] / (double)w->n, mean_out += (double)w->out[i] / (double)w->n;
+    double rate = o->rate > 0 ? o->rate : w->rate;
+    plan_header(o, x, w, j, mean_in, mean_out);
+    if (o->split || o->unified) { /* one configuration */
+        rc = plan_one(o, x, w, rate, j) == TD_OK ? 0 : 1;
+        goto out;
+    }
+    int n_what = 0;
+    double best_rate = 0;
+    if (o->nodes > 0) {
+        if ((st = plan_nodes(o, x, j, &best_rate)) != TD_OK)
+            goto out;
+        n_what = (int)o->nodes;
+    }
+    if (rate > 0) { /* the nodes the rate needs */
+        int need = 0;
+        if ((st = plan_need(o, x, rate, j, &need)) != TD_OK)
+            goto out;
+        if (!n_what)
+            n_what = need ? need : (int)o->max_nodes;
+        if (!best_rate)
+            best_rate = rate;
+    }
+    rc = plan_what_if(o, x, n_what, best_rate, j);
 out:
     if (rc == 0 && o->json) {
         char *t = cJSON_Print(j);
