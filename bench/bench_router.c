@@ -330,10 +330,10 @@ static void rb_http_end(rb_slot_t *slot, bool ok)
 }
 
 /* The letters of an SSE event's "content" (each token is one letter). */
-static void rb_http_on_event(bench_http_conn_t *h, const char *ev, size_t len, uint64_t now)
+static void rb_http_on_event(td_http_client_t *h, const char *ev, size_t len, uint64_t now)
 {
     static const char key[] = "\"content\":\"";
-    rb_slot_t *slot = bench_http_conn_data(h);
+    rb_slot_t *slot = td_http_client_data(h);
     const char *p = strstr(ev, key);
     if (!p)
         return;
@@ -342,22 +342,22 @@ static void rb_http_on_event(bench_http_conn_t *h, const char *ev, size_t len, u
     slot->s->tokens += n;
 }
 
-static void rb_http_on_done(bench_http_conn_t *h, unsigned status, const char *body, size_t len, bool keep_alive)
+static void rb_http_on_done(td_http_client_t *h, unsigned status, const char *body, size_t len, bool keep_alive)
 {
-    rb_slot_t *slot = bench_http_conn_data(h);
+    rb_slot_t *slot = td_http_client_data(h);
     if (!keep_alive)
         slot->http = NULL; /* it closes after this: the slot's next call opens another */
     rb_http_end(slot, status == 200);
 }
 
-static void rb_http_on_close(bench_http_conn_t *h)
+static void rb_http_on_close(td_http_client_t *h)
 {
-    rb_slot_t *slot = bench_http_conn_data(h);
+    rb_slot_t *slot = td_http_client_data(h);
     if (slot->http == h)
         slot->http = NULL;
 }
 
-static const bench_http_ops_t rb_http_ops = {.on_event = rb_http_on_event, .on_done = rb_http_on_done,
+static const td_http_client_ops_t rb_http_ops = {.on_event = rb_http_on_event, .on_done = rb_http_on_done,
                                              .on_close = rb_http_on_close};
 
 static void rb_http_issue(rb_state_t *s, rb_slot_t *slot, uint32_t max_tokens)
@@ -366,7 +366,7 @@ static void rb_http_issue(rb_state_t *s, rb_slot_t *slot, uint32_t max_tokens)
     if (!slot->http) {
         struct sockaddr_in a;
         if (uv_ip4_addr(s->host, s->http_port, &a) != 0 ||
-            bench_http_conn_open(&s->loop, (const struct sockaddr *)&a, &rb_http_ops, slot, &slot->http) != TD_OK) {
+            td_http_client_open(&s->loop, (const struct sockaddr *)&a, &rb_http_ops, slot, &slot->http) != TD_OK) {
             slot->http = NULL;
             rb_note_error(s, TD_GRPC_UNAVAILABLE, "connect failed");
             s->failed = true;
@@ -377,7 +377,7 @@ static void rb_http_issue(rb_state_t *s, rb_slot_t *slot, uint32_t max_tokens)
     slot->t_start = td_now_ns();
     s->issued++;
     s->outstanding++;
-    bench_http_conn_send(slot->http, s->http_req[which], s->http_req_len[which]);
+    td_http_client_send(slot->http, s->http_req[which], s->http_req_len[which]);
 }
 
 /* The two requests' bytes (streamed chat of a prompt_tokens-letter message) and the
@@ -585,8 +585,8 @@ static void rb_run_phase(rb_state_t *s, rb_phase_t ph, int n, uint32_t max_token
     for (int i = 0; i < n; i++) {
         if (s->slots[i].call && ph == PH_RELAY)
             td_grpc_client_call_cancel(s->slots[i].call);
-        if (s->slots[i].http && bench_http_conn_busy(s->slots[i].http) && ph == PH_RELAY)
-            bench_http_conn_close(s->slots[i].http); /* a disconnect: the router cancels the request */
+        if (s->slots[i].http && td_http_client_busy(s->slots[i].http) && ph == PH_RELAY)
+            td_http_client_close(s->slots[i].http); /* a disconnect: the router cancels the request */
     }
     rb_run_until(s, rb_drained, td_now_s() + 10);
     res->count = c1 - c0;
@@ -705,7 +705,7 @@ static void rb_close_all(rb_state_t *s)
         td_grpc_channel_close(s->gw[i], NULL, NULL);
     for (int i = 0; s->slots && i < s->n_slots; i++)
         if (s->slots[i].http)
-            bench_http_conn_close(s->slots[i].http);
+            td_http_client_close(s->slots[i].http);
     td_grpc_channel_close(s->d_decode, NULL, NULL);
     td_grpc_channel_close(s->d_prefill, NULL, NULL);
     s->stopping = true;

@@ -21,7 +21,7 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
-#include "bench_http_client.h"
+#include "td_http_client.h"
 #include "control.pb-c.h"
 #include "router_registry.h"
 #include "td_child.h"
@@ -82,7 +82,7 @@ typedef enum { PH_IDLE, PH_RPS, PH_LAT, PH_RELAY } rb_phase_t;
 typedef struct rb_slot {
     struct rb_state *s;
     td_grpc_client_call_t *call;
-    bench_http_conn_t *http;  /* --http: the slot's connection (NULL until the first call) */
+    td_http_client_t *http;  /* --http: the slot's connection (NULL until the first call) */
     uint64_t t_start;
     uint32_t tokens;
 } rb_slot_t;

@@ -1,5 +1,5 @@
 /*
- * test_bench_serve_stats: the pure parts of `tandem bench serve` (bench/bench_serve.h).
+ * test_bench_serve_stats: the pure parts of `tandem bench serve` (common/loadgen/loadgen.h).
  * Percentiles equal numpy.percentile's (linear interpolation) and std numpy's population
  * one; goodput counts only completed requests meeting every given objective, attainment
  * divides by every request; arrivals with a fixed seed repeat, have the mean gap 1/rate
@@ -14,41 +14,41 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "bench_serve.h"
+#include "loadgen.h"
 #include "td_status.h"
 #include "td_test_models.h"
 
 /* the percentile itself is td_stats_percentile (test_stats) */
 Test(bench_serve, percentiles_are_numpys)
 {
-    double w[] = {9, 2, 5, 4, 4, 7, 4, 5}; /* unsorted: bs_stat_of sorts */
-    bs_stat_t st;
-    bs_stat_of(w, 8, &st);
+    double w[] = {9, 2, 5, 4, 4, 7, 4, 5}; /* unsorted: loadgen_stat_of sorts */
+    loadgen_stat_t st;
+    loadgen_stat_of(w, 8, &st);
     cr_assert_float_eq(st.mean, 5, 1e-12);
     cr_assert_float_eq(st.std, 2, 1e-12);
     cr_assert_float_eq(st.median, 4.5, 1e-12);
     cr_assert_float_eq(st.p90, 7.6, 1e-12); /* numpy.percentile([2,4,4,4,5,5,7,9], 90) */
     cr_assert_float_eq(st.p99, 8.86, 1e-12);
-    bs_stat_of(w, 0, &st);
+    loadgen_stat_of(w, 0, &st);
     cr_assert(isnan(st.mean) && isnan(st.p99));
 }
 
 Test(bench_serve, goodput_is_completed_requests_meeting_every_objective)
 {
-    bs_outcome_t o[] = {
+    loadgen_outcome_t o[] = {
         {.ok = true, .input_tokens = 10, .output_tokens = 5, .ttft_ms = 100, .tpot_ms = 10, .e2el_ms = 140}, /* good */
         {.ok = true, .input_tokens = 10, .output_tokens = 5, .ttft_ms = 300, .tpot_ms = 10, .e2el_ms = 340}, /* ttft */
         {.ok = true, .input_tokens = 10, .output_tokens = 5, .ttft_ms = 100, .tpot_ms = 60, .e2el_ms = 340}, /* tpot */
         {.ok = true, .input_tokens = 10, .output_tokens = 1, .ttft_ms = 200, .tpot_ms = 0, .e2el_ms = 200},  /* good, at the bound */
         {.ok = false, .input_tokens = 0, .output_tokens = 0},                                                /* failed */
     };
-    bs_slo_t slo = {0};
-    cr_assert_eq(bs_slo_parse("ttft:200, tpot:50", &slo), TD_OK);
+    loadgen_slo_t slo = {0};
+    cr_assert_eq(loadgen_slo_parse("ttft:200, tpot:50", &slo), TD_OK);
     cr_assert_float_eq(slo.ttft_ms, 200, 1e-12);
     cr_assert_float_eq(slo.tpot_ms, 50, 1e-12);
     cr_assert(slo.e2el_ms <= 0);
-    bs_summary_t s;
-    bs_summarize(o, 5, 2.0, &slo, &s);
+    loadgen_summary_t s;
+    loadgen_summarize(o, 5, 2.0, &slo, &s);
     cr_assert_eq(s.completed, 4);
     cr_assert_eq(s.failed, 1);
     cr_assert_eq(s.good, 2);
@@ -60,26 +60,26 @@ Test(bench_serve, goodput_is_completed_requests_meeting_every_objective)
     cr_assert_float_eq(s.total_token_throughput, 28.0, 1e-12);
     cr_assert_float_eq(s.slo_attainment, 0.4, 1e-12);
     /* an added e2el objective takes the 200 ms request out too; none at all: every completed one */
-    cr_assert_eq(bs_slo_parse("e2el:150", &slo), TD_OK);
-    bs_summarize(o, 5, 2.0, &slo, &s);
+    cr_assert_eq(loadgen_slo_parse("e2el:150", &slo), TD_OK);
+    loadgen_summarize(o, 5, 2.0, &slo, &s);
     cr_assert_eq(s.good, 1);
-    bs_slo_t none = {0};
-    cr_assert(!bs_slo_any(&none));
-    bs_summarize(o, 5, 2.0, &none, &s);
+    loadgen_slo_t none = {0};
+    cr_assert(!loadgen_slo_any(&none));
+    loadgen_summarize(o, 5, 2.0, &none, &s);
     cr_assert_eq(s.good, 4);
 }
 
 Test(bench_serve, goodput_flags_refused_by_name)
 {
-    bs_slo_t slo = {0};
-    cr_assert_eq(bs_slo_parse("ttft", &slo), TD_ERR_INVALID);
-    cr_assert_eq(bs_slo_parse("ttft:", &slo), TD_ERR_INVALID);
-    cr_assert_eq(bs_slo_parse("ttft:-1", &slo), TD_ERR_INVALID);
-    cr_assert_eq(bs_slo_parse("ttft:5ms", &slo), TD_ERR_INVALID);
-    cr_assert_eq(bs_slo_parse("latency:5", &slo), TD_ERR_INVALID);
-    cr_assert_eq(bs_slo_parse(" , ", &slo), TD_ERR_INVALID);
+    loadgen_slo_t slo = {0};
+    cr_assert_eq(loadgen_slo_parse("ttft", &slo), TD_ERR_INVALID);
+    cr_assert_eq(loadgen_slo_parse("ttft:", &slo), TD_ERR_INVALID);
+    cr_assert_eq(loadgen_slo_parse("ttft:-1", &slo), TD_ERR_INVALID);
+    cr_assert_eq(loadgen_slo_parse("ttft:5ms", &slo), TD_ERR_INVALID);
+    cr_assert_eq(loadgen_slo_parse("latency:5", &slo), TD_ERR_INVALID);
+    cr_assert_eq(loadgen_slo_parse(" , ", &slo), TD_ERR_INVALID);
     cr_assert(strstr(td_last_error(), "--goodput"));
-    cr_assert_eq(bs_slo_parse("tpot:0.5 e2el:1e3", &slo), TD_OK);
+    cr_assert_eq(loadgen_slo_parse("tpot:0.5 e2el:1e3", &slo), TD_OK);
     cr_assert_float_eq(slo.e2el_ms, 1000, 1e-9);
 }
 
@@ -88,11 +88,11 @@ static void check_arrivals(double rate, double burstiness)
 {
     enum { N = 20000 };
     double *t = malloc(N * sizeof *t), *u = malloc(N * sizeof *u);
-    bs_rng_t r, r2;
-    bs_rng_seed(&r, 42);
-    bs_rng_seed(&r2, 42);
-    bs_arrivals(&r, rate, burstiness, N, t);
-    bs_arrivals(&r2, rate, burstiness, N, u);
+    loadgen_rng_t r, r2;
+    loadgen_rng_seed(&r, 42);
+    loadgen_rng_seed(&r2, 42);
+    loadgen_arrivals(&r, rate, burstiness, N, t);
+    loadgen_arrivals(&r2, rate, burstiness, N, u);
     cr_assert(!memcmp(t, u, N * sizeof *t), "the same seed gives the same arrivals");
     cr_assert_eq(t[0], 0);
     double sum = 0, sq = 0;
@@ -119,19 +119,19 @@ Test(bench_serve, arrivals_poisson_and_gamma)
     check_arrivals(50, 0.5); /* burstier */
     check_arrivals(50, 4);   /* more even */
     double t[5];
-    bs_rng_t r;
-    bs_rng_seed(&r, 1);
-    bs_arrivals(&r, INFINITY, 1, 5, t);
+    loadgen_rng_t r;
+    loadgen_rng_seed(&r, 1);
+    loadgen_arrivals(&r, INFINITY, 1, 5, t);
     for (int i = 0; i < 5; i++)
         cr_assert_eq(t[i], 0, "rate inf: every request at once");
 }
 
 Test(bench_serve, random_dataset_lengths_in_range)
 {
-    bs_rng_t r;
-    bs_rng_seed(&r, 7);
-    bs_dataset_t d;
-    cr_assert_eq(bs_dataset_random(&r, 1000, 100, 20, 0.5, &d), TD_OK);
+    loadgen_rng_t r;
+    loadgen_rng_seed(&r, 7);
+    loadgen_dataset_t d;
+    cr_assert_eq(loadgen_dataset_random(&r, 1000, 100, 20, 0.5, &d), TD_OK);
     cr_assert_eq(d.n, 1000);
     uint32_t lo = UINT32_MAX, hi = 0;
     for (size_t i = 0; i < d.n; i++) {
@@ -143,43 +143,43 @@ Test(bench_serve, random_dataset_lengths_in_range)
     cr_assert(lo >= 50 && hi <= 150 && lo < 60 && hi > 140, "lo %u hi %u", lo, hi);
     /* ids in [1, vocab), repeatable, and no two prompts alike */
     for (uint32_t i = 0; i < 1000; i++) {
-        uint32_t id = bs_prompt_id(&d.items[0], i, 512);
+        uint32_t id = loadgen_prompt_id(&d.items[0], i, 512);
         cr_assert(id >= 1 && id < 512);
-        cr_assert_eq(id, bs_prompt_id(&d.items[0], i, 512));
+        cr_assert_eq(id, loadgen_prompt_id(&d.items[0], i, 512));
     }
     int same = 0;
     for (uint32_t i = 0; i < 64; i++)
-        same += bs_prompt_id(&d.items[0], i, 512) == bs_prompt_id(&d.items[1], i, 512);
+        same += loadgen_prompt_id(&d.items[0], i, 512) == loadgen_prompt_id(&d.items[1], i, 512);
     cr_assert(same < 8, "%d of 64 ids equal", same);
-    bs_dataset_free(&d);
-    cr_assert_eq(bs_dataset_random(&r, 10, 100, 20, 0, &d), TD_OK);
+    loadgen_dataset_free(&d);
+    cr_assert_eq(loadgen_dataset_random(&r, 10, 100, 20, 0, &d), TD_OK);
     for (size_t i = 0; i < d.n; i++)
         cr_assert(d.items[i].input_len == 100 && d.items[i].output_len == 20);
-    bs_dataset_free(&d);
+    loadgen_dataset_free(&d);
 }
 
 Test(bench_serve, trace_csv_and_jsonl)
 {
-    bs_rng_t r;
-    bs_rng_seed(&r, 1);
-    bs_dataset_t d;
+    loadgen_rng_t r;
+    loadgen_rng_seed(&r, 1);
+    loadgen_dataset_t d;
     const char csv[] = "arrival_s,input_len,output_len\n# comment\n\n10.5,100,20\n10.5,8,1\n12,50,5\n";
-    cr_assert_eq(bs_dataset_trace_parse(csv, strlen(csv), "t.csv", 0, &r, &d), TD_OK);
+    cr_assert_eq(loadgen_dataset_trace_parse(csv, strlen(csv), "t.csv", 0, &r, &d), TD_OK);
     cr_assert_eq(d.n, 3);
     cr_assert(d.timed);
     cr_assert_float_eq(d.items[0].arrival_s, 0, 1e-12);
     cr_assert_float_eq(d.items[1].arrival_s, 0, 1e-12);
     cr_assert_float_eq(d.items[2].arrival_s, 1.5, 1e-12);
     cr_assert(d.items[0].input_len == 100 && d.items[0].output_len == 20 && d.items[2].input_len == 50);
-    bs_dataset_free(&d);
+    loadgen_dataset_free(&d);
     const char jl[] = "{\"timestamp\": 1, \"input_length\": 3, \"output_length\": 4}\n"
                       "{\"arrival_s\": 2, \"input_tokens\": 5, \"output_tokens\": 6}\n"
                       "{\"time\": 2.5, \"input_len\": 7, \"output_len\": 8}";
-    cr_assert_eq(bs_dataset_trace_parse(jl, strlen(jl), "t.jsonl", 2, &r, &d), TD_OK);
+    cr_assert_eq(loadgen_dataset_trace_parse(jl, strlen(jl), "t.jsonl", 2, &r, &d), TD_OK);
     cr_assert_eq(d.n, 2, "max_n keeps the first rows");
     cr_assert(d.items[1].input_len == 5 && d.items[1].output_len == 6);
     cr_assert_float_eq(d.items[1].arrival_s, 1, 1e-12);
-    bs_dataset_free(&d);
+    loadgen_dataset_free(&d);
     const char *bad[] = {"0,1,1\n2,1,1\n1,1,1\n", /* time goes back */
                          "0,1\n",                 /* no output length */
                          "0,1,0\n",               /* output 0 */
@@ -189,10 +189,10 @@ Test(bench_serve, trace_csv_and_jsonl)
                          "x,y,z\nfoo,1,1\n",      /* a second non-numeric line */
                          "# only a comment\n"};
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
-        cr_assert_eq(bs_dataset_trace_parse(bad[i], strlen(bad[i]), "bad.csv", 0, &r, &d), TD_ERR_FORMAT, "%s", bad[i]);
+        cr_assert_eq(loadgen_dataset_trace_parse(bad[i], strlen(bad[i]), "bad.csv", 0, &r, &d), TD_ERR_FORMAT, "%s", bad[i]);
         cr_assert(strstr(td_last_error(), "bad.csv"), "%s", td_last_error());
     }
-    cr_assert_eq(bs_dataset_trace_parse(bad[0], strlen(bad[0]), "bad.csv", 0, &r, &d), TD_ERR_FORMAT);
+    cr_assert_eq(loadgen_dataset_trace_parse(bad[0], strlen(bad[0]), "bad.csv", 0, &r, &d), TD_ERR_FORMAT);
     cr_assert(strstr(td_last_error(), "bad.csv:3"), "names the line: %s", td_last_error());
 }
 
@@ -206,20 +206,20 @@ Test(bench_serve, sharegpt_first_human_turn_and_gpt_length)
         " {\"id\": \"c\", \"conversations\": [{\"from\": \"human\", \"value\": \"hi\"},"
         "  {\"from\": \"gpt\", \"value\": \"a long enough answer here\"}]},"
         " {\"id\": \"d\", \"conversations\": [{\"from\": \"human\", \"value\": \"only a question, no answer\"}]}]";
-    bs_rng_t r;
-    bs_rng_seed(&r, 3);
-    bs_dataset_t d;
-    cr_assert_eq(bs_dataset_sharegpt_parse(j, strlen(j), "sg.json", NULL, 0, 0, &r, &d), TD_OK);
+    loadgen_rng_t r;
+    loadgen_rng_seed(&r, 3);
+    loadgen_dataset_t d;
+    cr_assert_eq(loadgen_dataset_sharegpt_parse(j, strlen(j), "sg.json", NULL, 0, 0, &r, &d), TD_OK);
     cr_assert_eq(d.n, 1, "c's prompt is under 4 tokens, b and d have no human+gpt pair");
     cr_assert_str_eq(d.items[0].text, "tell me a story about a cat");
     cr_assert_eq(d.items[0].output_len, 10, "40 bytes / 4 without a tokenizer");
     cr_assert_eq(d.items[0].input_len, 0, "unknown without a tokenizer: the server's usage tells");
-    bs_dataset_free(&d);
-    cr_assert_eq(bs_dataset_sharegpt_parse(j, strlen(j), "sg.json", NULL, 3, 0, &r, &d), TD_OK);
+    loadgen_dataset_free(&d);
+    cr_assert_eq(loadgen_dataset_sharegpt_parse(j, strlen(j), "sg.json", NULL, 3, 0, &r, &d), TD_OK);
     cr_assert_eq(d.items[0].output_len, 3, "--sharegpt-output-len");
-    bs_dataset_free(&d);
-    cr_assert_eq(bs_dataset_sharegpt_parse("{}", 2, "sg.json", NULL, 0, 0, &r, &d), TD_ERR_FORMAT);
-    cr_assert_eq(bs_dataset_sharegpt_parse("[]", 2, "sg.json", NULL, 0, 0, &r, &d), TD_ERR_FORMAT);
+    loadgen_dataset_free(&d);
+    cr_assert_eq(loadgen_dataset_sharegpt_parse("{}", 2, "sg.json", NULL, 0, 0, &r, &d), TD_ERR_FORMAT);
+    cr_assert_eq(loadgen_dataset_sharegpt_parse("[]", 2, "sg.json", NULL, 0, 0, &r, &d), TD_ERR_FORMAT);
 }
 
 /* With a tokenizer (--tokenizer) the lengths are its token counts: Llama 2's. */
@@ -237,15 +237,15 @@ Test(bench_serve, sharegpt_lengths_from_the_tokenizer)
     free(ids);
     cr_assert_eq(td_tokenizer_encode(tok, "The cat sat on the mat and was happy all day", 44, 0, &ids, &n_out), TD_OK);
     free(ids);
-    bs_rng_t r;
-    bs_rng_seed(&r, 1);
-    bs_dataset_t d;
-    cr_assert_eq(bs_dataset_sharegpt_parse(j, strlen(j), "sg.json", tok, 0, 0, &r, &d), TD_OK);
+    loadgen_rng_t r;
+    loadgen_rng_seed(&r, 1);
+    loadgen_dataset_t d;
+    cr_assert_eq(loadgen_dataset_sharegpt_parse(j, strlen(j), "sg.json", tok, 0, 0, &r, &d), TD_OK);
     cr_assert_eq(d.n, 1);
     cr_assert_eq(d.items[0].input_len, n_in);
     cr_assert_eq(d.items[0].output_len, n_out);
     cr_assert(n_out >= 8 && n_out <= 14, "%zu tokens", n_out);
-    bs_dataset_free(&d);
+    loadgen_dataset_free(&d);
     td_tokenizer_destroy(tok);
 }
 
@@ -253,19 +253,19 @@ Test(bench_serve, sweep_rates)
 {
     double *rates;
     size_t n;
-    cr_assert_eq(bs_rates_parse("1,2.5,10", &rates, &n), TD_OK);
+    cr_assert_eq(loadgen_rates_parse("1,2.5,10", &rates, &n), TD_OK);
     cr_assert(n == 3 && rates[0] == 1 && rates[1] == 2.5 && rates[2] == 10);
     free(rates);
-    cr_assert_eq(bs_rates_parse("2:10:2", &rates, &n), TD_OK);
+    cr_assert_eq(loadgen_rates_parse("2:10:2", &rates, &n), TD_OK);
     cr_assert(n == 5 && rates[0] == 2 && rates[4] == 10);
     free(rates);
-    cr_assert_eq(bs_rates_parse("0.1:0.3:0.1", &rates, &n), TD_OK);
+    cr_assert_eq(loadgen_rates_parse("0.1:0.3:0.1", &rates, &n), TD_OK);
     cr_assert_eq(n, 3, "STOP included despite rounding");
     free(rates);
     const char *bad[] = {"", "a", "1,,2", "0", "-1", "5:1:1", "1:5:0", "1:1e9:1", "1:5", "1:5:1x"};
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
-        cr_assert_eq(bs_rates_parse(bad[i], &rates, &n), TD_ERR_INVALID, "'%s'", bad[i]);
+        cr_assert_eq(loadgen_rates_parse(bad[i], &rates, &n), TD_ERR_INVALID, "'%s'", bad[i]);
     double r[] = {1, 2, 4, 8}, a[] = {1, 0.95, 0.85, 0.91};
-    cr_assert_float_eq(bs_sweep_best(r, a, 4, 0.9), 8, 1e-12, "the highest rate that meets it, not the first miss");
-    cr_assert(isnan(bs_sweep_best(r, a, 4, 1.01)));
+    cr_assert_float_eq(loadgen_sweep_best(r, a, 4, 0.9), 8, 1e-12, "the highest rate that meets it, not the first miss");
+    cr_assert(isnan(loadgen_sweep_best(r, a, 4, 1.01)));
 }

@@ -1,8 +1,8 @@
 /*
- * bench_serve_stats: the pure parts of `tandem bench serve` (contracts in bench_serve.h):
+ * loadgen_stats: the pure parts of the load generator (contracts in loadgen.h):
  * PRNG and arrivals, datasets, statistics, objectives and goodput, the sweep's rates.
  */
-#include "bench_serve.h"
+#include "loadgen.h"
 
 #include <cjson/cJSON.h>
 #include <ctype.h>
@@ -16,40 +16,40 @@
 
 /* ---- PRNG ------------------------------------------------------------------------------ */
 
-void bs_rng_seed(bs_rng_t *r, uint64_t seed)
+void loadgen_rng_seed(loadgen_rng_t *r, uint64_t seed)
 {
     for (int i = 0; i < 4; i++)
         r->s[i] = td_splitmix64(&seed);
 }
 
-uint64_t bs_rng_next(bs_rng_t *r)
+uint64_t loadgen_rng_next(loadgen_rng_t *r)
 {
     return td_xoshiro256ss(r->s);
 }
 
-double bs_rng_uniform(bs_rng_t *r)
+double loadgen_rng_uniform(loadgen_rng_t *r)
 {
-    return ((double)(bs_rng_next(r) >> 11) + 0.5) * 0x1.0p-53;
+    return ((double)(loadgen_rng_next(r) >> 11) + 0.5) * 0x1.0p-53;
 }
 
-int64_t bs_rng_int(bs_rng_t *r, int64_t lo, int64_t hi)
+int64_t loadgen_rng_int(loadgen_rng_t *r, int64_t lo, int64_t hi)
 {
     if (hi <= lo)
         return lo;
     uint64_t span = (uint64_t)(hi - lo) + 1;
-    return lo + (int64_t)(bs_rng_next(r) % span); /* bias < span / 2^64: nothing a benchmark sees */
+    return lo + (int64_t)(loadgen_rng_next(r) % span); /* bias < span / 2^64: nothing a benchmark sees */
 }
 
-static double rng_normal(bs_rng_t *r)
+static double rng_normal(loadgen_rng_t *r)
 {
-    return sqrt(-2.0 * log(bs_rng_uniform(r))) * cos(2.0 * M_PI * bs_rng_uniform(r));
+    return sqrt(-2.0 * log(loadgen_rng_uniform(r))) * cos(2.0 * M_PI * loadgen_rng_uniform(r));
 }
 
-double bs_rng_gamma(bs_rng_t *r, double shape, double scale)
+double loadgen_rng_gamma(loadgen_rng_t *r, double shape, double scale)
 {
     if (shape < 1) { /* Gamma(a) = Gamma(a + 1) * U^(1/a) */
-        double u = bs_rng_uniform(r);
-        return bs_rng_gamma(r, shape + 1, scale) * pow(u, 1.0 / shape);
+        double u = loadgen_rng_uniform(r);
+        return loadgen_rng_gamma(r, shape + 1, scale) * pow(u, 1.0 / shape);
     }
     double d = shape - 1.0 / 3.0, c = 1.0 / sqrt(9.0 * d);
     for (;;) {
@@ -57,31 +57,31 @@ double bs_rng_gamma(bs_rng_t *r, double shape, double scale)
         if (v <= 0)
             continue;
         v = v * v * v;
-        double u = bs_rng_uniform(r);
+        double u = loadgen_rng_uniform(r);
         if (log(u) < 0.5 * x * x + d - d * v + d * log(v))
             return d * v * scale;
     }
 }
 
-void bs_arrivals(bs_rng_t *r, double rate, double burstiness, size_t n, double *t)
+void loadgen_arrivals(loadgen_rng_t *r, double rate, double burstiness, size_t n, double *t)
 {
     double now = 0;
     for (size_t i = 0; i < n; i++) {
         t[i] = now;
         if (isfinite(rate))
-            now += bs_rng_gamma(r, burstiness, 1.0 / (rate * burstiness));
+            now += loadgen_rng_gamma(r, burstiness, 1.0 / (rate * burstiness));
     }
 }
 
 /* ---- datasets ---------------------------------------------------------------------------- */
 
-uint32_t bs_prompt_id(const bs_item_t *it, uint32_t i, uint32_t vocab)
+uint32_t loadgen_prompt_id(const loadgen_item_t *it, uint32_t i, uint32_t vocab)
 {
     uint64_t x = it->id_seed + (uint64_t)i * 0x9e3779b97f4a7c15ull;
     return 1 + (uint32_t)(td_splitmix64(&x) % (vocab - 1));
 }
 
-void bs_dataset_free(bs_dataset_t *d)
+void loadgen_dataset_free(loadgen_dataset_t *d)
 {
     if (!d)
         return;
@@ -92,26 +92,26 @@ void bs_dataset_free(bs_dataset_t *d)
     d->n = 0;
 }
 
-static uint32_t len_in_range(bs_rng_t *r, uint32_t len, double ratio)
+static uint32_t len_in_range(loadgen_rng_t *r, uint32_t len, double ratio)
 {
     int64_t lo = (int64_t)floor(len * (1 - ratio)), hi = (int64_t)ceil(len * (1 + ratio));
-    int64_t v = bs_rng_int(r, lo, hi);
+    int64_t v = loadgen_rng_int(r, lo, hi);
     return v < 1 ? 1 : (uint32_t)v;
 }
 
-td_status_t bs_dataset_random(bs_rng_t *r, size_t n, uint32_t input_len, uint32_t output_len, double range_ratio,
-                              bs_dataset_t *d)
+td_status_t loadgen_dataset_random(loadgen_rng_t *r, size_t n, uint32_t input_len, uint32_t output_len, double range_ratio,
+                              loadgen_dataset_t *d)
 {
-    bs_item_t *items = calloc(n ? n : 1, sizeof *items);
+    loadgen_item_t *items = calloc(n ? n : 1, sizeof *items);
     if (!items)
         return td_errorf(TD_ERR_NOMEM, "bench serve: out of memory for %zu requests", n);
     for (size_t i = 0; i < n; i++) {
         items[i].arrival_s = -1;
         items[i].input_len = len_in_range(r, input_len, range_ratio);
         items[i].output_len = len_in_range(r, output_len, range_ratio);
-        items[i].id_seed = bs_rng_next(r);
+        items[i].id_seed = loadgen_rng_next(r);
     }
-    *d = (bs_dataset_t){.items = items, .n = n};
+    *d = (loadgen_dataset_t){.items = items, .n = n};
     return TD_OK;
 }
 
@@ -131,14 +131,14 @@ static bool len_ok(double v)
     return isfinite(v) && v >= 0 && v <= 1e7 && v == floor(v);
 }
 
-td_status_t bs_dataset_trace_parse(const char *text, size_t len, const char *name, size_t max_n, bs_rng_t *r,
-                                   bs_dataset_t *d)
+td_status_t loadgen_dataset_trace_parse(const char *text, size_t len, const char *name, size_t max_n, loadgen_rng_t *r,
+                                   loadgen_dataset_t *d)
 {
     static const char *const k_t[] = {"arrival_s", "timestamp", "time", NULL};
     static const char *const k_in[] = {"input_len", "input_length", "input_tokens", NULL};
     static const char *const k_out[] = {"output_len", "output_length", "output_tokens", NULL};
     size_t cap = 0, n = 0, line_no = 0;
-    bs_item_t *items = NULL;
+    loadgen_item_t *items = NULL;
     td_status_t st = TD_OK;
     const char *p = text, *end = text + len;
     while (p < end && (!max_n || n < max_n)) {
@@ -199,7 +199,7 @@ td_status_t bs_dataset_trace_parse(const char *text, size_t len, const char *nam
         }
         if (n == cap) {
             size_t c = cap ? 2 * cap : 256;
-            bs_item_t *x = realloc(items, c * sizeof *x);
+            loadgen_item_t *x = realloc(items, c * sizeof *x);
             if (!x) {
                 st = td_errorf(TD_ERR_NOMEM, "%s: out of memory at line %zu", name, line_no);
                 goto err;
@@ -207,8 +207,8 @@ td_status_t bs_dataset_trace_parse(const char *text, size_t len, const char *nam
             items = x;
             cap = c;
         }
-        items[n++] = (bs_item_t){.arrival_s = t, .input_len = in < 1 ? 1 : (uint32_t)in, .output_len = (uint32_t)out,
-                                 .id_seed = bs_rng_next(r)};
+        items[n++] = (loadgen_item_t){.arrival_s = t, .input_len = in < 1 ? 1 : (uint32_t)in, .output_len = (uint32_t)out,
+                                 .id_seed = loadgen_rng_next(r)};
     }
     if (!n) {
         st = td_errorf(TD_ERR_FORMAT, "%s: no requests in the trace", name);
@@ -216,7 +216,7 @@ td_status_t bs_dataset_trace_parse(const char *text, size_t len, const char *nam
     }
     for (size_t i = n; i-- > 0;)
         items[i].arrival_s -= items[0].arrival_s;
-    *d = (bs_dataset_t){.items = items, .n = n, .timed = true};
+    *d = (loadgen_dataset_t){.items = items, .n = n, .timed = true};
     return TD_OK;
 err:
     free(items);
@@ -236,8 +236,8 @@ static uint32_t count_tokens(const td_tokenizer_t *tok, const char *text)
     return (uint32_t)n;
 }
 
-td_status_t bs_dataset_sharegpt_parse(const char *text, size_t len, const char *name, const td_tokenizer_t *tok,
-                                      uint32_t fixed_output_len, size_t max_n, bs_rng_t *r, bs_dataset_t *d)
+td_status_t loadgen_dataset_sharegpt_parse(const char *text, size_t len, const char *name, const td_tokenizer_t *tok,
+                                      uint32_t fixed_output_len, size_t max_n, loadgen_rng_t *r, loadgen_dataset_t *d)
 {
     cJSON *j = cJSON_ParseWithLength(text, len);
     if (!cJSON_IsArray(j)) {
@@ -247,7 +247,7 @@ td_status_t bs_dataset_sharegpt_parse(const char *text, size_t len, const char *
     }
     size_t total = (size_t)cJSON_GetArraySize(j);
     cJSON **entries = calloc(total ? total : 1, sizeof *entries);
-    bs_item_t *items = calloc(total ? total : 1, sizeof *items);
+    loadgen_item_t *items = calloc(total ? total : 1, sizeof *items);
     td_status_t st = TD_OK;
     if (!entries || !items) {
         st = td_errorf(TD_ERR_NOMEM, "%s: out of memory", name);
@@ -257,7 +257,7 @@ td_status_t bs_dataset_sharegpt_parse(const char *text, size_t len, const char *
     const cJSON *e;
     cJSON_ArrayForEach(e, j) entries[k++] = (cJSON *)e;
     for (size_t i = total; i > 1; i--) { /* Fisher-Yates with the run's seed */
-        size_t m = (size_t)bs_rng_int(r, 0, (int64_t)i - 1);
+        size_t m = (size_t)loadgen_rng_int(r, 0, (int64_t)i - 1);
         cJSON *x = entries[i - 1];
         entries[i - 1] = entries[m];
         entries[m] = x;
@@ -294,14 +294,14 @@ td_status_t bs_dataset_sharegpt_parse(const char *text, size_t len, const char *
             st = td_errorf(TD_ERR_NOMEM, "%s: out of memory", name);
             goto out;
         }
-        items[n++] = (bs_item_t){.arrival_s = -1, .input_len = in, .output_len = out, .text = t};
+        items[n++] = (loadgen_item_t){.arrival_s = -1, .input_len = in, .output_len = out, .text = t};
     }
     if (!n) {
         st = td_errorf(TD_ERR_FORMAT, "%s: no usable conversation (a human turn then a gpt turn, prompt 4..1024 "
                        "tokens)", name);
         goto out;
     }
-    *d = (bs_dataset_t){.items = items, .n = n};
+    *d = (loadgen_dataset_t){.items = items, .n = n};
     items = NULL;
 out:
     if (items) {
@@ -316,10 +316,10 @@ out:
 
 /* ---- statistics ---------------------------------------------------------------------------- */
 
-void bs_stat_of(double *v, size_t n, bs_stat_t *out)
+void loadgen_stat_of(double *v, size_t n, loadgen_stat_t *out)
 {
     if (!n) {
-        *out = (bs_stat_t){NAN, NAN, NAN, NAN, NAN};
+        *out = (loadgen_stat_t){NAN, NAN, NAN, NAN, NAN};
         return;
     }
     td_stats_sort(v, n);
@@ -329,13 +329,13 @@ void bs_stat_of(double *v, size_t n, bs_stat_t *out)
     double mean = sum / (double)n;
     for (size_t i = 0; i < n; i++)
         sq += (v[i] - mean) * (v[i] - mean);
-    *out = (bs_stat_t){.mean = mean, .std = sqrt(sq / (double)n), .median = td_stats_percentile(v, n, 50),
+    *out = (loadgen_stat_t){.mean = mean, .std = sqrt(sq / (double)n), .median = td_stats_percentile(v, n, 50),
                        .p90 = td_stats_percentile(v, n, 90), .p99 = td_stats_percentile(v, n, 99)};
 }
 
 /* ---- objectives and goodput ------------------------------------------------------------------ */
 
-td_status_t bs_slo_parse(const char *text, bs_slo_t *slo)
+td_status_t loadgen_slo_parse(const char *text, loadgen_slo_t *slo)
 {
     const char *p = text;
     bool any = false;
@@ -373,20 +373,20 @@ td_status_t bs_slo_parse(const char *text, bs_slo_t *slo)
     return TD_OK;
 }
 
-bool bs_slo_any(const bs_slo_t *slo)
+bool loadgen_slo_any(const loadgen_slo_t *slo)
 {
     return slo->ttft_ms > 0 || slo->tpot_ms > 0 || slo->e2el_ms > 0;
 }
 
-bool bs_slo_met(const bs_slo_t *slo, const bs_outcome_t *o)
+bool loadgen_slo_met(const loadgen_slo_t *slo, const loadgen_outcome_t *o)
 {
     return o->ok && !(slo->ttft_ms > 0 && o->ttft_ms > slo->ttft_ms) && !(slo->tpot_ms > 0 && o->tpot_ms > slo->tpot_ms) &&
            !(slo->e2el_ms > 0 && o->e2el_ms > slo->e2el_ms);
 }
 
-void bs_summarize(const bs_outcome_t *o, size_t n, double duration_s, const bs_slo_t *slo, bs_summary_t *s)
+void loadgen_summarize(const loadgen_outcome_t *o, size_t n, double duration_s, const loadgen_slo_t *slo, loadgen_summary_t *s)
 {
-    *s = (bs_summary_t){.duration_s = duration_s};
+    *s = (loadgen_summary_t){.duration_s = duration_s};
     for (size_t i = 0; i < n; i++) {
         if (!o[i].ok) {
             s->failed++;
@@ -395,7 +395,7 @@ void bs_summarize(const bs_outcome_t *o, size_t n, double duration_s, const bs_s
         s->completed++;
         s->total_input += o[i].input_tokens;
         s->total_output += o[i].output_tokens;
-        if (bs_slo_met(slo, &o[i]))
+        if (loadgen_slo_met(slo, &o[i]))
             s->good++;
     }
     double d = duration_s > 0 ? duration_s : NAN;
@@ -408,7 +408,7 @@ void bs_summarize(const bs_outcome_t *o, size_t n, double duration_s, const bs_s
 
 /* ---- --sweep ---------------------------------------------------------------------------------- */
 
-td_status_t bs_rates_parse(const char *text, double **rates_p, size_t *n_p)
+td_status_t loadgen_rates_parse(const char *text, double **rates_p, size_t *n_p)
 {
     enum { MAX_RATES = 1000 };
     double *rates = malloc(MAX_RATES * sizeof *rates);
@@ -449,7 +449,7 @@ td_status_t bs_rates_parse(const char *text, double **rates_p, size_t *n_p)
     return TD_OK;
 }
 
-double bs_sweep_best(const double *rates, const double *attainment, size_t n, double min_attainment)
+double loadgen_sweep_best(const double *rates, const double *attainment, size_t n, double min_attainment)
 {
     double best = NAN;
     for (size_t i = 0; i < n; i++)
