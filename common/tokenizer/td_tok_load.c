@@ -82,6 +82,17 @@ int td_tok_byte_piece(const char *s, size_t len)
     return v;
 }
 
+td_status_t td_tok_set_byte_piece(td_tokenizer_t *tok, int32_t id, int b)
+{
+    if (tok->byte_id[b] < 0)
+        tok->byte_id[b] = id;
+    char c = (char)b;
+    td_status_t st = td_tok_arena_add(tok, &c, 1, &tok->surf_off[id]);
+    if (st == TD_OK)
+        tok->surf_len[id] = 1;
+    return st;
+}
+
 td_status_t td_tok_add_norm(td_tokenizer_t *tok, td_tok_norm_kind_t kind, const char *a, const char *b)
 {
     if (tok->n_norm == TD_TOK_MAX_STEPS)
@@ -157,12 +168,8 @@ static td_status_t load_bin(td_tokenizer_t *tok, const char *data, size_t size)
         int b = td_tok_byte_piece(p, (size_t)len);
         if (b >= 0 && id < 259) {
             tok->flags[id] |= TD_TOK_F_NOMERGE;
-            if (tok->byte_id[b] < 0)
-                tok->byte_id[b] = id;
-            char c = (char)b;
-            if ((st = td_tok_arena_add(tok, &c, 1, &tok->surf_off[id])))
+            if ((st = td_tok_set_byte_piece(tok, id, b)))
                 return st;
-            tok->surf_len[id] = 1;
         }
     }
     /* llama2.c's convention (sentencepiece's defaults): 0 <unk>, 1 <s>, 2 </s>, control */
@@ -593,118 +600,97 @@ static td_status_t check_ids(const td_tokenizer_t *tok)
     return TD_OK;
 }
 
-static td_status_t load_json(td_tokenizer_t *tok, const char *json_path, const char *dir)
-{
-    td_status_t st;
-    cJSON *root = NULL;
-    char *kbuf = NULL;
-    if ((st = parse_json_file(json_path, true, &root)))
-        return st;
+/* The parts of tokenizer.json that load_json reads, each checked for its shape. */
+typedef struct json_model {
+    const cJSON *model;  /* "model": its type, options and unk_token */
+    const cJSON *vocab;  /* model.vocab: piece -> id */
+    const cJSON *merges; /* model.merges, or NULL */
+    const cJSON *added;  /* added_tokens, or NULL */
+} json_model_t;
 
+/* Finds the model's parts in root and refuses what is not a BPE model we can load. */
+static td_status_t json_model_check(const td_tokenizer_t *tok, const cJSON *root, json_model_t *m)
+{
     const cJSON *model = cJSON_GetObjectItemCaseSensitive(root, "model");
-    if (!cJSON_IsObject(model)) {
-        st = td_errorf(TD_ERR_FORMAT, "%s: no \"model\" object", tok->path);
-        goto out;
-    }
+    if (!cJSON_IsObject(model))
+        return td_errorf(TD_ERR_FORMAT, "%s: no \"model\" object", tok->path);
     const char *mtype = json_str(model, "type");
     const cJSON *vocab = cJSON_GetObjectItemCaseSensitive(model, "vocab");
     const cJSON *merges = cJSON_GetObjectItemCaseSensitive(model, "merges");
-    if (mtype ? strcmp(mtype, "BPE") != 0 : !merges) {
-        st = td_errorf(TD_ERR_UNSUPPORTED, "%s: model type \"%s\" is not supported (only BPE)", tok->path,
-                       mtype ? mtype : "(none)");
-        goto out;
-    }
-    if (!cJSON_IsObject(vocab)) {
-        st = td_errorf(TD_ERR_FORMAT, "%s: model.vocab is not an object of piece: id", tok->path);
-        goto out;
-    }
-    if (merges && !cJSON_IsArray(merges) && !cJSON_IsNull(merges)) {
-        st = td_errorf(TD_ERR_FORMAT, "%s: model.merges is not an array", tok->path);
-        goto out;
-    }
+    if (mtype ? strcmp(mtype, "BPE") != 0 : !merges)
+        return td_errorf(TD_ERR_UNSUPPORTED, "%s: model type \"%s\" is not supported (only BPE)", tok->path,
+                         mtype ? mtype : "(none)");
+    if (!cJSON_IsObject(vocab))
+        return td_errorf(TD_ERR_FORMAT, "%s: model.vocab is not an object of piece: id", tok->path);
+    if (merges && !cJSON_IsArray(merges) && !cJSON_IsNull(merges))
+        return td_errorf(TD_ERR_FORMAT, "%s: model.merges is not an array", tok->path);
     const char *cont = json_str(model, "continuing_subword_prefix"), *eow = json_str(model, "end_of_word_suffix");
-    if ((cont && *cont) || (eow && *eow)) {
-        st = td_errorf(TD_ERR_UNSUPPORTED, "%s: BPE continuing_subword_prefix / end_of_word_suffix are not supported",
-                       tok->path);
-        goto out;
-    }
+    if ((cont && *cont) || (eow && *eow))
+        return td_errorf(TD_ERR_UNSUPPORTED, "%s: BPE continuing_subword_prefix / end_of_word_suffix are not "
+                         "supported", tok->path);
     const cJSON *dropout = cJSON_GetObjectItemCaseSensitive(model, "dropout");
-    if (cJSON_IsNumber(dropout) && dropout->valuedouble > 0) {
-        st = td_errorf(TD_ERR_UNSUPPORTED, "%s: BPE dropout is not supported", tok->path);
-        goto out;
-    }
+    if (cJSON_IsNumber(dropout) && dropout->valuedouble > 0)
+        return td_errorf(TD_ERR_UNSUPPORTED, "%s: BPE dropout is not supported", tok->path);
     const cJSON *added = cJSON_GetObjectItemCaseSensitive(root, "added_tokens");
-    if (added && !cJSON_IsArray(added) && !cJSON_IsNull(added)) {
-        st = td_errorf(TD_ERR_FORMAT, "%s: added_tokens is not an array", tok->path);
-        goto out;
-    }
+    if (added && !cJSON_IsArray(added) && !cJSON_IsNull(added))
+        return td_errorf(TD_ERR_FORMAT, "%s: added_tokens is not an array", tok->path);
+    *m = (json_model_t){.model = model, .vocab = vocab, .merges = merges, .added = added};
+    return TD_OK;
+}
 
-    /* pipeline first: whether the vocabulary is byte-level decides its keys */
-    if ((st = parse_normalizer(tok, cJSON_GetObjectItemCaseSensitive(root, "normalizer"))) ||
-        (st = parse_pre(tok, cJSON_GetObjectItemCaseSensitive(root, "pre_tokenizer"))))
-        goto out;
-    dec_cfg_t dec = {0};
-    if ((st = parse_decoder(tok, cJSON_GetObjectItemCaseSensitive(root, "decoder"), &dec)))
-        goto out;
-    if (dec.byte_level)
-        tok->byte_level = true;
-
-    /* ids: the largest of vocab and added tokens */
+/* Sizes the id tables for the largest id of the vocabulary and the added tokens; *kcap_p:
+ * a key buffer that holds any vocabulary piece's key. */
+static td_status_t json_alloc_ids(td_tokenizer_t *tok, const json_model_t *m, size_t *kcap_p)
+{
     int32_t n = 0;
     const cJSON *it;
     size_t max_piece = 1;
-    cJSON_ArrayForEach(it, vocab) {
+    cJSON_ArrayForEach(it, m->vocab) {
         if (!cJSON_IsNumber(it) || it->valuedouble < 0 || it->valuedouble >= TD_TOK_MAX_IDS ||
-            it->valuedouble != (double)(int32_t)it->valuedouble) {
-            st = td_errorf(TD_ERR_FORMAT, "%s: model.vocab[\"%s\"] is not an id in [0, %d)", tok->path,
-                           it->string, TD_TOK_MAX_IDS);
-            goto out;
-        }
+            it->valuedouble != (double)(int32_t)it->valuedouble)
+            return td_errorf(TD_ERR_FORMAT, "%s: model.vocab[\"%s\"] is not an id in [0, %d)", tok->path,
+                             it->string, TD_TOK_MAX_IDS);
         n = TD_MAX(n, (int32_t)it->valuedouble + 1);
         max_piece = TD_MAX(max_piece, strlen(it->string) * 2 + 8);
     }
-    cJSON_ArrayForEach(it, added) {
+    cJSON_ArrayForEach(it, m->added) {
         const cJSON *id = cJSON_GetObjectItemCaseSensitive(it, "id");
         const char *content = json_str(it, "content");
-        if (!cJSON_IsNumber(id) || id->valuedouble < 0 || id->valuedouble >= TD_TOK_MAX_IDS || !content || !*content) {
-            st = td_errorf(TD_ERR_FORMAT, "%s: an added_tokens entry lacks a valid \"id\" or non-empty \"content\"",
-                           tok->path);
-            goto out;
-        }
+        if (!cJSON_IsNumber(id) || id->valuedouble < 0 || id->valuedouble >= TD_TOK_MAX_IDS || !content || !*content)
+            return td_errorf(TD_ERR_FORMAT, "%s: an added_tokens entry lacks a valid \"id\" or non-empty \"content\"",
+                             tok->path);
         n = TD_MAX(n, (int32_t)id->valuedouble + 1);
     }
-    if (n == 0) {
-        st = td_errorf(TD_ERR_FORMAT, "%s: empty vocabulary", tok->path);
-        goto out;
-    }
-    if ((st = td_tok_alloc_ids(tok, n)))
-        goto out;
-    uint32_t b2u[256];
-    int16_t u2b[0x144];
-    td_tok_bytelevel_tables(b2u, u2b);
-    if (!(kbuf = malloc(max_piece))) {
-        st = td_errorf(TD_ERR_NOMEM, "%s: no memory", tok->path);
-        goto out;
-    }
+    if (n == 0)
+        return td_errorf(TD_ERR_FORMAT, "%s: empty vocabulary", tok->path);
+    *kcap_p = max_piece;
+    return td_tok_alloc_ids(tok, n);
+}
 
+/* The vocabulary's pieces: each id's piece, its key (bytes, for a byte-level vocabulary)
+ * and its surface (what the decoder makes of it); the byte pieces. kbuf: scratch of the
+ * size json_alloc_ids gave. */
+static td_status_t json_load_vocab(td_tokenizer_t *tok, const cJSON *vocab, const dec_cfg_t *dec,
+                                   const int16_t u2b[0x144], char *kbuf)
+{
+    td_status_t st;
+    const cJSON *it;
     cJSON_ArrayForEach(it, vocab) {
         int32_t id = (int32_t)it->valuedouble;
         const char *s = it->string;
         size_t len = strlen(s);
-        if (!(tok->flags[id] & TD_TOK_F_HOLE)) {
-            st = td_errorf(TD_ERR_FORMAT, "%s: id %d appears twice in model.vocab", tok->path, id);
-            goto out;
-        }
+        if (!(tok->flags[id] & TD_TOK_F_HOLE))
+            return td_errorf(TD_ERR_FORMAT, "%s: id %d appears twice in model.vocab", tok->path, id);
         tok->flags[id] = 0;
         if ((st = td_tok_arena_add(tok, s, len, &tok->piece_off[id])))
-            goto out;
+            return st;
         tok->piece_len[id] = (uint32_t)len;
         tok->key_off[id] = tok->surf_off[id] = tok->piece_off[id];
         tok->key_len[id] = tok->surf_len[id] = (uint32_t)len;
         if (tok->byte_level) {
             size_t kl = td_tok_bytelevel_to_bytes(u2b, s, len, kbuf);
             if ((st = td_tok_arena_add(tok, kbuf, kl, &tok->key_off[id])))
-                goto out;
+                return st;
             tok->key_len[id] = tok->surf_len[id] = (uint32_t)kl;
             tok->surf_off[id] = tok->key_off[id];
             if (kl == 1 && tok->byte_id[(uint8_t)kbuf[0]] < 0)
@@ -713,23 +699,19 @@ static td_status_t load_json(td_tokenizer_t *tok, const char *json_path, const c
         }
         int b = td_tok_byte_piece(s, len);
         if (b >= 0) {
+            if (dec->byte_fallback && (st = td_tok_set_byte_piece(tok, id, b)))
+                return st;
             if (tok->byte_id[b] < 0)
                 tok->byte_id[b] = id;
-            if (dec.byte_fallback) {
-                char c = (char)b;
-                if ((st = td_tok_arena_add(tok, &c, 1, &tok->surf_off[id])))
-                    goto out;
-                tok->surf_len[id] = 1;
-            }
             continue;
         }
-        if (dec.repl_from) {
+        if (dec->repl_from) {
             /* surface: the decoder's Replace ("▁" -> " ") */
-            size_t fl = strlen(dec.repl_from), tl = strlen(dec.repl_to), o = 0;
+            size_t fl = strlen(dec->repl_from), tl = strlen(dec->repl_to), o = 0;
             char *buf = kbuf;
             for (size_t i = 0; i < len;) {
-                if (len - i >= fl && !memcmp(s + i, dec.repl_from, fl)) {
-                    memcpy(buf + o, dec.repl_to, tl);
+                if (len - i >= fl && !memcmp(s + i, dec->repl_from, fl)) {
+                    memcpy(buf + o, dec->repl_to, tl);
                     o += tl;
                     i += fl;
                 } else {
@@ -737,35 +719,35 @@ static td_status_t load_json(td_tokenizer_t *tok, const char *json_path, const c
                 }
             }
             if ((st = td_tok_arena_add(tok, buf, o, &tok->surf_off[id])))
-                goto out;
+                return st;
             tok->surf_len[id] = (uint32_t)o;
         }
     }
+    return TD_OK;
+}
 
-    /* added tokens: matched in the text; their surface is their content */
+/* Added tokens: matched in the text; their surface is their content. */
+static td_status_t json_load_added(td_tokenizer_t *tok, const cJSON *added)
+{
+    td_status_t st;
+    const cJSON *it;
     size_t n_added = (size_t)cJSON_GetArraySize(added);
-    if (n_added && !(tok->added = calloc(n_added, sizeof *tok->added))) {
-        st = td_errorf(TD_ERR_NOMEM, "%s: no memory for added tokens", tok->path);
-        goto out;
-    }
+    if (n_added && !(tok->added = calloc(n_added, sizeof *tok->added)))
+        return td_errorf(TD_ERR_NOMEM, "%s: no memory for added tokens", tok->path);
     cJSON_ArrayForEach(it, added) {
         int32_t id = (int32_t)cJSON_GetObjectItemCaseSensitive(it, "id")->valuedouble;
         const char *content = json_str(it, "content");
         size_t len = strlen(content);
         uint32_t off;
-        if (tok->flags[id] & TD_TOK_F_ADDED) {
-            st = td_errorf(TD_ERR_FORMAT, "%s: added_tokens has id %d twice (\"%.64s\" and \"%.*s\")", tok->path,
-                           id, content, (int)TD_MIN(tok->piece_len[id], 64), tok->arena + tok->piece_off[id]);
-            goto out;
-        }
-        if (!(tok->flags[id] & TD_TOK_F_HOLE) && !same_token(tok, id, content, len)) {
-            st = td_errorf(TD_ERR_FORMAT, "%s: added_tokens gives id %d to \"%.64s\", but model.vocab gives it to "
-                           "\"%.*s\"", tok->path, id, content, (int)TD_MIN(tok->piece_len[id], 64),
-                           tok->arena + tok->piece_off[id]);
-            goto out;
-        }
+        if (tok->flags[id] & TD_TOK_F_ADDED)
+            return td_errorf(TD_ERR_FORMAT, "%s: added_tokens has id %d twice (\"%.64s\" and \"%.*s\")", tok->path,
+                             id, content, (int)TD_MIN(tok->piece_len[id], 64), tok->arena + tok->piece_off[id]);
+        if (!(tok->flags[id] & TD_TOK_F_HOLE) && !same_token(tok, id, content, len))
+            return td_errorf(TD_ERR_FORMAT, "%s: added_tokens gives id %d to \"%.64s\", but model.vocab gives it to "
+                             "\"%.*s\"", tok->path, id, content, (int)TD_MIN(tok->piece_len[id], 64),
+                             tok->arena + tok->piece_off[id]);
         if ((st = td_tok_arena_add(tok, content, len, &off)))
-            goto out;
+            return st;
         if (tok->flags[id] & TD_TOK_F_HOLE) {
             tok->flags[id] = 0;
             tok->piece_off[id] = tok->surf_off[id] = off;
@@ -779,15 +761,20 @@ static td_status_t load_json(td_tokenizer_t *tok, const char *json_path, const c
             .lstrip = json_bool(it, "lstrip", false), .rstrip = json_bool(it, "rstrip", false)};
     }
     td_tok_index_added(tok);
+    return TD_OK;
+}
 
-    if ((st = td_tok_map_build(tok)) || (st = check_ids(tok)))
-        goto out;
-
-    /* merges: "a b" strings or ["a", "b"] pairs, rank = position */
+/* Merges: "a b" strings or ["a", "b"] pairs, rank = position. Each side and the merged
+ * piece must be in the vocabulary. *kbuf_p (of *kcap_p bytes) grows for long pairs. */
+static td_status_t json_load_merges(td_tokenizer_t *tok, const cJSON *merges, const int16_t u2b[0x144],
+                                    char **kbuf_p, size_t *kcap_p)
+{
+    td_status_t st;
+    const cJSON *it;
     tok->algo = TD_TOK_ALGO_RANKS;
     size_t n_merges = merges ? (size_t)cJSON_GetArraySize(merges) : 0;
     if ((st = td_tok_merges_init(tok, n_merges)))
-        goto out;
+        return st;
     int32_t rank = 0;
     cJSON_ArrayForEach(it, merges) {
         const char *a, *b;
@@ -795,10 +782,8 @@ static td_status_t load_json(td_tokenizer_t *tok, const char *json_path, const c
         if (cJSON_IsString(it)) {
             a = it->valuestring;
             const char *sp = strchr(a + (*a ? 1 : 0), ' ');
-            if (!sp) {
-                st = td_errorf(TD_ERR_FORMAT, "%s: merge %d \"%s\" is not \"left right\"", tok->path, rank, a);
-                goto out;
-            }
+            if (!sp)
+                return td_errorf(TD_ERR_FORMAT, "%s: merge %d \"%s\" is not \"left right\"", tok->path, rank, a);
             al = (size_t)(sp - a);
             b = sp + 1;
             bl = strlen(b);
@@ -809,20 +794,19 @@ static td_status_t load_json(td_tokenizer_t *tok, const char *json_path, const c
             al = strlen(a);
             bl = strlen(b);
         } else {
-            st = td_errorf(TD_ERR_FORMAT, "%s: merge %d is neither \"left right\" nor [left, right]", tok->path, rank);
-            goto out;
+            return td_errorf(TD_ERR_FORMAT, "%s: merge %d is neither \"left right\" nor [left, right]", tok->path,
+                             rank);
         }
         /* keys of left, right and the merged piece */
         size_t need = (al + bl) * 2 + 8;
-        if (need > max_piece) {
-            char *k = realloc(kbuf, need);
-            if (!k) {
-                st = td_errorf(TD_ERR_NOMEM, "%s: no memory", tok->path);
-                goto out;
-            }
-            kbuf = k;
-            max_piece = need;
+        if (need > *kcap_p) {
+            char *k = realloc(*kbuf_p, need);
+            if (!k)
+                return td_errorf(TD_ERR_NOMEM, "%s: no memory", tok->path);
+            *kbuf_p = k;
+            *kcap_p = need;
         }
+        char *kbuf = *kbuf_p;
         size_t kl, kr;
         if (tok->byte_level) {
             kl = td_tok_bytelevel_to_bytes(u2b, a, al, kbuf);
@@ -837,15 +821,20 @@ static td_status_t load_json(td_tokenizer_t *tok, const char *json_path, const c
         if (l < 0 || r < 0 || m < 0) {
             /* HF refuses such a file too (MergeTokenOutOfVocabulary); skipping the merge
              * would encode differently from the reference without a word */
-            st = td_errorf(TD_ERR_FORMAT, "%s: merge %d \"%.*s %.*s\" names %s, which is not in model.vocab",
-                           tok->path, rank, (int)TD_MIN(al, 64), a, (int)TD_MIN(bl, 64), b,
-                           l < 0 ? "its left token" : r < 0 ? "its right token" : "the merged token");
-            goto out;
+            return td_errorf(TD_ERR_FORMAT, "%s: merge %d \"%.*s %.*s\" names %s, which is not in model.vocab",
+                             tok->path, rank, (int)TD_MIN(al, 64), a, (int)TD_MIN(bl, 64), b,
+                             l < 0 ? "its left token" : r < 0 ? "its right token" : "the merged token");
         }
         td_tok_merge_put(tok, l, r, rank, m);
         rank++;
     }
+    return TD_OK;
+}
 
+/* The model's options (unk_token, byte_fallback, fuse_unk, ignore_merges) and the
+ * decoder's strip; byte_fallback needs every byte's piece. */
+static td_status_t json_model_options(td_tokenizer_t *tok, const cJSON *model, const dec_cfg_t *dec)
+{
     const char *unk = json_str(model, "unk_token");
     tok->unk_id = unk ? td_tok_map_get(tok, unk, strlen(unk)) : -1;
     if (unk && tok->unk_id < 0 && !tok->byte_level)
@@ -853,19 +842,58 @@ static td_status_t load_json(td_tokenizer_t *tok, const char *json_path, const c
     tok->byte_fallback = json_bool(model, "byte_fallback", false);
     tok->fuse_unk = json_bool(model, "fuse_unk", false);
     tok->ignore_merges = json_bool(model, "ignore_merges", false);
-    tok->strip_leading_space = dec.strip;
+    tok->strip_leading_space = dec->strip;
     if (tok->byte_fallback) {
         for (int b = 0; b < 256; b++)
-            if (tok->byte_id[b] < 0) {
-                st = td_errorf(TD_ERR_FORMAT, "%s: byte_fallback is set but piece <0x%02X> is missing", tok->path, b);
-                goto out;
-            }
+            if (tok->byte_id[b] < 0)
+                return td_errorf(TD_ERR_FORMAT, "%s: byte_fallback is set but piece <0x%02X> is missing", tok->path,
+                                 b);
     }
     if (tok->byte_level) {
         for (int b = 0; b < 256; b++)
             if (tok->byte_id[b] < 0)
                 td_debug("tokenizer %s: byte 0x%02X has no ByteLevel token", tok->path, b);
     }
+    return TD_OK;
+}
+
+/* A tokenizer.json (Hugging Face tokenizers) and the special tokens of dir's configs. */
+static td_status_t load_json(td_tokenizer_t *tok, const char *json_path, const char *dir)
+{
+    td_status_t st;
+    cJSON *root = NULL;
+    char *kbuf = NULL;
+    if ((st = parse_json_file(json_path, true, &root)))
+        return st;
+    json_model_t m = {0};
+    if ((st = json_model_check(tok, root, &m)))
+        goto out;
+
+    /* pipeline first: whether the vocabulary is byte-level decides its keys */
+    if ((st = parse_normalizer(tok, cJSON_GetObjectItemCaseSensitive(root, "normalizer"))) ||
+        (st = parse_pre(tok, cJSON_GetObjectItemCaseSensitive(root, "pre_tokenizer"))))
+        goto out;
+    dec_cfg_t dec = {0};
+    if ((st = parse_decoder(tok, cJSON_GetObjectItemCaseSensitive(root, "decoder"), &dec)))
+        goto out;
+    if (dec.byte_level)
+        tok->byte_level = true;
+
+    /* ids: the largest of vocab and added tokens */
+    size_t kcap = 0;
+    if ((st = json_alloc_ids(tok, &m, &kcap)))
+        goto out;
+    uint32_t b2u[256];
+    int16_t u2b[0x144];
+    td_tok_bytelevel_tables(b2u, u2b);
+    if (!(kbuf = malloc(kcap))) {
+        st = td_errorf(TD_ERR_NOMEM, "%s: no memory", tok->path);
+        goto out;
+    }
+    if ((st = json_load_vocab(tok, m.vocab, &dec, u2b, kbuf)) || (st = json_load_added(tok, m.added)) ||
+        (st = td_tok_map_build(tok)) || (st = check_ids(tok)) ||
+        (st = json_load_merges(tok, m.merges, u2b, &kbuf, &kcap)) || (st = json_model_options(tok, m.model, &dec)))
+        goto out;
     st = load_specials(tok, dir);
 out:
     free(kbuf);

@@ -185,6 +185,10 @@ td_status_t td_tok_add_pre(td_tokenizer_t *tok, td_tok_pre_t **p_p);
 /* The byte of a "<0xXX>" piece, or -1. */
 int td_tok_byte_piece(const char *s, size_t len);
 
+/* id is the piece of byte b (byte fallback): the byte's id unless an earlier one is, and id
+ * decodes to the byte. Errors: td_tok_arena_add's. */
+td_status_t td_tok_set_byte_piece(td_tokenizer_t *tok, int32_t id, int b);
+
 /* ByteLevel alphabet: GPT-2's bytes_to_unicode and its inverse over U+0000..U+0143. */
 void td_tok_bytelevel_tables(uint32_t b2u[256], int16_t u2b[0x144]);
 /* Converts a ByteLevel-alphabet string to the bytes it stands for (characters outside the
