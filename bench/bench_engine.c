@@ -583,29 +583,31 @@ out:
     return rc;
 }
 
-int bench_engine(int argc, char **argv)
+/* Reads the command line into o; false when the command ends here, with *rc_p its exit
+ * status (--help: 0; a bad option: 2). */
+static bool configure(bench_opts_t *o, int argc, char **argv, int *rc_p)
 {
-    bench_opts_t o = {.preset = "llama-3.2-1b", .dtype = TD_F32, .quant = -1, .kv_dtype = -1, .threads = 0,
-                      .prompt_tokens = 512, .gen_tokens = 16, .llama_bench = getenv("LLAMA_BENCH")};
-    o.spec = td_spec_config_default();
-    int64_t threads = 0, prompt_tokens = o.prompt_tokens, gen_tokens = o.gen_tokens, draft_tokens = o.spec.k_max,
+    *o = (bench_opts_t){.preset = "llama-3.2-1b", .dtype = TD_F32, .quant = -1, .kv_dtype = -1, .threads = 0,
+                        .prompt_tokens = 512, .gen_tokens = 16, .llama_bench = getenv("LLAMA_BENCH")};
+    o->spec = td_spec_config_default();
+    int64_t threads = 0, prompt_tokens = o->prompt_tokens, gen_tokens = o->gen_tokens, draft_tokens = o->spec.k_max,
             spec_reps = 5, layers = 0;
     const td_opt_t opts[] = {
-        {.name = "model", .type = TD_OPT_STR, .ptr = &o.model, .arg = "PATH", .help = "a model to load instead of a preset"},
-        {.name = "preset", .type = TD_OPT_STR, .ptr = &o.preset, .arg = "NAME",
+        {.name = "model", .type = TD_OPT_STR, .ptr = &o->model, .arg = "PATH", .help = "a model to load instead of a preset"},
+        {.name = "preset", .type = TD_OPT_STR, .ptr = &o->preset, .arg = "NAME",
          .help = "synthetic model shape (default llama-3.2-1b), written once under\n"
                  "$TANDEM_CACHE or ~/.cache/tandem"},
         {.name = "layers", .type = TD_OPT_I64, .ptr = &layers, .min = 1, .max = 1024, .arg = "N",
          .help = "the preset's layer shape, N layers (a real shape that fits in memory;\n"
                  "per-layer figures scale)"},
-        {.name = "dtype", .type = TD_OPT_FN, .ptr = &o.dtype, .parse = cli_opt_dtype, .arg = "T",
+        {.name = "dtype", .type = TD_OPT_FN, .ptr = &o->dtype, .parse = cli_opt_dtype, .arg = "T",
          .help = "f32|bf16|f16: dtype of the synthetic weights (default f32); on cuda also of the\n"
                  "activations and the KV cache"},
-        {.name = "quant", .type = TD_OPT_FN, .ptr = &o.quant, .parse = cli_opt_quant, .arg = "Q",
+        {.name = "quant", .type = TD_OPT_FN, .ptr = &o->quant, .parse = cli_opt_quant, .arg = "Q",
          .help = "q8_0|q4_0: quantize the weight matrices at load (CPU)"},
-        {.name = "kv-dtype", .type = TD_OPT_FN, .ptr = &o.kv_dtype, .parse = cli_opt_kv_dtype, .arg = "T",
+        {.name = "kv-dtype", .type = TD_OPT_FN, .ptr = &o->kv_dtype, .parse = cli_opt_kv_dtype, .arg = "T",
          .help = "f32|f16|bf16|q8_0: the KV cache (default: cpu f32, cuda --dtype)"},
-        {.name = "device", .type = TD_OPT_FN, .ptr = &o.device, .parse = cli_opt_device, .arg = "D",
+        {.name = "device", .type = TD_OPT_FN, .ptr = &o->device, .parse = cli_opt_device, .arg = "D",
          .help = "where the engine runs: cpu (default), cuda or cuda:N"},
         {.name = "threads", .type = TD_OPT_I64, .ptr = &threads, .min = 1, .max = 1024, .arg = "N",
          .help = "compute threads (default: all cores)"},
@@ -613,28 +615,29 @@ int bench_engine(int argc, char **argv)
          .help = "prompt length of the prefill figure (default 512)"},
         {.name = "gen-tokens", .type = TD_OPT_I64, .ptr = &gen_tokens, .min = 1, .max = 1 << 16, .arg = "N",
          .help = "tokens generated per decode figure (default 16)"},
-        {.name = "json", .type = TD_OPT_BOOL, .ptr = &o.json, .help = "one JSON document on stdout (docs/bench.md)"},
-        {.name = "vs-llamacpp", .type = TD_OPT_BOOL, .ptr = &o.vs_llamacpp,
+        {.name = "json", .type = TD_OPT_BOOL, .ptr = &o->json, .help = "one JSON document on stdout (docs/bench.md)"},
+        {.name = "vs-llamacpp", .type = TD_OPT_BOOL, .ptr = &o->vs_llamacpp,
          .help = "then run llama.cpp's llama-bench on the same GGUF file (--model FILE.gguf),\n"
                  "prompt and generation lengths and threads, and print the ratios (CPU)"},
-        {.name = "llama-bench", .type = TD_OPT_STR, .ptr = &o.llama_bench, .arg = "PATH",
+        {.name = "llama-bench", .type = TD_OPT_STR, .ptr = &o->llama_bench, .arg = "PATH",
          .help = "the llama-bench program of --vs-llamacpp (default: $LLAMA_BENCH)"},
-        {.name = "spec", .type = TD_OPT_FN, .ptr = &o.spec.mode, .parse = cli_opt_spec, .arg = "MODE",
+        {.name = "spec", .type = TD_OPT_FN, .ptr = &o->spec.mode, .parse = cli_opt_spec, .arg = "MODE",
          .help = "prompt-lookup|draft-model: only the speculative decoding figure: batch-1\n"
                  "greedy decode of --gen-tokens with and without it, A/B alternated"},
-        {.name = "draft-model", .type = TD_OPT_STR, .ptr = &o.draft_model, .arg = "PATH",
+        {.name = "draft-model", .type = TD_OPT_STR, .ptr = &o->draft_model, .arg = "PATH",
          .help = "the draft model of --spec draft-model (sharing the vocabulary)"},
         {.name = "draft-tokens", .type = TD_OPT_I64, .ptr = &draft_tokens, .min = 1, .max = TD_SPEC_MAX_DRAFT,
          .arg = "K", .help = "most draft tokens per verify step (default 8)"},
-        {.name = "spec-prompt-ids", .type = TD_OPT_STR, .ptr = &o.spec_prompt, .arg = "IDS",
+        {.name = "spec-prompt-ids", .type = TD_OPT_STR, .ptr = &o->spec_prompt, .arg = "IDS",
          .help = "the --spec workload's prompt (default: 24 random ids, four times)"},
         {.name = "spec-reps", .type = TD_OPT_I64, .ptr = &spec_reps, .min = 1, .max = 100, .arg = "N",
          .help = "A/B pairs of the --spec figure; medians reported (default 5)"},
     };
     td_opts_t spec = {.prog = "bench engine", .opts = opts, .n_opts = TD_ARRAY_LEN(opts)};
     td_opts_result_t r = {0};
+    *rc_p = 2;
     if (td_opts_parse(&spec, argc, argv, &r) != TD_OK)
-        return 2;
+        return false;
     if (r.help) {
         printf("usage: tandem bench engine [--model PATH | --preset NAME [--layers N]] [--dtype f32|bf16|f16]\n"
                "                           [--quant q8_0|q4_0] [--kv-dtype T] [--device cpu|cuda[:N]] [--threads N]\n"
@@ -643,193 +646,255 @@ int bench_engine(int argc, char **argv)
                "                           [--spec prompt-lookup|draft-model [--draft-model PATH] [--draft-tokens K]\n"
                "                            [--spec-prompt-ids IDS] [--spec-reps N]]\n");
         td_opts_usage(stdout, opts, (int)TD_ARRAY_LEN(opts), false);
-        return 0;
+        *rc_p = 0;
+        return false;
     }
-    o.threads = (int)threads;
-    o.layers = (int)layers;
-    if (o.layers && o.model) {
+    o->threads = (int)threads;
+    o->layers = (int)layers;
+    if (o->layers && o->model) {
         fprintf(stderr, "tandem bench engine: --layers shapes a --preset model, not --model\n");
-        return 2;
+        return false;
     }
-    o.prompt_tokens = (int)prompt_tokens;
-    o.gen_tokens = (int)gen_tokens;
-    o.spec.k_max = (int32_t)draft_tokens;
-    o.spec_reps = (int)spec_reps;
-    if (td_spec_resolve_mode(&o.spec.mode, o.draft_model != NULL) != TD_OK) {
+    o->prompt_tokens = (int)prompt_tokens;
+    o->gen_tokens = (int)gen_tokens;
+    o->spec.k_max = (int32_t)draft_tokens;
+    o->spec_reps = (int)spec_reps;
+    if (td_spec_resolve_mode(&o->spec.mode, o->draft_model != NULL) != TD_OK) {
         fprintf(stderr, "tandem bench engine: %s\n", td_last_error());
-        return 2;
+        return false;
     }
-    if (o.spec.mode != TD_SPEC_OFF && o.gen_tokens < 2) {
+    if (o->spec.mode != TD_SPEC_OFF && o->gen_tokens < 2) {
         fprintf(stderr, "tandem bench engine: --spec needs --gen-tokens of 2 or more\n");
-        return 2;
+        return false;
     }
-    if (o.threads <= 0)
-        o.threads = td_cpu_count();
-    if (o.vs_llamacpp && (o.device.cuda || !o.model || !td_gguf_is_gguf(o.model) || !o.llama_bench)) {
+    if (o->threads <= 0)
+        o->threads = td_cpu_count();
+    if (o->vs_llamacpp && (o->device.cuda || !o->model || !td_gguf_is_gguf(o->model) || !o->llama_bench)) {
         fprintf(stderr, "tandem bench engine: --vs-llamacpp compares on the CPU on one GGUF file: it needs "
                         "--model FILE.gguf and --llama-bench PATH (or $LLAMA_BENCH)%s\n",
-                o.device.cuda ? ", and no --device cuda" : "");
-        return 2;
+                o->device.cuda ? ", and no --device cuda" : "");
+        return false;
     }
+    return true;
+}
+
+/* The engine the figures run on: KV room for 64 sequences of 64 + gen tokens and one of the
+ * prompt + gen (--spec: one sequence of up to 4096 tokens and a verify step's rows), no
+ * prefix cache (every run computes its prompt). */
+static td_engine_config_t engine_config(const bench_opts_t *o)
+{
+    td_engine_config_t ec = td_engine_config_default();
+    td_engine_config_set_dtype(&ec, -1, o->quant, o->kv_dtype >= 0 ? o->kv_dtype : o->device.cuda ? (int)o->dtype : -1);
+    ec.n_blocks = 64 * TD_DIV_CEIL(64 + o->gen_tokens + 1, ec.block_size) +
+                  TD_DIV_CEIL(o->prompt_tokens + o->gen_tokens + 1, ec.block_size) + 8;
+    ec.max_batch_tokens = TD_MAX(o->prompt_tokens, 64);
+    ec.prefix_cache = false;
+    if (o->spec.mode != TD_SPEC_OFF) {
+        ec.max_logit_rows = TD_SPEC_MAX_DRAFT + 1;
+        ec.max_batch_tokens = TD_MAX(ec.max_batch_tokens, 512);
+        ec.n_blocks = TD_DIV_CEIL(4096 + o->gen_tokens + TD_SPEC_MAX_DRAFT + 1, ec.block_size) + 8;
+    }
+    return ec;
+}
+
+/* The batch sizes of the batched decode figure. */
+static const int batches[] = {1, 8, 32, 64};
+
+/* The figures of `bench engine` without --spec, and the ceilings they are measured against. */
+typedef struct engine_figures {
+    double bw, sgemm;                    /* ceilings: read (cuda: copy) bandwidth in B/s, GEMM FLOP/s */
+    int32_t ffn_dim;                     /* the ceiling GEMM's width: an FFN matrix's (a mixture: an expert's) */
+    double prefill_tps, prefill_flops;   /* at the prompt length */
+    double decode_tps;                   /* batch 1, after a 64-token prompt */
+    double active;                       /* weight bytes a token reads (a mixture: its k experts') */
+    double bytes_per_token;              /* active + the KV read */
+    double batch_tps[TD_ARRAY_LEN(batches)];
+    llama_result_t lr;                   /* --vs-llamacpp */
+    double peer_bw;                      /* llama.cpp's read rate in B/s; 0 without it */
+    bool probe_bound;                    /* the ceiling is the probe's, not llama.cpp's (faster) */
+    double decode_ratio;                 /* decode's read rate over the ceiling */
+} engine_figures_t;
+
+/* Ceilings: bandwidth and GEMM FLOP/s on the device the engine runs on (the GEMM of an
+ * FFN matrix: a mixture's expert width). */
+static td_status_t measure_ceilings(const bench_opts_t *o, td_backend_t *be, td_engine_t *eng, engine_figures_t *f)
+{
+    const td_model_config_t *c = td_engine_model_config(eng);
+    f->ffn_dim = c->n_experts > 0 ? c->expert_hidden_dim : c->hidden_dim;
+    if (o->device.cuda) {
+        td_status_t st = bench_copy_bandwidth(be, (size_t)1 << 30, 10, &f->bw);
+        if (st == TD_OK)
+            st = bench_matmul_flops(be, o->prompt_tokens, f->ffn_dim, c->dim, o->dtype, 10, &f->sgemm);
+        return st;
+    }
+    td_pool_t *pool = NULL;
+    td_status_t st = td_pool_create(o->threads, &pool);
+    if (st != TD_OK)
+        return st;
+    f->bw = measure_read_bw(pool, o->threads, td_engine_weight_bytes(eng));
+    td_pool_destroy(pool);
+    f->sgemm = measure_sgemm(o->threads, o->prompt_tokens, f->ffn_dim, c->dim);
+    return TD_OK;
+}
+
+/* The engine's figures: prefill, batch-1 and batched decode, then llama.cpp's when asked. */
+static td_status_t measure(const bench_opts_t *o, td_engine_t *eng, const td_engine_config_t *ec, const char *dir,
+                           engine_figures_t *f)
+{
+    const td_model_config_t *c = td_engine_model_config(eng);
+    td_status_t st;
+    /* prefill at the prompt length, best of 3 (of 2 when one takes long: the figure stays
+       under a minute for a 1B model on two cores) */
+    double pre_s = 1e30, dec_s = 0, p = 0, d = 0;
+    for (int rep = 0; rep < (pre_s > PREFILL_LONG_S ? 2 : 3); rep++) {
+        if ((st = run_batch(eng, 1, o->prompt_tokens, 1, &p, &d)) != TD_OK)
+            return st;
+        pre_s = TD_MIN(pre_s, p);
+    }
+    f->prefill_tps = o->prompt_tokens / pre_s;
+    f->prefill_flops = forward_flops(c, o->prompt_tokens, 0) / pre_s;
+
+    /* batch-1 decode after a 64-token prompt */
+    if ((st = run_batch(eng, 1, 64, o->gen_tokens, &p, &dec_s)) != TD_OK)
+        return st;
+    f->decode_tps = o->gen_tokens / dec_s;
+    size_t kv_tok = (size_t)td_model_kv_bytes_per_token(c, ec->kv_dtype);
+    /* a mixture reads the router's k experts of each layer per token, not all of them */
+    f->active = (double)td_engine_active_weight_bytes(eng);
+    f->bytes_per_token = f->active + kv_tok * (64 + o->gen_tokens / 2.0);
+
+    for (size_t b = 0; b < TD_ARRAY_LEN(batches); b++) {
+        int steps = TD_MIN(o->gen_tokens, BATCH_STEPS);
+        if ((st = run_batch(eng, batches[b], BATCH_PROMPT, steps, &p, &d)) != TD_OK)
+            return st;
+        f->batch_tps[b] = batches[b] * steps / d;
+    }
+
+    /* the peer, after our runs (never beside them: they share the cores) */
+    if (o->vs_llamacpp) {
+        if ((st = run_llama_bench(o, dir, &f->lr)) != TD_OK)
+            return st;
+        f->peer_bw = f->lr.tg_tps * f->lr.model_size;
+    }
+    /* the ceiling is what the fastest reader achieved: the probe, or the peer when faster */
+    f->probe_bound = f->peer_bw <= f->bw;
+    double ceiling = f->probe_bound ? f->bw : f->peer_bw;
+    f->decode_ratio = f->decode_tps * f->bytes_per_token / ceiling;
+    return TD_OK;
+}
+
+/* The figures as one JSON document on stdout (docs/bench.md); bench_json_print's status. */
+static int print_json(const bench_opts_t *o, td_backend_t *be, td_engine_t *eng, const td_engine_config_t *ec,
+                      const char *dir, const engine_figures_t *f)
+{
+    const td_model_config_t *c = td_engine_model_config(eng);
+    cJSON *j = cJSON_CreateObject(), *batched = cJSON_CreateObject();
+    cJSON_AddStringToObject(j, "model", dir);
+    cJSON_AddStringToObject(j, "device", be->ops->name);
+    if (td_backend_cpu_isa(be))
+        cJSON_AddStringToObject(j, "cpu_isa", td_backend_cpu_isa(be));
+    cJSON_AddStringToObject(j, "kv_dtype", td_dtype_name(ec->kv_dtype));
+    if (td_backend_cpu_isa(be)) /* what the quantized matmul's activations are (--device cpu[:exact|:q8]) */
+        cJSON_AddStringToObject(j, "cpu_activations", o->device.exact ? "f32" : o->device.q8 ? "one-byte" : "two-byte");
+    cJSON_AddNumberToObject(j, "threads", o->threads);
+    cJSON_AddNumberToObject(j, "weight_bytes", (double)td_engine_weight_bytes(eng));
+    cJSON_AddNumberToObject(j, "active_weight_bytes", f->active);
+    cJSON_AddNumberToObject(j, "experts", c->n_experts);
+    cJSON_AddNumberToObject(j, "experts_per_token", c->n_experts_used);
+    bench_json_number(j, "read_bw_gbytes_per_s", f->bw * 1e-9, 3);
+    bench_json_number(j, "sgemm_gflops", f->sgemm * 1e-9, 2);
+    bench_json_number(j, "decode_b1_tokens_per_s", f->decode_tps, 3);
+    bench_json_number(j, "decode_b1_bytes_per_token", f->bytes_per_token, 0);
+    bench_json_number(j, "decode_b1_bw_ratio", f->decode_ratio, 3);
+    cJSON_AddNumberToObject(j, "prefill_tokens", o->prompt_tokens);
+    bench_json_number(j, "prefill_tokens_per_s", f->prefill_tps, 2);
+    bench_json_number(j, "prefill_gflops", f->prefill_flops * 1e-9, 2);
+    bench_json_number(j, "prefill_sgemm_ratio", f->prefill_flops / f->sgemm, 3);
+    for (size_t b = 0; b < TD_ARRAY_LEN(batches); b++) {
+        char key[16];
+        snprintf(key, sizeof key, "%d", batches[b]);
+        bench_json_number(batched, key, f->batch_tps[b], 2);
+    }
+    if (!cJSON_AddItemToObject(j, "batched_decode_tokens_per_s", batched))
+        cJSON_Delete(batched);
+    if (o->vs_llamacpp) {
+        bench_json_number(j, "llamacpp_decode_b1_tokens_per_s", f->lr.tg_tps, 3);
+        bench_json_number(j, "llamacpp_prefill_tokens_per_s", f->lr.pp_tps, 2);
+        bench_json_number(j, "llamacpp_read_gbytes_per_s", f->peer_bw * 1e-9, 3);
+        bench_json_number(j, "decode_vs_llamacpp", f->decode_tps / f->lr.tg_tps, 3);
+        bench_json_number(j, "prefill_vs_llamacpp", f->prefill_tps / f->lr.pp_tps, 3);
+        cJSON_AddBoolToObject(j, "read_bw_probe_is_bound", f->probe_bound);
+    }
+    return bench_json_print(stdout, j);
+}
+
+/* The figures as text, one line each. */
+static void print_text(const bench_opts_t *o, td_backend_t *be, td_engine_t *eng, const td_engine_config_t *ec,
+                       const char *dir, const engine_figures_t *f)
+{
+    const td_model_config_t *c = td_engine_model_config(eng);
+    const char *bw_name = o->device.cuda ? "device copy bandwidth" : "read bandwidth";
+    const char *gemm_name = o->device.cuda ? "cuBLAS gemm" : "OpenBLAS sgemm";
+    printf("model          %s (%s, %.2f GB of weights streamed per step, %s%s%s%s, KV %s)\n", dir,
+           c->arch_name, (double)td_engine_weight_bytes(eng) * 1e-9, be->ops->name,
+           td_backend_cpu_isa(be) ? " kernels " : "", td_backend_cpu_isa(be) ? td_backend_cpu_isa(be) : "",
+           !td_backend_cpu_isa(be) ? "" : o->device.exact ? ", f32 activations"
+                                        : o->device.q8   ? ", one-byte activations" : "",
+           td_dtype_name(ec->kv_dtype));
+    if (c->n_experts > 0)
+        printf("experts        %d of %d per token: %.3f GB of active weights per token (of %.3f GB)\n",
+               c->n_experts_used, c->n_experts, f->active * 1e-9, (double)td_engine_weight_bytes(eng) * 1e-9);
+    printf("ceilings       %s %.2f GB/s, %s %.1f GFLOP/s (%dx%dx%d)\n", bw_name, f->bw * 1e-9,
+           gemm_name, f->sgemm * 1e-9, o->prompt_tokens, f->ffn_dim, c->dim);
+    printf("decode b=1     %.2f tokens/s x %.1f MB/token = %.2f GB/s = %.2f of %s\n", f->decode_tps,
+           f->bytes_per_token * 1e-6, f->decode_tps * f->bytes_per_token * 1e-9, f->decode_ratio,
+           f->probe_bound ? bw_name : "llama.cpp's read rate");
+    printf("prefill %4d   %.1f tokens/s = %.1f GFLOP/s = %.2f of %s\n", o->prompt_tokens,
+           f->prefill_tps, f->prefill_flops * 1e-9, f->prefill_flops / f->sgemm, gemm_name);
+    printf("batched decode");
+    for (size_t b = 0; b < TD_ARRAY_LEN(batches); b++)
+        printf("  b=%d %.1f tok/s", batches[b], f->batch_tps[b]);
+    printf("\n");
+    if (o->vs_llamacpp) {
+        printf("llama.cpp      %s, %d threads: decode tg%d %.2f tokens/s (reads %.2f GB/s), prefill pp%d "
+               "%.1f tokens/s\n",
+               o->llama_bench, o->threads, o->gen_tokens, f->lr.tg_tps, f->peer_bw * 1e-9, o->prompt_tokens, f->lr.pp_tps);
+        printf("vs llama.cpp   decode %.2fx, prefill %.2fx%s\n", f->decode_tps / f->lr.tg_tps, f->prefill_tps / f->lr.pp_tps,
+               f->probe_bound ? "" : " (llama.cpp read the weights faster than the read probe: the probe is not "
+                                  "the bound, the ceiling above is llama.cpp's rate)");
+    }
+}
+
+int bench_engine(int argc, char **argv)
+{
+    bench_opts_t o;
+    int rc;
+    if (!configure(&o, argc, argv, &rc))
+        return rc;
 
     char dir[4096];
     td_model_t *model = NULL;
     td_backend_t *be = NULL;
     td_engine_t *eng = NULL;
-    td_pool_t *pool = NULL;
-    int rc = 1;
+    engine_figures_t f = {0};
+    rc = 1;
     if (td_backend_open(&o.device, o.threads, o.dtype, &be) != TD_OK ||
         ensure_model(&o, dir, sizeof dir) != TD_OK || td_model_load(dir, &model) != TD_OK)
         goto out;
-    const td_model_config_t *c = &model->config;
-    const int batches[] = {1, 8, 32, 64};
-    td_engine_config_t ec = td_engine_config_default();
-    td_engine_config_set_dtype(&ec, -1, o.quant, o.kv_dtype >= 0 ? o.kv_dtype : o.device.cuda ? (int)o.dtype : -1);
-    ec.n_blocks = 64 * TD_DIV_CEIL(64 + o.gen_tokens + 1, ec.block_size) +
-                  TD_DIV_CEIL(o.prompt_tokens + o.gen_tokens + 1, ec.block_size) + 8;
-    ec.max_batch_tokens = TD_MAX(o.prompt_tokens, 64);
-    ec.prefix_cache = false;
-    if (o.spec.mode != TD_SPEC_OFF) {
-        ec.max_logit_rows = TD_SPEC_MAX_DRAFT + 1;
-        ec.max_batch_tokens = TD_MAX(ec.max_batch_tokens, 512);
-        ec.n_blocks = TD_DIV_CEIL(4096 + o.gen_tokens + TD_SPEC_MAX_DRAFT + 1, ec.block_size) + 8;
-    }
+    td_engine_config_t ec = engine_config(&o);
     if (td_engine_create(model, be, &ec, &eng) != TD_OK)
         goto out;
     if (o.spec.mode != TD_SPEC_OFF) {
         rc = spec_main(&o, model, be, eng, &ec, dir);
         goto out;
     }
-
-    /* ceilings: bandwidth and GEMM FLOP/s on the device the engine runs on (the GEMM of an
-       FFN matrix: a mixture's expert width) */
-    double bw = 0, sgemm = 0;
-    int32_t ffn_dim = c->n_experts > 0 ? c->expert_hidden_dim : c->hidden_dim;
-    if (o.device.cuda) {
-        if (bench_copy_bandwidth(be, (size_t)1 << 30, 10, &bw) != TD_OK ||
-            bench_matmul_flops(be, o.prompt_tokens, ffn_dim, c->dim, o.dtype, 10, &sgemm) != TD_OK)
-            goto out;
-    } else {
-        if (td_pool_create(o.threads, &pool) != TD_OK)
-            goto out;
-        bw = measure_read_bw(pool, o.threads, td_engine_weight_bytes(eng));
-        td_pool_destroy(pool);
-        pool = NULL;
-        sgemm = measure_sgemm(o.threads, o.prompt_tokens, ffn_dim, c->dim);
-    }
-    const char *bw_name = o.device.cuda ? "device copy bandwidth" : "read bandwidth";
-    const char *gemm_name = o.device.cuda ? "cuBLAS gemm" : "OpenBLAS sgemm";
-
-    /* prefill at the prompt length, best of 3 (of 2 when one takes long: the figure stays
-       under a minute for a 1B model on two cores) */
-    double pre_s = 1e30, dec_s = 0, p = 0, d = 0;
-    for (int rep = 0; rep < (pre_s > PREFILL_LONG_S ? 2 : 3); rep++) {
-        if (run_batch(eng, 1, o.prompt_tokens, 1, &p, &d) != TD_OK)
-            goto out;
-        pre_s = TD_MIN(pre_s, p);
-    }
-    double prefill_tps = o.prompt_tokens / pre_s;
-    double prefill_flops = forward_flops(c, o.prompt_tokens, 0) / pre_s;
-
-    /* batch-1 decode after a 64-token prompt */
-    if (run_batch(eng, 1, 64, o.gen_tokens, &p, &dec_s) != TD_OK)
+    if (measure_ceilings(&o, be, eng, &f) != TD_OK || measure(&o, eng, &ec, dir, &f) != TD_OK)
         goto out;
-    double decode_tps = o.gen_tokens / dec_s;
-    size_t kv_tok = (size_t)td_model_kv_bytes_per_token(c, ec.kv_dtype);
-    /* a mixture reads the router's k experts of each layer per token, not all of them */
-    double active = (double)td_engine_active_weight_bytes(eng);
-    double bytes_per_token = active + kv_tok * (64 + o.gen_tokens / 2.0);
-
-    double batch_tps[4];
-    for (int b = 0; b < 4; b++) {
-        int steps = TD_MIN(o.gen_tokens, BATCH_STEPS);
-        if (run_batch(eng, batches[b], BATCH_PROMPT, steps, &p, &d) != TD_OK)
-            goto out;
-        batch_tps[b] = batches[b] * steps / d;
-    }
-
-    /* the peer, after our runs (never beside them: they share the cores) */
-    llama_result_t lr = {0};
-    double peer_bw = 0;
-    if (o.vs_llamacpp) {
-        if (run_llama_bench(&o, dir, &lr) != TD_OK)
-            goto out;
-        peer_bw = lr.tg_tps * lr.model_size;
-    }
-    /* the ceiling is what the fastest reader achieved: the probe, or the peer when faster */
-    bool probe_bound = peer_bw <= bw;
-    double ceiling = probe_bound ? bw : peer_bw;
-    double decode_ratio = decode_tps * bytes_per_token / ceiling;
-
     if (o.json) {
-        cJSON *j = cJSON_CreateObject(), *batched = cJSON_CreateObject();
-        cJSON_AddStringToObject(j, "model", dir);
-        cJSON_AddStringToObject(j, "device", be->ops->name);
-        if (td_backend_cpu_isa(be))
-            cJSON_AddStringToObject(j, "cpu_isa", td_backend_cpu_isa(be));
-        cJSON_AddStringToObject(j, "kv_dtype", td_dtype_name(ec.kv_dtype));
-        if (td_backend_cpu_isa(be)) /* what the quantized matmul's activations are (--device cpu[:exact|:q8]) */
-            cJSON_AddStringToObject(j, "cpu_activations", o.device.exact ? "f32" : o.device.q8 ? "one-byte" : "two-byte");
-        cJSON_AddNumberToObject(j, "threads", o.threads);
-        cJSON_AddNumberToObject(j, "weight_bytes", (double)td_engine_weight_bytes(eng));
-        cJSON_AddNumberToObject(j, "active_weight_bytes", active);
-        cJSON_AddNumberToObject(j, "experts", c->n_experts);
-        cJSON_AddNumberToObject(j, "experts_per_token", c->n_experts_used);
-        bench_json_number(j, "read_bw_gbytes_per_s", bw * 1e-9, 3);
-        bench_json_number(j, "sgemm_gflops", sgemm * 1e-9, 2);
-        bench_json_number(j, "decode_b1_tokens_per_s", decode_tps, 3);
-        bench_json_number(j, "decode_b1_bytes_per_token", bytes_per_token, 0);
-        bench_json_number(j, "decode_b1_bw_ratio", decode_ratio, 3);
-        cJSON_AddNumberToObject(j, "prefill_tokens", o.prompt_tokens);
-        bench_json_number(j, "prefill_tokens_per_s", prefill_tps, 2);
-        bench_json_number(j, "prefill_gflops", prefill_flops * 1e-9, 2);
-        bench_json_number(j, "prefill_sgemm_ratio", prefill_flops / sgemm, 3);
-        for (int b = 0; b < 4; b++) {
-            char key[16];
-            snprintf(key, sizeof key, "%d", batches[b]);
-            bench_json_number(batched, key, batch_tps[b], 2);
-        }
-        if (!cJSON_AddItemToObject(j, "batched_decode_tokens_per_s", batched))
-            cJSON_Delete(batched);
-        if (o.vs_llamacpp) {
-            bench_json_number(j, "llamacpp_decode_b1_tokens_per_s", lr.tg_tps, 3);
-            bench_json_number(j, "llamacpp_prefill_tokens_per_s", lr.pp_tps, 2);
-            bench_json_number(j, "llamacpp_read_gbytes_per_s", peer_bw * 1e-9, 3);
-            bench_json_number(j, "decode_vs_llamacpp", decode_tps / lr.tg_tps, 3);
-            bench_json_number(j, "prefill_vs_llamacpp", prefill_tps / lr.pp_tps, 3);
-            cJSON_AddBoolToObject(j, "read_bw_probe_is_bound", probe_bound);
-        }
-        if (bench_json_print(stdout, j) != 0)
+        if (print_json(&o, be, eng, &ec, dir, &f) != 0)
             goto out;
     } else {
-        printf("model          %s (%s, %.2f GB of weights streamed per step, %s%s%s%s, KV %s)\n", dir,
-               c->arch_name, (double)td_engine_weight_bytes(eng) * 1e-9, be->ops->name,
-               td_backend_cpu_isa(be) ? " kernels " : "", td_backend_cpu_isa(be) ? td_backend_cpu_isa(be) : "",
-               !td_backend_cpu_isa(be) ? "" : o.device.exact ? ", f32 activations"
-                                            : o.device.q8   ? ", one-byte activations" : "",
-               td_dtype_name(ec.kv_dtype));
-        if (c->n_experts > 0)
-            printf("experts        %d of %d per token: %.3f GB of active weights per token (of %.3f GB)\n",
-                   c->n_experts_used, c->n_experts, active * 1e-9, (double)td_engine_weight_bytes(eng) * 1e-9);
-        printf("ceilings       %s %.2f GB/s, %s %.1f GFLOP/s (%dx%dx%d)\n", bw_name, bw * 1e-9,
-               gemm_name, sgemm * 1e-9, o.prompt_tokens, ffn_dim, c->dim);
-        printf("decode b=1     %.2f tokens/s x %.1f MB/token = %.2f GB/s = %.2f of %s\n", decode_tps,
-               bytes_per_token * 1e-6, decode_tps * bytes_per_token * 1e-9, decode_ratio,
-               probe_bound ? bw_name : "llama.cpp's read rate");
-        printf("prefill %4d   %.1f tokens/s = %.1f GFLOP/s = %.2f of %s\n", o.prompt_tokens,
-               prefill_tps, prefill_flops * 1e-9, prefill_flops / sgemm, gemm_name);
-        printf("batched decode");
-        for (int b = 0; b < 4; b++)
-            printf("  b=%d %.1f tok/s", batches[b], batch_tps[b]);
-        printf("\n");
-        if (o.vs_llamacpp) {
-            printf("llama.cpp      %s, %d threads: decode tg%d %.2f tokens/s (reads %.2f GB/s), prefill pp%d "
-                   "%.1f tokens/s\n",
-                   o.llama_bench, o.threads, o.gen_tokens, lr.tg_tps, peer_bw * 1e-9, o.prompt_tokens, lr.pp_tps);
-            printf("vs llama.cpp   decode %.2fx, prefill %.2fx%s\n", decode_tps / lr.tg_tps, prefill_tps / lr.pp_tps,
-                   probe_bound ? "" : " (llama.cpp read the weights faster than the read probe: the probe is not "
-                                      "the bound, the ceiling above is llama.cpp's rate)");
-        }
+        print_text(&o, be, eng, &ec, dir, &f);
     }
     rc = 0;
 out:
@@ -837,7 +902,6 @@ out:
         fprintf(stderr, "tandem bench engine: failed\n"); /* decided errors were logged where decided */
     td_engine_destroy(eng);
     td_backend_destroy(be);
-    td_pool_destroy(pool);
     td_model_destroy(model);
     return rc;
 }

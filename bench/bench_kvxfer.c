@@ -376,55 +376,168 @@ static td_status_t parse_rma(const td_opt_t *opt, const char *value)
     return td_xfer_rma_parse(value, opt->ptr);
 }
 
-int bench_kvxfer(int argc, char **argv)
+/* The command line of `bench kvxfer` (the top of the file says what each does). */
+typedef struct kvx_opts {
+    bool json;
+    const char *transport; /* tcp or sm */
+    td_xfer_rma_t rma;
+    int64_t iters, inflight, window, only_tokens, rounds; /* inflight, only_tokens: 0 = not given */
+} kvx_opts_t;
+
+/* Reads the command line into o; false when the command ends here, with *rc_p its exit
+ * status (--help: 0; a bad option: 2). */
+static bool kvx_configure(kvx_opts_t *o, int argc, char **argv, int *rc_p)
 {
-    bool json = false;
-    const char *transport = "tcp";
-    td_xfer_rma_t rma = TD_XFER_RMA_AUTO;
-    int64_t iters = 20, inflight = 0, window = 8, only_tokens = 0, rounds = 3;
+    *o = (kvx_opts_t){.transport = "tcp", .rma = TD_XFER_RMA_AUTO, .iters = 20, .window = 8, .rounds = 3};
     const td_opt_t opts[] = {
-        {.name = "json", .type = TD_OPT_BOOL, .ptr = &json, .help = "one JSON document on stdout (docs/bench.md)"},
-        {.name = "transport", .type = TD_OPT_STR, .ptr = &transport, .arg = "T", .help = "tcp (default) or sm"},
-        {.name = "rma", .type = TD_OPT_FN, .ptr = &rma, .parse = parse_rma, .arg = "R",
+        {.name = "json", .type = TD_OPT_BOOL, .ptr = &o->json, .help = "one JSON document on stdout (docs/bench.md)"},
+        {.name = "transport", .type = TD_OPT_STR, .ptr = &o->transport, .arg = "T", .help = "tcp (default) or sm"},
+        {.name = "rma", .type = TD_OPT_FN, .ptr = &o->rma, .parse = parse_rma, .arg = "R",
          .help = "auto (default), put or am: the primitive the sender uses"},
-        {.name = "iters", .type = TD_OPT_I64, .ptr = &iters, .min = 1, .max = 100000, .arg = "N",
+        {.name = "iters", .type = TD_OPT_I64, .ptr = &o->iters, .min = 1, .max = 100000, .arg = "N",
          .help = "transfers per timed round (default 20)"},
-        {.name = "window", .type = TD_OPT_I64, .ptr = &window, .min = 1, .max = KVX_MAX_WINDOW, .arg = "N",
+        {.name = "window", .type = TD_OPT_I64, .ptr = &o->window, .min = 1, .max = KVX_MAX_WINDOW, .arg = "N",
          .help = "transfers in flight at once (default 8)"},
-        {.name = "inflight", .type = TD_OPT_I64, .ptr = &inflight, .min = 1, .max = 65536, .arg = "N",
+        {.name = "inflight", .type = TD_OPT_I64, .ptr = &o->inflight, .min = 1, .max = 65536, .arg = "N",
          .help = "the sender's max_inflight_ops (default: td_xfer's)"},
-        {.name = "tokens", .type = TD_OPT_I64, .ptr = &only_tokens, .min = 1, .max = KVX_MAX_TOKENS, .arg = "N",
+        {.name = "tokens", .type = TD_OPT_I64, .ptr = &o->only_tokens, .min = 1, .max = KVX_MAX_TOKENS, .arg = "N",
          .help = "one sequence length instead of 16, 64, 256, 1024 and 4096"},
-        {.name = "rounds", .type = TD_OPT_I64, .ptr = &rounds, .min = 1, .max = KVX_MAX_ROUNDS, .arg = "R",
+        {.name = "rounds", .type = TD_OPT_I64, .ptr = &o->rounds, .min = 1, .max = KVX_MAX_ROUNDS, .arg = "R",
          .help = "rounds per size; figures are their medians (default 3)"},
     };
     td_opts_t spec = {.prog = "bench kvxfer", .opts = opts, .n_opts = TD_ARRAY_LEN(opts)};
     td_opts_result_t r_opts = {0};
+    *rc_p = 2;
     if (td_opts_parse(&spec, argc, argv, &r_opts) != TD_OK)
-        return 2;
+        return false;
     if (r_opts.help) {
         printf("usage: tandem bench kvxfer [--json] [--transport tcp|sm] [--rma auto|put|am] "
                "[--iters N] [--window N] [--inflight N] [--tokens N] [--rounds R]\n\n");
         td_opts_usage(stdout, opts, (int)TD_ARRAY_LEN(opts), false);
-        return 0;
+        *rc_p = 0;
+        return false;
     }
-    const char *tls = td_xfer_testkit_tls(transport);
-    if (!tls) {
-        fprintf(stderr, "kvxfer: --transport must be tcp or sm, not %s\n", transport);
-        return 2;
-    }
-    td_xfer_testkit_env(tls);
-    /* The figures go to the original stdout; anything else written there (UCX prints its
-     * warnings to stdout) goes to stderr, so that --json output is JSON alone. stdout stays
-     * on stderr for the rest of the process: UCX warns about unused variables when the
-     * library unloads at exit. */
+    return true;
+}
+
+/* The figures go to the original stdout; anything else written there (UCX prints its
+ * warnings to stdout) goes to stderr, so that --json output is JSON alone. stdout stays
+ * on stderr for the rest of the process: UCX warns about unused variables when the
+ * library unloads at exit. Returns the figures' stream, NULL (and a message) on failure. */
+static FILE *kvx_results_stream(void)
+{
     fflush(stdout);
     int res_fd = dup(STDOUT_FILENO);
     FILE *res = res_fd >= 0 ? fdopen(res_fd, "w") : NULL;
     if (!res || dup2(STDERR_FILENO, STDOUT_FILENO) < 0) {
         perror("kvxfer: stdout");
-        return 1;
+        return NULL;
     }
+    return res;
+}
+
+/* One row: a transfer size's figures, medians over the rounds (see the top of the file). */
+typedef struct kvx_row {
+    kvx_size_t z;
+    const char *prim;                   /* the primitive td_xfer used: "put" or "am" */
+    double gbs, ref, ratio, ratio_min, ratio_max, op_ref, ratio_op, am, copy, ratio_copy;
+    double serial, p50, p99;            /* latency phase: bytes / p50 in GB/s, us */
+} kvx_row_t;
+
+/* Measures the row of `tokens` tokens, the k-th size (which places its rounds' perftest
+ * ports): latency, then o->rounds rounds. lat holds o->iters doubles. False (and a message)
+ * on any failure. */
+static bool kvx_measure_size(kvx_ctx_t *c, const kvx_opts_t *o, size_t k, uint32_t tokens, double *lat,
+                             kvx_row_t *row)
+{
+    kvx_size_t z = {.tokens = tokens};
+    size_t bb = td_kv_block_bytes(&KVX_LAYOUT);
+    z.nb = (int32_t)TD_DIV_CEIL(z.tokens, KVX_LAYOUT.block_size);
+    z.bytes = (size_t)KVX_LAYOUT.n_layers * (size_t)z.nb * bb;
+    z.op_bytes = (size_t)z.nb * bb;
+    z.win = (int32_t)TD_MIN(o->window, (int64_t)(KVX_RX_BLOCKS / z.nb));
+    td_xfer_stats_t before, after;
+    td_xfer_get_stats(c->x, &before);
+    double p50, p99;
+    if (!kvx_latency(c, &z, o->iters, lat, &p50, &p99))
+        return false;
+    /* The primitive is chosen per peer at hello, so the latency phase tells which one
+     * every round will use, and which perftest test is the comparator. */
+    td_xfer_get_stats(c->x, &after);
+    bool put_used = after.ops_put > before.ops_put;
+    kvx_round_t round[KVX_MAX_ROUNDS];
+    int64_t rounds = o->rounds;
+    for (int64_t r = 0; r < rounds; r++)
+        if (!kvx_round(c, &z, o->iters, put_used, KVX_PERFTEST_PORT + 3 * (int)((int64_t)k * rounds + r),
+                       &round[r]))
+            return false;
+    *row = (kvx_row_t){.z = z, .prim = put_used ? "put" : "am", .p50 = p50, .p99 = p99};
+    row->gbs = kvx_median(round, rounds, offsetof(kvx_round_t, gbs), NULL, NULL);
+    row->ref = kvx_median(round, rounds, offsetof(kvx_round_t, ref), NULL, NULL);
+    row->ratio = kvx_median(round, rounds, offsetof(kvx_round_t, ratio), &row->ratio_min, &row->ratio_max);
+    row->op_ref = kvx_median(round, rounds, offsetof(kvx_round_t, op_ref), NULL, NULL);
+    row->ratio_op = kvx_median(round, rounds, offsetof(kvx_round_t, ratio_op), NULL, NULL);
+    row->am = kvx_median(round, rounds, offsetof(kvx_round_t, am), NULL, NULL);
+    row->copy = kvx_median(round, rounds, offsetof(kvx_round_t, copy), NULL, NULL);
+    row->ratio_copy = kvx_median(round, rounds, offsetof(kvx_round_t, ratio_copy), NULL, NULL);
+    row->serial = (double)z.bytes / (p50 * 1e-6) / 1e9;
+    return true;
+}
+
+/* The row as a JSON object added to rows (--json), or a line of the table on res. */
+static void kvx_print_row(const kvx_opts_t *o, const kvx_row_t *w, FILE *res, cJSON *rows)
+{
+    const kvx_size_t *z = &w->z;
+    if (o->json) {
+        cJSON *row = cJSON_CreateObject();
+        cJSON_AddStringToObject(row, "transport", o->transport);
+        cJSON_AddStringToObject(row, "primitive", w->prim);
+        cJSON_AddNumberToObject(row, "tokens", z->tokens);
+        cJSON_AddNumberToObject(row, "bytes", (double)z->bytes);
+        cJSON_AddNumberToObject(row, "window", z->win);
+        cJSON_AddNumberToObject(row, "rounds", (double)o->rounds);
+        bench_json_number(row, "gbytes_per_s", w->gbs, 3);
+        bench_json_number(row, "perftest_gbytes_per_s", w->ref, 3);
+        bench_json_number(row, "ratio", w->ratio, 3);
+        bench_json_number(row, "ratio_min", w->ratio_min, 3);
+        bench_json_number(row, "ratio_max", w->ratio_max, 3);
+        cJSON_AddNumberToObject(row, "op_bytes", (double)z->op_bytes);
+        bench_json_number(row, "perftest_op_gbytes_per_s", w->op_ref, 3);
+        bench_json_number(row, "ratio_op", w->ratio_op, 3);
+        bench_json_number(row, "perftest_am_op_gbytes_per_s", w->am, 3);
+        bench_json_number(row, "copy_gbytes_per_s", w->copy, 3);
+        bench_json_number(row, "ratio_copy", w->ratio_copy, 3);
+        bench_json_number(row, "serial_gbytes_per_s", w->serial, 3);
+        bench_json_number(row, "p50_us", w->p50, 1);
+        bench_json_number(row, "p99_us", w->p99, 1);
+        if (!cJSON_AddItemToArray(rows, row))
+            cJSON_Delete(row);
+        return;
+    }
+    char spread[32] = "-"; /* no round had a perftest figure */
+    if (w->ratio_min > 0)
+        snprintf(spread, sizeof spread, "%.2f-%.2f", w->ratio_min, w->ratio_max);
+    fprintf(res, "%-9s %-4s %7u %12zu %3d %3d %9.3f %11.3f %6.2f %11s %12zu %11.3f %6.2f %11.3f %9.3f %6.2f "
+           "%9.3f %10.1f %10.1f\n",
+           o->transport, w->prim, z->tokens, z->bytes, z->win, (int)o->rounds, w->gbs, w->ref, w->ratio, spread,
+           z->op_bytes, w->op_ref, w->ratio_op, w->am, w->copy, w->ratio_copy, w->serial, w->p50, w->p99);
+}
+
+int bench_kvxfer(int argc, char **argv)
+{
+    kvx_opts_t o;
+    int rc;
+    if (!kvx_configure(&o, argc, argv, &rc))
+        return rc;
+    const char *tls = td_xfer_testkit_tls(o.transport);
+    if (!tls) {
+        fprintf(stderr, "kvxfer: --transport must be tcp or sm, not %s\n", o.transport);
+        return 2;
+    }
+    td_xfer_testkit_env(tls);
+    FILE *res = kvx_results_stream();
+    if (!res)
+        return 1;
 
     int to_rx[2], to_tx[2];
     pid_t pid = -1;
@@ -441,7 +554,7 @@ int bench_kvxfer(int argc, char **argv)
     close(to_rx[0]);
     close(to_tx[1]);
 
-    int rc = 1;
+    rc = 1;
     uv_loop_t loop;
     uv_loop_init(&loop);
     td_xfer_t *x = NULL;
@@ -452,15 +565,14 @@ int bench_kvxfer(int argc, char **argv)
     size_t pool_bytes = td_kv_pool_bytes(&KVX_LAYOUT, src_blocks);
     uint8_t *pool = malloc(pool_bytes);
     int32_t src[KVX_MAX_BLOCKS];
-    double *lat = malloc((size_t)iters * sizeof *lat);
-    kvx_round_t round[KVX_MAX_ROUNDS];
+    double *lat = malloc((size_t)o.iters * sizeof *lat);
     cJSON *rows = NULL; /* --json: one object per size */
     td_xfer_config_t cfg = td_xfer_config_default();
     cfg.name = "kvx-tx";
     cfg.listen_ip = NULL;
-    cfg.rma = rma;
-    if (inflight)
-        cfg.max_inflight_ops = (uint32_t)inflight;
+    cfg.rma = o.rma;
+    if (o.inflight)
+        cfg.max_inflight_ops = (uint32_t)o.inflight;
     if (!pool || !lat || !td_xfer_testkit_read_all(to_tx[0], &len, sizeof len) || len > sizeof desc || !td_xfer_testkit_read_all(to_tx[0], desc, len))
         goto out;
     for (size_t i = 0; i < pool_bytes; i += 8)
@@ -474,82 +586,23 @@ int bench_kvxfer(int argc, char **argv)
                      .pool = pool, .pool_blocks = src_blocks, .src = src};
 
     static const uint32_t all_sizes[] = {16, 64, 256, 1024, 4096};
-    uint32_t one_size[] = {(uint32_t)only_tokens};
-    const uint32_t *sizes = only_tokens ? one_size : all_sizes;
-    size_t n_sizes = only_tokens ? 1 : TD_ARRAY_LEN(all_sizes);
-    size_t bb = td_kv_block_bytes(&KVX_LAYOUT);
-    if (json)
+    uint32_t one_size[] = {(uint32_t)o.only_tokens};
+    const uint32_t *sizes = o.only_tokens ? one_size : all_sizes;
+    size_t n_sizes = o.only_tokens ? 1 : TD_ARRAY_LEN(all_sizes);
+    if (o.json)
         rows = cJSON_CreateArray();
     else
         fprintf(res, "%-9s %-4s %7s %12s %3s %3s %9s %11s %6s %11s %12s %11s %6s %11s %9s %6s %9s %10s %10s\n",
                "transport", "prim", "tokens", "bytes", "win", "rnd", "GB/s", "perftest", "ratio", "spread",
                "op bytes", "op perftest", "ratio", "am_bw op", "copy", "ratio", "1-at-once", "p50 us", "p99 us");
     for (size_t k = 0; k < n_sizes; k++) {
-        kvx_size_t z = {.tokens = sizes[k]};
-        z.nb = (int32_t)TD_DIV_CEIL(z.tokens, KVX_LAYOUT.block_size);
-        z.bytes = (size_t)KVX_LAYOUT.n_layers * (size_t)z.nb * bb;
-        z.op_bytes = (size_t)z.nb * bb;
-        z.win = (int32_t)TD_MIN(window, (int64_t)(KVX_RX_BLOCKS / z.nb));
-        td_xfer_stats_t before, after;
-        td_xfer_get_stats(x, &before);
-        double p50, p99;
-        if (!kvx_latency(&ctx, &z, iters, lat, &p50, &p99))
+        kvx_row_t row;
+        if (!kvx_measure_size(&ctx, &o, k, sizes[k], lat, &row))
             goto out;
-        /* The primitive is chosen per peer at hello, so the latency phase tells which one
-         * every round will use, and which perftest test is the comparator. */
-        td_xfer_get_stats(x, &after);
-        bool put_used = after.ops_put > before.ops_put;
-        for (int64_t r = 0; r < rounds; r++)
-            if (!kvx_round(&ctx, &z, iters, put_used, KVX_PERFTEST_PORT + 3 * (int)((int64_t)k * rounds + r),
-                           &round[r]))
-                goto out;
-        double ratio_min, ratio_max;
-        double gbs = kvx_median(round, rounds, offsetof(kvx_round_t, gbs), NULL, NULL);
-        double ref = kvx_median(round, rounds, offsetof(kvx_round_t, ref), NULL, NULL);
-        double ratio = kvx_median(round, rounds, offsetof(kvx_round_t, ratio), &ratio_min, &ratio_max);
-        double op_ref = kvx_median(round, rounds, offsetof(kvx_round_t, op_ref), NULL, NULL);
-        double ratio_op = kvx_median(round, rounds, offsetof(kvx_round_t, ratio_op), NULL, NULL);
-        double am = kvx_median(round, rounds, offsetof(kvx_round_t, am), NULL, NULL);
-        double copy = kvx_median(round, rounds, offsetof(kvx_round_t, copy), NULL, NULL);
-        double ratio_copy = kvx_median(round, rounds, offsetof(kvx_round_t, ratio_copy), NULL, NULL);
-        double serial = (double)z.bytes / (p50 * 1e-6) / 1e9;
-        const char *prim = put_used ? "put" : "am";
-        if (json) {
-            cJSON *row = cJSON_CreateObject();
-            cJSON_AddStringToObject(row, "transport", transport);
-            cJSON_AddStringToObject(row, "primitive", prim);
-            cJSON_AddNumberToObject(row, "tokens", z.tokens);
-            cJSON_AddNumberToObject(row, "bytes", (double)z.bytes);
-            cJSON_AddNumberToObject(row, "window", z.win);
-            cJSON_AddNumberToObject(row, "rounds", (double)rounds);
-            bench_json_number(row, "gbytes_per_s", gbs, 3);
-            bench_json_number(row, "perftest_gbytes_per_s", ref, 3);
-            bench_json_number(row, "ratio", ratio, 3);
-            bench_json_number(row, "ratio_min", ratio_min, 3);
-            bench_json_number(row, "ratio_max", ratio_max, 3);
-            cJSON_AddNumberToObject(row, "op_bytes", (double)z.op_bytes);
-            bench_json_number(row, "perftest_op_gbytes_per_s", op_ref, 3);
-            bench_json_number(row, "ratio_op", ratio_op, 3);
-            bench_json_number(row, "perftest_am_op_gbytes_per_s", am, 3);
-            bench_json_number(row, "copy_gbytes_per_s", copy, 3);
-            bench_json_number(row, "ratio_copy", ratio_copy, 3);
-            bench_json_number(row, "serial_gbytes_per_s", serial, 3);
-            bench_json_number(row, "p50_us", p50, 1);
-            bench_json_number(row, "p99_us", p99, 1);
-            if (!cJSON_AddItemToArray(rows, row))
-                cJSON_Delete(row);
-        } else {
-            char spread[32] = "-"; /* no round had a perftest figure */
-            if (ratio_min > 0)
-                snprintf(spread, sizeof spread, "%.2f-%.2f", ratio_min, ratio_max);
-            fprintf(res, "%-9s %-4s %7u %12zu %3d %3d %9.3f %11.3f %6.2f %11s %12zu %11.3f %6.2f %11.3f %9.3f %6.2f "
-                   "%9.3f %10.1f %10.1f\n",
-                   transport, prim, z.tokens, z.bytes, z.win, (int)rounds, gbs, ref, ratio, spread, z.op_bytes,
-                   op_ref, ratio_op, am, copy, ratio_copy, serial, p50, p99);
-        }
+        kvx_print_row(&o, &row, res, rows);
         fflush(res);
     }
-    if (json) {
+    if (o.json) {
         cJSON *doc = rows;
         rows = NULL; /* the print frees it */
         if (bench_json_print(res, doc) != 0)

@@ -186,6 +186,119 @@ static td_status_t init_metrics(router_state_t *s)
     return td_metrics_register_all(s->metrics, defs, TD_ARRAY_LEN(defs));
 }
 
+/* ---- startup and teardown --------------------------------------------------------------- */
+
+/* The tokenizer and its chat template, the registry, the peers, the admission queue, the
+ * lease map and the metrics. */
+static td_status_t init_subsystems(router_state_t *s)
+{
+    const router_config_t *cfg = &s->cfg;
+    td_status_t st;
+    s->started_unix = (int64_t)time(NULL);
+    router_registry_config_t rc = router_registry_config_default();
+    rc.max_nodes = (int32_t)cfg->max_nodes;
+    rc.heartbeat_timeout_ns = cfg->heartbeat_timeout_ms * 1000000;
+    s->policy = router_policy_config_default();
+    s->policy.max_prefill_wait_s = (double)cfg->max_prefill_wait_ms * 1e-3;
+    if ((cfg->tokenizer && (st = td_tokenizer_load(cfg->tokenizer, &s->tok)) != TD_OK) ||
+        (st = router_registry_create(&rc, &s->reg)) != TD_OK)
+        return st;
+    /* the chat template beside the tokenizer (a GGUF file's, tokenizer_config.json's): without
+     * one, conversations are refused and prompts still served */
+    if (s->tok && td_chat_template_for_model(cfg->tokenizer, NULL, &s->chat) != TD_OK)
+        td_info("router: no chat template (%s): conversations are refused, prompts are served", td_last_error());
+    if (!(s->peers = calloc((size_t)cfg->max_nodes, sizeof *s->peers)))
+        return td_errorf(TD_ERR_NOMEM, "router: out of memory");
+    for (int64_t i = 0; i < cfg->max_nodes; i++)
+        s->peers[i].s = s;
+    router_queue_init(&s->queue, (int32_t)cfg->max_queue);
+    if (td_hash_init(&s->leases, (size_t)cfg->max_active) != TD_OK)
+        return td_errorf(TD_ERR_NOMEM, "router: out of memory for the lease map");
+    if ((st = td_metrics_create(&s->metrics)) != TD_OK)
+        return st;
+    return init_metrics(s);
+}
+
+/* The OpenAI-compatible HTTP API (--http-port), with /metrics too. */
+static td_status_t open_http(router_state_t *s)
+{
+    const router_config_t *cfg = &s->cfg;
+    td_http_config_t hc = td_http_config_default();
+    hc.name = "openai";
+    hc.host = s->proc.cfg.host;
+    hc.port = (uint16_t)cfg->http_port;
+    hc.max_body_bytes = (size_t)cfg->http_max_body_bytes;
+    hc.max_connections = (uint32_t)cfg->http_max_connections;
+    hc.idle_timeout_ms = (uint32_t)cfg->http_idle_timeout_ms;
+    /* a whole (non-streamed) answer comes when the request ends: its own deadline */
+    hc.request_timeout_ms = (uint32_t)(cfg->http_request_timeout_ms ? cfg->http_request_timeout_ms
+                                       : cfg->request_timeout_ms ? cfg->request_timeout_ms + 10000 : 86400000);
+    hc.max_write_queue_bytes = (size_t)cfg->send_queue_bytes;
+    hc.metrics = s->metrics;
+    hc.metrics_name = "tandem_router_http_connections_closed_total";
+    hc.handler = router_http_handler;
+    hc.handler_data = s;
+    hc.error_body = router_http_error_body;
+    return td_http_server_create(&s->proc.loop, &hc, &s->http);
+}
+
+/* The gateway and control servers, the HTTP API, /metrics, the loop's tick and hooks; then
+ * the addresses on stdout. */
+static td_status_t serve(router_state_t *s)
+{
+    const router_config_t *cfg = &s->cfg;
+    const td_node_config_t *pc = &s->proc.cfg;
+    td_status_t st;
+    td_grpc_server_config_t gc = td_grpc_server_config_default();
+    gc.host = pc->host;
+    gc.port = (uint16_t)pc->port;
+    gc.metrics = s->metrics;
+    gc.send_queue_bytes = (size_t)cfg->send_queue_bytes;
+    td_node_auth_guard_gateway(&s->proc.auth, &gc);
+    if ((st = td_grpc_server_create(&s->proc.loop, &gc, &s->gateway)) != TD_OK)
+        return st;
+    gc.port = (uint16_t)cfg->control_port;
+    gc.send_queue_bytes = td_grpc_server_config_default().send_queue_bytes;
+    td_node_auth_guard_control(&s->proc.auth, &gc);
+    if ((st = td_grpc_server_create(&s->proc.loop, &gc, &s->control)) != TD_OK || (st = add_methods(s)) != TD_OK)
+        return st;
+    if (cfg->http_port >= 0 && (st = open_http(s)) != TD_OK)
+        return st;
+    if ((st = td_node_serve(&s->proc, s->metrics)) != TD_OK)
+        return st;
+    uv_timer_init(&s->proc.loop, &s->tick);
+    s->tick.data = s;
+    uv_timer_start(&s->tick, on_tick, 50, 50);
+    uv_idle_init(&s->proc.loop, &s->pump_idle);
+    s->pump_idle.data = s;
+    uv_prepare_init(&s->proc.loop, &s->turn_prepare);
+    s->turn_prepare.data = s;
+    uv_prepare_start(&s->turn_prepare, on_turn);
+    s->handles_up = true;
+    printf("gateway: %s:%u\n", pc->advertise, td_grpc_server_port(s->gateway));
+    if (s->http)
+        printf("openai: http://%s:%u/v1\n", pc->advertise, td_http_server_port(s->http));
+    printf("control: %s:%u\nmetrics: http://%s:%u/metrics\n", pc->advertise, td_grpc_server_port(s->control),
+           pc->advertise, td_node_metrics_port(&s->proc));
+    fflush(stdout);
+    return TD_OK;
+}
+
+/* Everything router_main made, in reverse, whatever got made (NULL-safe closers). */
+static void free_state(router_state_t *s)
+{
+    td_node_stop(&s->proc);
+    for (int64_t i = 0; s->peers && i < s->cfg.max_nodes; i++)
+        free(s->peers[i].xfer_desc);
+    free(s->peers);
+    td_hash_free(&s->leases);
+    router_registry_destroy(s->reg);
+    td_chat_template_destroy(s->chat);
+    td_tokenizer_destroy(s->tok);
+    td_metrics_destroy(s->metrics);
+    td_node_free(&s->proc);
+}
+
 int router_main(int argc, char **argv)
 {
     router_state_t st_, *s = &st_;
@@ -242,101 +355,17 @@ int router_main(int argc, char **argv)
     if (!td_node_configure(&s->proc, &spec, keys, (int)TD_ARRAY_LEN(keys), argc, argv, &rc))
         return rc;
     rc = 1;
-    td_status_t st;
     if (cfg->http_port > 0 && cfg->http_port == pc->metrics_port) {
         td_errorf(TD_ERR_INVALID, "router: --http-port and --metrics-port are both %lld: the HTTP API serves "
                   "/metrics too; leave --metrics-port 0 or give it another port", (long long)cfg->http_port);
         rc = 2;
         goto out;
     }
-    s->started_unix = (int64_t)time(NULL);
-    router_registry_config_t rc_ = router_registry_config_default();
-    rc_.max_nodes = (int32_t)cfg->max_nodes;
-    rc_.heartbeat_timeout_ns = cfg->heartbeat_timeout_ms * 1000000;
-    s->policy = router_policy_config_default();
-    s->policy.max_prefill_wait_s = (double)cfg->max_prefill_wait_ms * 1e-3;
-    if ((cfg->tokenizer && (st = td_tokenizer_load(cfg->tokenizer, &s->tok)) != TD_OK) ||
-        (st = router_registry_create(&rc_, &s->reg)) != TD_OK)
+    if (init_subsystems(s) != TD_OK || serve(s) != TD_OK)
         goto out;
-    /* the chat template beside the tokenizer (a GGUF file's, tokenizer_config.json's): without
-     * one, conversations are refused and prompts still served */
-    if (s->tok && td_chat_template_for_model(cfg->tokenizer, NULL, &s->chat) != TD_OK)
-        td_info("router: no chat template (%s): conversations are refused, prompts are served", td_last_error());
-    if (!(s->peers = calloc((size_t)cfg->max_nodes, sizeof *s->peers))) {
-        td_errorf(TD_ERR_NOMEM, "router: out of memory");
-        goto out;
-    }
-    for (int64_t i = 0; i < cfg->max_nodes; i++)
-        s->peers[i].s = s;
-    router_queue_init(&s->queue, (int32_t)cfg->max_queue);
-    if (td_hash_init(&s->leases, (size_t)cfg->max_active) != TD_OK) {
-        td_errorf(TD_ERR_NOMEM, "router: out of memory for the lease map");
-        goto out;
-    }
-    if ((st = td_metrics_create(&s->metrics)) != TD_OK || (st = init_metrics(s)) != TD_OK)
-        goto out;
-    td_grpc_server_config_t gc = td_grpc_server_config_default();
-    gc.host = pc->host;
-    gc.port = (uint16_t)pc->port;
-    gc.metrics = s->metrics;
-    gc.send_queue_bytes = (size_t)cfg->send_queue_bytes;
-    td_node_auth_guard_gateway(&s->proc.auth, &gc);
-    if ((st = td_grpc_server_create(&s->proc.loop, &gc, &s->gateway)) != TD_OK)
-        goto out;
-    gc.port = (uint16_t)cfg->control_port;
-    gc.send_queue_bytes = td_grpc_server_config_default().send_queue_bytes;
-    td_node_auth_guard_control(&s->proc.auth, &gc);
-    if ((st = td_grpc_server_create(&s->proc.loop, &gc, &s->control)) != TD_OK || (st = add_methods(s)) != TD_OK)
-        goto out;
-    if (cfg->http_port >= 0) {
-        td_http_config_t hc = td_http_config_default();
-        hc.name = "openai";
-        hc.host = pc->host;
-        hc.port = (uint16_t)cfg->http_port;
-        hc.max_body_bytes = (size_t)cfg->http_max_body_bytes;
-        hc.max_connections = (uint32_t)cfg->http_max_connections;
-        hc.idle_timeout_ms = (uint32_t)cfg->http_idle_timeout_ms;
-        /* a whole (non-streamed) answer comes when the request ends: its own deadline */
-        hc.request_timeout_ms = (uint32_t)(cfg->http_request_timeout_ms ? cfg->http_request_timeout_ms
-                                           : cfg->request_timeout_ms ? cfg->request_timeout_ms + 10000 : 86400000);
-        hc.max_write_queue_bytes = (size_t)cfg->send_queue_bytes;
-        hc.metrics = s->metrics;
-        hc.metrics_name = "tandem_router_http_connections_closed_total";
-        hc.handler = router_http_handler;
-        hc.handler_data = s;
-        hc.error_body = router_http_error_body;
-        if ((st = td_http_server_create(&s->proc.loop, &hc, &s->http)) != TD_OK)
-            goto out;
-    }
-    if ((st = td_node_serve(&s->proc, s->metrics)) != TD_OK)
-        goto out;
-    uv_timer_init(&s->proc.loop, &s->tick);
-    s->tick.data = s;
-    uv_timer_start(&s->tick, on_tick, 50, 50);
-    uv_idle_init(&s->proc.loop, &s->pump_idle);
-    s->pump_idle.data = s;
-    uv_prepare_init(&s->proc.loop, &s->turn_prepare);
-    s->turn_prepare.data = s;
-    uv_prepare_start(&s->turn_prepare, on_turn);
-    s->handles_up = true;
-    printf("gateway: %s:%u\n", pc->advertise, td_grpc_server_port(s->gateway));
-    if (s->http)
-        printf("openai: http://%s:%u/v1\n", pc->advertise, td_http_server_port(s->http));
-    printf("control: %s:%u\nmetrics: http://%s:%u/metrics\n", pc->advertise, td_grpc_server_port(s->control),
-           pc->advertise, td_node_metrics_port(&s->proc));
-    fflush(stdout);
 
     rc = td_node_run(&s->proc);
 out:
-    td_node_stop(&s->proc);
-    for (int64_t i = 0; s->peers && i < cfg->max_nodes; i++)
-        free(s->peers[i].xfer_desc);
-    free(s->peers);
-    td_hash_free(&s->leases);
-    router_registry_destroy(s->reg);
-    td_chat_template_destroy(s->chat);
-    td_tokenizer_destroy(s->tok);
-    td_metrics_destroy(s->metrics);
-    td_node_free(&s->proc);
+    free_state(s);
     return rc;
 }

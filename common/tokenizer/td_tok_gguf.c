@@ -223,81 +223,139 @@ out:
     return st;
 }
 
-td_status_t td_tok_load_gguf(td_tokenizer_t *tok)
+/* The vocabulary's arrays in the file: tokens, and their types and scores when present. */
+typedef struct gguf_vocab {
+    const td_gguf_kv_t *tokens, *types, *scores; /* types, scores: NULL when absent */
+    size_t n;                                     /* tokens */
+    bool bpe, spm;                                /* tokenizer.ggml.model "gpt2", "llama" */
+} gguf_vocab_t;
+
+/* Finds the vocabulary's arrays and checks that they agree with each other and the model. */
+static td_status_t gguf_vocab_find(const td_tokenizer_t *tok, const td_gguf_t *g, gguf_vocab_t *v)
 {
     td_status_t st;
-    td_gguf_t *g = NULL;
-    char *kbuf = NULL;
-    if ((st = td_gguf_open(tok->path, &g)))
-        return st;
-
     td_gguf_str_t model;
     if ((st = td_gguf_get_str(g, "tokenizer.ggml.model", &model)))
-        goto out;
-    bool bpe = model.len == 4 && !memcmp(model.data, "gpt2", 4);
-    bool spm = model.len == 5 && !memcmp(model.data, "llama", 5);
-    if (!bpe && !spm) {
-        st = td_errorf(TD_ERR_UNSUPPORTED, "%s: tokenizer.ggml.model \"%.*s\" is not supported (supported: gpt2, "
-                       "llama)", tok->path, (int)TD_MIN(model.len, 64), model.data);
-        goto out;
-    }
-
-    const td_gguf_kv_t *tokens, *types = NULL, *scores = NULL;
-    if ((st = td_gguf_get_array(g, "tokenizer.ggml.tokens", TD_GGUF_STRING, &tokens)))
-        goto out;
-    size_t n = tokens->arr_len;
-    if (n == 0 || n > (1u << 24)) {
-        st = td_errorf(TD_ERR_FORMAT, "%s: tokenizer.ggml.tokens has %zu tokens (expected 1..%u)", tok->path, n,
-                       1u << 24);
-        goto out;
-    }
+        return st;
+    v->bpe = model.len == 4 && !memcmp(model.data, "gpt2", 4);
+    v->spm = model.len == 5 && !memcmp(model.data, "llama", 5);
+    if (!v->bpe && !v->spm)
+        return td_errorf(TD_ERR_UNSUPPORTED, "%s: tokenizer.ggml.model \"%.*s\" is not supported (supported: gpt2, "
+                         "llama)", tok->path, (int)TD_MIN(model.len, 64), model.data);
+    v->types = v->scores = NULL;
+    if ((st = td_gguf_get_array(g, "tokenizer.ggml.tokens", TD_GGUF_STRING, &v->tokens)))
+        return st;
+    size_t n = v->n = v->tokens->arr_len;
+    if (n == 0 || n > (1u << 24))
+        return td_errorf(TD_ERR_FORMAT, "%s: tokenizer.ggml.tokens has %zu tokens (expected 1..%u)", tok->path, n,
+                         1u << 24);
     if (td_gguf_find(g, "tokenizer.ggml.token_type") &&
-        (st = td_gguf_get_array(g, "tokenizer.ggml.token_type", TD_GGUF_I32, &types)))
-        goto out;
+        (st = td_gguf_get_array(g, "tokenizer.ggml.token_type", TD_GGUF_I32, &v->types)))
+        return st;
     if (td_gguf_find(g, "tokenizer.ggml.scores") &&
-        (st = td_gguf_get_array(g, "tokenizer.ggml.scores", TD_GGUF_F32, &scores)))
-        goto out;
-    if ((types && types->arr_len < n) || (scores && scores->arr_len < n)) {
-        st = td_errorf(TD_ERR_FORMAT, "%s: tokenizer.ggml.%s has %zu entries for %zu tokens", tok->path,
-                       types && types->arr_len < n ? "token_type" : "scores",
-                       types && types->arr_len < n ? types->arr_len : scores->arr_len, n);
-        goto out;
-    }
-    if (spm && !scores) {
-        st = td_errorf(TD_ERR_FORMAT, "%s: a \"llama\" (SentencePiece) tokenizer needs tokenizer.ggml.scores",
-                       tok->path);
-        goto out;
+        (st = td_gguf_get_array(g, "tokenizer.ggml.scores", TD_GGUF_F32, &v->scores)))
+        return st;
+    const td_gguf_kv_t *types = v->types, *scores = v->scores;
+    if ((types && types->arr_len < n) || (scores && scores->arr_len < n))
+        return td_errorf(TD_ERR_FORMAT, "%s: tokenizer.ggml.%s has %zu entries for %zu tokens", tok->path,
+                         types && types->arr_len < n ? "token_type" : "scores",
+                         types && types->arr_len < n ? types->arr_len : scores->arr_len, n);
+    if (v->spm && !scores)
+        return td_errorf(TD_ERR_FORMAT, "%s: a \"llama\" (SentencePiece) tokenizer needs tokenizer.ggml.scores",
+                         tok->path);
+    return TD_OK;
+}
+
+/* Token i, text t, of llama.cpp's type `type`: its piece, key and surface, its byte, and
+ * whether the raw text is searched for it. kbuf: scratch of 3 x t.len + 1 bytes. */
+static td_status_t gguf_add_token(td_tokenizer_t *tok, const gguf_vocab_t *v, size_t i, td_gguf_str_t t,
+                                  int64_t type, const int16_t u2b[0x144], char *kbuf)
+{
+    td_status_t st;
+    int32_t id = (int32_t)i;
+    tok->flags[id] = 0;
+    if ((st = td_tok_arena_add(tok, t.data, t.len, &tok->piece_off[id])))
+        return st;
+    tok->piece_len[id] = (uint32_t)t.len;
+    /* the model key: raw bytes (byte-level) or the text as written ("▁" for spaces);
+     * the surface decode gives: the bytes, or the text with "▁" read as a space */
+    if (v->bpe) {
+        size_t kl = td_tok_bytelevel_to_bytes(u2b, t.data, t.len, kbuf);
+        if ((st = td_tok_arena_add(tok, kbuf, kl, &tok->key_off[id])))
+            return st;
+        tok->key_len[id] = tok->surf_len[id] = (uint32_t)kl;
+        tok->surf_off[id] = tok->key_off[id];
+    } else {
+        size_t sl = 0;
+        for (size_t k = 0; k < t.len;) {
+            if (t.len - k >= 3 && !memcmp(t.data + k, "\xe2\x96\x81", 3)) {
+                kbuf[sl++] = ' ';
+                k += 3;
+            } else {
+                kbuf[sl++] = t.data[k++];
+            }
+        }
+        tok->key_off[id] = tok->piece_off[id];
+        tok->key_len[id] = (uint32_t)t.len;
+        if ((st = td_tok_arena_add(tok, kbuf, sl, &tok->surf_off[id])))
+            return st;
+        tok->surf_len[id] = (uint32_t)sl;
+        tok->scores[id] = (float)td_gguf_arr_float(v->scores, i);
     }
 
-    if ((st = td_tok_alloc_ids(tok, (int32_t)n)))
-        goto out;
-    tok->byte_level = bpe;
-    tok->algo = bpe ? TD_TOK_ALGO_RANKS : TD_TOK_ALGO_SCORES;
-    if (spm && !(tok->scores = malloc(n * sizeof *tok->scores))) {
-        st = td_errorf(TD_ERR_NOMEM, "%s: no memory for %zu scores", tok->path, n);
-        goto out;
+    int b = v->spm && type == TT_BYTE ? td_tok_byte_piece(t.data, t.len) : -1;
+    if (b >= 0) {
+        if ((st = td_tok_set_byte_piece(tok, id, b)))
+            return st;
+    } else if (v->bpe && tok->key_len[id] == 1 && type == TT_NORMAL) {
+        uint8_t k = (uint8_t)tok->arena[tok->key_off[id]];
+        if (tok->byte_id[k] < 0)
+            tok->byte_id[k] = id;
     }
+    if (type == TT_CONTROL || type == TT_UNKNOWN || type == TT_USER_DEFINED) {
+        /* matched in the raw text, by its text as written */
+        tok->flags[id] |= TD_TOK_F_ADDED;
+        if (type != TT_USER_DEFINED)
+            tok->flags[id] |= TD_TOK_F_SPECIAL;
+        tok->added[tok->n_added++] = (td_tok_added_t){.id = id, .off = tok->piece_off[id], .len = (uint32_t)t.len};
+        if (type == TT_USER_DEFINED) {
+            tok->surf_off[id] = tok->piece_off[id];
+            tok->surf_len[id] = (uint32_t)t.len;
+        }
+    }
+    return TD_OK;
+}
+
+/* Every token of the vocabulary, with the end-of-generation tokens known by name (see the
+ * top of the file); then the index of added tokens and the key map. */
+static td_status_t gguf_load_tokens(td_tokenizer_t *tok, const gguf_vocab_t *v, const int16_t u2b[0x144])
+{
+    td_status_t st;
+    size_t n = v->n;
+    if ((st = td_tok_alloc_ids(tok, (int32_t)n)))
+        return st;
+    tok->byte_level = v->bpe;
+    tok->algo = v->bpe ? TD_TOK_ALGO_RANKS : TD_TOK_ALGO_SCORES;
+    if (v->spm && !(tok->scores = malloc(n * sizeof *tok->scores)))
+        return td_errorf(TD_ERR_NOMEM, "%s: no memory for %zu scores", tok->path, n);
     size_t max_len = sizeof "[EMPTY_16777216]"; /* room for an empty token's stand-in */
     for (size_t i = 0; i < n; i++)
-        max_len = TD_MAX(max_len, td_gguf_arr_str(tokens, i).len);
-    if (!(kbuf = malloc(max_len * 3 + 1)) || !(tok->added = calloc(n, sizeof *tok->added))) {
+        max_len = TD_MAX(max_len, td_gguf_arr_str(v->tokens, i).len);
+    char *kbuf = malloc(max_len * 3 + 1);
+    if (!kbuf || !(tok->added = calloc(n, sizeof *tok->added))) {
         st = td_errorf(TD_ERR_NOMEM, "%s: no memory for %zu tokens", tok->path, n);
         goto out;
     }
-    uint32_t b2u[256];
-    int16_t u2b[0x144];
-    td_tok_bytelevel_tables(b2u, u2b);
     bool has[TD_ARRAY_LEN(marker_names)] = {0};
     for (size_t i = 0; i < n; i++)
         for (size_t k = 0; k < TD_ARRAY_LEN(marker_names); k++)
-            has[k] |= name_is(marker_names[k], td_gguf_arr_str(tokens, i));
+            has[k] |= name_is(marker_names[k], td_gguf_arr_str(v->tokens, i));
     bool end_not_eog = (has[0] && has[1]) || (has[2] && has[3]);
     bool s_not_eog = has[4] || has[5];
 
     for (size_t i = 0; i < n; i++) {
-        int32_t id = (int32_t)i;
-        td_gguf_str_t t = td_gguf_arr_str(tokens, i);
-        int64_t type = types ? td_gguf_arr_int(types, i) : TT_NORMAL;
+        td_gguf_str_t t = td_gguf_arr_str(v->tokens, i);
+        int64_t type = v->types ? td_gguf_arr_int(v->types, i) : TT_NORMAL;
         char empty[32];
         if (t.len == 0) { /* llama.cpp's stand-in, so the id stays and nothing matches it */
             t.len = (size_t)snprintf(empty, sizeof empty, "[EMPTY_%zu]", i);
@@ -312,92 +370,46 @@ td_status_t td_tok_load_gguf(td_tokenizer_t *tok)
             type = TT_CONTROL;
         if (in_names(user_names, TD_ARRAY_LEN(user_names), t))
             type = TT_USER_DEFINED;
-        tok->flags[id] = 0;
-        if ((st = td_tok_arena_add(tok, t.data, t.len, &tok->piece_off[id])))
+        if ((st = gguf_add_token(tok, v, i, t, type, u2b, kbuf)))
             goto out;
-        tok->piece_len[id] = (uint32_t)t.len;
-        /* the model key: raw bytes (byte-level) or the text as written ("▁" for spaces);
-         * the surface decode gives: the bytes, or the text with "▁" read as a space */
-        if (bpe) {
-            size_t kl = td_tok_bytelevel_to_bytes(u2b, t.data, t.len, kbuf);
-            if ((st = td_tok_arena_add(tok, kbuf, kl, &tok->key_off[id])))
-                goto out;
-            tok->key_len[id] = tok->surf_len[id] = (uint32_t)kl;
-            tok->surf_off[id] = tok->key_off[id];
-        } else {
-            size_t sl = 0;
-            for (size_t k = 0; k < t.len;) {
-                if (t.len - k >= 3 && !memcmp(t.data + k, "\xe2\x96\x81", 3)) {
-                    kbuf[sl++] = ' ';
-                    k += 3;
-                } else {
-                    kbuf[sl++] = t.data[k++];
-                }
-            }
-            tok->key_off[id] = tok->piece_off[id];
-            tok->key_len[id] = (uint32_t)t.len;
-            if ((st = td_tok_arena_add(tok, kbuf, sl, &tok->surf_off[id])))
-                goto out;
-            tok->surf_len[id] = (uint32_t)sl;
-            tok->scores[id] = (float)td_gguf_arr_float(scores, i);
-        }
-
-        int b = spm && type == TT_BYTE ? td_tok_byte_piece(t.data, t.len) : -1;
-        if (b >= 0) {
-            if (tok->byte_id[b] < 0)
-                tok->byte_id[b] = id;
-            char c = (char)b;
-            if ((st = td_tok_arena_add(tok, &c, 1, &tok->surf_off[id])))
-                goto out;
-            tok->surf_len[id] = 1;
-        } else if (bpe && tok->key_len[id] == 1 && type == TT_NORMAL) {
-            uint8_t k = (uint8_t)tok->arena[tok->key_off[id]];
-            if (tok->byte_id[k] < 0)
-                tok->byte_id[k] = id;
-        }
-        if (type == TT_CONTROL || type == TT_UNKNOWN || type == TT_USER_DEFINED) {
-            /* matched in the raw text, by its text as written */
-            tok->flags[id] |= TD_TOK_F_ADDED;
-            if (type != TT_USER_DEFINED)
-                tok->flags[id] |= TD_TOK_F_SPECIAL;
-            tok->added[tok->n_added++] = (td_tok_added_t){.id = id, .off = tok->piece_off[id], .len = (uint32_t)t.len};
-            if (type == TT_USER_DEFINED) {
-                tok->surf_off[id] = tok->piece_off[id];
-                tok->surf_len[id] = (uint32_t)t.len;
-            }
-        }
         if (eog)
-            add_eog(tok, id);
+            add_eog(tok, (int32_t)i);
     }
     td_tok_index_added(tok);
-    if ((st = td_tok_map_build(tok)))
-        goto out;
+    st = td_tok_map_build(tok);
+out:
+    free(kbuf);
+    return st;
+}
 
-    if (bpe) {
-        if ((st = set_pre(tok, g)) || (st = load_merges(tok, g, u2b)))
-            goto out;
-    } else {
-        bool prefix = true;
-        if ((st = opt_bool(g, "tokenizer.ggml.add_space_prefix", &prefix)))
-            goto out;
-        /* llama.cpp: a space in front of the text and of each stretch after a special
-         * token, then every space written "▁"; a "▁" in the text stays one */
-        if ((st = td_tok_add_norm(tok, TD_TOK_NORM_REPLACE, " ", "\xe2\x96\x81")) ||
-            (prefix && (st = td_tok_add_norm(tok, TD_TOK_NORM_PREPEND, "\xe2\x96\x81", NULL))))
-            goto out;
-        tok->strip_leading_space = prefix;
-        tok->byte_fallback = true;
-        for (int b = 0; b < 256; b++)
-            if (tok->byte_id[b] < 0) {
-                st = td_errorf(TD_ERR_FORMAT, "%s: byte token <0x%02X> is missing (a SentencePiece vocabulary needs "
-                               "all 256 for byte fallback)", tok->path, b);
-                goto out;
-            }
-        tok->add_bos = true;
-    }
+/* A SentencePiece vocabulary's pipeline: llama.cpp's spaces, and byte fallback. */
+static td_status_t gguf_spm_pipeline(td_tokenizer_t *tok, const td_gguf_t *g)
+{
+    td_status_t st;
+    bool prefix = true;
+    if ((st = opt_bool(g, "tokenizer.ggml.add_space_prefix", &prefix)))
+        return st;
+    /* llama.cpp: a space in front of the text and of each stretch after a special
+     * token, then every space written "▁"; a "▁" in the text stays one */
+    if ((st = td_tok_add_norm(tok, TD_TOK_NORM_REPLACE, " ", "\xe2\x96\x81")) ||
+        (prefix && (st = td_tok_add_norm(tok, TD_TOK_NORM_PREPEND, "\xe2\x96\x81", NULL))))
+        return st;
+    tok->strip_leading_space = prefix;
+    tok->byte_fallback = true;
+    for (int b = 0; b < 256; b++)
+        if (tok->byte_id[b] < 0)
+            return td_errorf(TD_ERR_FORMAT, "%s: byte token <0x%02X> is missing (a SentencePiece vocabulary needs "
+                             "all 256 for byte fallback)", tok->path, b);
+    tok->add_bos = true;
+    return TD_OK;
+}
 
-    /* special ids: llama.cpp's defaults per model (11 for "gpt2" is its own, kept so that a
-     * file without the keys encodes the same), then the file's */
+/* Special ids: llama.cpp's defaults per model (11 for "gpt2" is its own, kept so that a
+ * file without the keys encodes the same), then the file's; the end-of-generation ids with
+ * the EOS id first (TD_TOK_ADD_EOS appends eos_ids[0]). */
+static td_status_t gguf_special_ids(td_tokenizer_t *tok, const td_gguf_t *g, bool spm)
+{
+    td_status_t st;
     int32_t eos = spm ? 2 : 11, eot = -1, eom = -1;
     tok->bos_id = spm ? 1 : 11;
     tok->unk_id = spm ? 0 : -1;
@@ -409,8 +421,7 @@ td_status_t td_tok_load_gguf(td_tokenizer_t *tok)
         (st = special_id(tok, g, "tokenizer.ggml.padding_token_id", &tok->pad_id)) ||
         (st = opt_bool(g, "tokenizer.ggml.add_bos_token", &tok->add_bos)) ||
         (st = opt_bool(g, "tokenizer.ggml.add_eos_token", &tok->add_eos)))
-        goto out;
-    /* the EOS id first: TD_TOK_ADD_EOS appends eos_ids[0] */
+        return st;
     int32_t eog[TD_TOK_MAX_EOS];
     size_t n_eog = tok->n_eos;
     memcpy(eog, tok->eos_ids, sizeof eog);
@@ -420,13 +431,31 @@ td_status_t td_tok_load_gguf(td_tokenizer_t *tok)
     add_eog(tok, eom);
     for (size_t i = 0; i < n_eog; i++)
         add_eog(tok, eog[i]);
-    if (tok->add_bos && tok->bos_id < 0) {
-        st = td_errorf(TD_ERR_FORMAT, "%s: tokenizer.ggml.add_bos_token is true but there is no BOS token "
-                       "(tokenizer.ggml.bos_token_id)", tok->path);
-        goto out;
-    }
-out:
-    free(kbuf);
+    if (tok->add_bos && tok->bos_id < 0)
+        return td_errorf(TD_ERR_FORMAT, "%s: tokenizer.ggml.add_bos_token is true but there is no BOS token "
+                         "(tokenizer.ggml.bos_token_id)", tok->path);
+    return TD_OK;
+}
+
+td_status_t td_tok_load_gguf(td_tokenizer_t *tok)
+{
+    td_status_t st;
+    td_gguf_t *g = NULL;
+    if ((st = td_gguf_open(tok->path, &g)))
+        return st;
+    gguf_vocab_t v;
+    uint32_t b2u[256];
+    int16_t u2b[0x144];
+    td_tok_bytelevel_tables(b2u, u2b);
+    st = gguf_vocab_find(tok, g, &v);
+    if (!st)
+        st = gguf_load_tokens(tok, &v, u2b);
+    if (!st)
+        st = v.bpe ? set_pre(tok, g) : gguf_spm_pipeline(tok, g);
+    if (!st && v.bpe)
+        st = load_merges(tok, g, u2b);
+    if (!st)
+        st = gguf_special_ids(tok, g, v.spm);
     td_gguf_close(g);
     return st;
 }

@@ -1,7 +1,8 @@
 /*
  * td_tokenizer_int: the inside of td_tokenizer_t, shared by the files of module td_tok
- * (td_tokenizer.c: API, encode pipeline, decode; td_tok_load.c: file formats;
- * td_tok_bpe.c: hash maps and the merge loop; td_tok_nfc.c: Unicode NFC by libutf8proc).
+ * (td_tokenizer.c: API, encode pipeline, decode; td_tok_load.c: the loaders' entry,
+ * tokenizer.bin and what the loaders share; td_tok_json.c: tokenizer.json; td_tok_gguf.c:
+ * a GGUF file's vocabulary; td_tok_bpe.c: hash maps and the merge loop; td_tok_nfc.c: Unicode NFC by libutf8proc).
  * Not for use outside the module.
  */
 #ifndef TD_TOKENIZER_INT_H
@@ -170,6 +171,9 @@ static inline size_t td_tok_utf8_decode(const char *s, size_t len, uint32_t *cp_
 
 /* ---- td_tok_load.c ---- */
 
+#define TD_TOK_MAX_FILE (1024u * 1024u * 1024u) /* bytes of a tokenizer file read whole */
+#define TD_TOK_MAX_IDS (1 << 24)                /* ids of a vocabulary */
+
 /* GPT-2's pre-tokenizer regex (ByteLevel use_regex, llama.cpp's "gpt-2"). */
 extern const char td_tok_gpt2_pattern[];
 
@@ -185,6 +189,10 @@ td_status_t td_tok_add_pre(td_tokenizer_t *tok, td_tok_pre_t **p_p);
 /* The byte of a "<0xXX>" piece, or -1. */
 int td_tok_byte_piece(const char *s, size_t len);
 
+/* id is the piece of byte b (byte fallback): the byte's id unless an earlier one is, and id
+ * decodes to the byte. Errors: td_tok_arena_add's. */
+td_status_t td_tok_set_byte_piece(td_tokenizer_t *tok, int32_t id, int b);
+
 /* ByteLevel alphabet: GPT-2's bytes_to_unicode and its inverse over U+0000..U+0143. */
 void td_tok_bytelevel_tables(uint32_t b2u[256], int16_t u2b[0x144]);
 /* Converts a ByteLevel-alphabet string to the bytes it stands for (characters outside the
@@ -193,6 +201,17 @@ size_t td_tok_bytelevel_to_bytes(const int16_t u2b[0x144], const char *s, size_t
 
 /* Sorts tok->added (first byte, then longest first) and fills added_first. */
 void td_tok_index_added(td_tokenizer_t *tok);
+
+/* ---- td_tok_json.c ---- */
+
+/*
+ * Fills `tok` (fresh from td_tokenizer_load, tok->path set) from the tokenizer.json at
+ * json_path, and its BOS/EOS from tokenizer_config.json / generation_config.json in dir.
+ * Errors: TD_ERR_IO, TD_ERR_FORMAT (not JSON, or a part of the wrong shape, named),
+ * TD_ERR_UNSUPPORTED (a model, normalizer, pre-tokenizer or decoder not implemented,
+ * named), TD_ERR_NOMEM.
+ */
+td_status_t td_tok_load_json(td_tokenizer_t *tok, const char *json_path, const char *dir);
 
 /* ---- td_tok_gguf.c ---- */
 
