@@ -65,39 +65,39 @@
  * case to each. What the sampler does with a parameter is its own code (td_sampler.c).
  */
 #define TD_SAMPLING_FIELDS(X)                                                                               \
-    X(TEMPERATURE, float, temperature, 0.0f, /* 0 = greedy; else logits are divided by it */               \
-      .lo = 0, .hi = TD_SAMPLING_MAX_TEMPERATURE, .note = "0 = greedy", .wire = true,                      \
-      .openai = "temperature", .flag = "--temperature", .arg = "T", .help = "0 = greedy (default 0)")      \
-    X(TOP_K, int32_t, top_k, 0, /* keep the k most likely tokens; 0 = off */                                 \
-      .lo = 0, .hi = INT32_MAX, .note = "0 = off", .wire = true,                                           \
-      .openai = "top_k", .flag = "--top-k", .arg = "K",                                                      \
-      .help = "sample from the K most likely tokens (default 0: off)")                                     \
+    X(TEMPERATURE, float, temperature, 0.0f, /* 0 = greedy; else logits are divided by it */                \
+      .lo = 0, .hi = TD_SAMPLING_MAX_TEMPERATURE, .note = "0 = greedy", .wire = true,                       \
+      .openai = "temperature", .flag = "--temperature", .arg = "T", .help = "0 = greedy (default 0)")       \
+    X(TOP_K, int32_t, top_k, 0, /* keep the k most likely tokens; 0 = off */                                \
+      .lo = 0, .hi = INT32_MAX, .note = "0 = off", .wire = true,                                            \
+      .openai = "top_k", .flag = "--top-k", .arg = "K",                                                     \
+      .help = "sample from the K most likely tokens (default 0: off)")                                      \
     X(TOP_P, float, top_p, 1.0f, /* keep the smallest set with probability >= top_p; 1 = off */             \
-      .lo = 0, .lo_open = true, .hi = 1, .note = "1 = off", .wire = true,                                  \
-      .openai = "top_p", .flag = "--top-p", .arg = "P",                                                      \
-      .help = "nucleus sampling: the smallest set of probability >= P (default 1: off)")                   \
+      .lo = 0, .lo_open = true, .hi = 1, .note = "1 = off", .wire = true,                                   \
+      .openai = "top_p", .flag = "--top-p", .arg = "P",                                                     \
+      .help = "nucleus sampling: the smallest set of probability >= P (default 1: off)")                    \
     X(MIN_P, float, min_p, 0.0f, /* drop tokens with p < min_p * p_max; 0 = off */                          \
-      .lo = 0, .hi = 1, .hi_open = true, .note = "0 = off", .wire = true,                                  \
-      .openai = "min_p", .flag = "--min-p", .arg = "P",                                                      \
-      .help = "drop tokens below P times the most likely one's probability (default 0: off)")              \
+      .lo = 0, .hi = 1, .hi_open = true, .note = "0 = off", .wire = true,                                   \
+      .openai = "min_p", .flag = "--min-p", .arg = "P",                                                     \
+      .help = "drop tokens below P times the most likely one's probability (default 0: off)")               \
     X(REPETITION_PENALTY, float, repetition_penalty, 1.0f, /* CTRL-style, recent window; 1 = off */         \
-      .lo = 0, .lo_open = true, .hi = TD_SAMPLING_MAX_PENALTY, .note = "1 = off", .wire = true,            \
-      .openai = "repetition_penalty", .flag = "--repetition-penalty", .arg = "R",                          \
-      .help = "penalty on recently seen tokens (default 1: off)")                                          \
+      .lo = 0, .lo_open = true, .hi = TD_SAMPLING_MAX_PENALTY, .note = "1 = off", .wire = true,             \
+      .openai = "repetition_penalty", .flag = "--repetition-penalty", .arg = "R",                           \
+      .help = "penalty on recently seen tokens (default 1: off)")                                           \
     X(PENALTY_WINDOW, int32_t, penalty_window, 64, /* recent accepted tokens the penalty looks at */        \
       .lo = 0, .hi = TD_SAMPLING_MAX_WINDOW) /* not a request's: the sampler's own */                       \
-    X(PRESENCE_PENALTY, float, presence_penalty, 0.0f, /* OpenAI's: minus this once per id generated */      \
-      .lo = -TD_SAMPLING_MAX_OPENAI_PENALTY, .hi = TD_SAMPLING_MAX_OPENAI_PENALTY, .note = "0 = off",     \
-      .wire = true, .openai = "presence_penalty", .flag = "--presence-penalty", .arg = "P",                \
-      .help = "OpenAI's: subtract P from the logit of every token generated so far\n"                      \
-              "(-2..2, default 0: off)")                                                                   \
+    X(PRESENCE_PENALTY, float, presence_penalty, 0.0f, /* OpenAI's: minus this once per id generated */     \
+      .lo = -TD_SAMPLING_MAX_OPENAI_PENALTY, .hi = TD_SAMPLING_MAX_OPENAI_PENALTY, .note = "0 = off",       \
+      .wire = true, .openai = "presence_penalty", .flag = "--presence-penalty", .arg = "P",                 \
+      .help = "OpenAI's: subtract P from the logit of every token generated so far\n"                       \
+              "(-2..2, default 0: off)")                                                                    \
     X(FREQUENCY_PENALTY, float, frequency_penalty, 0.0f, /* OpenAI's: minus this times the count */         \
-      .lo = -TD_SAMPLING_MAX_OPENAI_PENALTY, .hi = TD_SAMPLING_MAX_OPENAI_PENALTY, .note = "0 = off",     \
-      .wire = true, .openai = "frequency_penalty", .flag = "--frequency-penalty", .arg = "F",              \
-      .help = "OpenAI's: subtract F times the number of times a token was generated\n"                    \
-              "(-2..2, default 0: off)")                                                                   \
-    X(SEED, uint64_t, seed, 0, /* PRNG seed; equal seeds give equal draws */                                 \
-      .lo = 0, .hi = (double)UINT64_MAX, .wire = true, .openai = "seed", .flag = "--seed", .arg = "S",              \
+      .lo = -TD_SAMPLING_MAX_OPENAI_PENALTY, .hi = TD_SAMPLING_MAX_OPENAI_PENALTY, .note = "0 = off",       \
+      .wire = true, .openai = "frequency_penalty", .flag = "--frequency-penalty", .arg = "F",               \
+      .help = "OpenAI's: subtract F times the number of times a token was generated\n"                      \
+              "(-2..2, default 0: off)")                                                                    \
+    X(SEED, uint64_t, seed, 0, /* PRNG seed; equal seeds give equal draws */                                \
+      .lo = 0, .hi = (double)UINT64_MAX, .wire = true, .openai = "seed", .flag = "--seed", .arg = "S",      \
       .help = "sampling seed (default 0)") /* any value */
 
 typedef struct td_sampling {
