@@ -19,6 +19,78 @@ cli_gen_opts_t cli_gen_opts_default(void)
                             .sampling = td_sampling_default(), .spec = td_spec_config_default()};
 }
 
+void cli_gen_sampling_flags_init(cli_gen_sampling_flags_t *f, cli_gen_opts_t *o)
+{
+    memset(f, 0, sizeof *f);
+    for (int id = TD_SAMPLING_FIELD_NONE + 1; id < TD_SAMPLING_FIELD_END; id++) {
+        const td_sampling_field_desc_t *d = td_sampling_field_desc((td_sampling_field_t)id);
+        void *v = td_sampling_field_ptr(&o->sampling, d);
+        if (!d->flag)
+            continue;
+        td_opt_t opt = {.name = d->flag + 2, .arg = d->arg, .help = d->help}; /* "--top-k": "top-k" */
+        switch (d->type) {
+        case TD_SAMPLING_F32: /* any number: the range is td_gen_params_validate's */
+            opt.type = TD_OPT_F32;
+            opt.ptr = v;
+            break;
+        case TD_SAMPLING_I32:
+            f->ints[id] = *(int32_t *)v;
+            opt.type = TD_OPT_I64;
+            opt.ptr = &f->ints[id];
+            opt.min = INT32_MIN;
+            opt.max = INT32_MAX;
+            break;
+        case TD_SAMPLING_U64: /* what a flag can spell: a non-negative int64 */
+            f->ints[id] = (int64_t)TD_MIN(*(uint64_t *)v, (uint64_t)INT64_MAX);
+            opt.type = TD_OPT_I64;
+            opt.ptr = &f->ints[id];
+            opt.min = 0;
+            opt.max = INT64_MAX;
+            break;
+        }
+        f->opts[f->n_opts++] = opt;
+    }
+}
+
+void cli_gen_sampling_apply(const cli_gen_sampling_flags_t *f, cli_gen_opts_t *o)
+{
+    for (int id = TD_SAMPLING_FIELD_NONE + 1; id < TD_SAMPLING_FIELD_END; id++) {
+        const td_sampling_field_desc_t *d = td_sampling_field_desc((td_sampling_field_t)id);
+        void *v = td_sampling_field_ptr(&o->sampling, d);
+        if (!d->flag)
+            continue;
+        if (d->type == TD_SAMPLING_I32)
+            *(int32_t *)v = (int32_t)f->ints[id]; /* parsed within int32 */
+        else if (d->type == TD_SAMPLING_U64)
+            *(uint64_t *)v = (uint64_t)f->ints[id]; /* parsed >= 0 */
+    }
+}
+
+int cli_gen_opts_join(td_opt_t *opts, int cap, const td_opt_t *head, int n_head, const cli_gen_sampling_flags_t *f,
+                      const td_opt_t *tail, int n_tail)
+{
+    TD_ASSERT(n_head + f->n_opts + n_tail <= cap);
+    memcpy(opts, head, (size_t)n_head * sizeof *opts);
+    memcpy(opts + n_head, f->opts, (size_t)f->n_opts * sizeof *opts);
+    memcpy(opts + n_head + f->n_opts, tail, (size_t)n_tail * sizeof *opts);
+    return n_head + f->n_opts + n_tail;
+}
+
+void cli_gen_sampling_synopsis(FILE *out, const cli_gen_sampling_flags_t *f, const char *indent)
+{
+    int col = fprintf(out, "%s", indent);
+    for (int i = 0; i < f->n_opts; i++) {
+        char item[64];
+        int w = snprintf(item, sizeof item, "[--%s %s]", f->opts[i].name, f->opts[i].arg);
+        if (i > 0 && col + 1 + w > 100)
+            col = fprintf(out, "\n%s", indent) - 1;
+        else if (i > 0)
+            col += fprintf(out, " ");
+        col += fprintf(out, "%s", item);
+    }
+    fprintf(out, "\n");
+}
+
 td_status_t cli_gen_parse_stop(const td_opt_t *opt, const char *v)
 {
     cli_gen_opts_t *o = opt->ptr;
@@ -75,7 +147,7 @@ bool cli_gen_validate(const char *cmd, const cli_gen_opts_t *o, bool prompt_is_t
     char why[256];
     td_gen_field_t bad = td_gen_params_check(&gp, why, sizeof why);
     if (bad != TD_GEN_FIELD_NONE) { /* the flag the user typed, then the gateway's words */
-        const char *flag = td_gen_field_names(bad)->flag;
+        const char *flag = td_gen_field_names(bad).flag;
         fprintf(stderr, "tandem %s: %s%s%s\n", cmd, flag, *flag ? ": " : "", why);
         return false;
     }
@@ -315,10 +387,147 @@ static td_status_t take_token(gen_state_t *s, const float *logits, int32_t *next
     return TD_OK;
 }
 
+/* The prompt after the engine's cached prefix, in chunks of `chunk` tokens (the engine
+ * attaches the cached prefix, a previous turn's KV, unless every prompt position's logits
+ * are wanted). The last chunk's last row, the first token's logits, ends in logits[0..vocab);
+ * with o->prompt_logprobs each prompt token's logprob goes into r->prompt_lps. */
+static td_status_t prefill_prompt(cli_gen_t *g, const cli_gen_opts_t *o, td_kv_seq_t *seq, const int32_t *prompt,
+                                  size_t n_prompt, int32_t chunk, int32_t top, float *logits, cli_gen_result_t *r)
+{
+    const bool want_plp = o->logprobs >= 0 && o->prompt_logprobs;
+    const size_t vocab = (size_t)g->model->config.vocab_size;
+    td_status_t st;
+    if (!want_plp && (st = td_engine_seq_start(g->eng, seq, prompt, (int32_t)n_prompt, &r->n_cached)) != TD_OK)
+        return st;
+    if (want_plp && n_prompt)
+        r->prompt_lps[0] = (td_token_logprob_t){.token = prompt[0]}; /* no context: logprob 0 */
+    for (size_t off = (size_t)r->n_cached; off < n_prompt;) {
+        int32_t n = (int32_t)TD_MIN((size_t)chunk, n_prompt - off);
+        bool last = off + (size_t)n == n_prompt;
+        td_engine_item_t it = {.seq = seq, .tokens = prompt + off, .n_tokens = n, .n_logits = want_plp ? n : last};
+        if ((st = td_engine_step(g->eng, &it, 1, logits)) != TD_OK) {
+            if (st == TD_ERR_EXHAUSTED)
+                td_errorf(st, "the KV cache cannot hold the prompt: raise --kv-mem");
+            return st;
+        }
+        /* row k follows prompt[off + k]: it scores prompt[off + k + 1] */
+        for (int32_t k = 0; want_plp && k < n && off + (size_t)k + 1 < n_prompt; k++)
+            if ((st = td_sampler_logprobs(logits + (size_t)k * vocab, (int32_t)vocab, prompt[off + (size_t)k + 1], top,
+                                          &r->prompt_lps[off + (size_t)k + 1])) != TD_OK)
+                return st;
+        if (want_plp && last && n > 1)
+            memmove(logits, logits + (size_t)(n - 1) * vocab, vocab * sizeof *logits);
+        off += (size_t)n;
+    }
+    return TD_OK;
+}
+
+/* One verify step of drafts after *next: rows next, draft[0..m); row i's token is taken while
+ * it equals draft[i], the rest of the step rolled back. *verified_p false: the pool cannot
+ * hold the drafts, nothing was taken. */
+static td_status_t verify_drafts(gen_state_t *s, td_kv_seq_t *seq, int32_t *next, const int32_t *draft, int32_t m,
+                                 float *vlogits, td_spec_adapt_t *adapt, bool *verified_p)
+{
+    const size_t vocab = (size_t)s->g->model->config.vocab_size;
+    int32_t feed[TD_SPEC_MAX_DRAFT + 1], n_before = seq->n_tokens, taken = 0, acc = 0;
+    feed[0] = *next;
+    memcpy(feed + 1, draft, (size_t)m * sizeof *draft);
+    td_engine_item_t it = {.seq = seq, .tokens = feed, .n_tokens = m + 1, .n_logits = m + 1, .verify = true};
+    td_status_t st = td_engine_step(s->g->eng, &it, 1, vlogits);
+    *verified_p = st == TD_OK;
+    if (st != TD_OK)
+        return st == TD_ERR_EXHAUSTED ? TD_OK : st;
+    for (int32_t i = 0; i <= m && !s->done; i++) {
+        if ((st = take_token(s, vlogits + (size_t)i * vocab, next)) != TD_OK)
+            return st;
+        taken++;
+        if (i == m || *next != draft[i])
+            break;
+        acc++;
+    }
+    td_engine_seq_rollback(s->g->eng, seq, n_before + taken);
+    td_engine_seq_release_window(s->g->eng, seq); /* after the rollback: the tokens kept */
+    td_spec_adapt_update(adapt, &s->o->spec, m, acc);
+    td_spec_stats_t *sp = &s->r->spec;
+    sp->verify_steps++;
+    sp->drafted += (uint64_t)m;
+    sp->accepted += (uint64_t)acc;
+    sp->tokens += (uint64_t)taken;
+    return TD_OK;
+}
+
+/* Decodes after the first token `next` until a stop, max_new or a full KV cache (warned):
+ * with o->spec, drafts verified several a step where the pool holds them, else one token a
+ * step. */
+static td_status_t decode_tokens(gen_state_t *s, td_kv_seq_t *seq, td_kv_seq_t *dseq, int32_t next, float *logits,
+                                 float *vlogits)
+{
+    const cli_gen_opts_t *o = s->o;
+    const bool spec = o->spec.mode != TD_SPEC_OFF;
+    td_spec_adapt_t adapt;
+    td_spec_adapt_init(&adapt, &o->spec);
+    int32_t draft[TD_SPEC_MAX_DRAFT];
+    td_status_t st;
+    while (!s->done) {
+        /* drafts, at most as many as may still be output after `next` */
+        int32_t k = spec ? (int32_t)TD_MIN((int64_t)td_spec_adapt_want(&adapt, &o->spec), s->max_new - s->r->n_gen - 1)
+                         : 0;
+        int32_t m = 0;
+        if (k > 0 && o->spec.mode == TD_SPEC_PROMPT_LOOKUP)
+            m = td_spec_lookup(s->ctx, s->n_ctx, o->spec.ngram_min, o->spec.ngram_max, k, draft);
+        else if (k > 0 && (st = td_spec_draft_run(s->g->draft, dseq, s->ctx, s->n_ctx, k, draft, &m)) != TD_OK)
+            return st;
+        bool verified = false; /* else a plain step: no drafts, or the pool cannot hold them */
+        if (m > 0 && (st = verify_drafts(s, seq, &next, draft, m, vlogits, &adapt, &verified)) != TD_OK)
+            return st;
+        if (verified)
+            continue;
+        if (spec)
+            s->r->spec.plain_steps++;
+        td_engine_item_t it = {.seq = seq, .tokens = &next, .n_tokens = 1, .n_logits = 1};
+        if ((st = td_engine_step(s->g->eng, &it, 1, logits)) == TD_ERR_EXHAUSTED) {
+            td_warn("generate: the KV cache is full at %d tokens; stopping (raise --kv-mem for longer)",
+                    seq->n_tokens);
+            return TD_OK;
+        }
+        if (st != TD_OK || (st = take_token(s, logits, &next)) != TD_OK)
+            return st;
+        td_engine_seq_release_window(s->g->eng, seq); /* blocks behind a sliding window */
+    }
+    return TD_OK;
+}
+
+/* The end of the output: the ids on one line with o->print_ids, else the text the
+ * detokenizer and the stop matcher still hold (unless a stop string ended it). */
+static td_status_t finish_output(gen_state_t *s)
+{
+    cli_gen_result_t *r = s->r;
+    td_status_t st = TD_OK;
+    if (s->o->print_ids) {
+        for (int64_t i = 0; i < r->n_gen; i++)
+            printf(i ? " %d" : "%d", r->ids[i]);
+        printf("\n");
+    } else if (!s->stopped) {
+        const char *text;
+        size_t len;
+        if ((st = td_detok_flush(s->dt, &text, &len)) != TD_OK)
+            return st;
+        td_stop_result_t sr;
+        if ((st = td_stop_feed(s->stop, text, len, &sr)) != TD_OK ||
+            (st = put_text(r, s->text_cap, sr.emit, sr.emit_len)) != TD_OK)
+            return st;
+        if (!sr.matched) {
+            td_stop_flush(s->stop, &text, &len);
+            st = put_text(r, s->text_cap, text, len);
+        }
+    }
+    fflush(stdout);
+    return st;
+}
+
 td_status_t cli_gen_run(cli_gen_t *g, const cli_gen_opts_t *o, td_kv_seq_t *seq, const int32_t *prompt,
                         size_t n_prompt, int64_t max_new, cli_gen_result_t *res)
 {
-    const td_model_config_t *c = &g->model->config;
     const td_engine_config_t *ec = td_engine_config(g->eng);
     td_sampler_t *sampler = NULL;
     td_stop_t *stop = NULL;
@@ -335,7 +544,7 @@ td_status_t cli_gen_run(cli_gen_t *g, const cli_gen_opts_t *o, td_kv_seq_t *seq,
     const int32_t top = (int32_t)TD_MIN(TD_MAX(o->logprobs, (int64_t)0), (int64_t)TD_LOGPROBS_MAX_TOP);
     /* prompt logprobs: every row of a chunk (chunks of at most max_logit_rows tokens) */
     const int32_t chunk = want_plp ? TD_MIN(ec->max_batch_tokens, ec->max_logit_rows) : ec->max_batch_tokens;
-    const size_t vocab = (size_t)c->vocab_size;
+    const size_t vocab = (size_t)g->model->config.vocab_size;
     if ((st = td_sampler_create(&o->sampling, &sampler)) != TD_OK ||
         (st = td_stop_create(o->stops, TD_MIN(o->n_stops, TD_STOP_MAX_STRINGS), &stop)) != TD_OK)
         goto out;
@@ -356,116 +565,22 @@ td_status_t cli_gen_run(cli_gen_t *g, const cli_gen_opts_t *o, td_kv_seq_t *seq,
     for (size_t i = 0; i < n_prompt; i++)
         td_sampler_accept_prompt(sampler, prompt[i]);
 
-    /* the engine attaches the cached prefix (a previous turn's KV), unless every prompt
-     * position's logits are wanted; prefill the rest in chunks, the last chunk's last row
-     * giving the first token's logits */
     uint64_t t0 = td_now_ns();
-    if (!want_plp && (st = td_engine_seq_start(g->eng, seq, prompt, (int32_t)n_prompt, &r.n_cached)) != TD_OK)
+    if ((st = prefill_prompt(g, o, seq, prompt, n_prompt, chunk, top, logits, &r)) != TD_OK)
         goto out;
-    if (want_plp && n_prompt)
-        r.prompt_lps[0] = (td_token_logprob_t){.token = prompt[0]}; /* no context: logprob 0 */
-    for (size_t off = (size_t)r.n_cached; off < n_prompt;) {
-        int32_t n = (int32_t)TD_MIN((size_t)chunk, n_prompt - off);
-        bool last = off + (size_t)n == n_prompt;
-        td_engine_item_t it = {.seq = seq, .tokens = prompt + off, .n_tokens = n,
-                               .n_logits = want_plp ? n : last};
-        if ((st = td_engine_step(g->eng, &it, 1, logits)) != TD_OK) {
-            if (st == TD_ERR_EXHAUSTED)
-                td_errorf(st, "the KV cache cannot hold the prompt: raise --kv-mem");
-            goto out;
-        }
-        /* row k follows prompt[off + k]: it scores prompt[off + k + 1] */
-        for (int32_t k = 0; want_plp && k < n && off + (size_t)k + 1 < n_prompt; k++)
-            if ((st = td_sampler_logprobs(logits + (size_t)k * vocab, c->vocab_size, prompt[off + (size_t)k + 1], top,
-                                          &r.prompt_lps[off + (size_t)k + 1])) != TD_OK)
-                goto out;
-        if (want_plp && last && n > 1)
-            memmove(logits, logits + (size_t)(n - 1) * vocab, vocab * sizeof *logits);
-        off += (size_t)n;
-    }
     r.t_prefill_ns = td_now_ns() - t0;
     /* the context the drafters read: the prompt, then each token as it is taken */
     memcpy(ctx, prompt, n_prompt * sizeof *ctx);
     gen_state_t gs = {.g = g, .o = o, .sampler = sampler, .stop = stop, .dt = &dt, .r = &r, .text_cap = &text_cap,
                       .ctx = ctx, .n_ctx = (int32_t)n_prompt, .max_new = max_new, .want_lp = want_lp, .top = top,
                       .t0 = t0};
-    const bool spec = o->spec.mode != TD_SPEC_OFF;
-    td_spec_adapt_t adapt;
-    td_spec_adapt_init(&adapt, &o->spec);
-    int32_t next, draft[TD_SPEC_MAX_DRAFT];
-    if (max_new > 0 && (st = take_token(&gs, logits, &next)) != TD_OK)
+    int32_t next;
+    if (max_new > 0 && ((st = take_token(&gs, logits, &next)) != TD_OK ||
+                        (st = decode_tokens(&gs, seq, &dseq, next, logits, vlogits)) != TD_OK))
         goto out;
-    while (max_new > 0 && !gs.done) {
-        /* drafts, at most as many as may still be output after `next` */
-        int32_t k = spec ? (int32_t)TD_MIN((int64_t)td_spec_adapt_want(&adapt, &o->spec), max_new - r.n_gen - 1) : 0, m = 0;
-        if (k > 0 && o->spec.mode == TD_SPEC_PROMPT_LOOKUP)
-            m = td_spec_lookup(ctx, gs.n_ctx, o->spec.ngram_min, o->spec.ngram_max, k, draft);
-        else if (k > 0 && (st = td_spec_draft_run(g->draft, &dseq, ctx, gs.n_ctx, k, draft, &m)) != TD_OK)
-            goto out;
-        if (m > 0) {
-            /* verify: rows next, draft[0..m); row i's token is taken while it equals draft[i] */
-            int32_t feed[TD_SPEC_MAX_DRAFT + 1], n_before = seq->n_tokens, taken = 0;
-            feed[0] = next;
-            memcpy(feed + 1, draft, (size_t)m * sizeof *draft);
-            td_engine_item_t it = {.seq = seq, .tokens = feed, .n_tokens = m + 1, .n_logits = m + 1, .verify = true};
-            st = td_engine_step(g->eng, &it, 1, vlogits);
-            if (st == TD_OK) {
-                int32_t acc = 0;
-                for (int32_t i = 0; i <= m && !gs.done; i++) {
-                    if ((st = take_token(&gs, vlogits + (size_t)i * vocab, &next)) != TD_OK)
-                        goto out;
-                    taken++;
-                    if (i == m || next != draft[i])
-                        break;
-                    acc++;
-                }
-                td_engine_seq_rollback(g->eng, seq, n_before + taken);
-                td_engine_seq_release_window(g->eng, seq); /* after the rollback: the tokens kept */
-                td_spec_adapt_update(&adapt, &o->spec, m, acc);
-                r.spec.verify_steps++;
-                r.spec.drafted += (uint64_t)m;
-                r.spec.accepted += (uint64_t)acc;
-                r.spec.tokens += (uint64_t)taken;
-                continue;
-            }
-            if (st != TD_ERR_EXHAUSTED)
-                goto out;
-            /* the pool cannot hold the drafts: a plain step */
-        }
-        if (spec)
-            r.spec.plain_steps++;
-        td_engine_item_t it = {.seq = seq, .tokens = &next, .n_tokens = 1, .n_logits = 1};
-        if ((st = td_engine_step(g->eng, &it, 1, logits)) == TD_ERR_EXHAUSTED) {
-            td_warn("generate: the KV cache is full at %d tokens; stopping (raise --kv-mem for longer)",
-                    seq->n_tokens);
-            st = TD_OK;
-            break;
-        }
-        if (st != TD_OK || (st = take_token(&gs, logits, &next)) != TD_OK)
-            goto out;
-        td_engine_seq_release_window(g->eng, seq); /* blocks behind a sliding window */
-    }
-    bool stopped = gs.stopped;
     r.t_total_ns = td_now_ns() - t0;
-    if (o->print_ids) {
-        for (int64_t i = 0; i < r.n_gen; i++)
-            printf(i ? " %d" : "%d", r.ids[i]);
-        printf("\n");
-    } else if (!stopped) {
-        const char *text;
-        size_t len;
-        if ((st = td_detok_flush(&dt, &text, &len)) != TD_OK)
-            goto out;
-        td_stop_result_t sr;
-        if ((st = td_stop_feed(stop, text, len, &sr)) != TD_OK || (st = put_text(&r, &text_cap, sr.emit, sr.emit_len)))
-            goto out;
-        if (!sr.matched) {
-            td_stop_flush(stop, &text, &len);
-            if ((st = put_text(&r, &text_cap, text, len)) != TD_OK)
-                goto out;
-        }
-    }
-    fflush(stdout);
+    if ((st = finish_output(&gs)) != TD_OK)
+        goto out;
     if (!r.text && !(r.text = calloc(1, 1))) {
         st = td_errorf(TD_ERR_NOMEM, "out of memory");
         goto out;

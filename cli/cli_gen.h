@@ -13,6 +13,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 
 #include "td_backend.h"
 #include "td_chat_template.h"
@@ -63,6 +64,32 @@ typedef struct cli_gen_opts {
 
 /* The defaults: nothing given, max_tokens -1, dtype and quant -1, td_sampling_default(). */
 cli_gen_opts_t cli_gen_opts_default(void);
+
+/*
+ * The sampling flags of generate and chat: one td_opts entry per TD_SAMPLING_FIELDS row with
+ * a flag (td_sampler.h), in row order. A float goes straight into o->sampling; an integer is
+ * read through ints[] (td_opts' int64_t, wide enough that a negative or too large value
+ * reaches cli_gen_validate, which names the field's range) and copied into o->sampling by
+ * cli_gen_sampling_apply after parsing. Holds pointers into o and into itself: used where
+ * cli_gen_sampling_flags_init put it, never copied.
+ */
+typedef struct cli_gen_sampling_flags {
+    td_opt_t opts[TD_SAMPLING_FIELD_END];
+    int n_opts;
+    int64_t ints[TD_SAMPLING_FIELD_END]; /* [field id] the integer fields while parsing */
+} cli_gen_sampling_flags_t;
+
+void cli_gen_sampling_flags_init(cli_gen_sampling_flags_t *f, cli_gen_opts_t *o);
+void cli_gen_sampling_apply(const cli_gen_sampling_flags_t *f, cli_gen_opts_t *o);
+
+/* A command's flags in --help order: head[0..n_head), the sampling flags, tail[0..n_tail),
+ * into opts[0..cap) (cap must hold them all). Returns how many. */
+int cli_gen_opts_join(td_opt_t *opts, int cap, const td_opt_t *head, int n_head, const cli_gen_sampling_flags_t *f,
+                      const td_opt_t *tail, int n_tail);
+
+/* The sampling flags for a usage synopsis, "[--temperature T] [--top-k K] ...", wrapped at
+ * about 100 columns, each line opening with indent and ending with a newline. */
+void cli_gen_sampling_synopsis(FILE *out, const cli_gen_sampling_flags_t *f, const char *indent);
 
 /* td_opts parse fns: --stop and --stop-id (repeatable; opt->ptr is the cli_gen_opts_t),
  * --log-level (sets the log level); --quant is td_cli.h's cli_opt_quant. */

@@ -52,14 +52,18 @@ static void conv_truncate(chat_conv_t *c, size_t n)
         free((char *)c->m[--c->n].content);
 }
 
+#define CHAT_MAX_OPTS 48
+
 static int parse_opts(int argc, char **argv, cli_gen_opts_t *o)
 {
-    int64_t top_k = o->sampling.top_k, seed = (int64_t)o->sampling.seed, kv_mib = 0, draft_tokens = o->spec.k_max;
+    int64_t kv_mib = 0, draft_tokens = o->spec.k_max;
     td_dtype_t dtype = TD_F32;
     char stop_help[64];
     snprintf(stop_help, sizeof stop_help, "stop a reply before this text (repeatable, up to %d)",
              TD_STOP_MAX_STRINGS);
-    const td_opt_t opts[] = {
+    cli_gen_sampling_flags_t sampling; /* TD_SAMPLING_FIELDS' flags, after max-tokens */
+    cli_gen_sampling_flags_init(&sampling, o);
+    const td_opt_t head[] = {
         {.name = "model", .type = TD_OPT_STR, .ptr = &o->model, .arg = "PATH",
          .help = "GGUF file or Hugging Face model directory with a chat template"},
         {.name = "tokenizer", .type = TD_OPT_STR, .ptr = &o->tokenizer, .arg = "PATH",
@@ -68,18 +72,8 @@ static int parse_opts(int argc, char **argv, cli_gen_opts_t *o)
          .help = "a system message opening the conversation"},
         {.name = "max-tokens", .type = TD_OPT_I64, .ptr = &o->max_tokens, .min = INT64_MIN, .max = INT64_MAX,
          .arg = "N", .help = "most tokens of one reply (default: up to the model's length)"},
-        {.name = "temperature", .type = TD_OPT_F32, .ptr = &o->sampling.temperature, .arg = "T",
-         .help = "0 = greedy (default 0)"},
-        {.name = "top-k", .type = TD_OPT_I64, .ptr = &top_k, .min = INT32_MIN, .max = INT32_MAX, .arg = "K",
-         .help = "sample from the K most likely tokens (default 0: off)"},
-        {.name = "top-p", .type = TD_OPT_F32, .ptr = &o->sampling.top_p, .arg = "P",
-         .help = "nucleus sampling: the smallest set of probability >= P (default 1: off)"},
-        {.name = "min-p", .type = TD_OPT_F32, .ptr = &o->sampling.min_p, .arg = "P",
-         .help = "drop tokens below P times the most likely one's probability (default 0: off)"},
-        {.name = "repetition-penalty", .type = TD_OPT_F32, .ptr = &o->sampling.repetition_penalty, .arg = "R",
-         .help = "penalty on recently seen tokens (default 1: off)"},
-        {.name = "seed", .type = TD_OPT_I64, .ptr = &seed, .min = 0, .max = INT64_MAX, .arg = "S",
-         .help = "sampling seed of every reply (default 0)"},
+    };
+    const td_opt_t tail[] = {
         {.name = "stop", .type = TD_OPT_FN, .ptr = o, .parse = cli_gen_parse_stop, .arg = "TEXT",
          .help = stop_help},
         {.name = "threads", .type = TD_OPT_I64, .ptr = &o->threads, .min = 1, .max = 4096, .arg = "N",
@@ -101,19 +95,20 @@ static int parse_opts(int argc, char **argv, cli_gen_opts_t *o)
          .help = "error|warn|info|debug (debug shows each rendered prompt)"},
         CLI_GEN_SPEC_OPTS(o, &draft_tokens),
     };
-    enum { N_OPTS = TD_ARRAY_LEN(opts), OPT_MAX_TOKENS = 3, OPT_DTYPE = 13 };
-    int given[N_OPTS] = {0};
-    td_opts_t spec = {.prog = "chat", .opts = opts, .n_opts = N_OPTS};
+    td_opt_t opts[CHAT_MAX_OPTS];
+    int n_opts = cli_gen_opts_join(opts, CHAT_MAX_OPTS, head, TD_ARRAY_LEN(head), &sampling, tail, TD_ARRAY_LEN(tail));
+    int given[CHAT_MAX_OPTS] = {0};
+    td_opts_t spec = {.prog = "chat", .opts = opts, .n_opts = n_opts};
     td_opts_result_t r = {.given = given};
     if (td_opts_parse(&spec, argc, argv, &r) != TD_OK)
         return 2;
     if (r.help) {
-        printf("usage: tandem chat --model PATH [--system TEXT] [--max-tokens N] [--temperature T]\n"
-               "                   [--top-k K] [--top-p P] [--min-p P] [--repetition-penalty R] [--seed S]\n"
-               "                   [--stop TEXT]... [--threads N] [--device cpu|cuda[:N]] [--dtype T]\n"
+        printf("usage: tandem chat --model PATH [--system TEXT] [--max-tokens N]\n");
+        cli_gen_sampling_synopsis(stdout, &sampling, "                   ");
+        printf("                   [--stop TEXT]... [--threads N] [--device cpu|cuda[:N]] [--dtype T]\n"
                "                   [--quant q8_0|q4_0] [--kv-dtype T] [--spec off|prompt-lookup|draft-model]\n"
                "                   [--draft-model PATH] [--draft-tokens K]\n\n");
-        td_opts_usage(stdout, opts, N_OPTS, false);
+        td_opts_usage(stdout, opts, n_opts, false);
         printf("\n"
                "Reads the user's messages from stdin, one a line, and streams each reply to stdout (a\n"
                "line of its own); timings, with the prompt tokens the prefix cache held, go to stderr.\n"
@@ -122,14 +117,12 @@ static int parse_opts(int argc, char **argv, cli_gen_opts_t *o)
                "0 done, 1 failed, 2 usage error.\n");
         return 0;
     }
-    TD_ASSERT(!strcmp(opts[OPT_MAX_TOKENS].name, "max-tokens") && !strcmp(opts[OPT_DTYPE].name, "dtype"));
-    o->sampling.top_k = (int32_t)top_k;
-    o->sampling.seed = (uint64_t)seed;
+    cli_gen_sampling_apply(&sampling, o);
     if (!cli_gen_spec_resolve("chat", o, draft_tokens))
         return 2;
     o->kv_mem = (size_t)kv_mib << 20;
-    o->max_tokens_given = given[OPT_MAX_TOKENS] != 0;
-    if (given[OPT_DTYPE])
+    o->max_tokens_given = td_opts_given(&spec, &r, "max-tokens") != 0;
+    if (td_opts_given(&spec, &r, "dtype"))
         o->dtype = (int)dtype;
     if (!o->model) {
         fprintf(stderr, "tandem chat: give --model PATH\n");

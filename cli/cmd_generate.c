@@ -45,19 +45,32 @@ static bool local_only(const char *flag)
     return false;
 }
 
-static int parse_opts(int argc, char **argv, cli_gen_opts_t *o)
-{
-    /* request parameters are parsed for their type only; their ranges are checked by
-     * td_gen_params_validate below, as the gateway checks them */
-    int64_t top_k = o->sampling.top_k, seed = (int64_t)o->sampling.seed, kv_mib = 0, draft_tokens = o->spec.k_max;
-    td_dtype_t dtype = TD_F32;
+#define GEN_MAX_OPTS 64
+
+/* What the flag table points at besides o: values converted after parsing, help texts with
+ * numbers in them, the sampling flags (TD_SAMPLING_FIELDS). Used in place. */
+typedef struct gen_flags {
+    cli_gen_sampling_flags_t sampling;
+    int64_t kv_mib, draft_tokens;
+    td_dtype_t dtype;
     char stop_help[64], timeout_help[96], connect_help[64];
-    snprintf(stop_help, sizeof stop_help, "stop before this text (repeatable, up to %d)", TD_STOP_MAX_STRINGS);
-    snprintf(timeout_help, sizeof timeout_help, "deadline of the whole generation, sent as grpc-timeout (default %.0f)",
-             (double)GEN_DEFAULT_TIMEOUT_S);
-    snprintf(connect_help, sizeof connect_help, "bound on reaching the server (default %.0f)",
+    td_opt_t opts[GEN_MAX_OPTS];
+    int n_opts;
+} gen_flags_t;
+
+/* The flags of tandem generate, in --help order: the request's, the sampling flags, the
+ * rest. Request parameters are parsed for their type only; their ranges are checked by
+ * td_gen_params_validate (cli_gen_validate), as the gateway checks them. */
+static void gen_flags_init(gen_flags_t *fl, cli_gen_opts_t *o)
+{
+    *fl = (gen_flags_t){.draft_tokens = o->spec.k_max, .dtype = TD_F32};
+    cli_gen_sampling_flags_init(&fl->sampling, o);
+    snprintf(fl->stop_help, sizeof fl->stop_help, "stop before this text (repeatable, up to %d)", TD_STOP_MAX_STRINGS);
+    snprintf(fl->timeout_help, sizeof fl->timeout_help,
+             "deadline of the whole generation, sent as grpc-timeout (default %.0f)", (double)GEN_DEFAULT_TIMEOUT_S);
+    snprintf(fl->connect_help, sizeof fl->connect_help, "bound on reaching the server (default %.0f)",
              (double)GEN_DEFAULT_CONNECT_TIMEOUT_S);
-    const td_opt_t opts[] = {
+    const td_opt_t head[] = {
         {.name = "model", .type = TD_OPT_STR, .ptr = &o->model, .arg = "PATH",
          .help = "GGUF file, llama2.c checkpoint (.bin) or Hugging Face model directory"},
         {.name = "tokenizer", .type = TD_OPT_STR, .ptr = &o->tokenizer, .arg = "PATH",
@@ -75,33 +88,17 @@ static int parse_opts(int argc, char **argv, cli_gen_opts_t *o)
         {.name = "max-tokens", .type = TD_OPT_I64, .ptr = &o->max_tokens, .min = INT64_MIN, .max = INT64_MAX,
          .arg = "N", .help = "most tokens to generate (default: up to the model's length;\n"
                              "with --server: the server's default-max-tokens, and N >= 1)"},
-        {.name = "temperature", .type = TD_OPT_F32, .ptr = &o->sampling.temperature, .arg = "T",
-         .help = "0 = greedy (default 0)"},
-        {.name = "top-k", .type = TD_OPT_I64, .ptr = &top_k, .min = INT32_MIN, .max = INT32_MAX, .arg = "K",
-         .help = "sample from the K most likely tokens (default 0: off)"},
-        {.name = "top-p", .type = TD_OPT_F32, .ptr = &o->sampling.top_p, .arg = "P",
-         .help = "nucleus sampling: the smallest set of probability >= P (default 1: off)"},
-        {.name = "min-p", .type = TD_OPT_F32, .ptr = &o->sampling.min_p, .arg = "P",
-         .help = "drop tokens below P times the most likely one's probability (default 0: off)"},
-        {.name = "repetition-penalty", .type = TD_OPT_F32, .ptr = &o->sampling.repetition_penalty, .arg = "R",
-         .help = "penalty on recently seen tokens (default 1: off)"},
-        {.name = "presence-penalty", .type = TD_OPT_F32, .ptr = &o->sampling.presence_penalty, .arg = "P",
-         .help = "OpenAI's: subtract P from the logit of every token generated so far\n"
-                 "(-2..2, default 0: off)"},
-        {.name = "frequency-penalty", .type = TD_OPT_F32, .ptr = &o->sampling.frequency_penalty, .arg = "F",
-         .help = "OpenAI's: subtract F times the number of times a token was generated\n"
-                 "(-2..2, default 0: off)"},
-        {.name = "seed", .type = TD_OPT_I64, .ptr = &seed, .min = 0, .max = INT64_MAX, .arg = "S",
-         .help = "sampling seed (default 0)"},
+    };
+    const td_opt_t tail[] = {
         {.name = "stop", .type = TD_OPT_FN, .ptr = o, .parse = cli_gen_parse_stop, .arg = "TEXT",
-         .help = stop_help},
+         .help = fl->stop_help},
         {.name = "stop-id", .type = TD_OPT_FN, .ptr = o, .parse = cli_gen_parse_stop_id, .arg = "ID",
          .help = "stop at this token id (repeatable); the model's EOS ids always stop"},
         {.name = "threads", .type = TD_OPT_I64, .ptr = &o->threads, .min = 1, .max = 4096, .arg = "N",
          .help = "compute threads (default: all cores)"},
         {.name = "device", .type = TD_OPT_FN, .ptr = &o->device, .parse = cli_opt_device, .arg = "D",
          .help = "cpu (default), cuda (GPU 0) or cuda:N"},
-        {.name = "dtype", .type = TD_OPT_FN, .ptr = &dtype, .parse = cli_opt_dtype, .arg = "T",
+        {.name = "dtype", .type = TD_OPT_FN, .ptr = &fl->dtype, .parse = cli_opt_dtype, .arg = "T",
          .help = "f32|f16|bf16: weights and KV cache in T (converted at load), and on cuda the\n"
                  "activations too (the CPU's are f32); default: cpu: weights as\n"
                  "stored, KV cache f32; cuda: the model's dtype for all three"},
@@ -110,7 +107,7 @@ static int parse_opts(int argc, char **argv, cli_gen_opts_t *o)
         {.name = "kv-dtype", .type = TD_OPT_FN, .ptr = &o->kv_dtype, .parse = cli_opt_kv_dtype, .arg = "T",
          .help = "f32|f16|bf16|q8_0: the KV cache in T (default: as --dtype; q8_0: blocks of 32\n"
                  "with an f16 scale, half of f16's memory, llama.cpp's -ctk/-ctv q8_0)"},
-        {.name = "kv-mem", .type = TD_OPT_I64, .ptr = &kv_mib, .min = 1, .max = 1 << 22, .arg = "MIB",
+        {.name = "kv-mem", .type = TD_OPT_I64, .ptr = &fl->kv_mib, .min = 1, .max = 1 << 22, .arg = "MIB",
          .help = "KV cache budget (default: what prompt + max tokens need)"},
         {.name = "prefill-chunk", .type = TD_OPT_I64, .ptr = &o->prefill_chunk, .min = 1, .max = 1 << 16,
          .arg = "N", .help = "prompt tokens per prefill step (default: the prompt, at most 512)"},
@@ -137,56 +134,42 @@ static int parse_opts(int argc, char **argv, cli_gen_opts_t *o)
         {.name = "request-id", .type = TD_OPT_STR, .ptr = &o->request_id, .arg = "ID",
          .help = "the request id the router logs (default: the router assigns one)"},
         {.name = "timeout", .type = TD_OPT_F32, .ptr = &o->timeout_s, .fmin = 0.001f, .fmax = 86400.0f, .arg = "S",
-         .help = timeout_help},
+         .help = fl->timeout_help},
         {.name = "connect-timeout", .type = TD_OPT_F32, .ptr = &o->connect_timeout_s, .fmin = 0.001f,
          .fmax = 3600.0f, .arg = "S",
-         .help = connect_help},
-        CLI_GEN_SPEC_OPTS(o, &draft_tokens),
+         .help = fl->connect_help},
+        CLI_GEN_SPEC_OPTS(o, &fl->draft_tokens),
     };
-    enum { N_OPTS = TD_ARRAY_LEN(opts), OPT_MAX_TOKENS = 6, OPT_DTYPE = 19 };
-    int given[N_OPTS] = {0};
-    td_opts_t spec = {.prog = "generate", .opts = opts, .n_opts = N_OPTS};
-    td_opts_result_t r = {.given = given};
-    if (td_opts_parse(&spec, argc, argv, &r) != TD_OK)
-        return 2;
-    if (r.help) {
-        printf("usage: tandem generate --model PATH [--tokenizer PATH] (--prompt TEXT | --prompt-ids \"1 2 3\")\n"
-               "                       [--chat [--system TEXT]] [--max-tokens N] [--temperature T]\n"
-               "                       [--top-k K] [--top-p P] [--min-p P] [--repetition-penalty R] [--seed S]\n"
-               "                       [--presence-penalty P] [--frequency-penalty F]\n"
-               "                       [--stop TEXT]... [--stop-id ID]... [--threads N] [--device cpu|cuda[:N]]\n"
-               "                       [--dtype f32|f16|bf16] [--quant q8_0|q4_0] [--kv-dtype T] [--print-ids]\n"
-               "                       [--logprobs N [--prompt-logprobs]]\n"
-               "                       [--spec off|prompt-lookup|draft-model] [--draft-model PATH] [--draft-tokens K]\n"
-               "       tandem generate --server HOST:PORT (--prompt TEXT | --prompt-ids \"1 2 3\")\n"
-               "                       [the same sampling, stop and output flags]\n"
-               "                       [--model-name NAME] [--request-id ID] [--timeout S] [--connect-timeout S]\n"
-               "\n");
-        td_opts_usage(stdout, opts, N_OPTS, false);
-        printf("\n"
-               "Text (or ids) go to stdout as they are produced; timings (prompt tokens/s, generation\n"
-               "tokens/s, time to first token; with --server also the router's queue, prefill,\n"
-               "transfer, first-token and per-token times) to stderr. Generation stops at a stop token\n"
-               "or string, at --max-tokens, or at the model's maximum length. Exit status: 0 done,\n"
-               "1 failed (with --server: the gRPC status is named in the message), 2 usage error.\n"
-               "With --server, a router that requires API keys gets the one in TANDEM_API_KEY.\n");
-        return 0;
-    }
-    o->sampling.top_k = (int32_t)top_k;
-    o->sampling.seed = (uint64_t)seed;
-    if (!cli_gen_spec_resolve("generate", o, draft_tokens))
-        return 2;
-    o->kv_mem = (size_t)kv_mib << 20;
-    TD_ASSERT(!strcmp(opts[OPT_MAX_TOKENS].name, "max-tokens") && !strcmp(opts[OPT_DTYPE].name, "dtype"));
-    o->max_tokens_given = given[OPT_MAX_TOKENS] != 0;
-    if (given[OPT_DTYPE])
-        o->dtype = (int)dtype;
-    int first_local = 0;
-    for (int i = 0; i < N_OPTS; i++)
-        if (given[i] && local_only(opts[i].name) && (!first_local || given[i] < first_local)) {
-            first_local = given[i];
-            o->local_only = opts[i].name;
-        }
+    fl->n_opts = cli_gen_opts_join(fl->opts, GEN_MAX_OPTS, head, TD_ARRAY_LEN(head), &fl->sampling, tail,
+                                   TD_ARRAY_LEN(tail));
+}
+
+static void print_help(const gen_flags_t *fl)
+{
+    printf("usage: tandem generate --model PATH [--tokenizer PATH] (--prompt TEXT | --prompt-ids \"1 2 3\")\n"
+           "                       [--chat [--system TEXT]] [--max-tokens N]\n");
+    cli_gen_sampling_synopsis(stdout, &fl->sampling, "                       ");
+    printf("                       [--stop TEXT]... [--stop-id ID]... [--threads N] [--device cpu|cuda[:N]]\n"
+           "                       [--dtype f32|f16|bf16] [--quant q8_0|q4_0] [--kv-dtype T] [--print-ids]\n"
+           "                       [--logprobs N [--prompt-logprobs]]\n"
+           "                       [--spec off|prompt-lookup|draft-model] [--draft-model PATH] [--draft-tokens K]\n"
+           "       tandem generate --server HOST:PORT (--prompt TEXT | --prompt-ids \"1 2 3\")\n"
+           "                       [the same sampling, stop and output flags]\n"
+           "                       [--model-name NAME] [--request-id ID] [--timeout S] [--connect-timeout S]\n"
+           "\n");
+    td_opts_usage(stdout, fl->opts, fl->n_opts, false);
+    printf("\n"
+           "Text (or ids) go to stdout as they are produced; timings (prompt tokens/s, generation\n"
+           "tokens/s, time to first token; with --server also the router's queue, prefill,\n"
+           "transfer, first-token and per-token times) to stderr. Generation stops at a stop token\n"
+           "or string, at --max-tokens, or at the model's maximum length. Exit status: 0 done,\n"
+           "1 failed (with --server: the gRPC status is named in the message), 2 usage error.\n"
+           "With --server, a router that requires API keys gets the one in TANDEM_API_KEY.\n");
+}
+
+/* The flags that conflict or need one another: 2 (a usage error, printed) or -1 (go on). */
+static int check_flags(cli_gen_opts_t *o)
+{
     if (o->server && o->local_only) {
         fprintf(stderr,
                 "tandem generate: --%s applies to local generation only; with --server the server's "
@@ -228,6 +211,35 @@ static int parse_opts(int argc, char **argv, cli_gen_opts_t *o)
     if (!cli_gen_validate("generate", o, o->prompt != NULL, o->prompt ? strlen(o->prompt) : 0))
         return 2;
     return -1;
+}
+
+static int parse_opts(int argc, char **argv, cli_gen_opts_t *o)
+{
+    gen_flags_t fl;
+    gen_flags_init(&fl, o);
+    int given[GEN_MAX_OPTS] = {0};
+    td_opts_t spec = {.prog = "generate", .opts = fl.opts, .n_opts = fl.n_opts};
+    td_opts_result_t r = {.given = given};
+    if (td_opts_parse(&spec, argc, argv, &r) != TD_OK)
+        return 2;
+    if (r.help) {
+        print_help(&fl);
+        return 0;
+    }
+    cli_gen_sampling_apply(&fl.sampling, o);
+    if (!cli_gen_spec_resolve("generate", o, fl.draft_tokens))
+        return 2;
+    o->kv_mem = (size_t)fl.kv_mib << 20;
+    o->max_tokens_given = td_opts_given(&spec, &r, "max-tokens") != 0;
+    if (td_opts_given(&spec, &r, "dtype"))
+        o->dtype = (int)fl.dtype;
+    int first_local = 0;
+    for (int i = 0; i < fl.n_opts; i++)
+        if (given[i] && local_only(fl.opts[i].name) && (!first_local || given[i] < first_local)) {
+            first_local = given[i];
+            o->local_only = fl.opts[i].name;
+        }
+    return check_flags(o);
 }
 
 /* "1 2 3" -> ids. Errors name the offending word. */

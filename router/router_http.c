@@ -398,9 +398,9 @@ static void http_generate(router_state_t *s, td_http_req_t *req, router_oai_kind
      * front door, and says the same) */
     td_gen_field_t bad = td_gen_params_check(&q.gp, why, sizeof why);
     if (bad != TD_GEN_FIELD_NONE) {
-        const td_gen_field_names_t *names = td_gen_field_names(bad);
+        td_gen_field_names_t names = td_gen_field_names(bad);
         router_oai_error_set(&err, 400, "invalid_request_error", NULL, NULL, "%s", why);
-        snprintf(err.param, sizeof err.param, "%s", kind == ROUTER_OAI_CHAT ? names->openai_chat : names->openai);
+        snprintf(err.param, sizeof err.param, "%s", kind == ROUTER_OAI_CHAT ? names.openai_chat : names.openai);
         router_count_outcome(s, "invalid");
         goto err_respond;
     }

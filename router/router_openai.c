@@ -124,28 +124,44 @@ static bool get_string(const cJSON *o, const char *name, const char **out, route
     return true;
 }
 
-/* Sampling parameters, handed over as received (td_gen_params_validate checks ranges by
- * the same names). Defaults are OpenAI's: temperature 1 and top_p 1 when not given. */
+/* Sampling parameters, each TD_SAMPLING_FIELDS row with an OpenAI key, handed over as
+ * received (td_gen_params_validate checks ranges by the same names). Two spots are OpenAI's
+ * own: temperature defaults to 1, not our greedy 0, and top_k -1 is vLLM's "off". */
 static bool read_sampling(const cJSON *o, td_gen_params_t *gp, router_oai_error_t *err)
 {
     td_sampling_t *sp = &gp->sampling;
-    double temperature = 1.0, top_p = 1.0, min_p = 0, rep = 1, pres = 0, freq = 0;
-    int64_t top_k = 0, seed = 0;
-    if (!get_number(o, "temperature", &temperature, NULL, err) || !get_number(o, "top_p", &top_p, NULL, err) ||
-        !get_number(o, "min_p", &min_p, NULL, err) || !get_number(o, "repetition_penalty", &rep, NULL, err) ||
-        !get_number(o, "presence_penalty", &pres, NULL, err) ||
-        !get_number(o, "frequency_penalty", &freq, NULL, err) || !get_int(o, "top_k", &top_k, NULL, err) ||
-        !get_int(o, "seed", &seed, NULL, err))
-        return false;
-    sp->temperature = (float)temperature;
-    sp->top_p = (float)top_p;
-    sp->min_p = (float)min_p;
-    sp->repetition_penalty = (float)rep;
-    sp->presence_penalty = (float)pres;
-    sp->frequency_penalty = (float)freq;
-    /* vLLM's -1 (and 0) is "off", as our 0; other negatives reach the range check */
-    sp->top_k = top_k == -1 ? 0 : top_k > INT32_MAX ? INT32_MAX : top_k < INT32_MIN ? INT32_MIN : (int32_t)top_k;
-    sp->seed = (uint64_t)seed;
+    sp->temperature = 1.0f;
+    for (int f = TD_SAMPLING_FIELD_NONE + 1; f < TD_SAMPLING_FIELD_END; f++) {
+        const td_sampling_field_desc_t *d = td_sampling_field_desc((td_sampling_field_t)f);
+        void *v = td_sampling_field_ptr(sp, d);
+        double x;
+        int64_t i;
+        bool given;
+        if (!d->openai)
+            continue;
+        switch (d->type) {
+        case TD_SAMPLING_F32:
+            if (!get_number(o, d->openai, &x, &given, err))
+                return false;
+            if (given)
+                *(float *)v = (float)x;
+            break;
+        case TD_SAMPLING_I32: /* past int32: kept at the edge of the range, so the range check names it */
+            if (!get_int(o, d->openai, &i, &given, err))
+                return false;
+            if (given)
+                *(int32_t *)v = i > INT32_MAX ? INT32_MAX : i < INT32_MIN ? INT32_MIN : (int32_t)i;
+            break;
+        case TD_SAMPLING_U64:
+            if (!get_int(o, d->openai, &i, &given, err))
+                return false;
+            if (given)
+                *(uint64_t *)v = (uint64_t)i;
+            break;
+        }
+    }
+    if (sp->top_k == -1) /* vLLM's -1 (and 0) is "off", as our 0; other negatives reach the range check */
+        sp->top_k = 0;
     return true;
 }
 

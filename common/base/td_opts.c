@@ -163,6 +163,12 @@ td_status_t td_opts_parse(const td_opts_t *spec, int argc, char **argv, td_opts_
     return TD_OK;
 }
 
+int td_opts_given(const td_opts_t *spec, const td_opts_result_t *r, const char *name)
+{
+    int i = find_opt(spec, name, strlen(name));
+    return i >= 0 ? r->given[i] : 0;
+}
+
 void td_opts_result_free(td_opts_result_t *r)
 {
     free(r->file_text);

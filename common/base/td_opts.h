@@ -80,6 +80,10 @@ typedef struct td_opts_result {
  */
 td_status_t td_opts_parse(const td_opts_t *spec, int argc, char **argv, td_opts_result_t *r);
 
+/* r->given's entry for the option called `name` (r->given must have been set): its argv
+ * index, -1 from the config file, 0 when not given or when spec has no such option. */
+int td_opts_given(const td_opts_t *spec, const td_opts_result_t *r, const char *name);
+
 /* Frees the config file's text (the strings read from it go with it). */
 void td_opts_result_free(td_opts_result_t *r);
 

@@ -14,29 +14,21 @@ td_gen_params_t td_gen_params_default(void)
 }
 
 static const td_gen_field_names_t field_names[TD_GEN_FIELD_COUNT] = {
-    [TD_GEN_FIELD_NONE] = {"", "", "", ""},
 #define TD_GEN_FIELD_NAMES(id, req, flag, oai, chat) [TD_GEN_FIELD_##id] = {req, flag, oai, chat},
     TD_GEN_FIELDS(TD_GEN_FIELD_NAMES)
 #undef TD_GEN_FIELD_NAMES
 };
 
-const td_gen_field_names_t *td_gen_field_names(td_gen_field_t f)
+td_gen_field_names_t td_gen_field_names(td_gen_field_t f)
 {
-    return (unsigned)f < TD_GEN_FIELD_COUNT ? &field_names[f] : &field_names[TD_GEN_FIELD_NONE];
+    const td_sampling_field_desc_t *d = td_sampling_field_desc((td_sampling_field_t)f);
+    if (d) /* a sampling field: TD_SAMPLING_FIELDS' names, one OpenAI key for both APIs */
+        return (td_gen_field_names_t){d->name, d->flag ? d->flag : "", d->openai ? d->openai : "",
+                                      d->openai ? d->openai : ""};
+    if (f > TD_GEN_FIELD_NONE && f < TD_GEN_FIELD_COUNT)
+        return field_names[f];
+    return (td_gen_field_names_t){"", "", "", ""};
 }
-
-/* td_sampling_check's fields as the request's */
-static const td_gen_field_t sampling_fields[] = {
-    [TD_SAMPLING_FIELD_NONE] = TD_GEN_FIELD_NONE,
-    [TD_SAMPLING_FIELD_TEMPERATURE] = TD_GEN_FIELD_TEMPERATURE,
-    [TD_SAMPLING_FIELD_TOP_K] = TD_GEN_FIELD_TOP_K,
-    [TD_SAMPLING_FIELD_TOP_P] = TD_GEN_FIELD_TOP_P,
-    [TD_SAMPLING_FIELD_MIN_P] = TD_GEN_FIELD_MIN_P,
-    [TD_SAMPLING_FIELD_REPETITION_PENALTY] = TD_GEN_FIELD_REPETITION_PENALTY,
-    [TD_SAMPLING_FIELD_PENALTY_WINDOW] = TD_GEN_FIELD_PENALTY_WINDOW,
-    [TD_SAMPLING_FIELD_PRESENCE_PENALTY] = TD_GEN_FIELD_PRESENCE_PENALTY,
-    [TD_SAMPLING_FIELD_FREQUENCY_PENALTY] = TD_GEN_FIELD_FREQUENCY_PENALTY,
-};
 
 td_gen_field_t td_gen_params_check(const td_gen_params_t *p, char *why, size_t why_cap)
 {
@@ -52,7 +44,7 @@ td_gen_field_t td_gen_params_check(const td_gen_params_t *p, char *why, size_t w
         snprintf(msg, sizeof msg, "prompt is %zu %s long, at most %u allowed", p->prompt_len,
                  p->prompt_is_text ? "bytes" : "ids", TD_GEN_MAX_PROMPT);
     } else if ((sf = td_sampling_check(&p->sampling, msg, sizeof msg)) != TD_SAMPLING_FIELD_NONE) {
-        f = sampling_fields[sf]; /* msg names the field */
+        f = (td_gen_field_t)sf; /* numbered alike; msg names the field */
     } else if (p->n_stop_ids > TD_GEN_MAX_STOP_IDS) {
         f = TD_GEN_FIELD_STOP_IDS;
         snprintf(msg, sizeof msg, "stop_ids has %zu ids, at most %d allowed", p->n_stop_ids, TD_GEN_MAX_STOP_IDS);

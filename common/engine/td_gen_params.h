@@ -50,25 +50,15 @@ typedef struct td_gen_params {
 td_gen_params_t td_gen_params_default(void);
 
 /*
- * The fields td_gen_params_check reports, each with its names where the front doors show it:
+ * The fields td_gen_params_check reports. The sampling fields come first, numbered as
+ * td_sampling_field_t, with their names from TD_SAMPLING_FIELDS; the request's own follow,
+ * each with its names where the front doors show it:
  * X(ID, request field, `tandem generate` flag, OpenAI completions key, OpenAI chat key) ("": the
- * front door has none; the request field begins td_gen_params_validate's message). The one
- * table a front door reads to tell its client which of its own names was refused.
+ * front door has none; the request field begins td_gen_params_validate's message).
  */
 #define TD_GEN_FIELDS(X)                                                                          \
     X(MAX_TOKENS, "max_tokens", "--max-tokens", "max_tokens", "max_tokens")                       \
     X(PROMPT, "prompt", "--prompt", "prompt", "messages")                                          \
-    X(TEMPERATURE, "temperature", "--temperature", "temperature", "temperature")                  \
-    X(TOP_K, "top_k", "--top-k", "top_k", "top_k")                                                 \
-    X(TOP_P, "top_p", "--top-p", "top_p", "top_p")                                                 \
-    X(MIN_P, "min_p", "--min-p", "min_p", "min_p")                                                 \
-    X(REPETITION_PENALTY, "repetition_penalty", "--repetition-penalty", "repetition_penalty",    \
-      "repetition_penalty")                                                                        \
-    X(PENALTY_WINDOW, "penalty_window", "", "", "")                                               \
-    X(PRESENCE_PENALTY, "presence_penalty", "--presence-penalty", "presence_penalty",            \
-      "presence_penalty")                                                                          \
-    X(FREQUENCY_PENALTY, "frequency_penalty", "--frequency-penalty", "frequency_penalty",        \
-      "frequency_penalty")                                                                         \
     X(STOP_IDS, "stop_ids", "--stop-id", "stop", "stop")                                           \
     X(STOP_STRINGS, "stop_strings", "--stop", "stop", "stop")                                      \
     X(TOP_LOGPROBS, "top_logprobs", "--logprobs", "logprobs", "top_logprobs")                      \
@@ -76,6 +66,9 @@ td_gen_params_t td_gen_params_default(void);
 
 typedef enum td_gen_field {
     TD_GEN_FIELD_NONE = 0, /* every field in range */
+#define TD_GEN_FIELD_SAMPLING(ID, ...) TD_GEN_FIELD_##ID = TD_SAMPLING_FIELD_##ID,
+    TD_SAMPLING_FIELDS(TD_GEN_FIELD_SAMPLING)
+#undef TD_GEN_FIELD_SAMPLING
 #define TD_GEN_FIELD_ENUM(id, req, flag, oai, chat) TD_GEN_FIELD_##id,
     TD_GEN_FIELDS(TD_GEN_FIELD_ENUM)
 #undef TD_GEN_FIELD_ENUM
@@ -90,7 +83,7 @@ typedef struct td_gen_field_names {
 } td_gen_field_names_t;
 
 /* The names of field f (NONE and out-of-range values: all ""). */
-const td_gen_field_names_t *td_gen_field_names(td_gen_field_t f);
+td_gen_field_names_t td_gen_field_names(td_gen_field_t f);
 
 /* td_gen_params_validate's check, returning which field failed (TD_GEN_FIELD_NONE: all in
  * range) with the message in why (if non-NULL); sets no last error. Pure. */
@@ -101,7 +94,7 @@ td_gen_field_t td_gen_params_check(const td_gen_params_t *p, char *why, size_t w
  * a message naming the field, its value and the allowed range ("top_p -0.5 is out of range
  * (0, 1]", "stop string 0 is 300 bytes long, at most 256 allowed"), in `why` if non-NULL and
  * as this thread's last error; the first fault found is reported. The message begins with the
- * field's request name (TD_GEN_FIELDS; "stop string N" for one stop string); a front door
+ * field's request name (TD_GEN_FIELDS or TD_SAMPLING_FIELDS; "stop string N" for one stop string); a front door
  * that names the field in its own words asks td_gen_params_check. Does not log: a bad request
  * is the client's error, reported by the front door. Pure; any thread.
  */

@@ -24,58 +24,81 @@
 td_sampling_t td_sampling_default(void)
 {
     return (td_sampling_t){
-        .temperature = 0.0f,
-        .top_k = 0,
-        .top_p = 1.0f,
-        .min_p = 0.0f,
-        .repetition_penalty = 1.0f,
-        .penalty_window = 64,
-        .presence_penalty = 0.0f,
-        .frequency_penalty = 0.0f,
-        .seed = 0,
+#define TD_SAMPLING_DEFAULT(ID, ctype, field, def, ...) .field = def,
+        TD_SAMPLING_FIELDS(TD_SAMPLING_DEFAULT)
+#undef TD_SAMPLING_DEFAULT
     };
+}
+
+#define TD_SAMPLING_TYPE_OF(ctype) _Generic((ctype)0, float: TD_SAMPLING_F32, int32_t: TD_SAMPLING_I32, \
+                                           uint64_t: TD_SAMPLING_U64)
+
+static const td_sampling_field_desc_t field_descs[TD_SAMPLING_FIELD_END] = {
+#define TD_SAMPLING_DESC(ID, ctype, field, def, ...)                                                 \
+    [TD_SAMPLING_FIELD_##ID] = {.id = TD_SAMPLING_FIELD_##ID, .name = #field, .type = TD_SAMPLING_TYPE_OF(ctype), \
+                                .offset = offsetof(td_sampling_t, field), __VA_ARGS__},
+    TD_SAMPLING_FIELDS(TD_SAMPLING_DESC)
+#undef TD_SAMPLING_DESC
+};
+
+const td_sampling_field_desc_t *td_sampling_field_desc(td_sampling_field_t f)
+{
+    return f > TD_SAMPLING_FIELD_NONE && f < TD_SAMPLING_FIELD_END ? &field_descs[f] : NULL;
+}
+
+/* d's value in *s as a double: exact for every float and int32_t, and for a uint64_t
+ * only compared against a range that holds them all */
+static double field_value(const td_sampling_t *s, const td_sampling_field_desc_t *d)
+{
+    const void *v = (const char *)s + d->offset;
+    switch (d->type) {
+    case TD_SAMPLING_F32: return *(const float *)v;
+    case TD_SAMPLING_I32: return *(const int32_t *)v;
+    case TD_SAMPLING_U64: return (double)*(const uint64_t *)v;
+    }
+    return NAN;
+}
+
+/* A range's end: a float's in %g, an integer's as an integer. */
+static void bound(const td_sampling_field_desc_t *d, double x, char *buf, size_t cap)
+{
+    if (d->type == TD_SAMPLING_F32)
+        snprintf(buf, cap, "%g", x);
+    else
+        snprintf(buf, cap, "%.0f", x);
+}
+
+/* "top_p -0.5 is out of range (0, 1] (1 = off)" */
+static void out_of_range(const td_sampling_t *s, const td_sampling_field_desc_t *d, char *msg, size_t cap)
+{
+    const void *v = (const char *)s + d->offset;
+    char val[32], lo[32], hi[32];
+    if (d->type == TD_SAMPLING_F32)
+        snprintf(val, sizeof val, "%g", (double)*(const float *)v);
+    else if (d->type == TD_SAMPLING_I32)
+        snprintf(val, sizeof val, "%d", *(const int32_t *)v);
+    else
+        snprintf(val, sizeof val, "%llu", (unsigned long long)*(const uint64_t *)v);
+    bound(d, d->lo, lo, sizeof lo);
+    bound(d, d->hi, hi, sizeof hi);
+    snprintf(msg, cap, "%s %s is out of range %c%s, %s%c%s%s%s", d->name, val, d->lo_open ? '(' : '[', lo, hi,
+             d->hi_open ? ')' : ']', d->note ? " (" : "", d->note ? d->note : "", d->note ? ")" : "");
 }
 
 td_sampling_field_t td_sampling_check(const td_sampling_t *s, char *why, size_t why_cap)
 {
-    char msg[256];
-    td_sampling_field_t f = TD_SAMPLING_FIELD_NONE;
-    if (!isfinite(s->temperature) || s->temperature < 0.0f || s->temperature > TD_SAMPLING_MAX_TEMPERATURE) {
-        f = TD_SAMPLING_FIELD_TEMPERATURE;
-        snprintf(msg, sizeof msg, "temperature %g is out of range [0, %g] (0 = greedy)",
-                 (double)s->temperature, (double)TD_SAMPLING_MAX_TEMPERATURE);
-    } else if (s->top_k < 0) {
-        f = TD_SAMPLING_FIELD_TOP_K;
-        snprintf(msg, sizeof msg, "top_k %d is out of range [0, %d] (0 = off)", s->top_k, INT32_MAX);
-    } else if (!isfinite(s->top_p) || s->top_p <= 0.0f || s->top_p > 1.0f) {
-        f = TD_SAMPLING_FIELD_TOP_P;
-        snprintf(msg, sizeof msg, "top_p %g is out of range (0, 1] (1 = off)", (double)s->top_p);
-    } else if (!isfinite(s->min_p) || s->min_p < 0.0f || s->min_p >= 1.0f) {
-        f = TD_SAMPLING_FIELD_MIN_P;
-        snprintf(msg, sizeof msg, "min_p %g is out of range [0, 1) (0 = off)", (double)s->min_p);
-    } else if (!isfinite(s->repetition_penalty) || s->repetition_penalty <= 0.0f ||
-               s->repetition_penalty > TD_SAMPLING_MAX_PENALTY) {
-        f = TD_SAMPLING_FIELD_REPETITION_PENALTY;
-        snprintf(msg, sizeof msg, "repetition_penalty %g is out of range (0, %g] (1 = off)",
-                 (double)s->repetition_penalty, (double)TD_SAMPLING_MAX_PENALTY);
-    } else if (s->penalty_window < 0 || s->penalty_window > TD_SAMPLING_MAX_WINDOW) {
-        f = TD_SAMPLING_FIELD_PENALTY_WINDOW;
-        snprintf(msg, sizeof msg, "penalty_window %d is out of range [0, %d]", s->penalty_window,
-                 TD_SAMPLING_MAX_WINDOW);
-    } else if (!isfinite(s->presence_penalty) || fabsf(s->presence_penalty) > TD_SAMPLING_MAX_OPENAI_PENALTY) {
-        f = TD_SAMPLING_FIELD_PRESENCE_PENALTY;
-        snprintf(msg, sizeof msg, "presence_penalty %g is out of range [-%g, %g] (0 = off)",
-                 (double)s->presence_penalty, (double)TD_SAMPLING_MAX_OPENAI_PENALTY,
-                 (double)TD_SAMPLING_MAX_OPENAI_PENALTY);
-    } else if (!isfinite(s->frequency_penalty) || fabsf(s->frequency_penalty) > TD_SAMPLING_MAX_OPENAI_PENALTY) {
-        f = TD_SAMPLING_FIELD_FREQUENCY_PENALTY;
-        snprintf(msg, sizeof msg, "frequency_penalty %g is out of range [-%g, %g] (0 = off)",
-                 (double)s->frequency_penalty, (double)TD_SAMPLING_MAX_OPENAI_PENALTY,
-                 (double)TD_SAMPLING_MAX_OPENAI_PENALTY);
+    for (int f = TD_SAMPLING_FIELD_NONE + 1; f < TD_SAMPLING_FIELD_END; f++) {
+        const td_sampling_field_desc_t *d = &field_descs[f];
+        double v = field_value(s, d);
+        bool in = isfinite(v) && v >= d->lo && v <= d->hi && !(d->lo_open && v == d->lo) &&
+                  !(d->hi_open && v == d->hi);
+        if (in)
+            continue;
+        if (why && why_cap > 0)
+            out_of_range(s, d, why, why_cap);
+        return d->id;
     }
-    if (f != TD_SAMPLING_FIELD_NONE && why && why_cap > 0)
-        snprintf(why, why_cap, "%s", msg);
-    return f;
+    return TD_SAMPLING_FIELD_NONE;
 }
 
 td_status_t td_sampling_validate(const td_sampling_t *s, char *why, size_t why_cap)

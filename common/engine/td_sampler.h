@@ -38,51 +38,129 @@
 
 #include "td_status.h"
 
-typedef struct td_sampling {
-    float temperature;        /* 0 = greedy; else logits are divided by it */
-    int32_t top_k;            /* keep the k most likely tokens; 0 = off */
-    float top_p;              /* keep the smallest set with probability >= top_p; 1 = off */
-    float min_p;              /* drop tokens with p < min_p * p_max; 0 = off */
-    float repetition_penalty; /* CTRL-style, on tokens of the recent window; 1 = off */
-    int32_t penalty_window;   /* how many recent accepted tokens the penalty looks at */
-    float presence_penalty;   /* OpenAI's: minus this once per id generated so far; 0 = off */
-    float frequency_penalty;  /* OpenAI's: minus this times the id's generated count; 0 = off */
-    uint64_t seed;            /* PRNG seed; equal seeds give equal draws */
-} td_sampling_t;
-
-/* Greedy (temperature 0), every filter off, penalty 1 over a window of 64, presence and
- * frequency penalties 0, seed 0. */
-td_sampling_t td_sampling_default(void);
-
-/* Limits enforced by td_sampling_validate. */
+/* Limits of the sampling parameters (the ranges in TD_SAMPLING_FIELDS). */
 #define TD_SAMPLING_MAX_TEMPERATURE 100.0f
 #define TD_SAMPLING_MAX_PENALTY 100.0f
 #define TD_SAMPLING_MAX_WINDOW 8192
 #define TD_SAMPLING_MAX_OPENAI_PENALTY 2.0f /* presence/frequency in [-2, 2], OpenAI's range */
 
-/* The fields td_sampling_check reports, in the order it checks them. */
+/*
+ * The sampling parameters, one row each: the one place a parameter is declared.
+ *
+ *     X(ID, C type, name, default, the rest of its td_sampling_field_desc_t)
+ *
+ * The rows give td_sampling_t (a field `name`, in row order), td_sampling_default(), the ids
+ * td_sampling_check reports (checked in row order) and one descriptor per field, which each
+ * edge reads instead of naming the fields:
+ *   .lo .hi .lo_open .hi_open  the range td_sampling_check enforces, "[lo, hi]" unless open
+ *                              at an end; a float must also be finite
+ *   .note                      what the range message adds: "1 = off"
+ *   .wire                      tandem.v1.SamplingParams carries it in the field of the same
+ *                              name (proto/tandem.proto; converted in common/node/td_node.c,
+ *                              where 0 on the wire means the default: proto3 has no unset)
+ *   .openai                    its key in an OpenAI request body (router/router_openai.c)
+ *   .flag .arg .help           its flag in `tandem generate` and `tandem chat` (cli/cli_gen.c)
+ * (left out: NULL or false, that edge does not have it). The types are float, int32_t and
+ * uint64_t; the edges switch on td_sampling_type_t, so a parameter of another type adds a
+ * case to each. What the sampler does with a parameter is its own code (td_sampler.c).
+ */
+#define TD_SAMPLING_FIELDS(X)                                                                               \
+    X(TEMPERATURE, float, temperature, 0.0f, /* 0 = greedy; else logits are divided by it */                \
+      .lo = 0, .hi = TD_SAMPLING_MAX_TEMPERATURE, .note = "0 = greedy", .wire = true,                       \
+      .openai = "temperature", .flag = "--temperature", .arg = "T", .help = "0 = greedy (default 0)")       \
+    X(TOP_K, int32_t, top_k, 0, /* keep the k most likely tokens; 0 = off */                                \
+      .lo = 0, .hi = INT32_MAX, .note = "0 = off", .wire = true,                                            \
+      .openai = "top_k", .flag = "--top-k", .arg = "K",                                                     \
+      .help = "sample from the K most likely tokens (default 0: off)")                                      \
+    X(TOP_P, float, top_p, 1.0f, /* keep the smallest set with probability >= top_p; 1 = off */             \
+      .lo = 0, .lo_open = true, .hi = 1, .note = "1 = off", .wire = true,                                   \
+      .openai = "top_p", .flag = "--top-p", .arg = "P",                                                     \
+      .help = "nucleus sampling: the smallest set of probability >= P (default 1: off)")                    \
+    X(MIN_P, float, min_p, 0.0f, /* drop tokens with p < min_p * p_max; 0 = off */                          \
+      .lo = 0, .hi = 1, .hi_open = true, .note = "0 = off", .wire = true,                                   \
+      .openai = "min_p", .flag = "--min-p", .arg = "P",                                                     \
+      .help = "drop tokens below P times the most likely one's probability (default 0: off)")               \
+    X(REPETITION_PENALTY, float, repetition_penalty, 1.0f, /* CTRL-style, recent window; 1 = off */         \
+      .lo = 0, .lo_open = true, .hi = TD_SAMPLING_MAX_PENALTY, .note = "1 = off", .wire = true,             \
+      .openai = "repetition_penalty", .flag = "--repetition-penalty", .arg = "R",                           \
+      .help = "penalty on recently seen tokens (default 1: off)")                                           \
+    X(PENALTY_WINDOW, int32_t, penalty_window, 64, /* recent accepted tokens the penalty looks at */        \
+      .lo = 0, .hi = TD_SAMPLING_MAX_WINDOW) /* not a request's: the sampler's own */                       \
+    X(PRESENCE_PENALTY, float, presence_penalty, 0.0f, /* OpenAI's: minus this once per id generated */     \
+      .lo = -TD_SAMPLING_MAX_OPENAI_PENALTY, .hi = TD_SAMPLING_MAX_OPENAI_PENALTY, .note = "0 = off",       \
+      .wire = true, .openai = "presence_penalty", .flag = "--presence-penalty", .arg = "P",                 \
+      .help = "OpenAI's: subtract P from the logit of every token generated so far\n"                       \
+              "(-2..2, default 0: off)")                                                                    \
+    X(FREQUENCY_PENALTY, float, frequency_penalty, 0.0f, /* OpenAI's: minus this times the count */         \
+      .lo = -TD_SAMPLING_MAX_OPENAI_PENALTY, .hi = TD_SAMPLING_MAX_OPENAI_PENALTY, .note = "0 = off",       \
+      .wire = true, .openai = "frequency_penalty", .flag = "--frequency-penalty", .arg = "F",               \
+      .help = "OpenAI's: subtract F times the number of times a token was generated\n"                      \
+              "(-2..2, default 0: off)")                                                                    \
+    X(SEED, uint64_t, seed, 0, /* PRNG seed; equal seeds give equal draws */                                \
+      .lo = 0, .hi = (double)UINT64_MAX, .wire = true, .openai = "seed", .flag = "--seed", .arg = "S",      \
+      .help = "sampling seed (default 0)") /* any value */
+
+typedef struct td_sampling {
+#define TD_SAMPLING_MEMBER(ID, ctype, field, def, ...) ctype field;
+    TD_SAMPLING_FIELDS(TD_SAMPLING_MEMBER)
+#undef TD_SAMPLING_MEMBER
+} td_sampling_t;
+
+/* Every field at its TD_SAMPLING_FIELDS default: greedy (temperature 0), every filter off,
+ * penalty 1 over a window of 64, presence and frequency penalties 0, seed 0. */
+td_sampling_t td_sampling_default(void);
+
+/* The fields, as td_sampling_check reports them: [1, TD_SAMPLING_FIELD_END), in row order. */
 typedef enum td_sampling_field {
     TD_SAMPLING_FIELD_NONE = 0, /* all in range */
-    TD_SAMPLING_FIELD_TEMPERATURE,
-    TD_SAMPLING_FIELD_TOP_K,
-    TD_SAMPLING_FIELD_TOP_P,
-    TD_SAMPLING_FIELD_MIN_P,
-    TD_SAMPLING_FIELD_REPETITION_PENALTY,
-    TD_SAMPLING_FIELD_PENALTY_WINDOW,
-    TD_SAMPLING_FIELD_PRESENCE_PENALTY,
-    TD_SAMPLING_FIELD_FREQUENCY_PENALTY,
+#define TD_SAMPLING_FIELD_ENUM(ID, ...) TD_SAMPLING_FIELD_##ID,
+    TD_SAMPLING_FIELDS(TD_SAMPLING_FIELD_ENUM)
+#undef TD_SAMPLING_FIELD_ENUM
+    TD_SAMPLING_FIELD_END
 } td_sampling_field_t;
+
+typedef enum td_sampling_type {
+    TD_SAMPLING_F32, /* float */
+    TD_SAMPLING_I32, /* int32_t */
+    TD_SAMPLING_U64, /* uint64_t */
+} td_sampling_type_t;
+
+/* One row of TD_SAMPLING_FIELDS, for the code that handles every field alike. */
+typedef struct td_sampling_field_desc {
+    td_sampling_field_t id;
+    const char *name;         /* the C field, the wire field, the word messages begin with */
+    td_sampling_type_t type;
+    size_t offset;            /* in td_sampling_t */
+    double lo, hi;            /* the range, closed unless lo_open / hi_open */
+    bool lo_open, hi_open;
+    const char *note;         /* after the range in a message, in parentheses (NULL none) */
+    bool wire;                /* a field of tandem.v1.SamplingParams, of the same name */
+    const char *openai;       /* the OpenAI request key (NULL none) */
+    const char *flag;         /* tandem generate's and chat's flag, "--top-p" (NULL none) */
+    const char *arg;          /* the flag's value in --help ("P") */
+    const char *help;         /* the flag's --help text */
+} td_sampling_field_desc_t;
+
+/* The descriptor of field f; NULL for NONE and values outside the fields. */
+const td_sampling_field_desc_t *td_sampling_field_desc(td_sampling_field_t f);
+
+/* Where field d lives in *s (a float *, int32_t * or uint64_t * by d->type). */
+static inline void *td_sampling_field_ptr(td_sampling_t *s, const td_sampling_field_desc_t *d)
+{
+    return (char *)s + d->offset;
+}
 
 /* td_sampling_validate's check, returning which field failed (NONE: every one is in range)
  * with td_sampling_validate's message in why (if non-NULL); sets no last error. Pure. */
 td_sampling_field_t td_sampling_check(const td_sampling_t *s, char *why, size_t why_cap);
 
 /*
- * Checks every field: temperature in [0, 100], top_k >= 0, top_p in (0, 1], min_p in
- * [0, 1), repetition_penalty in (0, 100], penalty_window in [0, 8192], presence_penalty and
- * frequency_penalty in [-2, 2], all finite.
- * TD_OK or TD_ERR_INVALID with a message naming the field, its value and the range (in
- * `why` if non-NULL, and as this thread's last error). Does not log: bad requests are the
+ * Checks every field against its TD_SAMPLING_FIELDS range: temperature in [0, 100], top_k
+ * >= 0, top_p in (0, 1], min_p in [0, 1), repetition_penalty in (0, 100], penalty_window in
+ * [0, 8192], presence_penalty and frequency_penalty in [-2, 2], all finite.
+ * TD_OK or TD_ERR_INVALID with a message naming the field, its value and the range ("top_p
+ * -0.5 is out of range (0, 1] (1 = off)"; in `why` if non-NULL, and as this thread's last
+ * error), the first field in row order that fails. Does not log: bad requests are the
  * client's error, reported by the RPC edge.
  */
 td_status_t td_sampling_validate(const td_sampling_t *s, char *why, size_t why_cap);

@@ -344,33 +344,64 @@ td_engine_config_t td_node_engine_config(const td_node_t *p)
     return ec;
 }
 
+/* Where sampling field d lives in a SamplingParams: the proto field of the same name, of the
+ * wire type that matches d's (TD_SAMPLING_FIELDS' .wire rows; test_node checks the pairing
+ * both ways). */
+static size_t wire_offset(const td_sampling_field_desc_t *d)
+{
+    const ProtobufCFieldDescriptor *pf = protobuf_c_message_descriptor_get_field_by_name(
+        &tandem__v1__sampling_params__descriptor, d->name);
+    TD_ASSERT(pf && pf->label == PROTOBUF_C_LABEL_NONE);
+    TD_ASSERT((d->type == TD_SAMPLING_F32 && pf->type == PROTOBUF_C_TYPE_FLOAT) ||
+              (d->type == TD_SAMPLING_I32 && pf->type == PROTOBUF_C_TYPE_UINT32) ||
+              (d->type == TD_SAMPLING_U64 && pf->type == PROTOBUF_C_TYPE_UINT64));
+    return pf->offset;
+}
+
 td_sampling_t td_node_sampling_from_proto(const Tandem__V1__SamplingParams *p)
 {
     td_sampling_t s = td_sampling_default();
     if (!p)
         return s;
-    s.temperature = p->temperature;
-    s.top_k = (int32_t)TD_MIN(p->top_k, (uint32_t)INT32_MAX);
-    s.top_p = p->top_p == 0.0f ? 1.0f : p->top_p;
-    s.min_p = p->min_p;
-    s.repetition_penalty = p->repetition_penalty == 0.0f ? 1.0f : p->repetition_penalty;
-    s.presence_penalty = p->presence_penalty;
-    s.frequency_penalty = p->frequency_penalty;
-    s.seed = p->seed;
+    for (int f = TD_SAMPLING_FIELD_NONE + 1; f < TD_SAMPLING_FIELD_END; f++) {
+        const td_sampling_field_desc_t *d = td_sampling_field_desc((td_sampling_field_t)f);
+        if (!d->wire)
+            continue;
+        const void *w = (const char *)p + wire_offset(d);
+        void *v = td_sampling_field_ptr(&s, d);
+        switch (d->type) { /* 0 is unset: the default stays */
+        case TD_SAMPLING_F32:
+            if (*(const float *)w != 0.0f)
+                *(float *)v = *(const float *)w;
+            break;
+        case TD_SAMPLING_I32: /* uint32 on the wire: past INT32_MAX as INT32_MAX */
+            if (*(const uint32_t *)w != 0)
+                *(int32_t *)v = (int32_t)TD_MIN(*(const uint32_t *)w, (uint32_t)INT32_MAX);
+            break;
+        case TD_SAMPLING_U64:
+            if (*(const uint64_t *)w != 0)
+                *(uint64_t *)v = *(const uint64_t *)w;
+            break;
+        }
+    }
     return s;
 }
 
 void td_node_sampling_to_proto(const td_sampling_t *s, Tandem__V1__SamplingParams *p)
 {
     tandem__v1__sampling_params__init(p);
-    p->temperature = s->temperature;
-    p->top_k = (uint32_t)s->top_k;
-    p->top_p = s->top_p;
-    p->min_p = s->min_p;
-    p->repetition_penalty = s->repetition_penalty;
-    p->presence_penalty = s->presence_penalty;
-    p->frequency_penalty = s->frequency_penalty;
-    p->seed = s->seed;
+    for (int f = TD_SAMPLING_FIELD_NONE + 1; f < TD_SAMPLING_FIELD_END; f++) {
+        const td_sampling_field_desc_t *d = td_sampling_field_desc((td_sampling_field_t)f);
+        if (!d->wire)
+            continue;
+        void *w = (char *)p + wire_offset(d);
+        const void *v = (const char *)s + d->offset;
+        switch (d->type) {
+        case TD_SAMPLING_F32: *(float *)w = *(const float *)v; break;
+        case TD_SAMPLING_I32: *(uint32_t *)w = (uint32_t)*(const int32_t *)v; break;
+        case TD_SAMPLING_U64: *(uint64_t *)w = *(const uint64_t *)v; break;
+        }
+    }
 }
 
 td_status_t td_node_logprobs_from_proto(const Tandem__V1__LogprobsRequest *p, td_logprobs_want_t *w,

@@ -171,9 +171,11 @@ td_engine_config_t td_node_engine_config(const td_node_t *p);
  * The one conversion of sampling parameters from the wire (tandem.v1.SamplingParams: a
  * GenerateRequest's at the gateway, an AdmitRequest's or PrefillRequest's at the nodes;
  * NULL = the defaults, greedy), so every process reads a request alike and a seeded request
- * samples alike on each side of the split. An unset (0) top_p or repetition_penalty means
- * 1; a top_k past INT32_MAX keeps every token, as INT32_MAX does. Not validated: the caller
- * runs td_sampling_validate (or td_gen_params_validate). Any thread.
+ * samples alike on each side of the split. Driven by TD_SAMPLING_FIELDS (td_sampler.h): each
+ * .wire row is the proto field of the same name. A 0 on the wire is unset and means the
+ * field's default (so an unset top_p or repetition_penalty means 1); a top_k past INT32_MAX
+ * keeps every token, as INT32_MAX does. Not validated: the caller runs td_sampling_validate
+ * (or td_gen_params_validate). Any thread.
  */
 td_sampling_t td_node_sampling_from_proto(const Tandem__V1__SamplingParams *p);
 

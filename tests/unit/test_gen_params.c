@@ -47,14 +47,14 @@ static void expect_ok(const td_gen_params_t *p, const char *what)
 Test(gen_params, field_names_table)
 {
     for (int f = 1; f < TD_GEN_FIELD_COUNT; f++) {
-        const td_gen_field_names_t *n = td_gen_field_names((td_gen_field_t)f);
-        cr_expect(n->request[0], "field %d has no request name", f);
-        cr_expect(f == TD_GEN_FIELD_PENALTY_WINDOW || (n->flag[0] == '-' && n->openai[0] && n->openai_chat[0]),
-                  "field %s lacks a flag or an OpenAI name", n->request);
+        td_gen_field_names_t n = td_gen_field_names((td_gen_field_t)f);
+        cr_expect(n.request[0], "field %d has no request name", f);
+        cr_expect(f == TD_GEN_FIELD_PENALTY_WINDOW || (n.flag[0] == '-' && n.openai[0] && n.openai_chat[0]),
+                  "field %s lacks a flag or an OpenAI name", n.request);
     }
-    cr_expect_str_eq(td_gen_field_names(TD_GEN_FIELD_PROMPT)->openai_chat, "messages");
-    cr_expect_str_eq(td_gen_field_names(TD_GEN_FIELD_TOP_LOGPROBS)->openai, "logprobs");
-    cr_expect_str_eq(td_gen_field_names((td_gen_field_t)999)->request, "");
+    cr_expect_str_eq(td_gen_field_names(TD_GEN_FIELD_PROMPT).openai_chat, "messages");
+    cr_expect_str_eq(td_gen_field_names(TD_GEN_FIELD_TOP_LOGPROBS).openai, "logprobs");
+    cr_expect_str_eq(td_gen_field_names((td_gen_field_t)999).request, "");
 }
 
 /* ... and td_gen_params_check names the field the message begins with (TD_GEN_FIELDS' request
@@ -69,7 +69,7 @@ static void expect_refused(const td_gen_params_t *p, const char *want)
     td_gen_field_t f = td_gen_params_check(p, why2, sizeof why2);
     cr_assert_neq(f, TD_GEN_FIELD_NONE, "check passed '%s'", want);
     cr_expect_str_eq(why2, want);
-    const char *req = td_gen_field_names(f)->request;
+    const char *req = td_gen_field_names(f).request;
     size_t n = strlen(req);
     bool named = n && !strncmp(want, req, n) && want[n] == ' ';
     if (f == TD_GEN_FIELD_STOP_STRINGS && !strncmp(want, "stop string ", 12))

@@ -200,6 +200,44 @@ Test(td_node, sampling_params_one_conversion_each_way)
     cr_assert_neq(td_sampling_validate(&s, NULL, 0), TD_OK);
 }
 
+/* TD_SAMPLING_FIELDS and tandem.v1.SamplingParams agree: every .wire row is the message's
+ * field of that name and a matching type, every field of the message is a .wire row, and
+ * each travels alone in both directions. */
+Test(td_node, sampling_table_matches_the_wire)
+{
+    const ProtobufCMessageDescriptor *md = &tandem__v1__sampling_params__descriptor;
+    unsigned n_wire = 0;
+    for (int f = TD_SAMPLING_FIELD_NONE + 1; f < TD_SAMPLING_FIELD_END; f++) {
+        const td_sampling_field_desc_t *d = td_sampling_field_desc((td_sampling_field_t)f);
+        const ProtobufCFieldDescriptor *pf = protobuf_c_message_descriptor_get_field_by_name(md, d->name);
+        if (!d->wire) {
+            cr_expect_null(pf, "%s is on the wire but its row says not", d->name);
+            continue;
+        }
+        n_wire++;
+        cr_assert_not_null(pf, "%s: no such field in tandem.v1.SamplingParams", d->name);
+        protobuf_c_boolean same = (d->type == TD_SAMPLING_F32 && pf->type == PROTOBUF_C_TYPE_FLOAT) ||
+                                  (d->type == TD_SAMPLING_I32 && pf->type == PROTOBUF_C_TYPE_UINT32) ||
+                                  (d->type == TD_SAMPLING_U64 && pf->type == PROTOBUF_C_TYPE_UINT64);
+        cr_expect(same, "%s: the wire type does not match the row's", d->name);
+
+        /* one field away from its default: it alone changes, there and back */
+        td_sampling_t want = td_sampling_default();
+        void *v = td_sampling_field_ptr(&want, d);
+        if (d->type == TD_SAMPLING_F32)
+            *(float *)v = 0.375f;
+        else if (d->type == TD_SAMPLING_I32)
+            *(int32_t *)v = 7;
+        else
+            *(uint64_t *)v = 7;
+        Tandem__V1__SamplingParams p;
+        td_node_sampling_to_proto(&want, &p);
+        td_sampling_t got = td_node_sampling_from_proto(&p);
+        cr_expect_eq(memcmp(&got, &want, sizeof got), 0, "%s does not travel alone", d->name);
+    }
+    cr_expect_eq(n_wire, md->n_fields, "tandem.v1.SamplingParams has a field without a TD_SAMPLING_FIELDS row");
+}
+
 Test(td_node, logprobs_one_conversion_each_way)
 {
     td_logprobs_want_t w = {.on = true, .top = 3};
