@@ -1,0 +1,365 @@
+/*
+ * td_cpu_pack_avx2: td_cpu_pack's AVX2 table (maddubs + madd) and its activation quantizer
+ * in AVX2, bit-identical to the scalar reference (td_cpu_pack.h).
+ */
+#include "td_cpu_pack_impl.h"
+
+#ifdef TD_CPU_PACK_X86
+#define TD_Y __attribute__((target("avx2,fma,f16c")))
+
+/* act_block_scalar on AVX2, bit for bit (td_cpu_simd's pieces are the scalar C's operations) */
+static TD_Y int32_t act_block_avx2(const float *x, int8_t *hi, int8_t *lo, float *e_p, int32_t *first_p)
+{
+    __m256 xv[4];
+    bool nan;
+    float d = td_cpu_simd_amax32(x, xv, &nan) / 127.0f;
+    float id = d != 0.0f ? 1.0f / d : 0.0f;
+    __m256i qh[4], ql[4], sum = _mm256_setzero_si256();
+    for (int j = 0; j < 4; j++) {
+        __m256 v = td_cpu_simd_clamp127(_mm256_mul_ps(xv[j], _mm256_set1_ps(id)));
+        __m256 h = td_cpu_simd_round_away(v);
+        __m256 l = td_cpu_simd_round_away(_mm256_mul_ps(_mm256_sub_ps(v, h), _mm256_set1_ps((float)WIDE)));
+        qh[j] = _mm256_cvtps_epi32(h);
+        ql[j] = _mm256_cvtps_epi32(l);
+        sum = _mm256_add_epi32(sum, _mm256_add_epi32(_mm256_mullo_epi32(qh[j], _mm256_set1_epi32(WIDE)), ql[j]));
+        if (j == 1)
+            *first_p = td_cpu_simd_hsum_i32(sum);
+    }
+    _mm256_storeu_si256((__m256i *)hi, td_cpu_simd_pack_i8(qh));
+    _mm256_storeu_si256((__m256i *)lo, td_cpu_simd_pack_i8(ql));
+    *e_p = nan ? NAN : d / (float)WIDE;
+    return td_cpu_simd_hsum_i32(sum);
+}
+
+static TD_Y void act_row_avx2(const float *x, void *av, td_dtype_t type, size_t k, bool one_byte)
+{
+    act_row_blocks(act_block_avx2, x, av, type, k, one_byte);
+}
+/* ---- AVX2 -------------------------------------------------------------------------------- */
+
+/* The weight scales d_w and offsets m (0 where the type has none) of block b, rows 8h..8h+7 */
+TD_INLINE TD_Y void avx2_scales(td_dtype_t t, const unsigned char *gs, size_t b, int h, __m256 *dw_p, __m256 *mw_p)
+{
+    __m256 dw, mw = _mm256_setzero_ps();
+    if (t == TD_IQ4_XS) { /* d * (ls - 32): exact */
+        const unsigned char *ks = gs + b / 8 * XS_SCALE_BYTES;
+        dw = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ks + 16 * h))),
+                           _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(ks + XS_SC(b % 8) + 8 * h)))));
+    } else if (k_scales(t)) { /* d * sc and -(dmin * mn): the scalar kernel's exact products */
+        const unsigned char *ks = gs + b / 8 * K_SCALE_BYTES;
+        __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(ks + K_SC(b % 8) + 8 * h))));
+        __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(ks + K_MN(b % 8) + 8 * h))));
+        dw = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ks + K_D + 16 * h))), sc);
+        mw = _mm256_xor_ps(_mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ks + K_DMIN + 16 * h))), mn),
+                           _mm256_set1_ps(-0.0f));
+    } else {
+        const unsigned char *s = gs + 2 * b * scale_halves(t) + 16 * h;
+        dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)s));
+        if (t == TD_Q4_1)
+            mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + 2 * ROWS)));
+    }
+    *dw_p = dw;
+    *mw_p = mw;
+}
+
+/* Whether avx2_row1 takes type t: unsigned quants u <= 31 (not Q8_0, IQ4_XS: signed through
+ * the sign trick; not Q6_K: its own layout) */
+TD_INLINE bool avx2_row1_takes(td_dtype_t t)
+{
+    return t == TD_Q4_0 || t == TD_Q4_1 || t == TD_Q4_K || t == TD_Q5_K;
+}
+
+/* Decode's one activation row against a whole group (both halves), for avx2_row1_takes types.
+ * avx2_tile's sums in another order, so the same integers: the four broadcasts of a v serve
+ * both halves, and maddubs' int16 pair sums build up over several v before one madd widens
+ * them (u <= 15: 8 pairs of at most 2 * 15 * 127 stay under 2^15 over a block's 4 v; Q5_K's
+ * u <= 31: over 2 v). Fewer widening multiplies and live registers than the general tile,
+ * which on 16 ymm registers spills its accumulators. */
+TD_INLINE TD_Y void avx2_row1(td_dtype_t t, bool one, const unsigned char *gq, const unsigned char *gs, size_t nb,
+                              size_t k, const unsigned char *a, float *y, const unsigned char *pf_end)
+{
+    const size_t qb = quant_bytes(t);
+    const int flush = t == TD_Q5_K ? 2 : 4; /* v's summed in int16 before widening */
+    const __m256i low4 = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10);
+    const int8_t *hi = act_hi(a), *lo = act_lo(a, k);
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, macc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (size_t b = 0; b < nb; b++) {
+        decode_prefetch(gq + b * qb, qb, pf_end);
+        const unsigned char *q = gq + b * qb;
+        const int8_t *qh = hi + b * TD_QK, *ql = lo + b * TD_QK;
+        __m256i p[2], sh[2], sl[2];
+        p[0] = p[1] = t == TD_Q4_0 ? _mm256_set1_epi32(load_i32(act_c(a, k) + 4 * b)) : _mm256_setzero_si256();
+        sh[0] = sh[1] = sl[0] = sl[1] = _mm256_setzero_si256();
+#pragma GCC unroll 1 /* unrolled, GCC hoists the four v's loads and spills (1 core, in L2: q4_0 -20% time) */
+        for (int v = 0; v < 4; v++) {
+            const __m256i ah = _mm256_set1_epi32(load_i32(qh + 4 * v)), ah2 = _mm256_set1_epi32(load_i32(qh + 16 + 4 * v));
+            const __m256i al = _mm256_set1_epi32(load_i32(ql + 4 * v)), al2 = _mm256_set1_epi32(load_i32(ql + 16 + 4 * v));
+#pragma GCC unroll 2
+            for (int x = 0; x < 2; x++) {
+                __m256i raw = _mm256_loadu_si256((const __m256i *)(q + 64 * v + 32 * x));
+                __m256i lo4 = _mm256_and_si256(raw, low4);
+                __m256i hi4 = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+                if (t == TD_Q5_K) { /* the fifth bits: weight 4v + j's at bit v, 16 + 4v + j's at 4 + v */
+                    const __m256i hb = _mm256_loadu_si256((const __m256i *)(q + 256 + 32 * x));
+                    lo4 = _mm256_or_si256(lo4, _mm256_and_si256(_mm256_slli_epi16(hb, 4 - v), bit4));
+                    hi4 = _mm256_or_si256(hi4, _mm256_and_si256(_mm256_srli_epi16(hb, v), bit4));
+                }
+                sh[x] = _mm256_add_epi16(sh[x], _mm256_add_epi16(_mm256_maddubs_epi16(lo4, ah), _mm256_maddubs_epi16(hi4, ah2)));
+                if (!one)
+                    sl[x] = _mm256_add_epi16(sl[x], _mm256_add_epi16(_mm256_maddubs_epi16(lo4, al), _mm256_maddubs_epi16(hi4, al2)));
+                if ((v + 1) % flush == 0) { /* widen: hi by 254, lo by 1 */
+                    p[x] = _mm256_add_epi32(p[x], _mm256_madd_epi16(sh[x], _mm256_set1_epi16(WIDE)));
+                    if (!one)
+                        p[x] = _mm256_add_epi32(p[x], _mm256_madd_epi16(sl[x], _mm256_set1_epi16(1)));
+                    sh[x] = sl[x] = _mm256_setzero_si256();
+                }
+            }
+        }
+        const __m256 e = _mm256_set1_ps(load_f32(act_e(a, k) + 4 * b));
+#pragma GCC unroll 2
+        for (int x = 0; x < 2; x++) {
+            __m256 dw, mw;
+            avx2_scales(t, gs, b, x, &dw, &mw);
+            acc[x] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[x]), _mm256_mul_ps(dw, e), acc[x]);
+            if (has_min(t))
+                macc[x] = _mm256_fmadd_ps(mw, _mm256_set1_ps(load_f32(act_c(a, k) + 4 * b)), macc[x]);
+        }
+    }
+    for (int x = 0; x < 2; x++)
+        _mm256_storeu_ps(y + 8 * x, has_min(t) ? _mm256_add_ps(acc[x], macc[x]) : acc[x]);
+}
+
+/* Halves [h0, h0 + H) (weight rows 8h..8h+7) of one group against R activation rows,
+ * R * H <= 4: up to four rows by one half (prefill), or one row by both halves in one pass
+ * (decode: every byte of a quant line used as it arrives). The int32 lanes of maddubs +
+ * madd are the same four-product sums vpdpbusd makes; the hi part's int16 pair sums are
+ * widened by a madd with 254 instead of 1, so each block's exact integer p = 254 p_hi + p_lo
+ * builds up in one accumulator a row. Q8_0's quants are u = q + 128: the sign trick on
+ * q = u ^ 0x80 keeps maddubs' pairs in int16, and the sum starts at 0 instead of c (the
+ * same integer as VNNI's c + sum u Q). */
+TD_INLINE TD_Y void avx2_tile(td_dtype_t t, bool one, int R, int h0, int H, const unsigned char *gq,
+                              const unsigned char *gs, size_t nb, size_t k, const unsigned char *a,
+                              size_t stride, float *y, size_t ldy, const unsigned char *pf_end)
+{
+    const size_t qb = quant_bytes(t);
+    const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), wide = _mm256_set1_epi16(WIDE);
+    const __m256i bias8 = _mm256_set1_epi8((char)0x80), bit4 = _mm256_set1_epi8(0x10);
+    /* IQ4_XS: the signed values of the indices in both lanes, for vpshufb */
+    const __m256i iq4s = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)td_quant_iq4nl_values));
+    __m256 acc[2][4], macc[2][4];
+    for (int x = 0; x < H; x++)
+        for (int i = 0; i < R; i++)
+            acc[x][i] = macc[x][i] = _mm256_setzero_ps();
+    for (size_t b = 0; b < nb; b++) {
+        if (H == 2) /* decode */
+            decode_prefetch(gq + b * qb, qb, pf_end);
+#pragma GCC unroll 2
+        for (int x = 0; x < H; x++) {
+            const int h = h0 + x;
+            const unsigned char *q = gq + b * qb + 32 * h;
+            __m256i p[4];
+#pragma GCC unroll 4
+            for (int i = 0; i < R; i++)
+                p[i] = t == TD_Q4_0 ? _mm256_set1_epi32(load_i32(act_c(a + i * stride, k) + 4 * b))
+                                    : _mm256_setzero_si256();
+            if (t == TD_Q8_0) {
+                for (int v = 0; v < 8; v++) {
+                    __m256i sw = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(q + 64 * v)), bias8);
+                    __m256i aw = _mm256_abs_epi8(sw);
+#pragma GCC unroll 4
+                    for (int i = 0; i < R; i++) {
+                        const unsigned char *ai = a + i * stride;
+                        __m256i qh = _mm256_set1_epi32(load_i32(act_hi(ai) + b * TD_QK + 4 * v));
+                        __m256i ql = _mm256_set1_epi32(load_i32(act_lo(ai, k) + b * TD_QK + 4 * v));
+                        p[i] = _mm256_add_epi32(p[i], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(qh, sw)), wide));
+                        if (!one)
+                            p[i] = _mm256_add_epi32(p[i], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(ql, sw)), ones));
+                    }
+                }
+            } else {
+                const __m256i hb = t == TD_Q5_K ? _mm256_loadu_si256((const __m256i *)(q + 256)) : _mm256_setzero_si256();
+#pragma GCC unroll 4
+                for (int v = 0; v < 4; v++) {
+                    __m256i raw = _mm256_loadu_si256((const __m256i *)(q + 64 * v));
+                    __m256i lo4 = _mm256_and_si256(raw, low4);
+                    __m256i hi4 = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+                    if (t == TD_Q5_K) { /* the fifth bits: weight 4v + j's at bit v, 16 + 4v + j's at 4 + v */
+                        lo4 = _mm256_or_si256(lo4, _mm256_and_si256(_mm256_slli_epi16(hb, 4 - v), bit4));
+                        hi4 = _mm256_or_si256(hi4, _mm256_and_si256(_mm256_srli_epi16(hb, v), bit4));
+                    }
+                    if (t == TD_IQ4_XS) { /* signed values, Q8_0's sign trick; pairs up to 2 * 127 * 127: one madd each */
+                        __m256i sl = _mm256_shuffle_epi8(iq4s, lo4), sh = _mm256_shuffle_epi8(iq4s, hi4);
+                        __m256i al = _mm256_abs_epi8(sl), ah = _mm256_abs_epi8(sh);
+#pragma GCC unroll 4
+                        for (int i = 0; i < R; i++) {
+                            const unsigned char *ai = a + i * stride;
+                            const int8_t *qh = act_hi(ai) + b * TD_QK, *ql = act_lo(ai, k) + b * TD_QK;
+                            __m256i ph = _mm256_add_epi32(
+                                _mm256_madd_epi16(_mm256_maddubs_epi16(al, _mm256_sign_epi8(_mm256_set1_epi32(load_i32(qh + 4 * v)), sl)), wide),
+                                _mm256_madd_epi16(_mm256_maddubs_epi16(ah, _mm256_sign_epi8(_mm256_set1_epi32(load_i32(qh + 16 + 4 * v)), sh)), wide));
+                            p[i] = _mm256_add_epi32(p[i], ph);
+                            if (one)
+                                continue;
+                            __m256i pl = _mm256_add_epi32(
+                                _mm256_madd_epi16(_mm256_maddubs_epi16(al, _mm256_sign_epi8(_mm256_set1_epi32(load_i32(ql + 4 * v)), sl)), ones),
+                                _mm256_madd_epi16(_mm256_maddubs_epi16(ah, _mm256_sign_epi8(_mm256_set1_epi32(load_i32(ql + 16 + 4 * v)), sh)), ones));
+                            p[i] = _mm256_add_epi32(p[i], pl);
+                        }
+                        continue;
+                    }
+#pragma GCC unroll 4
+                    for (int i = 0; i < R; i++) {
+                        const unsigned char *ai = a + i * stride;
+                        const int8_t *qh = act_hi(ai) + b * TD_QK, *ql = act_lo(ai, k) + b * TD_QK;
+                        /* pairs of u <= 31: at most 2 * 31 * 127 each, two summed: no int16 overflow */
+                        __m256i sh16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo4, _mm256_set1_epi32(load_i32(qh + 4 * v))),
+                                                        _mm256_maddubs_epi16(hi4, _mm256_set1_epi32(load_i32(qh + 16 + 4 * v))));
+                        if (one) {
+                            p[i] = _mm256_add_epi32(p[i], _mm256_madd_epi16(sh16, wide));
+                            continue;
+                        }
+                        __m256i sl16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo4, _mm256_set1_epi32(load_i32(ql + 4 * v))),
+                                                        _mm256_maddubs_epi16(hi4, _mm256_set1_epi32(load_i32(ql + 16 + 4 * v))));
+                        p[i] = _mm256_add_epi32(p[i], _mm256_add_epi32(_mm256_madd_epi16(sh16, wide),
+                                                                       _mm256_madd_epi16(sl16, ones)));
+                    }
+                }
+            }
+            __m256 dw, mw;
+            avx2_scales(t, gs, b, h, &dw, &mw);
+#pragma GCC unroll 4
+            for (int i = 0; i < R; i++) {
+                const unsigned char *ai = a + i * stride;
+                __m256 sc = _mm256_mul_ps(dw, _mm256_set1_ps(load_f32(act_e(ai, k) + 4 * b)));
+                acc[x][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[i]), sc, acc[x][i]);
+                if (has_min(t))
+                    macc[x][i] = _mm256_fmadd_ps(mw, _mm256_set1_ps(load_f32(act_c(ai, k) + 4 * b)), macc[x][i]);
+            }
+        }
+    }
+    for (int x = 0; x < H; x++)
+        for (int i = 0; i < R; i++)
+            _mm256_storeu_ps(y + i * ldy + 8 * (h0 + x),
+                             has_min(t) ? _mm256_add_ps(acc[x][i], macc[x][i]) : acc[x][i]);
+}
+
+#define Q6_HI_YMM(hb, v) ((v) == 3 ? _mm256_srli_epi16(hb, 2) : _mm256_slli_epi16(hb, 4 - 2 * (v)))
+
+/* vnni_tile_q6_k's sums on AVX2 for halves [h0, h0 + H) of a group (8 rows each) by R rows,
+ * R * H <= 4: maddubs (u <= 63: pairs within int16) + madd, hi widened by 254 */
+TD_INLINE TD_Y void avx2_tile_q6_k(bool one, int R, int h0, int H, const unsigned char *gq, const unsigned char *gs,
+                                   size_t nb, size_t k, const unsigned char *a, size_t stride, float *y, size_t ldy,
+                                   const unsigned char *pf_end)
+{
+    const size_t qb = quant_bytes(TD_Q6_K);
+    const __m256i low4 = _mm256_set1_epi8(0x0F), hi2 = _mm256_set1_epi8(0x30);
+    const __m256i ones = _mm256_set1_epi16(1), wide = _mm256_set1_epi16(WIDE);
+    __m256 acc[2][4];
+    for (int x = 0; x < H; x++)
+        for (int i = 0; i < R; i++)
+            acc[x][i] = _mm256_setzero_ps();
+    for (size_t b = 0; b < nb; b++) {
+        if (H == 2)
+            decode_prefetch(gq + b * qb, qb, pf_end);
+        const unsigned char *ks = gs + b / 8 * K6_SCALE_BYTES;
+#pragma GCC unroll 2
+        for (int x = 0; x < H; x++) {
+            const int hr = h0 + x; /* rows 8 hr .. 8 hr + 7 */
+            const unsigned char *q = gq + b * qb + 32 * hr;
+            const __m256i hb0 = _mm256_loadu_si256((const __m256i *)(q + 256));
+            const __m256i hb1 = _mm256_loadu_si256((const __m256i *)(q + 320));
+            __m256i p[2][4];
+#pragma GCC unroll 4
+            for (int i = 0; i < R; i++)
+#pragma GCC unroll 2
+                for (int h = 0; h < 2; h++)
+                    p[h][i] = _mm256_set1_epi32(load_i32((h ? act_c2(a + i * stride, k) : act_c(a + i * stride, k)) + 4 * b));
+#pragma GCC unroll 4
+            for (int v = 0; v < 4; v++) {
+                __m256i raw = _mm256_loadu_si256((const __m256i *)(q + 64 * v));
+                __m256i wv[2] = {_mm256_or_si256(_mm256_and_si256(raw, low4), _mm256_and_si256(Q6_HI_YMM(hb0, v), hi2)),
+                                 _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low4),
+                                                 _mm256_and_si256(Q6_HI_YMM(hb1, v), hi2))};
+#pragma GCC unroll 4
+                for (int i = 0; i < R; i++) {
+                    const unsigned char *ai = a + i * stride;
+                    const int8_t *hi = act_hi(ai) + b * TD_QK, *lo = act_lo(ai, k) + b * TD_QK;
+#pragma GCC unroll 2
+                    for (int h = 0; h < 2; h++) {
+                        __m256i sh = _mm256_maddubs_epi16(wv[h], _mm256_set1_epi32(load_i32(hi + 16 * h + 4 * v)));
+                        if (one) {
+                            p[h][i] = _mm256_add_epi32(p[h][i], _mm256_madd_epi16(sh, wide));
+                            continue;
+                        }
+                        __m256i sl = _mm256_maddubs_epi16(wv[h], _mm256_set1_epi32(load_i32(lo + 16 * h + 4 * v)));
+                        p[h][i] = _mm256_add_epi32(p[h][i], _mm256_add_epi32(_mm256_madd_epi16(sh, wide),
+                                                                             _mm256_madd_epi16(sl, ones)));
+                    }
+                }
+            }
+            __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ks + 16 * hr)));
+            __m256 dw[2];
+#pragma GCC unroll 2
+            for (int h = 0; h < 2; h++)
+                dw[h] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                             _mm_loadl_epi64((const __m128i *)(ks + K6_SC(b % 8, h) + 8 * hr)))));
+#pragma GCC unroll 4
+            for (int i = 0; i < R; i++) {
+                __m256 e = _mm256_set1_ps(load_f32(act_e(a + i * stride, k) + 4 * b));
+#pragma GCC unroll 2
+                for (int h = 0; h < 2; h++)
+                    acc[x][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[h][i]), _mm256_mul_ps(dw[h], e), acc[x][i]);
+            }
+        }
+    }
+    for (int x = 0; x < H; x++)
+        for (int i = 0; i < R; i++)
+            _mm256_storeu_ps(y + i * ldy + 8 * (h0 + x), acc[x][i]);
+}
+
+TD_INLINE TD_Y void kernel_avx2(td_dtype_t t, bool one, const void *wp, size_t g0, size_t g1, size_t g_pf, size_t k,
+                                const void *av, size_t m, float *y, size_t ldy)
+{
+    size_t nb = k / TD_QK, gb = td_cpu_pack_group_bytes(t, k), stride = td_cpu_pack_act_stride(k);
+    const unsigned char *a = av, *end = (const unsigned char *)wp + g_pf * gb;
+    for (size_t g = g0; g < g1; g++) {
+        const unsigned char *gq = (const unsigned char *)wp + g * gb, *gs = gq + nb * quant_bytes(t);
+        float *yg = y + (g - g0) * ROWS;
+        size_t i = 0;
+        if (t == TD_Q6_K) { /* twice the accumulators a row: tiles of 2 rows, the odd one alone */
+            for (int h = 0; h < 2; h++)
+                for (i = 0; i + 2 <= m; i += 2)
+                    avx2_tile_q6_k(one, 2, h, 1, gq, gs, nb, k, a + i * stride, stride, yg + i * ldy, ldy, end);
+            if (i < m)
+                avx2_tile_q6_k(one, 1, 0, 2, gq, gs, nb, k, a + i * stride, stride, yg + i * ldy, ldy, end);
+            continue;
+        }
+        for (int h = 0; h < 2; h++)
+            for (i = 0; i + 4 <= m; i += 4)
+                avx2_tile(t, one, 4, h, 1, gq, gs, nb, k, a + i * stride, stride, yg + i * ldy, ldy, end);
+        const unsigned char *ai = a + i * stride;
+        float *yi = yg + i * ldy;
+        switch (m - i) { /* the last rows (decode: all of them), both halves in one pass */
+        case 1:
+            if (avx2_row1_takes(t))
+                avx2_row1(t, one, gq, gs, nb, k, ai, yi, end);
+            else
+                avx2_tile(t, one, 1, 0, 2, gq, gs, nb, k, ai, stride, yi, ldy, end);
+            break;
+        case 2: avx2_tile(t, one, 2, 0, 2, gq, gs, nb, k, ai, stride, yi, ldy, end); break;
+        case 3:
+            avx2_tile(t, one, 3, 0, 1, gq, gs, nb, k, ai, stride, yi, ldy, end);
+            avx2_tile(t, one, 3, 1, 1, gq, gs, nb, k, ai, stride, yi, ldy, end);
+            break;
+        default: break;
+        }
+    }
+}
+
+PACK_FNS(avx2_2, TD_Y, kernel_avx2, false)
+PACK_FNS(avx2_1, TD_Y, kernel_avx2, true)
+
+const td_cpu_pack_ops_t td_cpu_pack_ops_avx2 = {
+    .name = "avx2", .act_row = act_row_avx2, .two_byte = PACK_TABLE(avx2_2), .one_byte = PACK_TABLE(avx2_1)};
+
+#endif /* TD_CPU_PACK_X86 */

@@ -1,0 +1,263 @@
+/*
+ * td_cpu_pack_avx512: td_cpu_pack's AVX-512 VNNI table (vpdpbusd) and its activation
+ * quantizer in AVX-512, bit-identical to the scalar reference (td_cpu_pack.h).
+ */
+#include "td_cpu_pack_impl.h"
+
+#ifdef TD_CPU_PACK_X86
+#define TD_Z __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl")))
+
+/* roundf on 16 lanes: trunc, then one step away from zero when the exact remainder is >= 1/2 */
+TD_INLINE TD_Z __m512 round_half_away(__m512 v)
+{
+    __m512 t = _mm512_roundscale_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+    __mmask16 up = _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_sub_ps(v, t)), _mm512_set1_ps(0.5f), _CMP_GE_OQ);
+    __m512 one = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(_mm512_set1_ps(1.0f)),
+                                                     _mm512_and_si512(_mm512_castps_si512(v),
+                                                                      _mm512_set1_epi32(INT32_MIN))));
+    return _mm512_mask_add_ps(t, up, t, one);
+}
+
+/* act_block_scalar on AVX-512, bit for bit (max_ps returns its second operand for a NaN
+ * lane, so NaN is ignored in amax and clamped to -127 as the scalar code does) */
+static TD_Z int32_t act_block_avx512(const float *x, int8_t *hi, int8_t *lo, float *e_p, int32_t *first_p)
+{
+    __m512 x0 = _mm512_loadu_ps(x), x1 = _mm512_loadu_ps(x + 16);
+    __m512 amax = _mm512_max_ps(_mm512_abs_ps(x0), _mm512_setzero_ps());
+    amax = _mm512_max_ps(_mm512_abs_ps(x1), amax);
+    bool nan = (_mm512_cmp_ps_mask(x0, x0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(x1, x1, _CMP_UNORD_Q)) != 0;
+    float d = _mm512_reduce_max_ps(amax) / 127.0f;
+    float id = d != 0.0f ? 1.0f / d : 0.0f;
+    __m512i sum = _mm512_setzero_si512();
+    for (int half = 0; half < 2; half++) {
+        __m512 v = _mm512_mul_ps(half ? x1 : x0, _mm512_set1_ps(id));
+        v = _mm512_min_ps(_mm512_max_ps(v, _mm512_set1_ps(-127.0f)), _mm512_set1_ps(127.0f));
+        __m512 h = round_half_away(v);
+        __m512 l = round_half_away(_mm512_mul_ps(_mm512_sub_ps(v, h), _mm512_set1_ps((float)WIDE)));
+        __m512i qh = _mm512_cvtps_epi32(h), ql = _mm512_cvtps_epi32(l);
+        sum = _mm512_add_epi32(sum, _mm512_add_epi32(_mm512_mullo_epi32(qh, _mm512_set1_epi32(WIDE)), ql));
+        if (half == 0)
+            *first_p = _mm512_reduce_add_epi32(sum);
+        _mm_storeu_si128((__m128i *)(hi + 16 * half), _mm512_cvtepi32_epi8(qh));
+        _mm_storeu_si128((__m128i *)(lo + 16 * half), _mm512_cvtepi32_epi8(ql));
+    }
+    *e_p = nan ? NAN : d / (float)WIDE;
+    return _mm512_reduce_add_epi32(sum);
+}
+
+static TD_Z void act_row_avx512(const float *x, void *av, td_dtype_t type, size_t k, bool one_byte)
+{
+    act_row_blocks(act_block_avx512, x, av, type, k, one_byte);
+}
+
+/* ---- AVX-512 VNNI ------------------------------------------------------------------------ */
+
+#define TD_V __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
+
+/* One group (quants gq, scales gs) against R activation rows (at a, `stride` apart): the
+ * 16 outputs of row i go to y + i * ldy. */
+TD_INLINE TD_V void vnni_tile(td_dtype_t t, bool one, int R, const unsigned char *gq, const unsigned char *gs,
+                              size_t nb, size_t k, const unsigned char *a, size_t stride, float *y,
+                              size_t ldy, const unsigned char *pf_end)
+{
+    const size_t qb = quant_bytes(t);
+    const __m512i low4 = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10);
+    /* IQ4_XS: u = value + 128 of each index, in every 128-bit lane for vpshufb */
+    const __m512i iq4u = _mm512_broadcast_i32x4(_mm_add_epi8(
+        _mm_loadu_si128((const __m128i *)td_quant_iq4nl_values), _mm_set1_epi8((char)0x80)));
+    __m512 acc[8], macc[8];
+    for (int i = 0; i < R; i++)
+        acc[i] = macc[i] = _mm512_setzero_ps();
+    for (size_t b = 0; b < nb; b++) {
+        const unsigned char *q = gq + b * qb;
+        __m512i w[8];
+        if (R <= 4)
+            decode_prefetch(q, qb, pf_end);
+        if (t == TD_Q8_0) {
+            for (int v = 0; v < 8; v++)
+                w[v] = _mm512_loadu_si512(q + 64 * v);
+        } else {
+            for (int v = 0; v < 4; v++) {
+                __m512i raw = _mm512_loadu_si512(q + 64 * v);
+                w[v] = _mm512_and_si512(raw, low4);
+                w[v + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+            }
+            if (t == TD_Q5_K) { /* the fifth bits: weight 4v + j's at bit v, 16 + 4v + j's at 4 + v */
+                const __m512i hb = _mm512_loadu_si512(q + 256);
+                w[0] = _mm512_or_si512(w[0], _mm512_and_si512(_mm512_slli_epi16(hb, 4), bit4));
+                w[1] = _mm512_or_si512(w[1], _mm512_and_si512(_mm512_slli_epi16(hb, 3), bit4));
+                w[2] = _mm512_or_si512(w[2], _mm512_and_si512(_mm512_slli_epi16(hb, 2), bit4));
+                w[3] = _mm512_or_si512(w[3], _mm512_and_si512(_mm512_slli_epi16(hb, 1), bit4));
+                w[4] = _mm512_or_si512(w[4], _mm512_and_si512(hb, bit4));
+                w[5] = _mm512_or_si512(w[5], _mm512_and_si512(_mm512_srli_epi16(hb, 1), bit4));
+                w[6] = _mm512_or_si512(w[6], _mm512_and_si512(_mm512_srli_epi16(hb, 2), bit4));
+                w[7] = _mm512_or_si512(w[7], _mm512_and_si512(_mm512_srli_epi16(hb, 3), bit4));
+            }
+            if (t == TD_IQ4_XS)
+                for (int v = 0; v < 8; v++)
+                    w[v] = _mm512_shuffle_epi8(iq4u, w[v]);
+        }
+        __m512 dw, mw = _mm512_setzero_ps();
+        if (t == TD_IQ4_XS) { /* d * (ls - 32): exact */
+            const unsigned char *ks = gs + b / 8 * XS_SCALE_BYTES;
+            dw = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)ks)),
+                               _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(ks + XS_SC(b % 8))))));
+        } else if (k_scales(t)) { /* d * sc and -(dmin * mn): the scalar kernel's exact products */
+            const unsigned char *ks = gs + b / 8 * K_SCALE_BYTES;
+            __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(ks + K_SC(b % 8)))));
+            __m512 mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(ks + K_MN(b % 8)))));
+            dw = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(ks + K_D))), sc);
+            mw = _mm512_castsi512_ps(_mm512_xor_si512(
+                _mm512_castps_si512(_mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(ks + K_DMIN))), mn)),
+                _mm512_set1_epi32(INT32_MIN)));
+        } else {
+            const unsigned char *s = gs + 2 * b * scale_halves(t);
+            dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)s));
+            if (t == TD_Q4_1)
+                mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s + 2 * ROWS)));
+        }
+        /* unrolled, so that acc[] and macc[] stay in registers: as a loop GCC keeps them in
+         * memory, a store and a reload per row and block (1B Q4_0 prefill tile 67 -> 80
+         * GFLOP/s on one core) */
+#pragma GCC unroll 8
+        for (int i = 0; i < R; i++) {
+            const unsigned char *ai = a + i * stride, *c = act_c(ai, k) + 4 * b;
+            const int8_t *hi = act_hi(ai) + b * TD_QK, *lo = act_lo(ai, k) + b * TD_QK;
+            /* two chains, hi and lo, joined exactly: WIDE * p_hi + p_lo (one byte: lo is 0, skipped) */
+            __m512i ph = _mm512_setzero_si512();
+            __m512i pl = has_min(t) ? _mm512_setzero_si512() : _mm512_set1_epi32(load_i32(c));
+            if (one && R <= 2) { /* four chains of two over hi alone, for the latency */
+                __m512i ph2 = _mm512_setzero_si512(), ph3 = _mm512_setzero_si512(), ph4 = _mm512_setzero_si512();
+                for (int v = 0; v < 8; v += 4) {
+                    ph = _mm512_dpbusd_epi32(ph, w[v], _mm512_set1_epi32(load_i32(hi + 4 * v)));
+                    ph2 = _mm512_dpbusd_epi32(ph2, w[v + 1], _mm512_set1_epi32(load_i32(hi + 4 * v + 4)));
+                    ph3 = _mm512_dpbusd_epi32(ph3, w[v + 2], _mm512_set1_epi32(load_i32(hi + 4 * v + 8)));
+                    ph4 = _mm512_dpbusd_epi32(ph4, w[v + 3], _mm512_set1_epi32(load_i32(hi + 4 * v + 12)));
+                }
+                ph = _mm512_add_epi32(_mm512_add_epi32(ph, ph2), _mm512_add_epi32(ph3, ph4));
+            } else if (one) {
+                for (int v = 0; v < 8; v++)
+                    ph = _mm512_dpbusd_epi32(ph, w[v], _mm512_set1_epi32(load_i32(hi + 4 * v)));
+            } else if (R <= 2) {
+                /* few rows: four chains of four, not two of eight, so that the dot products'
+                 * latency does not bound the block (integer sums: the same result) */
+                __m512i ph2 = _mm512_setzero_si512(), pl2 = _mm512_setzero_si512();
+                for (int v = 0; v < 8; v += 2) {
+                    ph = _mm512_dpbusd_epi32(ph, w[v], _mm512_set1_epi32(load_i32(hi + 4 * v)));
+                    pl = _mm512_dpbusd_epi32(pl, w[v], _mm512_set1_epi32(load_i32(lo + 4 * v)));
+                    ph2 = _mm512_dpbusd_epi32(ph2, w[v + 1], _mm512_set1_epi32(load_i32(hi + 4 * v + 4)));
+                    pl2 = _mm512_dpbusd_epi32(pl2, w[v + 1], _mm512_set1_epi32(load_i32(lo + 4 * v + 4)));
+                }
+                ph = _mm512_add_epi32(ph, ph2);
+                pl = _mm512_add_epi32(pl, pl2);
+            } else {
+                for (int v = 0; v < 8; v++) {
+                    ph = _mm512_dpbusd_epi32(ph, w[v], _mm512_set1_epi32(load_i32(hi + 4 * v)));
+                    pl = _mm512_dpbusd_epi32(pl, w[v], _mm512_set1_epi32(load_i32(lo + 4 * v)));
+                }
+            }
+            /* WIDE * ph + pl, the multiply as shifts (WIDE = 254 = 256 - 2) */
+            __m512i p0 = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(ph, 8), _mm512_slli_epi32(ph, 1)), pl);
+            __m512 sc = _mm512_mul_ps(dw, _mm512_set1_ps(load_f32(act_e(ai, k) + 4 * b)));
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p0), sc, acc[i]);
+            if (has_min(t))
+                macc[i] = _mm512_fmadd_ps(mw, _mm512_set1_ps(load_f32(c)), macc[i]);
+        }
+    }
+    for (int i = 0; i < R; i++)
+        _mm512_storeu_ps(y + i * ldy, has_min(t) ? _mm512_add_ps(acc[i], macc[i]) : acc[i]);
+}
+
+/* Q6_K's 2-bit planes: the high bits of the weights of nibble vector v, at bits 4-5 */
+#define Q6_HI_ZMM(hb, v) ((v) == 3 ? _mm512_srli_epi16(hb, 2) : _mm512_slli_epi16(hb, 4 - 2 * (v)))
+
+/* One Q6_K group against R activation rows: the 8 weight vectors of a block made once (u =
+ * low nibble | high bits << 4, 0..63), then per row the two halves' exact integers (c + sum u
+ * Q: c = -32 sum Q of the half) and their two FMAs, half 0 first */
+TD_INLINE TD_V void vnni_tile_q6_k(bool one, int R, const unsigned char *gq, const unsigned char *gs, size_t nb, size_t k,
+                                   const unsigned char *a, size_t stride, float *y, size_t ldy,
+                                   const unsigned char *pf_end)
+{
+    const size_t qb = quant_bytes(TD_Q6_K);
+    const __m512i low4 = _mm512_set1_epi8(0x0F), hi2 = _mm512_set1_epi8(0x30);
+    __m512 acc[8];
+    for (int i = 0; i < R; i++)
+        acc[i] = _mm512_setzero_ps();
+    for (size_t b = 0; b < nb; b++) {
+        const unsigned char *q = gq + b * qb;
+        if (R <= 4)
+            decode_prefetch(q, qb, pf_end);
+        __m512i w[8];
+        const __m512i hb0 = _mm512_loadu_si512(q + 256), hb1 = _mm512_loadu_si512(q + 320);
+#pragma GCC unroll 4
+        for (int v = 0; v < 4; v++) {
+            __m512i raw = _mm512_loadu_si512(q + 64 * v);
+            w[v] = _mm512_or_si512(_mm512_and_si512(raw, low4), _mm512_and_si512(Q6_HI_ZMM(hb0, v), hi2));
+            w[v + 4] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(raw, 4), low4),
+                                       _mm512_and_si512(Q6_HI_ZMM(hb1, v), hi2));
+        }
+        const unsigned char *ks = gs + b / 8 * K6_SCALE_BYTES;
+        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)ks));
+        __m512 dw[2];
+        for (int h = 0; h < 2; h++)
+            dw[h] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                         _mm_loadu_si128((const __m128i *)(ks + K6_SC(b % 8, h))))));
+#pragma GCC unroll 8
+        for (int i = 0; i < R; i++) {
+            const unsigned char *ai = a + i * stride;
+            const int8_t *hi = act_hi(ai) + b * TD_QK, *lo = act_lo(ai, k) + b * TD_QK;
+            __m512 e = _mm512_set1_ps(load_f32(act_e(ai, k) + 4 * b));
+            for (int h = 0; h < 2; h++) {
+                __m512i ph = _mm512_setzero_si512();
+                __m512i pl = _mm512_set1_epi32(load_i32((h ? act_c2(ai, k) : act_c(ai, k)) + 4 * b));
+                for (int v = 0; v < 4; v++) {
+                    ph = _mm512_dpbusd_epi32(ph, w[4 * h + v], _mm512_set1_epi32(load_i32(hi + 16 * h + 4 * v)));
+                    if (!one)
+                        pl = _mm512_dpbusd_epi32(pl, w[4 * h + v], _mm512_set1_epi32(load_i32(lo + 16 * h + 4 * v)));
+                }
+                __m512i p = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(ph, 8), _mm512_slli_epi32(ph, 1)), pl);
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(dw[h], e), acc[i]);
+            }
+        }
+    }
+    for (int i = 0; i < R; i++)
+        _mm512_storeu_ps(y + i * ldy, acc[i]);
+}
+
+TD_INLINE TD_V void kernel_vnni(td_dtype_t t, bool one, const void *wp, size_t g0, size_t g1, size_t g_pf, size_t k,
+                                const void *av, size_t m, float *y, size_t ldy)
+{
+    size_t nb = k / TD_QK, gb = td_cpu_pack_group_bytes(t, k), stride = td_cpu_pack_act_stride(k);
+    const unsigned char *a = av, *end = (const unsigned char *)wp + g_pf * gb;
+    for (size_t g = g0; g < g1; g++) {
+        const unsigned char *gq = (const unsigned char *)wp + g * gb, *gs = gq + nb * quant_bytes(t);
+        float *yg = y + (g - g0) * ROWS;
+#define VNNI_TILE(R, ai, yi)                                                                    \
+    (t == TD_Q6_K ? vnni_tile_q6_k(one, R, gq, gs, nb, k, ai, stride, yi, ldy, end)             \
+                  : vnni_tile(t, one, R, gq, gs, nb, k, ai, stride, yi, ldy, end))
+        size_t i = 0;
+        for (; i + 8 <= m; i += 8)
+            VNNI_TILE(8, a + i * stride, yg + i * ldy);
+        const unsigned char *ai = a + i * stride;
+        float *yi = yg + i * ldy;
+        switch (m - i) {
+        case 1: VNNI_TILE(1, ai, yi); break;
+        case 2: VNNI_TILE(2, ai, yi); break;
+        case 3: VNNI_TILE(3, ai, yi); break;
+        case 4: VNNI_TILE(4, ai, yi); break;
+        case 5: VNNI_TILE(5, ai, yi); break;
+        case 6: VNNI_TILE(6, ai, yi); break;
+        case 7: VNNI_TILE(7, ai, yi); break;
+        default: break;
+        }
+#undef VNNI_TILE
+    }
+}
+
+PACK_FNS(vnni2, TD_V, kernel_vnni, false)
+PACK_FNS(vnni1, TD_V, kernel_vnni, true)
+
+const td_cpu_pack_ops_t td_cpu_pack_ops_vnni = {
+    .name = "avx512vnni", .act_row = act_row_avx512, .two_byte = PACK_TABLE(vnni2), .one_byte = PACK_TABLE(vnni1)};
+
+#endif /* TD_CPU_PACK_X86 */

@@ -1,0 +1,190 @@
+/*
+ * td_cpu_pack_impl.h: what the packed kernels' files share (td_cpu_pack.c: the layout, the
+ * packing, the scalar reference and the tables; td_cpu_pack_avx512.c and td_cpu_pack_avx2.c:
+ * one SIMD table each): the layout's sizes, the activation row's parts, the decode prefetch
+ * and the macros that make a table's entries. Private to kernels/cpu.
+ */
+#ifndef TD_CPU_PACK_IMPL_H
+#define TD_CPU_PACK_IMPL_H
+
+#include "td_cpu_pack.h"
+
+#include <math.h>
+#include <string.h>
+
+#include "td_cpu_isa.h"
+#include "td_quant.h"
+#include "td_util.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+
+#include "td_cpu_simd.h"
+#define TD_CPU_PACK_X86 1
+#endif
+
+#define TD_INLINE static inline __attribute__((always_inline))
+#define ROWS TD_CPU_PACK_ROWS
+#define WIDE 254 /* an activation quant Q = WIDE * hi + lo (td_cpu_pack.h) */
+_Static_assert(WIDE == 256 - 2, "vnni_tile multiplies by WIDE with two shifts");
+
+/* bytes of one block's quants and scales in a group */
+TD_INLINE size_t quant_bytes(td_dtype_t t)
+{
+    return t == TD_Q8_0   ? ROWS * TD_QK
+           : t == TD_Q6_K ? ROWS * TD_QK * 3 / 4
+           : t == TD_Q5_K ? ROWS * TD_QK * 5 / 8
+                          : ROWS * TD_QK / 2;
+}
+
+TD_INLINE size_t scale_halves(td_dtype_t t) /* f16 values per block (not Q4_K) */
+{
+    return t == TD_Q4_1 ? 2 * ROWS : ROWS;
+}
+
+/* Q4_K's and Q5_K's scales, per super-block of a group (the header's layout): 16 f16 d, 16
+ * f16 dmin, then 8 sub-blocks x 16 rows of 6-bit sc, then of mn */
+#define K_SCALE_BYTES (4 * ROWS + 16 * ROWS)
+#define K_D 0
+#define K_DMIN (2 * ROWS)
+#define K_SC(s) (4 * ROWS + (s) * ROWS)
+#define K_MN(s) (12 * ROWS + (s) * ROWS)
+
+/* Q6_K's scales, per super-block of a group: 16 f16 d, then per block the 16 rows' int8
+ * scale of its first 16 weights, then of its last 16 */
+#define K6_SCALE_BYTES (2 * ROWS + 8 * 2 * ROWS)
+#define K6_SC(b, half) (2 * ROWS + (b) * 2 * ROWS + (half) * ROWS)
+
+/* IQ4_XS's scales, per super-block of a group: 16 f16 d, then per block the 16 rows' int8
+ * ls - 32 */
+#define XS_SCALE_BYTES (2 * ROWS + 8 * ROWS)
+#define XS_SC(b) (2 * ROWS + (b) * ROWS)
+
+/* Q4_K and Q5_K: scales as stored, a block's d * sc and -(dmin * mn) */
+TD_INLINE bool k_scales(td_dtype_t t)
+{
+    return t == TD_Q4_K || t == TD_Q5_K;
+}
+
+TD_INLINE size_t scale_bytes(td_dtype_t t) /* per 32-weight block of a group */
+{
+    return k_scales(t)       ? K_SCALE_BYTES / 8
+           : t == TD_Q6_K   ? K6_SCALE_BYTES / 8
+           : t == TD_IQ4_XS ? XS_SCALE_BYTES / 8
+                            : 2 * scale_halves(t);
+}
+
+/* Q4_1, Q4_K, Q5_K: an offset term m * (e sum Q) beside the integer sum (c is f32) */
+TD_INLINE bool has_min(td_dtype_t t)
+{
+    return t == TD_Q4_1 || k_scales(t);
+}
+
+
+/* Where the parts of an activation row of k are (the header's layout) */
+TD_INLINE const int8_t *act_hi(const unsigned char *a) { return (const int8_t *)a; }
+TD_INLINE const int8_t *act_lo(const unsigned char *a, size_t k) { return (const int8_t *)(a + k); }
+TD_INLINE const unsigned char *act_e(const unsigned char *a, size_t k) { return a + 2 * k; }
+TD_INLINE const unsigned char *act_c(const unsigned char *a, size_t k) { return a + 2 * k + 4 * (k / TD_QK); }
+TD_INLINE const unsigned char *act_c2(const unsigned char *a, size_t k) { return a + 2 * k + 8 * (k / TD_QK); }
+
+/* c (and c2) of a block from its scale e and sums of Q, of the whole block and of its first
+ * 16 values (the header's definitions; c2 only Q6_K's, 0 for the others) */
+TD_INLINE void act_store_c(unsigned char *c, unsigned char *c2, td_dtype_t type, float e, int32_t sum_q,
+                           int32_t sum_first)
+{
+    float s = e * (float)sum_q;
+    int32_t ci = (type == TD_Q4_0 ? -8 : -128) * sum_q, c2i = 0; /* Q8_0, IQ4_XS: -128 */
+    if (type == TD_Q6_K) {
+        ci = -32 * sum_first;
+        c2i = -32 * (sum_q - sum_first);
+    }
+    memcpy(c, has_min(type) ? (const void *)&s : (const void *)&ci, 4);
+    memcpy(c2, &c2i, 4);
+}
+
+/* One block's quantizer: hi and lo of the 32 floats at x, *e_p its scale; returns sum Q and
+ * the sum of the first 16 Q in *first_p. */
+typedef int32_t (*act_block_fn)(const float *x, int8_t *hi, int8_t *lo, float *e_p, int32_t *first_p);
+
+/* The activation row of the header's layout, block by block (every table's loop: `block`
+ * is a constant, inlined into each table's row function) */
+TD_INLINE void act_row_blocks(act_block_fn block, const float *x, void *av, td_dtype_t type, size_t k,
+                              bool one_byte)
+{
+    unsigned char *a = av;
+    for (size_t b = 0; b < k / TD_QK; b++) {
+        float e;
+        int8_t *hi = (int8_t *)a + b * TD_QK, *lo = (int8_t *)a + k + b * TD_QK;
+        int32_t first = 0, sum = block(x + b * TD_QK, hi, lo, &e, &first);
+        if (one_byte) { /* the second byte dropped: Q = 254 hi, llama.cpp's one-byte rounding */
+            memset(lo, 0, TD_QK);
+            sum = first = 0;
+            for (int i = 0; i < TD_QK; i++) {
+                sum += WIDE * hi[i];
+                if (i == TD_QK / 2 - 1)
+                    first = sum;
+            }
+        }
+        memcpy(a + 2 * k + 4 * b, &e, 4);
+        act_store_c((unsigned char *)act_c(a, k) + 4 * b, (unsigned char *)act_c2(a, k) + 4 * b, type, e, sum, first);
+    }
+}
+
+/* One type's entry of an ops table: the kernel with the type and the activation bytes fixed
+ * (attr: its target); a table's seven entries of one mode, and the table's fns of it. */
+#define PACK_FN(name, attr, kernel, type, one)                                               \
+    static attr void name(const void *wp, size_t g0, size_t g1, size_t g_pf, size_t k,       \
+                          const void *a, size_t m, float *y, size_t ldy)                     \
+    {                                                                                        \
+        kernel(type, one, wp, g0, g1, g_pf, k, a, m, y, ldy);                                \
+    }
+#define PACK_FNS(sfx, attr, kernel, one)                   \
+    PACK_FN(q8_0_##sfx, attr, kernel, TD_Q8_0, one)        \
+    PACK_FN(q4_0_##sfx, attr, kernel, TD_Q4_0, one)        \
+    PACK_FN(q4_1_##sfx, attr, kernel, TD_Q4_1, one)        \
+    PACK_FN(q4_k_##sfx, attr, kernel, TD_Q4_K, one)        \
+    PACK_FN(q5_k_##sfx, attr, kernel, TD_Q5_K, one)        \
+    PACK_FN(q6_k_##sfx, attr, kernel, TD_Q6_K, one)        \
+    PACK_FN(iq4_xs_##sfx, attr, kernel, TD_IQ4_XS, one)
+#define PACK_TABLE(sfx)                                                                        \
+    {.q8_0 = q8_0_##sfx, .q4_0 = q4_0_##sfx, .q4_1 = q4_1_##sfx, .q4_k = q4_k_##sfx,          \
+     .q5_k = q5_k_##sfx, .q6_k = q6_k_##sfx, .iq4_xs = iq4_xs_##sfx}
+
+#ifdef TD_CPU_PACK_X86
+TD_INLINE int32_t load_i32(const void *p)
+{
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+TD_INLINE float load_f32(const void *p)
+{
+    float v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+
+/* Decode tiles (m <= 4) stream the weights: each block asks for the lines this far ahead
+ * into L2 (T1), never past the end of the call's groups (a thread's share: what lies beyond
+ * is another thread's). L1 prefetches (T0) hold a line-fill buffer for a whole DRAM round
+ * trip, and a core has few: on Zen 4 (1 thread, a 151 MB Q4_0 matrix, m = 1) T0 at 2 KiB
+ * read 12 GB/s, T1 at 8 KiB 16, at 32 KiB 19.7 (2 threads: 18-24 -> 33 GB/s). */
+#define DECODE_PREFETCH_BYTES 32768
+
+TD_INLINE void decode_prefetch(const unsigned char *q, size_t bytes, const unsigned char *end)
+{
+    uintptr_t p = (uintptr_t)q + DECODE_PREFETCH_BYTES;
+    for (size_t off = 0; off < bytes; off += 64)
+        if (p + off < (uintptr_t)end)
+            _mm_prefetch((const char *)(p + off), _MM_HINT_T1);
+}
+
+/* the SIMD tables (td_cpu_pack_avx512.c, td_cpu_pack_avx2.c) */
+extern const td_cpu_pack_ops_t td_cpu_pack_ops_vnni;
+extern const td_cpu_pack_ops_t td_cpu_pack_ops_avx2;
+#endif
+
+#endif /* TD_CPU_PACK_IMPL_H */
