@@ -157,8 +157,10 @@ bool cli_gen_validate(const char *cmd, const cli_gen_opts_t *o, bool prompt_is_t
 td_status_t cli_gen_open(cli_gen_t *g, const cli_gen_opts_t *o, bool need_tok)
 {
     td_status_t st;
+    td_progress_init(&g->load, "model load", 0, 1.0);
     if ((st = td_model_load(o->model, &g->model)) != TD_OK)
         return st;
+    td_progress_phase(&g->load, 1, 4, "model read");
     const td_model_config_t *c = &g->model->config;
     const char *tok_path = o->tokenizer ? o->tokenizer : (g->model->tokenizer_path[0] ? g->model->tokenizer_path : NULL);
     if (tok_path) {
@@ -170,12 +172,16 @@ td_status_t cli_gen_open(cli_gen_t *g, const cli_gen_opts_t *o, bool need_tok)
     }
     if (o->chat && (st = td_chat_template_for_model(o->model, tok_path, &g->chat)) != TD_OK)
         return st;
+    td_progress_phase(&g->load, 2, 4, "tokenizer");
     /* the tokenizer says whether the model's prompts start with BOS (GGUF add_bos_token,
      * tokenizer_config.json's); ids given without one are taken as given */
     g->add_bos = g->tok && td_tokenizer_add_bos(g->tok);
     g->stop_at_tok_eos = o->chat;
     int dtype = o->dtype < 0 ? td_device_default_dtype(&o->device, c->dtype) : o->dtype;
-    return td_backend_open(&o->device, (int32_t)o->threads, dtype < 0 ? TD_F32 : (td_dtype_t)dtype, &g->be);
+    st = td_backend_open(&o->device, (int32_t)o->threads, dtype < 0 ? TD_F32 : (td_dtype_t)dtype, &g->be);
+    if (st == TD_OK)
+        td_progress_phase(&g->load, 3, 4, "backend");
+    return st;
 }
 
 /* --spec draft-model: the draft model on the same backend, an engine like the model's. */
@@ -216,6 +222,8 @@ td_status_t cli_gen_start_engine(cli_gen_t *g, const cli_gen_opts_t *o, td_engin
         ec->max_logit_rows = TD_MAX(ec->max_logit_rows, o->spec.k_max + 1);
     }
     td_status_t st = td_engine_create(g->model, g->be, ec, &g->eng);
+    if (st == TD_OK)
+        td_progress_phase(&g->load, 4, 4, "engine (weights prepared, KV pool)");
     if (st != TD_OK || o->spec.mode != TD_SPEC_DRAFT_MODEL)
         return st;
     return open_draft(g, o, ec, kv_tokens);

@@ -21,6 +21,7 @@
 #include "td_gen_params.h"
 #include "td_model.h"
 #include "td_opts.h"
+#include "td_progress.h"
 #include "td_sampler.h"
 #include "td_spec.h"
 #include "td_tokenizer.h"
@@ -131,6 +132,7 @@ typedef struct cli_gen {
     td_model_t *draft_model;   /* --spec draft-model: the drafter's model, engine and state */
     td_engine_t *draft_eng;
     td_spec_draft_t *draft;
+    td_progress_t load;        /* the load's phases on stderr when it takes over a second */
 } cli_gen_t;
 
 /*

@@ -16,6 +16,11 @@
  *     PPL * sqrt((mean nll^2 - mean nll^2) / (count - 1)):
  *     "Final estimate: PPL = X +/- Y".
  *
+ * Progress: the running estimates go to stdout as they come (the machine-readable line); stderr
+ * gets one line per chunk when it is not a terminal (a log: chunk k of n, its estimate, the time
+ * left), or that line rewritten in place when it is a terminal and stdout is not (on a
+ * terminal stdout's [k]x, already shows it).
+ *
  * llama.cpp evaluates several chunks in one batch when n_batch is a multiple of n_ctx; the
  * result is the same chunk by chunk, which is what this does (--batch is at most --ctx).
  */
@@ -24,10 +29,12 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "cli_gen.h"
 #include "td_cli.h"
 #include "td_log.h"
+#include "td_progress.h"
 #include "td_util.h"
 
 /* the largest text file read whole (wikitext-2's test set is 1.3 MB) */
@@ -37,6 +44,16 @@ typedef struct ppl_opts {
     const char *file;
     int64_t ctx, batch, chunks; /* batch 0: ctx; chunks -1: all */
 } ppl_opts_t;
+
+/* Chunk k (1-based) of n is done: the progress line on stderr, as the file's header says. */
+static void ppl_progress(td_progress_t *p, int64_t k, int64_t n, double ppl)
+{
+    if (p->tty && isatty(STDOUT_FILENO))
+        return; /* stdout's [k]x, on the same terminal is the progress */
+    double per = td_progress_elapsed(p) / (double)k;
+    td_progress_update(p, k == n, "chunk %" PRId64 "/%" PRId64 ", [%" PRId64 "]%.4lf, %.2f s/chunk, ETA %.0f s", k, n,
+                       k, ppl, per, per * (double)(n - k));
+}
 
 static int parse_opts(int argc, char **argv, cli_gen_opts_t *o, ppl_opts_t *p)
 {
@@ -83,8 +100,9 @@ static int parse_opts(int argc, char **argv, cli_gen_opts_t *o, ppl_opts_t *p)
                "llama-perplexity's method and output (docs/chat.md): chunks of --ctx tokens, each a\n"
                "fresh context starting with BOS where the model adds one, the second half of each\n"
                "scored. Prints the running estimate after each chunk, [1]x,[2]y,..., then\n"
-               "\"Final estimate: PPL = X +/- Y\" on stdout; timings on stderr. Exit status: 0 done,\n"
-               "1 failed (a file too short for two chunks says how many tokens it has), 2 usage error.\n");
+               "\"Final estimate: PPL = X +/- Y\" on stdout; timings and per-chunk progress on stderr.\n"
+               "Exit status: 0 done, 1 failed (a file too short for two chunks says how many tokens\n"
+               "it has), 2 usage error.\n");
         return 0;
     }
     TD_ASSERT(!strcmp(opts[OPT_BATCH].name, "batch") && !strcmp(opts[OPT_DTYPE].name, "dtype"));
@@ -223,6 +241,8 @@ int cmd_perplexity(int argc, char **argv)
             n_tokens, t_tok, n_chunk, n_ctx, n_batch, n_ctx - first - 1);
     double nll = 0.0, nll2 = 0.0;
     int64_t count = 0;
+    td_progress_t prog;
+    td_progress_init(&prog, "perplexity", 0, 0); /* a log: a line per chunk */
     t0 = td_now_ns();
     for (int64_t k = 0; k < n_chunk; k++) {
         if ((st = eval_chunk(&g, tokens + k * n_ctx, n_ctx, n_batch, first, logits, &nll, &nll2)) != TD_OK)
@@ -230,6 +250,7 @@ int cmd_perplexity(int argc, char **argv)
         count += n_ctx - first - 1;
         printf("[%" PRId64 "]%.4lf,", k + 1, exp(nll / (double)count));
         fflush(stdout);
+        ppl_progress(&prog, k + 1, n_chunk, exp(nll / (double)count));
     }
     printf("\n");
     double secs = (double)(td_now_ns() - t0) * 1e-9;

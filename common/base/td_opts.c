@@ -158,6 +158,9 @@ td_status_t td_opts_parse(const td_opts_t *spec, int argc, char **argv, td_opts_
             }
             if ((st = set_value(spec, k, v, false)) != TD_OK)
                 return st;
+            while (o->multi && !eq && i + 1 < argc && argv[i + 1][0] != '-')
+                if ((st = set_value(spec, k, argv[++i], false)) != TD_OK)
+                    return st;
         }
     }
     return TD_OK;

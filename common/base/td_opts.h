@@ -46,6 +46,9 @@ struct td_opt {
     const char *arg;       /* the value's name in --help ("PATH"); NULL: none shown */
     td_opt_parse_fn *parse; /* TD_OPT_FN */
     float fmin, fmax;      /* TD_OPT_F32 */
+    bool multi;            /* TD_OPT_FN: also takes each following argument that does not
+                              start with '-', each handed to parse in turn (argparse's
+                              nargs='+': `--goodput ttft:500 tpot:50`) */
 };
 
 /* The common entries, spelled once (designated, so the fields not named are zero). */

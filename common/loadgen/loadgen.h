@@ -96,8 +96,11 @@ td_status_t loadgen_dataset_sharegpt_parse(const char *text, size_t len, const c
 void loadgen_dataset_free(loadgen_dataset_t *d);
 
 /* ---- statistics ---------------------------------------------------------------------- */
+#define LOADGEN_MAX_PERCENTILES 16
+
 typedef struct loadgen_stat {
     double mean, std, median, p90, p99; /* NAN with no samples; std is the population's (numpy's) */
+    double pct[LOADGEN_MAX_PERCENTILES]; /* the run's --metric-percentiles, in their order (loadgen_run_opts_t) */
 } loadgen_stat_t;
 
 /* Sorts v[0..n) in place and summarises it (percentiles: td_stats_percentile, numpy's). */

@@ -3,7 +3,8 @@
  * loadgen_client.h), from `tandem bench serve` (issue 16) in the spirit of `vllm bench serve`.
  *
  * Each request is a streamed generation: through the OpenAI API a POST /v1/completions with
- * the prompt's token ids (or its text) and stream_options.include_usage; through the gRPC
+ * the prompt's token ids (or its text) and stream_options.include_usage (or, vLLM's
+ * openai-chat backend, /v1/chat/completions with the text as a user message); through the gRPC
  * gateway a tandem.v1.Generation/Generate stream. Per request the client clock gives the
  * time to first token (TTFT), every gap between token-carrying chunks (ITL), the end-to-end
  * latency (E2EL) and TPOT = (E2EL - TTFT) / (output tokens - 1); the token counts are the
@@ -11,7 +12,7 @@
  *
  * One thread, one libuv loop, non-blocking: an arrival timer, keep-alive HTTP/1.1
  * connections (td_http_client, one request in flight on each) or gRPC channels, and a 50 ms
- * tick that fails requests past the request timeout. The waiting queue holds at most the
+ * tick that fails requests past the request timeout and reports progress. The waiting queue holds at most the
  * run's requests.
  */
 #include "loadgen_client.h"
@@ -33,6 +34,7 @@
 #include "td_http_client.h"
 #include "td_list.h"
 #include "td_log.h"
+#include "td_stats.h"
 #include "td_util.h"
 
 #define LG_TICK_MS 50
@@ -76,14 +78,15 @@ struct loadgen_client {
     uv_loop_t loop;
     uv_timer_t arrive, tick;
     /* target */
-    char host[256], path[256];
+    char host[256], path[512]; /* path: the request's, "/v1/completions" */
     uint16_t port;
     struct sockaddr_storage addr;
     td_grpc_channel_t **gw;
     int n_gw, next_gw;
     /* the run in progress */
     lg_req_t *reqs;
-    size_t n_reqs, next_arrival, n_done;
+    size_t n_reqs, next_arrival, n_done, n_failed;
+    const loadgen_run_opts_t *run_opts;
     int64_t running, limit, max_running;
     td_list_t waiting, active, idle_conns;
     int64_t n_conns;
@@ -249,8 +252,12 @@ static bool lg_http_build(lg_conn_t *c, const lg_req_t *r)
         if (str)
             js = cJSON_PrintUnformatted(str);
         cJSON_Delete(str);
-        ok = js && lg_buf_printf(&body, &len, &cap, "\"prompt\":%s", js);
+        ok = js && lg_buf_printf(&body, &len, &cap,
+                                 s->cfg.chat ? "\"messages\":[{\"role\":\"user\",\"content\":%s}]" : "\"prompt\":%s",
+                                 js);
         cJSON_free(js);
+    } else if (ok && s->cfg.chat) {
+        ok = false; /* bench serve gives chat text prompts; a caller that did not is told here */
     } else if (ok) {
         ok = lg_buf_printf(&body, &len, &cap, "\"prompt\":[");
         for (uint32_t i = 0; ok && i < it->input_len; i++)
@@ -263,7 +270,7 @@ static bool lg_http_build(lg_conn_t *c, const lg_req_t *r)
                              s->cfg.ignore_eos ? "\"ignore_eos\":true," : "");
     c->wlen = 0;
     ok = ok && lg_buf_printf(&c->wbuf, &c->wlen, &c->wcap,
-                             "POST %s/completions HTTP/1.1\r\nHost: %s:%u\r\nContent-Type: application/json\r\n"
+                             "POST %s HTTP/1.1\r\nHost: %s:%u\r\nContent-Type: application/json\r\n"
                              "Accept: text/event-stream\r\nContent-Length: %zu\r\n%s%s%s\r\n%s",
                              s->path, s->host, s->port, len, s->cfg.api_key ? "Authorization: Bearer " : "",
                              s->cfg.api_key ? s->cfg.api_key : "", s->cfg.api_key ? "\r\n" : "", body);
@@ -296,7 +303,8 @@ static void lg_http_start(lg_state_t *s, lg_req_t *r)
     }
     if (!lg_http_build(c, r)) {
         td_list_push_back(&s->idle_conns, &c->link);
-        lg_req_fail(r, "out of memory building the request");
+        lg_req_fail(r, s->cfg.chat && !r->item->text ? "a chat request needs a text prompt"
+                                                      : "out of memory building the request");
         lg_req_end(r, false);
         return;
     }
@@ -397,6 +405,7 @@ static void lg_req_end(lg_req_t *r, bool ok)
     td_list_remove(&r->link);
     s->running--;
     s->n_done++;
+    s->n_failed += !ok;
     uint32_t out = r->have_usage ? r->usage_out : r->chunks;
     r->out = (loadgen_outcome_t){.ok = ok, .input_tokens = r->have_usage ? r->usage_in : r->item->input_len,
                             .output_tokens = out};
@@ -433,6 +442,17 @@ static void lg_dispatch(lg_state_t *s)
     s->dispatching = false;
 }
 
+/* The run's progress to its callback, if it has one. */
+static void lg_progress(const lg_state_t *s)
+{
+    const loadgen_run_opts_t *o = s->run_opts;
+    if (!s->in_run || !o || !o->progress_cb)
+        return;
+    loadgen_progress_t p = {.n = s->n_reqs, .n_done = s->n_done, .n_failed = s->n_failed,
+                            .elapsed_s = (double)(td_now_ns() - s->t0) * 1e-9};
+    o->progress_cb(o->progress_arg, &p);
+}
+
 static void lg_on_arrive(uv_timer_t *t)
 {
     lg_dispatch(t->data);
@@ -463,11 +483,19 @@ static void lg_on_tick(uv_timer_t *t)
         lg_req_end(r, false);
         td_list_remove(&r->link);
     }
+    lg_progress(s);
 }
 
 /* The figures of a finished run from its requests (ok ones; TPOT of those with two tokens or
  * more, as vLLM's), and each request's reply. */
-static td_status_t lg_run_figures(const lg_state_t *s, lg_req_t *reqs, size_t n, const loadgen_slo_t *slo,
+static void lg_stat(double *v, size_t n, const loadgen_run_opts_t *o, loadgen_stat_t *st)
+{
+    loadgen_stat_of(v, n, st); /* sorts v */
+    for (size_t i = 0; i < o->n_percentiles && i < LOADGEN_MAX_PERCENTILES; i++)
+        st->pct[i] = td_stats_percentile(v, n, o->percentiles[i]);
+}
+
+static td_status_t lg_run_figures(const lg_state_t *s, lg_req_t *reqs, size_t n, const loadgen_run_opts_t *ro,
                                   loadgen_run_t *run)
 {
     loadgen_outcome_t *o = malloc(n * sizeof *o + 1);
@@ -493,27 +521,27 @@ static td_status_t lg_run_figures(const lg_state_t *s, lg_req_t *reqs, size_t n,
             .ttft_ms = q->out.ttft_ms, .tpot_ms = q->out.tpot_ms, .e2el_ms = q->out.e2el_ms, .itl_ms = q->itl,
             .n_itl = q->n_itl};
     }
-    loadgen_summarize(o, n, (double)(t_last - s->t0) * 1e-9, slo, &run->sum);
+    loadgen_summarize(o, n, (double)(t_last - s->t0) * 1e-9, &ro->slo, &run->sum);
     size_t k = 0, kt = 0;
     for (size_t i = 0; i < n; i++)
         if (o[i].ok)
             v[k++] = o[i].ttft_ms;
-    loadgen_stat_of(v, k, &run->ttft);
+    lg_stat(v, k, ro, &run->ttft);
     k = 0;
     for (size_t i = 0; i < n; i++)
         if (o[i].ok)
             v[k++] = o[i].e2el_ms;
-    loadgen_stat_of(v, k, &run->e2el);
+    lg_stat(v, k, ro, &run->e2el);
     for (size_t i = 0; i < n; i++)
         if (o[i].ok && o[i].output_tokens > 1) /* one token has no TPOT (vLLM leaves it out too) */
             v[kt++] = o[i].tpot_ms;
-    loadgen_stat_of(v, kt, &run->tpot);
+    lg_stat(v, kt, ro, &run->tpot);
     k = 0;
     for (size_t i = 0; i < n; i++)
         if (reqs[i].out.ok)
             for (uint32_t j = 0; j < reqs[i].n_itl; j++)
                 itl[k++] = reqs[i].itl[j];
-    loadgen_stat_of(itl, k, &run->itl);
+    lg_stat(itl, k, ro, &run->itl);
     free(o), free(v), free(itl);
     return TD_OK;
 }
@@ -539,7 +567,8 @@ td_status_t loadgen_client_run(loadgen_client_t *s, const loadgen_dataset_t *d, 
     free(at);
     s->reqs = reqs;
     s->n_reqs = n;
-    s->next_arrival = s->n_done = 0;
+    s->next_arrival = s->n_done = s->n_failed = 0;
+    s->run_opts = o;
     s->running = s->max_running = 0;
     s->limit = TD_MAX(o->max_concurrency, 1);
     s->in_run = true;
@@ -548,13 +577,15 @@ td_status_t loadgen_client_run(loadgen_client_t *s, const loadgen_dataset_t *d, 
     lg_dispatch(s);
     while (s->n_done < n) /* the 50 ms tick bounds each wait */
         uv_run(&s->loop, UV_RUN_ONCE);
+    lg_progress(s); /* the last: n_done == n */
     s->in_run = false;
+    s->run_opts = NULL;
     uv_timer_stop(&s->arrive);
     s->reqs = NULL;
     s->n_reqs = 0;
     loadgen_run_t run = {.rate = o->rate, .max_concurrency_seen = s->max_running, .cpu_s = lg_cpu_s() - cpu0,
                          .r = calloc(n ? n : 1, sizeof *run.r), .n = n, .reqs = reqs};
-    td_status_t st = lg_run_figures(s, reqs, n, &o->slo, &run);
+    td_status_t st = lg_run_figures(s, reqs, n, o, &run);
     if (st != TD_OK) {
         loadgen_run_free(&run);
         return st;
@@ -590,9 +621,11 @@ static td_status_t lg_target_openai(lg_state_t *s)
     size_t pl = strlen(u.path);
     while (pl && u.path[pl - 1] == '/')
         pl--;
-    snprintf(s->path, sizeof s->path, "%.*s", (int)pl, u.path);
-    if (!pl)
-        snprintf(s->path, sizeof s->path, "/v1");
+    if (s->cfg.endpoint)
+        snprintf(s->path, sizeof s->path, "%.*s%s", (int)pl, u.path, s->cfg.endpoint);
+    else
+        snprintf(s->path, sizeof s->path, "%.*s%s", (int)pl, pl ? u.path : "/v1",
+                 s->cfg.chat ? "/chat/completions" : "/completions");
     struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM}, *ai = NULL;
     char ps[8];
     snprintf(ps, sizeof ps, "%u", u.port);

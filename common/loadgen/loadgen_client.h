@@ -28,6 +28,11 @@
 
 typedef struct loadgen_config {
     const char *openai;       /* the router's OpenAI API, http://HOST:PORT[/v1]; or NULL */
+    const char *endpoint;     /* appended to openai's path: the request path ("/v1/completions"
+                                 after a bare http://HOST:PORT); NULL: "/completions" or
+                                 "/chat/completions" after openai's path (/v1 when none) */
+    bool chat;                /* OpenAI: chat completions, the prompt a user message (text
+                                 only: items without text fail) */
     const char *gateway;      /* the router's gRPC gateway, HOST:PORT; or NULL (exactly one is set) */
     const char *model;        /* model name sent, or NULL: the served one */
     const char *api_key;      /* sent as Authorization: Bearer KEY, or NULL */
@@ -42,6 +47,12 @@ loadgen_config_t loadgen_config_default(void);
 
 typedef struct loadgen_client loadgen_client_t;
 
+/* Where a run stands, for progress_cb. */
+typedef struct loadgen_progress {
+    size_t n, n_done, n_failed;   /* requests of the run, with a verdict, failed among them */
+    double elapsed_s;             /* since the run started */
+} loadgen_progress_t;
+
 /* How one run sends its requests. */
 typedef struct loadgen_run_opts {
     double rate;              /* requests/s of the arrivals; INFINITY: all at once */
@@ -49,6 +60,12 @@ typedef struct loadgen_run_opts {
     bool timed;               /* the items' own arrival_s instead of rate */
     int64_t max_concurrency;  /* in flight at most, >= 1 (INT64_MAX: no limit) */
     loadgen_slo_t slo;        /* the objectives goodput counts */
+    const double *percentiles; /* [n_percentiles] in [0, 100]: loadgen_stat_t.pct of the run */
+    size_t n_percentiles;     /* at most LOADGEN_MAX_PERCENTILES */
+    /* called on the client's thread every 50 ms tick of the run, and once when it ends
+       (p->n_done == p->n): for a progress line; NULL: none */
+    void (*progress_cb)(void *arg, const loadgen_progress_t *p);
+    void *progress_arg;
 } loadgen_run_opts_t;
 
 /* One request's verdict and clock. */

@@ -319,7 +319,7 @@ out:
 void loadgen_stat_of(double *v, size_t n, loadgen_stat_t *out)
 {
     if (!n) {
-        *out = (loadgen_stat_t){NAN, NAN, NAN, NAN, NAN};
+        *out = (loadgen_stat_t){.mean = NAN, .std = NAN, .median = NAN, .p90 = NAN, .p99 = NAN};
         return;
     }
     td_stats_sort(v, n);

@@ -11,6 +11,7 @@
 
 #include "health.pb-c.h"
 #include "td_log.h"
+#include "td_progress.h"
 #include "td_util.h"
 
 bool td_node_is_wildcard(const char *host)
@@ -302,20 +303,28 @@ td_status_t td_node_load_model(td_node_t *p, td_model_t **model_p, td_backend_t 
     TD_ASSERT(p->spec.kind == TD_NODE_NODE);
     td_model_t *model;
     td_backend_t *be;
+    /* phase lines past a second (never rewritten in place: the nodes of `tandem local` share
+       its terminal) */
+    td_progress_t prog;
+    td_progress_init(&prog, p->spec.prog, 0, 1.0);
+    prog.tty = false;
     td_status_t st = td_model_load(p->cfg.model, &model);
     if (st != TD_OK)
         return st;
+    td_progress_phase(&prog, 1, 3, "model read");
     /* the weights resident before the node registers, not faulted in by its first request */
     uint64_t t0 = td_now_ns();
     if (td_model_populate(model, td_cpu_count()) == TD_OK)
         td_info("%s: model weights resident in %.2f s", p->spec.prog, (double)(td_now_ns() - t0) * 1e-9);
     else
         td_warn("%s: model weights not made resident (%s); they load as first used", p->spec.prog, td_last_error());
+    td_progress_phase(&prog, 2, 3, "weights resident");
     if (p->dtype < 0)
         p->dtype = td_device_default_dtype(&p->device, model->config.dtype);
     if ((st = td_backend_open(&p->device, (int32_t)p->cfg.threads, p->dtype < 0 ? TD_F32 : (td_dtype_t)p->dtype,
                               &be)) != TD_OK)
         goto err_model;
+    td_progress_phase(&prog, 3, 3, "backend");
     *model_p = model;
     *be_p = be;
     return TD_OK;

@@ -2,11 +2,16 @@
 # test_bench_serve: `tandem bench serve` (issue 16) against `tandem local` on stories260K,
 # briefly, through both front doors:
 # - OpenAI API (streamed /v1/completions of prompt ids; the router gets Llama 2's tokenizer
-#   only so that it can answer in text: stories260K's own is not shipped): 40 prompts at
-#   rate 20; every summary line vLLM prints and every JSON key documented in docs/bench.md
-#   is there, per-request records with --save-detailed, and the figures agree with the
-#   router's own /metrics over the same run (requests ok = Successful requests, relayed
-#   tokens = Total generated tokens, no failures);
+#   only so that it can answer in text: stories260K's own is not shipped), driven by a
+#   `vllm bench serve` command line (--backend --base-url --endpoint --dataset-name
+#   --random-*-len --goodput ttft:MS tpot:MS --percentile-metrics --metric-percentiles
+#   --save-result --result-dir --result-filename): 40 prompts at rate 20; every summary line
+#   vLLM prints and every JSON key documented in docs/bench.md is there, per-request records
+#   with --save-detailed, and the figures agree with the router's own /metrics over the same
+#   run (requests ok = Successful requests, relayed tokens = Total generated tokens, no
+#   failures); --percentile-metrics narrows the summary, the progress line goes to stderr;
+# - --backend openai-chat posts /v1/chat/completions (text messages from --tokenizer; the
+#   router, with no chat template for stories260K, refuses them by name);
 # - gRPC gateway with a warm-up: the warm-up is left out of the figures, not of the
 #   router's counters; a --sweep of two rates names the best rate;
 # - a trace file replays its rows; a target where nothing listens, and one that never
@@ -28,10 +33,13 @@ N=40
 # ---- OpenAI API: summary lines, JSON keys, agreement with the router's counters ----
 ok0=$(metric tandem_router_requests_total outcome=ok)
 tok0=$(metric tandem_router_relayed_tokens_total)
-if ! timeout 60 "$CL_BIN" bench serve --openai "$OA" --model default --num-prompts $N --request-rate 20 --input-len 24 \
-        --output-len 12 --range-ratio 0.5 --vocab-size 512 --seed 3 --goodput "ttft:2000 tpot:500" \
-        --result-file "$CL_T/r.json" --save-detailed >"$CL_T/sum.txt" 2>"$CL_T/bs.err"; then
-    cl_fail "bench serve --openai exited non-zero: $(tail -3 "$CL_T/bs.err")"
+# a vLLM command line (--vocab-size: stories260K's 512 ids; vLLM draws from its tokenizer)
+if ! timeout 60 "$CL_BIN" bench serve --backend openai --base-url "${OA%/v1}" --endpoint /v1/completions \
+        --model default --dataset-name random --num-prompts $N --request-rate 20 --random-input-len 24 \
+        --random-output-len 12 --random-range-ratio 0.5 --vocab-size 512 --seed 3 --goodput ttft:2000 tpot:500 \
+        --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 --save-result --result-dir "$CL_T" \
+        --result-filename r.json --save-detailed >"$CL_T/sum.txt" 2>"$CL_T/bs.err"; then
+    cl_fail "bench serve --base-url exited non-zero: $(tail -3 "$CL_T/bs.err")"
 fi
 ok1=$(metric tandem_router_requests_total outcome=ok)
 tok1=$(metric tandem_router_relayed_tokens_total)
@@ -41,7 +49,7 @@ for line in "Successful requests:" "Failed requests:" "Request rate configured (
     grep -qF "$line" "$CL_T/sum.txt" || cl_fail "summary line '$line' missing"
 done
 for m in TTFT TPOT ITL E2EL; do
-    for w in Mean Std Median P90 P99; do
+    for w in Mean Std Median P50 P90 P99; do
         grep -qE "^$w $m \(ms\): +[0-9.]+ *$" "$CL_T/sum.txt" || cl_fail "summary line '$w $m (ms):' missing or not a number"
     done
 done
@@ -53,8 +61,8 @@ keys = ["bench", "backend", "target", "dataset", "num_prompts", "warmup_prompts"
         "seed", "goodput_config", "request_rate", "duration", "completed", "failed", "total_input_tokens",
         "total_output_tokens", "request_throughput", "request_goodput", "slo_attainment", "output_throughput",
         "total_token_throughput", "max_concurrency_seen", "bench_cpu_s", "bench_cpu_us_per_request", "first_error",
-        "requests"]
-keys += [f"{w}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el") for w in ("mean", "std", "median", "p90", "p99")]
+        "requests", "model_id", "date"]
+keys += [f"{w}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el") for w in ("mean", "std", "median", "p50", "p90", "p99")]
 missing = [k for k in keys if k not in d]
 assert not missing, missing
 assert d["completed"] == n and d["failed"] == 0, (d["completed"], d["failed"], d["first_error"])
@@ -78,6 +86,29 @@ assert f"Successful requests:                     {n} " in summary
 assert f"Total generated tokens:                  {tok} " in summary
 print(f"openai: {n} ok (router {ok}), {tok} tokens (router relayed {tok}), p99 TTFT {d['p99_ttft_ms']} ms")
 EOF
+grep -q "bench serve: result in $CL_T/r.json" "$CL_T/bs.err" || cl_fail "no 'result in' line: $(tail -3 "$CL_T/bs.err")"
+
+# --percentile-metrics / --metric-percentiles narrow the report as vLLM's do; --save-result's
+# default name is vLLM's; the progress line (a pipe: one every 10 s and the last) on stderr only
+( cd "$CL_T" && timeout 60 "$CL_BIN" bench serve --base-url "${OA%/v1}" --model default --num-prompts 4 \
+        --random-input-len 8 --random-output-len 4 --vocab-size 512 --percentile-metrics ttft,e2el \
+        --metric-percentiles 99.9 --max-concurrency 2 --request-rate 10 --save-result >pm.txt 2>pm.err ) ||
+    cl_fail "bench serve --percentile-metrics exited non-zero: $(tail -3 "$CL_T/pm.err")"
+grep -qE '^P99\.9 TTFT \(ms\): +[0-9.]+ *$' "$CL_T/pm.txt" && grep -qE '^Mean E2EL \(ms\):' "$CL_T/pm.txt" ||
+    cl_fail "--percentile-metrics ttft,e2el --metric-percentiles 99.9: $(cat "$CL_T/pm.txt")"
+grep -qE 'TPOT|ITL|P99 ' "$CL_T/pm.txt" && cl_fail "--percentile-metrics ttft,e2el still reports others: $(cat "$CL_T/pm.txt")"
+ls "$CL_T"/openai-10.0qps-concurrency2-default-2*.json >/dev/null 2>&1 ||
+    cl_fail "--save-result: no openai-10.0qps-concurrency2-default-DATE.json in $CL_T: $(ls "$CL_T")"
+"$CL_PY" -c 'import json,sys; d=json.load(open(sys.argv[1])); assert "p99.9_ttft_ms" in d and "mean_tpot_ms" not in d and d["model_id"] == "default", d' \
+    "$(ls "$CL_T"/openai-10.0qps-*.json | head -1)" || cl_fail "--save-result JSON keys"
+
+# --backend openai-chat: chat completions of text messages (the ids decoded with --tokenizer);
+# Llama 2's tokenizer.bin has no chat template, so the router's chat route refuses each by name
+timeout 60 "$CL_BIN" bench serve --backend openai-chat --base-url "${OA%/v1}" --endpoint /v1/chat/completions \
+    --tokenizer "$TOK" --num-prompts 3 --random-input-len 8 --random-output-len 4 --vocab-size 512 --json \
+    >"$CL_T/c.json" 2>"$CL_T/c.err"
+"$CL_PY" -c 'import json,sys; d=json.load(open(sys.argv[1])); assert d["backend"] == "openai-chat" and d["failed"] == 3 and "chat template" in d["first_error"], d' \
+    "$CL_T/c.json" || cl_fail "openai-chat run: $(head -c 400 "$CL_T/c.json") $(tail -3 "$CL_T/c.err")"
 
 # ---- gRPC gateway: the warm-up counted by the router, not by the figures; a sweep ----
 ok0=$(metric tandem_router_requests_total outcome=ok)
@@ -170,6 +201,14 @@ bad --request-rate --openai "$OA" --request-rate -1
 bad --goodput --openai "$OA" --goodput ttft:abc
 bad --goodput --openai "$OA" --goodput latency:5
 bad --dataset --openai "$OA" --dataset bogus
+bad --dataset-name --openai "$OA" --dataset-name sonnet
+bad --backend --openai "$OA" --backend tgi
+bad --endpoint --base-url "${OA%/v1}" --endpoint /v1/chat/completions
+bad --endpoint --base-url "${OA%/v1}" --backend openai-chat --tokenizer "$TOK" --endpoint /v1/completions
+bad --percentile-metrics --openai "$OA" --percentile-metrics ttft,latency
+bad --metric-percentiles --openai "$OA" --metric-percentiles 50,101
+bad --tokenizer --openai "$OA" --backend openai-chat
+bad --goodput --openai "$OA" --goodput ttft:100 e2e:5
 bad --sweep --openai "$OA" --sweep 5:1:1
 bad --num-prompts --openai "$OA" --num-prompts 0
 bad --bogus --openai "$OA" --bogus 1

@@ -50,6 +50,10 @@ PY
     [ -n "$got" ] && ok || bad "no 'Final estimate: PPL = X +/- Y' line: $(cat "$dir/full")"
     last=$(sed -n "s/.*\\[$n_chunk\\]\\([0-9.]*\\),\$/\\1/p" "$dir/full")
     [ "$last" = "${got% *}" ] && ok || bad "the last running estimate '$last' is not the final '${got% *}'"
+    # progress on stderr (not a terminal): one line per chunk, its estimate as stdout's
+    [ "$(grep -cE "^perplexity: chunk [0-9]+/$n_chunk, \[[0-9]+\][0-9.]+, [0-9.]+ s/chunk, ETA [0-9]+ s$" "$err")" -eq "$n_chunk" ] &&
+        grep -qF "chunk $n_chunk/$n_chunk, [$n_chunk]$last," "$err" && ok ||
+        bad "want $n_chunk progress lines on stderr ending at [$n_chunk]$last: $(cat "$err")"
     if /usr/bin/python3 -c "import numpy" 2>/dev/null; then
         { printf '1 '; "$bin" tokenize --tokenizer "$tok" <"$dir/story.txt"; } >"$dir/ids"
         want=$(/usr/bin/python3 "$src/tests/ref/llama2c_ref.py" "$model" perplexity "$dir/ids" 128 |

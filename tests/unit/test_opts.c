@@ -112,6 +112,26 @@ Test(td_opts, help_and_positionals_and_given)
     cr_assert_eq(given[2], 0, "--name was not given");
 }
 
+/* argparse's nargs='+' (vLLM's --goodput ttft:500 tpot:50): each following argument up to the
+ * next flag goes to parse; --name=VALUE takes one. */
+Test(td_opts, multi_takes_each_following_value)
+{
+    vals_t x = {0};
+    const td_opt_t opts[] = {
+        {.name = "even", .type = TD_OPT_FN, .ptr = &x, .parse = parse_even, .multi = true, .help = "even text"},
+        TD_OPT_INT("count", &x.n, 1, 100, "a count"),
+    };
+    td_opts_t spec = {.prog = "test", .opts = opts, .n_opts = 2};
+    td_opts_result_t r = {0};
+    char *argv[] = {"tandem", "--even", "ab", "cdef", "gh", "--count", "3", "--even=ij", NULL};
+    cr_assert_eq(td_opts_parse(&spec, 8, argv, &r), TD_OK, "%s", td_last_error());
+    cr_assert_eq(x.fn_calls, 4, "ab, cdef, gh, ij");
+    cr_assert_eq(x.n, 3);
+    char *bad[] = {"tandem", "--even", "ab", "cde", NULL};
+    cr_assert_eq(td_opts_parse(&spec, 4, bad, &r), TD_ERR_INVALID);
+    cr_assert(strstr(td_last_error(), "--even: 'cde' has an odd length"), "%s", td_last_error());
+}
+
 Test(td_opts, config_file_then_flags_win)
 {
     char path[] = "/tmp/test_opts_XXXXXX";
