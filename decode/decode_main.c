@@ -60,8 +60,8 @@
  * says so on stderr whatever the log level: it is the node's biggest allocation, and it is
  * made resident before the node registers (issue 12), so its size is the node's start-up
  * time. Sized from what the node serves, as llama-server sizes from -c and --parallel: a
- * few full-length sequences, not max-batch of them (64 x 8192 tokens of SmolLM2-135M are
- * 12 GiB, seconds of page zeroing); shorter sequences share the pool's blocks, so max-batch
+ * few full-length sequences, not max-batch of them (64 x 8192 tokens of SmolLM2-135M's f32
+ * KV are 22.5 GiB, seconds of page zeroing); shorter sequences share the pool's blocks, so max-batch
  * of them still run at once. */
 static td_status_t size_pool(decode_state_t *s, const td_engine_config_t *ec)
 {
