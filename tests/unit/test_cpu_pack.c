@@ -303,6 +303,59 @@ Test(cpu_pack, simd_tables_equal_scalar_bitwise)
  * in [-127, 127], c as the header says, and every table's quantizer writing the scalar
  * one's bytes; blocks of random values, halves (x = q + 1/2 with d = 1, so hi rounds away
  * from zero), zeros, NaN (e NaN) and infinities (e inf) */
+/* every table equals scalar bitwise at the integer sums' extremes: every quant at its
+ * largest (all bits set) against activation blocks of hi = +-127 and lo = -+127 (x = 126.5,
+ * one 127 a block, and the negation), where AVX2's one-row path keeps maddubs' pair sums in
+ * int16 over several v (8 pairs of 2 * 15 * 127 for 4-bit quants, 4 of 2 * 31 * 127 for
+ * Q5_K): one v too many and they wrap */
+Test(cpu_pack, simd_tables_equal_scalar_at_the_extremes)
+{
+    const size_t n = 32, k = 256, m = 2, g = n / 16, ld = g * 16;
+    const td_cpu_pack_ops_t *scalar = td_cpu_pack_ops(TD_CPU_ISA_SCALAR);
+    size_t stride = td_cpu_pack_act_stride(k);
+    float *x = malloc(m * k * sizeof *x);
+    for (size_t i = 0; i < m * k; i++)
+        x[i] = (i / k ? -1.0f : 1.0f) * (i % TD_QK == 0 ? 127.0f : 126.5f);
+    unsigned char *a = aligned_alloc(64, m * stride);
+    for (size_t ti = 0; ti < TD_ARRAY_LEN(types); ti++) {
+        td_dtype_t t = types[ti];
+        size_t row_bytes = td_dtype_bytes(t, k), bb = td_dtype_bytes(t, td_dtype_block_elems(t));
+        uint8_t *w = malloc(n * row_bytes);
+        memset(w, 0xff, n * row_bytes);
+        uint16_t one_h = 0x3C00; /* f16 1.0: d, and Q4_1's m, Q4_K's and Q5_K's dmin */
+        bool two_halves = t == TD_Q4_1 || t == TD_Q4_K || t == TD_Q5_K;
+        for (size_t b = 0; b < n * row_bytes / bb; b++) {
+            size_t at = t == TD_Q6_K ? bb - 2 : 0; /* Q6_K's d ends its block */
+            memcpy(w + b * bb + at, &one_h, 2);
+            if (two_halves)
+                memcpy(w + b * bb + 2, &one_h, 2);
+        }
+        void *wp = aligned_alloc(64, td_cpu_pack_bytes(t, n, k));
+        td_cpu_pack_weights(wp, w, t, n, k);
+        for (int one = 0; one < 2; one++) {
+            for (size_t i = 0; i < m; i++)
+                td_cpu_pack_act_row(scalar, x + i * k, a + i * stride, t, k, one);
+            float *want = run(scalar, t, wp, n, k, a, m, false);
+            for (int isa = TD_CPU_ISA_SCALAR + 1; isa < TD_CPU_ISA_COUNT; isa++) {
+                if (!td_cpu_isa_runs((td_cpu_isa_t)isa))
+                    continue;
+                const td_cpu_pack_ops_t *ops = td_cpu_pack_ops((td_cpu_isa_t)isa);
+                for (size_t mm = 1; mm <= m; mm++) {
+                    float *got = run(ops, t, wp, n, k, a, mm, one);
+                    for (size_t i = 0; i < mm; i++)
+                        cr_assert_eq(memcmp(got + i * ld, want + i * ld, ld * sizeof(float)), 0,
+                                     "%s %s %s: row %zu of %zu differs from scalar at the extremes", ops->name,
+                                     one ? "one-byte" : "two-byte", td_dtype_name(t), i, mm);
+                    free(got);
+                }
+            }
+            free(want);
+        }
+        free(w), free(wp);
+    }
+    free(x), free(a);
+}
+
 Test(cpu_pack, act_row)
 {
     uint64_t s = 3;
