@@ -166,10 +166,9 @@ TD_INLINE float load_f32(const void *p)
     return v;
 }
 
-
 /* Decode tiles (m <= 4) stream the weights: each block asks for the lines this far ahead
- * into L2 (T1), never past the end of the call's groups (a thread's share: what lies beyond
- * is another thread's). L1 prefetches (T0) hold a line-fill buffer for a whole DRAM round
+ * into L2 (T1), never past `end`: group g_pf's start, the end of the caller's share (what
+ * lies beyond is another thread's). L1 prefetches (T0) hold a line-fill buffer for a whole DRAM round
  * trip, and a core has few: on Zen 4 (1 thread, a 151 MB Q4_0 matrix, m = 1) T0 at 2 KiB
  * read 12 GB/s, T1 at 8 KiB 16, at 32 KiB 19.7 (2 threads: 18-24 -> 33 GB/s). */
 #define DECODE_PREFETCH_BYTES 32768
