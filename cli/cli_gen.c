@@ -170,8 +170,11 @@ td_status_t cli_gen_open(cli_gen_t *g, const cli_gen_opts_t *o, bool need_tok)
         return td_errorf(TD_ERR_INVALID, "%s has no tokenizer beside it: pass --tokenizer PATH%s", o->model,
                          o->prompt_ids || o->chat || o->prompt ? "" : ", or --print-ids to print token ids");
     }
-    if (o->chat && (st = td_chat_template_for_model(o->model, tok_path, &g->chat)) != TD_OK)
+    if (o->chat && (st = td_chat_template_for_model(o->model, tok_path, &g->chat)) != TD_OK) {
+        if (st == TD_ERR_NOT_FOUND) /* not logged there: a server without a template still serves */
+            td_log(TD_LOG_ERROR, "%s", td_last_error());
         return st;
+    }
     td_progress_phase(&g->load, 2, 4, "tokenizer");
     /* the tokenizer says whether the model's prompts start with BOS (GGUF add_bos_token,
      * tokenizer_config.json's); ids given without one are taken as given */

@@ -205,8 +205,13 @@ static td_status_t init_subsystems(router_state_t *s)
         return st;
     /* the chat template beside the tokenizer (a GGUF file's, tokenizer_config.json's): without
      * one, conversations are refused and prompts still served */
-    if (s->tok && td_chat_template_for_model(cfg->tokenizer, NULL, &s->chat) != TD_OK)
-        td_info("router: no chat template (%s): conversations are refused, prompts are served", td_last_error());
+    if (s->tok && (st = td_chat_template_for_model(cfg->tokenizer, NULL, &s->chat)) != TD_OK) {
+        if (st != TD_ERR_NOT_FOUND) /* a template that is there but unusable was logged as an error */
+            td_info("router: the chat template cannot be used: conversations are refused, prompts are served");
+        else
+            td_info("router: %s has no chat template: /v1/chat/completions and gRPC conversations are refused; "
+                    "/v1/completions and prompts are served", cfg->tokenizer);
+    }
     if (!(s->peers = calloc((size_t)cfg->max_nodes, sizeof *s->peers)))
         return td_errorf(TD_ERR_NOMEM, "router: out of memory");
     for (int64_t i = 0; i < cfg->max_nodes; i++)

@@ -147,16 +147,20 @@ td_status_t td_chat_template_for_model(const char *model_path, const char *token
     if (tokenizer_path && strcmp(tokenizer_path, model_path)) {
         if ((st = from_path(tokenizer_path, tmpl_p, &found)) != TD_OK || found)
             return st;
-        return td_errorf(TD_ERR_NOT_FOUND,
-                         "%s has no chat template, nor has its tokenizer %s (GGUF tokenizer.chat_template, "
-                         "tokenizer_config.json chat_template or chat_template.jinja): chat needs one; "
-                         "give the prompt without --chat",
-                         model_path, tokenizer_path);
+        return td_errorf_quiet(
+            TD_ERR_NOT_FOUND,
+            "%s has no chat template, nor has its tokenizer %s (GGUF tokenizer.chat_template, "
+            "tokenizer_config.json chat_template or chat_template.jinja): chat needs one; "
+            "give the prompt without --chat",
+            model_path, tokenizer_path);
     }
-    return td_errorf(TD_ERR_NOT_FOUND,
-                     "%s has no chat template (GGUF tokenizer.chat_template, tokenizer_config.json "
-                     "chat_template or chat_template.jinja): chat needs one; give the prompt without --chat",
-                     model_path);
+    /* not logged: a model without a template is an error only to a caller that asked for
+       chat (--chat logs it); a server starts and serves prompts */
+    return td_errorf_quiet(
+        TD_ERR_NOT_FOUND,
+        "%s has no chat template (GGUF tokenizer.chat_template, tokenizer_config.json "
+        "chat_template or chat_template.jinja): chat needs one; give the prompt without --chat",
+        model_path);
 }
 
 td_status_t td_chat_render_messages(const td_chat_template_t *t, const td_tokenizer_t *tok,

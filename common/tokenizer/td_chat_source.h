@@ -36,8 +36,9 @@
 /*
  * Finds and compiles the chat template of `model_path` (a GGUF file or a model directory),
  * else of `tokenizer_path` (NULL: not looked at), as the header says. On success *tmpl_p is
- * the caller's (td_chat_template_destroy). Errors, logged: TD_ERR_NOT_FOUND when neither has
- * a template (the message names what was looked at and says chat needs one); TD_ERR_FORMAT
+ * the caller's (td_chat_template_destroy). Errors: TD_ERR_NOT_FOUND, not logged (a caller
+ * that needs chat logs td_last_error(); a server serves prompts without), when neither has
+ * a template (the message names what was looked at and says chat needs one); logged: TD_ERR_FORMAT
  * for an unreadable tokenizer_config.json, a chat_template of the wrong type, a list without
  * a "default" entry, or a template that does not compile (with its line and column);
  * TD_ERR_UNSUPPORTED for Jinja outside td_chat_template's subset; TD_ERR_IO; TD_ERR_NOMEM.

@@ -7,6 +7,7 @@
  * one), a template that does not gets the tokenizer's, Qwen has none.
  */
 #include <criterion/criterion.h>
+#include <criterion/redirect.h>
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -149,6 +150,19 @@ Test(chat_source, mistral_without_template_then_chat_template_jinja)
     free(text);
     td_chat_template_destroy(t);
     td_tokenizer_destroy(tok);
+}
+
+/* a model without a template is the caller's error to report (generate --chat does), not
+ * logged by the lookup: a server that finds none starts and serves prompts, and its normal
+ * start has no line saying "error" */
+Test(chat_source, no_template_is_not_logged, .init = cr_redirect_stderr)
+{
+    char dir[4096];
+    td_test_model_file("tokenizers/mistral", dir, sizeof dir);
+    td_chat_template_t *t = NULL;
+    cr_assert_eq(td_chat_template_for_model(dir, NULL, &t), TD_ERR_NOT_FOUND);
+    fflush(stderr);
+    cr_assert_stderr_eq_str("", "the lookup logged its NOT_FOUND");
 }
 
 Test(chat_source, a_template_without_bos_gets_the_tokenizers)
