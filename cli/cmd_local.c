@@ -117,8 +117,8 @@ static void local_plan(int64_t n_prefill, int64_t n_decode, int64_t threads, int
     snprintf(p->kv_decode, sizeof p->kv_decode, "%zu", TD_MAX(dec >> 20, (size_t)1));
     snprintf(p->kv_prefill, sizeof p->kv_prefill, "%zu", TD_MAX(pre >> 20, (size_t)1));
     char bs[32], how[128], ds[32], ps[32];
-    fprintf(stderr, "tandem local: kv-mem %s (%s) for %lld decode and %lld prefill node%s: %s per decode node, "
-            "%s per prefill node (a node takes no more than it can fill)\n", td_format_bytes(b.bytes, bs, sizeof bs),
+    fprintf(stderr, "tandem local: kv-mem %s (%s) for %lld decode and %lld prefill node%s: at most %s per decode "
+            "node, at most %s per prefill node; each takes what it serves (its kv pool line)\n", td_format_bytes(b.bytes, bs, sizeof bs),
             td_engine_kv_budget_describe(&b, how, sizeof how), (long long)n_decode, (long long)n_prefill,
             n_prefill == 1 ? "" : "s", td_format_bytes(dec, ds, sizeof ds), td_format_bytes(pre, ps, sizeof ps));
 }
@@ -127,7 +127,8 @@ static void local_plan(int64_t n_prefill, int64_t n_decode, int64_t threads, int
 typedef struct local_opts {
     const char *model, *tokenizer, *log_level, *host, *advertise, *device, *dtype, *kv_dtype, *api_keys, *spec_mode,
         *draft_model;
-    int64_t n_prefill, n_decode, n_unified, threads, kv_blocks, kv_mem, http_port, prefill_chunk, draft_tokens;
+    int64_t n_prefill, n_decode, n_unified, threads, kv_blocks, kv_mem, kv_seqs, http_port, prefill_chunk,
+        draft_tokens;
     td_spec_mode_t mode; /* spec_mode resolved */
 } local_opts_t;
 
@@ -191,14 +192,20 @@ static td_status_t start_node(local_state_t *l, const local_opts_t *o, const loc
     char *nargv[] = {"tandem", (char *)role, "--model", (char *)o->model, "--router", (char *)control,
                      "--node-id", id, "--threads", (char *)plan->threads, "--log-level", (char *)o->log_level,
                      "--host", (char *)o->host, "--device", (char *)o->device, "--cluster-secret-file", (char *)secret,
-                     NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
-                     NULL};
+                     NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+                     NULL, NULL, NULL};
     int k = 0;
     while (nargv[k]) /* the optional flags go after the fixed ones */
         k++;
     if (plan->kv_flag) {
         nargv[k++] = (char *)plan->kv_flag;
         nargv[k++] = (char *)(dec ? plan->kv_decode : plan->kv_prefill);
+    }
+    char seqs[24];
+    if (dec && o->kv_seqs) {
+        snprintf(seqs, sizeof seqs, "%lld", (long long)o->kv_seqs);
+        nargv[k++] = "--kv-seqs";
+        nargv[k++] = seqs;
     }
     if (o->dtype) {
         nargv[k++] = "--dtype";
@@ -273,6 +280,8 @@ int cmd_local(int argc, char **argv)
         TD_OPT_INT("threads", &o.threads, 0, 4096, "compute threads per node (default 0: this process's cores / (N + M))"),
         TD_OPT_INT("kv-blocks", &o.kv_blocks, 1, 1 << 24, "KV blocks per node (default: from the shared budget)"),
         TD_OPT_INT("kv-mem", &o.kv_mem, 1, 1 << 30, "KV budget per node in MiB (default: from the shared budget)"),
+        TD_OPT_INT("kv-seqs", &o.kv_seqs, 1, 4096, "sequences of the model's length a decode or unified node's "
+                   "pool holds, within its budget (default: the node's own, 4)"),
         TD_OPT_STRING("log-level", &o.log_level, "error|warn|info|debug, for every process (default warn)"),
         TD_OPT_STRING("host", &o.host, "address every process listens on (default 127.0.0.1)"),
         TD_OPT_STRING("advertise", &o.advertise, "address peers reach them at (default: --host)"),
@@ -294,7 +303,8 @@ int cmd_local(int argc, char **argv)
         return 2;
     if (r.help) {
         printf("usage: tandem local --model PATH [--tokenizer PATH] [--prefill N] [--decode M] [--unified U]\n"
-               "                    [--threads T] [--kv-blocks B | --kv-mem MIB] [--log-level L]\n"
+               "                    [--threads T] [--kv-blocks B | --kv-mem MIB] [--kv-seqs S]\n"
+               "                    [--log-level L]\n"
                "                    [--host H] [--advertise A] [--device D] [--dtype T] [--kv-dtype T]\n"
                "                    [--api-keys-file FILE] [--prefill-chunk N]\n"
                "                    [--spec off|prompt-lookup|draft-model] [--draft-model PATH] [--draft-tokens K]\n\n"
@@ -308,7 +318,9 @@ int cmd_local(int argc, char **argv)
                "--threads is per node (default:\n"
                "this process's cores / (N + M + U), at least 1). The KV pools share one budget, %d%% of\n"
                "the memory available, split %d:1 between a decode and a prefill node and passed as\n"
-               "--kv-mem; --kv-mem MIB (per node) or --kv-blocks B (per node) replace it.\n"
+               "--kv-mem; --kv-mem MIB (per node) or --kv-blocks B (per node) replace it. Within it, a\n"
+               "decode or unified node takes what --kv-seqs sequences of the model's length need\n"
+               "(default 4), a prefill node 8 steps of prompt tokens.\n"
                "--device (cpu, cuda, cuda:N), --dtype (f32, f16, bf16) and --kv-dtype go to every node,\n"
                "--prefill-chunk to the unified ones, --spec, --draft-model and --draft-tokens to the\n"
                "decode and unified ones.\n"

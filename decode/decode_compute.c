@@ -145,7 +145,9 @@ void decode_compute_main(void *arg)
         bool stepped = false;
         if (decode_sched_busy(s->sched)) {
             stepped = decode_sched_step(s->sched, (int64_t)t0, &res) == TD_OK;
-            s->backoff = !stepped; /* out of memory (logged there): wait, do not spin */
+            /* out of memory (logged there), or the pool is held by leases still landing:
+               wait for a command (an admission brings their blocks) or idle-wait-ms, do not spin */
+            s->backoff = !stepped || res.stalled;
         }
         if (stepped) {
             double dt = (double)(td_now_ns() - t0) * 1e-9;

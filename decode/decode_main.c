@@ -55,19 +55,25 @@
 
 /* ---- loop thread ----------------------------------------------------------------------- */
 
-/* Sizes the KV pool (td_engine_kv_plan: kv-blocks, else what kv-mem holds and max-batch
- * sequences of the model's length can use) into cfg->kv_blocks before anything is
- * allocated, and says so on stderr whatever the log level: it is the node's biggest
- * allocation, and its default depends on the machine. */
+/* Sizes the KV pool (td_engine_kv_plan: kv-blocks, else kv-seqs sequences of the model's
+ * length, at most what kv-mem holds) into cfg->kv_blocks before anything is allocated, and
+ * says so on stderr whatever the log level: it is the node's biggest allocation, and it is
+ * made resident before the node registers (issue 12), so its size is the node's start-up
+ * time. Sized from what the node serves, as llama-server sizes from -c and --parallel: a
+ * few full-length sequences, not max-batch of them (64 x 8192 tokens of SmolLM2-135M's f32
+ * KV are 22.5 GiB, seconds of page zeroing); shorter sequences share the pool's blocks, so max-batch
+ * of them still run at once. */
 static td_status_t size_pool(decode_state_t *s, const td_engine_config_t *ec)
 {
     const td_model_config_t *mc = &s->model->config;
-    char what[96];
-    snprintf(what, sizeof what, "%lld sequences of %d tokens", (long long)s->cfg.max_batch, mc->max_seq_len);
+    int64_t seqs = TD_MIN(s->cfg.kv_seqs, s->cfg.max_batch);
+    char what[128];
+    snprintf(what, sizeof what, "%lld sequence%s of %d tokens, --kv-seqs,", (long long)seqs, seqs == 1 ? "" : "s",
+             mc->max_seq_len);
     td_kv_plan_params_t pp = {.n_blocks = s->cfg.kv_blocks, .kv_mem = (size_t)s->cfg.kv_mem << 20,
                               .percent = TD_KV_DECODE_PERCENT, .cap = TD_KV_DECODE_CAP,
                               .device = s->proc.device.cuda, .device_default = TD_KV_DECODE_DEVICE_DEFAULT,
-                              .useful_tokens = s->cfg.max_batch * mc->max_seq_len, .useful_what = what};
+                              .useful_tokens = seqs * mc->max_seq_len, .useful_what = what};
     return td_node_plan_kv(&s->proc, s->model, ec, &pp, &s->cfg.kv_blocks, &s->pool_bytes);
 }
 
@@ -852,7 +858,8 @@ static int node_main(int argc, char **argv, bool unified)
     decode_config_t *cfg = &s->cfg;
     const td_node_config_t *pc = &s->proc.cfg;
     const decode_sched_config_t sched_default = decode_sched_config_default();
-    *cfg = (decode_config_t){.kv_blocks = 0, .max_batch = 64, .max_lease_ms = 600000, .max_requests = 256,
+    *cfg = (decode_config_t){.kv_blocks = 0, .kv_seqs = TD_KV_DECODE_SEQS, .max_batch = 64,
+                             .max_lease_ms = 600000, .max_requests = 256,
                              .result_queue = 64, .idle_wait_ms = 50,
                              .max_batch_tokens = sched_default.max_batch_tokens,
                              .prefill_chunk = sched_default.prefill_chunk, .spec = "off",
@@ -862,7 +869,10 @@ static int node_main(int argc, char **argv, bool unified)
                    "KV pool blocks (sequences and leases; 0 = as many as kv-mem holds)"),
         TD_OPT_INT("kv-mem", &cfg->kv_mem, 0, 1 << 30,
                    "KV pool budget in MiB when kv-blocks is 0 (0 = 50% of the memory available, at most 64 GiB; "
-                   "never more than max-batch sequences of the model's length)"),
+                   "never more than kv-seqs sequences of the model's length)"),
+        TD_OPT_INT("kv-seqs", &cfg->kv_seqs, 1, 4096,
+                   "when kv-blocks is 0, the pool holds this many sequences of the model's length (default 4, "
+                   "at most max-batch; shorter sequences share it, up to max-batch at once)"),
         TD_OPT_INT("landing-blocks", &cfg->landing_blocks, 0, 1 << 24,
                    "--device cuda: host blocks transfers land in before their copy to the GPU (0 = kv-blocks / 4)"),
         TD_OPT_INT("max-batch", &cfg->max_batch, 1, 4096, "running sequences at most"),

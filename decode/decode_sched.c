@@ -668,12 +668,42 @@ static void end_running(decode_sched_t *s, dseq_t *q)
     TD_ASSERT(!"finished sequence not running");
 }
 
+/* The pool ran out and no sequence of the scheduler holds blocks it could take: the rest
+ * are held outside it (on a decode node, the leases of KV still landing from prefill
+ * nodes, which come back as admitted sequences or when their lease ends). A sequence whose
+ * step fits the whole pool keeps its blocks and its place and waits for them; one that
+ * needs more than the whole pool can never run and ends with DECODE_FINISH_ERROR.
+ * Returns how many of the step's sequences wait (*st: an event could not be added). */
+static int32_t wait_for_blocks(decode_sched_t *s, int32_t n_items, td_status_t *st)
+{
+    td_kv_stats_t ks;
+    td_kv_get_stats(s->kv, &ks);
+    int32_t waiting = 0;
+    for (int32_t j = 0; j < n_items && *st == TD_OK; j++) {
+        dseq_t *q = s->owners[j];
+        const td_engine_item_t *it = &s->items[j];
+        int32_t held = q->kv.n_blocks - q->kv.n_released;
+        int32_t need = td_kv_seq_blocks_needed(s->kv, &q->kv, q->kv.n_tokens + it->n_tokens);
+        if (held + need <= ks.n_blocks) {
+            waiting++;
+            continue;
+        }
+        td_status_t es = td_errorf(TD_ERR_EXHAUSTED, "decode sched: request %llu needs %d KV blocks, more than the "
+                                   "pool's %d: raise --kv-seqs, --kv-mem or --kv-blocks",
+                                   (unsigned long long)q->id, held + need, ks.n_blocks);
+        if ((*st = event_add(s, q->id, -1, -1, DECODE_FINISH_ERROR, es)) == TD_OK)
+            end_running(s, q);
+    }
+    return waiting;
+}
+
 td_status_t decode_sched_step(decode_sched_t *s, int64_t now_ns, decode_step_result_t *res)
 {
     td_status_t st = TD_OK;
     s->n_events = 0;
     s->arena_len = 0;
     int32_t n_preempted = 0, n_items = 0, n_tokens = 0, n_prefill = 0;
+    bool stalled = false;
 
     for (int32_t i = 0; i < s->n_pending && st == TD_OK; i++)
         st = event_add(s, s->pending[i].id, -1, -1, s->pending[i].finish, TD_OK);
@@ -715,10 +745,14 @@ td_status_t decode_sched_step(decode_sched_t *s, int64_t now_ns, decode_step_res
         }
         if (es == TD_ERR_EXHAUSTED && preempt_youngest(s, &n_preempted))
             continue;
-        /* cannot proceed: a lone sequence larger than the pool, or a failing engine */
-        if (es == TD_ERR_EXHAUSTED)
-            td_errorf(es, "decode sched: request %llu needs more KV blocks than the pool has",
-                      (unsigned long long)s->owners[0]->id);
+        if (es == TD_ERR_EXHAUSTED) {
+            stalled = wait_for_blocks(s, n_items, &st) > 0;
+            if (st != TD_OK)
+                return st;
+            n_items = 0;
+            break;
+        }
+        /* cannot proceed: a failing engine */
         for (int32_t j = 0; j < n_items; j++) {
             dseq_t *q = s->owners[j];
             if ((st = event_add(s, q->id, -1, -1, DECODE_FINISH_ERROR, es)) != TD_OK)
@@ -795,6 +829,7 @@ td_status_t decode_sched_step(decode_sched_t *s, int64_t now_ns, decode_step_res
         .n_preempted = n_preempted,
         .n_running = s->n_running,
         .n_waiting = s->n_waiting,
+        .stalled = stalled,
     };
     return TD_OK;
 }

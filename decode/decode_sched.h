@@ -16,8 +16,12 @@
  * generating). So a sequence that was preempted (its blocks taken back when the pool ran
  * out, TD_ERR_EXHAUSTED) is simply requeued and recomputes its context later, with the
  * same sampler state: it yields the same tokens as if never preempted. The youngest
- * block holder is preempted first; a lone sequence that cannot fit the pool ends with
- * DECODE_FINISH_ERROR rather than waiting forever.
+ * block holder is preempted first. When no sequence here holds blocks to take, the pool is
+ * held outside the scheduler (a decode node's leases: KV landing from prefill nodes, which
+ * return as admitted sequences or when the lease ends): the step runs nothing and says so
+ * (decode_step_result_t.stalled), every sequence keeps its place and blocks, and an admitted
+ * request is never dropped for it. Only a sequence whose step needs more blocks than the
+ * whole pool ends, with DECODE_FINISH_ERROR, rather than waiting forever.
  *
  * The same scheduler serves the unified role (decode_main.c, `tandem unified`): every request
  * is admitted without KV and prefilled here, its prompt chunks packed after the step's
@@ -155,6 +159,10 @@ typedef struct decode_step_result {
                                      one-token decodes */
     int32_t n_preempted;          /* sequences preempted in this step */
     int32_t n_running, n_waiting; /* after the step */
+    bool stalled;                 /* no engine step ran: the pool is held outside the scheduler
+                                     (leases of KV still landing); the running sequences wait
+                                     for it, so the caller should wait for a command or a
+                                     short while before the next step rather than spin */
 } decode_step_result_t;
 
 typedef struct decode_sched_stats {

@@ -34,6 +34,7 @@
 typedef struct decode_config {
     int64_t kv_blocks;        /* the pool: engine sequences and transfer leases (0: from kv_mem) */
     int64_t kv_mem;           /* MiB the pool may take when kv_blocks is 0 (0: a share of memory) */
+    int64_t kv_seqs;          /* kv_blocks 0: the pool holds this many sequences of the model's length */
     int64_t landing_blocks;   /* device pool: host blocks senders write (0: kv_blocks / 4) */
     int64_t max_batch;
     int64_t max_lease_ms;

@@ -189,9 +189,11 @@ size_t td_engine_kv_block_bytes(const td_model_t *model, const td_engine_config_
 /* ---- KV pool sizing ------------------------------------------------------------------
  *
  * A node's pool is `kv-blocks` blocks when that is set; otherwise as many as its `kv-mem`
- * budget holds, and no more than the node can ever fill (a decode node: max-batch
- * sequences of the model's full length; a prefill node: 8 steps' worth of prompt tokens),
- * so a small model does not take half the machine. kv-mem defaults to a fraction of the
+ * budget holds, and no more than the node is configured to serve (a decode node: kv-seqs,
+ * TD_KV_DECODE_SEQS by default, sequences of the model's full length, as llama-server sizes
+ * its cache from -c and --parallel; a prefill node: 8 steps' worth of prompt tokens), so a
+ * small model does not take half the machine, and a decode node, whose pool is made
+ * resident before it registers, is ready in seconds. kv-mem defaults to a fraction of the
  * host memory available at startup (MemAvailable: free memory plus reclaimable page
  * cache, which already counts what this and every other process holds), capped:
  *
@@ -205,6 +207,7 @@ size_t td_engine_kv_block_bytes(const td_model_t *model, const td_engine_config_
  * machine (TD_KV_LOCAL_PERCENT) and passes each node its share as --kv-mem, decode nodes
  * weighing TD_KV_LOCAL_DECODE_SHARE times a prefill node.
  */
+#define TD_KV_DECODE_SEQS 4
 #define TD_KV_DECODE_PERCENT 50
 #define TD_KV_PREFILL_PERCENT 15
 #define TD_KV_DECODE_CAP ((size_t)64 << 30)

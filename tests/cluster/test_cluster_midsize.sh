@@ -14,7 +14,7 @@ source "$(dirname "$0")/cluster_lib.sh"
 cl_init
 if [ "${TD_SANITIZE:-OFF}" = ON ]; then
     # a pool over 2 GB of this model's small blocks needs long sequences to fill it: a node
-    # never takes more than max-batch sequences of the model's length can use
+    # never takes more than kv-seqs sequences of the model's length can use
     HIDDEN=256 INTER=704 LAYERS=4 HEADS=4 KVHEADS=2 MAXLEN=128 MAXPOS=16384
 else
     HIDDEN=1024 INTER=2816 LAYERS=16 HEADS=16 KVHEADS=8 MAXLEN=256 MAXPOS=2048
@@ -57,7 +57,9 @@ for shape in "1 1" "2 2"; do
     if [ "$1" = 1 ]; then
         cl_local 1 1 # every default: the pool sizes and threads tandem local chooses
     else
-        cl_local 2 2 --kv-mem 2200 # MiB per node: a decode pool of more than 2 GB
+        # MiB per node: a decode pool of more than 2 GB (--kv-seqs: by default a decode node
+        # takes only 4 sequences of the model's length)
+        cl_local 2 2 --kv-mem 2200 --kv-seqs 64
     fi
     grep -E 'kv pool|threads' "$CL_T/local.err" | sed "s/^/[$1+$2] /" | head -8
     "$CL_PY" "$CL_TOOL" run "$CL_GW" $MAXTOK "$CL_T/refs" | sed "s/^/[$1+$2] /" | tee "$CL_T/run.log"

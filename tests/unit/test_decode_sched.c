@@ -279,6 +279,63 @@ Test(decode_sched, sliding_window_releases_blocks_instead_of_preempting, .timeou
     }
 }
 
+/* Blocks held outside the scheduler (a decode node's leases of KV still landing) leave a
+ * lone sequence without room: it waits (stalled steps, no event), keeping its blocks, and
+ * goes on with the tokens it yields alone once they come back. Only a sequence larger than
+ * the whole pool ends, with an error that names the flags. (A decode pool of 4 x 512
+ * tokens under 32 streams failed a request this way: test_cluster_scale.) */
+Test(decode_sched, pool_held_by_leases_makes_a_sequence_wait_not_fail, .timeout = 120)
+{
+    td_test_skip_without_stories();
+    td_test_engine_t fx;
+    td_test_engine_open_cpu(&fx, 1, 16, false); /* 16 blocks x 16 tokens */
+    td_kv_cache_t *kv = td_engine_kv(fx.eng);
+    int32_t p[40], want[MAXT];
+    unsigned s = 21;
+    random_prompt(&s, p, 40);
+    bool eos;
+    int n = alone(&fx, p, 40, 100, want, &eos);
+    cr_assert_gt(n, 40, "the request must outgrow 64 tokens of KV for the test (it made %d)", n);
+    int32_t leased[12];
+    cr_assert_eq(td_kv_alloc_blocks(kv, 12, leased), TD_OK); /* 4 blocks = 64 tokens left */
+    decode_sched_t *ds = sched_default(fx.eng);
+    decode_request_t rq = greedy_request(1, p, 40, 100);
+    cr_assert_eq(decode_sched_admit(ds, &rq), TD_OK);
+    static outcome_t oc[MAXN];
+    memset(oc, 0, sizeof oc);
+    int stalled = 0;
+    for (int step = 0; step < 200; step++) {
+        decode_step_result_t r;
+        cr_assert_eq(decode_sched_step(ds, 0, &r), TD_OK);
+        collect(&r, oc);
+        cr_assert_eq(oc[1].finish_events, 0, "the request ended (%s) while the pool was leased",
+                     decode_finish_name(oc[1].finish));
+        stalled += r.stalled;
+        cr_assert(!r.stalled || r.n_seqs == 0, "a stalled step ran %d sequences", r.n_seqs);
+    }
+    cr_assert_gt(stalled, 150, "the request did not wait for the leased blocks (%d stalled steps)", stalled);
+    cr_assert_lt(oc[1].n, n, "the request finished inside 64 tokens: the test shows nothing");
+    for (int i = 0; i < 12; i++) /* the leases end (or land and are adopted elsewhere) */
+        td_kv_unref_block(kv, leased[i]);
+    run_to_end(ds, oc);
+    cr_assert_eq(oc[1].finish, eos ? DECODE_FINISH_STOP : DECODE_FINISH_LENGTH, "finish %s",
+                 decode_finish_name(oc[1].finish));
+    cr_assert_eq(oc[1].n, n, "%d tokens, alone %d", oc[1].n, n);
+    for (int t = 0; t < n; t++)
+        cr_assert_eq(oc[1].tokens[t], want[t], "token %d: %d, alone %d", t, oc[1].tokens[t], want[t]);
+
+    /* larger than the whole pool (40 + 240 tokens > 256): an error, never a wait */
+    rq = greedy_request(2, p, 40, 240);
+    rq.ignore_eos = true;
+    cr_assert_eq(decode_sched_admit(ds, &rq), TD_OK);
+    memset(oc, 0, sizeof oc);
+    run_to_end(ds, oc);
+    cr_assert_eq(oc[2].finish, DECODE_FINISH_ERROR, "finish %s", decode_finish_name(oc[2].finish));
+    cr_assert_eq(oc[2].status, TD_ERR_EXHAUSTED);
+    sched_end(&fx, ds);
+    td_test_engine_close(&fx);
+}
+
 Test(decode_sched, cancel_and_deadline_return_every_block, .timeout = 120)
 {
     td_test_skip_without_stories();
