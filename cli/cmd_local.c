@@ -127,7 +127,7 @@ static void local_plan(int64_t n_prefill, int64_t n_decode, int64_t threads, int
 typedef struct local_opts {
     const char *model, *tokenizer, *log_level, *host, *advertise, *device, *dtype, *kv_dtype, *api_keys, *spec_mode,
         *draft_model;
-    int64_t n_prefill, n_decode, n_unified, threads, kv_blocks, kv_mem, kv_seqs, http_port, prefill_chunk,
+    int64_t n_prefill, n_decode, n_unified, threads, kv_blocks, kv_mem, kv_seqs, ctx_size, http_port, prefill_chunk,
         draft_tokens;
     td_spec_mode_t mode; /* spec_mode resolved */
 } local_opts_t;
@@ -193,7 +193,7 @@ static td_status_t start_node(local_state_t *l, const local_opts_t *o, const loc
                      "--node-id", id, "--threads", (char *)plan->threads, "--log-level", (char *)o->log_level,
                      "--host", (char *)o->host, "--device", (char *)o->device, "--cluster-secret-file", (char *)secret,
                      NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
-                     NULL, NULL, NULL};
+                     NULL, NULL, NULL, NULL, NULL};
     int k = 0;
     while (nargv[k]) /* the optional flags go after the fixed ones */
         k++;
@@ -206,6 +206,12 @@ static td_status_t start_node(local_state_t *l, const local_opts_t *o, const loc
         snprintf(seqs, sizeof seqs, "%lld", (long long)o->kv_seqs);
         nargv[k++] = "--kv-seqs";
         nargv[k++] = seqs;
+    }
+    char ctx[24];
+    if (o->ctx_size) {
+        snprintf(ctx, sizeof ctx, "%lld", (long long)o->ctx_size);
+        nargv[k++] = "--ctx-size";
+        nargv[k++] = ctx;
     }
     if (o->dtype) {
         nargv[k++] = "--dtype";
@@ -280,6 +286,8 @@ int cmd_local(int argc, char **argv)
         TD_OPT_INT("threads", &o.threads, 0, 4096, "compute threads per node (default 0: this process's cores / (N + M))"),
         TD_OPT_INT("kv-blocks", &o.kv_blocks, 1, 1 << 24, "KV blocks per node (default: from the shared budget)"),
         TD_OPT_INT("kv-mem", &o.kv_mem, 1, 1 << 30, "KV budget per node in MiB (default: from the shared budget)"),
+        TD_OPT_INT("ctx-size", &o.ctx_size, 2, 1 << 26, "the longest sequence (prompt + output) every node "
+                   "serves, at most the model's length (default: the model's); the pools are sized from it"),
         TD_OPT_INT("kv-seqs", &o.kv_seqs, 1, 4096, "sequences of the model's length a decode or unified node's "
                    "pool holds, within its budget (default: the node's own, 4)"),
         TD_OPT_STRING("log-level", &o.log_level, "error|warn|info|debug, for every process (default warn)"),
@@ -304,7 +312,7 @@ int cmd_local(int argc, char **argv)
     if (r.help) {
         printf("usage: tandem local --model PATH [--tokenizer PATH] [--prefill N] [--decode M] [--unified U]\n"
                "                    [--threads T] [--kv-blocks B | --kv-mem MIB] [--kv-seqs S]\n"
-               "                    [--log-level L]\n"
+               "                    [--ctx-size C] [--log-level L]\n"
                "                    [--host H] [--advertise A] [--device D] [--dtype T] [--kv-dtype T]\n"
                "                    [--api-keys-file FILE] [--prefill-chunk N]\n"
                "                    [--spec off|prompt-lookup|draft-model] [--draft-model PATH] [--draft-tokens K]\n\n"
@@ -319,8 +327,8 @@ int cmd_local(int argc, char **argv)
                "this process's cores / (N + M + U), at least 1). The KV pools share one budget, %d%% of\n"
                "the memory available, split %d:1 between a decode and a prefill node and passed as\n"
                "--kv-mem; --kv-mem MIB (per node) or --kv-blocks B (per node) replace it. Within it, a\n"
-               "decode or unified node takes what --kv-seqs sequences of the model's length need\n"
-               "(default 4), a prefill node 8 steps of prompt tokens.\n"
+               "decode or unified node takes what --kv-seqs sequences of --ctx-size tokens (default\n"
+               "the model's length) need (default 4), a prefill node 8 steps of prompt tokens.\n"
                "--device (cpu, cuda, cuda:N), --dtype (f32, f16, bf16) and --kv-dtype go to every node,\n"
                "--prefill-chunk to the unified ones, --spec, --draft-model and --draft-tokens to the\n"
                "decode and unified ones.\n"

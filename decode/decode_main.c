@@ -68,7 +68,7 @@ static td_status_t size_pool(decode_state_t *s, const td_engine_config_t *ec)
     const td_model_config_t *mc = &s->model->config;
     int64_t seqs = TD_MIN(s->cfg.kv_seqs, s->cfg.max_batch);
     char what[128];
-    snprintf(what, sizeof what, "%lld sequence%s of %d tokens, --kv-seqs,", (long long)seqs, seqs == 1 ? "" : "s",
+    snprintf(what, sizeof what, "%lld sequence%s (--kv-seqs) of %d tokens (--ctx-size)", (long long)seqs, seqs == 1 ? "" : "s",
              mc->max_seq_len);
     td_kv_plan_params_t pp = {.n_blocks = s->cfg.kv_blocks, .kv_mem = (size_t)s->cfg.kv_mem << 20,
                               .percent = TD_KV_DECODE_PERCENT, .cap = TD_KV_DECODE_CAP,

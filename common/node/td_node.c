@@ -312,6 +312,11 @@ td_status_t td_node_load_model(td_node_t *p, td_model_t **model_p, td_backend_t 
     if (st != TD_OK)
         return st;
     td_progress_phase(&prog, 1, 3, "model read");
+    if (p->cfg.ctx_size > model->config.max_seq_len)
+        td_warn("%s: --ctx-size %lld is longer than the model's %d tokens: serving %d", p->spec.prog,
+                (long long)p->cfg.ctx_size, model->config.max_seq_len, model->config.max_seq_len);
+    else if (p->cfg.ctx_size > 0) /* before anything is sized from it: pools, admission, registration */
+        model->config.max_seq_len = (int32_t)p->cfg.ctx_size;
     /* the weights resident before the node registers, not faulted in by its first request */
     uint64_t t0 = td_now_ns();
     if (td_model_populate(model, td_cpu_count()) == TD_OK)

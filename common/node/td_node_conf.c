@@ -43,6 +43,10 @@ static int common_keys(td_node_config_t *c, bool node, td_opt_t *out)
         out[n++] = (td_opt_t)TD_OPT_STRING("kv-dtype", &c->kv_dtype,
                                            "f32|f16|bf16|q8_0: the KV cache (q8_0: half of f16's memory, CPU); "
                                            "default: as --dtype. Paired nodes must agree");
+        out[n++] = (td_opt_t)TD_OPT_INT("ctx-size", &c->ctx_size, 2, 1 << 26,
+                                        "the longest sequence (prompt + output tokens) served, as llama-server's "
+                                        "-c: at most the model's length; the KV pools are sized from it. "
+                                        "Default: the model's length");
         out[n++] = (td_opt_t)TD_OPT_INT("drain-timeout-ms", &c->drain_timeout_ms, 1, 86400000,
                                         "SIGTERM or a Drain call: the node takes no new request and exits once "
                                         "its running ones finish, or after this long");

@@ -40,6 +40,8 @@ typedef struct td_node_config {
                                   NULL: td_device_default_dtype */
     const char *quant;         /* weight matrices quantized at load: q8_0|q4_0; NULL: as stored */
     const char *kv_dtype;      /* KV cache: f32|f16|bf16|q8_0; NULL: as dtype */
+    int64_t ctx_size;          /* the longest sequence (prompt + output) the node serves, at most
+                                  the model's length (0: the model's); it sizes the KV pools */
     int64_t drain_timeout_ms;  /* SIGTERM / Drain: longest wait for running requests before
                                   the node exits anyway (0: default 300000) */
 } td_node_config_t;

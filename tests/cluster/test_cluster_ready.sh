@@ -36,4 +36,17 @@ for k in $(seq 8); do
     prompts+=("1 $((400 + 17 * k)) $((3000 + 101 * k)) 282 $((9000 + k))")
 done
 cl_concurrent_equal $MAXTOK "${prompts[@]}"
-cl_end "tandem local 1+1 on SmolLM2 ready in $ms ms (budget ${READY_BUDGET_S} s); 8 concurrent requests equal tandem generate"
+cl_stop
+
+# --ctx-size (llama-server's -c) sizes the decode pool and is the length the router enforces
+cl_local 1 1 --ctx-size 64
+grep -q 'kv pool 16 blocks x 16 tokens.*4 sequences (--kv-seqs) of 64 tokens (--ctx-size)' "$CL_T/local.err" ||
+    cl_fail "--ctx-size 64 did not size the decode pool to 4 x 64 tokens: $(grep 'decode0: kv pool' "$CL_T/local.err")"
+timeout 30 "$CL_BIN" generate --server "$CL_GW" --prompt-ids "$(seq -s ' ' 1 70)" --max-tokens 2 \
+    --timeout 10 >"$CL_T/long.out" 2>&1 && cl_fail "a 70-token prompt was served with --ctx-size 64"
+grep -q 'the prompt has 70 tokens; model default takes at most 63' "$CL_T/long.out" ||
+    cl_fail "a 70-token prompt with --ctx-size 64: not the length error ($(tail -1 "$CL_T/long.out"))"
+n=$(timeout 30 "$CL_BIN" generate --server "$CL_GW" --prompt-ids "1 2 3" --max-tokens 100 --print-ids \
+    --timeout 20 2>/dev/null | wc -w)
+[ "$n" = 61 ] || cl_fail "3 prompt ids, max 100 tokens with --ctx-size 64: $n tokens, want 61 (the length cap)"
+cl_end "tandem local 1+1 on SmolLM2 ready in $ms ms (budget ${READY_BUDGET_S} s); 8 concurrent requests equal tandem generate; --ctx-size 64 sizes the pool and caps the length"
