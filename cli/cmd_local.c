@@ -272,6 +272,7 @@ static int serve_until_stopped(local_state_t *l)
 
 int cmd_local(int argc, char **argv)
 {
+    uint64_t t_start = td_now_ns(); /* the startup line says how long the cluster took to be ready */
     local_opts_t o = {.log_level = "warn", .host = "127.0.0.1", .device = "cpu", .spec_mode = "off",
                       .n_prefill = -1, .n_decode = -1}; /* -1: 1 each, or 0 each with --unified */
     const td_opt_t opts[] = {
@@ -414,6 +415,9 @@ int cmd_local(int argc, char **argv)
         fprintf(stderr, "tandem local: the nodes did not all register within 30 s\n");
         goto out;
     }
+    fprintf(stderr, "tandem local: ready in %.2f s (router, %lld prefill, %lld decode, %lld unified node%s registered)\n",
+            (double)(td_now_ns() - t_start) * 1e-9, (long long)o.n_prefill, (long long)o.n_decode,
+            (long long)o.n_unified, o.n_prefill + o.n_decode + o.n_unified == 1 ? "" : "s");
     printf("gateway: %s\n", rt.gateway);
     if (rt.openai[0])
         printf("openai: %s\n", rt.openai);

@@ -639,6 +639,7 @@ static void on_shutdown(void *data)
 {
     decode_state_t *s = data;
     s->shutting_down = true;
+    decode_warm_stop(s); /* it populates s->xfer's pool */
     td_node_worker_stop(&s->worker); /* joins the compute thread, closes its async handle */
     while (s->n_prefills)
         prefill_end(s, TD_CONTAINER_OF(s->prefills.next, decode_prefill_t, link), TD_GRPC_UNAVAILABLE,
@@ -734,6 +735,7 @@ static td_status_t open_pool(decode_state_t *s, td_engine_config_t *ec, uint8_t 
         (st = td_node_xfer_metrics_init(&s->xfer_metrics, s->metrics, s->xfer)) != TD_OK)
         return st;
     td_xfer_pool_t xp = {.layout = s->layout, .base = NULL, .n_blocks = (uint32_t)cfg->kv_blocks,
+                         .resident_blocks = decode_warm_resident(&s->layout, (uint32_t)cfg->kv_blocks),
                          .mem = TD_XFER_MEM_HOST, .kv = NULL};
     if (s->be->host_memory) {
         /* UCX allocates the pool (shared memory for senders on this host); the engine
@@ -744,7 +746,8 @@ static td_status_t open_pool(decode_state_t *s, td_engine_config_t *ec, uint8_t 
         if ((st = td_engine_create(s->model, s->be, ec, &s->eng)) != TD_OK)
             return st;
         s->kv = td_engine_kv(s->eng);
-        if ((st = td_xfer_pool_set_kv(s->xfer, s->kv)) != TD_OK)
+        if ((st = td_xfer_pool_set_kv(s->xfer, s->kv)) != TD_OK ||
+            (st = decode_warm_start(s, xp.resident_blocks, xp.n_blocks)) != TD_OK)
             return st;
     } else {
         /* a device pool (the engine's): senders write a host landing area and kv-ready
@@ -820,6 +823,7 @@ static td_status_t register_node(decode_state_t *s, const uint8_t *desc, size_t 
 /* Everything node_main made, in reverse, whatever got made (NULL-safe closers). */
 static void free_state(decode_state_t *s)
 {
+    decode_warm_stop(s); /* an init that failed after it started */
     td_node_stop(&s->proc); /* partial init: closes what exists (NULL-safe closers) */
     TD_LIST_FOREACH_SAFE(n, &s->admits) {
         decode_admit_t *a = TD_CONTAINER_OF(n, decode_admit_t, link);

@@ -6,6 +6,7 @@
 #ifndef DECODE_STATE_H
 #define DECODE_STATE_H
 
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
@@ -23,6 +24,21 @@
 #include "td_node_worker.h"
 #include "td_node_xfer_metrics.h"
 #include "td_xfer.h"
+
+/* The KV pool's warm-up (decode_warm.c): the first blocks are made resident before the
+ * node registers, the rest on this thread, chunk by chunk, each chunk handed to the block
+ * manager (td_kv_unhold) only once resident, so neither the engine nor a sender's transfer
+ * ever faults a page of the pool (issue 12) and start-up does not wait for the whole pool. */
+typedef struct decode_warm {
+    pthread_t thread;
+    bool started;
+    _Atomic bool stop;
+    td_xfer_t *xfer;
+    td_kv_cache_t *kv;
+    const char *node_id;
+    uint32_t from, to, chunk; /* blocks [from, to) in chunks of chunk */
+    uint64_t t0;
+} decode_warm_t;
 
 /* The Steps stream carries every sequence's tokens: it has one subscriber, the router this
  * node registered with (docs/cluster.md "Who may subscribe to Steps"). */
@@ -138,6 +154,7 @@ typedef struct decode_state {
     bool shutting_down;
     bool handles_up;          /* the sweep timer initialised */
     size_t pool_bytes;        /* the KV pool (td_engine_kv_plan) */
+    decode_warm_t warm;       /* the pool's background warm-up (decode_warm.c) */
     /* compute thread: admissions taken while no step result could be allocated, reported
        FAILED with the next one ([cmd_ring_size]: at most one per command) */
     uint64_t *failed;
@@ -159,5 +176,15 @@ void decode_out_free(decode_out_t *o);
 /* The compute thread's body (td_node_worker_config_t.run, arg the decode_state_t): takes the
  * loop's commands, steps the scheduler, hands each step's results back. */
 void decode_compute_main(void *arg);
+
+/* The part of a pool of n_blocks made resident before the node registers (the rest is
+ * warmed on a thread): DECODE_RESIDENT_AT_START bytes' worth, at least one block. */
+#define DECODE_RESIDENT_AT_START ((size_t)256 << 20)
+uint32_t decode_warm_resident(const td_kv_layout_t *layout, uint32_t n_blocks);
+/* Holds back blocks [resident, n_blocks) of s->kv and starts warming them (their pages made
+ * resident, then handed to the block manager). TD_OK at once when resident >= n_blocks. */
+td_status_t decode_warm_start(decode_state_t *s, uint32_t resident, uint32_t n_blocks);
+/* Stops and joins the warm-up (idempotent): before s->xfer or s->kv go. */
+void decode_warm_stop(decode_state_t *s);
 
 #endif /* DECODE_STATE_H */

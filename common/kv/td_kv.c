@@ -26,7 +26,7 @@
 #include "td_list.h"
 #include "td_util.h"
 
-enum { BLOCK_FREE = 0, BLOCK_USED = 1, BLOCK_CACHED = 2 };
+enum { BLOCK_FREE = 0, BLOCK_USED = 1, BLOCK_CACHED = 2, BLOCK_HELD = 3 /* not usable yet: td_kv_hold */ };
 
 struct td_kv_cache {
     int32_t n_blocks;
@@ -43,6 +43,7 @@ struct td_kv_cache {
 
     int32_t *free_stack;  /* [n_blocks] free ids; top at free_stack[n_free - 1] */
     int32_t n_free;
+    int32_t n_usable;     /* blocks [n_usable, n_blocks) are held back (td_kv_hold) */
 
     td_list_t *lru_node;  /* [n_blocks] a cached block's place in lru */
     td_list_t lru;        /* cached blocks, least recently used first */
@@ -195,6 +196,7 @@ td_status_t td_kv_cache_create(const td_kv_config_t *cfg, td_kv_cache_t **cache_
         td_list_init(&c->lru_node[i]);
     }
     c->n_free = c->n_blocks;
+    c->n_usable = c->n_blocks;
     td_list_init(&c->lru);
     *cache_p = c;
     return TD_OK;
@@ -232,7 +234,8 @@ static void kv_get_stats(const td_kv_cache_t *cache, td_kv_stats_t *stats)
     stats->n_blocks = cache->n_blocks;
     stats->free = cache->n_free;
     stats->cached = cache->n_cached;
-    stats->used = cache->n_blocks - cache->n_free - cache->n_cached;
+    stats->held = cache->n_blocks - cache->n_usable;
+    stats->used = cache->n_usable - cache->n_free - cache->n_cached;
     stats->prefix_lookups = cache->prefix_lookups;
     stats->prefix_hits = cache->prefix_hits;
     stats->evictions = cache->evictions;
@@ -635,6 +638,11 @@ static td_status_t kv_cache_check(const td_kv_cache_t *c)
             if (c->refs[id] <= 0)
                 return td_errorf(TD_ERR_INTERNAL, "kv check: used block %d has refs %d", id, c->refs[id]);
             break;
+        case BLOCK_HELD:
+            if (id < c->n_usable || c->refs[id] != 0 || c->registered[id])
+                return td_errorf(TD_ERR_INTERNAL, "kv check: held block %d (usable %d) has refs %d registered %d",
+                                 id, c->n_usable, c->refs[id], c->registered[id]);
+            break;
         default:
             return td_errorf(TD_ERR_INTERNAL, "kv check: block %d in state %d", id, c->state[id]);
         }
@@ -792,6 +800,41 @@ td_status_t td_kv_seq_adopt(td_kv_cache_t *cache, td_kv_seq_t *seq, const int32_
     td_status_t st = kv_seq_adopt(cache, seq, blocks, n_blocks, tokens, n);
     kv_unlock(cache);
     return st;
+}
+
+td_status_t td_kv_hold(td_kv_cache_t *c, int32_t n_usable)
+{
+    kv_lock(c);
+    td_status_t st = TD_OK;
+    if (n_usable < 1 || n_usable > c->n_blocks)
+        st = td_errorf(TD_ERR_INVALID, "kv cache: hold to %d usable blocks of %d: 1 .. %d", n_usable, c->n_blocks,
+                       c->n_blocks);
+    else if (c->n_free != c->n_blocks)
+        st = td_errorf(TD_ERR_INVALID, "kv cache: hold on a pool in use (%d of %d blocks free)", c->n_free,
+                       c->n_blocks);
+    else {
+        for (int32_t i = 0; i < n_usable; i++)
+            c->free_stack[i] = n_usable - 1 - i; /* pops 0, 1, 2, ... */
+        for (int32_t id = n_usable; id < c->n_blocks; id++)
+            c->state[id] = BLOCK_HELD;
+        c->n_free = c->n_usable = n_usable;
+    }
+    kv_unlock(c);
+    return st;
+}
+
+int32_t td_kv_unhold(td_kv_cache_t *c, int32_t n_usable)
+{
+    kv_lock(c);
+    n_usable = TD_MIN(n_usable, c->n_blocks);
+    for (int32_t id = n_usable - 1; id >= c->n_usable; id--) { /* the lowest on top */
+        c->state[id] = BLOCK_FREE;
+        c->free_stack[c->n_free++] = id;
+    }
+    c->n_usable = TD_MAX(c->n_usable, n_usable);
+    int32_t n = c->n_usable;
+    kv_unlock(c);
+    return n;
 }
 
 td_status_t td_kv_cache_check(const td_kv_cache_t *c)

@@ -68,6 +68,7 @@ typedef struct td_kv_stats {
     int32_t free;          /* on the free list */
     int32_t cached;        /* unreferenced but holding a reusable prefix block */
     int32_t used;          /* referenced */
+    int32_t held;          /* not usable yet (td_kv_hold): neither free nor used */
     uint64_t prefix_lookups;   /* full blocks looked up by td_kv_seq_match_prefix */
     uint64_t prefix_hits;      /* of those, found */
     uint64_t evictions;
@@ -170,6 +171,17 @@ int32_t td_kv_chain_hashes(const int32_t *tokens, int32_t n, int32_t block_size,
  * (new blocks plus private copies of shared ones), for admission decisions.
  */
 int32_t td_kv_seq_blocks_needed(const td_kv_cache_t *cache, const td_kv_seq_t *seq, int32_t n_total);
+
+/*
+ * Holds back blocks [n_usable, n_blocks) of a pool no one uses yet (every block free): no
+ * allocation gets them until td_kv_unhold. A decode node holds back the part of its pool
+ * not yet made resident, so neither its engine nor a sender's transfer ever faults a page
+ * of it. TD_ERR_INVALID (n_usable outside 1 .. n_blocks, or a block in use).
+ */
+td_status_t td_kv_hold(td_kv_cache_t *cache, int32_t n_usable);
+
+/* Makes blocks up to n_usable (at most n_blocks) free; returns the blocks usable now. */
+int32_t td_kv_unhold(td_kv_cache_t *cache, int32_t n_usable);
 
 /*
  * Walks every internal structure (free list, LRU list, hash table, counters) and checks

@@ -241,6 +241,10 @@ typedef struct td_xfer_pool {
                            on this host put with a memcpy into the mapping.
                            mem CUDA: the device pool (required; not given to UCX) */
     uint32_t n_blocks;
+    uint32_t resident_blocks; /* a host pool UCX allocates: blocks [0, resident_blocks) of every
+                                 layer are made resident at registration, the rest by the
+                                 caller (td_xfer_pool_populate) before kv hands them out
+                                 (td_kv_hold); 0: the whole pool at registration */
     td_xfer_mem_t mem;
     td_kv_cache_t *kv;  /* the block manager of this pool (not owned); leases allocate here.
                            NULL: set later with td_xfer_pool_set_kv (the engine that owns it
@@ -263,6 +267,14 @@ typedef struct td_xfer_pool {
  */
 td_status_t td_xfer_register_pool(td_xfer_t *x, const td_xfer_pool_t *pool, td_xfer_ready_cb on_ready,
                                   void *arg);
+
+/*
+ * Makes blocks [b0, b1) of every layer of the registered host pool resident, on this thread
+ * (a background one: it takes as long as the page faults do). Reads only what registration
+ * fixed, so any thread may call it while the loop runs. TD_ERR_INVALID (no host pool, a bad
+ * range), TD_ERR_NOMEM (the memory cannot be had).
+ */
+td_status_t td_xfer_pool_populate(td_xfer_t *x, uint32_t b0, uint32_t b1);
 
 /* The registered pool's address (the one UCX allocated when pool->base was NULL; a device
  * pool's own base), or NULL before td_xfer_register_pool. Valid until td_xfer_destroy. */

@@ -11,6 +11,31 @@
 #include "td_log.h"
 #include "td_util.h"
 
+/* Makes blocks [b0, b1) of every layer of a pool of n_blocks at base resident (zeroed
+ * where the kernel has no MADV_POPULATE_WRITE: the pool is ours, the range cannot vanish). */
+static td_status_t populate_blocks(uint8_t *base, const td_kv_layout_t *l, uint32_t n_blocks, uint32_t b0,
+                                   uint32_t b1, int n_threads)
+{
+    size_t bb = td_kv_block_bytes(l), n = (size_t)(b1 - b0) * bb;
+    for (uint32_t layer = 0; layer < l->n_layers && n; layer++) {
+        uint8_t *p = base + td_kv_block_offset(l, n_blocks, layer, b0);
+        td_status_t st = td_mem_populate(p, n, n_threads, true);
+        if (st == TD_ERR_UNSUPPORTED)
+            memset(p, 0, n);
+        else if (st != TD_OK)
+            return st;
+    }
+    return TD_OK;
+}
+
+td_status_t td_xfer_pool_populate(td_xfer_t *x, uint32_t b0, uint32_t b1)
+{
+    if (!x->have_pool || x->dev_base || b0 > b1 || b1 > x->pool.n_blocks)
+        return td_errorf(TD_ERR_INVALID, "xfer: populate blocks %u .. %u of a host pool of %u", b0, b1,
+                         x->have_pool && !x->dev_base ? x->pool.n_blocks : 0);
+    return populate_blocks(x->pool.base, &x->pool.layout, x->pool.n_blocks, b0, b1, 1);
+}
+
 td_status_t td_xfer_register_pool(td_xfer_t *x, const td_xfer_pool_t *pool, td_xfer_ready_cb on_ready, void *arg)
 {
     if (x->have_pool)
@@ -56,14 +81,14 @@ td_status_t td_xfer_register_pool(td_xfer_t *x, const td_xfer_pool_t *pool, td_x
     if (!ucx_base) {
         /* Ours: resident now, at startup before the node registers, not page by page under
          * the first transfers (the receive path and the senders' mappings would pay it on
-         * their loops). A pool the machine cannot hold fails here, not mid-request. */
-        size_t bytes = td_kv_pool_bytes(&pool->layout, ucx_blocks);
+         * their loops): all of it, or (resident_blocks) the first blocks of every layer, the
+         * caller making the rest resident with td_xfer_pool_populate before its block
+         * manager hands them out. */
+        uint32_t first = dev || !pool->resident_blocks ? ucx_blocks : TD_MIN(pool->resident_blocks, ucx_blocks);
+        size_t bytes = td_kv_pool_bytes(&pool->layout, first);
         uint64_t t0 = td_now_ns();
-        td_status_t ps = td_mem_populate(ma.address, bytes, TD_MIN(td_cpu_count(), 8), true);
-        if (ps == TD_ERR_UNSUPPORTED) {
-            memset(ma.address, 0, bytes);
-            ps = TD_OK;
-        }
+        td_status_t ps = populate_blocks(ma.address, &pool->layout, ucx_blocks, 0, first,
+                                         TD_MIN(td_cpu_count(), 8));
         if (ps != TD_OK) {
             td_status_t e = td_errorf(TD_ERR_NOMEM, "xfer: the %s (%zu MiB) cannot be made resident (%s): lower "
                                       "--kv-mem or --kv-blocks", dev ? "landing area" : "KV pool", bytes >> 20,

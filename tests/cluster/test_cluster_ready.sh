@@ -36,6 +36,16 @@ for k in $(seq 8); do
     prompts+=("1 $((400 + 17 * k)) $((3000 + 101 * k)) 282 $((9000 + k))")
 done
 cl_concurrent_equal $MAXTOK "${prompts[@]}"
+# the pool was made resident in part before the node registered, the rest in the background
+# (decode_warm.c): every block is usable (free or cached) soon after, none lost on the way
+total=$(sed -n 's/^decode decode0: kv pool \([0-9]*\) blocks.*/\1/p' "$CL_T/local.err")
+free=
+for _ in $(seq 120); do
+    free=$(cl_metric decode0 tandem_decode_kv_blocks_free) && [ "${free%.*}" = "$total" ] && break
+    sleep 0.5
+done
+[ "${free%.*}" = "$total" ] ||
+    cl_fail "the decode pool's $total blocks were not all usable 60 s after start-up: $free free or cached"
 cl_stop
 
 # --ctx-size (llama-server's -c) sizes the decode pool and is the length the router enforces

@@ -24,7 +24,7 @@ static td_kv_stats_t stats_of(const td_kv_cache_t *c)
 {
     td_kv_stats_t s;
     td_kv_get_stats(c, &s);
-    cr_assert_eq(s.free + s.cached + s.used, s.n_blocks);
+    cr_assert_eq(s.free + s.cached + s.used + s.held, s.n_blocks);
     cr_assert_eq(td_kv_cache_check(c), TD_OK, "%s", td_last_error());
     return s;
 }
@@ -122,6 +122,45 @@ Test(kv, exhaustion_is_all_or_nothing)
         td_kv_unref_block(c, ids[i]);
     s = stats_of(c);
     cr_assert_eq(s.used, 0);
+    td_kv_cache_destroy(c);
+}
+
+/* A decode node holds back the part of its pool not yet resident (decode_warm.c): no
+ * allocation gets a held block, they count as neither free nor used, and td_kv_unhold hands
+ * them out as they become resident. */
+Test(kv, held_blocks_are_never_allocated_until_unheld)
+{
+    td_kv_cache_t *c = make_cache(16, 4, true);
+    cr_assert_eq(td_kv_hold(c, 0), TD_ERR_INVALID);
+    cr_assert_eq(td_kv_hold(c, 17), TD_ERR_INVALID);
+    cr_assert_eq(td_kv_hold(c, 4), TD_OK);
+    td_kv_stats_t s = stats_of(c);
+    cr_assert(s.n_blocks == 16 && s.free == 4 && s.used == 0 && s.held == 12, "free %d used %d held %d", s.free,
+              s.used, s.held);
+    cr_assert_eq(td_kv_available(c), 4);
+    cr_assert_eq(td_kv_cache_check(c), TD_OK, "%s", td_last_error());
+    int32_t ids[16];
+    cr_assert_eq(td_kv_alloc_blocks(c, 5, ids), TD_ERR_EXHAUSTED);
+    cr_assert_eq(td_kv_alloc_blocks(c, 4, ids), TD_OK);
+    for (int i = 0; i < 4; i++)
+        cr_assert_lt(ids[i], 4, "block %d handed out while held", ids[i]);
+    cr_assert_eq(td_kv_hold(c, 8), TD_ERR_INVALID, "a hold on a pool in use");
+    cr_assert_eq(td_kv_unhold(c, 10), 10);
+    cr_assert_eq(td_kv_unhold(c, 6), 10, "unhold never takes blocks back");
+    s = stats_of(c);
+    cr_assert(s.free == 6 && s.used == 4 && s.held == 6, "free %d used %d held %d", s.free, s.used, s.held);
+    cr_assert_eq(td_kv_cache_check(c), TD_OK, "%s", td_last_error());
+    cr_assert_eq(td_kv_alloc_blocks(c, 6, ids + 4), TD_OK);
+    for (int i = 4; i < 10; i++)
+        cr_assert(ids[i] >= 4 && ids[i] < 10, "block %d outside the unheld range", ids[i]);
+    cr_assert_eq(td_kv_alloc_blocks(c, 1, ids + 10), TD_ERR_EXHAUSTED);
+    cr_assert_eq(td_kv_unhold(c, 99), 16);
+    cr_assert_eq(td_kv_available(c), 6);
+    for (int i = 0; i < 10; i++)
+        td_kv_unref_block(c, ids[i]);
+    s = stats_of(c);
+    cr_assert(s.free == 16 && s.used == 0 && s.held == 0);
+    cr_assert_eq(td_kv_cache_check(c), TD_OK, "%s", td_last_error());
     td_kv_cache_destroy(c);
 }
 
