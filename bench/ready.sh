@@ -4,8 +4,8 @@
 # warm (the model file in the page cache) and, with --cold, ROUNDS times cold (the page
 # cache dropped first: needs root): starts it, and measures the time from the start until a
 # first one-token completion (POST /v1/completions) is answered, then the memory its
-# processes hold one second later at idle (the sum of their PSS, so pages the nodes share,
-# such as the mapped model, count once). Prints one line per run and a table of medians.
+# processes hold at idle, once it stops growing (the sum of their PSS, so pages the nodes
+# share, such as the mapped model, count once). Prints one line per run and a table of medians.
 # Usage:
 #   bench/ready.sh [--cold] [--rounds N] TANDEM MODEL [LLAMA_SERVER]
 # Servers: `tandem local --prefill 1 --decode 1`, `tandem local --unified 1`, and
@@ -87,9 +87,15 @@ run() {
         echo "ready.sh: $name did not answer within 120 s: $(tail -2 "$T/err")" >&2
         ms=-1
     fi
-    sleep 1
-    local mem
-    mem=$(pss_mib $PG)
+    # at idle: once what the processes hold stops growing (a decode node warms its pool in
+    # the background after it registers), at most 60 s
+    local mem prev=-1 k
+    for k in $(seq 60); do
+        sleep 1
+        mem=$(pss_mib $PG)
+        [ $((mem - prev)) -le $((mem / 100)) ] && break
+        prev=$mem
+    done
     kill -TERM -- -$PG 2>/dev/null
     for _ in $(seq 100); do kill -0 $PG 2>/dev/null || break; sleep 0.1; done
     kill -KILL -- -$PG 2>/dev/null

@@ -7,7 +7,8 @@
 # vocabulary must produce the ids of `tandem generate` on the same model, and every
 # process's event-loop lag p99 must stay under 50 ms (issue 12: the first transfer once
 # made the prefill node fault in the decode node's whole pool on its loop, 2.4 s, and the
-# router dropped it for missed heartbeats). In the sanitizer build (TD_SANITIZE=ON) the
+# router dropped it for missed heartbeats), and 1+1 must be ready within 6 s (issue 34: the
+# decode pool is made resident in the background, not before the node registers). In the sanitizer build (TD_SANITIZE=ON) the
 # same runs on a narrower model and shorter prompts, to keep the instrumented CPU kernels
 # within minutes. Skips without python3-grpcio (and stories260K, which cl_init checks).
 source "$(dirname "$0")/cluster_lib.sh"
@@ -21,6 +22,10 @@ else
 fi
 MAXTOK=8
 LAG_BOUND_S=0.05
+# issue 34: ready within 6 s on 2 cores (x4 instrumented). Before, the decode node made its
+# whole default pool resident first (64 sequences x 2048 tokens: 8 GiB), 10-15 s here.
+READY_BUDGET_S=6
+[ "${TD_SANITIZE:-OFF}" = ON ] && READY_BUDGET_S=24
 CL_M="$CL_T/midsize"
 cat >"$CL_T/config.json" <<EOF
 {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": $HIDDEN,
@@ -55,7 +60,12 @@ cl_looplag() {
 for shape in "1 1" "2 2"; do
     set -- $shape
     if [ "$1" = 1 ]; then
+        t0=$(date +%s%N)
         cl_local 1 1 # every default: the pool sizes and threads tandem local chooses
+        ms=$((($(date +%s%N) - t0) / 1000000))
+        echo "[1+1] tandem local ready (gateway printed) after $ms ms (budget ${READY_BUDGET_S} s)"
+        [ "$ms" -le $((READY_BUDGET_S * 1000)) ] ||
+            cl_fail "[1+1] tandem local on the ${LAYERS}-layer model was ready after $ms ms, over ${READY_BUDGET_S} s"
     else
         # MiB per node: a decode pool of more than 2 GB (--kv-seqs: by default a decode node
         # takes only 4 sequences of the model's length)
@@ -68,7 +78,14 @@ for shape in "1 1" "2 2"; do
     if [ "$1" = 2 ]; then
         for n in decode0 decode1; do
             [ -n "${CL_MURL[$n]:-}" ] || { cl_fail "no metrics URL for $n in tandem local's output"; continue; }
-            used=$(cl_metric "$n" tandem_decode_kv_blocks_used) free=$(cl_metric "$n" tandem_decode_kv_blocks_free)
+            # the pool warms in the background after start-up (decode_warm.c): wait until every
+            # block its startup line names is usable
+            total=$(sed -n "s/^decode $n: kv pool \([0-9]*\) blocks.*/\1/p" "$CL_T/local.err")
+            for _ in $(seq 120); do
+                used=$(cl_metric "$n" tandem_decode_kv_blocks_used) free=$(cl_metric "$n" tandem_decode_kv_blocks_free)
+                [ "$((${used%.*} + ${free%.*}))" = "$total" ] && break
+                sleep 0.5
+            done
             bytes=$("$CL_PY" -c "import json; c = json.load(open('$CL_M/config.json')); \
 print(int(($used + $free) * 16 * c['num_hidden_layers'] * 2 * c['num_key_value_heads'] * \
 (c['hidden_size'] // c['num_attention_heads']) * 4))")
