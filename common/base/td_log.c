@@ -1,5 +1,6 @@
 /*
- * td_log: the leveled stderr logger.
+ * td_log: the leveled stderr logger. Control characters in a message are escaped (\xNN),
+ * so every event stays one line whatever a client sent.
  */
 #include "td_log.h"
 
@@ -33,11 +34,22 @@ void td_log(td_log_level_t level, const char *fmt, ...)
     static const char *const tags[] = {"error", "warn", "info", "debug"};
     if (level > log_level)
         return;
-    char line[2048];
-    int n = snprintf(line, sizeof line, "tandem: %s: ", tags[level]);
+    char msg[2048], line[2048 + 64];
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(line + n, sizeof line - (size_t)n, fmt, ap);
+    vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
+    /* one event, one line: a client's bytes in a message (a request id, a model name, a
+       stop string) cannot start a forged line or drive the terminal; control characters
+       are written as \xNN */
+    int n = snprintf(line, sizeof line, "tandem: %s: ", tags[level]);
+    size_t o = (size_t)n;
+    for (const unsigned char *p = (const unsigned char *)msg; *p && o + 5 < sizeof line; p++) {
+        if (*p < 0x20 || *p == 0x7f)
+            o += (size_t)snprintf(line + o, sizeof line - o, "\\x%02x", *p);
+        else
+            line[o++] = (char)*p;
+    }
+    line[o] = '\0';
     fprintf(stderr, "%s\n", line);
 }

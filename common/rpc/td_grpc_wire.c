@@ -239,7 +239,8 @@ bool td_grpc_parse_timeout(const char *v, size_t n, uint64_t *ms)
     case 'n': out = (x + 999999) / 1000000; break;
     default: return false;
     }
-    *ms = out ? out : 1;
+    /* 8 digits of hours are 11,000 years: clamped, so a deadline in ns stays in int64 */
+    *ms = out ? TD_MIN(out, (uint64_t)TD_GRPC_MAX_TIMEOUT_MS) : 1;
     return true;
 }
 

@@ -58,7 +58,12 @@ bool td_grpc_peek_prefix(const td_grpc_buf_t *b, uint8_t *compressed, uint32_t *
 ProtobufCMessage *td_grpc_unpack(const ProtobufCMessageDescriptor *desc, const uint8_t *p, size_t n);
 void td_grpc_free_unpacked(ProtobufCMessage *msg);
 
-/* grpc-timeout "123m" → milliseconds (rounded up, at least 1). False when malformed. */
+/* The longest grpc-timeout taken (100 days): longer ones are clamped to it, so a deadline
+ * in nanoseconds (int64) never overflows ("99999999H" once ended a request at once). */
+#define TD_GRPC_MAX_TIMEOUT_MS 8640000000LL
+
+/* grpc-timeout "123m" → milliseconds (rounded up, at least 1, at most
+ * TD_GRPC_MAX_TIMEOUT_MS). False when malformed. */
 bool td_grpc_parse_timeout(const char *v, size_t n, uint64_t *ms);
 
 /* Writes a grpc-timeout value for `ms` into out[TD_GRPC_TIMEOUT_CHARS]: at most 8 digits

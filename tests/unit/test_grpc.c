@@ -550,6 +550,9 @@ Test(grpc, wire_helpers)
     cr_assert(td_grpc_parse_timeout("1500u", 5, &ms) && ms == 2);
     cr_assert(td_grpc_parse_timeout("1n", 2, &ms) && ms == 1);
     cr_assert(td_grpc_parse_timeout("1H", 2, &ms) && ms == 3600000);
+    cr_assert(td_grpc_parse_timeout("99999999H", 9, &ms) && ms == TD_GRPC_MAX_TIMEOUT_MS, "%llu",
+              (unsigned long long)ms); /* 3.6e14 ms would overflow a deadline in ns */
+    cr_assert(td_grpc_parse_timeout("99999M", 6, &ms) && ms == 5999940000ULL); /* under the clamp: as sent */
     cr_assert(!td_grpc_parse_timeout("123456789m", 10, &ms));
     cr_assert(!td_grpc_parse_timeout("12x", 3, &ms));
     cr_assert(!td_grpc_parse_timeout("m", 1, &ms));

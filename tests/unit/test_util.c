@@ -1,7 +1,8 @@
 /*
  * test_util: td_util's helpers that no other suite covers on their own: the streaming copy
  * (td_memcpy_stream) against memcpy for every alignment of both ends and sizes around its
- * 16- and 64-byte steps, the bytes around the destination left untouched; td_mkdir_p.
+ * 16- and 64-byte steps, the bytes around the destination left untouched; td_mkdir_p;
+ * td_log escaping control characters.
  */
 #include <criterion/criterion.h>
 #include <stdint.h>
@@ -11,6 +12,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include "td_log.h"
 #include "td_util.h"
 
 Test(util, memcpy_stream_equals_memcpy_at_every_alignment)
@@ -94,4 +96,28 @@ Test(util, mem_populate_makes_every_page_resident)
         cr_assert_eq(p[0], 42, "contents unchanged");
     }
     munmap(m, n + 2 * pg);
+}
+
+/* A client's bytes in a log message (a request id with a newline and an escape sequence)
+ * stay one line: control characters are written as \xNN (issue 35). */
+Test(util, log_escapes_control_characters)
+{
+    char path[] = "/tmp/td_log_XXXXXX";
+    int fd = mkstemp(path);
+    cr_assert_geq(fd, 0);
+    fflush(stderr);
+    int saved = dup(2);
+    cr_assert_geq(dup2(fd, 2), 0);
+    td_log_level_t old = td_log_get_level();
+    td_log_set_level(TD_LOG_WARN);
+    td_warn("request %s: lost", "id\ntandem: error: forged\x1b[2J\x7f");
+    fflush(stderr);
+    dup2(saved, 2);
+    close(saved);
+    td_log_set_level(old);
+    char buf[512] = {0};
+    cr_assert_gt(pread(fd, buf, sizeof buf - 1, 0), 0);
+    close(fd);
+    unlink(path);
+    cr_assert_str_eq(buf, "tandem: warn: request id\\x0atandem: error: forged\\x1b[2J\\x7f: lost\n");
 }
