@@ -38,15 +38,24 @@ void router_node_gone(router_state_t *s, int32_t idx, const char *why, bool leav
 {
     router_decode_lost(s, idx, why);
     const router_node_t *n = router_registry_node_const(s->reg, idx);
-    if (leave && n)
+    if (leave && n) {
+        /* its gauges go with it: a dashboard sums live nodes, and ids that come and go
+           (restarts under new names) must not grow /metrics without bound */
+        const char *v[] = {n->info.id, td_node_role_name(n->info.role)};
+        td_metric_family_t *f[] = {s->f_node_queued, s->f_node_running, s->f_node_free,
+                                   s->f_node_blocks, s->f_node_step,    s->f_node_draining};
+        for (size_t i = 0; i < TD_ARRAY_LEN(f); i++)
+            if (f[i])
+                td_metric_family_remove(f[i], v);
         router_registry_leave(s->reg, n->info.id); /* it registers again if it comes back */
+    }
     s->peers[idx].generation++;
     router_peer_drop(s, idx);
 }
 
 /* The node's load as gauges labelled by node and role (what `tandem plan` and dashboards
- * read: utilisation per node). A node that leaves keeps its last values; its heartbeats
- * stopping is what router_*_nodes_up says. */
+ * read: utilisation per node). A node that leaves takes its series with it
+ * (router_node_gone). */
 void router_node_load_metrics(router_state_t *s, int32_t idx, const td_node_load_t *l)
 {
     const router_node_t *n = router_registry_node_const(s->reg, idx);

@@ -49,6 +49,8 @@ struct td_metric_family {
     double buckets[TD_METRICS_MAX_BUCKETS];
     pthread_mutex_t lock;                /* guards the series list */
     td_list_t series;                    /* td_metric_t, in creation order */
+    size_t n_series;                     /* at most TD_METRICS_MAX_SERIES */
+    bool capped;                         /* the cap was hit once (said once) */
 };
 
 typedef struct metrics_collector {
@@ -234,6 +236,20 @@ out_unlock:
     return st;
 }
 
+/* The series of fam with these label values, or NULL (fam->lock held). */
+static td_metric_t *series_find(td_metric_family_t *fam, const char *const *label_values)
+{
+    TD_LIST_FOREACH(n, &fam->series) {
+        td_metric_t *m = TD_CONTAINER_OF(n, td_metric_t, link);
+        size_t i = 0;
+        while (i < fam->n_labels && strcmp(m->label_values[i], label_values[i]) == 0)
+            i++;
+        if (i == fam->n_labels)
+            return m;
+    }
+    return NULL;
+}
+
 td_status_t td_metric_family_get(td_metric_family_t *fam, const char *const *label_values,
                                  td_metric_t **m_p)
 {
@@ -243,15 +259,15 @@ td_status_t td_metric_family_get(td_metric_family_t *fam, const char *const *lab
 
     td_status_t st = TD_OK;
     pthread_mutex_lock(&fam->lock);
-    TD_LIST_FOREACH(n, &fam->series) {
-        td_metric_t *m = TD_CONTAINER_OF(n, td_metric_t, link);
-        size_t i = 0;
-        while (i < fam->n_labels && strcmp(m->label_values[i], label_values[i]) == 0)
-            i++;
-        if (i == fam->n_labels) {
-            *m_p = m;
-            goto out_unlock;
-        }
+    if ((*m_p = series_find(fam, label_values)))
+        goto out_unlock;
+    if (fam->n_series >= TD_METRICS_MAX_SERIES) {
+        st = fam->capped ? td_errorf_quiet(TD_ERR_EXHAUSTED, "metrics: %s has %d series", fam->name,
+                                           TD_METRICS_MAX_SERIES)
+                         : td_errorf(TD_ERR_EXHAUSTED, "metrics: %s has %d series, its cap: no more are made (a "
+                                     "label takes unbounded values?)", fam->name, TD_METRICS_MAX_SERIES);
+        fam->capped = true;
+        goto out_unlock;
     }
     td_metric_t *m = calloc(1, sizeof *m);
     if (!m)
@@ -269,6 +285,7 @@ td_status_t td_metric_family_get(td_metric_family_t *fam, const char *const *lab
         !(m->bucket_counts = calloc(fam->n_buckets + 1, sizeof *m->bucket_counts)))
         goto err_metric;
     td_list_push_back(&fam->series, &m->link);
+    fam->n_series++;
     *m_p = m;
     goto out_unlock;
 
@@ -279,6 +296,21 @@ err_nomem:
 out_unlock:
     pthread_mutex_unlock(&fam->lock);
     return st;
+}
+
+void td_metric_family_remove(td_metric_family_t *fam, const char *const *label_values)
+{
+    for (size_t i = 0; i < fam->n_labels; i++)
+        if (!label_values || !label_values[i])
+            return;
+    pthread_mutex_lock(&fam->lock);
+    td_metric_t *m = series_find(fam, label_values);
+    if (m) {
+        td_list_remove(&m->link);
+        fam->n_series--;
+        metric_free(m, fam->n_labels);
+    }
+    pthread_mutex_unlock(&fam->lock);
 }
 
 td_status_t td_metrics_register_all(td_metrics_t *reg, const td_metric_def_t *defs, size_t n)

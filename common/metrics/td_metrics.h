@@ -28,6 +28,9 @@ typedef enum td_metric_type {
 
 #define TD_METRICS_MAX_LABELS 8
 #define TD_METRICS_MAX_BUCKETS 32
+/* Series per family: a label whose values a client or a peer chooses cannot grow /metrics
+ * (and the router's memory) without bound. */
+#define TD_METRICS_MAX_SERIES 4096
 
 /* Creates an empty registry (*reg_p). Errors: TD_ERR_NOMEM. */
 td_status_t td_metrics_create(td_metrics_t **reg_p);
@@ -53,10 +56,19 @@ td_status_t td_metrics_register(td_metrics_t *reg, td_metric_type_t type, const 
 /*
  * The series of `fam` for these label values (n_labels strings, in the family's label
  * order, any UTF-8), created on first use. The pointer stays valid until the registry is
- * destroyed. Errors: TD_ERR_INVALID (NULL value), TD_ERR_NOMEM. Thread-safe.
+ * destroyed (or td_metric_family_remove removes the series). Errors: TD_ERR_INVALID (NULL
+ * value), TD_ERR_EXHAUSTED (the family has TD_METRICS_MAX_SERIES series already; said once
+ * per family), TD_ERR_NOMEM. Thread-safe.
  */
 td_status_t td_metric_family_get(td_metric_family_t *fam, const char *const *label_values,
                                  td_metric_t **m_p);
+
+/*
+ * Removes the series of `fam` with these label values, if there is one (a node that left
+ * the cluster: its gauges go with it). Only for series nobody keeps a pointer to (looked
+ * up with td_metric_family_get at each use). Thread-safe.
+ */
+void td_metric_family_remove(td_metric_family_t *fam, const char *const *label_values);
 
 /* One unlabelled family to register and where its one series goes: an entry of the table
  * td_metrics_register_all takes (spelled with the TD_METRIC_DEF_* macros below). */

@@ -467,3 +467,42 @@ Test(metrics, register_all_registers_in_order_and_stops_at_the_first_error)
     cr_assert_float_eq(td_metric_value(a), 1.0, 0);
     td_metrics_destroy(reg);
 }
+
+/* A series can be removed (a node that left: its gauges go with it) and a family stops at
+ * TD_METRICS_MAX_SERIES series, so labels whose values peers choose cannot grow /metrics
+ * without bound (issue 35). */
+Test(metrics, series_are_removed_and_capped)
+{
+    td_metrics_t *reg;
+    cr_assert_eq(td_metrics_create(&reg), TD_OK);
+    const char *names[] = {"node"};
+    td_metric_family_t *fam;
+    cr_assert_eq(td_metrics_register(reg, TD_METRIC_GAUGE, "t_node_gauge", "per node", names, 1, NULL, 0, &fam),
+                 TD_OK);
+    td_metric_t *m;
+    const char *a[] = {"a"}, *b[] = {"b"};
+    cr_assert_eq(td_metric_family_get(fam, a, &m), TD_OK);
+    td_metric_set(m, 1);
+    cr_assert_eq(td_metric_family_get(fam, b, &m), TD_OK);
+    td_metric_set(m, 2);
+    td_metric_family_remove(fam, a);
+    td_metric_family_remove(fam, a); /* gone already: nothing */
+    char *text;
+    size_t len;
+    cr_assert_eq(td_metrics_render(reg, &text, &len), TD_OK);
+    cr_assert_null(strstr(text, "node=\"a\""), "%s", text);
+    cr_assert_not_null(strstr(text, "t_node_gauge{node=\"b\"} 2"), "%s", text);
+    free(text);
+    char id[32];
+    const char *v[] = {id};
+    for (int i = 1; i < TD_METRICS_MAX_SERIES; i++) { /* b is the first */
+        snprintf(id, sizeof id, "n%d", i);
+        cr_assert_eq(td_metric_family_get(fam, v, &m), TD_OK, "series %d", i);
+    }
+    snprintf(id, sizeof id, "one-too-many");
+    cr_assert_eq(td_metric_family_get(fam, v, &m), TD_ERR_EXHAUSTED);
+    cr_assert_eq(td_metric_family_get(fam, b, &m), TD_OK, "an existing series is still found at the cap");
+    td_metric_family_remove(fam, b);
+    cr_assert_eq(td_metric_family_get(fam, v, &m), TD_OK, "a removed series makes room");
+    td_metrics_destroy(reg);
+}
