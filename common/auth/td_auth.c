@@ -236,6 +236,7 @@ typedef struct sender {
     uint64_t id;
     uint64_t top;
     int64_t last_ms; /* when it was last accepted (the verifier's clock) */
+    int64_t sig_ms;  /* the latest signing time it presented (its clock) */
     uint64_t seen[TD_AUTH_REPLAY_BITS / 64];
     bool used;
 } sender_t;
@@ -247,6 +248,9 @@ struct td_auth_cluster {
     EVP_MAC_CTX *ctx;  /* keyed once; re-initialised with the same key for each message */
     sender_t *senders; /* TD_AUTH_MAX_SENDERS */
     td_hash_t by_id;   /* sender id -> index in senders */
+    int64_t floor_ms;  /* the latest signing time of a sender forgotten while still fresh: a
+                          sender not in the table must have signed after it (else it may be a
+                          replay of the forgotten one's calls) */
 };
 
 td_auth_cluster_config_t td_auth_cluster_config_default(void)
@@ -402,26 +406,33 @@ static bool parse_value(const char *v, uint64_t *sender, uint64_t *ctr, int64_t 
     return k > 0;
 }
 
-/* The sender's entry: found, or a free one, or one idle past 2 windows (its messages are
- * all stale by now, so forgetting it lets nothing in again). NULL: table full. A new entry
- * is marked used by replay_accept. */
-static sender_t *sender_slot(td_auth_cluster_t *c, uint64_t id, int64_t now_ms)
+/* A new sender's entry: a free one, or one idle past 2 windows (its messages are all stale
+ * by now, so forgetting it lets nothing in again), or else the least recently accepted one,
+ * whose latest signing time becomes the floor a new sender must sign after (so its calls
+ * cannot be replayed under a fresh entry). A full table never locks new senders out (a
+ * node restarting in a loop, or many of them, once filled it and no node could join). A new
+ * entry is marked used by replay_accept. */
+static sender_t *sender_new(td_auth_cluster_t *c, uint64_t id, int64_t now_ms)
 {
-    td_hash_slot_t *h = td_hash_find(&c->by_id, id);
-    if (h)
-        return &c->senders[h->value];
-    for (int i = 0; i < TD_AUTH_MAX_SENDERS; i++) { /* a new sender: rare, one per channel */
+    int victim = 0;
+    for (int i = 0; i < TD_AUTH_MAX_SENDERS; i++) { /* a new sender: rare, one per process */
         sender_t *e = &c->senders[i];
-        if (e->used && now_ms - e->last_ms <= 2 * c->cfg.window_ms)
-            continue;
-        if (e->used)
-            td_hash_remove(&c->by_id, e->id, (uint64_t)i);
-        if (td_hash_put(&c->by_id, id, (uint64_t)i) != TD_OK) /* never: sized for every slot */
-            return NULL;
-        *e = (sender_t){.id = id};
-        return e;
+        if (!e->used || now_ms - e->last_ms > 2 * c->cfg.window_ms) {
+            victim = i;
+            break;
+        }
+        if (e->last_ms < c->senders[victim].last_ms)
+            victim = i;
     }
-    return NULL;
+    sender_t *e = &c->senders[victim];
+    if (e->used) {
+        if (now_ms - e->last_ms <= 2 * c->cfg.window_ms)
+            c->floor_ms = TD_MAX(c->floor_ms, e->sig_ms);
+        td_hash_remove(&c->by_id, e->id, (uint64_t)victim);
+    }
+    td_hash_put(&c->by_id, id, (uint64_t)victim); /* cannot fail: sized for every slot */
+    *e = (sender_t){.id = id};
+    return e;
 }
 
 /* Accepts counter k of e once; false for a repeat or one older than the bitmap. */
@@ -490,18 +501,21 @@ td_auth_outcome_t td_auth_verify(td_auth_cluster_t *c, int64_t now_ms, const cha
                  "or a replay)", (long long)(ms - now_ms), (long long)c->cfg.window_ms);
         return TD_AUTH_WRONG;
     }
-    sender_t *e = sender_slot(c, sender, now_ms);
-    if (!e) {
-        snprintf(why, cap, "more than %d senders signed within %lld ms", TD_AUTH_MAX_SENDERS,
-                 (long long)(2 * c->cfg.window_ms));
+    td_hash_slot_t *h = td_hash_find(&c->by_id, sender);
+    if (!h && ms <= c->floor_ms) {
+        snprintf(why, cap, "a sender this verifier does not know signed at %lld, not after %lld, the latest call of "
+                 "a sender it had to forget (a replay, or a clock behind: the caller retries)",
+                 (long long)ms, (long long)c->floor_ms);
         return TD_AUTH_WRONG;
     }
+    sender_t *e = h ? &c->senders[h->value] : sender_new(c, sender, now_ms);
     if (!replay_accept(e, ctr)) {
         snprintf(why, cap, "replayed request (sender %016llx counter %llu seen before or too old)",
                  (unsigned long long)sender, (unsigned long long)ctr);
         return TD_AUTH_WRONG;
     }
     e->last_ms = now_ms;
+    e->sig_ms = TD_MAX(e->sig_ms, ms);
     return TD_AUTH_OK;
 }
 

@@ -202,6 +202,14 @@ td_status_t td_node_auth_sign_channel(td_auth_cluster_t *cluster, const char *au
     return TD_OK;
 }
 
+void td_node_auth_sign_channel_with(td_auth_signer_t *signer, td_grpc_channel_config_t *cc)
+{
+    cc->sign_header = TD_AUTH_HEADER;
+    cc->sign = sign_call;
+    cc->sign_data = signer;
+    cc->sign_free = NULL;
+}
+
 td_auth_outcome_t td_node_auth_check_key(td_node_auth_t *a, const char *authorization)
 {
     if (!a->keys)

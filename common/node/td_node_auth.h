@@ -78,6 +78,10 @@ void td_node_auth_guard_control(td_node_auth_t *a, td_grpc_server_config_t *gc);
  * then. */
 td_status_t td_node_auth_sign_channel(td_auth_cluster_t *cluster, const char *audience, td_grpc_channel_config_t *cc);
 
+/* Makes cc sign every call with `signer`, which the caller owns and keeps past the channel
+ * (a node's one signer toward the router: its channels come and go, its sender id stays). */
+void td_node_auth_sign_channel_with(td_auth_signer_t *signer, td_grpc_channel_config_t *cc);
+
 /* The HTTP front door's check of an Authorization header value (NULL: absent), counted
  * in tandem_auth_api_key_total. TD_AUTH_OK too when no keys are configured (not counted). */
 td_auth_outcome_t td_node_auth_check_key(td_node_auth_t *a, const char *authorization);

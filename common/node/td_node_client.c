@@ -38,7 +38,17 @@ struct td_node_client {
     bool drain_told;           /* a heartbeat carrying draining succeeded */
     bool hb_draining;          /* the heartbeat in flight carries draining */
     bool refused_logged;       /* the router's refusal was logged (until a registration succeeds) */
+    uint32_t backoff_ms;       /* the next wait after a failure: retry_ms, doubled per failure in a
+                                  row up to TD_NODE_CLIENT_MAX_BACKOFF_MS, reset by a registration */
+    /* one signer for the process's life (with a cluster secret): every channel to the router
+       signs as the same sender, so a node that reconnects or is refused over and over takes
+       one entry of the router's replay table, not one per attempt */
+    td_auth_signer_t signer;
+    bool signing;
 };
+
+/* The longest wait between registration attempts after failures in a row. */
+#define TD_NODE_CLIENT_MAX_BACKOFF_MS 2000u
 
 static void schedule(td_node_client_t *c, uint32_t ms);
 
@@ -59,8 +69,10 @@ static void fail(td_node_client_t *c, const char *what, const char *msg)
     c->registered = false;
     c->epoch = 0;
     drop_channel(c);
-    if (!c->closing && !c->draining)
-        schedule(c, c->cfg.retry_ms);
+    if (!c->closing && !c->draining) {
+        schedule(c, c->backoff_ms);
+        c->backoff_ms = TD_MIN(c->backoff_ms * 2, TD_MAX(TD_NODE_CLIENT_MAX_BACKOFF_MS, c->cfg.retry_ms));
+    }
 }
 
 static void on_register_msg(td_grpc_client_call_t *call, const ProtobufCMessage *msg, void *data)
@@ -87,6 +99,7 @@ static void on_register_done(td_grpc_client_call_t *call, td_grpc_code_t code, c
         return;
     }
     c->refused_logged = false;
+    c->backoff_ms = c->cfg.retry_ms;
     if (!c->registered)
         td_info("node %s: registered with router %s:%u (%s, epoch %llu)", c->cfg.info.id, c->router_host,
                 c->cfg.router_port, c->router_ip, (unsigned long long)c->epoch);
@@ -131,8 +144,9 @@ static bool ensure_channel(td_node_client_t *c)
     drop_channel(c);
     td_grpc_channel_config_t cc = td_grpc_channel_config_default();
     c->ip_fresh = false; /* a later channel looks the name up again */
-    return td_node_auth_sign_channel(c->cfg.cluster, TD_NODE_AUTH_ROUTER, &cc) == TD_OK &&
-           td_grpc_channel_create(c->loop, c->router_ip, c->cfg.router_port, &cc, &c->ch) == TD_OK;
+    if (c->signing)
+        td_node_auth_sign_channel_with(&c->signer, &cc);
+    return td_grpc_channel_create(c->loop, c->router_ip, c->cfg.router_port, &cc, &c->ch) == TD_OK;
 }
 
 static void send_register(td_node_client_t *c)
@@ -298,6 +312,15 @@ td_status_t td_node_client_create(uv_loop_t *loop, const td_node_client_config_t
         c->cfg.rpc_timeout_ms = 2000;
     if (!c->cfg.retry_ms)
         c->cfg.retry_ms = 200;
+    c->backoff_ms = c->cfg.retry_ms;
+    if (cfg->cluster) {
+        td_status_t st = td_auth_signer_init(&c->signer, cfg->cluster, TD_NODE_AUTH_ROUTER);
+        if (st != TD_OK) {
+            free(c);
+            return st;
+        }
+        c->signing = true;
+    }
     if (cfg->xfer_desc_len) {
         if (!(c->xfer_desc = malloc(cfg->xfer_desc_len))) {
             free(c);

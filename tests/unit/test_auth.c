@@ -255,37 +255,54 @@ Test(auth, secret_file_generate_load_rules)
     cr_assert_eq(td_auth_cluster_load("/nonexistent/secret", &cfg, &c), TD_ERR_IO);
 }
 
-/* A verifier remembers TD_AUTH_MAX_SENDERS senders; one more within the window is refused,
- * and once the others went silent for two windows it takes their place, while their old
- * signatures stay refused (stale). */
-Test(auth, sender_table_full_then_reused)
+/* A verifier remembers TD_AUTH_MAX_SENDERS senders. One more within the window does not lock
+ * new senders out (a node restarting in a loop once filled the table and no node could
+ * join): the least recently accepted one is forgotten, and a call it signed cannot be
+ * replayed under a fresh entry (a sender not in the table must have signed after the
+ * forgotten one's latest call); forgotten, it is taken in again when it signs anew. Senders
+ * silent for two windows are forgotten without raising that floor. */
+Test(auth, sender_table_full_evicts_the_oldest)
 {
-    td_auth_cluster_t *a = cluster(SECRET, 1000), *b = cluster(SECRET, 1000);
+    const int64_t W = 60000;
+    td_auth_cluster_t *a = cluster(SECRET, W), *b = cluster(SECRET, W);
     int64_t now = 1700000000000;
-    char v[TD_AUTH_HEADER_CHARS], old[TD_AUTH_HEADER_CHARS], why[256];
-    td_auth_signer_t s;
-    for (int i = 0; i < TD_AUTH_MAX_SENDERS; i++) {
-        cr_assert_eq(td_auth_signer_init(&s, a, AUD), TD_OK);
-        cr_assert_eq(td_auth_sign(&s, now, M_ADMIT, "x", 1, v, sizeof v), TD_OK);
-        cr_assert_eq(td_auth_verify(b, now, AUD, M_ADMIT, v, "x", 1, why, sizeof why), TD_AUTH_OK, "sender %d: %s", i, why);
-        /* a second call of the same sender is found again, not a new entry */
-        cr_assert_eq(td_auth_sign(&s, now, M_ADMIT, "x", 1, old, sizeof old), TD_OK);
-        cr_assert_eq(td_auth_verify(b, now, AUD, M_ADMIT, old, "x", 1, why, sizeof why), TD_AUTH_OK, "%s", why);
+    char v[TD_AUTH_HEADER_CHARS], old0[TD_AUTH_HEADER_CHARS], why[256];
+    static td_auth_signer_t s[TD_AUTH_MAX_SENDERS];
+    for (int i = 0; i < TD_AUTH_MAX_SENDERS; i++) { /* sender i last accepted at now + i */
+        cr_assert_eq(td_auth_signer_init(&s[i], a, AUD), TD_OK);
+        cr_assert_eq(td_auth_sign(&s[i], now + i, M_ADMIT, "x", 1, v, sizeof v), TD_OK);
+        cr_assert_eq(td_auth_verify(b, now + i, AUD, M_ADMIT, v, "x", 1, why, sizeof why), TD_AUTH_OK, "sender %d: %s",
+                     i, why);
     }
+    /* a second call of sender 0 is found again, not a new entry; kept to replay later */
+    cr_assert_eq(td_auth_sign(&s[0], now, M_ADMIT, "x", 1, old0, sizeof old0), TD_OK);
+    cr_assert_eq(td_auth_verify(b, now, AUD, M_ADMIT, old0, "x", 1, why, sizeof why), TD_AUTH_OK, "%s", why);
+    int64_t t = now + 2000;
     td_auth_signer_t extra;
     cr_assert_eq(td_auth_signer_init(&extra, a, AUD), TD_OK);
-    cr_assert_eq(td_auth_sign(&extra, now, M_ADMIT, "x", 1, v, sizeof v), TD_OK);
-    cr_assert_eq(td_auth_verify(b, now, AUD, M_ADMIT, v, "x", 1, why, sizeof why), TD_AUTH_WRONG);
-    cr_assert(strstr(why, "senders"), "%s", why);
-    int64_t later = now + 2001;
-    cr_assert_eq(td_auth_sign(&extra, later, M_ADMIT, "x", 1, v, sizeof v), TD_OK);
+    cr_assert_eq(td_auth_sign(&extra, t, M_ADMIT, "x", 1, v, sizeof v), TD_OK);
+    cr_assert_eq(td_auth_verify(b, t, AUD, M_ADMIT, v, "x", 1, why, sizeof why), TD_AUTH_OK,
+                 "a full table refused a new sender: %s", why);
+    /* sender 0 was the oldest: forgotten, and its captured call is not taken again */
+    cr_assert_eq(td_auth_verify(b, t, AUD, M_ADMIT, old0, "x", 1, why, sizeof why), TD_AUTH_WRONG);
+    cr_assert(strstr(why, "forget"), "%s", why);
+    /* sender 1 (still known) replayed: refused as a replay */
+    cr_assert_eq(td_auth_sign(&s[1], t, M_ADMIT, "x", 1, v, sizeof v), TD_OK);
+    cr_assert_eq(td_auth_verify(b, t, AUD, M_ADMIT, v, "x", 1, why, sizeof why), TD_AUTH_OK, "%s", why);
+    cr_assert_eq(td_auth_verify(b, t, AUD, M_ADMIT, v, "x", 1, why, sizeof why), TD_AUTH_WRONG);
+    cr_assert(strstr(why, "replayed"), "%s", why);
+    /* sender 0 signing anew is taken in again, once */
+    cr_assert_eq(td_auth_sign(&s[0], t + 1, M_ADMIT, "x", 1, v, sizeof v), TD_OK);
+    cr_assert_eq(td_auth_verify(b, t + 1, AUD, M_ADMIT, v, "x", 1, why, sizeof why), TD_AUTH_OK, "%s", why);
+    cr_assert_eq(td_auth_verify(b, t + 1, AUD, M_ADMIT, v, "x", 1, why, sizeof why), TD_AUTH_WRONG);
+    /* two windows later every old entry is stale: a new sender takes one, its call accepted */
+    int64_t later = t + 2 * W + 10;
+    td_auth_signer_t late;
+    cr_assert_eq(td_auth_signer_init(&late, a, AUD), TD_OK);
+    cr_assert_eq(td_auth_sign(&late, later, M_ADMIT, "x", 1, v, sizeof v), TD_OK);
     cr_assert_eq(td_auth_verify(b, later, AUD, M_ADMIT, v, "x", 1, why, sizeof why), TD_AUTH_OK, "%s", why);
-    cr_assert_eq(td_auth_verify(b, later, AUD, M_ADMIT, old, "x", 1, why, sizeof why), TD_AUTH_WRONG);
+    cr_assert_eq(td_auth_verify(b, later, AUD, M_ADMIT, old0, "x", 1, why, sizeof why), TD_AUTH_WRONG);
     cr_assert(strstr(why, "stale"), "%s", why);
-    /* the last old sender, signing anew, is still known or taken in again: accepted once */
-    cr_assert_eq(td_auth_sign(&s, later, M_ADMIT, "x", 1, v, sizeof v), TD_OK);
-    cr_assert_eq(td_auth_verify(b, later, AUD, M_ADMIT, v, "x", 1, why, sizeof why), TD_AUTH_OK, "%s", why);
-    cr_assert_eq(td_auth_verify(b, later, AUD, M_ADMIT, v, "x", 1, why, sizeof why), TD_AUTH_WRONG);
     td_auth_cluster_destroy(a);
     td_auth_cluster_destroy(b);
 }
