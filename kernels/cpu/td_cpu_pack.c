@@ -31,8 +31,8 @@ size_t td_cpu_pack_bytes(td_dtype_t type, size_t n, size_t k)
     return (n + ROWS - 1) / ROWS * td_cpu_pack_group_bytes(type, k);
 }
 
-/* Row j's place in a packed matrix: the quants of its group (the block's scales follow at
- * gq + nb * quant_bytes) and its row within the group */
+/* Row j's place in a packed matrix: its group's start (blocks and scales at block_at and
+ * chunk_scales_at from there) and its row within the group */
 TD_INLINE unsigned char *group_of(void *dst, td_dtype_t t, size_t k, size_t j, size_t *r_p)
 {
     *r_p = j % ROWS;
@@ -54,15 +54,15 @@ TD_INLINE void place_q4(unsigned char *q, size_t r, const uint8_t qs[TD_QK / 2])
  * stored */
 static void pack_k4(void *dst, const void *w, td_dtype_t t, size_t n, size_t k)
 {
-    size_t nb = k / TD_QK, qb = quant_bytes(t), row_bytes = td_dtype_bytes(t, k);
+    size_t nb = k / TD_QK, row_bytes = td_dtype_bytes(t, k);
     for (size_t j = 0; j < n; j++) {
         size_t r;
-        unsigned char *gq = group_of(dst, t, k, j, &r), *gs = gq + nb * qb;
+        unsigned char *gq = group_of(dst, t, k, j, &r);
         const unsigned char *row = (const unsigned char *)w + j * row_bytes;
         for (size_t sb = 0; sb < k / TD_QK_K; sb++) {
             const td_block_q4_k_t *b4 = t == TD_Q4_K ? (const td_block_q4_k_t *)row + sb : NULL;
             const td_block_q5_k_t *b5 = t == TD_Q5_K ? (const td_block_q5_k_t *)row + sb : NULL;
-            unsigned char *ks = gs + sb * K_SCALE_BYTES;
+            unsigned char *ks = gq + chunk_scales_at(t, nb, sb * 8);
             memcpy(ks + K_D + 2 * r, b4 ? &b4->d : &b5->d, 2);
             memcpy(ks + K_DMIN + 2 * r, b4 ? &b4->dmin : &b5->dmin, 2);
             for (int sub = 0; sub < 8; sub++) {
@@ -74,7 +74,7 @@ static void pack_k4(void *dst, const void *w, td_dtype_t t, size_t n, size_t k)
                     for (int e = 0; e < TD_QK; e++)
                         u[e] = (uint8_t)((b4->qs[32 * (sub / 2) + e] >> (4 * (sub % 2))) & 15);
                 }
-                unsigned char *q = gq + (sb * 8 + (size_t)sub) * qb;
+                unsigned char *q = gq + block_at(t, sb * 8 + (size_t)sub);
                 for (int i = 0; i < 16; i++) {
                     qs[i] = (uint8_t)((u[i] & 15) | (u[16 + i] & 15) << 4);
                     if (b5)
@@ -94,18 +94,18 @@ static void pack_k4(void *dst, const void *w, td_dtype_t t, size_t n, size_t k)
  * weights j and j + 16), f16 d and the int8 ls - 32 of each sub-block kept */
 static void pack_iq4_xs(void *dst, const void *w, size_t n, size_t k)
 {
-    size_t nb = k / TD_QK, qb = quant_bytes(TD_IQ4_XS);
+    size_t nb = k / TD_QK;
     for (size_t j = 0; j < n; j++) {
         size_t r;
-        unsigned char *gq = group_of(dst, TD_IQ4_XS, k, j, &r), *gs = gq + nb * qb;
+        unsigned char *gq = group_of(dst, TD_IQ4_XS, k, j, &r);
         const td_block_iq4_xs_t *row =
             (const td_block_iq4_xs_t *)((const unsigned char *)w + j * td_dtype_bytes(TD_IQ4_XS, k));
         for (size_t sb = 0; sb < k / TD_QK_K; sb++) {
             const td_block_iq4_xs_t *blk = &row[sb];
-            unsigned char *ks = gs + sb * XS_SCALE_BYTES;
+            unsigned char *ks = gq + chunk_scales_at(TD_IQ4_XS, nb, sb * 8);
             memcpy(ks + 2 * r, &blk->d, 2);
             for (int sub = 0; sub < 8; sub++) {
-                place_q4(gq + (sb * 8 + (size_t)sub) * qb, r, blk->qs + 16 * sub);
+                place_q4(gq + block_at(TD_IQ4_XS, sb * 8 + (size_t)sub), r, blk->qs + 16 * sub);
                 ks[XS_SC(sub) + r] = (unsigned char)(int8_t)td_quant_iq4_xs_scale(blk, sub);
             }
         }
@@ -118,19 +118,19 @@ static void pack_iq4_xs(void *dst, const void *w, size_t n, size_t k)
  * 16 + ... (the header's layout); d and the scales kept as stored */
 static void pack_q6_k(void *dst, const void *w, size_t n, size_t k)
 {
-    size_t nb = k / TD_QK, qb = quant_bytes(TD_Q6_K);
+    size_t nb = k / TD_QK;
     for (size_t jr = 0; jr < n; jr++) {
         size_t r;
-        unsigned char *gq = group_of(dst, TD_Q6_K, k, jr, &r), *gs = gq + nb * qb;
+        unsigned char *gq = group_of(dst, TD_Q6_K, k, jr, &r);
         const td_block_q6_k_t *row = (const td_block_q6_k_t *)((const unsigned char *)w + jr * td_dtype_bytes(TD_Q6_K, k));
         for (size_t sb = 0; sb < k / TD_QK_K; sb++) {
             const td_block_q6_k_t *blk = &row[sb];
-            unsigned char *ks = gs + sb * K6_SCALE_BYTES;
+            unsigned char *ks = gq + chunk_scales_at(TD_Q6_K, nb, sb * 8);
             memcpy(ks + 2 * r, &blk->d, 2);
             for (int j = 0; j < 8; j++) {
                 uint8_t u[TD_QK], qs[TD_QK / 2];
                 td_quant_q6_k_piece(blk, j, u);
-                unsigned char *q = gq + (sb * 8 + (size_t)j) * qb;
+                unsigned char *q = gq + block_at(TD_Q6_K, sb * 8 + (size_t)j);
                 for (int i = 0; i < 16; i++) {
                     int v = i / 4, e = i % 4; /* weights i and 16 + i: vector v, byte 4r + e */
                     qs[i] = (uint8_t)((u[i] & 15) | (u[16 + i] & 15) << 4);
@@ -147,8 +147,7 @@ static void pack_q6_k(void *dst, const void *w, size_t n, size_t k)
 
 void td_cpu_pack_weights(void *dst, const void *w, td_dtype_t type, size_t n, size_t k)
 {
-    size_t nb = k / TD_QK, qb = quant_bytes(type);
-    size_t sh = scale_halves(type), row_bytes = td_dtype_bytes(type, k);
+    size_t nb = k / TD_QK, row_bytes = td_dtype_bytes(type, k);
     /* zero padding rows: quants 0 and scales +0.0 give outputs nobody stores */
     memset(dst, 0, td_cpu_pack_bytes(type, n, k));
     if (k_scales(type)) {
@@ -165,11 +164,11 @@ void td_cpu_pack_weights(void *dst, const void *w, td_dtype_t type, size_t n, si
     }
     for (size_t j = 0; j < n; j++) {
         size_t r;
-        unsigned char *gq = group_of(dst, type, k, j, &r), *gs = gq + nb * qb;
+        unsigned char *gq = group_of(dst, type, k, j, &r);
         const unsigned char *row = (const unsigned char *)w + j * row_bytes;
         for (size_t b = 0; b < nb; b++) {
             uint16_t d, m = 0;
-            unsigned char *q = gq + b * qb;
+            unsigned char *q = gq + block_at(type, b), *s = gq + block_scales_at(type, nb, b);
             if (type == TD_Q8_0) {
                 const td_block_q8_0_t *blk = (const td_block_q8_0_t *)row + b;
                 d = blk->d;
@@ -189,10 +188,10 @@ void td_cpu_pack_weights(void *dst, const void *w, td_dtype_t type, size_t n, si
                 }
                 place_q4(q, r, qs);
             }
-            /* f16 bits, stored byte-wise (gs is not 2-aligned for every caller's dst) */
-            memcpy(gs + 2 * (b * sh + r), &d, 2);
+            /* f16 bits, stored byte-wise (s is not 2-aligned for every caller's dst) */
+            memcpy(s + 2 * r, &d, 2);
             if (type == TD_Q4_1)
-                memcpy(gs + 2 * (b * sh + ROWS + r), &m, 2);
+                memcpy(s + 2 * (ROWS + r), &m, 2);
         }
     }
 }
@@ -274,35 +273,36 @@ TD_INLINE float half_at(const unsigned char *p)
 
 /* A block's weight scale d_w and offset m of row r (Q4_K, Q5_K: d * sc and -(dmin * mn),
  * IQ4_XS: d * (ls - 32), exact in f32; Q4_0, Q8_0, IQ4_XS: m unused) */
-TD_INLINE void row_scales(td_dtype_t t, const unsigned char *gs, size_t b, size_t r, float *d_p, float *m_p)
+TD_INLINE void row_scales(td_dtype_t t, const unsigned char *gq, size_t nb, size_t b, size_t r, float *d_p,
+                          float *m_p)
 {
     if (t == TD_IQ4_XS) {
-        const unsigned char *ks = gs + b / 8 * XS_SCALE_BYTES;
+        const unsigned char *ks = gq + chunk_scales_at(t, nb, b);
         *d_p = half_at(ks + 2 * r) * (float)(int8_t)ks[XS_SC(b % 8) + r];
         *m_p = 0.0f;
         return;
     }
     if (k_scales(t)) {
-        const unsigned char *ks = gs + b / 8 * K_SCALE_BYTES;
+        const unsigned char *ks = gq + chunk_scales_at(t, nb, b);
         size_t sub = b % 8;
         *d_p = half_at(ks + K_D + 2 * r) * (float)ks[K_SC(sub) + r];
         *m_p = -(half_at(ks + K_DMIN + 2 * r) * (float)ks[K_MN(sub) + r]);
         return;
     }
-    size_t sh = scale_halves(t);
-    *d_p = half_at(gs + 2 * (b * sh + r));
-    *m_p = t == TD_Q4_1 ? half_at(gs + 2 * (b * sh + ROWS + r)) : 0.0f;
+    const unsigned char *s = gq + block_scales_at(t, nb, b);
+    *d_p = half_at(s + 2 * r);
+    *m_p = t == TD_Q4_1 ? half_at(s + 2 * (ROWS + r)) : 0.0f;
 }
 
 /* Q6_K's block: two exact integer halves, each with its own scale (the header's contract) */
-TD_INLINE float q6_k_block_scalar(const unsigned char *gq, const unsigned char *gs, size_t b, size_t r,
+TD_INLINE float q6_k_block_scalar(const unsigned char *gq, size_t nb, size_t b, size_t r,
                                   const int8_t *hi, const int8_t *lo, float ea, int32_t c, int32_t c2, float acc)
 {
-    const unsigned char *ks = gs + b / 8 * K6_SCALE_BYTES;
+    const unsigned char *ks = gq + chunk_scales_at(TD_Q6_K, nb, b);
     float d = half_at(ks + 2 * r);
     int32_t p[2] = {c, c2};
     for (int e = 0; e < TD_QK; e++)
-        p[e / 16] += unsigned_quant(TD_Q6_K, gq + b * quant_bytes(TD_Q6_K), r, e) *
+        p[e / 16] += unsigned_quant(TD_Q6_K, gq + block_at(TD_Q6_K, b), r, e) *
                      (WIDE * hi[b * TD_QK + e] + lo[b * TD_QK + e]);
     for (int h = 0; h < 2; h++)
         acc = fmaf((float)p[h], d * (float)(int8_t)ks[K6_SC(b % 8, h) + r] * ea, acc);
@@ -312,10 +312,10 @@ TD_INLINE float q6_k_block_scalar(const unsigned char *gq, const unsigned char *
 TD_INLINE void kernel_scalar(td_dtype_t t, const void *wp, size_t g0, size_t g1, size_t k,
                              const void *av, size_t m, float *y, size_t ldy)
 {
-    size_t nb = k / TD_QK, gb = td_cpu_pack_group_bytes(t, k), qb = quant_bytes(t);
+    size_t nb = k / TD_QK, gb = td_cpu_pack_group_bytes(t, k);
     size_t stride = td_cpu_pack_act_stride(k);
     for (size_t g = g0; g < g1; g++) {
-        const unsigned char *gq = (const unsigned char *)wp + g * gb, *gs = gq + nb * qb;
+        const unsigned char *gq = (const unsigned char *)wp + g * gb;
         for (size_t i = 0; i < m; i++) {
             const unsigned char *a = (const unsigned char *)av + i * stride;
             const int8_t *hi = act_hi(a), *lo = act_lo(a, k);
@@ -329,17 +329,17 @@ TD_INLINE void kernel_scalar(td_dtype_t t, const void *wp, size_t g0, size_t g1,
                         memcpy(&ea, ev + 4 * b, 4);
                         memcpy(&cb, c + 4 * b, 4);
                         memcpy(&c2, act_c2(a, k) + 4 * b, 4);
-                        acc = q6_k_block_scalar(gq, gs, b, r, hi, lo, ea, cb, c2, acc);
+                        acc = q6_k_block_scalar(gq, nb, b, r, hi, lo, ea, cb, c2, acc);
                         continue;
                     }
                     int32_t p = 0;
                     if (!has_min(t))
                         memcpy(&p, c + 4 * b, 4);
                     for (int e = 0; e < TD_QK; e++)
-                        p += unsigned_quant(t, gq + b * qb, r, e) * (WIDE * hi[b * TD_QK + e] + lo[b * TD_QK + e]);
+                        p += unsigned_quant(t, gq + block_at(t, b), r, e) * (WIDE * hi[b * TD_QK + e] + lo[b * TD_QK + e]);
                     float ea, dw, mw;
                     memcpy(&ea, ev + 4 * b, 4);
-                    row_scales(t, gs, b, r, &dw, &mw);
+                    row_scales(t, gq, nb, b, r, &dw, &mw);
                     acc = fmaf((float)p, dw * ea, acc);
                     if (has_min(t)) {
                         float cf;

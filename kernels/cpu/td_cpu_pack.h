@@ -11,8 +11,11 @@
  *
  * The packed matrix: rows in groups of TD_CPU_PACK_ROWS (16; the last group padded with
  * zero rows of scale 0), group after group, each group_bytes (td_cpu_pack_group_bytes)
- * long, 64-byte multiples:
- *   [nb blocks of quants][nb blocks of scales]      nb = k / 32
+ * long, 64-byte multiples; a group's nb = k / 32 blocks go in chunks of 8 (the last one
+ * short when nb % 8 != 0), each chunk its blocks' quants, then their scales:
+ *   [8 blocks of quants][8 blocks of scales][8 blocks of quants][8 blocks of scales]...
+ * so a decode reads a group front to back as one stream (docs/kernels.md: the scales in a
+ * second stream after all the quants cost a third of the read speed).
  * Quants of one block, "u" the unsigned quant (Q4_0, Q4_1: the nibble 0..15; Q8_0: q + 128):
  *   Q4_0, Q4_1: 4 vectors of 64 bytes; vector v byte 4r + j = u(row r, weight 4v + j) |
  *               u(row r, weight 16 + 4v + j) << 4 (the stored qs byte 4v + j of row r:
@@ -20,7 +23,7 @@
  *   Q8_0:       8 vectors of 64 bytes; vector q byte 4r + j = u(row r, weight 4q + j)
  * Scales of one block: Q4_0, Q8_0: 16 f16 d (row order); Q4_1: 16 f16 d then 16 f16 m.
  * Q4_K: each 32-weight sub-block is a block of the Q4_1 layout (u = q, 0..15), and the scales
- * go per super-block of 8 blocks, 320 bytes: 16 f16 d, 16 f16 dmin (row order, as stored),
+ * go per super-block of 8 blocks (a chunk), 320 bytes: 16 f16 d, 16 f16 dmin (row order, as stored),
  * then for sub-blocks 0..7 the 16 rows' 6-bit sc bytes, then their mn bytes. A block's
  * d_w = d * sc and m = -(dmin * mn), both exact in f32; from there Q4_K is Q4_1.
  * Q5_K: as Q4_K (u = q, 0..31) with a fifth vector of the fifth bits: byte 4r + j holds those
@@ -108,8 +111,8 @@ typedef void (*td_cpu_pack_act_fn)(const float *x, void *a, td_dtype_t type, siz
  *   y[i * ldy + 16 (g - g0) + r] = dot(weight row 16 g + r, activation row i)
  * summed in the header's order, activation row i at a + i * td_cpu_pack_act_stride(k).
  * Register-blocked: each group's weight block is unpacked once for up to 8 activation
- * rows (AVX-512 VNNI; AVX2: 2) while they stay in registers. Decode calls (m <= 4) stream
- * the weights and prefetch ahead of their loads, up to group g_pf (>= g1): the end of the
+ * rows (AVX-512 VNNI; AVX2: 2) while they stay in registers. Each group's first sweep over
+ * its weights prefetches ahead of its loads, up to group g_pf (>= g1): the end of the
  * caller's share when it makes several calls over it (past it lie other threads' groups).
  */
 typedef void (*td_cpu_pack_fn)(const void *wp, size_t g0, size_t g1, size_t g_pf, size_t k, const void *a,

@@ -37,23 +37,24 @@ static TD_Y void act_row_avx2(const float *x, void *av, td_dtype_t type, size_t 
 }
 /* ---- AVX2 -------------------------------------------------------------------------------- */
 
-/* The weight scales d_w and offsets m (0 where the type has none) of block b, rows 8h..8h+7 */
-TD_INLINE TD_Y void avx2_scales(td_dtype_t t, const unsigned char *gs, size_t b, int h, __m256 *dw_p, __m256 *mw_p)
+/* The weight scales d_w and offsets m (0 where the type has none) of block b, rows 8h..8h+7,
+ * cs the scales of b's chunk */
+TD_INLINE TD_Y void avx2_scales(td_dtype_t t, const unsigned char *cs, size_t b, int h, __m256 *dw_p, __m256 *mw_p)
 {
     __m256 dw, mw = _mm256_setzero_ps();
     if (t == TD_IQ4_XS) { /* d * (ls - 32): exact */
-        const unsigned char *ks = gs + b / 8 * XS_SCALE_BYTES;
+        const unsigned char *ks = cs;
         dw = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ks + 16 * h))),
                            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(ks + XS_SC(b % 8) + 8 * h)))));
     } else if (k_scales(t)) { /* d * sc and -(dmin * mn): the scalar kernel's exact products */
-        const unsigned char *ks = gs + b / 8 * K_SCALE_BYTES;
+        const unsigned char *ks = cs;
         __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(ks + K_SC(b % 8) + 8 * h))));
         __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(ks + K_MN(b % 8) + 8 * h))));
         dw = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ks + K_D + 16 * h))), sc);
         mw = _mm256_xor_ps(_mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ks + K_DMIN + 16 * h))), mn),
                            _mm256_set1_ps(-0.0f));
     } else {
-        const unsigned char *s = gs + 2 * b * scale_halves(t) + 16 * h;
+        const unsigned char *s = cs + b % PACK_CHUNK * scale_bytes(t) + 16 * h;
         dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)s));
         if (t == TD_Q4_1)
             mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + 2 * ROWS)));
@@ -75,17 +76,16 @@ TD_INLINE bool avx2_row1_takes(td_dtype_t t)
  * them (u <= 15: 8 pairs of at most 2 * 15 * 127 stay under 2^15 over a block's 4 v; Q5_K's
  * u <= 31: over 2 v). Fewer widening multiplies and live registers than the general tile,
  * which on 16 ymm registers spills its accumulators. */
-TD_INLINE TD_Y void avx2_row1(td_dtype_t t, bool one, const unsigned char *gq, const unsigned char *gs, size_t nb,
+TD_INLINE TD_Y void avx2_row1(td_dtype_t t, bool one, const unsigned char *gq, size_t nb,
                               size_t k, const unsigned char *a, float *y, const unsigned char *pf_end)
 {
-    const size_t qb = quant_bytes(t);
     const int flush = t == TD_Q5_K ? 2 : 4; /* v's summed in int16 before widening */
     const __m256i low4 = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10);
     const int8_t *hi = act_hi(a), *lo = act_lo(a, k);
     __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, macc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     for (size_t b = 0; b < nb; b++) {
-        decode_prefetch(gq + b * qb, qb, pf_end);
-        const unsigned char *q = gq + b * qb;
+        const unsigned char *q = gq + block_at(t, b), *cs = gq + chunk_scales_at(t, nb, b);
+        decode_prefetch(t, gq, b, pf_end);
         const int8_t *qh = hi + b * TD_QK, *ql = lo + b * TD_QK;
         __m256i p[2], sh[2], sl[2];
         p[0] = p[1] = t == TD_Q4_0 ? _mm256_set1_epi32(load_i32(act_c(a, k) + 4 * b)) : _mm256_setzero_si256();
@@ -119,7 +119,7 @@ TD_INLINE TD_Y void avx2_row1(td_dtype_t t, bool one, const unsigned char *gq, c
 #pragma GCC unroll 2
         for (int x = 0; x < 2; x++) {
             __m256 dw, mw;
-            avx2_scales(t, gs, b, x, &dw, &mw);
+            avx2_scales(t, cs, b, x, &dw, &mw);
             acc[x] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[x]), _mm256_mul_ps(dw, e), acc[x]);
             if (has_min(t))
                 macc[x] = _mm256_fmadd_ps(mw, _mm256_set1_ps(load_f32(act_c(a, k) + 4 * b)), macc[x]);
@@ -137,11 +137,9 @@ TD_INLINE TD_Y void avx2_row1(td_dtype_t t, bool one, const unsigned char *gq, c
  * builds up in one accumulator a row. Q8_0's quants are u = q + 128: the sign trick on
  * q = u ^ 0x80 keeps maddubs' pairs in int16, and the sum starts at 0 instead of c (the
  * same integer as VNNI's c + sum u Q). */
-TD_INLINE TD_Y void avx2_tile(td_dtype_t t, bool one, int R, int h0, int H, const unsigned char *gq,
-                              const unsigned char *gs, size_t nb, size_t k, const unsigned char *a,
+TD_INLINE TD_Y void avx2_tile(td_dtype_t t, bool one, int R, int h0, int H, const unsigned char *gq, size_t nb, size_t k, const unsigned char *a,
                               size_t stride, float *y, size_t ldy, const unsigned char *pf_end)
 {
-    const size_t qb = quant_bytes(t);
     const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), wide = _mm256_set1_epi16(WIDE);
     const __m256i bias8 = _mm256_set1_epi8((char)0x80), bit4 = _mm256_set1_epi8(0x10);
     /* IQ4_XS: the signed values of the indices in both lanes, for vpshufb */
@@ -151,12 +149,13 @@ TD_INLINE TD_Y void avx2_tile(td_dtype_t t, bool one, int R, int h0, int H, cons
         for (int i = 0; i < R; i++)
             acc[x][i] = macc[x][i] = _mm256_setzero_ps();
     for (size_t b = 0; b < nb; b++) {
-        if (H == 2) /* decode */
-            decode_prefetch(gq + b * qb, qb, pf_end);
+        if (pf_end) /* the group's first sweep */
+            decode_prefetch(t, gq, b, pf_end);
+        const unsigned char *qblk = gq + block_at(t, b), *cs = gq + chunk_scales_at(t, nb, b);
 #pragma GCC unroll 2
         for (int x = 0; x < H; x++) {
             const int h = h0 + x;
-            const unsigned char *q = gq + b * qb + 32 * h;
+            const unsigned char *q = qblk + 32 * h;
             __m256i p[4];
 #pragma GCC unroll 4
             for (int i = 0; i < R; i++)
@@ -226,7 +225,7 @@ TD_INLINE TD_Y void avx2_tile(td_dtype_t t, bool one, int R, int h0, int H, cons
                 }
             }
             __m256 dw, mw;
-            avx2_scales(t, gs, b, h, &dw, &mw);
+            avx2_scales(t, cs, b, h, &dw, &mw);
 #pragma GCC unroll 4
             for (int i = 0; i < R; i++) {
                 const unsigned char *ai = a + i * stride;
@@ -247,11 +246,9 @@ TD_INLINE TD_Y void avx2_tile(td_dtype_t t, bool one, int R, int h0, int H, cons
 
 /* vnni_tile_q6_k's sums on AVX2 for halves [h0, h0 + H) of a group (8 rows each) by R rows,
  * R * H <= 4: maddubs (u <= 63: pairs within int16) + madd, hi widened by 254 */
-TD_INLINE TD_Y void avx2_tile_q6_k(bool one, int R, int h0, int H, const unsigned char *gq, const unsigned char *gs,
-                                   size_t nb, size_t k, const unsigned char *a, size_t stride, float *y, size_t ldy,
+TD_INLINE TD_Y void avx2_tile_q6_k(bool one, int R, int h0, int H, const unsigned char *gq, size_t nb, size_t k, const unsigned char *a, size_t stride, float *y, size_t ldy,
                                    const unsigned char *pf_end)
 {
-    const size_t qb = quant_bytes(TD_Q6_K);
     const __m256i low4 = _mm256_set1_epi8(0x0F), hi2 = _mm256_set1_epi8(0x30);
     const __m256i ones = _mm256_set1_epi16(1), wide = _mm256_set1_epi16(WIDE);
     __m256 acc[2][4];
@@ -259,13 +256,13 @@ TD_INLINE TD_Y void avx2_tile_q6_k(bool one, int R, int h0, int H, const unsigne
         for (int i = 0; i < R; i++)
             acc[x][i] = _mm256_setzero_ps();
     for (size_t b = 0; b < nb; b++) {
-        if (H == 2)
-            decode_prefetch(gq + b * qb, qb, pf_end);
-        const unsigned char *ks = gs + b / 8 * K6_SCALE_BYTES;
+        if (pf_end)
+            decode_prefetch(TD_Q6_K, gq, b, pf_end);
+        const unsigned char *ks = gq + chunk_scales_at(TD_Q6_K, nb, b);
 #pragma GCC unroll 2
         for (int x = 0; x < H; x++) {
             const int hr = h0 + x; /* rows 8 hr .. 8 hr + 7 */
-            const unsigned char *q = gq + b * qb + 32 * hr;
+            const unsigned char *q = gq + block_at(TD_Q6_K, b) + 32 * hr;
             const __m256i hb0 = _mm256_loadu_si256((const __m256i *)(q + 256));
             const __m256i hb1 = _mm256_loadu_si256((const __m256i *)(q + 320));
             __m256i p[2][4];
@@ -323,33 +320,35 @@ TD_INLINE TD_Y void kernel_avx2(td_dtype_t t, bool one, const void *wp, size_t g
     size_t nb = k / TD_QK, gb = td_cpu_pack_group_bytes(t, k), stride = td_cpu_pack_act_stride(k);
     const unsigned char *a = av, *end = (const unsigned char *)wp + g_pf * gb;
     for (size_t g = g0; g < g1; g++) {
-        const unsigned char *gq = (const unsigned char *)wp + g * gb, *gs = gq + nb * quant_bytes(t);
+        const unsigned char *gq = (const unsigned char *)wp + g * gb;
         float *yg = y + (g - g0) * ROWS;
         size_t i = 0;
         if (t == TD_Q6_K) { /* twice the accumulators a row: tiles of 2 rows, the odd one alone */
             for (int h = 0; h < 2; h++)
                 for (i = 0; i + 2 <= m; i += 2)
-                    avx2_tile_q6_k(one, 2, h, 1, gq, gs, nb, k, a + i * stride, stride, yg + i * ldy, ldy, end);
+                    avx2_tile_q6_k(one, 2, h, 1, gq, nb, k, a + i * stride, stride, yg + i * ldy, ldy,
+                                   h == 0 && i == 0 ? end : NULL);
             if (i < m)
-                avx2_tile_q6_k(one, 1, 0, 2, gq, gs, nb, k, a + i * stride, stride, yg + i * ldy, ldy, end);
+                avx2_tile_q6_k(one, 1, 0, 2, gq, nb, k, a + i * stride, stride, yg + i * ldy, ldy, i == 0 ? end : NULL);
             continue;
         }
         for (int h = 0; h < 2; h++)
             for (i = 0; i + 4 <= m; i += 4)
-                avx2_tile(t, one, 4, h, 1, gq, gs, nb, k, a + i * stride, stride, yg + i * ldy, ldy, end);
-        const unsigned char *ai = a + i * stride;
+                avx2_tile(t, one, 4, h, 1, gq, nb, k, a + i * stride, stride, yg + i * ldy, ldy,
+                          h == 0 && i == 0 ? end : NULL);
+        const unsigned char *ai = a + i * stride, *pf = i == 0 ? end : NULL;
         float *yi = yg + i * ldy;
         switch (m - i) { /* the last rows (decode: all of them), both halves in one pass */
         case 1:
             if (avx2_row1_takes(t))
-                avx2_row1(t, one, gq, gs, nb, k, ai, yi, end);
+                avx2_row1(t, one, gq, nb, k, ai, yi, pf);
             else
-                avx2_tile(t, one, 1, 0, 2, gq, gs, nb, k, ai, stride, yi, ldy, end);
+                avx2_tile(t, one, 1, 0, 2, gq, nb, k, ai, stride, yi, ldy, pf);
             break;
-        case 2: avx2_tile(t, one, 2, 0, 2, gq, gs, nb, k, ai, stride, yi, ldy, end); break;
+        case 2: avx2_tile(t, one, 2, 0, 2, gq, nb, k, ai, stride, yi, ldy, pf); break;
         case 3:
-            avx2_tile(t, one, 3, 0, 1, gq, gs, nb, k, ai, stride, yi, ldy, end);
-            avx2_tile(t, one, 3, 1, 1, gq, gs, nb, k, ai, stride, yi, ldy, end);
+            avx2_tile(t, one, 3, 0, 1, gq, nb, k, ai, stride, yi, ldy, pf);
+            avx2_tile(t, one, 3, 1, 1, gq, nb, k, ai, stride, yi, ldy, NULL);
             break;
         default: break;
         }

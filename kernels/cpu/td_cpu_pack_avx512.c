@@ -54,13 +54,11 @@ static TD_Z void act_row_avx512(const float *x, void *av, td_dtype_t type, size_
 
 #define TD_V __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
 
-/* One group (quants gq, scales gs) against R activation rows (at a, `stride` apart): the
+/* One group (at gq, nb blocks) against R activation rows (at a, `stride` apart): the
  * 16 outputs of row i go to y + i * ldy. */
-TD_INLINE TD_V void vnni_tile(td_dtype_t t, bool one, int R, const unsigned char *gq, const unsigned char *gs,
-                              size_t nb, size_t k, const unsigned char *a, size_t stride, float *y,
+TD_INLINE TD_V void vnni_tile(td_dtype_t t, bool one, int R, const unsigned char *gq, size_t nb, size_t k, const unsigned char *a, size_t stride, float *y,
                               size_t ldy, const unsigned char *pf_end)
 {
-    const size_t qb = quant_bytes(t);
     const __m512i low4 = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10);
     /* IQ4_XS: u = value + 128 of each index, in every 128-bit lane for vpshufb */
     const __m512i iq4u = _mm512_broadcast_i32x4(_mm_add_epi8(
@@ -69,10 +67,10 @@ TD_INLINE TD_V void vnni_tile(td_dtype_t t, bool one, int R, const unsigned char
     for (int i = 0; i < R; i++)
         acc[i] = macc[i] = _mm512_setzero_ps();
     for (size_t b = 0; b < nb; b++) {
-        const unsigned char *q = gq + b * qb;
+        const unsigned char *q = gq + block_at(t, b);
         __m512i w[8];
-        if (R <= 4)
-            decode_prefetch(q, qb, pf_end);
+        if (pf_end) /* the group's first sweep */
+            decode_prefetch(t, gq, b, pf_end);
         if (t == TD_Q8_0) {
             for (int v = 0; v < 8; v++)
                 w[v] = _mm512_loadu_si512(q + 64 * v);
@@ -99,11 +97,11 @@ TD_INLINE TD_V void vnni_tile(td_dtype_t t, bool one, int R, const unsigned char
         }
         __m512 dw, mw = _mm512_setzero_ps();
         if (t == TD_IQ4_XS) { /* d * (ls - 32): exact */
-            const unsigned char *ks = gs + b / 8 * XS_SCALE_BYTES;
+            const unsigned char *ks = gq + chunk_scales_at(t, nb, b);
             dw = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)ks)),
                                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(ks + XS_SC(b % 8))))));
         } else if (k_scales(t)) { /* d * sc and -(dmin * mn): the scalar kernel's exact products */
-            const unsigned char *ks = gs + b / 8 * K_SCALE_BYTES;
+            const unsigned char *ks = gq + chunk_scales_at(t, nb, b);
             __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(ks + K_SC(b % 8)))));
             __m512 mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(ks + K_MN(b % 8)))));
             dw = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(ks + K_D))), sc);
@@ -111,7 +109,7 @@ TD_INLINE TD_V void vnni_tile(td_dtype_t t, bool one, int R, const unsigned char
                 _mm512_castps_si512(_mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(ks + K_DMIN))), mn)),
                 _mm512_set1_epi32(INT32_MIN)));
         } else {
-            const unsigned char *s = gs + 2 * b * scale_halves(t);
+            const unsigned char *s = gq + block_scales_at(t, nb, b);
             dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)s));
             if (t == TD_Q4_1)
                 mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s + 2 * ROWS)));
@@ -174,19 +172,18 @@ TD_INLINE TD_V void vnni_tile(td_dtype_t t, bool one, int R, const unsigned char
 /* One Q6_K group against R activation rows: the 8 weight vectors of a block made once (u =
  * low nibble | high bits << 4, 0..63), then per row the two halves' exact integers (c + sum u
  * Q: c = -32 sum Q of the half) and their two FMAs, half 0 first */
-TD_INLINE TD_V void vnni_tile_q6_k(bool one, int R, const unsigned char *gq, const unsigned char *gs, size_t nb, size_t k,
+TD_INLINE TD_V void vnni_tile_q6_k(bool one, int R, const unsigned char *gq, size_t nb, size_t k,
                                    const unsigned char *a, size_t stride, float *y, size_t ldy,
                                    const unsigned char *pf_end)
 {
-    const size_t qb = quant_bytes(TD_Q6_K);
     const __m512i low4 = _mm512_set1_epi8(0x0F), hi2 = _mm512_set1_epi8(0x30);
     __m512 acc[8];
     for (int i = 0; i < R; i++)
         acc[i] = _mm512_setzero_ps();
     for (size_t b = 0; b < nb; b++) {
-        const unsigned char *q = gq + b * qb;
-        if (R <= 4)
-            decode_prefetch(q, qb, pf_end);
+        const unsigned char *q = gq + block_at(TD_Q6_K, b);
+        if (pf_end)
+            decode_prefetch(TD_Q6_K, gq, b, pf_end);
         __m512i w[8];
         const __m512i hb0 = _mm512_loadu_si512(q + 256), hb1 = _mm512_loadu_si512(q + 320);
 #pragma GCC unroll 4
@@ -196,7 +193,7 @@ TD_INLINE TD_V void vnni_tile_q6_k(bool one, int R, const unsigned char *gq, con
             w[v + 4] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(raw, 4), low4),
                                        _mm512_and_si512(Q6_HI_ZMM(hb1, v), hi2));
         }
-        const unsigned char *ks = gs + b / 8 * K6_SCALE_BYTES;
+        const unsigned char *ks = gq + chunk_scales_at(TD_Q6_K, nb, b);
         __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)ks));
         __m512 dw[2];
         for (int h = 0; h < 2; h++)
@@ -230,11 +227,11 @@ TD_INLINE TD_V void kernel_vnni(td_dtype_t t, bool one, const void *wp, size_t g
     size_t nb = k / TD_QK, gb = td_cpu_pack_group_bytes(t, k), stride = td_cpu_pack_act_stride(k);
     const unsigned char *a = av, *end = (const unsigned char *)wp + g_pf * gb;
     for (size_t g = g0; g < g1; g++) {
-        const unsigned char *gq = (const unsigned char *)wp + g * gb, *gs = gq + nb * quant_bytes(t);
+        const unsigned char *gq = (const unsigned char *)wp + g * gb;
         float *yg = y + (g - g0) * ROWS;
 #define VNNI_TILE(R, ai, yi)                                                                    \
-    (t == TD_Q6_K ? vnni_tile_q6_k(one, R, gq, gs, nb, k, ai, stride, yi, ldy, end)             \
-                  : vnni_tile(t, one, R, gq, gs, nb, k, ai, stride, yi, ldy, end))
+    (t == TD_Q6_K ? vnni_tile_q6_k(one, R, gq, nb, k, ai, stride, yi, ldy, i == 0 ? end : NULL)   \
+                  : vnni_tile(t, one, R, gq, nb, k, ai, stride, yi, ldy, i == 0 ? end : NULL))
         size_t i = 0;
         for (; i + 8 <= m; i += 8)
             VNNI_TILE(8, a + i * stride, yg + i * ldy);
