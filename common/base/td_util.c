@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -414,4 +415,18 @@ td_status_t td_parse_f32(const char *s, float min, float max, const char *what, 
                          (double)min, (double)max);
     *out = v;
     return TD_OK;
+}
+
+long td_fd_limit_raise(void)
+{
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl) != 0)
+        return -1;
+    rlim_t want = rl.rlim_max == RLIM_INFINITY ? (rlim_t)1 << 20 : TD_MIN(rl.rlim_max, (rlim_t)1 << 20);
+    if (rl.rlim_cur != RLIM_INFINITY && rl.rlim_cur < want) {
+        struct rlimit up = {.rlim_cur = want, .rlim_max = rl.rlim_max};
+        if (setrlimit(RLIMIT_NOFILE, &up) == 0)
+            rl.rlim_cur = want;
+    }
+    return rl.rlim_cur == RLIM_INFINITY ? 1L << 20 : (long)TD_MIN(rl.rlim_cur, (rlim_t)1 << 20);
 }

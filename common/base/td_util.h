@@ -98,6 +98,13 @@ void td_memcpy_stream(void *dst, const void *src, size_t n);
  * may touch the pages itself where the range cannot vanish under it). Any thread. */
 td_status_t td_mem_populate(void *p, size_t n, int n_threads, bool write);
 
+/* Raises this process's soft limit of open files to its hard limit (at most 1 << 20), as
+ * nginx (worker_rlimit_nofile) and Redis do at start: a server's connection caps assume it
+ * (the common soft default, 1024, let ~1000 idle clients take every descriptor). Returns
+ * the soft limit in force afterwards (the old one where it cannot be raised), or -1 when
+ * it cannot be read. Call at start, before threads. */
+long td_fd_limit_raise(void);
+
 
 /* Strict number parsing for flags and config: the whole string must be a number within
  * [min, max]. Errors: TD_ERR_INVALID with a message naming `what`. */

@@ -109,6 +109,8 @@ bool td_node_configure(td_node_t *p, const td_node_spec_t *spec, const td_opt_t 
     }
     if (c->log_level)
         td_log_set_level((td_log_level_t)td_log_parse_level(c->log_level));
+    p->fd_limit = td_fd_limit_raise(); /* before any thread or socket: the caps assume it */
+    td_info("%s: open-file limit %ld", spec->prog, p->fd_limit);
     if (td_node_auth_load(&p->auth, spec->prog, node ? c->node_id : TD_NODE_AUTH_ROUTER, c->api_keys_file,
                           c->cluster_secret_file) != TD_OK) {
         *exit_p = 2;

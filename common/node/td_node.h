@@ -103,6 +103,8 @@ typedef struct td_node {
     uv_signal_t sigint, sigterm;
     uv_timer_t drain_timer;    /* draining: checks spec.busy every TD_NODE_DRAIN_POLL_MS */
     uint64_t drain_start_ns, drain_end_ns; /* td_now_ns() at the start; the timeout's end */
+    long fd_limit;             /* open files this process may hold (td_fd_limit_raise at
+                                  configure; -1: unknown): the router sizes its caps from it */
     bool loop_up, signals_up, shutting_down, draining, drain_timer_up;
 } td_node_t;
 

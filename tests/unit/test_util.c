@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include "td_log.h"
@@ -120,4 +121,24 @@ Test(util, log_escapes_control_characters)
     close(fd);
     unlink(path);
     cr_assert_str_eq(buf, "tandem: warn: request id\\x0atandem: error: forged\\x1b[2J\\x7f: lost\n");
+}
+
+/* td_fd_limit_raise takes the soft open-file limit up to the hard one (capped at 2^20), as
+ * servers do at start: with the common soft 1024, ~1000 idle clients took every descriptor
+ * of the router (issue 35). */
+Test(util, fd_limit_raise_goes_to_the_hard_limit)
+{
+    struct rlimit rl;
+    cr_assert_eq(getrlimit(RLIMIT_NOFILE, &rl), 0);
+    rlim_t hard = rl.rlim_max;
+    if (hard != RLIM_INFINITY && hard < 300)
+        cr_skip_test("hard open-file limit %llu: nothing to raise", (unsigned long long)hard);
+    struct rlimit low = {.rlim_cur = 256, .rlim_max = hard};
+    cr_assert_eq(setrlimit(RLIMIT_NOFILE, &low), 0);
+    long got = td_fd_limit_raise();
+    long want = hard == RLIM_INFINITY || hard > ((rlim_t)1 << 20) ? 1L << 20 : (long)hard;
+    cr_assert_eq(got, want, "raised to %ld, want %ld", got, want);
+    cr_assert_eq(getrlimit(RLIMIT_NOFILE, &rl), 0);
+    cr_assert_eq((long)rl.rlim_cur, want);
+    cr_assert_eq(td_fd_limit_raise(), want, "a second call changes nothing");
 }
