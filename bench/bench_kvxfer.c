@@ -62,6 +62,7 @@ typedef struct kvx_lease_req {
 
 typedef struct kvx_lease {
     uint64_t lease_id;
+    td_xfer_token_t token;
     int32_t blocks[KVX_MAX_BLOCKS];
 } kvx_lease_t;
 
@@ -88,7 +89,7 @@ static void kvx_rx_on_pipe(uv_poll_t *h, int status, int events)
     kvx_lease_req_t q;
     kvx_lease_t l = {0};
     if (!td_xfer_testkit_read_all(rx->rfd, &q, sizeof q) ||
-        td_xfer_lease_create(rx->x, q.request_id, q.n_blocks, 60000, l.blocks, &l.lease_id) != TD_OK) {
+        td_xfer_lease_create(rx->x, q.request_id, q.n_blocks, 60000, l.blocks, &l.lease_id, &l.token) != TD_OK) {
         rx->stop = true;
         uv_poll_stop(h);
         return;
@@ -236,7 +237,8 @@ static bool kvx_batch(kvx_ctx_t *c, uint32_t tokens, int32_t nb, int32_t win, do
         }
     uint64_t t0 = td_now_ns();
     for (int32_t i = 0; i < win; i++) {
-        td_xfer_send_params_t p = {.request_id = rid[i], .lease_id = l[i].lease_id, .dst_blocks = l[i].blocks,
+        td_xfer_send_params_t p = {.request_id = rid[i], .lease_id = l[i].lease_id, .token = l[i].token,
+                                   .dst_blocks = l[i].blocks,
                                    .n_dst_blocks = nb, .n_tokens = tokens, .done = kvx_on_done, .arg = &t[i]};
         if (td_xfer_send_begin(c->x, c->peer, &p, &s[i]) != TD_OK) {
             fprintf(stderr, "kvxfer: %s\n", td_last_error());

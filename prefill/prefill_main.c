@@ -65,6 +65,7 @@ typedef struct prefill_job {
     td_grpc_call_t *call;      /* NULL once the call ended (answered or cancelled) */
     uint64_t key;              /* td_xfer request id: FNV-1a of the request id string */
     uint64_t lease_id;
+    td_xfer_token_t token;     /* the lease's data-plane token (PrefillRequest.xfer_token) */
     int32_t *tokens;           /* [n_tokens] the prompt (read by the compute thread at submit) */
     int32_t n_tokens;
     int32_t *dst_blocks;       /* [n_dst] the decode node's leased blocks */
@@ -409,7 +410,8 @@ static void job_begin_send(prefill_job_t *j, int32_t n_tokens)
         j->xfer_st = TD_ERR_CANCELLED;
         return;
     }
-    td_xfer_send_params_t p = {.request_id = j->key, .lease_id = j->lease_id, .dst_blocks = j->dst_blocks,
+    td_xfer_send_params_t p = {.request_id = j->key, .lease_id = j->lease_id, .token = j->token,
+                               .dst_blocks = j->dst_blocks,
                                .n_dst_blocks = j->n_dst, .n_tokens = (uint32_t)n_tokens,
                                .mem = s->be->host_memory ? TD_XFER_MEM_HOST : TD_XFER_MEM_CUDA,
                                .done = on_xfer_done, .arg = j};
@@ -539,6 +541,13 @@ static td_grpc_code_t parse_request(prefill_state_t *s, const Tandem__Control__V
                  "required (%zu given)", r->n_tokens, mc->max_seq_len - 1, s->layout.block_size, r->n_block_ids);
         return TD_GRPC_INVALID_ARGUMENT;
     }
+    if (r->xfer_token.len != sizeof j->token.b) {
+        /* the decode node takes no KV for the lease without it (docs/security.md) */
+        snprintf(why, cap, "prefill: the call carries a kv transfer token of %zu bytes, not %zu (a router or "
+                 "decode node older than this node?)", r->xfer_token.len, sizeof j->token.b);
+        return TD_GRPC_FAILED_PRECONDITION;
+    }
+    memcpy(j->token.b, r->xfer_token.data, sizeof j->token.b);
     if (!(j->tokens = malloc(r->n_tokens * sizeof(int32_t))) ||
         !(j->dst_blocks = malloc(r->n_block_ids * sizeof(int32_t)))) {
         snprintf(why, cap, "prefill node: out of memory");
