@@ -543,13 +543,6 @@ static td_grpc_code_t parse_request(prefill_state_t *s, const Tandem__Control__V
                  "required (%zu given)", r->n_tokens, mc->max_seq_len - 1, s->layout.block_size, r->n_block_ids);
         return TD_GRPC_INVALID_ARGUMENT;
     }
-    if (r->xfer_token.len != sizeof j->token.b) {
-        /* the decode node takes no KV for the lease without it (docs/security.md) */
-        snprintf(why, cap, "prefill: the call carries a kv transfer token of %zu bytes, not %zu (a router or "
-                 "decode node older than this node?)", r->xfer_token.len, sizeof j->token.b);
-        return TD_GRPC_FAILED_PRECONDITION;
-    }
-    memcpy(j->token.b, r->xfer_token.data, sizeof j->token.b);
     if (!(j->tokens = malloc(r->n_tokens * sizeof(int32_t))) ||
         !(j->dst_blocks = malloc(r->n_block_ids * sizeof(int32_t)))) {
         snprintf(why, cap, "prefill node: out of memory");
@@ -604,6 +597,15 @@ static void on_prefill(td_grpc_call_t *call, const ProtobufCMessage *msg, void *
         td_grpc_call_finish(call, code, why);
         return;
     }
+    if (r->xfer_token.len != sizeof j->token.b) {
+        /* the decode node takes no KV for the lease without it (docs/security.md) */
+        snprintf(why, sizeof why, "prefill: the call carries a kv transfer token of %zu bytes, not %zu (a router or "
+                 "decode node older than this node?)", r->xfer_token.len, sizeof j->token.b);
+        job_free(j);
+        td_grpc_call_finish(call, TD_GRPC_FAILED_PRECONDITION, why);
+        return;
+    }
+    memcpy(j->token.b, r->xfer_token.data, sizeof j->token.b);
     if (td_xfer_connect(s->xfer, r->decode_xfer.data, r->decode_xfer.len, &s->layout, &j->peer) != TD_OK) {
         job_free(j);
         td_grpc_call_finish(call, TD_GRPC_FAILED_PRECONDITION, td_last_error());
