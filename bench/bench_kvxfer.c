@@ -1,8 +1,9 @@
 /*
  * bench_kvxfer: `tandem bench kvxfer [--json] [--transport tcp|sm] [--rma auto|put|am]
- * [--iters N] [--window N] [--inflight N] [--tokens N] [--rounds R]` (--inflight: the
- * sender's max_inflight_ops, default td_xfer's; --tokens: one transfer size instead of the
- * five; --rounds: rounds per size, default 3).
+ * [--iters N] [--window N] [--inflight N] [--tokens N] [--rounds R] [--checksum]` (--inflight:
+ * the sender's max_inflight_ops, default td_xfer's; --tokens: one transfer size instead of
+ * the five; --rounds: rounds per size, default 3; --checksum: block checksums on, as the
+ * nodes send).
  *
  * Two processes on loopback (a forked receiver, this process the sender) move the KV of
  * one request of 16..4096 tokens of a Llama-3-8B-shaped layout (32 layers, 8 KV heads,
@@ -62,6 +63,7 @@ typedef struct kvx_lease_req {
 
 typedef struct kvx_lease {
     uint64_t lease_id;
+    td_xfer_token_t token;
     int32_t blocks[KVX_MAX_BLOCKS];
 } kvx_lease_t;
 
@@ -88,7 +90,7 @@ static void kvx_rx_on_pipe(uv_poll_t *h, int status, int events)
     kvx_lease_req_t q;
     kvx_lease_t l = {0};
     if (!td_xfer_testkit_read_all(rx->rfd, &q, sizeof q) ||
-        td_xfer_lease_create(rx->x, q.request_id, q.n_blocks, 60000, l.blocks, &l.lease_id) != TD_OK) {
+        td_xfer_lease_create(rx->x, q.request_id, q.n_blocks, 60000, l.blocks, &l.lease_id, &l.token) != TD_OK) {
         rx->stop = true;
         uv_poll_stop(h);
         return;
@@ -211,6 +213,7 @@ typedef struct kvx_ctx {
     uint32_t pool_blocks;
     const int32_t *src;       /* source block ids 0..KVX_MAX_BLOCKS-1 */
     uint64_t next_request;
+    bool checksum;            /* --checksum: the receiver verifies every block before adopting */
 } kvx_ctx_t;
 
 /* Moves `win` transfers of `tokens` tokens at once: leases first (untimed), then every
@@ -236,8 +239,10 @@ static bool kvx_batch(kvx_ctx_t *c, uint32_t tokens, int32_t nb, int32_t win, do
         }
     uint64_t t0 = td_now_ns();
     for (int32_t i = 0; i < win; i++) {
-        td_xfer_send_params_t p = {.request_id = rid[i], .lease_id = l[i].lease_id, .dst_blocks = l[i].blocks,
-                                   .n_dst_blocks = nb, .n_tokens = tokens, .done = kvx_on_done, .arg = &t[i]};
+        td_xfer_send_params_t p = {.request_id = rid[i], .lease_id = l[i].lease_id, .token = l[i].token,
+                                   .dst_blocks = l[i].blocks,
+                                   .n_dst_blocks = nb, .n_tokens = tokens, .checksum = c->checksum,
+                                   .done = kvx_on_done, .arg = &t[i]};
         if (td_xfer_send_begin(c->x, c->peer, &p, &s[i]) != TD_OK) {
             fprintf(stderr, "kvxfer: %s\n", td_last_error());
             return false;
@@ -379,6 +384,7 @@ static td_status_t parse_rma(const td_opt_t *opt, const char *value)
 /* The command line of `bench kvxfer` (the top of the file says what each does). */
 typedef struct kvx_opts {
     bool json;
+    bool checksum;         /* transfers with block checksums (td_xfer_send_params_t.checksum) */
     const char *transport; /* tcp or sm */
     td_xfer_rma_t rma;
     int64_t iters, inflight, window, only_tokens, rounds; /* inflight, only_tokens: 0 = not given */
@@ -404,6 +410,8 @@ static bool kvx_configure(kvx_opts_t *o, int argc, char **argv, int *rc_p)
          .help = "one sequence length instead of 16, 64, 256, 1024 and 4096"},
         {.name = "rounds", .type = TD_OPT_I64, .ptr = &o->rounds, .min = 1, .max = KVX_MAX_ROUNDS, .arg = "R",
          .help = "rounds per size; figures are their medians (default 3)"},
+        {.name = "checksum", .type = TD_OPT_BOOL, .ptr = &o->checksum,
+         .help = "transfers carry block checksums the receiver verifies (what the nodes do by default)"},
     };
     td_opts_t spec = {.prog = "bench kvxfer", .opts = opts, .n_opts = TD_ARRAY_LEN(opts)};
     td_opts_result_t r_opts = {0};
@@ -412,7 +420,7 @@ static bool kvx_configure(kvx_opts_t *o, int argc, char **argv, int *rc_p)
         return false;
     if (r_opts.help) {
         printf("usage: tandem bench kvxfer [--json] [--transport tcp|sm] [--rma auto|put|am] "
-               "[--iters N] [--window N] [--inflight N] [--tokens N] [--rounds R]\n\n");
+               "[--iters N] [--window N] [--inflight N] [--tokens N] [--rounds R] [--checksum]\n\n");
         td_opts_usage(stdout, opts, (int)TD_ARRAY_LEN(opts), false);
         *rc_p = 0;
         return false;
@@ -583,7 +591,7 @@ int bench_kvxfer(int argc, char **argv)
         td_xfer_connect(x, desc, len, &KVX_LAYOUT, &peer) != TD_OK)
         goto out;
     kvx_ctx_t ctx = {.loop = &loop, .x = x, .peer = peer, .lease_wfd = to_rx[1], .lease_rfd = to_tx[0],
-                     .pool = pool, .pool_blocks = src_blocks, .src = src};
+                     .pool = pool, .pool_blocks = src_blocks, .src = src, .checksum = o.checksum};
 
     static const uint32_t all_sizes[] = {16, 64, 256, 1024, 4096};
     uint32_t one_size[] = {(uint32_t)o.only_tokens};

@@ -385,13 +385,14 @@ static void on_admit(td_grpc_call_t *call, const ProtobufCMessage *msg, void *da
     int32_t *blocks = malloc((size_t)n_blocks * sizeof *blocks);
     uint32_t ttl = (uint32_t)TD_MIN((int64_t)(r->lease_ms ? r->lease_ms : 10000), s->cfg.max_lease_ms);
     td_status_t st;
+    td_xfer_token_t token = {{0}};
     if (s->unified) { /* no transfer: the lease only names the request until its Prefill call */
         a->lease_id = ++s->next_lease;
         n_blocks = 0;
         st = blocks ? TD_OK : TD_ERR_NOMEM;
     } else {
         st = blocks ? td_xfer_lease_create(s->xfer, td_xfer_request_key(r->request_id), n_blocks, ttl, blocks,
-                                           &a->lease_id)
+                                           &a->lease_id, &token)
                     : TD_ERR_NOMEM;
     }
     if (st != TD_OK) {
@@ -410,6 +411,10 @@ static void on_admit(td_grpc_call_t *call, const ProtobufCMessage *msg, void *da
     resp.block_ids = (uint32_t *)blocks; /* int32 ids >= 0 */
     resp.n_block_ids = (size_t)n_blocks;
     resp.deadline_unix_ms = 0;
+    if (!s->unified) { /* the router hands it to the prefill node with the Prefill call */
+        resp.xfer_token.data = token.b;
+        resp.xfer_token.len = sizeof token.b;
+    }
     td_grpc_call_reply(call, &resp.base);
     free(blocks);
     refresh_kv_load(s);
@@ -710,6 +715,17 @@ static td_status_t init_metrics(decode_state_t *s)
     return td_metrics_register_all(s->metrics, defs, TD_ARRAY_LEN(defs));
 }
 
+/* Where the KV data plane listens: xfer-host, else --host unless that is a wildcard, then
+ * --advertise (the address prefill nodes are told anyway). UCX authenticates no peer, so the
+ * listener is kept off every interface unless xfer-host asks for it (docs/security.md). */
+static const char *xfer_listen_ip(const decode_state_t *s)
+{
+    const td_node_config_t *pc = &s->proc.cfg;
+    if (s->cfg.xfer_host)
+        return s->cfg.xfer_host;
+    return td_node_is_wildcard(pc->host) && pc->advertise ? pc->advertise : pc->host;
+}
+
 /* The whole life of a decode node or (unified) a unified node: the same loop, compute
  * thread and scheduler; a unified node has no data plane and serves Prefill itself. */
 /* The engine on its KV pool: a unified node's own (no data plane: the engine allocates its
@@ -729,7 +745,7 @@ static td_status_t open_pool(decode_state_t *s, td_engine_config_t *ec, uint8_t 
     }
     td_xfer_config_t xc = td_xfer_config_default();
     xc.name = pc->node_id;
-    xc.listen_ip = pc->host;
+    xc.listen_ip = xfer_listen_ip(s);
     xc.advertise_ip = pc->advertise; /* the descriptor the router hands to prefill nodes */
     if ((st = td_xfer_create(&s->proc.loop, &xc, &s->xfer)) != TD_OK ||
         (st = td_node_xfer_metrics_init(&s->xfer_metrics, s->metrics, s->xfer)) != TD_OK)
@@ -898,6 +914,9 @@ static int node_main(int argc, char **argv, bool unified)
                       "spec draft-model)"),
         TD_OPT_INT("draft-tokens", &cfg->draft_tokens, 1, TD_SPEC_MAX_DRAFT,
                    "with spec: most draft tokens per sequence and step (adaptive below it)"),
+        TD_OPT_STRING("xfer-host", &cfg->xfer_host,
+                      "IPv4 address the KV data plane (UCX) listens on: the cluster network's (default: --host, "
+                      "or --advertise when --host is a wildcard; UCX authenticates no peer, docs/security.md)"),
     };
     const td_node_spec_t spec = {.prog = unified ? "unified" : "decode", .kind = TD_NODE_NODE,
                                  .on_shutdown = on_shutdown, .busy = decode_busy, .data = s};

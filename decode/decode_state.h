@@ -62,6 +62,8 @@ typedef struct decode_config {
     const char *spec;         /* speculative decoding: off | prompt-lookup | draft-model */
     const char *draft_model;  /* spec draft-model: the drafter's model (NULL: none) */
     int64_t draft_tokens;     /* most draft tokens per sequence and step */
+    const char *xfer_host;    /* IPv4 address the KV data plane (UCX listener) binds; NULL: --host,
+                                 or --advertise when --host is a wildcard (xfer_listen_ip) */
 } decode_config_t;
 
 /* A unified node's Prefill call, waiting for its lease's first token (loop thread). */

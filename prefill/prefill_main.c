@@ -57,6 +57,7 @@ typedef struct prefill_config {
     int64_t event_queue;       /* compute → loop events waiting at most */
     int64_t idle_wait_ms;      /* compute thread's bound on one idle wait */
     int64_t send_timeout_ms;   /* td_xfer: send begin → the decode node's verdict */
+    int64_t xfer_checksum;     /* 1: transfers carry block checksums the decode node verifies */
 } prefill_config_t;
 
 typedef struct prefill_job {
@@ -65,6 +66,7 @@ typedef struct prefill_job {
     td_grpc_call_t *call;      /* NULL once the call ended (answered or cancelled) */
     uint64_t key;              /* td_xfer request id: FNV-1a of the request id string */
     uint64_t lease_id;
+    td_xfer_token_t token;     /* the lease's data-plane token (PrefillRequest.xfer_token) */
     int32_t *tokens;           /* [n_tokens] the prompt (read by the compute thread at submit) */
     int32_t n_tokens;
     int32_t *dst_blocks;       /* [n_dst] the decode node's leased blocks */
@@ -409,8 +411,10 @@ static void job_begin_send(prefill_job_t *j, int32_t n_tokens)
         j->xfer_st = TD_ERR_CANCELLED;
         return;
     }
-    td_xfer_send_params_t p = {.request_id = j->key, .lease_id = j->lease_id, .dst_blocks = j->dst_blocks,
+    td_xfer_send_params_t p = {.request_id = j->key, .lease_id = j->lease_id, .token = j->token,
+                               .dst_blocks = j->dst_blocks,
                                .n_dst_blocks = j->n_dst, .n_tokens = (uint32_t)n_tokens,
+                               .checksum = s->cfg.xfer_checksum != 0,
                                .mem = s->be->host_memory ? TD_XFER_MEM_HOST : TD_XFER_MEM_CUDA,
                                .done = on_xfer_done, .arg = j};
     td_status_t st = td_xfer_send_begin(s->xfer, j->peer, &p, &j->send);
@@ -593,6 +597,15 @@ static void on_prefill(td_grpc_call_t *call, const ProtobufCMessage *msg, void *
         td_grpc_call_finish(call, code, why);
         return;
     }
+    if (r->xfer_token.len != sizeof j->token.b) {
+        /* the decode node takes no KV for the lease without it (docs/security.md) */
+        snprintf(why, sizeof why, "prefill: the call carries a kv transfer token of %zu bytes, not %zu (a router or "
+                 "decode node older than this node?)", r->xfer_token.len, sizeof j->token.b);
+        job_free(j);
+        td_grpc_call_finish(call, TD_GRPC_FAILED_PRECONDITION, why);
+        return;
+    }
+    memcpy(j->token.b, r->xfer_token.data, sizeof j->token.b);
     if (td_xfer_connect(s->xfer, r->decode_xfer.data, r->decode_xfer.len, &s->layout, &j->peer) != TD_OK) {
         job_free(j);
         td_grpc_call_finish(call, TD_GRPC_FAILED_PRECONDITION, td_last_error());
@@ -713,7 +726,7 @@ int prefill_main(int argc, char **argv)
     *cfg = (prefill_config_t){.kv_blocks = 0, .max_batch_tokens = dsc.max_batch_tokens,
                               .max_batch = dsc.max_batch, .max_queue = dsc.max_queue,
                               .max_queued_tokens = dsc.max_queued_tokens, .event_queue = 1024,
-                              .idle_wait_ms = 50, .send_timeout_ms = 30000};
+                              .idle_wait_ms = 50, .send_timeout_ms = 30000, .xfer_checksum = 0};
     const td_opt_t keys[] = {
         TD_OPT_INT("kv-blocks", &cfg->kv_blocks, 0, 1 << 24,
                    "KV pool blocks (prompts in flight + prefix cache; 0 = as many as kv-mem holds)"),
@@ -733,6 +746,10 @@ int prefill_main(int argc, char **argv)
                    "compute thread: longest single wait for work or room"),
         TD_OPT_INT("send-timeout-ms", &cfg->send_timeout_ms, 1, 3600000,
                    "KV transfer: first layer until the decode node's verdict"),
+        TD_OPT_INT("xfer-checksum", &cfg->xfer_checksum, 0, 1,
+                   "KV transfer: 1 = every block carries a checksum the decode node verifies before it adopts "
+                   "the KV (costs half the TCP and 80% of the shared-memory transfer rate, docs/xfer.md), "
+                   "0 = none (default)"),
     };
     const td_node_spec_t spec = {.prog = "prefill", .kind = TD_NODE_NODE, .on_shutdown = on_shutdown,
                                  .busy = prefill_busy, .data = s};

@@ -27,6 +27,7 @@
 #include "td_node.h"
 #include "td_sampler.h"
 #include "td_tokenizer.h"
+#include "td_xfer.h"
 
 #define ROUTER_DEADLINE_SLACK_NS 10000000ll /* a reset this close to the deadline counts as the deadline */
 /* A stream refused a send (BUSY) and is still unwritable this many loop turns later: its
@@ -211,6 +212,9 @@ struct router_req {
     int64_t lease_ttl_ms;       /* this pick's lease and Prefill bound (lease_ttl) */
     uint32_t *blocks;          /* the lease's block ids, from Admit */
     size_t n_blocks;
+    uint8_t xfer_token[TD_XFER_TOKEN_BYTES]; /* the lease's data-plane token, from Admit,
+                                  passed on to the prefill node (opaque here) */
+    size_t xfer_token_len;     /* 0: none (a unified node, or a decode node without one) */
     td_grpc_client_call_t *pending;
     uint32_t completion;       /* tokens sent: once one is, the request is the client's: a
                                 * lost pair moves it (a migration), it is not retried afresh */

@@ -443,6 +443,9 @@ static void on_admit_msg(td_grpc_client_call_t *c, const ProtobufCMessage *msg, 
             memcpy(r->blocks, a->block_ids, a->n_block_ids * sizeof *r->blocks);
         r->n_blocks = a->n_block_ids;
     }
+    r->xfer_token_len = a->xfer_token.len == sizeof r->xfer_token ? sizeof r->xfer_token : 0;
+    if (r->xfer_token_len)
+        memcpy(r->xfer_token, a->xfer_token.data, sizeof r->xfer_token);
     router_lease_set(r, a->lease_id);
     if (!r->resumed) /* a moved stream keeps its first pair's figure */
         r->cached = a->cached_tokens;
@@ -533,6 +536,8 @@ static void send_prefill(router_req_t *r)
     q.block_ids = r->blocks;
     q.n_block_ids = r->n_blocks;
     q.lease_id = r->lease_id;
+    q.xfer_token.data = r->xfer_token;
+    q.xfer_token.len = r->xfer_token_len;
     q.sampling = &sp;
     q.decode_xfer.data = dp->xfer_desc;
     q.decode_xfer.len = dp->xfer_desc_len;

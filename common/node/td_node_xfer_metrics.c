@@ -59,6 +59,10 @@ static const xm_row_t XM_ROWS[] = {
      TD_METRIC_GAUGE, XM_U32(landing_free)},
     {"tandem_kvxfer_h2d_bytes_total", "device pool: landed bytes copied into the pool", NULL, NULL,
      TD_METRIC_COUNTER, XM_U64(bytes_copied_h2d)},
+    {"tandem_kvxfer_rejected_total", "data-plane messages for a live lease dropped without touching it, by reason "
+     "(docs/security.md)", "reason", "token", TD_METRIC_COUNTER, XM_U64(rejected_token)},
+    {"tandem_kvxfer_rejected_total", NULL, "reason", "endpoint", TD_METRIC_COUNTER, XM_U64(rejected_endpoint)},
+    {"tandem_kvxfer_rejected_total", NULL, "reason", "malformed", TD_METRIC_COUNTER, XM_U64(rejected_malformed)},
 };
 
 _Static_assert(sizeof XM_ROWS / sizeof XM_ROWS[0] <= TD_NODE_XFER_METRICS_MAX, "td_node_xfer_metrics_t too small");

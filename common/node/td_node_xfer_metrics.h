@@ -13,7 +13,7 @@
 #include "td_status.h"
 #include "td_xfer.h"
 
-#define TD_NODE_XFER_METRICS_MAX 24
+#define TD_NODE_XFER_METRICS_MAX 32
 
 typedef struct td_node_xfer_metrics {
     td_xfer_t *x;

@@ -154,14 +154,14 @@ static void ack_sent_cb(void *request, ucs_status_t status, void *user_data)
 
 /* Sends a header-only control message (REPLY: the far side learns our endpoint). A lost
  * one is bounded by the deadlines of whoever waits for it. */
-void xfer_send_ctl(td_xfer_t *x, ucp_ep_h ep, unsigned id, uint64_t a_, uint64_t b, td_status_t st)
+static void send_ctl_hdr(td_xfer_t *x, ucp_ep_h ep, unsigned id, const am_ack_hdr_t *hdr)
 {
     if (!ep)
         return;
     ack_op_t *a = malloc(sizeof *a);
     if (!a)
         return; /* the sender's deadline ends its wait */
-    a->hdr = (am_ack_hdr_t){.request_id = a_, .lease_id = b, .status = st};
+    a->hdr = *hdr;
     ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
                                                UCP_OP_ATTR_FIELD_FLAGS,
                                .cb.send = ack_sent_cb,
@@ -170,6 +170,17 @@ void xfer_send_ctl(td_xfer_t *x, ucp_ep_h ep, unsigned id, uint64_t a_, uint64_t
     ucs_status_ptr_t r = ucp_am_send_nbx(ep, id, &a->hdr, sizeof a->hdr, NULL, 0, &prm);
     if (r == NULL || UCS_PTR_IS_ERR(r))
         free(a);
+}
+
+void xfer_send_ctl(td_xfer_t *x, ucp_ep_h ep, unsigned id, uint64_t a_, uint64_t b, td_status_t st)
+{
+    send_ctl_hdr(x, ep, id, &(am_ack_hdr_t){.request_id = a_, .lease_id = b, .status = st});
+}
+
+void xfer_send_bind(td_xfer_t *x, ucp_ep_h ep, uint64_t request_id, uint64_t lease_id,
+                    const td_xfer_token_t *token)
+{
+    send_ctl_hdr(x, ep, AM_BIND, &(am_ack_hdr_t){.request_id = request_id, .lease_id = lease_id, .token = *token});
 }
 
 void xfer_send_ack(td_xfer_t *x, ucp_ep_h ep, uint64_t request_id, uint64_t lease_id, td_status_t st)

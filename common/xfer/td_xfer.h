@@ -22,7 +22,12 @@
  *
  * Leases: ids are 64-bit, increasing, never reused, so a late message for a dead lease
  * can never touch blocks re-leased to someone else: every data message names its lease,
- * and the receiver places bytes only into blocks of that live lease. Puts cannot be
+ * and the receiver places bytes only into blocks of that live lease. A lease id is not a
+ * secret (ids count up): every lease also has a random 128-bit token, handed to its sender
+ * over the authenticated control plane, that BIND, DATA and READY must carry, and the
+ * first endpoint that presents it owns the lease; a message with a wrong token or from
+ * another endpoint is dropped and counted (stats rejected_*), never fatal to the lease
+ * (docs/security.md, "The KV data plane"). Puts cannot be
  * refused once issued, so a sender binds to a lease before its first put, and a dead
  * lease with a bound writer keeps its blocks (quarantine) until that writer confirms it
  * stopped (abort-ack after a flush), its endpoint is lost, or quarantine_ms passes.
@@ -41,6 +46,15 @@
 #include "td_status.h"
 
 typedef struct td_xfer td_xfer_t;
+
+/* A lease's token: 128 bits from getrandom(2), made by td_xfer_lease_create. Whoever
+ * holds it may write the lease (until another endpoint presented it first); the control
+ * plane carries it from the decode node (Admit) through the router to the prefill node
+ * (Prefill), both calls signed with the cluster secret. Compared in constant time. */
+#define TD_XFER_TOKEN_BYTES 16
+typedef struct td_xfer_token {
+    uint8_t b[TD_XFER_TOKEN_BYTES];
+} td_xfer_token_t;
 typedef struct td_xfer_peer td_xfer_peer_t;
 typedef struct td_xfer_send td_xfer_send_t;
 
@@ -174,6 +188,11 @@ typedef struct td_xfer_stats {
     uint64_t quarantine_timeouts;/* ... released by quarantine_ms instead (the remaining risk) */
     uint64_t bytes_verified;     /* receiver: landed bytes checksummed before adoption (kv-ready
                                     with checksum: tests, benchmarks; not exported) */
+    /* receiver: messages naming a live lease that were dropped without touching it */
+    uint64_t rejected_token;     /* BIND, DATA or READY without the lease's token */
+    uint64_t rejected_endpoint;  /* ... with it, from another endpoint than the lease's owner */
+    uint64_t rejected_malformed; /* kv-ready from the owner whose contents do not check (layout,
+                                    request, sizes): refused to its sender, the lease lives on */
 } td_xfer_stats_t;
 
 /*
@@ -298,8 +317,8 @@ td_status_t td_xfer_describe(td_xfer_t *x, void *buf, size_t cap, size_t *len_p)
 
 /*
  * Reserves n_blocks blocks of the pool for request_id until ttl_ms from now: writes the
- * ids senders write to (send params' dst_blocks) to blocks_out[0..n_blocks) and the lease
- * id to *lease_id_p. The blocks return to the pool exactly once: on expiry, cancel, or
+ * ids senders write to (send params' dst_blocks) to blocks_out[0..n_blocks), the lease
+ * id to *lease_id_p and its token (the sender's send params' token) to *token_p. The blocks return to the pool exactly once: on expiry, cancel, or
  * loss of the sender writing them; or they pass to the ready callback on adoption. The
  * lease stays live until the ready callback: expiry, cancel and the loss of its sender end
  * an adoption in progress too (the sender is told TD_ERR_STALE; nothing is adopted). A
@@ -307,10 +326,10 @@ td_status_t td_xfer_describe(td_xfer_t *x, void *buf, size_t cap, size_t *len_p)
  * ready callback names the pool blocks the bytes were copied to); they return with it, or
  * once their bytes are copied into the pool.
  * Errors: TD_ERR_EXHAUSTED (pool or landing area full; not logged: the scheduler
- * decides), TD_ERR_INVALID, TD_ERR_NOMEM.
+ * decides), TD_ERR_INVALID, TD_ERR_NOMEM, TD_ERR_IO (getrandom failed).
  */
 td_status_t td_xfer_lease_create(td_xfer_t *x, uint64_t request_id, int32_t n_blocks, uint32_t ttl_ms,
-                                 int32_t *blocks_out, uint64_t *lease_id_p);
+                                 int32_t *blocks_out, uint64_t *lease_id_p, td_xfer_token_t *token_p);
 
 /* Ends a live lease now (request cancelled), an adoption in progress included (it stops;
  * its sender is told TD_ERR_STALE; no ready callback comes): its blocks return to the pool
@@ -345,6 +364,7 @@ typedef void (*td_xfer_done_cb)(void *arg, uint64_t request_id, td_status_t st);
 typedef struct td_xfer_send_params {
     uint64_t request_id;
     uint64_t lease_id;         /* from the receiver's td_xfer_lease_create */
+    td_xfer_token_t token;     /* ... and its token: every BIND, DATA and READY carries it */
     const int32_t *dst_blocks; /* [n_dst_blocks] the lease's blocks (copied) */
     int32_t n_dst_blocks;
     uint32_t n_tokens;         /* tokens to transfer: blocks 0..ceil(n_tokens/block_size) */

@@ -40,6 +40,7 @@ typedef struct am_data_hdr {
     uint32_t dst_block; /* first destination block id of the run */
     uint32_t n_blocks;  /* blocks in the run */
     uint32_t first_idx; /* index of dst_block in the lease's block table */
+    td_xfer_token_t token; /* the lease's: a DATA without it is refused unread */
 } am_data_hdr_t;
 
 typedef struct am_ready_hdr {
@@ -52,17 +53,20 @@ typedef struct am_ready_hdr {
     uint32_t flags;    /* READY_F_CHECKSUM */
     uint32_t pad;
     td_kv_layout_t layout; /* the sender's; the receiver compares too */
+    td_xfer_token_t token; /* the lease's */
 } am_ready_hdr_t;
 
 #define READY_F_CHECKSUM 1u
 #define READY_F_PUT 2u /* the bytes came by RMA put (flushed before READY), not DATA */
 
-/* ACK and every control message: HELLO/HELLO_ACK carry the peer cookie in request_id. */
+/* ACK and every control message: HELLO/HELLO_ACK carry the peer cookie in request_id;
+ * BIND carries the lease's token (zero in the others). */
 typedef struct am_ack_hdr {
     uint64_t request_id;
     uint64_t lease_id;
     int32_t status; /* td_status_t */
     uint32_t pad;
+    td_xfer_token_t token;
 } am_ack_hdr_t;
 
 typedef struct xfer_desc_wire {
@@ -100,6 +104,9 @@ typedef struct xfer_lease {
     uint64_t request_id;
     uint64_t deadline_ns;
     lease_state_t state;
+    td_xfer_token_t token; /* what BIND, DATA and READY for it must carry */
+    xfer_conn_t *owner;  /* the first endpoint that presented the token: the only one whose
+                            messages for this lease are taken from then on */
     uint64_t bytes;      /* payload bytes placed so far */
     uint32_t inflight;   /* rendezvous receives writing into the blocks */
     xfer_conn_t *writer; /* endpoint of the last DATA (fenced on death) */
@@ -247,6 +254,7 @@ struct td_xfer {
     td_list_t conns;
     td_list_t adopting;    /* xfer_lease_t in state ADOPTING, adopted in this order */
     td_list_t ready_list;
+    uint64_t reject_log_ns[3]; /* when a rejection of each reason was last logged */
 
     /* sender */
     td_list_t peers;
@@ -296,6 +304,9 @@ ucp_ep_h xfer_am_reply_ep(const ucp_am_recv_param_t *param);
 bool xfer_am_unpack(td_xfer_t *x, const void *header, size_t header_length, void *h, size_t size,
                     bool need_pool);
 void xfer_send_ctl(td_xfer_t *x, ucp_ep_h ep, unsigned id, uint64_t a_, uint64_t b, td_status_t st);
+/* BIND: a control message carrying the lease's token. */
+void xfer_send_bind(td_xfer_t *x, ucp_ep_h ep, uint64_t request_id, uint64_t lease_id,
+                    const td_xfer_token_t *token);
 /* The verdict on a kv-ready (AM_ACK) to the sender at ep; ep NULL: nothing is sent. */
 void xfer_send_ack(td_xfer_t *x, ucp_ep_h ep, uint64_t request_id, uint64_t lease_id, td_status_t st);
 void xfer_close_step(td_xfer_t *x);

@@ -5,9 +5,11 @@
  */
 #include "td_xfer_int.h"
 
+#include <errno.h>
 #include <inttypes.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
 
 #include "td_log.h"
 #include "td_util.h"
@@ -90,8 +92,27 @@ void xfer_lease_kill(td_xfer_t *x, xfer_lease_t *l)
     xfer_lease_fail(x, l, TD_ERR_STALE);
 }
 
+/* A fresh token: 128 bits of the kernel's CSPRNG (getrandom(2), never blocking once the
+ * pool is initialised at boot). Why random and not an HMAC of the lease id under the
+ * cluster secret: the receiver keeps each lease's state anyway (16 more bytes), a random
+ * token needs no key in the data plane, works the same with no cluster secret set (tandem
+ * local, tests), and one lease's token says nothing about another's. */
+static td_status_t token_make(td_xfer_token_t *t)
+{
+    size_t got = 0;
+    while (got < sizeof t->b) {
+        ssize_t n = getrandom(t->b + got, sizeof t->b - got, 0);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n <= 0)
+            return td_errorf(TD_ERR_IO, "xfer lease: getrandom: %s", strerror(errno));
+        got += (size_t)n;
+    }
+    return TD_OK;
+}
+
 td_status_t td_xfer_lease_create(td_xfer_t *x, uint64_t request_id, int32_t n_blocks, uint32_t ttl_ms,
-                                 int32_t *blocks_out, uint64_t *lease_id_p)
+                                 int32_t *blocks_out, uint64_t *lease_id_p, td_xfer_token_t *token_p)
 {
     if (!x->have_pool || !x->pool.kv)
         return td_errorf(TD_ERR_INVALID, "xfer lease: no pool or no block manager registered");
@@ -103,13 +124,17 @@ td_status_t td_xfer_lease_create(td_xfer_t *x, uint64_t request_id, int32_t n_bl
     if (dev && (uint32_t)n_blocks > x->stats.landing_free)
         return td_errorf_quiet(TD_ERR_EXHAUSTED, "xfer lease: %d landing blocks requested, %u free", n_blocks,
                                x->stats.landing_free);
+    td_xfer_token_t token;
+    td_status_t st = token_make(&token);
+    if (st != TD_OK)
+        return st;
     xfer_lease_t *l = calloc(1, sizeof *l + (size_t)n_blocks * (dev ? 2 : 1) * sizeof(int32_t));
     uint64_t id = x->next_lease_id + 1;
     if (!l || td_hash_put(&x->lease_ids, id, (uintptr_t)l) != TD_OK) {
         free(l);
         return td_errorf(TD_ERR_NOMEM, "xfer lease: out of memory");
     }
-    td_status_t st = td_kv_alloc_blocks(x->pool.kv, n_blocks, dev ? l->blocks + n_blocks : l->blocks);
+    st = td_kv_alloc_blocks(x->pool.kv, n_blocks, dev ? l->blocks + n_blocks : l->blocks);
     if (st != TD_OK) {
         td_hash_remove(&x->lease_ids, id, (uintptr_t)l);
         free(l);
@@ -122,6 +147,7 @@ td_status_t td_xfer_lease_create(td_xfer_t *x, uint64_t request_id, int32_t n_bl
     }
     l->id = x->next_lease_id = id;
     l->request_id = request_id;
+    l->token = token;
     l->n_blocks = n_blocks;
     l->deadline_ns = td_now_ns() + (uint64_t)ttl_ms * 1000000ull;
     l->state = LEASE_LIVE;
@@ -130,6 +156,7 @@ td_status_t td_xfer_lease_create(td_xfer_t *x, uint64_t request_id, int32_t n_bl
     x->stats.leases_created++;
     memcpy(blocks_out, l->blocks, (size_t)n_blocks * sizeof(int32_t));
     *lease_id_p = l->id;
+    *token_p = token;
     return TD_OK;
 }
 

@@ -50,7 +50,7 @@ static void run_deferred(td_xfer_t *x)
             s->mode = peer->use_put ? MODE_PUT : MODE_AM;
             x->acts++;
             if (s->mode == MODE_PUT)
-                xfer_send_ctl(x, peer->ep, AM_BIND, s->p.request_id, s->p.lease_id, TD_OK);
+                xfer_send_bind(x, peer->ep, s->p.request_id, s->p.lease_id, &s->p.token);
         }
     }
     /* Post queued DATA under the in-flight bound (in order, skipping requests still

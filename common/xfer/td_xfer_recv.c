@@ -1,6 +1,13 @@
 /*
  * td_xfer receiving side: endpoints accepted from senders (and their loss), and the
  * receiver's active-message handlers: DATA into the pool, READY, HELLO, BIND, ABORT_ACK.
+ *
+ * Anyone who reaches the listener can connect and send (UCX authenticates nobody), so a
+ * message naming a live lease is taken only with the lease's token, and only from the
+ * endpoint that first presented it (lease_admits): the owner. One that fails is dropped
+ * and counted (rejected_token, rejected_endpoint) and leaves the lease as it was; a kv-ready
+ * from the owner whose contents do not check is refused to it (rejected_malformed) and the
+ * lease lives on until its deadline or cancel. docs/security.md, "The KV data plane".
  */
 #include "td_xfer_int.h"
 
@@ -10,6 +17,57 @@
 
 #include "td_log.h"
 #include "td_util.h"
+
+/* Why a message naming a live lease was dropped: the index into x->reject_log_ns. */
+typedef enum reject_why { REJECT_TOKEN, REJECT_ENDPOINT, REJECT_MALFORMED } reject_why_t;
+
+#define REJECT_LOG_NS 10000000000ull /* a rejection of the same reason is logged again only
+                                        after this long: a flood must not flood the log */
+
+/* Equal tokens, in time independent of where they differ (no early exit), so that the time
+ * a refusal takes does not tell a guesser how much of a token it has right. */
+static bool token_equal(const td_xfer_token_t *a, const td_xfer_token_t *b)
+{
+    volatile uint8_t d = 0;
+    for (size_t i = 0; i < sizeof a->b; i++)
+        d |= (uint8_t)(a->b[i] ^ b->b[i]);
+    return d == 0;
+}
+
+/* Counts a dropped message, and logs it (rate-limited per reason). */
+static void reject(td_xfer_t *x, reject_why_t why, const char *what, const xfer_lease_t *l)
+{
+    static const char *const text[] = {"without the lease's token", "from an endpoint that does not own the lease",
+                                       "that does not match the lease"};
+    uint64_t *n = why == REJECT_TOKEN      ? &x->stats.rejected_token
+                  : why == REJECT_ENDPOINT ? &x->stats.rejected_endpoint
+                                           : &x->stats.rejected_malformed;
+    (*n)++;
+    uint64_t now = td_now_ns();
+    if (x->reject_log_ns[why] == 0 || now - x->reject_log_ns[why] >= REJECT_LOG_NS) {
+        x->reject_log_ns[why] = now;
+        td_warn("xfer %s: %s for lease %" PRIu64 " %s, dropped (%" PRIu64 " so far; the lease is unharmed)",
+                x->name, what, l->id, text[why], *n);
+    }
+}
+
+/* The checks every BIND, DATA and READY naming a live lease passes first: the lease's
+ * token, then the endpoint (c, NULL when UCX gave none) is the lease's owner or the lease
+ * has none yet (the caller makes c the owner once it takes the message). False: dropped
+ * and counted. */
+static bool lease_admits(td_xfer_t *x, const xfer_lease_t *l, const td_xfer_token_t *token, const xfer_conn_t *c,
+                         const char *what)
+{
+    if (!token_equal(&l->token, token)) {
+        reject(x, REJECT_TOKEN, what, l);
+        return false;
+    }
+    if (!c || (l->owner && l->owner != c)) {
+        reject(x, REJECT_ENDPOINT, what, l);
+        return false;
+    }
+    return true;
+}
 
 static void conn_err_cb(void *arg, ucp_ep_h ep, ucs_status_t status)
 {
@@ -24,6 +82,10 @@ static void conn_err_cb(void *arg, ucp_ep_h ep, ucs_status_t status)
         bool lost = l->state == LEASE_ADOPTING && l->ready_ep == ep;
         if (l->ready_ep == ep)
             l->ready_ep = NULL;
+        if (l->owner == c) { /* nobody else may write it: it can never complete */
+            l->owner = NULL;
+            lost = true;
+        }
         if (l->writer == c) {
             l->writer = NULL;
             lost = true;
@@ -131,6 +193,10 @@ ucs_status_t xfer_am_data_cb(void *arg, const void *header, size_t header_length
         x->stats.discarded_data++;
         return UCS_OK;
     }
+    ucp_ep_h ep = xfer_am_reply_ep(param);
+    xfer_conn_t *c = ep ? conn_of_ep(x, ep) : NULL;
+    if (!lease_admits(x, l, &h.token, c, "data"))
+        return UCS_OK; /* refused unread, as for a dead lease */
     bool ok = h.layer < x->pool.layout.n_layers && h.n_blocks > 0 && length == (size_t)h.n_blocks * bb &&
               (uint64_t)h.first_idx + h.n_blocks <= (uint64_t)l->n_blocks;
     for (uint32_t k = 0; ok && k < h.n_blocks; k++)
@@ -141,8 +207,7 @@ ucs_status_t xfer_am_data_cb(void *arg, const void *header, size_t header_length
         x->stats.fail_protocol++;
         return UCS_OK;
     }
-    if (xfer_am_reply_ep(param))
-        l->writer = conn_of_ep(x, xfer_am_reply_ep(param));
+    l->owner = l->writer = c;
     char *dst = (char *)x->pool.base + td_kv_block_offset(&x->pool.layout, x->pool.n_blocks, h.layer, h.dst_block);
     if (!(param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV)) {
         memcpy(dst, data, length);
@@ -196,6 +261,12 @@ ucs_status_t xfer_am_ready_cb(void *arg, const void *header, size_t header_lengt
         xfer_send_ack(x, ep, h.request_id, h.lease_id, TD_ERR_STALE);
         return UCS_OK;
     }
+    xfer_conn_t *c = ep ? conn_of_ep(x, ep) : NULL;
+    if (!lease_admits(x, l, &h.token, c, "kv-ready")) {
+        /* the answer a dead lease gets: it tells a guesser nothing */
+        xfer_send_ack(x, ep, h.request_id, h.lease_id, TD_ERR_STALE);
+        return UCS_OK;
+    }
     char why[160];
     td_status_t verdict = TD_OK;
     if (td_kv_layout_compare(&x->pool.layout, &h.layout, why, sizeof why) != TD_OK) {
@@ -215,21 +286,22 @@ ucs_status_t xfer_am_ready_cb(void *arg, const void *header, size_t header_lengt
                             " bytes, received %" PRIu64 "; refused", l->id, h.bytes, l->bytes);
         x->stats.fail_protocol++;
     }
+    if (verdict == TD_OK && (h.flags & READY_F_PUT) && l->put_writer != c) {
+        verdict = td_errorf(TD_ERR_PROTOCOL, "xfer lease %" PRIu64 ": kv-ready for puts from a sender not bound to "
+                            "it; refused", l->id);
+        x->stats.fail_protocol++;
+    }
     if (verdict != TD_OK) {
+        /* Refused to its sender; the lease is not killed by what one message says: it ends
+         * by its deadline or cancel (the sender's failure reaches the router, which releases
+         * it), or a correct kv-ready may still come. */
+        reject(x, REJECT_MALFORMED, "kv-ready", l);
         xfer_send_ack(x, ep, h.request_id, h.lease_id, verdict);
-        xfer_lease_kill(x, l);
         return UCS_OK;
     }
+    l->owner = c;
     if (h.flags & READY_F_PUT) {
         /* The sender flushed its puts before READY: the bytes are in place. */
-        if (!l->put_writer || l->put_writer != conn_of_ep(x, ep)) {
-            td_errorf(TD_ERR_PROTOCOL, "xfer lease %" PRIu64 ": kv-ready for puts from a sender not bound to it; "
-                      "refused", l->id);
-            x->stats.fail_protocol++;
-            xfer_send_ack(x, ep, h.request_id, h.lease_id, TD_ERR_PROTOCOL);
-            xfer_lease_kill(x, l);
-            return UCS_OK;
-        }
         x->stats.bytes_received += h.bytes - l->bytes;
         l->bytes = h.bytes;
     }
@@ -271,14 +343,15 @@ ucs_status_t xfer_am_bind_cb(void *arg, const void *header, size_t header_length
     } else if (!l || l->state != LEASE_LIVE) {
         x->stats.discarded_data++;
         st = TD_ERR_STALE;
-    } else if (!c || h.request_id != l->request_id || (l->put_writer && l->put_writer != c)) {
+    } else if (!lease_admits(x, l, &h.token, c, "bind")) {
+        st = TD_ERR_STALE; /* the answer a dead lease gets: it tells a guesser nothing */
+    } else if (h.request_id != l->request_id) {
         td_errorf(TD_ERR_PROTOCOL, "xfer lease %" PRIu64 ": bind for request %" PRIu64 " refused (lease is for "
-                  "request %" PRIu64 "%s)", l->id, h.request_id, l->request_id,
-                  l->put_writer && l->put_writer != c ? ", bound to another sender" : "");
+                  "request %" PRIu64 ")", l->id, h.request_id, l->request_id);
         x->stats.fail_protocol++;
         st = TD_ERR_PROTOCOL;
     } else {
-        l->put_writer = c;
+        l->owner = l->put_writer = c;
     }
     xfer_send_ctl(x, ep, AM_BIND_ACK, h.request_id, h.lease_id, st);
     return UCS_OK;

@@ -162,7 +162,8 @@ void xfer_post_ready(td_xfer_t *x, td_xfer_send_t *s)
                                 .first_token = s->ready.first_token,
                                 .flags = (s->p.checksum ? READY_F_CHECKSUM : 0) |
                                          (s->mode == MODE_PUT ? READY_F_PUT : 0),
-                                .layout = s->peer->layout};
+                                .layout = s->peer->layout,
+                                .token = s->p.token};
     ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
                                                UCP_OP_ATTR_FIELD_FLAGS,
                                .cb.send = ready_sent_cb,
@@ -421,7 +422,8 @@ td_status_t td_xfer_send_layer(td_xfer_send_t *s, uint32_t layer, const void *sr
         *op = (send_op_t){0};
         op->s = s;
         op->hdr = (am_data_hdr_t){.lease_id = s->p.lease_id, .layer = layer, .dst_block = (uint32_t)s->dst_blocks[i],
-                                  .n_blocks = (uint32_t)(j - i), .first_idx = (uint32_t)i};
+                                  .n_blocks = (uint32_t)(j - i), .first_idx = (uint32_t)i,
+                                  .token = s->p.token};
         op->src = (const char *)src_layer + (size_t)src_blocks[i] * bb;
         op->len = (size_t)(j - i) * bb;
         s->bytes += op->len; /* its checksum is taken when it is posted (xfer_op_checksum) */

@@ -704,7 +704,14 @@ def cmd_controlgarbage(router_ctl, decode_ctl, prefill_ctl, vocab, max_seq, gate
          + pb_bytes(8, b"\x00" * 32), True, ("INVALID_ARGUMENT", "OUT_OF_RANGE")),
         ("Prefill: block 999999 and a junk decode_xfer", prefill_ctl, pre + "Prefill",
          pb_bytes(1, "cg7") + pb_packed(2, [1, 2, 3]) + pb_bytes(3, "d0") + pb_packed(4, [999999]) + pb_varint(5, 1)
-         + pb_bytes(8, junk), True, ("INVALID_ARGUMENT", "UNAVAILABLE", "INTERNAL", "FAILED_PRECONDITION", "NOT_FOUND")),
+         + pb_bytes(8, junk) + pb_bytes(10, b"\x07" * 16), True,
+         ("INVALID_ARGUMENT", "UNAVAILABLE", "INTERNAL", "FAILED_PRECONDITION", "NOT_FOUND")),
+        ("Prefill: no kv transfer token (issue 35)", prefill_ctl, pre + "Prefill",
+         pb_bytes(1, "cg9") + pb_packed(2, [1, 2, 3]) + pb_bytes(3, "d0") + pb_packed(4, [0]) + pb_varint(5, 1)
+         + pb_bytes(8, junk), True, ("FAILED_PRECONDITION",)),
+        ("Prefill: a 15-byte kv transfer token", prefill_ctl, pre + "Prefill",
+         pb_bytes(1, "cg10") + pb_packed(2, [1, 2, 3]) + pb_bytes(3, "d0") + pb_packed(4, [0]) + pb_varint(5, 1)
+         + pb_bytes(8, junk) + pb_bytes(10, b"\x07" * 15), True, ("FAILED_PRECONDITION",)),
         ("Prefill: 40 tokens in 1 block, empty decode_xfer", prefill_ctl, pre + "Prefill",
          pb_bytes(1, "cg8") + pb_packed(2, list(range(1, 41))) + pb_bytes(3, "d0") + pb_packed(4, [0]) + pb_varint(5, 1),
          True, ("INVALID_ARGUMENT", "UNAVAILABLE", "INTERNAL", "FAILED_PRECONDITION", "NOT_FOUND")),

@@ -184,17 +184,20 @@ cl_concurrent_equal() {
 }
 
 # cl_kv_bytes_equal: every KV byte the prefill nodes sent, the decode nodes received, and
-# some were (td_xfer's counters on /metrics)
+# some were (td_xfer's counters on /metrics); and no data-plane message of theirs was
+# rejected (each carried its lease's token, from the lease's owner: issue 35)
 cl_kv_bytes_equal() {
-    local name sent=0 recv=0
+    local name sent=0 recv=0 rej=0
     for name in "${!CL_ROLE[@]}"; do
         case ${CL_ROLE[$name]} in
         prefill) sent=$((sent + $(cl_metric "$name" tandem_kvxfer_sent_bytes_total | cut -d. -f1))) ;;
-        decode) recv=$((recv + $(cl_metric "$name" tandem_kvxfer_received_bytes_total | cut -d. -f1))) ;;
+        decode) recv=$((recv + $(cl_metric "$name" tandem_kvxfer_received_bytes_total | cut -d. -f1)))
+            rej=$((rej + $(cl_metric "$name" tandem_kvxfer_rejected_total | cut -d. -f1))) ;;
         esac
     done
     echo "kv bytes: prefill sent $sent, decode received $recv"
     [ "$sent" != 0 ] && [ "$sent" = "$recv" ] || cl_fail "KV bytes sent ($sent) and received ($recv) differ or are zero"
+    [ "$rej" = 0 ] || cl_fail "the decode nodes rejected $rej data-plane messages of an honest cluster"
 }
 
 # cl_blocks_back NODE BASE WHAT [SECONDS]: the decode node's tandem_decode_kv_blocks_used

@@ -65,7 +65,8 @@ export UCX_TLS=tcp UCX_NET_DEVICES=tdc0 UCX_SOCKADDR_TLS_PRIORITY=tcp UCX_TCP_CM
 D="$(dirname "$0")/../../deploy/systemd"
 (umask 077; openssl rand -hex 32 >"$T/secret"; openssl rand -hex 24 >"$T/keys")
 conf() { # conf ROLE ADVERTISE: deploy/systemd/ROLE.conf for this test, into $T/ROLE.conf
-    sed -e "s|^advertise = [^ ]*|advertise = $2|" -e "s|^router = [^ ]*|router = $NET.1:7070|" \
+    sed -e "s|^advertise = [^ ]*|advertise = $2|" -e "s|^xfer-host = [^ ]*|xfer-host = $2|" \
+        -e "s|^router = [^ ]*|router = $NET.1:7070|" \
         -e "s|^model = [^ ]*|model = $M|" -e "s|^tokenizer = .*||" -e "s|^threads = [^ ]*|threads = 1|" \
         -e "s|^kv-mem = [^ ]*|kv-mem = 256|" -e "s|^log-level = [^ ]*|log-level = warn|" \
         -e "s|/etc/tandem/cluster-secret|$T/secret|" -e "s|/etc/tandem/api-keys|$T/keys|" "$D/$1.conf" >"$T/$1.conf"
@@ -98,6 +99,15 @@ done
 [ $ready -eq 1 ] || { bad "the nodes did not register within 15 s: $(cat "$T/router.err" "$T/prefill.err" "$T/decode.err")"; exit 1; }
 grep -q "control $NET.2:" "$T/prefill.out" || bad "the prefill node does not advertise $NET.2: $(cat "$T/prefill.out")"
 grep -q "control $NET.3:" "$T/decode.out" || bad "the decode node does not advertise $NET.3: $(cat "$T/decode.out")"
+# the KV data plane (UCX) is not on every interface: decode.conf's xfer-host is its veth
+# address, and the only wildcard listeners are its control and metrics ports (issue 35)
+if command -v ss >/dev/null; then
+    grep -q "^xfer-host = $NET.3" "$T/decode.conf" || bad "deploy/systemd/decode.conf has no xfer-host line"
+    ip netns exec "$NSD" ss -Hltn | awk '{print $4}' | grep -q "^$NET.3:" ||
+        bad "the decode node has no listener on $NET.3: $(ip netns exec "$NSD" ss -Hltn)"
+    wild=$(ip netns exec "$NSD" ss -Hltn | awk '{print $4}' | grep -c '^0\.0\.0\.0:\|^\*:\|^\[::\]:')
+    [ "$wild" -le 2 ] || bad "the decode node listens on 0.0.0.0 beyond control and metrics: $(ip netns exec "$NSD" ss -Hltn)"
+fi
 
 # gen IDS ARGS...: from the bridge namespace through the router; equal to local generate
 gen() {

@@ -867,8 +867,8 @@ static void shared_close(shared_fx_t *f)
 
 /* Prefills p on the "prefill" engine and pushes its KV into the lease (layer by layer
  * from that engine's pool, as a prefill node does). Returns the first (greedy) token. */
-static int32_t shared_push(shared_fx_t *f, uint64_t lease_id, const int32_t *blocks, int32_t n_blocks,
-                           const int32_t *p, int n_prompt)
+static int32_t shared_push(shared_fx_t *f, uint64_t lease_id, const td_xfer_token_t *tok, const int32_t *blocks,
+                           int32_t n_blocks, const int32_t *p, int n_prompt)
 {
     td_kv_seq_t pre;
     td_kv_seq_init(&pre);
@@ -877,7 +877,7 @@ static int32_t shared_push(shared_fx_t *f, uint64_t lease_id, const int32_t *blo
     cr_assert_eq(td_engine_step(f->pre, &it, 1, logits), TD_OK);
     int32_t first = td_test_argmax(logits, f->fx.vocab);
     free(logits);
-    td_xfer_send_params_t sp = {.request_id = lease_id, .lease_id = lease_id, .dst_blocks = blocks,
+    td_xfer_send_params_t sp = {.request_id = lease_id, .lease_id = lease_id, .token = *tok, .dst_blocks = blocks,
                                 .n_dst_blocks = n_blocks, .n_tokens = (uint32_t)n_prompt, .checksum = true,
                                 .mem = TD_XFER_MEM_HOST, .done = shared_on_done, .arg = f};
     td_xfer_send_t *snd;
@@ -912,9 +912,10 @@ static void shared_leases_return_every_block(const char *tls)
 
     /* finish: leased, pushed, adopted without a copy, generated, finished */
     uint64_t lease;
-    cr_assert_eq(td_xfer_lease_create(f->rx, 1, 3, 5000, blocks, &lease), TD_OK, "%s", td_last_error());
+    td_xfer_token_t tok;
+    cr_assert_eq(td_xfer_lease_create(f->rx, 1, 3, 5000, blocks, &lease, &tok), TD_OK, "%s", td_last_error());
     cr_assert_eq(td_kv_available(f->kv), f->initial - 3, "a lease takes blocks of the engine's pool");
-    int32_t first = shared_push(f, lease, blocks, 3, p, 40);
+    int32_t first = shared_push(f, lease, &tok, blocks, 3, p, 40);
     cr_assert_eq(f->done_st, TD_OK, "%s", td_strerror(f->done_st));
     shared_run_until(f, &f->ready, 1, 5);
     cr_assert_eq(f->ready, 1);
@@ -934,8 +935,8 @@ static void shared_leases_return_every_block(const char *tls)
     cr_assert_eq(td_kv_available(f->kv), f->initial, "finish: blocks back");
 
     /* cancel after adoption (the scheduler holds them) */
-    cr_assert_eq(td_xfer_lease_create(f->rx, 2, 3, 5000, blocks, &lease), TD_OK);
-    first = shared_push(f, lease, blocks, 3, p, 40);
+    cr_assert_eq(td_xfer_lease_create(f->rx, 2, 3, 5000, blocks, &lease, &tok), TD_OK);
+    first = shared_push(f, lease, &tok, blocks, 3, p, 40);
     shared_run_until(f, &f->ready, 2, 5);
     cr_assert_eq(f->ready, 2);
     rq.id = 2;
@@ -951,14 +952,14 @@ static void shared_leases_return_every_block(const char *tls)
         cr_assert_eq(decode_sched_step(ds, 0, &r), TD_OK);
 
     /* cancel before kv-ready (no writer bound: back at once) */
-    cr_assert_eq(td_xfer_lease_create(f->rx, 3, 4, 5000, blocks, &lease), TD_OK);
+    cr_assert_eq(td_xfer_lease_create(f->rx, 3, 4, 5000, blocks, &lease, &tok), TD_OK);
     cr_assert_eq(td_kv_available(f->kv), f->initial - 4);
     cr_assert_eq(td_xfer_lease_cancel(f->rx, lease), TD_OK);
     cr_assert_eq(td_kv_available(f->kv), f->initial, "cancel before kv-ready: blocks back");
     cr_assert_eq(td_xfer_lease_cancel(f->rx, lease), TD_ERR_STALE, "a lease ends once");
 
     /* expiry: nothing comes, the tick returns the blocks */
-    cr_assert_eq(td_xfer_lease_create(f->rx, 4, 5, 30, blocks, &lease), TD_OK);
+    cr_assert_eq(td_xfer_lease_create(f->rx, 4, 5, 30, blocks, &lease, &tok), TD_OK);
     cr_assert_eq(td_kv_available(f->kv), f->initial - 5);
     td_xfer_stats_t xs;
     double end = td_now_s() + 2;
@@ -981,7 +982,7 @@ static void shared_leases_return_every_block(const char *tls)
 
     /* sender failure: half the layers written, then the sender goes away (its endpoint
        closes): nothing is adopted and the blocks come back */
-    cr_assert_eq(td_xfer_lease_create(f->rx, 5, 3, 60000, blocks, &lease), TD_OK); /* no expiry */
+    cr_assert_eq(td_xfer_lease_create(f->rx, 5, 3, 60000, blocks, &lease, &tok), TD_OK); /* no expiry */
     cr_assert_eq(td_kv_available(f->kv), f->initial - 3);
     td_kv_seq_t pre;
     td_kv_seq_init(&pre);
@@ -989,7 +990,7 @@ static void shared_leases_return_every_block(const char *tls)
     td_engine_item_t it = {.seq = &pre, .tokens = p, .n_tokens = 40, .n_logits = 1};
     cr_assert_eq(td_engine_step(f->pre, &it, 1, logits), TD_OK);
     free(logits);
-    td_xfer_send_params_t sp = {.request_id = 5, .lease_id = lease, .dst_blocks = blocks, .n_dst_blocks = 3,
+    td_xfer_send_params_t sp = {.request_id = 5, .lease_id = lease, .token = tok, .dst_blocks = blocks, .n_dst_blocks = 3,
                                 .n_tokens = 40, .mem = TD_XFER_MEM_HOST, .done = shared_on_done, .arg = f};
     td_xfer_send_t *snd;
     cr_assert_eq(td_xfer_send_begin(f->tx, f->peer, &sp, &snd), TD_OK, "%s", td_last_error());
@@ -1094,7 +1095,8 @@ Test(decode_sched, shared_pool_leases_and_engine_on_two_threads, .timeout = 240)
     uint64_t leases = 0, refused = 0;
     while (!c.stop) {
         uint64_t lease;
-        td_status_t st = td_xfer_lease_create(f->rx, leases, 1 + (int32_t)(leases % 8), 5000, blocks, &lease);
+        td_xfer_token_t tok;
+        td_status_t st = td_xfer_lease_create(f->rx, leases, 1 + (int32_t)(leases % 8), 5000, blocks, &lease, &tok);
         if (st == TD_OK)
             cr_assert_eq(td_xfer_lease_cancel(f->rx, lease), TD_OK);
         else

@@ -74,6 +74,7 @@ static uint32_t plan_tokens(uint64_t seed, int i)
 typedef struct lease_msg {
     uint64_t request_id;
     uint64_t lease_id;
+    td_xfer_token_t token;
     uint32_t n_tokens;
     int32_t n_blocks;
     int32_t blocks[4096 / 16 + 4];
@@ -215,7 +216,7 @@ static int rx_lease(rx_t *rx, int n_req, uint32_t ttl_ms, bool fixed_small)
         m->request_id = 1000 + (uint64_t)i;
         m->n_tokens = fixed_small ? 40 : plan_tokens(rx->seed, i);
         m->n_blocks = (int32_t)TD_DIV_CEIL(m->n_tokens, LAYOUT.block_size) + (i % 3); /* + room to decode */
-        if (td_xfer_lease_create(rx->x, m->request_id, m->n_blocks, ttl_ms, m->blocks, &m->lease_id) != TD_OK)
+        if (td_xfer_lease_create(rx->x, m->request_id, m->n_blocks, ttl_ms, m->blocks, &m->lease_id, &m->token) != TD_OK)
             return 20;
     }
     rx->offer.n_req = n_req;
@@ -459,6 +460,7 @@ static td_status_t tx_begin(tx_t *tx, const lease_msg_t *m, int r, td_xfer_send_
 {
     td_xfer_send_params_t p = {.request_id = m->request_id,
                                .lease_id = m->lease_id,
+                               .token = m->token,
                                .dst_blocks = m->blocks,
                                .n_dst_blocks = m->n_blocks,
                                .n_tokens = m->n_tokens,
@@ -917,19 +919,20 @@ Test(xfer, device_pool_leases_hold_and_return_landing_blocks, .timeout = 60)
     cr_expect_eq(td_xfer_pool_base(rx.x), rx.pool, "the pool base is the device pool's");
     int32_t b1[8], b2[8];
     uint64_t l1, l2;
-    cr_assert_eq(td_xfer_lease_create(rx.x, 1, 6, 60000, b1, &l1), TD_OK);
+    td_xfer_token_t tok;
+    cr_assert_eq(td_xfer_lease_create(rx.x, 1, 6, 60000, b1, &l1, &tok), TD_OK);
     for (int i = 0; i < 6; i++)
         cr_expect(b1[i] >= 0 && b1[i] < 8, "senders get landing block ids: %d", b1[i]);
     cr_expect_eq(td_kv_available(rx.kv), 58);
-    cr_expect_eq(td_xfer_lease_create(rx.x, 2, 4, 60000, b2, &l2), TD_ERR_EXHAUSTED, "landing area full");
+    cr_expect_eq(td_xfer_lease_create(rx.x, 2, 4, 60000, b2, &l2, &tok), TD_ERR_EXHAUSTED, "landing area full");
     cr_expect_eq(td_kv_available(rx.kv), 58, "a refused lease takes no pool blocks");
-    cr_expect_eq(td_xfer_lease_create(rx.x, 2, 65, 60000, b2, &l2), TD_ERR_INVALID);
+    cr_expect_eq(td_xfer_lease_create(rx.x, 2, 65, 60000, b2, &l2, &tok), TD_ERR_INVALID);
     cr_assert_eq(td_xfer_lease_cancel(rx.x, l1), TD_OK);
     td_xfer_get_stats(rx.x, &st);
     cr_expect_eq(st.landing_free, 8);
     cr_expect_eq(td_kv_available(rx.kv), 64);
     cr_expect_eq(td_xfer_lease_cancel(rx.x, l1), TD_ERR_STALE, "a lease ends once");
-    cr_assert_eq(td_xfer_lease_create(rx.x, 3, 8, 1, b2, &l2), TD_OK);
+    cr_assert_eq(td_xfer_lease_create(rx.x, 3, 8, 1, b2, &l2, &tok), TD_OK);
     double end = td_now_s() + 5;
     do {
         uv_run(&rx.loop, UV_RUN_NOWAIT);
@@ -1068,7 +1071,7 @@ static void adoption(bool device, adopt_plan_t plan)
         m->request_id = 1000 + (uint64_t)i;
         m->n_tokens = 4096;
         m->n_blocks = 4096 / 16;
-        cr_assert_eq(td_xfer_lease_create(rx.x, m->request_id, m->n_blocks, 60000, m->blocks, &m->lease_id), TD_OK);
+        cr_assert_eq(td_xfer_lease_create(rx.x, m->request_id, m->n_blocks, 60000, m->blocks, &m->lease_id, &m->token), TD_OK);
     }
     rx.offer.n_req = n_req;
     rx.want = n_req;
@@ -1217,6 +1220,193 @@ Test(xfer, layout_mismatch_refused_naming_the_field, .timeout = 60)
     cr_expect_eq(st.fail_mismatch, 2);
     tx_free(&tx);
     rx_free(&rx);
+}
+
+/* ---- a rogue peer (docs/security.md, "The KV data plane") ------------------------------ */
+
+/* What one send ended with. */
+typedef struct verdict {
+    bool done;
+    td_status_t st;
+} verdict_t;
+
+static void verdict_cb(void *arg, uint64_t request_id, td_status_t st)
+{
+    verdict_t *v = arg;
+    v->done = true;
+    v->st = st;
+}
+
+/* A sender on the receiver's own loop (one process: the rogue and the honest sender are
+ * two more td_xfer endpoints beside the receiver). */
+static td_xfer_t *peer_x_create(uv_loop_t *loop, const char *name, const rx_t *rx, td_xfer_peer_t **peer_p)
+{
+    td_xfer_config_t cfg = td_xfer_config_default();
+    cfg.name = name;
+    cfg.listen_ip = NULL;
+    cfg.send_timeout_ms = 10000;
+    td_xfer_t *x;
+    cr_assert_eq(td_xfer_create(loop, &cfg, &x), TD_OK, "%s", td_last_error());
+    cr_assert_eq(td_xfer_connect(x, rx->offer.desc, rx->offer.desc_len, &LAYOUT, peer_p), TD_OK, "%s",
+                 td_last_error());
+    return x;
+}
+
+/* Starts a send of m (the lease id and token it names are the caller's choice) from slab
+ * ([n_layers][n_used][block]: layer l's blocks at l * n_used), the first `layers` layers. */
+static td_xfer_send_t *send_some(td_xfer_t *x, td_xfer_peer_t *peer, const lease_msg_t *m, uint64_t lease_id,
+                                 const td_xfer_token_t *token, const uint8_t *slab, uint32_t layers, verdict_t *v)
+{
+    static const int32_t src_blocks[] = {0, 1, 2, 3, 4, 5, 6, 7};
+    uint32_t n_used = TD_DIV_CEIL(m->n_tokens, LAYOUT.block_size);
+    cr_assert_leq(n_used, TD_ARRAY_LEN(src_blocks));
+    td_xfer_send_params_t p = {.request_id = m->request_id, .lease_id = lease_id, .token = *token,
+                               .dst_blocks = m->blocks, .n_dst_blocks = m->n_blocks, .n_tokens = m->n_tokens,
+                               .checksum = true, .mem = TD_XFER_MEM_HOST, .done = verdict_cb, .arg = v};
+    td_xfer_send_t *s;
+    *v = (verdict_t){0};
+    cr_assert_eq(td_xfer_send_begin(x, peer, &p, &s), TD_OK, "%s", td_last_error());
+    size_t slab_layer = (size_t)n_used * td_kv_block_bytes(&LAYOUT);
+    for (uint32_t l = 0; l < layers; l++)
+        cr_assert_eq(td_xfer_send_layer(s, l, slab + l * slab_layer, src_blocks), TD_OK);
+    return s;
+}
+
+static void send_rest(td_xfer_send_t *s, const lease_msg_t *m, const uint8_t *slab, uint32_t from)
+{
+    static const int32_t src_blocks[] = {0, 1, 2, 3, 4, 5, 6, 7};
+    size_t slab_layer = (size_t)TD_DIV_CEIL(m->n_tokens, LAYOUT.block_size) * td_kv_block_bytes(&LAYOUT);
+    for (uint32_t l = from; l < LAYOUT.n_layers; l++)
+        cr_assert_eq(td_xfer_send_layer(s, l, slab + l * slab_layer, src_blocks), TD_OK);
+    td_xfer_send_finish(s, 7);
+}
+
+static void run_until_verdicts(uv_loop_t *loop, verdict_t *v, int n, double timeout_s)
+{
+    double end = td_now_s() + timeout_s;
+    for (;;) {
+        int done = 0;
+        for (int i = 0; i < n; i++)
+            done += v[i].done;
+        if (done == n || td_now_s() > end)
+            break;
+        uv_run(loop, UV_RUN_ONCE);
+    }
+    for (int i = 0; i < n; i++)
+        cr_assert(v[i].done, "send %d has no verdict", i);
+}
+
+/* Two live leases, an honest sender and a rogue one. The rogue sends BIND (put path) or
+ * DATA (AM path) and READY with junk for both leases without their tokens, for guessed
+ * lease ids, and, once the honest sender owns lease A, with A's real token from its own
+ * endpoint. Every one of those is dropped and counted, none touches a lease's blocks or
+ * ends a lease; the honest sender's transfers are then adopted byte for byte. */
+static void rogue_peer(const char *tls)
+{
+    td_xfer_testkit_env(tls);
+    rx_t rx;
+    cr_assert_eq(rx_init(&rx, 5, 256), 0);
+    cr_assert_eq(rx_lease(&rx, 2, 60000, true), 0);
+    lease_msg_t *a = &rx.offer.lease[0], *b = &rx.offer.lease[1];
+    td_xfer_peer_t *gp, *rp;
+    td_xfer_t *good = peer_x_create(&rx.loop, "good", &rx, &gp);
+    td_xfer_t *rogue = peer_x_create(&rx.loop, "rogue", &rx, &rp);
+
+    size_t bb = td_kv_block_bytes(&LAYOUT);
+    uint32_t n_used = TD_DIV_CEIL(a->n_tokens, LAYOUT.block_size);
+    size_t slab_bytes = (size_t)LAYOUT.n_layers * n_used * bb;
+    uint8_t *junk = malloc((size_t)LAYOUT.n_layers * 8 * bb), *ka = malloc(slab_bytes), *kb = malloc(slab_bytes);
+    memset(junk, 0xee, (size_t)LAYOUT.n_layers * 8 * bb);
+    for (uint32_t l = 0; l < LAYOUT.n_layers; l++)
+        for (uint32_t i = 0; i < n_used; i++) {
+            fill_block(ka + ((size_t)l * n_used + i) * bb, bb, rx.seed, a->request_id, l, i);
+            fill_block(kb + ((size_t)l * n_used + i) * bb, bb, rx.seed, b->request_id, l, i);
+        }
+
+    /* 1. No token (zeros), a guessed one, and guessed lease ids around the real ones. */
+    td_xfer_token_t zero = {{0}}, guess;
+    for (size_t i = 0; i < sizeof guess.b; i++)
+        guess.b[i] = (uint8_t)(0x5a + i);
+    verdict_t rv[6];
+    send_rest(send_some(rogue, rp, a, a->lease_id, &zero, junk, 0, &rv[0]), a, junk, 0);
+    send_rest(send_some(rogue, rp, b, b->lease_id, &guess, junk, 0, &rv[1]), b, junk, 0);
+    lease_msg_t m2 = *b; /* a malformed kv-ready for A: more tokens than A's blocks hold */
+    m2.n_tokens = (uint32_t)b->n_blocks * LAYOUT.block_size;
+    cr_assert_gt(m2.n_tokens, (uint32_t)a->n_blocks * LAYOUT.block_size);
+    send_rest(send_some(rogue, rp, &m2, a->lease_id, &zero, junk, 0, &rv[2]), &m2, junk, 0);
+    for (int k = 0; k < 3; k++) /* lease ids count up from 1: the next ones and 0 */
+        send_rest(send_some(rogue, rp, a, k == 2 ? 0 : b->lease_id + 1 + (uint64_t)k, &zero, junk, 0, &rv[3 + k]),
+                  a, junk, 0);
+    run_until_verdicts(&rx.loop, rv, 6, 20);
+    for (int i = 0; i < 6; i++)
+        cr_expect_neq(rv[i].st, TD_OK, "rogue send %d was adopted", i);
+    td_xfer_stats_t st;
+    td_xfer_get_stats(rx.x, &st);
+    cr_expect_eq(rx.adopted, 0);
+    cr_expect_eq(st.leases_live, 2, "a rogue message ended a live lease");
+    cr_expect_eq(st.leases_expired + st.leases_cancelled + st.leases_sender_lost, 0);
+    cr_expect_gt(st.rejected_token, 0, "rejections are counted");
+    cr_expect_eq(st.bytes_received, 0, "a rogue byte reached the pool");
+    for (uint32_t l = 0; l < LAYOUT.n_layers; l++)
+        for (int r = 0; r < 2; r++)
+            for (int32_t i = 0; i < rx.offer.lease[r].n_blocks; i++) {
+                const uint8_t *p = (uint8_t *)rx.pool + td_kv_block_offset(&LAYOUT, rx.n_blocks, l,
+                                                                           (uint32_t)rx.offer.lease[r].blocks[i]);
+                for (size_t k = 0; k < bb; k++)
+                    if (p[k])
+                        cr_assert_fail("a rogue byte reached lease %d block %d layer %u", r, i, l);
+            }
+    uint64_t rejected_token = st.rejected_token;
+
+    /* 2. The honest sender takes lease A (its first layer lands, or its bind is accepted);
+     * then the rogue, holding A's real token, sends from its own endpoint. */
+    verdict_t gv[2];
+    td_xfer_send_t *ga = send_some(good, gp, a, a->lease_id, &a->token, ka, 1, &gv[0]);
+    double end = td_now_s() + 10;
+    td_xfer_stats_t gs;
+    do {
+        uv_run(&rx.loop, UV_RUN_ONCE);
+        td_xfer_get_stats(rx.x, &st);
+        td_xfer_get_stats(good, &gs);
+    } while (st.bytes_received == 0 && gs.ops_put == 0 && td_now_s() < end);
+    cr_assert(st.bytes_received > 0 || gs.ops_put > 0, "the honest sender never started");
+    send_rest(send_some(rogue, rp, a, a->lease_id, &a->token, junk, 0, &rv[0]), a, junk, 0);
+    run_until_verdicts(&rx.loop, rv, 1, 20);
+    cr_expect_neq(rv[0].st, TD_OK, "a second endpoint wrote a lease with its token");
+    td_xfer_get_stats(rx.x, &st);
+    cr_expect_gt(st.rejected_endpoint, 0, "the other endpoint's messages are counted");
+    cr_expect_eq(st.leases_live, 2);
+
+    /* 3. The honest transfers complete, every byte theirs. */
+    send_rest(ga, a, ka, 1);
+    send_rest(send_some(good, gp, b, b->lease_id, &b->token, kb, 0, &gv[1]), b, kb, 0);
+    run_until_verdicts(&rx.loop, gv, 2, 20);
+    cr_expect_eq(gv[0].st, TD_OK, "lease A: %s", td_strerror(gv[0].st));
+    cr_expect_eq(gv[1].st, TD_OK, "lease B: %s", td_strerror(gv[1].st));
+    run_until(&rx.loop, &rx.all_in, 10);
+    cr_expect_eq(rx.adopted, 2);
+    cr_expect_eq(rx.bad, 0, "an adopted block differs from what the honest sender sent");
+    td_xfer_get_stats(rx.x, &st);
+    cr_expect_eq(st.leases_live, 0);
+    cr_expect_eq(st.leases_adopted, 2);
+    cr_expect_geq(st.rejected_token, rejected_token);
+    cr_expect_eq(td_kv_available(rx.kv), 256, "every block back after the ready callbacks");
+    free(junk);
+    free(ka);
+    free(kb);
+    td_xfer_destroy(good);
+    td_xfer_destroy(rogue);
+    rx_free(&rx);
+}
+
+Test(xfer, rogue_peer_without_token_or_from_another_endpoint_rejected_tcp, .timeout = 60)
+{
+    rogue_peer("tcp");
+}
+
+Test(xfer, rogue_peer_without_token_or_from_another_endpoint_rejected_shm_put, .timeout = 60)
+{
+    rogue_peer("sm,tcp");
 }
 
 /* ---- receiver killed mid-transfer ----------------------------------------------------- */
@@ -1464,7 +1654,7 @@ static void expiry_fence(const char *tls, td_xfer_rma_t rma, uint32_t quarantine
     m->request_id = 1000;
     m->n_tokens = 100;
     m->n_blocks = 7;
-    cr_assert_eq(td_xfer_lease_create(rx.x, m->request_id, m->n_blocks, 400, m->blocks, &m->lease_id), TD_OK);
+    cr_assert_eq(td_xfer_lease_create(rx.x, m->request_id, m->n_blocks, 400, m->blocks, &m->lease_id, &m->token), TD_OK);
     cr_assert(td_xfer_testkit_write_all(to_tx[1], &rx.offer, sizeof rx.offer));
     char c;
     bool never = false;
@@ -1513,7 +1703,8 @@ static void expiry_fence(const char *tls, td_xfer_rma_t rma, uint32_t quarantine
     /* A new lease gets the same blocks (LIFO free list) but a new id: mark them. */
     int32_t blocks2[7];
     uint64_t lease2;
-    cr_assert_eq(td_xfer_lease_create(rx.x, 2000, 7, 30000, blocks2, &lease2), TD_OK);
+    td_xfer_token_t tok;
+    cr_assert_eq(td_xfer_lease_create(rx.x, 2000, 7, 30000, blocks2, &lease2, &tok), TD_OK);
     cr_expect_gt(lease2, m->lease_id);
     int same = 0;
     for (int i = 0; i < 7; i++)

@@ -87,9 +87,10 @@ Test(xfer_metrics, leases_and_counters_on_metrics, .timeout = 30)
 
     int32_t blocks[8];
     uint64_t a, b, c;
-    cr_assert_eq(td_xfer_lease_create(x, 1, 4, 60000, blocks, &a), TD_OK);
-    cr_assert_eq(td_xfer_lease_create(x, 2, 4, 60000, blocks, &b), TD_OK);
-    cr_assert_eq(td_xfer_lease_create(x, 3, 2, 1, blocks, &c), TD_OK);
+    td_xfer_token_t tok;
+    cr_assert_eq(td_xfer_lease_create(x, 1, 4, 60000, blocks, &a, &tok), TD_OK);
+    cr_assert_eq(td_xfer_lease_create(x, 2, 4, 60000, blocks, &b, &tok), TD_OK);
+    cr_assert_eq(td_xfer_lease_create(x, 3, 2, 1, blocks, &c, &tok), TD_OK);
     cr_assert_eq(td_xfer_lease_cancel(x, a), TD_OK);
     double end = td_now_s() + 5;
     td_xfer_stats_t st;
