@@ -94,8 +94,8 @@ static void count(td_metric_t *const *series, td_auth_outcome_t o)
         td_metric_inc(series[o]);
 }
 
-static td_grpc_code_t gateway_gate(td_grpc_call_t *call, const void *request, size_t len, void *data, char *why,
-                                   size_t cap)
+/* The gateway's gate, on the headers: an unauthenticated call costs no buffering. */
+static td_grpc_code_t gateway_gate(td_grpc_call_t *call, void *data, char *why, size_t cap)
 {
     td_node_auth_t *a = data;
     if (!strcmp(td_grpc_call_method(call), TD_NODE_AUTH_HEALTH_CHECK))
@@ -167,13 +167,15 @@ static td_grpc_code_t control_gate(td_grpc_call_t *call, const void *request, si
 
 void td_node_auth_guard_gateway(td_node_auth_t *a, td_grpc_server_config_t *gc)
 {
-    gc->authenticate = a->keys ? gateway_gate : NULL;
+    gc->authenticate = NULL;
+    gc->authenticate_head = a->keys ? gateway_gate : NULL;
     gc->auth_data = a->keys ? a : NULL;
 }
 
 void td_node_auth_guard_control(td_node_auth_t *a, td_grpc_server_config_t *gc)
 {
     gc->authenticate = a->cluster ? control_gate : NULL;
+    gc->authenticate_head = NULL;
     gc->auth_data = a->cluster ? a : NULL;
 }
 
