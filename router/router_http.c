@@ -2,9 +2,9 @@
  * router_http: the router's OpenAI-compatible HTTP front door (--http-port), on td_http.
  * POST /v1/completions and /v1/chat/completions become router requests through the same
  * router_req_open / router_req_submit as gRPC's Generate, with this file's sink (an HTTP
- * request) instead of a gRPC call; GET /v1/models, /health and /metrics answer at once.
- * The route, the method and the API key are checked on the head (router_http_head), before
- * the body is read.
+ * request) instead of a gRPC call; GET /v1/models and /health answer at once (and /metrics
+ * with --http-metrics; by default it is only on the metrics port). The route, the method
+ * and the API key are checked on the head (router_http_head), before the body is read.
  * The JSON is router_openai's. docs/openai.md.
  *
  * A streamed request (stream: true) begins its SSE answer with its first text, so a
@@ -491,14 +491,23 @@ void router_http_head(void *data, td_http_req_t *req)
     const char *path = td_http_req_path(req), *method = td_http_req_method(req);
     bool get = !strcmp(method, "GET") || !strcmp(method, "HEAD"), post = !strcmp(method, "POST");
     router_oai_error_t err;
-    if (!strcmp(path, "/metrics")) /* open, as on the metrics port */
+    bool metrics = s->cfg.http_metrics && !strcmp(path, "/metrics");
+    if (metrics) { /* asked for (--http-metrics): open, as on the metrics port */
+        if (!get)
+            method_not_allowed(req, "GET");
         return;
+    }
     bool gen_chat = !strcmp(path, "/v1/chat/completions"), gen_cmpl = !strcmp(path, "/v1/completions");
     bool models = !strcmp(path, "/v1/models"), health = !strcmp(path, "/health");
     if (!gen_chat && !gen_cmpl && !models && !health) {
-        router_oai_error_set(&err, 404, "invalid_request_error", NULL, "not_found",
-                             "%s %s: no such endpoint (POST /v1/completions, POST /v1/chat/completions, "
-                             "GET /v1/models, GET /health, GET /metrics)", method, path);
+        if (!strcmp(path, "/metrics"))
+            router_oai_error_set(&err, 404, "invalid_request_error", NULL, "not_found",
+                                 "%s %s: /metrics is served on the metrics port (--metrics-port), not on the API "
+                                 "port (--http-metrics true serves it here too)", method, path);
+        else
+            router_oai_error_set(&err, 404, "invalid_request_error", NULL, "not_found",
+                                 "%s %s: no such endpoint (POST /v1/completions, POST /v1/chat/completions, "
+                                 "GET /v1/models, GET /health)", method, path);
         respond_error(req, &err);
         return;
     }

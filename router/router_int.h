@@ -59,6 +59,7 @@ typedef struct router_config {
     int64_t http_max_connections;
     int64_t http_idle_timeout_ms;
     int64_t http_request_timeout_ms;
+    bool http_metrics;         /* /metrics on the HTTP API port too (default: the metrics port only) */
     int64_t max_body_bytes_in_flight; /* request bodies held across both front doors at most */
     int64_t body_timeout_ms;   /* a request's first byte -> its whole body in (408 / reset) */
     int64_t max_migrations;    /* moves of a stream whose pair was lost after it sent tokens */

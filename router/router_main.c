@@ -355,7 +355,10 @@ int router_main(int argc, char **argv)
                    "moves of a stream whose decode node is lost mid-stream (re-prefill and replay on a live "
                    "pair); beyond → UNAVAILABLE (0 = never move)"),
         TD_OPT_INT("http-port", &cfg->http_port, -1, 65535,
-                   "OpenAI-compatible HTTP API, with /metrics too (-1 = off, 0 = any); docs/openai.md"),
+                   "OpenAI-compatible HTTP API (-1 = off, 0 = any); docs/openai.md"),
+        {.name = "http-metrics", .type = TD_OPT_BOOL, .ptr = &cfg->http_metrics,
+         .help = "serve /metrics on the HTTP API port too, without a key (default: only on --metrics-port, "
+                 "which should face the monitoring network only)"},
         TD_OPT_INT("max-body-bytes-in-flight", &cfg->max_body_bytes_in_flight, 4096, (int64_t)1 << 40,
                    "request bodies held at once across all HTTP and gateway connections; beyond → 503 / "
                    "RESOURCE_EXHAUSTED (docs/security.md)"),
@@ -378,8 +381,8 @@ int router_main(int argc, char **argv)
         return rc;
     rc = 1;
     if (cfg->http_port > 0 && cfg->http_port == pc->metrics_port) {
-        td_errorf(TD_ERR_INVALID, "router: --http-port and --metrics-port are both %lld: the HTTP API serves "
-                  "/metrics too; leave --metrics-port 0 or give it another port", (long long)cfg->http_port);
+        td_errorf(TD_ERR_INVALID, "router: --http-port and --metrics-port are both %lld: they are two listeners; "
+                  "leave --metrics-port 0 or give it another port", (long long)cfg->http_port);
         rc = 2;
         goto out;
     }

@@ -10,7 +10,9 @@
 # - 16 gRPC calls with 4 MiB requests: UNAUTHENTICATED, the RSS bound holds;
 # - with the key, bodies past --max-body-bytes-in-flight are refused 503 on their head, and
 #   a body trickled past --body-timeout-ms gets 408 and the close;
-# - the time from the headers to the 401 is printed (the measurement of issue 35).
+# - the time from the headers to the 401 is printed (the measurement of issue 35);
+# - /metrics is not served on the API port (404; it answers without a key), the metrics
+#   port serves it.
 # Skips without the model, Llama 3's tokenizer.json or python3-grpcio.
 source "$(dirname "$0")/cluster_lib.sh"
 cl_init
@@ -156,6 +158,11 @@ print("a body not sent: %s after %.2f s (body timeout 1 s)" % (ans.split("\r\n",
 ok = ok and ans.startswith("HTTP/1.1 408") and 0.7 < took < 5
 sys.exit(0 if ok else 1)
 EOF
+echo "== /metrics is not on the API port: it answers without a key"
+code=$(curl -s -o "$CL_T/m.http" -w '%{http_code}' "${OA%/v1}/metrics")
+[ "$code" = 404 ] && grep -q "metrics port" "$CL_T/m.http" ||
+    cl_fail "GET /metrics on the API port without a key: $code $(head -c 200 "$CL_T/m.http")"
+curl -s "${CL_MURL[router]}" | grep -q '^tandem_router_requests_total' || cl_fail "the metrics port serves no /metrics"
 v=$(cl_metric router tandem_router_http_connections_closed_total reason=body_timeout)
 [ "${v%.*}" -ge 1 ] 2>/dev/null || cl_fail "tandem_router_http_connections_closed_total{reason=body_timeout} is '$v'"
 [ "$(cl_metric d0 tandem_decode_admits_total | cut -d. -f1)" = 1 ] || cl_fail "refused requests reached d0"
