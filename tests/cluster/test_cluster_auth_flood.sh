@@ -12,14 +12,17 @@
 #   a body trickled past --body-timeout-ms gets 408 and the close;
 # - the time from the headers to the 401 is printed (the measurement of issue 35);
 # - /metrics is not served on the API port (404; it answers without a key), the metrics
-#   port serves it.
+#   port serves it;
+# - ClusterStatus, which lists the nodes' addresses, answers only a key whose line in the
+#   keys file says `admin` (PERMISSION_DENIED for another key, UNAUTHENTICATED for none).
 # Skips without the model, Llama 3's tokenizer.json or python3-grpcio.
 source "$(dirname "$0")/cluster_lib.sh"
 cl_init
 TOK="$(dirname "$CL_M")/../tokenizers/llama3/tokenizer.json"
 [ -f "$TOK" ] || { echo "SKIP: $TOK absent (set TANDEM_TEST_MODELS)"; exit 77; }
 KEY=key-flood-0123456789abcdef0123456789abcdef
-printf '%s\n' "$KEY" >"$CL_T/keys"
+ADMIN=key-admin-0123456789abcdef0123456789abcdef
+printf '%s\n%s admin\n' "$KEY" "$ADMIN" >"$CL_T/keys"
 head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$CL_T/secret"
 chmod 600 "$CL_T/keys" "$CL_T/secret"
 
@@ -163,6 +166,25 @@ code=$(curl -s -o "$CL_T/m.http" -w '%{http_code}' "${OA%/v1}/metrics")
 [ "$code" = 404 ] && grep -q "metrics port" "$CL_T/m.http" ||
     cl_fail "GET /metrics on the API port without a key: $code $(head -c 200 "$CL_T/m.http")"
 curl -s "${CL_MURL[router]}" | grep -q '^tandem_router_requests_total' || cl_fail "the metrics port serves no /metrics"
+echo "== ClusterStatus (node addresses) is an admin call: a key flagged admin, PERMISSION_DENIED for another"
+"$CL_PY" - "$CL_GW" "$KEY" "$ADMIN" <<'EOF' || cl_fail "ClusterStatus is not behind the admin key (above)"
+import grpc, sys
+gw, key, admin = sys.argv[1:4]
+ch = grpc.insecure_channel(gw)
+call = ch.unary_unary("/tandem.v1.Generation/ClusterStatus", request_serializer=None, response_deserializer=None)
+def status(k):
+    try:
+        r = call(b"", timeout=10, metadata=[("authorization", "Bearer " + k)] if k else None)
+        return "OK", r
+    except grpc.RpcError as e:
+        return e.code().name, e.details().encode()
+codes = {name: status(k) for name, k in (("none", None), ("user", key), ("admin", admin))}
+for name, (c, r) in codes.items():
+    print("ClusterStatus with %s key: %s %s" % (name, c, r[:120]))
+ok = codes["none"][0] == "UNAUTHENTICATED" and codes["user"][0] == "PERMISSION_DENIED" and \
+    b"admin" in codes["user"][1] and codes["admin"][0] == "OK" and b"127.0.0.1:" in codes["admin"][1]
+sys.exit(0 if ok else 1)
+EOF
 v=$(cl_metric router tandem_router_http_connections_closed_total reason=body_timeout)
 [ "${v%.*}" -ge 1 ] 2>/dev/null || cl_fail "tandem_router_http_connections_closed_total{reason=body_timeout} is '$v'"
 [ "$(cl_metric d0 tandem_decode_admits_total | cut -d. -f1)" = 1 ] || cl_fail "refused requests reached d0"
