@@ -503,7 +503,7 @@ void router_http_head(void *data, td_http_req_t *req)
         if (!strcmp(path, "/metrics"))
             router_oai_error_set(&err, 404, "invalid_request_error", NULL, "not_found",
                                  "%s %s: /metrics is served on the metrics port (--metrics-port), not on the API "
-                                 "port (--http-metrics true serves it here too)", method, path);
+                                 "port (--http-metrics serves it here too)", method, path);
         else
             router_oai_error_set(&err, 404, "invalid_request_error", NULL, "not_found",
                                  "%s %s: no such endpoint (POST /v1/completions, POST /v1/chat/completions, "

@@ -239,7 +239,8 @@ static int on_body(http_parser *p, const char *at, size_t len)
 static int on_message_complete(http_parser *p)
 {
     http_conn_t *c = p->data;
-    if (!c->req) { /* answered on its head (head_decide): paused there already */
+    if (!c->req) { /* answered on its head, no body (head_decide): the next request waits
+                    * until that answer is written */
         http_parser_pause(p, 1);
         return 0;
     }
