@@ -2,7 +2,9 @@
  * router_http: the router's OpenAI-compatible HTTP front door (--http-port), on td_http.
  * POST /v1/completions and /v1/chat/completions become router requests through the same
  * router_req_open / router_req_submit as gRPC's Generate, with this file's sink (an HTTP
- * request) instead of a gRPC call; GET /v1/models, /health and /metrics answer at once.
+ * request) instead of a gRPC call; GET /v1/models and /health answer at once (and /metrics
+ * with --http-metrics; by default it is only on the metrics port). The route, the method
+ * and the API key are checked on the head (router_http_head), before the body is read.
  * The JSON is router_openai's. docs/openai.md.
  *
  * A streamed request (stream: true) begins its SSE answer with its first text, so a
@@ -479,23 +481,33 @@ size_t router_http_error_body(void *data, int status, const char *message, char 
     return n;
 }
 
-/* Every request of the HTTP server (td_http_handler_cb); data is the router's state. */
-void router_http_handler(void *data, td_http_req_t *req)
+/* Every request's head (td_http_head_cb), before any of its body is read: the route, the
+ * method and the API key are checked here, so a request without a valid key is refused
+ * with 401 having cost its headers only (a body it declared is never read: td_http closes
+ * the connection after the answer). What passes reaches router_http_handler. */
+void router_http_head(void *data, td_http_req_t *req)
 {
     router_state_t *s = data;
     const char *path = td_http_req_path(req), *method = td_http_req_method(req);
     bool get = !strcmp(method, "GET") || !strcmp(method, "HEAD"), post = !strcmp(method, "POST");
     router_oai_error_t err;
-    if (!strcmp(path, "/metrics")) {
-        td_http_metrics_handler(s->metrics, req);
+    bool metrics = s->cfg.http_metrics && !strcmp(path, "/metrics");
+    if (metrics) { /* asked for (--http-metrics): open, as on the metrics port */
+        if (!get)
+            method_not_allowed(req, "GET");
         return;
     }
     bool gen_chat = !strcmp(path, "/v1/chat/completions"), gen_cmpl = !strcmp(path, "/v1/completions");
     bool models = !strcmp(path, "/v1/models"), health = !strcmp(path, "/health");
     if (!gen_chat && !gen_cmpl && !models && !health) {
-        router_oai_error_set(&err, 404, "invalid_request_error", NULL, "not_found",
-                             "%s %s: no such endpoint (POST /v1/completions, POST /v1/chat/completions, "
-                             "GET /v1/models, GET /health, GET /metrics)", method, path);
+        if (!strcmp(path, "/metrics"))
+            router_oai_error_set(&err, 404, "invalid_request_error", NULL, "not_found",
+                                 "%s %s: /metrics is served on the metrics port (--metrics-port), not on the API "
+                                 "port (--http-metrics serves it here too)", method, path);
+        else
+            router_oai_error_set(&err, 404, "invalid_request_error", NULL, "not_found",
+                                 "%s %s: no such endpoint (POST /v1/completions, POST /v1/chat/completions, "
+                                 "GET /v1/models, GET /health)", method, path);
         respond_error(req, &err);
         return;
     }
@@ -507,10 +519,8 @@ void router_http_handler(void *data, td_http_req_t *req)
         method_not_allowed(req, "GET");
         return;
     }
-    if (health) { /* probes carry no key */
-        http_health(s, req);
+    if (health) /* probes carry no key */
         return;
-    }
     td_auth_outcome_t ao = td_node_auth_check_key(&s->proc.auth, td_http_req_header(req, "authorization"));
     if (ao != TD_AUTH_OK) {
         router_oai_error_set(&err, 401, "invalid_request_error", NULL, "invalid_api_key",
@@ -520,13 +530,30 @@ void router_http_handler(void *data, td_http_req_t *req)
         respond_error(req, &err);
         return;
     }
+}
+
+/* Every request that passed router_http_head, its body read (td_http_handler_cb); data is
+ * the router's state. */
+void router_http_handler(void *data, td_http_req_t *req)
+{
+    router_state_t *s = data;
+    const char *path = td_http_req_path(req);
+    router_oai_error_t err;
+    if (!strcmp(path, "/metrics")) {
+        td_http_metrics_handler(s->metrics, req);
+        return;
+    }
+    if (!strcmp(path, "/health")) {
+        http_health(s, req);
+        return;
+    }
     if (s->shutting_down) {
         router_oai_error_set(&err, 503, "service_unavailable", NULL, NULL, "router shutting down");
         respond_error(req, &err);
         return;
     }
-    if (models)
+    if (!strcmp(path, "/v1/models"))
         http_models(s, req);
     else
-        http_generate(s, req, gen_chat ? ROUTER_OAI_CHAT : ROUTER_OAI_COMPLETIONS);
+        http_generate(s, req, !strcmp(path, "/v1/chat/completions") ? ROUTER_OAI_CHAT : ROUTER_OAI_COMPLETIONS);
 }

@@ -60,6 +60,9 @@ typedef struct router_config {
     int64_t http_max_connections;
     int64_t http_idle_timeout_ms;
     int64_t http_request_timeout_ms;
+    bool http_metrics;         /* /metrics on the HTTP API port too (default: the metrics port only) */
+    int64_t max_body_bytes_in_flight; /* request bodies held across both front doors at most */
+    int64_t body_timeout_ms;   /* a request's first byte -> its whole body in (408 / reset) */
     int64_t max_migrations;    /* moves of a stream whose pair was lost after it sent tokens */
 } router_config_t;
 
@@ -234,6 +237,7 @@ struct router_req {
 struct router_state {
     td_node_t proc;        /* loop, signals, /metrics, common config */
     router_config_t cfg;
+    td_rpc_budget_t body_budget; /* request bodies in flight on the gateway and the HTTP API */
     uv_timer_t tick;
     td_tokenizer_t *tok;
     td_chat_template_t *chat;  /* the model's chat template (from --tokenizer), or NULL */
@@ -308,7 +312,9 @@ void router_req_fail_slow(router_req_t *r);
 void router_on_steps_msg(td_grpc_client_call_t *c, const ProtobufCMessage *msg, void *data);
 void router_on_steps_done(td_grpc_client_call_t *c, td_grpc_code_t code, const char *msg, void *data);
 
-/* router_http.c: the OpenAI HTTP API (td_http_handler_cb; data is the router_state_t) */
+/* router_http.c: the OpenAI HTTP API (td_http_head_cb, td_http_handler_cb; data is the
+ * router_state_t) */
+void router_http_head(void *data, td_http_req_t *req);
 void router_http_handler(void *data, td_http_req_t *req);
 size_t router_http_error_body(void *data, int status, const char *message, char *out, size_t cap,
                               const char **content_type);

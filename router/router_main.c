@@ -241,6 +241,9 @@ static td_status_t open_http(router_state_t *s)
     hc.max_write_queue_bytes = (size_t)cfg->send_queue_bytes;
     hc.metrics = s->metrics;
     hc.metrics_name = "tandem_router_http_connections_closed_total";
+    hc.body_timeout_ms = (uint32_t)cfg->body_timeout_ms;
+    hc.body_budget = &s->body_budget;
+    hc.on_head = router_http_head;
     hc.handler = router_http_handler;
     hc.handler_data = s;
     hc.error_body = router_http_error_body;
@@ -254,16 +257,23 @@ static td_status_t serve(router_state_t *s)
     const router_config_t *cfg = &s->cfg;
     const td_node_config_t *pc = &s->proc.cfg;
     td_status_t st;
+    s->body_budget = (td_rpc_budget_t){.limit = (size_t)cfg->max_body_bytes_in_flight};
     td_grpc_server_config_t gc = td_grpc_server_config_default();
     gc.host = pc->host;
     gc.port = (uint16_t)pc->port;
     gc.metrics = s->metrics;
     gc.send_queue_bytes = (size_t)cfg->send_queue_bytes;
+    /* the public door: its requests share the HTTP API's budget of bodies in flight and must
+     * arrive whole within the body timeout (HEADERS -> END_STREAM) */
+    gc.body_budget = &s->body_budget;
+    gc.request_timeout_ms = (uint32_t)cfg->body_timeout_ms;
     td_node_auth_guard_gateway(&s->proc.auth, &gc);
     if ((st = td_grpc_server_create(&s->proc.loop, &gc, &s->gateway)) != TD_OK)
         return st;
     gc.port = (uint16_t)cfg->control_port;
     gc.send_queue_bytes = td_grpc_server_config_default().send_queue_bytes;
+    gc.body_budget = NULL; /* members' calls: bounded by the cluster's own size */
+    gc.request_timeout_ms = td_grpc_server_config_default().request_timeout_ms;
     td_node_auth_guard_control(&s->proc.auth, &gc);
     if ((st = td_grpc_server_create(&s->proc.loop, &gc, &s->control)) != TD_OK || (st = add_methods(s)) != TD_OK)
         return st;
@@ -316,7 +326,8 @@ int router_main(int argc, char **argv)
                              .lease_ms = 10000, .max_prefill_wait_ms = 5000, .max_tokenizing = 64, .rpc_timeout_ms = 5000, .heartbeat_ms = 200,
                              .heartbeat_timeout_ms = 1500, .max_nodes = 256, .http_port = -1,
                              .http_max_body_bytes = 8 << 20, .http_max_connections = 4096,
-                             .http_idle_timeout_ms = 30000, .http_request_timeout_ms = 0, .max_migrations = 2};
+                             .http_idle_timeout_ms = 30000, .http_request_timeout_ms = 0, .max_migrations = 2,
+                             .max_body_bytes_in_flight = 64 << 20, .body_timeout_ms = 10000};
     const td_opt_t keys[] = {
         TD_OPT_STRING("tokenizer", &cfg->tokenizer, "tokenizer path (none: prompts as ids only, no text)"),
         TD_OPT_INT("control-port", &cfg->control_port, 0, 65535, "control gRPC port (0 = any)"),
@@ -344,7 +355,16 @@ int router_main(int argc, char **argv)
                    "moves of a stream whose decode node is lost mid-stream (re-prefill and replay on a live "
                    "pair); beyond → UNAVAILABLE (0 = never move)"),
         TD_OPT_INT("http-port", &cfg->http_port, -1, 65535,
-                   "OpenAI-compatible HTTP API, with /metrics too (-1 = off, 0 = any); docs/openai.md"),
+                   "OpenAI-compatible HTTP API (-1 = off, 0 = any); docs/openai.md"),
+        {.name = "http-metrics", .type = TD_OPT_BOOL, .ptr = &cfg->http_metrics,
+         .help = "serve /metrics on the HTTP API port too, without a key (default: only on --metrics-port, "
+                 "which should face the monitoring network only)"},
+        TD_OPT_INT("max-body-bytes-in-flight", &cfg->max_body_bytes_in_flight, 4096, (int64_t)1 << 40,
+                   "request bodies held at once across all HTTP and gateway connections; beyond → 503 / "
+                   "RESOURCE_EXHAUSTED (docs/security.md)"),
+        TD_OPT_INT("body-timeout-ms", &cfg->body_timeout_ms, 100, 600000,
+                   "a request (HTTP or gateway) must arrive whole within this of its first byte; beyond → "
+                   "408 and close / stream reset"),
         TD_OPT_INT("http-max-body-bytes", &cfg->http_max_body_bytes, 1024, 1 << 30,
                    "HTTP request body at most; beyond → 413"),
         TD_OPT_INT("http-max-connections", &cfg->http_max_connections, 1, 1 << 20,
@@ -361,8 +381,8 @@ int router_main(int argc, char **argv)
         return rc;
     rc = 1;
     if (cfg->http_port > 0 && cfg->http_port == pc->metrics_port) {
-        td_errorf(TD_ERR_INVALID, "router: --http-port and --metrics-port are both %lld: the HTTP API serves "
-                  "/metrics too; leave --metrics-port 0 or give it another port", (long long)cfg->http_port);
+        td_errorf(TD_ERR_INVALID, "router: --http-port and --metrics-port are both %lld: they are two listeners; "
+                  "leave --metrics-port 0 or give it another port", (long long)cfg->http_port);
         rc = 2;
         goto out;
     }

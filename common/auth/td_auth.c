@@ -58,6 +58,7 @@ static bool is_blank(char c)
 
 typedef struct digest {
     uint8_t b[SHA256_DIGEST_LENGTH];
+    bool admin;  /* the line carried the admin flag */
 } digest_t;
 
 struct td_auth_keys {
@@ -82,7 +83,26 @@ static td_status_t keys_parse(const char *path, char *text, size_t len, digest_t
         while (end > line && is_blank(end[-1]))
             end--;
         size_t kl = (size_t)(end - line);
-        if (kl && line[0] != '#') {
+        bool admin = false;
+        if (kl && line[0] != '#') { /* KEY [admin]: a flag after blanks */
+            const char *sp = line;
+            while (sp < end && !is_blank(*sp))
+                sp++;
+            if (sp < end) {
+                const char *flag = sp;
+                while (flag < end && is_blank(*flag))
+                    flag++;
+                if ((size_t)(end - flag) == 5 && !memcmp(flag, "admin", 5)) {
+                    admin = true;
+                    kl = (size_t)(sp - line);
+                } else { /* the word is not shown: it may be a key pasted on the same line */
+                    st = td_errorf(TD_ERR_FORMAT, "api keys file %s: line %d: a key is printable ASCII without "
+                                   "spaces, followed by nothing or by the one flag 'admin' (character %zu is a "
+                                   "blank and what follows is not 'admin')", path, line_no, (size_t)(sp - line) + 1);
+                    goto err_digests;
+                }
+            }
+
             for (size_t i = 0; i < kl && st == TD_OK; i++)
                 if ((unsigned char)line[i] < 0x21 || (unsigned char)line[i] > 0x7e)
                     st = td_errorf(TD_ERR_FORMAT, "api keys file %s: line %d: a key is printable ASCII without "
@@ -104,6 +124,7 @@ static td_status_t keys_parse(const char *path, char *text, size_t len, digest_t
                 d = g;
             }
             SHA256((const unsigned char *)line, kl, d[n].b);
+            d[n].admin = admin;
             for (size_t i = 0; i < n; i++)
                 if (!memcmp(d[i].b, d[n].b, sizeof d[n].b)) {
                     st = td_errorf(TD_ERR_FORMAT, "api keys file %s: line %d repeats an earlier key: remove one",
@@ -185,21 +206,41 @@ const char *td_auth_keys_path(const td_auth_keys_t *keys)
     return keys->path;
 }
 
-td_auth_outcome_t td_auth_keys_check(const td_auth_keys_t *keys, const char *key, size_t len)
+/* The check of td_auth_keys_check; *admin_p: the matching key's admin flag. */
+static td_auth_outcome_t keys_check(const td_auth_keys_t *keys, const char *key, size_t len, bool *admin_p)
 {
+    *admin_p = false;
     if (!len)
         return TD_AUTH_MISSING;
     digest_t h;
     SHA256((const unsigned char *)key, len, h.b);
-    int match = 0;
-    for (size_t i = 0; i < keys->n; i++) /* every key, no early exit */
-        match |= CRYPTO_memcmp(h.b, keys->d[i].b, sizeof h.b) == 0;
+    int match = 0, admin = 0;
+    for (size_t i = 0; i < keys->n; i++) { /* every key, no early exit */
+        int m = CRYPTO_memcmp(h.b, keys->d[i].b, sizeof h.b) == 0;
+        match |= m;
+        admin |= m & keys->d[i].admin;
+    }
     OPENSSL_cleanse(&h, sizeof h);
+    *admin_p = admin;
     return match ? TD_AUTH_OK : TD_AUTH_WRONG;
+}
+
+td_auth_outcome_t td_auth_keys_check(const td_auth_keys_t *keys, const char *key, size_t len)
+{
+    bool admin;
+    return keys_check(keys, key, len, &admin);
 }
 
 td_auth_outcome_t td_auth_keys_check_bearer(const td_auth_keys_t *keys, const char *authorization)
 {
+    bool admin;
+    return td_auth_keys_check_bearer_role(keys, authorization, &admin);
+}
+
+td_auth_outcome_t td_auth_keys_check_bearer_role(const td_auth_keys_t *keys, const char *authorization,
+                                                 bool *admin_p)
+{
+    *admin_p = false;
     if (!authorization || !authorization[0])
         return TD_AUTH_MISSING;
     const char *p = authorization;
@@ -213,7 +254,7 @@ td_auth_outcome_t td_auth_keys_check_bearer(const td_auth_keys_t *keys, const ch
     size_t len = strlen(p);
     while (len && (p[len - 1] == ' ' || p[len - 1] == '\t'))
         len--;
-    td_auth_outcome_t o = td_auth_keys_check(keys, p, len);
+    td_auth_outcome_t o = keys_check(keys, p, len, admin_p);
     return o == TD_AUTH_MISSING ? TD_AUTH_WRONG : o; /* "Bearer" and nothing: a malformed credential */
 }
 

@@ -58,9 +58,10 @@ const char *td_auth_outcome_name(td_auth_outcome_t o);
 typedef struct td_auth_keys td_auth_keys_t;
 
 /*
- * Loads the API keys file `path`: one key per line; leading and trailing spaces, tabs and
- * a CR are ignored; blank lines and lines whose first non-blank character is '#' are
- * comments. A file with no key, a key that breaks the rules above, a key repeated, more
+ * Loads the API keys file `path`: one key per line, optionally followed by blanks and the
+ * flag `admin` (the key may also call the admin RPCs: ClusterStatus); leading and trailing
+ * spaces, tabs and a CR are ignored; blank lines and lines whose first non-blank character
+ * is '#' are comments. A file with no key, a key that breaks the rules above, a key repeated, more
  * than TD_AUTH_KEYS_MAX keys or a file that cannot be read is an error naming the file
  * and the line (never the key): TD_ERR_IO, TD_ERR_FORMAT, TD_ERR_NOMEM. A file readable by
  * group or others is loaded with a warning. *keys_p set only on success.
@@ -87,6 +88,11 @@ td_auth_outcome_t td_auth_keys_check(const td_auth_keys_t *keys, const char *key
  * blanks around the key ignored): NULL or "" → TD_AUTH_MISSING; another scheme or a wrong
  * key → TD_AUTH_WRONG. */
 td_auth_outcome_t td_auth_keys_check_bearer(const td_auth_keys_t *keys, const char *authorization);
+
+/* td_auth_keys_check_bearer, and *admin_p: true when the key matched carries the admin flag
+ * (false unless TD_AUTH_OK). The time taken shows neither which key nor whether admin. */
+td_auth_outcome_t td_auth_keys_check_bearer_role(const td_auth_keys_t *keys, const char *authorization,
+                                                 bool *admin_p);
 
 /* NULL is a no-op; the digests are wiped. */
 void td_auth_keys_destroy(td_auth_keys_t *keys);

@@ -19,6 +19,43 @@ bool td_node_is_wildcard(const char *host)
     return !host || !host[0] || !strcmp(host, "0.0.0.0") || !strcmp(host, "::") || !strcmp(host, "[::]");
 }
 
+bool td_node_is_loopback(const char *host)
+{
+    unsigned char a[16];
+    if (!host)
+        return false;
+    if (uv_inet_pton(AF_INET, host, a) == 0)
+        return a[0] == 127;
+    const char *h = host;
+    char buf[64];
+    size_t n = strlen(host);
+    if (n >= 2 && host[0] == '[' && host[n - 1] == ']' && n - 2 < sizeof buf) {
+        memcpy(buf, host + 1, n - 2);
+        buf[n - 2] = '\0';
+        h = buf;
+    }
+    static const unsigned char one[16] = {[15] = 1};
+    return uv_inet_pton(AF_INET6, h, a) == 0 && !memcmp(a, one, sizeof one);
+}
+
+/* The control plane open (no cluster secret) on an address other machines reach: who can
+ * connect can register as a node and be sent prompts (router), or call Admit, Prefill and
+ * Drain (node). Refused unless --insecure says it is meant (Redis's protected mode). */
+static td_status_t check_open_control_plane(const td_node_t *p)
+{
+    const td_node_config_t *c = &p->cfg;
+    if (c->cluster_secret_file || td_node_is_loopback(c->host) || c->insecure)
+        return TD_OK;
+    return td_errorf(TD_ERR_INVALID,
+                     "%s: --host %s is not a loopback address and no --cluster-secret-file is given: anyone who "
+                     "reaches it could %s. Give the router and every node the same secret (openssl rand -hex 32 > "
+                     "FILE; chmod 600 FILE; --cluster-secret-file FILE), or bind to 127.0.0.1, or pass --insecure "
+                     "(config key insecure = true) to run the control plane open on a network you trust",
+                     p->spec.prog, c->host,
+                     p->spec.kind == TD_NODE_NODE ? "call this node's Admit, Prefill, Steps and Drain"
+                                                  : "register as a node and be sent prompts and KV addresses");
+}
+
 /* Checks what the table cannot: log level, a node's model and router, the address rule. */
 static td_status_t validate(td_node_t *p)
 {
@@ -65,7 +102,7 @@ static td_status_t validate(td_node_t *p)
                          "this process at", prog, c->advertise);
     if (!c->advertise)
         c->advertise = c->host;
-    return TD_OK;
+    return check_open_control_plane(p);
 }
 
 bool td_node_configure(td_node_t *p, const td_node_spec_t *spec, const td_opt_t *keys, int n_keys,
@@ -111,6 +148,11 @@ bool td_node_configure(td_node_t *p, const td_node_spec_t *spec, const td_opt_t 
         td_log_set_level((td_log_level_t)td_log_parse_level(c->log_level));
     p->fd_limit = td_fd_limit_raise(); /* before any thread or socket: the caps assume it */
     td_info("%s: open-file limit %ld", spec->prog, p->fd_limit);
+    if (!c->cluster_secret_file && !td_node_is_loopback(c->host)) /* --insecure: said at every start */
+        td_warn("%s: INSECURE: the control plane on %s is open to anyone who reaches it (--insecure, no "
+                "--cluster-secret-file): a stranger can %s; give every process --cluster-secret-file FILE",
+                spec->prog, c->host,
+                node ? "call this node's Admit, Prefill, Steps and Drain" : "register as a node and be sent prompts");
     if (td_node_auth_load(&p->auth, spec->prog, node ? c->node_id : TD_NODE_AUTH_ROUTER, c->api_keys_file,
                           c->cluster_secret_file) != TD_OK) {
         *exit_p = 2;

@@ -126,6 +126,10 @@ bool td_node_configure(td_node_t *p, const td_node_spec_t *spec, const td_opt_t 
 /* True for an address that listens on every interface ("0.0.0.0", "::", "[::]", ""). */
 bool td_node_is_wildcard(const char *host);
 
+/* True for a loopback address literal (127.0.0.0/8, ::1, [::1]): only this machine reaches
+ * it, so the control plane may run there without a cluster secret. */
+bool td_node_is_loopback(const char *host);
+
 /*
  * Starts /metrics on cfg.host:cfg.metrics_port (serving `metrics`, which the caller keeps
  * alive until td_node_stop returned), the loop's own series in it (td_metrics_loop:

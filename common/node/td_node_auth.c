@@ -94,19 +94,26 @@ static void count(td_metric_t *const *series, td_auth_outcome_t o)
         td_metric_inc(series[o]);
 }
 
-static td_grpc_code_t gateway_gate(td_grpc_call_t *call, const void *request, size_t len, void *data, char *why,
-                                   size_t cap)
+/* The gateway's gate, on the headers: an unauthenticated call costs no buffering. */
+static td_grpc_code_t gateway_gate(td_grpc_call_t *call, void *data, char *why, size_t cap)
 {
     td_node_auth_t *a = data;
     if (!strcmp(td_grpc_call_method(call), TD_NODE_AUTH_HEALTH_CHECK))
         return TD_GRPC_OK;
-    td_auth_outcome_t o = td_auth_keys_check_bearer(a->keys, td_grpc_call_header(call, "authorization"));
+    bool admin;
+    td_auth_outcome_t o = td_auth_keys_check_bearer_role(a->keys, td_grpc_call_header(call, "authorization"), &admin);
     count(a->key_outcomes, o);
-    if (o == TD_AUTH_OK)
-        return TD_GRPC_OK;
-    snprintf(why, cap, o == TD_AUTH_MISSING ? "an API key is required: send metadata authorization: Bearer KEY"
-                                            : "the API key is not valid");
-    return TD_GRPC_UNAUTHENTICATED;
+    if (o != TD_AUTH_OK) {
+        snprintf(why, cap, o == TD_AUTH_MISSING ? "an API key is required: send metadata authorization: Bearer KEY"
+                                                : "the API key is not valid");
+        return TD_GRPC_UNAUTHENTICATED;
+    }
+    if (!admin && !strcmp(td_grpc_call_method(call), TD_NODE_AUTH_CLUSTER_STATUS)) {
+        snprintf(why, cap, "%s is an admin call (it shows the cluster's nodes and their addresses): use a key whose "
+                 "line in the API keys file is 'KEY admin'", TD_NODE_AUTH_CLUSTER_STATUS);
+        return TD_GRPC_PERMISSION_DENIED;
+    }
+    return TD_GRPC_OK;
 }
 
 /* Logs a refused control call: each new reason at once, a repeat at most every
@@ -167,13 +174,15 @@ static td_grpc_code_t control_gate(td_grpc_call_t *call, const void *request, si
 
 void td_node_auth_guard_gateway(td_node_auth_t *a, td_grpc_server_config_t *gc)
 {
-    gc->authenticate = a->keys ? gateway_gate : NULL;
+    gc->authenticate = NULL;
+    gc->authenticate_head = a->keys ? gateway_gate : NULL;
     gc->auth_data = a->keys ? a : NULL;
 }
 
 void td_node_auth_guard_control(td_node_auth_t *a, td_grpc_server_config_t *gc)
 {
     gc->authenticate = a->cluster ? control_gate : NULL;
+    gc->authenticate_head = NULL;
     gc->auth_data = a->cluster ? a : NULL;
 }
 

@@ -3,9 +3,11 @@
  * process (in td_node_t) holds its API keys (router: --api-keys-file) and its cluster
  * secret (every process: --cluster-secret-file), and gives:
  *
- * - gates for its gRPC servers (td_grpc_server_config_t.authenticate): the gateway's
- *   checks `authorization: Bearer KEY` (grpc.health.v1.Health/Check stays open, for load
- *   balancers), a control server's checks the tandem-cluster-auth signature of every
+ * - gates for its gRPC servers: the gateway's (authenticate_head, on the headers, before
+ *   any of the request is buffered) checks `authorization: Bearer KEY`
+ *   (grpc.health.v1.Health/Check stays open, for load balancers; ClusterStatus, an admin
+ *   call, wants a key flagged admin: PERMISSION_DENIED for another), a control server's
+ *   (authenticate, on the whole request: the signature covers it) checks the tandem-cluster-auth signature of every
  *   call but Health/Check (Kubernetes' gRPC probes; it tells only SERVING or not). A refused call ends UNAUTHENTICATED before its request is unpacked;
  * - signing for its gRPC channels to other members (td_grpc_channel_config_t.sign);
  * - the check the HTTP front door calls (td_node_auth_check_key);
@@ -30,6 +32,9 @@
 #define TD_NODE_AUTH_ROUTER "router" /* the audience of calls to a router */
 #define TD_NODE_AUTH_HEALTH_CHECK "/grpc.health.v1.Health/Check" /* open on every server: probes
                                         (load balancers, Kubernetes) carry no key or signature */
+#define TD_NODE_AUTH_CLUSTER_STATUS "/tandem.v1.Generation/ClusterStatus" /* the gateway's admin
+                                        call: with API keys, only a key flagged admin (PERMISSION_DENIED
+                                        for another); Drain is a node's control call (the secret) */
 
 typedef struct td_node_auth {
     const char *prog;                                   /* for logs */

@@ -54,6 +54,10 @@ static int common_keys(td_node_config_t *c, bool node, td_opt_t *out)
     out[n++] = (td_opt_t)TD_OPT_STRING("cluster-secret-file", &c->cluster_secret_file,
                                        "file holding the secret the router and its nodes share; every control "
                                        "call is signed with it (docs/security.md); default: none, open");
+    out[n++] = (td_opt_t){.name = "insecure", .type = TD_OPT_BOOL, .ptr = &c->insecure,
+                          .help = "run with no --cluster-secret-file on a --host other than loopback: the "
+                                  "control plane is then open to anyone who reaches it (warned at every "
+                                  "start); without it such a start is refused"};
     if (!node)
         out[n++] = (td_opt_t)TD_OPT_STRING("api-keys-file", &c->api_keys_file,
                                            "API keys the gateway and HTTP API require (one a line, # comments; "

@@ -29,6 +29,8 @@ typedef struct td_node_config {
     const char *cluster_secret_file; /* the secret every control call is signed with
                                         (docs/security.md); NULL: control plane open */
     const char *api_keys_file; /* router: keys the front doors require; NULL: none */
+    bool insecure;             /* allow no cluster secret on a non-loopback --host (warned at
+                                  every start); without it such a start is refused */
     bool check_config;         /* --check-config: check the flags and the file, then exit */
     /* nodes only */
     const char *model;         /* model path (required) */

@@ -35,6 +35,7 @@
 #include <uv.h>
 
 #include "td_metrics.h"
+#include "td_rpc_budget.h"
 #include "td_status.h"
 
 /* gRPC status codes (grpc/doc/statuscodes.md). */
@@ -92,6 +93,16 @@ typedef struct td_grpc_header {
 typedef td_grpc_code_t (*td_grpc_auth_cb)(td_grpc_call_t *call, const void *request, size_t len, void *data,
                                           char *why, size_t cap);
 
+/*
+ * A gate on the headers alone (td_grpc_server_config_t.authenticate_head): runs once per
+ * call at the end of its header block, once its method is known, before a byte of its
+ * request is buffered (an API key needs no more). Same contract as td_grpc_auth_cb; a call
+ * it refuses is answered at once and whatever else comes for it is dropped unbuffered (not
+ * reset with NO_ERROR, RFC 9113 8.1's way to stop a sender: grpcio reads that reset as
+ * INTERNAL and loses the status).
+ */
+typedef td_grpc_code_t (*td_grpc_head_auth_cb)(td_grpc_call_t *call, void *data, char *why, size_t cap);
+
 typedef struct td_grpc_server_config {
     const char *host;                /* listen address, IPv4 or IPv6 literal; "127.0.0.1" */
     uint16_t port;                   /* 0 = ephemeral (td_grpc_server_port) */
@@ -126,7 +137,14 @@ typedef struct td_grpc_server_config {
                                       * 33/s) cuts off a router relaying cancels or racing
                                       * the end of calls; 0 = nghttp2's; 100000 */
     td_grpc_auth_cb authenticate;    /* optional gate of every method (above); NULL: none */
-    void *auth_data;
+    td_grpc_head_auth_cb authenticate_head; /* optional gate on the headers (above), before
+                                      * authenticate; NULL: none */
+    void *auth_data;                 /* both gates' data */
+    td_rpc_budget_t *body_budget;    /* optional, shared with other servers of the loop: the
+                                      * request bytes buffered across all connections; a
+                                      * message is taken whole when its 5-byte prefix arrives,
+                                      * and one past the budget ends RESOURCE_EXHAUSTED before
+                                      * it is buffered. NULL: only max_message_bytes a call */
 } td_grpc_server_config_t;
 
 td_grpc_server_config_t td_grpc_server_config_default(void);

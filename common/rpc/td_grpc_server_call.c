@@ -26,11 +26,21 @@
 
 /* ---- calls ---------------------------------------------------------------------------- */
 
+/* Frees the request bytes and gives them back to the body budget. */
+static void req_release(td_grpc_call_t *call)
+{
+    td_grpc_buf_free(&call->req);
+    td_rpc_budget_give(call->srv->cfg.body_budget, call->charged);
+    call->charged = 0;
+}
+
 static void call_timer_closed(uv_handle_t *h)
 {
     td_grpc_call_t *call = h->data;
     td_grpc_server_t *srv = call->srv;
     free(call->message);
+    td_rpc_budget_give(srv->cfg.body_budget, call->charged);
+    call->charged = 0;
     if (srv->n_spare < TD_GRPC_SPARE_CALLS && !srv->closing) {
         td_grpc_buf_t req = call->req, out = call->out;
         char *meta = call->meta; /* kept, like the buffers: no allocation per call */
@@ -551,6 +561,14 @@ static void call_headers_done(td_grpc_call_t *call)
         call_fail(call, TD_GRPC_INTERNAL, "malformed grpc-timeout");
         return;
     }
+    if (srv->cfg.authenticate_head) { /* before a byte of the request is kept */
+        char why[256] = "";
+        td_grpc_code_t code = srv->cfg.authenticate_head(call, srv->cfg.auth_data, why, sizeof why);
+        if (code != TD_GRPC_OK) {
+            call_fail(call, code, why);
+            return;
+        }
+    }
     if (call->timeout_ms) {
         call->deadline = uv_now(srv->loop) + call->timeout_ms;
         dl_insert(srv, call);
@@ -583,13 +601,13 @@ static void call_dispatch(td_grpc_call_t *call)
         char why[256] = "";
         td_grpc_code_t code = call->srv->cfg.authenticate(call, bytes, len, call->srv->cfg.auth_data, why, sizeof why);
         if (code != TD_GRPC_OK) {
-            td_grpc_buf_free(&call->req);
+            req_release(call);
             call_fail(call, code, why);
             return;
         }
     }
     ProtobufCMessage *req = td_grpc_unpack(call->method->desc, bytes, len);
-    td_grpc_buf_free(&call->req);
+    req_release(call);
     if (!req) {
         char msg[256];
         snprintf(msg, sizeof msg, "request does not parse as %s", call->method->desc->name);
@@ -634,18 +652,27 @@ static int on_data_chunk(nghttp2_session *ses, uint8_t flags, int32_t stream_id,
     uint8_t compressed;
     uint32_t mlen;
     if (td_grpc_peek_prefix(&call->req, &compressed, &mlen)) {
+        td_rpc_budget_t *budget = call->srv->cfg.body_budget;
         if (compressed) {
             call_fail(call, TD_GRPC_UNIMPLEMENTED, "message compression is not supported");
-            td_grpc_buf_free(&call->req);
+            req_release(call);
         } else if (mlen > call->srv->cfg.max_message_bytes) {
             char msg[128];
             snprintf(msg, sizeof msg, "request message of %u bytes exceeds the limit of %zu bytes", mlen,
                      call->srv->cfg.max_message_bytes);
             call_fail(call, TD_GRPC_RESOURCE_EXHAUSTED, msg);
-            td_grpc_buf_free(&call->req);
+            req_release(call);
         } else if (td_grpc_buf_size(&call->req) > (size_t)mlen + TD_GRPC_PREFIX_BYTES + TD_GRPC_PREFIX_BYTES) {
             call_fail(call, TD_GRPC_UNIMPLEMENTED, "more than one request message (client streaming is not supported)");
-            td_grpc_buf_free(&call->req);
+            req_release(call);
+        } else if (!call->charged && !td_rpc_budget_take(budget, (size_t)mlen + TD_GRPC_PREFIX_BYTES)) {
+            char msg[200];
+            snprintf(msg, sizeof msg, "the server holds %zu bytes of requests (its bound for request bodies in "
+                     "flight is %zu): retry shortly", budget->used, budget->limit);
+            call_fail(call, TD_GRPC_RESOURCE_EXHAUSTED, msg);
+            req_release(call);
+        } else if (!call->charged) {
+            call->charged = (size_t)mlen + TD_GRPC_PREFIX_BYTES;
         }
     }
     return 0;

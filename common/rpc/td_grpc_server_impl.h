@@ -108,6 +108,7 @@ struct td_grpc_call {
     bool post, grpc_ctype, other_ctype, bad_encoding, bad_timeout, path_too_long;
     uint64_t timeout_ms, deadline;
     td_grpc_buf_t req;             /* request bytes as received */
+    size_t charged;                /* bytes taken from cfg.body_budget for req */
     char *meta;                    /* the request's headers but pseudo-headers, each
                                     * "name\0value\0" (bounded by max_header_list_bytes) */
     size_t meta_len, meta_cap;

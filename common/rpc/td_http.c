@@ -20,7 +20,7 @@
 #include "td_util.h"
 
 static const char *const close_names[CLOSE_N] = {"request_timeout", "idle_timeout", "write_timeout",
-                                                 "evicted", "refused"};
+                                                 "evicted", "refused", "body_timeout"};
 
 td_http_config_t td_http_config_default(void)
 {
@@ -34,6 +34,7 @@ td_http_config_t td_http_config_default(void)
         .max_connections = 64,
         .idle_timeout_ms = 30000,
         .request_timeout_ms = 10000,
+        .body_timeout_ms = 10000,
         .metrics_name = "tandem_http_server_connections_closed_total",
     };
 }
@@ -89,9 +90,18 @@ static void server_maybe_done(td_http_server_t *srv)
         cb(data);
 }
 
+void td_http_req_free_body(td_http_req_t *req)
+{
+    td_rpc_budget_give(req->conn->srv->cfg.body_budget, req->charged);
+    req->charged = 0;
+    free(req->body);
+    req->body = NULL;
+    req->body_len = req->body_cap = 0;
+}
+
 void td_http_req_free(td_http_req_t *req)
 {
-    free(req->body);
+    td_http_req_free_body(req);
     free(req->extra);
     free(req);
 }
@@ -175,6 +185,15 @@ static void on_timer(uv_timer_t *t)
         td_http_conn_close(c, why);
         return;
     }
+    if (why == CLOSE_BODY) { /* told why, then closed: a client that is merely slow learns it */
+        if (c->srv->closed_by[why])
+            td_metric_inc(c->srv->closed_by[why]);
+        char msg[160];
+        snprintf(msg, sizeof msg, "request not received whole within %u ms of its first byte (the server's body "
+                 "timeout): send it faster or in smaller pieces", c->srv->cfg.body_timeout_ms);
+        td_http_conn_fail(c, 408, msg);
+        return;
+    }
     td_debug("%s connection: closed, %s", c->srv->cfg.name, close_names[why]);
     if (c->srv->closed_by[why])
         td_metric_inc(c->srv->closed_by[why]);
@@ -199,7 +218,10 @@ void td_http_conn_arm_timer(http_conn_t *c)
     const td_http_config_t *cfg = &c->srv->cfg;
     uint64_t deadline = UINT64_MAX;
     int why = CLOSE_NONE;
-    if (c->req && (c->req->state == REQ_READING || c->req->state == REQ_HANDLED)) {
+    if (c->req && c->req->state == REQ_READING && cfg->body_timeout_ms < cfg->request_timeout_ms) {
+        deadline = c->req_start + cfg->body_timeout_ms;
+        why = CLOSE_BODY;
+    } else if (c->req && (c->req->state == REQ_READING || c->req->state == REQ_HANDLED)) {
         deadline = c->req_start + cfg->request_timeout_ms;
         why = CLOSE_REQUEST;
     } else if (!c->req && c->queued == 0 && !c->answered) {
@@ -332,6 +354,10 @@ td_status_t td_http_server_create(uv_loop_t *loop, const td_http_config_t *cfg,
         srv->cfg.idle_timeout_ms = def.idle_timeout_ms;
     if (!srv->cfg.request_timeout_ms)
         srv->cfg.request_timeout_ms = def.request_timeout_ms;
+    if (!srv->cfg.body_timeout_ms)
+        srv->cfg.body_timeout_ms = def.body_timeout_ms;
+    if (srv->cfg.body_timeout_ms > srv->cfg.request_timeout_ms)
+        srv->cfg.body_timeout_ms = srv->cfg.request_timeout_ms;
     td_list_init(&srv->fresh);
     td_list_init(&srv->idle);
     td_list_init(&srv->busy);
@@ -340,7 +366,8 @@ td_status_t td_http_server_create(uv_loop_t *loop, const td_http_config_t *cfg,
         td_status_t st = td_metrics_counter_each(cfg->metrics, srv->cfg.metrics_name,
                                                  "Connections the HTTP server closed itself, by reason: "
                                                  "request_timeout, idle_timeout, write_timeout (queued bytes "
-                                                 "unread), evicted (room for a new one), refused.",
+                                                 "unread), evicted (room for a new one), refused, "
+                                                 "body_timeout (a request not read whole in time: 408).",
                                                  "reason", close_names, CLOSE_N, srv->closed_by);
         if (st != TD_OK) {
             free(srv);

@@ -18,6 +18,11 @@
  * is answered with 100 Continue once the head is accepted (413 instead when the declared
  * body is over the bound, so the client never sends it).
  *
+ * A server may decide a request on its head alone (on_head: an API key, a route), before
+ * any of its body is read or buffered; a request it answers there has its body dropped
+ * unread and its connection closed. Bodies buffered across all connections count against
+ * an optional budget the servers of a loop share (body_budget: 503 past it).
+ *
  * The handler is called once the whole request is in, and may answer then or later, from
  * any callback on the loop: td_http_respond (a whole answer with Content-Length), or a
  * stream (td_http_stream_begin / _write / _end: chunked transfer encoding; SSE is
@@ -43,8 +48,9 @@
  *
  * Deadlines are absolute, never restarted by received bytes, so a client trickling a byte
  * at a time gains nothing: a connection waiting for a request is closed idle_timeout_ms
- * after its accept or its last answer; a request must be read and answered (td_http_respond
- * or td_http_stream_begin) within request_timeout_ms of its first byte; bytes queued for a
+ * after its accept or its last answer; a request must be read whole within body_timeout_ms
+ * of its first byte (408, then the close) and answered (td_http_respond or
+ * td_http_stream_begin) within request_timeout_ms of it; bytes queued for a
  * client that reads none of them for request_timeout_ms close the connection (a stream
  * otherwise lives as long as its handler keeps it: the caller's deadlines bound it). A
  * connection closed with nothing handled or queued (idle, slowloris, an error answer) is
@@ -68,14 +74,25 @@
 #include <uv.h>
 
 #include "td_metrics.h"
+#include "td_rpc_budget.h"
 #include "td_status.h"
 
 typedef struct td_http_server td_http_server_t;
 typedef struct td_http_req td_http_req_t; /* one request; valid until answered or aborted */
 
 /* Handles one request whose head and body are in, on the loop thread. It answers now or
- * later (td_http_respond, or a stream); answering later, it sets on_abort first. */
+ * later (td_http_respond, or a stream); answering later, it sets on_abort first. The body
+ * is freed when the handler returns (copy what is kept): a streamed answer never holds it. */
 typedef void (*td_http_handler_cb)(void *data, td_http_req_t *req);
+
+/* Decides a request on its head alone, when its headers are complete and before a byte of
+ * its body is read (an API key, a route): it answers with td_http_respond, or returns
+ * without answering and the body is read and the handler called. A request answered here
+ * with a body still to come never has it read: the answer says "Connection: close", what
+ * the client still sends is dropped, and the connection closes once the answer is out (at
+ * most 2 s later), so an unauthenticated 8 MiB body costs no memory and little reading.
+ * Without a body, the connection stays open as after any answer. */
+typedef void (*td_http_head_cb)(void *data, td_http_req_t *req);
 
 /* A request's callbacks: `data` is what td_http_req_set_data stored (NULL by default). */
 typedef void (*td_http_req_cb)(td_http_req_t *req, void *data);
@@ -94,6 +111,16 @@ typedef struct td_http_config {
                                   * default 30000 */
     uint32_t request_timeout_ms; /* a request's first byte -> answered, absolute; also how
                                   * long queued bytes may sit unread; default 10000 */
+    uint32_t body_timeout_ms;    /* a request's first byte -> its whole message (head and
+                                  * body) in, absolute: 408 and the connection closes; much
+                                  * shorter than request_timeout_ms, so a client trickling a
+                                  * body holds its buffer briefly; default 10000 (never above
+                                  * request_timeout_ms) */
+    td_rpc_budget_t *body_budget; /* optional, shared with other servers of the loop: the
+                                  * bytes of request bodies held across all connections
+                                  * (a declared Content-Length is taken when the head is
+                                  * accepted, a chunked body as it grows); past it 503 and
+                                  * the connection closes. NULL: only max_body_bytes each */
     td_metrics_t *metrics;       /* optional: counts connections closed, by reason */
     const char *metrics_name;    /* that counter's name (two servers on one registry share
                                   * it unless named apart); default
@@ -102,6 +129,7 @@ typedef struct td_http_config {
                                   * write_timeout, evicted, refused */
     td_http_handler_cb handler;
     void *handler_data;
+    td_http_head_cb on_head;     /* optional, called with handler_data (above) */
     /* Optional: the body of an error answer the server decides itself (400 for garbage,
      * 413, 414, 417, 431, 501, 505), so that an API answers those in its own error shape:
      * writes at most cap bytes into out and returns their count (0 = the plain-text
@@ -141,7 +169,8 @@ const char *td_http_req_query(const td_http_req_t *req);
 /* The first header named `name` (case-insensitive), leading and trailing blanks dropped;
  * NULL when absent. */
 const char *td_http_req_header(const td_http_req_t *req, const char *name);
-/* The body (dechunked) and its length; "" and 0 when none. Valid as long as req. */
+/* The body (dechunked) and its length; "" and 0 when none (and in on_head). Valid until the
+ * handler returns. */
 const char *td_http_req_body(const td_http_req_t *req, size_t *len_p);
 
 /* The handler's pointer for the callbacks below. */

@@ -56,7 +56,7 @@ struct out_block {
 };
 
 /* Why the server closed a connection itself (the `reason` label). */
-enum { CLOSE_REQUEST, CLOSE_IDLE, CLOSE_WRITE, CLOSE_EVICTED, CLOSE_REFUSED, CLOSE_N, /* counted */
+enum { CLOSE_REQUEST, CLOSE_IDLE, CLOSE_WRITE, CLOSE_EVICTED, CLOSE_REFUSED, CLOSE_BODY, CLOSE_N, /* counted */
        CLOSE_LINGER = CLOSE_N, CLOSE_NONE };
 
 struct td_http_server {
@@ -98,6 +98,8 @@ struct td_http_req {
     size_t head_len;             /* bytes used of head[max_request_bytes] */
     char *body;                  /* [body_cap], body_len used */
     size_t body_len, body_cap;
+    size_t declared;             /* Content-Length (0: none or chunked) */
+    size_t charged;              /* bytes taken from cfg.body_budget, given back with body */
     char *extra;                 /* response headers added, "Name: value\r\n"... */
     size_t extra_len;
     void *data;
@@ -130,6 +132,7 @@ struct http_conn {
     uint64_t write_progress;     /* the last write callback, or the first write queued */
     int timer_reason;            /* CLOSE_* of the deadline the timer carries */
     int err_status;              /* an answer the parser callbacks chose (413, 414, 431, ...) */
+    uint64_t budget_refused;     /* cfg.body_budget->refused before this parse: a 503 says why */
     bool answered;               /* the current request is answered, its bytes still queued */
     bool close_after;            /* close once the queue is empty */
     bool served;                 /* answered a request once */
@@ -144,6 +147,9 @@ struct http_conn {
 };
 
 /* ---- td_http.c: lifetime --------------------------------------------------------------- */
+
+/* Frees a request's body and gives its bytes back to the body budget (repeatable). */
+void td_http_req_free_body(td_http_req_t *req);
 
 /* Frees a request that no handler holds any more (never handed over, or done with). */
 void td_http_req_free(td_http_req_t *req);

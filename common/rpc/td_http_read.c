@@ -108,6 +108,31 @@ static int on_header_value(http_parser *p, const char *at, size_t len)
     return head_append(c, at, len, false) ? 0 : -1;
 }
 
+/* Gives the request to cfg.on_head (state HANDLED while it runs, so that it may answer).
+ * true: not answered, reading goes on. false: answered; with a body to come the connection
+ * reads no more (discard: what arrives is dropped, then the gentle close), without one
+ * on_message_complete pauses the parser until the answer is written, as after a handled
+ * request. */
+static bool head_decide(http_conn_t *c, bool has_body)
+{
+    td_http_req_t *req = c->req;
+    bool keep = req->keep_alive;
+    if (has_body)
+        req->keep_alive = false; /* answered now, the body is never read: the connection ends */
+    req->state = REQ_HANDLED;
+    c->srv->cfg.on_head(c->srv->cfg.handler_data, req);
+    if (c->req == req) { /* not answered (td_http_respond frees req) */
+        req->state = REQ_READING;
+        req->keep_alive = keep;
+        return true;
+    }
+    if (has_body) {
+        c->discard = true;
+        c->in_off = c->in_len = 0;
+    } /* else on_message_complete, next, pauses the parser */
+    return false;
+}
+
 static int on_headers_complete(http_parser *p)
 {
     http_conn_t *c = p->data;
@@ -145,6 +170,15 @@ static int on_headers_complete(http_parser *p)
         c->err_status = 413;
         return -1;
     }
+    if (cfg->on_head && !head_decide(c, chunked || declared > 0))
+        return c->discard ? -1 : 0; /* answered: a body is dropped unread (conn_parse) */
+    /* bodies in flight across all connections: a declared one is taken whole now, so a
+     * client is refused before it sends it; a chunked one as it grows (on_body) */
+    if (declared && !td_rpc_budget_take(cfg->body_budget, (size_t)declared)) {
+        c->err_status = 503;
+        return -1;
+    }
+    req->declared = req->charged = (size_t)declared;
     const char *expect = td_http_req_header(req, "expect");
     if (expect) {
         if (strcasecmp(expect, "100-continue") != 0 || req->http10) {
@@ -180,6 +214,15 @@ static int on_body(http_parser *p, const char *at, size_t len)
             cap *= 2;
         if (cap > max)
             cap = max;
+        if (req->declared && cap > req->declared)
+            cap = req->declared; /* the parser stops a body at its Content-Length */
+        if (cap > req->charged) { /* a chunked body: taken as it grows */
+            if (!td_rpc_budget_take(c->srv->cfg.body_budget, cap - req->charged)) {
+                c->err_status = 503;
+                return -1;
+            }
+            req->charged = cap;
+        }
         char *b = realloc(req->body, cap + 1); /* +1: td_http_req_body's "" when empty */
         if (!b) {
             c->err_status = 503;
@@ -196,6 +239,11 @@ static int on_body(http_parser *p, const char *at, size_t len)
 static int on_message_complete(http_parser *p)
 {
     http_conn_t *c = p->data;
+    if (!c->req) { /* answered on its head, no body (head_decide): the next request waits
+                    * until that answer is written */
+        http_parser_pause(p, 1);
+        return 0;
+    }
     c->req->complete = true;
     http_parser_pause(p, 1); /* the rest waits until this request is answered */
     return 0;
@@ -210,7 +258,10 @@ static const char *parse_error_text(http_conn_t *c, enum http_errno e)
     case 417: return "only Expect: 100-continue is understood (HTTP/1.1)";
     case 501: return "CONNECT and protocol upgrades are not supported";
     case 505: return "only HTTP/1.x is served";
-    case 503: return "out of memory";
+    case 503: return c->srv->cfg.body_budget && c->srv->cfg.body_budget->refused != c->budget_refused
+                  ? "the server holds too many request bodies at once (its budget for bodies in flight): "
+                    "retry shortly"
+                  : "out of memory";
     default: break;
     }
     if (e == HPE_HEADER_OVERFLOW)
@@ -223,10 +274,13 @@ static const char *parse_error_text(http_conn_t *c, enum http_errno e)
 static size_t conn_parse(http_conn_t *c, const char *data, size_t len)
 {
     td_http_server_t *srv = c->srv;
+    c->budget_refused = srv->cfg.body_budget ? srv->cfg.body_budget->refused : 0;
     size_t n = http_parser_execute(&c->parser, &srv->settings, data, len);
-    if (c->closing)
-        return len;
+    if (c->closing || (c->discard && !c->req))
+        return len; /* closing, or answered on its head with its body dropped (head_decide) */
     enum http_errno e = HTTP_PARSER_ERRNO(&c->parser);
+    if (e == HPE_PAUSED && !c->req)
+        return n; /* answered on its head, no body: the rest waits for that answer */
     if (e == HPE_PAUSED && c->req && c->req->complete) {
         td_http_req_t *req = c->req;
         req->state = REQ_HANDLED;
@@ -241,6 +295,9 @@ static size_t conn_parse(http_conn_t *c, const char *data, size_t len)
         td_http_conn_relist(c);
         td_http_conn_arm_timer(c);
         srv->cfg.handler(srv->cfg.handler_data, req); /* may answer, and free req */
+        if (c->req == req)
+            td_http_req_free_body(req); /* the handler copied what it keeps: a long stream
+                                         * holds no body against the budget */
         return n;
     }
     if (e != HPE_OK) {

@@ -9,6 +9,7 @@
 #   followed by a blank line, a usage chunk, "data: [DONE]" last;
 # - bad requests: malformed JSON, wrong types (the parameter named), n > 1, an unknown model,
 #   a body over the limit (413), unknown path (404) and method (405); /health and /v1/models;
+#   /metrics not on the API port (404, saying where) unless --http-metrics;
 #   a router with no nodes: /health and generations 503;
 # - a client that disconnects mid-stream cancels its request: counted cancelled, the decode
 #   node's KV blocks back to where they were.
@@ -95,7 +96,9 @@ status 404 '"code":"not_found"' "$OA/embeddings" -d '{}'
 status 405 '"code":"method_not_allowed"' "$OA/chat/completions"
 status 200 '"status":"ok"' "${OA%/v1}/health"
 status 200 '"object":"list".*"object":"model"' "$OA/models"
-status 200 'tandem_router_requests_total' "${OA%/v1}/metrics"
+# /metrics is not on the API port (it answers without a key): the metrics port serves it
+status 404 'served on the metrics port' "${OA%/v1}/metrics"
+status 200 'tandem_router_requests_total' "${CL_MURL[router]}"
 
 # a client gone mid-stream: its request is cancelled and its KV blocks come back
 base=$(cl_metric decode0 tandem_decode_kv_blocks_used) || cl_fail "cannot read decode0's /metrics"
@@ -112,10 +115,11 @@ done
 cl_blocks_back decode0 "$base" "a client disconnected mid-stream"
 
 # a router without nodes: /health 503, a generation 503 (no pair up), and the openai: line
-# of a router started with --http-port
-CL_ROUTER=bare cl_router --http-port 0 --tokenizer "$CL_M"
+# of a router started with --http-port, and /metrics on the API port when asked (--http-metrics)
+CL_ROUTER=bare cl_router --http-port 0 --tokenizer "$CL_M" --http-metrics
 BARE=$(sed -n 's/^openai: //p' "$CL_T/bare.out")
 [ -n "$BARE" ] || cl_fail "no 'openai:' line in the router's output: $(cat "$CL_T/bare.out")"
+status 200 'tandem_router_requests_total' "${BARE%/v1}/metrics"
 status 503 '"status":"unavailable"' "${BARE%/v1}/health"
 status 503 '"type":"service_unavailable"' "$BARE/completions" -d '{"prompt":"Hi","max_tokens":2}'
 

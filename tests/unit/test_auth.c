@@ -72,6 +72,26 @@ Test(auth, keys_file_comments_blanks_and_check)
     td_auth_keys_destroy(NULL);
 }
 
+/* A key line may carry the flag `admin` (ClusterStatus wants one): the check says which key
+ * matched was flagged, and the flag is no part of the key. */
+Test(auth, keys_file_admin_flag)
+{
+    const char *p = write_file("keys", KEY_A "\t admin\r\n" KEY_B "\n");
+    td_auth_keys_t *k = NULL;
+    cr_assert_eq(td_auth_keys_load(p, &k), TD_OK, "%s", td_last_error());
+    cr_assert_eq(td_auth_keys_count(k), 2);
+    bool admin = false;
+    cr_assert_eq(td_auth_keys_check_bearer_role(k, "Bearer " KEY_A, &admin), TD_AUTH_OK);
+    cr_assert(admin, "KEY_A's line says admin");
+    cr_assert_eq(td_auth_keys_check_bearer_role(k, "Bearer " KEY_B, &admin), TD_AUTH_OK);
+    cr_assert_not(admin, "KEY_B's line does not");
+    cr_assert_eq(td_auth_keys_check_bearer_role(k, "Bearer " KEY_A " admin", &admin), TD_AUTH_WRONG);
+    cr_assert_not(admin);
+    cr_assert_eq(td_auth_keys_check_bearer_role(k, NULL, &admin), TD_AUTH_MISSING);
+    cr_assert_not(admin);
+    td_auth_keys_destroy(k);
+}
+
 /* Each bad file is refused with a message naming the file and line, never the key. */
 Test(auth, keys_file_errors)
 {
@@ -82,6 +102,8 @@ Test(auth, keys_file_errors)
         {"# only a comment\n\n", "has no key"},
         {"short\n", "line 1: the key has 5 characters"},
         {"# c\n" KEY_A " " KEY_B "\n", "line 2: a key is printable ASCII without spaces"},
+        {KEY_A " admins\n", "line 1: a key is printable ASCII without spaces, followed by nothing or by the one "
+                           "flag 'admin'"},
         {KEY_A "\n" KEY_B "\n" KEY_A "\n", "line 3 repeats an earlier key"},
         {"\xc3\xa9" KEY_A "\n", "line 1: a key is printable ASCII"},
     };

@@ -89,6 +89,8 @@ Test(grpc_auth, api_keys_on_the_gateway, .timeout = 30)
     cr_assert_eq(td_node_auth_serve(&a, &loop, m), TD_OK);
     td_grpc_server_config_t sc = td_grpc_server_config_default();
     td_node_auth_guard_gateway(&a, &sc);
+    td_rpc_budget_t budget = {.limit = 1 << 20}; /* request bytes in flight on the server */
+    sc.body_budget = &budget;
     test_server_t ts;
     uint16_t port = ts_start(&ts, &sc);
     cr_assert_neq(port, 0);
@@ -100,7 +102,7 @@ Test(grpc_auth, api_keys_on_the_gateway, .timeout = 30)
     result_t r = list_models(&loop, ch, right, 2);
     cr_assert_eq(r.code, TD_GRPC_OK, "%s", r.message);
     r = list_models(&loop, ch, wrong, 1);
-    cr_assert_eq(r.code, TD_GRPC_UNAUTHENTICATED);
+    cr_assert_eq(r.code, TD_GRPC_UNAUTHENTICATED, "%d %s", r.code, r.message);
     cr_assert_str_eq(r.message, "the API key is not valid");
     r = list_models(&loop, ch, basic, 1);
     cr_assert_eq(r.code, TD_GRPC_UNAUTHENTICATED);
@@ -108,6 +110,27 @@ Test(grpc_auth, api_keys_on_the_gateway, .timeout = 30)
     cr_assert_eq(r.code, TD_GRPC_UNAUTHENTICATED);
     cr_assert(strstr(r.message, "authorization: Bearer KEY"), "%s", r.message);
     cr_assert_eq(atomic_load(&ts.handled), 1, "refused calls never reach the handler");
+
+    /* the key is checked on the headers, before the request is buffered: a 3 MiB request
+     * without a key is UNAUTHENTICATED, never weighed against the 1 MiB budget of bytes in
+     * flight; with the key the same request is RESOURCE_EXHAUSTED by that budget */
+    static char big[3 << 20];
+    result_t rb = {0};
+    td_grpc_call_opts_t ob = {.response_desc = &tandem__v1__list_models_response__descriptor, .on_done = on_done,
+                              .data = &rb, .timeout_ms = 5000, .raw_request = big, .raw_request_len = sizeof big};
+    cr_assert_eq(td_grpc_channel_call(ch, "/tandem.v1.Generation/ListModels", NULL, &ob, NULL), TD_OK);
+    run_until_done(&loop, &rb);
+    cr_assert_eq(rb.code, TD_GRPC_UNAUTHENTICATED, "%d %s", rb.code, rb.message);
+    rb = (result_t){0};
+    ob.headers = right;
+    ob.n_headers = 2;
+    cr_assert_eq(td_grpc_channel_call(ch, "/tandem.v1.Generation/ListModels", NULL, &ob, NULL), TD_OK);
+    run_until_done(&loop, &rb);
+    cr_assert_eq(rb.code, TD_GRPC_RESOURCE_EXHAUSTED, "%d %s", rb.code, rb.message);
+    cr_assert(strstr(rb.message, "in flight"), "%s", rb.message);
+    r = list_models(&loop, ch, right, 2); /* the budget was given back */
+    cr_assert_eq(r.code, TD_GRPC_OK, "%s", r.message);
+    atomic_fetch_sub(&ts.handled, 1);
 
     /* the health check stays open for load balancers */
     Grpc__Health__V1__HealthCheckRequest hreq = GRPC__HEALTH__V1__HEALTH_CHECK_REQUEST__INIT;
@@ -118,9 +141,9 @@ Test(grpc_auth, api_keys_on_the_gateway, .timeout = 30)
     run_until_done(&loop, &h);
     cr_assert_eq(h.code, TD_GRPC_OK, "%s", h.message);
 
-    cr_assert_eq(td_metric_value(a.key_outcomes[TD_AUTH_OK]), 1);
+    cr_assert_eq(td_metric_value(a.key_outcomes[TD_AUTH_OK]), 3);
     cr_assert_eq(td_metric_value(a.key_outcomes[TD_AUTH_WRONG]), 2);
-    cr_assert_eq(td_metric_value(a.key_outcomes[TD_AUTH_MISSING]), 1);
+    cr_assert_eq(td_metric_value(a.key_outcomes[TD_AUTH_MISSING]), 2);
     char *text;
     size_t len;
     cr_assert_eq(td_metrics_render(m, &text, &len), TD_OK);
@@ -129,6 +152,7 @@ Test(grpc_auth, api_keys_on_the_gateway, .timeout = 30)
     free(text);
     td_node_auth_close(&a);
     close_all(&loop, ch, &ts);
+    cr_assert_eq(budget.used, 0, "%zu bytes never given back", budget.used);
     td_node_auth_free(&a);
     td_metrics_destroy(m);
 }

@@ -8,7 +8,11 @@
  * a client disconnect (mid-stream and while handled) and on the server's close, a slowloris
  * closed at the request deadline, an idle connection at the idle one, an answer nobody
  * reads at the write one, 1,000 idle connections at a cap of 100 with a new client served,
- * and refusal when every connection is busy. Every loop closes with no handle open.
+ * and refusal when every connection is busy; a request refused on its head (401) before its
+ * 8 MiB body is sent, the connection closed after it while one without a body stays open;
+ * the budget of bodies in flight across connections (503 past it, given back after); the
+ * body deadline (408) well before the request deadline. Every loop closes with no handle
+ * open.
  */
 #include <criterion/criterion.h>
 #include <errno.h>
@@ -32,7 +36,7 @@ typedef struct srv {
     td_test_http_t h;
     td_metrics_t *reg;
     /* what the handlers saw, read by the test thread */
-    _Atomic int aborts, streams_done, busy_seen, handled;
+    _Atomic int aborts, streams_done, busy_seen, handled, refused;
     _Atomic size_t max_queued;
 } srv_t;
 
@@ -43,12 +47,17 @@ typedef struct stream {
     long left;                   /* < 0: forever */
     size_t size;
     uv_timer_t timer;            /* /async's answer */
+    char *body;                  /* /async: a copy of the body (td_http frees its own when the
+                                  * handler returns) */
+    size_t body_len;
     char buf[16384];
 } stream_t;
 
 static void stream_free(uv_handle_t *h)
 {
-    free(h->data);
+    stream_t *st = h->data;
+    free(st->body);
+    free(st);
 }
 
 static void on_abort(td_http_req_t *req, void *data)
@@ -83,9 +92,7 @@ static void stream_pump(td_http_req_t *req, void *data)
 static void on_async_timer(uv_timer_t *t)
 {
     stream_t *st = t->data;
-    size_t len;
-    const char *body = td_http_req_body(st->req, &len);
-    td_http_respond(st->req, 200, NULL, body, len);
+    td_http_respond(st->req, 200, NULL, st->body, st->body_len);
     uv_close((uv_handle_t *)&st->timer, stream_free);
 }
 
@@ -102,7 +109,7 @@ static void handler(void *data, td_http_req_t *req)
     const char *path = td_http_req_path(req);
     size_t len;
     const char *body = td_http_req_body(req, &len);
-    if (strcmp(path, "/echo") == 0) { /* the body back, X-Seq as a header */
+    if (strcmp(path, "/echo") == 0 || strcmp(path, "/locked") == 0) { /* the body back, X-Seq as a header */
         const char *seq = td_http_req_header(req, "x-seq");
         if (seq)
             cr_assert_eq(td_http_resp_header(req, "X-Seq", seq), TD_OK);
@@ -128,6 +135,10 @@ static void handler(void *data, td_http_req_t *req)
     td_http_req_set_data(req, st);
     td_http_req_on_abort(req, on_abort);
     if (strcmp(path, "/async") == 0) { /* the body back, from a later loop callback */
+        st->body = malloc(len + 1);
+        cr_assert(st->body);
+        memcpy(st->body, body, len);
+        st->body_len = len;
         uv_timer_start(&st->timer, on_async_timer, (uint64_t)query_num(td_http_req_query(req), "ms=", 0), 0);
         return;
     }
@@ -149,6 +160,19 @@ static void handler(void *data, td_http_req_t *req)
     uv_close((uv_handle_t *)&st->timer, stream_free);
 }
 
+/* The head check (td_http_head_cb): /locked wants "X-Key: ok", as a front door wants an
+ * API key; a refusal is answered before any of the body is read. */
+static void head(void *data, td_http_req_t *req)
+{
+    srv_t *s = data;
+    const char *key = td_http_req_header(req, "x-key");
+    if (strcmp(td_http_req_path(req), "/locked") == 0 && (!key || strcmp(key, "ok") != 0)) {
+        atomic_fetch_add(&s->refused, 1);
+        cr_assert_eq(td_http_resp_header(req, "WWW-Authenticate", "Bearer"), TD_OK);
+        td_http_respond(req, 401, NULL, "no key\n", 7);
+    }
+}
+
 static srv_t *srv_start(const td_http_config_t *cfg)
 {
     signal(SIGPIPE, SIG_IGN);
@@ -157,6 +181,7 @@ static srv_t *srv_start(const td_http_config_t *cfg)
     cr_assert_eq(td_metrics_create(&s->reg), TD_OK);
     td_http_config_t c = *cfg;
     c.handler = handler;
+    c.on_head = head;
     c.handler_data = s;
     c.metrics = s->reg;
     td_test_http_start(&s->h, &c);
@@ -833,5 +858,101 @@ Test(http, mutated_requests_never_break_the_server, .timeout = 120)
     client_t *c;
     cr_assert_eq(request(s, "GET /info HTTP/1.1\r\n\r\n", &c), 200);
     client_free(c);
+    srv_stop(s);
+}
+
+/* A request refused on its head is answered before its body is sent: the client declares
+ * 8 MiB, sends none of it and reads 401 "Connection: close"; the handler never sees it and
+ * the connection ends. Refused without a body, the connection stays open for the next one;
+ * with the key, the same request is read and answered. */
+Test(http, refused_on_its_head_before_the_body, .timeout = 30)
+{
+    srv_t *s = srv_start(&(td_http_config_t){.host = "127.0.0.1", .max_request_bytes = 8192,
+                                             .max_body_bytes = 8 << 20, .max_write_queue_bytes = 65536});
+    client_t *c = client_new(s->h.port);
+    uint64_t t0 = td_now_ns();
+    client_sends(c, "POST /locked HTTP/1.1\r\nContent-Length: 8388608\r\n\r\n");
+    cr_assert_eq(client_read(c), 401, "the refusal must come before the body");
+    double took = (double)(td_now_ns() - t0) / 1e9;
+    cr_assert(took < 1.0, "refused after %.2f s", took);
+    cr_assert_str_eq(c->conn, "close");
+    cr_assert_str_eq(c->body, "no key\n");
+    cr_assert(client_closed(c), "the connection of a refused body stayed open");
+    client_free(c);
+
+    c = client_new(s->h.port); /* no body: keep-alive, the next request served */
+    client_sends(c, "GET /locked HTTP/1.1\r\n\r\nPOST /echo HTTP/1.1\r\nContent-Length: 2\r\n\r\nhi");
+    cr_assert_eq(client_read(c), 401);
+    cr_assert_str_eq(c->conn, "keep-alive");
+    cr_assert_eq(client_read(c), 200);
+    cr_assert_str_eq(c->body, "hi");
+    client_sends(c, "POST /locked HTTP/1.1\r\nX-Key: ok\r\nContent-Length: 5\r\n\r\nhello");
+    cr_assert_eq(client_read(c), 200);
+    cr_assert_str_eq(c->body, "hello");
+    client_free(c);
+    cr_assert_eq(atomic_load(&s->refused), 2);
+    cr_assert_eq(atomic_load(&s->handled), 2, "a refused request reached the handler");
+    srv_stop(s);
+}
+
+/* One budget of bodies in flight over every connection: a declared body that does not fit
+ * is refused (503) on its head, a chunked one as it grows past it; what a finished request
+ * held is given back. */
+Test(http, bodies_in_flight_share_one_budget, .timeout = 30)
+{
+    td_rpc_budget_t budget = {.limit = 100000};
+    srv_t *s = srv_start(&(td_http_config_t){.host = "127.0.0.1", .max_request_bytes = 8192,
+                                             .max_body_bytes = 1 << 20, .max_write_queue_bytes = 1 << 20,
+                                             .body_budget = &budget});
+    static char big[80000];
+    memset(big, 'b', sizeof big);
+    client_t *a = client_new(s->h.port);
+    client_sends(a, "POST /echo HTTP/1.1\r\nContent-Length: 80000\r\n\r\n");
+    client_send(a, big, 10); /* 80,000 bytes taken, 10 sent */
+    usleep(100000);
+    client_t *b = client_new(s->h.port);
+    client_sends(b, "POST /echo HTTP/1.1\r\nContent-Length: 30000\r\n\r\n");
+    cr_assert_eq(client_read(b), 503, "a body past the budget must be refused on its head");
+    cr_assert(strstr(b->body, "bodies"), "503 says why: %s", b->body);
+    client_free(b);
+    b = client_new(s->h.port);
+    client_sends(b, "POST /echo HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n7530\r\n");
+    client_send(b, big, 30000);
+    cr_assert_eq(client_read(b), 503, "a chunked body growing past the budget must be refused");
+    client_free(b);
+    client_send(a, big + 10, sizeof big - 10);
+    a->max_body = 1;
+    cr_assert_eq(client_read(a), 200);
+    cr_assert_eq(a->body_len, sizeof big);
+    client_free(a);
+    b = client_new(s->h.port); /* given back: the same body now fits */
+    client_sends(b, "POST /echo HTTP/1.1\r\nContent-Length: 30000\r\n\r\n");
+    client_send(b, big, 30000);
+    b->max_body = 1;
+    cr_assert_eq(client_read(b), 200);
+    client_free(b);
+    srv_stop(s);
+    cr_assert_eq(budget.used, 0, "%zu bytes never given back", budget.used);
+    cr_assert_eq(budget.refused, 2);
+}
+
+/* A body trickled slower than the body deadline gets 408 at that deadline, long before the
+ * request deadline, and the connection closes. */
+Test(http, a_slow_body_gets_408_at_the_body_deadline, .timeout = 30)
+{
+    srv_t *s = srv_start(&(td_http_config_t){.host = "127.0.0.1", .max_request_bytes = 8192,
+                                             .max_body_bytes = 1 << 20, .max_write_queue_bytes = 65536,
+                                             .request_timeout_ms = 20000, .body_timeout_ms = 300});
+    client_t *c = client_new(s->h.port);
+    uint64_t t0 = td_now_ns();
+    client_sends(c, "POST /echo HTTP/1.1\r\nContent-Length: 100\r\n\r\n0123456789");
+    cr_assert_eq(client_read(c), 408);
+    double took = (double)(td_now_ns() - t0) / 1e9;
+    cr_assert(took > 0.25 && took < 3.0, "408 after %.2f s, the body deadline is 0.3 s", took);
+    cr_assert_str_eq(c->conn, "close");
+    cr_assert(client_closed(c));
+    client_free(c);
+    cr_assert_eq(closed(s, "body_timeout"), 1);
+    cr_assert_eq(atomic_load(&s->handled), 0);
     srv_stop(s);
 }

@@ -72,13 +72,57 @@ Test(td_node, advertise_separate_from_host)
     fake_t f = {0};
     int rc = -1;
     const char *argv[] = {"tandem", "--model", "m", "--host", "0.0.0.0", "--advertise", "10.1.2.3",
-                          "--router", "10.0.0.1:9000", NULL};
+                          "--router", "10.0.0.1:9000", "--insecure", NULL};
     cr_assert(configure(&p, &f, TD_NODE_NODE, argv, &rc), "%s", td_last_error());
     cr_assert_str_eq(p.cfg.host, "0.0.0.0");
     cr_assert_str_eq(p.cfg.advertise, "10.1.2.3");
     cr_assert_str_eq(p.router_host, "10.0.0.1");
     cr_assert_eq(p.router_port, 9000);
     done(&p);
+}
+
+/* Off loopback without a cluster secret the control plane would be open to anyone: refused
+ * (exit 2, the message naming the secret and --insecure) unless --insecure; loopback needs
+ * nothing. */
+Test(td_node, open_control_plane_off_loopback_needs_insecure)
+{
+    const char *refused[][8] = {
+        {"tandem", "--model", "m", "--host", "10.0.0.5", NULL},
+        {"tandem", "--model", "m", "--host", "0.0.0.0", "--advertise", "10.0.0.5", NULL},
+        {"tandem", "--model", "m", "--host", "fd00::5", NULL},
+    };
+    for (size_t i = 0; i < sizeof refused / sizeof refused[0]; i++) {
+        td_node_t p;
+        fake_t f = {0};
+        int rc = -1;
+        cr_assert_not(configure(&p, &f, TD_NODE_NODE, refused[i], &rc), "case %zu accepted", i);
+        cr_assert_eq(rc, 2);
+        cr_assert(strstr(td_last_error(), "--cluster-secret-file") && strstr(td_last_error(), "--insecure"),
+                  "case %zu: '%s'", i, td_last_error());
+        done(&p);
+    }
+    const char *accepted[][8] = {
+        {"tandem", "--model", "m", "--host", "10.0.0.5", "--insecure", NULL},
+        {"tandem", "--model", "m", "--host", "127.0.0.2", NULL},
+        {"tandem", "--model", "m", "--host", "::1", NULL},
+    };
+    for (size_t i = 0; i < sizeof accepted / sizeof accepted[0]; i++) {
+        td_node_t p;
+        fake_t f = {0};
+        int rc = -1;
+        cr_assert(configure(&p, &f, TD_NODE_NODE, accepted[i], &rc), "case %zu: %s", i, td_last_error());
+        done(&p);
+    }
+    td_node_t p;
+    fake_t f = {0};
+    int rc = -1;
+    const char *router_argv[] = {"tandem", "--host", "0.0.0.0", "--advertise", "10.0.0.5", NULL};
+    cr_assert_not(configure(&p, &f, TD_NODE_ROUTER, router_argv, &rc));
+    cr_assert_eq(rc, 2);
+    cr_assert(strstr(td_last_error(), "register as a node"), "%s", td_last_error());
+    cr_assert(td_node_is_loopback("127.9.8.7") && td_node_is_loopback("[::1]"));
+    cr_assert_not(td_node_is_loopback("0.0.0.0") || td_node_is_loopback("::") || td_node_is_loopback("10.0.0.1") ||
+                  td_node_is_loopback("::2") || td_node_is_loopback(NULL));
 }
 
 Test(td_node, wildcard_host_needs_advertise)
