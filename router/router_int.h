@@ -58,6 +58,8 @@ typedef struct router_config {
     int64_t http_port;         /* the OpenAI HTTP API (router_http.c); -1 = off, 0 = any */
     int64_t http_max_body_bytes;
     int64_t http_max_connections;
+    int64_t gateway_max_connections; /* the gRPC gateway's cap (both caps fit the open-file limit) */
+    int64_t gateway_idle_timeout_ms; /* a gateway connection with no call running this long is closed */
     int64_t http_idle_timeout_ms;
     int64_t http_request_timeout_ms;
     bool http_metrics;         /* /metrics on the HTTP API port too (default: the metrics port only) */

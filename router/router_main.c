@@ -252,11 +252,44 @@ static td_status_t open_http(router_state_t *s)
 
 /* The gateway and control servers, the HTTP API, /metrics, the loop's tick and hooks; then
  * the addresses on stdout. */
+/* Descriptors kept from the public doors for the control plane: two per node (its channel to
+ * the router's control port, the router's to it), /metrics scrapers, the tokenizer's and
+ * logs' files. */
+static long control_reserve(const router_config_t *cfg)
+{
+    return 2 * cfg->max_nodes + 256;
+}
+
+/* The gateways' connection caps within the open-file limit, the control plane's reserve
+ * kept: both as configured when they fit, else cut in proportion (and said). Before, the
+ * caps (1024 + 4096) assumed more descriptors than the common soft limit of 1024, so idle
+ * clients could take them all and no node could register. */
+static void size_caps(router_state_t *s)
+{
+    router_config_t *cfg = &s->cfg;
+    long limit = s->proc.fd_limit, reserve = control_reserve(cfg);
+    int64_t http = cfg->http_port >= 0 ? cfg->http_max_connections : 0, want = cfg->gateway_max_connections + http;
+    if (limit < 0 || want <= limit - reserve) {
+        td_info("router: open-file limit %ld: gateway connections at most %lld (gRPC) + %lld (HTTP), %ld kept for "
+                "the control plane", limit, (long long)cfg->gateway_max_connections, (long long)http, reserve);
+        return;
+    }
+    long room = TD_MAX(limit - reserve, 2L);
+    int64_t g = TD_MAX((int64_t)1, (int64_t)((double)room * (double)cfg->gateway_max_connections / (double)want));
+    cfg->gateway_max_connections = g;
+    if (http)
+        cfg->http_max_connections = TD_MAX((int64_t)1, (int64_t)room - g);
+    td_warn("router: open-file limit %ld: gateway connections cut to %lld (gRPC) + %lld (HTTP) to keep %ld for the "
+            "control plane; raise the limit (ulimit -n, LimitNOFILE) for more", limit, (long long)g,
+            (long long)(http ? cfg->http_max_connections : 0), reserve);
+}
+
 static td_status_t serve(router_state_t *s)
 {
     const router_config_t *cfg = &s->cfg;
     const td_node_config_t *pc = &s->proc.cfg;
     td_status_t st;
+    size_caps(s);
     s->body_budget = (td_rpc_budget_t){.limit = (size_t)cfg->max_body_bytes_in_flight};
     td_grpc_server_config_t gc = td_grpc_server_config_default();
     gc.host = pc->host;
@@ -267,6 +300,12 @@ static td_status_t serve(router_state_t *s)
      * arrive whole within the body timeout (HEADERS -> END_STREAM) */
     gc.body_budget = &s->body_budget;
     gc.request_timeout_ms = (uint32_t)cfg->body_timeout_ms;
+    /* clients' connections: capped within the open-file limit, closed when idle, and held to
+       nghttp2's rapid-reset guard (a flooding connection gets GOAWAY); the control servers
+       keep the high allowance the router's own cancels need */
+    gc.max_connections = (uint32_t)cfg->gateway_max_connections;
+    gc.idle_timeout_ms = (uint32_t)cfg->gateway_idle_timeout_ms;
+    gc.max_resets_per_s = 0;
     td_node_auth_guard_gateway(&s->proc.auth, &gc);
     if ((st = td_grpc_server_create(&s->proc.loop, &gc, &s->gateway)) != TD_OK)
         return st;
@@ -274,6 +313,9 @@ static td_status_t serve(router_state_t *s)
     gc.send_queue_bytes = td_grpc_server_config_default().send_queue_bytes;
     gc.body_budget = NULL; /* members' calls: bounded by the cluster's own size */
     gc.request_timeout_ms = td_grpc_server_config_default().request_timeout_ms;
+    gc.max_connections = td_grpc_server_config_default().max_connections;
+    gc.idle_timeout_ms = td_grpc_server_config_default().idle_timeout_ms;
+    gc.max_resets_per_s = td_grpc_server_config_default().max_resets_per_s;
     td_node_auth_guard_control(&s->proc.auth, &gc);
     if ((st = td_grpc_server_create(&s->proc.loop, &gc, &s->control)) != TD_OK || (st = add_methods(s)) != TD_OK)
         return st;
@@ -326,6 +368,7 @@ int router_main(int argc, char **argv)
                              .lease_ms = 10000, .max_prefill_wait_ms = 5000, .max_tokenizing = 64, .rpc_timeout_ms = 5000, .heartbeat_ms = 200,
                              .heartbeat_timeout_ms = 1500, .max_nodes = 256, .http_port = -1,
                              .http_max_body_bytes = 8 << 20, .http_max_connections = 4096,
+                             .gateway_max_connections = 1024, .gateway_idle_timeout_ms = 300000,
                              .http_idle_timeout_ms = 30000, .http_request_timeout_ms = 0, .max_migrations = 2,
                              .max_body_bytes_in_flight = 64 << 20, .body_timeout_ms = 10000};
     const td_opt_t keys[] = {
@@ -367,6 +410,10 @@ int router_main(int argc, char **argv)
                    "408 and close / stream reset"),
         TD_OPT_INT("http-max-body-bytes", &cfg->http_max_body_bytes, 1024, 1 << 30,
                    "HTTP request body at most; beyond → 413"),
+        TD_OPT_INT("gateway-max-connections", &cfg->gateway_max_connections, 1, 1 << 20,
+                   "gRPC gateway connections at most (with http-max-connections, cut to fit the open-file limit)"),
+        TD_OPT_INT("gateway-idle-timeout-ms", &cfg->gateway_idle_timeout_ms, 1000, 86400000,
+                   "a gateway connection with no call running this long is closed"),
         TD_OPT_INT("http-max-connections", &cfg->http_max_connections, 1, 1 << 20,
                    "HTTP connections at once; beyond, the oldest idle one is closed"),
         TD_OPT_INT("http-idle-timeout-ms", &cfg->http_idle_timeout_ms, 1, 86400000,

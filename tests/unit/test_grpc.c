@@ -602,6 +602,39 @@ Test(grpc, many_cancels_keep_the_connection, .timeout = 60)
     client_stop(&c);
 }
 
+/* The public gateway's setting (max_resets_per_s 0: nghttp2's guard, 1000 resets then 33/s):
+ * a client flooding RST_STREAMs gets GOAWAY, and the server goes on serving a new client
+ * (issue 35: the gateway had the control servers' allowance of 100,000/s). */
+Test(grpc, rapid_reset_flood_gets_goaway_with_nghttp2s_guard, .timeout = 60)
+{
+    enum { N = 1500 };
+    client_t c;
+    td_grpc_server_config_t cfg = td_grpc_server_config_default();
+    cfg.max_concurrent_streams = N;
+    cfg.max_resets_per_s = 0;
+    client_start(&c, &cfg, 0);
+    static result_t r[N];
+    static td_grpc_client_call_t *calls[N];
+    for (int i = 0; i < N; i++)
+        calls[i] = generate(&c, "slow", 1, 0, &r[i]);
+    for (int i = 0; i < 3000 && atomic_load(&c.ts.handled) < N; i++) {
+        uv_run(&c.loop, UV_RUN_NOWAIT);
+        usleep(1000);
+    }
+    for (int i = 0; i < N; i++)
+        td_grpc_client_call_cancel(calls[i]);
+    for (int i = 0; i < 3000 && td_grpc_channel_is_usable(c.ch); i++) {
+        uv_run(&c.loop, UV_RUN_NOWAIT); /* the RST_STREAMs go out; GOAWAY comes back */
+        usleep(1000);
+    }
+    cr_assert(!td_grpc_channel_is_usable(c.ch), "%d resets at once and no GOAWAY", N);
+    td_grpc_channel_close(c.ch, NULL, NULL); /* a well-behaved client is still served */
+    td_grpc_channel_config_t cc = td_grpc_channel_config_default();
+    cr_assert_eq(td_grpc_channel_create(&c.loop, "127.0.0.1", c.ts.port, &cc, &c.ch), TD_OK);
+    list_models_ok(&c);
+    client_stop(&c);
+}
+
 /* Unpacking goes through one arena per message and stays bounded: empty sub-messages cost
  * 2 wire bytes each but ~24x that unpacked, so a big enough run of them is refused, while
  * the same message with few entries unpacks whole and frees cleanly. */
