@@ -719,33 +719,13 @@ static int bs_write_results(const bs_state_t *s, const loadgen_run_t *runs, size
     return rc;
 }
 
-/* "1m05s" of seconds into buf. */
-static void bs_duration(double sec, char *buf, size_t size)
-{
-    long t = (long)(sec + 0.5);
-    if (t >= 3600)
-        snprintf(buf, size, "%ldh%02ldm", t / 3600, t / 60 % 60);
-    else if (t >= 60)
-        snprintf(buf, size, "%ldm%02lds", t / 60, t % 60);
-    else
-        snprintf(buf, size, "%lds", t);
-}
-
 /* The run's progress (loadgen's 50 ms tick) on stderr, td_progress's way (a terminal: a line
  * rewritten each second; a log: one every 10 s, none for a run under 10 s): requests done of
- * all, their rate, the errors, the time left at that rate. */
+ * all, their rate, the errors, the time left at that rate (loadgen_progress_show). */
 static void bs_on_progress(void *arg, const loadgen_progress_t *p)
 {
     bs_state_t *s = arg;
-    bool last = p->n_done == p->n;
-    double rate = p->elapsed_s > 0 ? (double)p->n_done / p->elapsed_s : 0;
-    char eta[32] = "?";
-    if (last)
-        snprintf(eta, sizeof eta, "0s");
-    else if (rate > 0)
-        bs_duration((double)(p->n - p->n_done) / rate, eta, sizeof eta);
-    td_progress_update(&s->prog, last, "%zu/%zu requests (%.0f%%), %.2f req/s, %zu errors, ETA %s", p->n_done, p->n,
-                       p->n ? 100.0 * (double)p->n_done / (double)p->n : 100.0, rate, p->n_failed, eta);
+    loadgen_progress_show(&s->prog, p, p->n_done == p->n);
 }
 
 /* The run options of bench serve's flags at `rate`. */

@@ -236,7 +236,7 @@ static int plan_profile(int argc, char **argv)
     td_device_spec_t dev = {0};
     float timeout_s = 60;
     loadgen_profile_opts_t co = {.cfg = loadgen_config_default(), .max_context = 512, .decode_tokens = 32, .reps = 5,
-                              .speed_runs = 32};
+                                 .speed_runs = 32, .progress = true};
     const td_opt_t opts[] = {
         TD_OPT_STRING("model", &model_path, "model to run in this process"),
         TD_OPT_STRING("gateway", &co.cfg.gateway, "a running cluster's gRPC gateway HOST:PORT: measure through it"),

@@ -93,6 +93,19 @@ td_grpc_code_t decode_admit_read(const Tandem__Control__V1__AdmitRequest *r, con
     return TD_GRPC_OK;
 }
 
+bool decode_admit_ready_check(const decode_admit_t *a, const td_xfer_ready_t *r, const td_model_config_t *mc,
+                              char *why, size_t cap)
+{
+    if ((int64_t)r->n_tokens != a->n_prompt)
+        snprintf(why, cap, "kv-ready with %u tokens, prompt has %d", r->n_tokens, a->n_prompt);
+    else if (r->first_token < 0 || r->first_token >= mc->vocab_size)
+        snprintf(why, cap, "kv-ready's first token %d is outside the vocabulary of %d ids", r->first_token,
+                 mc->vocab_size);
+    else
+        return true;
+    return false;
+}
+
 void decode_admit_free(decode_admit_t *a)
 {
     if (a) {

@@ -6,7 +6,9 @@
  * node says UNAVAILABLE or RESOURCE_EXHAUSTED: decode_admit_check (the message's own shape:
  * ids, counts, lengths) runs before the node's gate (td_node_take_or_refuse), decode_admit_read
  * (the copies, the vocabulary, sampling and logprobs, the unified role's limits) after it.
- * Loop thread; pure but for the allocation.
+ * The kv-ready that later brings the KV is checked here too (decode_admit_ready_check). What
+ * these pass, the scheduler takes as valid (decode_sched.h, decode_request_t): this is the
+ * node's one check of a request. Loop thread; pure but for the allocation.
  */
 #ifndef DECODE_ADMIT_H
 #define DECODE_ADMIT_H
@@ -20,6 +22,7 @@
 #include "td_list.h"
 #include "td_model.h"
 #include "td_node.h"
+#include "td_xfer.h"
 
 #define DECODE_MAX_STOP_IDS 32
 #define DECODE_MAX_REQUEST_ID 255 /* bytes of AdmitRequest.request_id (the router's are < 64) */
@@ -51,6 +54,12 @@ bool decode_admit_check(const Tandem__Control__V1__AdmitRequest *r, const td_mod
  * the reason in why and *a_p untouched. */
 td_grpc_code_t decode_admit_read(const Tandem__Control__V1__AdmitRequest *r, const td_model_config_t *mc,
                                  bool unified, decode_admit_t **a_p, char *why, size_t cap);
+
+/* A kv-ready of admission a from the prefill node (the data plane's message, as untrusted as
+ * an AdmitRequest): true when it covers a's whole prompt and its first token is inside the
+ * vocabulary of mc; else false with the reason in why (the request then fails). */
+bool decode_admit_ready_check(const decode_admit_t *a, const td_xfer_ready_t *r, const td_model_config_t *mc,
+                              char *why, size_t cap);
 
 /* Frees an admission (NULL-safe). */
 void decode_admit_free(decode_admit_t *a);

@@ -332,7 +332,9 @@ static void on_kv_ready(void *arg, const td_xfer_ready_t *r)
     decode_admit_t *a = admit_take(s, r->lease_id);
     int32_t *blocks = malloc((size_t)r->n_blocks * sizeof *blocks);
     bool posted = false;
-    if (a && blocks && (int64_t)r->n_tokens == a->n_prompt) {
+    char why[160];
+    bool fits = a && decode_admit_ready_check(a, r, &s->model->config, why, sizeof why);
+    if (fits && blocks) {
         memcpy(blocks, r->blocks, (size_t)r->n_blocks * sizeof *blocks);
         decode_cmd_t c = {.admit = a, .lease_id = r->lease_id, .blocks = blocks, .n_blocks = r->n_blocks,
                           .first_token = r->first_token};
@@ -343,9 +345,8 @@ static void on_kv_ready(void *arg, const td_xfer_ready_t *r)
             td_warn("decode: lease %llu: kv-ready dropped, the command ring (%d) is full",
                     (unsigned long long)r->lease_id, decode_cmd_ring_size(&s->cfg));
         }
-    } else if (a) {
-        td_warn("decode: lease %llu: kv-ready with %u tokens, prompt has %d", (unsigned long long)r->lease_id,
-                r->n_tokens, a->n_prompt);
+    } else if (a && !fits) {
+        td_warn("decode: lease %llu: %s", (unsigned long long)r->lease_id, why);
     }
     if (!posted) {
         for (int32_t i = 0; i < r->n_blocks; i++)

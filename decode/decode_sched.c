@@ -360,38 +360,17 @@ td_status_t decode_sched_admit(decode_sched_t *s, const decode_request_t *req)
     const td_model_config_t *mc = s->mc;
     dseq_t **arr;
     int32_t *n, idx;
-    if (req->n_prompt <= 0 || !req->prompt || req->max_tokens <= 0 || req->n_stop_ids < 0 ||
-        req->n_stops < 0 || (req->n_stop_ids && !req->stop_ids) || (req->n_stops && !req->stops))
-        return td_errorf_quiet(TD_ERR_INVALID, "request %llu: empty prompt, max_tokens %d, or "
-                               "bad stop lists", (unsigned long long)req->id, req->max_tokens);
-    if (req->n_prompt >= mc->max_seq_len)
-        return td_errorf_quiet(TD_ERR_RANGE, "request %llu: prompt of %d tokens, the model's "
-                               "length is %d", (unsigned long long)req->id, req->n_prompt,
-                               mc->max_seq_len);
+    /* the request was checked at the node's edge (decode_sched.h, "valid"); what is cheap to
+       restate is restated, the per-token checks are not run twice */
+    TD_ASSERT(req->prompt && req->n_prompt >= 1 && req->n_prompt < mc->max_seq_len && req->max_tokens >= 1);
+    TD_ASSERT(req->n_stop_ids >= 0 && (!req->n_stop_ids || req->stop_ids) && req->n_stops >= 0 &&
+              (!req->n_stops || req->stops));
+    TD_ASSERT(req->n_replay >= 0 && (!req->n_replay || req->replay) && req->n_replay < req->max_tokens &&
+              req->n_replay < mc->max_seq_len - req->n_prompt);
+    TD_ASSERT(!req->logprobs || (req->top_logprobs >= 0 && req->top_logprobs <= TD_LOGPROBS_MAX_TOP));
     if (find(s, req->id, &arr, &n, &idx))
         return td_errorf_quiet(TD_ERR_INVALID, "request %llu: id already live",
                                (unsigned long long)req->id);
-    for (int32_t i = 0; i < req->n_prompt; i++)
-        if (req->prompt[i] < 0 || req->prompt[i] >= mc->vocab_size)
-            return td_errorf_quiet(TD_ERR_INVALID, "request %llu: prompt token %d is outside the "
-                                   "vocabulary [0, %d)", (unsigned long long)req->id,
-                                   req->prompt[i], mc->vocab_size);
-    if (req->n_replay < 0 || (req->n_replay && !req->replay) || req->n_replay >= req->max_tokens ||
-        req->n_replay >= mc->max_seq_len - req->n_prompt)
-        return td_errorf_quiet(TD_ERR_INVALID, "request %llu: %d tokens to replay, fewer than max_tokens %d and "
-                               "the model's length %d - prompt %d required", (unsigned long long)req->id,
-                               req->n_replay, req->max_tokens, mc->max_seq_len, req->n_prompt);
-    for (int32_t i = 0; i < req->n_replay; i++)
-        if (req->replay[i] < 0 || req->replay[i] >= mc->vocab_size)
-            return td_errorf_quiet(TD_ERR_INVALID, "request %llu: replayed token %d is outside the "
-                                   "vocabulary [0, %d)", (unsigned long long)req->id, req->replay[i],
-                                   mc->vocab_size);
-    if (req->kv_blocks && (req->first_token < 0 || req->first_token >= mc->vocab_size))
-        return td_errorf_quiet(TD_ERR_INVALID, "request %llu: first token %d outside the vocabulary",
-                               (unsigned long long)req->id, req->first_token);
-    if (req->logprobs && (req->top_logprobs < 0 || req->top_logprobs > TD_LOGPROBS_MAX_TOP))
-        return td_errorf_quiet(TD_ERR_INVALID, "request %llu: top_logprobs %d is out of range [0, %d]",
-                               (unsigned long long)req->id, req->top_logprobs, TD_LOGPROBS_MAX_TOP);
     if (req->n_stops > 0 && !s->tok)
         return td_errorf_quiet(TD_ERR_INVALID, "request %llu: stop strings need a tokenizer on "
                                "this node", (unsigned long long)req->id);
@@ -423,8 +402,7 @@ td_status_t decode_sched_admit(decode_sched_t *s, const decode_request_t *req)
     if (req->n_stop_ids)
         memcpy(q->stop_ids, req->stop_ids, (size_t)req->n_stop_ids * sizeof *q->stop_ids);
     q->n_stop_ids = req->n_stop_ids;
-    if ((st = td_sampling_validate(&req->sampling, NULL, 0)) != TD_OK ||
-        (st = td_sampler_create(&req->sampling, &q->sampler)) != TD_OK)
+    if ((st = td_sampler_create(&req->sampling, &q->sampler)) != TD_OK)
         goto err_seq;
     if (req->n_stops > 0 && (st = td_stop_create(req->stops, req->n_stops, &q->stop)) != TD_OK)
         goto err_seq;

@@ -27,6 +27,7 @@
 #include <string.h>
 
 #include "control.pb-c.h"
+#include "prefill_admit.h"
 #include "prefill_sched.h"
 #include "td_node_conf.h"
 #include "td_node_client.h"
@@ -67,12 +68,8 @@ typedef struct prefill_job {
     uint64_t key;              /* td_xfer request id: FNV-1a of the request id string */
     uint64_t lease_id;
     td_xfer_token_t token;     /* the lease's data-plane token (PrefillRequest.xfer_token) */
-    int32_t *tokens;           /* [n_tokens] the prompt (read by the compute thread at submit) */
-    int32_t n_tokens;
-    int32_t *dst_blocks;       /* [n_dst] the decode node's leased blocks */
-    int32_t n_dst;
-    td_sampling_t sampling;
-    td_logprobs_want_t logprobs; /* PrefillRequest.logprobs */
+    prefill_admit_t in;        /* the request, checked (its prompt read by the compute thread
+                                  at submit; dst_blocks: the decode node's leased blocks) */
     int64_t deadline_ns;       /* td_now_ns clock; 0 = none */
     td_xfer_peer_t *peer;
     uint64_t t_accept;
@@ -204,11 +201,11 @@ static void handle_msg(prefill_state_t *s, const prefill_msg_t *m)
     uint64_t id = job_id(j);
     switch (m->kind) {
     case MSG_SUBMIT: {
-        prefill_request_t rq = {.id = id, .prompt = j->tokens, .n_prompt = j->n_tokens,
-                                .sampling = j->sampling, .deadline_ns = j->deadline_ns,
-                                .logprobs = j->logprobs};
+        prefill_request_t rq = {.id = id, .prompt = j->in.tokens, .n_prompt = j->in.n_tokens,
+                                .sampling = j->in.sampling, .deadline_ns = j->deadline_ns,
+                                .logprobs = j->in.logprobs};
         td_status_t st = prefill_sched_submit(s->sched, &rq);
-        atomic_fetch_sub(&s->unsubmitted_tokens, j->n_tokens);
+        atomic_fetch_sub(&s->unsubmitted_tokens, j->in.n_tokens);
         if (st != TD_OK)
             td_node_worker_emit(&s->worker,
                                &(prefill_event_t){.kind = EV_DONE, .job = j, .status = st, .first_token = -1});
@@ -321,8 +318,7 @@ static void job_free(prefill_job_t *j)
 {
     if (!j)
         return;
-    free(j->tokens);
-    free(j->dst_blocks);
+    prefill_admit_free(&j->in);
     free(j);
 }
 
@@ -370,7 +366,7 @@ static void on_xfer_done(void *arg, uint64_t request_id, td_status_t st)
     if (st == TD_OK && j->xfer_st == TD_OK) {
         td_metric_observe(s->m_xfer_s, transfer_s);
         td_debug("prefill: request %016llx: %d tokens, first token %.6f s after accept, kv delivered %.6f s "
-                 "after layer 0, %.6f s after the first token", (unsigned long long)j->key, j->n_tokens,
+                 "after layer 0, %.6f s after the first token", (unsigned long long)j->key, j->in.n_tokens,
                  (double)(j->t_first - j->t_accept) * 1e-9, transfer_s, (double)(td_now_ns() - j->t_first) * 1e-9);
         if (j->call) {
             Tandem__Control__V1__PrefillResponse r = TANDEM__CONTROL__V1__PREFILL_RESPONSE__INIT;
@@ -412,9 +408,8 @@ static void job_begin_send(prefill_job_t *j, int32_t n_tokens)
         return;
     }
     td_xfer_send_params_t p = {.request_id = j->key, .lease_id = j->lease_id, .token = j->token,
-                               .dst_blocks = j->dst_blocks,
-                               .n_dst_blocks = j->n_dst, .n_tokens = (uint32_t)n_tokens,
-                               .checksum = s->cfg.xfer_checksum != 0,
+                               .dst_blocks = j->in.dst_blocks, .n_dst_blocks = j->in.n_dst,
+                               .n_tokens = (uint32_t)n_tokens, .checksum = s->cfg.xfer_checksum != 0,
                                .mem = s->be->host_memory ? TD_XFER_MEM_HOST : TD_XFER_MEM_CUDA,
                                .done = on_xfer_done, .arg = j};
     td_status_t st = td_xfer_send_begin(s->xfer, j->peer, &p, &j->send);
@@ -533,45 +528,6 @@ static void on_prefill_cancel(td_grpc_call_t *call, td_status_t why, void *call_
     }
 }
 
-static td_grpc_code_t parse_request(prefill_state_t *s, const Tandem__Control__V1__PrefillRequest *r,
-                                    prefill_job_t *j, char *why, size_t cap)
-{
-    const td_model_config_t *mc = &s->model->config;
-    if (r->n_tokens == 0 || r->n_tokens >= (size_t)mc->max_seq_len ||
-        r->n_block_ids < (size_t)TD_DIV_CEIL((int64_t)r->n_tokens, (int64_t)s->layout.block_size)) {
-        snprintf(why, cap, "prefill: %zu tokens (1 .. %d) and at least ceil(tokens / %u) block ids are "
-                 "required (%zu given)", r->n_tokens, mc->max_seq_len - 1, s->layout.block_size, r->n_block_ids);
-        return TD_GRPC_INVALID_ARGUMENT;
-    }
-    if (!(j->tokens = malloc(r->n_tokens * sizeof(int32_t))) ||
-        !(j->dst_blocks = malloc(r->n_block_ids * sizeof(int32_t)))) {
-        snprintf(why, cap, "prefill node: out of memory");
-        return TD_GRPC_RESOURCE_EXHAUSTED;
-    }
-    for (size_t i = 0; i < r->n_tokens; i++) {
-        if (r->tokens[i] >= (uint32_t)mc->vocab_size) {
-            snprintf(why, cap, "prefill: token %u at %zu is outside the vocabulary [0, %d)", r->tokens[i], i,
-                     mc->vocab_size);
-            return TD_GRPC_INVALID_ARGUMENT;
-        }
-        j->tokens[i] = (int32_t)r->tokens[i];
-    }
-    j->n_tokens = (int32_t)r->n_tokens;
-    for (size_t i = 0; i < r->n_block_ids; i++)
-        j->dst_blocks[i] = (int32_t)r->block_ids[i];
-    j->n_dst = (int32_t)r->n_block_ids;
-    j->sampling = td_node_sampling_from_proto(r->sampling);
-    if (td_sampling_validate(&j->sampling, why, cap) != TD_OK ||
-        td_node_logprobs_from_proto(r->logprobs, &j->logprobs, why, cap) != TD_OK)
-        return TD_GRPC_INVALID_ARGUMENT;
-    if (j->logprobs.prompt && j->n_tokens > TD_LOGPROBS_MAX_PROMPT) {
-        snprintf(why, cap, "prefill: prompt logprobs of %d tokens asked, at most %d", j->n_tokens,
-                 TD_LOGPROBS_MAX_PROMPT);
-        return TD_GRPC_INVALID_ARGUMENT;
-    }
-    return TD_GRPC_OK;
-}
-
 static void on_prefill(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data)
 {
     prefill_state_t *s = data;
@@ -591,7 +547,7 @@ static void on_prefill(td_grpc_call_t *call, const ProtobufCMessage *msg, void *
     }
     td_list_init(&j->link);
     char why[256];
-    td_grpc_code_t code = parse_request(s, r, j, why, sizeof why);
+    td_grpc_code_t code = prefill_admit_read(r, &s->model->config, s->layout.block_size, &j->in, why, sizeof why);
     if (code != TD_GRPC_OK) {
         job_free(j);
         td_grpc_call_finish(call, code, why);
@@ -628,7 +584,7 @@ static void on_prefill(td_grpc_call_t *call, const ProtobufCMessage *msg, void *
     td_list_push_front(&s->jobs, &j->link);
     s->n_jobs++;
     td_metric_set(s->m_queue, s->n_jobs);
-    atomic_fetch_add(&s->unsubmitted_tokens, j->n_tokens);
+    atomic_fetch_add(&s->unsubmitted_tokens, j->in.n_tokens);
     post(s, MSG_SUBMIT, j);
 }
 

@@ -136,32 +136,20 @@ static void remove_at(pseq_t **arr, int32_t *n, int32_t i)
 td_status_t prefill_sched_submit(prefill_sched_t *s, const prefill_request_t *req)
 {
     unsigned long long rid = (unsigned long long)req->id;
-    if (!req->prompt || req->n_prompt <= 0)
-        return td_errorf_quiet(TD_ERR_INVALID, "request %llu: empty prompt", rid);
-    if (req->n_prompt >= s->mc->max_seq_len)
-        return td_errorf_quiet(TD_ERR_RANGE, "request %llu: prompt of %d tokens, the model's "
-                               "length is %d", rid, req->n_prompt, s->mc->max_seq_len);
+    /* the request was checked at the node's edge (prefill_sched.h, "valid"): what is cheap to
+       restate is restated, the per-token and sampling checks are not run twice */
+    const td_logprobs_want_t *w = &req->logprobs;
+    TD_ASSERT(req->prompt && req->n_prompt >= 1 && req->n_prompt < s->mc->max_seq_len);
+    TD_ASSERT(!w->on || (w->top >= 0 && w->top <= TD_LOGPROBS_MAX_TOP &&
+                         (!w->prompt || req->n_prompt <= TD_LOGPROBS_MAX_PROMPT)));
     if (index_of(s->queue, s->n_queue, req->id) >= 0 || index_of(s->done, s->n_done, req->id) >= 0)
         return td_errorf_quiet(TD_ERR_INVALID, "request %llu: id already live", rid);
-    for (int32_t i = 0; i < req->n_prompt; i++)
-        if (req->prompt[i] < 0 || req->prompt[i] >= s->mc->vocab_size)
-            return td_errorf_quiet(TD_ERR_INVALID, "request %llu: prompt token %d is outside the "
-                                   "vocabulary [0, %d)", rid, req->prompt[i], s->mc->vocab_size);
     if (s->n_queue + s->n_done >= s->cfg.max_queue ||
         s->queued_tokens + req->n_prompt > s->cfg.max_queued_tokens)
         return td_errorf_quiet(TD_ERR_EXHAUSTED, "request %llu: prefill queue full (%d prompts, "
                                "%lld tokens)", rid, s->n_queue + s->n_done,
                                (long long)s->queued_tokens);
     td_status_t st;
-    if ((st = td_sampling_validate(&req->sampling, NULL, 0)) != TD_OK)
-        return td_errorf_quiet(st, "request %llu: %s", rid, td_last_error());
-    const td_logprobs_want_t *w = &req->logprobs;
-    if (w->on && (w->top < 0 || w->top > TD_LOGPROBS_MAX_TOP))
-        return td_errorf_quiet(TD_ERR_INVALID, "request %llu: top_logprobs %d is out of range [0, %d]", rid,
-                               w->top, TD_LOGPROBS_MAX_TOP);
-    if (w->on && w->prompt && req->n_prompt > TD_LOGPROBS_MAX_PROMPT)
-        return td_errorf_quiet(TD_ERR_INVALID, "request %llu: prompt logprobs of %d tokens, at most %d",
-                               rid, req->n_prompt, TD_LOGPROBS_MAX_PROMPT);
     pseq_t *q = calloc(1, sizeof *q);
     if (!q)
         return td_errorf(TD_ERR_NOMEM, "request %llu: out of memory", rid);

@@ -52,14 +52,18 @@ typedef struct prefill_sched_config {
 
 prefill_sched_config_t prefill_sched_config_default(void);
 
+/* One prompt to queue. Valid: the node checked it where it came in (prefill_admit.c), once,
+ * and the scheduler does not check again: the ranges below are its precondition (the scalar
+ * ones asserted; an id outside the vocabulary reaches the engine, which refuses the step). */
 typedef struct prefill_request {
     uint64_t id;              /* unique among live requests */
-    const int32_t *prompt;    /* [n_prompt], copied */
+    const int32_t *prompt;    /* [n_prompt], copied; ids in [0, vocabulary) */
     int32_t n_prompt;         /* 1 .. model length - 1 */
-    td_sampling_t sampling;   /* for the first token */
+    td_sampling_t sampling;   /* for the first token; valid (td_sampling_validate) */
     int64_t deadline_ns;      /* 0 = none */
-    td_logprobs_want_t logprobs; /* on: the first token's log-probability; prompt: also the
-                                    prompt's (n_prompt <= TD_LOGPROBS_MAX_PROMPT) */
+    td_logprobs_want_t logprobs; /* on: the first token's log-probability, top in [0,
+                                    TD_LOGPROBS_MAX_TOP]; prompt: also the prompt's (n_prompt <=
+                                    TD_LOGPROBS_MAX_PROMPT) */
 } prefill_request_t;
 
 /* A prompt that is done (or failed). */
@@ -112,10 +116,9 @@ td_status_t prefill_sched_create(td_engine_t *eng, const prefill_sched_config_t 
 void prefill_sched_destroy(prefill_sched_t *sched);
 
 /*
- * Queues a prompt. Errors (quiet; the RPC edge reports them): TD_ERR_INVALID (bad fields,
- * duplicate id, unknown token ids, top_logprobs out of range, prompt log-probabilities of a
- * prompt longer than TD_LOGPROBS_MAX_PROMPT), TD_ERR_RANGE (prompt not shorter than the model's
- * length), TD_ERR_EXHAUSTED (queue or token bound reached), TD_ERR_NOMEM.
+ * Queues a valid prompt (prefill_request_t). What is refused is what only the scheduler
+ * knows. Errors (quiet; the RPC edge reports them): TD_ERR_INVALID (an id already live),
+ * TD_ERR_EXHAUSTED (queue or token bound reached), TD_ERR_NOMEM.
  */
 td_status_t prefill_sched_submit(prefill_sched_t *sched, const prefill_request_t *req);
 

@@ -110,7 +110,7 @@ static void on_generate_writable(td_grpc_call_t *call, void *call_data)
 }
 
 /* The edge: a GenerateRequest's parameters as our own struct, for the one validation every
- * front door runs (td_gen_params.h). Handed over as received but for what proto3 cannot
+ * front door runs (td_gen_params.h; on_generate). Handed over as received but for what proto3 cannot
  * tell from unset: top_p and repetition_penalty 0 mean "off" (proto/tandem.proto); negative,
  * NaN and infinite values reach the check and are refused. The strings stay q's. */
 static td_gen_params_t gen_params_from_proto(const Tandem__V1__GenerateRequest *q)
@@ -144,6 +144,13 @@ void on_generate(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data)
         td_grpc_call_finish(call, TD_GRPC_NOT_FOUND, "unknown model (see ListModels)");
         return;
     }
+    td_gen_params_t gp = gen_params_from_proto(q);
+    char why[384];
+    if (td_gen_params_validate(&gp, why, sizeof why) != TD_OK) { /* the router's one check of them */
+        router_count_outcome(s, "invalid");
+        td_grpc_call_finish(call, TD_GRPC_INVALID_ARGUMENT, why);
+        return;
+    }
     td_chat_message_t *messages = NULL;
     if (q->n_messages && !(messages = malloc(q->n_messages * sizeof *messages))) {
         td_grpc_call_finish(call, TD_GRPC_RESOURCE_EXHAUSTED, "router: out of memory");
@@ -154,14 +161,13 @@ void on_generate(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data)
     /* the client's grpc-timeout (the gRPC layer also ends the stream then), else the
      * configured default */
     uint64_t dl_ms = td_grpc_call_deadline(call), now_ms = uv_now(&s->proc.loop);
-    router_req_spec_t spec = {.gp = gen_params_from_proto(q), .request_id = q->request_id,
+    router_req_spec_t spec = {.gp = gp, .request_id = q->request_id,
                               .prompt_ids = q->prompt_ids, .prompt = q->prompt, .prompt_text_len = strlen(q->prompt),
                               .messages = messages, .n_messages = messages ? q->n_messages : 0,
                               .stop_ids = q->stop_ids, .priority = q->priority ? q->priority->value : 0,
                               .timeout_ms = dl_ms ? (int64_t)TD_MAX(dl_ms > now_ms ? dl_ms - now_ms : 0, 1) : 0};
     router_req_t *r;
     td_grpc_code_t code;
-    char why[384];
     if (router_req_open(s, &spec, &code, why, sizeof why, &r) != TD_OK) {
         free(messages);
         td_grpc_call_finish(call, code, why);

@@ -396,8 +396,8 @@ static void http_generate(router_state_t *s, td_http_req_t *req, router_oai_kind
     }
     if (q.logprobs >= 0) /* echo with logprobs: the prompt's too, as evaluation harnesses use */
         q.gp.logprobs = (td_logprobs_want_t){.on = true, .top = q.logprobs, .prompt = q.echo};
-    /* checked here first for the parameter's name (router_req_open checks again, for every
-     * front door, and says the same) */
+    /* the router's one check of the parameters, at this front door: td_gen_params_check
+     * names the field, which becomes OpenAI's `param` (router_req_open takes them as valid) */
     td_gen_field_t bad = td_gen_params_check(&q.gp, why, sizeof why);
     if (bad != TD_GEN_FIELD_NONE) {
         td_gen_field_names_t names = td_gen_field_names(bad);

@@ -153,10 +153,11 @@ typedef struct router_sink_ops {
     void (*fail)(router_req_t *r, td_grpc_code_t code, const char *msg);
 } router_sink_ops_t;
 
-/* A new request as a front door hands it over (router_req_open): the edge checks are run
- * there, once for every front door. Strings and arrays are borrowed for the call. */
+/* A new request as a front door hands it over (router_req_open), its parameters checked by
+ * that front door (td_gen_params_validate or _check: the router's one check of them).
+ * Strings and arrays are borrowed for the call. */
 typedef struct router_req_spec {
-    td_gen_params_t gp;          /* as received: validated by router_req_open */
+    td_gen_params_t gp;          /* valid (td_gen_params_validate) */
     const char *request_id;      /* the client's, or NULL/"" (the router numbers it) */
     const uint32_t *prompt_ids;  /* [gp.prompt_len] when !gp.prompt_is_text */
     const char *prompt;          /* a text prompt ([prompt_text_len] bytes), or NULL */
@@ -178,7 +179,7 @@ struct router_req {
     int32_t *prompt;
     int32_t n_prompt;
     int32_t max_tokens;
-    td_sampling_t sampling;    /* validated (td_gen_params_validate); in protobuf only in the
+    td_sampling_t sampling;    /* valid (the front door's td_gen_params_validate); in protobuf only in the
                                 * node calls' messages (td_node_sampling_to_proto) */
     uint32_t stop_ids[TD_GEN_MAX_STOP_IDS];
     size_t n_stop_ids;

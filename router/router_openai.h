@@ -7,8 +7,8 @@
  *
  * Reading follows OpenAI's servers: unknown fields are ignored, a field of the wrong type
  * is a 400 naming it (`param`), null is "not given". Values are handed over as received
- * (td_gen_params_validate, run by router_req_open for every front door, refuses what is out
- * of range with the field's name, which is OpenAI's name too).
+ * (td_gen_params_check, run by router_http.c on what this parses, refuses what is out of
+ * range with the field's name, which is OpenAI's name too).
  *
  * Pure; any thread; no global state.
  */

@@ -667,10 +667,12 @@ static void req_arrived(router_req_t *r)
 }
 
 /*
- * The edge checks every front door runs, and the request they describe: the parameters
- * (td_gen_params_validate), which prompt was sent and whether this router can read it
- * (a tokenizer for text and stop strings, a chat template for a conversation). The model
- * name is the front door's to check (its error differs). TD_OK: *r_p is a new request
+ * The request a front door describes, with what only the router knows checked: which prompt
+ * was sent and whether this router can read it (a tokenizer for text and stop strings, a
+ * chat template for a conversation). The parameters (spec->gp) are the front door's to
+ * check, once (td_gen_params_validate or _check, which names the field in its own words),
+ * before this is called: here they are valid, the bounds the copies below rely on asserted.
+ * The model name is the front door's to check too (its error differs). TD_OK: *r_p is a new request
  * (REQ_NEW, not yet anyone's): the front door sets r->sink and r->client, then calls
  * router_req_submit with the same spec. Errors (*r_p untouched): TD_ERR_INVALID or
  * TD_ERR_NOMEM, with *code_p the code to answer and `why` the message for the client
@@ -681,11 +683,8 @@ td_status_t router_req_open(router_state_t *s, const router_req_spec_t *spec, td
 {
     const td_gen_params_t *gp = &spec->gp;
     why[0] = '\0';
-    if (td_gen_params_validate(gp, why, why_cap) != TD_OK) {
-        router_count_outcome(s, "invalid");
-        *code_p = TD_GRPC_INVALID_ARGUMENT;
-        return TD_ERR_INVALID;
-    }
+    TD_ASSERT(gp->max_tokens >= 0 && gp->max_tokens <= TD_GEN_MAX_TOKENS && gp->n_stop_ids <= TD_GEN_MAX_STOP_IDS &&
+              gp->n_stop_strings <= TD_STOP_MAX_STRINGS && gp->prompt_len <= TD_GEN_MAX_PROMPT);
     router_req_t *r = calloc(1, sizeof *r);
     if (!r)
         goto err_nomem;
@@ -729,7 +728,7 @@ td_status_t router_req_open(router_state_t *s, const router_req_spec_t *spec, td
         snprintf(why, why_cap, "this router has no tokenizer (--tokenizer) to match stop strings: send stop_ids");
     }
     if (st == TD_OK && (st = td_stop_create(gp->stop_strings, (int32_t)gp->n_stop_strings, &r->stop)) != TD_OK)
-        snprintf(why, why_cap, "stop strings: %s", td_last_error()); /* validated: out of memory */
+        snprintf(why, why_cap, "stop strings: %s", td_last_error()); /* valid: out of memory */
     if (st != TD_OK) {
         free(r->prompt);
         td_stop_destroy(r->stop);
@@ -744,7 +743,7 @@ td_status_t router_req_open(router_state_t *s, const router_req_spec_t *spec, td
     r->sampling = gp->sampling;
     r->logprobs = gp->logprobs;
     r->ignore_eos = gp->ignore_eos;
-    if (gp->n_stop_ids) /* bounded by the validation */
+    if (gp->n_stop_ids) /* bounded by the front door's validation (asserted above) */
         memcpy(r->stop_ids, spec->stop_ids, gp->n_stop_ids * sizeof *spec->stop_ids);
     r->n_stop_ids = gp->n_stop_ids;
     if (s->tok)

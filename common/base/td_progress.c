@@ -80,3 +80,12 @@ void td_progress_end(td_progress_t *p)
         p->open = false;
     }
 }
+
+void td_progress_clear(td_progress_t *p)
+{
+    if (p->open) {
+        fputs("\r\033[K", stderr);
+        fflush(stderr);
+        p->open = false;
+    }
+}

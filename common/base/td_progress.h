@@ -46,4 +46,8 @@ void td_progress_phase(td_progress_t *p, int k, int n, const char *phase);
 /* Ends a terminal line left open (an interrupted run); a no-op otherwise. */
 void td_progress_end(td_progress_t *p);
 
+/* Erases a terminal line left open, so that other output to stderr (a result line of the
+ * work) takes its place; the next update draws it again below. A no-op otherwise. */
+void td_progress_clear(td_progress_t *p);
+
 #endif /* TD_PROGRESS_H */

@@ -151,9 +151,8 @@ static void seed_rng(td_sampler_t *s)
 
 td_status_t td_sampler_create(const td_sampling_t *params, td_sampler_t **sampler_p)
 {
-    td_status_t st = td_sampling_validate(params, NULL, 0);
-    if (st != TD_OK)
-        return st;
+    /* checked at the process's edge (td_sampling_validate) and not again: a precondition */
+    TD_ASSERT(td_sampling_check(params, NULL, 0) == TD_SAMPLING_FIELD_NONE);
     td_sampler_t *s = calloc(1, sizeof *s);
     if (!s)
         return td_errorf(TD_ERR_NOMEM, "sampler: out of memory");

@@ -3,8 +3,9 @@
  * text for stop strings.
  *
  * Sampling parameters travel with a request (td_sampling_t, defaults from
- * td_sampling_default(), checked by td_sampling_validate(): at the front doors as part of
- * td_gen_params_validate(), again by the nodes on what the router forwards). Each sequence
+ * td_sampling_default(), checked by td_sampling_validate() once in each process, where the
+ * request comes in: at the front doors as part of td_gen_params_validate(), by a node on
+ * what arrives over the wire; everything after that takes them as valid). Each sequence
  * owns a td_sampler_t: its own PRNG seeded from the request's seed (so the same seed gives
  * the same tokens whatever else is in the batch), a window of recent tokens (prompt and
  * generated) for the repetition penalty, the count of each generated token id for OpenAI's
@@ -167,8 +168,9 @@ td_status_t td_sampling_validate(const td_sampling_t *s, char *why, size_t why_c
 
 typedef struct td_sampler td_sampler_t;
 
-/* Creates a sampler for one sequence. params must be valid (td_sampling_validate); they
- * are copied. Errors: TD_ERR_INVALID, TD_ERR_NOMEM. */
+/* Creates a sampler for one sequence. params must be valid: the process checked them at its
+ * edge (td_sampling_validate); here that is asserted, not checked again. They are copied.
+ * Errors: TD_ERR_NOMEM. */
 td_status_t td_sampler_create(const td_sampling_t *params, td_sampler_t **sampler_p);
 void td_sampler_destroy(td_sampler_t *sampler);
 

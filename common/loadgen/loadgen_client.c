@@ -442,6 +442,30 @@ static void lg_dispatch(lg_state_t *s)
     s->dispatching = false;
 }
 
+/* A duration as people read it: "42s", "3m07s", "1h05m". */
+static void lg_duration(double sec, char *buf, size_t size)
+{
+    long t = (long)(sec + 0.5);
+    if (t >= 3600)
+        snprintf(buf, size, "%ldh%02ldm", t / 3600, t / 60 % 60);
+    else if (t >= 60)
+        snprintf(buf, size, "%ldm%02lds", t / 60, t % 60);
+    else
+        snprintf(buf, size, "%lds", t);
+}
+
+void loadgen_progress_show(td_progress_t *prog, const loadgen_progress_t *p, bool last)
+{
+    double rate = p->elapsed_s > 0 ? (double)p->n_done / p->elapsed_s : 0;
+    char eta[32] = "?";
+    if (last)
+        snprintf(eta, sizeof eta, "0s");
+    else if (rate > 0)
+        lg_duration((double)(p->n > p->n_done ? p->n - p->n_done : 0) / rate, eta, sizeof eta);
+    td_progress_update(prog, last, "%zu/%zu requests (%.0f%%), %.2f req/s, %zu errors, ETA %s", p->n_done, p->n,
+                       p->n ? 100.0 * (double)p->n_done / (double)p->n : 100.0, rate, p->n_failed, eta);
+}
+
 /* The run's progress to its callback, if it has one. */
 static void lg_progress(const lg_state_t *s)
 {

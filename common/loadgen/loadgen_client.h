@@ -24,6 +24,7 @@
 #include <stdint.h>
 
 #include "loadgen.h"
+#include "td_progress.h"
 #include "td_status.h"
 
 typedef struct loadgen_config {
@@ -52,6 +53,15 @@ typedef struct loadgen_progress {
     size_t n, n_done, n_failed;   /* requests of the run, with a verdict, failed among them */
     double elapsed_s;             /* since the run started */
 } loadgen_progress_t;
+
+/*
+ * One update of a run's progress line on prog (td_progress.h; the caller's, initialised per
+ * run or phase): requests with a verdict of all, their rate since the start, the errors and
+ * the time left at that rate, "12/40 requests (30%), 3.10 req/s, 0 errors, ETA 9s"; `last`
+ * (the work is over: ETA 0s) always prints and ends a terminal's line. `bench serve` and
+ * `plan profile` both show their runs with it.
+ */
+void loadgen_progress_show(td_progress_t *prog, const loadgen_progress_t *p, bool last);
 
 /* How one run sends its requests. */
 typedef struct loadgen_run_opts {

@@ -62,9 +62,55 @@ static td_status_t prefill_counts_get(const char *url, prefill_counts_t *c)
     return TD_OK;
 }
 
-/* Runs the items and fails unless every one was answered: the first error, saying what was sent. */
+/* A phase of the profile (prefill, decode, speed) as one progress line over its many runs
+ * (o->progress): its requests so far of all it will send, counted into each run's ticks. */
+typedef struct prof_phase {
+    bool on;                  /* o->progress */
+    td_progress_t prog;
+    size_t n;                 /* requests the phase sends (decode: an estimate, raised as it goes) */
+    size_t done, failed;      /* of the runs that ended */
+} prof_phase_t;
+
+/* Each run's tick: the phase's requests so far, never its last line (phase_end's). */
+static void phase_on_progress(void *arg, const loadgen_progress_t *p)
+{
+    prof_phase_t *ph = arg;
+    size_t done = ph->done + p->n_done;
+    loadgen_progress_t all = {.n = TD_MAX(ph->n, done), .n_done = done, .n_failed = ph->failed + p->n_failed,
+                              .elapsed_s = td_progress_elapsed(&ph->prog)};
+    loadgen_progress_show(&ph->prog, &all, false);
+}
+
+/* The phase `name` begins, of about n requests. prog names it: "plan profile: prefill". */
+static void phase_begin(prof_phase_t *ph, bool on, const char *prog, size_t n)
+{
+    *ph = (prof_phase_t){.on = on, .n = n};
+    /* a terminal: a line rewritten each second; elsewhere one every 10 s and the last, so a
+       log holds at least one line a phase */
+    td_progress_init(&ph->prog, prog, 10, 0);
+}
+
+/* A result line of the phase (a point measured) is about to go to stderr. */
+static void phase_say(prof_phase_t *ph)
+{
+    if (ph->on)
+        td_progress_clear(&ph->prog);
+}
+
+/* The phase's last line: every request it sent. */
+static void phase_end(prof_phase_t *ph)
+{
+    if (!ph->on)
+        return;
+    loadgen_progress_t all = {.n = ph->done, .n_done = ph->done, .n_failed = ph->failed,
+                              .elapsed_s = td_progress_elapsed(&ph->prog)};
+    loadgen_progress_show(&ph->prog, &all, true);
+}
+
+/* Runs the items and fails unless every one was answered: the first error, saying what was sent.
+ * With ph, the run's progress is the phase's. */
 static td_status_t cluster_run(loadgen_client_t *cl, const loadgen_profile_opts_t *o, const loadgen_dataset_t *d, int64_t conc,
-                               loadgen_run_t *rep, bool first)
+                               loadgen_run_t *rep, bool first, prof_phase_t *ph)
 {
     char hint[160];
     if (first)
@@ -75,12 +121,15 @@ static td_status_t cluster_run(loadgen_client_t *cl, const loadgen_profile_opts_
         snprintf(hint, sizeof hint, "does the model hold %u tokens (--max-tokens, --max-context, --decode-tokens), "
                  "and the decode node %lld sequences (--max-batch)?", d->items[0].input_len + d->items[0].output_len,
                  (long long)conc);
-    loadgen_run_opts_t ro = {.rate = INFINITY, .burstiness = 1, .max_concurrency = TD_MAX(conc, 1)};
+    loadgen_run_opts_t ro = {.rate = INFINITY, .burstiness = 1, .max_concurrency = TD_MAX(conc, 1),
+                             .progress_cb = ph && ph->on ? phase_on_progress : NULL, .progress_arg = ph};
     loadgen_rng_t rng; /* arrivals at an infinite rate draw nothing */
     loadgen_rng_seed(&rng, 0);
     td_status_t st = loadgen_client_run(cl, d, 0, d->n, &ro, &rng, rep);
     if (st != TD_OK)
         return st;
+    if (ph) /* the run is over: its requests count as the phase's */
+        ph->done += rep->n, ph->failed += (size_t)rep->sum.failed;
     for (size_t i = 0; i < rep->n; i++)
         if (!rep->r[i].ok || rep->r[i].output_tokens < d->items[i].output_len) {
             st = td_errorf(TD_ERR_UNAVAILABLE, "plan profile: %s: a request of %u prompt tokens and %u output tokens "
@@ -136,6 +185,7 @@ typedef struct prof_run {
     double ttft[32], gap1[32], engine[32], xfer_node[32];
     double pc[3], dc[3], xc[2]; /* the prefill, decode and KV-transfer fits */
     bool usage;                 /* a failure the user's flags can fix (exit 2) */
+    prof_phase_t ph;            /* the phase running, its progress line */
 } prof_run_t;
 
 /* Prefill: lone requests of T prompt tokens (T doubling from 8 to --max-tokens), the JSON's
@@ -145,6 +195,13 @@ static bool prof_prefill(prof_run_t *r)
     const loadgen_profile_opts_t *o = r->o;
     /* 2 output tokens: TTFT, and the first gap */
     cJSON *pre = cJSON_AddObjectToObject(r->j, "prefill"), *pts = cJSON_AddArrayToObject(pre, "points");
+    int n_points = 0; /* the loop below's */
+    for (int t = 8; n_points < 32; t = (int)TD_MIN(2 * t, o->max_tokens)) {
+        n_points++;
+        if (t == o->max_tokens)
+            break;
+    }
+    phase_begin(&r->ph, o->progress, "plan profile: prefill", (size_t)n_points * (size_t)o->reps);
     for (int t = 8; r->n_t < 32; t = (int)TD_MIN(2 * t, o->max_tokens)) {
         /* one request at a time, the node's counters read between them: its engine time per
          * request, a median beside TTFT's (a mean would carry the one step a neighbour delayed) */
@@ -167,7 +224,7 @@ static bool prof_prefill(prof_run_t *r)
         td_status_t st = TD_OK;
         for (int i = 0; i < o->reps && st == TD_OK; i++) {
             loadgen_dataset_t one = {.items = &r->d.items[i], .n = 1};
-            if ((st = cluster_run(r->cl, o, &one, 1, &r->rep, false)) != TD_OK)
+            if ((st = cluster_run(r->cl, o, &one, 1, &r->rep, false, &r->ph)) != TD_OK)
                 break;
             r->tt[i] = r->rep.r[0].ttft_ms * 1e-3, r->gap[i] = r->rep.r[0].n_itl ? r->rep.r[0].itl_ms[0] * 1e-3 : NAN;
             loadgen_run_free(&r->rep);
@@ -211,6 +268,7 @@ static bool prof_prefill(prof_run_t *r)
         double y = o->prefill_metrics ? r->engine[r->n_t] : r->ttft[r->n_t];
         cJSON_AddNumberToObject(p, "seconds", y);
         cJSON_AddItemToArray(pts, p);
+        phase_say(&r->ph);
         fprintf(stderr, "plan profile: prefill %4d tokens  TTFT %9.3f ms%s", t, r->ttft[r->n_t] * 1e3,
                 o->prefill_metrics ? "" : "\n");
         if (o->prefill_metrics)
@@ -219,6 +277,7 @@ static bool prof_prefill(prof_run_t *r)
         if (t == o->max_tokens)
             break;
     }
+    phase_end(&r->ph);
     double px[32 * 3], py[32];
     for (int i = 0; i < r->n_t; i++) {
         px[i * 3] = 1, px[i * 3 + 1] = r->tok[i], px[i * 3 + 2] = (double)r->tok[i] * r->tok[i];
@@ -256,13 +315,22 @@ static bool prof_decode(prof_run_t *r)
     int64_t out_len = o->decode_tokens;
     cJSON *dec = cJSON_AddObjectToObject(r->j, "decode");
     cJSON *pts = cJSON_AddArrayToObject(dec, "points");
+    size_t n_req = 0; /* the requests of the grid below, each point's rounds all run (an estimate:
+                         a point's retries add some, its early end saves some) */
+    for (size_t ci = 0; ci < TD_ARRAY_LEN(ctx_grid) && ctx_grid[ci] + o->decode_tokens <= o->max_context; ci++)
+        for (int b = 1, k = 0; k < 64; b = (int)TD_MIN(2 * b, o->max_batch), k++) {
+            n_req += (size_t)b * (size_t)TD_MAX(TD_MIN(o->reps, 16), 1);
+            if (b == o->max_batch)
+                break;
+        }
+    phase_begin(&r->ph, o->progress, "plan profile: decode", n_req);
     for (size_t ci = 0; ci < TD_ARRAY_LEN(ctx_grid) && ctx_grid[ci] + o->decode_tokens <= o->max_context; ci++)
         for (int b = 1; nd < 64; b = (int)TD_MIN(2 * b, o->max_batch)) {
             double step = NAN, ctx = NAN, per = 0, tpm = 1;
             out_len = TD_MIN(out_len, o->max_context - ctx_grid[ci]);
             for (int tries = 0;; tries++) {
                 if (loadgen_dataset_random(&r->rng, (size_t)b, (uint32_t)ctx_grid[ci], (uint32_t)out_len, 0, &r->d) != TD_OK ||
-                    cluster_run(r->cl, o, &r->d, b, &r->rep, false) != TD_OK)
+                    cluster_run(r->cl, o, &r->d, b, &r->rep, false, &r->ph) != TD_OK)
                     return false;
                 decode_window(&r->rep, (uint32_t)ctx_grid[ci], &step, &ctx, &per, &tpm);
                 loadgen_run_free(&r->rep);
@@ -278,7 +346,7 @@ static bool prof_decode(prof_run_t *r)
             for (; n_rounds < TD_MIN(o->reps, 16) && per >= 2; n_rounds++) {
                 double p2;
                 if (loadgen_dataset_random(&r->rng, (size_t)b, (uint32_t)ctx_grid[ci], (uint32_t)out_len, 0, &r->d) != TD_OK ||
-                    cluster_run(r->cl, o, &r->d, b, &r->rep, false) != TD_OK)
+                    cluster_run(r->cl, o, &r->d, b, &r->rep, false, &r->ph) != TD_OK)
                     return false;
                 decode_window(&r->rep, (uint32_t)ctx_grid[ci], &steps[n_rounds], &ctxs[n_rounds], &p2, &tpm);
                 loadgen_run_free(&r->rep);
@@ -289,6 +357,7 @@ static bool prof_decode(prof_run_t *r)
             if (per >= 2)
                 step = median(steps, n_rounds), ctx = median(ctxs, n_rounds);
             if (!(per >= 2)) { /* left out, said so; too few points left is the error below */
+                phase_say(&r->ph);
                 td_warn("plan profile: %d streams of %d prompt tokens and %lld output tokens never generated "
                         "together (their prefills outlasted them): point left out (a larger --decode-tokens or "
                         "--max-context keeps it)", b, ctx_grid[ci], (long long)out_len);
@@ -316,11 +385,13 @@ static bool prof_decode(prof_run_t *r)
             cJSON_AddNumberToObject(p, "rounds", n_rounds);
             cJSON_AddNumberToObject(p, "tokens_per_message", tpm);
             cJSON_AddItemToArray(pts, p);
+            phase_say(&r->ph);
             fprintf(stderr, "plan profile: decode batch %3d context %6.1f  %9.3f ms (%.1f gaps a stream)\n", b, ctx,
                     step * 1e3, per);
             if (b == o->max_batch)
                 break;
         }
+    phase_end(&r->ph);
     if (nd < 3) {
         td_errorf(TD_ERR_INVALID, "plan profile: %d decode points are too few to fit three terms: raise --max-batch, "
                   "--max-context or --decode-tokens", nd);
@@ -358,9 +429,10 @@ static bool prof_speed(prof_run_t *r)
             return false;
         }
         td_status_t st = TD_OK;
+        phase_begin(&r->ph, o->progress, "plan profile: speed", (size_t)o->speed_runs);
         for (int64_t i = 0; i < o->speed_runs && st == TD_OK; i++) {
             loadgen_dataset_t one = {.items = &r->d.items[i], .n = 1};
-            if ((st = cluster_run(r->cl, o, &one, 1, &r->rep, false)) != TD_OK)
+            if ((st = cluster_run(r->cl, o, &one, 1, &r->rep, false, &r->ph)) != TD_OK)
                 break;
             const loadgen_reply_t *rr = &r->rep.r[0];
             if (rr->n_itl >= 2) { /* tokens a message: a router that fell behind merges them */
@@ -373,6 +445,8 @@ static bool prof_speed(prof_run_t *r)
             loadgen_run_free(&r->rep);
         }
         loadgen_dataset_free(&r->d);
+        if (st == TD_OK)
+            phase_end(&r->ph);
         if (st == TD_OK)
             td_plan_profile_speed(r->j, means, k, (int)o->decode_tokens - 2,
                           "lone requests of 16 prompt tokens and tokens_per_run + 2 output tokens, one at a time "
@@ -472,7 +546,7 @@ td_status_t loadgen_profile_cluster(const loadgen_profile_opts_t *o, cJSON **j_p
     }
     /* one request first: a cluster that is not there is one clear error, and a warm-up */
     if ((st = loadgen_dataset_random(&r->rng, 1, 8, 2, 0, &r->d)) != TD_OK ||
-        (st = cluster_run(r->cl, o, &r->d, 1, &r->rep, true)) != TD_OK)
+        (st = cluster_run(r->cl, o, &r->d, 1, &r->rep, true, NULL)) != TD_OK)
         goto out;
     loadgen_run_free(&r->rep);
     loadgen_dataset_free(&r->d);
@@ -499,6 +573,8 @@ td_status_t loadgen_profile_cluster(const loadgen_profile_opts_t *o, cJSON **j_p
     r->j = NULL;
     st = TD_OK;
 out:
+    if (r->ph.on) /* a phase that failed: its terminal line ends before the error is said */
+        td_progress_end(&r->ph.prog);
     loadgen_run_free(&r->rep);
     loadgen_dataset_free(&r->d);
     loadgen_client_destroy(r->cl);

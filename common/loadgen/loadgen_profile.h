@@ -28,6 +28,10 @@ typedef struct loadgen_profile_opts {
     int64_t decode_tokens;    /* output tokens of a speed run and (at first) of a decode stream */
     int64_t reps;             /* lone requests per prompt length, rounds per decode point */
     int64_t speed_runs;       /* lone requests of the speed section (0: none) */
+    bool progress;            /* each phase's progress on stderr (td_progress: a terminal, a line
+                                 rewritten each second; elsewhere one every 10 s and one when the
+                                 phase ends): "plan profile: decode: 40/96 requests (42%),
+                                 5.10 req/s, 0 errors, ETA 11s" (loadgen_progress_show) */
 } loadgen_profile_opts_t;
 
 /* The fits found: prefill (a, b, c), decode (a, b, c), KV transfer (a, b), fixed overhead. */

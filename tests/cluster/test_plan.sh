@@ -11,6 +11,8 @@
 #   sanitizer everything is printed and nothing bounded);
 # - the router's planner metrics count the run (arrivals, prompt and output lengths, per-node
 #   gauges) and `tandem plan --metrics URL` plans from them;
+# - `tandem plan profile --gateway` through the same cluster: its profile, and its progress on
+#   stderr (each phase's last line counts the requests the phase sent);
 # - a trace workload replays; --nodes answers split, batch limits and a what-if table;
 # - bad flags: one line naming the flag, exit 2.
 source "$(dirname "$0")/cluster_lib.sh"
@@ -220,6 +222,28 @@ print(f"KV transfer: {kv['a_s'] * 1e3:.3f} ms + {kv['b_s_per_token'] * 1e3:.5f} 
       f"{g['overhead_s'] * 1e3:.3f} ms (the in-process profile has 0 and a modelled "
       f"{p['kv_transfer']['b_s_per_token'] * 1e3:.5f} ms/token)")
 EOF2
+    # its progress (issue 34), as bench serve's: on stderr only, each phase's line (not a
+    # terminal: one every 10 s of a long phase and one when it ends) with requests done of all,
+    # rate, errors and ETA; the last of each phase counts every request the phase sent
+    points=1; t=8; while [ $t -lt "${GP[1]}" ]; do t=$((2 * t > ${GP[1]} ? ${GP[1]} : 2 * t)); points=$((points + 1)); done
+    grep -q " requests (" "$CL_T/gw.out" && cl_fail "plan profile: progress on stdout: $(grep " requests (" "$CL_T/gw.out")"
+    for ph in prefill decode speed; do
+        lines=$(grep "^plan profile: $ph: " "$CL_T/gw.err")
+        echo "$lines" | grep -vqE "^plan profile: $ph: [0-9]+/[0-9]+ requests \([0-9]+%\), [0-9.]+ req/s, [0-9]+ errors, ETA [0-9hms?]+$" &&
+            cl_fail "plan profile: a $ph progress line out of shape: $lines"
+        last=$(echo "$lines" | tail -1)
+        echo "progress, $(echo "$lines" | grep -c .) line(s), the last: $last"
+        re="^plan profile: $ph: ([0-9]+)/([0-9]+) requests \(100%\), [0-9.]+ req/s, 0 errors, ETA 0s$"
+        if [[ "$last" =~ $re ]] && [ "${BASH_REMATCH[1]}" = "${BASH_REMATCH[2]}" ]; then
+            n=${BASH_REMATCH[1]}
+            want=""
+            [ $ph = prefill ] && want=$((points * ${GP[7]}))
+            [ $ph = speed ] && want=${GP[9]}
+            [ -z "$want" ] || [ "$n" -eq "$want" ] || cl_fail "plan profile: $ph's last progress line counts $n requests, want $want"
+        else
+            cl_fail "plan profile: no last $ph progress line (N/N requests, 100%, 0 errors, ETA 0s): $lines"
+        fi
+    done
     "$CL_BIN" plan --profile "$CL_T/gw.json" --workload random:48:16:0.5 --ttft 1000 --tpot 200 --split 1:1 \
         --rate $RATE --requests 300 --json >"$CL_T/pg.json" 2>"$CL_T/pg.err" &&
         "$CL_PY" -c 'import json,sys; s=json.load(open(sys.argv[1]))["simulated"]; assert s["goodput"] > 0, s' \

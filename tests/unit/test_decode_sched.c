@@ -440,20 +440,15 @@ Test(decode_sched, stop_ids_and_limits, .timeout = 120)
         cr_assert_eq(oc[3].n, 5);
     for (int i = 0; i < oc[3].n; i++)
         cr_assert_eq(oc[3].tokens[i], want[i]);
-    /* invalid requests are refused without side effects */
-    rq = greedy_request(4, p, 30, 0);
-    cr_assert_eq(decode_sched_admit(ds, &rq), TD_ERR_INVALID);
-    int32_t bad = 100000;
-    rq = greedy_request(4, &bad, 1, 5);
-    cr_assert_eq(decode_sched_admit(ds, &rq), TD_ERR_INVALID);
+    /* what only the scheduler knows is refused without side effects (max_tokens 0, ids outside
+       the vocabulary, a prompt of the model's length: the node's edge refuses those,
+       test_node_admit.c) */
     const char *stops[] = {"x"};
     rq = greedy_request(4, p, 30, 5);
     rq.stops = stops;
     rq.n_stops = 1;
     cr_assert_eq(decode_sched_admit(ds, &rq), TD_ERR_INVALID, "stop strings without a tokenizer");
     static int32_t longp[4096];
-    rq = greedy_request(4, longp, fx.model->config.max_seq_len, 5);
-    cr_assert_eq(decode_sched_admit(ds, &rq), TD_ERR_RANGE);
     /* the model's length caps max_tokens: LENGTH at max_seq_len */
     int L = fx.model->config.max_seq_len;
     rq = greedy_request(5, longp, L - 4, 100);
@@ -589,10 +584,7 @@ Test(decode_sched, penalties_and_logprobs_equal_one_process, .timeout = 120)
     }
     cr_assert_eq(got, n);
     cr_assert_eq(got2, n);
-    rq.id = 3;
-    rq.logprobs = true;
-    rq.top_logprobs = TD_LOGPROBS_MAX_TOP + 1;
-    cr_assert_eq(decode_sched_admit(ds, &rq), TD_ERR_INVALID);
+    /* top_logprobs past TD_LOGPROBS_MAX_TOP: refused at the node's edge (test_node_admit.c) */
     sched_end(&fx, ds);
     free(logits);
     td_test_engine_close(&fx);
@@ -762,12 +754,7 @@ Test(decode_sched, migrated_generation_equals_one_process, .timeout = 120)
             sched_end(&fx, ds);
         }
     }
-    /* a replay that leaves nothing to generate is refused */
-    decode_sched_t *ds = sched_default(fx.eng);
-    decode_request_t rq = {.id = 4, .prompt = p, .n_prompt = NP, .sampling = sp, .max_tokens = 3,
-                           .replay = want, .n_replay = 3};
-    cr_assert_eq(decode_sched_admit(ds, &rq), TD_ERR_INVALID);
-    sched_end(&fx, ds);
+    /* a replay that leaves nothing to generate: refused at the node's edge (test_node_admit.c) */
     free(logits);
     td_test_engine_close(&fx);
 }
