@@ -4,8 +4,8 @@
 # 1. 8 long streams (300 tokens) run across d0 and d1; once each has a token, d0 gets
 #    SIGTERM: it answers readiness NOT_SERVING and liveness SERVING (grpc.health.v1) while
 #    its streams run, 8 new requests all go to d1 (none to d0), every long stream ends OK
-#    with all its tokens equal to `tandem generate`, the router's ClusterStatus gauge says
-#    d0 drained, and d0 exits 0 on its own.
+#    with all its tokens equal to `tandem generate`, the router's gauge says d0 drains
+#    while it does, d0 exits 0 on its own, and the router then drops d0's series.
 # 2. p0 is drained by `tandem drain` (the Node/Drain control RPC, signed with the cluster
 #    secret): it exits 0, new requests go to p1. An unsigned Drain is refused.
 # 3. 8 long streams on d1, drained by `tandem drain --timeout-ms 300`: d1 exits 0 anyway,
@@ -66,13 +66,26 @@ cl_py health "$D0" liveness SERVING
 "$CL_PY" "$CL_TOOL" health "$D0" no.such.Service NOT_FOUND || cl_fail "an unknown health service is not NOT_FOUND"
 
 echo "== SIGTERM d0 while its streams run"
+# the router's gauge says d0 drains while it does (watched from the start: once d0 has left,
+# its series go with it)
+(for _ in $(seq 300); do
+    [ "$(cl_metric router tandem_router_node_draining node=d0 2>/dev/null)" = 1 ] && { : >"$CL_T/d0.drain_seen"; break; }
+    sleep 0.05
+done) &
+watch=$!
 t0=$(date +%s.%N)
 cl_py drain "$CL_GW" "TERM:${CL_PID[d0]}" "$D0" tandem_decode_admits_total "${CL_MURL[d0]}" "${CL_MURL[d1]}" \
     "$CL_T/long" $MAXTOK "$CL_T/short" 32
 exited d0 10
 echo "d0: drain to exit $(echo "$(date +%s.%N) - $t0" | bc) s (streams included)"
-v=$(cl_metric router tandem_router_node_draining node=d0)
-[ "$v" = 1 ] || cl_fail "the router's tandem_router_node_draining{node=d0} is '$v', want 1"
+wait $watch
+[ -e "$CL_T/d0.drain_seen" ] || cl_fail "the router's tandem_router_node_draining{node=d0} never read 1 during the drain"
+for _ in $(seq 100); do # gone: the router drops d0's series once it has left
+    cl_metric router tandem_router_node_draining node=d0 >/dev/null 2>&1 || break
+    sleep 0.1
+done
+cl_metric router tandem_router_node_draining node=d0 >/dev/null 2>&1 &&
+    cl_fail "d0 left 10 s ago and the router still exports its tandem_router_node_draining series"
 grep -q "drain timeout" "$CL_T/d0.err" && cl_fail "d0 hit its drain timeout: $(grep 'drain timeout' "$CL_T/d0.err")"
 
 echo "== an unsigned Drain is refused"
