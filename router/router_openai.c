@@ -332,7 +332,7 @@ static bool read_messages(const cJSON *o, router_oai_req_t *q, router_oai_error_
         q->messages[i].role = role->valuestring;
         if (!read_content(m, i, &q->messages[i].content, err))
             return false;
-        q->gp.prompt_len += strlen(q->messages[i].role) + strlen(q->messages[i].content);
+        q->gp.prompt_len += strlen(q->messages[i].role) + strlen(q->messages[i].content) + TD_GEN_MESSAGE_BYTES;
         i++;
     }
     q->n_messages = n;

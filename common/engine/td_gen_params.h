@@ -24,13 +24,18 @@
 #define TD_GEN_MAX_TOKENS INT32_MAX    /* max_tokens at most */
 #define TD_GEN_MAX_STOP_IDS 32         /* stop ids per request */
 #define TD_GEN_MAX_PROMPT (4u << 20)   /* prompt bytes (text) or ids: the gateway's 4 MiB message */
+/* What each message of a conversation adds to its prompt length beyond its role and content
+ * (the chat template's markup around it, at least): 2M empty messages were 0 bytes, slipped
+ * past TD_GEN_MAX_PROMPT and were rendered on the router's loop. */
+#define TD_GEN_MESSAGE_BYTES 16u
 
 typedef struct td_gen_params {
     int64_t max_tokens;              /* new tokens at most, [0, TD_GEN_MAX_TOKENS]; what 0 means
                                         is the front door's (the gateway: its default-max-tokens) */
     td_sampling_t sampling;          /* ranges of td_sampling_validate */
-    size_t prompt_len;               /* bytes of a text prompt or count of prompt ids,
-                                        [0, TD_GEN_MAX_PROMPT] */
+    size_t prompt_len;               /* bytes of a text prompt (a conversation: its roles and
+                                        contents, and TD_GEN_MESSAGE_BYTES a message) or count
+                                        of prompt ids, [0, TD_GEN_MAX_PROMPT] */
     bool prompt_is_text;             /* prompt_len counts bytes (else ids); for the message */
     size_t n_stop_ids;               /* [0, TD_GEN_MAX_STOP_IDS] */
     size_t n_stop_strings;           /* [0, TD_STOP_MAX_STRINGS] */

@@ -140,7 +140,8 @@ Test(router_openai, chat_messages)
     cr_assert_str_eq(q.messages[0].role, "system");
     cr_assert_str_eq(q.messages[1].content, "Hi there");
     cr_assert(q.gp.prompt_is_text);
-    cr_assert_eq(q.gp.prompt_len, strlen("systemBe brief.userHi there"));
+    /* roles, contents and TD_GEN_MESSAGE_BYTES a message: empty messages count too */
+    cr_assert_eq(q.gp.prompt_len, strlen("systemBe brief.userHi there") + 2 * TD_GEN_MESSAGE_BYTES);
     cr_assert_eq(q.gp.max_tokens, 5); /* the newer name wins */
     cr_assert_eq(q.logprobs, 20);
     router_oai_req_free(&q);
