@@ -572,22 +572,32 @@ Test(grpc, wire_helpers)
 /* A client that cancels many calls (a router relaying its clients' cancels, or racing the
  * end of calls) keeps its connection: nghttp2's own rapid-reset guard (1000 resets, then
  * 33/s) would answer GOAWAY and every later call on the channel would fail. */
-Test(grpc, many_cancels_keep_the_connection, .timeout = 60)
+enum { CANCEL_N = 1500 };
+
+/* Starts the test server (resets allowed per second: max_resets_per_s) and CANCEL_N "slow"
+ * calls on one channel, and waits until the server runs them all. */
+static void start_slow_calls(client_t *c, uint32_t max_resets_per_s, result_t *r, td_grpc_client_call_t **calls)
 {
-    enum { N = 1500 };
-    client_t c;
     td_grpc_server_config_t cfg = td_grpc_server_config_default();
-    cfg.max_concurrent_streams = N;
-    client_start(&c, &cfg, 0);
-    static result_t r[N];
-    static td_grpc_client_call_t *calls[N];
-    for (int i = 0; i < N; i++)
-        calls[i] = generate(&c, "slow", 1, 0, &r[i]);
-    for (int i = 0; i < 3000 && atomic_load(&c.ts.handled) < N; i++) {
-        uv_run(&c.loop, UV_RUN_NOWAIT);
+    cfg.max_concurrent_streams = CANCEL_N;
+    cfg.max_resets_per_s = max_resets_per_s;
+    client_start(c, &cfg, 0);
+    for (int i = 0; i < CANCEL_N; i++)
+        calls[i] = generate(c, "slow", 1, 0, &r[i]);
+    for (int i = 0; i < 3000 && atomic_load(&c->ts.handled) < CANCEL_N; i++) {
+        uv_run(&c->loop, UV_RUN_NOWAIT);
         usleep(1000);
     }
-    cr_assert_eq(atomic_load(&c.ts.handled), N, "the server did not get every call");
+    cr_assert_eq(atomic_load(&c->ts.handled), CANCEL_N, "the server did not get every call");
+}
+
+Test(grpc, many_cancels_keep_the_connection, .timeout = 60)
+{
+    enum { N = CANCEL_N };
+    client_t c;
+    static result_t r[N];
+    static td_grpc_client_call_t *calls[N];
+    start_slow_calls(&c, td_grpc_server_config_default().max_resets_per_s, r, calls);
     for (int i = 0; i < N; i++)
         td_grpc_client_call_cancel(calls[i]);
     for (int i = 0; i < N; i++)
@@ -607,20 +617,11 @@ Test(grpc, many_cancels_keep_the_connection, .timeout = 60)
  * (issue 35: the gateway had the control servers' allowance of 100,000/s). */
 Test(grpc, rapid_reset_flood_gets_goaway_with_nghttp2s_guard, .timeout = 60)
 {
-    enum { N = 1500 };
+    enum { N = CANCEL_N };
     client_t c;
-    td_grpc_server_config_t cfg = td_grpc_server_config_default();
-    cfg.max_concurrent_streams = N;
-    cfg.max_resets_per_s = 0;
-    client_start(&c, &cfg, 0);
     static result_t r[N];
     static td_grpc_client_call_t *calls[N];
-    for (int i = 0; i < N; i++)
-        calls[i] = generate(&c, "slow", 1, 0, &r[i]);
-    for (int i = 0; i < 3000 && atomic_load(&c.ts.handled) < N; i++) {
-        uv_run(&c.loop, UV_RUN_NOWAIT);
-        usleep(1000);
-    }
+    start_slow_calls(&c, 0, r, calls);
     for (int i = 0; i < N; i++)
         td_grpc_client_call_cancel(calls[i]);
     for (int i = 0; i < 3000 && td_grpc_channel_is_usable(c.ch); i++) {
