@@ -42,11 +42,9 @@ void router_node_gone(router_state_t *s, int32_t idx, const char *why, bool leav
         /* its gauges go with it: a dashboard sums live nodes, and ids that come and go
            (restarts under new names) must not grow /metrics without bound */
         const char *v[] = {n->info.id, td_node_role_name(n->info.role)};
-        td_metric_family_t *f[] = {s->f_node_queued, s->f_node_running, s->f_node_free,
-                                   s->f_node_blocks, s->f_node_step,    s->f_node_draining};
-        for (size_t i = 0; i < TD_ARRAY_LEN(f); i++)
-            if (f[i])
-                td_metric_family_remove(f[i], v);
+        for (size_t i = 0; i < ROUTER_NODE_GAUGES; i++)
+            if (s->f_node[i])
+                td_metric_family_remove(s->f_node[i], v);
         router_registry_leave(s->reg, n->info.id); /* it registers again if it comes back */
     }
     s->peers[idx].generation++;
@@ -62,16 +60,14 @@ void router_node_load_metrics(router_state_t *s, int32_t idx, const td_node_load
     if (!n)
         return;
     const char *v[] = {n->info.id, td_node_role_name(n->info.role)};
-    struct {
-        td_metric_family_t *f;
-        double value;
-    } set[] = {{s->f_node_queued, (double)l->queued_prefill_tokens}, {s->f_node_running, l->running_seqs},
-               {s->f_node_free, l->free_blocks}, {s->f_node_blocks, n->info.capacity_blocks},
-               {s->f_node_step, l->step_ms * 1e-3}, {s->f_node_draining, l->draining}};
-    for (size_t i = 0; i < TD_ARRAY_LEN(set); i++) {
+    const double value[ROUTER_NODE_GAUGES] = {
+        [ROUTER_NODE_QUEUED] = (double)l->queued_prefill_tokens, [ROUTER_NODE_RUNNING] = l->running_seqs,
+        [ROUTER_NODE_FREE] = l->free_blocks, [ROUTER_NODE_BLOCKS] = n->info.capacity_blocks,
+        [ROUTER_NODE_STEP] = l->step_ms * 1e-3, [ROUTER_NODE_DRAINING] = l->draining};
+    for (size_t i = 0; i < ROUTER_NODE_GAUGES; i++) {
         td_metric_t *m;
-        if (set[i].f && td_metric_family_get(set[i].f, v, &m) == TD_OK)
-            td_metric_set(m, set[i].value);
+        if (s->f_node[i] && td_metric_family_get(s->f_node[i], v, &m) == TD_OK)
+            td_metric_set(m, value[i]);
     }
 }
 

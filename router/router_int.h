@@ -237,6 +237,17 @@ struct router_req {
     double transfer_s, prefill_s;
 };
 
+/* The per-node gauges (labels node, role), as router_state.f_node indexes them. */
+typedef enum router_node_gauge {
+    ROUTER_NODE_QUEUED,   /* tandem_router_node_queued_prefill_tokens */
+    ROUTER_NODE_RUNNING,  /* tandem_router_node_running_sequences */
+    ROUTER_NODE_FREE,     /* tandem_router_node_kv_blocks_free */
+    ROUTER_NODE_BLOCKS,   /* tandem_router_node_kv_blocks */
+    ROUTER_NODE_STEP,     /* tandem_router_node_step_seconds */
+    ROUTER_NODE_DRAINING, /* tandem_router_node_draining */
+    ROUTER_NODE_GAUGES
+} router_node_gauge_t;
+
 struct router_state {
     td_node_t proc;        /* loop, signals, /metrics, common config */
     router_config_t cfg;
@@ -270,8 +281,8 @@ struct router_state {
     /* what `tandem plan --metrics` reads: arrivals, prompt and output lengths, and each
      * node's load as its last heartbeat reported it (labels node, role) */
     td_metric_t *m_arrived, *m_prompt_tokens, *m_output_tokens;
-    td_metric_family_t *f_node_queued, *f_node_running, *f_node_free, *f_node_blocks, *f_node_step,
-        *f_node_draining;
+    td_metric_family_t *f_node[ROUTER_NODE_GAUGES]; /* router_node_gauge_t: registered together,
+                                                       set together, removed together */
     bool shutting_down;
     bool handles_up;
     char refused[320];         /* the last registration refused, logged once ("id: reason") */

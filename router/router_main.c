@@ -130,24 +130,20 @@ static td_status_t init_metrics(router_state_t *s)
         return st;
     static const struct {
         const char *name, *help;
-        size_t off;
-    } per_node[] = {
-        {"tandem_router_node_queued_prefill_tokens", "prompt tokens queued on the node (last heartbeat)",
-         offsetof(router_state_t, f_node_queued)},
-        {"tandem_router_node_running_sequences", "sequences running on the node (last heartbeat)",
-         offsetof(router_state_t, f_node_running)},
-        {"tandem_router_node_kv_blocks_free", "free KV blocks of the node (last heartbeat)",
-         offsetof(router_state_t, f_node_free)},
-        {"tandem_router_node_kv_blocks", "KV blocks of the node's pool (as registered)",
-         offsetof(router_state_t, f_node_blocks)},
-        {"tandem_router_node_step_seconds", "the node's most recent engine step (last heartbeat)",
-         offsetof(router_state_t, f_node_step)},
-        {"tandem_router_node_draining", "1 while the node drains (SIGTERM or Drain): routed nothing new",
-         offsetof(router_state_t, f_node_draining)},
+    } per_node[ROUTER_NODE_GAUGES] = {
+        [ROUTER_NODE_QUEUED] = {"tandem_router_node_queued_prefill_tokens",
+                                "prompt tokens queued on the node (last heartbeat)"},
+        [ROUTER_NODE_RUNNING] = {"tandem_router_node_running_sequences",
+                                 "sequences running on the node (last heartbeat)"},
+        [ROUTER_NODE_FREE] = {"tandem_router_node_kv_blocks_free", "free KV blocks of the node (last heartbeat)"},
+        [ROUTER_NODE_BLOCKS] = {"tandem_router_node_kv_blocks", "KV blocks of the node's pool (as registered)"},
+        [ROUTER_NODE_STEP] = {"tandem_router_node_step_seconds", "the node's most recent engine step (last heartbeat)"},
+        [ROUTER_NODE_DRAINING] = {"tandem_router_node_draining",
+                                  "1 while the node drains (SIGTERM or Drain): routed nothing new"},
     };
-    for (size_t i = 0; i < TD_ARRAY_LEN(per_node); i++)
+    for (size_t i = 0; i < ROUTER_NODE_GAUGES; i++)
         if ((st = td_metrics_register(s->metrics, TD_METRIC_GAUGE, per_node[i].name, per_node[i].help, node_role, 2,
-                                      NULL, 0, (td_metric_family_t **)((char *)s + per_node[i].off))) != TD_OK)
+                                      NULL, 0, &s->f_node[i])) != TD_OK)
             return st;
     const td_metric_def_t defs[] = {
         TD_METRIC_DEF_HISTOGRAM("tandem_router_ttft_seconds", "request arrival to first token sent",
