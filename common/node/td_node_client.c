@@ -44,7 +44,6 @@ struct td_node_client {
        signs as the same sender, so a node that reconnects or is refused over and over takes
        one entry of the router's replay table, not one per attempt */
     td_auth_signer_t signer;
-    bool signing;
 };
 
 /* The longest wait between registration attempts after failures in a row. */
@@ -144,7 +143,7 @@ static bool ensure_channel(td_node_client_t *c)
     drop_channel(c);
     td_grpc_channel_config_t cc = td_grpc_channel_config_default();
     c->ip_fresh = false; /* a later channel looks the name up again */
-    if (c->signing)
+    if (c->cfg.cluster) /* the signer was made with the client */
         td_node_auth_sign_channel_with(&c->signer, &cc);
     return td_grpc_channel_create(c->loop, c->router_ip, c->cfg.router_port, &cc, &c->ch) == TD_OK;
 }
@@ -319,7 +318,6 @@ td_status_t td_node_client_create(uv_loop_t *loop, const td_node_client_config_t
             free(c);
             return st;
         }
-        c->signing = true;
     }
     if (cfg->xfer_desc_len) {
         if (!(c->xfer_desc = malloc(cfg->xfer_desc_len))) {
