@@ -21,17 +21,34 @@ timeout 120 "$CL_BIN" generate --server "$CL_GW" --prompt-ids "$long" --max-toke
     >"$CL_T/long.out" 2>"$CL_T/long.err" &
 LONG=$!
 
-# the node with the long prompt says so in its heartbeats while the step runs
-busy="" seen=0
-for _ in $(seq 100); do
-    for u in unified0 unified1; do
-        q=$(cl_metric router tandem_router_node_queued_prefill_tokens "node=$u" 2>/dev/null || echo 0)
-        if [ "${q%.*}" -ge $((N / 2)) ]; then busy=$u seen=${q%.*}; fi
-    done
-    [ -n "$busy" ] && break
-    kill -0 $LONG 2>/dev/null || break
-    sleep 0.05
-done
+# the node with the long prompt says so in its heartbeats while the step runs: one process
+# reads the router's gauge every 20 ms until it does or the long request ends (a python
+# start per reading, twice per round, sampled the 1.2 s step too sparsely under CI's load)
+read -r busy seen < <("$CL_PY" - "$CL_TOOL" "${CL_MURL[router]}" $((N / 2)) $LONG <<'PY'
+import importlib.util, os, sys, time
+sys.path.insert(0, os.path.dirname(sys.argv[1]))  # its helper modules
+spec = importlib.util.spec_from_file_location("cf", sys.argv[1])
+cf = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(cf)
+url, want, pid = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+end = time.monotonic() + 10
+while time.monotonic() < end:
+    for u in ("unified0", "unified1"):
+        try:
+            q = cf.fetch_metric(url, "tandem_router_node_queued_prefill_tokens", "node=" + u)
+        except (OSError, KeyError):
+            q = 0
+        if q >= want:
+            print(u, int(q))
+            sys.exit(0)
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        break
+    time.sleep(0.02)
+print("", 0)
+PY
+)
 [ -n "$busy" ] || { cl_fail "no unified node reported the $N-token prompt as queued while prefilling it"; cl_dump; cl_end; }
 other=unified1
 [ "$busy" = unified1 ] && other=unified0
