@@ -367,18 +367,11 @@ static td_status_t echo_text(const router_state_t *s, const router_oai_req_t *q,
     return TD_OK;
 }
 
-static void http_generate(router_state_t *s, td_http_req_t *req, router_oai_kind_t kind)
+/* A parsed request (q, freed here) becomes a router request answering req. */
+static void http_generate_parsed(router_state_t *s, td_http_req_t *req, router_oai_kind_t kind, router_oai_req_t q)
 {
     router_oai_error_t err;
-    router_oai_req_t q;
-    size_t len;
     char why[384];
-    const char *body = td_http_req_body(req, &len);
-    if (router_oai_parse(kind, body, len, &q, &err) != TD_OK) {
-        router_count_outcome(s, "invalid");
-        respond_error(req, &err);
-        return;
-    }
     http_client_t *hc = NULL;
     if (!s->tok) { /* OpenAI's answers are text */
         router_oai_error_set(&err, 400, "invalid_request_error", NULL, NULL,
@@ -450,6 +443,126 @@ err_respond:
         client_free(hc);
     router_oai_req_free(&q);
     respond_error(req, &err);
+}
+
+/* ---- request bodies, parsed off the loop (long ones) ----------------------------------- */
+
+/* A JSON body is parsed on libuv's thread pool when it is longer than this; shorter ones on
+ * the loop. cJSON's worst case is a body of small values (an id array: ~110 ns a byte on the
+ * 2-core VM, one node per value), so 64 KiB costs the loop at most ~7 ms, while the round
+ * trip to the pool would cost a short request more than its parse. An 8 MiB id array was
+ * 0.9 s on the loop, which carries every node's heartbeat (issue 35). */
+#define ROUTER_HTTP_PARSE_INLINE_BYTES (64 << 10)
+
+/* One long body being parsed: the job owns the body (taken from td_http, still charged to
+ * the body budget until the parse ends) and the result. The HTTP request points at it
+ * (its data, its on_abort) while it runs; a connection that goes meanwhile orphans it
+ * (req NULL): the job runs to its end and frees itself. Counted with the tokenizing jobs
+ * in max-tokenizing, the router's one bound of request work on the thread pool.
+ * router_oai_parse touches nothing but its arguments, so it is safe on another thread. */
+typedef struct parse_job {
+    uv_work_t work;           /* first: the job is its work request */
+    router_state_t *s;
+    td_http_req_t *req;       /* NULL once orphaned */
+    router_oai_kind_t kind;
+    char *body;               /* [len], taken from the request */
+    size_t len, charged;      /* charged: bytes of s->body_budget the body holds */
+    router_oai_req_t q;       /* the result, when st is TD_OK */
+    router_oai_error_t err;   /* else the answer */
+    td_status_t st;
+} parse_job_t;
+
+static void parse_work(uv_work_t *w)
+{
+    parse_job_t *j = (parse_job_t *)w;
+    j->st = router_oai_parse(j->kind, j->body, j->len, &j->q, &j->err);
+}
+
+static void parse_on_abort(td_http_req_t *req, void *data)
+{
+    (void)req;
+    ((parse_job_t *)data)->req = NULL;
+}
+
+static void parse_done(uv_work_t *w, int status)
+{
+    (void)status; /* never cancelled: uv_cancel is not used */
+    parse_job_t *j = (parse_job_t *)w;
+    router_state_t *s = j->s;
+    td_http_req_t *req = j->req;
+    s->n_tokenizing--;
+    td_rpc_budget_give(&s->body_budget, j->charged);
+    free(j->body);
+    if (!req) { /* the client went */
+        if (j->st == TD_OK)
+            router_oai_req_free(&j->q);
+        free(j);
+        return;
+    }
+    td_http_req_set_data(req, NULL);
+    td_http_req_on_abort(req, NULL);
+    router_oai_req_t q = j->q;
+    router_oai_error_t err = j->err;
+    td_status_t st = j->st;
+    router_oai_kind_t kind = j->kind;
+    free(j);
+    if (st != TD_OK) {
+        router_count_outcome(s, st == TD_ERR_NOMEM ? "exhausted" : "invalid");
+        respond_error(req, &err);
+    } else if (s->shutting_down) {
+        router_oai_req_free(&q);
+        router_oai_error_set(&err, 503, "service_unavailable", NULL, NULL, "router shutting down");
+        respond_error(req, &err);
+    } else {
+        http_generate_parsed(s, req, kind, q);
+    }
+}
+
+static void http_generate(router_state_t *s, td_http_req_t *req, router_oai_kind_t kind)
+{
+    router_oai_error_t err;
+    router_oai_req_t q;
+    size_t len;
+    const char *body = td_http_req_body(req, &len);
+    if (len <= ROUTER_HTTP_PARSE_INLINE_BYTES) {
+        if (router_oai_parse(kind, body, len, &q, &err) != TD_OK) {
+            router_count_outcome(s, err.status == 500 ? "exhausted" : "invalid");
+            respond_error(req, &err);
+            return;
+        }
+        http_generate_parsed(s, req, kind, q);
+        return;
+    }
+    if (s->n_tokenizing >= s->cfg.max_tokenizing) {
+        router_oai_error_set(&err, 429, "rate_limit_error", NULL, NULL,
+                             "router: %d long prompts or request bodies are being processed (max-tokenizing); "
+                             "retry later", s->n_tokenizing);
+        td_http_resp_header(req, "Retry-After", "1");
+        router_count_outcome(s, "exhausted");
+        respond_error(req, &err);
+        return;
+    }
+    parse_job_t *j = calloc(1, sizeof *j);
+    if (!j) {
+        router_oai_error_set(&err, 500, "server_error", NULL, NULL, "router: out of memory");
+        router_count_outcome(s, "exhausted");
+        respond_error(req, &err);
+        return;
+    }
+    *j = (parse_job_t){.s = s, .req = req, .kind = kind};
+    j->body = td_http_req_take_body(req, &j->len, &j->charged);
+    if (uv_queue_work(&s->proc.loop, &j->work, parse_work, parse_done) != 0) {
+        td_rpc_budget_give(&s->body_budget, j->charged);
+        free(j->body);
+        free(j);
+        router_oai_error_set(&err, 500, "server_error", NULL, NULL, "router: cannot queue the body's parse");
+        router_count_outcome(s, "exhausted");
+        respond_error(req, &err);
+        return;
+    }
+    s->n_tokenizing++;
+    td_http_req_set_data(req, j);
+    td_http_req_on_abort(req, parse_on_abort);
 }
 
 /* ---- the server's one handler ---------------------------------------------------------- */
