@@ -367,9 +367,12 @@ static td_status_t echo_text(const router_state_t *s, const router_oai_req_t *q,
     return TD_OK;
 }
 
-/* A parsed request (q, freed here) becomes a router request answering req. */
-static void http_generate_parsed(router_state_t *s, td_http_req_t *req, router_oai_kind_t kind, router_oai_req_t q)
+/* A parsed request becomes a router request answering req; q stays the caller's (nothing
+ * of it is kept). */
+static void http_generate_parsed(router_state_t *s, td_http_req_t *req, router_oai_kind_t kind,
+                                 const router_oai_req_t *qp)
 {
+    router_oai_req_t q = *qp;
     router_oai_error_t err;
     char why[384];
     http_client_t *hc = NULL;
@@ -436,12 +439,10 @@ static void http_generate_parsed(router_state_t *s, td_http_req_t *req, router_o
     td_http_req_on_abort(req, http_on_abort);
     td_http_req_on_writable(req, http_on_writable);
     router_req_submit(r, &spec); /* may end r, answering req */
-    router_oai_req_free(&q);
     return;
 err_respond:
     if (hc)
         client_free(hc);
-    router_oai_req_free(&q);
     respond_error(req, &err);
 }
 
@@ -454,12 +455,15 @@ err_respond:
  * 0.9 s on the loop, which carries every node's heartbeat (issue 35). */
 #define ROUTER_HTTP_PARSE_INLINE_BYTES (64 << 10)
 
-/* One long body being parsed: the job owns the body (taken from td_http, still charged to
- * the body budget until the parse ends) and the result. The HTTP request points at it
- * (its data, its on_abort) while it runs; a connection that goes meanwhile orphans it
- * (req NULL): the job runs to its end and frees itself. Counted with the tokenizing jobs
- * in max-tokenizing, the router's one bound of request work on the thread pool.
- * router_oai_parse touches nothing but its arguments, so it is safe on another thread. */
+/* One long body being parsed: the job owns the body (taken from td_http) and the result.
+ * It runs twice on the pool: the parse, then, once the loop has made its router request
+ * of it, the freeing of the parsed document (cJSON_Delete of an 8 MiB id array's 1.2M
+ * nodes is ~40 ms, and slower still against the pool's own mallocs). It holds the body's
+ * bytes of the body budget and its place in max-tokenizing, the router's one bound of
+ * request work on the pool, until the end of both. The HTTP request points at it (its
+ * data, its on_abort) while it parses; a connection that goes meanwhile orphans it (req
+ * NULL): the job runs to its end and frees itself. router_oai_parse touches nothing but its
+ * arguments, so it is safe on another thread. */
 typedef struct parse_job {
     uv_work_t work;           /* first: the job is its work request */
     router_state_t *s;
@@ -476,6 +480,22 @@ static void parse_work(uv_work_t *w)
 {
     parse_job_t *j = (parse_job_t *)w;
     j->st = router_oai_parse(j->kind, j->body, j->len, &j->q, &j->err);
+    free(j->body);
+    j->body = NULL;
+}
+
+static void parse_free_work(uv_work_t *w)
+{
+    router_oai_req_free(&((parse_job_t *)w)->q);
+}
+
+static void parse_end(uv_work_t *w, int status)
+{
+    (void)status; /* never cancelled: uv_cancel is not used */
+    parse_job_t *j = (parse_job_t *)w;
+    j->s->n_tokenizing--;
+    td_rpc_budget_give(&j->s->body_budget, j->charged);
+    free(j);
 }
 
 static void parse_on_abort(td_http_req_t *req, void *data)
@@ -486,36 +506,29 @@ static void parse_on_abort(td_http_req_t *req, void *data)
 
 static void parse_done(uv_work_t *w, int status)
 {
-    (void)status; /* never cancelled: uv_cancel is not used */
+    (void)status;
     parse_job_t *j = (parse_job_t *)w;
     router_state_t *s = j->s;
     td_http_req_t *req = j->req;
-    s->n_tokenizing--;
-    td_rpc_budget_give(&s->body_budget, j->charged);
-    free(j->body);
-    if (!req) { /* the client went */
-        if (j->st == TD_OK)
-            router_oai_req_free(&j->q);
-        free(j);
+    if (req) {
+        td_http_req_set_data(req, NULL);
+        td_http_req_on_abort(req, NULL);
+        router_oai_error_t err = j->err;
+        if (j->st != TD_OK) {
+            router_count_outcome(s, j->st == TD_ERR_NOMEM ? "exhausted" : "invalid");
+            respond_error(req, &err);
+        } else if (s->shutting_down) {
+            router_oai_error_set(&err, 503, "service_unavailable", NULL, NULL, "router shutting down");
+            respond_error(req, &err);
+        } else {
+            http_generate_parsed(s, req, j->kind, &j->q);
+        }
+    }
+    if (j->st == TD_OK && uv_queue_work(&s->proc.loop, &j->work, parse_free_work, parse_end) == 0)
         return;
-    }
-    td_http_req_set_data(req, NULL);
-    td_http_req_on_abort(req, NULL);
-    router_oai_req_t q = j->q;
-    router_oai_error_t err = j->err;
-    td_status_t st = j->st;
-    router_oai_kind_t kind = j->kind;
-    free(j);
-    if (st != TD_OK) {
-        router_count_outcome(s, st == TD_ERR_NOMEM ? "exhausted" : "invalid");
-        respond_error(req, &err);
-    } else if (s->shutting_down) {
-        router_oai_req_free(&q);
-        router_oai_error_set(&err, 503, "service_unavailable", NULL, NULL, "router shutting down");
-        respond_error(req, &err);
-    } else {
-        http_generate_parsed(s, req, kind, q);
-    }
+    if (j->st == TD_OK)
+        router_oai_req_free(&j->q); /* the pool refused: freed here, once */
+    parse_end(w, 0);
 }
 
 static void http_generate(router_state_t *s, td_http_req_t *req, router_oai_kind_t kind)
@@ -530,7 +543,8 @@ static void http_generate(router_state_t *s, td_http_req_t *req, router_oai_kind
             respond_error(req, &err);
             return;
         }
-        http_generate_parsed(s, req, kind, q);
+        http_generate_parsed(s, req, kind, &q);
+        router_oai_req_free(&q);
         return;
     }
     if (s->n_tokenizing >= s->cfg.max_tokenizing) {

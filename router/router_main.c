@@ -302,12 +302,17 @@ static td_status_t serve(router_state_t *s)
     gc.max_connections = (uint32_t)cfg->gateway_max_connections;
     gc.idle_timeout_ms = (uint32_t)cfg->gateway_idle_timeout_ms;
     gc.max_resets_per_s = 0;
+    /* long requests are unpacked on the thread pool, as long HTTP bodies are parsed there
+     * (router_http.c): 64 KiB of the costliest protobuf (empty sub-messages) is ~1 ms */
+    gc.unpack_off_loop_bytes = 64 << 10;
+    gc.max_unpacking = (uint32_t)cfg->max_tokenizing;
     td_node_auth_guard_gateway(&s->proc.auth, &gc);
     if ((st = td_grpc_server_create(&s->proc.loop, &gc, &s->gateway)) != TD_OK)
         return st;
     gc.port = (uint16_t)cfg->control_port;
     gc.send_queue_bytes = td_grpc_server_config_default().send_queue_bytes;
     gc.body_budget = NULL; /* members' calls: bounded by the cluster's own size */
+    gc.unpack_off_loop_bytes = 0;
     gc.request_timeout_ms = td_grpc_server_config_default().request_timeout_ms;
     gc.max_connections = td_grpc_server_config_default().max_connections;
     gc.idle_timeout_ms = td_grpc_server_config_default().idle_timeout_ms;

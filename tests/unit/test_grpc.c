@@ -648,12 +648,18 @@ Test(grpc, unpack_arena_is_bounded)
         wire[2 * i] = (3 << 3) | 2; /* StepBatch.seqs, length-delimited */
         wire[2 * i + 1] = 0;        /* an empty SeqStep */
     }
-    ProtobufCMessage *m = td_grpc_unpack(&tandem__control__v1__step_batch__descriptor, wire, 2 * 1000);
+    bool over = true;
+    ProtobufCMessage *m = td_grpc_unpack(&tandem__control__v1__step_batch__descriptor, wire, 2 * 1000, &over);
     cr_assert_not_null(m, "1000 entries must unpack");
     cr_assert_eq(((Tandem__Control__V1__StepBatch *)m)->n_seqs, 1000);
     td_grpc_free_unpacked(m);
-    cr_assert_null(td_grpc_unpack(&tandem__control__v1__step_batch__descriptor, wire, 2 * BIG),
+    cr_assert_not(over);
+    cr_assert_null(td_grpc_unpack(&tandem__control__v1__step_batch__descriptor, wire, 2 * BIG, &over),
                    "100000 empty entries exceed 16 bytes per wire byte");
+    cr_assert(over, "the bound refused it, and says so");
+    wire[0] = 0xff; /* a field number with no end: malformed, not over the bound */
+    cr_assert_null(td_grpc_unpack(&tandem__control__v1__step_batch__descriptor, wire, 1, &over));
+    cr_assert_not(over);
     free(wire);
 }
 
