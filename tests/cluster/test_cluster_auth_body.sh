@@ -15,8 +15,8 @@
 # 30 s, never a hang or a 5xx; each stream ends OK with the ids of `tandem generate`; the
 # router never prints another "nodes:" line (no node left its registry) nor logs a lost node;
 # its longest run of loop callbacks stays under 500 ms, a third of the heartbeat timeout
-# (1.5 s; 1 s under the sanitizers). Measured on the 2-core VM: 28-100 ms; before the parse
-# and the unpack moved to the thread pool 140 ms-1.7 s, and both nodes were dropped. The
+# (1.5 s; 1 s under the sanitizers). Measured on the 2-core VM: 7-100 ms; before the parse
+# and the unpack moved to the thread pool 0.72-0.86 s. The
 # string of escapes (2.8 MB of text) is refused before it is encoded: its bytes over the
 # longest token of Llama 3's vocabulary (256 bytes) already pass the model's 512 tokens.
 # Skips without stories260K, Llama 3's tokenizer.json or python3-grpcio.
