@@ -416,7 +416,8 @@ static void http_generate_parsed(router_state_t *s, td_http_req_t *req, router_o
         goto err_respond;
     }
     router_req_spec_t spec = {.gp = q.gp, .prompt_ids = q.prompt_ids, .prompt = q.prompt,
-                              .prompt_text_len = q.prompt_len, .messages = q.messages, .n_messages = q.n_messages};
+                              .prompt_text_len = q.prompt_len, .messages = q.messages, .n_messages = q.n_messages,
+                              .priority = router_key_priority(s, td_http_req_header(req, "authorization"), 0)};
     router_req_t *r;
     td_grpc_code_t code;
     if (router_req_open(s, &spec, &code, why, sizeof why, &r) != TD_OK) {
@@ -648,12 +649,25 @@ void router_http_head(void *data, td_http_req_t *req)
     }
     if (health) /* probes carry no key */
         return;
-    td_auth_outcome_t ao = td_node_auth_check_key(&s->proc.auth, td_http_req_header(req, "authorization"));
+    td_auth_key_props_t kp;
+    td_auth_outcome_t ao = td_node_auth_check_key_props(&s->proc.auth, td_http_req_header(req, "authorization"), &kp);
     if (ao != TD_AUTH_OK) {
         router_oai_error_set(&err, 401, "invalid_request_error", NULL, "invalid_api_key",
                              ao == TD_AUTH_MISSING ? "no API key: send the header 'Authorization: Bearer KEY'"
                                                    : "the API key is not valid");
         td_http_resp_header(req, "WWW-Authenticate", "Bearer");
+        respond_error(req, &err);
+        return;
+    }
+    int64_t retry_ms;
+    if (!td_node_auth_take_rate(&s->proc.auth, &kp, &retry_ms)) { /* before the body is read, as a 401 */
+        char after[24];
+        snprintf(after, sizeof after, "%lld", (long long)((retry_ms + 999) / 1000));
+        router_oai_error_set(&err, 429, "rate_limit_error", NULL, "rate_limit_exceeded",
+                             "the API key's rate limit (%g requests a second) is reached: retry in %lld ms",
+                             kp.rate, (long long)retry_ms);
+        td_http_resp_header(req, "Retry-After", after);
+        router_count_outcome(s, "rate_limited");
         respond_error(req, &err);
         return;
     }

@@ -299,6 +299,12 @@ static inline bool router_req_on_node(const router_req_t *r)
 /* router_request.c: the request lifecycle */
 void router_want_pump(router_state_t *s);
 void router_count_outcome(router_state_t *s, const char *outcome);
+
+/* The priority a request of the key in `authorization` runs at: `asked` (the client's
+ * priority.value; 0 when it gives none) capped at the key's priority=N, when its line in the
+ * API keys file has one (docs/security.md "Tenants"). Uncounted, constant-time re-check of
+ * the key (the gate counted it). Loop thread. */
+int32_t router_key_priority(router_state_t *s, const char *authorization, int32_t asked);
 td_status_t router_req_open(router_state_t *s, const router_req_spec_t *spec, td_grpc_code_t *code_p,
                             char *why, size_t why_cap, router_req_t **r_p);
 void router_req_submit(router_req_t *r, const router_req_spec_t *spec);
