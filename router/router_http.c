@@ -666,8 +666,7 @@ void router_http_head(void *data, td_http_req_t *req)
         router_oai_error_set(&err, 429, "rate_limit_error", NULL, "rate_limit_exceeded",
                              "the API key's rate limit (%g requests a second) is reached: retry in %lld ms",
                              kp.rate, (long long)retry_ms);
-        td_http_resp_header(req, "Retry-After", after);
-        router_count_outcome(s, "rate_limited");
+        td_http_resp_header(req, "Retry-After", after); /* counted by td_node_auth */
         respond_error(req, &err);
         return;
     }
