@@ -39,7 +39,9 @@ static inline bool td_rate_take(td_rate_t *b, double rate, double burst, int64_t
     }
     double ms = (double)(TD_RATE_ONE - b->tokens) / rate / 1e6;
     int64_t w = (int64_t)ms;
-    *wait_ms_p = w + ((double)w < ms) > 1 ? w + ((double)w < ms) : 1;
+    if ((double)w < ms)
+        w++; /* rounded up */
+    *wait_ms_p = w < 1 ? 1 : w;
     return false;
 }
 
