@@ -65,9 +65,11 @@ int64_t router_admit_kv_blocks(int32_t n_prompt, int32_t max_tokens, const td_no
     return TD_DIV_CEIL(kv_tokens, (int64_t)decode->layout.block_size);
 }
 
-td_status_t router_admit_check_size(const router_registry_t *reg, const char *model, int32_t n_prompt,
-                                    int32_t max_tokens, int64_t now_ns, char *why, size_t why_len)
+/* router_admit_check_size, with n_prompt a lower bound when at_least (the messages say so). */
+static td_status_t check_size(const router_registry_t *reg, const char *model, int32_t n_prompt, int32_t max_tokens,
+                              int64_t now_ns, bool at_least, char *why, size_t why_len)
 {
+    const char *al = at_least ? "at least " : "";
     if (n_prompt < 1 || max_tokens < 1)
         return TD_OK; /* not a request the size can judge; its own checks refuse it */
     const td_node_info_t *largest = NULL; /* of the nodes the prompt is short enough for */
@@ -94,9 +96,9 @@ td_status_t router_admit_check_size(const router_registry_t *reg, const char *mo
         return TD_OK;
     if (!largest) {
         snprintf(why, why_len,
-                 "the prompt has %d tokens; model %s takes at most %d (its length is %d tokens, prompt "
+                 "the prompt has %s%d tokens; model %s takes at most %d (its length is %d tokens, prompt "
                  "and output together)",
-                 n_prompt, model, shortest_len - 1, shortest_len);
+                 al, n_prompt, model, shortest_len - 1, shortest_len);
         return td_errorf_quiet(TD_ERR_RANGE, "%s", why);
     }
     int32_t bs = (int32_t)largest->layout.block_size;
@@ -110,9 +112,27 @@ td_status_t router_admit_check_size(const router_registry_t *reg, const char *mo
     if (TD_DIV_CEIL(total, (int64_t)bs) != blocks)
         snprintf(last, sizeof last, " (the last token's KV is never stored)");
     snprintf(why, why_len,
-             "prompt %d + max_tokens %d%s = %lld tokens need %lld KV blocks of %d%s; the largest decode "
+             "prompt %s%d + max_tokens %d%s = %lld tokens need %lld KV blocks of %d%s; the largest decode "
              "pool of model %s holds %d blocks (%lld tokens)",
-             n_prompt, max_tokens, capped, (long long)total, (long long)blocks, bs, last, model,
+             al, n_prompt, max_tokens, capped, (long long)total, (long long)blocks, bs, last, model,
              largest->capacity_blocks, (long long)largest->capacity_blocks * bs);
     return td_errorf_quiet(TD_ERR_RANGE, "%s", why);
+}
+
+td_status_t router_admit_check_size(const router_registry_t *reg, const char *model, int32_t n_prompt,
+                                    int32_t max_tokens, int64_t now_ns, char *why, size_t why_len)
+{
+    return check_size(reg, model, n_prompt, max_tokens, now_ns, false, why, why_len);
+}
+
+td_status_t router_admit_check_text_size(const router_registry_t *reg, const char *model, const td_tokenizer_t *tok,
+                                         size_t text_bytes, int32_t max_tokens, int64_t now_ns, char *why,
+                                         size_t why_len)
+{
+    size_t min = td_tokenizer_min_tokens(tok, text_bytes);
+    if (!min)
+        return TD_OK; /* no sound bound (a normalizer that can shrink text), or no text */
+    if (td_tokenizer_add_bos(tok) && td_tokenizer_bos_id(tok) >= 0)
+        min++;
+    return check_size(reg, model, (int32_t)TD_MIN(min, (size_t)INT32_MAX), max_tokens, now_ns, true, why, why_len);
 }

@@ -29,6 +29,7 @@
 
 #include "router_registry.h"
 #include "td_status.h"
+#include "td_tokenizer.h"
 
 /* What the live nodes of one model say about it. */
 typedef struct router_model_facts {
@@ -69,5 +70,18 @@ int64_t router_admit_kv_blocks(int32_t n_prompt, int32_t max_tokens, const td_no
  */
 td_status_t router_admit_check_size(const router_registry_t *reg, const char *model, int32_t n_prompt,
                                     int32_t max_tokens, int64_t now_ns, char *why, size_t why_len);
+
+/*
+ * The size check of a text prompt before it is encoded: its text_bytes make at least
+ * td_tokenizer_min_tokens(tok, text_bytes) ids (one more with the model's BOS), and when that
+ * many already cannot fit (as router_admit_check_size judges them) the prompt is refused
+ * without the cost of encoding it (a 4 MiB prompt of one pre-token is seconds of BPE).
+ * TD_OK when it may fit, when nothing is known, or when the tokenizer gives no sound bound
+ * (it can shrink text: then the check after encoding decides). TD_ERR_RANGE with `why` as
+ * router_admit_check_size writes it, the count given as "at least N". Quiet.
+ */
+td_status_t router_admit_check_text_size(const router_registry_t *reg, const char *model, const td_tokenizer_t *tok,
+                                         size_t text_bytes, int32_t max_tokens, int64_t now_ns, char *why,
+                                         size_t why_len);
 
 #endif /* ROUTER_ADMIT_H */

@@ -164,7 +164,9 @@ void on_generate(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data)
     router_req_spec_t spec = {.gp = gp, .request_id = q->request_id,
                               .prompt_ids = q->prompt_ids, .prompt = q->prompt, .prompt_text_len = strlen(q->prompt),
                               .messages = messages, .n_messages = messages ? q->n_messages : 0,
-                              .stop_ids = q->stop_ids, .priority = q->priority ? q->priority->value : 0,
+                              .stop_ids = q->stop_ids,
+                              .priority = router_key_priority(s, td_grpc_call_header(call, "authorization"),
+                                                              q->priority ? q->priority->value : 0),
                               .timeout_ms = dl_ms ? (int64_t)TD_MAX(dl_ms > now_ms ? dl_ms - now_ms : 0, 1) : 0};
     router_req_t *r;
     td_grpc_code_t code;
@@ -180,6 +182,15 @@ void on_generate(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data)
     td_grpc_call_on_writable(call, on_generate_writable);
     router_req_submit(r, &spec);
     free(messages);
+}
+
+int32_t router_key_priority(router_state_t *s, const char *authorization, int32_t asked)
+{
+    td_auth_key_props_t kp;
+    if (!s->proc.auth.keys || td_auth_keys_check_bearer_props(s->proc.auth.keys, authorization, &kp) != TD_AUTH_OK ||
+        !kp.has_priority_cap)
+        return asked;
+    return TD_MIN(asked, kp.max_priority);
 }
 
 void on_list_models(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data)

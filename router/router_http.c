@@ -367,18 +367,14 @@ static td_status_t echo_text(const router_state_t *s, const router_oai_req_t *q,
     return TD_OK;
 }
 
-static void http_generate(router_state_t *s, td_http_req_t *req, router_oai_kind_t kind)
+/* A parsed request becomes a router request answering req; q stays the caller's (nothing
+ * of it is kept). */
+static void http_generate_parsed(router_state_t *s, td_http_req_t *req, router_oai_kind_t kind,
+                                 const router_oai_req_t *qp)
 {
+    router_oai_req_t q = *qp;
     router_oai_error_t err;
-    router_oai_req_t q;
-    size_t len;
     char why[384];
-    const char *body = td_http_req_body(req, &len);
-    if (router_oai_parse(kind, body, len, &q, &err) != TD_OK) {
-        router_count_outcome(s, "invalid");
-        respond_error(req, &err);
-        return;
-    }
     http_client_t *hc = NULL;
     if (!s->tok) { /* OpenAI's answers are text */
         router_oai_error_set(&err, 400, "invalid_request_error", NULL, NULL,
@@ -420,7 +416,8 @@ static void http_generate(router_state_t *s, td_http_req_t *req, router_oai_kind
         goto err_respond;
     }
     router_req_spec_t spec = {.gp = q.gp, .prompt_ids = q.prompt_ids, .prompt = q.prompt,
-                              .prompt_text_len = q.prompt_len, .messages = q.messages, .n_messages = q.n_messages};
+                              .prompt_text_len = q.prompt_len, .messages = q.messages, .n_messages = q.n_messages,
+                              .priority = router_key_priority(s, td_http_req_header(req, "authorization"), 0)};
     router_req_t *r;
     td_grpc_code_t code;
     if (router_req_open(s, &spec, &code, why, sizeof why, &r) != TD_OK) {
@@ -443,13 +440,144 @@ static void http_generate(router_state_t *s, td_http_req_t *req, router_oai_kind
     td_http_req_on_abort(req, http_on_abort);
     td_http_req_on_writable(req, http_on_writable);
     router_req_submit(r, &spec); /* may end r, answering req */
-    router_oai_req_free(&q);
     return;
 err_respond:
     if (hc)
         client_free(hc);
-    router_oai_req_free(&q);
     respond_error(req, &err);
+}
+
+/* ---- request bodies, parsed off the loop (long ones) ----------------------------------- */
+
+/* A JSON body is parsed on libuv's thread pool when it is longer than this; shorter ones on
+ * the loop. cJSON's worst case is a body of small values (an id array: ~110 ns a byte on the
+ * 2-core VM, one node per value), so 64 KiB costs the loop at most ~7 ms, while the round
+ * trip to the pool would cost a short request more than its parse. An 8 MiB id array was
+ * 0.9 s on the loop, which carries every node's heartbeat (issue 35). */
+#define ROUTER_HTTP_PARSE_INLINE_BYTES (64 << 10)
+
+/* One long body being parsed: the job owns the body (taken from td_http) and the result.
+ * It runs twice on the pool: the parse, then, once the loop has made its router request
+ * of it, the freeing of the parsed document (cJSON_Delete of an 8 MiB id array's 1.2M
+ * nodes is ~40 ms, and slower still against the pool's own mallocs). It holds the body's
+ * bytes of the body budget and its place in max-tokenizing, the router's one bound of
+ * request work on the pool, until the end of both. The HTTP request points at it (its
+ * data, its on_abort) while it parses; a connection that goes meanwhile orphans it (req
+ * NULL): the job runs to its end and frees itself. router_oai_parse touches nothing but its
+ * arguments, so it is safe on another thread. */
+typedef struct parse_job {
+    uv_work_t work;           /* first: the job is its work request */
+    router_state_t *s;
+    td_http_req_t *req;       /* NULL once orphaned */
+    router_oai_kind_t kind;
+    char *body;               /* [len], taken from the request */
+    size_t len, charged;      /* charged: bytes of s->body_budget the body holds */
+    router_oai_req_t q;       /* the result, when st is TD_OK */
+    router_oai_error_t err;   /* else the answer */
+    td_status_t st;
+} parse_job_t;
+
+static void parse_work(uv_work_t *w)
+{
+    parse_job_t *j = (parse_job_t *)w;
+    j->st = router_oai_parse(j->kind, j->body, j->len, &j->q, &j->err);
+    free(j->body);
+    j->body = NULL;
+}
+
+static void parse_free_work(uv_work_t *w)
+{
+    router_oai_req_free(&((parse_job_t *)w)->q);
+}
+
+static void parse_end(uv_work_t *w, int status)
+{
+    (void)status; /* never cancelled: uv_cancel is not used */
+    parse_job_t *j = (parse_job_t *)w;
+    j->s->n_tokenizing--;
+    td_rpc_budget_give(&j->s->body_budget, j->charged);
+    free(j);
+}
+
+static void parse_on_abort(td_http_req_t *req, void *data)
+{
+    (void)req;
+    ((parse_job_t *)data)->req = NULL;
+}
+
+static void parse_done(uv_work_t *w, int status)
+{
+    (void)status;
+    parse_job_t *j = (parse_job_t *)w;
+    router_state_t *s = j->s;
+    td_http_req_t *req = j->req;
+    if (req) {
+        td_http_req_set_data(req, NULL);
+        td_http_req_on_abort(req, NULL);
+        router_oai_error_t err = j->err;
+        if (j->st != TD_OK) {
+            router_count_outcome(s, j->st == TD_ERR_NOMEM ? "exhausted" : "invalid");
+            respond_error(req, &err);
+        } else if (s->shutting_down) {
+            router_oai_error_set(&err, 503, "service_unavailable", NULL, NULL, "router shutting down");
+            respond_error(req, &err);
+        } else {
+            http_generate_parsed(s, req, j->kind, &j->q);
+        }
+    }
+    if (j->st == TD_OK && uv_queue_work(&s->proc.loop, &j->work, parse_free_work, parse_end) == 0)
+        return;
+    if (j->st == TD_OK)
+        router_oai_req_free(&j->q); /* the pool refused: freed here, once */
+    parse_end(w, 0);
+}
+
+static void http_generate(router_state_t *s, td_http_req_t *req, router_oai_kind_t kind)
+{
+    router_oai_error_t err;
+    router_oai_req_t q;
+    size_t len;
+    const char *body = td_http_req_body(req, &len);
+    if (len <= ROUTER_HTTP_PARSE_INLINE_BYTES) {
+        if (router_oai_parse(kind, body, len, &q, &err) != TD_OK) {
+            router_count_outcome(s, err.status == 500 ? "exhausted" : "invalid");
+            respond_error(req, &err);
+            return;
+        }
+        http_generate_parsed(s, req, kind, &q);
+        router_oai_req_free(&q);
+        return;
+    }
+    if (s->n_tokenizing >= s->cfg.max_tokenizing) {
+        router_oai_error_set(&err, 429, "rate_limit_error", NULL, NULL,
+                             "router: %d long prompts or request bodies are being processed (max-tokenizing); "
+                             "retry later", s->n_tokenizing);
+        td_http_resp_header(req, "Retry-After", "1");
+        router_count_outcome(s, "exhausted");
+        respond_error(req, &err);
+        return;
+    }
+    parse_job_t *j = calloc(1, sizeof *j);
+    if (!j) {
+        router_oai_error_set(&err, 500, "server_error", NULL, NULL, "router: out of memory");
+        router_count_outcome(s, "exhausted");
+        respond_error(req, &err);
+        return;
+    }
+    *j = (parse_job_t){.s = s, .req = req, .kind = kind};
+    j->body = td_http_req_take_body(req, &j->len, &j->charged);
+    if (uv_queue_work(&s->proc.loop, &j->work, parse_work, parse_done) != 0) {
+        td_rpc_budget_give(&s->body_budget, j->charged);
+        free(j->body);
+        free(j);
+        router_oai_error_set(&err, 500, "server_error", NULL, NULL, "router: cannot queue the body's parse");
+        router_count_outcome(s, "exhausted");
+        respond_error(req, &err);
+        return;
+    }
+    s->n_tokenizing++;
+    td_http_req_set_data(req, j);
+    td_http_req_on_abort(req, parse_on_abort);
 }
 
 /* ---- the server's one handler ---------------------------------------------------------- */
@@ -521,12 +649,24 @@ void router_http_head(void *data, td_http_req_t *req)
     }
     if (health) /* probes carry no key */
         return;
-    td_auth_outcome_t ao = td_node_auth_check_key(&s->proc.auth, td_http_req_header(req, "authorization"));
+    td_auth_key_props_t kp;
+    td_auth_outcome_t ao = td_node_auth_check_key_props(&s->proc.auth, td_http_req_header(req, "authorization"), &kp);
     if (ao != TD_AUTH_OK) {
         router_oai_error_set(&err, 401, "invalid_request_error", NULL, "invalid_api_key",
                              ao == TD_AUTH_MISSING ? "no API key: send the header 'Authorization: Bearer KEY'"
                                                    : "the API key is not valid");
         td_http_resp_header(req, "WWW-Authenticate", "Bearer");
+        respond_error(req, &err);
+        return;
+    }
+    int64_t retry_ms;
+    if (!td_node_auth_take_rate(&s->proc.auth, &kp, &retry_ms)) { /* before the body is read, as a 401 */
+        char after[24];
+        snprintf(after, sizeof after, "%lld", (long long)((retry_ms + 999) / 1000));
+        router_oai_error_set(&err, 429, "rate_limit_error", NULL, "rate_limit_exceeded",
+                             "the API key's rate limit (%g requests a second) is reached: retry in %lld ms",
+                             kp.rate, (long long)retry_ms);
+        td_http_resp_header(req, "Retry-After", after); /* counted by td_node_auth */
         respond_error(req, &err);
         return;
     }

@@ -50,7 +50,7 @@ typedef struct router_config {
     int64_t default_max_tokens;
     int64_t lease_ms;          /* lease and Prefill bound beyond the estimated prefill wait */
     int64_t max_prefill_wait_ms; /* a busy prefill node takes no prompt it would reach later */
-    int64_t max_tokenizing;    /* text prompts being encoded off the loop at most */
+    int64_t max_tokenizing;    /* text prompts being encoded and HTTP bodies parsed off the loop at most */
     int64_t rpc_timeout_ms;
     int64_t heartbeat_ms;
     int64_t heartbeat_timeout_ms;
@@ -267,7 +267,7 @@ struct router_state {
     uv_prepare_t turn_prepare; /* counts loop turns (turn) */
     uint64_t turn;
     bool pump_wanted;          /* room may have appeared: try the queue's head after this callback */
-    int32_t n_tokenizing;      /* tok_job_t on the thread pool (max-tokenizing bound) */
+    int32_t n_tokenizing;      /* tok_job_t and router_http parse jobs on the thread pool (max-tokenizing) */
     uint64_t next_id;
     td_grpc_server_t *gateway, *control;
     td_http_server_t *http;    /* the OpenAI API and /metrics (--http-port), or NULL */
@@ -299,6 +299,12 @@ static inline bool router_req_on_node(const router_req_t *r)
 /* router_request.c: the request lifecycle */
 void router_want_pump(router_state_t *s);
 void router_count_outcome(router_state_t *s, const char *outcome);
+
+/* The priority a request of the key in `authorization` runs at: `asked` (the client's
+ * priority.value; 0 when it gives none) capped at the key's priority=N, when its line in the
+ * API keys file has one (docs/security.md "Tenants"). Uncounted, constant-time re-check of
+ * the key (the gate counted it). Loop thread. */
+int32_t router_key_priority(router_state_t *s, const char *authorization, int32_t asked);
 td_status_t router_req_open(router_state_t *s, const router_req_spec_t *spec, td_grpc_code_t *code_p,
                             char *why, size_t why_cap, router_req_t **r_p);
 void router_req_submit(router_req_t *r, const router_req_spec_t *spec);

@@ -302,12 +302,17 @@ static td_status_t serve(router_state_t *s)
     gc.max_connections = (uint32_t)cfg->gateway_max_connections;
     gc.idle_timeout_ms = (uint32_t)cfg->gateway_idle_timeout_ms;
     gc.max_resets_per_s = 0;
+    /* long requests are unpacked on the thread pool, as long HTTP bodies are parsed there
+     * (router_http.c): 64 KiB of the costliest protobuf (empty sub-messages) is ~1 ms */
+    gc.unpack_off_loop_bytes = 64 << 10;
+    gc.max_unpacking = (uint32_t)cfg->max_tokenizing;
     td_node_auth_guard_gateway(&s->proc.auth, &gc);
     if ((st = td_grpc_server_create(&s->proc.loop, &gc, &s->gateway)) != TD_OK)
         return st;
     gc.port = (uint16_t)cfg->control_port;
     gc.send_queue_bytes = td_grpc_server_config_default().send_queue_bytes;
     gc.body_budget = NULL; /* members' calls: bounded by the cluster's own size */
+    gc.unpack_off_loop_bytes = 0;
     gc.request_timeout_ms = td_grpc_server_config_default().request_timeout_ms;
     gc.max_connections = td_grpc_server_config_default().max_connections;
     gc.idle_timeout_ms = td_grpc_server_config_default().idle_timeout_ms;
@@ -363,7 +368,7 @@ int router_main(int argc, char **argv)
                              .max_backlog_tokens = 4096, .send_queue_bytes = 256 << 10, .default_max_tokens = 256,
                              .lease_ms = 10000, .max_prefill_wait_ms = 5000, .max_tokenizing = 64, .rpc_timeout_ms = 5000, .heartbeat_ms = 200,
                              .heartbeat_timeout_ms = 1500, .max_nodes = 256, .http_port = -1,
-                             .http_max_body_bytes = 8 << 20, .http_max_connections = 4096,
+                             .http_max_body_bytes = 2 << 20, .http_max_connections = 4096,
                              .gateway_max_connections = 1024, .gateway_idle_timeout_ms = 300000,
                              .http_idle_timeout_ms = 30000, .http_request_timeout_ms = 0, .max_migrations = 2,
                              .max_body_bytes_in_flight = 64 << 20, .body_timeout_ms = 10000};
@@ -383,7 +388,8 @@ int router_main(int argc, char **argv)
         TD_OPT_INT("lease-ms", &cfg->lease_ms, 10, 600000,
                    "decode lease and Prefill bound, beyond twice the estimated prefill wait"),
         TD_OPT_INT("max-tokenizing", &cfg->max_tokenizing, 1, 4096,
-                   "text prompts encoded off the loop at once; beyond → RESOURCE_EXHAUSTED"),
+                   "long text prompts encoded and long HTTP bodies parsed off the loop at once; beyond → "
+                   "RESOURCE_EXHAUSTED / 429"),
         TD_OPT_INT("max-prefill-wait-ms", &cfg->max_prefill_wait_ms, 0, 600000,
                    "a prefill node with work queued takes no prompt it would reach later than this (0 = no bound)"),
         TD_OPT_INT("rpc-timeout-ms", &cfg->rpc_timeout_ms, 10, 600000, "bound of Admit/Release calls"),

@@ -778,10 +778,18 @@ void router_req_submit(router_req_t *r, const router_req_spec_t *spec)
         req_arrived(r);
         return;
     }
+    /* a text prompt whose bytes already make more tokens than any node takes is refused
+     * before it is encoded (a conversation is not: a template may drop or trim text) */
+    char why[384];
+    if (!spec->n_messages &&
+        router_admit_check_text_size(s->reg, s->proc.cfg.model_name, s->tok, spec->prompt_text_len, r->max_tokens,
+                                     (int64_t)td_now_ns(), why, sizeof why) != TD_OK) {
+        router_req_fail(r, TD_GRPC_INVALID_ARGUMENT, why, "invalid");
+        return;
+    }
     bool now = (spec->n_messages ? spec->gp.prompt_len : spec->prompt_text_len) <= ROUTER_TOKENIZE_INLINE_BYTES;
     if (tok_start(r, spec->prompt, spec->n_messages ? 0 : spec->prompt_text_len, spec->messages,
                   spec->n_messages, now) != TD_OK) {
-        char why[384];
         snprintf(why, sizeof why, "%s", td_last_error());
         router_req_fail(r, TD_GRPC_RESOURCE_EXHAUSTED, why, "exhausted");
         return;

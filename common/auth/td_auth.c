@@ -58,14 +58,57 @@ static bool is_blank(char c)
 
 typedef struct digest {
     uint8_t b[SHA256_DIGEST_LENGTH];
-    bool admin;  /* the line carried the admin flag */
+    bool admin;           /* the line carried the admin flag */
+    bool has_cap;         /* ... a priority=N */
+    int32_t max_priority; /* N */
+    double rate;          /* ... a rate=R (0: none) */
 } digest_t;
 
 struct td_auth_keys {
     char *path;
     digest_t *d; /* n digests of the keys */
     size_t n;
+    uint64_t generation; /* reloads that took */
 };
+
+/* One flag of a key's line, w[0..n): admin, priority=N (a 32-bit integer), rate=R (requests
+ * a second, 0.001 .. 1e6); each at most once. false with *why set otherwise. */
+static bool key_flag(const char *w, size_t n, digest_t *d, bool seen[3], const char **why)
+{
+    char buf[64];
+    if (n >= sizeof buf) {
+        *why = "an unknown flag (the flags are admin, priority=N, rate=R)";
+        return false;
+    }
+    memcpy(buf, w, n);
+    buf[n] = '\0';
+    char *end;
+    if (!strcmp(buf, "admin")) {
+        *why = seen[0] ? "the flag admin twice" : NULL;
+        seen[0] = d->admin = true;
+    } else if (!strncmp(buf, "priority=", 9)) {
+        errno = 0;
+        long long v = strtoll(buf + 9, &end, 10);
+        *why = seen[1] ? "priority= twice"
+               : (errno || end == buf + 9 || *end || v < INT32_MIN || v > INT32_MAX)
+                   ? "priority= takes an integer (the highest priority.value the key's requests get)"
+                   : NULL;
+        seen[1] = d->has_cap = true;
+        d->max_priority = (int32_t)v;
+    } else if (!strncmp(buf, "rate=", 5)) {
+        errno = 0;
+        double v = strtod(buf + 5, &end);
+        *why = seen[2] ? "rate= twice"
+               : (errno || end == buf + 5 || *end || !(v >= 0.001 && v <= 1e6))
+                   ? "rate= takes requests a second, 0.001 .. 1000000"
+                   : NULL;
+        seen[2] = true;
+        d->rate = v;
+    } else {
+        *why = "an unknown flag (the flags are admin, priority=N, rate=R)";
+    }
+    return !*why;
+}
 
 /* Parses the file's text into digests (*d_p, *n_p); errors name the line, never the key. */
 static td_status_t keys_parse(const char *path, char *text, size_t len, digest_t **d_p, size_t *n_p)
@@ -83,24 +126,31 @@ static td_status_t keys_parse(const char *path, char *text, size_t len, digest_t
         while (end > line && is_blank(end[-1]))
             end--;
         size_t kl = (size_t)(end - line);
-        bool admin = false;
-        if (kl && line[0] != '#') { /* KEY [admin]: a flag after blanks */
+        digest_t props = {0};
+        if (kl && line[0] != '#') { /* KEY [flag ...]: flags after blanks */
             const char *sp = line;
             while (sp < end && !is_blank(*sp))
                 sp++;
-            if (sp < end) {
-                const char *flag = sp;
-                while (flag < end && is_blank(*flag))
-                    flag++;
-                if ((size_t)(end - flag) == 5 && !memcmp(flag, "admin", 5)) {
-                    admin = true;
-                    kl = (size_t)(sp - line);
-                } else { /* the word is not shown: it may be a key pasted on the same line */
+            kl = (size_t)(sp - line);
+            bool seen[3] = {false, false, false};
+            int word = 0;
+            for (const char *w = sp; w < end;) {
+                while (w < end && is_blank(*w))
+                    w++;
+                const char *we = w;
+                while (we < end && !is_blank(*we))
+                    we++;
+                const char *why;
+                word++;
+                /* the word is not shown: it may be a key pasted on the same line */
+                if (we > w && !key_flag(w, (size_t)(we - w), &props, seen, &why)) {
                     st = td_errorf(TD_ERR_FORMAT, "api keys file %s: line %d: a key is printable ASCII without "
-                                   "spaces, followed by nothing or by the one flag 'admin' (character %zu is a "
-                                   "blank and what follows is not 'admin')", path, line_no, (size_t)(sp - line) + 1);
+                                   "spaces, followed by nothing or by flags (admin, priority=N, rate=R); word %d "
+                                   "after the key (at character %zu): %s", path, line_no, word,
+                                   (size_t)(w - line) + 1, why);
                     goto err_digests;
                 }
+                w = we;
             }
 
             for (size_t i = 0; i < kl && st == TD_OK; i++)
@@ -123,8 +173,8 @@ static td_status_t keys_parse(const char *path, char *text, size_t len, digest_t
                 }
                 d = g;
             }
+            d[n] = props;
             SHA256((const unsigned char *)line, kl, d[n].b);
-            d[n].admin = admin;
             for (size_t i = 0; i < n; i++)
                 if (!memcmp(d[i].b, d[n].b, sizeof d[n].b)) {
                     st = td_errorf(TD_ERR_FORMAT, "api keys file %s: line %d repeats an earlier key: remove one",
@@ -193,7 +243,13 @@ td_status_t td_auth_keys_reload(td_auth_keys_t *keys)
     free(keys->d);
     keys->d = d;
     keys->n = n;
+    keys->generation++;
     return TD_OK;
+}
+
+uint64_t td_auth_keys_generation(const td_auth_keys_t *keys)
+{
+    return keys->generation;
 }
 
 size_t td_auth_keys_count(const td_auth_keys_t *keys)
@@ -206,41 +262,65 @@ const char *td_auth_keys_path(const td_auth_keys_t *keys)
     return keys->path;
 }
 
-/* The check of td_auth_keys_check; *admin_p: the matching key's admin flag. */
-static td_auth_outcome_t keys_check(const td_auth_keys_t *keys, const char *key, size_t len, bool *admin_p)
+/* The check of td_auth_keys_check; *props_p: the matching key's flags and place. Every
+ * key is compared and its flags blended in under a mask, so the time shows neither which
+ * key matched nor what its line says. */
+static td_auth_outcome_t keys_check(const td_auth_keys_t *keys, const char *key, size_t len,
+                                    td_auth_key_props_t *props_p)
 {
-    *admin_p = false;
+    *props_p = (td_auth_key_props_t){0};
     if (!len)
         return TD_AUTH_MISSING;
     digest_t h;
     SHA256((const unsigned char *)key, len, h.b);
-    int match = 0, admin = 0;
+    uint32_t match = 0, admin = 0, has_cap = 0, cap = 0, index = 0;
+    uint64_t rate = 0;
     for (size_t i = 0; i < keys->n; i++) { /* every key, no early exit */
-        int m = CRYPTO_memcmp(h.b, keys->d[i].b, sizeof h.b) == 0;
+        uint32_t m = (uint32_t)(CRYPTO_memcmp(h.b, keys->d[i].b, sizeof h.b) == 0);
+        uint32_t mask = 0u - m;
+        uint64_t rbits;
+        memcpy(&rbits, &keys->d[i].rate, sizeof rbits);
         match |= m;
-        admin |= m & keys->d[i].admin;
+        admin |= m & (uint32_t)keys->d[i].admin;
+        has_cap |= m & (uint32_t)keys->d[i].has_cap;
+        cap |= mask & (uint32_t)keys->d[i].max_priority;
+        index |= mask & (uint32_t)i;
+        rate |= ((uint64_t)0 - m) & rbits;
     }
     OPENSSL_cleanse(&h, sizeof h);
-    *admin_p = admin;
+    props_p->admin = admin;
+    props_p->has_priority_cap = has_cap;
+    props_p->max_priority = (int32_t)cap;
+    memcpy(&props_p->rate, &rate, sizeof rate);
+    props_p->index = index;
     return match ? TD_AUTH_OK : TD_AUTH_WRONG;
 }
 
 td_auth_outcome_t td_auth_keys_check(const td_auth_keys_t *keys, const char *key, size_t len)
 {
-    bool admin;
-    return keys_check(keys, key, len, &admin);
+    td_auth_key_props_t props;
+    return keys_check(keys, key, len, &props);
 }
 
 td_auth_outcome_t td_auth_keys_check_bearer(const td_auth_keys_t *keys, const char *authorization)
 {
-    bool admin;
-    return td_auth_keys_check_bearer_role(keys, authorization, &admin);
+    td_auth_key_props_t props;
+    return td_auth_keys_check_bearer_props(keys, authorization, &props);
 }
 
 td_auth_outcome_t td_auth_keys_check_bearer_role(const td_auth_keys_t *keys, const char *authorization,
                                                  bool *admin_p)
 {
-    *admin_p = false;
+    td_auth_key_props_t props;
+    td_auth_outcome_t o = td_auth_keys_check_bearer_props(keys, authorization, &props);
+    *admin_p = props.admin;
+    return o;
+}
+
+td_auth_outcome_t td_auth_keys_check_bearer_props(const td_auth_keys_t *keys, const char *authorization,
+                                                  td_auth_key_props_t *props_p)
+{
+    *props_p = (td_auth_key_props_t){0};
     if (!authorization || !authorization[0])
         return TD_AUTH_MISSING;
     const char *p = authorization;
@@ -254,7 +334,7 @@ td_auth_outcome_t td_auth_keys_check_bearer_role(const td_auth_keys_t *keys, con
     size_t len = strlen(p);
     while (len && (p[len - 1] == ' ' || p[len - 1] == '\t'))
         len--;
-    td_auth_outcome_t o = keys_check(keys, p, len, admin_p);
+    td_auth_outcome_t o = keys_check(keys, p, len, props_p);
     return o == TD_AUTH_MISSING ? TD_AUTH_WRONG : o; /* "Bearer" and nothing: a malformed credential */
 }
 

@@ -57,9 +57,21 @@ const char *td_auth_outcome_name(td_auth_outcome_t o);
 
 typedef struct td_auth_keys td_auth_keys_t;
 
+/* What a key's line says after the key (KEY [admin] [priority=N] [rate=R]). */
+typedef struct td_auth_key_props {
+    bool admin;            /* admin: the key may call the admin RPCs (ClusterStatus) */
+    bool has_priority_cap; /* priority=N given */
+    int32_t max_priority;  /* N: a request's priority.value is capped at it */
+    double rate;           /* rate=R: requests a second at most (bursts of max(1, R)); 0 = none */
+    uint32_t index;        /* the key's place among the keys (0-based): per-key state of a
+                            * caller, valid until td_auth_keys_generation changes */
+} td_auth_key_props_t;
+
 /*
- * Loads the API keys file `path`: one key per line, optionally followed by blanks and the
- * flag `admin` (the key may also call the admin RPCs: ClusterStatus); leading and trailing
+ * Loads the API keys file `path`: one key per line, optionally followed by blanks and
+ * flags, each at most once: `admin` (the key may also call the admin RPCs: ClusterStatus),
+ * `priority=N` (its requests' priority.value is capped at N), `rate=R` (at most R requests
+ * a second, in bursts of max(1, R); R in 0.001 .. 1e6); leading and trailing
  * spaces, tabs and a CR are ignored; blank lines and lines whose first non-blank character
  * is '#' are comments. A file with no key, a key that breaks the rules above, a key repeated, more
  * than TD_AUTH_KEYS_MAX keys or a file that cannot be read is an error naming the file
@@ -93,6 +105,15 @@ td_auth_outcome_t td_auth_keys_check_bearer(const td_auth_keys_t *keys, const ch
  * (false unless TD_AUTH_OK). The time taken shows neither which key nor whether admin. */
 td_auth_outcome_t td_auth_keys_check_bearer_role(const td_auth_keys_t *keys, const char *authorization,
                                                  bool *admin_p);
+
+/* td_auth_keys_check_bearer, and *props_p: the matched key's flags and place (all zero
+ * unless TD_AUTH_OK). The time taken shows neither which key nor its flags. */
+td_auth_outcome_t td_auth_keys_check_bearer_props(const td_auth_keys_t *keys, const char *authorization,
+                                                  td_auth_key_props_t *props_p);
+
+/* Counts the reloads that took: a caller's per-key state (by td_auth_key_props_t.index)
+ * is stale once it changes. */
+uint64_t td_auth_keys_generation(const td_auth_keys_t *keys);
 
 /* NULL is a no-op; the digests are wiped. */
 void td_auth_keys_destroy(td_auth_keys_t *keys);

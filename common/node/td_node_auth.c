@@ -57,6 +57,11 @@ td_status_t td_node_auth_serve(td_node_auth_t *a, uv_loop_t *loop, td_metrics_t 
                                       "Front-door requests by the API key they presented", "outcome", outcomes,
                                       TD_AUTH_N_OUTCOMES, a->key_outcomes)) != TD_OK)
         return st;
+    const td_metric_def_t rl = TD_METRIC_DEF_COUNTER("tandem_auth_api_key_rate_limited_total",
+                                                     "Front-door requests refused by their API key's rate limit "
+                                                     "(rate=R)", &a->rate_limited);
+    if (a->keys && !a->rate_limited && (st = td_metrics_register_all(metrics, &rl, 1)) != TD_OK)
+        return st;
     if (a->cluster && !a->cluster_outcomes[0] &&
         (st = td_metrics_counter_each(metrics, "tandem_auth_cluster_total",
                                       "Control calls received by the cluster signature they carried", "outcome",
@@ -82,6 +87,9 @@ void td_node_auth_close(td_node_auth_t *a)
 
 void td_node_auth_free(td_node_auth_t *a)
 {
+    free(a->rates);
+    a->rates = NULL;
+    a->n_rates = 0;
     td_auth_keys_destroy(a->keys);
     a->keys = NULL;
     td_auth_cluster_destroy(a->cluster);
@@ -100,20 +108,52 @@ static td_grpc_code_t gateway_gate(td_grpc_call_t *call, void *data, char *why, 
     td_node_auth_t *a = data;
     if (!strcmp(td_grpc_call_method(call), TD_NODE_AUTH_HEALTH_CHECK))
         return TD_GRPC_OK;
-    bool admin;
-    td_auth_outcome_t o = td_auth_keys_check_bearer_role(a->keys, td_grpc_call_header(call, "authorization"), &admin);
+    td_auth_key_props_t kp;
+    td_auth_outcome_t o = td_auth_keys_check_bearer_props(a->keys, td_grpc_call_header(call, "authorization"), &kp);
     count(a->key_outcomes, o);
     if (o != TD_AUTH_OK) {
         snprintf(why, cap, o == TD_AUTH_MISSING ? "an API key is required: send metadata authorization: Bearer KEY"
                                                 : "the API key is not valid");
         return TD_GRPC_UNAUTHENTICATED;
     }
-    if (!admin && !strcmp(td_grpc_call_method(call), TD_NODE_AUTH_CLUSTER_STATUS)) {
+    if (!kp.admin && !strcmp(td_grpc_call_method(call), TD_NODE_AUTH_CLUSTER_STATUS)) {
         snprintf(why, cap, "%s is an admin call (it shows the cluster's nodes and their addresses): use a key whose "
                  "line in the API keys file is 'KEY admin'", TD_NODE_AUTH_CLUSTER_STATUS);
         return TD_GRPC_PERMISSION_DENIED;
     }
+    int64_t retry_ms;
+    if (!td_node_auth_take_rate(a, &kp, &retry_ms)) {
+        snprintf(why, cap, "the API key's rate limit (%g requests a second) is reached: retry in %lld ms", kp.rate,
+                 (long long)retry_ms);
+        return TD_GRPC_RESOURCE_EXHAUSTED;
+    }
     return TD_GRPC_OK;
+}
+
+bool td_node_auth_take_rate(td_node_auth_t *a, const td_auth_key_props_t *props, int64_t *retry_ms_p)
+{
+    if (!a->keys || props->rate <= 0)
+        return true;
+    size_t n = td_auth_keys_count(a->keys);
+    uint64_t gen = td_auth_keys_generation(a->keys);
+    if (!a->rates || a->n_rates != n || a->rates_generation != gen) { /* new keys: every bucket full */
+        free(a->rates);
+        a->n_rates = 0;
+        if (!(a->rates = calloc(n, sizeof *a->rates))) {
+            *retry_ms_p = 1000;
+            return false;
+        }
+        a->n_rates = n;
+        a->rates_generation = gen;
+    }
+    if (props->index >= a->n_rates)
+        return true; /* not a place of these keys (props from before a reload) */
+    double burst = props->rate > 1 ? props->rate : 1;
+    if (td_rate_take(&a->rates[props->index], props->rate, burst, (int64_t)td_now_ns(), retry_ms_p))
+        return true;
+    if (a->rate_limited)
+        td_metric_inc(a->rate_limited);
+    return false;
 }
 
 /* Logs a refused control call: each new reason at once, a repeat at most every
@@ -221,9 +261,17 @@ void td_node_auth_sign_channel_with(td_auth_signer_t *signer, td_grpc_channel_co
 
 td_auth_outcome_t td_node_auth_check_key(td_node_auth_t *a, const char *authorization)
 {
+    td_auth_key_props_t kp;
+    return td_node_auth_check_key_props(a, authorization, &kp);
+}
+
+td_auth_outcome_t td_node_auth_check_key_props(td_node_auth_t *a, const char *authorization,
+                                               td_auth_key_props_t *props_p)
+{
+    *props_p = (td_auth_key_props_t){0};
     if (!a->keys)
         return TD_AUTH_OK;
-    td_auth_outcome_t o = td_auth_keys_check_bearer(a->keys, authorization);
+    td_auth_outcome_t o = td_auth_keys_check_bearer_props(a->keys, authorization, props_p);
     count(a->key_outcomes, o);
     return o;
 }

@@ -25,6 +25,7 @@
 #include <uv.h>
 
 #include "td_auth.h"
+#include "td_rate.h"
 #include "td_grpc.h"
 #include "td_metrics.h"
 #include "td_status.h"
@@ -43,6 +44,11 @@ typedef struct td_node_auth {
     td_auth_cluster_t *cluster;                         /* NULL: control plane open */
     td_metric_t *key_outcomes[TD_AUTH_N_OUTCOMES];      /* tandem_auth_api_key_total{outcome} */
     td_metric_t *cluster_outcomes[TD_AUTH_N_OUTCOMES];  /* tandem_auth_cluster_total{outcome} */
+    td_metric_t *rate_limited;                          /* tandem_auth_api_key_rate_limited_total */
+    td_rate_t *rates;                                   /* [n_rates] a bucket per key (rate=R), by
+                                                         * its place; reset when the keys reload */
+    size_t n_rates;
+    uint64_t rates_generation;                          /* td_auth_keys_generation they are for */
     uv_signal_t sighup;
     bool sighup_up;
     struct {                /* control refusals logged lately, by "method: reason" */
@@ -90,5 +96,20 @@ void td_node_auth_sign_channel_with(td_auth_signer_t *signer, td_grpc_channel_co
 /* The HTTP front door's check of an Authorization header value (NULL: absent), counted
  * in tandem_auth_api_key_total. TD_AUTH_OK too when no keys are configured (not counted). */
 td_auth_outcome_t td_node_auth_check_key(td_node_auth_t *a, const char *authorization);
+
+/* td_node_auth_check_key, and *props_p: the matched key's flags (all zero without keys or
+ * unless TD_AUTH_OK). */
+td_auth_outcome_t td_node_auth_check_key_props(td_node_auth_t *a, const char *authorization,
+                                               td_auth_key_props_t *props_p);
+
+/*
+ * A request of the key `props` describes (as a check returned them) against its rate=R: true
+ * when its bucket (R a second, bursts of max(1, R)) had a token, or the key has no rate;
+ * false with *retry_ms_p (>= 1) until it will, counted in
+ * tandem_auth_api_key_rate_limited_total. The buckets are the front doors' one set (the
+ * gateway's gate takes from them too) and start full again when the keys reload. Loop
+ * thread. Out of memory for the buckets: false, *retry_ms_p 1000.
+ */
+bool td_node_auth_take_rate(td_node_auth_t *a, const td_auth_key_props_t *props, int64_t *retry_ms_p);
 
 #endif /* TD_NODE_AUTH_H */

@@ -140,6 +140,14 @@ typedef struct td_grpc_server_config {
     td_grpc_head_auth_cb authenticate_head; /* optional gate on the headers (above), before
                                       * authenticate; NULL: none */
     void *auth_data;                 /* both gates' data */
+    size_t unpack_off_loop_bytes;    /* a request longer than this is unpacked on libuv's
+                                      * thread pool, its handler called from the loop when
+                                      * it is done (protobuf-c's unpack of a 4 MiB message of
+                                      * tiny sub-messages is ~70 ms; several at once stall
+                                      * a loop that carries heartbeats); 0 = every request
+                                      * on the loop (the default: members' calls are small) */
+    uint32_t max_unpacking;          /* requests being unpacked on the pool at once; beyond
+                                      * → RESOURCE_EXHAUSTED ("retry"); 16 */
     td_rpc_budget_t *body_budget;    /* optional, shared with other servers of the loop: the
                                       * request bytes buffered across all connections; a
                                       * message is taken whole when its 5-byte prefix arrives,

@@ -274,7 +274,7 @@ static void call_deliver(td_grpc_client_call_t *call)
             break;
         const uint8_t *p = call->resp.data + call->resp.off + TD_GRPC_PREFIX_BYTES;
         if (call->opts.on_message) {
-            ProtobufCMessage *m = td_grpc_unpack(call->opts.response_desc, p, len);
+            ProtobufCMessage *m = td_grpc_unpack(call->opts.response_desc, p, len, NULL);
             td_grpc_buf_consume(&call->resp, TD_GRPC_PREFIX_BYTES + len);
             if (!m) {
                 call_abort(call, TD_GRPC_INTERNAL, "response does not parse", NGHTTP2_CANCEL);

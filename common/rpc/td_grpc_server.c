@@ -47,6 +47,7 @@ td_grpc_server_config_t td_grpc_server_config_default(void)
         .request_timeout_ms = 30000,
         .idle_timeout_ms = 0,
         .max_resets_per_s = 100000,
+        .max_unpacking = 16,
     };
 }
 

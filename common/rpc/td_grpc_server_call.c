@@ -66,7 +66,7 @@ static void call_timer_closed(uv_handle_t *h)
 
 static void call_maybe_free(td_grpc_call_t *call)
 {
-    if (call->freeing || call->conn || (call->dispatched && !call->finished))
+    if (call->freeing || call->conn || call->unpacking || (call->dispatched && !call->finished))
         return;
     call->freeing = true;
     uv_close((uv_handle_t *)&call->timer, call_timer_closed);
@@ -575,6 +575,99 @@ static void call_headers_done(td_grpc_call_t *call)
     }
 }
 
+/* A request unpacked (NULL: it did not parse, or over the unpack bound) goes to its
+ * handler, which may keep the call; the message is freed when the handler returns. */
+static void call_run(td_grpc_call_t *call, ProtobufCMessage *req, bool over)
+{
+    if (!req) {
+        char msg[256];
+        if (over)
+            snprintf(msg, sizeof msg, "request unpacks as %s to more than 16 bytes a wire byte (too many tiny "
+                     "fields or sub-messages): send fewer", call->method->desc->name);
+        else
+            snprintf(msg, sizeof msg, "request does not parse as %s", call->method->desc->name);
+        call_fail(call, over ? TD_GRPC_RESOURCE_EXHAUSTED : TD_GRPC_INTERNAL, msg);
+        return;
+    }
+    call->dispatched = true;
+    call->conn->served = true;
+    call->conn->since = uv_now(call->srv->loop);
+    call->method->cb(call, req, call->method->data);
+    td_grpc_free_unpacked(req);
+}
+
+/* ---- long requests, unpacked on the thread pool (cfg.unpack_off_loop_bytes) ------------ */
+
+/* The job owns the request's bytes and their charge to the body budget (moved from the
+ * call, so nothing the loop does to the call meanwhile touches them) and the result. The
+ * call is kept (call->unpacking) until the job is back; a call whose stream went or that
+ * ended meanwhile (its deadline) only frees the message then. protobuf-c and the arena
+ * touch nothing but the job, so the unpack is safe on another thread. */
+typedef struct unpack_job {
+    uv_work_t work;                        /* first: the job is its work request */
+    td_grpc_call_t *call;
+    const ProtobufCMessageDescriptor *desc;
+    td_grpc_buf_t bytes;                   /* the request with its 5-byte prefix */
+    size_t charged;                        /* its bytes of cfg.body_budget */
+    ProtobufCMessage *msg;
+    bool over;
+} unpack_job_t;
+
+static void unpack_work(uv_work_t *w)
+{
+    unpack_job_t *j = (unpack_job_t *)w;
+    const uint8_t *p = j->bytes.data + j->bytes.off + TD_GRPC_PREFIX_BYTES;
+    j->msg = td_grpc_unpack(j->desc, p, td_grpc_buf_size(&j->bytes) - TD_GRPC_PREFIX_BYTES, &j->over);
+}
+
+static void unpack_done(uv_work_t *w, int status)
+{
+    (void)status; /* never cancelled: uv_cancel is not used */
+    unpack_job_t *j = (unpack_job_t *)w;
+    td_grpc_call_t *call = j->call;
+    td_grpc_server_t *srv = call->srv;
+    srv->n_unpacking--;
+    call->unpacking = false;
+    td_grpc_buf_free(&j->bytes);
+    td_rpc_budget_give(srv->cfg.body_budget, j->charged);
+    ProtobufCMessage *msg = j->msg;
+    bool over = j->over;
+    free(j);
+    if (!call->conn || call->ended || srv->closing) {
+        td_grpc_free_unpacked(msg);
+        call_maybe_free(call);
+        return;
+    }
+    call_run(call, msg, over);
+}
+
+/* Moves call's request to the pool; the call is refused RESOURCE_EXHAUSTED past
+ * max_unpacking or when the pool cannot take it. */
+static void unpack_start(td_grpc_call_t *call)
+{
+    td_grpc_server_t *srv = call->srv;
+    unpack_job_t *j = NULL;
+    if (srv->n_unpacking >= srv->cfg.max_unpacking || !(j = calloc(1, sizeof *j))) {
+        char msg[160];
+        snprintf(msg, sizeof msg, "the server is unpacking %u long requests (its bound): retry shortly",
+                 srv->n_unpacking);
+        req_release(call);
+        call_fail(call, TD_GRPC_RESOURCE_EXHAUSTED, msg);
+        return;
+    }
+    *j = (unpack_job_t){.call = call, .desc = call->method->desc, .bytes = call->req, .charged = call->charged};
+    if (uv_queue_work(srv->loop, &j->work, unpack_work, unpack_done) != 0) {
+        free(j);
+        req_release(call);
+        call_fail(call, TD_GRPC_RESOURCE_EXHAUSTED, "the server cannot queue the request's unpacking: retry shortly");
+        return;
+    }
+    memset(&call->req, 0, sizeof call->req);
+    call->charged = 0;
+    call->unpacking = true;
+    srv->n_unpacking++;
+}
+
 /* The client half-closed: exactly one whole message must be there. */
 static void call_dispatch(td_grpc_call_t *call)
 {
@@ -606,19 +699,14 @@ static void call_dispatch(td_grpc_call_t *call)
             return;
         }
     }
-    ProtobufCMessage *req = td_grpc_unpack(call->method->desc, bytes, len);
-    req_release(call);
-    if (!req) {
-        char msg[256];
-        snprintf(msg, sizeof msg, "request does not parse as %s", call->method->desc->name);
-        call_fail(call, TD_GRPC_INTERNAL, msg);
+    if (call->srv->cfg.unpack_off_loop_bytes && len > call->srv->cfg.unpack_off_loop_bytes) {
+        unpack_start(call);
         return;
     }
-    call->dispatched = true;
-    call->conn->served = true;
-    call->conn->since = uv_now(call->srv->loop);
-    call->method->cb(call, req, call->method->data);
-    td_grpc_free_unpacked(req);
+    bool over;
+    ProtobufCMessage *req = td_grpc_unpack(call->method->desc, bytes, len, &over);
+    req_release(call);
+    call_run(call, req, over);
 }
 
 static int on_frame_recv(nghttp2_session *ses, const nghttp2_frame *frame, void *user)

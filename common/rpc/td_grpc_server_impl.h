@@ -63,6 +63,7 @@ struct td_grpc_server {
     int n_spare;
     uint32_t n_conns;
     uint32_t n_calls;              /* calls not yet freed */
+    uint32_t n_unpacking;          /* calls' requests on the thread pool (max_unpacking) */
     int open_handles;              /* listener, pump, kick, dl_timer, sweep, connections' tcp */
     bool closing;
     void (*close_cb)(void *data);
@@ -119,6 +120,8 @@ struct td_grpc_call {
     bool ended;                    /* trailers decided (finish, error reply or deadline) */
     bool trailers_sent;            /* submitted to nghttp2 */
     bool dispatched, finished, cancelled, freeing, want_writable;
+    bool unpacking;                /* its request is being unpacked on the thread pool: the
+                                    * call is not freed until that ends */
     td_grpc_code_t code;
     char *message;                 /* percent-encoded grpc-message, or NULL */
     char code_str[12];

@@ -189,8 +189,10 @@ static void wire_arena_free(void *data, void *ptr)
     /* everything goes with the arena */
 }
 
-ProtobufCMessage *td_grpc_unpack(const ProtobufCMessageDescriptor *desc, const uint8_t *p, size_t n)
+ProtobufCMessage *td_grpc_unpack(const ProtobufCMessageDescriptor *desc, const uint8_t *p, size_t n, bool *over_p)
 {
+    if (over_p)
+        *over_p = false;
     size_t bound = n > (SIZE_MAX - 65536) / 16 ? SIZE_MAX : n * 16 + 65536;
     /* room for the arena, the top-level message and what the wire bytes usually unpack to */
     size_t first = WIRE_ARENA_HDR + TD_DIV_CEIL(desc->sizeof_message, 16) * 16 + TD_MIN(4 * n + 256, bound / 2);
@@ -203,6 +205,8 @@ ProtobufCMessage *td_grpc_unpack(const ProtobufCMessageDescriptor *desc, const u
     w->alloc = (ProtobufCAllocator){wire_arena_alloc, wire_arena_free, w};
     ProtobufCMessage *m = protobuf_c_message_unpack(desc, &w->alloc, n, p);
     if (!m) {
+        if (over_p)
+            *over_p = w->arena.over_limit;
         td_arena_free(&w->arena);
         return NULL;
     }

@@ -53,9 +53,11 @@ td_status_t td_grpc_buf_put_raw(td_grpc_buf_t *b, const void *p, size_t n, size_
 bool td_grpc_peek_prefix(const td_grpc_buf_t *b, uint8_t *compressed, uint32_t *len);
 
 /* Unpacks into one arena (a few mallocs per message, not one per field) bounded at 16
- * bytes per wire byte + 64 KiB. NULL when it does not parse or needs more. Free with
- * td_grpc_free_unpacked. */
-ProtobufCMessage *td_grpc_unpack(const ProtobufCMessageDescriptor *desc, const uint8_t *p, size_t n);
+ * bytes per wire byte + 64 KiB. NULL when it does not parse or needs more; then *over_p
+ * (optional) says whether the bound refused it (a message of many tiny sub-messages: 2M
+ * empty chat messages in 4 MiB) rather than the bytes being malformed or malloc failing.
+ * Free with td_grpc_free_unpacked. */
+ProtobufCMessage *td_grpc_unpack(const ProtobufCMessageDescriptor *desc, const uint8_t *p, size_t n, bool *over_p);
 void td_grpc_free_unpacked(ProtobufCMessage *msg);
 
 /* The longest grpc-timeout taken (100 days): longer ones are clamped to it, so a deadline

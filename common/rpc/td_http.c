@@ -449,6 +449,19 @@ const char *td_http_req_body(const td_http_req_t *req, size_t *len_p)
     return req->body;
 }
 
+char *td_http_req_take_body(td_http_req_t *req, size_t *len_p, size_t *charged_p)
+{
+    char *body = req->body;
+    *len_p = body ? req->body_len : 0;
+    *charged_p = body ? req->charged : 0;
+    if (body) {
+        req->charged = 0;
+        req->body = NULL;
+        req->body_len = req->body_cap = 0;
+    }
+    return body;
+}
+
 void td_http_req_set_data(td_http_req_t *req, void *data)
 {
     req->data = data;

@@ -172,6 +172,12 @@ const char *td_http_req_header(const td_http_req_t *req, const char *name);
 /* The body (dechunked) and its length; "" and 0 when none (and in on_head). Valid until the
  * handler returns. */
 const char *td_http_req_body(const td_http_req_t *req, size_t *len_p);
+/* Takes the body away from the request, for a handler that reads it after it returns (on
+ * another thread): the malloc'ed buffer (the caller frees it; NULL when there is none) and
+ * its length, and in *charged_p the bytes it holds of cfg.body_budget, which the caller
+ * gives back (td_rpc_budget_give, on the loop thread) when it frees the buffer, so the
+ * bound of bodies in flight still counts it. The request has no body afterwards. */
+char *td_http_req_take_body(td_http_req_t *req, size_t *len_p, size_t *charged_p);
 
 /* The handler's pointer for the callbacks below. */
 void td_http_req_set_data(td_http_req_t *req, void *data);

@@ -382,6 +382,7 @@ td_status_t td_tokenizer_load(const char *path, td_tokenizer_t **tok_p)
         goto err;
     free(data);
 done:
+    td_tok_bound_tokens(tok);
     td_debug("tokenizer %s: %d ids, bos %d, %zu eos", tok->path, tok->n_vocab, tok->bos_id, tok->n_eos);
     *tok_p = tok;
     return TD_OK;

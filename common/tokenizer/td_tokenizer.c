@@ -413,6 +413,44 @@ err:
     return st;
 }
 
+/* ---- a bound without encoding ---- */
+
+void td_tok_bound_tokens(td_tokenizer_t *tok)
+{
+    tok->max_token_bytes = 0;
+    for (size_t i = 0; i < tok->n_norm; i++)
+        if (tok->norm[i].kind == TD_TOK_NORM_NFC ||
+            (tok->norm[i].kind == TD_TOK_NORM_REPLACE && tok->norm[i].b_len < tok->norm[i].a_len))
+            return;
+    for (size_t i = 0; i < tok->n_added; i++)
+        if (tok->added[i].lstrip || tok->added[i].rstrip)
+            return;
+    bool all_bytes = tok->byte_fallback; /* then no character is ever unknown */
+    for (int b = 0; b < 256 && all_bytes; b++)
+        all_bytes = tok->byte_id[b] >= 0;
+    if (tok->fuse_unk && tok->unk_id >= 0 && !all_bytes)
+        return; /* a run of unknown characters, any length, is one id */
+    uint32_t most = 4; /* an unknown character: one id for up to 4 bytes */
+    for (int32_t id = 0; id < tok->n_vocab; id++) {
+        if (tok->flags[id] & TD_TOK_F_HOLE)
+            continue;
+        most = TD_MAX(most, TD_MAX(tok->piece_len[id], TD_MAX(tok->key_len[id], tok->surf_len[id])));
+    }
+    for (size_t i = 0; i < tok->n_added; i++)
+        most = TD_MAX(most, tok->added[i].len);
+    tok->max_token_bytes = most;
+}
+
+uint32_t td_tokenizer_max_token_bytes(const td_tokenizer_t *tok)
+{
+    return tok->max_token_bytes;
+}
+
+size_t td_tokenizer_min_tokens(const td_tokenizer_t *tok, size_t len)
+{
+    return tok->max_token_bytes ? TD_DIV_CEIL(len, (size_t)tok->max_token_bytes) : 0;
+}
+
 /* ---- decode ---- */
 
 void td_detok_init(td_detok_t *d, const td_tokenizer_t *tok)

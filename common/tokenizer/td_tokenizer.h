@@ -117,6 +117,22 @@ td_status_t td_tokenizer_encode(const td_tokenizer_t *tok, const char *text, siz
                                 unsigned flags, int32_t **ids_p, size_t *n_p);
 
 /*
+ * A lower bound on the ids td_tokenizer_encode makes of `len` bytes of text (BOS and EOS not
+ * counted), without encoding it: len / td_tokenizer_max_token_bytes, rounded up. Sound
+ * because every step of the encoder keeps or grows the text (a prefix, a space made "▁")
+ * and each id stands for at most that many bytes of it (a piece, an added token, a byte, an
+ * unknown character). 0 (no bound) when the tokenizer has a step that can shrink text: an
+ * NFC normalizer (a letter and a combining mark become one character), a replacement
+ * shorter than what it replaces, an added token that takes the blanks around it (lstrip /
+ * rstrip), unknown characters fused into one id. Thread-safe (reads only).
+ */
+size_t td_tokenizer_min_tokens(const td_tokenizer_t *tok, size_t len);
+
+/* The most bytes of text one id stands for (the longest piece, model key or added token;
+ * at least 4, a character's bytes); 0 when no sound bound exists (see above). */
+uint32_t td_tokenizer_max_token_bytes(const td_tokenizer_t *tok);
+
+/*
  * Decodes `n` ids to UTF-8 text: special tokens skipped, the dummy-prefix space dropped
  * at the start, invalid UTF-8 replaced by U+FFFD. *text_p is malloc'd and NUL-terminated
  * (caller frees), *len_p (if not NULL) its length. Errors: TD_ERR_RANGE for an id outside

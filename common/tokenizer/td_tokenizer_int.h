@@ -105,6 +105,9 @@ struct td_tokenizer {
     /* decoder: drop one leading space of the decoded text */
     bool strip_leading_space;
 
+    /* the most bytes of text one id stands for; 0 = unbounded (td_tokenizer_min_tokens) */
+    uint32_t max_token_bytes;
+
     int32_t bos_id;
     int32_t eos_ids[TD_TOK_MAX_EOS];
     size_t n_eos;
@@ -198,6 +201,9 @@ void td_tok_bytelevel_tables(uint32_t b2u[256], int16_t u2b[0x144]);
 /* Converts a ByteLevel-alphabet string to the bytes it stands for (characters outside the
  * alphabet are kept as their UTF-8). out has room for len bytes. */
 size_t td_tok_bytelevel_to_bytes(const int16_t u2b[0x144], const char *s, size_t len, char *out);
+
+/* Sets tok->max_token_bytes once the tokenizer is loaded (td_tokenizer.c). */
+void td_tok_bound_tokens(td_tokenizer_t *tok);
 
 /* Sorts tok->added (first byte, then longest first) and fills added_first. */
 void td_tok_index_added(td_tokenizer_t *tok);

@@ -27,6 +27,7 @@ head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$CL_T/secret"
 chmod 600 "$CL_T/keys" "$CL_T/secret"
 
 cl_router --cluster-secret-file "$CL_T/secret" --api-keys-file "$CL_T/keys" --http-port 0 --tokenizer "$TOK" \
+    --http-max-body-bytes 8388608 \
     --max-body-bytes-in-flight 1000000 --body-timeout-ms 1000
 OA=$(sed -n 's/^openai: //p' "$CL_T/router.out")
 [ -n "$OA" ] || cl_fail "the router printed no openai: line"

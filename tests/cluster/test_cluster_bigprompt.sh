@@ -1,18 +1,21 @@
 #!/bin/bash
 # test_cluster_bigprompt: the largest text prompt the gateway accepts (a 4 MiB message: one
 # pre-token of letters, the costliest text for a byte-level BPE; 1.8 s to encode with Llama
-# 3's tokenizer in the release build, 9 s under the sanitizers) sent to a router holding
+# 3's tokenizer in the release build, 9 s under the sanitizers; Qwen 3's here, below) sent to a router holding
 # that tokenizer while greedy streams run. The router encodes text prompts on libuv's thread
 # pool, so its loop keeps serving: every stream ends OK with the ids of `tandem generate`,
 # no node misses a heartbeat, the router's loop-lag p99 stays under 50 ms and its longest
-# run of callbacks under 250 ms, and the big prompt ends with a clear error (its Llama 3
+# run of callbacks under 250 ms, and the big prompt ends with a clear error (its Qwen 3
 # ids are outside stories260K's 512-token vocabulary), not UNAVAILABLE. When the router
 # encoded on its loop (issue 21), the 3.9 MB prompt stalled it 1.4 s without a heartbeat:
 # both nodes were dropped and the streams in flight ended UNAVAILABLE. Skips without
-# stories260K, Llama 3's tokenizer.json or python3-grpcio.
+# stories260K, Qwen 3's tokenizer.json or python3-grpcio.
 source "$(dirname "$0")/cluster_lib.sh"
 cl_init
-TOK="$(dirname "$CL_M")/../tokenizers/llama3/tokenizer.json"
+# Qwen 3's tokenizer: its NFC normalizer can shrink text, so the router cannot bound the
+# prompt's tokens by its bytes and must encode it (with Llama 3's, whose longest token is 256
+# bytes, 4 MiB is at least 16,384 tokens and is refused before encoding: docs/security.md)
+TOK="$(dirname "$CL_M")/../tokenizers/qwen3/tokenizer.json"
 [ -f "$TOK" ] || { echo "SKIP: $TOK absent (set TANDEM_TEST_MODELS)"; exit 77; }
 MAXTOK=200
 BYTES=$(((4 << 20) - 64)) # the gateway's max_message_bytes less the request's framing

@@ -16,6 +16,7 @@
 
 #define KEY_A "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"
 #define KEY_B "bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb-2"
+#define KEY_C "cccccccccccccccccccccccccccccccc-3"
 #define SECRET "0123456789abcdef0123456789abcdef0123456789abcdef"
 
 static char dir[64];
@@ -92,6 +93,33 @@ Test(auth, keys_file_admin_flag)
     td_auth_keys_destroy(k);
 }
 
+/* A key line may carry priority=N and rate=R beside admin, in any order: the check gives the
+ * matched key's flags and its place, and nothing for a key that does not match; a reload
+ * that takes counts a generation (per-key state by place is stale then). */
+Test(auth, keys_file_priority_and_rate_flags)
+{
+    const char *p = write_file("keys", KEY_A " rate=2.5 priority=-3\n# c\n" KEY_B "\n" KEY_C " admin priority=7\n");
+    td_auth_keys_t *k = NULL;
+    cr_assert_eq(td_auth_keys_load(p, &k), TD_OK, "%s", td_last_error());
+    cr_assert_eq(td_auth_keys_count(k), 3);
+    td_auth_key_props_t kp;
+    cr_assert_eq(td_auth_keys_check_bearer_props(k, "Bearer " KEY_A, &kp), TD_AUTH_OK);
+    cr_assert(!kp.admin && kp.has_priority_cap && kp.max_priority == -3 && kp.rate == 2.5 && kp.index == 0);
+    cr_assert_eq(td_auth_keys_check_bearer_props(k, "Bearer " KEY_B, &kp), TD_AUTH_OK);
+    cr_assert(!kp.admin && !kp.has_priority_cap && kp.rate == 0 && kp.index == 1, "no flags: no cap, no limit");
+    cr_assert_eq(td_auth_keys_check_bearer_props(k, "Bearer " KEY_C, &kp), TD_AUTH_OK);
+    cr_assert(kp.admin && kp.has_priority_cap && kp.max_priority == 7 && kp.rate == 0 && kp.index == 2);
+    cr_assert_eq(td_auth_keys_check_bearer_props(k, "Bearer " KEY_C "x", &kp), TD_AUTH_WRONG);
+    cr_assert(!kp.admin && !kp.has_priority_cap && kp.rate == 0 && kp.index == 0, "a wrong key gets no flags");
+    uint64_t g = td_auth_keys_generation(k);
+    write_file("keys", KEY_B " rate=1\n");
+    cr_assert_eq(td_auth_keys_reload(k), TD_OK);
+    cr_assert_neq(td_auth_keys_generation(k), g);
+    cr_assert_eq(td_auth_keys_check_bearer_props(k, "Bearer " KEY_B, &kp), TD_AUTH_OK);
+    cr_assert(kp.rate == 1 && kp.index == 0);
+    td_auth_keys_destroy(k);
+}
+
 /* Each bad file is refused with a message naming the file and line, never the key. */
 Test(auth, keys_file_errors)
 {
@@ -102,8 +130,16 @@ Test(auth, keys_file_errors)
         {"# only a comment\n\n", "has no key"},
         {"short\n", "line 1: the key has 5 characters"},
         {"# c\n" KEY_A " " KEY_B "\n", "line 2: a key is printable ASCII without spaces"},
-        {KEY_A " admins\n", "line 1: a key is printable ASCII without spaces, followed by nothing or by the one "
-                           "flag 'admin'"},
+        {KEY_A " admins\n", "line 1: a key is printable ASCII without spaces, followed by nothing or by flags "
+                           "(admin, priority=N, rate=R); word 1 after the key"},
+        {KEY_A " admin admin\n", "line 1: a key is printable ASCII without spaces, followed by nothing or by flags "
+                                 "(admin, priority=N, rate=R); word 2 after the key (at character 40): the flag "
+                                 "admin twice"},
+        {KEY_A " priority=high\n", "priority= takes an integer"},
+        {KEY_A " priority=9999999999\n", "priority= takes an integer"},
+        {KEY_A " rate=0\n", "rate= takes requests a second, 0.001 .. 1000000"},
+        {KEY_A " rate=nan\n", "rate= takes requests a second"},
+        {KEY_A " rate=1 rate=2\n", "rate= twice"},
         {KEY_A "\n" KEY_B "\n" KEY_A "\n", "line 3 repeats an earlier key"},
         {"\xc3\xa9" KEY_A "\n", "line 1: a key is printable ASCII"},
     };

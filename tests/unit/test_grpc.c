@@ -648,12 +648,18 @@ Test(grpc, unpack_arena_is_bounded)
         wire[2 * i] = (3 << 3) | 2; /* StepBatch.seqs, length-delimited */
         wire[2 * i + 1] = 0;        /* an empty SeqStep */
     }
-    ProtobufCMessage *m = td_grpc_unpack(&tandem__control__v1__step_batch__descriptor, wire, 2 * 1000);
+    bool over = true;
+    ProtobufCMessage *m = td_grpc_unpack(&tandem__control__v1__step_batch__descriptor, wire, 2 * 1000, &over);
     cr_assert_not_null(m, "1000 entries must unpack");
     cr_assert_eq(((Tandem__Control__V1__StepBatch *)m)->n_seqs, 1000);
     td_grpc_free_unpacked(m);
-    cr_assert_null(td_grpc_unpack(&tandem__control__v1__step_batch__descriptor, wire, 2 * BIG),
+    cr_assert_not(over);
+    cr_assert_null(td_grpc_unpack(&tandem__control__v1__step_batch__descriptor, wire, 2 * BIG, &over),
                    "100000 empty entries exceed 16 bytes per wire byte");
+    cr_assert(over, "the bound refused it, and says so");
+    wire[0] = 0xff; /* a field number with no end: malformed, not over the bound */
+    cr_assert_null(td_grpc_unpack(&tandem__control__v1__step_batch__descriptor, wire, 1, &over));
+    cr_assert_not(over);
     free(wire);
 }
 
@@ -893,4 +899,77 @@ Test(grpc, half_open_flood_does_not_lock_clients_out, .timeout = 120)
     free(half);
     client_stop(&c);
     td_metrics_destroy(reg);
+}
+
+/* A Generate whose request is n_msgs chat messages of role `role` (each the same message). */
+static td_grpc_client_call_t *generate_messages(client_t *c, size_t n_msgs, const char *role, uint32_t timeout_ms,
+                                                result_t *r)
+{
+    Tandem__V1__ChatMessage m = TANDEM__V1__CHAT_MESSAGE__INIT;
+    m.role = (char *)role;
+    Tandem__V1__ChatMessage **ms = malloc(n_msgs * sizeof *ms);
+    cr_assert_not_null(ms);
+    for (size_t i = 0; i < n_msgs; i++)
+        ms[i] = &m;
+    Tandem__V1__GenerateRequest req = TANDEM__V1__GENERATE_REQUEST__INIT;
+    req.prompt = "hi";
+    req.max_tokens = 3;
+    req.messages = ms;
+    req.n_messages = n_msgs;
+    memset(r, 0, sizeof *r);
+    td_grpc_call_opts_t o = {.response_desc = &tandem__v1__generate_response__descriptor,
+                             .on_message = on_msg, .on_done = on_done, .data = r, .timeout_ms = timeout_ms};
+    td_grpc_client_call_t *call = NULL;
+    cr_assert_eq(td_grpc_channel_call(c->ch, "/tandem.v1.Generation/Generate", &req.base, &o, &call), TD_OK);
+    free(ms);
+    return call;
+}
+
+/* Requests longer than unpack_off_loop_bytes are unpacked on the thread pool and reach their
+ * handler as the short ones do: a long echo comes back whole, a long request of many empty
+ * sub-messages is refused by the unpack's bound with a status that says so (not INTERNAL),
+ * calls cancelled or timed out while their request is unpacked leave nothing behind (the
+ * loops close clean: no call, timer or job left), and with no room (max_unpacking 0) a long
+ * request is refused RESOURCE_EXHAUSTED while a short one is served. */
+Test(grpc, long_requests_unpack_off_the_loop, .timeout = 60)
+{
+    client_t c;
+    td_grpc_server_config_t cfg = td_grpc_server_config_default();
+    cfg.unpack_off_loop_bytes = 1024;
+    client_start(&c, &cfg, 0);
+    size_t n = 256 * 1024;
+    char *big = malloc(n + 1);
+    cr_assert_not_null(big);
+    memcpy(big, "echo:", 5);
+    memset(big + 5, 'e', n - 5);
+    big[n] = '\0';
+    result_t r;
+    generate_to_end(&c, big, 0, 10000, TD_GRPC_OK, &r);
+    cr_assert_eq(r.last_text_len, n, "the echo came back whole from a request unpacked off the loop");
+    generate_messages(&c, 1 << 20, "", 10000, &r); /* 2 MiB of empty messages: ~24x unpacked */
+    run_until_done(&c, &r);
+    cr_assert_eq(r.code, TD_GRPC_RESOURCE_EXHAUSTED, "%s %s", td_grpc_code_name(r.code), r.message);
+    cr_assert(strstr(r.message, "16 bytes a wire byte"), "%s", r.message);
+    /* cancels and deadlines racing the unpack: 8 of each, the server keeps serving */
+    result_t rs[16];
+    for (int i = 0; i < 16; i++) {
+        td_grpc_client_call_t *call = generate_messages(&c, 200000, "user", i < 8 ? 0 : 1 + (uint32_t)i % 3, &rs[i]);
+        for (int k = 0; k < i % 4; k++)
+            uv_run(&c.loop, UV_RUN_NOWAIT);
+        if (i < 8)
+            td_grpc_client_call_cancel(call);
+    }
+    for (int i = 0; i < 16; i++)
+        run_until_done(&c, &rs[i]);
+    list_models_ok(&c);
+    generate_to_end(&c, big, 0, 10000, TD_GRPC_OK, &r);
+    client_stop(&c);
+
+    cfg.max_unpacking = 0;
+    client_start(&c, &cfg, 0);
+    generate_to_end(&c, big, 0, 10000, TD_GRPC_RESOURCE_EXHAUSTED, &r);
+    cr_assert(strstr(r.message, "retry"), "%s", r.message);
+    generate_to_end(&c, "hello", 3, 10000, TD_GRPC_OK, &r);
+    client_stop(&c);
+    free(big);
 }

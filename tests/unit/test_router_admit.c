@@ -14,6 +14,7 @@
 #include "router_policy.h"
 #include "router_registry.h"
 #include "td_kv.h"
+#include "td_test_models.h"
 
 #define SEC 1000000000ll
 
@@ -198,5 +199,42 @@ Test(router_admit, max_tokens_is_capped_by_the_models_length_as_the_decode_node_
     cr_assert_eq(router_admit_check_size(reg, "default", 256, 1, 0, why, sizeof why), TD_ERR_RANGE);
     cr_assert_str_eq(why, "the prompt has 256 tokens; model default takes at most 255 (its length is 256 tokens, "
                           "prompt and output together)");
+    router_registry_destroy(reg);
+}
+
+/* A text prompt whose bytes already make more tokens than the model takes is refused before
+ * it is encoded, with the message the check after encoding gives, the count "at least" the
+ * bound; one that may fit passes, and a tokenizer that can shrink text (no bound) refuses
+ * nothing here, however long the text. */
+Test(router_admit, a_text_prompt_too_long_for_any_node_is_refused_before_encoding)
+{
+    char path[1024];
+    snprintf(path, sizeof path, "%s/tests/fixtures/tokenizer/bytelevel", TD_SOURCE_DIR);
+    td_tokenizer_t *tok;
+    cr_assert_eq(td_tokenizer_load(path, &tok), TD_OK, "%s", td_last_error());
+    size_t L = td_tokenizer_max_token_bytes(tok);
+    cr_assert_gt(L, 0);
+    int32_t bos = td_tokenizer_add_bos(tok) && td_tokenizer_bos_id(tok) >= 0;
+    router_registry_t *reg = mkreg();
+    char why[384] = "";
+    cr_assert_eq(router_admit_check_text_size(reg, "default", tok, 1u << 30, 16, 0, why, sizeof why), TD_OK,
+                 "no live decode node: nothing known, nothing refused");
+    join(reg, &(node_spec_t){"d0", TD_NODE_ROLE_DECODE, NULL, 4096, 258, 256});
+    /* 255 tokens at least (with the BOS): may fit a model of 256 */
+    size_t fits = (255 - (size_t)bos) * L;
+    cr_assert_eq(router_admit_check_text_size(reg, "default", tok, fits, 1, 0, why, sizeof why), TD_OK, "%s", why);
+    cr_assert_eq(router_admit_check_text_size(reg, "default", tok, fits + 1, 1, 0, why, sizeof why), TD_ERR_RANGE);
+    char want[384];
+    snprintf(want, sizeof want, "the prompt has at least 256 tokens; model default takes at most 255 (its length is "
+             "256 tokens, prompt and output together)");
+    cr_assert_str_eq(why, want);
+    cr_assert_eq(router_admit_check_text_size(reg, "default", tok, 0, 1, 0, why, sizeof why), TD_OK);
+    td_tokenizer_destroy(tok);
+    /* Qwen3 (NFC) gives no bound: a 1 GiB prompt is left to the check after encoding */
+    snprintf(path, sizeof path, "%s/tokenizers/qwen3/tokenizer.json", td_test_models_dir());
+    if (td_tokenizer_load(path, &tok) == TD_OK) {
+        cr_assert_eq(router_admit_check_text_size(reg, "default", tok, 1u << 30, 1, 0, why, sizeof why), TD_OK);
+        td_tokenizer_destroy(tok);
+    }
     router_registry_destroy(reg);
 }

@@ -595,3 +595,105 @@ Test(tokenizer, vocabulary_complete_and_consistent, .timeout = 30)
                 TD_ERR_FORMAT, "added token \"<s>\" has two ids, 1 and 2");
     tmp_remove(&t);
 }
+
+/* ---- a bound on the ids of a text, without encoding it ---- */
+
+/* Every row of the encode fixtures, and a long run of the tokenizer's longest token, make
+ * at least td_tokenizer_min_tokens ids; a bound is given (max_token_bytes > 0). */
+static void check_min_tokens_sound(td_tokenizer_t *tok, const char *name)
+{
+    uint32_t L = td_tokenizer_max_token_bytes(tok);
+    cr_assert_gt(L, 0, "%s: no bound, but its steps cannot shrink text", name);
+    rows_t r = load_rows(name, "encode");
+    for (size_t i = 0; i < r.n; i++) {
+        int32_t *ids;
+        size_t n;
+        cr_assert_eq(td_tokenizer_encode(tok, r.v[i].text, r.v[i].len, 0, &ids, &n), TD_OK);
+        cr_assert_geq(n, td_tokenizer_min_tokens(tok, r.v[i].len), "%s row %zu: %zu bytes made %zu ids, under the "
+                      "bound %zu (longest token %u bytes)", name, i, r.v[i].len, n,
+                      td_tokenizer_min_tokens(tok, r.v[i].len), L);
+        free(ids);
+    }
+    free_rows(&r);
+    /* the worst text for the bound: the longest piece, over and over */
+    int32_t longest = -1;
+    size_t best = 0;
+    for (int32_t id = 0; id < td_tokenizer_vocab_size(tok); id++) {
+        size_t pl;
+        const char *p = td_tokenizer_id_to_piece(tok, id, &pl);
+        char *t;
+        size_t tl;
+        if (p && !td_tokenizer_is_special(tok, id) && td_tokenizer_decode(tok, &id, 1, &t, &tl) == TD_OK) {
+            if (tl > best)
+                best = tl, longest = id;
+            free(t);
+        }
+    }
+    cr_assert_geq(longest, 0);
+    cr_assert_leq(best, L, "%s: id %d decodes to %zu bytes, more than the bound's %u", name, longest, best, L);
+    char *one;
+    size_t ol;
+    cr_assert_eq(td_tokenizer_decode(tok, &longest, 1, &one, &ol), TD_OK);
+    size_t reps = 200, len = reps * ol;
+    char *text = malloc(len);
+    for (size_t k = 0; k < reps; k++)
+        memcpy(text + k * ol, one, ol);
+    int32_t *ids;
+    size_t n;
+    cr_assert_eq(td_tokenizer_encode(tok, text, len, 0, &ids, &n), TD_OK);
+    cr_assert_geq(n, td_tokenizer_min_tokens(tok, len), "%s: %zu x id %d (%zu bytes): %zu ids, bound %zu", name, reps,
+                  longest, ol, n, td_tokenizer_min_tokens(tok, len));
+    free(ids);
+    free(text);
+    free(one);
+    cr_assert_eq(td_tokenizer_min_tokens(tok, 0), 0);
+    cr_assert_eq(td_tokenizer_min_tokens(tok, (size_t)L * 1000 + 1), 1001);
+}
+
+Test(tokenizer, min_tokens_is_a_sound_bound, .timeout = 120)
+{
+    td_tokenizer_t *tok = load_fixture_tok("bytelevel");
+    check_min_tokens_sound(tok, "bytelevel");
+    td_tokenizer_destroy(tok);
+    static const struct {
+        const char *path, *name;
+    } real[] = {{"tokenizers/llama3/tokenizer.json", "llama3"},
+                {"tokenizers/mistral/tokenizer.json", "mistral"}};
+    for (size_t i = 0; i < TD_ARRAY_LEN(real); i++) {
+        char path[1024];
+        snprintf(path, sizeof path, "%s/%s", td_test_models_dir(), real[i].path);
+        if (access(path, R_OK) != 0)
+            continue; /* the shared models are absent: the fixture above still ran */
+        tok = load_shared(real[i].path);
+        check_min_tokens_sound(tok, real[i].name);
+        td_tokenizer_destroy(tok);
+    }
+}
+
+/* Qwen3 normalizes to NFC, which can shrink text ("e" + U+0301, 3 bytes, becomes "é", 2),
+ * and llama2.c's tokenizer.bin reads a "▁" (3 bytes) as a space (1): no bound is claimed
+ * for either, so nothing is refused before encoding. */
+Test(tokenizer, min_tokens_no_bound_when_a_normalizer_can_shrink_text, .timeout = 60)
+{
+    td_tokenizer_t *tok = load_shared("llama2-tokenizer/tokenizer.bin");
+    cr_assert_eq(td_tokenizer_max_token_bytes(tok), 0);
+    cr_assert_eq(td_tokenizer_min_tokens(tok, 1u << 20), 0);
+    td_tokenizer_destroy(tok);
+    tok = load_shared("tokenizers/qwen3/tokenizer.json");
+    cr_assert_eq(td_tokenizer_max_token_bytes(tok), 0);
+    cr_assert_eq(td_tokenizer_min_tokens(tok, 1u << 20), 0);
+    /* why: 1000 decomposed characters (3000 bytes) come back as 2000 bytes */
+    char text[3000];
+    for (int k = 0; k < 1000; k++)
+        memcpy(text + 3 * k, "e\xcc\x81", 3);
+    int32_t *ids;
+    size_t n;
+    cr_assert_eq(td_tokenizer_encode(tok, text, sizeof text, 0, &ids, &n), TD_OK);
+    char *back;
+    size_t bl;
+    cr_assert_eq(td_tokenizer_decode(tok, ids, n, &back, &bl), TD_OK);
+    cr_assert_lt(bl, sizeof text, "NFC shrank the text: %zu bytes back from %zu", bl, sizeof text);
+    free(back);
+    free(ids);
+    td_tokenizer_destroy(tok);
+}

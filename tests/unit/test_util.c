@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include "td_log.h"
+#include "td_rate.h"
 #include "td_util.h"
 
 Test(util, memcpy_stream_equals_memcpy_at_every_alignment)
@@ -141,4 +142,28 @@ Test(util, fd_limit_raise_goes_to_the_hard_limit)
     cr_assert_eq(getrlimit(RLIMIT_NOFILE, &rl), 0);
     cr_assert_eq((long)rl.rlim_cur, want);
     cr_assert_eq(td_fd_limit_raise(), want, "a second call changes nothing");
+}
+
+/* td_rate: a full bucket of burst tokens, refilled at rate a second; a refusal says when the
+ * next token comes, and the time passed before it is counted, not lost. */
+Test(util, rate_bucket_takes_burst_then_rate)
+{
+    td_rate_t b = {0};
+    int64_t wait = 0, t = 1000000000;
+    for (int i = 0; i < 3; i++)
+        cr_assert(td_rate_take(&b, 2.0, 3.0, t, &wait), "a burst of 3 at once");
+    cr_assert_not(td_rate_take(&b, 2.0, 3.0, t, &wait));
+    cr_assert_eq(wait, 500, "2 a second: the next in 500 ms, not %lld", (long long)wait);
+    cr_assert_not(td_rate_take(&b, 2.0, 3.0, t + 499000000, &wait));
+    cr_assert_eq(wait, 1);
+    cr_assert(td_rate_take(&b, 2.0, 3.0, t + 500000000, &wait));
+    cr_assert(td_rate_take(&b, 2.0, 3.0, t + 10 * 1000000000ll, &wait));
+    cr_assert(td_rate_take(&b, 2.0, 3.0, t + 10 * 1000000000ll, &wait));
+    cr_assert(td_rate_take(&b, 2.0, 3.0, t + 10 * 1000000000ll, &wait), "refilled to the burst, no more");
+    cr_assert_not(td_rate_take(&b, 2.0, 3.0, t + 10 * 1000000000ll, &wait));
+    cr_assert_not(td_rate_take(&b, 2.0, 3.0, t + 5 * 1000000000ll, &wait), "time going back gives nothing");
+    td_rate_t slow = {0};
+    cr_assert(td_rate_take(&slow, 0.1, 1.0, t, &wait));
+    cr_assert_not(td_rate_take(&slow, 0.1, 1.0, t, &wait));
+    cr_assert_eq(wait, 10000, "0.1 a second: 10 s");
 }
