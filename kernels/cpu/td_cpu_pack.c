@@ -198,7 +198,7 @@ void td_cpu_pack_weights(void *dst, const void *w, td_dtype_t type, size_t n, si
 
 size_t td_cpu_pack_act_stride(size_t k)
 {
-    return (2 * k + 12 * (k / TD_QK) + 63) & ~(size_t)63;
+    return act_q16_at(k) + 2 * k; /* k % 32 == 0: a multiple of 64 */
 }
 /* The scalar quantizer of one block (the reference the SIMD one equals bit for bit):
  * d = amax / 127 (amax ignores NaN), v = x * (1 / d) clamped to [-127, 127] (NaN to -127),
