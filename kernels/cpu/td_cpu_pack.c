@@ -5,7 +5,8 @@
  * with target attributes and chosen at run time.
  *
  * Shapes of the kernels: a call walks its groups one by one; per group the activation rows
- * go in tiles (VNNI: 8 rows, AVX2: 4 rows per half group of 8 weight rows), and for each
+ * go in tiles (VNNI: 8 rows; AVX2 two-byte prefill: int16 tiles of 8 rows per half group of
+ * 8 weight rows, or 4 rows by the whole group; AVX2 one-byte: 4 rows per half), and for each
  * block the group's weight vectors are loaded and unpacked once, then dotted with every
  * row of the tile. Tiles keep one f32 accumulator vector per activation row for the whole
  * of k, so no partial sums leave registers; at decode (m = 1..4) this is one pass over the

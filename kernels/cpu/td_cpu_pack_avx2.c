@@ -1,6 +1,8 @@
 /*
- * td_cpu_pack_avx2: td_cpu_pack's AVX2 table (maddubs + madd) and its activation quantizer
- * in AVX2, bit-identical to the scalar reference (td_cpu_pack.h).
+ * td_cpu_pack_avx2: td_cpu_pack's AVX2 table and its activation quantizer in AVX2,
+ * bit-identical to the scalar reference (td_cpu_pack.h). Two-byte prefill tiles (m >= 2)
+ * multiply int16 weights by the row's int16 Q with vpmaddwd (w16_tile); decode (m = 1) and
+ * one-byte rows use maddubs + madd on the hi and lo bytes (avx2_row1, avx2_tile).
  */
 #include "td_cpu_pack_impl.h"
 
