@@ -476,8 +476,9 @@ static td_status_t qf32_matmul(td_cpu_t *cpu, const td_matmul_params_t *p)
 
 /* ---- packed block-quantized W, int8 activations (td_cpu_pack) ------------------------- */
 
-/* Rows of X per kernel call and W groups per call: 64 activation rows (80 KiB at k = 1024)
- * stay in L2 while the call sweeps its groups, each group's block serving tiles of 8 rows;
+/* Rows of X per kernel call and W groups per call: 64 activation rows (280 KiB at k = 1024,
+ * of which a kernel reads the hi and lo bytes or the int16 Q: 128 KiB) stay in L2 while the
+ * call sweeps its groups, each group's block serving tiles of 4 to 8 rows;
  * the [PK_ROWS][PK_GROUPS * 16] f32 tile goes through the epilogue after each call. */
 #define PK_ROWS 64
 #define PK_GROUPS 8

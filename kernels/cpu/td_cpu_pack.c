@@ -5,7 +5,8 @@
  * with target attributes and chosen at run time.
  *
  * Shapes of the kernels: a call walks its groups one by one; per group the activation rows
- * go in tiles (VNNI: 8 rows, AVX2: 4 rows per half group of 8 weight rows), and for each
+ * go in tiles (VNNI: 8 rows; AVX2 two-byte prefill: int16 tiles of 8 rows per half group of
+ * 8 weight rows, or 4 rows by the whole group; AVX2 one-byte: 4 rows per half), and for each
  * block the group's weight vectors are loaded and unpacked once, then dotted with every
  * row of the tile. Tiles keep one f32 accumulator vector per activation row for the whole
  * of k, so no partial sums leave registers; at decode (m = 1..4) this is one pass over the
@@ -198,7 +199,7 @@ void td_cpu_pack_weights(void *dst, const void *w, td_dtype_t type, size_t n, si
 
 size_t td_cpu_pack_act_stride(size_t k)
 {
-    return (2 * k + 12 * (k / TD_QK) + 63) & ~(size_t)63;
+    return act_q16_at(k) + 2 * k; /* k % 32 == 0: a multiple of 64 */
 }
 /* The scalar quantizer of one block (the reference the SIMD one equals bit for bit):
  * d = amax / 127 (amax ignores NaN), v = x * (1 / d) clamped to [-127, 127] (NaN to -127),

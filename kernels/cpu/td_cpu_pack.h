@@ -46,7 +46,9 @@
  * llama.cpp's step). Each weight vector then meets two broadcasts (two vpdpbusd) per block,
  * which prefill has the compute for and batch-1 decode, bound by reading the weights, does
  * not notice. Rows laid out for broadcasts (td_cpu_pack_act_row):
- *   [k int8 hi][k int8 lo][nb f32 e][nb 32-bit c][nb int32 c2]   stride td_cpu_pack_act_stride(k)
+ *   [k int8 hi][k int8 lo][nb f32 e][nb 32-bit c][nb int32 c2][pad to 64][k int16 Q]
+ *   stride td_cpu_pack_act_stride(k); Q = 254 hi + lo again, as one int16 (|Q| <= 32385), for
+ *   AVX2's prefill tiles, whose vpmaddwd takes int16 pairs (one-byte rows: Q = 254 hi)
  * c folds the weights' offset into the integer sum: Q4_0 c = -8 * sum Q, Q8_0 and IQ4_XS c =
  * -128 * sum Q (int32), so that c + sum u * Q = sum (u - offset) * Q exactly; Q6_K c = -32 * the sum of
  * the block's first 16 Q and c2 = -32 * that of its last 16 (0 for other types); Q4_1, Q4_K and Q5_K c = e * sum Q
@@ -111,7 +113,8 @@ typedef void (*td_cpu_pack_act_fn)(const float *x, void *a, td_dtype_t type, siz
  *   y[i * ldy + 16 (g - g0) + r] = dot(weight row 16 g + r, activation row i)
  * summed in the header's order, activation row i at a + i * td_cpu_pack_act_stride(k).
  * Register-blocked: each group's weight block is unpacked once for up to 8 activation
- * rows (AVX-512 VNNI; AVX2: 2) while they stay in registers. Each group's first sweep over
+ * rows (AVX-512 VNNI; AVX2: 8 rows by half a group or 4 by all of it, in int16, for m >= 2
+ * two-byte rows, 4 by half a group for one-byte ones) while they stay in registers. Each group's first sweep over
  * its weights prefetches ahead of its loads, up to group g_pf (>= g1): the end of the
  * caller's share when it makes several calls over it (past it lie other threads' groups).
  */

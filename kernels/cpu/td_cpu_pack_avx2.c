@@ -1,6 +1,8 @@
 /*
- * td_cpu_pack_avx2: td_cpu_pack's AVX2 table (maddubs + madd) and its activation quantizer
- * in AVX2, bit-identical to the scalar reference (td_cpu_pack.h).
+ * td_cpu_pack_avx2: td_cpu_pack's AVX2 table and its activation quantizer in AVX2,
+ * bit-identical to the scalar reference (td_cpu_pack.h). Two-byte prefill tiles (m >= 2)
+ * multiply int16 weights by the row's int16 Q with vpmaddwd (w16_tile); decode (m = 1) and
+ * one-byte rows use maddubs + madd on the hi and lo bytes (avx2_row1, avx2_tile).
  */
 #include "td_cpu_pack_impl.h"
 
@@ -314,6 +316,197 @@ TD_INLINE TD_Y void avx2_tile_q6_k(bool one, int R, int h0, int H, const unsigne
             _mm256_storeu_ps(y + i * ldy + 8 * (h0 + x), acc[x][i]);
 }
 
+/* Prefill's int16 tiles (two-byte rows, m >= 2). Q = 254 hi + lo is an int16 (the row's
+ * act_q16 part) and each weight u (<= 255) widens to one, so vpmaddwd's int16 x int16 pairs,
+ * summed in int32, give each block's p = c + sum u Q = 254 p_hi + p_lo with no hi/lo split:
+ * the same integer as the maddubs tiles', hence the same bits. One vpmaddwd serves 16 weights
+ * of a row (8 weight rows x 2) where the split took two maddubs and a widening madd per 32,
+ * and the weights are unpacked to int16 once per block for all R activation rows.
+ * w16_pick's two shuffles put bytes 0, 1 (pick[0]) or 2, 3 (pick[1]) of each 32-bit lane
+ * (a row's 4 consecutive weights in the layout) into that lane's two int16, zero-extended. */
+static const int8_t w16_pick[2][32] = {
+    {0, -1, 1, -1, 4, -1, 5, -1, 8, -1, 9, -1, 12, -1, 13, -1, 0, -1, 1, -1, 4, -1, 5, -1, 8, -1, 9, -1, 12, -1, 13, -1},
+    {2, -1, 3, -1, 6, -1, 7, -1, 10, -1, 11, -1, 14, -1, 15, -1, 2, -1, 3, -1, 6, -1, 7, -1, 10, -1, 11, -1, 14, -1, 15, -1}};
+
+/* Keeps an accumulator in its register: without it GCC reassociates a block's adds into a
+ * tree, holds every vpmaddwd result at once and spills them (a third of the speed) */
+#define W16_KEEP(x) __asm__("" : "+x"(x))
+
+/* p[x][i] += the products of weight bytes wb[x] (half h0 + x; lane r: row r's weights
+ * e0..e0 + 3) with activation row i's Q at e0.. (q16 + off of each row): each broadcast of
+ * a Q pair serves the H halves */
+#define W16_DOT(wb, off)                                                                          \
+    do {                                                                                          \
+        __m256i w0_[2], w1_[2];                                                                   \
+        _Pragma("GCC unroll 2") for (int x = 0; x < H; x++)                                       \
+        {                                                                                         \
+            w0_[x] = _mm256_shuffle_epi8(wb[x], pick0);                                           \
+            w1_[x] = _mm256_shuffle_epi8(wb[x], pick1);                                           \
+        }                                                                                         \
+        _Pragma("GCC unroll 8") for (int i = 0; i < R; i++)                                       \
+        {                                                                                         \
+            const unsigned char *qi_ = q16 + i * stride + (off);                                  \
+            const __m256i q0_ = _mm256_set1_epi32(load_i32(qi_)), q1_ = _mm256_set1_epi32(load_i32(qi_ + 4)); \
+            _Pragma("GCC unroll 2") for (int x = 0; x < H; x++)                                   \
+            {                                                                                     \
+                p[x][i] = _mm256_add_epi32(p[x][i], _mm256_madd_epi16(w0_[x], q0_));              \
+                p[x][i] = _mm256_add_epi32(p[x][i], _mm256_madd_epi16(w1_[x], q1_));              \
+                W16_KEEP(p[x][i]);                                                                \
+            }                                                                                     \
+        }                                                                                         \
+    } while (0)
+
+/* Halves [h0, h0 + H) (weight rows 8h..8h+7) of one group against R two-byte activation
+ * rows (R * H <= 8): the header's sum, each block's integers through vpmaddwd (above).
+ * Q6_K's two halves of a block are two passes over its vectors (their sums apart, in the
+ * reference's order); the offset terms M of Q4_1, Q4_K and Q5_K are a second pass over the
+ * blocks (the same fmaf order, registers free for the tile). */
+TD_INLINE TD_Y void w16_tile(td_dtype_t t, int R, int h0, int H, const unsigned char *gq, size_t nb, size_t k,
+                             const unsigned char *a, size_t stride, float *y, size_t ldy, const unsigned char *pf_end)
+{
+    const __m256i low4 = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10), hi2 = _mm256_set1_epi8(0x30);
+    const __m256i pick0 = _mm256_loadu_si256((const __m256i *)w16_pick[0]);
+    const __m256i pick1 = _mm256_loadu_si256((const __m256i *)w16_pick[1]);
+    /* IQ4_XS: u = value + 128 of each index, for vpshufb */
+    const __m256i iq4u = _mm256_xor_si256(
+        _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)td_quant_iq4nl_values)), _mm256_set1_epi8((char)0x80));
+    const unsigned char *q16 = act_q16(a, k);
+    __m256 acc[2][8];
+    for (int x = 0; x < H; x++)
+        for (int i = 0; i < R; i++)
+            acc[x][i] = _mm256_setzero_ps();
+    for (size_t b = 0; b < nb; b++) {
+        if (pf_end) /* the group's first sweep */
+            decode_prefetch(t, gq, b, pf_end);
+        const unsigned char *q = gq + block_at(t, b) + 32 * h0, *cs = gq + chunk_scales_at(t, nb, b);
+        const size_t qb = 2 * b * TD_QK; /* block b's Q in each row's q16 */
+        if (t == TD_Q6_K) {
+#pragma GCC unroll 2
+            for (int s = 0; s < 2; s++) { /* weights 16 s .. 16 s + 15 */
+                __m256i p[2][8];
+                for (int x = 0; x < H; x++)
+                    for (int i = 0; i < R; i++)
+                        p[x][i] = _mm256_set1_epi32(load_i32((s ? act_c2(a + i * stride, k) : act_c(a + i * stride, k)) + 4 * b));
+#pragma GCC unroll 4
+                for (int v = 0; v < 4; v++) {
+                    __m256i wb[2];
+                    for (int x = 0; x < H; x++) {
+                        __m256i raw = _mm256_loadu_si256((const __m256i *)(q + 32 * x + 64 * v));
+                        __m256i hb = _mm256_loadu_si256((const __m256i *)(q + 32 * x + 256 + 64 * s));
+                        wb[x] = _mm256_or_si256(_mm256_and_si256(s ? _mm256_srli_epi16(raw, 4) : raw, low4),
+                                                _mm256_and_si256(Q6_HI_YMM(hb, v), hi2));
+                    }
+                    W16_DOT(wb, qb + 2 * (16 * s + 4 * v));
+                }
+                for (int x = 0; x < H; x++) {
+                    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cs + 16 * (h0 + x))));
+                    __m256 dw = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                                     _mm_loadl_epi64((const __m128i *)(cs + K6_SC(b % 8, s) + 8 * (h0 + x))))));
+                    for (int i = 0; i < R; i++) {
+                        __m256 e = _mm256_set1_ps(load_f32(act_e(a + i * stride, k) + 4 * b));
+                        acc[x][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[x][i]), _mm256_mul_ps(dw, e), acc[x][i]);
+                    }
+                }
+            }
+            continue;
+        }
+        __m256i p[2][8];
+        for (int x = 0; x < H; x++)
+            for (int i = 0; i < R; i++) /* Q4_0, Q8_0, IQ4_XS: the offset's c; the others' M is apart */
+                p[x][i] = has_min(t) ? _mm256_setzero_si256() : _mm256_set1_epi32(load_i32(act_c(a + i * stride, k) + 4 * b));
+        if (t == TD_Q8_0) {
+#pragma GCC unroll 8
+            for (int v = 0; v < 8; v++) {
+                __m256i wb[2];
+                for (int x = 0; x < H; x++)
+                    wb[x] = _mm256_loadu_si256((const __m256i *)(q + 32 * x + 64 * v));
+                W16_DOT(wb, qb + 2 * 4 * v);
+            }
+        } else {
+#pragma GCC unroll 4
+            for (int v = 0; v < 4; v++) {
+                __m256i lo4[2], hi4[2];
+                for (int x = 0; x < H; x++) {
+                    __m256i raw = _mm256_loadu_si256((const __m256i *)(q + 32 * x + 64 * v));
+                    lo4[x] = _mm256_and_si256(raw, low4);
+                    hi4[x] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+                    if (t == TD_Q5_K) { /* the fifth bits: weight 4v + j's at bit v, 16 + 4v + j's at 4 + v */
+                        const __m256i hb = _mm256_loadu_si256((const __m256i *)(q + 32 * x + 256));
+                        lo4[x] = _mm256_or_si256(lo4[x], _mm256_and_si256(_mm256_slli_epi16(hb, 4 - v), bit4));
+                        hi4[x] = _mm256_or_si256(hi4[x], _mm256_and_si256(_mm256_srli_epi16(hb, v), bit4));
+                    }
+                    if (t == TD_IQ4_XS) {
+                        lo4[x] = _mm256_shuffle_epi8(iq4u, lo4[x]);
+                        hi4[x] = _mm256_shuffle_epi8(iq4u, hi4[x]);
+                    }
+                }
+                W16_DOT(lo4, qb + 2 * 4 * v);
+                W16_DOT(hi4, qb + 2 * (16 + 4 * v));
+            }
+        }
+        for (int x = 0; x < H; x++) {
+            __m256 dw, mw;
+            avx2_scales(t, cs, b, h0 + x, &dw, &mw);
+            for (int i = 0; i < R; i++) {
+                __m256 e = _mm256_set1_ps(load_f32(act_e(a + i * stride, k) + 4 * b));
+                acc[x][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[x][i]), _mm256_mul_ps(dw, e), acc[x][i]);
+            }
+        }
+    }
+    for (int x = 0; x < H; x++) {
+        if (has_min(t)) { /* M = sum over blocks of m * c, in block order */
+            __m256 macc[8];
+            for (int i = 0; i < R; i++)
+                macc[i] = _mm256_setzero_ps();
+            for (size_t b = 0; b < nb; b++) {
+                __m256 dw, mw;
+                avx2_scales(t, gq + chunk_scales_at(t, nb, b), b, h0 + x, &dw, &mw);
+                for (int i = 0; i < R; i++)
+                    macc[i] = _mm256_fmadd_ps(mw, _mm256_set1_ps(load_f32(act_c(a + i * stride, k) + 4 * b)), macc[i]);
+            }
+            for (int i = 0; i < R; i++)
+                acc[x][i] = _mm256_add_ps(acc[x][i], macc[i]);
+        }
+        for (int i = 0; i < R; i++)
+            _mm256_storeu_ps(y + i * ldy + 8 * (h0 + x), acc[x][i]);
+    }
+}
+
+/* The int16 tile of type t: R rows by H halves. Both halves a tile, each Q broadcast feeding
+ * two vpmaddwd, paid for Q4_0, Q4_1 and Q8_0 (one core, m = 64, 2048 x 2048: q4_0 3.85 ms
+ * against 4.25 for 8 rows by one half, q8_0 3.73 against 4.11, q4_1 4.12 against 4.33); the
+ * K-quants and IQ4_XS, with more scale work a block, read alike or slower that way. */
+#define W16_R(t) (w16_both_halves(t) ? 4 : 8)
+#define W16_H(t) (w16_both_halves(t) ? 2 : 1)
+TD_INLINE bool w16_both_halves(td_dtype_t t)
+{
+    return t == TD_Q4_0 || t == TD_Q4_1 || t == TD_Q8_0;
+}
+
+/* kernel_avx2's two-byte prefill: every row in int16 tiles of W16_R(t) rows, then one of the rest */
+TD_INLINE TD_Y void kernel_avx2_w16(td_dtype_t t, const unsigned char *gq, size_t nb, size_t k, const unsigned char *a,
+                                    size_t m, size_t stride, float *yg, size_t ldy, const unsigned char *end)
+{
+    const int R = W16_R(t), H = W16_H(t);
+    for (int h = 0; h < 2; h += H) {
+        size_t i = 0;
+        for (; i + (size_t)R <= m; i += (size_t)R)
+            w16_tile(t, R, h, H, gq, nb, k, a + i * stride, stride, yg + i * ldy, ldy, h == 0 && i == 0 ? end : NULL);
+        const unsigned char *ai = a + i * stride, *pf = h == 0 && i == 0 ? end : NULL;
+        float *yi = yg + i * ldy;
+        switch (m - i) { /* the rest: a constant R in each call, so each is its own unrolled tile */
+        case 1: w16_tile(t, 1, h, H, gq, nb, k, ai, stride, yi, ldy, pf); break;
+        case 2: w16_tile(t, 2, h, H, gq, nb, k, ai, stride, yi, ldy, pf); break;
+        case 3: w16_tile(t, 3, h, H, gq, nb, k, ai, stride, yi, ldy, pf); break;
+        case 4: w16_tile(t, 4, h, 1, gq, nb, k, ai, stride, yi, ldy, pf); break; /* R = 8 only */
+        case 5: w16_tile(t, 5, h, 1, gq, nb, k, ai, stride, yi, ldy, pf); break;
+        case 6: w16_tile(t, 6, h, 1, gq, nb, k, ai, stride, yi, ldy, pf); break;
+        case 7: w16_tile(t, 7, h, 1, gq, nb, k, ai, stride, yi, ldy, pf); break;
+        default: break;
+        }
+    }
+}
+
 TD_INLINE TD_Y void kernel_avx2(td_dtype_t t, bool one, const void *wp, size_t g0, size_t g1, size_t g_pf, size_t k,
                                 const void *av, size_t m, float *y, size_t ldy)
 {
@@ -323,6 +516,10 @@ TD_INLINE TD_Y void kernel_avx2(td_dtype_t t, bool one, const void *wp, size_t g
         const unsigned char *gq = (const unsigned char *)wp + g * gb;
         float *yg = y + (g - g0) * ROWS;
         size_t i = 0;
+        if (!one && m >= 2) {
+            kernel_avx2_w16(t, gq, nb, k, a, m, stride, yg, ldy, end);
+            continue;
+        }
         if (t == TD_Q6_K) { /* twice the accumulators a row: tiles of 2 rows, the odd one alone */
             for (int h = 0; h < 2; h++)
                 for (i = 0; i + 2 <= m; i += 2)

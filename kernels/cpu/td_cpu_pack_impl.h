@@ -115,6 +115,8 @@ TD_INLINE const int8_t *act_lo(const unsigned char *a, size_t k) { return (const
 TD_INLINE const unsigned char *act_e(const unsigned char *a, size_t k) { return a + 2 * k; }
 TD_INLINE const unsigned char *act_c(const unsigned char *a, size_t k) { return a + 2 * k + 4 * (k / TD_QK); }
 TD_INLINE const unsigned char *act_c2(const unsigned char *a, size_t k) { return a + 2 * k + 8 * (k / TD_QK); }
+TD_INLINE size_t act_q16_at(size_t k) { return (2 * k + 12 * (k / TD_QK) + 63) & ~(size_t)63; }
+TD_INLINE const unsigned char *act_q16(const unsigned char *a, size_t k) { return a + act_q16_at(k); }
 
 /* c (and c2) of a block from its scale e and sums of Q, of the whole block and of its first
  * 16 values (the header's definitions; c2 only Q6_K's, 0 for the others) */
@@ -154,6 +156,10 @@ TD_INLINE void act_row_blocks(act_block_fn block, const float *x, void *av, td_d
                     first = sum;
             }
         }
+        int16_t q16[TD_QK]; /* Q = 254 hi + lo, |Q| <= 32385: AVX2's int16 prefill tiles read these */
+        for (int i = 0; i < TD_QK; i++)
+            q16[i] = (int16_t)(WIDE * hi[i] + lo[i]);
+        memcpy(a + act_q16_at(k) + 2 * b * TD_QK, q16, sizeof q16);
         memcpy(a + 2 * k + 4 * b, &e, 4);
         act_store_c((unsigned char *)act_c(a, k) + 4 * b, (unsigned char *)act_c2(a, k) + 4 * b, type, e, sum, first);
     }

@@ -308,15 +308,16 @@ Test(cpu_pack, simd_tables_equal_scalar_bitwise)
  * largest (all bits set) against activation blocks of hi = +-127 and lo = -+127 (x = 126.5,
  * one 127 a block, and the negation), where AVX2's one-row path keeps maddubs' pair sums in
  * int16 over several v (8 pairs of 2 * 15 * 127 for 4-bit quants, 4 of 2 * 31 * 127 for
- * Q5_K): one v too many and they wrap */
+ * Q5_K): one v too many and they wrap; and where its int16 prefill tiles meet |Q| = 32385
+ * (m up to 9: a full tile of 8 rows or two of 4, and one left over) */
 Test(cpu_pack, simd_tables_equal_scalar_at_the_extremes)
 {
-    const size_t n = 32, k = 256, m = 2, g = n / 16, ld = g * 16;
+    const size_t n = 32, k = 256, m = 9, g = n / 16, ld = g * 16;
     const td_cpu_pack_ops_t *scalar = td_cpu_pack_ops(TD_CPU_ISA_SCALAR);
     size_t stride = td_cpu_pack_act_stride(k);
     float *x = malloc(m * k * sizeof *x);
     for (size_t i = 0; i < m * k; i++)
-        x[i] = (i / k ? -1.0f : 1.0f) * (i % TD_QK == 0 ? 127.0f : 126.5f);
+        x[i] = (i / k % 2 ? -1.0f : 1.0f) * (i % TD_QK == 0 ? 127.0f : 126.5f);
     unsigned char *a = aligned_alloc(64, m * stride);
     for (size_t ti = 0; ti < TD_ARRAY_LEN(types); ti++) {
         td_dtype_t t = types[ti];
@@ -361,6 +362,8 @@ Test(cpu_pack, act_row)
 {
     uint64_t s = 3;
     const size_t k = 256, nb = k / TD_QK, stride = td_cpu_pack_act_stride(k);
+    const size_t q16_at = (2 * k + 12 * nb + 63) / 64 * 64;
+    cr_assert_eq(stride, q16_at + 2 * k);
     float *x = make_x(1, k, &s);
     for (int e = 0; e < TD_QK; e++) /* block 1: amax 127, so d = 1 and x * (1 / d) = x */
         x[TD_QK + e] = e == 0 ? 127.0f : (float)(e % 2 ? -1 : 1) * ((float)(e * 3 % 120) + 0.5f);
@@ -400,12 +403,21 @@ Test(cpu_pack, act_row)
         }
         for (int isa = TD_CPU_ISA_AVX2; isa <= (int)td_cpu_isa_best(); isa++) {
             unsigned char *b3 = aligned_alloc(64, stride);
+            memset(b3, 0, stride), memset(b2 + 2 * k + 12 * nb, 0, q16_at - (2 * k + 12 * nb)); /* the padding */
             td_cpu_pack_act_row(td_cpu_pack_ops((td_cpu_isa_t)isa), x, b3, t, k, true);
-            cr_assert_eq(memcmp(b2, b3, 2 * k + 12 * nb), 0, "%s: the one-byte row differs from scalar",
+            cr_assert_eq(memcmp(b2, b3, stride), 0, "%s: the one-byte row differs from scalar",
                          td_cpu_isa_name((td_cpu_isa_t)isa));
             free(b3);
         }
         td_cpu_pack_act_row(scalar, x, a, t, k, false);
+        for (size_t b = 0; b < 2; b++) /* Q as int16 after the rest, 64-aligned: 254 hi + lo, one-byte rows too */
+            for (size_t e = 0; e < k; e++) {
+                const unsigned char *r = b ? b2 : a;
+                int16_t q;
+                memcpy(&q, r + q16_at + 2 * e, 2);
+                cr_assert_eq(q, 254 * ((const int8_t *)r)[e] + ((const int8_t *)r)[k + e], "%s row, Q %zu",
+                             b ? "one-byte" : "two-byte", e);
+            }
         for (size_t b = 0; b < nb; b++) {
             float e;
             memcpy(&e, a + 2 * k + 4 * b, 4);
@@ -443,8 +455,9 @@ Test(cpu_pack, act_row)
         }
         for (int isa = TD_CPU_ISA_AVX2; isa <= (int)td_cpu_isa_best(); isa++) {
             const td_cpu_pack_ops_t *ops = td_cpu_pack_ops((td_cpu_isa_t)isa);
+            memset(b2, 0, stride), memset(a + 2 * k + 12 * nb, 0, q16_at - (2 * k + 12 * nb));
             td_cpu_pack_act_row(ops, x, b2, t, k, false);
-            cr_assert_eq(memcmp(a, b2, 2 * k + 12 * nb), 0, "%s: the activation row differs from scalar", ops->name);
+            cr_assert_eq(memcmp(a, b2, stride), 0, "%s: the activation row differs from scalar", ops->name);
         }
     }
     free(x), free(a), free(b2);
