@@ -1303,6 +1303,12 @@ td_status_t td_gram_sset_one(const td_gram_sset_t *in, int32_t k, td_gram_sset_t
     return out->oom ? td_errorf_quiet(TD_ERR_NOMEM, "grammar: out of memory") : TD_OK;
 }
 
+td_status_t td_gram_sset_add(td_gram_sset_t *s, const int32_t *stk, int32_t n)
+{
+    sset_add(s, stk, n);
+    return s->oom ? td_errorf_quiet(TD_ERR_NOMEM, "grammar: out of memory") : TD_OK;
+}
+
 td_status_t td_gram_sset_single(int32_t pos, td_gram_sset_t *out)
 {
     td_gram_sset_clear(out);

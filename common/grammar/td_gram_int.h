@@ -74,6 +74,11 @@ static inline bool td_gram_set_has(const td_gram_t *g, int32_t set, uint8_t b)
     return (g->sets[set][b >> 6] >> (b & 63)) & 1;
 }
 
+/* A matcher caches the vocabulary's split per stack suffix of this many entries, in at
+ * most this many bytes (then masks of new suffixes are walked whole, uncached). */
+#define TD_GRAM_SUFFIX 6
+#define TD_GRAM_CACHE_BYTES ((size_t)512 << 20)
+
 /* ---- stack sets: the matcher state's inside ------------------------------------------- */
 
 /* A set of distinct stacks: stack k is buf[off[k]] = its length L, then L positions,
@@ -97,6 +102,8 @@ td_status_t td_gram_sset_start(const td_gram_t *g, td_gram_sset_t *out);
 /* out = the stacks of in after byte b (out cleared first; in and out distinct). Errors:
  * TD_ERR_NOMEM. */
 td_status_t td_gram_sset_step(const td_gram_t *g, const td_gram_sset_t *in, uint8_t b, td_gram_sset_t *out);
+/* Adds the stack stk[0..n) to s (nothing when an equal one is there). Errors: TD_ERR_NOMEM. */
+td_status_t td_gram_sset_add(td_gram_sset_t *s, const int32_t *stk, int32_t n);
 /* out = {stack k of in}. */
 td_status_t td_gram_sset_one(const td_gram_sset_t *in, int32_t k, td_gram_sset_t *out);
 /* out = {[pos]}: the one-entry stack of a byte-set position (a matcher's precompute). */

@@ -8,14 +8,17 @@
  * kills every stack the whole subtree under that prefix (the following tokens with
  * lcp >= depth) is decided at once.
  *
- * Per byte-set position p (a possible stack top) the first mask that meets p walks the
- * vocabulary once from the one-entry stack [p]: a token whose bytes are consumed without
- * emptying that stack, or that ends exactly where it empties, is accepted whatever lies
- * below p; one that dies before the stack empties is rejected whatever lies below; one
- * that needs to read past the end of p's rule is uncertain. At run time each stack of the
- * state contributes its top's accepted bitset (an OR of words) and a walk of only its
- * top's uncertain tokens from the full stack. For JSON grammars most positions (inside a
- * string, a number, between tokens) leave a few hundred uncertain tokens of 49k.
+ * Per stack suffix (the top TD_GRAM_SUFFIX entries of a stack: the byte-set position and
+ * the rules it returns into) the first mask that meets it walks the vocabulary once from
+ * the suffix alone: a token whose bytes are consumed without emptying it, or that ends
+ * exactly where it empties, is accepted whatever lies below; one that dies before it
+ * empties is rejected whatever lies below; one that needs to read past the suffix is
+ * uncertain. At run time each stack of the state contributes its suffix's accepted bitset
+ * (an OR of words) and a walk of only the uncertain tokens from the full stack. A suffix
+ * rather than the top position alone (xgrammar keys its cache by position) because one
+ * character class in a string (char ::= [^"\\] | ...) ends after one character: keyed by
+ * the position, every longer token would be uncertain; with the string's rule and its
+ * caller in the key only tokens that run past the string's closing quote are.
  */
 #include "td_gram_int.h"
 
@@ -132,9 +135,11 @@ int32_t td_gram_vocab_size(const td_gram_vocab_t *v)
 
 /* ---- the matcher ------------------------------------------------------------------------ */
 
+/* The split of the vocabulary for one stack suffix (the top entries of a stack). */
 typedef struct pos_cache {
-    bool done;
-    uint32_t *acc;  /* [words] accepted whatever lies below */
+    int32_t key[TD_GRAM_SUFFIX];  /* the suffix, bottom first */
+    int32_t key_len;
+    uint32_t *acc;  /* [words] accepted whatever lies below the suffix */
     int32_t *unc;   /* [n_unc] uncertain: indices into sorted, ascending */
     int32_t n_unc;
 } pos_cache_t;
@@ -145,7 +150,10 @@ struct td_gram_matcher {
     const td_gram_vocab_t *v;
     size_t words;
     pthread_mutex_t mu;     /* guards everything below */
-    pos_cache_t *pc;        /* [g->n_elems] */
+    pos_cache_t *pc;        /* [n_pc] the suffixes met so far */
+    int32_t n_pc, pc_cap;
+    td_hash_t pc_index;     /* fnv(suffix) -> index in pc */
+    size_t pc_bytes;        /* what pc holds: bounded by TD_GRAM_CACHE_BYTES */
     td_gram_sset_t *lvl;    /* [v->max_len + 1] stack sets of the walk */
     bool *ended;            /* [v->max_len + 1] a stack emptied before this depth */
     td_gram_sset_t start;   /* a walk's starting set */
@@ -163,10 +171,9 @@ td_status_t td_gram_matcher_create(td_gram_t *g, const td_gram_vocab_t *v, td_gr
     m->v = v;
     m->words = td_gram_mask_words(v->n);
     pthread_mutex_init(&m->mu, NULL);
-    m->pc = calloc((size_t)g->n_elems, sizeof *m->pc);
     m->lvl = calloc((size_t)v->max_len + 1, sizeof *m->lvl);
     m->ended = calloc((size_t)v->max_len + 1, sizeof *m->ended);
-    if (!m->pc || !m->lvl || !m->ended) {
+    if (!m->lvl || !m->ended || td_hash_init(&m->pc_index, 64) != TD_OK) {
         td_gram_matcher_destroy(m);
         return td_errorf_quiet(TD_ERR_NOMEM, "grammar matcher: out of memory");
     }
@@ -178,12 +185,12 @@ void td_gram_matcher_destroy(td_gram_matcher_t *m)
 {
     if (!m || atomic_fetch_sub(&m->refs, 1) != 1)
         return;
-    if (m->pc)
-        for (int32_t i = 0; i < m->g->n_elems; i++) {
-            free(m->pc[i].acc);
-            free(m->pc[i].unc);
-        }
+    for (int32_t i = 0; i < m->n_pc; i++) {
+        free(m->pc[i].acc);
+        free(m->pc[i].unc);
+    }
     free(m->pc);
+    td_hash_free(&m->pc_index);
     if (m->lvl)
         for (uint32_t d = 0; d <= m->v->max_len; d++)
             td_gram_sset_free(&m->lvl[d]);
@@ -269,36 +276,61 @@ static td_status_t walk(td_gram_matcher_t *m, const int32_t *list, int32_t n, bo
     return TD_OK;
 }
 
-/* The cache of position p, computed on first use. */
-static td_status_t position(td_gram_matcher_t *m, int32_t p, pos_cache_t **pc_p)
+/* The split for the top min(len, TD_GRAM_SUFFIX) entries of stk[0..len), computed on first
+ * use. NULL in *pc_p (and TD_OK) when the cache is full: the caller walks every token. */
+static td_status_t position(td_gram_matcher_t *m, const int32_t *stk, int32_t len, pos_cache_t **pc_p)
 {
-    pos_cache_t *pc = &m->pc[p];
-    if (pc->done) {
-        *pc_p = pc;
-        return TD_OK;
+    int32_t kl = len < TD_GRAM_SUFFIX ? len : TD_GRAM_SUFFIX;
+    const int32_t *key = stk + len - kl;
+    uint64_t h = td_fnv1a64(TD_FNV1A64_INIT, key, (size_t)kl * sizeof *key);
+    for (td_hash_slot_t *x = td_hash_find(&m->pc_index, h); x; x = td_hash_find_next(&m->pc_index, x)) {
+        pos_cache_t *pc = &m->pc[x->value];
+        if (pc->key_len == kl && !memcmp(pc->key, key, (size_t)kl * sizeof *key)) {
+            *pc_p = pc;
+            return TD_OK;
+        }
     }
+    *pc_p = NULL;
+    if (m->pc_bytes + m->words * sizeof(uint32_t) > TD_GRAM_CACHE_BYTES)
+        return TD_OK;
+    if (m->n_pc == m->pc_cap) {
+        int32_t cap = m->pc_cap ? m->pc_cap * 2 : 64;
+        pos_cache_t *n = realloc(m->pc, (size_t)cap * sizeof *n);
+        if (!n)
+            return td_errorf_quiet(TD_ERR_NOMEM, "grammar matcher: out of memory");
+        m->pc = n;
+        m->pc_cap = cap;
+    }
+    pos_cache_t *pc = &m->pc[m->n_pc];
+    *pc = (pos_cache_t){.key_len = kl};
+    memcpy(pc->key, key, (size_t)kl * sizeof *key);
     td_status_t st;
     pc->acc = calloc(m->words, sizeof *pc->acc);
     if (!pc->acc)
         return td_errorf_quiet(TD_ERR_NOMEM, "grammar matcher: out of memory");
     m->n_unc = 0;
-    if ((st = td_gram_sset_single(p, &m->start)) != TD_OK ||
+    td_gram_sset_clear(&m->start);
+    if ((st = td_gram_sset_add(&m->start, key, kl)) != TD_OK ||
         (st = walk(m, NULL, m->v->n_sorted, true, pc->acc)) != TD_OK) {
         free(pc->acc);
-        pc->acc = NULL;
         return st;
     }
     if (m->n_unc > 0) {
         pc->unc = malloc((size_t)m->n_unc * sizeof *pc->unc);
         if (!pc->unc) {
             free(pc->acc);
-            pc->acc = NULL;
             return td_errorf_quiet(TD_ERR_NOMEM, "grammar matcher: out of memory");
         }
         memcpy(pc->unc, m->unc, (size_t)m->n_unc * sizeof *pc->unc);
         pc->n_unc = m->n_unc;
     }
-    pc->done = true;
+    if (td_hash_put(&m->pc_index, h, (uint64_t)m->n_pc) != TD_OK) {
+        free(pc->acc);
+        free(pc->unc);
+        return td_errorf_quiet(TD_ERR_NOMEM, "grammar matcher: out of memory");
+    }
+    m->n_pc++;
+    m->pc_bytes += m->words * sizeof(uint32_t) + (size_t)pc->n_unc * sizeof(int32_t) + sizeof *pc;
     *pc_p = pc;
     return TD_OK;
 }
@@ -316,11 +348,17 @@ td_status_t td_gram_fill_mask(td_gram_matcher_t *m, const td_gram_state_t *s, ui
         if (len == 0)
             continue;
         pos_cache_t *pc = NULL;
-        if ((st = position(m, stk[len - 1], &pc)) != TD_OK)
+        if ((st = position(m, stk, len, &pc)) != TD_OK)
             break;
+        if ((st = td_gram_sset_one(&s->set, k, &m->start)) != TD_OK)
+            break;
+        if (!pc) { /* the cache is full: every token from the full stack */
+            st = walk(m, NULL, m->v->n_sorted, false, mask);
+            continue;
+        }
         for (size_t w = 0; w < m->words; w++)
             mask[w] |= pc->acc[w];
-        if (pc->n_unc > 0 && (st = td_gram_sset_one(&s->set, k, &m->start)) == TD_OK)
+        if (pc->n_unc > 0)
             st = walk(m, pc->unc, pc->n_unc, false, mask);
     }
     pthread_mutex_unlock(&m->mu);
