@@ -154,7 +154,14 @@ struct td_gram_matcher {
     int32_t n_pc, pc_cap;
     td_hash_t pc_index;     /* fnv(suffix) -> index in pc */
     size_t pc_bytes;        /* what pc holds: bounded by TD_GRAM_CACHE_BYTES */
-    td_gram_sset_t *lvl;    /* [v->max_len + 1] stack sets of the walk */
+    int32_t *lvl;           /* [v->max_len + 1] the walk's stack sets, as interned ids */
+    /* stack sets interned (equal contents, one id) and the transitions between them, so a
+     * step met before is one table lookup: a lazy DFA over stack sets */
+    td_gram_sset_t *isets;  /* [n_isets] */
+    int32_t n_isets, isets_cap;
+    td_hash_t iset_index;   /* content hash -> id */
+    td_hash_t trans;        /* (id << 8 | byte) -> id of the set after the byte */
+    td_gram_sset_t scratch;
     bool *ended;            /* [v->max_len + 1] a stack emptied before this depth */
     td_gram_sset_t start;   /* a walk's starting set */
     int32_t *unc;           /* growable scratch of a position's uncertain tokens */
@@ -173,7 +180,8 @@ td_status_t td_gram_matcher_create(td_gram_t *g, const td_gram_vocab_t *v, td_gr
     pthread_mutex_init(&m->mu, NULL);
     m->lvl = calloc((size_t)v->max_len + 1, sizeof *m->lvl);
     m->ended = calloc((size_t)v->max_len + 1, sizeof *m->ended);
-    if (!m->lvl || !m->ended || td_hash_init(&m->pc_index, 64) != TD_OK) {
+    if (!m->lvl || !m->ended || td_hash_init(&m->pc_index, 64) != TD_OK ||
+        td_hash_init(&m->iset_index, 1024) != TD_OK || td_hash_init(&m->trans, 4096) != TD_OK) {
         td_gram_matcher_destroy(m);
         return td_errorf_quiet(TD_ERR_NOMEM, "grammar matcher: out of memory");
     }
@@ -191,10 +199,13 @@ void td_gram_matcher_destroy(td_gram_matcher_t *m)
     }
     free(m->pc);
     td_hash_free(&m->pc_index);
-    if (m->lvl)
-        for (uint32_t d = 0; d <= m->v->max_len; d++)
-            td_gram_sset_free(&m->lvl[d]);
     free(m->lvl);
+    for (int32_t i = 0; i < m->n_isets; i++)
+        td_gram_sset_free(&m->isets[i]);
+    free(m->isets);
+    td_hash_free(&m->iset_index);
+    td_hash_free(&m->trans);
+    td_gram_sset_free(&m->scratch);
     free(m->ended);
     td_gram_sset_free(&m->start);
     free(m->unc);
@@ -222,6 +233,69 @@ static bool unc_push(td_gram_matcher_t *m, int32_t idx)
     return true;
 }
 
+#define INTERN_MAX_SETS 200000 /* past this many sets a walk starts the table afresh */
+
+/* Forgets every interned set and transition. */
+static void intern_reset(td_gram_matcher_t *m)
+{
+    for (int32_t i = 0; i < m->n_isets; i++)
+        td_gram_sset_free(&m->isets[i]);
+    m->n_isets = 0;
+    td_hash_free(&m->iset_index);
+    td_hash_free(&m->trans);
+}
+
+/* The id of a set equal to s, interning a copy when new. */
+static td_status_t intern(td_gram_matcher_t *m, const td_gram_sset_t *s, int32_t *id_p)
+{
+    uint64_t h = td_fnv1a64(TD_FNV1A64_INIT, s->buf, s->len * sizeof *s->buf) ^ (uint64_t)s->has_empty;
+    if (!m->iset_index.slots && (td_hash_init(&m->iset_index, 1024) != TD_OK || td_hash_init(&m->trans, 4096) != TD_OK))
+        return td_errorf_quiet(TD_ERR_NOMEM, "grammar matcher: out of memory");
+    for (td_hash_slot_t *x = td_hash_find(&m->iset_index, h); x; x = td_hash_find_next(&m->iset_index, x)) {
+        const td_gram_sset_t *o = &m->isets[x->value];
+        if (o->len == s->len && o->has_empty == s->has_empty && !memcmp(o->buf, s->buf, s->len * sizeof *s->buf)) {
+            *id_p = (int32_t)x->value;
+            return TD_OK;
+        }
+    }
+    if (m->n_isets == m->isets_cap) {
+        int32_t cap = m->isets_cap ? m->isets_cap * 2 : 256;
+        td_gram_sset_t *n = realloc(m->isets, (size_t)cap * sizeof *n);
+        if (!n)
+            return td_errorf_quiet(TD_ERR_NOMEM, "grammar matcher: out of memory");
+        m->isets = n;
+        m->isets_cap = cap;
+    }
+    td_gram_sset_t *c = &m->isets[m->n_isets];
+    *c = (td_gram_sset_t){0};
+    td_status_t st = td_gram_sset_copy(c, s);
+    if (st == TD_OK && td_hash_put(&m->iset_index, h, (uint64_t)m->n_isets) != TD_OK)
+        st = td_errorf_quiet(TD_ERR_NOMEM, "grammar matcher: out of memory");
+    if (st != TD_OK) {
+        td_gram_sset_free(c);
+        return st;
+    }
+    *id_p = m->n_isets++;
+    return TD_OK;
+}
+
+/* The id of the set after byte b from set `from`. */
+static td_status_t istep(td_gram_matcher_t *m, int32_t from, uint8_t b, int32_t *to_p)
+{
+    uint64_t key = ((uint64_t)from << 8) | b;
+    td_hash_slot_t *x = td_hash_find(&m->trans, key);
+    if (x) {
+        *to_p = (int32_t)x->value;
+        return TD_OK;
+    }
+    td_status_t st = td_gram_sset_step(m->g, &m->isets[from], b, &m->scratch);
+    if (st == TD_OK)
+        st = intern(m, &m->scratch, to_p);
+    if (st == TD_OK && td_hash_put(&m->trans, key, (uint64_t)*to_p) != TD_OK)
+        st = td_errorf_quiet(TD_ERR_NOMEM, "grammar matcher: out of memory");
+    return st;
+}
+
 /*
  * Walks the sorted tokens list[0..n) (indices into v->sorted; NULL: all of them) from the
  * stack set m->start. Accepted tokens set their bit in acc. local: the start is one
@@ -231,8 +305,9 @@ static bool unc_push(td_gram_matcher_t *m, int32_t idx)
 static td_status_t walk(td_gram_matcher_t *m, const int32_t *list, int32_t n, bool local, uint32_t *acc)
 {
     const td_gram_vocab_t *v = m->v;
-    const td_gram_t *g = m->g;
-    td_status_t st = td_gram_sset_copy(&m->lvl[0], &m->start);
+    if (m->n_isets > INTERN_MAX_SETS)
+        intern_reset(m);
+    td_status_t st = intern(m, &m->start, &m->lvl[0]);
     if (st != TD_OK)
         return st;
     m->ended[0] = false;
@@ -245,15 +320,15 @@ static td_status_t walk(td_gram_matcher_t *m, const int32_t *list, int32_t n, bo
         uint32_t l = i == 0 ? 0 : list ? lcp_of(v, v->sorted[list[i - 1]], t) : v->lcp[idx];
         uint32_t d = l < valid ? l : valid;
         while (d < len) {
-            if ((st = td_gram_sset_step(g, &m->lvl[d], b[d], &m->lvl[d + 1])) != TD_OK)
+            if ((st = istep(m, m->lvl[d], b[d], &m->lvl[d + 1])) != TD_OK)
                 return st;
-            m->ended[d + 1] = m->ended[d] || m->lvl[d].has_empty;
+            m->ended[d + 1] = m->ended[d] || m->isets[m->lvl[d]].has_empty;
             d++;
-            if (m->lvl[d].n == 0)
+            if (m->isets[m->lvl[d]].n == 0)
                 break;
         }
         valid = d;
-        if (m->lvl[d].n > 0) { /* d == len: every byte consumed */
+        if (m->isets[m->lvl[d]].n > 0) { /* d == len: every byte consumed */
             acc[t >> 5] |= 1u << (t & 31);
             i++;
             continue;
