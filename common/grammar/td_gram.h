@@ -18,15 +18,17 @@
  *
  * Token masks (td_gram_matcher_t) work over a vocabulary's token BYTES (td_gram_vocab_t):
  * the tokens sorted by their bytes form an implicit trie (shared prefixes are walked once,
- * a dead prefix skips its whole subtree), and for each byte-set position the tokens are
- * split once, lazily, into those accepted whatever lies below the position on the stack,
- * those rejected whatever lies below, and the uncertain rest, which alone are checked
- * against the full stack at run time (the adaptive token mask cache of xgrammar, Dong et
- * al. 2024). Special tokens are never allowed, except the end-of-sequence ones where the
- * grammar may end.
+ * a dead prefix skips its whole subtree), and for each stack suffix met (the top
+ * TD_GRAM_SUFFIX entries: a byte-set position and the rules it returns into) the tokens
+ * are split once, lazily, into those accepted whatever lies below the suffix, those
+ * rejected whatever lies below, and the uncertain rest, which alone are checked against
+ * the full stack at run time (the adaptive token mask cache of xgrammar, Dong et al. 2024,
+ * keyed by a suffix rather than a position). The stack sets the walks meet are interned
+ * and their byte transitions kept (a lazy DFA). Special tokens are never allowed, except
+ * the end-of-sequence ones where the grammar may end.
  *
  * Threads: a compiled grammar and a vocabulary are immutable and shared. A matcher may be
- * shared too: its lazily filled per-position cache is guarded by its own mutex. A state
+ * shared too: its lazily filled caches are guarded by its own mutex. A state
  * belongs to one thread at a time.
  */
 #ifndef TD_GRAM_H
@@ -165,8 +167,9 @@ td_gram_t *td_gram_matcher_grammar(const td_gram_matcher_t *m);
 /*
  * The tokens allowed next from s (a state of the matcher's grammar) into
  * mask[0..td_gram_mask_words(n_vocab)): a TEXT token whose bytes s accepts, an EOS token
- * where s may end. Never allocates after the first calls (the per-position cache fills
- * once). Errors: TD_ERR_INVALID (s of another grammar), TD_ERR_NOMEM.
+ * where s may end. Allocates only while its caches fill (a stack suffix or a stack-set
+ * transition met for the first time). Errors: TD_ERR_INVALID (s of another grammar),
+ * TD_ERR_NOMEM.
  */
 td_status_t td_gram_fill_mask(td_gram_matcher_t *m, const td_gram_state_t *s, uint32_t *mask);
 
@@ -186,7 +189,7 @@ td_status_t td_gram_cache_create(const td_gram_vocab_t *v, int32_t cap, td_gram_
 void td_gram_cache_destroy(td_gram_cache_t *c);
 
 /*
- * The matcher of (kind, src): the cached one (a hit keeps its per-position masks) or a new
+ * The matcher of (kind, src): the cached one (a hit keeps its per-suffix masks) or a new
  * compile. The matcher stays valid until the cache is destroyed (an evicted one lives on
  * while referenced: release with td_gram_cache_release). Errors: td_gram_compile's.
  * Guarded by the cache's mutex.

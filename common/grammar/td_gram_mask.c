@@ -164,7 +164,7 @@ struct td_gram_matcher {
     td_gram_sset_t scratch;
     bool *ended;            /* [v->max_len + 1] a stack emptied before this depth */
     td_gram_sset_t start;   /* a walk's starting set */
-    int32_t *unc;           /* growable scratch of a position's uncertain tokens */
+    int32_t *unc;           /* growable scratch of a suffix's uncertain tokens */
     int32_t n_unc, unc_cap;
 };
 
@@ -298,9 +298,9 @@ static td_status_t istep(td_gram_matcher_t *m, int32_t from, uint8_t b, int32_t 
 
 /*
  * Walks the sorted tokens list[0..n) (indices into v->sorted; NULL: all of them) from the
- * stack set m->start. Accepted tokens set their bit in acc. local: the start is one
- * position's [p], and tokens that need to read past p's rule go to m->unc instead of
- * being rejected.
+ * stack set m->start. Accepted tokens set their bit in acc. local: the start is a stack
+ * suffix alone, and tokens that need to read past it (a stack emptied with bytes left) go
+ * to m->unc instead of being rejected.
  */
 static td_status_t walk(td_gram_matcher_t *m, const int32_t *list, int32_t n, bool local, uint32_t *acc)
 {
