@@ -45,7 +45,8 @@ void td_gram_str_add(td_gram_str_t *b, const char *s, size_t n)
         b->s = ns;
         b->cap = cap;
     }
-    memcpy(b->s + b->len, s, n);
+    if (n)
+        memcpy(b->s + b->len, s, n);
     b->len += n;
     b->s[b->len] = '\0';
 }
@@ -981,7 +982,8 @@ static td_status_t flatten(const builder_t *b, td_gram_t *g)
     g->sets = malloc((size_t)(b->n_sets ? b->n_sets : 1) * sizeof *g->sets);
     if (!g->elems || !g->alt_start || !g->rule_alt || !g->sets)
         return td_errorf_quiet(TD_ERR_NOMEM, "grammar: out of memory for %lld elements", (long long)n_elems);
-    memcpy(g->sets, b->sets, (size_t)b->n_sets * sizeof *g->sets);
+    if (b->n_sets)
+        memcpy(g->sets, b->sets, (size_t)b->n_sets * sizeof *g->sets);
     g->n_sets = b->n_sets;
     int32_t e = 0, a = 0;
     for (int32_t r = 0; r < b->n; r++) {

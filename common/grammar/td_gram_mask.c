@@ -253,7 +253,8 @@ static td_status_t intern(td_gram_matcher_t *m, const td_gram_sset_t *s, int32_t
         return td_errorf_quiet(TD_ERR_NOMEM, "grammar matcher: out of memory");
     for (td_hash_slot_t *x = td_hash_find(&m->iset_index, h); x; x = td_hash_find_next(&m->iset_index, x)) {
         const td_gram_sset_t *o = &m->isets[x->value];
-        if (o->len == s->len && o->has_empty == s->has_empty && !memcmp(o->buf, s->buf, s->len * sizeof *s->buf)) {
+        if (o->len == s->len && o->has_empty == s->has_empty &&
+            (s->len == 0 || !memcmp(o->buf, s->buf, s->len * sizeof *s->buf))) { /* the empty set's buf is NULL */
             *id_p = (int32_t)x->value;
             return TD_OK;
         }
