@@ -19,6 +19,7 @@
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include <pcre2.h>
 
+#include "td_constrain.h"
 #include "td_gram.h"
 #include "td_rng.h"
 #include "td_tokenizer.h"
@@ -711,4 +712,63 @@ Test(gram, cache_hits_by_source)
     td_gram_cache_release(c, e);
     td_gram_cache_destroy(c);
     vocab_free(&vb);
+}
+
+/* td_constrain_vocab on real vocabularies (the GGUF fixtures): byte-level pieces as their
+ * bytes, SentencePiece's "▁" as a space and <0xNN> as one byte, EOS where the tokenizer says,
+ * control tokens and padded ids never allowed; a grammar then allows " the"-like tokens by
+ * their bytes. */
+Test(gram, model_vocabulary_from_a_tokenizer)
+{
+    static const char *const names[] = {"smollm", "llama-spm"};
+    for (size_t k = 0; k < 2; k++) {
+        char path[512];
+        snprintf(path, sizeof path, "%s/tests/fixtures/tokenizer/gguf/%s.gguf", TD_SOURCE_DIR, names[k]);
+        td_tokenizer_t *tok;
+        cr_assert_eq(td_tokenizer_load(path, &tok), TD_OK, "%s", td_last_error());
+        int32_t n = td_tokenizer_vocab_size(tok), padded = n + 5, extra_eos = n - 1; /* a word: now an EOS */
+        td_gram_vocab_t *v;
+        cr_assert_eq(td_constrain_vocab(tok, padded, &extra_eos, 1, &v), TD_OK);
+        td_gram_t *g = compile(TD_GRAM_REGEX, "[ a-z<>]+");
+        td_gram_matcher_t *m;
+        td_gram_state_t *s;
+        cr_assert_eq(td_gram_matcher_create(g, v, &m), TD_OK);
+        cr_assert_eq(td_gram_state_create(g, &s), TD_OK);
+        uint32_t *mask = calloc(td_gram_mask_words(padded), 4);
+        cr_assert_eq(td_gram_fill_mask(m, s, mask), TD_OK);
+        int32_t n_text = 0, n_byte = 0;
+        for (int32_t i = 0; i < padded; i++) {
+            bool allowed = (mask[i >> 5] >> (i & 31)) & 1;
+            if (i >= n || i == extra_eos || td_tokenizer_is_eos(tok, i) || td_tokenizer_is_special(tok, i)) {
+                cr_expect(!allowed, "%s: token %d (special, EOS or padding) allowed at the start", names[k], i);
+                continue;
+            }
+            size_t len;
+            const char *b = td_tokenizer_token_bytes(tok, i, &len);
+            bool want = len > 0;
+            for (size_t j = 0; j < len; j++)
+                want = want && (b[j] == ' ' || b[j] == '<' || b[j] == '>' || (b[j] >= 'a' && b[j] <= 'z'));
+            cr_expect_eq(allowed, want, "%s: token %d \"%.*s\"", names[k], i, (int)len, b);
+            n_text += allowed;
+            size_t pl;
+            const char *piece = td_tokenizer_id_to_piece(tok, i, &pl);
+            if (pl == 6 && !strncmp(piece, "<0x", 3)) {
+                cr_expect_eq(len, 1, "%s: byte-fallback piece %s is one byte", names[k], piece);
+                n_byte++;
+            }
+        }
+        cr_expect_gt(n_text, 100, "%s: %d tokens allowed", names[k], n_text);
+        if (!strcmp(names[k], "llama-spm"))
+            cr_expect_eq(n_byte, 256, "llama-spm has 256 byte-fallback pieces");
+        /* after a space-led word, EOS is allowed where the regex may end */
+        cr_assert_eq(td_gram_accept_bytes(s, " ab", 3), TD_OK);
+        cr_assert_eq(td_gram_fill_mask(m, s, mask), TD_OK);
+        cr_expect((mask[extra_eos >> 5] >> (extra_eos & 31)) & 1, "the model's EOS is allowed where it may end");
+        free(mask);
+        td_gram_state_destroy(s);
+        td_gram_matcher_destroy(m);
+        td_gram_unref(g);
+        td_gram_vocab_destroy(v);
+        td_tokenizer_destroy(tok);
+    }
 }
