@@ -19,6 +19,7 @@ static const struct {
     {"kvxfer", bench_kvxfer, "KV transfer over UCX vs ucx_perftest"},
     {"router", bench_router, "router overhead and token relay with no-op nodes (one core)"},
     {"http-server", bench_http_server, "the HTTP/1.1 server alone: tiny answers/s, latency, SSE events/s"},
+    {"grammar", bench_grammar, "constrained decoding: grammar compile time and token-mask time per token"},
     {"serve", bench_serve, "a running cluster under load: TTFT/TPOT/ITL/E2EL, throughput, goodput (vLLM's)"},
 };
 

@@ -16,6 +16,7 @@ int bench_kernels(int argc, char **argv); /* bench/bench_kernels.c (CUDA kernels
 int bench_kvxfer(int argc, char **argv);  /* bench/bench_kvxfer.c */
 int bench_router(int argc, char **argv);  /* bench/bench_router.c */
 int bench_http_server(int argc, char **argv); /* bench/bench_http_server.c */
+int bench_grammar(int argc, char **argv); /* bench/bench_grammar.c: token masks of td_gram */
 int bench_serve(int argc, char **argv);   /* bench/bench_serve.c: load against a running cluster */
 
 /* Device ceilings through the backend interface (bench/bench_kernels.c), medians of 5 rounds

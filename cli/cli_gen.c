@@ -8,7 +8,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <cjson/cJSON.h>
+
 #include "td_chat_source.h"
+#include "td_constrain.h"
 #include "td_dtype.h"
 #include "td_log.h"
 #include "td_util.h"
@@ -363,6 +366,9 @@ typedef struct gen_state {
     bool want_lp;
     int32_t top;
     uint64_t t0;
+    td_gram_matcher_t *gm; /* structured output: the grammar over the model's vocabulary */
+    td_gram_state_t *gst;  /* where the output stands in it */
+    uint32_t *mask;        /* [td_gram_mask_words(vocab)] the tokens it allows next */
     bool done;          /* a stop id, a stop string or max_new: take no more */
     bool stopped;       /* a stop string matched */
 } gen_state_t;
@@ -376,13 +382,17 @@ static td_status_t take_token(gen_state_t *s, const float *logits, int32_t *next
     const td_model_config_t *c = &s->g->model->config;
     cli_gen_result_t *r = s->r;
     int32_t next;
-    td_status_t st = td_sampler_sample(s->sampler, logits, c->vocab_size, &next);
-    if (st != TD_OK)
+    td_status_t st;
+    if (s->gst && (st = td_gram_fill_mask(s->gm, s->gst, s->mask)) != TD_OK)
+        return td_errorf(st, "grammar: out of memory for a token mask");
+    if ((st = td_sampler_sample_masked(s->sampler, logits, c->vocab_size, s->gst ? s->mask : NULL, &next)) != TD_OK)
         return st;
+    if (s->gst && td_gram_accept_token(s->gm, s->gst, next) != TD_OK) /* the mask allowed it */
+        return td_errorf(TD_ERR_INTERNAL, "grammar: token %d was in the mask but the grammar refused it", next);
     if (r->n_gen == 0)
         r->t_first_ns = td_now_ns() - s->t0;
     *next_p = next;
-    if (is_stop_id(s->g, s->o, next)) {
+    if (is_stop_id(s->g, s->o, next) || (s->gst && td_tokenizer_is_eos(s->g->tok, next))) {
         s->done = true;
         return TD_OK;
     }
@@ -547,6 +557,10 @@ td_status_t cli_gen_run(cli_gen_t *g, const cli_gen_opts_t *o, td_kv_seq_t *seq,
     td_kv_seq_t dseq; /* the draft model's sequence (--spec draft-model) */
     td_kv_seq_init(&dseq);
     td_detok_t dt = {0};
+    td_gram_vocab_t *gvocab = NULL;
+    td_gram_matcher_t *gm = NULL;
+    td_gram_state_t *gst = NULL;
+    uint32_t *mask = NULL;
     cli_gen_result_t r = {.n_prompt = n_prompt};
     size_t text_cap = 0;
     td_status_t st;
@@ -573,6 +587,24 @@ td_status_t cli_gen_run(cli_gen_t *g, const cli_gen_opts_t *o, td_kv_seq_t *seq,
     }
     if (g->tok)
         td_detok_init(&dt, g->tok);
+    if (o->gram) {
+        const td_model_config_t *mc = &g->model->config;
+        if (!g->tok) {
+            st = td_errorf(TD_ERR_INVALID, "structured output needs the model's tokenizer: give --tokenizer PATH");
+            goto out;
+        }
+        if ((st = td_constrain_vocab(g->tok, mc->vocab_size, mc->eos_ids, mc->n_eos, &gvocab)) != TD_OK)
+            goto out;
+        if ((st = td_gram_matcher_create(o->gram, gvocab, &gm)) != TD_OK ||
+            (st = td_gram_state_create(o->gram, &gst)) != TD_OK) {
+            st = td_errorf(st, "grammar: out of memory");
+            goto out;
+        }
+        if (!(mask = malloc(td_gram_mask_words(mc->vocab_size) * sizeof *mask))) {
+            st = td_errorf(TD_ERR_NOMEM, "out of memory");
+            goto out;
+        }
+    }
     for (size_t i = 0; i < n_prompt; i++)
         td_sampler_accept_prompt(sampler, prompt[i]);
 
@@ -584,7 +616,7 @@ td_status_t cli_gen_run(cli_gen_t *g, const cli_gen_opts_t *o, td_kv_seq_t *seq,
     memcpy(ctx, prompt, n_prompt * sizeof *ctx);
     gen_state_t gs = {.g = g, .o = o, .sampler = sampler, .stop = stop, .dt = &dt, .r = &r, .text_cap = &text_cap,
                       .ctx = ctx, .n_ctx = (int32_t)n_prompt, .max_new = max_new, .want_lp = want_lp, .top = top,
-                      .t0 = t0};
+                      .t0 = t0, .gm = gm, .gst = gst, .mask = mask};
     int32_t next;
     if (max_new > 0 && ((st = take_token(&gs, logits, &next)) != TD_OK ||
                         (st = decode_tokens(&gs, seq, &dseq, next, logits, vlogits)) != TD_OK))
@@ -608,7 +640,79 @@ out:
     free(logits);
     td_stop_destroy(stop);
     td_sampler_destroy(sampler);
+    free(mask);
+    td_gram_state_destroy(gst);
+    td_gram_matcher_destroy(gm);
+    td_gram_vocab_destroy(gvocab);
     return st;
+}
+
+bool cli_gen_grammar(const char *cmd, cli_gen_opts_t *o)
+{
+    const char *flag = NULL, *text = NULL;
+    td_gram_kind_t kind = TD_GRAM_GBNF;
+    int n = 0;
+    if (o->json_schema)
+        n++, flag = "--json-schema", kind = TD_GRAM_JSON_SCHEMA, text = o->json_schema;
+    if (o->grammar)
+        n++, flag = "--grammar", kind = TD_GRAM_GBNF, text = o->grammar;
+    if (o->regex)
+        n++, flag = "--regex", kind = TD_GRAM_REGEX, text = o->regex;
+    if (o->choice)
+        n++, flag = "--choice", kind = TD_GRAM_CHOICE, text = o->choice;
+    if (o->json_object)
+        n++, flag = "--json-object", kind = TD_GRAM_JSON_OBJECT, text = "";
+    if (n == 0)
+        return true;
+    if (n > 1) {
+        fprintf(stderr, "tandem %s: give at most one of --json-schema, --grammar, --regex, --choice and --json-object\n",
+                cmd);
+        return false;
+    }
+    char *src = NULL;
+    size_t len = 0;
+    td_status_t st = TD_OK;
+    if (kind == TD_GRAM_JSON_SCHEMA || kind == TD_GRAM_GBNF) {
+        st = td_file_read_all(text, TD_GRAM_MAX_SOURCE, &src, &len);
+    } else if (kind == TD_GRAM_CHOICE) { /* A,B,C -> ["A","B","C"] */
+        cJSON *a = cJSON_CreateArray();
+        for (const char *p = text; a;) {
+            const char *e = strchr(p, ',');
+            size_t l = e ? (size_t)(e - p) : strlen(p);
+            char *item = strndup(p, l);
+            if (!item || !cJSON_AddItemToArray(a, cJSON_CreateString(item))) {
+                free(item);
+                cJSON_Delete(a);
+                a = NULL;
+                break;
+            }
+            free(item);
+            if (!e)
+                break;
+            p = e + 1;
+        }
+        src = a ? cJSON_PrintUnformatted(a) : NULL;
+        cJSON_Delete(a);
+        if (!src)
+            st = td_errorf_quiet(TD_ERR_NOMEM, "out of memory");
+        len = src ? strlen(src) : 0;
+    } else {
+        src = strdup(text);
+        len = strlen(text);
+        if (!src)
+            st = td_errorf_quiet(TD_ERR_NOMEM, "out of memory");
+    }
+    if (st == TD_OK)
+        st = td_gram_compile(kind, src, len, &o->gram);
+    if (kind == TD_GRAM_CHOICE)
+        cJSON_free(src);
+    else
+        free(src);
+    if (st != TD_OK) {
+        fprintf(stderr, "tandem %s: %s: %s\n", cmd, flag, td_last_error());
+        return false;
+    }
+    return true;
 }
 
 void cli_gen_report(const cli_gen_result_t *r, bool show_cached)

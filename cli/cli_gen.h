@@ -19,6 +19,7 @@
 #include "td_chat_template.h"
 #include "td_engine.h"
 #include "td_gen_params.h"
+#include "td_gram.h"
 #include "td_model.h"
 #include "td_opts.h"
 #include "td_progress.h"
@@ -53,6 +54,14 @@ typedef struct cli_gen_opts {
     int32_t stop_ids[TD_GEN_MAX_STOP_IDS];
     int32_t n_stop_ids;        /* given; as n_stops */
     td_spec_config_t spec;     /* --spec, --draft-tokens (speculative decoding; off by default) */
+    /* structured output (generate): at most one of these flags; gram is what it compiled to
+     * (cli_gen_grammar), NULL: unconstrained */
+    const char *json_schema;   /* --json-schema FILE */
+    const char *grammar;       /* --grammar FILE (GBNF) */
+    const char *regex;         /* --regex R */
+    const char *choice;        /* --choice A,B,... */
+    bool json_object;          /* --json-object */
+    td_gram_t *gram;
     const char *draft_model;   /* --draft-model PATH: the draft-model drafter's model */
     /* generate --server mode */
     const char *server;        /* HOST:PORT of a router's gateway */
@@ -119,6 +128,13 @@ bool cli_gen_spec_resolve(const char *cmd, cli_gen_opts_t *o, int64_t k);
 /* Checks o's request parameters with td_gen_params_validate (the gateway's check) for a
  * prompt of prompt_len bytes; on failure prints "tandem CMD: --flag: why" and returns false. */
 bool cli_gen_validate(const char *cmd, const cli_gen_opts_t *o, bool prompt_is_text, size_t prompt_len);
+
+/*
+ * Compiles o's structured-output flag (reading the file of --json-schema / --grammar) into
+ * o->gram; nothing when none is given. Errors (printed as "tandem CMD: --flag: why"): two
+ * such flags, an unreadable file, any td_gram_compile refusal. Release with td_gram_unref.
+ */
+bool cli_gen_grammar(const char *cmd, cli_gen_opts_t *o);
 
 /* What a local command holds. Zero-initialise, then cli_gen_open; cli_gen_close always. */
 typedef struct cli_gen {

@@ -88,6 +88,17 @@ static void gen_flags_init(gen_flags_t *fl, cli_gen_opts_t *o)
         {.name = "max-tokens", .type = TD_OPT_I64, .ptr = &o->max_tokens, .min = INT64_MIN, .max = INT64_MAX,
          .arg = "N", .help = "most tokens to generate (default: up to the model's length;\n"
                              "with --server: the server's default-max-tokens, and N >= 1)"},
+        {.name = "json-schema", .type = TD_OPT_STR, .ptr = &o->json_schema, .arg = "FILE",
+         .help = "structured output: the output is JSON valid under this JSON Schema\n"
+                 "(the subset in docs/grammar.md; anything else is refused by name)"},
+        {.name = "json-object", .type = TD_OPT_BOOL, .ptr = &o->json_object,
+         .help = "structured output: the output is one JSON object"},
+        {.name = "grammar", .type = TD_OPT_STR, .ptr = &o->grammar, .arg = "FILE",
+         .help = "structured output: the output matches this GBNF grammar (llama.cpp's)"},
+        {.name = "regex", .type = TD_OPT_STR, .ptr = &o->regex, .arg = "R",
+         .help = "structured output: the output matches this regular expression whole"},
+        {.name = "choice", .type = TD_OPT_STR, .ptr = &o->choice, .arg = "A,B,...",
+         .help = "structured output: the output is exactly one of these strings"},
     };
     const td_opt_t tail[] = {
         {.name = "stop", .type = TD_OPT_FN, .ptr = o, .parse = cli_gen_parse_stop, .arg = "TEXT",
@@ -177,6 +188,11 @@ static int check_flags(cli_gen_opts_t *o)
                 o->local_only);
         return 2;
     }
+    if (o->server && (o->json_schema || o->json_object || o->grammar || o->regex || o->choice)) {
+        fprintf(stderr, "tandem generate: --json-schema, --json-object, --grammar, --regex and --choice are local only "
+                        "for now: the cluster does not carry a grammar yet\n");
+        return 2;
+    }
     if (!o->server && (o->model_name || o->request_id || o->timeout_s > 0 || o->connect_timeout_s > 0)) {
         fprintf(stderr, "tandem generate: --model-name, --request-id, --timeout and --connect-timeout need --server\n");
         return 2;
@@ -239,7 +255,10 @@ static int parse_opts(int argc, char **argv, cli_gen_opts_t *o)
             first_local = given[i];
             o->local_only = fl.opts[i].name;
         }
-    return check_flags(o);
+    int rc = check_flags(o);
+    if (rc < 0 && !cli_gen_grammar("generate", o))
+        return 2;
+    return rc;
 }
 
 /* "1 2 3" -> ids. Errors name the offending word. */
@@ -773,5 +792,6 @@ out:
     cli_gen_result_free(&res);
     free(prompt);
     cli_gen_close(&g);
+    td_gram_unref(o.gram);
     return rc;
 }

@@ -285,11 +285,15 @@ static void openai_penalties(td_sampler_t *s, int32_t vocab)
  * distinct token of the window: positive logits are divided, negative ones multiplied
  * (CTRL, Keskar et al. 2019), so a penalty > 1 always makes the token less likely; then
  * the presence and frequency penalties. */
-static void penalized_logits(td_sampler_t *s, const float *logits, int32_t vocab)
+static void penalized_logits(td_sampler_t *s, const float *logits, int32_t vocab, const uint32_t *allowed)
 {
     float *val = s->val;
     for (int32_t i = 0; i < vocab; i++)
         val[i] = isnan(logits[i]) ? -INFINITY : logits[i];
+    if (allowed) /* first: nothing after it sees a forbidden token */
+        for (int32_t i = 0; i < vocab; i++)
+            if (!((allowed[i >> 5] >> (i & 31)) & 1))
+                val[i] = -INFINITY;
     const float pen = s->p.repetition_penalty;
     if (pen != 1.0f && s->window_len > 0) {
         memcpy(s->window_sort, s->window, (size_t)s->window_len * sizeof *s->window);
@@ -416,13 +420,28 @@ static int32_t apply_top_p(cand_t *cand, int32_t n, bool sorted, double total, f
 td_status_t td_sampler_sample(td_sampler_t *sampler, const float *logits, int32_t vocab,
                               int32_t *token_p)
 {
+    return td_sampler_sample_masked(sampler, logits, vocab, NULL, token_p);
+}
+
+/* "none of the 49152 logits is finite", or under a mask, that nothing allowed is */
+static td_status_t no_candidate(int32_t vocab, const uint32_t *allowed)
+{
+    if (allowed)
+        return td_errorf(TD_ERR_INVALID, "sampler: the mask allows no token with a finite logit (of %d): "
+                         "the grammar allows no token here, or the model's logits are NaN or Inf", vocab);
+    return td_errorf(TD_ERR_INVALID, "sampler: none of the %d logits is finite (are the model's weights NaN or Inf?)", vocab);
+}
+
+td_status_t td_sampler_sample_masked(td_sampler_t *sampler, const float *logits, int32_t vocab,
+                                     const uint32_t *allowed, int32_t *token_p)
+{
     td_sampler_t *s = sampler;
     if (vocab <= 0)
         return td_errorf(TD_ERR_INVALID, "sampler: vocabulary size %d", vocab);
     td_status_t st = ensure_scratch(s, vocab);
     if (st != TD_OK)
         return st;
-    penalized_logits(s, logits, vocab);
+    penalized_logits(s, logits, vocab, allowed);
     const float *val = s->val;
 
     if (s->p.temperature == 0.0f) {
@@ -431,7 +450,7 @@ td_status_t td_sampler_sample(td_sampler_t *sampler, const float *logits, int32_
             if (val[i] > val[best])
                 best = i;
         if (val[best] == -INFINITY)
-            return td_errorf(TD_ERR_INVALID, "sampler: none of the %d logits is finite (are the model's weights NaN or Inf?)", vocab);
+            return no_candidate(vocab, allowed);
         *token_p = best;
         return TD_OK;
     }
@@ -450,7 +469,7 @@ td_status_t td_sampler_sample(td_sampler_t *sampler, const float *logits, int32_
                 cand[n++] = (cand_t){ val[i], i };
     }
     if (n == 0)
-        return td_errorf(TD_ERR_INVALID, "sampler: none of the %d logits is finite (are the model's weights NaN or Inf?)", vocab);
+        return no_candidate(vocab, allowed);
 
     /* temperature + softmax, left unnormalized: v becomes exp((logit - max) / T), so the
      * most likely token has weight 1 and probabilities are v / total */

@@ -12,7 +12,8 @@
  * presence and frequency penalties, and scratch memory sized to the vocabulary on first use
  * (no allocation per token afterwards).
  *
- * Order of operations (temperature > 0): repetition penalty, presence and frequency
+ * Order of operations (temperature > 0): the token mask of a grammar, if one is given
+ * (td_sampler_sample_masked: forbidden tokens become -inf), repetition penalty, presence and frequency
  * penalties (logit -= presence * (count > 0) + frequency * count, over the generated tokens
  * only, as OpenAI and vLLM define them), temperature, top-k, softmax, top-p, min-p, draw.
  * Temperature 0 is greedy: the argmax of the penalized logits, lowest id on ties, no
@@ -185,6 +186,20 @@ const td_sampling_t *td_sampler_params(const td_sampler_t *sampler);
  */
 td_status_t td_sampler_sample(td_sampler_t *sampler, const float *logits, int32_t vocab,
                               int32_t *token_p);
+
+/*
+ * td_sampler_sample under a token mask (a grammar's, td_gram_fill_mask): bit (i % 32) of
+ * allowed[i / 32] set means token i may be drawn; NULL allows every token. The mask is
+ * applied first, before the penalties, temperature, top-k, top-p and min-p, so the filters
+ * and the draw see only allowed tokens (min-p is relative to the most likely allowed one)
+ * and greedy picks the most likely allowed token. A draw consumes the same one random
+ * number as without a mask, so a seed gives the same stream position either way.
+ * td_sampler_logprobs is not affected: reported log-probabilities stay the model's own,
+ * log_softmax over the whole vocabulary before the mask (as vLLM reports them).
+ * Errors: td_sampler_sample's; TD_ERR_INVALID also when no allowed token has a finite logit.
+ */
+td_status_t td_sampler_sample_masked(td_sampler_t *sampler, const float *logits, int32_t vocab,
+                                     const uint32_t *allowed, int32_t *token_p);
 
 /*
  * Records a generated token: in the repetition-penalty window and, when a presence or

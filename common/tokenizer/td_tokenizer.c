@@ -73,6 +73,14 @@ const char *td_tokenizer_id_to_piece(const td_tokenizer_t *tok, int32_t id, size
     return tok->arena + tok->piece_off[id];
 }
 
+const char *td_tokenizer_token_bytes(const td_tokenizer_t *tok, int32_t id, size_t *len_p)
+{
+    if (id < 0 || id >= tok->n_vocab || (tok->flags[id] & TD_TOK_F_HOLE))
+        return NULL;
+    *len_p = tok->surf_len[id];
+    return tok->arena + tok->surf_off[id];
+}
+
 int32_t td_tokenizer_piece_to_id(const td_tokenizer_t *tok, const char *piece, size_t len)
 {
     for (size_t i = 0; i < tok->n_added; i++)

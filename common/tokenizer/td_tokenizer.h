@@ -103,6 +103,15 @@ int32_t td_tokenizer_piece_to_id(const td_tokenizer_t *tok, const char *piece, s
  */
 const char *td_tokenizer_id_to_piece(const td_tokenizer_t *tok, int32_t id, size_t *len_p);
 
+/*
+ * The bytes token `id` stands for in decoded text, before decode's clean-ups: a byte-level
+ * piece's raw bytes, a SentencePiece piece with "▁" as a space, a byte-fallback piece's
+ * one byte (possibly part of a UTF-8 character), a special token's text. Not
+ * NUL-terminated; owned by the tokenizer. NULL for an id out of range (or a hole). What a
+ * grammar matches a token against (docs/grammar.md).
+ */
+const char *td_tokenizer_token_bytes(const td_tokenizer_t *tok, int32_t id, size_t *len_p);
+
 /* True for special tokens (control pieces, added tokens marked special): decoding skips them. */
 bool td_tokenizer_is_special(const td_tokenizer_t *tok, int32_t id);
 

@@ -472,6 +472,157 @@ Test(sampler, frequency_penalty_counts_generated_tokens_only)
     td_sampler_destroy(s);
 }
 
+/* ---- sampling under a token mask (a grammar's) ---- */
+
+static void random_mask(uint32_t *mask, int32_t n, uint64_t seed, int keep_one_in)
+{
+    memset(mask, 0, (size_t)(n + 31) / 32 * sizeof *mask);
+    uint64_t x = seed * 0x9e3779b97f4a7c15ull + 1;
+    for (int32_t i = 0; i < n; i++) {
+        x = x * 6364136223846793005ull + 1442695040888963407ull;
+        if ((x >> 33) % (uint64_t)keep_one_in == 0)
+            mask[i >> 5] |= 1u << (i & 31);
+    }
+}
+
+static bool allowed_bit(const uint32_t *mask, int32_t i)
+{
+    return (mask[i >> 5] >> (i & 31)) & 1;
+}
+
+static int32_t draw_masked(td_sampler_t *s, const float *logits, int32_t vocab, const uint32_t *mask)
+{
+    int32_t t = -1;
+    cr_assert_eq(td_sampler_sample_masked(s, logits, vocab, mask, &t), TD_OK, "%s", td_last_error());
+    return t;
+}
+
+Test(sampler, greedy_under_a_mask_is_the_best_allowed_token)
+{
+    enum { V = 5000 };
+    static float l[V];
+    static uint32_t mask[(V + 31) / 32];
+    td_sampler_t *s = make(td_sampling_default());
+    for (uint32_t seed = 1; seed <= 20; seed++) {
+        fill_logits(l, V, seed, 3.0f);
+        random_mask(mask, V, seed, 1 + (int)seed % 7);
+        int32_t best = -1;
+        for (int32_t i = 0; i < V; i++)
+            if (allowed_bit(mask, i) && (best < 0 || l[i] > l[best]))
+                best = i;
+        cr_expect_eq(draw_masked(s, l, V, mask), best, "seed %u", seed);
+    }
+    td_sampler_destroy(s);
+}
+
+Test(sampler, every_filter_sees_only_allowed_tokens)
+{
+    enum { V = 3000 };
+    static float l[V];
+    static uint32_t mask[(V + 31) / 32];
+    td_sampling_t p = td_sampling_default();
+    p.temperature = 1.3f;
+    p.repetition_penalty = 1.5f;
+    p.presence_penalty = 0.5f;
+    for (int variant = 0; variant < 4; variant++) {
+        p.top_k = variant == 1 ? 5 : 0;
+        p.top_p = variant == 2 ? 0.5f : 1.0f;
+        p.min_p = variant == 3 ? 0.2f : 0.0f;
+        p.seed = (uint64_t)variant;
+        td_sampler_t *s = make(p);
+        for (uint32_t step = 0; step < 300; step++) {
+            fill_logits(l, V, step, 4.0f);
+            random_mask(mask, V, step + 1000u * (uint32_t)variant, 50);
+            int32_t t = draw_masked(s, l, V, mask);
+            cr_assert(allowed_bit(mask, t), "variant %d step %u: token %d is masked out", variant, step, t);
+            cr_assert_eq(td_sampler_accept(s, t), TD_OK);
+        }
+        td_sampler_destroy(s);
+    }
+    /* top-k 1 under a mask is greedy over the allowed tokens, penalties included */
+    p = td_sampling_default();
+    p.temperature = 1.0f;
+    p.top_k = 1;
+    td_sampler_t *k1 = make(p), *greedy = make(td_sampling_default());
+    for (uint32_t seed = 0; seed < 50; seed++) {
+        fill_logits(l, V, seed, 2.0f);
+        random_mask(mask, V, seed, 9);
+        cr_expect_eq(draw_masked(k1, l, V, mask), draw_masked(greedy, l, V, mask));
+    }
+    td_sampler_destroy(k1);
+    td_sampler_destroy(greedy);
+}
+
+Test(sampler, masked_distribution_is_the_renormalized_softmax)
+{
+    enum { V = 8, N = 40000 };
+    const float l[V] = {1.0f, 0.5f, 2.0f, -1.0f, 0.0f, 1.5f, 3.0f, 0.2f};
+    const uint32_t mask[1] = {0x5du}; /* tokens 0, 2, 3, 4, 6 */
+    td_sampling_t p = td_sampling_default();
+    p.temperature = 0.8f;
+    p.seed = 7;
+    td_sampler_t *s = make(p);
+    int count[V] = {0};
+    for (int i = 0; i < N; i++)
+        count[draw_masked(s, l, V, mask)]++;
+    double z = 0.0, q[V];
+    for (int i = 0; i < V; i++)
+        z += q[i] = allowed_bit(mask, i) ? exp(l[i] / 0.8) : 0.0;
+    for (int i = 0; i < V; i++) {
+        double want = q[i] / z, got = (double)count[i] / N;
+        cr_expect(fabs(got - want) < 4.0 * sqrt(want * (1 - want) / N) + 1e-9, "token %d: %.4f, want %.4f", i, got, want);
+    }
+    td_sampler_destroy(s);
+}
+
+Test(sampler, masked_sampling_is_reproducible_and_draws_once_per_token)
+{
+    enum { V = 1000 };
+    static float l[V];
+    static uint32_t mask[(V + 31) / 32];
+    td_sampling_t p = td_sampling_default();
+    p.temperature = 1.0f;
+    p.top_p = 0.9f;
+    p.seed = 12345;
+    td_sampler_t *a = make(p), *b = make(p), *unmasked = make(p), *masked = make(p);
+    for (uint32_t step = 0; step < 200; step++) {
+        fill_logits(l, V, step, 2.0f);
+        random_mask(mask, V, step, 3);
+        cr_assert_eq(draw_masked(a, l, V, mask), draw_masked(b, l, V, mask), "step %u", step);
+        /* a masked draw advances the PRNG as an unmasked one does: after the same number of
+         * draws both samplers give the same unmasked token */
+        if (step % 2)
+            draw_masked(masked, l, V, mask);
+        else
+            (void)draw(masked, l, V);
+        (void)draw(unmasked, l, V);
+    }
+    fill_logits(l, V, 999, 2.0f);
+    cr_expect_eq(draw(masked, l, V), draw(unmasked, l, V));
+    td_sampler_destroy(a);
+    td_sampler_destroy(b);
+    td_sampler_destroy(unmasked);
+    td_sampler_destroy(masked);
+}
+
+Test(sampler, a_mask_that_allows_nothing_finite_is_an_error)
+{
+    float l[64];
+    uint32_t mask[2] = {0x1u, 0x0u}; /* token 0 only */
+    fill_logits(l, 64, 3, 1.0f);
+    l[0] = -INFINITY;
+    for (int greedy = 0; greedy < 2; greedy++) {
+        td_sampling_t p = td_sampling_default();
+        p.temperature = greedy ? 0.0f : 1.0f;
+        td_sampler_t *s = make(p);
+        int32_t t = -7;
+        cr_expect_eq(td_sampler_sample_masked(s, l, 64, mask, &t), TD_ERR_INVALID);
+        cr_expect_eq(t, -7, "no output on error");
+        cr_expect(strstr(td_last_error(), "mask"), "%s", td_last_error());
+        td_sampler_destroy(s);
+    }
+}
+
 Test(sampler, logprobs_match_log_softmax_and_a_full_sort)
 {
     enum { V = 3000 };
