@@ -352,7 +352,7 @@ static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
     size_t n = (size_t)nread;
     if (c->preface_seen < PREFACE_LEN) {
         size_t k = TD_MIN(n, PREFACE_LEN - c->preface_seen);
-        if (memcmp(p, PREFACE + c->preface_seen, k) != 0) {
+        if (memcmp(p, &PREFACE[c->preface_seen], k) != 0) {
             if (c->preface_seen == 0 && looks_like_http1(p, n)) {
                 td_debug("grpc connection: HTTP/1.x request refused");
                 plain_write_t *w = malloc(sizeof *w);
