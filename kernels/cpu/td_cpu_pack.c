@@ -234,7 +234,7 @@ static int32_t act_block_scalar(const float *x, int8_t *hi, int8_t *lo, float *e
 
 static void act_row_scalar(const float *x, void *av, td_dtype_t type, size_t k, bool one_byte)
 {
-    act_row_blocks(act_block_scalar, x, av, type, k, one_byte);
+    act_row_blocks(act_block_scalar, x, av, type, k, one_byte, true); /* the reference: every part */
 }
 
 void td_cpu_pack_act_row(const td_cpu_pack_ops_t *ops, const float *x, void *a, td_dtype_t type, size_t k,
@@ -365,7 +365,8 @@ TD_INLINE void kernel_scalar_any(td_dtype_t t, bool one_byte, const void *wp, si
 PACK_FNS(scalar, , kernel_scalar_any, false)
 
 static const td_cpu_pack_ops_t ops_scalar = {
-    .name = "scalar", .act_row = act_row_scalar, .two_byte = PACK_TABLE(scalar), .one_byte = PACK_TABLE(scalar)};
+    .name = "scalar", .act_row = act_row_scalar, .act_q16 = true, .two_byte = PACK_TABLE(scalar),
+    .one_byte = PACK_TABLE(scalar)};
 
 /* ---- tables ------------------------------------------------------------------------------- */
 

@@ -48,7 +48,9 @@
  * not notice. Rows laid out for broadcasts (td_cpu_pack_act_row):
  *   [k int8 hi][k int8 lo][nb f32 e][nb 32-bit c][nb int32 c2][pad to 64][k int16 Q]
  *   stride td_cpu_pack_act_stride(k); Q = 254 hi + lo again, as one int16 (|Q| <= 32385), for
- *   AVX2's prefill tiles, whose vpmaddwd takes int16 pairs (one-byte rows: Q = 254 hi)
+ *   AVX2's prefill tiles, whose vpmaddwd takes int16 pairs (one-byte rows: Q = 254 hi). Only
+ *   tables with act_q16 write the Q part (scalar, avx2); avx512vnni's kernels never read it
+ *   and its quantizer leaves it as it was (writing it cost 1-2% of a prefill there)
  * c folds the weights' offset into the integer sum: Q4_0 c = -8 * sum Q, Q8_0 and IQ4_XS c =
  * -128 * sum Q (int32), so that c + sum u * Q = sum (u - offset) * Q exactly; Q6_K c = -32 * the sum of
  * the block's first 16 Q and c2 = -32 * that of its last 16 (0 for other types); Q4_1, Q4_K and Q5_K c = e * sum Q
@@ -103,7 +105,8 @@ void td_cpu_pack_weights(void *dst, const void *w, td_dtype_t type, size_t n, si
 size_t td_cpu_pack_act_stride(size_t k);
 
 /* A table's quantizer: the k floats at x (k % 32 == 0) into the activation row at a for
- * weights of `type` (which sets c); every table writes the same bytes. one_byte: lo all 0
+ * weights of `type` (which sets c); every table writes the same bytes (the Q part only with
+ * act_q16). one_byte: lo all 0
  * (Q = 254 hi, llama.cpp's one-byte rounding; c from those Q). */
 typedef void (*td_cpu_pack_act_fn)(const float *x, void *a, td_dtype_t type, size_t k, bool one_byte);
 
@@ -129,6 +132,10 @@ typedef struct td_cpu_pack_fns {
 typedef struct td_cpu_pack_ops {
     const char *name; /* "scalar", "avx2", "avx512vnni" */
     td_cpu_pack_act_fn act_row;
+    bool act_q16; /* act_row writes the row's int16 Q part (the layout above). A row feeds the
+                     kernels of the table that made it, or of any table when made by one with
+                     act_q16: only avx2's two-byte kernels read Q, and the scalar reference
+                     writes every part, so its rows feed every table (the tests') */
     td_cpu_pack_fns_t two_byte; /* the header's sum */
     td_cpu_pack_fns_t one_byte; /* the same sum on rows whose lo parts are all 0 (act_row's
                                    one_byte), which these skip: equal bits, half the integer

@@ -35,7 +35,7 @@ static TD_Y int32_t act_block_avx2(const float *x, int8_t *hi, int8_t *lo, float
 
 static TD_Y void act_row_avx2(const float *x, void *av, td_dtype_t type, size_t k, bool one_byte)
 {
-    act_row_blocks(act_block_avx2, x, av, type, k, one_byte);
+    act_row_blocks(act_block_avx2, x, av, type, k, one_byte, true); /* w16_tile reads Q */
 }
 /* ---- AVX2 -------------------------------------------------------------------------------- */
 
@@ -556,6 +556,7 @@ PACK_FNS(avx2_2, TD_Y, kernel_avx2, false)
 PACK_FNS(avx2_1, TD_Y, kernel_avx2, true)
 
 const td_cpu_pack_ops_t td_cpu_pack_ops_avx2 = {
-    .name = "avx2", .act_row = act_row_avx2, .two_byte = PACK_TABLE(avx2_2), .one_byte = PACK_TABLE(avx2_1)};
+    .name = "avx2", .act_row = act_row_avx2, .act_q16 = true, .two_byte = PACK_TABLE(avx2_2),
+    .one_byte = PACK_TABLE(avx2_1)};
 
 #endif /* TD_CPU_PACK_X86 */

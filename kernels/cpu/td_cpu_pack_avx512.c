@@ -47,7 +47,7 @@ static TD_Z int32_t act_block_avx512(const float *x, int8_t *hi, int8_t *lo, flo
 
 static TD_Z void act_row_avx512(const float *x, void *av, td_dtype_t type, size_t k, bool one_byte)
 {
-    act_row_blocks(act_block_avx512, x, av, type, k, one_byte);
+    act_row_blocks(act_block_avx512, x, av, type, k, one_byte, false); /* no VNNI kernel reads Q */
 }
 
 /* ---- AVX-512 VNNI ------------------------------------------------------------------------ */
@@ -255,6 +255,7 @@ PACK_FNS(vnni2, TD_V, kernel_vnni, false)
 PACK_FNS(vnni1, TD_V, kernel_vnni, true)
 
 const td_cpu_pack_ops_t td_cpu_pack_ops_vnni = {
-    .name = "avx512vnni", .act_row = act_row_avx512, .two_byte = PACK_TABLE(vnni2), .one_byte = PACK_TABLE(vnni1)};
+    .name = "avx512vnni", .act_row = act_row_avx512, .act_q16 = false, .two_byte = PACK_TABLE(vnni2),
+    .one_byte = PACK_TABLE(vnni1)};
 
 #endif /* TD_CPU_PACK_X86 */

@@ -138,9 +138,10 @@ TD_INLINE void act_store_c(unsigned char *c, unsigned char *c2, td_dtype_t type,
 typedef int32_t (*act_block_fn)(const float *x, int8_t *hi, int8_t *lo, float *e_p, int32_t *first_p);
 
 /* The activation row of the header's layout, block by block (every table's loop: `block`
- * is a constant, inlined into each table's row function) */
+ * and `q16` are constants, inlined into each table's row function). q16: the table's
+ * act_q16, whether the row's int16 Q part is written (the header). */
 TD_INLINE void act_row_blocks(act_block_fn block, const float *x, void *av, td_dtype_t type, size_t k,
-                              bool one_byte)
+                              bool one_byte, bool q16)
 {
     unsigned char *a = av;
     for (size_t b = 0; b < k / TD_QK; b++) {
@@ -156,10 +157,12 @@ TD_INLINE void act_row_blocks(act_block_fn block, const float *x, void *av, td_d
                     first = sum;
             }
         }
-        int16_t q16[TD_QK]; /* Q = 254 hi + lo, |Q| <= 32385: AVX2's int16 prefill tiles read these */
-        for (int i = 0; i < TD_QK; i++)
-            q16[i] = (int16_t)(WIDE * hi[i] + lo[i]);
-        memcpy(a + act_q16_at(k) + 2 * b * TD_QK, q16, sizeof q16);
+        if (q16) { /* Q = 254 hi + lo, |Q| <= 32385: AVX2's int16 prefill tiles read these */
+            int16_t q[TD_QK];
+            for (int i = 0; i < TD_QK; i++)
+                q[i] = (int16_t)(WIDE * hi[i] + lo[i]);
+            memcpy(a + act_q16_at(k) + 2 * b * TD_QK, q, sizeof q);
+        }
         memcpy(a + 2 * k + 4 * b, &e, 4);
         act_store_c((unsigned char *)act_c(a, k) + 4 * b, (unsigned char *)act_c2(a, k) + 4 * b, type, e, sum, first);
     }
