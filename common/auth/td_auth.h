@@ -24,6 +24,9 @@
  *   a replay inside the time window is a repeated counter, one outside it is stale.
  *   Senders idle for 2 * window_ms are forgotten (any message of theirs is stale by then).
  *
+ * Beside them, each key's tenant (tenant=NAME, or the key alone) and the tenant's
+ * prefix-cache salt, which keeps one tenant's cached prompts from showing as another's hits.
+ *
  * Threads: a td_auth_keys_t or td_auth_cluster_t is used on one thread (the loop's);
  * td_auth_keys_reload swaps the keys in place on that thread. No global state.
  */
