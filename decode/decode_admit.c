@@ -89,6 +89,7 @@ td_grpc_code_t decode_admit_read(const Tandem__Control__V1__AdmitRequest *r, con
         a->stop_ids[i] = (int32_t)r->stop_ids[i];
     a->n_stop_ids = (int32_t)r->n_stop_ids;
     a->ignore_eos = r->ignore_eos;
+    a->cache_salt = r->cache_salt;
     *a_p = a;
     return TD_GRPC_OK;
 }

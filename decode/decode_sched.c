@@ -384,6 +384,7 @@ td_status_t decode_sched_admit(decode_sched_t *s, const decode_request_t *req)
         goto err_nomem;
     td_kv_seq_init(&q->kv);
     td_kv_seq_init(&q->dkv);
+    q->kv.salt = q->dkv.salt = req->cache_salt; /* kept when drop_kv frees them (preemption) */
     q->id = req->id;
     q->n_prompt = req->n_prompt;
     q->max_new = TD_MIN(req->max_tokens, mc->max_seq_len - req->n_prompt);

@@ -141,6 +141,8 @@ typedef struct decode_request {
        Ids in [0, vocabulary); n_replay below max_tokens and model length - n_prompt. */
     const int32_t *replay;
     int32_t n_replay;
+    uint64_t cache_salt;         /* seeds its sequences' prefix-cache hashes (td_kv_seq_t.salt): its
+                                    tenant's; 0 = none */
 } decode_request_t;
 
 /* Something that happened to one request in a step. */

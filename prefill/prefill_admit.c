@@ -35,6 +35,7 @@ static td_grpc_code_t admit_check(const Tandem__Control__V1__PrefillRequest *r, 
     for (size_t i = 0; i < r->n_block_ids; i++)
         a->dst_blocks[i] = (int32_t)r->block_ids[i];
     a->n_dst = (int32_t)r->n_block_ids;
+    a->cache_salt = r->cache_salt;
     a->sampling = td_node_sampling_from_proto(r->sampling);
     if (td_sampling_validate(&a->sampling, why, cap) != TD_OK ||
         td_node_logprobs_from_proto(r->logprobs, &a->logprobs, why, cap) != TD_OK)

@@ -203,7 +203,7 @@ static void handle_msg(prefill_state_t *s, const prefill_msg_t *m)
     case MSG_SUBMIT: {
         prefill_request_t rq = {.id = id, .prompt = j->in.tokens, .n_prompt = j->in.n_tokens,
                                 .sampling = j->in.sampling, .deadline_ns = j->deadline_ns,
-                                .logprobs = j->in.logprobs};
+                                .logprobs = j->in.logprobs, .cache_salt = j->in.cache_salt};
         td_status_t st = prefill_sched_submit(s->sched, &rq);
         atomic_fetch_sub(&s->unsubmitted_tokens, j->in.n_tokens);
         if (st != TD_OK)

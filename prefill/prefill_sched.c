@@ -154,6 +154,7 @@ td_status_t prefill_sched_submit(prefill_sched_t *s, const prefill_request_t *re
     if (!q)
         return td_errorf(TD_ERR_NOMEM, "request %llu: out of memory", rid);
     td_kv_seq_init(&q->kv);
+    q->kv.salt = req->cache_salt; /* kept when a restart frees the sequence */
     q->id = req->id;
     q->n_prompt = req->n_prompt;
     q->deadline_ns = req->deadline_ns;
@@ -281,8 +282,7 @@ static int32_t build_batch(prefill_sched_t *s, int32_t max_items, int32_t *n_tok
         } else if (!q->started) {
             int32_t cached = 0;
             if (td_engine_seq_start(s->eng, &q->kv, q->prompt, q->n_prompt, &cached) != TD_OK) {
-                td_engine_seq_end(s->eng, &q->kv);
-                td_kv_seq_init(&q->kv);
+                td_engine_seq_end(s->eng, &q->kv); /* empty again, its salt kept */
                 cached = 0;
             }
             q->started = true;
@@ -313,8 +313,7 @@ static void restart_youngest(prefill_sched_t *s)
         if (!q->started)
             continue;
         s->queued_tokens += q->kv.n_tokens;
-        td_engine_seq_end(s->eng, &q->kv);
-        td_kv_seq_init(&q->kv);
+        td_engine_seq_end(s->eng, &q->kv); /* empty again, its salt kept */
         q->started = false;
         q->n_cached = 0;
         return;

@@ -64,6 +64,8 @@ typedef struct prefill_request {
     td_logprobs_want_t logprobs; /* on: the first token's log-probability, top in [0,
                                     TD_LOGPROBS_MAX_TOP]; prompt: also the prompt's (n_prompt <=
                                     TD_LOGPROBS_MAX_PROMPT) */
+    uint64_t cache_salt;      /* seeds its prefix-cache hashes (td_kv_seq_t.salt): its tenant's;
+                                 0 = none */
 } prefill_request_t;
 
 /* A prompt that is done (or failed). */

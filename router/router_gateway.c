@@ -151,6 +151,12 @@ void on_generate(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data)
         td_grpc_call_finish(call, TD_GRPC_INVALID_ARGUMENT, why);
         return;
     }
+    router_key_terms_t kt;
+    if (router_key_terms(s, td_grpc_call_header(call, "authorization"), q->priority ? q->priority->value : 0,
+                         &kt) != TD_OK) {
+        td_grpc_call_finish(call, TD_GRPC_RESOURCE_EXHAUSTED, "router: out of memory");
+        return;
+    }
     td_chat_message_t *messages = NULL;
     if (q->n_messages && !(messages = malloc(q->n_messages * sizeof *messages))) {
         td_grpc_call_finish(call, TD_GRPC_RESOURCE_EXHAUSTED, "router: out of memory");
@@ -165,8 +171,7 @@ void on_generate(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data)
                               .prompt_ids = q->prompt_ids, .prompt = q->prompt, .prompt_text_len = strlen(q->prompt),
                               .messages = messages, .n_messages = messages ? q->n_messages : 0,
                               .stop_ids = q->stop_ids,
-                              .priority = router_key_priority(s, td_grpc_call_header(call, "authorization"),
-                                                              q->priority ? q->priority->value : 0),
+                              .priority = kt.priority, .cache_salt = kt.cache_salt,
                               .timeout_ms = dl_ms ? (int64_t)TD_MAX(dl_ms > now_ms ? dl_ms - now_ms : 0, 1) : 0};
     router_req_t *r;
     td_grpc_code_t code;
@@ -184,13 +189,22 @@ void on_generate(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data)
     free(messages);
 }
 
-int32_t router_key_priority(router_state_t *s, const char *authorization, int32_t asked)
+td_status_t router_key_terms(router_state_t *s, const char *authorization, int32_t asked, router_key_terms_t *terms_p)
 {
     td_auth_key_props_t kp;
-    if (!s->proc.auth.keys || td_auth_keys_check_bearer_props(s->proc.auth.keys, authorization, &kp) != TD_AUTH_OK ||
-        !kp.has_priority_cap)
-        return asked;
-    return TD_MIN(asked, kp.max_priority);
+    if (!s->proc.auth.keys || td_auth_keys_check_bearer_props(s->proc.auth.keys, authorization, &kp) != TD_AUTH_OK) {
+        *terms_p = (router_key_terms_t){.priority = asked}; /* no keys: one tenant, as before */
+        return TD_OK;
+    }
+    uint64_t salt = 0;
+    if (!s->cfg.share_prefix_cache) {
+        td_status_t st = td_auth_tenant_salt(s->cache_salt_key, kp.tenant, &salt);
+        if (st != TD_OK)
+            return st;
+    }
+    *terms_p = (router_key_terms_t){.priority = kp.has_priority_cap ? TD_MIN(asked, kp.max_priority) : asked,
+                                    .cache_salt = salt};
+    return TD_OK;
 }
 
 void on_list_models(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data)

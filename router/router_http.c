@@ -415,9 +415,15 @@ static void http_generate_parsed(router_state_t *s, td_http_req_t *req, router_o
         router_count_outcome(s, st == TD_ERR_NOMEM ? "exhausted" : "invalid");
         goto err_respond;
     }
+    router_key_terms_t kt;
+    if (router_key_terms(s, td_http_req_header(req, "authorization"), 0, &kt) != TD_OK) {
+        router_oai_error_set(&err, 500, "server_error", NULL, NULL, "router: out of memory");
+        router_count_outcome(s, "exhausted");
+        goto err_respond;
+    }
     router_req_spec_t spec = {.gp = q.gp, .prompt_ids = q.prompt_ids, .prompt = q.prompt,
                               .prompt_text_len = q.prompt_len, .messages = q.messages, .n_messages = q.n_messages,
-                              .priority = router_key_priority(s, td_http_req_header(req, "authorization"), 0)};
+                              .priority = kt.priority, .cache_salt = kt.cache_salt};
     router_req_t *r;
     td_grpc_code_t code;
     if (router_req_open(s, &spec, &code, why, sizeof why, &r) != TD_OK) {

@@ -17,6 +17,7 @@
 #include "router_queue.h"
 #include "router_registry.h"
 #include "tandem.pb-c.h"
+#include "td_auth.h"
 #include "td_chat_source.h"
 #include "td_gen_params.h"
 #include "td_grpc.h"
@@ -63,6 +64,7 @@ typedef struct router_config {
     int64_t http_idle_timeout_ms;
     int64_t http_request_timeout_ms;
     bool http_metrics;         /* /metrics on the HTTP API port too (default: the metrics port only) */
+    bool share_prefix_cache;   /* every API key's prompts share one prefix cache (no salt) */
     int64_t max_body_bytes_in_flight; /* request bodies held across both front doors at most */
     int64_t body_timeout_ms;   /* a request's first byte -> its whole body in (408 / reset) */
     int64_t max_migrations;    /* moves of a stream whose pair was lost after it sent tokens */
@@ -166,6 +168,7 @@ typedef struct router_req_spec {
     size_t n_messages;
     const uint32_t *stop_ids;    /* [gp.n_stop_ids] */
     int32_t priority;
+    uint64_t cache_salt;         /* router_key_terms_t's */
     int64_t timeout_ms;          /* the client's deadline from now; 0: request-timeout-ms */
 } router_req_spec_t;
 
@@ -197,6 +200,8 @@ struct router_req {
     char retry_why[160];       /* why the last pair failed: the error names it if no other does */
     router_req_state_t state;
     int32_t priority;
+    uint64_t cache_salt;       /* its tenant's (router_key_terms_t): seeds the prefix hashes of the
+                                * pick, the Admit and the Prefill */
     int64_t deadline_ns;       /* td_now_ns() clock; bounds queue, Admit, Prefill, decoding */
     router_first_t first_src;
     uint32_t first_token;
@@ -257,6 +262,8 @@ struct router_state {
     td_chat_template_t *chat;  /* the model's chat template (from --tokenizer), or NULL */
     router_registry_t *reg;
     router_policy_config_t policy;
+    uint8_t cache_salt_key[TD_AUTH_SALT_KEY_BYTES]; /* tenants' salts are made under it
+                                                     * (td_auth_salt_key: from the cluster secret, else random) */
     router_peer_t *peers;
     td_list_t reqs;            /* every request (router_req_t.link), newest first */
     int32_t n_retry;           /* requests in REQ_RETRY, placed by the pump's next run */
@@ -300,11 +307,18 @@ static inline bool router_req_on_node(const router_req_t *r)
 void router_want_pump(router_state_t *s);
 void router_count_outcome(router_state_t *s, const char *outcome);
 
-/* The priority a request of the key in `authorization` runs at: `asked` (the client's
- * priority.value; 0 when it gives none) capped at the key's priority=N, when its line in the
- * API keys file has one (docs/security.md "Tenants"). Uncounted, constant-time re-check of
- * the key (the gate counted it). Loop thread. */
-int32_t router_key_priority(router_state_t *s, const char *authorization, int32_t asked);
+/* What the key in `authorization` makes of a request (docs/security.md "Tenants"). */
+typedef struct router_key_terms {
+    int32_t priority;    /* `asked` (the client's priority.value; 0 when it gives none) capped at
+                            the key's priority=N when its line in the API keys file has one */
+    uint64_t cache_salt; /* its tenant's prefix-cache salt (td_auth_tenant_salt under
+                            cache_salt_key); 0 without API keys or with --share-prefix-cache */
+} router_key_terms_t;
+
+/* *terms_p for a request of the key in `authorization`: an uncounted, constant-time re-check
+ * of the key (the gate counted it). Loop thread. Errors: TD_ERR_NOMEM (the salt's HMAC
+ * failed; *terms_p untouched). */
+td_status_t router_key_terms(router_state_t *s, const char *authorization, int32_t asked, router_key_terms_t *terms_p);
 td_status_t router_req_open(router_state_t *s, const router_req_spec_t *spec, td_grpc_code_t *code_p,
                             char *why, size_t why_cap, router_req_t **r_p);
 void router_req_submit(router_req_t *r, const router_req_spec_t *spec);

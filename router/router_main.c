@@ -197,8 +197,15 @@ static td_status_t init_subsystems(router_state_t *s)
     s->policy = router_policy_config_default();
     s->policy.max_prefill_wait_s = (double)cfg->max_prefill_wait_ms * 1e-3;
     if ((cfg->tokenizer && (st = td_tokenizer_load(cfg->tokenizer, &s->tok)) != TD_OK) ||
-        (st = router_registry_create(&rc, &s->reg)) != TD_OK)
+        (st = router_registry_create(&rc, &s->reg)) != TD_OK ||
+        (st = td_auth_salt_key(s->proc.auth.cluster, s->cache_salt_key)) != TD_OK)
         return st;
+    if (s->proc.auth.keys && cfg->share_prefix_cache)
+        td_info("router: --share-prefix-cache: every API key's prompts share one prefix cache (a key can learn "
+                "whether another sent a prompt)");
+    else if (s->proc.auth.keys && !s->proc.auth.cluster)
+        td_info("router: prefix cache kept apart per tenant, under salts made at this start (no cluster secret): "
+                "after a restart, what the nodes cached is not hit again");
     /* the chat template beside the tokenizer (a GGUF file's, tokenizer_config.json's): without
      * one, conversations are refused and prompts still served */
     if (s->tok && (st = td_chat_template_for_model(cfg->tokenizer, NULL, &s->chat)) != TD_OK) {
@@ -401,6 +408,9 @@ int router_main(int argc, char **argv)
                    "pair); beyond → UNAVAILABLE (0 = never move)"),
         TD_OPT_INT("http-port", &cfg->http_port, -1, 65535,
                    "OpenAI-compatible HTTP API (-1 = off, 0 = any); docs/openai.md"),
+        {.name = "share-prefix-cache", .type = TD_OPT_BOOL, .ptr = &cfg->share_prefix_cache,
+         .help = "every API key's prompts share one prefix cache, as without keys (default: each tenant its "
+                 "own; docs/security.md \"Tenants\")"},
         {.name = "http-metrics", .type = TD_OPT_BOOL, .ptr = &cfg->http_metrics,
          .help = "serve /metrics on the HTTP API port too, without a key (default: only on --metrics-port, "
                  "which should face the monitoring network only)"},

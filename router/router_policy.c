@@ -72,7 +72,7 @@ static const uint64_t *hashes_for(hash_cache_t *hc, const router_pick_request_t 
 {
     if (hc->block_size != block_size) {
         int32_t n_tokens = (int32_t)TD_MIN((int64_t)req->n_prompt, (int64_t)hc->cap * block_size);
-        hc->n = td_kv_chain_hashes(req->prompt, n_tokens, block_size, hc->hashes);
+        hc->n = td_kv_chain_hashes(req->cache_salt, req->prompt, n_tokens, block_size, hc->hashes);
         hc->block_size = block_size;
     }
     *n_p = hc->n;
@@ -253,7 +253,7 @@ void router_policy_commit(router_registry_t *reg, const router_pick_request_t *r
     uint64_t *h = malloc((size_t)TD_MAX(n_tokens / bs, 1) * sizeof *h);
     if (!h)
         return; /* only a scoring hint is lost */
-    int32_t n = td_kv_chain_hashes(req->prompt, n_tokens, bs, h);
+    int32_t n = td_kv_chain_hashes(req->cache_salt, req->prompt, n_tokens, bs, h);
     router_registry_note_prefix(reg, pick->pair.prefill, h, n);
     free(h);
 }

@@ -74,6 +74,7 @@ typedef struct router_pick_request {
     const router_pair_t *exclude; /* [n_exclude] pairs already tried for this request */
     int32_t n_exclude;
     int64_t now_ns;
+    uint64_t cache_salt;          /* seeds the prompt's block hashes: its tenant's (0: none) */
 } router_pick_request_t;
 
 typedef struct router_pick {

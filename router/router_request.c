@@ -506,6 +506,7 @@ static void send_admit(router_req_t *r)
     q.logprobs = r->logprobs.on ? &lq : NULL;
     q.replay_ids = r->gen; /* a moved stream: what its client has */
     q.n_replay_ids = r->resumed;
+    q.cache_salt = r->cache_salt;
     td_grpc_call_opts_t o = {.response_desc = &tandem__control__v1__admit_response__descriptor,
                              .on_message = on_admit_msg, .on_done = on_admit_done, .data = r,
                              .timeout_ms = call_timeout_ms(r, s->cfg.rpc_timeout_ms)};
@@ -544,6 +545,7 @@ static void send_prefill(router_req_t *r)
     Tandem__V1__LogprobsRequest lq;
     td_node_logprobs_to_proto(&r->logprobs, &lq);
     q.logprobs = r->logprobs.on && !r->resumed ? &lq : NULL; /* moved: the client has token 0's */
+    q.cache_salt = r->cache_salt;
     td_grpc_call_opts_t o = {.response_desc = &tandem__control__v1__prefill_response__descriptor,
                              .on_message = on_prefill_msg, .on_done = on_prefill_done, .data = r,
                              .timeout_ms = call_timeout_ms(r, r->lease_ttl_ms)};
@@ -608,7 +610,7 @@ static router_start_t req_start(router_req_t *r)
     }
     router_pick_request_t pr = {.model = s->proc.cfg.model_name, .prompt = r->prompt, .n_prompt = r->n_prompt,
                                 .max_tokens = r->max_tokens, .exclude = r->tried, .n_exclude = r->n_tried,
-                                .now_ns = (int64_t)td_now_ns()};
+                                .now_ns = (int64_t)td_now_ns(), .cache_salt = r->cache_salt};
     router_pick_t pick;
     td_status_t st = router_policy_pick(s->reg, &s->policy, &pr, &pick);
     if (st != TD_OK) {
@@ -749,6 +751,7 @@ td_status_t router_req_open(router_state_t *s, const router_req_spec_t *spec, td
     if (s->tok)
         td_detok_init(&r->detok, s->tok);
     r->priority = spec->priority;
+    r->cache_salt = spec->cache_salt;
     /* the client's deadline, else the configured default: bounds the queue wait, Admit,
      * Prefill and decoding */
     if (spec->timeout_ms > 0)

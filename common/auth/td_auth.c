@@ -62,6 +62,8 @@ typedef struct digest {
     bool has_cap;         /* ... a priority=N */
     int32_t max_priority; /* N */
     double rate;          /* ... a rate=R (0: none) */
+    bool has_tenant;      /* ... a tenant=NAME */
+    uint8_t tenant[TD_AUTH_TENANT_BYTES]; /* td_auth_key_props_t.tenant */
 } digest_t;
 
 struct td_auth_keys {
@@ -71,13 +73,38 @@ struct td_auth_keys {
     uint64_t generation; /* reloads that took */
 };
 
-/* One flag of a key's line, w[0..n): admin, priority=N (a 32-bit integer), rate=R (requests
- * a second, 0.001 .. 1e6); each at most once. false with *why set otherwise. */
-static bool key_flag(const char *w, size_t n, digest_t *d, bool seen[3], const char **why)
+#define FLAGS_NAMED "admin, priority=N, rate=R, tenant=NAME"
+
+/* A tenant's identity: SHA-256 over a tag naming the kind (tenant=NAME, or a key without
+ * one: its digest) and the bytes, so a name can never equal a key's identity. */
+static void tenant_id(const char *kind, const void *b, size_t n, uint8_t out[TD_AUTH_TENANT_BYTES])
 {
-    char buf[64];
+    char msg[32 + TD_AUTH_TENANT_MAX + SHA256_DIGEST_LENGTH];
+    int tl = snprintf(msg, sizeof msg, "tandem-tenant v1 %s", kind) + 1; /* the NUL ends the tag */
+    TD_ASSERT(tl <= 32 && n <= sizeof msg - 32);
+    memcpy(msg + tl, b, n);
+    SHA256((const unsigned char *)msg, (size_t)tl + n, out);
+    OPENSSL_cleanse(msg, sizeof msg);
+}
+
+static bool tenant_name_ok(const char *v)
+{
+    size_t n = strlen(v);
+    if (n < 1 || n > TD_AUTH_TENANT_MAX)
+        return false;
+    for (size_t i = 0; i < n; i++)
+        if (!isalnum((unsigned char)v[i]) && v[i] != '.' && v[i] != '_' && v[i] != '-')
+            return false;
+    return true;
+}
+
+/* One flag of a key's line, w[0..n): admin, priority=N (a 32-bit integer), rate=R (requests
+ * a second, 0.001 .. 1e6), tenant=NAME; each at most once. false with *why set otherwise. */
+static bool key_flag(const char *w, size_t n, digest_t *d, bool seen[4], const char **why)
+{
+    char buf[96];
     if (n >= sizeof buf) {
-        *why = "an unknown flag (the flags are admin, priority=N, rate=R)";
+        *why = "an unknown flag (the flags are " FLAGS_NAMED ")";
         return false;
     }
     memcpy(buf, w, n);
@@ -104,8 +131,15 @@ static bool key_flag(const char *w, size_t n, digest_t *d, bool seen[3], const c
                    : NULL;
         seen[2] = true;
         d->rate = v;
+    } else if (!strncmp(buf, "tenant=", 7)) {
+        *why = seen[3] ? "tenant= twice"
+               : !tenant_name_ok(buf + 7) ? "tenant= takes a name of 1 .. 64 letters, digits, '.', '_' or '-'"
+                                          : NULL;
+        seen[3] = d->has_tenant = true;
+        if (!*why)
+            tenant_id("name", buf + 7, strlen(buf + 7), d->tenant);
     } else {
-        *why = "an unknown flag (the flags are admin, priority=N, rate=R)";
+        *why = "an unknown flag (the flags are " FLAGS_NAMED ")";
     }
     return !*why;
 }
@@ -132,7 +166,7 @@ static td_status_t keys_parse(const char *path, char *text, size_t len, digest_t
             while (sp < end && !is_blank(*sp))
                 sp++;
             kl = (size_t)(sp - line);
-            bool seen[3] = {false, false, false};
+            bool seen[4] = {false, false, false, false};
             int word = 0;
             for (const char *w = sp; w < end;) {
                 while (w < end && is_blank(*w))
@@ -145,7 +179,7 @@ static td_status_t keys_parse(const char *path, char *text, size_t len, digest_t
                 /* the word is not shown: it may be a key pasted on the same line */
                 if (we > w && !key_flag(w, (size_t)(we - w), &props, seen, &why)) {
                     st = td_errorf(TD_ERR_FORMAT, "api keys file %s: line %d: a key is printable ASCII without "
-                                   "spaces, followed by nothing or by flags (admin, priority=N, rate=R); word %d "
+                                   "spaces, followed by nothing or by flags (" FLAGS_NAMED "); word %d "
                                    "after the key (at character %zu): %s", path, line_no, word,
                                    (size_t)(w - line) + 1, why);
                     goto err_digests;
@@ -175,6 +209,8 @@ static td_status_t keys_parse(const char *path, char *text, size_t len, digest_t
             }
             d[n] = props;
             SHA256((const unsigned char *)line, kl, d[n].b);
+            if (!d[n].has_tenant) /* a tenant of its own, named by its digest, never its text */
+                tenant_id("key", d[n].b, sizeof d[n].b, d[n].tenant);
             for (size_t i = 0; i < n; i++)
                 if (!memcmp(d[i].b, d[n].b, sizeof d[n].b)) {
                     st = td_errorf(TD_ERR_FORMAT, "api keys file %s: line %d repeats an earlier key: remove one",
@@ -275,6 +311,7 @@ static td_auth_outcome_t keys_check(const td_auth_keys_t *keys, const char *key,
     SHA256((const unsigned char *)key, len, h.b);
     uint32_t match = 0, admin = 0, has_cap = 0, cap = 0, index = 0;
     uint64_t rate = 0;
+    uint8_t tenant[TD_AUTH_TENANT_BYTES] = {0};
     for (size_t i = 0; i < keys->n; i++) { /* every key, no early exit */
         uint32_t m = (uint32_t)(CRYPTO_memcmp(h.b, keys->d[i].b, sizeof h.b) == 0);
         uint32_t mask = 0u - m;
@@ -286,6 +323,8 @@ static td_auth_outcome_t keys_check(const td_auth_keys_t *keys, const char *key,
         cap |= mask & (uint32_t)keys->d[i].max_priority;
         index |= mask & (uint32_t)i;
         rate |= ((uint64_t)0 - m) & rbits;
+        for (size_t j = 0; j < sizeof tenant; j++)
+            tenant[j] |= (uint8_t)mask & keys->d[i].tenant[j];
     }
     OPENSSL_cleanse(&h, sizeof h);
     props_p->admin = admin;
@@ -293,6 +332,7 @@ static td_auth_outcome_t keys_check(const td_auth_keys_t *keys, const char *key,
     props_p->max_priority = (int32_t)cap;
     memcpy(&props_p->rate, &rate, sizeof rate);
     props_p->index = index;
+    memcpy(props_p->tenant, tenant, sizeof tenant);
     return match ? TD_AUTH_OK : TD_AUTH_WRONG;
 }
 
@@ -349,6 +389,57 @@ void td_auth_keys_destroy(td_auth_keys_t *keys)
     free(keys);
 }
 
+/* ---- prefix-cache salts -------------------------------------------------------------- */
+
+#define SALT_KEY_LABEL "tandem-cache-salt-key v1"
+#define SALT_TAG "tandem-cache-salt v1"
+
+static bool hmac_sha256(const uint8_t *key, size_t key_len, const void *a, size_t a_len, const void *b,
+                        size_t b_len, uint8_t out[SHA256_DIGEST_LENGTH])
+{
+    uint8_t msg[64];
+    TD_ASSERT(a_len + b_len <= sizeof msg);
+    memcpy(msg, a, a_len);
+    if (b_len)
+        memcpy(msg + a_len, b, b_len);
+    size_t outl = 0;
+    bool ok = EVP_Q_mac(NULL, "HMAC", NULL, "SHA256", NULL, key, key_len, msg, a_len + b_len, out,
+                        SHA256_DIGEST_LENGTH, &outl) && outl == SHA256_DIGEST_LENGTH;
+    OPENSSL_cleanse(msg, sizeof msg);
+    return ok;
+}
+
+/* The cluster's HMAC key (SHA-256 of the secret), defined with the cluster state below. */
+static const uint8_t *cluster_key(const td_auth_cluster_t *c);
+
+td_status_t td_auth_salt_key(const td_auth_cluster_t *c, uint8_t key[TD_AUTH_SALT_KEY_BYTES])
+{
+    uint8_t k[SHA256_DIGEST_LENGTH];
+    if (!c) {
+        if (RAND_bytes(k, sizeof k) != 1)
+            return td_errorf(TD_ERR_IO, "prefix-cache salts: no randomness for their key");
+    } else if (!hmac_sha256(cluster_key(c), SHA256_DIGEST_LENGTH, SALT_KEY_LABEL, sizeof SALT_KEY_LABEL, NULL, 0,
+                            k)) {
+        return td_errorf(TD_ERR_INTERNAL, "prefix-cache salts: libcrypto's HMAC-SHA256 failed");
+    }
+    memcpy(key, k, sizeof k);
+    OPENSSL_cleanse(k, sizeof k);
+    return TD_OK;
+}
+
+td_status_t td_auth_tenant_salt(const uint8_t key[TD_AUTH_SALT_KEY_BYTES], const uint8_t tenant[TD_AUTH_TENANT_BYTES],
+                                uint64_t *salt_p)
+{
+    uint8_t mac[SHA256_DIGEST_LENGTH];
+    if (!hmac_sha256(key, TD_AUTH_SALT_KEY_BYTES, SALT_TAG, sizeof SALT_TAG, tenant, TD_AUTH_TENANT_BYTES, mac))
+        return td_errorf(TD_ERR_NOMEM, "prefix-cache salt: libcrypto's HMAC-SHA256 failed (out of memory?)");
+    uint64_t salt = 0;
+    for (int i = 7; i >= 0; i--)
+        salt = salt << 8 | mac[i];
+    *salt_p = salt ? salt : 1; /* 0 is "no salt" */
+    return TD_OK;
+}
+
 /* ---- cluster secret ------------------------------------------------------------------ */
 
 /* What a verifier remembers of one sender: the highest counter accepted and which of the
@@ -373,6 +464,11 @@ struct td_auth_cluster {
                           sender not in the table must have signed after it (else it may be a
                           replay of the forgotten one's calls) */
 };
+
+static const uint8_t *cluster_key(const td_auth_cluster_t *c)
+{
+    return c->key;
+}
 
 td_auth_cluster_config_t td_auth_cluster_config_default(void)
 {

@@ -24,6 +24,9 @@
  *   a replay inside the time window is a repeated counter, one outside it is stale.
  *   Senders idle for 2 * window_ms are forgotten (any message of theirs is stale by then).
  *
+ * Beside them, each key's tenant (tenant=NAME, or the key alone) and the tenant's
+ * prefix-cache salt, which keeps one tenant's cached prompts from showing as another's hits.
+ *
  * Threads: a td_auth_keys_t or td_auth_cluster_t is used on one thread (the loop's);
  * td_auth_keys_reload swaps the keys in place on that thread. No global state.
  */
@@ -57,7 +60,10 @@ const char *td_auth_outcome_name(td_auth_outcome_t o);
 
 typedef struct td_auth_keys td_auth_keys_t;
 
-/* What a key's line says after the key (KEY [admin] [priority=N] [rate=R]). */
+#define TD_AUTH_TENANT_MAX 64 /* characters of a tenant=NAME */
+#define TD_AUTH_TENANT_BYTES 32 /* a tenant's identity (a SHA-256 digest) */
+
+/* What a key's line says after the key (KEY [admin] [priority=N] [rate=R] [tenant=NAME]). */
 typedef struct td_auth_key_props {
     bool admin;            /* admin: the key may call the admin RPCs (ClusterStatus) */
     bool has_priority_cap; /* priority=N given */
@@ -65,13 +71,20 @@ typedef struct td_auth_key_props {
     double rate;           /* rate=R: requests a second at most (bursts of max(1, R)); 0 = none */
     uint32_t index;        /* the key's place among the keys (0-based): per-key state of a
                             * caller, valid until td_auth_keys_generation changes */
+    uint8_t tenant[TD_AUTH_TENANT_BYTES]; /* whose prompts the key's are (docs/security.md
+                            * "Tenants"): SHA-256 over a tag and NAME for tenant=NAME (keys
+                            * naming the same tenant share it), else over a tag and the key's
+                            * digest (a tenant of its own). Stable across reloads and restarts;
+                            * reveals neither the key nor, without the name, the tenant. */
 } td_auth_key_props_t;
 
 /*
  * Loads the API keys file `path`: one key per line, optionally followed by blanks and
  * flags, each at most once: `admin` (the key may also call the admin RPCs: ClusterStatus),
  * `priority=N` (its requests' priority.value is capped at N), `rate=R` (at most R requests
- * a second, in bursts of max(1, R); R in 0.001 .. 1e6); leading and trailing
+ * a second, in bursts of max(1, R); R in 0.001 .. 1e6), `tenant=NAME` (the key's prompts
+ * are tenant NAME's: 1 .. TD_AUTH_TENANT_MAX letters, digits, '.', '_' or '-'; without it
+ * the key is a tenant of its own; td_auth_key_props_t.tenant); leading and trailing
  * spaces, tabs and a CR are ignored; blank lines and lines whose first non-blank character
  * is '#' are comments. A file with no key, a key that breaks the rules above, a key repeated, more
  * than TD_AUTH_KEYS_MAX keys or a file that cannot be read is an error naming the file
@@ -118,6 +131,31 @@ uint64_t td_auth_keys_generation(const td_auth_keys_t *keys);
 /* NULL is a no-op; the digests are wiped. */
 void td_auth_keys_destroy(td_auth_keys_t *keys);
 
+/* ---- prefix-cache salts -------------------------------------------------------------- */
+
+/*
+ * A router seeds the prefix-cache hash chain of each request with its tenant's salt
+ * (docs/security.md "Tenants"), so one tenant's cached prefixes are never another's hits.
+ * The salt is an HMAC of the tenant's identity under a salt key: the key comes from the
+ * cluster secret when there is one (the same on every router start, so the nodes' caches
+ * stay useful across a router restart; unknown to clients, who hold no secret), else it is
+ * random for the process's life (a restarted router then misses what its nodes cached).
+ */
+#define TD_AUTH_SALT_KEY_BYTES 32
+
+typedef struct td_auth_cluster td_auth_cluster_t;
+
+/* Writes the salt key: HMAC-SHA256 of a label under the cluster secret's key when c is not
+ * NULL, else 32 random bytes. Errors: TD_ERR_IO (no randomness), TD_ERR_INTERNAL (libcrypto
+ * failed); key untouched then. */
+td_status_t td_auth_salt_key(const td_auth_cluster_t *c, uint8_t key[TD_AUTH_SALT_KEY_BYTES]);
+
+/* *salt_p: the tenant's salt under key, the first 8 bytes of HMAC-SHA256(key, tag || tenant)
+ * read little-endian; never 0 (0 means "no salt": one cache for all). Any thread. Errors:
+ * TD_ERR_NOMEM (libcrypto failed; *salt_p untouched). */
+td_status_t td_auth_tenant_salt(const uint8_t key[TD_AUTH_SALT_KEY_BYTES], const uint8_t tenant[TD_AUTH_TENANT_BYTES],
+                                uint64_t *salt_p);
+
 /* ---- cluster secret ------------------------------------------------------------------ */
 
 #define TD_AUTH_HEADER "tandem-cluster-auth" /* gRPC metadata name */
@@ -125,8 +163,6 @@ void td_auth_keys_destroy(td_auth_keys_t *keys);
 #define TD_AUTH_SECRET_MIN 32                /* characters in a secret file */
 #define TD_AUTH_REPLAY_BITS 1024             /* counters a sender may arrive out of order */
 #define TD_AUTH_MAX_SENDERS 1024             /* senders remembered by a verifier */
-
-typedef struct td_auth_cluster td_auth_cluster_t;
 
 typedef struct td_auth_cluster_config {
     int64_t window_ms; /* accepted clock difference between signer and verifier; 60000 */

@@ -326,7 +326,9 @@ static void kv_seq_free(td_kv_cache_t *cache, td_kv_seq_t *seq)
     release_blocks_from(cache, seq, 0);
     free(seq->blocks);
     free(seq->tokens);
+    uint64_t salt = seq->salt;
     td_kv_seq_init(seq);
+    seq->salt = salt;
 }
 
 static td_status_t grow_i32(int32_t **arr, int32_t *cap, int32_t need, const char *what)
@@ -376,11 +378,12 @@ static void register_full_blocks(td_kv_cache_t *c, td_kv_seq_t *seq)
     int32_t full = TD_MIN(seq->n_tokens / bs, seq->n_blocks);
     for (int32_t i = seq->n_hashed; i < full; i++) {
         const int32_t *toks = seq->tokens + (size_t)i * bs;
-        uint64_t h = td_kv_block_hash(seq->last_hash, toks, bs);
+        uint64_t prev = i ? seq->last_hash : seq->salt;
+        uint64_t h = td_kv_block_hash(prev, toks, bs);
         int32_t id = seq->blocks[i];
         if (!c->registered[id] && table_find(c, h) < 0) {
             c->hash[id] = h;
-            c->prev_hash[id] = seq->last_hash;
+            c->prev_hash[id] = prev;
             memcpy(c->key_tokens + (size_t)id * bs, toks, (size_t)bs * sizeof *toks);
             c->registered[id] = true;
             table_insert(c, id);
@@ -409,7 +412,7 @@ static td_status_t kv_seq_match_prefix(td_kv_cache_t *cache, td_kv_seq_t *seq, c
     td_status_t st = seq_grow(seq, max_blocks, max_blocks * bs);
     if (st != TD_OK)
         return st;
-    uint64_t prev = 0;
+    uint64_t prev = seq->salt;
     int32_t matched = 0;
     for (; matched < max_blocks; matched++) {
         const int32_t *toks = tokens + (size_t)matched * bs;
@@ -540,7 +543,7 @@ static void kv_seq_truncate(td_kv_cache_t *cache, td_kv_seq_t *seq, int32_t n_ke
     }
     if (seq->n_hashed > n_keep / bs) {
         seq->n_hashed = n_keep / bs;
-        uint64_t h = 0;
+        uint64_t h = seq->salt;
         for (int32_t i = 0; i < seq->n_hashed; i++)
             h = td_kv_block_hash(h, seq->tokens + (size_t)i * bs, bs);
         seq->last_hash = h;
@@ -569,6 +572,7 @@ static td_status_t kv_seq_fork(td_kv_cache_t *cache, const td_kv_seq_t *src, td_
     dst->n_tokens = src->n_tokens;
     dst->n_hashed = src->n_hashed;
     dst->last_hash = src->last_hash;
+    dst->salt = src->salt;
     return TD_OK;
 }
 
@@ -599,17 +603,17 @@ static td_status_t kv_seq_adopt(td_kv_cache_t *cache, td_kv_seq_t *seq, const in
     seq->n_blocks = n_blocks;
     seq->n_tokens = n;
     seq->n_hashed = 0;
-    seq->last_hash = 0;
+    seq->last_hash = seq->salt;
     register_full_blocks(cache, seq);
     return TD_OK;
 }
 
 /* ---- additions -------------------------------------------------------------------- */
 
-int32_t td_kv_chain_hashes(const int32_t *tokens, int32_t n, int32_t block_size, uint64_t *hashes)
+int32_t td_kv_chain_hashes(uint64_t salt, const int32_t *tokens, int32_t n, int32_t block_size, uint64_t *hashes)
 {
     int32_t nb = block_size > 0 ? n / block_size : 0;
-    uint64_t h = 0;
+    uint64_t h = salt;
     for (int32_t i = 0; i < nb; i++) {
         h = td_kv_block_hash(h, tokens + (size_t)i * block_size, block_size);
         hashes[i] = h;

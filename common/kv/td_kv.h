@@ -11,7 +11,9 @@
  *
  * Prefix caching: a full block is keyed by a chained hash of its tokens and the hash of
  * the block before it (so equal keys mean equal whole prefixes). A new sequence attaches
- * the longest chain of cached blocks matching its prompt and computes only the rest.
+ * the longest chain of cached blocks matching its prompt and computes only the rest. The
+ * chain starts from the sequence's salt (its tenant's, docs/security.md "Tenants"): blocks
+ * cached under one salt are never another salt's hits.
  *
  * Copy-on-write: a block shared by several sequences (fork) is copied before one of them
  * writes into it; td_kv_seq_reserve() reports the copies the caller must perform on the
@@ -47,7 +49,11 @@ typedef struct td_kv_seq {
     int32_t *tokens;      /* [n_tokens] the committed tokens (for prefix hashes) */
     int32_t cap_tokens;
     int32_t n_hashed;     /* full blocks already registered in the prefix cache */
-    uint64_t last_hash;   /* chained hash of block n_hashed - 1 (0 when none) */
+    uint64_t last_hash;   /* chained hash of block n_hashed - 1 (unused while n_hashed is 0) */
+    uint64_t salt;        /* seeds the chain (0: none, one cache for all). The owner sets it
+                             after td_kv_seq_init, before the sequence holds a token;
+                             td_kv_seq_free keeps it (a preempted sequence that starts again is
+                             still its tenant's), td_kv_seq_fork copies it */
     int32_t n_released;   /* leading blocks given back (sliding window): blocks[0..n_released)
                              are TD_KV_RELEASED; block i still holds positions [i*bs, (i+1)*bs) */
 } td_kv_seq_t;
@@ -99,8 +105,8 @@ void td_kv_unref_block(td_kv_cache_t *cache, int32_t id);
 int32_t td_kv_block_refs(const td_kv_cache_t *cache, int32_t id);
 
 void td_kv_seq_init(td_kv_seq_t *seq);
-/* Drops every block reference of seq and frees its arrays. seq may be reused after
- * td_kv_seq_init. */
+/* Drops every block reference of seq and frees its arrays; seq is empty again, its salt
+ * kept (td_kv_seq_init clears that too). */
 void td_kv_seq_free(td_kv_cache_t *cache, td_kv_seq_t *seq);
 
 /*
@@ -154,17 +160,18 @@ td_status_t td_kv_seq_fork(td_kv_cache_t *cache, const td_kv_seq_t *src, td_kv_s
 td_status_t td_kv_seq_adopt(td_kv_cache_t *cache, td_kv_seq_t *seq, const int32_t *blocks,
                             int32_t n_blocks, const int32_t *tokens, int32_t n);
 
-/* The chained hash of one full block given its predecessor's hash (0 for the first). */
+/* The chained hash of one full block given its predecessor's hash (the salt, 0 without one,
+ * for the first). */
 uint64_t td_kv_block_hash(uint64_t prev, const int32_t *tokens, int32_t block_size);
 
 /* ---- additions (td_kv.c owner) ---- */
 
 /*
- * The chained hashes of the full blocks of tokens[0..n) (what the router and a prefill
- * node compare with a node's cache contents). Writes n / block_size values into hashes
- * and returns that count.
+ * The chained hashes of the full blocks of tokens[0..n), the chain seeded with salt (0: none)
+ * as a sequence with that salt registers them (what the router compares with what it sent a
+ * node). Writes n / block_size values into hashes and returns that count.
  */
-int32_t td_kv_chain_hashes(const int32_t *tokens, int32_t n, int32_t block_size, uint64_t *hashes);
+int32_t td_kv_chain_hashes(uint64_t salt, const int32_t *tokens, int32_t n, int32_t block_size, uint64_t *hashes);
 
 /*
  * Blocks td_kv_seq_reserve(cache, seq, n_total, ...) would take from the pool right now

@@ -3,7 +3,7 @@
  * checking keys and Bearer headers, SIGHUP reload keeping the old keys on a bad file;
  * HMAC sign/verify of control calls: a wrong secret, another method or request, a stale
  * time, a replay (repeated counter), out-of-order counters inside the window; the secret
- * file written 0600.
+ * file written 0600; tenants (tenant=NAME) and their prefix-cache salts.
  */
 #include <criterion/criterion.h>
 #include <stdio.h>
@@ -120,6 +120,80 @@ Test(auth, keys_file_priority_and_rate_flags)
     td_auth_keys_destroy(k);
 }
 
+/* tenant=NAME puts a key's prompts with every key naming the same tenant; a key without one
+ * is a tenant of its own. The identity is stable across reloads (the nodes' caches stay
+ * useful) and holds no part of the key. */
+Test(auth, keys_file_tenant_flag)
+{
+    const char *p = write_file("keys", KEY_A " tenant=team-1\n" KEY_B " rate=5 tenant=team-1 admin\n" KEY_C "\n");
+    td_auth_keys_t *k = NULL;
+    cr_assert_eq(td_auth_keys_load(p, &k), TD_OK, "%s", td_last_error());
+    td_auth_key_props_t a, b, c, w;
+    cr_assert_eq(td_auth_keys_check_bearer_props(k, "Bearer " KEY_A, &a), TD_AUTH_OK);
+    cr_assert_eq(td_auth_keys_check_bearer_props(k, "Bearer " KEY_B, &b), TD_AUTH_OK);
+    cr_assert_eq(td_auth_keys_check_bearer_props(k, "Bearer " KEY_C, &c), TD_AUTH_OK);
+    cr_assert(b.admin && b.rate == 5 && b.index == 1, "tenant= sits among the other flags");
+    cr_assert_eq(memcmp(a.tenant, b.tenant, sizeof a.tenant), 0, "one tenant named twice");
+    cr_assert_neq(memcmp(a.tenant, c.tenant, sizeof a.tenant), 0, "a key without tenant= is its own");
+    static const uint8_t zero[TD_AUTH_TENANT_BYTES];
+    cr_assert_neq(memcmp(c.tenant, zero, sizeof zero), 0);
+    cr_assert_null(memmem(c.tenant, sizeof c.tenant, KEY_C, 4), "no part of the key");
+    cr_assert_eq(td_auth_keys_check_bearer_props(k, "Bearer " KEY_C "x", &w), TD_AUTH_WRONG);
+    cr_assert_eq(memcmp(w.tenant, zero, sizeof zero), 0, "a wrong key gets no tenant");
+
+    /* reloaded, in another order, with other flags: the same identities */
+    write_file("keys", KEY_C " priority=3\n" KEY_B " tenant=team-2\n" KEY_A " tenant=team-1\n");
+    cr_assert_eq(td_auth_keys_reload(k), TD_OK, "%s", td_last_error());
+    td_auth_key_props_t a2, b2, c2;
+    cr_assert_eq(td_auth_keys_check_bearer_props(k, "Bearer " KEY_A, &a2), TD_AUTH_OK);
+    cr_assert_eq(td_auth_keys_check_bearer_props(k, "Bearer " KEY_B, &b2), TD_AUTH_OK);
+    cr_assert_eq(td_auth_keys_check_bearer_props(k, "Bearer " KEY_C, &c2), TD_AUTH_OK);
+    cr_assert_eq(memcmp(a.tenant, a2.tenant, sizeof a.tenant), 0);
+    cr_assert_eq(memcmp(c.tenant, c2.tenant, sizeof c.tenant), 0);
+    cr_assert_neq(memcmp(a2.tenant, b2.tenant, sizeof a2.tenant), 0, "B moved to team-2");
+    td_auth_keys_destroy(k);
+}
+
+/* Salts: under the cluster secret, the same key on every start (so, the same salt per
+ * tenant); without one, a new random key each time; distinct tenants, distinct salts;
+ * never 0 (which means "no salt"). */
+Test(auth, tenant_salts)
+{
+    td_auth_cluster_config_t cfg = td_auth_cluster_config_default();
+    td_auth_cluster_t *c1 = NULL, *c2 = NULL, *c3 = NULL;
+    cr_assert_eq(td_auth_cluster_create(SECRET, strlen(SECRET), &cfg, &c1), TD_OK);
+    cr_assert_eq(td_auth_cluster_create(SECRET, strlen(SECRET), &cfg, &c2), TD_OK);
+    cr_assert_eq(td_auth_cluster_create(SECRET "x", strlen(SECRET) + 1, &cfg, &c3), TD_OK);
+    uint8_t k1[TD_AUTH_SALT_KEY_BYTES], k2[TD_AUTH_SALT_KEY_BYTES], k3[TD_AUTH_SALT_KEY_BYTES];
+    uint8_t r1[TD_AUTH_SALT_KEY_BYTES], r2[TD_AUTH_SALT_KEY_BYTES];
+    cr_assert_eq(td_auth_salt_key(c1, k1), TD_OK);
+    cr_assert_eq(td_auth_salt_key(c2, k2), TD_OK);
+    cr_assert_eq(td_auth_salt_key(c3, k3), TD_OK);
+    cr_assert_eq(td_auth_salt_key(NULL, r1), TD_OK);
+    cr_assert_eq(td_auth_salt_key(NULL, r2), TD_OK);
+    cr_assert_eq(memcmp(k1, k2, sizeof k1), 0, "one secret, one salt key: stable across restarts");
+    cr_assert_neq(memcmp(k1, k3, sizeof k1), 0, "another secret, another key");
+    cr_assert_neq(memcmp(r1, r2, sizeof r1), 0, "without a secret: random each start");
+    cr_assert_neq(memcmp(r1, k1, sizeof r1), 0);
+    cr_assert_null(memmem(k1, sizeof k1, SECRET, 4), "the key is not the secret");
+
+    uint8_t ta[TD_AUTH_TENANT_BYTES] = {1}, tb[TD_AUTH_TENANT_BYTES] = {2};
+    uint64_t sa1 = 0, sa2 = 0, sb = 0, sa3 = 0, sr = 0;
+    cr_assert_eq(td_auth_tenant_salt(k1, ta, &sa1), TD_OK);
+    cr_assert_eq(td_auth_tenant_salt(k2, ta, &sa2), TD_OK);
+    cr_assert_eq(td_auth_tenant_salt(k1, tb, &sb), TD_OK);
+    cr_assert_eq(td_auth_tenant_salt(k3, ta, &sa3), TD_OK);
+    cr_assert_eq(td_auth_tenant_salt(r1, ta, &sr), TD_OK);
+    cr_assert(sa1 && sb && sa3 && sr, "never 0");
+    cr_assert_eq(sa1, sa2);
+    cr_assert_neq(sa1, sb, "two tenants");
+    cr_assert_neq(sa1, sa3, "two secrets");
+    cr_assert_neq(sa1, sr);
+    td_auth_cluster_destroy(c1);
+    td_auth_cluster_destroy(c2);
+    td_auth_cluster_destroy(c3);
+}
+
 /* Each bad file is refused with a message naming the file and line, never the key. */
 Test(auth, keys_file_errors)
 {
@@ -131,15 +205,19 @@ Test(auth, keys_file_errors)
         {"short\n", "line 1: the key has 5 characters"},
         {"# c\n" KEY_A " " KEY_B "\n", "line 2: a key is printable ASCII without spaces"},
         {KEY_A " admins\n", "line 1: a key is printable ASCII without spaces, followed by nothing or by flags "
-                           "(admin, priority=N, rate=R); word 1 after the key"},
+                           "(admin, priority=N, rate=R, tenant=NAME); word 1 after the key"},
         {KEY_A " admin admin\n", "line 1: a key is printable ASCII without spaces, followed by nothing or by flags "
-                                 "(admin, priority=N, rate=R); word 2 after the key (at character 40): the flag "
-                                 "admin twice"},
+                                 "(admin, priority=N, rate=R, tenant=NAME); word 2 after the key (at character 40): "
+                                 "the flag admin twice"},
         {KEY_A " priority=high\n", "priority= takes an integer"},
         {KEY_A " priority=9999999999\n", "priority= takes an integer"},
         {KEY_A " rate=0\n", "rate= takes requests a second, 0.001 .. 1000000"},
         {KEY_A " rate=nan\n", "rate= takes requests a second"},
         {KEY_A " rate=1 rate=2\n", "rate= twice"},
+        {KEY_A " tenant=\n", "tenant= takes a name of 1 .. 64 letters, digits, '.', '_' or '-'"},
+        {KEY_A " tenant=team/a\n", "tenant= takes a name of 1 .. 64"},
+        {KEY_A " tenant=" "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa" "\n", "tenant= takes a name"},
+        {KEY_A " tenant=x tenant=y\n", "tenant= twice"},
         {KEY_A "\n" KEY_B "\n" KEY_A "\n", "line 3 repeats an earlier key"},
         {"\xc3\xa9" KEY_A "\n", "line 1: a key is printable ASCII"},
     };

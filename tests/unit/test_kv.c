@@ -279,7 +279,7 @@ Test(kv, prefix_cache_hit_after_sequence_ends)
     append(c, &a, toks, 10);
     cr_assert_eq(a.n_hashed, 2);
     uint64_t hashes[2];
-    cr_assert_eq(td_kv_chain_hashes(toks, 10, 4, hashes), 2);
+    cr_assert_eq(td_kv_chain_hashes(0, toks, 10, 4, hashes), 2);
     cr_assert_eq(a.last_hash, hashes[1]);
     int32_t b0 = a.blocks[0], b1 = a.blocks[1];
     td_kv_seq_free(c, &a);
@@ -564,9 +564,110 @@ Test(kv, block_hashes_are_the_same_on_every_node_and_in_every_version)
                      "block size %d, seeded", want[k].block_size);
     }
     uint64_t chain[2];
-    cr_assert_eq(td_kv_chain_hashes(t, 32, 16, chain), 2);
+    cr_assert_eq(td_kv_chain_hashes(0, t, 32, 16, chain), 2);
     cr_assert_eq(chain[0], 0xb7e0e8d2663ecafaull);
     cr_assert_eq(chain[1], 0x6efd72359320ae0dull);
+    /* a salt is the first block's seed (the router's and the nodes' salted hashes agree) */
+    cr_assert_eq(td_kv_chain_hashes(0x0123456789abcdefull, t, 32, 16, chain), 2);
+    cr_assert_eq(chain[0], 0x37888226c064c412ull);
+    cr_assert_eq(chain[1], td_kv_block_hash(0x37888226c064c412ull, t + 16, 16));
+}
+
+/* A tenant's salt seeds the chain: no hash of a salted chain equals the unsalted one's or
+ * another salt's at any block, however long the prompt (docs/security.md "Tenants"). */
+Test(kv, salt_changes_every_hash_of_the_chain)
+{
+    enum { BS = 4, NB = 64 };
+    int32_t t[BS * NB + BS - 1];
+    for (int i = 0; i < BS * NB + BS - 1; i++)
+        t[i] = (int32_t)((uint32_t)i * 2654435761u % 50000u);
+    static const uint64_t salts[] = {0, 1, 2, 0x8000000000000000ull, 0x0123456789abcdefull, UINT64_MAX};
+    uint64_t h[TD_ARRAY_LEN(salts)][NB];
+    for (size_t k = 0; k < TD_ARRAY_LEN(salts); k++)
+        cr_assert_eq(td_kv_chain_hashes(salts[k], t, BS * NB + BS - 1, BS, h[k]), NB, "whole blocks only");
+    for (size_t k = 0; k < TD_ARRAY_LEN(salts); k++)
+        for (size_t j = k + 1; j < TD_ARRAY_LEN(salts); j++)
+            for (int b = 0; b < NB; b++)
+                cr_assert_neq(h[k][b], h[j][b], "salts %#llx and %#llx agree at block %d",
+                              (unsigned long long)salts[k], (unsigned long long)salts[j], b);
+    cr_assert_eq(td_kv_chain_hashes(7, t, 3, BS, h[0]), 0, "no full block, no hash");
+}
+
+/* Sequences with different salts never share a cached block, whichever way it was cached
+ * (commit, adopt), and equal salts do; the salt survives td_kv_seq_free (a preempted
+ * sequence that starts again), is copied by fork and reseeds a truncate's rehash. */
+Test(kv, salted_sequences_hit_only_their_own_salt)
+{
+    td_kv_cache_t *c = make_cache(32, 4, true);
+    int32_t toks[12] = {5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16};
+    const uint64_t sa = 0x1111, sb = 0x2222;
+    uint64_t ha[3];
+    td_kv_chain_hashes(sa, toks, 12, 4, ha);
+
+    td_kv_seq_t a;
+    td_kv_seq_init(&a);
+    a.salt = sa;
+    append(c, &a, toks, 10);
+    cr_assert(a.n_hashed == 2 && a.last_hash == ha[1], "commit registers the salted chain");
+    td_kv_seq_free(c, &a);
+    cr_assert_eq(a.salt, sa, "free keeps the salt");
+    cr_assert(a.n_tokens == 0 && a.n_blocks == 0 && a.n_hashed == 0);
+
+    struct { uint64_t salt; int32_t want; } probe[] = {{sb, 0}, {0, 0}, {sa, 8}};
+    for (size_t k = 0; k < TD_ARRAY_LEN(probe); k++) {
+        td_kv_seq_t s;
+        td_kv_seq_init(&s);
+        s.salt = probe[k].salt;
+        int32_t n = -1;
+        cr_assert_eq(td_kv_seq_match_prefix(c, &s, toks, 12, 12, &n), TD_OK);
+        cr_assert_eq(n, probe[k].want, "salt %#llx: %d tokens hit, want %d", (unsigned long long)probe[k].salt, n,
+                     probe[k].want);
+        td_kv_seq_free(c, &s);
+    }
+    /* the freed sequence starts again under its salt: it hits what it cached */
+    int32_t n = -1;
+    cr_assert_eq(td_kv_seq_match_prefix(c, &a, toks, 12, 12, &n), TD_OK);
+    cr_assert_eq(n, 8);
+    cr_assert_eq(a.last_hash, ha[1]);
+    /* fork copies the salt; the fork's third block registers under it */
+    td_kv_seq_t f;
+    td_kv_seq_init(&f);
+    cr_assert_eq(td_kv_seq_fork(c, &a, &f), TD_OK);
+    cr_assert_eq(f.salt, sa);
+    append(c, &f, toks + 8, 4);
+    cr_assert_eq(f.last_hash, ha[2]);
+    /* a truncate rehashes from the salt */
+    td_kv_seq_truncate(c, &f, 6);
+    cr_assert(f.n_hashed == 1 && f.last_hash == ha[0], "rehashed from the salt");
+    td_kv_seq_free(c, &f);
+    td_kv_seq_free(c, &a);
+
+    /* adopted blocks (KV from a prefill node) register under the adopter's salt */
+    int32_t ids[2];
+    cr_assert_eq(td_kv_alloc_blocks(c, 2, ids), TD_OK);
+    int32_t other[8] = {40, 41, 42, 43, 44, 45, 46, 47};
+    td_kv_seq_t d;
+    td_kv_seq_init(&d);
+    d.salt = sb;
+    cr_assert_eq(td_kv_seq_adopt(c, &d, ids, 2, other, 8), TD_OK);
+    uint64_t hb[2];
+    td_kv_chain_hashes(sb, other, 8, 4, hb);
+    cr_assert(d.n_hashed == 2 && d.last_hash == hb[1]);
+    td_kv_seq_free(c, &d);
+    td_kv_seq_t e;
+    td_kv_seq_init(&e);
+    e.salt = sa;
+    cr_assert_eq(td_kv_seq_match_prefix(c, &e, other, 8, 8, &n), TD_OK);
+    cr_assert_eq(n, 0, "another salt's adopted blocks are no hit");
+    td_kv_seq_free(c, &e);
+    e.salt = sb;
+    cr_assert_eq(td_kv_seq_match_prefix(c, &e, other, 8, 8, &n), TD_OK);
+    cr_assert_eq(n, 8);
+    td_kv_seq_free(c, &e);
+    td_kv_seq_init(&e);
+    cr_assert_eq(e.salt, 0, "init clears the salt");
+    cr_assert_eq(td_kv_cache_check(c), TD_OK, "%s", td_last_error());
+    td_kv_cache_destroy(c);
 }
 
 /* Sliding window: leading blocks go back early under the usual reference rules, their

@@ -166,6 +166,50 @@ Test(prefill_sched, chunked_packing_respects_budget_and_first_tokens_match, .tim
     td_test_engine_close(&fx);
 }
 
+/* One prompt under salts (its tenants', docs/security.md "Tenants"): a salt's repeat is
+ * served from the cache, another salt's is computed whole, and the first token is the same. */
+static int32_t run_salted(prefill_sched_t *ps, uint64_t id, const int32_t *p, int n, uint64_t salt, int32_t *first_p)
+{
+    prefill_request_t rq = {.id = id, .prompt = p, .n_prompt = n, .sampling = td_sampling_default(),
+                            .cache_salt = salt};
+    cr_assert_eq(prefill_sched_submit(ps, &rq), TD_OK, "%s", td_last_error());
+    for (int steps = 0; steps < 100; steps++) {
+        prefill_step_result_t r;
+        cr_assert_eq(prefill_sched_step(ps, 0, &r), TD_OK);
+        if (r.n_outputs) {
+            cr_assert(r.n_outputs == 1 && r.outputs[0].status == TD_OK);
+            int32_t cached = r.outputs[0].n_cached;
+            *first_p = r.outputs[0].first_token;
+            cr_assert_eq(prefill_sched_release(ps, id), TD_OK);
+            return cached;
+        }
+    }
+    cr_assert_fail("prompt %llu never finished", (unsigned long long)id);
+    return -1;
+}
+
+Test(prefill_sched, a_salt_hits_only_its_own_prefixes, .timeout = 300)
+{
+    td_test_skip_without_stories();
+    td_test_engine_t fx;
+    prefill_sched_config_t cfg;
+    prefill_sched_t *ps = start(&fx, 1024, 5, 64, &cfg);
+    int32_t p[150], first[4];
+    p[0] = 1;
+    for (int j = 1; j < 150; j++)
+        p[j] = 3 + (j * 37) % 500;
+    cr_assert_eq(run_salted(ps, 1, p, 150, 0xa, &first[0]), 0);
+    cr_assert_eq(run_salted(ps, 2, p, 150, 0xb, &first[1]), 0, "another salt hit the first one's blocks");
+    cr_assert_eq(run_salted(ps, 3, p, 150, 0, &first[2]), 0, "no salt hit a salted prompt's blocks");
+    cr_assert_eq(run_salted(ps, 4, p, 150, 0xa, &first[3]), 144, "the salt's own repeat: 9 whole blocks cached");
+    int want_first = first_alone(&fx, p, 150); /* last: its unsalted blocks would be salt 0's hits */
+    for (int i = 0; i < 4; i++)
+        cr_assert_eq(first[i], want_first, "run %d: first token %d, the engine alone %d", i, first[i], want_first);
+    assert_no_leak(&fx);
+    prefill_sched_destroy(ps);
+    td_test_engine_close(&fx);
+}
+
 Test(prefill_sched, tiny_pool_restarts_and_bounds_refuse, .timeout = 300)
 {
     td_test_skip_without_stories();

@@ -10,6 +10,7 @@
 #include "router_policy.h"
 #include "router_registry.h"
 #include "td_kv.h"
+#include "td_util.h"
 
 #define SEC 1000000000ll
 
@@ -171,7 +172,7 @@ Test(router_policy, least_queued_work_and_prefix_preference)
     cr_assert_eq(pk.prefix_blocks, 0);
     /* pa saw this prompt before: 40 cached blocks = 640 tokens of work saved > 100 more queued */
     uint64_t h[40];
-    cr_assert_eq(td_kv_chain_hashes(prompt, 640, 16, h), 40);
+    cr_assert_eq(td_kv_chain_hashes(0, prompt, 640, 16, h), 40);
     router_registry_note_prefix(reg, pa, h, 40);
     pk = pick_ok(reg, &pc, &rq);
     cr_assert_eq(pk.pair.prefill, pa);
@@ -186,13 +187,52 @@ Test(router_policy, least_queued_work_and_prefix_preference)
     cr_assert_eq(pk.pair.prefill, pb);
     cr_assert_eq(router_registry_prefix_match(reg, pa, h, 40), 40);
     uint64_t h2[40];
-    td_kv_chain_hashes(p2, 640, 16, h2);
+    td_kv_chain_hashes(0, p2, 640, 16, h2);
     cr_assert_eq(router_registry_prefix_match(reg, pa, h2, 40), 3);
     /* commit remembers the prompt on the chosen node */
     rq.prompt = p2;
     pk = pick_ok(reg, &pc, &rq);
     router_policy_commit(reg, &rq, &pk);
     cr_assert_eq(router_registry_prefix_match(reg, pb, h2, 40), 40);
+    router_registry_destroy(reg);
+}
+
+/* Affinity is per tenant: a prompt a tenant's request left on a node draws only that tenant's
+ * requests there (the hashes are seeded with its salt); another tenant's, or an unsalted
+ * one's, is scored as if the node had never seen it (docs/security.md "Tenants"). */
+Test(router_policy, prefix_preference_is_per_tenant)
+{
+    router_registry_t *reg = mkreg();
+    router_policy_config_t pc = router_policy_config_default();
+    int pa = join(reg, "pa", TD_NODE_ROLE_PREFILL, 8, 100, 0);
+    int pb = join(reg, "pb", TD_NODE_ROLE_PREFILL, 8, 100, 0);
+    join(reg, "d", TD_NODE_ROLE_DECODE, 8, 1000, 0);
+    beat(reg, "pa", 300, 0, 100, 0);
+    beat(reg, "pb", 200, 0, 100, 0);
+    router_pick_request_t ra = request(640, 10, 0);
+    ra.cache_salt = 0xa11ce;
+    uint64_t h[40];
+    cr_assert_eq(td_kv_chain_hashes(ra.cache_salt, prompt, 640, 16, h), 40);
+    router_registry_note_prefix(reg, pa, h, 40); /* tenant A's prompt went to pa */
+    router_pick_t pk = pick_ok(reg, &pc, &ra);
+    cr_assert(pk.pair.prefill == pa && pk.prefix_blocks == 40, "A's own prefix draws A to pa");
+    static const uint64_t others[] = {0xb0b, 0};
+    for (size_t k = 0; k < TD_ARRAY_LEN(others); k++) {
+        router_pick_request_t rb = ra;
+        rb.cache_salt = others[k];
+        pk = pick_ok(reg, &pc, &rb);
+        cr_assert(pk.pair.prefill == pb && pk.prefix_blocks == 0, "salt %#llx: prefill %d, %d blocks believed cached",
+                  (unsigned long long)others[k], pk.pair.prefill, pk.prefix_blocks);
+    }
+    /* commit remembers the prompt under its own tenant's hashes */
+    router_pick_request_t rb = ra;
+    rb.cache_salt = 0xb0b;
+    pk = pick_ok(reg, &pc, &rb);
+    router_policy_commit(reg, &rb, &pk);
+    uint64_t hb[40];
+    td_kv_chain_hashes(rb.cache_salt, prompt, 640, 16, hb);
+    cr_assert_eq(router_registry_prefix_match(reg, pb, hb, 40), 40);
+    cr_assert_eq(router_registry_prefix_match(reg, pb, h, 40), 0, "A's hashes are not B's");
     router_registry_destroy(reg);
 }
 
