@@ -148,11 +148,12 @@ Test(router_policy, only_compatible_layouts_pair)
     pk = pick_ok(reg, &pc, &rq);
     cr_assert_eq(pk.pair.decode, d8);
     cr_assert_eq(pk.pair.prefill, p8);
-    /* local prefill: the shortest decode node prefills itself */
-    pc.local_prefill = true;
+    /* conditional: the shortest decode node, with no prefill partner, prefills itself */
+    pc.prefill_policy = ROUTER_PREFILL_CONDITIONAL;
     pk = pick_ok(reg, &pc, &rq);
     cr_assert_eq(pk.pair.decode, d16);
-    cr_assert_eq(pk.pair.prefill, -1);
+    cr_assert_eq(pk.pair.prefill, d16);
+    cr_assert(pk.local && pk.reason == ROUTER_PLACE_NO_PREFILL);
     router_registry_destroy(reg);
 }
 
