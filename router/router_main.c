@@ -143,7 +143,8 @@ static td_status_t init_metrics(router_state_t *s)
                                  "sequences running on the node (last heartbeat)"},
         [ROUTER_NODE_FREE] = {"tandem_router_node_kv_blocks_free", "free KV blocks of the node (last heartbeat)"},
         [ROUTER_NODE_BLOCKS] = {"tandem_router_node_kv_blocks", "KV blocks of the node's pool (as registered)"},
-        [ROUTER_NODE_STEP] = {"tandem_router_node_step_seconds", "the node's most recent engine step (last heartbeat)"},
+        [ROUTER_NODE_STEP] = {"tandem_router_node_step_seconds", "the node's recent step time (last heartbeat; a decode or unified node: "
+                                                    "of its steps without prompt chunks)"},
         [ROUTER_NODE_DRAINING] = {"tandem_router_node_draining",
                                   "1 while the node drains (SIGTERM or Drain): routed nothing new"},
     };
