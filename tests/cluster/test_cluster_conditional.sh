@@ -17,13 +17,15 @@
 # side of it. Skips without the GGUF or python3-grpcio.
 source "$(dirname "$0")/cluster_lib.sh"
 cl_init_gguf
-LONG=800 BUSY=1500 TPOT=500 STREAM_TOK=300 MAXTOK=120 AFTER=30
+LONG=800 BUSY=1500 TPOT=500 STREAM_TOK=300 MAXTOK=120 AFTER=30 HB_TIMEOUT=5000
 if [ "${TD_SANITIZE:-OFF}" = ON ]; then
-    LONG=400 BUSY=400 TPOT=5000 STREAM_TOK=40 MAXTOK=30 AFTER=8
+    # a 400-token prompt is one step of ~35 s on a loaded machine: p0's heartbeats lapsed
+    # past 5 s during it and the router dropped it
+    LONG=400 BUSY=400 TPOT=5000 STREAM_TOK=40 MAXTOK=30 AFTER=8 HB_TIMEOUT=20000
 fi
 # a killed node is seen at once (its connections close); the heartbeat bound only has to
 # survive a loaded machine (a sanitizer build's steps of a second and more)
-cl_cluster 1 --prefill-policy conditional --tpot-objective-ms $TPOT --heartbeat-ms 100 --heartbeat-timeout-ms 5000 \
+cl_cluster 1 --prefill-policy conditional --tpot-objective-ms $TPOT --heartbeat-ms 100 --heartbeat-timeout-ms $HB_TIMEOUT \
     --max-migrations 2 --log-level debug # debug: each pick's estimates, shown when a check fails
 
 # placed WHERE: prompts prefilled there so far (local: on the decode node, remote: on p0)
@@ -118,7 +120,7 @@ cl_wait_nodes 1 2
 echo "$STREAM|$(cl_ref $MAXTOK "$STREAM")" >"$CL_T/mig"
 [ "$(cut -d'|' -f2 "$CL_T/mig" | wc -w)" -gt $((AFTER + 10)) ] || cl_fail "the stream's reference is too short"
 cl_kill p0 TERM # it drains (routed nothing new at its next heartbeat) and exits
-"$CL_PY" "$CL_TOOL" waitmetric "${CL_MURL[router]}" tandem_router_prefill_nodes_up == 0 30 >/dev/null ||
+"$CL_PY" "$CL_TOOL" waitmetric "${CL_MURL[router]}" tandem_router_prefill_nodes_up == 0 $((HB_TIMEOUT / 1000 + 30)) >/dev/null ||
     cl_fail "the router still counts p0 after its SIGTERM"
 l0=$(placed local) r0=$(placed remote)
 live="d0=${CL_PID[d0]}=${CL_MURL[d0]},d1=${CL_PID[d1]}=${CL_MURL[d1]}"
