@@ -328,6 +328,7 @@ typedef struct remote_state {
     uint32_t prompt_tokens, completion_tokens, cached_tokens;
     bool have_timings;
     double queue_s, prefill_s, transfer_s, first_token_s, per_token_s, total_s;
+    bool prefill_local;                /* prefilled on the decode (or unified) node itself */
     td_token_logprob_t *lps;           /* [n_lps] with --logprobs: as they came */
     size_t n_lps, cap_lps;
     td_token_logprob_t *prompt_lps;    /* [n_prompt_lps] with --prompt-logprobs */
@@ -454,6 +455,7 @@ static void on_gen_message(td_grpc_client_call_t *call, const ProtobufCMessage *
         r->first_token_s = t->first_token_s;
         r->per_token_s = t->per_token_s;
         r->total_s = t->total_s;
+        r->prefill_local = t->prefill_local;
     }
 }
 
@@ -569,9 +571,10 @@ static void remote_report_timings(const remote_state_t *r)
             r->prompt_tokens, prompt_tps, r->n_gen, r->n_gen > 1 && gen_s > 0 ? (double)(r->n_gen - 1) / gen_s : 0.0,
             ttft_ms);
     fprintf(stderr,
-            "server: request %s, finish %s, %u cached prompt tokens | queue %.2f ms | prefill %.2f ms | transfer %.2f ms | "
+            "server: request %s, finish %s, %u cached prompt tokens | queue %.2f ms | prefill %.2f ms on %s | transfer %.2f ms | "
             "first token %.2f ms | per token %.2f ms | total %.2f ms\n",
-            r->request_id[0] ? r->request_id : "?", finish_name(r->finish), r->cached_tokens, r->queue_s * 1e3, r->prefill_s * 1e3, r->transfer_s * 1e3,
+            r->request_id[0] ? r->request_id : "?", finish_name(r->finish), r->cached_tokens, r->queue_s * 1e3, r->prefill_s * 1e3,
+            r->prefill_local ? "the decode node" : "a prefill node", r->transfer_s * 1e3,
             r->first_token_s * 1e3, r->per_token_s * 1e3, r->total_s * 1e3);
 }
 

@@ -126,9 +126,9 @@ static void local_plan(int64_t n_prefill, int64_t n_decode, int64_t threads, int
 /* tandem local's flags (-1: not given) */
 typedef struct local_opts {
     const char *model, *tokenizer, *log_level, *host, *advertise, *device, *dtype, *kv_dtype, *api_keys, *spec_mode,
-        *draft_model;
+        *draft_model, *prefill_policy;
     int64_t n_prefill, n_decode, n_unified, threads, kv_blocks, kv_mem, kv_seqs, ctx_size, http_port, prefill_chunk,
-        draft_tokens;
+        draft_tokens, tpot_objective_ms;
     td_spec_mode_t mode; /* spec_mode resolved */
 } local_opts_t;
 
@@ -141,9 +141,10 @@ typedef struct local_router {
 static td_status_t start_router(local_state_t *l, const local_opts_t *o, const char *self, const char *secret,
                                 local_router_t *rt)
 {
-    char http_port_s[24], line[512];
+    char http_port_s[24], tpot_s[24], line[512];
     snprintf(http_port_s, sizeof http_port_s, "%lld", (long long)o->http_port);
-    char *rargv[18] = {"tandem", "router", "--log-level", (char *)o->log_level, "--host", (char *)o->host,
+    snprintf(tpot_s, sizeof tpot_s, "%lld", (long long)o->tpot_objective_ms);
+    char *rargv[22] = {"tandem", "router", "--log-level", (char *)o->log_level, "--host", (char *)o->host,
                        "--cluster-secret-file", (char *)secret};
     int rn = 8;
     if (o->api_keys) {
@@ -159,6 +160,14 @@ static td_status_t start_router(local_state_t *l, const local_opts_t *o, const c
     if (o->tokenizer) {
         rargv[rn++] = "--tokenizer";
         rargv[rn++] = (char *)o->tokenizer;
+    }
+    if (o->prefill_policy) { /* checked by the router, which says what it takes */
+        rargv[rn++] = "--prefill-policy";
+        rargv[rn++] = (char *)o->prefill_policy;
+    }
+    if (o->tpot_objective_ms > 0) {
+        rargv[rn++] = "--tpot-objective-ms";
+        rargv[rn++] = tpot_s;
     }
     td_status_t st = spawn(l, self, rargv, true);
     if (st != TD_OK)
@@ -298,6 +307,11 @@ int cmd_local(int argc, char **argv)
         TD_OPT_STRING("dtype", &o.dtype, "f32|f16|bf16, for every node"),
         TD_OPT_STRING("kv-dtype", &o.kv_dtype, "f32|f16|bf16|q8_0: every node's KV cache (default: as --dtype)"),
         TD_OPT_INT("http-port", &o.http_port, -1, 65535, "the router's OpenAI HTTP API port (default 0: any; -1: off)"),
+        TD_OPT_STRING("prefill-policy", &o.prefill_policy, "the router's: disaggregated (default) | conditional "
+                      "(each prompt of a decode node prefilled on the decode node when that is sooner; "
+                      "docs/scheduling.md \"Conditional disaggregation\")"),
+        TD_OPT_INT("tpot-objective-ms", &o.tpot_objective_ms, 0, 600000,
+                   "the router's TPOT objective for conditional placement (default 0: the router's, 100)"),
         TD_OPT_STRING("api-keys-file", &o.api_keys, "API keys the router's front doors require (docs/security.md)"),
         TD_OPT_STRING("spec", &o.spec_mode, "speculative decoding on the decode and unified nodes: off (default) | "
                       "prompt-lookup | draft-model"),

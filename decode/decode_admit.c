@@ -75,9 +75,15 @@ td_grpc_code_t decode_admit_read(const Tandem__Control__V1__AdmitRequest *r, con
             td_node_logprobs_from_proto(r->logprobs, &a->logprobs, why, cap) != TD_OK)
             code = TD_GRPC_INVALID_ARGUMENT;
     }
-    if (code == TD_GRPC_OK && unified && a->logprobs.prompt) {
-        snprintf(why, cap, "admit: prompt logprobs are not served by a unified node (it computes prompts "
-                           "in chunks inside decode steps); send them to a prefill/decode pair");
+    a->local = unified || r->local_prefill;
+    if (code == TD_GRPC_OK && a->local && a->logprobs.prompt) {
+        if (unified)
+            snprintf(why, cap, "admit: prompt logprobs are not served by a unified node (it computes prompts "
+                               "in chunks inside decode steps); send them to a prefill/decode pair");
+        else
+            snprintf(why, cap, "admit: prompt logprobs are not served with local_prefill (the decode node "
+                               "computes the prompt in chunks inside its decode steps); leave local_prefill "
+                               "off so that a prefill node computes it");
         code = TD_GRPC_INVALID_ARGUMENT;
     }
     if (code != TD_GRPC_OK) {

@@ -43,6 +43,10 @@ typedef struct decode_admit {
     int32_t *replay;             /* [n_replay] AdmitRequest.replay_ids (a migrated stream), or NULL */
     int32_t n_replay;
     uint64_t cache_salt;         /* AdmitRequest.cache_salt: seeds its prefix-cache hashes */
+    bool local;                  /* prefilled here, not by a transfer: every admission of a
+                                    unified node, a decode node's when the router asked
+                                    (AdmitRequest.local_prefill). No blocks are leased; the
+                                    router's Prefill call hands it to the compute thread */
 } decode_admit_t;
 
 /* The request's shape against the model mc: false with the reason in why (INVALID_ARGUMENT). */
@@ -50,9 +54,10 @@ bool decode_admit_check(const Tandem__Control__V1__AdmitRequest *r, const td_mod
                         size_t cap);
 
 /* A checked request (decode_admit_check) read into a new *a_p (lease_id and deadline 0, not
- * linked). TD_GRPC_OK; else INVALID_ARGUMENT (an id outside the vocabulary, bad sampling or
- * logprobs, prompt logprobs asked of a unified node) or RESOURCE_EXHAUSTED (out of memory),
- * the reason in why and *a_p untouched. */
+ * linked; local when the node is unified or the request asks local_prefill). TD_GRPC_OK;
+ * else INVALID_ARGUMENT (an id outside the vocabulary, bad sampling or logprobs, prompt
+ * logprobs asked of a local prefill: a unified node's, or local_prefill) or
+ * RESOURCE_EXHAUSTED (out of memory), the reason in why and *a_p untouched. */
 td_grpc_code_t decode_admit_read(const Tandem__Control__V1__AdmitRequest *r, const td_model_config_t *mc,
                                  bool unified, decode_admit_t **a_p, char *why, size_t cap);
 

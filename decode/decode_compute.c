@@ -26,6 +26,23 @@ static void spec_metrics(decode_state_t *s, const td_spec_stats_t *now)
     *was = *now;
 }
 
+/* A step's figures into the heartbeat's pace (decode_state_t: step_ns, milli_tok_s), moving
+ * means over the last eight or so steps of each kind: the router prices a local prefill with
+ * them (router_policy, conditional disaggregation). The rate is tokens over time, summed, so
+ * a step with a few prompt tokens beside its decodes weighs by its time, not as a rate of its
+ * own; it includes the step's decodes, as the chunks' steps do while they run. */
+static void pace_note(decode_state_t *s, double dt, int32_t n_prefill_tokens)
+{
+    if (n_prefill_tokens > 0) {
+        s->rate_tok = s->rate_tok * 7 / 8 + n_prefill_tokens;
+        s->rate_s = s->rate_s * 7 / 8 + dt;
+        atomic_store(&s->milli_tok_s, (int64_t)(s->rate_tok / TD_MAX(s->rate_s, 1e-6) * 1e3));
+        return;
+    }
+    int64_t prev = atomic_load(&s->step_ns), now = (int64_t)(dt * 1e9);
+    atomic_store(&s->step_ns, prev ? (prev * 7 + now) / 8 : now);
+}
+
 /* The command ring's bound: a kv-ready command holds at least one block, so at most
  * kv-blocks of them wait; Release commands come one per request the router ends, and
  * 4 * max-requests + 16 is their margin. A full ring is refused, not waited on: kv-ready's
@@ -177,7 +194,7 @@ void decode_compute_main(void *arg)
                 td_metric_inc(s->m_steps);
                 td_metric_observe(s->m_step_s, dt);
                 td_metric_observe(s->m_batch, res.n_seqs);
-                atomic_store(&s->step_ns, (int64_t)(dt * 1e9));
+                pace_note(s, dt, res.n_prefill_tokens);
             }
         }
         decode_sched_stats_t ss;

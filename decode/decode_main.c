@@ -21,6 +21,12 @@
  * the decode steps, within max-batch-tokens: chunked prefill with continuous batching), and
  * is answered FIRST_TOKEN when the sequence's first token is streamed on Steps. So the router
  * drives a unified node with the same request path as a (prefill, decode) pair.
+ *
+ * A decode node serves a request the same way when the router asks it to prefill the prompt
+ * itself (AdmitRequest.local_prefill: conditional disaggregation, docs/scheduling.md): that
+ * admission is local (decode_admit_t.local) and goes the unified way, one code path, beside
+ * its leases of transferred KV. Its lease ids have DECODE_LOCAL_LEASE_BIT set, so they never
+ * meet td_xfer's, which count up from 1.
  */
 #include "decode_node.h"
 
@@ -234,7 +240,7 @@ static void prefill_end(decode_state_t *s, decode_prefill_t *w, td_grpc_code_t c
     free(w);
 }
 
-/* Unified: a Prefill call is answered by its lease's first entry on Steps (sent just
+/* A local prefill's Prefill call is answered by its lease's first entry on Steps (sent just
  * before): a token is the first token (FIRST_TOKEN, then OK: the router moves the request
  * to RUNNING); a finish before any token (EOS first, or length) is OK too, the Steps entry
  * having ended the request; a failure is UNAVAILABLE. */
@@ -244,7 +250,9 @@ static void prefill_answer(decode_state_t *s, const decode_out_seq_t *e)
     if (!w)
         return;
     if (e->kind == DECODE_OUT_FAILED) {
-        prefill_end(s, w, TD_GRPC_UNAVAILABLE, "unified node: the sequence failed before its first token");
+        prefill_end(s, w, TD_GRPC_UNAVAILABLE, s->unified ? "unified node: the sequence failed before its first token"
+                                                          : "decode node: the locally prefilled sequence failed before its "
+                                                            "first token");
         return;
     }
     if (e->kind == DECODE_OUT_TOKEN) {
@@ -303,16 +311,22 @@ static void admit_unlink(decode_state_t *s, decode_admit_t *a)
     s->n_admits--;
 }
 
-static decode_admit_t *admit_take(decode_state_t *s, uint64_t lease_id)
+static decode_admit_t *admit_find(decode_state_t *s, uint64_t lease_id)
 {
     TD_LIST_FOREACH(n, &s->admits) {
         decode_admit_t *a = TD_CONTAINER_OF(n, decode_admit_t, link);
-        if (a->lease_id == lease_id) {
-            admit_unlink(s, a);
+        if (a->lease_id == lease_id)
             return a;
-        }
     }
     return NULL;
+}
+
+static decode_admit_t *admit_take(decode_state_t *s, uint64_t lease_id)
+{
+    decode_admit_t *a = admit_find(s, lease_id);
+    if (a)
+        admit_unlink(s, a);
+    return a;
 }
 
 /* td_xfer's copy of landed blocks into the device pool, on the loop thread while the
@@ -363,7 +377,8 @@ static void on_kv_ready(void *arg, const td_xfer_ready_t *r)
 }
 
 /* AdmitRequest: checked and read (decode_admit.c) around the node's gate, then a lease of the
- * prompt's blocks (a unified node: a lease id only) and the reply naming them. */
+ * prompt's blocks (a local prefill, every one of a unified node's: a lease id only) and the
+ * reply naming them. */
 static void on_admit(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data)
 {
     decode_state_t *s = data;
@@ -387,8 +402,8 @@ static void on_admit(td_grpc_call_t *call, const ProtobufCMessage *msg, void *da
     uint32_t ttl = (uint32_t)TD_MIN((int64_t)(r->lease_ms ? r->lease_ms : 10000), s->cfg.max_lease_ms);
     td_status_t st;
     td_xfer_token_t token = {{0}};
-    if (s->unified) { /* no transfer: the lease only names the request until its Prefill call */
-        a->lease_id = ++s->next_lease;
+    if (a->local) { /* no transfer: the lease only names the request until its Prefill call */
+        a->lease_id = ++s->next_lease | (s->unified ? 0 : DECODE_LOCAL_LEASE_BIT);
         n_blocks = 0;
         st = blocks ? TD_OK : TD_ERR_NOMEM;
     } else {
@@ -412,7 +427,7 @@ static void on_admit(td_grpc_call_t *call, const ProtobufCMessage *msg, void *da
     resp.block_ids = (uint32_t *)blocks; /* int32 ids >= 0 */
     resp.n_block_ids = (size_t)n_blocks;
     resp.deadline_unix_ms = 0;
-    if (!s->unified) { /* the router hands it to the prefill node with the Prefill call */
+    if (!a->local) { /* the router hands it to the prefill node with the Prefill call */
         resp.xfer_token.data = token.b;
         resp.xfer_token.len = sizeof token.b;
     }
@@ -429,7 +444,7 @@ static void on_release(td_grpc_call_t *call, const ProtobufCMessage *msg, void *
     td_metric_inc(s->m_releases);
     decode_admit_t *a = admit_take(s, r->lease_id);
     if (a) { /* KV not here yet: the lease goes, and with it its blocks */
-        if (!s->unified)
+        if (!a->local)
             td_xfer_lease_cancel(s->xfer, r->lease_id);
         decode_admit_free(a);
         resp.released = true;
@@ -443,8 +458,8 @@ static void on_release(td_grpc_call_t *call, const ProtobufCMessage *msg, void *
     td_grpc_call_reply(call, &resp.base);
 }
 
-/* The router gave up a unified Prefill call (its request ended or moved on): the call ends
- * here; the sequence itself goes with the router's Release. */
+/* The router gave up a local prefill's Prefill call (its request ended or moved on): the call
+ * ends here; the sequence itself goes with the router's Release. */
 static void on_prefill_cancel(td_grpc_call_t *call, td_status_t why, void *call_data)
 {
     (void)why;
@@ -459,33 +474,47 @@ static void on_prefill_cancel(td_grpc_call_t *call, td_status_t why, void *call_
     td_grpc_call_finish(call, TD_GRPC_CANCELLED, NULL);
 }
 
-/* Unified: the router's Prefill for a lease this node admitted. The request goes to the
+/* The router's Prefill for a lease this node admitted to prefill itself (every lease of a
+ * unified node; a decode node's admitted with local_prefill). The request goes to the
  * compute thread as a local-prefill admission; the call waits for the first token
- * (prefill_answer). */
+ * (prefill_answer). A lease waiting for a transfer is not this call's: it is refused and
+ * stays. */
 static void on_prefill(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data)
 {
     decode_state_t *s = data;
     const Tandem__Control__V1__PrefillRequest *q = (const void *)msg;
-    char why[160];
+    const char *node = s->unified ? "unified node" : "decode node";
+    char why[192];
     if (s->shutting_down) {
-        td_grpc_call_finish(call, TD_GRPC_UNAVAILABLE, "unified node shutting down");
+        snprintf(why, sizeof why, "%s shutting down", node);
+        td_grpc_call_finish(call, TD_GRPC_UNAVAILABLE, why);
         return;
     }
     if (q->logprobs && q->logprobs->prompt) {
-        td_grpc_call_finish(call, TD_GRPC_INVALID_ARGUMENT, "prefill: prompt logprobs are not served by a unified node");
+        snprintf(why, sizeof why, "prefill: prompt logprobs are not served by a %s (it prefills in chunks inside "
+                 "decode steps)", node);
+        td_grpc_call_finish(call, TD_GRPC_INVALID_ARGUMENT, why);
         return;
     }
-    decode_admit_t *a = admit_take(s, q->lease_id);
+    decode_admit_t *a = admit_find(s, q->lease_id);
     if (!a) {
         snprintf(why, sizeof why, "prefill: lease %llu is not admitted here (expired or released): admit it first",
                  (unsigned long long)q->lease_id);
         td_grpc_call_finish(call, TD_GRPC_NOT_FOUND, why);
         return;
     }
+    if (!a->local) {
+        snprintf(why, sizeof why, "prefill: lease %llu waits for its KV from a prefill node (it was admitted "
+                 "without local_prefill): send its Prefill call there", (unsigned long long)q->lease_id);
+        td_grpc_call_finish(call, TD_GRPC_FAILED_PRECONDITION, why);
+        return;
+    }
+    admit_unlink(s, a);
     decode_prefill_t *w = s->n_prefills < s->cfg.max_requests ? calloc(1, sizeof *w) : NULL;
     if (!w) {
         decode_admit_free(a);
-        td_grpc_call_finish(call, TD_GRPC_RESOURCE_EXHAUSTED, "unified node: too many prompts waiting for a first token");
+        snprintf(why, sizeof why, "%s: too many prompts waiting for a first token", node);
+        td_grpc_call_finish(call, TD_GRPC_RESOURCE_EXHAUSTED, why);
         return;
     }
     uint64_t lease_id = a->lease_id;
@@ -497,7 +526,8 @@ static void on_prefill(td_grpc_call_t *call, const ProtobufCMessage *msg, void *
         atomic_fetch_sub(&s->prompt_posted, n_prompt);
         decode_admit_free(a);
         free(w);
-        td_grpc_call_finish(call, TD_GRPC_UNAVAILABLE, "unified node: the command ring is full; retry");
+        snprintf(why, sizeof why, "%s: the command ring is full; retry", node);
+        td_grpc_call_finish(call, TD_GRPC_UNAVAILABLE, why);
         return;
     }
     *w = (decode_prefill_t){.lease_id = lease_id, .call = call, .t0 = td_now_ns()};
@@ -608,7 +638,8 @@ static void on_sweep(uv_timer_t *t)
         decode_admit_t *a = TD_CONTAINER_OF(n, decode_admit_t, link);
         if (a->deadline_ns < now) {
             admit_unlink(s, a);
-            td_info("decode: lease %llu expired before kv-ready", (unsigned long long)a->lease_id);
+            td_info("decode: lease %llu expired before %s", (unsigned long long)a->lease_id,
+                    a->local ? "its Prefill call" : "kv-ready");
             decode_admit_free(a);
         }
     }
@@ -622,10 +653,11 @@ static void load_cb(void *data, td_node_load_t *l)
     l->queued_prefill_tokens = posted + atomic_load(&s->load_context);
     l->free_blocks = atomic_load(&s->load_free);
     l->step_ms = (double)atomic_load(&s->step_ns) * 1e-6;
+    l->prefill_tok_s = (double)atomic_load(&s->milli_tok_s) * 1e-3;
 }
 
-/* Draining's count of the requests still here: admitted and waiting for their KV (or, on a
- * unified node, for their Prefill call), handed to the compute thread, running or waiting
+/* Draining's count of the requests still here: admitted and waiting for their KV (or, for a
+ * local prefill, for its Prefill call), handed to the compute thread, running or waiting
  * there, their last step results not yet queued on Steps, or queued there but not yet
  * written (+1: the router must read every token before the node goes). */
 static int32_t decode_busy(void *data)
@@ -649,7 +681,7 @@ static void on_shutdown(void *data)
     td_node_worker_stop(&s->worker); /* joins the compute thread, closes its async handle */
     while (s->n_prefills)
         prefill_end(s, TD_CONTAINER_OF(s->prefills.next, decode_prefill_t, link), TD_GRPC_UNAVAILABLE,
-                    "unified node shutting down");
+                    s->unified ? "unified node shutting down" : "decode node shutting down");
     while (s->n_subs) {
         td_grpc_call_t *c = s->subs[--s->n_subs];
         td_grpc_call_finish(c, TD_GRPC_UNAVAILABLE, "decode node shutting down");
@@ -784,8 +816,8 @@ static td_status_t open_pool(decode_state_t *s, td_engine_config_t *ec, uint8_t 
     return td_xfer_describe(s->xfer, desc, cap, desc_len);
 }
 
-/* The control server (a unified node's also answers Prefill), /metrics, the sweep timer and
- * the compute thread. */
+/* The control server (it also answers Prefill, for the leases it prefills itself), /metrics,
+ * the sweep timer and the compute thread. */
 static td_status_t serve(decode_state_t *s)
 {
     const td_node_config_t *pc = &s->proc.cfg;
@@ -798,14 +830,11 @@ static td_status_t serve(decode_state_t *s)
         {"/tandem.control.v1.DecodeNode/Admit", &tandem__control__v1__admit_request__descriptor, on_admit},
         {"/tandem.control.v1.DecodeNode/Release", &tandem__control__v1__release_request__descriptor, on_release},
         {"/tandem.control.v1.DecodeNode/Steps", &tandem__control__v1__steps_request__descriptor, on_steps},
-    };
-    static const td_grpc_method_t unified_methods[] = {
         {"/tandem.control.v1.PrefillNode/Prefill", &tandem__control__v1__prefill_request__descriptor, on_prefill},
     };
     td_status_t st;
     if ((st = td_grpc_server_create(&s->proc.loop, &gc, &s->grpc)) != TD_OK ||
         (st = td_grpc_server_add_methods(s->grpc, methods, TD_ARRAY_LEN(methods), s)) != TD_OK ||
-        (s->unified && (st = td_grpc_server_add_methods(s->grpc, unified_methods, TD_ARRAY_LEN(unified_methods), s)) != TD_OK) ||
         (st = td_node_serve_control(&s->proc, s->grpc)) != TD_OK)
         return st;
     if ((st = td_node_serve(&s->proc, s->metrics)) != TD_OK)

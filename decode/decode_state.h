@@ -44,6 +44,8 @@ typedef struct decode_warm {
  * node registered with (docs/cluster.md "Who may subscribe to Steps"). */
 #define DECODE_MAX_SUBSCRIBERS 1
 #define DECODE_MAX_ROUTER_ADDRS 8
+/* Set in the lease ids a decode node gives its local prefills (td_xfer's count up from 1). */
+#define DECODE_LOCAL_LEASE_BIT (1ull << 62)
 
 /* The decode node's own keys; the common ones (model, router, host, advertise, node id,
  * ports, threads, log level) are td_node's. */
@@ -66,7 +68,8 @@ typedef struct decode_config {
                                  or --advertise when --host is a wildcard (xfer_listen_ip) */
 } decode_config_t;
 
-/* A unified node's Prefill call, waiting for its lease's first token (loop thread). */
+/* A local prefill's Prefill call (a unified node's, or a decode node's admitted with
+ * local_prefill), waiting for its lease's first token (loop thread). */
 typedef struct decode_prefill {
     td_list_t link;           /* in decode_state_t.prefills */
     uint64_t lease_id;
@@ -81,7 +84,7 @@ typedef struct decode_cmd {
     int32_t *blocks;           /* [n_blocks] the landed lease's blocks, one reference each */
     int32_t n_blocks;
     int32_t first_token;
-    int32_t prompt_posted;     /* a unified node's prompt: its tokens, counted in prompt_posted
+    int32_t prompt_posted;     /* a local prefill's prompt: its tokens, counted in prompt_posted
                                   until the compute thread has it (0 otherwise) */
 } decode_cmd_t;
 
@@ -129,9 +132,10 @@ typedef struct decode_state {
     uint64_t window_released; /* decode_sched_stats' count already added to m_window_released */
     td_metric_t *m_spec_verify, *m_spec_drafted, *m_spec_accepted, *m_spec_acceptance, *m_spec_tokens_per_step;
     td_spec_stats_t spec_seen; /* compute thread: the counters already added to the metrics */
-    bool unified;             /* the unified role: no td_xfer, Prefill served here */
-    uint64_t next_lease;      /* unified: lease ids of its own */
-    td_list_t prefills;       /* unified: decode_prefill_t awaiting a first token */
+    bool unified;             /* the unified role: no td_xfer, every prompt prefilled here */
+    uint64_t next_lease;      /* local prefills' lease ids (DECODE_LOCAL_LEASE_BIT set on a
+                                 decode node, whose td_xfer numbers its leases from 1) */
+    td_list_t prefills;       /* local prefills' decode_prefill_t awaiting a first token */
     int32_t n_prefills;
     td_list_t admits; /* decode_admit_t, newest first */
     int32_t n_admits;
@@ -143,7 +147,8 @@ typedef struct decode_state {
     int n_router_addrs;
     bool router_local;
     _Atomic int32_t load_running, load_free;
-    /* the router ranks unified nodes by the prompt tokens they still feed: those in the
+    /* the router ranks unified nodes (and weighs a decode node's local prefill) by the prompt
+       tokens they still feed: those in the
        scheduler (load_context, refreshed once commands are taken and after each step) and
        those posted to the compute thread and not yet taken (prompt_posted); the compute thread
        stores the first before it takes from the second, so a prompt is counted (maybe twice
@@ -152,7 +157,12 @@ typedef struct decode_state {
     /* draining's count of work (decode_busy): admissions posted to the compute thread and not
        yet in load_running, step results not yet sent on Steps */
     _Atomic int32_t admits_posted, outs_unsent;
-    _Atomic int64_t step_ns;
+    /* the heartbeat's pace figures (compute thread, moving means): step_ns of the steps without
+       prompt chunks (the running streams' pace), milli_tok_s the prompt-chunk tokens per second
+       of the steps with chunks (the local prefill rate, x 1000; 0 before the first); rate_tok
+       and rate_s are its decayed sums */
+    _Atomic int64_t step_ns, milli_tok_s;
+    double rate_tok, rate_s;
     bool shutting_down;
     bool handles_up;          /* the sweep timer initialised */
     size_t pool_bytes;        /* the KV pool (td_engine_kv_plan) */

@@ -289,6 +289,11 @@ static void compute_main(void *arg)
         const prefill_msg_t *msgs = taken;
         for (int32_t i = 0; i < n; i++)
             handle_msg(s, &msgs[i]);
+        /* before the step: the prompts just taken left unsubmitted_tokens, and a step of a long
+           one runs for seconds, through heartbeats that must still count it (the router's
+           prefill wait; before, they said 0 queued until the step ended) */
+        if (n > 0)
+            atomic_store(&s->sched_tokens, prefill_sched_queued_tokens(s->sched));
         progressed = prefill_sched_queued(s->sched) > 0 && run_step(s);
         if (n > 0) {
             atomic_store(&s->sched_tokens, prefill_sched_queued_tokens(s->sched));

@@ -190,6 +190,7 @@ void on_register(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data)
     info.max_batch = (int32_t)q->capacity->max_batch;
     info.vocab_size = (int32_t)TD_MIN(q->capacity->vocab_size, (uint32_t)INT32_MAX);
     info.max_seq_len = (int32_t)TD_MIN(q->capacity->max_seq_len, (uint32_t)INT32_MAX);
+    info.max_step_tokens = (int32_t)TD_MIN(q->capacity->max_prefill_tokens, (uint32_t)INT32_MAX);
     info.n_eos = (int32_t)q->capacity->n_eos_ids; /* checked: at most TD_NODE_MAX_EOS, in the vocabulary */
     for (int32_t i = 0; i < info.n_eos; i++)
         info.eos_ids[i] = (int32_t)q->capacity->eos_ids[i];

@@ -78,6 +78,7 @@ static void gw_finish(router_req_t *r, const router_summary_t *sum)
     t.first_token_s = sum->first_token_s;
     t.per_token_s = sum->per_token_s;
     t.total_s = sum->total_s;
+    t.prefill_local = sum->prefill_local;
     m.timings = &t;
     td_grpc_call_set_data(r->client, NULL);
     td_grpc_call_reply(r->client, &m.base);

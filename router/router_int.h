@@ -51,6 +51,10 @@ typedef struct router_config {
     int64_t default_max_tokens;
     int64_t lease_ms;          /* lease and Prefill bound beyond the estimated prefill wait */
     int64_t max_prefill_wait_ms; /* a busy prefill node takes no prompt it would reach later */
+    const char *prefill_policy;/* disaggregated | conditional (router_policy.h, rule 5) */
+    int64_t tpot_objective_ms; /* conditional: longest decode step a local prefill's chunks may make */
+    int64_t xfer_fixed_us;     /* conditional: a KV transfer's fixed cost */
+    int64_t xfer_mb_per_s;     /* conditional: KV transfer bandwidth, MB/s */
     int64_t max_tokenizing;    /* text prompts being encoded and HTTP bodies parsed off the loop at most */
     int64_t rpc_timeout_ms;
     int64_t heartbeat_ms;
@@ -130,6 +134,7 @@ typedef struct router_summary {
     uint32_t prompt_tokens, completion_tokens, cached_tokens;
     uint32_t migrations;       /* times the stream moved to another pair (router_req_t's) */
     double queue_s, prefill_s, transfer_s, first_token_s, per_token_s, total_s;
+    bool prefill_local;        /* prefilled on the decode (or unified) node itself (the last pair) */
 } router_summary_t;
 
 /*
@@ -281,6 +286,7 @@ struct router_state {
     int64_t started_unix;      /* for GET /v1/models' "created" */
     td_metrics_t *metrics;
     td_metric_family_t *f_requests;
+    td_metric_family_t *f_placement; /* tandem_router_prefill_placement_total{where, reason} */
     td_metric_t *m_ttft, *m_tpot, *m_active, *m_tokens, *m_retries, *m_nodes_prefill, *m_nodes_decode,
         *m_nodes_unified;
     td_metric_t *m_queue_depth, *m_queue_s, *m_first_mismatch;

@@ -128,6 +128,12 @@ static td_status_t init_metrics(router_state_t *s)
                                          outcome, 1, NULL, 0, &s->f_requests);
     if (st != TD_OK)
         return st;
+    const char *where_reason[] = {"where", "reason"};
+    if ((st = td_metrics_register(s->metrics, TD_METRIC_COUNTER, "tandem_router_prefill_placement_total",
+                                  "prompts by where they were prefilled (local: on the decode or unified node; "
+                                  "remote: on a prefill node) and why (router_policy.h)",
+                                  where_reason, 2, NULL, 0, &s->f_placement)) != TD_OK)
+        return st;
     static const struct {
         const char *name, *help;
     } per_node[ROUTER_NODE_GAUGES] = {
@@ -137,7 +143,8 @@ static td_status_t init_metrics(router_state_t *s)
                                  "sequences running on the node (last heartbeat)"},
         [ROUTER_NODE_FREE] = {"tandem_router_node_kv_blocks_free", "free KV blocks of the node (last heartbeat)"},
         [ROUTER_NODE_BLOCKS] = {"tandem_router_node_kv_blocks", "KV blocks of the node's pool (as registered)"},
-        [ROUTER_NODE_STEP] = {"tandem_router_node_step_seconds", "the node's most recent engine step (last heartbeat)"},
+        [ROUTER_NODE_STEP] = {"tandem_router_node_step_seconds", "the node's recent step time (last heartbeat; a decode or unified node: "
+                                                    "of its steps without prompt chunks)"},
         [ROUTER_NODE_DRAINING] = {"tandem_router_node_draining",
                                   "1 while the node drains (SIGTERM or Drain): routed nothing new"},
     };
@@ -196,6 +203,11 @@ static td_status_t init_subsystems(router_state_t *s)
     rc.heartbeat_timeout_ns = cfg->heartbeat_timeout_ms * 1000000;
     s->policy = router_policy_config_default();
     s->policy.max_prefill_wait_s = (double)cfg->max_prefill_wait_ms * 1e-3;
+    s->policy.tpot_objective_s = (double)cfg->tpot_objective_ms * 1e-3;
+    s->policy.xfer_fixed_s = (double)cfg->xfer_fixed_us * 1e-6;
+    s->policy.xfer_bytes_per_s = (double)cfg->xfer_mb_per_s * 1e6;
+    if ((st = router_prefill_policy_parse(cfg->prefill_policy, &s->policy.prefill_policy)) != TD_OK)
+        return td_errorf(st, "router: %s", td_last_error());
     if ((cfg->tokenizer && (st = td_tokenizer_load(cfg->tokenizer, &s->tok)) != TD_OK) ||
         (st = router_registry_create(&rc, &s->reg)) != TD_OK ||
         (st = td_auth_salt_key(s->proc.auth.cluster, s->cache_salt_key)) != TD_OK)
@@ -373,7 +385,9 @@ int router_main(int argc, char **argv)
     const td_node_config_t *pc = &s->proc.cfg;
     *cfg = (router_config_t){.control_port = 0, .max_active = 1024, .max_queue = 4096, .request_timeout_ms = 300000,
                              .max_backlog_tokens = 4096, .send_queue_bytes = 256 << 10, .default_max_tokens = 256,
-                             .lease_ms = 10000, .max_prefill_wait_ms = 5000, .max_tokenizing = 64, .rpc_timeout_ms = 5000, .heartbeat_ms = 200,
+                             .lease_ms = 10000, .max_prefill_wait_ms = 5000, .prefill_policy = "disaggregated",
+                             .tpot_objective_ms = 100, .xfer_fixed_us = 2000, .xfer_mb_per_s = 1000,
+                             .max_tokenizing = 64, .rpc_timeout_ms = 5000, .heartbeat_ms = 200,
                              .heartbeat_timeout_ms = 1500, .max_nodes = 256, .http_port = -1,
                              .http_max_body_bytes = 2 << 20, .http_max_connections = 4096,
                              .gateway_max_connections = 1024, .gateway_idle_timeout_ms = 300000,
@@ -399,6 +413,17 @@ int router_main(int argc, char **argv)
                    "RESOURCE_EXHAUSTED / 429"),
         TD_OPT_INT("max-prefill-wait-ms", &cfg->max_prefill_wait_ms, 0, 600000,
                    "a prefill node with work queued takes no prompt it would reach later than this (0 = no bound)"),
+        TD_OPT_STRING("prefill-policy", &cfg->prefill_policy,
+                      "where a decode node's prompts are prefilled: disaggregated (on a prefill node, the default) "
+                      "| conditional (per request, on the decode node itself when that is sooner and keeps its "
+                      "streams within tpot-objective-ms; docs/scheduling.md)"),
+        TD_OPT_INT("tpot-objective-ms", &cfg->tpot_objective_ms, 1, 600000,
+                   "conditional: the longest decode step a local prefill's prompt chunks may make for the decode "
+                   "node's running streams"),
+        TD_OPT_INT("xfer-fixed-us", &cfg->xfer_fixed_us, 0, 60000000,
+                   "conditional: a KV transfer's fixed cost in the remote estimate"),
+        TD_OPT_INT("xfer-mb-per-s", &cfg->xfer_mb_per_s, 1, 1000000,
+                   "conditional: KV transfer bandwidth in the remote estimate (MB/s)"),
         TD_OPT_INT("rpc-timeout-ms", &cfg->rpc_timeout_ms, 10, 600000, "bound of Admit/Release calls"),
         TD_OPT_INT("heartbeat-ms", &cfg->heartbeat_ms, 10, 60000, "heartbeat interval asked of nodes"),
         TD_OPT_INT("heartbeat-timeout-ms", &cfg->heartbeat_timeout_ms, 20, 600000, "silence before a node is dropped"),

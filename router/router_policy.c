@@ -3,7 +3,9 @@
  * Decode candidates (decode and unified nodes) are ranked once per pick; for each in turn
  * the best compatible, not-excluded prefill node is sought, except that a unified node is
  * its own prefill node (the pair {d, d}: admitted, prefilled and decoded there, no KV
- * transfer); prompt block hashes are computed once per block size met.
+ * transfer); prompt block hashes are computed once per block size met. Under the conditional
+ * policy the chosen decode node's placement (place_conditional) compares the two estimates
+ * of rule 5 for it only: the decode node is chosen as before, then where its prompt goes.
  */
 #include "router_policy.h"
 
@@ -18,11 +20,38 @@ router_policy_config_t router_policy_config_default(void)
 {
     return (router_policy_config_t){
         .prefix_weight = 1.0f,
-        .local_prefill = false,
+        .prefill_policy = ROUTER_PREFILL_DISAGGREGATED,
+        .tpot_objective_s = 0.1,
+        .xfer_fixed_s = 0.002,
+        .xfer_bytes_per_s = 1e9,
         .max_hash_blocks = 4096,
         .max_prefill_wait_s = 5.0,
         .assumed_tok_s = 50.0,
     };
+}
+
+td_status_t router_prefill_policy_parse(const char *name, router_prefill_policy_t *p_p)
+{
+    if (name && !strcmp(name, "disaggregated"))
+        *p_p = ROUTER_PREFILL_DISAGGREGATED;
+    else if (name && !strcmp(name, "conditional"))
+        *p_p = ROUTER_PREFILL_CONDITIONAL;
+    else
+        return td_errorf_quiet(TD_ERR_INVALID, "prefill-policy %s: use disaggregated (every prompt of a decode "
+                               "node on a prefill node) or conditional (each where it is ready sooner)",
+                               name ? name : "(none)");
+    return TD_OK;
+}
+
+const char *router_place_reason_name(router_place_reason_t r)
+{
+    static const char *const names[ROUTER_PLACE_REASONS] = {
+        [ROUTER_PLACE_POLICY] = "policy",           [ROUTER_PLACE_UNIFIED] = "unified",
+        [ROUTER_PLACE_FASTER] = "faster",           [ROUTER_PLACE_TPOT] = "tpot",
+        [ROUTER_PLACE_STEP_BUDGET] = "step_budget", [ROUTER_PLACE_PROMPT_LOGPROBS] = "prompt_logprobs",
+        [ROUTER_PLACE_NO_PREFILL] = "no_prefill",   [ROUTER_PLACE_PREFILL_BUSY] = "prefill_busy",
+    };
+    return (unsigned)r < ROUTER_PLACE_REASONS ? names[r] : "?";
 }
 
 typedef struct decode_rank {
@@ -118,6 +147,83 @@ static int32_t best_prefill(const router_registry_t *reg, const router_policy_co
     return best;
 }
 
+/* A local prefill on decode node d (rule 5): *local_s_p, when the node would hold the prompt's
+ * KV, and *step_s_p, how long its steps take while the chunks run. False when it cannot
+ * prefill the prompt itself now (its running batch fills its step budget). */
+static bool local_estimate(const router_registry_t *reg, const router_policy_config_t *cfg,
+                           const router_pick_request_t *req, int32_t d, int32_t p, hash_cache_t *hc,
+                           double *local_s_p, double *step_s_p)
+{
+    const router_node_t *dn = router_registry_node_const(reg, d);
+    int32_t bs = (int32_t)dn->info.layout.block_size, n_hashes;
+    const uint64_t *h = hashes_for(hc, req, bs, &n_hashes);
+    int64_t cached = (int64_t)router_registry_prefix_match(reg, d, h, n_hashes) * bs;
+    int64_t work = dn->load.queued_prefill_tokens + TD_MAX((int64_t)req->n_prompt - cached, 1);
+    double rate = dn->load.prefill_tok_s;
+    if (rate <= 0) { /* not measured yet: half its partner's rate, or of the assumed one */
+        const router_node_t *pn = p >= 0 ? router_registry_node_const(reg, p) : NULL;
+        rate = 0.5 * (pn && pn->load.prefill_tok_s > 0 ? pn->load.prefill_tok_s : cfg->assumed_tok_s);
+    }
+    rate = TD_MAX(rate, 1e-3);
+    int64_t room = dn->info.max_step_tokens > 0 ? (int64_t)dn->info.max_step_tokens - dn->load.running_seqs : work;
+    if (room <= 0)
+        return false;
+    int64_t chunk = TD_MIN(work, room);
+    double step_s = dn->load.step_ms * 1e-3 + (double)chunk / rate;
+    *step_s_p = step_s;
+    *local_s_p = (double)TD_DIV_CEIL(work, chunk) * step_s;
+    return true;
+}
+
+/* Remote: the prefill partner's wait and the prompt's KV transfer (rule 5). */
+static double remote_estimate(const router_registry_t *reg, const router_policy_config_t *cfg,
+                              const router_pick_request_t *req, int32_t d, double wait_s)
+{
+    const router_node_t *dn = router_registry_node_const(reg, d);
+    const td_kv_layout_t *l = &dn->info.layout;
+    double bytes = (double)TD_DIV_CEIL((int64_t)req->n_prompt, (int64_t)l->block_size) * l->n_layers *
+                   (double)td_kv_block_bytes(l);
+    return wait_s + cfg->xfer_fixed_s + bytes / TD_MAX(cfg->xfer_bytes_per_s, 1.0);
+}
+
+/*
+ * Conditional placement of the prompt for decode node d, its best prefill partner p (-1: none
+ * pairs; busy: because each was busy past max_prefill_wait_s) and that partner's wait (rule
+ * 5). Writes *pick_p's local, reason and estimates; false when neither side can take the
+ * request now (the next decode node is tried).
+ */
+static bool place_conditional(const router_registry_t *reg, const router_policy_config_t *cfg,
+                              const router_pick_request_t *req, int32_t d, int32_t p, bool busy, double wait_s,
+                              hash_cache_t *hc, router_pick_t *pick_p)
+{
+    const router_node_t *dn = router_registry_node_const(reg, d);
+    double local_s = -1, step_s = 0, remote_s = p >= 0 ? remote_estimate(reg, cfg, req, d, wait_s) : -1;
+    router_place_reason_t no_local = ROUTER_PLACE_FASTER;
+    if (req->prompt_logprobs)
+        no_local = ROUTER_PLACE_PROMPT_LOGPROBS;
+    else if (excluded(req, d, d)) /* tried locally already: a retry goes to a partner */
+        no_local = ROUTER_PLACE_FASTER;
+    else if (!local_estimate(reg, cfg, req, d, p, hc, &local_s, &step_s))
+        no_local = ROUTER_PLACE_STEP_BUDGET;
+    pick_p->local_s = local_s;
+    pick_p->remote_s = remote_s;
+    /* nobody running there: a chunk slows no stream */
+    bool tpot_ok = dn->load.running_seqs == 0 || step_s <= cfg->tpot_objective_s;
+    if (local_s < 0) {
+        pick_p->local = false;
+        pick_p->reason = no_local;
+        return p >= 0;
+    }
+    if (p < 0) { /* local or nothing: with no prefill node at all, local whatever the TPOT */
+        pick_p->local = true;
+        pick_p->reason = busy ? ROUTER_PLACE_PREFILL_BUSY : ROUTER_PLACE_NO_PREFILL;
+        return !busy || tpot_ok;
+    }
+    pick_p->local = local_s < remote_s && tpot_ok;
+    pick_p->reason = local_s < remote_s && !tpot_ok ? ROUTER_PLACE_TPOT : ROUTER_PLACE_FASTER;
+    return true;
+}
+
 /* Why no ranked decode node found a prefill partner: none live, or every live one's KV
  * layout differs (naming the first difference), or every pair was tried. */
 static td_status_t no_pair_error(const router_registry_t *reg, const router_pick_request_t *req,
@@ -193,21 +299,35 @@ td_status_t router_policy_pick(const router_registry_t *reg, const router_policy
         double wait = 0;
         const router_node_t *dn = router_registry_node_const(reg, d);
         int32_t p;
+        router_pick_t pk = {.local_s = -1, .remote_s = -1};
         if (dn->info.role == TD_NODE_ROLE_UNIFIED) {
             if (excluded(req, d, d))
                 continue;
             p = d; /* its own prefill node: the prompt waits in its batch, not in a queue */
+            pk.local = true;
+            pk.reason = ROUTER_PLACE_UNIFIED;
         } else {
+            int32_t busy_before = n_busy;
             p = best_prefill(reg, cfg, req, d, &hc, &prefix, &wait, &n_busy);
-            if (p < 0 && !(cfg->local_prefill && !excluded(req, -1, d)))
+            if (cfg->prefill_policy == ROUTER_PREFILL_CONDITIONAL) {
+                if (!place_conditional(reg, cfg, req, d, p, n_busy > busy_before, wait, &hc, &pk))
+                    continue;
+            } else if (p < 0) {
                 continue;
+            } else {
+                pk.reason = ROUTER_PLACE_POLICY;
+            }
+            if (pk.local) {
+                p = d;
+                prefix = 0;
+                wait = pk.local_s;
+            }
         }
-        *pick_p = (router_pick_t){
-            .pair = {.prefill = p, .decode = d},
-            .blocks_needed = (int32_t)router_admit_kv_blocks(req->n_prompt, req->max_tokens, &dn->info),
-            .prefix_blocks = prefix,
-            .prefill_wait_s = p >= 0 ? wait : 0,
-        };
+        pk.pair = (router_pair_t){.prefill = p, .decode = d};
+        pk.blocks_needed = (int32_t)router_admit_kv_blocks(req->n_prompt, req->max_tokens, &dn->info);
+        pk.prefix_blocks = prefix;
+        pk.prefill_wait_s = dn->info.role == TD_NODE_ROLE_UNIFIED ? 0 : wait;
+        *pick_p = pk;
         st = TD_OK;
         goto out;
     }

@@ -21,12 +21,35 @@
  *    prompts wait in the router's queue, holding no decode blocks, instead of behind a
  *    prefill queue that would outlast their decode lease.
  * 3. If no prefill node pairs with the best decode node, the next decode node is tried.
- *    With local_prefill on, a decode node with no prefill partner prefills locally
- *    (prefill index -1).
  * 4. A unified node (TD_NODE_ROLE_UNIFIED) is ranked with the decode nodes by the same
  *    rule and is its own prefill node: the pair {d, d} (excluded only as that pair), so the
  *    router's one request path (Admit, Prefill, Steps) runs on one node with no transfer.
  *    Decode and unified nodes may serve one model side by side (a mixed cluster).
+ * 5. Conditional disaggregation (prefill_policy ROUTER_PREFILL_CONDITIONAL; the default,
+ *    ROUTER_PREFILL_DISAGGREGATED, always sends a decode node's prompts to a prefill node):
+ *    a decode node may prefill the prompt itself, the pair {d, d} as for a unified node
+ *    (Admit asks it: AdmitRequest.local_prefill), chunked beside its running streams. Per
+ *    request, for the decode node of step 1, two estimates of when it holds the prompt's KV:
+ *      remote = the best prefill partner's wait (step 2: its queued work and the prompt's
+ *               tokens it has not cached, at its reported rate) + the transfer
+ *               (xfer_fixed_s + the prompt's KV bytes / xfer_bytes_per_s);
+ *      local  = the steps it takes the decode node to feed its own queued prompt tokens and
+ *               this prompt's uncached ones (prefix hashes it was sent) in chunks of
+ *               c = min(those tokens, its step budget max_step_tokens - running) a step,
+ *               each step taking step_ms (its decode-only pace) + c / its local prefill
+ *               rate (prefill_tok_s, measured over its steps with chunks). A node that has
+ *               reported no local rate yet is assumed at half its partner's rate (it
+ *               computes chunks beside its decodes, in smaller batches), or half
+ *               assumed_tok_s without one: slow, so the first local prefill of a node is
+ *               one that wins by a margin, and it measures the rate.
+ *    Local when it is sooner AND the chunk step stays within the TPOT objective
+ *    (step_ms + c / rate <= tpot_objective_s) or nothing runs there yet to be slowed;
+ *    otherwise remote. The reasons (router_place_reason_t): faster (either side), tpot
+ *    (local is sooner but its chunk steps would slow the running streams past the
+ *    objective), step_budget (the running batch fills max_step_tokens: no room for a chunk),
+ *    prompt_logprobs (only a prefill node computes them), no_prefill (no prefill node
+ *    pairs: local, whatever the TPOT), prefill_busy (every partner busy past
+ *    max_prefill_wait_s: local if the TPOT allows, else the request waits).
  *
  * Outcomes: TD_OK with the pair; TD_ERR_EXHAUSTED when live decode nodes of the model
  * exist but none has room now, or every prefill partner is busy past max_prefill_wait_s
@@ -48,9 +71,22 @@
 #include "router_registry.h"
 #include "td_status.h"
 
+/* Where a decode node's prompts are prefilled. */
+typedef enum router_prefill_policy {
+    ROUTER_PREFILL_DISAGGREGATED, /* always on a prefill node (the default) */
+    ROUTER_PREFILL_CONDITIONAL,   /* per request, where the KV is ready sooner (rule 5) */
+} router_prefill_policy_t;
+
+/* "disaggregated" or "conditional" into *p_p; TD_ERR_INVALID (quiet) for anything else. */
+td_status_t router_prefill_policy_parse(const char *name, router_prefill_policy_t *p_p);
+
 typedef struct router_policy_config {
     float prefix_weight;    /* work saved per cached prompt token, in queued tokens (1.0) */
-    bool local_prefill;     /* a decode node without a prefill partner prefills itself (false) */
+    router_prefill_policy_t prefill_policy; /* (ROUTER_PREFILL_DISAGGREGATED) */
+    double tpot_objective_s;/* conditional: the longest decode step a local prefill's chunks may
+                               make for the running streams (0.1 s) */
+    double xfer_fixed_s;    /* conditional: a KV transfer's fixed cost (0.002 s) */
+    double xfer_bytes_per_s;/* conditional: KV transfer bandwidth (1e9) */
     int32_t max_hash_blocks;/* most prompt blocks hashed for prefix scoring (4096) */
     double max_prefill_wait_s; /* longest estimated prefill wait a busy node is given (5 s;
                                   0: no bound) */
@@ -60,7 +96,8 @@ typedef struct router_policy_config {
 
 router_policy_config_t router_policy_config_default(void);
 
-/* A pair, by registry index; prefill -1 = local prefill on the decode node. */
+/* A pair, by registry index; prefill == decode: the decode (or unified) node prefills the
+ * prompt itself. */
 typedef struct router_pair {
     int32_t prefill;
     int32_t decode;
@@ -73,9 +110,29 @@ typedef struct router_pick_request {
     int32_t max_tokens;           /* >= 1 */
     const router_pair_t *exclude; /* [n_exclude] pairs already tried for this request */
     int32_t n_exclude;
+    bool prompt_logprobs;         /* the request wants the prompt's log-probabilities: only a
+                                     prefill node computes them, never a local prefill */
     int64_t now_ns;
     uint64_t cache_salt;          /* seeds the prompt's block hashes: its tenant's (0: none) */
 } router_pick_request_t;
+
+/* Why a pick's prompt is prefilled where it is (tandem_router_prefill_placement_total's
+ * reason label: router_place_reason_name). */
+typedef enum router_place_reason {
+    ROUTER_PLACE_POLICY,          /* remote: the disaggregated policy */
+    ROUTER_PLACE_UNIFIED,         /* local: a unified node prefills every prompt */
+    ROUTER_PLACE_FASTER,          /* the side estimated to hold the KV sooner */
+    ROUTER_PLACE_TPOT,            /* remote: local is sooner, its chunk steps pass the TPOT objective */
+    ROUTER_PLACE_STEP_BUDGET,     /* remote: the running batch fills the decode node's step budget */
+    ROUTER_PLACE_PROMPT_LOGPROBS, /* remote: the request wants prompt logprobs */
+    ROUTER_PLACE_NO_PREFILL,      /* local: no prefill node pairs with the decode node */
+    ROUTER_PLACE_PREFILL_BUSY,    /* local: every prefill partner is busy past max_prefill_wait_s */
+    ROUTER_PLACE_REASONS
+} router_place_reason_t;
+
+/* "policy", "unified", "faster", "tpot", "step_budget", "prompt_logprobs", "no_prefill",
+ * "prefill_busy". */
+const char *router_place_reason_name(router_place_reason_t r);
 
 typedef struct router_pick {
     router_pair_t pair;
@@ -83,7 +140,12 @@ typedef struct router_pick {
     int32_t prefix_blocks;  /* prompt blocks believed cached on the prefill node */
     double prefill_wait_s;  /* estimated time until the prefill node has computed this prompt
                                (its queued work and the prompt's uncached tokens at its rate,
-                               or at assumed_tok_s); 0 for local prefill */
+                               or at assumed_tok_s); a local prefill on a decode node: its
+                               local estimate; 0 on a unified node */
+    bool local;             /* pair.prefill == pair.decode: prefilled on the decode node */
+    router_place_reason_t reason;
+    double local_s, remote_s; /* conditional: the two estimates compared (rule 5; < 0: that
+                                 side was not possible) */
 } router_pick_t;
 
 /*

@@ -223,7 +223,8 @@ td_status_t router_registry_join(router_registry_t *reg, const td_node_info_t *i
     }
     router_node_t *n = &reg->nodes[idx];
     router_prefix_set_t *prefix = NULL;
-    if (info->role == TD_NODE_ROLE_PREFILL && !(prefix = pset_create(reg->cfg.prefix_hashes)))
+    /* every role prefills: a prefill node, a unified node, a decode node asked to (conditional) */
+    if (!(prefix = pset_create(reg->cfg.prefix_hashes)))
         return td_errorf(TD_ERR_NOMEM, "router registry: out of memory for node %s", info->id);
     if (reg->used[idx])
         pset_destroy(n->prefix);

@@ -9,8 +9,8 @@
  * Time is always passed in ("now", nanoseconds on any monotonic clock) so the owner's
  * event loop and the tests decide what time it is; the registry never reads a clock.
  *
- * Per prefill node the registry keeps a bounded set of the block hashes (td_kv_chain_hashes)
- * of prompts recently sent there, oldest forgotten first: the router's guess of what that
+ * Per node the registry keeps a bounded set of the block hashes (td_kv_chain_hashes)
+ * of prompts recently prefilled there, oldest forgotten first: the router's guess of what that
  * node's prefix cache holds, used by router_policy to favour cache hits.
  *
  * Threads: one thread (the router's loop) uses a registry. No I/O.
@@ -36,13 +36,13 @@ typedef struct router_node {
     int64_t last_heartbeat_ns;
     bool up;
     uint64_t generation;      /* bumped at every (re)registration */
-    struct router_prefix_set *prefix; /* recent block hashes (prefill nodes), private */
+    struct router_prefix_set *prefix; /* recent block hashes of prompts it prefilled, private */
 } router_node_t;
 
 typedef struct router_registry_config {
     int32_t max_nodes;             /* registered nodes at most (1024) */
     int64_t heartbeat_timeout_ns;  /* silence after which a node is down (3 s) */
-    int32_t prefix_hashes;         /* block hashes remembered per prefill node (8192) */
+    int32_t prefix_hashes;         /* block hashes remembered per node (8192) */
 } router_registry_config_t;
 
 router_registry_config_t router_registry_config_default(void);
@@ -103,7 +103,7 @@ const router_node_t *router_registry_node_const(const router_registry_t *reg, in
 /* Index of a node by id, or -1. */
 int32_t router_registry_find(const router_registry_t *reg, const char *id);
 
-/* Remembers block hashes as present in a prefill node's cache (oldest forgotten first). */
+/* Remembers block hashes as present in a node's prefix cache (oldest forgotten first). */
 void router_registry_note_prefix(router_registry_t *reg, int32_t index, const uint64_t *hashes,
                                  int32_t n);
 

@@ -162,6 +162,7 @@ void router_req_finish(router_req_t *r, router_finish_t reason)
     sum.first_token_s = r->t_first ? (double)(r->t_first - r->t_arrival) * 1e-9 : 0;
     sum.per_token_s = r->completion > 1 && had_first ? (double)(r->t_last - r->t_first) * 1e-9 / (r->completion - 1) : 0;
     sum.total_s = (double)(now - r->t_arrival) * 1e-9;
+    sum.prefill_local = r->pick.pair.prefill == r->pick.pair.decode;
     if (r->client) {
         r->sink->finish(r, &sum);
         r->client = NULL;

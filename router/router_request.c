@@ -65,6 +65,21 @@ void router_count_outcome(router_state_t *s, const char *outcome)
         td_metric_inc(m);
 }
 
+/* A pick's placement, counted (tandem_router_prefill_placement_total: two places times the
+ * reasons of router_place_reason_t, a bounded set) and said at debug level with its estimates. */
+static void count_placement(router_req_t *r, const router_pick_t *pk)
+{
+    router_state_t *s = r->s;
+    td_metric_t *m;
+    const char *v[] = {pk->local ? "local" : "remote", router_place_reason_name(pk->reason)};
+    if (td_metric_family_get(s->f_placement, v, &m) == TD_OK)
+        td_metric_inc(m);
+    const router_node_t *dn = router_registry_node_const(s->reg, pk->pair.decode);
+    td_debug("request %s: %d prompt tokens prefilled %s (%s) for decode node %s; estimates local %.3f s, remote "
+             "%.3f s (-1: not possible)", r->id, r->n_prompt, v[0], v[1], dn ? dn->info.id : "?", pk->local_s,
+             pk->remote_s);
+}
+
 /* ---- text prompts, encoded off the loop (long ones) ------------------------------------ */
 
 /* A text prompt is encoded on libuv's thread pool: the cost grows with the text (1.4 s for a
@@ -507,6 +522,7 @@ static void send_admit(router_req_t *r)
     q.replay_ids = r->gen; /* a moved stream: what its client has */
     q.n_replay_ids = r->resumed;
     q.cache_salt = r->cache_salt;
+    q.local_prefill = r->pick.pair.prefill == r->pick.pair.decode; /* no transfer: it prefills the prompt */
     td_grpc_call_opts_t o = {.response_desc = &tandem__control__v1__admit_response__descriptor,
                              .on_message = on_admit_msg, .on_done = on_admit_done, .data = r,
                              .timeout_ms = call_timeout_ms(r, s->cfg.rpc_timeout_ms)};
@@ -610,7 +626,8 @@ static router_start_t req_start(router_req_t *r)
     }
     router_pick_request_t pr = {.model = s->proc.cfg.model_name, .prompt = r->prompt, .n_prompt = r->n_prompt,
                                 .max_tokens = r->max_tokens, .exclude = r->tried, .n_exclude = r->n_tried,
-                                .now_ns = (int64_t)td_now_ns(), .cache_salt = r->cache_salt};
+                                .prompt_logprobs = r->logprobs.prompt, .now_ns = (int64_t)td_now_ns(),
+                                .cache_salt = r->cache_salt};
     router_pick_t pick;
     td_status_t st = router_policy_pick(s->reg, &s->policy, &pr, &pick);
     if (st != TD_OK) {
@@ -633,6 +650,7 @@ static router_start_t req_start(router_req_t *r)
         return START_ENDED;
     }
     router_policy_commit(s->reg, &pr, &pick);
+    count_placement(r, &pick);
     r->pick = pick;
     r->tried[r->n_tried++] = pick.pair;
     r->decode_gen = s->peers[pick.pair.decode].generation;

@@ -34,7 +34,8 @@ typedef struct td_node_client_config {
     size_t xfer_desc_len;
     uint32_t max_seq_len;        /* the model's length (registered as info.max_seq_len when
                                     that is 0) */
-    uint32_t max_prefill_tokens; /* prefill nodes: token budget per step */
+    uint32_t max_prefill_tokens; /* token budget per step (a prefill node's batch; a decode or
+                                    unified node's decodes and prompt chunks) */
     uint32_t rpc_timeout_ms;     /* bound of each RegisterNode / Heartbeat call */
     uint32_t retry_ms;           /* wait before registering again after a failure */
     td_auth_cluster_t *cluster;  /* the cluster secret every call is signed with; NULL: none

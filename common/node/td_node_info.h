@@ -47,6 +47,10 @@ typedef struct td_node_info {
     int32_t vocab_size;                /* the model's vocabulary (ids 0..vocab_size-1); 0 = unknown
                                         * (a node from before Capacity.vocab_size) */
     int32_t max_seq_len;               /* the model's length (prompt + output); 0 = unknown */
+    int32_t max_step_tokens;           /* tokens one step feeds (Capacity.max_prefill_tokens): a
+                                        * prefill node's batch budget, a decode or unified node's
+                                        * max-batch-tokens (one per running sequence, then prompt
+                                        * chunks); 0 = unknown */
     int32_t eos_ids[TD_NODE_MAX_EOS];  /* the model's end-of-sequence ids, [n_eos] */
     int32_t n_eos;
 } td_node_info_t;
@@ -58,8 +62,11 @@ typedef struct td_node_load {
                                        feeds itself) */
     int32_t running_seqs;           /* sequences in the running batch (decode) */
     int32_t free_blocks;            /* KV blocks an allocation could get now */
-    double step_ms;                 /* recent mean step time */
-    double prefill_tok_s;           /* prefill: recent prompt tokens per second; 0 = unknown */
+    double step_ms;                 /* recent mean step time (a decode or unified node: of its
+                                       steps without prompt chunks, its streams' pace) */
+    double prefill_tok_s;           /* recent prompt tokens per second of step time (a decode or
+                                       unified node: of its steps with prompt chunks, its local
+                                       prefill rate); 0 = unknown */
     bool draining;                  /* the node takes no new request (td_node_drain) */
 } td_node_load_t;
 

@@ -75,6 +75,16 @@ Test(node_admit, decode_reads_a_good_admit)
     cr_assert(a->sampling.temperature == 0.7f && a->sampling.seed == 42 && a->sampling.top_p == 1.0f);
     cr_assert(a->logprobs.on && a->logprobs.top == TD_LOGPROBS_MAX_TOP && !a->logprobs.prompt);
     cr_assert(a->n_stop_ids == 2 && a->stop_ids[1] == 9 && a->n_replay == 2 && a->replay[1] == 12);
+    cr_assert_not(a->local, "a decode node's admission waits for a transfer unless asked otherwise");
+    decode_admit_free(a);
+    /* local_prefill: the decode node prefills it (a unified node always does) */
+    r.local_prefill = true;
+    cr_assert_eq(decode_admit_read(&r, &mc, false, &a, why, sizeof why), TD_GRPC_OK, "%s", why);
+    cr_assert(a->local);
+    decode_admit_free(a);
+    r.local_prefill = false;
+    cr_assert_eq(decode_admit_read(&r, &mc, true, &a, why, sizeof why), TD_GRPC_OK, "%s", why);
+    cr_assert(a->local);
     decode_admit_free(a);
 }
 
@@ -114,6 +124,8 @@ Test(node_admit, decode_refuses_malformed_admits)
     lp.top_logprobs = 2;
     lp.prompt = true;
     admit_refused(&r, true, "unified node");
+    r.local_prefill = true; /* a decode node asked to prefill it itself computes no prompt rows either */
+    admit_refused(&r, false, "local_prefill");
     r = admit_of(5);
     Tandem__V1__SamplingParams sp = TANDEM__V1__SAMPLING_PARAMS__INIT;
     r.sampling = &sp;

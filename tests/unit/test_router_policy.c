@@ -149,11 +149,12 @@ Test(router_policy, only_compatible_layouts_pair)
     pk = pick_ok(reg, &pc, &rq);
     cr_assert_eq(pk.pair.decode, d8);
     cr_assert_eq(pk.pair.prefill, p8);
-    /* local prefill: the shortest decode node prefills itself */
-    pc.local_prefill = true;
+    /* conditional: the shortest decode node, with no prefill partner, prefills itself */
+    pc.prefill_policy = ROUTER_PREFILL_CONDITIONAL;
     pk = pick_ok(reg, &pc, &rq);
     cr_assert_eq(pk.pair.decode, d16);
-    cr_assert_eq(pk.pair.prefill, -1);
+    cr_assert_eq(pk.pair.prefill, d16);
+    cr_assert(pk.local && pk.reason == ROUTER_PLACE_NO_PREFILL);
     router_registry_destroy(reg);
 }
 
@@ -547,4 +548,233 @@ Test(router_policy, unified_nodes_pair_with_themselves)
     beat(reg, "d0", 0, 0, 2, 0);
     cr_assert_eq(router_policy_pick(reg, &pc, &rq, &pk), TD_ERR_EXHAUSTED);
     router_registry_destroy(reg);
+}
+
+/* ---- conditional disaggregation (router_policy.h, rule 5) ------------------------------ */
+
+/* A decode node whose steps feed at most step_tokens tokens (its max-batch-tokens). */
+static int32_t join_decode(router_registry_t *reg, const char *id, int32_t step_tokens)
+{
+    td_node_info_t info = {.role = TD_NODE_ROLE_DECODE, .layout = layout(8), .capacity_blocks = 1000,
+                           .max_batch = 64, .max_step_tokens = step_tokens};
+    snprintf(info.id, sizeof info.id, "%s", id);
+    snprintf(info.model, sizeof info.model, "stories");
+    snprintf(info.address, sizeof info.address, "127.0.0.1:1");
+    int32_t idx = -1;
+    cr_assert_eq(router_registry_join(reg, &info, 0, &idx), TD_OK, "%s", td_last_error());
+    return idx;
+}
+
+/* A decode node's heartbeat: its running batch, decode-only step time and local prefill rate. */
+static void beat_decode(router_registry_t *reg, const char *id, int64_t queued, int32_t running, double step_ms,
+                        double local_tok_s)
+{
+    td_node_load_t l = {.queued_prefill_tokens = queued, .running_seqs = running, .free_blocks = 1000,
+                        .step_ms = step_ms, .prefill_tok_s = local_tok_s};
+    cr_assert_eq(router_registry_heartbeat(reg, id, &l, 0), TD_OK);
+}
+
+static router_policy_config_t conditional(void)
+{
+    router_policy_config_t pc = router_policy_config_default();
+    pc.prefill_policy = ROUTER_PREFILL_CONDITIONAL;
+    pc.tpot_objective_s = 0.1;
+    return pc;
+}
+
+/* The pick with its placement, said on failure. */
+static router_pick_t place(router_registry_t *reg, const router_policy_config_t *pc, const router_pick_request_t *rq,
+                           bool want_local, router_place_reason_t want_reason)
+{
+    router_pick_t pk = pick_ok(reg, pc, rq);
+    cr_assert(pk.local == want_local && pk.reason == want_reason,
+              "placed %s (%s), want %s (%s); estimates local %.3f s, remote %.3f s", pk.local ? "local" : "remote",
+              router_place_reason_name(pk.reason), want_local ? "local" : "remote",
+              router_place_reason_name(want_reason), pk.local_s, pk.remote_s);
+    cr_assert_eq(pk.local, pk.pair.prefill == pk.pair.decode);
+    return pk;
+}
+
+Test(router_policy, conditional_short_suffix_behind_a_long_prefill_queue_goes_local)
+{
+    router_registry_t *reg = mkreg();
+    router_policy_config_t pc = conditional();
+    int p = join(reg, "p", TD_NODE_ROLE_PREFILL, 8, 100, 0);
+    int d = join_decode(reg, "d", 512);
+    beat_rate(reg, "p", 3000, 0, 100, 1000, 0);  /* 3 s of queued prompts */
+    beat_decode(reg, "d", 0, 4, 20, 800);         /* 4 streams at 20 ms a step */
+    router_pick_request_t rq = request(32, 10, 0);
+    router_pick_t pk = place(reg, &pc, &rq, true, ROUTER_PLACE_FASTER);
+    cr_assert_eq(pk.pair.decode, d);
+    /* one chunk of 32 at 800 tokens/s beside a 20 ms step: 60 ms, within the 100 ms objective */
+    cr_assert_float_eq(pk.local_s, 0.06, 1e-9);
+    cr_assert_float_eq(pk.prefill_wait_s, pk.local_s, 1e-12, "the lease is sized by the local estimate");
+    cr_assert_gt(pk.remote_s, 3.0);
+    /* the disaggregated policy (the default) sends it to the queue regardless */
+    router_policy_config_t dis = router_policy_config_default();
+    pk = place(reg, &dis, &rq, false, ROUTER_PLACE_POLICY);
+    cr_assert_eq(pk.pair.prefill, p);
+    /* the booked local prompt counts in the decode node's queue until its next heartbeat */
+    pk = pick_ok(reg, &pc, &rq);
+    router_policy_commit(reg, &rq, &pk);
+    cr_assert_eq(router_registry_node_const(reg, d)->load.queued_prefill_tokens, 32);
+    router_registry_destroy(reg);
+}
+
+Test(router_policy, conditional_long_suffix_on_an_idle_prefill_node_goes_remote)
+{
+    router_registry_t *reg = mkreg();
+    router_policy_config_t pc = conditional();
+    int p = join(reg, "p", TD_NODE_ROLE_PREFILL, 8, 100, 0);
+    join_decode(reg, "d", 512);
+    beat_rate(reg, "p", 0, 0, 100, 2000, 0);
+    beat_decode(reg, "d", 0, 0, 20, 500); /* idle: its TPOT is nobody's */
+    router_pick_request_t rq = request(640, 10, 0);
+    /* local: two steps of 512 tokens at 500/s (~2.1 s); remote: 0.32 s and the transfer */
+    router_pick_t pk = place(reg, &pc, &rq, false, ROUTER_PLACE_FASTER);
+    cr_assert_eq(pk.pair.prefill, p);
+    cr_assert_float_eq(pk.local_s, 2 * (0.02 + 512 / 500.0), 1e-9);
+    /* the transfer: 40 blocks of 5 layers x 4096 bytes at 1 GB/s, plus 2 ms */
+    cr_assert_float_eq(pk.remote_s, 640 / 2000.0 + 0.002 + 40 * 5 * 4096 / 1e9, 1e-9);
+    router_registry_destroy(reg);
+}
+
+Test(router_policy, conditional_prefix_cached_on_the_prefill_node_goes_remote)
+{
+    router_registry_t *reg = mkreg();
+    router_policy_config_t pc = conditional();
+    int p = join(reg, "p", TD_NODE_ROLE_PREFILL, 8, 100, 0);
+    join_decode(reg, "d", 1024);
+    beat_rate(reg, "p", 600, 0, 100, 1000, 0);
+    beat_decode(reg, "d", 0, 0, 20, 1000);
+    router_pick_request_t rq = request(640, 10, 0);
+    /* uncached: the 600 queued tokens make the prefill node later (1.24 s vs 0.66 s) */
+    place(reg, &pc, &rq, true, ROUTER_PLACE_FASTER);
+    /* the prefill node holds the whole prompt: 600 queued tokens only (0.6 s) */
+    uint64_t h[40];
+    cr_assert_eq(td_kv_chain_hashes(prompt, 640, 16, h), 40);
+    router_registry_note_prefix(reg, p, h, 40);
+    router_pick_t pk = place(reg, &pc, &rq, false, ROUTER_PLACE_FASTER);
+    cr_assert_eq(pk.prefix_blocks, 40);
+    /* a prefix the decode node holds counts for it the same way */
+    router_registry_note_prefix(reg, router_registry_find(reg, "d"), h, 40);
+    place(reg, &pc, &rq, true, ROUTER_PLACE_FASTER);
+    router_registry_destroy(reg);
+}
+
+Test(router_policy, conditional_tight_tpot_with_a_busy_batch_goes_remote)
+{
+    router_registry_t *reg = mkreg();
+    router_policy_config_t pc = conditional();
+    join(reg, "p", TD_NODE_ROLE_PREFILL, 8, 100, 0);
+    join_decode(reg, "d", 512);
+    beat_rate(reg, "p", 3000, 0, 100, 1000, 0);
+    beat_decode(reg, "d", 0, 8, 30, 800);
+    router_pick_request_t rq = request(200, 10, 0);
+    /* local is sooner (0.28 s vs 3.2 s) but its chunk step, 30 ms + 250 ms, stalls 8 streams */
+    router_pick_t pk = place(reg, &pc, &rq, false, ROUTER_PLACE_TPOT);
+    cr_assert_lt(pk.local_s, pk.remote_s);
+    pc.tpot_objective_s = 0.3; /* a looser objective allows it */
+    place(reg, &pc, &rq, true, ROUTER_PLACE_FASTER);
+    /* with nobody running there, the objective is nobody's */
+    pc.tpot_objective_s = 0.1;
+    beat_decode(reg, "d", 0, 0, 30, 800);
+    place(reg, &pc, &rq, true, ROUTER_PLACE_FASTER);
+    router_registry_destroy(reg);
+}
+
+Test(router_policy, conditional_decode_node_near_its_step_budget_goes_remote)
+{
+    router_registry_t *reg = mkreg();
+    router_policy_config_t pc = conditional();
+    join(reg, "p", TD_NODE_ROLE_PREFILL, 8, 100, 0);
+    join_decode(reg, "d", 64);
+    beat_rate(reg, "p", 3000, 0, 100, 1000, 0);
+    router_pick_request_t rq = request(16, 10, 0);
+    /* its steps already take 95 ms: even 16 prompt tokens (20 ms) pass 100 ms */
+    beat_decode(reg, "d", 0, 4, 95, 800);
+    place(reg, &pc, &rq, false, ROUTER_PLACE_TPOT);
+    /* a running batch that fills max-batch-tokens (64) leaves no room for a chunk */
+    beat_decode(reg, "d", 0, 64, 10, 800);
+    router_pick_t pk = place(reg, &pc, &rq, false, ROUTER_PLACE_STEP_BUDGET);
+    cr_assert_lt(pk.local_s, 0);
+    /* 60 running leave 4 tokens a step: four steps of 10 + 5 ms */
+    beat_decode(reg, "d", 0, 60, 10, 800);
+    pk = place(reg, &pc, &rq, true, ROUTER_PLACE_FASTER);
+    cr_assert_float_eq(pk.local_s, 4 * (0.01 + 4 / 800.0), 1e-9);
+    router_registry_destroy(reg);
+}
+
+Test(router_policy, conditional_without_a_prefill_node_prefills_locally)
+{
+    router_registry_t *reg = mkreg();
+    router_policy_config_t pc = conditional();
+    int d = join_decode(reg, "d", 512);
+    beat_decode(reg, "d", 0, 8, 90, 100); /* however slow: there is nowhere else */
+    router_pick_request_t rq = request(400, 10, 0);
+    router_pick_t pk = place(reg, &pc, &rq, true, ROUTER_PLACE_NO_PREFILL);
+    cr_assert(pk.pair.prefill == d && pk.pair.decode == d);
+    /* the disaggregated policy has no pair */
+    router_policy_config_t dis = router_policy_config_default();
+    cr_assert_eq(router_policy_pick(reg, &dis, &rq, &pk), TD_ERR_UNAVAILABLE);
+    /* prompt logprobs are a prefill node's alone: none, so no pair either */
+    rq.prompt_logprobs = true;
+    cr_assert_eq(router_policy_pick(reg, &pc, &rq, &pk), TD_ERR_UNAVAILABLE);
+    router_registry_destroy(reg);
+}
+
+Test(router_policy, conditional_busy_partners_logprobs_retries_and_unknown_rates)
+{
+    router_registry_t *reg = mkreg();
+    router_policy_config_t pc = conditional();
+    int p = join(reg, "p", TD_NODE_ROLE_PREFILL, 8, 100, 0);
+    int d = join_decode(reg, "d", 512);
+    router_pick_request_t rq = request(32, 10, 0);
+    /* the partner is busy past max_prefill_wait_s (8 s of work): local while the TPOT allows */
+    beat_rate(reg, "p", 8000, 0, 100, 1000, 0);
+    beat_decode(reg, "d", 0, 2, 20, 800);
+    place(reg, &pc, &rq, true, ROUTER_PLACE_PREFILL_BUSY);
+    /* ... else the request waits in the router's queue */
+    beat_decode(reg, "d", 0, 2, 95, 800);
+    router_pick_t pk;
+    cr_assert_eq(router_policy_pick(reg, &pc, &rq, &pk), TD_ERR_EXHAUSTED);
+    /* prompt logprobs: always a prefill node */
+    beat_rate(reg, "p", 3000, 0, 100, 1000, 0);
+    beat_decode(reg, "d", 0, 2, 20, 800);
+    rq.prompt_logprobs = true;
+    place(reg, &pc, &rq, false, ROUTER_PLACE_PROMPT_LOGPROBS);
+    rq.prompt_logprobs = false;
+    /* a retry after the local pair failed goes to the partner */
+    router_pair_t tried[1] = {{.prefill = d, .decode = d}};
+    rq.exclude = tried;
+    rq.n_exclude = 1;
+    pk = place(reg, &pc, &rq, false, ROUTER_PLACE_FASTER);
+    cr_assert_eq(pk.pair.prefill, p);
+    rq.exclude = NULL;
+    rq.n_exclude = 0;
+    /* no local rate reported yet: half the partner's, 500 tokens/s: 20 ms + 64 ms */
+    beat_decode(reg, "d", 0, 2, 20, 0);
+    pk = place(reg, &pc, &rq, true, ROUTER_PLACE_FASTER);
+    cr_assert_float_eq(pk.local_s, 0.02 + 32 / 500.0, 1e-9);
+    /* neither reported one (an idle partner takes a prompt whatever its rate): the partner at
+       assumed_tok_s (0.64 s), the decode node at half that (1.3 s) */
+    beat_rate(reg, "p", 0, 0, 100, 0, 0);
+    pk = place(reg, &pc, &rq, false, ROUTER_PLACE_FASTER);
+    cr_assert_float_eq(pk.local_s, 0.02 + 32 / 25.0, 1e-9);
+    router_registry_destroy(reg);
+}
+
+Test(router_policy, prefill_policy_names)
+{
+    router_prefill_policy_t p;
+    cr_assert_eq(router_prefill_policy_parse("conditional", &p), TD_OK);
+    cr_assert_eq(p, ROUTER_PREFILL_CONDITIONAL);
+    cr_assert_eq(router_prefill_policy_parse("disaggregated", &p), TD_OK);
+    cr_assert_eq(p, ROUTER_PREFILL_DISAGGREGATED);
+    p = ROUTER_PREFILL_CONDITIONAL;
+    cr_assert_eq(router_prefill_policy_parse("colocated", &p), TD_ERR_INVALID);
+    cr_assert_eq(p, ROUTER_PREFILL_CONDITIONAL, "a refused name changes nothing");
+    cr_assert(strstr(td_last_error(), "disaggregated") && strstr(td_last_error(), "conditional"));
+    for (int r = 0; r < ROUTER_PLACE_REASONS; r++)
+        cr_assert(strcmp(router_place_reason_name((router_place_reason_t)r), "?"), "reason %d has no name", r);
 }
