@@ -652,7 +652,7 @@ Test(router_policy, conditional_prefix_cached_on_the_prefill_node_goes_remote)
     place(reg, &pc, &rq, true, ROUTER_PLACE_FASTER);
     /* the prefill node holds the whole prompt: 600 queued tokens only (0.6 s) */
     uint64_t h[40];
-    cr_assert_eq(td_kv_chain_hashes(prompt, 640, 16, h), 40);
+    cr_assert_eq(td_kv_chain_hashes(0, prompt, 640, 16, h), 40);
     router_registry_note_prefix(reg, p, h, 40);
     router_pick_t pk = place(reg, &pc, &rq, false, ROUTER_PLACE_FASTER);
     cr_assert_eq(pk.prefix_blocks, 40);
