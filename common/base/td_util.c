@@ -430,3 +430,14 @@ long td_fd_limit_raise(void)
     }
     return rl.rlim_cur == RLIM_INFINITY ? 1L << 20 : (long)TD_MIN(rl.rlim_cur, (rlim_t)1 << 20);
 }
+
+int td_hex_digit(int c)
+{
+    if (c >= '0' && c <= '9')
+        return c - '0';
+    if (c >= 'a' && c <= 'f')
+        return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F')
+        return c - 'A' + 10;
+    return -1;
+}

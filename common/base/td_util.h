@@ -108,6 +108,9 @@ long td_fd_limit_raise(void);
 
 /* Strict number parsing for flags and config: the whole string must be a number within
  * [min, max]. Errors: TD_ERR_INVALID with a message naming `what`. */
+/* The value of one hex digit (either case), or -1 when c is not one. */
+int td_hex_digit(int c);
+
 td_status_t td_parse_i64(const char *s, int64_t min, int64_t max, const char *what, int64_t *out);
 td_status_t td_parse_f32(const char *s, float min, float max, const char *what, float *out);
 

@@ -283,17 +283,6 @@ static bool is_name_char(char c)
     return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '-' || c == '_';
 }
 
-static int hexval(char c)
-{
-    if (c >= '0' && c <= '9')
-        return c - '0';
-    if (c >= 'a' && c <= 'f')
-        return c - 'a' + 10;
-    if (c >= 'A' && c <= 'F')
-        return c - 'A' + 10;
-    return -1;
-}
-
 /* Reads one character of a literal or class (an escape or one UTF-8 character) into *cp;
  * *raw_byte set when it is a \xHH escape (a byte, not a code point). */
 static bool parse_char(gparse_t *g, uint32_t *cp, bool *raw_byte)
@@ -311,7 +300,7 @@ static bool parse_char(gparse_t *g, uint32_t *cp, bool *raw_byte)
         if (digits) {
             uint32_t v = 0;
             for (int i = 0; i < digits; i++) {
-                int h = g->p < g->end ? hexval(*g->p) : -1;
+                int h = g->p < g->end ? td_hex_digit(*g->p) : -1;
                 if (h < 0)
                     return fail(g, TD_ERR_FORMAT, "\\%c needs %d hex digits", e, digits);
                 v = v * 16 + (uint32_t)h;

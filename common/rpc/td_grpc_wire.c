@@ -298,17 +298,6 @@ char *td_grpc_percent_encode(const char *s)
     return out;
 }
 
-static int hexval(uint8_t c)
-{
-    if (c >= '0' && c <= '9')
-        return c - '0';
-    if (c >= 'a' && c <= 'f')
-        return c - 'a' + 10;
-    if (c >= 'A' && c <= 'F')
-        return c - 'A' + 10;
-    return -1;
-}
-
 char *td_grpc_percent_decode(const uint8_t *s, size_t n)
 {
     char *out = malloc(n + 1), *o = out;
@@ -316,8 +305,8 @@ char *td_grpc_percent_decode(const uint8_t *s, size_t n)
         return NULL;
     for (size_t i = 0; i < n; i++) {
         int hi, lo;
-        if (s[i] == '%' && i + 2 < n && (hi = hexval(s[i + 1])) >= 0 &&
-            (lo = hexval(s[i + 2])) >= 0) {
+        if (s[i] == '%' && i + 2 < n && (hi = td_hex_digit(s[i + 1])) >= 0 &&
+            (lo = td_hex_digit(s[i + 2])) >= 0) {
             *o++ = (char)(hi << 4 | lo);
             i += 2;
         } else {
