@@ -390,6 +390,16 @@ static void http_generate_parsed(router_state_t *s, td_http_req_t *req, router_o
         router_count_outcome(s, "invalid");
         goto err_respond;
     }
+    if (q.grammar) { /* parsed and checked (router_oai_parse), but the nodes cannot apply it yet */
+        router_oai_error_set(&err, 400, "invalid_request_error", q.grammar_param, "unsupported_parameter",
+                             "'%s' is valid, but constrained output (%s) is not served through the cluster yet; "
+                             "run `tandem generate --%s` on one machine meanwhile",
+                             q.grammar_param, td_gram_kind_name(q.grammar_kind),
+                             q.grammar_kind == TD_GRAM_GBNF ? "grammar" : q.grammar_kind == TD_GRAM_JSON_SCHEMA ? "json-schema"
+                             : q.grammar_kind == TD_GRAM_JSON_OBJECT ? "json-object" : q.grammar_kind == TD_GRAM_REGEX ? "regex" : "choice");
+        router_count_outcome(s, "invalid");
+        goto err_respond;
+    }
     if (q.logprobs >= 0) /* echo with logprobs: the prompt's too, as evaluation harnesses use */
         q.gp.logprobs = (td_logprobs_want_t){.on = true, .top = q.logprobs, .prompt = q.echo};
     /* the router's one check of the parameters, at this front door: td_gen_params_check
