@@ -42,6 +42,7 @@ typedef struct decode_admit {
     bool ignore_eos;
     int32_t *replay;             /* [n_replay] AdmitRequest.replay_ids (a migrated stream), or NULL */
     int32_t n_replay;
+    char *grammar;               /* AdmitRequest.grammar (GBNF), or NULL: unconstrained */
 } decode_admit_t;
 
 /* The request's shape against the model mc: false with the reason in why (INVALID_ARGUMENT). */

@@ -26,6 +26,7 @@ typedef struct prefill_admit {
     td_sampling_t sampling;      /* valid (td_sampling_validate) */
     td_logprobs_want_t logprobs; /* PrefillRequest.logprobs: top in [0, TD_LOGPROBS_MAX_TOP]; prompt
                                     only with n_tokens <= TD_LOGPROBS_MAX_PROMPT */
+    char *grammar;               /* PrefillRequest.grammar (GBNF), or NULL: unconstrained */
 } prefill_admit_t;
 
 /*

@@ -390,16 +390,6 @@ static void http_generate_parsed(router_state_t *s, td_http_req_t *req, router_o
         router_count_outcome(s, "invalid");
         goto err_respond;
     }
-    if (q.grammar) { /* parsed and checked (router_oai_parse), but the nodes cannot apply it yet */
-        router_oai_error_set(&err, 400, "invalid_request_error", q.grammar_param, "unsupported_parameter",
-                             "'%s' is valid, but constrained output (%s) is not served through the cluster yet; "
-                             "run `tandem generate --%s` on one machine meanwhile",
-                             q.grammar_param, td_gram_kind_name(q.grammar_kind),
-                             q.grammar_kind == TD_GRAM_GBNF ? "grammar" : q.grammar_kind == TD_GRAM_JSON_SCHEMA ? "json-schema"
-                             : q.grammar_kind == TD_GRAM_JSON_OBJECT ? "json-object" : q.grammar_kind == TD_GRAM_REGEX ? "regex" : "choice");
-        router_count_outcome(s, "invalid");
-        goto err_respond;
-    }
     if (q.logprobs >= 0) /* echo with logprobs: the prompt's too, as evaluation harnesses use */
         q.gp.logprobs = (td_logprobs_want_t){.on = true, .top = q.logprobs, .prompt = q.echo};
     /* the router's one check of the parameters, at this front door: td_gen_params_check
@@ -427,7 +417,8 @@ static void http_generate_parsed(router_state_t *s, td_http_req_t *req, router_o
     }
     router_req_spec_t spec = {.gp = q.gp, .prompt_ids = q.prompt_ids, .prompt = q.prompt,
                               .prompt_text_len = q.prompt_len, .messages = q.messages, .n_messages = q.n_messages,
-                              .priority = router_key_priority(s, td_http_req_header(req, "authorization"), 0)};
+                              .priority = router_key_priority(s, td_http_req_header(req, "authorization"), 0),
+                              .grammar = q.grammar};
     router_req_t *r;
     td_grpc_code_t code;
     if (router_req_open(s, &spec, &code, why, sizeof why, &r) != TD_OK) {
