@@ -9,7 +9,9 @@
 # - vLLM's guided_regex and guided_choice, llama.cpp's json_schema: the outputs conform;
 # - max_tokens still ends a constrained stream (finish_reason "length");
 # - an unsupported schema keyword is a 400 naming the field and the keyword; two constraints
-#   are a 400.
+#   are a 400;
+# - the gRPC gateway's GenerateRequest.grammar (a JSON Schema by prompt ids): the same ids as
+#   `tandem generate --json-schema --prompt-ids`; an unsupported keyword INVALID_ARGUMENT.
 source "$(dirname "$0")/cluster_lib.sh"
 cl_init_gguf
 VAL="$CL_SRC/tests/support/json_schema_check.py"
@@ -61,6 +63,28 @@ body() { # body EXTRA_JSON [STREAM]: a greedy chat body for $Q with EXTRA_JSON's
 content() { sed '$d' "$1"; }
 finish() { tail -1 "$1"; }
 
+IDS="19161 253 986 1398 282 2355 42"
+want_ids=$("$CL_BIN" generate --model "$CL_M" --prompt-ids "$IDS" --json-schema "$CL_T/person.json" --print-ids \
+    --max-tokens $MAXTOK --threads 1 2>/dev/null)
+# grpc_gen KIND SOURCE: the ids a gateway Generate of $IDS under Grammar{KIND, SOURCE} gives,
+# or the status code and details
+grpc_gen() {
+    "$CL_PY" - "$CL_GW" "$IDS" $MAXTOK "$1" "$2" <<'PY'
+import sys, grpc
+import os; sys.path.insert(0, os.environ["CL_SRC"] + "/tests/cluster")
+from cluster_wire import channel, generate_stub, parse_ids, pb_bytes, pb_varint, request
+gw, ids, maxtok, kind, src = sys.argv[1], [int(x) for x in sys.argv[2].split()], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+body = request(ids, maxtok) + pb_bytes(13, pb_varint(1, kind) + pb_bytes(2, src))
+got = []
+try:
+    for m in generate_stub(channel(gw))(body, timeout=120):
+        got += parse_ids(m)
+    print(" ".join(map(str, got)))
+except grpc.RpcError as e:
+    print(e.code().name, e.details())
+PY
+}
+
 checks() { # checks NAME: the whole set against the cluster now running
     local oa name=$1 schema
     oa=$(sed -n 's/^openai: //p' "$CL_T/local.out")
@@ -97,6 +121,12 @@ checks() { # checks NAME: the whole set against the cluster now running
         cl_fail "$name: multipleOf: $(cat "$CL_T/r.out")"
     ask "$oa" "$(body '"guided_regex":"a","guided_choice":["a"]')" >"$CL_T/r.out"
     grep -q '^HTTP 400 .*conflicting_parameters' "$CL_T/r.out" || cl_fail "$name: two constraints: $(cat "$CL_T/r.out")"
+    # the gRPC gateway (Grammar.Kind 4: KIND_JSON_SCHEMA)
+    local got
+    got=$(CL_SRC="$CL_SRC" grpc_gen 4 "$(cat "$CL_T/person.json")")
+    [ -n "$want_ids" ] && [ "$got" = "$want_ids" ] || cl_fail "$name: gateway json schema: want '$want_ids' got '$got'"
+    got=$(CL_SRC="$CL_SRC" grpc_gen 4 '{"type":"integer","multipleOf":3}')
+    case "$got" in "INVALID_ARGUMENT grammar: "*multipleOf*) ;; *) cl_fail "$name: gateway multipleOf: '$got'" ;; esac
 }
 
 echo "== 1 prefill + 1 decode"
