@@ -606,8 +606,13 @@ td_status_t td_node_gram_open(const td_model_t *model, td_node_gram_t *g)
         return TD_OK;
     const td_model_config_t *mc = &model->config;
     td_status_t st;
-    if ((st = td_tokenizer_load(model->tokenizer_path, &g->tok)) != TD_OK)
-        return st;
+    if ((st = td_tokenizer_load(model->tokenizer_path, &g->tok)) != TD_OK) {
+        if (st == TD_ERR_NOMEM)
+            return st;
+        /* the node serves everything else as before: only a constrained request is refused */
+        td_warn("%s: structured output is off on this node: %s", model->tokenizer_path, td_last_error());
+        return TD_OK;
+    }
     if ((st = td_constrain_vocab(g->tok, mc->vocab_size, mc->eos_ids, mc->n_eos, &g->vocab)) != TD_OK ||
         (st = td_gram_cache_create(g->vocab, TD_NODE_GRAM_CACHE, &g->cache)) != TD_OK) {
         td_node_gram_close(g);

@@ -274,10 +274,9 @@ typedef struct td_node_gram {
 #define TD_NODE_GRAM_CACHE 16
 
 /*
- * Nodes: fills *g for model (zeroed first). A model with no tokenizer beside it is no error:
- * g stays empty and requests with a grammar are refused by name. Errors: td_tokenizer_load's
- * (a tokenizer that is there but unreadable), TD_ERR_NOMEM; g empty then. Loop thread, at
- * startup.
+ * Nodes: fills *g for model (zeroed first). A model with no tokenizer beside it, or one
+ * td_tokenizer_load cannot read (warned), is no error: g stays empty and requests with a
+ * grammar are refused by name. Errors: TD_ERR_NOMEM (g empty). Loop thread, at startup.
  */
 td_status_t td_node_gram_open(const td_model_t *model, td_node_gram_t *g);
 /* Frees what g holds. Repeatable. */
