@@ -75,6 +75,10 @@ td_grpc_code_t decode_admit_read(const Tandem__Control__V1__AdmitRequest *r, con
             td_node_logprobs_from_proto(r->logprobs, &a->logprobs, why, cap) != TD_OK)
             code = TD_GRPC_INVALID_ARGUMENT;
     }
+    if (code == TD_GRPC_OK && r->grammar && r->grammar[0] && !(a->grammar = strdup(r->grammar))) {
+        snprintf(why, cap, "decode node: out of memory");
+        code = TD_GRPC_RESOURCE_EXHAUSTED;
+    }
     a->local = unified || r->local_prefill;
     if (code == TD_GRPC_OK && a->local && a->logprobs.prompt) {
         if (unified)
@@ -118,6 +122,7 @@ void decode_admit_free(decode_admit_t *a)
     if (a) {
         free(a->prompt);
         free(a->replay);
+        free(a->grammar);
         free(a);
     }
 }

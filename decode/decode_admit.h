@@ -47,6 +47,7 @@ typedef struct decode_admit {
                                     unified node, a decode node's when the router asked
                                     (AdmitRequest.local_prefill). No blocks are leased; the
                                     router's Prefill call hands it to the compute thread */
+    char *grammar;               /* AdmitRequest.grammar (GBNF), or NULL: unconstrained */
 } decode_admit_t;
 
 /* The request's shape against the model mc: false with the reason in why (INVALID_ARGUMENT). */

@@ -82,7 +82,8 @@ static void compute_admit(decode_state_t *s, decode_cmd_t *c, decode_out_t *fail
                           .stop_ids = a->stop_ids, .n_stop_ids = a->n_stop_ids,
                           .logprobs = a->logprobs.on, .top_logprobs = a->logprobs.top,
                           .ignore_eos = a->ignore_eos, .replay = a->replay, .n_replay = a->n_replay,
-                          .cache_salt = a->cache_salt};
+                          .cache_salt = a->cache_salt,
+                          .grammar = a->grammar};
     if (decode_sched_admit(s->sched, &r) != TD_OK) {
         td_warn("decode: lease %llu not admitted: %s", (unsigned long long)c->lease_id, td_last_error());
         for (int32_t i = 0; i < c->n_blocks; i++)

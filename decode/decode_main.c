@@ -389,6 +389,12 @@ static void on_admit(td_grpc_call_t *call, const ProtobufCMessage *msg, void *da
         td_grpc_call_finish(call, TD_GRPC_INVALID_ARGUMENT, why);
         return;
     }
+    if (r->grammar && r->grammar[0] && !s->gram.cache) {
+        td_grpc_call_finish(call, TD_GRPC_INVALID_ARGUMENT,
+                            "admit: a grammar (structured output) needs the model's tokenizer on this node, and "
+                            "none is beside its model file");
+        return;
+    }
     if (!td_node_take_or_refuse(&s->proc, call, s->m_refused, "decode node", s->n_admits, s->cfg.max_requests,
                                 "too many pending admissions"))
         return;
@@ -883,6 +889,7 @@ static void free_state(decode_state_t *s)
     while (td_node_worker_pop_out(&s->worker, &o))
         decode_out_free(o);
     decode_sched_destroy(s->sched);
+    td_node_gram_close(&s->gram);
     td_spec_draft_destroy(s->draft);
     td_engine_destroy(s->draft_eng);
     td_model_destroy(s->draft_model);
@@ -1005,6 +1012,10 @@ static int node_main(int argc, char **argv, bool unified)
     if (cfg->draft_model && (st = open_draft(s, &ec)) != TD_OK)
         goto out;
     dc.draft = s->draft;
+    if ((st = td_node_gram_open(s->model, &s->gram)) != TD_OK)
+        goto out;
+    dc.gram_cache = s->gram.cache;
+    dc.gram_vocab = s->gram.vocab;
     if ((st = decode_sched_create(s->eng, NULL, &dc, &s->sched)) != TD_OK)
         goto out;
     if (pc->router)

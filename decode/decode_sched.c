@@ -41,6 +41,8 @@ typedef struct dseq {
                                engine's pool; dropped with kv (drop_kv) */
     int32_t draft[TD_SPEC_MAX_DRAFT]; /* this step's drafts (also in ctx after n_ctx) */
     int32_t n_draft;
+    td_gram_matcher_t *gm;  /* structured output: the grammar (cfg.gram_cache's), or NULL */
+    td_gram_state_t *gst;   /* where ctx[n_prompt..n_ctx) stands in it */
 } dseq_t;
 
 typedef struct pending_finish {
@@ -74,6 +76,7 @@ struct decode_sched {
     td_engine_item_t *items; /* [max_batch] */
     dseq_t **owners;         /* [max_batch] */
     float *logits;           /* [logit_rows][vocab] */
+    uint32_t *mask;          /* [td_gram_mask_words(vocab)] a constrained row's allowed tokens */
     int32_t logit_rows;      /* max_batch, plus room for drafts with speculation */
     uint64_t next_arrival;
     uint64_t preemptions, tokens_generated, steps;
@@ -121,6 +124,9 @@ static void seq_destroy(decode_sched_t *s, dseq_t *q)
         return;
     drop_kv(s, q);
     td_sampler_destroy(q->sampler);
+    td_gram_state_destroy(q->gst);
+    if (q->gm)
+        td_gram_cache_release(s->cfg.gram_cache, q->gm);
     td_stop_destroy(q->stop);
     td_detok_free(&q->detok);
     free(q->stop_ids);
@@ -130,6 +136,8 @@ static void seq_destroy(decode_sched_t *s, dseq_t *q)
 
 static bool is_stop_id(const decode_sched_t *s, const dseq_t *q, int32_t id)
 {
+    if (q->gst && td_gram_vocab_kind(s->cfg.gram_vocab, id) == TD_GRAM_TOK_EOS)
+        return true; /* the mask allowed it only where the grammar may end */
     for (int32_t i = 0; i < s->mc->n_eos && !q->ignore_eos; i++)
         if (s->mc->eos_ids[i] == id)
             return true;
@@ -318,7 +326,8 @@ td_status_t decode_sched_create(td_engine_t *eng, const td_tokenizer_t *tok,
     if (cfg->spec.mode != TD_SPEC_OFF)
         s->logit_rows = (int32_t)TD_MIN((int64_t)ec->max_logit_rows, (int64_t)s->cfg.max_batch * (cfg->spec.k_max + 1));
     s->logits = malloc((size_t)s->logit_rows * s->mc->vocab_size * sizeof(float));
-    if (!s->running || !s->waiting || !s->items || !s->owners || !s->logits) {
+    s->mask = malloc(td_gram_mask_words(s->mc->vocab_size) * sizeof *s->mask);
+    if (!s->running || !s->waiting || !s->items || !s->owners || !s->logits || !s->mask) {
         decode_sched_destroy(s);
         return td_errorf(TD_ERR_NOMEM, "decode sched: out of memory for a batch of %d",
                          cfg->max_batch);
@@ -336,6 +345,7 @@ void decode_sched_destroy(decode_sched_t *s)
     for (int32_t i = 0; i < s->n_waiting; i++)
         seq_destroy(s, s->waiting[i]);
     free(s->running), free(s->waiting), free(s->items), free(s->owners), free(s->logits);
+    free(s->mask);
     free(s->pending), free(s->evb), free(s->events), free(s->arena);
     free(s);
 }
@@ -353,6 +363,28 @@ static dseq_t *find(decode_sched_t *s, uint64_t id, dseq_t ***arr_p, int32_t **n
             return s->waiting[i];
         }
     return NULL;
+}
+
+/* q's grammar (req->grammar) from the cache, its state advanced over what the output holds
+ * already: a migrated stream's replay, or the prefill node's first token, so the next mask
+ * is the one an uninterrupted stream would have. A token the grammar refuses there is the
+ * sender's error (TD_ERR_INVALID, named). Runs on the compute thread: a grammar not cached
+ * yet is compiled here, bounded by td_gram's limits (TD_GRAM_MAX_SOURCE, _ELEMS). */
+static td_status_t grammar_start(decode_sched_t *s, dseq_t *q, const decode_request_t *req)
+{
+    td_status_t st = td_gram_cache_get(s->cfg.gram_cache, TD_GRAM_GBNF, req->grammar, strlen(req->grammar), &q->gm);
+    if (st != TD_OK)
+        return st == TD_ERR_NOMEM ? st : td_errorf_quiet(TD_ERR_INVALID, "grammar: %s", td_last_error());
+    if ((st = td_gram_state_create(td_gram_matcher_grammar(q->gm), &q->gst)) != TD_OK)
+        return st;
+    for (int32_t i = 0; i < req->n_replay; i++)
+        if ((st = td_gram_accept_token(q->gm, q->gst, req->replay[i])) != TD_OK)
+            return st == TD_ERR_NOMEM ? st : td_errorf_quiet(TD_ERR_INVALID, "replay_ids[%d] = %d does not follow "
+                                                             "the grammar", i, req->replay[i]);
+    if (req->kv_blocks && !req->n_replay && (st = td_gram_accept_token(q->gm, q->gst, req->first_token)) != TD_OK)
+        return st == TD_ERR_NOMEM ? st : td_errorf_quiet(TD_ERR_INVALID, "the prefill node's first token %d does "
+                                                         "not follow the grammar", req->first_token);
+    return TD_OK;
 }
 
 td_status_t decode_sched_admit(decode_sched_t *s, const decode_request_t *req)
@@ -374,6 +406,9 @@ td_status_t decode_sched_admit(decode_sched_t *s, const decode_request_t *req)
     if (req->n_stops > 0 && !s->tok)
         return td_errorf_quiet(TD_ERR_INVALID, "request %llu: stop strings need a tokenizer on "
                                "this node", (unsigned long long)req->id);
+    if (req->grammar && (!s->cfg.gram_cache || !s->cfg.gram_vocab))
+        return td_errorf_quiet(TD_ERR_INVALID, "request %llu: structured output needs the model's tokenizer "
+                               "on this node (none beside its model file)", (unsigned long long)req->id);
     if (s->n_waiting >= s->cfg.max_waiting)
         return td_errorf_quiet(TD_ERR_EXHAUSTED, "request %llu: %d requests wait already",
                                (unsigned long long)req->id, s->n_waiting);
@@ -409,6 +444,8 @@ td_status_t decode_sched_admit(decode_sched_t *s, const decode_request_t *req)
         goto err_seq;
     if (s->tok)
         td_detok_init(&q->detok, s->tok);
+    if (req->grammar && (st = grammar_start(s, q, req)) != TD_OK)
+        goto err_seq;
     for (int32_t i = 0; i < req->n_prompt; i++)
         td_sampler_accept_prompt(q->sampler, req->prompt[i]);
     /* a migrated stream's earlier output: generated tokens to the sampler (whose draws
@@ -760,7 +797,13 @@ td_status_t decode_sched_step(decode_sched_t *s, int64_t now_ns, decode_step_res
             const float *lg = s->logits + (size_t)(row + i) * s->mc->vocab_size;
             int32_t token;
             td_token_logprob_t lp;
-            td_status_t ss = td_sampler_sample(q->sampler, lg, s->mc->vocab_size, &token);
+            td_status_t ss = q->gst ? td_gram_fill_mask(q->gm, q->gst, s->mask) : TD_OK;
+            if (ss == TD_OK)
+                ss = td_sampler_sample_masked(q->sampler, lg, s->mc->vocab_size, q->gst ? s->mask : NULL, &token);
+            if (ss == TD_OK && q->gst) /* the mask allowed it; an EOS leaves the state as it is */
+                ss = td_gram_accept_token(q->gm, q->gst, token) == TD_OK
+                         ? TD_OK : td_errorf(TD_ERR_INTERNAL, "grammar: token %d was in the mask but the grammar "
+                                             "refused it", token);
             if (ss == TD_OK && q->logprobs)
                 ss = td_sampler_logprobs(lg, s->mc->vocab_size, token, q->top_logprobs, &lp);
             if (ss != TD_OK) {

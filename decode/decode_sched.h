@@ -68,6 +68,7 @@
 #include <stdint.h>
 
 #include "td_engine.h"
+#include "td_gram.h"
 #include "td_sampler.h"
 #include "td_spec.h"
 #include "td_status.h"
@@ -86,6 +87,10 @@ typedef struct decode_sched_config {
     td_spec_draft_t *draft;   /* spec.mode draft-model: the drafter, over an engine of its own
                                  (the caller's, outliving the scheduler and used by nobody else
                                  meanwhile); NULL otherwise */
+    td_gram_cache_t *gram_cache; /* structured output: compiled grammars over gram_vocab (the
+                                 caller's, outliving the scheduler); NULL: a request with a
+                                 grammar is refused (the node has no tokenizer) */
+    const td_gram_vocab_t *gram_vocab; /* the model's grammar vocabulary (td_constrain_vocab) */
 } decode_sched_config_t;
 
 decode_sched_config_t decode_sched_config_default(void);
@@ -143,6 +148,11 @@ typedef struct decode_request {
     int32_t n_replay;
     uint64_t cache_salt;         /* seeds its sequences' prefix-cache hashes (td_kv_seq_t.salt): its
                                     tenant's; 0 = none */
+    /* Structured output: GBNF every output token follows (docs/grammar.md), or NULL. Compiled
+       at admission (cfg.gram_cache: a repeat is a cache hit), advanced over the replay and the
+       prefill node's first token; each step samples under its mask; an EOS the mask allowed
+       ends the request (ignore_eos does not apply). */
+    const char *grammar;
 } decode_request_t;
 
 /* Something that happened to one request in a step. */

@@ -118,6 +118,7 @@ typedef struct decode_state {
     td_backend_t *be;
     td_engine_t *eng;
     decode_sched_t *sched;
+    td_node_gram_t gram;      /* structured output (empty when the model has no tokenizer) */
     td_model_t *draft_model;  /* --draft-model: the drafter's model, engine and state (open_draft) */
     td_engine_t *draft_eng;
     td_spec_draft_t *draft;

@@ -5,6 +5,7 @@
 
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "td_node.h"
 #include "td_util.h"
@@ -45,6 +46,10 @@ static td_grpc_code_t admit_check(const Tandem__Control__V1__PrefillRequest *r, 
                  TD_LOGPROBS_MAX_PROMPT);
         return TD_GRPC_INVALID_ARGUMENT;
     }
+    if (r->grammar && r->grammar[0] && !(a->grammar = strdup(r->grammar))) {
+        snprintf(why, cap, "prefill node: out of memory");
+        return TD_GRPC_RESOURCE_EXHAUSTED;
+    }
     return TD_GRPC_OK;
 }
 
@@ -64,5 +69,6 @@ void prefill_admit_free(prefill_admit_t *a)
         return;
     free(a->tokens);
     free(a->dst_blocks);
+    free(a->grammar);
     *a = (prefill_admit_t){0};
 }

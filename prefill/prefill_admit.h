@@ -27,6 +27,7 @@ typedef struct prefill_admit {
     td_logprobs_want_t logprobs; /* PrefillRequest.logprobs: top in [0, TD_LOGPROBS_MAX_TOP]; prompt
                                     only with n_tokens <= TD_LOGPROBS_MAX_PROMPT */
     uint64_t cache_salt;         /* PrefillRequest.cache_salt (any value: 0 = none) */
+    char *grammar;               /* PrefillRequest.grammar (GBNF), or NULL: unconstrained */
 } prefill_admit_t;
 
 /*

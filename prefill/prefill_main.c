@@ -127,6 +127,7 @@ typedef struct prefill_state {
     td_backend_t *be;
     td_engine_t *eng;
     prefill_sched_t *sched;    /* compute thread once it runs */
+    td_node_gram_t gram;       /* structured output (empty when the model has no tokenizer) */
     td_kv_layout_t layout;
     const uint8_t *pool;       /* the engine's KV pool: host memory read by UCX, or device
                                   memory staged through td_xfer's pinned ring with d2h */
@@ -203,7 +204,8 @@ static void handle_msg(prefill_state_t *s, const prefill_msg_t *m)
     case MSG_SUBMIT: {
         prefill_request_t rq = {.id = id, .prompt = j->in.tokens, .n_prompt = j->in.n_tokens,
                                 .sampling = j->in.sampling, .deadline_ns = j->deadline_ns,
-                                .logprobs = j->in.logprobs, .cache_salt = j->in.cache_salt};
+                                .logprobs = j->in.logprobs, .cache_salt = j->in.cache_salt,
+                                .grammar = j->in.grammar};
         td_status_t st = prefill_sched_submit(s->sched, &rq);
         atomic_fetch_sub(&s->unsubmitted_tokens, j->in.n_tokens);
         if (st != TD_OK)
@@ -553,6 +555,11 @@ static void on_prefill(td_grpc_call_t *call, const ProtobufCMessage *msg, void *
     td_list_init(&j->link);
     char why[256];
     td_grpc_code_t code = prefill_admit_read(r, &s->model->config, s->layout.block_size, &j->in, why, sizeof why);
+    if (code == TD_GRPC_OK && j->in.grammar && !s->gram.cache) {
+        code = TD_GRPC_INVALID_ARGUMENT;
+        snprintf(why, sizeof why, "prefill: a grammar (structured output) needs the model's tokenizer on this node, "
+                 "and none is beside its model file");
+    }
     if (code != TD_GRPC_OK) {
         job_free(j);
         td_grpc_call_finish(call, code, why);
@@ -746,6 +753,9 @@ int prefill_main(int argc, char **argv)
     prefill_sched_config_t sc = {.max_queue = (int32_t)cfg->max_queue, .max_queued_tokens = cfg->max_queued_tokens,
                                  .max_batch_tokens = (int32_t)cfg->max_batch_tokens,
                                  .max_batch = (int32_t)cfg->max_batch};
+    if ((st = td_node_gram_open(s->model, &s->gram)) != TD_OK)
+        goto out;
+    sc.gram_cache = s->gram.cache;
     if ((st = prefill_sched_create(s->eng, &sc, &s->sched)) != TD_OK)
         goto out;
     prefill_sched_set_layer_hook(s->sched, on_layer, s);
@@ -804,6 +814,7 @@ out:
         job_free(j);
     }
     prefill_sched_destroy(s->sched);
+    td_node_gram_close(&s->gram);
     td_engine_destroy(s->eng);
     td_backend_destroy(s->be);
     td_model_destroy(s->model);

@@ -26,6 +26,8 @@ typedef struct pseq {
     bool last_chunk;      /* its item in the running step ends the prompt */
     td_logprobs_want_t lpw;
     td_token_logprob_t *lps; /* with lpw.on: [n_prompt + 1] (lpw.prompt) or [1] */
+    td_gram_matcher_t *gm;   /* structured output: the first token's grammar, or NULL */
+    td_gram_state_t *gst;    /* its start state */
 } pseq_t;
 
 struct prefill_sched {
@@ -42,6 +44,7 @@ struct prefill_sched {
     td_engine_item_t *items;   /* [max_batch] */
     pseq_t **owners;
     float *logits;
+    uint32_t *mask;            /* [td_gram_mask_words(vocab)] a constrained first token's */
     int32_t block_size;
     prefill_layer_cb hook;
     void *hook_arg;
@@ -67,6 +70,9 @@ static void pseq_destroy(prefill_sched_t *s, pseq_t *q)
         return;
     td_engine_seq_end(s->eng, &q->kv);
     td_sampler_destroy(q->sampler);
+    td_gram_state_destroy(q->gst);
+    if (q->gm)
+        td_gram_cache_release(s->cfg.gram_cache, q->gm);
     free(q->lps);
     free(q->prompt);
     free(q);
@@ -97,7 +103,8 @@ td_status_t prefill_sched_create(td_engine_t *eng, const prefill_sched_config_t 
     s->owners = calloc((size_t)s->cfg.max_batch, sizeof *s->owners);
     s->fin = calloc((size_t)s->cfg.max_batch, sizeof *s->fin);
     s->logits = malloc((size_t)s->cfg.max_batch * s->mc->vocab_size * sizeof(float));
-    if (!s->queue || !s->done || !s->outputs || !s->items || !s->owners || !s->logits || !s->fin) {
+    s->mask = malloc(td_gram_mask_words(s->mc->vocab_size) * sizeof *s->mask);
+    if (!s->queue || !s->done || !s->outputs || !s->items || !s->owners || !s->logits || !s->fin || !s->mask) {
         prefill_sched_destroy(s);
         return td_errorf(TD_ERR_NOMEM, "prefill sched: out of memory for a queue of %d",
                          cfg->max_queue);
@@ -116,6 +123,7 @@ void prefill_sched_destroy(prefill_sched_t *s)
         pseq_destroy(s, s->done[i]);
     free(s->queue), free(s->done), free(s->outputs), free(s->items), free(s->owners), free(s->fin);
     free(s->logits);
+    free(s->mask);
     free(s);
 }
 
@@ -167,6 +175,19 @@ td_status_t prefill_sched_submit(prefill_sched_t *s, const prefill_request_t *re
         return td_errorf(TD_ERR_NOMEM, "request %llu: out of memory", rid);
     }
     memcpy(q->prompt, req->prompt, (size_t)req->n_prompt * sizeof *q->prompt);
+    if (req->grammar) { /* a repeat is a cache hit; a new one compiles here, within td_gram's bounds */
+        st = s->cfg.gram_cache ? td_gram_cache_get(s->cfg.gram_cache, TD_GRAM_GBNF, req->grammar,
+                                                   strlen(req->grammar), &q->gm)
+                               : td_errorf_quiet(TD_ERR_INVALID, "no tokenizer on this node for a grammar");
+        if (st == TD_OK)
+            st = td_gram_state_create(td_gram_matcher_grammar(q->gm), &q->gst);
+        if (st != TD_OK) {
+            pseq_destroy(s, q);
+            return st == TD_ERR_NOMEM ? td_errorf(st, "request %llu: out of memory", rid)
+                                      : td_errorf_quiet(TD_ERR_INVALID, "request %llu: grammar: %s", rid,
+                                                        td_last_error());
+        }
+    }
     for (int32_t i = 0; i < req->n_prompt; i++)
         td_sampler_accept_prompt(q->sampler, req->prompt[i]);
     s->queue[s->n_queue++] = q;
@@ -384,8 +405,10 @@ td_status_t prefill_sched_step(prefill_sched_t *s, int64_t now_ns, prefill_step_
         if (!q->last_chunk && ss == TD_OK)
             continue;
         int32_t token = -1;
+        if (ss == TD_OK && q->gst)
+            ss = td_gram_fill_mask(q->gm, q->gst, s->mask);
         if (ss == TD_OK)
-            ss = td_sampler_sample(q->sampler, rows, vocab, &token);
+            ss = td_sampler_sample_masked(q->sampler, rows, vocab, q->gst ? s->mask : NULL, &token);
         if (ss == TD_OK && q->lpw.on)
             ss = td_sampler_logprobs(rows, vocab, token, q->lpw.top, &q->lps[q->lpw.prompt ? q->n_prompt : 0]);
         int32_t i = index_of(s->queue, s->n_queue, q->id);

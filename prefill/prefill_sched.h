@@ -39,6 +39,7 @@
 #include <stdint.h>
 
 #include "td_engine.h"
+#include "td_gram.h"
 #include "td_sampler.h"
 #include "td_status.h"
 
@@ -48,6 +49,9 @@ typedef struct prefill_sched_config {
     int32_t max_batch_tokens;   /* tokens in one step (2048; capped by the engine's) */
     int32_t max_batch;          /* prompts in one step (64; capped by the engine's max_seqs
                                    and max_logit_rows) */
+    td_gram_cache_t *gram_cache; /* structured output: compiled grammars over the model's
+                                   vocabulary (the caller's, outliving the scheduler); NULL:
+                                   a prompt with a grammar is refused (no tokenizer here) */
 } prefill_sched_config_t;
 
 prefill_sched_config_t prefill_sched_config_default(void);
@@ -66,6 +70,8 @@ typedef struct prefill_request {
                                     TD_LOGPROBS_MAX_PROMPT) */
     uint64_t cache_salt;      /* seeds its prefix-cache hashes (td_kv_seq_t.salt): its tenant's;
                                  0 = none */
+    const char *grammar;      /* GBNF the first token must follow (sampled under its mask:
+                                 compiled on the stepping thread, cfg.gram_cache), or NULL */
 } prefill_request_t;
 
 /* A prompt that is done (or failed). */

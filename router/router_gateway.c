@@ -11,6 +11,7 @@
 
 #include "health.pb-c.h"
 #include "router_admit.h"
+#include "td_gram.h"
 #include "td_log.h"
 #include "td_util.h"
 
@@ -133,6 +134,46 @@ static td_gen_params_t gen_params_from_proto(const Tandem__V1__GenerateRequest *
     return gp;
 }
 
+/* The bound on a gateway grammar's source: it is compiled here, on the loop, as the OpenAI
+ * path compiles bodies up to the same size inline (ROUTER_HTTP_PARSE_INLINE_BYTES). */
+#define GATEWAY_GRAMMAR_MAX (64 << 10)
+
+/* GenerateRequest.grammar checked and translated to GBNF into *gbnf_p (malloc'ed). false
+ * with the reason in why: refused (*gbnf_p NULL), or out of memory. */
+static bool gateway_grammar(const Tandem__V1__Grammar *g, char **gbnf_p, char *why, size_t cap)
+{
+    static const td_gram_kind_t kinds[] = {
+        [TANDEM__V1__GRAMMAR__KIND__KIND_GBNF] = TD_GRAM_GBNF,
+        [TANDEM__V1__GRAMMAR__KIND__KIND_REGEX] = TD_GRAM_REGEX,
+        [TANDEM__V1__GRAMMAR__KIND__KIND_CHOICE] = TD_GRAM_CHOICE,
+        [TANDEM__V1__GRAMMAR__KIND__KIND_JSON_OBJECT] = TD_GRAM_JSON_OBJECT,
+        [TANDEM__V1__GRAMMAR__KIND__KIND_JSON_SCHEMA] = TD_GRAM_JSON_SCHEMA,
+    };
+    *gbnf_p = NULL;
+    size_t len = strlen(g->source);
+    if ((unsigned)g->kind >= TD_ARRAY_LEN(kinds)) {
+        snprintf(why, cap, "grammar.kind %d is not a Grammar.Kind", (int)g->kind);
+        return false;
+    }
+    if (len > GATEWAY_GRAMMAR_MAX) {
+        snprintf(why, cap, "grammar.source of %zu bytes: at most %d through the gateway", len, GATEWAY_GRAMMAR_MAX);
+        return false;
+    }
+    td_gram_t *gram = NULL;
+    td_status_t st = td_gram_compile(kinds[g->kind], g->source, len, &gram);
+    if (st != TD_OK) {
+        snprintf(why, cap, "grammar: %s", st == TD_ERR_NOMEM ? "router: out of memory" : td_last_error());
+        return false;
+    }
+    *gbnf_p = strdup(td_gram_source(gram));
+    td_gram_unref(gram);
+    if (!*gbnf_p) {
+        snprintf(why, cap, "router: out of memory");
+        return false;
+    }
+    return true;
+}
+
 void on_generate(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data)
 {
     router_state_t *s = data;
@@ -152,14 +193,22 @@ void on_generate(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data)
         td_grpc_call_finish(call, TD_GRPC_INVALID_ARGUMENT, why);
         return;
     }
+    char *gbnf = NULL;
+    if (q->grammar && !gateway_grammar(q->grammar, &gbnf, why, sizeof why)) {
+        router_count_outcome(s, "invalid");
+        td_grpc_call_finish(call, TD_GRPC_INVALID_ARGUMENT, why);
+        return;
+    }
     router_key_terms_t kt;
     if (router_key_terms(s, td_grpc_call_header(call, "authorization"), q->priority ? q->priority->value : 0,
                          &kt) != TD_OK) {
+        free(gbnf);
         td_grpc_call_finish(call, TD_GRPC_RESOURCE_EXHAUSTED, "router: out of memory");
         return;
     }
     td_chat_message_t *messages = NULL;
     if (q->n_messages && !(messages = malloc(q->n_messages * sizeof *messages))) {
+        free(gbnf);
         td_grpc_call_finish(call, TD_GRPC_RESOURCE_EXHAUSTED, "router: out of memory");
         return;
     }
@@ -173,10 +222,13 @@ void on_generate(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data)
                               .messages = messages, .n_messages = messages ? q->n_messages : 0,
                               .stop_ids = q->stop_ids,
                               .priority = kt.priority, .cache_salt = kt.cache_salt,
-                              .timeout_ms = dl_ms ? (int64_t)TD_MAX(dl_ms > now_ms ? dl_ms - now_ms : 0, 1) : 0};
+                              .timeout_ms = dl_ms ? (int64_t)TD_MAX(dl_ms > now_ms ? dl_ms - now_ms : 0, 1) : 0,
+                              .grammar = gbnf};
     router_req_t *r;
     td_grpc_code_t code;
-    if (router_req_open(s, &spec, &code, why, sizeof why, &r) != TD_OK) {
+    td_status_t open_st = router_req_open(s, &spec, &code, why, sizeof why, &r);
+    free(gbnf); /* copied by router_req_open */
+    if (open_st != TD_OK) {
         free(messages);
         td_grpc_call_finish(call, code, why);
         return;

@@ -423,7 +423,8 @@ static void http_generate_parsed(router_state_t *s, td_http_req_t *req, router_o
     }
     router_req_spec_t spec = {.gp = q.gp, .prompt_ids = q.prompt_ids, .prompt = q.prompt,
                               .prompt_text_len = q.prompt_len, .messages = q.messages, .n_messages = q.n_messages,
-                              .priority = kt.priority, .cache_salt = kt.cache_salt};
+                              .priority = kt.priority, .cache_salt = kt.cache_salt,
+                              .grammar = q.grammar};
     router_req_t *r;
     td_grpc_code_t code;
     if (router_req_open(s, &spec, &code, why, sizeof why, &r) != TD_OK) {

@@ -175,6 +175,7 @@ typedef struct router_req_spec {
     int32_t priority;
     uint64_t cache_salt;         /* router_key_terms_t's */
     int64_t timeout_ms;          /* the client's deadline from now; 0: request-timeout-ms */
+    const char *grammar;         /* GBNF the output must follow (checked by td_gram_compile), or NULL */
 } router_req_spec_t;
 
 struct router_req {
@@ -192,6 +193,7 @@ struct router_req {
     uint32_t stop_ids[TD_GEN_MAX_STOP_IDS];
     size_t n_stop_ids;
     bool ignore_eos;           /* the model's EOS ids do not end the output (td_gen_params_t's) */
+    char *grammar;             /* GBNF the output follows (AdmitRequest/PrefillRequest.grammar), or NULL */
     td_stop_t *stop;
     td_detok_t detok;
     bool from_text;            /* the prompt was text the router tokenized (not prompt_ids) */

@@ -363,15 +363,205 @@ static bool refuse_unserved(const cJSON *o, router_oai_error_t *err)
             return false;
         }
     }
+    return true;
+}
+
+/* ---- structured outputs ---------------------------------------------------------------- */
+
+/* One constraint found in the body: its kind, the field that carried it (for errors) and
+ * the value to compile (a string's text, or an object/array printed as JSON). */
+typedef struct oai_constraint {
+    td_gram_kind_t kind;
+    char param[64];
+    const cJSON *value; /* NULL for json_object */
+} oai_constraint_t;
+
+/* Records the constraint `value` under `param`; a second one is refused (which of them
+ * should win is not ours to guess). */
+static bool add_constraint(oai_constraint_t *c, bool *have, td_gram_kind_t kind, const char *param,
+                           const cJSON *value, router_oai_error_t *err)
+{
+    if (*have) {
+        router_oai_error_set(err, 400, "invalid_request_error", param, "conflicting_parameters",
+                             "'%s' and '%s' both constrain the output: give at most one", c->param, param);
+        return false;
+    }
+    *have = true;
+    c->kind = kind;
+    snprintf(c->param, sizeof c->param, "%s", param);
+    c->value = value;
+    return true;
+}
+
+/* A member that must be a string (regex, GBNF): NULL when absent. */
+static bool constraint_string(const cJSON *o, const char *name, const char *param, const cJSON **v_p,
+                              router_oai_error_t *err)
+{
+    const cJSON *v = member(o, name);
+    if (v && !cJSON_IsString(v)) {
+        bad_type(err, param, "a string", v);
+        return false;
+    }
+    *v_p = v;
+    return true;
+}
+
+/* The constraints a body may carry, OpenAI's, vLLM's and llama.cpp's names, into *c. */
+static bool find_constraint(const cJSON *o, oai_constraint_t *c, bool *have, router_oai_error_t *err)
+{
     const cJSON *rf = member(o, "response_format");
     if (rf) {
         const cJSON *t = cJSON_IsObject(rf) ? cJSON_GetObjectItemCaseSensitive(rf, "type") : NULL;
-        if (!cJSON_IsString(t) || strcmp(t->valuestring, "text")) {
-            router_oai_error_set(err, 400, "invalid_request_error", "response_format", "unsupported_parameter",
-                                 "'response_format' other than {\"type\": \"text\"} is not served");
+        if (!cJSON_IsObject(rf)) {
+            bad_type(err, "response_format", "an object", rf);
+            return false;
+        }
+        if (!cJSON_IsString(t)) {
+            router_oai_error_set(err, 400, "invalid_request_error", "response_format.type", NULL,
+                                 "'response_format.type' is required: \"text\", \"json_object\" or \"json_schema\"");
+            return false;
+        }
+        if (!strcmp(t->valuestring, "json_object")) {
+            if (!add_constraint(c, have, TD_GRAM_JSON_OBJECT, "response_format", NULL, err))
+                return false;
+        } else if (!strcmp(t->valuestring, "json_schema")) {
+            const cJSON *js = member(rf, "json_schema");
+            const cJSON *schema = js && cJSON_IsObject(js) ? member(js, "schema") : NULL;
+            if (!js || !cJSON_IsObject(js)) {
+                bad_type(err, "response_format.json_schema", "an object", js ? js : rf);
+                return false;
+            }
+            const cJSON *strict = member(js, "strict");
+            if (strict && !cJSON_IsBool(strict)) {
+                bad_type(err, "response_format.json_schema.strict", "a boolean", strict);
+                return false;
+            }
+            /* OpenAI allows the schema left out: then any JSON object, as json_object */
+            if (schema && !cJSON_IsObject(schema) && !cJSON_IsBool(schema)) {
+                bad_type(err, "response_format.json_schema.schema", "an object", schema);
+                return false;
+            }
+            if (!add_constraint(c, have, schema ? TD_GRAM_JSON_SCHEMA : TD_GRAM_JSON_OBJECT,
+                                "response_format.json_schema.schema", schema, err))
+                return false;
+        } else if (strcmp(t->valuestring, "text")) {
+            router_oai_error_set(err, 400, "invalid_request_error", "response_format.type", "unsupported_value",
+                                 "'response_format.type' \"%.32s\" is not one of \"text\", \"json_object\", "
+                                 "\"json_schema\"", t->valuestring);
             return false;
         }
     }
+    /* vLLM's guided_* fields, its newer structured_outputs object, llama.cpp's fields */
+    const cJSON *so = member(o, "structured_outputs");
+    if (so && !cJSON_IsObject(so)) {
+        bad_type(err, "structured_outputs", "an object", so);
+        return false;
+    }
+    static const struct {
+        const char *name, *param;
+        bool in_so;
+        td_gram_kind_t kind;
+    } fields[] = {
+        {"guided_json", "guided_json", false, TD_GRAM_JSON_SCHEMA},
+        {"guided_regex", "guided_regex", false, TD_GRAM_REGEX},
+        {"guided_choice", "guided_choice", false, TD_GRAM_CHOICE},
+        {"guided_grammar", "guided_grammar", false, TD_GRAM_GBNF},
+        {"json", "structured_outputs.json", true, TD_GRAM_JSON_SCHEMA},
+        {"regex", "structured_outputs.regex", true, TD_GRAM_REGEX},
+        {"choice", "structured_outputs.choice", true, TD_GRAM_CHOICE},
+        {"grammar", "structured_outputs.grammar", true, TD_GRAM_GBNF},
+        {"json_schema", "json_schema", false, TD_GRAM_JSON_SCHEMA},
+        {"grammar", "grammar", false, TD_GRAM_GBNF},
+    };
+    for (size_t i = 0; i < TD_ARRAY_LEN(fields); i++) {
+        const cJSON *in = fields[i].in_so ? so : o;
+        if (!in)
+            continue;
+        const cJSON *v = NULL;
+        switch (fields[i].kind) {
+        case TD_GRAM_REGEX:
+        case TD_GRAM_GBNF:
+            if (!constraint_string(in, fields[i].name, fields[i].param, &v, err))
+                return false;
+            break;
+        case TD_GRAM_CHOICE:
+            if ((v = member(in, fields[i].name)) && !cJSON_IsArray(v)) {
+                bad_type(err, fields[i].param, "an array of strings", v);
+                return false;
+            }
+            break;
+        default: /* a schema: an object, or (vLLM) its JSON text */
+            if ((v = member(in, fields[i].name)) && !cJSON_IsObject(v) && !cJSON_IsString(v) && !cJSON_IsBool(v)) {
+                bad_type(err, fields[i].param, "an object", v);
+                return false;
+            }
+            break;
+        }
+        if (v && !add_constraint(c, have, fields[i].kind, fields[i].param, v, err))
+            return false;
+    }
+    if (so) {
+        const cJSON *jo = member(so, "json_object");
+        bool want = false;
+        if (jo && !get_bool(so, "json_object", &want, err)) {
+            snprintf(err->param, sizeof err->param, "structured_outputs.json_object");
+            return false;
+        }
+        if (want && !add_constraint(c, have, TD_GRAM_JSON_OBJECT, "structured_outputs.json_object", NULL, err))
+            return false;
+    }
+    return true;
+}
+
+/*
+ * Reads the output constraint, if any, and translates it to GBNF (q->grammar): compiling
+ * it here checks it whole, so an unsupported keyword, a bad regex or a grammar that cannot
+ * match is a 400 naming the field and the keyword before any node is asked, and the nodes
+ * only ever compile GBNF. Bounded by TD_GRAM_MAX_SOURCE and the expansion bounds.
+ */
+static bool read_constraint(const cJSON *o, router_oai_req_t *q, router_oai_error_t *err)
+{
+    oai_constraint_t c = {0};
+    bool have = false;
+    if (!find_constraint(o, &c, &have, err))
+        return false;
+    if (!have)
+        return true;
+    char *printed = NULL;
+    const char *src = "";
+    size_t len = 0;
+    if (c.value && cJSON_IsString(c.value)) {
+        src = c.value->valuestring;
+        len = strlen(src);
+    } else if (c.value) {
+        if (!(printed = cJSON_PrintUnformatted(c.value))) {
+            router_oai_error_set(err, 500, "server_error", NULL, NULL, "router: out of memory");
+            return false;
+        }
+        src = printed;
+        len = strlen(printed);
+    }
+    td_gram_t *g = NULL;
+    td_status_t st = td_gram_compile(c.kind, src, len, &g);
+    free(printed);
+    if (st == TD_ERR_NOMEM) {
+        router_oai_error_set(err, 500, "server_error", NULL, NULL, "router: out of memory");
+        return false;
+    }
+    if (st != TD_OK) {
+        router_oai_error_set(err, 400, "invalid_request_error", c.param,
+                             st == TD_ERR_UNSUPPORTED ? "unsupported_value" : "invalid_value", "'%s': %s", c.param,
+                             td_last_error());
+        return false;
+    }
+    q->grammar = strdup(td_gram_source(g));
+    td_gram_unref(g);
+    if (!q->grammar) {
+        router_oai_error_set(err, 500, "server_error", NULL, NULL, "router: out of memory");
+        return false;
+    }
+    q->grammar_kind = c.kind;
+    snprintf(q->grammar_param, sizeof q->grammar_param, "%s", c.param);
     return true;
 }
 
@@ -439,7 +629,7 @@ td_status_t router_oai_parse(router_oai_kind_t kind, const char *body, size_t le
     if (!get_string(o, "model", &q->model, err) || !get_int(o, "max_tokens", &max_tokens, &mt_given, err) ||
         !get_int(o, "max_completion_tokens", &max_completion_tokens, &mct_given, err) ||
         !read_sampling(o, &q->gp, err) || !read_stop(o, q, err) || !refuse_unserved(o, err) ||
-        !read_logprobs(o, q, err) || !get_bool(o, "stream", &q->stream, err) ||
+        !read_logprobs(o, q, err) || !read_constraint(o, q, err) || !get_bool(o, "stream", &q->stream, err) ||
         !get_string(o, "user", &q->user, err) || !get_bool(o, "ignore_eos", &q->gp.ignore_eos, err))
         goto err_free;
     if (kind == ROUTER_OAI_COMPLETIONS && !get_bool(o, "echo", &q->echo, err))
@@ -475,6 +665,8 @@ void router_oai_req_free(router_oai_req_t *q)
     cJSON_Delete(q->doc);
     free(q->prompt_ids);
     free(q->messages);
+    free(q->grammar);
+    q->grammar = NULL;
     q->doc = NULL;
     q->prompt_ids = NULL;
     q->messages = NULL;

@@ -23,6 +23,7 @@
 
 #include "td_chat_template.h"
 #include "td_gen_params.h"
+#include "td_gram.h"
 #include "td_sampler.h"
 #include "td_status.h"
 
@@ -54,6 +55,11 @@ typedef struct router_oai_req {
     bool stream, include_usage, echo;
     int32_t logprobs;                 /* -1: none; else the alternatives per token wanted [0, 20] */
     const char *user;
+    /* The output constraint (response_format json_object/json_schema, vLLM's guided_* or
+     * structured_outputs, llama.cpp's grammar/json_schema), translated to GBNF; NULL: none. */
+    char *grammar;                    /* malloc'ed GBNF text, checked by td_gram_compile */
+    td_gram_kind_t grammar_kind;      /* what the client sent */
+    char grammar_param[64];           /* the field that carried it, for errors */
 } router_oai_req_t;
 
 /*

@@ -523,6 +523,7 @@ static void send_admit(router_req_t *r)
     q.n_replay_ids = r->resumed;
     q.cache_salt = r->cache_salt;
     q.local_prefill = r->pick.pair.prefill == r->pick.pair.decode; /* no transfer: it prefills the prompt */
+    q.grammar = r->grammar ? r->grammar : "";
     td_grpc_call_opts_t o = {.response_desc = &tandem__control__v1__admit_response__descriptor,
                              .on_message = on_admit_msg, .on_done = on_admit_done, .data = r,
                              .timeout_ms = call_timeout_ms(r, s->cfg.rpc_timeout_ms)};
@@ -562,6 +563,7 @@ static void send_prefill(router_req_t *r)
     td_node_logprobs_to_proto(&r->logprobs, &lq);
     q.logprobs = r->logprobs.on && !r->resumed ? &lq : NULL; /* moved: the client has token 0's */
     q.cache_salt = r->cache_salt;
+    q.grammar = r->grammar ? r->grammar : "";
     td_grpc_call_opts_t o = {.response_desc = &tandem__control__v1__prefill_response__descriptor,
                              .on_message = on_prefill_msg, .on_done = on_prefill_done, .data = r,
                              .timeout_ms = call_timeout_ms(r, r->lease_ttl_ms)};
@@ -749,8 +751,11 @@ td_status_t router_req_open(router_state_t *s, const router_req_spec_t *spec, td
     }
     if (st == TD_OK && (st = td_stop_create(gp->stop_strings, (int32_t)gp->n_stop_strings, &r->stop)) != TD_OK)
         snprintf(why, why_cap, "stop strings: %s", td_last_error()); /* valid: out of memory */
+    if (st == TD_OK && spec->grammar && !(r->grammar = strdup(spec->grammar)))
+        st = TD_ERR_NOMEM;
     if (st != TD_OK) {
         free(r->prompt);
+        free(r->grammar);
         td_stop_destroy(r->stop);
         free(r);
         if (st == TD_ERR_NOMEM)
@@ -928,6 +933,7 @@ static void req_move(router_req_t *r, router_req_state_t to)
         if (s->tok)
             td_detok_free(&r->detok);
         td_stop_destroy(r->stop);
+        free(r->grammar);
         free(r->prompt);
         free(r->blocks);
         free(r->out.ids);

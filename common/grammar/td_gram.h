@@ -147,6 +147,9 @@ td_status_t td_gram_vocab_create(int32_t n, const char *const *bytes, const size
                                  const uint8_t *kinds, td_gram_vocab_t **vocab_p);
 void td_gram_vocab_destroy(td_gram_vocab_t *v);
 int32_t td_gram_vocab_size(const td_gram_vocab_t *v);
+/* What token id is to the grammar (SPECIAL for an id outside v): a decoder asks whether a
+ * token the mask allowed is an EOS, which ends the generation. */
+td_gram_tok_t td_gram_vocab_kind(const td_gram_vocab_t *v, int32_t id);
 
 /* Words of a mask over v: bit (id % 32) of word (id / 32) is token id. */
 static inline size_t td_gram_mask_words(int32_t n_vocab)

@@ -133,6 +133,11 @@ int32_t td_gram_vocab_size(const td_gram_vocab_t *v)
     return v->n;
 }
 
+td_gram_tok_t td_gram_vocab_kind(const td_gram_vocab_t *v, int32_t id)
+{
+    return id >= 0 && id < v->n ? (td_gram_tok_t)v->kind[id] : TD_GRAM_TOK_SPECIAL;
+}
+
 /* ---- the matcher ------------------------------------------------------------------------ */
 
 /* The split of the vocabulary for one stack suffix (the top entries of a stack). */

@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "health.pb-c.h"
+#include "td_constrain.h"
 #include "td_log.h"
 #include "td_progress.h"
 #include "td_util.h"
@@ -596,4 +597,34 @@ void td_node_free(td_node_t *p)
 {
     td_node_auth_free(&p->auth);
     td_opts_result_free(&p->conf);
+}
+
+td_status_t td_node_gram_open(const td_model_t *model, td_node_gram_t *g)
+{
+    memset(g, 0, sizeof *g);
+    if (!model->tokenizer_path[0])
+        return TD_OK;
+    const td_model_config_t *mc = &model->config;
+    td_status_t st;
+    if ((st = td_tokenizer_load(model->tokenizer_path, &g->tok)) != TD_OK) {
+        if (st == TD_ERR_NOMEM)
+            return st;
+        /* the node serves everything else as before: only a constrained request is refused */
+        td_warn("%s: structured output is off on this node: %s", model->tokenizer_path, td_last_error());
+        return TD_OK;
+    }
+    if ((st = td_constrain_vocab(g->tok, mc->vocab_size, mc->eos_ids, mc->n_eos, &g->vocab)) != TD_OK ||
+        (st = td_gram_cache_create(g->vocab, TD_NODE_GRAM_CACHE, &g->cache)) != TD_OK) {
+        td_node_gram_close(g);
+        return td_errorf(st, "structured output: out of memory for the grammar vocabulary");
+    }
+    return TD_OK;
+}
+
+void td_node_gram_close(td_node_gram_t *g)
+{
+    td_gram_cache_destroy(g->cache);
+    td_gram_vocab_destroy(g->vocab);
+    td_tokenizer_destroy(g->tok);
+    memset(g, 0, sizeof *g);
 }

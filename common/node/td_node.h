@@ -51,12 +51,14 @@
 #include "td_node_auth.h"
 #include "td_backend.h"
 #include "td_engine.h"
+#include "td_gram.h"
 #include "td_http.h"
 #include "td_metrics.h"
 #include "td_metrics_loop.h"
 #include "td_model.h"
 #include "td_sampler.h"
 #include "td_status.h"
+#include "td_tokenizer.h"
 
 #define TD_NODE_ADDR_MAX TD_NODE_ADDRESS_MAX
 
@@ -260,5 +262,24 @@ void td_node_stop(td_node_t *p);
 
 /* Frees what configure kept (the config file's strings). NULL-safe, repeatable. */
 void td_node_free(td_node_t *p);
+
+/* Structured output on a node: the model's tokenizer, its grammar vocabulary and a cache of
+ * compiled grammars (every field NULL when the model has no tokenizer beside it). */
+typedef struct td_node_gram {
+    td_tokenizer_t *tok;
+    td_gram_vocab_t *vocab;   /* td_constrain_vocab of the model */
+    td_gram_cache_t *cache;   /* TD_NODE_GRAM_CACHE grammars, least recently used out */
+} td_node_gram_t;
+
+#define TD_NODE_GRAM_CACHE 16
+
+/*
+ * Nodes: fills *g for model (zeroed first). A model with no tokenizer beside it, or one
+ * td_tokenizer_load cannot read (warned), is no error: g stays empty and requests with a
+ * grammar are refused by name. Errors: TD_ERR_NOMEM (g empty). Loop thread, at startup.
+ */
+td_status_t td_node_gram_open(const td_model_t *model, td_node_gram_t *g);
+/* Frees what g holds. Repeatable. */
+void td_node_gram_close(td_node_gram_t *g);
 
 #endif /* TD_NODE_H */

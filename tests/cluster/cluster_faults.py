@@ -62,12 +62,14 @@ and exits 0 when the behaviour is right, 1 (with 'FAIL: why' lines) when not:
                                          reference, usage.migrations 1 (the gap around the
                                          kill printed); 'fail': each ends UNAVAILABLE naming
                                          why, its tokens a prefix of the reference
-  migratehttp OPENAI_URL MAX_TOKENS REFS SAMPLING AFTER NODES
+  migratehttp OPENAI_URL MAX_TOKENS REFS SAMPLING AFTER NODES [EXTRA]
                                          'migrate ... serving moved' through the OpenAI API: a
                                          streamed completion of each prompt (ids) with
                                          include_usage, run untouched first; once it has AFTER
                                          tokens the serving decode node is SIGKILLed: the same
-                                         text and usage, plus usage.migrations 1
+                                         text and usage, plus usage.migrations 1; EXTRA: a
+                                         JSON object merged into each body (a grammar:
+                                         '{"guided_regex": ...}')
   ping HOST:PORT                          one short request must succeed
   run HOST:PORT MAX_TOKENS REFS          every prompt of REFS concurrently; all must equal refs
   health NODE_CTL SERVICE WANT           grpc.health.v1 Check of SERVICE ("" = readiness) on a
@@ -1075,7 +1077,7 @@ def cmd_migrate(target, max_tokens, refs_path, sampling, after, kill, nodes, exp
     return rc
 
 
-def sse_completion(url, ids, max_tokens, sampling, on_chunk=None):
+def sse_completion(url, ids, max_tokens, sampling, on_chunk=None, extra=None):
     """A streamed /completions of prompt ids (stream_options.include_usage, logprobs 1): (text
     and token logprobs, usage, chunk times); on_chunk(n_chunks) after each chunk."""
     body = {"prompt": ids, "max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True},
@@ -1083,6 +1085,7 @@ def sse_completion(url, ids, max_tokens, sampling, on_chunk=None):
     if sampling != "greedy":
         t, seed, rep, freq = sampling.split(",")
         body.update(temperature=float(t), seed=int(seed), repetition_penalty=float(rep), frequency_penalty=float(freq))
+    body.update(extra or {})
     req = urllib.request.Request(url + "/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     text, lps, usage, times = "", [], None, []
@@ -1107,13 +1110,13 @@ def sse_completion(url, ids, max_tokens, sampling, on_chunk=None):
     return (text, lps), usage, times
 
 
-def cmd_migratehttp(url, max_tokens, refs_path, sampling, after, nodes):
-    max_tokens, after = int(max_tokens), int(after)
+def cmd_migratehttp(url, max_tokens, refs_path, sampling, after, nodes, extra="{}"):
+    max_tokens, after, extra = int(max_tokens), int(after), json.loads(extra)
     prompts, refs = read_refs(refs_path)
     named = [n.split("=", 2) for n in nodes.split(",")]
     rc = 0
     for ids, ref in zip(prompts, refs):
-        want_text, want_usage, _ = sse_completion(url, ids, max_tokens, sampling)
+        want_text, want_usage, _ = sse_completion(url, ids, max_tokens, sampling, extra=extra)
         if want_usage is None or want_usage["completion_tokens"] != len(ref) or "migrations" in want_usage:
             rc = fail("the untouched run's usage is %s for %d reference tokens" % (want_usage, len(ref)))
         killed = []
@@ -1126,7 +1129,7 @@ def cmd_migratehttp(url, max_tokens, refs_path, sampling, after, nodes):
                         killed.append(name)
                         print("killed %s" % name)
 
-        text, usage, times = sse_completion(url, ids, max_tokens, sampling, kill_at)
+        text, usage, times = sse_completion(url, ids, max_tokens, sampling, kill_at, extra)
         if not killed:
             rc = fail("no decode node of %s ran the stream" % nodes)
         print("openai stream: %d chunks, %d token logprobs, usage %s" % (len(times), len(text[1]), usage))

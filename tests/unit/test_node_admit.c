@@ -86,6 +86,20 @@ Test(node_admit, decode_reads_a_good_admit)
     cr_assert_eq(decode_admit_read(&r, &mc, true, &a, why, sizeof why), TD_GRPC_OK, "%s", why);
     cr_assert(a->local);
     decode_admit_free(a);
+    cr_assert_eq(decode_admit_read(&r, &mc, false, &a, why, sizeof why), TD_GRPC_OK, "%s", why);
+    cr_assert_null(a->grammar, "no grammar sent, none read");
+    decode_admit_free(a);
+    /* the grammar is copied (the message is freed after the call); empty means none */
+    char gbnf[] = "root ::= \"a\"+";
+    r.grammar = gbnf;
+    cr_assert_eq(decode_admit_read(&r, &mc, false, &a, why, sizeof why), TD_GRPC_OK, "%s", why);
+    gbnf[0] = 'X';
+    cr_assert_str_eq(a->grammar, "root ::= \"a\"+");
+    decode_admit_free(a);
+    r.grammar = "";
+    cr_assert_eq(decode_admit_read(&r, &mc, false, &a, why, sizeof why), TD_GRPC_OK, "%s", why);
+    cr_assert_null(a->grammar);
+    decode_admit_free(a);
 }
 
 /* What decode_sched_admit refused before it took its requests as valid, refused here. */
@@ -204,8 +218,16 @@ Test(node_admit, prefill_reads_a_good_request)
     cr_assert_eq(prefill_admit_read(&r, &mc, 16, &a, why, sizeof why), TD_GRPC_OK, "%s", why);
     cr_assert(a.n_tokens == 20 && a.tokens[19] == 22 && a.n_dst == 2 && a.dst_blocks[1] == 77);
     cr_assert(a.sampling.top_k == 5 && a.logprobs.on && a.logprobs.top == 3 && a.logprobs.prompt);
+    cr_assert_null(a.grammar);
+    prefill_admit_free(&a);
+    char gbnf[] = "root ::= [0-9]+"; /* copied: the message is freed after the call */
+    r.grammar = gbnf;
+    cr_assert_eq(prefill_admit_read(&r, &mc, 16, &a, why, sizeof why), TD_GRPC_OK, "%s", why);
+    gbnf[0] = 'X';
+    cr_assert_str_eq(a.grammar, "root ::= [0-9]+");
     prefill_admit_free(&a);
     cr_assert_null(a.tokens);
+    cr_assert_null(a.grammar);
     prefill_admit_free(&a); /* twice, and NULL: no-ops */
     prefill_admit_free(NULL);
 }

@@ -201,15 +201,109 @@ Test(router_openai, one_choice_and_unserved_features_refused_by_name)
     refused(ROUTER_OAI_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"tools\":[{\"type\":\"function\"}]}",
             "tools");
     refused(ROUTER_OAI_COMPLETIONS, "{\"prompt\":\"x\",\"logit_bias\":{\"5\":100}}", "logit_bias");
-    refused(ROUTER_OAI_CHAT,
-            "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"response_format\":{\"type\":\"json_object\"}}",
-            "response_format");
     /* the empty forms clients send by default are no request for the feature */
     cr_assert_eq(parse(ROUTER_OAI_CHAT,
                        "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"tools\":[],\"logit_bias\":{},"
                        "\"response_format\":{\"type\":\"text\"},\"n\":1}"),
                  TD_OK, "%s", err.message);
     router_oai_req_free(&q);
+}
+
+#define CHAT_X "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],"
+
+/* The constraint `body` carries is read as `kind` from `param` and translated to GBNF
+ * equal to what td_gram makes of `src` (so the nodes compile the same grammar). */
+static void constrained(const char *body, td_gram_kind_t kind, const char *param, const char *src)
+{
+    cr_assert_eq(parse(ROUTER_OAI_CHAT, body), TD_OK, "%s: %s", body, err.message);
+    cr_assert_not_null(q.grammar, "%s: no grammar", body);
+    cr_assert_eq(q.grammar_kind, kind, "%s: kind %s", body, td_gram_kind_name(q.grammar_kind));
+    cr_assert_str_eq(q.grammar_param, param);
+    td_gram_t *g = NULL;
+    cr_assert_eq(td_gram_compile(kind, src, strlen(src), &g), TD_OK);
+    cr_assert_str_eq(q.grammar, td_gram_source(g), "%s: GBNF differs", body);
+    td_gram_unref(g);
+    router_oai_req_free(&q);
+    cr_assert_null(q.grammar);
+}
+
+Test(router_openai, structured_output_fields_become_gbnf)
+{
+    const char *schema = "{\"type\":\"object\",\"properties\":{\"a\":{\"type\":\"integer\"}},\"required\":[\"a\"]}";
+    constrained(CHAT_X "\"response_format\":{\"type\":\"json_object\"}}", TD_GRAM_JSON_OBJECT, "response_format",
+                "");
+    constrained(CHAT_X "\"response_format\":{\"type\":\"json_schema\",\"json_schema\":{\"name\":\"r\",\"strict\":true,"
+                       "\"schema\":{\"type\":\"object\",\"properties\":{\"a\":{\"type\":\"integer\"}},\"required\":[\"a\"]}}}}",
+                TD_GRAM_JSON_SCHEMA, "response_format.json_schema.schema", schema);
+    constrained(CHAT_X "\"guided_json\":{\"type\":\"object\",\"properties\":{\"a\":{\"type\":\"integer\"}},"
+                       "\"required\":[\"a\"]}}",
+                TD_GRAM_JSON_SCHEMA, "guided_json", schema);
+    /* vLLM also takes the schema as its JSON text */
+    constrained(CHAT_X "\"guided_json\":\"{\\\"type\\\":\\\"object\\\",\\\"properties\\\":{\\\"a\\\":"
+                       "{\\\"type\\\":\\\"integer\\\"}},\\\"required\\\":[\\\"a\\\"]}\"}",
+                TD_GRAM_JSON_SCHEMA, "guided_json", schema);
+    constrained(CHAT_X "\"guided_regex\":\"[a-c]{2}\\\\d\"}", TD_GRAM_REGEX, "guided_regex", "[a-c]{2}\\d");
+    constrained(CHAT_X "\"guided_choice\":[\"yes\",\"no\"]}", TD_GRAM_CHOICE, "guided_choice", "[\"yes\",\"no\"]");
+    constrained(CHAT_X "\"guided_grammar\":\"root ::= \\\"a\\\"+\"}", TD_GRAM_GBNF, "guided_grammar",
+                "root ::= \"a\"+");
+    constrained(CHAT_X "\"structured_outputs\":{\"choice\":[\"x\",\"y\"]}}", TD_GRAM_CHOICE,
+                "structured_outputs.choice", "[\"x\",\"y\"]");
+    constrained(CHAT_X "\"structured_outputs\":{\"json_object\":true}}", TD_GRAM_JSON_OBJECT,
+                "structured_outputs.json_object", "");
+    constrained(CHAT_X "\"structured_outputs\":{\"regex\":\"ab?\"}}", TD_GRAM_REGEX, "structured_outputs.regex",
+                "ab?");
+    /* llama.cpp's fields */
+    constrained(CHAT_X "\"grammar\":\"root ::= [0-9]+\"}", TD_GRAM_GBNF, "grammar", "root ::= [0-9]+");
+    constrained(CHAT_X "\"json_schema\":{\"type\":\"object\",\"properties\":{\"a\":{\"type\":\"integer\"}},"
+                       "\"required\":[\"a\"]}}",
+                TD_GRAM_JSON_SCHEMA, "json_schema", schema);
+    /* no constraint: text, nulls and an empty structured_outputs */
+    cr_assert_eq(parse(ROUTER_OAI_CHAT, CHAT_X "\"response_format\":{\"type\":\"text\"},\"guided_json\":null,"
+                                            "\"grammar\":null,\"structured_outputs\":{}}"),
+                 TD_OK, "%s", err.message);
+    cr_assert_null(q.grammar);
+    router_oai_req_free(&q);
+    /* completions read the same fields */
+    cr_assert_eq(parse(ROUTER_OAI_COMPLETIONS, "{\"prompt\":\"x\",\"guided_regex\":\"a|b\"}"), TD_OK, "%s",
+                 err.message);
+    cr_assert_not_null(q.grammar);
+    cr_assert_eq(q.grammar_kind, TD_GRAM_REGEX);
+    router_oai_req_free(&q);
+}
+
+Test(router_openai, structured_output_refusals_name_the_field)
+{
+    /* two constraints: which should win is not guessed */
+    refused(ROUTER_OAI_CHAT, CHAT_X "\"response_format\":{\"type\":\"json_object\"},\"guided_regex\":\"a\"}",
+            "guided_regex");
+    refused(ROUTER_OAI_CHAT, CHAT_X "\"guided_choice\":[\"a\"],\"grammar\":\"root ::= \\\"a\\\"\"}", "grammar");
+    /* an unsupported schema keyword is named in the message */
+    refused(ROUTER_OAI_CHAT,
+            CHAT_X "\"response_format\":{\"type\":\"json_schema\",\"json_schema\":{\"name\":\"r\",\"schema\":"
+                   "{\"type\":\"object\",\"properties\":{\"a\":{\"type\":\"integer\",\"multipleOf\":3}}}}}}",
+            "response_format.json_schema.schema");
+    cr_assert(strstr(err.message, "multipleOf"), "%s", err.message);
+    refused(ROUTER_OAI_CHAT, CHAT_X "\"guided_json\":{\"type\":\"array\",\"uniqueItems\":true}}", "guided_json");
+    cr_assert(strstr(err.message, "uniqueItems"), "%s", err.message);
+    /* bad regex, a grammar that cannot match, malformed schema text */
+    refused(ROUTER_OAI_CHAT, CHAT_X "\"guided_regex\":\"(a\"}", "guided_regex");
+    refused(ROUTER_OAI_CHAT, CHAT_X "\"guided_regex\":\"(?=a)b\"}", "guided_regex");
+    refused(ROUTER_OAI_CHAT, CHAT_X "\"grammar\":\"root ::= root \\\"a\\\"\"}", "grammar");
+    refused(ROUTER_OAI_CHAT, CHAT_X "\"guided_grammar\":\"root ::= undefined\"}", "guided_grammar");
+    refused(ROUTER_OAI_CHAT, CHAT_X "\"guided_json\":\"{not json\"}", "guided_json");
+    refused(ROUTER_OAI_CHAT, CHAT_X "\"guided_choice\":[]}", "guided_choice");
+    /* wrong types and unknown response_format types */
+    refused(ROUTER_OAI_CHAT, CHAT_X "\"guided_choice\":\"a\"}", "guided_choice");
+    refused(ROUTER_OAI_CHAT, CHAT_X "\"guided_regex\":5}", "guided_regex");
+    refused(ROUTER_OAI_CHAT, CHAT_X "\"response_format\":\"json\"}", "response_format");
+    refused(ROUTER_OAI_CHAT, CHAT_X "\"response_format\":{\"type\":\"xml\"}}", "response_format.type");
+    refused(ROUTER_OAI_CHAT, CHAT_X "\"response_format\":{\"type\":\"json_schema\"}}", "response_format.json_schema");
+    refused(ROUTER_OAI_CHAT,
+            CHAT_X "\"response_format\":{\"type\":\"json_schema\",\"json_schema\":{\"name\":\"r\",\"strict\":1,"
+                   "\"schema\":{}}}}",
+            "response_format.json_schema.strict");
+    refused(ROUTER_OAI_CHAT, CHAT_X "\"structured_outputs\":{\"regex\":[1]}}", "structured_outputs.regex");
+    refused(ROUTER_OAI_CHAT, CHAT_X "\"structured_outputs\":{\"json_object\":1}}", "structured_outputs.json_object");
 }
 
 Test(router_openai, bad_json)
