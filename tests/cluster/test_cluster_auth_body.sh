@@ -39,23 +39,13 @@ want=$(cl_ref $MAXTOK "1 200 300")
 BOUND=0.5
 [ "${TD_SANITIZE:-OFF}" = ON ] && BOUND=1.0
 
-"$CL_PY" - "$OA" "$CL_GW" "$KEY" "$want" <<'EOF' || cl_fail "the pathological bodies test failed (above)"
+PYTHONPATH="$CL_SRC/tests/cluster" "$CL_PY" - "$OA" "$CL_GW" "$KEY" "$want" <<'EOF' || cl_fail "the pathological bodies test failed (above)"
 import grpc, http.client, json, sys, threading, time
 oa, gw, key, want = sys.argv[1], sys.argv[2], sys.argv[3], [int(x) for x in sys.argv[4].split()]
 host, port = oa.split("//")[1].split("/")[0].split(":")
 MD = (("authorization", "Bearer " + key),)
 
-def varint(n):
-    out = bytearray()
-    while True:
-        b = n & 0x7F
-        n >>= 7
-        out.append(b | 0x80 if n else b)
-        if not n:
-            return bytes(out)
-
-def field(f, b):
-    return varint(f << 3 | 2) + varint(len(b)) + b
+from cluster_wire import pb_bytes as field, varint
 
 def parse_ids(m):  # GenerateResponse.token_ids (field 1, packed)
     ids, i = [], 0

@@ -26,18 +26,11 @@ cl_node prefill p0
 cl_node decode d0
 cl_wait_nodes 1 1
 
-"$CL_PY" - "$OA" "$CL_GW" "$KA" "$KR" "$KB" <<'EOF' || cl_fail "the key limits failed (above)"
+PYTHONPATH="$CL_SRC/tests/cluster" "$CL_PY" - "$OA" "$CL_GW" "$KA" "$KR" "$KB" <<'EOF' || cl_fail "the key limits failed (above)"
 import grpc, json, sys, threading, time, urllib.error, urllib.request
 oa, gw, ka, kr, kb = sys.argv[1:6]
 
-def varint(n):
-    out = bytearray()
-    while True:
-        b = n & 0x7F
-        n >>= 7
-        out.append(b | 0x80 if n else b)
-        if not n:
-            return bytes(out)
+from cluster_wire import varint
 
 def gen_req(ids, max_tokens, priority=None):
     body = b"".join(varint(x) for x in ids)
