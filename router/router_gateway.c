@@ -159,16 +159,9 @@ static bool gateway_grammar(const Tandem__V1__Grammar *g, char **gbnf_p, char *w
         snprintf(why, cap, "grammar.source of %zu bytes: at most %d through the gateway", len, GATEWAY_GRAMMAR_MAX);
         return false;
     }
-    td_gram_t *gram = NULL;
-    td_status_t st = td_gram_compile(kinds[g->kind], g->source, len, &gram);
+    td_status_t st = td_gram_to_gbnf(kinds[g->kind], g->source, len, gbnf_p);
     if (st != TD_OK) {
         snprintf(why, cap, "grammar: %s", st == TD_ERR_NOMEM ? "router: out of memory" : td_last_error());
-        return false;
-    }
-    *gbnf_p = strdup(td_gram_source(gram));
-    td_gram_unref(gram);
-    if (!*gbnf_p) {
-        snprintf(why, cap, "router: out of memory");
         return false;
     }
     return true;

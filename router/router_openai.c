@@ -541,8 +541,7 @@ static bool read_constraint(const cJSON *o, router_oai_req_t *q, router_oai_erro
         src = printed;
         len = strlen(printed);
     }
-    td_gram_t *g = NULL;
-    td_status_t st = td_gram_compile(c.kind, src, len, &g);
+    td_status_t st = td_gram_to_gbnf(c.kind, src, len, &q->grammar);
     free(printed);
     if (st == TD_ERR_NOMEM) {
         router_oai_error_set(err, 500, "server_error", NULL, NULL, "router: out of memory");
@@ -552,12 +551,6 @@ static bool read_constraint(const cJSON *o, router_oai_req_t *q, router_oai_erro
         router_oai_error_set(err, 400, "invalid_request_error", c.param,
                              st == TD_ERR_UNSUPPORTED ? "unsupported_value" : "invalid_value", "'%s': %s", c.param,
                              td_last_error());
-        return false;
-    }
-    q->grammar = strdup(td_gram_source(g));
-    td_gram_unref(g);
-    if (!q->grammar) {
-        router_oai_error_set(err, 500, "server_error", NULL, NULL, "router: out of memory");
         return false;
     }
     q->grammar_kind = c.kind;

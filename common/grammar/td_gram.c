@@ -1114,6 +1114,20 @@ const char *td_gram_source(const td_gram_t *g)
     return g->source ? g->source : "";
 }
 
+td_status_t td_gram_to_gbnf(td_gram_kind_t kind, const char *src, size_t len, char **gbnf_p)
+{
+    td_gram_t *g = NULL;
+    td_status_t st = td_gram_compile(kind, src, len, &g);
+    if (st != TD_OK)
+        return st;
+    char *gbnf = strdup(td_gram_source(g));
+    td_gram_unref(g);
+    if (!gbnf)
+        return td_errorf(TD_ERR_NOMEM, "grammar: out of memory");
+    *gbnf_p = gbnf;
+    return TD_OK;
+}
+
 uint64_t td_gram_hash(const td_gram_t *g)
 {
     return g->hash;

@@ -82,6 +82,11 @@ void td_gram_unref(td_gram_t *g);
 
 /* The GBNF text the grammar was built from (for a GBNF input, the input). Owned by g. */
 const char *td_gram_source(const td_gram_t *g);
+
+/* Compiles src as kind and writes its GBNF text (td_gram_source) to *gbnf_p, a string the
+ * caller frees: what a router sends nodes, which compile GBNF only. Errors: td_gram_compile's
+ * (TD_ERR_NOMEM also when the copy fails). *gbnf_p written on success only. */
+td_status_t td_gram_to_gbnf(td_gram_kind_t kind, const char *src, size_t len, char **gbnf_p);
 /* FNV-1a of the kind and the input: the cache key, and the check that a serialized state
  * is read against the grammar it came from. */
 uint64_t td_gram_hash(const td_gram_t *g);
