@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The experiment of issue 16 (docs/goodput.md): goodput of the same two cores serving one model
-# disaggregated (1 prefill + 1 decode node, one core each) and colocated (2 unified nodes, one
-# core each; 1 unified node on both cores), under one router, measured by `tandem bench serve`
-# sweeping the request rate of each workload mix.
+# disaggregated (1 prefill + 1 decode node, one core each), colocated (2 unified nodes, one
+# core each; 1 unified node on both cores) and conditionally disaggregated (1 prefill + 1 decode
+# node, the router placing each prompt on either: issue 37), under one router, measured by
+# `tandem bench serve` sweeping the request rate of each workload mix.
 #
 #   bench/goodput_sweep.sh [OUT_DIR]            the whole experiment (default OUT_DIR bench/goodput-out)
 #   bench/goodput_sweep.sh --probe [OUT_DIR]    unloaded TTFT / TPOT only (one request at a time),
@@ -13,12 +14,16 @@
 # the router and the load generator stay on both cores (they are shared by every configuration).
 # Every configuration x mix gets a fresh cluster. Environment (defaults in brackets):
 #   TANDEM [build/tandem]  MODEL [scripts/fetch-model smollm2]  CORES [0,1]  CONFIGS [disagg unified2 unified1]
-#     (a unified configuration may name its prompt chunk: unified2@64 runs --prefill-chunk 64)
+#     (a unified configuration may name its prompt chunk: unified2@64 runs --prefill-chunk 64;
+#     `conditional` is disagg with --prefill-policy conditional and --tpot-objective-ms the mix's
+#     TPOT objective, conditional@MS another objective)
 #   MIXES [prefill decode]  NUM_PROMPTS [30]  SEED [1]  WARMUP [4]
 #   PREFILL_MIX ["256 16 0.25"]  DECODE_MIX ["64 128 0.25"]   (input-len output-len range-ratio)
 #   PREFILL_SLO ["ttft:MS tpot:MS"]  DECODE_SLO [...]  PREFILL_RATES  DECODE_RATES  (see below)
 #   DETAILED [0]  1: the result files carry every request (--save-detailed), so that
 #     bench/goodput_plot.py can score the same runs against other objectives (its SLO scale)
+#   MAX_CONCURRENCY [unset]  N: at most N requests in flight (bench serve --max-concurrency); with
+#     a rate far above capacity (PREFILL_RATES=100) a closed loop, as aiperf's --concurrency
 set -euo pipefail
 cd "$(dirname "$0")/.."
 probe=0
@@ -57,15 +62,21 @@ trap stop_cluster EXIT
 
 # start_cluster CONFIG: sets $url (the OpenAI base URL) and pins the nodes
 start_cluster() {
-  local cfg=$1 args
+  local cfg=$1 tpot_ms=$2 args
   case "${cfg%@*}" in
     disagg) args=(--prefill 1 --decode 1 --threads 1) ;;
+    conditional) args=(--prefill 1 --decode 1 --threads 1 --prefill-policy conditional) ;;
     unified2) args=(--unified 2 --threads 1) ;;
     unified1) args=(--unified 1 --threads 2) ;;
     *) echo "goodput_sweep: unknown configuration $cfg" >&2; exit 2 ;;
   esac
-  # CONFIG@N: unified nodes feed prompts in chunks of N tokens (--prefill-chunk; default 256)
-  case "$cfg" in *@*) args+=(--prefill-chunk "${cfg#*@}") ;; esac
+  # CONFIG@N: unified nodes feed prompts in chunks of N tokens (--prefill-chunk; default 256);
+  # conditional@MS: the router's TPOT objective (else the mix's)
+  case "$cfg" in
+    conditional@*) args+=(--tpot-objective-ms "${cfg#*@}") ;;
+    conditional) args+=(--tpot-objective-ms "$tpot_ms") ;;
+    *@*) args+=(--prefill-chunk "${cfg#*@}") ;;
+  esac
   local fifo=$out/.local.$cfg.out
   : >"$fifo" # exists before the background start opens it
   taskset -c "$CORES" "$TANDEM" local --model "$MODEL" "${args[@]}" >"$fifo" 2>"$out/local.$cfg.err" &
@@ -106,7 +117,9 @@ mix_args() { # mix -> input-len output-len range-ratio
 for cfg in $CONFIGS; do
   for mix in $MIXES; do
     read -r il ol rr <<<"$(mix_args "$mix")"
-    start_cluster "$cfg"
+    if [ "$mix" = prefill ]; then slo=$PREFILL_SLO rates=$PREFILL_RATES; else slo=$DECODE_SLO rates=$DECODE_RATES; fi
+    tpot_ms=$(sed -n 's/.*tpot:\([0-9.]*\).*/\1/p' <<<"$slo")
+    start_cluster "$cfg" "${tpot_ms%.*}"
     common=(--openai "$url" --dataset random --input-len "$il" --output-len "$ol" --range-ratio "$rr"
             --ignore-eos --vocab-size 49152 --seed "$SEED")
     if [ "$probe" = 1 ]; then
@@ -115,11 +128,11 @@ for cfg in $CONFIGS; do
       "$TANDEM" bench serve "${common[@]}" --num-prompts 8 --warmup-prompts 2 --max-concurrency 1 \
         --result-file "$out/probe-$cfg-$mix.json" | grep -E "TTFT|TPOT|throughput" | tee -a "$log"
     else
-      if [ "$mix" = prefill ]; then slo=$PREFILL_SLO rates=$PREFILL_RATES; else slo=$DECODE_SLO rates=$DECODE_RATES; fi
       echo "$cfg/$mix: $il in / $ol out (r $rr), objectives '$slo', rates $rates, $NUM_PROMPTS prompts; load before: $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$log"
       t0=$(date +%s)
       detailed=()
       [ "${DETAILED:-0}" = 1 ] && detailed=(--save-detailed)
+      [ -n "${MAX_CONCURRENCY:-}" ] && detailed+=(--max-concurrency "$MAX_CONCURRENCY")
       "$TANDEM" bench serve "${common[@]}" --num-prompts "$NUM_PROMPTS" --warmup-prompts "$WARMUP" \
         --goodput "$slo" --sweep "$rates" --result-file "$out/$cfg-$mix.json" "${detailed[@]}" 2>&1 |
         sed -n '/^rate /,$p' | tee -a "$log"

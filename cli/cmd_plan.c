@@ -11,7 +11,7 @@
  *       the same profile measured through a running cluster with the load generator
  *       (common/loadgen/loadgen_profile.h).
  *   tandem plan --profile P (--workload W | --metrics URL) --ttft MS --tpot MS
- *               [--rate R | --nodes N] [--split P:D | --unified N] [--json]
+ *               [--rate R | --nodes N] [--split P:D | --unified N] [--prefill-policy conditional] [--json]
  *       simulates the cluster (common/plan/td_plan.h) and answers: the P:D split and batch
  *       limits with the most goodput per node, the highest rate N nodes sustain, the nodes a
  *       rate needs, and a what-if table.
@@ -32,6 +32,7 @@
 
 #include "loadgen_profile.h"
 #include "loadgen_workload.h"
+#include "router_policy.h"
 #include "td_backend.h"
 #include "td_cli.h"
 #include "td_engine.h"
@@ -428,8 +429,8 @@ out:
 /* ==== the plan =================================================================================== */
 
 typedef struct plan_opts {
-    const char *profile, *workload, *metrics, *split, *rates;
-    double ttft_ms, tpot_ms, rate, attainment, overhead_ms, metrics_window_s;
+    const char *profile, *workload, *metrics, *split, *rates, *prefill_policy;
+    double ttft_ms, tpot_ms, tpot_objective_ms, rate, attainment, overhead_ms, metrics_window_s;
     int64_t nodes, unified, max_nodes, requests, seed;
     int64_t prefill_max_batch_tokens, prefill_max_batch, decode_max_batch, decode_kv_tokens;
     int64_t unified_max_batch_tokens, unified_chunk;
@@ -457,7 +458,7 @@ static void split_name(char *b, size_t cap, const td_plan_cluster_t *c)
     if (c->n_unified)
         snprintf(b, cap, "%dU", c->n_unified);
     else
-        snprintf(b, cap, "%d:%d", c->n_prefill, c->n_decode);
+        snprintf(b, cap, "%d:%d%s", c->n_prefill, c->n_decode, c->conditional ? "c" : "");
 }
 
 static cJSON *result_json(const td_plan_cluster_t *c, double rate, const td_plan_result_t *r)
@@ -780,7 +781,8 @@ static void plan_usage(FILE *f)
                "its flags)\n"
                "       tandem plan calibrate --profile P --prefill-metrics URL --decode-metrics URL --context C --out FILE\n"
                "       tandem plan --profile P (--workload random:IN:OUT[:RANGE]|trace:FILE | --metrics URL)\n"
-               "                   --ttft MS --tpot MS [--rate R] [--nodes N] [--split P:D | --unified N] [--json]\n");
+               "                   --ttft MS --tpot MS [--rate R] [--nodes N] [--split P:D | --unified N]\n"
+               "                   [--prefill-policy disaggregated|conditional] [--json]\n");
 }
 
 int cmd_plan(int argc, char **argv)
@@ -795,7 +797,7 @@ int cmd_plan(int argc, char **argv)
                      .prefill_max_batch_tokens = dc.prefill_max_batch_tokens, .prefill_max_batch = dc.prefill_max_batch,
                      .decode_max_batch = dc.decode_max_batch, .unified_max_batch_tokens = dc.unified_max_batch_tokens,
                      .unified_chunk = dc.unified_chunk};
-    float ttft = 0, tpot = 0, rate = 0, att = 0.9f, overhead = -1, window = 5;
+    float ttft = 0, tpot = 0, rate = 0, att = 0.9f, overhead = -1, window = 5, tpot_obj = 0;
     const td_opt_t opts[] = {
         TD_OPT_STRING("profile", &o.profile, "profile file of `tandem plan profile` (required)"),
         TD_OPT_STRING("workload", &o.workload, "random:IN:OUT[:RANGE] or trace:FILE (bench serve's trace format)"),
@@ -830,6 +832,11 @@ int cmd_plan(int argc, char **argv)
         TD_OPT_INT("unified-chunk", &o.unified_chunk, 1, 1 << 20,
                    "prompt tokens a sequence feeds per unified step (a unified node's --prefill-chunk, 256)"),
         TD_OPT_INT("decode-kv-tokens", &o.decode_kv_tokens, 0, INT64_MAX, "KV tokens per decode node (0: unbounded)"),
+        TD_OPT_STRING("prefill-policy", &o.prefill_policy,
+                      "the router's for P:D splits: disaggregated (default) | conditional (each prompt on its decode "
+                      "node when that is sooner and keeps its streams within --tpot-objective-ms; splits print as P:Dc)"),
+        {.name = "tpot-objective-ms", .type = TD_OPT_F32, .ptr = &tpot_obj, .fmin = 1e-3f, .fmax = 1e7f, .arg = "MS",
+         .help = "conditional: the router's --tpot-objective-ms (default: --tpot)"},
         {.name = "json", .type = TD_OPT_BOOL, .ptr = &o.json, .help = "one JSON document on stdout"},
     };
     td_opts_t spec = {.prog = "tandem plan", .opts = opts, .n_opts = TD_ARRAY_LEN(opts)};
@@ -845,6 +852,11 @@ int cmd_plan(int argc, char **argv)
     o.metrics_window_s = window;
     int sp, sd;
     const char *bad = NULL;
+    router_prefill_policy_t policy = ROUTER_PREFILL_DISAGGREGATED;
+    if (o.prefill_policy && router_prefill_policy_parse(o.prefill_policy, &policy) != TD_OK) {
+        td_errorf(TD_ERR_INVALID, "tandem plan: --%s", td_last_error());
+        return 2;
+    }
     if (!o.profile)
         bad = "--profile: required (a file of `tandem plan profile`)";
     else if (!o.workload == !o.metrics)
@@ -868,6 +880,8 @@ int cmd_plan(int argc, char **argv)
     x.base.prefill_max_batch = (int32_t)o.prefill_max_batch;
     x.base.decode_max_batch = (int32_t)o.decode_max_batch;
     x.base.decode_kv_tokens = o.decode_kv_tokens;
+    x.base.conditional = policy == ROUTER_PREFILL_CONDITIONAL;
+    x.base.tpot_objective_s = (tpot_obj > 0 ? tpot_obj : tpot) * 1e-3;
     x.s.n_requests = (size_t)o.requests;
     x.s.seed = (uint64_t)o.seed + 1;
     x.s.min_attainment = att;

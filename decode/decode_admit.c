@@ -80,6 +80,7 @@ td_grpc_code_t decode_admit_read(const Tandem__Control__V1__AdmitRequest *r, con
         code = TD_GRPC_RESOURCE_EXHAUSTED;
     }
     a->local = unified || r->local_prefill;
+    a->chunk = a->local ? (int32_t)TD_MIN(r->local_prefill_chunk, (uint32_t)INT32_MAX) : 0;
     if (code == TD_GRPC_OK && a->local && a->logprobs.prompt) {
         if (unified)
             snprintf(why, cap, "admit: prompt logprobs are not served by a unified node (it computes prompts "

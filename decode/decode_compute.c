@@ -28,14 +28,17 @@ static void spec_metrics(decode_state_t *s, const td_spec_stats_t *now)
 
 /* A step's figures into the heartbeat's pace (decode_state_t: step_ns, milli_tok_s), moving
  * means over the last eight or so steps of each kind: the router prices a local prefill with
- * them (router_policy, conditional disaggregation). The rate is tokens over time, summed, so
- * a step with a few prompt tokens beside its decodes weighs by its time, not as a rate of its
- * own; it includes the step's decodes, as the chunks' steps do while they run. */
-static void pace_note(decode_state_t *s, double dt, int32_t n_prefill_tokens)
+ * them as pace + chunk / rate (td_place: router_policy, conditional disaggregation). The rate
+ * is tokens over the time the chunks *added* to their steps (the step less the decode-only
+ * pace when it also decoded; at least a tenth of it), summed, so a step with a few prompt
+ * tokens weighs by its time, not as a rate of its own. Counting the decodes' time in it too
+ * would price them twice, and shrink the router's chunks, step after step. */
+static void pace_note(decode_state_t *s, double dt, int32_t n_tokens, int32_t n_prefill_tokens)
 {
     if (n_prefill_tokens > 0) {
+        double pace = n_tokens > n_prefill_tokens ? (double)atomic_load(&s->step_ns) * 1e-9 : 0;
         s->rate_tok = s->rate_tok * 7 / 8 + n_prefill_tokens;
-        s->rate_s = s->rate_s * 7 / 8 + dt;
+        s->rate_s = s->rate_s * 7 / 8 + TD_MAX(dt - pace, 0.1 * dt);
         atomic_store(&s->milli_tok_s, (int64_t)(s->rate_tok / TD_MAX(s->rate_s, 1e-6) * 1e3));
         return;
     }
@@ -83,7 +86,7 @@ static void compute_admit(decode_state_t *s, decode_cmd_t *c, decode_out_t *fail
                           .logprobs = a->logprobs.on, .top_logprobs = a->logprobs.top,
                           .ignore_eos = a->ignore_eos, .replay = a->replay, .n_replay = a->n_replay,
                           .cache_salt = a->cache_salt,
-                          .grammar = a->grammar};
+                          .grammar = a->grammar, .prefill_chunk = a->chunk};
     if (decode_sched_admit(s->sched, &r) != TD_OK) {
         td_warn("decode: lease %llu not admitted: %s", (unsigned long long)c->lease_id, td_last_error());
         for (int32_t i = 0; i < c->n_blocks; i++)
@@ -195,7 +198,7 @@ void decode_compute_main(void *arg)
                 td_metric_inc(s->m_steps);
                 td_metric_observe(s->m_step_s, dt);
                 td_metric_observe(s->m_batch, res.n_seqs);
-                pace_note(s, dt, res.n_prefill_tokens);
+                pace_note(s, dt, res.n_tokens, res.n_prefill_tokens);
             }
         }
         decode_sched_stats_t ss;

@@ -36,6 +36,8 @@ typedef struct dseq {
     bool logprobs;          /* decode_request_t's */
     int32_t top_logprobs;
     bool ignore_eos;        /* decode_request_t's: EOS ids are not stops */
+    int32_t chunk;          /* the most context tokens a step feeds it (decode_request_t's
+                               prefill_chunk, within cfg.prefill_chunk) */
     td_spec_adapt_t adapt;  /* speculative decoding: the size of its next draft */
     td_kv_seq_t dkv;        /* with a draft model: its KV of (a prefix of) ctx, in the draft
                                engine's pool; dropped with kv (drop_kv) */
@@ -428,6 +430,7 @@ td_status_t decode_sched_admit(decode_sched_t *s, const decode_request_t *req)
     q->logprobs = req->logprobs;
     q->top_logprobs = req->top_logprobs;
     q->ignore_eos = req->ignore_eos;
+    q->chunk = req->prefill_chunk > 0 ? TD_MIN(req->prefill_chunk, s->cfg.prefill_chunk) : s->cfg.prefill_chunk;
     td_spec_adapt_init(&q->adapt, &s->cfg.spec);
     q->ctx = malloc((size_t)q->cap_ctx * sizeof *q->ctx);
     q->stop_ids = malloc((size_t)TD_MAX(req->n_stop_ids, 1) * sizeof *q->stop_ids);
@@ -622,7 +625,7 @@ static int32_t build_batch(decode_sched_t *s, bool draft, int32_t *n_tokens_p, i
                 rows = q->kv.n_tokens < q->n_prompt ? q->n_prompt - q->kv.n_tokens : 1;
             if ((rows == 1) != (pass == 0))
                 continue;
-            int32_t n = TD_MIN(TD_MIN(rows, s->cfg.prefill_chunk), budget);
+            int32_t n = TD_MIN(TD_MIN(rows, q->chunk), budget);
             s->items[k] = (td_engine_item_t){.seq = &q->kv, .tokens = q->ctx + q->kv.n_tokens,
                                              .n_tokens = n, .n_logits = n == rest};
             s->owners[k++] = q;

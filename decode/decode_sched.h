@@ -153,6 +153,9 @@ typedef struct decode_request {
        prefill node's first token; each step samples under its mask; an EOS the mask allowed
        ends the request (ignore_eos does not apply). */
     const char *grammar;
+    /* Prefilled here: the most prompt tokens one step feeds it, below cfg.prefill_chunk (the
+       router's bound for its TPOT objective: conditional disaggregation); 0 = prefill_chunk. */
+    int32_t prefill_chunk;
 } decode_request_t;
 
 /* Something that happened to one request in a step. */

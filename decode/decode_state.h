@@ -160,8 +160,8 @@ typedef struct decode_state {
     _Atomic int32_t admits_posted, outs_unsent;
     /* the heartbeat's pace figures (compute thread, moving means): step_ns of the steps without
        prompt chunks (the running streams' pace), milli_tok_s the prompt-chunk tokens per second
-       of the steps with chunks (the local prefill rate, x 1000; 0 before the first); rate_tok
-       and rate_s are its decayed sums */
+       of the time chunks added to their steps (the local prefill rate, x 1000; 0 before the
+       first; decode_compute.c pace_note); rate_tok and rate_s are its decayed sums */
     _Atomic int64_t step_ns, milli_tok_s;
     double rate_tok, rate_s;
     bool shutting_down;

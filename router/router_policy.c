@@ -14,6 +14,7 @@
 
 #include "router_admit.h"
 #include "td_kv.h"
+#include "td_place.h"
 #include "td_util.h"
 
 router_policy_config_t router_policy_config_default(void)
@@ -21,12 +22,12 @@ router_policy_config_t router_policy_config_default(void)
     return (router_policy_config_t){
         .prefix_weight = 1.0f,
         .prefill_policy = ROUTER_PREFILL_DISAGGREGATED,
-        .tpot_objective_s = 0.1,
+        .tpot_objective_s = TD_PLACE_TPOT_OBJECTIVE_S,
         .xfer_fixed_s = 0.002,
         .xfer_bytes_per_s = 1e9,
         .max_hash_blocks = 4096,
         .max_prefill_wait_s = 5.0,
-        .assumed_tok_s = 50.0,
+        .assumed_tok_s = TD_PLACE_ASSUMED_TOK_S,
     };
 }
 
@@ -147,32 +148,28 @@ static int32_t best_prefill(const router_registry_t *reg, const router_policy_co
     return best;
 }
 
-/* A local prefill on decode node d (rule 5): *local_s_p, when the node would hold the prompt's
- * KV, and *step_s_p, how long its steps take while the chunks run. False when it cannot
- * prefill the prompt itself now (its running batch fills its step budget). */
-static bool local_estimate(const router_registry_t *reg, const router_policy_config_t *cfg,
-                           const router_pick_request_t *req, int32_t d, int32_t p, hash_cache_t *hc,
-                           double *local_s_p, double *step_s_p)
+/* A local prefill on decode node d (rule 5, td_place_local_estimate), its chunks' steps within
+ * tpot_s (0: unbounded): into *e_p when it fits. */
+static td_place_fit_t local_estimate(const router_registry_t *reg, const router_policy_config_t *cfg,
+                                     const router_pick_request_t *req, int32_t d, int32_t p, hash_cache_t *hc,
+                                     double tpot_s, td_place_estimate_t *e_p)
 {
     const router_node_t *dn = router_registry_node_const(reg, d);
     int32_t bs = (int32_t)dn->info.layout.block_size, n_hashes;
     const uint64_t *h = hashes_for(hc, req, bs, &n_hashes);
     int64_t cached = (int64_t)router_registry_prefix_match(reg, d, h, n_hashes) * bs;
-    int64_t work = dn->load.queued_prefill_tokens + TD_MAX((int64_t)req->n_prompt - cached, 1);
-    double rate = dn->load.prefill_tok_s;
-    if (rate <= 0) { /* not measured yet: half its partner's rate, or of the assumed one */
-        const router_node_t *pn = p >= 0 ? router_registry_node_const(reg, p) : NULL;
-        rate = 0.5 * (pn && pn->load.prefill_tok_s > 0 ? pn->load.prefill_tok_s : cfg->assumed_tok_s);
-    }
-    rate = TD_MAX(rate, 1e-3);
-    int64_t room = dn->info.max_step_tokens > 0 ? (int64_t)dn->info.max_step_tokens - dn->load.running_seqs : work;
-    if (room <= 0)
-        return false;
-    int64_t chunk = TD_MIN(work, room);
-    double step_s = dn->load.step_ms * 1e-3 + (double)chunk / rate;
-    *step_s_p = step_s;
-    *local_s_p = (double)TD_DIV_CEIL(work, chunk) * step_s;
-    return true;
+    const router_node_t *pn = p >= 0 ? router_registry_node_const(reg, p) : NULL;
+    td_place_local_t l = {
+        .queued_tokens = dn->load.queued_prefill_tokens,
+        .new_tokens = TD_MAX((int64_t)req->n_prompt - cached, 1),
+        .max_step_tokens = dn->info.max_step_tokens,
+        .running = dn->load.running_seqs,
+        .step_s = dn->load.step_ms * 1e-3,
+        .prefill_tok_s = td_place_local_rate(dn->load.prefill_tok_s, pn ? pn->load.prefill_tok_s : 0,
+                                             cfg->assumed_tok_s),
+        .tpot_objective_s = tpot_s,
+    };
+    return td_place_local_estimate(&l, e_p);
 }
 
 /* Remote: the prefill partner's wait and the prompt's KV transfer (rule 5). */
@@ -183,7 +180,7 @@ static double remote_estimate(const router_registry_t *reg, const router_policy_
     const td_kv_layout_t *l = &dn->info.layout;
     double bytes = (double)TD_DIV_CEIL((int64_t)req->n_prompt, (int64_t)l->block_size) * l->n_layers *
                    (double)td_kv_block_bytes(l);
-    return wait_s + cfg->xfer_fixed_s + bytes / TD_MAX(cfg->xfer_bytes_per_s, 1.0);
+    return td_place_remote_estimate(wait_s, bytes, cfg->xfer_fixed_s, cfg->xfer_bytes_per_s);
 }
 
 /*
@@ -196,31 +193,36 @@ static bool place_conditional(const router_registry_t *reg, const router_policy_
                               const router_pick_request_t *req, int32_t d, int32_t p, bool busy, double wait_s,
                               hash_cache_t *hc, router_pick_t *pick_p)
 {
-    const router_node_t *dn = router_registry_node_const(reg, d);
-    double local_s = -1, step_s = 0, remote_s = p >= 0 ? remote_estimate(reg, cfg, req, d, wait_s) : -1;
+    double remote_s = p >= 0 ? remote_estimate(reg, cfg, req, d, wait_s) : -1;
+    td_place_estimate_t e = {.local_s = -1};
+    td_place_fit_t fit = TD_PLACE_NO_STEP_ROOM;
     router_place_reason_t no_local = ROUTER_PLACE_FASTER;
     if (req->prompt_logprobs)
         no_local = ROUTER_PLACE_PROMPT_LOGPROBS;
     else if (excluded(req, d, d)) /* tried locally already: a retry goes to a partner */
         no_local = ROUTER_PLACE_FASTER;
-    else if (!local_estimate(reg, cfg, req, d, p, hc, &local_s, &step_s))
+    else if ((fit = local_estimate(reg, cfg, req, d, p, hc, cfg->tpot_objective_s, &e)) == TD_PLACE_NO_STEP_ROOM)
         no_local = ROUTER_PLACE_STEP_BUDGET;
-    pick_p->local_s = local_s;
+    else if (fit == TD_PLACE_NO_TPOT_ROOM) {
+        no_local = ROUTER_PLACE_TPOT;
+        if (p < 0 && !busy) /* no prefill node at all: local whatever the TPOT, in chunks of the node's */
+            fit = local_estimate(reg, cfg, req, d, p, hc, 0, &e);
+    }
+    pick_p->local_s = fit == TD_PLACE_FITS ? e.local_s : -1;
     pick_p->remote_s = remote_s;
-    /* nobody running there: a chunk slows no stream */
-    bool tpot_ok = dn->load.running_seqs == 0 || step_s <= cfg->tpot_objective_s;
-    if (local_s < 0) {
+    if (fit != TD_PLACE_FITS) {
         pick_p->local = false;
         pick_p->reason = no_local;
         return p >= 0;
     }
-    if (p < 0) { /* local or nothing: with no prefill node at all, local whatever the TPOT */
+    pick_p->local_chunk = (int32_t)TD_MIN(e.chunk, (int64_t)INT32_MAX);
+    if (p < 0) { /* local or nothing */
         pick_p->local = true;
         pick_p->reason = busy ? ROUTER_PLACE_PREFILL_BUSY : ROUTER_PLACE_NO_PREFILL;
-        return !busy || tpot_ok;
+        return true;
     }
-    pick_p->local = local_s < remote_s && tpot_ok;
-    pick_p->reason = local_s < remote_s && !tpot_ok ? ROUTER_PLACE_TPOT : ROUTER_PLACE_FASTER;
+    pick_p->local = e.local_s < remote_s;
+    pick_p->reason = ROUTER_PLACE_FASTER;
     return true;
 }
 

@@ -35,21 +35,24 @@
  *               (xfer_fixed_s + the prompt's KV bytes / xfer_bytes_per_s);
  *      local  = the steps it takes the decode node to feed its own queued prompt tokens and
  *               this prompt's uncached ones (prefix hashes it was sent) in chunks of
- *               c = min(those tokens, its step budget max_step_tokens - running) a step,
- *               each step taking step_ms (its decode-only pace) + c / its local prefill
- *               rate (prefill_tok_s, measured over its steps with chunks). A node that has
- *               reported no local rate yet is assumed at half its partner's rate (it
- *               computes chunks beside its decodes, in smaller batches), or half
- *               assumed_tok_s without one: slow, so the first local prefill of a node is
- *               one that wins by a margin, and it measures the rate.
- *    Local when it is sooner AND the chunk step stays within the TPOT objective
- *    (step_ms + c / rate <= tpot_objective_s) or nothing runs there yet to be slowed;
- *    otherwise remote. The reasons (router_place_reason_t): faster (either side), tpot
- *    (local is sooner but its chunk steps would slow the running streams past the
- *    objective), step_budget (the running batch fills max_step_tokens: no room for a chunk),
- *    prompt_logprobs (only a prefill node computes them), no_prefill (no prefill node
- *    pairs: local, whatever the TPOT), prefill_busy (every partner busy past
- *    max_prefill_wait_s: local if the TPOT allows, else the request waits).
+ *               c = min(those tokens, its step budget max_step_tokens - running,
+ *               (tpot_objective_s - step_ms) x rate) a step, each step taking step_ms (its
+ *               decode-only pace) + c / its local prefill rate (prefill_tok_s: chunk tokens
+ *               over the time they added to their steps). A node that has reported no local
+ *               rate yet is assumed at half its partner's rate (it computes chunks beside its
+ *               decodes, in smaller batches), or half assumed_tok_s without one: slow, so the
+ *               first local prefill of a node is one that wins by a margin, and it measures
+ *               the rate.
+ *    The arithmetic is td_place's (common/base/td_place.h), which tandem plan simulates too.
+ *    Local when it is sooner; its chunk c goes with the Admit (AdmitRequest.local_prefill_chunk),
+ *    so every step with it stays within the TPOT objective for the streams there and those that
+ *    join meanwhile. Otherwise remote. The reasons (router_place_reason_t): faster (either
+ *    side), tpot (the streams' own pace leaves no room within the objective for one prompt
+ *    token a step), step_budget (the running batch fills max_step_tokens: no room for a chunk),
+ *    prompt_logprobs (only a prefill node computes them), no_prefill (no prefill node pairs:
+ *    local, within the objective if a chunk fits, else in the node's own chunks),
+ *    prefill_busy (every partner busy past max_prefill_wait_s: local if a chunk fits the
+ *    objective, else the request waits).
  *
  * Outcomes: TD_OK with the pair; TD_ERR_EXHAUSTED when live decode nodes of the model
  * exist but none has room now, or every prefill partner is busy past max_prefill_wait_s
@@ -84,7 +87,7 @@ typedef struct router_policy_config {
     float prefix_weight;    /* work saved per cached prompt token, in queued tokens (1.0) */
     router_prefill_policy_t prefill_policy; /* (ROUTER_PREFILL_DISAGGREGATED) */
     double tpot_objective_s;/* conditional: the longest decode step a local prefill's chunks may
-                               make for the running streams (0.1 s) */
+                               make for the streams there (0.1 s): it sizes the chunks */
     double xfer_fixed_s;    /* conditional: a KV transfer's fixed cost (0.002 s) */
     double xfer_bytes_per_s;/* conditional: KV transfer bandwidth (1e9) */
     int32_t max_hash_blocks;/* most prompt blocks hashed for prefix scoring (4096) */
@@ -122,7 +125,8 @@ typedef enum router_place_reason {
     ROUTER_PLACE_POLICY,          /* remote: the disaggregated policy */
     ROUTER_PLACE_UNIFIED,         /* local: a unified node prefills every prompt */
     ROUTER_PLACE_FASTER,          /* the side estimated to hold the KV sooner */
-    ROUTER_PLACE_TPOT,            /* remote: local is sooner, its chunk steps pass the TPOT objective */
+    ROUTER_PLACE_TPOT,            /* remote: the decode node's pace leaves no room for a chunk within
+                                     the TPOT objective */
     ROUTER_PLACE_STEP_BUDGET,     /* remote: the running batch fills the decode node's step budget */
     ROUTER_PLACE_PROMPT_LOGPROBS, /* remote: the request wants prompt logprobs */
     ROUTER_PLACE_NO_PREFILL,      /* local: no prefill node pairs with the decode node */
@@ -146,6 +150,8 @@ typedef struct router_pick {
     router_place_reason_t reason;
     double local_s, remote_s; /* conditional: the two estimates compared (rule 5; < 0: that
                                  side was not possible) */
+    int32_t local_chunk;    /* conditional, local: the most prompt tokens a step of the decode
+                               node feeds it (AdmitRequest.local_prefill_chunk; 0: the node's) */
 } router_pick_t;
 
 /*

@@ -76,8 +76,8 @@ static void count_placement(router_req_t *r, const router_pick_t *pk)
         td_metric_inc(m);
     const router_node_t *dn = router_registry_node_const(s->reg, pk->pair.decode);
     td_debug("request %s: %d prompt tokens prefilled %s (%s) for decode node %s; estimates local %.3f s, remote "
-             "%.3f s (-1: not possible)", r->id, r->n_prompt, v[0], v[1], dn ? dn->info.id : "?", pk->local_s,
-             pk->remote_s);
+             "%.3f s (-1: not possible), local chunk %d tokens a step", r->id, r->n_prompt, v[0], v[1],
+             dn ? dn->info.id : "?", pk->local_s, pk->remote_s, pk->local ? pk->local_chunk : 0);
 }
 
 /* ---- text prompts, encoded off the loop (long ones) ------------------------------------ */
@@ -523,6 +523,7 @@ static void send_admit(router_req_t *r)
     q.n_replay_ids = r->resumed;
     q.cache_salt = r->cache_salt;
     q.local_prefill = r->pick.pair.prefill == r->pick.pair.decode; /* no transfer: it prefills the prompt */
+    q.local_prefill_chunk = q.local_prefill ? (uint32_t)TD_MAX(r->pick.local_chunk, 0) : 0; /* its TPOT bound */
     q.grammar = r->grammar ? r->grammar : "";
     td_grpc_call_opts_t o = {.response_desc = &tandem__control__v1__admit_response__descriptor,
                              .on_message = on_admit_msg, .on_done = on_admit_done, .data = r,

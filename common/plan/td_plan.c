@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "td_log.h"
+#include "td_place.h"
 #include "td_rng.h"
 #include "td_sched_defaults.h"
 #include "td_stats.h"
@@ -41,7 +42,8 @@ td_plan_cluster_t td_plan_cluster_default(void)
                                .prefill_max_batch_tokens = TD_PREFILL_MAX_BATCH_TOKENS,
                                .prefill_max_batch = TD_PREFILL_MAX_BATCH, .decode_max_batch = TD_DECODE_MAX_BATCH,
                                .unified_chunk = TD_DECODE_PREFILL_CHUNK,
-                               .unified_max_batch_tokens = TD_DECODE_MAX_BATCH_TOKENS};
+                               .unified_max_batch_tokens = TD_DECODE_MAX_BATCH_TOKENS,
+                               .tpot_objective_s = TD_PLACE_TPOT_OBJECTIVE_S};
 }
 
 td_plan_search_t td_plan_search_default(void)
@@ -116,7 +118,8 @@ typedef struct sreq {
     int32_t input, output;
     int32_t prefilled;  /* prompt tokens computed */
     int32_t generated;  /* output tokens produced (the first by the prefill) */
-    int32_t node;       /* prefill or unified node */
+    int32_t node;       /* prefill or unified node; -1: prefilled on its decode node */
+    int32_t chunk;      /* prefilled on its decode node: the most prompt tokens a step feeds (0: unified_chunk) */
     int32_t dnode;      /* decode node */
     double t_first, t_done;
 } sreq_t;
@@ -139,6 +142,13 @@ typedef struct node {
     int32_t assigned;      /* decode: sequences placed here and not ended */
     int64_t kv_tokens;     /* decode: tokens reserved by them */
     double busy_s;
+    double step_dt;        /* the step under way: its length */
+    int64_t step_prompt, step_decodes; /* ... its prompt tokens and its one-token decodes */
+    /* its pace as its heartbeats report it (moving means over about eight steps, as the nodes
+       keep them: prefill_main.c, decode_compute.c pace_note): what the router prices with */
+    double tok_s;          /* prefill: prompt tokens per second of its steps */
+    double pace_s;         /* decode, unified: a step without prompt tokens */
+    double rate_tok, rate_s; /* decode, unified: prompt tokens and time of the steps with them, decayed */
 } node_t;
 
 typedef struct sim {
@@ -223,6 +233,7 @@ static td_status_t step_run(sim_t *s, node_t *nd, double dt, double now, int32_t
     dt = td_plan_step_elapsed(s->p, s->replica, kind == EV_DECODE ? s->n_pn + i : i, now, dt);
     nd->busy = true;
     nd->busy_s += dt;
+    nd->step_dt = dt;
     return heap_push(&s->h, now + dt, kind, i);
 }
 
@@ -250,6 +261,11 @@ static td_status_t prefill_done(sim_t *s, int32_t i, double now)
 {
     node_t *nd = &s->pn[i];
     nd->busy = false;
+    int64_t step_tokens = 0;
+    for (int32_t k = 0; k < nd->n_step; k++)
+        step_tokens += nd->step_tok[k];
+    double tps = (double)step_tokens / TD_MAX(nd->step_dt, 1e-6);
+    nd->tok_s = nd->tok_s > 0 ? (nd->tok_s * 7 + tps) / 8 : tps;
     for (int32_t k = 0; k < nd->n_step; k++) {
         sreq_t *r = &s->r[nd->step[k]];
         r->prefilled += nd->step_tok[k];
@@ -300,6 +316,14 @@ static td_status_t decode_start(sim_t *s, int32_t i, double now)
 }
 
 static td_status_t place_pending(sim_t *s, double now);
+static td_status_t mixed_start(sim_t *s, node_t *nd, int32_t kind, int32_t i, double now);
+
+/* A decode node's next step: a conditional cluster's decode nodes step as unified ones do (their
+ * own prompts' chunks beside the streams), others decode only. */
+static td_status_t dnode_start(sim_t *s, int32_t i, double now)
+{
+    return s->c->conditional ? mixed_start(s, &s->dn[i], EV_DECODE, i, now) : decode_start(s, i, now);
+}
 
 static td_status_t decode_done(sim_t *s, int32_t i, double now)
 {
@@ -331,13 +355,42 @@ static td_status_t xfer_done(sim_t *s, int32_t id, double now)
     }
     node_t *nd = &s->dn[r->dnode];
     nd->q.v[nd->q.tail++] = id;
-    return decode_start(s, r->dnode, now);
+    return dnode_start(s, r->dnode, now);
 }
 
 /* ---- the router ------------------------------------------------------------------------------ */
 
-/* router_policy: the decode node with room and the fewest sequences (lowest index on ties),
- * then the prefill node with the fewest queued prompt tokens. false: no decode node has room. */
+/* Conditional disaggregation: whether decode node d prefills request id itself, by td_place on
+ * what the router would know of the two nodes now (router_policy.c, place_conditional). The
+ * remote side's transfer is the profile's (the router's is its xfer-* configuration, which
+ * should say the same). */
+static bool route_local(sim_t *s, int32_t id, int32_t d, int32_t p)
+{
+    sreq_t *r = &s->r[id];
+    const node_t *dn = &s->dn[d], *pn = &s->pn[p];
+    double wait = (double)TD_MAX(pn->queued_tokens + r->input, 1) / (pn->tok_s > 0 ? pn->tok_s : TD_PLACE_ASSUMED_TOK_S);
+    double remote = wait + TD_MAX(s->p->xfer_a_s + s->p->xfer_b_s * r->input, 0.0);
+    td_place_local_t l = {
+        .queued_tokens = dn->queued_tokens,
+        .new_tokens = r->input,
+        .max_step_tokens = s->c->unified_max_batch_tokens,
+        .running = dn->n_run + (int32_t)fifo_len(&dn->q),
+        .step_s = dn->pace_s,
+        .prefill_tok_s = td_place_local_rate(dn->rate_s > 0 ? dn->rate_tok / dn->rate_s : 0, pn->tok_s,
+                                             TD_PLACE_ASSUMED_TOK_S),
+        .tpot_objective_s = s->c->tpot_objective_s,
+    };
+    td_place_estimate_t e;
+    if (td_place_local_estimate(&l, &e) != TD_PLACE_FITS || !(e.local_s < remote))
+        return false;
+    r->chunk = (int32_t)TD_MIN(e.chunk, (int64_t)INT32_MAX);
+    return true;
+}
+
+/* router_policy: the decode node with room and the fewest prompt tokens of its own to prefill,
+ * then the fewest sequences (lowest index on ties), then the prefill node with the fewest queued
+ * prompt tokens; conditionally, the decode node itself if td_place says so. false: no decode
+ * node has room. */
 static bool route(sim_t *s, int32_t id, double now, td_status_t *st_p)
 {
     sreq_t *r = &s->r[id];
@@ -348,7 +401,8 @@ static bool route(sim_t *s, int32_t id, double now, td_status_t *st_p)
         if (s->c->decode_kv_tokens > 0 && nd->kv_tokens + need > s->c->decode_kv_tokens &&
             !(nd->assigned == 0)) /* an empty node takes anything, as decode_sched's head */
             continue;
-        if (d < 0 || nd->assigned < s->dn[d].assigned)
+        if (d < 0 || nd->queued_tokens < s->dn[d].queued_tokens ||
+            (nd->queued_tokens == s->dn[d].queued_tokens && nd->assigned < s->dn[d].assigned))
             d = k;
     }
     if (d < 0)
@@ -358,9 +412,17 @@ static bool route(sim_t *s, int32_t id, double now, td_status_t *st_p)
         if (s->pn[k].queued_tokens < s->pn[p].queued_tokens)
             p = k;
     r->dnode = d;
-    r->node = p;
     s->dn[d].assigned++;
     s->dn[d].kv_tokens += need;
+    if (s->c->conditional && route_local(s, id, d, p)) {
+        node_t *dn = &s->dn[d];
+        r->node = -1;
+        dn->q.v[dn->q.tail++] = id;
+        dn->queued_tokens += r->input;
+        *st_p = mixed_start(s, dn, EV_DECODE, d, now);
+        return true;
+    }
+    r->node = p;
     s->pn[p].q.v[s->pn[p].q.tail++] = id;
     s->pn[p].queued_tokens += r->input;
     *st_p = prefill_start(s, p, now);
@@ -378,13 +440,13 @@ static td_status_t place_pending(sim_t *s, double now)
 
 /* ---- unified nodes --------------------------------------------------------------------------- */
 
-/* A colocated node (decode_sched with local prefill): waiting prompts join the running set
- * while it is below max_batch; a step is one token for every generating sequence, then prompt
+/* A colocated node (decode_sched with local prefill): a unified node, or a conditional cluster's
+ * decode node (whose transferred sequences arrive prefilled). Waiting sequences join the running
+ * set while it is below max_batch; a step is one token for every generating sequence, then prompt
  * chunks (<= unified_chunk each) in arrival order until the token budget. A step with prompt
  * tokens costs a prefill step of all its tokens plus the decode term of the context read. */
-static td_status_t unified_start(sim_t *s, int32_t i, double now)
+static td_status_t mixed_start(sim_t *s, node_t *nd, int32_t kind, int32_t i, double now)
 {
-    node_t *nd = &s->pn[i];
     if (nd->busy)
         return TD_OK;
     while (nd->n_run < s->c->decode_max_batch && fifo_len(&nd->q))
@@ -408,21 +470,37 @@ static td_status_t unified_start(sim_t *s, int32_t i, double now)
         sreq_t *r = &s->r[nd->run[k]];
         if (r->prefilled >= r->input)
             continue;
-        step_take_prompt(s, nd, nd->run[k],
-                         (int32_t)TD_MIN(TD_MIN((int64_t)(r->input - r->prefilled), (int64_t)s->c->unified_chunk), budget),
+        int64_t chunk = r->chunk > 0 ? TD_MIN(r->chunk, s->c->unified_chunk) : s->c->unified_chunk;
+        step_take_prompt(s, nd, nd->run[k], (int32_t)TD_MIN(TD_MIN((int64_t)(r->input - r->prefilled), chunk), budget),
                          &budget, &n_pre, &attn);
     }
     if (!nd->n_step) /* budget exhausted by decode tokens alone cannot happen: max_batch <= budget */
         return TD_OK;
     double dt = n_pre ? td_plan_prefill_step_s(s->p, n_pre + n_dec, attn) + s->p->decode_c_s * (double)ctx
                       : td_plan_decode_step_s(s->p, n_dec, ctx);
-    return step_run(s, nd, dt, now, EV_UNIFIED, i);
+    nd->step_prompt = n_pre;
+    nd->step_decodes = n_dec;
+    return step_run(s, nd, dt, now, kind, i);
 }
 
-static td_status_t unified_done(sim_t *s, int32_t i, double now)
+/* The node's pace, as decode_compute.c's pace_note keeps it (the local rate over the time the
+ * chunks added to their steps). */
+static void mixed_pace(node_t *nd)
 {
-    node_t *nd = &s->pn[i];
+    if (nd->step_prompt > 0) {
+        double pace = nd->step_decodes > 0 ? nd->pace_s : 0;
+        nd->rate_tok = nd->rate_tok * 7 / 8 + (double)nd->step_prompt;
+        nd->rate_s = nd->rate_s * 7 / 8 + TD_MAX(nd->step_dt - pace, 0.1 * nd->step_dt);
+    } else {
+        nd->pace_s = nd->pace_s > 0 ? (nd->pace_s * 7 + nd->step_dt) / 8 : nd->step_dt;
+    }
+}
+
+static td_status_t mixed_done(sim_t *s, node_t *nd, int32_t kind, int32_t i, double now)
+{
     nd->busy = false;
+    mixed_pace(nd);
+    bool freed = false;
     for (int32_t k = 0; k < nd->n_step; k++) {
         sreq_t *r = &s->r[nd->step[k]];
         if (r->prefilled < r->input) {
@@ -442,11 +520,15 @@ static td_status_t unified_done(sim_t *s, int32_t i, double now)
             req_end(s, nd->run[k], now);
             memmove(&nd->run[k], &nd->run[k + 1], (size_t)(nd->n_run - k - 1) * sizeof *nd->run);
             nd->n_run--;
+            freed = true;
         } else {
             k++;
         }
     }
-    return unified_start(s, i, now);
+    td_status_t st = mixed_start(s, nd, kind, i, now);
+    if (st == TD_OK && freed && kind == EV_DECODE && s->c->decode_kv_tokens > 0)
+        st = place_pending(s, now);
+    return st;
 }
 
 static td_status_t arrive(sim_t *s, int32_t id, double now)
@@ -463,7 +545,7 @@ static td_status_t arrive(sim_t *s, int32_t id, double now)
         s->r[id].node = u;
         s->pn[u].q.v[s->pn[u].q.tail++] = id;
         s->pn[u].queued_tokens += s->r[id].input;
-        return unified_start(s, u, now);
+        return mixed_start(s, &s->pn[u], EV_UNIFIED, u, now);
     }
     td_status_t st = TD_OK;
     if (fifo_len(&s->router_q) || !route(s, id, now, &st)) /* FIFO: none overtakes a waiting one */
@@ -538,9 +620,11 @@ static td_status_t check(const td_plan_cluster_t *c, const td_plan_request_t *re
         return td_errorf(TD_ERR_INVALID, "plan: a cluster is prefill >= 1 and decode >= 1 nodes, or unified >= 1 "
                                          "nodes (got %d prefill, %d decode, %d unified)",
                          c->n_prefill, c->n_decode, c->n_unified);
+    if (unified && c->conditional)
+        return td_errorf(TD_ERR_INVALID, "plan: conditional disaggregation needs prefill and decode nodes, not unified ones");
     if (c->prefill_max_batch_tokens < 1 || c->prefill_max_batch < 1 || c->decode_max_batch < 1 ||
         c->decode_kv_tokens < 0 ||
-        (unified && (c->unified_chunk < 1 || c->unified_max_batch_tokens <= c->decode_max_batch)))
+        ((unified || c->conditional) && (c->unified_chunk < 1 || c->unified_max_batch_tokens <= c->decode_max_batch)))
         return td_errorf(TD_ERR_INVALID, "plan: batch limits must be >= 1 (a unified node's token budget above "
                                          "its batch)");
     for (size_t i = 0; i < n; i++)
@@ -572,7 +656,7 @@ static td_status_t simulate_once(const td_plan_profile_t *p, const td_plan_clust
     for (int32_t k = 0; k < s.n_pn && st == TD_OK; k++)
         st = node_init(&s.pn[k], n, c->decode_max_batch, max_step);
     for (int32_t k = 0; k < s.n_dn && st == TD_OK; k++)
-        st = node_init(&s.dn[k], n, c->decode_max_batch, 1);
+        st = node_init(&s.dn[k], n, c->decode_max_batch, c->conditional ? c->decode_max_batch : 1);
     for (size_t i = 0; i < n && st == TD_OK; i++) {
         s.r[i] = (sreq_t){.input = reqs[i].input_len, .output = reqs[i].output_len, .node = -1, .dnode = -1};
         st = heap_push(&s.h, reqs[i].arrival_s, EV_ARRIVE, (int32_t)i);
@@ -583,8 +667,10 @@ static td_status_t simulate_once(const td_plan_profile_t *p, const td_plan_clust
         case EV_ARRIVE: st = arrive(&s, e.idx, e.t); break;
         case EV_PREFILL: st = prefill_done(&s, e.idx, e.t); break;
         case EV_XFER: st = xfer_done(&s, e.idx, e.t); break;
-        case EV_DECODE: st = decode_done(&s, e.idx, e.t); break;
-        case EV_UNIFIED: st = unified_done(&s, e.idx, e.t); break;
+        case EV_DECODE:
+            st = c->conditional ? mixed_done(&s, &s.dn[e.idx], EV_DECODE, e.idx, e.t) : decode_done(&s, e.idx, e.t);
+            break;
+        case EV_UNIFIED: st = mixed_done(&s, &s.pn[e.idx], EV_UNIFIED, e.idx, e.t); break;
         default: TD_ASSERT(!"unknown event");
         }
     }

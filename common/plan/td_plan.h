@@ -3,7 +3,8 @@
  * "Capacity planning"). A discrete-event simulator in the manner of DistServe's: requests
  * arrive (Poisson, or a trace's times), the router places each on a prefill node and a decode
  * node (router_policy's ranking: the decode node with the fewest sequences, then the prefill
- * node with the fewest queued prompt tokens), prefill nodes batch prompts head-first up to
+ * node with the fewest queued prompt tokens; or, conditionally, on the decode node itself: td_place,
+ * the router's own arithmetic), prefill nodes batch prompts head-first up to
  * their token budget (prefill_sched), the KV moves to the decode node after a transfer delay,
  * decode nodes step continuous batches (decode_sched) and a "unified" node does both with
  * chunked prefill (a what-if: the colocated alternative). Step times come from a measured
@@ -75,6 +76,13 @@ typedef struct td_plan_cluster {
     /* (the defaults: td_sched_defaults.h, the nodes' own) */
     int64_t decode_kv_tokens;         /* prompt + output tokens a decode node holds at once; the
                                          router queues requests that fit nowhere (0: unbounded) */
+    /* Conditional disaggregation (the router's prefill-policy conditional; P:D clusters only):
+     * each prompt is prefilled on its decode node itself, chunked into its steps as a unified
+     * node's (unified_chunk, unified_max_batch_tokens), when td_place says so from what the
+     * router would know then: the nodes' queued prompt tokens, running sequences and their
+     * measured paces (moving means of their simulated steps, as the nodes report them). */
+    bool conditional;
+    double tpot_objective_s;          /* conditional: the router's tpot-objective (0.1 s) */
 } td_plan_cluster_t;
 
 /* tandem's defaults (docs/scheduling.md), one prefill and one decode node. */

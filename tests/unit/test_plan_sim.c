@@ -7,7 +7,9 @@
  * run; least squares recovers the coefficients it was made from; a decode step read from
  * streams timed through a cluster is the step while all of them generate, whatever the ramp
  * before it and however the tokens were packed into messages; a profile's speed factors slow
- * every step they are drawn for, per window, as a fixed sequence.
+ * every step they are drawn for, per window, as a fixed sequence; conditional disaggregation
+ * prefills a short prompt behind a long prefill queue on its decode node when its objective
+ * allows, and changes nothing when it does not.
  */
 #include <criterion/criterion.h>
 #include <math.h>
@@ -306,6 +308,54 @@ Test(plan_sim, bad_clusters_are_refused)
     c.n_decode = 1;
     c.n_unified = 1;
     cr_assert_eq(td_plan_simulate(&p, &c, reqs, 1, &slo, &r), TD_ERR_INVALID);
+    c.n_unified = 0;
+    c.conditional = true;
+    c.unified_max_batch_tokens = c.decode_max_batch; /* a decode node's chunks need room beside its batch */
+    cr_assert_eq(td_plan_simulate(&p, &c, reqs, 1, &slo, &r), TD_ERR_INVALID);
+}
+
+/* ---- conditional disaggregation (the router's td_place, simulated) ---- */
+
+/* A 100-token warm-up at 0 s (the prefill node measures its rate, ~900 tokens/s) whose stream then
+ * decodes for ~55 s at ~11 ms a step; seven 2000-token prompts at 1 s fill the prefill node for
+ * ~14 s (1 ms a token, 2048 a step); a 16-token prompt at 3 s. */
+static void queue_then_short(td_plan_request_t *reqs)
+{
+    reqs[0] = (td_plan_request_t){.arrival_s = 0, .input_len = 100, .output_len = 5000};
+    for (int i = 1; i < 8; i++)
+        reqs[i] = (td_plan_request_t){.arrival_s = 1.0, .input_len = 2000, .output_len = 10};
+    reqs[8] = (td_plan_request_t){.arrival_s = 3.0, .input_len = 16, .output_len = 10};
+}
+
+Test(plan_sim, conditional_prefills_locally_in_chunks_the_tpot_objective_allows)
+{
+    td_plan_profile_t p = {.prefill_a_s = 0.010, .prefill_b_s = 0.001, .decode_a_s = 0.010, .decode_b_s = 0.001};
+    td_plan_request_t reqs[9];
+    queue_then_short(reqs);
+    td_plan_slo_t slo = {0};
+    td_plan_cluster_t c = td_plan_cluster_default();
+    td_plan_result_t dis, tight, loose;
+    cr_assert_eq(td_plan_simulate(&p, &c, reqs, 9, &slo, &dis), TD_OK);
+    cr_assert_gt(dis.ttft_p99_s, 10.0, "the last long prompt waits behind the others: %g s", dis.ttft_p99_s);
+
+    c.conditional = true;
+    c.tpot_objective_s = 0.005; /* below the decode node's own pace: no chunk fits, all remote */
+    cr_assert_eq(td_plan_simulate(&p, &c, reqs, 9, &slo, &tight), TD_OK, "%s", td_last_error());
+    cr_assert_float_eq(tight.ttft_mean_s, dis.ttft_mean_s, 1e-12, "%g vs %g", tight.ttft_mean_s, dis.ttft_mean_s);
+    cr_assert_float_eq(tight.tpot_p99_s, dis.tpot_p99_s, 1e-12);
+
+    /* room for ~22 prompt tokens a step beside the stream (at half the prefill node's rate, the
+       decode node having measured none): the short prompt in one step instead of ~12 s in the
+       queue, some long ones in chunks of 22 (then of what the node's measured rate allows);
+       every step within the objective, so no stream's TPOT passes it (a 256-token chunk, the
+       node's own, would take ~0.27 s) */
+    c.tpot_objective_s = 0.060;
+    cr_assert_eq(td_plan_simulate(&p, &c, reqs, 9, &slo, &loose), TD_OK);
+    cr_assert_lt(loose.ttft_mean_s, dis.ttft_mean_s - 1.0, "conditional %g s, disaggregated %g s",
+                 loose.ttft_mean_s, dis.ttft_mean_s);
+    /* (a step may pass the objective by what a stream that joined adds to the pace it was
+       sized by: ~1 ms here) */
+    cr_assert_leq(loose.tpot_p99_s, 1.05 * c.tpot_objective_s, "TPOT p99 %g s", loose.tpot_p99_s);
 }
 
 /* ---- a decode step read from streams timed through a cluster (td_plan_decode_window) ---- */

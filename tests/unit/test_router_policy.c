@@ -630,10 +630,11 @@ Test(router_policy, conditional_long_suffix_on_an_idle_prefill_node_goes_remote)
     beat_rate(reg, "p", 0, 0, 100, 2000, 0);
     beat_decode(reg, "d", 0, 0, 20, 500); /* idle: its TPOT is nobody's */
     router_pick_request_t rq = request(640, 10, 0);
-    /* local: two steps of 512 tokens at 500/s (~2.1 s); remote: 0.32 s and the transfer */
+    /* local: 16 steps of 40 tokens at 500/s, each 20 + 80 ms within the 100 ms objective (1.6 s);
+       remote: 0.32 s and the transfer */
     router_pick_t pk = place(reg, &pc, &rq, false, ROUTER_PLACE_FASTER);
     cr_assert_eq(pk.pair.prefill, p);
-    cr_assert_float_eq(pk.local_s, 2 * (0.02 + 512 / 500.0), 1e-9);
+    cr_assert_float_eq(pk.local_s, 16 * (0.02 + 40 / 500.0), 1e-9);
     /* the transfer: 40 blocks of 5 layers x 4096 bytes at 1 GB/s, plus 2 ms */
     cr_assert_float_eq(pk.remote_s, 640 / 2000.0 + 0.002 + 40 * 5 * 4096 / 1e9, 1e-9);
     router_registry_destroy(reg);
@@ -648,7 +649,8 @@ Test(router_policy, conditional_prefix_cached_on_the_prefill_node_goes_remote)
     beat_rate(reg, "p", 600, 0, 100, 1000, 0);
     beat_decode(reg, "d", 0, 0, 20, 1000);
     router_pick_request_t rq = request(640, 10, 0);
-    /* uncached: the 600 queued tokens make the prefill node later (1.24 s vs 0.66 s) */
+    /* uncached: the 600 queued tokens make the prefill node later (1.24 s vs 8 steps of 80 tokens
+       within the objective, 0.8 s) */
     place(reg, &pc, &rq, true, ROUTER_PLACE_FASTER);
     /* the prefill node holds the whole prompt: 600 queued tokens only (0.6 s) */
     uint64_t h[40];
@@ -662,24 +664,37 @@ Test(router_policy, conditional_prefix_cached_on_the_prefill_node_goes_remote)
     router_registry_destroy(reg);
 }
 
-Test(router_policy, conditional_tight_tpot_with_a_busy_batch_goes_remote)
+Test(router_policy, conditional_tight_tpot_chunks_a_prompt_within_the_objective_or_sends_it_remote)
 {
     router_registry_t *reg = mkreg();
     router_policy_config_t pc = conditional();
     join(reg, "p", TD_NODE_ROLE_PREFILL, 8, 100, 0);
-    join_decode(reg, "d", 512);
+    int d = join_decode(reg, "d", 512);
     beat_rate(reg, "p", 3000, 0, 100, 1000, 0);
     beat_decode(reg, "d", 0, 8, 30, 800);
     router_pick_request_t rq = request(200, 10, 0);
-    /* local is sooner (0.28 s vs 3.2 s) but its chunk step, 30 ms + 250 ms, stalls 8 streams */
-    router_pick_t pk = place(reg, &pc, &rq, false, ROUTER_PLACE_TPOT);
-    cr_assert_lt(pk.local_s, pk.remote_s);
-    pc.tpot_objective_s = 0.3; /* a looser objective allows it */
-    place(reg, &pc, &rq, true, ROUTER_PLACE_FASTER);
-    /* with nobody running there, the objective is nobody's */
-    pc.tpot_objective_s = 0.1;
+    /* 8 streams at 30 ms a step leave 70 ms of the 100 ms objective: 56 prompt tokens a step at
+       800/s, so 4 steps of 100 ms (0.4 s) against 3.2 s in the prefill node's queue; the chunk
+       goes to the decode node with the pick (AdmitRequest.local_prefill_chunk) */
+    router_pick_t pk = place(reg, &pc, &rq, true, ROUTER_PLACE_FASTER);
+    cr_assert_eq(pk.pair.prefill, d);
+    cr_assert_eq(pk.local_chunk, 56);
+    cr_assert_float_eq(pk.local_s, 4 * (0.03 + 56 / 800.0), 1e-9);
+    /* 35 ms: 4 tokens a step, 50 steps (1.75 s), still sooner */
+    pc.tpot_objective_s = 0.035;
+    pk = place(reg, &pc, &rq, true, ROUTER_PLACE_FASTER);
+    cr_assert_eq(pk.local_chunk, 4);
+    /* 30 ms, the streams' own pace: no room for a prompt token */
+    pc.tpot_objective_s = 0.030;
+    pk = place(reg, &pc, &rq, false, ROUTER_PLACE_TPOT);
+    cr_assert_lt(pk.local_s, 0);
+    /* nobody running there yet does not lift the bound: streams join while it prefills */
     beat_decode(reg, "d", 0, 0, 30, 800);
-    place(reg, &pc, &rq, true, ROUTER_PLACE_FASTER);
+    place(reg, &pc, &rq, false, ROUTER_PLACE_TPOT);
+    /* the whole prompt in one step where the objective allows it (a 300 ms step) */
+    pc.tpot_objective_s = 0.3;
+    pk = place(reg, &pc, &rq, true, ROUTER_PLACE_FASTER);
+    cr_assert_eq(pk.local_chunk, 200);
     router_registry_destroy(reg);
 }
 
@@ -691,12 +706,16 @@ Test(router_policy, conditional_decode_node_near_its_step_budget_goes_remote)
     join_decode(reg, "d", 64);
     beat_rate(reg, "p", 3000, 0, 100, 1000, 0);
     router_pick_request_t rq = request(16, 10, 0);
-    /* its steps already take 95 ms: even 16 prompt tokens (20 ms) pass 100 ms */
+    /* its steps take 95 ms: 4 prompt tokens a step fit the 100 ms objective (0.4 s) */
     beat_decode(reg, "d", 0, 4, 95, 800);
+    router_pick_t pk = place(reg, &pc, &rq, true, ROUTER_PLACE_FASTER);
+    cr_assert_eq(pk.local_chunk, 4);
+    /* at 99.5 ms not one */
+    beat_decode(reg, "d", 0, 4, 99.5, 800);
     place(reg, &pc, &rq, false, ROUTER_PLACE_TPOT);
     /* a running batch that fills max-batch-tokens (64) leaves no room for a chunk */
     beat_decode(reg, "d", 0, 64, 10, 800);
-    router_pick_t pk = place(reg, &pc, &rq, false, ROUTER_PLACE_STEP_BUDGET);
+    pk = place(reg, &pc, &rq, false, ROUTER_PLACE_STEP_BUDGET);
     cr_assert_lt(pk.local_s, 0);
     /* 60 running leave 4 tokens a step: four steps of 10 + 5 ms */
     beat_decode(reg, "d", 0, 60, 10, 800);
@@ -734,8 +753,8 @@ Test(router_policy, conditional_busy_partners_logprobs_retries_and_unknown_rates
     beat_rate(reg, "p", 8000, 0, 100, 1000, 0);
     beat_decode(reg, "d", 0, 2, 20, 800);
     place(reg, &pc, &rq, true, ROUTER_PLACE_PREFILL_BUSY);
-    /* ... else the request waits in the router's queue */
-    beat_decode(reg, "d", 0, 2, 95, 800);
+    /* ... else (its steps leave no room within the objective) the request waits in the router's queue */
+    beat_decode(reg, "d", 0, 2, 100, 800);
     router_pick_t pk;
     cr_assert_eq(router_policy_pick(reg, &pc, &rq, &pk), TD_ERR_EXHAUSTED);
     /* prompt logprobs: always a prefill node */
@@ -757,10 +776,11 @@ Test(router_policy, conditional_busy_partners_logprobs_retries_and_unknown_rates
     pk = place(reg, &pc, &rq, true, ROUTER_PLACE_FASTER);
     cr_assert_float_eq(pk.local_s, 0.02 + 32 / 500.0, 1e-9);
     /* neither reported one (an idle partner takes a prompt whatever its rate): the partner at
-       assumed_tok_s (0.64 s), the decode node at half that (1.3 s) */
+       assumed_tok_s (0.64 s), the decode node at half that, 2 tokens in the 80 ms a step leaves
+       (16 steps, 1.6 s) */
     beat_rate(reg, "p", 0, 0, 100, 0, 0);
     pk = place(reg, &pc, &rq, false, ROUTER_PLACE_FASTER);
-    cr_assert_float_eq(pk.local_s, 0.02 + 32 / 25.0, 1e-9);
+    cr_assert_float_eq(pk.local_s, 16 * (0.02 + 2 / 25.0), 1e-9);
     router_registry_destroy(reg);
 }
 
