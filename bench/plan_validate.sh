@@ -21,6 +21,8 @@
 # inter-token gaps), the plan's JSON and the trace are kept in DIR as RATE.{serve,plan}.json;
 # bench/plan_keep_stats.py reads them (the machine's speed against the profile's, and the
 # measured p90s' sampling intervals).
+# POLICY=conditional (P:D only): the router's --prefill-policy conditional with
+# --tpot-objective-ms TPOT_OBJ (default TPOT_MS), and plan's the same (issue 37).
 set -u
 BIN=$1 MODEL=$2 PROF=$3 P=$4 D=$5 WL=$6 TTFT=$7 TPOT=$8 N=$9
 shift 9
@@ -31,6 +33,10 @@ if [ "$P" = u ]; then
     NODES=(--unified "$D") SPLIT=(--unified "$D")
 else
     NODES=(--prefill "$P" --decode "$D") SPLIT=(--split "$P:$D")
+fi
+if [ -n "${POLICY:-}" ]; then
+    NODES+=(--prefill-policy "$POLICY" --tpot-objective-ms "${TPOT_OBJ:-$TPOT}")
+    SPLIT+=(--prefill-policy "$POLICY" --tpot-objective-ms "${TPOT_OBJ:-$TPOT}")
 fi
 setsid "$BIN" local --model "$MODEL" "${NODES[@]}" --threads 1 >"$T/local.out" 2>"$T/local.err" &
 LP=$!

@@ -867,6 +867,8 @@ int cmd_plan(int argc, char **argv)
         bad = "--split: not P:D with P, D >= 1";
     else if (o.split && o.unified)
         bad = "--unified: give --split P:D or --unified N, not both";
+    else if (o.unified && policy == ROUTER_PREFILL_CONDITIONAL)
+        bad = "--prefill-policy: conditional places the prompts of a P:D split; give --split P:D, not --unified N";
     else if (!o.split && !o.unified && !o.nodes && rate <= 0 && o.workload && strncmp(o.workload, "trace:", 6))
         bad = "--rate: give --rate R or --nodes N (or a trace, whose rate is its own)";
     if (bad) {

@@ -38,6 +38,8 @@ typedef struct dseq {
     bool ignore_eos;        /* decode_request_t's: EOS ids are not stops */
     int32_t chunk;          /* the most context tokens a step feeds it (decode_request_t's
                                prefill_chunk, within cfg.prefill_chunk) */
+    bool chunk_bound;       /* decode_request_t's prefill_chunk was given: it bounds the whole
+                               step's prompt tokens, not only its own */
     td_spec_adapt_t adapt;  /* speculative decoding: the size of its next draft */
     td_kv_seq_t dkv;        /* with a draft model: its KV of (a prefix of) ctx, in the draft
                                engine's pool; dropped with kv (drop_kv) */
@@ -431,6 +433,7 @@ td_status_t decode_sched_admit(decode_sched_t *s, const decode_request_t *req)
     q->top_logprobs = req->top_logprobs;
     q->ignore_eos = req->ignore_eos;
     q->chunk = req->prefill_chunk > 0 ? TD_MIN(req->prefill_chunk, s->cfg.prefill_chunk) : s->cfg.prefill_chunk;
+    q->chunk_bound = req->prefill_chunk > 0;
     td_spec_adapt_init(&q->adapt, &s->cfg.spec);
     q->ctx = malloc((size_t)q->cap_ctx * sizeof *q->ctx);
     q->stop_ids = malloc((size_t)TD_MAX(req->n_stop_ids, 1) * sizeof *q->stop_ids);
@@ -611,10 +614,12 @@ static int32_t add_drafts(decode_sched_t *s, int32_t n_items, int32_t budget)
 
 /* Builds the engine batch: one token for each generating sequence, then prompt chunks
  * in arrival order within the token budget; with speculation on (draft) and no prompt
- * chunk, drafts after the one-row items' tokens. */
+ * chunk, drafts after the one-row items' tokens. A sequence with a chunk bound of its own (the
+ * router's, sized so that a step stays within its TPOT objective) bounds the step's prompt
+ * tokens in all: two local prompts in one step would otherwise pass the objective together. */
 static int32_t build_batch(decode_sched_t *s, bool draft, int32_t *n_tokens_p, int32_t *n_prefill_p)
 {
-    int32_t k = 0, budget = s->cfg.max_batch_tokens, prefill = 0;
+    int32_t k = 0, budget = s->cfg.max_batch_tokens, prefill = 0, cap = INT32_MAX;
     for (int pass = 0; pass < 2; pass++)
         for (int32_t i = 0; i < s->n_running && budget > 0; i++) {
             dseq_t *q = s->running[i];
@@ -626,6 +631,13 @@ static int32_t build_batch(decode_sched_t *s, bool draft, int32_t *n_tokens_p, i
             if ((rows == 1) != (pass == 0))
                 continue;
             int32_t n = TD_MIN(TD_MIN(rows, q->chunk), budget);
+            if (pass == 1) {
+                if (q->chunk_bound)
+                    cap = TD_MIN(cap, q->chunk);
+                n = TD_MIN(n, cap - prefill);
+                if (n <= 0)
+                    continue;
+            }
             s->items[k] = (td_engine_item_t){.seq = &q->kv, .tokens = q->ctx + q->kv.n_tokens,
                                              .n_tokens = n, .n_logits = n == rest};
             s->owners[k++] = q;

@@ -466,13 +466,17 @@ static td_status_t mixed_start(sim_t *s, node_t *nd, int32_t kind, int32_t i, do
         ctx += r->input + r->generated;
     }
     budget -= n_dec;
+    int64_t cap = INT64_MAX; /* a request's own chunk bounds the step's prompt tokens (decode_sched) */
     for (int32_t k = 0; k < nd->n_run && budget > 0; k++) {
         sreq_t *r = &s->r[nd->run[k]];
         if (r->prefilled >= r->input)
             continue;
         int64_t chunk = r->chunk > 0 ? TD_MIN(r->chunk, s->c->unified_chunk) : s->c->unified_chunk;
-        step_take_prompt(s, nd, nd->run[k], (int32_t)TD_MIN(TD_MIN((int64_t)(r->input - r->prefilled), chunk), budget),
-                         &budget, &n_pre, &attn);
+        if (r->chunk > 0)
+            cap = TD_MIN(cap, chunk);
+        int64_t take = TD_MIN(TD_MIN(TD_MIN((int64_t)(r->input - r->prefilled), chunk), budget), cap - n_pre);
+        if (take > 0)
+            step_take_prompt(s, nd, nd->run[k], (int32_t)take, &budget, &n_pre, &attn);
     }
     if (!nd->n_step) /* budget exhausted by decode tokens alone cannot happen: max_batch <= budget */
         return TD_OK;

@@ -268,6 +268,11 @@ printf 'arrival_s,input_len,output_len\n0,32,8\n0.5,64,4\n1.0,16,16\n1.5,128,2\n
 grep -qE "^Workload arrival rate \(req/s\): +2\.000$" "$CL_T/pt.out" || cl_fail "trace rate: $(cat "$CL_T/pt.out")"
 grep -qE "^Simulated split 1:1 at 2\.000 req/s:" "$CL_T/pt.out" || cl_fail "trace run: $(cat "$CL_T/pt.out")"
 grep -qE "^Node speed: +drawn from 32 measured factors" "$CL_T/pt.out" || cl_fail "plan: no speed line: $(cat "$CL_T/pt.out")"
+# the same trace with the router's conditional placement (td_place, docs/goodput.md): its own split name
+"$CL_BIN" plan --profile "$CL_T/prof.json" --workload "trace:$CL_T/trace.csv" --ttft 1000 --tpot 200 --split 1:1 \
+    --prefill-policy conditional --tpot-objective-ms 50 >"$CL_T/ptc.out" 2>&1 ||
+    cl_fail "plan --prefill-policy conditional exited non-zero: $(cat "$CL_T/ptc.out")"
+grep -qE "^Simulated split 1:1c at 2\.000 req/s:" "$CL_T/ptc.out" || cl_fail "conditional trace run: $(cat "$CL_T/ptc.out")"
 "$CL_BIN" plan --profile "$CL_T/nospeed.json" --workload random:48:16 --ttft 1000 --tpot 200 --rate 20 --max-nodes 6 \
     >"$CL_T/pr.out" 2>&1 || cl_fail "plan --rate exited non-zero: $(cat "$CL_T/pr.out")"
 for line in "Target rate (req/s):" "Nodes needed:" "Unified nodes needed:" "--------------- What-if"; do
@@ -300,6 +305,8 @@ bad --split --profile "$P" --workload random:8:8 --ttft 1 --tpot 1 --split 0:1
 bad --rate --profile "$P" --workload random:8:8 --ttft 1 --tpot 1 --rate -1
 bad --rate --profile "$P" --workload random:8:8 --ttft 1 --tpot 1
 bad --nodes --profile "$P" --workload random:8:8 --ttft 1 --tpot 1 --nodes 0
+bad --prefill-policy --profile "$P" --workload random:8:8 --ttft 1 --tpot 1 --rate 1 --prefill-policy bogus
+bad --prefill-policy --profile "$P" --workload random:8:8 --ttft 1 --tpot 1 --unified 2 --prefill-policy conditional
 bad --bogus --profile "$P" --workload random:8:8 --ttft 1 --tpot 1 --bogus 1
 bad --profile --profile "$CL_T/shape.json" --workload random:8:8 --ttft 1 --tpot 1 --rate 1
 for sp in '{"factors": [0, 1], "window_s": 1}' '{"factors": [1], "window_s": -1}' '{"factors": []}' '{"factors": "x"}'; do

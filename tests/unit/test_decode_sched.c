@@ -1106,11 +1106,11 @@ Test(decode_sched, shared_pool_leases_and_engine_on_two_threads, .timeout = 240)
 
 /* A running decode and a long prompt arriving: every step until the prompt is in carries
  * the decode's token (no stall), feeds at most max_batch_tokens, and spends the rest of the
- * budget on the prompt in chunks of at most prefill_chunk; both outputs equal their runs
- * alone. */
-Test(decode_sched, unified_prompt_chunks_share_steps_with_decodes, .timeout = 120)
+ * budget on the prompt in chunks of at most prefill_chunk, or of the request's own
+ * prefill_chunk below it (req_chunk: the router's TPOT bound, conditional disaggregation);
+ * both outputs equal their runs alone. */
+static void prompt_chunks_share_steps(int32_t req_chunk)
 {
-    td_test_skip_without_stories();
     td_test_engine_t fx;
     td_test_engine_open_cpu(&fx, 1, 256, false);
     enum { NP = 200, BUDGET = 32, CHUNK = 24 };
@@ -1129,6 +1129,8 @@ Test(decode_sched, unified_prompt_chunks_share_steps_with_decodes, .timeout = 12
     static outcome_t oc[MAXN];
     memset(oc, 0, sizeof oc);
     decode_request_t r0 = greedy_request(0, p0, 8, 60), r1 = greedy_request(1, p1, NP, 10);
+    r1.prefill_chunk = req_chunk;
+    const int chunk = req_chunk > 0 && req_chunk < CHUNK ? req_chunk : CHUNK;
     cr_assert_eq(decode_sched_admit(ds, &r0), TD_OK);
     decode_step_result_t r;
     for (int i = 0; i < 3; i++) { /* request 0 prefilled and decoding */
@@ -1152,12 +1154,12 @@ Test(decode_sched, unified_prompt_chunks_share_steps_with_decodes, .timeout = 12
         cr_assert_eq(oc[0].n, before + 1, "the decode stalled behind the prompt (step %d)", prefill_steps);
         cr_assert_leq(r.n_tokens, BUDGET);
         cr_assert_eq(r.n_prefill_tokens, r.n_tokens - 1, "one decode token, the rest prompt");
-        cr_assert_leq(r.n_prefill_tokens, CHUNK);
+        cr_assert_leq(r.n_prefill_tokens, chunk);
         prompt_fed += r.n_prefill_tokens;
         prefill_steps++;
     }
     cr_assert_eq(prompt_fed, NP, "the prompt's tokens were fed once each (no prefix cache)");
-    cr_assert_eq(prefill_steps, (NP + CHUNK - 1) / CHUNK);
+    cr_assert_eq(prefill_steps, (NP + chunk - 1) / chunk, "chunks of %d", chunk);
     run_to_end(ds, oc);
     cr_assert_eq(oc[0].n, n0);
     cr_assert_eq(oc[1].n, n1);
@@ -1167,6 +1169,21 @@ Test(decode_sched, unified_prompt_chunks_share_steps_with_decodes, .timeout = 12
         cr_assert_eq(oc[1].tokens[t], want1[t], "request 1 token %d", t);
     sched_end(&fx, ds);
     td_test_engine_close(&fx);
+}
+
+Test(decode_sched, unified_prompt_chunks_share_steps_with_decodes, .timeout = 120)
+{
+    td_test_skip_without_stories();
+    prompt_chunks_share_steps(0);
+}
+
+/* The router's chunk for a local prefill: smaller steps, the same tokens; a larger one is capped
+ * at the node's prefill_chunk. */
+Test(decode_sched, a_request_chunk_bounds_its_prompt_steps, .timeout = 120)
+{
+    td_test_skip_without_stories();
+    prompt_chunks_share_steps(7);
+    prompt_chunks_share_steps(1000);
 }
 
 /* ignore_eos: a request that ends at EOS alone runs on to max_tokens, the tokens before
