@@ -16,7 +16,8 @@
 #   TANDEM [build/tandem]  MODEL [scripts/fetch-model smollm2]  CORES [0,1]  CONFIGS [disagg unified2 unified1]
 #     (a unified configuration may name its prompt chunk: unified2@64 runs --prefill-chunk 64;
 #     `conditional` is disagg with --prefill-policy conditional and --tpot-objective-ms the mix's
-#     TPOT objective, conditional@MS another objective)
+#     TPOT objective, conditional@MS another objective; conditional+ttft also gives the router
+#     the mix's TTFT objective, --ttft-objective-ms: local only where the prefill node would pass it)
 #   MIXES [prefill decode]  NUM_PROMPTS [30]  SEED [1]  WARMUP [4]
 #   PREFILL_MIX ["256 16 0.25"]  DECODE_MIX ["64 128 0.25"]   (input-len output-len range-ratio)
 #   PREFILL_SLO ["ttft:MS tpot:MS"]  DECODE_SLO [...]  PREFILL_RATES  DECODE_RATES  (see below)
@@ -62,10 +63,11 @@ trap stop_cluster EXIT
 
 # start_cluster CONFIG: sets $url (the OpenAI base URL) and pins the nodes
 start_cluster() {
-  local cfg=$1 tpot_ms=$2 args
+  local cfg=$1 tpot_ms=$2 ttft_ms=$3 args
   case "${cfg%@*}" in
     disagg) args=(--prefill 1 --decode 1 --threads 1) ;;
     conditional) args=(--prefill 1 --decode 1 --threads 1 --prefill-policy conditional) ;;
+    conditional+ttft) args=(--prefill 1 --decode 1 --threads 1 --prefill-policy conditional --ttft-objective-ms "$ttft_ms") ;;
     unified2) args=(--unified 2 --threads 1) ;;
     unified1) args=(--unified 1 --threads 2) ;;
     *) echo "goodput_sweep: unknown configuration $cfg" >&2; exit 2 ;;
@@ -73,8 +75,8 @@ start_cluster() {
   # CONFIG@N: unified nodes feed prompts in chunks of N tokens (--prefill-chunk; default 256);
   # conditional@MS: the router's TPOT objective (else the mix's)
   case "$cfg" in
-    conditional@*) args+=(--tpot-objective-ms "${cfg#*@}") ;;
-    conditional) args+=(--tpot-objective-ms "$tpot_ms") ;;
+    conditional*@*) args+=(--tpot-objective-ms "${cfg#*@}") ;;
+    conditional*) args+=(--tpot-objective-ms "$tpot_ms") ;;
     *@*) args+=(--prefill-chunk "${cfg#*@}") ;;
   esac
   local fifo=$out/.local.$cfg.out
@@ -119,7 +121,8 @@ for cfg in $CONFIGS; do
     read -r il ol rr <<<"$(mix_args "$mix")"
     if [ "$mix" = prefill ]; then slo=$PREFILL_SLO rates=$PREFILL_RATES; else slo=$DECODE_SLO rates=$DECODE_RATES; fi
     tpot_ms=$(sed -n 's/.*tpot:\([0-9.]*\).*/\1/p' <<<"$slo")
-    start_cluster "$cfg" "${tpot_ms%.*}"
+    ttft_ms=$(sed -n 's/.*ttft:\([0-9.]*\).*/\1/p' <<<"$slo")
+    start_cluster "$cfg" "${tpot_ms%.*}" "${ttft_ms%.*}"
     common=(--openai "$url" --dataset random --input-len "$il" --output-len "$ol" --range-ratio "$rr"
             --ignore-eos --vocab-size 49152 --seed "$SEED")
     if [ "$probe" = 1 ]; then

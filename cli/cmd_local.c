@@ -128,7 +128,7 @@ typedef struct local_opts {
     const char *model, *tokenizer, *log_level, *host, *advertise, *device, *dtype, *kv_dtype, *api_keys, *spec_mode,
         *draft_model, *prefill_policy;
     int64_t n_prefill, n_decode, n_unified, threads, kv_blocks, kv_mem, kv_seqs, ctx_size, http_port, prefill_chunk,
-        draft_tokens, tpot_objective_ms;
+        draft_tokens, tpot_objective_ms, ttft_objective_ms;
     td_spec_mode_t mode; /* spec_mode resolved */
 } local_opts_t;
 
@@ -141,10 +141,11 @@ typedef struct local_router {
 static td_status_t start_router(local_state_t *l, const local_opts_t *o, const char *self, const char *secret,
                                 local_router_t *rt)
 {
-    char http_port_s[24], tpot_s[24], line[512];
+    char http_port_s[24], tpot_s[24], ttft_s[24], line[512];
     snprintf(http_port_s, sizeof http_port_s, "%lld", (long long)o->http_port);
     snprintf(tpot_s, sizeof tpot_s, "%lld", (long long)o->tpot_objective_ms);
-    char *rargv[22] = {"tandem", "router", "--log-level", (char *)o->log_level, "--host", (char *)o->host,
+    snprintf(ttft_s, sizeof ttft_s, "%lld", (long long)o->ttft_objective_ms);
+    char *rargv[24] = {"tandem", "router", "--log-level", (char *)o->log_level, "--host", (char *)o->host,
                        "--cluster-secret-file", (char *)secret};
     int rn = 8;
     if (o->api_keys) {
@@ -168,6 +169,10 @@ static td_status_t start_router(local_state_t *l, const local_opts_t *o, const c
     if (o->tpot_objective_ms > 0) {
         rargv[rn++] = "--tpot-objective-ms";
         rargv[rn++] = tpot_s;
+    }
+    if (o->ttft_objective_ms > 0) {
+        rargv[rn++] = "--ttft-objective-ms";
+        rargv[rn++] = ttft_s;
     }
     td_status_t st = spawn(l, self, rargv, true);
     if (st != TD_OK)
@@ -312,6 +317,8 @@ int cmd_local(int argc, char **argv)
                       "docs/scheduling.md \"Conditional disaggregation\")"),
         TD_OPT_INT("tpot-objective-ms", &o.tpot_objective_ms, 0, 600000,
                    "the router's TPOT objective for conditional placement (default 0: the router's, 100)"),
+        TD_OPT_INT("ttft-objective-ms", &o.ttft_objective_ms, 0, 600000,
+                   "the router's TTFT objective for conditional placement (default 0: none, local whenever sooner)"),
         TD_OPT_STRING("api-keys-file", &o.api_keys, "API keys the router's front doors require (docs/security.md)"),
         TD_OPT_STRING("spec", &o.spec_mode, "speculative decoding on the decode and unified nodes: off (default) | "
                       "prompt-lookup | draft-model"),

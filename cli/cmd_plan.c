@@ -797,7 +797,7 @@ int cmd_plan(int argc, char **argv)
                      .prefill_max_batch_tokens = dc.prefill_max_batch_tokens, .prefill_max_batch = dc.prefill_max_batch,
                      .decode_max_batch = dc.decode_max_batch, .unified_max_batch_tokens = dc.unified_max_batch_tokens,
                      .unified_chunk = dc.unified_chunk};
-    float ttft = 0, tpot = 0, rate = 0, att = 0.9f, overhead = -1, window = 5, tpot_obj = 0;
+    float ttft = 0, tpot = 0, rate = 0, att = 0.9f, overhead = -1, window = 5, tpot_obj = 0, ttft_obj = 0;
     const td_opt_t opts[] = {
         TD_OPT_STRING("profile", &o.profile, "profile file of `tandem plan profile` (required)"),
         TD_OPT_STRING("workload", &o.workload, "random:IN:OUT[:RANGE] or trace:FILE (bench serve's trace format)"),
@@ -837,6 +837,8 @@ int cmd_plan(int argc, char **argv)
                       "node when that is sooner and keeps its streams within --tpot-objective-ms; splits print as P:Dc)"),
         {.name = "tpot-objective-ms", .type = TD_OPT_F32, .ptr = &tpot_obj, .fmin = 1e-3f, .fmax = 1e7f, .arg = "MS",
          .help = "conditional: the router's --tpot-objective-ms (default: --tpot)"},
+        {.name = "ttft-objective-ms", .type = TD_OPT_F32, .ptr = &ttft_obj, .fmin = 0, .fmax = 1e7f, .arg = "MS",
+         .help = "conditional: the router's --ttft-objective-ms (default 0: none)"},
         {.name = "json", .type = TD_OPT_BOOL, .ptr = &o.json, .help = "one JSON document on stdout"},
     };
     td_opts_t spec = {.prog = "tandem plan", .opts = opts, .n_opts = TD_ARRAY_LEN(opts)};
@@ -884,6 +886,7 @@ int cmd_plan(int argc, char **argv)
     x.base.decode_kv_tokens = o.decode_kv_tokens;
     x.base.conditional = policy == ROUTER_PREFILL_CONDITIONAL;
     x.base.tpot_objective_s = (tpot_obj > 0 ? tpot_obj : tpot) * 1e-3;
+    x.base.ttft_objective_s = ttft_obj * 1e-3;
     x.s.n_requests = (size_t)o.requests;
     x.s.seed = (uint64_t)o.seed + 1;
     x.s.min_attainment = att;

@@ -53,6 +53,7 @@ typedef struct router_config {
     int64_t max_prefill_wait_ms; /* a busy prefill node takes no prompt it would reach later */
     const char *prefill_policy;/* disaggregated | conditional (router_policy.h, rule 5) */
     int64_t tpot_objective_ms; /* conditional: longest decode step a local prefill's chunks may make */
+    int64_t ttft_objective_ms; /* conditional: local only when remote would pass it (0: when sooner) */
     int64_t xfer_fixed_us;     /* conditional: a KV transfer's fixed cost */
     int64_t xfer_mb_per_s;     /* conditional: KV transfer bandwidth, MB/s */
     int64_t max_tokenizing;    /* text prompts being encoded and HTTP bodies parsed off the loop at most */

@@ -204,6 +204,7 @@ static td_status_t init_subsystems(router_state_t *s)
     s->policy = router_policy_config_default();
     s->policy.max_prefill_wait_s = (double)cfg->max_prefill_wait_ms * 1e-3;
     s->policy.tpot_objective_s = (double)cfg->tpot_objective_ms * 1e-3;
+    s->policy.ttft_objective_s = (double)cfg->ttft_objective_ms * 1e-3;
     s->policy.xfer_fixed_s = (double)cfg->xfer_fixed_us * 1e-6;
     s->policy.xfer_bytes_per_s = (double)cfg->xfer_mb_per_s * 1e6;
     if ((st = router_prefill_policy_parse(cfg->prefill_policy, &s->policy.prefill_policy)) != TD_OK)
@@ -420,6 +421,9 @@ int router_main(int argc, char **argv)
         TD_OPT_INT("tpot-objective-ms", &cfg->tpot_objective_ms, 1, 600000,
                    "conditional: the longest decode step a local prefill's prompt chunks may make for the decode "
                    "node's running streams"),
+        TD_OPT_INT("ttft-objective-ms", &cfg->ttft_objective_ms, 0, 600000,
+                   "conditional: prefill a prompt on its decode node only when the prefill node would pass this "
+                   "time to the prompt's KV (0, the default: whenever the decode node is sooner)"),
         TD_OPT_INT("xfer-fixed-us", &cfg->xfer_fixed_us, 0, 60000000,
                    "conditional: a KV transfer's fixed cost in the remote estimate"),
         TD_OPT_INT("xfer-mb-per-s", &cfg->xfer_mb_per_s, 1, 1000000,

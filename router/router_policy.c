@@ -221,7 +221,7 @@ static bool place_conditional(const router_registry_t *reg, const router_policy_
         pick_p->reason = busy ? ROUTER_PLACE_PREFILL_BUSY : ROUTER_PLACE_NO_PREFILL;
         return true;
     }
-    pick_p->local = e.local_s < remote_s;
+    pick_p->local = td_place_local_wins(e.local_s, remote_s, cfg->ttft_objective_s);
     pick_p->reason = ROUTER_PLACE_FASTER;
     return true;
 }

@@ -44,7 +44,8 @@
  *               first local prefill of a node is one that wins by a margin, and it measures
  *               the rate.
  *    The arithmetic is td_place's (common/base/td_place.h), which tandem plan simulates too.
- *    Local when it is sooner; its chunk c goes with the Admit (AdmitRequest.local_prefill_chunk),
+ *    Local when it is sooner (and, with ttft_objective_s, the remote side would pass that
+ *    objective: td_place_local_wins); its chunk c goes with the Admit (AdmitRequest.local_prefill_chunk),
  *    so every step with it stays within the TPOT objective for the streams there and those that
  *    join meanwhile. Otherwise remote. The reasons (router_place_reason_t): faster (either
  *    side), tpot (the streams' own pace leaves no room within the objective for one prompt
@@ -88,6 +89,8 @@ typedef struct router_policy_config {
     router_prefill_policy_t prefill_policy; /* (ROUTER_PREFILL_DISAGGREGATED) */
     double tpot_objective_s;/* conditional: the longest decode step a local prefill's chunks may
                                make for the streams there (0.1 s): it sizes the chunks */
+    double ttft_objective_s;/* conditional: > 0, a prompt goes local only when the remote
+                               estimate passes it (td_place_local_wins; 0: whenever sooner) */
     double xfer_fixed_s;    /* conditional: a KV transfer's fixed cost (0.002 s) */
     double xfer_bytes_per_s;/* conditional: KV transfer bandwidth (1e9) */
     int32_t max_hash_blocks;/* most prompt blocks hashed for prefix scoring (4096) */

@@ -33,6 +33,11 @@ td_place_fit_t td_place_local_estimate(const td_place_local_t *l, td_place_estim
     return TD_PLACE_FITS;
 }
 
+bool td_place_local_wins(double local_s, double remote_s, double ttft_objective_s)
+{
+    return local_s < remote_s && (ttft_objective_s <= 0 || remote_s > ttft_objective_s);
+}
+
 double td_place_remote_estimate(double wait_s, double kv_bytes, double xfer_fixed_s, double xfer_bytes_per_s)
 {
     return wait_s + xfer_fixed_s + kv_bytes / TD_MAX(xfer_bytes_per_s, 1.0);

@@ -58,7 +58,14 @@ typedef struct td_place_estimate {
 td_place_fit_t td_place_local_estimate(const td_place_local_t *l, td_place_estimate_t *e_p);
 
 /* The remote estimate: the partner's wait until it has computed the prompt, plus the transfer
- * of kv_bytes (a fixed cost and a bandwidth). Local is chosen when it fits and is sooner. */
+ * of kv_bytes (a fixed cost and a bandwidth). */
 double td_place_remote_estimate(double wait_s, double kv_bytes, double xfer_fixed_s, double xfer_bytes_per_s);
+
+/* The choice, once the local estimate fits: local when it is sooner and, with a TTFT objective
+ * (> 0), the remote side would pass it. A local prompt costs the decode node's streams the
+ * chunks' time; where the prefill node meets the objective anyway, sooner gains no goodput and
+ * risks the streams' TPOT (the first sweep of issue 37: conditional lost to disaggregation at
+ * every rate disaggregation kept up with). 0: sooner alone. */
+bool td_place_local_wins(double local_s, double remote_s, double ttft_objective_s);
 
 #endif /* TD_PLACE_H */

@@ -381,7 +381,7 @@ static bool route_local(sim_t *s, int32_t id, int32_t d, int32_t p)
         .tpot_objective_s = s->c->tpot_objective_s,
     };
     td_place_estimate_t e;
-    if (td_place_local_estimate(&l, &e) != TD_PLACE_FITS || !(e.local_s < remote))
+    if (td_place_local_estimate(&l, &e) != TD_PLACE_FITS || !td_place_local_wins(e.local_s, remote, s->c->ttft_objective_s))
         return false;
     r->chunk = (int32_t)TD_MIN(e.chunk, (int64_t)INT32_MAX);
     return true;

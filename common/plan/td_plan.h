@@ -83,6 +83,7 @@ typedef struct td_plan_cluster {
      * measured paces (moving means of their simulated steps, as the nodes report them). */
     bool conditional;
     double tpot_objective_s;          /* conditional: the router's tpot-objective (0.1 s) */
+    double ttft_objective_s;          /* conditional: the router's ttft-objective (0: none) */
 } td_plan_cluster_t;
 
 /* tandem's defaults (docs/scheduling.md), one prefill and one decode node. */

@@ -610,6 +610,13 @@ Test(router_policy, conditional_short_suffix_behind_a_long_prefill_queue_goes_lo
     cr_assert_float_eq(pk.local_s, 0.06, 1e-9);
     cr_assert_float_eq(pk.prefill_wait_s, pk.local_s, 1e-12, "the lease is sized by the local estimate");
     cr_assert_gt(pk.remote_s, 3.0);
+    /* with a TTFT objective the remote side meets (3.2 s within 5 s), sooner gains nothing:
+       remote; one it would pass (2 s): local */
+    pc.ttft_objective_s = 5.0;
+    place(reg, &pc, &rq, false, ROUTER_PLACE_FASTER);
+    pc.ttft_objective_s = 2.0;
+    place(reg, &pc, &rq, true, ROUTER_PLACE_FASTER);
+    pc.ttft_objective_s = 0;
     /* the disaggregated policy (the default) sends it to the queue regardless */
     router_policy_config_t dis = router_policy_config_default();
     pk = place(reg, &dis, &rq, false, ROUTER_PLACE_POLICY);
