@@ -356,6 +356,15 @@ Test(plan_sim, conditional_prefills_locally_in_chunks_the_tpot_objective_allows)
     /* (a step may pass the objective by what a stream that joined adds to the pace it was
        sized by: ~1 ms here) */
     cr_assert_leq(loose.tpot_p99_s, 1.05 * c.tpot_objective_s, "TPOT p99 %g s", loose.tpot_p99_s);
+    /* with a TTFT objective the prefill node meets (its ~14 s queue within 60 s), the router
+       keeps every prompt there: disaggregated again */
+    c.ttft_objective_s = 60;
+    td_plan_result_t ttft;
+    cr_assert_eq(td_plan_simulate(&p, &c, reqs, 9, &slo, &ttft), TD_OK);
+    cr_assert_float_eq(ttft.ttft_mean_s, dis.ttft_mean_s, 1e-12, "%g vs %g", ttft.ttft_mean_s, dis.ttft_mean_s);
+    c.ttft_objective_s = 5; /* one it passes (~12 s for the short prompt): local again */
+    cr_assert_eq(td_plan_simulate(&p, &c, reqs, 9, &slo, &ttft), TD_OK);
+    cr_assert_lt(ttft.ttft_mean_s, dis.ttft_mean_s - 1.0, "%g vs %g", ttft.ttft_mean_s, dis.ttft_mean_s);
 }
 
 /* ---- a decode step read from streams timed through a cluster (td_plan_decode_window) ---- */
