@@ -18,7 +18,8 @@
 source "$(dirname "$0")/cluster_lib.sh"
 cl_init_gguf
 # HB_TIMEOUT (the router's default, 1.5 s) is shorter than the $BUSY-token prompt's one step
-# on p0 (2-4 s here): a heartbeat that waited for the step would drop p0 (checked in 2.)
+# on p0 (2-15 s on a loaded 2-core machine): a heartbeat that waited for the step would drop
+# p0 (checked in 2.)
 LONG=800 BUSY=1500 TPOT=500 STREAM_TOK=300 MAXTOK=120 AFTER=30 HB_TIMEOUT=1500
 if [ "${TD_SANITIZE:-OFF}" = ON ]; then
     # a 400-token prompt is one step of ~35 s on a loaded machine, and p0's heartbeats once
