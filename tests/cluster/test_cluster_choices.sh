@@ -1,0 +1,116 @@
+#!/bin/bash
+# test_cluster_choices: OpenAI's n and logit_bias through the cluster (docs/openai.md "Several
+# choices (n)", "Logit bias"), SmolLM2 ($TANDEM_TEST_GGUF) behind `tandem local` 1 prefill + 1
+# decode, on /v1/completions:
+# - n=3 greedy: three choices, indexes 0..2, each equal to `tandem generate`'s text; usage
+#   counts every choice's tokens; the prefill node computed the prompt once (its computed
+#   tokens stay below twice the prompt, the rest came from its prefix cache);
+# - n=3 seeded at temperature 1: the same three choices on a second run, not all alike;
+# - streamed n=3: every index's chunks join to the greedy text, each has its finish_reason,
+#   and the usage chunk counts all three;
+# - logit_bias +100 on one token forces it, -100 on the greedy first token changes the output,
+#   both equal to `tandem generate --logit-bias`; an id past the vocabulary and n=17 are 400s.
+source "$(dirname "$0")/cluster_lib.sh"
+cl_init_gguf
+P="The history of the city of Paris begins with a small settlement of Celtic fishermen on an island in the river Seine, where the Romans later built a town they called Lutetia, and"
+MAXTOK=10
+want=$("$CL_BIN" generate --model "$CL_M" --prompt "$P" --max-tokens $MAXTOK --threads 1 2>"$CL_T/gen.err") ||
+    { cl_fail "tandem generate: $(tail -2 "$CL_T/gen.err")"; cl_end; }
+want_ids=$("$CL_BIN" generate --model "$CL_M" --prompt "$P" --max-tokens $MAXTOK --threads 1 --print-ids 2>/dev/null)
+G=${want_ids%% *} # the greedy first token
+X=1234            # a token biased to be forced
+forced=$("$CL_BIN" generate --model "$CL_M" --prompt "$P" --max-tokens 4 --threads 1 --logit-bias $X=100 --print-ids 2>/dev/null)
+[ "$forced" = "$X $X $X $X" ] || cl_fail "tandem generate --logit-bias $X=100 gave ids '$forced'"
+forced_text=$("$CL_BIN" generate --model "$CL_M" --prompt "$P" --max-tokens 4 --threads 1 --logit-bias $X=100 2>/dev/null)
+banned=$("$CL_BIN" generate --model "$CL_M" --prompt "$P" --max-tokens $MAXTOK --threads 1 --logit-bias "$G=-100" 2>/dev/null)
+[ "$banned" != "$want" ] || cl_fail "tandem generate --logit-bias $G=-100 did not change '$want'"
+
+cl_local 1 1 --threads 1 --kv-mem 128
+OA=$(sed -n 's/^openai: //p' "$CL_T/local.out")
+PF=$(for k in "${!CL_ROLE[@]}"; do [ "${CL_ROLE[$k]}" = prefill ] && echo "$k"; done)
+
+# ask BODY_JSON: POSTs a completion; prints a JSON summary: {"texts": [by index], "finish":
+# [by index], "usage": ..., "indexes": [as they came]} (streamed when the body says so), or
+# "HTTP status body"
+ask() {
+    "$CL_PY" - "$OA/completions" "$1" <<'PY'
+import json, sys, urllib.request, urllib.error
+url, body = sys.argv[1], sys.argv[2]
+req = urllib.request.Request(url, body.encode(), {"Content-Type": "application/json"})
+try:
+    with urllib.request.urlopen(req, timeout=120) as r:
+        raw = r.read().decode()
+except urllib.error.HTTPError as e:
+    print("HTTP %d %s" % (e.code, e.read().decode()))
+    sys.exit(0)
+texts, fin, idx, usage = {}, {}, [], None
+if json.loads(body).get("stream"):
+    for ev in raw.split("\n\n"):
+        if not ev.startswith("data: ") or ev == "data: [DONE]":
+            continue
+        c = json.loads(ev[6:])
+        usage = c.get("usage") or usage
+        for ch in c["choices"]:
+            i = ch["index"]
+            idx.append(i)
+            texts[i] = texts.get(i, "") + ch["text"]
+            if ch.get("finish_reason"):
+                fin[i] = ch["finish_reason"]
+else:
+    c = json.loads(raw)
+    usage = c["usage"]
+    for ch in c["choices"]:
+        idx.append(ch["index"])
+        texts[ch["index"]], fin[ch["index"]] = ch["text"], ch["finish_reason"]
+n = max(texts) + 1 if texts else 0
+print(json.dumps({"texts": [texts.get(i) for i in range(n)], "finish": [fin.get(i) for i in range(n)],
+                  "usage": usage, "indexes": idx}))
+PY
+}
+body() { # body EXTRA_JSON: a completion body for $P with EXTRA_JSON's members
+    "$CL_PY" -c 'import json,sys; b={"prompt":sys.argv[1],"max_tokens":int(sys.argv[2]),"temperature":0}; b.update(json.loads("{"+sys.argv[3]+"}")); print(json.dumps(b))' \
+        "$P" "${MAXTOK_REQ:-$MAXTOK}" "$1"
+}
+# jq-less reads of ask's summary: field EXPR (a Python expression over d)
+field() { "$CL_PY" -c 'import json,sys; d=json.loads(sys.argv[1]); print(eval(sys.argv[2]))' "$1" "$2"; }
+
+tok0=$(cl_metric "$PF" tandem_prefill_tokens_total)
+cached0=$(cl_metric "$PF" tandem_prefill_cached_tokens_total)
+r=$(ask "$(body '"n":3')")
+echo "n=3 greedy: $r"
+[ "$(field "$r" 'd["indexes"]')" = "[0, 1, 2]" ] || cl_fail "n=3: indexes $(field "$r" 'd["indexes"]')"
+for i in 0 1 2; do
+    [ "$(field "$r" "d['texts'][$i]")" = "$want" ] || cl_fail "n=3 greedy: choice $i '$(field "$r" "d['texts'][$i]")' differs from tandem generate's '$want'"
+done
+np=$(field "$r" 'd["usage"]["prompt_tokens"]')
+[ "$(field "$r" 'd["usage"]["completion_tokens"]')" = $((3 * MAXTOK)) ] || cl_fail "n=3: usage $(field "$r" 'd["usage"]')"
+tok=$(($(cl_metric "$PF" tandem_prefill_tokens_total) - tok0))
+cached=$(($(cl_metric "$PF" tandem_prefill_cached_tokens_total) - cached0))
+echo "prompt $np tokens; the prefill node computed $tok and took $cached from its prefix cache for 3 choices"
+[ "$tok" -lt $((2 * np)) ] && [ "$cached" -ge 32 ] ||
+    cl_fail "n=3: the prefill node computed $tok tokens ($cached cached) for a $np-token prompt: not once"
+
+s1=$(ask "$(body '"n":3,"temperature":1,"seed":42')")
+s2=$(ask "$(body '"n":3,"temperature":1,"seed":42')")
+echo "n=3 seeded: $s1"
+[ "$(field "$s1" 'd["texts"]')" = "$(field "$s2" 'd["texts"]')" ] || cl_fail "n=3 seed 42 is not reproducible: $s1 / $s2"
+[ "$(field "$s1" 'len(set(d["texts"]))')" -gt 1 ] || cl_fail "n=3 seed 42 at temperature 1: three equal choices"
+
+r=$(ask "$(body '"n":3,"stream":true,"stream_options":{"include_usage":true}')")
+for i in 0 1 2; do
+    [ "$(field "$r" "d['texts'][$i]")" = "$want" ] || cl_fail "n=3 streamed: choice $i '$(field "$r" "d['texts'][$i]")'"
+    [ "$(field "$r" "d['finish'][$i]")" = length ] || cl_fail "n=3 streamed: choice $i finish '$(field "$r" "d['finish'][$i]")'"
+done
+[ "$(field "$r" 'd["usage"]["completion_tokens"]')" = $((3 * MAXTOK)) ] || cl_fail "n=3 streamed: usage $(field "$r" 'd["usage"]')"
+
+r=$(MAXTOK_REQ=4 body "\"logit_bias\":{\"$X\":100}")
+r=$(ask "$r")
+[ "$(field "$r" 'd["texts"][0]')" = "$forced_text" ] || cl_fail "logit_bias +100: '$(field "$r" 'd["texts"][0]')', tandem generate '$forced_text'"
+r=$(ask "$(body "\"logit_bias\":[[$G,-100]]")")
+[ "$(field "$r" 'd["texts"][0]')" = "$banned" ] || cl_fail "logit_bias -100 on $G: '$(field "$r" 'd["texts"][0]')', tandem generate '$banned'"
+
+r=$(ask "$(body '"logit_bias":{"49152":5}')")
+case "$r" in "HTTP 400 "*"logit_bias token 49152 is outside the vocabulary"*) ;; *) cl_fail "logit_bias past the vocabulary: $r" ;; esac
+r=$(ask "$(body '"n":17')")
+case "$r" in "HTTP 400 "*'"param":"n"'*) ;; *) cl_fail "n=17: $r" ;; esac
+cl_end "n and logit_bias through 1P+1D: n=3 greedy equals tandem generate with the prompt computed once, seeded n=3 reproducible, streamed indexes, logit_bias forces and bans"
