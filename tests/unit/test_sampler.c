@@ -682,6 +682,20 @@ Test(sampler, logit_bias_forces_bans_and_comes_before_the_mask)
     s = make(p);
     cr_expect(allowed_bit(mask, draw_masked(s, l, V, mask)), "a biased forbidden token stays forbidden");
     td_sampler_destroy(s);
+
+    /* before the penalties: the repetition penalty divides the biased logit. Token 0 (logit
+     * 1, in the window, bias +3) against token 1 (logit 2.5): (1 + 3) / 2 = 2 loses; a bias
+     * added after the penalty (1 / 2 + 3 = 3.5) would win */
+    float two[2] = {1.0f, 2.5f};
+    p = td_sampling_default();
+    p.repetition_penalty = 2.0f;
+    p.n_logit_bias = 1;
+    p.logit_bias_ids[0] = 0;
+    p.logit_bias[0] = 3.0f;
+    s = make(p);
+    td_sampler_accept_prompt(s, 0);
+    cr_expect_eq(draw(s, two, 2), 1, "the penalty applies to the biased logit");
+    td_sampler_destroy(s);
 }
 
 Test(sampler, logit_bias_checked)
