@@ -302,6 +302,8 @@ static td_status_t http_send(router_req_t *r)
 {
     http_choice_t *ch = r->client;
     http_client_t *hc = ch->hc;
+    if (hc->failed || !hc->req || hc->closing)
+        return TD_OK; /* another choice failed and answered: this one ends from the idle handle */
     if (hc->logprobs && lps_append(ch, r) != TD_OK)
         return TD_ERR_NOMEM;
     if (!hc->stream) {

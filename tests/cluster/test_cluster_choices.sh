@@ -9,7 +9,8 @@
 # - streamed n=3: every index's chunks join to the greedy text, each has its finish_reason,
 #   and the usage chunk counts all three;
 # - logit_bias +100 on one token forces it, -100 on the greedy first token changes the output,
-#   both equal to `tandem generate --logit-bias`; an id past the vocabulary and n=17 are 400s.
+#   both equal to `tandem generate --logit-bias`; an id past the vocabulary and n=17 are 400s;
+# - a client leaving a streamed n=3 mid-stream ends all three (nothing left on the nodes).
 source "$(dirname "$0")/cluster_lib.sh"
 cl_init_gguf
 P="The history of the city of Paris begins with a small settlement of Celtic fishermen on an island in the river Seine, where the Romans later built a town they called Lutetia, and"
@@ -102,6 +103,24 @@ for i in 0 1 2; do
     [ "$(field "$r" "d['finish'][$i]")" = length ] || cl_fail "n=3 streamed: choice $i finish '$(field "$r" "d['finish'][$i]")'"
 done
 [ "$(field "$r" 'd["usage"]["completion_tokens"]')" = $((3 * MAXTOK)) ] || cl_fail "n=3 streamed: usage $(field "$r" 'd["usage"]')"
+
+# a client that goes mid-stream, once every choice streams: all three end (cl_stop's idle
+# check: no request, sequence or lease left)
+"$CL_PY" - "$OA/completions" "$(MAXTOK_REQ=200 body '"n":3,"stream":true,"ignore_eos":true')" <<'PY' || cl_fail "n=3 disconnect: the choices did not all stream"
+import json, sys, urllib.request
+req = urllib.request.Request(sys.argv[1], sys.argv[2].encode(), {"Content-Type": "application/json"})
+seen, buf = set(), b""
+with urllib.request.urlopen(req, timeout=120) as r:
+    while len(seen) < 3:
+        line = r.readline()
+        if not line:
+            sys.exit(1)
+        if line.startswith(b"data: {"):
+            seen.update(c["index"] for c in json.loads(line[6:])["choices"])
+print("n=3 stream: chunks of choices %s seen, then the client left" % sorted(seen))
+PY
+v=$("$CL_PY" "$CL_TOOL" waitmetric "${CL_MURL[router]}" tandem_router_active_requests == 0 10) ||
+    cl_fail "n=3 disconnect: the router still has requests: $v"
 
 r=$(MAXTOK_REQ=4 body "\"logit_bias\":{\"$X\":100}")
 r=$(ask "$r")
