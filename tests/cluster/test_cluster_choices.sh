@@ -10,7 +10,10 @@
 #   and the usage chunk counts all three;
 # - logit_bias +100 on one token forces it, -100 on the greedy first token changes the output,
 #   both equal to `tandem generate --logit-bias`; an id past the vocabulary and n=17 are 400s;
-# - a client leaving a streamed n=3 mid-stream ends all three (nothing left on the nodes).
+# - a client leaving a streamed n=3 mid-stream ends all three (nothing left on the nodes);
+# - n=3 under guided_choice at temperature 1: every choice conforms;
+# - the gRPC gateway's SamplingParams.logit_bias_ids / logit_bias force a token as `tandem
+#   generate --logit-bias` does; lists of two lengths, an id past the vocabulary: INVALID_ARGUMENT.
 source "$(dirname "$0")/cluster_lib.sh"
 cl_init_gguf
 P="The history of the city of Paris begins with a small settlement of Celtic fishermen on an island in the river Seine, where the Romans later built a town they called Lutetia, and"
@@ -127,6 +130,38 @@ r=$(ask "$r")
 [ "$(field "$r" 'd["texts"][0]')" = "$forced_text" ] || cl_fail "logit_bias +100: '$(field "$r" 'd["texts"][0]')', tandem generate '$forced_text'"
 r=$(ask "$(body "\"logit_bias\":[[$G,-100]]")")
 [ "$(field "$r" 'd["texts"][0]')" = "$banned" ] || cl_fail "logit_bias -100 on $G: '$(field "$r" 'd["texts"][0]')', tandem generate '$banned'"
+
+# each choice under the constraint
+r=$(ask "$(body '"n":3,"temperature":1,"seed":7,"guided_choice":["red","green","blue"]')")
+"$CL_PY" -c 'import json,sys; d=json.loads(sys.argv[1]); assert len(d["texts"]) == 3 and all(t in ("red","green","blue") for t in d["texts"]), d' "$r" ||
+    cl_fail "n=3 guided_choice: $r"
+
+# the gRPC gateway: SamplingParams.logit_bias_ids / logit_bias (fields 9, 10 of field 4)
+grpc_bias() { # grpc_bias IDS_OF_BIAS BIASES: the ids of a 4-token Generate of $IDS, or the status
+    CL_SRC="$CL_SRC" "$CL_PY" - "$CL_GW" "$IDS" "$1" "$2" <<'PY'
+import os, struct, sys, grpc
+sys.path.insert(0, os.environ["CL_SRC"] + "/tests/cluster")
+from cluster_wire import channel, generate_stub, parse_ids, pb_bytes, pb_packed, request
+gw, ids, bids, bvals = sys.argv[1], [int(x) for x in sys.argv[2].split()], [int(x) for x in sys.argv[3].split()], [float(x) for x in sys.argv[4].split()]
+sampling = pb_packed(9, bids) + pb_bytes(10, b"".join(struct.pack("<f", v) for v in bvals))
+got = []
+try:
+    for m in generate_stub(channel(gw))(request(ids, 4) + pb_bytes(4, sampling), timeout=120):
+        got += parse_ids(m)
+    print(" ".join(map(str, got)))
+except grpc.RpcError as e:
+    print(e.code().name, e.details())
+PY
+}
+IDS="19161 253 986 1398 282 2355 42"
+want_g=$("$CL_BIN" generate --model "$CL_M" --prompt-ids "$IDS" --max-tokens 4 --threads 1 --logit-bias 777=100 --print-ids 2>/dev/null)
+[ "$want_g" = "777 777 777 777" ] || cl_fail "tandem generate --prompt-ids --logit-bias 777=100: '$want_g'"
+got=$(grpc_bias 777 100)
+[ "$got" = "$want_g" ] || cl_fail "gateway logit_bias 777=+100: '$got', want '$want_g'"
+got=$(grpc_bias "5 6" 1)
+case "$got" in "INVALID_ARGUMENT "*"differ in length"*) ;; *) cl_fail "gateway logit_bias of two lengths: '$got'" ;; esac
+got=$(grpc_bias 60000 1)
+case "$got" in "INVALID_ARGUMENT "*"logit_bias token 60000 is outside the vocabulary"*) ;; *) cl_fail "gateway logit_bias 60000: '$got'" ;; esac
 
 r=$(ask "$(body '"logit_bias":{"49152":5}')")
 case "$r" in "HTTP 400 "*"logit_bias token 49152 is outside the vocabulary"*) ;; *) cl_fail "logit_bias past the vocabulary: $r" ;; esac
