@@ -116,6 +116,31 @@ td_status_t cli_gen_parse_stop_id(const td_opt_t *opt, const char *v)
     return TD_OK;
 }
 
+td_status_t cli_gen_parse_logit_bias(const td_opt_t *opt, const char *v)
+{
+    cli_gen_opts_t *o = opt->ptr;
+    td_sampling_t *sp = &o->sampling;
+    const char *eq = strchr(v, '=');
+    char id_text[24];
+    int64_t id;
+    float bias;
+    if (!eq || (size_t)(eq - v) >= sizeof id_text)
+        return td_errorf(TD_ERR_INVALID, "--logit-bias: '%s' is not ID=BIAS (e.g. 1234=-100)", v);
+    memcpy(id_text, v, (size_t)(eq - v));
+    id_text[eq - v] = 0;
+    td_status_t st = td_parse_i64(id_text, 0, INT32_MAX, "--logit-bias token id", &id);
+    if (st == TD_OK)
+        st = td_parse_f32(eq + 1, -TD_SAMPLING_MAX_BIAS, TD_SAMPLING_MAX_BIAS, "--logit-bias bias", &bias);
+    if (st != TD_OK)
+        return st;
+    if (sp->n_logit_bias < TD_SAMPLING_MAX_LOGIT_BIAS) { /* more are counted: the check refuses them */
+        sp->logit_bias_ids[sp->n_logit_bias] = (int32_t)id;
+        sp->logit_bias[sp->n_logit_bias] = bias;
+    }
+    sp->n_logit_bias++;
+    return TD_OK;
+}
+
 td_status_t cli_gen_parse_log_level(const td_opt_t *opt, const char *v)
 {
     (void)opt;
@@ -570,6 +595,11 @@ td_status_t cli_gen_run(cli_gen_t *g, const cli_gen_opts_t *o, td_kv_seq_t *seq,
     /* prompt logprobs: every row of a chunk (chunks of at most max_logit_rows tokens) */
     const int32_t chunk = want_plp ? TD_MIN(ec->max_batch_tokens, ec->max_logit_rows) : ec->max_batch_tokens;
     const size_t vocab = (size_t)g->model->config.vocab_size;
+    char why[160];
+    if (!td_sampling_check_bias(&o->sampling, (int32_t)vocab, why, sizeof why)) { /* the ids: this model's */
+        st = td_errorf(TD_ERR_INVALID, "--logit-bias: %s", why);
+        goto out;
+    }
     if ((st = td_sampler_create(&o->sampling, &sampler)) != TD_OK ||
         (st = td_stop_create(o->stops, TD_MIN(o->n_stops, TD_STOP_MAX_STRINGS), &stop)) != TD_OK)
         goto out;

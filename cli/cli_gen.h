@@ -105,6 +105,10 @@ void cli_gen_sampling_synopsis(FILE *out, const cli_gen_sampling_flags_t *f, con
  * --log-level (sets the log level); --quant is td_cli.h's cli_opt_quant. */
 td_status_t cli_gen_parse_stop(const td_opt_t *opt, const char *v);
 td_status_t cli_gen_parse_stop_id(const td_opt_t *opt, const char *v);
+/* --logit-bias ID=BIAS (repeatable; opt->ptr is the cli_gen_opts_t): an entry of
+ * o->sampling's logit bias; the count and duplicates are td_gen_params_check's, the id
+ * against the vocabulary the generation's (or the router's). */
+td_status_t cli_gen_parse_logit_bias(const td_opt_t *opt, const char *v);
 td_status_t cli_gen_parse_log_level(const td_opt_t *opt, const char *v);
 
 /* The speculative decoding flags of generate and chat: three td_opt_t initialisers, --spec

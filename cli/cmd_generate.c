@@ -105,6 +105,9 @@ static void gen_flags_init(gen_flags_t *fl, cli_gen_opts_t *o)
          .help = fl->stop_help},
         {.name = "stop-id", .type = TD_OPT_FN, .ptr = o, .parse = cli_gen_parse_stop_id, .arg = "ID",
          .help = "stop at this token id (repeatable); the model's EOS ids always stop"},
+        {.name = "logit-bias", .type = TD_OPT_FN, .ptr = o, .parse = cli_gen_parse_logit_bias, .arg = "ID=B",
+         .help = "add B (-100..100) to token ID's logit before sampling (repeatable; OpenAI's\n"
+                 "logit_bias: 100 forces the token, -100 bans it)"},
         {.name = "threads", .type = TD_OPT_I64, .ptr = &o->threads, .min = 1, .max = 4096, .arg = "N",
          .help = "compute threads (default: all cores)"},
         {.name = "device", .type = TD_OPT_FN, .ptr = &o->device, .parse = cli_opt_device, .arg = "D",
@@ -160,7 +163,8 @@ static void print_help(const gen_flags_t *fl)
     printf("usage: tandem generate --model PATH [--tokenizer PATH] (--prompt TEXT | --prompt-ids \"1 2 3\")\n"
            "                       [--chat [--system TEXT]] [--max-tokens N]\n");
     cli_gen_sampling_synopsis(stdout, &fl->sampling, "                       ");
-    printf("                       [--stop TEXT]... [--stop-id ID]... [--threads N] [--device cpu|cuda[:N]]\n"
+    printf("                       [--stop TEXT]... [--stop-id ID]... [--logit-bias ID=B]...\n"
+           "                       [--threads N] [--device cpu|cuda[:N]]\n"
            "                       [--dtype f32|f16|bf16] [--quant q8_0|q4_0] [--kv-dtype T] [--print-ids]\n"
            "                       [--logprobs N [--prompt-logprobs]]\n"
            "                       [--spec off|prompt-lookup|draft-model] [--draft-model PATH] [--draft-tokens K]\n"

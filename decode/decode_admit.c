@@ -72,6 +72,7 @@ td_grpc_code_t decode_admit_read(const Tandem__Control__V1__AdmitRequest *r, con
     if (code == TD_GRPC_OK) {
         a->sampling = td_node_sampling_from_proto(r->sampling);
         if (td_sampling_validate(&a->sampling, why, cap) != TD_OK ||
+            !td_sampling_check_bias(&a->sampling, mc->vocab_size, why, cap) ||
             td_node_logprobs_from_proto(r->logprobs, &a->logprobs, why, cap) != TD_OK)
             code = TD_GRPC_INVALID_ARGUMENT;
     }

@@ -39,6 +39,7 @@ static td_grpc_code_t admit_check(const Tandem__Control__V1__PrefillRequest *r, 
     a->cache_salt = r->cache_salt;
     a->sampling = td_node_sampling_from_proto(r->sampling);
     if (td_sampling_validate(&a->sampling, why, cap) != TD_OK ||
+        !td_sampling_check_bias(&a->sampling, mc->vocab_size, why, cap) ||
         td_node_logprobs_from_proto(r->logprobs, &a->logprobs, why, cap) != TD_OK)
         return TD_GRPC_INVALID_ARGUMENT;
     if (a->logprobs.prompt && a->n_tokens > TD_LOGPROBS_MAX_PROMPT) {

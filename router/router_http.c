@@ -27,36 +27,108 @@
 #include "router_admit.h"
 #include "router_openai.h"
 #include "td_log.h"
+#include "td_rng.h"
 #include "td_util.h"
 
-typedef struct http_client {
-    router_state_t *s;
-    td_http_req_t *req;
-    router_req_t *r;            /* NULL once the router request ended */
-    router_oai_resp_t rs;
-    char id[80];
-    bool stream, include_usage;
-    bool began;                 /* the SSE answer began */
+typedef struct http_client http_client_t;
+
+/* One choice of a request (OpenAI's choices[i]; n > 1 makes several): its router request
+ * and its part of the answer. */
+typedef struct http_choice {
+    http_client_t *hc;
+    router_req_t *r;            /* its router request while it runs; NULL before and after */
+    router_oai_resp_t rs;       /* hc's, with this choice's index */
+    bool started, ended;
     bool first;                 /* no chunk with text went out yet */
-    char *echo;                 /* completions with echo: the prompt's text, sent first */
-    size_t echo_len;
-    bool logprobs;              /* the client asked for log-probabilities */
+    bool echo_pending;          /* completions with echo: the prompt's text not yet sent */
     bool lp_first_null;         /* the first entry is the prompt's first token (echo) */
     size_t lp_offset;           /* completions' text_offset of the next token */
     td_token_logprob_t *lps;    /* a whole answer: every entry so far [n_lps] */
     size_t n_lps, cap_lps;
     router_oai_buf_t text;      /* a whole answer: the text so far */
-    router_oai_buf_t out;       /* the bytes being written (after the request ended: the
-                                 * answer's last bytes, until the connection takes them) */
-} http_client_t;
+    const char *reason;         /* finish_reason once it ended well */
+} http_choice_t;
 
-static void client_free(http_client_t *hc)
+/*
+ * One HTTP generation request and its n choices. Choice 0 starts at once; the others once
+ * its Prefill call ended (router_sink_ops_t.prefilled) or it finished, from the idle handle,
+ * with the prompt as choice 0's token ids: their Admit and Prefill then find the prompt's
+ * full blocks in the decode and prefill nodes' prefix caches (docs/openai.md "n"). A
+ * failure of one choice answers the client with it and ends the others, from the idle
+ * handle too: the lifecycle calls fail from inside its own loops over requests, where
+ * ending another request is not safe. hc is freed only in the idle handle's close callback,
+ * once the answer is done and no choice runs, so a loop over its choices never outlives it.
+ */
+struct http_client {
+    router_state_t *s;
+    td_http_req_t *req;         /* NULL once answered (or the connection went) */
+    char id[80];
+    bool stream, include_usage;
+    bool began;                 /* the SSE answer began */
+    bool closing;               /* out holds the answer's last bytes: the stream ends once written */
+    bool logprobs;              /* the client asked for log-probabilities */
+    char *echo;                 /* completions with echo: the prompt's text, sent first */
+    size_t echo_len;
+    router_oai_buf_t out;       /* stream bytes the connection has not taken yet */
+    int32_t n, n_running, n_ended;
+    http_choice_t ch[ROUTER_OAI_MAX_N];
+    router_oai_usage_t usage;   /* prompt and cached tokens of choice 0, completions of all */
+    bool launch_wanted, launched, failed, closed;
+    uv_idle_t idle;             /* deferred work: launch the later choices, end them after a failure */
+    /* the later choices' request (the body is gone when they start) */
+    td_gen_params_t gp;
+    char *stops[TD_STOP_MAX_STRINGS];
+    char *grammar;
+    uint32_t *ids;              /* choice 0's prompt ids [n_ids] */
+    size_t n_ids;
+    int32_t priority;
+    uint64_t cache_salt;
+};
+
+/* Frees hc and what it holds (its idle handle closed, or never opened). */
+static void client_on_closed_now(http_client_t *hc)
 {
-    free(hc->lps);
-    router_oai_buf_free(&hc->text);
+    for (int32_t i = 0; i < hc->n; i++) {
+        free(hc->ch[i].lps);
+        router_oai_buf_free(&hc->ch[i].text);
+    }
+    for (size_t i = 0; i < TD_STOP_MAX_STRINGS; i++)
+        free(hc->stops[i]);
+    free(hc->grammar);
+    free(hc->ids);
     router_oai_buf_free(&hc->out);
     free(hc->echo);
     free(hc);
+}
+
+static void client_on_closed(uv_handle_t *h)
+{
+    client_on_closed_now(h->data);
+}
+
+/* Frees hc (in the idle handle's close callback) once its answer is done and none of its
+ * choices runs. */
+static void client_maybe_free(http_client_t *hc)
+{
+    if (hc->req || hc->n_running > 0 || hc->closed)
+        return;
+    hc->closed = true;
+    uv_close((uv_handle_t *)&hc->idle, client_on_closed);
+}
+
+/* The HTTP request is answered (or gone): nothing more is written to it. */
+static void client_answered(http_client_t *hc)
+{
+    hc->req = NULL;
+    client_maybe_free(hc);
+}
+
+static void client_on_idle(uv_idle_t *h);
+
+static void client_defer(http_client_t *hc)
+{
+    if (!hc->closed)
+        uv_idle_start(&hc->idle, client_on_idle);
 }
 
 /* ---- answers at once ------------------------------------------------------------------- */
@@ -122,15 +194,22 @@ static void http_models(router_state_t *s, td_http_req_t *req)
 /* ---- the sink: a router request's output as OpenAI's answer ---------------------------- */
 
 
-/* Writes hc->out, the answer's last bytes, after the request ended, then ends the stream
- * and frees hc; on BUSY waits for on_writable. */
-static void tail_drain(http_client_t *hc)
+/* Writes hc->out; once it is written and the answer's last bytes were in it, ends the
+ * stream. TD_OK (all written), TD_ERR_BUSY (on_writable comes back), TD_ERR_CLOSED
+ * (on_abort follows). */
+static td_status_t out_flush(http_client_t *hc)
 {
-    td_status_t st = td_http_stream_write(hc->req, hc->out.p, hc->out.n);
-    if (st == TD_ERR_BUSY || st == TD_ERR_CLOSED)
-        return; /* on_writable comes back here; or on_abort follows and frees hc */
-    td_http_stream_end(hc->req); /* sent, or out of memory for it: the stream ends either way */
-    client_free(hc);
+    if (hc->out.n) {
+        td_status_t st = td_http_stream_write(hc->req, hc->out.p, hc->out.n);
+        if (st == TD_ERR_BUSY || st == TD_ERR_CLOSED)
+            return st;
+        hc->out.n = 0; /* sent, or out of memory for it: dropped either way */
+    }
+    if (hc->closing) {
+        td_http_stream_end(hc->req);
+        client_answered(hc);
+    }
+    return TD_OK;
 }
 
 static td_status_t stream_begin(http_client_t *hc)
@@ -145,22 +224,16 @@ static td_status_t stream_begin(http_client_t *hc)
 
 /* The text of this message: r's pending text (a pointer into r->out), or with an echo not
  * yet sent the echo and that text, copied into *tmp. */
-static const char *message_text(http_client_t *hc, router_req_t *r, size_t *len_p, router_oai_buf_t *tmp)
+static const char *message_text(http_choice_t *ch, router_req_t *r, size_t *len_p, router_oai_buf_t *tmp)
 {
-    if (!hc->echo) {
+    if (!ch->echo_pending) {
         *len_p = r->out.n_text;
         return r->out.text ? r->out.text : "";
     }
-    router_oai_buf_put(tmp, hc->echo, hc->echo_len);
+    router_oai_buf_put(tmp, ch->hc->echo, ch->hc->echo_len);
     router_oai_buf_put(tmp, r->out.text ? r->out.text : "", r->out.n_text);
     *len_p = tmp->n;
     return tmp->oom ? "" : tmp->p;
-}
-
-static void echo_sent(http_client_t *hc)
-{
-    free(hc->echo);
-    hc->echo = NULL;
 }
 
 /* A token's text for its log-probability entry (router_oai_token_text_cb; ctx is the
@@ -179,75 +252,92 @@ static size_t token_text(void *ctx, int32_t id, char *buf, size_t cap)
 }
 
 /* r's pending log-probabilities in order (the prompt's, sent with the first message, then
- * the generated tokens'), appended to hc->lps. TD_ERR_NOMEM. */
-static td_status_t lps_append(http_client_t *hc, const router_req_t *r)
+ * the generated tokens'), appended to ch->lps. TD_ERR_NOMEM. */
+static td_status_t lps_append(http_choice_t *ch, const router_req_t *r)
 {
     size_t np = r->out.n_prompt_lps, ng = r->out.lps ? r->out.n : 0;
-    if (hc->n_lps + np + ng > hc->cap_lps) {
-        size_t cap = TD_MAX(hc->cap_lps * 2, hc->n_lps + np + ng);
-        td_token_logprob_t *p = realloc(hc->lps, cap * sizeof *p);
+    if (ch->n_lps + np + ng > ch->cap_lps) {
+        size_t cap = TD_MAX(ch->cap_lps * 2, ch->n_lps + np + ng);
+        td_token_logprob_t *p = realloc(ch->lps, cap * sizeof *p);
         if (!p)
             return TD_ERR_NOMEM;
-        hc->lps = p;
-        hc->cap_lps = cap;
+        ch->lps = p;
+        ch->cap_lps = cap;
     }
-    if (np && !hc->n_lps)
-        hc->lp_first_null = true; /* the prompt's first token: no context */
+    if (np && !ch->n_lps)
+        ch->lp_first_null = true; /* the prompt's first token: no context */
     if (np)
-        memcpy(hc->lps + hc->n_lps, r->out.prompt_lps, np * sizeof *hc->lps);
+        memcpy(ch->lps + ch->n_lps, r->out.prompt_lps, np * sizeof *ch->lps);
     if (ng)
-        memcpy(hc->lps + hc->n_lps + np, r->out.lps, ng * sizeof *hc->lps);
-    hc->n_lps += np + ng;
+        memcpy(ch->lps + ch->n_lps + np, r->out.lps, ng * sizeof *ch->lps);
+    ch->n_lps += np + ng;
     return TD_OK;
 }
 
-/* choices[0].logprobs of hc->lps[from..n_lps) into *b; NULL when the client asked none (or
+/* choices[i].logprobs of ch->lps[from..n_lps) into *b; NULL when the client asked none (or
  * out of memory: sent without them). */
-static const char *lps_json(http_client_t *hc, size_t from, router_oai_buf_t *b)
+static const char *lps_json(http_choice_t *ch, size_t from, router_oai_buf_t *b)
 {
-    if (!hc->logprobs)
+    if (!ch->hc->logprobs)
         return NULL;
-    hc->lp_offset = router_oai_logprobs(b, hc->rs.kind, hc->lps + from, hc->n_lps - from,
-                                        hc->lp_first_null && from == 0, hc->lp_offset, token_text, hc->s);
+    ch->lp_offset = router_oai_logprobs(b, ch->rs.kind, ch->lps + from, ch->n_lps - from,
+                                        ch->lp_first_null && from == 0, ch->lp_offset, token_text, ch->hc->s);
     return b->oom ? NULL : b->p;
+}
+
+/* One chunk of ch (its pending text and log-probabilities; the finish reason on its last)
+ * appended to *b. */
+static void choice_chunk(http_choice_t *ch, router_req_t *r, const char *reason, router_oai_buf_t *b)
+{
+    router_oai_buf_t tmp = {0}, lpb = {0};
+    size_t len;
+    const char *text = message_text(ch, r, &len, &tmp);
+    router_oai_chunk(b, &ch->rs, ch->first, text, len, ch->n_lps ? lps_json(ch, 0, &lpb) : NULL, reason,
+                     ch->hc->include_usage);
+    router_oai_buf_free(&tmp);
+    router_oai_buf_free(&lpb);
 }
 
 static td_status_t http_send(router_req_t *r)
 {
-    http_client_t *hc = r->client;
-    if (hc->logprobs && lps_append(hc, r) != TD_OK)
+    http_choice_t *ch = r->client;
+    http_client_t *hc = ch->hc;
+    if (hc->failed || !hc->req || hc->closing)
+        return TD_OK; /* another choice failed and answered: this one ends from the idle handle */
+    if (hc->logprobs && lps_append(ch, r) != TD_OK)
         return TD_ERR_NOMEM;
     if (!hc->stream) {
-        router_oai_buf_put(&hc->text, r->out.text ? r->out.text : "", r->out.n_text);
-        return hc->text.oom ? TD_ERR_NOMEM : TD_OK;
+        router_oai_buf_put(&ch->text, r->out.text ? r->out.text : "", r->out.n_text);
+        return ch->text.oom ? TD_ERR_NOMEM : TD_OK;
     }
-    bool any_lp = hc->n_lps > 0;
-    if (!r->out.n_text && !hc->echo && !any_lp)
+    if (!r->out.n_text && !ch->echo_pending && !ch->n_lps)
         return TD_OK; /* ids whose text is held back (a stop string may begin there) */
+    if (hc->out.n) { /* another choice's bytes wait for the connection: this waits behind them */
+        ch->n_lps = 0; /* r->out keeps them */
+        return TD_ERR_BUSY;
+    }
     td_status_t st = stream_begin(hc);
     if (st != TD_OK) {
-        hc->n_lps = 0;
+        ch->n_lps = 0;
         return st == TD_ERR_CLOSED ? TD_ERR_CANCELLED : st; /* closing: on_abort ends r */
     }
-    router_oai_buf_t tmp = {0}, lpb = {0};
-    size_t len, lp_offset = hc->lp_offset;
-    const char *text = message_text(hc, r, &len, &tmp);
-    hc->out.n = 0;
-    router_oai_chunk(&hc->out, &hc->rs, hc->first, text, len, any_lp ? lps_json(hc, 0, &lpb) : NULL, NULL,
-                     hc->include_usage);
-    router_oai_buf_free(&tmp);
-    router_oai_buf_free(&lpb);
-    if (hc->out.oom)
+    size_t lp_offset = ch->lp_offset;
+    choice_chunk(ch, r, NULL, &hc->out);
+    if (hc->out.oom) {
+        hc->out.n = 0;
+        hc->out.oom = false;
         return TD_ERR_NOMEM;
-    st = td_http_stream_write(hc->req, hc->out.p, hc->out.n);
-    if (st == TD_OK) {
-        hc->first = false;
-        hc->lp_first_null = false;
-        echo_sent(hc);
-    } else {
-        hc->lp_offset = lp_offset; /* the same entries go again with the retry */
     }
-    hc->n_lps = 0; /* r->out keeps them when the send did not go */
+    st = td_http_stream_write(hc->req, hc->out.p, hc->out.n);
+    hc->out.n = 0;
+    if (st == TD_OK) {
+        ch->first = false;
+        ch->lp_first_null = false;
+        ch->echo_pending = false;
+    } else {
+        ch->lp_offset = lp_offset; /* the same entries go again with the retry */
+    }
+    ch->n_lps = 0; /* r->out keeps them when the send did not go */
     return st == TD_ERR_CLOSED ? TD_ERR_CANCELLED : st;
 }
 
@@ -256,98 +346,236 @@ static const char *reason_name(router_finish_t reason)
     return reason == ROUTER_FINISH_LENGTH ? "length" : "stop";
 }
 
-static void http_finish(router_req_t *r, const router_summary_t *sum)
+/* Every choice ended well: the whole answer, or the stream's usage and [DONE]. */
+static void answer_done(http_client_t *hc)
 {
-    http_client_t *hc = r->client;
-    hc->r = NULL;
-    router_oai_usage_t u = {.prompt_tokens = sum->prompt_tokens, .completion_tokens = sum->completion_tokens,
-                            .cached_tokens = sum->cached_tokens, .migrations = sum->migrations};
-    if (hc->logprobs && lps_append(hc, r) != TD_OK)
-        hc->logprobs = false; /* out of memory: the answer goes without them */
     if (!hc->stream) {
-        router_oai_buf_put(&hc->text, r->out.text ? r->out.text : "", r->out.n_text);
-        router_oai_buf_t b = {0}, lpb = {0};
-        if (hc->echo) {
-            router_oai_buf_put(&b, hc->echo, hc->echo_len);
-            router_oai_buf_put(&b, hc->text.p ? hc->text.p : "", hc->text.n);
+        router_oai_buf_t b = {0};
+        router_oai_response_begin(&b, &hc->ch[0].rs);
+        for (int32_t i = 0; i < hc->n; i++) {
+            http_choice_t *ch = &hc->ch[i];
+            router_oai_buf_t full = {0}, lpb = {0};
+            if (hc->echo) {
+                router_oai_buf_put(&full, hc->echo, hc->echo_len);
+                router_oai_buf_put(&full, ch->text.p ? ch->text.p : "", ch->text.n);
+            }
+            router_oai_buf_t *t = hc->echo ? &full : &ch->text;
+            router_oai_response_choice(&b, &ch->rs, i, t->p ? t->p : "", t->n, lps_json(ch, 0, &lpb), ch->reason);
+            router_oai_buf_free(&full);
+            router_oai_buf_free(&lpb);
         }
-        router_oai_buf_t *t = hc->echo ? &b : &hc->text;
-        hc->out.n = 0;
-        router_oai_response(&hc->out, &hc->rs, t->p ? t->p : "", t->n, lps_json(hc, 0, &lpb),
-                            reason_name(sum->reason), &u);
+        router_oai_response_end(&b, &hc->usage);
+        respond_json(hc->req, 200, &b);
         router_oai_buf_free(&b);
-        router_oai_buf_free(&lpb);
-        respond_json(hc->req, 200, &hc->out);
-        client_free(hc);
+        client_answered(hc);
         return;
     }
-    if (stream_begin(hc) != TD_OK)
-        return; /* the connection is closing: on_abort follows and frees hc */
-    router_oai_buf_t tmp = {0}, lpb = {0};
-    size_t len;
-    const char *text = message_text(hc, r, &len, &tmp);
-    hc->out.n = 0;
-    router_oai_chunk(&hc->out, &hc->rs, hc->first, text, len, hc->n_lps ? lps_json(hc, 0, &lpb) : NULL,
-                     reason_name(sum->reason), hc->include_usage);
-    router_oai_buf_free(&tmp);
-    router_oai_buf_free(&lpb);
     if (hc->include_usage)
-        router_oai_usage_chunk(&hc->out, &hc->rs, &u);
+        router_oai_usage_chunk(&hc->out, &hc->ch[0].rs, &hc->usage);
     router_oai_done(&hc->out);
+    hc->closing = true;
     if (hc->out.oom) {
-        td_http_stream_end(hc->req);
-        client_free(hc);
-        return;
+        hc->out.n = 0;
+        hc->out.oom = false;
     }
-    tail_drain(hc);
+    out_flush(hc);
 }
 
-static void http_fail(router_req_t *r, td_grpc_code_t code, const char *msg)
+/* Choice 0 has its prompt on a pair (or already finished): the others may start, from
+ * the idle handle, with its token ids (r is choice 0's request). */
+static void want_launch(http_client_t *hc, const router_req_t *r)
 {
-    http_client_t *hc = r->client;
-    hc->r = NULL;
+    if (hc->launch_wanted || hc->n == 1)
+        return;
+    hc->launch_wanted = true;
+    if (r->n_prompt > 0 && (hc->ids = malloc((size_t)r->n_prompt * sizeof *hc->ids))) {
+        for (int32_t i = 0; i < r->n_prompt; i++)
+            hc->ids[i] = (uint32_t)r->prompt[i];
+        hc->n_ids = (size_t)r->n_prompt;
+    }
+    client_defer(hc);
+}
+
+static void http_prefilled(router_req_t *r)
+{
+    http_choice_t *ch = r->client;
+    if (ch->rs.index == 0)
+        want_launch(ch->hc, r);
+}
+
+static void http_finish(router_req_t *r, const router_summary_t *sum)
+{
+    http_choice_t *ch = r->client;
+    http_client_t *hc = ch->hc;
+    if (ch->rs.index == 0)
+        want_launch(hc, r); /* it finished before its Prefill call ended (e.g. one token) */
+    ch->r = NULL;
+    ch->ended = true;
+    ch->reason = reason_name(sum->reason);
+    hc->n_running--;
+    hc->n_ended++;
+    if (ch->rs.index == 0) {
+        hc->usage.prompt_tokens = sum->prompt_tokens;
+        hc->usage.cached_tokens = sum->cached_tokens;
+    }
+    hc->usage.completion_tokens += sum->completion_tokens;
+    hc->usage.migrations += sum->migrations;
+    if (hc->logprobs && lps_append(ch, r) != TD_OK)
+        hc->logprobs = false; /* out of memory: the answer goes without them */
+    if (hc->failed || !hc->req) { /* answered already: only hc's end is left */
+        client_maybe_free(hc);
+        return;
+    }
+    if (!hc->stream) {
+        router_oai_buf_put(&ch->text, r->out.text ? r->out.text : "", r->out.n_text);
+    } else if (stream_begin(hc) == TD_OK) {
+        choice_chunk(ch, r, ch->reason, &hc->out); /* after any bytes still waiting */
+        ch->first = false;
+        ch->echo_pending = false;
+        ch->n_lps = 0;
+    } else {
+        return; /* the connection is closing: on_abort follows and frees hc */
+    }
+    if (hc->n_ended == hc->n)
+        answer_done(hc);
+    else if (hc->stream)
+        out_flush(hc); /* BUSY: on_writable writes the rest */
+}
+
+/* Choice ch failed (its request ended, or it could not start: `running` false): the first
+ * failure answers the client and has the other choices end. */
+static void choice_failed(http_choice_t *ch, bool running, td_grpc_code_t code, const char *msg)
+{
+    http_client_t *hc = ch->hc;
+    ch->r = NULL;
+    ch->ended = true;
+    hc->n_running -= running;
+    hc->n_ended++;
+    if (hc->failed || !hc->req) {
+        client_maybe_free(hc);
+        return;
+    }
+    hc->failed = true;
+    if (hc->n_running > 0)
+        client_defer(hc); /* the other choices end from the idle handle */
     router_oai_error_t err;
     router_oai_error_from_code((int)code, msg, &err);
     if (!hc->began) {
         respond_error(hc->req, &err);
-        client_free(hc);
+        client_answered(hc);
         return;
     }
     /* mid-stream: an SSE event with the error, as OpenAI's servers send one */
-    hc->out.n = 0;
     router_oai_buf_puts(&hc->out, "data: ");
     router_oai_error_json(&hc->out, &err);
     router_oai_buf_puts(&hc->out, "\n\n");
     router_oai_done(&hc->out);
+    hc->closing = true;
     if (hc->out.oom) {
-        td_http_stream_end(hc->req);
-        client_free(hc);
-        return;
+        hc->out.n = 0;
+        hc->out.oom = false;
     }
-    tail_drain(hc);
+    out_flush(hc);
 }
 
-static const router_sink_ops_t http_sink = {.send = http_send, .finish = http_finish, .fail = http_fail};
+static void http_fail(router_req_t *r, td_grpc_code_t code, const char *msg)
+{
+    choice_failed(r->client, true, code, msg);
+}
+
+static const router_sink_ops_t http_sink = {.send = http_send, .finish = http_finish, .fail = http_fail,
+                                            .prefilled = http_prefilled};
+
+/* Ends every running choice as its client gone (a cancel: leases released). */
+static void choices_gone(http_client_t *hc)
+{
+    for (int32_t i = 0; i < hc->n; i++) {
+        router_req_t *r = hc->ch[i].r;
+        if (!r)
+            continue;
+        hc->ch[i].r = NULL;
+        hc->ch[i].ended = true;
+        hc->n_running--;
+        hc->n_ended++;
+        r->client = NULL;
+        router_req_client_gone(r, false);
+    }
+}
 
 static void http_on_abort(td_http_req_t *req, void *data)
 {
     http_client_t *hc = data;
-    router_req_t *r = hc->r;
-    if (r) {
-        hc->r = NULL;
-        r->client = NULL;
-        router_req_client_gone(r, false);
-    }
-    client_free(hc);
+    (void)req;
+    hc->req = NULL;
+    choices_gone(hc);
+    client_maybe_free(hc);
 }
 
 static void http_on_writable(td_http_req_t *req, void *data)
 {
     http_client_t *hc = data;
-    if (hc->r)
-        router_req_writable(hc->r);
-    else
-        tail_drain(hc);
+    (void)req;
+    if (out_flush(hc) != TD_OK || !hc->req)
+        return;
+    for (int32_t i = 0; i < hc->n; i++) /* the choices that waited behind out */
+        if (hc->ch[i].r)
+            router_req_writable(hc->ch[i].r); /* may end it: hc lives until its close callback */
+}
+
+/* Choice i's seed: choice 0 keeps the request's (so n = 1 and choice 0 sample alike), choice
+ * i > 0 draws from td_splitmix64 of seed + i: each its own reproducible stream. */
+static uint64_t choice_seed(uint64_t seed, int32_t i)
+{
+    uint64_t x = seed + (uint64_t)i;
+    return i ? td_splitmix64(&x) : seed;
+}
+
+/* Opens and submits choice i with spec (its seed set here). false: it could not be opened;
+ * the client is answered with why (as a failure of that choice). */
+static bool choice_start(http_client_t *hc, int32_t i, router_req_spec_t *spec)
+{
+    http_choice_t *ch = &hc->ch[i];
+    router_req_t *r;
+    td_grpc_code_t code;
+    char why[384];
+    spec->gp.sampling.seed = choice_seed(hc->gp.sampling.seed, i);
+    if (router_req_open(hc->s, spec, &code, why, sizeof why, &r) != TD_OK) {
+        choice_failed(ch, false, code, why);
+        return false;
+    }
+    if (i == 0)
+        snprintf(hc->id, sizeof hc->id, "%s%s", ch->rs.kind == ROUTER_OAI_CHAT ? "chatcmpl-" : "cmpl-", r->id);
+    ch->r = r;
+    ch->started = true;
+    hc->n_running++;
+    r->sink = &http_sink;
+    r->client = ch;
+    router_req_submit(r, spec); /* may end r, answering through the sink */
+    return true;
+}
+
+/* The idle handle's work, outside the lifecycle's callbacks: after a failure (or once the
+ * answer is gone) the running choices end; else the later choices start. */
+static void client_on_idle(uv_idle_t *h)
+{
+    http_client_t *hc = h->data;
+    uv_idle_stop(h);
+    if (!hc->failed && hc->req && hc->launch_wanted && !hc->launched) {
+        hc->launched = true;
+        router_req_spec_t spec = {.gp = hc->gp, .prompt_ids = hc->ids, .priority = hc->priority,
+                                  .cache_salt = hc->cache_salt, .grammar = hc->grammar};
+        spec.gp.prompt_is_text = false;
+        spec.gp.prompt_len = hc->n_ids;
+        for (int32_t i = 1; i < hc->n && !hc->failed && hc->req; i++)
+            if (!hc->s->shutting_down && hc->n_ids)
+                choice_start(hc, i, &spec);
+            else
+                choice_failed(&hc->ch[i], false, TD_GRPC_UNAVAILABLE,
+                              hc->n_ids ? "router shutting down" : "router: out of memory");
+    }
+    if (hc->failed || !hc->req)
+        choices_gone(hc);
+    client_maybe_free(hc);
 }
 
 /* ---- generation requests --------------------------------------------------------------- */
@@ -405,6 +633,11 @@ static void http_generate_parsed(router_state_t *s, td_http_req_t *req, router_o
     td_status_t st = (hc = calloc(1, sizeof *hc)) ? TD_OK : TD_ERR_NOMEM;
     if (st == TD_OK && q.echo)
         st = echo_text(s, &q, &hc->echo, &hc->echo_len);
+    for (size_t i = 0; st == TD_OK && i < q.gp.n_stop_strings; i++) /* the later choices need them */
+        if (!(hc->stops[i] = strdup(q.gp.stop_strings[i])))
+            st = TD_ERR_NOMEM;
+    if (st == TD_OK && q.grammar && !(hc->grammar = strdup(q.grammar)))
+        st = TD_ERR_NOMEM;
     if (st != TD_OK) {
         if (st == TD_ERR_NOMEM)
             router_oai_error_set(&err, 500, "server_error", NULL, NULL, "router: out of memory");
@@ -421,36 +654,34 @@ static void http_generate_parsed(router_state_t *s, td_http_req_t *req, router_o
         router_count_outcome(s, "exhausted");
         goto err_respond;
     }
+    hc->s = s;
+    hc->req = req;
+    hc->n = q.n;
+    hc->stream = q.stream;
+    hc->include_usage = q.stream && q.include_usage;
+    hc->logprobs = q.logprobs >= 0;
+    hc->gp = q.gp;
+    hc->gp.stop_strings = (const char *const *)hc->stops;
+    hc->priority = kt.priority;
+    hc->cache_salt = kt.cache_salt;
+    for (int32_t i = 0; i < hc->n; i++)
+        hc->ch[i] = (http_choice_t){.hc = hc, .first = true, .echo_pending = hc->echo != NULL,
+                                    .rs = {.kind = kind, .id = hc->id, .model = s->proc.cfg.model_name,
+                                           .created = (int64_t)time(NULL), .index = i}};
+    uv_idle_init(&s->proc.loop, &hc->idle); /* cannot fail on a live loop */
+    hc->idle.data = hc;
+    td_http_req_set_data(req, hc);
+    td_http_req_on_abort(req, http_on_abort);
+    td_http_req_on_writable(req, http_on_writable);
     router_req_spec_t spec = {.gp = q.gp, .prompt_ids = q.prompt_ids, .prompt = q.prompt,
                               .prompt_text_len = q.prompt_len, .messages = q.messages, .n_messages = q.n_messages,
                               .priority = kt.priority, .cache_salt = kt.cache_salt,
                               .grammar = q.grammar};
-    router_req_t *r;
-    td_grpc_code_t code;
-    if (router_req_open(s, &spec, &code, why, sizeof why, &r) != TD_OK) {
-        router_oai_error_from_code((int)code, why, &err);
-        goto err_respond;
-    }
-    hc->s = s;
-    hc->req = req;
-    hc->r = r;
-    hc->stream = q.stream;
-    hc->include_usage = q.stream && q.include_usage;
-    hc->first = true;
-    hc->logprobs = q.logprobs >= 0;
-    snprintf(hc->id, sizeof hc->id, "%s%s", kind == ROUTER_OAI_CHAT ? "chatcmpl-" : "cmpl-", r->id);
-    hc->rs = (router_oai_resp_t){.kind = kind, .id = hc->id, .model = s->proc.cfg.model_name,
-                                 .created = (int64_t)time(NULL)};
-    r->sink = &http_sink;
-    r->client = hc;
-    td_http_req_set_data(req, hc);
-    td_http_req_on_abort(req, http_on_abort);
-    td_http_req_on_writable(req, http_on_writable);
-    router_req_submit(r, &spec); /* may end r, answering req */
+    choice_start(hc, 0, &spec); /* may answer req (refused) */
     return;
 err_respond:
     if (hc)
-        client_free(hc);
+        client_on_closed_now(hc);
     respond_error(req, &err);
 }
 

@@ -152,6 +152,11 @@ typedef struct router_summary {
  *           cleared by the caller).
  *   fail:   answers the client with an error (code: the router's vocabulary, gRPC's codes;
  *           the HTTP front door maps them to statuses), whatever was sent before.
+ *   prefilled: optional (NULL: none): r's prompt KV is on its decode node (the Prefill call
+ *           ended well; r is RUNNING). The HTTP front door starts the other choices of an
+ *           n > 1 request then, so they find the prompt's blocks in the prefix caches. It
+ *           must not end r or any other request from inside (it is called from r's node
+ *           call); it may only note and defer.
  * The front door tells the lifecycle about its client with router_req_writable and
  * router_req_client_gone.
  */
@@ -159,6 +164,7 @@ typedef struct router_sink_ops {
     td_status_t (*send)(router_req_t *r);
     void (*finish)(router_req_t *r, const router_summary_t *sum);
     void (*fail)(router_req_t *r, td_grpc_code_t code, const char *msg);
+    void (*prefilled)(router_req_t *r);
 } router_sink_ops_t;
 
 /* A new request as a front door hands it over (router_req_open), its parameters checked by

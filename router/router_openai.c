@@ -6,6 +6,7 @@
  */
 #include "router_openai.h"
 
+#include <errno.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -340,21 +341,102 @@ static bool read_messages(const cJSON *o, router_oai_req_t *q, router_oai_error_
     return true;
 }
 
+/* n, the choices wanted: [1, ROUTER_OAI_MAX_N]. best_of (completions) only as n itself:
+ * drawing more candidates than are returned, and ranking them, is not served. */
+static bool read_n(const cJSON *o, router_oai_req_t *q, router_oai_error_t *err)
+{
+    int64_t n = 1, best_of = 0;
+    bool best_given = false;
+    if (!get_int(o, "n", &n, NULL, err) || !get_int(o, "best_of", &best_of, &best_given, err))
+        return false;
+    if (n < 1 || n > ROUTER_OAI_MAX_N) {
+        router_oai_error_set(err, 400, "invalid_request_error", "n", NULL,
+                             "'n' %lld is out of range [1, %d]: choices per request", (long long)n, ROUTER_OAI_MAX_N);
+        return false;
+    }
+    if (best_given && best_of != n) {
+        router_oai_error_set(err, 400, "invalid_request_error", "best_of", "unsupported_value",
+                             "'best_of' %lld is not served: it may only equal n (%lld); candidates beyond the "
+                             "choices returned are not drawn", (long long)best_of, (long long)n);
+        return false;
+    }
+    q->n = (int32_t)n;
+    return true;
+}
+
+/* One logit_bias id as written: a JSON key ("1234") or a list entry's first element. */
+static bool bias_id(const char *key, double num, bool is_key, int32_t *id_p, router_oai_error_t *err)
+{
+    char *end = NULL;
+    double v = num;
+    if (is_key) {
+        errno = 0;
+        long long x = key[0] >= '0' && key[0] <= '9' ? strtoll(key, &end, 10) : -1;
+        v = errno || !end || *end ? -1 : (double)x;
+    }
+    if (!(v >= 0 && v <= INT32_MAX && v == floor(v))) {
+        if (is_key)
+            router_oai_error_set(err, 400, "invalid_request_error", "logit_bias", NULL,
+                                 "'logit_bias' key '%.40s' is not a token id (a decimal integer >= 0)", key);
+        else
+            router_oai_error_set(err, 400, "invalid_request_error", "logit_bias", NULL,
+                                 "'logit_bias' entry [%g, ...] does not start with a token id (an integer >= 0)", num);
+        return false;
+    }
+    *id_p = (int32_t)v;
+    return true;
+}
+
+/* OpenAI's logit_bias, {"token id": bias, ...}, or llama.cpp's list form [[id, bias], ...],
+ * into the sampling parameters as received: the count, ranges and duplicates are
+ * td_gen_params_check's (td_sampling_check_bias), the ids against the model's vocabulary the
+ * router's admission check. At most TD_SAMPLING_MAX_LOGIT_BIAS are copied; more are counted,
+ * so the check refuses them by number. */
+static bool read_logit_bias(const cJSON *o, td_sampling_t *sp, router_oai_error_t *err)
+{
+    const cJSON *v = member(o, "logit_bias"), *e;
+    if (!v)
+        return true;
+    if (!cJSON_IsObject(v) && !cJSON_IsArray(v)) {
+        bad_type(err, "logit_bias", "an object of token id to bias (or a list of [id, bias] pairs)", v);
+        return false;
+    }
+    int32_t n = 0;
+    cJSON_ArrayForEach(e, v) {
+        const cJSON *b = e;
+        int32_t id;
+        if (cJSON_IsArray(v)) { /* [id, bias] */
+            const cJSON *first = cJSON_GetArrayItem(e, 0);
+            b = cJSON_GetArrayItem(e, 1);
+            if (!cJSON_IsArray(e) || cJSON_GetArraySize(e) != 2 || !cJSON_IsNumber(first)) {
+                bad_type(err, "logit_bias", "an object of token id to bias (or a list of [id, bias] pairs)", e);
+                return false;
+            }
+            if (!bias_id(NULL, first->valuedouble, false, &id, err))
+                return false;
+        } else if (!bias_id(e->string, 0, true, &id, err)) {
+            return false;
+        }
+        if (!cJSON_IsNumber(b)) {
+            router_oai_error_set(err, 400, "invalid_request_error", "logit_bias", "invalid_type",
+                                 "'logit_bias' of token %d is not a number", id);
+            return false;
+        }
+        if (n < TD_SAMPLING_MAX_LOGIT_BIAS) {
+            sp->logit_bias_ids[n] = id;
+            sp->logit_bias[n] = (float)b->valuedouble;
+        }
+        n += n < INT32_MAX;
+    }
+    sp->n_logit_bias = n;
+    return true;
+}
+
 /* Features that change what a request means and are not served: refused by name rather
  * than ignored. */
 static bool refuse_unserved(const cJSON *o, router_oai_error_t *err)
 {
-    int64_t n = 1, best_of = 1;
-    if (!get_int(o, "n", &n, NULL, err) || !get_int(o, "best_of", &best_of, NULL, err))
-        return false;
-    if (n != 1 || best_of != 1) {
-        const char *p = n != 1 ? "n" : "best_of";
-        router_oai_error_set(err, 400, "invalid_request_error", p, "unsupported_value",
-                             "'%s' %lld is not served: one choice per request (%s 1)", p,
-                             (long long)(n != 1 ? n : best_of), p);
-        return false;
-    }
-    static const char *const unserved[] = {"tools", "functions", "logit_bias", "suffix"};
+    static const char *const unserved[] = {"tools", "functions", "suffix"};
     for (size_t i = 0; i < TD_ARRAY_LEN(unserved); i++) {
         const cJSON *v = member(o, unserved[i]);
         if (v && !((cJSON_IsArray(v) || cJSON_IsObject(v)) && !v->child) && !(cJSON_IsString(v) && !v->valuestring[0])) {
@@ -597,6 +679,7 @@ td_status_t router_oai_parse(router_oai_kind_t kind, const char *body, size_t le
     q->kind = kind;
     q->gp = td_gen_params_default();
     q->logprobs = -1;
+    q->n = 1;
     const char *end = NULL;
     q->doc = cJSON_ParseWithLengthOpts(body, len, &end, false);
     while (q->doc && end < body + len && (*end == ' ' || *end == '\t' || *end == '\r' || *end == '\n'))
@@ -621,7 +704,8 @@ td_status_t router_oai_parse(router_oai_kind_t kind, const char *body, size_t le
     const cJSON *so = member(o, "stream_options");
     if (!get_string(o, "model", &q->model, err) || !get_int(o, "max_tokens", &max_tokens, &mt_given, err) ||
         !get_int(o, "max_completion_tokens", &max_completion_tokens, &mct_given, err) ||
-        !read_sampling(o, &q->gp, err) || !read_stop(o, q, err) || !refuse_unserved(o, err) ||
+        !read_sampling(o, &q->gp, err) || !read_logit_bias(o, &q->gp.sampling, err) || !read_n(o, q, err) ||
+        !read_stop(o, q, err) || !refuse_unserved(o, err) ||
         !read_logprobs(o, q, err) || !read_constraint(o, q, err) || !get_bool(o, "stream", &q->stream, err) ||
         !get_string(o, "user", &q->user, err) || !get_bool(o, "ignore_eos", &q->gp.ignore_eos, err))
         goto err_free;
@@ -926,7 +1010,7 @@ void router_oai_chunk(router_oai_buf_t *b, const router_oai_resp_t *rs, bool fir
     router_oai_buf_puts(b, "data: ");
     head(b, rs, chat ? "chat.completion.chunk" : "text_completion");
     if (chat) {
-        router_oai_buf_puts(b, ",\"choices\":[{\"index\":0,\"delta\":{");
+        router_oai_buf_printf(b, ",\"choices\":[{\"index\":%d,\"delta\":{", rs->index);
         if (first)
             router_oai_buf_puts(b, "\"role\":\"assistant\",");
         if (first || len || !reason) { /* the last chunk's delta is {} when it has no text */
@@ -935,7 +1019,7 @@ void router_oai_chunk(router_oai_buf_t *b, const router_oai_resp_t *rs, bool fir
         }
         router_oai_buf_puts(b, "},\"logprobs\":");
     } else {
-        router_oai_buf_puts(b, ",\"choices\":[{\"index\":0,\"text\":");
+        router_oai_buf_printf(b, ",\"choices\":[{\"index\":%d,\"text\":", rs->index);
         router_oai_buf_json_str(b, text, len);
         router_oai_buf_puts(b, ",\"logprobs\":");
     }
@@ -958,25 +1042,43 @@ void router_oai_done(router_oai_buf_t *b)
     router_oai_buf_puts(b, "data: [DONE]\n\n");
 }
 
-void router_oai_response(router_oai_buf_t *b, const router_oai_resp_t *rs, const char *text, size_t len,
-                         const char *logprobs, const char *reason, const router_oai_usage_t *u)
+void router_oai_response_begin(router_oai_buf_t *b, const router_oai_resp_t *rs)
 {
-    bool chat = rs->kind == ROUTER_OAI_CHAT;
-    head(b, rs, chat ? "chat.completion" : "text_completion");
-    if (chat) {
-        router_oai_buf_puts(b, ",\"choices\":[{\"index\":0,\"message\":{\"role\":\"assistant\",\"content\":");
+    head(b, rs, rs->kind == ROUTER_OAI_CHAT ? "chat.completion" : "text_completion");
+    router_oai_buf_puts(b, ",\"choices\":[");
+}
+
+void router_oai_response_choice(router_oai_buf_t *b, const router_oai_resp_t *rs, int32_t index, const char *text,
+                                size_t len, const char *logprobs, const char *reason)
+{
+    if (index > 0)
+        router_oai_buf_puts(b, ",");
+    if (rs->kind == ROUTER_OAI_CHAT) {
+        router_oai_buf_printf(b, "{\"index\":%d,\"message\":{\"role\":\"assistant\",\"content\":", index);
         router_oai_buf_json_str(b, text, len);
         router_oai_buf_puts(b, "},\"logprobs\":");
     } else {
-        router_oai_buf_puts(b, ",\"choices\":[{\"index\":0,\"text\":");
+        router_oai_buf_printf(b, "{\"index\":%d,\"text\":", index);
         router_oai_buf_json_str(b, text, len);
         router_oai_buf_puts(b, ",\"logprobs\":");
     }
     router_oai_buf_puts(b, logprobs ? logprobs : "null");
     finish_reason(b, reason);
+}
+
+void router_oai_response_end(router_oai_buf_t *b, const router_oai_usage_t *u)
+{
     router_oai_buf_puts(b, "],");
     usage(b, u);
     router_oai_buf_puts(b, "}");
+}
+
+void router_oai_response(router_oai_buf_t *b, const router_oai_resp_t *rs, const char *text, size_t len,
+                         const char *logprobs, const char *reason, const router_oai_usage_t *u)
+{
+    router_oai_response_begin(b, rs);
+    router_oai_response_choice(b, rs, 0, text, len, logprobs, reason);
+    router_oai_response_end(b, u);
 }
 
 void router_oai_error_json(router_oai_buf_t *b, const router_oai_error_t *err)

@@ -28,6 +28,7 @@
 #include "td_status.h"
 
 #define ROUTER_OAI_MAX_LOGPROBS 20 /* top_logprobs / completions' logprobs at most */
+#define ROUTER_OAI_MAX_N 16        /* choices per request (n) at most: each is a sequence on a decode node */
 
 typedef enum { ROUTER_OAI_COMPLETIONS, ROUTER_OAI_CHAT } router_oai_kind_t;
 
@@ -52,6 +53,7 @@ typedef struct router_oai_req {
     uint32_t *prompt_ids;             /* completions: [gp.prompt_len] token ids, or NULL (malloc'ed) */
     td_chat_message_t *messages;      /* chat: [n_messages] (malloc'ed; strings in doc) */
     size_t n_messages;
+    int32_t n;                        /* choices wanted, [1, ROUTER_OAI_MAX_N] */
     bool stream, include_usage, echo;
     int32_t logprobs;                 /* -1: none; else the alternatives per token wanted [0, 20] */
     const char *user;
@@ -65,7 +67,8 @@ typedef struct router_oai_req {
 /*
  * Parses body[0..len) as a `kind` request into *q (all of it replaced). TD_OK, or
  * TD_ERR_INVALID with *err filled (400, the field in param) for bad JSON, a wrong type, a
- * missing prompt/messages, n other than 1, too many stops or logprobs past 20;
+ * missing prompt/messages, n outside [1, ROUTER_OAI_MAX_N], best_of other than n, a
+ * logit_bias key that is not a token id, too many stops or logprobs past 20;
  * TD_ERR_NOMEM (err: 500). On error *q holds nothing to free; on success free it with
  * router_oai_req_free.
  */
@@ -108,6 +111,7 @@ typedef struct router_oai_resp {
     const char *id;           /* "cmpl-..." / "chatcmpl-..." */
     const char *model;
     int64_t created;          /* unix seconds */
+    int32_t index;            /* a chunk's choices[0].index: the choice it belongs to (n > 1) */
 } router_oai_resp_t;
 
 /* The usage object's numbers. */
@@ -130,7 +134,7 @@ typedef size_t (*router_oai_token_text_cb)(void *ctx, int32_t id, char *buf, siz
 size_t router_oai_logprobs(router_oai_buf_t *b, router_oai_kind_t kind, const td_token_logprob_t *lps, size_t n,
                            bool first_null, size_t text_offset0, router_oai_token_text_cb text_cb, void *ctx);
 
-/* One SSE event "data: {chunk}\n\n" with text[0..len) as choices[0].text (completions) or
+/* One SSE event "data: {chunk}\n\n" with text[0..len) as choices[0].text (index rs->index; completions) or
  * .delta.content (chat; the first chunk, `first`, also carries role "assistant"); logprobs
  * the JSON of choices[0].logprobs (router_oai_logprobs) or NULL (null); finish_reason
  * ("stop", "length") or NULL (null); with `usage_null` ("include_usage" was asked) the
@@ -148,6 +152,14 @@ void router_oai_done(router_oai_buf_t *b);
  * logprobs (as router_oai_chunk's), finish_reason and the usage. */
 void router_oai_response(router_oai_buf_t *b, const router_oai_resp_t *rs, const char *text, size_t len,
                          const char *logprobs, const char *finish_reason, const router_oai_usage_t *u);
+
+/* A whole response of several choices (n > 1): begin (the head and "choices": [), then one
+ * choice each, indexes 0, 1, ... in order (as router_oai_response's choice, with that
+ * index), then end (the usage of them all). router_oai_response is these three for one. */
+void router_oai_response_begin(router_oai_buf_t *b, const router_oai_resp_t *rs);
+void router_oai_response_choice(router_oai_buf_t *b, const router_oai_resp_t *rs, int32_t index, const char *text,
+                                size_t len, const char *logprobs, const char *reason);
+void router_oai_response_end(router_oai_buf_t *b, const router_oai_usage_t *u);
 
 /* {"error": {...}} */
 void router_oai_error_json(router_oai_buf_t *b, const router_oai_error_t *err);

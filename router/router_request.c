@@ -443,6 +443,8 @@ static void on_prefill_done(td_grpc_client_call_t *c, td_grpc_code_t code, const
         return;
     }
     req_move(r, REQ_RUNNING);
+    if (r->client && r->sink->prefilled)
+        r->sink->prefilled(r);
 }
 
 static void on_admit_msg(td_grpc_client_call_t *c, const ProtobufCMessage *msg, void *data)
@@ -579,7 +581,7 @@ static void send_prefill(router_req_t *r)
 
 /* ---- placing a request on a pair ------------------------------------------------------- */
 
-/* The checks that depend on the model's live nodes (router_admit): prompt ids within its
+/* The checks that depend on the model's live nodes (router_admit): prompt and logit_bias ids within its
  * vocabulary, prompt + max_tokens within its largest decode pool. Run at arrival and again
  * when the request is put on a pair (nodes may have come meanwhile). False: `why` says why. */
 static bool req_admissible(const router_req_t *r, char *why, size_t why_len)
@@ -594,6 +596,8 @@ static bool req_admissible(const router_req_t *r, char *why, size_t why_len)
                  TD_LOGPROBS_MAX_PROMPT);
         return false;
     }
+    if (!td_sampling_check_bias(&r->sampling, mf.vocab_size, why, why_len)) /* ids: the model's vocabulary */
+        return false;
     return router_admit_check_ids(r->prompt, r->n_prompt, mf.vocab_size, model, r->from_text, why, why_len) == TD_OK &&
            router_admit_check_size(s->reg, model, r->n_prompt, r->max_tokens, now, why, why_len) == TD_OK;
 }

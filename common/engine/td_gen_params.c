@@ -45,6 +45,8 @@ td_gen_field_t td_gen_params_check(const td_gen_params_t *p, char *why, size_t w
                  p->prompt_is_text ? "bytes" : "ids", TD_GEN_MAX_PROMPT);
     } else if ((sf = td_sampling_check(&p->sampling, msg, sizeof msg)) != TD_SAMPLING_FIELD_NONE) {
         f = (td_gen_field_t)sf; /* numbered alike; msg names the field */
+    } else if (!td_sampling_check_bias(&p->sampling, 0, msg, sizeof msg)) {
+        f = TD_GEN_FIELD_LOGIT_BIAS; /* the ids against the model's vocabulary: by who knows it */
     } else if (p->n_stop_ids > TD_GEN_MAX_STOP_IDS) {
         f = TD_GEN_FIELD_STOP_IDS;
         snprintf(msg, sizeof msg, "stop_ids has %zu ids, at most %d allowed", p->n_stop_ids, TD_GEN_MAX_STOP_IDS);

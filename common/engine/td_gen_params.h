@@ -67,7 +67,8 @@ td_gen_params_t td_gen_params_default(void);
     X(STOP_IDS, "stop_ids", "--stop-id", "stop", "stop")                                           \
     X(STOP_STRINGS, "stop_strings", "--stop", "stop", "stop")                                      \
     X(TOP_LOGPROBS, "top_logprobs", "--logprobs", "logprobs", "top_logprobs")                      \
-    X(PROMPT_LOGPROBS, "prompt_logprobs", "--prompt-logprobs", "logprobs", "top_logprobs")
+    X(PROMPT_LOGPROBS, "prompt_logprobs", "--prompt-logprobs", "logprobs", "top_logprobs")        \
+    X(LOGIT_BIAS, "logit_bias", "--logit-bias", "logit_bias", "logit_bias")
 
 typedef enum td_gen_field {
     TD_GEN_FIELD_NONE = 0, /* every field in range */

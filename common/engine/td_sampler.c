@@ -101,10 +101,41 @@ td_sampling_field_t td_sampling_check(const td_sampling_t *s, char *why, size_t 
     return TD_SAMPLING_FIELD_NONE;
 }
 
+bool td_sampling_check_bias(const td_sampling_t *s, int32_t vocab, char *why, size_t why_cap)
+{
+    char msg[160];
+    msg[0] = 0;
+    if (s->n_logit_bias < 0) {
+        snprintf(msg, sizeof msg, "logit_bias_ids and logit_bias differ in length: one bias per id");
+    } else if (s->n_logit_bias > TD_SAMPLING_MAX_LOGIT_BIAS) {
+        snprintf(msg, sizeof msg, "logit_bias has %d entries, at most %d allowed", s->n_logit_bias,
+                 TD_SAMPLING_MAX_LOGIT_BIAS);
+    } else {
+        for (int32_t i = 0; i < s->n_logit_bias && !msg[0]; i++) {
+            int32_t id = s->logit_bias_ids[i];
+            float b = s->logit_bias[i];
+            if (id < 0 || (vocab > 0 && id >= vocab))
+                snprintf(msg, sizeof msg, "logit_bias token %lld is outside the vocabulary (%d ids)",
+                         id < 0 ? (long long)(uint32_t)id : (long long)id, vocab);
+            else if (!isfinite(b) || b < -TD_SAMPLING_MAX_BIAS || b > TD_SAMPLING_MAX_BIAS)
+                snprintf(msg, sizeof msg, "logit_bias of token %d is %g, out of range [-%g, %g]", id, (double)b,
+                         (double)TD_SAMPLING_MAX_BIAS, (double)TD_SAMPLING_MAX_BIAS);
+            for (int32_t j = 0; j < i && !msg[0]; j++) /* 300 entries: 45k compares at most */
+                if (s->logit_bias_ids[j] == id)
+                    snprintf(msg, sizeof msg, "logit_bias names token %d twice", id);
+        }
+    }
+    if (!msg[0])
+        return true;
+    if (why && why_cap > 0)
+        snprintf(why, why_cap, "%s", msg);
+    return false;
+}
+
 td_status_t td_sampling_validate(const td_sampling_t *s, char *why, size_t why_cap)
 {
     char msg[256];
-    if (td_sampling_check(s, msg, sizeof msg) == TD_SAMPLING_FIELD_NONE)
+    if (td_sampling_check(s, msg, sizeof msg) == TD_SAMPLING_FIELD_NONE && td_sampling_check_bias(s, 0, msg, sizeof msg))
         return TD_OK;
     if (why && why_cap > 0)
         snprintf(why, why_cap, "%s", msg);
@@ -152,7 +183,7 @@ static void seed_rng(td_sampler_t *s)
 td_status_t td_sampler_create(const td_sampling_t *params, td_sampler_t **sampler_p)
 {
     /* checked at the process's edge (td_sampling_validate) and not again: a precondition */
-    TD_ASSERT(td_sampling_check(params, NULL, 0) == TD_SAMPLING_FIELD_NONE);
+    TD_ASSERT(td_sampling_check(params, NULL, 0) == TD_SAMPLING_FIELD_NONE && td_sampling_check_bias(params, 0, NULL, 0));
     td_sampler_t *s = calloc(1, sizeof *s);
     if (!s)
         return td_errorf(TD_ERR_NOMEM, "sampler: out of memory");
@@ -281,7 +312,8 @@ static void openai_penalties(td_sampler_t *s, int32_t vocab)
     }
 }
 
-/* Copies the logits with NaN as -inf and applies the repetition penalty once to every
+/* Copies the logits with NaN as -inf, adds the logit bias (ids past this vocabulary, which
+ * the node refused at admission, are skipped), applies the mask, and the repetition penalty once to every
  * distinct token of the window: positive logits are divided, negative ones multiplied
  * (CTRL, Keskar et al. 2019), so a penalty > 1 always makes the token less likely; then
  * the presence and frequency penalties. */
@@ -290,7 +322,10 @@ static void penalized_logits(td_sampler_t *s, const float *logits, int32_t vocab
     float *val = s->val;
     for (int32_t i = 0; i < vocab; i++)
         val[i] = isnan(logits[i]) ? -INFINITY : logits[i];
-    if (allowed) /* first: nothing after it sees a forbidden token */
+    for (int32_t i = 0; i < s->p.n_logit_bias; i++) /* the client's bias, on the model's logits */
+        if (s->p.logit_bias_ids[i] < vocab)
+            val[s->p.logit_bias_ids[i]] += s->p.logit_bias[i];
+    if (allowed) /* before the penalties: nothing after it sees a forbidden token */
         for (int32_t i = 0; i < vocab; i++)
             if (!((allowed[i >> 5] >> (i & 31)) & 1))
                 val[i] = -INFINITY;

@@ -12,15 +12,16 @@
  * presence and frequency penalties, and scratch memory sized to the vocabulary on first use
  * (no allocation per token afterwards).
  *
- * Order of operations (temperature > 0): the token mask of a grammar, if one is given
+ * Order of operations (temperature > 0): the logit bias (OpenAI's logit_bias, added to the
+ * model's logits), the token mask of a grammar, if one is given
  * (td_sampler_sample_masked: forbidden tokens become -inf), repetition penalty, presence and frequency
  * penalties (logit -= presence * (count > 0) + frequency * count, over the generated tokens
  * only, as OpenAI and vLLM define them), temperature, top-k, softmax, top-p, min-p, draw.
- * Temperature 0 is greedy: the argmax of the penalized logits, lowest id on ties, no
- * randomness consumed.
+ * Temperature 0 is greedy: the argmax of the biased, masked and penalized logits, lowest id
+ * on ties, no randomness consumed.
  *
  * Log-probabilities (td_sampler_logprobs) are of the model's raw distribution,
- * log_softmax(logits), before penalties, temperature and truncation, as vLLM returns them
+ * log_softmax(logits), before the bias, penalties, temperature and truncation, as vLLM returns them
  * by default: a separate pure function of the logits, so a node computes them only for the
  * requests that ask, and for prompt rows as well as sampled ones.
  *
@@ -45,6 +46,8 @@
 #define TD_SAMPLING_MAX_PENALTY 100.0f
 #define TD_SAMPLING_MAX_WINDOW 8192
 #define TD_SAMPLING_MAX_OPENAI_PENALTY 2.0f /* presence/frequency in [-2, 2], OpenAI's range */
+#define TD_SAMPLING_MAX_LOGIT_BIAS 300     /* logit_bias entries at most (OpenAI's limit) */
+#define TD_SAMPLING_MAX_BIAS 100.0f        /* a bias in [-100, 100] (OpenAI's range) */
 
 /*
  * The sampling parameters, one row each: the one place a parameter is declared.
@@ -106,10 +109,21 @@ typedef struct td_sampling {
 #define TD_SAMPLING_MEMBER(ID, ctype, field, def, ...) ctype field;
     TD_SAMPLING_FIELDS(TD_SAMPLING_MEMBER)
 #undef TD_SAMPLING_MEMBER
+    /* OpenAI's logit_bias: bias[i] is added to the logit of token ids[i] before anything
+     * else (td_sampler_sample_masked). A list, so not a row of TD_SAMPLING_FIELDS: checked by
+     * td_sampling_check_bias, carried as SamplingParams.logit_bias_ids / logit_bias (two
+     * parallel packed arrays, td_node.c), read by router_openai.c and cli_gen.c by name.
+     * Value semantics like every other field (a copy carries it): 2.4 KB at most. */
+    int32_t n_logit_bias;                           /* [0, TD_SAMPLING_MAX_LOGIT_BIAS]; as read
+                                                       from the wire, -1 (its two lists differ in
+                                                       length) or more than the maximum (only
+                                                       that many entries copied): refused */
+    int32_t logit_bias_ids[TD_SAMPLING_MAX_LOGIT_BIAS]; /* [n_logit_bias] distinct ids >= 0 */
+    float logit_bias[TD_SAMPLING_MAX_LOGIT_BIAS];   /* [n_logit_bias] in [-100, 100] */
 } td_sampling_t;
 
 /* Every field at its TD_SAMPLING_FIELDS default: greedy (temperature 0), every filter off,
- * penalty 1 over a window of 64, presence and frequency penalties 0, seed 0. */
+ * penalty 1 over a window of 64, presence and frequency penalties 0, seed 0, no logit bias. */
 td_sampling_t td_sampling_default(void);
 
 /* The fields, as td_sampling_check reports them: [1, TD_SAMPLING_FIELD_END), in row order. */
@@ -157,10 +171,19 @@ static inline void *td_sampling_field_ptr(td_sampling_t *s, const td_sampling_fi
 td_sampling_field_t td_sampling_check(const td_sampling_t *s, char *why, size_t why_cap);
 
 /*
+ * The logit bias's check: at most TD_SAMPLING_MAX_LOGIT_BIAS entries, each bias finite in
+ * [-100, 100], each id >= 0, below `vocab` when vocab > 0 (0: the vocabulary is not known
+ * here; whoever knows it calls again with it), and no id twice. True when it holds; else
+ * false with the message in why (if non-NULL): "logit_bias token 60000 is outside the
+ * vocabulary (49152 ids)". Sets no last error. Pure.
+ */
+bool td_sampling_check_bias(const td_sampling_t *s, int32_t vocab, char *why, size_t why_cap);
+
+/*
  * Checks every field against its TD_SAMPLING_FIELDS range: temperature in [0, 100], top_k
  * >= 0, top_p in (0, 1], min_p in [0, 1), repetition_penalty in (0, 100], penalty_window in
- * [0, 8192], presence_penalty and frequency_penalty in [-2, 2], all finite.
- * TD_OK or TD_ERR_INVALID with a message naming the field, its value and the range ("top_p
+ * [0, 8192], presence_penalty and frequency_penalty in [-2, 2], all finite; then the logit
+ * bias (td_sampling_check_bias without a vocabulary). TD_OK or TD_ERR_INVALID with a message naming the field, its value and the range ("top_p
  * -0.5 is out of range (0, 1] (1 = off)"; in `why` if non-NULL, and as this thread's last
  * error), the first field in row order that fails. Does not log: bad requests are the
  * client's error, reported by the RPC edge.
@@ -190,7 +213,7 @@ td_status_t td_sampler_sample(td_sampler_t *sampler, const float *logits, int32_
 /*
  * td_sampler_sample under a token mask (a grammar's, td_gram_fill_mask): bit (i % 32) of
  * allowed[i / 32] set means token i may be drawn; NULL allows every token. The mask is
- * applied first, before the penalties, temperature, top-k, top-p and min-p, so the filters
+ * applied after the logit bias (so a bias never revives a forbidden token) and before the penalties, temperature, top-k, top-p and min-p, so the filters
  * and the draw see only allowed tokens (min-p is relative to the most likely allowed one)
  * and greedy picks the most likely allowed token. A draw consumes the same one random
  * number as without a mask, so a seed gives the same stream position either way.

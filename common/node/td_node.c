@@ -443,6 +443,16 @@ td_sampling_t td_node_sampling_from_proto(const Tandem__V1__SamplingParams *p)
             break;
         }
     }
+    /* the logit bias: refused by td_sampling_check_bias when the lists differ or are too long */
+    if (p->n_logit_bias_ids != p->n_logit_bias) {
+        s.n_logit_bias = -1;
+    } else {
+        s.n_logit_bias = (int32_t)TD_MIN(p->n_logit_bias_ids, (size_t)INT32_MAX);
+        for (size_t i = 0; i < TD_MIN(p->n_logit_bias_ids, (size_t)TD_SAMPLING_MAX_LOGIT_BIAS); i++) {
+            s.logit_bias_ids[i] = (int32_t)TD_MIN(p->logit_bias_ids[i], (uint32_t)INT32_MAX);
+            s.logit_bias[i] = p->logit_bias[i];
+        }
+    }
     return s;
 }
 
@@ -460,6 +470,11 @@ void td_node_sampling_to_proto(const td_sampling_t *s, Tandem__V1__SamplingParam
         case TD_SAMPLING_I32: *(uint32_t *)w = (uint32_t)*(const int32_t *)v; break;
         case TD_SAMPLING_U64: *(uint64_t *)w = *(const uint64_t *)v; break;
         }
+    }
+    if (s->n_logit_bias > 0) { /* borrowed from s: same width, int32_t ids >= 0 read as uint32 */
+        p->n_logit_bias_ids = p->n_logit_bias = (size_t)s->n_logit_bias;
+        p->logit_bias_ids = (uint32_t *)s->logit_bias_ids;
+        p->logit_bias = (float *)s->logit_bias;
     }
 }
 

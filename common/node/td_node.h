@@ -182,12 +182,14 @@ td_engine_config_t td_node_engine_config(const td_node_t *p);
  * samples alike on each side of the split. Driven by TD_SAMPLING_FIELDS (td_sampler.h): each
  * .wire row is the proto field of the same name. A 0 on the wire is unset and means the
  * field's default (so an unset top_p or repetition_penalty means 1); a top_k past INT32_MAX
- * keeps every token, as INT32_MAX does. Not validated: the caller runs td_sampling_validate
+ * keeps every token, as INT32_MAX does. The logit bias lists are copied (their
+ * check, td_sampling_check_bias, refuses lists of two lengths or too long). Not validated: the caller runs td_sampling_validate
  * (or td_gen_params_validate). Any thread.
  */
 td_sampling_t td_node_sampling_from_proto(const Tandem__V1__SamplingParams *p);
 
-/* The one conversion back: s into *p (initialised here; no allocation). */
+/* The one conversion back: s into *p (initialised here; no allocation: the logit bias lists
+ * point into *s, which must outlive *p). */
 void td_node_sampling_to_proto(const td_sampling_t *s, Tandem__V1__SamplingParams *p);
 
 /*

@@ -91,7 +91,8 @@ def errors(client, model):
     cases = [
         ("temperature", 400, dict(temperature="hot")),
         ("top_p", 400, dict(top_p=7)),
-        ("n", 400, dict(n=2)),
+        ("n", 400, dict(n=17)),
+        ("logit_bias", 400, dict(logit_bias={"x": 5})),
         ("max_tokens", 400, dict(max_tokens=-3)),
         ("stop", 400, dict(stop=5)),
         ("top_logprobs", 400, dict(logprobs=True, top_logprobs=21)),

@@ -7,7 +7,7 @@
 #   (tests/cluster/openai_client.py); log-probabilities (chat's, completions' with echo);
 # - SSE framing as sent on the wire (curl): text/event-stream, "data: {json}" events each
 #   followed by a blank line, a usage chunk, "data: [DONE]" last;
-# - bad requests: malformed JSON, wrong types (the parameter named), n > 1, an unknown model,
+# - bad requests: malformed JSON, wrong types (the parameter named), n > 16, an unknown model,
 #   a body over the limit (413), unknown path (404) and method (405); /health and /v1/models;
 #   /metrics not on the API port (404, saying where) unless --http-metrics;
 #   a router with no nodes: /health and generations 503;
@@ -89,7 +89,7 @@ status() { # WANT_STATUS WANT_BODY_REGEX CURL_ARGS...
 status 400 '"error":\{"message":"the body is not valid JSON' "$OA/completions" -d '{"prompt": "x",'
 status 400 '"param":"temperature"' "$OA/completions" -d '{"prompt":"x","temperature":"hot"}'
 status 400 '"param":"prompt"' "$OA/completions" -d '{"prompt":["a","b"]}'
-status 400 '"param":"n"' "$OA/completions" -d '{"prompt":"x","n":3}'
+status 400 '"param":"n"' "$OA/completions" -d '{"prompt":"x","n":17}'
 head -c 9000000 /dev/zero | tr '\0' a >"$CL_T/huge"
 status 413 '"error":\{"message":"request body too large"' "$OA/completions" --data-binary @"$CL_T/huge"
 status 404 '"code":"not_found"' "$OA/embeddings" -d '{}'

@@ -279,7 +279,42 @@ Test(td_node, sampling_table_matches_the_wire)
         td_sampling_t got = td_node_sampling_from_proto(&p);
         cr_expect_eq(memcmp(&got, &want, sizeof got), 0, "%s does not travel alone", d->name);
     }
-    cr_expect_eq(n_wire, md->n_fields, "tandem.v1.SamplingParams has a field without a TD_SAMPLING_FIELDS row");
+    /* the two logit bias lists are the fields beside the rows */
+    cr_assert_not_null(protobuf_c_message_descriptor_get_field_by_name(md, "logit_bias_ids"));
+    cr_assert_not_null(protobuf_c_message_descriptor_get_field_by_name(md, "logit_bias"));
+    cr_expect_eq(n_wire + 2, md->n_fields, "tandem.v1.SamplingParams has a field without a TD_SAMPLING_FIELDS row");
+}
+
+Test(td_node, logit_bias_travels_and_bad_lists_are_refused)
+{
+    td_sampling_t s = td_sampling_default();
+    s.n_logit_bias = 3;
+    for (int i = 0; i < 3; i++)
+        s.logit_bias_ids[i] = 100 * i + 7, s.logit_bias[i] = (float)(i * 50 - 100);
+    Tandem__V1__SamplingParams p;
+    td_node_sampling_to_proto(&s, &p);
+    cr_assert_eq(p.n_logit_bias_ids, 3);
+    td_sampling_t got = td_node_sampling_from_proto(&p);
+    cr_assert_eq(memcmp(&got, &s, sizeof got), 0, "the bias travels both ways");
+    /* packed and unpacked, as a node reads it */
+    size_t len = protobuf_c_message_get_packed_size(&p.base);
+    uint8_t buf[256];
+    cr_assert(len <= sizeof buf);
+    protobuf_c_message_pack(&p.base, buf);
+    Tandem__V1__SamplingParams *u = tandem__v1__sampling_params__unpack(NULL, len, buf);
+    cr_assert_not_null(u);
+    got = td_node_sampling_from_proto(u);
+    cr_assert_eq(memcmp(&got, &s, sizeof got), 0, "the bias survives the wire");
+    u->n_logit_bias = 2; /* one bias short */
+    got = td_node_sampling_from_proto(u);
+    char why[160];
+    cr_assert_eq(td_sampling_validate(&got, why, sizeof why), TD_ERR_INVALID);
+    cr_assert(strstr(why, "differ in length"), "%s", why);
+    u->n_logit_bias = 3;
+    u->logit_bias_ids[2] = UINT32_MAX; /* past int32: kept out of any vocabulary */
+    got = td_node_sampling_from_proto(u);
+    cr_assert(!td_sampling_check_bias(&got, 49152, why, sizeof why));
+    tandem__v1__sampling_params__free_unpacked(u, NULL);
 }
 
 Test(td_node, logprobs_one_conversion_each_way)

@@ -151,6 +151,16 @@ Test(node_admit, decode_refuses_malformed_admits)
     sp.top_p = 0;
     sp.presence_penalty = 3;
     admit_refused(&r, false, "presence_penalty 3");
+    sp.presence_penalty = 0;
+    uint32_t bias_ids[2] = {5, VOCAB}; /* a logit bias past this node's vocabulary */
+    float bias[2] = {1, -100};
+    sp.logit_bias_ids = bias_ids;
+    sp.n_logit_bias_ids = 2;
+    sp.logit_bias = bias;
+    sp.n_logit_bias = 2;
+    admit_refused(&r, false, "logit_bias token 512 is outside the vocabulary (512 ids)");
+    sp.n_logit_bias = 1; /* one bias short */
+    admit_refused(&r, false, "differ in length");
 }
 
 /* The kv-ready that brings an admission's KV comes from the prefill node over the data plane:
@@ -260,4 +270,18 @@ Test(node_admit, prefill_refuses_malformed_requests)
     sp.repetition_penalty = -1;
     r.sampling = &sp;
     prefill_refused(&r, &mc, "repetition_penalty -1");
+    sp.repetition_penalty = 0;
+    uint32_t bias_ids[1] = {VOCAB + 1};
+    float bias[1] = {100};
+    sp.logit_bias_ids = bias_ids;
+    sp.n_logit_bias_ids = 1;
+    sp.logit_bias = bias;
+    sp.n_logit_bias = 1;
+    prefill_refused(&r, &mc, "logit_bias token 513 is outside the vocabulary");
+    bias_ids[0] = VOCAB - 1; /* inside: read */
+    char why[256] = "";
+    prefill_admit_t a;
+    cr_assert_eq(prefill_admit_read(&r, &mc, 16, &a, why, sizeof why), TD_GRPC_OK, "%s", why);
+    cr_assert(a.sampling.n_logit_bias == 1 && a.sampling.logit_bias_ids[0] == VOCAB - 1 && a.sampling.logit_bias[0] == 100);
+    prefill_admit_free(&a);
 }

@@ -194,19 +194,80 @@ Test(router_openai, wrong_types_name_the_parameter)
             "stop");
 }
 
-Test(router_openai, one_choice_and_unserved_features_refused_by_name)
+Test(router_openai, n_and_unserved_features_refused_by_name)
 {
-    refused(ROUTER_OAI_COMPLETIONS, "{\"prompt\":\"x\",\"n\":2}", "n");
+    refused(ROUTER_OAI_COMPLETIONS, "{\"prompt\":\"x\",\"n\":0}", "n");
+    refused(ROUTER_OAI_COMPLETIONS, "{\"prompt\":\"x\",\"n\":17}", "n");
+    refused(ROUTER_OAI_COMPLETIONS, "{\"prompt\":\"x\",\"n\":2.5}", "n");
     refused(ROUTER_OAI_COMPLETIONS, "{\"prompt\":\"x\",\"best_of\":3}", "best_of");
+    refused(ROUTER_OAI_COMPLETIONS, "{\"prompt\":\"x\",\"n\":2,\"best_of\":3}", "best_of");
     refused(ROUTER_OAI_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"tools\":[{\"type\":\"function\"}]}",
             "tools");
-    refused(ROUTER_OAI_COMPLETIONS, "{\"prompt\":\"x\",\"logit_bias\":{\"5\":100}}", "logit_bias");
     /* the empty forms clients send by default are no request for the feature */
     cr_assert_eq(parse(ROUTER_OAI_CHAT,
                        "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"tools\":[],\"logit_bias\":{},"
                        "\"response_format\":{\"type\":\"text\"},\"n\":1}"),
                  TD_OK, "%s", err.message);
+    cr_assert_eq(q.n, 1);
+    cr_assert_eq(q.gp.sampling.n_logit_bias, 0);
     router_oai_req_free(&q);
+    cr_assert_eq(parse(ROUTER_OAI_COMPLETIONS, "{\"prompt\":\"x\",\"n\":16,\"best_of\":16}"), TD_OK, "%s", err.message);
+    cr_assert_eq(q.n, 16);
+    router_oai_req_free(&q);
+    cr_assert_eq(parse(ROUTER_OAI_COMPLETIONS, "{\"prompt\":\"x\"}"), TD_OK, "%s", err.message);
+    cr_assert_eq(q.n, 1, "n defaults to 1");
+    router_oai_req_free(&q);
+}
+
+/* The body's logit_bias as td_gen_params_check judges it: TD_GEN_FIELD_NONE or the field. */
+static td_gen_field_t bias_check(const char *body)
+{
+    cr_assert_eq(parse(ROUTER_OAI_COMPLETIONS, body), TD_OK, "%s: %s", body, err.message);
+    td_gen_field_t f = td_gen_params_check(&q.gp, err.message, sizeof err.message);
+    return f;
+}
+
+Test(router_openai, logit_bias_read_in_both_forms_and_checked)
+{
+    cr_assert_eq(bias_check("{\"prompt\":\"x\",\"logit_bias\":{\"5\":100,\"1234\":-100,\"7\":0.5}}"),
+                 TD_GEN_FIELD_NONE, "%s", err.message);
+    cr_assert_eq(q.gp.sampling.n_logit_bias, 3);
+    cr_assert_eq(q.gp.sampling.logit_bias_ids[1], 1234);
+    cr_assert_float_eq(q.gp.sampling.logit_bias[1], -100.0f, 0);
+    cr_assert_float_eq(q.gp.sampling.logit_bias[2], 0.5f, 0);
+    router_oai_req_free(&q);
+    /* llama.cpp's list form */
+    cr_assert_eq(bias_check("{\"prompt\":\"x\",\"logit_bias\":[[9,-3],[10,2]]}"), TD_GEN_FIELD_NONE, "%s",
+                 err.message);
+    cr_assert_eq(q.gp.sampling.n_logit_bias, 2);
+    cr_assert_eq(q.gp.sampling.logit_bias_ids[1], 10);
+    router_oai_req_free(&q);
+
+    /* out of range, a duplicate (list form), too many: td_gen_params_check names logit_bias */
+    cr_assert_eq(bias_check("{\"prompt\":\"x\",\"logit_bias\":{\"5\":101}}"), TD_GEN_FIELD_LOGIT_BIAS);
+    cr_assert(strstr(err.message, "out of range [-100, 100]"), "%s", err.message);
+    router_oai_req_free(&q);
+    cr_assert_eq(bias_check("{\"prompt\":\"x\",\"logit_bias\":[[5,1],[5,2]]}"), TD_GEN_FIELD_LOGIT_BIAS);
+    cr_assert(strstr(err.message, "token 5 twice"), "%s", err.message);
+    router_oai_req_free(&q);
+    char body[8192] = "{\"prompt\":\"x\",\"logit_bias\":{";
+    for (int i = 0; i < 301; i++)
+        snprintf(body + strlen(body), sizeof body - strlen(body), "%s\"%d\":1", i ? "," : "", i);
+    strcat(body, "}}");
+    cr_assert_eq(bias_check(body), TD_GEN_FIELD_LOGIT_BIAS);
+    cr_assert(strstr(err.message, "301 entries, at most 300"), "%s", err.message);
+    cr_assert_str_eq(td_gen_field_names(TD_GEN_FIELD_LOGIT_BIAS).openai_chat, "logit_bias");
+    router_oai_req_free(&q);
+
+    /* what is not a token id, or not a bias, is refused while reading */
+    refused(ROUTER_OAI_COMPLETIONS, "{\"prompt\":\"x\",\"logit_bias\":{\"abc\":1}}", "logit_bias");
+    refused(ROUTER_OAI_COMPLETIONS, "{\"prompt\":\"x\",\"logit_bias\":{\"-5\":1}}", "logit_bias");
+    refused(ROUTER_OAI_COMPLETIONS, "{\"prompt\":\"x\",\"logit_bias\":{\"5x\":1}}", "logit_bias");
+    refused(ROUTER_OAI_COMPLETIONS, "{\"prompt\":\"x\",\"logit_bias\":{\"99999999999\":1}}", "logit_bias");
+    refused(ROUTER_OAI_COMPLETIONS, "{\"prompt\":\"x\",\"logit_bias\":{\"5\":\"a lot\"}}", "logit_bias");
+    refused(ROUTER_OAI_COMPLETIONS, "{\"prompt\":\"x\",\"logit_bias\":[[1.5,2]]}", "logit_bias");
+    refused(ROUTER_OAI_COMPLETIONS, "{\"prompt\":\"x\",\"logit_bias\":[[1]]}", "logit_bias");
+    refused(ROUTER_OAI_COMPLETIONS, "{\"prompt\":\"x\",\"logit_bias\":5}", "logit_bias");
 }
 
 #define CHAT_X "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],"

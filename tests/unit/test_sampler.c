@@ -623,6 +623,107 @@ Test(sampler, a_mask_that_allows_nothing_finite_is_an_error)
     }
 }
 
+/* OpenAI's logit_bias: +100 forces a token, -100 bans one, greedy or sampled; the bias
+ * comes before the mask (a forbidden token stays forbidden however biased) and the penalties
+ * see the biased logits; a small bias moves greedy only where it changes the argmax. */
+Test(sampler, logit_bias_forces_bans_and_comes_before_the_mask)
+{
+    enum { V = 4000 };
+    static float l[V];
+    static uint32_t mask[(V + 31) / 32];
+    fill_logits(l, V, 77, 3.0f);
+    int32_t best = argmax(l, V), forced = (best + 1234) % V;
+    for (int greedy = 0; greedy < 2; greedy++) {
+        td_sampling_t p = td_sampling_default();
+        p.temperature = greedy ? 0.0f : 1.0f;
+        p.seed = 5;
+        p.n_logit_bias = 1;
+        p.logit_bias_ids[0] = forced;
+        p.logit_bias[0] = 100.0f;
+        td_sampler_t *s = make(p);
+        for (int i = 0; i < 50; i++)
+            cr_expect_eq(draw(s, l, V), forced, "+100 forces token %d (greedy %d)", forced, greedy);
+        td_sampler_destroy(s);
+
+        p.logit_bias_ids[0] = best; /* the most likely token banned */
+        p.logit_bias[0] = -100.0f;
+        s = make(p);
+        for (int i = 0; i < 200; i++)
+            cr_expect_neq(draw(s, l, V), best, "-100 bans token %d (greedy %d)", best, greedy);
+        td_sampler_destroy(s);
+    }
+    /* greedy: the argmax of logits + bias, a second one on the runner-up flips it */
+    float second = -INFINITY;
+    int32_t runner = -1;
+    for (int32_t i = 0; i < V; i++)
+        if (i != best && l[i] > second)
+            second = l[i], runner = i;
+    td_sampling_t p = td_sampling_default();
+    p.n_logit_bias = 1;
+    p.logit_bias_ids[0] = runner;
+    p.logit_bias[0] = (l[best] - second) * 0.5f;
+    td_sampler_t *s = make(p);
+    cr_expect_eq(draw(s, l, V), best, "half the gap does not flip greedy");
+    td_sampler_destroy(s);
+    p.logit_bias[0] = (l[best] - second) + 0.01f;
+    s = make(p);
+    cr_expect_eq(draw(s, l, V), runner, "past the gap flips greedy to the biased token");
+    td_sampler_destroy(s);
+
+    /* before the mask: +100 on a forbidden token does not revive it */
+    random_mask(mask, V, 9, 3);
+    int32_t banned = 0;
+    while (allowed_bit(mask, banned))
+        banned++;
+    p = td_sampling_default();
+    p.n_logit_bias = 1;
+    p.logit_bias_ids[0] = banned;
+    p.logit_bias[0] = 100.0f;
+    s = make(p);
+    cr_expect(allowed_bit(mask, draw_masked(s, l, V, mask)), "a biased forbidden token stays forbidden");
+    td_sampler_destroy(s);
+
+    /* before the penalties: the repetition penalty divides the biased logit. Token 0 (logit
+     * 1, in the window, bias +3) against token 1 (logit 2.5): (1 + 3) / 2 = 2 loses; a bias
+     * added after the penalty (1 / 2 + 3 = 3.5) would win */
+    float two[2] = {1.0f, 2.5f};
+    p = td_sampling_default();
+    p.repetition_penalty = 2.0f;
+    p.n_logit_bias = 1;
+    p.logit_bias_ids[0] = 0;
+    p.logit_bias[0] = 3.0f;
+    s = make(p);
+    td_sampler_accept_prompt(s, 0);
+    cr_expect_eq(draw(s, two, 2), 1, "the penalty applies to the biased logit");
+    td_sampler_destroy(s);
+}
+
+Test(sampler, logit_bias_checked)
+{
+    td_sampling_t p = td_sampling_default();
+    char why[160];
+    p.n_logit_bias = 2;
+    p.logit_bias_ids[0] = 3, p.logit_bias[0] = 100.0f;
+    p.logit_bias_ids[1] = 40000, p.logit_bias[1] = -100.0f;
+    cr_expect(td_sampling_check_bias(&p, 0, why, sizeof why), "%s", why);
+    cr_expect_eq(td_sampling_validate(&p, NULL, 0), TD_OK);
+    cr_expect(!td_sampling_check_bias(&p, 32000, why, sizeof why), "id past a vocabulary of 32000");
+    cr_expect(strstr(why, "token 40000 is outside the vocabulary (32000 ids)"), "%s", why);
+    p.logit_bias[1] = 100.5f;
+    cr_expect_eq(td_sampling_validate(&p, why, sizeof why), TD_ERR_INVALID);
+    cr_expect(strstr(why, "out of range [-100, 100]"), "%s", why);
+    p.logit_bias[1] = NAN;
+    cr_expect(!td_sampling_check_bias(&p, 0, NULL, 0), "NaN");
+    p.logit_bias[1] = 1.0f, p.logit_bias_ids[1] = 3;
+    cr_expect(!td_sampling_check_bias(&p, 0, why, sizeof why));
+    cr_expect(strstr(why, "twice"), "%s", why);
+    p.n_logit_bias = -1;
+    cr_expect(!td_sampling_check_bias(&p, 0, why, sizeof why));
+    cr_expect(strstr(why, "differ in length"), "%s", why);
+    p.n_logit_bias = TD_SAMPLING_MAX_LOGIT_BIAS + 1;
+    cr_expect(!td_sampling_check_bias(&p, 0, why, sizeof why));
+}
+
 Test(sampler, logprobs_match_log_softmax_and_a_full_sort)
 {
     enum { V = 3000 };
