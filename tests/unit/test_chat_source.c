@@ -57,7 +57,7 @@ static td_tokenizer_t *load_tok(const char *rel)
 static int32_t *chat_ids(const td_chat_template_t *t, const td_tokenizer_t *tok, bool system, size_t *n_p,
                          char **text_p)
 {
-    td_chat_message_t m[2] = {{"system", "You are terse."}, {"user", "Hi there"}};
+    td_chat_message_t m[2] = {{.role = "system", .content = "You are terse."}, {.role = "user", .content = "Hi there"}};
     char *text;
     size_t len;
     cr_assert_eq(td_chat_render_messages(t, tok, system ? m : m + 1, system ? 2 : 1, &text, &len), TD_OK, "%s",
