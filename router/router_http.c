@@ -26,6 +26,7 @@
 
 #include "router_admit.h"
 #include "router_openai.h"
+#include "td_hash.h"
 #include "td_log.h"
 #include "td_util.h"
 
@@ -46,6 +47,14 @@ typedef struct http_client {
     td_token_logprob_t *lps;    /* a whole answer: every entry so far [n_lps] */
     size_t n_lps, cap_lps;
     router_oai_buf_t text;      /* a whole answer: the text so far */
+    td_tools_parser_t *tools;   /* tool calls read from the output (tools with tool_choice not
+                                 * none), or NULL: the output is text */
+    td_tools_format_t tool_format;
+    size_t fed;                 /* a stream: bytes of r->out's text already fed to the parser (a
+                                 * refused send keeps r->out and comes again with more) */
+    router_oai_buf_t pend;      /* a stream with tools: SSE events made, not yet written */
+    router_oai_buf_t calls;     /* a whole answer with tools: message.tool_calls' items */
+    router_oai_buf_t content;   /* a whole answer with tools: the content */
     router_oai_buf_t out;       /* the bytes being written (after the request ended: the
                                  * answer's last bytes, until the connection takes them) */
 } http_client_t;
@@ -55,6 +64,10 @@ static void client_free(http_client_t *hc)
     free(hc->lps);
     router_oai_buf_free(&hc->text);
     router_oai_buf_free(&hc->out);
+    router_oai_buf_free(&hc->pend);
+    router_oai_buf_free(&hc->calls);
+    router_oai_buf_free(&hc->content);
+    td_tools_parser_destroy(hc->tools);
     free(hc->echo);
     free(hc);
 }
@@ -212,9 +225,85 @@ static const char *lps_json(http_client_t *hc, size_t from, router_oai_buf_t *b)
     return b->oom ? NULL : b->p;
 }
 
+/* ---- tool calls ---- */
+
+/* A call's id: OpenAI's "call_" and 24 letters and digits, or for Mistral's template, which
+ * checks them, 9; made from the request's id and the call's index, so each is unique. */
+static void tool_call_id(const http_client_t *hc, uint32_t index, char id[40])
+{
+    static const char ALNUM[] = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789";
+    bool mistral = hc->tool_format == TD_TOOLS_MISTRAL;
+    size_t n = mistral ? 9 : 24, k = 0;
+    if (!mistral)
+        k = (size_t)snprintf(id, 40, "call_");
+    uint64_t h = td_fnv1a64(TD_FNV1A64_INIT, hc->id, strlen(hc->id));
+    h = td_fnv1a64(h, &index, sizeof index);
+    for (size_t i = 0; i < n; i++) {
+        if (i % 10 == 9)
+            h = td_fnv1a64(h, &i, sizeof i);
+        id[k++] = ALNUM[h % 62];
+        h /= 62;
+    }
+    id[k] = '\0';
+}
+
+/* Parser events of a stream: SSE chunks appended to hc->pend. */
+static td_status_t stream_tool_event(void *ctx, const td_tools_event_t *ev)
+{
+    http_client_t *hc = ctx;
+    if (ev->kind == TD_TOOLS_CONTENT) {
+        router_oai_chunk(&hc->pend, &hc->rs, hc->first, ev->text, ev->len, NULL, NULL, hc->include_usage);
+    } else {
+        char id[40];
+        tool_call_id(hc, ev->index, id);
+        router_oai_tool_call_chunk(&hc->pend, &hc->rs, hc->first, ev->index, id, ev->name, ev->arguments,
+                                   ev->arguments_len, hc->include_usage);
+    }
+    hc->first = false;
+    return hc->pend.oom ? TD_ERR_NOMEM : TD_OK;
+}
+
+/* Parser events of a whole answer: the content and the tool_calls items. */
+static td_status_t whole_tool_event(void *ctx, const td_tools_event_t *ev)
+{
+    http_client_t *hc = ctx;
+    if (ev->kind == TD_TOOLS_CONTENT) {
+        router_oai_buf_put(&hc->content, ev->text, ev->len);
+    } else {
+        char id[40];
+        tool_call_id(hc, ev->index, id);
+        router_oai_tool_call_json(&hc->calls, ev->index, id, ev->name, ev->arguments, ev->arguments_len);
+    }
+    return hc->content.oom || hc->calls.oom ? TD_ERR_NOMEM : TD_OK;
+}
+
+/* A stream with tools: r's new text through the parser into hc->pend, then written. */
+static td_status_t tools_send(http_client_t *hc, router_req_t *r)
+{
+    size_t n = r->out.n_text;
+    td_status_t st = TD_OK;
+    if (n > hc->fed)
+        st = td_tools_parser_feed(hc->tools, r->out.text + hc->fed, n - hc->fed, stream_tool_event, hc);
+    hc->fed = n;
+    if (st != TD_OK)
+        return st;
+    if (!hc->pend.n)
+        return TD_OK; /* held by the parser: it may be a call */
+    if ((st = stream_begin(hc)) != TD_OK)
+        return st == TD_ERR_CLOSED ? TD_ERR_CANCELLED : st;
+    st = td_http_stream_write(hc->req, hc->pend.p, hc->pend.n);
+    if (st == TD_OK) {
+        hc->pend.n = 0;
+        hc->fed = 0; /* r->out is emptied on TD_OK */
+    }
+    return st == TD_ERR_CLOSED ? TD_ERR_CANCELLED : st;
+}
+
 static td_status_t http_send(router_req_t *r)
 {
     http_client_t *hc = r->client;
+    if (hc->tools && hc->stream)
+        return tools_send(hc, r);
     if (hc->logprobs && lps_append(hc, r) != TD_OK)
         return TD_ERR_NOMEM;
     if (!hc->stream) {
@@ -256,6 +345,14 @@ static const char *reason_name(router_finish_t reason)
     return reason == ROUTER_FINISH_LENGTH ? "length" : "stop";
 }
 
+/* OpenAI's finish_reason "tool_calls" when the output ended with calls. */
+static const char *finish_name(const http_client_t *hc, router_finish_t reason)
+{
+    if (hc->tools && td_tools_parser_calls(hc->tools) && reason != ROUTER_FINISH_LENGTH)
+        return "tool_calls";
+    return reason_name(reason);
+}
+
 static void http_finish(router_req_t *r, const router_summary_t *sum)
 {
     http_client_t *hc = r->client;
@@ -264,6 +361,23 @@ static void http_finish(router_req_t *r, const router_summary_t *sum)
                             .cached_tokens = sum->cached_tokens, .migrations = sum->migrations};
     if (hc->logprobs && lps_append(hc, r) != TD_OK)
         hc->logprobs = false; /* out of memory: the answer goes without them */
+    if (!hc->stream && hc->tools) {
+        router_oai_buf_put(&hc->text, r->out.text ? r->out.text : "", r->out.n_text);
+        td_status_t st = hc->text.oom ? TD_ERR_NOMEM
+                                      : td_tools_parser_feed(hc->tools, hc->text.p ? hc->text.p : "", hc->text.n,
+                                                             whole_tool_event, hc);
+        if (st == TD_OK)
+            st = td_tools_parser_finish(hc->tools, whole_tool_event, hc);
+        hc->out.n = 0;
+        router_oai_buf_put(&hc->calls, "", 0);
+        router_oai_response_tools(&hc->out, &hc->rs, hc->content.p ? hc->content.p : "", hc->content.n,
+                                  hc->calls.n ? hc->calls.p : NULL, NULL, finish_name(hc, sum->reason), &u);
+        if (st != TD_OK)
+            hc->out.oom = true;
+        respond_json(hc->req, 200, &hc->out);
+        client_free(hc);
+        return;
+    }
     if (!hc->stream) {
         router_oai_buf_put(&hc->text, r->out.text ? r->out.text : "", r->out.n_text);
         router_oai_buf_t b = {0}, lpb = {0};
@@ -287,8 +401,21 @@ static void http_finish(router_req_t *r, const router_summary_t *sum)
     size_t len;
     const char *text = message_text(hc, r, &len, &tmp);
     hc->out.n = 0;
+    if (hc->tools) { /* the last text through the parser, what it held, then an empty last chunk */
+        td_status_t st = TD_OK;
+        if (r->out.n_text > hc->fed)
+            st = td_tools_parser_feed(hc->tools, r->out.text + hc->fed, r->out.n_text - hc->fed, stream_tool_event,
+                                      hc);
+        if (st == TD_OK)
+            st = td_tools_parser_finish(hc->tools, stream_tool_event, hc);
+        router_oai_buf_put(&hc->out, hc->pend.p ? hc->pend.p : "", hc->pend.n);
+        hc->pend.n = 0;
+        if (st != TD_OK)
+            hc->out.oom = true;
+        text = "", len = 0;
+    }
     router_oai_chunk(&hc->out, &hc->rs, hc->first, text, len, hc->n_lps ? lps_json(hc, 0, &lpb) : NULL,
-                     reason_name(sum->reason), hc->include_usage);
+                     finish_name(hc, sum->reason), hc->include_usage);
     router_oai_buf_free(&tmp);
     router_oai_buf_free(&lpb);
     if (hc->include_usage)
@@ -424,7 +551,18 @@ static void http_generate_parsed(router_state_t *s, td_http_req_t *req, router_o
     router_req_spec_t spec = {.gp = q.gp, .prompt_ids = q.prompt_ids, .prompt = q.prompt,
                               .prompt_text_len = q.prompt_len, .messages = q.messages, .n_messages = q.n_messages,
                               .priority = kt.priority, .cache_salt = kt.cache_salt,
-                              .grammar = q.grammar};
+                              .grammar = q.grammar, .tools_json = q.tools_json};
+    /* tool calls are read from the output unless tool_choice is none, or a response_format
+     * constrains it (then it is that format's text) */
+    bool parse_tools = q.tool_choice != ROUTER_OAI_TOOLS_NONE &&
+                       (q.tool_choice != ROUTER_OAI_TOOLS_AUTO || !q.grammar);
+    if (parse_tools && td_tools_parser_create(s->tool_format, q.parallel_tool_calls ? 0 : 1, (size_t)1 << 20,
+                                              &hc->tools) != TD_OK) {
+        router_oai_error_set(&err, 500, "server_error", NULL, NULL, "router: out of memory");
+        router_count_outcome(s, "exhausted");
+        goto err_respond;
+    }
+    hc->tool_format = s->tool_format;
     router_req_t *r;
     td_grpc_code_t code;
     if (router_req_open(s, &spec, &code, why, sizeof why, &r) != TD_OK) {
@@ -437,7 +575,7 @@ static void http_generate_parsed(router_state_t *s, td_http_req_t *req, router_o
     hc->stream = q.stream;
     hc->include_usage = q.stream && q.include_usage;
     hc->first = true;
-    hc->logprobs = q.logprobs >= 0;
+    hc->logprobs = q.logprobs >= 0 && !hc->tools; /* with tools, the answer is calls: no logprobs */
     snprintf(hc->id, sizeof hc->id, "%s%s", kind == ROUTER_OAI_CHAT ? "chatcmpl-" : "cmpl-", r->id);
     hc->rs = (router_oai_resp_t){.kind = kind, .id = hc->id, .model = s->proc.cfg.model_name,
                                  .created = (int64_t)time(NULL)};
@@ -488,6 +626,8 @@ static void parse_work(uv_work_t *w)
 {
     parse_job_t *j = (parse_job_t *)w;
     j->st = router_oai_parse(j->kind, j->body, j->len, &j->q, &j->err);
+    if (j->st == TD_OK && (j->st = router_oai_tools_prepare(&j->q, j->s->tool_format, &j->err)) != TD_OK)
+        router_oai_req_free(&j->q);
     free(j->body);
     j->body = NULL;
 }
@@ -546,7 +686,10 @@ static void http_generate(router_state_t *s, td_http_req_t *req, router_oai_kind
     size_t len;
     const char *body = td_http_req_body(req, &len);
     if (len <= ROUTER_HTTP_PARSE_INLINE_BYTES) {
-        if (router_oai_parse(kind, body, len, &q, &err) != TD_OK) {
+        td_status_t st = router_oai_parse(kind, body, len, &q, &err);
+        if (st == TD_OK && (st = router_oai_tools_prepare(&q, s->tool_format, &err)) != TD_OK)
+            router_oai_req_free(&q);
+        if (st != TD_OK) {
             router_count_outcome(s, err.status == 500 ? "exhausted" : "invalid");
             respond_error(req, &err);
             return;

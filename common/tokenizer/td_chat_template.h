@@ -88,6 +88,9 @@ td_status_t td_chat_template_create(const char *src, size_t len, td_chat_templat
 td_status_t td_chat_template_render(const td_chat_template_t *t, const td_chat_render_t *r,
                                     char **out_p, size_t *len_p, char *err, size_t err_cap);
 
+/* The template's source text (NUL-terminated, owned by t), *len_p its length when not NULL. */
+const char *td_chat_template_source(const td_chat_template_t *t, size_t *len_p);
+
 /* Frees t; NULL is a no-op. */
 void td_chat_template_destroy(td_chat_template_t *t);
 
