@@ -285,17 +285,11 @@ static td_status_t tools_send(http_client_t *hc, router_req_t *r)
     if (n > hc->fed)
         st = td_tools_parser_feed(hc->tools, r->out.text + hc->fed, n - hc->fed, stream_tool_event, hc);
     hc->fed = n;
-    if (st != TD_OK)
-        return st;
-    if (!hc->pend.n)
-        return TD_OK; /* held by the parser: it may be a call */
-    if ((st = stream_begin(hc)) != TD_OK)
-        return st == TD_ERR_CLOSED ? TD_ERR_CANCELLED : st;
-    st = td_http_stream_write(hc->req, hc->pend.p, hc->pend.n);
-    if (st == TD_OK) {
+    if (st == TD_OK && hc->pend.n && (st = stream_begin(hc)) == TD_OK &&
+        (st = td_http_stream_write(hc->req, hc->pend.p, hc->pend.n)) == TD_OK)
         hc->pend.n = 0;
-        hc->fed = 0; /* r->out is emptied on TD_OK */
-    }
+    if (st == TD_OK)
+        hc->fed = 0; /* r->out is emptied on TD_OK; the parser holds what may be a call */
     return st == TD_ERR_CLOSED ? TD_ERR_CANCELLED : st;
 }
 
