@@ -278,7 +278,7 @@ td_status_t cli_gen_chat_prompt(cli_gen_t *g, const td_chat_message_t *messages,
 {
     char *text;
     size_t len;
-    td_status_t st = td_chat_render_messages(g->chat, g->tok, messages, n, &text, &len);
+    td_status_t st = td_chat_render_messages(g->chat, g->tok, messages, n, NULL, &text, &len);
     if (st != TD_OK)
         return st;
     td_debug("chat prompt: %s", text);

@@ -26,6 +26,7 @@
 
 #include "router_admit.h"
 #include "router_openai.h"
+#include "td_hash.h"
 #include "td_log.h"
 #include "td_rng.h"
 #include "td_util.h"
@@ -83,6 +84,15 @@ struct http_client {
     size_t n_ids;
     int32_t priority;
     uint64_t cache_salt;
+    /* tool calls (n is 1: router_oai_tools_prepare refuses n > 1 with tools) */
+    td_tools_parser_t *tools;   /* tool calls read from choice 0's output (tools with tool_choice
+                                 * not none), or NULL: the output is text */
+    td_tools_format_t tool_format;
+    size_t fed;                 /* a stream: bytes of r->out's text already fed to the parser (a
+                                 * refused send keeps r->out and comes again with more) */
+    router_oai_buf_t pend;      /* a stream with tools: SSE events made, not yet written */
+    router_oai_buf_t calls;     /* a whole answer with tools: message.tool_calls' items */
+    router_oai_buf_t content;   /* a whole answer with tools: the content */
 };
 
 /* Frees hc and what it holds (its idle handle closed, or never opened). */
@@ -97,6 +107,10 @@ static void client_on_closed_now(http_client_t *hc)
     free(hc->grammar);
     free(hc->ids);
     router_oai_buf_free(&hc->out);
+    router_oai_buf_free(&hc->pend);
+    router_oai_buf_free(&hc->calls);
+    router_oai_buf_free(&hc->content);
+    td_tools_parser_destroy(hc->tools);
     free(hc->echo);
     free(hc);
 }
@@ -298,12 +312,84 @@ static void choice_chunk(http_choice_t *ch, router_req_t *r, const char *reason,
     router_oai_buf_free(&lpb);
 }
 
+/* ---- tool calls ---- */
+
+/* A call's id: OpenAI's "call_" and 24 letters and digits, or for Mistral's template, which
+ * checks them, 9; made from the request's id and the call's index, so each is unique. */
+static void tool_call_id(const http_client_t *hc, uint32_t index, char id[40])
+{
+    static const char ALNUM[] = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789";
+    bool mistral = hc->tool_format == TD_TOOLS_MISTRAL;
+    size_t n = mistral ? 9 : 24, k = 0;
+    if (!mistral)
+        k = (size_t)snprintf(id, 40, "call_");
+    uint64_t h = td_fnv1a64(TD_FNV1A64_INIT, hc->id, strlen(hc->id));
+    h = td_fnv1a64(h, &index, sizeof index);
+    for (size_t i = 0; i < n; i++) {
+        if (i % 10 == 9)
+            h = td_fnv1a64(h, &i, sizeof i);
+        id[k++] = ALNUM[h % 62];
+        h /= 62;
+    }
+    id[k] = '\0';
+}
+
+/* Parser events of a stream (ctx: the choice): SSE chunks appended to hc->pend. */
+static td_status_t stream_tool_event(void *ctx, const td_tools_event_t *ev)
+{
+    http_choice_t *ch = ctx;
+    http_client_t *hc = ch->hc;
+    if (ev->kind == TD_TOOLS_CONTENT) {
+        router_oai_chunk(&hc->pend, &ch->rs, ch->first, ev->text, ev->len, NULL, NULL, hc->include_usage);
+    } else {
+        char id[40];
+        tool_call_id(hc, ev->index, id);
+        router_oai_tool_call_chunk(&hc->pend, &ch->rs, ch->first, ev->index, id, ev->name, ev->arguments,
+                                   ev->arguments_len, hc->include_usage);
+    }
+    ch->first = false;
+    return hc->pend.oom ? TD_ERR_NOMEM : TD_OK;
+}
+
+/* Parser events of a whole answer: the content and the tool_calls items. */
+static td_status_t whole_tool_event(void *ctx, const td_tools_event_t *ev)
+{
+    http_client_t *hc = ctx;
+    if (ev->kind == TD_TOOLS_CONTENT) {
+        router_oai_buf_put(&hc->content, ev->text, ev->len);
+    } else {
+        char id[40];
+        tool_call_id(hc, ev->index, id);
+        router_oai_tool_call_json(&hc->calls, ev->index, id, ev->name, ev->arguments, ev->arguments_len);
+    }
+    return hc->content.oom || hc->calls.oom ? TD_ERR_NOMEM : TD_OK;
+}
+
+/* A stream with tools: r's new text through the parser into hc->pend, then written. */
+static td_status_t tools_send(http_choice_t *ch, router_req_t *r)
+{
+    http_client_t *hc = ch->hc;
+    size_t n = r->out.n_text;
+    td_status_t st = TD_OK;
+    if (n > hc->fed)
+        st = td_tools_parser_feed(hc->tools, r->out.text + hc->fed, n - hc->fed, stream_tool_event, ch);
+    hc->fed = n;
+    if (st == TD_OK && hc->pend.n && (st = stream_begin(hc)) == TD_OK &&
+        (st = td_http_stream_write(hc->req, hc->pend.p, hc->pend.n)) == TD_OK)
+        hc->pend.n = 0;
+    if (st == TD_OK)
+        hc->fed = 0; /* r->out is emptied on TD_OK; the parser holds what may be a call */
+    return st == TD_ERR_CLOSED ? TD_ERR_CANCELLED : st;
+}
+
 static td_status_t http_send(router_req_t *r)
 {
     http_choice_t *ch = r->client;
     http_client_t *hc = ch->hc;
     if (hc->failed || !hc->req || hc->closing)
         return TD_OK; /* another choice failed and answered: this one ends from the idle handle */
+    if (hc->tools && hc->stream)
+        return tools_send(ch, r);
     if (hc->logprobs && lps_append(ch, r) != TD_OK)
         return TD_ERR_NOMEM;
     if (!hc->stream) {
@@ -346,6 +432,48 @@ static const char *reason_name(router_finish_t reason)
     return reason == ROUTER_FINISH_LENGTH ? "length" : "stop";
 }
 
+/* OpenAI's finish_reason "tool_calls" when the output ended with calls. */
+static const char *finish_name(const http_client_t *hc, router_finish_t reason)
+{
+    if (hc->tools && td_tools_parser_calls(hc->tools) && reason != ROUTER_FINISH_LENGTH)
+        return "tool_calls";
+    return reason_name(reason);
+}
+
+/* A whole answer with tools: choice ch's text through the parser into hc->content and
+ * hc->calls (out of memory: marked on calls, answered as a 500). */
+static void tools_whole(http_choice_t *ch, router_finish_t reason)
+{
+    http_client_t *hc = ch->hc;
+    td_status_t st = ch->text.oom ? TD_ERR_NOMEM
+                                  : td_tools_parser_feed(hc->tools, ch->text.p ? ch->text.p : "", ch->text.n,
+                                                         whole_tool_event, hc);
+    if (st == TD_OK)
+        st = td_tools_parser_finish(hc->tools, whole_tool_event, hc);
+    router_oai_buf_put(&hc->calls, "", 0);
+    if (st != TD_OK)
+        hc->calls.oom = true;
+    ch->reason = finish_name(hc, reason);
+}
+
+/* A stream with tools ends: the last text through the parser and what it held into *b, then
+ * an empty last chunk with the finish reason. */
+static void tools_last(http_choice_t *ch, router_req_t *r, router_finish_t reason, router_oai_buf_t *b)
+{
+    http_client_t *hc = ch->hc;
+    td_status_t st = TD_OK;
+    if (r->out.n_text > hc->fed)
+        st = td_tools_parser_feed(hc->tools, r->out.text + hc->fed, r->out.n_text - hc->fed, stream_tool_event, ch);
+    if (st == TD_OK)
+        st = td_tools_parser_finish(hc->tools, stream_tool_event, ch);
+    router_oai_buf_put(b, hc->pend.p ? hc->pend.p : "", hc->pend.n);
+    hc->pend.n = 0;
+    if (st != TD_OK)
+        b->oom = true;
+    ch->reason = finish_name(hc, reason);
+    router_oai_chunk(b, &ch->rs, ch->first, "", 0, NULL, ch->reason, hc->include_usage);
+}
+
 /* Every choice ended well: the whole answer, or the stream's usage and [DONE]. */
 static void answer_done(http_client_t *hc)
 {
@@ -360,7 +488,14 @@ static void answer_done(http_client_t *hc)
                 router_oai_buf_put(&full, ch->text.p ? ch->text.p : "", ch->text.n);
             }
             router_oai_buf_t *t = hc->echo ? &full : &ch->text;
-            router_oai_response_choice(&b, &ch->rs, i, t->p ? t->p : "", t->n, lps_json(ch, 0, &lpb), ch->reason);
+            if (hc->tools) { /* chat, one choice: its content and calls as the parser read them */
+                router_oai_response_choice(&b, &ch->rs, i, hc->content.p ? hc->content.p : "", hc->content.n,
+                                           hc->calls.n ? hc->calls.p : NULL, NULL, ch->reason);
+                b.oom |= hc->calls.oom || hc->content.oom;
+            } else {
+                router_oai_response_choice(&b, &ch->rs, i, t->p ? t->p : "", t->n, NULL, lps_json(ch, 0, &lpb),
+                                           ch->reason);
+            }
             router_oai_buf_free(&full);
             router_oai_buf_free(&lpb);
         }
@@ -428,8 +563,13 @@ static void http_finish(router_req_t *r, const router_summary_t *sum)
     }
     if (!hc->stream) {
         router_oai_buf_put(&ch->text, r->out.text ? r->out.text : "", r->out.n_text);
+        if (hc->tools)
+            tools_whole(ch, sum->reason);
     } else if (stream_begin(hc) == TD_OK) {
-        choice_chunk(ch, r, ch->reason, &hc->out); /* after any bytes still waiting */
+        if (hc->tools)
+            tools_last(ch, r, sum->reason, &hc->out);
+        else
+            choice_chunk(ch, r, ch->reason, &hc->out); /* after any bytes still waiting */
         ch->first = false;
         ch->echo_pending = false;
         ch->n_lps = 0;
@@ -659,7 +799,17 @@ static void http_generate_parsed(router_state_t *s, td_http_req_t *req, router_o
     hc->n = q.n;
     hc->stream = q.stream;
     hc->include_usage = q.stream && q.include_usage;
-    hc->logprobs = q.logprobs >= 0;
+    /* tool calls are read from the output unless tool_choice is none, or a response_format
+     * constrains it (then it is that format's text) */
+    bool parse_tools = q.tool_choice != ROUTER_OAI_TOOLS_NONE && (q.tool_choice != ROUTER_OAI_TOOLS_AUTO || !q.grammar);
+    if (parse_tools && td_tools_parser_create(s->tool_format, q.parallel_tool_calls ? 0 : 1, (size_t)1 << 20,
+                                              &hc->tools) != TD_OK) {
+        router_oai_error_set(&err, 500, "server_error", NULL, NULL, "router: out of memory");
+        router_count_outcome(s, "exhausted");
+        goto err_respond;
+    }
+    hc->tool_format = s->tool_format;
+    hc->logprobs = q.logprobs >= 0 && !hc->tools; /* with tools, the answer is calls: no logprobs */
     hc->gp = q.gp;
     hc->gp.stop_strings = (const char *const *)hc->stops;
     hc->priority = kt.priority;
@@ -676,7 +826,7 @@ static void http_generate_parsed(router_state_t *s, td_http_req_t *req, router_o
     router_req_spec_t spec = {.gp = q.gp, .prompt_ids = q.prompt_ids, .prompt = q.prompt,
                               .prompt_text_len = q.prompt_len, .messages = q.messages, .n_messages = q.n_messages,
                               .priority = kt.priority, .cache_salt = kt.cache_salt,
-                              .grammar = q.grammar};
+                              .grammar = q.grammar, .tools_json = q.tools_json};
     choice_start(hc, 0, &spec); /* may answer req (refused) */
     return;
 err_respond:
@@ -719,6 +869,8 @@ static void parse_work(uv_work_t *w)
 {
     parse_job_t *j = (parse_job_t *)w;
     j->st = router_oai_parse(j->kind, j->body, j->len, &j->q, &j->err);
+    if (j->st == TD_OK && (j->st = router_oai_tools_prepare(&j->q, j->s->tool_format, &j->err)) != TD_OK)
+        router_oai_req_free(&j->q);
     free(j->body);
     j->body = NULL;
 }
@@ -777,7 +929,10 @@ static void http_generate(router_state_t *s, td_http_req_t *req, router_oai_kind
     size_t len;
     const char *body = td_http_req_body(req, &len);
     if (len <= ROUTER_HTTP_PARSE_INLINE_BYTES) {
-        if (router_oai_parse(kind, body, len, &q, &err) != TD_OK) {
+        td_status_t st = router_oai_parse(kind, body, len, &q, &err);
+        if (st == TD_OK && (st = router_oai_tools_prepare(&q, s->tool_format, &err)) != TD_OK)
+            router_oai_req_free(&q);
+        if (st != TD_OK) {
             router_count_outcome(s, err.status == 500 ? "exhausted" : "invalid");
             respond_error(req, &err);
             return;

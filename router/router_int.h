@@ -19,6 +19,7 @@
 #include "tandem.pb-c.h"
 #include "td_auth.h"
 #include "td_chat_source.h"
+#include "td_tools.h"
 #include "td_gen_params.h"
 #include "td_grpc.h"
 #include "td_hash.h"
@@ -52,6 +53,7 @@ typedef struct router_config {
     int64_t lease_ms;          /* lease and Prefill bound beyond the estimated prefill wait */
     int64_t max_prefill_wait_ms; /* a busy prefill node takes no prompt it would reach later */
     const char *prefill_policy;/* disaggregated | conditional (router_policy.h, rule 5) */
+    const char *tool_call_format; /* auto (from the chat template) | hermes | llama3_json | mistral | none */
     int64_t tpot_objective_ms; /* conditional: longest decode step a local prefill's chunks may make */
     int64_t ttft_objective_ms; /* conditional: local only when remote would pass it (0: when sooner) */
     int64_t xfer_fixed_us;     /* conditional: a KV transfer's fixed cost */
@@ -183,6 +185,8 @@ typedef struct router_req_spec {
     uint64_t cache_salt;         /* router_key_terms_t's */
     int64_t timeout_ms;          /* the client's deadline from now; 0: request-timeout-ms */
     const char *grammar;         /* GBNF the output must follow (checked by td_gram_compile), or NULL */
+    const char *tools_json;      /* with messages: OpenAI's tools array as JSON text for the chat
+                                  * template, or NULL */
 } router_req_spec_t;
 
 struct router_req {
@@ -274,6 +278,7 @@ struct router_state {
     uv_timer_t tick;
     td_tokenizer_t *tok;
     td_chat_template_t *chat;  /* the model's chat template (from --tokenizer), or NULL */
+    td_tools_format_t tool_format; /* how the model writes tool calls (td_tools_detect, or the flag) */
     router_registry_t *reg;
     router_policy_config_t policy;
     uint8_t cache_salt_key[TD_AUTH_SALT_KEY_BYTES]; /* tenants' salts are made under it

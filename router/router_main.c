@@ -228,6 +228,18 @@ static td_status_t init_subsystems(router_state_t *s)
             td_info("router: %s has no chat template: /v1/chat/completions and gRPC conversations are refused; "
                     "/v1/completions and prompts are served", cfg->tokenizer);
     }
+    /* tool calls: in the template's format unless the flag names one */
+    if (strcmp(cfg->tool_call_format, "auto")) {
+        if ((st = td_tools_format_parse(cfg->tool_call_format, &s->tool_format)) != TD_OK)
+            return td_errorf(st, "router: --tool-call-format: %s (or auto)", td_last_error());
+    } else if (s->chat) {
+        size_t len;
+        const char *src = td_chat_template_source(s->chat, &len);
+        s->tool_format = td_tools_detect(src, len);
+    }
+    if (s->chat)
+        td_info("router: tool calls in the %s format%s", td_tools_format_name(s->tool_format),
+                strcmp(cfg->tool_call_format, "auto") ? " (--tool-call-format)" : " (from the chat template)");
     if (!(s->peers = calloc((size_t)cfg->max_nodes, sizeof *s->peers)))
         return td_errorf(TD_ERR_NOMEM, "router: out of memory");
     for (int64_t i = 0; i < cfg->max_nodes; i++)
@@ -387,6 +399,7 @@ int router_main(int argc, char **argv)
     *cfg = (router_config_t){.control_port = 0, .max_active = 1024, .max_queue = 4096, .request_timeout_ms = 300000,
                              .max_backlog_tokens = 4096, .send_queue_bytes = 256 << 10, .default_max_tokens = 256,
                              .lease_ms = 10000, .max_prefill_wait_ms = 5000, .prefill_policy = "disaggregated",
+                             .tool_call_format = "auto",
                              .tpot_objective_ms = 100, .xfer_fixed_us = 2000, .xfer_mb_per_s = 1000,
                              .max_tokenizing = 64, .rpc_timeout_ms = 5000, .heartbeat_ms = 200,
                              .heartbeat_timeout_ms = 1500, .max_nodes = 256, .http_port = -1,
@@ -414,6 +427,9 @@ int router_main(int argc, char **argv)
                    "RESOURCE_EXHAUSTED / 429"),
         TD_OPT_INT("max-prefill-wait-ms", &cfg->max_prefill_wait_ms, 0, 600000,
                    "a prefill node with work queued takes no prompt it would reach later than this (0 = no bound)"),
+        TD_OPT_STRING("tool-call-format", &cfg->tool_call_format,
+                      "how the model writes tool calls: auto (found in its chat template) | hermes (<tool_call>) | "
+                      "llama3_json | mistral ([TOOL_CALLS]) | none; docs/openai.md \"Tools\""),
         TD_OPT_STRING("prefill-policy", &cfg->prefill_policy,
                       "where a decode node's prompts are prefilled: disaggregated (on a prefill node, the default) "
                       "| conditional (per request, on the decode node itself when that is sooner and keeps its "

@@ -292,6 +292,67 @@ static bool read_content(cJSON *m, size_t i, const char **out, router_oai_error_
     return true;
 }
 
+/* v printed as JSON text that lives as long as q (in q->texts): *out. */
+static bool keep_text(router_oai_req_t *q, const cJSON *v, const char **out, router_oai_error_t *err)
+{
+    char *printed = cJSON_PrintUnformatted(v);
+    cJSON *str = printed ? cJSON_CreateString(printed) : NULL;
+    free(printed);
+    if (!q->texts)
+        q->texts = cJSON_CreateArray();
+    if (!str || !q->texts || !cJSON_AddItemToArray(q->texts, str)) {
+        cJSON_Delete(str);
+        router_oai_error_set(err, 500, "server_error", NULL, NULL, "router: out of memory");
+        return false;
+    }
+    *out = str->valuestring;
+    return true;
+}
+
+/* A message's tool-calling members: an assistant's tool_calls (kept as JSON text for the
+ * template), a tool result's tool_call_id and name. */
+static bool read_message_tools(const cJSON *m, size_t i, router_oai_req_t *q, router_oai_error_t *err)
+{
+    char param[64];
+    td_chat_message_t *cm = &q->messages[i];
+    const cJSON *tc = member(m, "tool_calls");
+    snprintf(param, sizeof param, "messages[%zu].tool_calls", i);
+    if (tc && !cJSON_IsArray(tc)) {
+        bad_type(err, param, "an array", tc);
+        return false;
+    }
+    const cJSON *c;
+    size_t k = 0;
+    cJSON_ArrayForEach(c, tc) {
+        const cJSON *fn = cJSON_IsObject(c) ? member(c, "function") : NULL;
+        const cJSON *name = fn && cJSON_IsObject(fn) ? member(fn, "name") : NULL;
+        if (!cJSON_IsString(name)) {
+            snprintf(param, sizeof param, "messages[%zu].tool_calls[%zu].function.name", i, k);
+            router_oai_error_set(err, 400, "invalid_request_error", param, NULL,
+                                 "'%s' is required: a tool call is {\"id\", \"type\": \"function\", "
+                                 "\"function\": {\"name\", \"arguments\"}}", param);
+            return false;
+        }
+        k++;
+    }
+    if (tc && tc->child && !keep_text(q, tc, &cm->tool_calls, err))
+        return false;
+    static const char *const strs[] = {"tool_call_id", "name"};
+    for (size_t f = 0; f < 2; f++) {
+        const cJSON *v = member(m, strs[f]);
+        snprintf(param, sizeof param, "messages[%zu].%s", i, strs[f]);
+        if (v && !cJSON_IsString(v)) {
+            bad_type(err, param, "a string", v);
+            return false;
+        }
+        if (v)
+            *(f ? &cm->name : &cm->tool_call_id) = v->valuestring;
+    }
+    q->gp.prompt_len += (cm->tool_calls ? strlen(cm->tool_calls) : 0) +
+                        (cm->tool_call_id ? strlen(cm->tool_call_id) : 0) + (cm->name ? strlen(cm->name) : 0);
+    return true;
+}
+
 static bool read_messages(const cJSON *o, router_oai_req_t *q, router_oai_error_t *err)
 {
     const cJSON *v = member(o, "messages");
@@ -331,7 +392,7 @@ static bool read_messages(const cJSON *o, router_oai_req_t *q, router_oai_error_
             return false;
         }
         q->messages[i].role = role->valuestring;
-        if (!read_content(m, i, &q->messages[i].content, err))
+        if (!read_content(m, i, &q->messages[i].content, err) || !read_message_tools(m, i, q, err))
             return false;
         q->gp.prompt_len += strlen(q->messages[i].role) + strlen(q->messages[i].content) + TD_GEN_MESSAGE_BYTES;
         i++;
@@ -434,10 +495,13 @@ static bool read_logit_bias(const cJSON *o, td_sampling_t *sp, router_oai_error_
 
 /* Features that change what a request means and are not served: refused by name rather
  * than ignored. */
-static bool refuse_unserved(const cJSON *o, router_oai_error_t *err)
+static bool refuse_unserved(const cJSON *o, bool chat, router_oai_error_t *err)
 {
+    /* tools are read for chat (read_tools); `functions`, OpenAI's older form, is not */
     static const char *const unserved[] = {"tools", "functions", "suffix"};
     for (size_t i = 0; i < TD_ARRAY_LEN(unserved); i++) {
+        if (chat && !strcmp(unserved[i], "tools"))
+            continue;
         const cJSON *v = member(o, unserved[i]);
         if (v && !((cJSON_IsArray(v) || cJSON_IsObject(v)) && !v->child) && !(cJSON_IsString(v) && !v->valuestring[0])) {
             router_oai_error_set(err, 400, "invalid_request_error", unserved[i], "unsupported_parameter",
@@ -640,6 +704,160 @@ static bool read_constraint(const cJSON *o, router_oai_req_t *q, router_oai_erro
     return true;
 }
 
+/* ---- tools ----------------------------------------------------------------------------- */
+
+/* tools, tool_choice and parallel_tool_calls (chat). */
+static bool read_tools(const cJSON *o, router_oai_req_t *q, router_oai_error_t *err)
+{
+    q->parallel_tool_calls = true;
+    if (!get_bool(o, "parallel_tool_calls", &q->parallel_tool_calls, err))
+        return false;
+    const cJSON *tools = member(o, "tools");
+    if (tools && !cJSON_IsArray(tools)) {
+        bad_type(err, "tools", "an array", tools);
+        return false;
+    }
+    size_t n = tools ? (size_t)cJSON_GetArraySize(tools) : 0;
+    if (n && !(q->tools = calloc(n, sizeof *q->tools))) {
+        router_oai_error_set(err, 500, "server_error", NULL, NULL, "router: out of memory");
+        return false;
+    }
+    const cJSON *t;
+    char param[64];
+    cJSON_ArrayForEach(t, tools) {
+        size_t i = q->n_tools;
+        const cJSON *type = cJSON_IsObject(t) ? member(t, "type") : NULL;
+        const cJSON *fn = cJSON_IsObject(t) ? member(t, "function") : NULL;
+        const cJSON *name = cJSON_IsObject(fn) ? member(fn, "name") : NULL;
+        snprintf(param, sizeof param, "tools[%zu]", i);
+        if (!cJSON_IsObject(t) || !cJSON_IsString(type) || strcmp(type->valuestring, "function") ||
+            !cJSON_IsString(name) || !name->valuestring[0]) {
+            router_oai_error_set(err, 400, "invalid_request_error", param, NULL,
+                                 "'%s' must be {\"type\": \"function\", \"function\": {\"name\": ..., "
+                                 "\"description\": ..., \"parameters\": {...}}} with a name", param);
+            return false;
+        }
+        const cJSON *params = member(fn, "parameters");
+        if (params && !cJSON_IsObject(params)) {
+            snprintf(param, sizeof param, "tools[%zu].function.parameters", i);
+            bad_type(err, param, "an object (a JSON Schema)", params);
+            return false;
+        }
+        q->tools[i].name = name->valuestring;
+        if (params && !keep_text(q, params, &q->tools[i].parameters, err))
+            return false;
+        q->n_tools++;
+    }
+    if (n && !keep_text(q, tools, &q->tools_json, err))
+        return false;
+    if (q->tools_json)
+        q->gp.prompt_len += strlen(q->tools_json);
+    /* tool_choice: "none", "auto", "required" or {"type": "function", "function": {"name"}} */
+    const cJSON *tc = member(o, "tool_choice");
+    q->tool_choice = n ? ROUTER_OAI_TOOLS_AUTO : ROUTER_OAI_TOOLS_NONE;
+    if (!tc)
+        return true;
+    if (cJSON_IsString(tc)) {
+        static const char *const names[] = {"none", "auto", "required"};
+        size_t k = 0;
+        while (k < 3 && strcmp(tc->valuestring, names[k]))
+            k++;
+        if (k == 3) {
+            router_oai_error_set(err, 400, "invalid_request_error", "tool_choice", "unsupported_value",
+                                 "'tool_choice' \"%.32s\" is not one of \"none\", \"auto\", \"required\" or "
+                                 "{\"type\": \"function\", \"function\": {\"name\": ...}}",
+                                 tc->valuestring);
+            return false;
+        }
+        q->tool_choice = (router_oai_tool_choice_t)k;
+    } else {
+        const cJSON *fn = cJSON_IsObject(tc) ? member(tc, "function") : NULL;
+        const cJSON *name = cJSON_IsObject(fn) ? member(fn, "name") : NULL;
+        if (!cJSON_IsString(name)) {
+            bad_type(err, "tool_choice", "\"none\", \"auto\", \"required\" or {\"type\": \"function\", "
+                                         "\"function\": {\"name\": ...}}", tc);
+            return false;
+        }
+        size_t k = 0;
+        while (k < q->n_tools && strcmp(q->tools[k].name, name->valuestring))
+            k++;
+        if (k == q->n_tools) {
+            router_oai_error_set(err, 400, "invalid_request_error", "tool_choice.function.name", NULL,
+                                 "'tool_choice.function.name' \"%.64s\" is not one of the tools", name->valuestring);
+            return false;
+        }
+        q->tool_choice = ROUTER_OAI_TOOLS_NAMED;
+        q->tool_choice_name = name->valuestring;
+    }
+    if (q->tool_choice != ROUTER_OAI_TOOLS_NONE && !n) {
+        router_oai_error_set(err, 400, "invalid_request_error", "tool_choice", NULL,
+                             "'tool_choice' asks for a tool call, but the request has no 'tools'");
+        return false;
+    }
+    return true;
+}
+
+td_status_t router_oai_tools_prepare(router_oai_req_t *q, td_tools_format_t fmt, router_oai_error_t *err)
+{
+    if (!q->n_tools || q->tool_choice == ROUTER_OAI_TOOLS_NONE)
+        return TD_OK;
+    if (q->n > 1) { /* each choice's calls would need their own parse and deltas: not built */
+        router_oai_error_set(err, 400, "invalid_request_error", "n", "unsupported_value",
+                             "'n' %d with tools is not served: tool calls are parsed for one choice; send n 1 "
+                             "(or tool_choice \"none\")", (int)q->n);
+        return TD_ERR_INVALID;
+    }
+    if (fmt == TD_TOOLS_NONE) {
+        router_oai_error_set(err, 400, "invalid_request_error", "tools", "unsupported_parameter",
+                             "this model's chat template has no tool-call format that the router knows "
+                             "(hermes <tool_call>, llama3_json, mistral [TOOL_CALLS]); start the router with "
+                             "--tool-call-format, or send tool_choice \"none\"");
+        return TD_ERR_INVALID;
+    }
+    if (q->tool_choice == ROUTER_OAI_TOOLS_AUTO)
+        return TD_OK;
+    if (q->grammar) {
+        router_oai_error_set(err, 400, "invalid_request_error", "tool_choice", "conflicting_parameters",
+                             "'tool_choice' %s constrains the output to tool calls, and '%s' constrains it too: "
+                             "give one of them", q->tool_choice == ROUTER_OAI_TOOLS_NAMED ? "(a function)"
+                             : "\"required\"", q->grammar_param);
+        return TD_ERR_INVALID;
+    }
+    td_tool_t named;
+    const td_tool_t *tools = q->tools;
+    size_t n = q->n_tools, bad = 0;
+    if (q->tool_choice == ROUTER_OAI_TOOLS_NAMED) {
+        for (size_t k = 0; k < q->n_tools; k++)
+            if (!strcmp(q->tools[k].name, q->tool_choice_name)) {
+                named = q->tools[k];
+                bad = k;
+            }
+        tools = &named;
+        n = 1;
+    }
+    size_t named_at = bad;
+    td_status_t st = td_tools_grammar(fmt, tools, n, q->parallel_tool_calls, &q->grammar, &bad);
+    if (st == TD_ERR_NOMEM) {
+        router_oai_error_set(err, 500, "server_error", NULL, NULL, "router: out of memory");
+        return st;
+    }
+    if (st) {
+        char param[64];
+        if (bad < n)
+            snprintf(param, sizeof param, "tools[%zu].function.parameters",
+                     q->tool_choice == ROUTER_OAI_TOOLS_NAMED ? named_at : bad);
+        else
+            snprintf(param, sizeof param, "tools");
+        router_oai_error_set(err, 400, "invalid_request_error", param,
+                             st == TD_ERR_UNSUPPORTED ? "unsupported_value" : "invalid_value", "'%s': %s", param,
+                             td_last_error());
+        return TD_ERR_INVALID;
+    }
+    q->grammar_kind = TD_GRAM_GBNF;
+    snprintf(q->grammar_param, sizeof q->grammar_param, "tool_choice");
+    return TD_OK;
+}
+
 static bool read_logprobs(const cJSON *o, router_oai_req_t *q, router_oai_error_t *err)
 {
     int64_t top = 0;
@@ -705,7 +923,7 @@ td_status_t router_oai_parse(router_oai_kind_t kind, const char *body, size_t le
     if (!get_string(o, "model", &q->model, err) || !get_int(o, "max_tokens", &max_tokens, &mt_given, err) ||
         !get_int(o, "max_completion_tokens", &max_completion_tokens, &mct_given, err) ||
         !read_sampling(o, &q->gp, err) || !read_logit_bias(o, &q->gp.sampling, err) || !read_n(o, q, err) ||
-        !read_stop(o, q, err) || !refuse_unserved(o, err) ||
+        !read_stop(o, q, err) || !refuse_unserved(o, kind == ROUTER_OAI_CHAT, err) ||
         !read_logprobs(o, q, err) || !read_constraint(o, q, err) || !get_bool(o, "stream", &q->stream, err) ||
         !get_string(o, "user", &q->user, err) || !get_bool(o, "ignore_eos", &q->gp.ignore_eos, err))
         goto err_free;
@@ -727,7 +945,7 @@ td_status_t router_oai_parse(router_oai_kind_t kind, const char *body, size_t le
         goto err_free;
     }
     q->gp.max_tokens = mct_given ? max_completion_tokens : mt_given ? max_tokens : 0;
-    if (kind == ROUTER_OAI_CHAT ? !read_messages(o, q, err) : !read_prompt(o, q, err))
+    if (kind == ROUTER_OAI_CHAT ? !read_messages(o, q, err) || !read_tools(o, q, err) : !read_prompt(o, q, err))
         goto err_free;
     return TD_OK;
 err_free:
@@ -740,6 +958,10 @@ void router_oai_req_free(router_oai_req_t *q)
     if (!q)
         return;
     cJSON_Delete(q->doc);
+    cJSON_Delete(q->texts);
+    free(q->tools);
+    q->tools = NULL;
+    q->texts = NULL;
     free(q->prompt_ids);
     free(q->messages);
     free(q->grammar);
@@ -1048,14 +1270,63 @@ void router_oai_response_begin(router_oai_buf_t *b, const router_oai_resp_t *rs)
     router_oai_buf_puts(b, ",\"choices\":[");
 }
 
+void router_oai_tool_call_json(router_oai_buf_t *b, uint32_t index, const char *id, const char *name,
+                               const char *args, size_t len)
+{
+    if (index)
+        router_oai_buf_puts(b, ",");
+    router_oai_buf_puts(b, "{\"id\":");
+    router_oai_buf_json_str(b, id, strlen(id));
+    router_oai_buf_puts(b, ",\"type\":\"function\",\"function\":{\"name\":");
+    router_oai_buf_json_str(b, name, strlen(name));
+    router_oai_buf_puts(b, ",\"arguments\":");
+    router_oai_buf_json_str(b, args, len);
+    router_oai_buf_puts(b, "}}");
+}
+
+void router_oai_tool_call_chunk(router_oai_buf_t *b, const router_oai_resp_t *rs, bool first, uint32_t index,
+                                const char *id, const char *name, const char *args, size_t len, bool usage_null)
+{
+    for (int part = 0; part < 2; part++) {
+        router_oai_buf_puts(b, "data: ");
+        head(b, rs, "chat.completion.chunk");
+        router_oai_buf_puts(b, ",\"choices\":[{\"index\":0,\"delta\":{");
+        if (first && part == 0)
+            router_oai_buf_puts(b, "\"role\":\"assistant\",\"content\":null,");
+        router_oai_buf_printf(b, "\"tool_calls\":[{\"index\":%u,", index);
+        if (part == 0) { /* OpenAI's first delta of a call: id, type, name, empty arguments */
+            router_oai_buf_puts(b, "\"id\":");
+            router_oai_buf_json_str(b, id, strlen(id));
+            router_oai_buf_puts(b, ",\"type\":\"function\",\"function\":{\"name\":");
+            router_oai_buf_json_str(b, name, strlen(name));
+            router_oai_buf_puts(b, ",\"arguments\":\"\"}}]");
+        } else {
+            router_oai_buf_puts(b, "\"function\":{\"arguments\":");
+            router_oai_buf_json_str(b, args, len);
+            router_oai_buf_puts(b, "}}]");
+        }
+        router_oai_buf_puts(b, "},\"logprobs\":null");
+        finish_reason(b, NULL);
+        router_oai_buf_puts(b, usage_null ? "],\"usage\":null}\n\n" : "]}\n\n");
+    }
+}
+
 void router_oai_response_choice(router_oai_buf_t *b, const router_oai_resp_t *rs, int32_t index, const char *text,
-                                size_t len, const char *logprobs, const char *reason)
+                                size_t len, const char *tool_calls, const char *logprobs, const char *reason)
 {
     if (index > 0)
         router_oai_buf_puts(b, ",");
     if (rs->kind == ROUTER_OAI_CHAT) {
         router_oai_buf_printf(b, "{\"index\":%d,\"message\":{\"role\":\"assistant\",\"content\":", index);
-        router_oai_buf_json_str(b, text, len);
+        if (tool_calls && !len)
+            router_oai_buf_puts(b, "null");
+        else
+            router_oai_buf_json_str(b, text, len);
+        if (tool_calls) {
+            router_oai_buf_puts(b, ",\"tool_calls\":[");
+            router_oai_buf_puts(b, tool_calls);
+            router_oai_buf_puts(b, "]");
+        }
         router_oai_buf_puts(b, "},\"logprobs\":");
     } else {
         router_oai_buf_printf(b, "{\"index\":%d,\"text\":", index);
@@ -1076,8 +1347,15 @@ void router_oai_response_end(router_oai_buf_t *b, const router_oai_usage_t *u)
 void router_oai_response(router_oai_buf_t *b, const router_oai_resp_t *rs, const char *text, size_t len,
                          const char *logprobs, const char *reason, const router_oai_usage_t *u)
 {
+    router_oai_response_tools(b, rs, text, len, NULL, logprobs, reason, u);
+}
+
+void router_oai_response_tools(router_oai_buf_t *b, const router_oai_resp_t *rs, const char *text, size_t len,
+                               const char *tool_calls, const char *logprobs, const char *reason,
+                               const router_oai_usage_t *u)
+{
     router_oai_response_begin(b, rs);
-    router_oai_response_choice(b, rs, 0, text, len, logprobs, reason);
+    router_oai_response_choice(b, rs, 0, text, len, tool_calls, logprobs, reason);
     router_oai_response_end(b, u);
 }
 

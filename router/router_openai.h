@@ -26,11 +26,20 @@
 #include "td_gram.h"
 #include "td_sampler.h"
 #include "td_status.h"
+#include "td_tools.h"
 
 #define ROUTER_OAI_MAX_LOGPROBS 20 /* top_logprobs / completions' logprobs at most */
 #define ROUTER_OAI_MAX_N 16        /* choices per request (n) at most: each is a sequence on a decode node */
 
 typedef enum { ROUTER_OAI_COMPLETIONS, ROUTER_OAI_CHAT } router_oai_kind_t;
+
+/* What tool_choice asks (docs/openai.md "Tools"). */
+typedef enum {
+    ROUTER_OAI_TOOLS_NONE,     /* no tools, or "none": the output is text, never parsed */
+    ROUTER_OAI_TOOLS_AUTO,     /* free generation, parsed into calls */
+    ROUTER_OAI_TOOLS_REQUIRED, /* a grammar makes the output calls of the tools */
+    ROUTER_OAI_TOOLS_NAMED,    /* a grammar makes the output a call of tool_choice_name */
+} router_oai_tool_choice_t;
 
 /* An error as OpenAI shapes it: {"error": {"message", "type", "param", "code"}}. */
 typedef struct router_oai_error {
@@ -62,6 +71,15 @@ typedef struct router_oai_req {
     char *grammar;                    /* malloc'ed GBNF text, checked by td_gram_compile */
     td_gram_kind_t grammar_kind;      /* what the client sent */
     char grammar_param[64];           /* the field that carried it, for errors */
+    /* Tools (chat): the array for the template, each tool's name and parameters, and what
+     * tool_choice and parallel_tool_calls ask. */
+    const char *tools_json;           /* the tools array as JSON text (in texts), or NULL */
+    td_tool_t *tools;                 /* [n_tools] (malloc'ed; strings in doc or texts) */
+    size_t n_tools;
+    router_oai_tool_choice_t tool_choice;
+    const char *tool_choice_name;     /* ROUTER_OAI_TOOLS_NAMED: the function's name */
+    bool parallel_tool_calls;         /* false: at most one call */
+    cJSON *texts;                     /* strings made while reading (JSON texts), owned */
 } router_oai_req_t;
 
 /*
@@ -74,6 +92,16 @@ typedef struct router_oai_req {
  */
 td_status_t router_oai_parse(router_oai_kind_t kind, const char *body, size_t len, router_oai_req_t *q,
                              router_oai_error_t *err);
+
+/*
+ * For a chat request with tools, checks them against the model's tool-call format `fmt`
+ * (the router's, from its chat template or --tool-call-format) and, for tool_choice required
+ * or a named function, puts the grammar of such calls in q->grammar. TD_OK (also without
+ * tools), or TD_ERR_INVALID with *err (400): tools for a model without a format, a
+ * parameters schema td_gram refuses (param tools[i].function.parameters, the keyword named),
+ * a forced call with another output constraint (conflicting_parameters); TD_ERR_NOMEM.
+ */
+td_status_t router_oai_tools_prepare(router_oai_req_t *q, td_tools_format_t fmt, router_oai_error_t *err);
 
 /* Frees what q holds. NULL-safe, repeatable. */
 void router_oai_req_free(router_oai_req_t *q);
@@ -142,6 +170,16 @@ size_t router_oai_logprobs(router_oai_buf_t *b, router_oai_kind_t kind, const td
 void router_oai_chunk(router_oai_buf_t *b, const router_oai_resp_t *rs, bool first, const char *text, size_t len,
                       const char *logprobs, const char *finish_reason, bool usage_null);
 
+/* A streamed tool call: two SSE events, the call's index, id, type and function name (with
+ * role "assistant" when `first`), then its arguments text args[0..len). */
+void router_oai_tool_call_chunk(router_oai_buf_t *b, const router_oai_resp_t *rs, bool first, uint32_t index,
+                                const char *id, const char *name, const char *args, size_t len, bool usage_null);
+
+/* One tool call of a whole answer's message.tool_calls array: {"id", "type", "function":
+ * {"name", "arguments"}} appended to b (a "," first unless it is index 0). */
+void router_oai_tool_call_json(router_oai_buf_t *b, uint32_t index, const char *id, const char *name,
+                               const char *args, size_t len);
+
 /* The last chunk when usage was asked: "choices": [] and the usage. */
 void router_oai_usage_chunk(router_oai_buf_t *b, const router_oai_resp_t *rs, const router_oai_usage_t *u);
 
@@ -155,11 +193,18 @@ void router_oai_response(router_oai_buf_t *b, const router_oai_resp_t *rs, const
 
 /* A whole response of several choices (n > 1): begin (the head and "choices": [), then one
  * choice each, indexes 0, 1, ... in order (as router_oai_response's choice, with that
- * index), then end (the usage of them all). router_oai_response is these three for one. */
+ * index; tool_calls as router_oai_response_tools', NULL for none), then end (the usage of
+ * them all). router_oai_response is these three for one. */
 void router_oai_response_begin(router_oai_buf_t *b, const router_oai_resp_t *rs);
 void router_oai_response_choice(router_oai_buf_t *b, const router_oai_resp_t *rs, int32_t index, const char *text,
-                                size_t len, const char *logprobs, const char *reason);
+                                size_t len, const char *tool_calls, const char *logprobs, const char *reason);
 void router_oai_response_end(router_oai_buf_t *b, const router_oai_usage_t *u);
+
+/* router_oai_response for chat with message.tool_calls: tool_calls the items written by
+ * router_oai_tool_call_json (without brackets); the content null when it is empty. */
+void router_oai_response_tools(router_oai_buf_t *b, const router_oai_resp_t *rs, const char *text, size_t len,
+                               const char *tool_calls, const char *logprobs, const char *finish_reason,
+                               const router_oai_usage_t *u);
 
 /* {"error": {...}} */
 void router_oai_error_json(router_oai_buf_t *b, const router_oai_error_t *err);

@@ -96,6 +96,7 @@ struct tok_job {
     const td_chat_template_t *chat; /* with messages: renders them into the text first */
     td_chat_message_t *messages;    /* [n_messages], strings in the same allocation */
     size_t n_messages;
+    char *tools;                    /* the tools array as JSON text for the template, or NULL */
     char *text;
     size_t len;
     int32_t *ids;
@@ -110,7 +111,8 @@ static void tok_work(uv_work_t *w)
     if (j->n_messages) {
         free(j->text);
         j->text = NULL;
-        j->st = td_chat_render_messages(j->chat, j->tok, j->messages, j->n_messages, &j->text, &j->len);
+        j->st = td_chat_render_messages(j->chat, j->tok, j->messages, j->n_messages, j->tools, &j->text,
+                                        &j->len);
         if (j->st == TD_OK)
             j->st = td_chat_encode(j->tok, j->text, j->len, td_tokenizer_add_bos(j->tok), &j->ids, &j->n);
     } else {
@@ -131,6 +133,7 @@ static void tok_done(uv_work_t *w, int status)
     j->s->n_tokenizing--;
     free(j->text);
     free(j->messages);
+    free(j->tools);
     if (!r) {
         free(j->ids);
         free(j);
@@ -162,17 +165,27 @@ static void tok_done(uv_work_t *w, int status)
 static td_chat_message_t *messages_copy(const td_chat_message_t *m, size_t n)
 {
     size_t bytes = n * sizeof(td_chat_message_t);
-    for (size_t i = 0; i < n; i++)
-        bytes += strlen(m[i].role) + strlen(m[i].content) + 2;
+    for (size_t i = 0; i < n; i++) {
+        const char *f[] = {m[i].role, m[i].content, m[i].tool_calls, m[i].tool_call_id, m[i].name};
+        for (size_t k = 0; k < TD_ARRAY_LEN(f); k++)
+            bytes += f[k] ? strlen(f[k]) + 1 : 0;
+    }
     td_chat_message_t *out = malloc(bytes);
     if (!out)
         return NULL;
     char *p = (char *)(out + n);
     for (size_t i = 0; i < n; i++) {
-        size_t lr = strlen(m[i].role) + 1, lc = strlen(m[i].content) + 1;
-        out[i].role = memcpy(p, m[i].role, lr);
-        out[i].content = memcpy(p + lr, m[i].content, lc);
-        p += lr + lc;
+        const char *f[] = {m[i].role, m[i].content, m[i].tool_calls, m[i].tool_call_id, m[i].name};
+        const char **to[] = {&out[i].role, &out[i].content, &out[i].tool_calls, &out[i].tool_call_id,
+                             &out[i].name};
+        for (size_t k = 0; k < TD_ARRAY_LEN(f); k++) {
+            *to[k] = NULL;
+            if (!f[k])
+                continue;
+            size_t l = strlen(f[k]) + 1;
+            *to[k] = memcpy(p, f[k], l);
+            p += l;
+        }
     }
     return out;
 }
@@ -187,16 +200,19 @@ static td_chat_message_t *messages_copy(const td_chat_message_t *m, size_t n)
  * run on the loop. Errors (r untouched): TD_ERR_EXHAUSTED (max-tokenizing jobs already on
  * the pool), TD_ERR_NOMEM. */
 static td_status_t tok_start(router_req_t *r, const char *text, size_t len,
-                             const td_chat_message_t *messages, size_t n_messages, bool now)
+                             const td_chat_message_t *messages, size_t n_messages, const char *tools, bool now)
 {
     router_state_t *s = r->s;
     if (!now && s->n_tokenizing >= s->cfg.max_tokenizing)
         return td_errorf_quiet(TD_ERR_EXHAUSTED, "router: %d text prompts are being tokenized (max-tokenizing); "
                                "retry later", s->n_tokenizing);
     tok_job_t *j = calloc(1, sizeof *j);
-    if (!j || !(j->text = malloc(len ? len : 1)) || (n_messages && !(j->messages = messages_copy(messages, n_messages)))) {
-        if (j)
+    if (!j || !(j->text = malloc(len ? len : 1)) || (n_messages && !(j->messages = messages_copy(messages, n_messages))) ||
+        (tools && n_messages && !(j->tools = strdup(tools)))) {
+        if (j) {
             free(j->text);
+            free(j->messages);
+        }
         free(j);
         return td_errorf_quiet(TD_ERR_NOMEM, "router: out of memory");
     }
@@ -211,6 +227,7 @@ static td_status_t tok_start(router_req_t *r, const char *text, size_t len,
     if (!now && uv_queue_work(&s->proc.loop, &j->work, tok_work, tok_done) != 0) {
         free(j->text);
         free(j->messages);
+        free(j->tools);
         free(j);
         return td_errorf_quiet(TD_ERR_NOMEM, "router: cannot queue the prompt's tokenization");
     }
@@ -820,7 +837,7 @@ void router_req_submit(router_req_t *r, const router_req_spec_t *spec)
     }
     bool now = (spec->n_messages ? spec->gp.prompt_len : spec->prompt_text_len) <= ROUTER_TOKENIZE_INLINE_BYTES;
     if (tok_start(r, spec->prompt, spec->n_messages ? 0 : spec->prompt_text_len, spec->messages,
-                  spec->n_messages, now) != TD_OK) {
+                  spec->n_messages, spec->tools_json, now) != TD_OK) {
         snprintf(why, sizeof why, "%s", td_last_error());
         router_req_fail(r, TD_GRPC_RESOURCE_EXHAUSTED, why, "exhausted");
         return;

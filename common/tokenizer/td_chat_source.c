@@ -164,10 +164,11 @@ td_status_t td_chat_template_for_model(const char *model_path, const char *token
 }
 
 td_status_t td_chat_render_messages(const td_chat_template_t *t, const td_tokenizer_t *tok,
-                                    const td_chat_message_t *messages, size_t n, char **text_p,
-                                    size_t *len_p)
+                                    const td_chat_message_t *messages, size_t n, const char *tools,
+                                    char **text_p, size_t *len_p)
 {
     td_chat_render_t r = td_chat_render_default();
+    r.tools = tools;
     r.messages = messages;
     r.n_messages = n;
     r.add_generation_prompt = true;

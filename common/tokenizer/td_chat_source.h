@@ -48,13 +48,14 @@ td_status_t td_chat_template_for_model(const char *model_path, const char *token
 
 /*
  * Renders messages[0..n) with t for `tok` (bos_token / eos_token its pieces, undefined where
- * it has none) and add_generation_prompt true, into a malloc'd NUL-terminated *text_p (caller
- * frees) of *len_p bytes (len_p may be NULL). Errors, logged: those of
- * td_chat_template_render (a template's raise_exception message is passed on).
+ * it has none), `tools` (OpenAI's tools array as JSON text, or NULL: undefined) and
+ * add_generation_prompt true, into a malloc'd NUL-terminated *text_p (caller frees) of
+ * *len_p bytes (len_p may be NULL). Errors, logged: those of td_chat_template_render (a
+ * template's raise_exception message is passed on).
  */
 td_status_t td_chat_render_messages(const td_chat_template_t *t, const td_tokenizer_t *tok,
-                                    const td_chat_message_t *messages, size_t n, char **text_p,
-                                    size_t *len_p);
+                                    const td_chat_message_t *messages, size_t n, const char *tools,
+                                    char **text_p, size_t *len_p);
 
 /*
  * Encodes a rendered conversation text[0..len): special tokens in the text become their ids;

@@ -86,6 +86,13 @@ err_template:
     return st;
 }
 
+const char *td_chat_template_source(const td_chat_template_t *t, size_t *len_p)
+{
+    if (len_p)
+        *len_p = t->len;
+    return t->src;
+}
+
 void td_chat_template_destroy(td_chat_template_t *t)
 {
     if (!t)

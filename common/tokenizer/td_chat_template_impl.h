@@ -87,15 +87,17 @@ typedef enum node_kind {
     N_TEXT,   /* s */
     N_OUTPUT, /* a */
     N_IF,     /* a: condition, body, orelse */
-    N_FOR,    /* s: variable, a: iterable, body, orelse */
-    N_SET,    /* s: variable, a: value */
+    N_FOR,    /* s (and s2 when unpacking two): variables, a: iterable, b: filter or NULL,
+               * body, orelse */
+    N_SET,    /* s: variable (s2: its attribute when setting a namespace's), a: value */
     /* expressions */
     E_LIT,    /* v */
     E_NAME,   /* s */
     E_ATTR,   /* a.s */
     E_INDEX,  /* a[b] */
-    E_SLICE,  /* a[b:c], b and c may be NULL */
-    E_CALL,   /* s(args) */
+    E_SLICE,  /* a[b:c:d], b, c and d may be NULL */
+    E_CALL,   /* s(args): raise_exception, range, namespace (keyword arguments) */
+    E_METHOD, /* a.s(args): a string's or a mapping's method */
     E_FILTER, /* a | s(args) */
     E_TEST,   /* a is [not] s */
     E_NOT,    /* not a */
@@ -107,7 +109,20 @@ typedef enum node_kind {
     E_LIST, /* [args] */
 } node_kind_t;
 
-typedef enum vtype { V_UNDEF, V_NONE, V_BOOL, V_INT, V_STR, V_LIST, V_DICT, V_LOOP } vtype_t;
+/* V_FLOAT only comes from JSON data (tools, tool calls); V_NS is namespace(), the one
+ * mutable value (its dict's values change with {% set ns.x = ... %}). */
+typedef enum vtype {
+    V_UNDEF,
+    V_NONE,
+    V_BOOL,
+    V_INT,
+    V_STR,
+    V_LIST,
+    V_DICT,
+    V_LOOP,
+    V_FLOAT,
+    V_NS
+} vtype_t;
 
 typedef struct val val_t;
 typedef struct list list_t;
@@ -119,6 +134,7 @@ struct val {
     union {
         bool b;
         int64_t i;
+        double f;
         struct {
             const char *p;
             size_t n;
@@ -126,6 +142,7 @@ struct val {
         const list_t *l;
         const dict_t *d;
         const loopv_t *loop;
+        dict_t *ns;
     } u;
 };
 
@@ -136,8 +153,9 @@ struct list {
 
 struct dict {
     size_t n;
-    const char **keys;
+    const char **keys; /* NUL-terminated; insertion order, as Python's dicts */
     val_t *v;
+    size_t cap;        /* V_NS: room in keys and v */
 };
 
 struct loopv {
@@ -150,11 +168,14 @@ struct node {
     size_t pos;
     const char *s;
     size_t sn;
+    const char *s2; /* N_FOR: the second variable; N_SET: the attribute */
+    size_t s2n;
     bool negate; /* E_TEST: "is not" */
-    node_t *a, *b, *c;
+    node_t *a, *b, *c, *d;
     node_t *body, *orelse; /* statement lists */
     node_t *next;          /* next statement in a list */
     node_t **args;
+    const char **kw; /* [nargs]: a keyword argument's name (NUL-terminated), NULL if positional */
     size_t nargs;
     val_t v;
 };

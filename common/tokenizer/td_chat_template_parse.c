@@ -104,16 +104,33 @@ static td_status_t enter(parser_t *p)
 
 static td_status_t parse_expr(parser_t *p, node_t **out);
 
-static td_status_t parse_args(parser_t *p, const char *close, node_t *n)
+/* Arguments up to `close`; with `kwargs`, `name=expr` arguments too (n->kw names them). */
+static td_status_t parse_args(parser_t *p, const char *close, node_t *n, bool kwargs)
 {
     node_t *items[64];
+    const char *kw[64];
     size_t k = 0;
+    bool any_kw = false;
     while (!is_op(cur(p), close)) {
         if (k == 64)
             return td_chat_fail(p->e, TD_ERR_RANGE, cur(p)->pos, "more than 64 items");
-        if (cur(p)->kind == T_NAME && is_op(&p->t[p->i + 1], "="))
-            return td_chat_fail(p->e, TD_ERR_UNSUPPORTED, cur(p)->pos,
-                                "keyword arguments are not supported");
+        kw[k] = NULL;
+        if (cur(p)->kind == T_NAME && is_op(&p->t[p->i + 1], "=")) {
+            if (!kwargs)
+                return td_chat_fail(p->e, TD_ERR_UNSUPPORTED, cur(p)->pos,
+                                    "keyword arguments are not supported here");
+            char *name = td_arena_alloc(p->a, cur(p)->n + 1);
+            if (!name)
+                return TD_ERR_NOMEM;
+            memcpy(name, cur(p)->s, cur(p)->n);
+            name[cur(p)->n] = '\0';
+            kw[k] = name;
+            any_kw = true;
+            p->i += 2;
+        } else if (any_kw) {
+            return td_chat_fail(p->e, TD_ERR_FORMAT, cur(p)->pos,
+                                "a positional argument after a keyword argument");
+        }
         TRY(parse_expr(p, &items[k++]));
         if (!is_op(cur(p), ","))
             break;
@@ -122,9 +139,23 @@ static td_status_t parse_args(parser_t *p, const char *close, node_t *n)
     TRY(expect_op(p, close));
     n->nargs = k;
     n->args = td_arena_alloc(p->a, (k ? k : 1) * sizeof *n->args);
-    if (!n->args)
+    n->kw = td_arena_alloc(p->a, (k ? k : 1) * sizeof *n->kw);
+    if (!n->args || !n->kw)
         return TD_ERR_NOMEM;
     memcpy(n->args, items, k * sizeof *items);
+    memcpy(n->kw, kw, k * sizeof *kw);
+    return TD_OK;
+}
+
+/* Checks a call's argument count: [lo, hi] positional ones, keyword ones only when `kwargs`. */
+static td_status_t check_nargs(parser_t *p, const node_t *n, size_t lo, size_t hi, size_t pos)
+{
+    size_t k = 0;
+    while (k < n->nargs && !n->kw[k])
+        k++;
+    if (k < lo || k > hi)
+        return td_chat_fail(p->e, TD_ERR_FORMAT, pos, "'%.*s' takes %zu to %zu arguments, not %zu",
+                            (int)n->sn, n->s, lo, hi, k);
     return TD_OK;
 }
 
@@ -162,17 +193,16 @@ static td_status_t parse_primary(parser_t *p, node_t **out)
             NEW(n, E_LIT, t->pos);
             n->v = (val_t){.t = V_NONE};
         } else if (is_op(cur(p), "(")) {
-            if (!is_name(t, "raise_exception") && !is_name(t, "range"))
+            bool ns = is_name(t, "namespace");
+            if (!is_name(t, "raise_exception") && !is_name(t, "range") && !ns)
                 return td_chat_fail(p->e, TD_ERR_UNSUPPORTED, t->pos,
                                     "function '%.*s' is not supported", (int)t->n, t->s);
             NEW(n, E_CALL, t->pos);
             n->s = t->s;
             n->sn = t->n;
             p->i++;
-            TRY(parse_args(p, ")", n));
-            if (n->nargs != 1)
-                return td_chat_fail(p->e, TD_ERR_FORMAT, t->pos, "%.*s takes one argument",
-                                    (int)t->n, t->s);
+            TRY(parse_args(p, ")", n, ns));
+            TRY(check_nargs(p, n, ns ? 0 : 1, ns ? 0 : 1, t->pos));
         } else {
             NEW(n, E_NAME, t->pos);
             n->s = t->s;
@@ -187,7 +217,7 @@ static td_status_t parse_primary(parser_t *p, node_t **out)
     } else if (is_op(t, "[")) {
         NEW(n, E_LIST, t->pos);
         p->i++;
-        TRY(parse_args(p, "]", n));
+        TRY(parse_args(p, "]", n, false));
     } else if (is_op(t, "{")) {
         return td_chat_fail(p->e, TD_ERR_UNSUPPORTED, t->pos, "dict literals are not supported");
     } else {
@@ -206,9 +236,32 @@ static td_status_t parse_postfix(parser_t *p, node_t **io)
             p->i++;
             if (cur(p)->kind != T_NAME)
                 return expected(p, "an attribute name after '.'");
-            if (is_op(&p->t[p->i + 1], "("))
-                return td_chat_fail(p->e, TD_ERR_UNSUPPORTED, cur(p)->pos,
-                                    "method '%.*s' is not supported", (int)cur(p)->n, cur(p)->s);
+            if (is_op(&p->t[p->i + 1], "(")) {
+                /* a method: [min, max] positional arguments */
+                static const struct {
+                    const char *name;
+                    size_t lo, hi;
+                } METHODS[] = {{"startswith", 1, 1}, {"endswith", 1, 1}, {"split", 0, 1},
+                               {"strip", 0, 1},      {"lstrip", 0, 1},   {"rstrip", 0, 1},
+                               {"upper", 0, 0},      {"lower", 0, 0},    {"items", 0, 0},
+                               {"keys", 0, 0},       {"values", 0, 0},   {"get", 1, 2}};
+                const tok_t *m = cur(p);
+                size_t k = 0;
+                while (k < sizeof METHODS / sizeof METHODS[0] && !is_name(m, METHODS[k].name))
+                    k++;
+                if (k == sizeof METHODS / sizeof METHODS[0])
+                    return td_chat_fail(p->e, TD_ERR_UNSUPPORTED, m->pos,
+                                        "method '%.*s' is not supported", (int)m->n, m->s);
+                NEW(n, E_METHOD, m->pos);
+                n->a = *io;
+                n->s = m->s;
+                n->sn = m->n;
+                p->i += 2;
+                TRY(parse_args(p, ")", n, false));
+                TRY(check_nargs(p, n, METHODS[k].lo, METHODS[k].hi, m->pos));
+                *io = n;
+                continue;
+            }
             NEW(n, E_ATTR, t->pos);
             n->a = *io;
             n->s = cur(p)->s;
@@ -223,11 +276,13 @@ static td_status_t parse_postfix(parser_t *p, node_t **io)
             if (is_op(cur(p), ":")) {
                 n->kind = E_SLICE;
                 p->i++;
-                if (!is_op(cur(p), "]"))
+                if (!is_op(cur(p), "]") && !is_op(cur(p), ":"))
                     TRY(parse_expr(p, &n->c));
-                if (is_op(cur(p), ":"))
-                    return td_chat_fail(p->e, TD_ERR_UNSUPPORTED, cur(p)->pos,
-                                        "slice steps are not supported");
+                if (is_op(cur(p), ":")) {
+                    p->i++;
+                    if (!is_op(cur(p), "]"))
+                        TRY(parse_expr(p, &n->d));
+                }
             }
             TRY(expect_op(p, "]"));
         } else if (is_op(t, "(")) {
@@ -252,12 +307,20 @@ static td_status_t parse_filters(parser_t *p, node_t **io)
             if (cur(p)->kind != T_NAME)
                 return expected(p, "a filter name after '|'");
             const tok_t *f = cur(p);
-            static const char *const FILTERS[] = {"trim",  "length",  "count", "upper",
-                                                  "lower", "default", "d",     "string"};
-            bool known = false;
-            for (size_t k = 0; k < sizeof FILTERS / sizeof FILTERS[0]; k++)
-                known |= is_name(f, FILTERS[k]);
-            if (!known)
+            /* [lo, hi] positional arguments; tojson alone takes keyword ones (indent) */
+            static const struct {
+                const char *name;
+                size_t lo, hi;
+            } FILTERS[] = {{"trim", 0, 0},       {"length", 0, 0},    {"count", 0, 0},
+                           {"upper", 0, 0},      {"lower", 0, 0},     {"default", 0, 1},
+                           {"d", 0, 1},          {"string", 0, 0},    {"tojson", 0, 0},
+                           {"items", 0, 0},      {"list", 0, 0},      {"join", 0, 1},
+                           {"first", 0, 0},      {"last", 0, 0},      {"selectattr", 1, 3},
+                           {"rejectattr", 1, 3}, {"select", 1, 2},    {"reject", 1, 2}};
+            size_t k = 0;
+            while (k < sizeof FILTERS / sizeof FILTERS[0] && !is_name(f, FILTERS[k].name))
+                k++;
+            if (k == sizeof FILTERS / sizeof FILTERS[0])
                 return td_chat_fail(p->e, TD_ERR_UNSUPPORTED, f->pos,
                                     "filter '%.*s' is not supported", (int)f->n, f->s);
             NEW(n, E_FILTER, f->pos);
@@ -265,13 +328,12 @@ static td_status_t parse_filters(parser_t *p, node_t **io)
             n->s = f->s;
             n->sn = f->n;
             p->i++;
+            n->kw = NULL;
             if (is_op(cur(p), "(")) {
                 p->i++;
-                TRY(parse_args(p, ")", n));
+                TRY(parse_args(p, ")", n, is_name(f, "tojson")));
             }
-            if (n->nargs > ((n->s[0] == 'd') ? 1u : 0u))
-                return td_chat_fail(p->e, TD_ERR_FORMAT, f->pos, "too many arguments to '%.*s'",
-                                    (int)f->n, f->s);
+            TRY(check_nargs(p, n, FILTERS[k].lo, FILTERS[k].hi, f->pos));
         } else if (is_name(t, "is")) {
             p->i++;
             NEW(n, E_TEST, t->pos);
@@ -505,16 +567,28 @@ static td_status_t parse_stmt(parser_t *p, node_t **out)
         n->s = cur(p)->s;
         n->sn = cur(p)->n;
         p->i++;
-        if (is_op(cur(p), ","))
-            return td_chat_fail(p->e, TD_ERR_UNSUPPORTED, cur(p)->pos,
-                                "unpacking several loop variables is not supported");
+        if (is_op(cur(p), ",")) { /* for key, value in pairs */
+            p->i++;
+            if (cur(p)->kind != T_NAME)
+                return expected(p, "a second loop variable name");
+            n->s2 = cur(p)->s;
+            n->s2n = cur(p)->n;
+            p->i++;
+            if (is_op(cur(p), ","))
+                return td_chat_fail(p->e, TD_ERR_UNSUPPORTED, cur(p)->pos,
+                                    "unpacking more than two loop variables is not supported");
+        }
         if (!is_name(cur(p), "in"))
             return expected(p, "'in'");
         p->i++;
         TRY(parse_logic(p, &n->a, true)); /* jinja2: no conditional expression here */
-        if (is_name(cur(p), "if") || is_name(cur(p), "recursive"))
+        if (is_name(cur(p), "if")) { /* a loop filter: loop.* counts the kept items */
+            p->i++;
+            TRY(parse_logic(p, &n->b, true));
+        }
+        if (is_name(cur(p), "recursive"))
             return td_chat_fail(p->e, TD_ERR_UNSUPPORTED, cur(p)->pos,
-                                "loop filters and recursive loops are not supported");
+                                "recursive loops are not supported");
         TRY(expect_block_end(p));
         static const char *const ends[] = {"else", "endfor", NULL};
         TRY(parse_body(p, &n->body, ends, "for"));
@@ -533,10 +607,17 @@ static td_status_t parse_stmt(parser_t *p, node_t **out)
         n->s = cur(p)->s;
         n->sn = cur(p)->n;
         p->i++;
+        if (is_op(cur(p), ".") && p->t[p->i + 1].kind == T_NAME) { /* set ns.attr = ... */
+            n->s2 = p->t[p->i + 1].s;
+            n->s2n = p->t[p->i + 1].n;
+            p->i += 2;
+        }
         if (!is_op(cur(p), "="))
             return is_op(cur(p), ".") || is_op(cur(p), ",") || cur(p)->kind == T_BLOCK_END
                        ? td_chat_fail(p->e, TD_ERR_UNSUPPORTED, cur(p)->pos,
-                                      "only '{%% set name = expression %%}' is supported")
+                                      "only '{%% set name = expression %%}' and "
+                                      "'{%% set namespace.attribute = expression %%}' are "
+                                      "supported")
                        : expected(p, "'='");
         p->i++;
         TRY(parse_expr(p, &n->a));

@@ -17,7 +17,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     td_chat_template_t *t = NULL;
     char err[256];
     if (td_chat_template_create((const char *)data, src_len, &t, err, sizeof err) == TD_OK) {
-        td_chat_message_t msgs[] = {{"system", "Be brief."}, {"user", user}, {"assistant", "Hello."}};
+        td_chat_message_t msgs[] = {{.role = "system", .content = "Be brief."}, {.role = "user", .content = user}, {.role = "assistant", .content = "Hello."}};
         td_chat_render_t r = td_chat_render_default();
         r.messages = msgs;
         r.n_messages = 3;

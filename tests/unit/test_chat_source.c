@@ -57,10 +57,10 @@ static td_tokenizer_t *load_tok(const char *rel)
 static int32_t *chat_ids(const td_chat_template_t *t, const td_tokenizer_t *tok, bool system, size_t *n_p,
                          char **text_p)
 {
-    td_chat_message_t m[2] = {{"system", "You are terse."}, {"user", "Hi there"}};
+    td_chat_message_t m[2] = {{.role = "system", .content = "You are terse."}, {.role = "user", .content = "Hi there"}};
     char *text;
     size_t len;
-    cr_assert_eq(td_chat_render_messages(t, tok, system ? m : m + 1, system ? 2 : 1, &text, &len), TD_OK, "%s",
+    cr_assert_eq(td_chat_render_messages(t, tok, system ? m : m + 1, system ? 2 : 1, NULL, &text, &len), TD_OK, "%s",
                  td_last_error());
     int32_t *ids;
     cr_assert_eq(td_chat_encode(tok, text, len, td_tokenizer_add_bos(tok), &ids, n_p), TD_OK);

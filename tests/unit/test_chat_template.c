@@ -30,17 +30,26 @@ static void check_fixture(const char *name)
         cJSON *row = cJSON_Parse(line);
         cr_assert(row);
         cJSON *msgs = cJSON_GetObjectItem(row, "messages");
-        td_chat_message_t m[16];
+        td_chat_message_t m[32];
+        char *calls[32] = {0};
         size_t n = 0;
         cJSON *it;
         cJSON_ArrayForEach(it, msgs)
         {
-            cr_assert(n < 16);
-            m[n].role = cJSON_GetObjectItem(it, "role")->valuestring;
-            m[n].content = cJSON_GetObjectItem(it, "content")->valuestring;
+            cr_assert(n < 32);
+            m[n] = (td_chat_message_t){
+                .role = cJSON_GetObjectItem(it, "role")->valuestring,
+                .content = cJSON_GetObjectItem(it, "content")->valuestring,
+                .tool_call_id = cJSON_GetStringValue(cJSON_GetObjectItem(it, "tool_call_id")),
+                .name = cJSON_GetStringValue(cJSON_GetObjectItem(it, "name"))};
+            /* tool_calls as a client sends them: arguments are JSON text */
+            cJSON *tc = cJSON_GetObjectItem(it, "tool_calls");
+            if (tc)
+                m[n].tool_calls = calls[n] = cJSON_PrintUnformatted(tc);
             n++;
         }
         td_chat_render_t r = td_chat_render_default();
+        r.tools = cJSON_GetStringValue(cJSON_GetObjectItem(row, "tools_json"));
         r.messages = m;
         r.n_messages = n;
         r.bos_token = cJSON_GetStringValue(cJSON_GetObjectItem(row, "bos_token"));
@@ -66,6 +75,8 @@ static void check_fixture(const char *name)
                           want_err);
         }
         free(out);
+        for (size_t i = 0; i < n; i++)
+            free(calls[i]);
         cJSON_Delete(row);
     }
     cr_assert_eq(n_rows, 20, "%s: %d rows", name, n_rows);
@@ -78,6 +89,10 @@ Test(chat_template, smollm2_matches_jinja2) { check_fixture("smollm2"); }
 Test(chat_template, qwen2_matches_jinja2) { check_fixture("qwen2"); }
 Test(chat_template, llama3_matches_jinja2) { check_fixture("llama3"); }
 Test(chat_template, mistral_matches_jinja2) { check_fixture("mistral"); }
+/* templates with tool calling: tools, assistant tool_calls, tool results */
+Test(chat_template, qwen3_tools_match_jinja2) { check_fixture("qwen3"); }
+Test(chat_template, llama31_tools_match_jinja2) { check_fixture("llama31"); }
+Test(chat_template, mistral3_tools_match_jinja2) { check_fixture("mistral3"); }
 
 /* A template that fails to compile: the status, and the message names what was wrong. */
 static void refuse(const char *src, td_status_t want, const char *needle)
@@ -136,7 +151,7 @@ static void render_fails(const char *src, td_status_t want, const char *needle)
     td_chat_template_t *t = NULL;
     cr_assert_eq(td_chat_template_create(src, strlen(src), &t, err, sizeof err), TD_OK, "%s", err);
     td_chat_render_t r = td_chat_render_default();
-    td_chat_message_t m = {"user", "hi"};
+    td_chat_message_t m = {.role = "user", .content = "hi"};
     r.messages = &m;
     r.n_messages = 1;
     char *out = (char *)0x1;

@@ -140,8 +140,9 @@ Test(router_openai, chat_messages)
     cr_assert_str_eq(q.messages[0].role, "system");
     cr_assert_str_eq(q.messages[1].content, "Hi there");
     cr_assert(q.gp.prompt_is_text);
-    /* roles, contents and TD_GEN_MESSAGE_BYTES a message: empty messages count too */
-    cr_assert_eq(q.gp.prompt_len, strlen("systemBe brief.userHi there") + 2 * TD_GEN_MESSAGE_BYTES);
+    cr_assert_str_eq(q.messages[1].name, "bob", "the template sees a message's name");
+    /* roles, contents, names and TD_GEN_MESSAGE_BYTES a message: empty messages count too */
+    cr_assert_eq(q.gp.prompt_len, strlen("systemBe brief.userHi therebob") + 2 * TD_GEN_MESSAGE_BYTES);
     cr_assert_eq(q.gp.max_tokens, 5); /* the newer name wins */
     cr_assert_eq(q.logprobs, 20);
     router_oai_req_free(&q);
@@ -201,8 +202,9 @@ Test(router_openai, n_and_unserved_features_refused_by_name)
     refused(ROUTER_OAI_COMPLETIONS, "{\"prompt\":\"x\",\"n\":2.5}", "n");
     refused(ROUTER_OAI_COMPLETIONS, "{\"prompt\":\"x\",\"best_of\":3}", "best_of");
     refused(ROUTER_OAI_COMPLETIONS, "{\"prompt\":\"x\",\"n\":2,\"best_of\":3}", "best_of");
-    refused(ROUTER_OAI_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"tools\":[{\"type\":\"function\"}]}",
-            "tools");
+    refused(ROUTER_OAI_COMPLETIONS, "{\"prompt\":\"x\",\"tools\":[{\"type\":\"function\"}]}", "tools");
+    refused(ROUTER_OAI_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"functions\":[{\"name\":\"f\"}]}",
+            "functions");
     /* the empty forms clients send by default are no request for the feature */
     cr_assert_eq(parse(ROUTER_OAI_CHAT,
                        "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"tools\":[],\"logit_bias\":{},"
@@ -365,6 +367,125 @@ Test(router_openai, structured_output_refusals_name_the_field)
             "response_format.json_schema.strict");
     refused(ROUTER_OAI_CHAT, CHAT_X "\"structured_outputs\":{\"regex\":[1]}}", "structured_outputs.regex");
     refused(ROUTER_OAI_CHAT, CHAT_X "\"structured_outputs\":{\"json_object\":1}}", "structured_outputs.json_object");
+}
+
+#define TOOL_W                                                                                     \
+    "{\"type\":\"function\",\"function\":{\"name\":\"w\",\"parameters\":{\"type\":\"object\",\"properties\":" \
+    "{\"c\":{\"type\":\"string\"}},\"required\":[\"c\"]}}}"
+
+Test(router_openai, tools_and_tool_choice)
+{
+    /* tools, tool_choice defaulting to auto, messages with calls and results */
+    cr_assert_eq(parse(ROUTER_OAI_CHAT,
+                       "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"},{\"role\":\"assistant\",\"content\":null,"
+                       "\"tool_calls\":[{\"id\":\"call_1\",\"type\":\"function\",\"function\":{\"name\":\"w\","
+                       "\"arguments\":\"{\\\"c\\\": 1}\"}}]},{\"role\":\"tool\",\"content\":\"22\",\"tool_call_id\":"
+                       "\"call_1\",\"name\":\"w\"}],\"tools\":[" TOOL_W "]}"),
+                 TD_OK, "%s", err.message);
+    cr_assert_eq(q.tool_choice, ROUTER_OAI_TOOLS_AUTO);
+    cr_assert(q.parallel_tool_calls);
+    cr_assert_eq(q.n_tools, 1);
+    cr_assert_str_eq(q.tools[0].name, "w");
+    cr_assert(strstr(q.tools[0].parameters, "\"required\""));
+    cr_assert(strstr(q.tools_json, "\"name\":\"w\""));
+    cr_assert(strstr(q.messages[1].tool_calls, "call_1"));
+    cr_assert_str_eq(q.messages[2].tool_call_id, "call_1");
+    cr_assert_str_eq(q.messages[2].name, "w");
+    cr_assert_null(q.messages[0].tool_calls);
+    cr_assert_eq(router_oai_tools_prepare(&q, TD_TOOLS_HERMES, &err), TD_OK);
+    cr_assert_null(q.grammar, "auto: free generation");
+    cr_assert_eq(router_oai_tools_prepare(&q, TD_TOOLS_NONE, &err), TD_ERR_INVALID, "no format: refused");
+    cr_assert_str_eq(err.param, "tools");
+    router_oai_req_free(&q);
+    /* required and a named function: the grammar of a call, one with parallel_tool_calls false */
+    const char *forced[] = {CHAT_X "\"tools\":[" TOOL_W "],\"tool_choice\":\"required\"}",
+                            CHAT_X "\"tools\":[" TOOL_W "],\"tool_choice\":{\"type\":\"function\",\"function\":"
+                                   "{\"name\":\"w\"}},\"parallel_tool_calls\":false}"};
+    for (size_t i = 0; i < 2; i++) {
+        cr_assert_eq(parse(ROUTER_OAI_CHAT, forced[i]), TD_OK, "%s", err.message);
+        cr_assert_eq(router_oai_tools_prepare(&q, TD_TOOLS_HERMES, &err), TD_OK, "%s", err.message);
+        cr_assert_not_null(q.grammar);
+        cr_assert_str_eq(q.grammar_param, "tool_choice");
+        td_tool_t t = {"w", "{\"type\":\"object\",\"properties\":{\"c\":{\"type\":\"string\"}},\"required\":[\"c\"]}"};
+        char *want = NULL;
+        cr_assert_eq(td_tools_grammar(TD_TOOLS_HERMES, &t, 1, i == 0, &want, NULL), TD_OK);
+        cr_assert_str_eq(q.grammar, want, "the nodes get the forced call's grammar");
+        free(want);
+        router_oai_req_free(&q);
+    }
+    /* n > 1 with tools parsed is refused (calls are parsed for one choice); with none it is text */
+    cr_assert_eq(parse(ROUTER_OAI_CHAT, CHAT_X "\"tools\":[" TOOL_W "],\"n\":2}"), TD_OK, "%s", err.message);
+    cr_assert_eq(router_oai_tools_prepare(&q, TD_TOOLS_HERMES, &err), TD_ERR_INVALID);
+    cr_assert_str_eq(err.param, "n");
+    router_oai_req_free(&q);
+    cr_assert_eq(parse(ROUTER_OAI_CHAT, CHAT_X "\"tools\":[" TOOL_W "],\"n\":2,\"tool_choice\":\"none\"}"), TD_OK);
+    cr_assert_eq(router_oai_tools_prepare(&q, TD_TOOLS_HERMES, &err), TD_OK, "%s", err.message);
+    router_oai_req_free(&q);
+    cr_assert_eq(parse(ROUTER_OAI_CHAT, CHAT_X "\"tools\":[" TOOL_W "],\"tool_choice\":\"none\"}"), TD_OK);
+    cr_assert_eq(q.tool_choice, ROUTER_OAI_TOOLS_NONE);
+    cr_assert_not_null(q.tools_json, "none: the tools are still rendered");
+    router_oai_req_free(&q);
+    /* refusals, each naming its field */
+    refused(ROUTER_OAI_CHAT, CHAT_X "\"tools\":{}}", "tools");
+    refused(ROUTER_OAI_CHAT, CHAT_X "\"tools\":[{\"type\":\"function\",\"function\":{}}]}", "tools[0]");
+    refused(ROUTER_OAI_CHAT, CHAT_X "\"tools\":[{\"type\":\"x\",\"function\":{\"name\":\"a\"}}]}", "tools[0]");
+    refused(ROUTER_OAI_CHAT, CHAT_X "\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"a\",\"parameters\":1}}]}",
+            "tools[0].function.parameters");
+    refused(ROUTER_OAI_CHAT, CHAT_X "\"tools\":[" TOOL_W "],\"tool_choice\":\"any\"}", "tool_choice");
+    refused(ROUTER_OAI_CHAT, CHAT_X "\"tools\":[" TOOL_W "],\"tool_choice\":{\"type\":\"function\",\"function\":{\"name\":\"z\"}}}",
+            "tool_choice.function.name");
+    refused(ROUTER_OAI_CHAT, CHAT_X "\"tool_choice\":\"required\"}", "tool_choice");
+    refused(ROUTER_OAI_CHAT, CHAT_X "\"tools\":[" TOOL_W "],\"parallel_tool_calls\":1}", "parallel_tool_calls");
+    refused(ROUTER_OAI_CHAT, "{\"messages\":[{\"role\":\"assistant\",\"content\":\"x\",\"tool_calls\":{}}]}",
+            "messages[0].tool_calls");
+    refused(ROUTER_OAI_CHAT, "{\"messages\":[{\"role\":\"assistant\",\"content\":\"x\",\"tool_calls\":[{\"id\":\"a\"}]}]}",
+            "messages[0].tool_calls[0].function.name");
+    refused(ROUTER_OAI_CHAT, "{\"messages\":[{\"role\":\"tool\",\"content\":\"x\",\"tool_call_id\":5}]}",
+            "messages[0].tool_call_id");
+    /* a forced call's schema keyword td_gram lacks, and a forced call beside another constraint */
+    cr_assert_eq(parse(ROUTER_OAI_CHAT, CHAT_X "\"tools\":[" TOOL_W ",{\"type\":\"function\",\"function\":{\"name\":"
+                                        "\"m\",\"parameters\":{\"type\":\"object\",\"properties\":{\"n\":{\"type\":"
+                                        "\"integer\",\"multipleOf\":2}}}}}],\"tool_choice\":\"required\"}"),
+                 TD_OK);
+    cr_assert_eq(router_oai_tools_prepare(&q, TD_TOOLS_HERMES, &err), TD_ERR_INVALID);
+    cr_assert_str_eq(err.param, "tools[1].function.parameters");
+    cr_assert(strstr(err.message, "multipleOf"), "%s", err.message);
+    router_oai_req_free(&q);
+    cr_assert_eq(parse(ROUTER_OAI_CHAT, CHAT_X "\"tools\":[" TOOL_W "],\"tool_choice\":\"required\","
+                                        "\"response_format\":{\"type\":\"json_object\"}}"),
+                 TD_OK);
+    cr_assert_eq(router_oai_tools_prepare(&q, TD_TOOLS_HERMES, &err), TD_ERR_INVALID);
+    cr_assert_str_eq(err.code, "conflicting_parameters");
+    router_oai_req_free(&q);
+}
+
+Test(router_openai, tool_call_shapes)
+{
+    router_oai_resp_t rs = {.kind = ROUTER_OAI_CHAT, .id = "chatcmpl-r1", .model = "m", .created = 1};
+    router_oai_buf_t b = {0}, calls = {0};
+    router_oai_tool_call_json(&calls, 0, "call_a", "w", "{\"c\": \"P\"}", 12);
+    router_oai_buf_put(&calls, "", 0);
+    router_oai_response_tools(&b, &rs, "", 0, calls.p, NULL, "tool_calls", &(router_oai_usage_t){1, 2, 0, 0});
+    cJSON *j = cJSON_Parse(b.p);
+    cr_assert_not_null(j, "%s", b.p);
+    const cJSON *m = cJSON_GetObjectItem(cJSON_GetArrayItem(cJSON_GetObjectItem(j, "choices"), 0), "message");
+    cr_assert(cJSON_IsNull(cJSON_GetObjectItem(m, "content")), "no content beside calls: null");
+    const cJSON *c = cJSON_GetArrayItem(cJSON_GetObjectItem(m, "tool_calls"), 0);
+    cr_assert_str_eq(cJSON_GetObjectItem(c, "id")->valuestring, "call_a");
+    cr_assert_str_eq(cJSON_GetObjectItem(c, "type")->valuestring, "function");
+    cr_assert_str_eq(cJSON_GetObjectItem(cJSON_GetObjectItem(c, "function"), "arguments")->valuestring,
+                     "{\"c\": \"P\"}");
+    cJSON_Delete(j);
+    b.n = 0;
+    router_oai_tool_call_chunk(&b, &rs, true, 0, "call_a", "w", "{}", 2, false);
+    router_oai_buf_put(&b, "", 0);
+    char *second = strstr(b.p + 6, "data: ");
+    cr_assert_not_null(second, "two events");
+    cr_assert(strstr(b.p, "\"role\":\"assistant\"") < second && strstr(b.p, "\"name\":\"w\"") < second,
+              "the first carries the role and the name");
+    cr_assert(strstr(second, "\"arguments\":\"{}\""), "the second the arguments: %s", second);
+    router_oai_buf_free(&b);
+    router_oai_buf_free(&calls);
 }
 
 Test(router_openai, bad_json)

@@ -1,0 +1,159 @@
+#!/bin/bash
+# test_cluster_tools: tool calling on the OpenAI API through the cluster (docs/openai.md
+# "Tools"). A random-weight Qwen3-shaped model with Qwen3's real tokenizer and chat template
+# (`tandem model synth`; the template's <tool_call> is the hermes format) behind `tandem
+# local` 1 prefill + 1 decode:
+# - tool_choice "required" and a named function, at temperature 1 over several seeds,
+#   streamed and not: always tool_calls (finish_reason "tool_calls"), each with an id, type
+#   "function", the tool's name, and arguments that parse and validate against the tool's
+#   parameters schema (tests/support/json_schema_check.py, written apart from the compiler);
+#   streamed, the deltas carry the name first, then the arguments, and no content;
+# - tool_choice "none": never tool_calls;
+# - a parameters schema with an unsupported keyword (multipleOf) is a 400 naming the tool's
+#   parameters and the keyword; a named function that is not a tool is a 400;
+# - with the `openai` package (scripts/openai-venv), the official client reads the calls.
+source "$(dirname "$0")/cluster_lib.sh"
+cl_init
+QWEN="$(dirname "$CL_M")/../tokenizers/qwen3"
+[ -f "$QWEN/tokenizer.json" ] || { echo "SKIP: $QWEN/tokenizer.json absent"; exit 77; }
+CL_M="$CL_T/qwen3-tiny"
+cat >"$CL_T/config.json" <<'EOF'
+{"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 64,
+ "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+ "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 151936, "max_position_embeddings": 4096,
+ "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": true,
+ "bos_token_id": 151643, "eos_token_id": 151645}
+EOF
+"$CL_BIN" model synth --config "$CL_T/config.json" --tokenizer "$QWEN" --seed 3 --out "$CL_M" >/dev/null ||
+    { cl_fail "tandem model synth failed"; cl_end; }
+cl_local 1 1 --threads 1
+OA=$(sed -n 's/^openai: //p' "$CL_T/local.out")
+[ -n "$OA" ] || { cl_fail "no openai line"; cl_end; }
+
+"$CL_PY" - "$OA" "$CL_SRC/tests/support/json_schema_check.py" "$CL_T" <<'PY' || CL_FAIL=1
+import json, subprocess, sys, urllib.request, urllib.error
+oa, check, tmp = sys.argv[1:4]
+WEATHER = {"type": "object", "properties": {
+    "city": {"type": "string", "minLength": 1, "maxLength": 8},
+    "unit": {"enum": ["celsius", "fahrenheit"]},
+    "days": {"type": "integer", "minimum": 1, "maximum": 14}},
+    "required": ["city", "unit"], "additionalProperties": False}
+VOLUME = {"type": "object", "properties": {"level": {"type": "integer", "minimum": 0, "maximum": 10},
+                                           "mute": {"type": "boolean"}},
+          "required": ["level"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "set_volume", "description": "Set the volume",
+                                           "parameters": VOLUME}}]
+SCHEMA = {"get_weather": WEATHER, "set_volume": VOLUME}
+fails = []
+
+def post(body):
+    req = urllib.request.Request(oa + "/chat/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+def ask(extra, stream):
+    """(content, tool_calls, finish_reason) as a client assembles them."""
+    body = {"messages": [{"role": "user", "content": "What is the weather in Paris?"}], "tools": TOOLS,
+            "temperature": 1, "max_tokens": 160, "stream": stream}
+    body.update(extra)
+    status, raw = post(body)
+    if status != 200:
+        raise RuntimeError("HTTP %d %s" % (status, raw))
+    if not stream:
+        c = json.loads(raw)["choices"][0]
+        return c["message"].get("content"), c["message"].get("tool_calls"), c["finish_reason"]
+    content, calls, fin, names_first = "", {}, None, True
+    for ev in raw.split("\n\n"):
+        if not ev.startswith("data: ") or ev == "data: [DONE]":
+            continue
+        for ch in json.loads(ev[6:])["choices"]:
+            d = ch["delta"]
+            content += d.get("content") or ""
+            for tc in d.get("tool_calls") or []:
+                k = tc["index"]
+                if k not in calls:  # a call's first delta: id, type, name
+                    if not (tc.get("id") and tc.get("type") == "function" and tc["function"].get("name")):
+                        names_first = False
+                    calls[k] = {"id": tc.get("id"), "type": tc.get("type"),
+                                "function": {"name": tc["function"].get("name"), "arguments": ""}}
+                calls[k]["function"]["arguments"] += tc["function"].get("arguments") or ""
+            fin = ch.get("finish_reason") or fin
+    if not names_first:
+        fails.append("a streamed call's first delta lacks id, type or name")
+    return content, [calls[k] for k in sorted(calls)] or None, fin
+
+def check_calls(what, content, calls, fin, want_name=None):
+    if fin != "tool_calls" or not calls:
+        fails.append("%s: finish %s, calls %r, content %r" % (what, fin, calls, content))
+        return
+    if content:
+        fails.append("%s: content %r beside the calls" % (what, content))
+    for c in calls:
+        name = c["function"]["name"]
+        if not c["id"] or c["type"] != "function" or name not in SCHEMA or (want_name and name != want_name):
+            fails.append("%s: bad call %r" % (what, c))
+            continue
+        open(tmp + "/schema.json", "w").write(json.dumps(SCHEMA[name]))
+        open(tmp + "/args.txt", "w").write(c["function"]["arguments"])
+        r = subprocess.run([sys.executable, check, tmp + "/schema.json", tmp + "/args.txt"],
+                           capture_output=True, text=True)
+        if r.returncode:
+            fails.append("%s: arguments do not validate: %s" % (what, r.stdout.strip()))
+
+n_calls = 0
+for seed in range(4):
+    for stream in (False, True):
+        what = "required seed %d stream %s" % (seed, stream)
+        out = ask({"tool_choice": "required", "parallel_tool_calls": False, "seed": seed}, stream)
+        check_calls(what, *out)
+        n_calls += len(out[1] or [])
+        named = {"tool_choice": {"type": "function", "function": {"name": "set_volume"}}, "seed": 100 + seed}
+        check_calls("named " + what, *ask(named, stream), want_name="set_volume")
+        content, calls, fin = ask({"tool_choice": "none", "seed": seed, "max_tokens": 24}, stream)
+        if calls or fin == "tool_calls" or not isinstance(content, str):
+            fails.append("none seed %d: %r %r %r" % (seed, content, calls, fin))
+
+# refusals: an unsupported keyword in a forced tool's parameters, a function that is not a tool
+bad = json.loads(json.dumps(TOOLS))
+bad[1]["function"]["parameters"]["properties"]["level"]["multipleOf"] = 2
+status, raw = post({"messages": [{"role": "user", "content": "hi"}], "tools": bad, "tool_choice": "required"})
+err = json.loads(raw).get("error", {}) if raw.startswith("{") else {}
+if status != 400 or err.get("param") != "tools[1].function.parameters" or "multipleOf" not in err.get("message", ""):
+    fails.append("multipleOf: %d %s" % (status, raw))
+status, raw = post({"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS,
+                    "tool_choice": {"type": "function", "function": {"name": "nope"}}})
+if status != 400 or "tool_choice.function.name" not in raw:
+    fails.append("unknown function: %d %s" % (status, raw))
+for f in fails:
+    print("FAIL: " + f)
+print("tools: %d forced calls validated, %d failures" % (n_calls, len(fails)))
+sys.exit(1 if fails else 0)
+PY
+
+VENV="${TANDEM_CACHE:-$HOME/.cache/tandem}/venv-openai/bin/python"
+if [ -x "$VENV" ] && "$VENV" -c 'import openai' 2>/dev/null; then
+    "$VENV" - "$OA" <<'PY' || CL_FAIL=1
+import json, sys, openai
+client = openai.OpenAI(base_url=sys.argv[1], api_key="unused", max_retries=0)
+tools = [{"type": "function", "function": {"name": "set_volume", "parameters": {
+    "type": "object", "properties": {"level": {"type": "integer", "minimum": 0, "maximum": 10}},
+    "required": ["level"], "additionalProperties": False}}}]
+r = client.chat.completions.create(model="default", messages=[{"role": "user", "content": "Volume up"}],
+                                   tools=tools, tool_choice="required", parallel_tool_calls=False, temperature=1,
+                                   seed=7, max_tokens=200)
+call = r.choices[0].message.tool_calls[0]
+args = json.loads(call.function.arguments)
+assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "set_volume", r
+assert isinstance(args["level"], int) and 0 <= args["level"] <= 10, args
+print("openai client: set_volume(%s)" % call.function.arguments)
+PY
+else
+    echo "note: no openai package in $VENV: the official client's check is skipped"
+fi
+cl_end "tools through prefill/decode: forced tool calls validate streamed and not, none gives no calls, bad schemas are 400s"
