@@ -2,7 +2,7 @@
  * td_cpu_pack_avx2: td_cpu_pack's AVX2 table and its activation quantizer in AVX2,
  * bit-identical to the scalar reference (td_cpu_pack.h). Two-byte prefill tiles (m >= 2)
  * multiply int16 weights by the row's int16 Q with vpmaddwd (w16_tile); decode (m = 1) and
- * one-byte rows use maddubs + madd on the hi and lo bytes (avx2_row1, avx2_tile).
+ * one-byte rows use maddubs + madd on the hi and lo bytes (avx2_row1, avx2_row1_q6_k, avx2_tile).
  */
 #include "td_cpu_pack_impl.h"
 
@@ -76,8 +76,9 @@ TD_INLINE bool avx2_row1_takes(td_dtype_t t)
  * avx2_tile's sums in another order, so the same integers: the four broadcasts of a v serve
  * both halves, and maddubs' int16 pair sums build up over several v before one madd widens
  * them (u <= 15: 8 pairs of at most 2 * 15 * 127 stay under 2^15 over a block's 4 v; Q5_K's
- * u <= 31: over 2 v). Fewer widening multiplies and live registers than the general tile,
- * which on 16 ymm registers spills its accumulators. */
+ * u <= 31: over 2 v). The v loop carries only the int16 sums (the widening is outside it:
+ * inside, under a condition, GCC kept the int32 sums on the stack), and Q4_K's and Q5_K's f16
+ * d and dmin are widened once per super-block (chunk), not per block. */
 TD_INLINE TD_Y void avx2_row1(td_dtype_t t, bool one, const unsigned char *gq, size_t nb,
                               size_t k, const unsigned char *a, float *y, const unsigned char *pf_end)
 {
@@ -85,43 +86,62 @@ TD_INLINE TD_Y void avx2_row1(td_dtype_t t, bool one, const unsigned char *gq, s
     const __m256i low4 = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10);
     const int8_t *hi = act_hi(a), *lo = act_lo(a, k);
     __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, macc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    __m256 kd[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, kdmin[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     for (size_t b = 0; b < nb; b++) {
         const unsigned char *q = gq + block_at(t, b), *cs = gq + chunk_scales_at(t, nb, b);
         decode_prefetch(t, gq, b, pf_end);
-        const int8_t *qh = hi + b * TD_QK, *ql = lo + b * TD_QK;
-        __m256i p[2], sh[2], sl[2];
-        p[0] = p[1] = t == TD_Q4_0 ? _mm256_set1_epi32(load_i32(act_c(a, k) + 4 * b)) : _mm256_setzero_si256();
-        sh[0] = sh[1] = sl[0] = sl[1] = _mm256_setzero_si256();
-#pragma GCC unroll 1 /* unrolled, GCC hoists the four v's loads and spills (1 core, in L2: q4_0 -20% time) */
-        for (int v = 0; v < 4; v++) {
-            const __m256i ah = _mm256_set1_epi32(load_i32(qh + 4 * v)), ah2 = _mm256_set1_epi32(load_i32(qh + 16 + 4 * v));
-            const __m256i al = _mm256_set1_epi32(load_i32(ql + 4 * v)), al2 = _mm256_set1_epi32(load_i32(ql + 16 + 4 * v));
-#pragma GCC unroll 2
+        if (k_scales(t) && b % PACK_CHUNK == 0) /* the super-block's d and dmin, both halves */
             for (int x = 0; x < 2; x++) {
-                __m256i raw = _mm256_loadu_si256((const __m256i *)(q + 64 * v + 32 * x));
-                __m256i lo4 = _mm256_and_si256(raw, low4);
-                __m256i hi4 = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
-                if (t == TD_Q5_K) { /* the fifth bits: weight 4v + j's at bit v, 16 + 4v + j's at 4 + v */
-                    const __m256i hb = _mm256_loadu_si256((const __m256i *)(q + 256 + 32 * x));
-                    lo4 = _mm256_or_si256(lo4, _mm256_and_si256(_mm256_slli_epi16(hb, 4 - v), bit4));
-                    hi4 = _mm256_or_si256(hi4, _mm256_and_si256(_mm256_srli_epi16(hb, v), bit4));
-                }
-                sh[x] = _mm256_add_epi16(sh[x], _mm256_add_epi16(_mm256_maddubs_epi16(lo4, ah), _mm256_maddubs_epi16(hi4, ah2)));
-                if (!one)
-                    sl[x] = _mm256_add_epi16(sl[x], _mm256_add_epi16(_mm256_maddubs_epi16(lo4, al), _mm256_maddubs_epi16(hi4, al2)));
-                if ((v + 1) % flush == 0) { /* widen: hi by 254, lo by 1 */
-                    p[x] = _mm256_add_epi32(p[x], _mm256_madd_epi16(sh[x], _mm256_set1_epi16(WIDE)));
+                kd[x] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cs + K_D + 16 * x)));
+                kdmin[x] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cs + K_DMIN + 16 * x)));
+            }
+        const int8_t *qh = hi + b * TD_QK, *ql = lo + b * TD_QK;
+        __m256i p[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}; /* Q4_0's c is added last */
+        for (int v0 = 0; v0 < 4; v0 += flush) {
+            __m256i sh[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}, sl[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+#pragma GCC unroll 1 /* unrolled, GCC hoists the four v's loads and spills (1 core, in L2: q4_0 -20% time) */
+            for (int v = v0; v < v0 + flush; v++) {
+                const __m256i ah = _mm256_set1_epi32(load_i32(qh + 4 * v)), ah2 = _mm256_set1_epi32(load_i32(qh + 16 + 4 * v));
+                const __m256i al = _mm256_set1_epi32(load_i32(ql + 4 * v)), al2 = _mm256_set1_epi32(load_i32(ql + 16 + 4 * v));
+#pragma GCC unroll 2
+                for (int x = 0; x < 2; x++) {
+                    __m256i raw = _mm256_loadu_si256((const __m256i *)(q + 64 * v + 32 * x));
+                    __m256i lo4 = _mm256_and_si256(raw, low4);
+                    __m256i hi4 = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+                    if (t == TD_Q5_K) { /* the fifth bits: weight 4v + j's at bit v, 16 + 4v + j's at 4 + v */
+                        const __m256i hb = _mm256_loadu_si256((const __m256i *)(q + 256 + 32 * x));
+                        lo4 = _mm256_or_si256(lo4, _mm256_and_si256(_mm256_sll_epi16(hb, _mm_cvtsi32_si128(4 - v)), bit4));
+                        hi4 = _mm256_or_si256(hi4, _mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(v)), bit4));
+                    }
+                    sh[x] = _mm256_add_epi16(sh[x], _mm256_add_epi16(_mm256_maddubs_epi16(lo4, ah), _mm256_maddubs_epi16(hi4, ah2)));
                     if (!one)
-                        p[x] = _mm256_add_epi32(p[x], _mm256_madd_epi16(sl[x], _mm256_set1_epi16(1)));
-                    sh[x] = sl[x] = _mm256_setzero_si256();
+                        sl[x] = _mm256_add_epi16(sl[x], _mm256_add_epi16(_mm256_maddubs_epi16(lo4, al), _mm256_maddubs_epi16(hi4, al2)));
                 }
             }
+#pragma GCC unroll 2
+            for (int x = 0; x < 2; x++) { /* widen: hi by 254, lo by 1 */
+                p[x] = _mm256_add_epi32(p[x], _mm256_madd_epi16(sh[x], _mm256_set1_epi16(WIDE)));
+                if (!one)
+                    p[x] = _mm256_add_epi32(p[x], _mm256_madd_epi16(sl[x], _mm256_set1_epi16(1)));
+            }
+        }
+        if (t == TD_Q4_0) { /* the offset's c (the same integer sum in another order) */
+            const __m256i c = _mm256_set1_epi32(load_i32(act_c(a, k) + 4 * b));
+            p[0] = _mm256_add_epi32(p[0], c);
+            p[1] = _mm256_add_epi32(p[1], c);
         }
         const __m256 e = _mm256_set1_ps(load_f32(act_e(a, k) + 4 * b));
 #pragma GCC unroll 2
         for (int x = 0; x < 2; x++) {
             __m256 dw, mw;
-            avx2_scales(t, cs, b, x, &dw, &mw);
+            if (k_scales(t)) { /* d * sc and dmin * mn: the scalar kernel's exact products */
+                const __m128i sc8 = _mm_loadl_epi64((const __m128i *)(cs + K_SC(b % 8) + 8 * x));
+                const __m128i mn8 = _mm_loadl_epi64((const __m128i *)(cs + K_MN(b % 8) + 8 * x));
+                dw = _mm256_mul_ps(kd[x], _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sc8)));
+                mw = _mm256_xor_ps(_mm256_mul_ps(kdmin[x], _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mn8))),
+                                   _mm256_set1_ps(-0.0f)); /* -(dmin * mn), NaN signs as scalar's */
+            } else
+                avx2_scales(t, cs, b, x, &dw, &mw);
             acc[x] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[x]), _mm256_mul_ps(dw, e), acc[x]);
             if (has_min(t))
                 macc[x] = _mm256_fmadd_ps(mw, _mm256_set1_ps(load_f32(act_c(a, k) + 4 * b)), macc[x]);
@@ -314,6 +334,62 @@ TD_INLINE TD_Y void avx2_tile_q6_k(bool one, int R, int h0, int H, const unsigne
     for (int x = 0; x < H; x++)
         for (int i = 0; i < R; i++)
             _mm256_storeu_ps(y + i * ldy + 8 * (h0 + x), acc[x][i]);
+}
+
+/* Decode's one activation row against a whole Q6_K group: avx2_tile_q6_k's sums in another
+ * order, so the same integers. maddubs' int16 pair sums of a half (u <= 63: at most 2 * 63 *
+ * 127 = 16002) build up over two v (32004 < 2^15) before one madd widens them, where the
+ * general tile widened each v: half the madds and int32 adds, for the same maddubs. */
+TD_INLINE TD_Y void avx2_row1_q6_k(bool one, const unsigned char *gq, size_t nb, size_t k, const unsigned char *a, float *y,
+                                   const unsigned char *pf_end)
+{
+    const __m256i low4 = _mm256_set1_epi8(0x0F), hi2 = _mm256_set1_epi8(0x30);
+    const int8_t *hi = act_hi(a), *lo = act_lo(a, k);
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (size_t b = 0; b < nb; b++) {
+        decode_prefetch(TD_Q6_K, gq, b, pf_end);
+        const unsigned char *ks = gq + chunk_scales_at(TD_Q6_K, nb, b), *qb = gq + block_at(TD_Q6_K, b);
+        const int8_t *qh = hi + b * TD_QK, *ql = lo + b * TD_QK;
+        const __m256 e = _mm256_set1_ps(load_f32(act_e(a, k) + 4 * b));
+#pragma GCC unroll 2
+        for (int x = 0; x < 2; x++) { /* rows 8x .. 8x + 7 */
+            const unsigned char *q = qb + 32 * x;
+            const __m256i hb0 = _mm256_loadu_si256((const __m256i *)(q + 256));
+            const __m256i hb1 = _mm256_loadu_si256((const __m256i *)(q + 320));
+            __m256i p[2] = {_mm256_set1_epi32(load_i32(act_c(a, k) + 4 * b)), _mm256_set1_epi32(load_i32(act_c2(a, k) + 4 * b))};
+#pragma GCC unroll 2
+            for (int v0 = 0; v0 < 4; v0 += 2) {
+                __m256i sh[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}, sl[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+#pragma GCC unroll 2
+                for (int v = v0; v < v0 + 2; v++) {
+                    const __m256i raw = _mm256_loadu_si256((const __m256i *)(q + 64 * v));
+                    const __m256i wv[2] = {
+                        _mm256_or_si256(_mm256_and_si256(raw, low4), _mm256_and_si256(Q6_HI_YMM(hb0, v), hi2)),
+                        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low4), _mm256_and_si256(Q6_HI_YMM(hb1, v), hi2))};
+#pragma GCC unroll 2
+                    for (int h = 0; h < 2; h++) { /* weights 16 h + 4 v .. */
+                        sh[h] = _mm256_add_epi16(sh[h], _mm256_maddubs_epi16(wv[h], _mm256_set1_epi32(load_i32(qh + 16 * h + 4 * v))));
+                        if (!one)
+                            sl[h] = _mm256_add_epi16(sl[h], _mm256_maddubs_epi16(wv[h], _mm256_set1_epi32(load_i32(ql + 16 * h + 4 * v))));
+                    }
+                }
+#pragma GCC unroll 2
+                for (int h = 0; h < 2; h++) { /* widen: hi by 254, lo by 1 */
+                    p[h] = _mm256_add_epi32(p[h], _mm256_madd_epi16(sh[h], _mm256_set1_epi16(WIDE)));
+                    if (!one)
+                        p[h] = _mm256_add_epi32(p[h], _mm256_madd_epi16(sl[h], _mm256_set1_epi16(1)));
+                }
+            }
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ks + 16 * x)));
+#pragma GCC unroll 2
+            for (int h = 0; h < 2; h++) { /* the halves in the reference's order */
+                __m256 dw = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(ks + K6_SC(b % 8, h) + 8 * x)))));
+                acc[x] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[h]), _mm256_mul_ps(dw, e), acc[x]);
+            }
+        }
+    }
+    for (int x = 0; x < 2; x++)
+        _mm256_storeu_ps(y + 8 * x, acc[x]);
 }
 
 /* Prefill's int16 tiles (two-byte rows, m >= 2). Q = 254 hi + lo is an int16 (the row's
@@ -525,8 +601,8 @@ TD_INLINE TD_Y void kernel_avx2(td_dtype_t t, bool one, const void *wp, size_t g
                 for (i = 0; i + 2 <= m; i += 2)
                     avx2_tile_q6_k(one, 2, h, 1, gq, nb, k, a + i * stride, stride, yg + i * ldy, ldy,
                                    h == 0 && i == 0 ? end : NULL);
-            if (i < m)
-                avx2_tile_q6_k(one, 1, 0, 2, gq, nb, k, a + i * stride, stride, yg + i * ldy, ldy, i == 0 ? end : NULL);
+            if (i < m) /* decode: all of it */
+                avx2_row1_q6_k(one, gq, nb, k, a + i * stride, yg + i * ldy, i == 0 ? end : NULL);
             continue;
         }
         for (int h = 0; h < 2; h++)
