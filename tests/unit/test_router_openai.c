@@ -463,7 +463,7 @@ Test(router_openai, tool_call_shapes)
 {
     router_oai_resp_t rs = {.kind = ROUTER_OAI_CHAT, .id = "chatcmpl-r1", .model = "m", .created = 1};
     router_oai_buf_t b = {0}, calls = {0};
-    router_oai_tool_call_json(&calls, 0, "call_a", "w", "{\"c\": \"P\"}", 12);
+    router_oai_tool_call_json(&calls, 0, "call_a", "w", "{\"c\": \"P\"}", 10);
     router_oai_buf_put(&calls, "", 0);
     router_oai_response_tools(&b, &rs, "", 0, calls.p, NULL, "tool_calls", &(router_oai_usage_t){1, 2, 0, 0});
     cJSON *j = cJSON_Parse(b.p);
