@@ -291,9 +291,18 @@ static void penalized_logits(td_sampler_t *s, const float *logits, int32_t vocab
     for (int32_t i = 0; i < vocab; i++)
         val[i] = isnan(logits[i]) ? -INFINITY : logits[i];
     if (allowed) /* first: nothing after it sees a forbidden token */
-        for (int32_t i = 0; i < vocab; i++)
-            if (!((allowed[i >> 5] >> (i & 31)) & 1))
-                val[i] = -INFINITY;
+        for (int32_t w = 0; w * 32 < vocab; w++) { /* by words: a grammar's mask is mostly 0 words */
+            uint32_t bits = allowed[w];
+            int32_t i0 = w * 32, n = vocab - i0 < 32 ? vocab - i0 : 32;
+            if (bits == 0) {
+                for (int32_t i = 0; i < n; i++)
+                    val[i0 + i] = -INFINITY;
+            } else if (bits != UINT32_MAX) {
+                for (int32_t i = 0; i < n; i++)
+                    if (!((bits >> i) & 1))
+                        val[i0 + i] = -INFINITY;
+            }
+        }
     const float pen = s->p.repetition_penalty;
     if (pen != 1.0f && s->window_len > 0) {
         memcpy(s->window_sort, s->window, (size_t)s->window_len * sizeof *s->window);
