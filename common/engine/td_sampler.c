@@ -288,21 +288,23 @@ static void openai_penalties(td_sampler_t *s, int32_t vocab)
 static void penalized_logits(td_sampler_t *s, const float *logits, int32_t vocab, const uint32_t *allowed)
 {
     float *val = s->val;
-    for (int32_t i = 0; i < vocab; i++)
-        val[i] = isnan(logits[i]) ? -INFINITY : logits[i];
-    if (allowed) /* first: nothing after it sees a forbidden token */
-        for (int32_t w = 0; w * 32 < vocab; w++) { /* by words: a grammar's mask is mostly 0 words */
+    if (!allowed) {
+        for (int32_t i = 0; i < vocab; i++)
+            val[i] = isnan(logits[i]) ? -INFINITY : logits[i];
+    } else { /* the mask first, nothing after it sees a forbidden token; a word at a time, as a
+                grammar's mask is mostly zero words, whose logits are not even read */
+        for (int32_t w = 0; w * 32 < vocab; w++) {
             uint32_t bits = allowed[w];
             int32_t i0 = w * 32, n = vocab - i0 < 32 ? vocab - i0 : 32;
             if (bits == 0) {
                 for (int32_t i = 0; i < n; i++)
                     val[i0 + i] = -INFINITY;
-            } else if (bits != UINT32_MAX) {
+            } else {
                 for (int32_t i = 0; i < n; i++)
-                    if (!((bits >> i) & 1))
-                        val[i0 + i] = -INFINITY;
+                    val[i0 + i] = ((bits >> i) & 1) && !isnan(logits[i0 + i]) ? logits[i0 + i] : -INFINITY;
             }
         }
+    }
     const float pen = s->p.repetition_penalty;
     if (pen != 1.0f && s->window_len > 0) {
         memcpy(s->window_sort, s->window, (size_t)s->window_len * sizeof *s->window);
