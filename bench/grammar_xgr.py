@@ -72,7 +72,8 @@ def main():
     a = ap.parse_args()
     toks, eos = load_vocab(os.path.join(a.dir, "vocab.tsv"))
     info = xgr.TokenizerInfo(toks, vocab_type=xgr.VocabType.RAW, vocab_size=len(toks), stop_token_ids=eos)
-    names = sorted(f[:-5] for f in os.listdir(a.dir) if f.endswith(".json"))
+    names = sorted(f[:-5] for f in os.listdir(a.dir)  # the dump's grammars, not grammar_vs.sh's output
+                   if f.endswith(".json") and f != "tandem.json")
     for name in names:
         src = open(os.path.join(a.dir, name + ".json")).read()
         ct = []

@@ -183,7 +183,11 @@ td_gram_tok_t td_gram_vocab_kind(const td_gram_vocab_t *v, int32_t id)
 typedef struct pos_cache {
     int32_t key[TD_GRAM_SUFFIX];  /* the suffix, bottom first */
     int32_t key_len;
-    uint32_t *acc;  /* [words] accepted whatever lies below the suffix */
+    uint32_t *acc;  /* [words] accepted whatever lies below the suffix, or NULL: then */
+    int32_t *acc_ids; /* [n_acc] those token ids, when fewer than a mask has words (a literal,
+                         an enum: the common case is a handful of tokens, which a mask sets
+                         one by one instead of OR-ing every word of a bitset) */
+    int32_t n_acc;
     int32_t *unc;   /* [n_unc] uncertain: indices into sorted, ascending */
     int32_t n_unc;
 } pos_cache_t;
@@ -244,6 +248,7 @@ void td_gram_matcher_destroy(td_gram_matcher_t *m)
         return;
     for (int32_t i = 0; i < m->n_pc; i++) {
         free(m->pc[i].acc);
+        free(m->pc[i].acc_ids);
         free(m->pc[i].unc);
     }
     free(m->pc);
@@ -497,13 +502,25 @@ static td_status_t position(td_gram_matcher_t *m, const int32_t *stk, int32_t le
         memcpy(pc->unc, m->unc, (size_t)m->n_unc * sizeof *pc->unc);
         pc->n_unc = m->n_unc;
     }
+    int32_t n_acc = 0;
+    for (size_t w = 0; w < m->words; w++)
+        n_acc += __builtin_popcount(pc->acc[w]);
+    if ((size_t)n_acc < m->words / 4 && (pc->acc_ids = malloc(((size_t)n_acc + 1) * sizeof *pc->acc_ids))) {
+        for (size_t w = 0; w < m->words; w++)
+            for (uint32_t b = pc->acc[w]; b; b &= b - 1)
+                pc->acc_ids[pc->n_acc++] = (int32_t)(w * 32 + (size_t)__builtin_ctz(b));
+        free(pc->acc);
+        pc->acc = NULL;
+    } /* else (a failed malloc too) the bitset stays */
     if (td_hash_put(&m->pc_index, h, (uint64_t)m->n_pc) != TD_OK) {
         free(pc->acc);
+        free(pc->acc_ids);
         free(pc->unc);
         return td_errorf_quiet(TD_ERR_NOMEM, "grammar matcher: out of memory");
     }
     m->n_pc++;
-    m->pc_bytes += m->words * sizeof(uint32_t) + (size_t)pc->n_unc * sizeof(int32_t) + sizeof *pc;
+    m->pc_bytes += (pc->acc ? m->words * sizeof(uint32_t) : (size_t)pc->n_acc * sizeof(int32_t)) +
+                   (size_t)pc->n_unc * sizeof(int32_t) + sizeof *pc;
     *pc_p = pc;
     return TD_OK;
 }
@@ -529,8 +546,12 @@ td_status_t td_gram_fill_mask(td_gram_matcher_t *m, const td_gram_state_t *s, ui
             st = walk(m, NULL, m->v->n_sorted, false, mask);
             continue;
         }
-        for (size_t w = 0; w < m->words; w++)
-            mask[w] |= pc->acc[w];
+        if (pc->acc)
+            for (size_t w = 0; w < m->words; w++)
+                mask[w] |= pc->acc[w];
+        else
+            for (int32_t i = 0; i < pc->n_acc; i++)
+                mask[pc->acc_ids[i] >> 5] |= 1u << (pc->acc_ids[i] & 31);
         if (pc->n_unc > 0)
             st = walk(m, pc->unc, pc->n_unc, false, mask);
     }
