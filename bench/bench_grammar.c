@@ -282,7 +282,7 @@ static td_status_t e2e_case(const e2e_t *e, const gcase_t *gc, int reps, bool js
 }
 
 /* --dump DIR: what a reference engine needs to match the same grammars over the same
- * vocabulary (bench/grammar_vs.sh runs xgrammar on it): DIR/vocab.tsv, one line a token id
+ * vocabulary (bench/grammar_vs.sh runs xgrammar on it), DIR made if missing: DIR/vocab.tsv, one line a token id
  * with its kind (text, special, eos) and its bytes in hex (the bytes td_constrain_vocab
  * gives the grammar), and DIR/NAME.json, each grammar case's source. */
 static td_status_t dump_cases(const char *dir, const td_tokenizer_t *tok, const td_gram_vocab_t *v,
@@ -290,6 +290,9 @@ static td_status_t dump_cases(const char *dir, const td_tokenizer_t *tok, const 
 {
     static const char *kind[] = {"text", "special", "eos"};
     char path[4096];
+    td_status_t st = td_mkdir_p(dir);
+    if (st != TD_OK)
+        return st;
     snprintf(path, sizeof path, "%s/vocab.tsv", dir);
     FILE *f = fopen(path, "w");
     if (!f)
