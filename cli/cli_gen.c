@@ -734,15 +734,41 @@ bool cli_gen_grammar(const char *cmd, cli_gen_opts_t *o)
     }
     if (st == TD_OK)
         st = td_gram_compile(kind, src, len, &o->gram);
-    if (kind == TD_GRAM_CHOICE)
+    if (st == TD_OK && kind == TD_GRAM_CHOICE) { /* cJSON's allocation: one the caller frees with free() */
+        char *copy = malloc(len + 1);
+        if (copy)
+            memcpy(copy, src, len + 1);
+        else
+            st = td_errorf_quiet(TD_ERR_NOMEM, "out of memory");
         cJSON_free(src);
-    else
+        src = copy;
+    } else if (kind == TD_GRAM_CHOICE) {
+        cJSON_free(src);
+        src = NULL;
+    }
+    if (st == TD_OK) {
+        o->gram_kind = kind;
+        o->gram_src = src;
+        o->gram_len = len;
+    } else {
         free(src);
+        td_gram_unref(o->gram);
+        o->gram = NULL;
+    }
     if (st != TD_OK) {
         fprintf(stderr, "tandem %s: %s: %s\n", cmd, flag, td_last_error());
         return false;
     }
     return true;
+}
+
+void cli_gen_grammar_free(cli_gen_opts_t *o)
+{
+    td_gram_unref(o->gram);
+    free(o->gram_src);
+    o->gram = NULL;
+    o->gram_src = NULL;
+    o->gram_len = 0;
 }
 
 void cli_gen_report(const cli_gen_result_t *r, bool show_cached)

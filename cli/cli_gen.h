@@ -62,6 +62,9 @@ typedef struct cli_gen_opts {
     const char *choice;        /* --choice A,B,... */
     bool json_object;          /* --json-object */
     td_gram_t *gram;
+    td_gram_kind_t gram_kind;  /* and what it was compiled from (sent as is with --server) */
+    char *gram_src;            /* malloc'd, gram_len bytes; freed with gram (cli_gen_grammar_free) */
+    size_t gram_len;
     const char *draft_model;   /* --draft-model PATH: the draft-model drafter's model */
     /* generate --server mode */
     const char *server;        /* HOST:PORT of a router's gateway */
@@ -135,10 +138,13 @@ bool cli_gen_validate(const char *cmd, const cli_gen_opts_t *o, bool prompt_is_t
 
 /*
  * Compiles o's structured-output flag (reading the file of --json-schema / --grammar) into
- * o->gram; nothing when none is given. Errors (printed as "tandem CMD: --flag: why"): two
+ * o->gram, keeping its kind and source text (o->gram_kind, o->gram_src: what --server sends,
+ * for the router to compile); nothing when none is given. Errors (printed as "tandem CMD: --flag: why"): two
  * such flags, an unreadable file, any td_gram_compile refusal. Release with td_gram_unref.
  */
 bool cli_gen_grammar(const char *cmd, cli_gen_opts_t *o);
+/* Releases what cli_gen_grammar set (o->gram, o->gram_src); twice is harmless. */
+void cli_gen_grammar_free(cli_gen_opts_t *o);
 
 /* What a local command holds. Zero-initialise, then cli_gen_open; cli_gen_close always. */
 typedef struct cli_gen {

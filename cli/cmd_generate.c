@@ -192,11 +192,6 @@ static int check_flags(cli_gen_opts_t *o)
                 o->local_only);
         return 2;
     }
-    if (o->server && (o->json_schema || o->json_object || o->grammar || o->regex || o->choice)) {
-        fprintf(stderr, "tandem generate: --json-schema, --json-object, --grammar, --regex and --choice are local only "
-                        "for now: the cluster does not carry a grammar yet\n");
-        return 2;
-    }
     if (!o->server && (o->model_name || o->request_id || o->timeout_s > 0 || o->connect_timeout_s > 0)) {
         fprintf(stderr, "tandem generate: --model-name, --request-id, --timeout and --connect-timeout need --server\n");
         return 2;
@@ -644,6 +639,20 @@ static int gen_remote(cli_gen_opts_t *o)
     req.n_stop_strings = (size_t)o->n_stops;
     req.request_id = o->request_id ? (char *)o->request_id : "";
     req.model = o->model_name ? (char *)o->model_name : "";
+    /* structured output: the flag's own kind and text (checked by the compile in
+       cli_gen_grammar); the router compiles it again, as for any gateway client */
+    Tandem__V1__Grammar gr = TANDEM__V1__GRAMMAR__INIT;
+    if (o->gram) {
+        switch (o->gram_kind) {
+        case TD_GRAM_GBNF: gr.kind = TANDEM__V1__GRAMMAR__KIND__KIND_GBNF; break;
+        case TD_GRAM_REGEX: gr.kind = TANDEM__V1__GRAMMAR__KIND__KIND_REGEX; break;
+        case TD_GRAM_CHOICE: gr.kind = TANDEM__V1__GRAMMAR__KIND__KIND_CHOICE; break;
+        case TD_GRAM_JSON_OBJECT: gr.kind = TANDEM__V1__GRAMMAR__KIND__KIND_JSON_OBJECT; break;
+        case TD_GRAM_JSON_SCHEMA: gr.kind = TANDEM__V1__GRAMMAR__KIND__KIND_JSON_SCHEMA; break;
+        }
+        gr.source = o->gram_src;
+        req.grammar = &gr;
+    }
     Tandem__V1__LogprobsRequest lq = TANDEM__V1__LOGPROBS_REQUEST__INIT;
     if (o->logprobs >= 0) {
         lq.top_logprobs = (uint32_t)o->logprobs; /* validated: 0..20 */
@@ -799,6 +808,6 @@ out:
     cli_gen_result_free(&res);
     free(prompt);
     cli_gen_close(&g);
-    td_gram_unref(o.gram);
+    cli_gen_grammar_free(&o);
     return rc;
 }

@@ -312,23 +312,36 @@ static void openai_penalties(td_sampler_t *s, int32_t vocab)
     }
 }
 
-/* Copies the logits with NaN as -inf, adds the logit bias (ids past this vocabulary, which
- * the node refused at admission, are skipped), applies the mask, and the repetition penalty once to every
+/* Copies the logits with NaN as -inf and the mask applied, adds the logit bias (ids past this
+ * vocabulary, which the node refused at admission, are skipped), and the repetition penalty once to every
  * distinct token of the window: positive logits are divided, negative ones multiplied
  * (CTRL, Keskar et al. 2019), so a penalty > 1 always makes the token less likely; then
  * the presence and frequency penalties. */
 static void penalized_logits(td_sampler_t *s, const float *logits, int32_t vocab, const uint32_t *allowed)
 {
     float *val = s->val;
-    for (int32_t i = 0; i < vocab; i++)
-        val[i] = isnan(logits[i]) ? -INFINITY : logits[i];
-    for (int32_t i = 0; i < s->p.n_logit_bias; i++) /* the client's bias, on the model's logits */
+    if (!allowed) {
+        for (int32_t i = 0; i < vocab; i++)
+            val[i] = isnan(logits[i]) ? -INFINITY : logits[i];
+    } else { /* the mask first, nothing after it sees a forbidden token; a word at a time, as a
+                grammar's mask is mostly zero words, whose logits are not even read */
+        for (int32_t w = 0; w * 32 < vocab; w++) {
+            uint32_t bits = allowed[w];
+            int32_t i0 = w * 32, n = vocab - i0 < 32 ? vocab - i0 : 32;
+            if (bits == 0) {
+                for (int32_t i = 0; i < n; i++)
+                    val[i0 + i] = -INFINITY;
+            } else {
+                for (int32_t i = 0; i < n; i++)
+                    val[i0 + i] = ((bits >> i) & 1) && !isnan(logits[i0 + i]) ? logits[i0 + i] : -INFINITY;
+            }
+        }
+    }
+    /* the client's bias, on the model's logits, before the penalties (a forbidden token's
+     * -inf stays -inf: the grammar wins over any bias) */
+    for (int32_t i = 0; i < s->p.n_logit_bias; i++)
         if (s->p.logit_bias_ids[i] < vocab)
             val[s->p.logit_bias_ids[i]] += s->p.logit_bias[i];
-    if (allowed) /* before the penalties: nothing after it sees a forbidden token */
-        for (int32_t i = 0; i < vocab; i++)
-            if (!((allowed[i >> 5] >> (i & 31)) & 1))
-                val[i] = -INFINITY;
     const float pen = s->p.repetition_penalty;
     if (pen != 1.0f && s->window_len > 0) {
         memcpy(s->window_sort, s->window, (size_t)s->window_len * sizeof *s->window);

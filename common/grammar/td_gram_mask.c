@@ -36,6 +36,13 @@ struct td_gram_vocab {
     uint8_t *kind;      /* [n] td_gram_tok_t */
     int32_t *sorted;    /* [n_sorted] text tokens with bytes, in byte order */
     uint32_t *lcp;      /* [n_sorted] prefix shared with the one before (0 for the first) */
+    char *sbytes;       /* the sorted tokens' bytes back to back in sorted order, so that a
+                           walk reads memory in order */
+    size_t *soff;       /* [n_sorted] where sorted token i's bytes start in sbytes */
+    uint32_t *slen;     /* [n_sorted] */
+    int32_t *jump;      /* [n_sorted] the first j > i with lcp[j] < lcp[i] (n_sorted if none): the
+                           tokens between share token i's first lcp[i] bytes, so a walk that
+                           finds a prefix dead skips them in one step */
     int32_t n_sorted;
     int32_t *eos;       /* [n_eos] */
     int32_t n_eos;
@@ -108,8 +115,36 @@ td_status_t td_gram_vocab_create(int32_t n, const char *const *bytes, const size
             v->max_len = (uint32_t)lens[i];
     }
     qsort_r(v->sorted, (size_t)v->n_sorted, sizeof *v->sorted, cmp_tok, v);
-    for (int32_t i = 0; i < v->n_sorted; i++)
-        v->lcp[i] = i ? lcp_of(v, v->sorted[i - 1], v->sorted[i]) : 0;
+    v->sbytes = malloc(total ? total : 1);
+    v->soff = malloc(((size_t)v->n_sorted + 1) * sizeof *v->soff);
+    v->slen = malloc(((size_t)v->n_sorted + 1) * sizeof *v->slen);
+    v->jump = malloc(((size_t)v->n_sorted + 1) * sizeof *v->jump);
+    if (!v->sbytes || !v->soff || !v->slen || !v->jump) {
+        td_gram_vocab_destroy(v);
+        return td_errorf_quiet(TD_ERR_NOMEM, "grammar vocabulary: out of memory for %d tokens", n);
+    }
+    o = 0;
+    for (int32_t i = 0; i < v->n_sorted; i++) {
+        int32_t t = v->sorted[i];
+        v->lcp[i] = i ? lcp_of(v, v->sorted[i - 1], t) : 0;
+        v->soff[i] = o;
+        v->slen[i] = v->len[t];
+        memcpy(v->sbytes + o, v->bytes + v->off[t], v->len[t]);
+        o += v->len[t];
+    }
+    /* next smaller lcp: right to left, with a stack of the candidates */
+    int32_t *stk = malloc(((size_t)v->n_sorted + 1) * sizeof *stk), n_stk = 0;
+    if (!stk) {
+        td_gram_vocab_destroy(v);
+        return td_errorf_quiet(TD_ERR_NOMEM, "grammar vocabulary: out of memory for %d tokens", n);
+    }
+    for (int32_t i = v->n_sorted - 1; i >= 0; i--) {
+        while (n_stk > 0 && v->lcp[stk[n_stk - 1]] >= v->lcp[i])
+            n_stk--;
+        v->jump[i] = n_stk > 0 ? stk[n_stk - 1] : v->n_sorted;
+        stk[n_stk++] = i;
+    }
+    free(stk);
     *vocab_p = v;
     return TD_OK;
 }
@@ -124,6 +159,10 @@ void td_gram_vocab_destroy(td_gram_vocab_t *v)
     free(v->kind);
     free(v->sorted);
     free(v->lcp);
+    free(v->sbytes);
+    free(v->soff);
+    free(v->slen);
+    free(v->jump);
     free(v->eos);
     free(v);
 }
@@ -144,7 +183,11 @@ td_gram_tok_t td_gram_vocab_kind(const td_gram_vocab_t *v, int32_t id)
 typedef struct pos_cache {
     int32_t key[TD_GRAM_SUFFIX];  /* the suffix, bottom first */
     int32_t key_len;
-    uint32_t *acc;  /* [words] accepted whatever lies below the suffix */
+    uint32_t *acc;  /* [words] accepted whatever lies below the suffix, or NULL: then */
+    int32_t *acc_ids; /* [n_acc] those token ids, when fewer than a mask has words (a literal,
+                         an enum: the common case is a handful of tokens, which a mask sets
+                         one by one instead of OR-ing every word of a bitset) */
+    int32_t n_acc;
     int32_t *unc;   /* [n_unc] uncertain: indices into sorted, ascending */
     int32_t n_unc;
 } pos_cache_t;
@@ -165,7 +208,12 @@ struct td_gram_matcher {
     td_gram_sset_t *isets;  /* [n_isets] */
     int32_t n_isets, isets_cap;
     td_hash_t iset_index;   /* content hash -> id */
-    td_hash_t trans;        /* (id << 8 | byte) -> id of the set after the byte */
+    td_hash_t trans;        /* (id << 8 | byte) -> id of the set after the byte, for sets without a row */
+    uint8_t *iflag;         /* [isets_cap] ISET_LIVE | ISET_ENDS of each set: what a walk reads per byte */
+    int32_t *irow;          /* [isets_cap] the set's row of dense, or -1 */
+    int32_t *dense;         /* [rows_cap][256] the set after each byte, -1 not met yet: the first
+                               DENSE_ROWS sets' transitions are an index, not a hash lookup */
+    int32_t n_rows, rows_cap;
     td_gram_sset_t scratch;
     bool *ended;            /* [v->max_len + 1] a stack emptied before this depth */
     td_gram_sset_t start;   /* a walk's starting set */
@@ -200,6 +248,7 @@ void td_gram_matcher_destroy(td_gram_matcher_t *m)
         return;
     for (int32_t i = 0; i < m->n_pc; i++) {
         free(m->pc[i].acc);
+        free(m->pc[i].acc_ids);
         free(m->pc[i].unc);
     }
     free(m->pc);
@@ -210,6 +259,9 @@ void td_gram_matcher_destroy(td_gram_matcher_t *m)
     free(m->isets);
     td_hash_free(&m->iset_index);
     td_hash_free(&m->trans);
+    free(m->iflag);
+    free(m->irow);
+    free(m->dense);
     td_gram_sset_free(&m->scratch);
     free(m->ended);
     td_gram_sset_free(&m->start);
@@ -246,9 +298,14 @@ static void intern_reset(td_gram_matcher_t *m)
     for (int32_t i = 0; i < m->n_isets; i++)
         td_gram_sset_free(&m->isets[i]);
     m->n_isets = 0;
+    m->n_rows = 0;
     td_hash_free(&m->iset_index);
     td_hash_free(&m->trans);
 }
+
+#define ISET_LIVE 1u /* the set holds a stack: the walk goes on */
+#define ISET_ENDS 2u /* one of its stacks is empty: the grammar (or a suffix) may end here */
+#define DENSE_ROWS 8192 /* sets whose transitions are a 256-entry row (8 MiB at most) */
 
 /* The id of a set equal to s, interning a copy when new. */
 static td_status_t intern(td_gram_matcher_t *m, const td_gram_sset_t *s, int32_t *id_p)
@@ -267,10 +324,29 @@ static td_status_t intern(td_gram_matcher_t *m, const td_gram_sset_t *s, int32_t
     if (m->n_isets == m->isets_cap) {
         int32_t cap = m->isets_cap ? m->isets_cap * 2 : 256;
         td_gram_sset_t *n = realloc(m->isets, (size_t)cap * sizeof *n);
-        if (!n)
+        if (n)
+            m->isets = n;
+        uint8_t *f = n ? realloc(m->iflag, (size_t)cap) : NULL;
+        if (f)
+            m->iflag = f;
+        int32_t *r = f ? realloc(m->irow, (size_t)cap * sizeof *r) : NULL;
+        if (!r)
             return td_errorf_quiet(TD_ERR_NOMEM, "grammar matcher: out of memory");
-        m->isets = n;
+        m->irow = r;
         m->isets_cap = cap;
+    }
+    int32_t row = -1;
+    if (m->n_rows < DENSE_ROWS) {
+        if (m->n_rows == m->rows_cap) {
+            int32_t cap = m->rows_cap ? m->rows_cap * 2 : 64;
+            int32_t *d = realloc(m->dense, (size_t)cap * 256 * sizeof *d);
+            if (!d)
+                return td_errorf_quiet(TD_ERR_NOMEM, "grammar matcher: out of memory");
+            m->dense = d;
+            m->rows_cap = cap;
+        }
+        row = m->n_rows;
+        memset(m->dense + (size_t)row * 256, 0xff, 256 * sizeof *m->dense);
     }
     td_gram_sset_t *c = &m->isets[m->n_isets];
     *c = (td_gram_sset_t){0};
@@ -281,6 +357,9 @@ static td_status_t intern(td_gram_matcher_t *m, const td_gram_sset_t *s, int32_t
         td_gram_sset_free(c);
         return st;
     }
+    m->iflag[m->n_isets] = (uint8_t)((s->n > 0 ? ISET_LIVE : 0) | (s->has_empty ? ISET_ENDS : 0));
+    m->irow[m->n_isets] = row;
+    m->n_rows += row >= 0;
     *id_p = m->n_isets++;
     return TD_OK;
 }
@@ -288,16 +367,27 @@ static td_status_t intern(td_gram_matcher_t *m, const td_gram_sset_t *s, int32_t
 /* The id of the set after byte b from set `from`. */
 static td_status_t istep(td_gram_matcher_t *m, int32_t from, uint8_t b, int32_t *to_p)
 {
+    int32_t row = m->irow[from];
     uint64_t key = ((uint64_t)from << 8) | b;
-    td_hash_slot_t *x = td_hash_find(&m->trans, key);
-    if (x) {
-        *to_p = (int32_t)x->value;
-        return TD_OK;
+    if (row >= 0) {
+        int32_t to = m->dense[(size_t)row * 256 + b];
+        if (to >= 0) {
+            *to_p = to;
+            return TD_OK;
+        }
+    } else {
+        td_hash_slot_t *x = td_hash_find(&m->trans, key);
+        if (x) {
+            *to_p = (int32_t)x->value;
+            return TD_OK;
+        }
     }
     td_status_t st = td_gram_sset_step(m->g, &m->isets[from], b, &m->scratch);
     if (st == TD_OK)
         st = intern(m, &m->scratch, to_p);
-    if (st == TD_OK && td_hash_put(&m->trans, key, (uint64_t)*to_p) != TD_OK)
+    if (st == TD_OK && row >= 0)
+        m->dense[(size_t)row * 256 + b] = *to_p; /* after intern: it may have moved dense */
+    else if (st == TD_OK && td_hash_put(&m->trans, key, (uint64_t)*to_p) != TD_OK)
         st = td_errorf_quiet(TD_ERR_NOMEM, "grammar matcher: out of memory");
     return st;
 }
@@ -321,26 +411,33 @@ static td_status_t walk(td_gram_matcher_t *m, const int32_t *list, int32_t n, bo
     for (int32_t i = 0; i < n;) {
         int32_t idx = list ? list[i] : i;
         int32_t t = v->sorted[idx];
-        const uint8_t *b = (const uint8_t *)v->bytes + v->off[t];
-        uint32_t len = v->len[t];
+        const uint8_t *b = (const uint8_t *)v->sbytes + v->soff[idx];
+        uint32_t len = v->slen[idx];
         uint32_t l = i == 0 ? 0 : list ? lcp_of(v, v->sorted[list[i - 1]], t) : v->lcp[idx];
         uint32_t d = l < valid ? l : valid;
         while (d < len) {
             if ((st = istep(m, m->lvl[d], b[d], &m->lvl[d + 1])) != TD_OK)
                 return st;
-            m->ended[d + 1] = m->ended[d] || m->isets[m->lvl[d]].has_empty;
+            m->ended[d + 1] = m->ended[d] || (m->iflag[m->lvl[d]] & ISET_ENDS);
             d++;
-            if (m->isets[m->lvl[d]].n == 0)
+            if (!(m->iflag[m->lvl[d]] & ISET_LIVE))
                 break;
         }
         valid = d;
-        if (m->isets[m->lvl[d]].n > 0) { /* d == len: every byte consumed */
+        if (m->iflag[m->lvl[d]] & ISET_LIVE) { /* d == len: every byte consumed */
             acc[t >> 5] |= 1u << (t & 31);
             i++;
             continue;
         }
         /* dead after d bytes: so is every following token sharing those d bytes */
         bool uncertain = local && m->ended[d];
+        if (!uncertain && !list) { /* rejected, all of them: skip the subtree by jumps */
+            int32_t j = i + 1;
+            while (j < n && v->lcp[j] >= d)
+                j = v->jump[j];
+            i = j;
+            continue;
+        }
         for (;;) {
             if (uncertain && !unc_push(m, idx))
                 return td_errorf_quiet(TD_ERR_NOMEM, "grammar matcher: out of memory");
@@ -405,13 +502,25 @@ static td_status_t position(td_gram_matcher_t *m, const int32_t *stk, int32_t le
         memcpy(pc->unc, m->unc, (size_t)m->n_unc * sizeof *pc->unc);
         pc->n_unc = m->n_unc;
     }
+    int32_t n_acc = 0;
+    for (size_t w = 0; w < m->words; w++)
+        n_acc += __builtin_popcount(pc->acc[w]);
+    if ((size_t)n_acc < m->words / 4 && (pc->acc_ids = malloc(((size_t)n_acc + 1) * sizeof *pc->acc_ids))) {
+        for (size_t w = 0; w < m->words; w++)
+            for (uint32_t b = pc->acc[w]; b; b &= b - 1)
+                pc->acc_ids[pc->n_acc++] = (int32_t)(w * 32 + (size_t)__builtin_ctz(b));
+        free(pc->acc);
+        pc->acc = NULL;
+    } /* else (a failed malloc too) the bitset stays */
     if (td_hash_put(&m->pc_index, h, (uint64_t)m->n_pc) != TD_OK) {
         free(pc->acc);
+        free(pc->acc_ids);
         free(pc->unc);
         return td_errorf_quiet(TD_ERR_NOMEM, "grammar matcher: out of memory");
     }
     m->n_pc++;
-    m->pc_bytes += m->words * sizeof(uint32_t) + (size_t)pc->n_unc * sizeof(int32_t) + sizeof *pc;
+    m->pc_bytes += (pc->acc ? m->words * sizeof(uint32_t) : (size_t)pc->n_acc * sizeof(int32_t)) +
+                   (size_t)pc->n_unc * sizeof(int32_t) + sizeof *pc;
     *pc_p = pc;
     return TD_OK;
 }
@@ -437,8 +546,12 @@ td_status_t td_gram_fill_mask(td_gram_matcher_t *m, const td_gram_state_t *s, ui
             st = walk(m, NULL, m->v->n_sorted, false, mask);
             continue;
         }
-        for (size_t w = 0; w < m->words; w++)
-            mask[w] |= pc->acc[w];
+        if (pc->acc)
+            for (size_t w = 0; w < m->words; w++)
+                mask[w] |= pc->acc[w];
+        else
+            for (int32_t i = 0; i < pc->n_acc; i++)
+                mask[pc->acc_ids[i] >> 5] |= 1u << (pc->acc_ids[i] & 31);
         if (pc->n_unc > 0)
             st = walk(m, pc->unc, pc->n_unc, false, mask);
     }

@@ -11,7 +11,8 @@
 # - an unsupported schema keyword is a 400 naming the field and the keyword; two constraints
 #   are a 400;
 # - the gRPC gateway's GenerateRequest.grammar (a JSON Schema by prompt ids): the same ids as
-#   `tandem generate --json-schema --prompt-ids`; an unsupported keyword INVALID_ARGUMENT.
+#   `tandem generate --json-schema --prompt-ids`; an unsupported keyword INVALID_ARGUMENT;
+#   `tandem generate --server` sends its --json-schema (the same ids again) and --choice.
 source "$(dirname "$0")/cluster_lib.sh"
 cl_init_gguf
 VAL="$CL_SRC/tests/support/json_schema_check.py"
@@ -127,6 +128,14 @@ checks() { # checks NAME: the whole set against the cluster now running
     [ -n "$want_ids" ] && [ "$got" = "$want_ids" ] || cl_fail "$name: gateway json schema: want '$want_ids' got '$got'"
     got=$(CL_SRC="$CL_SRC" grpc_gen 4 '{"type":"integer","multipleOf":3}')
     case "$got" in "INVALID_ARGUMENT grammar: "*multipleOf*) ;; *) cl_fail "$name: gateway multipleOf: '$got'" ;; esac
+    # tandem generate --server: its grammar flag travels in GenerateRequest.grammar
+    got=$("$CL_BIN" generate --server "$CL_GW" --prompt-ids "$IDS" --json-schema "$CL_T/person.json" --print-ids \
+        --max-tokens $MAXTOK 2>"$CL_T/gs.err")
+    [ -n "$want_ids" ] && [ "$(echo $got)" = "$(echo $want_ids)" ] ||
+        cl_fail "$name: generate --server --json-schema: want '$want_ids' got '$got' ($(tail -1 "$CL_T/gs.err"))"
+    got=$("$CL_BIN" generate --server "$CL_GW" --prompt "My favourite colour is" --choice red,green,blue \
+        --temperature 1 --seed 3 --max-tokens 8 2>"$CL_T/gs.err")
+    case "$(echo $got)" in red | green | blue) ;; *) cl_fail "$name: generate --server --choice gave '$got' ($(tail -1 "$CL_T/gs.err"))" ;; esac
 }
 
 echo "== 1 prefill + 1 decode"

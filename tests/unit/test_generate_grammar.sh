@@ -33,7 +33,9 @@ expect_says '--json-schema: ' --model /nonexistent --prompt x --json-schema "$tm
 expect_says 'left-recursive' --model /nonexistent --prompt x --grammar "$tmp/leftrec.gbnf"
 expect_says 'backreferences are not supported' --model /nonexistent --prompt x --regex '(a)\1'
 expect_says 'give at most one of' --model /nonexistent --prompt x --regex a --choice a,b
-expect_says 'local only' --server 127.0.0.1:1 --prompt x --json-object
+# with --server the flag is checked here too, before any connection (then sent as is)
+expect_says '--json-schema: json schema $.properties.a.multipleOf' --server 127.0.0.1:1 --prompt x \
+    --json-schema "$tmp/unsup.json"
 
 gguf=${TANDEM_TEST_GGUF:-}
 if [ -z "$gguf" ] || [ ! -f "$gguf" ]; then
