@@ -18,6 +18,7 @@
 #include <string.h>
 
 #include "td_gram.h"
+#include "td_gram_int.h"
 
 const char *td_tools_format_name(td_tools_format_t fmt)
 {
@@ -69,56 +70,9 @@ td_tools_format_t td_tools_detect(const char *src, size_t len)
 
 /* ---- the grammar of a forced call ---- */
 
-typedef struct sbuf {
-    char *p;
-    size_t n, cap;
-    bool oom;
-} sbuf_t;
-
-static void put(sbuf_t *b, const char *s, size_t n)
-{
-    if (b->oom)
-        return;
-    if (b->n + n + 1 > b->cap) {
-        size_t cap = b->cap ? b->cap : 1024;
-        while (cap < b->n + n + 1)
-            cap *= 2;
-        char *p = realloc(b->p, cap);
-        if (!p) {
-            b->oom = true;
-            return;
-        }
-        b->p = p;
-        b->cap = cap;
-    }
-    memcpy(b->p + b->n, s, n);
-    b->n += n;
-    b->p[b->n] = '\0';
-}
-
-static void puts_(sbuf_t *b, const char *s)
-{
-    put(b, s, strlen(s));
-}
-
-/* s as the inside of a GBNF string literal. */
-static void put_literal(sbuf_t *b, const char *s, size_t n)
-{
-    for (size_t i = 0; i < n; i++) {
-        unsigned char c = (unsigned char)s[i];
-        if (c == '"' || c == '\\' || c < 0x20 || c == 0x7f) {
-            char e[8];
-            snprintf(e, sizeof e, "\\x%02X", c);
-            puts_(b, e);
-        } else {
-            put(b, (const char *)&c, 1);
-        }
-    }
-}
-
 /* Copies GBNF text with every rule name prefixed (string literals, character classes and
  * comments copied as they are), so several grammars can share one text. */
-static void put_renamed(sbuf_t *b, const char *g, const char *prefix)
+static void put_renamed(td_gram_str_t *b, const char *g, const char *prefix)
 {
     for (const char *p = g; *p;) {
         if (*p == '"' || *p == '[') {
@@ -128,7 +82,7 @@ static void put_renamed(sbuf_t *b, const char *g, const char *prefix)
                 q += q[0] == '\\' && q[1] ? 2 : 1;
             if (*q)
                 q++;
-            put(b, p, (size_t)(q - p));
+            td_gram_str_add(b, p, (size_t)(q - p));
             p = q;
         } else if (*p == '#') {
             const char *q = p;
@@ -140,11 +94,11 @@ static void put_renamed(sbuf_t *b, const char *g, const char *prefix)
             while ((*q >= 'a' && *q <= 'z') || (*q >= 'A' && *q <= 'Z') || (*q >= '0' && *q <= '9') ||
                    *q == '-' || *q == '_')
                 q++;
-            puts_(b, prefix);
-            put(b, p, (size_t)(q - p));
+            td_gram_str_puts(b, prefix);
+            td_gram_str_add(b, p, (size_t)(q - p));
             p = q;
         } else {
-            put(b, p++, 1);
+            td_gram_str_add(b, p++, 1);
         }
     }
 }
@@ -154,28 +108,25 @@ td_status_t td_tools_grammar(td_tools_format_t fmt, const td_tool_t *tools, size
 {
     if (!n || fmt == TD_TOOLS_NONE)
         return td_errorf_quiet(TD_ERR_INVALID, "a forced tool call needs tools and a tool-call format");
-    sbuf_t b = {0};
+    td_gram_str_t b = {0};
     td_status_t st = TD_OK;
     switch (fmt) {
     case TD_TOOLS_HERMES:
-        puts_(&b, parallel ? "root ::= tc ( \"\\n\" tc )*\n" : "root ::= tc\n");
-        puts_(&b, "tc ::= \"<tool_call>\\n\" call \"\\n</tool_call>\"\n");
+        td_gram_str_puts(&b, parallel ? "root ::= tc ( \"\\n\" tc )*\n" : "root ::= tc\n");
+        td_gram_str_puts(&b, "tc ::= \"<tool_call>\\n\" call \"\\n</tool_call>\"\n");
         break;
     case TD_TOOLS_MISTRAL: /* without the [TOOL_CALLS] marker: a control token in v0.3's vocabulary,
                             * which a grammar never emits; the parser reads a bare array too */
-        puts_(&b, parallel ? "root ::= \"[\" call ( \", \" call )* \"]\"\n" : "root ::= \"[\" call \"]\"\n");
+        td_gram_str_puts(&b, parallel ? "root ::= \"[\" call ( \", \" call )* \"]\"\n" : "root ::= \"[\" call \"]\"\n");
         break;
     default: /* llama3_json: one call is the whole output */
-        puts_(&b, "root ::= call\n");
+        td_gram_str_puts(&b, "root ::= call\n");
         break;
     }
-    puts_(&b, "call ::= "); /* the alternatives, one per tool */
-    for (size_t i = 0; i < n && !b.oom; i++) {
-        char ref[32];
-        snprintf(ref, sizeof ref, "%sc%zu", i ? " | " : "", i);
-        puts_(&b, ref);
-    }
-    puts_(&b, "\n");
+    td_gram_str_puts(&b, "call ::= "); /* the alternatives, one per tool */
+    for (size_t i = 0; i < n && !b.oom; i++)
+        td_gram_str_printf(&b, "%sc%zu", i ? " | " : "", i);
+    td_gram_str_puts(&b, "\n");
     for (size_t i = 0; i < n && !st && !b.oom; i++) {
         const char *params = tools[i].parameters;
         char *g = NULL;
@@ -186,24 +137,22 @@ td_status_t td_tools_grammar(td_tools_format_t fmt, const td_tool_t *tools, size
                 *bad_p = i;
             break;
         }
-        char line[64], prefix[32];
-        snprintf(line, sizeof line, "c%zu ::= \"{\\x22name\\x22: \\x22", i);
-        puts_(&b, line);
-        put_literal(&b, tools[i].name, strlen(tools[i].name));
-        puts_(&b, fmt == TD_TOOLS_LLAMA3_JSON ? "\\x22, \\x22parameters\\x22: \" " : "\\x22, \\x22arguments\\x22: \" ");
+        char prefix[32];
         snprintf(prefix, sizeof prefix, "t%zu-", i);
-        snprintf(line, sizeof line, "%sroot \"}\"\n", prefix);
-        puts_(&b, line);
+        td_gram_str_printf(&b, "c%zu ::= \"{\\x22name\\x22: \\x22\" ", i);
+        td_gram_str_literal(&b, tools[i].name, strlen(tools[i].name));
+        td_gram_str_puts(&b, fmt == TD_TOOLS_LLAMA3_JSON ? " \"\\x22, \\x22parameters\\x22: \" " : " \"\\x22, \\x22arguments\\x22: \" ");
+        td_gram_str_printf(&b, "%sroot \"}\"\n", prefix);
         put_renamed(&b, g, prefix);
-        puts_(&b, "\n");
+        td_gram_str_puts(&b, "\n");
         free(g);
     }
     if (!st && b.oom)
         st = td_errorf_quiet(TD_ERR_NOMEM, "tools: out of memory");
     char *out = NULL;
-    if (!st && (st = td_gram_to_gbnf(TD_GRAM_GBNF, b.p, b.n, &out)) != TD_OK && bad_p)
+    if (!st && (st = td_gram_to_gbnf(TD_GRAM_GBNF, b.s, b.len, &out)) != TD_OK && bad_p)
         *bad_p = n; /* the whole: a bound of td_gram exceeded */
-    free(b.p);
+    td_gram_str_free(&b);
     if (st)
         return st;
     *gbnf_p = out;
