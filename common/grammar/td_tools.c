@@ -427,8 +427,9 @@ static td_status_t step(td_tools_parser_t *p, bool final, bool *progress, td_too
                 return st;
             }
         size_t hold = final ? 0 : partial_marker(p->buf, p->n, marker);
-        if (!final && p->after_call && all_space(p->buf, p->n))
-            return TD_OK; /* whitespace after a call: content only if text follows */
+        if (!final && p->after_call && all_space(p->buf, p->n - hold))
+            return TD_OK; /* whitespace after a call (before what may open the next): content
+                           * only if text follows, with that text, as when the output came whole */
         return give_content(p, p->n - hold, cb, ctx);
     }
     case P_CALL:
@@ -463,8 +464,10 @@ static td_status_t step(td_tools_parser_t *p, bool final, bool *progress, td_too
     size_t i = skip_ws(p->buf, p->n, 0);
     if (p->fmt == TD_TOOLS_LLAMA3_JSON && i < p->n && p->buf[i] == ';')
         i = skip_ws(p->buf, p->n, i + 1);
-    if (i == p->n) {
-        consume(p, i);
+    if (i == p->n) { /* blanks (and a ';') are held: if text that is no call follows, they are
+                      * its content, as when the output came whole */
+        if (p->n > p->max_bytes)
+            consume(p, i);
         return TD_OK;
     }
     size_t end = json_end(p->buf, p->n, i);

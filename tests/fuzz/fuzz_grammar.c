@@ -4,13 +4,19 @@
  * Whatever compiles is walked: from the start state, a token mask over a small vocabulary
  * (every byte, a few JSON-ish strings, an EOS) and a walk of up to 64 tokens picked by the
  * input's bytes, each mask checked against a fresh copy's accept_bytes for a few tokens, and
- * the state's serialization read back. Seeds: tests/fuzz/corpus/grammar.
+ * the state's serialization read back. A first byte of 0xF0 or more fuzzes the tool-call
+ * parser instead (td_tools.h; format = the byte's low two bits): the rest is a model's
+ * output, fed whole and then in pieces sized by its own bytes, and both must give the same
+ * content and calls. Seeds: tests/fuzz/corpus/grammar.
  */
+#include <stdbool.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "td_gram.h"
+#include "td_tools.h"
 
 static td_gram_vocab_t *vocab(void)
 {
@@ -38,10 +44,94 @@ static td_gram_vocab_t *vocab(void)
     return v;
 }
 
+
+/* The parser's events as one record: runs of content joined, each call as 0x01 name 0x02
+ * arguments 0x03 (a piecewise feed may split content where a whole one does not). */
+typedef struct rec {
+    char *p;
+    size_t n, cap;
+    bool in_content;
+} rec_t;
+
+static void rec_put(rec_t *r, const char *s, size_t n)
+{
+    if (r->n + n > r->cap) {
+        size_t cap = r->cap ? r->cap : 256;
+        while (cap < r->n + n)
+            cap *= 2;
+        if (!(r->p = realloc(r->p, cap)))
+            abort();
+        r->cap = cap;
+    }
+    if (n)
+        memcpy(r->p + r->n, s, n);
+    r->n += n;
+}
+
+static td_status_t rec_event(void *ctx, const td_tools_event_t *ev)
+{
+    rec_t *r = ctx;
+    if (ev->kind == TD_TOOLS_CONTENT) {
+        if (!ev->len)
+            return TD_OK;
+        if (!r->in_content)
+            rec_put(r, "\x04", 1);
+        rec_put(r, ev->text, ev->len);
+        r->in_content = true;
+        return TD_OK;
+    }
+    char idx[16];
+    int k = snprintf(idx, sizeof idx, "\x01%u:", ev->index);
+    rec_put(r, idx, (size_t)k);
+    rec_put(r, ev->name, strlen(ev->name));
+    rec_put(r, "\x02", 1);
+    rec_put(r, ev->arguments, ev->arguments_len);
+    rec_put(r, "\x03", 1);
+    r->in_content = false;
+    return TD_OK;
+}
+
+static void tools_parse(td_tools_format_t fmt, uint32_t max_calls, const char *out, size_t len, const uint8_t *cuts,
+                        size_t n_cuts, rec_t *r)
+{
+    td_tools_parser_t *p = NULL;
+    if (td_tools_parser_create(fmt, max_calls, (size_t)1 << 20, &p) != TD_OK)
+        abort();
+    for (size_t i = 0, k = 0; i < len; k++) {
+        size_t piece = n_cuts ? (size_t)cuts[k % n_cuts] % 17 + 1 : len;
+        piece = piece < len - i ? piece : len - i;
+        if (td_tools_parser_feed(p, out + i, piece, rec_event, r) != TD_OK)
+            abort();
+        i += piece;
+    }
+    if (td_tools_parser_finish(p, rec_event, r) != TD_OK)
+        abort();
+    td_tools_parser_destroy(p);
+}
+
+static void fuzz_tools(const uint8_t *data, size_t size)
+{
+    td_tools_format_t fmt = (td_tools_format_t)(data[0] & 3);
+    uint32_t max_calls = data[0] & 4 ? 1 : 0;
+    const char *out = (const char *)data + 1;
+    size_t len = size - 1;
+    rec_t whole = {0}, pieces = {0};
+    tools_parse(fmt, max_calls, out, len, NULL, 0, &whole);
+    tools_parse(fmt, max_calls, out, len, data + 1, len, &pieces);
+    if (whole.n != pieces.n || (whole.n && memcmp(whole.p, pieces.p, whole.n)))
+        abort(); /* fed in pieces, the same content and calls as fed whole */
+    free(whole.p);
+    free(pieces.p);
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
     if (size < 1)
         return 0;
+    if (data[0] >= 0xF0) {
+        fuzz_tools(data, size);
+        return 0;
+    }
     static td_gram_vocab_t *v;
     if (!v)
         v = vocab();
