@@ -744,8 +744,11 @@ int cmd_generate(int argc, char **argv)
     int rc = parse_opts(argc, argv, &o);
     if (rc >= 0)
         return rc;
-    if (o.server)
-        return gen_remote(&o);
+    if (o.server) {
+        rc = gen_remote(&o);
+        cli_gen_grammar_free(&o);
+        return rc;
+    }
     rc = 1;
 
     cli_gen_t g = {0};
