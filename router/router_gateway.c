@@ -32,6 +32,7 @@ typedef struct gw_tools {
     size_t n_calls, cap_calls;
     size_t (*offs)[3];              /* [n_calls] each call's id, name, arguments offset in strs */
     uint32_t total;                 /* calls given so far */
+    size_t fed;                     /* bytes of r->out.text fed to the parser (a send was BUSY) */
 } gw_tools_t;
 
 static void gw_tools_free(router_req_t *r)
@@ -85,21 +86,23 @@ static td_status_t gw_tool_event(void *ctx, const td_tools_event_t *ev)
     return TD_OK;
 }
 
-/* r->out's new text through r's tool-call parser (the last message: and the parser's held
- * text), into m's text and tool_calls; *ptrs_p the calls' array (free it once sent). */
+/* r->out's text not yet fed through r's tool-call parser (the last message: and the
+ * parser's held text), into m's text and tool_calls; *ptrs_p the calls' array (free it once
+ * sent). What the parser gave stays pending until gw_tools_sent: a send refused as BUSY is
+ * made again from the same r->out, which is not fed twice. */
 static td_status_t gw_tools_message(router_req_t *r, Tandem__V1__GenerateResponse *m, bool last, void **ptrs_p)
 {
     gw_tools_t *g = r->sink_data;
     *ptrs_p = NULL;
-    g->content.n = 0;
-    g->strs.n = 0;
-    g->n_calls = 0;
     td_status_t st = TD_OK;
-    if (r->out.n_text)
-        st = td_tools_parser_feed(g->parser, r->out.text, r->out.n_text, gw_tool_event, g);
+    if (r->out.n_text > g->fed)
+        st = td_tools_parser_feed(g->parser, r->out.text + g->fed, r->out.n_text - g->fed, gw_tool_event, g);
+    g->fed = r->out.n_text;
     if (st == TD_OK && last)
         st = td_tools_parser_finish(g->parser, gw_tool_event, g);
-    router_oai_buf_put(&g->content, "", 1);
+    router_oai_buf_put(&g->content, "", 1); /* the NUL protobuf-c wants, not counted */
+    if (!g->content.oom)
+        g->content.n--;
     if (st == TD_OK && g->content.oom)
         st = TD_ERR_NOMEM;
     m->text = st == TD_OK ? g->content.p : (char *)gw_none;
@@ -120,8 +123,16 @@ static td_status_t gw_tools_message(router_req_t *r, Tandem__V1__GenerateRespons
     return st;
 }
 
-/* r->out as a message; the log-probabilities' messages are allocated in *mem (two blocks:
- * free both once sent). TD_ERR_NOMEM: the message has what fitted (ids and text always). */
+/* The message went out (the relay clears r->out): nothing of it is pending any more. */
+static void gw_tools_sent(router_req_t *r)
+{
+    gw_tools_t *g = r->sink_data;
+    g->content.n = 0;
+    g->strs.n = 0;
+    g->n_calls = 0;
+    g->fed = 0;
+}
+
 static td_status_t gw_message(router_req_t *r, Tandem__V1__GenerateResponse *m, void *mem[2])
 {
     td_status_t st = TD_OK;
@@ -154,6 +165,8 @@ static td_status_t gw_send(router_req_t *r)
         return TD_ERR_NOMEM; /* the client goes: a call half-read cannot be sent right */
     }
     td_status_t st = td_grpc_call_send(r->client, &m.base);
+    if (st == TD_OK && r->sink_data)
+        gw_tools_sent(r);
     free(calls);
     free(mem[0]);
     free(mem[1]);
