@@ -255,7 +255,11 @@ static td_gen_params_t gen_params_from_proto(const Tandem__V1__GenerateRequest *
     gp.prompt_is_text = q->n_prompt_ids == 0;
     gp.prompt_len = q->n_prompt_ids ? q->n_prompt_ids : strlen(q->prompt);
     for (size_t i = 0; i < q->n_messages; i++) /* a conversation: its text counts as the prompt */
-        gp.prompt_len += strlen(q->messages[i]->role) + strlen(q->messages[i]->content) + TD_GEN_MESSAGE_BYTES;
+        gp.prompt_len += strlen(q->messages[i]->role) + strlen(q->messages[i]->content) + TD_GEN_MESSAGE_BYTES +
+                         strlen(q->messages[i]->tool_calls_json) + strlen(q->messages[i]->tool_call_id) +
+                         strlen(q->messages[i]->name);
+    if (q->n_messages) /* the tools are rendered by the template too */
+        gp.prompt_len += strlen(q->tools_json);
     gp.n_stop_ids = q->n_stop_ids;
     gp.n_stop_strings = q->n_stop_strings;
     gp.stop_strings = (const char *const *)q->stop_strings;

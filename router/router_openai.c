@@ -757,8 +757,8 @@ td_status_t router_oai_tools_read(router_oai_req_t *q, const cJSON *tools, const
             k++;
         if (k == 3) {
             router_oai_error_set(err, 400, "invalid_request_error", choice_param, "unsupported_value",
-                                 "'%s' \"%.32s\" is not one of \"none\", \"auto\", \"required\" or a function",
-                                 choice_param, choice);
+                                 "'%s' \"%.32s\" is not one of \"none\", \"auto\", \"required\" or "
+                                 "{\"type\": \"function\", \"function\": {\"name\": ...}}", choice_param, choice);
             return TD_ERR_INVALID;
         }
         q->tool_choice = (router_oai_tool_choice_t)k;
