@@ -11,6 +11,7 @@
 
 #include "health.pb-c.h"
 #include "router_admit.h"
+#include "router_openai.h"
 #include "td_gram.h"
 #include "td_log.h"
 #include "td_util.h"
@@ -19,8 +20,119 @@
 
 static const char *const gw_none = "";
 
-/* r->out as a message; the log-probabilities' messages are allocated in *mem (two blocks:
- * free both once sent). TD_ERR_NOMEM: the message has what fitted (ids and text always). */
+/* A Generate call with tools (r->sink_data): its output through the tool-call parser, and
+ * what the parser gave since the last message went out. */
+typedef struct gw_tools {
+    td_tools_parser_t *parser;
+    td_tools_format_t fmt;
+    const char *req_id;             /* r->id, for the calls' ids */
+    router_oai_buf_t content;       /* content text given, not yet sent */
+    router_oai_buf_t strs;          /* the pending calls' ids, names and arguments, NUL-separated */
+    Tandem__V1__ToolCall *calls;    /* [n_calls] pending calls (string fields set at send) */
+    size_t n_calls, cap_calls;
+    size_t (*offs)[3];              /* [n_calls] each call's id, name, arguments offset in strs */
+    uint32_t total;                 /* calls given so far */
+    size_t fed;                     /* bytes of r->out.text fed to the parser (a send was BUSY) */
+} gw_tools_t;
+
+static void gw_tools_free(router_req_t *r)
+{
+    gw_tools_t *g = r->sink_data;
+    if (!g)
+        return;
+    td_tools_parser_destroy(g->parser);
+    router_oai_buf_free(&g->content);
+    router_oai_buf_free(&g->strs);
+    free(g->calls);
+    free(g->offs);
+    free(g);
+    r->sink_data = NULL;
+}
+
+static td_status_t gw_tool_event(void *ctx, const td_tools_event_t *ev)
+{
+    gw_tools_t *g = ctx;
+    if (ev->kind == TD_TOOLS_CONTENT) {
+        router_oai_buf_put(&g->content, ev->text, ev->len);
+        return g->content.oom ? TD_ERR_NOMEM : TD_OK;
+    }
+    if (g->n_calls == g->cap_calls) {
+        size_t cap = g->cap_calls ? 2 * g->cap_calls : 4;
+        Tandem__V1__ToolCall *c = realloc(g->calls, cap * sizeof *c);
+        if (c)
+            g->calls = c;
+        size_t (*o)[3] = c ? realloc(g->offs, cap * sizeof *o) : NULL;
+        if (!o)
+            return TD_ERR_NOMEM;
+        g->offs = o;
+        g->cap_calls = cap;
+    }
+    char id[40];
+    router_oai_tool_call_id(g->req_id, g->fmt, ev->index, id);
+    size_t *off = g->offs[g->n_calls];
+    off[0] = g->strs.n;
+    router_oai_buf_put(&g->strs, id, strlen(id) + 1);
+    off[1] = g->strs.n;
+    router_oai_buf_put(&g->strs, ev->name, strlen(ev->name) + 1);
+    off[2] = g->strs.n;
+    router_oai_buf_put(&g->strs, ev->arguments, ev->arguments_len);
+    router_oai_buf_put(&g->strs, "", 1);
+    if (g->strs.oom)
+        return TD_ERR_NOMEM;
+    Tandem__V1__ToolCall *c = &g->calls[g->n_calls++];
+    tandem__v1__tool_call__init(c);
+    c->index = ev->index;
+    g->total++;
+    return TD_OK;
+}
+
+/* r->out's text not yet fed through r's tool-call parser (the last message: and the
+ * parser's held text), into m's text and tool_calls; *ptrs_p the calls' array (free it once
+ * sent). What the parser gave stays pending until gw_tools_sent: a send refused as BUSY is
+ * made again from the same r->out, which is not fed twice. */
+static td_status_t gw_tools_message(router_req_t *r, Tandem__V1__GenerateResponse *m, bool last, void **ptrs_p)
+{
+    gw_tools_t *g = r->sink_data;
+    *ptrs_p = NULL;
+    td_status_t st = TD_OK;
+    if (r->out.n_text > g->fed)
+        st = td_tools_parser_feed(g->parser, r->out.text + g->fed, r->out.n_text - g->fed, gw_tool_event, g);
+    g->fed = r->out.n_text;
+    if (st == TD_OK && last)
+        st = td_tools_parser_finish(g->parser, gw_tool_event, g);
+    router_oai_buf_put(&g->content, "", 1); /* the NUL protobuf-c wants, not counted */
+    if (!g->content.oom)
+        g->content.n--;
+    if (st == TD_OK && g->content.oom)
+        st = TD_ERR_NOMEM;
+    m->text = st == TD_OK ? g->content.p : (char *)gw_none;
+    Tandem__V1__ToolCall **ptrs = st == TD_OK && g->n_calls ? malloc(g->n_calls * sizeof *ptrs) : NULL;
+    for (size_t i = 0; ptrs && i < g->n_calls; i++) {
+        g->calls[i].id = g->strs.p + g->offs[i][0];
+        g->calls[i].name = g->strs.p + g->offs[i][1];
+        g->calls[i].arguments_json = g->strs.p + g->offs[i][2];
+        ptrs[i] = &g->calls[i];
+    }
+    if (ptrs) {
+        m->tool_calls = ptrs;
+        m->n_tool_calls = g->n_calls;
+    } else if (st == TD_OK && g->n_calls) {
+        st = TD_ERR_NOMEM;
+    }
+    *ptrs_p = ptrs;
+    return st;
+}
+
+/* The message went out (the relay clears r->out): nothing of it is pending any more. */
+static void gw_tools_sent(router_req_t *r)
+{
+    gw_tools_t *g = r->sink_data;
+    g->content.n = 0;
+    g->strs.n = 0;
+    g->n_calls = 0;
+    g->fed = 0;
+}
+
 static td_status_t gw_message(router_req_t *r, Tandem__V1__GenerateResponse *m, void *mem[2])
 {
     td_status_t st = TD_OK;
@@ -44,10 +156,18 @@ static td_status_t gw_message(router_req_t *r, Tandem__V1__GenerateResponse *m, 
 static td_status_t gw_send(router_req_t *r)
 {
     Tandem__V1__GenerateResponse m = TANDEM__V1__GENERATE_RESPONSE__INIT;
-    void *mem[2];
+    void *mem[2], *calls = NULL;
     if (gw_message(r, &m, mem) != TD_OK)
         td_warn("request %s: out of memory for %u log-probabilities; sent without them", r->id, r->out.n);
+    if (r->sink_data && gw_tools_message(r, &m, false, &calls) != TD_OK) {
+        free(mem[0]);
+        free(mem[1]);
+        return TD_ERR_NOMEM; /* the client goes: a call half-read cannot be sent right */
+    }
     td_status_t st = td_grpc_call_send(r->client, &m.base);
+    if (st == TD_OK && r->sink_data)
+        gw_tools_sent(r);
+    free(calls);
     free(mem[0]);
     free(mem[1]);
     return st;
@@ -60,6 +180,7 @@ static void gw_finish(router_req_t *r, const router_summary_t *sum)
         [ROUTER_FINISH_STOP] = TANDEM__V1__FINISH_REASON__FINISH_REASON_STOP,
         [ROUTER_FINISH_EOS] = TANDEM__V1__FINISH_REASON__FINISH_REASON_EOS,
     };
+    void *calls = NULL;
     Tandem__V1__GenerateResponse m = TANDEM__V1__GENERATE_RESPONSE__INIT;
     Tandem__V1__Usage u = TANDEM__V1__USAGE__INIT;
     Tandem__V1__Timings t = TANDEM__V1__TIMINGS__INIT;
@@ -68,6 +189,13 @@ static void gw_finish(router_req_t *r, const router_summary_t *sum)
         td_warn("request %s: out of memory for the log-probabilities of the last message; sent without them", r->id);
     m.request_id = r->id;
     m.finish_reason = reasons[sum->reason];
+    if (r->sink_data) {
+        if (gw_tools_message(r, &m, true, &calls) != TD_OK)
+            td_warn("request %s: out of memory for the tool calls of the last message; sent without them", r->id);
+        /* as OpenAI's "tool_calls": the output ended with calls, not cut by max_tokens */
+        if (((gw_tools_t *)r->sink_data)->total && sum->reason != ROUTER_FINISH_LENGTH)
+            m.finish_reason = TANDEM__V1__FINISH_REASON__FINISH_REASON_TOOL_CALLS;
+    }
     u.prompt_tokens = sum->prompt_tokens;
     u.completion_tokens = sum->completion_tokens;
     u.cached_tokens = sum->cached_tokens;
@@ -83,12 +211,15 @@ static void gw_finish(router_req_t *r, const router_summary_t *sum)
     m.timings = &t;
     td_grpc_call_set_data(r->client, NULL);
     td_grpc_call_reply(r->client, &m.base);
+    free(calls);
+    gw_tools_free(r);
     free(mem[0]);
     free(mem[1]);
 }
 
 static void gw_fail(router_req_t *r, td_grpc_code_t code, const char *msg)
 {
+    gw_tools_free(r);
     td_grpc_call_set_data(r->client, NULL);
     td_grpc_call_finish(r->client, code, msg);
 }
@@ -98,8 +229,10 @@ static const router_sink_ops_t gw_sink = {.send = gw_send, .finish = gw_finish, 
 static void on_generate_cancel(td_grpc_call_t *call, td_status_t why, void *call_data)
 {
     router_req_t *r = call_data;
-    if (r)
+    if (r) {
+        gw_tools_free(r);
         router_req_client_gone(r, why == TD_ERR_TIMEOUT);
+    }
     td_grpc_call_finish(call, TD_GRPC_CANCELLED, NULL);
 }
 
@@ -122,7 +255,11 @@ static td_gen_params_t gen_params_from_proto(const Tandem__V1__GenerateRequest *
     gp.prompt_is_text = q->n_prompt_ids == 0;
     gp.prompt_len = q->n_prompt_ids ? q->n_prompt_ids : strlen(q->prompt);
     for (size_t i = 0; i < q->n_messages; i++) /* a conversation: its text counts as the prompt */
-        gp.prompt_len += strlen(q->messages[i]->role) + strlen(q->messages[i]->content) + TD_GEN_MESSAGE_BYTES;
+        gp.prompt_len += strlen(q->messages[i]->role) + strlen(q->messages[i]->content) + TD_GEN_MESSAGE_BYTES +
+                         strlen(q->messages[i]->tool_calls_json) + strlen(q->messages[i]->tool_call_id) +
+                         strlen(q->messages[i]->name);
+    if (q->n_messages) /* the tools are rendered by the template too */
+        gp.prompt_len += strlen(q->tools_json);
     gp.n_stop_ids = q->n_stop_ids;
     gp.n_stop_strings = q->n_stop_strings;
     gp.stop_strings = (const char *const *)q->stop_strings;
@@ -167,6 +304,84 @@ static bool gateway_grammar(const Tandem__V1__Grammar *g, char **gbnf_p, char *w
     return true;
 }
 
+/* GenerateRequest's tools_json, tool_choice and single_tool_call read and checked by the
+ * OpenAI path's own functions (router_oai_tools_read, router_oai_tools_prepare) into *tq
+ * (free it with router_oai_req_free); *gbnf_p, the request's grammar, becomes the forced
+ * call's grammar for tool_choice required or a name. *parse_p: the output is read for
+ * calls. false with the reason in why and *code_p: refused (INVALID_ARGUMENT) or out of
+ * memory. */
+static bool gateway_tools(const router_state_t *s, const Tandem__V1__GenerateRequest *q, router_oai_req_t *tq,
+                          char **gbnf_p, bool *parse_p, td_grpc_code_t *code_p, char *why, size_t cap)
+{
+    *tq = (router_oai_req_t){.kind = ROUTER_OAI_CHAT, .n = 1, .parallel_tool_calls = !q->single_tool_call};
+    *parse_p = false;
+    *code_p = TD_GRPC_INVALID_ARGUMENT;
+    if (!q->tools_json[0] && !q->tool_choice[0])
+        return true;
+    size_t len = strlen(q->tools_json);
+    if (len > GATEWAY_GRAMMAR_MAX) {
+        snprintf(why, cap, "tools_json of %zu bytes: at most %d through the gateway", len, GATEWAY_GRAMMAR_MAX);
+        return false;
+    }
+    if (len && !(tq->doc = cJSON_ParseWithLength(q->tools_json, len))) {
+        snprintf(why, cap, "tools_json: not JSON (near byte %zu); send OpenAI's tools array as text",
+                 (size_t)(cJSON_GetErrorPtr() ? cJSON_GetErrorPtr() - q->tools_json : 0));
+        return false;
+    }
+    const char *choice = q->tool_choice[0] ? q->tool_choice : NULL, *name = NULL;
+    if (choice && strcmp(choice, "none") && strcmp(choice, "auto") && strcmp(choice, "required")) {
+        name = choice;
+        choice = NULL;
+    }
+    router_oai_error_t err = {0};
+    td_status_t st = router_oai_tools_read(tq, tq->doc, choice, name, "tool_choice", &err);
+    if (st == TD_OK && tq->n_tools && !q->n_messages) {
+        snprintf(why, cap, "tools_json needs messages: the tools are given to the model by its chat template");
+        return false;
+    }
+    char *gbnf = *gbnf_p;
+    *parse_p = tq->tool_choice != ROUTER_OAI_TOOLS_NONE && (tq->tool_choice != ROUTER_OAI_TOOLS_AUTO || !gbnf);
+    tq->grammar = gbnf; /* for the check that a forced call has no other constraint */
+    snprintf(tq->grammar_param, sizeof tq->grammar_param, "grammar");
+    if (st == TD_OK)
+        st = router_oai_tools_prepare(tq, s->tool_format, &err);
+    if (tq->grammar != gbnf)
+        *gbnf_p = tq->grammar; /* the forced call's (gbnf was NULL) */
+    tq->grammar = NULL;
+    if (st != TD_OK) {
+        if (st == TD_ERR_NOMEM)
+            *code_p = TD_GRPC_RESOURCE_EXHAUSTED;
+        /* the OpenAI names: tools[i]... are tools_json's items */
+        snprintf(why, cap, "%s%.320s", err.param[0] && !strncmp(err.param, "tools", 5) ? "tools_json: " : "", err.message);
+        return false;
+    }
+    return true;
+}
+
+/* The messages' tool_calls_json: each a JSON array of calls with a function name, as the
+ * OpenAI path requires of messages[i].tool_calls (the template reads them). */
+static bool gateway_message_tools(const Tandem__V1__GenerateRequest *q, char *why, size_t cap)
+{
+    for (size_t i = 0; i < q->n_messages; i++) {
+        const char *text = q->messages[i]->tool_calls_json;
+        if (!text[0])
+            continue;
+        cJSON *a = cJSON_Parse(text);
+        bool ok = cJSON_IsArray(a);
+        for (const cJSON *c = ok ? a->child : NULL; c; c = c->next) {
+            const cJSON *fn = cJSON_GetObjectItemCaseSensitive(c, "function");
+            ok = ok && cJSON_IsString(cJSON_GetObjectItemCaseSensitive(fn, "name"));
+        }
+        cJSON_Delete(a);
+        if (!ok) {
+            snprintf(why, cap, "messages[%zu].tool_calls_json: not a JSON array of calls {\"id\", \"type\": "
+                     "\"function\", \"function\": {\"name\", \"arguments\"}}", i);
+            return false;
+        }
+    }
+    return true;
+}
+
 void on_generate(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data)
 {
     router_state_t *s = data;
@@ -192,21 +407,48 @@ void on_generate(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data)
         td_grpc_call_finish(call, TD_GRPC_INVALID_ARGUMENT, why);
         return;
     }
+    router_oai_req_t tq;
+    bool parse_tools;
+    td_grpc_code_t code;
+    if (!gateway_tools(s, q, &tq, &gbnf, &parse_tools, &code, why, sizeof why) ||
+        !gateway_message_tools(q, why, sizeof why)) {
+        if (code == TD_GRPC_INVALID_ARGUMENT)
+            router_count_outcome(s, "invalid");
+        router_oai_req_free(&tq);
+        free(gbnf);
+        td_grpc_call_finish(call, code, why);
+        return;
+    }
+    gw_tools_t *gt = NULL;
+    if (parse_tools && (!(gt = calloc(1, sizeof *gt)) ||
+                        td_tools_parser_create(s->tool_format, tq.parallel_tool_calls ? 0 : 1, (size_t)1 << 20,
+                                               &gt->parser) != TD_OK)) {
+        free(gt);
+        router_oai_req_free(&tq);
+        free(gbnf);
+        td_grpc_call_finish(call, TD_GRPC_RESOURCE_EXHAUSTED, "router: out of memory");
+        return;
+    }
     router_key_terms_t kt;
-    if (router_key_terms(s, td_grpc_call_header(call, "authorization"), q->priority ? q->priority->value : 0,
-                         &kt) != TD_OK) {
-        free(gbnf);
-        td_grpc_call_finish(call, TD_GRPC_RESOURCE_EXHAUSTED, "router: out of memory");
-        return;
-    }
     td_chat_message_t *messages = NULL;
-    if (q->n_messages && !(messages = malloc(q->n_messages * sizeof *messages))) {
+    if (router_key_terms(s, td_grpc_call_header(call, "authorization"), q->priority ? q->priority->value : 0,
+                         &kt) != TD_OK ||
+        (q->n_messages && !(messages = malloc(q->n_messages * sizeof *messages)))) {
+        if (gt)
+            td_tools_parser_destroy(gt->parser);
+        free(gt);
+        router_oai_req_free(&tq);
         free(gbnf);
         td_grpc_call_finish(call, TD_GRPC_RESOURCE_EXHAUSTED, "router: out of memory");
         return;
     }
-    for (size_t i = 0; messages && i < q->n_messages; i++)
-        messages[i] = (td_chat_message_t){.role = q->messages[i]->role, .content = q->messages[i]->content};
+    for (size_t i = 0; messages && i < q->n_messages; i++) {
+        const Tandem__V1__ChatMessage *cm = q->messages[i];
+        messages[i] = (td_chat_message_t){.role = cm->role, .content = cm->content,
+                                          .tool_calls = cm->tool_calls_json[0] ? cm->tool_calls_json : NULL,
+                                          .tool_call_id = cm->tool_call_id[0] ? cm->tool_call_id : NULL,
+                                          .name = cm->name[0] ? cm->name : NULL};
+    }
     /* the client's grpc-timeout (the gRPC layer also ends the stream then), else the
      * configured default */
     uint64_t dl_ms = td_grpc_call_deadline(call), now_ms = uv_now(&s->proc.loop);
@@ -216,22 +458,31 @@ void on_generate(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data)
                               .stop_ids = q->stop_ids,
                               .priority = kt.priority, .cache_salt = kt.cache_salt,
                               .timeout_ms = dl_ms ? (int64_t)TD_MAX(dl_ms > now_ms ? dl_ms - now_ms : 0, 1) : 0,
-                              .grammar = gbnf};
+                              .grammar = gbnf, .tools_json = tq.tools_json};
     router_req_t *r;
-    td_grpc_code_t code;
     td_status_t open_st = router_req_open(s, &spec, &code, why, sizeof why, &r);
     free(gbnf); /* copied by router_req_open */
     if (open_st != TD_OK) {
+        if (gt)
+            td_tools_parser_destroy(gt->parser);
+        free(gt);
+        router_oai_req_free(&tq);
         free(messages);
         td_grpc_call_finish(call, code, why);
         return;
     }
     r->sink = &gw_sink;
     r->client = call;
+    if (gt) {
+        gt->fmt = s->tool_format;
+        gt->req_id = r->id;
+        r->sink_data = gt;
+    }
     td_grpc_call_set_data(call, r);
     td_grpc_call_on_cancel(call, on_generate_cancel);
     td_grpc_call_on_writable(call, on_generate_writable);
     router_req_submit(r, &spec);
+    router_oai_req_free(&tq);
     free(messages);
 }
 

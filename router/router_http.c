@@ -314,26 +314,6 @@ static void choice_chunk(http_choice_t *ch, router_req_t *r, const char *reason,
 
 /* ---- tool calls ---- */
 
-/* A call's id: OpenAI's "call_" and 24 letters and digits, or for Mistral's template, which
- * checks them, 9; made from the request's id and the call's index, so each is unique. */
-static void tool_call_id(const http_client_t *hc, uint32_t index, char id[40])
-{
-    static const char ALNUM[] = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789";
-    bool mistral = hc->tool_format == TD_TOOLS_MISTRAL;
-    size_t n = mistral ? 9 : 24, k = 0;
-    if (!mistral)
-        k = (size_t)snprintf(id, 40, "call_");
-    uint64_t h = td_fnv1a64(TD_FNV1A64_INIT, hc->id, strlen(hc->id));
-    h = td_fnv1a64(h, &index, sizeof index);
-    for (size_t i = 0; i < n; i++) {
-        if (i % 10 == 9)
-            h = td_fnv1a64(h, &i, sizeof i);
-        id[k++] = ALNUM[h % 62];
-        h /= 62;
-    }
-    id[k] = '\0';
-}
-
 /* Parser events of a stream (ctx: the choice): SSE chunks appended to hc->pend. */
 static td_status_t stream_tool_event(void *ctx, const td_tools_event_t *ev)
 {
@@ -343,7 +323,7 @@ static td_status_t stream_tool_event(void *ctx, const td_tools_event_t *ev)
         router_oai_chunk(&hc->pend, &ch->rs, ch->first, ev->text, ev->len, NULL, NULL, hc->include_usage);
     } else {
         char id[40];
-        tool_call_id(hc, ev->index, id);
+        router_oai_tool_call_id(hc->id, hc->tool_format, ev->index, id);
         router_oai_tool_call_chunk(&hc->pend, &ch->rs, ch->first, ev->index, id, ev->name, ev->arguments,
                                    ev->arguments_len, hc->include_usage);
     }
@@ -359,7 +339,7 @@ static td_status_t whole_tool_event(void *ctx, const td_tools_event_t *ev)
         router_oai_buf_put(&hc->content, ev->text, ev->len);
     } else {
         char id[40];
-        tool_call_id(hc, ev->index, id);
+        router_oai_tool_call_id(hc->id, hc->tool_format, ev->index, id);
         router_oai_tool_call_json(&hc->calls, ev->index, id, ev->name, ev->arguments, ev->arguments_len);
     }
     return hc->content.oom || hc->calls.oom ? TD_ERR_NOMEM : TD_OK;

@@ -15,6 +15,7 @@
 
 #include <utf8proc.h>
 
+#include "td_hash.h"
 #include "td_util.h"
 
 /* ---- errors ---------------------------------------------------------------------------- */
@@ -706,21 +707,17 @@ static bool read_constraint(const cJSON *o, router_oai_req_t *q, router_oai_erro
 
 /* ---- tools ----------------------------------------------------------------------------- */
 
-/* tools, tool_choice and parallel_tool_calls (chat). */
-static bool read_tools(const cJSON *o, router_oai_req_t *q, router_oai_error_t *err)
+td_status_t router_oai_tools_read(router_oai_req_t *q, const cJSON *tools, const char *choice, const char *name,
+                                  const char *choice_param, router_oai_error_t *err)
 {
-    q->parallel_tool_calls = true;
-    if (!get_bool(o, "parallel_tool_calls", &q->parallel_tool_calls, err))
-        return false;
-    const cJSON *tools = member(o, "tools");
     if (tools && !cJSON_IsArray(tools)) {
         bad_type(err, "tools", "an array", tools);
-        return false;
+        return TD_ERR_INVALID;
     }
     size_t n = tools ? (size_t)cJSON_GetArraySize(tools) : 0;
     if (n && !(q->tools = calloc(n, sizeof *q->tools))) {
         router_oai_error_set(err, 500, "server_error", NULL, NULL, "router: out of memory");
-        return false;
+        return TD_ERR_NOMEM;
     }
     const cJSON *t;
     char param[64];
@@ -728,73 +725,86 @@ static bool read_tools(const cJSON *o, router_oai_req_t *q, router_oai_error_t *
         size_t i = q->n_tools;
         const cJSON *type = cJSON_IsObject(t) ? member(t, "type") : NULL;
         const cJSON *fn = cJSON_IsObject(t) ? member(t, "function") : NULL;
-        const cJSON *name = cJSON_IsObject(fn) ? member(fn, "name") : NULL;
+        const cJSON *fname = cJSON_IsObject(fn) ? member(fn, "name") : NULL;
         snprintf(param, sizeof param, "tools[%zu]", i);
         if (!cJSON_IsObject(t) || !cJSON_IsString(type) || strcmp(type->valuestring, "function") ||
-            !cJSON_IsString(name) || !name->valuestring[0]) {
+            !cJSON_IsString(fname) || !fname->valuestring[0]) {
             router_oai_error_set(err, 400, "invalid_request_error", param, NULL,
                                  "'%s' must be {\"type\": \"function\", \"function\": {\"name\": ..., "
                                  "\"description\": ..., \"parameters\": {...}}} with a name", param);
-            return false;
+            return TD_ERR_INVALID;
         }
         const cJSON *params = member(fn, "parameters");
         if (params && !cJSON_IsObject(params)) {
             snprintf(param, sizeof param, "tools[%zu].function.parameters", i);
             bad_type(err, param, "an object (a JSON Schema)", params);
-            return false;
+            return TD_ERR_INVALID;
         }
-        q->tools[i].name = name->valuestring;
+        q->tools[i].name = fname->valuestring;
         if (params && !keep_text(q, params, &q->tools[i].parameters, err))
-            return false;
+            return TD_ERR_INVALID;
         q->n_tools++;
     }
     if (n && !keep_text(q, tools, &q->tools_json, err))
-        return false;
+        return TD_ERR_INVALID;
     if (q->tools_json)
         q->gp.prompt_len += strlen(q->tools_json);
-    /* tool_choice: "none", "auto", "required" or {"type": "function", "function": {"name"}} */
-    const cJSON *tc = member(o, "tool_choice");
     q->tool_choice = n ? ROUTER_OAI_TOOLS_AUTO : ROUTER_OAI_TOOLS_NONE;
-    if (!tc)
-        return true;
-    if (cJSON_IsString(tc)) {
-        static const char *const names[] = {"none", "auto", "required"};
+    if (choice) {
+        static const char *const words[] = {"none", "auto", "required"};
         size_t k = 0;
-        while (k < 3 && strcmp(tc->valuestring, names[k]))
+        while (k < 3 && strcmp(choice, words[k]))
             k++;
         if (k == 3) {
-            router_oai_error_set(err, 400, "invalid_request_error", "tool_choice", "unsupported_value",
-                                 "'tool_choice' \"%.32s\" is not one of \"none\", \"auto\", \"required\" or "
-                                 "{\"type\": \"function\", \"function\": {\"name\": ...}}",
-                                 tc->valuestring);
-            return false;
+            router_oai_error_set(err, 400, "invalid_request_error", choice_param, "unsupported_value",
+                                 "'%s' \"%.32s\" is not one of \"none\", \"auto\", \"required\" or "
+                                 "{\"type\": \"function\", \"function\": {\"name\": ...}}", choice_param, choice);
+            return TD_ERR_INVALID;
         }
         q->tool_choice = (router_oai_tool_choice_t)k;
-    } else {
+    } else if (name) {
+        size_t k = 0;
+        while (k < q->n_tools && strcmp(q->tools[k].name, name))
+            k++;
+        if (k == q->n_tools) {
+            router_oai_error_set(err, 400, "invalid_request_error", choice_param, NULL,
+                                 "'%s' \"%.64s\" is not one of the tools", choice_param, name);
+            return TD_ERR_INVALID;
+        }
+        q->tool_choice = ROUTER_OAI_TOOLS_NAMED;
+        q->tool_choice_name = name;
+    }
+    if (q->tool_choice != ROUTER_OAI_TOOLS_NONE && !n) {
+        router_oai_error_set(err, 400, "invalid_request_error", choice_param, NULL,
+                             "'%s' asks for a tool call, but the request has no tools", choice_param);
+        return TD_ERR_INVALID;
+    }
+    return TD_OK;
+}
+
+/* tools, tool_choice and parallel_tool_calls (chat). */
+static bool read_tools(const cJSON *o, router_oai_req_t *q, router_oai_error_t *err)
+{
+    q->parallel_tool_calls = true;
+    if (!get_bool(o, "parallel_tool_calls", &q->parallel_tool_calls, err))
+        return false;
+    /* tool_choice: "none", "auto", "required" or {"type": "function", "function": {"name"}} */
+    const cJSON *tc = member(o, "tool_choice");
+    const char *word = NULL, *name = NULL, *param = "tool_choice";
+    if (cJSON_IsString(tc)) {
+        word = tc->valuestring;
+    } else if (tc) {
         const cJSON *fn = cJSON_IsObject(tc) ? member(tc, "function") : NULL;
-        const cJSON *name = cJSON_IsObject(fn) ? member(fn, "name") : NULL;
-        if (!cJSON_IsString(name)) {
+        const cJSON *fname = cJSON_IsObject(fn) ? member(fn, "name") : NULL;
+        if (!cJSON_IsString(fname)) {
             bad_type(err, "tool_choice", "\"none\", \"auto\", \"required\" or {\"type\": \"function\", "
                                          "\"function\": {\"name\": ...}}", tc);
             return false;
         }
-        size_t k = 0;
-        while (k < q->n_tools && strcmp(q->tools[k].name, name->valuestring))
-            k++;
-        if (k == q->n_tools) {
-            router_oai_error_set(err, 400, "invalid_request_error", "tool_choice.function.name", NULL,
-                                 "'tool_choice.function.name' \"%.64s\" is not one of the tools", name->valuestring);
-            return false;
-        }
-        q->tool_choice = ROUTER_OAI_TOOLS_NAMED;
-        q->tool_choice_name = name->valuestring;
+        name = fname->valuestring;
+        param = "tool_choice.function.name";
     }
-    if (q->tool_choice != ROUTER_OAI_TOOLS_NONE && !n) {
-        router_oai_error_set(err, 400, "invalid_request_error", "tool_choice", NULL,
-                             "'tool_choice' asks for a tool call, but the request has no 'tools'");
-        return false;
-    }
-    return true;
+    return router_oai_tools_read(q, member(o, "tools"), word, name, param, err) == TD_OK;
 }
 
 td_status_t router_oai_tools_prepare(router_oai_req_t *q, td_tools_format_t fmt, router_oai_error_t *err)
@@ -969,6 +979,26 @@ void router_oai_req_free(router_oai_req_t *q)
     q->doc = NULL;
     q->prompt_ids = NULL;
     q->messages = NULL;
+}
+
+/* (router_openai.h) A call's id: OpenAI's "call_" and 24 letters and digits, or for Mistral's template, which
+ * checks them, 9; made from the request's id and the call's index, so each is unique. */
+void router_oai_tool_call_id(const char *req_id, td_tools_format_t fmt, uint32_t index, char id[40])
+{
+    static const char ALNUM[] = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789";
+    bool mistral = fmt == TD_TOOLS_MISTRAL;
+    size_t n = mistral ? 9 : 24, k = 0;
+    if (!mistral)
+        k = (size_t)snprintf(id, 40, "call_");
+    uint64_t h = td_fnv1a64(TD_FNV1A64_INIT, req_id, strlen(req_id));
+    h = td_fnv1a64(h, &index, sizeof index);
+    for (size_t i = 0; i < n; i++) {
+        if (i % 10 == 9)
+            h = td_fnv1a64(h, &i, sizeof i);
+        id[k++] = ALNUM[h % 62];
+        h /= 62;
+    }
+    id[k] = '\0';
 }
 
 /* ---- writing --------------------------------------------------------------------------- */

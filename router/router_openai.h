@@ -94,6 +94,19 @@ td_status_t router_oai_parse(router_oai_kind_t kind, const char *body, size_t le
                              router_oai_error_t *err);
 
 /*
+ * The tools array `tools` (OpenAI's chat "tools"; NULL: none) and what tool_choice asks into
+ * q: `choice` one of "none", "auto", "required", or else `name` a tool's name, or both NULL
+ * (auto with tools, else none); choice_param names the field in errors. The one reading of
+ * tools both front doors use (router_oai_parse; the gRPC gateway, which parses
+ * GenerateRequest.tools_json into q->doc first). Strings stay in tools' document; q->texts
+ * gets the JSON texts. TD_ERR_INVALID with *err (400): a tool that is not {"type":
+ * "function", "function": {"name", "parameters"?: object}}, an unknown choice or name, a
+ * choice of a call without tools; TD_ERR_NOMEM (err: 500). q is freed by router_oai_req_free.
+ */
+td_status_t router_oai_tools_read(router_oai_req_t *q, const cJSON *tools, const char *choice, const char *name,
+                                  const char *choice_param, router_oai_error_t *err);
+
+/*
  * For a chat request with tools, checks them against the model's tool-call format `fmt`
  * (the router's, from its chat template or --tool-call-format) and, for tool_choice required
  * or a named function, puts the grammar of such calls in q->grammar. TD_OK (also without
@@ -174,6 +187,11 @@ void router_oai_chunk(router_oai_buf_t *b, const router_oai_resp_t *rs, bool fir
  * role "assistant" when `first`), then its arguments text args[0..len). */
 void router_oai_tool_call_chunk(router_oai_buf_t *b, const router_oai_resp_t *rs, bool first, uint32_t index,
                                 const char *id, const char *name, const char *args, size_t len, bool usage_null);
+
+/* A tool call's id for both front doors: "call_" and 24 letters and digits (9 and no prefix
+ * for Mistral's format, whose template checks them), made from the request's id and the
+ * call's index, so each is unique. */
+void router_oai_tool_call_id(const char *req_id, td_tools_format_t fmt, uint32_t index, char id[40]);
 
 /* One tool call of a whole answer's message.tool_calls array: {"id", "type", "function":
  * {"name", "arguments"}} appended to b (a "," first unless it is index 0). */

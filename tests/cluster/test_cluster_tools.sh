@@ -11,6 +11,10 @@
 # - tool_choice "none": never tool_calls;
 # - a parameters schema with an unsupported keyword (multipleOf) is a 400 naming the tool's
 #   parameters and the keyword; a named function that is not a tool is a 400;
+# - the gRPC gateway: tools_json with tool_choice "required" (single_tool_call) and a name,
+#   over a conversation with an earlier call and its result: one call in tool_calls whose
+#   arguments validate, no content, FINISH_REASON_TOOL_CALLS; tools_json that is not JSON, a
+#   multipleOf schema and an unknown tool_choice are INVALID_ARGUMENT;
 # - with the `openai` package (scripts/openai-venv), the official client reads the calls.
 source "$(dirname "$0")/cluster_lib.sh"
 cl_init
@@ -30,9 +34,12 @@ cl_local 1 1 --threads 1
 OA=$(sed -n 's/^openai: //p' "$CL_T/local.out")
 [ -n "$OA" ] || { cl_fail "no openai line"; cl_end; }
 
-"$CL_PY" - "$OA" "$CL_SRC/tests/support/json_schema_check.py" "$CL_T" <<'PY' || CL_FAIL=1
+"$CL_PY" - "$OA" "$CL_SRC/tests/support/json_schema_check.py" "$CL_T" "$CL_GW" "$CL_SRC" <<'PY' || CL_FAIL=1
 import json, subprocess, sys, urllib.request, urllib.error
-oa, check, tmp = sys.argv[1:4]
+oa, check, tmp, gw = sys.argv[1:5]
+sys.path.insert(0, sys.argv[5] + "/tests/cluster")
+import grpc
+from cluster_wire import channel, fields, generate_stub, pb_bytes, pb_varint
 WEATHER = {"type": "object", "properties": {
     "city": {"type": "string", "minLength": 1, "maxLength": 8},
     "unit": {"enum": ["celsius", "fahrenheit"]},
@@ -130,6 +137,49 @@ status, raw = post({"messages": [{"role": "user", "content": "hi"}], "tools": TO
                     "tool_choice": {"type": "function", "function": {"name": "nope"}}})
 if status != 400 or "tool_choice.function.name" not in raw:
     fails.append("unknown function: %d %s" % (status, raw))
+
+# the gRPC gateway: GenerateRequest.messages (10; ChatMessage tool_calls_json 3, tool_call_id 4,
+# name 5), tools_json (14), tool_choice (15), single_tool_call (16); GenerateResponse.text (2),
+# finish_reason (3; FINISH_REASON_TOOL_CALLS 4), tool_calls (9: index 1, id 2, name 3,
+# arguments_json 4). The conversation has an earlier call and its result, so they render.
+def msg(role, content, calls="", call_id="", name=""):
+    b = pb_bytes(1, role) + pb_bytes(2, content)
+    return pb_bytes(10, b + (pb_bytes(3, calls) if calls else b"") + (pb_bytes(4, call_id) if call_id else b"") +
+                    (pb_bytes(5, name) if name else b""))
+
+def grpc_gen(tools_json, choice, max_tokens=160):
+    earlier = json.dumps([{"id": "call_1", "type": "function",
+                           "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "unit": "celsius"}'}}])
+    body = (msg("user", "Weather in Oslo?") + msg("assistant", "", calls=earlier) +
+            msg("tool", '{"temp": 3}', call_id="call_1", name="get_weather") + msg("user", "And the volume?") +
+            pb_varint(3, max_tokens) + pb_bytes(14, tools_json) + pb_bytes(15, choice) + pb_varint(16, 1))
+    text, calls, fin = "", [], 0
+    for m in generate_stub(channel(gw))(body, timeout=60):
+        for f, v in fields(m):
+            if f == 2:
+                text += v.decode()
+            elif f == 3:
+                fin = v
+            elif f == 9:
+                c = {k: (x.decode() if isinstance(x, bytes) else x) for k, x in fields(v)}
+                calls.append({"id": c.get(2, ""), "type": "function",
+                              "function": {"name": c.get(3, ""), "arguments": c.get(4, "")}})
+    return text, calls, "tool_calls" if fin == 4 else fin
+
+out = grpc_gen(json.dumps(TOOLS), "required")
+check_calls("grpc required", *out)
+if len(out[1]) != 1:
+    fails.append("grpc single_tool_call: %d calls" % len(out[1]))
+check_calls("grpc named", *grpc_gen(json.dumps(TOOLS), "set_volume"), want_name="set_volume")
+for tj, choice, want in (("[{\"type\": \"function\",", "required", "tools_json: not JSON"),
+                         (json.dumps(bad), "required", "multipleOf"),
+                         (json.dumps(TOOLS), "nope", "tool_choice")):
+    try:
+        grpc_gen(tj, choice, 8)
+        fails.append("grpc %s: not refused" % want)
+    except grpc.RpcError as e:
+        if e.code() != grpc.StatusCode.INVALID_ARGUMENT or want not in e.details():
+            fails.append("grpc %s: %s %s" % (want, e.code(), e.details()))
 for f in fails:
     print("FAIL: " + f)
 print("tools: %d forced calls validated, %d failures" % (n_calls, len(fails)))
