@@ -1,9 +1,12 @@
-"""cluster_wire: the protobuf and gRPC bits the cluster test clients share (cluster_faults.py,
-cluster_client.py): varints, GenerateRequest bytes built from proto/tandem.proto's field
-numbers, the token ids of a GenerateResponse, raw control-API fields, and a grpcio stub of
-Generate that passes bytes through (no generated stubs needed). Imported, not run.
+"""cluster_wire: the protobuf, gRPC and HTTP bits the cluster test clients share
+(cluster_faults.py, cluster_client.py, the tests' inline clients): varints, GenerateRequest
+bytes built from proto/tandem.proto's field numbers, the token ids of a GenerateResponse, raw
+control-API fields, a grpcio stub of Generate that passes bytes through (no generated stubs
+needed), and a JSON POST. Imported, not run.
 """
 import struct
+import urllib.error
+import urllib.request
 
 import grpc
 
@@ -110,3 +113,15 @@ def channel(target):
 
 def generate_stub(ch):
     return ch.unary_stream(GENERATE, request_serializer=lambda b: b, response_deserializer=lambda b: b)
+
+
+def post_json(url, body, timeout=120):
+    """POSTs the JSON text body to url: the answer's text, or None after printing
+    "HTTP <status> <error body>" (what the tests' clients print for a refusal)."""
+    req = urllib.request.Request(url, body.encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.read().decode()
+    except urllib.error.HTTPError as e:
+        print("HTTP %d %s" % (e.code, e.read().decode()))
+        return None

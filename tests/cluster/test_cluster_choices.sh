@@ -37,15 +37,12 @@ PF=$(for k in "${!CL_ROLE[@]}"; do [ "${CL_ROLE[$k]}" = prefill ] && echo "$k"; 
 # [by index], "usage": ..., "indexes": [as they came]} (streamed when the body says so), or
 # "HTTP status body"
 ask() {
-    "$CL_PY" - "$OA/completions" "$1" <<'PY'
-import json, sys, urllib.request, urllib.error
+    PYTHONPATH="$CL_SRC/tests/cluster" "$CL_PY" - "$OA/completions" "$1" <<'PY'
+import json, sys
+from cluster_wire import post_json
 url, body = sys.argv[1], sys.argv[2]
-req = urllib.request.Request(url, body.encode(), {"Content-Type": "application/json"})
-try:
-    with urllib.request.urlopen(req, timeout=120) as r:
-        raw = r.read().decode()
-except urllib.error.HTTPError as e:
-    print("HTTP %d %s" % (e.code, e.read().decode()))
+raw = post_json(url, body)
+if raw is None:
     sys.exit(0)
 texts, fin, idx, usage = {}, {}, [], None
 if json.loads(body).get("stream"):

@@ -32,15 +32,12 @@ want=$("$CL_BIN" generate --model "$CL_M" --chat --prompt "$Q" --json-schema "$C
 # of its own (streamed when the body says so: the deltas joined); HTTP errors print the status
 # and the error object
 ask() {
-    "$CL_PY" - "$1/chat/completions" "$2" <<'PY'
-import json, sys, urllib.request, urllib.error
+    PYTHONPATH="$CL_SRC/tests/cluster" "$CL_PY" - "$1/chat/completions" "$2" <<'PY'
+import json, sys
+from cluster_wire import post_json
 url, body = sys.argv[1], sys.argv[2]
-req = urllib.request.Request(url, body.encode(), {"Content-Type": "application/json"})
-try:
-    with urllib.request.urlopen(req, timeout=120) as r:
-        raw = r.read().decode()
-except urllib.error.HTTPError as e:
-    print("HTTP %d %s" % (e.code, e.read().decode()))
+raw = post_json(url, body)
+if raw is None:
     sys.exit(0)
 if json.loads(body).get("stream"):
     text, fin = "", None
