@@ -252,6 +252,17 @@ cl_kill() {
     kill "-$2" "${CL_PID[$1]}" 2>/dev/null
 }
 
+# cl_live_decodes: the decode nodes not killed, as NAME=PID=METRICS_URL,... (cluster_faults.py
+# migrate and migratehttp take it)
+cl_live_decodes() {
+    local name out=()
+    for name in "${!CL_ROLE[@]}"; do
+        [ "${CL_ROLE[$name]}" = decode ] && [ -z "${CL_KILLED[$name]:-}" ] || continue
+        out+=("$name=${CL_PID[$name]}=${CL_MURL[$name]}")
+    done
+    (IFS=,; echo "${out[*]}")
+}
+
 cl_dump() {
     local f
     for f in "$CL_T"/*.err; do

@@ -30,18 +30,9 @@ for f in greedy seeded; do
     [ "$n" -gt $((AFTER + 40)) ] || cl_fail "the $f reference has $n tokens: too short to kill mid-stream"
 done
 
-# live decode nodes as NAME=PID=METRICS_URL,... for cluster_faults.py migrate
-live_decodes() {
-    local name out=()
-    for name in "${!CL_ROLE[@]}"; do
-        [ "${CL_ROLE[$name]}" = decode ] && [ -z "${CL_KILLED[$name]:-}" ] || continue
-        out+=("$name=${CL_PID[$name]}=${CL_MURL[$name]}")
-    done
-    (IFS=,; echo "${out[*]}")
-}
 # migrate REFS SAMPLING KILL EXPECT: cluster_faults.py migrate; marks the nodes it killed
 migrate() {
-    "$CL_PY" "$CL_TOOL" migrate "$CL_GW" $MAXTOK "$CL_T/$1" "$2" $AFTER "$3" "$(live_decodes)" "$4" \
+    "$CL_PY" "$CL_TOOL" migrate "$CL_GW" $MAXTOK "$CL_T/$1" "$2" $AFTER "$3" "$(cl_live_decodes)" "$4" \
         >"$CL_T/mig.log" 2>&1 || CL_FAIL=1
     cat "$CL_T/mig.log"
     local name
@@ -62,7 +53,7 @@ echo "router migrations: $m, node lost to next token sent: $gs s in all"
 echo "== the OpenAI front door: a streamed seeded completion, its decode node SIGKILLed"
 cl_node decode d3
 cl_wait_nodes 1 2
-"$CL_PY" "$CL_TOOL" migratehttp "$OPENAI" $MAXTOK "$CL_T/seeded" 0.9,4,1.2,0.3 $AFTER "$(live_decodes)" \
+"$CL_PY" "$CL_TOOL" migratehttp "$OPENAI" $MAXTOK "$CL_T/seeded" 0.9,4,1.2,0.3 $AFTER "$(cl_live_decodes)" \
     >"$CL_T/mig.log" 2>&1 || CL_FAIL=1
 cat "$CL_T/mig.log"
 for name in $(sed -n 's/^killed //p' "$CL_T/mig.log"); do CL_KILLED[$name]=1; done

@@ -24,20 +24,12 @@ done
 cl_cluster 2 --heartbeat-ms 100 --heartbeat-timeout-ms 1000 --max-migrations 2 --http-port 0 --tokenizer "$CL_M"
 OPENAI=$(sed -n 's/^openai: //p' "$CL_T/router.out")
 
-live_decodes() { # NAME=PID=METRICS_URL,... of the decode nodes alive
-    local name out=()
-    for name in "${!CL_ROLE[@]}"; do
-        [ "${CL_ROLE[$name]}" = decode ] && [ -z "${CL_KILLED[$name]:-}" ] || continue
-        out+=("$name=${CL_PID[$name]}=${CL_MURL[$name]}")
-    done
-    (IFS=,; echo "${out[*]}")
-}
 k=2
 for sampling in greedy 1,5,1.1,0.2; do
     f=greedy
     [ "$sampling" = greedy ] || f=seeded
     echo "== $f stream under guided_regex, its decode node SIGKILLed after $AFTER tokens"
-    "$CL_PY" "$CL_TOOL" migratehttp "$OPENAI" $MAXTOK "$CL_T/$f" "$sampling" $AFTER "$(live_decodes)" "$EXTRA" \
+    "$CL_PY" "$CL_TOOL" migratehttp "$OPENAI" $MAXTOK "$CL_T/$f" "$sampling" $AFTER "$(cl_live_decodes)" "$EXTRA" \
         >"$CL_T/mig.log" 2>&1 || CL_FAIL=1
     cat "$CL_T/mig.log"
     for name in $(sed -n 's/^killed //p' "$CL_T/mig.log"); do CL_KILLED[$name]=1; done
