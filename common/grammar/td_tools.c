@@ -300,6 +300,8 @@ uint32_t td_tools_parser_calls(const td_tools_parser_t *p)
 
 static void consume(td_tools_parser_t *p, size_t k)
 {
+    if (k == 0)
+        return; /* also keeps a parser that has buffered nothing (buf NULL) out of memmove */
     memmove(p->buf, p->buf + k, p->n - k);
     p->n -= k;
 }
