@@ -991,6 +991,11 @@ Test(kernels_cpu, attn_decode, .timeout = 600)
         attn_run(be, &r, &c);
         c.partition_tokens = 48;
         attn_run(be, &r, &c);
+        /* batch 1, one part: its KV heads are cut into ranges across the threads (3 heads
+           into 2 or 3 uneven ranges) */
+        attn_case_t c3 = {.n_seqs = 1, .q_len = {1}, .ctx = {40}, .n_kv = 3, .G = 3, .hd = 64,
+                          .bs = 16, .kv_dtype = TD_F16, .decode = true};
+        attn_run(be, &r, &c3);
         td_backend_destroy(be);
     }
 }
