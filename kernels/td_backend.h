@@ -56,6 +56,9 @@ typedef struct td_step_meta {
 } td_step_meta_t;
 
 /* Y[m][n] = X[m][k] . W[n][k]^T (+ bias[n]) (+ Y when accumulate) */
+/* most matrices one ops->matmuls call takes */
+#define TD_BACKEND_MATMULS_MAX 4
+
 typedef struct td_matmul_params {
     int32_t m, n, k;
     const void *x;        /* [m][k] act_dtype, rows contiguous */
@@ -158,6 +161,12 @@ typedef struct td_backend_ops {
     td_status_t (*rmsnorm)(td_backend_t *be, void *out, void *x, void *residual, const void *w,
                            td_dtype_t w_dtype, int32_t rows, int32_t dim, float eps);
     td_status_t (*matmul)(td_backend_t *be, const td_matmul_params_t *p);
+    /* count (1..TD_BACKEND_MATMULS_MAX) matmuls of one input: every ps[i] has the same m, k
+       and x (each its own w, n, bias, y; no y may alias x or another's y). The results are
+       those of count matmul calls, bit for bit; a backend may run them as one pass (CPU: X
+       quantized once per weight type and one fork-join for all, where Q, K and V, or gate
+       and up, would be three or two). */
+    td_status_t (*matmuls)(td_backend_t *be, const td_matmul_params_t *ps, int32_t count);
     td_status_t (*rope_kv_write)(td_backend_t *be, const td_rope_kv_params_t *p);
     /* FlashAttention-style: query tiles against K/V tiles of the paged cache, online
        softmax, causal (row at position p sees positions <= p, and > p - window when

@@ -158,13 +158,20 @@ static void build_meta(td_engine_t *eng, const td_engine_item_t *items, int32_t 
     };
 }
 
+static td_matmul_params_t mm_params(int32_t m, const td_dev_tensor_t *w, int32_t n, int32_t k, const void *x,
+                                     const td_dev_tensor_t *bias, void *y, bool accumulate)
+{
+    return (td_matmul_params_t){
+        .m = m, .n = n, .k = k, .x = x, .w = w->data, .w_dtype = w->dtype, .w_packed = w->packed,
+        .bias = bias && bias->data ? bias->data : NULL, .bias_dtype = bias && bias->data ? bias->dtype : TD_F32,
+        .y = y, .accumulate = accumulate,
+    };
+}
+
 static td_status_t mm(td_backend_t *be, int32_t m, const td_dev_tensor_t *w, int32_t n, int32_t k,
                       const void *x, const td_dev_tensor_t *bias, void *y, bool accumulate)
 {
-    td_matmul_params_t p = {
-        .m = m, .n = n, .k = k, .x = x, .w = w->data, .w_dtype = w->dtype, .w_packed = w->packed,
-        .bias = bias ? bias->data : NULL, .bias_dtype = bias ? bias->dtype : TD_F32, .y = y, .accumulate = accumulate,
-    };
+    td_matmul_params_t p = mm_params(m, w, n, k, x, bias, y, accumulate);
     return be->ops->matmul(be, &p);
 }
 
@@ -253,8 +260,9 @@ static td_status_t forward_moe(td_engine_t *eng, const td_layer_dev_t *w, int32_
             continue;
         const void *x = (const char *)s->moe_in + (size_t)start[e] * D * act;
         void *g = (char *)s->gate + (size_t)start[e] * F * act, *u = (char *)s->up + (size_t)start[e] * F * act;
-        if ((st = mm(be, n, &w->exp[3 * e], F, D, x, NULL, g, false)) != TD_OK ||
-            (st = mm(be, n, &w->exp[3 * e + 1], F, D, x, NULL, u, false)) != TD_OK)
+        const td_matmul_params_t gate_up[2] = {mm_params(n, &w->exp[3 * e], F, D, x, NULL, g, false),
+                                               mm_params(n, &w->exp[3 * e + 1], F, D, x, NULL, u, false)};
+        if ((st = be->ops->matmuls(be, gate_up, 2)) != TD_OK)
             return st;
     }
     if ((st = be->ops->swiglu(be, s->gate, s->gate, s->up, T * K, F)) != TD_OK)
@@ -287,9 +295,10 @@ static td_status_t forward_layer(td_engine_t *eng, int32_t l, int32_t T, bool de
     /* attention sub-layer */
     TRY(ops->rmsnorm(be, s->xb, s->x, NULL, w->attn_norm.data, w->attn_norm.dtype, T, c->dim,
                      c->norm_eps));
-    TRY(mm(be, T, &w->wq, qd, c->dim, s->xb, w->bq.data ? &w->bq : NULL, s->q, false));
-    TRY(mm(be, T, &w->wk, kvd, c->dim, s->xb, w->bk.data ? &w->bk : NULL, s->k, false));
-    TRY(mm(be, T, &w->wv, kvd, c->dim, s->xb, w->bv.data ? &w->bv : NULL, s->v, false));
+    const td_matmul_params_t qkv[3] = {mm_params(T, &w->wq, qd, c->dim, s->xb, &w->bq, s->q, false),
+                                       mm_params(T, &w->wk, kvd, c->dim, s->xb, &w->bk, s->k, false),
+                                       mm_params(T, &w->wv, kvd, c->dim, s->xb, &w->bv, s->v, false)};
+    TRY(ops->matmuls(be, qkv, 3));
     if (c->qk_norm) {
         TRY(ops->rmsnorm(be, s->q, s->q, NULL, w->q_norm.data, w->q_norm.dtype, T * c->n_heads,
                          c->head_dim, c->norm_eps));
@@ -317,8 +326,9 @@ static td_status_t forward_layer(td_engine_t *eng, int32_t l, int32_t T, bool de
                      c->norm_eps));
     if (w->exp)
         return forward_moe(eng, w, T);
-    TRY(mm(be, T, &w->w_gate, c->hidden_dim, c->dim, s->xb, NULL, s->gate, false));
-    TRY(mm(be, T, &w->w_up, c->hidden_dim, c->dim, s->xb, NULL, s->up, false));
+    const td_matmul_params_t gate_up[2] = {mm_params(T, &w->w_gate, c->hidden_dim, c->dim, s->xb, NULL, s->gate, false),
+                                           mm_params(T, &w->w_up, c->hidden_dim, c->dim, s->xb, NULL, s->up, false)};
+    TRY(ops->matmuls(be, gate_up, 2));
     TRY(ops->swiglu(be, s->gate, s->gate, s->up, T, c->hidden_dim));
     TRY(mm(be, T, &w->w_down, c->dim, c->hidden_dim, s->gate, NULL, s->x, true));
 #undef TRY

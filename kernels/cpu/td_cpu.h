@@ -56,6 +56,7 @@ static inline void *td_cpu_thread_scratch(td_cpu_t *cpu, int thread)
 
 /* ops implemented in td_cpu_matmul.c and td_cpu_attn.c */
 td_status_t td_cpu_matmul(td_backend_t *be, const td_matmul_params_t *p);
+td_status_t td_cpu_matmuls(td_backend_t *be, const td_matmul_params_t *ps, int32_t count);
 td_status_t td_cpu_attn_prefill(td_backend_t *be, const td_attn_params_t *p);
 td_status_t td_cpu_attn_decode(td_backend_t *be, const td_attn_params_t *p);
 

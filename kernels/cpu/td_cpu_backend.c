@@ -581,6 +581,7 @@ static const td_backend_ops_t cpu_ops = {
     .embed = cpu_embed,
     .rmsnorm = cpu_rmsnorm,
     .matmul = td_cpu_matmul,
+    .matmuls = td_cpu_matmuls,
     .rope_kv_write = cpu_rope_kv_write,
     .attn_prefill = td_cpu_attn_prefill,
     .attn_decode = td_cpu_attn_decode,

@@ -484,41 +484,57 @@ static td_status_t qf32_matmul(td_cpu_t *cpu, const td_matmul_params_t *p)
 #define PK_GROUPS 8
 #define PK_COLS (PK_GROUPS * TD_CPU_PACK_ROWS)
 
-typedef struct pmatmul_job {
+/* One matrix of a pmatmul job: its tasks are [task0, task0 + tasks), `groups` W groups each. */
+typedef struct pmat {
     const td_matmul_params_t *p;
+    td_cpu_pack_fn fn;
+    const unsigned char *a; /* [m][stride] X quantized for this W's type */
+    int groups;
+    int task0;
+} pmat_t;
+
+typedef struct pmatmul_job {
     td_cpu_t *cpu;
     const td_cpu_pack_ops_t *ops;
-    td_cpu_pack_fn fn;
-    unsigned char *a;         /* [m][stride] the quantized activations */
-    size_t stride;            /* bytes of one activation row */
-    int groups;               /* W groups (of 16 rows) per task */
-    int act_tasks;            /* tasks quantizing X */
+    const float *x;       /* [m][k] the shared input */
+    int m, k;
+    size_t stride;        /* bytes of one activation row */
+    int n_mats;
+    pmat_t mats[TD_BACKEND_MATMULS_MAX];
+    int n_types;          /* the distinct W types: X is quantized once for each */
+    td_dtype_t types[TD_BACKEND_MATMULS_MAX];
+    unsigned char *act[TD_BACKEND_MATMULS_MAX];
+    int act_tasks;        /* tasks quantizing X */
 } pmatmul_job_t;
 
 static void pact_task(void *arg, int task, int thread)
 {
     pmatmul_job_t *jb = arg;
-    const td_matmul_params_t *p = jb->p;
-    int i0 = (int)((int64_t)p->m * task / jb->act_tasks);
-    int i1 = (int)((int64_t)p->m * (task + 1) / jb->act_tasks);
-    for (int i = i0; i < i1; i++)
-        td_cpu_pack_act_row(jb->ops, (const float *)p->x + (size_t)i * p->k, jb->a + (size_t)i * jb->stride,
-                            p->w_dtype, (size_t)p->k, jb->cpu->act_one_byte);
+    int i0 = (int)((int64_t)jb->m * task / jb->act_tasks);
+    int i1 = (int)((int64_t)jb->m * (task + 1) / jb->act_tasks);
+    for (int t = 0; t < jb->n_types; t++)
+        for (int i = i0; i < i1; i++)
+            td_cpu_pack_act_row(jb->ops, jb->x + (size_t)i * jb->k, jb->act[t] + (size_t)i * jb->stride,
+                                jb->types[t], (size_t)jb->k, jb->cpu->act_one_byte);
 }
 
-/* One task: W groups [g0, g1) against X in chunks of PK_ROWS rows, PK_GROUPS groups a call. */
+/* One task: W groups [g0, g1) of one matrix against X in chunks of PK_ROWS rows, PK_GROUPS
+ * groups a call. */
 static void pmatmul_task(void *arg, int task, int thread)
 {
     pmatmul_job_t *jb = arg;
-    const td_matmul_params_t *p = jb->p;
+    const pmat_t *mt = &jb->mats[0];
+    while (mt + 1 < jb->mats + jb->n_mats && task >= mt[1].task0)
+        mt++;
+    const td_matmul_params_t *p = mt->p;
     int n_groups = (p->n + TD_CPU_PACK_ROWS - 1) / TD_CPU_PACK_ROWS;
-    int g0 = task * jb->groups, g1 = TD_MIN(n_groups, g0 + jb->groups);
+    int g0 = (task - mt->task0) * mt->groups, g1 = TD_MIN(n_groups, g0 + mt->groups);
     float *tile = td_cpu_thread_scratch(jb->cpu, thread); /* [PK_ROWS][PK_COLS] */
     for (int i0 = 0; i0 < p->m; i0 += PK_ROWS) {
         int mm = TD_MIN(PK_ROWS, p->m - i0);
         for (int g = g0; g < g1; g += PK_GROUPS) {
             int ge = TD_MIN(g1, g + PK_GROUPS);
-            jb->fn(p->w, (size_t)g, (size_t)ge, (size_t)g1, (size_t)p->k, jb->a + (size_t)i0 * jb->stride, (size_t)mm,
+            mt->fn(p->w, (size_t)g, (size_t)ge, (size_t)g1, (size_t)p->k, mt->a + (size_t)i0 * jb->stride, (size_t)mm,
                    tile, PK_COLS);
             int j = g * TD_CPU_PACK_ROWS;
             store_tile(p, i0, mm, j, TD_MIN(p->n, ge * TD_CPU_PACK_ROWS) - j, tile, PK_COLS);
@@ -526,26 +542,53 @@ static void pmatmul_task(void *arg, int task, int thread)
     }
 }
 
-/* Quantizes X's rows once for W's type (in parallel when there are many), then splits W's
- * groups over the pool. Every output is summed in td_cpu_pack's one order: batch-invariant. */
-static td_status_t pmatmul(td_cpu_t *cpu, const td_matmul_params_t *p)
+/* Quantizes X's rows once for each W type (in parallel when there are many), then splits
+ * the matrices' groups over the pool in one job: about two tasks a thread in all, a
+ * matrix's share of them by its bytes, so that the small K and V projections beside Q add
+ * tasks, not fork-joins. Every output is summed in td_cpu_pack's one order whatever the
+ * split: batch-invariant. */
+static td_status_t pmatmuls(td_cpu_t *cpu, const td_matmul_params_t *ps, int count)
 {
-    size_t stride = td_cpu_pack_act_stride((size_t)p->k);
-    td_status_t st = td_cpu_reserve(cpu, PK_ROWS * PK_COLS * sizeof(float), (size_t)p->m * stride);
+    TD_ASSERT(count >= 1 && count <= TD_BACKEND_MATMULS_MAX);
+    const td_matmul_params_t *p0 = &ps[0];
+    size_t stride = td_cpu_pack_act_stride((size_t)p0->k);
+    pmatmul_job_t jb = {.cpu = cpu, .ops = cpu->k.pack, .x = p0->x, .m = p0->m, .k = p0->k, .stride = stride,
+                        .n_mats = count};
+    for (int i = 0; i < count; i++) {
+        int t = 0;
+        while (t < jb.n_types && jb.types[t] != ps[i].w_dtype)
+            t++;
+        if (t == jb.n_types)
+            jb.types[jb.n_types++] = ps[i].w_dtype;
+    }
+    td_status_t st = td_cpu_reserve(cpu, PK_ROWS * PK_COLS * sizeof(float), (size_t)jb.n_types * (size_t)p0->m * stride);
     if (st != TD_OK)
         return st;
-    int n_groups = (p->n + TD_CPU_PACK_ROWS - 1) / TD_CPU_PACK_ROWS;
+    for (int t = 0; t < jb.n_types; t++)
+        jb.act[t] = cpu->shared + (size_t)t * (size_t)p0->m * stride;
     /* two tasks a thread: enough to even out a slow thread, and a decode task's share is one
        stream its prefetch runs ahead in (four: 1B Q4_0 at avx2, 2 threads, 36.1 tokens/s
        against 37.5 at two) */
     int tasks = cpu->n_threads == 1 ? 1 : cpu->n_threads * 2;
-    pmatmul_job_t jb = {.p = p, .cpu = cpu, .ops = cpu->k.pack,
-                        .fn = td_cpu_pack_fn_of(cpu->k.pack, p->w_dtype, cpu->act_one_byte),
-                        .a = cpu->shared, .stride = stride,
-                        .groups = (n_groups + tasks - 1) / tasks};
-    jb.act_tasks = p->m >= 4 * cpu->n_threads ? cpu->n_threads : 1;
+    double total = 0;
+    for (int i = 0; i < count; i++)
+        total += (double)td_dtype_bytes(ps[i].w_dtype, (size_t)ps[i].n * (size_t)ps[i].k);
+    int n_tasks = 0;
+    for (int i = 0; i < count; i++) {
+        pmat_t *mt = &jb.mats[i];
+        int n_groups = (ps[i].n + TD_CPU_PACK_ROWS - 1) / TD_CPU_PACK_ROWS;
+        double share = (double)td_dtype_bytes(ps[i].w_dtype, (size_t)ps[i].n * (size_t)ps[i].k) / total;
+        int mine = TD_MAX(1, (int)(tasks * share + 0.5));
+        int t = 0;
+        while (t < jb.n_types && jb.types[t] != ps[i].w_dtype)
+            t++;
+        *mt = (pmat_t){.p = &ps[i], .fn = td_cpu_pack_fn_of(cpu->k.pack, ps[i].w_dtype, cpu->act_one_byte),
+                       .a = jb.act[t], .groups = (n_groups + mine - 1) / mine, .task0 = n_tasks};
+        n_tasks += (n_groups + mt->groups - 1) / mt->groups;
+    }
+    jb.act_tasks = p0->m >= 4 * cpu->n_threads ? cpu->n_threads : 1;
     td_pool_run(cpu->pool, jb.act_tasks, pact_task, &jb);
-    td_pool_run(cpu->pool, (n_groups + jb.groups - 1) / jb.groups, pmatmul_task, &jb);
+    td_pool_run(cpu->pool, n_tasks, pmatmul_task, &jb);
     return TD_OK;
 }
 
@@ -558,13 +601,34 @@ td_status_t td_cpu_matmul(td_backend_t *be, const td_matmul_params_t *p)
     if (p->m == 0 || p->n == 0)
         return TD_OK;
     if (p->w_packed)
-        return pmatmul(cpu, p);
+        return pmatmuls(cpu, p, 1);
     if (p->w_dtype == TD_Q5_K || p->w_dtype == TD_IQ4_XS)
         return td_errorf(TD_ERR_UNSUPPORTED, "cpu matmul: %s weights are read only in the packed form "
                          "ops->weight_pack makes; pack the matrix first", td_dtype_name(p->w_dtype));
     if (td_dtype_is_block(p->w_dtype))
         return cpu->exact ? qf32_matmul(cpu, p) : qmatmul(cpu, p);
     return cpu->k.fmatmul(cpu, p);
+}
+
+/* Contract (td_backend.h ops->matmuls): ps[i] share m, k and x. Packed matrices go through
+   one pmatmuls job; otherwise each is td_cpu_matmul's, in order. */
+td_status_t td_cpu_matmuls(td_backend_t *be, const td_matmul_params_t *ps, int32_t count)
+{
+    td_cpu_t *cpu = td_cpu_of(be);
+    TD_ASSERT(count >= 1 && count <= TD_BACKEND_MATMULS_MAX);
+    bool packed = ps[0].m > 0;
+    for (int i = 0; i < count; i++) {
+        TD_ASSERT(ps[i].m == ps[0].m && ps[i].k == ps[0].k && ps[i].x == ps[0].x && ps[i].n >= 0);
+        packed = packed && ps[i].w_packed && ps[i].n > 0;
+    }
+    if (packed)
+        return pmatmuls(cpu, ps, count);
+    for (int i = 0; i < count; i++) {
+        td_status_t st = td_cpu_matmul(be, &ps[i]);
+        if (st != TD_OK)
+            return st;
+    }
+    return TD_OK;
 }
 
 td_cpu_fmatmul_fn td_cpu_fmatmul_of(td_cpu_isa_t isa)

@@ -427,6 +427,17 @@ static td_status_t td_cuda_op_matmul(td_backend_t *be, const td_matmul_params_t 
     return td_cuda_matmul(td_cuda_ctx(be), p);
 }
 
+/* one stream in order: the same as count matmul calls (no fused path on the GPU yet) */
+static td_status_t td_cuda_op_matmuls(td_backend_t *be, const td_matmul_params_t *ps, int32_t count)
+{
+    for (int32_t i = 0; i < count; i++) {
+        td_status_t st = td_cuda_matmul(td_cuda_ctx(be), &ps[i]);
+        if (st != TD_OK)
+            return st;
+    }
+    return TD_OK;
+}
+
 static td_status_t td_cuda_op_rope_kv_write(td_backend_t *be, const td_rope_kv_params_t *p)
 {
     return td_cuda_rope_kv_write(td_cuda_ctx(be), p);
@@ -499,6 +510,7 @@ static const td_backend_ops_t td_cuda_ops = {
     /* .embed = */ td_cuda_op_embed,
     /* .rmsnorm = */ td_cuda_op_rmsnorm,
     /* .matmul = */ td_cuda_op_matmul,
+    /* .matmuls = */ td_cuda_op_matmuls,
     /* .rope_kv_write = */ td_cuda_op_rope_kv_write,
     /* .attn_prefill = */ td_cuda_op_attn_prefill,
     /* .attn_decode = */ td_cuda_op_attn_decode,

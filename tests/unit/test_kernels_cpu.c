@@ -449,6 +449,74 @@ Test(kernels_cpu, matmul_block_weights_exact_batch_invariant, .timeout = 120)
 }
 
 /* embed from a block-typed table: each row exactly td_quant's dequantized row */
+/*
+ * ops->matmuls: Q, K and V (or gate and up) of one input in one call give the bits of one
+ * matmul call each: packed weights of two types (one quantization of X per type, one job
+ * for all), with a bias and an accumulating output among them, at decode and prefill row
+ * counts and two thread counts; and a float matrix among packed ones (each its own call).
+ */
+Test(kernels_cpu, matmuls_equal_matmul_calls, .timeout = 120)
+{
+    static const int ms[] = {1, 5, 70};
+    const int k = 512, ns[3] = {300, 64, 48};
+    const td_dtype_t types[3] = {TD_Q4_K, TD_Q6_K, TD_Q4_K};
+    rng_t r = {0x3a7};
+    for (size_t ti = 0; ti < TD_ARRAY_LEN(thread_counts); ti++)
+        for (int fl = 0; fl < 2; fl++) { /* fl: the third matrix in f32, not packed */
+            td_backend_t *be = make_backend(thread_counts[ti]);
+            float *x = xmalloc((size_t)70 * k * 4), *bias = xmalloc((size_t)ns[0] * 4);
+            fill_random(&r, x, TD_F32, NULL, (size_t)70 * k);
+            fill_random(&r, bias, TD_F32, NULL, (size_t)ns[0]);
+            void *w[3], *wp[3] = {NULL, NULL, NULL};
+            for (int i = 0; i < 3; i++) {
+                if (fl && i == 2) {
+                    w[i] = xmalloc((size_t)ns[i] * k * 4);
+                    fill_random(&r, w[i], TD_F32, NULL, (size_t)ns[i] * k);
+                    continue;
+                }
+                w[i] = make_blocks(&r, types[i], (size_t)ns[i] * k);
+                cr_assert_eq(be->ops->weight_pack(be, w[i], types[i], ns[i], k, &wp[i]), TD_OK);
+                cr_assert(wp[i]);
+            }
+            for (size_t a = 0; a < TD_ARRAY_LEN(ms); a++) {
+                const int m = ms[a];
+                td_matmul_params_t ps[3];
+                float *y[3], *want[3];
+                for (int i = 0; i < 3; i++) {
+                    y[i] = xmalloc((size_t)m * ns[i] * 4);
+                    want[i] = xmalloc((size_t)m * ns[i] * 4);
+                    fill_random(&r, y[i], TD_F32, NULL, (size_t)m * ns[i]); /* accumulated into by [1] */
+                    memcpy(want[i], y[i], (size_t)m * ns[i] * 4);
+                    ps[i] = (td_matmul_params_t){.m = m, .n = ns[i], .k = k, .x = x,
+                                                 .w = wp[i] ? wp[i] : w[i], .w_packed = wp[i] != NULL,
+                                                 .w_dtype = wp[i] ? types[i] : TD_F32,
+                                                 .bias = i == 0 ? bias : NULL, .bias_dtype = TD_F32,
+                                                 .accumulate = i == 1};
+                }
+                for (int i = 0; i < 3; i++) {
+                    td_matmul_params_t one = ps[i];
+                    one.y = want[i];
+                    cr_assert_eq(be->ops->matmul(be, &one), TD_OK);
+                    ps[i].y = y[i];
+                }
+                cr_assert_eq(be->ops->matmuls(be, ps, 3), TD_OK);
+                for (int i = 0; i < 3; i++) {
+                    cr_assert_eq(memcmp(y[i], want[i], (size_t)m * ns[i] * 4), 0,
+                                 "matmuls: matrix %d (%s, n %d) at m %d, %d threads, f32 third %d differs from its matmul",
+                                 i, td_dtype_name(ps[i].w_dtype), ns[i], m, thread_counts[ti], fl);
+                    free(y[i]), free(want[i]);
+                }
+            }
+            for (int i = 0; i < 3; i++) {
+                if (wp[i])
+                    be->ops->free(be, wp[i]);
+                free(w[i]);
+            }
+            free(x), free(bias);
+            td_backend_destroy(be);
+        }
+}
+
 Test(kernels_cpu, embed_block_table, .timeout = 60)
 {
     rng_t r = {0xe4bed};
