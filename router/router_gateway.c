@@ -94,12 +94,7 @@ static td_status_t gw_tools_message(router_req_t *r, Tandem__V1__GenerateRespons
 {
     gw_tools_t *g = r->sink_data;
     *ptrs_p = NULL;
-    td_status_t st = TD_OK;
-    if (r->out.n_text > g->fed)
-        st = td_tools_parser_feed(g->parser, r->out.text + g->fed, r->out.n_text - g->fed, gw_tool_event, g);
-    g->fed = r->out.n_text;
-    if (st == TD_OK && last)
-        st = td_tools_parser_finish(g->parser, gw_tool_event, g);
+    td_status_t st = router_oai_tools_feed(g->parser, &g->fed, r->out.text, r->out.n_text, last, gw_tool_event, g);
     router_oai_buf_put(&g->content, "", 1); /* the NUL protobuf-c wants, not counted */
     if (!g->content.oom)
         g->content.n--;

@@ -349,11 +349,7 @@ static td_status_t whole_tool_event(void *ctx, const td_tools_event_t *ev)
 static td_status_t tools_send(http_choice_t *ch, router_req_t *r)
 {
     http_client_t *hc = ch->hc;
-    size_t n = r->out.n_text;
-    td_status_t st = TD_OK;
-    if (n > hc->fed)
-        st = td_tools_parser_feed(hc->tools, r->out.text + hc->fed, n - hc->fed, stream_tool_event, ch);
-    hc->fed = n;
+    td_status_t st = router_oai_tools_feed(hc->tools, &hc->fed, r->out.text, r->out.n_text, false, stream_tool_event, ch);
     if (st == TD_OK && hc->pend.n && (st = stream_begin(hc)) == TD_OK &&
         (st = td_http_stream_write(hc->req, hc->pend.p, hc->pend.n)) == TD_OK)
         hc->pend.n = 0;
@@ -441,11 +437,7 @@ static void tools_whole(http_choice_t *ch, router_finish_t reason)
 static void tools_last(http_choice_t *ch, router_req_t *r, router_finish_t reason, router_oai_buf_t *b)
 {
     http_client_t *hc = ch->hc;
-    td_status_t st = TD_OK;
-    if (r->out.n_text > hc->fed)
-        st = td_tools_parser_feed(hc->tools, r->out.text + hc->fed, r->out.n_text - hc->fed, stream_tool_event, ch);
-    if (st == TD_OK)
-        st = td_tools_parser_finish(hc->tools, stream_tool_event, ch);
+    td_status_t st = router_oai_tools_feed(hc->tools, &hc->fed, r->out.text, r->out.n_text, true, stream_tool_event, ch);
     router_oai_buf_put(b, hc->pend.p ? hc->pend.p : "", hc->pend.n);
     hc->pend.n = 0;
     if (st != TD_OK)

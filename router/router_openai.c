@@ -983,6 +983,19 @@ void router_oai_req_free(router_oai_req_t *q)
 
 /* (router_openai.h) A call's id: OpenAI's "call_" and 24 letters and digits, or for Mistral's template, which
  * checks them, 9; made from the request's id and the call's index, so each is unique. */
+/* Contract: router_openai.h. Errors: the parser's (TD_ERR_NOMEM, a call too long). */
+td_status_t router_oai_tools_feed(td_tools_parser_t *p, size_t *fed, const char *text, size_t n, bool last,
+                                  td_tools_event_cb cb, void *ctx)
+{
+    td_status_t st = TD_OK;
+    if (n > *fed)
+        st = td_tools_parser_feed(p, text + *fed, n - *fed, cb, ctx);
+    *fed = n;
+    if (st == TD_OK && last)
+        st = td_tools_parser_finish(p, cb, ctx);
+    return st;
+}
+
 void router_oai_tool_call_id(const char *req_id, td_tools_format_t fmt, uint32_t index, char id[40])
 {
     static const char ALNUM[] = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789";

@@ -193,6 +193,13 @@ void router_oai_tool_call_chunk(router_oai_buf_t *b, const router_oai_resp_t *rs
  * call's index, so each is unique. */
 void router_oai_tool_call_id(const char *req_id, td_tools_format_t fmt, uint32_t index, char id[40]);
 
+/* Both front doors' streaming bookkeeping: a request's output text[0..n) of which *fed bytes
+ * already went through parser p; feeds the rest (and with `last` ends the parser), events to
+ * cb. *fed becomes n, so a send refused as busy and made again from the same text does not
+ * feed it twice; the caller sets *fed to 0 once that text is gone (sent and cleared). */
+td_status_t router_oai_tools_feed(td_tools_parser_t *p, size_t *fed, const char *text, size_t n, bool last,
+                                  td_tools_event_cb cb, void *ctx);
+
 /* One tool call of a whole answer's message.tool_calls array: {"id", "type", "function":
  * {"name", "arguments"}} appended to b (a "," first unless it is index 0). */
 void router_oai_tool_call_json(router_oai_buf_t *b, uint32_t index, const char *id, const char *name,
