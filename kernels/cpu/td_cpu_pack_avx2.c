@@ -1,8 +1,9 @@
 /*
  * td_cpu_pack_avx2: td_cpu_pack's AVX2 table and its activation quantizer in AVX2,
- * bit-identical to the scalar reference (td_cpu_pack.h). Two-byte prefill tiles (m >= 2)
- * multiply int16 weights by the row's int16 Q with vpmaddwd (w16_tile); decode (m = 1) and
- * one-byte rows use maddubs + madd on the hi and lo bytes (avx2_row1, avx2_row1_q6_k, avx2_tile).
+ * bit-identical to the scalar reference (td_cpu_pack.h). Two-byte prefill tiles (m >= 2), and
+ * one-byte ones of Q8_0 and IQ4_XS, multiply int16 weights by the row's int16 Q with vpmaddwd
+ * (w16_tile); decode (m = 1) and the other one-byte rows use maddubs + madd on the hi and lo
+ * bytes (avx2_row1, avx2_row1_q6_k, avx2_tile1_q6_k, avx2_tile).
  */
 #include "td_cpu_pack_impl.h"
 
@@ -266,80 +267,10 @@ TD_INLINE TD_Y void avx2_tile(td_dtype_t t, bool one, int R, int h0, int H, cons
 
 #define Q6_HI_YMM(hb, v) ((v) == 3 ? _mm256_srli_epi16(hb, 2) : _mm256_slli_epi16(hb, 4 - 2 * (v)))
 
-/* vnni_tile_q6_k's sums on AVX2 for halves [h0, h0 + H) of a group (8 rows each) by R rows,
- * R * H <= 4: maddubs (u <= 63: pairs within int16) + madd, hi widened by 254 */
-TD_INLINE TD_Y void avx2_tile_q6_k(bool one, int R, int h0, int H, const unsigned char *gq, size_t nb, size_t k, const unsigned char *a, size_t stride, float *y, size_t ldy,
-                                   const unsigned char *pf_end)
-{
-    const __m256i low4 = _mm256_set1_epi8(0x0F), hi2 = _mm256_set1_epi8(0x30);
-    const __m256i ones = _mm256_set1_epi16(1), wide = _mm256_set1_epi16(WIDE);
-    __m256 acc[2][4];
-    for (int x = 0; x < H; x++)
-        for (int i = 0; i < R; i++)
-            acc[x][i] = _mm256_setzero_ps();
-    for (size_t b = 0; b < nb; b++) {
-        if (pf_end)
-            decode_prefetch(TD_Q6_K, gq, b, pf_end);
-        const unsigned char *ks = gq + chunk_scales_at(TD_Q6_K, nb, b);
-#pragma GCC unroll 2
-        for (int x = 0; x < H; x++) {
-            const int hr = h0 + x; /* rows 8 hr .. 8 hr + 7 */
-            const unsigned char *q = gq + block_at(TD_Q6_K, b) + 32 * hr;
-            const __m256i hb0 = _mm256_loadu_si256((const __m256i *)(q + 256));
-            const __m256i hb1 = _mm256_loadu_si256((const __m256i *)(q + 320));
-            __m256i p[2][4];
-#pragma GCC unroll 4
-            for (int i = 0; i < R; i++)
-#pragma GCC unroll 2
-                for (int h = 0; h < 2; h++)
-                    p[h][i] = _mm256_set1_epi32(load_i32((h ? act_c2(a + i * stride, k) : act_c(a + i * stride, k)) + 4 * b));
-#pragma GCC unroll 4
-            for (int v = 0; v < 4; v++) {
-                __m256i raw = _mm256_loadu_si256((const __m256i *)(q + 64 * v));
-                __m256i wv[2] = {_mm256_or_si256(_mm256_and_si256(raw, low4), _mm256_and_si256(Q6_HI_YMM(hb0, v), hi2)),
-                                 _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low4),
-                                                 _mm256_and_si256(Q6_HI_YMM(hb1, v), hi2))};
-#pragma GCC unroll 4
-                for (int i = 0; i < R; i++) {
-                    const unsigned char *ai = a + i * stride;
-                    const int8_t *hi = act_hi(ai) + b * TD_QK, *lo = act_lo(ai, k) + b * TD_QK;
-#pragma GCC unroll 2
-                    for (int h = 0; h < 2; h++) {
-                        __m256i sh = _mm256_maddubs_epi16(wv[h], _mm256_set1_epi32(load_i32(hi + 16 * h + 4 * v)));
-                        if (one) {
-                            p[h][i] = _mm256_add_epi32(p[h][i], _mm256_madd_epi16(sh, wide));
-                            continue;
-                        }
-                        __m256i sl = _mm256_maddubs_epi16(wv[h], _mm256_set1_epi32(load_i32(lo + 16 * h + 4 * v)));
-                        p[h][i] = _mm256_add_epi32(p[h][i], _mm256_add_epi32(_mm256_madd_epi16(sh, wide),
-                                                                             _mm256_madd_epi16(sl, ones)));
-                    }
-                }
-            }
-            __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ks + 16 * hr)));
-            __m256 dw[2];
-#pragma GCC unroll 2
-            for (int h = 0; h < 2; h++)
-                dw[h] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                                             _mm_loadl_epi64((const __m128i *)(ks + K6_SC(b % 8, h) + 8 * hr)))));
-#pragma GCC unroll 4
-            for (int i = 0; i < R; i++) {
-                __m256 e = _mm256_set1_ps(load_f32(act_e(a + i * stride, k) + 4 * b));
-#pragma GCC unroll 2
-                for (int h = 0; h < 2; h++)
-                    acc[x][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[h][i]), _mm256_mul_ps(dw[h], e), acc[x][i]);
-            }
-        }
-    }
-    for (int x = 0; x < H; x++)
-        for (int i = 0; i < R; i++)
-            _mm256_storeu_ps(y + i * ldy + 8 * (h0 + x), acc[x][i]);
-}
-
-/* Decode's one activation row against a whole Q6_K group: avx2_tile_q6_k's sums in another
+/* Decode's one activation row against a whole Q6_K group: the scalar kernel's sums in another
  * order, so the same integers. maddubs' int16 pair sums of a half (u <= 63: at most 2 * 63 *
  * 127 = 16002) build up over two v (32004 < 2^15) before one madd widens them, where the
- * general tile widened each v: half the madds and int32 adds, for the same maddubs. */
+ * two-row tile it replaced widened each v: half the madds and int32 adds, for the same maddubs. */
 TD_INLINE TD_Y void avx2_row1_q6_k(bool one, const unsigned char *gq, size_t nb, size_t k, const unsigned char *a, float *y,
                                    const unsigned char *pf_end)
 {
@@ -559,6 +490,88 @@ TD_INLINE bool w16_both_halves(td_dtype_t t)
     return t == TD_Q4_0 || t == TD_Q4_1 || t == TD_Q8_0;
 }
 
+/* Q6_K's one-byte prefill tile (m >= 2, `--device cpu:q8`): half h of a group (8 weight rows)
+ * against R one-byte rows, R <= 8. A block's 8 weight vectors u = low | high << 4 are made
+ * once into registers and serve every row; per row and half, maddubs' int16 pair sums (u <=
+ * 63: at most 2 * 63 * 127 = 16002) build up over two vectors (32004 < 2^15) before one madd
+ * by 254 widens them, where the tile before it (2 rows a tile) widened every vector and
+ * re-made the weights for each pair of rows. The same integers (each half from c and c2),
+ * so the scalar reference's bits. One core, m = 64, a 2048 x 2048 matrix: 5.43 -> 3.64 ms.
+ * For the Q4 types the same tile read no faster than avx2_tile (q4_k 3.19 against 3.11 ms,
+ * q5_k 3.66 against 3.56; 4 rows: 3.20, 3.70): their 8 vectors and 8 accumulators a row
+ * spill, and their maddubs already share the widening of a nibble pair. */
+TD_INLINE TD_Y void avx2_tile1_q6_k(int R, int h, const unsigned char *gq, size_t nb, size_t k, const unsigned char *a,
+                                    size_t stride, float *y, size_t ldy, const unsigned char *pf_end)
+{
+    const __m256i low4 = _mm256_set1_epi8(0x0F), hi2 = _mm256_set1_epi8(0x30), wide = _mm256_set1_epi16(WIDE);
+    __m256 acc[8];
+    for (int i = 0; i < R; i++)
+        acc[i] = _mm256_setzero_ps();
+    for (size_t b = 0; b < nb; b++) {
+        if (pf_end) /* the group's first sweep */
+            decode_prefetch(TD_Q6_K, gq, b, pf_end);
+        const unsigned char *q = gq + block_at(TD_Q6_K, b) + 32 * h, *cs = gq + chunk_scales_at(TD_Q6_K, nb, b);
+        /* w[v]: the first half's weights 4v .. 4v + 3; w[4 + v]: the second half's 16 + 4v .. */
+        __m256i w[8];
+        const __m256i hb0 = _mm256_loadu_si256((const __m256i *)(q + 256));
+        const __m256i hb1 = _mm256_loadu_si256((const __m256i *)(q + 320));
+#pragma GCC unroll 4
+        for (int v = 0; v < 4; v++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(q + 64 * v));
+            w[v] = _mm256_or_si256(_mm256_and_si256(raw, low4), _mm256_and_si256(Q6_HI_YMM(hb0, v), hi2));
+            w[4 + v] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low4),
+                                       _mm256_and_si256(Q6_HI_YMM(hb1, v), hi2));
+        }
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cs + 16 * h)));
+        __m256 dw[2];
+        for (int s = 0; s < 2; s++)
+            dw[s] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                         _mm_loadl_epi64((const __m128i *)(cs + K6_SC(b % 8, s) + 8 * h)))));
+#pragma GCC unroll 8
+        for (int i = 0; i < R; i++) {
+            const unsigned char *ai = a + i * stride;
+            const int8_t *qh = act_hi(ai) + b * TD_QK;
+            __m256i p[2] = {_mm256_set1_epi32(load_i32(act_c(ai, k) + 4 * b)),
+                            _mm256_set1_epi32(load_i32(act_c2(ai, k) + 4 * b))};
+#pragma GCC unroll 4
+            for (int j = 0; j < 8; j += 2) { /* vectors j, j + 1: weights 4j .. 4j + 7 of the block */
+                __m256i s = _mm256_add_epi16(_mm256_maddubs_epi16(w[j], _mm256_set1_epi32(load_i32(qh + 4 * j))),
+                                             _mm256_maddubs_epi16(w[j + 1], _mm256_set1_epi32(load_i32(qh + 4 * j + 4))));
+                p[j / 4] = _mm256_add_epi32(p[j / 4], _mm256_madd_epi16(s, wide));
+            }
+            const __m256 e = _mm256_set1_ps(load_f32(act_e(ai, k) + 4 * b));
+#pragma GCC unroll 2
+            for (int s = 0; s < 2; s++) /* the halves in the reference's order */
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[s]), _mm256_mul_ps(dw[s], e), acc[i]);
+        }
+    }
+    for (int i = 0; i < R; i++)
+        _mm256_storeu_ps(y + i * ldy + 8 * h, acc[i]);
+}
+
+/* kernel_avx2's one-byte Q6_K prefill: tiles of 8 rows, then one of the rest */
+TD_INLINE TD_Y void kernel_avx2_q6_k_one(const unsigned char *gq, size_t nb, size_t k, const unsigned char *a, size_t m,
+                                         size_t stride, float *yg, size_t ldy, const unsigned char *end)
+{
+    for (int h = 0; h < 2; h++) {
+        size_t i = 0;
+        for (; i + 8 <= m; i += 8)
+            avx2_tile1_q6_k(8, h, gq, nb, k, a + i * stride, stride, yg + i * ldy, ldy, h == 0 && i == 0 ? end : NULL);
+        const unsigned char *ai = a + i * stride, *pf = h == 0 && i == 0 ? end : NULL;
+        float *yi = yg + i * ldy;
+        switch (m - i) { /* a constant R in each call, so each is its own unrolled tile */
+        case 1: avx2_tile1_q6_k(1, h, gq, nb, k, ai, stride, yi, ldy, pf); break;
+        case 2: avx2_tile1_q6_k(2, h, gq, nb, k, ai, stride, yi, ldy, pf); break;
+        case 3: avx2_tile1_q6_k(3, h, gq, nb, k, ai, stride, yi, ldy, pf); break;
+        case 4: avx2_tile1_q6_k(4, h, gq, nb, k, ai, stride, yi, ldy, pf); break;
+        case 5: avx2_tile1_q6_k(5, h, gq, nb, k, ai, stride, yi, ldy, pf); break;
+        case 6: avx2_tile1_q6_k(6, h, gq, nb, k, ai, stride, yi, ldy, pf); break;
+        case 7: avx2_tile1_q6_k(7, h, gq, nb, k, ai, stride, yi, ldy, pf); break;
+        default: break;
+        }
+    }
+}
+
 /* kernel_avx2's two-byte prefill: every row in int16 tiles of W16_R(t) rows, then one of the rest */
 TD_INLINE TD_Y void kernel_avx2_w16(td_dtype_t t, const unsigned char *gq, size_t nb, size_t k, const unsigned char *a,
                                     size_t m, size_t stride, float *yg, size_t ldy, const unsigned char *end)
@@ -592,17 +605,18 @@ TD_INLINE TD_Y void kernel_avx2(td_dtype_t t, bool one, const void *wp, size_t g
         const unsigned char *gq = (const unsigned char *)wp + g * gb;
         float *yg = y + (g - g0) * ROWS;
         size_t i = 0;
-        if (!one && m >= 2) {
+        if (m >= 2 && (!one || t == TD_Q8_0 || t == TD_IQ4_XS)) {
+            /* one-byte rows carry Q = 254 hi as well, and Q8_0's and IQ4_XS's int16 tiles beat
+             * their maddubs tiles (signed values: a madd every vector; one core, m = 64, 2048 x
+             * 2048: q8_0 4.34 -> 3.76 ms, iq4_xs 4.94 -> 4.41) */
             kernel_avx2_w16(t, gq, nb, k, a, m, stride, yg, ldy, end);
             continue;
         }
-        if (t == TD_Q6_K) { /* twice the accumulators a row: tiles of 2 rows, the odd one alone */
-            for (int h = 0; h < 2; h++)
-                for (i = 0; i + 2 <= m; i += 2)
-                    avx2_tile_q6_k(one, 2, h, 1, gq, nb, k, a + i * stride, stride, yg + i * ldy, ldy,
-                                   h == 0 && i == 0 ? end : NULL);
-            if (i < m) /* decode: all of it */
-                avx2_row1_q6_k(one, gq, nb, k, a + i * stride, yg + i * ldy, i == 0 ? end : NULL);
+        if (t == TD_Q6_K) {
+            if (m >= 2)
+                kernel_avx2_q6_k_one(gq, nb, k, a, m, stride, yg, ldy, end);
+            else /* decode */
+                avx2_row1_q6_k(one, gq, nb, k, a, yg, end);
             continue;
         }
         for (int h = 0; h < 2; h++)

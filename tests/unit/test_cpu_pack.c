@@ -308,7 +308,8 @@ Test(cpu_pack, simd_tables_equal_scalar_bitwise)
  * largest (all bits set) against activation blocks of hi = +-127 and lo = -+127 (x = 126.5,
  * one 127 a block, and the negation), where AVX2's one-row path keeps maddubs' pair sums in
  * int16 over several v (8 pairs of 2 * 15 * 127 for 4-bit quants, 4 of 2 * 31 * 127 for
- * Q5_K): one v too many and they wrap; and where its int16 prefill tiles meet |Q| = 32385
+ * Q5_K), and its one-byte Q6_K prefill tile over two (of 2 * 63 * 127): one v too many and
+ * they wrap; and where its int16 prefill tiles meet |Q| = 32385
  * (m up to 9: a full tile of 8 rows or two of 4, and one left over) */
 Test(cpu_pack, simd_tables_equal_scalar_at_the_extremes)
 {
