@@ -484,7 +484,8 @@ static td_status_t qf32_matmul(td_cpu_t *cpu, const td_matmul_params_t *p)
 #define PK_GROUPS 8
 #define PK_COLS (PK_GROUPS * TD_CPU_PACK_ROWS)
 
-/* One matrix of a pmatmul job: its tasks are [task0, task0 + tasks), `groups` W groups each. */
+/* One matrix of a pmatmul job: its tasks start at task0 (the next matrix's task0 ends them),
+ * `groups` W groups each. */
 typedef struct pmat {
     const td_matmul_params_t *p;
     td_cpu_pack_fn fn;
@@ -554,12 +555,17 @@ static td_status_t pmatmuls(td_cpu_t *cpu, const td_matmul_params_t *ps, int cou
     size_t stride = td_cpu_pack_act_stride((size_t)p0->k);
     pmatmul_job_t jb = {.cpu = cpu, .ops = cpu->k.pack, .x = p0->x, .m = p0->m, .k = p0->k, .stride = stride,
                         .n_mats = count};
+    int type_of[TD_BACKEND_MATMULS_MAX]; /* each matrix's index in jb.types */
+    double bytes[TD_BACKEND_MATMULS_MAX], total = 0;
     for (int i = 0; i < count; i++) {
         int t = 0;
         while (t < jb.n_types && jb.types[t] != ps[i].w_dtype)
             t++;
         if (t == jb.n_types)
             jb.types[jb.n_types++] = ps[i].w_dtype;
+        type_of[i] = t;
+        bytes[i] = (double)td_dtype_bytes(ps[i].w_dtype, (size_t)ps[i].n * (size_t)ps[i].k);
+        total += bytes[i];
     }
     td_status_t st = td_cpu_reserve(cpu, PK_ROWS * PK_COLS * sizeof(float), (size_t)jb.n_types * (size_t)p0->m * stride);
     if (st != TD_OK)
@@ -570,20 +576,13 @@ static td_status_t pmatmuls(td_cpu_t *cpu, const td_matmul_params_t *ps, int cou
        stream its prefetch runs ahead in (four: 1B Q4_0 at avx2, 2 threads, 36.1 tokens/s
        against 37.5 at two) */
     int tasks = cpu->n_threads == 1 ? 1 : cpu->n_threads * 2;
-    double total = 0;
-    for (int i = 0; i < count; i++)
-        total += (double)td_dtype_bytes(ps[i].w_dtype, (size_t)ps[i].n * (size_t)ps[i].k);
     int n_tasks = 0;
     for (int i = 0; i < count; i++) {
         pmat_t *mt = &jb.mats[i];
         int n_groups = (ps[i].n + TD_CPU_PACK_ROWS - 1) / TD_CPU_PACK_ROWS;
-        double share = (double)td_dtype_bytes(ps[i].w_dtype, (size_t)ps[i].n * (size_t)ps[i].k) / total;
-        int mine = TD_MAX(1, (int)(tasks * share + 0.5));
-        int t = 0;
-        while (t < jb.n_types && jb.types[t] != ps[i].w_dtype)
-            t++;
+        int mine = TD_MAX(1, (int)(tasks * (bytes[i] / total) + 0.5));
         *mt = (pmat_t){.p = &ps[i], .fn = td_cpu_pack_fn_of(cpu->k.pack, ps[i].w_dtype, cpu->act_one_byte),
-                       .a = jb.act[t], .groups = (n_groups + mine - 1) / mine, .task0 = n_tasks};
+                       .a = jb.act[type_of[i]], .groups = (n_groups + mine - 1) / mine, .task0 = n_tasks};
         n_tasks += (n_groups + mt->groups - 1) / mt->groups;
     }
     jb.act_tasks = p0->m >= 4 * cpu->n_threads ? cpu->n_threads : 1;
