@@ -209,23 +209,18 @@ TD_INLINE TD_Y void avx2_tile(td_dtype_t t, bool one, int R, int h0, int H, cons
                         lo4 = _mm256_or_si256(lo4, _mm256_and_si256(_mm256_slli_epi16(hb, 4 - v), bit4));
                         hi4 = _mm256_or_si256(hi4, _mm256_and_si256(_mm256_srli_epi16(hb, v), bit4));
                     }
-                    if (t == TD_IQ4_XS) { /* signed values, Q8_0's sign trick; pairs up to 2 * 127 * 127: one madd each */
+                    if (t == TD_IQ4_XS) { /* signed values, Q8_0's sign trick; pairs up to 2 * 127 * 127: one madd
+                                           * each. One-byte decode only: kernel_avx2 gives every other IQ4_XS
+                                           * row to w16_tile, so there is no lo byte here */
                         __m256i sl = _mm256_shuffle_epi8(iq4s, lo4), sh = _mm256_shuffle_epi8(iq4s, hi4);
                         __m256i al = _mm256_abs_epi8(sl), ah = _mm256_abs_epi8(sh);
 #pragma GCC unroll 4
                         for (int i = 0; i < R; i++) {
-                            const unsigned char *ai = a + i * stride;
-                            const int8_t *qh = act_hi(ai) + b * TD_QK, *ql = act_lo(ai, k) + b * TD_QK;
+                            const int8_t *qh = act_hi(a + i * stride) + b * TD_QK;
                             __m256i ph = _mm256_add_epi32(
                                 _mm256_madd_epi16(_mm256_maddubs_epi16(al, _mm256_sign_epi8(_mm256_set1_epi32(load_i32(qh + 4 * v)), sl)), wide),
                                 _mm256_madd_epi16(_mm256_maddubs_epi16(ah, _mm256_sign_epi8(_mm256_set1_epi32(load_i32(qh + 16 + 4 * v)), sh)), wide));
                             p[i] = _mm256_add_epi32(p[i], ph);
-                            if (one)
-                                continue;
-                            __m256i pl = _mm256_add_epi32(
-                                _mm256_madd_epi16(_mm256_maddubs_epi16(al, _mm256_sign_epi8(_mm256_set1_epi32(load_i32(ql + 4 * v)), sl)), ones),
-                                _mm256_madd_epi16(_mm256_maddubs_epi16(ah, _mm256_sign_epi8(_mm256_set1_epi32(load_i32(ql + 16 + 4 * v)), sh)), ones));
-                            p[i] = _mm256_add_epi32(p[i], pl);
                         }
                         continue;
                     }
