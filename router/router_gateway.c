@@ -68,7 +68,7 @@ static td_status_t gw_tool_event(void *ctx, const td_tools_event_t *ev)
         g->cap_calls = cap;
     }
     char id[40];
-    router_oai_tool_call_id(g->req_id, g->fmt, ev->index, id);
+    router_oai_tool_call_id(g->req_id, g->fmt, 0, ev->index, id);
     size_t *off = g->offs[g->n_calls];
     off[0] = g->strs.n;
     router_oai_buf_put(&g->strs, id, strlen(id) + 1);

@@ -48,6 +48,13 @@ typedef struct http_choice {
     size_t n_lps, cap_lps;
     router_oai_buf_t text;      /* a whole answer: the text so far */
     const char *reason;         /* finish_reason once it ended well */
+    /* tool calls: this choice's output read by its own parser (tools with tool_choice not
+     * none), or NULL: the output is text */
+    td_tools_parser_t *tools;
+    size_t fed;                 /* a stream: bytes of r->out's text already fed to the parser (a
+                                 * refused send keeps r->out and comes again with more) */
+    router_oai_buf_t calls;     /* a whole answer with tools: message.tool_calls' items */
+    router_oai_buf_t content;   /* a whole answer with tools: the content */
 } http_choice_t;
 
 /*
@@ -84,15 +91,11 @@ struct http_client {
     size_t n_ids;
     int32_t priority;
     uint64_t cache_salt;
-    /* tool calls (n is 1: router_oai_tools_prepare refuses n > 1 with tools) */
-    td_tools_parser_t *tools;   /* tool calls read from choice 0's output (tools with tool_choice
-                                 * not none), or NULL: the output is text */
+    /* tool calls (each choice's parser: http_choice_t.tools) */
+    bool tools;                 /* the choices' outputs are read for calls */
     td_tools_format_t tool_format;
-    size_t fed;                 /* a stream: bytes of r->out's text already fed to the parser (a
-                                 * refused send keeps r->out and comes again with more) */
-    router_oai_buf_t pend;      /* a stream with tools: SSE events made, not yet written */
-    router_oai_buf_t calls;     /* a whole answer with tools: message.tool_calls' items */
-    router_oai_buf_t content;   /* a whole answer with tools: the content */
+    router_oai_buf_t pend;      /* a stream with tools: SSE events of any choice, whole, in the
+                                 * order made, not yet written */
 };
 
 /* Frees hc and what it holds (its idle handle closed, or never opened). */
@@ -101,6 +104,9 @@ static void client_on_closed_now(http_client_t *hc)
     for (int32_t i = 0; i < hc->n; i++) {
         free(hc->ch[i].lps);
         router_oai_buf_free(&hc->ch[i].text);
+        router_oai_buf_free(&hc->ch[i].calls);
+        router_oai_buf_free(&hc->ch[i].content);
+        td_tools_parser_destroy(hc->ch[i].tools);
     }
     for (size_t i = 0; i < TD_STOP_MAX_STRINGS; i++)
         free(hc->stops[i]);
@@ -108,9 +114,6 @@ static void client_on_closed_now(http_client_t *hc)
     free(hc->ids);
     router_oai_buf_free(&hc->out);
     router_oai_buf_free(&hc->pend);
-    router_oai_buf_free(&hc->calls);
-    router_oai_buf_free(&hc->content);
-    td_tools_parser_destroy(hc->tools);
     free(hc->echo);
     free(hc);
 }
@@ -323,7 +326,7 @@ static td_status_t stream_tool_event(void *ctx, const td_tools_event_t *ev)
         router_oai_chunk(&hc->pend, &ch->rs, ch->first, ev->text, ev->len, NULL, NULL, hc->include_usage);
     } else {
         char id[40];
-        router_oai_tool_call_id(hc->id, hc->tool_format, ev->index, id);
+        router_oai_tool_call_id(hc->id, hc->tool_format, (uint32_t)ch->rs.index, ev->index, id);
         router_oai_tool_call_chunk(&hc->pend, &ch->rs, ch->first, ev->index, id, ev->name, ev->arguments,
                                    ev->arguments_len, hc->include_usage);
     }
@@ -331,30 +334,31 @@ static td_status_t stream_tool_event(void *ctx, const td_tools_event_t *ev)
     return hc->pend.oom ? TD_ERR_NOMEM : TD_OK;
 }
 
-/* Parser events of a whole answer: the content and the tool_calls items. */
+/* Parser events of a whole answer (ctx: the choice): its content and tool_calls items. */
 static td_status_t whole_tool_event(void *ctx, const td_tools_event_t *ev)
 {
-    http_client_t *hc = ctx;
+    http_choice_t *ch = ctx;
     if (ev->kind == TD_TOOLS_CONTENT) {
-        router_oai_buf_put(&hc->content, ev->text, ev->len);
+        router_oai_buf_put(&ch->content, ev->text, ev->len);
     } else {
         char id[40];
-        router_oai_tool_call_id(hc->id, hc->tool_format, ev->index, id);
-        router_oai_tool_call_json(&hc->calls, ev->index, id, ev->name, ev->arguments, ev->arguments_len);
+        router_oai_tool_call_id(ch->hc->id, ch->hc->tool_format, (uint32_t)ch->rs.index, ev->index, id);
+        router_oai_tool_call_json(&ch->calls, ev->index, id, ev->name, ev->arguments, ev->arguments_len);
     }
-    return hc->content.oom || hc->calls.oom ? TD_ERR_NOMEM : TD_OK;
+    return ch->content.oom || ch->calls.oom ? TD_ERR_NOMEM : TD_OK;
 }
 
-/* A stream with tools: r's new text through the parser into hc->pend, then written. */
+/* A stream with tools: r's new text through ch's parser into hc->pend, then written (with
+ * any other choice's events still waiting there, before them). */
 static td_status_t tools_send(http_choice_t *ch, router_req_t *r)
 {
     http_client_t *hc = ch->hc;
-    td_status_t st = router_oai_tools_feed(hc->tools, &hc->fed, r->out.text, r->out.n_text, false, stream_tool_event, ch);
+    td_status_t st = router_oai_tools_feed(ch->tools, &ch->fed, r->out.text, r->out.n_text, false, stream_tool_event, ch);
     if (st == TD_OK && hc->pend.n && (st = stream_begin(hc)) == TD_OK &&
         (st = td_http_stream_write(hc->req, hc->pend.p, hc->pend.n)) == TD_OK)
         hc->pend.n = 0;
     if (st == TD_OK)
-        hc->fed = 0; /* r->out is emptied on TD_OK; the parser holds what may be a call */
+        ch->fed = 0; /* r->out is emptied on TD_OK; the parser holds what may be a call */
     return st == TD_ERR_CLOSED ? TD_ERR_CANCELLED : st;
 }
 
@@ -408,28 +412,27 @@ static const char *reason_name(router_finish_t reason)
     return reason == ROUTER_FINISH_LENGTH ? "length" : "stop";
 }
 
-/* OpenAI's finish_reason "tool_calls" when the output ended with calls. */
-static const char *finish_name(const http_client_t *hc, router_finish_t reason)
+/* OpenAI's finish_reason "tool_calls" when ch's output ended with calls. */
+static const char *finish_name(const http_choice_t *ch, router_finish_t reason)
 {
-    if (hc->tools && td_tools_parser_calls(hc->tools) && reason != ROUTER_FINISH_LENGTH)
+    if (ch->tools && td_tools_parser_calls(ch->tools) && reason != ROUTER_FINISH_LENGTH)
         return "tool_calls";
     return reason_name(reason);
 }
 
-/* A whole answer with tools: choice ch's text through the parser into hc->content and
- * hc->calls (out of memory: marked on calls, answered as a 500). */
+/* A whole answer with tools: choice ch's text through its parser into ch->content and
+ * ch->calls (out of memory: marked on calls, answered as a 500). */
 static void tools_whole(http_choice_t *ch, router_finish_t reason)
 {
-    http_client_t *hc = ch->hc;
     td_status_t st = ch->text.oom ? TD_ERR_NOMEM
-                                  : td_tools_parser_feed(hc->tools, ch->text.p ? ch->text.p : "", ch->text.n,
-                                                         whole_tool_event, hc);
+                                  : td_tools_parser_feed(ch->tools, ch->text.p ? ch->text.p : "", ch->text.n,
+                                                         whole_tool_event, ch);
     if (st == TD_OK)
-        st = td_tools_parser_finish(hc->tools, whole_tool_event, hc);
-    router_oai_buf_put(&hc->calls, "", 0);
+        st = td_tools_parser_finish(ch->tools, whole_tool_event, ch);
+    router_oai_buf_put(&ch->calls, "", 0);
     if (st != TD_OK)
-        hc->calls.oom = true;
-    ch->reason = finish_name(hc, reason);
+        ch->calls.oom = true;
+    ch->reason = finish_name(ch, reason);
 }
 
 /* A stream with tools ends: the last text through the parser and what it held into *b, then
@@ -437,12 +440,12 @@ static void tools_whole(http_choice_t *ch, router_finish_t reason)
 static void tools_last(http_choice_t *ch, router_req_t *r, router_finish_t reason, router_oai_buf_t *b)
 {
     http_client_t *hc = ch->hc;
-    td_status_t st = router_oai_tools_feed(hc->tools, &hc->fed, r->out.text, r->out.n_text, true, stream_tool_event, ch);
+    td_status_t st = router_oai_tools_feed(ch->tools, &ch->fed, r->out.text, r->out.n_text, true, stream_tool_event, ch);
     router_oai_buf_put(b, hc->pend.p ? hc->pend.p : "", hc->pend.n);
     hc->pend.n = 0;
     if (st != TD_OK)
         b->oom = true;
-    ch->reason = finish_name(hc, reason);
+    ch->reason = finish_name(ch, reason);
     router_oai_chunk(b, &ch->rs, ch->first, "", 0, NULL, ch->reason, hc->include_usage);
 }
 
@@ -460,10 +463,10 @@ static void answer_done(http_client_t *hc)
                 router_oai_buf_put(&full, ch->text.p ? ch->text.p : "", ch->text.n);
             }
             router_oai_buf_t *t = hc->echo ? &full : &ch->text;
-            if (hc->tools) { /* chat, one choice: its content and calls as the parser read them */
-                router_oai_response_choice(&b, &ch->rs, i, hc->content.p ? hc->content.p : "", hc->content.n,
-                                           hc->calls.n ? hc->calls.p : NULL, NULL, ch->reason);
-                b.oom |= hc->calls.oom || hc->content.oom;
+            if (hc->tools) { /* chat: the choice's content and calls as its parser read them */
+                router_oai_response_choice(&b, &ch->rs, i, ch->content.p ? ch->content.p : "", ch->content.n,
+                                           ch->calls.n ? ch->calls.p : NULL, NULL, ch->reason);
+                b.oom |= ch->calls.oom || ch->content.oom;
             } else {
                 router_oai_response_choice(&b, &ch->rs, i, t->p ? t->p : "", t->n, NULL, lps_json(ch, 0, &lpb),
                                            ch->reason);
@@ -773,13 +776,7 @@ static void http_generate_parsed(router_state_t *s, td_http_req_t *req, router_o
     hc->include_usage = q.stream && q.include_usage;
     /* tool calls are read from the output unless tool_choice is none, or a response_format
      * constrains it (then it is that format's text) */
-    bool parse_tools = q.tool_choice != ROUTER_OAI_TOOLS_NONE && (q.tool_choice != ROUTER_OAI_TOOLS_AUTO || !q.grammar);
-    if (parse_tools && td_tools_parser_create(s->tool_format, q.parallel_tool_calls ? 0 : 1, (size_t)1 << 20,
-                                              &hc->tools) != TD_OK) {
-        router_oai_error_set(&err, 500, "server_error", NULL, NULL, "router: out of memory");
-        router_count_outcome(s, "exhausted");
-        goto err_respond;
-    }
+    hc->tools = q.tool_choice != ROUTER_OAI_TOOLS_NONE && (q.tool_choice != ROUTER_OAI_TOOLS_AUTO || !q.grammar);
     hc->tool_format = s->tool_format;
     hc->logprobs = q.logprobs >= 0 && !hc->tools; /* with tools, the answer is calls: no logprobs */
     hc->gp = q.gp;
@@ -790,6 +787,13 @@ static void http_generate_parsed(router_state_t *s, td_http_req_t *req, router_o
         hc->ch[i] = (http_choice_t){.hc = hc, .first = true, .echo_pending = hc->echo != NULL,
                                     .rs = {.kind = kind, .id = hc->id, .model = s->proc.cfg.model_name,
                                            .created = (int64_t)time(NULL), .index = i}};
+    for (int32_t i = 0; hc->tools && i < hc->n; i++)
+        if (td_tools_parser_create(s->tool_format, q.parallel_tool_calls ? 0 : 1, (size_t)1 << 20, &hc->ch[i].tools) !=
+            TD_OK) {
+            router_oai_error_set(&err, 500, "server_error", NULL, NULL, "router: out of memory");
+            router_count_outcome(s, "exhausted");
+            goto err_respond;
+        }
     uv_idle_init(&s->proc.loop, &hc->idle); /* cannot fail on a live loop */
     hc->idle.data = hc;
     td_http_req_set_data(req, hc);

@@ -811,12 +811,6 @@ td_status_t router_oai_tools_prepare(router_oai_req_t *q, td_tools_format_t fmt,
 {
     if (!q->n_tools || q->tool_choice == ROUTER_OAI_TOOLS_NONE)
         return TD_OK;
-    if (q->n > 1) { /* each choice's calls would need their own parse and deltas: not built */
-        router_oai_error_set(err, 400, "invalid_request_error", "n", "unsupported_value",
-                             "'n' %d with tools is not served: tool calls are parsed for one choice; send n 1 "
-                             "(or tool_choice \"none\")", (int)q->n);
-        return TD_ERR_INVALID;
-    }
     if (fmt == TD_TOOLS_NONE) {
         router_oai_error_set(err, 400, "invalid_request_error", "tools", "unsupported_parameter",
                              "this model's chat template has no tool-call format that the router knows "
@@ -996,7 +990,7 @@ td_status_t router_oai_tools_feed(td_tools_parser_t *p, size_t *fed, const char 
     return st;
 }
 
-void router_oai_tool_call_id(const char *req_id, td_tools_format_t fmt, uint32_t index, char id[40])
+void router_oai_tool_call_id(const char *req_id, td_tools_format_t fmt, uint32_t choice, uint32_t index, char id[40])
 {
     static const char ALNUM[] = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789";
     bool mistral = fmt == TD_TOOLS_MISTRAL;
@@ -1004,6 +998,8 @@ void router_oai_tool_call_id(const char *req_id, td_tools_format_t fmt, uint32_t
     if (!mistral)
         k = (size_t)snprintf(id, 40, "call_");
     uint64_t h = td_fnv1a64(TD_FNV1A64_INIT, req_id, strlen(req_id));
+    if (choice) /* choice 0's ids are those of an n = 1 request */
+        h = td_fnv1a64(h, &choice, sizeof choice);
     h = td_fnv1a64(h, &index, sizeof index);
     for (size_t i = 0; i < n; i++) {
         if (i % 10 == 9)
@@ -1333,7 +1329,7 @@ void router_oai_tool_call_chunk(router_oai_buf_t *b, const router_oai_resp_t *rs
     for (int part = 0; part < 2; part++) {
         router_oai_buf_puts(b, "data: ");
         head(b, rs, "chat.completion.chunk");
-        router_oai_buf_puts(b, ",\"choices\":[{\"index\":0,\"delta\":{");
+        router_oai_buf_printf(b, ",\"choices\":[{\"index\":%d,\"delta\":{", rs->index);
         if (first && part == 0)
             router_oai_buf_puts(b, "\"role\":\"assistant\",\"content\":null,");
         router_oai_buf_printf(b, "\"tool_calls\":[{\"index\":%u,", index);

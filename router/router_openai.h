@@ -183,15 +183,15 @@ size_t router_oai_logprobs(router_oai_buf_t *b, router_oai_kind_t kind, const td
 void router_oai_chunk(router_oai_buf_t *b, const router_oai_resp_t *rs, bool first, const char *text, size_t len,
                       const char *logprobs, const char *finish_reason, bool usage_null);
 
-/* A streamed tool call: two SSE events, the call's index, id, type and function name (with
- * role "assistant" when `first`), then its arguments text args[0..len). */
+/* A streamed tool call of choice rs->index: two SSE events, the call's index, id, type and
+ * function name (with role "assistant" when `first`), then its arguments text args[0..len). */
 void router_oai_tool_call_chunk(router_oai_buf_t *b, const router_oai_resp_t *rs, bool first, uint32_t index,
                                 const char *id, const char *name, const char *args, size_t len, bool usage_null);
 
 /* A tool call's id for both front doors: "call_" and 24 letters and digits (9 and no prefix
- * for Mistral's format, whose template checks them), made from the request's id and the
- * call's index, so each is unique. */
-void router_oai_tool_call_id(const char *req_id, td_tools_format_t fmt, uint32_t index, char id[40]);
+ * for Mistral's format, whose template checks them), made from the request's id, the choice
+ * (n > 1) and the call's index in it, so each is unique. */
+void router_oai_tool_call_id(const char *req_id, td_tools_format_t fmt, uint32_t choice, uint32_t index, char id[40]);
 
 /* Both front doors' streaming bookkeeping: a request's output text[0..n) of which *fed bytes
  * already went through parser p; feeds the rest (and with `last` ends the parser), events to

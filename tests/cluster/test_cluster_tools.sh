@@ -9,6 +9,8 @@
 #   parameters schema (tests/support/json_schema_check.py, written apart from the compiler);
 #   streamed, the deltas carry the name first, then the arguments, and no content;
 # - tool_choice "none": never tool_calls;
+# - n = 3 with tool_choice "required", streamed and not: every choice's calls validate, the
+#   call ids are distinct over the request, and the seeded streamed answer equals the whole one;
 # - a parameters schema with an unsupported keyword (multipleOf) is a 400 naming the tool's
 #   parameters and the keyword; a named function that is not a tool is a 400;
 # - the gRPC gateway: tools_json with tool_choice "required" (single_tool_call) and a name,
@@ -95,6 +97,31 @@ def ask(extra, stream):
         fails.append("a streamed call's first delta lacks id, type or name")
     return content, [calls[k] for k in sorted(calls)] or None, fin
 
+def ask_n(extra, stream, n):
+    """[(content, tool_calls, finish_reason)] of each of n choices, as a client assembles them."""
+    body = {"messages": [{"role": "user", "content": "What is the weather in Paris?"}], "tools": TOOLS,
+            "temperature": 1, "max_tokens": 160, "stream": stream, "n": n}
+    body.update(extra)
+    status, raw = post(body)
+    if status != 200:
+        raise RuntimeError("HTTP %d %s" % (status, raw))
+    if not stream:
+        cs = sorted(json.loads(raw)["choices"], key=lambda c: c["index"])
+        return [(c["message"].get("content"), c["message"].get("tool_calls"), c["finish_reason"]) for c in cs]
+    out = [["", {}, None] for _ in range(n)]
+    for ev in raw.split("\n\n"):
+        if not ev.startswith("data: ") or ev == "data: [DONE]":
+            continue
+        for ch in json.loads(ev[6:])["choices"]:
+            o = out[ch["index"]]
+            o[0] += ch["delta"].get("content") or ""
+            for tc in ch["delta"].get("tool_calls") or []:
+                c = o[1].setdefault(tc["index"], {"id": tc.get("id"), "type": tc.get("type"),
+                                                  "function": {"name": tc["function"].get("name"), "arguments": ""}})
+                c["function"]["arguments"] += tc["function"].get("arguments") or ""
+            o[2] = ch.get("finish_reason") or o[2]
+    return [(o[0], [o[1][k] for k in sorted(o[1])] or None, o[2]) for o in out]
+
 def check_calls(what, content, calls, fin, want_name=None):
     if fin != "tool_calls" or not calls:
         fails.append("%s: finish %s, calls %r, content %r" % (what, fin, calls, content))
@@ -125,6 +152,22 @@ for seed in range(4):
         content, calls, fin = ask({"tool_choice": "none", "seed": seed, "max_tokens": 24}, stream)
         if calls or fin == "tool_calls" or not isinstance(content, str):
             fails.append("none seed %d: %r %r %r" % (seed, content, calls, fin))
+
+# n = 3 with tools: each choice's output parsed on its own (its calls valid, ids unique over
+# the request), streamed and not; seeded, the same three answers again
+for stream in (False, True):
+    got = ask_n({"tool_choice": "required", "parallel_tool_calls": False, "seed": 7}, stream, 3)
+    ids = []
+    for i, (content, calls, fin) in enumerate(got):
+        check_calls("n=3 choice %d stream %s" % (i, stream), content, calls, fin)
+        ids += [c["id"] for c in calls or []]
+    if len(ids) != 3 or len(set(ids)) != 3:
+        fails.append("n=3 stream %s: call ids %r not one a choice, all distinct" % (stream, ids))
+    if stream:
+        strip = lambda g: [[(c["function"]["name"], c["function"]["arguments"]) for c in cl or []] for _, cl, _ in g]
+        if strip(got) != strip(whole):
+            fails.append("n=3: streamed calls %r differ from the whole answer's %r" % (strip(got), strip(whole)))
+    whole = got
 
 # refusals: an unsupported keyword in a forced tool's parameters, a function that is not a tool
 bad = json.loads(json.dumps(TOOLS))

@@ -7,6 +7,7 @@
  * valid UTF-8.
  */
 #include <criterion/criterion.h>
+#include <ctype.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -413,10 +414,9 @@ Test(router_openai, tools_and_tool_choice)
         free(want);
         router_oai_req_free(&q);
     }
-    /* n > 1 with tools parsed is refused (calls are parsed for one choice); with none it is text */
+    /* n > 1 with tools: each choice's calls are parsed on their own (router_http.c) */
     cr_assert_eq(parse(ROUTER_OAI_CHAT, CHAT_X "\"tools\":[" TOOL_W "],\"n\":2}"), TD_OK, "%s", err.message);
-    cr_assert_eq(router_oai_tools_prepare(&q, TD_TOOLS_HERMES, &err), TD_ERR_INVALID);
-    cr_assert_str_eq(err.param, "n");
+    cr_assert_eq(router_oai_tools_prepare(&q, TD_TOOLS_HERMES, &err), TD_OK, "%s", err.message);
     router_oai_req_free(&q);
     cr_assert_eq(parse(ROUTER_OAI_CHAT, CHAT_X "\"tools\":[" TOOL_W "],\"n\":2,\"tool_choice\":\"none\"}"), TD_OK);
     cr_assert_eq(router_oai_tools_prepare(&q, TD_TOOLS_HERMES, &err), TD_OK, "%s", err.message);
@@ -459,6 +459,30 @@ Test(router_openai, tools_and_tool_choice)
     router_oai_req_free(&q);
 }
 
+/* Tool-call ids: OpenAI's shape (Mistral's 9 characters), the same for the same request, and
+ * distinct over the calls of every choice of a request (n > 1 with tools). */
+Test(router_openai, tool_call_ids)
+{
+    char ids[4 * 4][40], again[40];
+    for (uint32_t c = 0; c < 4; c++)
+        for (uint32_t i = 0; i < 4; i++) {
+            char *id = ids[4 * c + i];
+            router_oai_tool_call_id("chatcmpl-r7", TD_TOOLS_HERMES, c, i, id);
+            cr_assert_eq(strlen(id), 5 + 24, "%s", id);
+            cr_assert(!strncmp(id, "call_", 5), "%s", id);
+            for (size_t k = 5; id[k]; k++)
+                cr_assert(isalnum((unsigned char)id[k]), "%s", id);
+            router_oai_tool_call_id("chatcmpl-r7", TD_TOOLS_HERMES, c, i, again);
+            cr_assert_str_eq(id, again, "an id is a function of the request, choice and call");
+            for (uint32_t j = 0; j < 4 * c + i; j++)
+                cr_assert_str_neq(ids[j], id, "choice %u call %u repeats id %u", c, i, j);
+        }
+    router_oai_tool_call_id("chatcmpl-r8", TD_TOOLS_HERMES, 0, 0, again);
+    cr_assert_str_neq(again, ids[0], "another request, other ids");
+    router_oai_tool_call_id("chatcmpl-r7", TD_TOOLS_MISTRAL, 1, 0, again);
+    cr_assert_eq(strlen(again), 9, "%s", again);
+}
+
 Test(router_openai, tool_call_shapes)
 {
     router_oai_resp_t rs = {.kind = ROUTER_OAI_CHAT, .id = "chatcmpl-r1", .model = "m", .created = 1};
@@ -484,6 +508,14 @@ Test(router_openai, tool_call_shapes)
     cr_assert(strstr(b.p, "\"role\":\"assistant\"") < second && strstr(b.p, "\"name\":\"w\"") < second,
               "the first carries the role and the name");
     cr_assert(strstr(second, "\"arguments\":\"{}\""), "the second the arguments: %s", second);
+    b.n = 0;
+    rs.index = 2; /* choice 2 of n: both events carry it */
+    router_oai_tool_call_chunk(&b, &rs, false, 0, "call_b", "w", "{}", 2, false);
+    router_oai_buf_put(&b, "", 0);
+    second = strstr(b.p + 6, "data: ");
+    cr_assert_not_null(second, "two events");
+    const char *at = strstr(b.p, "\"choices\":[{\"index\":2,");
+    cr_assert(at && at < second && strstr(second, "\"choices\":[{\"index\":2,"), "choice 2's call: %s", b.p);
     router_oai_buf_free(&b);
     router_oai_buf_free(&calls);
 }
