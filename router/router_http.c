@@ -324,11 +324,13 @@ static td_status_t stream_tool_event(void *ctx, const td_tools_event_t *ev)
     http_client_t *hc = ch->hc;
     if (ev->kind == TD_TOOLS_CONTENT) {
         router_oai_chunk(&hc->pend, &ch->rs, ch->first, ev->text, ev->len, NULL, NULL, hc->include_usage);
-    } else {
+    } else { /* a whole call; a streamed one's head (no arguments) or its next piece (no name) */
         char id[40];
         router_oai_tool_call_id(hc->id, hc->tool_format, (uint32_t)ch->rs.index, ev->index, id);
-        router_oai_tool_call_chunk(&hc->pend, &ch->rs, ch->first, ev->index, id, ev->name, ev->arguments,
-                                   ev->arguments_len, hc->include_usage);
+        router_oai_tool_call_chunk(&hc->pend, &ch->rs, ch->first, ev->index, id,
+                                   ev->kind == TD_TOOLS_CALL_ARGS ? NULL : ev->name,
+                                   ev->kind == TD_TOOLS_CALL_BEGIN ? NULL : ev->arguments, ev->arguments_len,
+                                   hc->include_usage);
     }
     ch->first = false;
     return hc->pend.oom ? TD_ERR_NOMEM : TD_OK;
@@ -788,8 +790,10 @@ static void http_generate_parsed(router_state_t *s, td_http_req_t *req, router_o
                                     .rs = {.kind = kind, .id = hc->id, .model = s->proc.cfg.model_name,
                                            .created = (int64_t)time(NULL), .index = i}};
     for (int32_t i = 0; hc->tools && i < hc->n; i++)
-        if (td_tools_parser_create(s->tool_format, q.parallel_tool_calls ? 0 : 1, (size_t)1 << 20, &hc->ch[i].tools) !=
+        if (td_tools_parser_create(s->tool_format, q.parallel_tool_calls ? 0 : 1, (size_t)1 << 20, &hc->ch[i].tools) ==
             TD_OK) {
+            td_tools_parser_stream_args(hc->ch[i].tools, hc->stream); /* a stream's calls in pieces */
+        } else {
             router_oai_error_set(&err, 500, "server_error", NULL, NULL, "router: out of memory");
             router_count_outcome(s, "exhausted");
             goto err_respond;

@@ -1326,7 +1326,7 @@ void router_oai_tool_call_json(router_oai_buf_t *b, uint32_t index, const char *
 void router_oai_tool_call_chunk(router_oai_buf_t *b, const router_oai_resp_t *rs, bool first, uint32_t index,
                                 const char *id, const char *name, const char *args, size_t len, bool usage_null)
 {
-    for (int part = 0; part < 2; part++) {
+    for (int part = name ? 0 : 1; part < (args ? 2 : 1); part++) {
         router_oai_buf_puts(b, "data: ");
         head(b, rs, "chat.completion.chunk");
         router_oai_buf_printf(b, ",\"choices\":[{\"index\":%d,\"delta\":{", rs->index);

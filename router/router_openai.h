@@ -184,7 +184,9 @@ void router_oai_chunk(router_oai_buf_t *b, const router_oai_resp_t *rs, bool fir
                       const char *logprobs, const char *finish_reason, bool usage_null);
 
 /* A streamed tool call of choice rs->index: two SSE events, the call's index, id, type and
- * function name (with role "assistant" when `first`), then its arguments text args[0..len). */
+ * function name (with role "assistant" when `first`), then its arguments text args[0..len).
+ * name NULL: only the second (the next piece of streamed arguments); args NULL: only the
+ * first (a call whose arguments follow in pieces). */
 void router_oai_tool_call_chunk(router_oai_buf_t *b, const router_oai_resp_t *rs, bool first, uint32_t index,
                                 const char *id, const char *name, const char *args, size_t len, bool usage_null);
 

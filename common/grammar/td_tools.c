@@ -8,7 +8,10 @@
  * the end is held back) and CALL (text held until the call is complete JSON, then given as a
  * call). Completeness is found by a scanner that counts brackets outside strings; the call is
  * then read by cJSON, and its arguments are passed on as the model wrote them (the raw text of
- * the "arguments" member), so numbers keep their digits.
+ * the "arguments" member), so numbers keep their digits. Streaming arguments, a call whose
+ * head (`{"name": N, "arguments": {`) is read moves to ARGS (its text given as it comes, the
+ * same bracket count finding the arguments' end) and TAIL (the rest of the call object,
+ * dropped); mistral's array is walked element by element (in_array).
  */
 #include "td_tools.h"
 
@@ -256,6 +259,13 @@ static bool member_raw(const char *obj, size_t n, const char *key, size_t *at, s
 /* ---- the parser ---- */
 
 typedef enum { P_START, P_CONTENT, P_CALL, P_TEXT_ONLY } pstate_t;
+typedef enum { CS_NONE, CS_ARGS, CS_TAIL } cstate_t; /* a streamed call: its arguments, the rest */
+
+/* A bracket count over JSON text fed in pieces (json_end's, resumable) */
+typedef struct {
+    size_t depth;
+    bool in_str, esc;
+} jscan_t;
 
 struct td_tools_parser {
     td_tools_format_t fmt;
@@ -267,6 +277,12 @@ struct td_tools_parser {
     size_t n, cap;
     char *name;      /* the current call's name (the event points at it) */
     char *args;      /* its arguments when decoded from a JSON string */
+    /* streaming arguments (td_tools_parser_stream_args) */
+    bool stream;
+    cstate_t cs;
+    jscan_t scan;    /* ARGS: over the arguments object; TAIL: over the call object's rest */
+    bool in_array;   /* mistral: between the elements of the calls array */
+    bool eat_close;  /* hermes: a streamed call's </tool_call> may follow */
 };
 
 td_status_t td_tools_parser_create(td_tools_format_t fmt, uint32_t max_calls, size_t max_bytes,
@@ -281,6 +297,11 @@ td_status_t td_tools_parser_create(td_tools_format_t fmt, uint32_t max_calls, si
     p->max_bytes = max_bytes ? max_bytes : (size_t)1 << 20;
     *p_p = p;
     return TD_OK;
+}
+
+void td_tools_parser_stream_args(td_tools_parser_t *p, bool on)
+{
+    p->stream = on;
 }
 
 void td_tools_parser_destroy(td_tools_parser_t *p)
@@ -367,6 +388,191 @@ static td_status_t give_call(td_tools_parser_t *p, const char *obj, size_t n, td
     return cb(ctx, &ev);
 }
 
+/* ---- streamed calls ---- */
+
+typedef enum { HEAD_NO, HEAD_MORE, HEAD_YES } head_t;
+
+/* Whether s[*i..n) begins with word: HEAD_MORE while s ends inside it; *i moves past it. */
+static head_t head_word(const char *s, size_t n, size_t *i, const char *word)
+{
+    size_t k = strlen(word), have = n - *i < k ? n - *i : k;
+    if (memcmp(s + *i, word, have))
+        return HEAD_NO;
+    if (have < k)
+        return HEAD_MORE;
+    *i += k;
+    return HEAD_YES;
+}
+
+/* Whether s[i..n) opens a call whose arguments can stream: `{"name": STRING, "arguments": {`
+ * (or "parameters"), blanks between tokens; *name_at and *name_end the name's string token,
+ * *args_at the arguments' `{`. HEAD_MORE while s may still become one. */
+static head_t call_head(const char *s, size_t n, size_t i, size_t *name_at, size_t *name_end, size_t *args_at)
+{
+    static const char *const seps[] = {"{", "\"name\"", ":", NULL, ",", NULL, ":", "{"};
+    for (size_t t = 0; t < sizeof seps / sizeof seps[0]; t++) {
+        i = skip_ws(s, n, i);
+        if (i >= n)
+            return HEAD_MORE;
+        head_t r;
+        if (t == 3) { /* the name */
+            if (s[i] != '"')
+                return HEAD_NO;
+            size_t e = json_end(s, n, i);
+            if (e == SPAN_INCOMPLETE)
+                return HEAD_MORE;
+            *name_at = i;
+            *name_end = i = e;
+            continue;
+        }
+        if (t == 5) { /* the arguments' key */
+            size_t j = i;
+            r = head_word(s, n, &j, "\"arguments\"");
+            if (r == HEAD_NO) {
+                j = i;
+                r = head_word(s, n, &j, "\"parameters\"");
+            }
+            if (r != HEAD_YES)
+                return r;
+            i = j;
+            continue;
+        }
+        if (t == 7)
+            *args_at = i;
+        if ((r = head_word(s, n, &i, seps[t])) != HEAD_YES)
+            return r;
+    }
+    return HEAD_YES;
+}
+
+/* Scans s[0..n) on from sc's state: the index after the byte that closes the value sc is
+ * in (its depth back to 0), or SPAN_INCOMPLETE. */
+static size_t jscan(jscan_t *sc, const char *s, size_t n)
+{
+    for (size_t k = 0; k < n; k++) {
+        char d = s[k];
+        if (sc->in_str) {
+            if (sc->esc)
+                sc->esc = false;
+            else if (d == '\\')
+                sc->esc = true;
+            else if (d == '"')
+                sc->in_str = false;
+        } else if (d == '"') {
+            sc->in_str = true;
+        } else if (d == '{' || d == '[') {
+            sc->depth++;
+        } else if ((d == '}' || d == ']') && sc->depth > 0 && --sc->depth == 0) {
+            return k + 1;
+        }
+    }
+    return SPAN_INCOMPLETE;
+}
+
+/* If buf[i..) opens a call that can stream (and the call bound leaves room), gives its
+ * CALL_BEGIN, consumes the head and moves to ARGS: *begun. */
+static td_status_t stream_begin(td_tools_parser_t *p, size_t i, bool *begun, td_tools_event_cb cb, void *ctx)
+{
+    size_t name_at = 0, name_end = 0, args_at = 0;
+    *begun = false;
+    if (!p->stream || (p->max_calls && p->n_calls >= p->max_calls) ||
+        call_head(p->buf, p->n, i, &name_at, &name_end, &args_at) != HEAD_YES)
+        return TD_OK;
+    cJSON *nm = cJSON_ParseWithLength(p->buf + name_at, name_end - name_at);
+    if (!cJSON_IsString(nm)) { /* a bad escape: the call is read whole (and is no call) */
+        cJSON_Delete(nm);
+        return TD_OK;
+    }
+    free(p->name);
+    p->name = strdup(nm->valuestring);
+    cJSON_Delete(nm);
+    if (!p->name)
+        return td_errorf_quiet(TD_ERR_NOMEM, "tools: out of memory");
+    consume(p, args_at);
+    p->cs = CS_ARGS;
+    p->scan = (jscan_t){0};
+    *begun = true;
+    td_tools_event_t ev = {.kind = TD_TOOLS_CALL_BEGIN, .index = p->n_calls, .name = p->name};
+    p->n_calls++;
+    p->after_call = true;
+    return cb(ctx, &ev);
+}
+
+/* ARGS and TAIL: the arguments given as they come, then the rest of the call object read
+ * and dropped (at the end of the output, what is held of either). */
+static td_status_t stream_call(td_tools_parser_t *p, bool final, bool *progress, td_tools_event_cb cb, void *ctx)
+{
+    size_t end = jscan(&p->scan, p->buf, p->n), k = end == SPAN_INCOMPLETE ? p->n : end;
+    td_status_t st = TD_OK;
+    if (p->cs == CS_ARGS && k) {
+        td_tools_event_t ev = {.kind = TD_TOOLS_CALL_ARGS, .index = p->n_calls - 1, .name = p->name,
+                               .arguments = p->buf, .arguments_len = k};
+        st = cb(ctx, &ev);
+    }
+    consume(p, k);
+    if (end == SPAN_INCOMPLETE) {
+        if (final) { /* the output ended inside the call */
+            p->cs = CS_NONE;
+            p->in_array = false;
+            p->st = P_CONTENT;
+        }
+        return st;
+    }
+    if (p->cs == CS_ARGS) {
+        p->cs = CS_TAIL;
+        p->scan = (jscan_t){.depth = 1}; /* inside the call object */
+    } else {
+        p->cs = CS_NONE;
+        if (p->fmt == TD_TOOLS_HERMES) {
+            p->st = P_CONTENT;
+            p->eat_close = true;
+        }
+    }
+    *progress = true;
+    return st;
+}
+
+/* mistral, streaming, between elements of the calls array: the next element (streamed, or
+ * held and given whole), or the array's end. */
+static td_status_t array_next(td_tools_parser_t *p, bool final, bool *progress, td_tools_event_cb cb, void *ctx)
+{
+    size_t i = skip_ws(p->buf, p->n, 0);
+    if (i < p->n && p->buf[i] == ']') {
+        consume(p, i + 1);
+        p->in_array = false;
+        p->st = P_CONTENT;
+        *progress = true;
+        return TD_OK;
+    }
+    if (i < p->n && p->buf[i] == ',')
+        i = skip_ws(p->buf, p->n, i + 1);
+    if (i >= p->n) {
+        if (final)
+            consume(p, p->n);
+        return TD_OK;
+    }
+    bool begun;
+    td_status_t st = stream_begin(p, i, &begun, cb, ctx);
+    if (st != TD_OK || begun) {
+        *progress = begun;
+        return st;
+    }
+    size_t end = json_end(p->buf, p->n, i);
+    if (end == SPAN_INCOMPLETE && !final && p->n <= p->max_bytes)
+        return TD_OK;
+    st = end == SPAN_INCOMPLETE || end == SPAN_BAD ? TD_ERR_FORMAT : give_call(p, p->buf + i, end - i, cb, ctx);
+    if (st == TD_ERR_FORMAT) { /* not a call: the rest is text */
+        p->in_array = false;
+        p->after_call = false;
+        p->st = P_TEXT_ONLY;
+        *progress = true;
+        return TD_OK;
+    }
+    consume(p, end);
+    *progress = p->n > 0;
+    return st;
+}
+
 /* The length of the longest end of buf that is a proper beginning of marker. */
 static size_t partial_marker(const char *s, size_t n, const char *marker)
 {
@@ -386,8 +592,14 @@ static const char *open_marker(td_tools_format_t fmt)
 static td_status_t step(td_tools_parser_t *p, bool final, bool *progress, td_tools_event_cb cb, void *ctx)
 {
     *progress = false;
+    if (p->cs != CS_NONE)
+        return stream_call(p, final, progress, cb, ctx);
+    if (p->in_array)
+        return array_next(p, final, progress, cb, ctx);
     const char *marker = open_marker(p->fmt);
     size_t mlen = strlen(marker);
+    bool begun;
+    td_status_t st;
     switch (p->st) {
     case P_TEXT_ONLY:
         return give_content(p, p->n, cb, ctx);
@@ -420,9 +632,22 @@ static td_status_t step(td_tools_parser_t *p, bool final, bool *progress, td_too
         return TD_OK;
     }
     case P_CONTENT: {
+        if (p->eat_close) { /* after a streamed hermes call: its </tool_call>, if it comes */
+            static const char close[] = "</tool_call>";
+            size_t i = skip_ws(p->buf, p->n, 0), cl = sizeof close - 1, have = p->n - i < cl ? p->n - i : cl;
+            if (!memcmp(p->buf + i, close, have)) {
+                if (have < cl && !final)
+                    return TD_OK;
+                if (have == cl)
+                    consume(p, i + cl);
+            }
+            p->eat_close = false;
+            *progress = true;
+            return TD_OK;
+        }
         for (size_t i = 0; i + mlen <= p->n; i++)
             if (!memcmp(p->buf + i, marker, mlen)) {
-                td_status_t st = give_content(p, i, cb, ctx);
+                st = give_content(p, i, cb, ctx);
                 consume(p, mlen);
                 p->st = P_CALL;
                 *progress = true;
@@ -437,8 +662,12 @@ static td_status_t step(td_tools_parser_t *p, bool final, bool *progress, td_too
     case P_CALL:
         break;
     }
-    /* P_CALL: text held until the call is complete */
+    /* P_CALL: a call whose arguments stream, or text held until the call is complete */
     if (p->fmt == TD_TOOLS_HERMES) {
+        if ((st = stream_begin(p, skip_ws(p->buf, p->n, 0), &begun, cb, ctx)) != TD_OK || begun) {
+            *progress = begun;
+            return st;
+        }
         static const char close[] = "</tool_call>";
         size_t cl = sizeof close - 1, end = p->n;
         for (size_t i = 0; i + cl <= p->n; i++)
@@ -449,7 +678,7 @@ static td_status_t step(td_tools_parser_t *p, bool final, bool *progress, td_too
         bool closed = end < p->n;
         if (!closed && !final && p->n <= p->max_bytes)
             return TD_OK;
-        td_status_t st = give_call(p, p->buf, end, cb, ctx);
+        st = give_call(p, p->buf, end, cb, ctx);
         if (st == TD_ERR_FORMAT) { /* not a call: the text as it was written */
             td_tools_event_t ev = {.kind = TD_TOOLS_CONTENT, .text = marker, .len = mlen};
             p->after_call = false;
@@ -472,10 +701,16 @@ static td_status_t step(td_tools_parser_t *p, bool final, bool *progress, td_too
             consume(p, i);
         return TD_OK;
     }
+    size_t at = p->fmt == TD_TOOLS_MISTRAL && p->buf[i] == '[' ? skip_ws(p->buf, p->n, i + 1) : i;
+    if ((st = stream_begin(p, at, &begun, cb, ctx)) != TD_OK || begun) {
+        p->in_array = begun && p->fmt == TD_TOOLS_MISTRAL;
+        *progress = begun;
+        return st;
+    }
     size_t end = json_end(p->buf, p->n, i);
     if (end == SPAN_INCOMPLETE && !final && p->n <= p->max_bytes)
         return TD_OK;
-    td_status_t st = TD_ERR_FORMAT;
+    st = TD_ERR_FORMAT;
     if (end != SPAN_INCOMPLETE && end != SPAN_BAD) {
         if (p->fmt == TD_TOOLS_LLAMA3_JSON) {
             st = give_call(p, p->buf + i, end - i, cb, ctx);

@@ -62,8 +62,10 @@ td_status_t td_tools_grammar(td_tools_format_t fmt, const td_tool_t *tools, size
 /* ---- parsing a model's output ---- */
 
 typedef enum td_tools_event_kind {
-    TD_TOOLS_CONTENT, /* text[0..len) is the answer's text */
-    TD_TOOLS_CALL,    /* a whole call: name, arguments (JSON text of an object) */
+    TD_TOOLS_CONTENT,    /* text[0..len) is the answer's text */
+    TD_TOOLS_CALL,       /* a whole call: name, arguments (JSON text of an object) */
+    TD_TOOLS_CALL_BEGIN, /* a streamed call begins (td_tools_parser_stream_args): index, name */
+    TD_TOOLS_CALL_ARGS,  /* the next piece of a streamed call's arguments text: index, arguments */
 } td_tools_event_kind_t;
 
 typedef struct td_tools_event {
@@ -86,6 +88,16 @@ typedef struct td_tools_parser td_tools_parser_t;
  * incomplete (past it, the held text is given as content). TD_ERR_NOMEM. */
 td_status_t td_tools_parser_create(td_tools_format_t fmt, uint32_t max_calls, size_t max_bytes,
                                    td_tools_parser_t **p_p);
+
+/* Streams arguments (for a client that reads them as they come, as OpenAI's deltas): a call
+ * that opens as `{"name": N, "arguments": {` ("parameters" for llama3_json; blanks between the
+ * tokens as JSON allows) is given as TD_TOOLS_CALL_BEGIN once that much is read, then its
+ * arguments object's text in TD_TOOLS_CALL_ARGS pieces as it arrives, through its closing
+ * brace: the pieces joined are the text a TD_TOOLS_CALL would carry. Such a call is taken
+ * as a call from its head on: if the output ends (or the JSON goes wrong) inside it, the
+ * arguments given are all there is. Other calls (arguments first, arguments written as a
+ * string, past max_calls) are given whole, as without streaming. Set before the first feed. */
+void td_tools_parser_stream_args(td_tools_parser_t *p, bool on);
 
 /* Feeds the next piece of output. Content that cannot be the start of a call is given at
  * once; text that may be is held until it is known. The callback's error is returned;

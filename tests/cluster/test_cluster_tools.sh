@@ -7,7 +7,8 @@
 #   streamed and not: always tool_calls (finish_reason "tool_calls"), each with an id, type
 #   "function", the tool's name, and arguments that parse and validate against the tool's
 #   parameters schema (tests/support/json_schema_check.py, written apart from the compiler);
-#   streamed, the deltas carry the name first, then the arguments, and no content;
+#   streamed, the deltas carry the name first, then the arguments in pieces as they are
+#   written (joined, the same calls), and no content;
 # - tool_choice "none": never tool_calls;
 # - n = 3 with tool_choice "required", streamed and not: every choice's calls validate, the
 #   call ids are distinct over the request, and the seeded streamed answer equals the whole one;
@@ -56,6 +57,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
                                            "parameters": VOLUME}}]
 SCHEMA = {"get_weather": WEATHER, "set_volume": VOLUME}
 fails = []
+pieces = [0]  # non-empty streamed argument deltas seen
 
 def post(body):
     req = urllib.request.Request(oa + "/chat/completions", json.dumps(body).encode(),
@@ -92,6 +94,7 @@ def ask(extra, stream):
                     calls[k] = {"id": tc.get("id"), "type": tc.get("type"),
                                 "function": {"name": tc["function"].get("name"), "arguments": ""}}
                 calls[k]["function"]["arguments"] += tc["function"].get("arguments") or ""
+                pieces[0] += bool(tc["function"].get("arguments"))
             fin = ch.get("finish_reason") or fin
     if not names_first:
         fails.append("a streamed call's first delta lacks id, type or name")
@@ -168,6 +171,10 @@ for stream in (False, True):
         if strip(got) != strip(whole):
             fails.append("n=3: streamed calls %r differ from the whole answer's %r" % (strip(got), strip(whole)))
     whole = got
+
+# streamed, the arguments come in pieces as they are written (many deltas a call), not whole
+if pieces[0] < 2 * n_calls:  # n_calls counts the whole answers too: 4+ deltas a streamed call
+    fails.append("%d argument deltas over %d forced calls: arguments not streamed" % (pieces[0], n_calls))
 
 # refusals: an unsupported keyword in a forced tool's parameters, a function that is not a tool
 bad = json.loads(json.dumps(TOOLS))

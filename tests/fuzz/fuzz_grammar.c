@@ -5,9 +5,10 @@
  * (every byte, a few JSON-ish strings, an EOS) and a walk of up to 64 tokens picked by the
  * input's bytes, each mask checked against a fresh copy's accept_bytes for a few tokens, and
  * the state's serialization read back. A first byte of 0xF0 or more fuzzes the tool-call
- * parser instead (td_tools.h; format = the byte's low two bits): the rest is a model's
- * output, fed whole and then in pieces sized by its own bytes, and both must give the same
- * content and calls. Seeds: tests/fuzz/corpus/grammar.
+ * parser instead (td_tools.h; format = the byte's low two bits, bit 2 one call at most, bit
+ * 3 arguments streamed): the rest is a model's output, fed whole and then in pieces sized by
+ * its own bytes, and both must give the same content and calls (streamed pieces joined).
+ * Seeds: tests/fuzz/corpus/grammar.
  */
 #include <stdbool.h>
 #include <stdint.h>
@@ -51,6 +52,8 @@ typedef struct rec {
     char *p;
     size_t n, cap;
     bool in_content;
+    bool open;      /* the last call was begun streamed: pieces may follow */
+    uint32_t calls; /* calls recorded */
 } rec_t;
 
 static void rec_put(rec_t *r, const char *s, size_t n)
@@ -80,23 +83,35 @@ static td_status_t rec_event(void *ctx, const td_tools_event_t *ev)
         r->in_content = true;
         return TD_OK;
     }
+    if (ev->kind == TD_TOOLS_CALL_ARGS) { /* a streamed call's next piece: joined, as a client does */
+        if (!r->open || ev->index + 1 != r->calls)
+            abort(); /* pieces belong to the call last begun */
+        rec_put(r, ev->arguments, ev->arguments_len);
+        return TD_OK;
+    }
+    if (ev->index != r->calls++)
+        abort(); /* calls are numbered in order */
     char idx[16];
     int k = snprintf(idx, sizeof idx, "\x01%u:", ev->index);
     rec_put(r, idx, (size_t)k);
     rec_put(r, ev->name, strlen(ev->name));
     rec_put(r, "\x02", 1);
-    rec_put(r, ev->arguments, ev->arguments_len);
-    rec_put(r, "\x03", 1);
+    r->open = ev->kind == TD_TOOLS_CALL_BEGIN;
+    if (!r->open) {
+        rec_put(r, ev->arguments, ev->arguments_len);
+        rec_put(r, "\x03", 1);
+    }
     r->in_content = false;
     return TD_OK;
 }
 
-static void tools_parse(td_tools_format_t fmt, uint32_t max_calls, const char *out, size_t len, const uint8_t *cuts,
-                        size_t n_cuts, rec_t *r)
+static void tools_parse(td_tools_format_t fmt, uint32_t max_calls, bool stream, const char *out, size_t len,
+                        const uint8_t *cuts, size_t n_cuts, rec_t *r)
 {
     td_tools_parser_t *p = NULL;
     if (td_tools_parser_create(fmt, max_calls, (size_t)1 << 20, &p) != TD_OK)
         abort();
+    td_tools_parser_stream_args(p, stream);
     for (size_t i = 0, k = 0; i < len; k++) {
         size_t piece = n_cuts ? (size_t)cuts[k % n_cuts] % 17 + 1 : len;
         piece = piece < len - i ? piece : len - i;
@@ -113,11 +128,12 @@ static void fuzz_tools(const uint8_t *data, size_t size)
 {
     td_tools_format_t fmt = (td_tools_format_t)(data[0] & 3);
     uint32_t max_calls = data[0] & 4 ? 1 : 0;
+    bool stream = data[0] & 8; /* arguments streamed */
     const char *out = (const char *)data + 1;
     size_t len = size - 1;
     rec_t whole = {0}, pieces = {0};
-    tools_parse(fmt, max_calls, out, len, NULL, 0, &whole);
-    tools_parse(fmt, max_calls, out, len, data + 1, len, &pieces);
+    tools_parse(fmt, max_calls, stream, out, len, NULL, 0, &whole);
+    tools_parse(fmt, max_calls, stream, out, len, data + 1, len, &pieces);
     if (whole.n != pieces.n || (whole.n && memcmp(whole.p, pieces.p, whole.n)))
         abort(); /* fed in pieces, the same content and calls as fed whole */
     free(whole.p);

@@ -1,8 +1,9 @@
 /*
  * Tests of td_tools (module td_gram): the format is found in the real templates; each
  * format's output is parsed into the same content and calls whether it arrives whole or in
- * pieces of every size; text that only looks like a call stays text; and the grammar of a
- * forced call accepts exactly calls whose arguments follow the tool's schema.
+ * pieces of every size, and the same calls with their arguments streamed (the pieces joined);
+ * text that only looks like a call stays text; and the grammar of a forced call accepts
+ * exactly calls whose arguments follow the tool's schema.
  */
 #include <criterion/criterion.h>
 
@@ -29,21 +30,31 @@ static td_status_t collect(void *ctx, const td_tools_event_t *ev)
         memcpy(c->content + c->n_content, ev->text, ev->len);
         c->n_content += ev->len;
         c->content[c->n_content] = '\0';
-    } else {
+    } else if (ev->kind == TD_TOOLS_CALL_ARGS) { /* a streamed call's next piece */
+        cr_assert(c->n_calls > 0 && ev->index == c->n_calls - 1, "the pieces of the call last begun");
+        char *call = c->calls[ev->index];
+        size_t at = strlen(call);
+        cr_assert(at + ev->arguments_len < 512);
+        memcpy(call + at, ev->arguments, ev->arguments_len);
+        call[at + ev->arguments_len] = '\0';
+    } else { /* a whole call, or a streamed one's name */
         cr_assert(c->n_calls < 8);
         cr_assert_eq(ev->index, c->n_calls, "calls are numbered in order");
-        snprintf(c->calls[c->n_calls++], 512, "%s|%.*s", ev->name, (int)ev->arguments_len, ev->arguments);
+        snprintf(c->calls[c->n_calls++], 512, "%s|%.*s", ev->name,
+                 ev->kind == TD_TOOLS_CALL ? (int)ev->arguments_len : 0, ev->kind == TD_TOOLS_CALL ? ev->arguments : "");
     }
     return TD_OK;
 }
 
-/* Parses out whole, then in pieces of every size from 1 to 17 bytes: the same events. */
-static void parse_all_ways(td_tools_format_t fmt, uint32_t max_calls, const char *out, collected_t *want)
+/* Parses out whole, then in pieces of every size from 1 to 17 bytes, arguments streamed or
+ * not: the same events (streamed: the same calls once the pieces are joined). */
+static void parse_ways(td_tools_format_t fmt, uint32_t max_calls, bool stream, const char *out, collected_t *want)
 {
     for (size_t piece = 0; piece <= 17; piece++) {
         collected_t c = {0};
         td_tools_parser_t *p;
         cr_assert_eq(td_tools_parser_create(fmt, max_calls, 0, &p), TD_OK);
+        td_tools_parser_stream_args(p, stream);
         size_t n = strlen(out), step = piece ? piece : n;
         for (size_t i = 0; i < n; i += step)
             cr_assert_eq(td_tools_parser_feed(p, out + i, i + step > n ? n - i : step, collect, &c), TD_OK);
@@ -54,11 +65,23 @@ static void parse_all_ways(td_tools_format_t fmt, uint32_t max_calls, const char
             *want = c;
             continue;
         }
-        cr_assert_str_eq(c.content, want->content, "%s in pieces of %zu: content", out, piece);
-        cr_assert_eq(c.n_calls, want->n_calls, "%s in pieces of %zu: calls", out, piece);
+        cr_assert_str_eq(c.content, want->content, "%s in pieces of %zu (stream %d): content", out, piece, stream);
+        cr_assert_eq(c.n_calls, want->n_calls, "%s in pieces of %zu (stream %d): calls", out, piece, stream);
         for (uint32_t k = 0; k < c.n_calls; k++)
-            cr_assert_str_eq(c.calls[k], want->calls[k]);
+            cr_assert_str_eq(c.calls[k], want->calls[k], "stream %d", stream);
     }
+}
+
+/* parse_ways both ways, and streaming arguments changes nothing a client assembles */
+static void parse_all_ways(td_tools_format_t fmt, uint32_t max_calls, const char *out, collected_t *want)
+{
+    collected_t s;
+    parse_ways(fmt, max_calls, false, out, want);
+    parse_ways(fmt, max_calls, true, out, &s);
+    cr_assert_str_eq(s.content, want->content, "%s streamed: content", out);
+    cr_assert_eq(s.n_calls, want->n_calls, "%s streamed: calls", out);
+    for (uint32_t k = 0; k < s.n_calls; k++)
+        cr_assert_str_eq(s.calls[k], want->calls[k], "%s streamed", out);
 }
 
 Test(tools, hermes_calls_and_content)
@@ -84,9 +107,14 @@ Test(tools, hermes_calls_and_content)
     parse_all_ways(TD_TOOLS_HERMES, 0, "a < b and <tool_call>not json</tool_call> c <tool", &c);
     cr_assert_eq(c.n_calls, 0);
     cr_assert_str_eq(c.content, "a < b and <tool_call>not json</tool_call> c <tool");
-    parse_all_ways(TD_TOOLS_HERMES, 0, "x <tool_call>{\"name\": \"a\", \"arguments\": {\"q\": 1", &c);
+    parse_ways(TD_TOOLS_HERMES, 0, false, "x <tool_call>{\"name\": \"a\", \"arguments\": {\"q\": 1", &c);
     cr_assert_eq(c.n_calls, 0);
     cr_assert_str_eq(c.content, "x <tool_call>{\"name\": \"a\", \"arguments\": {\"q\": 1");
+    /* streamed, a call is a call from its head on: cut short, its arguments are what came */
+    parse_ways(TD_TOOLS_HERMES, 0, true, "x <tool_call>{\"name\": \"a\", \"arguments\": {\"q\": 1", &c);
+    cr_assert_eq(c.n_calls, 1);
+    cr_assert_str_eq(c.calls[0], "a|{\"q\": 1");
+    cr_assert_str_eq(c.content, "x ");
     /* arguments given as a JSON string: its text */
     parse_all_ways(TD_TOOLS_HERMES, 0, "<tool_call>{\"name\": \"a\", \"arguments\": \"{\\\"q\\\": 1}\"}</tool_call>", &c);
     cr_assert_str_eq(c.calls[0], "a|{\"q\": 1}");
@@ -211,4 +239,85 @@ Test(tools, forced_call_grammar_follows_the_schemas)
     cr_assert_eq(bad, 1);
     cr_assert_null(g);
     cr_assert(strstr(td_last_error(), "multipleOf"), "%s", td_last_error());
+}
+
+typedef struct streamed {
+    size_t fed;             /* bytes fed so far */
+    size_t begin_at[4];     /* bytes fed when call k began */
+    uint32_t n_calls, n_args_events, n_whole;
+    char args[4][256];
+} streamed_t;
+
+static td_status_t on_streamed(void *ctx, const td_tools_event_t *ev)
+{
+    streamed_t *s = ctx;
+    if (ev->kind == TD_TOOLS_CALL_BEGIN) {
+        cr_assert(s->n_calls < 4);
+        s->begin_at[s->n_calls++] = s->fed;
+    } else if (ev->kind == TD_TOOLS_CALL_ARGS) {
+        s->n_args_events++;
+        strncat(s->args[ev->index], ev->arguments, ev->arguments_len);
+    } else if (ev->kind == TD_TOOLS_CALL) {
+        s->n_whole++;
+    }
+    return TD_OK;
+}
+
+/* Fed a byte at a time, a streamed call begins as soon as its head is read and its arguments
+ * come a byte at a time, in each format; a call past parallel_tool_calls' bound, or with its
+ * arguments first, comes whole or not at all. */
+Test(tools, streamed_arguments_come_as_they_are_written)
+{
+    static const struct {
+        td_tools_format_t fmt;
+        const char *out, *head; /* head: the output up to the arguments' '{' */
+        const char *args0;
+        uint32_t calls;
+    } cases[] = {
+        {TD_TOOLS_HERMES, "Hi <tool_call>\n{\"name\": \"w\", \"arguments\": {\"city\": \"P\\\"}\"}}\n</tool_call> ok",
+         "Hi <tool_call>\n{\"name\": \"w\", \"arguments\": ", "{\"city\": \"P\\\"}\"}", 1},
+        {TD_TOOLS_LLAMA3_JSON, "{\"name\": \"w\", \"parameters\": {\"a\": [1, {\"b\": 2}]}}; {\"name\": \"v\", \"parameters\": {}}",
+         "{\"name\": \"w\", \"parameters\": ", "{\"a\": [1, {\"b\": 2}]}", 2},
+        {TD_TOOLS_MISTRAL, "[TOOL_CALLS] [{\"name\": \"w\", \"arguments\": {\"k\": 1}}, {\"name\": \"v\", \"arguments\": {}}]",
+         "[TOOL_CALLS] [{\"name\": \"w\", \"arguments\": ", "{\"k\": 1}", 2},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        streamed_t s = {0};
+        td_tools_parser_t *p;
+        cr_assert_eq(td_tools_parser_create(cases[i].fmt, 0, 0, &p), TD_OK);
+        td_tools_parser_stream_args(p, true);
+        for (const char *c = cases[i].out; *c; c++) {
+            s.fed++;
+            cr_assert_eq(td_tools_parser_feed(p, c, 1, on_streamed, &s), TD_OK);
+        }
+        cr_assert_eq(td_tools_parser_finish(p, on_streamed, &s), TD_OK);
+        td_tools_parser_destroy(p);
+        cr_assert_eq(s.n_calls, cases[i].calls, "case %zu: calls streamed", i);
+        cr_assert_eq(s.n_whole, 0);
+        cr_assert_eq(s.begin_at[0], strlen(cases[i].head) + 1, "case %zu: the call begins with its arguments' '{'", i);
+        cr_assert_str_eq(s.args[0], cases[i].args0);
+        cr_assert_geq(s.n_args_events, strlen(cases[i].args0), "case %zu: a piece a byte", i);
+    }
+    /* past parallel_tool_calls false's one call: the second is dropped, never begun */
+    streamed_t s = {0};
+    td_tools_parser_t *p;
+    const char *two = "<tool_call>{\"name\": \"a\", \"arguments\": {}}</tool_call><tool_call>{\"name\": \"b\", "
+                      "\"arguments\": {\"x\": 1}}</tool_call>";
+    cr_assert_eq(td_tools_parser_create(TD_TOOLS_HERMES, 1, 0, &p), TD_OK);
+    td_tools_parser_stream_args(p, true);
+    cr_assert_eq(td_tools_parser_feed(p, two, strlen(two), on_streamed, &s), TD_OK);
+    cr_assert_eq(td_tools_parser_finish(p, on_streamed, &s), TD_OK);
+    cr_assert_eq(td_tools_parser_calls(p), 1);
+    td_tools_parser_destroy(p);
+    cr_assert_eq(s.n_calls + s.n_whole, 1);
+    /* arguments before the name: held and given whole */
+    s = (streamed_t){0};
+    const char *late = "<tool_call>{\"arguments\": {\"x\": 1}, \"name\": \"b\"}</tool_call>";
+    cr_assert_eq(td_tools_parser_create(TD_TOOLS_HERMES, 0, 0, &p), TD_OK);
+    td_tools_parser_stream_args(p, true);
+    cr_assert_eq(td_tools_parser_feed(p, late, strlen(late), on_streamed, &s), TD_OK);
+    cr_assert_eq(td_tools_parser_finish(p, on_streamed, &s), TD_OK);
+    td_tools_parser_destroy(p);
+    cr_assert_eq(s.n_calls, 0);
+    cr_assert_eq(s.n_whole, 1);
 }
