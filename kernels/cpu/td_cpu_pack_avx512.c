@@ -221,9 +221,28 @@ TD_INLINE TD_V void vnni_tile_q6_k(bool one, int R, const unsigned char *gq, siz
         _mm512_storeu_ps(y + i * ldy, acc[i]);
 }
 
+/* Whether a decode row (m = 1) of type t goes faster through the avx2 table's row kernel
+ * than through vnni_tile's one-row tile: Q8_0 (both modes) and one-byte Q6_K. 1B Llama
+ * shapes, `tandem generate` decode, 1 thread, Zen 4, vnni_tile against the avx2 row kernel,
+ * three alternated runs, tokens/s: Q8_0 16.1-16.2 -> 19.8-20.0, `--device cpu:q8` Q8_0
+ * 15.6 -> 16.6-16.8 and Q6_K 21.6-22.3 -> 26.6-26.9. Tried and left with vnni_tile: two-byte
+ * Q4_0 (22.3-22.8 -> 21.2-21.4) and one-byte Q4_1 and Q4_K (the same speed). At 2 threads
+ * decode is bound by the memory's bandwidth and reads alike either way. Both tables give
+ * the scalar reference's bits, so a row's result does not depend on which one runs it; these
+ * avx2 row kernels read only the parts of an activation row that act_row_avx512 writes
+ * (not the Q part). */
+TD_INLINE bool vnni_row_by_avx2(td_dtype_t t, bool one)
+{
+    return t == TD_Q8_0 || (one && t == TD_Q6_K);
+}
+
 TD_INLINE TD_V void kernel_vnni(td_dtype_t t, bool one, const void *wp, size_t g0, size_t g1, size_t g_pf, size_t k,
                                 const void *av, size_t m, float *y, size_t ldy)
 {
+    if (m == 1 && vnni_row_by_avx2(t, one)) {
+        td_cpu_pack_fn_of(&td_cpu_pack_ops_avx2, t, one)(wp, g0, g1, g_pf, k, av, m, y, ldy);
+        return;
+    }
     size_t nb = k / TD_QK, gb = td_cpu_pack_group_bytes(t, k), stride = td_cpu_pack_act_stride(k);
     const unsigned char *a = av, *end = (const unsigned char *)wp + g_pf * gb;
     for (size_t g = g0; g < g1; g++) {
