@@ -549,6 +549,138 @@ TD_INLINE TD_Y void avx2_tile1_q6_k(int R, int h, const unsigned char *gq, size_
         _mm256_storeu_ps(y + i * ldy + 8 * h, acc[i]);
 }
 
+/* Keeps a value in its register where it stands: GCC otherwise reassociates a chain of adds
+ * into a tree, holds every product at once and spills (w16_tile: a third of the speed) */
+#define AVX2_KEEP(x) __asm__("" : "+x"(x))
+
+/* The one-byte prefill tile of the 4-bit types (Q4_0, Q4_1, Q4_K, Q5_K; m >= 2, `--device
+ * cpu:q8`): half h of a group (8 weight rows) against R one-byte rows, R <= 4. Per row and
+ * block, maddubs' int16 pair sums build up over the block's 4 vectors (u <= 15: 8 pairs of at
+ * most 2 * 15 * 127, 30480 < 2^15; Q5_K's u <= 31 over 2 vectors, 31496) before one madd by
+ * 254 widens them, where avx2_tile widened every vector: 8 maddubs and 1 madd a row and block
+ * instead of 8 and 4. The offset terms m * c of Q4_1, Q4_K and Q5_K are a second pass over the
+ * blocks (the reference's fmaf order, so its bits), which leaves the registers to the int16
+ * sums and f32 accumulators: 4 + 4, 2 weight vectors, 2 constants. The rows' addresses are
+ * one pointer and `stride` (opaque to GCC, so it does not keep a pointer a row live and spill
+ * them). */
+TD_INLINE TD_Y void avx2_tile1_q4(td_dtype_t t, int R, int h, const unsigned char *gq, size_t nb, size_t k,
+                                  const unsigned char *a, size_t stride, float *y, size_t ldy, const unsigned char *pf_end)
+{
+    const int flush = t == TD_Q5_K ? 2 : 4; /* vectors summed in int16 before widening */
+    const __m256i low4 = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10), wide = _mm256_set1_epi16(WIDE);
+    const size_t e_at = act_e(a, k) - a, c_at = act_c(a, k) - a;
+    __m256 acc[4];
+    for (int i = 0; i < R; i++)
+        acc[i] = _mm256_setzero_ps();
+    for (size_t b = 0; b < nb; b++) {
+        if (pf_end) /* the group's first sweep */
+            decode_prefetch(t, gq, b, pf_end);
+        const unsigned char *q = gq + block_at(t, b) + 32 * h, *cs = gq + chunk_scales_at(t, nb, b);
+        const unsigned char *ab = a + b * TD_QK; /* row 0's hi of block b */
+        size_t st = stride;
+        __asm__("" : "+r"(st)); /* rows at ab + i * st: no pointer a row */
+        __m256i p[4];
+#pragma GCC unroll 4
+        for (int i = 0; i < R; i++)
+            p[i] = t == TD_Q4_0 ? _mm256_set1_epi32(load_i32(a + i * st + c_at + 4 * b)) : _mm256_setzero_si256();
+        const __m256i hb = t == TD_Q5_K ? _mm256_loadu_si256((const __m256i *)(q + 256)) : _mm256_setzero_si256();
+#pragma GCC unroll 2
+        for (int v0 = 0; v0 < 4; v0 += flush) {
+            __m256i s16[4];
+#pragma GCC unroll 4
+            for (int v = v0; v < v0 + flush; v++) {
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)(q + 64 * v));
+                __m256i lo4 = _mm256_and_si256(raw, low4);
+                __m256i hi4 = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+                if (t == TD_Q5_K) { /* the fifth bits: weight 4v + j's at bit v, 16 + 4v + j's at 4 + v */
+                    lo4 = _mm256_or_si256(lo4, _mm256_and_si256(_mm256_slli_epi16(hb, 4 - v), bit4));
+                    hi4 = _mm256_or_si256(hi4, _mm256_and_si256(_mm256_srli_epi16(hb, v), bit4));
+                }
+#pragma GCC unroll 4
+                for (int i = 0; i < R; i++) {
+                    const unsigned char *qh = ab + i * st;
+                    __m256i s = _mm256_add_epi16(_mm256_maddubs_epi16(lo4, _mm256_set1_epi32(load_i32(qh + 4 * v))),
+                                                 _mm256_maddubs_epi16(hi4, _mm256_set1_epi32(load_i32(qh + 16 + 4 * v))));
+                    s16[i] = v == v0 ? s : _mm256_add_epi16(s16[i], s);
+                    AVX2_KEEP(s16[i]);
+                }
+            }
+#pragma GCC unroll 4
+            for (int i = 0; i < R; i++)
+                p[i] = _mm256_add_epi32(p[i], _mm256_madd_epi16(s16[i], wide));
+        }
+        __m256 dw, mw;
+        avx2_scales(t, cs, b, h, &dw, &mw);
+#pragma GCC unroll 4
+        for (int i = 0; i < R; i++) {
+            const __m256 e = _mm256_set1_ps(load_f32(a + i * st + e_at + 4 * b));
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[i]), _mm256_mul_ps(dw, e), acc[i]);
+            AVX2_KEEP(acc[i]);
+        }
+    }
+    for (int i = 0; i < R; i++) /* Q4_1, Q4_K, Q5_K: y holds M (avx2_min_q4), y = acc + M */
+        _mm256_storeu_ps(y + i * ldy + 8 * h, has_min(t) ? _mm256_add_ps(acc[i], _mm256_loadu_ps(y + i * ldy + 8 * h)) : acc[i]);
+}
+
+/* The offset terms M = sum over blocks of m * c (Q4_1, Q4_K, Q5_K), in block order, of half h
+ * of a group against R <= 8 activation rows, into y for avx2_tile1_q4 to add its sums to. Apart
+ * from the integer tile, whose registers they would take, and for 8 rows at a time: a block's
+ * m is made once for 8 rows, and 8 independent fmaf chains hide the instruction's latency
+ * (in the 4-row tile, after its integer pass, this pass took ~15% of its time). */
+TD_INLINE TD_Y void avx2_min_q4(td_dtype_t t, int R, int h, const unsigned char *gq, size_t nb, size_t k,
+                                const unsigned char *a, size_t stride, float *y, size_t ldy)
+{
+    const size_t c_at = act_c(a, k) - a;
+    __m256 macc[8];
+    for (int i = 0; i < R; i++)
+        macc[i] = _mm256_setzero_ps();
+    for (size_t b = 0; b < nb; b++) {
+        __m256 dw, mw;
+        avx2_scales(t, gq + chunk_scales_at(t, nb, b), b, h, &dw, &mw);
+#pragma GCC unroll 8
+        for (int i = 0; i < R; i++)
+            macc[i] = _mm256_fmadd_ps(mw, _mm256_set1_ps(load_f32(a + i * stride + c_at + 4 * b)), macc[i]);
+    }
+    for (int i = 0; i < R; i++)
+        _mm256_storeu_ps(y + i * ldy + 8 * h, macc[i]);
+}
+
+/* kernel_avx2's one-byte prefill of the 4-bit types: tiles of 4 rows a half, then one of the rest */
+TD_INLINE TD_Y void kernel_avx2_q4_one(td_dtype_t t, const unsigned char *gq, size_t nb, size_t k, const unsigned char *a,
+                                       size_t m, size_t stride, float *yg, size_t ldy, const unsigned char *end)
+{
+    for (int h = 0; h < 2 && has_min(t); h++) {
+        size_t i = 0;
+        for (; i + 8 <= m; i += 8)
+            avx2_min_q4(t, 8, h, gq, nb, k, a + i * stride, stride, yg + i * ldy, ldy);
+        const unsigned char *ai = a + i * stride;
+        float *yi = yg + i * ldy;
+        switch (m - i) { /* a constant R in each call, so each is its own unrolled loop */
+        case 1: avx2_min_q4(t, 1, h, gq, nb, k, ai, stride, yi, ldy); break;
+        case 2: avx2_min_q4(t, 2, h, gq, nb, k, ai, stride, yi, ldy); break;
+        case 3: avx2_min_q4(t, 3, h, gq, nb, k, ai, stride, yi, ldy); break;
+        case 4: avx2_min_q4(t, 4, h, gq, nb, k, ai, stride, yi, ldy); break;
+        case 5: avx2_min_q4(t, 5, h, gq, nb, k, ai, stride, yi, ldy); break;
+        case 6: avx2_min_q4(t, 6, h, gq, nb, k, ai, stride, yi, ldy); break;
+        case 7: avx2_min_q4(t, 7, h, gq, nb, k, ai, stride, yi, ldy); break;
+        default: break;
+        }
+    }
+    for (int h = 0; h < 2; h++) {
+        size_t i = 0;
+        for (; i + 4 <= m; i += 4)
+            avx2_tile1_q4(t, 4, h, gq, nb, k, a + i * stride, stride, yg + i * ldy, ldy, h == 0 && i == 0 ? end : NULL);
+        const unsigned char *ai = a + i * stride, *pf = h == 0 && i == 0 ? end : NULL;
+        float *yi = yg + i * ldy;
+        switch (m - i) { /* a constant R in each call, so each is its own unrolled tile */
+        case 1: avx2_tile1_q4(t, 1, h, gq, nb, k, ai, stride, yi, ldy, pf); break;
+        case 2: avx2_tile1_q4(t, 2, h, gq, nb, k, ai, stride, yi, ldy, pf); break;
+        case 3: avx2_tile1_q4(t, 3, h, gq, nb, k, ai, stride, yi, ldy, pf); break;
+        default: break;
+        }
+    }
+}
+
 /* kernel_avx2's one-byte Q6_K prefill: tiles of 8 rows, then one of the rest */
 TD_INLINE TD_Y void kernel_avx2_q6_k_one(const unsigned char *gq, size_t nb, size_t k, const unsigned char *a, size_t m,
                                          size_t stride, float *yg, size_t ldy, const unsigned char *end)
@@ -615,6 +747,10 @@ TD_INLINE TD_Y void kernel_avx2(td_dtype_t t, bool one, const void *wp, size_t g
              * read no faster that way (it streams twice the bytes), and a one-byte row keeps
              * the maddubs tile, which has half the products to make. */
             kernel_avx2_w16(t, gq, nb, k, a, m, stride, yg, ldy, end);
+            continue;
+        }
+        if (m >= 2 && avx2_row1_takes(t)) { /* one-byte rows (two-byte ones went to the int16 tiles) */
+            kernel_avx2_q4_one(t, gq, nb, k, a, m, stride, yg, ldy, end);
             continue;
         }
         if (t == TD_Q6_K) {
