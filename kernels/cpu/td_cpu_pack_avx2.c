@@ -528,9 +528,6 @@ TD_INLINE TD_Y void avx2_tile1_q4(td_dtype_t t, int R, int h, const unsigned cha
         size_t st = stride;
         __asm__("" : "+r"(st)); /* rows at ab + i * st: no pointer a row */
         __m256i p[4];
-#pragma GCC unroll 4
-        for (int i = 0; i < R; i++)
-            p[i] = t == TD_Q4_0 ? _mm256_set1_epi32(load_i32(a + i * st + c_at + 4 * b)) : _mm256_setzero_si256();
         const __m256i hb = t == TD_Q5_K ? _mm256_loadu_si256((const __m256i *)(q + 256)) : _mm256_setzero_si256();
 #pragma GCC unroll 2
         for (int v0 = 0; v0 < 4; v0 += flush) {
@@ -554,16 +551,21 @@ TD_INLINE TD_Y void avx2_tile1_q4(td_dtype_t t, int R, int h, const unsigned cha
                 }
             }
 #pragma GCC unroll 4
-            for (int i = 0; i < R; i++)
-                p[i] = _mm256_add_epi32(p[i], _mm256_madd_epi16(s16[i], wide));
+            for (int i = 0; i < R; i++) {
+                const __m256i w = _mm256_madd_epi16(s16[i], wide);
+                p[i] = v0 == 0 ? w : _mm256_add_epi32(p[i], w);
+            }
         }
+        if (t == TD_Q4_0) /* the offset's c, last (the same integer sum in another order) */
+#pragma GCC unroll 4
+            for (int i = 0; i < R; i++)
+                p[i] = _mm256_add_epi32(p[i], _mm256_set1_epi32(load_i32(a + i * st + c_at + 4 * b)));
         __m256 dw, mw;
         avx2_scales(t, cs, b, h, &dw, &mw);
 #pragma GCC unroll 4
         for (int i = 0; i < R; i++) {
             const __m256 e = _mm256_set1_ps(load_f32(a + i * st + e_at + 4 * b));
             acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[i]), _mm256_mul_ps(dw, e), acc[i]);
-            AVX2_KEEP(acc[i]);
         }
     }
     for (int i = 0; i < R; i++) /* Q4_1, Q4_K, Q5_K: y holds M (avx2_min_q4), y = acc + M */
