@@ -516,56 +516,66 @@ TD_INLINE TD_Y void avx2_tile1_q4(td_dtype_t t, int R, int h, const unsigned cha
 {
     const int flush = t == TD_Q5_K ? 2 : 4; /* vectors summed in int16 before widening */
     const __m256i low4 = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10), wide = _mm256_set1_epi16(WIDE);
-    const size_t e_at = act_e(a, k) - a, c_at = act_c(a, k) - a;
+    const size_t e_at = act_e(a, k) - a, c_at = act_c(a, k) - a, qb = quant_bytes(t), sb = scale_bytes(t);
     __m256 acc[4];
     for (int i = 0; i < R; i++)
         acc[i] = _mm256_setzero_ps();
-    for (size_t b = 0; b < nb; b++) {
-        if (pf_end) /* the group's first sweep */
-            decode_prefetch(t, gq, b, pf_end);
-        const unsigned char *q = gq + block_at(t, b) + 32 * h, *cs = gq + chunk_scales_at(t, nb, b);
-        const unsigned char *ab = a + b * TD_QK; /* row 0's hi of block b */
-        size_t st = stride;
-        __asm__("" : "+r"(st)); /* rows at ab + i * st: no pointer a row */
-        __m256i p[4];
-        const __m256i hb = t == TD_Q5_K ? _mm256_loadu_si256((const __m256i *)(q + 256)) : _mm256_setzero_si256();
+    for (size_t c0 = 0; c0 < nb; c0 += PACK_CHUNK) { /* chunk by chunk: no index arithmetic a block */
+        const size_t n_in = nb - c0 < PACK_CHUNK ? nb - c0 : PACK_CHUNK;
+        const unsigned char *qc = gq + c0 * (qb + sb), *cs = qc + n_in * qb; /* its quants, its scales */
+        const __m256 kd = k_scales(t) ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cs + K_D + 16 * h)))
+                                      : _mm256_setzero_ps(); /* the super-block's d */
+        for (size_t j = 0; j < n_in; j++) {
+            const size_t b = c0 + j;
+            if (pf_end) /* the group's first sweep */
+                decode_prefetch(t, gq, b, pf_end);
+            const unsigned char *q = qc + j * qb + 32 * h;
+            const unsigned char *ab = a + b * TD_QK; /* row 0's hi of block b */
+            size_t st = stride;
+            __asm__("" : "+r"(st)); /* rows at ab + i * st: no pointer a row */
+            __m256i p[4];
+            const __m256i hb = t == TD_Q5_K ? _mm256_loadu_si256((const __m256i *)(q + 256)) : _mm256_setzero_si256();
 #pragma GCC unroll 2
-        for (int v0 = 0; v0 < 4; v0 += flush) {
-            __m256i s16[4];
+            for (int v0 = 0; v0 < 4; v0 += flush) {
+                __m256i s16[4];
 #pragma GCC unroll 4
-            for (int v = v0; v < v0 + flush; v++) {
-                const __m256i raw = _mm256_loadu_si256((const __m256i *)(q + 64 * v));
-                __m256i lo4 = _mm256_and_si256(raw, low4);
-                __m256i hi4 = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
-                if (t == TD_Q5_K) { /* the fifth bits: weight 4v + j's at bit v, 16 + 4v + j's at 4 + v */
-                    lo4 = _mm256_or_si256(lo4, _mm256_and_si256(_mm256_slli_epi16(hb, 4 - v), bit4));
-                    hi4 = _mm256_or_si256(hi4, _mm256_and_si256(_mm256_srli_epi16(hb, v), bit4));
+                for (int v = v0; v < v0 + flush; v++) {
+                    const __m256i raw = _mm256_loadu_si256((const __m256i *)(q + 64 * v));
+                    __m256i lo4 = _mm256_and_si256(raw, low4);
+                    __m256i hi4 = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+                    if (t == TD_Q5_K) { /* the fifth bits: weight 4v + j's at bit v, 16 + 4v + j's at 4 + v */
+                        lo4 = _mm256_or_si256(lo4, _mm256_and_si256(_mm256_slli_epi16(hb, 4 - v), bit4));
+                        hi4 = _mm256_or_si256(hi4, _mm256_and_si256(_mm256_srli_epi16(hb, v), bit4));
+                    }
+#pragma GCC unroll 4
+                    for (int i = 0; i < R; i++) {
+                        const unsigned char *qh = ab + i * st;
+                        __m256i s = _mm256_add_epi16(_mm256_maddubs_epi16(lo4, _mm256_set1_epi32(load_i32(qh + 4 * v))),
+                                                     _mm256_maddubs_epi16(hi4, _mm256_set1_epi32(load_i32(qh + 16 + 4 * v))));
+                        s16[i] = v == v0 ? s : _mm256_add_epi16(s16[i], s);
+                        AVX2_KEEP(s16[i]);
+                    }
                 }
 #pragma GCC unroll 4
                 for (int i = 0; i < R; i++) {
-                    const unsigned char *qh = ab + i * st;
-                    __m256i s = _mm256_add_epi16(_mm256_maddubs_epi16(lo4, _mm256_set1_epi32(load_i32(qh + 4 * v))),
-                                                 _mm256_maddubs_epi16(hi4, _mm256_set1_epi32(load_i32(qh + 16 + 4 * v))));
-                    s16[i] = v == v0 ? s : _mm256_add_epi16(s16[i], s);
-                    AVX2_KEEP(s16[i]);
+                    const __m256i w = _mm256_madd_epi16(s16[i], wide);
+                    p[i] = v0 == 0 ? w : _mm256_add_epi32(p[i], w);
                 }
             }
+            if (t == TD_Q4_0) /* the offset's c, last (the same integer sum in another order) */
+#pragma GCC unroll 4
+                for (int i = 0; i < R; i++)
+                    p[i] = _mm256_add_epi32(p[i], _mm256_set1_epi32(load_i32(a + i * st + c_at + 4 * b)));
+            __m256 dw, mw;
+            if (k_scales(t)) /* d * sc: the scalar kernel's exact product */
+                dw = _mm256_mul_ps(kd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(cs + K_SC(j) + 8 * h)))));
+            else
+                avx2_scales(t, cs, j, h, &dw, &mw);
 #pragma GCC unroll 4
             for (int i = 0; i < R; i++) {
-                const __m256i w = _mm256_madd_epi16(s16[i], wide);
-                p[i] = v0 == 0 ? w : _mm256_add_epi32(p[i], w);
+                const __m256 e = _mm256_set1_ps(load_f32(a + i * st + e_at + 4 * b));
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[i]), _mm256_mul_ps(dw, e), acc[i]);
             }
-        }
-        if (t == TD_Q4_0) /* the offset's c, last (the same integer sum in another order) */
-#pragma GCC unroll 4
-            for (int i = 0; i < R; i++)
-                p[i] = _mm256_add_epi32(p[i], _mm256_set1_epi32(load_i32(a + i * st + c_at + 4 * b)));
-        __m256 dw, mw;
-        avx2_scales(t, cs, b, h, &dw, &mw);
-#pragma GCC unroll 4
-        for (int i = 0; i < R; i++) {
-            const __m256 e = _mm256_set1_ps(load_f32(a + i * st + e_at + 4 * b));
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[i]), _mm256_mul_ps(dw, e), acc[i]);
         }
     }
     for (int i = 0; i < R; i++) /* Q4_1, Q4_K, Q5_K: y holds M (avx2_min_q4), y = acc + M */
