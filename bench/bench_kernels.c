@@ -17,6 +17,10 @@
  * bench/sdpa_ref.py times PyTorch's SDPA on the same shapes for the comparison.
  *
  * Without a CUDA device (or built without CUDA) it says so and exits 1.
+ *
+ * On the CPU: `--cpu` times the backend's quantized matmuls of one forward pass of a model
+ * shape; `--packed` times td_cpu_pack's kernels alone, one type and row count at a time, as
+ * the matmul calls them (the figures docs/kernels.md quotes for the packed tiles).
  */
 #include <math.h>
 #include <stddef.h>
@@ -24,6 +28,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu/td_cpu_isa.h"
+#include "cpu/td_cpu_pack.h"
 #include "td_backend.h"
 #include "td_bench.h"
 #include "td_cli.h"
@@ -336,7 +342,7 @@ static void *bench_kernels_qweights(td_dtype_t t, int32_t n, int32_t k)
         unsigned char *blk = w + b * bb;
         size_t at = t == TD_Q6_K ? offsetof(td_block_q6_k_t, d) : 0;
         memcpy(blk + at, &d, 2);
-        if (t == TD_Q4_1 || t == TD_Q4_K) /* the min (Q4_1 m, Q4_K dmin) follows d */
+        if (t == TD_Q4_1 || t == TD_Q4_K || t == TD_Q5_K) /* the min (Q4_1 m, Q4_K/Q5_K dmin) follows d */
             memcpy(blk + 2, &d, 2);
     }
     return w;
@@ -458,11 +464,222 @@ static int bench_kernels_cpu(const char *preset, const char *quant, int64_t thre
     return 0;
 }
 
+/* ---- CPU: the packed kernels alone (`--packed`) ----------------------------------------- */
+
+#define BENCH_PACKED_MAX_ROWS 8 /* --rows values */
+#define BENCH_PACKED_CALL_ROWS 64 /* activation rows a kernel call, as td_cpu_matmul's pmatmul */
+#define BENCH_PACKED_CALL_GROUPS 8 /* W groups a call, as pmatmul */
+
+typedef struct bench_packed_rows {
+    int n;
+    int64_t m[BENCH_PACKED_MAX_ROWS];
+} bench_packed_rows_t;
+
+/* --rows N...: each a row count in 1..65536, at most BENCH_PACKED_MAX_ROWS of them */
+static td_status_t bench_packed_rows_parse(const td_opt_t *opt, const char *value)
+{
+    bench_packed_rows_t *r = opt->ptr;
+    char *end = NULL;
+    long long v = strtoll(value, &end, 10);
+    if (!*value || *end || v < 1 || v > 65536)
+        return td_errorf(TD_ERR_INVALID, "bench kernels: --%s takes row counts in 1..65536, got '%s'",
+                         opt->name, value);
+    if (r->n == BENCH_PACKED_MAX_ROWS)
+        return td_errorf(TD_ERR_INVALID, "bench kernels: --%s takes at most %d row counts", opt->name,
+                         BENCH_PACKED_MAX_ROWS);
+    r->m[r->n++] = v;
+    return TD_OK;
+}
+
+typedef struct bench_packed_case {
+    td_cpu_pack_fn fn;
+    const void *wp;     /* the packed [n][k] matrix */
+    size_t n_groups, k, stride;
+    const unsigned char *a; /* [m][stride] quantized activation rows */
+    size_t m;
+    float *y;           /* [m][n_groups * 16] */
+} bench_packed_case_t;
+
+/* One matmul's kernel calls, as pmatmul makes them on one thread: 64 activation rows by 8
+ * groups a call, the prefetch bound at the end of the matrix (one task's share) */
+static void bench_packed_run(const bench_packed_case_t *c)
+{
+    size_t ldy = c->n_groups * TD_CPU_PACK_ROWS;
+    for (size_t i0 = 0; i0 < c->m; i0 += BENCH_PACKED_CALL_ROWS) {
+        size_t mm = TD_MIN((size_t)BENCH_PACKED_CALL_ROWS, c->m - i0);
+        for (size_t g = 0; g < c->n_groups; g += BENCH_PACKED_CALL_GROUPS)
+            c->fn(c->wp, g, TD_MIN(c->n_groups, g + BENCH_PACKED_CALL_GROUPS), c->n_groups, c->k,
+                  c->a + i0 * c->stride, mm, c->y + i0 * ldy + g * TD_CPU_PACK_ROWS, ldy);
+    }
+}
+
+/* Best seconds per matmul over `rounds` rounds (after one warm-up round), each round enough
+ * calls to last about 10 ms: on a shared CPU the other tenants only ever add. */
+static double bench_packed_time(const bench_packed_case_t *c, int rounds)
+{
+    double t0 = td_now_s();
+    bench_packed_run(c);
+    double once = td_now_s() - t0;
+    int calls = (int)TD_MIN(100000.0, TD_MAX(1.0, 0.01 / TD_MAX(once, 1e-7)));
+    double best = INFINITY;
+    for (int r = 0; r <= rounds; r++) {
+        t0 = td_now_s();
+        for (int i = 0; i < calls; i++)
+            bench_packed_run(c);
+        double sec = (td_now_s() - t0) / calls;
+        if (r > 0 && sec < best) /* round 0 warms up */
+            best = sec;
+    }
+    return best;
+}
+
+typedef struct bench_packed_opts {
+    const char *quant; /* one type, or NULL: every packed type */
+    int64_t k, n, act_bytes, rounds;
+    bench_packed_rows_t rows;
+    bool json;
+} bench_packed_opts_t;
+
+/*
+ * `tandem bench kernels --packed`: td_cpu_pack's kernels of the table the CPU backend runs
+ * (TANDEM_CPU_ISA honoured), one thread, on a packed n x k matrix of random blocks that the
+ * backend's own weight_pack made (2 MiB pages, as the engine's weights) against m activation
+ * rows its act_row quantized (one or two bytes): ms per matmul, GMAC/s, and for m = 1 GB/s
+ * of packed weights read. Exit 2 on bad options, 1 when the backend cannot be made.
+ */
+static int bench_kernels_packed(const bench_packed_opts_t *o)
+{
+    static const td_dtype_t all[] = {TD_Q8_0, TD_Q4_0, TD_Q4_1, TD_Q4_K, TD_Q5_K, TD_Q6_K, TD_IQ4_XS};
+    td_dtype_t types[TD_ARRAY_LEN(all)];
+    size_t n_types = 0;
+    if (o->quant) {
+        int t = td_dtype_parse(o->quant);
+        if (t < 0 || !td_cpu_pack_supports((td_dtype_t)t)) {
+            fprintf(stderr, "tandem bench kernels: --quant with --packed is one of q8_0, q4_0, q4_1, q4_k, "
+                            "q5_k, q6_k, iq4_xs; got %s\n", o->quant);
+            return 2;
+        }
+        types[n_types++] = (td_dtype_t)t;
+    } else {
+        for (size_t i = 0; i < TD_ARRAY_LEN(all); i++)
+            types[n_types++] = all[i];
+    }
+    if (o->k % 256 != 0) {
+        fprintf(stderr, "tandem bench kernels: --k must be a multiple of 256 (a K-quant super-block), "
+                        "got %lld\n", (long long)o->k);
+        return 2;
+    }
+    bench_packed_rows_t rows = o->rows;
+    if (rows.n == 0)
+        rows = (bench_packed_rows_t){3, {1, 8, 64}};
+    int64_t m_max = 0;
+    for (int i = 0; i < rows.n; i++)
+        m_max = TD_MAX(m_max, rows.m[i]);
+
+    td_cpu_isa_t isa;
+    td_backend_t *be = NULL;
+    td_cpu_config_t cfg = {.n_threads = 1}; /* isa NULL: TANDEM_CPU_ISA, else the best here */
+    if (td_cpu_isa_choose(NULL, &isa) != TD_OK || td_backend_cpu_create(&cfg, &be) != TD_OK) {
+        fprintf(stderr, "tandem bench kernels: %s\n", td_last_error());
+        return 1;
+    }
+    const td_cpu_pack_ops_t *ops = td_cpu_pack_ops(isa);
+    size_t k = (size_t)o->k, n = (size_t)o->n, stride = td_cpu_pack_act_stride(k);
+    size_t n_groups = (n + TD_CPU_PACK_ROWS - 1) / TD_CPU_PACK_ROWS;
+    float *x = malloc((size_t)m_max * k * sizeof(float));
+    unsigned char *a = aligned_alloc(64, (size_t)m_max * stride);
+    float *y = malloc((size_t)m_max * n_groups * TD_CPU_PACK_ROWS * sizeof(float));
+    cJSON *j = o->json ? cJSON_CreateObject() : NULL, *results = NULL;
+    int rc = 0;
+    if (!x || !a || !y) {
+        fprintf(stderr, "tandem bench kernels: cannot allocate %lld activation rows of %zu\n", (long long)m_max, k);
+        rc = 1;
+        goto out;
+    }
+    uint64_t s = 0x2545F4914F6CDD1Dull;
+    for (size_t i = 0; i < (size_t)m_max * k; i++) { /* in [-1, 1], never zero */
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        x[i] = (s & 1 ? 1.0f : -1.0f) * (0.05f + 0.95f * (float)((s >> 40) & 0xFFFF) / 65536.0f);
+    }
+    if (j) {
+        cJSON_AddStringToObject(j, "bench", "kernels_packed");
+        cJSON_AddStringToObject(j, "cpu_isa", td_cpu_isa_name(isa));
+        cJSON_AddStringToObject(j, "table", ops->name);
+        cJSON_AddNumberToObject(j, "threads", 1);
+        cJSON_AddNumberToObject(j, "k", (double)k);
+        cJSON_AddNumberToObject(j, "n", (double)n);
+        cJSON_AddNumberToObject(j, "rounds", (double)o->rounds);
+        results = cJSON_AddArrayToObject(j, "results");
+    } else {
+        printf("packed kernels, cpu_isa %s (table %s), 1 thread, n %zu x k %zu, best of %d rounds\n",
+               td_cpu_isa_name(isa), ops->name, n, k, (int)o->rounds);
+        printf("%-7s %5s %6s %10s %9s %8s\n", "type", "bytes", "m", "ms", "GMAC/s", "GB/s");
+    }
+    for (size_t ti = 0; ti < n_types && rc == 0; ti++) {
+        td_dtype_t t = types[ti];
+        void *w = bench_kernels_qweights(t, (int32_t)n, (int32_t)k), *wp = NULL;
+        if (!w || be->ops->weight_pack(be, w, t, (int32_t)n, (int32_t)k, &wp) != TD_OK || !wp) {
+            fprintf(stderr, "tandem bench kernels: cannot pack %zu x %zu %s weights: %s\n", n, k, td_dtype_name(t),
+                    w ? td_last_error() : "out of memory");
+            free(w);
+            rc = 1;
+            break;
+        }
+        free(w);
+        double gb = (double)td_cpu_pack_bytes(t, n, k) / 1e9;
+        for (int bytes = 2; bytes >= 1; bytes--) {
+            if (o->act_bytes != 0 && o->act_bytes != bytes)
+                continue;
+            bool one = bytes == 1;
+            for (int64_t i = 0; i < m_max; i++)
+                td_cpu_pack_act_row(ops, x + (size_t)i * k, a + (size_t)i * stride, t, k, one);
+            for (int ri = 0; ri < rows.n; ri++) {
+                bench_packed_case_t c = {.fn = td_cpu_pack_fn_of(ops, t, one), .wp = wp, .n_groups = n_groups,
+                                         .k = k, .stride = stride, .a = a, .m = (size_t)rows.m[ri], .y = y};
+                double sec = bench_packed_time(&c, (int)o->rounds);
+                double gmacs = (double)c.m * (double)n * (double)k / sec / 1e9;
+                if (j) {
+                    cJSON *r = cJSON_CreateObject();
+                    cJSON_AddStringToObject(r, "type", td_dtype_name(t));
+                    cJSON_AddNumberToObject(r, "act_bytes", bytes);
+                    cJSON_AddNumberToObject(r, "m", (double)c.m);
+                    bench_json_number(r, "ms", sec * 1e3, 4);
+                    bench_json_number(r, "gmac_per_s", gmacs, 2);
+                    if (c.m == 1)
+                        bench_json_number(r, "weight_gbps", gb / sec, 2);
+                    cJSON_AddItemToArray(results, r);
+                } else if (c.m == 1) {
+                    printf("%-7s %5d %6zu %10.4f %9.2f %8.2f\n", td_dtype_name(t), bytes, c.m, sec * 1e3, gmacs, gb / sec);
+                } else {
+                    printf("%-7s %5d %6zu %10.4f %9.2f %8s\n", td_dtype_name(t), bytes, c.m, sec * 1e3, gmacs, "");
+                }
+            }
+        }
+        be->ops->free(be, wp);
+    }
+out:
+    free(y);
+    free(a);
+    free(x);
+    td_backend_destroy(be);
+    if (j) {
+        if (rc != 0) {
+            cJSON_Delete(j);
+            return rc;
+        }
+        return bench_json_print(stdout, j);
+    }
+    return rc;
+}
+
 int bench_kernels(int argc, char **argv)
 {
-    bool json = false, cpu = false;
+    bool json = false, cpu = false, packed = false;
     int64_t device = 0, iters = 20, threads = 1, prompt = 512;
-    const char *preset = "smollm2-135m", *quant = "q4_0";
+    const char *preset = "smollm2-135m", *quant = NULL;
+    bench_packed_opts_t po = {.k = 2048, .n = 2048, .act_bytes = 0, .rounds = 7};
     const td_opt_t opts[] = {
         {.name = "json", .type = TD_OPT_BOOL, .ptr = &json, .help = "one JSON document on stdout (docs/bench.md)"},
         {.name = "device", .type = TD_OPT_I64, .ptr = &device, .min = 0, .max = 63, .arg = "N",
@@ -471,14 +688,27 @@ int bench_kernels(int argc, char **argv)
          .help = "calls per timed round (default 20; prefill with --cpu: a 1/8 of it)"},
         {.name = "cpu", .type = TD_OPT_BOOL, .ptr = &cpu,
          .help = "the CPU backend's block-quantized matmuls instead (below)"},
+        {.name = "packed", .type = TD_OPT_BOOL, .ptr = &packed,
+         .help = "the CPU's packed quantized kernels alone, one thread (below)"},
         {.name = "preset", .type = TD_OPT_STR, .ptr = &preset, .arg = "NAME",
          .help = "with --cpu: smollm2-135m (default) or llama-3.2-1b"},
         {.name = "quant", .type = TD_OPT_STR, .ptr = &quant, .arg = "TYPE",
-         .help = "with --cpu: layer weights q8_0, q4_0 (default), q4_1, q4_k or q6_k"},
+         .help = "with --cpu: layer weights q8_0, q4_0 (default), q4_1, q4_k or q6_k;\n"
+                 "with --packed: one of q8_0, q4_0, q4_1, q4_k, q5_k, q6_k, iq4_xs (default: each)"},
         {.name = "threads", .type = TD_OPT_I64, .ptr = &threads, .min = 1, .max = 1024, .arg = "N",
          .help = "with --cpu: pool threads (default 1)"},
         {.name = "prompt-tokens", .type = TD_OPT_I64, .ptr = &prompt, .min = 1, .max = 65536,
          .arg = "N", .help = "with --cpu: prefill rows (default 512)"},
+        {.name = "k", .type = TD_OPT_I64, .ptr = &po.k, .min = 256, .max = 1 << 20, .arg = "N",
+         .help = "with --packed: weights a row, a multiple of 256 (default 2048)"},
+        {.name = "n", .type = TD_OPT_I64, .ptr = &po.n, .min = 1, .max = 1 << 22, .arg = "N",
+         .help = "with --packed: weight rows (default 2048; 65536 streams a 1B-wide matrix from memory)"},
+        {.name = "rows", .type = TD_OPT_FN, .ptr = &po.rows, .parse = bench_packed_rows_parse, .multi = true,
+         .arg = "M...", .help = "with --packed: activation row counts (default 1 8 64)"},
+        {.name = "act-bytes", .type = TD_OPT_I64, .ptr = &po.act_bytes, .min = 0, .max = 2, .arg = "B",
+         .help = "with --packed: 1 (--device cpu:q8's rows), 2 (the default device's), 0 both (default)"},
+        {.name = "rounds", .type = TD_OPT_I64, .ptr = &po.rounds, .min = 1, .max = 1000, .arg = "N",
+         .help = "with --packed: timed rounds of ~10 ms, the best reported (default 7)"},
     };
     td_opts_t spec = {.prog = "bench kernels", .opts = opts, .n_opts = TD_ARRAY_LEN(opts)};
     td_opts_result_t r_opts = {0};
@@ -487,15 +717,27 @@ int bench_kernels(int argc, char **argv)
     if (r_opts.help) {
         printf("usage: tandem bench kernels [--json] [--device N] [--iters N]\n"
                "       tandem bench kernels --cpu [--preset NAME] [--quant TYPE] [--threads N]\n"
+               "       tandem bench kernels --packed [--quant TYPE] [--k N] [--n N] [--rows M...]\n"
+               "                            [--act-bytes B] [--rounds N]\n"
                "  D2D copy and cuBLAS bf16 GEMM ceilings, then our prefill attention\n"
                "  (4k tokens, hd 128, causal, bf16) and decode attention (batch 64, ctx 4k,\n"
                "  32 q / 8 kv heads) on one CUDA device.\n"
                "  --cpu: the CPU backend's quantized matmuls of one forward pass of a model\n"
                "  shape, batch-1 decode and a 512-token prefill, as tokens/s (compare with\n"
-               "  llama-bench -p 512 -n 128, which times the whole model).\n\n");
+               "  llama-bench -p 512 -n 128, which times the whole model).\n"
+               "  --packed: each packed type's kernel of the table the CPU backend runs\n"
+               "  (TANDEM_CPU_ISA honoured), one thread, an n x k matrix of random blocks\n"
+               "  against m quantized activation rows: ms, GMAC/s, GB/s of weights at m = 1.\n\n");
         td_opts_usage(stdout, opts, (int)TD_ARRAY_LEN(opts), false);
         return 0;
     }
+    if (packed) {
+        po.quant = quant;
+        po.json = json;
+        return bench_kernels_packed(&po);
+    }
+    if (!quant)
+        quant = "q4_0";
     if (cpu)
         return bench_kernels_cpu(preset, quant, threads, prompt, (int)iters, json);
     td_backend_t *be = NULL;

@@ -3,7 +3,7 @@
  * bit-identical to the scalar reference (td_cpu_pack.h). Two-byte prefill tiles (m >= 2), and
  * one-byte ones of Q8_0 and IQ4_XS, multiply int16 weights by the row's int16 Q with vpmaddwd
  * (w16_tile); decode (m = 1) and the other one-byte rows use maddubs + madd on the hi and lo
- * bytes (avx2_row1, avx2_row1_q6_k, avx2_tile1_q6_k, avx2_tile).
+ * bytes (avx2_row1, avx2_row1_q6_k, avx2_row1_signed; avx2_tile1_q4, avx2_tile1_q6_k).
  */
 #include "td_cpu_pack_impl.h"
 
@@ -74,7 +74,7 @@ TD_INLINE bool avx2_row1_takes(td_dtype_t t)
 }
 
 /* Decode's one activation row against a whole group (both halves), for avx2_row1_takes types.
- * avx2_tile's sums in another order, so the same integers: the four broadcasts of a v serve
+ * the header's integer sums in another order, so the same integers: the four broadcasts of a v serve
  * both halves, and maddubs' int16 pair sums build up over several v before one madd widens
  * them (u <= 15: 8 pairs of at most 2 * 15 * 127 stay under 2^15 over a block's 4 v; Q5_K's
  * u <= 31: over 2 v). The v loop carries only the int16 sums (the widening is outside it:
@@ -152,112 +152,60 @@ TD_INLINE TD_Y void avx2_row1(td_dtype_t t, bool one, const unsigned char *gq, s
         _mm256_storeu_ps(y + 8 * x, has_min(t) ? _mm256_add_ps(acc[x], macc[x]) : acc[x]);
 }
 
-/* Halves [h0, h0 + H) (weight rows 8h..8h+7) of one group against R activation rows,
- * R * H <= 4: up to four rows by one half (prefill), or one row by both halves in one pass
- * (decode: every byte of a quant line used as it arrives). The int32 lanes of maddubs +
- * madd are the same four-product sums vpdpbusd makes; the hi part's int16 pair sums are
- * widened by a madd with 254 instead of 1, so each block's exact integer p = 254 p_hi + p_lo
- * builds up in one accumulator a row. Q8_0's quants are u = q + 128: the sign trick on
- * q = u ^ 0x80 keeps maddubs' pairs in int16, and the sum starts at 0 instead of c (the
- * same integer as VNNI's c + sum u Q). */
-TD_INLINE TD_Y void avx2_tile(td_dtype_t t, bool one, int R, int h0, int H, const unsigned char *gq, size_t nb, size_t k, const unsigned char *a,
-                              size_t stride, float *y, size_t ldy, const unsigned char *pf_end)
+/* Decode's one activation row against a whole group (both halves) for Q8_0 and one-byte
+ * IQ4_XS (the types avx2_row1 does not take; a two-byte IQ4_XS row goes to w16_tile). The
+ * int32 lanes of maddubs + madd are the same four-product sums vpdpbusd makes; the hi part's
+ * int16 pair sums are widened by a madd with 254 instead of 1, so each block's exact integer
+ * p = 254 p_hi + p_lo builds up in one accumulator a half. The weights are signed (Q8_0's
+ * q = u ^ 0x80, IQ4_XS's table value): the sign trick |w| * sign(a, w) keeps maddubs' pairs
+ * in int16, up to 2 * 127 * 127, so every vector needs its own madd, and the sum starts at 0
+ * instead of c (the same integer as VNNI's c + sum u Q). */
+TD_INLINE TD_Y void avx2_row1_signed(td_dtype_t t, bool one, const unsigned char *gq, size_t nb, size_t k,
+                                     const unsigned char *a, float *y, const unsigned char *pf_end)
 {
     const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), wide = _mm256_set1_epi16(WIDE);
-    const __m256i bias8 = _mm256_set1_epi8((char)0x80), bit4 = _mm256_set1_epi8(0x10);
+    const __m256i bias8 = _mm256_set1_epi8((char)0x80);
     /* IQ4_XS: the signed values of the indices in both lanes, for vpshufb */
     const __m256i iq4s = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)td_quant_iq4nl_values));
-    __m256 acc[2][4], macc[2][4];
-    for (int x = 0; x < H; x++)
-        for (int i = 0; i < R; i++)
-            acc[x][i] = macc[x][i] = _mm256_setzero_ps();
+    const int8_t *hi = act_hi(a), *lo = act_lo(a, k);
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     for (size_t b = 0; b < nb; b++) {
-        if (pf_end) /* the group's first sweep */
-            decode_prefetch(t, gq, b, pf_end);
+        decode_prefetch(t, gq, b, pf_end);
         const unsigned char *qblk = gq + block_at(t, b), *cs = gq + chunk_scales_at(t, nb, b);
+        const int8_t *qh = hi + b * TD_QK, *ql = lo + b * TD_QK;
+        const __m256 e = _mm256_set1_ps(load_f32(act_e(a, k) + 4 * b));
 #pragma GCC unroll 2
-        for (int x = 0; x < H; x++) {
-            const int h = h0 + x;
+        for (int h = 0; h < 2; h++) {
             const unsigned char *q = qblk + 32 * h;
-            __m256i p[4];
-#pragma GCC unroll 4
-            for (int i = 0; i < R; i++)
-                p[i] = t == TD_Q4_0 ? _mm256_set1_epi32(load_i32(act_c(a + i * stride, k) + 4 * b))
-                                    : _mm256_setzero_si256();
+            __m256i p = _mm256_setzero_si256();
             if (t == TD_Q8_0) {
                 for (int v = 0; v < 8; v++) {
                     __m256i sw = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(q + 64 * v)), bias8);
                     __m256i aw = _mm256_abs_epi8(sw);
-#pragma GCC unroll 4
-                    for (int i = 0; i < R; i++) {
-                        const unsigned char *ai = a + i * stride;
-                        __m256i qh = _mm256_set1_epi32(load_i32(act_hi(ai) + b * TD_QK + 4 * v));
-                        __m256i ql = _mm256_set1_epi32(load_i32(act_lo(ai, k) + b * TD_QK + 4 * v));
-                        p[i] = _mm256_add_epi32(p[i], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(qh, sw)), wide));
-                        if (!one)
-                            p[i] = _mm256_add_epi32(p[i], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(ql, sw)), ones));
-                    }
+                    __m256i ah = _mm256_set1_epi32(load_i32(qh + 4 * v)), al = _mm256_set1_epi32(load_i32(ql + 4 * v));
+                    p = _mm256_add_epi32(p, _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(ah, sw)), wide));
+                    if (!one)
+                        p = _mm256_add_epi32(p, _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(al, sw)), ones));
                 }
-            } else {
-                const __m256i hb = t == TD_Q5_K ? _mm256_loadu_si256((const __m256i *)(q + 256)) : _mm256_setzero_si256();
+            } else { /* IQ4_XS */
 #pragma GCC unroll 4
                 for (int v = 0; v < 4; v++) {
                     __m256i raw = _mm256_loadu_si256((const __m256i *)(q + 64 * v));
-                    __m256i lo4 = _mm256_and_si256(raw, low4);
-                    __m256i hi4 = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
-                    if (t == TD_Q5_K) { /* the fifth bits: weight 4v + j's at bit v, 16 + 4v + j's at 4 + v */
-                        lo4 = _mm256_or_si256(lo4, _mm256_and_si256(_mm256_slli_epi16(hb, 4 - v), bit4));
-                        hi4 = _mm256_or_si256(hi4, _mm256_and_si256(_mm256_srli_epi16(hb, v), bit4));
-                    }
-                    if (t == TD_IQ4_XS) { /* signed values, Q8_0's sign trick; pairs up to 2 * 127 * 127: one madd
-                                           * each. One-byte decode only: kernel_avx2 gives every other IQ4_XS
-                                           * row to w16_tile, so there is no lo byte here */
-                        __m256i sl = _mm256_shuffle_epi8(iq4s, lo4), sh = _mm256_shuffle_epi8(iq4s, hi4);
-                        __m256i al = _mm256_abs_epi8(sl), ah = _mm256_abs_epi8(sh);
-#pragma GCC unroll 4
-                        for (int i = 0; i < R; i++) {
-                            const int8_t *qh = act_hi(a + i * stride) + b * TD_QK;
-                            __m256i ph = _mm256_add_epi32(
-                                _mm256_madd_epi16(_mm256_maddubs_epi16(al, _mm256_sign_epi8(_mm256_set1_epi32(load_i32(qh + 4 * v)), sl)), wide),
-                                _mm256_madd_epi16(_mm256_maddubs_epi16(ah, _mm256_sign_epi8(_mm256_set1_epi32(load_i32(qh + 16 + 4 * v)), sh)), wide));
-                            p[i] = _mm256_add_epi32(p[i], ph);
-                        }
-                        continue;
-                    }
-#pragma GCC unroll 4
-                    for (int i = 0; i < R; i++) {
-                        const unsigned char *ai = a + i * stride;
-                        const int8_t *qh = act_hi(ai) + b * TD_QK, *ql = act_lo(ai, k) + b * TD_QK;
-                        /* pairs of u <= 31: at most 2 * 31 * 127 each, two summed: no int16 overflow */
-                        __m256i sh16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo4, _mm256_set1_epi32(load_i32(qh + 4 * v))),
-                                                        _mm256_maddubs_epi16(hi4, _mm256_set1_epi32(load_i32(qh + 16 + 4 * v))));
-                        if (one) {
-                            p[i] = _mm256_add_epi32(p[i], _mm256_madd_epi16(sh16, wide));
-                            continue;
-                        }
-                        __m256i sl16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo4, _mm256_set1_epi32(load_i32(ql + 4 * v))),
-                                                        _mm256_maddubs_epi16(hi4, _mm256_set1_epi32(load_i32(ql + 16 + 4 * v))));
-                        p[i] = _mm256_add_epi32(p[i], _mm256_add_epi32(_mm256_madd_epi16(sh16, wide),
-                                                                       _mm256_madd_epi16(sl16, ones)));
-                    }
+                    __m256i sl = _mm256_shuffle_epi8(iq4s, _mm256_and_si256(raw, low4));
+                    __m256i sh = _mm256_shuffle_epi8(iq4s, _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4));
+                    __m256i al = _mm256_abs_epi8(sl), ah = _mm256_abs_epi8(sh);
+                    p = _mm256_add_epi32(p, _mm256_add_epi32( /* one-byte: no lo part (above) */
+                        _mm256_madd_epi16(_mm256_maddubs_epi16(al, _mm256_sign_epi8(_mm256_set1_epi32(load_i32(qh + 4 * v)), sl)), wide),
+                        _mm256_madd_epi16(_mm256_maddubs_epi16(ah, _mm256_sign_epi8(_mm256_set1_epi32(load_i32(qh + 16 + 4 * v)), sh)), wide)));
                 }
             }
             __m256 dw, mw;
             avx2_scales(t, cs, b, h, &dw, &mw);
-#pragma GCC unroll 4
-            for (int i = 0; i < R; i++) {
-                const unsigned char *ai = a + i * stride;
-                __m256 sc = _mm256_mul_ps(dw, _mm256_set1_ps(load_f32(act_e(ai, k) + 4 * b)));
-                acc[x][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[i]), sc, acc[x][i]);
-                if (has_min(t))
-                    macc[x][i] = _mm256_fmadd_ps(mw, _mm256_set1_ps(load_f32(act_c(ai, k) + 4 * b)), macc[x][i]);
-            }
+            acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(dw, e), acc[h]);
         }
     }
-    for (int x = 0; x < H; x++)
-        for (int i = 0; i < R; i++)
-            _mm256_storeu_ps(y + i * ldy + 8 * (h0 + x),
-                             has_min(t) ? _mm256_add_ps(acc[x][i], macc[x][i]) : acc[x][i]);
+    for (int h = 0; h < 2; h++)
+        _mm256_storeu_ps(y + 8 * h, acc[h]);
 }
 
 #define Q6_HI_YMM(hb, v) ((v) == 3 ? _mm256_srli_epi16(hb, 2) : _mm256_slli_epi16(hb, 4 - 2 * (v)))
@@ -492,7 +440,7 @@ TD_INLINE bool w16_both_halves(td_dtype_t t)
  * by 254 widens them, where the tile before it (2 rows a tile) widened every vector and
  * re-made the weights for each pair of rows. The same integers (each half from c and c2),
  * so the scalar reference's bits. One core, m = 64, a 2048 x 2048 matrix: 5.43 -> 3.64 ms.
- * For the Q4 types the same tile read no faster than avx2_tile (q4_k 3.19 against 3.11 ms,
+ * For the Q4 types the same tile read no faster than their 4-row tile then (q4_k 3.19 against 3.11 ms,
  * q5_k 3.66 against 3.56; 4 rows: 3.20, 3.70): their 8 vectors and 8 accumulators a row
  * spill, and their maddubs already share the widening of a nibble pair. */
 TD_INLINE TD_Y void avx2_tile1_q6_k(int R, int h, const unsigned char *gq, size_t nb, size_t k, const unsigned char *a,
@@ -542,6 +490,158 @@ TD_INLINE TD_Y void avx2_tile1_q6_k(int R, int h, const unsigned char *gq, size_
     }
     for (int i = 0; i < R; i++)
         _mm256_storeu_ps(y + i * ldy + 8 * h, acc[i]);
+}
+
+/* Keeps a value in its register where it stands: GCC otherwise reassociates a chain of adds
+ * into a tree, holds every product at once and spills (w16_tile: a third of the speed) */
+#define AVX2_KEEP(x) __asm__("" : "+x"(x))
+
+/* The one-byte prefill tile of the 4-bit types (Q4_0, Q4_1, Q4_K, Q5_K; m >= 2, `--device
+ * cpu:q8`): half h of a group (8 weight rows) against R one-byte rows, R <= 8. Per row and
+ * block, maddubs' int16 pair sums build up over the block's 4 vectors (u <= 15: 8 pairs of at
+ * most 2 * 15 * 127, 30480 < 2^15; Q5_K's u <= 31 over 2 vectors, 31496) before one madd by
+ * 254 widens them, where the tile before it widened every vector: 8 maddubs and 1 madd a row
+ * and block instead of 8 and 4. The registers go to what every vector touches: 8 int16 sums,
+ * 2 weight vectors and 2 constants. The f32 accumulators live in memory (volatile: a load and
+ * a store a row and block, at fixed stack offsets, where in registers they spilled anyway),
+ * the offset terms m * c of Q4_1, Q4_K and Q5_K are a pass of their own before the tile
+ * (avx2_min_q4, the reference's fmaf order, so its bits), Q4_0's c is added after the
+ * widening, and the rows' addresses are one pointer and `stride` (opaque to GCC, so it does
+ * not keep a pointer a row live and spill them). One core, m = 64, 2048 x 2048: q4_k 3.1 ->
+ * 2.64 ms, q4_0 2.9 -> 2.34, q5_k 3.65 -> 2.88 (docs/kernels.md). */
+TD_INLINE TD_Y void avx2_tile1_q4(td_dtype_t t, int R, int h, const unsigned char *gq, size_t nb, size_t k,
+                                  const unsigned char *a, size_t stride, float *y, size_t ldy, const unsigned char *pf_end)
+{
+    const int flush = t == TD_Q5_K ? 2 : 4; /* vectors summed in int16 before widening */
+    const __m256i low4 = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10), wide = _mm256_set1_epi16(WIDE);
+    const size_t e_at = act_e(a, k) - a, c_at = act_c(a, k) - a, qb = quant_bytes(t), sb = scale_bytes(t);
+    volatile __m256 acc[8]; /* in memory on purpose (above) */
+    for (int i = 0; i < R; i++)
+        acc[i] = _mm256_setzero_ps();
+    for (size_t c0 = 0; c0 < nb; c0 += PACK_CHUNK) { /* chunk by chunk: no index arithmetic a block */
+        const size_t n_in = nb - c0 < PACK_CHUNK ? nb - c0 : PACK_CHUNK;
+        const unsigned char *qc = gq + c0 * (qb + sb), *cs = qc + n_in * qb; /* its quants, its scales */
+        const __m256 kd = k_scales(t) ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cs + K_D + 16 * h)))
+                                      : _mm256_setzero_ps(); /* the super-block's d */
+        for (size_t j = 0; j < n_in; j++) {
+            const size_t b = c0 + j;
+            if (pf_end) /* the group's first sweep */
+                decode_prefetch(t, gq, b, pf_end);
+            const unsigned char *q = qc + j * qb + 32 * h;
+            const unsigned char *ab = a + b * TD_QK; /* row 0's hi of block b */
+            size_t st = stride;
+            __asm__("" : "+r"(st)); /* rows at ab + i * st: no pointer a row */
+            __m256i p[8];
+            const __m256i hb = t == TD_Q5_K ? _mm256_loadu_si256((const __m256i *)(q + 256)) : _mm256_setzero_si256();
+#pragma GCC unroll 2
+            for (int v0 = 0; v0 < 4; v0 += flush) {
+                __m256i s16[8];
+#pragma GCC unroll 8
+                for (int v = v0; v < v0 + flush; v++) {
+                    const __m256i raw = _mm256_loadu_si256((const __m256i *)(q + 64 * v));
+                    __m256i lo4 = _mm256_and_si256(raw, low4);
+                    __m256i hi4 = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+                    if (t == TD_Q5_K) { /* the fifth bits: weight 4v + j's at bit v, 16 + 4v + j's at 4 + v */
+                        lo4 = _mm256_or_si256(lo4, _mm256_and_si256(_mm256_slli_epi16(hb, 4 - v), bit4));
+                        hi4 = _mm256_or_si256(hi4, _mm256_and_si256(_mm256_srli_epi16(hb, v), bit4));
+                    }
+#pragma GCC unroll 8
+                    for (int i = 0; i < R; i++) {
+                        const unsigned char *qh = ab + i * st;
+                        __m256i s = _mm256_add_epi16(_mm256_maddubs_epi16(lo4, _mm256_set1_epi32(load_i32(qh + 4 * v))),
+                                                     _mm256_maddubs_epi16(hi4, _mm256_set1_epi32(load_i32(qh + 16 + 4 * v))));
+                        s16[i] = v == v0 ? s : _mm256_add_epi16(s16[i], s);
+                        AVX2_KEEP(s16[i]);
+                    }
+                }
+#pragma GCC unroll 8
+                for (int i = 0; i < R; i++) {
+                    const __m256i w = _mm256_madd_epi16(s16[i], wide);
+                    p[i] = v0 == 0 ? w : _mm256_add_epi32(p[i], w);
+                }
+            }
+            if (t == TD_Q4_0) /* the offset's c, last (the same integer sum in another order) */
+#pragma GCC unroll 8
+                for (int i = 0; i < R; i++)
+                    p[i] = _mm256_add_epi32(p[i], _mm256_set1_epi32(load_i32(a + i * st + c_at + 4 * b)));
+            __m256 dw, mw;
+            if (k_scales(t)) /* d * sc: the scalar kernel's exact product */
+                dw = _mm256_mul_ps(kd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(cs + K_SC(j) + 8 * h)))));
+            else
+                avx2_scales(t, cs, j, h, &dw, &mw);
+#pragma GCC unroll 8
+            for (int i = 0; i < R; i++) {
+                const __m256 e = _mm256_set1_ps(load_f32(a + i * st + e_at + 4 * b));
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[i]), _mm256_mul_ps(dw, e), (__m256)acc[i]);
+            }
+        }
+    }
+    for (int i = 0; i < R; i++) /* Q4_1, Q4_K, Q5_K: y holds M (avx2_min_q4), y = acc + M */
+        _mm256_storeu_ps(y + i * ldy + 8 * h, has_min(t) ? _mm256_add_ps(acc[i], _mm256_loadu_ps(y + i * ldy + 8 * h)) : acc[i]);
+}
+
+/* The offset terms M = sum over blocks of m * c (Q4_1, Q4_K, Q5_K), in block order, of half h
+ * of a group against R <= 8 activation rows, into y for avx2_tile1_q4 to add its sums to. Apart
+ * from the integer tile, whose registers they would take, and for 8 rows at a time: a block's
+ * m is made once for 8 rows, and 8 independent fmaf chains hide the instruction's latency
+ * (in the 4-row tile, after its integer pass, this pass took ~15% of its time). */
+TD_INLINE TD_Y void avx2_min_q4(td_dtype_t t, int R, int h, const unsigned char *gq, size_t nb, size_t k,
+                                const unsigned char *a, size_t stride, float *y, size_t ldy)
+{
+    const size_t c_at = act_c(a, k) - a;
+    __m256 macc[8];
+    for (int i = 0; i < R; i++)
+        macc[i] = _mm256_setzero_ps();
+    for (size_t b = 0; b < nb; b++) {
+        __m256 dw, mw;
+        avx2_scales(t, gq + chunk_scales_at(t, nb, b), b, h, &dw, &mw);
+#pragma GCC unroll 8
+        for (int i = 0; i < R; i++)
+            macc[i] = _mm256_fmadd_ps(mw, _mm256_set1_ps(load_f32(a + i * stride + c_at + 4 * b)), macc[i]);
+    }
+    for (int i = 0; i < R; i++)
+        _mm256_storeu_ps(y + i * ldy + 8 * h, macc[i]);
+}
+
+/* kernel_avx2's one-byte prefill of the 4-bit types: tiles of 8 rows a half (4 measured 3-12%
+ * slower), one of 4 and one of the rest; the offset terms first */
+TD_INLINE TD_Y void kernel_avx2_q4_one(td_dtype_t t, const unsigned char *gq, size_t nb, size_t k, const unsigned char *a,
+                                       size_t m, size_t stride, float *yg, size_t ldy, const unsigned char *end)
+{
+    for (int h = 0; h < 2 && has_min(t); h++) {
+        size_t i = 0;
+        for (; i + 8 <= m; i += 8)
+            avx2_min_q4(t, 8, h, gq, nb, k, a + i * stride, stride, yg + i * ldy, ldy);
+        const unsigned char *ai = a + i * stride;
+        float *yi = yg + i * ldy;
+        switch (m - i) { /* a constant R in each call, so each is its own unrolled loop */
+        case 1: avx2_min_q4(t, 1, h, gq, nb, k, ai, stride, yi, ldy); break;
+        case 2: avx2_min_q4(t, 2, h, gq, nb, k, ai, stride, yi, ldy); break;
+        case 3: avx2_min_q4(t, 3, h, gq, nb, k, ai, stride, yi, ldy); break;
+        case 4: avx2_min_q4(t, 4, h, gq, nb, k, ai, stride, yi, ldy); break;
+        case 5: avx2_min_q4(t, 5, h, gq, nb, k, ai, stride, yi, ldy); break;
+        case 6: avx2_min_q4(t, 6, h, gq, nb, k, ai, stride, yi, ldy); break;
+        case 7: avx2_min_q4(t, 7, h, gq, nb, k, ai, stride, yi, ldy); break;
+        default: break;
+        }
+    }
+    for (int h = 0; h < 2; h++) {
+        size_t i = 0;
+        for (; i + 8 <= m; i += 8)
+            avx2_tile1_q4(t, 8, h, gq, nb, k, a + i * stride, stride, yg + i * ldy, ldy, h == 0 && i == 0 ? end : NULL);
+        if (m - i >= 4) {
+            avx2_tile1_q4(t, 4, h, gq, nb, k, a + i * stride, stride, yg + i * ldy, ldy, h == 0 && i == 0 ? end : NULL);
+            i += 4;
+        }
+        const unsigned char *ai = a + i * stride, *pf = h == 0 && i == 0 ? end : NULL;
+        float *yi = yg + i * ldy;
+        switch (m - i) { /* a constant R in each call, so each is its own unrolled tile */
+        case 1: avx2_tile1_q4(t, 1, h, gq, nb, k, ai, stride, yi, ldy, pf); break;
+        case 2: avx2_tile1_q4(t, 2, h, gq, nb, k, ai, stride, yi, ldy, pf); break;
+        case 3: avx2_tile1_q4(t, 3, h, gq, nb, k, ai, stride, yi, ldy, pf); break;
+        default: break;
+        }
+    }
 }
 
 /* kernel_avx2's one-byte Q6_K prefill: tiles of 8 rows, then one of the rest */
@@ -599,7 +699,6 @@ TD_INLINE TD_Y void kernel_avx2(td_dtype_t t, bool one, const void *wp, size_t g
     for (size_t g = g0; g < g1; g++) {
         const unsigned char *gq = (const unsigned char *)wp + g * gb;
         float *yg = y + (g - g0) * ROWS;
-        size_t i = 0;
         if (m >= 2 ? !one || t == TD_Q8_0 || t == TD_IQ4_XS : !one && t == TD_IQ4_XS) {
             /* one-byte rows carry Q = 254 hi as well, and Q8_0's and IQ4_XS's int16 tiles beat
              * their maddubs tiles (signed values: a madd every vector; one core, m = 64, 2048 x
@@ -612,6 +711,10 @@ TD_INLINE TD_Y void kernel_avx2(td_dtype_t t, bool one, const void *wp, size_t g
             kernel_avx2_w16(t, gq, nb, k, a, m, stride, yg, ldy, end);
             continue;
         }
+        if (m >= 2 && avx2_row1_takes(t)) { /* one-byte rows (two-byte ones went to the int16 tiles) */
+            kernel_avx2_q4_one(t, gq, nb, k, a, m, stride, yg, ldy, end);
+            continue;
+        }
         if (t == TD_Q6_K) {
             if (m >= 2)
                 kernel_avx2_q6_k_one(gq, nb, k, a, m, stride, yg, ldy, end);
@@ -619,26 +722,11 @@ TD_INLINE TD_Y void kernel_avx2(td_dtype_t t, bool one, const void *wp, size_t g
                 avx2_row1_q6_k(one, gq, nb, k, a, yg, end);
             continue;
         }
-        for (int h = 0; h < 2; h++)
-            for (i = 0; i + 4 <= m; i += 4)
-                avx2_tile(t, one, 4, h, 1, gq, nb, k, a + i * stride, stride, yg + i * ldy, ldy,
-                          h == 0 && i == 0 ? end : NULL);
-        const unsigned char *ai = a + i * stride, *pf = i == 0 ? end : NULL;
-        float *yi = yg + i * ldy;
-        switch (m - i) { /* the last rows (decode: all of them), both halves in one pass */
-        case 1:
-            if (avx2_row1_takes(t))
-                avx2_row1(t, one, gq, nb, k, ai, yi, pf);
-            else
-                avx2_tile(t, one, 1, 0, 2, gq, nb, k, ai, stride, yi, ldy, pf);
-            break;
-        case 2: avx2_tile(t, one, 2, 0, 2, gq, nb, k, ai, stride, yi, ldy, pf); break;
-        case 3:
-            avx2_tile(t, one, 3, 0, 1, gq, nb, k, ai, stride, yi, ldy, pf);
-            avx2_tile(t, one, 3, 1, 1, gq, nb, k, ai, stride, yi, ldy, NULL);
-            break;
-        default: break;
-        }
+        /* decode (m = 1) */
+        if (avx2_row1_takes(t))
+            avx2_row1(t, one, gq, nb, k, a, yg, end);
+        else
+            avx2_row1_signed(t, one, gq, nb, k, a, yg, end);
     }
 }
 
