@@ -158,12 +158,12 @@ typedef struct decode_state {
     /* draining's count of work (decode_busy): admissions posted to the compute thread and not
        yet in load_running, step results not yet sent on Steps */
     _Atomic int32_t admits_posted, outs_unsent;
-    /* the heartbeat's pace figures (compute thread, moving means): step_ns of the steps without
-       prompt chunks (the running streams' pace), milli_tok_s the prompt-chunk tokens per second
-       of the time chunks added to their steps (the local prefill rate, x 1000; 0 before the
-       first; decode_compute.c pace_note); rate_tok and rate_s are its decayed sums */
-    _Atomic int64_t step_ns, milli_tok_s;
-    double rate_tok, rate_s;
+    /* the heartbeat's pace figures (compute thread; decode_compute.c pace_note): step_ns a moving
+       mean of the steps without prompt chunks (the running streams' pace), milli_tok_s the
+       prompt tokens per second of the step-cost fit (1 / per_prefill_s, the local prefill rate,
+       x 1000; 0 while it has no fit), tpot_us the tightest TPOT objective of the sequences
+       (decode_sched_stats; 0: none) */
+    _Atomic int64_t step_ns, milli_tok_s, tpot_us;
     bool shutting_down;
     bool handles_up;          /* the sweep timer initialised */
     size_t pool_bytes;        /* the KV pool (td_engine_kv_plan) */

@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "td_log.h"
+#include "td_lsq.h"
 #include "td_place.h"
 #include "td_rng.h"
 #include "td_sched_defaults.h"
@@ -783,35 +784,8 @@ td_status_t td_plan_fit(const double *x, const double *y, size_t n, int k, doubl
 {
     if (k < 1 || k > 4 || n < (size_t)k)
         return td_errorf(TD_ERR_INVALID, "plan: a fit of %d coefficients needs at least that many points (%zu)", k, n);
-    double a[4][5] = {{0}};
-    for (size_t r = 0; r < n; r++)
-        for (int i = 0; i < k; i++) {
-            for (int j = 0; j < k; j++)
-                a[i][j] += x[r * k + i] * x[r * k + j];
-            a[i][k] += x[r * k + i] * y[r];
-        }
-    for (int i = 0; i < k; i++) { /* Gauss-Jordan with partial pivoting on the normal equations */
-        int piv = i;
-        for (int j = i + 1; j < k; j++)
-            if (fabs(a[j][i]) > fabs(a[piv][i]))
-                piv = j;
-        if (fabs(a[piv][i]) < 1e-300)
-            return td_errorf(TD_ERR_INVALID, "plan: the fit's points do not determine %d coefficients", k);
-        for (int j = 0; j <= k; j++) {
-            double t = a[i][j];
-            a[i][j] = a[piv][j];
-            a[piv][j] = t;
-        }
-        for (int r = 0; r < k; r++) {
-            if (r == i)
-                continue;
-            double f = a[r][i] / a[i][i];
-            for (int j = i; j <= k; j++)
-                a[r][j] -= f * a[i][j];
-        }
-    }
-    for (int i = 0; i < k; i++)
-        coef[i] = a[i][k] / a[i][i];
+    if (!td_lsq_fit(x, y, n, k, coef))
+        return td_errorf(TD_ERR_INVALID, "plan: the fit's points do not determine %d coefficients", k);
     return TD_OK;
 }
 
