@@ -72,7 +72,7 @@ td_gen_params_t td_gen_params_default(void);
     X(TOP_LOGPROBS, "top_logprobs", "--logprobs", "logprobs", "top_logprobs")                      \
     X(PROMPT_LOGPROBS, "prompt_logprobs", "--prompt-logprobs", "logprobs", "top_logprobs")        \
     X(LOGIT_BIAS, "logit_bias", "--logit-bias", "logit_bias", "logit_bias")                       \
-    X(TPOT_OBJECTIVE, "tpot_objective_ms", "", "tpot_objective_ms", "tpot_objective_ms")
+    X(TPOT_OBJECTIVE, "tpot_objective_ms", "--tpot-objective-ms", "tpot_objective_ms", "tpot_objective_ms")
 
 typedef enum td_gen_field {
     TD_GEN_FIELD_NONE = 0, /* every field in range */

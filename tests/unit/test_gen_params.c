@@ -49,10 +49,7 @@ Test(gen_params, field_names_table)
     for (int f = 1; f < TD_GEN_FIELD_COUNT; f++) {
         td_gen_field_names_t n = td_gen_field_names((td_gen_field_t)f);
         cr_expect(n.request[0], "field %d has no request name", f);
-        /* tpot_objective_ms: a serving objective, which tandem generate (one process) has no use for */
-        cr_expect(f == TD_GEN_FIELD_PENALTY_WINDOW ||
-                      (f == TD_GEN_FIELD_TPOT_OBJECTIVE && n.openai[0] && n.openai_chat[0]) ||
-                      (n.flag[0] == '-' && n.openai[0] && n.openai_chat[0]),
+        cr_expect(f == TD_GEN_FIELD_PENALTY_WINDOW || (n.flag[0] == '-' && n.openai[0] && n.openai_chat[0]),
                   "field %s lacks a flag or an OpenAI name", n.request);
     }
     cr_expect_str_eq(td_gen_field_names(TD_GEN_FIELD_PROMPT).openai_chat, "messages");
