@@ -620,7 +620,7 @@ static int32_t add_drafts(decode_sched_t *s, int32_t n_items, int32_t budget)
  * chunks of a prompt prefilled here stay within the tightest TPOT objective of the running
  * sequences (the streams beside them, and the prompt's own once it generates), by the step-cost
  * fit (td_stepcost_chunk); without an objective, unbounded. Before the fit has seen enough
- * steps with prompt tokens (a fresh node), DECODE_LEAST_CHUNK; never less than that either, so
+ * steps with prompt tokens (a fresh node), TD_DECODE_LEAST_CHUNK; never less than that either, so
  * that a prompt admitted here always moves on, even when its node's decodes alone pass the
  * objective. */
 static int32_t prefill_cap(const decode_sched_t *s, int32_t n_rows)
@@ -636,7 +636,7 @@ static int32_t prefill_cap(const decode_sched_t *s, int32_t n_rows)
     if (objective <= 0)
         return INT32_MAX;
     int64_t cap = td_stepcost_chunk(&s->fit, n_rows, context, objective);
-    return (int32_t)TD_MIN(TD_MAX(cap, (int64_t)DECODE_LEAST_CHUNK), (int64_t)INT32_MAX);
+    return (int32_t)TD_MIN(TD_MAX(cap, (int64_t)TD_DECODE_LEAST_CHUNK), (int64_t)INT32_MAX);
 }
 
 /* Builds the engine batch: one token for each generating sequence, then prompt chunks

@@ -34,7 +34,7 @@
  * scheduler fits its own step time against what each step carried (td_stepcost: the decoding
  * rows, their context, the prompt tokens; the caller times each step and says so with
  * decode_sched_note_step_time) and feeds the most prompt tokens the fit allows beside the
- * step's decodes, at least DECODE_LEAST_CHUNK (a prompt admitted here always moves on; before
+ * step's decodes, at least TD_DECODE_LEAST_CHUNK (td_sched_defaults.h: a prompt admitted here always moves on; before
  * the fit has seen enough steps with prompt tokens, that many is what a step feeds). The node
  * decides how much a step carries; the router decides where a prompt is prefilled, from the
  * same fit, reported in the heartbeat.
@@ -85,10 +85,6 @@
 #include "td_status.h"
 #include "td_stepcost.h"
 #include "td_tokenizer.h"
-
-/* The least prompt tokens a step under a TPOT objective feeds (one KV block of the default
- * size): progress for a prompt prefilled here, and the probe that starts the step-cost fit. */
-#define DECODE_LEAST_CHUNK 16
 
 typedef struct decode_sched_config {
     int32_t max_batch;        /* running sequences at most (64; capped by the engine's max_seqs

@@ -35,6 +35,7 @@
 #include "td_model.h"
 #include "td_test_models.h"
 #include "td_sampler.h"
+#include "td_sched_defaults.h"
 #include "td_util.h"
 #include "td_xfer.h"
 #include "td_xfer_testkit.h"
@@ -1117,7 +1118,7 @@ static double law_s(int32_t prefill_tokens)
  * the decode's token (no stall), feeds at most max_batch_tokens, and spends the rest of the
  * budget on the prompt in chunks of at most prefill_chunk; with a TPOT objective on either
  * request (tpot0, tpot1; 0: none), the chunks the tightest one allows by the step-cost fit of
- * the steps' times (law_s): DECODE_LEAST_CHUNK until the fit has seen enough steps with prompt
+ * the steps' times (law_s): TD_DECODE_LEAST_CHUNK until the fit has seen enough steps with prompt
  * tokens, then `fitted` (conditional disaggregation). Both outputs equal their runs alone. */
 static void prompt_chunks_share_steps(double tpot0, double tpot1, int fitted)
 {
@@ -1163,7 +1164,7 @@ static void prompt_chunks_share_steps(double tpot0, double tpot1, int fitted)
         int before = oc[0].n;
         cr_assert_eq(decode_sched_step(ds, 0, &r), TD_OK);
         decode_sched_note_step_time(ds, law_s(r.n_prefill_tokens));
-        int chunk = !bound ? CHUNK : prefill_samples < TD_STEPCOST_MIN_PREFILL ? DECODE_LEAST_CHUNK : fitted;
+        int chunk = !bound ? CHUNK : prefill_samples < TD_STEPCOST_MIN_PREFILL ? TD_DECODE_LEAST_CHUNK : fitted;
         prefill_samples += r.n_prefill_tokens > 0;
         collect(&r, oc);
         decode_sched_stats(ds, &st);
@@ -1200,14 +1201,14 @@ Test(decode_sched, unified_prompt_chunks_share_steps_with_decodes, .timeout = 12
 /* A TPOT objective bounds a step's prompt chunks by the step-cost fit: 13.1 ms leaves 20 tokens
  * beside the 3 ms step (law_s), whether the objective is the prompt's own or the running
  * stream's; the tighter of two wins; an objective the decodes alone pass still moves the prompt
- * on, DECODE_LEAST_CHUNK a step; one past the node's prefill_chunk is capped by it. */
+ * on, TD_DECODE_LEAST_CHUNK a step; one past the node's prefill_chunk is capped by it. */
 Test(decode_sched, a_tpot_objective_bounds_the_prompt_chunks_by_the_fit, .timeout = 120)
 {
     td_test_skip_without_stories();
     prompt_chunks_share_steps(0, 0.0131, 20);
     prompt_chunks_share_steps(0.0131, 0, 20);
     prompt_chunks_share_steps(0.0131, 0.0121, 18);
-    prompt_chunks_share_steps(0.002, 0, DECODE_LEAST_CHUNK);
+    prompt_chunks_share_steps(0.002, 0, TD_DECODE_LEAST_CHUNK);
     prompt_chunks_share_steps(0, 1.0, 24);
 }
 
