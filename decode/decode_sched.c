@@ -619,10 +619,9 @@ static int32_t add_drafts(decode_sched_t *s, int32_t n_items, int32_t budget)
 /* The most prompt tokens a step of n_rows one-row items may carry, all chunks together: the
  * chunks of a prompt prefilled here stay within the tightest TPOT objective of the running
  * sequences (the streams beside them, and the prompt's own once it generates), by the step-cost
- * fit (td_stepcost_chunk); without an objective, unbounded. Before the fit has seen enough
- * steps with prompt tokens (a fresh node), TD_DECODE_LEAST_CHUNK; never less than that either, so
- * that a prompt admitted here always moves on, even when its node's decodes alone pass the
- * objective. */
+ * fit (td_stepcost_chunk), at least one token, so that a prompt admitted here always moves on
+ * even where its node's decodes alone pass the objective; without an objective, unbounded.
+ * Before the fit has seen enough steps with prompt tokens (a fresh node), TD_DECODE_PROBE_CHUNK. */
 static int32_t prefill_cap(const decode_sched_t *s, int32_t n_rows)
 {
     double objective = 0;
@@ -636,7 +635,9 @@ static int32_t prefill_cap(const decode_sched_t *s, int32_t n_rows)
     if (objective <= 0)
         return INT32_MAX;
     int64_t cap = td_stepcost_chunk(&s->fit, n_rows, context, objective);
-    return (int32_t)TD_MIN(TD_MAX(cap, (int64_t)TD_DECODE_LEAST_CHUNK), (int64_t)INT32_MAX);
+    if (cap < 0) /* no fit yet */
+        return TD_DECODE_PROBE_CHUNK;
+    return (int32_t)TD_MIN(TD_MAX(cap, (int64_t)1), (int64_t)INT32_MAX);
 }
 
 /* Builds the engine batch: one token for each generating sequence, then prompt chunks

@@ -34,8 +34,8 @@
  * scheduler fits its own step time against what each step carried (td_stepcost: the decoding
  * rows, their context, the prompt tokens; the caller times each step and says so with
  * decode_sched_note_step_time) and feeds the most prompt tokens the fit allows beside the
- * step's decodes, at least TD_DECODE_LEAST_CHUNK (td_sched_defaults.h: a prompt admitted here always moves on; before
- * the fit has seen enough steps with prompt tokens, that many is what a step feeds). The node
+ * step's decodes, at least one (a prompt admitted here always moves on); before the fit has
+ * seen enough steps with prompt tokens, TD_DECODE_PROBE_CHUNK (td_sched_defaults.h). The node
  * decides how much a step carries; the router decides where a prompt is prefilled, from the
  * same fit, reported in the heartbeat.
  *

@@ -473,7 +473,8 @@ static td_status_t mixed_start(sim_t *s, node_t *nd, int32_t kind, int32_t i, do
     }
     budget -= n_dec;
     /* the step's prompt tokens in all within the tightest TPOT objective of its sequences, by the
-       node's step-cost fit, at least TD_DECODE_LEAST_CHUNK (decode_sched's prefill_cap) */
+       node's step-cost fit, at least 1; TD_DECODE_PROBE_CHUNK without a fit (decode_sched's
+       prefill_cap) */
     double objective = 0;
     int64_t held = 0;
     for (int32_t k = 0; k < nd->n_run; k++) {
@@ -482,9 +483,9 @@ static td_status_t mixed_start(sim_t *s, node_t *nd, int32_t kind, int32_t i, do
         if (r->tpot_s > 0 && (objective <= 0 || r->tpot_s < objective))
             objective = r->tpot_s;
     }
-    int64_t cap = objective > 0 ? TD_MAX(td_stepcost_chunk(&nd->fit, (int32_t)n_dec, held, objective),
-                                         (int64_t)TD_DECODE_LEAST_CHUNK)
-                                : INT64_MAX;
+    int64_t cap = objective > 0 ? td_stepcost_chunk(&nd->fit, (int32_t)n_dec, held, objective) : INT64_MAX;
+    if (objective > 0)
+        cap = cap < 0 ? TD_DECODE_PROBE_CHUNK : TD_MAX(cap, 1);
     for (int32_t k = 0; k < nd->n_run && budget > 0; k++) {
         sreq_t *r = &s->r[nd->run[k]];
         if (r->prefilled >= r->input)

@@ -1118,7 +1118,7 @@ static double law_s(int32_t prefill_tokens)
  * the decode's token (no stall), feeds at most max_batch_tokens, and spends the rest of the
  * budget on the prompt in chunks of at most prefill_chunk; with a TPOT objective on either
  * request (tpot0, tpot1; 0: none), the chunks the tightest one allows by the step-cost fit of
- * the steps' times (law_s): TD_DECODE_LEAST_CHUNK until the fit has seen enough steps with prompt
+ * the steps' times (law_s): TD_DECODE_PROBE_CHUNK until the fit has seen enough steps with prompt
  * tokens, then `fitted` (conditional disaggregation). Both outputs equal their runs alone. */
 static void prompt_chunks_share_steps(double tpot0, double tpot1, int fitted)
 {
@@ -1164,7 +1164,7 @@ static void prompt_chunks_share_steps(double tpot0, double tpot1, int fitted)
         int before = oc[0].n;
         cr_assert_eq(decode_sched_step(ds, 0, &r), TD_OK);
         decode_sched_note_step_time(ds, law_s(r.n_prefill_tokens));
-        int chunk = !bound ? CHUNK : prefill_samples < TD_STEPCOST_MIN_PREFILL ? TD_DECODE_LEAST_CHUNK : fitted;
+        int chunk = !bound ? CHUNK : prefill_samples < TD_STEPCOST_MIN_PREFILL ? TD_DECODE_PROBE_CHUNK : fitted;
         prefill_samples += r.n_prefill_tokens > 0;
         collect(&r, oc);
         decode_sched_stats(ds, &st);
@@ -1200,16 +1200,49 @@ Test(decode_sched, unified_prompt_chunks_share_steps_with_decodes, .timeout = 12
 
 /* A TPOT objective bounds a step's prompt chunks by the step-cost fit: 13.1 ms leaves 20 tokens
  * beside the 3 ms step (law_s), whether the objective is the prompt's own or the running
- * stream's; the tighter of two wins; an objective the decodes alone pass still moves the prompt
- * on, TD_DECODE_LEAST_CHUNK a step; one past the node's prefill_chunk is capped by it. */
+ * stream's; the tighter of two wins; one past the node's prefill_chunk is capped by it. */
 Test(decode_sched, a_tpot_objective_bounds_the_prompt_chunks_by_the_fit, .timeout = 120)
 {
     td_test_skip_without_stories();
     prompt_chunks_share_steps(0, 0.0131, 20);
     prompt_chunks_share_steps(0.0131, 0, 20);
     prompt_chunks_share_steps(0.0131, 0.0121, 18);
-    prompt_chunks_share_steps(0.002, 0, TD_DECODE_LEAST_CHUNK);
     prompt_chunks_share_steps(0, 1.0, 24);
+}
+
+/* An objective the decodes alone pass (2 ms against a 3 ms step) still moves a prompt on: one
+ * token a step once the fit says so (TD_DECODE_PROBE_CHUNK before), beside the running stream. */
+Test(decode_sched, an_objective_the_decodes_pass_still_moves_the_prompt_a_token_a_step, .timeout = 120)
+{
+    td_test_skip_without_stories();
+    td_test_engine_t fx;
+    td_test_engine_open_cpu(&fx, 1, 256, false);
+    static int32_t p0[8], p1[100];
+    unsigned seed = 21;
+    random_prompt(&seed, p0, 8);
+    random_prompt(&seed, p1, 100);
+    decode_sched_t *ds = sched_default(fx.eng);
+    decode_request_t r0 = greedy_request(0, p0, 8, 60), r1 = greedy_request(1, p1, 100, 4);
+    r1.tpot_objective_s = 0.002;
+    static outcome_t oc[MAXN];
+    memset(oc, 0, sizeof oc);
+    cr_assert_eq(decode_sched_admit(ds, &r0), TD_OK);
+    decode_step_result_t r;
+    cr_assert_eq(decode_sched_step(ds, 0, &r), TD_OK); /* r0's prompt: one step with prompt tokens */
+    decode_sched_note_step_time(ds, law_s(r.n_prefill_tokens));
+    collect(&r, oc);
+    cr_assert_eq(decode_sched_admit(ds, &r1), TD_OK);
+    for (int i = 0; i < 10; i++) {
+        cr_assert_eq(decode_sched_step(ds, 0, &r), TD_OK);
+        decode_sched_note_step_time(ds, law_s(r.n_prefill_tokens));
+        collect(&r, oc);
+        int want = 1 + i < TD_STEPCOST_MIN_PREFILL ? TD_DECODE_PROBE_CHUNK : 1;
+        cr_assert_eq(r.n_prefill_tokens, want, "step %d: %d prompt tokens, want %d", i, r.n_prefill_tokens, want);
+        cr_assert_eq(r.n_tokens, want + 1, "and the stream's token");
+    }
+    run_to_end(ds, oc);
+    sched_end(&fx, ds);
+    td_test_engine_close(&fx);
 }
 
 /* ignore_eos: a request that ends at EOS alone runs on to max_tokens, the tokens before

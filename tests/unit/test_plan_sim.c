@@ -346,7 +346,7 @@ Test(plan_sim, conditional_prefills_locally_in_chunks_the_tpot_objective_allows)
 
     /* room for ~22 prompt tokens a step beside the stream (at half the prefill node's rate, the
        decode node having measured none): the short prompt in one step instead of ~12 s in the
-       queue, some long ones in chunks of TD_DECODE_LEAST_CHUNK until the node's step-cost fit
+       queue, some long ones in chunks of TD_DECODE_PROBE_CHUNK until the node's step-cost fit
        has seen a few, then of what the fit allows (49: 11 ms of decode, 1 ms a token); every
        step within the objective (a 256-token chunk, the node's own, would take ~0.27 s) */
     c.tpot_objective_s = 0.060;
