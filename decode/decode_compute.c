@@ -36,6 +36,7 @@ static void pace_note(decode_state_t *s, double dt, int32_t n_prefill_tokens)
     decode_sched_note_step_time(s->sched, dt);
     td_stepcost_fit_t f = decode_sched_step_cost(s->sched);
     atomic_store(&s->milli_tok_s, f.valid ? (int64_t)(1e3 / f.per_prefill_s) : 0);
+    td_metric_set(s->m_token_cost, f.valid ? f.per_prefill_s : 0);
     if (n_prefill_tokens > 0)
         return;
     int64_t prev = atomic_load(&s->step_ns), now = (int64_t)(dt * 1e9);
@@ -215,6 +216,7 @@ void decode_compute_main(void *arg)
         atomic_store(&s->load_free, ss.free_blocks);
         atomic_store(&s->load_context, ss.context_tokens);
         atomic_store(&s->tpot_us, (int64_t)(ss.tpot_objective_s * 1e6));
+        td_metric_set(s->m_tpot, ss.tpot_objective_s);
         o->free_blocks = (uint32_t)ss.free_blocks;
         o->step = ss.steps;
         if (!o->n_seqs || !td_node_worker_emit(&s->worker, &o)) {

@@ -729,7 +729,8 @@ static td_status_t init_metrics(decode_state_t *s)
     static const char *const suffix[] = {"kv_blocks_used", "kv_blocks_free", "running_sequences", "waiting_sequences",
                                          "tokens_total", "steps_total", "step_seconds", "batch_size", "admits_total",
                                          "admits_refused_total", "releases_total", "prefill_tokens_total",
-                                         "kv_blocks_window_released_total"};
+                                         "kv_blocks_window_released_total", "prefill_token_cost_seconds",
+                                         "tpot_objective_seconds"};
     char name[TD_ARRAY_LEN(suffix)][64];
     for (size_t i = 0; i < TD_ARRAY_LEN(suffix); i++)
         snprintf(name[i], sizeof name[i], "tandem_%s_%s", s->unified ? "unified" : "decode", suffix[i]);
@@ -751,6 +752,10 @@ static td_status_t init_metrics(decode_state_t *s)
                                         "recompute after preemption)", &s->m_prefill_tokens),
         TD_METRIC_DEF_COUNTER(name[12], "KV blocks sequences gave back early: behind every layer's "
                                         "sliding window", &s->m_window_released),
+        TD_METRIC_DEF_GAUGE(name[13], "what a prompt token adds to a step, by the step-cost fit that sizes "
+                                      "prompt chunks under a TPOT objective (0: no fit yet)", &s->m_token_cost),
+        TD_METRIC_DEF_GAUGE(name[14], "the tightest TPOT objective of the running and waiting sequences "
+                                      "(0: none has one)", &s->m_tpot),
     };
     return td_metrics_register_all(s->metrics, defs, TD_ARRAY_LEN(defs));
 }

@@ -129,7 +129,8 @@ typedef struct decode_state {
     td_metrics_t *metrics;
     td_node_xfer_metrics_t xfer_metrics; /* td_xfer's statistics on /metrics */
     td_metric_t *m_used, *m_free, *m_running, *m_waiting, *m_tokens, *m_steps, *m_step_s, *m_batch,
-        *m_admits, *m_refused, *m_releases, *m_prefill_tokens, *m_window_released;
+        *m_admits, *m_refused, *m_releases, *m_prefill_tokens, *m_window_released,
+        *m_token_cost, *m_tpot; /* the step-cost fit's time a prompt token; the tightest objective */
     uint64_t window_released; /* decode_sched_stats' count already added to m_window_released */
     td_metric_t *m_spec_verify, *m_spec_drafted, *m_spec_accepted, *m_spec_acceptance, *m_spec_tokens_per_step;
     td_spec_stats_t spec_seen; /* compute thread: the counters already added to the metrics */
