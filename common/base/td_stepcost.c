@@ -52,6 +52,13 @@ static bool fit_columns(const td_stepcost_t *c, const bool use[4], td_stepcost_f
         return false;
     *f = (td_stepcost_fit_t){.valid = true, .fixed_s = full[0], .per_seq_s = full[1], .per_context_s = full[2],
                              .per_prefill_s = full[3]};
+    double sq = 0;
+    for (int32_t i = 0; i < c->n[1]; i++) {
+        const td_stepcost_sample_t *p = &c->ring[1][i];
+        double r = p->s - (full[0] + full[1] * p->seqs + full[2] * p->context + full[3] * p->prefill);
+        sq += r * r;
+    }
+    f->spread_s = sqrt(sq / c->n[1]);
     return true;
 }
 
@@ -78,7 +85,7 @@ int64_t td_stepcost_chunk(const td_stepcost_fit_t *f, int32_t seqs, int64_t cont
 {
     if (!f->valid)
         return -1;
-    double room = objective_s - td_stepcost_predict(f, seqs, context, 0);
+    double room = objective_s - f->spread_s - td_stepcost_predict(f, seqs, context, 0);
     if (!(room > 0))
         return 0;
     double p = floor(room / f->per_prefill_s);

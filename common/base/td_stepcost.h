@@ -41,6 +41,8 @@ typedef struct td_stepcost_fit {
     bool valid;          /* false: fewer than TD_STEPCOST_MIN_PREFILL steps with prompt tokens,
                             or their times do not determine a positive per_prefill_s */
     double fixed_s, per_seq_s, per_context_s, per_prefill_s; /* the model above */
+    double spread_s;     /* the residuals' root mean square over the steps with prompt tokens:
+                            how far such a step's time strays from the model */
 } td_stepcost_fit_t;
 
 void td_stepcost_init(td_stepcost_t *c);
@@ -60,8 +62,10 @@ td_stepcost_fit_t td_stepcost_fit(const td_stepcost_t *c);
 double td_stepcost_predict(const td_stepcost_fit_t *f, int32_t seqs, int64_t context, int64_t prefill_tokens);
 
 /* The most prompt tokens a step of `seqs` decoding sequences holding `context` tokens may
- * carry within objective_s (seconds > 0): 0 when the decodes alone reach it; -1 when the fit
- * is not valid. */
+ * carry within objective_s (seconds > 0), less the fit's spread: a step sized to the objective
+ * itself passes it about half the time, and a stream's TPOT with it (the first sweep of this fit
+ * measured TPOT p90 at the objective: docs/goodput.md). 0 when the decodes alone reach that;
+ * -1 when the fit is not valid. */
 int64_t td_stepcost_chunk(const td_stepcost_fit_t *f, int32_t seqs, int64_t context, double objective_s);
 
 #endif /* TD_STEPCOST_H */

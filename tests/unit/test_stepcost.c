@@ -122,6 +122,23 @@ Test(stepcost, the_chunk_keeps_the_step_within_the_objective)
     cr_assert_gt(td_stepcost_predict(&f, 8, 2000, 72), 0.025);
     cr_assert_eq(td_stepcost_chunk(&f, 8, 2000, 0.007), 0, "the decodes alone pass the objective");
     cr_assert_eq(td_stepcost_chunk(&f, 0, 0, 1e9), INT32_MAX);
+    f.spread_s = 0.001; /* steps that stray 1 ms: a millisecond kept back, 4 tokens fewer */
+    cr_assert_eq(td_stepcost_chunk(&f, 8, 2000, 0.025), 67);
+}
+
+/* The spread is the residuals' RMS over the steps with prompt tokens: 0 on the law itself, the
+ * noise's (uniform +-10%: ~5.8% of a step, RMS) through noise. */
+Test(stepcost, the_spread_is_how_far_prompt_steps_stray_from_the_fit)
+{
+    td_stepcost_t c;
+    td_stepcost_init(&c);
+    uint32_t seed = 11;
+    run(&c, &seed, 400, 1.0, 0);
+    cr_assert_float_eq(td_stepcost_fit(&c).spread_s, 0, 1e-12);
+    run(&c, &seed, 4 * TD_STEPCOST_WINDOW, 1.0, 0.1);
+    /* prompt steps take ~5-50 ms here, off by a uniform +-10%: an RMS of ~5.8% of each */
+    double s = td_stepcost_fit(&c).spread_s;
+    cr_assert(s > 0.0002 && s < 0.002, "spread %g s", s);
 }
 
 Test(stepcost, least_squares_refuses_dependent_columns)
