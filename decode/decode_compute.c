@@ -37,6 +37,7 @@ static void pace_note(decode_state_t *s, double dt, int32_t n_prefill_tokens)
     td_stepcost_fit_t f = decode_sched_step_cost(s->sched);
     atomic_store(&s->milli_tok_s, f.valid ? (int64_t)(1e3 / f.per_prefill_s) : 0);
     td_metric_set(s->m_token_cost, f.valid ? f.per_prefill_s : 0);
+    atomic_store(&s->spread_ns, f.valid ? (int64_t)(f.spread_s * 1e9) : 0);
     if (n_prefill_tokens > 0)
         return;
     int64_t prev = atomic_load(&s->step_ns), now = (int64_t)(dt * 1e9);

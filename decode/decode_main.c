@@ -661,6 +661,7 @@ static void load_cb(void *data, td_node_load_t *l)
     l->step_ms = (double)atomic_load(&s->step_ns) * 1e-6;
     l->prefill_tok_s = (double)atomic_load(&s->milli_tok_s) * 1e-3;
     l->tpot_objective_s = (double)atomic_load(&s->tpot_us) * 1e-6;
+    l->step_spread_s = (double)atomic_load(&s->spread_ns) * 1e-9;
 }
 
 /* Draining's count of the requests still here: admitted and waiting for their KV (or, for a

@@ -164,7 +164,7 @@ typedef struct decode_state {
        prompt tokens per second of the step-cost fit (1 / per_prefill_s, the local prefill rate,
        x 1000; 0 while it has no fit), tpot_us the tightest TPOT objective of the sequences
        (decode_sched_stats; 0: none) */
-    _Atomic int64_t step_ns, milli_tok_s, tpot_us;
+    _Atomic int64_t step_ns, milli_tok_s, tpot_us, spread_ns; /* spread_ns: the fit's spread_s */
     bool shutting_down;
     bool handles_up;          /* the sweep timer initialised */
     size_t pool_bytes;        /* the KV pool (td_engine_kv_plan) */

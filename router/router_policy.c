@@ -168,6 +168,7 @@ static td_place_fit_t local_estimate(const router_registry_t *reg, const router_
         .prefill_tok_s = td_place_local_rate(dn->load.prefill_tok_s, pn ? pn->load.prefill_tok_s : 0,
                                              cfg->assumed_tok_s),
         .tpot_objective_s = tpot_s,
+        .spread_s = dn->load.step_spread_s,
     };
     return td_place_local_estimate(&l, e_p);
 }

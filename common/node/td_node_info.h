@@ -69,6 +69,8 @@ typedef struct td_node_load {
                                        prefill rate: its step-cost fit's); 0 = unknown */
     double tpot_objective_s;        /* a decode or unified node: the tightest TPOT objective of its
                                        sequences (seconds; 0 = none has one) */
+    double step_spread_s;           /* a decode or unified node: its step-cost fit's spread, kept
+                                       back from the objective when it sizes a chunk (0: none) */
     bool draining;                  /* the node takes no new request (td_node_drain) */
 } td_node_load_t;
 

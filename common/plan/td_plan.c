@@ -385,6 +385,7 @@ static bool route_local(sim_t *s, int32_t id, int32_t d, int32_t p)
         .prefill_tok_s = td_place_local_rate(dn->fit.valid ? 1 / dn->fit.per_prefill_s : 0, pn->tok_s,
                                              TD_PLACE_ASSUMED_TOK_S),
         .tpot_objective_s = s->c->tpot_objective_s,
+        .spread_s = dn->fit.valid ? dn->fit.spread_s : 0,
     };
     td_place_estimate_t e;
     if (td_place_local_estimate(&l, &e) != TD_PLACE_FITS || !td_place_local_wins(e.local_s, remote, s->c->ttft_objective_s))

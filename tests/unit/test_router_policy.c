@@ -733,6 +733,15 @@ Test(router_policy, conditional_tightest_of_the_requests_and_the_nodes_tpot_obje
     cr_assert_eq(router_registry_heartbeat(reg, "d", &l, 0), TD_OK);
     pk = place(reg, &pc, &rq, false, ROUTER_PLACE_TPOT);
     cr_assert_float_eq(pk.tpot_objective_s, 0.5, 1e-12, "the request's own goes with it");
+    /* what the node keeps back from the objective for its steps' spread counts too: 2 ms of the
+       request's 40 ms leave 8 ms, 6 tokens a step at 800/s (10 ms: 8) */
+    l.tpot_objective_s = 0;
+    l.step_spread_s = 0.002;
+    cr_assert_eq(router_registry_heartbeat(reg, "d", &l, 0), TD_OK);
+    rq.tpot_objective_s = 0.04;
+    pk = place(reg, &pc, &rq, true, ROUTER_PLACE_FASTER);
+    cr_assert_eq(pk.local_chunk, 6);
+    l.step_spread_s = 0;
     /* a looser one on the node leaves the request's (35 ms) the tightest */
     l.tpot_objective_s = 0.2;
     cr_assert_eq(router_registry_heartbeat(reg, "d", &l, 0), TD_OK);
