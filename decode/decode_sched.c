@@ -312,10 +312,9 @@ td_status_t decode_sched_create(td_engine_t *eng, const td_tokenizer_t *tok,
                          cfg->max_batch, cfg->max_batch_tokens, cfg->prefill_chunk,
                          cfg->max_waiting, cfg->admit_reserve);
     decode_sched_t *s = calloc(1, sizeof *s);
-    if (s)
-        td_stepcost_init(&s->cost);
     if (!s)
         return td_errorf(TD_ERR_NOMEM, "decode sched: out of memory");
+    td_stepcost_init(&s->cost);
     const td_engine_config_t *ec = td_engine_config(eng);
     s->eng = eng;
     s->kv = td_engine_kv(eng);
