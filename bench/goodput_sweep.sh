@@ -25,6 +25,11 @@
 #     bench/goodput_plot.py can score the same runs against other objectives (its SLO scale)
 #   MAX_CONCURRENCY [unset]  N: at most N requests in flight (bench serve --max-concurrency); with
 #     a rate far above capacity (PREFILL_RATES=100) a closed loop, as aiperf's --concurrency
+#   AIPERF [unset]  a path to NVIDIA aiperf (e.g. a venv's bin/aiperf) and HF_TOKENIZER (a
+#     Hugging Face tokenizer directory of the model; not AIPERF_*: aiperf reads those itself): aiperf profile instead of bench serve, a closed
+#     loop of MAX_CONCURRENCY [8] streamed chat requests, NUM_PROMPTS of them after WARMUP, each of
+#     the mix's input and output lengths exactly (range ratio ignored; ignore_eos), the served
+#     token counts; its artifacts (profile_export_aiperf.json, .csv) under OUT_DIR/aiperf-CONFIG-MIX
 set -euo pipefail
 cd "$(dirname "$0")/.."
 probe=0
@@ -136,6 +141,18 @@ for cfg in $CONFIGS; do
       detailed=()
       [ "${DETAILED:-0}" = 1 ] && detailed=(--save-detailed)
       [ -n "${MAX_CONCURRENCY:-}" ] && detailed+=(--max-concurrency "$MAX_CONCURRENCY")
+      if [ -n "${AIPERF:-}" ]; then
+        model=$(curl -s "$url/models" | python3 -c 'import json, sys; print(json.load(sys.stdin)["data"][0]["id"])')
+        "$AIPERF" profile --model "$model" --url "${url%/v1}" --endpoint-type chat --streaming --ui none \
+          --concurrency "${MAX_CONCURRENCY:-8}" --request-count "$NUM_PROMPTS" --warmup-request-count "$WARMUP" \
+          --synthetic-input-tokens-mean "$il" --synthetic-input-tokens-stddev 0 --output-tokens-mean "$ol" \
+          --output-tokens-stddev 0 --extra-inputs ignore_eos:true --use-server-token-count \
+          --tokenizer "$HF_TOKENIZER" --random-seed "$SEED" --artifact-dir "$out/aiperf-$cfg-$mix" 2>&1 |
+          tail -40 | tee -a "$log"
+        echo "$cfg/$mix: $(( $(date +%s) - t0 )) s; load after: $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$log"
+        stop_cluster
+        continue
+      fi
       "$TANDEM" bench serve "${common[@]}" --num-prompts "$NUM_PROMPTS" --warmup-prompts "$WARMUP" \
         --goodput "$slo" --sweep "$rates" --result-file "$out/$cfg-$mix.json" "${detailed[@]}" 2>&1 |
         sed -n '/^rate /,$p' | tee -a "$log"

@@ -169,6 +169,7 @@ bool cli_gen_validate(const char *cmd, const cli_gen_opts_t *o, bool prompt_is_t
     gp.n_stop_ids = (size_t)o->n_stop_ids;
     gp.n_stop_strings = (size_t)o->n_stops;
     gp.stop_strings = o->stops;
+    gp.tpot_objective_ms = o->tpot_objective_ms;
     if (o->logprobs >= 0)
         gp.logprobs = (td_logprobs_want_t){.on = true, .top = (int32_t)TD_MIN(o->logprobs, (int64_t)INT32_MAX),
                                            .prompt = o->prompt_logprobs};

@@ -70,6 +70,7 @@ typedef struct cli_gen_opts {
     const char *server;        /* HOST:PORT of a router's gateway */
     const char *model_name;    /* GenerateRequest.model; NULL = the server's default */
     const char *request_id;
+    int64_t tpot_objective_ms; /* GenerateRequest.tpot_objective_ms; 0 = the router's */
     float timeout_s;           /* whole call, sent as grpc-timeout */
     float connect_timeout_s;   /* until the server answers a health check */
     const char *local_only;    /* the first local-only flag given, to refuse with --server */

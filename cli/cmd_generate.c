@@ -147,6 +147,11 @@ static void gen_flags_init(gen_flags_t *fl, cli_gen_opts_t *o)
          .help = "the served model to use (default: the server's only model)"},
         {.name = "request-id", .type = TD_OPT_STR, .ptr = &o->request_id, .arg = "ID",
          .help = "the request id the router logs (default: the router assigns one)"},
+        {.name = "tpot-objective-ms", .type = TD_OPT_I64, .ptr = &o->tpot_objective_ms, .min = INT64_MIN,
+         .max = INT64_MAX, .arg = "MS",
+         .help = "the request's TPOT objective (default 0: the router's --tpot-objective-ms): under\n"
+                 "--prefill-policy conditional a decode node prefills a prompt itself only\n"
+                 "in chunks that keep its steps within the tightest objective of its streams"},
         {.name = "timeout", .type = TD_OPT_F32, .ptr = &o->timeout_s, .fmin = 0.001f, .fmax = 86400.0f, .arg = "S",
          .help = fl->timeout_help},
         {.name = "connect-timeout", .type = TD_OPT_F32, .ptr = &o->connect_timeout_s, .fmin = 0.001f,
@@ -192,8 +197,10 @@ static int check_flags(cli_gen_opts_t *o)
                 o->local_only);
         return 2;
     }
-    if (!o->server && (o->model_name || o->request_id || o->timeout_s > 0 || o->connect_timeout_s > 0)) {
-        fprintf(stderr, "tandem generate: --model-name, --request-id, --timeout and --connect-timeout need --server\n");
+    if (!o->server && (o->model_name || o->request_id || o->timeout_s > 0 || o->connect_timeout_s > 0 ||
+                       o->tpot_objective_ms != 0)) {
+        fprintf(stderr, "tandem generate: --model-name, --request-id, --tpot-objective-ms, --timeout and "
+                        "--connect-timeout need --server\n");
         return 2;
     }
     if (!o->model && !o->server) {
@@ -639,6 +646,7 @@ static int gen_remote(cli_gen_opts_t *o)
     req.n_stop_strings = (size_t)o->n_stops;
     req.request_id = o->request_id ? (char *)o->request_id : "";
     req.model = o->model_name ? (char *)o->model_name : "";
+    req.tpot_objective_ms = (uint32_t)o->tpot_objective_ms; /* in range: cli_gen_validate */
     /* structured output: the flag's own kind and text (checked by the compile in
        cli_gen_grammar); the router compiles it again, as for any gateway client */
     Tandem__V1__Grammar gr = TANDEM__V1__GRAMMAR__INIT;

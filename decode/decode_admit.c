@@ -3,6 +3,7 @@
  */
 #include "decode_admit.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -25,6 +26,9 @@ bool decode_admit_check(const Tandem__Control__V1__AdmitRequest *r, const td_mod
         snprintf(why, cap, "admit: max_tokens 0, at least 1");
     else if (r->n_stop_ids > DECODE_MAX_STOP_IDS)
         snprintf(why, cap, "admit: %zu stop_ids, at most %d", r->n_stop_ids, DECODE_MAX_STOP_IDS);
+    else if (!isfinite(r->tpot_objective_s) || r->tpot_objective_s < 0)
+        snprintf(why, cap, "admit: tpot_objective_s %g, a number of seconds >= 0 required (0: none)",
+                 (double)r->tpot_objective_s);
     else if (r->n_replay_ids >= r->max_tokens || r->n_replay_ids >= (size_t)mc->max_seq_len - r->n_prompt_ids)
         snprintf(why, cap, "admit: %zu replay_ids, fewer than max_tokens %u and the model's length %d - "
                  "%zu prompt ids required", r->n_replay_ids, r->max_tokens, mc->max_seq_len, r->n_prompt_ids);
@@ -81,7 +85,7 @@ td_grpc_code_t decode_admit_read(const Tandem__Control__V1__AdmitRequest *r, con
         code = TD_GRPC_RESOURCE_EXHAUSTED;
     }
     a->local = unified || r->local_prefill;
-    a->chunk = a->local ? (int32_t)TD_MIN(r->local_prefill_chunk, (uint32_t)INT32_MAX) : 0;
+    a->tpot_objective_s = r->tpot_objective_s;
     if (code == TD_GRPC_OK && a->local && a->logprobs.prompt) {
         if (unified)
             snprintf(why, cap, "admit: prompt logprobs are not served by a unified node (it computes prompts "

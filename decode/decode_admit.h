@@ -47,8 +47,8 @@ typedef struct decode_admit {
                                     unified node, a decode node's when the router asked
                                     (AdmitRequest.local_prefill). No blocks are leased; the
                                     router's Prefill call hands it to the compute thread */
-    int32_t chunk;               /* local: AdmitRequest.local_prefill_chunk, the most prompt
-                                    tokens a step feeds it (0: the node's prefill-chunk) */
+    double tpot_objective_s;     /* AdmitRequest.tpot_objective_s (0: none): bounds the prompt
+                                    chunks of the node's steps while it runs (decode_sched) */
     char *grammar;               /* AdmitRequest.grammar (GBNF), or NULL: unconstrained */
 } decode_admit_t;
 

@@ -26,22 +26,20 @@ static void spec_metrics(decode_state_t *s, const td_spec_stats_t *now)
     *was = *now;
 }
 
-/* A step's figures into the heartbeat's pace (decode_state_t: step_ns, milli_tok_s), moving
- * means over the last eight or so steps of each kind: the router prices a local prefill with
- * them as pace + chunk / rate (td_place: router_policy, conditional disaggregation). The rate
- * is tokens over the time the chunks *added* to their steps (the step less the decode-only
- * pace when it also decoded; at least a tenth of it), summed, so a step with a few prompt
- * tokens weighs by its time, not as a rate of its own. Counting the decodes' time in it too
- * would price them twice, and shrink the router's chunks, step after step. */
-static void pace_note(decode_state_t *s, double dt, int32_t n_tokens, int32_t n_prefill_tokens)
+/* A step's time into the heartbeat's figures (decode_state_t: step_ns, milli_tok_s, tpot_us):
+ * the step-cost fit gets every step (decode_sched_note_step_time), and its per-token prompt
+ * cost is the local prefill rate the router prices a local prefill with (td_place, conditional
+ * disaggregation); the pace is a moving mean over the last eight or so steps without prompt
+ * chunks (the running streams' pace, which also ranks the node). */
+static void pace_note(decode_state_t *s, double dt, int32_t n_prefill_tokens)
 {
-    if (n_prefill_tokens > 0) {
-        double pace = n_tokens > n_prefill_tokens ? (double)atomic_load(&s->step_ns) * 1e-9 : 0;
-        s->rate_tok = s->rate_tok * 7 / 8 + n_prefill_tokens;
-        s->rate_s = s->rate_s * 7 / 8 + TD_MAX(dt - pace, 0.1 * dt);
-        atomic_store(&s->milli_tok_s, (int64_t)(s->rate_tok / TD_MAX(s->rate_s, 1e-6) * 1e3));
+    decode_sched_note_step_time(s->sched, dt);
+    td_stepcost_fit_t f = decode_sched_step_cost(s->sched);
+    atomic_store(&s->milli_tok_s, f.valid ? (int64_t)(1e3 / f.per_prefill_s) : 0);
+    td_metric_set(s->m_token_cost, f.valid ? f.per_prefill_s : 0);
+    atomic_store(&s->spread_ns, f.valid ? (int64_t)(f.spread_s * 1e9) : 0);
+    if (n_prefill_tokens > 0)
         return;
-    }
     int64_t prev = atomic_load(&s->step_ns), now = (int64_t)(dt * 1e9);
     atomic_store(&s->step_ns, prev ? (prev * 7 + now) / 8 : now);
 }
@@ -86,7 +84,7 @@ static void compute_admit(decode_state_t *s, decode_cmd_t *c, decode_out_t *fail
                           .logprobs = a->logprobs.on, .top_logprobs = a->logprobs.top,
                           .ignore_eos = a->ignore_eos, .replay = a->replay, .n_replay = a->n_replay,
                           .cache_salt = a->cache_salt,
-                          .grammar = a->grammar, .prefill_chunk = a->chunk};
+                          .grammar = a->grammar, .tpot_objective_s = a->tpot_objective_s};
     if (decode_sched_admit(s->sched, &r) != TD_OK) {
         td_warn("decode: lease %llu not admitted: %s", (unsigned long long)c->lease_id, td_last_error());
         for (int32_t i = 0; i < c->n_blocks; i++)
@@ -198,7 +196,7 @@ void decode_compute_main(void *arg)
                 td_metric_inc(s->m_steps);
                 td_metric_observe(s->m_step_s, dt);
                 td_metric_observe(s->m_batch, res.n_seqs);
-                pace_note(s, dt, res.n_tokens, res.n_prefill_tokens);
+                pace_note(s, dt, res.n_prefill_tokens);
             }
         }
         decode_sched_stats_t ss;
@@ -218,6 +216,8 @@ void decode_compute_main(void *arg)
         atomic_store(&s->load_running, ss.running + ss.waiting);
         atomic_store(&s->load_free, ss.free_blocks);
         atomic_store(&s->load_context, ss.context_tokens);
+        atomic_store(&s->tpot_us, (int64_t)(ss.tpot_objective_s * 1e6));
+        td_metric_set(s->m_tpot, ss.tpot_objective_s);
         o->free_blocks = (uint32_t)ss.free_blocks;
         o->step = ss.steps;
         if (!o->n_seqs || !td_node_worker_emit(&s->worker, &o)) {

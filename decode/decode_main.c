@@ -660,6 +660,8 @@ static void load_cb(void *data, td_node_load_t *l)
     l->free_blocks = atomic_load(&s->load_free);
     l->step_ms = (double)atomic_load(&s->step_ns) * 1e-6;
     l->prefill_tok_s = (double)atomic_load(&s->milli_tok_s) * 1e-3;
+    l->tpot_objective_s = (double)atomic_load(&s->tpot_us) * 1e-6;
+    l->step_spread_s = (double)atomic_load(&s->spread_ns) * 1e-9;
 }
 
 /* Draining's count of the requests still here: admitted and waiting for their KV (or, for a
@@ -728,7 +730,8 @@ static td_status_t init_metrics(decode_state_t *s)
     static const char *const suffix[] = {"kv_blocks_used", "kv_blocks_free", "running_sequences", "waiting_sequences",
                                          "tokens_total", "steps_total", "step_seconds", "batch_size", "admits_total",
                                          "admits_refused_total", "releases_total", "prefill_tokens_total",
-                                         "kv_blocks_window_released_total"};
+                                         "kv_blocks_window_released_total", "prefill_token_cost_seconds",
+                                         "tpot_objective_seconds"};
     char name[TD_ARRAY_LEN(suffix)][64];
     for (size_t i = 0; i < TD_ARRAY_LEN(suffix); i++)
         snprintf(name[i], sizeof name[i], "tandem_%s_%s", s->unified ? "unified" : "decode", suffix[i]);
@@ -750,6 +753,10 @@ static td_status_t init_metrics(decode_state_t *s)
                                         "recompute after preemption)", &s->m_prefill_tokens),
         TD_METRIC_DEF_COUNTER(name[12], "KV blocks sequences gave back early: behind every layer's "
                                         "sliding window", &s->m_window_released),
+        TD_METRIC_DEF_GAUGE(name[13], "what a prompt token adds to a step, by the step-cost fit that sizes "
+                                      "prompt chunks under a TPOT objective (0: no fit yet)", &s->m_token_cost),
+        TD_METRIC_DEF_GAUGE(name[14], "the tightest TPOT objective of the running and waiting sequences "
+                                      "(0: none has one)", &s->m_tpot),
     };
     return td_metrics_register_all(s->metrics, defs, TD_ARRAY_LEN(defs));
 }

@@ -7,6 +7,7 @@
  */
 #include "decode_sched.h"
 
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -36,10 +37,7 @@ typedef struct dseq {
     bool logprobs;          /* decode_request_t's */
     int32_t top_logprobs;
     bool ignore_eos;        /* decode_request_t's: EOS ids are not stops */
-    int32_t chunk;          /* the most context tokens a step feeds it (decode_request_t's
-                               prefill_chunk, within cfg.prefill_chunk) */
-    bool chunk_bound;       /* decode_request_t's prefill_chunk was given: it bounds the whole
-                               step's prompt tokens, not only its own */
+    double tpot_s;          /* decode_request_t's tpot_objective_s (0: none) */
     td_spec_adapt_t adapt;  /* speculative decoding: the size of its next draft */
     td_kv_seq_t dkv;        /* with a draft model: its KV of (a prefix of) ctx, in the draft
                                engine's pool; dropped with kv (drop_kv) */
@@ -85,6 +83,11 @@ struct decode_sched {
     uint64_t next_arrival;
     uint64_t preemptions, tokens_generated, steps;
     td_spec_stats_t spec;
+    td_stepcost_t cost;      /* the steps' times against what they carried (decode_sched_note_step_time) */
+    td_stepcost_fit_t fit;   /* its fit after the last note: sizes the chunks under a TPOT objective */
+    int32_t last_seqs, last_prefill; /* the last step's one-row items and prompt tokens, */
+    int64_t last_context;    /* its sequences' context before it, */
+    bool last_ran;           /* and whether an engine step ran (not yet noted) */
 };
 
 const char *decode_finish_name(decode_finish_t f)
@@ -311,6 +314,7 @@ td_status_t decode_sched_create(td_engine_t *eng, const td_tokenizer_t *tok,
     decode_sched_t *s = calloc(1, sizeof *s);
     if (!s)
         return td_errorf(TD_ERR_NOMEM, "decode sched: out of memory");
+    td_stepcost_init(&s->cost);
     const td_engine_config_t *ec = td_engine_config(eng);
     s->eng = eng;
     s->kv = td_engine_kv(eng);
@@ -432,8 +436,7 @@ td_status_t decode_sched_admit(decode_sched_t *s, const decode_request_t *req)
     q->logprobs = req->logprobs;
     q->top_logprobs = req->top_logprobs;
     q->ignore_eos = req->ignore_eos;
-    q->chunk = req->prefill_chunk > 0 ? TD_MIN(req->prefill_chunk, s->cfg.prefill_chunk) : s->cfg.prefill_chunk;
-    q->chunk_bound = req->prefill_chunk > 0;
+    q->tpot_s = req->tpot_objective_s > 0 && isfinite(req->tpot_objective_s) ? req->tpot_objective_s : 0;
     td_spec_adapt_init(&q->adapt, &s->cfg.spec);
     q->ctx = malloc((size_t)q->cap_ctx * sizeof *q->ctx);
     q->stop_ids = malloc((size_t)TD_MAX(req->n_stop_ids, 1) * sizeof *q->stop_ids);
@@ -612,15 +615,42 @@ static int32_t add_drafts(decode_sched_t *s, int32_t n_items, int32_t budget)
     return added;
 }
 
+/* The most prompt tokens a step of n_rows one-row items may carry, all chunks together: the
+ * chunks of a prompt prefilled here stay within the tightest TPOT objective of the running
+ * sequences (the streams beside them, and the prompt's own once it generates), by the step-cost
+ * fit (td_stepcost_chunk), at least one token, so that a prompt admitted here always moves on
+ * even where its node's decodes alone pass the objective; without an objective, unbounded.
+ * Before the fit has seen enough steps with prompt tokens (a fresh node), TD_DECODE_PROBE_CHUNK. */
+static int32_t prefill_cap(const decode_sched_t *s, int32_t n_rows)
+{
+    double objective = 0;
+    int64_t context = 0;
+    for (int32_t i = 0; i < s->n_running; i++) {
+        const dseq_t *q = s->running[i];
+        context += q->kv.n_tokens;
+        if (q->tpot_s > 0 && (objective <= 0 || q->tpot_s < objective))
+            objective = q->tpot_s;
+    }
+    if (objective <= 0)
+        return INT32_MAX;
+    int64_t cap = td_stepcost_chunk(&s->fit, n_rows, context, objective);
+    if (cap < 0) /* no fit yet */
+        return TD_DECODE_PROBE_CHUNK;
+    return (int32_t)TD_MIN(TD_MAX(cap, (int64_t)1), (int64_t)INT32_MAX);
+}
+
 /* Builds the engine batch: one token for each generating sequence, then prompt chunks
- * in arrival order within the token budget; with speculation on (draft) and no prompt
- * chunk, drafts after the one-row items' tokens. A sequence with a chunk bound of its own (the
- * router's, sized so that a step stays within its TPOT objective) bounds the step's prompt
- * tokens in all: two local prompts in one step would otherwise pass the objective together. */
-static int32_t build_batch(decode_sched_t *s, bool draft, int32_t *n_tokens_p, int32_t *n_prefill_p)
+ * in arrival order within the token budget and prefill_cap; with speculation on (draft) and
+ * no prompt chunk, drafts after the one-row items' tokens. *context_p: the context the
+ * items' sequences hold before the step (the step-cost model's C). */
+static int32_t build_batch(decode_sched_t *s, bool draft, int32_t *n_tokens_p, int32_t *n_prefill_p,
+                           int64_t *context_p)
 {
     int32_t k = 0, budget = s->cfg.max_batch_tokens, prefill = 0, cap = INT32_MAX;
-    for (int pass = 0; pass < 2; pass++)
+    int64_t context = 0;
+    for (int pass = 0; pass < 2; pass++) {
+        if (pass == 1)
+            cap = prefill_cap(s, k);
         for (int32_t i = 0; i < s->n_running && budget > 0; i++) {
             dseq_t *q = s->running[i];
             int32_t rest = q->n_ctx - q->kv.n_tokens, rows = rest;
@@ -630,10 +660,8 @@ static int32_t build_batch(decode_sched_t *s, bool draft, int32_t *n_tokens_p, i
                 rows = q->kv.n_tokens < q->n_prompt ? q->n_prompt - q->kv.n_tokens : 1;
             if ((rows == 1) != (pass == 0))
                 continue;
-            int32_t n = TD_MIN(TD_MIN(rows, q->chunk), budget);
+            int32_t n = TD_MIN(TD_MIN(rows, s->cfg.prefill_chunk), budget);
             if (pass == 1) {
-                if (q->chunk_bound)
-                    cap = TD_MIN(cap, q->chunk);
                 n = TD_MIN(n, cap - prefill);
                 if (n <= 0)
                     continue;
@@ -643,13 +671,16 @@ static int32_t build_batch(decode_sched_t *s, bool draft, int32_t *n_tokens_p, i
             s->owners[k++] = q;
             budget -= n;
             prefill += pass == 1 ? n : 0;
+            context += q->kv.n_tokens;
         }
+    }
     for (int32_t j = 0; j < k; j++)
         s->owners[j]->n_draft = 0;
     if (prefill == 0 && draft)
         budget -= add_drafts(s, k, budget);
     *n_tokens_p = s->cfg.max_batch_tokens - budget;
     *n_prefill_p = prefill;
+    *context_p = context;
     return k;
 }
 
@@ -734,7 +765,9 @@ td_status_t decode_sched_step(decode_sched_t *s, int64_t now_ns, decode_step_res
     s->n_events = 0;
     s->arena_len = 0;
     int32_t n_preempted = 0, n_items = 0, n_tokens = 0, n_prefill = 0;
+    int64_t n_context = 0;
     bool stalled = false;
+    s->last_ran = false;
 
     for (int32_t i = 0; i < s->n_pending && st == TD_OK; i++)
         st = event_add(s, s->pending[i].id, -1, -1, s->pending[i].finish, TD_OK);
@@ -764,7 +797,7 @@ td_status_t decode_sched_step(decode_sched_t *s, int64_t now_ns, decode_step_res
 
     bool draft = s->cfg.spec.mode != TD_SPEC_OFF;
     for (;;) {
-        n_items = build_batch(s, draft, &n_tokens, &n_prefill);
+        n_items = build_batch(s, draft, &n_tokens, &n_prefill, &n_context);
         if (n_items == 0)
             break;
         td_status_t es = td_engine_step(s->eng, s->items, n_items, s->logits);
@@ -857,6 +890,12 @@ td_status_t decode_sched_step(decode_sched_t *s, int64_t now_ns, decode_step_res
         s->events[i].text_len = end - s->evb[i].text_off;
     }
     s->steps++;
+    if (n_items) {
+        s->last_ran = true;
+        s->last_seqs = n_tokens - n_prefill;
+        s->last_prefill = n_prefill;
+        s->last_context = n_context;
+    }
     *res = (decode_step_result_t){
         .events = s->events,
         .n_events = s->n_events,
@@ -881,10 +920,13 @@ void decode_sched_stats(const decode_sched_t *s, decode_sched_stats_t *st)
     td_kv_stats_t ks;
     td_kv_get_stats(s->kv, &ks);
     int64_t context = 0; /* bounded by max_batch + max_waiting sequences */
-    for (int32_t i = 0; i < s->n_running; i++)
-        context += s->running[i]->n_ctx - s->running[i]->kv.n_tokens - 1;
-    for (int32_t i = 0; i < s->n_waiting; i++)
-        context += s->waiting[i]->n_ctx - s->waiting[i]->kv.n_tokens - 1;
+    double tpot = 0;
+    for (int32_t i = 0; i < s->n_running + s->n_waiting; i++) {
+        const dseq_t *q = i < s->n_running ? s->running[i] : s->waiting[i - s->n_running];
+        context += q->n_ctx - q->kv.n_tokens - 1;
+        if (q->tpot_s > 0 && (tpot <= 0 || q->tpot_s < tpot))
+            tpot = q->tpot_s;
+    }
     *st = (decode_sched_stats_t){
         .running = s->n_running,
         .waiting = s->n_waiting,
@@ -896,5 +938,20 @@ void decode_sched_stats(const decode_sched_t *s, decode_sched_stats_t *st)
         .steps = s->steps,
         .window_released = ks.window_released,
         .spec = s->spec,
+        .tpot_objective_s = tpot,
     };
+}
+
+void decode_sched_note_step_time(decode_sched_t *s, double seconds)
+{
+    if (!s->last_ran)
+        return;
+    s->last_ran = false;
+    td_stepcost_note(&s->cost, s->last_seqs, s->last_context, s->last_prefill, seconds);
+    s->fit = td_stepcost_fit(&s->cost);
+}
+
+td_stepcost_fit_t decode_sched_step_cost(const decode_sched_t *s)
+{
+    return s->fit;
 }

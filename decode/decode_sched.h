@@ -28,6 +28,17 @@
  * decode tokens up to max_batch_tokens (Sarathi-style chunked prefill), so a long prompt
  * never stalls the running sequences for more than one chunk's worth of a step.
  *
+ * TPOT objectives (conditional disaggregation, docs/scheduling.md): a request may carry one
+ * (decode_request_t.tpot_objective_s). While any running sequence has one, a step's prompt
+ * chunks, all together, are bounded so that the step stays within the tightest of them: the
+ * scheduler fits its own step time against what each step carried (td_stepcost: the decoding
+ * rows, their context, the prompt tokens; the caller times each step and says so with
+ * decode_sched_note_step_time) and feeds the most prompt tokens the fit allows beside the
+ * step's decodes, at least one (a prompt admitted here always moves on); before the fit has
+ * seen enough steps with prompt tokens, TD_DECODE_PROBE_CHUNK (td_sched_defaults.h). The node
+ * decides how much a step carries; the router decides where a prompt is prefilled, from the
+ * same fit, reported in the heartbeat.
+ *
  * A migrated stream (its first decode node was lost; the router moved it) is admitted with
  * the tokens its client already has (decode_request_t.replay): they follow the prompt in
  * the context and are fed one row per step, as they were fed when generated, so their KV
@@ -72,6 +83,7 @@
 #include "td_sampler.h"
 #include "td_spec.h"
 #include "td_status.h"
+#include "td_stepcost.h"
 #include "td_tokenizer.h"
 
 typedef struct decode_sched_config {
@@ -153,9 +165,11 @@ typedef struct decode_request {
        prefill node's first token; each step samples under its mask; an EOS the mask allowed
        ends the request (ignore_eos does not apply). */
     const char *grammar;
-    /* Prefilled here: the most prompt tokens one step feeds it, below cfg.prefill_chunk (the
-       router's bound for its TPOT objective: conditional disaggregation); 0 = prefill_chunk. */
-    int32_t prefill_chunk;
+    /* Its TPOT objective in seconds (0: none; the router's, or the client's: conditional
+       disaggregation). While it runs, every step's prompt chunks together stay within the
+       tightest objective of the running sequences by the step-cost fit (see "TPOT objectives"
+       above). */
+    double tpot_objective_s;
 } decode_request_t;
 
 /* Something that happened to one request in a step. */
@@ -200,6 +214,8 @@ typedef struct decode_sched_stats {
     uint64_t steps;
     uint64_t window_released;  /* KV blocks sequences gave back past their sliding window */
     td_spec_stats_t spec;      /* speculative decoding's counters since creation */
+    double tpot_objective_s;   /* the tightest TPOT objective of the running and waiting
+                                  sequences (0: none has one) */
 } decode_sched_stats_t;
 
 typedef struct decode_sched decode_sched_t;
@@ -244,5 +260,13 @@ td_status_t decode_sched_step(decode_sched_t *sched, int64_t now_ns, decode_step
 bool decode_sched_busy(const decode_sched_t *sched);
 
 void decode_sched_stats(const decode_sched_t *sched, decode_sched_stats_t *st);
+
+/* The last decode_sched_step's engine step took `seconds` (the caller's clock): a sample of the
+ * step-cost fit. Ignored when that step ran no engine step, or was noted already. */
+void decode_sched_note_step_time(decode_sched_t *sched, double seconds);
+
+/* The step-cost fit over the noted steps (valid = false until enough steps carried prompt
+ * tokens): the node's local prefill rate (1 / per_prefill_s) and pace for its heartbeat. */
+td_stepcost_fit_t decode_sched_step_cost(const decode_sched_t *sched);
 
 #endif /* DECODE_SCHED_H */

@@ -129,7 +129,8 @@ typedef struct decode_state {
     td_metrics_t *metrics;
     td_node_xfer_metrics_t xfer_metrics; /* td_xfer's statistics on /metrics */
     td_metric_t *m_used, *m_free, *m_running, *m_waiting, *m_tokens, *m_steps, *m_step_s, *m_batch,
-        *m_admits, *m_refused, *m_releases, *m_prefill_tokens, *m_window_released;
+        *m_admits, *m_refused, *m_releases, *m_prefill_tokens, *m_window_released,
+        *m_token_cost, *m_tpot; /* the step-cost fit's time a prompt token; the tightest objective */
     uint64_t window_released; /* decode_sched_stats' count already added to m_window_released */
     td_metric_t *m_spec_verify, *m_spec_drafted, *m_spec_accepted, *m_spec_acceptance, *m_spec_tokens_per_step;
     td_spec_stats_t spec_seen; /* compute thread: the counters already added to the metrics */
@@ -158,12 +159,12 @@ typedef struct decode_state {
     /* draining's count of work (decode_busy): admissions posted to the compute thread and not
        yet in load_running, step results not yet sent on Steps */
     _Atomic int32_t admits_posted, outs_unsent;
-    /* the heartbeat's pace figures (compute thread, moving means): step_ns of the steps without
-       prompt chunks (the running streams' pace), milli_tok_s the prompt-chunk tokens per second
-       of the time chunks added to their steps (the local prefill rate, x 1000; 0 before the
-       first; decode_compute.c pace_note); rate_tok and rate_s are its decayed sums */
-    _Atomic int64_t step_ns, milli_tok_s;
-    double rate_tok, rate_s;
+    /* the heartbeat's pace figures (compute thread; decode_compute.c pace_note): step_ns a moving
+       mean of the steps without prompt chunks (the running streams' pace), milli_tok_s the
+       prompt tokens per second of the step-cost fit (1 / per_prefill_s, the local prefill rate,
+       x 1000; 0 while it has no fit), tpot_us the tightest TPOT objective of the sequences
+       (decode_sched_stats; 0: none) */
+    _Atomic int64_t step_ns, milli_tok_s, tpot_us, spread_ns; /* spread_ns: the fit's spread_s */
     bool shutting_down;
     bool handles_up;          /* the sweep timer initialised */
     size_t pool_bytes;        /* the KV pool (td_engine_kv_plan) */

@@ -299,6 +299,10 @@ void on_heartbeat(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data)
             l.step_ms = isfinite(step_s) && step_s > 0 ? step_s * 1e3 : 0;
             float tps = q->load->prefill_tokens_per_s;
             l.prefill_tok_s = isfinite(tps) && tps > 0 ? tps : 0; /* a hint: garbage is "unknown" */
+            float tpot = q->load->tpot_objective_s;
+            l.tpot_objective_s = isfinite(tpot) && tpot > 0 ? tpot : 0;
+            float spread = q->load->step_spread_s;
+            l.step_spread_s = isfinite(spread) && spread > 0 ? spread : 0;
             l.draining = q->load->draining;
         }
         const router_node_t *n = router_registry_node_const(s->reg, idx);

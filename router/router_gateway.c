@@ -260,6 +260,7 @@ static td_gen_params_t gen_params_from_proto(const Tandem__V1__GenerateRequest *
     gp.stop_strings = (const char *const *)q->stop_strings;
     gp.sampling = td_node_sampling_from_proto(q->sampling);
     gp.ignore_eos = q->ignore_eos;
+    gp.tpot_objective_ms = q->tpot_objective_ms;
     if (q->logprobs) /* as received: td_gen_params_validate refuses top_logprobs past 20 by name */
         gp.logprobs = (td_logprobs_want_t){.on = true, .top = (int32_t)TD_MIN(q->logprobs->top_logprobs, (uint32_t)INT32_MAX),
                                            .prompt = q->logprobs->prompt};

@@ -206,6 +206,7 @@ struct router_req {
     uint32_t stop_ids[TD_GEN_MAX_STOP_IDS];
     size_t n_stop_ids;
     bool ignore_eos;           /* the model's EOS ids do not end the output (td_gen_params_t's) */
+    double tpot_objective_s;   /* the client's TPOT objective (td_gen_params_t's; 0: the router's) */
     char *grammar;             /* GBNF the output follows (AdmitRequest/PrefillRequest.grammar), or NULL */
     td_stop_t *stop;
     td_detok_t detok;

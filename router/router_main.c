@@ -435,8 +435,8 @@ int router_main(int argc, char **argv)
                       "| conditional (per request, on the decode node itself when that is sooner and keeps its "
                       "streams within tpot-objective-ms; docs/scheduling.md)"),
         TD_OPT_INT("tpot-objective-ms", &cfg->tpot_objective_ms, 1, 600000,
-                   "conditional: the longest decode step a local prefill's prompt chunks may make for the decode "
-                   "node's running streams"),
+                   "conditional: the TPOT objective of a request that gives none (tpot_objective_ms): a decode "
+                   "node keeps each step with prompt chunks of its own within the tightest of its streams'"),
         TD_OPT_INT("ttft-objective-ms", &cfg->ttft_objective_ms, 0, 600000,
                    "conditional: prefill a prompt on its decode node only when the prefill node would pass this "
                    "time to the prompt's KV (0, the default: whenever the decode node is sooner)"),

@@ -929,7 +929,8 @@ td_status_t router_oai_parse(router_oai_kind_t kind, const char *body, size_t le
         !read_sampling(o, &q->gp, err) || !read_logit_bias(o, &q->gp.sampling, err) || !read_n(o, q, err) ||
         !read_stop(o, q, err) || !refuse_unserved(o, kind == ROUTER_OAI_CHAT, err) ||
         !read_logprobs(o, q, err) || !read_constraint(o, q, err) || !get_bool(o, "stream", &q->stream, err) ||
-        !get_string(o, "user", &q->user, err) || !get_bool(o, "ignore_eos", &q->gp.ignore_eos, err))
+        !get_string(o, "user", &q->user, err) || !get_bool(o, "ignore_eos", &q->gp.ignore_eos, err) ||
+        !get_int(o, "tpot_objective_ms", &q->gp.tpot_objective_ms, NULL, err))
         goto err_free;
     if (kind == ROUTER_OAI_COMPLETIONS && !get_bool(o, "echo", &q->echo, err))
         goto err_free;

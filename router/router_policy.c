@@ -168,8 +168,19 @@ static td_place_fit_t local_estimate(const router_registry_t *reg, const router_
         .prefill_tok_s = td_place_local_rate(dn->load.prefill_tok_s, pn ? pn->load.prefill_tok_s : 0,
                                              cfg->assumed_tok_s),
         .tpot_objective_s = tpot_s,
+        .spread_s = dn->load.step_spread_s,
     };
     return td_place_local_estimate(&l, e_p);
+}
+
+/* The TPOT objective a local prefill on decode node d keeps its steps within: the tightest of
+ * the request's (or the policy's) and the one d reports for the sequences it runs. */
+static double tightest_tpot(const router_registry_t *reg, const router_policy_config_t *cfg,
+                            const router_pick_request_t *req, int32_t d)
+{
+    double own = req->tpot_objective_s > 0 ? req->tpot_objective_s : cfg->tpot_objective_s;
+    double node = router_registry_node_const(reg, d)->load.tpot_objective_s;
+    return node > 0 && (own <= 0 || node < own) ? node : own;
 }
 
 /* Remote: the prefill partner's wait and the prompt's KV transfer (rule 5). */
@@ -201,7 +212,8 @@ static bool place_conditional(const router_registry_t *reg, const router_policy_
         no_local = ROUTER_PLACE_PROMPT_LOGPROBS;
     else if (excluded(req, d, d)) /* tried locally already: a retry goes to a partner */
         no_local = ROUTER_PLACE_FASTER;
-    else if ((fit = local_estimate(reg, cfg, req, d, p, hc, cfg->tpot_objective_s, &e)) == TD_PLACE_NO_STEP_ROOM)
+    else if ((fit = local_estimate(reg, cfg, req, d, p, hc, tightest_tpot(reg, cfg, req, d), &e)) ==
+             TD_PLACE_NO_STEP_ROOM)
         no_local = ROUTER_PLACE_STEP_BUDGET;
     else if (fit == TD_PLACE_NO_TPOT_ROOM) {
         no_local = ROUTER_PLACE_TPOT;
@@ -329,6 +341,9 @@ td_status_t router_policy_pick(const router_registry_t *reg, const router_policy
         pk.blocks_needed = (int32_t)router_admit_kv_blocks(req->n_prompt, req->max_tokens, &dn->info);
         pk.prefix_blocks = prefix;
         pk.prefill_wait_s = dn->info.role == TD_NODE_ROLE_UNIFIED ? 0 : wait;
+        pk.tpot_objective_s = req->tpot_objective_s > 0 ? req->tpot_objective_s
+                              : cfg->prefill_policy == ROUTER_PREFILL_CONDITIONAL && dn->info.role == TD_NODE_ROLE_DECODE
+                                  ? cfg->tpot_objective_s : 0;
         *pick_p = pk;
         st = TD_OK;
         goto out;

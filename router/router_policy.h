@@ -36,18 +36,20 @@
  *      local  = the steps it takes the decode node to feed its own queued prompt tokens and
  *               this prompt's uncached ones (prefix hashes it was sent) in chunks of
  *               c = min(those tokens, its step budget max_step_tokens - running,
- *               (tpot_objective_s - step_ms) x rate) a step, each step taking step_ms (its
- *               decode-only pace) + c / its local prefill rate (prefill_tok_s: chunk tokens
- *               over the time they added to their steps). A node that has reported no local
+ *               (objective - step_ms) x rate) a step, each step taking step_ms (its
+ *               decode-only pace) + c / its local prefill rate (prefill_tok_s: 1 / the
+ *               per-token prompt cost of its step-cost fit, td_stepcost); the objective is
+ *               the tightest of the request's (or tpot_objective_s) and the one the node
+ *               reports for its own sequences. A node that has reported no local
  *               rate yet is assumed at half its partner's rate (it computes chunks beside its
  *               decodes, in smaller batches), or half assumed_tok_s without one: slow, so the
  *               first local prefill of a node is one that wins by a margin, and it measures
  *               the rate.
  *    The arithmetic is td_place's (common/base/td_place.h), which tandem plan simulates too.
  *    Local when it is sooner (and, with ttft_objective_s, the remote side would pass that
- *    objective: td_place_local_wins); its chunk c goes with the Admit (AdmitRequest.local_prefill_chunk),
- *    so every step with it stays within the TPOT objective for the streams there and those that
- *    join meanwhile. Otherwise remote. The reasons (router_place_reason_t): faster (either
+ *    objective: td_place_local_wins). The node itself keeps every step with a chunk within the
+ *    tightest objective of its sequences (each Admit carries the request's:
+ *    AdmitRequest.tpot_objective_s; decode_sched sizes the chunks from its fit). Otherwise remote. The reasons (router_place_reason_t): faster (either
  *    side), tpot (the streams' own pace leaves no room within the objective for one prompt
  *    token a step), step_budget (the running batch fills max_step_tokens: no room for a chunk),
  *    prompt_logprobs (only a prefill node computes them), no_prefill (no prefill node pairs:
@@ -120,6 +122,8 @@ typedef struct router_pick_request {
                                      prefill node computes them, never a local prefill */
     int64_t now_ns;
     uint64_t cache_salt;          /* seeds the prompt's block hashes: its tenant's (0: none) */
+    double tpot_objective_s;      /* the request's own TPOT objective (GenerateRequest's); 0: the
+                                     policy's tpot_objective_s */
 } router_pick_request_t;
 
 /* Why a pick's prompt is prefilled where it is (tandem_router_prefill_placement_total's
@@ -153,8 +157,11 @@ typedef struct router_pick {
     router_place_reason_t reason;
     double local_s, remote_s; /* conditional: the two estimates compared (rule 5; < 0: that
                                  side was not possible) */
-    int32_t local_chunk;    /* conditional, local: the most prompt tokens a step of the decode
-                               node feeds it (AdmitRequest.local_prefill_chunk; 0: the node's) */
+    int32_t local_chunk;    /* conditional, local: the prompt tokens a step of the decode node
+                               was estimated to feed it (the node sizes its chunks itself) */
+    double tpot_objective_s; /* what the decode node holds the request to (AdmitRequest's): the
+                               request's own; else, under the conditional policy on a decode
+                               node, the policy's; 0: none */
 } router_pick_t;
 
 /*

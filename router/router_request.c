@@ -76,7 +76,7 @@ static void count_placement(router_req_t *r, const router_pick_t *pk)
         td_metric_inc(m);
     const router_node_t *dn = router_registry_node_const(s->reg, pk->pair.decode);
     td_debug("request %s: %d prompt tokens prefilled %s (%s) for decode node %s; estimates local %.3f s, remote "
-             "%.3f s (-1: not possible), local chunk %d tokens a step", r->id, r->n_prompt, v[0], v[1],
+             "%.3f s (-1: not possible), local chunk estimated %d tokens a step", r->id, r->n_prompt, v[0], v[1],
              dn ? dn->info.id : "?", pk->local_s, pk->remote_s, pk->local ? pk->local_chunk : 0);
 }
 
@@ -542,7 +542,7 @@ static void send_admit(router_req_t *r)
     q.n_replay_ids = r->resumed;
     q.cache_salt = r->cache_salt;
     q.local_prefill = r->pick.pair.prefill == r->pick.pair.decode; /* no transfer: it prefills the prompt */
-    q.local_prefill_chunk = q.local_prefill ? (uint32_t)TD_MAX(r->pick.local_chunk, 0) : 0; /* its TPOT bound */
+    q.tpot_objective_s = (float)r->pick.tpot_objective_s; /* the node bounds its chunks by it */
     q.grammar = r->grammar ? r->grammar : "";
     td_grpc_call_opts_t o = {.response_desc = &tandem__control__v1__admit_response__descriptor,
                              .on_message = on_admit_msg, .on_done = on_admit_done, .data = r,
@@ -651,7 +651,7 @@ static router_start_t req_start(router_req_t *r)
     router_pick_request_t pr = {.model = s->proc.cfg.model_name, .prompt = r->prompt, .n_prompt = r->n_prompt,
                                 .max_tokens = r->max_tokens, .exclude = r->tried, .n_exclude = r->n_tried,
                                 .prompt_logprobs = r->logprobs.prompt, .now_ns = (int64_t)td_now_ns(),
-                                .cache_salt = r->cache_salt};
+                                .cache_salt = r->cache_salt, .tpot_objective_s = r->tpot_objective_s};
     router_pick_t pick;
     td_status_t st = router_policy_pick(s->reg, &s->policy, &pr, &pick);
     if (st != TD_OK) {
@@ -790,6 +790,7 @@ td_status_t router_req_open(router_state_t *s, const router_req_spec_t *spec, td
     r->sampling = gp->sampling;
     r->logprobs = gp->logprobs;
     r->ignore_eos = gp->ignore_eos;
+    r->tpot_objective_s = (double)gp->tpot_objective_ms * 1e-3;
     if (gp->n_stop_ids) /* bounded by the front door's validation (asserted above) */
         memcpy(r->stop_ids, spec->stop_ids, gp->n_stop_ids * sizeof *spec->stop_ids);
     r->n_stop_ids = gp->n_stop_ids;

@@ -22,7 +22,7 @@ td_place_fit_t td_place_local_estimate(const td_place_local_t *l, td_place_estim
         return TD_PLACE_NO_STEP_ROOM;
     double rate = TD_MAX(l->prefill_tok_s, 1e-3);
     if (l->tpot_objective_s > 0) { /* the time a step may add to the streams' pace */
-        double fit = floor((l->tpot_objective_s - l->step_s) * rate);
+        double fit = floor((l->tpot_objective_s - TD_MAX(l->spread_s, 0.0) - l->step_s) * rate);
         if (fit < 1)
             return TD_PLACE_NO_TPOT_ROOM;
         chunk = fit < (double)chunk ? (int64_t)fit : chunk;

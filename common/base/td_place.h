@@ -32,6 +32,8 @@ typedef struct td_place_local {
                                 chunks add to its steps (> 0; td_place_local_rate) */
     double tpot_objective_s; /* > 0: a step with a chunk of this prompt stays within it, for the
                                 streams running there and those that join while it runs */
+    double spread_s;         /* what the node keeps back from the objective when it sizes a chunk
+                                (its step-cost fit's spread, td_stepcost_chunk); 0: none */
 } td_place_local_t;
 
 /* The rate to price a local prefill at: the node's measured one, or, before it has one, half its
@@ -49,7 +51,7 @@ typedef enum td_place_fit {
 
 typedef struct td_place_estimate {
     int64_t chunk;  /* prompt tokens a step feeds: min(W, max_step_tokens - running,
-                       (tpot_objective_s - step_s) * rate), W = queued + new tokens */
+                       (tpot_objective_s - spread_s - step_s) * rate), W = queued + new tokens */
     double step_s;  /* each of those steps: step_s + chunk / rate (within the objective) */
     double local_s; /* when the node holds the KV: ceil(W / chunk) steps */
 } td_place_estimate_t;

@@ -12,5 +12,9 @@
 #define TD_DECODE_MAX_BATCH 64           /* running sequences of a decode or unified node */
 #define TD_DECODE_MAX_BATCH_TOKENS 512   /* tokens one decode or unified step feeds */
 #define TD_DECODE_PREFILL_CHUNK 256      /* prompt tokens one sequence feeds in a unified step */
+#define TD_DECODE_PROBE_CHUNK 16         /* prompt tokens a step under a TPOT objective feeds
+                                            while the node's step-cost fit has too few steps with
+                                            prompt tokens (one KV block of the default size): the
+                                            probe that starts the fit */
 
 #endif /* TD_SCHED_DEFAULTS_H */

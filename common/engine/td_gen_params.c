@@ -39,6 +39,10 @@ td_gen_field_t td_gen_params_check(const td_gen_params_t *p, char *why, size_t w
         f = TD_GEN_FIELD_MAX_TOKENS;
         snprintf(msg, sizeof msg, "max_tokens %lld is out of range [0, %d]", (long long)p->max_tokens,
                  TD_GEN_MAX_TOKENS);
+    } else if (p->tpot_objective_ms < 0 || p->tpot_objective_ms > TD_GEN_MAX_TPOT_MS) {
+        f = TD_GEN_FIELD_TPOT_OBJECTIVE;
+        snprintf(msg, sizeof msg, "tpot_objective_ms %lld is out of range [0, %d] (0: the router's objective)",
+                 (long long)p->tpot_objective_ms, TD_GEN_MAX_TPOT_MS);
     } else if (p->prompt_len > TD_GEN_MAX_PROMPT) {
         f = TD_GEN_FIELD_PROMPT;
         snprintf(msg, sizeof msg, "prompt is %zu %s long, at most %u allowed", p->prompt_len,

@@ -23,6 +23,7 @@
 
 #define TD_GEN_MAX_TOKENS INT32_MAX    /* max_tokens at most */
 #define TD_GEN_MAX_STOP_IDS 32         /* stop ids per request */
+#define TD_GEN_MAX_TPOT_MS 3600000     /* tpot_objective_ms at most (an hour) */
 #define TD_GEN_MAX_PROMPT (4u << 20)   /* prompt bytes (text) or ids: the gateway's 4 MiB message */
 /* What each message of a conversation adds to its prompt length beyond its role and content
  * (the chat template's markup around it, at least): 2M empty messages were 0 bytes, slipped
@@ -48,6 +49,8 @@ typedef struct td_gen_params {
     bool ignore_eos;                 /* the model's EOS ids do not end the output (stop ids and
                                         stop strings still do): fixed output lengths, as vLLM's
                                         ignore_eos; false by default */
+    int64_t tpot_objective_ms;       /* the request's TPOT objective, [0, TD_GEN_MAX_TPOT_MS];
+                                        0 (the default): the router's --tpot-objective-ms */
 } td_gen_params_t;
 
 /* max_tokens 0, td_sampling_default(), an empty prompt, no stop ids or strings, no
@@ -68,7 +71,8 @@ td_gen_params_t td_gen_params_default(void);
     X(STOP_STRINGS, "stop_strings", "--stop", "stop", "stop")                                      \
     X(TOP_LOGPROBS, "top_logprobs", "--logprobs", "logprobs", "top_logprobs")                      \
     X(PROMPT_LOGPROBS, "prompt_logprobs", "--prompt-logprobs", "logprobs", "top_logprobs")        \
-    X(LOGIT_BIAS, "logit_bias", "--logit-bias", "logit_bias", "logit_bias")
+    X(LOGIT_BIAS, "logit_bias", "--logit-bias", "logit_bias", "logit_bias")                       \
+    X(TPOT_OBJECTIVE, "tpot_objective_ms", "--tpot-objective-ms", "tpot_objective_ms", "tpot_objective_ms")
 
 typedef enum td_gen_field {
     TD_GEN_FIELD_NONE = 0, /* every field in range */

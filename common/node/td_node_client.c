@@ -203,6 +203,8 @@ static void send_heartbeat(td_node_client_t *c)
     load.recent_step_s = &step_s;
     load.n_recent_step_s = 1;
     load.prefill_tokens_per_s = (float)l.prefill_tok_s;
+    load.tpot_objective_s = (float)l.tpot_objective_s;
+    load.step_spread_s = (float)l.step_spread_s;
     load.draining = c->draining;
     c->hb_draining = c->draining;
     Tandem__Control__V1__HeartbeatRequest req = TANDEM__CONTROL__V1__HEARTBEAT_REQUEST__INIT;

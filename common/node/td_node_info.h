@@ -66,7 +66,11 @@ typedef struct td_node_load {
                                        steps without prompt chunks, its streams' pace) */
     double prefill_tok_s;           /* recent prompt tokens per second of step time (a decode or
                                        unified node: of its steps with prompt chunks, its local
-                                       prefill rate); 0 = unknown */
+                                       prefill rate: its step-cost fit's); 0 = unknown */
+    double tpot_objective_s;        /* a decode or unified node: the tightest TPOT objective of its
+                                       sequences (seconds; 0 = none has one) */
+    double step_spread_s;           /* a decode or unified node: its step-cost fit's spread, kept
+                                       back from the objective when it sizes a chunk (0: none) */
     bool draining;                  /* the node takes no new request (td_node_drain) */
 } td_node_load_t;
 

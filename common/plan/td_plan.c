@@ -12,10 +12,12 @@
 #include <string.h>
 
 #include "td_log.h"
+#include "td_lsq.h"
 #include "td_place.h"
 #include "td_rng.h"
 #include "td_sched_defaults.h"
 #include "td_stats.h"
+#include "td_stepcost.h"
 #include "td_util.h"
 
 double td_plan_prefill_step_s(const td_plan_profile_t *p, int64_t tokens, double attn)
@@ -119,7 +121,8 @@ typedef struct sreq {
     int32_t prefilled;  /* prompt tokens computed */
     int32_t generated;  /* output tokens produced (the first by the prefill) */
     int32_t node;       /* prefill or unified node; -1: prefilled on its decode node */
-    int32_t chunk;      /* prefilled on its decode node: the most prompt tokens a step feeds (0: unified_chunk) */
+    double tpot_s;      /* the TPOT objective its decode node holds it to (a conditional cluster's
+                           decode node: the router's; 0: none) */
     int32_t dnode;      /* decode node */
     double t_first, t_done;
 } sreq_t;
@@ -148,7 +151,10 @@ typedef struct node {
        keep them: prefill_main.c, decode_compute.c pace_note): what the router prices with */
     double tok_s;          /* prefill: prompt tokens per second of its steps */
     double pace_s;         /* decode, unified: a step without prompt tokens */
-    double rate_tok, rate_s; /* decode, unified: prompt tokens and time of the steps with them, decayed */
+    td_stepcost_t cost;    /* decode, unified: its steps' times against what they carried, */
+    td_stepcost_fit_t fit; /* and their fit, as decode_sched keeps them: the local prefill rate it
+                              reports and the chunks a TPOT objective allows */
+    int64_t step_ctx;      /* the step under way: the context its sequences held (the fit's C) */
 } node_t;
 
 typedef struct sim {
@@ -376,14 +382,14 @@ static bool route_local(sim_t *s, int32_t id, int32_t d, int32_t p)
         .max_step_tokens = s->c->unified_max_batch_tokens,
         .running = dn->n_run + (int32_t)fifo_len(&dn->q),
         .step_s = dn->pace_s,
-        .prefill_tok_s = td_place_local_rate(dn->rate_s > 0 ? dn->rate_tok / dn->rate_s : 0, pn->tok_s,
+        .prefill_tok_s = td_place_local_rate(dn->fit.valid ? 1 / dn->fit.per_prefill_s : 0, pn->tok_s,
                                              TD_PLACE_ASSUMED_TOK_S),
         .tpot_objective_s = s->c->tpot_objective_s,
+        .spread_s = dn->fit.valid ? dn->fit.spread_s : 0,
     };
     td_place_estimate_t e;
     if (td_place_local_estimate(&l, &e) != TD_PLACE_FITS || !td_place_local_wins(e.local_s, remote, s->c->ttft_objective_s))
         return false;
-    r->chunk = (int32_t)TD_MIN(e.chunk, (int64_t)INT32_MAX);
     return true;
 }
 
@@ -412,6 +418,7 @@ static bool route(sim_t *s, int32_t id, double now, td_status_t *st_p)
         if (s->pn[k].queued_tokens < s->pn[p].queued_tokens)
             p = k;
     r->dnode = d;
+    r->tpot_s = s->c->conditional ? s->c->tpot_objective_s : 0; /* its Admit's (router_policy) */
     s->dn[d].assigned++;
     s->dn[d].kv_tokens += need;
     if (s->c->conditional && route_local(s, id, d, p)) {
@@ -466,15 +473,26 @@ static td_status_t mixed_start(sim_t *s, node_t *nd, int32_t kind, int32_t i, do
         ctx += r->input + r->generated;
     }
     budget -= n_dec;
-    int64_t cap = INT64_MAX; /* a request's own chunk bounds the step's prompt tokens (decode_sched) */
+    /* the step's prompt tokens in all within the tightest TPOT objective of its sequences, by the
+       node's step-cost fit, at least 1; TD_DECODE_PROBE_CHUNK without a fit (decode_sched's
+       prefill_cap) */
+    double objective = 0;
+    int64_t held = 0;
+    for (int32_t k = 0; k < nd->n_run; k++) {
+        const sreq_t *r = &s->r[nd->run[k]];
+        held += r->prefilled < r->input ? r->prefilled : r->input + r->generated;
+        if (r->tpot_s > 0 && (objective <= 0 || r->tpot_s < objective))
+            objective = r->tpot_s;
+    }
+    int64_t cap = objective > 0 ? td_stepcost_chunk(&nd->fit, (int32_t)n_dec, held, objective) : INT64_MAX;
+    if (objective > 0)
+        cap = cap < 0 ? TD_DECODE_PROBE_CHUNK : TD_MAX(cap, 1);
     for (int32_t k = 0; k < nd->n_run && budget > 0; k++) {
         sreq_t *r = &s->r[nd->run[k]];
         if (r->prefilled >= r->input)
             continue;
-        int64_t chunk = r->chunk > 0 ? TD_MIN(r->chunk, s->c->unified_chunk) : s->c->unified_chunk;
-        if (r->chunk > 0)
-            cap = TD_MIN(cap, chunk);
-        int64_t take = TD_MIN(TD_MIN(TD_MIN((int64_t)(r->input - r->prefilled), chunk), budget), cap - n_pre);
+        int64_t take = TD_MIN(TD_MIN(TD_MIN((int64_t)(r->input - r->prefilled), (int64_t)s->c->unified_chunk), budget),
+                              cap - n_pre);
         if (take > 0)
             step_take_prompt(s, nd, nd->run[k], (int32_t)take, &budget, &n_pre, &attn);
     }
@@ -484,26 +502,28 @@ static td_status_t mixed_start(sim_t *s, node_t *nd, int32_t kind, int32_t i, do
                       : td_plan_decode_step_s(s->p, n_dec, ctx);
     nd->step_prompt = n_pre;
     nd->step_decodes = n_dec;
+    nd->step_ctx = held;
     return step_run(s, nd, dt, now, kind, i);
 }
 
-/* The node's pace, as decode_compute.c's pace_note keeps it (the local rate over the time the
- * chunks added to their steps). */
-static void mixed_pace(node_t *nd)
+/* The node's figures, as decode_compute.c's pace_note keeps them: every step into the step-cost
+ * fit (read only by a conditional cluster's router and decode nodes: not kept otherwise, it costs
+ * a fit a step), the steps without prompt tokens into the pace. */
+static void mixed_pace(const sim_t *s, node_t *nd)
 {
-    if (nd->step_prompt > 0) {
-        double pace = nd->step_decodes > 0 ? nd->pace_s : 0;
-        nd->rate_tok = nd->rate_tok * 7 / 8 + (double)nd->step_prompt;
-        nd->rate_s = nd->rate_s * 7 / 8 + TD_MAX(nd->step_dt - pace, 0.1 * nd->step_dt);
-    } else {
-        nd->pace_s = nd->pace_s > 0 ? (nd->pace_s * 7 + nd->step_dt) / 8 : nd->step_dt;
+    if (s->c->conditional) {
+        td_stepcost_note(&nd->cost, (int32_t)nd->step_decodes, nd->step_ctx, (int32_t)nd->step_prompt,
+                         nd->step_dt);
+        nd->fit = td_stepcost_fit(&nd->cost);
     }
+    if (nd->step_prompt == 0)
+        nd->pace_s = nd->pace_s > 0 ? (nd->pace_s * 7 + nd->step_dt) / 8 : nd->step_dt;
 }
 
 static td_status_t mixed_done(sim_t *s, node_t *nd, int32_t kind, int32_t i, double now)
 {
     nd->busy = false;
-    mixed_pace(nd);
+    mixed_pace(s, nd);
     bool freed = false;
     for (int32_t k = 0; k < nd->n_step; k++) {
         sreq_t *r = &s->r[nd->step[k]];
@@ -783,35 +803,8 @@ td_status_t td_plan_fit(const double *x, const double *y, size_t n, int k, doubl
 {
     if (k < 1 || k > 4 || n < (size_t)k)
         return td_errorf(TD_ERR_INVALID, "plan: a fit of %d coefficients needs at least that many points (%zu)", k, n);
-    double a[4][5] = {{0}};
-    for (size_t r = 0; r < n; r++)
-        for (int i = 0; i < k; i++) {
-            for (int j = 0; j < k; j++)
-                a[i][j] += x[r * k + i] * x[r * k + j];
-            a[i][k] += x[r * k + i] * y[r];
-        }
-    for (int i = 0; i < k; i++) { /* Gauss-Jordan with partial pivoting on the normal equations */
-        int piv = i;
-        for (int j = i + 1; j < k; j++)
-            if (fabs(a[j][i]) > fabs(a[piv][i]))
-                piv = j;
-        if (fabs(a[piv][i]) < 1e-300)
-            return td_errorf(TD_ERR_INVALID, "plan: the fit's points do not determine %d coefficients", k);
-        for (int j = 0; j <= k; j++) {
-            double t = a[i][j];
-            a[i][j] = a[piv][j];
-            a[piv][j] = t;
-        }
-        for (int r = 0; r < k; r++) {
-            if (r == i)
-                continue;
-            double f = a[r][i] / a[i][i];
-            for (int j = i; j <= k; j++)
-                a[r][j] -= f * a[i][j];
-        }
-    }
-    for (int i = 0; i < k; i++)
-        coef[i] = a[i][k] / a[i][i];
+    if (!td_lsq_fit(x, y, n, k, coef))
+        return td_errorf(TD_ERR_INVALID, "plan: the fit's points do not determine %d coefficients", k);
     return TD_OK;
 }
 

@@ -8,6 +8,8 @@
 #   2. While p0 computes a 1500-token prompt (with prompt logprobs: only a prefill node
 #      computes them, so it goes there whatever the policy), short prompts arriving
 #      behind it are prefilled on d0 itself, in chunks beside the running stream.
+#      One more short prompt with a TPOT objective of its own (1 ms, tighter than d0's steps)
+#      goes to p0 instead, reason tpot.
 #   3. A second decode node d1 joins and p0 drains away: with no prefill node, a stream is
 #      prefilled on its decode node, which is SIGKILLed after 30 tokens: the stream moves,
 #      prefilled again on the other, and ends with exactly the ids and logprobs of an
@@ -100,11 +102,21 @@ for k in 1 2 3 4; do
     gen short$k 8 "$(ids $((3 + k)) $((20 + k)))"
     pids+=("$GEN_PID")
 done
+# then a request with a TPOT objective of its own (GenerateRequest.tpot_objective_ms) tighter
+# than d0's steps: no chunk fits beside its streams, so it waits for p0 (reason tpot) whatever
+# the router's objective
+"$CL_PY" "$CL_TOOL" waitmetric "${CL_MURL[router]}" tandem_router_prefill_placement_total ">=" $((r0 + l0 + 5)) 30 \
+    >/dev/null || cl_fail "the 4 short prompts were not placed"
+tight0=$(cl_metric router tandem_router_prefill_placement_total "where=remote,reason=tpot" 2>/dev/null) || tight0=0
+gen tight 8 "$(ids 5 40)" --tpot-objective-ms 1
+TIGHT_PID=$GEN_PID
 for k in 1 2 3 4; do
     wait "${pids[$((k - 1))]}" || cl_fail "short$k: $(tail -1 "$CL_T/short$k.gerr")"
     check short$k 8
 done
 l1=$(placed local) r1=$(placed remote)
+tight1=$(cl_metric router tandem_router_prefill_placement_total "where=remote,reason=tpot" 2>/dev/null) || tight1=0
+r1=$((r1 - ${tight1%.*} + ${tight0%.*})) # the tight one, if p0 took it already
 echo "the $BUSY-token prompt and 4 short ones: local $((l1 - l0)), remote $((r1 - r0))"
 [ $((l1 - l0)) = 4 ] && [ $((r1 - r0)) = 1 ] || {
     cl_fail "want the 4 short prompts prefilled on d0 and the $BUSY-token one on p0; the router's picks:"
@@ -116,6 +128,13 @@ p=$(cl_metric d0 tandem_decode_prefill_tokens_total | cut -d. -f1)
 [ "$p" -ge 4 ] || cl_fail "d0 counts $p prompt tokens prefilled itself"
 wait $BUSY_PID || cl_fail "busy: $(tail -1 "$CL_T/busy.gerr")"
 check busy 2
+wait $TIGHT_PID || cl_fail "tight: $(tail -1 "$CL_T/tight.gerr")"
+check tight 8
+tight1=$(cl_metric router tandem_router_prefill_placement_total "where=remote,reason=tpot" 2>/dev/null) || tight1=0
+[ $((${tight1%.*} - ${tight0%.*})) = 1 ] || {
+    cl_fail "the short prompt with a 1 ms TPOT objective was not sent to p0 for its objective; the router's picks:"
+    grep 'prompt tokens prefilled' "$CL_T/router.err" | tail -3
+}
 # heartbeats do not wait for compute: p0 kept its place through the prompt's one long step
 busy_ms=$(sed -n 's/.*| prefill \([0-9]*\)\.[0-9]* ms on a prefill node.*/\1/p' "$CL_T/busy.gerr")
 echo "the $BUSY-token prompt: one step of ${busy_ms:-?} ms on p0 (heartbeat bound $HB_TIMEOUT ms)"

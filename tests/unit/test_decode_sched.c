@@ -35,6 +35,7 @@
 #include "td_model.h"
 #include "td_test_models.h"
 #include "td_sampler.h"
+#include "td_sched_defaults.h"
 #include "td_util.h"
 #include "td_xfer.h"
 #include "td_xfer_testkit.h"
@@ -1104,12 +1105,22 @@ Test(decode_sched, shared_pool_leases_and_engine_on_two_threads, .timeout = 240)
 
 /* ---- the unified role: chunked prefill inside decode steps ------------------------------ */
 
+/* The step times the tests below report to the scheduler: 3 ms a step, 0.5 ms a prompt token. */
+/* prompt_chunks_share_steps without an objective: fitted is not used */
+#define CHUNK_ANY 0
+
+static double law_s(int32_t prefill_tokens)
+{
+    return 0.003 + 0.0005 * prefill_tokens;
+}
+
 /* A running decode and a long prompt arriving: every step until the prompt is in carries
  * the decode's token (no stall), feeds at most max_batch_tokens, and spends the rest of the
- * budget on the prompt in chunks of at most prefill_chunk, or of the request's own
- * prefill_chunk below it (req_chunk: the router's TPOT bound, conditional disaggregation);
- * both outputs equal their runs alone. */
-static void prompt_chunks_share_steps(int32_t req_chunk)
+ * budget on the prompt in chunks of at most prefill_chunk; with a TPOT objective on either
+ * request (tpot0, tpot1; 0: none), the chunks the tightest one allows by the step-cost fit of
+ * the steps' times (law_s): TD_DECODE_PROBE_CHUNK until the fit has seen enough steps with prompt
+ * tokens, then `fitted` (conditional disaggregation). Both outputs equal their runs alone. */
+static void prompt_chunks_share_steps(double tpot0, double tpot1, int fitted)
 {
     td_test_engine_t fx;
     td_test_engine_open_cpu(&fx, 1, 256, false);
@@ -1129,14 +1140,19 @@ static void prompt_chunks_share_steps(int32_t req_chunk)
     static outcome_t oc[MAXN];
     memset(oc, 0, sizeof oc);
     decode_request_t r0 = greedy_request(0, p0, 8, 60), r1 = greedy_request(1, p1, NP, 10);
-    r1.prefill_chunk = req_chunk;
-    const int chunk = req_chunk > 0 && req_chunk < CHUNK ? req_chunk : CHUNK;
+    r0.tpot_objective_s = tpot0;
+    r1.tpot_objective_s = tpot1;
+    bool bound = tpot0 > 0 || tpot1 > 0;
     cr_assert_eq(decode_sched_admit(ds, &r0), TD_OK);
     decode_step_result_t r;
+    int prefill_samples = 0; /* steps with prompt tokens the fit has seen */
     for (int i = 0; i < 3; i++) { /* request 0 prefilled and decoding */
         cr_assert_eq(decode_sched_step(ds, 0, &r), TD_OK);
+        decode_sched_note_step_time(ds, law_s(r.n_prefill_tokens));
+        prefill_samples += r.n_prefill_tokens > 0;
         collect(&r, oc);
     }
+    cr_assert(!decode_sched_step_cost(ds).valid, "a fit from %d step with prompt tokens", prefill_samples);
     decode_sched_stats_t st;
     decode_sched_stats(ds, &st);
     cr_assert_eq(st.context_tokens, 0, "a generating sequence has no context left to feed");
@@ -1147,6 +1163,9 @@ static void prompt_chunks_share_steps(int32_t req_chunk)
     while (oc[1].n == 0 && oc[1].finish_events == 0) {
         int before = oc[0].n;
         cr_assert_eq(decode_sched_step(ds, 0, &r), TD_OK);
+        decode_sched_note_step_time(ds, law_s(r.n_prefill_tokens));
+        int chunk = !bound ? CHUNK : prefill_samples < TD_STEPCOST_MIN_PREFILL ? TD_DECODE_PROBE_CHUNK : fitted;
+        prefill_samples += r.n_prefill_tokens > 0;
         collect(&r, oc);
         decode_sched_stats(ds, &st);
         cr_assert_eq(st.context_tokens, TD_MAX(NP - 1 - prompt_fed - r.n_prefill_tokens, 0),
@@ -1154,12 +1173,14 @@ static void prompt_chunks_share_steps(int32_t req_chunk)
         cr_assert_eq(oc[0].n, before + 1, "the decode stalled behind the prompt (step %d)", prefill_steps);
         cr_assert_leq(r.n_tokens, BUDGET);
         cr_assert_eq(r.n_prefill_tokens, r.n_tokens - 1, "one decode token, the rest prompt");
-        cr_assert_leq(r.n_prefill_tokens, chunk);
+        cr_assert_eq(r.n_prefill_tokens, TD_MIN(chunk, NP - prompt_fed), "step %d: chunks of %d", prefill_steps,
+                     chunk);
         prompt_fed += r.n_prefill_tokens;
         prefill_steps++;
     }
     cr_assert_eq(prompt_fed, NP, "the prompt's tokens were fed once each (no prefix cache)");
-    cr_assert_eq(prefill_steps, (NP + chunk - 1) / chunk, "chunks of %d", chunk);
+    td_stepcost_fit_t f = decode_sched_step_cost(ds);
+    cr_assert(f.valid && fabs(f.per_prefill_s - 0.0005) < 1e-9, "the fit found the law's 0.5 ms a prompt token");
     run_to_end(ds, oc);
     cr_assert_eq(oc[0].n, n0);
     cr_assert_eq(oc[1].n, n1);
@@ -1174,16 +1195,54 @@ static void prompt_chunks_share_steps(int32_t req_chunk)
 Test(decode_sched, unified_prompt_chunks_share_steps_with_decodes, .timeout = 120)
 {
     td_test_skip_without_stories();
-    prompt_chunks_share_steps(0);
+    prompt_chunks_share_steps(0, 0, CHUNK_ANY);
 }
 
-/* The router's chunk for a local prefill: smaller steps, the same tokens; a larger one is capped
- * at the node's prefill_chunk. */
-Test(decode_sched, a_request_chunk_bounds_its_prompt_steps, .timeout = 120)
+/* A TPOT objective bounds a step's prompt chunks by the step-cost fit: 13.1 ms leaves 20 tokens
+ * beside the 3 ms step (law_s), whether the objective is the prompt's own or the running
+ * stream's; the tighter of two wins; one past the node's prefill_chunk is capped by it. */
+Test(decode_sched, a_tpot_objective_bounds_the_prompt_chunks_by_the_fit, .timeout = 120)
 {
     td_test_skip_without_stories();
-    prompt_chunks_share_steps(7);
-    prompt_chunks_share_steps(1000);
+    prompt_chunks_share_steps(0, 0.0131, 20);
+    prompt_chunks_share_steps(0.0131, 0, 20);
+    prompt_chunks_share_steps(0.0131, 0.0121, 18);
+    prompt_chunks_share_steps(0, 1.0, 24);
+}
+
+/* An objective the decodes alone pass (2 ms against a 3 ms step) still moves a prompt on: one
+ * token a step once the fit says so (TD_DECODE_PROBE_CHUNK before), beside the running stream. */
+Test(decode_sched, an_objective_the_decodes_pass_still_moves_the_prompt_a_token_a_step, .timeout = 120)
+{
+    td_test_skip_without_stories();
+    td_test_engine_t fx;
+    td_test_engine_open_cpu(&fx, 1, 256, false);
+    static int32_t p0[8], p1[100];
+    unsigned seed = 21;
+    random_prompt(&seed, p0, 8);
+    random_prompt(&seed, p1, 100);
+    decode_sched_t *ds = sched_default(fx.eng);
+    decode_request_t r0 = greedy_request(0, p0, 8, 60), r1 = greedy_request(1, p1, 100, 4);
+    r1.tpot_objective_s = 0.002;
+    static outcome_t oc[MAXN];
+    memset(oc, 0, sizeof oc);
+    cr_assert_eq(decode_sched_admit(ds, &r0), TD_OK);
+    decode_step_result_t r;
+    cr_assert_eq(decode_sched_step(ds, 0, &r), TD_OK); /* r0's prompt: one step with prompt tokens */
+    decode_sched_note_step_time(ds, law_s(r.n_prefill_tokens));
+    collect(&r, oc);
+    cr_assert_eq(decode_sched_admit(ds, &r1), TD_OK);
+    for (int i = 0; i < 10; i++) {
+        cr_assert_eq(decode_sched_step(ds, 0, &r), TD_OK);
+        decode_sched_note_step_time(ds, law_s(r.n_prefill_tokens));
+        collect(&r, oc);
+        int want = 1 + i < TD_STEPCOST_MIN_PREFILL ? TD_DECODE_PROBE_CHUNK : 1;
+        cr_assert_eq(r.n_prefill_tokens, want, "step %d: %d prompt tokens, want %d", i, r.n_prefill_tokens, want);
+        cr_assert_eq(r.n_tokens, want + 1, "and the stream's token");
+    }
+    run_to_end(ds, oc);
+    sched_end(&fx, ds);
+    td_test_engine_close(&fx);
 }
 
 /* ignore_eos: a request that ends at EOS alone runs on to max_tokens, the tokens before

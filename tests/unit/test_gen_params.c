@@ -124,6 +124,8 @@ Test(gen_params, every_range_boundary_is_accepted)
     OK_WITH(p.sampling.seed = 0);
     OK_WITH(p.n_stop_ids = 0);
     OK_WITH(p.n_stop_ids = TD_GEN_MAX_STOP_IDS);
+    OK_WITH(p.tpot_objective_ms = 0);
+    OK_WITH(p.tpot_objective_ms = TD_GEN_MAX_TPOT_MS);
     OK_WITH((p.n_stop_strings = 0, p.stop_strings = NULL));
     /* every slot holds a string of the longest length allowed; "" is allowed (ignored) */
     static char longest[TD_STOP_MAX_LEN + 1];
@@ -199,6 +201,9 @@ Test(gen_params, each_fault_is_refused_by_name_value_and_range)
             "prompt_logprobs asked for a prompt of 4097 ids, at most 4096 allowed");
 
     REFUSED(p.n_stop_ids = TD_GEN_MAX_STOP_IDS + 1, "stop_ids has 33 ids, at most 32 allowed");
+    REFUSED(p.tpot_objective_ms = -1, "tpot_objective_ms -1 is out of range [0, 3600000] (0: the router's objective)");
+    REFUSED(p.tpot_objective_ms = TD_GEN_MAX_TPOT_MS + 1,
+            "tpot_objective_ms 3600001 is out of range [0, 3600000] (0: the router's objective)");
     /* a count past the bound is refused before any string is read (the CLI keeps only 16) */
     REFUSED((p.n_stop_strings = TD_STOP_MAX_STRINGS + 1, p.stop_strings = NULL), "stop_strings has 17 strings, at most 16 allowed");
     REFUSED((p.n_stop_strings = 1, p.stop_strings = stops300), "stop string 0 is 300 bytes long, at most 256 allowed");

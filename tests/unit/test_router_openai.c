@@ -87,6 +87,32 @@ Test(router_openai, ignore_eos_both_endpoints)
     router_oai_req_free(&q);
 }
 
+/* tandem's extension: the request's TPOT objective (conditional disaggregation), both endpoints;
+ * a wrong type is named, a value out of range is the one check's (td_gen_params) */
+Test(router_openai, tpot_objective_ms_both_endpoints)
+{
+    cr_assert_eq(parse(ROUTER_OAI_COMPLETIONS, "{\"prompt\":\"x\"}"), TD_OK, "%s", err.message);
+    cr_assert_eq(q.gp.tpot_objective_ms, 0, "the router's unless given");
+    router_oai_req_free(&q);
+    cr_assert_eq(parse(ROUTER_OAI_COMPLETIONS, "{\"prompt\":\"x\",\"tpot_objective_ms\":25}"), TD_OK, "%s",
+                 err.message);
+    cr_assert_eq(q.gp.tpot_objective_ms, 25);
+    router_oai_req_free(&q);
+    cr_assert_eq(parse(ROUTER_OAI_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],"
+                                        "\"tpot_objective_ms\":40}"),
+                 TD_OK, "%s", err.message);
+    cr_assert_eq(q.gp.tpot_objective_ms, 40);
+    router_oai_req_free(&q);
+    cr_assert_neq(parse(ROUTER_OAI_COMPLETIONS, "{\"prompt\":\"x\",\"tpot_objective_ms\":2.5}"), TD_OK);
+    cr_assert(strstr(err.message, "tpot_objective_ms"), "%s", err.message);
+    router_oai_req_free(&q);
+    cr_assert_eq(parse(ROUTER_OAI_COMPLETIONS, "{\"prompt\":\"x\",\"tpot_objective_ms\":-5}"), TD_OK, "%s",
+                 err.message);
+    cr_assert_eq(td_gen_params_validate(&q.gp, NULL, 0), TD_ERR_INVALID);
+    cr_assert_eq(td_gen_params_check(&q.gp, NULL, 0), TD_GEN_FIELD_TPOT_OBJECTIVE);
+    router_oai_req_free(&q);
+}
+
 Test(router_openai, defaults_are_openais_and_null_is_not_given)
 {
     cr_assert_eq(parse(ROUTER_OAI_COMPLETIONS,

@@ -681,8 +681,8 @@ Test(router_policy, conditional_tight_tpot_chunks_a_prompt_within_the_objective_
     beat_decode(reg, "d", 0, 8, 30, 800);
     router_pick_request_t rq = request(200, 10, 0);
     /* 8 streams at 30 ms a step leave 70 ms of the 100 ms objective: 56 prompt tokens a step at
-       800/s, so 4 steps of 100 ms (0.4 s) against 3.2 s in the prefill node's queue; the chunk
-       goes to the decode node with the pick (AdmitRequest.local_prefill_chunk) */
+       800/s, so 4 steps of 100 ms (0.4 s) against 3.2 s in the prefill node's queue (the node
+       sizes its chunks itself, from the same fit it reports) */
     router_pick_t pk = place(reg, &pc, &rq, true, ROUTER_PLACE_FASTER);
     cr_assert_eq(pk.pair.prefill, d);
     cr_assert_eq(pk.local_chunk, 56);
@@ -702,6 +702,58 @@ Test(router_policy, conditional_tight_tpot_chunks_a_prompt_within_the_objective_
     pc.tpot_objective_s = 0.3;
     pk = place(reg, &pc, &rq, true, ROUTER_PLACE_FASTER);
     cr_assert_eq(pk.local_chunk, 200);
+    router_registry_destroy(reg);
+}
+
+/* The objective a local prefill is held to is the tightest of the request's own (else the
+ * router's) and the one the decode node reports for its sequences; the Admit carries the
+ * request's (else, on a decode node under the conditional policy, the router's). */
+Test(router_policy, conditional_tightest_of_the_requests_and_the_nodes_tpot_objectives)
+{
+    router_registry_t *reg = mkreg();
+    router_policy_config_t pc = conditional();
+    join(reg, "p", TD_NODE_ROLE_PREFILL, 8, 100, 0);
+    join_decode(reg, "d", 512);
+    beat_rate(reg, "p", 3000, 0, 100, 1000, 0);
+    beat_decode(reg, "d", 0, 8, 30, 800);
+    router_pick_request_t rq = request(200, 10, 0);
+    /* the router's 100 ms: 56 tokens a step; the Admit holds the request to it */
+    router_pick_t pk = place(reg, &pc, &rq, true, ROUTER_PLACE_FASTER);
+    cr_assert_eq(pk.local_chunk, 56);
+    cr_assert_float_eq(pk.tpot_objective_s, 0.1, 1e-12);
+    /* the request's own 35 ms: 4 tokens a step */
+    rq.tpot_objective_s = 0.035;
+    pk = place(reg, &pc, &rq, true, ROUTER_PLACE_FASTER);
+    cr_assert_eq(pk.local_chunk, 4);
+    cr_assert_float_eq(pk.tpot_objective_s, 0.035, 1e-12);
+    /* a stream on the node holds it to 30 ms, its own pace: remote, whatever the request allows */
+    rq.tpot_objective_s = 0.5;
+    td_node_load_t l = {.running_seqs = 8, .free_blocks = 1000, .step_ms = 30, .prefill_tok_s = 800,
+                        .tpot_objective_s = 0.030};
+    cr_assert_eq(router_registry_heartbeat(reg, "d", &l, 0), TD_OK);
+    pk = place(reg, &pc, &rq, false, ROUTER_PLACE_TPOT);
+    cr_assert_float_eq(pk.tpot_objective_s, 0.5, 1e-12, "the request's own goes with it");
+    /* what the node keeps back from the objective for its steps' spread counts too: 2 ms of the
+       request's 40 ms leave 8 ms, 6 tokens a step at 800/s (10 ms: 8) */
+    l.tpot_objective_s = 0;
+    l.step_spread_s = 0.002;
+    cr_assert_eq(router_registry_heartbeat(reg, "d", &l, 0), TD_OK);
+    rq.tpot_objective_s = 0.04;
+    pk = place(reg, &pc, &rq, true, ROUTER_PLACE_FASTER);
+    cr_assert_eq(pk.local_chunk, 6);
+    l.step_spread_s = 0;
+    /* a looser one on the node leaves the request's (35 ms) the tightest */
+    l.tpot_objective_s = 0.2;
+    cr_assert_eq(router_registry_heartbeat(reg, "d", &l, 0), TD_OK);
+    rq.tpot_objective_s = 0.035;
+    pk = place(reg, &pc, &rq, true, ROUTER_PLACE_FASTER);
+    cr_assert_eq(pk.local_chunk, 4);
+    /* the disaggregated policy sends the request's objective only */
+    router_policy_config_t dis = router_policy_config_default();
+    rq.tpot_objective_s = 0;
+    cr_assert_eq(pick_ok(reg, &dis, &rq).tpot_objective_s, 0);
+    rq.tpot_objective_s = 0.05;
+    cr_assert_float_eq(pick_ok(reg, &dis, &rq).tpot_objective_s, 0.05, 1e-12);
     router_registry_destroy(reg);
 }
 
