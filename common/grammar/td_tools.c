@@ -532,6 +532,56 @@ static td_status_t stream_call(td_tools_parser_t *p, bool final, bool *progress,
     return st;
 }
 
+/* mistral's calls array at buf[i, end), each element a call, the array checked whole first */
+static td_status_t give_array(td_tools_parser_t *p, size_t i, size_t end, td_tools_event_cb cb, void *ctx)
+{
+    cJSON *arr = cJSON_ParseWithLength(p->buf + i, end - i);
+    bool ok = cJSON_IsArray(arr) && cJSON_GetArraySize(arr) > 0;
+    cJSON_Delete(arr);
+    td_status_t st = TD_ERR_FORMAT;
+    for (size_t k = skip_ws(p->buf, end, i + 1); ok && k < end - 1;) {
+        size_t e = json_end(p->buf, end, k);
+        if (e == SPAN_INCOMPLETE || e == SPAN_BAD)
+            break;
+        if ((st = give_call(p, p->buf + k, e - k, cb, ctx)) != TD_OK)
+            break;
+        k = skip_ws(p->buf, end, e);
+        if (k < end && p->buf[k] == ',')
+            k = skip_ws(p->buf, end, k + 1);
+    }
+    return st;
+}
+
+/* The JSON value at buf[i] given whole once complete (or the output ends, or it outgrows
+ * max_bytes): a llama3_json call, one element of mistral's array (in_array: an element that
+ * could not stream), or mistral's whole array. What is not calls makes the rest text. */
+static td_status_t give_whole(td_tools_parser_t *p, size_t i, bool final, bool *progress, td_tools_event_cb cb,
+                              void *ctx)
+{
+    size_t end = json_end(p->buf, p->n, i);
+    if (end == SPAN_INCOMPLETE && !final && p->n <= p->max_bytes)
+        return TD_OK;
+    td_status_t st = TD_ERR_FORMAT;
+    if (end != SPAN_INCOMPLETE && end != SPAN_BAD) {
+        if (p->fmt == TD_TOOLS_LLAMA3_JSON || p->in_array)
+            st = give_call(p, p->buf + i, end - i, cb, ctx);
+        else if (p->buf[i] == '[')
+            st = give_array(p, i, end, cb, ctx);
+    }
+    if (st == TD_ERR_FORMAT) { /* not calls: the rest is text */
+        p->in_array = false;
+        p->after_call = false;
+        p->st = P_TEXT_ONLY;
+        *progress = true;
+        return TD_OK;
+    }
+    consume(p, end);
+    if (p->fmt == TD_TOOLS_MISTRAL) /* in the array, st is read again only after its ']' */
+        p->st = P_CONTENT;
+    *progress = p->n > 0;
+    return st;
+}
+
 /* mistral, streaming, between elements of the calls array: the next element (streamed, or
  * held and given whole), or the array's end. */
 static td_status_t array_next(td_tools_parser_t *p, bool final, bool *progress, td_tools_event_cb cb, void *ctx)
@@ -557,20 +607,7 @@ static td_status_t array_next(td_tools_parser_t *p, bool final, bool *progress, 
         *progress = begun;
         return st;
     }
-    size_t end = json_end(p->buf, p->n, i);
-    if (end == SPAN_INCOMPLETE && !final && p->n <= p->max_bytes)
-        return TD_OK;
-    st = end == SPAN_INCOMPLETE || end == SPAN_BAD ? TD_ERR_FORMAT : give_call(p, p->buf + i, end - i, cb, ctx);
-    if (st == TD_ERR_FORMAT) { /* not a call: the rest is text */
-        p->in_array = false;
-        p->after_call = false;
-        p->st = P_TEXT_ONLY;
-        *progress = true;
-        return TD_OK;
-    }
-    consume(p, end);
-    *progress = p->n > 0;
-    return st;
+    return give_whole(p, i, final, progress, cb, ctx);
 }
 
 /* The length of the longest end of buf that is a proper beginning of marker. */
@@ -707,40 +744,7 @@ static td_status_t step(td_tools_parser_t *p, bool final, bool *progress, td_too
         *progress = begun;
         return st;
     }
-    size_t end = json_end(p->buf, p->n, i);
-    if (end == SPAN_INCOMPLETE && !final && p->n <= p->max_bytes)
-        return TD_OK;
-    st = TD_ERR_FORMAT;
-    if (end != SPAN_INCOMPLETE && end != SPAN_BAD) {
-        if (p->fmt == TD_TOOLS_LLAMA3_JSON) {
-            st = give_call(p, p->buf + i, end - i, cb, ctx);
-        } else if (p->buf[i] == '[') { /* each element a call, checked whole first */
-            cJSON *arr = cJSON_ParseWithLength(p->buf + i, end - i);
-            bool ok = cJSON_IsArray(arr) && cJSON_GetArraySize(arr) > 0;
-            cJSON_Delete(arr);
-            for (size_t k = skip_ws(p->buf, end, i + 1); ok && k < end - 1;) {
-                size_t e = json_end(p->buf, end, k);
-                if (e == SPAN_INCOMPLETE || e == SPAN_BAD)
-                    break;
-                if ((st = give_call(p, p->buf + k, e - k, cb, ctx)) != TD_OK)
-                    break;
-                k = skip_ws(p->buf, end, e);
-                if (k < end && p->buf[k] == ',')
-                    k = skip_ws(p->buf, end, k + 1);
-            }
-        }
-    }
-    if (st == TD_ERR_FORMAT) { /* not calls: the rest is text */
-        p->after_call = false;
-        p->st = P_TEXT_ONLY;
-        *progress = true;
-        return TD_OK;
-    }
-    consume(p, end);
-    if (p->fmt == TD_TOOLS_MISTRAL)
-        p->st = P_CONTENT;
-    *progress = p->n > 0;
-    return st;
+    return give_whole(p, i, final, progress, cb, ctx);
 }
 
 static td_status_t run(td_tools_parser_t *p, bool final, td_tools_event_cb cb, void *ctx)
