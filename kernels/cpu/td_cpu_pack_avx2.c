@@ -208,12 +208,20 @@ TD_INLINE TD_Y void avx2_row1_signed(td_dtype_t t, bool one, const unsigned char
         _mm256_storeu_ps(y + 8 * h, acc[h]);
 }
 
+/* Keeps a value in its register where it stands: GCC otherwise reassociates a chain of adds
+ * into a tree, holds every product at once and spills (w16_tile: a third of the speed) */
+#define AVX2_KEEP(x) __asm__("" : "+x"(x))
+
 #define Q6_HI_YMM(hb, v) ((v) == 3 ? _mm256_srli_epi16(hb, 2) : _mm256_slli_epi16(hb, 4 - 2 * (v)))
 
 /* Decode's one activation row against a whole Q6_K group: the scalar kernel's sums in another
  * order, so the same integers. maddubs' int16 pair sums of a half (u <= 63: at most 2 * 63 *
- * 127 = 16002) build up over two v (32004 < 2^15) before one madd widens them, where the
- * two-row tile it replaced widened each v: half the madds and int32 adds, for the same maddubs. */
+ * 127 = 16002) build up over two v (32004 < 2^15) before one madd widens them. One half of
+ * the block's weights at a time (h: the low nibbles and hb0, then the high ones and hb1), so
+ * a pass holds one set of sums and GCC keeps them in registers: the two halves together
+ * (each v's vector unpacked once for both) held 12 accumulators and the broadcasts, and GCC
+ * spilled them, the v's products as a tree of adds (1B Q6_K LM head shape, one core, m = 1,
+ * two-byte: TODO GB/s). The vector is loaded once a half (an L1 hit the second time). */
 TD_INLINE TD_Y void avx2_row1_q6_k(bool one, const unsigned char *gq, size_t nb, size_t k, const unsigned char *a, float *y,
                                    const unsigned char *pf_end)
 {
@@ -228,37 +236,33 @@ TD_INLINE TD_Y void avx2_row1_q6_k(bool one, const unsigned char *gq, size_t nb,
 #pragma GCC unroll 2
         for (int x = 0; x < 2; x++) { /* rows 8x .. 8x + 7 */
             const unsigned char *q = qb + 32 * x;
-            const __m256i hb0 = _mm256_loadu_si256((const __m256i *)(q + 256));
-            const __m256i hb1 = _mm256_loadu_si256((const __m256i *)(q + 320));
-            __m256i p[2] = {_mm256_set1_epi32(load_i32(act_c(a, k) + 4 * b)), _mm256_set1_epi32(load_i32(act_c2(a, k) + 4 * b))};
-#pragma GCC unroll 2
-            for (int v0 = 0; v0 < 4; v0 += 2) {
-                __m256i sh[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}, sl[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-#pragma GCC unroll 2
-                for (int v = v0; v < v0 + 2; v++) {
-                    const __m256i raw = _mm256_loadu_si256((const __m256i *)(q + 64 * v));
-                    const __m256i wv[2] = {
-                        _mm256_or_si256(_mm256_and_si256(raw, low4), _mm256_and_si256(Q6_HI_YMM(hb0, v), hi2)),
-                        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low4), _mm256_and_si256(Q6_HI_YMM(hb1, v), hi2))};
-#pragma GCC unroll 2
-                    for (int h = 0; h < 2; h++) { /* weights 16 h + 4 v .. */
-                        sh[h] = _mm256_add_epi16(sh[h], _mm256_maddubs_epi16(wv[h], _mm256_set1_epi32(load_i32(qh + 16 * h + 4 * v))));
-                        if (!one)
-                            sl[h] = _mm256_add_epi16(sl[h], _mm256_maddubs_epi16(wv[h], _mm256_set1_epi32(load_i32(ql + 16 * h + 4 * v))));
-                    }
-                }
-#pragma GCC unroll 2
-                for (int h = 0; h < 2; h++) { /* widen: hi by 254, lo by 1 */
-                    p[h] = _mm256_add_epi32(p[h], _mm256_madd_epi16(sh[h], _mm256_set1_epi16(WIDE)));
-                    if (!one)
-                        p[h] = _mm256_add_epi32(p[h], _mm256_madd_epi16(sl[h], _mm256_set1_epi16(1)));
-                }
-            }
             const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ks + 16 * x)));
 #pragma GCC unroll 2
-            for (int h = 0; h < 2; h++) { /* the halves in the reference's order */
+            for (int h = 0; h < 2; h++) { /* weights 16 h + 4 v + j; the halves in the reference's order */
+                const __m256i hb = _mm256_loadu_si256((const __m256i *)(q + 256 + 64 * h));
+                __m256i p = _mm256_set1_epi32(load_i32((h == 0 ? act_c(a, k) : act_c2(a, k)) + 4 * b));
+#pragma GCC unroll 2
+                for (int v0 = 0; v0 < 4; v0 += 2) {
+                    __m256i sh = _mm256_setzero_si256(), sl = _mm256_setzero_si256();
+#pragma GCC unroll 2
+                    for (int v = v0; v < v0 + 2; v++) {
+                        const __m256i raw = _mm256_loadu_si256((const __m256i *)(q + 64 * v));
+                        const __m256i nib = h == 0 ? raw : _mm256_srli_epi16(raw, 4);
+                        const __m256i w = _mm256_or_si256(_mm256_and_si256(nib, low4), _mm256_and_si256(Q6_HI_YMM(hb, v), hi2));
+                        sh = _mm256_add_epi16(sh, _mm256_maddubs_epi16(w, _mm256_set1_epi32(load_i32(qh + 16 * h + 4 * v))));
+                        AVX2_KEEP(sh);
+                        if (!one) {
+                            sl = _mm256_add_epi16(sl, _mm256_maddubs_epi16(w, _mm256_set1_epi32(load_i32(ql + 16 * h + 4 * v))));
+                            AVX2_KEEP(sl);
+                        }
+                    }
+                    p = _mm256_add_epi32(p, _mm256_madd_epi16(sh, _mm256_set1_epi16(WIDE))); /* widen: hi by 254, lo by 1 */
+                    if (!one)
+                        p = _mm256_add_epi32(p, _mm256_madd_epi16(sl, _mm256_set1_epi16(1)));
+                    AVX2_KEEP(p);
+                }
                 __m256 dw = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(ks + K6_SC(b % 8, h) + 8 * x)))));
-                acc[x] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[h]), _mm256_mul_ps(dw, e), acc[x]);
+                acc[x] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(dw, e), acc[x]);
             }
         }
     }
@@ -491,10 +495,6 @@ TD_INLINE TD_Y void avx2_tile1_q6_k(int R, int h, const unsigned char *gq, size_
     for (int i = 0; i < R; i++)
         _mm256_storeu_ps(y + i * ldy + 8 * h, acc[i]);
 }
-
-/* Keeps a value in its register where it stands: GCC otherwise reassociates a chain of adds
- * into a tree, holds every product at once and spills (w16_tile: a third of the speed) */
-#define AVX2_KEEP(x) __asm__("" : "+x"(x))
 
 /* The one-byte prefill tile of the 4-bit types (Q4_0, Q4_1, Q4_K, Q5_K; m >= 2, `--device
  * cpu:q8`): half h of a group (8 weight rows) against R one-byte rows, R <= 8. Per row and
