@@ -77,24 +77,52 @@ TD_INLINE bool avx2_row1_takes(td_dtype_t t)
     return t == TD_Q4_0 || t == TD_Q4_1 || t == TD_Q4_K || t == TD_Q5_K;
 }
 
+/* One v of avx2_row1: the weights 4v.. and 16 + 4v.. of both halves of block q (16 rows)
+ * against the row's hi (and lo) bytes at qh (ql), into the int16 sums sh (sl); two-byte, each
+ * held in its register where it is added (AVX2_KEEP) */
+TD_INLINE TD_Y void avx2_row1_v(td_dtype_t t, bool one, int v, const unsigned char *q, const int8_t *qh, const int8_t *ql,
+                                __m256i sh[2], __m256i sl[2])
+{
+    const __m256i low4 = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10);
+    const __m256i ah = _mm256_set1_epi32(load_i32(qh + 4 * v)), ah2 = _mm256_set1_epi32(load_i32(qh + 16 + 4 * v));
+    const __m256i al = _mm256_set1_epi32(load_i32(ql + 4 * v)), al2 = _mm256_set1_epi32(load_i32(ql + 16 + 4 * v));
+#pragma GCC unroll 2
+    for (int x = 0; x < 2; x++) {
+        __m256i raw = _mm256_loadu_si256((const __m256i *)(q + 64 * v + 32 * x));
+        __m256i lo4 = _mm256_and_si256(raw, low4);
+        __m256i hi4 = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+        if (t == TD_Q5_K) { /* the fifth bits: weight 4v + j's at bit v, 16 + 4v + j's at 4 + v */
+            const __m256i hb = _mm256_loadu_si256((const __m256i *)(q + 256 + 32 * x));
+            lo4 = _mm256_or_si256(lo4, _mm256_and_si256(_mm256_sll_epi16(hb, _mm_cvtsi32_si128(4 - v)), bit4));
+            hi4 = _mm256_or_si256(hi4, _mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(v)), bit4));
+        }
+        sh[x] = _mm256_add_epi16(sh[x], _mm256_add_epi16(_mm256_maddubs_epi16(lo4, ah), _mm256_maddubs_epi16(hi4, ah2)));
+        if (!one) { /* (the one-byte rolled loop reads 3% slower with sh held) */
+            sl[x] = _mm256_add_epi16(sl[x], _mm256_add_epi16(_mm256_maddubs_epi16(lo4, al), _mm256_maddubs_epi16(hi4, al2)));
+            AVX2_KEEP(sh[x]);
+            AVX2_KEEP(sl[x]);
+        }
+    }
+}
+
 /* Decode's one activation row against a whole group (both halves), for avx2_row1_takes types.
  * the header's integer sums in another order, so the same integers: the four broadcasts of a v serve
  * both halves, and maddubs' int16 pair sums build up over several v before one madd widens
  * them (u <= 15: 8 pairs of at most 2 * 15 * 127 stay under 2^15 over a block's 4 v; Q5_K's
  * u <= 31: over 2 v). The v loop carries only the int16 sums (the widening is outside it:
  * inside, under a condition, GCC kept the int32 sums on the stack), and Q4_K's and Q5_K's f16
- * d and dmin are widened once per super-block (chunk), not per block. The v loop is unrolled
- * with each sum held in its register where it is added (AVX2_KEEP): unrolled without that,
- * GCC hoisted the four v's loads and spilled (q4_0 -20%), and rolled it spent a counter, a
- * compare and a branch a v and could not overlap one v's loads with the last's maddubs (one
- * core, m = 1, a 2048 x 2048 matrix in L2, rolled -> unrolled, GB/s, one-byte / two-byte:
- * q4_k 35.5 / 26.5 -> 39.0 / 28.9, q4_0 39.1 / 29.1 -> 43.4 / 31.9, q4_1 40.8 / 31.4 ->
- * 48.3 / 35.4, q5_k 33.0 / 21.7 -> 33.1 / 25.1). */
+ * d and dmin are widened once per super-block (chunk), not per block. A two-byte row's v loop
+ * is unrolled with each sum held in its register where it is added (AVX2_KEEP): unrolled
+ * without that, GCC hoisted the four v's loads and spilled (q4_0 -20%), and rolled it spent a
+ * counter, a compare and a branch a v and could not overlap one v's loads with the last's
+ * maddubs (one core, m = 1, a 2048 x 2048 matrix in L2, rolled -> unrolled, two-byte GB/s:
+ * q4_k 26.5 -> 28.9, q4_0 29.1 -> 31.9, q4_1 31.4 -> 35.4, q5_k 21.7 -> 25.1). A one-byte
+ * row's stays rolled: unrolled it was 10% faster in L2 but 3% slower streaming a 151 MB
+ * Q4_K matrix (32.3 -> 31.2 GB/s), which is what a decode does. */
 TD_INLINE TD_Y void avx2_row1(td_dtype_t t, bool one, const unsigned char *gq, size_t nb,
                               size_t k, const unsigned char *a, float *y, const unsigned char *pf_end)
 {
     const int flush = t == TD_Q5_K ? 2 : 4; /* v's summed in int16 before widening */
-    const __m256i low4 = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10);
     const int8_t *hi = act_hi(a), *lo = act_lo(a, k);
     __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, macc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     __m256 kd[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, kdmin[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
@@ -110,28 +138,14 @@ TD_INLINE TD_Y void avx2_row1(td_dtype_t t, bool one, const unsigned char *gq, s
         __m256i p[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}; /* Q4_0's c is added last */
         for (int v0 = 0; v0 < 4; v0 += flush) {
             __m256i sh[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}, sl[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+            if (one) /* rolled: streaming from memory, the unrolled loop read 3% slower */
+#pragma GCC unroll 1
+                for (int v = v0; v < v0 + flush; v++)
+                    avx2_row1_v(t, one, v, q, qh, ql, sh, sl);
+            else
 #pragma GCC unroll 4
-            for (int v = v0; v < v0 + flush; v++) {
-                const __m256i ah = _mm256_set1_epi32(load_i32(qh + 4 * v)), ah2 = _mm256_set1_epi32(load_i32(qh + 16 + 4 * v));
-                const __m256i al = _mm256_set1_epi32(load_i32(ql + 4 * v)), al2 = _mm256_set1_epi32(load_i32(ql + 16 + 4 * v));
-#pragma GCC unroll 2
-                for (int x = 0; x < 2; x++) {
-                    __m256i raw = _mm256_loadu_si256((const __m256i *)(q + 64 * v + 32 * x));
-                    __m256i lo4 = _mm256_and_si256(raw, low4);
-                    __m256i hi4 = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
-                    if (t == TD_Q5_K) { /* the fifth bits: weight 4v + j's at bit v, 16 + 4v + j's at 4 + v */
-                        const __m256i hb = _mm256_loadu_si256((const __m256i *)(q + 256 + 32 * x));
-                        lo4 = _mm256_or_si256(lo4, _mm256_and_si256(_mm256_sll_epi16(hb, _mm_cvtsi32_si128(4 - v)), bit4));
-                        hi4 = _mm256_or_si256(hi4, _mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(v)), bit4));
-                    }
-                    sh[x] = _mm256_add_epi16(sh[x], _mm256_add_epi16(_mm256_maddubs_epi16(lo4, ah), _mm256_maddubs_epi16(hi4, ah2)));
-                    AVX2_KEEP(sh[x]);
-                    if (!one) {
-                        sl[x] = _mm256_add_epi16(sl[x], _mm256_add_epi16(_mm256_maddubs_epi16(lo4, al), _mm256_maddubs_epi16(hi4, al2)));
-                        AVX2_KEEP(sl[x]);
-                    }
-                }
-            }
+                for (int v = v0; v < v0 + flush; v++)
+                    avx2_row1_v(t, one, v, q, qh, ql, sh, sl);
 #pragma GCC unroll 2
             for (int x = 0; x < 2; x++) { /* widen: hi by 254, lo by 1 */
                 p[x] = _mm256_add_epi32(p[x], _mm256_madd_epi16(sh[x], _mm256_set1_epi16(WIDE)));
