@@ -78,10 +78,10 @@ TD_INLINE bool avx2_row1_takes(td_dtype_t t)
 }
 
 /* One v of avx2_row1: the weights 4v.. and 16 + 4v.. of both halves of block q (16 rows)
- * against the row's hi (and lo) bytes at qh (ql), into the int16 sums sh (sl); two-byte, each
- * held in its register where it is added (AVX2_KEEP) */
-TD_INLINE TD_Y void avx2_row1_v(td_dtype_t t, bool one, int v, const unsigned char *q, const int8_t *qh, const int8_t *ql,
-                                __m256i sh[2], __m256i sl[2])
+ * against the row's hi (and lo) bytes at qh (ql), into the int16 sums sh (sl); held: each sum
+ * kept in its register where it is added (AVX2_KEEP; the unrolled loops) */
+TD_INLINE TD_Y void avx2_row1_v(td_dtype_t t, bool one, bool held, int v, const unsigned char *q, const int8_t *qh,
+                                const int8_t *ql, __m256i sh[2], __m256i sl[2])
 {
     const __m256i low4 = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10);
     const __m256i ah = _mm256_set1_epi32(load_i32(qh + 4 * v)), ah2 = _mm256_set1_epi32(load_i32(qh + 16 + 4 * v));
@@ -97,10 +97,12 @@ TD_INLINE TD_Y void avx2_row1_v(td_dtype_t t, bool one, int v, const unsigned ch
             hi4 = _mm256_or_si256(hi4, _mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(v)), bit4));
         }
         sh[x] = _mm256_add_epi16(sh[x], _mm256_add_epi16(_mm256_maddubs_epi16(lo4, ah), _mm256_maddubs_epi16(hi4, ah2)));
-        if (!one) { /* (the one-byte rolled loop reads 3% slower with sh held) */
-            sl[x] = _mm256_add_epi16(sl[x], _mm256_add_epi16(_mm256_maddubs_epi16(lo4, al), _mm256_maddubs_epi16(hi4, al2)));
+        if (held)
             AVX2_KEEP(sh[x]);
-            AVX2_KEEP(sl[x]);
+        if (!one) {
+            sl[x] = _mm256_add_epi16(sl[x], _mm256_add_epi16(_mm256_maddubs_epi16(lo4, al), _mm256_maddubs_epi16(hi4, al2)));
+            if (held)
+                AVX2_KEEP(sl[x]);
         }
     }
 }
@@ -116,9 +118,11 @@ TD_INLINE TD_Y void avx2_row1_v(td_dtype_t t, bool one, int v, const unsigned ch
  * without that, GCC hoisted the four v's loads and spilled (q4_0 -20%), and rolled it spent a
  * counter, a compare and a branch a v and could not overlap one v's loads with the last's
  * maddubs (one core, m = 1, a 2048 x 2048 matrix in L2, rolled -> unrolled, two-byte GB/s:
- * q4_k 26.5 -> 28.9, q4_0 29.1 -> 31.9, q4_1 31.4 -> 35.4, q5_k 21.7 -> 25.1). A one-byte
- * row's stays rolled: unrolled it was 10% faster in L2 but 3% slower streaming a 151 MB
- * Q4_K matrix (32.3 -> 31.2 GB/s), which is what a decode does. */
+ * q4_k 26.5 -> 28.9, q4_0 29.1 -> 31.9, q4_1 31.4 -> 35.4, q5_k 21.7 -> 25.1). One-byte
+ * rows, 10% faster unrolled in L2, stream a large matrix (what a decode does) each at its
+ * own speed for reasons this VM's missing counters did not show (65536 x 2048, rolled ->
+ * unrolled, GB/s: q4_0 19-21 -> 28-29, q4_1 28-29 -> 23-24, q4_k 32-33 -> 31-32, q5_k 30-31
+ * both), so Q4_0's is unrolled and the others' stay rolled. */
 TD_INLINE TD_Y void avx2_row1(td_dtype_t t, bool one, const unsigned char *gq, size_t nb,
                               size_t k, const unsigned char *a, float *y, const unsigned char *pf_end)
 {
@@ -138,14 +142,14 @@ TD_INLINE TD_Y void avx2_row1(td_dtype_t t, bool one, const unsigned char *gq, s
         __m256i p[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}; /* Q4_0's c is added last */
         for (int v0 = 0; v0 < 4; v0 += flush) {
             __m256i sh[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}, sl[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-            if (one) /* rolled: streaming from memory, the unrolled loop read 3% slower */
+            if (one && t != TD_Q4_0) /* (above) */
 #pragma GCC unroll 1
                 for (int v = v0; v < v0 + flush; v++)
-                    avx2_row1_v(t, one, v, q, qh, ql, sh, sl);
+                    avx2_row1_v(t, one, false, v, q, qh, ql, sh, sl);
             else
 #pragma GCC unroll 4
                 for (int v = v0; v < v0 + flush; v++)
-                    avx2_row1_v(t, one, v, q, qh, ql, sh, sl);
+                    avx2_row1_v(t, one, true, v, q, qh, ql, sh, sl);
 #pragma GCC unroll 2
             for (int x = 0; x < 2; x++) { /* widen: hi by 254, lo by 1 */
                 p[x] = _mm256_add_epi32(p[x], _mm256_madd_epi16(sh[x], _mm256_set1_epi16(WIDE)));
