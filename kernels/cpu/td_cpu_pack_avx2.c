@@ -66,11 +66,45 @@ TD_INLINE TD_Y void avx2_scales(td_dtype_t t, const unsigned char *cs, size_t b,
     *mw_p = mw;
 }
 
+/* Keeps a value in its register where it stands: GCC otherwise reassociates a chain of adds
+ * into a tree, holds every product at once and spills (w16_tile: a third of the speed) */
+#define AVX2_KEEP(x) __asm__("" : "+x"(x))
+
 /* Whether avx2_row1 takes type t: unsigned quants u <= 31 (not Q8_0, IQ4_XS: signed through
  * the sign trick; not Q6_K: its own layout) */
 TD_INLINE bool avx2_row1_takes(td_dtype_t t)
 {
     return t == TD_Q4_0 || t == TD_Q4_1 || t == TD_Q4_K || t == TD_Q5_K;
+}
+
+/* One v of avx2_row1: the weights 4v.. and 16 + 4v.. of both halves of block q (16 rows)
+ * against the row's hi (and lo) bytes at qh (ql), into the int16 sums sh (sl); held: each sum
+ * kept in its register where it is added (AVX2_KEEP; the unrolled loops) */
+TD_INLINE TD_Y void avx2_row1_v(td_dtype_t t, bool one, bool held, int v, const unsigned char *q, const int8_t *qh,
+                                const int8_t *ql, __m256i sh[2], __m256i sl[2])
+{
+    const __m256i low4 = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10);
+    const __m256i ah = _mm256_set1_epi32(load_i32(qh + 4 * v)), ah2 = _mm256_set1_epi32(load_i32(qh + 16 + 4 * v));
+    const __m256i al = _mm256_set1_epi32(load_i32(ql + 4 * v)), al2 = _mm256_set1_epi32(load_i32(ql + 16 + 4 * v));
+#pragma GCC unroll 2
+    for (int x = 0; x < 2; x++) {
+        __m256i raw = _mm256_loadu_si256((const __m256i *)(q + 64 * v + 32 * x));
+        __m256i lo4 = _mm256_and_si256(raw, low4);
+        __m256i hi4 = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+        if (t == TD_Q5_K) { /* the fifth bits: weight 4v + j's at bit v, 16 + 4v + j's at 4 + v */
+            const __m256i hb = _mm256_loadu_si256((const __m256i *)(q + 256 + 32 * x));
+            lo4 = _mm256_or_si256(lo4, _mm256_and_si256(_mm256_sll_epi16(hb, _mm_cvtsi32_si128(4 - v)), bit4));
+            hi4 = _mm256_or_si256(hi4, _mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(v)), bit4));
+        }
+        sh[x] = _mm256_add_epi16(sh[x], _mm256_add_epi16(_mm256_maddubs_epi16(lo4, ah), _mm256_maddubs_epi16(hi4, ah2)));
+        if (held)
+            AVX2_KEEP(sh[x]);
+        if (!one) {
+            sl[x] = _mm256_add_epi16(sl[x], _mm256_add_epi16(_mm256_maddubs_epi16(lo4, al), _mm256_maddubs_epi16(hi4, al2)));
+            if (held)
+                AVX2_KEEP(sl[x]);
+        }
+    }
 }
 
 /* Decode's one activation row against a whole group (both halves), for avx2_row1_takes types.
@@ -79,12 +113,20 @@ TD_INLINE bool avx2_row1_takes(td_dtype_t t)
  * them (u <= 15: 8 pairs of at most 2 * 15 * 127 stay under 2^15 over a block's 4 v; Q5_K's
  * u <= 31: over 2 v). The v loop carries only the int16 sums (the widening is outside it:
  * inside, under a condition, GCC kept the int32 sums on the stack), and Q4_K's and Q5_K's f16
- * d and dmin are widened once per super-block (chunk), not per block. */
+ * d and dmin are widened once per super-block (chunk), not per block. A two-byte row's v loop
+ * is unrolled with each sum held in its register where it is added (AVX2_KEEP): unrolled
+ * without that, GCC hoisted the four v's loads and spilled (q4_0 -20%), and rolled it spent a
+ * counter, a compare and a branch a v and could not overlap one v's loads with the last's
+ * maddubs (one core, m = 1, a 2048 x 2048 matrix in L2, rolled -> unrolled, two-byte GB/s:
+ * q4_k 26.5 -> 28.9, q4_0 29.1 -> 31.9, q4_1 31.4 -> 35.4, q5_k 21.7 -> 25.1). One-byte
+ * rows, 10% faster unrolled in L2, stream a large matrix (what a decode does) each at its
+ * own speed for reasons this VM's missing counters did not show (65536 x 2048, rolled ->
+ * unrolled, GB/s: q4_0 19-21 -> 28-29, q4_1 28-29 -> 23-24, q4_k 32-33 -> 31-32, q5_k 30-31
+ * both), so Q4_0's is unrolled and the others' stay rolled. */
 TD_INLINE TD_Y void avx2_row1(td_dtype_t t, bool one, const unsigned char *gq, size_t nb,
                               size_t k, const unsigned char *a, float *y, const unsigned char *pf_end)
 {
     const int flush = t == TD_Q5_K ? 2 : 4; /* v's summed in int16 before widening */
-    const __m256i low4 = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10);
     const int8_t *hi = act_hi(a), *lo = act_lo(a, k);
     __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, macc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     __m256 kd[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, kdmin[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
@@ -100,25 +142,14 @@ TD_INLINE TD_Y void avx2_row1(td_dtype_t t, bool one, const unsigned char *gq, s
         __m256i p[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}; /* Q4_0's c is added last */
         for (int v0 = 0; v0 < 4; v0 += flush) {
             __m256i sh[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}, sl[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-#pragma GCC unroll 1 /* unrolled, GCC hoists the four v's loads and spills (1 core, in L2: q4_0 -20% time) */
-            for (int v = v0; v < v0 + flush; v++) {
-                const __m256i ah = _mm256_set1_epi32(load_i32(qh + 4 * v)), ah2 = _mm256_set1_epi32(load_i32(qh + 16 + 4 * v));
-                const __m256i al = _mm256_set1_epi32(load_i32(ql + 4 * v)), al2 = _mm256_set1_epi32(load_i32(ql + 16 + 4 * v));
-#pragma GCC unroll 2
-                for (int x = 0; x < 2; x++) {
-                    __m256i raw = _mm256_loadu_si256((const __m256i *)(q + 64 * v + 32 * x));
-                    __m256i lo4 = _mm256_and_si256(raw, low4);
-                    __m256i hi4 = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
-                    if (t == TD_Q5_K) { /* the fifth bits: weight 4v + j's at bit v, 16 + 4v + j's at 4 + v */
-                        const __m256i hb = _mm256_loadu_si256((const __m256i *)(q + 256 + 32 * x));
-                        lo4 = _mm256_or_si256(lo4, _mm256_and_si256(_mm256_sll_epi16(hb, _mm_cvtsi32_si128(4 - v)), bit4));
-                        hi4 = _mm256_or_si256(hi4, _mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(v)), bit4));
-                    }
-                    sh[x] = _mm256_add_epi16(sh[x], _mm256_add_epi16(_mm256_maddubs_epi16(lo4, ah), _mm256_maddubs_epi16(hi4, ah2)));
-                    if (!one)
-                        sl[x] = _mm256_add_epi16(sl[x], _mm256_add_epi16(_mm256_maddubs_epi16(lo4, al), _mm256_maddubs_epi16(hi4, al2)));
-                }
-            }
+            if (one && t != TD_Q4_0) /* (above) */
+#pragma GCC unroll 1
+                for (int v = v0; v < v0 + flush; v++)
+                    avx2_row1_v(t, one, false, v, q, qh, ql, sh, sl);
+            else
+#pragma GCC unroll 4
+                for (int v = v0; v < v0 + flush; v++)
+                    avx2_row1_v(t, one, true, v, q, qh, ql, sh, sl);
 #pragma GCC unroll 2
             for (int x = 0; x < 2; x++) { /* widen: hi by 254, lo by 1 */
                 p[x] = _mm256_add_epi32(p[x], _mm256_madd_epi16(sh[x], _mm256_set1_epi16(WIDE)));
@@ -212,8 +243,13 @@ TD_INLINE TD_Y void avx2_row1_signed(td_dtype_t t, bool one, const unsigned char
 
 /* Decode's one activation row against a whole Q6_K group: the scalar kernel's sums in another
  * order, so the same integers. maddubs' int16 pair sums of a half (u <= 63: at most 2 * 63 *
- * 127 = 16002) build up over two v (32004 < 2^15) before one madd widens them, where the
- * two-row tile it replaced widened each v: half the madds and int32 adds, for the same maddubs. */
+ * 127 = 16002) build up over two v (32004 < 2^15) before one madd widens them. One half of
+ * the block's weights at a time (h: the low nibbles and hb0, then the high ones and hb1), so
+ * a pass holds one set of sums and GCC keeps them in registers: the two halves together
+ * (each v's vector unpacked once for both) held 12 accumulators and the broadcasts, and GCC
+ * spilled them, the v's products as a tree of adds (one core, m = 1, two-byte, a 2048 x 2048
+ * matrix in L2: 21.2 -> 24.4 GB/s; one-byte 30.8 -> 31.5). The vector is loaded once a half
+ * (an L1 hit the second time). */
 TD_INLINE TD_Y void avx2_row1_q6_k(bool one, const unsigned char *gq, size_t nb, size_t k, const unsigned char *a, float *y,
                                    const unsigned char *pf_end)
 {
@@ -228,37 +264,33 @@ TD_INLINE TD_Y void avx2_row1_q6_k(bool one, const unsigned char *gq, size_t nb,
 #pragma GCC unroll 2
         for (int x = 0; x < 2; x++) { /* rows 8x .. 8x + 7 */
             const unsigned char *q = qb + 32 * x;
-            const __m256i hb0 = _mm256_loadu_si256((const __m256i *)(q + 256));
-            const __m256i hb1 = _mm256_loadu_si256((const __m256i *)(q + 320));
-            __m256i p[2] = {_mm256_set1_epi32(load_i32(act_c(a, k) + 4 * b)), _mm256_set1_epi32(load_i32(act_c2(a, k) + 4 * b))};
-#pragma GCC unroll 2
-            for (int v0 = 0; v0 < 4; v0 += 2) {
-                __m256i sh[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}, sl[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-#pragma GCC unroll 2
-                for (int v = v0; v < v0 + 2; v++) {
-                    const __m256i raw = _mm256_loadu_si256((const __m256i *)(q + 64 * v));
-                    const __m256i wv[2] = {
-                        _mm256_or_si256(_mm256_and_si256(raw, low4), _mm256_and_si256(Q6_HI_YMM(hb0, v), hi2)),
-                        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low4), _mm256_and_si256(Q6_HI_YMM(hb1, v), hi2))};
-#pragma GCC unroll 2
-                    for (int h = 0; h < 2; h++) { /* weights 16 h + 4 v .. */
-                        sh[h] = _mm256_add_epi16(sh[h], _mm256_maddubs_epi16(wv[h], _mm256_set1_epi32(load_i32(qh + 16 * h + 4 * v))));
-                        if (!one)
-                            sl[h] = _mm256_add_epi16(sl[h], _mm256_maddubs_epi16(wv[h], _mm256_set1_epi32(load_i32(ql + 16 * h + 4 * v))));
-                    }
-                }
-#pragma GCC unroll 2
-                for (int h = 0; h < 2; h++) { /* widen: hi by 254, lo by 1 */
-                    p[h] = _mm256_add_epi32(p[h], _mm256_madd_epi16(sh[h], _mm256_set1_epi16(WIDE)));
-                    if (!one)
-                        p[h] = _mm256_add_epi32(p[h], _mm256_madd_epi16(sl[h], _mm256_set1_epi16(1)));
-                }
-            }
             const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ks + 16 * x)));
 #pragma GCC unroll 2
-            for (int h = 0; h < 2; h++) { /* the halves in the reference's order */
+            for (int h = 0; h < 2; h++) { /* weights 16 h + 4 v + j; the halves in the reference's order */
+                const __m256i hb = _mm256_loadu_si256((const __m256i *)(q + 256 + 64 * h));
+                __m256i p = _mm256_set1_epi32(load_i32((h == 0 ? act_c(a, k) : act_c2(a, k)) + 4 * b));
+#pragma GCC unroll 2
+                for (int v0 = 0; v0 < 4; v0 += 2) {
+                    __m256i sh = _mm256_setzero_si256(), sl = _mm256_setzero_si256();
+#pragma GCC unroll 2
+                    for (int v = v0; v < v0 + 2; v++) {
+                        const __m256i raw = _mm256_loadu_si256((const __m256i *)(q + 64 * v));
+                        const __m256i nib = h == 0 ? raw : _mm256_srli_epi16(raw, 4);
+                        const __m256i w = _mm256_or_si256(_mm256_and_si256(nib, low4), _mm256_and_si256(Q6_HI_YMM(hb, v), hi2));
+                        sh = _mm256_add_epi16(sh, _mm256_maddubs_epi16(w, _mm256_set1_epi32(load_i32(qh + 16 * h + 4 * v))));
+                        AVX2_KEEP(sh);
+                        if (!one) {
+                            sl = _mm256_add_epi16(sl, _mm256_maddubs_epi16(w, _mm256_set1_epi32(load_i32(ql + 16 * h + 4 * v))));
+                            AVX2_KEEP(sl);
+                        }
+                    }
+                    p = _mm256_add_epi32(p, _mm256_madd_epi16(sh, _mm256_set1_epi16(WIDE))); /* widen: hi by 254, lo by 1 */
+                    if (!one)
+                        p = _mm256_add_epi32(p, _mm256_madd_epi16(sl, _mm256_set1_epi16(1)));
+                    AVX2_KEEP(p);
+                }
                 __m256 dw = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(ks + K6_SC(b % 8, h) + 8 * x)))));
-                acc[x] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[h]), _mm256_mul_ps(dw, e), acc[x]);
+                acc[x] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(dw, e), acc[x]);
             }
         }
     }
@@ -491,10 +523,6 @@ TD_INLINE TD_Y void avx2_tile1_q6_k(int R, int h, const unsigned char *gq, size_
     for (int i = 0; i < R; i++)
         _mm256_storeu_ps(y + i * ldy + 8 * h, acc[i]);
 }
-
-/* Keeps a value in its register where it stands: GCC otherwise reassociates a chain of adds
- * into a tree, holds every product at once and spills (w16_tile: a third of the speed) */
-#define AVX2_KEEP(x) __asm__("" : "+x"(x))
 
 /* The one-byte prefill tile of the 4-bit types (Q4_0, Q4_1, Q4_K, Q5_K; m >= 2, `--device
  * cpu:q8`): half h of a group (8 weight rows) against R one-byte rows, R <= 8. Per row and
