@@ -52,9 +52,9 @@
  *   tables with act_q16 write the Q part (scalar, avx2); avx512vnni's kernels never read it
  *   and its quantizer leaves it as it was (writing it cost 1-2% of a prefill there).
  *   A one-byte row for Q6_K weights, whose Q no kernel reads, holds there instead per block b,
- *   at 64 b bytes in, four int16: -32 times the sums of hi over the block's weights {0, 1, 4,
+ *   at 8 b bytes in, four int16: -32 times the sums of hi over the block's weights {0, 1, 4,
  *   5, 8, 9, 12, 13} and {2, 3, 6, 7, 10, 11, 14, 15}, then over 16 + those (|.| <= 32512),
- *   the rest of the block's 64 bytes 0: AVX2's one-byte Q6_K tile starts its int16 sums there
+ *   and 0 after the last block's: AVX2's one-byte Q6_K tile starts its int16 sums there
  * c folds the weights' offset into the integer sum: Q4_0 c = -8 * sum Q, Q8_0 and IQ4_XS c =
  * -128 * sum Q (int32), so that c + sum u * Q = sum (u - offset) * Q exactly; Q6_K c = -32 * the sum of
  * the block's first 16 Q and c2 = -32 * that of its last 16 (0 for other types); Q4_1, Q4_K and Q5_K c = e * sum Q

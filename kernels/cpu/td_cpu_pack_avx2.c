@@ -482,7 +482,7 @@ TD_INLINE TD_Y void avx2_tile1_q6_k(int R, int h, const unsigned char *gq, size_
 #pragma GCC unroll 16
                 for (int i = 0; i < R; i++) {
                     const unsigned char *ai = a + i * st, *qh = ai + b * TD_QK + 16 * s;
-                    __m256i s16 = _mm256_set1_epi32(load_i32(ai + o_at + 2 * b * TD_QK + 4 * s));
+                    __m256i s16 = _mm256_set1_epi32(load_i32(ai + o_at + 8 * b + 4 * s));
 #pragma GCC unroll 4
                     for (int v = 0; v < 4; v++)
                         s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[v], _mm256_set1_epi32(load_i32(qh + 4 * v))));
