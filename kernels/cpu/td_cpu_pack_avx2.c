@@ -434,18 +434,20 @@ TD_INLINE bool w16_both_halves(td_dtype_t t)
 }
 
 /* Q6_K's one-byte prefill tile (m >= 2, `--device cpu:q8`): half h of a group (8 weight rows)
- * against R one-byte rows, R <= Q6_TILE, one 16-weight half of each block at a time. maddubs' int16
- * lanes of row r hold the products of two weights, those of the block's half at positions
- * {0, 1} (even lanes) or {2, 3} (odd) mod 4; over the half's 4 vectors each lane sums 8 of
- * them, u <= 63 against |hi| <= 127, up to 64008, too much for int16. But a lane that starts
- * at -32 times the sum of its 8 hi (the row's act_o6 pair, made by the quantizer) ends at
- * sum (u - 32) hi, |.| <= 32 * 8 * 127 = 32512: in range, so vpaddw's wrapping leaves it
- * exact whatever the order, and one madd by 254 then gives the half's p = c + 254 sum u hi,
- * the reference's integer. Per row and half: 4 maddubs and 1 madd (the tile before this
- * one: 4 and 2, and c's broadcast and adds). The half's 4 weight vectors are made once for
- * the R rows; rows are one pointer and a stride opaque to GCC (no pointer a row kept live),
- * the f32 accumulators live in memory (volatile, as avx2_tile1_q4's) and the blocks are
- * walked chunk by chunk, a block's quants and scales at constant offsets. */
+ * against R one-byte rows, R <= Q6_TILE. maddubs' int16 lanes of row r hold the products of
+ * two weights, those of a block's 16-weight half at positions {0, 1} (even lanes) or {2, 3}
+ * (odd) mod 4; over the half's 4 vectors each lane sums 8 of them, u <= 63 against |hi| <=
+ * 127, up to 64008, too much for int16. But a lane that starts at -32 times the sum of its 8
+ * hi (the row's act_o6 pair, made by the quantizer) ends at sum (u - 32) hi, |.| <= 32 * 8 *
+ * 127 = 32512: in range, so vpaddw's wrapping leaves it exact whatever the order, and one madd
+ * by 254 then gives the half's p = c + 254 sum u hi, the reference's integer. Per row and
+ * half: 4 maddubs and 1 madd (the 8-row tile before this one: 4 and 2, and c's broadcast and
+ * adds). The block's 8 weight vectors are made once for the R rows, which go one at a time
+ * (the loop holds those 8, the halves' d * sc, 254 and one sum), one pointer and a stride
+ * opaque to GCC (no pointer a row kept live); the f32 sums live in memory (volatile, as
+ * avx2_tile1_q4's: a load and a store a row and block), so R costs no register and 16 rows
+ * share each block's unpacking; the blocks are walked chunk by chunk, a block's quants and
+ * scales at constant offsets. One core, m = 64, 2048 x 2048: 3.53 -> 3.15 ms (docs/kernels.md). */
 #define Q6_TILE 16 /* the widest tile's rows (its f32 sums in memory, so R costs no register) */
 TD_INLINE TD_Y void avx2_tile1_q6_k(int R, int h, const unsigned char *gq, size_t nb, size_t k, const unsigned char *a,
                                     size_t stride, float *y, size_t ldy, const unsigned char *pf_end)
@@ -465,31 +467,37 @@ TD_INLINE TD_Y void avx2_tile1_q6_k(int R, int h, const unsigned char *gq, size_
             if (pf_end) /* the group's first sweep */
                 decode_prefetch(TD_Q6_K, gq, b, pf_end);
             const unsigned char *q = qc + j * qb + 32 * h;
+            size_t st = stride;
+            __asm__("" : "+r"(st)); /* row i at a + i * st: no pointer a row */
+            __m256i w[2][4]; /* w[s][v]: weights 16 s + 4 v .. 16 s + 4 v + 3 of the 8 rows */
+            __m256 dw[2];    /* the halves' d * sc, exact */
 #pragma GCC unroll 2
-            for (int s = 0; s < 2; s++) { /* weights 16 s .. 16 s + 15, in the reference's order */
-                size_t st = stride;
-                __asm__("" : "+r"(st)); /* row i at a + i * st, anew each half: no pointer a row kept */
+            for (int s = 0; s < 2; s++) {
                 const __m256i hb = _mm256_loadu_si256((const __m256i *)(q + 256 + 64 * s));
-                __m256i w[4]; /* w[v]: weights 16 s + 4 v .. 16 s + 4 v + 3 of the 8 rows */
 #pragma GCC unroll 4
                 for (int v = 0; v < 4; v++) {
                     const __m256i raw = _mm256_loadu_si256((const __m256i *)(q + 64 * v));
-                    w[v] = _mm256_or_si256(_mm256_and_si256(s ? _mm256_srli_epi16(raw, 4) : raw, low4),
-                                           _mm256_and_si256(Q6_HI_YMM(hb, v), hi2));
+                    w[s][v] = _mm256_or_si256(_mm256_and_si256(s ? _mm256_srli_epi16(raw, 4) : raw, low4),
+                                              _mm256_and_si256(Q6_HI_YMM(hb, v), hi2));
                 }
-                const __m256 dw = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                                                       _mm_loadl_epi64((const __m128i *)(cs + K6_SC(j, s) + 8 * h)))));
+                dw[s] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                             _mm_loadl_epi64((const __m128i *)(cs + K6_SC(j, s) + 8 * h)))));
+            }
 #pragma GCC unroll 16
-                for (int i = 0; i < R; i++) {
-                    const unsigned char *ai = a + i * st, *qh = ai + b * TD_QK + 16 * s;
+            for (int i = 0; i < R; i++) {
+                const unsigned char *ai = a + i * st;
+                const __m256 e = _mm256_set1_ps(load_f32(ai + e_at + 4 * b));
+                __m256 t = acc[i];
+#pragma GCC unroll 2
+                for (int s = 0; s < 2; s++) { /* the halves in the reference's order */
+                    const unsigned char *qh = ai + b * TD_QK + 16 * s;
                     __m256i s16 = _mm256_set1_epi32(load_i32(ai + o_at + 8 * b + 4 * s));
 #pragma GCC unroll 4
                     for (int v = 0; v < 4; v++)
-                        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[v], _mm256_set1_epi32(load_i32(qh + 4 * v))));
-                    const __m256 e = _mm256_set1_ps(load_f32(ai + e_at + 4 * b));
-                    acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s16, wide)), _mm256_mul_ps(dw, e),
-                                             (__m256)acc[i]);
+                        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[s][v], _mm256_set1_epi32(load_i32(qh + 4 * v))));
+                    t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s16, wide)), _mm256_mul_ps(dw[s], e), t);
                 }
+                acc[i] = t;
             }
         }
     }
