@@ -121,7 +121,8 @@ typedef void (*td_cpu_pack_act_fn)(const float *x, void *a, td_dtype_t type, siz
  * summed in the header's order, activation row i at a + i * td_cpu_pack_act_stride(k).
  * Register-blocked: each group's weight block is unpacked once for up to 8 activation
  * rows (AVX-512 VNNI; AVX2: 8 rows by half a group or 4 by all of it, in int16, for m >= 2
- * two-byte rows, 4 by half a group for one-byte ones) while they stay in registers. Each group's first sweep over
+ * two-byte rows, 8 by half a group for one-byte ones, 16 for Q6_K's) while the weights stay
+ * in registers. Each group's first sweep over
  * its weights prefetches ahead of its loads, up to group g_pf (>= g1): the end of the
  * caller's share when it makes several calls over it (past it lie other threads' groups).
  */
