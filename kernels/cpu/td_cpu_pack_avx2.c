@@ -494,7 +494,8 @@ TD_INLINE TD_Y void avx2_tile1_q6_k(int R, int h, const unsigned char *gq, size_
                     __m256i s16 = _mm256_set1_epi32(load_i32(ai + o_at + 8 * b + 4 * s));
 #pragma GCC unroll 4
                     for (int v = 0; v < 4; v++)
-                        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[s][v], _mm256_set1_epi32(load_i32(qh + 4 * v))));
+                        s16 = _mm256_add_epi16(
+                            s16, _mm256_maddubs_epi16(w[s][v], _mm256_set1_epi32(load_i32(qh + 4 * v))));
                     t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s16, wide)), _mm256_mul_ps(dw[s], e), t);
                 }
                 acc[i] = t;
@@ -664,7 +665,8 @@ TD_INLINE TD_Y void kernel_avx2_q6_k_one(const unsigned char *gq, size_t nb, siz
     for (int h = 0; h < 2; h++) {
         size_t i = 0;
         for (; i + Q6_TILE <= m; i += Q6_TILE)
-            avx2_tile1_q6_k(Q6_TILE, h, gq, nb, k, a + i * stride, stride, yg + i * ldy, ldy, h == 0 && i == 0 ? end : NULL);
+            avx2_tile1_q6_k(Q6_TILE, h, gq, nb, k, a + i * stride, stride, yg + i * ldy, ldy,
+                            h == 0 && i == 0 ? end : NULL);
         for (; i + 8 <= m; i += 8)
             avx2_tile1_q6_k(8, h, gq, nb, k, a + i * stride, stride, yg + i * ldy, ldy, h == 0 && i == 0 ? end : NULL);
         const unsigned char *ai = a + i * stride, *pf = h == 0 && i == 0 ? end : NULL;
