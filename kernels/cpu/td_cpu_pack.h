@@ -50,7 +50,11 @@
  *   stride td_cpu_pack_act_stride(k); Q = 254 hi + lo again, as one int16 (|Q| <= 32385), for
  *   AVX2's prefill tiles, whose vpmaddwd takes int16 pairs (one-byte rows: Q = 254 hi). Only
  *   tables with act_q16 write the Q part (scalar, avx2); avx512vnni's kernels never read it
- *   and its quantizer leaves it as it was (writing it cost 1-2% of a prefill there)
+ *   and its quantizer leaves it as it was (writing it cost 1-2% of a prefill there).
+ *   A one-byte row for Q6_K weights, whose Q no kernel reads, holds there instead per block b,
+ *   at 8 b bytes in, four int16: -32 times the sums of hi over the block's weights {0, 1, 4,
+ *   5, 8, 9, 12, 13} and {2, 3, 6, 7, 10, 11, 14, 15}, then over 16 + those (|.| <= 32512),
+ *   and 0 after the last block's: AVX2's one-byte Q6_K tile starts its int16 sums there
  * c folds the weights' offset into the integer sum: Q4_0 c = -8 * sum Q, Q8_0 and IQ4_XS c =
  * -128 * sum Q (int32), so that c + sum u * Q = sum (u - offset) * Q exactly; Q6_K c = -32 * the sum of
  * the block's first 16 Q and c2 = -32 * that of its last 16 (0 for other types); Q4_1, Q4_K and Q5_K c = e * sum Q
@@ -117,7 +121,8 @@ typedef void (*td_cpu_pack_act_fn)(const float *x, void *a, td_dtype_t type, siz
  * summed in the header's order, activation row i at a + i * td_cpu_pack_act_stride(k).
  * Register-blocked: each group's weight block is unpacked once for up to 8 activation
  * rows (AVX-512 VNNI; AVX2: 8 rows by half a group or 4 by all of it, in int16, for m >= 2
- * two-byte rows, 4 by half a group for one-byte ones) while they stay in registers. Each group's first sweep over
+ * two-byte rows, 8 by half a group for one-byte ones, 16 for Q6_K's) while the weights stay
+ * in registers. Each group's first sweep over
  * its weights prefetches ahead of its loads, up to group g_pf (>= g1): the end of the
  * caller's share when it makes several calls over it (past it lie other threads' groups).
  */
@@ -134,7 +139,8 @@ typedef struct td_cpu_pack_ops {
     td_cpu_pack_act_fn act_row;
     bool act_q16; /* act_row writes the row's int16 Q part (the layout above). A row feeds the
                      kernels of the table that made it, or of any table when made by one with
-                     act_q16: only avx2's two-byte kernels read Q, and the scalar reference
+                     act_q16: only avx2's two-byte kernels read Q (and its one-byte Q6_K
+                     tile the offsets there), and the scalar reference
                      writes every part, so its rows feed every table (the tests') */
     td_cpu_pack_fns_t two_byte; /* the header's sum */
     td_cpu_pack_fns_t one_byte; /* the same sum on rows whose lo parts are all 0 (act_row's

@@ -466,58 +466,72 @@ TD_INLINE bool w16_both_halves(td_dtype_t t)
 }
 
 /* Q6_K's one-byte prefill tile (m >= 2, `--device cpu:q8`): half h of a group (8 weight rows)
- * against R one-byte rows, R <= 8. A block's 8 weight vectors u = low | high << 4 are made
- * once into registers and serve every row; per row and half, maddubs' int16 pair sums (u <=
- * 63: at most 2 * 63 * 127 = 16002) build up over two vectors (32004 < 2^15) before one madd
- * by 254 widens them, where the tile before it (2 rows a tile) widened every vector and
- * re-made the weights for each pair of rows. The same integers (each half from c and c2),
- * so the scalar reference's bits. One core, m = 64, a 2048 x 2048 matrix: 5.43 -> 3.64 ms.
- * For the Q4 types the same tile read no faster than their 4-row tile then (q4_k 3.19 against 3.11 ms,
- * q5_k 3.66 against 3.56; 4 rows: 3.20, 3.70): their 8 vectors and 8 accumulators a row
- * spill, and their maddubs already share the widening of a nibble pair. */
+ * against R one-byte rows, R <= Q6_TILE. maddubs' int16 lanes of row r hold the products of
+ * two weights, those of a block's 16-weight half at positions {0, 1} (even lanes) or {2, 3}
+ * (odd) mod 4; over the half's 4 vectors each lane sums 8 of them, u <= 63 against |hi| <=
+ * 127, up to 64008, too much for int16. But a lane that starts at -32 times the sum of its 8
+ * hi (the row's act_o6 pair, made by the quantizer) ends at sum (u - 32) hi, |.| <= 32 * 8 *
+ * 127 = 32512: in range, so vpaddw's wrapping leaves it exact whatever the order, and one madd
+ * by 254 then gives the half's p = c + 254 sum u hi, the reference's integer. Per row and
+ * half: 4 maddubs and 1 madd (the 8-row tile before this one: 4 and 2, and c's broadcast and
+ * adds). The block's 8 weight vectors are made once for the R rows, which go one at a time
+ * (the loop holds those 8, the halves' d * sc, 254 and one sum), one pointer and a stride
+ * opaque to GCC (no pointer a row kept live); the f32 sums live in memory (volatile, as
+ * avx2_tile1_q4's: a load and a store a row and block), so R costs no register and 16 rows
+ * share each block's unpacking; the blocks are walked chunk by chunk, a block's quants and
+ * scales at constant offsets. One core, m = 64, 2048 x 2048: 3.53 -> 3.15 ms (docs/kernels.md). */
+#define Q6_TILE 16 /* the widest tile's rows (its f32 sums in memory, so R costs no register) */
 TD_INLINE TD_Y void avx2_tile1_q6_k(int R, int h, const unsigned char *gq, size_t nb, size_t k, const unsigned char *a,
                                     size_t stride, float *y, size_t ldy, const unsigned char *pf_end)
 {
     const __m256i low4 = _mm256_set1_epi8(0x0F), hi2 = _mm256_set1_epi8(0x30), wide = _mm256_set1_epi16(WIDE);
-    __m256 acc[8];
+    const size_t e_at = act_e(a, k) - a, o_at = act_o6(a, k) - a;
+    const size_t qb = quant_bytes(TD_Q6_K), sb = scale_bytes(TD_Q6_K);
+    volatile __m256 acc[Q6_TILE]; /* in memory on purpose (above) */
     for (int i = 0; i < R; i++)
         acc[i] = _mm256_setzero_ps();
-    for (size_t b = 0; b < nb; b++) {
-        if (pf_end) /* the group's first sweep */
-            decode_prefetch(TD_Q6_K, gq, b, pf_end);
-        const unsigned char *q = gq + block_at(TD_Q6_K, b) + 32 * h, *cs = gq + chunk_scales_at(TD_Q6_K, nb, b);
-        /* w[v]: the first half's weights 4v .. 4v + 3; w[4 + v]: the second half's 16 + 4v .. */
-        __m256i w[8];
-        const __m256i hb0 = _mm256_loadu_si256((const __m256i *)(q + 256));
-        const __m256i hb1 = _mm256_loadu_si256((const __m256i *)(q + 320));
-#pragma GCC unroll 4
-        for (int v = 0; v < 4; v++) {
-            const __m256i raw = _mm256_loadu_si256((const __m256i *)(q + 64 * v));
-            w[v] = _mm256_or_si256(_mm256_and_si256(raw, low4), _mm256_and_si256(Q6_HI_YMM(hb0, v), hi2));
-            w[4 + v] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low4),
-                                       _mm256_and_si256(Q6_HI_YMM(hb1, v), hi2));
-        }
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cs + 16 * h)));
-        __m256 dw[2];
-        for (int s = 0; s < 2; s++)
-            dw[s] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                                         _mm_loadl_epi64((const __m128i *)(cs + K6_SC(b % 8, s) + 8 * h)))));
-#pragma GCC unroll 8
-        for (int i = 0; i < R; i++) {
-            const unsigned char *ai = a + i * stride;
-            const int8_t *qh = act_hi(ai) + b * TD_QK;
-            __m256i p[2] = {_mm256_set1_epi32(load_i32(act_c(ai, k) + 4 * b)),
-                            _mm256_set1_epi32(load_i32(act_c2(ai, k) + 4 * b))};
-#pragma GCC unroll 4
-            for (int j = 0; j < 8; j += 2) { /* vectors j, j + 1: weights 4j .. 4j + 7 of the block */
-                __m256i s = _mm256_add_epi16(_mm256_maddubs_epi16(w[j], _mm256_set1_epi32(load_i32(qh + 4 * j))),
-                                             _mm256_maddubs_epi16(w[j + 1], _mm256_set1_epi32(load_i32(qh + 4 * j + 4))));
-                p[j / 4] = _mm256_add_epi32(p[j / 4], _mm256_madd_epi16(s, wide));
-            }
-            const __m256 e = _mm256_set1_ps(load_f32(act_e(ai, k) + 4 * b));
+    for (size_t c0 = 0; c0 < nb; c0 += PACK_CHUNK) { /* chunk by chunk: no index arithmetic a block */
+        const size_t n_in = nb - c0 < PACK_CHUNK ? nb - c0 : PACK_CHUNK;
+        const unsigned char *qc = gq + c0 * (qb + sb), *cs = qc + n_in * qb; /* its quants, its scales */
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cs + 16 * h))); /* the super-block's */
+        for (size_t j = 0; j < n_in; j++) {
+            const size_t b = c0 + j;
+            if (pf_end) /* the group's first sweep */
+                decode_prefetch(TD_Q6_K, gq, b, pf_end);
+            const unsigned char *q = qc + j * qb + 32 * h;
+            size_t st = stride;
+            __asm__("" : "+r"(st)); /* row i at a + i * st: no pointer a row */
+            __m256i w[2][4]; /* w[s][v]: weights 16 s + 4 v .. 16 s + 4 v + 3 of the 8 rows */
+            __m256 dw[2];    /* the halves' d * sc, exact */
 #pragma GCC unroll 2
-            for (int s = 0; s < 2; s++) /* the halves in the reference's order */
-                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[s]), _mm256_mul_ps(dw[s], e), acc[i]);
+            for (int s = 0; s < 2; s++) {
+                const __m256i hb = _mm256_loadu_si256((const __m256i *)(q + 256 + 64 * s));
+#pragma GCC unroll 4
+                for (int v = 0; v < 4; v++) {
+                    const __m256i raw = _mm256_loadu_si256((const __m256i *)(q + 64 * v));
+                    w[s][v] = _mm256_or_si256(_mm256_and_si256(s ? _mm256_srli_epi16(raw, 4) : raw, low4),
+                                              _mm256_and_si256(Q6_HI_YMM(hb, v), hi2));
+                }
+                dw[s] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                             _mm_loadl_epi64((const __m128i *)(cs + K6_SC(j, s) + 8 * h)))));
+            }
+#pragma GCC unroll 16
+            for (int i = 0; i < R; i++) {
+                const unsigned char *ai = a + i * st;
+                const __m256 e = _mm256_set1_ps(load_f32(ai + e_at + 4 * b));
+                __m256 t = acc[i];
+#pragma GCC unroll 2
+                for (int s = 0; s < 2; s++) { /* the halves in the reference's order */
+                    const unsigned char *qh = ai + b * TD_QK + 16 * s;
+                    __m256i s16 = _mm256_set1_epi32(load_i32(ai + o_at + 8 * b + 4 * s));
+#pragma GCC unroll 4
+                    for (int v = 0; v < 4; v++)
+                        s16 = _mm256_add_epi16(
+                            s16, _mm256_maddubs_epi16(w[s][v], _mm256_set1_epi32(load_i32(qh + 4 * v))));
+                    t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s16, wide)), _mm256_mul_ps(dw[s], e), t);
+                }
+                acc[i] = t;
+            }
         }
     }
     for (int i = 0; i < R; i++)
@@ -672,12 +686,15 @@ TD_INLINE TD_Y void kernel_avx2_q4_one(td_dtype_t t, const unsigned char *gq, si
     }
 }
 
-/* kernel_avx2's one-byte Q6_K prefill: tiles of 8 rows, then one of the rest */
+/* kernel_avx2's one-byte Q6_K prefill: tiles of 16 rows, then one of 8, then one of the rest */
 TD_INLINE TD_Y void kernel_avx2_q6_k_one(const unsigned char *gq, size_t nb, size_t k, const unsigned char *a, size_t m,
                                          size_t stride, float *yg, size_t ldy, const unsigned char *end)
 {
     for (int h = 0; h < 2; h++) {
         size_t i = 0;
+        for (; i + Q6_TILE <= m; i += Q6_TILE)
+            avx2_tile1_q6_k(Q6_TILE, h, gq, nb, k, a + i * stride, stride, yg + i * ldy, ldy,
+                            h == 0 && i == 0 ? end : NULL);
         for (; i + 8 <= m; i += 8)
             avx2_tile1_q6_k(8, h, gq, nb, k, a + i * stride, stride, yg + i * ldy, ldy, h == 0 && i == 0 ? end : NULL);
         const unsigned char *ai = a + i * stride, *pf = h == 0 && i == 0 ? end : NULL;

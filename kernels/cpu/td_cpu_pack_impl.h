@@ -117,6 +117,11 @@ TD_INLINE const unsigned char *act_c(const unsigned char *a, size_t k) { return 
 TD_INLINE const unsigned char *act_c2(const unsigned char *a, size_t k) { return a + 2 * k + 8 * (k / TD_QK); }
 TD_INLINE size_t act_q16_at(size_t k) { return (2 * k + 12 * (k / TD_QK) + 63) & ~(size_t)63; }
 TD_INLINE const unsigned char *act_q16(const unsigned char *a, size_t k) { return a + act_q16_at(k); }
+/* A one-byte Q6_K row's offsets (the header: its Q part, which no kernel reads on such a row,
+ * holds them, packed): of block b, four int16 at act_o6 + 8 b, -32 times the sums of hi over
+ * the weights {0, 1, 4, 5, 8, 9, 12, 13} and {2, 3, 6, 7, 10, 11, 14, 15} of the first half,
+ * then of the second (16 + those); the rest of the part 0 */
+TD_INLINE const unsigned char *act_o6(const unsigned char *a, size_t k) { return a + act_q16_at(k); }
 
 /* c (and c2) of a block from its scale e and sums of Q, of the whole block and of its first
  * 16 values (the header's definitions; c2 only Q6_K's, 0 for the others) */
@@ -144,6 +149,8 @@ TD_INLINE void act_row_blocks(act_block_fn block, const float *x, void *av, td_d
                               bool one_byte, bool q16)
 {
     unsigned char *a = av;
+    if (q16 && one_byte && type == TD_Q6_K) /* act_o6's 8 bytes a block, then 0 */
+        memset(a + act_q16_at(k), 0, 2 * k);
     for (size_t b = 0; b < k / TD_QK; b++) {
         float e;
         int8_t *hi = (int8_t *)a + b * TD_QK, *lo = (int8_t *)a + k + b * TD_QK;
@@ -157,7 +164,15 @@ TD_INLINE void act_row_blocks(act_block_fn block, const float *x, void *av, td_d
                     first = sum;
             }
         }
-        if (q16) { /* Q = 254 hi + lo, |Q| <= 32385: AVX2's int16 prefill tiles read these */
+        if (q16 && one_byte && type == TD_Q6_K) { /* the Q part holds the offsets instead (act_o6) */
+            int32_t o[4] = {0};
+            int16_t o16[4];
+            for (int i = 0; i < TD_QK; i++)
+                o[i / 16 * 2 + i % 4 / 2] -= 32 * hi[i];
+            for (int j = 0; j < 4; j++)
+                o16[j] = (int16_t)o[j]; /* |o| <= 32 * 8 * 127 */
+            memcpy(a + act_q16_at(k) + 8 * b, o16, sizeof o16);
+        } else if (q16) { /* Q = 254 hi + lo, |Q| <= 32385: AVX2's int16 prefill tiles read these */
             int16_t q[TD_QK];
             for (int i = 0; i < TD_QK; i++)
                 q[i] = (int16_t)(WIDE * hi[i] + lo[i]);
