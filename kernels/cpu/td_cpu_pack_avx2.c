@@ -70,6 +70,22 @@ TD_INLINE TD_Y void avx2_scales(td_dtype_t t, const unsigned char *cs, size_t b,
  * into a tree, holds every product at once and spills (w16_tile: a third of the speed) */
 #define AVX2_KEEP(x) __asm__("" : "+x"(x))
 
+/* CALL(R) for the rows a tiling leaves, r in 1..7, R a constant in each call: each R is its
+ * own unrolled tile */
+#define AVX2_REST(r, CALL)                                                                        \
+    do {                                                                                          \
+        switch (r) {                                                                              \
+        case 1: CALL(1); break;                                                                   \
+        case 2: CALL(2); break;                                                                   \
+        case 3: CALL(3); break;                                                                   \
+        case 4: CALL(4); break;                                                                   \
+        case 5: CALL(5); break;                                                                   \
+        case 6: CALL(6); break;                                                                   \
+        case 7: CALL(7); break;                                                                   \
+        default: break;                                                                           \
+        }                                                                                         \
+    } while (0)
+
 /* Whether avx2_row1 takes type t: unsigned quants u <= 31 (not Q8_0, IQ4_XS: signed through
  * the sign trick; not Q6_K: its own layout) */
 TD_INLINE bool avx2_row1_takes(td_dtype_t t)
@@ -310,10 +326,6 @@ static const int8_t w16_pick[2][32] = {
     {0, -1, 1, -1, 4, -1, 5, -1, 8, -1, 9, -1, 12, -1, 13, -1, 0, -1, 1, -1, 4, -1, 5, -1, 8, -1, 9, -1, 12, -1, 13, -1},
     {2, -1, 3, -1, 6, -1, 7, -1, 10, -1, 11, -1, 14, -1, 15, -1, 2, -1, 3, -1, 6, -1, 7, -1, 10, -1, 11, -1, 14, -1, 15, -1}};
 
-/* Keeps an accumulator in its register: without it GCC reassociates a block's adds into a
- * tree, holds every vpmaddwd result at once and spills them (a third of the speed) */
-#define W16_KEEP(x) __asm__("" : "+x"(x))
-
 /* p[x][i] += the products of weight bytes wb[x] (half h0 + x; lane r: row r's weights
  * e0..e0 + 3) with activation row i's Q at e0.. (q16 + off of each row): each broadcast of
  * a Q pair serves the H halves */
@@ -333,7 +345,7 @@ static const int8_t w16_pick[2][32] = {
             {                                                                                     \
                 p[x][i] = _mm256_add_epi32(p[x][i], _mm256_madd_epi16(w0_[x], q0_));              \
                 p[x][i] = _mm256_add_epi32(p[x][i], _mm256_madd_epi16(w1_[x], q1_));              \
-                W16_KEEP(p[x][i]);                                                                \
+                AVX2_KEEP(p[x][i]);                                                                \
             }                                                                                     \
         }                                                                                         \
     } while (0)
@@ -646,7 +658,7 @@ TD_INLINE TD_Y void avx2_min_q4(td_dtype_t t, int R, int h, const unsigned char 
 }
 
 /* kernel_avx2's one-byte prefill of the 4-bit types: tiles of 8 rows a half (4 measured 3-12%
- * slower), one of 4 and one of the rest; the offset terms first */
+ * slower), then one of the rest; the offset terms first */
 TD_INLINE TD_Y void kernel_avx2_q4_one(td_dtype_t t, const unsigned char *gq, size_t nb, size_t k, const unsigned char *a,
                                        size_t m, size_t stride, float *yg, size_t ldy, const unsigned char *end)
 {
@@ -656,33 +668,19 @@ TD_INLINE TD_Y void kernel_avx2_q4_one(td_dtype_t t, const unsigned char *gq, si
             avx2_min_q4(t, 8, h, gq, nb, k, a + i * stride, stride, yg + i * ldy, ldy);
         const unsigned char *ai = a + i * stride;
         float *yi = yg + i * ldy;
-        switch (m - i) { /* a constant R in each call, so each is its own unrolled loop */
-        case 1: avx2_min_q4(t, 1, h, gq, nb, k, ai, stride, yi, ldy); break;
-        case 2: avx2_min_q4(t, 2, h, gq, nb, k, ai, stride, yi, ldy); break;
-        case 3: avx2_min_q4(t, 3, h, gq, nb, k, ai, stride, yi, ldy); break;
-        case 4: avx2_min_q4(t, 4, h, gq, nb, k, ai, stride, yi, ldy); break;
-        case 5: avx2_min_q4(t, 5, h, gq, nb, k, ai, stride, yi, ldy); break;
-        case 6: avx2_min_q4(t, 6, h, gq, nb, k, ai, stride, yi, ldy); break;
-        case 7: avx2_min_q4(t, 7, h, gq, nb, k, ai, stride, yi, ldy); break;
-        default: break;
-        }
+#define MIN_Q4(R) avx2_min_q4(t, R, h, gq, nb, k, ai, stride, yi, ldy)
+        AVX2_REST(m - i, MIN_Q4);
+#undef MIN_Q4
     }
     for (int h = 0; h < 2; h++) {
         size_t i = 0;
         for (; i + 8 <= m; i += 8)
             avx2_tile1_q4(t, 8, h, gq, nb, k, a + i * stride, stride, yg + i * ldy, ldy, h == 0 && i == 0 ? end : NULL);
-        if (m - i >= 4) {
-            avx2_tile1_q4(t, 4, h, gq, nb, k, a + i * stride, stride, yg + i * ldy, ldy, h == 0 && i == 0 ? end : NULL);
-            i += 4;
-        }
         const unsigned char *ai = a + i * stride, *pf = h == 0 && i == 0 ? end : NULL;
         float *yi = yg + i * ldy;
-        switch (m - i) { /* a constant R in each call, so each is its own unrolled tile */
-        case 1: avx2_tile1_q4(t, 1, h, gq, nb, k, ai, stride, yi, ldy, pf); break;
-        case 2: avx2_tile1_q4(t, 2, h, gq, nb, k, ai, stride, yi, ldy, pf); break;
-        case 3: avx2_tile1_q4(t, 3, h, gq, nb, k, ai, stride, yi, ldy, pf); break;
-        default: break;
-        }
+#define TILE1_Q4(R) avx2_tile1_q4(t, R, h, gq, nb, k, ai, stride, yi, ldy, pf)
+        AVX2_REST(m - i, TILE1_Q4);
+#undef TILE1_Q4
     }
 }
 
@@ -699,16 +697,9 @@ TD_INLINE TD_Y void kernel_avx2_q6_k_one(const unsigned char *gq, size_t nb, siz
             avx2_tile1_q6_k(8, h, gq, nb, k, a + i * stride, stride, yg + i * ldy, ldy, h == 0 && i == 0 ? end : NULL);
         const unsigned char *ai = a + i * stride, *pf = h == 0 && i == 0 ? end : NULL;
         float *yi = yg + i * ldy;
-        switch (m - i) { /* a constant R in each call, so each is its own unrolled tile */
-        case 1: avx2_tile1_q6_k(1, h, gq, nb, k, ai, stride, yi, ldy, pf); break;
-        case 2: avx2_tile1_q6_k(2, h, gq, nb, k, ai, stride, yi, ldy, pf); break;
-        case 3: avx2_tile1_q6_k(3, h, gq, nb, k, ai, stride, yi, ldy, pf); break;
-        case 4: avx2_tile1_q6_k(4, h, gq, nb, k, ai, stride, yi, ldy, pf); break;
-        case 5: avx2_tile1_q6_k(5, h, gq, nb, k, ai, stride, yi, ldy, pf); break;
-        case 6: avx2_tile1_q6_k(6, h, gq, nb, k, ai, stride, yi, ldy, pf); break;
-        case 7: avx2_tile1_q6_k(7, h, gq, nb, k, ai, stride, yi, ldy, pf); break;
-        default: break;
-        }
+#define TILE1_Q6_K(R) avx2_tile1_q6_k(R, h, gq, nb, k, ai, stride, yi, ldy, pf)
+        AVX2_REST(m - i, TILE1_Q6_K);
+#undef TILE1_Q6_K
     }
 }
 
@@ -723,16 +714,9 @@ TD_INLINE TD_Y void kernel_avx2_w16(td_dtype_t t, const unsigned char *gq, size_
             w16_tile(t, R, h, H, gq, nb, k, a + i * stride, stride, yg + i * ldy, ldy, h == 0 && i == 0 ? end : NULL);
         const unsigned char *ai = a + i * stride, *pf = h == 0 && i == 0 ? end : NULL;
         float *yi = yg + i * ldy;
-        switch (m - i) { /* the rest: a constant R in each call, so each is its own unrolled tile */
-        case 1: w16_tile(t, 1, h, H, gq, nb, k, ai, stride, yi, ldy, pf); break;
-        case 2: w16_tile(t, 2, h, H, gq, nb, k, ai, stride, yi, ldy, pf); break;
-        case 3: w16_tile(t, 3, h, H, gq, nb, k, ai, stride, yi, ldy, pf); break;
-        case 4: w16_tile(t, 4, h, 1, gq, nb, k, ai, stride, yi, ldy, pf); break; /* R = 8 only */
-        case 5: w16_tile(t, 5, h, 1, gq, nb, k, ai, stride, yi, ldy, pf); break;
-        case 6: w16_tile(t, 6, h, 1, gq, nb, k, ai, stride, yi, ldy, pf); break;
-        case 7: w16_tile(t, 7, h, 1, gq, nb, k, ai, stride, yi, ldy, pf); break;
-        default: break;
-        }
+#define W16(R) w16_tile(t, R, h, (R) * H <= 8 ? H : 1, gq, nb, k, ai, stride, yi, ldy, pf) /* R * H <= 8 */
+        AVX2_REST(m - i, W16);
+#undef W16
     }
 }
 
