@@ -304,6 +304,8 @@ static td_status_t whole_tool_event(void *ctx, const td_tools_event_t *ev)
     http_choice_t *ch = ctx;
     if (ev->kind == TD_TOOLS_CONTENT) {
         router_oai_buf_put(&ch->content, ev->text, ev->len);
+    } else if (ch->rs.legacy_functions) { /* the older message.function_call: one call */
+        router_oai_function_call_json(&ch->calls, ev->name, ev->arguments, ev->arguments_len);
     } else {
         char id[40];
         router_oai_tool_call_id(ch->hc->id, ch->hc->tool_format, (uint32_t)ch->rs.index, ev->index, id);
@@ -383,11 +385,12 @@ static const char *reason_name(router_finish_t reason)
     return reason == ROUTER_FINISH_LENGTH ? "length" : "stop";
 }
 
-/* OpenAI's finish_reason "tool_calls" when ch's output ended with calls. */
+/* OpenAI's finish_reason "tool_calls" ("function_call" for `functions`) when ch's output
+ * ended with calls. */
 static const char *finish_name(const http_choice_t *ch, router_finish_t reason)
 {
     if (ch->tools && td_tools_parser_calls(ch->tools) && reason != ROUTER_FINISH_LENGTH)
-        return "tool_calls";
+        return ch->rs.legacy_functions ? "function_call" : "tool_calls";
     return reason_name(reason);
 }
 
@@ -641,7 +644,8 @@ static void http_generate_parsed(router_state_t *s, td_http_req_t *req, router_o
     for (int32_t i = 0; i < hc->n; i++)
         hc->ch[i] = (http_choice_t){.hc = hc, .first = true, .echo_pending = hc->echo != NULL,
                                     .rs = {.kind = kind, .id = hc->id, .model = s->proc.cfg.model_name,
-                                           .created = (int64_t)time(NULL), .index = i}};
+                                           .created = (int64_t)time(NULL), .index = i,
+                                           .legacy_functions = q.legacy_functions}};
     for (int32_t i = 0; hc->tools && i < hc->n; i++)
         if (td_tools_parser_create(s->tool_format, q.parallel_tool_calls ? 0 : 1, (size_t)1 << 20, &hc->ch[i].tools) ==
             TD_OK) {
