@@ -497,7 +497,7 @@ void on_generate(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data)
     }
     /* the choices: as many parsers with tools, and the call's state (no messages copy: they
      * are choice 0's, borrowed for router_choices_start) */
-    int32_t n = q->n ? (int32_t)TD_MIN(q->n, (uint32_t)INT32_MAX) : 1;
+    int32_t n = q->n ? (int32_t)q->n : 1; /* at most ROUTER_CHOICES_MAX, checked above */
     gw_call_t *gc = calloc(1, sizeof *gc);
     router_key_terms_t kt;
     td_chat_message_t *messages = NULL;
