@@ -1,7 +1,8 @@
 /*
  * router_gateway: the gateway API (tandem.v1.Generation, grpc.health.v1.Health). Generate
- * checks a request at the edge (td_gen_params), builds its router_req_t and hands it to the
- * lifecycle (router_request.c); ListModels and ClusterStatus answer from the registry.
+ * checks a request at the edge (td_gen_params), builds its n choices' router requests
+ * (router_choices, shared with the OpenAI door) and hands them to the lifecycle
+ * (router_request.c); ListModels and ClusterStatus answer from the registry.
  */
 #include "router_int.h"
 
@@ -11,6 +12,7 @@
 
 #include "health.pb-c.h"
 #include "router_admit.h"
+#include "router_choices.h"
 #include "router_openai.h"
 #include "td_gram.h"
 #include "td_log.h"
@@ -20,12 +22,13 @@
 
 static const char *const gw_none = "";
 
-/* A Generate call with tools (r->sink_data): its output through the tool-call parser, and
+/* One choice of a Generate call with tools: its output through the tool-call parser, and
  * what the parser gave since the last message went out. */
 typedef struct gw_tools {
     td_tools_parser_t *parser;
     td_tools_format_t fmt;
-    const char *req_id;             /* r->id, for the calls' ids */
+    const char *req_id;             /* choice 0's request id, for the calls' ids */
+    uint32_t choice;                /* the choice's index, for the calls' ids */
     router_oai_buf_t content;       /* content text given, not yet sent */
     router_oai_buf_t strs;          /* the pending calls' ids, names and arguments, NUL-separated */
     Tandem__V1__ToolCall *calls;    /* [n_calls] pending calls (string fields set at send) */
@@ -35,9 +38,8 @@ typedef struct gw_tools {
     size_t fed;                     /* bytes of r->out.text fed to the parser (a send was BUSY) */
 } gw_tools_t;
 
-static void gw_tools_free(router_req_t *r)
+static void gw_tools_free(gw_tools_t *g)
 {
-    gw_tools_t *g = r->sink_data;
     if (!g)
         return;
     td_tools_parser_destroy(g->parser);
@@ -46,7 +48,22 @@ static void gw_tools_free(router_req_t *r)
     free(g->calls);
     free(g->offs);
     free(g);
-    r->sink_data = NULL;
+}
+
+/* One Generate call and its n choices (GenerateRequest.n): freed in the group's close
+ * callback (gw_choices_closed), once the call is answered or gone and no choice runs. */
+typedef struct gw_call {
+    router_choices_t g;
+    td_grpc_call_t *call;                   /* NULL once answered or gone */
+    gw_tools_t *tools[ROUTER_CHOICES_MAX];  /* each choice's parse, with tools; else NULL */
+} gw_call_t;
+
+/* r's call and choice (r is one of its group's requests). */
+static gw_call_t *gw_of(const router_req_t *r, int32_t *index_p)
+{
+    const router_choice_t *c = r->client;
+    *index_p = c->index;
+    return c->g->owner;
 }
 
 static td_status_t gw_tool_event(void *ctx, const td_tools_event_t *ev)
@@ -68,7 +85,7 @@ static td_status_t gw_tool_event(void *ctx, const td_tools_event_t *ev)
         g->cap_calls = cap;
     }
     char id[40];
-    router_oai_tool_call_id(g->req_id, g->fmt, 0, ev->index, id);
+    router_oai_tool_call_id(g->req_id, g->fmt, g->choice, ev->index, id);
     size_t *off = g->offs[g->n_calls];
     off[0] = g->strs.n;
     router_oai_buf_put(&g->strs, id, strlen(id) + 1);
@@ -90,9 +107,9 @@ static td_status_t gw_tool_event(void *ctx, const td_tools_event_t *ev)
  * parser's held text), into m's text and tool_calls; *ptrs_p the calls' array (free it once
  * sent). What the parser gave stays pending until gw_tools_sent: a send refused as BUSY is
  * made again from the same r->out, which is not fed twice. */
-static td_status_t gw_tools_message(router_req_t *r, Tandem__V1__GenerateResponse *m, bool last, void **ptrs_p)
+static td_status_t gw_tools_message(gw_tools_t *g, router_req_t *r, Tandem__V1__GenerateResponse *m, bool last,
+                                    void **ptrs_p)
 {
-    gw_tools_t *g = r->sink_data;
     *ptrs_p = NULL;
     td_status_t st = router_oai_tools_feed(g->parser, &g->fed, r->out.text, r->out.n_text, last, gw_tool_event, g);
     router_oai_buf_put(&g->content, "", 1); /* the NUL protobuf-c wants, not counted */
@@ -119,24 +136,26 @@ static td_status_t gw_tools_message(router_req_t *r, Tandem__V1__GenerateRespons
 }
 
 /* The message went out (the relay clears r->out): nothing of it is pending any more. */
-static void gw_tools_sent(router_req_t *r)
+static void gw_tools_sent(gw_tools_t *g)
 {
-    gw_tools_t *g = r->sink_data;
     g->content.n = 0;
     g->strs.n = 0;
     g->n_calls = 0;
     g->fed = 0;
 }
 
-static td_status_t gw_message(router_req_t *r, Tandem__V1__GenerateResponse *m, void *mem[2])
+/* r's pending output as m (choice i of gc); mem: what to free once m is sent. */
+static td_status_t gw_message(gw_call_t *gc, int32_t i, router_req_t *r, Tandem__V1__GenerateResponse *m,
+                              void *mem[2])
 {
     td_status_t st = TD_OK;
     mem[0] = mem[1] = NULL;
     m->token_ids = r->out.ids;
     m->n_token_ids = r->out.n;
     m->text = r->out.text ? r->out.text : (char *)gw_none;
-    if (!r->sent_msg)
-        m->request_id = r->id;
+    m->choice_index = (uint32_t)i;
+    if (!r->sent_msg) /* every choice's first message: the call's id (choice 0's request's) */
+        m->request_id = gc->g.id;
     if (r->out.lps && r->out.n) {
         st = td_node_logprobs_to_proto_array(r->out.lps, r->out.n, &m->logprobs, &mem[0]);
         m->n_logprobs = st == TD_OK ? r->out.n : 0;
@@ -150,24 +169,38 @@ static td_status_t gw_message(router_req_t *r, Tandem__V1__GenerateResponse *m, 
 
 static td_status_t gw_send(router_req_t *r)
 {
+    int32_t i;
+    gw_call_t *gc = gw_of(r, &i);
+    gw_tools_t *gt = gc->tools[i];
+    if (gc->g.failed || !gc->call)
+        return TD_OK; /* another choice failed and answered: this one ends from the idle handle */
     Tandem__V1__GenerateResponse m = TANDEM__V1__GENERATE_RESPONSE__INIT;
     void *mem[2], *calls = NULL;
-    if (gw_message(r, &m, mem) != TD_OK)
+    if (gw_message(gc, i, r, &m, mem) != TD_OK)
         td_warn("request %s: out of memory for %u log-probabilities; sent without them", r->id, r->out.n);
-    if (r->sink_data && gw_tools_message(r, &m, false, &calls) != TD_OK) {
+    if (gt && gw_tools_message(gt, r, &m, false, &calls) != TD_OK) {
         free(mem[0]);
         free(mem[1]);
         return TD_ERR_NOMEM; /* the client goes: a call half-read cannot be sent right */
     }
-    td_status_t st = td_grpc_call_send(r->client, &m.base);
-    if (st == TD_OK && r->sink_data)
-        gw_tools_sent(r);
+    td_status_t st = td_grpc_call_send(gc->call, &m.base);
+    if (st == TD_OK && gt)
+        gw_tools_sent(gt);
     free(calls);
     free(mem[0]);
     free(mem[1]);
     return st;
 }
 
+/* The call is answered: nothing more is written to it. */
+static void gw_answered(gw_call_t *gc)
+{
+    gc->call = NULL;
+    router_choices_answered(&gc->g);
+}
+
+/* A choice ends well: its last message with its finish reason; the last choice's also
+ * carries the usage of them all (the prompt once) and choice 0's timings, and ends the call. */
 static void gw_finish(router_req_t *r, const router_summary_t *sum)
 {
     static const Tandem__V1__FinishReason reasons[] = {
@@ -175,58 +208,98 @@ static void gw_finish(router_req_t *r, const router_summary_t *sum)
         [ROUTER_FINISH_STOP] = TANDEM__V1__FINISH_REASON__FINISH_REASON_STOP,
         [ROUTER_FINISH_EOS] = TANDEM__V1__FINISH_REASON__FINISH_REASON_EOS,
     };
+    int32_t i;
+    gw_call_t *gc = gw_of(r, &i);
+    gw_tools_t *gt = gc->tools[i];
+    if (!router_choices_finished(r->client, r, sum)) /* answered already */
+        return;
     void *calls = NULL;
     Tandem__V1__GenerateResponse m = TANDEM__V1__GENERATE_RESPONSE__INIT;
     Tandem__V1__Usage u = TANDEM__V1__USAGE__INIT;
     Tandem__V1__Timings t = TANDEM__V1__TIMINGS__INIT;
     void *mem[2];
-    if (gw_message(r, &m, mem) != TD_OK)
+    if (gw_message(gc, i, r, &m, mem) != TD_OK)
         td_warn("request %s: out of memory for the log-probabilities of the last message; sent without them", r->id);
-    m.request_id = r->id;
+    m.request_id = gc->g.id;
     m.finish_reason = reasons[sum->reason];
-    if (r->sink_data) {
-        if (gw_tools_message(r, &m, true, &calls) != TD_OK)
+    if (gt) {
+        if (gw_tools_message(gt, r, &m, true, &calls) != TD_OK)
             td_warn("request %s: out of memory for the tool calls of the last message; sent without them", r->id);
         /* as OpenAI's "tool_calls": the output ended with calls, not cut by max_tokens */
-        if (((gw_tools_t *)r->sink_data)->total && sum->reason != ROUTER_FINISH_LENGTH)
+        if (gt->total && sum->reason != ROUTER_FINISH_LENGTH)
             m.finish_reason = TANDEM__V1__FINISH_REASON__FINISH_REASON_TOOL_CALLS;
     }
-    u.prompt_tokens = sum->prompt_tokens;
-    u.completion_tokens = sum->completion_tokens;
-    u.cached_tokens = sum->cached_tokens;
-    u.migrations = sum->migrations;
-    m.usage = &u;
-    t.queue_s = sum->queue_s;
-    t.prefill_s = sum->prefill_s;
-    t.transfer_s = sum->transfer_s;
-    t.first_token_s = sum->first_token_s;
-    t.per_token_s = sum->per_token_s;
-    t.total_s = sum->total_s;
-    t.prefill_local = sum->prefill_local;
-    m.timings = &t;
-    td_grpc_call_set_data(r->client, NULL);
-    td_grpc_call_reply(r->client, &m.base);
+    if (!router_choices_all_ended(&gc->g)) {
+        /* past the send bound: this choice's end cannot wait, and there are at most n */
+        td_status_t st = td_grpc_call_send_last(gc->call, &m.base);
+        if (st != TD_OK && st != TD_ERR_CANCELLED) { /* cancelled: on_generate_cancel follows */
+            td_warn("request %s: cannot send choice %d's last message: %s", r->id, (int)i, td_strerror(st));
+            td_grpc_call_set_data(gc->call, NULL);
+            td_grpc_call_finish(gc->call, TD_GRPC_RESOURCE_EXHAUSTED, "router: cannot send a choice's last message");
+            gw_answered(gc); /* the other choices end from the group's idle handle */
+        }
+    } else {
+        const router_summary_t *s0 = &gc->g.sum0;
+        u.prompt_tokens = s0->prompt_tokens;
+        u.completion_tokens = gc->g.completion_tokens;
+        u.cached_tokens = s0->cached_tokens;
+        u.migrations = gc->g.migrations;
+        m.usage = &u;
+        t.queue_s = s0->queue_s;
+        t.prefill_s = s0->prefill_s;
+        t.transfer_s = s0->transfer_s;
+        t.first_token_s = s0->first_token_s;
+        t.per_token_s = s0->per_token_s;
+        t.total_s = s0->total_s;
+        t.prefill_local = s0->prefill_local;
+        m.timings = &t;
+        td_grpc_call_set_data(gc->call, NULL);
+        td_grpc_call_reply(gc->call, &m.base);
+        gw_answered(gc);
+    }
     free(calls);
-    gw_tools_free(r);
     free(mem[0]);
     free(mem[1]);
 }
 
 static void gw_fail(router_req_t *r, td_grpc_code_t code, const char *msg)
 {
-    gw_tools_free(r);
-    td_grpc_call_set_data(r->client, NULL);
-    td_grpc_call_finish(r->client, code, msg);
+    router_choices_fail(r->client, code, msg);
 }
 
-static const router_sink_ops_t gw_sink = {.send = gw_send, .finish = gw_finish, .fail = gw_fail};
+static const router_sink_ops_t gw_sink = {.send = gw_send, .finish = gw_finish, .fail = gw_fail,
+                                          .prefilled = router_choices_prefilled};
+
+/* The group's first failure (router_choices_ops_t.failed): the call ends with it. */
+static void gw_choices_failed(router_choices_t *g, int32_t i, td_grpc_code_t code, const char *msg)
+{
+    gw_call_t *gc = g->owner;
+    (void)i;
+    td_grpc_call_set_data(gc->call, NULL);
+    td_grpc_call_finish(gc->call, code, msg);
+    gw_answered(gc);
+}
+
+static void gw_call_free(gw_call_t *gc)
+{
+    for (int32_t i = 0; i < ROUTER_CHOICES_MAX; i++)
+        gw_tools_free(gc->tools[i]);
+    free(gc);
+}
+
+static void gw_choices_closed(router_choices_t *g)
+{
+    gw_call_free(g->owner);
+}
+
+static const router_choices_ops_t gw_choices_ops = {.failed = gw_choices_failed, .closed = gw_choices_closed};
 
 static void on_generate_cancel(td_grpc_call_t *call, td_status_t why, void *call_data)
 {
-    router_req_t *r = call_data;
-    if (r) {
-        gw_tools_free(r);
-        router_req_client_gone(r, why == TD_ERR_TIMEOUT);
+    gw_call_t *gc = call_data;
+    if (gc) {
+        gc->call = NULL;
+        router_choices_gone(&gc->g, why == TD_ERR_TIMEOUT);
     }
     td_grpc_call_finish(call, TD_GRPC_CANCELLED, NULL);
 }
@@ -234,9 +307,10 @@ static void on_generate_cancel(td_grpc_call_t *call, td_status_t why, void *call
 /* The gateway stream drained below its bound: the pending output goes out now. */
 static void on_generate_writable(td_grpc_call_t *call, void *call_data)
 {
-    router_req_t *r = call_data;
-    if (r)
-        router_req_writable(r);
+    gw_call_t *gc = call_data;
+    (void)call;
+    if (gc)
+        router_choices_writable(&gc->g);
 }
 
 /* The edge: a GenerateRequest's parameters as our own struct, for the one validation every
@@ -397,6 +471,12 @@ void on_generate(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data)
         td_grpc_call_finish(call, TD_GRPC_INVALID_ARGUMENT, why);
         return;
     }
+    if (q->n > ROUTER_CHOICES_MAX) { /* as the OpenAI door's n */
+        router_count_outcome(s, "invalid");
+        snprintf(why, sizeof why, "n %u is out of range [1, %d]: choices per request", q->n, ROUTER_CHOICES_MAX);
+        td_grpc_call_finish(call, TD_GRPC_INVALID_ARGUMENT, why);
+        return;
+    }
     char *gbnf = NULL;
     if (q->grammar && !gateway_grammar(q->grammar, &gbnf, why, sizeof why)) {
         router_count_outcome(s, "invalid");
@@ -415,28 +495,25 @@ void on_generate(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data)
         td_grpc_call_finish(call, code, why);
         return;
     }
-    gw_tools_t *gt = NULL;
-    if (parse_tools && (!(gt = calloc(1, sizeof *gt)) ||
-                        td_tools_parser_create(s->tool_format, tq.parallel_tool_calls ? 0 : 1, (size_t)1 << 20,
-                                               &gt->parser) != TD_OK)) {
-        free(gt);
-        router_oai_req_free(&tq);
-        free(gbnf);
-        td_grpc_call_finish(call, TD_GRPC_RESOURCE_EXHAUSTED, "router: out of memory");
-        return;
-    }
+    /* the choices: as many parsers with tools, and the call's state (no messages copy: they
+     * are choice 0's, borrowed for router_choices_start) */
+    int32_t n = q->n ? (int32_t)q->n : 1; /* at most ROUTER_CHOICES_MAX, checked above */
+    gw_call_t *gc = calloc(1, sizeof *gc);
     router_key_terms_t kt;
     td_chat_message_t *messages = NULL;
-    if (router_key_terms(s, td_grpc_call_header(call, "authorization"), q->priority ? q->priority->value : 0,
-                         &kt) != TD_OK ||
-        (q->n_messages && !(messages = malloc(q->n_messages * sizeof *messages)))) {
-        if (gt)
-            td_tools_parser_destroy(gt->parser);
-        free(gt);
-        router_oai_req_free(&tq);
-        free(gbnf);
-        td_grpc_call_finish(call, TD_GRPC_RESOURCE_EXHAUSTED, "router: out of memory");
-        return;
+    bool ok = gc && router_key_terms(s, td_grpc_call_header(call, "authorization"),
+                                     q->priority ? q->priority->value : 0, &kt) == TD_OK &&
+              (!q->n_messages || (messages = malloc(q->n_messages * sizeof *messages)));
+    for (int32_t i = 0; ok && parse_tools && i < n; i++) {
+        gw_tools_t *gt = calloc(1, sizeof *gt);
+        if (gt && td_tools_parser_create(s->tool_format, tq.parallel_tool_calls ? 0 : 1, (size_t)1 << 20,
+                                         &gt->parser) == TD_OK) {
+            *gt = (gw_tools_t){.parser = gt->parser, .fmt = s->tool_format, .req_id = gc->g.id, .choice = (uint32_t)i};
+            gc->tools[i] = gt;
+        } else {
+            free(gt);
+            ok = false;
+        }
     }
     for (size_t i = 0; messages && i < q->n_messages; i++) {
         const Tandem__V1__ChatMessage *cm = q->messages[i];
@@ -452,32 +529,24 @@ void on_generate(td_grpc_call_t *call, const ProtobufCMessage *msg, void *data)
                               .prompt_ids = q->prompt_ids, .prompt = q->prompt, .prompt_text_len = strlen(q->prompt),
                               .messages = messages, .n_messages = messages ? q->n_messages : 0,
                               .stop_ids = q->stop_ids,
-                              .priority = kt.priority, .cache_salt = kt.cache_salt,
+                              .priority = ok ? kt.priority : 0, .cache_salt = ok ? kt.cache_salt : 0,
                               .timeout_ms = dl_ms ? (int64_t)TD_MAX(dl_ms > now_ms ? dl_ms - now_ms : 0, 1) : 0,
                               .grammar = gbnf, .tools_json = tq.tools_json};
-    router_req_t *r;
-    td_status_t open_st = router_req_open(s, &spec, &code, why, sizeof why, &r);
-    free(gbnf); /* copied by router_req_open */
-    if (open_st != TD_OK) {
-        if (gt)
-            td_tools_parser_destroy(gt->parser);
-        free(gt);
+    if (!ok || router_choices_init(&gc->g, s, n, &spec, &gw_sink, &gw_choices_ops, gc) != TD_OK) {
+        if (gc)
+            gw_call_free(gc);
         router_oai_req_free(&tq);
+        free(gbnf);
         free(messages);
-        td_grpc_call_finish(call, code, why);
+        td_grpc_call_finish(call, TD_GRPC_RESOURCE_EXHAUSTED, "router: out of memory");
         return;
     }
-    r->sink = &gw_sink;
-    r->client = call;
-    if (gt) {
-        gt->fmt = s->tool_format;
-        gt->req_id = r->id;
-        r->sink_data = gt;
-    }
-    td_grpc_call_set_data(call, r);
+    gc->call = call;
+    td_grpc_call_set_data(call, gc);
     td_grpc_call_on_cancel(call, on_generate_cancel);
     td_grpc_call_on_writable(call, on_generate_writable);
-    router_req_submit(r, &spec);
+    router_choices_start(&gc->g, &spec); /* may end the call (refused) */
+    free(gbnf); /* copied by router_req_open and the group */
     router_oai_req_free(&tq);
     free(messages);
 }

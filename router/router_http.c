@@ -25,21 +25,19 @@
 #include <time.h>
 
 #include "router_admit.h"
+#include "router_choices.h"
 #include "router_openai.h"
 #include "td_hash.h"
 #include "td_log.h"
-#include "td_rng.h"
 #include "td_util.h"
 
 typedef struct http_client http_client_t;
 
-/* One choice of a request (OpenAI's choices[i]; n > 1 makes several): its router request
- * and its part of the answer. */
+/* One choice of a request (OpenAI's choices[i]; n > 1 makes several): its part of the
+ * answer (its router request is hc->g.ch[i]'s). */
 typedef struct http_choice {
     http_client_t *hc;
-    router_req_t *r;            /* its router request while it runs; NULL before and after */
     router_oai_resp_t rs;       /* hc's, with this choice's index */
-    bool started, ended;
     bool first;                 /* no chunk with text went out yet */
     bool echo_pending;          /* completions with echo: the prompt's text not yet sent */
     bool lp_first_null;         /* the first entry is the prompt's first token (echo) */
@@ -58,16 +56,13 @@ typedef struct http_choice {
 } http_choice_t;
 
 /*
- * One HTTP generation request and its n choices. Choice 0 starts at once; the others once
- * its Prefill call ended (router_sink_ops_t.prefilled) or it finished, from the idle handle,
- * with the prompt as choice 0's token ids: their Admit and Prefill then find the prompt's
- * full blocks in the decode and prefill nodes' prefix caches (docs/openai.md "n"). A
- * failure of one choice answers the client with it and ends the others, from the idle
- * handle too: the lifecycle calls fail from inside its own loops over requests, where
- * ending another request is not safe. hc is freed only in the idle handle's close callback,
- * once the answer is done and no choice runs, so a loop over its choices never outlives it.
+ * One HTTP generation request and its n choices, started, failed and cancelled together by
+ * router_choices (docs/openai.md "Several choices"). hc is freed only in the group's close
+ * callback (http_choices_closed), once the answer is done and no choice runs, so a loop over
+ * its choices never outlives it.
  */
 struct http_client {
+    router_choices_t g;         /* the choices' router requests */
     router_state_t *s;
     td_http_req_t *req;         /* NULL once answered (or the connection went) */
     char id[80];
@@ -78,19 +73,8 @@ struct http_client {
     char *echo;                 /* completions with echo: the prompt's text, sent first */
     size_t echo_len;
     router_oai_buf_t out;       /* stream bytes the connection has not taken yet */
-    int32_t n, n_running, n_ended;
+    int32_t n;
     http_choice_t ch[ROUTER_OAI_MAX_N];
-    router_oai_usage_t usage;   /* prompt and cached tokens of choice 0, completions of all */
-    bool launch_wanted, launched, failed, closed;
-    uv_idle_t idle;             /* deferred work: launch the later choices, end them after a failure */
-    /* the later choices' request (the body is gone when they start) */
-    td_gen_params_t gp;
-    char *stops[TD_STOP_MAX_STRINGS];
-    char *grammar;
-    uint32_t *ids;              /* choice 0's prompt ids [n_ids] */
-    size_t n_ids;
-    int32_t priority;
-    uint64_t cache_salt;
     /* tool calls (each choice's parser: http_choice_t.tools) */
     bool tools;                 /* the choices' outputs are read for calls */
     td_tools_format_t tool_format;
@@ -98,8 +82,8 @@ struct http_client {
                                  * order made, not yet written */
 };
 
-/* Frees hc and what it holds (its idle handle closed, or never opened). */
-static void client_on_closed_now(http_client_t *hc)
+/* Frees hc and what it holds but its group (closed, or never set up). */
+static void client_free(http_client_t *hc)
 {
     for (int32_t i = 0; i < hc->n; i++) {
         free(hc->ch[i].lps);
@@ -108,44 +92,22 @@ static void client_on_closed_now(http_client_t *hc)
         router_oai_buf_free(&hc->ch[i].content);
         td_tools_parser_destroy(hc->ch[i].tools);
     }
-    for (size_t i = 0; i < TD_STOP_MAX_STRINGS; i++)
-        free(hc->stops[i]);
-    free(hc->grammar);
-    free(hc->ids);
     router_oai_buf_free(&hc->out);
     router_oai_buf_free(&hc->pend);
     free(hc->echo);
     free(hc);
 }
 
-static void client_on_closed(uv_handle_t *h)
+static void http_choices_closed(router_choices_t *g)
 {
-    client_on_closed_now(h->data);
-}
-
-/* Frees hc (in the idle handle's close callback) once its answer is done and none of its
- * choices runs. */
-static void client_maybe_free(http_client_t *hc)
-{
-    if (hc->req || hc->n_running > 0 || hc->closed)
-        return;
-    hc->closed = true;
-    uv_close((uv_handle_t *)&hc->idle, client_on_closed);
+    client_free(g->owner);
 }
 
 /* The HTTP request is answered (or gone): nothing more is written to it. */
 static void client_answered(http_client_t *hc)
 {
     hc->req = NULL;
-    client_maybe_free(hc);
-}
-
-static void client_on_idle(uv_idle_t *h);
-
-static void client_defer(http_client_t *hc)
-{
-    if (!hc->closed)
-        uv_idle_start(&hc->idle, client_on_idle);
+    router_choices_answered(&hc->g);
 }
 
 /* ---- answers at once ------------------------------------------------------------------- */
@@ -342,6 +304,8 @@ static td_status_t whole_tool_event(void *ctx, const td_tools_event_t *ev)
     http_choice_t *ch = ctx;
     if (ev->kind == TD_TOOLS_CONTENT) {
         router_oai_buf_put(&ch->content, ev->text, ev->len);
+    } else if (ch->rs.legacy_functions) { /* the older message.function_call: one call */
+        router_oai_function_call_json(&ch->calls, ev->name, ev->arguments, ev->arguments_len);
     } else {
         char id[40];
         router_oai_tool_call_id(ch->hc->id, ch->hc->tool_format, (uint32_t)ch->rs.index, ev->index, id);
@@ -364,11 +328,18 @@ static td_status_t tools_send(http_choice_t *ch, router_req_t *r)
     return st == TD_ERR_CLOSED ? TD_ERR_CANCELLED : st;
 }
 
+/* The choice of r (a router request of hc's group). */
+static http_choice_t *choice_of(const router_req_t *r)
+{
+    router_choice_t *c = r->client;
+    return &((http_client_t *)c->g->owner)->ch[c->index];
+}
+
 static td_status_t http_send(router_req_t *r)
 {
-    http_choice_t *ch = r->client;
+    http_choice_t *ch = choice_of(r);
     http_client_t *hc = ch->hc;
-    if (hc->failed || !hc->req || hc->closing)
+    if (hc->g.failed || !hc->req || hc->closing)
         return TD_OK; /* another choice failed and answered: this one ends from the idle handle */
     if (hc->tools && hc->stream)
         return tools_send(ch, r);
@@ -414,11 +385,12 @@ static const char *reason_name(router_finish_t reason)
     return reason == ROUTER_FINISH_LENGTH ? "length" : "stop";
 }
 
-/* OpenAI's finish_reason "tool_calls" when ch's output ended with calls. */
+/* OpenAI's finish_reason "tool_calls" ("function_call" for `functions`) when ch's output
+ * ended with calls. */
 static const char *finish_name(const http_choice_t *ch, router_finish_t reason)
 {
     if (ch->tools && td_tools_parser_calls(ch->tools) && reason != ROUTER_FINISH_LENGTH)
-        return "tool_calls";
+        return ch->rs.legacy_functions ? "function_call" : "tool_calls";
     return reason_name(reason);
 }
 
@@ -454,6 +426,8 @@ static void tools_last(http_choice_t *ch, router_req_t *r, router_finish_t reaso
 /* Every choice ended well: the whole answer, or the stream's usage and [DONE]. */
 static void answer_done(http_client_t *hc)
 {
+    router_oai_usage_t usage = {.prompt_tokens = hc->g.sum0.prompt_tokens, .cached_tokens = hc->g.sum0.cached_tokens,
+                                .completion_tokens = hc->g.completion_tokens, .migrations = hc->g.migrations};
     if (!hc->stream) {
         router_oai_buf_t b = {0};
         router_oai_response_begin(&b, &hc->ch[0].rs);
@@ -476,14 +450,14 @@ static void answer_done(http_client_t *hc)
             router_oai_buf_free(&full);
             router_oai_buf_free(&lpb);
         }
-        router_oai_response_end(&b, &hc->usage);
+        router_oai_response_end(&b, &usage);
         respond_json(hc->req, 200, &b);
         router_oai_buf_free(&b);
         client_answered(hc);
         return;
     }
     if (hc->include_usage)
-        router_oai_usage_chunk(&hc->out, &hc->ch[0].rs, &hc->usage);
+        router_oai_usage_chunk(&hc->out, &hc->ch[0].rs, &usage);
     router_oai_done(&hc->out);
     hc->closing = true;
     if (hc->out.oom) {
@@ -493,51 +467,15 @@ static void answer_done(http_client_t *hc)
     out_flush(hc);
 }
 
-/* Choice 0 has its prompt on a pair (or already finished): the others may start, from
- * the idle handle, with its token ids (r is choice 0's request). */
-static void want_launch(http_client_t *hc, const router_req_t *r)
-{
-    if (hc->launch_wanted || hc->n == 1)
-        return;
-    hc->launch_wanted = true;
-    if (r->n_prompt > 0 && (hc->ids = malloc((size_t)r->n_prompt * sizeof *hc->ids))) {
-        for (int32_t i = 0; i < r->n_prompt; i++)
-            hc->ids[i] = (uint32_t)r->prompt[i];
-        hc->n_ids = (size_t)r->n_prompt;
-    }
-    client_defer(hc);
-}
-
-static void http_prefilled(router_req_t *r)
-{
-    http_choice_t *ch = r->client;
-    if (ch->rs.index == 0)
-        want_launch(ch->hc, r);
-}
-
 static void http_finish(router_req_t *r, const router_summary_t *sum)
 {
-    http_choice_t *ch = r->client;
+    http_choice_t *ch = choice_of(r);
     http_client_t *hc = ch->hc;
-    if (ch->rs.index == 0)
-        want_launch(hc, r); /* it finished before its Prefill call ended (e.g. one token) */
-    ch->r = NULL;
-    ch->ended = true;
     ch->reason = reason_name(sum->reason);
-    hc->n_running--;
-    hc->n_ended++;
-    if (ch->rs.index == 0) {
-        hc->usage.prompt_tokens = sum->prompt_tokens;
-        hc->usage.cached_tokens = sum->cached_tokens;
-    }
-    hc->usage.completion_tokens += sum->completion_tokens;
-    hc->usage.migrations += sum->migrations;
     if (hc->logprobs && lps_append(ch, r) != TD_OK)
         hc->logprobs = false; /* out of memory: the answer goes without them */
-    if (hc->failed || !hc->req) { /* answered already: only hc's end is left */
-        client_maybe_free(hc);
+    if (!router_choices_finished(r->client, r, sum)) /* answered already: only hc's end is left */
         return;
-    }
     if (!hc->stream) {
         router_oai_buf_put(&ch->text, r->out.text ? r->out.text : "", r->out.n_text);
         if (hc->tools)
@@ -553,28 +491,18 @@ static void http_finish(router_req_t *r, const router_summary_t *sum)
     } else {
         return; /* the connection is closing: on_abort follows and frees hc */
     }
-    if (hc->n_ended == hc->n)
+    if (router_choices_all_ended(&hc->g))
         answer_done(hc);
     else if (hc->stream)
         out_flush(hc); /* BUSY: on_writable writes the rest */
 }
 
-/* Choice ch failed (its request ended, or it could not start: `running` false): the first
- * failure answers the client and has the other choices end. */
-static void choice_failed(http_choice_t *ch, bool running, td_grpc_code_t code, const char *msg)
+/* The group's first failure (router_choices_ops_t.failed): the client gets it, as a status
+ * before the stream began, else as an SSE error event. */
+static void http_choices_failed(router_choices_t *g, int32_t i, td_grpc_code_t code, const char *msg)
 {
-    http_client_t *hc = ch->hc;
-    ch->r = NULL;
-    ch->ended = true;
-    hc->n_running -= running;
-    hc->n_ended++;
-    if (hc->failed || !hc->req) {
-        client_maybe_free(hc);
-        return;
-    }
-    hc->failed = true;
-    if (hc->n_running > 0)
-        client_defer(hc); /* the other choices end from the idle handle */
+    http_client_t *hc = g->owner;
+    (void)i;
     router_oai_error_t err;
     router_oai_error_from_code((int)code, msg, &err);
     if (!hc->began) {
@@ -597,35 +525,18 @@ static void choice_failed(http_choice_t *ch, bool running, td_grpc_code_t code, 
 
 static void http_fail(router_req_t *r, td_grpc_code_t code, const char *msg)
 {
-    choice_failed(r->client, true, code, msg);
+    router_choices_fail(r->client, code, msg);
 }
 
 static const router_sink_ops_t http_sink = {.send = http_send, .finish = http_finish, .fail = http_fail,
-                                            .prefilled = http_prefilled};
-
-/* Ends every running choice as its client gone (a cancel: leases released). */
-static void choices_gone(http_client_t *hc)
-{
-    for (int32_t i = 0; i < hc->n; i++) {
-        router_req_t *r = hc->ch[i].r;
-        if (!r)
-            continue;
-        hc->ch[i].r = NULL;
-        hc->ch[i].ended = true;
-        hc->n_running--;
-        hc->n_ended++;
-        r->client = NULL;
-        router_req_client_gone(r, false);
-    }
-}
+                                            .prefilled = router_choices_prefilled};
 
 static void http_on_abort(td_http_req_t *req, void *data)
 {
     http_client_t *hc = data;
     (void)req;
     hc->req = NULL;
-    choices_gone(hc);
-    client_maybe_free(hc);
+    router_choices_gone(&hc->g, false);
 }
 
 static void http_on_writable(td_http_req_t *req, void *data)
@@ -634,66 +545,20 @@ static void http_on_writable(td_http_req_t *req, void *data)
     (void)req;
     if (out_flush(hc) != TD_OK || !hc->req)
         return;
-    for (int32_t i = 0; i < hc->n; i++) /* the choices that waited behind out */
-        if (hc->ch[i].r)
-            router_req_writable(hc->ch[i].r); /* may end it: hc lives until its close callback */
+    router_choices_writable(&hc->g); /* the choices that waited behind out */
 }
 
-/* Choice i's seed: choice 0 keeps the request's (so n = 1 and choice 0 sample alike), choice
- * i > 0 draws from td_splitmix64 of seed + i: each its own reproducible stream. */
-static uint64_t choice_seed(uint64_t seed, int32_t i)
+/* Choice 0's request is open: the answer's id is its id (router_choices_ops_t.opened). */
+static void http_choices_opened(router_choices_t *g, int32_t i, router_req_t *r)
 {
-    uint64_t x = seed + (uint64_t)i;
-    return i ? td_splitmix64(&x) : seed;
-}
-
-/* Opens and submits choice i with spec (its seed set here). false: it could not be opened;
- * the client is answered with why (as a failure of that choice). */
-static bool choice_start(http_client_t *hc, int32_t i, router_req_spec_t *spec)
-{
-    http_choice_t *ch = &hc->ch[i];
-    router_req_t *r;
-    td_grpc_code_t code;
-    char why[384];
-    spec->gp.sampling.seed = choice_seed(hc->gp.sampling.seed, i);
-    if (router_req_open(hc->s, spec, &code, why, sizeof why, &r) != TD_OK) {
-        choice_failed(ch, false, code, why);
-        return false;
-    }
+    http_client_t *hc = g->owner;
+    (void)r;
     if (i == 0)
-        snprintf(hc->id, sizeof hc->id, "%s%s", ch->rs.kind == ROUTER_OAI_CHAT ? "chatcmpl-" : "cmpl-", r->id);
-    ch->r = r;
-    ch->started = true;
-    hc->n_running++;
-    r->sink = &http_sink;
-    r->client = ch;
-    router_req_submit(r, spec); /* may end r, answering through the sink */
-    return true;
+        snprintf(hc->id, sizeof hc->id, "%s%s", hc->ch[0].rs.kind == ROUTER_OAI_CHAT ? "chatcmpl-" : "cmpl-", g->id);
 }
 
-/* The idle handle's work, outside the lifecycle's callbacks: after a failure (or once the
- * answer is gone) the running choices end; else the later choices start. */
-static void client_on_idle(uv_idle_t *h)
-{
-    http_client_t *hc = h->data;
-    uv_idle_stop(h);
-    if (!hc->failed && hc->req && hc->launch_wanted && !hc->launched) {
-        hc->launched = true;
-        router_req_spec_t spec = {.gp = hc->gp, .prompt_ids = hc->ids, .priority = hc->priority,
-                                  .cache_salt = hc->cache_salt, .grammar = hc->grammar};
-        spec.gp.prompt_is_text = false;
-        spec.gp.prompt_len = hc->n_ids;
-        for (int32_t i = 1; i < hc->n && !hc->failed && hc->req; i++)
-            if (!hc->s->shutting_down && hc->n_ids)
-                choice_start(hc, i, &spec);
-            else
-                choice_failed(&hc->ch[i], false, TD_GRPC_UNAVAILABLE,
-                              hc->n_ids ? "router shutting down" : "router: out of memory");
-    }
-    if (hc->failed || !hc->req)
-        choices_gone(hc);
-    client_maybe_free(hc);
-}
+static const router_choices_ops_t http_choices_ops = {.opened = http_choices_opened, .failed = http_choices_failed,
+                                                      .closed = http_choices_closed};
 
 /* ---- generation requests --------------------------------------------------------------- */
 
@@ -750,11 +615,6 @@ static void http_generate_parsed(router_state_t *s, td_http_req_t *req, router_o
     td_status_t st = (hc = calloc(1, sizeof *hc)) ? TD_OK : TD_ERR_NOMEM;
     if (st == TD_OK && q.echo)
         st = echo_text(s, &q, &hc->echo, &hc->echo_len);
-    for (size_t i = 0; st == TD_OK && i < q.gp.n_stop_strings; i++) /* the later choices need them */
-        if (!(hc->stops[i] = strdup(q.gp.stop_strings[i])))
-            st = TD_ERR_NOMEM;
-    if (st == TD_OK && q.grammar && !(hc->grammar = strdup(q.grammar)))
-        st = TD_ERR_NOMEM;
     if (st != TD_OK) {
         if (st == TD_ERR_NOMEM)
             router_oai_error_set(&err, 500, "server_error", NULL, NULL, "router: out of memory");
@@ -781,14 +641,11 @@ static void http_generate_parsed(router_state_t *s, td_http_req_t *req, router_o
     hc->tools = q.tool_choice != ROUTER_OAI_TOOLS_NONE && (q.tool_choice != ROUTER_OAI_TOOLS_AUTO || !q.grammar);
     hc->tool_format = s->tool_format;
     hc->logprobs = q.logprobs >= 0 && !hc->tools; /* with tools, the answer is calls: no logprobs */
-    hc->gp = q.gp;
-    hc->gp.stop_strings = (const char *const *)hc->stops;
-    hc->priority = kt.priority;
-    hc->cache_salt = kt.cache_salt;
     for (int32_t i = 0; i < hc->n; i++)
         hc->ch[i] = (http_choice_t){.hc = hc, .first = true, .echo_pending = hc->echo != NULL,
                                     .rs = {.kind = kind, .id = hc->id, .model = s->proc.cfg.model_name,
-                                           .created = (int64_t)time(NULL), .index = i}};
+                                           .created = (int64_t)time(NULL), .index = i,
+                                           .legacy_functions = q.legacy_functions}};
     for (int32_t i = 0; hc->tools && i < hc->n; i++)
         if (td_tools_parser_create(s->tool_format, q.parallel_tool_calls ? 0 : 1, (size_t)1 << 20, &hc->ch[i].tools) ==
             TD_OK) {
@@ -798,20 +655,23 @@ static void http_generate_parsed(router_state_t *s, td_http_req_t *req, router_o
             router_count_outcome(s, "exhausted");
             goto err_respond;
         }
-    uv_idle_init(&s->proc.loop, &hc->idle); /* cannot fail on a live loop */
-    hc->idle.data = hc;
-    td_http_req_set_data(req, hc);
-    td_http_req_on_abort(req, http_on_abort);
-    td_http_req_on_writable(req, http_on_writable);
     router_req_spec_t spec = {.gp = q.gp, .prompt_ids = q.prompt_ids, .prompt = q.prompt,
                               .prompt_text_len = q.prompt_len, .messages = q.messages, .n_messages = q.n_messages,
                               .priority = kt.priority, .cache_salt = kt.cache_salt,
                               .grammar = q.grammar, .tools_json = q.tools_json};
-    choice_start(hc, 0, &spec); /* may answer req (refused) */
+    if (router_choices_init(&hc->g, s, hc->n, &spec, &http_sink, &http_choices_ops, hc) != TD_OK) {
+        router_oai_error_set(&err, 500, "server_error", NULL, NULL, "router: out of memory");
+        router_count_outcome(s, "exhausted");
+        goto err_respond;
+    }
+    td_http_req_set_data(req, hc);
+    td_http_req_on_abort(req, http_on_abort);
+    td_http_req_on_writable(req, http_on_writable);
+    router_choices_start(&hc->g, &spec); /* may answer req (refused) */
     return;
 err_respond:
     if (hc)
-        client_on_closed_now(hc);
+        client_free(hc);
     respond_error(req, &err);
 }
 

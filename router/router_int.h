@@ -195,8 +195,6 @@ struct router_req {
     router_state_t *s;
     const router_sink_ops_t *sink; /* the front door's (gRPC or HTTP) */
     void *client;              /* its handle for r; NULL once answered or gone */
-    void *sink_data;           /* the front door's own state for r beside client (the gateway's
-                                * tool-call parse), or NULL; freed by it when client goes */
     char id[64];
     int32_t *prompt;
     int32_t n_prompt;

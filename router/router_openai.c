@@ -312,11 +312,47 @@ static bool keep_text(router_oai_req_t *q, const cJSON *v, const char **out, rou
 
 /* A message's tool-calling members: an assistant's tool_calls (kept as JSON text for the
  * template), a tool result's tool_call_id and name. */
+/* An assistant message's function_call (OpenAI's older form of a tool call) as the one
+ * tool call [{"type": "function", "function": {"name", "arguments"}}], printed into
+ * cm->tool_calls, as the chat template reads calls. */
+static bool read_message_function_call(const cJSON *m, size_t i, router_oai_req_t *q, router_oai_error_t *err)
+{
+    char param[64];
+    const cJSON *fc = member(m, "function_call");
+    const cJSON *name = cJSON_IsObject(fc) ? member(fc, "name") : NULL;
+    snprintf(param, sizeof param, "messages[%zu].function_call", i);
+    if (member(m, "tool_calls")) {
+        router_oai_error_set(err, 400, "invalid_request_error", param, "conflicting_parameters",
+                             "'%s' and 'messages[%zu].tool_calls' are both given: send one", param, i);
+        return false;
+    }
+    if (!cJSON_IsString(name)) {
+        router_oai_error_set(err, 400, "invalid_request_error", param, NULL,
+                             "'%s' must be {\"name\", \"arguments\"} with a name", param);
+        return false;
+    }
+    cJSON *calls = cJSON_CreateArray(), *c = cJSON_CreateObject();
+    if (!calls || !c || !cJSON_AddItemToArray(calls, c)) { /* c is not calls' */
+        cJSON_Delete(calls);
+        cJSON_Delete(c);
+        router_oai_error_set(err, 500, "server_error", NULL, NULL, "router: out of memory");
+        return false;
+    }
+    bool ok = cJSON_AddStringToObject(c, "type", "function") && cJSON_AddItemReferenceToObject(c, "function", (cJSON *)fc);
+    if (!ok)
+        router_oai_error_set(err, 500, "server_error", NULL, NULL, "router: out of memory");
+    ok = ok && keep_text(q, calls, &q->messages[i].tool_calls, err);
+    cJSON_Delete(calls); /* the reference leaves fc in the body's document */
+    return ok;
+}
+
 static bool read_message_tools(const cJSON *m, size_t i, router_oai_req_t *q, router_oai_error_t *err)
 {
     char param[64];
     td_chat_message_t *cm = &q->messages[i];
     const cJSON *tc = member(m, "tool_calls");
+    if (member(m, "function_call") && !read_message_function_call(m, i, q, err))
+        return false;
     snprintf(param, sizeof param, "messages[%zu].tool_calls", i);
     if (tc && !cJSON_IsArray(tc)) {
         bad_type(err, param, "an array", tc);
@@ -392,7 +428,8 @@ static bool read_messages(const cJSON *o, router_oai_req_t *q, router_oai_error_
                 router_oai_error_set(err, 400, "invalid_request_error", param, NULL, "'%s' is required", param);
             return false;
         }
-        q->messages[i].role = role->valuestring;
+        /* OpenAI's older form of a tool result: {"role": "function", "name", "content"} */
+        q->messages[i].role = strcmp(role->valuestring, "function") ? role->valuestring : "tool";
         if (!read_content(m, i, &q->messages[i].content, err) || !read_message_tools(m, i, q, err))
             return false;
         q->gp.prompt_len += strlen(q->messages[i].role) + strlen(q->messages[i].content) + TD_GEN_MESSAGE_BYTES;
@@ -498,10 +535,10 @@ static bool read_logit_bias(const cJSON *o, td_sampling_t *sp, router_oai_error_
  * than ignored. */
 static bool refuse_unserved(const cJSON *o, bool chat, router_oai_error_t *err)
 {
-    /* tools are read for chat (read_tools); `functions`, OpenAI's older form, is not */
+    /* tools and functions (their older form) are read for chat (read_tools) */
     static const char *const unserved[] = {"tools", "functions", "suffix"};
     for (size_t i = 0; i < TD_ARRAY_LEN(unserved); i++) {
-        if (chat && !strcmp(unserved[i], "tools"))
+        if (chat && strcmp(unserved[i], "suffix"))
             continue;
         const cJSON *v = member(o, unserved[i]);
         if (v && !((cJSON_IsArray(v) || cJSON_IsObject(v)) && !v->child) && !(cJSON_IsString(v) && !v->valuestring[0])) {
@@ -782,9 +819,96 @@ td_status_t router_oai_tools_read(router_oai_req_t *q, const cJSON *tools, const
     return TD_OK;
 }
 
-/* tools, tool_choice and parallel_tool_calls (chat). */
+/* The field that carried q's tools, for errors: "functions" (the older form) or "tools". */
+static const char *tools_field(const router_oai_req_t *q)
+{
+    return q->legacy_functions ? "functions" : "tools";
+}
+
+/* OpenAI's older form of tools: `functions` ([{"name", "description", "parameters"}]) and
+ * `function_call` ("none", "auto" or {"name"}), read as tools of those functions and the
+ * tool_choice it says, at most one call (the older answer has one function_call). Either
+ * beside its newer form is a 400 naming both. */
+static bool read_functions(const cJSON *o, router_oai_req_t *q, router_oai_error_t *err)
+{
+    const cJSON *fns = member(o, "functions"), *fc = member(o, "function_call");
+    const cJSON *tools_new = member(o, "tools"), *tc_new = member(o, "tool_choice");
+    if (tools_new || tc_new) {
+        const char *old = fns ? "functions" : "function_call", *new = tools_new ? "tools" : "tool_choice";
+        router_oai_error_set(err, 400, "invalid_request_error", old, "conflicting_parameters",
+                             "'%s' and '%s' are both given: send one form ('functions' and 'function_call' "
+                             "are the older form of 'tools' and 'tool_choice')", old, new);
+        return false;
+    }
+    if (fns && !cJSON_IsArray(fns)) {
+        bad_type(err, "functions", "an array", fns);
+        return false;
+    }
+    char param[64];
+    size_t i = 0;
+    const cJSON *f;
+    cJSON_ArrayForEach(f, fns) { /* named as functions[i] here, before they are read as tools */
+        const cJSON *name = cJSON_IsObject(f) ? member(f, "name") : NULL, *params = cJSON_IsObject(f) ? member(f, "parameters") : NULL;
+        snprintf(param, sizeof param, "functions[%zu]", i);
+        if (!cJSON_IsString(name) || !name->valuestring[0]) {
+            router_oai_error_set(err, 400, "invalid_request_error", param, NULL,
+                                 "'%s' must be {\"name\": ..., \"description\": ..., \"parameters\": {...}} "
+                                 "with a name", param);
+            return false;
+        }
+        if (params && !cJSON_IsObject(params)) {
+            snprintf(param, sizeof param, "functions[%zu].parameters", i);
+            bad_type(err, param, "an object (a JSON Schema)", params);
+            return false;
+        }
+        i++;
+    }
+    const char *word = NULL, *name = NULL, *cparam = "function_call";
+    if (cJSON_IsString(fc)) {
+        word = fc->valuestring;
+        if (strcmp(word, "none") && strcmp(word, "auto")) {
+            router_oai_error_set(err, 400, "invalid_request_error", "function_call", "unsupported_value",
+                                 "'function_call' \"%.32s\" is not \"none\", \"auto\" or {\"name\": ...}", word);
+            return false;
+        }
+    } else if (fc) {
+        const cJSON *fname = cJSON_IsObject(fc) ? member(fc, "name") : NULL;
+        if (!cJSON_IsString(fname)) {
+            bad_type(err, "function_call", "\"none\", \"auto\" or {\"name\": ...}", fc);
+            return false;
+        }
+        name = fname->valuestring;
+        cparam = "function_call.name";
+    }
+    /* the functions as a tools array: {"type": "function", "function": <functions[i]>}, each a
+     * reference into the body's document, where the names stay */
+    cJSON *tools = fns && fns->child ? cJSON_CreateArray() : NULL;
+    bool ok = !fns || !fns->child || tools;
+    const cJSON *wrap = tools ? fns : NULL;
+    cJSON_ArrayForEach(f, wrap) {
+        cJSON *t = cJSON_CreateObject();
+        ok = t && cJSON_AddItemToArray(tools, t) && cJSON_AddStringToObject(t, "type", "function") &&
+             cJSON_AddItemReferenceToObject(t, "function", (cJSON *)f);
+        if (!ok)
+            break;
+    }
+    if (!ok) {
+        cJSON_Delete(tools);
+        router_oai_error_set(err, 500, "server_error", NULL, NULL, "router: out of memory");
+        return false;
+    }
+    q->legacy_functions = fns && fns->child;
+    q->parallel_tool_calls = false;
+    td_status_t st = router_oai_tools_read(q, tools, word, name, cparam, err);
+    cJSON_Delete(tools); /* what q keeps is in the body's document or printed into q->texts */
+    return st == TD_OK;
+}
+
+/* tools, tool_choice and parallel_tool_calls (chat), or functions and function_call. */
 static bool read_tools(const cJSON *o, router_oai_req_t *q, router_oai_error_t *err)
 {
+    if (member(o, "functions") || member(o, "function_call"))
+        return read_functions(o, q, err);
     q->parallel_tool_calls = true;
     if (!get_bool(o, "parallel_tool_calls", &q->parallel_tool_calls, err))
         return false;
@@ -812,18 +936,20 @@ td_status_t router_oai_tools_prepare(router_oai_req_t *q, td_tools_format_t fmt,
     if (!q->n_tools || q->tool_choice == ROUTER_OAI_TOOLS_NONE)
         return TD_OK;
     if (fmt == TD_TOOLS_NONE) {
-        router_oai_error_set(err, 400, "invalid_request_error", "tools", "unsupported_parameter",
+        router_oai_error_set(err, 400, "invalid_request_error", tools_field(q), "unsupported_parameter",
                              "this model's chat template has no tool-call format that the router knows "
                              "(hermes <tool_call>, llama3_json, mistral [TOOL_CALLS]); start the router with "
-                             "--tool-call-format, or send tool_choice \"none\"");
+                             "--tool-call-format, or send %s \"none\"",
+                             q->legacy_functions ? "function_call" : "tool_choice");
         return TD_ERR_INVALID;
     }
     if (q->tool_choice == ROUTER_OAI_TOOLS_AUTO)
         return TD_OK;
+    const char *choice_field = q->legacy_functions ? "function_call" : "tool_choice";
     if (q->grammar) {
-        router_oai_error_set(err, 400, "invalid_request_error", "tool_choice", "conflicting_parameters",
-                             "'tool_choice' %s constrains the output to tool calls, and '%s' constrains it too: "
-                             "give one of them", q->tool_choice == ROUTER_OAI_TOOLS_NAMED ? "(a function)"
+        router_oai_error_set(err, 400, "invalid_request_error", choice_field, "conflicting_parameters",
+                             "'%s' %s constrains the output to tool calls, and '%s' constrains it too: "
+                             "give one of them", choice_field, q->tool_choice == ROUTER_OAI_TOOLS_NAMED ? "(a function)"
                              : "\"required\"", q->grammar_param);
         return TD_ERR_INVALID;
     }
@@ -847,18 +973,19 @@ td_status_t router_oai_tools_prepare(router_oai_req_t *q, td_tools_format_t fmt,
     }
     if (st) {
         char param[64];
+        size_t at = q->tool_choice == ROUTER_OAI_TOOLS_NAMED ? named_at : bad;
         if (bad < n)
-            snprintf(param, sizeof param, "tools[%zu].function.parameters",
-                     q->tool_choice == ROUTER_OAI_TOOLS_NAMED ? named_at : bad);
+            snprintf(param, sizeof param, q->legacy_functions ? "functions[%zu].parameters"
+                                                              : "tools[%zu].function.parameters", at);
         else
-            snprintf(param, sizeof param, "tools");
+            snprintf(param, sizeof param, "%s", tools_field(q));
         router_oai_error_set(err, 400, "invalid_request_error", param,
                              st == TD_ERR_UNSUPPORTED ? "unsupported_value" : "invalid_value", "'%s': %s", param,
                              td_last_error());
         return TD_ERR_INVALID;
     }
     q->grammar_kind = TD_GRAM_GBNF;
-    snprintf(q->grammar_param, sizeof q->grammar_param, "tool_choice");
+    snprintf(q->grammar_param, sizeof q->grammar_param, "%s", choice_field);
     return TD_OK;
 }
 
@@ -1324,6 +1451,15 @@ void router_oai_tool_call_json(router_oai_buf_t *b, uint32_t index, const char *
     router_oai_buf_puts(b, "}}");
 }
 
+void router_oai_function_call_json(router_oai_buf_t *b, const char *name, const char *args, size_t len)
+{
+    router_oai_buf_puts(b, "{\"name\":");
+    router_oai_buf_json_str(b, name, strlen(name));
+    router_oai_buf_puts(b, ",\"arguments\":");
+    router_oai_buf_json_str(b, args, len);
+    router_oai_buf_puts(b, "}");
+}
+
 void router_oai_tool_call_chunk(router_oai_buf_t *b, const router_oai_resp_t *rs, bool first, uint32_t index,
                                 const char *id, const char *name, const char *args, size_t len, bool usage_null)
 {
@@ -1333,15 +1469,25 @@ void router_oai_tool_call_chunk(router_oai_buf_t *b, const router_oai_resp_t *rs
         router_oai_buf_printf(b, ",\"choices\":[{\"index\":%d,\"delta\":{", rs->index);
         if (first && part == 0)
             router_oai_buf_puts(b, "\"role\":\"assistant\",\"content\":null,");
-        router_oai_buf_printf(b, "\"tool_calls\":[{\"index\":%u,", index);
-        if (part == 0) { /* OpenAI's first delta of a call: id, type, name, empty arguments */
-            router_oai_buf_puts(b, "\"id\":");
+        if (rs->legacy_functions) { /* the older delta.function_call: the name, then arguments */
+            router_oai_buf_puts(b, "\"function_call\":{");
+            if (part == 0) {
+                router_oai_buf_puts(b, "\"name\":");
+                router_oai_buf_json_str(b, name, strlen(name));
+                router_oai_buf_puts(b, ",\"arguments\":\"\"}");
+            } else {
+                router_oai_buf_puts(b, "\"arguments\":");
+                router_oai_buf_json_str(b, args, len);
+                router_oai_buf_puts(b, "}");
+            }
+        } else if (part == 0) { /* OpenAI's first delta of a call: id, type, name, empty arguments */
+            router_oai_buf_printf(b, "\"tool_calls\":[{\"index\":%u,\"id\":", index);
             router_oai_buf_json_str(b, id, strlen(id));
             router_oai_buf_puts(b, ",\"type\":\"function\",\"function\":{\"name\":");
             router_oai_buf_json_str(b, name, strlen(name));
             router_oai_buf_puts(b, ",\"arguments\":\"\"}}]");
         } else {
-            router_oai_buf_puts(b, "\"function\":{\"arguments\":");
+            router_oai_buf_printf(b, "\"tool_calls\":[{\"index\":%u,\"function\":{\"arguments\":", index);
             router_oai_buf_json_str(b, args, len);
             router_oai_buf_puts(b, "}}]");
         }
@@ -1362,7 +1508,10 @@ void router_oai_response_choice(router_oai_buf_t *b, const router_oai_resp_t *rs
             router_oai_buf_puts(b, "null");
         else
             router_oai_buf_json_str(b, text, len);
-        if (tool_calls) {
+        if (tool_calls && rs->legacy_functions) { /* the one call, router_oai_function_call_json's */
+            router_oai_buf_puts(b, ",\"function_call\":");
+            router_oai_buf_puts(b, tool_calls);
+        } else if (tool_calls) {
             router_oai_buf_puts(b, ",\"tool_calls\":[");
             router_oai_buf_puts(b, tool_calls);
             router_oai_buf_puts(b, "]");

@@ -79,6 +79,8 @@ typedef struct router_oai_req {
     router_oai_tool_choice_t tool_choice;
     const char *tool_choice_name;     /* ROUTER_OAI_TOOLS_NAMED: the function's name */
     bool parallel_tool_calls;         /* false: at most one call */
+    bool legacy_functions;            /* the tools came as `functions` (OpenAI's older form): the
+                                       * answer is message.function_call, finish "function_call" */
     cJSON *texts;                     /* strings made while reading (JSON texts), owned */
 } router_oai_req_t;
 
@@ -153,6 +155,8 @@ typedef struct router_oai_resp {
     const char *model;
     int64_t created;          /* unix seconds */
     int32_t index;            /* a chunk's choices[0].index: the choice it belongs to (n > 1) */
+    bool legacy_functions;    /* chat with `functions`: a call is written in the older shape
+                               * (message.function_call, delta.function_call) */
 } router_oai_resp_t;
 
 /* The usage object's numbers. */
@@ -186,7 +190,8 @@ void router_oai_chunk(router_oai_buf_t *b, const router_oai_resp_t *rs, bool fir
 /* A streamed tool call of choice rs->index: two SSE events, the call's index, id, type and
  * function name (with role "assistant" when `first`), then its arguments text args[0..len).
  * name NULL: only the second (the next piece of streamed arguments); args NULL: only the
- * first (a call whose arguments follow in pieces). */
+ * first (a call whose arguments follow in pieces). With rs->legacy_functions, OpenAI's older
+ * deltas: delta.function_call {"name", "arguments": ""}, then {"arguments"} (no index, no id). */
 void router_oai_tool_call_chunk(router_oai_buf_t *b, const router_oai_resp_t *rs, bool first, uint32_t index,
                                 const char *id, const char *name, const char *args, size_t len, bool usage_null);
 
@@ -206,6 +211,10 @@ td_status_t router_oai_tools_feed(td_tools_parser_t *p, size_t *fed, const char 
  * {"name", "arguments"}} appended to b (a "," first unless it is index 0). */
 void router_oai_tool_call_json(router_oai_buf_t *b, uint32_t index, const char *id, const char *name,
                                const char *args, size_t len);
+
+/* The one call of a whole answer to a request with `functions` (OpenAI's older form):
+ * message.function_call's value {"name", "arguments"} appended to b. */
+void router_oai_function_call_json(router_oai_buf_t *b, const char *name, const char *args, size_t len);
 
 /* The last chunk when usage was asked: "choices": [] and the usage. */
 void router_oai_usage_chunk(router_oai_buf_t *b, const router_oai_resp_t *rs, const router_oai_usage_t *u);
@@ -228,7 +237,9 @@ void router_oai_response_choice(router_oai_buf_t *b, const router_oai_resp_t *rs
 void router_oai_response_end(router_oai_buf_t *b, const router_oai_usage_t *u);
 
 /* router_oai_response for chat with message.tool_calls: tool_calls the items written by
- * router_oai_tool_call_json (without brackets); the content null when it is empty. */
+ * router_oai_tool_call_json (without brackets); the content null when it is empty. With
+ * rs->legacy_functions, tool_calls is router_oai_function_call_json's object, written as
+ * message.function_call. */
 void router_oai_response_tools(router_oai_buf_t *b, const router_oai_resp_t *rs, const char *text, size_t len,
                                const char *tool_calls, const char *logprobs, const char *finish_reason,
                                const router_oai_usage_t *u);

@@ -263,6 +263,11 @@ size_t td_grpc_call_queued_bytes(const td_grpc_call_t *call);
  */
 td_status_t td_grpc_call_send(td_grpc_call_t *call, const ProtobufCMessage *msg);
 
+/* As td_grpc_call_send, but queued past send_queue_bytes (never TD_ERR_BUSY): for a message
+ * that closes one part of a stream and cannot wait for the writable callback (the last
+ * message of one choice of several, router_gateway.c); the caller bounds how many it sends. */
+td_status_t td_grpc_call_send_last(td_grpc_call_t *call, const ProtobufCMessage *msg);
+
 /*
  * Ends the call: queued messages go out, then trailers with `code` and `message` (may be
  * NULL; percent-encoded on the wire). Exactly once per call; the call is invalid

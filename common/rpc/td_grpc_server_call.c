@@ -338,6 +338,11 @@ td_status_t td_grpc_call_send(td_grpc_call_t *call, const ProtobufCMessage *msg)
     return call_send(call, msg, false);
 }
 
+td_status_t td_grpc_call_send_last(td_grpc_call_t *call, const ProtobufCMessage *msg)
+{
+    return call_send(call, msg, true);
+}
+
 void td_grpc_call_finish(td_grpc_call_t *call, td_grpc_code_t code, const char *message)
 {
     TD_ASSERT(!call->finished);

@@ -13,7 +13,9 @@
 # - a client leaving a streamed n=3 mid-stream ends all three (nothing left on the nodes);
 # - n=3 under guided_choice at temperature 1: every choice conforms;
 # - the gRPC gateway's SamplingParams.logit_bias_ids / logit_bias force a token as `tandem
-#   generate --logit-bias` does; lists of two lengths, an id past the vocabulary: INVALID_ARGUMENT.
+#   generate --logit-bias` does; lists of two lengths, an id past the vocabulary: INVALID_ARGUMENT;
+# - the gRPC gateway's n: a streamed seeded n=3 gives the HTTP door's three choices (by
+#   choice_index), each with its finish_reason, the usage on the last message; n=17 refused.
 source "$(dirname "$0")/cluster_lib.sh"
 cl_init_gguf
 P="The history of the city of Paris begins with a small settlement of Celtic fishermen on an island in the river Seine, where the Romans later built a town they called Lutetia, and"
@@ -159,6 +161,52 @@ got=$(grpc_bias "5 6" 1)
 case "$got" in "INVALID_ARGUMENT "*"differ in length"*) ;; *) cl_fail "gateway logit_bias of two lengths: '$got'" ;; esac
 got=$(grpc_bias 60000 1)
 case "$got" in "INVALID_ARGUMENT "*"logit_bias token 60000 is outside the vocabulary"*) ;; *) cl_fail "gateway logit_bias 60000: '$got'" ;; esac
+
+# the gRPC gateway's n (GenerateRequest.n 18, GenerateResponse.choice_index 10): a streamed
+# seeded n=3 of the same prompt gives the HTTP door's three choices, each choice's last message
+# its finish_reason, the call's last the usage of all (the prompt once); n=17 is refused
+grpc_n() { # grpc_n N: {"texts": [by choice], "finish": [...], "usage": [prompt, completion], "order": [...]}
+    CL_SRC="$CL_SRC" "$CL_PY" - "$CL_GW" "$P" "$MAXTOK" "$1" <<'PY'
+import json, os, struct, sys, grpc
+sys.path.insert(0, os.environ["CL_SRC"] + "/tests/cluster")
+from cluster_wire import channel, fields, generate_stub, pb_bytes, pb_varint, varint
+gw, prompt, maxtok, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+sampling = varint(1 << 3 | 5) + struct.pack("<f", 1.0) + pb_varint(6, 42)
+req = pb_bytes(1, prompt) + pb_varint(3, maxtok) + pb_bytes(4, sampling) + pb_varint(18, n)
+texts, fin, order, usage, last = {}, {}, [], None, None
+try:
+    for m in generate_stub(channel(gw))(req, timeout=120):
+        f = list(fields(m))
+        i = next((v for k, v in f if k == 10), 0)
+        order.append(i)
+        if i in fin:
+            print("choice %d: a message after its finish_reason" % i)
+            sys.exit(0)
+        texts[i] = texts.get(i, b"") + b"".join(v for k, v in f if k == 2)
+        if any(k == 3 for k, v in f):
+            fin[i] = next(v for k, v in f if k == 3)
+        u = next((v for k, v in f if k == 4), None)
+        last = u
+        if u is not None:
+            usage = dict(fields(u))
+except grpc.RpcError as e:
+    print(e.code().name, e.details())
+    sys.exit(0)
+print(json.dumps({"texts": [texts[i].decode() for i in sorted(texts)], "finish": [fin.get(i) for i in sorted(texts)],
+                  "usage": [usage.get(1), usage.get(2)] if usage else None, "usage_last": last is not None,
+                  "order": order}))
+PY
+}
+r=$(grpc_n 3)
+echo "gateway n=3 seeded: $r"
+[ "$(field "$r" 'd["texts"]')" = "$(field "$s1" 'd["texts"]')" ] ||
+    cl_fail "gateway n=3 seed 42: choices $(field "$r" 'd["texts"]') differ from the HTTP door's $(field "$s1" 'd["texts"]')"
+[ "$(field "$r" '[{1: "length", 2: "stop", 3: "stop"}.get(x) for x in d["finish"]]')" = "$(field "$s1" 'd["finish"]')" ] ||
+    cl_fail "gateway n=3: finish reasons $(field "$r" 'd["finish"]'), the HTTP door's $(field "$s1" 'd["finish"]')"
+[ "$(field "$r" 'd["usage"]')" = "[$np, $((3 * MAXTOK))]" ] && [ "$(field "$r" 'd["usage_last"]')" = True ] ||
+    cl_fail "gateway n=3: usage $(field "$r" 'd["usage"]') (want [$np, $((3 * MAXTOK))] on the last message)"
+got=$(grpc_n 17)
+case "$got" in "INVALID_ARGUMENT n 17 is out of range"*) ;; *) cl_fail "gateway n=17: '$got'" ;; esac
 
 r=$(ask "$(body '"logit_bias":{"49152":5}')")
 case "$r" in "HTTP 400 "*"logit_bias token 49152 is outside the vocabulary"*) ;; *) cl_fail "logit_bias past the vocabulary: $r" ;; esac

@@ -18,7 +18,15 @@
 #   over a conversation with an earlier call and its result: one call in tool_calls whose
 #   arguments validate, no content, FINISH_REASON_TOOL_CALLS; tools_json that is not JSON, a
 #   multipleOf schema and an unknown tool_choice are INVALID_ARGUMENT;
-# - with the `openai` package (scripts/openai-venv), the official client reads the calls.
+# - OpenAI's older form: `functions` with function_call {"name"} over a conversation with an
+#   earlier function_call and its function result, streamed and not: message.function_call
+#   {name, arguments} that validates, content null, finish_reason "function_call", no
+#   tool_calls; streamed, delta.function_call with the name first, then the arguments in
+#   pieces, equal to the whole answer for the same seed; functions beside tools is a 400;
+# - the gRPC gateway's n = 3 with tool_choice "required": each choice_index's call equals the
+#   HTTP door's n = 3 choice for the same seed, the ids distinct;
+# - with the `openai` package (scripts/openai-venv), the official client reads the calls (and
+#   a function_call).
 source "$(dirname "$0")/cluster_lib.sh"
 cl_init
 QWEN="$(dirname "$CL_M")/../tokenizers/qwen3"
@@ -42,7 +50,7 @@ import json, subprocess, sys, urllib.request, urllib.error
 oa, check, tmp, gw = sys.argv[1:5]
 sys.path.insert(0, sys.argv[5] + "/tests/cluster")
 import grpc
-from cluster_wire import channel, fields, generate_stub, pb_bytes, pb_varint
+from cluster_wire import channel, fields, generate_stub, pb_bytes, pb_f32, pb_varint
 WEATHER = {"type": "object", "properties": {
     "city": {"type": "string", "minLength": 1, "maxLength": 8},
     "unit": {"enum": ["celsius", "fahrenheit"]},
@@ -230,6 +238,83 @@ for tj, choice, want in (("[{\"type\": \"function\",", "required", "tools_json: 
     except grpc.RpcError as e:
         if e.code() != grpc.StatusCode.INVALID_ARGUMENT or want not in e.details():
             fails.append("grpc %s: %s %s" % (want, e.code(), e.details()))
+# OpenAI's older form: functions and function_call, a conversation with an earlier
+# function_call and its function result; the answer as message.function_call / delta.function_call
+FUNCS = [t["function"] for t in TOOLS]
+def ask_fn(stream, seed):
+    body = {"messages": [{"role": "user", "content": "Weather in Oslo?"},
+                         {"role": "assistant", "content": None,
+                          "function_call": {"name": "get_weather", "arguments": '{"city": "Oslo", "unit": "celsius"}'}},
+                         {"role": "function", "name": "get_weather", "content": '{"temp": 3}'},
+                         {"role": "user", "content": "And the volume?"}],
+            "functions": FUNCS, "function_call": {"name": "set_volume"}, "temperature": 1, "seed": seed,
+            "max_tokens": 160, "stream": stream}
+    status, raw = post(body)
+    if status != 200:
+        raise RuntimeError("HTTP %d %s" % (status, raw))
+    if not stream:
+        c = json.loads(raw)["choices"][0]
+        m = c["message"]
+        if "tool_calls" in m or m.get("content") is not None:
+            fails.append("functions: tool_calls or content beside the function_call: %r" % m)
+        return m.get("function_call"), c["finish_reason"]
+    fc, fin, n_args = None, None, 0
+    for ev in raw.split("\n\n"):
+        if not ev.startswith("data: ") or ev == "data: [DONE]":
+            continue
+        for ch in json.loads(ev[6:])["choices"]:
+            d = ch["delta"]
+            if "tool_calls" in d or d.get("content"):
+                fails.append("functions stream: a delta with tool_calls or content: %r" % d)
+            if "function_call" in d:
+                f = d["function_call"]
+                if fc is None:
+                    if not f.get("name"):
+                        fails.append("functions stream: the first delta has no name: %r" % d)
+                    fc = {"name": f.get("name"), "arguments": ""}
+                fc["arguments"] += f.get("arguments") or ""
+                n_args += bool(f.get("arguments"))
+            fin = ch.get("finish_reason") or fin
+    if n_args < 2:
+        fails.append("functions stream: %d argument deltas (not streamed)" % n_args)
+    return fc, fin
+
+legacy = []
+for stream in (False, True):
+    fc, fin = ask_fn(stream, 11)
+    legacy.append(fc)
+    if fin != "function_call" or not fc:
+        fails.append("functions stream %s: finish %s, function_call %r" % (stream, fin, fc))
+        continue
+    check_calls("functions stream %s" % stream, None,
+                [{"id": "-", "type": "function", "function": fc}], "tool_calls", want_name="set_volume")
+if legacy[0] != legacy[1]:
+    fails.append("functions: streamed %r differs from the whole answer's %r" % (legacy[1], legacy[0]))
+status, raw = post({"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS, "functions": FUNCS})
+if status != 400 or json.loads(raw)["error"].get("param") != "functions" or "'tools'" not in raw:
+    fails.append("functions beside tools: %d %s" % (status, raw))
+
+# the gRPC gateway's n (18) with tools: choice i's call (by choice_index, 10) is the HTTP
+# door's choice i for the same seed (`whole`: n=3, required, seed 7), the ids distinct
+body = (pb_bytes(10, pb_bytes(1, "user") + pb_bytes(2, "What is the weather in Paris?")) + pb_varint(3, 160) +
+        pb_bytes(4, pb_f32(1, 1.0) + pb_varint(6, 7)) + pb_bytes(14, json.dumps(TOOLS)) +
+        pb_bytes(15, "required") + pb_varint(16, 1) + pb_varint(18, 3))
+got = {}
+for m in generate_stub(channel(gw))(body, timeout=60):
+    f = list(fields(m))
+    i = next((v for k, v in f if k == 10), 0)
+    for k, v in f:
+        if k == 9:
+            c = {kk: (x.decode() if isinstance(x, bytes) else x) for kk, x in fields(v)}
+            got.setdefault(i, []).append((c.get(2, ""), c.get(3, ""), c.get(4, "")))
+ids = [c[0] for i in got for c in got[i]]
+g_calls = [[(c[1], c[2]) for c in got.get(i, [])] for i in range(3)]
+h_calls = [[(c["function"]["name"], c["function"]["arguments"]) for c in cl or []] for _, cl, _ in whole]
+if g_calls != h_calls:
+    fails.append("grpc n=3: calls %r differ from the HTTP door's %r" % (g_calls, h_calls))
+if len(ids) != 3 or len(set(ids)) != 3:
+    fails.append("grpc n=3: call ids %r" % ids)
+
 for f in fails:
     print("FAIL: " + f)
 print("tools: %d forced calls validated, %d failures" % (n_calls, len(fails)))
@@ -252,6 +337,13 @@ args = json.loads(call.function.arguments)
 assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "set_volume", r
 assert isinstance(args["level"], int) and 0 <= args["level"] <= 10, args
 print("openai client: set_volume(%s)" % call.function.arguments)
+r = client.chat.completions.create(model="default", messages=[{"role": "user", "content": "Volume up"}],
+                                   functions=[t["function"] for t in tools], function_call={"name": "set_volume"},
+                                   temperature=1, seed=7, max_tokens=200)
+fc = r.choices[0].message.function_call
+assert r.choices[0].finish_reason == "function_call" and fc.name == "set_volume", r
+assert 0 <= json.loads(fc.arguments)["level"] <= 10, fc
+print("openai client: function_call set_volume(%s)" % fc.arguments)
 PY
 else
     echo "note: no openai package in $VENV: the official client's check is skipped"

@@ -94,6 +94,11 @@ bodies = [
     (1, {"model": "m", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
          "max_completion_tokens": 8, "logprobs": True, "top_logprobs": 3, "stream": False, "stop": "x"}),
     (1, {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}], "response_format": {"type": "text"}}),
+    (1, {"messages": [{"role": "user", "content": "Weather?"},
+                      {"role": "assistant", "content": None, "function_call": {"name": "w", "arguments": "{\"c\": \"P\"}"}},
+                      {"role": "function", "name": "w", "content": "22"}],
+         "functions": [{"name": "w", "parameters": {"type": "object", "properties": {"c": {"type": "string"}}}}],
+         "function_call": {"name": "w"}, "n": 2}),
 ]
 for i, (kind, b) in enumerate(bodies):
     put("openai", "body%d.json" % i, bytes([kind]) + json.dumps(b).encode())

@@ -230,8 +230,7 @@ Test(router_openai, n_and_unserved_features_refused_by_name)
     refused(ROUTER_OAI_COMPLETIONS, "{\"prompt\":\"x\",\"best_of\":3}", "best_of");
     refused(ROUTER_OAI_COMPLETIONS, "{\"prompt\":\"x\",\"n\":2,\"best_of\":3}", "best_of");
     refused(ROUTER_OAI_COMPLETIONS, "{\"prompt\":\"x\",\"tools\":[{\"type\":\"function\"}]}", "tools");
-    refused(ROUTER_OAI_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"functions\":[{\"name\":\"f\"}]}",
-            "functions");
+    refused(ROUTER_OAI_COMPLETIONS, "{\"prompt\":\"x\",\"functions\":[{\"name\":\"f\"}]}", "functions");
     /* the empty forms clients send by default are no request for the feature */
     cr_assert_eq(parse(ROUTER_OAI_CHAT,
                        "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"tools\":[],\"logit_bias\":{},"
@@ -485,6 +484,92 @@ Test(router_openai, tools_and_tool_choice)
     router_oai_req_free(&q);
 }
 
+#define FN_W "{\"name\":\"w\",\"parameters\":{\"type\":\"object\",\"properties\":{\"c\":{\"type\":\"string\"}},\"required\":[\"c\"]}}"
+
+/* OpenAI's older form: functions and function_call read as the tools and tool_choice they
+ * are, the conversation's function_call and function messages as a call and a result. */
+Test(router_openai, functions_and_function_call)
+{
+    cr_assert_eq(parse(ROUTER_OAI_CHAT,
+                       "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"},{\"role\":\"assistant\",\"content\":null,"
+                       "\"function_call\":{\"name\":\"w\",\"arguments\":\"{\\\"c\\\": \\\"P\\\"}\"}},{\"role\":\"function\","
+                       "\"name\":\"w\",\"content\":\"22\"}],\"functions\":[" FN_W "]}"),
+                 TD_OK, "%s", err.message);
+    cr_assert(q.legacy_functions);
+    cr_assert_eq(q.tool_choice, ROUTER_OAI_TOOLS_AUTO, "auto by default with functions");
+    cr_assert_not(q.parallel_tool_calls, "the older answer has one function_call");
+    cr_assert_eq(q.n_tools, 1);
+    cr_assert_str_eq(q.tools[0].name, "w");
+    cr_assert(strstr(q.tools[0].parameters, "\"required\""));
+    /* the template gets the newer tools array */
+    cJSON *t = cJSON_Parse(q.tools_json);
+    cr_assert_str_eq(cJSON_GetObjectItem(cJSON_GetArrayItem(t, 0), "type")->valuestring, "function", "%s", q.tools_json);
+    cr_assert_str_eq(cJSON_GetObjectItem(cJSON_GetObjectItem(cJSON_GetArrayItem(t, 0), "function"), "name")->valuestring,
+                     "w");
+    cJSON_Delete(t);
+    cJSON *c = cJSON_Parse(q.messages[1].tool_calls);
+    const cJSON *fn = cJSON_GetObjectItem(cJSON_GetArrayItem(c, 0), "function");
+    cr_assert_str_eq(cJSON_GetObjectItem(fn, "name")->valuestring, "w", "%s", q.messages[1].tool_calls);
+    cr_assert_str_eq(cJSON_GetObjectItem(fn, "arguments")->valuestring, "{\"c\": \"P\"}");
+    cJSON_Delete(c);
+    cr_assert_str_eq(q.messages[2].role, "tool", "a function result is a tool result");
+    cr_assert_str_eq(q.messages[2].name, "w");
+    cr_assert_eq(router_oai_tools_prepare(&q, TD_TOOLS_HERMES, &err), TD_OK, "%s", err.message);
+    cr_assert_null(q.grammar, "auto: free generation");
+    cr_assert_eq(router_oai_tools_prepare(&q, TD_TOOLS_NONE, &err), TD_ERR_INVALID, "no format: refused");
+    cr_assert_str_eq(err.param, "functions");
+    router_oai_req_free(&q);
+    /* function_call none: rendered, never parsed */
+    cr_assert_eq(parse(ROUTER_OAI_CHAT, CHAT_X "\"functions\":[" FN_W "],\"function_call\":\"none\"}"), TD_OK);
+    cr_assert_eq(q.tool_choice, ROUTER_OAI_TOOLS_NONE);
+    cr_assert_not_null(q.tools_json);
+    router_oai_req_free(&q);
+    /* function_call {"name"}: the named call's grammar, one call, as tool_choice's */
+    cr_assert_eq(parse(ROUTER_OAI_CHAT, CHAT_X "\"functions\":[" FN_W "],\"function_call\":{\"name\":\"w\"}}"), TD_OK,
+                 "%s", err.message);
+    cr_assert_eq(q.tool_choice, ROUTER_OAI_TOOLS_NAMED);
+    cr_assert_eq(router_oai_tools_prepare(&q, TD_TOOLS_HERMES, &err), TD_OK, "%s", err.message);
+    td_tool_t tw = {"w", "{\"type\":\"object\",\"properties\":{\"c\":{\"type\":\"string\"}},\"required\":[\"c\"]}"};
+    char *want = NULL;
+    cr_assert_eq(td_tools_grammar(TD_TOOLS_HERMES, &tw, 1, false, &want, NULL), TD_OK);
+    cr_assert_str_eq(q.grammar, want, "the nodes get the forced call's grammar, one call");
+    cr_assert_str_eq(q.grammar_param, "function_call");
+    free(want);
+    router_oai_req_free(&q);
+    /* the empty form is no request for tools */
+    cr_assert_eq(parse(ROUTER_OAI_CHAT, CHAT_X "\"functions\":[]}"), TD_OK, "%s", err.message);
+    cr_assert_eq(q.n_tools, 0);
+    cr_assert_not(q.legacy_functions);
+    router_oai_req_free(&q);
+    /* refusals, each naming its field: both forms at once, bad shapes and choices */
+    refused(ROUTER_OAI_CHAT, CHAT_X "\"functions\":[" FN_W "],\"tools\":[" TOOL_W "]}", "functions");
+    cr_assert_str_eq(err.code, "conflicting_parameters");
+    cr_assert(strstr(err.message, "'tools'"), "%s", err.message);
+    refused(ROUTER_OAI_CHAT, CHAT_X "\"functions\":[" FN_W "],\"tool_choice\":\"auto\"}", "functions");
+    refused(ROUTER_OAI_CHAT, CHAT_X "\"tools\":[" TOOL_W "],\"function_call\":\"auto\"}", "function_call");
+    refused(ROUTER_OAI_CHAT, CHAT_X "\"functions\":{}}", "functions");
+    refused(ROUTER_OAI_CHAT, CHAT_X "\"functions\":[{\"description\":\"no name\"}]}", "functions[0]");
+    refused(ROUTER_OAI_CHAT, CHAT_X "\"functions\":[" FN_W ",{\"name\":\"a\",\"parameters\":1}]}",
+            "functions[1].parameters");
+    refused(ROUTER_OAI_CHAT, CHAT_X "\"functions\":[" FN_W "],\"function_call\":\"required\"}", "function_call");
+    refused(ROUTER_OAI_CHAT, CHAT_X "\"functions\":[" FN_W "],\"function_call\":5}", "function_call");
+    refused(ROUTER_OAI_CHAT, CHAT_X "\"functions\":[" FN_W "],\"function_call\":{\"name\":\"z\"}}", "function_call.name");
+    refused(ROUTER_OAI_CHAT, CHAT_X "\"function_call\":{\"name\":\"w\"}}", "function_call.name");
+    refused(ROUTER_OAI_CHAT, "{\"messages\":[{\"role\":\"assistant\",\"content\":\"x\",\"function_call\":{}}]}",
+            "messages[0].function_call");
+    refused(ROUTER_OAI_CHAT, "{\"messages\":[{\"role\":\"assistant\",\"content\":\"x\",\"function_call\":{\"name\":\"w\"},"
+                             "\"tool_calls\":[{\"type\":\"function\",\"function\":{\"name\":\"w\"}}]}]}",
+            "messages[0].function_call");
+    /* a forced call's schema keyword td_gram lacks: named as the function's parameters */
+    cr_assert_eq(parse(ROUTER_OAI_CHAT, CHAT_X "\"functions\":[" FN_W ",{\"name\":\"m\",\"parameters\":{\"type\":"
+                                        "\"object\",\"properties\":{\"n\":{\"type\":\"integer\",\"multipleOf\":2}}}}],"
+                                        "\"function_call\":{\"name\":\"m\"}}"),
+                 TD_OK, "%s", err.message);
+    cr_assert_eq(router_oai_tools_prepare(&q, TD_TOOLS_HERMES, &err), TD_ERR_INVALID);
+    cr_assert_str_eq(err.param, "functions[1].parameters");
+    router_oai_req_free(&q);
+}
+
 /* Tool-call ids: OpenAI's shape (Mistral's 9 characters), the same for the same request, and
  * distinct over the calls of every choice of a request (n > 1 with tools). */
 Test(router_openai, tool_call_ids)
@@ -544,6 +629,55 @@ Test(router_openai, tool_call_shapes)
     cr_assert(at && at < second && strstr(second, "\"choices\":[{\"index\":2,"), "choice 2's call: %s", b.p);
     router_oai_buf_free(&b);
     router_oai_buf_free(&calls);
+}
+
+/* The older answer to `functions`: message.function_call {name, arguments} and finish
+ * function_call, streamed as delta.function_call with the name first, then arguments. */
+Test(router_openai, function_call_shapes)
+{
+    router_oai_resp_t rs = {.kind = ROUTER_OAI_CHAT, .id = "chatcmpl-r1", .model = "m", .created = 1,
+                            .legacy_functions = true};
+    router_oai_buf_t b = {0}, call = {0};
+    router_oai_function_call_json(&call, "w", "{\"c\": \"P\"}", 10);
+    router_oai_buf_put(&call, "", 0);
+    router_oai_response_tools(&b, &rs, "", 0, call.p, NULL, "function_call", &(router_oai_usage_t){1, 2, 0, 0});
+    router_oai_buf_put(&b, "", 0);
+    cJSON *j = cJSON_Parse(b.p);
+    cr_assert_not_null(j, "%s", b.p);
+    const cJSON *ch = cJSON_GetArrayItem(cJSON_GetObjectItem(j, "choices"), 0);
+    const cJSON *m = cJSON_GetObjectItem(ch, "message");
+    cr_assert(cJSON_IsNull(cJSON_GetObjectItem(m, "content")), "no content beside the call: null");
+    cr_assert_null(cJSON_GetObjectItem(m, "tool_calls"), "%s", b.p);
+    const cJSON *fc = cJSON_GetObjectItem(m, "function_call");
+    cr_assert_str_eq(cJSON_GetObjectItem(fc, "name")->valuestring, "w", "%s", b.p);
+    cr_assert_str_eq(cJSON_GetObjectItem(fc, "arguments")->valuestring, "{\"c\": \"P\"}");
+    cr_assert_str_eq(cJSON_GetObjectItem(ch, "finish_reason")->valuestring, "function_call");
+    cJSON_Delete(j);
+    /* streamed: the name (and empty arguments) with the role, then a piece of arguments */
+    b.n = 0;
+    router_oai_tool_call_chunk(&b, &rs, true, 0, "call_a", "w", "{\"c\"", 4, false);
+    router_oai_buf_put(&b, "", 0);
+    char *second = strstr(b.p + 6, "data: ");
+    cr_assert_not_null(second, "two events");
+    second[-1] = 0;
+    j = cJSON_Parse(b.p + 6);
+    cr_assert_not_null(j, "%s", b.p);
+    const cJSON *d = cJSON_GetObjectItem(cJSON_GetArrayItem(cJSON_GetObjectItem(j, "choices"), 0), "delta");
+    cr_assert_str_eq(cJSON_GetObjectItem(d, "role")->valuestring, "assistant");
+    cr_assert(cJSON_IsNull(cJSON_GetObjectItem(d, "content")));
+    cr_assert_null(cJSON_GetObjectItem(d, "tool_calls"));
+    cr_assert_str_eq(cJSON_GetObjectItem(cJSON_GetObjectItem(d, "function_call"), "name")->valuestring, "w");
+    cr_assert_str_eq(cJSON_GetObjectItem(cJSON_GetObjectItem(d, "function_call"), "arguments")->valuestring, "");
+    cJSON_Delete(j);
+    j = cJSON_Parse(second + 6);
+    cr_assert_not_null(j, "%s", second);
+    d = cJSON_GetObjectItem(cJSON_GetArrayItem(cJSON_GetObjectItem(j, "choices"), 0), "delta");
+    cr_assert_null(cJSON_GetObjectItem(d, "role"));
+    cr_assert_null(cJSON_GetObjectItem(cJSON_GetObjectItem(d, "function_call"), "name"));
+    cr_assert_str_eq(cJSON_GetObjectItem(cJSON_GetObjectItem(d, "function_call"), "arguments")->valuestring, "{\"c\"");
+    cJSON_Delete(j);
+    router_oai_buf_free(&b);
+    router_oai_buf_free(&call);
 }
 
 Test(router_openai, bad_json)
