@@ -551,87 +551,111 @@ TD_INLINE TD_Y void avx2_tile1_q6_k(int R, int h, const unsigned char *gq, size_
 }
 
 /* The one-byte prefill tile of the 4-bit types (Q4_0, Q4_1, Q4_K, Q5_K; m >= 2, `--device
- * cpu:q8`): half h of a group (8 weight rows) against R one-byte rows, R <= 8. Per row and
- * block, maddubs' int16 pair sums build up over the block's 4 vectors (u <= 15: 8 pairs of at
- * most 2 * 15 * 127, 30480 < 2^15; Q5_K's u <= 31 over 2 vectors, 31496) before one madd by
- * 254 widens them, where the tile before it widened every vector: 8 maddubs and 1 madd a row
- * and block instead of 8 and 4. The registers go to what every vector touches: 8 int16 sums,
- * 2 weight vectors and 2 constants. The f32 accumulators live in memory (volatile: a load and
- * a store a row and block, at fixed stack offsets, where in registers they spilled anyway),
- * the offset terms m * c of Q4_1, Q4_K and Q5_K are a pass of their own before the tile
- * (avx2_min_q4, the reference's fmaf order, so its bits), Q4_0's c is added after the
- * widening, and the rows' addresses are one pointer and `stride` (opaque to GCC, so it does
- * not keep a pointer a row live and spill them). One core, m = 64, 2048 x 2048: q4_k 3.1 ->
- * 2.64 ms, q4_0 2.9 -> 2.34, q5_k 3.65 -> 2.88 (docs/kernels.md). */
-TD_INLINE TD_Y void avx2_tile1_q4(td_dtype_t t, int R, int h, const unsigned char *gq, size_t nb, size_t k,
+ * cpu:q8`): H halves of a group from h0 (8 weight rows each) against R one-byte rows, R * H <=
+ * 8. Per row, half and block, maddubs' int16 pair sums build up over the block's 4 vectors (u
+ * <= 15: 8 pairs of at most 2 * 15 * 127, 30480 < 2^15; Q5_K's u <= 31 over 2 vectors, 31496)
+ * before one madd by 254 widens them, where the tile before it widened every vector: 8 maddubs
+ * and 1 madd a row and block instead of 8 and 4. The registers go to what every vector
+ * touches: R * H int16 sums, 2 H weight vectors, a row's two broadcasts and 2 constants. With
+ * both halves (H = 2, 4 rows) each broadcast of a row's activations feeds two maddubs, one a
+ * half: per row and block 8 broadcasts serve 16 maddubs, where 8 rows by one half spend 16 on
+ * them (one core, m = 64, 2048 x 2048: q4_k 2.64 -> 2.55 ms, q4_0 2.34 -> 2.20, q4_1 2.51 ->
+ * 2.41); Q5_K, whose fifth bits take two more vectors a half, reads slower that way (2.92 ->
+ * 3.21) and keeps 8 rows by one half (Q4_R, Q4_H). Q4_K's d is widened a block and half (held
+ * a chunk, it took a register the 4-row loop needs: q4_k 2.57-2.67 ms). The f32 sums live in
+ * memory (volatile: a load and a store a row, half and block, at fixed stack offsets, where in
+ * registers they spilled anyway), the offset terms m * c of Q4_1, Q4_K and Q5_K are a pass of
+ * their own before the tile (avx2_min_q4, the reference's fmaf order, so its bits), Q4_0's c
+ * is added after the widening, and the rows' addresses are one pointer and `stride` (opaque
+ * to GCC, so it does not keep a pointer a row live and spill them). docs/kernels.md. */
+#define Q4_R(t) ((t) == TD_Q5_K ? 8 : 4)
+#define Q4_H(t) ((t) == TD_Q5_K ? 1 : 2)
+TD_INLINE TD_Y void avx2_tile1_q4(td_dtype_t t, int R, int h0, int H, const unsigned char *gq, size_t nb, size_t k,
                                   const unsigned char *a, size_t stride, float *y, size_t ldy, const unsigned char *pf_end)
 {
     const int flush = t == TD_Q5_K ? 2 : 4; /* vectors summed in int16 before widening */
     const __m256i low4 = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10), wide = _mm256_set1_epi16(WIDE);
     const size_t e_at = act_e(a, k) - a, c_at = act_c(a, k) - a, qb = quant_bytes(t), sb = scale_bytes(t);
-    volatile __m256 acc[8]; /* in memory on purpose (above) */
-    for (int i = 0; i < R; i++)
-        acc[i] = _mm256_setzero_ps();
+    volatile __m256 acc[2][8]; /* in memory on purpose (above) */
+    for (int x = 0; x < H; x++)
+        for (int i = 0; i < R; i++)
+            acc[x][i] = _mm256_setzero_ps();
     for (size_t c0 = 0; c0 < nb; c0 += PACK_CHUNK) { /* chunk by chunk: no index arithmetic a block */
         const size_t n_in = nb - c0 < PACK_CHUNK ? nb - c0 : PACK_CHUNK;
         const unsigned char *qc = gq + c0 * (qb + sb), *cs = qc + n_in * qb; /* its quants, its scales */
-        const __m256 kd = k_scales(t) ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cs + K_D + 16 * h)))
-                                      : _mm256_setzero_ps(); /* the super-block's d */
         for (size_t j = 0; j < n_in; j++) {
             const size_t b = c0 + j;
             if (pf_end) /* the group's first sweep */
                 decode_prefetch(t, gq, b, pf_end);
-            const unsigned char *q = qc + j * qb + 32 * h;
+            const unsigned char *q = qc + j * qb + 32 * h0;
             const unsigned char *ab = a + b * TD_QK; /* row 0's hi of block b */
             size_t st = stride;
             __asm__("" : "+r"(st)); /* rows at ab + i * st: no pointer a row */
-            __m256i p[8];
-            const __m256i hb = t == TD_Q5_K ? _mm256_loadu_si256((const __m256i *)(q + 256)) : _mm256_setzero_si256();
+            __m256i p[2][8];
 #pragma GCC unroll 2
             for (int v0 = 0; v0 < 4; v0 += flush) {
-                __m256i s16[8];
+                __m256i s16[2][8];
 #pragma GCC unroll 8
                 for (int v = v0; v < v0 + flush; v++) {
-                    const __m256i raw = _mm256_loadu_si256((const __m256i *)(q + 64 * v));
-                    __m256i lo4 = _mm256_and_si256(raw, low4);
-                    __m256i hi4 = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
-                    if (t == TD_Q5_K) { /* the fifth bits: weight 4v + j's at bit v, 16 + 4v + j's at 4 + v */
-                        lo4 = _mm256_or_si256(lo4, _mm256_and_si256(_mm256_slli_epi16(hb, 4 - v), bit4));
-                        hi4 = _mm256_or_si256(hi4, _mm256_and_si256(_mm256_srli_epi16(hb, v), bit4));
+                    __m256i lo4[2], hi4[2];
+#pragma GCC unroll 2
+                    for (int x = 0; x < H; x++) {
+                        const __m256i raw = _mm256_loadu_si256((const __m256i *)(q + 64 * v + 32 * x));
+                        lo4[x] = _mm256_and_si256(raw, low4);
+                        hi4[x] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+                        if (t == TD_Q5_K) { /* the fifth bits: weight 4v + j's at bit v, 16 + 4v + j's at 4 + v */
+                            const __m256i hb = _mm256_loadu_si256((const __m256i *)(q + 256 + 32 * x));
+                            lo4[x] = _mm256_or_si256(lo4[x], _mm256_and_si256(_mm256_slli_epi16(hb, 4 - v), bit4));
+                            hi4[x] = _mm256_or_si256(hi4[x], _mm256_and_si256(_mm256_srli_epi16(hb, v), bit4));
+                        }
                     }
 #pragma GCC unroll 8
                     for (int i = 0; i < R; i++) {
                         const unsigned char *qh = ab + i * st;
-                        __m256i s = _mm256_add_epi16(_mm256_maddubs_epi16(lo4, _mm256_set1_epi32(load_i32(qh + 4 * v))),
-                                                     _mm256_maddubs_epi16(hi4, _mm256_set1_epi32(load_i32(qh + 16 + 4 * v))));
-                        s16[i] = v == v0 ? s : _mm256_add_epi16(s16[i], s);
-                        AVX2_KEEP(s16[i]);
+                        const __m256i al = _mm256_set1_epi32(load_i32(qh + 4 * v));
+                        const __m256i ah = _mm256_set1_epi32(load_i32(qh + 16 + 4 * v));
+#pragma GCC unroll 2
+                        for (int x = 0; x < H; x++) {
+                            const __m256i s =
+                                _mm256_add_epi16(_mm256_maddubs_epi16(lo4[x], al), _mm256_maddubs_epi16(hi4[x], ah));
+                            s16[x][i] = v == v0 ? s : _mm256_add_epi16(s16[x][i], s);
+                            AVX2_KEEP(s16[x][i]);
+                        }
                     }
                 }
+#pragma GCC unroll 2
+                for (int x = 0; x < H; x++)
+#pragma GCC unroll 8
+                    for (int i = 0; i < R; i++) {
+                        const __m256i w = _mm256_madd_epi16(s16[x][i], wide);
+                        p[x][i] = v0 == 0 ? w : _mm256_add_epi32(p[x][i], w);
+                    }
+            }
+#pragma GCC unroll 2
+            for (int x = 0; x < H; x++) {
+                __m256 dw, mw;
+                if (k_scales(t)) /* d * sc: the scalar kernel's exact product */
+                    dw = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cs + K_D + 16 * (h0 + x)))),
+                                       _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                                  _mm_loadl_epi64((const __m128i *)(cs + K_SC(j) + 8 * (h0 + x))))));
+                else
+                    avx2_scales(t, cs, j, h0 + x, &dw, &mw);
 #pragma GCC unroll 8
                 for (int i = 0; i < R; i++) {
-                    const __m256i w = _mm256_madd_epi16(s16[i], wide);
-                    p[i] = v0 == 0 ? w : _mm256_add_epi32(p[i], w);
+                    __m256i pi = p[x][i];
+                    if (t == TD_Q4_0) /* the offset's c, last (the same integer sum in another order) */
+                        pi = _mm256_add_epi32(pi, _mm256_set1_epi32(load_i32(a + i * st + c_at + 4 * b)));
+                    const __m256 e = _mm256_set1_ps(load_f32(a + i * st + e_at + 4 * b));
+                    acc[x][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pi), _mm256_mul_ps(dw, e), (__m256)acc[x][i]);
                 }
-            }
-            if (t == TD_Q4_0) /* the offset's c, last (the same integer sum in another order) */
-#pragma GCC unroll 8
-                for (int i = 0; i < R; i++)
-                    p[i] = _mm256_add_epi32(p[i], _mm256_set1_epi32(load_i32(a + i * st + c_at + 4 * b)));
-            __m256 dw, mw;
-            if (k_scales(t)) /* d * sc: the scalar kernel's exact product */
-                dw = _mm256_mul_ps(kd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(cs + K_SC(j) + 8 * h)))));
-            else
-                avx2_scales(t, cs, j, h, &dw, &mw);
-#pragma GCC unroll 8
-            for (int i = 0; i < R; i++) {
-                const __m256 e = _mm256_set1_ps(load_f32(a + i * st + e_at + 4 * b));
-                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[i]), _mm256_mul_ps(dw, e), (__m256)acc[i]);
             }
         }
     }
-    for (int i = 0; i < R; i++) /* Q4_1, Q4_K, Q5_K: y holds M (avx2_min_q4), y = acc + M */
-        _mm256_storeu_ps(y + i * ldy + 8 * h, has_min(t) ? _mm256_add_ps(acc[i], _mm256_loadu_ps(y + i * ldy + 8 * h)) : acc[i]);
+    for (int x = 0; x < H; x++) /* Q4_1, Q4_K, Q5_K: y holds M (avx2_min_q4), y = acc + M */
+        for (int i = 0; i < R; i++) {
+            float *yi = y + i * ldy + 8 * (h0 + x);
+            _mm256_storeu_ps(yi, has_min(t) ? _mm256_add_ps(acc[x][i], _mm256_loadu_ps(yi)) : acc[x][i]);
+        }
 }
 
 /* The offset terms M = sum over blocks of m * c (Q4_1, Q4_K, Q5_K), in block order, of half h
@@ -657,8 +681,8 @@ TD_INLINE TD_Y void avx2_min_q4(td_dtype_t t, int R, int h, const unsigned char 
         _mm256_storeu_ps(y + i * ldy + 8 * h, macc[i]);
 }
 
-/* kernel_avx2's one-byte prefill of the 4-bit types: tiles of 8 rows a half (4 measured 3-12%
- * slower), then one of the rest; the offset terms first */
+/* kernel_avx2's one-byte prefill of the 4-bit types: tiles of Q4_R(t) rows by Q4_H(t) halves,
+ * then one of the rest; the offset terms first */
 TD_INLINE TD_Y void kernel_avx2_q4_one(td_dtype_t t, const unsigned char *gq, size_t nb, size_t k, const unsigned char *a,
                                        size_t m, size_t stride, float *yg, size_t ldy, const unsigned char *end)
 {
@@ -672,13 +696,15 @@ TD_INLINE TD_Y void kernel_avx2_q4_one(td_dtype_t t, const unsigned char *gq, si
         AVX2_REST(m - i, MIN_Q4);
 #undef MIN_Q4
     }
-    for (int h = 0; h < 2; h++) {
+    const int R = Q4_R(t), H = Q4_H(t);
+    for (int h = 0; h < 2; h += H) {
         size_t i = 0;
-        for (; i + 8 <= m; i += 8)
-            avx2_tile1_q4(t, 8, h, gq, nb, k, a + i * stride, stride, yg + i * ldy, ldy, h == 0 && i == 0 ? end : NULL);
+        for (; i + (size_t)R <= m; i += (size_t)R)
+            avx2_tile1_q4(t, R, h, H, gq, nb, k, a + i * stride, stride, yg + i * ldy, ldy,
+                          h == 0 && i == 0 ? end : NULL);
         const unsigned char *ai = a + i * stride, *pf = h == 0 && i == 0 ? end : NULL;
         float *yi = yg + i * ldy;
-#define TILE1_Q4(R) avx2_tile1_q4(t, R, h, gq, nb, k, ai, stride, yi, ldy, pf)
+#define TILE1_Q4(R) avx2_tile1_q4(t, R, h, (R) * H <= 8 ? H : 1, gq, nb, k, ai, stride, yi, ldy, pf) /* R * H <= 8 */
         AVX2_REST(m - i, TILE1_Q4);
 #undef TILE1_Q4
     }
