@@ -149,8 +149,8 @@ TD_INLINE void act_row_blocks(act_block_fn block, const float *x, void *av, td_d
                               bool one_byte, bool q16)
 {
     unsigned char *a = av;
-    if (q16 && one_byte && type == TD_Q6_K) /* act_o6's 8 bytes a block, then 0 */
-        memset(a + act_q16_at(k), 0, 2 * k);
+    if (q16 && one_byte && type == TD_Q6_K) /* act_o6's 8 bytes a block (the loop's), then 0 */
+        memset(a + act_q16_at(k) + 8 * (k / TD_QK), 0, 2 * k - 8 * (k / TD_QK));
     for (size_t b = 0; b < k / TD_QK; b++) {
         float e;
         int8_t *hi = (int8_t *)a + b * TD_QK, *lo = (int8_t *)a + k + b * TD_QK;
