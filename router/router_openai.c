@@ -819,10 +819,16 @@ td_status_t router_oai_tools_read(router_oai_req_t *q, const cJSON *tools, const
     return TD_OK;
 }
 
-/* The field that carried q's tools, for errors: "functions" (the older form) or "tools". */
+/* The fields that carried q's tools and its choice of them, for errors: "functions" and
+ * "function_call" (the older form), or "tools" and "tool_choice". */
 static const char *tools_field(const router_oai_req_t *q)
 {
     return q->legacy_functions ? "functions" : "tools";
+}
+
+static const char *choice_field(const router_oai_req_t *q)
+{
+    return q->legacy_functions ? "function_call" : "tool_choice";
 }
 
 /* OpenAI's older form of tools: `functions` ([{"name", "description", "parameters"}]) and
@@ -940,16 +946,15 @@ td_status_t router_oai_tools_prepare(router_oai_req_t *q, td_tools_format_t fmt,
                              "this model's chat template has no tool-call format that the router knows "
                              "(hermes <tool_call>, llama3_json, mistral [TOOL_CALLS]); start the router with "
                              "--tool-call-format, or send %s \"none\"",
-                             q->legacy_functions ? "function_call" : "tool_choice");
+                             choice_field(q));
         return TD_ERR_INVALID;
     }
     if (q->tool_choice == ROUTER_OAI_TOOLS_AUTO)
         return TD_OK;
-    const char *choice_field = q->legacy_functions ? "function_call" : "tool_choice";
     if (q->grammar) {
-        router_oai_error_set(err, 400, "invalid_request_error", choice_field, "conflicting_parameters",
+        router_oai_error_set(err, 400, "invalid_request_error", choice_field(q), "conflicting_parameters",
                              "'%s' %s constrains the output to tool calls, and '%s' constrains it too: "
-                             "give one of them", choice_field, q->tool_choice == ROUTER_OAI_TOOLS_NAMED ? "(a function)"
+                             "give one of them", choice_field(q), q->tool_choice == ROUTER_OAI_TOOLS_NAMED ? "(a function)"
                              : "\"required\"", q->grammar_param);
         return TD_ERR_INVALID;
     }
@@ -985,7 +990,7 @@ td_status_t router_oai_tools_prepare(router_oai_req_t *q, td_tools_format_t fmt,
         return TD_ERR_INVALID;
     }
     q->grammar_kind = TD_GRAM_GBNF;
-    snprintf(q->grammar_param, sizeof q->grammar_param, "%s", choice_field);
+    snprintf(q->grammar_param, sizeof q->grammar_param, "%s", choice_field(q));
     return TD_OK;
 }
 
