@@ -147,7 +147,7 @@ static void cmd_discard(decode_state_t *s, decode_cmd_t *c)
 {
     decode_admit_free(c->admit);
     for (int32_t i = 0; i < c->n_blocks; i++)
-        td_kv_unref_block(s->kv, c->blocks[i]);
+        td_kv_unref_block_for(s->kv, TD_KV_HOLDER_LANDED, c->blocks[i]);
     free(c->blocks);
 }
 
@@ -364,7 +364,7 @@ static void on_kv_ready(void *arg, const td_xfer_ready_t *r)
     }
     if (!posted) {
         for (int32_t i = 0; i < r->n_blocks; i++)
-            td_kv_unref_block(s->kv, r->blocks[i]);
+            td_kv_unref_block_for(s->kv, TD_KV_HOLDER_LANDED, r->blocks[i]);
         if (a) {
             if (!blocks)
                 td_warn("decode: lease %llu: kv-ready dropped, out of memory", (unsigned long long)r->lease_id);

@@ -81,7 +81,8 @@ typedef struct decode_prefill {
 typedef struct decode_cmd {
     decode_admit_t *admit;     /* NULL: cancel lease_id */
     uint64_t lease_id;
-    int32_t *blocks;           /* [n_blocks] the landed lease's blocks, one reference each */
+    int32_t *blocks;           /* [n_blocks] the landed lease's blocks, one reference each
+                                  (TD_KV_HOLDER_LANDED: adopted or released once) */
     int32_t n_blocks;
     int32_t first_token;
     int32_t prompt_posted;     /* a local prefill's prompt: its tokens, counted in prompt_posted

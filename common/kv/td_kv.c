@@ -18,6 +18,7 @@
 #include "td_kv.h"
 
 #include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <xxhash.h>
@@ -35,6 +36,7 @@ struct td_kv_cache {
 
     int32_t *refs;        /* [n_blocks] reference count */
     uint8_t *state;       /* [n_blocks] BLOCK_* */
+    uint8_t *holder;      /* [n_blocks] td_kv_holder_t of every reference (NONE at 0 refs) */
     bool *registered;     /* [n_blocks] in the hash table */
     uint64_t *hash;       /* [n_blocks] chained hash (valid when registered) */
     uint64_t *prev_hash;  /* [n_blocks] predecessor's chained hash (valid when registered) */
@@ -135,7 +137,7 @@ static int32_t lru_id(const td_kv_cache_t *c, const td_list_t *n)
 
 /* Takes one block: the free list first, else evicts the least recently used cached block.
  * The caller has checked availability. */
-static int32_t take_block(td_kv_cache_t *c)
+static int32_t take_block(td_kv_cache_t *c, td_kv_holder_t holder)
 {
     int32_t id;
     if (c->n_free > 0) {
@@ -147,15 +149,35 @@ static int32_t take_block(td_kv_cache_t *c)
         unregister_block(c, id);
         c->evictions++;
     }
-    TD_ASSERT(c->refs[id] == 0);
+    TD_ASSERT(c->refs[id] == 0 && c->holder[id] == TD_KV_HOLDER_NONE);
     c->refs[id] = 1;
     c->state[id] = BLOCK_USED;
+    c->holder[id] = (uint8_t)holder;
     return id;
 }
 
 static void check_id(const td_kv_cache_t *c, int32_t id)
 {
     TD_ASSERT(id >= 0 && id < c->n_blocks);
+}
+
+static const char *holder_name(int h)
+{
+    static const char *const name[] = {"nobody", "sequences", "the caller", "a transfer lease",
+                                       "a landed transfer"};
+    return h >= 0 && h < (int)TD_ARRAY_LEN(name) ? name[h] : "an unknown holder";
+}
+
+/* Every reference operation names who performs it; a block whose references are someone
+ * else's is a bug in the caller (an over-release, a second owner), stopped here at the first
+ * wrong call rather than at the double free it would cause later. One byte compared: free. */
+static void holder_assert(const td_kv_cache_t *c, int32_t id, td_kv_holder_t who, const char *what)
+{
+    if (c->holder[id] == (uint8_t)who && c->state[id] == BLOCK_USED && c->refs[id] > 0)
+        return;
+    fprintf(stderr, "tandem: kv block %d: %s by %s, but its %d references are held by %s (state %d)\n", id, what,
+            holder_name((int)who), c->refs[id], holder_name(c->holder[id]), c->state[id]);
+    td_assert_fail("a block's references are released and passed only by their holder", __FILE__, __LINE__);
 }
 
 /* ---- cache ------------------------------------------------------------------------ */
@@ -179,6 +201,7 @@ td_status_t td_kv_cache_create(const td_kv_config_t *cfg, td_kv_cache_t **cache_
     c->prefix_cache = cfg->prefix_cache;
     c->refs = calloc(n, sizeof *c->refs);
     c->state = calloc(n, sizeof *c->state);
+    c->holder = calloc(n, sizeof *c->holder);
     c->registered = calloc(n, sizeof *c->registered);
     c->hash = calloc(n, sizeof *c->hash);
     c->prev_hash = calloc(n, sizeof *c->prev_hash);
@@ -186,7 +209,7 @@ td_status_t td_kv_cache_create(const td_kv_config_t *cfg, td_kv_cache_t **cache_
     c->lru_node = malloc(n * sizeof *c->lru_node);
     if (cfg->prefix_cache)
         c->key_tokens = malloc(n * (size_t)cfg->block_size * sizeof *c->key_tokens);
-    if (!c->refs || !c->state || !c->registered || !c->hash || !c->prev_hash || !c->free_stack ||
+    if (!c->refs || !c->state || !c->holder || !c->registered || !c->hash || !c->prev_hash || !c->free_stack ||
         !c->lru_node || (cfg->prefix_cache && !c->key_tokens) || td_hash_init(&c->table, n)) {
         td_kv_cache_destroy(c);
         return td_errorf(TD_ERR_NOMEM, "kv cache: out of memory for %d blocks", cfg->n_blocks);
@@ -208,6 +231,7 @@ void td_kv_cache_destroy(td_kv_cache_t *cache)
         return;
     free(cache->refs);
     free(cache->state);
+    free(cache->holder);
     free(cache->registered);
     free(cache->hash);
     free(cache->prev_hash);
@@ -242,35 +266,41 @@ static void kv_get_stats(const td_kv_cache_t *cache, td_kv_stats_t *stats)
     stats->window_released = cache->window_released;
 }
 
-static td_status_t kv_alloc_blocks(td_kv_cache_t *cache, int32_t n, int32_t *ids)
+static td_status_t kv_alloc_blocks(td_kv_cache_t *cache, td_kv_holder_t holder, int32_t n, int32_t *ids)
 {
+    /* sequences take blocks through reserve; NONE holds nothing */
+    TD_ASSERT(holder == TD_KV_HOLDER_CALLER || holder == TD_KV_HOLDER_LEASE || holder == TD_KV_HOLDER_LANDED);
     if (n < 0)
         return td_errorf(TD_ERR_INVALID, "kv cache: cannot allocate %d blocks", n);
     if (n > kv_available(cache))
         return td_errorf_quiet(TD_ERR_EXHAUSTED, "kv cache: %d blocks requested, %d available", n,
                                kv_available(cache));
     for (int32_t i = 0; i < n; i++)
-        ids[i] = take_block(cache);
+        ids[i] = take_block(cache, holder);
     return TD_OK;
 }
 
-static void kv_ref_block(td_kv_cache_t *cache, int32_t id)
+static void kv_ref_block(td_kv_cache_t *cache, int32_t id, td_kv_holder_t holder)
 {
     check_id(cache, id);
     TD_ASSERT(cache->state[id] != BLOCK_FREE); /* a reference to a free block is a bug */
     if (cache->state[id] == BLOCK_CACHED) {
         lru_remove(cache, id);
         cache->state[id] = BLOCK_USED;
+        cache->holder[id] = (uint8_t)holder;
+    } else {
+        holder_assert(cache, id, holder, "referenced");
     }
     cache->refs[id]++;
 }
 
-static void kv_unref_block(td_kv_cache_t *cache, int32_t id)
+static void kv_unref_block(td_kv_cache_t *cache, int32_t id, td_kv_holder_t holder)
 {
     check_id(cache, id);
-    TD_ASSERT(cache->state[id] == BLOCK_USED && cache->refs[id] > 0); /* double free */
+    holder_assert(cache, id, holder, "released"); /* a double free too: its holder is nobody */
     if (--cache->refs[id] > 0)
         return;
+    cache->holder[id] = TD_KV_HOLDER_NONE;
     if (cache->registered[id]) {
         cache->state[id] = BLOCK_CACHED;
         lru_push_tail(cache, id);
@@ -298,7 +328,7 @@ void td_kv_seq_init(td_kv_seq_t *seq)
 static void release_blocks_from(td_kv_cache_t *cache, td_kv_seq_t *seq, int32_t first)
 {
     for (int32_t i = seq->n_blocks - 1; i >= TD_MAX(first, seq->n_released); i--)
-        kv_unref_block(cache, seq->blocks[i]);
+        kv_unref_block(cache, seq->blocks[i], TD_KV_HOLDER_SEQ);
     if (seq->n_blocks > first)
         seq->n_blocks = first;
     if (seq->n_released > first)
@@ -311,7 +341,7 @@ static int32_t kv_seq_release_before(td_kv_cache_t *cache, td_kv_seq_t *seq, int
     const int32_t end = TD_MIN(TD_MIN(pos, seq->n_tokens) / cache->block_size, seq->n_blocks);
     int32_t n = 0;
     for (int32_t i = seq->n_released; i < end; i++, n++) {
-        kv_unref_block(cache, seq->blocks[i]);
+        kv_unref_block(cache, seq->blocks[i], TD_KV_HOLDER_SEQ);
         seq->blocks[i] = TD_KV_RELEASED;
     }
     seq->n_released = TD_MAX(seq->n_released, end);
@@ -422,7 +452,7 @@ static td_status_t kv_seq_match_prefix(td_kv_cache_t *cache, td_kv_seq_t *seq, c
         if (id < 0)
             break;
         cache->prefix_hits++;
-        kv_ref_block(cache, id);
+        kv_ref_block(cache, id, TD_KV_HOLDER_SEQ);
         seq->blocks[matched] = id;
         prev = h;
     }
@@ -476,20 +506,20 @@ static td_status_t kv_seq_reserve(td_kv_cache_t *cache, td_kv_seq_t *seq, int32_
     for (int32_t i = first_w; i < end_w; i++) {
         int32_t old = seq->blocks[i];
         if (cache->refs[old] > 1) {
-            int32_t fresh = take_block(cache);
+            int32_t fresh = take_block(cache, TD_KV_HOLDER_SEQ);
             if (i * bs < seq->n_tokens) {
                 out.src[out.n] = old;
                 out.dst[out.n] = fresh;
                 out.n++;
             }
-            kv_unref_block(cache, old);
+            kv_unref_block(cache, old, TD_KV_HOLDER_SEQ);
             seq->blocks[i] = fresh;
         } else if (cache->registered[old]) {
             unregister_block(cache, old);
         }
     }
     for (int32_t i = seq->n_blocks; i < need_blocks; i++)
-        seq->blocks[i] = take_block(cache);
+        seq->blocks[i] = take_block(cache, TD_KV_HOLDER_SEQ);
     seq->n_blocks = TD_MAX(seq->n_blocks, need_blocks);
     if (cow)
         *cow = out;
@@ -562,7 +592,7 @@ static td_status_t kv_seq_fork(td_kv_cache_t *cache, const td_kv_seq_t *src, td_
         return st;
     for (int32_t i = 0; i < nb; i++) {
         if (i >= src->n_released)
-            kv_ref_block(cache, src->blocks[i]);
+            kv_ref_block(cache, src->blocks[i], TD_KV_HOLDER_SEQ);
         dst->blocks[i] = src->blocks[i];
     }
     dst->n_released = TD_MIN(src->n_released, nb);
@@ -589,13 +619,21 @@ static td_status_t kv_seq_adopt(td_kv_cache_t *cache, td_kv_seq_t *seq, const in
         int32_t id = blocks[i];
         if (id < 0 || id >= cache->n_blocks || cache->state[id] != BLOCK_USED)
             return td_errorf(TD_ERR_INVALID, "kv adopt: block %d is not an allocated block", id);
-        /* A block the caller wrote into must be its own (e.g. a lease's fresh block). */
-        if (i * bs < n && (cache->refs[id] != 1 || cache->registered[id]))
-            return td_errorf(TD_ERR_INVALID, "kv adopt: block %d holding tokens is shared or cached", id);
+        /* Only a caller's or a landed transfer's reference passes to a sequence; a live
+         * lease's blocks are the lease's until td_xfer hands them over (a bug, not input). */
+        holder_assert(cache, id, cache->holder[id] == TD_KV_HOLDER_LANDED ? TD_KV_HOLDER_LANDED : TD_KV_HOLDER_CALLER,
+                      "adopted");
+        /* One reference moves: all of a block's references have one holder, so no other
+         * may stay behind (and a block the caller wrote into must be its own). */
+        if (cache->refs[id] != 1 || (i * bs < n && cache->registered[id]))
+            return td_errorf(TD_ERR_INVALID, "kv adopt: block %d is shared (%d references) or cached", id,
+                             cache->refs[id]);
     }
     td_status_t st = seq_grow(seq, n_blocks, n);
     if (st != TD_OK)
         return st;
+    for (int32_t i = 0; i < n_blocks; i++)
+        cache->holder[blocks[i]] = TD_KV_HOLDER_SEQ;
     if (n_blocks > 0)
         memcpy(seq->blocks, blocks, (size_t)n_blocks * sizeof *blocks);
     if (n > 0)
@@ -639,8 +677,9 @@ static td_status_t kv_cache_check(const td_kv_cache_t *c)
                                  id, c->refs[id], c->registered[id]);
             break;
         case BLOCK_USED:
-            if (c->refs[id] <= 0)
-                return td_errorf(TD_ERR_INTERNAL, "kv check: used block %d has refs %d", id, c->refs[id]);
+            if (c->refs[id] <= 0 || c->holder[id] == TD_KV_HOLDER_NONE)
+                return td_errorf(TD_ERR_INTERNAL, "kv check: used block %d has refs %d, holder %s", id, c->refs[id],
+                                 holder_name(c->holder[id]));
             break;
         case BLOCK_HELD:
             if (id < c->n_usable || c->refs[id] != 0 || c->registered[id])
@@ -650,6 +689,9 @@ static td_status_t kv_cache_check(const td_kv_cache_t *c)
         default:
             return td_errorf(TD_ERR_INTERNAL, "kv check: block %d in state %d", id, c->state[id]);
         }
+        if (c->state[id] != BLOCK_USED && c->holder[id] != TD_KV_HOLDER_NONE)
+            return td_errorf(TD_ERR_INTERNAL, "kv check: unreferenced block %d still held by %s", id,
+                             holder_name(c->holder[id]));
         if (c->registered[id]) {
             n_reg++;
             if (table_find(c, c->hash[id]) != id)
@@ -710,26 +752,59 @@ void td_kv_get_stats(const td_kv_cache_t *cache, td_kv_stats_t *stats)
     kv_unlock(cache);
 }
 
-td_status_t td_kv_alloc_blocks(td_kv_cache_t *cache, int32_t n, int32_t *ids)
+td_status_t td_kv_alloc_blocks_for(td_kv_cache_t *cache, td_kv_holder_t holder, int32_t n, int32_t *ids)
 {
     kv_lock(cache);
-    td_status_t st = kv_alloc_blocks(cache, n, ids);
+    td_status_t st = kv_alloc_blocks(cache, holder, n, ids);
     kv_unlock(cache);
     return st;
+}
+
+td_status_t td_kv_alloc_blocks(td_kv_cache_t *cache, int32_t n, int32_t *ids)
+{
+    return td_kv_alloc_blocks_for(cache, TD_KV_HOLDER_CALLER, n, ids);
 }
 
 void td_kv_ref_block(td_kv_cache_t *cache, int32_t id)
 {
     kv_lock(cache);
-    kv_ref_block(cache, id);
+    kv_ref_block(cache, id, TD_KV_HOLDER_CALLER);
+    kv_unlock(cache);
+}
+
+void td_kv_unref_block_for(td_kv_cache_t *cache, td_kv_holder_t holder, int32_t id)
+{
+    kv_lock(cache);
+    kv_unref_block(cache, id, holder);
     kv_unlock(cache);
 }
 
 void td_kv_unref_block(td_kv_cache_t *cache, int32_t id)
 {
+    td_kv_unref_block_for(cache, TD_KV_HOLDER_CALLER, id);
+}
+
+void td_kv_pass_blocks(td_kv_cache_t *cache, const int32_t *ids, int32_t n, td_kv_holder_t from, td_kv_holder_t to)
+{
+    TD_ASSERT(to == TD_KV_HOLDER_CALLER || to == TD_KV_HOLDER_LEASE || to == TD_KV_HOLDER_LANDED);
     kv_lock(cache);
-    kv_unref_block(cache, id);
+    for (int32_t i = 0; i < n; i++) {
+        check_id(cache, ids[i]);
+        holder_assert(cache, ids[i], from, "passed on");
+        TD_ASSERT(cache->refs[ids[i]] == 1); /* the one reference moves; nobody shares a handed-over block */
+    }
+    for (int32_t i = 0; i < n; i++)
+        cache->holder[ids[i]] = (uint8_t)to;
     kv_unlock(cache);
+}
+
+td_kv_holder_t td_kv_block_holder(const td_kv_cache_t *cache, int32_t id)
+{
+    kv_lock(cache);
+    check_id(cache, id);
+    td_kv_holder_t h = (td_kv_holder_t)cache->holder[id];
+    kv_unlock(cache);
+    return h;
 }
 
 int32_t td_kv_block_refs(const td_kv_cache_t *cache, int32_t id)

@@ -81,6 +81,22 @@ typedef struct td_kv_stats {
     uint64_t window_released;  /* blocks sequences gave back early (td_kv_seq_release_before) */
 } td_kv_stats_t;
 
+/*
+ * Who holds a block's references (docs/kv-cache.md "Owners"). All the references of a block
+ * have one holder, recorded per block (one byte); every operation that takes, drops or
+ * passes a reference names its holder, and a block held by someone else stops the process
+ * at that call (TD_ASSERT: a bug in the caller, never input), not at the double free the
+ * wrong call would cause later. A block with no reference is held by NONE.
+ */
+typedef enum td_kv_holder {
+    TD_KV_HOLDER_NONE = 0, /* free, cached or held back */
+    TD_KV_HOLDER_SEQ,      /* sequences' block tables (td_kv_seq_*; shared by fork and prefix hits) */
+    TD_KV_HOLDER_CALLER,   /* td_kv_alloc_blocks / td_kv_ref_block's caller (tests, tools) */
+    TD_KV_HOLDER_LEASE,    /* a td_xfer lease: KV may still land in it; only td_xfer releases it */
+    TD_KV_HOLDER_LANDED,   /* a landed lease's blocks on their way to a sequence (ready callback,
+                              the decode node's command ring): adopted or released, once */
+} td_kv_holder_t;
+
 /* Errors: TD_ERR_INVALID for n_blocks <= 0 or block_size <= 0, TD_ERR_NOMEM. */
 td_status_t td_kv_cache_create(const td_kv_config_t *cfg, td_kv_cache_t **cache_p);
 void td_kv_cache_destroy(td_kv_cache_t *cache);
@@ -93,16 +109,29 @@ int32_t td_kv_available(const td_kv_cache_t *cache);
 void td_kv_get_stats(const td_kv_cache_t *cache, td_kv_stats_t *stats);
 
 /*
- * Allocates n blocks (ref 1 each) into ids[0..n). All or nothing: TD_ERR_EXHAUSTED
- * (not logged; the caller decides) when fewer than n are available, nothing changed.
+ * Allocates n blocks (ref 1 each, held by `holder`: CALLER, LEASE or LANDED) into ids[0..n).
+ * All or nothing: TD_ERR_EXHAUSTED (not logged; the caller decides) when fewer than n are
+ * available, nothing changed. td_kv_alloc_blocks: for TD_KV_HOLDER_CALLER.
  */
+td_status_t td_kv_alloc_blocks_for(td_kv_cache_t *cache, td_kv_holder_t holder, int32_t n, int32_t *ids);
 td_status_t td_kv_alloc_blocks(td_kv_cache_t *cache, int32_t n, int32_t *ids);
 
 /* Reference counting of single blocks. Unref of the last reference frees the block (or
- * parks it on the LRU list if it holds a registered prefix block). */
+ * parks it on the LRU list if it holds a registered prefix block). td_kv_ref_block and
+ * td_kv_unref_block are the CALLER's; td_kv_unref_block_for drops one of `holder`'s
+ * references. A block not held by `holder` (or free: a double free) aborts. */
 void td_kv_ref_block(td_kv_cache_t *cache, int32_t id);
 void td_kv_unref_block(td_kv_cache_t *cache, int32_t id);
+void td_kv_unref_block_for(td_kv_cache_t *cache, td_kv_holder_t holder, int32_t id);
 int32_t td_kv_block_refs(const td_kv_cache_t *cache, int32_t id);
+
+/* Hands blocks ids[0..n) over from `from` to `to` (CALLER, LEASE or LANDED): each must be
+ * held by `from` with exactly one reference (the one that moves), else the process aborts.
+ * td_xfer passes a lease's blocks LEASE -> LANDED when it hands them to its ready callback. */
+void td_kv_pass_blocks(td_kv_cache_t *cache, const int32_t *ids, int32_t n, td_kv_holder_t from, td_kv_holder_t to);
+
+/* Who holds block id now (tests, diagnostics). */
+td_kv_holder_t td_kv_block_holder(const td_kv_cache_t *cache, int32_t id);
 
 void td_kv_seq_init(td_kv_seq_t *seq);
 /* Drops every block reference of seq and frees its arrays; seq is empty again, its salt
@@ -154,8 +183,11 @@ int32_t td_kv_seq_release_before(td_kv_cache_t *cache, td_kv_seq_t *seq, int32_t
 td_status_t td_kv_seq_fork(td_kv_cache_t *cache, const td_kv_seq_t *src, td_kv_seq_t *dst);
 
 /*
- * Makes an empty sequence own already-allocated blocks (one reference each is transferred
- * from the caller, e.g. a lease) holding tokens[0..n) computed elsewhere (KV transfer).
+ * Makes an empty sequence own already-allocated blocks (the one reference of each is
+ * transferred from the caller) holding tokens[0..n) computed elsewhere (KV transfer). The
+ * blocks must be held by CALLER or LANDED (a live lease's are not the caller's to give:
+ * aborts); TD_ERR_INVALID, nothing changed, for a block with more than one reference or a
+ * registered one that would be written.
  */
 td_status_t td_kv_seq_adopt(td_kv_cache_t *cache, td_kv_seq_t *seq, const int32_t *blocks,
                             int32_t n_blocks, const int32_t *tokens, int32_t n);

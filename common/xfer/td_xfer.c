@@ -458,7 +458,7 @@ static void close_finish(td_xfer_t *x)
         ready_event_t *ev = TD_CONTAINER_OF(x->ready_list.next, ready_event_t, link);
         td_list_remove(&ev->link);
         for (int32_t i = 0; i < ev->r.n_blocks; i++)
-            td_kv_unref_block(x->pool.kv, ev->r.blocks[i]);
+            td_kv_unref_block_for(x->pool.kv, TD_KV_HOLDER_LANDED, ev->r.blocks[i]);
         free(ev);
     }
     free(x->landing_stack);

@@ -92,6 +92,9 @@ static void adopt_finish(td_xfer_t *x, xfer_lease_t *l)
     if (l->dev)
         xfer_landing_give(x, l);
     memcpy(ev->blocks, l->dev ? l->dev : l->blocks, (size_t)l->n_blocks * sizeof(int32_t));
+    /* The lease's references become the ready event's: from here only its receiver adopts
+     * or releases them (td_kv aborts any other release, the lease's included). */
+    td_kv_pass_blocks(x->pool.kv, ev->blocks, l->n_blocks, TD_KV_HOLDER_LEASE, TD_KV_HOLDER_LANDED);
     ev->r = (td_xfer_ready_t){.request_id = rd->request_id, .lease_id = l->id, .blocks = ev->blocks,
                               .n_blocks = l->n_blocks, .n_tokens = rd->n_tokens,
                               .first_token = rd->first_token};

@@ -42,7 +42,7 @@ void xfer_lease_release(td_xfer_t *x, xfer_lease_t *l)
     if (l->dev)
         xfer_landing_give(x, l);
     for (int32_t i = 0; i < l->n_blocks; i++)
-        td_kv_unref_block(x->pool.kv, l->dev ? l->dev[i] : l->blocks[i]);
+        td_kv_unref_block_for(x->pool.kv, TD_KV_HOLDER_LEASE, l->dev ? l->dev[i] : l->blocks[i]);
     xfer_lease_remove(x, l);
 }
 
@@ -134,7 +134,7 @@ td_status_t td_xfer_lease_create(td_xfer_t *x, uint64_t request_id, int32_t n_bl
         free(l);
         return td_errorf(TD_ERR_NOMEM, "xfer lease: out of memory");
     }
-    st = td_kv_alloc_blocks(x->pool.kv, n_blocks, dev ? l->blocks + n_blocks : l->blocks);
+    st = td_kv_alloc_blocks_for(x->pool.kv, TD_KV_HOLDER_LEASE, n_blocks, dev ? l->blocks + n_blocks : l->blocks);
     if (st != TD_OK) {
         td_hash_remove(&x->lease_ids, id, (uintptr_t)l);
         free(l);

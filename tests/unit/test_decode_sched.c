@@ -489,6 +489,8 @@ Test(decode_sched, adopted_kv_continues_the_generation, .timeout = 120)
 
     decode_sched_t *ds = sched_default(fx.eng);
     decode_request_t rq = greedy_request(9, p, 50, 30);
+    /* the prefill side's sequence gives its references up, as a lease's land (td_kv "Owners") */
+    td_kv_pass_blocks(td_engine_kv(fx.eng), pre.blocks, pre.n_blocks, TD_KV_HOLDER_SEQ, TD_KV_HOLDER_LANDED);
     rq.kv_blocks = pre.blocks;
     rq.n_kv_blocks = pre.n_blocks;
     rq.first_token = first;
@@ -648,6 +650,7 @@ Test(decode_sched, seeded_split_generation_equals_one_process, .timeout = 120)
     cr_assert_eq(first, want[0]);
 
     decode_sched_t *ds = sched_default(fx.eng);
+    td_kv_pass_blocks(td_engine_kv(fx.eng), pre.blocks, pre.n_blocks, TD_KV_HOLDER_SEQ, TD_KV_HOLDER_LANDED);
     decode_request_t rq = {.id = 3, .prompt = p, .n_prompt = 20, .kv_blocks = pre.blocks,
                            .n_kv_blocks = pre.n_blocks, .first_token = first, .sampling = sp,
                            .max_tokens = n};
@@ -734,6 +737,8 @@ Test(decode_sched, migrated_generation_equals_one_process, .timeout = 120)
             if (!home) { /* the prompt's KV from a prefill node, which sampled token 0 again */
                 it = (td_engine_item_t){.seq = &pre, .tokens = p, .n_tokens = NP, .n_logits = 1};
                 cr_assert_eq(td_engine_step(fx.eng, &it, 1, logits), TD_OK);
+                td_kv_pass_blocks(td_engine_kv(fx.eng), pre.blocks, pre.n_blocks, TD_KV_HOLDER_SEQ,
+                                  TD_KV_HOLDER_LANDED);
                 rq.kv_blocks = pre.blocks;
                 rq.n_kv_blocks = pre.n_blocks;
                 rq.first_token = want[0];

@@ -499,10 +499,96 @@ Test(kv, adopt)
     cr_assert_eq(n_cached, 8);
     td_kv_seq_t b;
     td_kv_seq_init(&b);
-    /* a block already in a table (shared) cannot be adopted to write into */
-    cr_assert_eq(td_kv_seq_adopt(c, &b, a.blocks, 1, toks, 4), TD_ERR_INVALID);
+    /* a block with a second reference cannot be adopted: one would stay behind */
+    int32_t two;
+    cr_assert_eq(td_kv_alloc_blocks(c, 1, &two), TD_OK);
+    td_kv_ref_block(c, two);
+    cr_assert_eq(td_kv_seq_adopt(c, &b, &two, 1, toks, 4), TD_ERR_INVALID);
+    cr_assert(b.n_blocks == 0 && td_kv_block_refs(c, two) == 2, "a refused adoption changes nothing");
+    td_kv_unref_block(c, two);
+    td_kv_unref_block(c, two);
     td_kv_seq_free(c, &a);
+    cr_assert_eq(td_kv_cache_check(c), TD_OK, "%s", td_last_error());
     td_kv_cache_destroy(c);
+}
+
+/* A transfer's blocks through their owners: a lease's (LEASE), handed to the ready callback
+ * (LANDED), adopted by a sequence (SEQ), back to nobody when it ends; td_kv_cache_check sees
+ * the holders agree with the states at every point. */
+Test(kv, holders_follow_a_transfer)
+{
+    td_kv_cache_t *c = make_cache(8, 4, true);
+    int32_t ids[2], toks[8] = {1, 2, 3, 4, 5, 6, 7, 8};
+    cr_assert_eq(td_kv_alloc_blocks_for(c, TD_KV_HOLDER_LEASE, 2, ids), TD_OK);
+    cr_assert(td_kv_block_holder(c, ids[0]) == TD_KV_HOLDER_LEASE && td_kv_block_holder(c, ids[1]) == TD_KV_HOLDER_LEASE);
+    cr_assert_eq(td_kv_cache_check(c), TD_OK, "%s", td_last_error());
+    td_kv_pass_blocks(c, ids, 2, TD_KV_HOLDER_LEASE, TD_KV_HOLDER_LANDED);
+    cr_assert_eq(td_kv_block_holder(c, ids[1]), TD_KV_HOLDER_LANDED);
+    td_kv_seq_t a;
+    td_kv_seq_init(&a);
+    cr_assert_eq(td_kv_seq_adopt(c, &a, ids, 2, toks, 8), TD_OK);
+    cr_assert(td_kv_block_holder(c, ids[0]) == TD_KV_HOLDER_SEQ && td_kv_block_refs(c, ids[0]) == 1);
+    td_kv_seq_t b; /* a prefix hit shares them, still the sequences' */
+    td_kv_seq_init(&b);
+    int32_t hit;
+    cr_assert_eq(td_kv_seq_match_prefix(c, &b, toks, 8, 8, &hit), TD_OK);
+    cr_assert(hit == 8 && td_kv_block_refs(c, ids[0]) == 2);
+    td_kv_seq_free(c, &a);
+    td_kv_seq_free(c, &b);
+    cr_assert_eq(td_kv_block_holder(c, ids[0]), TD_KV_HOLDER_NONE, "cached: nobody's");
+    cr_assert_eq(td_kv_cache_check(c), TD_OK, "%s", td_last_error());
+    /* a cached block evicted into a lease is the lease's */
+    int32_t all[8];
+    cr_assert_eq(td_kv_alloc_blocks_for(c, TD_KV_HOLDER_LEASE, 8, all), TD_OK);
+    for (int i = 0; i < 8; i++)
+        cr_assert_eq(td_kv_block_holder(c, all[i]), TD_KV_HOLDER_LEASE);
+    for (int i = 0; i < 8; i++)
+        td_kv_unref_block_for(c, TD_KV_HOLDER_LEASE, all[i]);
+    cr_assert_eq(td_kv_cache_check(c), TD_OK, "%s", td_last_error());
+    td_kv_cache_destroy(c);
+}
+
+/* The decode node's double free: a lease releasing blocks it already handed over. Caught at
+ * that call, whatever the adopter did since (here nothing: one reference, no free yet). */
+Test(kv, lease_release_after_handover_aborts, .signal = SIGABRT)
+{
+    td_kv_cache_t *c = make_cache(4, 4, false);
+    int32_t id;
+    cr_assert_eq(td_kv_alloc_blocks_for(c, TD_KV_HOLDER_LEASE, 1, &id), TD_OK);
+    td_kv_pass_blocks(c, &id, 1, TD_KV_HOLDER_LEASE, TD_KV_HOLDER_LANDED);
+    td_kv_unref_block_for(c, TD_KV_HOLDER_LEASE, id);
+}
+
+/* Another holder releasing a lease's block: aborts at that (first) wrong call, before the
+ * lease's own release could find the block freed, or worse, someone else's. */
+Test(kv, release_of_a_lease_block_by_another_holder_aborts, .signal = SIGABRT)
+{
+    td_kv_cache_t *c = make_cache(4, 4, false);
+    int32_t id;
+    cr_assert_eq(td_kv_alloc_blocks_for(c, TD_KV_HOLDER_LEASE, 1, &id), TD_OK);
+    td_kv_unref_block_for(c, TD_KV_HOLDER_LANDED, id);
+}
+
+/* A sequence adopting a live lease's blocks (before td_xfer handed them over) aborts. */
+Test(kv, adopt_of_a_live_lease_aborts, .signal = SIGABRT)
+{
+    td_kv_cache_t *c = make_cache(4, 4, false);
+    int32_t id, toks[4] = {1, 2, 3, 4};
+    cr_assert_eq(td_kv_alloc_blocks_for(c, TD_KV_HOLDER_LEASE, 1, &id), TD_OK);
+    td_kv_seq_t a;
+    td_kv_seq_init(&a);
+    td_kv_seq_adopt(c, &a, &id, 1, toks, 4);
+}
+
+/* A caller's release of a block its sequence holds (the references are the table's). */
+Test(kv, caller_release_of_a_sequence_block_aborts, .signal = SIGABRT)
+{
+    td_kv_cache_t *c = make_cache(4, 4, false);
+    td_kv_seq_t a;
+    td_kv_seq_init(&a);
+    td_kv_cow_t cow;
+    cr_assert_eq(td_kv_seq_reserve(c, &a, 4, &cow), TD_OK);
+    td_kv_unref_block(c, a.blocks[0]);
 }
 
 static int cmp_u64(const void *x, const void *y)
