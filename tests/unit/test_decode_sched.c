@@ -27,6 +27,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "decode_sched.h"
 #include "td_backend.h"
@@ -783,11 +784,18 @@ typedef struct shared_fx {
     td_status_t done_st;
     td_xfer_ready_t last; /* of the last kv-ready (blocks copied) */
     int32_t ready_blocks[64];
+    void (*ready_hook)(void *arg, const td_xfer_ready_t *r); /* set: kv-ready goes there instead */
+    void *hook_arg;
 } shared_fx_t;
 
 static void shared_on_ready(void *arg, const td_xfer_ready_t *r)
 {
     shared_fx_t *f = arg;
+    if (f->ready_hook) {
+        f->ready++;
+        f->ready_hook(f->hook_arg, r);
+        return;
+    }
     cr_assert_leq(r->n_blocks, 64);
     f->last = *r;
     memcpy(f->ready_blocks, r->blocks, (size_t)r->n_blocks * sizeof(int32_t));
@@ -1106,6 +1114,257 @@ Test(decode_sched, shared_pool_leases_and_engine_on_two_threads, .timeout = 240)
     decode_sched_destroy(c.ds);
     shared_close(f);
     free(f);
+}
+
+/* The decode node's whole ownership chain on its two threads, with the races the paused
+ * peers of the reported double free make (h37f): this thread plays the loop (leases, a
+ * sender pushing KV into them, cancels, the expiry tick), a compute thread the engine
+ * (adoptions from a bounded command queue, steps, cancels). Leases live 1-60 ms or 5 s, so
+ * they expire before the push, mid-push, during adoption, and after the hand-over while the
+ * landed blocks wait in the queue (the compute thread takes commands only every few ms);
+ * cancels come at random points, before and after the hand-over; some landed requests are
+ * cancelled on the compute thread before and after adoption. td_kv's holders make any
+ * release by the wrong owner abort at that call; at the end every block is back, the block
+ * manager checks, and td_xfer's counts add up. */
+enum { XR_Q = 64, XR_PROMPTS = 4, XR_ROUNDS = 160 };
+
+typedef struct xr_cmd {
+    uint64_t id;
+    int32_t n_blocks, first, prompt;
+    int32_t blocks[8];
+    bool cancel; /* a Release for id, not an admission */
+} xr_cmd_t;
+
+typedef struct xrace {
+    shared_fx_t *f;
+    decode_sched_t *ds;
+    int32_t prompts[XR_PROMPTS][40];
+    int32_t firsts[XR_PROMPTS];
+    pthread_mutex_t mu;
+    xr_cmd_t q[XR_Q];
+    int n_q;
+    bool stop;
+    int landed, adopted, refused, finished, cancelled_sched;
+} xrace_t;
+
+/* kv-ready on the loop: the landed blocks (LANDED) go to the compute thread, or back when the
+ * queue is full (the decode node's full command ring) */
+static void xr_on_ready(void *arg, const td_xfer_ready_t *r)
+{
+    xrace_t *x = arg;
+    pthread_mutex_lock(&x->mu);
+    bool room = x->n_q < XR_Q && r->n_blocks <= 8;
+    if (room) {
+        xr_cmd_t *c = &x->q[x->n_q++];
+        *c = (xr_cmd_t){.id = r->request_id, .n_blocks = r->n_blocks, .first = (int32_t)r->first_token,
+                        .prompt = (int32_t)(r->request_id % XR_PROMPTS)};
+        memcpy(c->blocks, r->blocks, (size_t)r->n_blocks * sizeof(int32_t));
+        x->landed++;
+    }
+    pthread_mutex_unlock(&x->mu);
+    if (!room)
+        for (int32_t i = 0; i < r->n_blocks; i++)
+            td_kv_unref_block_for(x->f->kv, TD_KV_HOLDER_LANDED, r->blocks[i]);
+}
+
+static void *xr_compute(void *arg)
+{
+    xrace_t *x = arg;
+    xr_cmd_t cmds[XR_Q];
+    for (;;) {
+        pthread_mutex_lock(&x->mu);
+        int n = x->n_q;
+        memcpy(cmds, x->q, (size_t)n * sizeof *cmds);
+        x->n_q = 0;
+        bool stop = x->stop;
+        pthread_mutex_unlock(&x->mu);
+        for (int i = 0; i < n; i++) {
+            xr_cmd_t *c = &cmds[i];
+            if (c->cancel) {
+                x->cancelled_sched += decode_sched_cancel(x->ds, c->id) == TD_OK;
+                continue;
+            }
+            decode_request_t rq = greedy_request(c->id, x->prompts[c->prompt], 40, 6);
+            rq.kv_blocks = c->blocks;
+            rq.n_kv_blocks = c->n_blocks;
+            rq.first_token = c->first;
+            if (decode_sched_admit(x->ds, &rq) == TD_OK) {
+                x->adopted++;
+            } else { /* the decode node's compute_admit: the references go back */
+                x->refused++;
+                for (int32_t k = 0; k < c->n_blocks; k++)
+                    td_kv_unref_block_for(x->f->kv, TD_KV_HOLDER_LANDED, c->blocks[k]);
+            }
+            if (c->id % 7 == 0) /* a Release right behind its admission */
+                x->cancelled_sched += decode_sched_cancel(x->ds, c->id) == TD_OK;
+        }
+        if (decode_sched_busy(x->ds)) {
+            decode_step_result_t r;
+            if (decode_sched_step(x->ds, 0, &r) != TD_OK)
+                return (void *)1;
+            for (int e = 0; e < r.n_events; e++)
+                x->finished += r.events[e].finish != DECODE_FINISH_NONE;
+        } else if (stop && n == 0) {
+            return NULL;
+        }
+        usleep(2000); /* landed blocks wait here past their leases' deadlines */
+    }
+}
+
+/* Runs the shared loop (sender and receiver) for about `ms` milliseconds. */
+static void xr_spin(shared_fx_t *f, double ms)
+{
+    double end = td_now_s() + ms * 1e-3;
+    do
+        uv_run(&f->loop, UV_RUN_NOWAIT);
+    while (td_now_s() < end);
+}
+
+static void xr_transfers_race(const char *tls)
+{
+    td_test_skip_without_stories();
+    shared_fx_t *f = calloc(1, sizeof *f);
+    shared_open(f, tls);
+    xrace_t *x = calloc(1, sizeof *x);
+    x->f = f;
+    pthread_mutex_init(&x->mu, NULL);
+    decode_sched_config_t cfg = decode_sched_config_default();
+    cr_assert_eq(decode_sched_create(f->fx.eng, NULL, &cfg, &x->ds), TD_OK);
+    /* every prompt's KV computed once on the "prefill" engine, before the threads start (one
+       backend, used by one thread at a time); the sender reads that pool from then on */
+    td_kv_seq_t pre[XR_PROMPTS];
+    unsigned seed = 5;
+    float *logits = malloc((size_t)f->fx.vocab * sizeof(float));
+    for (int k = 0; k < XR_PROMPTS; k++) {
+        random_prompt(&seed, x->prompts[k], 40);
+        td_kv_seq_init(&pre[k]);
+        td_engine_item_t it = {.seq = &pre[k], .tokens = x->prompts[k], .n_tokens = 40, .n_logits = 1};
+        cr_assert_eq(td_engine_step(f->pre, &it, 1, logits), TD_OK);
+        x->firsts[k] = td_test_argmax(logits, f->fx.vocab);
+    }
+    free(logits);
+    f->ready_hook = xr_on_ready;
+    f->hook_arg = x;
+    xr_spin(f, 50); /* the sender's hello */
+    pthread_t th;
+    cr_assert_eq(pthread_create(&th, NULL, xr_compute, x), 0);
+    const td_kv_layout_t *L = td_engine_kv_layout(f->pre);
+    int32_t pool_blocks;
+    uint8_t *pool = td_engine_kv_pool(f->pre, &pool_blocks);
+    unsigned r = 17;
+    int sent = 0, exhausted = 0;
+    for (uint64_t id = 1; id <= XR_ROUNDS; id++) {
+        r = r * 1103515245u + 12345u;
+        unsigned pick = (r >> 16) % 8;
+        uint32_t ttl = pick < 5 ? 1 + (r >> 8) % 60 : 5000; /* most expire around the push */
+        int32_t blocks[3];
+        uint64_t lease;
+        td_xfer_token_t tok;
+        td_status_t st = td_xfer_lease_create(f->rx, id, 3, ttl, blocks, &lease, &tok);
+        if (st == TD_ERR_EXHAUSTED) { /* the engine holds the pool: let it run */
+            exhausted++;
+            xr_spin(f, 5);
+            continue;
+        }
+        cr_assert_eq(st, TD_OK, "%s", td_last_error());
+        int k = (int)(id % XR_PROMPTS);
+        td_xfer_send_params_t sp = {.request_id = id, .lease_id = lease, .token = tok, .dst_blocks = blocks,
+                                    .n_dst_blocks = 3, .n_tokens = 40, .checksum = (id & 1) != 0,
+                                    .mem = TD_XFER_MEM_HOST, .done = shared_on_done, .arg = f};
+        if (ttl < 5000) /* a prefill that takes a while: the lease may die before the first layer */
+            usleep(1000 * ((r >> 20) % (2 * ttl)));
+        td_xfer_send_t *snd;
+        cr_assert_eq(td_xfer_send_begin(f->tx, f->peer, &sp, &snd), TD_OK, "%s", td_last_error());
+        bool failed = false;
+        for (uint32_t l = 0; l < L->n_layers; l++) {
+            /* a lease dead mid-push fails the request (STALE at the bind): the layers left are
+               refused with that status and finish delivers the verdict, as in a prefill node */
+            if ((failed = td_xfer_send_layer(snd, l, pool + td_kv_block_offset(L, (uint32_t)pool_blocks, l, 0),
+                                             pre[k].blocks) != TD_OK))
+                break;
+            if (ttl < 5000) { /* layer by layer, as a prefill node computes them: dies mid-push too */
+                uv_run(&f->loop, UV_RUN_NOWAIT);
+                usleep(1000 * ((r >> (l % 16)) % 4));
+            }
+        }
+        if (!failed)
+            td_xfer_send_finish(snd, x->firsts[k]);
+        else
+            td_xfer_send_abort(snd, TD_OK); /* its verdict comes as the done callback */
+        sent++;
+        switch ((r >> 4) % 4) {
+        case 0: /* the Release before its KV lands */
+            td_xfer_lease_cancel(f->rx, lease);
+            break;
+        case 1: /* mid-transfer, or after the hand-over (STALE then) */
+            xr_spin(f, (r >> 3) % 4);
+            td_xfer_lease_cancel(f->rx, lease);
+            break;
+        case 2: /* after the hand-over: a Release that the compute thread takes */
+            xr_spin(f, 3);
+            td_xfer_lease_cancel(f->rx, lease);
+            pthread_mutex_lock(&x->mu);
+            if (x->n_q < XR_Q)
+                x->q[x->n_q++] = (xr_cmd_t){.id = id, .cancel = true};
+            pthread_mutex_unlock(&x->mu);
+            break;
+        default:
+            break;
+        }
+        xr_spin(f, (r >> 12) % 3);
+    }
+    int want_done = sent;
+    double end = td_now_s() + 20;
+    while (f->done < want_done && td_now_s() < end)
+        uv_run(&f->loop, UV_RUN_ONCE);
+    cr_assert_eq(f->done, want_done, "every transfer has its verdict (%d of %d)", f->done, want_done);
+    td_xfer_stats_t xs;
+    end = td_now_s() + 10; /* the last leases expire (5 s ones among them) */
+    do {
+        xr_spin(f, 10);
+        td_xfer_get_stats(f->rx, &xs);
+    } while (xs.leases_live > 0 && td_now_s() < end);
+    cr_assert_eq(xs.leases_live, 0);
+    pthread_mutex_lock(&x->mu);
+    x->stop = true;
+    pthread_mutex_unlock(&x->mu);
+    void *rc;
+    pthread_join(th, &rc);
+    cr_assert_null(rc, "compute thread failed");
+    cr_assert_eq(xs.leases_created, xs.leases_adopted + xs.leases_expired + xs.leases_cancelled + xs.leases_sender_lost,
+                 "every lease ended once: created %llu, adopted %llu expired %llu cancelled %llu lost %llu",
+                 (unsigned long long)xs.leases_created, (unsigned long long)xs.leases_adopted,
+                 (unsigned long long)xs.leases_expired, (unsigned long long)xs.leases_cancelled,
+                 (unsigned long long)xs.leases_sender_lost);
+    cr_assert_eq((uint64_t)f->ready, xs.leases_adopted);
+    cr_assert_eq(x->adopted + x->refused + (f->ready - x->landed), f->ready, "every landed transfer adopted or refused");
+    cr_assert_gt(xs.leases_adopted, 5, "too few transfers landed to show anything (%llu)",
+                 (unsigned long long)xs.leases_adopted);
+    cr_assert_gt(xs.leases_expired, 5, "too few leases expired to show anything (%llu)",
+                 (unsigned long long)xs.leases_expired);
+    cr_log_info("transfers race (%s): %d sent, %d refused for room; leases adopted %llu expired %llu cancelled %llu; "
+                "sequences adopted %d finished %d cancelled %d", tls, sent, exhausted,
+                (unsigned long long)xs.leases_adopted, (unsigned long long)xs.leases_expired,
+                (unsigned long long)xs.leases_cancelled, x->adopted, x->finished, x->cancelled_sched);
+    for (int k = 0; k < XR_PROMPTS; k++)
+        td_engine_seq_end(f->pre, &pre[k]);
+    cr_assert_eq(td_kv_cache_check(f->kv), TD_OK, "%s", td_last_error());
+    cr_assert_eq(td_kv_available(f->kv), f->initial, "every block back");
+    decode_sched_destroy(x->ds);
+    pthread_mutex_destroy(&x->mu);
+    free(x);
+    shared_close(f);
+    free(f);
+}
+
+Test(decode_sched, shared_pool_transfers_race_expiry_cancel_and_adoption_tcp, .timeout = 240)
+{
+    xr_transfers_race("tcp");
+}
+
+Test(decode_sched, shared_pool_transfers_race_expiry_cancel_and_adoption_shm, .timeout = 240)
+{
+    xr_transfers_race("sm,tcp");
 }
 
 /* ---- the unified role: chunked prefill inside decode steps ------------------------------ */
