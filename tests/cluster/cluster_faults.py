@@ -967,6 +967,52 @@ def cmd_churn(target, refs_path, max_tokens, seconds, concurrency, stop_file):
     return rc
 
 
+def cmd_pausechurn(target, refs_path, max_tokens, seconds, concurrency, stop_file):
+    """churn's clients while the test pauses nodes (SIGSTOP/SIGCONT) instead of killing them:
+    concurrency threads stream the prompts of REFS back to back for `seconds` (or until
+    stop_file exists). A stream must end OK with exactly its reference, or with a status a
+    stall can cause (UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED) after tokens that are a
+    prefix of it; none may hang; at least one must succeed."""
+    prompts, refs = read_refs(refs_path)
+    stub = generate_stub(channel(target))
+    end = time.monotonic() + float(seconds)
+    lock = threading.Lock()
+    counts = {}
+    problems = []
+    stalled = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED")
+
+    def worker(k):
+        rnd = random.Random(2000 + k)
+        while time.monotonic() < end and not os.path.exists(stop_file):
+            i = rnd.randrange(len(prompts))
+            s = Stream(stub, prompts[i], int(max_tokens), timeout=30)
+            s.join(40)
+            code = s.code or "HUNG"
+            with lock:
+                counts[code] = counts.get(code, 0) + 1
+                if code == "OK" and s.got != refs[i]:
+                    problems.append("prompt %d: OK but ids differ from tandem generate:\n  want %s\n  got  %s"
+                                    % (i, refs[i], s.got))
+                elif code in stalled and s.got != refs[i][:len(s.got)]:
+                    problems.append("prompt %d: %s after tokens that differ from tandem generate" % (i, code))
+                elif code != "OK" and code not in stalled:
+                    problems.append("prompt %d: %s %s" % (i, code, s.details))
+
+    ts = [threading.Thread(target=worker, args=(k,)) for k in range(int(concurrency))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    total = sum(counts.values())
+    print("pausechurn: %d streams: %s" % (total, ", ".join("%s %d" % kv for kv in sorted(counts.items()))))
+    rc = 0
+    for p in problems[:10]:
+        rc = fail(p)
+    if counts.get("OK", 0) == 0:
+        rc = fail("no stream succeeded")
+    return rc
+
+
 def sampling_bytes(spec):
     """SamplingParams (GenerateRequest field 4) from 'T,SEED,REPETITION,FREQUENCY'; b'' for greedy."""
     if spec == "greedy":
@@ -1265,7 +1311,7 @@ def main():
     cmds = {"metric": cmd_metric, "waitmetric": cmd_waitmetric, "cancel": cmd_cancel, "deadline": cmd_deadline,
             "rawdeadline": cmd_rawdeadline, "garbage": cmd_garbage, "nodekill": cmd_nodekill,
             "stopkill": cmd_stopkill, "stall": cmd_stall, "controlgarbage": cmd_controlgarbage, "stepsforeign": cmd_stepsforeign,
-            "httpgarbage": cmd_httpgarbage, "slowreader": cmd_slowreader, "churn": cmd_churn, "ping": cmd_ping, "run": cmd_run,
+            "httpgarbage": cmd_httpgarbage, "slowreader": cmd_slowreader, "churn": cmd_churn, "pausechurn": cmd_pausechurn, "ping": cmd_ping, "run": cmd_run,
             "looplag": cmd_looplag, "bigprompt": cmd_bigprompt, "health": cmd_health,
             "drain": cmd_drain, "migrate": cmd_migrate, "migratehttp": cmd_migratehttp}
     if len(sys.argv) < 2 or sys.argv[1] not in cmds:
