@@ -1097,7 +1097,7 @@ Test(decode_sched, shared_pool_leases_and_engine_on_two_threads, .timeout = 240)
     uint64_t lease0;
     td_xfer_token_t tok0;
     int32_t b0[2];
-    cr_assert_eq(td_xfer_lease_create(f->rx, 999, 2, 5000, b0, &lease0, &tok0), TD_OK);
+    cr_assert_eq(td_xfer_lease_create(f->rx, 1, 2, 5000, b0, &lease0, &tok0), TD_OK); /* lease 1: shared_push sends request = lease */
     shared_push(f, lease0, &tok0, b0, 2, c.prompts[0], 24);
     shared_run_until(f, &f->ready, 1, 5);
     cr_assert_eq(f->ready, 1, "the warm-up transfer landed");
