@@ -7,7 +7,7 @@
 # stream greedy generations back to back (cluster_faults.py pausechurn): each ends OK and
 # equal to `tandem generate`, or with a status a stall causes after a prefix of it, none
 # hangs, some succeed. Meanwhile the pauser freezes p0 for PAUSE_SECONDS (default 12) and
-# then d0 as long, at random. Afterwards both nodes live (an assertion would have killed the
+# then d0 as long, at random (PAUSE_MAX_TOKENS per stream, default 24). Afterwards both nodes live (an assertion would have killed the
 # decode node), its used KV blocks return to the count before, the cluster is idle (no lease,
 # sequence or transfer left: cl_idle) and no sanitizer report came. With TANDEM_TEST_GGUF
 # (SmolLM2, scripts/fetch-model) it runs on that model, else on stories260K. Skips without
@@ -23,7 +23,10 @@ for n in [2, 5, 17, 33, 48, 70, 96, 130]:
     print(" ".join(str(1 + r.randrange(500)) for _ in range(n)))
 PY
 cl_refs_of "$MAXT" # before the cluster: it waits for its background jobs
-cl_router --heartbeat-ms 100 --heartbeat-timeout-ms 5000 --lease-ms 400
+# PAUSE_POLICY=conditional: the decode node also prefills prompts itself (docs/scheduling.md), its
+# local sequences beside its leases, the nearest main has to the decode nodes that prefilled
+# for each other when the double free was seen
+cl_router --heartbeat-ms 100 --heartbeat-timeout-ms 5000 --lease-ms 400 --prefill-policy "${PAUSE_POLICY:-disaggregated}"
 cl_node prefill p0
 cl_node decode d0
 cl_wait_nodes 1 1
