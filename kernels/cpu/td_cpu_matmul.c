@@ -92,28 +92,43 @@ TD_CPU_AVX2_INLINE __m256 load8(td_dtype_t t, const void *w, size_t i)
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
+#define AV_MAX_R 8 /* W rows of a tile (m = 1's decode tile) */
+#define AV_MAX_M 4 /* X rows of a tile */
+
 /*
- * R rows of W (starting at row j) times M rows of X; R, M and t are compile-time constants
- * at every call site so the loops fully unroll into R*M independent FMA chains.
+ * R rows of W (starting at row j) times M rows of X (starting at row i0), each output summed
+ * in the contract's order (eight FMA lanes over k in order, td_cpu_hsum8, the scalar tail).
+ * R, M and t are compile-time constants at every call site, so the loops unroll into R * M
+ * independent FMA chains. Per 8 weights each W row is loaded and widened once and each X row
+ * loaded once (held in a register: GCC otherwise folds the load into each of the R FMAs as
+ * a memory operand, R loads from L2 where one does). pf: when not 0, each W row's cache line
+ * pf bytes ahead of the one a step starts is prefetched into L2, once a line (the rows'
+ * interleaved streams are more than the hardware prefetcher follows on its own).
  */
-TD_CPU_AVX2_INLINE void gemv_block(const td_matmul_params_t *p, int R,
-                                                             int M, td_dtype_t t, int j, int i0)
+TD_CPU_AVX2_INLINE void gemv_block(const td_matmul_params_t *p, int R, int M, td_dtype_t t, int j, int i0,
+                                   size_t pf)
 {
     const int k = p->k;
     const float *x = (const float *)p->x + (size_t)i0 * k;
-    size_t wsz = td_dtype_size(t);
-    const unsigned char *w = (const unsigned char *)p->w + (size_t)j * k * wsz;
-    __m256 acc[4][4];
+    const size_t wsz = td_dtype_size(t), row_bytes = (size_t)k * wsz;
+    const unsigned char *w = (const unsigned char *)p->w + (size_t)j * row_bytes;
+    const size_t line_steps = 64 / (8 * wsz); /* k-steps of 8 weights a cache line */
+    __m256 acc[AV_MAX_R][AV_MAX_M];
     for (int r = 0; r < R; r++)
         for (int i = 0; i < M; i++)
             acc[r][i] = _mm256_setzero_ps();
     int kk = 0;
     for (; kk + 8 <= k; kk += 8) {
-        __m256 xv[4];
-        for (int i = 0; i < M; i++)
+        if (pf && ((size_t)kk / 8) % line_steps == 0)
+            for (int r = 0; r < R; r++)
+                _mm_prefetch((const char *)w + (size_t)r * row_bytes + (size_t)kk * wsz + pf, _MM_HINT_T1);
+        __m256 xv[AV_MAX_M];
+        for (int i = 0; i < M; i++) {
             xv[i] = _mm256_loadu_ps(x + (size_t)i * k + kk);
+            __asm__("" : "+x"(xv[i]));
+        }
         for (int r = 0; r < R; r++) {
-            __m256 wv = load8(t, w + (size_t)r * k * wsz, (size_t)kk);
+            __m256 wv = load8(t, w + (size_t)r * row_bytes, (size_t)kk);
             for (int i = 0; i < M; i++)
                 acc[r][i] = _mm256_fmadd_ps(wv, xv[i], acc[r][i]);
         }
@@ -122,72 +137,85 @@ TD_CPU_AVX2_INLINE void gemv_block(const td_matmul_params_t *p, int R,
         for (int i = 0; i < M; i++) {
             float s = td_cpu_hsum8(acc[r][i]);
             for (int q = kk; q < k; q++)
-                s += load_scalar(w + (size_t)r * k * wsz, t, (size_t)q) * x[(size_t)i * k + q];
+                s += load_scalar(w + (size_t)r * row_bytes, t, (size_t)q) * x[(size_t)i * k + q];
             store_out(p, i0 + i, j + r, s);
         }
 }
 
-/* One slice [n0, n1) for m <= 4 with W dtype t (a constant after inlining). */
-TD_CPU_AVX2_INLINE void gemv_slice_t(const td_matmul_params_t *p,
-                                                               td_dtype_t t, int n0, int n1)
+/* Decode tiles prefetch this many tiles of W rows ahead (their rows are contiguous). */
+#define AV_DECODE_AHEAD 2
+
+/* m <= 4 (decode): W rows [j, n1) R at a time against all M = m X rows (in L1), each tile
+ * prefetching AV_DECODE_AHEAD tiles ahead, the last rows one by one. */
+TD_CPU_AVX2_INLINE void gemv_decode(const td_matmul_params_t *p, int R, int M, td_dtype_t t, int n0, int n1)
 {
+    size_t pf = (size_t)AV_DECODE_AHEAD * R * (size_t)p->k * td_dtype_size(t);
     int j = n0;
+    for (; j + R <= n1; j += R)
+        gemv_block(p, R, M, t, j, 0, pf);
+    for (; j < n1; j++)
+        gemv_block(p, 1, M, t, j, 0, 0);
+}
+
+/* One slice [n0, n1) for m <= 4 with W dtype t (a constant after inlining): W read once. */
+TD_CPU_AVX2_INLINE void gemv_slice_t(const td_matmul_params_t *p, td_dtype_t t, int n0, int n1)
+{
     switch (p->m) {
-    case 1:
-        for (; j + 4 <= n1; j += 4)
-            gemv_block(p, 4, 1, t, j, 0);
-        for (; j < n1; j++)
-            gemv_block(p, 1, 1, t, j, 0);
-        break;
-    case 2:
-        for (; j + 2 <= n1; j += 2)
-            gemv_block(p, 2, 2, t, j, 0);
-        for (; j < n1; j++)
-            gemv_block(p, 1, 2, t, j, 0);
-        break;
-    case 3:
-        for (; j < n1; j++)
-            gemv_block(p, 1, 3, t, j, 0);
-        break;
-    default:
-        for (; j < n1; j++)
-            gemv_block(p, 1, 4, t, j, 0);
-        break;
+    case 1: gemv_decode(p, 8, 1, t, n0, n1); break;
+    case 2: gemv_decode(p, 4, 2, t, n0, n1); break;
+    case 3: gemv_decode(p, 4, 3, t, n0, n1); break;
+    default: gemv_decode(p, 2, 4, t, n0, n1); break;
     }
 }
 
-/* Rows [i, i + M) of X, M = n (1..3), against W rows [j, j + R): the tail of a chunk. */
-TD_CPU_AVX2_INLINE void tile_tail(const td_matmul_params_t *p, int R, td_dtype_t t,
-                                                            int j, int i, int n)
+/* The prefill tile: AV_R W rows by AV_M X rows, AV_R * AV_M accumulators, AV_M X vectors
+ * and one W vector live: 16 ymm registers. */
+#define AV_R 4
+#define AV_M 3
+
+/* X rows [i, i + n) (n < AV_M) against W rows [j, j + R): the tail of a chunk. */
+TD_CPU_AVX2_INLINE void tile_tail(const td_matmul_params_t *p, int R, td_dtype_t t, int j, int i, int n, size_t pf)
 {
     switch (n) {
-    case 1: gemv_block(p, R, 1, t, j, i); break;
-    case 2: gemv_block(p, R, 2, t, j, i); break;
-    case 3: gemv_block(p, R, 3, t, j, i); break;
+    case 1: gemv_block(p, R, 1, t, j, i, pf); break;
+    case 2: gemv_block(p, R, 2, t, j, i, pf); break;
+    default: break;
     }
 }
 
-/* One slice [n0, n1) for m > 4: chunks of 64 X rows, 2x4 tiles (8 accumulators, 4 rows of X
- * and 1 of W in registers), the same per-output sums as gemv_slice_t. */
-TD_CPU_AVX2_INLINE void tile_slice_t(const td_matmul_params_t *p,
-                                                               td_dtype_t t, int n0, int n1)
+/* X rows [i0, i1) against W rows [j, j + R): AV_M at a time, then the rest. The first X tile
+ * reads the block's W rows from memory; it prefetches the next block's (the R rows after). */
+TD_CPU_AVX2_INLINE void tile_block(const td_matmul_params_t *p, int R, td_dtype_t t, int j, int i0, int i1)
 {
-    for (int i0 = 0; i0 < p->m; i0 += 64) {
-        int i1 = TD_MIN(p->m, i0 + 64);
+    size_t pf = (size_t)R * (size_t)p->k * td_dtype_size(t);
+    int i = i0;
+    for (; i + AV_M <= i1; i += AV_M, pf = 0)
+        gemv_block(p, R, AV_M, t, j, i, pf);
+    tile_tail(p, R, t, j, i, i1 - i, pf);
+}
+
+/* One slice [n0, n1) for m > 4: X in chunks of av_x_rows(k) rows (kept in L2), each chunk
+ * against blocks of AV_R W rows (kept in L1), W streamed once per chunk. */
+TD_CPU_AVX2_INLINE void tile_slice_t(const td_matmul_params_t *p, td_dtype_t t, int n0, int n1, int x_rows)
+{
+    for (int i0 = 0; i0 < p->m; i0 += x_rows) {
+        int i1 = TD_MIN(p->m, i0 + x_rows);
         int j = n0;
-        for (; j + 2 <= n1; j += 2) {
-            int i = i0;
-            for (; i + 4 <= i1; i += 4)
-                gemv_block(p, 2, 4, t, j, i);
-            tile_tail(p, 2, t, j, i, i1 - i);
-        }
-        if (j < n1) {
-            int i = i0;
-            for (; i + 4 <= i1; i += 4)
-                gemv_block(p, 1, 4, t, j, i);
-            tile_tail(p, 1, t, j, i, i1 - i);
-        }
+        for (; j + AV_R <= n1; j += AV_R)
+            tile_block(p, AV_R, t, j, i0, i1);
+        for (; j < n1; j++)
+            tile_block(p, 1, t, j, i0, i1);
     }
+}
+
+/* X rows of a prefill chunk: AV_X_BYTES of f32 activations, a multiple of AV_M rows. */
+#ifndef AV_X_BYTES
+#define AV_X_BYTES (512u * 1024u)
+#endif
+static int av_x_rows(int k)
+{
+    int rows = (int)(AV_X_BYTES / ((size_t)TD_MAX(k, 1) * sizeof(float))) / AV_M * AV_M;
+    return TD_MAX(rows, AV_M);
 }
 
 /* One task: W rows [n0, n1) for every row of X, by the m <= 4 or the tiled shape. */
@@ -198,10 +226,11 @@ TD_CPU_AVX2 static void kernel_task(void *arg, int task, int thread)
     int n0 = task * jb->chunk;
     int n1 = TD_MIN(p->n, n0 + jb->chunk);
     bool small = p->m <= 4;
+    int xr = av_x_rows(p->k);
     switch (p->w_dtype) {
-    case TD_F32: small ? gemv_slice_t(p, TD_F32, n0, n1) : tile_slice_t(p, TD_F32, n0, n1); break;
-    case TD_F16: small ? gemv_slice_t(p, TD_F16, n0, n1) : tile_slice_t(p, TD_F16, n0, n1); break;
-    case TD_BF16: small ? gemv_slice_t(p, TD_BF16, n0, n1) : tile_slice_t(p, TD_BF16, n0, n1); break;
+    case TD_F32: small ? gemv_slice_t(p, TD_F32, n0, n1) : tile_slice_t(p, TD_F32, n0, n1, xr); break;
+    case TD_F16: small ? gemv_slice_t(p, TD_F16, n0, n1) : tile_slice_t(p, TD_F16, n0, n1, xr); break;
+    case TD_BF16: small ? gemv_slice_t(p, TD_BF16, n0, n1) : tile_slice_t(p, TD_BF16, n0, n1, xr); break;
     default: TD_ASSERT(!"kernel_task: block types go to the quantized path"); break;
     }
 }
