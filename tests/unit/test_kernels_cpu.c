@@ -206,6 +206,86 @@ Test(kernels_cpu, matmul_large, .timeout = 300)
     }
 }
 
+/*
+ * The AVX2 float matmul's one summation order (td_cpu_matmul.c, docs/kernels.md "Batch
+ * invariance"): weight q into lane q % 8 by FMA over k in order up to the last multiple of 8,
+ * the lanes summed as td_cpu_hsum8 does (l + 4, then l + 2, then l + 1), then the k % 8 tail
+ * products added one by one; then the bias, then the old y.
+ */
+static float avx2_order_dot(const float *x, const float *w, int k)
+{
+    float lane[8] = {0};
+    int q = 0;
+    for (; q + 8 <= k; q += 8)
+        for (int l = 0; l < 8; l++)
+            lane[l] = fmaf(w[q + l], x[q + l], lane[l]);
+    float h[4];
+    for (int l = 0; l < 4; l++)
+        h[l] = lane[l] + lane[l + 4];
+    float s = (h[0] + h[2]) + (h[1] + h[3]);
+    for (; q < k; q++)
+        s += w[q] * x[q];
+    return s;
+}
+
+/* At level avx2 every output of the float matmul is avx2_order_dot bit for bit, whatever m
+ * (decode tiles 1..4, the prefill tile and its tails, X chunks: 70 rows at k = 2049 cross
+ * one), n (W row tails, slices split over threads) and k (the scalar tail): so a row's
+ * result does not depend on its batch. Runs in test_kernels_cpu_avx2 (ctest); other levels
+ * skip (AVX-512: test_cpu_fgemm; scalar: not batch-invariant). */
+Test(kernels_cpu, matmul_float_avx2_order, .timeout = 300)
+{
+    static const int ms[] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 64, 70};
+    static const int ks[] = {1, 7, 8, 9, 100, 2049};
+    const int n = 37; /* 9 tiles of 4 W rows and one left; 16-row task slices */
+    rng_t r = {0x5eed32};
+    for (size_t ti = 0; ti < TD_ARRAY_LEN(thread_counts); ti++) {
+        td_backend_t *be = make_backend(thread_counts[ti]);
+        const char *isa = td_backend_cpu_isa(be); /* a static string */
+        if (strcmp(isa, "avx2") != 0) {
+            td_backend_destroy(be);
+            cr_skip_test("the backend runs %s; the avx2 order is checked at TANDEM_CPU_ISA=avx2", isa);
+        }
+        for (size_t d = 0; d < TD_ARRAY_LEN(dtypes); d++)
+            for (size_t c = 0; c < TD_ARRAY_LEN(ks); c++)
+                for (size_t a = 0; a < TD_ARRAY_LEN(ms); a++) {
+                    int m = ms[a], k = ks[c];
+                    td_dtype_t wt = dtypes[d];
+                    bool bias = a & 1, acc = a & 2;
+                    float *x = xmalloc((size_t)m * k * 4), *wref = xmalloc((size_t)n * k * 4);
+                    float *bref = xmalloc((size_t)n * 4), *y = xmalloc((size_t)m * n * 4);
+                    float *y0 = xmalloc((size_t)m * n * 4);
+                    void *w = xmalloc((size_t)n * k * td_dtype_size(wt)), *b = xmalloc((size_t)n * td_dtype_size(wt));
+                    fill_random(&r, x, TD_F32, NULL, (size_t)m * k);
+                    fill_random(&r, w, wt, wref, (size_t)n * k);
+                    fill_random(&r, b, wt, bref, (size_t)n);
+                    if (acc)
+                        fill_random(&r, y, TD_F32, NULL, (size_t)m * n);
+                    else
+                        poison(y, (size_t)m * n * 4);
+                    memcpy(y0, y, (size_t)m * n * 4);
+                    td_matmul_params_t p = {.m = m, .n = n, .k = k, .x = x, .w = w, .w_dtype = wt,
+                                            .bias = bias ? b : NULL, .bias_dtype = wt, .y = y, .accumulate = acc};
+                    cr_assert_eq(be->ops->matmul(be, &p), TD_OK);
+                    for (int i = 0; i < m; i++)
+                        for (int j = 0; j < n; j++) {
+                            float want = avx2_order_dot(x + (size_t)i * k, wref + (size_t)j * k, k);
+                            if (bias)
+                                want += bref[j];
+                            if (acc)
+                                want += y0[(size_t)i * n + j];
+                            float got = y[(size_t)i * n + j];
+                            cr_assert(memcmp(&got, &want, 4) == 0,
+                                      "matmul m %d n %d k %d w %s bias %d acc %d, %d threads: y[%d][%d] = %.9g, "
+                                      "the avx2 order gives %.9g",
+                                      m, n, k, td_dtype_name(wt), bias, acc, thread_counts[ti], i, j, got, want);
+                        }
+                    free(x), free(wref), free(bref), free(y), free(y0), free(w), free(b);
+                }
+        td_backend_destroy(be);
+    }
+}
+
 /* ---- row-wise ops ------------------------------------------------------------------ */
 
 static td_step_meta_t simple_meta(int n_tokens, int32_t *tokens, int32_t *positions)
