@@ -17,16 +17,18 @@
  * tiles prefetch ahead, prefill runs X in chunks that stay in L2. At level avx2 (the
  * kernel table's fmatmul, td_cpu_kernels.h):
  *
- * One hand-written AVX2/FMA kernel (gemv_block) computes every output: it reads 1-4 rows
- * of W at a time, converts f16/bf16 to f32 in registers, and multiplies them with 1-4 rows
- * of X, each output summed the same way (eight FMA lanes over k in order, one horizontal
- * sum, a scalar tail). So a row's result does not depend on how many rows its step has:
- * the backend is batch-invariant, and a sequence gives the same tokens alone, in a batch
- * of 64 decodes or in a prefill batch of other prompts (docs/kernels.md).
- *  - m <= 4 (decode, a few sequences): blocks shaped for the row count, W streamed once.
- *    This is the memory-bandwidth path of batch-1 decode.
- *  - larger m: X in chunks of 64 rows (kept in L2) against 2-row blocks of W (kept in L1)
- *    in 2x4 tiles; W is streamed once per chunk.
+ * One hand-written AVX2/FMA kernel (gemv_block) computes every output: it reads 1-8 rows
+ * of W at a time, converts f16/bf16 to f32 in registers once per 8 weights, and multiplies
+ * them with 1-4 rows of X, each output summed the same way (eight FMA lanes over k in order,
+ * one horizontal sum, a scalar tail). So a row's result does not depend on how many rows
+ * its step has: the backend is batch-invariant, and a sequence gives the same tokens alone,
+ * in a batch of 64 decodes or in a prefill batch of other prompts (docs/kernels.md).
+ *  - m <= 4 (decode, a few sequences): tiles of 8, 4, 4 or 2 W rows (m = 1..4) against all
+ *    m X rows, W streamed once, each tile prefetching its rows two tiles ahead. This is
+ *    the memory-bandwidth path of batch-1 decode.
+ *  - larger m: X in chunks of 512 KiB (kept in L2) against blocks of 4 W rows (kept in L1)
+ *    in 4x3 tiles (12 accumulators, 3 X vectors, 1 W vector: AVX2's 16 registers); W is
+ *    streamed once per chunk.
  * At level scalar (a CPU without AVX2/FMA/F16C, or TANDEM_CPU_ISA=scalar) cblas_sgemm on
  * converted tiles of W does it all, and batch invariance is not promised.
  *
@@ -143,7 +145,12 @@ TD_CPU_AVX2_INLINE void gemv_block(const td_matmul_params_t *p, int R, int M, td
 }
 
 /* Decode tiles prefetch this many tiles of W rows ahead (their rows are contiguous). */
+#ifndef AV_DECODE_AHEAD
 #define AV_DECODE_AHEAD 2
+#endif
+#ifndef AV_D1
+#define AV_D1 8
+#endif
 
 /* m <= 4 (decode): W rows [j, n1) R at a time against all M = m X rows (in L1), each tile
  * prefetching AV_DECODE_AHEAD tiles ahead, the last rows one by one. */
@@ -161,7 +168,7 @@ TD_CPU_AVX2_INLINE void gemv_decode(const td_matmul_params_t *p, int R, int M, t
 TD_CPU_AVX2_INLINE void gemv_slice_t(const td_matmul_params_t *p, td_dtype_t t, int n0, int n1)
 {
     switch (p->m) {
-    case 1: gemv_decode(p, 8, 1, t, n0, n1); break;
+    case 1: gemv_decode(p, AV_D1, 1, t, n0, n1); break;
     case 2: gemv_decode(p, 4, 2, t, n0, n1); break;
     case 3: gemv_decode(p, 4, 3, t, n0, n1); break;
     default: gemv_decode(p, 2, 4, t, n0, n1); break;
@@ -171,7 +178,7 @@ TD_CPU_AVX2_INLINE void gemv_slice_t(const td_matmul_params_t *p, td_dtype_t t, 
 /* The prefill tile: AV_R W rows by AV_M X rows, AV_R * AV_M accumulators, AV_M X vectors
  * and one W vector live: 16 ymm registers. */
 #define AV_R 4
-#define AV_M 3
+#define AV_M 3 /* tile_tail takes the chunk's last 1 or 2 rows */
 
 /* X rows [i, i + n) (n < AV_M) against W rows [j, j + R): the tail of a chunk. */
 TD_CPU_AVX2_INLINE void tile_tail(const td_matmul_params_t *p, int R, td_dtype_t t, int j, int i, int n, size_t pf)
