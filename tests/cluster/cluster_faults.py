@@ -911,44 +911,56 @@ def cmd_slowreader(target, max_tokens, secs):
     return 0
 
 
-def cmd_churn(target, refs_path, max_tokens, seconds, concurrency, stop_file):
-    """concurrency client threads send the prompts of REFS (random order, fixed seed) one
-    stream after another for `seconds` (or until stop_file exists) while the test kills and
-    restarts nodes. Every stream must end OK with exactly its reference, or UNAVAILABLE (with
-    its tokens so far a prefix of the reference); at least half must succeed."""
+def stream_clients(target, refs_path, max_tokens, seconds, concurrency, stop_file, seed, judge):
+    """churn's and pausechurn's clients: concurrency threads stream the prompts of REFS (random
+    order, seeded) one after another for `seconds` (or until stop_file exists); each ended
+    stream goes to judge(i, stream, ref, counts, problems) under one lock. Returns counts, problems."""
     prompts, refs = read_refs(refs_path)
     stub = generate_stub(channel(target))
     end = time.monotonic() + float(seconds)
     lock = threading.Lock()
     counts = {}
     problems = []
-    early = []
 
     def worker(k):
-        rnd = random.Random(1000 + k)
+        rnd = random.Random(seed + k)
         while time.monotonic() < end and not os.path.exists(stop_file):
             i = rnd.randrange(len(prompts))
             s = Stream(stub, prompts[i], int(max_tokens), timeout=30)
             s.join(40)
-            code = s.code or "HUNG"
+            s.code = s.code or "HUNG"
             with lock:
-                counts[code] = counts.get(code, 0) + 1
-                if code == "UNAVAILABLE" and not s.got:
-                    counts["UNAVAILABLE before any token"] = counts.get("UNAVAILABLE before any token", 0) + 1
-                    early.append(s.details)
-                if code == "OK" and s.got != refs[i]:
-                    problems.append("prompt %d: OK but ids differ from tandem generate:\n  want %s\n  got  %s"
-                                    % (i, refs[i], s.got))
-                elif code == "UNAVAILABLE" and s.got != refs[i][:len(s.got)]:
-                    problems.append("prompt %d: UNAVAILABLE after tokens that differ from tandem generate" % i)
-                elif code not in ("OK", "UNAVAILABLE"):
-                    problems.append("prompt %d: %s %s" % (i, code, s.details))
+                counts[s.code] = counts.get(s.code, 0) + 1
+                judge(i, s, refs[i], counts, problems)
 
     ts = [threading.Thread(target=worker, args=(k,)) for k in range(int(concurrency))]
     for t in ts:
         t.start()
     for t in ts:
         t.join()
+    return counts, problems
+
+
+def cmd_churn(target, refs_path, max_tokens, seconds, concurrency, stop_file):
+    """concurrency client threads send the prompts of REFS (random order, fixed seed) one
+    stream after another for `seconds` (or until stop_file exists) while the test kills and
+    restarts nodes. Every stream must end OK with exactly its reference, or UNAVAILABLE (with
+    its tokens so far a prefix of the reference); at least half must succeed."""
+    early = []
+
+    def judge(i, s, ref, counts, problems):
+        if s.code == "UNAVAILABLE" and not s.got:
+            counts["UNAVAILABLE before any token"] = counts.get("UNAVAILABLE before any token", 0) + 1
+            early.append(s.details)
+        if s.code == "OK" and s.got != ref:
+            problems.append("prompt %d: OK but ids differ from tandem generate:\n  want %s\n  got  %s"
+                            % (i, ref, s.got))
+        elif s.code == "UNAVAILABLE" and s.got != ref[:len(s.got)]:
+            problems.append("prompt %d: UNAVAILABLE after tokens that differ from tandem generate" % i)
+        elif s.code not in ("OK", "UNAVAILABLE"):
+            problems.append("prompt %d: %s %s" % (i, s.code, s.details))
+
+    counts, problems = stream_clients(target, refs_path, max_tokens, seconds, concurrency, stop_file, 1000, judge)
     total = sum(v for k, v in counts.items() if k != "UNAVAILABLE before any token")
     print("churn: %d streams: %s" % (total, ", ".join("%s %d" % kv for kv in sorted(counts.items()))))
     for d in sorted(set(early)):
@@ -973,36 +985,18 @@ def cmd_pausechurn(target, refs_path, max_tokens, seconds, concurrency, stop_fil
     stop_file exists). A stream must end OK with exactly its reference, or with a status a
     stall can cause (UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED) after tokens that are a
     prefix of it; none may hang; at least one must succeed."""
-    prompts, refs = read_refs(refs_path)
-    stub = generate_stub(channel(target))
-    end = time.monotonic() + float(seconds)
-    lock = threading.Lock()
-    counts = {}
-    problems = []
     stalled = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED")
 
-    def worker(k):
-        rnd = random.Random(2000 + k)
-        while time.monotonic() < end and not os.path.exists(stop_file):
-            i = rnd.randrange(len(prompts))
-            s = Stream(stub, prompts[i], int(max_tokens), timeout=30)
-            s.join(40)
-            code = s.code or "HUNG"
-            with lock:
-                counts[code] = counts.get(code, 0) + 1
-                if code == "OK" and s.got != refs[i]:
-                    problems.append("prompt %d: OK but ids differ from tandem generate:\n  want %s\n  got  %s"
-                                    % (i, refs[i], s.got))
-                elif code in stalled and s.got != refs[i][:len(s.got)]:
-                    problems.append("prompt %d: %s after tokens that differ from tandem generate" % (i, code))
-                elif code != "OK" and code not in stalled:
-                    problems.append("prompt %d: %s %s" % (i, code, s.details))
+    def judge(i, s, ref, counts, problems):
+        if s.code == "OK" and s.got != ref:
+            problems.append("prompt %d: OK but ids differ from tandem generate:\n  want %s\n  got  %s"
+                            % (i, ref, s.got))
+        elif s.code in stalled and s.got != ref[:len(s.got)]:
+            problems.append("prompt %d: %s after tokens that differ from tandem generate" % (i, s.code))
+        elif s.code != "OK" and s.code not in stalled:
+            problems.append("prompt %d: %s %s" % (i, s.code, s.details))
 
-    ts = [threading.Thread(target=worker, args=(k,)) for k in range(int(concurrency))]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
+    counts, problems = stream_clients(target, refs_path, max_tokens, seconds, concurrency, stop_file, 2000, judge)
     total = sum(counts.values())
     print("pausechurn: %d streams: %s" % (total, ", ".join("%s %d" % kv for kv in sorted(counts.items()))))
     rc = 0
