@@ -6,6 +6,7 @@
  */
 #include <arpa/inet.h>
 #include <criterion/criterion.h>
+#include <errno.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <stdio.h>
@@ -323,12 +324,15 @@ Test(grpc, back_pressure_slow_reader, .timeout = 30)
 /* ---- raw sockets at the gRPC port --------------------------------------------------- */
 
 /* Reads until EOF; returns the bytes read (into buf, NUL-terminated) or -1 on timeout. */
+/* Reads until the server closes: an end of stream, or a reset (a server that closes a
+ * socket with bytes it has not read, e.g. a trickled preface's, sends RST, not FIN);
+ * -1 for any other error (a receive timeout: the connection was kept). */
 static ssize_t read_to_eof(int fd, char *buf, size_t cap)
 {
     size_t len = 0;
     for (;;) {
         ssize_t n = recv(fd, buf + len, cap - 1 - len, 0);
-        if (n == 0)
+        if (n == 0 || (n < 0 && errno == ECONNRESET))
             break;
         if (n < 0)
             return -1;
