@@ -17,6 +17,10 @@
 /* what every AVX2 kernel is compiled for (TD_CPU_ISA_AVX2), and its inlined helpers */
 #define TD_CPU_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define TD_CPU_AVX2_INLINE TD_CPU_AVX2 static inline __attribute__((always_inline))
+/* Keeps a vector in its register where it stands: GCC otherwise reassociates a chain of adds
+ * into a tree, holds every product at once and spills (td_cpu_pack's w16_tile: a third of the
+ * speed), or folds a load into each use as a memory operand (the avx2 float matmul's X) */
+#define AVX2_KEEP(x) __asm__("" : "+x"(x))
 #else
 #define TD_CPU_X86 0
 #endif

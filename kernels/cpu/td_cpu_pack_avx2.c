@@ -66,10 +66,6 @@ TD_INLINE TD_Y void avx2_scales(td_dtype_t t, const unsigned char *cs, size_t b,
     *mw_p = mw;
 }
 
-/* Keeps a value in its register where it stands: GCC otherwise reassociates a chain of adds
- * into a tree, holds every product at once and spills (w16_tile: a third of the speed) */
-#define AVX2_KEEP(x) __asm__("" : "+x"(x))
-
 /* CALL(R) for the rows a tiling leaves, r in 1..7, R a constant in each call: each R is its
  * own unrolled tile */
 #define AVX2_REST(r, CALL)                                                                        \
