@@ -127,7 +127,7 @@ TD_CPU_AVX2_INLINE void gemv_block(const td_matmul_params_t *p, int R, int M, td
         __m256 xv[AV_MAX_M];
         for (int i = 0; i < M; i++) {
             xv[i] = _mm256_loadu_ps(x + (size_t)i * k + kk);
-            __asm__("" : "+x"(xv[i]));
+            AVX2_KEEP(xv[i]);
         }
         for (int r = 0; r < R; r++) {
             __m256 wv = load8(t, w + (size_t)r * row_bytes, (size_t)kk);
@@ -204,20 +204,6 @@ TD_CPU_AVX2_INLINE void tile_block(const td_matmul_params_t *p, int R, td_dtype_
     tile_tail(p, R, t, j, i, i1 - i, pf);
 }
 
-/* One slice [n0, n1) for m > 4: X in chunks of av_x_rows(k) rows (kept in L2), each chunk
- * against blocks of AV_R W rows (kept in L1), W streamed once per chunk. */
-TD_CPU_AVX2_INLINE void tile_slice_t(const td_matmul_params_t *p, td_dtype_t t, int n0, int n1, int x_rows)
-{
-    for (int i0 = 0; i0 < p->m; i0 += x_rows) {
-        int i1 = TD_MIN(p->m, i0 + x_rows);
-        int j = n0;
-        for (; j + AV_R <= n1; j += AV_R)
-            tile_block(p, AV_R, t, j, i0, i1);
-        for (; j < n1; j++)
-            tile_block(p, 1, t, j, i0, i1);
-    }
-}
-
 /* X rows of a prefill chunk: AV_X_BYTES of f32 activations, a multiple of AV_M rows. */
 #ifndef AV_X_BYTES
 #define AV_X_BYTES (512u * 1024u)
@@ -228,6 +214,21 @@ static int av_x_rows(int k)
     return TD_MAX(rows, AV_M);
 }
 
+/* One slice [n0, n1) for m > 4: X in chunks of av_x_rows(k) rows (kept in L2), each chunk
+ * against blocks of AV_R W rows (kept in L1), W streamed once per chunk. */
+TD_CPU_AVX2_INLINE void tile_slice_t(const td_matmul_params_t *p, td_dtype_t t, int n0, int n1)
+{
+    const int x_rows = av_x_rows(p->k);
+    for (int i0 = 0; i0 < p->m; i0 += x_rows) {
+        int i1 = TD_MIN(p->m, i0 + x_rows);
+        int j = n0;
+        for (; j + AV_R <= n1; j += AV_R)
+            tile_block(p, AV_R, t, j, i0, i1);
+        for (; j < n1; j++)
+            tile_block(p, 1, t, j, i0, i1);
+    }
+}
+
 /* One task: W rows [n0, n1) for every row of X, by the m <= 4 or the tiled shape. */
 TD_CPU_AVX2 static void kernel_task(void *arg, int task, int thread)
 {
@@ -236,11 +237,10 @@ TD_CPU_AVX2 static void kernel_task(void *arg, int task, int thread)
     int n0 = task * jb->chunk;
     int n1 = TD_MIN(p->n, n0 + jb->chunk);
     bool small = p->m <= 4;
-    int xr = av_x_rows(p->k);
     switch (p->w_dtype) {
-    case TD_F32: small ? gemv_slice_t(p, TD_F32, n0, n1) : tile_slice_t(p, TD_F32, n0, n1, xr); break;
-    case TD_F16: small ? gemv_slice_t(p, TD_F16, n0, n1) : tile_slice_t(p, TD_F16, n0, n1, xr); break;
-    case TD_BF16: small ? gemv_slice_t(p, TD_BF16, n0, n1) : tile_slice_t(p, TD_BF16, n0, n1, xr); break;
+    case TD_F32: small ? gemv_slice_t(p, TD_F32, n0, n1) : tile_slice_t(p, TD_F32, n0, n1); break;
+    case TD_F16: small ? gemv_slice_t(p, TD_F16, n0, n1) : tile_slice_t(p, TD_F16, n0, n1); break;
+    case TD_BF16: small ? gemv_slice_t(p, TD_BF16, n0, n1) : tile_slice_t(p, TD_BF16, n0, n1); break;
     default: TD_ASSERT(!"kernel_task: block types go to the quantized path"); break;
     }
 }
