@@ -80,8 +80,7 @@ typedef struct kvx_rx {
 static void kvx_rx_ready(void *arg, const td_xfer_ready_t *r)
 {
     kvx_rx_t *rx = arg;
-    for (int32_t i = 0; i < r->n_blocks; i++)
-        td_kv_unref_block_for(rx->kv, TD_KV_HOLDER_LANDED, r->blocks[i]);
+    td_kv_unref_blocks_for(rx->kv, TD_KV_HOLDER_LANDED, r->blocks, r->n_blocks);
 }
 
 static void kvx_rx_on_pipe(uv_poll_t *h, int status, int events)

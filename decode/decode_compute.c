@@ -87,8 +87,7 @@ static void compute_admit(decode_state_t *s, decode_cmd_t *c, decode_out_t *fail
                           .grammar = a->grammar, .tpot_objective_s = a->tpot_objective_s};
     if (decode_sched_admit(s->sched, &r) != TD_OK) {
         td_warn("decode: lease %llu not admitted: %s", (unsigned long long)c->lease_id, td_last_error());
-        for (int32_t i = 0; i < c->n_blocks; i++)
-            td_kv_unref_block_for(s->kv, TD_KV_HOLDER_LANDED, c->blocks[i]);
+        td_kv_unref_blocks_for(s->kv, TD_KV_HOLDER_LANDED, c->blocks, c->n_blocks);
         add_seq(fail_out, c->lease_id, -1, DECODE_OUT_FAILED);
     }
     c->n_blocks = 0; /* the references went to the sequence or back to the pool */
@@ -104,8 +103,7 @@ static void compute_no_memory(decode_state_t *s, decode_cmd_t *cmds, int32_t n_c
     for (int32_t i = 0; i < n_cmds; i++) {
         decode_cmd_t *c = &cmds[i];
         if (c->admit) {
-            for (int32_t k = 0; k < c->n_blocks; k++)
-                td_kv_unref_block_for(s->kv, TD_KV_HOLDER_LANDED, c->blocks[k]);
+            td_kv_unref_blocks_for(s->kv, TD_KV_HOLDER_LANDED, c->blocks, c->n_blocks);
             if (s->n_failed < decode_cmd_ring_size(&s->cfg))
                 s->failed[s->n_failed++] = c->lease_id;
             else /* the report is lost too: the router's deadline ends the request */

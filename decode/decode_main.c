@@ -146,8 +146,7 @@ static td_status_t pool_result(decode_state_t *s, td_status_t st)
 static void cmd_discard(decode_state_t *s, decode_cmd_t *c)
 {
     decode_admit_free(c->admit);
-    for (int32_t i = 0; i < c->n_blocks; i++)
-        td_kv_unref_block_for(s->kv, TD_KV_HOLDER_LANDED, c->blocks[i]);
+    td_kv_unref_blocks_for(s->kv, TD_KV_HOLDER_LANDED, c->blocks, c->n_blocks);
     free(c->blocks);
 }
 
@@ -363,8 +362,7 @@ static void on_kv_ready(void *arg, const td_xfer_ready_t *r)
         td_warn("decode: lease %llu: %s", (unsigned long long)r->lease_id, why);
     }
     if (!posted) {
-        for (int32_t i = 0; i < r->n_blocks; i++)
-            td_kv_unref_block_for(s->kv, TD_KV_HOLDER_LANDED, r->blocks[i]);
+        td_kv_unref_blocks_for(s->kv, TD_KV_HOLDER_LANDED, r->blocks, r->n_blocks);
         if (a) {
             if (!blocks)
                 td_warn("decode: lease %llu: kv-ready dropped, out of memory", (unsigned long long)r->lease_id);

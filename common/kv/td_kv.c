@@ -772,16 +772,17 @@ void td_kv_ref_block(td_kv_cache_t *cache, int32_t id)
     kv_unlock(cache);
 }
 
-void td_kv_unref_block_for(td_kv_cache_t *cache, td_kv_holder_t holder, int32_t id)
+void td_kv_unref_blocks_for(td_kv_cache_t *cache, td_kv_holder_t holder, const int32_t *ids, int32_t n)
 {
     kv_lock(cache);
-    kv_unref_block(cache, id, holder);
+    for (int32_t i = 0; i < n; i++)
+        kv_unref_block(cache, ids[i], holder);
     kv_unlock(cache);
 }
 
 void td_kv_unref_block(td_kv_cache_t *cache, int32_t id)
 {
-    td_kv_unref_block_for(cache, TD_KV_HOLDER_CALLER, id);
+    td_kv_unref_blocks_for(cache, TD_KV_HOLDER_CALLER, &id, 1);
 }
 
 void td_kv_pass_blocks(td_kv_cache_t *cache, const int32_t *ids, int32_t n, td_kv_holder_t from, td_kv_holder_t to)

@@ -116,13 +116,14 @@ void td_kv_get_stats(const td_kv_cache_t *cache, td_kv_stats_t *stats);
 td_status_t td_kv_alloc_blocks_for(td_kv_cache_t *cache, td_kv_holder_t holder, int32_t n, int32_t *ids);
 td_status_t td_kv_alloc_blocks(td_kv_cache_t *cache, int32_t n, int32_t *ids);
 
-/* Reference counting of single blocks. Unref of the last reference frees the block (or
- * parks it on the LRU list if it holds a registered prefix block). td_kv_ref_block and
- * td_kv_unref_block are the CALLER's; td_kv_unref_block_for drops one of `holder`'s
- * references. A block not held by `holder` (or free: a double free) aborts. */
+/* Reference counting of blocks. Unref of the last reference frees the block (or parks it
+ * on the LRU list if it holds a registered prefix block). td_kv_ref_block and
+ * td_kv_unref_block are the CALLER's, one block; td_kv_unref_blocks_for drops one of
+ * `holder`'s references to each of ids[0..n), under one lock. A block not held by `holder`
+ * (or free: a double free) aborts. */
 void td_kv_ref_block(td_kv_cache_t *cache, int32_t id);
 void td_kv_unref_block(td_kv_cache_t *cache, int32_t id);
-void td_kv_unref_block_for(td_kv_cache_t *cache, td_kv_holder_t holder, int32_t id);
+void td_kv_unref_blocks_for(td_kv_cache_t *cache, td_kv_holder_t holder, const int32_t *ids, int32_t n);
 int32_t td_kv_block_refs(const td_kv_cache_t *cache, int32_t id);
 
 /* Hands blocks ids[0..n) over from `from` to `to` (CALLER, LEASE or LANDED): each must be

@@ -457,8 +457,7 @@ static void close_finish(td_xfer_t *x)
     while (!td_list_empty(&x->ready_list)) {
         ready_event_t *ev = TD_CONTAINER_OF(x->ready_list.next, ready_event_t, link);
         td_list_remove(&ev->link);
-        for (int32_t i = 0; i < ev->r.n_blocks; i++)
-            td_kv_unref_block_for(x->pool.kv, TD_KV_HOLDER_LANDED, ev->r.blocks[i]);
+        td_kv_unref_blocks_for(x->pool.kv, TD_KV_HOLDER_LANDED, ev->r.blocks, ev->r.n_blocks);
         free(ev);
     }
     free(x->landing_stack);

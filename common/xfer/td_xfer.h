@@ -228,8 +228,8 @@ void td_xfer_get_stats(const td_xfer_t *x, td_xfer_stats_t *stats);
 /* ---- receiver ----------------------------------------------------------------------- */
 
 /* An adopted transfer. The callee owns one reference on each of blocks[0..n_blocks), held
- * by TD_KV_HOLDER_LANDED (td_kv_seq_adopt them, or td_kv_unref_block_for(kv,
- * TD_KV_HOLDER_LANDED, id) each, once); the arrays live for the call only.
+ * by TD_KV_HOLDER_LANDED (td_kv_seq_adopt them, or td_kv_unref_blocks_for(kv,
+ * TD_KV_HOLDER_LANDED, ...) once); the arrays live for the call only.
  * The callback comes once adoption is done: kv-ready checked, every byte in, the checksum
  * (when the sender asked for one) verified and, on a device pool, every landed byte copied
  * into the pool; the sender's OK goes out at the same time. Adoption runs from the loop a

@@ -41,8 +41,7 @@ void xfer_lease_release(td_xfer_t *x, xfer_lease_t *l)
     TD_ASSERT(l->inflight == 0);
     if (l->dev)
         xfer_landing_give(x, l);
-    for (int32_t i = 0; i < l->n_blocks; i++)
-        td_kv_unref_block_for(x->pool.kv, TD_KV_HOLDER_LEASE, l->dev ? l->dev[i] : l->blocks[i]);
+    td_kv_unref_blocks_for(x->pool.kv, TD_KV_HOLDER_LEASE, l->dev ? l->dev : l->blocks, l->n_blocks);
     xfer_lease_remove(x, l);
 }
 

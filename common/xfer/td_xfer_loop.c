@@ -115,8 +115,7 @@ static void run_deferred(td_xfer_t *x)
         if (x->on_ready) {
             x->on_ready(x->ready_arg, &ev->r);
         } else {
-            for (int32_t i = 0; i < ev->r.n_blocks; i++)
-                td_kv_unref_block_for(x->pool.kv, TD_KV_HOLDER_LANDED, ev->r.blocks[i]);
+            td_kv_unref_blocks_for(x->pool.kv, TD_KV_HOLDER_LANDED, ev->r.blocks, ev->r.n_blocks);
         }
         free(ev);
     }

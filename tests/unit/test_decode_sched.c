@@ -1101,8 +1101,7 @@ Test(decode_sched, shared_pool_leases_and_engine_on_two_threads, .timeout = 240)
     shared_push(f, lease0, &tok0, b0, 2, c.prompts[0], 24);
     shared_run_until(f, &f->ready, 1, 5);
     cr_assert_eq(f->ready, 1, "the warm-up transfer landed");
-    for (int32_t i = 0; i < f->last.n_blocks; i++)
-        td_kv_unref_block_for(f->kv, TD_KV_HOLDER_LANDED, f->last.blocks[i]);
+    td_kv_unref_blocks_for(f->kv, TD_KV_HOLDER_LANDED, f->last.blocks, f->last.n_blocks);
     pthread_t th;
     cr_assert_eq(pthread_create(&th, NULL, churn_compute, &c), 0);
     int32_t blocks[8];
@@ -1176,8 +1175,7 @@ static void xr_on_ready(void *arg, const td_xfer_ready_t *r)
     }
     pthread_mutex_unlock(&x->mu);
     if (!room)
-        for (int32_t i = 0; i < r->n_blocks; i++)
-            td_kv_unref_block_for(x->f->kv, TD_KV_HOLDER_LANDED, r->blocks[i]);
+        td_kv_unref_blocks_for(x->f->kv, TD_KV_HOLDER_LANDED, r->blocks, r->n_blocks);
 }
 
 static void *xr_compute(void *arg)
@@ -1205,8 +1203,7 @@ static void *xr_compute(void *arg)
                 x->adopted++;
             } else { /* the decode node's compute_admit: the references go back */
                 x->refused++;
-                for (int32_t k = 0; k < c->n_blocks; k++)
-                    td_kv_unref_block_for(x->f->kv, TD_KV_HOLDER_LANDED, c->blocks[k]);
+                td_kv_unref_blocks_for(x->f->kv, TD_KV_HOLDER_LANDED, c->blocks, c->n_blocks);
             }
             if (c->id % 7 == 0) /* a Release right behind its admission */
                 x->cancelled_sched += decode_sched_cancel(x->ds, c->id) == TD_OK;

@@ -542,8 +542,7 @@ Test(kv, holders_follow_a_transfer)
     cr_assert_eq(td_kv_alloc_blocks_for(c, TD_KV_HOLDER_LEASE, 8, all), TD_OK);
     for (int i = 0; i < 8; i++)
         cr_assert_eq(td_kv_block_holder(c, all[i]), TD_KV_HOLDER_LEASE);
-    for (int i = 0; i < 8; i++)
-        td_kv_unref_block_for(c, TD_KV_HOLDER_LEASE, all[i]);
+    td_kv_unref_blocks_for(c, TD_KV_HOLDER_LEASE, all, 8);
     cr_assert_eq(td_kv_cache_check(c), TD_OK, "%s", td_last_error());
     td_kv_cache_destroy(c);
 }
@@ -556,7 +555,7 @@ Test(kv, lease_release_after_handover_aborts, .signal = SIGABRT)
     int32_t id;
     cr_assert_eq(td_kv_alloc_blocks_for(c, TD_KV_HOLDER_LEASE, 1, &id), TD_OK);
     td_kv_pass_blocks(c, &id, 1, TD_KV_HOLDER_LEASE, TD_KV_HOLDER_LANDED);
-    td_kv_unref_block_for(c, TD_KV_HOLDER_LEASE, id);
+    td_kv_unref_blocks_for(c, TD_KV_HOLDER_LEASE, &id, 1);
 }
 
 /* Another holder releasing a lease's block: aborts at that (first) wrong call, before the
@@ -566,7 +565,7 @@ Test(kv, release_of_a_lease_block_by_another_holder_aborts, .signal = SIGABRT)
     td_kv_cache_t *c = make_cache(4, 4, false);
     int32_t id;
     cr_assert_eq(td_kv_alloc_blocks_for(c, TD_KV_HOLDER_LEASE, 1, &id), TD_OK);
-    td_kv_unref_block_for(c, TD_KV_HOLDER_LANDED, id);
+    td_kv_unref_blocks_for(c, TD_KV_HOLDER_LANDED, &id, 1);
 }
 
 /* A sequence adopting a live lease's blocks (before td_xfer handed them over) aborts. */

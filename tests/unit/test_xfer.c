@@ -150,8 +150,7 @@ static void rx_on_ready(void *arg, const td_xfer_ready_t *r)
             }
         }
     free(want);
-    for (int32_t i = 0; i < r->n_blocks; i++)
-        td_kv_unref_block_for(rx->kv, TD_KV_HOLDER_LANDED, r->blocks[i]);
+    td_kv_unref_blocks_for(rx->kv, TD_KV_HOLDER_LANDED, r->blocks, r->n_blocks);
     rx->adopted++;
     if (rx->adopted >= rx->want)
         rx->all_in = true;
