@@ -205,7 +205,7 @@ size_t td_cpu_pack_act_stride(size_t k)
  * d = amax / 127 (amax ignores NaN), v = x * (1 / d) clamped to [-127, 127] (NaN to -127),
  * hi = roundf(v), lo = roundf((v - hi) * 254) (v - hi is exact). Returns sum Q, and the sum
  * of the first 16 in *first_p. */
-static int32_t act_block_scalar(const float *x, int8_t *hi, int8_t *lo, float *e_p, int32_t *first_p)
+TD_INLINE int32_t act_block_scalar(const float *x, int8_t *hi, int8_t *lo, float *e_p, int32_t *first_p, bool one)
 {
     float amax = 0.0f;
     bool nan = false;
@@ -221,7 +221,7 @@ static int32_t act_block_scalar(const float *x, int8_t *hi, int8_t *lo, float *e
         v = v >= -127.0f ? v : -127.0f;
         v = v <= 127.0f ? v : 127.0f;
         float h = roundf(v);
-        float l = roundf((v - h) * (float)WIDE);
+        float l = one ? 0.0f : roundf((v - h) * (float)WIDE);
         hi[i] = (int8_t)h;
         lo[i] = (int8_t)l;
         sum += WIDE * (int32_t)h + (int32_t)l;

@@ -11,7 +11,7 @@
 #define TD_Y __attribute__((target("avx2,fma,f16c")))
 
 /* act_block_scalar on AVX2, bit for bit (td_cpu_simd's pieces are the scalar C's operations) */
-static TD_Y int32_t act_block_avx2(const float *x, int8_t *hi, int8_t *lo, float *e_p, int32_t *first_p)
+TD_INLINE TD_Y int32_t act_block_avx2(const float *x, int8_t *hi, int8_t *lo, float *e_p, int32_t *first_p, bool one)
 {
     __m256 xv[4];
     bool nan;
@@ -21,9 +21,10 @@ static TD_Y int32_t act_block_avx2(const float *x, int8_t *hi, int8_t *lo, float
     for (int j = 0; j < 4; j++) {
         __m256 v = td_cpu_simd_clamp127(_mm256_mul_ps(xv[j], _mm256_set1_ps(id)));
         __m256 h = td_cpu_simd_round_away(v);
-        __m256 l = td_cpu_simd_round_away(_mm256_mul_ps(_mm256_sub_ps(v, h), _mm256_set1_ps((float)WIDE)));
         qh[j] = _mm256_cvtps_epi32(h);
-        ql[j] = _mm256_cvtps_epi32(l);
+        ql[j] = one ? _mm256_setzero_si256()
+                    : _mm256_cvtps_epi32(td_cpu_simd_round_away(
+                          _mm256_mul_ps(_mm256_sub_ps(v, h), _mm256_set1_ps((float)WIDE))));
         sum = _mm256_add_epi32(sum, _mm256_add_epi32(_mm256_mullo_epi32(qh[j], _mm256_set1_epi32(WIDE)), ql[j]));
         if (j == 1)
             *first_p = td_cpu_simd_hsum_i32(sum);

@@ -20,7 +20,7 @@ TD_INLINE TD_Z __m512 round_half_away(__m512 v)
 
 /* act_block_scalar on AVX-512, bit for bit (max_ps returns its second operand for a NaN
  * lane, so NaN is ignored in amax and clamped to -127 as the scalar code does) */
-static TD_Z int32_t act_block_avx512(const float *x, int8_t *hi, int8_t *lo, float *e_p, int32_t *first_p)
+TD_INLINE TD_Z int32_t act_block_avx512(const float *x, int8_t *hi, int8_t *lo, float *e_p, int32_t *first_p, bool one)
 {
     __m512 x0 = _mm512_loadu_ps(x), x1 = _mm512_loadu_ps(x + 16);
     __m512 amax = _mm512_max_ps(_mm512_abs_ps(x0), _mm512_setzero_ps());
@@ -33,8 +33,9 @@ static TD_Z int32_t act_block_avx512(const float *x, int8_t *hi, int8_t *lo, flo
         __m512 v = _mm512_mul_ps(half ? x1 : x0, _mm512_set1_ps(id));
         v = _mm512_min_ps(_mm512_max_ps(v, _mm512_set1_ps(-127.0f)), _mm512_set1_ps(127.0f));
         __m512 h = round_half_away(v);
-        __m512 l = round_half_away(_mm512_mul_ps(_mm512_sub_ps(v, h), _mm512_set1_ps((float)WIDE)));
-        __m512i qh = _mm512_cvtps_epi32(h), ql = _mm512_cvtps_epi32(l);
+        __m512i qh = _mm512_cvtps_epi32(h), ql = one ? _mm512_setzero_si512()
+                                                     : _mm512_cvtps_epi32(round_half_away(
+                                                           _mm512_mul_ps(_mm512_sub_ps(v, h), _mm512_set1_ps((float)WIDE))));
         sum = _mm512_add_epi32(sum, _mm512_add_epi32(_mm512_mullo_epi32(qh, _mm512_set1_epi32(WIDE)), ql));
         if (half == 0)
             *first_p = _mm512_reduce_add_epi32(sum);

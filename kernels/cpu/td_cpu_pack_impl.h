@@ -139,14 +139,15 @@ TD_INLINE void act_store_c(unsigned char *c, unsigned char *c2, td_dtype_t type,
 }
 
 /* One block's quantizer: hi and lo of the 32 floats at x, *e_p its scale; returns sum Q and
- * the sum of the first 16 Q in *first_p. */
-typedef int32_t (*act_block_fn)(const float *x, int8_t *hi, int8_t *lo, float *e_p, int32_t *first_p);
+ * the sum of the first 16 Q in *first_p. With `one` (a one-byte row: llama.cpp's rounding)
+ * lo is 0 and Q = 254 hi, the second byte never computed. */
+typedef int32_t (*act_block_fn)(const float *x, int8_t *hi, int8_t *lo, float *e_p, int32_t *first_p, bool one);
 
 /* The activation row of the header's layout, block by block (every table's loop: `block`
- * and `q16` are constants, inlined into each table's row function). q16: the table's
- * act_q16, whether the row's int16 Q part is written (the header). */
-TD_INLINE void act_row_blocks(act_block_fn block, const float *x, void *av, td_dtype_t type, size_t k,
-                              bool one_byte, bool q16)
+ * and `q16` are constants, inlined into each table's row function, once for each one_byte).
+ * q16: the table's act_q16, whether the row's int16 Q part is written (the header). */
+TD_INLINE void act_row_blocks_of(act_block_fn block, const float *x, void *av, td_dtype_t type, size_t k,
+                                 bool one_byte, bool q16)
 {
     unsigned char *a = av;
     if (q16 && one_byte && type == TD_Q6_K) /* act_o6's 8 bytes a block (the loop's), then 0 */
@@ -154,16 +155,7 @@ TD_INLINE void act_row_blocks(act_block_fn block, const float *x, void *av, td_d
     for (size_t b = 0; b < k / TD_QK; b++) {
         float e;
         int8_t *hi = (int8_t *)a + b * TD_QK, *lo = (int8_t *)a + k + b * TD_QK;
-        int32_t first = 0, sum = block(x + b * TD_QK, hi, lo, &e, &first);
-        if (one_byte) { /* the second byte dropped: Q = 254 hi, llama.cpp's one-byte rounding */
-            memset(lo, 0, TD_QK);
-            sum = first = 0;
-            for (int i = 0; i < TD_QK; i++) {
-                sum += WIDE * hi[i];
-                if (i == TD_QK / 2 - 1)
-                    first = sum;
-            }
-        }
+        int32_t first = 0, sum = block(x + b * TD_QK, hi, lo, &e, &first, one_byte);
         if (q16 && one_byte && type == TD_Q6_K) { /* the Q part holds the offsets instead (act_o6) */
             int32_t o[4] = {0};
             int16_t o16[4];
@@ -181,6 +173,15 @@ TD_INLINE void act_row_blocks(act_block_fn block, const float *x, void *av, td_d
         memcpy(a + 2 * k + 4 * b, &e, 4);
         act_store_c((unsigned char *)act_c(a, k) + 4 * b, (unsigned char *)act_c2(a, k) + 4 * b, type, e, sum, first);
     }
+}
+
+TD_INLINE void act_row_blocks(act_block_fn block, const float *x, void *av, td_dtype_t type, size_t k,
+                              bool one_byte, bool q16)
+{
+    if (one_byte)
+        act_row_blocks_of(block, x, av, type, k, true, q16);
+    else
+        act_row_blocks_of(block, x, av, type, k, false, q16);
 }
 
 /* One type's entry of an ops table: the kernel with the type and the activation bytes fixed
