@@ -805,7 +805,8 @@ Test(engine, verify_rows_equal_one_row_steps_gguf, .timeout = 300)
 
 /* Split invariance on the real model (grouped-query attention with 3 query heads a KV head,
  * so a prefill tile's query rows are odd as often as even, and the attention kernel's row
- * pairs and single rows both meet every row): prompts prefilled whole, in pieces of 8 and
+ * blocks of every size meet every row: pieces of 7 tokens are 21 rows, 4 blocks of 4 and a
+ * single row; of 5, 15 rows, the last block 3): prompts prefilled whole, in pieces of 7 and
  * of 5, give the same bits in every generated token's logits. (A row skewed in the kernel's
  * single-row path, 1 + 1e-7 of its scores, fails it.) */
 Test(engine, split_invariance_gguf, .timeout = 300)
@@ -823,9 +824,9 @@ Test(engine, split_invariance_gguf, .timeout = 300)
     cr_assert_eq(td_engine_create(fx.model, fx.be, &ec, &fx.eng), TD_OK, "%s", td_last_error());
     fx.vocab = fx.model->config.vocab_size;
     unsigned s = 11;
-    /* none 1 past a multiple of 8 or 5: a one-row piece runs the decode kernel. Under ASan (-O0),
+    /* none 1 past a multiple of 7 or 5: a one-row piece runs the decode kernel. Under ASan (-O0),
        where SmolLM2's three prefills of these take 50 s of CPU, the first two: the same kernels,
-       whole tiles and odd last rows, pieces of 8 and of 5; the release build runs all three. */
+       whole tiles and odd last rows, pieces of 7 and of 5; the release build runs all three. */
 #ifdef __SANITIZE_ADDRESS__
     const int lens[] = {37, 62};
 #else
@@ -836,7 +837,7 @@ Test(engine, split_invariance_gguf, .timeout = 300)
         int *whole = malloc(8 * sizeof(int)), *got = malloc(8 * sizeof(int));
         uint64_t *h_whole = malloc(8 * sizeof(uint64_t)), *h_got = malloc(8 * sizeof(uint64_t));
         td_test_engine_greedy(&fx, 1, &prompt, &n, &total, 4096, &whole, &h_whole);
-        const int pieces[] = {8, 5};
+        const int pieces[] = {7, 5};
         for (size_t k = 0; k < sizeof pieces / sizeof pieces[0]; k++) {
             td_test_engine_greedy(&fx, 1, &prompt, &n, &total, pieces[k], &got, &h_got);
             for (int t = 0; t < total - n; t++)

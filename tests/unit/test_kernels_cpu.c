@@ -1071,7 +1071,7 @@ Test(kernels_cpu, kv_write_layout_and_copy_blocks, .timeout = 60)
    without a cached prefix (chunked prefill). */
 Test(kernels_cpu, attn_prefill_shapes, .timeout = 600)
 {
-    static const int hds[] = {32, 64, 128};
+    static const int hds[] = {32, 64, 72, 128}; /* 72: a 64-output block and one of 8 lanes */
     static const int Gs[] = {1, 2, 4, 8};
     static const int bss[] = {8, 16, 32};
     static const int lens[][2] = {{1, 1}, {7, 7}, {33, 33}, {100, 100}, {1, 37}, {7, 100},
