@@ -120,49 +120,126 @@ static void tile_accumulate(float *O, const float *S, const float *V, int rows, 
 }
 
 #if TD_CPU_X86
+/* R query rows by C keys (R <= 3, C <= 4: 12 ymm sums beside the 3 Q vectors and one K):
+ * S[r][c] = Q[r] . K[c], each one tile_scores sum (8 FMA lanes over d in order, td_cpu_hsum8,
+ * the tail in order), each Q and K vector loaded once for the block */
+TD_CPU_AVX2_INLINE void scores_block_avx2(const float *Q, const float *K, float *S, int hd, int ld_s, int R, int C)
+{
+    __m256 acc[3][4];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++)
+            acc[r][c] = _mm256_setzero_ps();
+    int d = 0;
+    for (; d + 8 <= hd; d += 8) {
+        __m256 q[3];
+        for (int r = 0; r < R; r++) {
+            q[r] = _mm256_loadu_ps(Q + (size_t)r * hd + d);
+            AVX2_KEEP(q[r]);
+        }
+        for (int c = 0; c < C; c++) {
+            __m256 k = _mm256_loadu_ps(K + (size_t)c * hd + d);
+            for (int r = 0; r < R; r++)
+                acc[r][c] = _mm256_fmadd_ps(q[r], k, acc[r][c]);
+        }
+    }
+    if (C == 4 && d == hd) { /* four hsum8s at once: lane c is (h0 + h2) + (h1 + h3) of acc c, as td_cpu_hsum8 adds */
+        for (int r = 0; r < R; r++) {
+            __m128 h[4];
+            for (int c = 0; c < 4; c++)
+                h[c] = _mm_add_ps(_mm256_castps256_ps128(acc[r][c]), _mm256_extractf128_ps(acc[r][c], 1));
+            __m128 t0 = _mm_unpacklo_ps(h[0], h[1]), t1 = _mm_unpacklo_ps(h[2], h[3]);
+            __m128 t2 = _mm_unpackhi_ps(h[0], h[1]), t3 = _mm_unpackhi_ps(h[2], h[3]);
+            __m128 s02 = _mm_add_ps(_mm_movelh_ps(t0, t1), _mm_movelh_ps(t2, t3));
+            __m128 s13 = _mm_add_ps(_mm_movehl_ps(t1, t0), _mm_movehl_ps(t3, t2));
+            _mm_storeu_ps(S + (size_t)r * ld_s, _mm_add_ps(s02, s13));
+        }
+        return;
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) {
+            float sum = td_cpu_hsum8(acc[r][c]);
+            for (int e = d; e < hd; e++)
+                sum += Q[(size_t)r * hd + e] * K[(size_t)c * hd + e];
+            S[(size_t)r * ld_s + c] = sum;
+        }
+}
+
+#define SCORES_C(R, C) scores_block_avx2(q, K + (size_t)c * hd, s + c, hd, ld_s, R, C)
+#define SCORES_R(R)                                    \
+    do {                                               \
+        int c = 0;                                     \
+        for (; c + 4 <= cnt; c += 4)                   \
+            SCORES_C(R, 4);                            \
+        switch (cnt - c) {                             \
+        case 3: SCORES_C(R, 3); break;                 \
+        case 2: SCORES_C(R, 2); break;                 \
+        case 1: SCORES_C(R, 1); break;                 \
+        default: break;                                \
+        }                                              \
+    } while (0)
+
+/* tile_scores by blocks of 3 rows by 4 keys: 7 loads for 12 FMAs, where a score at a time
+ * loaded a Q and a K vector for each FMA */
 TD_CPU_AVX2 static void tile_scores_avx2(const float *Q, const float *K, float *S, int rows, int cnt, int hd,
                                          int ld_s, float *tmp)
 {
     (void)tmp;
-    for (int r = 0; r < rows; r++) {
+    for (int r = 0; r < rows; r += 3) {
         const float *q = Q + (size_t)r * hd;
-        for (int c = 0; c < cnt; c++) {
-            const float *k = K + (size_t)c * hd;
-            int d = 0;
-            __m256 acc = _mm256_setzero_ps();
-            for (; d + 8 <= hd; d += 8)
-                acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), acc);
-            float sum = td_cpu_hsum8(acc);
-            for (; d < hd; d++)
-                sum += q[d] * k[d];
-            S[(size_t)r * ld_s + c] = sum;
+        float *s = S + (size_t)r * ld_s;
+        switch (TD_MIN(3, rows - r)) {
+        case 3: SCORES_R(3); break;
+        case 2: SCORES_R(2); break;
+        default: SCORES_R(1); break;
         }
     }
 }
+#undef SCORES_R
+#undef SCORES_C
 
+/* R rows (<= 3) by 32 outputs from d (12 ymm sums): O[r][d..] += S[r][c] * V[c][d..], one
+ * FMA chain an output over c in order, each V vector loaded once for the R rows */
+TD_CPU_AVX2_INLINE void accumulate_block_avx2(float *O, const float *S, const float *V, int cnt, int hd, int ld_s,
+                                              int R, int d)
+{
+    __m256 acc[3][4];
+    for (int r = 0; r < R; r++)
+        for (int w = 0; w < 4; w++)
+            acc[r][w] = _mm256_loadu_ps(O + (size_t)r * hd + d + 8 * w);
+    for (int c = 0; c < cnt; c++) {
+        __m256 v[4];
+        for (int w = 0; w < 4; w++)
+            v[w] = _mm256_loadu_ps(V + (size_t)c * hd + d + 8 * w);
+        for (int r = 0; r < R; r++) {
+            __m256 sv = _mm256_set1_ps(S[(size_t)r * ld_s + c]);
+            for (int w = 0; w < 4; w++)
+                acc[r][w] = _mm256_fmadd_ps(sv, v[w], acc[r][w]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int w = 0; w < 4; w++)
+            _mm256_storeu_ps(O + (size_t)r * hd + d + 8 * w, acc[r][w]);
+}
+
+/* tile_accumulate by blocks of 3 rows by 32 outputs; the outputs past the last multiple of
+ * 32 a row at a time (8 wide, then scalar), the same chains */
 TD_CPU_AVX2 static void tile_accumulate_avx2(float *O, const float *S, const float *V, int rows, int cnt,
                                              int hd, int ld_s)
 {
-    for (int r = 0; r < rows; r++) {
+    const int d32 = hd / 32 * 32;
+    for (int r = 0; r < rows; r += 3) {
+        const int R = TD_MIN(3, rows - r);
+        for (int d = 0; d < d32; d += 32)
+            switch (R) {
+            case 3: accumulate_block_avx2(O + (size_t)r * hd, S + (size_t)r * ld_s, V, cnt, hd, ld_s, 3, d); break;
+            case 2: accumulate_block_avx2(O + (size_t)r * hd, S + (size_t)r * ld_s, V, cnt, hd, ld_s, 2, d); break;
+            default: accumulate_block_avx2(O + (size_t)r * hd, S + (size_t)r * ld_s, V, cnt, hd, ld_s, 1, d); break;
+            }
+    }
+    for (int r = 0; r < rows && d32 < hd; r++) {
         float *o = O + (size_t)r * hd;
         const float *sr = S + (size_t)r * ld_s;
-        int d = 0;
-        for (; d + 32 <= hd; d += 32) {
-            __m256 a0 = _mm256_loadu_ps(o + d), a1 = _mm256_loadu_ps(o + d + 8);
-            __m256 a2 = _mm256_loadu_ps(o + d + 16), a3 = _mm256_loadu_ps(o + d + 24);
-            for (int c = 0; c < cnt; c++) {
-                const float *v = V + (size_t)c * hd + d;
-                __m256 sv = _mm256_set1_ps(sr[c]);
-                a0 = _mm256_fmadd_ps(sv, _mm256_loadu_ps(v), a0);
-                a1 = _mm256_fmadd_ps(sv, _mm256_loadu_ps(v + 8), a1);
-                a2 = _mm256_fmadd_ps(sv, _mm256_loadu_ps(v + 16), a2);
-                a3 = _mm256_fmadd_ps(sv, _mm256_loadu_ps(v + 24), a3);
-            }
-            _mm256_storeu_ps(o + d, a0);
-            _mm256_storeu_ps(o + d + 8, a1);
-            _mm256_storeu_ps(o + d + 16, a2);
-            _mm256_storeu_ps(o + d + 24, a3);
-        }
+        int d = d32;
         for (; d + 8 <= hd; d += 8) {
             __m256 a = _mm256_loadu_ps(o + d);
             for (int c = 0; c < cnt; c++)
@@ -526,8 +603,8 @@ TD_AVX512 static void tile_scores_avx512(const float *Q, const float *K, float *
 }
 
 /* R rows by W vectors of 16 outputs from d0 (the last vector's lanes `last`): O[r][d] +=
- * S[r][c] * V[c][d], one FMA chain an output over c in order (tile_accumulate's sum, so the
- * same bits as the avx2 table's), each V vector loaded once for the R rows */
+ * S[r][c] * V[c][d], one FMA chain an output over c in order (tile_accumulate's sum),
+ * each V vector loaded once for the R rows */
 static inline __attribute__((always_inline)) TD_AVX512 void
 accumulate_block(float *O, const float *S, const float *V, int cnt, int hd, int ld_s, int R, int W, int d0,
                  __mmask16 last)
