@@ -45,6 +45,8 @@ typedef struct dseq {
     int32_t n_draft;
     td_gram_matcher_t *gm;  /* structured output: the grammar (cfg.gram_cache's), or NULL */
     td_gram_state_t *gst;   /* where ctx[n_prompt..n_ctx) stands in it */
+    bool kv_out;            /* decode_request_t's: prefilled for another node; once its first
+                               token is sampled it moves to held and generates nothing here */
 } dseq_t;
 
 typedef struct pending_finish {
@@ -68,6 +70,10 @@ struct decode_sched {
     int32_t n_running;
     dseq_t **waiting;       /* [max_waiting + max_batch], by arrival */
     int32_t n_waiting, cap_waiting;
+    dseq_t **held;          /* [max_waiting + max_batch] kv_out sequences whose prompt's KV is
+                               complete, holding their blocks for the caller's transfer until
+                               decode_sched_release (never preempted, no deadline) */
+    int32_t n_held;
     pending_finish_t *pending; /* cancels since the last step */
     int32_t n_pending, cap_pending;
     ev_build_t *evb;        /* this step's events */
@@ -98,6 +104,7 @@ const char *decode_finish_name(decode_finish_t f)
     case DECODE_FINISH_CANCELLED: return "cancelled";
     case DECODE_FINISH_DEADLINE: return "deadline";
     case DECODE_FINISH_ERROR: return "error";
+    case DECODE_FINISH_KV_OUT: return "kv_out";
     default: return "";
     }
 }
@@ -327,6 +334,7 @@ td_status_t decode_sched_create(td_engine_t *eng, const td_tokenizer_t *tok,
     s->cap_waiting = s->cfg.max_waiting + s->cfg.max_batch; /* + room for the preempted */
     s->running = calloc((size_t)s->cfg.max_batch, sizeof *s->running);
     s->waiting = calloc((size_t)s->cap_waiting, sizeof *s->waiting);
+    s->held = calloc((size_t)(s->cap_waiting + s->cfg.max_batch), sizeof *s->held);
     s->items = calloc((size_t)s->cfg.max_batch, sizeof *s->items);
     s->owners = calloc((size_t)s->cfg.max_batch, sizeof *s->owners);
     /* verify items' rows: as many as the engine returns, within what the batch can draft */
@@ -335,7 +343,7 @@ td_status_t decode_sched_create(td_engine_t *eng, const td_tokenizer_t *tok,
         s->logit_rows = (int32_t)TD_MIN((int64_t)ec->max_logit_rows, (int64_t)s->cfg.max_batch * (cfg->spec.k_max + 1));
     s->logits = malloc((size_t)s->logit_rows * s->mc->vocab_size * sizeof(float));
     s->mask = malloc(td_gram_mask_words(s->mc->vocab_size) * sizeof *s->mask);
-    if (!s->running || !s->waiting || !s->items || !s->owners || !s->logits || !s->mask) {
+    if (!s->running || !s->waiting || !s->held || !s->items || !s->owners || !s->logits || !s->mask) {
         decode_sched_destroy(s);
         return td_errorf(TD_ERR_NOMEM, "decode sched: out of memory for a batch of %d",
                          cfg->max_batch);
@@ -352,7 +360,9 @@ void decode_sched_destroy(decode_sched_t *s)
         seq_destroy(s, s->running[i]);
     for (int32_t i = 0; i < s->n_waiting; i++)
         seq_destroy(s, s->waiting[i]);
-    free(s->running), free(s->waiting), free(s->items), free(s->owners), free(s->logits);
+    for (int32_t i = 0; i < s->n_held; i++)
+        seq_destroy(s, s->held[i]);
+    free(s->running), free(s->waiting), free(s->held), free(s->items), free(s->owners), free(s->logits);
     free(s->mask);
     free(s->pending), free(s->evb), free(s->events), free(s->arena);
     free(s);
@@ -369,6 +379,11 @@ static dseq_t *find(decode_sched_t *s, uint64_t id, dseq_t ***arr_p, int32_t **n
         if (s->waiting[i]->id == id) {
             *arr_p = s->waiting, *n_p = &s->n_waiting, *i_p = i;
             return s->waiting[i];
+        }
+    for (int32_t i = 0; i < s->n_held; i++)
+        if (s->held[i]->id == id) {
+            *arr_p = s->held, *n_p = &s->n_held, *i_p = i;
+            return s->held[i];
         }
     return NULL;
 }
@@ -408,6 +423,7 @@ td_status_t decode_sched_admit(decode_sched_t *s, const decode_request_t *req)
     TD_ASSERT(req->n_replay >= 0 && (!req->n_replay || req->replay) && req->n_replay < req->max_tokens &&
               req->n_replay < mc->max_seq_len - req->n_prompt);
     TD_ASSERT(!req->logprobs || (req->top_logprobs >= 0 && req->top_logprobs <= TD_LOGPROBS_MAX_TOP));
+    TD_ASSERT(!req->kv_out || (!req->kv_blocks && !req->n_replay));
     if (find(s, req->id, &arr, &n, &idx))
         return td_errorf_quiet(TD_ERR_INVALID, "request %llu: id already live",
                                (unsigned long long)req->id);
@@ -417,6 +433,9 @@ td_status_t decode_sched_admit(decode_sched_t *s, const decode_request_t *req)
     if (req->grammar && (!s->cfg.gram_cache || !s->cfg.gram_vocab))
         return td_errorf_quiet(TD_ERR_INVALID, "request %llu: structured output needs the model's tokenizer "
                                "on this node (none beside its model file)", (unsigned long long)req->id);
+    if (req->kv_out && s->n_held + s->n_waiting >= s->cfg.max_waiting)
+        return td_errorf_quiet(TD_ERR_EXHAUSTED, "request %llu: %d prompts wait or hold their KV for a transfer "
+                               "already", (unsigned long long)req->id, s->n_held + s->n_waiting);
     if (s->n_waiting >= s->cfg.max_waiting)
         return td_errorf_quiet(TD_ERR_EXHAUSTED, "request %llu: %d requests wait already",
                                (unsigned long long)req->id, s->n_waiting);
@@ -437,6 +456,7 @@ td_status_t decode_sched_admit(decode_sched_t *s, const decode_request_t *req)
     q->top_logprobs = req->top_logprobs;
     q->ignore_eos = req->ignore_eos;
     q->tpot_s = req->tpot_objective_s > 0 && isfinite(req->tpot_objective_s) ? req->tpot_objective_s : 0;
+    q->kv_out = req->kv_out;
     td_spec_adapt_init(&q->adapt, &s->cfg.spec);
     q->ctx = malloc((size_t)q->cap_ctx * sizeof *q->ctx);
     q->stop_ids = malloc((size_t)TD_MAX(req->n_stop_ids, 1) * sizeof *q->stop_ids);
@@ -719,6 +739,34 @@ static bool preempt_youngest(decode_sched_t *s, int32_t *n_preempted)
     return true;
 }
 
+/* A kv_out sequence's prompt is computed and its first token sampled: it reports the token
+ * (DECODE_FINISH_KV_OUT, with its block table) and moves from running to held, where its
+ * blocks stay, whole (no window release), until the caller's decode_sched_release. */
+static td_status_t hold_kv_out(decode_sched_t *s, dseq_t *q, int32_t token, const td_token_logprob_t *lp)
+{
+    td_status_t st = event_add(s, q->id, token, 0, DECODE_FINISH_KV_OUT, TD_OK);
+    if (st != TD_OK)
+        return st;
+    decode_event_t *ev = &s->evb[s->n_events - 1].ev;
+    ev->kv_blocks = q->kv.blocks;
+    ev->n_kv_blocks = TD_DIV_CEIL(q->kv.n_tokens, td_kv_block_size(s->kv));
+    ev->n_kv_tokens = q->kv.n_tokens;
+    if (lp) {
+        ev->has_logprob = true;
+        ev->logprob = *lp;
+    }
+    TD_ASSERT(q->kv.n_released == 0 && q->kv.n_tokens == q->n_prompt);
+    for (int32_t i = 0; i < s->n_running; i++)
+        if (s->running[i] == q) {
+            remove_at(s->running, &s->n_running, i);
+            TD_ASSERT(s->n_held < s->cap_waiting + s->cfg.max_batch);
+            s->held[s->n_held++] = q;
+            return TD_OK;
+        }
+    TD_ASSERT(!"kv_out sequence not running");
+    return TD_ERR_INTERNAL;
+}
+
 static void end_running(decode_sched_t *s, dseq_t *q)
 {
     for (int32_t i = 0; i < s->n_running; i++)
@@ -835,7 +883,8 @@ td_status_t decode_sched_step(decode_sched_t *s, int64_t now_ns, decode_step_res
         dseq_t *q = s->owners[j];
         const td_engine_item_t *it = &s->items[j];
         if (!it->n_logits) {
-            td_engine_seq_release_window(s->eng, it->seq);
+            if (!q->kv_out) /* its transfer reads every block of the prompt (as a prefill node's) */
+                td_engine_seq_release_window(s->eng, it->seq);
             continue;
         }
         /* row i follows the token fed at i: sampled in order, on while it equals draft i */
@@ -858,6 +907,10 @@ td_status_t decode_sched_step(decode_sched_t *s, int64_t now_ns, decode_step_res
                 if ((st = event_add(s, q->id, -1, -1, DECODE_FINISH_ERROR, ss)) != TD_OK)
                     return st;
                 f = DECODE_FINISH_ERROR;
+            } else if (q->kv_out) { /* the first token goes with the KV, as a prefill node's */
+                if ((st = hold_kv_out(s, q, token, q->logprobs ? &lp : NULL)) != TD_OK)
+                    return st;
+                f = DECODE_FINISH_KV_OUT;
             } else if ((st = take_token(s, q, token, q->logprobs ? &lp : NULL, &f)) != TD_OK) {
                 return st;
             }
@@ -878,6 +931,8 @@ td_status_t decode_sched_step(decode_sched_t *s, int64_t now_ns, decode_step_res
             s->spec.plain_steps++;
         }
         q->n_draft = 0;
+        if (f == DECODE_FINISH_KV_OUT)
+            continue; /* held, whole, for the caller's transfer */
         td_engine_seq_release_window(s->eng, it->seq);
         if (f != DECODE_FINISH_NONE)
             end_running(s, q);
@@ -910,6 +965,18 @@ td_status_t decode_sched_step(decode_sched_t *s, int64_t now_ns, decode_step_res
     return TD_OK;
 }
 
+td_status_t decode_sched_release(decode_sched_t *s, uint64_t id)
+{
+    for (int32_t i = 0; i < s->n_held; i++)
+        if (s->held[i]->id == id) {
+            dseq_t *q = s->held[i];
+            remove_at(s->held, &s->n_held, i);
+            seq_destroy(s, q);
+            return TD_OK;
+        }
+    return td_errorf_quiet(TD_ERR_NOT_FOUND, "request %llu: no KV held here for a transfer", (unsigned long long)id);
+}
+
 bool decode_sched_busy(const decode_sched_t *s)
 {
     return s->n_running > 0 || s->n_waiting > 0 || s->n_pending > 0;
@@ -939,6 +1006,7 @@ void decode_sched_stats(const decode_sched_t *s, decode_sched_stats_t *st)
         .window_released = ks.window_released,
         .spec = s->spec,
         .tpot_objective_s = tpot,
+        .kv_out_held = s->n_held,
     };
 }
 

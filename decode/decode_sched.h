@@ -39,6 +39,17 @@
  * decides how much a step carries; the router decides where a prompt is prefilled, from the
  * same fit, reported in the heartbeat.
  *
+ * Prefill for another node (kv_out; docs/scheduling.md "Roles that follow the load"): a request
+ * admitted with decode_request_t.kv_out is prefilled here like a local prefill (chunked beside
+ * the running streams, within the TPOT objectives above, preemptible while it computes), but
+ * generates nothing here: the step that computes its last chunk samples its first token (as a
+ * prefill node does: a fresh sampler of the request's seed, its grammar and logprobs) and
+ * reports it with DECODE_FINISH_KV_OUT and the sequence's block table. From then on the sequence
+ * is held: its blocks stay whole (no sliding-window release: the transfer reads every block of the
+ * prompt, as a prefill node's does) and in its block table (holder SEQ), it is never preempted
+ * and has no deadline, until the caller, once no transfer reads the blocks any more, ends it with
+ * decode_sched_release (or decode_sched_cancel). Held sequences do not make the scheduler busy.
+ *
  * A migrated stream (its first decode node was lost; the router moved it) is admitted with
  * the tokens its client already has (decode_request_t.replay): they follow the prompt in
  * the context and are fed one row per step, as they were fed when generated, so their KV
@@ -114,9 +125,11 @@ typedef enum decode_finish {
     DECODE_FINISH_CANCELLED, /* decode_sched_cancel */
     DECODE_FINISH_DEADLINE,  /* deadline passed */
     DECODE_FINISH_ERROR,     /* see the event's status */
+    DECODE_FINISH_KV_OUT,    /* a kv_out request's KV is complete and held (event: its first
+                                token and block table) until decode_sched_release */
 } decode_finish_t;
 
-/* "stop", "length", "cancelled", "deadline", "error" ("" for NONE). */
+/* "stop", "length", "cancelled", "deadline", "error", "kv_out" ("" for NONE). */
 const char *decode_finish_name(decode_finish_t f);
 
 /*
@@ -170,6 +183,9 @@ typedef struct decode_request {
        tightest objective of the running sequences by the step-cost fit (see "TPOT objectives"
        above). */
     double tpot_objective_s;
+    /* Prefilled here for another node (see "Prefill for another node" above): no kv_blocks, no
+       replay; max_tokens and the stops are unused (the receiving node applies them). */
+    bool kv_out;
 } decode_request_t;
 
 /* Something that happened to one request in a step. */
@@ -183,6 +199,12 @@ typedef struct decode_event {
     td_status_t status;     /* for DECODE_FINISH_ERROR: the cause */
     bool has_logprob;       /* the request asked and this node sampled the token */
     td_token_logprob_t logprob; /* when has_logprob: of the raw logits (td_sampler_logprobs) */
+    /* DECODE_FINISH_KV_OUT: the held sequence's block table (blocks of the engine's pool holding
+       prompt[0..n_kv_tokens), in position order; the scheduler's, valid until the request is
+       released or cancelled) and token is the first token, index 0 */
+    const int32_t *kv_blocks;
+    int32_t n_kv_blocks;
+    int32_t n_kv_tokens;
 } decode_event_t;
 
 /* What one step did. Owned by the scheduler, valid until its next call. */
@@ -216,6 +238,7 @@ typedef struct decode_sched_stats {
     td_spec_stats_t spec;      /* speculative decoding's counters since creation */
     double tpot_objective_s;   /* the tightest TPOT objective of the running and waiting
                                   sequences (0: none has one) */
+    int32_t kv_out_held;       /* kv_out sequences holding their KV for a transfer */
 } decode_sched_stats_t;
 
 typedef struct decode_sched decode_sched_t;
@@ -256,7 +279,15 @@ td_status_t decode_sched_cancel(decode_sched_t *sched, uint64_t id);
  */
 td_status_t decode_sched_step(decode_sched_t *sched, int64_t now_ns, decode_step_result_t *res);
 
-/* True when some request is running or waiting (or a finish event is pending). */
+/*
+ * Ends a held kv_out request (its DECODE_FINISH_KV_OUT came): its blocks go back (those another
+ * sequence or the prefix cache shares stay there), no event. Call it only once no transfer reads
+ * them. TD_ERR_NOT_FOUND (quiet) when no held request has this id.
+ */
+td_status_t decode_sched_release(decode_sched_t *sched, uint64_t id);
+
+/* True when some request is running or waiting (or a finish event is pending); held kv_out
+ * requests wait for their caller, not for a step. */
 bool decode_sched_busy(const decode_sched_t *sched);
 
 void decode_sched_stats(const decode_sched_t *sched, decode_sched_stats_t *st);

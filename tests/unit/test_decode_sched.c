@@ -767,6 +767,7 @@ Test(decode_sched, migrated_generation_equals_one_process, .timeout = 120)
 }
 
 /* ---- one pool: leases of td_xfer on the engine's own blocks ---------------------------- */
+/* (kv_out, a decode node prefilling for another node's lease, is tested below with this fixture) */
 
 /* The decode node's arrangement: td_xfer has UCX allocate the pool, the engine runs on
  * that memory, leases take blocks of the engine's block manager, and KV pushed by a
@@ -817,12 +818,15 @@ static void shared_run_until(shared_fx_t *f, const int *counter, int want, doubl
         uv_run(&f->loop, UV_RUN_ONCE);
 }
 
-static void shared_open(shared_fx_t *f, const char *tls)
+/* window > 0: the model attends within a sliding window of that many tokens (both engines). */
+static void shared_open_window(shared_fx_t *f, const char *tls, int32_t window)
 {
     memset(f, 0, sizeof *f);
     td_xfer_testkit_env(tls);
     td_test_engine_t *fx = &f->fx;
     td_test_model_open(fx, 1);
+    if (window > 0)
+        td_model_config_set_window(&fx->model->config, window);
     uv_loop_init(&f->loop);
 
     td_engine_config_t ec = td_engine_config_default();
@@ -854,6 +858,11 @@ static void shared_open(shared_fx_t *f, const char *tls)
     cr_assert_eq(td_xfer_describe(f->rx, desc, sizeof desc, &len), TD_OK);
     cr_assert_eq(td_xfer_connect(f->tx, desc, len, td_engine_kv_layout(f->pre), &f->peer), TD_OK, "%s",
                  td_last_error());
+}
+
+static void shared_open(shared_fx_t *f, const char *tls)
+{
+    shared_open_window(f, tls, 0);
 }
 
 static void shared_close(shared_fx_t *f)
@@ -1022,6 +1031,202 @@ static void shared_leases_return_every_block(const char *tls)
     sched_end(&f->fx, ds);
     shared_close(f);
     free(f);
+}
+
+/* Prefill for another node (kv_out, issue 37's "peer" placement): decode node B (the fixture's
+ * second engine, here with a scheduler of its own) runs a stream of its own and is handed a
+ * prompt to prefill for decode node A's lease. B chunks it beside its stream (which gets a token
+ * every step), samples the first token and holds the prompt's blocks, whole, for the transfer;
+ * B's blocks go over td_xfer into A's lease, A adopts them and generates exactly what the prompt
+ * yields alone, B's stream too, and after decode_sched_release every block of both pools is back,
+ * each through its holder. With a sliding window shorter than the prompt, B's chunks must not give
+ * back the blocks behind the window (a released entry is -1 in the table: the transfer would read
+ * a block id that is not the prompt's; the first version of this crashed there). */
+static void kv_out_for_another_lease(int32_t window)
+{
+    td_test_skip_without_stories();
+    shared_fx_t *f = calloc(1, sizeof *f);
+    shared_open_window(f, "tcp", window);
+    decode_sched_t *ds_a = sched_default(f->fx.eng), *ds_b;
+    decode_sched_config_t cb = decode_sched_config_default();
+    cb.prefill_chunk = 16; /* 60 prompt tokens in four chunks beside B's stream */
+    cr_assert_eq(decode_sched_create(f->pre, NULL, &cb, &ds_b), TD_OK, "%s", td_last_error());
+    td_kv_cache_t *kv_b = td_engine_kv(f->pre);
+    int32_t initial_b = td_kv_available(kv_b);
+    int32_t p[60], own[8], want[24], want_own[40];
+    unsigned s = 91;
+    random_prompt(&s, p, 60);
+    random_prompt(&s, own, 8);
+    bool eos;
+    int n = alone(&f->fx, p, 60, 24, want, &eos), n_own = alone(&f->fx, own, 8, 40, want_own, &eos);
+    cr_assert_geq(n_own, 12, "B's own stream is too short to run beside the prefill (%d tokens)", n_own);
+
+    /* B's own stream runs; then the prompt for A comes as kv_out */
+    outcome_t oc_b[MAXN] = {0};
+    decode_request_t rq = greedy_request(1, own, 8, 40);
+    cr_assert_eq(decode_sched_admit(ds_b, &rq), TD_OK, "%s", td_last_error());
+    decode_step_result_t r;
+    for (int i = 0; i < 2; i++) {
+        cr_assert_eq(decode_sched_step(ds_b, 0, &r), TD_OK);
+        collect(&r, oc_b);
+    }
+    decode_request_t ko = greedy_request(2, p, 60, 24);
+    ko.kv_out = true;
+    cr_assert_eq(decode_sched_admit(ds_b, &ko), TD_OK, "%s", td_last_error());
+    int32_t first = -1, n_blocks = 0, table[8];
+    int steps = 0;
+    while (first < 0) {
+        cr_assert_lt(++steps, 10, "no kv_out event after %d steps", steps);
+        int had = oc_b[1].n;
+        cr_assert_eq(decode_sched_step(ds_b, 0, &r), TD_OK);
+        cr_assert_leq(r.n_prefill_tokens, 16);
+        for (int i = 0; i < r.n_events; i++) {
+            const decode_event_t *e = &r.events[i];
+            if (e->id != 2) {
+                collect(&(decode_step_result_t){.events = e, .n_events = 1}, oc_b);
+                continue;
+            }
+            cr_assert_eq(e->finish, DECODE_FINISH_KV_OUT, "kv_out ended %s", decode_finish_name(e->finish));
+            cr_assert_eq(e->index, 0);
+            cr_assert_eq(e->n_kv_tokens, 60);
+            cr_assert_eq(e->n_kv_blocks, 4, "60 tokens in blocks of 16");
+            first = e->token;
+            n_blocks = e->n_kv_blocks;
+            memcpy(table, e->kv_blocks, (size_t)n_blocks * sizeof *table);
+        }
+        cr_assert_eq(oc_b[1].n, had + 1, "B's stream got no token in a step that chunked the prompt");
+    }
+    cr_assert_eq(first, want[0], "kv_out's first token %d, alone %d", first, want[0]);
+    for (int i = 0; i < n_blocks; i++) {
+        cr_assert_geq(table[i], 0, "window %d: block %d of the prompt was given back before its transfer",
+                      window, i);
+        cr_assert_eq(td_kv_block_holder(kv_b, table[i]), TD_KV_HOLDER_SEQ);
+    }
+    decode_sched_stats_t st;
+    decode_sched_stats(ds_b, &st);
+    cr_assert_eq(st.kv_out_held, 1);
+    cr_assert_eq(st.running, 1, "the held prompt is not running");
+
+    /* B steps on while its blocks are held (the transfer may take a while): they stay */
+    for (int i = 0; i < 3; i++) {
+        cr_assert_eq(decode_sched_step(ds_b, 0, &r), TD_OK);
+        collect(&r, oc_b);
+    }
+    for (int i = 0; i < n_blocks; i++)
+        cr_assert_eq(td_kv_block_holder(kv_b, table[i]), TD_KV_HOLDER_SEQ, "a held block left the prompt");
+
+    /* over td_xfer into A's lease, as a prefill node sends */
+    uint64_t lease;
+    td_xfer_token_t tok;
+    int32_t dst[8];
+    cr_assert_eq(td_xfer_lease_create(f->rx, 7, n_blocks, 5000, dst, &lease, &tok), TD_OK, "%s", td_last_error());
+    td_xfer_send_params_t sp = {.request_id = 7, .lease_id = lease, .token = tok, .dst_blocks = dst,
+                                .n_dst_blocks = n_blocks, .n_tokens = 60, .checksum = true,
+                                .mem = TD_XFER_MEM_HOST, .done = shared_on_done, .arg = f};
+    td_xfer_send_t *snd;
+    cr_assert_eq(td_xfer_send_begin(f->tx, f->peer, &sp, &snd), TD_OK, "%s", td_last_error());
+    const td_kv_layout_t *L = td_engine_kv_layout(f->pre);
+    int32_t pool_blocks;
+    uint8_t *pool = td_engine_kv_pool(f->pre, &pool_blocks);
+    for (uint32_t l = 0; l < L->n_layers; l++)
+        cr_assert_eq(td_xfer_send_layer(snd, l, pool + td_kv_block_offset(L, (uint32_t)pool_blocks, l, 0), table),
+                     TD_OK);
+    td_xfer_send_finish(snd, first);
+    shared_run_until(f, &f->done, 1, 10);
+    cr_assert_eq(f->done, 1, "no verdict for the transfer");
+    cr_assert_eq(f->done_st, TD_OK, "%s", td_strerror(f->done_st));
+    shared_run_until(f, &f->ready, 1, 5);
+    cr_assert_eq(f->ready, 1);
+
+    /* the transfer is done: B lets go of the prompt, once */
+    cr_assert_eq(decode_sched_release(ds_b, 2), TD_OK);
+    cr_assert_eq(decode_sched_release(ds_b, 2), TD_ERR_NOT_FOUND, "a held prompt is released once");
+    decode_sched_stats(ds_b, &st);
+    cr_assert_eq(st.kv_out_held, 0);
+
+    /* A generates from the landed KV what the prompt yields alone */
+    rq = greedy_request(2, p, 60, 24);
+    rq.kv_blocks = f->last.blocks;
+    rq.n_kv_blocks = f->last.n_blocks;
+    rq.first_token = f->last.first_token;
+    cr_assert_eq(decode_sched_admit(ds_a, &rq), TD_OK, "%s", td_last_error());
+    outcome_t oc_a[MAXN] = {0};
+    run_to_end(ds_a, oc_a);
+    cr_assert_eq(oc_a[2].n, n);
+    for (int i = 0; i < n; i++)
+        cr_assert_eq(oc_a[2].tokens[i], want[i], "window %d: token %d on A: %d, alone %d", window, i,
+                     oc_a[2].tokens[i], want[i]);
+    run_to_end(ds_b, oc_b);
+    cr_assert_eq(oc_b[1].n, n_own);
+    for (int i = 0; i < n_own; i++)
+        cr_assert_eq(oc_b[1].tokens[i], want_own[i], "B's stream token %d: %d, alone %d", i, oc_b[1].tokens[i],
+                     want_own[i]);
+    cr_assert_eq(oc_b[2].finish_events, 0, "a released kv_out request has no further event");
+    cr_assert_eq(td_kv_available(f->kv), f->initial, "A: blocks back");
+    cr_assert_eq(td_kv_available(kv_b), initial_b, "B: blocks back");
+    cr_assert_eq(td_kv_cache_check(kv_b), TD_OK, "%s", td_last_error());
+    decode_sched_destroy(ds_b);
+    sched_end(&f->fx, ds_a);
+    shared_close(f);
+    free(f);
+}
+
+Test(decode_sched, kv_out_prefills_for_another_lease_beside_a_stream, .timeout = 120)
+{
+    kv_out_for_another_lease(0);
+}
+
+Test(decode_sched, kv_out_under_a_sliding_window_sends_every_block, .timeout = 120)
+{
+    kv_out_for_another_lease(16);
+}
+
+/* A kv_out prompt cancelled while it computes, and one cancelled while held (the transfer never
+ * started), give every block back at once; a held one has no deadline: only its caller ends it. */
+Test(decode_sched, kv_out_cancel_and_deadline_return_every_block, .timeout = 120)
+{
+    td_test_skip_without_stories();
+    td_test_engine_t fx;
+    td_test_engine_open_cpu(&fx, 1, 64, false);
+    decode_sched_config_t cfg = decode_sched_config_default();
+    cfg.prefill_chunk = 16;
+    decode_sched_t *ds;
+    cr_assert_eq(decode_sched_create(fx.eng, NULL, &cfg, &ds), TD_OK, "%s", td_last_error());
+    int32_t p[50];
+    unsigned s = 3;
+    random_prompt(&s, p, 50);
+    decode_request_t ko = greedy_request(1, p, 50, 4);
+    ko.kv_out = true;
+    ko.deadline_ns = 1000;
+    cr_assert_eq(decode_sched_admit(ds, &ko), TD_OK, "%s", td_last_error());
+    decode_step_result_t r;
+    cr_assert_eq(decode_sched_step(ds, 0, &r), TD_OK);
+    cr_assert_eq(decode_sched_cancel(ds, 1), TD_OK);
+    assert_no_leak(&fx, ds);
+    cr_assert_eq(decode_sched_step(ds, 0, &r), TD_OK);
+    cr_assert_eq(r.n_events, 1);
+    cr_assert_eq(r.events[0].finish, DECODE_FINISH_CANCELLED);
+
+    ko.id = 2;
+    cr_assert_eq(decode_sched_admit(ds, &ko), TD_OK, "%s", td_last_error());
+    int kv_out = 0;
+    for (int i = 0; i < 10 && !kv_out; i++) {
+        cr_assert_eq(decode_sched_step(ds, 0, &r), TD_OK);
+        for (int k = 0; k < r.n_events; k++)
+            kv_out += r.events[k].finish == DECODE_FINISH_KV_OUT;
+    }
+    cr_assert_eq(kv_out, 1);
+    cr_assert(!decode_sched_busy(ds), "a held prompt waits for its caller, not for a step");
+    cr_assert_eq(decode_sched_step(ds, 5000, &r), TD_OK); /* past its deadline */
+    cr_assert_eq(r.n_events, 0, "a held prompt does not expire: its transfer may be reading it");
+    decode_sched_stats_t st;
+    decode_sched_stats(ds, &st);
+    cr_assert_eq(st.kv_out_held, 1);
+    cr_assert_gt(st.used_blocks, 0);
+    cr_assert_eq(decode_sched_cancel(ds, 2), TD_OK);
+    assert_no_leak(&fx, ds);
+    decode_sched_destroy(ds);
+    td_test_engine_close(&fx);
 }
 
 Test(decode_sched, shared_pool_blocks_return_tcp, .timeout = 120)
