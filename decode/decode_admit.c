@@ -110,6 +110,62 @@ td_grpc_code_t decode_admit_read(const Tandem__Control__V1__AdmitRequest *r, con
     return TD_GRPC_OK;
 }
 
+td_grpc_code_t decode_admit_read_kv_out(const Tandem__Control__V1__PrefillRequest *r, const td_model_config_t *mc,
+                                        uint32_t block_size, decode_admit_t **a_p, int32_t **dst_p,
+                                        int32_t *n_dst_p, char *why, size_t cap)
+{
+    if (r->n_tokens == 0 || r->n_tokens >= (size_t)mc->max_seq_len ||
+        r->n_block_ids < (size_t)TD_DIV_CEIL((int64_t)r->n_tokens, (int64_t)block_size)) {
+        snprintf(why, cap, "prefill: %zu tokens (1 .. %d) and at least ceil(tokens / %u) block ids are "
+                 "required (%zu given)", r->n_tokens, mc->max_seq_len - 1, block_size, r->n_block_ids);
+        return TD_GRPC_INVALID_ARGUMENT;
+    }
+    if (r->xfer_token.len != sizeof(td_xfer_token_t)) {
+        snprintf(why, cap, "prefill: the call carries a kv transfer token of %zu bytes, not %zu",
+                 r->xfer_token.len, sizeof(td_xfer_token_t));
+        return TD_GRPC_INVALID_ARGUMENT;
+    }
+    decode_admit_t *a = calloc(1, sizeof *a);
+    int32_t *dst = malloc(r->n_block_ids * sizeof *dst);
+    if (!a || !dst) {
+        free(a), free(dst);
+        snprintf(why, cap, "decode node: out of memory");
+        return TD_GRPC_RESOURCE_EXHAUSTED;
+    }
+    td_grpc_code_t code = read_ids(r->tokens, r->n_tokens, "tokens", mc, &a->prompt, why, cap);
+    a->n_prompt = (int32_t)r->n_tokens;
+    if (code == TD_GRPC_OK) {
+        a->sampling = td_node_sampling_from_proto(r->sampling);
+        if (td_sampling_validate(&a->sampling, why, cap) != TD_OK ||
+            !td_sampling_check_bias(&a->sampling, mc->vocab_size, why, cap) ||
+            td_node_logprobs_from_proto(r->logprobs, &a->logprobs, why, cap) != TD_OK)
+            code = TD_GRPC_INVALID_ARGUMENT;
+    }
+    if (code == TD_GRPC_OK && a->logprobs.prompt) {
+        snprintf(why, cap, "prefill: prompt logprobs are not served by a decode node (it computes prompts in "
+                           "chunks inside its decode steps); send the call to a prefill node");
+        code = TD_GRPC_INVALID_ARGUMENT;
+    }
+    if (code == TD_GRPC_OK && r->grammar && r->grammar[0] && !(a->grammar = strdup(r->grammar))) {
+        snprintf(why, cap, "decode node: out of memory");
+        code = TD_GRPC_RESOURCE_EXHAUSTED;
+    }
+    if (code != TD_GRPC_OK) {
+        decode_admit_free(a);
+        free(dst);
+        return code;
+    }
+    for (size_t i = 0; i < r->n_block_ids; i++)
+        dst[i] = (int32_t)r->block_ids[i];
+    a->kv_out = true;
+    a->max_tokens = 1;
+    a->cache_salt = r->cache_salt;
+    *a_p = a;
+    *dst_p = dst;
+    *n_dst_p = (int32_t)r->n_block_ids;
+    return TD_GRPC_OK;
+}
+
 bool decode_admit_ready_check(const decode_admit_t *a, const td_xfer_ready_t *r, const td_model_config_t *mc,
                               char *why, size_t cap)
 {

@@ -50,6 +50,9 @@ typedef struct decode_admit {
     double tpot_objective_s;     /* AdmitRequest.tpot_objective_s (0: none): bounds the prompt
                                     chunks of the node's steps while it runs (decode_sched) */
     char *grammar;               /* AdmitRequest.grammar (GBNF), or NULL: unconstrained */
+    bool kv_out;                 /* a Prefill call for another decode node's lease
+                                    (decode_admit_read_kv_out): prefilled here, its KV sent there;
+                                    max_tokens 1, no stops, replay or lease of this node */
 } decode_admit_t;
 
 /* The request's shape against the model mc: false with the reason in why (INVALID_ARGUMENT). */
@@ -69,6 +72,18 @@ td_grpc_code_t decode_admit_read(const Tandem__Control__V1__AdmitRequest *r, con
  * vocabulary of mc; else false with the reason in why (the request then fails). */
 bool decode_admit_ready_check(const decode_admit_t *a, const td_xfer_ready_t *r, const td_model_config_t *mc,
                               char *why, size_t cap);
+
+/* A Prefill call for another decode node's lease (conditional disaggregation's peer
+ * prefill, docs/cluster.md "Prefill for another decode node"), checked as a prefill node
+ * checks it (the prompt within the model and its vocabulary, block ids for every block of
+ * it, sampling, logprobs, a 16-byte xfer token), read into a new *a_p (kv_out; lease_id
+ * and deadline 0, not linked) and the destination blocks into a new *dst_p [*n_dst_p].
+ * TD_GRPC_OK; else INVALID_ARGUMENT (prompt logprobs among them: this node computes
+ * prompts in chunks inside its decode steps) or RESOURCE_EXHAUSTED (out of memory), the
+ * reason in why and nothing allocated. */
+td_grpc_code_t decode_admit_read_kv_out(const Tandem__Control__V1__PrefillRequest *r, const td_model_config_t *mc,
+                                        uint32_t block_size, decode_admit_t **a_p, int32_t **dst_p,
+                                        int32_t *n_dst_p, char *why, size_t cap);
 
 /* Frees an admission (NULL-safe). */
 void decode_admit_free(decode_admit_t *a);

@@ -6,6 +6,7 @@
 #include "decode_state.h"
 
 #include <stdlib.h>
+#include <string.h>
 
 #include "td_log.h"
 #include "td_util.h"
@@ -64,12 +65,38 @@ static decode_out_t *out_new(int32_t cap)
 
 void decode_out_free(decode_out_t *o)
 {
+    if (!o)
+        return;
+    for (int32_t i = 0; i < o->n_seqs; i++)
+        free(o->seqs[i].kv_blocks);
     free(o);
 }
+
 
 static void add_seq(decode_out_t *o, uint64_t id, int32_t token, decode_out_kind_t kind)
 {
     o->seqs[o->n_seqs++] = (decode_out_seq_t){.lease_id = id, .token = token, .kind = kind};
+}
+
+/* A kv_out prompt's KV is complete (DECODE_FINISH_KV_OUT): its first token and a copy of its
+ * block table go to the loop, which sends the blocks and then asks for their release. Without
+ * memory for the copy the prompt fails here and its blocks go back at once. */
+static void add_kv_out(decode_state_t *s, decode_out_t *o, const decode_event_t *e)
+{
+    int32_t *b = malloc((size_t)TD_MAX(e->n_kv_blocks, 1) * sizeof *b);
+    if (!b) {
+        td_warn("decode: kv_out %llu: out of memory for its block table; it fails", (unsigned long long)e->id);
+        decode_sched_release(s->sched, e->id);
+        add_seq(o, e->id, -1, DECODE_OUT_FAILED);
+        return;
+    }
+    memcpy(b, e->kv_blocks, (size_t)e->n_kv_blocks * sizeof *b);
+    add_seq(o, e->id, e->token, DECODE_OUT_KV_OUT);
+    decode_out_seq_t *q = &o->seqs[o->n_seqs - 1];
+    q->kv_blocks = b;
+    q->n_kv_blocks = e->n_kv_blocks;
+    q->has_logprob = e->has_logprob;
+    q->logprob = e->logprob;
 }
 
 /* Admits a request whose KV landed in its lease's blocks: the sequence adopts them (the
@@ -84,7 +111,9 @@ static void compute_admit(decode_state_t *s, decode_cmd_t *c, decode_out_t *fail
                           .logprobs = a->logprobs.on, .top_logprobs = a->logprobs.top,
                           .ignore_eos = a->ignore_eos, .replay = a->replay, .n_replay = a->n_replay,
                           .cache_salt = a->cache_salt,
-                          .grammar = a->grammar, .tpot_objective_s = a->tpot_objective_s};
+                          .grammar = a->grammar, .tpot_objective_s = a->tpot_objective_s,
+                          .kv_out = a->kv_out,
+                          .deadline_ns = a->kv_out ? (int64_t)a->deadline_ns : 0}; /* the call's */
     if (decode_sched_admit(s->sched, &r) != TD_OK) {
         td_warn("decode: lease %llu not admitted: %s", (unsigned long long)c->lease_id, td_last_error());
         td_kv_unref_blocks_for(s->kv, TD_KV_HOLDER_LANDED, c->blocks, c->n_blocks);
@@ -108,6 +137,8 @@ static void compute_no_memory(decode_state_t *s, decode_cmd_t *cmds, int32_t n_c
                 s->failed[s->n_failed++] = c->lease_id;
             else /* the report is lost too: the router's deadline ends the request */
                 td_warn("decode: lease %llu failed unreported (out of memory)", (unsigned long long)c->lease_id);
+        } else if (c->release) {
+            decode_sched_release(s->sched, c->lease_id);
         } else {
             decode_sched_cancel(s->sched, c->lease_id);
         }
@@ -132,7 +163,8 @@ void decode_compute_main(void *arg)
         if (n_cmds == 0 && !decode_sched_busy(s->sched) && !s->n_failed)
             continue; /* an idle wait ran out */
         decode_cmd_t *cmds = taken;
-        int32_t cap = (int32_t)s->cfg.max_requests * 2 + n_cmds + s->n_failed + 1;
+        /* two entries a sequence at most: admitted ones and kv_out ones, max_requests each */
+        int32_t cap = (int32_t)s->cfg.max_requests * 4 + n_cmds + s->n_failed + 1;
         decode_out_t *o = out_new(cap);
         if (!o) {
             compute_no_memory(s, cmds, n_cmds);
@@ -146,6 +178,8 @@ void decode_compute_main(void *arg)
             decode_cmd_t *c = &cmds[i];
             if (c->admit)
                 compute_admit(s, c, o);
+            else if (c->release) /* its transfer is over: the blocks go (NOT_FOUND: cancelled already) */
+                decode_sched_release(s->sched, c->lease_id);
             else
                 decode_sched_cancel(s->sched, c->lease_id);
             taken_prompt += c->prompt_posted;
@@ -172,6 +206,10 @@ void decode_compute_main(void *arg)
             o->step_s = dt;
             for (int32_t i = 0; i < res.n_events && o->n_seqs + 2 <= cap; i++) {
                 const decode_event_t *e = &res.events[i];
+                if (e->finish == DECODE_FINISH_KV_OUT) {
+                    add_kv_out(s, o, e);
+                    continue;
+                }
                 if (e->token >= 0) {
                     add_seq(o, e->id, e->token, DECODE_OUT_TOKEN);
                     if (e->has_logprob) {

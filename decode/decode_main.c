@@ -269,12 +269,28 @@ static void prefill_answer(decode_state_t *s, const decode_out_seq_t *e)
     prefill_end(s, w, TD_GRPC_OK, NULL);
 }
 
+static void kv_out_event(decode_state_t *s, decode_out_seq_t *e);
+
 static void on_outs(void *data, void *events, int32_t n)
 {
     decode_state_t *s = data;
     decode_out_t **outs = events;
     for (int32_t k = 0; k < n; k++) {
         decode_out_t *o = outs[k];
+        /* prompts prefilled for other nodes' leases are this node's business, not the router's
+           Steps: handled here, and the rest of the entries close up */
+        int32_t kept = 0;
+        for (int32_t i = 0; i < o->n_seqs; i++) {
+            decode_out_seq_t *e = &o->seqs[i];
+            if (e->lease_id & DECODE_KV_OUT_ID_BIT) {
+                kv_out_event(s, e);
+                free(e->kv_blocks);
+                e->kv_blocks = NULL;
+            } else {
+                o->seqs[kept++] = *e;
+            }
+        }
+        o->n_seqs = kept;
         send_seqs(s, o->step, o->step_s, o->free_blocks, o->seqs, o->n_seqs);
         for (int32_t i = 0; s->n_prefills && i < o->n_seqs; i++)
             prefill_answer(s, &o->seqs[i]);
@@ -478,8 +494,250 @@ static void on_prefill_cancel(td_grpc_call_t *call, td_status_t why, void *call_
     td_grpc_call_finish(call, TD_GRPC_CANCELLED, NULL);
 }
 
+/* ---- prefill for another decode node's lease (kv_out) --------------------------------------
+
+   The router may hand a decode node the Prefill call of another decode node's lease
+   (conditional disaggregation's `peer` placement, docs/scheduling.md "Roles that follow the
+   load"). The node serves it as a prefill node does: the prompt goes to its scheduler as a
+   kv_out admission (chunked beside its own streams, within their TPOT objectives); when its KV
+   is complete (DECODE_OUT_KV_OUT) the call hears FIRST_TOKEN, the blocks go over td_xfer into
+   the lease from this node's pool, and the transfer's verdict ends the call (KV_DELIVERED + OK,
+   or UNAVAILABLE). Then, and only then, a release command lets the blocks go: no block is
+   reused while a transfer may still read it. A call cancelled before the KV is complete posts
+   a cancel (the CANCELLED event ends the job); one cancelled during the transfer aborts it
+   (its done callback releases). */
+
+static decode_kv_out_t *kv_out_find(decode_state_t *s, uint64_t id)
+{
+    TD_LIST_FOREACH(n, &s->kv_outs) {
+        decode_kv_out_t *k = TD_CONTAINER_OF(n, decode_kv_out_t, link);
+        if (k->id == id)
+            return k;
+    }
+    return NULL;
+}
+
+/* Ends the call (if still there) with code; counts a failure. */
+static void kv_out_answer(decode_state_t *s, decode_kv_out_t *k, td_grpc_code_t code, const char *why)
+{
+    if (code != TD_GRPC_OK)
+        td_metric_inc(s->m_kv_out_failed);
+    if (!k->call)
+        return;
+    td_grpc_call_set_data(k->call, NULL);
+    td_grpc_call_finish(k->call, code, why);
+    k->call = NULL;
+}
+
+/* The job leaves the node; its blocks are released (or were never held) already. */
+static void kv_out_drop(decode_state_t *s, decode_kv_out_t *k)
+{
+    kv_out_answer(s, k, TD_GRPC_INTERNAL, "decode node: prefill for another node dropped"); /* never left open */
+    td_list_remove(&k->link);
+    s->n_kv_outs--;
+    free(k->dst_blocks);
+    free(k);
+}
+
+/* The KV is read no more: the compute thread lets the blocks go, and the job ends. */
+static void kv_out_release(decode_state_t *s, decode_kv_out_t *k)
+{
+    if (!s->shutting_down && !td_node_worker_post(&s->worker, &(decode_cmd_t){.lease_id = k->id, .release = true}))
+        td_warn("decode: kv_out %016llx: release dropped, the command ring (%d) is full; its blocks stay until the "
+                "node stops", (unsigned long long)k->key, decode_cmd_ring_size(&s->cfg));
+    kv_out_drop(s, k);
+}
+
+/* The transfer's verdict (td_xfer, loop thread): the call ends as a prefill node's would, and
+ * the blocks go. */
+static void kv_out_on_done(void *arg, uint64_t request_id, td_status_t st)
+{
+    (void)request_id;
+    decode_kv_out_t *k = arg;
+    decode_state_t *s = k->s;
+    k->send = NULL;
+    double transfer_s = (double)(td_now_ns() - k->t_first) * 1e-9;
+    if (st == TD_OK) {
+        td_metric_inc(s->m_kv_out);
+        td_debug("decode: kv_out %016llx: %d tokens for lease %llu, first token %.6f s after the call, kv "
+                 "delivered %.6f s later", (unsigned long long)k->key, k->n_tokens, (unsigned long long)k->lease_id,
+                 (double)(k->t_first - k->t0) * 1e-9, transfer_s);
+        if (k->call) {
+            Tandem__Control__V1__PrefillResponse r = TANDEM__CONTROL__V1__PREFILL_RESPONSE__INIT;
+            r.phase = TANDEM__CONTROL__V1__PREFILL_PHASE__PREFILL_PHASE_KV_DELIVERED;
+            r.transfer_s = transfer_s;
+            td_grpc_call_send(k->call, &r.base); /* CANCELLED: the cancel callback ran */
+            kv_out_answer(s, k, TD_GRPC_OK, NULL);
+        }
+    } else {
+        char why[200];
+        snprintf(why, sizeof why, "decode node: kv transfer to the lease's decode node failed: %s", td_strerror(st));
+        if (k->call)
+            td_info("decode: kv_out %016llx: %s", (unsigned long long)k->key, why);
+        kv_out_answer(s, k, TD_GRPC_UNAVAILABLE, why);
+    }
+    kv_out_release(s, k);
+}
+
+/* The prompt's KV is complete in blocks e->kv_blocks of this node's pool: every layer goes into
+ * the lease, then kv-ready with the first token; the call hears FIRST_TOKEN once the send is
+ * under way (a cancel then aborts the send, whose done callback releases the blocks: never a
+ * cancel that frees them under it). */
+static void kv_out_send(decode_state_t *s, decode_kv_out_t *k, const decode_out_seq_t *e)
+{
+    k->t_first = td_now_ns();
+    td_xfer_send_params_t p = {.request_id = k->key, .lease_id = k->lease_id, .token = k->token,
+                               .dst_blocks = k->dst_blocks, .n_dst_blocks = k->n_dst,
+                               .n_tokens = (uint32_t)k->n_tokens, .mem = TD_XFER_MEM_HOST,
+                               .done = kv_out_on_done, .arg = k};
+    td_status_t st = TD_ERR_INVALID;
+    if (e->n_kv_blocks >= (int32_t)TD_DIV_CEIL(k->n_tokens, (int32_t)s->layout.block_size))
+        st = td_xfer_send_begin(s->xfer, k->peer, &p, &k->send);
+    if (st != TD_OK) {
+        k->send = NULL;
+        char why[200];
+        snprintf(why, sizeof why, "decode node: kv transfer to the lease's decode node could not start: %s",
+                 td_strerror(st));
+        kv_out_answer(s, k, TD_GRPC_UNAVAILABLE, why);
+        kv_out_release(s, k);
+        return;
+    }
+    const uint8_t *pool = td_xfer_pool_base(s->xfer);
+    td_xfer_send_t *snd = k->send; /* the done callback clears k->send (and frees k) only from the loop */
+    for (uint32_t l = 0; l < s->layout.n_layers && st == TD_OK; l++) {
+        const uint8_t *slab = pool + td_kv_block_offset(&s->layout, (uint32_t)s->cfg.kv_blocks, l, 0);
+        if ((st = td_xfer_send_layer(snd, l, slab, e->kv_blocks)) != TD_OK)
+            td_xfer_send_abort(snd, st); /* its done callback answers and releases */
+    }
+    if (st == TD_OK)
+        td_xfer_send_finish(snd, e->token);
+    Tandem__Control__V1__PrefillResponse r = TANDEM__CONTROL__V1__PREFILL_RESPONSE__INIT;
+    td_node_logprob_msg_t lp;
+    r.phase = TANDEM__CONTROL__V1__PREFILL_PHASE__PREFILL_PHASE_FIRST_TOKEN;
+    r.first_token = (uint32_t)e->token;
+    r.prefill_s = (double)(k->t_first - k->t0) * 1e-9;
+    if (e->has_logprob) {
+        td_node_logprob_to_proto(&e->logprob, &lp);
+        r.first_logprob = &lp.m;
+    }
+    td_grpc_call_send(k->call, &r.base); /* CANCELLED: the cancel callback aborts the send */
+}
+
+/* A compute-thread entry of a kv_out prompt (on_outs). */
+static void kv_out_event(decode_state_t *s, decode_out_seq_t *e)
+{
+    decode_kv_out_t *k = kv_out_find(s, e->lease_id);
+    if (e->kind == DECODE_OUT_KV_OUT) {
+        if (k && k->call && !k->cancel_posted) {
+            kv_out_send(s, k, e);
+        } else if (k && k->cancel_posted) {
+            /* the cancel is on its way to the compute thread: it frees the blocks and says CANCELLED */
+        } else { /* nobody wants the KV (cannot happen without a job: release it anyway) */
+            if (k)
+                kv_out_release(s, k);
+            else
+                td_node_worker_post(&s->worker, &(decode_cmd_t){.lease_id = e->lease_id, .release = true});
+        }
+        return;
+    }
+    if (!k)
+        return;
+    /* FAILED (the prompt did not fit, the engine failed, its deadline) or the cancel's end */
+    kv_out_answer(s, k, TD_GRPC_UNAVAILABLE, "decode node: the prompt prefilled for another node failed");
+    kv_out_drop(s, k);
+}
+
+/* The router gave up the call: before the KV is complete the compute thread drops the prompt
+ * (its CANCELLED ends the job); during the transfer the send is aborted (its done callback
+ * releases the blocks). */
+static void kv_out_cancel(td_grpc_call_t *call, td_status_t why, void *call_data)
+{
+    (void)why;
+    decode_kv_out_t *k = call_data;
+    td_grpc_call_finish(call, TD_GRPC_CANCELLED, NULL);
+    if (!k)
+        return;
+    k->call = NULL;
+    if (k->send) {
+        td_xfer_send_abort(k->send, TD_ERR_CANCELLED);
+    } else if (!k->cancel_posted) {
+        k->cancel_posted = td_node_worker_post(&k->s->worker, &(decode_cmd_t){.lease_id = k->id});
+        if (!k->cancel_posted) /* the ring is full: the prompt runs on and its KV_OUT releases it */
+            td_warn("decode: kv_out %016llx: cancel dropped, the command ring is full", (unsigned long long)k->key);
+    }
+}
+
+/* A Prefill call for another decode node's lease (on_prefill): checked, then handed to the
+ * compute thread as a kv_out admission. */
+static void kv_out_start(decode_state_t *s, td_grpc_call_t *call, const Tandem__Control__V1__PrefillRequest *q)
+{
+    char why[256];
+    if (s->unified || !s->be->host_memory) {
+        snprintf(why, sizeof why, "prefill: this %s prefills only for its own leases (%s); send the call to a "
+                 "prefill node or to the lease's decode node", s->unified ? "unified node" : "decode node",
+                 s->unified ? "it has no kv transfer" : "its KV pool is in device memory, which it does not send");
+        td_grpc_call_finish(call, TD_GRPC_FAILED_PRECONDITION, why);
+        return;
+    }
+    if (!td_node_take_or_refuse(&s->proc, call, s->m_refused, "decode node", s->n_kv_outs, s->cfg.max_requests,
+                                "too many prompts prefilled for other nodes"))
+        return;
+    decode_admit_t *a = NULL;
+    int32_t *dst = NULL, n_dst = 0;
+    td_grpc_code_t code = decode_admit_read_kv_out(q, &s->model->config, s->layout.block_size, &a, &dst, &n_dst,
+                                                   why, sizeof why);
+    if (code == TD_GRPC_OK && a->grammar && !s->gram.cache) {
+        code = TD_GRPC_INVALID_ARGUMENT;
+        snprintf(why, sizeof why, "prefill: a grammar (structured output) needs the model's tokenizer on this node, "
+                 "and none is beside its model file");
+    }
+    if (code != TD_GRPC_OK) {
+        decode_admit_free(a);
+        free(dst);
+        td_grpc_call_finish(call, code, why);
+        return;
+    }
+    td_xfer_peer_t *peer;
+    decode_kv_out_t *k = calloc(1, sizeof *k);
+    if (!k || td_xfer_connect(s->xfer, q->decode_xfer.data, q->decode_xfer.len, &s->layout, &peer) != TD_OK) {
+        td_grpc_call_finish(call, k ? TD_GRPC_FAILED_PRECONDITION : TD_GRPC_RESOURCE_EXHAUSTED,
+                            k ? td_last_error() : "decode node: out of memory");
+        decode_admit_free(a);
+        free(dst);
+        free(k);
+        return;
+    }
+    *k = (decode_kv_out_t){.s = s, .id = ++s->next_kv_out | DECODE_KV_OUT_ID_BIT,
+                           .key = td_xfer_request_key(q->request_id), .lease_id = q->lease_id,
+                           .dst_blocks = dst, .n_dst = n_dst, .n_tokens = a->n_prompt, .peer = peer,
+                           .call = call, .t0 = td_now_ns()};
+    memcpy(k->token.b, q->xfer_token.data, sizeof k->token.b);
+    uint64_t dl_ms = td_grpc_call_deadline(call);
+    if (dl_ms) { /* the prompt is not computed past the call's deadline */
+        uint64_t now_ms = uv_now(&s->proc.loop);
+        a->deadline_ns = k->t0 + (dl_ms > now_ms ? dl_ms - now_ms : 0) * 1000000ull;
+    }
+    int32_t n_prompt = a->n_prompt;
+    atomic_fetch_add(&s->admits_posted, 1);
+    atomic_fetch_add(&s->prompt_posted, n_prompt);
+    if (!td_node_worker_post(&s->worker, &(decode_cmd_t){.admit = a, .lease_id = k->id, .prompt_posted = n_prompt})) {
+        atomic_fetch_sub(&s->admits_posted, 1);
+        atomic_fetch_sub(&s->prompt_posted, n_prompt);
+        decode_admit_free(a);
+        free(dst);
+        free(k);
+        td_grpc_call_finish(call, TD_GRPC_UNAVAILABLE, "decode node: the command ring is full; retry");
+        return;
+    }
+    td_list_push_front(&s->kv_outs, &k->link);
+    s->n_kv_outs++;
+    td_grpc_call_set_data(call, k);
+    td_grpc_call_on_cancel(call, kv_out_cancel);
+}
+
 /* The router's Prefill for a lease this node admitted to prefill itself (every lease of a
- * unified node; a decode node's admitted with local_prefill). The request goes to the
+ * unified node; a decode node's admitted with local_prefill), or for another decode node's
+ * lease (decode_node_id names that node: kv_out_start). The request goes to the
  * compute thread as a local-prefill admission; the call waits for the first token
  * (prefill_answer). A lease waiting for a transfer is not this call's: it is refused and
  * stays. */
@@ -498,6 +756,10 @@ static void on_prefill(td_grpc_call_t *call, const ProtobufCMessage *msg, void *
         snprintf(why, sizeof why, "prefill: prompt logprobs are not served by a %s (it prefills in chunks inside "
                  "decode steps)", node);
         td_grpc_call_finish(call, TD_GRPC_INVALID_ARGUMENT, why);
+        return;
+    }
+    if (q->decode_node_id && q->decode_node_id[0] && strcmp(q->decode_node_id, s->proc.cfg.node_id) != 0) {
+        kv_out_start(s, call, q); /* another decode node's lease: prefilled here, sent there */
         return;
     }
     decode_admit_t *a = admit_find(s, q->lease_id);
@@ -669,7 +931,7 @@ static void load_cb(void *data, td_node_load_t *l)
 static int32_t decode_busy(void *data)
 {
     decode_state_t *s = data;
-    int32_t n = s->n_admits + s->n_prefills;
+    int32_t n = s->n_admits + s->n_prefills + s->n_kv_outs;
     n += atomic_load(&s->admits_posted); /* the compute thread's order is the reverse */
     n += atomic_load(&s->load_running);
     n += atomic_load(&s->outs_unsent);
@@ -688,6 +950,12 @@ static void on_shutdown(void *data)
     while (s->n_prefills)
         prefill_end(s, TD_CONTAINER_OF(s->prefills.next, decode_prefill_t, link), TD_GRPC_UNAVAILABLE,
                     s->unified ? "unified node shutting down" : "decode node shutting down");
+    TD_LIST_FOREACH_SAFE(n, &s->kv_outs) { /* a send in flight ends in td_xfer_destroy's callback */
+        decode_kv_out_t *k = TD_CONTAINER_OF(n, decode_kv_out_t, link);
+        kv_out_answer(s, k, TD_GRPC_UNAVAILABLE, "decode node shutting down");
+        if (!k->send)
+            kv_out_drop(s, k);
+    }
     while (s->n_subs) {
         td_grpc_call_t *c = s->subs[--s->n_subs];
         td_grpc_call_finish(c, TD_GRPC_UNAVAILABLE, "decode node shutting down");
@@ -729,7 +997,7 @@ static td_status_t init_metrics(decode_state_t *s)
                                          "tokens_total", "steps_total", "step_seconds", "batch_size", "admits_total",
                                          "admits_refused_total", "releases_total", "prefill_tokens_total",
                                          "kv_blocks_window_released_total", "prefill_token_cost_seconds",
-                                         "tpot_objective_seconds"};
+                                         "tpot_objective_seconds", "peer_prefills_total", "peer_prefills_failed_total"};
     char name[TD_ARRAY_LEN(suffix)][64];
     for (size_t i = 0; i < TD_ARRAY_LEN(suffix); i++)
         snprintf(name[i], sizeof name[i], "tandem_%s_%s", s->unified ? "unified" : "decode", suffix[i]);
@@ -755,6 +1023,10 @@ static td_status_t init_metrics(decode_state_t *s)
                                       "prompt chunks under a TPOT objective (0: no fit yet)", &s->m_token_cost),
         TD_METRIC_DEF_GAUGE(name[14], "the tightest TPOT objective of the running and waiting sequences "
                                       "(0: none has one)", &s->m_tpot),
+        TD_METRIC_DEF_COUNTER(name[15], "prompts prefilled here for another decode node's lease and delivered "
+                                        "there (Prefill calls of the peer placement)", &s->m_kv_out),
+        TD_METRIC_DEF_COUNTER(name[16], "prompts prefilled here for another decode node's lease that failed "
+                                        "(computing, transfer or cancel)", &s->m_kv_out_failed),
     };
     return td_metrics_register_all(s->metrics, defs, TD_ARRAY_LEN(defs));
 }
@@ -887,6 +1159,9 @@ static void free_state(decode_state_t *s)
         admit_unlink(s, a);
         decode_admit_free(a);
     }
+    if (s->kv_outs.next) /* initialised (node_main) */
+        TD_LIST_FOREACH_SAFE(n, &s->kv_outs)
+            kv_out_drop(s, TD_CONTAINER_OF(n, decode_kv_out_t, link));
     decode_cmd_t c;
     while (td_node_worker_pop_in(&s->worker, &c))
         cmd_discard(s, &c);
@@ -917,6 +1192,7 @@ static int node_main(int argc, char **argv, bool unified)
     s->unified = unified;
     td_list_init(&s->admits);
     td_list_init(&s->prefills);
+    td_list_init(&s->kv_outs);
     decode_config_t *cfg = &s->cfg;
     const td_node_config_t *pc = &s->proc.cfg;
     const decode_sched_config_t sched_default = decode_sched_config_default();

@@ -46,6 +46,9 @@ typedef struct decode_warm {
 #define DECODE_MAX_ROUTER_ADDRS 8
 /* Set in the lease ids a decode node gives its local prefills (td_xfer's count up from 1). */
 #define DECODE_LOCAL_LEASE_BIT (1ull << 62)
+/* Set in the scheduler ids of the prompts it prefills for another node's lease (kv_out): they
+ * meet neither its own leases nor its local ones, and never go out on Steps. */
+#define DECODE_KV_OUT_ID_BIT (1ull << 61)
 
 /* The decode node's own keys; the common ones (model, router, host, advertise, node id,
  * ports, threads, log level) are td_node's. */
@@ -77,9 +80,30 @@ typedef struct decode_prefill {
     uint64_t t0;              /* td_now_ns() at the call */
 } decode_prefill_t;
 
+/* A Prefill call for another decode node's lease (kv_out, loop thread): this node prefills the
+ * prompt in its own steps (decode_sched kv_out), answers FIRST_TOKEN, sends the KV over td_xfer
+ * into that lease as a prefill node does, answers KV_DELIVERED, then lets the blocks go. */
+typedef struct decode_kv_out {
+    td_list_t link;           /* in decode_state_t.kv_outs */
+    struct decode_state *s;
+    uint64_t id;              /* its scheduler id (DECODE_KV_OUT_ID_BIT set) */
+    uint64_t key;             /* td_xfer's request id (td_xfer_request_key of the request id) */
+    uint64_t lease_id;        /* the other node's lease, its token and blocks */
+    td_xfer_token_t token;
+    int32_t *dst_blocks;      /* [n_dst] */
+    int32_t n_dst;
+    int32_t n_tokens;
+    td_xfer_peer_t *peer;     /* the lease holder (s->xfer's) */
+    td_grpc_call_t *call;     /* NULL once answered or cancelled */
+    td_xfer_send_t *send;     /* the transfer, from the KV's completion until its done callback */
+    uint64_t t0, t_first;     /* td_now_ns() at the call, at the first token */
+    bool cancel_posted;       /* the compute thread was asked to drop it (a CANCELLED event follows) */
+} decode_kv_out_t;
+
 /* Loop → compute (by value in the command ring). */
 typedef struct decode_cmd {
-    decode_admit_t *admit;     /* NULL: cancel lease_id */
+    decode_admit_t *admit;     /* NULL: cancel lease_id (or, with release, release it) */
+    bool release;              /* a kv_out prompt's transfer is over: decode_sched_release(lease_id) */
     uint64_t lease_id;
     int32_t *blocks;           /* [n_blocks] the landed lease's blocks, one reference each
                                   (TD_KV_HOLDER_LANDED: adopted or released once) */
@@ -90,7 +114,8 @@ typedef struct decode_cmd {
 } decode_cmd_t;
 
 /* What one entry of a step's results says of a sequence. */
-typedef enum { DECODE_OUT_TOKEN, DECODE_OUT_LENGTH, DECODE_OUT_STOP, DECODE_OUT_FAILED } decode_out_kind_t;
+typedef enum { DECODE_OUT_TOKEN, DECODE_OUT_LENGTH, DECODE_OUT_STOP, DECODE_OUT_FAILED,
+               DECODE_OUT_KV_OUT /* a kv_out prompt's KV is complete: token, kv_blocks */ } decode_out_kind_t;
 
 typedef struct decode_out_seq {
     uint64_t lease_id;
@@ -98,6 +123,9 @@ typedef struct decode_out_seq {
     decode_out_kind_t kind;
     bool has_logprob;          /* TOKEN of a lease admitted with logprobs, sampled here */
     td_token_logprob_t logprob;
+    int32_t *kv_blocks;        /* KV_OUT: [n_kv_blocks] the prompt's blocks, held by the scheduler
+                                  until a release command (this copy: the entry's, freed with it) */
+    int32_t n_kv_blocks;
 } decode_out_seq_t;
 
 /* Compute → loop: one step's results (its address in the result ring), C structs only: the
@@ -140,6 +168,10 @@ typedef struct decode_state {
                                  decode node, whose td_xfer numbers its leases from 1) */
     td_list_t prefills;       /* local prefills' decode_prefill_t awaiting a first token */
     int32_t n_prefills;
+    td_list_t kv_outs;        /* decode_kv_out_t: prompts prefilled here for other nodes' leases */
+    int32_t n_kv_outs;
+    uint64_t next_kv_out;     /* their scheduler ids (DECODE_KV_OUT_ID_BIT set) */
+    td_metric_t *m_kv_out, *m_kv_out_failed; /* Prefill calls for other nodes' leases: served, failed */
     td_list_t admits; /* decode_admit_t, newest first */
     int32_t n_admits;
     td_grpc_call_t *subs[DECODE_MAX_SUBSCRIBERS];

@@ -285,3 +285,58 @@ Test(node_admit, prefill_refuses_malformed_requests)
     cr_assert(a.sampling.n_logit_bias == 1 && a.sampling.logit_bias_ids[0] == VOCAB - 1 && a.sampling.logit_bias[0] == 100);
     prefill_admit_free(&a);
 }
+
+/* ---- the decode node: a Prefill call for another decode node's lease (kv_out) ----------- */
+
+static void kv_out_refused(const Tandem__Control__V1__PrefillRequest *r, const char *says)
+{
+    char why[256] = "";
+    decode_admit_t *a = NULL;
+    int32_t *dst = NULL, n_dst = -1;
+    cr_assert_eq(decode_admit_read_kv_out(r, &mc, 16, &a, &dst, &n_dst, why, sizeof why), TD_GRPC_INVALID_ARGUMENT,
+                 "accepted, want a refusal naming '%s'", says);
+    cr_assert(!a && !dst && n_dst == -1, "a refused call wrote its outputs");
+    cr_assert(strstr(why, says), "'%s' does not say '%s'", why, says);
+}
+
+/* The decode node checks a peer's Prefill call as a prefill node does, and refuses what it does
+ * not serve (prompt logprobs: it computes prompts in chunks inside its decode steps). */
+Test(node_admit, decode_reads_a_prefill_for_another_lease)
+{
+    uint8_t token[sizeof(td_xfer_token_t)] = {1, 2, 3};
+    Tandem__Control__V1__PrefillRequest r = prefill_of(20);
+    r.xfer_token.data = token;
+    r.xfer_token.len = sizeof token;
+    r.cache_salt = 99;
+    blocks_of[1] = 77;
+    Tandem__V1__SamplingParams sp = TANDEM__V1__SAMPLING_PARAMS__INIT;
+    sp.seed = 5;
+    r.sampling = &sp;
+    char why[256] = "";
+    decode_admit_t *a = NULL;
+    int32_t *dst = NULL, n_dst = 0;
+    cr_assert_eq(decode_admit_read_kv_out(&r, &mc, 16, &a, &dst, &n_dst, why, sizeof why), TD_GRPC_OK, "%s", why);
+    cr_assert(a->kv_out && !a->local && a->n_prompt == 20 && a->prompt[19] == 22 && a->max_tokens == 1);
+    cr_assert(a->cache_salt == 99 && a->sampling.seed == 5 && n_dst == 2 && dst[1] == 77);
+    decode_admit_free(a);
+    free(dst);
+
+    r = prefill_of(0);
+    r.xfer_token.data = token, r.xfer_token.len = sizeof token;
+    kv_out_refused(&r, "0 tokens (1 .. 255)");
+    r = prefill_of(40);
+    r.xfer_token.data = token, r.xfer_token.len = sizeof token;
+    r.n_block_ids = 2;
+    kv_out_refused(&r, "ceil(tokens / 16)");
+    r = prefill_of(40);
+    r.xfer_token.data = token, r.xfer_token.len = sizeof token;
+    ids[39] = VOCAB + 100;
+    kv_out_refused(&r, "tokens[39] = 612 is outside the vocabulary");
+    r = prefill_of(3);
+    kv_out_refused(&r, "kv transfer token of 0 bytes");
+    r.xfer_token.data = token, r.xfer_token.len = sizeof token;
+    Tandem__V1__LogprobsRequest lp = TANDEM__V1__LOGPROBS_REQUEST__INIT;
+    lp.prompt = true;
+    r.logprobs = &lp;
+    kv_out_refused(&r, "prompt logprobs are not served by a decode node");
+}
