@@ -859,7 +859,10 @@ int cmd_plan(int argc, char **argv)
         td_errorf(TD_ERR_INVALID, "tandem plan: --%s", td_last_error());
         return 2;
     }
-    if (!o.profile)
+    if (policy == ROUTER_PREFILL_FOLLOW)
+        bad = "--prefill-policy: the planner simulates disaggregated and conditional; follow (decode nodes "
+              "prefilling for each other) is not modelled yet";
+    else if (!o.profile)
         bad = "--profile: required (a file of `tandem plan profile`)";
     else if (!o.workload == !o.metrics)
         bad = "--workload: give one of --workload random:IN:OUT[:RANGE]|trace:FILE and --metrics URL";

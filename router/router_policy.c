@@ -37,10 +37,13 @@ td_status_t router_prefill_policy_parse(const char *name, router_prefill_policy_
         *p_p = ROUTER_PREFILL_DISAGGREGATED;
     else if (name && !strcmp(name, "conditional"))
         *p_p = ROUTER_PREFILL_CONDITIONAL;
+    else if (name && !strcmp(name, "follow"))
+        *p_p = ROUTER_PREFILL_FOLLOW;
     else
         return td_errorf_quiet(TD_ERR_INVALID, "prefill-policy %s: use disaggregated (every prompt of a decode "
-                               "node on a prefill node) or conditional (each where it is ready sooner)",
-                               name ? name : "(none)");
+                               "node on a prefill node), conditional (each where it is ready sooner: its decode "
+                               "node or a prefill node) or follow (conditional, or another decode node when that "
+                               "is sooner)", name ? name : "(none)");
     return TD_OK;
 }
 
@@ -238,6 +241,42 @@ static bool place_conditional(const router_registry_t *reg, const router_policy_
     return true;
 }
 
+/*
+ * Rule 6 (follow): the soonest peer of decode node d (another live decode node that can prefill
+ * the prompt within its TPOT objective and send it to d), or -1; its estimate into *peer_s_p and
+ * *wait_s_p (its local estimate alone, which sizes the lease). p: d's prefill partner (-1: none),
+ * whose rate stands in for a peer that measured none (td_place_local_rate).
+ */
+static int32_t best_peer(const router_registry_t *reg, const router_policy_config_t *cfg,
+                         const router_pick_request_t *req, int32_t d, int32_t p, hash_cache_t *hc, double *peer_s_p,
+                         double *wait_s_p)
+{
+    const router_node_t *dn = router_registry_node_const(reg, d);
+    int32_t best = -1;
+    double best_s = 0, best_wait = 0;
+    if (req->prompt_logprobs)
+        return -1; /* only a prefill node computes them */
+    for (int32_t e = 0; e < router_registry_slots(reg); e++) {
+        const router_node_t *en = router_registry_node_const(reg, e);
+        if (e == d || !serves(en, req->model, TD_NODE_ROLE_DECODE) || !router_registry_is_live(reg, e, req->now_ns) ||
+            excluded(req, e, d) || td_kv_layout_compare(&dn->info.layout, &en->info.layout, NULL, 0) != TD_OK ||
+            TD_DIV_CEIL((int64_t)req->n_prompt, (int64_t)en->info.layout.block_size) > en->load.free_blocks)
+            continue;
+        td_place_estimate_t est;
+        if (local_estimate(reg, cfg, req, e, p, hc, tightest_tpot(reg, cfg, req, e), &est) != TD_PLACE_FITS)
+            continue; /* its running batch fills its steps, or its pace passes the objective already */
+        double s = remote_estimate(reg, cfg, req, d, est.local_s);
+        if (best < 0 || s < best_s) {
+            best = e;
+            best_s = s;
+            best_wait = est.local_s;
+        }
+    }
+    *peer_s_p = best_s;
+    *wait_s_p = best_wait;
+    return best;
+}
+
 /* Why no ranked decode node found a prefill partner: none live, or every live one's KV
  * layout differs (naming the first difference), or every pair was tried. */
 static td_status_t no_pair_error(const router_registry_t *reg, const router_pick_request_t *req,
@@ -313,7 +352,7 @@ td_status_t router_policy_pick(const router_registry_t *reg, const router_policy
         double wait = 0;
         const router_node_t *dn = router_registry_node_const(reg, d);
         int32_t p;
-        router_pick_t pk = {.local_s = -1, .remote_s = -1};
+        router_pick_t pk = {.local_s = -1, .remote_s = -1, .peer_s = -1};
         if (dn->info.role == TD_NODE_ROLE_UNIFIED) {
             if (excluded(req, d, d))
                 continue;
@@ -323,7 +362,23 @@ td_status_t router_policy_pick(const router_registry_t *reg, const router_policy
         } else {
             int32_t busy_before = n_busy;
             p = best_prefill(reg, cfg, req, d, &hc, &prefix, &wait, &n_busy);
-            if (cfg->prefill_policy == ROUTER_PREFILL_CONDITIONAL) {
+            if (cfg->prefill_policy == ROUTER_PREFILL_FOLLOW) {
+                bool any = place_conditional(reg, cfg, req, d, p, n_busy > busy_before, wait, &hc, &pk);
+                double peer_wait = 0, chosen = !any ? -1 : pk.local ? pk.local_s : pk.remote_s;
+                int32_t e = best_peer(reg, cfg, req, d, p, &hc, &pk.peer_s, &peer_wait);
+                if (e < 0)
+                    pk.peer_s = -1;
+                if (td_place_peer_wins(pk.peer_s, chosen, any && !pk.local, cfg->ttft_objective_s)) {
+                    pk.peer = true;
+                    pk.local = false;
+                    pk.reason = ROUTER_PLACE_FASTER;
+                    p = e;
+                    prefix = 0;
+                    wait = peer_wait;
+                } else if (!any) {
+                    continue;
+                }
+            } else if (cfg->prefill_policy == ROUTER_PREFILL_CONDITIONAL) {
                 if (!place_conditional(reg, cfg, req, d, p, n_busy > busy_before, wait, &hc, &pk))
                     continue;
             } else if (p < 0) {
@@ -342,7 +397,7 @@ td_status_t router_policy_pick(const router_registry_t *reg, const router_policy
         pk.prefix_blocks = prefix;
         pk.prefill_wait_s = dn->info.role == TD_NODE_ROLE_UNIFIED ? 0 : wait;
         pk.tpot_objective_s = req->tpot_objective_s > 0 ? req->tpot_objective_s
-                              : cfg->prefill_policy == ROUTER_PREFILL_CONDITIONAL && dn->info.role == TD_NODE_ROLE_DECODE
+                              : cfg->prefill_policy != ROUTER_PREFILL_DISAGGREGATED && dn->info.role == TD_NODE_ROLE_DECODE
                                   ? cfg->tpot_objective_s : 0;
         *pick_p = pk;
         st = TD_OK;

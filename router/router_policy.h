@@ -57,6 +57,20 @@
  *    prefill_busy (every partner busy past max_prefill_wait_s: local if a chunk fits the
  *    objective, else the request waits).
  *
+ * 6. Roles that follow the load (ROUTER_PREFILL_FOLLOW, `--prefill-policy follow`): rule 5, and
+ *    then every decode node may also prefill for another one (a "peer"; not a unified node: it
+ *    has no KV transfer). For the decode node of step 1, each other live decode node e of the
+ *    model whose KV layout is the same, that has free blocks for the prompt, and whose steps
+ *    leave room within the tightest of the request's and its own TPOT objectives (a peer busy
+ *    past the objective never takes a prompt) is estimated as rule 5's local estimate on e
+ *    (its queued prompt tokens and this prompt's, at its local rate, in its chunks) plus the
+ *    transfer to d; the soonest peer is taken over rule 5's choice when it is sooner
+ *    (td_place_peer_wins: not over a prefill node that meets the TTFT objective), or when rule
+ *    5 found neither side. The pair is {e, d} (pick.peer): Admit to d leases the blocks, the
+ *    Prefill call goes to e, which prefills the prompt in its own steps and sends the KV
+ *    (docs/cluster.md "Prefill for another decode node"). A request with prompt logprobs never
+ *    goes to a peer; a retry after a failed {e, d} excludes that pair.
+ *
  * Outcomes: TD_OK with the pair; TD_ERR_EXHAUSTED when live decode nodes of the model
  * exist but none has room now, or every prefill partner is busy past max_prefill_wait_s
  * (the router queues the request); TD_ERR_RANGE when
@@ -81,9 +95,10 @@
 typedef enum router_prefill_policy {
     ROUTER_PREFILL_DISAGGREGATED, /* always on a prefill node (the default) */
     ROUTER_PREFILL_CONDITIONAL,   /* per request, where the KV is ready sooner (rule 5) */
+    ROUTER_PREFILL_FOLLOW,        /* rule 5, or on another decode node when that is sooner (rule 6) */
 } router_prefill_policy_t;
 
-/* "disaggregated" or "conditional" into *p_p; TD_ERR_INVALID (quiet) for anything else. */
+/* "disaggregated", "conditional" or "follow" into *p_p; TD_ERR_INVALID (quiet) for anything else. */
 td_status_t router_prefill_policy_parse(const char *name, router_prefill_policy_t *p_p);
 
 typedef struct router_policy_config {
@@ -154,9 +169,12 @@ typedef struct router_pick {
                                or at assumed_tok_s); a local prefill on a decode node: its
                                local estimate; 0 on a unified node */
     bool local;             /* pair.prefill == pair.decode: prefilled on the decode node */
+    bool peer;              /* follow: pair.prefill is another decode node, which prefills the
+                               prompt and sends its KV (rule 6) */
     router_place_reason_t reason;
     double local_s, remote_s; /* conditional: the two estimates compared (rule 5; < 0: that
                                  side was not possible) */
+    double peer_s;          /* follow: the soonest peer's estimate (rule 6; < 0: none could) */
     int32_t local_chunk;    /* conditional, local: the prompt tokens a step of the decode node
                                was estimated to feed it (the node sizes its chunks itself) */
     double tpot_objective_s; /* what the decode node holds the request to (AdmitRequest's): the

@@ -38,6 +38,17 @@ bool td_place_local_wins(double local_s, double remote_s, double ttft_objective_
     return local_s < remote_s && (ttft_objective_s <= 0 || remote_s > ttft_objective_s);
 }
 
+bool td_place_peer_wins(double peer_s, double chosen_s, bool chosen_remote, double ttft_objective_s)
+{
+    if (peer_s < 0)
+        return false;
+    if (chosen_s < 0)
+        return true;
+    if (chosen_remote && ttft_objective_s > 0 && chosen_s <= ttft_objective_s)
+        return false;
+    return peer_s < chosen_s;
+}
+
 double td_place_remote_estimate(double wait_s, double kv_bytes, double xfer_fixed_s, double xfer_bytes_per_s)
 {
     return wait_s + xfer_fixed_s + kv_bytes / TD_MAX(xfer_bytes_per_s, 1.0);

@@ -70,4 +70,13 @@ double td_place_remote_estimate(double wait_s, double kv_bytes, double xfer_fixe
  * every rate disaggregation kept up with). 0: sooner alone. */
 bool td_place_local_wins(double local_s, double remote_s, double ttft_objective_s);
 
+/* Roles that follow the load (the router's `follow` policy): another decode node (a peer) may
+ * prefill the prompt and send its KV, estimated as that node's local prefill
+ * (td_place_local_estimate over what it reports) plus the transfer (td_place_remote_estimate with
+ * that wait). The peer is taken over the choice made without it (chosen_s: the local or the
+ * remote estimate chosen; < 0: neither was possible) when it is sooner, except that a remote
+ * choice that meets the TTFT objective (> 0) stays: a prefill node is there for prompts, while a
+ * peer's chunks cost its own streams. peer_s < 0: no peer could. */
+bool td_place_peer_wins(double peer_s, double chosen_s, bool chosen_remote, double ttft_objective_s);
+
 #endif /* TD_PLACE_H */

@@ -843,9 +843,177 @@ Test(router_policy, conditional_busy_partners_logprobs_retries_and_unknown_rates
     router_registry_destroy(reg);
 }
 
+/* ---- roles that follow the load (router_policy.h, rule 6) ------------------------------- */
+
+static router_policy_config_t follow(void)
+{
+    router_policy_config_t pc = conditional();
+    pc.prefill_policy = ROUTER_PREFILL_FOLLOW;
+    return pc;
+}
+
+/* The KV transfer of n prompt tokens in the test layout (blocks of 16, 5 layers x 4096 bytes a
+ * block, at the default 1 GB/s and 2 ms). */
+static double xfer_s(int n)
+{
+    return 0.002 + (double)((n + 15) / 16) * 5 * 4096 / 1e9;
+}
+
+/* The pick, said on failure, with where it placed the prompt: 'l' local, 'r' remote, 'p' peer. */
+static router_pick_t place_at(router_registry_t *reg, const router_policy_config_t *pc, const router_pick_request_t *rq,
+                              char want)
+{
+    router_pick_t pk = pick_ok(reg, pc, rq);
+    char at = pk.peer ? 'p' : pk.local ? 'l' : 'r';
+    cr_assert_eq(at, want, "placed '%c', want '%c'; estimates local %.3f s, remote %.3f s, peer %.3f s", at, want,
+                 pk.local_s, pk.remote_s, pk.peer_s);
+    cr_assert_eq(pk.local, pk.pair.prefill == pk.pair.decode);
+    cr_assert(!(pk.peer && pk.local));
+    return pk;
+}
+
+Test(router_policy, follow_a_short_prompt_goes_local)
+{
+    router_registry_t *reg = mkreg();
+    router_policy_config_t pc = follow();
+    int d1 = join_decode(reg, "d1", 512);
+    join_decode(reg, "d2", 512);
+    beat_decode(reg, "d1", 0, 2, 20, 800);
+    beat_decode(reg, "d2", 0, 3, 20, 800);
+    router_pick_request_t rq = request(32, 10, 0);
+    /* one chunk on d1 (60 ms) against the same chunk on d2 and its transfer */
+    router_pick_t pk = place_at(reg, &pc, &rq, 'l');
+    cr_assert_eq(pk.pair.decode, d1);
+    cr_assert_float_eq(pk.local_s, 0.06, 1e-9);
+    cr_assert_float_eq(pk.peer_s, 0.06 + xfer_s(32), 1e-9);
+    router_registry_destroy(reg);
+}
+
+Test(router_policy, follow_a_long_prompt_behind_a_busy_self_goes_to_an_idle_peer)
+{
+    router_registry_t *reg = mkreg();
+    router_policy_config_t pc = follow();
+    int d1 = join_decode(reg, "d1", 512), d2 = join_decode(reg, "d2", 512);
+    beat_decode(reg, "d1", 0, 1, 70, 400); /* one long stream: 70 ms steps leave 30 ms, 12 tokens */
+    beat_decode(reg, "d2", 0, 2, 10, 2000); /* fast steps: 180 tokens a step within 100 ms */
+    router_pick_request_t rq = request(600, 10, 0);
+    router_pick_t pk = place_at(reg, &pc, &rq, 'p');
+    cr_assert(pk.pair.decode == d1 && pk.pair.prefill == d2, "the decode node is picked by the ranking, the "
+              "prompt goes to the peer");
+    cr_assert_float_eq(pk.local_s, 50 * (0.07 + 12 / 400.0), 1e-9);
+    cr_assert_float_eq(pk.peer_s, 4 * (0.01 + 180 / 2000.0) + xfer_s(600), 1e-9);
+    cr_assert_float_eq(pk.prefill_wait_s, 4 * (0.01 + 180 / 2000.0), 1e-9, "the lease is sized by the peer's prefill");
+    cr_assert_float_eq(pk.tpot_objective_s, 0.1, 1e-9);
+    /* booked: the peer's queue holds the prompt until its next heartbeat, which ranks it behind
+       for new streams and makes it a later peer */
+    router_policy_commit(reg, &rq, &pk);
+    cr_assert_eq(router_registry_node_const(reg, d2)->load.queued_prefill_tokens, 600);
+    cr_assert_eq(router_registry_node_const(reg, d1)->load.running_seqs, 2);
+    /* the conditional policy has no peers: the slow local prefill */
+    router_policy_config_t cond = conditional();
+    beat_decode(reg, "d2", 0, 2, 10, 2000);
+    place_at(reg, &cond, &rq, 'l');
+    /* a retry after the peer pair failed does not go back to it */
+    router_pair_t tried[1] = {{.prefill = d2, .decode = d1}};
+    rq.exclude = tried;
+    rq.n_exclude = 1;
+    place_at(reg, &pc, &rq, 'l');
+    rq.exclude = NULL;
+    rq.n_exclude = 0;
+    /* prompt logprobs are never a peer's (nor a local prefill's): nowhere, with no prefill node */
+    rq.prompt_logprobs = true;
+    cr_assert_eq(router_policy_pick(reg, &pc, &rq, &pk), TD_ERR_UNAVAILABLE);
+    router_registry_destroy(reg);
+}
+
+Test(router_policy, follow_a_prefill_node_when_it_is_sooner)
+{
+    router_registry_t *reg = mkreg();
+    router_policy_config_t pc = follow();
+    int p = join(reg, "p", TD_NODE_ROLE_PREFILL, 8, 100, 0);
+    int d1 = join_decode(reg, "d1", 512), d2 = join_decode(reg, "d2", 512);
+    beat_decode(reg, "d1", 0, 1, 70, 400);
+    beat_decode(reg, "d2", 0, 2, 10, 2000);
+    router_pick_request_t rq = request(600, 10, 0);
+    beat_rate(reg, "p", 0, 0, 100, 5000, 0); /* 0.12 s: sooner than the peer's 0.4 s */
+    router_pick_t pk = place_at(reg, &pc, &rq, 'r');
+    cr_assert(pk.pair.prefill == p && pk.pair.decode == d1);
+    beat_rate(reg, "p", 0, 0, 100, 1000, 0); /* 0.6 s: the peer is sooner */
+    pk = place_at(reg, &pc, &rq, 'p');
+    cr_assert(pk.pair.prefill == d2 && pk.pair.decode == d1);
+    /* a prefill node that meets the TTFT objective keeps the prompt off the peer's streams */
+    pc.ttft_objective_s = 1.0;
+    place_at(reg, &pc, &rq, 'r');
+    pc.ttft_objective_s = 0.5;
+    place_at(reg, &pc, &rq, 'p');
+    router_registry_destroy(reg);
+}
+
+Test(router_policy, follow_never_a_peer_busy_past_the_objective)
+{
+    router_registry_t *reg = mkreg();
+    router_policy_config_t pc = follow();
+    int d1 = join_decode(reg, "d1", 512);
+    join_decode(reg, "d2", 512);
+    beat_decode(reg, "d1", 0, 1, 70, 400);
+    router_pick_request_t rq = request(600, 10, 0);
+    /* the peer's own streams step at the objective: not one prompt token fits beside them */
+    beat_decode(reg, "d2", 0, 2, 100, 2000);
+    router_pick_t pk = place_at(reg, &pc, &rq, 'l');
+    cr_assert_lt(pk.peer_s, 0);
+    /* ... nor within the tightest objective of its sequences (40 ms: its 10 ms steps leave room
+       under the request's 100 ms, not under theirs less its spread) */
+    td_node_load_t l = {.running_seqs = 2, .free_blocks = 1000, .step_ms = 10, .prefill_tok_s = 2000,
+                        .tpot_objective_s = 0.04, .step_spread_s = 0.03};
+    cr_assert_eq(router_registry_heartbeat(reg, "d2", &l, 0), TD_OK);
+    place_at(reg, &pc, &rq, 'l');
+    /* its running batch fills its step budget */
+    beat_decode(reg, "d2", 0, 512, 10, 2000);
+    place_at(reg, &pc, &rq, 'l');
+    /* it has no free blocks for the prompt (38) */
+    l = (td_node_load_t){.running_seqs = 2, .free_blocks = 37, .step_ms = 10, .prefill_tok_s = 2000};
+    cr_assert_eq(router_registry_heartbeat(reg, "d2", &l, 0), TD_OK);
+    place_at(reg, &pc, &rq, 'l');
+    /* room again: the peer */
+    beat_decode(reg, "d2", 0, 2, 10, 2000);
+    place_at(reg, &pc, &rq, 'p');
+    /* a unified node is no peer (it sends no KV) */
+    join(reg, "u", TD_NODE_ROLE_UNIFIED, 8, 1000, 0);
+    td_node_load_t ul = {.running_seqs = 50, .free_blocks = 1000, .step_ms = 1, .prefill_tok_s = 1e6};
+    cr_assert_eq(router_registry_heartbeat(reg, "u", &ul, 0), TD_OK);
+    pk = place_at(reg, &pc, &rq, 'p');
+    cr_assert_eq(pk.pair.decode, d1);
+    router_registry_destroy(reg);
+}
+
+/* Where the ranked decode node has no room for a chunk and its prefill partner is busy, rule 5
+ * moves the stream to the next decode node, which prefills it itself; rule 6 keeps the stream
+ * where the ranking put it and has the other node prefill it. */
+Test(router_policy, follow_a_peer_where_neither_local_nor_remote_can)
+{
+    router_registry_t *reg = mkreg();
+    router_policy_config_t pc = follow();
+    int p = join(reg, "p", TD_NODE_ROLE_PREFILL, 8, 100, 0);
+    int d1 = join_decode(reg, "d1", 512), d2 = join_decode(reg, "d2", 512);
+    beat_rate(reg, "p", 8000, 0, 100, 1000, 0); /* busy past max_prefill_wait_s */
+    beat_decode(reg, "d1", 0, 2, 100, 800);      /* no room within the objective */
+    beat_decode(reg, "d2", 0, 3, 20, 800);
+    router_pick_request_t rq = request(32, 10, 0);
+    router_pick_t pk;
+    router_policy_config_t cond = conditional();
+    (void)p;
+    cr_assert_eq(router_policy_pick(reg, &cond, &rq, &pk), TD_OK);
+    cr_assert(pk.pair.decode == d2 && pk.pair.prefill == d2);
+    pk = place_at(reg, &pc, &rq, 'p');
+    cr_assert(pk.pair.prefill == d2 && pk.pair.decode == d1);
+    router_registry_destroy(reg);
+}
+
 Test(router_policy, prefill_policy_names)
 {
     router_prefill_policy_t p;
+    cr_assert_eq(router_prefill_policy_parse("follow", &p), TD_OK);
+    cr_assert_eq(p, ROUTER_PREFILL_FOLLOW);
     cr_assert_eq(router_prefill_policy_parse("conditional", &p), TD_OK);
     cr_assert_eq(p, ROUTER_PREFILL_CONDITIONAL);
     cr_assert_eq(router_prefill_policy_parse("disaggregated", &p), TD_OK);
