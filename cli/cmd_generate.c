@@ -150,7 +150,7 @@ static void gen_flags_init(gen_flags_t *fl, cli_gen_opts_t *o)
         {.name = "tpot-objective-ms", .type = TD_OPT_I64, .ptr = &o->tpot_objective_ms, .min = INT64_MIN,
          .max = INT64_MAX, .arg = "MS",
          .help = "the request's TPOT objective (default 0: the router's --tpot-objective-ms): under\n"
-                 "--prefill-policy conditional a decode node prefills a prompt itself only\n"
+                 "--prefill-policy conditional or follow a decode node prefills a prompt itself only\n"
                  "in chunks that keep its steps within the tightest objective of its streams"},
         {.name = "timeout", .type = TD_OPT_F32, .ptr = &o->timeout_s, .fmin = 0.001f, .fmax = 86400.0f, .arg = "S",
          .help = fl->timeout_help},
@@ -335,6 +335,8 @@ typedef struct remote_state {
     bool have_timings;
     double queue_s, prefill_s, transfer_s, first_token_s, per_token_s, total_s;
     bool prefill_local;                /* prefilled on the decode (or unified) node itself */
+    bool prefill_peer;                 /* ... on another decode node (--prefill-policy follow) */
+    char prefill_node[64], decode_node[64]; /* Timings' node ids ("" from an older router) */
     td_token_logprob_t *lps;           /* [n_lps] with --logprobs: as they came */
     size_t n_lps, cap_lps;
     td_token_logprob_t *prompt_lps;    /* [n_prompt_lps] with --prompt-logprobs */
@@ -462,6 +464,9 @@ static void on_gen_message(td_grpc_client_call_t *call, const ProtobufCMessage *
         r->per_token_s = t->per_token_s;
         r->total_s = t->total_s;
         r->prefill_local = t->prefill_local;
+        r->prefill_peer = t->prefill_peer;
+        snprintf(r->prefill_node, sizeof r->prefill_node, "%s", t->prefill_node ? t->prefill_node : "");
+        snprintf(r->decode_node, sizeof r->decode_node, "%s", t->decode_node ? t->decode_node : "");
     }
 }
 
@@ -578,10 +583,11 @@ static void remote_report_timings(const remote_state_t *r)
             ttft_ms);
     fprintf(stderr,
             "server: request %s, finish %s, %u cached prompt tokens | queue %.2f ms | prefill %.2f ms on %s | transfer %.2f ms | "
-            "first token %.2f ms | per token %.2f ms | total %.2f ms\n",
+            "first token %.2f ms | per token %.2f ms | total %.2f ms | prefill node %s, decode node %s\n",
             r->request_id[0] ? r->request_id : "?", finish_name(r->finish), r->cached_tokens, r->queue_s * 1e3, r->prefill_s * 1e3,
-            r->prefill_local ? "the decode node" : "a prefill node", r->transfer_s * 1e3,
-            r->first_token_s * 1e3, r->per_token_s * 1e3, r->total_s * 1e3);
+            r->prefill_local ? "the decode node" : r->prefill_peer ? "another decode node" : "a prefill node",
+            r->transfer_s * 1e3, r->first_token_s * 1e3, r->per_token_s * 1e3, r->total_s * 1e3,
+            r->prefill_node[0] ? r->prefill_node : "?", r->decode_node[0] ? r->decode_node : "?");
 }
 
 static int gen_remote(cli_gen_opts_t *o)

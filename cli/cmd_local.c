@@ -314,7 +314,8 @@ int cmd_local(int argc, char **argv)
         TD_OPT_INT("http-port", &o.http_port, -1, 65535, "the router's OpenAI HTTP API port (default 0: any; -1: off)"),
         TD_OPT_STRING("prefill-policy", &o.prefill_policy, "the router's: disaggregated (default) | conditional "
                       "(each prompt of a decode node prefilled on the decode node when that is sooner; "
-                      "docs/scheduling.md \"Conditional disaggregation\")"),
+                      "docs/scheduling.md \"Conditional disaggregation\") | follow (conditional, or on another "
+                      "decode node when that is sooner: --decode 2 needs no prefill node)"),
         TD_OPT_INT("tpot-objective-ms", &o.tpot_objective_ms, 0, 600000,
                    "the router's TPOT objective for conditional placement (default 0: the router's, 100)"),
         TD_OPT_INT("ttft-objective-ms", &o.ttft_objective_ms, 0, 600000,
@@ -368,13 +369,20 @@ int cmd_local(int argc, char **argv)
         fprintf(stderr, "tandem local: %s\n", td_last_error());
         return 2;
     }
+    /* under conditional or follow a decode node prefills its prompts itself (or a peer's) when
+       no prefill node pairs with it: decode nodes alone serve (follow's default) */
+    bool self_prefill = o.prefill_policy && (!strcmp(o.prefill_policy, "conditional") ||
+                                             !strcmp(o.prefill_policy, "follow"));
+    bool follow = o.prefill_policy && !strcmp(o.prefill_policy, "follow");
     if (o.n_prefill < 0)
-        o.n_prefill = o.n_unified ? 0 : 1;
+        o.n_prefill = o.n_unified || follow ? 0 : 1;
     if (o.n_decode < 0)
         o.n_decode = o.n_unified ? 0 : 1;
-    if ((o.n_prefill == 0) != (o.n_decode == 0) || o.n_prefill + o.n_decode + o.n_unified == 0) {
+    if ((o.n_prefill > 0 && o.n_decode == 0) || (o.n_prefill == 0 && o.n_decode > 0 && !self_prefill) ||
+        o.n_prefill + o.n_decode + o.n_unified == 0) {
         fprintf(stderr, "tandem local: --prefill %lld --decode %lld --unified %lld: prefill and decode nodes come "
-                "together (a pair), and some node must serve; e.g. --prefill 1 --decode 1, or --unified 2\n",
+                "together (a pair; decode nodes alone under --prefill-policy conditional or follow), and some node "
+                "must serve; e.g. --prefill 1 --decode 1, --decode 2 --prefill-policy follow, or --unified 2\n",
                 (long long)o.n_prefill, (long long)o.n_decode, (long long)o.n_unified);
         return 2;
     }

@@ -517,13 +517,14 @@ static decode_kv_out_t *kv_out_find(decode_state_t *s, uint64_t id)
     return NULL;
 }
 
-/* Ends the call (if still there) with code; counts a failure. */
+/* Ends the call (if still there: a call answered or cancelled before is not counted again)
+ * with code; counts a failure. */
 static void kv_out_answer(decode_state_t *s, decode_kv_out_t *k, td_grpc_code_t code, const char *why)
 {
-    if (code != TD_GRPC_OK)
-        td_metric_inc(s->m_kv_out_failed);
     if (!k->call)
         return;
+    if (code != TD_GRPC_OK)
+        td_metric_inc(s->m_kv_out_failed);
     td_grpc_call_set_data(k->call, NULL);
     td_grpc_call_finish(k->call, code, why);
     k->call = NULL;
@@ -1025,8 +1026,8 @@ static td_status_t init_metrics(decode_state_t *s)
                                       "(0: none has one)", &s->m_tpot),
         TD_METRIC_DEF_COUNTER(name[15], "prompts prefilled here for another decode node's lease and delivered "
                                         "there (Prefill calls of the peer placement)", &s->m_kv_out),
-        TD_METRIC_DEF_COUNTER(name[16], "prompts prefilled here for another decode node's lease that failed "
-                                        "(computing, transfer or cancel)", &s->m_kv_out_failed),
+        TD_METRIC_DEF_COUNTER(name[16], "Prefill calls for another decode node's lease answered with an error "
+                                        "(computing, transfer, shutdown)", &s->m_kv_out_failed),
     };
     return td_metrics_register_all(s->metrics, defs, TD_ARRAY_LEN(defs));
 }

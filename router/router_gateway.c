@@ -252,6 +252,9 @@ static void gw_finish(router_req_t *r, const router_summary_t *sum)
         t.per_token_s = s0->per_token_s;
         t.total_s = s0->total_s;
         t.prefill_local = s0->prefill_local;
+        t.prefill_peer = s0->prefill_peer;
+        t.prefill_node = (char *)s0->prefill_node;
+        t.decode_node = (char *)s0->decode_node;
         m.timings = &t;
         td_grpc_call_set_data(gc->call, NULL);
         td_grpc_call_reply(gc->call, &m.base);

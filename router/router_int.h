@@ -138,6 +138,8 @@ typedef struct router_summary {
     uint32_t migrations;       /* times the stream moved to another pair (router_req_t's) */
     double queue_s, prefill_s, transfer_s, first_token_s, per_token_s, total_s;
     bool prefill_local;        /* prefilled on the decode (or unified) node itself (the last pair) */
+    bool prefill_peer;         /* prefilled on another decode node (pick.peer, the last pair) */
+    char prefill_node[TD_NODE_ID_MAX], decode_node[TD_NODE_ID_MAX]; /* the last pair's ids ("": gone) */
 } router_summary_t;
 
 /*

@@ -131,7 +131,8 @@ static td_status_t init_metrics(router_state_t *s)
     const char *where_reason[] = {"where", "reason"};
     if ((st = td_metrics_register(s->metrics, TD_METRIC_COUNTER, "tandem_router_prefill_placement_total",
                                   "prompts by where they were prefilled (local: on the decode or unified node; "
-                                  "remote: on a prefill node) and why (router_policy.h)",
+                                  "remote: on a prefill node; peer: on another decode node, --prefill-policy follow) "
+                                  "and why (router_policy.h)",
                                   where_reason, 2, NULL, 0, &s->f_placement)) != TD_OK)
         return st;
     static const struct {
@@ -433,7 +434,8 @@ int router_main(int argc, char **argv)
         TD_OPT_STRING("prefill-policy", &cfg->prefill_policy,
                       "where a decode node's prompts are prefilled: disaggregated (on a prefill node, the default) "
                       "| conditional (per request, on the decode node itself when that is sooner and keeps its "
-                      "streams within tpot-objective-ms; docs/scheduling.md)"),
+                      "streams within tpot-objective-ms; docs/scheduling.md) | follow (conditional, or on another "
+                      "decode node that prefills it and sends the KV, when that is sooner)"),
         TD_OPT_INT("tpot-objective-ms", &cfg->tpot_objective_ms, 1, 600000,
                    "conditional: the TPOT objective of a request that gives none (tpot_objective_ms): a decode "
                    "node keeps each step with prompt chunks of its own within the tightest of its streams'"),

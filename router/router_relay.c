@@ -163,6 +163,11 @@ void router_req_finish(router_req_t *r, router_finish_t reason)
     sum.per_token_s = r->completion > 1 && had_first ? (double)(r->t_last - r->t_first) * 1e-9 / (r->completion - 1) : 0;
     sum.total_s = (double)(now - r->t_arrival) * 1e-9;
     sum.prefill_local = r->pick.pair.prefill == r->pick.pair.decode;
+    sum.prefill_peer = r->pick.peer;
+    const router_node_t *pn = router_registry_node_const(s->reg, r->pick.pair.prefill),
+                        *dn = router_registry_node_const(s->reg, r->pick.pair.decode);
+    snprintf(sum.prefill_node, sizeof sum.prefill_node, "%s", pn ? pn->info.id : "");
+    snprintf(sum.decode_node, sizeof sum.decode_node, "%s", dn ? dn->info.id : "");
     if (r->client) {
         r->sink->finish(r, &sum);
         r->client = NULL;

@@ -71,13 +71,13 @@ static void count_placement(router_req_t *r, const router_pick_t *pk)
 {
     router_state_t *s = r->s;
     td_metric_t *m;
-    const char *v[] = {pk->local ? "local" : "remote", router_place_reason_name(pk->reason)};
+    const char *v[] = {pk->peer ? "peer" : pk->local ? "local" : "remote", router_place_reason_name(pk->reason)};
     if (td_metric_family_get(s->f_placement, v, &m) == TD_OK)
         td_metric_inc(m);
     const router_node_t *dn = router_registry_node_const(s->reg, pk->pair.decode);
     td_debug("request %s: %d prompt tokens prefilled %s (%s) for decode node %s; estimates local %.3f s, remote "
-             "%.3f s (-1: not possible), local chunk estimated %d tokens a step", r->id, r->n_prompt, v[0], v[1],
-             dn ? dn->info.id : "?", pk->local_s, pk->remote_s, pk->local ? pk->local_chunk : 0);
+             "%.3f s, peer %.3f s (-1: not possible), local chunk estimated %d tokens a step", r->id, r->n_prompt, v[0],
+             v[1], dn ? dn->info.id : "?", pk->local_s, pk->remote_s, pk->peer_s, pk->local ? pk->local_chunk : 0);
 }
 
 /* ---- text prompts, encoded off the loop (long ones) ------------------------------------ */
