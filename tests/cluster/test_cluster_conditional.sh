@@ -1,8 +1,11 @@
 #!/bin/bash
 # test_cluster_conditional: conditional disaggregation (docs/scheduling.md "Conditional
-# disaggregation"). A router with --prefill-policy conditional and a 500 ms TPOT objective,
-# one prefill node p0 and one decode node d0 of SmolLM2, one thread each. Where each prompt
-# was prefilled is read from the router's tandem_router_prefill_placement_total{where}.
+# disaggregation") and roles that follow the load ("Roles that follow the load"). A router with
+# --prefill-policy follow (conditional, plus decode nodes prefilling for each other: with one
+# decode node in 1. and 2. there is no peer, so those are conditional's placements exactly) and
+# a 500 ms TPOT objective, one prefill node p0 and one decode node d0 of SmolLM2, one thread
+# each. Where each prompt was prefilled is read from the router's
+# tandem_router_prefill_placement_total{where}.
 #   1. While a stream runs on d0, long prompts (800 tokens: a chunk step of the decode node's
 #      512-token budget takes ~1 s, past the objective) are prefilled on p0.
 #   2. While p0 computes a 1500-token prompt (with prompt logprobs: only a prefill node
@@ -13,7 +16,13 @@
 #   3. A second decode node d1 joins and p0 drains away: with no prefill node, a stream is
 #      prefilled on its decode node, which is SIGKILLed after 30 tokens: the stream moves,
 #      prefilled again on the other, and ends with exactly the ids and logprobs of an
-#      untouched run (cluster_faults.py migrate).
+#      untouched run (cluster_faults.py migrate). A stream may be prefilled by the other decode
+#      node (peer) instead of its own where that is sooner: counted with the local ones.
+#   4. Roles that follow the load: the decode node left runs a stream; a fresh decode node d2
+#      joins and is picked for a 200-token prompt (it runs nothing), but it has measured no
+#      prefill rate yet while the busy one has: the busy one prefills it beside its stream
+#      (a Prefill call for d2's lease, KV over td_xfer: placement peer, its
+#      tandem_decode_peer_prefills_total), and d2 decodes it.
 # Every output equals `tandem generate`'s (greedy). Under the sanitizers (about 20x slower)
 # the prompts, outputs and objective are scaled so that the same chunk steps stay on the same
 # side of it. Skips without the GGUF or python3-grpcio.
@@ -32,7 +41,7 @@ if [ "${TD_SANITIZE:-OFF}" = ON ]; then
 fi
 # a killed node is seen at once (its connections close); the heartbeat bound only has to
 # survive a loaded machine (a sanitizer build's steps of a second and more)
-cl_cluster 1 --prefill-policy conditional --tpot-objective-ms $TPOT --heartbeat-ms 100 --heartbeat-timeout-ms $HB_TIMEOUT \
+cl_cluster 1 --prefill-policy follow --tpot-objective-ms $TPOT --heartbeat-ms 100 --heartbeat-timeout-ms $HB_TIMEOUT \
     --max-migrations 2 --log-level debug # debug: each pick's estimates, shown when a check fails
 
 # placed WHERE: prompts prefilled there so far (local: on the decode node, remote: on p0)
@@ -151,18 +160,46 @@ echo "$STREAM|$(cl_ref $MAXTOK "$STREAM")" >"$CL_T/mig"
 cl_kill p0 TERM # it drains (routed nothing new at its next heartbeat) and exits
 "$CL_PY" "$CL_TOOL" waitmetric "${CL_MURL[router]}" tandem_router_prefill_nodes_up == 0 $((HB_TIMEOUT / 1000 + 30)) >/dev/null ||
     cl_fail "the router still counts p0 after its SIGTERM"
-l0=$(placed local) r0=$(placed remote)
+l0=$(( $(placed local) + $(placed peer) )) r0=$(placed remote)
 live="d0=${CL_PID[d0]}=${CL_MURL[d0]},d1=${CL_PID[d1]}=${CL_MURL[d1]}"
 "$CL_PY" "$CL_TOOL" migrate "$CL_GW" $MAXTOK "$CL_T/mig" greedy $AFTER serving "$live" moved >"$CL_T/mig.log" 2>&1 ||
     CL_FAIL=1
 cat "$CL_T/mig.log"
 for name in $(sed -n 's/^killed //p' "$CL_T/mig.log"); do CL_KILLED[$name]=1; done
-l1=$(placed local) r1=$(placed remote)
-echo "the stream untouched, then killed and moved: local $((l1 - l0)), remote $((r1 - r0))"
+l1=$(( $(placed local) + $(placed peer) )) r1=$(placed remote)
+echo "the stream untouched, then killed and moved: local or peer $((l1 - l0)), remote $((r1 - r0))"
 [ $((l1 - l0)) = 3 ] && [ $((r1 - r0)) = 0 ] || {
     cl_fail "want the untouched stream, the killed one and its move prefilled on their decode nodes; the router's picks:"
     grep 'prompt tokens prefilled' "$CL_T/router.err" | tail -5
 }
 m=$(cl_metric router tandem_router_migrations_total)
 [ "${m%.*}" = 1 ] || cl_fail "tandem_router_migrations_total is $m, want 1"
-cl_end "conditional: long prompts prefilled on the prefill node, short ones behind a busy prefill node on the decode node, without a prefill node a locally prefilled stream moved when its node was killed; every output equal to tandem generate"
+
+echo "== 4. a fresh decode node's prompt prefilled by the busy one (peer), beside its stream"
+busy=d0
+[ "${CL_KILLED[d0]:-0}" = 1 ] && busy=d1
+# a prompt of its own first, so that it has measured its prefill rate (the fit's chunks)
+gen warm 2 "$(ids 100 50)"
+wait $GEN_PID || cl_fail "warm: $(tail -1 "$CL_T/warm.gerr")"
+check warm 2
+gen s4 $STREAM_TOK "$STREAM"
+STREAM_PID=$GEN_PID
+"$CL_PY" "$CL_TOOL" waitmetric "${CL_MURL[$busy]}" tandem_decode_running_sequences ">=" 1 60 >/dev/null ||
+    cl_fail "the stream s4 did not start running on $busy"
+cl_node decode d2
+cl_wait_nodes 0 2
+p0=$(placed peer) k0=$(cl_metric $busy tandem_decode_peer_prefills_total | cut -d. -f1)
+gen peer 4 "$(ids 200 60)"
+wait $GEN_PID || cl_fail "peer: $(tail -1 "$CL_T/peer.gerr")"
+check peer 4
+p1=$(placed peer) k1=$(cl_metric $busy tandem_decode_peer_prefills_total | cut -d. -f1)
+echo "the 200-token prompt: placed peer $((p1 - p0)), prefilled by $busy for another node's lease $((k1 - k0)): $(sed -n 's/^server:.*| \(prefill [0-9.]* ms on [^|]*\)|.*/\1/p' "$CL_T/peer.gerr")"
+[ $((p1 - p0)) = 1 ] && [ $((k1 - k0)) = 1 ] || {
+    cl_fail "want the 200-token prompt of d2 prefilled on $busy; the router's picks:"
+    grep 'prompt tokens prefilled' "$CL_T/router.err" | tail -3
+}
+grep -q "prefill [0-9.]* ms on another decode node .* prefill node $busy, decode node d2" "$CL_T/peer.gerr" ||
+    cl_fail "peer: the timing line does not say $busy prefilled it for d2: $(grep '^server:' "$CL_T/peer.gerr")"
+wait $STREAM_PID || cl_fail "s4: $(tail -1 "$CL_T/s4.gerr")"
+check s4 $STREAM_TOK
+cl_end "conditional: long prompts prefilled on the prefill node, short ones behind a busy prefill node on the decode node, without a prefill node a locally prefilled stream moved when its node was killed; follow: a busy decode node prefilled a fresh one's prompt beside its stream; every output equal to tandem generate"
