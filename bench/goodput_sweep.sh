@@ -17,7 +17,9 @@
 #     (a unified configuration may name its prompt chunk: unified2@64 runs --prefill-chunk 64;
 #     `conditional` is disagg with --prefill-policy conditional and --tpot-objective-ms the mix's
 #     TPOT objective, conditional@MS another objective; conditional+ttft also gives the router
-#     the mix's TTFT objective, --ttft-objective-ms: local only where the prefill node would pass it)
+#     the mix's TTFT objective, --ttft-objective-ms: local only where the prefill node would pass it;
+#     `follow` is 2 decode nodes with --prefill-policy follow (roles that follow the load: each
+#     prompt prefilled by its decode node or the other one), the objective as conditional's)
 #   MIXES [prefill decode]  NUM_PROMPTS [30]  SEED [1]  WARMUP [4]
 #   PREFILL_MIX ["256 16 0.25"]  DECODE_MIX ["64 128 0.25"]   (input-len output-len range-ratio)
 #   PREFILL_SLO ["ttft:MS tpot:MS"]  DECODE_SLO [...]  PREFILL_RATES  DECODE_RATES  (see below)
@@ -73,6 +75,7 @@ start_cluster() {
     disagg) args=(--prefill 1 --decode 1 --threads 1) ;;
     conditional) args=(--prefill 1 --decode 1 --threads 1 --prefill-policy conditional) ;;
     conditional+ttft) args=(--prefill 1 --decode 1 --threads 1 --prefill-policy conditional --ttft-objective-ms "$ttft_ms") ;;
+    follow) args=(--prefill 0 --decode 2 --threads 1 --prefill-policy follow) ;;
     unified2) args=(--unified 2 --threads 1) ;;
     unified1) args=(--unified 1 --threads 2) ;;
     *) echo "goodput_sweep: unknown configuration $cfg" >&2; exit 2 ;;
@@ -80,8 +83,8 @@ start_cluster() {
   # CONFIG@N: unified nodes feed prompts in chunks of N tokens (--prefill-chunk; default 256);
   # conditional@MS: the router's TPOT objective (else the mix's)
   case "$cfg" in
-    conditional*@*) args+=(--tpot-objective-ms "${cfg#*@}") ;;
-    conditional*) args+=(--tpot-objective-ms "$tpot_ms") ;;
+    conditional*@* | follow@*) args+=(--tpot-objective-ms "${cfg#*@}") ;;
+    conditional* | follow) args+=(--tpot-objective-ms "$tpot_ms") ;;
     *@*) args+=(--prefill-chunk "${cfg#*@}") ;;
   esac
   local fifo=$out/.local.$cfg.out
@@ -102,7 +105,7 @@ start_cluster() {
   for kid in $(pgrep -P "$lpid"); do
     role=$(tr '\0' ' ' <"/proc/$kid/cmdline" | awk '{print $2, $8}')
     case "$role" in
-      "prefill prefill0"|"unified unified0") core=$c0 ;;
+      "prefill prefill0"|"unified unified0"|"decode decode1") core=$c0 ;;
       "decode decode0"|"unified unified1") core=$c1 ;;
       *) continue ;;
     esac
