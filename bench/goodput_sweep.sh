@@ -152,6 +152,9 @@ for cfg in $CONFIGS; do
           --output-tokens-stddev 0 --extra-inputs ignore_eos:true --use-server-token-count \
           --tokenizer "$HF_TOKENIZER" --random-seed "$SEED" --artifact-dir "$out/aiperf-$cfg-$mix" 2>&1 |
           tail -40 | tee -a "$log"
+        # where the prompts were prefilled (the router's placement counts)
+        murl=$(sed -n 's/^metrics: //p' "$out/.local.$cfg.out" | head -1)
+        curl -s "$murl" | grep '^tandem_router_prefill_placement_total' | sed "s/^/$cfg: /" | tee -a "$log" || true
         echo "$cfg/$mix: $(( $(date +%s) - t0 )) s; load after: $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$log"
         stop_cluster
         continue
