@@ -72,7 +72,6 @@ void decode_out_free(decode_out_t *o)
     free(o);
 }
 
-
 static void add_seq(decode_out_t *o, uint64_t id, int32_t token, decode_out_kind_t kind)
 {
     o->seqs[o->n_seqs++] = (decode_out_seq_t){.lease_id = id, .token = token, .kind = kind};
