@@ -33,6 +33,12 @@ typedef struct td_cpu {
     td_cpu_kernels_t k;  /* every op's kernels, of one ISA level, chosen at creation */
     td_step_meta_t meta; /* pointers owned by the engine, valid until the next set_step */
     bool have_step;
+    /* the step's rotation angles, computed by the first rope_kv_write of a step and read by
+       the other layers': per row its cos, then its sin, of inv_freq (head_dim / 2 each) */
+    float *rope;
+    size_t rope_cap;         /* floats */
+    const float *rope_freq;  /* whose angles rope holds for this step (NULL: none yet) */
+    int32_t rope_hd;
 
     unsigned char *scratch;  /* [n_threads][scratch_stride] bytes, 64-byte aligned slices */
     size_t scratch_stride;

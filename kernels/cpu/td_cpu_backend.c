@@ -134,6 +134,7 @@ static td_status_t cpu_set_step(td_backend_t *be, const td_step_meta_t *meta)
     td_cpu_t *cpu = td_cpu_of(be);
     cpu->meta = *meta;
     cpu->have_step = true;
+    cpu->rope_freq = NULL; /* new positions */
     return TD_OK;
 }
 
@@ -262,6 +263,8 @@ typedef struct rope_job {
     const float *v;
     int32_t n_heads, n_kv_heads, head_dim;
     const float *inv_freq; /* NULL: no rotation */
+    float *angles;         /* NULL: each row's cos and sin computed here; else [rows][hd]: */
+    bool fill;             /* written here (the step's first rotation), else read */
     td_rope_style_t style;
     const int32_t *positions, *slots;
     unsigned char *layer;
@@ -307,17 +310,20 @@ static void rope_task(void *arg, int task, int thread)
     for (int r = r0; r < r1; r++) {
         float *k = j->k + (size_t)r * row;
         if (j->inv_freq) {
-            /* the angle in double: at position 32k a float product is off by ~1e-3 rad */
-            double pos = (double)j->positions[r];
-            for (int i = 0; i < half; i++) {
-                double s, c;
-                sincos(pos * (double)j->inv_freq[i], &s, &c);
-                cs[i] = (float)c;
-                sn[i] = (float)s;
+            float *c_r = j->angles ? j->angles + (size_t)r * hd : cs, *s_r = j->angles ? c_r + half : sn;
+            if (!j->angles || j->fill) {
+                /* the angle in double: at position 32k a float product is off by ~1e-3 rad */
+                double pos = (double)j->positions[r];
+                for (int i = 0; i < half; i++) {
+                    double s, c;
+                    sincos(pos * (double)j->inv_freq[i], &s, &c);
+                    c_r[i] = (float)c;
+                    s_r[i] = (float)s;
+                }
             }
             if (j->q)
-                rope_heads(j->q + (size_t)r * j->n_heads * hd, j->n_heads, hd, cs, sn, j->style);
-            rope_heads(k, j->n_kv_heads, hd, cs, sn, j->style);
+                rope_heads(j->q + (size_t)r * j->n_heads * hd, j->n_heads, hd, c_r, s_r, j->style);
+            rope_heads(k, j->n_kv_heads, hd, c_r, s_r, j->style);
         }
         int32_t slot = j->slots[r];
         if (slot < 0) /* a padding row with no cache slot */
@@ -341,6 +347,26 @@ static td_status_t cpu_rope_kv_write(td_backend_t *be, const td_rope_kv_params_t
                     .head_dim = hd, .inv_freq = p->inv_freq, .style = p->style,
                     .positions = cpu->meta.positions, .slots = cpu->meta.slots,
                     .layer = p->kv_layer, .layout = l, .rows = cpu->meta.n_tokens};
+    if (p->inv_freq) { /* the step's angles: computed once, by its first layer (sincos in double
+                          was 1.5% of a SmolLM2 prefill, every layer's the same) */
+        size_t need = (size_t)j.rows * (size_t)hd;
+        j.fill = cpu->rope_freq != p->inv_freq || cpu->rope_hd != hd;
+        if (j.fill && need > cpu->rope_cap) {
+            float *t = malloc(need * sizeof(float));
+            if (t) { /* else every row computes its own, as without a table */
+                free(cpu->rope);
+                cpu->rope = t;
+                cpu->rope_cap = need;
+            }
+        }
+        if (need <= cpu->rope_cap) {
+            j.angles = cpu->rope;
+            cpu->rope_freq = p->inv_freq;
+            cpu->rope_hd = hd;
+        } else {
+            cpu->rope_freq = NULL;
+        }
+    }
     j.n_tasks = row_tasks(cpu, j.rows, (size_t)(p->n_heads + 3 * nkv) * hd * 2 + (size_t)hd * 20);
     td_pool_run(cpu->pool, j.n_tasks, rope_task, &j);
     return TD_OK;
@@ -516,6 +542,7 @@ static void cpu_destroy(td_backend_t *be)
     td_pool_destroy(cpu->pool);
     free(cpu->scratch);
     free(cpu->shared);
+    free(cpu->rope);
     free(cpu);
 }
 
