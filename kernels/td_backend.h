@@ -195,9 +195,10 @@ typedef struct td_backend_ops {
                                int32_t n_blocks, const int32_t *src, const int32_t *dst, int32_t n);
 
     /* weights */
-    /* Repacks a block-typed weight [n][k] (w, host memory, only read) into a layout of
-       the backend's own that its matmul reads faster (CPU: 16 rows interleaved for int8 dot
-       products, td_cpu_pack.h). *packed_p is the new device buffer, freed with ops->free,
+    /* Repacks a weight [n][k] (w, host memory, only read) into a layout of the backend's
+       own that its matmul reads faster (CPU: block types 16 rows interleaved for int8 dot
+       products, td_cpu_pack.h; float types in cpu:q8 at level avx512bf16 to bf16 16 rows
+       interleaved, td_cpu_bgemm.h). *packed_p is the new device buffer, freed with ops->free,
        passed to matmul with w_packed; NULL (TD_OK) when the backend keeps this weight as
        stored. NULL op: the backend never repacks (CUDA). Errors: TD_ERR_NOMEM. */
     td_status_t (*weight_pack)(td_backend_t *be, const void *w, td_dtype_t dtype, int32_t n, int32_t k,
@@ -228,9 +229,11 @@ typedef struct td_cpu_config {
                            byte, for the K formats) */
     bool act_one_byte;  /* the packed quantized matmul's activations in one byte a value
                            (llama.cpp's rounding, td_cpu_pack.h) instead of two: about 1.6x
-                           the AVX2 prefill rate, llama.cpp's precision; --device cpu:q8 */
-    const char *isa;    /* the kernels' instruction set: "scalar", "avx2", "avx512" or
-                           "avx512vnni"; NULL or "" for $TANDEM_CPU_ISA, and when that is
+                           the AVX2 prefill rate, llama.cpp's precision; and at level
+                           avx512bf16 float weights repacked to bf16 and met by activations
+                           rounded to bf16 (td_cpu_bgemm.h); --device cpu:q8 */
+    const char *isa;    /* the kernels' instruction set: "scalar", "avx2", "avx512",
+                           "avx512vnni" or "avx512bf16"; NULL or "" for $TANDEM_CPU_ISA, and when that is
                            unset the best this CPU runs. A lower one is for measuring the
                            kernels other machines run; one this CPU lacks is an error */
 } td_cpu_config_t;

@@ -91,13 +91,14 @@ static td_dtype_t weight_want(td_engine_t *eng, const td_tensor_t *t)
     return want;
 }
 
-/* A block-typed matrix in the backend's packed form (ops->weight_pack), from the host
- * tensor t converted to `want` (--quant) when it is stored otherwise. out->data stays NULL
- * when the backend keeps the matrix as stored. */
+/* A matrix in the backend's packed form (ops->weight_pack: block types, and float ones
+ * where the backend packs those, cpu:q8's bf16), from the host tensor t converted to `want`
+ * (--quant) when it is stored otherwise. out->data stays NULL when the backend keeps the
+ * matrix as stored. */
 static td_status_t pack_tensor(td_engine_t *eng, const td_tensor_t *t, td_dtype_t want, td_dev_tensor_t *out)
 {
     td_backend_t *be = eng->be;
-    if (!be->ops->weight_pack || t->n_dims != 2 || !td_dtype_is_block(want))
+    if (!be->ops->weight_pack || t->n_dims != 2)
         return TD_OK;
     size_t n = tensor_elems(t);
     void *tmp = NULL;

@@ -17,6 +17,7 @@
 #include <stdlib.h>
 #include <sys/mman.h>
 
+#include "td_cpu_bgemm.h"
 #include "td_cpu_pack.h"
 #include "td_log.h"
 #include "td_quant.h"
@@ -568,14 +569,56 @@ static void pack_task(void *arg, int task, int thread)
                         (size_t)(r1 - r0), (size_t)jb->k);
 }
 
+typedef struct bpack_job {
+    unsigned char *dst;
+    const unsigned char *w;
+    td_dtype_t dtype;
+    int32_t n, k;
+    int groups; /* groups of 16 rows per task */
+} bpack_job_t;
+
+static void bpack_task(void *arg, int task, int thread)
+{
+    bpack_job_t *jb = arg;
+    (void)thread;
+    int r0 = task * jb->groups * TD_CPU_BGEMM_ROWS;
+    int r1 = TD_MIN(jb->n, r0 + jb->groups * TD_CPU_BGEMM_ROWS);
+    td_cpu_bgemm_pack(jb->dst + (size_t)(r0 / TD_CPU_BGEMM_ROWS) * td_cpu_bgemm_group_bytes((size_t)jb->k),
+                      jb->w + (size_t)r0 * td_dtype_bytes(jb->dtype, (size_t)jb->k), jb->dtype,
+                      (size_t)(r1 - r0), (size_t)jb->k);
+}
+
+/* A float matrix (k even) as bf16 groups (td_cpu_bgemm.h), in parallel over the groups. */
+static td_status_t bgemm_pack(td_cpu_t *cpu, const void *w, td_dtype_t dtype, int32_t n, int32_t k,
+                              void **packed_p)
+{
+    void *dst = NULL;
+    td_status_t st = cpu_alloc_weights(td_cpu_bgemm_pack_bytes((size_t)n, (size_t)k), &dst);
+    if (st != TD_OK)
+        return st;
+    int n_groups = (n + TD_CPU_BGEMM_ROWS - 1) / TD_CPU_BGEMM_ROWS;
+    bpack_job_t jb = {.dst = dst, .w = w, .dtype = dtype, .n = n, .k = k,
+                      .groups = (n_groups + cpu->n_threads - 1) / cpu->n_threads};
+    td_pool_run(cpu->pool, (n_groups + jb.groups - 1) / jb.groups, bpack_task, &jb);
+    *packed_p = dst;
+    return TD_OK;
+}
+
 /* Contract (td_backend.h ops->weight_pack): Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K and IQ4_XS matrices
  * are packed unless the backend computes exactly (f32 activations read the stored rows; its
- * weight_dtypes then lacks Q5_K and IQ4_XS, which only the packed kernels read); others stay. */
+ * weight_dtypes then lacks Q5_K and IQ4_XS, which only the packed kernels read); f32, f16
+ * and bf16 ones with an even k are packed to bf16 by a cpu:q8 backend at level avx512bf16
+ * (td_cpu_bgemm); others stay. */
 static td_status_t cpu_weight_pack(td_backend_t *be, const void *w, td_dtype_t dtype, int32_t n,
                                    int32_t k, void **packed_p)
 {
     td_cpu_t *cpu = td_cpu_of(be);
     *packed_p = NULL;
+    if (td_dtype_is_float(dtype)) {
+        if (!cpu->act_one_byte || !cpu->k.bgemm || n <= 0 || k <= 0 || k % 2 != 0)
+            return TD_OK;
+        return bgemm_pack(cpu, w, dtype, n, k, packed_p);
+    }
     if (cpu->exact || !td_cpu_pack_supports(dtype) || n <= 0 || k <= 0 || k % td_dtype_block_elems(dtype) != 0)
         return TD_OK;
     void *dst = NULL;
@@ -672,7 +715,8 @@ err_cpu:
 void td_cpu_kernels_fill(td_cpu_isa_t isa, td_cpu_kernels_t *k)
 {
     TD_ASSERT(td_cpu_isa_runs(isa));
-    *k = (td_cpu_kernels_t){.isa = isa, .fmatmul = td_cpu_fmatmul_of(isa), .pack = td_cpu_pack_ops(isa),
+    *k = (td_cpu_kernels_t){.isa = isa, .fmatmul = td_cpu_fmatmul_of(isa),
+                            .bgemm = TD_CPU_X86 && isa >= TD_CPU_ISA_AVX512_BF16, .pack = td_cpu_pack_ops(isa),
                             .quant = td_cpu_quant_ops(isa), .qf32 = td_cpu_qf32_ops(isa),
                             .attn = td_cpu_attn_ops(isa), .row = td_cpu_row_ops(isa)};
 }

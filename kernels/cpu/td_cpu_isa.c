@@ -18,6 +18,7 @@ static const char *const isa_names[TD_CPU_ISA_COUNT] = {
     [TD_CPU_ISA_AVX2] = "avx2",
     [TD_CPU_ISA_AVX512] = "avx512",
     [TD_CPU_ISA_AVX512_VNNI] = "avx512vnni",
+    [TD_CPU_ISA_AVX512_BF16] = "avx512bf16",
 };
 
 /* The best level, found from CPUID on the first call. A race only computes it twice. */
@@ -35,8 +36,12 @@ static td_cpu_isa_t isa_detect(void)
           __builtin_cpu_supports("avx512vl")))
         return best;
     best = TD_CPU_ISA_AVX512;
-    if (__builtin_cpu_supports("avx512vnni"))
-        best = TD_CPU_ISA_AVX512_VNNI;
+    if (!__builtin_cpu_supports("avx512vnni"))
+        return best;
+    best = TD_CPU_ISA_AVX512_VNNI;
+    /* AVX512_BF16 from CPUID leaf 7 sub-leaf 1 (EAX bit 5): older compilers' builtin lacks it */
+    if (__get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 5)))
+        best = TD_CPU_ISA_AVX512_BF16;
 #endif
     return best;
 }
@@ -74,7 +79,7 @@ td_status_t td_cpu_isa_choose(const char *want, td_cpu_isa_t *isa_p)
         *isa_p = best;
         return TD_OK;
     }
-    char runs[64] = "";
+    char runs[80] = "";
     for (int i = 0; i <= (int)best; i++)
         snprintf(runs + strlen(runs), sizeof runs - strlen(runs), "%s%s", i ? ", " : "",
                  isa_names[i]);
@@ -88,5 +93,5 @@ td_status_t td_cpu_isa_choose(const char *want, td_cpu_isa_t *isa_p)
         return TD_OK;
     }
     return td_errorf(TD_ERR_INVALID, "%s=%s is not a kernel level: use one of scalar, avx2, avx512, "
-                     "avx512vnni (this CPU runs %s)", from, want, runs);
+                     "avx512vnni, avx512bf16 (this CPU runs %s)", from, want, runs);
 }

@@ -39,6 +39,7 @@
 
 #include <cblas.h>
 
+#include "td_cpu_bgemm.h"
 #include "td_cpu_fgemm.h"
 #include "td_cpu_pack.h"
 #include "td_cpu_qf32.h"
@@ -630,6 +631,87 @@ static td_status_t pmatmuls(td_cpu_t *cpu, const td_matmul_params_t *ps, int cou
     return TD_OK;
 }
 
+/* ---- float W packed to bf16, bf16 activations (td_cpu_bgemm: cpu:q8 at avx512bf16) ------ */
+
+/* Activation rows per td_cpu_bgemm call in a prefill (its [rows][block * 16] f32 tile: 64 KiB
+ * at 16 groups), and the packed W bytes one call's block of groups holds: a block stays in
+ * L2 while every row tile of the call, and the next calls' rows, sweep it; the first row
+ * tile reads it from memory. A decode call takes BG_DECODE_GROUPS groups (its tiles prefetch
+ * ahead within the task's share). */
+#define BG_ROWS 64
+#define BG_BLOCK_BYTES (512u * 1024u)
+#define BG_DECODE_GROUPS 16
+#define BG_DECODE_ROWS 4 /* td_cpu_bgemm's decode tiles take m <= 4 */
+
+typedef struct bmatmul_job {
+    const td_matmul_params_t *p;
+    td_cpu_t *cpu;
+    unsigned char *a; /* [m][stride] X rounded to bf16 */
+    size_t stride;
+    int rows;         /* activation rows per call */
+    int block;        /* groups per call */
+    int groups;       /* groups per task */
+    int act_tasks;
+} bmatmul_job_t;
+
+static void bact_task(void *arg, int task, int thread)
+{
+    bmatmul_job_t *jb = arg;
+    const td_matmul_params_t *p = jb->p;
+    int i0 = (int)((int64_t)p->m * task / jb->act_tasks);
+    int i1 = (int)((int64_t)p->m * (task + 1) / jb->act_tasks);
+    for (int i = i0; i < i1; i++)
+        td_cpu_bgemm_act_row((const float *)p->x + (size_t)i * p->k, (uint16_t *)(void *)(jb->a + (size_t)i * jb->stride),
+                             (size_t)p->k);
+}
+
+/* One task: groups [g0, g1) in blocks of jb->block, each block against every activation
+ * row (jb->rows a call) before the next, each call's products put through the epilogue. */
+static void bmatmul_task(void *arg, int task, int thread)
+{
+    bmatmul_job_t *jb = arg;
+    const td_matmul_params_t *p = jb->p;
+    int n_groups = (p->n + TD_CPU_BGEMM_ROWS - 1) / TD_CPU_BGEMM_ROWS;
+    int g0 = task * jb->groups, g1 = TD_MIN(n_groups, g0 + jb->groups);
+    int cols = jb->block * TD_CPU_BGEMM_ROWS;
+    float *tile = td_cpu_thread_scratch(jb->cpu, thread); /* [rows][cols] */
+    for (int g = g0; g < g1; g += jb->block) {
+        int ge = TD_MIN(g1, g + jb->block);
+        int j = g * TD_CPU_BGEMM_ROWS, nn = TD_MIN(p->n, ge * TD_CPU_BGEMM_ROWS) - j;
+        for (int i0 = 0; i0 < p->m; i0 += jb->rows) {
+            int mm = TD_MIN(jb->rows, p->m - i0);
+            td_cpu_bgemm(p->w, (size_t)g, (size_t)ge, (size_t)g1, (size_t)p->k, jb->a + (size_t)i0 * jb->stride,
+                         jb->stride, (size_t)mm, tile, (size_t)cols);
+            store_tile(p, i0, mm, j, nn, tile, cols);
+        }
+    }
+}
+
+/* Rounds X's rows to bf16 once (in parallel when there are many), then splits W's groups
+ * over the pool: about two tasks a thread. Every output is one lane summed in td_cpu_bgemm's
+ * one order whatever the split: batch-invariant. */
+static td_status_t bmatmul(td_cpu_t *cpu, const td_matmul_params_t *p)
+{
+    TD_ASSERT(cpu->k.bgemm && td_dtype_is_float(p->w_dtype) && p->k % 2 == 0);
+    bmatmul_job_t jb = {.p = p, .cpu = cpu, .stride = td_cpu_bgemm_act_stride((size_t)p->k)};
+    bool decode = p->m <= BG_DECODE_ROWS;
+    jb.rows = decode ? p->m : BG_ROWS;
+    jb.block = decode ? BG_DECODE_GROUPS
+                      : TD_MAX(2, (int)(BG_BLOCK_BYTES / td_cpu_bgemm_group_bytes((size_t)p->k)) / 2 * 2);
+    td_status_t st = td_cpu_reserve(cpu, (size_t)jb.rows * (size_t)jb.block * TD_CPU_BGEMM_ROWS * sizeof(float),
+                                    (size_t)p->m * jb.stride);
+    if (st != TD_OK)
+        return st;
+    jb.a = cpu->shared;
+    int n_groups = (p->n + TD_CPU_BGEMM_ROWS - 1) / TD_CPU_BGEMM_ROWS;
+    int tasks = cpu->n_threads == 1 ? 1 : cpu->n_threads * 2;
+    jb.groups = (n_groups + tasks - 1) / tasks;
+    jb.act_tasks = p->m >= 4 * cpu->n_threads ? cpu->n_threads : 1;
+    td_pool_run(cpu->pool, jb.act_tasks, bact_task, &jb);
+    td_pool_run(cpu->pool, (n_groups + jb.groups - 1) / jb.groups, bmatmul_task, &jb);
+    return TD_OK;
+}
+
 /* Contract (td_backend.h ops->matmul): y may not alias x or w. Errors: TD_ERR_NOMEM when
    the conversion scratch cannot grow. */
 td_status_t td_cpu_matmul(td_backend_t *be, const td_matmul_params_t *p)
@@ -639,7 +721,7 @@ td_status_t td_cpu_matmul(td_backend_t *be, const td_matmul_params_t *p)
     if (p->m == 0 || p->n == 0)
         return TD_OK;
     if (p->w_packed)
-        return pmatmuls(cpu, p, 1);
+        return td_dtype_is_float(p->w_dtype) ? bmatmul(cpu, p) : pmatmuls(cpu, p, 1);
     if (p->w_dtype == TD_Q5_K || p->w_dtype == TD_IQ4_XS)
         return td_errorf(TD_ERR_UNSUPPORTED, "cpu matmul: %s weights are read only in the packed form "
                          "ops->weight_pack makes; pack the matrix first", td_dtype_name(p->w_dtype));
@@ -648,8 +730,8 @@ td_status_t td_cpu_matmul(td_backend_t *be, const td_matmul_params_t *p)
     return cpu->k.fmatmul(cpu, p);
 }
 
-/* Contract (td_backend.h ops->matmuls): ps[i] share m, k and x. Packed matrices go through
-   one pmatmuls job; otherwise each is td_cpu_matmul's, in order. */
+/* Contract (td_backend.h ops->matmuls): ps[i] share m, k and x. Packed block-typed matrices
+   go through one pmatmuls job; otherwise each is td_cpu_matmul's, in order. */
 td_status_t td_cpu_matmuls(td_backend_t *be, const td_matmul_params_t *ps, int32_t count)
 {
     td_cpu_t *cpu = td_cpu_of(be);
@@ -657,7 +739,7 @@ td_status_t td_cpu_matmuls(td_backend_t *be, const td_matmul_params_t *ps, int32
     bool packed = ps[0].m > 0;
     for (int i = 0; i < count; i++) {
         TD_ASSERT(ps[i].m == ps[0].m && ps[i].k == ps[0].k && ps[i].x == ps[0].x && ps[i].n >= 0);
-        packed = packed && ps[i].w_packed && ps[i].n > 0;
+        packed = packed && ps[i].w_packed && ps[i].n > 0 && !td_dtype_is_float(ps[i].w_dtype);
     }
     if (packed)
         return pmatmuls(cpu, ps, count);

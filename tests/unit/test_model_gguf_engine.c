@@ -302,3 +302,100 @@ Test(model_gguf_engine, quant_keeps_matrices_whose_rows_are_not_whole_blocks)
     run_close(&f);
     run_close(&q);
 }
+
+/* An f16 GGUF through cpu:q8 (one-byte activations; at level avx512bf16 the float matrices
+ * repacked to bf16 and met by bf16 activations, td_cpu_bgemm): its logits follow cpu:exact's
+ * within what bf16 rounding costs along the exact path's greedy tokens (teacher-forced),
+ * they are not the default backend's (the bf16 path ran), and a sequence's decode logits
+ * are the same bits alone and in a batch of 2 and of 9 decode rows (a prefill tile and its
+ * tail): batch invariance holds within the mode. */
+static void run_open_cfg(run_t *r, const char *path, const td_cpu_config_t *cc, int n_blocks)
+{
+    *r = (run_t){0};
+    cr_assert_eq(td_model_load(path, &r->model), TD_OK, "%s", td_last_error());
+    cr_assert_eq(td_backend_cpu_create(cc, &r->be), TD_OK, "%s", td_last_error());
+    td_engine_config_t ec = td_engine_config_default();
+    ec.n_blocks = n_blocks;
+    ec.kv_dtype = TD_F32;
+    cr_assert_eq(td_engine_create(r->model, r->be, &ec, &r->eng), TD_OK, "%s", td_last_error());
+    td_kv_seq_init(&r->seq);
+}
+
+Test(model_gguf_engine, f16_in_cpu_q8_follows_exact_and_is_batch_invariant, .timeout = 120)
+{
+    td_synth_params_t p = {.seed = 32, .dtype = TD_F16};
+    cr_assert_eq(td_model_preset("tiny", &p.config), TD_OK);
+    cr_assert_eq(td_model_synth_gguf(&p, gguf), TD_OK, "%s", td_last_error());
+    run_t ex, q8, def;
+    run_open_cfg(&ex, gguf, &(td_cpu_config_t){.n_threads = 1, .exact = true}, 8);
+    run_open_cfg(&q8, gguf, &(td_cpu_config_t){.n_threads = 2, .act_one_byte = true}, 64);
+    run_open_cfg(&def, gguf, &(td_cpu_config_t){.n_threads = 1}, 8);
+    bool bf16 = !strcmp(td_backend_cpu_isa(q8.be), "avx512bf16");
+    int V = ex.model->config.vocab_size;
+    enum { STEPS = 16, SEQS = 9 };
+    int32_t prompt[N_PROMPT] = {256};
+    for (int i = 1; i < N_PROMPT; i++)
+        prompt[i] = (int32_t)((i * 37 + 11) % 256);
+    float *a = malloc((size_t)N_PROMPT * V * sizeof *a), *b = malloc((size_t)N_PROMPT * V * sizeof *b);
+    float *c = malloc((size_t)N_PROMPT * V * sizeof *c);
+    int32_t toks[STEPS];
+    double worst = 0, def_diff = 0;
+    int agree = 0;
+    for (int s = 0; s <= STEPS; s++) {
+        const int32_t *in = s ? &toks[s - 1] : prompt;
+        int n = s ? 1 : N_PROMPT;
+        run_step(&ex, in, n, a);
+        run_step(&q8, in, n, b);
+        run_step(&def, in, n, c);
+        double max_diff = 0, max_abs = 0;
+        for (size_t i = 0; i < (size_t)n * V; i++) {
+            max_diff = fmax(max_diff, fabs((double)a[i] - b[i]));
+            max_abs = fmax(max_abs, fabs((double)a[i]));
+            def_diff = fmax(def_diff, fabs((double)c[i] - b[i]));
+        }
+        worst = fmax(worst, max_diff / max_abs);
+        const float *last_a = a + (size_t)(n - 1) * V, *last_b = b + (size_t)(n - 1) * V;
+        agree += td_test_argmax(last_a, V) == td_test_argmax(last_b, V);
+        if (s < STEPS)
+            toks[s] = td_test_argmax(last_a, V);
+    }
+    cr_log_info("cpu:q8 (%s) against cpu:exact: largest logit difference %g of the largest logit, %d of %d tokens agree",
+                td_backend_cpu_isa(q8.be), worst, agree, STEPS + 1);
+    cr_assert(worst <= 0.03, "cpu:q8 logits differ from cpu:exact's by %g of the largest", worst);
+    cr_assert_geq(agree, STEPS - 1, "cpu:q8 picks the exact token at %d of %d steps", agree, STEPS + 1);
+    if (bf16)
+        cr_assert_gt(def_diff, 0, "at avx512bf16 cpu:q8's float matmul is bf16, not the default's f32 sums");
+
+    /* sequence 0 of a batch: alone (the run above, step by step), then with 1 and 8 others */
+    float *alone = malloc((size_t)STEPS * V * sizeof *alone), *batch = malloc((size_t)SEQS * V * sizeof *batch);
+    td_engine_seq_end(q8.eng, &q8.seq);
+    td_kv_seq_init(&q8.seq);
+    run_step(&q8, prompt, N_PROMPT, b);
+    for (int s = 0; s < 4; s++)
+        run_step(&q8, &toks[s], 1, alone + (size_t)s * V);
+    for (int width = 2; width <= SEQS; width += SEQS - 2) {
+        td_kv_seq_t seqs[SEQS];
+        td_engine_item_t items[SEQS];
+        for (int q = 0; q < width; q++) {
+            td_kv_seq_init(&seqs[q]);
+            int32_t pr[N_PROMPT];
+            memcpy(pr, prompt, sizeof pr);
+            pr[N_PROMPT - 1] = (int32_t)(q ? 40 + q : prompt[N_PROMPT - 1]); /* others differ */
+            td_engine_item_t it = {.seq = &seqs[q], .tokens = pr, .n_tokens = N_PROMPT, .n_logits = 1};
+            cr_assert_eq(td_engine_step(q8.eng, &it, 1, b), TD_OK, "%s", td_last_error());
+        }
+        for (int s = 0; s < 4; s++) {
+            for (int q = 0; q < width; q++)
+                items[q] = (td_engine_item_t){.seq = &seqs[q], .tokens = &toks[s], .n_tokens = 1, .n_logits = 1};
+            cr_assert_eq(td_engine_step(q8.eng, items, width, batch), TD_OK, "%s", td_last_error());
+            cr_assert_eq(memcmp(batch, alone + (size_t)s * V, (size_t)V * sizeof *batch), 0,
+                         "decode step %d in a batch of %d: sequence 0's logits differ from its own", s, width);
+        }
+        for (int q = 0; q < width; q++)
+            td_engine_seq_end(q8.eng, &seqs[q]);
+    }
+    free(a), free(b), free(c), free(alone), free(batch);
+    run_close(&ex);
+    run_close(&q8);
+    run_close(&def);
+}

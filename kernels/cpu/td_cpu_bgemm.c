@@ -1,0 +1,206 @@
+/*
+ * td_cpu_bgemm: bf16 weights packed 16 rows a group times bf16 activations with
+ * vdpbf16ps (td_cpu_bgemm.h has the layout and the order contract).
+ *
+ * A tile is R groups (16 R rows) by M activation rows in R * M zmm accumulators; per pair
+ * of weights each group's vector is loaded once and each row's pair broadcast once, then
+ * R * M vdpbf16ps. Decode (m <= 4): R = 4 groups, so a thread streams 4 interleaved group
+ * vectors a step (16 accumulators at m = 4); prefill: R = 2 groups by M = 8 rows
+ * (16 accumulators, 2 vector loads and 8 broadcasts per 16 instructions, as ik_llama.cpp's
+ * BF16_R16 tile). The caller hands a block of groups whose packed bytes stay in L2 while
+ * every row tile of the call sweeps them; the first row tile reads them from memory and
+ * prefetches ahead (into L2, as td_cpu_fgemm).
+ */
+#include "td_cpu_bgemm.h"
+
+#include <string.h>
+
+#include "td_cpu_isa.h"
+#include "td_util.h"
+
+#if TD_CPU_X86
+#include <immintrin.h>
+#define TD_BF __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512bf16")))
+#define TD_INLINE static inline __attribute__((always_inline))
+#define BG_MAX_R 4
+#define BG_MAX_M 8
+#ifndef BG_AHEAD
+#define BG_AHEAD 2048 /* bytes ahead in each group's stream a tile prefetches */
+#endif
+#endif
+
+size_t td_cpu_bgemm_group_bytes(size_t k)
+{
+    return (size_t)TD_CPU_BGEMM_ROWS * k * sizeof(uint16_t);
+}
+
+size_t td_cpu_bgemm_pack_bytes(size_t n, size_t k)
+{
+    return (n + TD_CPU_BGEMM_ROWS - 1) / TD_CPU_BGEMM_ROWS * td_cpu_bgemm_group_bytes(k);
+}
+
+size_t td_cpu_bgemm_act_stride(size_t k)
+{
+    return (k * sizeof(uint16_t) + 63) & ~(size_t)63;
+}
+
+static uint16_t to_bf16(const void *w, td_dtype_t type, size_t i)
+{
+    switch (type) {
+    case TD_F32: return td_f32_to_bf16(((const float *)w)[i]);
+    case TD_F16: return td_f32_to_bf16(td_f16_to_f32(((const uint16_t *)w)[i]));
+    case TD_BF16: return ((const uint16_t *)w)[i];
+    default: break;
+    }
+    TD_ASSERT(!"td_cpu_bgemm_pack: W must be f32, f16 or bf16");
+    return 0;
+}
+
+void td_cpu_bgemm_pack(void *dst, const void *w, td_dtype_t type, size_t n, size_t k)
+{
+    TD_ASSERT(k % 2 == 0 && td_dtype_is_float(type));
+    uint16_t *d = dst;
+    size_t groups = (n + TD_CPU_BGEMM_ROWS - 1) / TD_CPU_BGEMM_ROWS;
+    for (size_t g = 0; g < groups; g++)
+        for (size_t p = 0; p < k / 2; p++)
+            for (size_t r = 0; r < TD_CPU_BGEMM_ROWS; r++) {
+                size_t row = g * TD_CPU_BGEMM_ROWS + r;
+                for (size_t j = 0; j < 2; j++)
+                    *d++ = row < n ? to_bf16(w, type, row * k + 2 * p + j) : 0;
+            }
+}
+
+#if TD_CPU_X86
+/* td_f32_to_bf16 on 16 lanes: round to nearest even, a NaN kept quiet. */
+TD_BF static void act_row_avx512(const float *x, uint16_t *a, size_t k)
+{
+    const __m512i abs = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
+    const __m512i half = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1), quiet = _mm512_set1_epi32(0x40);
+    size_t e = 0;
+    for (; e + 16 <= k; e += 16) {
+        __m512i u = _mm512_loadu_si512((const void *)(x + e));
+        __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, abs), inf);
+        __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(half, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
+        r = _mm512_mask_or_epi32(r, nan, u, _mm512_slli_epi32(quiet, 16));
+        _mm256_storeu_si256((__m256i *)(void *)(a + e), _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+    }
+    for (; e < k; e++)
+        a[e] = td_f32_to_bf16(x[e]);
+}
+#endif
+
+void td_cpu_bgemm_act_row(const float *x, uint16_t *a, size_t k)
+{
+    TD_ASSERT(k % 2 == 0);
+#if TD_CPU_X86
+    if (td_cpu_isa_runs(TD_CPU_ISA_AVX512)) {
+        act_row_avx512(x, a, k);
+        return;
+    }
+#endif
+    for (size_t e = 0; e < k; e++)
+        a[e] = td_f32_to_bf16(x[e]);
+}
+
+bool td_cpu_bgemm_available(void)
+{
+#if TD_CPU_X86
+    return td_cpu_isa_runs(TD_CPU_ISA_AVX512_BF16);
+#else
+    return false;
+#endif
+}
+
+#if TD_CPU_X86
+/* R groups from w (group stride gb bytes) by M activation rows from a (stride lda): the
+ * whole of k, one vdpbf16ps per pair per accumulator, in pair order; y[i * ldy + 16 r + l].
+ * pf: when not 0, each group's line pf bytes ahead of the step's is prefetched. */
+TD_INLINE TD_BF void bg_tile(int R, int M, const unsigned char *w, size_t gb, const unsigned char *a, size_t lda,
+                             size_t k, float *y, size_t ldy, size_t pf)
+{
+    __m512 acc[BG_MAX_R][BG_MAX_M];
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < M; i++)
+            acc[r][i] = _mm512_setzero_ps();
+    const size_t pairs = k / 2;
+    for (size_t p = 0; p < pairs; p++) {
+        __m512bh wv[BG_MAX_R];
+        for (int r = 0; r < R; r++) {
+            const unsigned char *at = w + (size_t)r * gb + p * 64;
+            if (pf)
+                _mm_prefetch((const char *)at + pf, _MM_HINT_T1);
+            wv[r] = (__m512bh)_mm512_loadu_si512((const void *)at);
+        }
+        for (int i = 0; i < M; i++) {
+            uint32_t pair;
+            memcpy(&pair, a + (size_t)i * lda + p * 4, 4);
+            __m512bh xv = (__m512bh)_mm512_set1_epi32((int)pair);
+            for (int r = 0; r < R; r++)
+                acc[r][i] = _mm512_dpbf16_ps(acc[r][i], wv[r], xv);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < M; i++)
+            _mm512_storeu_ps(y + (size_t)i * ldy + (size_t)r * TD_CPU_BGEMM_ROWS, acc[r][i]);
+}
+
+/* Groups [g0, g1) by M rows: R groups a tile, then one at a time; the tiles of the first
+ * row tile (first) prefetch BG_AHEAD bytes ahead in each group's stream (the last group's
+ * runs into the next tile's first) unless that is past group g_pf. */
+TD_INLINE TD_BF void bg_groups(int R, int M, const unsigned char *wp, size_t gb, size_t g0, size_t g1, size_t g_pf,
+                               const unsigned char *a, size_t lda, size_t k, float *y, size_t ldy, bool first)
+{
+    size_t g = g0;
+    for (; g + (size_t)R <= g1; g += (size_t)R) {
+        size_t pf = first && g + (size_t)R < g_pf ? (size_t)BG_AHEAD : 0;
+        bg_tile(R, M, wp + g * gb, gb, a, lda, k, y + (g - g0) * TD_CPU_BGEMM_ROWS, ldy, pf);
+    }
+    for (; g < g1; g++)
+        bg_tile(1, M, wp + g * gb, gb, a, lda, k, y + (g - g0) * TD_CPU_BGEMM_ROWS, ldy, 0);
+}
+
+/* Rows [0, m): M = 8 at a time (R = 2), the m % 8 left with as many. */
+TD_INLINE TD_BF void bg_prefill(const unsigned char *wp, size_t gb, size_t g0, size_t g1, size_t g_pf,
+                                const unsigned char *a, size_t lda, size_t m, size_t k, float *y, size_t ldy)
+{
+    for (size_t i = 0; i < m; i += BG_MAX_M) {
+        const unsigned char *ai = a + i * lda;
+        float *yi = y + i * ldy;
+        bool first = i == 0;
+        switch (TD_MIN(m - i, (size_t)BG_MAX_M)) {
+        case 1: bg_groups(2, 1, wp, gb, g0, g1, g_pf, ai, lda, k, yi, ldy, first); break;
+        case 2: bg_groups(2, 2, wp, gb, g0, g1, g_pf, ai, lda, k, yi, ldy, first); break;
+        case 3: bg_groups(2, 3, wp, gb, g0, g1, g_pf, ai, lda, k, yi, ldy, first); break;
+        case 4: bg_groups(2, 4, wp, gb, g0, g1, g_pf, ai, lda, k, yi, ldy, first); break;
+        case 5: bg_groups(2, 5, wp, gb, g0, g1, g_pf, ai, lda, k, yi, ldy, first); break;
+        case 6: bg_groups(2, 6, wp, gb, g0, g1, g_pf, ai, lda, k, yi, ldy, first); break;
+        case 7: bg_groups(2, 7, wp, gb, g0, g1, g_pf, ai, lda, k, yi, ldy, first); break;
+        default: bg_groups(2, BG_MAX_M, wp, gb, g0, g1, g_pf, ai, lda, k, yi, ldy, first); break;
+        }
+    }
+}
+
+static TD_BF void bgemm_avx512bf16(const void *wp, size_t g0, size_t g1, size_t g_pf, size_t k, const void *a,
+                                   size_t lda, size_t m, float *y, size_t ldy)
+{
+    const unsigned char *w = wp, *x = a;
+    const size_t gb = td_cpu_bgemm_group_bytes(k);
+    switch (m) {
+    case 1: bg_groups(4, 1, w, gb, g0, g1, g_pf, x, lda, k, y, ldy, true); return;
+    case 2: bg_groups(4, 2, w, gb, g0, g1, g_pf, x, lda, k, y, ldy, true); return;
+    case 3: bg_groups(4, 3, w, gb, g0, g1, g_pf, x, lda, k, y, ldy, true); return;
+    case 4: bg_groups(4, 4, w, gb, g0, g1, g_pf, x, lda, k, y, ldy, true); return;
+    default: break;
+    }
+    bg_prefill(w, gb, g0, g1, g_pf, x, lda, m, k, y, ldy);
+}
+#endif /* TD_CPU_X86 */
+
+void td_cpu_bgemm(const void *wp, size_t g0, size_t g1, size_t g_pf, size_t k, const void *a, size_t lda,
+                  size_t m, float *y, size_t ldy)
+{
+    TD_ASSERT(td_cpu_bgemm_available() && k % 2 == 0 && g0 <= g1 && g1 <= g_pf);
+#if TD_CPU_X86
+    bgemm_avx512bf16(wp, g0, g1, g_pf, k, a, lda, m, y, ldy);
+#endif
+}
