@@ -2,14 +2,15 @@
  * td_cpu_bgemm: bf16 weights packed 16 rows a group times bf16 activations with
  * vdpbf16ps (td_cpu_bgemm.h has the layout and the order contract).
  *
- * A tile is R groups (16 R rows) by M activation rows in R * M zmm accumulators; per pair
- * of weights each group's vector is loaded once and each row's pair broadcast once, then
- * R * M vdpbf16ps. Decode (m <= 4): R = 4 groups, so a thread streams 4 interleaved group
- * vectors a step (16 accumulators at m = 4); prefill: R = 2 groups by M = 8 rows
- * (16 accumulators, 2 vector loads and 8 broadcasts per 16 instructions, as ik_llama.cpp's
- * BF16_R16 tile). The caller hands a block of groups whose packed bytes stay in L2 while
- * every row tile of the call sweeps them; the first row tile reads them from memory and
- * prefetches ahead (into L2, as td_cpu_fgemm).
+ * A tile is R = 2 groups (32 rows) by M <= 8 activation rows in 2 M zmm accumulators; per
+ * pair of weights each group's vector is loaded once and each row's pair broadcast once,
+ * then 2 M vdpbf16ps (at M = 8: 2 vector loads and 8 broadcasts per 16 instructions, as
+ * ik_llama.cpp's BF16_R16 tile). Decode (m <= 4) runs the same tile with M = m: two group
+ * streams a thread read faster than four (m = 1, 2 threads, 2^16 x 2048 f16: 53-82 GB/s
+ * against 37-52 with 4-group tiles, 23-36 with 8). The caller hands a block of groups whose
+ * packed bytes stay in L2 while every row tile of the call sweeps them; the first row tile
+ * reads them from memory and prefetches BG_AHEAD bytes ahead in each group's stream (into
+ * L2, as td_cpu_fgemm).
  */
 #include "td_cpu_bgemm.h"
 
@@ -22,10 +23,11 @@
 #include <immintrin.h>
 #define TD_BF __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512bf16")))
 #define TD_INLINE static inline __attribute__((always_inline))
-#define BG_MAX_R 4
+#define BG_MAX_R 2
 #define BG_MAX_M 8
 #ifndef BG_AHEAD
-#define BG_AHEAD 2048 /* bytes ahead in each group's stream a tile prefetches */
+#define BG_AHEAD 2048 /* bytes ahead in each group's stream a tile prefetches (1024 to 4096
+                         measured alike, 512 and none slower) */
 #endif
 #endif
 
@@ -159,8 +161,9 @@ TD_INLINE TD_BF void bg_groups(int R, int M, const unsigned char *wp, size_t gb,
         bg_tile(1, M, wp + g * gb, gb, a, lda, k, y + (g - g0) * TD_CPU_BGEMM_ROWS, ldy, 0);
 }
 
-/* Rows [0, m): M = 8 at a time (R = 2), the m % 8 left with as many. */
-TD_INLINE TD_BF void bg_prefill(const unsigned char *wp, size_t gb, size_t g0, size_t g1, size_t g_pf,
+/* Rows [0, m): M = 8 at a time, the m % 8 left (a decode's m <= 4 among them) with as
+ * many, all in tiles of R = 2 groups. */
+TD_INLINE TD_BF void bg_rows(const unsigned char *wp, size_t gb, size_t g0, size_t g1, size_t g_pf,
                                 const unsigned char *a, size_t lda, size_t m, size_t k, float *y, size_t ldy)
 {
     for (size_t i = 0; i < m; i += BG_MAX_M) {
@@ -183,16 +186,7 @@ TD_INLINE TD_BF void bg_prefill(const unsigned char *wp, size_t gb, size_t g0, s
 static TD_BF void bgemm_avx512bf16(const void *wp, size_t g0, size_t g1, size_t g_pf, size_t k, const void *a,
                                    size_t lda, size_t m, float *y, size_t ldy)
 {
-    const unsigned char *w = wp, *x = a;
-    const size_t gb = td_cpu_bgemm_group_bytes(k);
-    switch (m) {
-    case 1: bg_groups(4, 1, w, gb, g0, g1, g_pf, x, lda, k, y, ldy, true); return;
-    case 2: bg_groups(4, 2, w, gb, g0, g1, g_pf, x, lda, k, y, ldy, true); return;
-    case 3: bg_groups(4, 3, w, gb, g0, g1, g_pf, x, lda, k, y, ldy, true); return;
-    case 4: bg_groups(4, 4, w, gb, g0, g1, g_pf, x, lda, k, y, ldy, true); return;
-    default: break;
-    }
-    bg_prefill(w, gb, g0, g1, g_pf, x, lda, m, k, y, ldy);
+    bg_rows(wp, td_cpu_bgemm_group_bytes(k), g0, g1, g_pf, a, lda, m, k, y, ldy);
 }
 #endif /* TD_CPU_X86 */
 

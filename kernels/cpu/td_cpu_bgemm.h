@@ -74,9 +74,9 @@ void td_cpu_bgemm_act_row(const float *x, uint16_t *a, size_t k);
  * For activation rows i in [0, m) and packed groups g in [g0, g1) of the matrix at wp,
  *   y[i * ldy + 16 (g - g0) + r] = dot(weight row 16 g + r, activation row i)
  * summed in the header's order; activation row i at (const char *)a + i * lda bytes.
- * Tiles: 4 groups by up to 4 rows (m <= 4, decode), 2 groups by up to 8 rows otherwise
- * (16 accumulators); the first row tile of a call prefetches each group's lines ahead,
- * up to group g_pf (>= g1: the end of the caller's share; past it lie other threads').
+ * Tiles of 2 groups by up to 8 rows (16 accumulators); the first row tile of a call
+ * prefetches ahead in each group's stream, up to group g_pf (>= g1: the end of the
+ * caller's share; past it lie other threads').
  * Only where td_cpu_bgemm_available() (TD_ASSERT).
  */
 void td_cpu_bgemm(const void *wp, size_t g0, size_t g1, size_t g_pf, size_t k, const void *a, size_t lda,
