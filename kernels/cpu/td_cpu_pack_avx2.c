@@ -252,6 +252,60 @@ TD_INLINE TD_Y void avx2_row1_signed(td_dtype_t t, bool one, const unsigned char
         _mm256_storeu_ps(y + 8 * h, acc[h]);
 }
 
+/* Decode's one activation row against a whole Q8_0 group (issue 32, h32l): avx2_row1_signed's
+ * integers (the sign trick, a madd every vector, the hi part's by 254) laid out for the
+ * stream: the blocks walked chunk by chunk (a block's quants and scales at constant offsets
+ * of its chunk's, where block_at and chunk_scales_at cost ~25 scalar instructions a block),
+ * both halves in one pass (a v's hi and lo broadcasts serve the 16 rows), every v unrolled
+ * with each sum held in its register where it is added (AVX2_KEEP), and the two f32 sums in
+ * registers (avx2_row1_signed kept them on the stack). docs/kernels.md. */
+TD_INLINE TD_Y void avx2_row1_q8_0(bool one, const unsigned char *gq, size_t nb, size_t k, const unsigned char *a,
+                                   float *y, const unsigned char *pf_end)
+{
+    const __m256i ones = _mm256_set1_epi16(1), wide = _mm256_set1_epi16(WIDE), bias8 = _mm256_set1_epi8((char)0x80);
+    const size_t qb = quant_bytes(TD_Q8_0), sb = scale_bytes(TD_Q8_0);
+    const int8_t *hi = act_hi(a), *lo = act_lo(a, k);
+    const unsigned char *ae = act_e(a, k);
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (size_t c0 = 0; c0 < nb; c0 += PACK_CHUNK) {
+        const size_t n_in = nb - c0 < PACK_CHUNK ? nb - c0 : PACK_CHUNK;
+        const unsigned char *qc = gq + c0 * (qb + sb), *cs = qc + n_in * qb; /* its quants, its scales */
+        for (size_t j = 0; j < n_in; j++) {
+            const size_t b = c0 + j;
+            decode_prefetch(TD_Q8_0, gq, b, pf_end);
+            const unsigned char *q = qc + j * qb;
+            const int8_t *qh = hi + b * TD_QK, *ql = lo + b * TD_QK;
+            __m256i p0 = _mm256_setzero_si256(), p1 = _mm256_setzero_si256();
+#pragma GCC unroll 8
+            for (int v = 0; v < 8; v++) {
+                const __m256i ah = _mm256_set1_epi32(load_i32(qh + 4 * v));
+                const __m256i s0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(q + 64 * v)), bias8);
+                const __m256i s1 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(q + 64 * v + 32)), bias8);
+                const __m256i w0 = _mm256_abs_epi8(s0), w1 = _mm256_abs_epi8(s1);
+                p0 = _mm256_add_epi32(p0, _mm256_madd_epi16(_mm256_maddubs_epi16(w0, _mm256_sign_epi8(ah, s0)), wide));
+                AVX2_KEEP(p0);
+                p1 = _mm256_add_epi32(p1, _mm256_madd_epi16(_mm256_maddubs_epi16(w1, _mm256_sign_epi8(ah, s1)), wide));
+                AVX2_KEEP(p1);
+                if (!one) {
+                    const __m256i al = _mm256_set1_epi32(load_i32(ql + 4 * v));
+                    p0 = _mm256_add_epi32(p0, _mm256_madd_epi16(_mm256_maddubs_epi16(w0, _mm256_sign_epi8(al, s0)), ones));
+                    AVX2_KEEP(p0);
+                    p1 = _mm256_add_epi32(p1, _mm256_madd_epi16(_mm256_maddubs_epi16(w1, _mm256_sign_epi8(al, s1)), ones));
+                    AVX2_KEEP(p1);
+                }
+            }
+            const __m256 e = _mm256_set1_ps(load_f32(ae + 4 * b));
+            const unsigned char *s = cs + j * sb; /* 16 f16 d, row order */
+            acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0),
+                                   _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)s)), e), acc0);
+            acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1),
+                                   _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + 16))), e), acc1);
+        }
+    }
+    _mm256_storeu_ps(y, acc0);
+    _mm256_storeu_ps(y + 8, acc1);
+}
+
 #define Q6_HI_YMM(hb, v) ((v) == 3 ? _mm256_srli_epi16(hb, 2) : _mm256_slli_epi16(hb, 4 - 2 * (v)))
 
 /* Decode's one activation row against a whole Q6_K group: the scalar kernel's sums in another
@@ -777,6 +831,8 @@ TD_INLINE TD_Y void kernel_avx2(td_dtype_t t, bool one, const void *wp, size_t g
         /* decode (m = 1) */
         if (avx2_row1_takes(t))
             avx2_row1(t, one, gq, nb, k, a, yg, end);
+        else if (t == TD_Q8_0)
+            avx2_row1_q8_0(one, gq, nb, k, a, yg, end);
         else
             avx2_row1_signed(t, one, gq, nb, k, a, yg, end);
     }
