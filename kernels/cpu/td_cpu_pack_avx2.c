@@ -3,7 +3,8 @@
  * bit-identical to the scalar reference (td_cpu_pack.h). Two-byte prefill tiles (m >= 2), and
  * one-byte ones of Q8_0 and IQ4_XS, multiply int16 weights by the row's int16 Q with vpmaddwd
  * (w16_tile); decode (m = 1) and the other one-byte rows use maddubs + madd on the hi and lo
- * bytes (avx2_row1, avx2_row1_q6_k, avx2_row1_signed; avx2_tile1_q4, avx2_tile1_q6_k).
+ * bytes (avx2_row1, avx2_row1_q6_k, avx2_row1_q8_0, avx2_row1_signed; avx2_tile1_q4,
+ * avx2_tile1_q6_k).
  */
 #include "td_cpu_pack_impl.h"
 
@@ -196,52 +197,41 @@ TD_INLINE TD_Y void avx2_row1(td_dtype_t t, bool one, const unsigned char *gq, s
         _mm256_storeu_ps(y + 8 * x, has_min(t) ? _mm256_add_ps(acc[x], macc[x]) : acc[x]);
 }
 
-/* Decode's one activation row against a whole group (both halves) for Q8_0 and one-byte
- * IQ4_XS (the types avx2_row1 does not take; a two-byte IQ4_XS row goes to w16_tile). The
- * int32 lanes of maddubs + madd are the same four-product sums vpdpbusd makes; the hi part's
- * int16 pair sums are widened by a madd with 254 instead of 1, so each block's exact integer
- * p = 254 p_hi + p_lo builds up in one accumulator a half. The weights are signed (Q8_0's
- * q = u ^ 0x80, IQ4_XS's table value): the sign trick |w| * sign(a, w) keeps maddubs' pairs
- * in int16, up to 2 * 127 * 127, so every vector needs its own madd, and the sum starts at 0
- * instead of c (the same integer as VNNI's c + sum u Q). */
+/* Decode's one activation row against a whole group (both halves) for one-byte IQ4_XS (the
+ * type avx2_row1 does not take; a two-byte IQ4_XS row goes to w16_tile, Q8_0's to
+ * avx2_row1_q8_0). The int32 lanes of maddubs + madd are the same four-product sums vpdpbusd
+ * makes; the hi part's int16 pair sums are widened by a madd with 254 instead of 1, so each
+ * block's exact integer p = 254 p_hi builds up in one accumulator a half. The weights are
+ * signed (the table value): the sign trick |w| * sign(a, w) keeps maddubs' pairs in int16, up
+ * to 2 * 127 * 127, so every vector needs its own madd, and the sum starts at 0 instead of c
+ * (the same integer as VNNI's c + sum u Q). */
 TD_INLINE TD_Y void avx2_row1_signed(td_dtype_t t, bool one, const unsigned char *gq, size_t nb, size_t k,
                                      const unsigned char *a, float *y, const unsigned char *pf_end)
 {
-    const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), wide = _mm256_set1_epi16(WIDE);
-    const __m256i bias8 = _mm256_set1_epi8((char)0x80);
+    TD_ASSERT(t == TD_IQ4_XS && one);
+    const __m256i low4 = _mm256_set1_epi8(0x0F), wide = _mm256_set1_epi16(WIDE);
     /* IQ4_XS: the signed values of the indices in both lanes, for vpshufb */
     const __m256i iq4s = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)td_quant_iq4nl_values));
-    const int8_t *hi = act_hi(a), *lo = act_lo(a, k);
+    const int8_t *hi = act_hi(a);
     __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     for (size_t b = 0; b < nb; b++) {
         decode_prefetch(t, gq, b, pf_end);
         const unsigned char *qblk = gq + block_at(t, b), *cs = gq + chunk_scales_at(t, nb, b);
-        const int8_t *qh = hi + b * TD_QK, *ql = lo + b * TD_QK;
+        const int8_t *qh = hi + b * TD_QK;
         const __m256 e = _mm256_set1_ps(load_f32(act_e(a, k) + 4 * b));
 #pragma GCC unroll 2
         for (int h = 0; h < 2; h++) {
             const unsigned char *q = qblk + 32 * h;
             __m256i p = _mm256_setzero_si256();
-            if (t == TD_Q8_0) {
-                for (int v = 0; v < 8; v++) {
-                    __m256i sw = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(q + 64 * v)), bias8);
-                    __m256i aw = _mm256_abs_epi8(sw);
-                    __m256i ah = _mm256_set1_epi32(load_i32(qh + 4 * v)), al = _mm256_set1_epi32(load_i32(ql + 4 * v));
-                    p = _mm256_add_epi32(p, _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(ah, sw)), wide));
-                    if (!one)
-                        p = _mm256_add_epi32(p, _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(al, sw)), ones));
-                }
-            } else { /* IQ4_XS */
 #pragma GCC unroll 4
-                for (int v = 0; v < 4; v++) {
-                    __m256i raw = _mm256_loadu_si256((const __m256i *)(q + 64 * v));
-                    __m256i sl = _mm256_shuffle_epi8(iq4s, _mm256_and_si256(raw, low4));
-                    __m256i sh = _mm256_shuffle_epi8(iq4s, _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4));
-                    __m256i al = _mm256_abs_epi8(sl), ah = _mm256_abs_epi8(sh);
-                    p = _mm256_add_epi32(p, _mm256_add_epi32( /* one-byte: no lo part (above) */
-                        _mm256_madd_epi16(_mm256_maddubs_epi16(al, _mm256_sign_epi8(_mm256_set1_epi32(load_i32(qh + 4 * v)), sl)), wide),
-                        _mm256_madd_epi16(_mm256_maddubs_epi16(ah, _mm256_sign_epi8(_mm256_set1_epi32(load_i32(qh + 16 + 4 * v)), sh)), wide)));
-                }
+            for (int v = 0; v < 4; v++) {
+                __m256i raw = _mm256_loadu_si256((const __m256i *)(q + 64 * v));
+                __m256i sl = _mm256_shuffle_epi8(iq4s, _mm256_and_si256(raw, low4));
+                __m256i sh = _mm256_shuffle_epi8(iq4s, _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4));
+                __m256i al = _mm256_abs_epi8(sl), ah = _mm256_abs_epi8(sh);
+                p = _mm256_add_epi32(p, _mm256_add_epi32( /* one-byte: no lo part (above) */
+                    _mm256_madd_epi16(_mm256_maddubs_epi16(al, _mm256_sign_epi8(_mm256_set1_epi32(load_i32(qh + 4 * v)), sl)), wide),
+                    _mm256_madd_epi16(_mm256_maddubs_epi16(ah, _mm256_sign_epi8(_mm256_set1_epi32(load_i32(qh + 16 + 4 * v)), sh)), wide)));
             }
             __m256 dw, mw;
             avx2_scales(t, cs, b, h, &dw, &mw);
