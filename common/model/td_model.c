@@ -14,6 +14,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include "td_log.h"
 #include "td_model_store.h"
@@ -68,6 +70,33 @@ td_status_t td_model_populate(const td_model_t *model, int n_threads)
     if (st == TD_OK && s->gguf)
         st = td_mem_populate(td_gguf_map(s->gguf)->data, td_gguf_map(s->gguf)->size, n_threads, false);
     return st;
+}
+
+/* madvise(MADV_DONTNEED) of the whole pages of [p, p + n) when m maps all of it */
+static bool release_in_map(const td_mmap_t *m, const unsigned char *p, size_t n)
+{
+    const unsigned char *base = m->data;
+    if (!base || p < base || n > m->size || (size_t)(p - base) > m->size - n)
+        return false;
+    uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+    uintptr_t lo = ((uintptr_t)p + page - 1) / page * page, hi = ((uintptr_t)p + n) / page * page;
+    if (hi > lo)
+        (void)madvise((void *)lo, hi - lo, MADV_DONTNEED); /* advice: a failure keeps the pages */
+    return true;
+}
+
+void td_model_release_pages(const td_model_t *model, const void *data, size_t bytes)
+{
+    const td_model_store_t *s = model->priv;
+    if (!s || !data || !bytes)
+        return;
+    if (release_in_map(&s->bin, data, bytes))
+        return;
+    for (size_t i = 0; i < s->n_shards; i++)
+        if (release_in_map(td_safetensors_map(s->shards[i]), data, bytes))
+            return;
+    if (s->gguf)
+        (void)release_in_map(td_gguf_map(s->gguf), data, bytes);
 }
 
 void td_model_destroy(td_model_t *m)

@@ -158,6 +158,16 @@ td_status_t td_model_load(const char *path, td_model_t **model_p);
  */
 td_status_t td_model_populate(const td_model_t *model, int n_threads);
 
+/*
+ * Gives back this process's resident pages of [data, data + bytes) when the range lies in
+ * one of the model's file mappings (the whole pages inside it; MADV_DONTNEED): for a weight
+ * the backend has copied into a form of its own (packed at load), whose file pages would
+ * otherwise stay resident beside the copy. The view stays valid: a later read faults its
+ * pages in again from the file. A range anywhere else (a copy the loader made) is left as
+ * it is. Any thread.
+ */
+void td_model_release_pages(const td_model_t *model, const void *data, size_t bytes);
+
 /* Unmaps the files and frees the model; every td_tensor_t view dies with it. NULL: no-op. */
 void td_model_destroy(td_model_t *model);
 
