@@ -547,6 +547,24 @@ td_status_t decode_sched_cancel(decode_sched_t *s, uint64_t id)
     return TD_OK;
 }
 
+int32_t decode_sched_cancel_all(decode_sched_t *s)
+{
+    int32_t n = 0;
+    dseq_t **arr[] = {s->running, s->waiting};
+    int32_t *cnt[] = {&s->n_running, &s->n_waiting};
+    for (size_t a = 0; a < TD_ARRAY_LEN(arr); a++)
+        for (int32_t i = *cnt[a] - 1; i >= 0; i--) {
+            dseq_t *q = arr[a][i];
+            if (q->kv_out)
+                continue;
+            (void)pending_add(s, q->id, DECODE_FINISH_CANCELLED); /* NOMEM: it ends without its event */
+            remove_at(arr[a], cnt[a], i);
+            seq_destroy(s, q);
+            n++;
+        }
+    return n;
+}
+
 /* ---- the step ----------------------------------------------------------------------- */
 
 /* Ends running[i] or waiting[i] (per arr) with an event, releasing everything. */

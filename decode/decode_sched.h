@@ -271,6 +271,16 @@ td_status_t decode_sched_admit(decode_sched_t *sched, const decode_request_t *re
 td_status_t decode_sched_cancel(decode_sched_t *sched, uint64_t id);
 
 /*
+ * Ends every running and waiting request but the kv_out ones (their blocks may be under the
+ * caller's transfer: it cancels or releases each itself), as decode_sched_cancel does each:
+ * blocks released before this returns, a DECODE_FINISH_CANCELLED event each in the next step's
+ * result (dropped, the requests still ended, when memory for the events is short). For a node
+ * whose router dropped it (every request it gave is failed or moved there). Returns how many
+ * ended.
+ */
+int32_t decode_sched_cancel_all(decode_sched_t *sched);
+
+/*
  * Runs one step at time now_ns: expires deadlines, moves waiting requests in, runs the
  * engine over the running set, samples, checks stops, releases finished requests. With
  * nothing to run it returns at once with only pending finish events. Engine failures

@@ -15,7 +15,8 @@
  * here: its tests (unified_*) check that a step carries every running sequence's token
  * first and prompt chunks only within the token budget (a long prompt never stalls the
  * decodes: Sarathi-style chunked prefill), that ignore_eos runs past EOS to max_tokens, and
- * that a cancel in the middle of a chunked prefill gives every block back at once.
+ * that a cancel in the middle of a chunked prefill gives every block back at once, and that
+ * cancel_all (a node the router dropped) ends every sequence but the kv_out ones.
  *
  * Speculative decoding (speculation_*, draft_model_*): prompt lookup and a draft model change
  * the number of steps, not the tokens or logprob floats, and a draft model's blocks go back
@@ -1224,6 +1225,82 @@ Test(decode_sched, kv_out_cancel_and_deadline_return_every_block, .timeout = 120
     cr_assert_eq(st.kv_out_held, 1);
     cr_assert_gt(st.used_blocks, 0);
     cr_assert_eq(decode_sched_cancel(ds, 2), TD_OK);
+    assert_no_leak(&fx, ds);
+    decode_sched_destroy(ds);
+    td_test_engine_close(&fx);
+}
+
+/* A node the router dropped (decode_main.c on_forgotten): cancel_all ends every running and
+ * waiting sequence, a local prefill in the middle of its prompt too, each with one CANCELLED
+ * event and its blocks back at once, and leaves the kv_out prompts, computing or held, to
+ * their caller (a transfer may read a held one's blocks). */
+Test(decode_sched, cancel_all_ends_every_sequence_but_the_kv_out_ones, .timeout = 120)
+{
+    td_test_skip_without_stories();
+    td_test_engine_t fx;
+    td_test_engine_open_cpu(&fx, 1, 64, false);
+    decode_sched_config_t cfg = decode_sched_config_default();
+    cfg.prefill_chunk = 16;
+    cfg.max_batch = 3;
+    decode_sched_t *ds;
+    cr_assert_eq(decode_sched_create(fx.eng, NULL, &cfg, &ds), TD_OK, "%s", td_last_error());
+    int32_t p[4][50];
+    unsigned s = 5;
+    for (int i = 0; i < 4; i++)
+        random_prompt(&s, p[i], 50);
+    /* 4: a kv_out prompt whose KV is complete and held */
+    decode_request_t held = greedy_request(4, p[3], 50, 4);
+    held.kv_out = true;
+    cr_assert_eq(decode_sched_admit(ds, &held), TD_OK, "%s", td_last_error());
+    decode_step_result_t r;
+    int kv_out = 0;
+    for (int i = 0; i < 10 && !kv_out; i++) {
+        cr_assert_eq(decode_sched_step(ds, 0, &r), TD_OK);
+        for (int k = 0; k < r.n_events; k++)
+            kv_out += r.events[k].finish == DECODE_FINISH_KV_OUT;
+    }
+    cr_assert_eq(kv_out, 1);
+    /* 1 generating, 2 a local prefill in its chunks, 3 a kv_out prompt computing, 5 waiting
+       (max_batch 3) */
+    decode_request_t rq[] = {greedy_request(1, p[0], 8, 200), greedy_request(2, p[1], 50, 200),
+                             greedy_request(3, p[2], 50, 4), greedy_request(5, p[0], 20, 200)};
+    rq[2].kv_out = true;
+    for (size_t i = 0; i < TD_ARRAY_LEN(rq); i++)
+        cr_assert_eq(decode_sched_admit(ds, &rq[i]), TD_OK, "%s", td_last_error());
+    cr_assert_eq(decode_sched_step(ds, 0, &r), TD_OK);
+    cr_assert_eq(decode_sched_step(ds, 0, &r), TD_OK);
+    decode_sched_stats_t st;
+    decode_sched_stats(ds, &st);
+    cr_assert_eq(st.running, 3);
+    cr_assert_eq(st.waiting, 1);
+    cr_assert_eq(st.kv_out_held, 1);
+    cr_assert_gt(st.context_tokens, 0, "the local prefill and the kv_out prompt are still computing");
+
+    cr_assert_eq(decode_sched_cancel_all(ds), 3);
+    decode_sched_stats(ds, &st);
+    cr_assert_eq(st.running, 1, "the computing kv_out prompt stays");
+    cr_assert_eq(st.waiting, 0);
+    cr_assert_eq(st.kv_out_held, 1, "the held kv_out prompt stays");
+    /* what is left holds only the two kv_out prompts' blocks (50 tokens each: 4 blocks) */
+    cr_assert_leq(st.used_blocks, 8, "%d blocks used after cancel_all", st.used_blocks);
+    cr_assert_eq(decode_sched_cancel_all(ds), 0);
+    int cancelled[6] = {0};
+    cr_assert_eq(decode_sched_step(ds, 0, &r), TD_OK);
+    for (int k = 0; k < r.n_events; k++) {
+        cr_assert_lt(r.events[k].id, 6);
+        if (r.events[k].finish == DECODE_FINISH_CANCELLED) {
+            cr_assert_eq(r.events[k].token, -1);
+            cancelled[r.events[k].id]++;
+        } else {
+            cr_assert_eq(r.events[k].id, 3, "request %llu has an event after cancel_all",
+                         (unsigned long long)r.events[k].id);
+        }
+    }
+    cr_assert(cancelled[1] == 1 && cancelled[2] == 1 && cancelled[5] == 1 && !cancelled[3] && !cancelled[4],
+              "cancelled events: 1:%d 2:%d 3:%d 4:%d 5:%d", cancelled[1], cancelled[2], cancelled[3], cancelled[4],
+              cancelled[5]);
+    cr_assert_eq(decode_sched_cancel(ds, 3), TD_OK);
+    cr_assert_eq(decode_sched_release(ds, 4), TD_OK);
     assert_no_leak(&fx, ds);
     decode_sched_destroy(ds);
     td_test_engine_close(&fx);
