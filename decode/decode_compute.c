@@ -138,6 +138,8 @@ static void compute_no_memory(decode_state_t *s, decode_cmd_t *cmds, int32_t n_c
                 td_warn("decode: lease %llu failed unreported (out of memory)", (unsigned long long)c->lease_id);
         } else if (c->release) {
             decode_sched_release(s->sched, c->lease_id);
+        } else if (c->forget) {
+            decode_sched_cancel_all(s->sched);
         } else {
             decode_sched_cancel(s->sched, c->lease_id);
         }
@@ -179,6 +181,8 @@ void decode_compute_main(void *arg)
                 compute_admit(s, c, o);
             else if (c->release) /* its transfer is over: the blocks go (NOT_FOUND: cancelled already) */
                 decode_sched_release(s->sched, c->lease_id);
+            else if (c->forget) /* the router dropped this node: nobody reads these any more */
+                decode_sched_cancel_all(s->sched);
             else
                 decode_sched_cancel(s->sched, c->lease_id);
             taken_prompt += c->prompt_posted;

@@ -409,6 +409,12 @@ static void on_admit(td_grpc_call_t *call, const ProtobufCMessage *msg, void *da
                             "none is beside its model file");
         return;
     }
+    if (s->forget_pending) { /* what the router forgot still runs: new work would be dropped with it */
+        td_metric_inc(s->m_refused);
+        td_grpc_call_finish(call, TD_GRPC_UNAVAILABLE, "decode node: still dropping what a router that forgot it "
+                                                       "gave it (its command ring is full); retry");
+        return;
+    }
     if (!td_node_take_or_refuse(&s->proc, call, s->m_refused, "decode node", s->n_admits, s->cfg.max_requests,
                                 "too many pending admissions"))
         return;
@@ -651,13 +657,8 @@ static void kv_out_event(decode_state_t *s, decode_out_seq_t *e)
 /* The router gave up the call: before the KV is complete the compute thread drops the prompt
  * (its CANCELLED ends the job); during the transfer the send is aborted (its done callback
  * releases the blocks). */
-static void kv_out_cancel(td_grpc_call_t *call, td_status_t why, void *call_data)
+static void kv_out_stop(decode_kv_out_t *k)
 {
-    (void)why;
-    decode_kv_out_t *k = call_data;
-    td_grpc_call_finish(call, TD_GRPC_CANCELLED, NULL);
-    if (!k)
-        return;
     k->call = NULL;
     if (k->send) {
         td_xfer_send_abort(k->send, TD_ERR_CANCELLED);
@@ -666,6 +667,15 @@ static void kv_out_cancel(td_grpc_call_t *call, td_status_t why, void *call_data
         if (!k->cancel_posted) /* the ring is full: the prompt runs on and its KV_OUT releases it */
             td_warn("decode: kv_out %016llx: cancel dropped, the command ring is full", (unsigned long long)k->key);
     }
+}
+
+static void kv_out_cancel(td_grpc_call_t *call, td_status_t why, void *call_data)
+{
+    (void)why;
+    decode_kv_out_t *k = call_data;
+    td_grpc_call_finish(call, TD_GRPC_CANCELLED, NULL);
+    if (k)
+        kv_out_stop(k);
 }
 
 /* A Prefill call for another decode node's lease (on_prefill): checked, then handed to the
@@ -895,10 +905,61 @@ static void on_steps(td_grpc_call_t *call, const ProtobufCMessage *msg, void *da
     s->subs[s->n_subs++] = call;
 }
 
+/* The compute thread drops every sequence the router gave this node (decode_sched_cancel_all;
+ * kv_out prompts are cancelled one by one). False: the ring is full, and the sweep tries
+ * again (s->forget_pending, Admit refused meanwhile, so nothing new is dropped with them). */
+static bool post_forget(decode_state_t *s)
+{
+    s->forget_pending = !td_node_worker_post(&s->worker, &(decode_cmd_t){.forget = true});
+    return !s->forget_pending;
+}
+
+/* The router dropped this node (td_node_client's forgotten; issue 37): it failed or moved every
+ * request it gave the node, and reads none of their tokens. Left alone they ran to max_tokens,
+ * holding KV blocks and batch slots the router counts as free, and a drain waited for them. So
+ * everything goes now: leases waiting for their KV or Prefill call (cancelled in td_xfer, whose
+ * blocks go back), local prefills' calls (UNAVAILABLE), prompts prefilled for other nodes (their
+ * calls UNAVAILABLE, each stopped as when its caller cancels: a transfer in flight aborted, its
+ * blocks released by its done callback), and every sequence of the scheduler (the forget
+ * command, in the ring behind every admission posted before it). */
+static void on_forgotten(void *data, const char *why)
+{
+    decode_state_t *s = data;
+    if (s->shutting_down)
+        return;
+    int32_t n_seqs = atomic_load(&s->load_running) + atomic_load(&s->admits_posted);
+    int32_t n_leases = 0, n_calls = s->n_prefills, n_kv_outs = s->n_kv_outs;
+    TD_LIST_FOREACH_SAFE(n, &s->admits) {
+        decode_admit_t *a = TD_CONTAINER_OF(n, decode_admit_t, link);
+        admit_unlink(s, a);
+        if (!a->local)
+            td_xfer_lease_cancel(s->xfer, a->lease_id);
+        decode_admit_free(a);
+        n_leases++;
+    }
+    const char *gone = s->unified ? "unified node: the router dropped this node" : "decode node: the router dropped this node";
+    while (s->n_prefills)
+        prefill_end(s, TD_CONTAINER_OF(s->prefills.next, decode_prefill_t, link), TD_GRPC_UNAVAILABLE, gone);
+    TD_LIST_FOREACH_SAFE(n, &s->kv_outs) {
+        decode_kv_out_t *k = TD_CONTAINER_OF(n, decode_kv_out_t, link);
+        if (!k->call) /* stopped already: its transfer's or the cancel's end drops it */
+            continue;
+        kv_out_answer(s, k, TD_GRPC_UNAVAILABLE, gone);
+        kv_out_stop(k);
+    }
+    bool posted = post_forget(s);
+    refresh_kv_load(s);
+    td_info("%s %s: %s; dropping %d sequences, %d leases, %d local prefill calls, %d prefills for other nodes%s",
+            s->proc.spec.prog, s->proc.cfg.node_id, why, n_seqs, n_leases, n_calls, n_kv_outs,
+            posted ? "" : " (the command ring is full: the sequences go once it has room, Admit refused meanwhile)");
+}
+
 /* Admissions whose KV never came: td_xfer freed the lease's blocks; forget them. */
 static void on_sweep(uv_timer_t *t)
 {
     decode_state_t *s = t->data;
+    if (s->forget_pending && post_forget(s))
+        td_info("%s %s: the router's forgotten sequences are dropped now", s->proc.spec.prog, s->proc.cfg.node_id);
     refresh_kv_load(s); /* expiries and quarantine ends happen in td_xfer's tick */
     uint64_t now = td_now_ns();
     TD_LIST_FOREACH_SAFE(n, &s->admits) {
@@ -1146,6 +1207,7 @@ static td_status_t register_node(decode_state_t *s, const uint8_t *desc, size_t 
     for (int32_t i = 0; i < nc.info.n_eos; i++)
         nc.info.eos_ids[i] = s->model->config.eos_ids[i];
     nc.info.max_batch = (int32_t)cfg->max_batch;
+    nc.forgotten = on_forgotten;
     atomic_store(&s->load_free, (int32_t)cfg->kv_blocks);
     return td_node_register(&s->proc, &nc, td_grpc_server_port(s->grpc), load_cb, s);
 }

@@ -102,8 +102,11 @@ typedef struct decode_kv_out {
 
 /* Loop → compute (by value in the command ring). */
 typedef struct decode_cmd {
-    decode_admit_t *admit;     /* NULL: cancel lease_id (or, with release, release it) */
+    decode_admit_t *admit;     /* NULL: cancel lease_id (or, with release, release it; with
+                                  forget, every sequence) */
     bool release;              /* a kv_out prompt's transfer is over: decode_sched_release(lease_id) */
+    bool forget;               /* the router dropped this node: decode_sched_cancel_all (every
+                                  sequence but the kv_out ones, which the loop cancels one by one) */
     uint64_t lease_id;
     int32_t *blocks;           /* [n_blocks] the landed lease's blocks, one reference each
                                   (TD_KV_HOLDER_LANDED: adopted or released once) */
@@ -199,6 +202,8 @@ typedef struct decode_state {
        (decode_sched_stats; 0: none) */
     _Atomic int64_t step_ns, milli_tok_s, tpot_us, spread_ns; /* spread_ns: the fit's spread_s */
     bool shutting_down;
+    bool forget_pending;      /* the router dropped this node and the forget command found the
+                                 ring full: the sweep posts it again; Admit refused meanwhile */
     bool handles_up;          /* the sweep timer initialised */
     size_t pool_bytes;        /* the KV pool (td_engine_kv_plan) */
     decode_warm_t warm;       /* the pool's background warm-up (decode_warm.c) */

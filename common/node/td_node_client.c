@@ -37,6 +37,7 @@ struct td_node_client {
     bool draining;             /* td_node_client_drain: heartbeats say so, no new registration */
     bool drain_told;           /* a heartbeat carrying draining succeeded */
     bool hb_draining;          /* the heartbeat in flight carries draining */
+    bool hb_reregister;        /* the heartbeat in flight was answered "reregister" */
     bool refused_logged;       /* the router's refusal was logged (until a registration succeeds) */
     uint32_t backoff_ms;       /* the next wait after a failure: retry_ms, doubled per failure in a
                                   row up to TD_NODE_CLIENT_MAX_BACKOFF_MS, reset by a registration */
@@ -60,9 +61,19 @@ static void drop_channel(td_node_client_t *c)
     }
 }
 
+/* The registration is gone (c->registered was true): the node hears it once, with why. */
+static void forgotten(td_node_client_t *c, const char *why)
+{
+    c->registered = false;
+    c->epoch = 0;
+    if (c->cfg.forgotten && !c->closing)
+        c->cfg.forgotten(c->data, why);
+}
+
 static void fail(td_node_client_t *c, const char *what, const char *msg)
 {
-    if (c->registered)
+    bool was = c->registered;
+    if (was)
         td_warn("node %s: %s failed (%s); %s", c->cfg.info.id, what, msg,
                 c->draining ? "draining: not registering again" : "registering again");
     c->registered = false;
@@ -71,6 +82,11 @@ static void fail(td_node_client_t *c, const char *what, const char *msg)
     if (!c->closing && !c->draining) {
         schedule(c, c->backoff_ms);
         c->backoff_ms = TD_MIN(c->backoff_ms * 2, TD_MAX(TD_NODE_CLIENT_MAX_BACKOFF_MS, c->cfg.retry_ms));
+    }
+    if (was) { /* last: the node's callback sees the client as it stays */
+        char why[256];
+        snprintf(why, sizeof why, "its %s failed (%s): the registration is let go", what, msg);
+        forgotten(c, why);
     }
 }
 
@@ -110,23 +126,25 @@ static void on_heartbeat_msg(td_grpc_client_call_t *call, const ProtobufCMessage
 {
     td_node_client_t *c = data;
     if (((const Tandem__Control__V1__HeartbeatResponse *)msg)->reregister)
-        c->registered = false;
+        c->hb_reregister = true;
 }
 
 static void on_heartbeat_done(td_grpc_client_call_t *call, td_grpc_code_t code, const char *message, void *data)
 {
     td_node_client_t *c = data;
     c->call_inflight = false;
+    bool reregister = c->hb_reregister;
+    c->hb_reregister = false;
     if (c->closing)
         return;
     if (code != TD_GRPC_OK) {
         fail(c, "heartbeat", message);
         return;
     }
-    if (!c->registered) { /* the router forgot us */
-        c->epoch = 0;
+    if (reregister) { /* the router forgot us */
         if (!c->draining)
             schedule(c, 0);
+        forgotten(c, "the router answered its heartbeat \"reregister\": it dropped the node");
         return;
     }
     if (c->hb_draining && !c->drain_told) {

@@ -4,6 +4,8 @@
  * at the interval the router asks for. When the router is unreachable, a call fails, or the
  * router answers "reregister" (it restarted), the client drops its channel and registers
  * again after retry_ms, forever, until closed: nodes and routers may start in any order.
+ * Losing a registration is said to the node (config.forgotten): the router fails or moves
+ * every request it gave the node under it, so the node drops what it still runs for them.
  * A router given by name (router_host not an IP address: a Kubernetes Service, a DNS
  * entry) is looked up (uv_getaddrinfo, off the loop) before every new channel.
  *
@@ -25,6 +27,11 @@
 
 typedef struct td_node_client td_node_client_t;
 
+/* The node lost its registration, and with it every request the router gave it under it:
+ * the router has failed or moved them, or will (docs/cluster.md "A node the router
+ * dropped"), and reads none of their tokens. `why` is a sentence for the node's log. */
+typedef void (*td_node_forgotten_cb)(void *data, const char *why);
+
 typedef struct td_node_client_config {
     const char *router_host;     /* the router's control address */
     uint16_t router_port;
@@ -40,6 +47,14 @@ typedef struct td_node_client_config {
     uint32_t retry_ms;           /* wait before registering again after a failure */
     td_auth_cluster_t *cluster;  /* the cluster secret every call is signed with; NULL: none
                                     (borrowed: outlives the client) */
+    /* Called (loop thread, with the load callback's data) once per registration lost: a
+       heartbeat answered "reregister" (the router dropped the node: silent past its heartbeat
+       timeout, its channel or Steps stream failed), before the client registers again; or a
+       call of a registered client failed (a router restart, a lost connection, a heartbeat
+       past rpc_timeout_ms), where the client lets the registration go, never heartbeats it
+       again, so the router drops it within its heartbeat timeout if it has not. Not while
+       closing, not for a registration attempt that failed. NULL: not told. */
+    td_node_forgotten_cb forgotten;
 } td_node_client_config_t;
 
 /* Fills *load with the node's current load (called before every heartbeat). */
