@@ -949,7 +949,8 @@ static void on_forgotten(void *data, const char *why)
     }
     bool posted = post_forget(s);
     refresh_kv_load(s);
-    td_info("%s %s: %s; dropping %d sequences, %d leases, %d local prefill calls, %d prefills for other nodes%s",
+    td_info("%s %s: %s; dropping what it ran for it: sequences %d, leases %d, local prefill calls %d, prefills for "
+            "other nodes %d%s",
             s->proc.spec.prog, s->proc.cfg.node_id, why, n_seqs, n_leases, n_calls, n_kv_outs,
             posted ? "" : " (the command ring is full: the sequences go once it has room, Admit refused meanwhile)");
 }

@@ -26,6 +26,10 @@ and exits 0 when the behaviour is right, 1 (with 'FAIL: why' lines) when not:
                                          STOP) once every stream has a token: its streams end
                                          UNAVAILABLE within BOUND_MS, the others equal their
                                          references
+  forgotten HOST:PORT PID STOP_S MAX_TOKENS URL BOUND_S OUT
+                                         a stream's decode node PID stopped STOP_S (the router
+                                         drops it), continued: it drops the stream within BOUND_S
+                                         (URL: its metrics); the stream ends OK or says why
   stopkill HOST:PORT PID WAIT_MS REFS MAX_TOKENS
                                          the node PID is stopped (SIGSTOP), the streams start,
                                          after WAIT_MS it is SIGKILLed: every stream must equal
@@ -639,6 +643,53 @@ def cmd_stall(target, pid, after, mode, secs, max_tokens, metrics_url=""):
     if s.code != want:
         return fail("the stalled stream ended %s %s, not %s" % (s.code, s.details, want))
     return 0
+
+
+def cmd_forgotten(target, pid, stop_s, max_tokens, metrics_url, bound_s, out_path):
+    """One stream of MAX_TOKENS; once it has 8 tokens its decode node PID stops (SIGSTOP) for
+    STOP_S (past the router's heartbeat timeout: the router drops the node, moving or failing
+    the stream), then continues (SIGCONT). The node must drop what the router forgot: its
+    running and waiting sequences 0 and no KV block used (METRICS_URL) within BOUND_S of the
+    SIGCONT. Runs on: writes 'dropped S' (seconds after the SIGCONT) to OUT_PATH at once, and
+    'stream CODE after N tokens' once the stream ended: OK (moved), or a status with a message
+    (not UNKNOWN), within 60 s."""
+    pid, stop_s, bound_s = int(pid), float(stop_s), float(bound_s)
+    stub = generate_stub(channel(target))
+    had = threading.Event()
+    s = Stream(stub, [1, 3, 5, 7], int(max_tokens), timeout=60,
+               on_message=lambda st: len(st.got) >= 8 and had.set())
+    if not had.wait(30):
+        return fail("the stream never had 8 tokens (%s %s)" % (s.code, s.details))
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        time.sleep(stop_s)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    t_cont, rc, v = time.monotonic(), 0, {}
+    names = ("tandem_decode_running_sequences", "tandem_decode_waiting_sequences", "tandem_decode_kv_blocks_used")
+    while True:
+        try:
+            v = {n: fetch_metric(metrics_url, n) for n in names}
+        except (OSError, KeyError) as e:
+            v = {"error": repr(e)}
+        if all(v.get(n) == 0 for n in names):
+            break
+        if time.monotonic() - t_cont > bound_s:
+            rc = fail("%.1f s after SIGCONT the node still holds what the router forgot: %s" % (bound_s, v))
+            break
+        time.sleep(0.05)
+    with open(out_path, "w") as f:
+        f.write("dropped %.2f\n" % (time.monotonic() - t_cont) if rc == 0 else "not dropped\n")
+    print("%d tokens before the stop; %s" % (len(s.got), "the node dropped them %.2f s after SIGCONT" %
+                                             (time.monotonic() - t_cont) if rc == 0 else "not dropped"), flush=True)
+    if not s.join(60):
+        return fail("the stream did not end within 60 s of the SIGCONT")
+    print("stream %s %s after %d tokens" % (s.code, s.details, len(s.got)))
+    with open(out_path, "a") as f:
+        f.write("stream %s after %d tokens\n" % (s.code, len(s.got)))
+    if s.code != "OK" and (s.code in ("UNKNOWN", "CLIENT_ERROR") or not s.details):
+        rc = fail("the stream ended %s '%s': want OK (moved) or a status that says why" % (s.code, s.details))
+    return rc
 
 
 def control_call(target, method, body, streaming=False, timeout=10):
@@ -1304,7 +1355,7 @@ def cmd_drain(target, how, node_ctl, metric, node_url, other_url, refs_path, max
 def main():
     cmds = {"metric": cmd_metric, "waitmetric": cmd_waitmetric, "cancel": cmd_cancel, "deadline": cmd_deadline,
             "rawdeadline": cmd_rawdeadline, "garbage": cmd_garbage, "nodekill": cmd_nodekill,
-            "stopkill": cmd_stopkill, "stall": cmd_stall, "controlgarbage": cmd_controlgarbage, "stepsforeign": cmd_stepsforeign,
+            "stopkill": cmd_stopkill, "stall": cmd_stall, "forgotten": cmd_forgotten, "controlgarbage": cmd_controlgarbage, "stepsforeign": cmd_stepsforeign,
             "httpgarbage": cmd_httpgarbage, "slowreader": cmd_slowreader, "churn": cmd_churn, "pausechurn": cmd_pausechurn, "ping": cmd_ping, "run": cmd_run,
             "looplag": cmd_looplag, "bigprompt": cmd_bigprompt, "health": cmd_health,
             "drain": cmd_drain, "migrate": cmd_migrate, "migratehttp": cmd_migratehttp}
