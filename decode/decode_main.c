@@ -937,7 +937,8 @@ static void on_forgotten(void *data, const char *why)
         decode_admit_free(a);
         n_leases++;
     }
-    const char *gone = s->unified ? "unified node: the router dropped this node" : "decode node: the router dropped this node";
+    const char *gone = s->unified ? "unified node: the router dropped this node"
+                                  : "decode node: the router dropped this node";
     while (s->n_prefills)
         prefill_end(s, TD_CONTAINER_OF(s->prefills.next, decode_prefill_t, link), TD_GRPC_UNAVAILABLE, gone);
     TD_LIST_FOREACH_SAFE(n, &s->kv_outs) {
