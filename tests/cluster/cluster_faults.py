@@ -26,10 +26,11 @@ and exits 0 when the behaviour is right, 1 (with 'FAIL: why' lines) when not:
                                          STOP) once every stream has a token: its streams end
                                          UNAVAILABLE within BOUND_MS, the others equal their
                                          references
-  forgotten HOST:PORT PID STOP_S MAX_TOKENS URL BOUND_S OUT
-                                         a stream's decode node PID stopped STOP_S (the router
-                                         drops it), continued: it drops the stream within BOUND_S
-                                         (URL: its metrics); the stream ends OK or says why
+  forgotten HOST:PORT PID STOP_S MAX_TOKENS URL BOUND_S OUT [ROLE]
+                                         a stream's decode (ROLE unified: unified) node PID
+                                         stopped STOP_S (the router drops it), continued: it drops
+                                         the stream within BOUND_S (URL: its metrics); the stream
+                                         ends OK or says why
   stopkill HOST:PORT PID WAIT_MS REFS MAX_TOKENS
                                          the node PID is stopped (SIGSTOP), the streams start,
                                          after WAIT_MS it is SIGKILLed: every stream must equal
@@ -645,12 +646,12 @@ def cmd_stall(target, pid, after, mode, secs, max_tokens, metrics_url=""):
     return 0
 
 
-def cmd_forgotten(target, pid, stop_s, max_tokens, metrics_url, bound_s, out_path):
+def cmd_forgotten(target, pid, stop_s, max_tokens, metrics_url, bound_s, out_path, role="decode"):
     """One stream of MAX_TOKENS; once it has 8 tokens its decode node PID stops (SIGSTOP) for
     STOP_S (past the router's heartbeat timeout: the router drops the node, moving or failing
     the stream), then continues (SIGCONT). The node must drop what the router forgot: its
     running and waiting sequences 0 and no KV block used (METRICS_URL) within BOUND_S of the
-    SIGCONT. Runs on: writes 'dropped S' (seconds after the SIGCONT) to OUT_PATH at once, and
+    SIGCONT (ROLE unified: a unified node's series). Runs on: writes 'dropped S' (seconds after the SIGCONT) to OUT_PATH at once, and
     'stream CODE after N tokens' once the stream ended: OK (moved), or a status with a message
     (not UNKNOWN), within 60 s."""
     pid, stop_s, bound_s = int(pid), float(stop_s), float(bound_s)
@@ -666,7 +667,7 @@ def cmd_forgotten(target, pid, stop_s, max_tokens, metrics_url, bound_s, out_pat
     finally:
         os.kill(pid, signal.SIGCONT)
     t_cont, rc, v = time.monotonic(), 0, {}
-    names = ("tandem_decode_running_sequences", "tandem_decode_waiting_sequences", "tandem_decode_kv_blocks_used")
+    names = tuple("tandem_%s_%s" % (role, n) for n in ("running_sequences", "waiting_sequences", "kv_blocks_used"))
     while True:
         try:
             v = {n: fetch_metric(metrics_url, n) for n in names}

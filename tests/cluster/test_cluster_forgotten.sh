@@ -7,7 +7,8 @@
 # used within 2 s (before, it ran the stream on to max_tokens with nobody reading it, holding
 # blocks and a batch slot the router counted free), say so in its log, and end within 2 s of
 # a SIGTERM (before, its drain waited for the orphan: 9.1 s). The client's stream ends OK
-# (moved) or with a status that says why. Skips without the model or python3-grpcio.
+# (moved) or with a status that says why. Then the same for a unified node u0 beside p0.
+# Skips without the model or python3-grpcio.
 source "$(dirname "$0")/cluster_lib.sh"
 cl_init
 # the drain test's 20M-parameter random model (300-600 tokens/s on one thread): 4000 tokens
@@ -32,30 +33,38 @@ cl_node prefill p0
 cl_node decode d0 --log-level info # its line saying what it dropped
 cl_wait_nodes 1 1
 
-"$CL_PY" "$CL_TOOL" forgotten "$CL_GW" "${CL_PID[d0]}" 3 $MAXTOK "${CL_MURL[d0]}" 2 "$CL_T/forgotten" \
-    >"$CL_T/forgotten.log" 2>&1 &
-F=$!
-CL_BG+=($F)
-cl_wait_line "$CL_T/forgotten" '^(dropped|not dropped)' 60 || cl_fail "the stream's decode node was never stopped"
-cat "$CL_T/forgotten"
-grep -q '^dropped' "$CL_T/forgotten" || cl_fail "d0 kept the sequence the router forgot"
-grep -E 'the router (answered|dropped)' "$CL_T/d0.err" | tail -2
-grep -q 'dropping what it ran for it: sequences 1,' "$CL_T/d0.err" || cl_fail "d0 did not log what it dropped"
-
-echo "== SIGTERM d0"
-t0=$(date +%s.%N)
-cl_kill d0 TERM
-for ((k = 0; k < 100; k++)); do _cl_dead "${CL_PID[d0]}" && break; sleep 0.05; done
-dt=$(echo "$(date +%s.%N) - $t0" | bc)
-echo "d0: SIGTERM to exit $dt s ($(grep -o 'drained in .*' "$CL_T/d0.err"))"
-if _cl_dead "${CL_PID[d0]}"; then
-    wait "${CL_PID[d0]}"; rc=$?
-    [ $rc -eq 0 ] || cl_fail "d0 exited $rc on SIGTERM, want 0"
-    (( $(echo "$dt > 2" | bc) )) && cl_fail "d0 took $dt s to end after SIGTERM, want 2 s at most"
-else
-    cl_fail "d0 did not end within 5 s of SIGTERM"
-fi
-CL_PID[d0]= CL_MURL[d0]=
-wait $F || cl_fail "the stream: $(cat "$CL_T/forgotten.log")"
-cat "$CL_T/forgotten.log"
-cl_end "a decode node the router dropped drops its sequences, and ends at once on SIGTERM"
+# forgotten NAME ROLE: NAME's stream, its stop, the drop, and NAME's SIGTERM
+forgotten() {
+    local name=$1 role=$2 f k t0 dt rc pid=${CL_PID[$1]}
+    echo "== $name ($role)"
+    "$CL_PY" "$CL_TOOL" forgotten "$CL_GW" "$pid" 3 $MAXTOK "${CL_MURL[$name]}" 2 "$CL_T/$name.forgotten" "$role" \
+        >"$CL_T/$name.forgotten.log" 2>&1 &
+    f=$!
+    CL_BG+=($f)
+    cl_wait_line "$CL_T/$name.forgotten" '^(dropped|not dropped)' 60 || cl_fail "$name was never stopped"
+    cat "$CL_T/$name.forgotten"
+    grep -q '^dropped' "$CL_T/$name.forgotten" || cl_fail "$name kept the sequence the router forgot"
+    grep -E 'the router (answered|dropped)' "$CL_T/$name.err" | tail -2
+    grep -q 'dropping what it ran for it: sequences 1,' "$CL_T/$name.err" || cl_fail "$name did not log what it dropped"
+    t0=$(date +%s.%N)
+    cl_kill "$name" TERM
+    for ((k = 0; k < 100; k++)); do _cl_dead "$pid" && break; sleep 0.05; done
+    dt=$(echo "$(date +%s.%N) - $t0" | bc)
+    echo "$name: SIGTERM to exit $dt s ($(grep -o 'drained in .*' "$CL_T/$name.err"))"
+    if _cl_dead "$pid"; then
+        wait "$pid"; rc=$?
+        [ $rc -eq 0 ] || cl_fail "$name exited $rc on SIGTERM, want 0"
+        (( $(echo "$dt > 2" | bc) )) && cl_fail "$name took $dt s to end after SIGTERM, want 2 s at most"
+    else
+        cl_fail "$name did not end within 5 s of SIGTERM"
+    fi
+    CL_PID[$name]= CL_MURL[$name]=
+    wait $f || cl_fail "the stream: $(cat "$CL_T/$name.forgotten.log")"
+    cat "$CL_T/$name.forgotten.log"
+}
+forgotten d0 decode
+# the same for a unified node (the same code, without a data plane), alone beside p0 now
+cl_node unified u0 --log-level info
+cl_wait_line "$CL_T/router.out" '^nodes: .* 1 unified' 30 || cl_fail "the router did not see u0"
+forgotten u0 unified
+cl_end "a decode node and a unified node the router dropped drop their sequences, and end at once on SIGTERM"
