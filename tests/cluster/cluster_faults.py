@@ -132,13 +132,14 @@ def fetch_metric(url, name, label=""):
 class Stream:
     """One Generate stream on its own thread; records ids, status and the time it ended."""
 
-    def __init__(self, stub, ids, max_tokens, timeout=50, on_message=None):
+    def __init__(self, stub, ids, max_tokens, timeout=50, on_message=None, extra=b""):
+        """extra: more GenerateRequest fields (their bytes)."""
         self.ids, self.got, self.code, self.details = ids, [], None, ""
         self.first = threading.Event()
         self.t_end = None
         self.cancelled = False
         self.on_message = on_message
-        self.call = stub(request(ids, max_tokens), timeout=timeout)
+        self.call = stub(request(ids, max_tokens) + extra, timeout=timeout)
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
@@ -647,7 +648,7 @@ def cmd_stall(target, pid, after, mode, secs, max_tokens, metrics_url=""):
 
 
 def cmd_forgotten(target, pid, stop_s, max_tokens, metrics_url, bound_s, out_path, role="decode"):
-    """One stream of MAX_TOKENS; once it has 8 tokens its decode node PID stops (SIGSTOP) for
+    """One stream of MAX_TOKENS (ignore_eos); once it has 8 tokens its decode node PID stops (SIGSTOP) for
     STOP_S (past the router's heartbeat timeout: the router drops the node, moving or failing
     the stream), then continues (SIGCONT). The node must drop what the router forgot: its
     running and waiting sequences 0 and no KV block used (METRICS_URL) within BOUND_S of the
@@ -657,8 +658,8 @@ def cmd_forgotten(target, pid, stop_s, max_tokens, metrics_url, bound_s, out_pat
     pid, stop_s, bound_s = int(pid), float(stop_s), float(bound_s)
     stub = generate_stub(channel(target))
     had = threading.Event()
-    s = Stream(stub, [1, 3, 5, 7], int(max_tokens), timeout=60,
-               on_message=lambda st: len(st.got) >= 8 and had.set())
+    s = Stream(stub, [1, 3, 5, 7], int(max_tokens), timeout=60,  # ignore_eos (field 12): a random model's
+               on_message=lambda st: len(st.got) >= 8 and had.set(), extra=pb_varint(12, 1))  # EOS ends no stream
     if not had.wait(30):
         return fail("the stream never had 8 tokens (%s %s)" % (s.code, s.details))
     os.kill(pid, signal.SIGSTOP)

@@ -1,7 +1,7 @@
 #!/bin/bash
 # test_cluster_forgotten: a decode node the router dropped drops what it ran for it (issue 37;
 # docs/cluster.md "A node the router dropped"). A router with a 1 s heartbeat timeout, p0 and
-# d0; one stream of 4000 tokens; once it has 8, d0 is stopped (SIGSTOP) for 3 s: the router
+# d0; one stream of 4000 tokens (ignore_eos); once it has 8, d0 is stopped (SIGSTOP) for 3 s: the router
 # drops d0 (moving or failing its stream) and answers its next heartbeat "reregister". After
 # SIGCONT d0 must drop the forgotten sequence: no running or waiting sequence and no KV block
 # used within 2 s (before, it ran the stream on to max_tokens with nobody reading it, holding
