@@ -60,6 +60,19 @@ static td_grpc_code_t read_ids(const uint32_t *ids, size_t n, const char *what, 
     return TD_GRPC_OK;
 }
 
+/* The request's sampling and logprobs into a, checked against the model (an Admit's and a
+ * peer's Prefill call's alike) */
+static td_grpc_code_t read_sampling(const Tandem__V1__SamplingParams *sp, const Tandem__V1__LogprobsRequest *lp,
+                                    const td_model_config_t *mc, decode_admit_t *a, char *why, size_t cap)
+{
+    a->sampling = td_node_sampling_from_proto(sp);
+    if (td_sampling_validate(&a->sampling, why, cap) != TD_OK ||
+        !td_sampling_check_bias(&a->sampling, mc->vocab_size, why, cap) ||
+        td_node_logprobs_from_proto(lp, &a->logprobs, why, cap) != TD_OK)
+        return TD_GRPC_INVALID_ARGUMENT;
+    return TD_GRPC_OK;
+}
+
 td_grpc_code_t decode_admit_read(const Tandem__Control__V1__AdmitRequest *r, const td_model_config_t *mc,
                                  bool unified, decode_admit_t **a_p, char *why, size_t cap)
 {
@@ -73,13 +86,8 @@ td_grpc_code_t decode_admit_read(const Tandem__Control__V1__AdmitRequest *r, con
         code = read_ids(r->replay_ids, r->n_replay_ids, "replay_ids", mc, &a->replay, why, cap);
     a->n_prompt = (int32_t)r->n_prompt_ids;
     a->n_replay = (int32_t)r->n_replay_ids;
-    if (code == TD_GRPC_OK) {
-        a->sampling = td_node_sampling_from_proto(r->sampling);
-        if (td_sampling_validate(&a->sampling, why, cap) != TD_OK ||
-            !td_sampling_check_bias(&a->sampling, mc->vocab_size, why, cap) ||
-            td_node_logprobs_from_proto(r->logprobs, &a->logprobs, why, cap) != TD_OK)
-            code = TD_GRPC_INVALID_ARGUMENT;
-    }
+    if (code == TD_GRPC_OK)
+        code = read_sampling(r->sampling, r->logprobs, mc, a, why, cap);
     if (code == TD_GRPC_OK && r->grammar && r->grammar[0] && !(a->grammar = strdup(r->grammar))) {
         snprintf(why, cap, "decode node: out of memory");
         code = TD_GRPC_RESOURCE_EXHAUSTED;
@@ -134,13 +142,8 @@ td_grpc_code_t decode_admit_read_kv_out(const Tandem__Control__V1__PrefillReques
     }
     td_grpc_code_t code = read_ids(r->tokens, r->n_tokens, "tokens", mc, &a->prompt, why, cap);
     a->n_prompt = (int32_t)r->n_tokens;
-    if (code == TD_GRPC_OK) {
-        a->sampling = td_node_sampling_from_proto(r->sampling);
-        if (td_sampling_validate(&a->sampling, why, cap) != TD_OK ||
-            !td_sampling_check_bias(&a->sampling, mc->vocab_size, why, cap) ||
-            td_node_logprobs_from_proto(r->logprobs, &a->logprobs, why, cap) != TD_OK)
-            code = TD_GRPC_INVALID_ARGUMENT;
-    }
+    if (code == TD_GRPC_OK)
+        code = read_sampling(r->sampling, r->logprobs, mc, a, why, cap);
     if (code == TD_GRPC_OK && a->logprobs.prompt) {
         snprintf(why, cap, "prefill: prompt logprobs are not served by a decode node (it computes prompts in "
                            "chunks inside its decode steps); send the call to a prefill node");

@@ -547,59 +547,48 @@ static void cpu_destroy(td_backend_t *be)
     free(cpu);
 }
 
-/* ---- weight packing (td_cpu_pack) -------------------------------------------------- */
+/* ---- weight packing (td_cpu_pack, td_cpu_bgemm) ----------------------------------- */
+
+/* A packer of whole row groups: rows [0, n) of w, k weights each, into dst (td_cpu_pack's and
+ * td_cpu_bgemm's share this form; groups are independent, so rows [r0, r1) of whole groups
+ * are a matrix of their own) */
+typedef void (*pack_fn)(void *dst, const void *w, td_dtype_t type, size_t n, size_t k);
 
 typedef struct pack_job {
     unsigned char *dst;
     const unsigned char *w;
     td_dtype_t dtype;
     int32_t n, k;
-    int groups; /* groups of 16 rows per task */
+    int rows;           /* rows a group */
+    size_t group_bytes; /* packed bytes a group */
+    pack_fn pack;
+    int groups;         /* groups per task */
 } pack_job_t;
 
 static void pack_task(void *arg, int task, int thread)
 {
     pack_job_t *jb = arg;
     (void)thread;
-    int r0 = task * jb->groups * TD_CPU_PACK_ROWS;
-    int r1 = TD_MIN(jb->n, r0 + jb->groups * TD_CPU_PACK_ROWS);
-    /* groups are independent: rows [r0, r1) are a matrix of their own */
-    td_cpu_pack_weights(jb->dst + (size_t)(r0 / TD_CPU_PACK_ROWS) * td_cpu_pack_group_bytes(jb->dtype, (size_t)jb->k),
-                        jb->w + (size_t)r0 * td_dtype_bytes(jb->dtype, (size_t)jb->k), jb->dtype,
-                        (size_t)(r1 - r0), (size_t)jb->k);
+    int r0 = task * jb->groups * jb->rows;
+    int r1 = TD_MIN(jb->n, r0 + jb->groups * jb->rows);
+    jb->pack(jb->dst + (size_t)(r0 / jb->rows) * jb->group_bytes,
+             jb->w + (size_t)r0 * td_dtype_bytes(jb->dtype, (size_t)jb->k), jb->dtype, (size_t)(r1 - r0),
+             (size_t)jb->k);
 }
 
-typedef struct bpack_job {
-    unsigned char *dst;
-    const unsigned char *w;
-    td_dtype_t dtype;
-    int32_t n, k;
-    int groups; /* groups of 16 rows per task */
-} bpack_job_t;
-
-static void bpack_task(void *arg, int task, int thread)
-{
-    bpack_job_t *jb = arg;
-    (void)thread;
-    int r0 = task * jb->groups * TD_CPU_BGEMM_ROWS;
-    int r1 = TD_MIN(jb->n, r0 + jb->groups * TD_CPU_BGEMM_ROWS);
-    td_cpu_bgemm_pack(jb->dst + (size_t)(r0 / TD_CPU_BGEMM_ROWS) * td_cpu_bgemm_group_bytes((size_t)jb->k),
-                      jb->w + (size_t)r0 * td_dtype_bytes(jb->dtype, (size_t)jb->k), jb->dtype,
-                      (size_t)(r1 - r0), (size_t)jb->k);
-}
-
-/* A float matrix (k even) as bf16 groups (td_cpu_bgemm.h), in parallel over the groups. */
-static td_status_t bgemm_pack(td_cpu_t *cpu, const void *w, td_dtype_t dtype, int32_t n, int32_t k,
-                              void **packed_p)
+/* w (n x k of dtype) packed by `pack` into `bytes` of fresh weight memory, in parallel over
+ * its groups of `rows` rows, `group_bytes` each */
+static td_status_t pack_matrix(td_cpu_t *cpu, const void *w, td_dtype_t dtype, int32_t n, int32_t k, size_t bytes,
+                               int rows, size_t group_bytes, pack_fn pack, void **packed_p)
 {
     void *dst = NULL;
-    td_status_t st = cpu_alloc_weights(td_cpu_bgemm_pack_bytes((size_t)n, (size_t)k), &dst);
+    td_status_t st = cpu_alloc_weights(bytes, &dst);
     if (st != TD_OK)
         return st;
-    int n_groups = (n + TD_CPU_BGEMM_ROWS - 1) / TD_CPU_BGEMM_ROWS;
-    bpack_job_t jb = {.dst = dst, .w = w, .dtype = dtype, .n = n, .k = k,
-                      .groups = (n_groups + cpu->n_threads - 1) / cpu->n_threads};
-    td_pool_run(cpu->pool, (n_groups + jb.groups - 1) / jb.groups, bpack_task, &jb);
+    int n_groups = (n + rows - 1) / rows;
+    pack_job_t jb = {.dst = dst, .w = w, .dtype = dtype, .n = n, .k = k, .rows = rows, .group_bytes = group_bytes,
+                     .pack = pack, .groups = (n_groups + cpu->n_threads - 1) / cpu->n_threads};
+    td_pool_run(cpu->pool, (n_groups + jb.groups - 1) / jb.groups, pack_task, &jb);
     *packed_p = dst;
     return TD_OK;
 }
@@ -614,23 +603,16 @@ static td_status_t cpu_weight_pack(td_backend_t *be, const void *w, td_dtype_t d
 {
     td_cpu_t *cpu = td_cpu_of(be);
     *packed_p = NULL;
-    if (td_dtype_is_float(dtype)) {
+    if (td_dtype_is_float(dtype)) { /* bf16 groups (td_cpu_bgemm.h), k even */
         if (!cpu->act_one_byte || !cpu->k.bgemm || n <= 0 || k <= 0 || k % 2 != 0)
             return TD_OK;
-        return bgemm_pack(cpu, w, dtype, n, k, packed_p);
+        return pack_matrix(cpu, w, dtype, n, k, td_cpu_bgemm_pack_bytes((size_t)n, (size_t)k), TD_CPU_BGEMM_ROWS,
+                           td_cpu_bgemm_group_bytes((size_t)k), td_cpu_bgemm_pack, packed_p);
     }
     if (cpu->exact || !td_cpu_pack_supports(dtype) || n <= 0 || k <= 0 || k % td_dtype_block_elems(dtype) != 0)
         return TD_OK;
-    void *dst = NULL;
-    td_status_t st = cpu_alloc_weights(td_cpu_pack_bytes(dtype, (size_t)n, (size_t)k), &dst);
-    if (st != TD_OK)
-        return st;
-    int n_groups = (n + TD_CPU_PACK_ROWS - 1) / TD_CPU_PACK_ROWS;
-    pack_job_t jb = {.dst = dst, .w = w, .dtype = dtype, .n = n, .k = k,
-                     .groups = (n_groups + cpu->n_threads - 1) / cpu->n_threads};
-    td_pool_run(cpu->pool, (n_groups + jb.groups - 1) / jb.groups, pack_task, &jb);
-    *packed_p = dst;
-    return TD_OK;
+    return pack_matrix(cpu, w, dtype, n, k, td_cpu_pack_bytes(dtype, (size_t)n, (size_t)k), TD_CPU_PACK_ROWS,
+                       td_cpu_pack_group_bytes(dtype, (size_t)k), td_cpu_pack_weights, packed_p);
 }
 
 static const td_backend_ops_t cpu_ops = {
