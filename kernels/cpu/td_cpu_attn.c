@@ -649,7 +649,7 @@ TD_AVX512 static void tile_accumulate_avx512(float *O, const float *S, const flo
         const float *s = S + (size_t)r * ld_s;
         for (int d0 = 0; d0 < hd; d0 += 64) {
             const int W = TD_MIN(4, TD_DIV_CEIL(hd - d0, 16));
-            const int tail = hd - d0 - 16 * (W - 1); /* 1..16 lanes in the last vector */
+            const int tail = TD_MIN(16, hd - d0 - 16 * (W - 1)); /* 1..16 lanes in the last vector */
             const __mmask16 last = (__mmask16)((1u << tail) - 1);
             switch (R) {
             case 4: ACC_R(4); break;

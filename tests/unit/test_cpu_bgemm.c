@@ -28,19 +28,12 @@
 #include "cpu/td_cpu_bgemm.h"
 #include "td_backend.h"
 #include "td_dtype.h"
+#include "td_rng.h"
 #include "td_util.h"
-
-static uint64_t rng_next(uint64_t *s)
-{
-    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
 
 static float uniform(uint64_t *s)
 {
-    return (float)((double)(rng_next(s) >> 11) * 0x1.0p-52 - 1.0);
+    return (float)((double)(td_splitmix64(s) >> 11) * 0x1.0p-52 - 1.0);
 }
 
 static float from_bits(uint32_t u)
@@ -109,7 +102,7 @@ Test(cpu_bgemm, act_rounding_is_nearest_even)
     uint16_t *ra = xmalloc(K * sizeof *ra);
     for (int rep = 0; rep < 16; rep++) {
         for (size_t i = 0; i < K; i++)
-            r[i] = from_bits((uint32_t)rng_next(&s));
+            r[i] = from_bits((uint32_t)td_splitmix64(&s));
         td_cpu_bgemm_act_row(r, ra, K);
         for (size_t i = 0; i < K; i++)
             cr_assert_eq(ra[i], td_f32_to_bf16(r[i]), "0x%08x: 0x%04x, td_f32_to_bf16 0x%04x", bits(r[i]), ra[i],
@@ -147,8 +140,8 @@ Test(cpu_bgemm, pack_rounds_and_lays_out)
     uint64_t s = 16;
     for (size_t i = 0; i < n * k; i++) {
         h[i] = f16s[i % TD_ARRAY_LEN(f16s)].h;
-        f[i] = from_bits((uint32_t)rng_next(&s));
-        b[i] = (uint16_t)rng_next(&s);
+        f[i] = from_bits((uint32_t)td_splitmix64(&s));
+        b[i] = (uint16_t)td_splitmix64(&s);
     }
     f[0] = from_bits(0x3f808000), f[1] = from_bits(0x3f818000), f[2] = from_bits(0x7f7fffff);
     size_t bytes = td_cpu_bgemm_pack_bytes(n, k);
@@ -222,7 +215,7 @@ static float *make_x(size_t m, size_t k, uint64_t *s, unsigned char **a_p, float
     float *x = xmalloc(m * k * 4), *xr = xmalloc(m * k * 4);
     unsigned char *a = xmalloc(m * stride);
     for (size_t i = 0; i < m; i++) {
-        float scale = ldexpf(1.0f, (int)(rng_next(s) % 9) - 4);
+        float scale = ldexpf(1.0f, (int)(td_splitmix64(s) % 9) - 4);
         for (size_t e = 0; e < k; e++) {
             x[i * k + e] = uniform(s) * scale;
             xr[i * k + e] = td_bf16_to_f32(td_f32_to_bf16(x[i * k + e]));
