@@ -55,6 +55,19 @@ static TD_Z void act_row_avx512(const float *x, void *av, td_dtype_t type, size_
 
 #define TD_V __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
 
+/* (float)(WIDE * ph + pl), the block's exact integer sum rounded once as the scalar kernel
+ * rounds it. Two bytes: the multiply as shifts (WIDE = 254 = 256 - 2), then the conversion.
+ * One byte (lo is 0, so pl is the offset c, or 0 with a min): ph (|ph| <= 32 * 255 * 127 <
+ * 2^24) and c (a multiple of 254 * 16 whose other factor is below 2^24 / 16: td_cpu_pack.h's
+ * offsets) are exact in f32, so one FMA of them rounds WIDE * ph + c once, to the same float:
+ * two instructions fewer a row and block. */
+TD_INLINE TD_V __m512 wide_sum(bool one, __m512i ph, __m512i pl)
+{
+    if (one)
+        return _mm512_fmadd_ps(_mm512_cvtepi32_ps(ph), _mm512_set1_ps((float)WIDE), _mm512_cvtepi32_ps(pl));
+    return _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(ph, 8), _mm512_slli_epi32(ph, 1)), pl));
+}
+
 /* One group (at gq, nb blocks) against R activation rows (at a, `stride` apart): the
  * 16 outputs of row i go to y + i * ldy. */
 TD_INLINE TD_V void vnni_tile(td_dtype_t t, bool one, int R, const unsigned char *gq, size_t nb, size_t k, const unsigned char *a, size_t stride, float *y,
@@ -155,10 +168,8 @@ TD_INLINE TD_V void vnni_tile(td_dtype_t t, bool one, int R, const unsigned char
                     pl = _mm512_dpbusd_epi32(pl, w[v], _mm512_set1_epi32(load_i32(lo + 4 * v)));
                 }
             }
-            /* WIDE * ph + pl, the multiply as shifts (WIDE = 254 = 256 - 2) */
-            __m512i p0 = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(ph, 8), _mm512_slli_epi32(ph, 1)), pl);
             __m512 sc = _mm512_mul_ps(dw, _mm512_set1_ps(load_f32(act_e(ai, k) + 4 * b)));
-            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p0), sc, acc[i]);
+            acc[i] = _mm512_fmadd_ps(wide_sum(one, ph, pl), sc, acc[i]);
             if (has_min(t))
                 macc[i] = _mm512_fmadd_ps(mw, _mm512_set1_ps(load_f32(c)), macc[i]);
         }
@@ -213,8 +224,7 @@ TD_INLINE TD_V void vnni_tile_q6_k(bool one, int R, const unsigned char *gq, siz
                     if (!one)
                         pl = _mm512_dpbusd_epi32(pl, w[4 * h + v], _mm512_set1_epi32(load_i32(lo + 16 * h + 4 * v)));
                 }
-                __m512i p = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(ph, 8), _mm512_slli_epi32(ph, 1)), pl);
-                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(dw[h], e), acc[i]);
+                acc[i] = _mm512_fmadd_ps(wide_sum(one, ph, pl), _mm512_mul_ps(dw[h], e), acc[i]);
             }
         }
     }
