@@ -58,9 +58,10 @@ static TD_Z void act_row_avx512(const float *x, void *av, td_dtype_t type, size_
 /* (float)(WIDE * ph + pl), the block's exact integer sum rounded once as the scalar kernel
  * rounds it. Two bytes: the multiply as shifts (WIDE = 254 = 256 - 2), then the conversion.
  * One byte (lo is 0, so pl is the offset c, or 0 with a min): ph (|ph| <= 32 * 255 * 127 <
- * 2^24) and c (a multiple of 254 * 16 whose other factor is below 2^24 / 16: td_cpu_pack.h's
- * offsets) are exact in f32, so one FMA of them rounds WIDE * ph + c once, to the same float:
- * two instructions fewer a row and block. */
+ * 2^24) and c (-offset * 254 * S, S the sum of the block's or half's hi, offset 8, 32 or 128:
+ * a power of two times 127 S, |127 S| <= 127 * 32 * 127 < 2^24) are exact in f32, so one FMA
+ * of them rounds WIDE * ph + c once, to the same float: two instructions fewer a row and
+ * block. */
 TD_INLINE TD_V __m512 wide_sum(bool one, __m512i ph, __m512i pl)
 {
     if (one)
