@@ -213,6 +213,17 @@ static bool rb_never(rb_state_t *s)
     return false;
 }
 
+static bool rb_term_seen(rb_state_t *s)
+{
+    return s->term_seen;
+}
+
+static void on_hold_signal(uv_signal_t *h, int sig)
+{
+    rb_state_t *s = h->data;
+    s->term_seen = true;
+}
+
 static bool rb_drained(rb_state_t *s)
 {
     return s->outstanding == 0 && !s->lat_busy;
@@ -717,6 +728,8 @@ static void rb_close_all(rb_state_t *s)
         return;
     if (s->wake_up)
         uv_close((uv_handle_t *)&s->wake, NULL);
+    for (int i = 0; s->term_up && i < 2; i++)
+        uv_close((uv_handle_t *)&s->term[i], NULL);
     if (s->router_out_open)
         uv_close((uv_handle_t *)&s->router_out, NULL);
     if (s->nodes_out_open)
@@ -891,8 +904,16 @@ int bench_router(int argc, char **argv)
         if (s->o.http)
             printf("openai: http://%s:%u/v1\n", s->host, s->http_port);
         fflush(stdout);
+        /* a signal ends the hold the way its end does: children stopped, files removed */
+        static const int sigs[2] = {SIGTERM, SIGINT};
+        for (int i = 0; i < 2; i++) {
+            uv_signal_init(&s->loop, &s->term[i]);
+            s->term[i].data = s;
+            uv_signal_start(&s->term[i], on_hold_signal, sigs[i]);
+        }
+        s->term_up = true;
         double r0 = rb_proc_cpu_s(s->router.pid), t0 = td_now_s();
-        rb_run_until(s, rb_never, t0 + s->o.hold_s);
+        rb_run_until(s, rb_term_seen, t0 + s->o.hold_s);
         fprintf(stderr, "bench router: held %.1f s, router cpu %.2f s\n", td_now_s() - t0,
                 rb_proc_cpu_s(s->router.pid) - r0);
         rc = s->failed ? 1 : 0;

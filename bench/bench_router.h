@@ -98,6 +98,8 @@ typedef struct rb_state {
     bool loop_up;
     uv_timer_t wake;
     bool wake_up;
+    uv_signal_t term[2];      /* --hold: SIGTERM and SIGINT end the hold (cleanup still runs) */
+    bool term_up, term_seen;
     /* router process (its stdout piped to us: router.out_fd, until watched on the loop) */
     td_child_t router;
     uv_pipe_t router_out;

@@ -7,6 +7,7 @@
 #ifndef FUZZ_UTIL_H
 #define FUZZ_UTIL_H
 
+#include <dirent.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -19,18 +20,38 @@
 /* Once per process: logging off (a parser's error is the expected outcome, and a line per
  * input would be most of the time spent), and a private folder for the files the file
  * parsers read (they take paths). */
+static char fuzz_dir_path[64];
+
+/* At exit (a run that ends, not a crash: its inputs stay for the report): the folder and
+ * the files fuzz_file wrote there. */
+static inline void fuzz_dir_remove(void)
+{
+    DIR *d = opendir(fuzz_dir_path);
+    struct dirent *e;
+    char path[sizeof fuzz_dir_path + 256];
+    while (d && (e = readdir(d))) {
+        if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..")) {
+            snprintf(path, sizeof path, "%s/%s", fuzz_dir_path, e->d_name);
+            unlink(path);
+        }
+    }
+    if (d)
+        closedir(d);
+    rmdir(fuzz_dir_path);
+}
+
 static inline const char *fuzz_dir(void)
 {
-    static char dir[64];
-    if (!dir[0]) {
+    if (!fuzz_dir_path[0]) {
         td_log_set_level(TD_LOG_OFF);
-        snprintf(dir, sizeof dir, "/tmp/tandem-fuzz-XXXXXX");
-        if (!mkdtemp(dir)) {
+        snprintf(fuzz_dir_path, sizeof fuzz_dir_path, "/tmp/tandem-fuzz-XXXXXX");
+        if (!mkdtemp(fuzz_dir_path)) {
             perror("fuzz: mkdtemp");
             abort();
         }
+        atexit(fuzz_dir_remove);
     }
-    return dir;
+    return fuzz_dir_path;
 }
 
 /* data[0..size) as the file `name` of fuzz_dir(); its path (static storage, one per name

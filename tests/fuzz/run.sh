@@ -38,3 +38,4 @@ if [ $rc -ne 0 ]; then
     exit 1
 fi
 echo "PASS: $name: ${secs}s, $stats, $cov"
+rm -rf "$work" # its logs and (empty) artifacts folder are kept for a failure only

@@ -29,6 +29,7 @@ import collections
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -275,6 +276,8 @@ class Soak:
             print("FAIL: " + b)
         if bad:
             print("logs: %s" % self.dir)
+        else:  # the logs are kept for a failure only
+            shutil.rmtree(self.dir, ignore_errors=True)
         return 1 if bad else 0
 
     def check_results(self):
