@@ -11,10 +11,11 @@
  *       the same profile measured through a running cluster with the load generator
  *       (common/loadgen/loadgen_profile.h).
  *   tandem plan --profile P (--workload W | --metrics URL) --ttft MS --tpot MS
- *               [--rate R | --nodes N] [--split P:D | --unified N] [--prefill-policy conditional] [--json]
+ *               [--rate R | --nodes N] [--split P:D | --unified N] [--prefill-policy conditional|follow] [--json]
  *       simulates the cluster (common/plan/td_plan.h) and answers: the P:D split and batch
- *       limits with the most goodput per node, the highest rate N nodes sustain, the nodes a
- *       rate needs, and a what-if table.
+ *       limits with the most goodput per node, the highest rate N nodes sustain and the mode
+ *       (disaggregated, conditional, follow, unified) that sustains the most, the nodes a rate
+ *       needs, and a what-if table.
  *   tandem plan calibrate --profile P --prefill-metrics URL --decode-metrics URL --context C --out P2
  *       scales a profile's fits to the mean step times the running nodes report (their own
  *       step histograms: the whole scheduler step, at the CPU share they really had).
@@ -458,7 +459,7 @@ static void split_name(char *b, size_t cap, const td_plan_cluster_t *c)
     if (c->n_unified)
         snprintf(b, cap, "%dU", c->n_unified);
     else
-        snprintf(b, cap, "%d:%d%s", c->n_prefill, c->n_decode, c->conditional ? "c" : "");
+        snprintf(b, cap, "%d:%d%s", c->n_prefill, c->n_decode, c->follow ? "f" : c->conditional ? "c" : "");
 }
 
 static cJSON *result_json(const td_plan_cluster_t *c, double rate, const td_plan_result_t *r)
@@ -478,6 +479,8 @@ static cJSON *result_json(const td_plan_cluster_t *c, double rate, const td_plan
     cJSON_AddNumberToObject(o, "tpot_p90_ms", isnan(r->tpot_p90_s) ? 0 : r->tpot_p90_s * 1e3);
     cJSON_AddNumberToObject(o, "prefill_busy", r->prefill_busy);
     cJSON_AddNumberToObject(o, "decode_busy", r->decode_busy);
+    cJSON_AddNumberToObject(o, "placed_local", r->n ? (double)r->placed_local / (double)r->n : 0);
+    cJSON_AddNumberToObject(o, "placed_peer", r->n ? (double)r->placed_peer / (double)r->n : 0);
     return o;
 }
 
@@ -494,13 +497,16 @@ static void print_result(const char *what, const td_plan_cluster_t *c, double ra
     printf("  P50 TPOT (ms):                         %.2f\n", r->tpot_p50_s * 1e3);
     printf("  P90 TPOT (ms):                         %.2f\n", r->tpot_p90_s * 1e3);
     printf("  Prefill / decode busy (%%):             %.1f / %.1f\n", r->prefill_busy * 100, r->decode_busy * 100);
+    if ((c->conditional || c->follow) && r->n)
+        printf("  Prompts local / peer / remote (%%):      %.1f / %.1f / %.1f\n", 100.0 * r->placed_local / r->n,
+               100.0 * r->placed_peer / r->n, 100.0 * (r->n - r->placed_local - r->placed_peer) / r->n);
 }
 
-/* The split of n nodes (and the unified n) with the highest sustained rate. */
+/* The split of n nodes with the highest sustained rate (follow: 0:n too, decode nodes only). */
 static td_status_t best_split(const plan_ctx_t *x, int n, td_plan_cluster_t *best_c, double *best_rate)
 {
     *best_rate = -1;
-    for (int p = 1; p < n; p++) {
+    for (int p = x->base.follow ? 0 : 1; p < n; p++) {
         td_plan_cluster_t c = split_cluster(x, p, n - p, 0);
         double r;
         td_status_t st = td_plan_max_rate(&x->prof, &c, &x->L, &x->s, &r, NULL);
@@ -512,11 +518,12 @@ static td_status_t best_split(const plan_ctx_t *x, int n, td_plan_cluster_t *bes
     return TD_OK;
 }
 
-static int parse_split(const char *s, int *p, int *d)
+/* P:D, P >= min_p (follow: 0, decode nodes only), D >= 1. */
+static int parse_split(const char *s, int min_p, int *p, int *d)
 {
     char *end;
     long a = strtol(s, &end, 10), b = *end == ':' ? strtol(end + 1, &end, 10) : 0;
-    if (a < 1 || b < 1 || a > 1024 || b > 1024 || *end)
+    if (a < min_p || b < 1 || a > 1024 || b > 1024 || *end)
         return -1;
     *p = (int)a, *d = (int)b;
     return 0;
@@ -561,7 +568,7 @@ static td_status_t plan_one(const plan_opts_t *o, const plan_ctx_t *x, const loa
     int sp = 0, sd = 0;
     td_status_t st;
     if (o->split)
-        parse_split(o->split, &sp, &sd);
+        parse_split(o->split, 0, &sp, &sd);
     td_plan_cluster_t c = split_cluster(x, sp, sd, (int)o->unified);
     td_plan_result_t r;
     if (rate > 0 && w->timed && o->rate <= 0) { /* the trace's own times */
@@ -646,6 +653,57 @@ static td_status_t plan_nodes(const plan_opts_t *o, const plan_ctx_t *x, cJSON *
     return TD_OK;
 }
 
+/* --nodes N: the mode that sustains the most with N nodes: each policy's best split (follow's may be
+ * 0:N, decode nodes only; disaggregated and conditional need N >= 2) and N unified nodes. Ties go to
+ * the mode listed first (the simpler one). */
+static td_status_t plan_modes(const plan_opts_t *o, const plan_ctx_t *x, cJSON *j)
+{
+    static const struct {
+        const char *name;
+        bool conditional, follow;
+    } modes[] = {{"disaggregated", false, false}, {"conditional", true, false}, {"follow", false, true}};
+    int n = (int)o->nodes;
+    cJSON *tab = cJSON_AddArrayToObject(j, "modes");
+    char best[32] = "", name[32];
+    const char *best_mode = NULL;
+    double best_rate = -1, r;
+    td_status_t st;
+    if (!o->json)
+        printf("--------------- Modes ---------------\n%-14s %6s %12s\n", "mode", "split", "max rate");
+    for (size_t i = 0; i <= TD_ARRAY_LEN(modes); i++) {
+        td_plan_cluster_t c;
+        const char *mode = i < TD_ARRAY_LEN(modes) ? modes[i].name : "unified";
+        if (i < TD_ARRAY_LEN(modes)) {
+            plan_ctx_t m = *x;
+            m.base.conditional = modes[i].conditional;
+            m.base.follow = modes[i].follow;
+            if (n < 2 && !m.base.follow)
+                continue; /* a P:D split needs two nodes */
+            if ((st = best_split(&m, n, &c, &r)) != TD_OK)
+                return st;
+        } else {
+            c = split_cluster(x, 0, 0, n);
+            if ((st = td_plan_max_rate(&x->prof, &c, &x->L, &x->s, &r, NULL)) != TD_OK)
+                return st;
+        }
+        split_name(name, sizeof name, &c);
+        if (!o->json)
+            printf("%-14s %6s %12.3f\n", mode, name, r);
+        cJSON *e = cJSON_CreateObject();
+        cJSON_AddStringToObject(e, "mode", mode);
+        cJSON_AddStringToObject(e, "split", name);
+        cJSON_AddNumberToObject(e, "max_rate", r);
+        cJSON_AddItemToArray(tab, e);
+        if (r > best_rate)
+            best_rate = r, best_mode = mode, snprintf(best, sizeof best, "%s", name);
+    }
+    if (!o->json)
+        printf("Recommended mode:                        %s (split %s, %.3f req/s)\n", best_mode, best, best_rate);
+    cJSON_AddStringToObject(j, "recommended_mode", best_mode);
+    cJSON_AddStringToObject(j, "recommended_split", best);
+    return TD_OK;
+}
+
 /* --rate R (or the workload's): the nodes it needs, split and unified; *need_p the split's. */
 static td_status_t plan_need(const plan_opts_t *o, const plan_ctx_t *x, double rate, cJSON *j, int *need_p)
 {
@@ -712,7 +770,7 @@ static int plan_what_if(const plan_opts_t *o, const plan_ctx_t *x, int n_what, d
     if (!o->json)
         printf("--------------- What-if ---------------\n%-6s %10s %12s %14s %8s %12s %12s\n", "split", "rate",
                "goodput", "goodput/node", "SLO %", "TTFT p90 ms", "TPOT p90 ms");
-    for (int p = 1; p <= n_what && st == TD_OK; p++) {
+    for (int p = x->base.follow ? 0 : 1; p <= n_what && st == TD_OK; p++) {
         bool uni = p == n_what;
         if (!uni && n_what - p < 1)
             continue;
@@ -750,7 +808,7 @@ static int plan_run(const plan_opts_t *o, plan_ctx_t *x, loadgen_workload_t *w)
     int n_what = 0;
     double best_rate = 0;
     if (o->nodes > 0) {
-        if ((st = plan_nodes(o, x, j, &best_rate)) != TD_OK)
+        if ((st = plan_nodes(o, x, j, &best_rate)) != TD_OK || (st = plan_modes(o, x, j)) != TD_OK)
             goto out;
         n_what = (int)o->nodes;
     }
@@ -782,7 +840,7 @@ static void plan_usage(FILE *f)
                "       tandem plan calibrate --profile P --prefill-metrics URL --decode-metrics URL --context C --out FILE\n"
                "       tandem plan --profile P (--workload random:IN:OUT[:RANGE]|trace:FILE | --metrics URL)\n"
                "                   --ttft MS --tpot MS [--rate R] [--nodes N] [--split P:D | --unified N]\n"
-               "                   [--prefill-policy disaggregated|conditional] [--json]\n");
+               "                   [--prefill-policy disaggregated|conditional|follow] [--json]\n");
 }
 
 int cmd_plan(int argc, char **argv)
@@ -834,11 +892,13 @@ int cmd_plan(int argc, char **argv)
         TD_OPT_INT("decode-kv-tokens", &o.decode_kv_tokens, 0, INT64_MAX, "KV tokens per decode node (0: unbounded)"),
         TD_OPT_STRING("prefill-policy", &o.prefill_policy,
                       "the router's for P:D splits: disaggregated (default) | conditional (each prompt on its decode "
-                      "node when that is sooner and keeps its streams within --tpot-objective-ms; splits print as P:Dc)"),
+                      "node when that is sooner and keeps its streams within --tpot-objective-ms; splits print as "
+                      "P:Dc) | follow (conditional, or another decode node when that is sooner; P may be 0: --split "
+                      "0:2; splits print as P:Df)"),
         {.name = "tpot-objective-ms", .type = TD_OPT_F32, .ptr = &tpot_obj, .fmin = 1e-3f, .fmax = 1e7f, .arg = "MS",
-         .help = "conditional: the router's --tpot-objective-ms (default: --tpot)"},
+         .help = "conditional, follow: the router's --tpot-objective-ms (default: --tpot)"},
         {.name = "ttft-objective-ms", .type = TD_OPT_F32, .ptr = &ttft_obj, .fmin = 0, .fmax = 1e7f, .arg = "MS",
-         .help = "conditional: the router's --ttft-objective-ms (default 0: none)"},
+         .help = "conditional, follow: the router's --ttft-objective-ms (default 0: none)"},
         {.name = "json", .type = TD_OPT_BOOL, .ptr = &o.json, .help = "one JSON document on stdout"},
     };
     td_opts_t spec = {.prog = "tandem plan", .opts = opts, .n_opts = TD_ARRAY_LEN(opts)};
@@ -859,21 +919,21 @@ int cmd_plan(int argc, char **argv)
         td_errorf(TD_ERR_INVALID, "tandem plan: --%s", td_last_error());
         return 2;
     }
-    if (policy == ROUTER_PREFILL_FOLLOW)
-        bad = "--prefill-policy: the planner simulates disaggregated and conditional; follow (decode nodes "
-              "prefilling for each other) is not modelled yet";
-    else if (!o.profile)
+    if (!o.profile)
         bad = "--profile: required (a file of `tandem plan profile`)";
     else if (!o.workload == !o.metrics)
         bad = "--workload: give one of --workload random:IN:OUT[:RANGE]|trace:FILE and --metrics URL";
     else if (ttft <= 0 || tpot <= 0)
         bad = ttft <= 0 ? "--ttft: required (the TTFT objective in ms)" : "--tpot: required (the TPOT objective in ms)";
-    else if (o.split && parse_split(o.split, &sp, &sd))
-        bad = "--split: not P:D with P, D >= 1";
+    else if (o.split && parse_split(o.split, policy == ROUTER_PREFILL_FOLLOW ? 0 : 1, &sp, &sd))
+        bad = policy == ROUTER_PREFILL_FOLLOW
+                  ? "--split: not P:D with P >= 0, D >= 1"
+                  : "--split: not P:D with P, D >= 1 (P 0 only with --prefill-policy follow)";
     else if (o.split && o.unified)
         bad = "--unified: give --split P:D or --unified N, not both";
-    else if (o.unified && policy == ROUTER_PREFILL_CONDITIONAL)
-        bad = "--prefill-policy: conditional places the prompts of a P:D split; give --split P:D, not --unified N";
+    else if (o.unified && policy != ROUTER_PREFILL_DISAGGREGATED)
+        bad = "--prefill-policy: conditional and follow place the prompts of a P:D split's decode nodes; give "
+              "--split P:D, not --unified N";
     else if (!o.split && !o.unified && !o.nodes && rate <= 0 && o.workload && strncmp(o.workload, "trace:", 6))
         bad = "--rate: give --rate R or --nodes N (or a trace, whose rate is its own)";
     if (bad) {
@@ -888,6 +948,7 @@ int cmd_plan(int argc, char **argv)
     x.base.decode_max_batch = (int32_t)o.decode_max_batch;
     x.base.decode_kv_tokens = o.decode_kv_tokens;
     x.base.conditional = policy == ROUTER_PREFILL_CONDITIONAL;
+    x.base.follow = policy == ROUTER_PREFILL_FOLLOW;
     x.base.tpot_objective_s = (tpot_obj > 0 ? tpot_obj : tpot) * 1e-3;
     x.base.ttft_objective_s = ttft_obj * 1e-3;
     x.s.n_requests = (size_t)o.requests;

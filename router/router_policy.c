@@ -151,11 +151,11 @@ static int32_t best_prefill(const router_registry_t *reg, const router_policy_co
     return best;
 }
 
-/* A local prefill on decode node d (rule 5, td_place_local_estimate), its chunks' steps within
- * tpot_s (0: unbounded): into *e_p when it fits. */
-static td_place_fit_t local_estimate(const router_registry_t *reg, const router_policy_config_t *cfg,
-                                     const router_pick_request_t *req, int32_t d, int32_t p, hash_cache_t *hc,
-                                     double tpot_s, td_place_estimate_t *e_p)
+/* What decode node d reports for a local prefill of the prompt (rule 5), its chunks' steps within
+ * tpot_s (0: unbounded). */
+static td_place_local_t local_figures(const router_registry_t *reg, const router_policy_config_t *cfg,
+                                      const router_pick_request_t *req, int32_t d, int32_t p, hash_cache_t *hc,
+                                      double tpot_s)
 {
     const router_node_t *dn = router_registry_node_const(reg, d);
     int32_t bs = (int32_t)dn->info.layout.block_size, n_hashes;
@@ -173,6 +173,15 @@ static td_place_fit_t local_estimate(const router_registry_t *reg, const router_
         .tpot_objective_s = tpot_s,
         .spread_s = dn->load.step_spread_s,
     };
+    return l;
+}
+
+/* A local prefill on decode node d (rule 5, td_place_local_estimate): into *e_p when it fits. */
+static td_place_fit_t local_estimate(const router_registry_t *reg, const router_policy_config_t *cfg,
+                                     const router_pick_request_t *req, int32_t d, int32_t p, hash_cache_t *hc,
+                                     double tpot_s, td_place_estimate_t *e_p)
+{
+    td_place_local_t l = local_figures(reg, cfg, req, d, p, hc, tpot_s);
     return td_place_local_estimate(&l, e_p);
 }
 
@@ -186,15 +195,19 @@ static double tightest_tpot(const router_registry_t *reg, const router_policy_co
     return node > 0 && (own <= 0 || node < own) ? node : own;
 }
 
+/* The prompt's KV bytes in decode node d's layout: what a transfer to d moves. */
+static double prompt_kv_bytes(const router_registry_t *reg, const router_pick_request_t *req, int32_t d)
+{
+    const td_kv_layout_t *l = &router_registry_node_const(reg, d)->info.layout;
+    return (double)TD_DIV_CEIL((int64_t)req->n_prompt, (int64_t)l->block_size) * l->n_layers *
+           (double)td_kv_block_bytes(l);
+}
+
 /* Remote: the prefill partner's wait and the prompt's KV transfer (rule 5). */
 static double remote_estimate(const router_registry_t *reg, const router_policy_config_t *cfg,
                               const router_pick_request_t *req, int32_t d, double wait_s)
 {
-    const router_node_t *dn = router_registry_node_const(reg, d);
-    const td_kv_layout_t *l = &dn->info.layout;
-    double bytes = (double)TD_DIV_CEIL((int64_t)req->n_prompt, (int64_t)l->block_size) * l->n_layers *
-                   (double)td_kv_block_bytes(l);
-    return td_place_remote_estimate(wait_s, bytes, cfg->xfer_fixed_s, cfg->xfer_bytes_per_s);
+    return td_place_remote_estimate(wait_s, prompt_kv_bytes(reg, req, d), cfg->xfer_fixed_s, cfg->xfer_bytes_per_s);
 }
 
 /*
@@ -262,14 +275,15 @@ static int32_t best_peer(const router_registry_t *reg, const router_policy_confi
             excluded(req, e, d) || td_kv_layout_compare(&dn->info.layout, &en->info.layout, NULL, 0) != TD_OK ||
             TD_DIV_CEIL((int64_t)req->n_prompt, (int64_t)en->info.layout.block_size) > en->load.free_blocks)
             continue;
-        td_place_estimate_t est;
-        if (local_estimate(reg, cfg, req, e, p, hc, tightest_tpot(reg, cfg, req, e), &est) != TD_PLACE_FITS)
+        td_place_local_t l = local_figures(reg, cfg, req, e, p, hc, tightest_tpot(reg, cfg, req, e));
+        double wait = 0, s = td_place_peer_estimate(&l, prompt_kv_bytes(reg, req, d), cfg->xfer_fixed_s,
+                                                    cfg->xfer_bytes_per_s, &wait);
+        if (s < 0)
             continue; /* its running batch fills its steps, or its pace passes the objective already */
-        double s = remote_estimate(reg, cfg, req, d, est.local_s);
         if (best < 0 || s < best_s) {
             best = e;
             best_s = s;
-            best_wait = est.local_s;
+            best_wait = wait;
         }
     }
     *peer_s_p = best_s;

@@ -53,3 +53,13 @@ double td_place_remote_estimate(double wait_s, double kv_bytes, double xfer_fixe
 {
     return wait_s + xfer_fixed_s + kv_bytes / TD_MAX(xfer_bytes_per_s, 1.0);
 }
+
+double td_place_peer_estimate(const td_place_local_t *l, double kv_bytes, double xfer_fixed_s, double xfer_bytes_per_s,
+                              double *wait_s_p)
+{
+    td_place_estimate_t e;
+    if (td_place_local_estimate(l, &e) != TD_PLACE_FITS)
+        return -1;
+    *wait_s_p = e.local_s;
+    return td_place_remote_estimate(e.local_s, kv_bytes, xfer_fixed_s, xfer_bytes_per_s);
+}

@@ -79,4 +79,14 @@ bool td_place_local_wins(double local_s, double remote_s, double ttft_objective_
  * peer's chunks cost its own streams. peer_s < 0: no peer could. */
 bool td_place_peer_wins(double peer_s, double chosen_s, bool chosen_remote, double ttft_objective_s);
 
+/* A peer's estimate (rule 6): when the decode node would hold the prompt's KV if the peer whose
+ * figures are l (this prompt its new tokens, its chunks within the tightest of the request's and
+ * its own TPOT objectives) prefilled it: the peer's local estimate plus the transfer of kv_bytes
+ * (td_place_remote_estimate). -1 when the peer cannot (td_place_local_estimate does not fit: its
+ * running batch fills its step budget, or its steps leave no room within the objective); else
+ * the peer's local estimate alone into *wait_s_p (what sizes the lease). The router's best_peer
+ * and the planner's simulation of follow take the soonest of these over the peers they may use. */
+double td_place_peer_estimate(const td_place_local_t *l, double kv_bytes, double xfer_fixed_s, double xfer_bytes_per_s,
+                              double *wait_s_p);
+
 #endif /* TD_PLACE_H */

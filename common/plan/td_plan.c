@@ -121,9 +121,10 @@ typedef struct sreq {
     int32_t prefilled;  /* prompt tokens computed */
     int32_t generated;  /* output tokens produced (the first by the prefill) */
     int32_t node;       /* prefill or unified node; -1: prefilled on its decode node */
-    double tpot_s;      /* the TPOT objective its decode node holds it to (a conditional cluster's
-                           decode node: the router's; 0: none) */
+    double tpot_s;      /* the TPOT objective its decode node (and a peer) holds it to (a conditional
+                           or follow cluster's decode node: the router's; 0: none) */
     int32_t dnode;      /* decode node */
+    int32_t peer;       /* follow: the other decode node that prefills it for dnode (-1: none) */
     double t_first, t_done;
 } sreq_t;
 
@@ -191,6 +192,13 @@ static void node_free(node_t *nd)
 static size_t fifo_len(const fifo_t *f)
 {
     return f->tail - f->head;
+}
+
+/* Whether the cluster's decode nodes prefill prompts themselves (conditional, follow): they step
+ * as unified nodes do and keep a step-cost fit. */
+static bool dn_mixed(const td_plan_cluster_t *c)
+{
+    return c->conditional || c->follow;
 }
 
 /* ---- a node's step ----------------------------------------------------------------------------- */
@@ -324,11 +332,11 @@ static td_status_t decode_start(sim_t *s, int32_t i, double now)
 static td_status_t place_pending(sim_t *s, double now);
 static td_status_t mixed_start(sim_t *s, node_t *nd, int32_t kind, int32_t i, double now);
 
-/* A decode node's next step: a conditional cluster's decode nodes step as unified ones do (their
- * own prompts' chunks beside the streams), others decode only. */
+/* A decode node's next step: a conditional or follow cluster's decode nodes step as unified ones
+ * do (their own prompts' chunks, and a peer's, beside the streams), others decode only. */
 static td_status_t dnode_start(sim_t *s, int32_t i, double now)
 {
-    return s->c->conditional ? mixed_start(s, &s->dn[i], EV_DECODE, i, now) : decode_start(s, i, now);
+    return dn_mixed(s->c) ? mixed_start(s, &s->dn[i], EV_DECODE, i, now) : decode_start(s, i, now);
 }
 
 static td_status_t decode_done(sim_t *s, int32_t i, double now)
@@ -366,31 +374,75 @@ static td_status_t xfer_done(sim_t *s, int32_t id, double now)
 
 /* ---- the router ------------------------------------------------------------------------------ */
 
-/* Conditional disaggregation: whether decode node d prefills request id itself, by td_place on
- * what the router would know of the two nodes now (router_policy.c, place_conditional). The
- * remote side's transfer is the profile's (the router's is its xfer-* configuration, which
- * should say the same). */
-static bool route_local(sim_t *s, int32_t id, int32_t d, int32_t p)
+/* What decode node k would report to the router for a local prefill of request r (router_policy.c,
+ * local_figures): its queued prompt tokens, running and waiting sequences, pace, local rate (its
+ * step-cost fit's, else td_place_local_rate's stand-in from prefill node p's rate, -1: none) and
+ * spread; chunks within the router's objective (every simulated sequence holds the same one, so
+ * the router's tightest_tpot is it). */
+static td_place_local_t local_figures(const sim_t *s, const sreq_t *r, int32_t k, int32_t p)
 {
-    sreq_t *r = &s->r[id];
-    const node_t *dn = &s->dn[d], *pn = &s->pn[p];
-    double wait = (double)TD_MAX(pn->queued_tokens + r->input, 1) / (pn->tok_s > 0 ? pn->tok_s : TD_PLACE_ASSUMED_TOK_S);
-    double remote = wait + TD_MAX(s->p->xfer_a_s + s->p->xfer_b_s * r->input, 0.0);
-    td_place_local_t l = {
+    const node_t *dn = &s->dn[k], *pn = p >= 0 ? &s->pn[p] : NULL;
+    return (td_place_local_t){
         .queued_tokens = dn->queued_tokens,
         .new_tokens = r->input,
         .max_step_tokens = s->c->unified_max_batch_tokens,
         .running = dn->n_run + (int32_t)fifo_len(&dn->q),
         .step_s = dn->pace_s,
-        .prefill_tok_s = td_place_local_rate(dn->fit.valid ? 1 / dn->fit.per_prefill_s : 0, pn->tok_s,
+        .prefill_tok_s = td_place_local_rate(dn->fit.valid ? 1 / dn->fit.per_prefill_s : 0, pn ? pn->tok_s : 0,
                                              TD_PLACE_ASSUMED_TOK_S),
         .tpot_objective_s = s->c->tpot_objective_s,
         .spread_s = dn->fit.valid ? dn->fit.spread_s : 0,
     };
+}
+
+/* Where a prompt is prefilled: its decode node, its prefill partner, or (>= 0) a peer decode node. */
+enum { PLACE_REMOTE = -2, PLACE_LOCAL = -1 };
+
+/* Conditional disaggregation and follow: where decode node d's request id is prefilled, by
+ * td_place on what the router would know of the nodes now (router_policy.c: place_conditional,
+ * rule 5, then best_peer and td_place_peer_wins, rule 6). p: the prefill partner (-1: the cluster
+ * has none). The transfer in the remote and peer estimates is the profile's (the router's is its
+ * xfer-* configuration, which should say the same). */
+static int32_t place(sim_t *s, int32_t id, int32_t d, int32_t p)
+{
+    const sreq_t *r = &s->r[id];
+    double xfer = TD_MAX(s->p->xfer_a_s + s->p->xfer_b_s * r->input, 0.0), remote = -1;
+    if (p >= 0) {
+        const node_t *pn = &s->pn[p];
+        double wait = (double)TD_MAX(pn->queued_tokens + r->input, 1) /
+                      (pn->tok_s > 0 ? pn->tok_s : TD_PLACE_ASSUMED_TOK_S);
+        remote = td_place_remote_estimate(wait, 0, xfer, 1);
+    }
+    td_place_local_t l = local_figures(s, r, d, p);
     td_place_estimate_t e;
-    if (td_place_local_estimate(&l, &e) != TD_PLACE_FITS || !td_place_local_wins(e.local_s, remote, s->c->ttft_objective_s))
-        return false;
-    return true;
+    td_place_fit_t fit = td_place_local_estimate(&l, &e);
+    if (fit == TD_PLACE_NO_TPOT_ROOM && p < 0) { /* no prefill node at all: local whatever the TPOT */
+        l.tpot_objective_s = 0;
+        fit = td_place_local_estimate(&l, &e);
+    }
+    int32_t where = PLACE_REMOTE;
+    double chosen = remote;
+    if (fit == TD_PLACE_FITS && (p < 0 || td_place_local_wins(e.local_s, remote, s->c->ttft_objective_s)))
+        where = PLACE_LOCAL, chosen = e.local_s;
+    else if (p < 0)
+        chosen = -1; /* neither: the router would try its next decode node (below) */
+    if (!s->c->follow)
+        return where;
+    int32_t best = -1; /* rule 6: the soonest peer that can */
+    double best_s = -1;
+    for (int32_t k = 0; k < s->n_dn; k++) {
+        if (k == d || (s->c->decode_kv_tokens > 0 && s->dn[k].kv_tokens + r->input > s->c->decode_kv_tokens))
+            continue; /* the router's peer needs free blocks for the prompt */
+        td_place_local_t pl = local_figures(s, r, k, p);
+        double wait, ps = td_place_peer_estimate(&pl, 0, xfer, 1, &wait);
+        if (ps >= 0 && (best < 0 || ps < best_s))
+            best = k, best_s = ps;
+    }
+    if (td_place_peer_wins(best_s, chosen, where == PLACE_REMOTE && p >= 0, s->c->ttft_objective_s))
+        return best;
+    /* neither local, remote nor a peer: the router would try the next decode node; with the limits
+       check() allows that takes a queue past the step budget, and the simulation queues it locally */
+    return p < 0 ? PLACE_LOCAL : where;
 }
 
 /* router_policy: the decode node with room and the fewest prompt tokens of its own to prefill,
@@ -413,20 +465,25 @@ static bool route(sim_t *s, int32_t id, double now, td_status_t *st_p)
     }
     if (d < 0)
         return false;
-    int32_t p = 0;
+    int32_t p = s->n_pn > 0 ? 0 : -1;
     for (int32_t k = 1; k < s->n_pn; k++)
         if (s->pn[k].queued_tokens < s->pn[p].queued_tokens)
             p = k;
     r->dnode = d;
-    r->tpot_s = s->c->conditional ? s->c->tpot_objective_s : 0; /* its Admit's (router_policy) */
+    r->tpot_s = dn_mixed(s->c) ? s->c->tpot_objective_s : 0; /* its Admit's (router_policy) */
     s->dn[d].assigned++;
     s->dn[d].kv_tokens += need;
-    if (s->c->conditional && route_local(s, id, d, p)) {
-        node_t *dn = &s->dn[d];
+    int32_t where = dn_mixed(s->c) ? place(s, id, d, p) : PLACE_REMOTE;
+    if (where != PLACE_REMOTE) { /* prefilled by d itself or by peer `where`, in its steps */
+        int32_t k = where == PLACE_LOCAL ? d : where;
+        node_t *kn = &s->dn[k];
         r->node = -1;
-        dn->q.v[dn->q.tail++] = id;
-        dn->queued_tokens += r->input;
-        *st_p = mixed_start(s, dn, EV_DECODE, d, now);
+        r->peer = where == PLACE_LOCAL ? -1 : where;
+        if (r->peer >= 0)
+            kn->kv_tokens += r->input; /* the peer holds the prompt's blocks until they are sent */
+        kn->q.v[kn->q.tail++] = id;
+        kn->queued_tokens += r->input;
+        *st_p = mixed_start(s, kn, EV_DECODE, k, now);
         return true;
     }
     r->node = p;
@@ -507,11 +564,11 @@ static td_status_t mixed_start(sim_t *s, node_t *nd, int32_t kind, int32_t i, do
 }
 
 /* The node's figures, as decode_compute.c's pace_note keeps them: every step into the step-cost
- * fit (read only by a conditional cluster's router and decode nodes: not kept otherwise, it costs
- * a fit a step), the steps without prompt tokens into the pace. */
+ * fit (read only by a conditional or follow cluster's router and decode nodes: not kept otherwise,
+ * it costs a fit a step), the steps without prompt tokens into the pace. */
 static void mixed_pace(const sim_t *s, node_t *nd)
 {
-    if (s->c->conditional) {
+    if (dn_mixed(s->c)) {
         td_stepcost_note(&nd->cost, (int32_t)nd->step_decodes, nd->step_ctx, (int32_t)nd->step_prompt,
                          nd->step_dt);
         nd->fit = td_stepcost_fit(&nd->cost);
@@ -530,7 +587,16 @@ static td_status_t mixed_done(sim_t *s, node_t *nd, int32_t kind, int32_t i, dou
         if (r->prefilled < r->input) {
             r->prefilled += nd->step_tok[k];
             nd->queued_tokens -= nd->step_tok[k];
-            if (r->prefilled == r->input) {
+            if (r->prefilled == r->input && kind == EV_DECODE && r->peer == i) {
+                /* a peer's prompt (decode_sched kv_out): its first token leaves once the KV is sent
+                   (decode_main answers FIRST_TOKEN after the layers), and its decode node adopts it */
+                double xfer = TD_MAX(s->p->xfer_a_s + s->p->xfer_b_s * r->input, 0.0);
+                r->generated = 1;
+                r->t_first = now + xfer + s->p->overhead_s;
+                td_status_t st = heap_push(&s->h, now + xfer, EV_XFER, nd->step[k]);
+                if (st != TD_OK)
+                    return st;
+            } else if (r->prefilled == r->input) {
                 r->generated = 1;
                 r->t_first = now + s->p->overhead_s;
             }
@@ -540,7 +606,12 @@ static td_status_t mixed_done(sim_t *s, node_t *nd, int32_t kind, int32_t i, dou
     }
     for (int32_t k = 0; k < nd->n_run;) { /* ended ones leave; the order of the rest is kept */
         sreq_t *r = &s->r[nd->run[k]];
-        if (r->generated >= r->output && r->prefilled >= r->input) {
+        if (kind == EV_DECODE && r->peer == i && r->prefilled >= r->input) { /* sent: its blocks freed */
+            nd->kv_tokens -= r->input;
+            memmove(&nd->run[k], &nd->run[k + 1], (size_t)(nd->n_run - k - 1) * sizeof *nd->run);
+            nd->n_run--;
+            freed = true;
+        } else if (r->generated >= r->output && r->prefilled >= r->input) {
             req_end(s, nd->run[k], now);
             memmove(&nd->run[k], &nd->run[k + 1], (size_t)(nd->n_run - k - 1) * sizeof *nd->run);
             nd->n_run--;
@@ -582,7 +653,7 @@ static td_status_t arrive(sim_t *s, int32_t id, double now)
 /* What the replicas of a run measured, pooled (summarize adds one replica, pool_result reads). */
 typedef struct pool {
     double *ttft, *tpot; /* [replicas x n] */
-    size_t n, n_tpot, good;
+    size_t n, n_tpot, good, placed_local, placed_peer;
     double duration_s, ttft_sum, prefill_busy_s, decode_busy_s;
     int32_t n_pn, n_dn;
 } pool_t;
@@ -595,6 +666,10 @@ static void summarize(const sim_t *s, const td_plan_slo_t *slo, pool_t *pl)
         double a = s->reqs[i].arrival_s, tt = r->t_first - a;
         double tp = r->output > 1 ? (r->t_done - r->t_first) / (double)(r->output - 1) : 0;
         pl->ttft[pl->n++] = tt;
+        if (r->peer >= 0)
+            pl->placed_peer++;
+        else if (r->node < 0)
+            pl->placed_local++;
         pl->ttft_sum += tt;
         if (r->output > 1)
             pl->tpot[pl->n_tpot++] = tp;
@@ -618,6 +693,8 @@ static void pool_result(pool_t *pl, td_plan_result_t *res)
     td_stats_sort(pl->tpot, pl->n_tpot);
     res->n = pl->n;
     res->good = pl->good;
+    res->placed_local = pl->placed_local;
+    res->placed_peer = pl->placed_peer;
     res->duration_s = pl->duration_s;
     res->throughput = pl->duration_s > 0 ? (double)pl->n / pl->duration_s : 0;
     res->goodput = pl->duration_s > 0 ? (double)pl->good / pl->duration_s : 0;
@@ -630,7 +707,7 @@ static void pool_result(pool_t *pl, td_plan_result_t *res)
     res->tpot_p90_s = td_stats_percentile(pl->tpot, pl->n_tpot, 90);
     res->tpot_p99_s = td_stats_percentile(pl->tpot, pl->n_tpot, 99);
     if (pl->duration_s > 0) {
-        res->prefill_busy = pl->prefill_busy_s / pl->n_pn / pl->duration_s;
+        res->prefill_busy = pl->n_pn ? pl->prefill_busy_s / pl->n_pn / pl->duration_s : 0;
         res->decode_busy = pl->n_dn ? pl->decode_busy_s / pl->n_dn / pl->duration_s : res->prefill_busy;
     }
 }
@@ -640,15 +717,16 @@ static void pool_result(pool_t *pl, td_plan_result_t *res)
 static td_status_t check(const td_plan_cluster_t *c, const td_plan_request_t *reqs, size_t n)
 {
     bool unified = c->n_unified > 0;
-    if (unified ? (c->n_prefill || c->n_decode) : (c->n_prefill < 1 || c->n_decode < 1))
-        return td_errorf(TD_ERR_INVALID, "plan: a cluster is prefill >= 1 and decode >= 1 nodes, or unified >= 1 "
-                                         "nodes (got %d prefill, %d decode, %d unified)",
+    if (unified ? (c->n_prefill || c->n_decode) : (c->n_prefill < (c->follow ? 0 : 1) || c->n_decode < 1))
+        return td_errorf(TD_ERR_INVALID, "plan: a cluster is prefill >= 1 (follow: >= 0) and decode >= 1 nodes, or "
+                                         "unified >= 1 nodes (got %d prefill, %d decode, %d unified)",
                          c->n_prefill, c->n_decode, c->n_unified);
-    if (unified && c->conditional)
-        return td_errorf(TD_ERR_INVALID, "plan: conditional disaggregation needs prefill and decode nodes, not unified ones");
+    if (unified && dn_mixed(c))
+        return td_errorf(TD_ERR_INVALID, "plan: conditional disaggregation and follow need decode nodes (and "
+                                         "prefill nodes for conditional), not unified ones");
     if (c->prefill_max_batch_tokens < 1 || c->prefill_max_batch < 1 || c->decode_max_batch < 1 ||
         c->decode_kv_tokens < 0 ||
-        ((unified || c->conditional) && (c->unified_chunk < 1 || c->unified_max_batch_tokens <= c->decode_max_batch)))
+        ((unified || dn_mixed(c)) && (c->unified_chunk < 1 || c->unified_max_batch_tokens <= c->decode_max_batch)))
         return td_errorf(TD_ERR_INVALID, "plan: batch limits must be >= 1 (a unified node's token budget above "
                                          "its batch)");
     for (size_t i = 0; i < n; i++)
@@ -670,7 +748,7 @@ static td_status_t simulate_once(const td_plan_profile_t *p, const td_plan_clust
     int32_t max_step = unified ? c->decode_max_batch : c->prefill_max_batch;
     td_status_t st = TD_OK;
     s.r = calloc(TD_MAX(n, (size_t)1), sizeof *s.r);
-    s.pn = calloc((size_t)s.n_pn, sizeof *s.pn);
+    s.pn = calloc((size_t)TD_MAX(s.n_pn, 1), sizeof *s.pn); /* follow may have no prefill node */
     s.dn = calloc((size_t)TD_MAX(s.n_dn, 1), sizeof *s.dn);
     s.router_q.v = malloc(TD_MAX(n, (size_t)1) * sizeof(int32_t));
     if (!s.r || !s.pn || !s.dn || !s.router_q.v) {
@@ -680,9 +758,10 @@ static td_status_t simulate_once(const td_plan_profile_t *p, const td_plan_clust
     for (int32_t k = 0; k < s.n_pn && st == TD_OK; k++)
         st = node_init(&s.pn[k], n, c->decode_max_batch, max_step);
     for (int32_t k = 0; k < s.n_dn && st == TD_OK; k++)
-        st = node_init(&s.dn[k], n, c->decode_max_batch, c->conditional ? c->decode_max_batch : 1);
+        st = node_init(&s.dn[k], n, c->decode_max_batch, dn_mixed(c) ? c->decode_max_batch : 1);
     for (size_t i = 0; i < n && st == TD_OK; i++) {
-        s.r[i] = (sreq_t){.input = reqs[i].input_len, .output = reqs[i].output_len, .node = -1, .dnode = -1};
+        s.r[i] = (sreq_t){.input = reqs[i].input_len, .output = reqs[i].output_len, .node = -1, .dnode = -1,
+                          .peer = -1};
         st = heap_push(&s.h, reqs[i].arrival_s, EV_ARRIVE, (int32_t)i);
     }
     while (st == TD_OK && s.h.n) {
@@ -692,7 +771,7 @@ static td_status_t simulate_once(const td_plan_profile_t *p, const td_plan_clust
         case EV_PREFILL: st = prefill_done(&s, e.idx, e.t); break;
         case EV_XFER: st = xfer_done(&s, e.idx, e.t); break;
         case EV_DECODE:
-            st = c->conditional ? mixed_done(&s, &s.dn[e.idx], EV_DECODE, e.idx, e.t) : decode_done(&s, e.idx, e.t);
+            st = dn_mixed(c) ? mixed_done(&s, &s.dn[e.idx], EV_DECODE, e.idx, e.t) : decode_done(&s, e.idx, e.t);
             break;
         case EV_UNIFIED: st = mixed_done(&s, &s.pn[e.idx], EV_UNIFIED, e.idx, e.t); break;
         default: TD_ASSERT(!"unknown event");

@@ -3,8 +3,9 @@
  * "Capacity planning"). A discrete-event simulator in the manner of DistServe's: requests
  * arrive (Poisson, or a trace's times), the router places each on a prefill node and a decode
  * node (router_policy's ranking: the decode node with the fewest sequences, then the prefill
- * node with the fewest queued prompt tokens; or, conditionally, on the decode node itself: td_place,
- * the router's own arithmetic), prefill nodes batch prompts head-first up to
+ * node with the fewest queued prompt tokens; or, conditionally, on the decode node itself, and
+ * under follow on another decode node: td_place, the router's own arithmetic), prefill nodes batch
+ * prompts head-first up to
  * their token budget (prefill_sched), the KV moves to the decode node after a transfer delay,
  * decode nodes step continuous batches (decode_sched) and a "unified" node does both with
  * chunked prefill (a what-if: the colocated alternative). Step times come from a measured
@@ -82,8 +83,15 @@ typedef struct td_plan_cluster {
      * router would know then: the nodes' queued prompt tokens, running sequences and their
      * measured paces (moving means of their simulated steps, as the nodes report them). */
     bool conditional;
-    double tpot_objective_s;          /* conditional: the router's tpot-objective (0.1 s) */
-    double ttft_objective_s;          /* conditional: the router's ttft-objective (0: none) */
+    /* Roles that follow the load (the router's prefill-policy follow; n_prefill may be 0): what
+     * conditional does, and a prompt may instead be prefilled by another decode node (a peer)
+     * when td_place says the decode node holds its KV sooner so (td_place_peer_estimate,
+     * td_place_peer_wins: the router's rule 6): the peer chunks it into its own steps within the
+     * objective, as its own local prompts, then sends the KV (the profile's transfer), and the
+     * first token leaves once it is sent. */
+    bool follow;
+    double tpot_objective_s;          /* conditional, follow: the router's tpot-objective (0.1 s) */
+    double ttft_objective_s;          /* conditional, follow: the router's ttft-objective (0: none) */
 } td_plan_cluster_t;
 
 /* tandem's defaults (docs/scheduling.md), one prefill and one decode node. */
@@ -116,6 +124,9 @@ typedef struct td_plan_result {
     double ttft_mean_s, ttft_p50_s, ttft_p90_s, ttft_p99_s, tpot_p50_s, tpot_p90_s, tpot_p99_s;
     double prefill_busy, decode_busy; /* fraction of the duration the nodes of the kind stepped,
                                          averaged over them (unified: both the same) */
+    size_t placed_local, placed_peer; /* prompts prefilled by their own decode node (conditional,
+                                         follow) and by a peer decode node (follow); the rest by a
+                                         prefill or unified node (the router's placement counts) */
 } td_plan_result_t;
 
 /*

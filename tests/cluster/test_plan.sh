@@ -273,6 +273,13 @@ grep -qE "^Node speed: +drawn from 32 measured factors" "$CL_T/pt.out" || cl_fai
     --prefill-policy conditional --tpot-objective-ms 50 >"$CL_T/ptc.out" 2>&1 ||
     cl_fail "plan --prefill-policy conditional exited non-zero: $(cat "$CL_T/ptc.out")"
 grep -qE "^Simulated split 1:1c at 2\.000 req/s:" "$CL_T/ptc.out" || cl_fail "conditional trace run: $(cat "$CL_T/ptc.out")"
+# and follow's: two decode nodes, no prefill node (0:2), every prompt prefilled by one of them
+"$CL_BIN" plan --profile "$CL_T/prof.json" --workload "trace:$CL_T/trace.csv" --ttft 1000 --tpot 200 --split 0:2 \
+    --prefill-policy follow --tpot-objective-ms 50 >"$CL_T/ptf.out" 2>&1 ||
+    cl_fail "plan --prefill-policy follow exited non-zero: $(cat "$CL_T/ptf.out")"
+grep -qE "^Simulated split 0:2f at 2\.000 req/s:" "$CL_T/ptf.out" &&
+    grep -qE "^  Prompts local / peer / remote \(%\): +[0-9.]+ / [0-9.]+ / 0\.0$" "$CL_T/ptf.out" ||
+    cl_fail "follow trace run: $(cat "$CL_T/ptf.out")"
 "$CL_BIN" plan --profile "$CL_T/nospeed.json" --workload random:48:16 --ttft 1000 --tpot 200 --rate 20 --max-nodes 6 \
     >"$CL_T/pr.out" 2>&1 || cl_fail "plan --rate exited non-zero: $(cat "$CL_T/pr.out")"
 for line in "Target rate (req/s):" "Nodes needed:" "Unified nodes needed:" "--------------- What-if"; do
@@ -285,6 +292,10 @@ done
 grep -qE "^Node speed: +fixed" "$CL_T/n1.out" || cl_fail "plan --nodes 1: no fixed speed line: $(cat "$CL_T/n1.out")"
 grep -qE "^Best batch limits: +unified-max-batch-tokens [0-9]+, decode-max-batch [0-9]+ " "$CL_T/n1.out" ||
     cl_fail "plan --nodes 1: want a unified node's limits: $(cat "$CL_T/n1.out")"
+# and the mode that sustains the most: of one node, follow's 0:1 (a decode node prefilling its own) or a unified one
+grep -qE "^follow +0:1f +[0-9.]+$" "$CL_T/n1.out" && grep -qE "^unified +1U +[0-9.]+$" "$CL_T/n1.out" &&
+    grep -qE "^Recommended mode: +(follow|unified) \(split (0:1f|1U), [0-9.]+ req/s\)$" "$CL_T/n1.out" ||
+    cl_fail "plan --nodes 1: want the modes and a recommended one: $(cat "$CL_T/n1.out")"
 
 # ---- bad flags: one line naming the flag, exit 2 ----
 bad() { # FLAG ARGS...
@@ -307,6 +318,8 @@ bad --rate --profile "$P" --workload random:8:8 --ttft 1 --tpot 1
 bad --nodes --profile "$P" --workload random:8:8 --ttft 1 --tpot 1 --nodes 0
 bad --prefill-policy --profile "$P" --workload random:8:8 --ttft 1 --tpot 1 --rate 1 --prefill-policy bogus
 bad --prefill-policy --profile "$P" --workload random:8:8 --ttft 1 --tpot 1 --unified 2 --prefill-policy conditional
+bad --prefill-policy --profile "$P" --workload random:8:8 --ttft 1 --tpot 1 --unified 2 --prefill-policy follow
+bad --split --profile "$P" --workload random:8:8 --ttft 1 --tpot 1 --split 0:0 --prefill-policy follow
 bad --bogus --profile "$P" --workload random:8:8 --ttft 1 --tpot 1 --bogus 1
 bad --profile --profile "$CL_T/shape.json" --workload random:8:8 --ttft 1 --tpot 1 --rate 1
 for sp in '{"factors": [0, 1], "window_s": 1}' '{"factors": [1], "window_s": -1}' '{"factors": []}' '{"factors": "x"}'; do

@@ -9,7 +9,9 @@
  * before it and however the tokens were packed into messages; a profile's speed factors slow
  * every step they are drawn for, per window, as a fixed sequence; conditional disaggregation
  * prefills a short prompt behind a long prefill queue on its decode node when its objective
- * allows, and changes nothing when it does not.
+ * allows, and changes nothing when it does not; under follow a plan with one decode node never
+ * places on a peer (and with a prefill node is conditional's run exactly), and a peer whose steps
+ * have room takes a short prompt whose own node's steps are past the objective.
  */
 #include <criterion/criterion.h>
 #include <math.h>
@@ -430,4 +432,90 @@ Test(plan_window, streams_that_never_generate_together_give_no_step)
     cr_assert_eq(td_plan_decode_window(s, 2, 16, &pt), TD_OK);
     cr_assert(isnan(pt.step_s) && isnan(pt.context));
     cr_assert_float_eq(pt.gaps_per_stream, 0.0, 1e-12);
+}
+
+/* ---- follow: decode nodes that prefill for each other (the router's rule 6, simulated) ---- */
+
+/* A profile of this machine's SmolLM2 (docs/goodput.md section J's gateway profile). */
+static td_plan_profile_t smollm2(void)
+{
+    return (td_plan_profile_t){.prefill_a_s = 0.0039, .prefill_b_s = 0.00144, .prefill_c_s = 7.4e-7,
+                               .decode_a_s = 0.003, .decode_b_s = 0.00155, .decode_c_s = 6.8e-6,
+                               .xfer_a_s = 0.0029};
+}
+
+Test(plan_sim, follow_with_one_decode_node_never_places_on_a_peer)
+{
+    td_plan_profile_t p = smollm2();
+    int32_t in[8] = {192, 320, 256, 200, 300, 250, 220, 280}, out[8] = {48, 48, 48, 48, 48, 48, 48, 48};
+    td_plan_lengths_t L = {in, out, 8}; /* 256 +- 25% in, 48 out: the goodput sweep's mix */
+    td_plan_search_t s = td_plan_search_default();
+    s.n_requests = 400;
+    s.slo = (td_plan_slo_t){.ttft_s = 3, .tpot_s = 0.025};
+    td_plan_cluster_t c = td_plan_cluster_default();
+    c.follow = true;
+    c.tpot_objective_s = 0.025;
+    td_plan_result_t r;
+    c.n_prefill = 0; /* one decode node alone: every prompt its own */
+    cr_assert_eq(td_plan_at_rate(&p, &c, &L, &s, 1.0, &r), TD_OK, "%s", td_last_error());
+    cr_assert_eq(r.placed_peer, 0);
+    cr_assert_eq(r.placed_local, r.n, "%zu of %zu local", r.placed_local, r.n);
+    cr_assert_eq(r.prefill_busy, 0);
+    /* with a prefill node, one decode node: conditional's run exactly */
+    c.n_prefill = 1;
+    cr_assert_eq(td_plan_at_rate(&p, &c, &L, &s, 2.0, &r), TD_OK);
+    cr_assert_eq(r.placed_peer, 0);
+    td_plan_result_t cond;
+    c.follow = false;
+    c.conditional = true;
+    cr_assert_eq(td_plan_at_rate(&p, &c, &L, &s, 2.0, &cond), TD_OK);
+    cr_assert_eq(r.placed_local, cond.placed_local);
+    cr_assert_float_eq(r.ttft_mean_s, cond.ttft_mean_s, 1e-12);
+    cr_assert_float_eq(r.tpot_p90_s, cond.tpot_p90_s, 1e-12);
+    /* two decode nodes at a load where the own node is often mid-prompt: some go to the other */
+    c.conditional = false, c.follow = true;
+    c.n_prefill = 0, c.n_decode = 2;
+    cr_assert_eq(td_plan_at_rate(&p, &c, &L, &s, 3.0, &r), TD_OK);
+    cr_assert_eq(r.placed_local + r.placed_peer, r.n);
+    cr_assert_gt(r.placed_peer, 0, "%zu of %zu on a peer", r.placed_peer, r.n);
+}
+
+/* Two streams, then six more that only node 0 has KV room for: node 0 ends up with seven, its
+ * steps (~33 ms) past the 30 ms objective; node 1 with one holding 9100 of its 10000 KV tokens
+ * and steps of ~9 ms (the later prompts of node 0's streams go there or stay, as the estimates
+ * say). At 5 s a 30-token prompt of 1000 output tokens: no room for its stream on node 1, room
+ * for its prompt. */
+static size_t busy_and_roomy(td_plan_request_t *reqs, bool with_last)
+{
+    size_t n = 0;
+    reqs[n++] = (td_plan_request_t){.arrival_s = 0, .input_len = 100, .output_len = 1000};
+    reqs[n++] = (td_plan_request_t){.arrival_s = 0.001, .input_len = 100, .output_len = 9000};
+    for (int i = 0; i < 6; i++)
+        reqs[n++] = (td_plan_request_t){.arrival_s = 1.0 + 0.5 * i, .input_len = 40, .output_len = 1000};
+    if (with_last)
+        reqs[n++] = (td_plan_request_t){.arrival_s = 5.0, .input_len = 30, .output_len = 1000};
+    return n;
+}
+
+Test(plan_sim, follow_a_peer_with_room_takes_a_prompt_when_its_own_node_is_busy_past_the_objective)
+{
+    td_plan_profile_t p = {.prefill_a_s = 0.002, .prefill_b_s = 0.0005, .decode_a_s = 0.005, .decode_b_s = 0.004,
+                           .xfer_a_s = 0.001};
+    td_plan_request_t reqs[9];
+    td_plan_slo_t slo = {0};
+    td_plan_cluster_t c = td_plan_cluster_default();
+    c.n_prefill = 0, c.n_decode = 2;
+    c.follow = true;
+    c.tpot_objective_s = 0.030;
+    c.decode_kv_tokens = 10000;
+    td_plan_result_t before, with;
+    size_t n = busy_and_roomy(reqs, false);
+    cr_assert_eq(td_plan_simulate(&p, &c, reqs, n, &slo, &before), TD_OK, "%s", td_last_error());
+    n = busy_and_roomy(reqs, true); /* the run before it is the same: it arrives last */
+    cr_assert_eq(td_plan_simulate(&p, &c, reqs, n, &slo, &with), TD_OK);
+    cr_assert_eq(with.placed_peer, before.placed_peer + 1, "the last prompt on the peer: %zu after %zu",
+                 with.placed_peer, before.placed_peer);
+    cr_assert_eq(with.placed_local, before.placed_local);
+    /* (node 0 alone would prefill it in one step after its ~33 ms of streams, the router pricing
+       it at ~42 ms; node 1 in one step of ~18 ms and a 1 ms transfer) */
 }
