@@ -3,7 +3,7 @@
 
     /usr/bin/python3 bench/goodput_plot.py [OUT_DIR[,OUT_DIR...] [IMG_DIR]]
 
-Reads OUT_DIR/{disagg,unified2,unified2@32,unified1,conditional}-{prefill,decode}.json (several OUT_DIRs,
+Reads OUT_DIR/{disagg,unified2,unified2@32,unified1,conditional,follow}-{prefill,decode}.json (several OUT_DIRs,
 comma-separated: a configuration's runs of every one, e.g. a second sweep at more rates) (`tandem bench serve
 --sweep ... --result-file`), writes IMG_DIR/goodput-{mix}.png (goodput, SLO attainment, TTFT p90
 and TPOT p90 against the request rate, one line per configuration) and prints markdown tables:
@@ -11,8 +11,8 @@ per rate, and per configuration the highest rate at >= the sweep's attainment an
 Where the runs carry every request (goodput_sweep.sh DETAILED=1), the same requests are scored
 again against a range of TPOT objectives at the sweep's TTFT objective (DistServe's "SLO scale"):
 a table of each configuration's highest rate at >= the attainment per objective, the ratio of
-the disaggregated one to the best colocated one per core (and, with a conditional sweep, of the
-best conditional one to the better of the pure modes), and IMG_DIR/goodput-{mix}-slo.png.
+the disaggregated one to the best colocated one per core (and, with a conditional or follow sweep, of
+the best of those to the better of the pure modes), and IMG_DIR/goodput-{mix}-slo.png.
 Debian's python3-matplotlib (scripts/install-deps).
 """
 import json
@@ -31,10 +31,19 @@ CONFIGS = [  # name, label, cores
     ("unified1", "1 unified (2 cores)", 2),
     ("conditional", "1 prefill + 1 decode, conditional (1 core each)", 2),
     ("conditional+ttft", "1 prefill + 1 decode, conditional, TTFT-aware (1 core each)", 2),
+    ("follow", "2 decode nodes, follow (1 core each)", 2),
+    ("follow@14", "2 decode nodes, follow, router's TPOT objective 14 ms (1 core each)", 2),
 ]
+# the modes issue 37 measures against the better of the pure ones (disaggregated, colocated)
+def placed(cfg):
+    return cfg.startswith("conditional") or cfg.startswith("follow")
+
+
 MIXES = ["prefill", "decode"]
 STYLE = {"disagg": ("tab:red", "o"), "unified2": ("tab:blue", "s"), "unified2@32": ("tab:purple", "v"), "unified1": ("tab:green", "^"),
-         "conditional": ("tab:orange", "D"), "conditional+ttft": ("tab:brown", "P")}
+         "conditional": ("tab:orange", "D"), "conditional+ttft": ("tab:brown", "P"),
+         "follow": ("tab:cyan", "X"),
+         "follow@14": ("tab:olive", "*")}
 
 
 def load(outs):
@@ -114,9 +123,9 @@ def slo_scale(res, mix, img, base_tpot):
           f"(TTFT <= {ttft:g} ms; unloaded TPOT median {base_tpot:g} ms)\n")
     print("highest rate at >= {:.0f}% attainment (in brackets: the highest with every lower rate swept meeting it "
           "too), max goodput req/s; ratio: disaggregated over the best colocated, per core\n".format(100 * att))
-    cond = any(c.startswith("conditional") for c, _, _ in have)
+    cond = [c for c, _, _ in have if placed(c)]
     print("| TPOT objective | scale | " + " | ".join(c for c, _, _ in have) + " | ratio (highest rate) | ratio (max goodput) |"
-          + (" conditional / best pure (highest rate) | (max goodput) |" if cond else ""))
+          + (f" {' or '.join(cond)} / best pure (highest rate) | (max goodput) |" if cond else ""))
     print("|---|---|" + "---|" * len(have) + "---|---|" + ("---|---|" if cond else ""))
     ratios = []
     for tp, k in zip(tpots, SLO_SCALE):
@@ -137,8 +146,8 @@ def slo_scale(res, mix, img, base_tpot):
             ratios.append((tp, d1 / cb if cb else None, d2 / cg if cg else None))
         r3 = r4 = ""
         if cond:
-            pure = [best[(c, tp)] for c, _, _ in have if not c.startswith("conditional")]
-            c0 = max((best[(c, tp)] for c, _, _ in have if c.startswith("conditional")),
+            pure = [best[(c, tp)] for c, _, _ in have if not placed(c)]
+            c0 = max((best[(c, tp)] for c, _, _ in have if placed(c)),
                      key=lambda x: ((x[1] or 0), x[2]))
             pb, pg = max((x[1] or 0) for x in pure), max(x[2] for x in pure)
             r3 = " " + ("-" if not pb and not c0[1] else ("inf" if not pb else f"{(c0[1] or 0) / pb:.2f}x")) + " |"

@@ -164,6 +164,9 @@ for cfg in $CONFIGS; do
         sed -n '/^rate /,$p' | tee -a "$log"
       echo "$cfg/$mix: $(( $(date +%s) - t0 )) s; load after: $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$log"
       cut -d' ' -f1-3 /proc/loadavg >"$out/$cfg-$mix.load"
+      # where the sweep's prompts were prefilled, all its rates together (the router's placement counts)
+      murl=$(sed -n 's/^metrics: //p' "$out/.local.$cfg.out" | head -1)
+      curl -s "$murl" | grep '^tandem_router_prefill_placement_total' | sed "s/^/$cfg: /" | tee -a "$log" || true
     fi
     stop_cluster
   done
