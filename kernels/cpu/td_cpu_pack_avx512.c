@@ -56,15 +56,18 @@ static TD_Z void act_row_avx512(const float *x, void *av, td_dtype_t type, size_
 #define TD_V __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
 
 /* (float)(WIDE * ph + pl), the block's exact integer sum rounded once as the scalar kernel
- * rounds it. Two bytes: the multiply as shifts (WIDE = 254 = 256 - 2), then the conversion.
- * One byte (lo is 0, so pl is the offset c, or 0 with a min): ph (|ph| <= 32 * 255 * 127 <
- * 2^24) and c (-offset * 254 * S, S the sum of the block's or half's hi, offset 8, 32 or 128:
- * a power of two times 127 S, |127 S| <= 127 * 32 * 127 < 2^24) are exact in f32, so one FMA
- * of them rounds WIDE * ph + c once, to the same float: two instructions fewer a row and
- * block. */
-TD_INLINE TD_V __m512 wide_sum(bool one, __m512i ph, __m512i pl)
+ * rounds it. Where ph and pl are both exact in f32, one FMA of them rounds WIDE * ph + pl
+ * once, to that same float, two instructions fewer a row and block than the integer multiply
+ * (two shifts, a subtract) and add before a conversion. ph is (|ph| <= 32 * 255 * 127 < 2^24);
+ * pl is c + sum u lo, c = -offset * sum Q (td_cpu_pack.h; 0 with a min):
+ * - one byte (lo is 0): pl = c = -offset * 254 * S, S the block's (Q6_K: half's) sum of hi,
+ *   offset 8, 32 or 128: a power of two times 127 S, |127 S| < 2^24, exact;
+ * - two bytes: |Q| <= 254 * 127, so |pl| <= 32 * 8 * 32258 + 32 * 15 * 127 (Q4_0), 16 * 32 *
+ *   32258 + 16 * 63 * 127 (a Q6_K half) or 32 * 31 * 127 (a min) < 2^24, exact; Q8_0's and
+ *   IQ4_XS's (offset 128, up to 2^27) are not, and take the integer way. */
+TD_INLINE TD_V __m512 wide_sum(td_dtype_t t, bool one, __m512i ph, __m512i pl)
 {
-    if (one)
+    if (one || (t != TD_Q8_0 && t != TD_IQ4_XS))
         return _mm512_fmadd_ps(_mm512_cvtepi32_ps(ph), _mm512_set1_ps((float)WIDE), _mm512_cvtepi32_ps(pl));
     return _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(ph, 8), _mm512_slli_epi32(ph, 1)), pl));
 }
@@ -170,7 +173,7 @@ TD_INLINE TD_V void vnni_tile(td_dtype_t t, bool one, int R, const unsigned char
                 }
             }
             __m512 sc = _mm512_mul_ps(dw, _mm512_set1_ps(load_f32(act_e(ai, k) + 4 * b)));
-            acc[i] = _mm512_fmadd_ps(wide_sum(one, ph, pl), sc, acc[i]);
+            acc[i] = _mm512_fmadd_ps(wide_sum(t, one, ph, pl), sc, acc[i]);
             if (has_min(t))
                 macc[i] = _mm512_fmadd_ps(mw, _mm512_set1_ps(load_f32(c)), macc[i]);
         }
@@ -225,7 +228,7 @@ TD_INLINE TD_V void vnni_tile_q6_k(bool one, int R, const unsigned char *gq, siz
                     if (!one)
                         pl = _mm512_dpbusd_epi32(pl, w[4 * h + v], _mm512_set1_epi32(load_i32(lo + 16 * h + 4 * v)));
                 }
-                acc[i] = _mm512_fmadd_ps(wide_sum(one, ph, pl), _mm512_mul_ps(dw[h], e), acc[i]);
+                acc[i] = _mm512_fmadd_ps(wide_sum(TD_Q6_K, one, ph, pl), _mm512_mul_ps(dw[h], e), acc[i]);
             }
         }
     }
