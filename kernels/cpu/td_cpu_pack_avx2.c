@@ -751,6 +751,109 @@ TD_INLINE TD_Y void kernel_avx2_q4_one(td_dtype_t t, const unsigned char *gq, si
     }
 }
 
+/* The one-byte prefill tile of the signed types (Q8_0, IQ4_XS; m >= 2, `--device cpu:q8`): H
+ * halves of a group from h0 (8 weight rows each) against R one-byte rows, R * H <= 8. Each
+ * weight vector w (8 rows x 4 weights; Q8_0 u ^ 0x80, IQ4_XS the table value by vpshufb) and
+ * |w| are made once a block for the R rows; a row's broadcast of 4 activation bytes a then
+ * meets it as maddubs(|w|, sign(a, w)), the products w a in pairs of at most 2 * 128 * 127 =
+ * 32512 < 2^15 (|w| <= 128 read unsigned, |a| <= 127: no saturation), and one madd by 254
+ * widens each (the hi part's weight in Q = 254 hi), so a block's p = 254 sum w hi builds up in
+ * one int32 sum a row and half: the reference's c + sum u Q. */
+#define SIGNED_R(t) ((t) == TD_Q8_0 ? 4 : 8)
+#define SIGNED_H(t) ((t) == TD_Q8_0 ? 2 : 1)
+TD_INLINE TD_Y void avx2_tile1_signed(td_dtype_t t, int R, int h0, int H, const unsigned char *gq, size_t nb, size_t k,
+                                      const unsigned char *a, size_t stride, float *y, size_t ldy,
+                                      const unsigned char *pf_end)
+{
+    const int nv = t == TD_Q8_0 ? 8 : 4; /* weight vectors (IQ4_XS: bytes of two) a block and half */
+    const __m256i low4 = _mm256_set1_epi8(0x0F), bias8 = _mm256_set1_epi8((char)0x80), wide = _mm256_set1_epi16(WIDE);
+    const __m256i iq4s = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)td_quant_iq4nl_values));
+    const size_t e_at = act_e(a, k) - a, qb = quant_bytes(t), sb = scale_bytes(t);
+    volatile __m256 acc[2][8]; /* in memory on purpose (avx2_tile1_q4) */
+    for (int x = 0; x < H; x++)
+        for (int i = 0; i < R; i++)
+            acc[x][i] = _mm256_setzero_ps();
+    for (size_t c0 = 0; c0 < nb; c0 += PACK_CHUNK) { /* chunk by chunk: no index arithmetic a block */
+        const size_t n_in = nb - c0 < PACK_CHUNK ? nb - c0 : PACK_CHUNK;
+        const unsigned char *qc = gq + c0 * (qb + sb), *cs = qc + n_in * qb; /* its quants, its scales */
+        for (size_t j = 0; j < n_in; j++) {
+            const size_t b = c0 + j;
+            if (pf_end) /* the group's first sweep */
+                decode_prefetch(t, gq, b, pf_end);
+            const unsigned char *q = qc + j * qb + 32 * h0;
+            const unsigned char *ab = a + b * TD_QK; /* row 0's hi of block b */
+            size_t st = stride;
+            __asm__("" : "+r"(st)); /* rows at ab + i * st: no pointer a row */
+            __m256i p[2][8];
+#pragma GCC unroll 8
+            for (int v = 0; v < nv; v++) {
+                __m256i w[2][2], aw[2][2]; /* [half][IQ4_XS: low, high nibbles] */
+#pragma GCC unroll 2
+                for (int x = 0; x < H; x++) {
+                    const __m256i raw = _mm256_loadu_si256((const __m256i *)(q + 64 * v + 32 * x));
+                    if (t == TD_Q8_0)
+                        w[x][0] = _mm256_xor_si256(raw, bias8);
+                    else {
+                        w[x][0] = _mm256_shuffle_epi8(iq4s, _mm256_and_si256(raw, low4));
+                        w[x][1] = _mm256_shuffle_epi8(iq4s, _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4));
+                        aw[x][1] = _mm256_abs_epi8(w[x][1]);
+                    }
+                    aw[x][0] = _mm256_abs_epi8(w[x][0]);
+                }
+#pragma GCC unroll 8
+                for (int i = 0; i < R; i++) {
+                    const unsigned char *qh = ab + i * st;
+                    const __m256i a0 = _mm256_set1_epi32(load_i32(qh + 4 * v));
+#pragma GCC unroll 2
+                    for (int x = 0; x < H; x++) {
+                        __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(aw[x][0], _mm256_sign_epi8(a0, w[x][0])), wide);
+                        if (t == TD_IQ4_XS) {
+                            const __m256i a1 = _mm256_set1_epi32(load_i32(qh + 16 + 4 * v));
+                            s = _mm256_add_epi32(s, _mm256_madd_epi16(
+                                                        _mm256_maddubs_epi16(aw[x][1], _mm256_sign_epi8(a1, w[x][1])), wide));
+                        }
+                        p[x][i] = v == 0 ? s : _mm256_add_epi32(p[x][i], s);
+                        AVX2_KEEP(p[x][i]);
+                    }
+                }
+            }
+#pragma GCC unroll 2
+            for (int x = 0; x < H; x++) {
+                __m256 dw, mw;
+                avx2_scales(t, cs, j, h0 + x, &dw, &mw);
+#pragma GCC unroll 8
+                for (int i = 0; i < R; i++) {
+                    const __m256 e = _mm256_set1_ps(load_f32(a + i * st + e_at + 4 * b));
+                    acc[x][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[x][i]), _mm256_mul_ps(dw, e), (__m256)acc[x][i]);
+                }
+            }
+        }
+    }
+    for (int x = 0; x < H; x++)
+        for (int i = 0; i < R; i++)
+            _mm256_storeu_ps(y + i * ldy + 8 * (h0 + x), acc[x][i]);
+}
+
+/* kernel_avx2's one-byte prefill of Q8_0 and IQ4_XS: tiles of SIGNED_R(t) rows by SIGNED_H(t)
+ * halves, then one of the rest */
+TD_INLINE TD_Y void kernel_avx2_signed_one(td_dtype_t t, const unsigned char *gq, size_t nb, size_t k,
+                                           const unsigned char *a, size_t m, size_t stride, float *yg, size_t ldy,
+                                           const unsigned char *end)
+{
+    const int R = SIGNED_R(t), H = SIGNED_H(t);
+    for (int h = 0; h < 2; h += H) {
+        size_t i = 0;
+        for (; i + (size_t)R <= m; i += (size_t)R)
+            avx2_tile1_signed(t, R, h, H, gq, nb, k, a + i * stride, stride, yg + i * ldy, ldy,
+                              h == 0 && i == 0 ? end : NULL);
+        const unsigned char *ai = a + i * stride, *pf = h == 0 && i == 0 ? end : NULL;
+        float *yi = yg + i * ldy;
+#define TILE1_SIGNED(R) avx2_tile1_signed(t, R, h, (R) * H <= 8 ? H : 1, gq, nb, k, ai, stride, yi, ldy, pf) /* R * H <= 8 */
+        AVX2_REST(m - i, TILE1_SIGNED);
+#undef TILE1_SIGNED
+    }
+}
+
 /* kernel_avx2's one-byte Q6_K prefill: tiles of 16 rows, then one of 8, then one of the rest */
 TD_INLINE TD_Y void kernel_avx2_q6_k_one(const unsigned char *gq, size_t nb, size_t k, const unsigned char *a, size_t m,
                                          size_t stride, float *yg, size_t ldy, const unsigned char *end)
@@ -795,7 +898,11 @@ TD_INLINE TD_Y void kernel_avx2(td_dtype_t t, bool one, const void *wp, size_t g
     for (size_t g = g0; g < g1; g++) {
         const unsigned char *gq = (const unsigned char *)wp + g * gb;
         float *yg = y + (g - g0) * ROWS;
-        if (m >= 2 ? !one || t == TD_Q8_0 || t == TD_IQ4_XS : !one && t == TD_IQ4_XS) {
+        if (m >= 2 && one && (t == TD_Q8_0 || t == TD_IQ4_XS)) {
+            kernel_avx2_signed_one(t, gq, nb, k, a, m, stride, yg, ldy, end);
+            continue;
+        }
+        if (m >= 2 ? !one : !one && t == TD_IQ4_XS) {
             /* one-byte rows carry Q = 254 hi as well, and Q8_0's and IQ4_XS's int16 tiles beat
              * their maddubs tiles (signed values: a madd every vector; one core, m = 64, 2048 x
              * 2048: q8_0 4.34 -> 3.76 ms, iq4_xs 4.94 -> 4.41). An IQ4_XS two-byte decode row
