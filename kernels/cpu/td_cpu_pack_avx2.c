@@ -1,10 +1,9 @@
 /*
  * td_cpu_pack_avx2: td_cpu_pack's AVX2 table and its activation quantizer in AVX2,
- * bit-identical to the scalar reference (td_cpu_pack.h). Two-byte prefill tiles (m >= 2), and
- * one-byte ones of Q8_0 and IQ4_XS, multiply int16 weights by the row's int16 Q with vpmaddwd
- * (w16_tile); decode (m = 1) and the other one-byte rows use maddubs + madd on the hi and lo
- * bytes (avx2_row1, avx2_row1_q6_k, avx2_row1_q8_0, avx2_row1_signed; avx2_tile1_q4,
- * avx2_tile1_q6_k).
+ * bit-identical to the scalar reference (td_cpu_pack.h). Two-byte prefill tiles (m >= 2)
+ * multiply int16 weights by the row's int16 Q with vpmaddwd (w16_tile); decode (m = 1) and the
+ * one-byte rows use maddubs + madd on the hi and lo bytes (avx2_row1, avx2_row1_q6_k,
+ * avx2_row1_q8_0, avx2_row1_signed; avx2_tile1_q4, avx2_tile1_q6_k, avx2_tile1_signed).
  */
 #include "td_cpu_pack_impl.h"
 
@@ -751,16 +750,24 @@ TD_INLINE TD_Y void kernel_avx2_q4_one(td_dtype_t t, const unsigned char *gq, si
     }
 }
 
-/* The one-byte prefill tile of the signed types (Q8_0, IQ4_XS; m >= 2, `--device cpu:q8`): H
- * halves of a group from h0 (8 weight rows each) against R one-byte rows, R * H <= 8. Each
- * weight vector w (8 rows x 4 weights; Q8_0 u ^ 0x80, IQ4_XS the table value by vpshufb) and
- * |w| are made once a block for the R rows; a row's broadcast of 4 activation bytes a then
- * meets it as maddubs(|w|, sign(a, w)), the products w a in pairs of at most 2 * 128 * 127 =
- * 32512 < 2^15 (|w| <= 128 read unsigned, |a| <= 127: no saturation), and one madd by 254
- * widens each (the hi part's weight in Q = 254 hi), so a block's p = 254 sum w hi builds up in
- * one int32 sum a row and half: the reference's c + sum u Q. */
-#define SIGNED_R(t) ((t) == TD_Q8_0 ? 4 : 8)
-#define SIGNED_H(t) ((t) == TD_Q8_0 ? 2 : 1)
+/* The one-byte prefill tile of the signed types (Q8_0, IQ4_XS; m >= 2, `--device cpu:q8`; issue
+ * 32, h32n): H halves of a group from h0 (8 weight rows each) against R one-byte rows, R * H <=
+ * 8. Each weight vector w (8 rows x 4 weights; Q8_0 u ^ 0x80, IQ4_XS the table value by
+ * vpshufb) and |w| are made once a block for the R rows; a row's broadcast of 4 activation bytes
+ * a then meets it as maddubs(|w|, sign(a, w)): the products w a in pairs of at most 2 * 128 *
+ * 127 = 32512 < 2^15 (|w| <= 128 read unsigned, Q8_0's -128 included; |a| <= 127), so no
+ * saturation, and one madd by 254 widens each pair sum (the hi part's weight in Q = 254 hi):
+ * a block's p = 254 sum w hi = c + sum u Q, the reference's integer, in one int32 sum a row and
+ * half. With full-range 8-bit weights no two pair sums fit int16, so a madd every 32 products
+ * is the floor here as in w16_tile (a madd every 16 with a vpaddd each), but one 4-byte
+ * broadcast serves 32 products where w16_tile's serves 16 and needs its weights widened by two
+ * vpshufb a vector. The f32 sums live in memory and the rows are one pointer and an opaque
+ * stride, as in avx2_tile1_q4. 8 rows by half a group beat 4 by both halves for both types
+ * (the loop then holds 8 int32 sums, the weights and a row's broadcasts). One core, m = 64,
+ * 2048 x 2048 (docs/kernels.md), w16_tile -> this: iq4_xs 3.52 -> 2.91-2.97 ms, q8_0 2.96 ->
+ * 2.69-2.75. */
+#define SIGNED_R 8
+#define SIGNED_H 1
 TD_INLINE TD_Y void avx2_tile1_signed(td_dtype_t t, int R, int h0, int H, const unsigned char *gq, size_t nb, size_t k,
                                       const unsigned char *a, size_t stride, float *y, size_t ldy,
                                       const unsigned char *pf_end)
@@ -834,13 +841,13 @@ TD_INLINE TD_Y void avx2_tile1_signed(td_dtype_t t, int R, int h0, int H, const 
             _mm256_storeu_ps(y + i * ldy + 8 * (h0 + x), acc[x][i]);
 }
 
-/* kernel_avx2's one-byte prefill of Q8_0 and IQ4_XS: tiles of SIGNED_R(t) rows by SIGNED_H(t)
+/* kernel_avx2's one-byte prefill of Q8_0 and IQ4_XS: tiles of SIGNED_R rows by SIGNED_H
  * halves, then one of the rest */
 TD_INLINE TD_Y void kernel_avx2_signed_one(td_dtype_t t, const unsigned char *gq, size_t nb, size_t k,
                                            const unsigned char *a, size_t m, size_t stride, float *yg, size_t ldy,
                                            const unsigned char *end)
 {
-    const int R = SIGNED_R(t), H = SIGNED_H(t);
+    const int R = SIGNED_R, H = SIGNED_H;
     for (int h = 0; h < 2; h += H) {
         size_t i = 0;
         for (; i + (size_t)R <= m; i += (size_t)R)
@@ -898,19 +905,17 @@ TD_INLINE TD_Y void kernel_avx2(td_dtype_t t, bool one, const void *wp, size_t g
     for (size_t g = g0; g < g1; g++) {
         const unsigned char *gq = (const unsigned char *)wp + g * gb;
         float *yg = y + (g - g0) * ROWS;
-        if (m >= 2 && one && (t == TD_Q8_0 || t == TD_IQ4_XS)) {
+        if (m >= 2 && one && (t == TD_Q8_0 || t == TD_IQ4_XS)) { /* the sign-trick tile (its comment) */
             kernel_avx2_signed_one(t, gq, nb, k, a, m, stride, yg, ldy, end);
             continue;
         }
         if (m >= 2 ? !one : !one && t == TD_IQ4_XS) {
-            /* one-byte rows carry Q = 254 hi as well, and Q8_0's and IQ4_XS's int16 tiles beat
-             * their maddubs tiles (signed values: a madd every vector; one core, m = 64, 2048 x
-             * 2048: q8_0 4.34 -> 3.76 ms, iq4_xs 4.94 -> 4.41). An IQ4_XS two-byte decode row
-             * too: its maddubs tile spends a sign, a maddubs and a madd on each byte of each
-             * vector, the int16 tile ~20% fewer instructions a block (1B IQ4_XS decode, 2
-             * threads, alternated: 33.5/36.6, 33.6/37.1, 33.8/38.0 tokens/s). Q8_0's decode
-             * read no faster that way (it streams twice the bytes), and a one-byte row keeps
-             * the maddubs tile, which has half the products to make. */
+            /* Every two-byte prefill, and an IQ4_XS two-byte decode row: its maddubs tile spends a
+             * sign, a maddubs and a madd on each byte of each vector, the int16 tile ~20% fewer
+             * instructions a block (1B IQ4_XS decode, 2 threads, alternated: 33.5/36.6,
+             * 33.6/37.1, 33.8/38.0 tokens/s). Q8_0's decode read no faster that way (it
+             * streams twice the bytes). One-byte rows of Q8_0 and IQ4_XS went to the int16
+             * tile too until avx2_tile1_signed (above) beat it. */
             kernel_avx2_w16(t, gq, nb, k, a, m, stride, yg, ldy, end);
             continue;
         }
