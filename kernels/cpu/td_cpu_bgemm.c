@@ -58,9 +58,9 @@ static uint16_t to_bf16(const void *w, td_dtype_t type, size_t i)
     return 0;
 }
 
-void td_cpu_bgemm_pack(void *dst, const void *w, td_dtype_t type, size_t n, size_t k)
+/* The packing in plain C, element by element (any CPU; the AVX-512 one's reference). */
+static void pack_c(void *dst, const void *w, td_dtype_t type, size_t n, size_t k)
 {
-    TD_ASSERT(k % 2 == 0 && td_dtype_is_float(type));
     uint16_t *d = dst;
     size_t groups = (n + TD_CPU_BGEMM_ROWS - 1) / TD_CPU_BGEMM_ROWS;
     for (size_t g = 0; g < groups; g++)
@@ -73,19 +73,99 @@ void td_cpu_bgemm_pack(void *dst, const void *w, td_dtype_t type, size_t n, size
 }
 
 #if TD_CPU_X86
-/* td_f32_to_bf16 on 16 lanes: round to nearest even, a NaN kept quiet. */
-TD_BF static void act_row_avx512(const float *x, uint16_t *a, size_t k)
+/* td_f32_to_bf16 on 16 lanes of f32 bits, in integer arithmetic (so a denormal rounds as
+ * any other value, unlike vcvtneps2bf16, which flushes it): round to nearest even, a NaN
+ * kept and made quiet. */
+TD_BF static inline __m256i round_bf16x16(__m512i u)
 {
     const __m512i abs = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
-    const __m512i half = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1), quiet = _mm512_set1_epi32(0x40);
-    size_t e = 0;
-    for (; e + 16 <= k; e += 16) {
-        __m512i u = _mm512_loadu_si512((const void *)(x + e));
-        __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, abs), inf);
-        __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(half, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
-        r = _mm512_mask_or_epi32(r, nan, u, _mm512_slli_epi32(quiet, 16));
-        _mm256_storeu_si256((__m256i *)(void *)(a + e), _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+    const __m512i half = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1);
+    const __m512i quiet = _mm512_set1_epi32(0x400000);
+    __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, abs), inf);
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(half, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
+    r = _mm512_mask_or_epi32(r, nan, u, quiet);
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+}
+
+/* 32 weights of a row from e on as bf16 pairs: 16 words, word p = elements e + 2p, e + 2p + 1.
+ * f16 widens exactly to f32 (vcvtph2ps: a subnormal f16 is a normal f32), then rounds. */
+TD_BF static inline __m512i load_pairs32(const void *w, td_dtype_t type, size_t e)
+{
+    switch (type) {
+    case TD_F32: {
+        const float *f = (const float *)w + e;
+        __m256i lo = round_bf16x16(_mm512_castps_si512(_mm512_loadu_ps(f)));
+        __m256i hi = round_bf16x16(_mm512_castps_si512(_mm512_loadu_ps(f + 16)));
+        return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
     }
+    case TD_F16: {
+        const uint16_t *h = (const uint16_t *)w + e;
+        __m256i lo = round_bf16x16(_mm512_castps_si512(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)h))));
+        __m256i hi =
+            round_bf16x16(_mm512_castps_si512(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(h + 16)))));
+        return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+    }
+    default: return _mm512_loadu_si512((const void *)((const uint16_t *)w + e));
+    }
+}
+
+/* pack_c's bits, 16 rows by 32 weights at a time: each row's 16 pairs converted in
+ * registers, then the 16 x 16 block of pairs transposed into the 16 vectors of its
+ * pairs (row r's pair at word r); the columns past the last multiple of 32, by pack_c's
+ * element rule. Rows past n are zeros. */
+TD_BF static void pack_avx512(void *dst, const void *w, td_dtype_t type, size_t n, size_t k)
+{
+    uint32_t *d = dst;
+    size_t row_bytes = td_dtype_bytes(type, k), pairs = k / 2, k32 = k / 32 * 32;
+    size_t groups = (n + TD_CPU_BGEMM_ROWS - 1) / TD_CPU_BGEMM_ROWS;
+    uint32_t blk[TD_CPU_BGEMM_ROWS][16];
+    for (size_t g = 0; g < groups; g++, d += pairs * TD_CPU_BGEMM_ROWS) {
+        size_t rows = TD_MIN(n - g * TD_CPU_BGEMM_ROWS, (size_t)TD_CPU_BGEMM_ROWS);
+        const unsigned char *wg = (const unsigned char *)w + g * TD_CPU_BGEMM_ROWS * row_bytes;
+        for (size_t e = 0; e < k32; e += 32) {
+            for (size_t r = 0; r < TD_CPU_BGEMM_ROWS; r++) {
+                __m512i v = r < rows ? load_pairs32(wg + r * row_bytes, type, e) : _mm512_setzero_si512();
+                _mm512_storeu_si512((void *)blk[r], v);
+            }
+            uint32_t *dv = d + e / 2 * TD_CPU_BGEMM_ROWS;
+            for (size_t p = 0; p < 16; p++)
+                for (size_t r = 0; r < TD_CPU_BGEMM_ROWS; r++)
+                    dv[p * TD_CPU_BGEMM_ROWS + r] = blk[r][p];
+        }
+        uint16_t *dt = (uint16_t *)(void *)(d + k32 / 2 * TD_CPU_BGEMM_ROWS);
+        for (size_t p = k32 / 2; p < pairs; p++)
+            for (size_t r = 0; r < TD_CPU_BGEMM_ROWS; r++)
+                for (size_t j = 0; j < 2; j++)
+                    *dt++ = r < rows ? to_bf16(wg + r * row_bytes, type, 2 * p + j) : 0;
+    }
+}
+#endif
+
+void td_cpu_bgemm_pack(void *dst, const void *w, td_dtype_t type, size_t n, size_t k)
+{
+    TD_ASSERT(k % 2 == 0 && td_dtype_is_float(type));
+#if TD_CPU_X86
+    if (td_cpu_isa_runs(TD_CPU_ISA_AVX512)) {
+        pack_avx512(dst, w, type, n, k);
+        return;
+    }
+#endif
+    pack_c(dst, w, type, n, k);
+}
+
+void td_cpu_bgemm_pack_c(void *dst, const void *w, td_dtype_t type, size_t n, size_t k)
+{
+    TD_ASSERT(k % 2 == 0 && td_dtype_is_float(type));
+    pack_c(dst, w, type, n, k);
+}
+
+#if TD_CPU_X86
+/* td_f32_to_bf16 on 16 lanes at a time */
+TD_BF static void act_row_avx512(const float *x, uint16_t *a, size_t k)
+{
+    size_t e = 0;
+    for (; e + 16 <= k; e += 16)
+        _mm256_storeu_si256((__m256i *)(void *)(a + e), round_bf16x16(_mm512_loadu_si512((const void *)(x + e))));
     for (; e < k; e++)
         a[e] = td_f32_to_bf16(x[e]);
 }

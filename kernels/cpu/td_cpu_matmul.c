@@ -643,36 +643,49 @@ static td_status_t pmatmuls(td_cpu_t *cpu, const td_matmul_params_t *ps, int cou
 #define BG_DECODE_GROUPS 16
 #define BG_DECODE_ROWS 4 /* td_cpu_bgemm's decode tiles take m <= 4 */
 
-typedef struct bmatmul_job {
+/* One matrix of a bmatmuls job: its tasks start at task0 (the next matrix's task0 ends them),
+ * `groups` W groups each. */
+typedef struct bmat {
     const td_matmul_params_t *p;
+    int groups;
+    int task0;
+} bmat_t;
+
+typedef struct bmatmul_job {
     td_cpu_t *cpu;
-    unsigned char *a; /* [m][stride] X rounded to bf16 */
+    const float *x;   /* [m][k] the shared input */
+    int m, k;
+    unsigned char *a; /* [m][stride] X rounded to bf16, once for all the matrices */
     size_t stride;
     int rows;         /* activation rows per call */
     int block;        /* groups per call */
-    int groups;       /* groups per task */
+    int n_mats;
+    bmat_t mats[TD_BACKEND_MATMULS_MAX];
     int act_tasks;
 } bmatmul_job_t;
 
 static void bact_task(void *arg, int task, int thread)
 {
     bmatmul_job_t *jb = arg;
-    const td_matmul_params_t *p = jb->p;
-    int i0 = (int)((int64_t)p->m * task / jb->act_tasks);
-    int i1 = (int)((int64_t)p->m * (task + 1) / jb->act_tasks);
+    int i0 = (int)((int64_t)jb->m * task / jb->act_tasks);
+    int i1 = (int)((int64_t)jb->m * (task + 1) / jb->act_tasks);
     for (int i = i0; i < i1; i++)
-        td_cpu_bgemm_act_row((const float *)p->x + (size_t)i * p->k, (uint16_t *)(void *)(jb->a + (size_t)i * jb->stride),
-                             (size_t)p->k);
+        td_cpu_bgemm_act_row(jb->x + (size_t)i * jb->k, (uint16_t *)(void *)(jb->a + (size_t)i * jb->stride),
+                             (size_t)jb->k);
 }
 
-/* One task: groups [g0, g1) in blocks of jb->block, each block against every activation
- * row (jb->rows a call) before the next, each call's products put through the epilogue. */
+/* One task: groups [g0, g1) of one matrix in blocks of jb->block, each block against every
+ * activation row (jb->rows a call) before the next, each call's products put through the
+ * epilogue. */
 static void bmatmul_task(void *arg, int task, int thread)
 {
     bmatmul_job_t *jb = arg;
-    const td_matmul_params_t *p = jb->p;
+    const bmat_t *mt = &jb->mats[0];
+    while (mt + 1 < jb->mats + jb->n_mats && task >= mt[1].task0)
+        mt++;
+    const td_matmul_params_t *p = mt->p;
     int n_groups = (p->n + TD_CPU_BGEMM_ROWS - 1) / TD_CPU_BGEMM_ROWS;
-    int g0 = task * jb->groups, g1 = TD_MIN(n_groups, g0 + jb->groups);
+    int g0 = (task - mt->task0) * mt->groups, g1 = TD_MIN(n_groups, g0 + mt->groups);
     int cols = jb->block * TD_CPU_BGEMM_ROWS;
     float *tile = td_cpu_thread_scratch(jb->cpu, thread); /* [rows][cols] */
     for (int g = g0; g < g1; g += jb->block) {
@@ -687,28 +700,44 @@ static void bmatmul_task(void *arg, int task, int thread)
     }
 }
 
-/* Rounds X's rows to bf16 once (in parallel when there are many), then splits W's groups
- * over the pool: about two tasks a thread. Every output is one lane summed in td_cpu_bgemm's
- * one order whatever the split: batch-invariant. */
-static td_status_t bmatmul(td_cpu_t *cpu, const td_matmul_params_t *p)
+/* Rounds X's rows to bf16 once for all the matrices (in parallel when there are many), then
+ * splits their groups over the pool in one job: about two tasks a thread in all, a matrix's
+ * share of them by its size, so that K and V beside Q (or up beside gate) add tasks, not
+ * fork-joins, as pmatmuls. Every output is one lane summed in td_cpu_bgemm's one order
+ * whatever the split: batch-invariant, and the bits of one bmatmuls call per matrix. */
+static td_status_t bmatmuls(td_cpu_t *cpu, const td_matmul_params_t *ps, int count)
 {
-    TD_ASSERT(cpu->k.bgemm && td_dtype_is_float(p->w_dtype) && p->k % 2 == 0);
-    bmatmul_job_t jb = {.p = p, .cpu = cpu, .stride = td_cpu_bgemm_act_stride((size_t)p->k)};
-    bool decode = p->m <= BG_DECODE_ROWS;
-    jb.rows = decode ? p->m : BG_ROWS;
+    TD_ASSERT(cpu->k.bgemm && count >= 1 && count <= TD_BACKEND_MATMULS_MAX);
+    const td_matmul_params_t *p0 = &ps[0];
+    TD_ASSERT(p0->k % 2 == 0);
+    bmatmul_job_t jb = {.cpu = cpu, .x = p0->x, .m = p0->m, .k = p0->k,
+                        .stride = td_cpu_bgemm_act_stride((size_t)p0->k), .n_mats = count};
+    bool decode = p0->m <= BG_DECODE_ROWS;
+    jb.rows = decode ? p0->m : BG_ROWS;
     jb.block = decode ? BG_DECODE_GROUPS
-                      : TD_MAX(2, (int)(BG_BLOCK_BYTES / td_cpu_bgemm_group_bytes((size_t)p->k)) / 2 * 2);
+                      : TD_MAX(2, (int)(BG_BLOCK_BYTES / td_cpu_bgemm_group_bytes((size_t)p0->k)) / 2 * 2);
     td_status_t st = td_cpu_reserve(cpu, (size_t)jb.rows * (size_t)jb.block * TD_CPU_BGEMM_ROWS * sizeof(float),
-                                    (size_t)p->m * jb.stride);
+                                    (size_t)p0->m * jb.stride);
     if (st != TD_OK)
         return st;
     jb.a = cpu->shared;
-    int n_groups = (p->n + TD_CPU_BGEMM_ROWS - 1) / TD_CPU_BGEMM_ROWS;
+    double total = 0;
+    for (int i = 0; i < count; i++) {
+        TD_ASSERT(td_dtype_is_float(ps[i].w_dtype) && ps[i].w_packed);
+        total += (double)ps[i].n;
+    }
     int tasks = cpu->n_threads == 1 ? 1 : cpu->n_threads * 2;
-    jb.groups = (n_groups + tasks - 1) / tasks;
-    jb.act_tasks = p->m >= 4 * cpu->n_threads ? cpu->n_threads : 1;
+    int n_tasks = 0;
+    for (int i = 0; i < count; i++) {
+        int n_groups = (ps[i].n + TD_CPU_BGEMM_ROWS - 1) / TD_CPU_BGEMM_ROWS;
+        int mine = TD_MAX(1, (int)(tasks * (ps[i].n / total) + 0.5));
+        bmat_t *mt = &jb.mats[i];
+        *mt = (bmat_t){.p = &ps[i], .groups = (n_groups + mine - 1) / mine, .task0 = n_tasks};
+        n_tasks += (n_groups + mt->groups - 1) / mt->groups;
+    }
+    jb.act_tasks = p0->m >= 4 * cpu->n_threads ? cpu->n_threads : 1;
     td_pool_run(cpu->pool, jb.act_tasks, bact_task, &jb);
-    td_pool_run(cpu->pool, (n_groups + jb.groups - 1) / jb.groups, bmatmul_task, &jb);
+    td_pool_run(cpu->pool, n_tasks, bmatmul_task, &jb);
     return TD_OK;
 }
 
@@ -721,7 +750,7 @@ td_status_t td_cpu_matmul(td_backend_t *be, const td_matmul_params_t *p)
     if (p->m == 0 || p->n == 0)
         return TD_OK;
     if (p->w_packed)
-        return td_dtype_is_float(p->w_dtype) ? bmatmul(cpu, p) : pmatmuls(cpu, p, 1);
+        return td_dtype_is_float(p->w_dtype) ? bmatmuls(cpu, p, 1) : pmatmuls(cpu, p, 1);
     if (p->w_dtype == TD_Q5_K || p->w_dtype == TD_IQ4_XS)
         return td_errorf(TD_ERR_UNSUPPORTED, "cpu matmul: %s weights are read only in the packed form "
                          "ops->weight_pack makes; pack the matrix first", td_dtype_name(p->w_dtype));
@@ -731,18 +760,23 @@ td_status_t td_cpu_matmul(td_backend_t *be, const td_matmul_params_t *p)
 }
 
 /* Contract (td_backend.h ops->matmuls): ps[i] share m, k and x. Packed block-typed matrices
-   go through one pmatmuls job; otherwise each is td_cpu_matmul's, in order. */
+   go through one pmatmuls job, packed float ones (cpu:q8's bf16) through one bmatmuls job;
+   otherwise each is td_cpu_matmul's, in order. */
 td_status_t td_cpu_matmuls(td_backend_t *be, const td_matmul_params_t *ps, int32_t count)
 {
     td_cpu_t *cpu = td_cpu_of(be);
     TD_ASSERT(count >= 1 && count <= TD_BACKEND_MATMULS_MAX);
-    bool packed = ps[0].m > 0;
+    bool packed = ps[0].m > 0, fpacked = packed; /* all packed block-typed; all packed float */
     for (int i = 0; i < count; i++) {
         TD_ASSERT(ps[i].m == ps[0].m && ps[i].k == ps[0].k && ps[i].x == ps[0].x && ps[i].n >= 0);
-        packed = packed && ps[i].w_packed && ps[i].n > 0 && !td_dtype_is_float(ps[i].w_dtype);
+        bool in = ps[i].w_packed && ps[i].n > 0;
+        packed = packed && in && !td_dtype_is_float(ps[i].w_dtype);
+        fpacked = fpacked && in && td_dtype_is_float(ps[i].w_dtype);
     }
     if (packed)
         return pmatmuls(cpu, ps, count);
+    if (fpacked)
+        return bmatmuls(cpu, ps, count);
     for (int i = 0; i < count; i++) {
         td_status_t st = td_cpu_matmul(be, &ps[i]);
         if (st != TD_OK)

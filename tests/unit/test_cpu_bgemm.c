@@ -5,7 +5,8 @@
  *    for bit on random bit patterns and on the edges (ties both ways, NaN of either sign
  *    kept quiet, infinities, the largest float rounding to inf, denormals, -0); the
  *    packing rounds f16 and f32 weights the same way (f16 ties, NaN, inf, subnormals, the
- *    largest f16), keeps bf16 ones, and lays them out as the header says, padding rows 0.
+ *    largest f16), keeps bf16 ones, and lays them out as the header says, padding rows 0;
+ *    the AVX-512 packing is the plain C one's bits (every f16, f32 edges and random bits).
  * 2. The kernel against a double-precision sum of the bf16-rounded operands' products:
  *    one vdpbf16ps per pair rounds a partial sum at most twice, so an output is within
  *    (k + 2) * 2^-24 * S of it (S = sum |w x| over the rounded values), which the test
@@ -15,7 +16,8 @@
  *    any row grouping, and whichever groups a call takes.
  * 4. Through the backend: cpu:q8 at avx512bf16 packs float weights (the default backend,
  *    cpu:q8 at avx512vnni and an odd k do not), its matmul gives the kernel's bits
- *    through the epilogue (bias, accumulate), the same at 1 and 4 threads and row by row.
+ *    through the epilogue (bias, accumulate), the same at 1 and 4 threads and row by row;
+ *    ops->matmuls of several packed float matrices (one job) gives each one's matmul bits.
  * A CPU without AVX512_BF16 skips 2-4 with a line saying so.
  */
 #include <criterion/criterion.h>
@@ -169,6 +171,42 @@ Test(cpu_bgemm, pack_rounds_and_lays_out)
     cr_assert_eq(packed_at(pf, k, 0, 1), 0x3f82);
     cr_assert_eq(packed_at(pf, k, 0, 2), 0x7f80);
     free(h), free(b), free(f), free(ph), free(pf), free(pb);
+}
+
+/* The AVX-512 packing against the plain C one, bit for bit: every f16 (all 65536 patterns,
+ * NaNs, infinities and subnormals among them), f32 bit patterns at random and at the edges
+ * (denormals, which vcvtneps2bf16 would flush, NaNs of both signs, ties, the largest float),
+ * bf16 kept; k with and without a tail past the last 32 weights, n with a padded group. */
+Test(cpu_bgemm, pack_avx512_is_pack_c, .timeout = 60)
+{
+    static const uint32_t f32_edges[] = {0x00000001, 0x807fffff, 0x00400000, 0x00008000, 0x00018000, 0x7f800001,
+                                         0xff800001, 0x7fffffff, 0x7fc00000, 0x7f800000, 0xff800000, 0x7f7fffff,
+                                         0x3f808000, 0x3f818000, 0x80000000, 0x00000000, 0x0001ffff};
+    static const struct {
+        size_t n, k;
+    } shapes[] = {{37, 1774}, {16, 32}, {3, 2}, {33, 64}, {17, 30}, {1, 4098}};
+    static const td_dtype_t types[] = {TD_F16, TD_F32, TD_BF16};
+    uint64_t s = 77;
+    for (size_t si = 0; si < TD_ARRAY_LEN(shapes); si++)
+        for (size_t t = 0; t < TD_ARRAY_LEN(types); t++) {
+            size_t n = shapes[si].n, k = shapes[si].k, bytes = td_cpu_bgemm_pack_bytes(n, k);
+            void *w = xmalloc(td_dtype_bytes(types[t], n * k));
+            for (size_t i = 0; i < n * k; i++) {
+                uint64_t r = td_splitmix64(&s);
+                if (types[t] == TD_F32)
+                    ((uint32_t *)w)[i] = r % 4 == 0 ? f32_edges[(r >> 8) % TD_ARRAY_LEN(f32_edges)] : (uint32_t)(r >> 16);
+                else /* f16: every pattern in turn (n k >= 65536 in the first shape); bf16 at random */
+                    ((uint16_t *)w)[i] = types[t] == TD_F16 ? (uint16_t)i : (uint16_t)r;
+            }
+            uint16_t *got = xmalloc(bytes), *want = xmalloc(bytes);
+            memset(got, 0xa5, bytes), memset(want, 0x5a, bytes);
+            td_cpu_bgemm_pack(got, w, types[t], n, k);
+            td_cpu_bgemm_pack_c(want, w, types[t], n, k);
+            for (size_t i = 0; i < bytes / 2; i++)
+                cr_assert_eq(got[i], want[i], "%s n %zu k %zu: packed element %zu 0x%04x, plain C 0x%04x",
+                             td_dtype_name(types[t]), n, k, i, got[i], want[i]);
+            free(w), free(got), free(want);
+        }
 }
 
 /* ---- 2, 3. the kernel ------------------------------------------------------------------- */
@@ -366,4 +404,75 @@ Test(cpu_bgemm, backend_packs_in_q8_only, .timeout = 120)
     td_backend_destroy(q8), td_backend_destroy(q8_4), td_backend_destroy(vnni), td_backend_destroy(def);
     free(stored), free(x), free(xr), free(a), free(bias), free(y0), free(ref), free(y), free(y4);
     free_mat(&w);
+}
+
+/*
+ * ops->matmuls with packed float matrices (Q, K, V or gate, up in cpu:q8): one job, X rounded
+ * once, gives each matrix the bits of its own matmul call: three types (f16, bf16, f32),
+ * a bias and an accumulating output among them, decode and prefill row counts, 1, 2 and 4
+ * threads; and with a matrix left as stored among them (each then its own call).
+ */
+Test(cpu_bgemm, matmuls_equal_matmul_calls, .timeout = 120)
+{
+    SKIP_WITHOUT_BF16();
+    static const int threads[] = {1, 2, 4}, ms[] = {1, 3, 5, 70};
+    static const td_dtype_t types[3] = {TD_F16, TD_BF16, TD_F32};
+    const int k = 130, ns[3] = {300, 64, 48};
+    uint64_t s = 91;
+    for (size_t ti = 0; ti < TD_ARRAY_LEN(threads); ti++)
+        for (int stored = 0; stored < 2; stored++) { /* stored: the third matrix not packed */
+            td_backend_t *be = q8_backend(threads[ti], NULL);
+            float *x = xmalloc((size_t)70 * k * 4), *bias = xmalloc((size_t)ns[0] * 4);
+            for (int i = 0; i < 70 * k; i++)
+                x[i] = uniform(&s);
+            for (int j = 0; j < ns[0]; j++)
+                bias[j] = uniform(&s);
+            void *w[3], *wp[3] = {NULL, NULL, NULL};
+            for (int i = 0; i < 3; i++) {
+                mat_t mm = make_mat(types[i], (size_t)ns[i], (size_t)k, &s, &w[i]);
+                free_mat(&mm);
+                if (!(stored && i == 2)) {
+                    cr_assert_eq(be->ops->weight_pack(be, w[i], types[i], ns[i], k, &wp[i]), TD_OK);
+                    cr_assert_not_null(wp[i]);
+                }
+            }
+            for (size_t a = 0; a < TD_ARRAY_LEN(ms); a++) {
+                const int m = ms[a];
+                td_matmul_params_t ps[3];
+                float *y[3], *want[3];
+                for (int i = 0; i < 3; i++) {
+                    y[i] = xmalloc((size_t)m * ns[i] * 4);
+                    want[i] = xmalloc((size_t)m * ns[i] * 4);
+                    for (int e = 0; e < m * ns[i]; e++)
+                        y[i][e] = uniform(&s); /* accumulated into by [1] */
+                    memcpy(want[i], y[i], (size_t)m * ns[i] * 4);
+                    ps[i] = (td_matmul_params_t){.m = m, .n = ns[i], .k = k, .x = x, .w = wp[i] ? wp[i] : w[i],
+                                                 .w_packed = wp[i] != NULL, .w_dtype = types[i],
+                                                 .bias = i == 0 ? bias : NULL, .bias_dtype = TD_F32,
+                                                 .accumulate = i == 1};
+                }
+                for (int i = 0; i < 3; i++) {
+                    td_matmul_params_t one = ps[i];
+                    one.y = want[i];
+                    cr_assert_eq(be->ops->matmul(be, &one), TD_OK);
+                    ps[i].y = y[i];
+                }
+                cr_assert_eq(be->ops->matmuls(be, ps, 3), TD_OK);
+                for (int i = 0; i < 3; i++) {
+                    for (int e = 0; e < m * ns[i]; e++)
+                        cr_assert_eq(bits(y[i][e]), bits(want[i][e]),
+                                     "matmuls: matrix %d (%s, n %d) at m %d, %d threads, third stored %d: y[%d] %.9g, "
+                                     "its matmul %.9g", i, td_dtype_name(types[i]), ns[i], m, threads[ti], stored, e,
+                                     (double)y[i][e], (double)want[i][e]);
+                    free(y[i]), free(want[i]);
+                }
+            }
+            for (int i = 0; i < 3; i++) {
+                if (wp[i])
+                    be->ops->free(be, wp[i]);
+                free(w[i]);
+            }
+            free(x), free(bias);
+            td_backend_destroy(be);
+        }
 }
