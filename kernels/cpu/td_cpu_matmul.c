@@ -643,12 +643,10 @@ static td_status_t pmatmuls(td_cpu_t *cpu, const td_matmul_params_t *ps, int cou
 #define BG_DECODE_GROUPS 16
 #define BG_DECODE_ROWS 4 /* td_cpu_bgemm's decode tiles take m <= 4 */
 
-/* One matrix of a bmatmuls job: its tasks start at task0 (the next matrix's task0 ends them),
- * `groups` W groups each. */
+/* One matrix of a bmatmuls job: its groups are [g0, g0 + groups) of the job's concatenation. */
 typedef struct bmat {
     const td_matmul_params_t *p;
-    int groups;
-    int task0;
+    int g0, groups;
 } bmat_t;
 
 typedef struct bmatmul_job {
@@ -659,6 +657,8 @@ typedef struct bmatmul_job {
     size_t stride;
     int rows;         /* activation rows per call */
     int block;        /* groups per call */
+    int span;         /* groups per task, of the matrices' groups end to end */
+    int n_groups;     /* of all the matrices */
     int n_mats;
     bmat_t mats[TD_BACKEND_MATMULS_MAX];
     int act_tasks;
@@ -674,20 +674,11 @@ static void bact_task(void *arg, int task, int thread)
                              (size_t)jb->k);
 }
 
-/* One task: groups [g0, g1) of one matrix in blocks of jb->block, each block against every
- * activation row (jb->rows a call) before the next, each call's products put through the
- * epilogue. */
-static void bmatmul_task(void *arg, int task, int thread)
+/* Groups [g0, g1) of one matrix in blocks of jb->block, each block against every activation
+ * row (jb->rows a call) before the next, each call's products put through the epilogue. */
+static void bmatmul_range(const bmatmul_job_t *jb, const td_matmul_params_t *p, int g0, int g1, float *tile)
 {
-    bmatmul_job_t *jb = arg;
-    const bmat_t *mt = &jb->mats[0];
-    while (mt + 1 < jb->mats + jb->n_mats && task >= mt[1].task0)
-        mt++;
-    const td_matmul_params_t *p = mt->p;
-    int n_groups = (p->n + TD_CPU_BGEMM_ROWS - 1) / TD_CPU_BGEMM_ROWS;
-    int g0 = (task - mt->task0) * mt->groups, g1 = TD_MIN(n_groups, g0 + mt->groups);
     int cols = jb->block * TD_CPU_BGEMM_ROWS;
-    float *tile = td_cpu_thread_scratch(jb->cpu, thread); /* [rows][cols] */
     for (int g = g0; g < g1; g += jb->block) {
         int ge = TD_MIN(g1, g + jb->block);
         int j = g * TD_CPU_BGEMM_ROWS, nn = TD_MIN(p->n, ge * TD_CPU_BGEMM_ROWS) - j;
@@ -700,11 +691,29 @@ static void bmatmul_task(void *arg, int task, int thread)
     }
 }
 
+/* One task: jb->span groups of the matrices' groups end to end (a task may end one matrix
+ * and start the next), so every task has the same work whatever the matrices' sizes. */
+static void bmatmul_task(void *arg, int task, int thread)
+{
+    bmatmul_job_t *jb = arg;
+    int a = task * jb->span, b = TD_MIN(jb->n_groups, a + jb->span);
+    float *tile = td_cpu_thread_scratch(jb->cpu, thread); /* [rows][block * 16] */
+    for (int i = 0; i < jb->n_mats; i++) {
+        const bmat_t *mt = &jb->mats[i];
+        int lo = TD_MAX(a, mt->g0), hi = TD_MIN(b, mt->g0 + mt->groups);
+        if (lo < hi)
+            bmatmul_range(jb, mt->p, lo - mt->g0, hi - mt->g0, tile);
+    }
+}
+
 /* Rounds X's rows to bf16 once for all the matrices (in parallel when there are many), then
- * splits their groups over the pool in one job: about two tasks a thread in all, a matrix's
- * share of them by its size, so that K and V beside Q (or up beside gate) add tasks, not
- * fork-joins, as pmatmuls. Every output is one lane summed in td_cpu_bgemm's one order
- * whatever the split: batch-invariant, and the bits of one bmatmuls call per matrix. */
+ * splits their groups, end to end, over the pool in one job, so that K and V beside Q (or up
+ * beside gate) add work to tasks, not fork-joins, as pmatmuls, and every task has the same
+ * share: a decode two tasks a thread (each one stream its tiles prefetch ahead in), a
+ * prefill one block of groups a task. (Shares per matrix, as pmatmuls, left 5 tasks of
+ * 43, 43, 42, 32 and 32 groups for Q, K, V at 2 threads.) Every output is one lane summed
+ * in td_cpu_bgemm's one order whatever the split: batch-invariant, and the bits of one
+ * call per matrix. */
 static td_status_t bmatmuls(td_cpu_t *cpu, const td_matmul_params_t *ps, int count)
 {
     TD_ASSERT(cpu->k.bgemm && count >= 1 && count <= TD_BACKEND_MATMULS_MAX);
@@ -721,23 +730,24 @@ static td_status_t bmatmuls(td_cpu_t *cpu, const td_matmul_params_t *ps, int cou
     if (st != TD_OK)
         return st;
     jb.a = cpu->shared;
-    double total = 0;
     for (int i = 0; i < count; i++) {
         TD_ASSERT(td_dtype_is_float(ps[i].w_dtype) && ps[i].w_packed);
-        total += (double)ps[i].n;
+        int groups = (ps[i].n + TD_CPU_BGEMM_ROWS - 1) / TD_CPU_BGEMM_ROWS;
+        jb.mats[i] = (bmat_t){.p = &ps[i], .g0 = jb.n_groups, .groups = groups};
+        jb.n_groups += groups;
     }
-    int tasks = cpu->n_threads == 1 ? 1 : cpu->n_threads * 2;
-    int n_tasks = 0;
-    for (int i = 0; i < count; i++) {
-        int n_groups = (ps[i].n + TD_CPU_BGEMM_ROWS - 1) / TD_CPU_BGEMM_ROWS;
-        int mine = TD_MAX(1, (int)(tasks * (ps[i].n / total) + 0.5));
-        bmat_t *mt = &jb.mats[i];
-        *mt = (bmat_t){.p = &ps[i], .groups = (n_groups + mine - 1) / mine, .task0 = n_tasks};
-        n_tasks += (n_groups + mt->groups - 1) / mt->groups;
+    if (cpu->n_threads == 1) {
+        jb.span = jb.n_groups;
+    } else if (decode) { /* an even share: the kernel's tiles are 2 groups */
+        int tasks = cpu->n_threads * 2;
+        jb.span = (jb.n_groups + tasks - 1) / tasks;
+        jb.span += jb.span % 2;
+    } else {
+        jb.span = jb.block;
     }
     jb.act_tasks = p0->m >= 4 * cpu->n_threads ? cpu->n_threads : 1;
     td_pool_run(cpu->pool, jb.act_tasks, bact_task, &jb);
-    td_pool_run(cpu->pool, n_tasks, bmatmul_task, &jb);
+    td_pool_run(cpu->pool, (jb.n_groups + jb.span - 1) / jb.span, bmatmul_task, &jb);
     return TD_OK;
 }
 

@@ -408,7 +408,8 @@ Test(cpu_bgemm, backend_packs_in_q8_only, .timeout = 120)
 
 /*
  * ops->matmuls with packed float matrices (Q, K, V or gate, up in cpu:q8): one job, X rounded
- * once, gives each matrix the bits of its own matmul call: three types (f16, bf16, f32),
+ * once, gives each matrix the bits of its own matmul call and of the kernel over all its
+ * groups through the epilogue: three types (f16, bf16, f32),
  * a bias and an accumulating output among them, decode and prefill row counts, 1, 2 and 4
  * threads; and with a matrix left as stored among them (each then its own call).
  */
@@ -417,7 +418,7 @@ Test(cpu_bgemm, matmuls_equal_matmul_calls, .timeout = 120)
     SKIP_WITHOUT_BF16();
     static const int threads[] = {1, 2, 4}, ms[] = {1, 3, 5, 70};
     static const td_dtype_t types[3] = {TD_F16, TD_BF16, TD_F32};
-    const int k = 130, ns[3] = {300, 64, 48};
+    const int k = 2050, ns[3] = {300, 64, 48}; /* a prefill task is a block of 6 groups: tasks span two matrices */
     uint64_t s = 91;
     for (size_t ti = 0; ti < TD_ARRAY_LEN(threads); ti++)
         for (int stored = 0; stored < 2; stored++) { /* stored: the third matrix not packed */
@@ -439,13 +440,15 @@ Test(cpu_bgemm, matmuls_equal_matmul_calls, .timeout = 120)
             for (size_t a = 0; a < TD_ARRAY_LEN(ms); a++) {
                 const int m = ms[a];
                 td_matmul_params_t ps[3];
-                float *y[3], *want[3];
+                float *y[3], *want[3], *y0[3];
                 for (int i = 0; i < 3; i++) {
                     y[i] = xmalloc((size_t)m * ns[i] * 4);
                     want[i] = xmalloc((size_t)m * ns[i] * 4);
+                    y0[i] = xmalloc((size_t)m * ns[i] * 4);
                     for (int e = 0; e < m * ns[i]; e++)
                         y[i][e] = uniform(&s); /* accumulated into by [1] */
                     memcpy(want[i], y[i], (size_t)m * ns[i] * 4);
+                    memcpy(y0[i], y[i], (size_t)m * ns[i] * 4);
                     ps[i] = (td_matmul_params_t){.m = m, .n = ns[i], .k = k, .x = x, .w = wp[i] ? wp[i] : w[i],
                                                  .w_packed = wp[i] != NULL, .w_dtype = types[i],
                                                  .bias = i == 0 ? bias : NULL, .bias_dtype = TD_F32,
@@ -458,13 +461,34 @@ Test(cpu_bgemm, matmuls_equal_matmul_calls, .timeout = 120)
                     ps[i].y = y[i];
                 }
                 cr_assert_eq(be->ops->matmuls(be, ps, 3), TD_OK);
+                /* and the kernel's bits over all the groups through the epilogue, so that a
+                   group both calls skip, or take from the wrong matrix, fails too */
+                size_t stride = td_cpu_bgemm_act_stride((size_t)k);
+                unsigned char *act = xmalloc((size_t)m * stride);
+                for (int r = 0; r < m; r++)
+                    td_cpu_bgemm_act_row(x + (size_t)r * k, (uint16_t *)(void *)(act + (size_t)r * stride), (size_t)k);
+                for (int i = 0; i < 2 + !stored; i++) {
+                    size_t groups = ((size_t)ns[i] + 15) / 16, ld = groups * 16;
+                    float *kern = xmalloc((size_t)m * ld * 4);
+                    td_cpu_bgemm(wp[i], 0, groups, groups, (size_t)k, act, stride, (size_t)m, kern, ld);
+                    for (int r = 0; r < m; r++)
+                        for (int j = 0; j < ns[i]; j++) {
+                            float kv = kern[(size_t)r * ld + (size_t)j];
+                            kv = i == 0 ? kv + bias[j] : i == 1 ? kv + y0[i][r * ns[i] + j] : kv;
+                            cr_assert_eq(bits(y[i][r * ns[i] + j]), bits(kv),
+                                         "matmuls: matrix %d at m %d, %d threads: y[%d][%d] %.9g, the kernel's %.9g", i,
+                                         m, threads[ti], r, j, (double)y[i][r * ns[i] + j], (double)kv);
+                        }
+                    free(kern);
+                }
+                free(act);
                 for (int i = 0; i < 3; i++) {
                     for (int e = 0; e < m * ns[i]; e++)
                         cr_assert_eq(bits(y[i][e]), bits(want[i][e]),
                                      "matmuls: matrix %d (%s, n %d) at m %d, %d threads, third stored %d: y[%d] %.9g, "
                                      "its matmul %.9g", i, td_dtype_name(types[i]), ns[i], m, threads[ti], stored, e,
                                      (double)y[i][e], (double)want[i][e]);
-                    free(y[i]), free(want[i]);
+                    free(y[i]), free(want[i]), free(y0[i]);
                 }
             }
             for (int i = 0; i < 3; i++) {
