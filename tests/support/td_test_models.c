@@ -195,3 +195,15 @@ void td_test_engine_greedy(td_test_engine_t *fx, int n, int **prompts, const int
         td_engine_seq_end(fx->eng, &seqs[i]);
     free(seqs), free(done), free(gen), free(next), free(items), free(owner), free(logits);
 }
+
+void td_test_matmuls_and_calls(td_backend_t *be, td_matmul_params_t *ps, int n, float *const *y,
+                               float *const *want)
+{
+    for (int i = 0; i < n; i++) {
+        td_matmul_params_t one = ps[i];
+        one.y = want[i];
+        cr_assert_eq(be->ops->matmul(be, &one), TD_OK, "matmul of matrix %d of %d failed", i, n);
+        ps[i].y = y[i];
+    }
+    cr_assert_eq(be->ops->matmuls(be, ps, n), TD_OK, "matmuls of %d matrices failed", n);
+}

@@ -1,7 +1,8 @@
 /*
  * td_test_models: where the Criterion tests find ../shared/models (the real tiny model and
  * the reference tokenizers) and the engine setup the tests on stories260K share
- * (test_engine, test_engine_cuda, test_decode_sched, test_prefill_sched). The folder is
+ * (test_engine, test_engine_cuda, test_decode_sched, test_prefill_sched), and the matmuls check
+ * of the kernel tests (test_kernels_cpu, test_cpu_bgemm). The folder is
  * $TANDEM_TEST_MODELS (ctest sets it to ../shared/models), else that folder next to the
  * source tree; a test without what it needs is skipped, saying so, never passed.
  *
@@ -85,5 +86,14 @@ int *td_test_random_prompt(unsigned *s, int n);
  */
 void td_test_engine_greedy(td_test_engine_t *fx, int n, int **prompts, const int *n_prompt,
                            const int *total, int chunk, int **out, uint64_t **lhash);
+
+/*
+ * The bits ops->matmuls must give: runs each of ps[0..n) alone through be->ops->matmul into
+ * want[i], then all n in one be->ops->matmuls into y[i] (ps[i].y is set to y[i]). y[i] and
+ * want[i] start equal when a matrix accumulates. Asserts both calls succeed; the caller
+ * compares y against want (test_kernels_cpu, test_cpu_bgemm).
+ */
+void td_test_matmuls_and_calls(td_backend_t *be, td_matmul_params_t *ps, int n, float *const *y,
+                               float *const *want);
 
 #endif /* TD_TEST_MODELS_H */

@@ -31,6 +31,7 @@
 #include "td_backend.h"
 #include "td_dtype.h"
 #include "td_rng.h"
+#include "td_test_models.h"
 #include "td_util.h"
 
 static float uniform(uint64_t *s)
@@ -454,13 +455,7 @@ Test(cpu_bgemm, matmuls_equal_matmul_calls, .timeout = 120)
                                                  .bias = i == 0 ? bias : NULL, .bias_dtype = TD_F32,
                                                  .accumulate = i == 1};
                 }
-                for (int i = 0; i < 3; i++) {
-                    td_matmul_params_t one = ps[i];
-                    one.y = want[i];
-                    cr_assert_eq(be->ops->matmul(be, &one), TD_OK);
-                    ps[i].y = y[i];
-                }
-                cr_assert_eq(be->ops->matmuls(be, ps, 3), TD_OK);
+                td_test_matmuls_and_calls(be, ps, 3, y, want);
                 /* and the kernel's bits over all the groups through the epilogue, so that a
                    group both calls skip, or take from the wrong matrix, fails too */
                 size_t stride = td_cpu_bgemm_act_stride((size_t)k);

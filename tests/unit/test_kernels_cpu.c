@@ -22,6 +22,7 @@
 #include "cpu/td_cpu_quant.h"
 #include "td_backend.h"
 #include "td_quant.h"
+#include "td_test_models.h"
 #include "td_util.h"
 
 /* ---- helpers -------------------------------------------------------------------- */
@@ -573,13 +574,7 @@ Test(kernels_cpu, matmuls_equal_matmul_calls, .timeout = 120)
                                                  .bias = i == 0 ? bias : NULL, .bias_dtype = TD_F32,
                                                  .accumulate = i == 1};
                 }
-                for (int i = 0; i < 3; i++) {
-                    td_matmul_params_t one = ps[i];
-                    one.y = want[i];
-                    cr_assert_eq(be->ops->matmul(be, &one), TD_OK);
-                    ps[i].y = y[i];
-                }
-                cr_assert_eq(be->ops->matmuls(be, ps, 3), TD_OK);
+                td_test_matmuls_and_calls(be, ps, 3, y, want);
                 for (int i = 0; i < 3; i++) {
                     cr_assert_eq(memcmp(y[i], want[i], (size_t)m * ns[i] * 4), 0,
                                  "matmuls: matrix %d (%s, n %d) at m %d, %d threads, f32 third %d differs from its matmul",
