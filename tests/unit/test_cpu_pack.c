@@ -248,8 +248,9 @@ Test(cpu_pack, scalar_matches_double_references)
  * the same bits at its own offsets */
 Test(cpu_pack, simd_tables_equal_scalar_bitwise)
 {
-    /* k = 32, 1056: a group's last chunk of blocks short (1 of 8) */
-    static const size_t nk[][2] = {{16, 32}, {40, 256}, {33, 1056}, {64, 2048}, {20, 8192}};
+    /* k = 32, 1056: a group's last chunk of blocks short (1 of 8); 2080 (65 blocks): AVX2's
+     * one-byte Q8_0 and IQ4_XS tile's second segment of blocks (SIGNED_SEG, 64) one block */
+    static const size_t nk[][2] = {{16, 32}, {40, 256}, {33, 1056}, {64, 2048}, {24, 2080}, {20, 8192}};
     const td_cpu_pack_ops_t *scalar = td_cpu_pack_ops(TD_CPU_ISA_SCALAR);
     for (int isa = TD_CPU_ISA_AVX2; isa < TD_CPU_ISA_COUNT; isa++) {
         if (!td_cpu_isa_runs((td_cpu_isa_t)isa)) {
@@ -310,7 +311,9 @@ Test(cpu_pack, simd_tables_equal_scalar_bitwise)
  * int16 over several v (8 pairs of 2 * 15 * 127 for 4-bit quants, 4 of 2 * 31 * 127 for
  * Q5_K), and its one-byte Q6_K prefill tile over two (of 2 * 63 * 127): one v too many and
  * they wrap; and where its int16 prefill tiles meet |Q| = 32385
- * (m up to 9: a full tile of 8 rows or two of 4, and one left over) */
+ * (m up to 9: a full tile of 8 rows or two of 4, and one left over); then every quant byte 0x80
+ * (Q8_0's -128, IQ4_XS's -127 and 1), where AVX2's one-byte Q8_0 tile meets its one pair sum
+ * at the int16 edge, 2 * 128 * -128 = -32768 */
 Test(cpu_pack, simd_tables_equal_scalar_at_the_extremes)
 {
     const size_t n = 32, k = 256, m = 9, g = n / 16, ld = g * 16;
@@ -320,11 +323,11 @@ Test(cpu_pack, simd_tables_equal_scalar_at_the_extremes)
     for (size_t i = 0; i < m * k; i++)
         x[i] = (i / k % 2 ? -1.0f : 1.0f) * (i % TD_QK == 0 ? 127.0f : 126.5f);
     unsigned char *a = aligned_alloc(64, m * stride);
-    for (size_t ti = 0; ti < TD_ARRAY_LEN(types); ti++) {
-        td_dtype_t t = types[ti];
+    for (size_t fi = 0; fi < 2 * TD_ARRAY_LEN(types); fi++) {
+        td_dtype_t t = types[fi % TD_ARRAY_LEN(types)];
         size_t row_bytes = td_dtype_bytes(t, k), bb = td_dtype_bytes(t, td_dtype_block_elems(t));
         uint8_t *w = malloc(n * row_bytes);
-        memset(w, 0xff, n * row_bytes);
+        memset(w, fi < TD_ARRAY_LEN(types) ? 0xff : 0x80, n * row_bytes);
         uint16_t one_h = 0x3C00; /* f16 1.0: d, and Q4_1's m, Q4_K's and Q5_K's dmin */
         bool two_halves = t == TD_Q4_1 || t == TD_Q4_K || t == TD_Q5_K;
         for (size_t b = 0; b < n * row_bytes / bb; b++) {
