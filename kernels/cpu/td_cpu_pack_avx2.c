@@ -751,42 +751,36 @@ TD_INLINE TD_Y void kernel_avx2_q4_one(td_dtype_t t, const unsigned char *gq, si
 }
 
 /* The one-byte prefill tile of the signed types (Q8_0, IQ4_XS; m >= 2, `--device cpu:q8`; issue
- * 32, h32n, then h32p): H halves of a group from h0 (8 weight rows each) against R one-byte
- * rows, R * H <= 8, over blocks [b0, b1) (a segment of kernel_avx2_signed_one). Each weight
- * vector w (8 rows x 4 weights; Q8_0 u ^ 0x80, IQ4_XS the table value by vpshufb), |w| and the
- * mask n = (w < 0) are made once a block for the R rows; a row's broadcast of 4 activation bytes
- * a then meets it as maddubs(|w|, a ^ n): a weight's product is w a where w >= 0 and |w| (-a - 1)
- * = w a - |w| where w < 0, in pairs of at most 2 * 128 * 128 = 32768 in magnitude, which int16
- * holds at its one end only (-32768: |w| = 128 against a ^ n = -128, Q8_0's -128 against a =
- * 127; the positive side is at most 2 * 127 * 127 = 32258, or 2 * 128 * 126), so no saturation;
- * one madd by 254 (the hi part's weight in Q = 254 hi) widens each pair sum, and the block's
- * 254 sum over the negative weights of |w|, the same for every activation row (corr, made by
- * the tile that has mk and read by the others), puts back what the xor took: p = 254 sum w hi
- * = c + sum u Q, the reference's integer, in one int32 sum a row and half. The xor runs on any
- * of the core's four vector pipes where vpsign shared one of the two the multiplies need (a
- * register-only probe of bcast, sign|xor, maddubs, madd, add: 1.07-1.11 -> 0.98-1.00 cycles a
- * weight vector and row). With full-range 8-bit weights no two pair sums fit int16 together, so
- * a madd every 32 products is the floor (as in w16_tile), but one 4-byte broadcast serves 32
- * products. The f32 sums live in y (acc, written where the segment ends) and the rows are one
- * pointer and an opaque stride, as in avx2_tile1_q4. 8 rows by half a group beat 4 by both
- * halves for both types (the loop then holds 8 int32 sums, |w|, n and a row's broadcast). */
+ * 32, h32n): H halves of a group from h0 (8 weight rows each) against R one-byte rows, R * H <=
+ * 8. Each weight vector w (8 rows x 4 weights; Q8_0 u ^ 0x80, IQ4_XS the table value by
+ * vpshufb) and |w| are made once a block for the R rows; a row's broadcast of 4 activation bytes
+ * a then meets it as maddubs(|w|, sign(a, w)): the products w a in pairs of at most 2 * 128 *
+ * 127 = 32512 < 2^15 (|w| <= 128 read unsigned, Q8_0's -128 included; |a| <= 127), so no
+ * saturation, and one madd by 254 widens each pair sum (the hi part's weight in Q = 254 hi):
+ * a block's p = 254 sum w hi = c + sum u Q, the reference's integer, in one int32 sum a row and
+ * half. With full-range 8-bit weights no two pair sums fit int16, so a madd every 32 products
+ * is the floor here as in w16_tile (a madd every 16 with a vpaddd each), but one 4-byte
+ * broadcast serves 32 products where w16_tile's serves 16 and needs its weights widened by two
+ * vpshufb a vector. The f32 sums live in memory and the rows are one pointer and an opaque
+ * stride, as in avx2_tile1_q4. 8 rows by half a group beat 4 by both halves for both types
+ * (the loop then holds 8 int32 sums, the weights and a row's broadcasts). One core, m = 64,
+ * 2048 x 2048 (docs/kernels.md), w16_tile -> this: iq4_xs 3.52 -> 2.91-2.97 ms, q8_0 2.96 ->
+ * 2.69-2.75. */
 #define SIGNED_R 8
 #define SIGNED_H 1
-#define SIGNED_SEG 64 /* blocks a segment: its corr, 64 blocks x 2 halves x 8 int32, is 4 KiB */
-TD_INLINE TD_Y void avx2_tile1_signed(td_dtype_t t, int R, int h0, int H, bool mk, int32_t *corr, size_t b0,
-                                      size_t b1, const unsigned char *gq, size_t nb, size_t k, const unsigned char *a,
-                                      size_t stride, float *y, size_t ldy, const unsigned char *pf_end)
+TD_INLINE TD_Y void avx2_tile1_signed(td_dtype_t t, int R, int h0, int H, const unsigned char *gq, size_t nb, size_t k,
+                                      const unsigned char *a, size_t stride, float *y, size_t ldy,
+                                      const unsigned char *pf_end)
 {
     const int nv = t == TD_Q8_0 ? 8 : 4; /* weight vectors (IQ4_XS: bytes of two) a block and half */
     const __m256i low4 = _mm256_set1_epi8(0x0F), bias8 = _mm256_set1_epi8((char)0x80), wide = _mm256_set1_epi16(WIDE);
-    const __m256i ones = _mm256_set1_epi8(1), zero = _mm256_setzero_si256();
     const __m256i iq4s = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)td_quant_iq4nl_values));
     const size_t e_at = act_e(a, k) - a, qb = quant_bytes(t), sb = scale_bytes(t);
     volatile __m256 acc[2][8]; /* in memory on purpose (avx2_tile1_q4) */
     for (int x = 0; x < H; x++)
         for (int i = 0; i < R; i++)
-            acc[x][i] = b0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(y + i * ldy + 8 * (h0 + x));
-    for (size_t c0 = b0; c0 < b1; c0 += PACK_CHUNK) { /* chunk by chunk: no index arithmetic a block */
+            acc[x][i] = _mm256_setzero_ps();
+    for (size_t c0 = 0; c0 < nb; c0 += PACK_CHUNK) { /* chunk by chunk: no index arithmetic a block */
         const size_t n_in = nb - c0 < PACK_CHUNK ? nb - c0 : PACK_CHUNK;
         const unsigned char *qc = gq + c0 * (qb + sb), *cs = qc + n_in * qb; /* its quants, its scales */
         for (size_t j = 0; j < n_in; j++) {
@@ -795,33 +789,23 @@ TD_INLINE TD_Y void avx2_tile1_signed(td_dtype_t t, int R, int h0, int H, bool m
                 decode_prefetch(t, gq, b, pf_end);
             const unsigned char *q = qc + j * qb + 32 * h0;
             const unsigned char *ab = a + b * TD_QK; /* row 0's hi of block b */
-            int32_t *cb = corr + (b - b0) * 16 + 8 * h0;
             size_t st = stride;
             __asm__("" : "+r"(st)); /* rows at ab + i * st: no pointer a row */
-            __m256i p[2][8], kn[2] = {zero, zero};
+            __m256i p[2][8];
 #pragma GCC unroll 8
             for (int v = 0; v < nv; v++) {
-                __m256i aw[2][2], nw[2][2]; /* [half][IQ4_XS: low, high nibbles] */
+                __m256i w[2][2], aw[2][2]; /* [half][IQ4_XS: low, high nibbles] */
 #pragma GCC unroll 2
                 for (int x = 0; x < H; x++) {
                     const __m256i raw = _mm256_loadu_si256((const __m256i *)(q + 64 * v + 32 * x));
-                    __m256i w0, w1 = zero;
                     if (t == TD_Q8_0)
-                        w0 = _mm256_xor_si256(raw, bias8);
+                        w[x][0] = _mm256_xor_si256(raw, bias8);
                     else {
-                        w0 = _mm256_shuffle_epi8(iq4s, _mm256_and_si256(raw, low4));
-                        w1 = _mm256_shuffle_epi8(iq4s, _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4));
-                        aw[x][1] = _mm256_abs_epi8(w1);
-                        nw[x][1] = _mm256_cmpgt_epi8(zero, w1);
+                        w[x][0] = _mm256_shuffle_epi8(iq4s, _mm256_and_si256(raw, low4));
+                        w[x][1] = _mm256_shuffle_epi8(iq4s, _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4));
+                        aw[x][1] = _mm256_abs_epi8(w[x][1]);
                     }
-                    aw[x][0] = _mm256_abs_epi8(w0);
-                    nw[x][0] = _mm256_cmpgt_epi8(zero, w0);
-                    if (mk) { /* sum |w| over the negative w, pairs in int16 (<= 8 * 2 * 128) */
-                        __m256i s = _mm256_maddubs_epi16(_mm256_and_si256(aw[x][0], nw[x][0]), ones);
-                        if (t == TD_IQ4_XS)
-                            s = _mm256_add_epi16(s, _mm256_maddubs_epi16(_mm256_and_si256(aw[x][1], nw[x][1]), ones));
-                        kn[x] = v == 0 ? s : _mm256_add_epi16(kn[x], s);
-                    }
+                    aw[x][0] = _mm256_abs_epi8(w[x][0]);
                 }
 #pragma GCC unroll 8
                 for (int i = 0; i < R; i++) {
@@ -829,11 +813,11 @@ TD_INLINE TD_Y void avx2_tile1_signed(td_dtype_t t, int R, int h0, int H, bool m
                     const __m256i a0 = _mm256_set1_epi32(load_i32(qh + 4 * v));
 #pragma GCC unroll 2
                     for (int x = 0; x < H; x++) {
-                        __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(aw[x][0], _mm256_xor_si256(a0, nw[x][0])), wide);
+                        __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(aw[x][0], _mm256_sign_epi8(a0, w[x][0])), wide);
                         if (t == TD_IQ4_XS) {
                             const __m256i a1 = _mm256_set1_epi32(load_i32(qh + 16 + 4 * v));
                             s = _mm256_add_epi32(s, _mm256_madd_epi16(
-                                                        _mm256_maddubs_epi16(aw[x][1], _mm256_xor_si256(a1, nw[x][1])), wide));
+                                                        _mm256_maddubs_epi16(aw[x][1], _mm256_sign_epi8(a1, w[x][1])), wide));
                         }
                         p[x][i] = v == 0 ? s : _mm256_add_epi32(p[x][i], s);
                         AVX2_KEEP(p[x][i]);
@@ -844,17 +828,10 @@ TD_INLINE TD_Y void avx2_tile1_signed(td_dtype_t t, int R, int h0, int H, bool m
             for (int x = 0; x < H; x++) {
                 __m256 dw, mw;
                 avx2_scales(t, cs, j, h0 + x, &dw, &mw);
-                __m256i kb;
-                if (mk) {
-                    kb = _mm256_madd_epi16(kn[x], wide);
-                    _mm256_storeu_si256((__m256i *)(cb + 8 * x), kb);
-                } else
-                    kb = _mm256_loadu_si256((const __m256i *)(cb + 8 * x));
 #pragma GCC unroll 8
                 for (int i = 0; i < R; i++) {
                     const __m256 e = _mm256_set1_ps(load_f32(a + i * st + e_at + 4 * b));
-                    acc[x][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p[x][i], kb)), _mm256_mul_ps(dw, e),
-                                                (__m256)acc[x][i]);
+                    acc[x][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[x][i]), _mm256_mul_ps(dw, e), (__m256)acc[x][i]);
                 }
             }
         }
@@ -864,38 +841,23 @@ TD_INLINE TD_Y void avx2_tile1_signed(td_dtype_t t, int R, int h0, int H, bool m
             _mm256_storeu_ps(y + i * ldy + 8 * (h0 + x), acc[x][i]);
 }
 
-/* kernel_avx2's one-byte prefill of Q8_0 and IQ4_XS: segments of SIGNED_SEG blocks, each a
- * half at a time in tiles of SIGNED_R rows, then one of the rest; the first tile of a segment
- * and half makes its corr, the others read it */
+/* kernel_avx2's one-byte prefill of Q8_0 and IQ4_XS: tiles of SIGNED_R rows by SIGNED_H
+ * halves, then one of the rest */
 TD_INLINE TD_Y void kernel_avx2_signed_one(td_dtype_t t, const unsigned char *gq, size_t nb, size_t k,
                                            const unsigned char *a, size_t m, size_t stride, float *yg, size_t ldy,
                                            const unsigned char *end)
 {
     const int R = SIGNED_R, H = SIGNED_H;
-    int32_t corr[SIGNED_SEG * 16];
-    for (size_t b0 = 0; b0 < nb; b0 += SIGNED_SEG) {
-        const size_t b1 = nb - b0 < SIGNED_SEG ? nb : b0 + SIGNED_SEG;
-        for (int h = 0; h < 2; h += H) {
-            const unsigned char *pf = h == 0 ? end : NULL;
-            size_t i = 0;
-            if (m >= (size_t)R) {
-                avx2_tile1_signed(t, R, h, H, true, corr, b0, b1, gq, nb, k, a, stride, yg, ldy, pf);
-                for (i = (size_t)R; i + (size_t)R <= m; i += (size_t)R)
-                    avx2_tile1_signed(t, R, h, H, false, corr, b0, b1, gq, nb, k, a + i * stride, stride,
-                                      yg + i * ldy, ldy, NULL);
-            }
-            const unsigned char *ai = a + i * stride;
-            float *yi = yg + i * ldy;
-            if (i == 0) {
-#define TILE1_SIGNED(R) avx2_tile1_signed(t, R, h, (R) * H <= 8 ? H : 1, true, corr, b0, b1, gq, nb, k, ai, stride, yi, ldy, pf)
-                AVX2_REST(m - i, TILE1_SIGNED);
+    for (int h = 0; h < 2; h += H) {
+        size_t i = 0;
+        for (; i + (size_t)R <= m; i += (size_t)R)
+            avx2_tile1_signed(t, R, h, H, gq, nb, k, a + i * stride, stride, yg + i * ldy, ldy,
+                              h == 0 && i == 0 ? end : NULL);
+        const unsigned char *ai = a + i * stride, *pf = h == 0 && i == 0 ? end : NULL;
+        float *yi = yg + i * ldy;
+#define TILE1_SIGNED(R) avx2_tile1_signed(t, R, h, (R) * H <= 8 ? H : 1, gq, nb, k, ai, stride, yi, ldy, pf) /* R * H <= 8 */
+        AVX2_REST(m - i, TILE1_SIGNED);
 #undef TILE1_SIGNED
-            } else {
-#define TILE1_SIGNED(R) avx2_tile1_signed(t, R, h, (R) * H <= 8 ? H : 1, false, corr, b0, b1, gq, nb, k, ai, stride, yi, ldy, NULL)
-                AVX2_REST(m - i, TILE1_SIGNED);
-#undef TILE1_SIGNED
-            }
-        }
     }
 }
 

@@ -248,8 +248,9 @@ Test(cpu_pack, scalar_matches_double_references)
  * the same bits at its own offsets */
 Test(cpu_pack, simd_tables_equal_scalar_bitwise)
 {
-    /* k = 32, 1056: a group's last chunk of blocks short (1 of 8); 2080 (65 blocks): AVX2's
-     * one-byte Q8_0 and IQ4_XS tile's second segment of blocks (SIGNED_SEG, 64) one block */
+    /* k = 32, 1056: a group's last chunk of blocks short (1 of 8); 2080 (65 blocks): a chunk of
+     * one block after a power of two of them (where a tile that walks the blocks in segments
+     * of 64, as one tried in h32p, has a segment of one) */
     static const size_t nk[][2] = {{16, 32}, {40, 256}, {33, 1056}, {64, 2048}, {24, 2080}, {20, 8192}};
     const td_cpu_pack_ops_t *scalar = td_cpu_pack_ops(TD_CPU_ISA_SCALAR);
     for (int isa = TD_CPU_ISA_AVX2; isa < TD_CPU_ISA_COUNT; isa++) {
@@ -312,8 +313,8 @@ Test(cpu_pack, simd_tables_equal_scalar_bitwise)
  * Q5_K), and its one-byte Q6_K prefill tile over two (of 2 * 63 * 127): one v too many and
  * they wrap; and where its int16 prefill tiles meet |Q| = 32385
  * (m up to 9: a full tile of 8 rows or two of 4, and one left over); then every quant byte 0x80
- * (Q8_0's -128, IQ4_XS's -127 and 1), where AVX2's one-byte Q8_0 tile meets its one pair sum
- * at the int16 edge, 2 * 128 * -128 = -32768 */
+ * (Q8_0's -128, IQ4_XS's -127 and 1), whose |w| = 128 AVX2's one-byte Q8_0 tile reads
+ * unsigned against a = +-127: pairs of 2 * 128 * 127 = 32512, int16's edge near */
 Test(cpu_pack, simd_tables_equal_scalar_at_the_extremes)
 {
     const size_t n = 32, k = 256, m = 9, g = n / 16, ld = g * 16;
