@@ -33,6 +33,7 @@ CONFIGS = [  # name, label, cores
     ("conditional+ttft", "1 prefill + 1 decode, conditional, TTFT-aware (1 core each)", 2),
     ("follow", "2 decode nodes, follow (1 core each)", 2),
     ("follow@14", "2 decode nodes, follow, router's TPOT objective 14 ms (1 core each)", 2),
+    ("follow@68", "2 decode nodes, follow, router's TPOT objective 68 ms (1 core each)", 2),
 ]
 # the modes issue 37 measures against the better of the pure ones (disaggregated, colocated)
 def placed(cfg):
@@ -43,7 +44,7 @@ MIXES = ["prefill", "decode"]
 STYLE = {"disagg": ("tab:red", "o"), "unified2": ("tab:blue", "s"), "unified2@32": ("tab:purple", "v"), "unified1": ("tab:green", "^"),
          "conditional": ("tab:orange", "D"), "conditional+ttft": ("tab:brown", "P"),
          "follow": ("tab:cyan", "X"),
-         "follow@14": ("tab:olive", "*")}
+         "follow@14": ("tab:olive", "*"), "follow@68": ("tab:pink", "h")}
 
 
 def load(outs):
@@ -124,9 +125,13 @@ def slo_scale(res, mix, img, base_tpot):
     print("highest rate at >= {:.0f}% attainment (in brackets: the highest with every lower rate swept meeting it "
           "too), max goodput req/s; ratio: disaggregated over the best colocated, per core\n".format(100 * att))
     cond = [c for c, _, _ in have if placed(c)]
+    # with several placed configurations: each one's ratios to the better pure mode, then the
+    # better of them (named) over it
+    each = cond if len(cond) > 1 else []
     print("| TPOT objective | scale | " + " | ".join(c for c, _, _ in have) + " | ratio (highest rate) | ratio (max goodput) |"
+          + "".join(f" {c} / best pure (highest rate) | (max goodput) |" for c in each)
           + (f" {' or '.join(cond)} / best pure (highest rate) | (max goodput) |" if cond else ""))
-    print("|---|---|" + "---|" * len(have) + "---|---|" + ("---|---|" if cond else ""))
+    print("|---|---|" + "---|" * len(have) + "---|---|" + "---|---|" * len(each) + ("---|---|" if cond else ""))
     ratios = []
     for tp, k in zip(tpots, SLO_SCALE):
         cells = []
@@ -147,11 +152,17 @@ def slo_scale(res, mix, img, base_tpot):
         r3 = r4 = ""
         if cond:
             pure = [best[(c, tp)] for c, _, _ in have if not placed(c)]
-            c0 = max((best[(c, tp)] for c, _, _ in have if placed(c)),
-                     key=lambda x: ((x[1] or 0), x[2]))
             pb, pg = max((x[1] or 0) for x in pure), max(x[2] for x in pure)
-            r3 = " " + ("-" if not pb and not c0[1] else ("inf" if not pb else f"{(c0[1] or 0) / pb:.2f}x")) + " |"
-            r4 = f" {c0[2] / pg:.2f}x |" if pg else " - |"
+
+            def over_pure(x):
+                return (" " + ("-" if not pb and not x[1] else ("inf" if not pb else f"{(x[1] or 0) / pb:.2f}x")) + " |",
+                        f" {x[2] / pg:.2f}x |" if pg else " - |")
+            for c in each:
+                r3 += "".join(over_pure(best[(c, tp)]))
+            name = max(cond, key=lambda c: ((best[(c, tp)][1] or 0), best[(c, tp)][2]))
+            a, b = over_pure(best[(name, tp)])
+            r3 += a
+            r4 = b[:-2] + (f" ({name}) |" if each else " |")
         print(f"| {tp:g} ms | {k:g}x | " + " | ".join(cells) + f" | {r1} | {r2} |" + r3 + r4)
     fig, ax = plt.subplots(1, 2, figsize=(8, 3.2), dpi=80)
     for cfg, label, _ in have:
