@@ -167,6 +167,12 @@ for cfg in $CONFIGS; do
       # where the sweep's prompts were prefilled, all its rates together (the router's placement counts)
       murl=$(sed -n 's/^metrics: //p' "$out/.local.$cfg.out" | head -1)
       curl -s "$murl" | grep '^tandem_router_prefill_placement_total' | sed "s/^/$cfg: /" | tee -a "$log" || true
+      # and each node's own figures (steps, step time, prompt tokens, peer prefills, the step-cost
+      # fit's token cost): why a configuration holds or falls over (docs/goodput.md)
+      sed -n 's/^\(decode\|prefill\|unified\) \([a-z0-9]*\): control .* metrics \(http[^ ]*\).*/\2 \3/p' \
+        "$out/local.$cfg.err" | while read -r node nurl; do
+        curl -s "$nurl" | grep -v '^#' | sed "s/^/$node /"
+      done >"$out/nodes-$cfg-$mix.prom" || true
     fi
     stop_cluster
   done
