@@ -30,6 +30,13 @@ double td_plan_decode_step_s(const td_plan_profile_t *p, int64_t batch, int64_t 
     return TD_MAX(p->decode_a_s + p->decode_b_s * (double)batch + p->decode_c_s * (double)context_tokens, 1e-6);
 }
 
+double td_plan_mixed_step_s(const td_plan_profile_t *p, int64_t prompt_tokens, double attn, int64_t batch,
+                            int64_t context_tokens)
+{
+    double s = td_plan_prefill_step_s(p, prompt_tokens, attn);
+    return batch > 0 ? s + td_plan_decode_step_s(p, batch, context_tokens) : s;
+}
+
 double td_plan_speed(const td_plan_profile_t *p, uint32_t replica, int32_t node, double t)
 {
     if (p->n_speed <= 0 || !(p->speed_window_s > 0) || !(t >= 0))
@@ -508,7 +515,8 @@ static td_status_t place_pending(sim_t *s, double now)
  * decode node (whose transferred sequences arrive prefilled). Waiting sequences join the running
  * set while it is below max_batch; a step is one token for every generating sequence, then prompt
  * chunks (<= unified_chunk each) in arrival order until the token budget. A step with prompt
- * tokens costs a prefill step of all its tokens plus the decode term of the context read. */
+ * tokens costs a prefill step of its prompt tokens plus a decode step of its decoding rows
+ * (td_plan_mixed_step_s). */
 static td_status_t mixed_start(sim_t *s, node_t *nd, int32_t kind, int32_t i, double now)
 {
     if (nd->busy)
@@ -555,8 +563,7 @@ static td_status_t mixed_start(sim_t *s, node_t *nd, int32_t kind, int32_t i, do
     }
     if (!nd->n_step) /* budget exhausted by decode tokens alone cannot happen: max_batch <= budget */
         return TD_OK;
-    double dt = n_pre ? td_plan_prefill_step_s(s->p, n_pre + n_dec, attn) + s->p->decode_c_s * (double)ctx
-                      : td_plan_decode_step_s(s->p, n_dec, ctx);
+    double dt = n_pre ? td_plan_mixed_step_s(s->p, n_pre, attn, n_dec, ctx) : td_plan_decode_step_s(s->p, n_dec, ctx);
     nd->step_prompt = n_pre;
     nd->step_decodes = n_dec;
     nd->step_ctx = held;
@@ -736,6 +743,36 @@ static td_status_t check(const td_plan_cluster_t *c, const td_plan_request_t *re
     return TD_OK;
 }
 
+/* The nodes as the measured ones start a run (bench serve's warm-up prompts, and a sweep's earlier
+ * rates, before its requests): each prefill node's rate, and each decode node of a conditional or
+ * follow cluster its step-cost fit and pace, from prompts of `input` tokens fed in chunks beside a
+ * stream and from decode-only steps, timed by the profile (no speed factors). A cold node that
+ * met a queue before its first decode-only step would never fit its steps (each carries the probe
+ * chunk), and the router would price its prompts at the stand-in rate (td_place_local_rate): the
+ * simulated follow cluster turned disaggregated past capacity, which the measured one did not
+ * (docs/goodput.md, issue 37). */
+static void nodes_warm(sim_t *s, int64_t input)
+{
+    const td_plan_profile_t *p = s->p;
+    input = TD_MAX(input, 1);
+    for (int32_t k = 0; k < s->n_pn && !s->c->n_unified; k++)
+        s->pn[k].tok_s = (double)input / td_plan_prefill_step_s(p, input, (double)input * (double)input);
+    if (!dn_mixed(s->c))
+        return;
+    for (int32_t k = 0; k < s->n_dn; k++) {
+        node_t *nd = &s->dn[k];
+        for (int32_t j = 0; j < 2 * TD_STEPCOST_MIN_PREFILL; j++) { /* chunks of 16, 32, 64, 128 */
+            int64_t chunk = TD_MIN((int64_t)TD_DECODE_PROBE_CHUNK << (j % 4), input);
+            td_stepcost_note(&nd->cost, 1, input, (int32_t)chunk,
+                             td_plan_mixed_step_s(p, chunk, (double)chunk * (double)chunk, 1, input));
+        }
+        for (int32_t b = 1; b <= 4; b++)
+            td_stepcost_note(&nd->cost, b, b * input, 0, td_plan_decode_step_s(p, b, b * input));
+        nd->fit = td_stepcost_fit(&nd->cost);
+        nd->pace_s = td_plan_decode_step_s(p, 1, input);
+    }
+}
+
 /* One replica: the requests through the cluster, the nodes' speed drawn as `replica`'s. */
 static td_status_t simulate_once(const td_plan_profile_t *p, const td_plan_cluster_t *c,
                                  const td_plan_request_t *reqs, size_t n, uint32_t replica,
@@ -759,6 +796,8 @@ static td_status_t simulate_once(const td_plan_profile_t *p, const td_plan_clust
         st = node_init(&s.pn[k], n, c->decode_max_batch, max_step);
     for (int32_t k = 0; k < s.n_dn && st == TD_OK; k++)
         st = node_init(&s.dn[k], n, c->decode_max_batch, dn_mixed(c) ? c->decode_max_batch : 1);
+    if (st == TD_OK && n)
+        nodes_warm(&s, reqs[0].input_len);
     for (size_t i = 0; i < n && st == TD_OK; i++) {
         s.r[i] = (sreq_t){.input = reqs[i].input_len, .output = reqs[i].output_len, .node = -1, .dnode = -1,
                           .peer = -1};

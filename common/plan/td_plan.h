@@ -65,6 +65,13 @@ typedef struct td_plan_profile {
  * tokens x the position the chunk ends at. The fits alone: the speed factors are the simulator's. */
 double td_plan_prefill_step_s(const td_plan_profile_t *p, int64_t tokens, double attn);
 double td_plan_decode_step_s(const td_plan_profile_t *p, int64_t batch, int64_t context_tokens);
+/* A step of a decode or unified node that feeds prompt chunks (prompt tokens, their attn) beside
+ * `batch` decoding sequences holding context_tokens: the prefill step of its prompt tokens plus the
+ * decode step of its decoding rows, each with its fixed cost (batch 0: the prefill step alone).
+ * Measured on a follow cluster's decode nodes past capacity (docs/goodput.md, issue 37): 22.9 ms
+ * for 10.6 prompt tokens and 3.4 rows, where the rows at the prompt tokens' rate said 18.5 ms. */
+double td_plan_mixed_step_s(const td_plan_profile_t *p, int64_t prompt_tokens, double attn, int64_t batch,
+                            int64_t context_tokens);
 
 /* The cluster to simulate: either n_prefill + n_decode (both >= 1) or n_unified >= 1. */
 typedef struct td_plan_cluster {

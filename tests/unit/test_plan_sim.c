@@ -519,3 +519,49 @@ Test(plan_sim, follow_a_peer_with_room_takes_a_prompt_when_its_own_node_is_busy_
     /* (node 0 alone would prefill it in one step after its ~33 ms of streams, the router pricing
        it at ~42 ms; node 1 in one step of ~18 ms and a 1 ms transfer) */
 }
+
+/* ---- a step with prompt chunks beside decoding rows; nodes that start warm (issue 37) ---- */
+
+Test(plan_sim, a_step_with_prompt_tokens_and_decoding_rows_costs_a_prefill_step_and_a_decode_step)
+{
+    td_plan_profile_t p = {.prefill_a_s = 0.004, .prefill_b_s = 0.001, .prefill_c_s = 1e-6, .decode_a_s = 0.003,
+                           .decode_b_s = 0.002, .decode_c_s = 1e-5};
+    cr_assert_float_eq(td_plan_mixed_step_s(&p, 10, 100, 0, 0), td_plan_prefill_step_s(&p, 10, 100), 1e-15);
+    double dt1 = td_plan_prefill_step_s(&p, 1, 1);
+    double dt2 = td_plan_prefill_step_s(&p, 10, 100) + td_plan_decode_step_s(&p, 1, 2);
+    cr_assert_float_eq(td_plan_mixed_step_s(&p, 10, 100, 1, 2), dt2, 1e-15);
+    /* one unified node: A's 1-token prompt alone, then A's first decode (context 2) beside B's
+       10-token prompt, which arrived during the first step: B's first token after both steps */
+    td_plan_request_t reqs[2] = {{.arrival_s = 0, .input_len = 1, .output_len = 3},
+                                 {.arrival_s = dt1 / 2, .input_len = 10, .output_len = 1}};
+    td_plan_cluster_t c = td_plan_cluster_default();
+    c.n_prefill = c.n_decode = 0;
+    c.n_unified = 1;
+    td_plan_slo_t slo = {0};
+    td_plan_result_t r;
+    cr_assert_eq(td_plan_simulate(&p, &c, reqs, 2, &slo, &r), TD_OK, "%s", td_last_error());
+    double want = (dt1 + (dt1 + dt2 - dt1 / 2)) / 2;
+    cr_assert_float_eq(r.ttft_mean_s, want, 1e-12, "mean TTFT %g s, want %g s (A %g s, B's step %g s)", r.ttft_mean_s,
+                       want, dt1, dt2);
+}
+
+/* Follow, two decode nodes: A's stream on node 0 from 0 s (its prompt and decodes give node 0 a
+ * step-cost fit), then at 1 s a 256-token prompt, which the router ranks onto node 1 (no stream)
+ * and which node 1, idle, prefills sooner than node 0 beside A's stream and a transfer. */
+Test(plan_sim, follow_a_node_that_has_not_prefilled_yet_is_priced_by_its_fit_not_the_stand_in)
+{
+    td_plan_profile_t p = smollm2();
+    td_plan_request_t reqs[2] = {{.arrival_s = 0, .input_len = 100, .output_len = 1000},
+                                 {.arrival_s = 1.0, .input_len = 256, .output_len = 48}};
+    td_plan_cluster_t c = td_plan_cluster_default();
+    c.n_prefill = 0, c.n_decode = 2;
+    c.follow = true;
+    c.tpot_objective_s = 0.025;
+    td_plan_slo_t slo = {0};
+    td_plan_result_t r;
+    cr_assert_eq(td_plan_simulate(&p, &c, reqs, 2, &slo, &r), TD_OK, "%s", td_last_error());
+    /* a cold node 1 (no fit: the stand-in rate, 25 tokens/s, ~10 s for the prompt) lost it to node 0,
+       which prefilled it in its chunks beside A and sent it: a peer placement */
+    cr_assert_eq(r.placed_peer, 0, "%zu of %zu on a peer", r.placed_peer, r.n);
+    cr_assert_eq(r.placed_local, r.n);
+}
