@@ -24,6 +24,11 @@ TANDEM=${TANDEM:-$ROOT/build-portable/tandem}
 PEERS=${PEERS:-$HOME/.cache/tandem/peers}
 PY=${PY:-/usr/bin/python3}
 case $L in avx2) P=avx2 ;; *) P=native ;; esac
+[ -e "$M" ] && M=$(realpath "$M")
+# the peers write llama.log where they run: a folder of this run's, removed at the end
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
+cd "$WORK" || exit 2
 for f in "$M" "$TANDEM" "$PEERS/lc-$P/bin/llama-bench" "$PEERS/ik-$P/bin/llama-bench"; do
   [ -e "$f" ] || { echo "vs_peers: $f is missing (bench/peers_build.sh builds the peers; TANDEM, PEERS)" >&2; exit 2; }
 done
