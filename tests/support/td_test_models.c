@@ -207,3 +207,12 @@ void td_test_matmuls_and_calls(td_backend_t *be, td_matmul_params_t *ps, int n, 
     }
     cr_assert_eq(be->ops->matmuls(be, ps, n), TD_OK, "matmuls of %d matrices failed", n);
 }
+
+void td_test_matmuls_free(td_backend_t *be, void *const *stored, void *const *packed, int n)
+{
+    for (int i = 0; i < n; i++) {
+        if (packed[i])
+            be->ops->free(be, packed[i]);
+        free(stored[i]);
+    }
+}

@@ -96,4 +96,8 @@ void td_test_engine_greedy(td_test_engine_t *fx, int n, int **prompts, const int
 void td_test_matmuls_and_calls(td_backend_t *be, td_matmul_params_t *ps, int n, float *const *y,
                                float *const *want);
 
+/* Frees the n weight matrices of such a check: each packed copy (packed[i], NULL when that
+ * matrix was left as stored) through be->ops->free, each stored one (stored[i]) with free(). */
+void td_test_matmuls_free(td_backend_t *be, void *const *stored, void *const *packed, int n);
+
 #endif /* TD_TEST_MODELS_H */

@@ -486,11 +486,7 @@ Test(cpu_bgemm, matmuls_equal_matmul_calls, .timeout = 120)
                     free(y[i]), free(want[i]), free(y0[i]);
                 }
             }
-            for (int i = 0; i < 3; i++) {
-                if (wp[i])
-                    be->ops->free(be, wp[i]);
-                free(w[i]);
-            }
+            td_test_matmuls_free(be, w, wp, 3);
             free(x), free(bias);
             td_backend_destroy(be);
         }

@@ -582,11 +582,7 @@ Test(kernels_cpu, matmuls_equal_matmul_calls, .timeout = 120)
                     free(y[i]), free(want[i]);
                 }
             }
-            for (int i = 0; i < 3; i++) {
-                if (wp[i])
-                    be->ops->free(be, wp[i]);
-                free(w[i]);
-            }
+            td_test_matmuls_free(be, w, wp, 3);
             free(x), free(bias);
             td_backend_destroy(be);
         }
