@@ -24,23 +24,25 @@ TANDEM=${TANDEM:-$ROOT/build-portable/tandem}
 PEERS=${PEERS:-$HOME/.cache/tandem/peers}
 PY=${PY:-/usr/bin/python3}
 case $L in avx2) P=avx2 ;; *) P=native ;; esac
-[ -e "$M" ] && M=$(realpath "$M")
+# absolute paths: the run goes on in a folder of its own
+for v in M TANDEM PEERS; do [ -e "${!v}" ] && printf -v "$v" %s "$(realpath "${!v}")"; done
+[ $batched = 1 ] && B=llama-batched-bench || B=llama-bench
 # the peers write llama.log where they run: a folder of this run's, removed at the end
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 cd "$WORK" || exit 2
-for f in "$M" "$TANDEM" "$PEERS/lc-$P/bin/llama-bench" "$PEERS/ik-$P/bin/llama-bench"; do
+for f in "$M" "$TANDEM" "$PEERS/lc-$P/bin/$B" "$PEERS/ik-$P/bin/$B"; do
   [ -e "$f" ] || { echo "vs_peers: $f is missing (bench/peers_build.sh builds the peers; TANDEM, PEERS)" >&2; exit 2; }
 done
-engine() { # tandem bench engine's JSON, then the two figures asked for
+engine() { # tandem bench engine's JSON, then the figures of this mode
   TANDEM_CPU_ISA=$L "$TANDEM" bench engine --model "$M" --threads "$T" --json "$@" 2>/dev/null | "$PY" -c '
 import json, sys
 d = json.load(sys.stdin)
-if sys.argv[1] == "b":
+if sys.argv[1] == "1":
     b = d["batched_decode_tokens_per_s"]
     print(" ".join("%.1f" % b[k] for k in ("1", "8", "32", "64")))
 else:
-    print("%.1f %.1f" % (d["prefill_tokens_per_s"], d["decode_b1_tokens_per_s"]))' "$mode"
+    print("%.1f %.1f" % (d["prefill_tokens_per_s"], d["decode_b1_tokens_per_s"]))' "$batched"
 }
 bench() { # llama-bench, the better of its rows
   "$@" -m "$M" -p 512 -n 64 -t "$T" -fa 0,1 -r 2 -o json 2>/dev/null | grep -v '^WARNING' | "$PY" -c '
@@ -57,14 +59,12 @@ import sys
 runs = [list(map(float, r.split())) for r in sys.argv[1:] if r.strip()]
 print(" ".join("%.1f" % max(c) for c in zip(*runs)) if runs else "-")' "$@"; }
 if [ $batched = 1 ]; then
-  mode=b
   a=$(engine --prompt-tokens 64 --gen-tokens 8); b=$(engine --prompt-tokens 64 --gen-tokens 8 --device cpu:q8)
   c=$(best_of "$(batched_bench "$PEERS/lc-$P/bin/llama-batched-bench" -fa 0)" "$(batched_bench "$PEERS/lc-$P/bin/llama-batched-bench" -fa 1)")
   d=$(best_of "$(batched_bench "$PEERS/ik-$P/bin/llama-batched-bench" -fa 0 --run-time-repack)" \
     "$(batched_bench "$PEERS/ik-$P/bin/llama-batched-bench" -fa 0 --run-time-repack)")
   echo "$(basename "$M") $L t$T b=1,8,32,64 | $a | $b | $c | $d"
 else
-  mode=p
   a=$(engine --prompt-tokens 512 --gen-tokens 64); b=$(engine --prompt-tokens 512 --gen-tokens 64 --device cpu:q8)
   c=$(bench "$PEERS/lc-$P/bin/llama-bench"); d=$(bench "$PEERS/ik-$P/bin/llama-bench" -rtr 1)
   echo "$(basename "$M") $L t$T | $a | $b | $c | $d"
