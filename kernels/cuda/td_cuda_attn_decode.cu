@@ -4,10 +4,13 @@
  *
  * Pass 1 (td_decode_part_kernel), grid [partitions][kv heads x head chunks][sequences],
  * 128 threads: a block owns one partition of one sequence's context for one KV head and
- * up to TD_DEC_GMAX query heads of its GQA group, so each K and V element is read from
- * memory once per group. Rows of K (then V) are read with 16-byte loads, TPR threads per
- * row (head_dim / elements-per-16-bytes, rounded up to a power of two), several rows in
- * flight per thread. Each thread keeps its chunk of q for every head in registers; the
+ * up to G query heads of its GQA group (G, a template parameter: the group rounded up to
+ * a power of two, at most TD_DEC_GMAX), so each K and V element is read from memory once
+ * per group. Rows of K (then V) are read with 16-byte loads, TPR threads per row
+ * (head_dim / elements-per-16-bytes, rounded up to a power of two), software pipelined:
+ * a thread's next TD_DEC_UNROLL rows are loaded while it computes the ones it has, and
+ * V's first rows while the block computes the softmax (docs/cuda.md: 0.774 -> 0.535 ms
+ * on an H200 at batch 64, context 4k). Each thread keeps its chunk of q for every head in registers; the
  * threads of a row combine their per-head partial dots by a reduce-scatter across heads
  * (gp - 1 + log2(TPR/gp) shuffles, not gc log2 TPR). Scores go to shared memory
  * ([g][partition]); one warp per query head turns them into exp2 weights and their sum;
@@ -34,11 +37,11 @@
 
 #define TD_DEC_THREADS 128
 #define TD_DEC_WARPS (TD_DEC_THREADS / 32)
-#define TD_DEC_GMAX 8    /* query heads per block */
-#define TD_DEC_UNROLL 4  /* K/V rows in flight per thread */
+#define TD_DEC_GMAX 8    /* most query heads per block */
+#define TD_DEC_UNROLL 2  /* K/V rows a thread loads at once (twice that in flight) */
 #define TD_DEC_PMAX 1024 /* most tokens per partition */
 #define TD_DEC_PART 256  /* tokens per partition unless the caller asks (td_cpu_attn.c: the same) */
-#define TD_DEC_MINB 4    /* blocks per SM: caps registers at 128 (q in registers wanted 139) */
+#define TD_DEC_MINB 4    /* blocks per SM: caps registers at 128 (G = 8 uses 125) */
 
 /* 16 bytes of TK elements to fp32 */
 template <typename TK> struct td_vec;
@@ -98,7 +101,7 @@ __device__ __forceinline__ int32_t td_dec_lo(const td_dec_args &a, int32_t L)
     return a.window > 0 ? max(0, L - a.window) : 0;
 }
 
-template <typename TQ, typename TK>
+template <typename TQ, typename TK, int G, int U>
 __global__ void __launch_bounds__(TD_DEC_THREADS, TD_DEC_MINB)
 td_decode_part_kernel(td_dec_args a)
 {
@@ -114,14 +117,14 @@ td_decode_part_kernel(td_dec_args a)
     const int32_t t0 = max(part * a.part_tokens, lo); /* keys below the window: never read */
     const int32_t n = min(L, (part + 1) * a.part_tokens) - t0;
     const int32_t n_parts = (L + a.part_tokens - 1) / a.part_tokens - p_first; /* computed ones */
-    const int32_t h0 = kvh * a.group + hchunk * TD_DEC_GMAX;
-    const int32_t gc = min(TD_DEC_GMAX, a.group - hchunk * TD_DEC_GMAX);
+    const int32_t h0 = kvh * a.group + hchunk * G;
+    const int32_t gc = min(G, a.group - hchunk * G);
     const int32_t hd = a.head_dim, nch = hd / EPV;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
 
     float *sc = smem;                               /* [GMAX][part_tokens] */
-    float *red = sc + TD_DEC_GMAX * a.part_tokens;  /* [WARPS][GMAX][hd] */
-    __shared__ float s_m[TD_DEC_GMAX], s_l[TD_DEC_GMAX];
+    float *red = sc + G * a.part_tokens;  /* [WARPS][GMAX][hd] */
+    __shared__ float s_m[G], s_l[G];
 
     const int tpr = a.tpr, rpi = TD_DEC_THREADS / tpr; /* rows per iteration */
     const int lr = tid % tpr, r0 = tid / tpr;
@@ -132,9 +135,9 @@ td_decode_part_kernel(td_dec_args a)
        conflict at EPV = 8. Zero past gc and on idle chunks (lr >= nch). */
     const int32_t row = a.seq_start[seq];
     const TQ *q = (const TQ *)a.q + ((size_t)row * a.n_heads + h0) * hd + lr * EPV;
-    float qr[TD_DEC_GMAX][EPV];
+    float qr[G][EPV];
 #pragma unroll
-    for (int g = 0; g < TD_DEC_GMAX; g++)
+    for (int g = 0; g < G; g++)
 #pragma unroll
         for (int e = 0; e < EPV; e++)
             qr[g][e] = g < gc && active ? td_ld(q + g * hd + e) * a.scale_log2 : 0.0f;
@@ -167,24 +170,36 @@ td_decode_part_kernel(td_dec_args a)
         gp <<= 1;
     const int hb = lr * gp / tpr, nh = gp > tpr ? gp / tpr : 1;
     const bool owner = lr * gp % tpr == 0; /* the first of the lanes that share hb writes */
-    for (int32_t tb0 = 0; tb0 < n; tb0 += rpi * TD_DEC_UNROLL) {
-        const int32_t tb = tb0 + r0;
-        uint4 raw[TD_DEC_UNROLL];
+    /* rows tb + u * rpi (u < U) of K (v = 0) or V (v = 1) into r, zeros past n */
+    auto load_rows = [&](uint4 *r, int32_t tb, int v) {
 #pragma unroll
-        for (int u = 0; u < TD_DEC_UNROLL; u++) {
+        for (int u = 0; u < U; u++) {
             int32_t t = tb + u * rpi;
-            raw[u] = make_uint4(0, 0, 0, 0);
+            r[u] = make_uint4(0, 0, 0, 0);
             if (t < n && active)
-                raw[u] = __ldg(row_ptr(t));
+                r[u] = __ldg(reinterpret_cast<const uint4 *>(reinterpret_cast<const TK *>(row_ptr(t)) +
+                                                             v * block_elems));
         }
+    };
+    /* software pipelined: the next batch's rows are in flight while this one is computed */
+    uint4 nxt[U];
+    load_rows(nxt, r0, 0);
+    for (int32_t tb0 = 0; tb0 < n; tb0 += rpi * U) {
+        const int32_t tb = tb0 + r0;
+        uint4 raw[U];
 #pragma unroll
-        for (int u = 0; u < TD_DEC_UNROLL; u++) {
+        for (int u = 0; u < U; u++)
+            raw[u] = nxt[u];
+        if (tb0 + rpi * U < n)
+            load_rows(nxt, tb + rpi * U, 0);
+#pragma unroll
+        for (int u = 0; u < U; u++) {
             int32_t t = tb + u * rpi;
             float k[EPV];
             td_vec<TK>::load(raw[u], k);
-            float d[TD_DEC_GMAX];
+            float d[G];
 #pragma unroll
-            for (int g = 0; g < TD_DEC_GMAX; g++) {
+            for (int g = 0; g < G; g++) {
                 d[g] = 0.0f;
                 if (g < gc)
 #pragma unroll
@@ -193,7 +208,7 @@ td_decode_part_kernel(td_dec_args a)
             }
             int o = tpr / 2;
 #pragma unroll
-            for (int m = TD_DEC_GMAX; m > 1; m /= 2) {
+            for (int m = G; m > 1; m /= 2) {
                 if (m > gp || o == 0)
                     continue;
                 const bool up = (lr & o) != 0;
@@ -209,12 +224,13 @@ td_decode_part_kernel(td_dec_args a)
                 d[0] += __shfl_xor_sync(0xffffffffu, d[0], o);
             if (owner && t < n) {
 #pragma unroll
-                for (int i = 0; i < TD_DEC_GMAX; i++)
+                for (int i = 0; i < G; i++)
                     if (i < nh && hb + i < gc)
                         sc[(hb + i) * a.part_tokens + t] = d[i];
             }
         }
     }
+    load_rows(nxt, r0, 1); /* V's first rows are in flight during the softmax */
     __syncthreads();
 
     /* ---- softmax weights: one warp per query head ---- */
@@ -241,31 +257,28 @@ td_decode_part_kernel(td_dec_args a)
     __syncthreads();
 
     /* ---- weighted V: acc[g][e] over this thread's rows ---- */
-    float acc[TD_DEC_GMAX][EPV];
+    float acc[G][EPV];
 #pragma unroll
-    for (int g = 0; g < TD_DEC_GMAX; g++)
+    for (int g = 0; g < G; g++)
 #pragma unroll
         for (int e = 0; e < EPV; e++)
             acc[g][e] = 0.0f;
-    for (int32_t tb = r0; tb < n; tb += rpi * TD_DEC_UNROLL) {
-        uint4 raw[TD_DEC_UNROLL];
+    for (int32_t tb = r0; tb < n; tb += rpi * U) {
+        uint4 raw[U];
 #pragma unroll
-        for (int u = 0; u < TD_DEC_UNROLL; u++) {
-            int32_t t = tb + u * rpi;
-            raw[u] = make_uint4(0, 0, 0, 0);
-            if (t < n && active)
-                raw[u] = __ldg(reinterpret_cast<const uint4 *>(
-                    reinterpret_cast<const TK *>(row_ptr(t)) + block_elems));
-        }
+        for (int u = 0; u < U; u++)
+            raw[u] = nxt[u];
+        if (tb + rpi * U < n)
+            load_rows(nxt, tb + rpi * U, 1);
 #pragma unroll
-        for (int u = 0; u < TD_DEC_UNROLL; u++) {
+        for (int u = 0; u < U; u++) {
             int32_t t = tb + u * rpi;
             if (t >= n)
                 break;
             float v[EPV];
             td_vec<TK>::load(raw[u], v);
 #pragma unroll
-            for (int g = 0; g < TD_DEC_GMAX; g++) {
+            for (int g = 0; g < G; g++) {
                 if (g >= gc)
                     break;
                 float p = sc[g * a.part_tokens + t];
@@ -277,19 +290,19 @@ td_decode_part_kernel(td_dec_args a)
     }
     /* reduce over the threads of a warp that share a chunk, then over warps */
 #pragma unroll
-    for (int g = 0; g < TD_DEC_GMAX; g++)
+    for (int g = 0; g < G; g++)
 #pragma unroll
         for (int e = 0; e < EPV; e++)
             for (int o = tpr; o < 32; o <<= 1)
                 acc[g][e] += __shfl_xor_sync(0xffffffffu, acc[g][e], o);
     if (lane < tpr && active) {
 #pragma unroll
-        for (int g = 0; g < TD_DEC_GMAX; g++) {
+        for (int g = 0; g < G; g++) {
             if (g >= gc)
                 break;
 #pragma unroll
             for (int e = 0; e < EPV; e++)
-                red[(warp * TD_DEC_GMAX + g) * hd + lr * EPV + e] = acc[g][e];
+                red[(warp * G + g) * hd + lr * EPV + e] = acc[g][e];
         }
     }
     __syncthreads();
@@ -299,7 +312,7 @@ td_decode_part_kernel(td_dec_args a)
         float o = 0.0f;
 #pragma unroll
         for (int w = 0; w < TD_DEC_WARPS; w++)
-            o += red[(w * TD_DEC_GMAX + g) * hd + d];
+            o += red[(w * G + g) * hd + d];
         o /= s_l[g];
         int32_t h = h0 + g;
         if (n_parts == 1) {
@@ -402,7 +415,12 @@ td_status_t td_cuda_attn_decode(td_cuda_backend_t *c, const td_attn_params_t *p)
     a.n_heads = p->n_heads;
     a.head_dim = hd;
     a.group = p->n_heads / n_kv;
-    a.n_hchunks = (a.group + TD_DEC_GMAX - 1) / TD_DEC_GMAX;
+    /* heads per block: the group rounded up to a power of two, at most TD_DEC_GMAX (q and the
+       V sums for G heads live in registers: G = 8 for a group of 4 held twice what it used) */
+    int32_t G = 1;
+    while (G < a.group && G < TD_DEC_GMAX)
+        G <<= 1;
+    a.n_hchunks = (a.group + G - 1) / G;
     a.tpr = tpr;
     a.scale_log2 = p->scale * 1.4426950408889634f;
     a.part_tokens = td_decode_partition(p->partition_tokens, a.block_size);
@@ -421,10 +439,9 @@ td_status_t td_cuda_attn_decode(td_cuda_backend_t *c, const td_attn_params_t *p)
     a.ws_o = c->dec_ws;
     a.ws_ml = c->dec_ws ? c->dec_ws + n_part_rows * hd : NULL;
 
-    size_t smem = sizeof(float) * ((size_t)TD_DEC_GMAX * a.part_tokens +
-                                   (size_t)TD_DEC_WARPS * TD_DEC_GMAX * hd);
+    size_t smem = sizeof(float) * ((size_t)G * a.part_tokens + (size_t)TD_DEC_WARPS * G * hd);
     /* the opt-in limit covers dynamic plus static shared memory (s_m, s_l) */
-    size_t smem_static = 2 * TD_DEC_GMAX * sizeof(float);
+    size_t smem_static = 16 * (((size_t)G * 2 * sizeof(float) + 15) / 16); /* s_m, s_l as ptxas pads them */
     if (smem + smem_static > c->smem_optin)
         return td_errorf(TD_ERR_UNSUPPORTED, "cuda: decode attention needs %zu bytes of shared "
                          "memory, the device allows %zu", smem + smem_static, c->smem_optin);
@@ -433,17 +450,29 @@ td_status_t td_cuda_attn_decode(td_cuda_backend_t *c, const td_attn_params_t *p)
     if (a.window > 0 && (a.window + a.part_tokens - 1) / a.part_tokens + 1 < grid_parts)
         grid_parts = (a.window + a.part_tokens - 1) / a.part_tokens + 1;
     dim3 grid(grid_parts, n_kv * a.n_hchunks, st->n_seqs);
+    int gi = G == 1 ? 0 : G == 2 ? 1 : G == 4 ? 2 : 3;
     TD_CUDA_DISPATCH(c->base.act_dtype, TQ, TD_CUDA_DISPATCH(kt, TK, {
         /* once per instantiation and context: the most any launch may use (smem varies with
            head_dim and the partition) */
-        unsigned bit = 1u << (3 * td_cuda_type_of<TQ>::value + td_cuda_type_of<TK>::value);
-        if (!(c->decode_smem_set & bit)) {
-            TD_CUDA_TRY(cudaFuncSetAttribute(td_decode_part_kernel<TQ, TK>,
-                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             (int)(c->smem_optin - smem_static)));
-            c->decode_smem_set |= bit;
-        }
-        td_decode_part_kernel<TQ, TK><<<grid, TD_DEC_THREADS, smem, c->stream>>>(a);
+        uint64_t bit = 1ull << (4 * (3 * td_cuda_type_of<TQ>::value + td_cuda_type_of<TK>::value) + gi);
+        auto launch = [&](void (*k)(td_dec_args)) -> td_status_t {
+            if (!(c->decode_smem_set & bit)) {
+                /* the kernel's own static size: ptxas pads s_m and s_l (16 bytes at G = 1) */
+                cudaFuncAttributes fa;
+                TD_CUDA_TRY(cudaFuncGetAttributes(&fa, k));
+                TD_CUDA_TRY(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                 (int)(c->smem_optin - fa.sharedSizeBytes)));
+                c->decode_smem_set |= bit;
+            }
+            k<<<grid, TD_DEC_THREADS, smem, c->stream>>>(a);
+            return TD_OK;
+        };
+        td_status_t ls = G == 1   ? launch(td_decode_part_kernel<TQ, TK, 1, TD_DEC_UNROLL>)
+                 : G == 2 ? launch(td_decode_part_kernel<TQ, TK, 2, TD_DEC_UNROLL>)
+                 : G == 4 ? launch(td_decode_part_kernel<TQ, TK, 4, TD_DEC_UNROLL>)
+                          : launch(td_decode_part_kernel<TQ, TK, 8, TD_DEC_UNROLL>);
+        if (ls != TD_OK)
+            return ls;
     }));
     TD_CUDA_LAUNCHED("attn_decode (partitions)");
     if (a.max_parts > 1) {

@@ -601,8 +601,13 @@ extern "C" td_status_t td_cuda_backend_create(const td_cuda_config_t *cfg, td_ba
 
     c->base.ops = &td_cuda_ops;
     c->base.act_dtype = act;
-    /* other weight dtypes would be widened on every matmul: the engine converts them once */
-    c->base.weight_dtypes = (1u << act) | (1u << TD_F32);
+    /* weights in the activations' dtype or f32 are one cuBLAS call. Under f32 activations
+       16-bit weights are taken too: each matmul widens them in scratch (exact, the CPU's
+       numbers: bf16 weights beside f32 activations, as the CPU computes them); the CLI and
+       nodes never ask for that (their activations follow the weights' dtype). Under 16-bit
+       activations the engine converts other weight dtypes once rather than widen per call. */
+    c->base.weight_dtypes = act == TD_F32 ? (1u << TD_F32) | (1u << TD_F16) | (1u << TD_BF16)
+                                          : (1u << act) | (1u << TD_F32);
     c->base.kv_dtypes = (1u << TD_F32) | (1u << TD_F16) | (1u << TD_BF16);
     c->base.host_memory = false;
     td_info("cuda: device %d %s sm_%d%d, %d SMs, %.1f GiB, act %s", dev, prop.name, prop.major,

@@ -56,7 +56,7 @@ typedef struct td_cuda_backend {
     size_t smem_optin;        /* largest dynamic shared memory a block may opt into */
     unsigned prefill_smem_set; /* td_cuda_attn_prefill.cu: bit per tensor-core kernel whose
                                   shared-memory attribute is set (once per context) */
-    unsigned decode_smem_set;  /* td_cuda_attn_decode.cu: likewise, bit 3 * q dtype + KV dtype */
+    uint64_t decode_smem_set;  /* td_cuda_attn_decode.cu: likewise, bit 4 * (3 * q dtype + KV dtype) + log2 heads a block */
     cudaStream_t stream;
     cublasHandle_t cublas;
     void *cublas_ws;          /* cuBLAS workspace (fixed, so graph capture is possible) */
