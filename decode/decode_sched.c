@@ -656,9 +656,11 @@ static int32_t add_drafts(decode_sched_t *s, int32_t n_items, int32_t budget)
 /* The most prompt tokens a step of n_rows one-row items may carry, all chunks together: the
  * chunks of a prompt prefilled here stay within the tightest TPOT objective of the running
  * sequences (the streams beside them, and the prompt's own once it generates), by the step-cost
- * fit (td_stepcost_chunk), at least one token, so that a prompt admitted here always moves on
- * even where its node's decodes alone pass the objective; without an objective, unbounded.
- * Before the fit has seen enough steps with prompt tokens (a fresh node), TD_DECODE_PROBE_CHUNK. */
+ * fit (td_stepcost_chunk), at least TD_DECODE_PAST_OBJECTIVE_CHUNK (one token), so that a prompt
+ * admitted here always moves on even where its node's decodes alone pass the objective; without
+ * an objective, unbounded. Before the fit has seen enough steps with prompt tokens (a fresh
+ * node), TD_DECODE_PROBE_CHUNK (td_stepcost_probe: half of it every other step where those
+ * steps gave no fit). */
 static int32_t prefill_cap(const decode_sched_t *s, int32_t n_rows)
 {
     double objective = 0;
@@ -673,8 +675,8 @@ static int32_t prefill_cap(const decode_sched_t *s, int32_t n_rows)
         return INT32_MAX;
     int64_t cap = td_stepcost_chunk(&s->fit, n_rows, context, objective);
     if (cap < 0) /* no fit yet */
-        return TD_DECODE_PROBE_CHUNK;
-    return (int32_t)TD_MIN(TD_MAX(cap, (int64_t)1), (int64_t)INT32_MAX);
+        return (int32_t)td_stepcost_probe(&s->cost, TD_DECODE_PROBE_CHUNK);
+    return (int32_t)TD_MIN(TD_MAX(cap, (int64_t)TD_DECODE_PAST_OBJECTIVE_CHUNK), (int64_t)INT32_MAX);
 }
 
 /* Builds the engine batch: one token for each generating sequence, then prompt chunks

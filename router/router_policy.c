@@ -15,6 +15,7 @@
 #include "router_admit.h"
 #include "td_kv.h"
 #include "td_place.h"
+#include "td_sched_defaults.h"
 #include "td_util.h"
 
 router_policy_config_t router_policy_config_default(void)
@@ -233,8 +234,12 @@ static bool place_conditional(const router_registry_t *reg, const router_policy_
         no_local = ROUTER_PLACE_STEP_BUDGET;
     else if (fit == TD_PLACE_NO_TPOT_ROOM) {
         no_local = ROUTER_PLACE_TPOT;
-        if (p < 0 && !busy) /* no prefill node at all: local whatever the TPOT, in chunks of the node's */
-            fit = local_estimate(reg, cfg, req, d, p, hc, 0, &e);
+        if (p < 0 && !busy) { /* no prefill node at all: local whatever the TPOT, at the token a step
+                                 the node then feeds (its prefill_cap), not in chunks it would not run */
+            td_place_local_t l = local_figures(reg, cfg, req, d, p, hc, tightest_tpot(reg, cfg, req, d));
+            l.floor_tokens = TD_DECODE_PAST_OBJECTIVE_CHUNK;
+            fit = td_place_local_estimate(&l, &e);
+        }
     }
     pick_p->local_s = fit == TD_PLACE_FITS ? e.local_s : -1;
     pick_p->remote_s = remote_s;

@@ -53,7 +53,8 @@
  *    side), tpot (the streams' own pace leaves no room within the objective for one prompt
  *    token a step), step_budget (the running batch fills max_step_tokens: no room for a chunk),
  *    prompt_logprobs (only a prefill node computes them), no_prefill (no prefill node pairs:
- *    local, within the objective if a chunk fits, else in the node's own chunks),
+ *    local, within the objective if a chunk fits, else at the TD_DECODE_PAST_OBJECTIVE_CHUNK
+ *    token a step the node then feeds, and priced so: rule 6's peers compare with that),
  *    prefill_busy (every partner busy past max_prefill_wait_s: local if a chunk fits the
  *    objective, else the request waits).
  *

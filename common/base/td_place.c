@@ -23,8 +23,11 @@ td_place_fit_t td_place_local_estimate(const td_place_local_t *l, td_place_estim
     double rate = TD_MAX(l->prefill_tok_s, 1e-3);
     if (l->tpot_objective_s > 0) { /* the time a step may add to the streams' pace */
         double fit = floor((l->tpot_objective_s - TD_MAX(l->spread_s, 0.0) - l->step_s) * rate);
-        if (fit < 1)
-            return TD_PLACE_NO_TPOT_ROOM;
+        if (fit < 1) {
+            if (l->floor_tokens <= 0)
+                return TD_PLACE_NO_TPOT_ROOM;
+            fit = (double)l->floor_tokens;
+        }
         chunk = fit < (double)chunk ? (int64_t)fit : chunk;
     }
     double step_s = l->step_s + (double)chunk / rate;

@@ -34,6 +34,9 @@ typedef struct td_place_local {
                                 streams running there and those that join while it runs */
     double spread_s;         /* what the node keeps back from the objective when it sizes a chunk
                                 (its step-cost fit's spread, td_stepcost_chunk); 0: none */
+    int64_t floor_tokens;    /* > 0: where the objective leaves room for no prompt token, price
+                                chunks of this many (what the node then feeds a step, its
+                                TD_DECODE_PAST_OBJECTIVE_CHUNK) instead of TD_PLACE_NO_TPOT_ROOM */
 } td_place_local_t;
 
 /* The rate to price a local prefill at: the node's measured one, or, before it has one, half its

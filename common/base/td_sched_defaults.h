@@ -16,5 +16,9 @@
                                             while the node's step-cost fit has too few steps with
                                             prompt tokens (one KV block of the default size): the
                                             probe that starts the fit */
+#define TD_DECODE_PAST_OBJECTIVE_CHUNK 1 /* prompt tokens a step under a TPOT objective feeds where
+                                            the objective leaves room for none (the decodes alone
+                                            pass it): a prompt admitted there still moves on, and
+                                            the router prices a local prefill there at this rate */
 
 #endif /* TD_SCHED_DEFAULTS_H */

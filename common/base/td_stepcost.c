@@ -81,6 +81,11 @@ double td_stepcost_predict(const td_stepcost_fit_t *f, int32_t seqs, int64_t con
     return s > 0 ? s : 0;
 }
 
+int64_t td_stepcost_probe(const td_stepcost_t *c, int64_t probe)
+{
+    return c->n[1] >= TD_STEPCOST_MIN_PREFILL && c->next[1] % 2 == 0 ? (probe / 2 > 0 ? probe / 2 : 1) : probe;
+}
+
 int64_t td_stepcost_chunk(const td_stepcost_fit_t *f, int32_t seqs, int64_t context, double objective_s)
 {
     if (!f->valid)

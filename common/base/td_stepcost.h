@@ -61,6 +61,13 @@ td_stepcost_fit_t td_stepcost_fit(const td_stepcost_t *c);
 /* A step's predicted seconds (never below 0). */
 double td_stepcost_predict(const td_stepcost_fit_t *f, int32_t seqs, int64_t context, int64_t prefill_tokens);
 
+/* The prompt tokens a step under a TPOT objective feeds while there is no valid fit: `probe`
+ * (TD_DECODE_PROBE_CHUNK), and where TD_STEPCOST_MIN_PREFILL steps with prompt tokens gave none
+ * (every one the same probe and no decode-only step: the intercept and the prompt column
+ * collinear, a node that met a queue before its first decode-only step), half of it every
+ * other step, so that the prompt column varies and the next steps fit. */
+int64_t td_stepcost_probe(const td_stepcost_t *c, int64_t probe);
+
 /* The most prompt tokens a step of `seqs` decoding sequences holding `context` tokens may
  * carry within objective_s (seconds > 0), less the fit's spread: a step sized to the objective
  * itself passes it about half the time, and a stream's TPOT with it (the first sweep of this fit

@@ -423,8 +423,9 @@ static int32_t place(sim_t *s, int32_t id, int32_t d, int32_t p)
     td_place_local_t l = local_figures(s, r, d, p);
     td_place_estimate_t e;
     td_place_fit_t fit = td_place_local_estimate(&l, &e);
-    if (fit == TD_PLACE_NO_TPOT_ROOM && p < 0) { /* no prefill node at all: local whatever the TPOT */
-        l.tpot_objective_s = 0;
+    if (fit == TD_PLACE_NO_TPOT_ROOM && p < 0) { /* no prefill node at all: local whatever the TPOT,
+                                                    at the token a step the node then feeds */
+        l.floor_tokens = TD_DECODE_PAST_OBJECTIVE_CHUNK;
         fit = td_place_local_estimate(&l, &e);
     }
     int32_t where = PLACE_REMOTE;
@@ -539,8 +540,8 @@ static td_status_t mixed_start(sim_t *s, node_t *nd, int32_t kind, int32_t i, do
     }
     budget -= n_dec;
     /* the step's prompt tokens in all within the tightest TPOT objective of its sequences, by the
-       node's step-cost fit, at least 1; TD_DECODE_PROBE_CHUNK without a fit (decode_sched's
-       prefill_cap) */
+       node's step-cost fit, at least TD_DECODE_PAST_OBJECTIVE_CHUNK; the probe without a fit
+       (decode_sched's prefill_cap) */
     double objective = 0;
     int64_t held = 0;
     for (int32_t k = 0; k < nd->n_run; k++) {
@@ -551,7 +552,7 @@ static td_status_t mixed_start(sim_t *s, node_t *nd, int32_t kind, int32_t i, do
     }
     int64_t cap = objective > 0 ? td_stepcost_chunk(&nd->fit, (int32_t)n_dec, held, objective) : INT64_MAX;
     if (objective > 0)
-        cap = cap < 0 ? TD_DECODE_PROBE_CHUNK : TD_MAX(cap, 1);
+        cap = cap < 0 ? td_stepcost_probe(&nd->cost, TD_DECODE_PROBE_CHUNK) : TD_MAX(cap, TD_DECODE_PAST_OBJECTIVE_CHUNK);
     for (int32_t k = 0; k < nd->n_run && budget > 0; k++) {
         sreq_t *r = &s->r[nd->run[k]];
         if (r->prefilled >= r->input)

@@ -1801,6 +1801,48 @@ Test(decode_sched, an_objective_the_decodes_pass_still_moves_the_prompt_a_token_
     td_test_engine_close(&fx);
 }
 
+/* A node whose every step carries prompt tokens from its start (two prompts admitted at once
+ * under an objective: no decode-only step) still fits its step cost: its first steps are all
+ * the probe, which leaves the fit's intercept and prompt column collinear, so once
+ * TD_STEPCOST_MIN_PREFILL of them gave no fit every other probe is half (td_stepcost_probe)
+ * and the next step is sized by the fit (20 tokens within 13.1 ms, law_s). */
+Test(decode_sched, a_node_that_meets_a_queue_before_any_decode_only_step_still_fits_its_step_cost, .timeout = 120)
+{
+    td_test_skip_without_stories();
+    td_test_engine_t fx;
+    td_test_engine_open_cpu(&fx, 1, 256, false);
+    static int32_t p0[100], p1[100];
+    unsigned seed = 5;
+    random_prompt(&seed, p0, 100);
+    random_prompt(&seed, p1, 100);
+    decode_sched_t *ds = sched_default(fx.eng);
+    decode_request_t r0 = greedy_request(0, p0, 100, 4), r1 = greedy_request(1, p1, 100, 4);
+    r0.tpot_objective_s = r1.tpot_objective_s = 0.0131;
+    static outcome_t oc[MAXN];
+    memset(oc, 0, sizeof oc);
+    cr_assert_eq(decode_sched_admit(ds, &r0), TD_OK);
+    cr_assert_eq(decode_sched_admit(ds, &r1), TD_OK);
+    const int want[] = {TD_DECODE_PROBE_CHUNK, TD_DECODE_PROBE_CHUNK, TD_DECODE_PROBE_CHUNK,
+                        TD_DECODE_PROBE_CHUNK, TD_DECODE_PROBE_CHUNK / 2, 20, 20};
+    _Static_assert(TD_STEPCOST_MIN_PREFILL == 4, "the probes above are TD_STEPCOST_MIN_PREFILL long");
+    decode_step_result_t r;
+    for (int i = 0; i < (int)TD_ARRAY_LEN(want); i++) {
+        cr_assert_eq(decode_sched_step(ds, 0, &r), TD_OK);
+        decode_sched_note_step_time(ds, law_s(r.n_prefill_tokens));
+        collect(&r, oc);
+        cr_assert_eq(r.n_prefill_tokens, want[i], "step %d: %d prompt tokens, want %d", i, r.n_prefill_tokens,
+                     want[i]);
+        cr_assert_eq(r.n_tokens, r.n_prefill_tokens, "no sequence generates yet");
+    }
+    td_stepcost_fit_t f = decode_sched_step_cost(ds);
+    cr_assert(f.valid && fabs(f.per_prefill_s - 0.0005) < 1e-9, "the fit found the law's 0.5 ms a prompt token");
+    run_to_end(ds, oc);
+    cr_assert_eq(oc[0].n, 4);
+    cr_assert_eq(oc[1].n, 4);
+    sched_end(&fx, ds);
+    td_test_engine_close(&fx);
+}
+
 /* ignore_eos: a request that ends at EOS alone runs on to max_tokens, the tokens before
  * the EOS unchanged; stop ids still stop it. */
 Test(decode_sched, unified_ignore_eos_runs_to_max_tokens, .timeout = 120)

@@ -10,6 +10,7 @@
 #include "router_policy.h"
 #include "router_registry.h"
 #include "td_kv.h"
+#include "td_sched_defaults.h"
 #include "td_util.h"
 
 #define SEC 1000000000ll
@@ -1006,6 +1007,29 @@ Test(router_policy, follow_a_peer_where_neither_local_nor_remote_can)
     cr_assert(pk.pair.decode == d2 && pk.pair.prefill == d2);
     pk = place_at(reg, &pc, &rq, 'p');
     cr_assert(pk.pair.prefill == d2 && pk.pair.decode == d1);
+    router_registry_destroy(reg);
+}
+
+/* With no prefill node a decode node whose own streams pass the objective still prefills a
+ * prompt it is given, at the one token a step its scheduler then feeds
+ * (TD_DECODE_PAST_OBJECTIVE_CHUNK): priced so, a peer with room wins, where chunks the node
+ * would not run (511 tokens: 0.46 s) kept the prompt there for a minute of one-token steps. */
+Test(router_policy, a_decode_node_past_its_objective_prices_its_prompt_at_a_token_a_step)
+{
+    router_registry_t *reg = mkreg();
+    int d1 = join_decode(reg, "d1", 512), d2 = join_decode(reg, "d2", 512);
+    beat_decode(reg, "d1", 0, 1, 100, 4000); /* its stream's step is the objective itself */
+    beat_decode(reg, "d2", 0, 2, 50, 400);   /* room for 20 prompt tokens a step */
+    router_pick_request_t rq = request(600, 10, 0);
+    router_policy_config_t cond = conditional();
+    router_pick_t pk = place(reg, &cond, &rq, true, ROUTER_PLACE_NO_PREFILL);
+    cr_assert(pk.pair.decode == d1 && pk.pair.prefill == d1);
+    cr_assert_eq(pk.local_chunk, TD_DECODE_PAST_OBJECTIVE_CHUNK);
+    cr_assert_float_eq(pk.local_s, 600 * (0.1 + 1 / 4000.0), 1e-9);
+    router_policy_config_t pc = follow();
+    pk = place_at(reg, &pc, &rq, 'p');
+    cr_assert(pk.pair.decode == d1 && pk.pair.prefill == d2, "the peer with room prefills it");
+    cr_assert_lt(pk.peer_s, 4.0);
     router_registry_destroy(reg);
 }
 
