@@ -1766,18 +1766,24 @@ Test(decode_sched, a_tpot_objective_bounds_the_prompt_chunks_by_the_fit, .timeou
     prompt_chunks_share_steps(0, 1.0, 24);
 }
 
+/* stories260K on one thread, prompts p0 (n0 tokens) and p1 (n1) drawn from seed, and a
+ * scheduler of the defaults (skips without the model) */
+static decode_sched_t *open_two_prompts(td_test_engine_t *fx, unsigned seed, int32_t *p0, int n0, int32_t *p1, int n1)
+{
+    td_test_skip_without_stories();
+    td_test_engine_open_cpu(fx, 1, 256, false);
+    random_prompt(&seed, p0, n0);
+    random_prompt(&seed, p1, n1);
+    return sched_default(fx->eng);
+}
+
 /* An objective the decodes alone pass (2 ms against a 3 ms step) still moves a prompt on: one
  * token a step once the fit says so (TD_DECODE_PROBE_CHUNK before), beside the running stream. */
 Test(decode_sched, an_objective_the_decodes_pass_still_moves_the_prompt_a_token_a_step, .timeout = 120)
 {
-    td_test_skip_without_stories();
     td_test_engine_t fx;
-    td_test_engine_open_cpu(&fx, 1, 256, false);
     static int32_t p0[8], p1[100];
-    unsigned seed = 21;
-    random_prompt(&seed, p0, 8);
-    random_prompt(&seed, p1, 100);
-    decode_sched_t *ds = sched_default(fx.eng);
+    decode_sched_t *ds = open_two_prompts(&fx, 21, p0, 8, p1, 100);
     decode_request_t r0 = greedy_request(0, p0, 8, 60), r1 = greedy_request(1, p1, 100, 4);
     r1.tpot_objective_s = 0.002;
     static outcome_t oc[MAXN];
@@ -1808,14 +1814,9 @@ Test(decode_sched, an_objective_the_decodes_pass_still_moves_the_prompt_a_token_
  * and the next step is sized by the fit (20 tokens within 13.1 ms, law_s). */
 Test(decode_sched, a_node_that_meets_a_queue_before_any_decode_only_step_still_fits_its_step_cost, .timeout = 120)
 {
-    td_test_skip_without_stories();
     td_test_engine_t fx;
-    td_test_engine_open_cpu(&fx, 1, 256, false);
     static int32_t p0[100], p1[100];
-    unsigned seed = 5;
-    random_prompt(&seed, p0, 100);
-    random_prompt(&seed, p1, 100);
-    decode_sched_t *ds = sched_default(fx.eng);
+    decode_sched_t *ds = open_two_prompts(&fx, 5, p0, 100, p1, 100);
     decode_request_t r0 = greedy_request(0, p0, 100, 4), r1 = greedy_request(1, p1, 100, 4);
     r0.tpot_objective_s = r1.tpot_objective_s = 0.0131;
     static outcome_t oc[MAXN];
