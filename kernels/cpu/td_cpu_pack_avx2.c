@@ -6,6 +6,7 @@
  * avx2_row1_q8_0, avx2_row1_signed; avx2_tile1_q4, avx2_tile1_q6_k, avx2_tile1_signed).
  */
 #include "td_cpu_pack_impl.h"
+#include <stdlib.h>
 
 #ifdef TD_CPU_PACK_X86
 #define TD_Y __attribute__((target("avx2,fma,f16c")))
@@ -841,6 +842,65 @@ TD_INLINE TD_Y void avx2_tile1_signed(td_dtype_t t, int R, int h0, int H, const 
             _mm256_storeu_ps(y + i * ldy + 8 * (h0 + x), acc[x][i]);
 }
 
+
+/* PROBE (h32q): IQ4_XS one-byte tile with the block's int16 scale in the madd and one float step
+ * per 8 blocks (a chunk). Timing only: it reads block c0's e as the super-block's scale. */
+TD_INLINE TD_Y void avx2_tile1_iq4_sb(int R, int h0, const unsigned char *gq, size_t nb, size_t k,
+                                      const unsigned char *a, size_t stride, float *y, size_t ldy,
+                                      const unsigned char *pf_end)
+{
+    const td_dtype_t t = TD_IQ4_XS;
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    const __m256i iq4s = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)td_quant_iq4nl_values));
+    const size_t e_at = act_e(a, k) - a, qb = quant_bytes(t), sb = scale_bytes(t);
+    volatile __m256 acc[8];
+    for (int i = 0; i < R; i++)
+        acc[i] = _mm256_setzero_ps();
+    for (size_t c0 = 0; c0 < nb; c0 += PACK_CHUNK) {
+        const size_t n_in = nb - c0 < PACK_CHUNK ? nb - c0 : PACK_CHUNK;
+        const unsigned char *qc = gq + c0 * (qb + sb), *cs = qc + n_in * qb;
+        __m256i p[8];
+        for (int i = 0; i < 8; i++)
+            p[i] = _mm256_setzero_si256();
+        size_t st = stride;
+        __asm__("" : "+r"(st));
+        for (size_t j = 0; j < n_in; j++) {
+            const size_t b = c0 + j;
+            if (pf_end)
+                decode_prefetch(t, gq, b, pf_end);
+            const unsigned char *q = qc + j * qb + 32 * h0;
+            const unsigned char *ab = a + b * TD_QK;
+            const __m256i s32 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(cs + XS_SC(j) + 8 * h0)));
+            const __m256i scv = _mm256_blend_epi16(s32, _mm256_slli_epi32(s32, 16), 0xAA); /* (ls-32, ls-32) a row */
+#pragma GCC unroll 4
+            for (int v = 0; v < 4; v++) {
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)(q + 64 * v));
+                const __m256i w0 = _mm256_shuffle_epi8(iq4s, _mm256_and_si256(raw, low4));
+                const __m256i w1 = _mm256_shuffle_epi8(iq4s, _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4));
+                const __m256i aw0 = _mm256_abs_epi8(w0), aw1 = _mm256_abs_epi8(w1);
+#pragma GCC unroll 8
+                for (int i = 0; i < R; i++) {
+                    const unsigned char *qh = ab + i * st;
+                    const __m256i a0 = _mm256_set1_epi32(load_i32(qh + 4 * v));
+                    const __m256i a1 = _mm256_set1_epi32(load_i32(qh + 16 + 4 * v));
+                    __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(aw0, _mm256_sign_epi8(a0, w0)), scv);
+                    s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(aw1, _mm256_sign_epi8(a1, w1)), scv));
+                    p[i] = _mm256_add_epi32(p[i], s);
+                    AVX2_KEEP(p[i]);
+                }
+            }
+        }
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cs + 16 * h0)));
+#pragma GCC unroll 8
+        for (int i = 0; i < R; i++) {
+            const __m256 e = _mm256_set1_ps(load_f32(a + i * st + e_at + 4 * c0));
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[i]), _mm256_mul_ps(d, e), (__m256)acc[i]);
+        }
+    }
+    for (int i = 0; i < R; i++)
+        _mm256_storeu_ps(y + i * ldy + 8 * h0, acc[i]);
+}
+
 /* kernel_avx2's one-byte prefill of Q8_0 and IQ4_XS: tiles of SIGNED_R rows by SIGNED_H
  * halves, then one of the rest */
 TD_INLINE TD_Y void kernel_avx2_signed_one(td_dtype_t t, const unsigned char *gq, size_t nb, size_t k,
@@ -848,6 +908,19 @@ TD_INLINE TD_Y void kernel_avx2_signed_one(td_dtype_t t, const unsigned char *gq
                                            const unsigned char *end)
 {
     const int R = SIGNED_R, H = SIGNED_H;
+    if (t == TD_IQ4_XS && getenv("H32Q_PROBE")) {
+        for (int h = 0; h < 2; h++) {
+            size_t i = 0;
+            for (; i + 8 <= m; i += 8)
+                avx2_tile1_iq4_sb(8, h, gq, nb, k, a + i * stride, stride, yg + i * ldy, ldy, h == 0 && i == 0 ? end : NULL);
+            const unsigned char *ai = a + i * stride, *pf = h == 0 && i == 0 ? end : NULL;
+            float *yi = yg + i * ldy;
+#define SB(R) avx2_tile1_iq4_sb(R, h, gq, nb, k, ai, stride, yi, ldy, pf)
+            AVX2_REST(m - i, SB);
+#undef SB
+        }
+        return;
+    }
     for (int h = 0; h < 2; h += H) {
         size_t i = 0;
         for (; i + (size_t)R <= m; i += (size_t)R)
