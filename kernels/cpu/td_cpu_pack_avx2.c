@@ -699,6 +699,85 @@ TD_INLINE TD_Y void avx2_tile1_q4(td_dtype_t t, int R, int h0, int H, const unsi
         }
 }
 
+
+/* PROBE (h32q): Q4_K one-byte tile (4 rows by both halves) with the block's sc in the madd
+ * (254 folded out), the int32 sums over a chunk in memory, one float step a chunk. Timing only:
+ * block c0's e stands for the super-block's. */
+TD_INLINE TD_Y void avx2_tile1_q4k_sb(int R, int h0, int H, const unsigned char *gq, size_t nb, size_t k,
+                                      const unsigned char *a, size_t stride, float *y, size_t ldy,
+                                      const unsigned char *pf_end)
+{
+    const td_dtype_t t = TD_Q4_K;
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    const size_t e_at = act_e(a, k) - a, qb = quant_bytes(t), sb = scale_bytes(t);
+    volatile __m256 acc[2][8];
+    volatile __m256i iacc[2][8];
+    for (int x = 0; x < H; x++)
+        for (int i = 0; i < R; i++)
+            acc[x][i] = _mm256_setzero_ps();
+    for (size_t c0 = 0; c0 < nb; c0 += PACK_CHUNK) {
+        const size_t n_in = nb - c0 < PACK_CHUNK ? nb - c0 : PACK_CHUNK;
+        const unsigned char *qc = gq + c0 * (qb + sb), *cs = qc + n_in * qb;
+        for (int x = 0; x < H; x++)
+            for (int i = 0; i < R; i++)
+                iacc[x][i] = _mm256_setzero_si256();
+        for (size_t j = 0; j < n_in; j++) {
+            const size_t b = c0 + j;
+            if (pf_end)
+                decode_prefetch(t, gq, b, pf_end);
+            const unsigned char *q = qc + j * qb + 32 * h0;
+            const unsigned char *ab = a + b * TD_QK;
+            size_t st = stride;
+            __asm__("" : "+r"(st));
+            __m256i s16[2][8];
+#pragma GCC unroll 4
+            for (int v = 0; v < 4; v++) {
+                __m256i lo4[2], hi4[2];
+#pragma GCC unroll 2
+                for (int x = 0; x < H; x++) {
+                    const __m256i raw = _mm256_loadu_si256((const __m256i *)(q + 64 * v + 32 * x));
+                    lo4[x] = _mm256_and_si256(raw, low4);
+                    hi4[x] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+                }
+#pragma GCC unroll 8
+                for (int i = 0; i < R; i++) {
+                    const unsigned char *qh = ab + i * st;
+                    const __m256i al = _mm256_set1_epi32(load_i32(qh + 4 * v));
+                    const __m256i ah = _mm256_set1_epi32(load_i32(qh + 16 + 4 * v));
+#pragma GCC unroll 2
+                    for (int x = 0; x < H; x++) {
+                        const __m256i s = _mm256_add_epi16(_mm256_maddubs_epi16(lo4[x], al), _mm256_maddubs_epi16(hi4[x], ah));
+                        s16[x][i] = v == 0 ? s : _mm256_add_epi16(s16[x][i], s);
+                        AVX2_KEEP(s16[x][i]);
+                    }
+                }
+            }
+#pragma GCC unroll 2
+            for (int x = 0; x < H; x++) {
+                const __m256i s32 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(cs + K_SC(j) + 8 * (h0 + x))));
+                const __m256i scv = _mm256_or_si256(s32, _mm256_slli_epi32(s32, 16));
+#pragma GCC unroll 8
+                for (int i = 0; i < R; i++)
+                    iacc[x][i] = _mm256_add_epi32((__m256i)iacc[x][i], _mm256_madd_epi16(s16[x][i], scv));
+            }
+        }
+#pragma GCC unroll 2
+        for (int x = 0; x < H; x++) {
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cs + K_D + 16 * (h0 + x))));
+#pragma GCC unroll 8
+            for (int i = 0; i < R; i++) {
+                const __m256 e = _mm256_set1_ps(load_f32(a + i * stride + e_at + 4 * c0));
+                acc[x][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps((__m256i)iacc[x][i]), _mm256_mul_ps(d, e), (__m256)acc[x][i]);
+            }
+        }
+    }
+    for (int x = 0; x < H; x++)
+        for (int i = 0; i < R; i++) {
+            float *yi = y + i * ldy + 8 * (h0 + x);
+            _mm256_storeu_ps(yi, _mm256_add_ps(acc[x][i], _mm256_loadu_ps(yi)));
+        }
+}
+
 /* The offset terms M = sum over blocks of m * c (Q4_1, Q4_K, Q5_K), in block order, of half h
  * of a group against R <= 8 activation rows, into y for avx2_tile1_q4 to add its sums to. Apart
  * from the integer tile, whose registers they would take, and for 8 rows at a time: a block's
@@ -738,6 +817,17 @@ TD_INLINE TD_Y void kernel_avx2_q4_one(td_dtype_t t, const unsigned char *gq, si
 #undef MIN_Q4
     }
     const int R = Q4_R(t), H = Q4_H(t);
+    if (t == TD_Q4_K && getenv("H32Q_PROBE")) {
+        size_t i = 0;
+        for (; i + 4 <= m; i += 4)
+            avx2_tile1_q4k_sb(4, 0, 2, gq, nb, k, a + i * stride, stride, yg + i * ldy, ldy, i == 0 ? end : NULL);
+        const unsigned char *ai = a + i * stride, *pf = i == 0 ? end : NULL;
+        float *yi = yg + i * ldy;
+#define SB(R) avx2_tile1_q4k_sb(R, 0, 2, gq, nb, k, ai, stride, yi, ldy, pf)
+        AVX2_REST(m - i, SB);
+#undef SB
+        return;
+    }
     for (int h = 0; h < 2; h += H) {
         size_t i = 0;
         for (; i + (size_t)R <= m; i += (size_t)R)
