@@ -204,16 +204,13 @@ size_t td_cpu_pack_act_stride(size_t k)
 /* The scalar quantizer of one block (the reference the SIMD one equals bit for bit):
  * d = amax / 127 (amax ignores NaN), v = x * (1 / d) clamped to [-127, 127] (NaN to -127),
  * hi = roundf(v), lo = roundf((v - hi) * 254) (v - hi is exact). Returns sum Q, and the sum
- * of the first 16 in *first_p. */
-TD_INLINE int32_t act_block_scalar(const float *x, int8_t *hi, int8_t *lo, float *e_p, int32_t *first_p, bool one)
+ * of the first 16 in *first_p. amax_in >= 0: a super-block's amax sets d instead (act_super). */
+TD_INLINE int32_t act_block_scalar(const float *x, int8_t *hi, int8_t *lo, float *e_p, int32_t *first_p, bool one,
+                                   float amax_in)
 {
-    float amax = 0.0f;
-    bool nan = false;
-    for (int i = 0; i < TD_QK; i++) {
-        amax = fmaxf(amax, fabsf(x[i]));
-        nan |= x[i] != x[i];
-    }
-    float d = amax / 127.0f;
+    bool nan;
+    float amax = act_amax(x, TD_QK, &nan);
+    float d = (amax_in >= 0.0f ? amax_in : amax) / 127.0f;
     float id = d != 0.0f ? 1.0f / d : 0.0f;
     int32_t sum = 0;
     for (int i = 0; i < TD_QK; i++) {
@@ -310,7 +307,37 @@ TD_INLINE float q6_k_block_scalar(const unsigned char *gq, size_t nb, size_t b, 
     return acc;
 }
 
-TD_INLINE void kernel_scalar(td_dtype_t t, const void *wp, size_t g0, size_t g1, size_t k,
+/* A super-block row's super-block s (act_super: one-byte IQ4_XS and Q4_K rows) of weight row
+ * r: the exact integer P = sum over its blocks of sc_b (c_b + sum u hi) (IQ4_XS: sc = ls - 32,
+ * c_b = -128 S_b, so P = sum sc_b sum value hi; Q4_K: the 6-bit sc, no c), then one
+ * acc = fmaf((float)P, d * E, acc), E the super-block's step; Q4_K's offset terms stay a block
+ * each, m_b = -(dmin * mn_b) times c_b = E S_b, into macc (the header's contract) */
+TD_INLINE float super_block_scalar(td_dtype_t t, const unsigned char *gq, size_t nb, size_t s, size_t r,
+                                   const int8_t *hi, const unsigned char *ev, const unsigned char *c, float acc,
+                                   float *macc_p)
+{
+    const unsigned char *ks = gq + chunk_scales_at(t, nb, PACK_CHUNK * s);
+    int32_t big = 0;
+    for (size_t b = PACK_CHUNK * s; b < PACK_CHUNK * (s + 1); b++) {
+        int32_t p = 0;
+        if (t == TD_IQ4_XS)
+            memcpy(&p, c + 4 * b, 4);
+        for (int e = 0; e < TD_QK; e++)
+            p += unsigned_quant(t, gq + block_at(t, b), r, e) * hi[b * TD_QK + e];
+        big += p * (t == TD_IQ4_XS ? (int32_t)(int8_t)ks[XS_SC(b % 8) + r] : (int32_t)ks[K_SC(b % 8) + r]);
+        if (t == TD_Q4_K) {
+            float dw, mw, cf;
+            row_scales(t, gq, nb, b, r, &dw, &mw);
+            memcpy(&cf, c + 4 * b, 4);
+            *macc_p = fmaf(mw, cf, *macc_p);
+        }
+    }
+    float e;
+    memcpy(&e, ev + 4 * PACK_CHUNK * s, 4);
+    return fmaf((float)big, half_at(ks + (t == TD_IQ4_XS ? 0 : K_D) + 2 * r) * e, acc);
+}
+
+TD_INLINE void kernel_scalar(td_dtype_t t, bool one, const void *wp, size_t g0, size_t g1, size_t k,
                              const void *av, size_t m, float *y, size_t ldy)
 {
     size_t nb = k / TD_QK, gb = td_cpu_pack_group_bytes(t, k);
@@ -323,7 +350,9 @@ TD_INLINE void kernel_scalar(td_dtype_t t, const void *wp, size_t g0, size_t g1,
             const unsigned char *ev = act_e(a, k), *c = act_c(a, k);
             for (size_t r = 0; r < ROWS; r++) {
                 float acc = 0.0f, macc = 0.0f;
-                for (size_t b = 0; b < nb; b++) {
+                for (size_t b = 0; b < nb && act_super(t, one); b += PACK_CHUNK)
+                    acc = super_block_scalar(t, gq, nb, b / PACK_CHUNK, r, hi, ev, c, acc, &macc);
+                for (size_t b = 0; b < nb && !act_super(t, one); b++) {
                     if (t == TD_Q6_K) {
                         float ea;
                         int32_t cb, c2;
@@ -354,19 +383,20 @@ TD_INLINE void kernel_scalar(td_dtype_t t, const void *wp, size_t g0, size_t g1,
     }
 }
 
-/* the scalar kernel reads lo as it is: a one-byte row's zeros add nothing, so one set serves
- * both modes */
+/* the scalar kernel reads lo as it is (a one-byte row's zeros add nothing); one-byte rows of
+ * IQ4_XS and Q4_K are super-block rows (act_super), summed their own way */
 TD_INLINE void kernel_scalar_any(td_dtype_t t, bool one_byte, const void *wp, size_t g0, size_t g1, size_t g_pf, size_t k,
                                  const void *av, size_t m, float *y, size_t ldy)
 {
-    (void)one_byte, (void)g_pf;
-    kernel_scalar(t, wp, g0, g1, k, av, m, y, ldy);
+    (void)g_pf;
+    kernel_scalar(t, one_byte, wp, g0, g1, k, av, m, y, ldy);
 }
-PACK_FNS(scalar, , kernel_scalar_any, false)
+PACK_FNS(scalar2, , kernel_scalar_any, false)
+PACK_FNS(scalar1, , kernel_scalar_any, true)
 
 static const td_cpu_pack_ops_t ops_scalar = {
-    .name = "scalar", .act_row = act_row_scalar, .act_q16 = true, .two_byte = PACK_TABLE(scalar),
-    .one_byte = PACK_TABLE(scalar)};
+    .name = "scalar", .act_row = act_row_scalar, .act_q16 = true, .two_byte = PACK_TABLE(scalar2),
+    .one_byte = PACK_TABLE(scalar1)};
 
 /* ---- tables ------------------------------------------------------------------------------- */
 

@@ -6,17 +6,18 @@
  * avx2_row1_q8_0, avx2_row1_signed; avx2_tile1_q4, avx2_tile1_q6_k, avx2_tile1_signed).
  */
 #include "td_cpu_pack_impl.h"
-#include <stdlib.h>
 
 #ifdef TD_CPU_PACK_X86
 #define TD_Y __attribute__((target("avx2,fma,f16c")))
 
 /* act_block_scalar on AVX2, bit for bit (td_cpu_simd's pieces are the scalar C's operations) */
-TD_INLINE TD_Y int32_t act_block_avx2(const float *x, int8_t *hi, int8_t *lo, float *e_p, int32_t *first_p, bool one)
+TD_INLINE TD_Y int32_t act_block_avx2(const float *x, int8_t *hi, int8_t *lo, float *e_p, int32_t *first_p, bool one,
+                                      float amax_in)
 {
     __m256 xv[4];
     bool nan;
-    float d = td_cpu_simd_amax32(x, xv, &nan) / 127.0f;
+    float amax = td_cpu_simd_amax32(x, xv, &nan);
+    float d = (amax_in >= 0.0f ? amax_in : amax) / 127.0f;
     float id = d != 0.0f ? 1.0f / d : 0.0f;
     __m256i qh[4], ql[4], sum = _mm256_setzero_si256();
     for (int j = 0; j < 4; j++) {
@@ -700,18 +701,24 @@ TD_INLINE TD_Y void avx2_tile1_q4(td_dtype_t t, int R, int h0, int H, const unsi
 }
 
 
-/* PROBE (h32q): Q4_K one-byte tile (4 rows by both halves) with the block's sc in the madd
- * (254 folded out), the int32 sums over a chunk in memory, one float step a chunk. Timing only:
- * block c0's e stands for the super-block's. */
-TD_INLINE TD_Y void avx2_tile1_q4k_sb(int R, int h0, int H, const unsigned char *gq, size_t nb, size_t k,
+/* The super-block tile of Q4_K (one-byte rows, act_super; every m, decode too; issue 32,
+ * h32q): R rows by H halves from h0, R * H <= 8, as avx2_tile1_q4 (a row's maddubs pair sums
+ * in int16 over the block's 4 vectors, 8 pairs of at most 2 * 15 * 127 = 30480 < 2^15), but the
+ * madd that widens them multiplies by the block's 6-bit sc (an int16 pair a weight row) where
+ * avx2_tile1_q4 took 254, so each row's int32 sum runs over the super-block, P = sum sc_b sum
+ * q hi (|P| <= 8 * 63 * 30480 * 2 < 2^25), kept in memory as the f32 sums are (the loop's
+ * registers go to the int16 sums), and the float step is one a super-block: acc = fmaf((float)P,
+ * d * E, acc). The offset terms m_b * c_b stay a block each, avx2_min_q4's pass into y, added
+ * last as in avx2_tile1_q4. One core, m = 64, 2048 x 2048: 1.90 -> 1.76 ms (docs/kernels.md). */
+TD_INLINE TD_Y void avx2_tile1_q4_k(int R, int h0, int H, const unsigned char *gq, size_t nb, size_t k,
                                       const unsigned char *a, size_t stride, float *y, size_t ldy,
                                       const unsigned char *pf_end)
 {
     const td_dtype_t t = TD_Q4_K;
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     const size_t e_at = act_e(a, k) - a, qb = quant_bytes(t), sb = scale_bytes(t);
-    volatile __m256 acc[2][8];
-    volatile __m256i iacc[2][8];
+    volatile __m256 acc[2][8];   /* in memory on purpose (avx2_tile1_q4) */
+    volatile __m256i iacc[2][8]; /* P of each row and half, likewise */
     for (int x = 0; x < H; x++)
         for (int i = 0; i < R; i++)
             acc[x][i] = _mm256_setzero_ps();
@@ -802,8 +809,9 @@ TD_INLINE TD_Y void avx2_min_q4(td_dtype_t t, int R, int h, const unsigned char 
 }
 
 /* kernel_avx2's one-byte prefill of the 4-bit types: tiles of Q4_R(t) rows by Q4_H(t) halves,
- * then one of the rest; the offset terms first */
-TD_INLINE TD_Y void kernel_avx2_q4_one(td_dtype_t t, const unsigned char *gq, size_t nb, size_t k, const unsigned char *a,
+ * then one of the rest; the offset terms first. super: Q4_K's super-block rows (any m), whose
+ * tile is avx2_tile1_q4_k */
+TD_INLINE TD_Y void kernel_avx2_q4_one(td_dtype_t t, bool super, const unsigned char *gq, size_t nb, size_t k, const unsigned char *a,
                                        size_t m, size_t stride, float *yg, size_t ldy, const unsigned char *end)
 {
     for (int h = 0; h < 2 && has_min(t); h++) {
@@ -817,15 +825,15 @@ TD_INLINE TD_Y void kernel_avx2_q4_one(td_dtype_t t, const unsigned char *gq, si
 #undef MIN_Q4
     }
     const int R = Q4_R(t), H = Q4_H(t);
-    if (t == TD_Q4_K && getenv("H32Q_PROBE")) {
+    if (super) { /* Q4_K's super-block rows: 4 rows by both halves, then one tile of the rest */
         size_t i = 0;
         for (; i + 4 <= m; i += 4)
-            avx2_tile1_q4k_sb(4, 0, 2, gq, nb, k, a + i * stride, stride, yg + i * ldy, ldy, i == 0 ? end : NULL);
+            avx2_tile1_q4_k(4, 0, 2, gq, nb, k, a + i * stride, stride, yg + i * ldy, ldy, i == 0 ? end : NULL);
         const unsigned char *ai = a + i * stride, *pf = i == 0 ? end : NULL;
         float *yi = yg + i * ldy;
-#define SB(R) avx2_tile1_q4k_sb(R, 0, 2, gq, nb, k, ai, stride, yi, ldy, pf)
-        AVX2_REST(m - i, SB);
-#undef SB
+#define TILE1_Q4_K(R) avx2_tile1_q4_k(R, 0, 2, gq, nb, k, ai, stride, yi, ldy, pf)
+        AVX2_REST(m - i, TILE1_Q4_K);
+#undef TILE1_Q4_K
         return;
     }
     for (int h = 0; h < 2; h += H) {
@@ -933,9 +941,18 @@ TD_INLINE TD_Y void avx2_tile1_signed(td_dtype_t t, int R, int h0, int H, const 
 }
 
 
-/* PROBE (h32q): IQ4_XS one-byte tile with the block's int16 scale in the madd and one float step
- * per 8 blocks (a chunk). Timing only: it reads block c0's e as the super-block's scale. */
-TD_INLINE TD_Y void avx2_tile1_iq4_sb(int R, int h0, const unsigned char *gq, size_t nb, size_t k,
+/* The super-block tile of IQ4_XS (one-byte rows, act_super: one scale a super-block of 256
+ * values; every m, decode too; issue 32, h32q): 8 weight rows (half a group, h0) against R <= 8
+ * rows. As avx2_tile1_signed did per vector and row (w the table value by vpshufb, |w| made
+ * once for the R rows, maddubs(|w|, sign(a, w)): pairs of at most 2 * 127 * 127 = 32258, no
+ * saturation), but the madd that widens the pair sums multiplies them by the block's ls - 32
+ * (an int16 pair a weight row, -32..31) where it took 254, so each row's int32 sum runs over a
+ * whole super-block, P = sum sc_b sum w hi, the reference's integer (|P| <= 8 * 32 * 32 * 127
+ * * 127 < 2^28: a madd lane at most 2 * 32 * 32258, a block 8 of those, a super-block 8 blocks),
+ * and the float step, a cvt, a mul and an FMA a row, is one a super-block instead of one a
+ * block: acc = fmaf((float)P, d * E, acc). One core, m = 64, 2048 x 2048: 2.92 -> 2.73 ms
+ * (docs/kernels.md). */
+TD_INLINE TD_Y void avx2_tile1_iq4_xs(int R, int h0, const unsigned char *gq, size_t nb, size_t k,
                                       const unsigned char *a, size_t stride, float *y, size_t ldy,
                                       const unsigned char *pf_end)
 {
@@ -943,23 +960,23 @@ TD_INLINE TD_Y void avx2_tile1_iq4_sb(int R, int h0, const unsigned char *gq, si
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     const __m256i iq4s = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)td_quant_iq4nl_values));
     const size_t e_at = act_e(a, k) - a, qb = quant_bytes(t), sb = scale_bytes(t);
-    volatile __m256 acc[8];
+    volatile __m256 acc[8]; /* in memory on purpose (avx2_tile1_q4) */
     for (int i = 0; i < R; i++)
         acc[i] = _mm256_setzero_ps();
-    for (size_t c0 = 0; c0 < nb; c0 += PACK_CHUNK) {
+    for (size_t c0 = 0; c0 < nb; c0 += PACK_CHUNK) { /* a super-block (n_in = 8: k % 256 == 0) */
         const size_t n_in = nb - c0 < PACK_CHUNK ? nb - c0 : PACK_CHUNK;
-        const unsigned char *qc = gq + c0 * (qb + sb), *cs = qc + n_in * qb;
-        __m256i p[8];
+        const unsigned char *qc = gq + c0 * (qb + sb), *cs = qc + n_in * qb; /* its quants, its scales */
+        __m256i p[8]; /* P of each row */
         for (int i = 0; i < 8; i++)
             p[i] = _mm256_setzero_si256();
         size_t st = stride;
-        __asm__("" : "+r"(st));
+        __asm__("" : "+r"(st)); /* rows at ab + i * st: no pointer a row */
         for (size_t j = 0; j < n_in; j++) {
             const size_t b = c0 + j;
-            if (pf_end)
+            if (pf_end) /* the group's first sweep */
                 decode_prefetch(t, gq, b, pf_end);
             const unsigned char *q = qc + j * qb + 32 * h0;
-            const unsigned char *ab = a + b * TD_QK;
+            const unsigned char *ab = a + b * TD_QK; /* row 0's hi of block b */
             const __m256i s32 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(cs + XS_SC(j) + 8 * h0)));
             const __m256i scv = _mm256_blend_epi16(s32, _mm256_slli_epi32(s32, 16), 0xAA); /* (ls-32, ls-32) a row */
 #pragma GCC unroll 4
@@ -982,13 +999,30 @@ TD_INLINE TD_Y void avx2_tile1_iq4_sb(int R, int h0, const unsigned char *gq, si
         }
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cs + 16 * h0)));
 #pragma GCC unroll 8
-        for (int i = 0; i < R; i++) {
+        for (int i = 0; i < R; i++) { /* E: the super-block's step, every block's e */
             const __m256 e = _mm256_set1_ps(load_f32(a + i * st + e_at + 4 * c0));
             acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[i]), _mm256_mul_ps(d, e), (__m256)acc[i]);
         }
     }
     for (int i = 0; i < R; i++)
         _mm256_storeu_ps(y + i * ldy + 8 * h0, acc[i]);
+}
+
+/* kernel_avx2's IQ4_XS super-block rows (any m): tiles of 8 rows by half a group, then one of
+ * the rest */
+TD_INLINE TD_Y void kernel_avx2_iq4_xs_one(const unsigned char *gq, size_t nb, size_t k, const unsigned char *a, size_t m,
+                                           size_t stride, float *yg, size_t ldy, const unsigned char *end)
+{
+    for (int h = 0; h < 2; h++) {
+        size_t i = 0;
+        for (; i + 8 <= m; i += 8)
+            avx2_tile1_iq4_xs(8, h, gq, nb, k, a + i * stride, stride, yg + i * ldy, ldy, h == 0 && i == 0 ? end : NULL);
+        const unsigned char *ai = a + i * stride, *pf = h == 0 && i == 0 ? end : NULL;
+        float *yi = yg + i * ldy;
+#define TILE1_XS(R) avx2_tile1_iq4_xs(R, h, gq, nb, k, ai, stride, yi, ldy, pf)
+        AVX2_REST(m - i, TILE1_XS);
+#undef TILE1_XS
+    }
 }
 
 /* kernel_avx2's one-byte prefill of Q8_0 and IQ4_XS: tiles of SIGNED_R rows by SIGNED_H
@@ -998,19 +1032,6 @@ TD_INLINE TD_Y void kernel_avx2_signed_one(td_dtype_t t, const unsigned char *gq
                                            const unsigned char *end)
 {
     const int R = SIGNED_R, H = SIGNED_H;
-    if (t == TD_IQ4_XS && getenv("H32Q_PROBE")) {
-        for (int h = 0; h < 2; h++) {
-            size_t i = 0;
-            for (; i + 8 <= m; i += 8)
-                avx2_tile1_iq4_sb(8, h, gq, nb, k, a + i * stride, stride, yg + i * ldy, ldy, h == 0 && i == 0 ? end : NULL);
-            const unsigned char *ai = a + i * stride, *pf = h == 0 && i == 0 ? end : NULL;
-            float *yi = yg + i * ldy;
-#define SB(R) avx2_tile1_iq4_sb(R, h, gq, nb, k, ai, stride, yi, ldy, pf)
-            AVX2_REST(m - i, SB);
-#undef SB
-        }
-        return;
-    }
     for (int h = 0; h < 2; h += H) {
         size_t i = 0;
         for (; i + (size_t)R <= m; i += (size_t)R)
@@ -1068,7 +1089,14 @@ TD_INLINE TD_Y void kernel_avx2(td_dtype_t t, bool one, const void *wp, size_t g
     for (size_t g = g0; g < g1; g++) {
         const unsigned char *gq = (const unsigned char *)wp + g * gb;
         float *yg = y + (g - g0) * ROWS;
-        if (m >= 2 && one && (t == TD_Q8_0 || t == TD_IQ4_XS)) { /* the sign-trick tile (its comment) */
+        if (act_super(t, one)) { /* super-block rows, decode too: one float step a super-block */
+            if (t == TD_IQ4_XS)
+                kernel_avx2_iq4_xs_one(gq, nb, k, a, m, stride, yg, ldy, end);
+            else
+                kernel_avx2_q4_one(t, true, gq, nb, k, a, m, stride, yg, ldy, end);
+            continue;
+        }
+        if (m >= 2 && one && t == TD_Q8_0) { /* the sign-trick tile (its comment) */
             kernel_avx2_signed_one(t, gq, nb, k, a, m, stride, yg, ldy, end);
             continue;
         }
@@ -1083,7 +1111,7 @@ TD_INLINE TD_Y void kernel_avx2(td_dtype_t t, bool one, const void *wp, size_t g
             continue;
         }
         if (m >= 2 && avx2_row1_takes(t)) { /* one-byte rows (two-byte ones went to the int16 tiles) */
-            kernel_avx2_q4_one(t, gq, nb, k, a, m, stride, yg, ldy, end);
+            kernel_avx2_q4_one(t, false, gq, nb, k, a, m, stride, yg, ldy, end);
             continue;
         }
         if (t == TD_Q6_K) {

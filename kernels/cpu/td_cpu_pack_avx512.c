@@ -20,13 +20,14 @@ TD_INLINE TD_Z __m512 round_half_away(__m512 v)
 
 /* act_block_scalar on AVX-512, bit for bit (max_ps returns its second operand for a NaN
  * lane, so NaN is ignored in amax and clamped to -127 as the scalar code does) */
-TD_INLINE TD_Z int32_t act_block_avx512(const float *x, int8_t *hi, int8_t *lo, float *e_p, int32_t *first_p, bool one)
+TD_INLINE TD_Z int32_t act_block_avx512(const float *x, int8_t *hi, int8_t *lo, float *e_p, int32_t *first_p, bool one,
+                                        float amax_in)
 {
     __m512 x0 = _mm512_loadu_ps(x), x1 = _mm512_loadu_ps(x + 16);
     __m512 amax = _mm512_max_ps(_mm512_abs_ps(x0), _mm512_setzero_ps());
     amax = _mm512_max_ps(_mm512_abs_ps(x1), amax);
     bool nan = (_mm512_cmp_ps_mask(x0, x0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(x1, x1, _CMP_UNORD_Q)) != 0;
-    float d = _mm512_reduce_max_ps(amax) / 127.0f;
+    float d = (amax_in >= 0.0f ? amax_in : _mm512_reduce_max_ps(amax)) / 127.0f;
     float id = d != 0.0f ? 1.0f / d : 0.0f;
     __m512i sum = _mm512_setzero_si512();
     for (int half = 0; half < 2; half++) {
@@ -81,9 +82,13 @@ TD_INLINE TD_V void vnni_tile(td_dtype_t t, bool one, int R, const unsigned char
     /* IQ4_XS: u = value + 128 of each index, in every 128-bit lane for vpshufb */
     const __m512i iq4u = _mm512_broadcast_i32x4(_mm_add_epi8(
         _mm_loadu_si128((const __m128i *)td_quant_iq4nl_values), _mm_set1_epi8((char)0x80)));
+    const bool super = act_super(t, one); /* a super-block row: P over 8 blocks, one float step */
     __m512 acc[8], macc[8];
-    for (int i = 0; i < R; i++)
+    __m512i big[8]; /* super: each row's P = sum sc_b p_b of the super-block so far */
+    for (int i = 0; i < R; i++) {
         acc[i] = macc[i] = _mm512_setzero_ps();
+        big[i] = _mm512_setzero_si512();
+    }
     for (size_t b = 0; b < nb; b++) {
         const unsigned char *q = gq + block_at(t, b);
         __m512i w[8];
@@ -114,7 +119,19 @@ TD_INLINE TD_V void vnni_tile(td_dtype_t t, bool one, int R, const unsigned char
                     w[v] = _mm512_shuffle_epi8(iq4u, w[v]);
         }
         __m512 dw, mw = _mm512_setzero_ps();
-        if (t == TD_IQ4_XS) { /* d * (ls - 32): exact */
+        __m512i isc = _mm512_setzero_si512(); /* super: the block's integer scales */
+        if (super) {
+            const unsigned char *ks = gq + chunk_scales_at(t, nb, b);
+            const __m128i sc8 = _mm_loadu_si128((const __m128i *)(ks + (t == TD_IQ4_XS ? XS_SC(b % 8) : K_SC(b % 8))));
+            isc = t == TD_IQ4_XS ? _mm512_cvtepi8_epi32(sc8) : _mm512_cvtepu8_epi32(sc8);
+            dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(ks + (t == TD_IQ4_XS ? 0 : K_D)))); /* d */
+            if (t == TD_Q4_K)
+                mw = _mm512_castsi512_ps(_mm512_xor_si512(
+                    _mm512_castps_si512(_mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(ks + K_DMIN))),
+                                                      _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
+                                                          (const __m128i *)(ks + K_MN(b % 8))))))),
+                    _mm512_set1_epi32(INT32_MIN)));
+        } else if (t == TD_IQ4_XS) { /* d * (ls - 32): exact */
             const unsigned char *ks = gq + chunk_scales_at(t, nb, b);
             dw = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)ks)),
                                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(ks + XS_SC(b % 8))))));
@@ -172,8 +189,17 @@ TD_INLINE TD_V void vnni_tile(td_dtype_t t, bool one, int R, const unsigned char
                     pl = _mm512_dpbusd_epi32(pl, w[v], _mm512_set1_epi32(load_i32(lo + 4 * v)));
                 }
             }
-            __m512 sc = _mm512_mul_ps(dw, _mm512_set1_ps(load_f32(act_e(ai, k) + 4 * b)));
-            acc[i] = _mm512_fmadd_ps(wide_sum(t, one, ph, pl), sc, acc[i]);
+            if (super) { /* P += sc_b (c_b + sum u hi); at the super-block's end one float step */
+                big[i] = _mm512_add_epi32(big[i], _mm512_mullo_epi32(has_min(t) ? ph : _mm512_add_epi32(ph, pl), isc));
+                if (b % PACK_CHUNK == PACK_CHUNK - 1) {
+                    __m512 sc = _mm512_mul_ps(dw, _mm512_set1_ps(load_f32(act_e(ai, k) + 4 * b)));
+                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(big[i]), sc, acc[i]);
+                    big[i] = _mm512_setzero_si512();
+                }
+            } else {
+                __m512 sc = _mm512_mul_ps(dw, _mm512_set1_ps(load_f32(act_e(ai, k) + 4 * b)));
+                acc[i] = _mm512_fmadd_ps(wide_sum(t, one, ph, pl), sc, acc[i]);
+            }
             if (has_min(t))
                 macc[i] = _mm512_fmadd_ps(mw, _mm512_set1_ps(load_f32(c)), macc[i]);
         }

@@ -109,6 +109,15 @@ TD_INLINE bool has_min(td_dtype_t t)
 }
 
 
+/* Whether a row for weights of type t is a super-block row (the header): one-byte rows for
+ * IQ4_XS and Q4_K weights, one scale a super-block of 256 values, so that a kernel carries a
+ * block's integer scale in its integer sum and takes one float step a super-block (issue 32,
+ * h32q). PACK_CHUNK blocks make a super-block. */
+TD_INLINE bool act_super(td_dtype_t t, bool one_byte)
+{
+    return one_byte && (t == TD_IQ4_XS || t == TD_Q4_K);
+}
+
 /* Where the parts of an activation row of k are (the header's layout) */
 TD_INLINE const int8_t *act_hi(const unsigned char *a) { return (const int8_t *)a; }
 TD_INLINE const int8_t *act_lo(const unsigned char *a, size_t k) { return (const int8_t *)(a + k); }
@@ -140,8 +149,24 @@ TD_INLINE void act_store_c(unsigned char *c, unsigned char *c2, td_dtype_t type,
 
 /* One block's quantizer: hi and lo of the 32 floats at x, *e_p its scale; returns sum Q and
  * the sum of the first 16 Q in *first_p. With `one` (a one-byte row: llama.cpp's rounding)
- * lo is 0 and Q = 254 hi, the second byte never computed. */
-typedef int32_t (*act_block_fn)(const float *x, int8_t *hi, int8_t *lo, float *e_p, int32_t *first_p, bool one);
+ * lo is 0 and Q = 254 hi, the second byte never computed. amax >= 0: the step is amax / 127
+ * (a super-block's, act_super) where the block's own largest |x| would set it (amax < 0). */
+typedef int32_t (*act_block_fn)(const float *x, int8_t *hi, int8_t *lo, float *e_p, int32_t *first_p, bool one,
+                                float amax);
+
+/* The largest |x| of the n floats at x, NaN ignored (fmaxf), and whether one is NaN: a
+ * super-block's, every table's the same value (the maximum is exact in any order) */
+TD_INLINE float act_amax(const float *x, size_t n, bool *nan_p)
+{
+    float amax = 0.0f;
+    bool nan = false;
+    for (size_t i = 0; i < n; i++) {
+        amax = fmaxf(amax, fabsf(x[i]));
+        nan |= x[i] != x[i];
+    }
+    *nan_p = nan;
+    return amax;
+}
 
 /* The activation row of the header's layout, block by block (every table's loop: `block`
  * and `q16` are constants, inlined into each table's row function, once for each one_byte).
@@ -152,10 +177,23 @@ TD_INLINE void act_row_blocks_of(act_block_fn block, const float *x, void *av, t
     unsigned char *a = av;
     if (q16 && one_byte && type == TD_Q6_K) /* act_o6's 8 bytes a block (the loop's), then 0 */
         memset(a + act_q16_at(k) + 8 * (k / TD_QK), 0, 2 * k - 8 * (k / TD_QK));
+    const bool super = act_super(type, one_byte);
+    TD_ASSERT(!super || k % (PACK_CHUNK * TD_QK) == 0);
+    float amax = -1.0f, e_super = 0.0f; /* a super-block row's largest |x| and step (act_super) */
     for (size_t b = 0; b < k / TD_QK; b++) {
         float e;
         int8_t *hi = (int8_t *)a + b * TD_QK, *lo = (int8_t *)a + k + b * TD_QK;
-        int32_t first = 0, sum = block(x + b * TD_QK, hi, lo, &e, &first, one_byte);
+        if (super && b % PACK_CHUNK == 0) {
+            bool nan;
+            amax = act_amax(x + b * TD_QK, PACK_CHUNK * TD_QK, &nan);
+            e_super = nan ? NAN : amax / 127.0f;
+        }
+        int32_t first = 0, sum = block(x + b * TD_QK, hi, lo, &e, &first, one_byte, amax);
+        if (super) { /* e the step of hi itself, c from the sums of hi (lo is 0: sum = 254 S) */
+            e = e_super;
+            sum /= WIDE;
+            first /= WIDE;
+        }
         if (q16 && one_byte && type == TD_Q6_K) { /* the Q part holds the offsets instead (act_o6) */
             int32_t o[4] = {0};
             int16_t o16[4];

@@ -41,6 +41,14 @@ static bool has_min(td_dtype_t t)
     return t == TD_Q4_1 || t == TD_Q4_K || t == TD_Q5_K;
 }
 
+/* one-byte rows of IQ4_XS and Q4_K are super-block rows: one step E a super-block of 256,
+ * stored as every block's e, hi = round(x / E), and the kernels' sum takes one float step a
+ * super-block (td_cpu_pack.h) */
+static bool super_rows(td_dtype_t t, bool one)
+{
+    return one && (t == TD_IQ4_XS || t == TD_Q4_K);
+}
+
 static uint64_t rng_next(uint64_t *s)
 {
     uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
@@ -166,7 +174,9 @@ static float *run(const td_cpu_pack_ops_t *ops, td_dtype_t t, const void *wp, si
     return y;
 }
 
-/* one: rows of one byte a value (lo 0), whose e Q is within d / 2 = 127 e of x, not e / 2 */
+/* one: rows of one byte a value (lo 0), whose e Q is within d / 2 = 127 e of x, not e / 2;
+ * super-block rows (super_rows): Q = hi, e = E the step, within E / 2 of x; the same double
+ * reference, sum over blocks of d_w e sum w Q, holds for both */
 static void check_case(td_dtype_t t, size_t n, size_t k, size_t m, uint64_t seed, bool one)
 {
     uint64_t s = seed;
@@ -186,7 +196,7 @@ static void check_case(td_dtype_t t, size_t n, size_t k, size_t m, uint64_t seed
     for (size_t i = 0; i < m; i++) {
         const unsigned char *ai = a + i * stride;
         for (size_t e = 0; e < k; e++)
-            qa[e] = 254 * ((const int8_t *)ai)[e] + ((const int8_t *)ai)[k + e];
+            qa[e] = (super_rows(t, one) ? 1 : 254) * ((const int8_t *)ai)[e] + ((const int8_t *)ai)[k + e];
         const float *da = (const float *)(ai + 2 * k);
         for (size_t r = 0; r < n; r++) {
             double ref = 0, mag = 0, exact = 0, mag2 = 0, qerr = 0;
@@ -214,7 +224,7 @@ static void check_case(td_dtype_t t, size_t n, size_t k, size_t m, uint64_t seed
                     double wv = wf[r * k + b * TD_QK + e], xv = x[i * k + b * TD_QK + e];
                     exact += wv * xv;
                     mag2 += fabs(wv * xv);
-                    qerr += fabs(wv) * da[b] * (one ? 127.5 : 0.51);
+                    qerr += fabs(wv) * da[b] * (one && !super_rows(t, one) ? 127.5 : 0.51);
                 }
             }
             double got = y[i * ld + r], tol = (double)(nb + 4) * 0x1.0p-24 * mag;
@@ -278,7 +288,7 @@ Test(cpu_pack, simd_tables_equal_scalar_bitwise)
                     const char *mode = one ? "one-byte" : "two-byte";
                     for (size_t i = 0; i < m; i++)
                         td_cpu_pack_act_row(scalar, x + i * k, a + i * stride, t, k, one);
-                    float *want = run(scalar, t, wp, n, k, a, m, false);
+                    float *want = run(scalar, t, wp, n, k, a, m, one);
                     for (size_t mm = 1; mm <= m; mm++) {
                         float *got = run(ops, t, wp, n, k, a, mm, one);
                         for (size_t i = 0; i < mm; i++)
@@ -314,7 +324,9 @@ Test(cpu_pack, simd_tables_equal_scalar_bitwise)
  * they wrap; and where its int16 prefill tiles meet |Q| = 32385
  * (m up to 9: a full tile of 8 rows or two of 4, and one left over); then every quant byte 0x80
  * (Q8_0's -128, IQ4_XS's -127 and 1), whose |w| = 128 AVX2's one-byte Q8_0 tile reads
- * unsigned against a = +-127: pairs of 2 * 128 * 127 = 32512, int16's edge near */
+ * unsigned against a = +-127: pairs of 2 * 128 * 127 = 32512, int16's edge near; then every
+ * byte 0 (IQ4_XS's value -127 with ls - 32 = -32 in every block: the super-block rows' integer
+ * sums at their largest, 8 * 32 * 32 * 127 * 127) */
 Test(cpu_pack, simd_tables_equal_scalar_at_the_extremes)
 {
     const size_t n = 32, k = 256, m = 9, g = n / 16, ld = g * 16;
@@ -324,11 +336,12 @@ Test(cpu_pack, simd_tables_equal_scalar_at_the_extremes)
     for (size_t i = 0; i < m * k; i++)
         x[i] = (i / k % 2 ? -1.0f : 1.0f) * (i % TD_QK == 0 ? 127.0f : 126.5f);
     unsigned char *a = aligned_alloc(64, m * stride);
-    for (size_t fi = 0; fi < 2 * TD_ARRAY_LEN(types); fi++) {
+    static const int fills[] = {0xff, 0x80, 0x00};
+    for (size_t fi = 0; fi < TD_ARRAY_LEN(fills) * TD_ARRAY_LEN(types); fi++) {
         td_dtype_t t = types[fi % TD_ARRAY_LEN(types)];
         size_t row_bytes = td_dtype_bytes(t, k), bb = td_dtype_bytes(t, td_dtype_block_elems(t));
         uint8_t *w = malloc(n * row_bytes);
-        memset(w, fi < TD_ARRAY_LEN(types) ? 0xff : 0x80, n * row_bytes);
+        memset(w, fills[fi / TD_ARRAY_LEN(types)], n * row_bytes);
         uint16_t one_h = 0x3C00; /* f16 1.0: d, and Q4_1's m, Q4_K's and Q5_K's dmin */
         bool two_halves = t == TD_Q4_1 || t == TD_Q4_K || t == TD_Q5_K;
         for (size_t b = 0; b < n * row_bytes / bb; b++) {
@@ -342,7 +355,7 @@ Test(cpu_pack, simd_tables_equal_scalar_at_the_extremes)
         for (int one = 0; one < 2; one++) {
             for (size_t i = 0; i < m; i++)
                 td_cpu_pack_act_row(scalar, x + i * k, a + i * stride, t, k, one);
-            float *want = run(scalar, t, wp, n, k, a, m, false);
+            float *want = run(scalar, t, wp, n, k, a, m, one);
             for (int isa = TD_CPU_ISA_SCALAR + 1; isa < TD_CPU_ISA_COUNT; isa++) {
                 if (!td_cpu_isa_runs((td_cpu_isa_t)isa))
                     continue;
@@ -395,14 +408,25 @@ Test(cpu_pack, act_row)
     const td_cpu_pack_ops_t *scalar = td_cpu_pack_ops(TD_CPU_ISA_SCALAR);
     for (size_t ti = 0; ti < TD_ARRAY_LEN(types); ti++) {
         td_dtype_t t = types[ti];
-        /* one byte: the two-byte row's hi, lo all 0, c from Q = 254 hi; every table the same */
+        /* one byte: the two-byte row's hi, lo all 0, c from Q = 254 hi (super-block rows: the
+         * act_row_super_blocks test); every table the same */
         td_cpu_pack_act_row(scalar, x, a, t, k, false);
         td_cpu_pack_act_row(scalar, x, b2, t, k, true);
-        cr_assert_eq(memcmp(a, b2, k), 0, "%s: one byte's hi differs from two bytes'", td_dtype_name(t));
-        cr_assert_eq(memcmp(a + 2 * k, b2 + 2 * k, 4 * nb), 0, "%s: one byte's e differs", td_dtype_name(t));
         for (size_t e = 0; e < k; e++)
             cr_assert_eq(((const int8_t *)b2)[k + e], 0, "%s: one byte's lo %zu is not 0", td_dtype_name(t), e);
-        for (size_t b = 0; b < nb; b++) {
+        for (int isa = TD_CPU_ISA_AVX2; isa <= (int)td_cpu_isa_best(); isa++) {
+            const td_cpu_pack_ops_t *ops = td_cpu_pack_ops((td_cpu_isa_t)isa);
+            unsigned char *b3 = aligned_alloc(64, stride);
+            memset(b3, 0, stride), memset(b2 + 2 * k + 12 * nb, 0, q16_at - (2 * k + 12 * nb)); /* the padding */
+            td_cpu_pack_act_row(ops, x, b3, t, k, true);
+            check_table_row(ops, b2, b3, k, "one-byte");
+            free(b3);
+        }
+        if (!super_rows(t, true)) {
+            cr_assert_eq(memcmp(a, b2, k), 0, "%s: one byte's hi differs from two bytes'", td_dtype_name(t));
+            cr_assert_eq(memcmp(a + 2 * k, b2 + 2 * k, 4 * nb), 0, "%s: one byte's e differs", td_dtype_name(t));
+        }
+        for (size_t b = 0; b < nb && !super_rows(t, true); b++) {
             int32_t sum = 0, first = 0;
             for (int j = 0; j < TD_QK; j++) {
                 sum += 254 * ((const int8_t *)b2)[b * TD_QK + j];
@@ -422,14 +446,6 @@ Test(cpu_pack, act_row)
                 cr_assert_eq(ci[0], (t == TD_Q4_0 ? -8 : -128) * sum, "one byte, block %zu", b);
         }
         cr_assert(scalar->act_q16, "the reference writes every part: its rows feed every table");
-        for (int isa = TD_CPU_ISA_AVX2; isa <= (int)td_cpu_isa_best(); isa++) {
-            const td_cpu_pack_ops_t *ops = td_cpu_pack_ops((td_cpu_isa_t)isa);
-            unsigned char *b3 = aligned_alloc(64, stride);
-            memset(b3, 0, stride), memset(b2 + 2 * k + 12 * nb, 0, q16_at - (2 * k + 12 * nb)); /* the padding */
-            td_cpu_pack_act_row(ops, x, b3, t, k, true);
-            check_table_row(ops, b2, b3, k, "one-byte");
-            free(b3);
-        }
         td_cpu_pack_act_row(scalar, x, a, t, k, false);
         for (size_t b = 0; b < 2; b++) /* Q as int16 after the rest, 64-aligned: 254 hi + lo, one-byte rows too */
             for (size_t e = 0; e < k; e++) {
@@ -490,4 +506,71 @@ Test(cpu_pack, act_row)
         }
     }
     free(x), free(a), free(b2);
+}
+
+/* A super-block row (one-byte IQ4_XS and Q4_K): per 256 values one step E = amax / 127 (amax
+ * over the super-block, NaN ignored; NaN if one is NaN), stored as each of its 8 blocks' e;
+ * hi = round(x / E) clamped, within E / 2 of x; c of block b from S_b, the sum of its hi
+ * (IQ4_XS: -128 S_b; Q4_K: E * S_b); lo 0; every table's row the scalar one's bytes. Two
+ * super-blocks: one of random blocks whose largest |x| sits in its block 3 (so a block's own
+ * step would differ), one with a NaN. */
+Test(cpu_pack, act_row_super_blocks)
+{
+    uint64_t s = 5;
+    const size_t k = 512, nb = k / TD_QK, stride = td_cpu_pack_act_stride(k);
+    const size_t q16_at = (2 * k + 12 * nb + 63) / 64 * 64;
+    float *x = make_x(1, k, &s);
+    x[3 * TD_QK + 9] = 1000.0f;
+    x[8 * TD_QK + 2] = NAN;
+    const td_cpu_pack_ops_t *scalar = td_cpu_pack_ops(TD_CPU_ISA_SCALAR);
+    static const td_dtype_t sb_types[] = {TD_IQ4_XS, TD_Q4_K};
+    unsigned char *a = aligned_alloc(64, stride);
+    for (size_t ti = 0; ti < TD_ARRAY_LEN(sb_types); ti++) {
+        td_dtype_t t = sb_types[ti];
+        memset(a, 0, stride);
+        td_cpu_pack_act_row(scalar, x, a, t, k, true);
+        for (size_t sb = 0; sb < nb / 8; sb++) {
+            float amax = 0.0f;
+            for (size_t j = 0; j < 256; j++)
+                amax = fmaxf(amax, fabsf(x[256 * sb + j]));
+            float E = sb == 1 ? NAN : amax / 127.0f, id = 1.0f / (amax / 127.0f);
+            for (size_t b = 8 * sb; b < 8 * sb + 8; b++) {
+                float e;
+                memcpy(&e, a + 2 * k + 4 * b, 4);
+                cr_assert(sb == 1 ? isnan(e) : e == E, "%s block %zu: e %g, the super-block's step %g",
+                          td_dtype_name(t), b, e, E);
+                int32_t S = 0;
+                for (size_t j = 0; j < TD_QK; j++) {
+                    size_t at = b * TD_QK + j;
+                    float v = x[at] * id;
+                    v = v >= -127.0f ? v : -127.0f;
+                    v = v <= 127.0f ? v : 127.0f;
+                    int hi = ((const int8_t *)a)[at];
+                    cr_assert_eq(hi, (int)roundf(v), "%s value %zu: hi %d for x %g", td_dtype_name(t), at, hi, x[at]);
+                    cr_assert_eq(((const int8_t *)a)[k + at], 0);
+                    if (sb == 0)
+                        cr_assert(fabs((double)E * hi - x[at]) <= 0.51 * E, "x %g, E hi %g", x[at], (double)E * hi);
+                    S += hi;
+                }
+                if (t == TD_IQ4_XS) {
+                    int32_t c;
+                    memcpy(&c, a + 2 * k + 4 * nb + 4 * b, 4);
+                    cr_assert_eq(c, -128 * S, "IQ4_XS block %zu: c %d, -128 S %d", b, c, -128 * S);
+                } else {
+                    float c;
+                    memcpy(&c, a + 2 * k + 4 * nb + 4 * b, 4);
+                    cr_assert(memcmp(&c, &(float){e * (float)S}, 4) == 0, "Q4_K block %zu: c %g", b, c);
+                }
+            }
+        }
+        for (int isa = TD_CPU_ISA_AVX2; isa <= (int)td_cpu_isa_best(); isa++) {
+            const td_cpu_pack_ops_t *ops = td_cpu_pack_ops((td_cpu_isa_t)isa);
+            unsigned char *b3 = aligned_alloc(64, stride);
+            memset(b3, 0, stride), memset(a + 2 * k + 12 * nb, 0, q16_at - (2 * k + 12 * nb)); /* the padding */
+            td_cpu_pack_act_row(ops, x, b3, t, k, true);
+            check_table_row(ops, a, b3, k, "super-block");
+            free(b3);
+        }
+    }
+    free(x), free(a);
 }
