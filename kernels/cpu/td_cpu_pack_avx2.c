@@ -3,7 +3,10 @@
  * bit-identical to the scalar reference (td_cpu_pack.h). Two-byte prefill tiles (m >= 2)
  * multiply int16 weights by the row's int16 Q with vpmaddwd (w16_tile); decode (m = 1) and the
  * one-byte rows use maddubs + madd on the hi and lo bytes (avx2_row1, avx2_row1_q6_k,
- * avx2_row1_q8_0, avx2_row1_signed; avx2_tile1_q4, avx2_tile1_q6_k, avx2_tile1_signed).
+ * avx2_row1_q8_0, avx2_row1_iq4_xs, avx2_row1_q4_k; avx2_tile1_q4, avx2_tile1_q4_k, avx2_tile1_q6_k,
+ * avx2_tile1_signed, avx2_tile1_iq4_xs). One-byte rows of IQ4_XS and Q4_K weights are super-block
+ * rows (act_super: one scale a super-block), whose kernels carry a block's integer scale in the
+ * integer sum and take one float step a super-block.
  */
 #include "td_cpu_pack_impl.h"
 
@@ -198,49 +201,102 @@ TD_INLINE TD_Y void avx2_row1(td_dtype_t t, bool one, const unsigned char *gq, s
         _mm256_storeu_ps(y + 8 * x, has_min(t) ? _mm256_add_ps(acc[x], macc[x]) : acc[x]);
 }
 
-/* Decode's one activation row against a whole group (both halves) for one-byte IQ4_XS (the
- * type avx2_row1 does not take; a two-byte IQ4_XS row goes to w16_tile, Q8_0's to
- * avx2_row1_q8_0). The int32 lanes of maddubs + madd are the same four-product sums vpdpbusd
- * makes; the hi part's int16 pair sums are widened by a madd with 254 instead of 1, so each
- * block's exact integer p = 254 p_hi builds up in one accumulator a half. The weights are
- * signed (the table value): the sign trick |w| * sign(a, w) keeps maddubs' pairs in int16, up
- * to 2 * 127 * 127, so every vector needs its own madd, and the sum starts at 0 instead of c
- * (the same integer as VNNI's c + sum u Q). */
-TD_INLINE TD_Y void avx2_row1_signed(td_dtype_t t, bool one, const unsigned char *gq, size_t nb, size_t k,
-                                     const unsigned char *a, float *y, const unsigned char *pf_end)
+/* Decode's one activation row against a whole group (both halves) for one-byte IQ4_XS, a
+ * super-block row (act_super; a two-byte IQ4_XS row goes to w16_tile). The weights are signed
+ * (the table value): the sign trick |w| * sign(a, w) keeps maddubs' pairs in int16, up to 2 *
+ * 127 * 127, so every vector needs its own madd, which multiplies the pair sums by the block's
+ * ls - 32 (avx2_tile1_iq4_xs's integers), and each half's int32 sum runs over the super-block
+ * before its one float step. */
+TD_INLINE TD_Y void avx2_row1_iq4_xs(const unsigned char *gq, size_t nb, size_t k, const unsigned char *a, float *y,
+                                     const unsigned char *pf_end)
 {
-    TD_ASSERT(t == TD_IQ4_XS && one);
-    const __m256i low4 = _mm256_set1_epi8(0x0F), wide = _mm256_set1_epi16(WIDE);
+    const td_dtype_t t = TD_IQ4_XS;
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
     /* IQ4_XS: the signed values of the indices in both lanes, for vpshufb */
     const __m256i iq4s = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)td_quant_iq4nl_values));
     const int8_t *hi = act_hi(a);
     __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    __m256i big[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}; /* P of each half */
     for (size_t b = 0; b < nb; b++) {
         decode_prefetch(t, gq, b, pf_end);
         const unsigned char *qblk = gq + block_at(t, b), *cs = gq + chunk_scales_at(t, nb, b);
         const int8_t *qh = hi + b * TD_QK;
-        const __m256 e = _mm256_set1_ps(load_f32(act_e(a, k) + 4 * b));
 #pragma GCC unroll 2
         for (int h = 0; h < 2; h++) {
             const unsigned char *q = qblk + 32 * h;
-            __m256i p = _mm256_setzero_si256();
+            const __m256i s32 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(cs + XS_SC(b % 8) + 8 * h)));
+            const __m256i scv = _mm256_blend_epi16(s32, _mm256_slli_epi32(s32, 16), 0xAA); /* (ls-32, ls-32) a row */
+            __m256i p = big[h];
 #pragma GCC unroll 4
             for (int v = 0; v < 4; v++) {
                 __m256i raw = _mm256_loadu_si256((const __m256i *)(q + 64 * v));
                 __m256i sl = _mm256_shuffle_epi8(iq4s, _mm256_and_si256(raw, low4));
                 __m256i sh = _mm256_shuffle_epi8(iq4s, _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4));
                 __m256i al = _mm256_abs_epi8(sl), ah = _mm256_abs_epi8(sh);
-                p = _mm256_add_epi32(p, _mm256_add_epi32( /* one-byte: no lo part (above) */
-                    _mm256_madd_epi16(_mm256_maddubs_epi16(al, _mm256_sign_epi8(_mm256_set1_epi32(load_i32(qh + 4 * v)), sl)), wide),
-                    _mm256_madd_epi16(_mm256_maddubs_epi16(ah, _mm256_sign_epi8(_mm256_set1_epi32(load_i32(qh + 16 + 4 * v)), sh)), wide)));
+                p = _mm256_add_epi32(p, _mm256_add_epi32(
+                    _mm256_madd_epi16(_mm256_maddubs_epi16(al, _mm256_sign_epi8(_mm256_set1_epi32(load_i32(qh + 4 * v)), sl)), scv),
+                    _mm256_madd_epi16(_mm256_maddubs_epi16(ah, _mm256_sign_epi8(_mm256_set1_epi32(load_i32(qh + 16 + 4 * v)), sh)), scv)));
             }
-            __m256 dw, mw;
-            avx2_scales(t, cs, b, h, &dw, &mw);
-            acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(dw, e), acc[h]);
+            big[h] = p;
+            if (b % PACK_CHUNK == PACK_CHUNK - 1) { /* the super-block's float step */
+                const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cs + 16 * h)));
+                const __m256 e = _mm256_set1_ps(load_f32(act_e(a, k) + 4 * b));
+                acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(d, e), acc[h]);
+                big[h] = _mm256_setzero_si256();
+            }
         }
     }
     for (int h = 0; h < 2; h++)
         _mm256_storeu_ps(y + 8 * h, acc[h]);
+}
+
+/* Decode's one activation row against a whole Q4_K group (both halves), a super-block row
+ * (act_super): avx2_row1's integers (a v's broadcasts serve both halves, maddubs' pair sums in
+ * int16 over the block's 4 v) widened by the block's sc instead of 254, each half's int32 sum
+ * over the super-block and one float step a super-block; the offset terms a block each, as
+ * avx2_row1's. The blocks are walked chunk by chunk (a block's quants and scales at constant
+ * offsets of its chunk's) and the v loop is rolled, as avx2_row1's one-byte Q4_K. */
+TD_INLINE TD_Y void avx2_row1_q4_k(const unsigned char *gq, size_t nb, size_t k, const unsigned char *a, float *y,
+                                   const unsigned char *pf_end)
+{
+    const td_dtype_t t = TD_Q4_K;
+    const size_t qb = quant_bytes(t), sb = scale_bytes(t);
+    const int8_t *hi = act_hi(a);
+    const unsigned char *ev = act_e(a, k), *cv = act_c(a, k);
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, macc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (size_t c0 = 0; c0 < nb; c0 += PACK_CHUNK) { /* a super-block (k % 256 == 0) */
+        const unsigned char *qc = gq + c0 * (qb + sb), *cs = qc + PACK_CHUNK * qb; /* its quants, its scales */
+        __m256i big[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}; /* P of each half */
+        for (size_t j = 0; j < PACK_CHUNK; j++) {
+            const size_t b = c0 + j;
+            decode_prefetch(t, gq, b, pf_end);
+            const unsigned char *q = qc + j * qb;
+            const int8_t *qh = hi + b * TD_QK;
+            __m256i sh[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}, sl[2];
+#pragma GCC unroll 1
+            for (int v = 0; v < 4; v++)
+                avx2_row1_v(t, true, false, v, q, qh, qh, sh, sl);
+            const __m256 cb = _mm256_set1_ps(load_f32(cv + 4 * b));
+#pragma GCC unroll 2
+            for (int x = 0; x < 2; x++) {
+                const __m256i s32 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(cs + K_SC(j) + 8 * x)));
+                big[x] = _mm256_add_epi32(big[x], _mm256_madd_epi16(sh[x], _mm256_or_si256(s32, _mm256_slli_epi32(s32, 16))));
+                const __m128i mn8 = _mm_loadl_epi64((const __m128i *)(cs + K_MN(j) + 8 * x));
+                const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cs + K_DMIN + 16 * x)));
+                const __m256 mw = _mm256_xor_ps(_mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mn8))),
+                                                _mm256_set1_ps(-0.0f)); /* -(dmin * mn), NaN signs as scalar's */
+                macc[x] = _mm256_fmadd_ps(mw, cb, macc[x]);
+            }
+        }
+        const __m256 e = _mm256_set1_ps(load_f32(ev + 4 * c0));
+#pragma GCC unroll 2
+        for (int x = 0; x < 2; x++) { /* the super-block's float step */
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cs + K_D + 16 * x)));
+            acc[x] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(big[x]), _mm256_mul_ps(d, e), acc[x]);
+        }
+    }
+    for (int x = 0; x < 2; x++)
+        _mm256_storeu_ps(y + 8 * x, _mm256_add_ps(acc[x], macc[x]));
 }
 
 /* Decode's one activation row against a whole Q8_0 group (issue 32, h32l): avx2_row1_signed's
@@ -1089,8 +1145,10 @@ TD_INLINE TD_Y void kernel_avx2(td_dtype_t t, bool one, const void *wp, size_t g
     for (size_t g = g0; g < g1; g++) {
         const unsigned char *gq = (const unsigned char *)wp + g * gb;
         float *yg = y + (g - g0) * ROWS;
-        if (act_super(t, one)) { /* super-block rows, decode too: one float step a super-block */
-            if (t == TD_IQ4_XS)
+        if (act_super(t, one)) { /* super-block rows: one float step a super-block */
+            if (m == 1)
+                (t == TD_IQ4_XS ? avx2_row1_iq4_xs : avx2_row1_q4_k)(gq, nb, k, a, yg, end);
+            else if (t == TD_IQ4_XS)
                 kernel_avx2_iq4_xs_one(gq, nb, k, a, m, stride, yg, ldy, end);
             else
                 kernel_avx2_q4_one(t, true, gq, nb, k, a, m, stride, yg, ldy, end);
@@ -1127,7 +1185,7 @@ TD_INLINE TD_Y void kernel_avx2(td_dtype_t t, bool one, const void *wp, size_t g
         else if (t == TD_Q8_0)
             avx2_row1_q8_0(one, gq, nb, k, a, yg, end);
         else
-            avx2_row1_signed(t, one, gq, nb, k, a, yg, end);
+            TD_ASSERT(!"kernel_avx2: no row kernel for this type and mode");
     }
 }
 
