@@ -299,8 +299,9 @@ TD_INLINE TD_Y void avx2_row1_q4_k(const unsigned char *gq, size_t nb, size_t k,
         _mm256_storeu_ps(y + 8 * x, _mm256_add_ps(acc[x], macc[x]));
 }
 
-/* Decode's one activation row against a whole Q8_0 group (issue 32, h32l): avx2_row1_signed's
- * integers (the sign trick, a madd every vector, the hi part's by 254) laid out for the
+/* Decode's one activation row against a whole Q8_0 group (issue 32, h32l): the integers of
+ * avx2_row1_signed, the type-generic signed row it replaced (since gone: one-byte IQ4_XS has
+ * avx2_row1_iq4_xs), the sign trick, a madd every vector, the hi part's by 254, laid out for the
  * stream: the blocks walked chunk by chunk (a block's quants and scales at constant offsets
  * of its chunk's, where block_at and chunk_scales_at cost ~25 scalar instructions a block),
  * both halves in one pass (a v's hi and lo broadcasts serve the 16 rows), every v unrolled
@@ -905,8 +906,9 @@ TD_INLINE TD_Y void kernel_avx2_q4_one(td_dtype_t t, bool super, const unsigned 
     }
 }
 
-/* The one-byte prefill tile of the signed types (Q8_0, IQ4_XS; m >= 2, `--device cpu:q8`; issue
- * 32, h32n): H halves of a group from h0 (8 weight rows each) against R one-byte rows, R * H <=
+/* The one-byte prefill tile of Q8_0 (m >= 2, `--device cpu:q8`; issue 32, h32n; it took IQ4_XS
+ * too until avx2_tile1_iq4_xs, the same integers a vector and row with the block's scale in the
+ * madd, h32q): H halves of a group from h0 (8 weight rows each) against R one-byte rows, R * H <=
  * 8. Each weight vector w (8 rows x 4 weights; Q8_0 u ^ 0x80, IQ4_XS the table value by
  * vpshufb) and |w| are made once a block for the R rows; a row's broadcast of 4 activation bytes
  * a then meets it as maddubs(|w|, sign(a, w)): the products w a in pairs of at most 2 * 128 *
@@ -927,9 +929,8 @@ TD_INLINE TD_Y void avx2_tile1_signed(td_dtype_t t, int R, int h0, int H, const 
                                       const unsigned char *a, size_t stride, float *y, size_t ldy,
                                       const unsigned char *pf_end)
 {
-    const int nv = t == TD_Q8_0 ? 8 : 4; /* weight vectors (IQ4_XS: bytes of two) a block and half */
-    const __m256i low4 = _mm256_set1_epi8(0x0F), bias8 = _mm256_set1_epi8((char)0x80), wide = _mm256_set1_epi16(WIDE);
-    const __m256i iq4s = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)td_quant_iq4nl_values));
+    TD_ASSERT(t == TD_Q8_0);
+    const __m256i bias8 = _mm256_set1_epi8((char)0x80), wide = _mm256_set1_epi16(WIDE);
     const size_t e_at = act_e(a, k) - a, qb = quant_bytes(t), sb = scale_bytes(t);
     volatile __m256 acc[2][8]; /* in memory on purpose (avx2_tile1_q4) */
     for (int x = 0; x < H; x++)
@@ -948,19 +949,12 @@ TD_INLINE TD_Y void avx2_tile1_signed(td_dtype_t t, int R, int h0, int H, const 
             __asm__("" : "+r"(st)); /* rows at ab + i * st: no pointer a row */
             __m256i p[2][8];
 #pragma GCC unroll 8
-            for (int v = 0; v < nv; v++) {
-                __m256i w[2][2], aw[2][2]; /* [half][IQ4_XS: low, high nibbles] */
+            for (int v = 0; v < 8; v++) {
+                __m256i w[2], aw[2]; /* [half] */
 #pragma GCC unroll 2
                 for (int x = 0; x < H; x++) {
-                    const __m256i raw = _mm256_loadu_si256((const __m256i *)(q + 64 * v + 32 * x));
-                    if (t == TD_Q8_0)
-                        w[x][0] = _mm256_xor_si256(raw, bias8);
-                    else {
-                        w[x][0] = _mm256_shuffle_epi8(iq4s, _mm256_and_si256(raw, low4));
-                        w[x][1] = _mm256_shuffle_epi8(iq4s, _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4));
-                        aw[x][1] = _mm256_abs_epi8(w[x][1]);
-                    }
-                    aw[x][0] = _mm256_abs_epi8(w[x][0]);
+                    w[x] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(q + 64 * v + 32 * x)), bias8);
+                    aw[x] = _mm256_abs_epi8(w[x]);
                 }
 #pragma GCC unroll 8
                 for (int i = 0; i < R; i++) {
@@ -968,12 +962,7 @@ TD_INLINE TD_Y void avx2_tile1_signed(td_dtype_t t, int R, int h0, int H, const 
                     const __m256i a0 = _mm256_set1_epi32(load_i32(qh + 4 * v));
 #pragma GCC unroll 2
                     for (int x = 0; x < H; x++) {
-                        __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(aw[x][0], _mm256_sign_epi8(a0, w[x][0])), wide);
-                        if (t == TD_IQ4_XS) {
-                            const __m256i a1 = _mm256_set1_epi32(load_i32(qh + 16 + 4 * v));
-                            s = _mm256_add_epi32(s, _mm256_madd_epi16(
-                                                        _mm256_maddubs_epi16(aw[x][1], _mm256_sign_epi8(a1, w[x][1])), wide));
-                        }
+                        const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(aw[x], _mm256_sign_epi8(a0, w[x])), wide);
                         p[x][i] = v == 0 ? s : _mm256_add_epi32(p[x][i], s);
                         AVX2_KEEP(p[x][i]);
                     }
@@ -1081,8 +1070,8 @@ TD_INLINE TD_Y void kernel_avx2_iq4_xs_one(const unsigned char *gq, size_t nb, s
     }
 }
 
-/* kernel_avx2's one-byte prefill of Q8_0 and IQ4_XS: tiles of SIGNED_R rows by SIGNED_H
- * halves, then one of the rest */
+/* kernel_avx2's one-byte prefill of Q8_0: tiles of SIGNED_R rows by SIGNED_H halves, then one
+ * of the rest */
 TD_INLINE TD_Y void kernel_avx2_signed_one(td_dtype_t t, const unsigned char *gq, size_t nb, size_t k,
                                            const unsigned char *a, size_t m, size_t stride, float *yg, size_t ldy,
                                            const unsigned char *end)
