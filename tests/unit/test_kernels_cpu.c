@@ -1374,8 +1374,8 @@ Test(backend_open, device_values_parse_or_are_refused)
 }
 
 /* cpu:q8: the packed matmul on one-byte activation rows, bit for bit what td_cpu_pack's scalar
- * kernel gives on the rows td_cpu_pack_act_row makes with one_byte; the default backend's
- * two-byte result is another */
+ * one-byte kernel gives on the rows td_cpu_pack_act_row makes with one_byte (for Q4_K and IQ4_XS
+ * super-block rows, one scale a 256 values); the default backend's two-byte result is another */
 Test(backend_open, cpu_q8_runs_one_byte_activations)
 {
     td_device_spec_t d;
@@ -1384,40 +1384,44 @@ Test(backend_open, cpu_q8_runs_one_byte_activations)
     cr_assert_eq(td_device_parse("cpu:exact", &d), TD_OK);
     cr_assert(!d.cuda && d.exact && !d.q8);
     cr_assert_eq(td_device_parse("cpu:q8", &d), TD_OK);
-    const int m = 3, n = 40, k = 256, ld = 48;
+    const int m = 3, n = 40, k = 512, ld = 48;
+    static const td_dtype_t types[] = {TD_Q4_0, TD_Q4_K, TD_IQ4_XS};
     rng_t r = {0x98};
     td_backend_t *q8 = NULL, *two = make_backend(2);
     cr_assert_eq(td_backend_open(&d, 2, TD_F32, &q8), TD_OK);
-    void *w = make_blocks(&r, TD_Q4_0, (size_t)n * k), *wp = NULL, *wp2 = NULL;
-    float *x = xmalloc((size_t)m * k * 4), *y = xmalloc((size_t)m * n * 4), *y2 = xmalloc((size_t)m * n * 4);
-    fill_random(&r, x, TD_F32, NULL, (size_t)m * k);
-    cr_assert_eq(q8->ops->weight_pack(q8, w, TD_Q4_0, n, k, &wp), TD_OK);
-    cr_assert_eq(two->ops->weight_pack(two, w, TD_Q4_0, n, k, &wp2), TD_OK);
-    td_matmul_params_t p = {.m = m, .n = n, .k = k, .x = x, .w = wp, .w_dtype = TD_Q4_0, .w_packed = true, .y = y};
-    cr_assert_eq(q8->ops->matmul(q8, &p), TD_OK);
-    p.w = wp2;
-    p.y = y2;
-    cr_assert_eq(two->ops->matmul(two, &p), TD_OK);
-    const td_cpu_pack_ops_t *scalar = td_cpu_pack_ops(TD_CPU_ISA_SCALAR);
-    size_t stride = td_cpu_pack_act_stride(k);
-    unsigned char *a = aligned_alloc(64, (size_t)m * stride);
-    for (int i = 0; i < m; i++)
-        td_cpu_pack_act_row(scalar, x + (size_t)i * k, a + (size_t)i * stride, TD_Q4_0, k, true);
-    float *ref = xmalloc((size_t)m * ld * 4);
-    td_cpu_pack_fn_of(scalar, TD_Q4_0, false)(wp, 0, 3, 3, k, a, m, ref, ld);
-    int differ = 0;
-    for (int i = 0; i < m; i++)
-        for (int j = 0; j < n; j++) {
-            cr_assert_eq(memcmp(&y[i * n + j], &ref[i * ld + j], 4), 0, "(%d, %d): %g, one-byte scalar %g", i, j,
-                         y[i * n + j], ref[i * ld + j]);
-            differ += memcmp(&y2[i * n + j], &ref[i * ld + j], 4) != 0;
-        }
-    cr_assert(differ > 0, "the default backend's outputs all equal the one-byte ones");
-    q8->ops->free(q8, wp);
-    two->ops->free(two, wp2);
+    for (size_t ti = 0; ti < sizeof types / sizeof types[0]; ti++) {
+        const td_dtype_t t = types[ti];
+        void *w = make_blocks(&r, t, (size_t)n * k), *wp = NULL, *wp2 = NULL;
+        float *x = xmalloc((size_t)m * k * 4), *y = xmalloc((size_t)m * n * 4), *y2 = xmalloc((size_t)m * n * 4);
+        fill_random(&r, x, TD_F32, NULL, (size_t)m * k);
+        cr_assert_eq(q8->ops->weight_pack(q8, w, t, n, k, &wp), TD_OK);
+        cr_assert_eq(two->ops->weight_pack(two, w, t, n, k, &wp2), TD_OK);
+        td_matmul_params_t p = {.m = m, .n = n, .k = k, .x = x, .w = wp, .w_dtype = t, .w_packed = true, .y = y};
+        cr_assert_eq(q8->ops->matmul(q8, &p), TD_OK);
+        p.w = wp2;
+        p.y = y2;
+        cr_assert_eq(two->ops->matmul(two, &p), TD_OK);
+        const td_cpu_pack_ops_t *scalar = td_cpu_pack_ops(TD_CPU_ISA_SCALAR);
+        size_t stride = td_cpu_pack_act_stride(k);
+        unsigned char *a = aligned_alloc(64, (size_t)m * stride);
+        for (int i = 0; i < m; i++)
+            td_cpu_pack_act_row(scalar, x + (size_t)i * k, a + (size_t)i * stride, t, k, true);
+        float *ref = xmalloc((size_t)m * ld * 4);
+        td_cpu_pack_fn_of(scalar, t, true)(wp, 0, 3, 3, k, a, m, ref, ld);
+        int differ = 0;
+        for (int i = 0; i < m; i++)
+            for (int j = 0; j < n; j++) {
+                cr_assert_eq(memcmp(&y[i * n + j], &ref[i * ld + j], 4), 0, "%s (%d, %d): %g, one-byte scalar %g",
+                             td_dtype_name(t), i, j, y[i * n + j], ref[i * ld + j]);
+                differ += memcmp(&y2[i * n + j], &ref[i * ld + j], 4) != 0;
+            }
+        cr_assert(differ > 0, "%s: the default backend's outputs all equal the one-byte ones", td_dtype_name(t));
+        q8->ops->free(q8, wp);
+        two->ops->free(two, wp2);
+        free(w), free(x), free(y), free(y2), free(a), free(ref);
+    }
     td_backend_destroy(q8);
     td_backend_destroy(two);
-    free(w), free(x), free(y), free(y2), free(a), free(ref);
 }
 
 /* cpu:staged: the CPU backend whose memory callers must treat as a device's */
