@@ -809,14 +809,14 @@ Test(engine, verify_rows_equal_one_row_steps_gguf, .timeout = 300)
  * single row; of 5, 15 rows, the last block 3): prompts prefilled whole, in pieces of 7 and
  * of 5, give the same bits in every generated token's logits. (A row skewed in the kernel's
  * single-row path, 1 + 1e-7 of its scores, fails it.) */
-Test(engine, split_invariance_gguf, .timeout = 300)
+static void split_invariance_gguf(bool one_byte)
 {
     const char *path = getenv("TANDEM_TEST_GGUF");
     if (!path || !*path)
         cr_skip_test("TANDEM_TEST_GGUF does not name a file (set it to SmolLM2-135M-Instruct.Q4_1.gguf)");
     td_test_engine_t fx = {0};
     cr_assert_eq(td_model_load(path, &fx.model), TD_OK, "%s", td_last_error());
-    td_cpu_config_t cc = {.n_threads = 1};
+    td_cpu_config_t cc = {.n_threads = 1, .act_one_byte = one_byte};
     cr_assert_eq(td_backend_cpu_create(&cc, &fx.be), TD_OK, "%s", td_last_error());
     td_engine_config_t ec = td_engine_config_default();
     ec.n_blocks = 64;
@@ -848,4 +848,16 @@ Test(engine, split_invariance_gguf, .timeout = 300)
         free(prompt), free(whole), free(got), free(h_whole), free(h_got);
     }
     td_test_engine_close(&fx);
+}
+
+Test(engine, split_invariance_gguf, .timeout = 300)
+{
+    split_invariance_gguf(false);
+}
+
+/* The same with cpu:q8's one-byte activation rows (a file with Q4_K or IQ4_XS matrices runs
+ * their super-block rows, one scale a 256 values) */
+Test(engine, split_invariance_gguf_q8, .timeout = 300)
+{
+    split_invariance_gguf(true);
 }
