@@ -9,6 +9,7 @@
  * integer sum and take one float step a super-block.
  */
 #include "td_cpu_pack_impl.h"
+#include <stdlib.h>
 
 #ifdef TD_CPU_PACK_X86
 #define TD_Y __attribute__((target("avx2,fma,f16c")))
@@ -649,6 +650,71 @@ TD_INLINE TD_Y void avx2_tile1_q6_k(int R, int h, const unsigned char *gq, size_
         _mm256_storeu_ps(y + i * ldy + 8 * h, acc[i]);
 }
 
+/* PROBE (h32r, timing only, env H32R_PROBE): Q6_K's one-byte tile with the half's int8 sc
+ * (as int16 pairs) in the madd where 254 was, int32 sums over a chunk in memory, one float step
+ * a chunk (block c0's e stands for the super-block's). */
+TD_INLINE TD_Y void avx2_tile1_q6k_sb(int R, int h, const unsigned char *gq, size_t nb, size_t k, const unsigned char *a,
+                                      size_t stride, float *y, size_t ldy, const unsigned char *pf_end)
+{
+    const __m256i low4 = _mm256_set1_epi8(0x0F), hi2 = _mm256_set1_epi8(0x30), lo16 = _mm256_set1_epi32(0xFFFF);
+    const size_t e_at = act_e(a, k) - a, o_at = act_o6(a, k) - a;
+    const size_t qb = quant_bytes(TD_Q6_K), sb = scale_bytes(TD_Q6_K);
+    volatile __m256 acc[Q6_TILE];
+    volatile __m256i iacc[Q6_TILE];
+    for (int i = 0; i < R; i++)
+        acc[i] = _mm256_setzero_ps();
+    for (size_t c0 = 0; c0 < nb; c0 += PACK_CHUNK) {
+        const size_t n_in = nb - c0 < PACK_CHUNK ? nb - c0 : PACK_CHUNK;
+        const unsigned char *qc = gq + c0 * (qb + sb), *cs = qc + n_in * qb;
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cs + 16 * h)));
+        for (int i = 0; i < R; i++)
+            iacc[i] = _mm256_setzero_si256();
+        for (size_t j = 0; j < n_in; j++) {
+            const size_t b = c0 + j;
+            if (pf_end)
+                decode_prefetch(TD_Q6_K, gq, b, pf_end);
+            const unsigned char *q = qc + j * qb + 32 * h;
+            size_t st = stride;
+            __asm__("" : "+r"(st));
+            __m256i w[2][4], scv[2];
+#pragma GCC unroll 2
+            for (int s = 0; s < 2; s++) {
+                const __m256i hb = _mm256_loadu_si256((const __m256i *)(q + 256 + 64 * s));
+#pragma GCC unroll 4
+                for (int v = 0; v < 4; v++) {
+                    const __m256i raw = _mm256_loadu_si256((const __m256i *)(q + 64 * v));
+                    w[s][v] = _mm256_or_si256(_mm256_and_si256(s ? _mm256_srli_epi16(raw, 4) : raw, low4),
+                                              _mm256_and_si256(Q6_HI_YMM(hb, v), hi2));
+                }
+                const __m256i s32 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(cs + K6_SC(j, s) + 8 * h)));
+                scv[s] = _mm256_or_si256(_mm256_and_si256(s32, lo16), _mm256_slli_epi32(s32, 16));
+            }
+#pragma GCC unroll 16
+            for (int i = 0; i < R; i++) {
+                const unsigned char *ai = a + i * st;
+                __m256i t = iacc[i];
+#pragma GCC unroll 2
+                for (int s = 0; s < 2; s++) {
+                    const unsigned char *qh = ai + b * TD_QK + 16 * s;
+                    __m256i s16 = _mm256_set1_epi32(load_i32(ai + o_at + 8 * b + 4 * s));
+#pragma GCC unroll 4
+                    for (int v = 0; v < 4; v++)
+                        s16 = _mm256_add_epi16(
+                            s16, _mm256_maddubs_epi16(w[s][v], _mm256_set1_epi32(load_i32(qh + 4 * v))));
+                    t = _mm256_add_epi32(t, _mm256_madd_epi16(s16, scv[s]));
+                }
+                iacc[i] = t;
+            }
+        }
+        for (int i = 0; i < R; i++) {
+            const __m256 e = _mm256_set1_ps(load_f32(a + i * stride + e_at + 4 * c0));
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps((__m256i)iacc[i]), _mm256_mul_ps(d, e), (__m256)acc[i]);
+        }
+    }
+    for (int i = 0; i < R; i++)
+        _mm256_storeu_ps(y + i * ldy + 8 * h, acc[i]);
+}
+
 /* The one-byte prefill tile of the 4-bit types (Q4_0, Q4_1, Q4_K, Q5_K; m >= 2, `--device
  * cpu:q8`): H halves of a group from h0 (8 weight rows each) against R one-byte rows, R * H <=
  * 8. Per row, half and block, maddubs' int16 pair sums build up over the block's 4 vectors (u
@@ -1094,6 +1160,22 @@ TD_INLINE TD_Y void kernel_avx2_signed_one(td_dtype_t t, const unsigned char *gq
 TD_INLINE TD_Y void kernel_avx2_q6_k_one(const unsigned char *gq, size_t nb, size_t k, const unsigned char *a, size_t m,
                                          size_t stride, float *yg, size_t ldy, const unsigned char *end)
 {
+    if (getenv("H32R_PROBE")) {
+        for (int h = 0; h < 2; h++) {
+            size_t i = 0;
+            for (; i + Q6_TILE <= m; i += Q6_TILE)
+                avx2_tile1_q6k_sb(Q6_TILE, h, gq, nb, k, a + i * stride, stride, yg + i * ldy, ldy,
+                                  h == 0 && i == 0 ? end : NULL);
+            for (; i + 8 <= m; i += 8)
+                avx2_tile1_q6k_sb(8, h, gq, nb, k, a + i * stride, stride, yg + i * ldy, ldy, h == 0 && i == 0 ? end : NULL);
+            const unsigned char *ai = a + i * stride, *pf = h == 0 && i == 0 ? end : NULL;
+            float *yi = yg + i * ldy;
+#define SB(R) avx2_tile1_q6k_sb(R, h, gq, nb, k, ai, stride, yi, ldy, pf)
+            AVX2_REST(m - i, SB);
+#undef SB
+        }
+        return;
+    }
     for (int h = 0; h < 2; h++) {
         size_t i = 0;
         for (; i + Q6_TILE <= m; i += Q6_TILE)
