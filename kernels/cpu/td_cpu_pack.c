@@ -307,9 +307,11 @@ TD_INLINE float q6_k_block_scalar(const unsigned char *gq, size_t nb, size_t b, 
     return acc;
 }
 
-/* A super-block row's super-block s (act_super: one-byte IQ4_XS and Q4_K rows) of weight row
- * r: the exact integer P = sum over its blocks of sc_b (c_b + sum u hi) (IQ4_XS: sc = ls - 32,
- * c_b = -128 S_b, so P = sum sc_b sum value hi; Q4_K: the 6-bit sc, no c), then one
+/* A super-block row's super-block s (act_super: one-byte IQ4_XS, Q4_K and Q6_K rows) of weight
+ * row r: the exact integer P = sum over its blocks of sc_b (c_b + sum u hi) (IQ4_XS: sc = ls -
+ * 32, c_b = -128 S_b, so P = sum sc_b sum value hi; Q4_K: the 6-bit sc, no c; Q6_K: per half h
+ * of a block its int8 sc_bh (c_bh + sum over the half of u hi), c_b0 = c, c_b1 = c2 = -32
+ * times the half's sum of hi, so P = sum sc_bh sum (u - 32) hi), then one
  * acc = fmaf((float)P, d * E, acc), E the super-block's step; Q4_K's offset terms stay a block
  * each, m_b = -(dmin * mn_b) times c_b = E S_b, into macc (the header's contract) */
 TD_INLINE float super_block_scalar(td_dtype_t t, const unsigned char *gq, size_t nb, size_t s, size_t r,
@@ -319,6 +321,16 @@ TD_INLINE float super_block_scalar(td_dtype_t t, const unsigned char *gq, size_t
     const unsigned char *ks = gq + chunk_scales_at(t, nb, PACK_CHUNK * s);
     int32_t big = 0;
     for (size_t b = PACK_CHUNK * s; b < PACK_CHUNK * (s + 1); b++) {
+        if (t == TD_Q6_K) { /* c2 (act_c2) follows c's nb words */
+            for (int h = 0; h < 2; h++) {
+                int32_t p;
+                memcpy(&p, c + 4 * (h * nb + b), 4);
+                for (int e = 16 * h; e < 16 * h + 16; e++)
+                    p += unsigned_quant(t, gq + block_at(t, b), r, e) * hi[b * TD_QK + e];
+                big += p * (int32_t)(int8_t)ks[K6_SC(b % 8, h) + r];
+            }
+            continue;
+        }
         int32_t p = 0;
         if (t == TD_IQ4_XS)
             memcpy(&p, c + 4 * b, 4);
@@ -334,7 +346,7 @@ TD_INLINE float super_block_scalar(td_dtype_t t, const unsigned char *gq, size_t
     }
     float e;
     memcpy(&e, ev + 4 * PACK_CHUNK * s, 4);
-    return fmaf((float)big, half_at(ks + (t == TD_IQ4_XS ? 0 : K_D) + 2 * r) * e, acc);
+    return fmaf((float)big, half_at(ks + (t == TD_Q4_K ? K_D : 0) + 2 * r) * e, acc);
 }
 
 TD_INLINE void kernel_scalar(td_dtype_t t, bool one, const void *wp, size_t g0, size_t g1, size_t k,
@@ -384,7 +396,7 @@ TD_INLINE void kernel_scalar(td_dtype_t t, bool one, const void *wp, size_t g0, 
 }
 
 /* the scalar kernel reads lo as it is (a one-byte row's zeros add nothing); one-byte rows of
- * IQ4_XS and Q4_K are super-block rows (act_super), summed their own way */
+ * IQ4_XS, Q4_K and Q6_K are super-block rows (act_super), summed their own way */
 TD_INLINE void kernel_scalar_any(td_dtype_t t, bool one_byte, const void *wp, size_t g0, size_t g1, size_t g_pf, size_t k,
                                  const void *av, size_t m, float *y, size_t ldy)
 {

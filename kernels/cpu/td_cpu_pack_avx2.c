@@ -9,7 +9,6 @@
  * integer sum and take one float step a super-block.
  */
 #include "td_cpu_pack_impl.h"
-#include <stdlib.h>
 
 #ifdef TD_CPU_PACK_X86
 #define TD_Y __attribute__((target("avx2,fma,f16c")))
@@ -365,13 +364,17 @@ TD_INLINE TD_Y void avx2_row1_q8_0(bool one, const unsigned char *gq, size_t nb,
  * (each v's vector unpacked once for both) held 12 accumulators and the broadcasts, and GCC
  * spilled them, the v's products as a tree of adds (one core, m = 1, two-byte, a 2048 x 2048
  * matrix in L2: 21.2 -> 24.4 GB/s; one-byte 30.8 -> 31.5). The vector is loaded once a half
- * (an L1 hit the second time). */
+ * (an L1 hit the second time). One-byte rows are super-block rows: the half's exact p = c +
+ * sum u hi (|p| <= 16 * 32 * 127) times its int8 sc (vpmulld) into the int32 P of the
+ * super-block, |P| < 2^31 (td_cpu_pack.h), one FMA by d * E a super-block. It reads only what
+ * every table's quantizer writes (not act_o6: avx512vnni's decode comes here). */
 TD_INLINE TD_Y void avx2_row1_q6_k(bool one, const unsigned char *gq, size_t nb, size_t k, const unsigned char *a, float *y,
                                    const unsigned char *pf_end)
 {
     const __m256i low4 = _mm256_set1_epi8(0x0F), hi2 = _mm256_set1_epi8(0x30);
     const int8_t *hi = act_hi(a), *lo = act_lo(a, k);
     __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    __m256i big[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}; /* one: the super-block's P */
     for (size_t b = 0; b < nb; b++) {
         decode_prefetch(TD_Q6_K, gq, b, pf_end);
         const unsigned char *ks = gq + chunk_scales_at(TD_Q6_K, nb, b), *qb = gq + block_at(TD_Q6_K, b);
@@ -400,13 +403,23 @@ TD_INLINE TD_Y void avx2_row1_q6_k(bool one, const unsigned char *gq, size_t nb,
                             AVX2_KEEP(sl);
                         }
                     }
-                    p = _mm256_add_epi32(p, _mm256_madd_epi16(sh, _mm256_set1_epi16(WIDE))); /* widen: hi by 254, lo by 1 */
+                    /* widen: hi by 254 and lo by 1 (one byte, a super-block row: hi by 1) */
+                    p = _mm256_add_epi32(p, _mm256_madd_epi16(sh, _mm256_set1_epi16(one ? 1 : WIDE)));
                     if (!one)
                         p = _mm256_add_epi32(p, _mm256_madd_epi16(sl, _mm256_set1_epi16(1)));
                     AVX2_KEEP(p);
                 }
-                __m256 dw = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(ks + K6_SC(b % 8, h) + 8 * x)))));
-                acc[x] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(dw, e), acc[x]);
+                const __m256i sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(ks + K6_SC(b % 8, h) + 8 * x)));
+                if (one) {
+                    big[x] = _mm256_add_epi32(big[x], _mm256_mullo_epi32(p, sc));
+                } else {
+                    __m256 dw = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc));
+                    acc[x] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(dw, e), acc[x]);
+                }
+            }
+            if (one && b % PACK_CHUNK == PACK_CHUNK - 1) { /* the super-block's float step (e = E) */
+                acc[x] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(big[x]), _mm256_mul_ps(d, e), acc[x]);
+                big[x] = _mm256_setzero_si256();
             }
         }
     }
@@ -577,83 +590,25 @@ TD_INLINE bool w16_both_halves(td_dtype_t t)
     return t == TD_Q4_0 || t == TD_Q4_1 || t == TD_Q8_0;
 }
 
-/* Q6_K's one-byte prefill tile (m >= 2, `--device cpu:q8`): half h of a group (8 weight rows)
- * against R one-byte rows, R <= Q6_TILE. maddubs' int16 lanes of row r hold the products of
- * two weights, those of a block's 16-weight half at positions {0, 1} (even lanes) or {2, 3}
- * (odd) mod 4; over the half's 4 vectors each lane sums 8 of them, u <= 63 against |hi| <=
- * 127, up to 64008, too much for int16. But a lane that starts at -32 times the sum of its 8
- * hi (the row's act_o6 pair, made by the quantizer) ends at sum (u - 32) hi, |.| <= 32 * 8 *
- * 127 = 32512: in range, so vpaddw's wrapping leaves it exact whatever the order, and one madd
- * by 254 then gives the half's p = c + 254 sum u hi, the reference's integer. Per row and
- * half: 4 maddubs and 1 madd (the 8-row tile before this one: 4 and 2, and c's broadcast and
- * adds). The block's 8 weight vectors are made once for the R rows, which go one at a time
- * (the loop holds those 8, the halves' d * sc, 254 and one sum), one pointer and a stride
- * opaque to GCC (no pointer a row kept live); the f32 sums live in memory (volatile, as
- * avx2_tile1_q4's: a load and a store a row and block), so R costs no register and 16 rows
- * share each block's unpacking; the blocks are walked chunk by chunk, a block's quants and
- * scales at constant offsets. One core, m = 64, 2048 x 2048: 3.53 -> 3.15 ms (docs/kernels.md). */
-#define Q6_TILE 16 /* the widest tile's rows (its f32 sums in memory, so R costs no register) */
+/* Q6_K's one-byte prefill tile (m >= 2, `--device cpu:q8`; super-block rows): half h of a
+ * group (8 weight rows) against R one-byte rows, R <= Q6_TILE. maddubs' int16 lanes of row r
+ * hold the products of two weights, those of a block's 16-weight half at positions {0, 1}
+ * (even lanes) or {2, 3} (odd) mod 4; over the half's 4 vectors each lane sums 8 of them, u <=
+ * 63 against |hi| <= 127, up to 64008, too much for int16. But a lane that starts at -32 times
+ * the sum of its 8 hi (the row's act_o6 pair, made by the quantizer) ends at sum (u - 32) hi,
+ * |.| <= 32 * 8 * 127 = 32512: in range, so vpaddw's wrapping leaves it exact whatever the
+ * order. One madd by the half's int8 sc (sign-extended, as an int16 pair a row) then gives sc
+ * times the half's c + sum u hi, |.| <= 128 * 2 * 32512 = 8,323,072 a lane, added into the
+ * row's int32 P; 16 halves a super-block, |P| <= 133,169,152 < 2^31 (td_cpu_pack.h), and one
+ * FMA by d * E a super-block (issue 32: one float step where the per-32 rows took a madd by
+ * 254, a cvt, a mul and an FMA a row and half). Per row and block: 8 maddubs, 2 madd, 2 add.
+ * The block's 8 weight vectors and the halves' scales are made once for the R rows, which go
+ * one at a time, one pointer and a stride opaque to GCC (no pointer a row kept live); the
+ * int32 and f32 sums live in memory (volatile, as avx2_tile1_q4's), so R costs no register and
+ * 16 rows share each block's unpacking; the blocks are walked chunk by chunk (a chunk is a
+ * super-block), a block's quants and scales at constant offsets. docs/kernels.md. */
+#define Q6_TILE 16 /* the widest tile's rows (its sums in memory, so R costs no register) */
 TD_INLINE TD_Y void avx2_tile1_q6_k(int R, int h, const unsigned char *gq, size_t nb, size_t k, const unsigned char *a,
-                                    size_t stride, float *y, size_t ldy, const unsigned char *pf_end)
-{
-    const __m256i low4 = _mm256_set1_epi8(0x0F), hi2 = _mm256_set1_epi8(0x30), wide = _mm256_set1_epi16(WIDE);
-    const size_t e_at = act_e(a, k) - a, o_at = act_o6(a, k) - a;
-    const size_t qb = quant_bytes(TD_Q6_K), sb = scale_bytes(TD_Q6_K);
-    volatile __m256 acc[Q6_TILE]; /* in memory on purpose (above) */
-    for (int i = 0; i < R; i++)
-        acc[i] = _mm256_setzero_ps();
-    for (size_t c0 = 0; c0 < nb; c0 += PACK_CHUNK) { /* chunk by chunk: no index arithmetic a block */
-        const size_t n_in = nb - c0 < PACK_CHUNK ? nb - c0 : PACK_CHUNK;
-        const unsigned char *qc = gq + c0 * (qb + sb), *cs = qc + n_in * qb; /* its quants, its scales */
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cs + 16 * h))); /* the super-block's */
-        for (size_t j = 0; j < n_in; j++) {
-            const size_t b = c0 + j;
-            if (pf_end) /* the group's first sweep */
-                decode_prefetch(TD_Q6_K, gq, b, pf_end);
-            const unsigned char *q = qc + j * qb + 32 * h;
-            size_t st = stride;
-            __asm__("" : "+r"(st)); /* row i at a + i * st: no pointer a row */
-            __m256i w[2][4]; /* w[s][v]: weights 16 s + 4 v .. 16 s + 4 v + 3 of the 8 rows */
-            __m256 dw[2];    /* the halves' d * sc, exact */
-#pragma GCC unroll 2
-            for (int s = 0; s < 2; s++) {
-                const __m256i hb = _mm256_loadu_si256((const __m256i *)(q + 256 + 64 * s));
-#pragma GCC unroll 4
-                for (int v = 0; v < 4; v++) {
-                    const __m256i raw = _mm256_loadu_si256((const __m256i *)(q + 64 * v));
-                    w[s][v] = _mm256_or_si256(_mm256_and_si256(s ? _mm256_srli_epi16(raw, 4) : raw, low4),
-                                              _mm256_and_si256(Q6_HI_YMM(hb, v), hi2));
-                }
-                dw[s] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                                             _mm_loadl_epi64((const __m128i *)(cs + K6_SC(j, s) + 8 * h)))));
-            }
-#pragma GCC unroll 16
-            for (int i = 0; i < R; i++) {
-                const unsigned char *ai = a + i * st;
-                const __m256 e = _mm256_set1_ps(load_f32(ai + e_at + 4 * b));
-                __m256 t = acc[i];
-#pragma GCC unroll 2
-                for (int s = 0; s < 2; s++) { /* the halves in the reference's order */
-                    const unsigned char *qh = ai + b * TD_QK + 16 * s;
-                    __m256i s16 = _mm256_set1_epi32(load_i32(ai + o_at + 8 * b + 4 * s));
-#pragma GCC unroll 4
-                    for (int v = 0; v < 4; v++)
-                        s16 = _mm256_add_epi16(
-                            s16, _mm256_maddubs_epi16(w[s][v], _mm256_set1_epi32(load_i32(qh + 4 * v))));
-                    t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s16, wide)), _mm256_mul_ps(dw[s], e), t);
-                }
-                acc[i] = t;
-            }
-        }
-    }
-    for (int i = 0; i < R; i++)
-        _mm256_storeu_ps(y + i * ldy + 8 * h, acc[i]);
-}
-
-/* PROBE (h32r, timing only, env H32R_PROBE): Q6_K's one-byte tile with the half's int8 sc
- * (as int16 pairs) in the madd where 254 was, int32 sums over a chunk in memory, one float step
- * a chunk (block c0's e stands for the super-block's). */
-TD_INLINE TD_Y void avx2_tile1_q6k_sb(int R, int h, const unsigned char *gq, size_t nb, size_t k, const unsigned char *a,
                                       size_t stride, float *y, size_t ldy, const unsigned char *pf_end)
 {
     const __m256i low4 = _mm256_set1_epi8(0x0F), hi2 = _mm256_set1_epi8(0x30), lo16 = _mm256_set1_epi32(0xFFFF);
@@ -1160,22 +1115,6 @@ TD_INLINE TD_Y void kernel_avx2_signed_one(td_dtype_t t, const unsigned char *gq
 TD_INLINE TD_Y void kernel_avx2_q6_k_one(const unsigned char *gq, size_t nb, size_t k, const unsigned char *a, size_t m,
                                          size_t stride, float *yg, size_t ldy, const unsigned char *end)
 {
-    if (getenv("H32R_PROBE")) {
-        for (int h = 0; h < 2; h++) {
-            size_t i = 0;
-            for (; i + Q6_TILE <= m; i += Q6_TILE)
-                avx2_tile1_q6k_sb(Q6_TILE, h, gq, nb, k, a + i * stride, stride, yg + i * ldy, ldy,
-                                  h == 0 && i == 0 ? end : NULL);
-            for (; i + 8 <= m; i += 8)
-                avx2_tile1_q6k_sb(8, h, gq, nb, k, a + i * stride, stride, yg + i * ldy, ldy, h == 0 && i == 0 ? end : NULL);
-            const unsigned char *ai = a + i * stride, *pf = h == 0 && i == 0 ? end : NULL;
-            float *yi = yg + i * ldy;
-#define SB(R) avx2_tile1_q6k_sb(R, h, gq, nb, k, ai, stride, yi, ldy, pf)
-            AVX2_REST(m - i, SB);
-#undef SB
-        }
-        return;
-    }
     for (int h = 0; h < 2; h++) {
         size_t i = 0;
         for (; i + Q6_TILE <= m; i += Q6_TILE)
@@ -1217,7 +1156,11 @@ TD_INLINE TD_Y void kernel_avx2(td_dtype_t t, bool one, const void *wp, size_t g
         const unsigned char *gq = (const unsigned char *)wp + g * gb;
         float *yg = y + (g - g0) * ROWS;
         if (act_super(t, one)) { /* super-block rows: one float step a super-block */
-            if (m == 1)
+            if (t == TD_Q6_K && m == 1)
+                avx2_row1_q6_k(true, gq, nb, k, a, yg, end);
+            else if (t == TD_Q6_K)
+                kernel_avx2_q6_k_one(gq, nb, k, a, m, stride, yg, ldy, end);
+            else if (m == 1)
                 (t == TD_IQ4_XS ? avx2_row1_iq4_xs : avx2_row1_q4_k)(gq, nb, k, a, yg, end);
             else if (t == TD_IQ4_XS)
                 kernel_avx2_iq4_xs_one(gq, nb, k, a, m, stride, yg, ldy, end);
@@ -1243,11 +1186,8 @@ TD_INLINE TD_Y void kernel_avx2(td_dtype_t t, bool one, const void *wp, size_t g
             kernel_avx2_q4_one(t, false, gq, nb, k, a, m, stride, yg, ldy, end);
             continue;
         }
-        if (t == TD_Q6_K) {
-            if (m >= 2)
-                kernel_avx2_q6_k_one(gq, nb, k, a, m, stride, yg, ldy, end);
-            else /* decode */
-                avx2_row1_q6_k(one, gq, nb, k, a, yg, end);
+        if (t == TD_Q6_K) { /* a two-byte decode row (one-byte rows are super-block rows) */
+            avx2_row1_q6_k(false, gq, nb, k, a, yg, end);
             continue;
         }
         /* decode (m = 1) */

@@ -213,15 +213,20 @@ TD_INLINE TD_V void vnni_tile(td_dtype_t t, bool one, int R, const unsigned char
 
 /* One Q6_K group against R activation rows: the 8 weight vectors of a block made once (u =
  * low nibble | high bits << 4, 0..63), then per row the two halves' exact integers (c + sum u
- * Q: c = -32 sum Q of the half) and their two FMAs, half 0 first */
+ * Q: c = -32 sum Q of the half) and their two FMAs, half 0 first. One-byte rows are
+ * super-block rows: each half's c + sum u hi times its int8 sc (vpmulld) into the row's int32
+ * P, one FMA by d * E a super-block (td_cpu_pack.h; AVX2's row and tile alike) */
 TD_INLINE TD_V void vnni_tile_q6_k(bool one, int R, const unsigned char *gq, size_t nb, size_t k,
                                    const unsigned char *a, size_t stride, float *y, size_t ldy,
                                    const unsigned char *pf_end)
 {
     const __m512i low4 = _mm512_set1_epi8(0x0F), hi2 = _mm512_set1_epi8(0x30);
     __m512 acc[8];
-    for (int i = 0; i < R; i++)
+    __m512i big[8]; /* one byte: each row's P of the super-block so far */
+    for (int i = 0; i < R; i++) {
         acc[i] = _mm512_setzero_ps();
+        big[i] = _mm512_setzero_si512();
+    }
     for (size_t b = 0; b < nb; b++) {
         const unsigned char *q = gq + block_at(TD_Q6_K, b);
         if (pf_end)
@@ -238,9 +243,12 @@ TD_INLINE TD_V void vnni_tile_q6_k(bool one, int R, const unsigned char *gq, siz
         const unsigned char *ks = gq + chunk_scales_at(TD_Q6_K, nb, b);
         __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)ks));
         __m512 dw[2];
-        for (int h = 0; h < 2; h++)
-            dw[h] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                         _mm_loadu_si128((const __m128i *)(ks + K6_SC(b % 8, h))))));
+        __m512i isc[2];
+        for (int h = 0; h < 2; h++) {
+            isc[h] = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(ks + K6_SC(b % 8, h))));
+            dw[h] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(isc[h]));
+        }
+        const bool step = one && b % PACK_CHUNK == PACK_CHUNK - 1; /* the super-block's last block */
 #pragma GCC unroll 8
         for (int i = 0; i < R; i++) {
             const unsigned char *ai = a + i * stride;
@@ -254,7 +262,14 @@ TD_INLINE TD_V void vnni_tile_q6_k(bool one, int R, const unsigned char *gq, siz
                     if (!one)
                         pl = _mm512_dpbusd_epi32(pl, w[4 * h + v], _mm512_set1_epi32(load_i32(lo + 16 * h + 4 * v)));
                 }
-                acc[i] = _mm512_fmadd_ps(wide_sum(TD_Q6_K, one, ph, pl), _mm512_mul_ps(dw[h], e), acc[i]);
+                if (one)
+                    big[i] = _mm512_add_epi32(big[i], _mm512_mullo_epi32(_mm512_add_epi32(ph, pl), isc[h]));
+                else
+                    acc[i] = _mm512_fmadd_ps(wide_sum(TD_Q6_K, one, ph, pl), _mm512_mul_ps(dw[h], e), acc[i]);
+            }
+            if (step) { /* e = E */
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(big[i]), _mm512_mul_ps(d, e), acc[i]);
+                big[i] = _mm512_setzero_si512();
             }
         }
     }

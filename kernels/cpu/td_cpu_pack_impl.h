@@ -110,12 +110,12 @@ TD_INLINE bool has_min(td_dtype_t t)
 
 
 /* Whether a row for weights of type t is a super-block row (the header): one-byte rows for
- * IQ4_XS and Q4_K weights, one scale a super-block of 256 values, so that a kernel carries a
- * block's integer scale in its integer sum and takes one float step a super-block (issue 32,
- * h32q). PACK_CHUNK blocks make a super-block. */
+ * IQ4_XS, Q4_K and Q6_K weights, one scale a super-block of 256 values, so that a kernel
+ * carries a block's (Q6_K: a half's) integer scale in its integer sum and takes one float
+ * step a super-block (issue 32, h32q; Q6_K h32r). PACK_CHUNK blocks make a super-block. */
 TD_INLINE bool act_super(td_dtype_t t, bool one_byte)
 {
-    return one_byte && (t == TD_IQ4_XS || t == TD_Q4_K);
+    return one_byte && (t == TD_IQ4_XS || t == TD_Q4_K || t == TD_Q6_K);
 }
 
 /* Where the parts of an activation row of k are (the header's layout) */

@@ -41,12 +41,12 @@ static bool has_min(td_dtype_t t)
     return t == TD_Q4_1 || t == TD_Q4_K || t == TD_Q5_K;
 }
 
-/* one-byte rows of IQ4_XS and Q4_K are super-block rows: one step E a super-block of 256,
+/* one-byte rows of IQ4_XS, Q4_K and Q6_K are super-block rows: one step E a super-block of 256,
  * stored as every block's e, hi = round(x / E), and the kernels' sum takes one float step a
  * super-block (td_cpu_pack.h) */
 static bool super_rows(td_dtype_t t, bool one)
 {
-    return one && (t == TD_IQ4_XS || t == TD_Q4_K);
+    return one && (t == TD_IQ4_XS || t == TD_Q4_K || t == TD_Q6_K);
 }
 
 static uint64_t rng_next(uint64_t *s)
