@@ -326,7 +326,9 @@ Test(cpu_pack, simd_tables_equal_scalar_bitwise)
  * (Q8_0's -128, IQ4_XS's -127 and 1), whose |w| = 128 AVX2's one-byte Q8_0 tile reads
  * unsigned against a = +-127: pairs of 2 * 128 * 127 = 32512, int16's edge near; then every
  * byte 0 (IQ4_XS's value -127 with ls - 32 = -32 in every block: the super-block rows' integer
- * sums at their largest, 8 * 32 * 32 * 127 * 127) */
+ * sums at their largest, 8 * 32 * 32 * 127 * 127; Q6_K's with its int8 scales -128 instead:
+ * u - 32 = -32, a super-block's P = 16 halves * 128 * 16 * 32 * 127 = 133,169,152, the bound
+ * td_cpu_pack.h states, past 2^24 so its conversion rounds) */
 Test(cpu_pack, simd_tables_equal_scalar_at_the_extremes)
 {
     const size_t n = 32, k = 256, m = 9, g = n / 16, ld = g * 16;
@@ -347,6 +349,8 @@ Test(cpu_pack, simd_tables_equal_scalar_at_the_extremes)
         for (size_t b = 0; b < n * row_bytes / bb; b++) {
             size_t at = t == TD_Q6_K ? bb - 2 : 0; /* Q6_K's d ends its block */
             memcpy(w + b * bb + at, &one_h, 2);
+            if (t == TD_Q6_K && fills[fi / TD_ARRAY_LEN(types)] == 0x00) /* every u 0 (u - 32 = -32), sc -128 */
+                memset(w + b * bb + 192, 0x80, 16);
             if (two_halves)
                 memcpy(w + b * bb + 2, &one_h, 2);
         }
@@ -508,10 +512,10 @@ Test(cpu_pack, act_row)
     free(x), free(a), free(b2);
 }
 
-/* A super-block row (one-byte IQ4_XS and Q4_K): per 256 values one step E = amax / 127 (amax
- * over the super-block, NaN ignored; NaN if one is NaN), stored as each of its 8 blocks' e;
- * hi = round(x / E) clamped, within E / 2 of x; c of block b from S_b, the sum of its hi
- * (IQ4_XS: -128 S_b; Q4_K: E * S_b); lo 0; every table's row the scalar one's bytes. Two
+/* A super-block row (one-byte IQ4_XS, Q4_K and Q6_K): per 256 values one step E = amax / 127
+ * (amax over the super-block, NaN ignored; NaN if one is NaN), stored as each of its 8 blocks'
+ * e; hi = round(x / E) clamped, within E / 2 of x; c of block b from S_b, the sum of its hi
+ * (IQ4_XS: -128 S_b; Q4_K: E * S_b; Q6_K: c and c2 -32 times its halves' sums); lo 0; every table's row the scalar one's bytes. Two
  * super-blocks: one of random blocks whose largest |x| sits in its block 3 (so a block's own
  * step would differ), one with a NaN. */
 Test(cpu_pack, act_row_super_blocks)
@@ -523,7 +527,7 @@ Test(cpu_pack, act_row_super_blocks)
     x[3 * TD_QK + 9] = 1000.0f;
     x[8 * TD_QK + 2] = NAN;
     const td_cpu_pack_ops_t *scalar = td_cpu_pack_ops(TD_CPU_ISA_SCALAR);
-    static const td_dtype_t sb_types[] = {TD_IQ4_XS, TD_Q4_K};
+    static const td_dtype_t sb_types[] = {TD_IQ4_XS, TD_Q4_K, TD_Q6_K};
     unsigned char *a = aligned_alloc(64, stride);
     for (size_t ti = 0; ti < TD_ARRAY_LEN(sb_types); ti++) {
         td_dtype_t t = sb_types[ti];
@@ -539,7 +543,7 @@ Test(cpu_pack, act_row_super_blocks)
                 memcpy(&e, a + 2 * k + 4 * b, 4);
                 cr_assert(sb == 1 ? isnan(e) : e == E, "%s block %zu: e %g, the super-block's step %g",
                           td_dtype_name(t), b, e, E);
-                int32_t S = 0;
+                int32_t S = 0, S0 = 0; /* the block's sum of hi, of its first half */
                 for (size_t j = 0; j < TD_QK; j++) {
                     size_t at = b * TD_QK + j;
                     float v = x[at] * id;
@@ -551,11 +555,20 @@ Test(cpu_pack, act_row_super_blocks)
                     if (sb == 0)
                         cr_assert(fabs((double)E * hi - x[at]) <= 0.51 * E, "x %g, E hi %g", x[at], (double)E * hi);
                     S += hi;
+                    if (j == TD_QK / 2 - 1)
+                        S0 = S;
                 }
                 if (t == TD_IQ4_XS) {
                     int32_t c;
                     memcpy(&c, a + 2 * k + 4 * nb + 4 * b, 4);
                     cr_assert_eq(c, -128 * S, "IQ4_XS block %zu: c %d, -128 S %d", b, c, -128 * S);
+                } else if (t == TD_Q6_K) {
+                    int32_t c, c2;
+                    memcpy(&c, a + 2 * k + 4 * nb + 4 * b, 4);
+                    memcpy(&c2, a + 2 * k + 8 * nb + 4 * b, 4);
+                    cr_assert_eq(c, -32 * S0, "Q6_K block %zu: c %d, -32 times the first half's S %d", b, c, -32 * S0);
+                    cr_assert_eq(c2, -32 * (S - S0), "Q6_K block %zu: c2 %d, -32 times the second half's S %d", b, c2,
+                                 -32 * (S - S0));
                 } else {
                     float c;
                     memcpy(&c, a + 2 * k + 4 * nb + 4 * b, 4);
