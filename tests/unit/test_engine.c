@@ -855,8 +855,8 @@ Test(engine, split_invariance_gguf, .timeout = 300)
     split_invariance_gguf(false);
 }
 
-/* The same with cpu:q8's one-byte activation rows (a file with Q4_K or IQ4_XS matrices runs
- * their super-block rows, one scale a 256 values) */
+/* The same with cpu:q8's one-byte activation rows (a file with Q4_K, IQ4_XS or Q6_K matrices
+ * runs their super-block rows, one scale a 256 values) */
 Test(engine, split_invariance_gguf_q8, .timeout = 300)
 {
     split_invariance_gguf(true);
