@@ -55,11 +55,13 @@
  *   at 8 b bytes in, four int16: -32 times the sums of hi over the block's weights {0, 1, 4,
  *   5, 8, 9, 12, 13} and {2, 3, 6, 7, 10, 11, 14, 15}, then over 16 + those (|.| <= 32512),
  *   and 0 after the last block's: AVX2's one-byte Q6_K tile starts its int16 sums there
- * Super-block rows (one-byte rows for IQ4_XS and Q4_K weights, `--device cpu:q8`; issue 32,
- * h32q): one step E = amax / 127 per 256 values (amax over the super-block, NaN ignored), hi =
- * round(x / E) clamped to [-127, 127], as llama.cpp's Q8_K; each of the super-block's 8 blocks
- * holds e = E (NaN if a value of the super-block is NaN), lo 0, and c from S_b, the block's sum
- * of hi: IQ4_XS c = -128 S_b (int32), Q4_K c = E * S_b (f32); the Q part 254 hi, unread.
+ * Super-block rows (one-byte rows for IQ4_XS, Q4_K and Q6_K weights, `--device cpu:q8`; issue
+ * 32, h32q; Q6_K h32r): one step E = amax / 127 per 256 values (amax over the super-block, NaN
+ * ignored), hi = round(x / E) clamped to [-127, 127], as llama.cpp's Q8_K; each of the
+ * super-block's 8 blocks holds e = E (NaN if a value of the super-block is NaN), lo 0, and c
+ * from S_b, the block's sum of hi: IQ4_XS c = -128 S_b (int32), Q4_K c = E * S_b (f32), Q6_K c
+ * and c2 = -32 times the sums of hi of its halves (int32); the Q part 254 hi, unread (Q6_K: the
+ * offsets above, from hi).
  * c folds the weights' offset into the integer sum: Q4_0 c = -8 * sum Q, Q8_0 and IQ4_XS c =
  * -128 * sum Q (int32), so that c + sum u * Q = sum (u - offset) * Q exactly; Q6_K c = -32 * the sum of
  * the block's first 16 Q and c2 = -32 * that of its last 16 (0 for other types); Q4_1, Q4_K and Q5_K c = e * sum Q
@@ -76,8 +78,10 @@
  *   Super-block rows instead: per super-block s (blocks 8 s .. 8 s + 7), with sc_b the block's
  *   integer scale (IQ4_XS ls - 32, Q4_K the 6-bit sc) and d the super-block's f16 d:
  *   P = exact integer sum over its blocks of sc_b (c_b + sum u hi) (IQ4_XS; Q4_K: sc_b sum u hi;
- *   |P| <= 8 * 32 * 32 * 127 * 127 < 2^28), acc = fmaf((float)P, d(r, s) * E(i, s), acc) once a
- *   super-block; Q4_K's M as above, a block at a time (its c is E S_b)
+ *   |P| <= 8 * 32 * 32 * 127 * 127 < 2^28; Q6_K: over its blocks and their halves h of the
+ *   int8 sc_bh (c_h + sum over the half of u hi) = sc_bh sum (u - 32) hi, |.| <= 128 * 16 * 32
+ *   * 127 a half, 16 halves: |P| <= 133,169,152 < 2^31), acc = fmaf((float)P, d(r, s) * E(i,
+ *   s), acc) once a super-block; Q4_K's M as above, a block at a time (its c is E S_b)
  * y = acc (Q4_1, Q4_K, Q5_K: acc + M). Nothing depends on m, on which rows a call computes or on the
  * ISA: a row's output is the same alone, in a decode batch or in a 512-row prefill, so the
  * backend stays batch-invariant (docs/kernels.md).
@@ -85,7 +89,10 @@
  * Range: hi and lo in [-127, 127], u <= 255, so VNNI's products fit and AVX2's maddubs
  * pairs never saturate (Q8_0 and IQ4_XS go through the sign trick there: |w| * sign(q, w)); |p_b| <=
  * 32 * 255 * 32512 + 128 * 32 * 32512 < 2^31. Q6_K: u <= 63, AVX2's pairs 2 * 63 * 127 fit in
- * int16, and a half's |p_h| <= 16 * 32 * 32512 < 2^24.
+ * int16, and a half's |p_h| <= 16 * 32 * 32512 < 2^24; a super-block row's half, u - 32 in
+ * -32..31 against |hi| <= 127: AVX2's int16 lanes of 8 products started at act_o6's -32 S
+ * end at |sum (u - 32) hi| <= 32512 (exact though vpaddw wraps on the way), a madd lane by sc
+ * (int16 pairs) <= 2 * 32512 * 128 < 2^23, P as above < 2^31.
  *
  * Threads: none inside; every function is pure, callers split the groups.
  */
@@ -121,7 +128,7 @@ size_t td_cpu_pack_act_stride(size_t k);
 /* A table's quantizer: the k floats at x (k % 32 == 0) into the activation row at a for
  * weights of `type` (which sets c); every table writes the same bytes (the Q part only with
  * act_q16). one_byte: lo all 0
- * (Q = 254 hi, llama.cpp's one-byte rounding; c from those Q); for IQ4_XS and Q4_K a
+ * (Q = 254 hi, llama.cpp's one-byte rounding; c from those Q); for IQ4_XS, Q4_K and Q6_K a
  * super-block row (one step a 256 values, above; k % 256 == 0). */
 typedef void (*td_cpu_pack_act_fn)(const float *x, void *a, td_dtype_t type, size_t k, bool one_byte);
 
@@ -157,7 +164,7 @@ typedef struct td_cpu_pack_ops {
     td_cpu_pack_fns_t two_byte; /* the header's sum */
     td_cpu_pack_fns_t one_byte; /* the same sum on rows whose lo parts are all 0 (act_row's
                                    one_byte), which these skip: equal bits, half the integer
-                                   work; IQ4_XS and Q4_K: the super-block rows' sum (above) */
+                                   work; IQ4_XS, Q4_K, Q6_K: the super-block rows' sum (above) */
 } td_cpu_pack_ops_t;
 
 /* ops->act_row after checking k and type (TD_ASSERT). */

@@ -4,8 +4,8 @@
  * multiply int16 weights by the row's int16 Q with vpmaddwd (w16_tile); decode (m = 1) and the
  * one-byte rows use maddubs + madd on the hi and lo bytes (avx2_row1, avx2_row1_q6_k,
  * avx2_row1_q8_0, avx2_row1_iq4_xs, avx2_row1_q4_k; avx2_tile1_q4, avx2_tile1_q4_k, avx2_tile1_q6_k,
- * avx2_tile1_signed, avx2_tile1_iq4_xs). One-byte rows of IQ4_XS and Q4_K weights are super-block
- * rows (act_super: one scale a super-block), whose kernels carry a block's integer scale in the
+ * avx2_tile1_signed, avx2_tile1_iq4_xs). One-byte rows of IQ4_XS, Q4_K and Q6_K weights are super-block
+ * rows (act_super: one scale a super-block), whose kernels carry a block's (Q6_K: a half's) integer scale in the
  * integer sum and take one float step a super-block.
  */
 #include "td_cpu_pack_impl.h"
