@@ -101,7 +101,7 @@ __device__ __forceinline__ int32_t td_dec_lo(const td_dec_args &a, int32_t L)
     return a.window > 0 ? max(0, L - a.window) : 0;
 }
 
-template <typename TQ, typename TK, int G, int U>
+template <typename TQ, typename TK, int G>
 __global__ void __launch_bounds__(TD_DEC_THREADS, TD_DEC_MINB)
 td_decode_part_kernel(td_dec_args a)
 {
@@ -122,8 +122,8 @@ td_decode_part_kernel(td_dec_args a)
     const int32_t hd = a.head_dim, nch = hd / EPV;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
 
-    float *sc = smem;                               /* [GMAX][part_tokens] */
-    float *red = sc + G * a.part_tokens;  /* [WARPS][GMAX][hd] */
+    float *sc = smem;                               /* [G][part_tokens] */
+    float *red = sc + G * a.part_tokens;  /* [WARPS][G][hd] */
     __shared__ float s_m[G], s_l[G];
 
     const int tpr = a.tpr, rpi = TD_DEC_THREADS / tpr; /* rows per iteration */
@@ -170,6 +170,7 @@ td_decode_part_kernel(td_dec_args a)
         gp <<= 1;
     const int hb = lr * gp / tpr, nh = gp > tpr ? gp / tpr : 1;
     const bool owner = lr * gp % tpr == 0; /* the first of the lanes that share hb writes */
+    const int U = TD_DEC_UNROLL;
     /* rows tb + u * rpi (u < U) of K (v = 0) or V (v = 1) into r, zeros past n */
     auto load_rows = [&](uint4 *r, int32_t tb, int v) {
 #pragma unroll
@@ -467,10 +468,10 @@ td_status_t td_cuda_attn_decode(td_cuda_backend_t *c, const td_attn_params_t *p)
             k<<<grid, TD_DEC_THREADS, smem, c->stream>>>(a);
             return TD_OK;
         };
-        td_status_t ls = G == 1   ? launch(td_decode_part_kernel<TQ, TK, 1, TD_DEC_UNROLL>)
-                 : G == 2 ? launch(td_decode_part_kernel<TQ, TK, 2, TD_DEC_UNROLL>)
-                 : G == 4 ? launch(td_decode_part_kernel<TQ, TK, 4, TD_DEC_UNROLL>)
-                          : launch(td_decode_part_kernel<TQ, TK, 8, TD_DEC_UNROLL>);
+        td_status_t ls = G == 1   ? launch(td_decode_part_kernel<TQ, TK, 1>)
+                 : G == 2 ? launch(td_decode_part_kernel<TQ, TK, 2>)
+                 : G == 4 ? launch(td_decode_part_kernel<TQ, TK, 4>)
+                          : launch(td_decode_part_kernel<TQ, TK, 8>);
         if (ls != TD_OK)
             return ls;
     }));
