@@ -395,6 +395,23 @@ static void check_table_row(const td_cpu_pack_ops_t *ops, const unsigned char *w
                      ops->name, what, e);
 }
 
+/* Every table's row of x (one byte or two) against the scalar one `want`, whose padding (between
+ * its blocks' figures and its int16 Q part) is cleared first: check_table_row compares it. */
+static void check_every_table_row(const float *x, unsigned char *want, td_dtype_t t, size_t k, bool one_byte,
+                                  const char *what)
+{
+    const size_t nb = k / TD_QK, stride = td_cpu_pack_act_stride(k), q16_at = stride - 2 * k;
+    memset(want + 2 * k + 12 * nb, 0, q16_at - (2 * k + 12 * nb));
+    unsigned char *got = aligned_alloc(64, stride);
+    for (int isa = TD_CPU_ISA_AVX2; isa <= (int)td_cpu_isa_best(); isa++) {
+        const td_cpu_pack_ops_t *ops = td_cpu_pack_ops((td_cpu_isa_t)isa);
+        memset(got, 0, stride);
+        td_cpu_pack_act_row(ops, x, got, t, k, one_byte);
+        check_table_row(ops, want, got, k, what);
+    }
+    free(got);
+}
+
 Test(cpu_pack, act_row)
 {
     uint64_t s = 3;
@@ -418,14 +435,7 @@ Test(cpu_pack, act_row)
         td_cpu_pack_act_row(scalar, x, b2, t, k, true);
         for (size_t e = 0; e < k; e++)
             cr_assert_eq(((const int8_t *)b2)[k + e], 0, "%s: one byte's lo %zu is not 0", td_dtype_name(t), e);
-        for (int isa = TD_CPU_ISA_AVX2; isa <= (int)td_cpu_isa_best(); isa++) {
-            const td_cpu_pack_ops_t *ops = td_cpu_pack_ops((td_cpu_isa_t)isa);
-            unsigned char *b3 = aligned_alloc(64, stride);
-            memset(b3, 0, stride), memset(b2 + 2 * k + 12 * nb, 0, q16_at - (2 * k + 12 * nb)); /* the padding */
-            td_cpu_pack_act_row(ops, x, b3, t, k, true);
-            check_table_row(ops, b2, b3, k, "one-byte");
-            free(b3);
-        }
+        check_every_table_row(x, b2, t, k, true, "one-byte");
         if (!super_rows(t, true)) {
             cr_assert_eq(memcmp(a, b2, k), 0, "%s: one byte's hi differs from two bytes'", td_dtype_name(t));
             cr_assert_eq(memcmp(a + 2 * k, b2 + 2 * k, 4 * nb), 0, "%s: one byte's e differs", td_dtype_name(t));
@@ -502,12 +512,7 @@ Test(cpu_pack, act_row)
                 cr_assert_eq(c, (t == TD_Q4_0 ? -8 : -128) * sum);
             }
         }
-        for (int isa = TD_CPU_ISA_AVX2; isa <= (int)td_cpu_isa_best(); isa++) {
-            const td_cpu_pack_ops_t *ops = td_cpu_pack_ops((td_cpu_isa_t)isa);
-            memset(b2, 0, stride), memset(a + 2 * k + 12 * nb, 0, q16_at - (2 * k + 12 * nb));
-            td_cpu_pack_act_row(ops, x, b2, t, k, false);
-            check_table_row(ops, a, b2, k, "two-byte");
-        }
+        check_every_table_row(x, a, t, k, false, "two-byte");
     }
     free(x), free(a), free(b2);
 }
@@ -522,7 +527,6 @@ Test(cpu_pack, act_row_super_blocks)
 {
     uint64_t s = 5;
     const size_t k = 512, nb = k / TD_QK, stride = td_cpu_pack_act_stride(k);
-    const size_t q16_at = (2 * k + 12 * nb + 63) / 64 * 64;
     float *x = make_x(1, k, &s);
     x[3 * TD_QK + 9] = 1000.0f;
     x[8 * TD_QK + 2] = NAN;
@@ -576,14 +580,7 @@ Test(cpu_pack, act_row_super_blocks)
                 }
             }
         }
-        for (int isa = TD_CPU_ISA_AVX2; isa <= (int)td_cpu_isa_best(); isa++) {
-            const td_cpu_pack_ops_t *ops = td_cpu_pack_ops((td_cpu_isa_t)isa);
-            unsigned char *b3 = aligned_alloc(64, stride);
-            memset(b3, 0, stride), memset(a + 2 * k + 12 * nb, 0, q16_at - (2 * k + 12 * nb)); /* the padding */
-            td_cpu_pack_act_row(ops, x, b3, t, k, true);
-            check_table_row(ops, a, b3, k, "super-block");
-            free(b3);
-        }
+        check_every_table_row(x, a, t, k, true, "super-block");
     }
     free(x), free(a);
 }
