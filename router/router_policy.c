@@ -177,15 +177,6 @@ static td_place_local_t local_figures(const router_registry_t *reg, const router
     return l;
 }
 
-/* A local prefill on decode node d (rule 5, td_place_local_estimate): into *e_p when it fits. */
-static td_place_fit_t local_estimate(const router_registry_t *reg, const router_policy_config_t *cfg,
-                                     const router_pick_request_t *req, int32_t d, int32_t p, hash_cache_t *hc,
-                                     double tpot_s, td_place_estimate_t *e_p)
-{
-    td_place_local_t l = local_figures(reg, cfg, req, d, p, hc, tpot_s);
-    return td_place_local_estimate(&l, e_p);
-}
-
 /* The TPOT objective a local prefill on decode node d keeps its steps within: the tightest of
  * the request's (or the policy's) and the one d reports for the sequences it runs. */
 static double tightest_tpot(const router_registry_t *reg, const router_policy_config_t *cfg,
@@ -229,16 +220,18 @@ static bool place_conditional(const router_registry_t *reg, const router_policy_
         no_local = ROUTER_PLACE_PROMPT_LOGPROBS;
     else if (excluded(req, d, d)) /* tried locally already: a retry goes to a partner */
         no_local = ROUTER_PLACE_FASTER;
-    else if ((fit = local_estimate(reg, cfg, req, d, p, hc, tightest_tpot(reg, cfg, req, d), &e)) ==
-             TD_PLACE_NO_STEP_ROOM)
-        no_local = ROUTER_PLACE_STEP_BUDGET;
-    else if (fit == TD_PLACE_NO_TPOT_ROOM) {
-        no_local = ROUTER_PLACE_TPOT;
-        if (p < 0 && !busy) { /* no prefill node at all: local whatever the TPOT, at the token a step
-                                 the node then feeds (its prefill_cap), not in chunks it would not run */
-            td_place_local_t l = local_figures(reg, cfg, req, d, p, hc, tightest_tpot(reg, cfg, req, d));
-            l.floor_tokens = TD_DECODE_PAST_OBJECTIVE_CHUNK;
-            fit = td_place_local_estimate(&l, &e);
+    else {
+        td_place_local_t l = local_figures(reg, cfg, req, d, p, hc, tightest_tpot(reg, cfg, req, d));
+        fit = td_place_local_estimate(&l, &e);
+        if (fit == TD_PLACE_NO_STEP_ROOM)
+            no_local = ROUTER_PLACE_STEP_BUDGET;
+        else if (fit == TD_PLACE_NO_TPOT_ROOM) {
+            no_local = ROUTER_PLACE_TPOT;
+            if (p < 0 && !busy) { /* no prefill node at all: local whatever the TPOT, at the token a step
+                                     the node then feeds (its prefill_cap), not in chunks it would not run */
+                l.floor_tokens = TD_DECODE_PAST_OBJECTIVE_CHUNK;
+                fit = td_place_local_estimate(&l, &e);
+            }
         }
     }
     pick_p->local_s = fit == TD_PLACE_FITS ? e.local_s : -1;
