@@ -33,7 +33,10 @@ CONFIGS = [  # name, label, cores
     ("conditional+ttft", "1 prefill + 1 decode, conditional, TTFT-aware (1 core each)", 2),
     ("follow", "2 decode nodes, follow (1 core each)", 2),
     ("follow@14", "2 decode nodes, follow, router's TPOT objective 14 ms (1 core each)", 2),
+    ("follow@45", "2 decode nodes, follow, router's TPOT objective 45 ms (1 core each)", 2),
     ("follow@68", "2 decode nodes, follow, router's TPOT objective 68 ms (1 core each)", 2),
+    ("conditional@45", "1 prefill + 1 decode, conditional, router's TPOT objective 45 ms (1 core each)", 2),
+    ("conditional@68", "1 prefill + 1 decode, conditional, router's TPOT objective 68 ms (1 core each)", 2),
 ]
 # the modes issue 37 measures against the better of the pure ones (disaggregated, colocated)
 def placed(cfg):
@@ -44,7 +47,8 @@ MIXES = ["prefill", "decode"]
 STYLE = {"disagg": ("tab:red", "o"), "unified2": ("tab:blue", "s"), "unified2@32": ("tab:purple", "v"), "unified1": ("tab:green", "^"),
          "conditional": ("tab:orange", "D"), "conditional+ttft": ("tab:brown", "P"),
          "follow": ("tab:cyan", "X"),
-         "follow@14": ("tab:olive", "*"), "follow@68": ("tab:pink", "h")}
+         "follow@14": ("tab:olive", "*"), "follow@45": ("tab:gray", "p"), "follow@68": ("tab:pink", "h"),
+         "conditional@45": ("gold", "d"), "conditional@68": ("black", "8")}
 
 
 def load(outs):
