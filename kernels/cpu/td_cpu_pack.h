@@ -48,9 +48,10 @@
  * not notice. Rows laid out for broadcasts (td_cpu_pack_act_row):
  *   [k int8 hi][k int8 lo][nb f32 e][nb 32-bit c][nb int32 c2][pad to 64][k int16 Q]
  *   stride td_cpu_pack_act_stride(k); Q = 254 hi + lo again, as one int16 (|Q| <= 32385), for
- *   AVX2's prefill tiles, whose vpmaddwd takes int16 pairs (one-byte rows: Q = 254 hi). Only
- *   tables with act_q16 write the Q part (scalar, avx2); avx512vnni's kernels never read it
- *   and its quantizer leaves it as it was (writing it cost 1-2% of a prefill there).
+ *   AVX2's two-byte prefill tiles, whose vpmaddwd takes int16 pairs. Only tables with
+ *   act_q16 write the Q part (scalar, avx2), and only of two-byte rows; avx512vnni's kernels
+ *   never read it and its quantizer leaves it as it was (writing it cost 1-2% of a prefill
+ *   there), as every quantizer does in a one-byte row, which only one-byte kernels read.
  *   A one-byte row for Q6_K weights, whose Q no kernel reads, holds there instead per block b,
  *   at 8 b bytes in, four int16: -32 times the sums of hi over the block's weights {0, 1, 4,
  *   5, 8, 9, 12, 13} and {2, 3, 6, 7, 10, 11, 14, 15}, then over 16 + those (|.| <= 32512),
@@ -156,11 +157,11 @@ typedef struct td_cpu_pack_fns {
 typedef struct td_cpu_pack_ops {
     const char *name; /* "scalar", "avx2", "avx512vnni" */
     td_cpu_pack_act_fn act_row;
-    bool act_q16; /* act_row writes the row's int16 Q part (the layout above). A row feeds the
-                     kernels of the table that made it, or of any table when made by one with
-                     act_q16: only avx2's two-byte kernels read Q (and its one-byte Q6_K
-                     tile the offsets there), and the scalar reference
-                     writes every part, so its rows feed every table (the tests') */
+    bool act_q16; /* act_row writes a two-byte row's int16 Q part (the layout above). A row
+                     feeds the kernels of the table that made it, or of any table when made by
+                     one with act_q16: only avx2's two-byte kernels read Q (and its one-byte
+                     Q6_K tile the offsets there, which act_q16 tables write), and the scalar
+                     reference writes every part, so its rows feed every table (the tests') */
     td_cpu_pack_fns_t two_byte; /* the header's sum */
     td_cpu_pack_fns_t one_byte; /* the same sum on rows whose lo parts are all 0 (act_row's
                                    one_byte), which these skip: equal bits, half the integer

@@ -1017,7 +1017,10 @@ TD_INLINE TD_Y void avx2_tile1_signed(td_dtype_t t, int R, int h0, int H, const 
  * * 127 < 2^28: a madd lane at most 2 * 32 * 32258, a block 8 of those, a super-block 8 blocks),
  * and the float step, a cvt, a mul and an FMA a row, is one a super-block instead of one a
  * block: acc = fmaf((float)P, d * E, acc). One core, m = 64, 2048 x 2048: 2.92 -> 2.73 ms
- * (docs/kernels.md). */
+ * (docs/kernels.md). The R rows meet one weight vector at a time (the low nibbles' vector for
+ * every row, then the high ones'): the loop then holds the 8 sums, one vector and its |w|, the
+ * scales and the table, where both vectors a row spilled half the sums to the stack (2.75-2.78
+ * -> 2.65-2.66 ms; 10 rows spill again: 2.62 -> 2.73-2.76). */
 TD_INLINE TD_Y void avx2_tile1_iq4_xs(int R, int h0, const unsigned char *gq, size_t nb, size_t k,
                                       const unsigned char *a, size_t stride, float *y, size_t ldy,
                                       const unsigned char *pf_end)
@@ -1053,12 +1056,14 @@ TD_INLINE TD_Y void avx2_tile1_iq4_xs(int R, int h0, const unsigned char *gq, si
                 const __m256i aw0 = _mm256_abs_epi8(w0), aw1 = _mm256_abs_epi8(w1);
 #pragma GCC unroll 8
                 for (int i = 0; i < R; i++) {
-                    const unsigned char *qh = ab + i * st;
-                    const __m256i a0 = _mm256_set1_epi32(load_i32(qh + 4 * v));
-                    const __m256i a1 = _mm256_set1_epi32(load_i32(qh + 16 + 4 * v));
-                    __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(aw0, _mm256_sign_epi8(a0, w0)), scv);
-                    s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(aw1, _mm256_sign_epi8(a1, w1)), scv));
-                    p[i] = _mm256_add_epi32(p[i], s);
+                    const __m256i a0 = _mm256_set1_epi32(load_i32(ab + i * st + 4 * v));
+                    p[i] = _mm256_add_epi32(p[i], _mm256_madd_epi16(_mm256_maddubs_epi16(aw0, _mm256_sign_epi8(a0, w0)), scv));
+                    AVX2_KEEP(p[i]);
+                }
+#pragma GCC unroll 8
+                for (int i = 0; i < R; i++) {
+                    const __m256i a1 = _mm256_set1_epi32(load_i32(ab + i * st + 16 + 4 * v));
+                    p[i] = _mm256_add_epi32(p[i], _mm256_madd_epi16(_mm256_maddubs_epi16(aw1, _mm256_sign_epi8(a1, w1)), scv));
                     AVX2_KEEP(p[i]);
                 }
             }

@@ -35,7 +35,8 @@ void td_cpu_quant_act_row(const float *x, td_cpu_q8a_block_t *a, size_t k)
         float amax = 0.0f;
         bool nan = false;
         for (int i = 0; i < TD_QK; i++) {
-            amax = fmaxf(amax, fabsf(x[i]));
+            const float ax = fabsf(x[i]); /* not fmaxf, a libm call (act_amax) */
+            amax = ax > amax ? ax : amax;
             nan |= x[i] != x[i];
         }
         float d = amax / 127.0f;
