@@ -72,6 +72,16 @@ TD_INLINE TD_Y void avx2_scales(td_dtype_t t, const unsigned char *cs, size_t b,
     *mw_p = mw;
 }
 
+/* The 8 one-byte block scales at p (8 weight rows, int8 or uint8 by is_signed) as the int16
+ * pairs (s_r, s_r) of a madd operand, so madd(sums, pairs) scales each row's two int16 sums
+ * and adds them: every super-block tile's and row's widening by its block scale. */
+TD_INLINE TD_Y __m256i avx2_scale_pairs(const unsigned char *p, bool is_signed)
+{
+    const __m128i s8 = _mm_loadl_epi64((const __m128i *)p);
+    const __m128i twice = _mm_unpacklo_epi8(s8, s8); /* s0 s0 s1 s1 ... s7 s7 */
+    return is_signed ? _mm256_cvtepi8_epi16(twice) : _mm256_cvtepu8_epi16(twice);
+}
+
 /* CALL(R) for the rows a tiling leaves, r in 1..7, R a constant in each call: each R is its
  * own unrolled tile */
 #define AVX2_REST(r, CALL)                                                                        \
@@ -224,8 +234,7 @@ TD_INLINE TD_Y void avx2_row1_iq4_xs(const unsigned char *gq, size_t nb, size_t 
 #pragma GCC unroll 2
         for (int h = 0; h < 2; h++) {
             const unsigned char *q = qblk + 32 * h;
-            const __m256i s32 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(cs + XS_SC(b % 8) + 8 * h)));
-            const __m256i scv = _mm256_blend_epi16(s32, _mm256_slli_epi32(s32, 16), 0xAA); /* (ls-32, ls-32) a row */
+            const __m256i scv = avx2_scale_pairs(cs + XS_SC(b % 8) + 8 * h, true); /* (ls-32, ls-32) a row */
             __m256i p = big[h];
 #pragma GCC unroll 4
             for (int v = 0; v < 4; v++) {
@@ -279,8 +288,7 @@ TD_INLINE TD_Y void avx2_row1_q4_k(const unsigned char *gq, size_t nb, size_t k,
             const __m256 cb = _mm256_set1_ps(load_f32(cv + 4 * b));
 #pragma GCC unroll 2
             for (int x = 0; x < 2; x++) {
-                const __m256i s32 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(cs + K_SC(j) + 8 * x)));
-                big[x] = _mm256_add_epi32(big[x], _mm256_madd_epi16(sh[x], _mm256_or_si256(s32, _mm256_slli_epi32(s32, 16))));
+                big[x] = _mm256_add_epi32(big[x], _mm256_madd_epi16(sh[x], avx2_scale_pairs(cs + K_SC(j) + 8 * x, false)));
                 const __m128i mn8 = _mm_loadl_epi64((const __m128i *)(cs + K_MN(j) + 8 * x));
                 const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cs + K_DMIN + 16 * x)));
                 const __m256 mw = _mm256_xor_ps(_mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mn8))),
@@ -611,7 +619,7 @@ TD_INLINE bool w16_both_halves(td_dtype_t t)
 TD_INLINE TD_Y void avx2_tile1_q6_k(int R, int h, const unsigned char *gq, size_t nb, size_t k, const unsigned char *a,
                                       size_t stride, float *y, size_t ldy, const unsigned char *pf_end)
 {
-    const __m256i low4 = _mm256_set1_epi8(0x0F), hi2 = _mm256_set1_epi8(0x30), lo16 = _mm256_set1_epi32(0xFFFF);
+    const __m256i low4 = _mm256_set1_epi8(0x0F), hi2 = _mm256_set1_epi8(0x30);
     const size_t e_at = act_e(a, k) - a, o_at = act_o6(a, k) - a;
     const size_t qb = quant_bytes(TD_Q6_K), sb = scale_bytes(TD_Q6_K);
     volatile __m256 acc[Q6_TILE];
@@ -641,8 +649,7 @@ TD_INLINE TD_Y void avx2_tile1_q6_k(int R, int h, const unsigned char *gq, size_
                     w[s][v] = _mm256_or_si256(_mm256_and_si256(s ? _mm256_srli_epi16(raw, 4) : raw, low4),
                                               _mm256_and_si256(Q6_HI_YMM(hb, v), hi2));
                 }
-                const __m256i s32 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(cs + K6_SC(j, s) + 8 * h)));
-                scv[s] = _mm256_or_si256(_mm256_and_si256(s32, lo16), _mm256_slli_epi32(s32, 16));
+                scv[s] = avx2_scale_pairs(cs + K6_SC(j, s) + 8 * h, true);
             }
 #pragma GCC unroll 16
             for (int i = 0; i < R; i++) {
@@ -839,8 +846,7 @@ TD_INLINE TD_Y void avx2_tile1_q4_k(int R, int h0, int H, const unsigned char *g
             }
 #pragma GCC unroll 2
             for (int x = 0; x < H; x++) {
-                const __m256i s32 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(cs + K_SC(j) + 8 * (h0 + x))));
-                const __m256i scv = _mm256_or_si256(s32, _mm256_slli_epi32(s32, 16));
+                const __m256i scv = avx2_scale_pairs(cs + K_SC(j) + 8 * (h0 + x), false);
 #pragma GCC unroll 8
                 for (int i = 0; i < R; i++)
                     iacc[x][i] = _mm256_add_epi32((__m256i)iacc[x][i], _mm256_madd_epi16(s16[x][i], scv));
@@ -1046,8 +1052,7 @@ TD_INLINE TD_Y void avx2_tile1_iq4_xs(int R, int h0, const unsigned char *gq, si
                 decode_prefetch(t, gq, b, pf_end);
             const unsigned char *q = qc + j * qb + 32 * h0;
             const unsigned char *ab = a + b * TD_QK; /* row 0's hi of block b */
-            const __m256i s32 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(cs + XS_SC(j) + 8 * h0)));
-            const __m256i scv = _mm256_blend_epi16(s32, _mm256_slli_epi32(s32, 16), 0xAA); /* (ls-32, ls-32) a row */
+            const __m256i scv = avx2_scale_pairs(cs + XS_SC(j) + 8 * h0, true); /* (ls-32, ls-32) a row */
 #pragma GCC unroll 4
             for (int v = 0; v < 4; v++) {
                 const __m256i raw = _mm256_loadu_si256((const __m256i *)(q + 64 * v));
