@@ -61,7 +61,7 @@
  * ignored), hi = round(x / E) clamped to [-127, 127], as llama.cpp's Q8_K; each of the
  * super-block's 8 blocks holds e = E (NaN if a value of the super-block is NaN), lo 0, and c
  * from S_b, the block's sum of hi: IQ4_XS c = -128 S_b (int32), Q4_K c = E * S_b (f32), Q6_K c
- * and c2 = -32 times the sums of hi of its halves (int32); the Q part 254 hi, unread (Q6_K: the
+ * and c2 = -32 times the sums of hi of its halves (int32); the Q part not written (Q6_K: the
  * offsets above, from hi).
  * c folds the weights' offset into the integer sum: Q4_0 c = -8 * sum Q, Q8_0 and IQ4_XS c =
  * -128 * sum Q (int32), so that c + sum u * Q = sum (u - offset) * Q exactly; Q6_K c = -32 * the sum of
@@ -128,7 +128,7 @@ size_t td_cpu_pack_act_stride(size_t k);
 
 /* A table's quantizer: the k floats at x (k % 32 == 0) into the activation row at a for
  * weights of `type` (which sets c); every table writes the same bytes (the Q part only with
- * act_q16). one_byte: lo all 0
+ * act_q16, and not in one-byte rows but for Q6_K's offsets). one_byte: lo all 0
  * (Q = 254 hi, llama.cpp's one-byte rounding; c from those Q); for IQ4_XS, Q4_K and Q6_K a
  * super-block row (one step a 256 values, above; k % 256 == 0). */
 typedef void (*td_cpu_pack_act_fn)(const float *x, void *a, td_dtype_t type, size_t k, bool one_byte);
