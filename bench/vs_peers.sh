@@ -7,6 +7,10 @@
 #   FILE LEVEL tT | tandem pp tg | tandem cpu:q8 pp tg | llama.cpp pp tg | ik pp tg
 # pp512 and tg64 tokens/s (`tandem bench engine --prompt-tokens 512 --gen-tokens 64`;
 # `llama-bench -p 512 -n 64 -r 2`, the better of flash attention off and on, ik with -rtr 1).
+# REPS=N (default 1): the four runs N times in turn, a line each, then one line of the medians
+# and the cpu:q8 ratios to llama.cpp and to ik as min/median/max over the repetitions (this
+# VM's memory bandwidth and clock move by 5-10% from minute to minute: a row near a goal is
+# read from the spread, not one draw).
 # --batched: aggregate decode tokens/s at b = 1, 8, 32, 64 instead (8-token prompts, 8 steps:
 # tandem's batched_decode_tokens_per_s; `llama-batched-bench -npp 8 -ntg 8`, S_TG; llama.cpp
 # the better of flash attention off and on, ik off: its flash attention asserts (S > 0) at
@@ -19,6 +23,8 @@ batched=0
 [ "${1:-}" = --batched ] && { batched=1; shift; }
 [ $# -eq 3 ] || { echo "usage: bench/vs_peers.sh [--batched] MODEL LEVEL THREADS" >&2; exit 2; }
 M=$1 L=$2 T=$3
+REPS=${REPS:-1}
+[[ $REPS =~ ^[1-9][0-9]*$ ]] || { echo "vs_peers: REPS must be a positive count, not '$REPS'" >&2; exit 2; }
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 TANDEM=${TANDEM:-$ROOT/build-portable/tandem}
 PEERS=${PEERS:-$HOME/.cache/tandem/peers}
@@ -65,7 +71,30 @@ if [ $batched = 1 ]; then
     "$(batched_bench "$PEERS/ik-$P/bin/llama-batched-bench" -fa 0 --run-time-repack)")
   echo "$(basename "$M") $L t$T b=1,8,32,64 | $a | $b | $c | $d"
 else
-  a=$(engine --prompt-tokens 512 --gen-tokens 64); b=$(engine --prompt-tokens 512 --gen-tokens 64 --device cpu:q8)
-  c=$(bench "$PEERS/lc-$P/bin/llama-bench"); d=$(bench "$PEERS/ik-$P/bin/llama-bench" -rtr 1)
-  echo "$(basename "$M") $L t$T | $a | $b | $c | $d"
+  lines=()
+  for ((r = 0; r < REPS; r++)); do
+    a=$(engine --prompt-tokens 512 --gen-tokens 64); b=$(engine --prompt-tokens 512 --gen-tokens 64 --device cpu:q8)
+    c=$(bench "$PEERS/lc-$P/bin/llama-bench"); d=$(bench "$PEERS/ik-$P/bin/llama-bench" -rtr 1)
+    lines+=("$a | $b | $c | $d")
+    echo "$(basename "$M") $L t$T | $a | $b | $c | $d"
+  done
+  [ "$REPS" -gt 1 ] && "$PY" -c '
+import statistics, sys
+reps = []
+for line in sys.argv[2:]:
+    try:
+        reps.append([list(map(float, part.split())) for part in line.split("|")])
+    except ValueError: # a run that printed no figures
+        print("vs_peers: a repetition gave no figures: %s" % line, file=sys.stderr)
+reps = [r for r in reps if len(r) == 4 and all(len(x) == 2 for x in r)]
+if not reps:
+    sys.exit("vs_peers: no repetition gave figures")
+med = lambda xs: statistics.median(xs)
+cols = [[med(r[i][j] for r in reps) for j in (0, 1)] for i in range(4)]
+def ratios(i, j): # cpu:q8 over peer i, figure j, every repetition
+    xs = sorted(r[1][j] / r[i][j] for r in reps if r[i][j] > 0)
+    return "%.2f/%.2f/%.2f" % (xs[0], med(xs), xs[-1]) if xs else "-"
+print("%s median of %d | %s | pp cpu:q8/llama.cpp %s /ik %s | tg cpu:q8/llama.cpp %s /ik %s" % (
+    sys.argv[1], len(reps), " | ".join("%.1f %.1f" % tuple(c) for c in cols),
+    ratios(2, 0), ratios(3, 0), ratios(2, 1), ratios(3, 1)))' "$(basename "$M") $L t$T" "${lines[@]}"
 fi
