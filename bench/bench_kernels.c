@@ -577,10 +577,20 @@ static int bench_kernels_packed(const bench_packed_opts_t *o)
         m_max = TD_MAX(m_max, rows.m[i]);
 
     td_cpu_isa_t isa;
-    td_backend_t *be = NULL;
-    td_cpu_config_t cfg = {.n_threads = 1}; /* isa NULL: TANDEM_CPU_ISA, else the best here */
-    if (td_cpu_isa_choose(NULL, &isa) != TD_OK || td_backend_cpu_create(&cfg, &be) != TD_OK) {
+    td_backend_t *bes[2] = {NULL, NULL}; /* the backends of one-byte rows and of two-byte rows: each
+                                             packs the weights in its mode's layout (td_cpu_pack.h) */
+    for (int one = 0; one < 2; one++) {
+        td_cpu_config_t cfg = {.n_threads = 1, .act_one_byte = one}; /* isa NULL: TANDEM_CPU_ISA, else the best */
+        if (td_backend_cpu_create(&cfg, &bes[one]) != TD_OK) {
+            fprintf(stderr, "tandem bench kernels: %s\n", td_last_error());
+            td_backend_destroy(bes[0]);
+            return 1;
+        }
+    }
+    if (td_cpu_isa_choose(NULL, &isa) != TD_OK) {
         fprintf(stderr, "tandem bench kernels: %s\n", td_last_error());
+        td_backend_destroy(bes[0]);
+        td_backend_destroy(bes[1]);
         return 1;
     }
     const td_cpu_pack_ops_t *ops = td_cpu_pack_ops(isa);
@@ -619,20 +629,25 @@ static int bench_kernels_packed(const bench_packed_opts_t *o)
     }
     for (size_t ti = 0; ti < n_types && rc == 0; ti++) {
         td_dtype_t t = types[ti];
-        void *w = bench_kernels_qweights(t, (int32_t)n, (int32_t)k), *wp = NULL;
-        if (!w || be->ops->weight_pack(be, w, t, (int32_t)n, (int32_t)k, &wp) != TD_OK || !wp) {
-            fprintf(stderr, "tandem bench kernels: cannot pack %zu x %zu %s weights: %s\n", n, k, td_dtype_name(t),
-                    w ? td_last_error() : "out of memory");
-            free(w);
+        void *w = bench_kernels_qweights(t, (int32_t)n, (int32_t)k);
+        if (!w) {
+            fprintf(stderr, "tandem bench kernels: out of memory for %zu x %zu %s weights\n", n, k, td_dtype_name(t));
             rc = 1;
             break;
         }
-        free(w);
         double gb = (double)td_cpu_pack_bytes(t, n, k) / 1e9;
-        for (int bytes = 2; bytes >= 1; bytes--) {
+        for (int bytes = 2; bytes >= 1 && rc == 0; bytes--) {
             if (o->act_bytes != 0 && o->act_bytes != bytes)
                 continue;
             bool one = bytes == 1;
+            td_backend_t *be = bes[one];
+            void *wp = NULL;
+            if (be->ops->weight_pack(be, w, t, (int32_t)n, (int32_t)k, &wp) != TD_OK || !wp) {
+                fprintf(stderr, "tandem bench kernels: cannot pack %zu x %zu %s weights: %s\n", n, k,
+                        td_dtype_name(t), td_last_error());
+                rc = 1;
+                break;
+            }
             for (int64_t i = 0; i < m_max; i++)
                 td_cpu_pack_act_row(ops, x + (size_t)i * k, a + (size_t)i * stride, t, k, one);
             for (int ri = 0; ri < rows.n; ri++) {
@@ -656,14 +671,16 @@ static int bench_kernels_packed(const bench_packed_opts_t *o)
                     printf("%-7s %5d %6zu %10.4f %9.2f %8s\n", td_dtype_name(t), bytes, c.m, sec * 1e3, gmacs, "");
                 }
             }
+            be->ops->free(be, wp);
         }
-        be->ops->free(be, wp);
+        free(w);
     }
 out:
     free(y);
     free(a);
     free(x);
-    td_backend_destroy(be);
+    td_backend_destroy(bes[0]);
+    td_backend_destroy(bes[1]);
     if (j) {
         if (rc != 0) {
             cJSON_Delete(j);

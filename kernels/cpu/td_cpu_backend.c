@@ -593,6 +593,17 @@ static td_status_t pack_matrix(td_cpu_t *cpu, const void *w, td_dtype_t dtype, i
     return TD_OK;
 }
 
+/* td_cpu_pack_weights' layout for the backend's rows: one-byte (cpu:q8) or two-byte */
+static void pack_for_one_byte(void *dst, const void *w, td_dtype_t type, size_t n, size_t k)
+{
+    td_cpu_pack_weights(dst, w, type, n, k, true);
+}
+
+static void pack_for_two_bytes(void *dst, const void *w, td_dtype_t type, size_t n, size_t k)
+{
+    td_cpu_pack_weights(dst, w, type, n, k, false);
+}
+
 /* Contract (td_backend.h ops->weight_pack): Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K and IQ4_XS matrices
  * are packed unless the backend computes exactly (f32 activations read the stored rows; its
  * weight_dtypes then lacks Q5_K and IQ4_XS, which only the packed kernels read); f32, f16
@@ -612,7 +623,8 @@ static td_status_t cpu_weight_pack(td_backend_t *be, const void *w, td_dtype_t d
     if (cpu->exact || !td_cpu_pack_supports(dtype) || n <= 0 || k <= 0 || k % td_dtype_block_elems(dtype) != 0)
         return TD_OK;
     return pack_matrix(cpu, w, dtype, n, k, td_cpu_pack_bytes(dtype, (size_t)n, (size_t)k), TD_CPU_PACK_ROWS,
-                       td_cpu_pack_group_bytes(dtype, (size_t)k), td_cpu_pack_weights, packed_p);
+                       td_cpu_pack_group_bytes(dtype, (size_t)k),
+                       cpu->act_one_byte ? pack_for_one_byte : pack_for_two_bytes, packed_p);
 }
 
 static const td_backend_ops_t cpu_ops = {

@@ -146,7 +146,7 @@ static void pack_q6_k(void *dst, const void *w, size_t n, size_t k)
     }
 }
 
-void td_cpu_pack_weights(void *dst, const void *w, td_dtype_t type, size_t n, size_t k)
+void td_cpu_pack_weights(void *dst, const void *w, td_dtype_t type, size_t n, size_t k, bool one_byte)
 {
     size_t nb = k / TD_QK, row_bytes = td_dtype_bytes(type, k);
     /* zero padding rows: quants 0 and scales +0.0 give outputs nobody stores */
@@ -174,7 +174,7 @@ void td_cpu_pack_weights(void *dst, const void *w, td_dtype_t type, size_t n, si
                 const td_block_q8_0_t *blk = (const td_block_q8_0_t *)row + b;
                 d = blk->d;
                 for (int e = 0; e < TD_QK; e++)
-                    q[64 * (e / 4) + 4 * r + e % 4] = (unsigned char)(blk->qs[e] + 128);
+                    q[64 * (e / 4) + 4 * r + e % 4] = (unsigned char)(one_byte ? blk->qs[e] : blk->qs[e] + 128);
             } else {
                 const uint8_t *qs;
                 if (type == TD_Q4_0) {
@@ -243,11 +243,12 @@ void td_cpu_pack_act_row(const td_cpu_pack_ops_t *ops, const float *x, void *a, 
 
 /* ---- scalar reference ------------------------------------------------------------------ */
 
-/* u of (row r, weight e) in a block's quants */
-TD_INLINE int unsigned_quant(td_dtype_t t, const unsigned char *q, size_t r, int e)
+/* u of (row r, weight e) in a block's quants (Q8_0's as the layout of one-byte or two-byte
+ * rows stores them: q or u) */
+TD_INLINE int unsigned_quant(td_dtype_t t, bool one, const unsigned char *q, size_t r, int e)
 {
     if (t == TD_Q8_0)
-        return q[64 * (e / 4) + 4 * r + e % 4];
+        return one ? (int8_t)q[64 * (e / 4) + 4 * r + e % 4] + 128 : q[64 * (e / 4) + 4 * r + e % 4];
     if (t == TD_Q6_K) {
         int i = e % 16, lo = q[64 * (i / 4) + 4 * r + i % 4] >> (e < 16 ? 0 : 4) & 15;
         int hi = q[(e < 16 ? 256 : 320) + 4 * r + i % 4] >> (2 * (i / 4)) & 3;
@@ -300,7 +301,7 @@ TD_INLINE float q6_k_block_scalar(const unsigned char *gq, size_t nb, size_t b, 
     float d = half_at(ks + 2 * r);
     int32_t p[2] = {c, c2};
     for (int e = 0; e < TD_QK; e++)
-        p[e / 16] += unsigned_quant(TD_Q6_K, gq + block_at(TD_Q6_K, b), r, e) *
+        p[e / 16] += unsigned_quant(TD_Q6_K, false, gq + block_at(TD_Q6_K, b), r, e) *
                      (WIDE * hi[b * TD_QK + e] + lo[b * TD_QK + e]);
     for (int h = 0; h < 2; h++)
         acc = fmaf((float)p[h], d * (float)(int8_t)ks[K6_SC(b % 8, h) + r] * ea, acc);
@@ -326,7 +327,7 @@ TD_INLINE float super_block_scalar(td_dtype_t t, const unsigned char *gq, size_t
                 int32_t p;
                 memcpy(&p, c + 4 * (h * nb + b), 4);
                 for (int e = 16 * h; e < 16 * h + 16; e++)
-                    p += unsigned_quant(t, gq + block_at(t, b), r, e) * hi[b * TD_QK + e];
+                    p += unsigned_quant(t, true, gq + block_at(t, b), r, e) * hi[b * TD_QK + e];
                 big += p * (int32_t)(int8_t)ks[K6_SC(b % 8, h) + r];
             }
             continue;
@@ -335,7 +336,7 @@ TD_INLINE float super_block_scalar(td_dtype_t t, const unsigned char *gq, size_t
         if (t == TD_IQ4_XS)
             memcpy(&p, c + 4 * b, 4);
         for (int e = 0; e < TD_QK; e++)
-            p += unsigned_quant(t, gq + block_at(t, b), r, e) * hi[b * TD_QK + e];
+            p += unsigned_quant(t, true, gq + block_at(t, b), r, e) * hi[b * TD_QK + e];
         big += p * (t == TD_IQ4_XS ? (int32_t)(int8_t)ks[XS_SC(b % 8) + r] : (int32_t)ks[K_SC(b % 8) + r]);
         if (t == TD_Q4_K) {
             float dw, mw, cf;
@@ -378,7 +379,7 @@ TD_INLINE void kernel_scalar(td_dtype_t t, bool one, const void *wp, size_t g0, 
                     if (!has_min(t))
                         memcpy(&p, c + 4 * b, 4);
                     for (int e = 0; e < TD_QK; e++)
-                        p += unsigned_quant(t, gq + block_at(t, b), r, e) * (WIDE * hi[b * TD_QK + e] + lo[b * TD_QK + e]);
+                        p += unsigned_quant(t, one, gq + block_at(t, b), r, e) * (WIDE * hi[b * TD_QK + e] + lo[b * TD_QK + e]);
                     float ea, dw, mw;
                     memcpy(&ea, ev + 4 * b, 4);
                     row_scales(t, gq, nb, b, r, &dw, &mw);

@@ -20,7 +20,14 @@
  *   Q4_0, Q4_1: 4 vectors of 64 bytes; vector v byte 4r + j = u(row r, weight 4v + j) |
  *               u(row r, weight 16 + 4v + j) << 4 (the stored qs byte 4v + j of row r:
  *               the low nibbles are weights 4v..4v+3, the high ones 16+4v..16+4v+3)
- *   Q8_0:       8 vectors of 64 bytes; vector q byte 4r + j = u(row r, weight 4q + j)
+ *   Q8_0:       8 vectors of 64 bytes; vector v byte 4r + j = u(row r, weight 4v + j) for
+ *               two-byte rows, q(row r, weight 4v + j) (the int8 as stored) for one-byte
+ *               ones: the layout follows the rows' mode (td_cpu_pack_weights' one_byte), as
+ *               each mode's fastest kernels want it (AVX2's int16 tile zero-extends u; its
+ *               one-byte tile takes q's sign and |q| as they are, where u cost it an xor a
+ *               weight vector, 2.8% of its time; VNNI's vpdpbusd wants u and pays the xor
+ *               once a weight vector for several rows, which read no slower). Every other
+ *               type's layout is the same in both modes.
  * Scales of one block: Q4_0, Q8_0: 16 f16 d (row order); Q4_1: 16 f16 d then 16 f16 m.
  * Q4_K: each 32-weight sub-block is a block of the Q4_1 layout (u = q, 0..15), and the scales
  * go per super-block of 8 blocks (a chunk), 320 bytes: 16 f16 d, 16 f16 dmin (row order, as stored),
@@ -119,9 +126,10 @@ size_t td_cpu_pack_group_bytes(td_dtype_t type, size_t k);
 size_t td_cpu_pack_bytes(td_dtype_t type, size_t n, size_t k);
 
 /* Writes the packed form of the row-major [n][k] matrix w (as stored in GGUF) to dst
- * (td_cpu_pack_bytes of it, any alignment; 64 for the kernels' sake). `type` supported,
- * k a multiple of its block (TD_ASSERT). w is only read. */
-void td_cpu_pack_weights(void *dst, const void *w, td_dtype_t type, size_t n, size_t k);
+ * (td_cpu_pack_bytes of it, any alignment; 64 for the kernels' sake), for the kernels of
+ * one-byte rows (one_byte) or of two-byte ones (Q8_0's layout differs, above). `type`
+ * supported, k a multiple of its block (TD_ASSERT). w is only read. */
+void td_cpu_pack_weights(void *dst, const void *w, td_dtype_t type, size_t n, size_t k, bool one_byte);
 
 /* Bytes of one quantized activation row of k floats (a multiple of 64). */
 size_t td_cpu_pack_act_stride(size_t k);

@@ -318,7 +318,8 @@ TD_INLINE TD_Y void avx2_row1_q4_k(const unsigned char *gq, size_t nb, size_t k,
 TD_INLINE TD_Y void avx2_row1_q8_0(bool one, const unsigned char *gq, size_t nb, size_t k, const unsigned char *a,
                                    float *y, const unsigned char *pf_end)
 {
-    const __m256i ones = _mm256_set1_epi16(1), wide = _mm256_set1_epi16(WIDE), bias8 = _mm256_set1_epi8((char)0x80);
+    const __m256i ones = _mm256_set1_epi16(1), wide = _mm256_set1_epi16(WIDE);
+    const __m256i bias8 = _mm256_set1_epi8((char)0x80); /* w = u ^ 0x80 in two-byte rows' layout */
     const size_t qb = quant_bytes(TD_Q8_0), sb = scale_bytes(TD_Q8_0);
     const int8_t *hi = act_hi(a), *lo = act_lo(a, k);
     const unsigned char *ae = act_e(a, k);
@@ -335,8 +336,12 @@ TD_INLINE TD_Y void avx2_row1_q8_0(bool one, const unsigned char *gq, size_t nb,
 #pragma GCC unroll 8
             for (int v = 0; v < 8; v++) {
                 const __m256i ah = _mm256_set1_epi32(load_i32(qh + 4 * v));
-                const __m256i s0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(q + 64 * v)), bias8);
-                const __m256i s1 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(q + 64 * v + 32)), bias8);
+                __m256i s0 = _mm256_loadu_si256((const __m256i *)(q + 64 * v));
+                __m256i s1 = _mm256_loadu_si256((const __m256i *)(q + 64 * v + 32));
+                if (!one) { /* two-byte rows' layout: u */
+                    s0 = _mm256_xor_si256(s0, bias8);
+                    s1 = _mm256_xor_si256(s1, bias8);
+                }
                 const __m256i w0 = _mm256_abs_epi8(s0), w1 = _mm256_abs_epi8(s1);
                 p0 = _mm256_add_epi32(p0, _mm256_madd_epi16(_mm256_maddubs_epi16(w0, _mm256_sign_epi8(ah, s0)), wide));
                 AVX2_KEEP(p0);
@@ -533,7 +538,7 @@ TD_INLINE TD_Y void w16_tile(td_dtype_t t, int R, int h0, int H, const unsigned 
 #pragma GCC unroll 8
             for (int v = 0; v < 8; v++) {
                 __m256i wb[2];
-                for (int x = 0; x < H; x++)
+                for (int x = 0; x < H; x++) /* u, as two-byte rows' layout stores it */
                     wb[x] = _mm256_loadu_si256((const __m256i *)(q + 32 * x + 64 * v));
                 W16_DOT(wb, qb + 2 * 4 * v);
             }
@@ -957,7 +962,7 @@ TD_INLINE TD_Y void avx2_tile1_signed(td_dtype_t t, int R, int h0, int H, const 
                                       const unsigned char *pf_end)
 {
     TD_ASSERT(t == TD_Q8_0);
-    const __m256i bias8 = _mm256_set1_epi8((char)0x80), wide = _mm256_set1_epi16(WIDE);
+    const __m256i wide = _mm256_set1_epi16(WIDE);
     const size_t e_at = act_e(a, k) - a, qb = quant_bytes(t), sb = scale_bytes(t);
     volatile __m256 acc[2][8]; /* in memory on purpose (avx2_tile1_q4) */
     for (int x = 0; x < H; x++)
@@ -980,7 +985,7 @@ TD_INLINE TD_Y void avx2_tile1_signed(td_dtype_t t, int R, int h0, int H, const 
                 __m256i w[2], aw[2]; /* [half] */
 #pragma GCC unroll 2
                 for (int x = 0; x < H; x++) {
-                    w[x] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(q + 64 * v + 32 * x)), bias8);
+                    w[x] = _mm256_loadu_si256((const __m256i *)(q + 64 * v + 32 * x)); /* q: one-byte layout */
                     aw[x] = _mm256_abs_epi8(w[x]);
                 }
 #pragma GCC unroll 8

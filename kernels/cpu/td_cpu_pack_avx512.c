@@ -94,9 +94,12 @@ TD_INLINE TD_V void vnni_tile(td_dtype_t t, bool one, int R, const unsigned char
         __m512i w[8];
         if (pf_end) /* the group's first sweep */
             decode_prefetch(t, gq, b, pf_end);
-        if (t == TD_Q8_0) {
-            for (int v = 0; v < 8; v++)
+        if (t == TD_Q8_0) { /* u, vpdpbusd's unsigned operand: one-byte rows' layout holds q */
+            for (int v = 0; v < 8; v++) {
                 w[v] = _mm512_loadu_si512(q + 64 * v);
+                if (one)
+                    w[v] = _mm512_xor_si512(w[v], _mm512_set1_epi8((char)0x80));
+            }
         } else {
             for (int v = 0; v < 4; v++) {
                 __m512i raw = _mm512_loadu_si512(q + 64 * v);

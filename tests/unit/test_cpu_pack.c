@@ -185,7 +185,7 @@ static void check_case(td_dtype_t t, size_t n, size_t k, size_t m, uint64_t seed
     float *x = make_x(m, k, &s), *wf = malloc(n * k * sizeof *wf);
     td_dtype_convert(wf, TD_F32, w, t, n * k);
     void *wp = aligned_alloc(64, td_cpu_pack_bytes(t, n, k));
-    td_cpu_pack_weights(wp, w, t, n, k);
+    td_cpu_pack_weights(wp, w, t, n, k, one);
     unsigned char *a = aligned_alloc(64, m * stride);
     const td_cpu_pack_ops_t *scalar = td_cpu_pack_ops(TD_CPU_ISA_SCALAR);
     for (size_t i = 0; i < m; i++)
@@ -282,10 +282,10 @@ Test(cpu_pack, simd_tables_equal_scalar_bitwise)
                 uint8_t *w = make_weights(t, n, k, &s);
                 float *x = make_x(m, k, &s);
                 void *wp = aligned_alloc(64, td_cpu_pack_bytes(t, n, k));
-                td_cpu_pack_weights(wp, w, t, n, k);
                 unsigned char *a = aligned_alloc(64, m * stride);
                 for (int one = 0; one < 2; one++) { /* two-byte rows, then one-byte ones */
                     const char *mode = one ? "one-byte" : "two-byte";
+                    td_cpu_pack_weights(wp, w, t, n, k, one); /* the mode's layout */
                     for (size_t i = 0; i < m; i++)
                         td_cpu_pack_act_row(scalar, x + i * k, a + i * stride, t, k, one);
                     float *want = run(scalar, t, wp, n, k, a, m, one);
@@ -355,8 +355,8 @@ Test(cpu_pack, simd_tables_equal_scalar_at_the_extremes)
                 memcpy(w + b * bb + 2, &one_h, 2);
         }
         void *wp = aligned_alloc(64, td_cpu_pack_bytes(t, n, k));
-        td_cpu_pack_weights(wp, w, t, n, k);
         for (int one = 0; one < 2; one++) {
+            td_cpu_pack_weights(wp, w, t, n, k, one); /* the mode's layout */
             for (size_t i = 0; i < m; i++)
                 td_cpu_pack_act_row(scalar, x + i * k, a + i * stride, t, k, one);
             float *want = run(scalar, t, wp, n, k, a, m, one);

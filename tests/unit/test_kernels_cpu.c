@@ -1375,7 +1375,8 @@ Test(backend_open, device_values_parse_or_are_refused)
 
 /* cpu:q8: the packed matmul on one-byte activation rows, bit for bit what td_cpu_pack's scalar
  * one-byte kernel gives on the rows td_cpu_pack_act_row makes with one_byte (for Q4_K, IQ4_XS
- * and Q6_K super-block rows, one scale a 256 values); the default backend's two-byte result is another */
+ * and Q6_K super-block rows, one scale a 256 values) and on the weights the cpu:q8 backend packed
+ * (Q8_0 in the one-byte layout); the default backend's two-byte result is another */
 Test(backend_open, cpu_q8_runs_one_byte_activations)
 {
     td_device_spec_t d;
@@ -1385,7 +1386,7 @@ Test(backend_open, cpu_q8_runs_one_byte_activations)
     cr_assert(!d.cuda && d.exact && !d.q8);
     cr_assert_eq(td_device_parse("cpu:q8", &d), TD_OK);
     const int m = 3, n = 40, k = 512, ld = 48;
-    static const td_dtype_t types[] = {TD_Q4_0, TD_Q4_K, TD_IQ4_XS, TD_Q6_K};
+    static const td_dtype_t types[] = {TD_Q8_0, TD_Q4_0, TD_Q4_K, TD_IQ4_XS, TD_Q6_K};
     rng_t r = {0x98};
     td_backend_t *q8 = NULL, *two = make_backend(2);
     cr_assert_eq(td_backend_open(&d, 2, TD_F32, &q8), TD_OK);
