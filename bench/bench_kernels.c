@@ -577,8 +577,12 @@ static int bench_kernels_packed(const bench_packed_opts_t *o)
         m_max = TD_MAX(m_max, rows.m[i]);
 
     td_cpu_isa_t isa;
-    td_backend_t *bes[2] = {NULL, NULL}; /* the backends of one-byte rows and of two-byte rows: each
+    td_backend_t *bes[2] = {NULL, NULL}; /* [one]: the backend of two-byte rows, of one-byte rows; each
                                              packs the weights in its mode's layout (td_cpu_pack.h) */
+    if (td_cpu_isa_choose(NULL, &isa) != TD_OK) {
+        fprintf(stderr, "tandem bench kernels: %s\n", td_last_error());
+        return 1;
+    }
     for (int one = 0; one < 2; one++) {
         td_cpu_config_t cfg = {.n_threads = 1, .act_one_byte = one}; /* isa NULL: TANDEM_CPU_ISA, else the best */
         if (td_backend_cpu_create(&cfg, &bes[one]) != TD_OK) {
@@ -586,12 +590,6 @@ static int bench_kernels_packed(const bench_packed_opts_t *o)
             td_backend_destroy(bes[0]);
             return 1;
         }
-    }
-    if (td_cpu_isa_choose(NULL, &isa) != TD_OK) {
-        fprintf(stderr, "tandem bench kernels: %s\n", td_last_error());
-        td_backend_destroy(bes[0]);
-        td_backend_destroy(bes[1]);
-        return 1;
     }
     const td_cpu_pack_ops_t *ops = td_cpu_pack_ops(isa);
     size_t k = (size_t)o->k, n = (size_t)o->n, stride = td_cpu_pack_act_stride(k);

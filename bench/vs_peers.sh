@@ -78,7 +78,7 @@ else
     lines+=("$a | $b | $c | $d")
     echo "$(basename "$M") $L t$T | $a | $b | $c | $d"
   done
-  [ "$REPS" -gt 1 ] && "$PY" -c '
+  if [ "$REPS" -gt 1 ]; then "$PY" -c '
 import statistics, sys
 reps = []
 for line in sys.argv[2:]:
@@ -97,4 +97,5 @@ def ratios(i, j): # cpu:q8 over peer i, figure j, every repetition
 print("%s median of %d | %s | pp cpu:q8/llama.cpp %s /ik %s | tg cpu:q8/llama.cpp %s /ik %s" % (
     sys.argv[1], len(reps), " | ".join("%.1f %.1f" % tuple(c) for c in cols),
     ratios(2, 0), ratios(3, 0), ratios(2, 1), ratios(3, 1)))' "$(basename "$M") $L t$T" "${lines[@]}"
+  fi
 fi
