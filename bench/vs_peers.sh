@@ -2,7 +2,7 @@
 # bench/vs_peers.sh [--batched] MODEL LEVEL THREADS: tandem's engine against llama.cpp and
 # ik_llama.cpp on one GGUF file, in one run, at one CPU level (issue 32; docs/bench.md
 # "Against llama.cpp and ik_llama.cpp"). LEVEL is what TANDEM_CPU_ISA forces (avx2,
-# avx512vnni, avx512bf16); the peers' avx2 builds serve the avx2 rows, their native builds
+# avx512vnni, avx512bf16, amx); the peers' avx2 builds serve the avx2 rows, their native builds
 # the others (bench/peers_build.sh makes both under $PEERS). Prints one line:
 #   FILE LEVEL tT | tandem pp tg | tandem cpu:q8 pp tg | llama.cpp pp tg | ik pp tg
 # pp512 and tg64 tokens/s (`tandem bench engine --prompt-tokens 512 --gen-tokens 64`;

@@ -12,6 +12,34 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
 #endif
+#if defined(__linux__) && defined(__x86_64__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+/* Whether this process may run AMX tile instructions: the CPU has AMX-TILE and AMX-INT8
+ * (CPUID leaf 7 EDX bits 24 and 25), the OS saves the tile state (XCR0 bits 17 and 18) and
+ * Linux grants the process the tile data (arch_prctl ARCH_REQ_XCOMP_PERM, which every
+ * process must ask for before its first tile instruction; a VM or kernel that refuses it
+ * leaves the level below). Asked once, for the whole process, by isa_detect. */
+static bool amx_usable(void)
+{
+#if defined(__linux__) && defined(__x86_64__)
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 25)))
+        return false;
+    if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) /* OSXSAVE: xgetbv runs */
+        return false;
+    unsigned lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    if ((lo & (3u << 17)) != (3u << 17))
+        return false;
+    enum { ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18 };
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+#else
+    return false;
+#endif
+}
 
 static const char *const isa_names[TD_CPU_ISA_COUNT] = {
     [TD_CPU_ISA_SCALAR] = "scalar",
@@ -19,6 +47,7 @@ static const char *const isa_names[TD_CPU_ISA_COUNT] = {
     [TD_CPU_ISA_AVX512] = "avx512",
     [TD_CPU_ISA_AVX512_VNNI] = "avx512vnni",
     [TD_CPU_ISA_AVX512_BF16] = "avx512bf16",
+    [TD_CPU_ISA_AMX] = "amx",
 };
 
 /* The best level, found from CPUID on the first call. A race only computes it twice. */
@@ -40,8 +69,11 @@ static td_cpu_isa_t isa_detect(void)
         return best;
     best = TD_CPU_ISA_AVX512_VNNI;
     /* AVX512_BF16 from CPUID leaf 7 sub-leaf 1 (EAX bit 5): older compilers' builtin lacks it */
-    if (__get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 5)))
-        best = TD_CPU_ISA_AVX512_BF16;
+    if (!(__get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 5))))
+        return best;
+    best = TD_CPU_ISA_AVX512_BF16;
+    if (amx_usable())
+        best = TD_CPU_ISA_AMX;
 #endif
     return best;
 }
@@ -79,7 +111,7 @@ td_status_t td_cpu_isa_choose(const char *want, td_cpu_isa_t *isa_p)
         *isa_p = best;
         return TD_OK;
     }
-    char runs[80] = "";
+    char runs[96] = "";
     for (int i = 0; i <= (int)best; i++)
         snprintf(runs + strlen(runs), sizeof runs - strlen(runs), "%s%s", i ? ", " : "",
                  isa_names[i]);
@@ -93,5 +125,5 @@ td_status_t td_cpu_isa_choose(const char *want, td_cpu_isa_t *isa_p)
         return TD_OK;
     }
     return td_errorf(TD_ERR_INVALID, "%s=%s is not a kernel level: use one of scalar, avx2, avx512, "
-                     "avx512vnni, avx512bf16 (this CPU runs %s)", from, want, runs);
+                     "avx512vnni, avx512bf16, amx (this CPU runs %s)", from, want, runs);
 }

@@ -31,6 +31,8 @@ typedef enum td_cpu_isa {
     TD_CPU_ISA_AVX512,      /* the above and AVX-512 F, BW and VL */
     TD_CPU_ISA_AVX512_VNNI, /* the above and AVX-512 VNNI */
     TD_CPU_ISA_AVX512_BF16, /* the above and AVX512_BF16 (cpu:q8's float matmul: td_cpu_bgemm) */
+    TD_CPU_ISA_AMX,         /* the above and AMX-TILE and AMX-INT8, enabled by the OS for this
+                               process (one-byte prefill tiles: td_cpu_pack_avx512.c) */
     TD_CPU_ISA_COUNT,
 } td_cpu_isa_t;
 
@@ -41,7 +43,8 @@ bool td_cpu_isa_runs(td_cpu_isa_t isa);
 /* The highest level this CPU runs. */
 td_cpu_isa_t td_cpu_isa_best(void);
 
-/* "scalar", "avx2", "avx512", "avx512vnni", "avx512bf16" (what TANDEM_CPU_ISA and --version spell). */
+/* "scalar", "avx2", "avx512", "avx512vnni", "avx512bf16", "amx" (what TANDEM_CPU_ISA and
+ * --version spell). */
 const char *td_cpu_isa_name(td_cpu_isa_t isa);
 
 /*

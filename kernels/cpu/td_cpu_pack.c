@@ -417,6 +417,8 @@ const td_cpu_pack_ops_t *td_cpu_pack_ops(td_cpu_isa_t isa)
 {
     TD_ASSERT(td_cpu_isa_runs(isa));
 #ifdef TD_CPU_PACK_X86
+    if (isa >= TD_CPU_ISA_AMX)
+        return &td_cpu_pack_ops_amx;
     if (isa >= TD_CPU_ISA_AVX512_VNNI)
         return &td_cpu_pack_ops_vnni;
     if (isa >= TD_CPU_ISA_AVX2)

@@ -336,4 +336,194 @@ const td_cpu_pack_ops_t td_cpu_pack_ops_vnni = {
     .name = "avx512vnni", .act_row = act_row_avx512, .act_q16 = false, .two_byte = PACK_TABLE(vnni2),
     .one_byte = PACK_TABLE(vnni1)};
 
+/* ---- AMX ---------------------------------------------------------------------------------- */
+
+/*
+ * One-byte rows of Q8_0, Q4_0 and Q4_1 weights, 16 activation rows at a time, on the tile
+ * unit (AMX-INT8). A packed block is already a tile operand: its 8 vectors of 64 bytes hold,
+ * vector v, the 4 weights 4v..4v+3 of each of the group's 16 rows, which is the row v of
+ * the "B" tile of TDPB*D (K / 4 rows of N = 16 columns of 4 bytes; td_cpu_pack.h). Q8_0's
+ * one-byte layout holds q itself and loads as it is; a Q4 block's nibbles are spread into
+ * such a tile first (Q4_0 as q - 8, signed; Q4_1 as u, 0..15). The 16 activation rows' hi
+ * bytes of the block are the "A" tile (16 rows of 32 bytes, the act rows' stride apart), and
+ * one TDPBSSD (Q4_1: TDPBSUD, hi signed by u unsigned) gives the 16 x 16 exact block sums
+ *   p = sum (u - offset) hi,   |p| <= 32 * 128 * 127 < 2^24,
+ * the sums vnni_tile makes with 8 vpdpbusd a row. From there the header's float step, per
+ * row: (float)(254 p) as one rounding of the exact product (vnni_tile's wide_sum rounds
+ * 254 ph + c, the same integer, once), times d_w * e into acc in block order: the same
+ * bits as every other table, so a row's result does not depend on which rows share its
+ * call (decode rows, fewer than 16, and the rows past the last 16 go through vnni_tile).
+ * The tile unit leaves the AVX-512 ports to the float step, which is then what bounds the
+ * tile: four vector operations a row and block (vnni_tile: twelve).
+ *
+ * Tiles: 0 and 1 A, 2 and 3 B, 4 and 5 C, the even ones for even blocks and the odd ones
+ * for odd blocks, so that a block's products run while the previous block's float step does.
+ * Each call configures the tiles and releases them at its end (a thread holding tile state
+ * makes every context switch save 8 KiB more).
+ */
+#define TD_AMX TD_V
+#define AMX_ROWS 16 /* activation rows a tile */
+
+/* The tile instructions, written out: GCC 12's intrinsics tell the compiler neither that
+ * TILELOADD and LDTILECFG read memory nor, for LDTILECFG, how much, so it could leave a
+ * store they read (the spread B tile, the configuration) after them. Tile numbers literal. */
+#define AMX_LOAD(tile, base, stride) \
+    __asm__ volatile("tileloadd (%0,%1,1), %%tmm" #tile ::"r"(base), "r"((long)(stride)) : "memory")
+#define AMX_STORE(tile, base, stride) \
+    __asm__ volatile("tilestored %%tmm" #tile ", (%0,%1,1)" ::"r"(base), "r"((long)(stride)) : "memory")
+#define AMX_ZERO(tile) __asm__ volatile("tilezero %%tmm" #tile ::)
+#define AMX_DPBSSD(c, a, b) __asm__ volatile("tdpbssd %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::) /* c += a(s8) b(s8) */
+#define AMX_DPBSUD(c, a, b) __asm__ volatile("tdpbsud %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::) /* c += a(s8) b(u8) */
+
+TD_INLINE bool amx_type(td_dtype_t t)
+{
+    return t == TD_Q8_0 || t == TD_Q4_0 || t == TD_Q4_1;
+}
+
+typedef struct amx_config {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_config_t;
+_Static_assert(sizeof(amx_config_t) == 64, "LDTILECFG reads 64 bytes");
+
+static TD_AMX void amx_configure(void)
+{
+    amx_config_t c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int i = 0; i < 2; i++) {
+        c.rows[i] = AMX_ROWS; /* A: 16 rows of a block's 32 hi bytes */
+        c.colsb[i] = TD_QK;
+        c.rows[2 + i] = TD_QK / 4; /* B: 8 rows of 16 weight rows x 4 bytes */
+        c.colsb[2 + i] = 4 * ROWS;
+        c.rows[4 + i] = AMX_ROWS; /* C: 16 x 16 int32 */
+        c.colsb[4 + i] = 4 * ROWS;
+    }
+    __asm__ volatile("ldtilecfg (%0)" ::"r"(&c) : "memory");
+}
+
+/* A Q4 block's B tile at dst (512 bytes): nibble vector v's low nibbles are tile row v, its
+ * high ones row 4 + v; Q4_0 less its offset 8 */
+TD_INLINE TD_AMX void amx_spread_q4(td_dtype_t t, const unsigned char *q, unsigned char *dst)
+{
+    const __m512i low4 = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
+    for (int v = 0; v < 4; v++) {
+        __m512i raw = _mm512_loadu_si512(q + 64 * v);
+        __m512i lo = _mm512_and_si512(raw, low4), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+        if (t == TD_Q4_0) {
+            lo = _mm512_sub_epi8(lo, eight);
+            hi = _mm512_sub_epi8(hi, eight);
+        }
+        _mm512_store_si512(dst + 64 * v, lo);
+        _mm512_store_si512(dst + 64 * (4 + v), hi);
+    }
+}
+
+/* Block b's exact sums into cbuf (16 rows of 16 int32), on tiles A, B, C (literal numbers:
+ * the intrinsics take them as immediates) */
+#define AMX_BLOCK_SUMS(A, B, C, t, gq, b, a, stride, bbuf, cbuf)                                 \
+    do {                                                                                         \
+        const unsigned char *q_ = (gq) + block_at(t, b);                                         \
+        if ((t) == TD_Q8_0) {                                                                    \
+            AMX_LOAD(B, q_, 4 * ROWS);                                                           \
+        } else {                                                                                 \
+            amx_spread_q4(t, q_, bbuf);                                                          \
+            AMX_LOAD(B, bbuf, 4 * ROWS);                                                         \
+        }                                                                                        \
+        AMX_LOAD(A, act_hi(a) + (b) * TD_QK, stride);                                            \
+        AMX_ZERO(C);                                                                             \
+        if ((t) == TD_Q4_1)                                                                      \
+            AMX_DPBSUD(C, A, B);                                                                 \
+        else                                                                                     \
+            AMX_DPBSSD(C, A, B);                                                                 \
+        AMX_STORE(C, cbuf, 4 * ROWS);                                                            \
+    } while (0)
+
+/* Block b's float step for the 16 rows from their sums in cbuf */
+TD_INLINE TD_AMX void amx_block_step(td_dtype_t t, const unsigned char *gq, size_t nb, size_t b, size_t k,
+                                     const unsigned char *a, size_t stride, const int32_t *cbuf, __m512 *acc)
+{
+    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(gq + block_scales_at(t, nb, b))));
+    const __m512 wide = _mm512_set1_ps((float)WIDE);
+#pragma GCC unroll 16
+    for (int i = 0; i < AMX_ROWS; i++) {
+        __m512 p = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(cbuf + ROWS * i)), wide);
+        __m512 sc = _mm512_mul_ps(dw, _mm512_set1_ps(load_f32(act_e(a + i * stride, k) + 4 * b)));
+        acc[i] = _mm512_fmadd_ps(p, sc, acc[i]);
+    }
+}
+
+/* One group (at gq, nb blocks) against the 16 activation rows at a: their 16 outputs each
+ * to y + i * ldy. pf_end as vnni_tile's. */
+static TD_AMX void amx_tile(td_dtype_t t, const unsigned char *gq, size_t nb, size_t k, const unsigned char *a,
+                            size_t stride, float *y, size_t ldy, const unsigned char *pf_end)
+{
+    _Alignas(64) int32_t cbuf[2][AMX_ROWS * ROWS];
+    _Alignas(64) unsigned char bbuf[2][TD_QK * ROWS];
+    __m512 acc[AMX_ROWS];
+    for (int i = 0; i < AMX_ROWS; i++)
+        acc[i] = _mm512_setzero_ps();
+    for (size_t b = 0; b < nb; b += 2) {
+        if (pf_end)
+            decode_prefetch(t, gq, b, pf_end);
+        AMX_BLOCK_SUMS(0, 2, 4, t, gq, b, a, stride, bbuf[0], cbuf[0]);
+        if (b + 1 < nb) {
+            if (pf_end)
+                decode_prefetch(t, gq, b + 1, pf_end);
+            AMX_BLOCK_SUMS(1, 3, 5, t, gq, b + 1, a, stride, bbuf[1], cbuf[1]);
+        }
+        amx_block_step(t, gq, nb, b, k, a, stride, cbuf[0], acc);
+        if (b + 1 < nb)
+            amx_block_step(t, gq, nb, b + 1, k, a, stride, cbuf[1], acc);
+    }
+    if (t == TD_Q4_1) { /* the offset term, its own chain in block order (vnni_tile's macc) */
+        __m512 macc[AMX_ROWS];
+        for (int i = 0; i < AMX_ROWS; i++)
+            macc[i] = _mm512_setzero_ps();
+        for (size_t b = 0; b < nb; b++) {
+            const __m512 mw = _mm512_cvtph_ps(
+                _mm256_loadu_si256((const __m256i *)(gq + block_scales_at(t, nb, b) + 2 * ROWS)));
+#pragma GCC unroll 16
+            for (int i = 0; i < AMX_ROWS; i++)
+                macc[i] = _mm512_fmadd_ps(mw, _mm512_set1_ps(load_f32(act_c(a + i * stride, k) + 4 * b)), macc[i]);
+        }
+        for (int i = 0; i < AMX_ROWS; i++)
+            acc[i] = _mm512_add_ps(acc[i], macc[i]);
+    }
+    for (int i = 0; i < AMX_ROWS; i++)
+        _mm512_storeu_ps(y + i * ldy, acc[i]);
+}
+
+/* The one-byte kernel: 16 rows at a time on tiles, the rest (and every other type) as the
+ * VNNI table runs them */
+static TD_AMX void kernel_amx(td_dtype_t t, bool one, const void *wp, size_t g0, size_t g1, size_t g_pf, size_t k,
+                              const void *av, size_t m, float *y, size_t ldy)
+{
+    if (!one || !amx_type(t) || m < AMX_ROWS) {
+        td_cpu_pack_fn_of(&td_cpu_pack_ops_vnni, t, one)(wp, g0, g1, g_pf, k, av, m, y, ldy);
+        return;
+    }
+    size_t nb = k / TD_QK, gb = td_cpu_pack_group_bytes(t, k), stride = td_cpu_pack_act_stride(k);
+    size_t m16 = m / AMX_ROWS * AMX_ROWS;
+    const unsigned char *a = av, *end = (const unsigned char *)wp + g_pf * gb;
+    amx_configure();
+    for (size_t g = g0; g < g1; g++) {
+        const unsigned char *gq = (const unsigned char *)wp + g * gb;
+        float *yg = y + (g - g0) * ROWS;
+        for (size_t i = 0; i < m16; i += AMX_ROWS)
+            amx_tile(t, gq, nb, k, a + i * stride, stride, yg + i * ldy, ldy, i == 0 ? end : NULL);
+    }
+    __asm__ volatile("tilerelease" ::);
+    if (m16 < m) /* the last m % 16 rows */
+        td_cpu_pack_fn_of(&td_cpu_pack_ops_vnni, t, one)(wp, g0, g1, g_pf, k, a + m16 * stride, m - m16,
+                                                         y + m16 * ldy, ldy);
+}
+
+PACK_FNS(amx1, TD_AMX, kernel_amx, true)
+
+const td_cpu_pack_ops_t td_cpu_pack_ops_amx = {
+    .name = "amx", .act_row = act_row_avx512, .act_q16 = false, .two_byte = PACK_TABLE(vnni2),
+    .one_byte = PACK_TABLE(amx1)};
+
 #endif /* TD_CPU_PACK_X86 */

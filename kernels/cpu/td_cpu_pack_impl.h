@@ -296,6 +296,7 @@ TD_INLINE void decode_prefetch(td_dtype_t t, const unsigned char *gq, size_t b, 
 
 /* the SIMD tables (td_cpu_pack_avx512.c, td_cpu_pack_avx2.c) */
 extern const td_cpu_pack_ops_t td_cpu_pack_ops_vnni;
+extern const td_cpu_pack_ops_t td_cpu_pack_ops_amx;
 extern const td_cpu_pack_ops_t td_cpu_pack_ops_avx2;
 #endif
 

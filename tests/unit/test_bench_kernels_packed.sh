@@ -26,7 +26,7 @@ fi
 import json, sys
 j = json.load(open(sys.argv[1]))
 assert j["bench"] == "kernels_packed" and j["threads"] == 1 and (j["k"], j["n"]) == (512, 40), j
-assert j["cpu_isa"] in ("scalar", "avx2", "avx512", "avx512vnni", "avx512bf16") and j["table"] in ("scalar", "avx2", "avx512vnni"), j
+assert j["cpu_isa"] in ("scalar", "avx2", "avx512", "avx512vnni", "avx512bf16", "amx") and j["table"] in ("scalar", "avx2", "avx512vnni", "amx"), j
 got = [(r["type"], r["act_bytes"], r["m"]) for r in j["results"]]
 want = [(t, b, m) for t in ("q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k", "iq4_xs") for b in (2, 1) for m in (1, 5)]
 assert got == want, got

@@ -1443,13 +1443,13 @@ Test(backend_open, cpu_staged_is_device_memory)
  * with a message that lists what it runs. */
 Test(backend_open, cpu_isa_levels)
 {
-    static const char *const levels[] = {"scalar", "avx2", "avx512", "avx512vnni", "avx512bf16"};
+    static const char *const levels[] = {"scalar", "avx2", "avx512", "avx512vnni", "avx512bf16", "amx"};
     const char *isa, *best;
     cr_assert_eq(td_backend_cpu_isa_choose("scalar", &isa, &best), TD_OK);
     size_t n_best = 0;
     while (n_best < TD_ARRAY_LEN(levels) && strcmp(levels[n_best], best))
         n_best++;
-    cr_assert_lt(n_best, TD_ARRAY_LEN(levels), "best level %s is one of the five", best);
+    cr_assert_lt(n_best, TD_ARRAY_LEN(levels), "best level %s is one of the six", best);
     for (size_t i = 0; i < TD_ARRAY_LEN(levels); i++) {
         td_backend_t *be = NULL;
         td_status_t st = td_backend_cpu_create(&(td_cpu_config_t){.n_threads = 1, .isa = levels[i]}, &be);
@@ -1464,7 +1464,7 @@ Test(backend_open, cpu_isa_levels)
         td_backend_destroy(be);
     }
     cr_assert_eq(td_backend_cpu_isa_choose("avx3", &isa, &best), TD_ERR_INVALID);
-    cr_assert(strstr(td_last_error(), "avx3") && strstr(td_last_error(), "scalar, avx2, avx512, avx512vnni, avx512bf16"),
+    cr_assert(strstr(td_last_error(), "avx3") && strstr(td_last_error(), "scalar, avx2, avx512, avx512vnni, avx512bf16, amx"),
               "%s", td_last_error());
     cr_assert_null(td_backend_cpu_isa(NULL));
 }

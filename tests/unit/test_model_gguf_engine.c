@@ -330,7 +330,7 @@ Test(model_gguf_engine, f16_in_cpu_q8_follows_exact_and_is_batch_invariant, .tim
     run_open_cfg(&ex, gguf, &(td_cpu_config_t){.n_threads = 1, .exact = true}, 8);
     run_open_cfg(&q8, gguf, &(td_cpu_config_t){.n_threads = 2, .act_one_byte = true}, 64);
     run_open_cfg(&def, gguf, &(td_cpu_config_t){.n_threads = 1}, 8);
-    bool bf16 = !strcmp(td_backend_cpu_isa(q8.be), "avx512bf16");
+    bool bf16 = !strcmp(td_backend_cpu_isa(q8.be), "avx512bf16") || !strcmp(td_backend_cpu_isa(q8.be), "amx");
     int V = ex.model->config.vocab_size;
     enum { STEPS = 16, SEQS = 9 };
     int32_t prompt[N_PROMPT] = {256};
