@@ -339,27 +339,33 @@ const td_cpu_pack_ops_t td_cpu_pack_ops_vnni = {
 /* ---- AMX ---------------------------------------------------------------------------------- */
 
 /*
- * One-byte rows of Q8_0, Q4_0 and Q4_1 weights, 16 activation rows at a time, on the tile
- * unit (AMX-INT8). A packed block is already a tile operand: its 8 vectors of 64 bytes hold,
- * vector v, the 4 weights 4v..4v+3 of each of the group's 16 rows, which is the row v of
- * the "B" tile of TDPB*D (K / 4 rows of N = 16 columns of 4 bytes; td_cpu_pack.h). Q8_0's
- * one-byte layout holds q itself and loads as it is; a Q4 block's nibbles are spread into
- * such a tile first (Q4_0 as q - 8, signed; Q4_1 as u, 0..15). The 16 activation rows' hi
- * bytes of the block are the "A" tile (16 rows of 32 bytes, the act rows' stride apart), and
- * one TDPBSSD (Q4_1: TDPBSUD, hi signed by u unsigned) gives the 16 x 16 exact block sums
- *   p = sum (u - offset) hi,   |p| <= 32 * 128 * 127 < 2^24,
- * the sums vnni_tile makes with 8 vpdpbusd a row. From there the header's float step, per
- * row: (float)(254 p) as one rounding of the exact product (vnni_tile's wide_sum rounds
- * 254 ph + c, the same integer, once), times d_w * e into acc in block order: the same
- * bits as every other table, so a row's result does not depend on which rows share its
- * call (decode rows, fewer than 16, and the rows past the last 16 go through vnni_tile).
+ * One-byte rows on the tile unit (AMX-INT8), 16 activation rows at a time. A packed block is
+ * already a tile operand: its 8 vectors of 64 bytes hold, vector v, the 4 weights 4v..4v+3
+ * of each of the group's 16 rows, which is row v of the "B" tile of TDPB*D (K / 4 rows of
+ * N = 16 columns of 4 bytes; td_cpu_pack.h). Q8_0's one-byte layout holds q itself and
+ * loads as stored; the others' blocks are spread into such a tile first, once a block and
+ * tile: as the signed weight less its offset (Q4_0 u - 8, IQ4_XS its value, Q6_K u - 32) or,
+ * for the types with a min, as u (Q4_1, Q4_K 0..15, Q5_K 0..31). The 16 rows' hi bytes of
+ * the block are the "A" tile (16 rows of 32 bytes, the rows' stride apart), and one TDPBSSD
+ * (TDPBSUD for u) gives the 16 x 16 exact sums
+ *   p = sum (u - offset) hi     (offset 0 with a min; |p| <= 32 * 128 * 127 < 2^24)
+ * that vnni_tile makes with 8 vpdpbusd a row (Q6_K: one TDP a half of 16 weights, K = 16).
+ * From there the header's arithmetic, in block order:
+ * - block rows (Q8_0, Q4_0, Q4_1, Q5_K): acc += (float)(254 p) * (d_w * e), (float)(254 p)
+ *   one rounding of the exact product (vnni_tile's wide_sum rounds 254 ph + c, the same
+ *   integer, once);
+ * - super-block rows (Q4_K, IQ4_XS, Q6_K): P += sc_b p (Q6_K a half's sc), and once a
+ *   super-block acc += (float)P * (d * E);
+ * - with a min, M += m * c a block, its own chain, and y = acc + M.
+ * So every table gives the same bits and a row's result does not depend on which rows share
+ * its call: decode rows (fewer than 16) and the rows past the last 16 go through vnni_tile.
  * The tile unit leaves the AVX-512 ports to the float step, which is then what bounds the
  * tile: four vector operations a row and block (vnni_tile: twelve).
  *
- * Tiles: 0 and 1 A, 2 and 3 B, 4 and 5 C, the even ones for even blocks and the odd ones
- * for odd blocks, so that a block's products run while the previous block's float step does.
- * Each call configures the tiles and releases them at its end (a thread holding tile state
- * makes every context switch save 8 KiB more).
+ * Tiles: A 0 and 1, B 2 and 3, C 4 and 5, even blocks on the even ones and odd blocks on the
+ * odd ones (Q6_K: half 0 and half 1), so that one block's products run while the other's
+ * float step does. Each call configures the tiles and releases them at its end (a thread
+ * holding tile state makes each context switch save 8 KiB more).
  */
 #define TD_AMX TD_V
 #define AMX_ROWS 16 /* activation rows a tile */
@@ -375,11 +381,6 @@ const td_cpu_pack_ops_t td_cpu_pack_ops_vnni = {
 #define AMX_DPBSSD(c, a, b) __asm__ volatile("tdpbssd %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::) /* c += a(s8) b(s8) */
 #define AMX_DPBSUD(c, a, b) __asm__ volatile("tdpbsud %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::) /* c += a(s8) b(u8) */
 
-TD_INLINE bool amx_type(td_dtype_t t)
-{
-    return t == TD_Q8_0 || t == TD_Q4_0 || t == TD_Q4_1;
-}
-
 typedef struct amx_config {
     uint8_t palette, start_row, reserved[14];
     uint16_t colsb[16];
@@ -387,15 +388,16 @@ typedef struct amx_config {
 } amx_config_t;
 _Static_assert(sizeof(amx_config_t) == 64, "LDTILECFG reads 64 bytes");
 
-static TD_AMX void amx_configure(void)
+/* kq weights a product: TD_QK, or a Q6_K half's 16 */
+static TD_AMX void amx_configure(int kq)
 {
     amx_config_t c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
     for (int i = 0; i < 2; i++) {
-        c.rows[i] = AMX_ROWS; /* A: 16 rows of a block's 32 hi bytes */
-        c.colsb[i] = TD_QK;
-        c.rows[2 + i] = TD_QK / 4; /* B: 8 rows of 16 weight rows x 4 bytes */
+        c.rows[i] = AMX_ROWS; /* A: 16 rows of kq hi bytes */
+        c.colsb[i] = (uint16_t)kq;
+        c.rows[2 + i] = (uint8_t)(kq / 4); /* B: kq / 4 rows of 16 weight rows x 4 bytes */
         c.colsb[2 + i] = 4 * ROWS;
         c.rows[4 + i] = AMX_ROWS; /* C: 16 x 16 int32 */
         c.colsb[4 + i] = 4 * ROWS;
@@ -403,49 +405,109 @@ static TD_AMX void amx_configure(void)
     __asm__ volatile("ldtilecfg (%0)" ::"r"(&c) : "memory");
 }
 
-/* A Q4 block's B tile at dst (512 bytes): nibble vector v's low nibbles are tile row v, its
- * high ones row 4 + v; Q4_0 less its offset 8 */
-TD_INLINE TD_AMX void amx_spread_q4(td_dtype_t t, const unsigned char *q, unsigned char *dst)
+/* Block b's B tile (8 rows of 64 bytes) spread at dst from the packed quants at q: nibble
+ * vector v's low nibbles are tile row v, its high ones row 4 + v (vnni_tile's w[]), then the
+ * type's offset taken off where the product is signed */
+TD_INLINE TD_AMX void amx_spread(td_dtype_t t, const unsigned char *q, unsigned char *dst)
 {
-    const __m512i low4 = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
+    const __m512i low4 = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10), hi2 = _mm512_set1_epi8(0x30);
+    const __m512i iq4 = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)td_quant_iq4nl_values));
+    __m512i w[8];
     for (int v = 0; v < 4; v++) {
         __m512i raw = _mm512_loadu_si512(q + 64 * v);
-        __m512i lo = _mm512_and_si512(raw, low4), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
-        if (t == TD_Q4_0) {
-            lo = _mm512_sub_epi8(lo, eight);
-            hi = _mm512_sub_epi8(hi, eight);
-        }
-        _mm512_store_si512(dst + 64 * v, lo);
-        _mm512_store_si512(dst + 64 * (4 + v), hi);
+        w[v] = _mm512_and_si512(raw, low4);
+        w[v + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
     }
+    if (t == TD_Q5_K) { /* the fifth bits, as vnni_tile */
+        const __m512i hb = _mm512_loadu_si512(q + 256);
+#pragma GCC unroll 4
+        for (int v = 0; v < 4; v++) {
+            w[v] = _mm512_or_si512(w[v], _mm512_and_si512(_mm512_slli_epi16(hb, 4 - v), bit4));
+            w[v + 4] = _mm512_or_si512(w[v + 4], _mm512_and_si512(_mm512_srli_epi16(hb, v), bit4));
+        }
+    } else if (t == TD_Q6_K) { /* the high 2 bits, as vnni_tile_q6_k, less 32 */
+        const __m512i hb0 = _mm512_loadu_si512(q + 256), hb1 = _mm512_loadu_si512(q + 320);
+#pragma GCC unroll 4
+        for (int v = 0; v < 4; v++) {
+            w[v] = _mm512_sub_epi8(_mm512_or_si512(w[v], _mm512_and_si512(Q6_HI_ZMM(hb0, v), hi2)), _mm512_set1_epi8(32));
+            w[v + 4] = _mm512_sub_epi8(_mm512_or_si512(w[v + 4], _mm512_and_si512(Q6_HI_ZMM(hb1, v), hi2)),
+                                       _mm512_set1_epi8(32));
+        }
+    } else if (t == TD_IQ4_XS) { /* the value itself (vnni_tile's u less 128) */
+        for (int v = 0; v < 8; v++)
+            w[v] = _mm512_shuffle_epi8(iq4, w[v]);
+    } else if (t == TD_Q4_0) {
+        for (int v = 0; v < 8; v++)
+            w[v] = _mm512_sub_epi8(w[v], _mm512_set1_epi8(8));
+    }
+    for (int v = 0; v < 8; v++)
+        _mm512_store_si512(dst + 64 * v, w[v]);
 }
 
-/* Block b's exact sums into cbuf (16 rows of 16 int32), on tiles A, B, C (literal numbers:
- * the intrinsics take them as immediates) */
-#define AMX_BLOCK_SUMS(A, B, C, t, gq, b, a, stride, bbuf, cbuf)                                 \
+/* Block b's exact sums into cbuf (16 rows of 16 int32) on tiles A, B and C (numbers written
+ * out: the instructions take them as immediates); Q6_K: half `h` (B and A from 16 weights in) */
+#define AMX_SUMS(A, B, C, t, q, bbuf, ahi, stride, cbuf)                                         \
     do {                                                                                         \
-        const unsigned char *q_ = (gq) + block_at(t, b);                                         \
         if ((t) == TD_Q8_0) {                                                                    \
-            AMX_LOAD(B, q_, 4 * ROWS);                                                           \
+            AMX_LOAD(B, q, 4 * ROWS);                                                            \
         } else {                                                                                 \
-            amx_spread_q4(t, q_, bbuf);                                                          \
             AMX_LOAD(B, bbuf, 4 * ROWS);                                                         \
         }                                                                                        \
-        AMX_LOAD(A, act_hi(a) + (b) * TD_QK, stride);                                            \
+        AMX_LOAD(A, ahi, stride);                                                                \
         AMX_ZERO(C);                                                                             \
-        if ((t) == TD_Q4_1)                                                                      \
+        if (has_min(t))                                                                          \
             AMX_DPBSUD(C, A, B);                                                                 \
         else                                                                                     \
             AMX_DPBSSD(C, A, B);                                                                 \
         AMX_STORE(C, cbuf, 4 * ROWS);                                                            \
     } while (0)
 
-/* Block b's float step for the 16 rows from their sums in cbuf */
+/* A block row's d_w of block b (vnni_tile's dw) */
+TD_INLINE TD_AMX __m512 amx_dw(td_dtype_t t, const unsigned char *gq, size_t nb, size_t b)
+{
+    if (t == TD_Q5_K) {
+        const unsigned char *ks = gq + chunk_scales_at(t, nb, b);
+        return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(ks + K_D))),
+                             _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(ks + K_SC(b % 8))))));
+    }
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(gq + block_scales_at(t, nb, b))));
+}
+
+/* A super-block row's integer scales of block b (Q6_K: of its half h) */
+TD_INLINE TD_AMX __m512i amx_isc(td_dtype_t t, const unsigned char *gq, size_t nb, size_t b, int h)
+{
+    const unsigned char *ks = gq + chunk_scales_at(t, nb, b);
+    if (t == TD_Q6_K)
+        return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(ks + K6_SC(b % 8, h))));
+    if (t == TD_IQ4_XS)
+        return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(ks + XS_SC(b % 8))));
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(ks + K_SC(b % 8))));
+}
+
+/* A super-block's d (the f16 d of the chunk's scales: first for Q6_K and IQ4_XS, K_D for Q4_K) */
+TD_INLINE TD_AMX __m512 amx_d(td_dtype_t t, const unsigned char *gq, size_t nb, size_t b)
+{
+    const unsigned char *ks = gq + chunk_scales_at(t, nb, b);
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(ks + (t == TD_Q4_K ? K_D : 0))));
+}
+
+/* The min's m of block b: Q4_1's stored m, Q4_K's and Q5_K's -(dmin * mn) */
+TD_INLINE TD_AMX __m512 amx_mw(td_dtype_t t, const unsigned char *gq, size_t nb, size_t b)
+{
+    if (t == TD_Q4_1)
+        return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(gq + block_scales_at(t, nb, b) + 2 * ROWS)));
+    const unsigned char *ks = gq + chunk_scales_at(t, nb, b);
+    __m512 mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(ks + K_MN(b % 8)))));
+    return _mm512_castsi512_ps(_mm512_xor_si512(
+        _mm512_castps_si512(_mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(ks + K_DMIN))), mn)),
+        _mm512_set1_epi32(INT32_MIN)));
+}
+
+/* Block b's float step of a block row, the 16 rows' sums in cbuf */
 TD_INLINE TD_AMX void amx_block_step(td_dtype_t t, const unsigned char *gq, size_t nb, size_t b, size_t k,
                                      const unsigned char *a, size_t stride, const int32_t *cbuf, __m512 *acc)
 {
-    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(gq + block_scales_at(t, nb, b))));
-    const __m512 wide = _mm512_set1_ps((float)WIDE);
+    const __m512 dw = amx_dw(t, gq, nb, b), wide = _mm512_set1_ps((float)WIDE);
 #pragma GCC unroll 16
     for (int i = 0; i < AMX_ROWS; i++) {
         __m512 p = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(cbuf + ROWS * i)), wide);
@@ -454,60 +516,118 @@ TD_INLINE TD_AMX void amx_block_step(td_dtype_t t, const unsigned char *gq, size
     }
 }
 
-/* One group (at gq, nb blocks) against the 16 activation rows at a: their 16 outputs each
- * to y + i * ldy. pf_end as vnni_tile's. */
+/* A super-block row's integer step, P += sc p for the 16 rows */
+TD_INLINE TD_AMX void amx_super_step(__m512i isc, const int32_t *cbuf, __m512i *big)
+{
+#pragma GCC unroll 16
+    for (int i = 0; i < AMX_ROWS; i++)
+        big[i] = _mm512_add_epi32(big[i], _mm512_mullo_epi32(_mm512_load_si512(cbuf + ROWS * i), isc));
+}
+
+/* The end of super-block s (its last block b): y (the rows' acc) += (float)P * (d * E), P to 0 */
+TD_INLINE TD_AMX void amx_super_end(td_dtype_t t, const unsigned char *gq, size_t nb, size_t b, size_t k,
+                                    const unsigned char *a, size_t stride, __m512i *big, float *y, size_t ldy)
+{
+    const __m512 d = amx_d(t, gq, nb, b);
+#pragma GCC unroll 16
+    for (int i = 0; i < AMX_ROWS; i++) {
+        __m512 sc = _mm512_mul_ps(d, _mm512_set1_ps(load_f32(act_e(a + i * stride, k) + 4 * b)));
+        __m512 acc = b < PACK_CHUNK ? _mm512_setzero_ps() : _mm512_loadu_ps(y + i * ldy);
+        _mm512_storeu_ps(y + i * ldy, _mm512_fmadd_ps(_mm512_cvtepi32_ps(big[i]), sc, acc));
+        big[i] = _mm512_setzero_si512();
+    }
+}
+
+/* One group (at gq, nb blocks) against the 16 activation rows at a: their 16 outputs each to
+ * y + i * ldy. pf_end as vnni_tile's. */
 static TD_AMX void amx_tile(td_dtype_t t, const unsigned char *gq, size_t nb, size_t k, const unsigned char *a,
                             size_t stride, float *y, size_t ldy, const unsigned char *pf_end)
 {
     _Alignas(64) int32_t cbuf[2][AMX_ROWS * ROWS];
     _Alignas(64) unsigned char bbuf[2][TD_QK * ROWS];
-    __m512 acc[AMX_ROWS];
-    for (int i = 0; i < AMX_ROWS; i++)
-        acc[i] = _mm512_setzero_ps();
-    for (size_t b = 0; b < nb; b += 2) {
-        if (pf_end)
-            decode_prefetch(t, gq, b, pf_end);
-        AMX_BLOCK_SUMS(0, 2, 4, t, gq, b, a, stride, bbuf[0], cbuf[0]);
-        if (b + 1 < nb) {
+    const bool super = act_super(t, true);
+    if (t == TD_Q6_K) { /* super-block rows, a half a product: K = 16 */
+        __m512i big[AMX_ROWS];
+        for (int i = 0; i < AMX_ROWS; i++)
+            big[i] = _mm512_setzero_si512();
+        for (size_t b = 0; b < nb; b++) {
             if (pf_end)
-                decode_prefetch(t, gq, b + 1, pf_end);
-            AMX_BLOCK_SUMS(1, 3, 5, t, gq, b + 1, a, stride, bbuf[1], cbuf[1]);
+                decode_prefetch(t, gq, b, pf_end);
+            amx_spread(t, gq + block_at(t, b), bbuf[0]);
+            const int8_t *ahi = act_hi(a) + b * TD_QK;
+            AMX_SUMS(0, 2, 4, t, NULL, bbuf[0], ahi, stride, cbuf[0]);
+            AMX_SUMS(1, 3, 5, t, NULL, bbuf[0] + 4 * 4 * ROWS, ahi + 16, stride, cbuf[1]);
+            amx_super_step(amx_isc(t, gq, nb, b, 0), cbuf[0], big);
+            amx_super_step(amx_isc(t, gq, nb, b, 1), cbuf[1], big);
+            if (b % PACK_CHUNK == PACK_CHUNK - 1)
+                amx_super_end(t, gq, nb, b, k, a, stride, big, y, ldy);
         }
-        amx_block_step(t, gq, nb, b, k, a, stride, cbuf[0], acc);
-        if (b + 1 < nb)
-            amx_block_step(t, gq, nb, b + 1, k, a, stride, cbuf[1], acc);
+        return;
     }
-    if (t == TD_Q4_1) { /* the offset term, its own chain in block order (vnni_tile's macc) */
+    __m512 acc[AMX_ROWS];
+    __m512i big[AMX_ROWS];
+    for (int i = 0; i < AMX_ROWS; i++) {
+        acc[i] = _mm512_setzero_ps();
+        big[i] = _mm512_setzero_si512();
+    }
+    for (size_t b = 0; b < nb; b += 2) { /* two blocks a step, the second on the odd tiles */
+        const bool two = b + 1 < nb;        /* Q8_0, Q4_0, Q4_1 may have an odd count */
+        const unsigned char *q0 = gq + block_at(t, b), *q1 = two ? gq + block_at(t, b + 1) : NULL;
+        const int8_t *ahi = act_hi(a) + b * TD_QK;
+        if (pf_end) {
+            decode_prefetch(t, gq, b, pf_end);
+            if (two)
+                decode_prefetch(t, gq, b + 1, pf_end);
+        }
+        if (t != TD_Q8_0) {
+            amx_spread(t, q0, bbuf[0]);
+            if (two)
+                amx_spread(t, q1, bbuf[1]);
+        }
+        AMX_SUMS(0, 2, 4, t, q0, bbuf[0], ahi, stride, cbuf[0]);
+        if (two)
+            AMX_SUMS(1, 3, 5, t, q1, bbuf[1], ahi + TD_QK, stride, cbuf[1]);
+        if (super) { /* nb % 8 == 0: both blocks there */
+            amx_super_step(amx_isc(t, gq, nb, b, 0), cbuf[0], big);
+            amx_super_step(amx_isc(t, gq, nb, b + 1, 0), cbuf[1], big);
+            if ((b + 1) % PACK_CHUNK == PACK_CHUNK - 1)
+                amx_super_end(t, gq, nb, b + 1, k, a, stride, big, y, ldy);
+        } else {
+            amx_block_step(t, gq, nb, b, k, a, stride, cbuf[0], acc);
+            if (two)
+                amx_block_step(t, gq, nb, b + 1, k, a, stride, cbuf[1], acc);
+        }
+    }
+    if (!super)
+        for (int i = 0; i < AMX_ROWS; i++)
+            _mm512_storeu_ps(y + i * ldy, acc[i]);
+    if (has_min(t)) { /* the min's chain M, in block order (vnni_tile's macc), then y = acc + M */
         __m512 macc[AMX_ROWS];
         for (int i = 0; i < AMX_ROWS; i++)
             macc[i] = _mm512_setzero_ps();
         for (size_t b = 0; b < nb; b++) {
-            const __m512 mw = _mm512_cvtph_ps(
-                _mm256_loadu_si256((const __m256i *)(gq + block_scales_at(t, nb, b) + 2 * ROWS)));
+            const __m512 mw = amx_mw(t, gq, nb, b);
 #pragma GCC unroll 16
             for (int i = 0; i < AMX_ROWS; i++)
                 macc[i] = _mm512_fmadd_ps(mw, _mm512_set1_ps(load_f32(act_c(a + i * stride, k) + 4 * b)), macc[i]);
         }
         for (int i = 0; i < AMX_ROWS; i++)
-            acc[i] = _mm512_add_ps(acc[i], macc[i]);
+            _mm512_storeu_ps(y + i * ldy, _mm512_add_ps(_mm512_loadu_ps(y + i * ldy), macc[i]));
     }
-    for (int i = 0; i < AMX_ROWS; i++)
-        _mm512_storeu_ps(y + i * ldy, acc[i]);
 }
 
-/* The one-byte kernel: 16 rows at a time on tiles, the rest (and every other type) as the
- * VNNI table runs them */
+/* The one-byte kernel: 16 rows at a time on tiles, the rest as the VNNI table runs them */
 static TD_AMX void kernel_amx(td_dtype_t t, bool one, const void *wp, size_t g0, size_t g1, size_t g_pf, size_t k,
                               const void *av, size_t m, float *y, size_t ldy)
 {
-    if (!one || !amx_type(t) || m < AMX_ROWS) {
+    if (!one || m < AMX_ROWS) {
         td_cpu_pack_fn_of(&td_cpu_pack_ops_vnni, t, one)(wp, g0, g1, g_pf, k, av, m, y, ldy);
         return;
     }
     size_t nb = k / TD_QK, gb = td_cpu_pack_group_bytes(t, k), stride = td_cpu_pack_act_stride(k);
     size_t m16 = m / AMX_ROWS * AMX_ROWS;
     const unsigned char *a = av, *end = (const unsigned char *)wp + g_pf * gb;
-    amx_configure();
+    amx_configure(t == TD_Q6_K ? TD_QK / 2 : TD_QK);
     for (size_t g = g0; g < g1; g++) {
         const unsigned char *gq = (const unsigned char *)wp + g * gb;
         float *yg = y + (g - g0) * ROWS;
