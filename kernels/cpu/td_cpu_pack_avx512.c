@@ -399,8 +399,10 @@ static TD_AMX void amx_configure(int kq)
         c.colsb[i] = (uint16_t)kq;
         c.rows[2 + i] = (uint8_t)(kq / 4); /* B: kq / 4 rows of 16 weight rows x 4 bytes */
         c.colsb[2 + i] = 4 * ROWS;
-        c.rows[4 + i] = AMX_ROWS; /* C: 16 x 16 int32 */
-        c.colsb[4 + i] = 4 * ROWS;
+    }
+    for (int i = 4; i < 8; i++) {
+        c.rows[i] = AMX_ROWS; /* C: 16 x 16 int32 */
+        c.colsb[i] = 4 * ROWS;
     }
     __asm__ volatile("ldtilecfg (%0)" ::"r"(&c) : "memory");
 }
@@ -444,15 +446,11 @@ TD_INLINE TD_AMX void amx_spread(td_dtype_t t, const unsigned char *q, unsigned 
         _mm512_store_si512(dst + 64 * v, w[v]);
 }
 
-/* Block b's exact sums into cbuf (16 rows of 16 int32) on tiles A, B and C (numbers written
- * out: the instructions take them as immediates); Q6_K: half `h` (B and A from 16 weights in) */
-#define AMX_SUMS(A, B, C, t, q, bbuf, ahi, stride, cbuf)                                         \
+/* One unit's exact sums into cbuf (16 rows of 16 int32) on tiles A, B and C (numbers written
+ * out: the instructions take them as immediates), its B tile at bt, its A tile at ahi */
+#define AMX_SUMS(A, B, C, t, bt, ahi, stride, cbuf)                                              \
     do {                                                                                         \
-        if ((t) == TD_Q8_0) {                                                                    \
-            AMX_LOAD(B, q, 4 * ROWS);                                                            \
-        } else {                                                                                 \
-            AMX_LOAD(B, bbuf, 4 * ROWS);                                                         \
-        }                                                                                        \
+        AMX_LOAD(B, bt, 4 * ROWS);                                                               \
         AMX_LOAD(A, ahi, stride);                                                                \
         AMX_ZERO(C);                                                                             \
         if (has_min(t))                                                                          \
@@ -538,101 +536,129 @@ TD_INLINE TD_AMX void amx_super_end(td_dtype_t t, const unsigned char *gq, size_
     }
 }
 
-/* One group (at gq, nb blocks) against the 16 activation rows at a: their 16 outputs each to
- * y + i * ldy. pf_end as vnni_tile's. */
-static TD_AMX void amx_tile(td_dtype_t t, const unsigned char *gq, size_t nb, size_t k, const unsigned char *a,
-                            size_t stride, float *y, size_t ldy, const unsigned char *pf_end)
+/* Weights a product ("unit"): a block, or a Q6_K half; a B tile of a unit is 16 x unit bytes */
+TD_INLINE int amx_unit(td_dtype_t t)
 {
-    _Alignas(64) int32_t cbuf[2][AMX_ROWS * ROWS];
-    _Alignas(64) unsigned char bbuf[2][TD_QK * ROWS];
+    return t == TD_Q6_K ? TD_QK / 2 : TD_QK;
+}
+
+/* Units a segment: the spread B tiles of one group's segment, 32 KiB, are made once and read
+ * by every 16-row chunk of the call. A multiple of a super-block's units (8 blocks, 16 Q6_K
+ * halves), so that P never spans two segments. */
+#define AMX_SEG_BYTES 32768
+
+/* Units [u0, u1) of one group (at gq, nb blocks) against the 16 activation rows at a, on the
+ * B tiles at sb (unit u0's first; Q8_0: NULL, its packed blocks are the tiles): acc
+ * continues from y (the rows' 16 outputs each at y + i * ldy) unless u0 is 0, and is left
+ * there. A pipeline three units deep: unit x's products are issued two units before the float
+ * step that reads them (a tile store reaches the cache late, and the step's loads wait for
+ * it), C tiles and their buffers rotating over three (tiles 4, 5, 6; A is tile 0, B tile 2). */
+TD_INLINE TD_AMX void amx_chunk(td_dtype_t t, const unsigned char *gq, size_t nb, size_t u0, size_t u1, size_t k,
+                                const unsigned char *sb, const unsigned char *a, size_t stride, float *y,
+                                size_t ldy, const unsigned char *pf_end)
+{
+    _Alignas(64) int32_t cbuf[3][AMX_ROWS * ROWS];
+    const size_t U = (size_t)amx_unit(t);
     const bool super = act_super(t, true);
-    if (t == TD_Q6_K) { /* super-block rows, a half a product: K = 16 */
-        __m512i big[AMX_ROWS];
-        for (int i = 0; i < AMX_ROWS; i++)
-            big[i] = _mm512_setzero_si512();
-        for (size_t b = 0; b < nb; b++) {
-            if (pf_end)
-                decode_prefetch(t, gq, b, pf_end);
-            amx_spread(t, gq + block_at(t, b), bbuf[0]);
-            const int8_t *ahi = act_hi(a) + b * TD_QK;
-            AMX_SUMS(0, 2, 4, t, NULL, bbuf[0], ahi, stride, cbuf[0]);
-            AMX_SUMS(1, 3, 5, t, NULL, bbuf[0] + 4 * 4 * ROWS, ahi + 16, stride, cbuf[1]);
-            amx_super_step(amx_isc(t, gq, nb, b, 0), cbuf[0], big);
-            amx_super_step(amx_isc(t, gq, nb, b, 1), cbuf[1], big);
-            if (b % PACK_CHUNK == PACK_CHUNK - 1)
-                amx_super_end(t, gq, nb, b, k, a, stride, big, y, ldy);
-        }
-        return;
-    }
     __m512 acc[AMX_ROWS];
     __m512i big[AMX_ROWS];
     for (int i = 0; i < AMX_ROWS; i++) {
-        acc[i] = _mm512_setzero_ps();
+        acc[i] = super || u0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(y + i * ldy);
         big[i] = _mm512_setzero_si512();
     }
-    for (size_t b = 0; b < nb; b += 2) { /* two blocks a step, the second on the odd tiles */
-        const bool two = b + 1 < nb;        /* Q8_0, Q4_0, Q4_1 may have an odd count */
-        const unsigned char *q0 = gq + block_at(t, b), *q1 = two ? gq + block_at(t, b + 1) : NULL;
-        const int8_t *ahi = act_hi(a) + b * TD_QK;
-        if (pf_end) {
-            decode_prefetch(t, gq, b, pf_end);
-            if (two)
-                decode_prefetch(t, gq, b + 1, pf_end);
-        }
-        if (t != TD_Q8_0) {
-            amx_spread(t, q0, bbuf[0]);
-            if (two)
-                amx_spread(t, q1, bbuf[1]);
-        }
-        AMX_SUMS(0, 2, 4, t, q0, bbuf[0], ahi, stride, cbuf[0]);
-        if (two)
-            AMX_SUMS(1, 3, 5, t, q1, bbuf[1], ahi + TD_QK, stride, cbuf[1]);
-        if (super) { /* nb % 8 == 0: both blocks there */
-            amx_super_step(amx_isc(t, gq, nb, b, 0), cbuf[0], big);
-            amx_super_step(amx_isc(t, gq, nb, b + 1, 0), cbuf[1], big);
-            if ((b + 1) % PACK_CHUNK == PACK_CHUNK - 1)
-                amx_super_end(t, gq, nb, b + 1, k, a, stride, big, y, ldy);
-        } else {
-            amx_block_step(t, gq, nb, b, k, a, stride, cbuf[0], acc);
-            if (two)
-                amx_block_step(t, gq, nb, b + 1, k, a, stride, cbuf[1], acc);
-        }
+#define AMX_ISSUE(C, x)                                                                          \
+    do {                                                                                         \
+        if ((x) < u1) {                                                                          \
+            if (pf_end)                                                                          \
+                decode_prefetch(t, gq, x, pf_end);                                               \
+            const unsigned char *bt_ = t == TD_Q8_0 ? gq + block_at(t, x) : sb + ((x) - u0) * U * ROWS; \
+            AMX_SUMS(0, 2, C, t, bt_, act_hi(a) + (x) * U, stride, cbuf[((x) - u0) % 3]);    \
+        }                                                                                        \
+    } while (0)
+#define AMX_STEP(x)                                                                              \
+    do {                                                                                         \
+        if ((x) < u1) {                                                                          \
+            const int32_t *c_ = cbuf[((x) - u0) % 3];                                            \
+            if (t == TD_Q6_K) {                                                                  \
+                amx_super_step(amx_isc(t, gq, nb, (x) / 2, (int)((x) % 2)), c_, big);            \
+                if ((x) % (2 * PACK_CHUNK) == 2 * PACK_CHUNK - 1)                                \
+                    amx_super_end(t, gq, nb, (x) / 2, k, a, stride, big, y, ldy);                \
+            } else if (super) {                                                                  \
+                amx_super_step(amx_isc(t, gq, nb, x, 0), c_, big);                               \
+                if ((x) % PACK_CHUNK == PACK_CHUNK - 1)                                          \
+                    amx_super_end(t, gq, nb, x, k, a, stride, big, y, ldy);                      \
+            } else {                                                                             \
+                amx_block_step(t, gq, nb, x, k, a, stride, c_, acc);                             \
+            }                                                                                    \
+        }                                                                                        \
+    } while (0)
+    AMX_ISSUE(4, u0);
+    AMX_ISSUE(5, u0 + 1);
+    for (size_t x = u0; x < u1; x += 3) { /* unit x's C is tile 4 + (x - u0) % 3 */
+        AMX_ISSUE(6, x + 2);
+        AMX_STEP(x);
+        AMX_ISSUE(4, x + 3);
+        AMX_STEP(x + 1);
+        AMX_ISSUE(5, x + 4);
+        AMX_STEP(x + 2);
     }
+#undef AMX_ISSUE
+#undef AMX_STEP
     if (!super)
         for (int i = 0; i < AMX_ROWS; i++)
             _mm512_storeu_ps(y + i * ldy, acc[i]);
-    if (has_min(t)) { /* the min's chain M, in block order (vnni_tile's macc), then y = acc + M */
-        __m512 macc[AMX_ROWS];
-        for (int i = 0; i < AMX_ROWS; i++)
-            macc[i] = _mm512_setzero_ps();
-        for (size_t b = 0; b < nb; b++) {
-            const __m512 mw = amx_mw(t, gq, nb, b);
-#pragma GCC unroll 16
-            for (int i = 0; i < AMX_ROWS; i++)
-                macc[i] = _mm512_fmadd_ps(mw, _mm512_set1_ps(load_f32(act_c(a + i * stride, k) + 4 * b)), macc[i]);
-        }
-        for (int i = 0; i < AMX_ROWS; i++)
-            _mm512_storeu_ps(y + i * ldy, _mm512_add_ps(_mm512_loadu_ps(y + i * ldy), macc[i]));
-    }
 }
 
-/* The one-byte kernel: 16 rows at a time on tiles, the rest as the VNNI table runs them */
-static TD_AMX void kernel_amx(td_dtype_t t, bool one, const void *wp, size_t g0, size_t g1, size_t g_pf, size_t k,
-                              const void *av, size_t m, float *y, size_t ldy)
+/* The min's chain M of the 16 rows at a, in block order (vnni_tile's macc), then y = acc + M */
+TD_INLINE TD_AMX void amx_min(td_dtype_t t, const unsigned char *gq, size_t nb, size_t k, const unsigned char *a,
+                              size_t stride, float *y, size_t ldy)
+{
+    __m512 macc[AMX_ROWS];
+    for (int i = 0; i < AMX_ROWS; i++)
+        macc[i] = _mm512_setzero_ps();
+    for (size_t b = 0; b < nb; b++) {
+        const __m512 mw = amx_mw(t, gq, nb, b);
+#pragma GCC unroll 16
+        for (int i = 0; i < AMX_ROWS; i++)
+            macc[i] = _mm512_fmadd_ps(mw, _mm512_set1_ps(load_f32(act_c(a + i * stride, k) + 4 * b)), macc[i]);
+    }
+    for (int i = 0; i < AMX_ROWS; i++)
+        _mm512_storeu_ps(y + i * ldy, _mm512_add_ps(_mm512_loadu_ps(y + i * ldy), macc[i]));
+}
+
+/* The one-byte kernel: the first m - m % 16 rows 16 at a time on tiles, group by group and
+ * segment by segment (the segment's B tiles spread once for all of them), the rest as the
+ * VNNI table runs them */
+TD_INLINE TD_AMX void kernel_amx(td_dtype_t t, bool one, const void *wp, size_t g0, size_t g1, size_t g_pf, size_t k,
+                                 const void *av, size_t m, float *y, size_t ldy)
 {
     if (!one || m < AMX_ROWS) {
         td_cpu_pack_fn_of(&td_cpu_pack_ops_vnni, t, one)(wp, g0, g1, g_pf, k, av, m, y, ldy);
         return;
     }
+    _Alignas(64) unsigned char sb[AMX_SEG_BYTES];
+    const size_t U = (size_t)amx_unit(t), nu = k / U, seg = AMX_SEG_BYTES / (U * ROWS);
     size_t nb = k / TD_QK, gb = td_cpu_pack_group_bytes(t, k), stride = td_cpu_pack_act_stride(k);
     size_t m16 = m / AMX_ROWS * AMX_ROWS;
     const unsigned char *a = av, *end = (const unsigned char *)wp + g_pf * gb;
-    amx_configure(t == TD_Q6_K ? TD_QK / 2 : TD_QK);
+    amx_configure((int)U);
     for (size_t g = g0; g < g1; g++) {
         const unsigned char *gq = (const unsigned char *)wp + g * gb;
         float *yg = y + (g - g0) * ROWS;
-        for (size_t i = 0; i < m16; i += AMX_ROWS)
-            amx_tile(t, gq, nb, k, a + i * stride, stride, yg + i * ldy, ldy, i == 0 ? end : NULL);
+        for (size_t u0 = 0; u0 < nu; u0 += seg) {
+            size_t u1 = u0 + seg < nu ? u0 + seg : nu;
+            if (t != TD_Q8_0)
+                for (size_t b = u0 * U / TD_QK; b < u1 * U / TD_QK; b++) {
+                    decode_prefetch(t, gq, b, end);
+                    amx_spread(t, gq + block_at(t, b), sb + (b * TD_QK - u0 * U) * ROWS);
+                }
+            for (size_t i = 0; i < m16; i += AMX_ROWS)
+                amx_chunk(t, gq, nb, u0, u1, k, sb, a + i * stride, stride, yg + i * ldy, ldy,
+                          t == TD_Q8_0 && i == 0 ? end : NULL);
+        }
+        if (has_min(t))
+            for (size_t i = 0; i < m16; i += AMX_ROWS)
+                amx_min(t, gq, nb, k, a + i * stride, stride, yg + i * ldy, ldy);
     }
     __asm__ volatile("tilerelease" ::);
     if (m16 < m) /* the last m % 16 rows */
