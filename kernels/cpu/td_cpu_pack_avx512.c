@@ -412,6 +412,11 @@ static TD_AMX void amx_configure(int kq)
  * type's offset taken off where the product is signed */
 TD_INLINE TD_AMX void amx_spread(td_dtype_t t, const unsigned char *q, unsigned char *dst)
 {
+    if (t == TD_Q8_0) { /* two-byte rows' layout: u = q + 128 (one-byte rows' q loads as stored) */
+        for (int v = 0; v < 8; v++)
+            _mm512_store_si512(dst + 64 * v, _mm512_xor_si512(_mm512_loadu_si512(q + 64 * v), _mm512_set1_epi8((char)0x80)));
+        return;
+    }
     const __m512i low4 = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10), hi2 = _mm512_set1_epi8(0x30);
     const __m512i iq4 = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)td_quant_iq4nl_values));
     __m512i w[8];
@@ -446,9 +451,10 @@ TD_INLINE TD_AMX void amx_spread(td_dtype_t t, const unsigned char *q, unsigned 
         _mm512_store_si512(dst + 64 * v, w[v]);
 }
 
-/* One unit's exact sums into cbuf (16 rows of 16 int32) on tiles A, B and C (numbers written
- * out: the instructions take them as immediates), its B tile at bt, its A tile at ahi */
-#define AMX_SUMS(A, B, C, t, bt, ahi, stride, cbuf)                                              \
+/* One unit's exact sums on tiles A (hi), AL (lo), B and C, CL (numbers written out: the
+ * instructions take them as immediates): its B tile at bt, the rows' hi bytes at ahi, their
+ * sums to ch (16 rows of 16 int32); two-byte rows also lo's, from alo to cl */
+#define AMX_SUMS(A, AL, B, C, CL, t, one, bt, ahi, alo, stride, ch, cl)                          \
     do {                                                                                         \
         AMX_LOAD(B, bt, 4 * ROWS);                                                               \
         AMX_LOAD(A, ahi, stride);                                                                \
@@ -457,17 +463,31 @@ TD_INLINE TD_AMX void amx_spread(td_dtype_t t, const unsigned char *q, unsigned 
             AMX_DPBSUD(C, A, B);                                                                 \
         else                                                                                     \
             AMX_DPBSSD(C, A, B);                                                                 \
-        AMX_STORE(C, cbuf, 4 * ROWS);                                                            \
+        AMX_STORE(C, ch, 4 * ROWS);                                                              \
+        if (!(one)) {                                                                            \
+            AMX_LOAD(AL, alo, stride);                                                           \
+            AMX_ZERO(CL);                                                                        \
+            if (has_min(t))                                                                      \
+                AMX_DPBSUD(CL, AL, B);                                                           \
+            else                                                                                 \
+                AMX_DPBSSD(CL, AL, B);                                                           \
+            AMX_STORE(CL, cl, 4 * ROWS);                                                         \
+        }                                                                                        \
     } while (0)
 
-/* A block row's d_w of block b (vnni_tile's dw) */
-TD_INLINE TD_AMX __m512 amx_dw(td_dtype_t t, const unsigned char *gq, size_t nb, size_t b)
+/* A block row's d_w of unit x (vnni_tile's dw; a Q6_K half's, vnni_tile_q6_k's dw[h]) */
+TD_INLINE TD_AMX __m512 amx_dw(td_dtype_t t, const unsigned char *gq, size_t nb, size_t x)
 {
-    if (t == TD_Q5_K) {
-        const unsigned char *ks = gq + chunk_scales_at(t, nb, b);
+    const size_t b = t == TD_Q6_K ? x / 2 : x;
+    const unsigned char *ks = gq + chunk_scales_at(t, nb, b);
+    if (t == TD_Q6_K || t == TD_IQ4_XS) { /* d times the int8 scale (IQ4_XS: ls - 32): exact */
+        const unsigned char *sc = ks + (t == TD_Q6_K ? K6_SC(b % 8, (int)(x % 2)) : XS_SC(b % 8));
+        return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)ks)),
+                             _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)sc))));
+    }
+    if (k_scales(t))
         return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(ks + K_D))),
                              _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(ks + K_SC(b % 8))))));
-    }
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(gq + block_scales_at(t, nb, b))));
 }
 
@@ -501,14 +521,18 @@ TD_INLINE TD_AMX __m512 amx_mw(td_dtype_t t, const unsigned char *gq, size_t nb,
         _mm512_set1_epi32(INT32_MIN)));
 }
 
-/* Block b's float step of a block row, the 16 rows' sums in cbuf */
-TD_INLINE TD_AMX void amx_block_step(td_dtype_t t, const unsigned char *gq, size_t nb, size_t b, size_t k,
-                                     const unsigned char *a, size_t stride, const int32_t *cbuf, __m512 *acc)
+/* Unit x's float step of block rows, the 16 rows' sums of hi in ch (and of lo in cl for
+ * two-byte rows: (float)(254 ph + pl) as one FMA rounds it, both exact in f32) */
+TD_INLINE TD_AMX void amx_block_step(td_dtype_t t, bool one, const unsigned char *gq, size_t nb, size_t x, size_t k,
+                                     const unsigned char *a, size_t stride, const int32_t *ch, const int32_t *cl,
+                                     __m512 *acc)
 {
-    const __m512 dw = amx_dw(t, gq, nb, b), wide = _mm512_set1_ps((float)WIDE);
+    const size_t b = t == TD_Q6_K ? x / 2 : x;
+    const __m512 dw = amx_dw(t, gq, nb, x), wide = _mm512_set1_ps((float)WIDE);
 #pragma GCC unroll 16
     for (int i = 0; i < AMX_ROWS; i++) {
-        __m512 p = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(cbuf + ROWS * i)), wide);
+        __m512 ph = _mm512_cvtepi32_ps(_mm512_load_si512(ch + ROWS * i));
+        __m512 p = one ? _mm512_mul_ps(ph, wide) : _mm512_fmadd_ps(ph, wide, _mm512_cvtepi32_ps(_mm512_load_si512(cl + ROWS * i)));
         __m512 sc = _mm512_mul_ps(dw, _mm512_set1_ps(load_f32(act_e(a + i * stride, k) + 4 * b)));
         acc[i] = _mm512_fmadd_ps(p, sc, acc[i]);
     }
@@ -548,59 +572,57 @@ TD_INLINE int amx_unit(td_dtype_t t)
 #define AMX_SEG_BYTES 32768
 
 /* Units [u0, u1) of one group (at gq, nb blocks) against the 16 activation rows at a, on the
- * B tiles at sb (unit u0's first; Q8_0: NULL, its packed blocks are the tiles): acc
+ * B tiles at sb (unit u0's first; one-byte Q8_0: NULL, its packed blocks are the tiles): acc
  * continues from y (the rows' 16 outputs each at y + i * ldy) unless u0 is 0, and is left
- * there. A pipeline three units deep: unit x's products are issued two units before the float
- * step that reads them (a tile store reaches the cache late, and the step's loads wait for
- * it), C tiles and their buffers rotating over three (tiles 4, 5, 6; A is tile 0, B tile 2). */
-TD_INLINE TD_AMX void amx_chunk(td_dtype_t t, const unsigned char *gq, size_t nb, size_t u0, size_t u1, size_t k,
-                                const unsigned char *sb, const unsigned char *a, size_t stride, float *y,
+ * there. Unit x's products are issued before unit x - 1's float step, on the other parity's
+ * tiles (A 0 and 1, hi and lo; B 2 + x % 2; C 4 + 2 (x % 2) and the next for lo). */
+TD_INLINE TD_AMX void amx_chunk(td_dtype_t t, bool one, const unsigned char *gq, size_t nb, size_t u0, size_t u1,
+                                size_t k, const unsigned char *sb, const unsigned char *a, size_t stride, float *y,
                                 size_t ldy, const unsigned char *pf_end)
 {
-    _Alignas(64) int32_t cbuf[3][AMX_ROWS * ROWS];
+    _Alignas(64) int32_t cbuf[2][2][AMX_ROWS * ROWS]; /* [parity][hi, lo] */
     const size_t U = (size_t)amx_unit(t);
-    const bool super = act_super(t, true);
+    const bool super = act_super(t, one);
     __m512 acc[AMX_ROWS];
     __m512i big[AMX_ROWS];
     for (int i = 0; i < AMX_ROWS; i++) {
         acc[i] = super || u0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(y + i * ldy);
         big[i] = _mm512_setzero_si512();
     }
-#define AMX_ISSUE(C, x)                                                                          \
+#define AMX_ISSUE(B, C, CL, x)                                                                   \
     do {                                                                                         \
         if ((x) < u1) {                                                                          \
             if (pf_end)                                                                          \
                 decode_prefetch(t, gq, x, pf_end);                                               \
-            const unsigned char *bt_ = t == TD_Q8_0 ? gq + block_at(t, x) : sb + ((x) - u0) * U * ROWS; \
-            AMX_SUMS(0, 2, C, t, bt_, act_hi(a) + (x) * U, stride, cbuf[((x) - u0) % 3]);    \
+            const unsigned char *bt_ = t == TD_Q8_0 && one ? gq + block_at(t, x) : sb + ((x) - u0) * U * ROWS; \
+            int32_t(*c_)[AMX_ROWS * ROWS] = cbuf[((x) - u0) % 2];                                \
+            AMX_SUMS(0, 1, B, C, CL, t, one, bt_, act_hi(a) + (x) * U, act_lo(a, k) + (x) * U, stride, c_[0], \
+                     c_[1]);                                                                     \
         }                                                                                        \
     } while (0)
 #define AMX_STEP(x)                                                                              \
     do {                                                                                         \
         if ((x) < u1) {                                                                          \
-            const int32_t *c_ = cbuf[((x) - u0) % 3];                                            \
-            if (t == TD_Q6_K) {                                                                  \
-                amx_super_step(amx_isc(t, gq, nb, (x) / 2, (int)((x) % 2)), c_, big);            \
+            int32_t(*c_)[AMX_ROWS * ROWS] = cbuf[((x) - u0) % 2];                                \
+            if (super && t == TD_Q6_K) {                                                         \
+                amx_super_step(amx_isc(t, gq, nb, (x) / 2, (int)((x) % 2)), c_[0], big);         \
                 if ((x) % (2 * PACK_CHUNK) == 2 * PACK_CHUNK - 1)                                \
                     amx_super_end(t, gq, nb, (x) / 2, k, a, stride, big, y, ldy);                \
             } else if (super) {                                                                  \
-                amx_super_step(amx_isc(t, gq, nb, x, 0), c_, big);                               \
+                amx_super_step(amx_isc(t, gq, nb, x, 0), c_[0], big);                            \
                 if ((x) % PACK_CHUNK == PACK_CHUNK - 1)                                          \
                     amx_super_end(t, gq, nb, x, k, a, stride, big, y, ldy);                      \
             } else {                                                                             \
-                amx_block_step(t, gq, nb, x, k, a, stride, c_, acc);                             \
+                amx_block_step(t, one, gq, nb, x, k, a, stride, c_[0], c_[1], acc);              \
             }                                                                                    \
         }                                                                                        \
     } while (0)
-    AMX_ISSUE(4, u0);
-    AMX_ISSUE(5, u0 + 1);
-    for (size_t x = u0; x < u1; x += 3) { /* unit x's C is tile 4 + (x - u0) % 3 */
-        AMX_ISSUE(6, x + 2);
+    AMX_ISSUE(2, 4, 5, u0);
+    for (size_t x = u0; x < u1; x += 2) {
+        AMX_ISSUE(3, 6, 7, x + 1);
         AMX_STEP(x);
-        AMX_ISSUE(4, x + 3);
+        AMX_ISSUE(2, 4, 5, x + 2);
         AMX_STEP(x + 1);
-        AMX_ISSUE(5, x + 4);
-        AMX_STEP(x + 2);
     }
 #undef AMX_ISSUE
 #undef AMX_STEP
@@ -632,7 +654,7 @@ TD_INLINE TD_AMX void amx_min(td_dtype_t t, const unsigned char *gq, size_t nb, 
 TD_INLINE TD_AMX void kernel_amx(td_dtype_t t, bool one, const void *wp, size_t g0, size_t g1, size_t g_pf, size_t k,
                                  const void *av, size_t m, float *y, size_t ldy)
 {
-    if (!one || m < AMX_ROWS) {
+    if (m < AMX_ROWS) {
         td_cpu_pack_fn_of(&td_cpu_pack_ops_vnni, t, one)(wp, g0, g1, g_pf, k, av, m, y, ldy);
         return;
     }
@@ -647,14 +669,14 @@ TD_INLINE TD_AMX void kernel_amx(td_dtype_t t, bool one, const void *wp, size_t 
         float *yg = y + (g - g0) * ROWS;
         for (size_t u0 = 0; u0 < nu; u0 += seg) {
             size_t u1 = u0 + seg < nu ? u0 + seg : nu;
-            if (t != TD_Q8_0)
+            if (t != TD_Q8_0 || !one)
                 for (size_t b = u0 * U / TD_QK; b < u1 * U / TD_QK; b++) {
                     decode_prefetch(t, gq, b, end);
                     amx_spread(t, gq + block_at(t, b), sb + (b * TD_QK - u0 * U) * ROWS);
                 }
             for (size_t i = 0; i < m16; i += AMX_ROWS)
-                amx_chunk(t, gq, nb, u0, u1, k, sb, a + i * stride, stride, yg + i * ldy, ldy,
-                          t == TD_Q8_0 && i == 0 ? end : NULL);
+                amx_chunk(t, one, gq, nb, u0, u1, k, sb, a + i * stride, stride, yg + i * ldy, ldy,
+                          t == TD_Q8_0 && one && i == 0 ? end : NULL);
         }
         if (has_min(t))
             for (size_t i = 0; i < m16; i += AMX_ROWS)
@@ -666,10 +688,11 @@ TD_INLINE TD_AMX void kernel_amx(td_dtype_t t, bool one, const void *wp, size_t 
                                                          y + m16 * ldy, ldy);
 }
 
+PACK_FNS(amx2, TD_AMX, kernel_amx, false)
 PACK_FNS(amx1, TD_AMX, kernel_amx, true)
 
 const td_cpu_pack_ops_t td_cpu_pack_ops_amx = {
-    .name = "amx", .act_row = act_row_avx512, .act_q16 = false, .two_byte = PACK_TABLE(vnni2),
+    .name = "amx", .act_row = act_row_avx512, .act_q16 = false, .two_byte = PACK_TABLE(amx2),
     .one_byte = PACK_TABLE(amx1)};
 
 #endif /* TD_CPU_PACK_X86 */
