@@ -339,33 +339,35 @@ const td_cpu_pack_ops_t td_cpu_pack_ops_vnni = {
 /* ---- AMX ---------------------------------------------------------------------------------- */
 
 /*
- * One-byte rows on the tile unit (AMX-INT8), 16 activation rows at a time. A packed block is
- * already a tile operand: its 8 vectors of 64 bytes hold, vector v, the 4 weights 4v..4v+3
- * of each of the group's 16 rows, which is row v of the "B" tile of TDPB*D (K / 4 rows of
- * N = 16 columns of 4 bytes; td_cpu_pack.h). Q8_0's one-byte layout holds q itself and
- * loads as stored; the others' blocks are spread into such a tile first, once a block and
- * tile: as the signed weight less its offset (Q4_0 u - 8, IQ4_XS its value, Q6_K u - 32) or,
- * for the types with a min, as u (Q4_1, Q4_K 0..15, Q5_K 0..31). The 16 rows' hi bytes of
- * the block are the "A" tile (16 rows of 32 bytes, the rows' stride apart), and one TDPBSSD
- * (TDPBSUD for u) gives the 16 x 16 exact sums
- *   p = sum (u - offset) hi     (offset 0 with a min; |p| <= 32 * 128 * 127 < 2^24)
- * that vnni_tile makes with 8 vpdpbusd a row (Q6_K: one TDP a half of 16 weights, K = 16).
- * From there the header's arithmetic, in block order:
- * - block rows (Q8_0, Q4_0, Q4_1, Q5_K): acc += (float)(254 p) * (d_w * e), (float)(254 p)
- *   one rounding of the exact product (vnni_tile's wide_sum rounds 254 ph + c, the same
- *   integer, once);
- * - super-block rows (Q4_K, IQ4_XS, Q6_K): P += sc_b p (Q6_K a half's sc), and once a
- *   super-block acc += (float)P * (d * E);
- * - with a min, M += m * c a block, its own chain, and y = acc + M.
+ * Prefill rows on the tile unit (AMX-INT8), 16 activation rows at a time, both row modes and
+ * every packed type. A packed block is already a tile operand: its 8 vectors of 64 bytes
+ * hold, vector v, the 4 weights 4v..4v+3 of each of the group's 16 rows, which is row v of
+ * the "B" tile of TDPB*D (K / 4 rows of N = 16 columns of 4 bytes; td_cpu_pack.h). One-byte
+ * Q8_0's layout holds q itself and loads as stored; every other block is spread into such a
+ * tile first (amx_spread), once a 32 KiB segment of its group for every 16-row chunk of the
+ * call: as the signed weight less its offset (Q4_0 u - 8, IQ4_XS its value, Q6_K u - 32,
+ * two-byte Q8_0 q) or, for the types with a min, as u (Q4_1, Q4_K 0..15, Q5_K 0..31). A unit
+ * (a block; a Q6_K half of 16 weights, K = 16) against the chunk's hi bytes as the "A" tile
+ * (16 rows of 32 bytes, the rows' stride apart; two-byte rows: the lo bytes as a second A)
+ * is one TDPBSSD (TDPBSUD for u) a part, giving the 16 x 16 exact sums
+ *   ph = sum (u - offset) hi, pl = sum (u - offset) lo   (|.| <= 32 * 128 * 127 < 2^24)
+ * that vnni_tile makes with 8 vpdpbusd a row and part; the offset is in the signed weights,
+ * so no c term. From there the header's arithmetic, in block order:
+ * - block rows (all two-byte rows; one-byte Q8_0, Q4_0, Q4_1, Q5_K): acc += (float)(254 ph
+ *   + pl) * (d_w * e), the integer rounded once (one byte: a product, two bytes: one FMA of
+ *   the two exact conversions; vnni_tile's wide_sum rounds the same integer once);
+ * - super-block rows (one-byte Q4_K, IQ4_XS, Q6_K): P += sc_b ph (Q6_K a half's sc), and once
+ *   a super-block acc += (float)P * (d * E);
+ * - with a min, M += m * c a block, its own chain in a second pass, and y = acc + M.
  * So every table gives the same bits and a row's result does not depend on which rows share
  * its call: decode rows (fewer than 16) and the rows past the last 16 go through vnni_tile.
- * The tile unit leaves the AVX-512 ports to the float step, which is then what bounds the
- * tile: four vector operations a row and block (vnni_tile: twelve).
+ * The sums leave the tile unit only through memory (a C tile stored, its rows loaded), which
+ * with the float step is what bounds it (docs/kernels.md "On the tile unit").
  *
- * Tiles: A 0 and 1, B 2 and 3, C 4 and 5, even blocks on the even ones and odd blocks on the
- * odd ones (Q6_K: half 0 and half 1), so that one block's products run while the other's
- * float step does. Each call configures the tiles and releases them at its end (a thread
- * holding tile state makes each context switch save 8 KiB more).
+ * Tiles: A 0 (hi) and 1 (lo); B 2 and 3, C 4 and 6 (lo: 5 and 7) by the unit's parity, and
+ * unit x's products are issued before unit x - 1's float step. Each call configures the tiles
+ * and releases them at its end (a thread holding tile state makes each context switch save
+ * 8 KiB more).
  */
 #define TD_AMX TD_V
 #define AMX_ROWS 16 /* activation rows a tile */
