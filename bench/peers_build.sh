@@ -40,6 +40,14 @@ build() { # SRC DIR TARGETS... (after --) cmake flags
 }
 build "$LC" lc-avx2 llama-bench llama-batched-bench llama-quantize -- "${avx2[@]}"
 build "$IK" ik-avx2 llama-bench llama-batched-bench -- "${avx2[@]}" -DGGML_IQK_FA_ALL_QUANTS=OFF
-build "$LC" lc-native llama-bench llama-batched-bench llama-quantize -- -DGGML_NATIVE=ON
+# On a CPU with AMX, llama.cpp's native build (GCC 12) dies in its AMX kernel: GCC 12's
+# _tile_loadconfig declares an 8-byte read of the 64-byte configuration, so the stores of the
+# rest are not ordered before it (a general protection fault at ldtilecfg). There the "native"
+# llama.cpp is every AVX-512 extension but AMX (docs/bench.md, the AMX Xeon's rows).
+lc_native=(-DGGML_NATIVE=ON)
+grep -qw amx_int8 /proc/cpuinfo &&
+  lc_native=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON
+    -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON)
+build "$LC" lc-native llama-bench llama-batched-bench llama-quantize -- "${lc_native[@]}"
 build "$IK" ik-native llama-bench llama-batched-bench -- -DGGML_NATIVE=ON -DGGML_IQK_FA_ALL_QUANTS=OFF
 echo "peers_build: done: $PEERS/{lc,ik}-{avx2,native}/bin" >&2
