@@ -453,28 +453,27 @@ TD_INLINE TD_AMX void amx_spread(td_dtype_t t, const unsigned char *q, unsigned 
         _mm512_store_si512(dst + 64 * v, w[v]);
 }
 
-/* One unit's exact sums on tiles A (hi), AL (lo), B and C, CL (numbers written out: the
- * instructions take them as immediates): its B tile at bt, the rows' hi bytes at ahi, their
- * sums to ch (16 rows of 16 int32); two-byte rows also lo's, from alo to cl */
-#define AMX_SUMS(A, AL, B, C, CL, t, one, bt, ahi, alo, stride, ch, cl)                          \
+/* One part's exact sums: the rows' bytes at src into tile A, times tile B, into C and on to
+ * dst (16 rows of 16 int32); tile numbers written out (the instructions take immediates) */
+#define AMX_PART(A, B, C, t, src, stride, dst)                                                   \
     do {                                                                                         \
-        AMX_LOAD(B, bt, 4 * ROWS);                                                               \
-        AMX_LOAD(A, ahi, stride);                                                                \
+        AMX_LOAD(A, src, stride);                                                                \
         AMX_ZERO(C);                                                                             \
         if (has_min(t))                                                                          \
             AMX_DPBSUD(C, A, B);                                                                 \
         else                                                                                     \
             AMX_DPBSSD(C, A, B);                                                                 \
-        AMX_STORE(C, ch, 4 * ROWS);                                                              \
-        if (!(one)) {                                                                            \
-            AMX_LOAD(AL, alo, stride);                                                           \
-            AMX_ZERO(CL);                                                                        \
-            if (has_min(t))                                                                      \
-                AMX_DPBSUD(CL, AL, B);                                                           \
-            else                                                                                 \
-                AMX_DPBSSD(CL, AL, B);                                                           \
-            AMX_STORE(CL, cl, 4 * ROWS);                                                         \
-        }                                                                                        \
+        AMX_STORE(C, dst, 4 * ROWS);                                                             \
+    } while (0)
+
+/* One unit's exact sums: its B tile at bt into tile B, the rows' hi bytes at ahi on tiles A
+ * and C to ch; two-byte rows also their lo bytes at alo on tiles AL and CL to cl */
+#define AMX_SUMS(A, AL, B, C, CL, t, one, bt, ahi, alo, stride, ch, cl)                          \
+    do {                                                                                         \
+        AMX_LOAD(B, bt, 4 * ROWS);                                                               \
+        AMX_PART(A, B, C, t, ahi, stride, ch);                                                   \
+        if (!(one))                                                                              \
+            AMX_PART(AL, B, CL, t, alo, stride, cl);                                             \
     } while (0)
 
 /* A block row's d_w of unit x (vnni_tile's dw; a Q6_K half's, vnni_tile_q6_k's dw[h]) */
