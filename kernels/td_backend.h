@@ -231,8 +231,7 @@ typedef struct td_cpu_config {
                            (llama.cpp's rounding, td_cpu_pack.h) instead of two: about 1.6x
                            the AVX2 prefill rate, llama.cpp's precision; and at level
                            avx512bf16 float weights repacked to bf16 and met by activations
-                           rounded to bf16 (td_cpu_bgemm.h), at level amx Q8_0, Q4_0 and
-                           Q4_1 prefill rows on the tile unit; --device cpu:q8 */
+                           rounded to bf16 (td_cpu_bgemm.h); --device cpu:q8 */
     const char *isa;    /* the kernels' instruction set: "scalar", "avx2", "avx512",
                            "avx512vnni", "avx512bf16" or "amx"; NULL or "" for $TANDEM_CPU_ISA, and when that is
                            unset the best this CPU runs. A lower one is for measuring the

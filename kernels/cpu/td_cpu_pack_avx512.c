@@ -573,7 +573,7 @@ TD_INLINE int amx_unit(td_dtype_t t)
 #define AMX_SEG_BYTES 32768
 
 /* Units [u0, u1) of one group (at gq, nb blocks) against the 16 activation rows at a, on the
- * B tiles at sb (unit u0's first; one-byte Q8_0: NULL, its packed blocks are the tiles): acc
+ * B tiles at sb (unit u0's first; not read for one-byte Q8_0, whose packed blocks are the tiles): acc
  * continues from y (the rows' 16 outputs each at y + i * ldy) unless u0 is 0, and is left
  * there. Unit x's products are issued before unit x - 1's float step, on the other parity's
  * tiles (A 0 and 1, hi and lo; B 2 + x % 2; C 4 + 2 (x % 2) and the next for lo). */
@@ -649,7 +649,7 @@ TD_INLINE TD_AMX void amx_min(td_dtype_t t, const unsigned char *gq, size_t nb, 
         _mm512_storeu_ps(y + i * ldy, _mm512_add_ps(_mm512_loadu_ps(y + i * ldy), macc[i]));
 }
 
-/* The one-byte kernel: the first m - m % 16 rows 16 at a time on tiles, group by group and
+/* The kernel of both row modes: the first m - m % 16 rows 16 at a time on tiles, group by group and
  * segment by segment (the segment's B tiles spread once for all of them), the rest as the
  * VNNI table runs them */
 TD_INLINE TD_AMX void kernel_amx(td_dtype_t t, bool one, const void *wp, size_t g0, size_t g1, size_t g_pf, size_t k,
