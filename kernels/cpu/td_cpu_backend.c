@@ -710,7 +710,7 @@ void td_cpu_kernels_fill(td_cpu_isa_t isa, td_cpu_kernels_t *k)
 {
     TD_ASSERT(td_cpu_isa_runs(isa));
     *k = (td_cpu_kernels_t){.isa = isa, .fmatmul = td_cpu_fmatmul_of(isa),
-                            .bgemm = TD_CPU_X86 && isa >= TD_CPU_ISA_AVX512_BF16, .pack = td_cpu_pack_ops(isa),
+                            .bgemm = td_cpu_bgemm_of(isa), .pack = td_cpu_pack_ops(isa),
                             .quant = td_cpu_quant_ops(isa), .qf32 = td_cpu_qf32_ops(isa),
                             .attn = td_cpu_attn_ops(isa), .row = td_cpu_row_ops(isa)};
 }

@@ -2,7 +2,8 @@
  * td_cpu_bgemm: float weights (f32, f16, bf16) repacked at load to bf16, times activations
  * rounded to bf16, with AVX512_BF16's vdpbf16ps (issue 32): the float matmul of
  * --device cpu:q8 (td_cpu_config_t.act_one_byte, the mode that trades precision for
- * llama.cpp's speed) on CPUs with AVX512_BF16 (level avx512bf16, td_cpu_isa.h). The default
+ * llama.cpp's speed) on CPUs with AVX512_BF16 (level avx512bf16, td_cpu_isa.h; at level amx on
+ * the tile unit, td_cpu_bgemm_of). The default
  * backend and cpu:exact keep td_cpu_fgemm's f32 sums of the stored values.
  *
  * Why. td_cpu_fgemm widens each weight to f32 and runs 16 FMAs a zmm instruction: at the
@@ -20,13 +21,15 @@
  * for each pair p of weights (p < k / 2) one 64-byte vector, bf16 element 2 r + j =
  * W[16 g + r][2 p + j]. So one broadcast of an activation pair (x[2p], x[2p + 1]) against
  * one vector gives the pair's partial sum for 16 rows, each in its own f32 lane: no
- * horizontal sums. k must be even (TD_ASSERT; the backend packs only such matrices).
+ * horizontal sums. k must be even (TD_ASSERT; the backend packs only such matrices). The
+ * same bytes are the tile unit's operand: 16 consecutive vectors (1 KiB, 32 weights of the
+ * group's 16 rows) are the B tile of one TDPBF16PS (K / 2 rows of 16 columns of a pair).
  *
  * The activation row: k bf16 values in order (a pair is one 32-bit word), stride
  * td_cpu_bgemm_act_stride(k) bytes.
  *
- * The sum (the contract): output y = dot(W row r, X row i) is one f32 lane, starting at
- * +0.0 and updated by one vdpbf16ps per pair, p = 0, 1, ..., k / 2 - 1, in order. No tile
+ * The sum (the contract; at level amx, td_cpu_bgemm_of says what changes): output y =
+ * dot(W row r, X row i) is one f32 lane, starting at +0.0 and updated by one vdpbf16ps per pair, p = 0, 1, ..., k / 2 - 1, in order. No tile
  * splits k, and the lane is the same instruction's in every tile shape, so the bits depend
  * on nothing but the row's values and k: not on m, nor on which rows or groups a call
  * computes, nor on threads. The backend stays batch-invariant in this mode. What one
@@ -45,12 +48,10 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "td_cpu_isa.h"
 #include "td_dtype.h"
 
 #define TD_CPU_BGEMM_ROWS 16
-
-/* True when this CPU runs the kernels (AVX-512 F/BW/VL and AVX512_BF16: level avx512bf16). */
-bool td_cpu_bgemm_available(void);
 
 /* Bytes of one packed group of 16 rows of k weights (k even): 32 k. */
 size_t td_cpu_bgemm_group_bytes(size_t k);
@@ -79,15 +80,30 @@ size_t td_cpu_bgemm_act_stride(size_t k);
 void td_cpu_bgemm_act_row(const float *x, uint16_t *a, size_t k);
 
 /*
- * For activation rows i in [0, m) and packed groups g in [g0, g1) of the matrix at wp,
+ * The kernel: for activation rows i in [0, m) and packed groups g in [g0, g1) of the matrix
+ * at wp,
  *   y[i * ldy + 16 (g - g0) + r] = dot(weight row 16 g + r, activation row i)
- * summed in the header's order; activation row i at (const char *)a + i * lda bytes.
- * Tiles of 2 groups by up to 8 rows (16 accumulators); the first row tile of a call
- * prefetches ahead in each group's stream, up to group g_pf (>= g1: the end of the
- * caller's share; past it lie other threads').
- * Only where td_cpu_bgemm_available() (TD_ASSERT).
+ * summed in the level's order (below); activation row i at (const char *)a + i * lda bytes.
+ * A call's first rows read the groups from memory and prefetch ahead in each group's
+ * stream, up to group g_pf (>= g1: the end of the caller's share; past it lie other
+ * threads'). Pure; no threads inside.
  */
-void td_cpu_bgemm(const void *wp, size_t g0, size_t g1, size_t g_pf, size_t k, const void *a, size_t lda,
-                  size_t m, float *y, size_t ldy);
+typedef void (*td_cpu_bgemm_fn)(const void *wp, size_t g0, size_t g1, size_t g_pf, size_t k, const void *a,
+                                size_t lda, size_t m, float *y, size_t ldy);
+
+/*
+ * Level `isa`'s kernel (`isa` runs on this CPU: TD_ASSERT), NULL below avx512bf16:
+ * - avx512bf16: the header's order, one vdpbf16ps per pair; tiles of 2 groups by up to 8 rows.
+ * - amx (AMX-BF16), k a multiple of 32: the tile unit's TDPBF16PS, one per 32 weights (16
+ *   pairs), from +0.0 in the order of k: the C tile's lane for (i, r) is updated by the
+ *   k / 32 products in turn, so again the bits depend on the row's values and k only (the
+ *   tile unit computes a C row from its A row alone, whatever the tile's row count:
+ *   tests/unit/test_cpu_bgemm.c holds every m and split to the same bits). How the unit
+ *   sums the 16 pairs of a product inside is the CPU's (Intel documents each pair's two
+ *   products added in turn, rounded to nearest even, bf16 denormals read as zero and
+ *   denormal results flushed); the same (k + 2) 2^-24 bound holds in the tests. Other k run
+ *   the avx512bf16 kernel, for every m (a matrix keeps one order).
+ */
+td_cpu_bgemm_fn td_cpu_bgemm_of(td_cpu_isa_t isa);
 
 #endif /* TD_CPU_BGEMM_H */

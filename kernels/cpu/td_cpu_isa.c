@@ -17,8 +17,8 @@
 #include <unistd.h>
 #endif
 
-/* Whether this process may run AMX tile instructions: the CPU has AMX-TILE and AMX-INT8
- * (CPUID leaf 7 EDX bits 24 and 25), the OS saves the tile state (XCR0 bits 17 and 18) and
+/* Whether this process may run AMX tile instructions: the CPU has AMX-TILE, AMX-INT8 and
+ * AMX-BF16 (CPUID leaf 7 EDX bits 24, 25 and 22: every CPU with the first has all three), the OS saves the tile state (XCR0 bits 17 and 18) and
  * Linux grants the process the tile data (arch_prctl ARCH_REQ_XCOMP_PERM, which every
  * process must ask for before its first tile instruction; a VM or kernel that refuses it
  * leaves the level below). Asked once, for the whole process, by isa_detect. */
@@ -26,7 +26,8 @@ static bool amx_usable(void)
 {
 #if defined(__linux__) && defined(__x86_64__)
     unsigned a, b, c, d;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 25)))
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 25)) ||
+        !(d & (1u << 22)))
         return false;
     if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) /* OSXSAVE: xgetbv runs */
         return false;

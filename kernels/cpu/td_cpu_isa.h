@@ -31,8 +31,9 @@ typedef enum td_cpu_isa {
     TD_CPU_ISA_AVX512,      /* the above and AVX-512 F, BW and VL */
     TD_CPU_ISA_AVX512_VNNI, /* the above and AVX-512 VNNI */
     TD_CPU_ISA_AVX512_BF16, /* the above and AVX512_BF16 (cpu:q8's float matmul: td_cpu_bgemm) */
-    TD_CPU_ISA_AMX,         /* the above and AMX-TILE and AMX-INT8, enabled by the OS for this
-                               process (the packed quantized prefill on tiles: td_cpu_pack_avx512.c) */
+    TD_CPU_ISA_AMX,         /* the above and AMX-TILE, AMX-INT8 and AMX-BF16, enabled by the OS
+                               for this process (the packed quantized prefill on tiles:
+                               td_cpu_pack_avx512.c; cpu:q8's float matmul: td_cpu_bgemm.c) */
     TD_CPU_ISA_COUNT,
 } td_cpu_isa_t;
 

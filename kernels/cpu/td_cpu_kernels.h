@@ -19,6 +19,7 @@
 #include <stddef.h>
 
 #include "td_backend.h"
+#include "td_cpu_bgemm.h"
 #include "td_cpu_isa.h"
 #include "td_cpu_pack.h"
 #include "td_cpu_qf32.h"
@@ -61,7 +62,7 @@ typedef struct td_cpu_row_ops {
 typedef struct td_cpu_kernels {
     td_cpu_isa_t isa;
     td_cpu_fmatmul_fn fmatmul;        /* float W */
-    bool bgemm;                       /* td_cpu_bgemm runs (avx512bf16): cpu:q8 packs float W */
+    td_cpu_bgemm_fn bgemm;            /* packed bf16 W (avx512bf16, amx; else NULL): cpu:q8 packs float W */
     const td_cpu_pack_ops_t *pack;    /* packed Q8_0/Q4_0/Q4_1 W, two-byte activations */
     const td_cpu_quant_ops_t *quant;  /* block W as stored (Q4_K, Q6_K), int8 activations */
     const td_cpu_qf32_ops_t *qf32;    /* block W, f32 activations (--device cpu:exact) */

@@ -631,7 +631,7 @@ static td_status_t pmatmuls(td_cpu_t *cpu, const td_matmul_params_t *ps, int cou
     return TD_OK;
 }
 
-/* ---- float W packed to bf16, bf16 activations (td_cpu_bgemm: cpu:q8 at avx512bf16) ------ */
+/* ---- float W packed to bf16, bf16 activations (td_cpu_bgemm: cpu:q8 at avx512bf16, amx) -- */
 
 /* Activation rows per td_cpu_bgemm call in a prefill (its [rows][block * 16] f32 tile: 64 KiB
  * at 16 groups), and the packed W bytes one call's block of groups holds: a block stays in
@@ -684,7 +684,7 @@ static void bmatmul_range(const bmatmul_job_t *jb, const td_matmul_params_t *p, 
         int j = g * TD_CPU_BGEMM_ROWS, nn = TD_MIN(p->n, ge * TD_CPU_BGEMM_ROWS) - j;
         for (int i0 = 0; i0 < p->m; i0 += jb->rows) {
             int mm = TD_MIN(jb->rows, p->m - i0);
-            td_cpu_bgemm(p->w, (size_t)g, (size_t)ge, (size_t)g1, (size_t)p->k, jb->a + (size_t)i0 * jb->stride,
+            jb->cpu->k.bgemm(p->w, (size_t)g, (size_t)ge, (size_t)g1, (size_t)p->k, jb->a + (size_t)i0 * jb->stride,
                          jb->stride, (size_t)mm, tile, (size_t)cols);
             store_tile(p, i0, mm, j, nn, tile, cols);
         }

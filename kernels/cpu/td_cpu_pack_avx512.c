@@ -4,6 +4,8 @@
  */
 #include "td_cpu_pack_impl.h"
 
+#include "td_cpu_amx.h"
+
 #ifdef TD_CPU_PACK_X86
 #define TD_Z __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl")))
 
@@ -366,34 +368,15 @@ const td_cpu_pack_ops_t td_cpu_pack_ops_vnni = {
  *
  * Tiles: A 0 (hi) and 1 (lo); B 2 and 3, C 4 and 6 (lo: 5 and 7) by the unit's parity, and
  * unit x's products are issued before unit x - 1's float step. Each call configures the tiles
- * and releases them at its end (a thread holding tile state makes each context switch save
- * 8 KiB more).
+ * and releases them at its end (td_cpu_amx.h has the instructions).
  */
 #define TD_AMX TD_V
 #define AMX_ROWS 16 /* activation rows a tile */
 
-/* The tile instructions, written out: GCC 12's intrinsics tell the compiler neither that
- * TILELOADD and LDTILECFG read memory nor, for LDTILECFG, how much, so it could leave a
- * store they read (the spread B tile, the configuration) after them. Tile numbers literal. */
-#define AMX_LOAD(tile, base, stride) \
-    __asm__ volatile("tileloadd (%0,%1,1), %%tmm" #tile ::"r"(base), "r"((long)(stride)) : "memory")
-#define AMX_STORE(tile, base, stride) \
-    __asm__ volatile("tilestored %%tmm" #tile ", (%0,%1,1)" ::"r"(base), "r"((long)(stride)) : "memory")
-#define AMX_ZERO(tile) __asm__ volatile("tilezero %%tmm" #tile ::)
-#define AMX_DPBSSD(c, a, b) __asm__ volatile("tdpbssd %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::) /* c += a(s8) b(s8) */
-#define AMX_DPBSUD(c, a, b) __asm__ volatile("tdpbsud %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::) /* c += a(s8) b(u8) */
-
-typedef struct amx_config {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} amx_config_t;
-_Static_assert(sizeof(amx_config_t) == 64, "LDTILECFG reads 64 bytes");
-
 /* kq weights a product: TD_QK, or a Q6_K half's 16 */
 static TD_AMX void amx_configure(int kq)
 {
-    amx_config_t c;
+    td_cpu_amx_config_t c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
     for (int i = 0; i < 2; i++) {
@@ -406,7 +389,7 @@ static TD_AMX void amx_configure(int kq)
         c.rows[i] = AMX_ROWS; /* C: 16 x 16 int32 */
         c.colsb[i] = 4 * ROWS;
     }
-    __asm__ volatile("ldtilecfg (%0)" ::"r"(&c) : "memory");
+    AMX_CONFIGURE(&c);
 }
 
 /* Block b's B tile (8 rows of 64 bytes) spread at dst from the packed quants at q: nibble
@@ -683,7 +666,7 @@ TD_INLINE TD_AMX void kernel_amx(td_dtype_t t, bool one, const void *wp, size_t 
             for (size_t i = 0; i < m16; i += AMX_ROWS)
                 amx_min(t, gq, nb, k, a + i * stride, stride, yg + i * ldy, ldy);
     }
-    __asm__ volatile("tilerelease" ::);
+    AMX_RELEASE();
     if (m16 < m) /* the last m % 16 rows */
         td_cpu_pack_fn_of(&td_cpu_pack_ops_vnni, t, one)(wp, g0, g1, g_pf, k, a + m16 * stride, m - m16,
                                                          y + m16 * ldy, ldy);

@@ -11,14 +11,17 @@
  *    one vdpbf16ps per pair rounds a partial sum at most twice, so an output is within
  *    (k + 2) * 2^-24 * S of it (S = sum |w x| over the rounded values), which the test
  *    allows; every decode tile (m = 1..4), the prefill tile (m >= 5) and its m % 8 tails,
- *    odd group counts (the one-group tail), groups from an offset, strided y.
+ *    odd group counts (the one-group tail), groups from an offset, strided y. At level amx
+ *    too (the tile unit's TDPBF16PS for k % 32 == 0, chunks of 16 rows, pairs of chunks and
+ *    the rows past them), where the CPU runs it: the same bound.
  * 3. Batch invariance: every output the same bits whether its row is computed alone, in
- *    any row grouping, and whichever groups a call takes.
- * 4. Through the backend: cpu:q8 at avx512bf16 packs float weights (the default backend,
+ *    any row grouping, and whichever groups a call takes; at amx for both of its orders.
+ * 4. Through the backend: cpu:q8 at avx512bf16 or amx packs float weights (the default backend,
  *    cpu:q8 at avx512vnni and an odd k do not), its matmul gives the kernel's bits
  *    through the epilogue (bias, accumulate), the same at 1 and 4 threads and row by row;
  *    ops->matmuls of several packed float matrices (one job) gives each one's matmul bits.
- * A CPU without AVX512_BF16 skips 2-4 with a line saying so.
+ * A CPU without AVX512_BF16 skips 2-4 with a line saying so; one without AMX runs 2-3 at
+ * avx512bf16 only.
  */
 #include <criterion/criterion.h>
 #include <math.h>
@@ -62,9 +65,13 @@ static void *xmalloc(size_t bytes)
 
 #define SKIP_WITHOUT_BF16()                                                  \
     do {                                                                     \
-        if (!td_cpu_bgemm_available())                                       \
+        if (!td_cpu_bgemm_of(td_cpu_isa_best()))                             \
             cr_skip_test("skipped: this CPU has no AVX512_BF16");            \
     } while (0)
+
+/* Each level with a kernel that this CPU runs: avx512bf16, and amx where it runs */
+#define FOR_EACH_LEVEL(isa) \
+    for (td_cpu_isa_t isa = TD_CPU_ISA_AVX512_BF16; isa <= td_cpu_isa_best(); isa++)
 
 /* ---- 1. rounding ------------------------------------------------------------------------ */
 
@@ -266,14 +273,15 @@ static float *make_x(size_t m, size_t k, uint64_t *s, unsigned char **a_p, float
     return x;
 }
 
-Test(cpu_bgemm, matches_double_reference, .timeout = 120)
+Test(cpu_bgemm, matches_double_reference, .timeout = 240)
 {
     SKIP_WITHOUT_BF16();
     static const td_dtype_t types[] = {TD_F32, TD_F16, TD_BF16};
-    static const size_t ks[] = {2, 4, 30, 64, 1002, 2048};
-    static const size_t ms[] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 17, 64};
+    static const size_t ks[] = {2, 4, 30, 32, 64, 576, 1002, 2048}; /* amx: k % 32 on the tile unit */
+    static const size_t ms[] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 15, 16, 17, 31, 48, 64}; /* amx: chunks of 16, pairs, tails */
     static const size_t ns[] = {1, 16, 17, 40, 70}; /* 1 to 5 groups */
     uint64_t s = 32;
+    FOR_EACH_LEVEL(isa)
     for (size_t t = 0; t < TD_ARRAY_LEN(types); t++)
         for (size_t ki = 0; ki < TD_ARRAY_LEN(ks); ki++)
             for (size_t ni = 0; ni < TD_ARRAY_LEN(ns); ni++) {
@@ -283,7 +291,7 @@ Test(cpu_bgemm, matches_double_reference, .timeout = 120)
                     size_t m = ms[mi], g0 = groups > 2 ? 1 : 0, ldy = (groups - g0) * 16 + 5;
                     unsigned char *a;
                     float *xr, *x = make_x(m, k, &s, &a, &xr), *y = xmalloc(m * ldy * 4);
-                    td_cpu_bgemm(w.wp, g0, groups, groups, k, a, td_cpu_bgemm_act_stride(k), m, y, ldy);
+                    td_cpu_bgemm_of(isa)(w.wp, g0, groups, groups, k, a, td_cpu_bgemm_act_stride(k), m, y, ldy);
                     for (size_t i = 0; i < m; i++)
                         for (size_t j = g0 * 16; j < n; j++) {
                             double ref = 0, mag = 0;
@@ -293,8 +301,8 @@ Test(cpu_bgemm, matches_double_reference, .timeout = 120)
                             }
                             double tol = ((double)k + 2) * 0x1.0p-24 * mag;
                             float got = y[i * ldy + j - g0 * 16];
-                            cr_assert(fabs(got - ref) <= tol, "%s k %zu m %zu n %zu: y[%zu][%zu] %.9g vs %.9g (tol %.3g)",
-                                      td_dtype_name(types[t]), k, m, n, i, j, (double)got, ref, tol);
+                            cr_assert(fabs(got - ref) <= tol, "%s %s k %zu m %zu n %zu: y[%zu][%zu] %.9g vs %.9g (tol %.3g)",
+                                      td_cpu_isa_name(isa), td_dtype_name(types[t]), k, m, n, i, j, (double)got, ref, tol);
                         }
                     free(x), free(xr), free(a), free(y);
                 }
@@ -305,29 +313,36 @@ Test(cpu_bgemm, matches_double_reference, .timeout = 120)
 Test(cpu_bgemm, batch_invariant, .timeout = 60)
 {
     SKIP_WITHOUT_BF16();
-    static const size_t group[] = {1, 2, 3, 4, 5, 7, 8, 9, 70};
-    const size_t n = 150, m = 70, k = 514, groups = 10, ld = groups * 16;
+    static const size_t group[] = {1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 32, 33, 70};
+    static const size_t ks[] = {514, 1024}; /* amx: the vdpbf16ps order, the tile unit's */
+    const size_t n = 150, m = 70, groups = 10, ld = groups * 16;
     uint64_t s = 41;
-    mat_t w = make_mat(TD_F16, n, k, &s, NULL);
-    unsigned char *a;
-    float *xr, *x = make_x(m, k, &s, &a, &xr);
-    size_t stride = td_cpu_bgemm_act_stride(k);
-    float *whole = xmalloc(m * ld * 4), *part = xmalloc(m * ld * 4);
-    td_cpu_bgemm(w.wp, 0, groups, groups, k, a, stride, m, whole, ld);
-    for (size_t gi = 0; gi < TD_ARRAY_LEN(group); gi++) {
-        memset(part, 0, m * ld * 4);
-        size_t split = 1 + gi % (groups - 1); /* groups [0, split) and [split, groups) */
-        for (size_t i = 0; i < m; i += group[gi]) {
-            size_t mm = TD_MIN(group[gi], m - i);
-            td_cpu_bgemm(w.wp, 0, split, split, k, a + i * stride, stride, mm, part + i * ld, ld);
-            td_cpu_bgemm(w.wp, split, groups, groups, k, a + i * stride, stride, mm, part + i * ld + split * 16, ld);
+    FOR_EACH_LEVEL(isa)
+    for (size_t ki = 0; ki < TD_ARRAY_LEN(ks); ki++) {
+        const size_t k = ks[ki];
+        td_cpu_bgemm_fn bgemm = td_cpu_bgemm_of(isa);
+        mat_t w = make_mat(TD_F16, n, k, &s, NULL);
+        unsigned char *a;
+        float *xr, *x = make_x(m, k, &s, &a, &xr);
+        size_t stride = td_cpu_bgemm_act_stride(k);
+        float *whole = xmalloc(m * ld * 4), *part = xmalloc(m * ld * 4);
+        bgemm(w.wp, 0, groups, groups, k, a, stride, m, whole, ld);
+        for (size_t gi = 0; gi < TD_ARRAY_LEN(group); gi++) {
+            memset(part, 0, m * ld * 4);
+            size_t split = 1 + gi % (groups - 1); /* groups [0, split) and [split, groups) */
+            for (size_t i = 0; i < m; i += group[gi]) {
+                size_t mm = TD_MIN(group[gi], m - i);
+                bgemm(w.wp, 0, split, split, k, a + i * stride, stride, mm, part + i * ld, ld);
+                bgemm(w.wp, split, groups, groups, k, a + i * stride, stride, mm, part + i * ld + split * 16, ld);
+            }
+            for (size_t i = 0; i < m * ld; i++)
+                cr_assert_eq(bits(part[i]), bits(whole[i]),
+                             "%s k %zu: rows in groups of %zu, split at group %zu: y[%zu] %.9g vs %.9g",
+                             td_cpu_isa_name(isa), k, group[gi], split, i, (double)part[i], (double)whole[i]);
         }
-        for (size_t i = 0; i < m * ld; i++)
-            cr_assert_eq(bits(part[i]), bits(whole[i]), "rows in groups of %zu, split at group %zu: y[%zu] %.9g vs %.9g",
-                         group[gi], split, i, (double)part[i], (double)whole[i]);
+        free(whole), free(part), free(x), free(xr), free(a);
+        free_mat(&w);
     }
-    free(whole), free(part), free(x), free(xr), free(a);
-    free_mat(&w);
 }
 
 /* ---- 4. through the backend ------------------------------------------------------------- */
@@ -343,7 +358,7 @@ static td_backend_t *q8_backend(int threads, const char *isa)
 Test(cpu_bgemm, backend_packs_in_q8_only, .timeout = 120)
 {
     SKIP_WITHOUT_BF16();
-    const int n = 70, k = 258, m = 70;
+    const int n = 70, k = 256, m = 70; /* k % 32 == 0: at amx the tile unit's kernel */
     uint64_t s = 4;
     void *stored;
     mat_t w = make_mat(TD_F16, (size_t)n, (size_t)k, &s, &stored);
@@ -373,7 +388,8 @@ Test(cpu_bgemm, backend_packs_in_q8_only, .timeout = 120)
         y0[i] = uniform(&s);
     const int ld = 80;
     float *ref = xmalloc((size_t)m * ld * 4), *y = xmalloc((size_t)m * n * 4), *y4 = xmalloc((size_t)m * n * 4);
-    td_cpu_bgemm(w.wp, 0, 5, 5, (size_t)k, a, td_cpu_bgemm_act_stride((size_t)k), (size_t)m, ref, ld);
+    td_cpu_bgemm_of(td_cpu_isa_best())(w.wp, 0, 5, 5, (size_t)k, a, td_cpu_bgemm_act_stride((size_t)k), (size_t)m,
+                                       ref, ld);
     for (int f = 0; f < 3; f++) { /* plain, bias, accumulate */
         memcpy(y, y0, (size_t)m * n * 4);
         memcpy(y4, y0, (size_t)m * n * 4);
@@ -420,10 +436,11 @@ Test(cpu_bgemm, matmuls_equal_matmul_calls, .timeout = 120)
     SKIP_WITHOUT_BF16();
     static const int threads[] = {1, 2, 4}, ms[] = {1, 3, 5, 70};
     static const td_dtype_t types[3] = {TD_F16, TD_BF16, TD_F32};
-    const int k = 2050, ns[3] = {300, 64, 48}; /* a prefill task is a block of 6 groups: tasks span two matrices */
+    const int ns[3] = {300, 64, 48}; /* a prefill task is a block of 6 or 8 groups: tasks span two matrices */
     uint64_t s = 91;
     for (size_t ti = 0; ti < TD_ARRAY_LEN(threads); ti++)
         for (int stored = 0; stored < 2; stored++) { /* stored: the third matrix not packed */
+            const int k = stored ? 2050 : 2048;      /* amx: the vdpbf16ps kernel, the tile unit's */
             td_backend_t *be = q8_backend(threads[ti], NULL);
             float *x = xmalloc((size_t)70 * k * 4), *bias = xmalloc((size_t)ns[0] * 4);
             for (int i = 0; i < 70 * k; i++)
@@ -466,7 +483,8 @@ Test(cpu_bgemm, matmuls_equal_matmul_calls, .timeout = 120)
                 for (int i = 0; i < 2 + !stored; i++) {
                     size_t groups = ((size_t)ns[i] + 15) / 16, ld = groups * 16;
                     float *kern = xmalloc((size_t)m * ld * 4);
-                    td_cpu_bgemm(wp[i], 0, groups, groups, (size_t)k, act, stride, (size_t)m, kern, ld);
+                    td_cpu_bgemm_of(td_cpu_isa_best())(wp[i], 0, groups, groups, (size_t)k, act, stride, (size_t)m,
+                                                       kern, ld);
                     for (int r = 0; r < m; r++)
                         for (int j = 0; j < ns[i]; j++) {
                             float kv = kern[(size_t)r * ld + (size_t)j];
