@@ -273,13 +273,14 @@ static TD_BF void bgemm_avx512bf16(const void *wp, size_t g0, size_t g1, size_t 
  * and 2 B loads for 4 products (tiles: C 0-3, A 4-5, B 6-7), then the C tiles stored
  * straight into y (a C row is an output row's 16 lanes). Rows past the last 16 run after a
  * configuration of their count; decode's m <= 4 is such a call. The first chunk of a call
- * reads its groups from memory, the later ones find the call's block in L2. No software
- * prefetch: the hardware's streams keep up with the tile loads, and prefetching 2 or 8 KiB
- * ahead in each group's stream, as the vdpbf16ps tile does, read 1B-shape decode (m = 1,
- * 8192 x 2048, one thread) at 24.6 and 19.5 GB/s against 28.4 without.
+ * reads its groups from memory and prefetches BA_AHEAD bytes ahead in each group's stream
+ * (into L2, as the vdpbf16ps tile; decode m = 1 of a 256 MiB matrix, two threads: 20-21
+ * GB/s without, 23-31 at 2 KiB, 23-26 at 4 KiB, 23-33 at 8 KiB); the later chunks find the
+ * call's block in L2.
  */
 #define BA_K 32                                    /* weights a step */
 #define BA_B_BYTES (TD_CPU_BGEMM_ROWS * BA_K * 2)  /* a step's B tile: 1 KiB */
+#define BA_AHEAD 2048 /* bytes ahead in each group's stream the first chunk prefetches */
 
 static TD_BF void ba_configure(int rows)
 {
@@ -296,7 +297,7 @@ static TD_BF void ba_configure(int rows)
 /* C chunks (of the configured rows, 16 lda apart) by R groups (gb apart) over the whole of
  * k; C and R are 1 or 2, constants after inlining (the tile numbers are literal). */
 TD_INLINE TD_BF void ba_tile(int C, int R, const unsigned char *w, size_t gb, const unsigned char *a, size_t lda,
-                             size_t k, float *y, size_t ldy)
+                             size_t k, float *y, size_t ldy, size_t pf)
 {
     const unsigned char *a1 = a + (size_t)16 * lda;
     const long ys = (long)(ldy * sizeof(float));
@@ -310,6 +311,12 @@ TD_INLINE TD_BF void ba_tile(int C, int R, const unsigned char *w, size_t gb, co
     }
     for (size_t e = 0; e < k; e += BA_K) {
         const unsigned char *b0 = w + e / BA_K * BA_B_BYTES, *b1 = b0 + gb;
+        if (pf)
+            for (size_t l = 0; l < BA_B_BYTES; l += 64) {
+                _mm_prefetch((const char *)b0 + pf + l, _MM_HINT_T1);
+                if (R == 2)
+                    _mm_prefetch((const char *)b1 + pf + l, _MM_HINT_T1);
+            }
         AMX_LOAD(6, b0, 64);
         if (R == 2)
             AMX_LOAD(7, b1, 64);
@@ -335,22 +342,25 @@ TD_INLINE TD_BF void ba_tile(int C, int R, const unsigned char *w, size_t gb, co
     }
 }
 
-/* Groups [g0, g1) by C chunks: 2 groups a tile, the odd one alone */
-TD_INLINE TD_BF void ba_groups(int C, const unsigned char *wp, size_t gb, size_t g0, size_t g1,
-                               const unsigned char *a, size_t lda, size_t k, float *y, size_t ldy)
+/* Groups [g0, g1) by C chunks: 2 groups a tile, the odd one alone; the first chunk's tiles
+ * (first) prefetch BA_AHEAD bytes ahead in each group's stream unless that is past group
+ * g_pf (the last group's runs into the next tile's first) */
+TD_INLINE TD_BF void ba_groups(int C, const unsigned char *wp, size_t gb, size_t g0, size_t g1, size_t g_pf,
+                               const unsigned char *a, size_t lda, size_t k, float *y, size_t ldy, bool first)
 {
     size_t g = g0;
     for (; g + 2 <= g1; g += 2) {
+        size_t pf = first && g + 2 < g_pf ? (size_t)BA_AHEAD : 0;
         if (C == 2)
-            ba_tile(2, 2, wp + g * gb, gb, a, lda, k, y + (g - g0) * TD_CPU_BGEMM_ROWS, ldy);
+            ba_tile(2, 2, wp + g * gb, gb, a, lda, k, y + (g - g0) * TD_CPU_BGEMM_ROWS, ldy, pf);
         else
-            ba_tile(1, 2, wp + g * gb, gb, a, lda, k, y + (g - g0) * TD_CPU_BGEMM_ROWS, ldy);
+            ba_tile(1, 2, wp + g * gb, gb, a, lda, k, y + (g - g0) * TD_CPU_BGEMM_ROWS, ldy, pf);
     }
     if (g < g1) {
         if (C == 2)
-            ba_tile(2, 1, wp + g * gb, gb, a, lda, k, y + (g - g0) * TD_CPU_BGEMM_ROWS, ldy);
+            ba_tile(2, 1, wp + g * gb, gb, a, lda, k, y + (g - g0) * TD_CPU_BGEMM_ROWS, ldy, 0);
         else
-            ba_tile(1, 1, wp + g * gb, gb, a, lda, k, y + (g - g0) * TD_CPU_BGEMM_ROWS, ldy);
+            ba_tile(1, 1, wp + g * gb, gb, a, lda, k, y + (g - g0) * TD_CPU_BGEMM_ROWS, ldy, 0);
     }
 }
 
@@ -368,14 +378,14 @@ static TD_BF void bgemm_amx(const void *wp, size_t g0, size_t g1, size_t g_pf, s
         ba_configure(16);
         for (size_t i = 0; i < m16; i += 32) {
             if (i + 32 <= m16)
-                ba_groups(2, wp, gb, g0, g1, a + i * lda, lda, k, y + i * ldy, ldy);
+                ba_groups(2, wp, gb, g0, g1, g_pf, a + i * lda, lda, k, y + i * ldy, ldy, i == 0);
             else
-                ba_groups(1, wp, gb, g0, g1, a + i * lda, lda, k, y + i * ldy, ldy);
+                ba_groups(1, wp, gb, g0, g1, g_pf, a + i * lda, lda, k, y + i * ldy, ldy, i == 0);
         }
     }
     if (m16 < m) {
         ba_configure((int)(m - m16));
-        ba_groups(1, wp, gb, g0, g1, a + m16 * lda, lda, k, y + m16 * ldy, ldy);
+        ba_groups(1, wp, gb, g0, g1, g_pf, a + m16 * lda, lda, k, y + m16 * ldy, ldy, m16 == 0);
     }
     AMX_RELEASE();
 }
