@@ -72,7 +72,9 @@ void td_cpu_bgemm_pack(void *dst, const void *w, td_dtype_t type, size_t n, size
  * reference its tests compare with). */
 void td_cpu_bgemm_pack_c(void *dst, const void *w, td_dtype_t type, size_t n, size_t k);
 
-/* Bytes of one activation row of k values (k even): 2 k rounded up to 64. */
+/* Bytes from one activation row of k values (k even) to the next: 2 k rounded up to 64, and
+ * 64 more when that is a multiple of 4 KiB (16 rows 4 KiB apart, one AMX tile load, would
+ * all fall in one L1 set; docs/kernels.md "cpu:q8 at level amx"). */
 size_t td_cpu_bgemm_act_stride(size_t k);
 
 /* The k f32 values at x rounded to bf16 (td_f32_to_bf16, bit for bit) into the row at a
