@@ -342,26 +342,20 @@ TD_INLINE TD_BF void ba_tile(int C, int R, const unsigned char *w, size_t gb, co
     }
 }
 
-/* Groups [g0, g1) by C chunks: 2 groups a tile, the odd one alone; the first chunk's tiles
- * (first) prefetch BA_AHEAD bytes ahead in each group's stream unless that is past group
- * g_pf (the last group's runs into the next tile's first) */
+/* Groups [g0, g1) by C chunks (1 or 2, a constant after inlining, as ba_tile's): 2 groups
+ * a tile, the odd one alone; the first chunk's tiles (first) prefetch BA_AHEAD bytes ahead
+ * in each group's stream unless that is past group g_pf (the last group's runs into the
+ * next tile's first) */
 TD_INLINE TD_BF void ba_groups(int C, const unsigned char *wp, size_t gb, size_t g0, size_t g1, size_t g_pf,
                                const unsigned char *a, size_t lda, size_t k, float *y, size_t ldy, bool first)
 {
     size_t g = g0;
     for (; g + 2 <= g1; g += 2) {
         size_t pf = first && g + 2 < g_pf ? (size_t)BA_AHEAD : 0;
-        if (C == 2)
-            ba_tile(2, 2, wp + g * gb, gb, a, lda, k, y + (g - g0) * TD_CPU_BGEMM_ROWS, ldy, pf);
-        else
-            ba_tile(1, 2, wp + g * gb, gb, a, lda, k, y + (g - g0) * TD_CPU_BGEMM_ROWS, ldy, pf);
+        ba_tile(C, 2, wp + g * gb, gb, a, lda, k, y + (g - g0) * TD_CPU_BGEMM_ROWS, ldy, pf);
     }
-    if (g < g1) {
-        if (C == 2)
-            ba_tile(2, 1, wp + g * gb, gb, a, lda, k, y + (g - g0) * TD_CPU_BGEMM_ROWS, ldy, 0);
-        else
-            ba_tile(1, 1, wp + g * gb, gb, a, lda, k, y + (g - g0) * TD_CPU_BGEMM_ROWS, ldy, 0);
-    }
+    if (g < g1)
+        ba_tile(C, 1, wp + g * gb, gb, a, lda, k, y + (g - g0) * TD_CPU_BGEMM_ROWS, ldy, 0);
 }
 
 static TD_BF void bgemm_amx(const void *wp, size_t g0, size_t g1, size_t g_pf, size_t k, const void *av,

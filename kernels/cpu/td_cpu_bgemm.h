@@ -2,9 +2,9 @@
  * td_cpu_bgemm: float weights (f32, f16, bf16) repacked at load to bf16, times activations
  * rounded to bf16, with AVX512_BF16's vdpbf16ps (issue 32): the float matmul of
  * --device cpu:q8 (td_cpu_config_t.act_one_byte, the mode that trades precision for
- * llama.cpp's speed) on CPUs with AVX512_BF16 (level avx512bf16, td_cpu_isa.h; at level amx on
- * the tile unit, td_cpu_bgemm_of). The default
- * backend and cpu:exact keep td_cpu_fgemm's f32 sums of the stored values.
+ * llama.cpp's speed) on CPUs with AVX512_BF16 (level avx512bf16, td_cpu_isa.h; at level
+ * amx on the tile unit, td_cpu_bgemm_of). The default backend and cpu:exact keep
+ * td_cpu_fgemm's f32 sums of the stored values.
  *
  * Why. td_cpu_fgemm widens each weight to f32 and runs 16 FMAs a zmm instruction: at the
  * FMA peak that is half of what one vdpbf16ps does (32 products, summed in pairs into 16
@@ -28,9 +28,9 @@
  * The activation row: k bf16 values in order (a pair is one 32-bit word), stride
  * td_cpu_bgemm_act_stride(k) bytes.
  *
- * The sum (the contract; at level amx, td_cpu_bgemm_of says what changes): output y =
- * dot(W row r, X row i) is one f32 lane, starting at +0.0 and updated by one vdpbf16ps per pair, p = 0, 1, ..., k / 2 - 1, in order. No tile
- * splits k, and the lane is the same instruction's in every tile shape, so the bits depend
+ * The sum (the contract; at level amx, td_cpu_bgemm_of says what changes): output
+ * y = dot(W row r, X row i) is one f32 lane, starting at +0.0 and updated by one vdpbf16ps
+ * per pair, p = 0, 1, ..., k / 2 - 1, in order. No tile splits k, and the lane is the same instruction's in every tile shape, so the bits depend
  * on nothing but the row's values and k: not on m, nor on which rows or groups a call
  * computes, nor on threads. The backend stays batch-invariant in this mode. What one
  * vdpbf16ps does to a lane is the CPU's (Intel documents two f32 additions, each rounded
