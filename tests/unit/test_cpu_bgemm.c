@@ -17,7 +17,8 @@
  * 3. Batch invariance: every output the same bits whether its row is computed alone, in
  *    any row grouping, and whichever groups a call takes; at amx for both of its orders.
  * 4. Through the backend: cpu:q8 at avx512bf16 or amx packs float weights (the default backend,
- *    cpu:q8 at avx512vnni and an odd k do not), its matmul gives the kernel's bits
+ *    cpu:q8 at avx512vnni and an odd k do not), its matmul gives its level's kernel's bits
+ *    (TANDEM_CPU_ISA's level when set; a level without the kernel skips 4, saying so)
  *    through the epilogue (bias, accumulate), the same at 1 and 4 threads and row by row;
  *    ops->matmuls of several packed float matrices (one job) gives each one's matmul bits.
  * A CPU without AVX512_BF16 skips 2-4 with a line saying so; one without AMX runs 2-3 at
@@ -281,6 +282,9 @@ Test(cpu_bgemm, matches_double_reference, .timeout = 240)
     static const size_t ms[] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 15, 16, 17, 31, 48, 64}; /* amx: chunks of 16, pairs, tails */
     static const size_t ns[] = {1, 16, 17, 40, 70}; /* 1 to 5 groups */
     uint64_t s = 32;
+    if (td_cpu_isa_best() < TD_CPU_ISA_AMX)
+        cr_log_info("level amx's kernel not run: this CPU's best level is %s (no usable AMX)",
+                    td_cpu_isa_name(td_cpu_isa_best()));
     FOR_EACH_LEVEL(isa)
     for (size_t t = 0; t < TD_ARRAY_LEN(types); t++)
         for (size_t ki = 0; ki < TD_ARRAY_LEN(ks); ki++)
@@ -347,6 +351,19 @@ Test(cpu_bgemm, batch_invariant, .timeout = 60)
 
 /* ---- 4. through the backend ------------------------------------------------------------- */
 
+/* The kernel of the level a backend made with no isa named runs (TANDEM_CPU_ISA, else the
+ * CPU's best): the bits its matmul must give. Skips when that level has none. */
+static td_cpu_bgemm_fn backend_bgemm(void)
+{
+    td_cpu_isa_t isa;
+    cr_assert_eq(td_cpu_isa_choose(NULL, &isa), TD_OK, "%s", td_last_error());
+    td_cpu_bgemm_fn fn = td_cpu_bgemm_of(isa);
+    if (!fn)
+        cr_skip_test("skipped: the CPU backend's level %s has no bf16 matmul (avx512bf16 and above)",
+                     td_cpu_isa_name(isa));
+    return fn;
+}
+
 static td_backend_t *q8_backend(int threads, const char *isa)
 {
     td_backend_t *be = NULL;
@@ -357,13 +374,13 @@ static td_backend_t *q8_backend(int threads, const char *isa)
 
 Test(cpu_bgemm, backend_packs_in_q8_only, .timeout = 120)
 {
-    SKIP_WITHOUT_BF16();
+    td_cpu_bgemm_fn bgemm = backend_bgemm();
     const int n = 70, k = 256, m = 70; /* k % 32 == 0: at amx the tile unit's kernel */
     uint64_t s = 4;
     void *stored;
     mat_t w = make_mat(TD_F16, (size_t)n, (size_t)k, &s, &stored);
     td_backend_t *q8 = q8_backend(1, NULL), *q8_4 = q8_backend(4, NULL), *vnni = q8_backend(1, "avx512vnni"), *def = NULL;
-    const char *q8_isa = td_backend_cpu_isa(q8); /* the best level: avx512bf16, or amx above it */
+    const char *q8_isa = td_backend_cpu_isa(q8); /* avx512bf16, or amx above it */
     cr_assert(!strcmp(q8_isa, "avx512bf16") || !strcmp(q8_isa, "amx"), "%s", q8_isa);
     cr_assert_eq(td_backend_cpu_create(&(td_cpu_config_t){.n_threads = 1}, &def), TD_OK);
     void *wp = NULL, *none = (void *)1;
@@ -388,8 +405,7 @@ Test(cpu_bgemm, backend_packs_in_q8_only, .timeout = 120)
         y0[i] = uniform(&s);
     const int ld = 80;
     float *ref = xmalloc((size_t)m * ld * 4), *y = xmalloc((size_t)m * n * 4), *y4 = xmalloc((size_t)m * n * 4);
-    td_cpu_bgemm_of(td_cpu_isa_best())(w.wp, 0, 5, 5, (size_t)k, a, td_cpu_bgemm_act_stride((size_t)k), (size_t)m,
-                                       ref, ld);
+    bgemm(w.wp, 0, 5, 5, (size_t)k, a, td_cpu_bgemm_act_stride((size_t)k), (size_t)m, ref, ld);
     for (int f = 0; f < 3; f++) { /* plain, bias, accumulate */
         memcpy(y, y0, (size_t)m * n * 4);
         memcpy(y4, y0, (size_t)m * n * 4);
@@ -433,7 +449,7 @@ Test(cpu_bgemm, backend_packs_in_q8_only, .timeout = 120)
  */
 Test(cpu_bgemm, matmuls_equal_matmul_calls, .timeout = 120)
 {
-    SKIP_WITHOUT_BF16();
+    td_cpu_bgemm_fn bgemm = backend_bgemm();
     static const int threads[] = {1, 2, 4}, ms[] = {1, 3, 5, 70};
     static const td_dtype_t types[3] = {TD_F16, TD_BF16, TD_F32};
     const int ns[3] = {300, 64, 48}; /* a prefill task is a block of 6 or 8 groups: tasks span two matrices */
@@ -483,8 +499,7 @@ Test(cpu_bgemm, matmuls_equal_matmul_calls, .timeout = 120)
                 for (int i = 0; i < 2 + !stored; i++) {
                     size_t groups = ((size_t)ns[i] + 15) / 16, ld = groups * 16;
                     float *kern = xmalloc((size_t)m * ld * 4);
-                    td_cpu_bgemm_of(td_cpu_isa_best())(wp[i], 0, groups, groups, (size_t)k, act, stride, (size_t)m,
-                                                       kern, ld);
+                    bgemm(wp[i], 0, groups, groups, (size_t)k, act, stride, (size_t)m, kern, ld);
                     for (int r = 0; r < m; r++)
                         for (int j = 0; j < ns[i]; j++) {
                             float kv = kern[(size_t)r * ld + (size_t)j];
